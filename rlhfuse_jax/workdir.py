@@ -1,0 +1,83 @@
+"""Side effects at the edge: writing what a binary produces into its workdir.
+
+Every binary writes the resolved config, a `metrics.jsonl` or a `result.json`, and figures.
+Writes are atomic (write to a temporary file in the same directory, then `os.replace`), so a
+killed process never leaves a half-written file behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Mapping
+
+import numpy as np
+
+
+def _to_jsonable(x: Any) -> Any:
+  """Converts numpy / jax scalars and arrays (and nested containers) into plain JSON values."""
+  if isinstance(x, Mapping):
+    return {str(k): _to_jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_to_jsonable(v) for v in x]
+  if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
+    return np.asarray(x).tolist()
+  if isinstance(x, float) and (np.isnan(x) or np.isinf(x)):
+    return None if np.isnan(x) else (1e308 if x > 0 else -1e308)
+  return x
+
+
+def atomic_write_text(path: str, text: str) -> None:
+  """Writes `text` to `path` atomically (same-directory temp file + os.replace)."""
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_", suffix=os.path.basename(path))
+  try:
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def write_json(path: str, obj: Any) -> None:
+  """Writes `obj` as indented JSON, atomically."""
+  atomic_write_text(path, json.dumps(_to_jsonable(obj), indent=2, sort_keys=False) + "\n")
+
+
+def write_config(workdir: str, config: Any) -> None:
+  """Writes the resolved config (an ml_collections ConfigDict or a mapping) to workdir/config.json."""
+  as_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  write_json(os.path.join(workdir, "config.json"), as_dict)
+
+
+def append_jsonl(path: str, record: Mapping[str, Any]) -> None:
+  """Appends one JSON object as one line (flushed and fsynced: a crash loses at most this line)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "a") as f:
+    f.write(json.dumps(_to_jsonable(record)) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def read_jsonl(path: str) -> list[dict]:
+  """Reads a JSONL file written by `append_jsonl`; a torn last line (crash mid-write) is dropped."""
+  if not os.path.exists(path):
+    return []
+  out = []
+  with open(path) as f:
+    lines = f.read().split("\n")
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      out.append(json.loads(line))
+    except json.JSONDecodeError:
+      if i >= len(lines) - 2:  # only the last line can be torn
+        break
+      raise ValueError(f"{path}:{i + 1}: malformed JSON line")
+  return out
