@@ -1,0 +1,309 @@
+"""LLaMA-family decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) in flax linen.
+
+One backbone serves the four RLHF roles: the actor and the reference use the language-model head
+(`head="lm"`), the critic and the reward model a scalar head (`head="scalar"`).
+
+Sequences are stored contiguously: prompt tokens at positions 0..p-1, response tokens from p on.
+The KV cache is explicit (not a flax collection) so that generation can donate it, and so that the
+inter-stage fusion can gather/scatter a sample's cache rows between instances:
+
+  cache.k, cache.v: [layers, batch, max_len, kv_heads, head_dim]
+
+A forward pass with a cache writes the new keys/values of row b at positions
+positions[b, 0] .. positions[b, 0] + L - 1 (each row has its own offset), then lets query position
+t attend to cached keys at positions <= t. Right-padded prompts therefore need no padding mask:
+a real token only ever sees real tokens before it, and the padding slots behind a prompt are
+overwritten by decode before any query can reach them.
+
+Parameters carry logical axis names (`embed`, `vocab`, `q_heads`, `kv_heads`, `mlp`) that
+`rlhfuse_jax.parallel.mesh` maps onto the mesh axes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+HEADS = ("lm", "scalar")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of a LLaMA/Qwen2-style decoder."""
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int = 0  # 0: hidden_size // num_heads
+  rope_theta: float = 10000.0
+  rms_norm_eps: float = 1e-6
+  tie_embeddings: bool = False
+  qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections
+  o_bias: bool = False
+  max_seq_len: int = 2048
+  param_dtype: str = "float32"
+  dtype: str = "float32"  # compute dtype; norms, softmax and heads run in float32
+  head: str = "lm"  # "lm" (actor, reference) or "scalar" (critic, reward model)
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "max_seq_len"):
+      if int(getattr(self, name)) <= 0:
+        raise ValueError(f"model.{name}={getattr(self, name)} must be a positive integer")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
+                       f"model.num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+    if self.head_dim == 0 and self.hidden_size % self.num_heads:
+      raise ValueError(f"model.hidden_size={self.hidden_size} must be divisible by "
+                       f"model.num_heads={self.num_heads} when model.head_dim is 0")
+    if self.head_dim_ % 2:
+      raise ValueError(f"model.head_dim={self.head_dim_} must be even (RoPE rotates pairs)")
+    for name in ("param_dtype", "dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"model.{name}={getattr(self, name)!r}; expected one of {list(_DTYPES)}")
+    if self.head not in HEADS:
+      raise ValueError(f"model.head={self.head!r}; expected one of {HEADS}")
+
+  @property
+  def head_dim_(self) -> int:
+    return self.head_dim or self.hidden_size // self.num_heads
+
+  @property
+  def jnp_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def jnp_param_dtype(self):
+    return _DTYPES[self.param_dtype]
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+  def num_params(self) -> int:
+    """Parameter count (used for FLOP estimates and the simulator)."""
+    e, f, d = self.hidden_size, self.intermediate_size, self.head_dim_
+    attn = e * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * e
+    if self.qkv_bias:
+      attn += d * (self.num_heads + 2 * self.num_kv_heads)
+    layer = attn + 3 * e * f + 2 * e
+    embed = self.vocab_size * e
+    head = 0 if (self.tie_embeddings and self.head == "lm") else (
+        self.vocab_size * e if self.head == "lm" else e + 1)
+    return self.num_layers * layer + embed + head + e
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Per-row key/value cache. k, v: [layers, batch, max_len, kv_heads, head_dim]."""
+  k: jax.Array
+  v: jax.Array
+
+  @classmethod
+  def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim_)
+    dtype = dtype or cfg.jnp_dtype
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  def nbytes_per_token(self) -> int:
+    """Bytes one cached token of one row occupies (keys and values, all layers)."""
+    layers, _, _, kv, d = self.k.shape
+    return 2 * layers * kv * d * self.k.dtype.itemsize
+
+
+def _dense(features, logical, cfg: ModelConfig, name: str, use_bias: bool = False):
+  return nn.Dense(
+      features, use_bias=use_bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
+      kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), logical),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, logical[-1:]),
+      name=name)
+
+
+class RMSNorm(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):  # x: [..., embed]
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                       (x.shape[-1],), self.cfg.jnp_param_dtype)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
+    return (y * scale.astype(jnp.float32)).astype(self.cfg.jnp_dtype)
+
+
+def rope(x, positions, theta: float):
+  """Rotary embedding, HF "rotate_half" layout. x: [batch, len, heads, dim]; positions: [batch, len]."""
+  d = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [dim/2]
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, len, dim/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [batch, len, 1, dim]
+  x32 = x.astype(jnp.float32)
+  rotated = jnp.concatenate([-x32[..., d // 2:], x32[..., :d // 2]], axis=-1)
+  return (x32 * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
+
+
+def _write_rows(cache_layer, new, start):
+  """Writes new[b] into cache_layer[b] at position start[b].
+
+  cache_layer: [batch, max_len, kv, dim]; new: [batch, len, kv, dim]; start: [batch].
+  """
+  def one(c, n, s):
+    return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s, 0, 0))
+  return jax.vmap(one)(cache_layer, new, start)
+
+
+class Attention(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, cache_kv=None):
+    """x: [batch, len, embed]; positions: [batch, len]; cache_kv: (k, v) each
+    [batch, max_len, kv_heads, head_dim] or None. Returns (out, new cache_kv)."""
+    cfg = self.cfg
+    b, l, _ = x.shape
+    h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_
+    q = _dense(h * d, ("embed", "q_heads"), cfg, "q_proj", cfg.qkv_bias)(x).reshape(b, l, h, d)
+    k = _dense(kvh * d, ("embed", "kv_heads"), cfg, "k_proj", cfg.qkv_bias)(x).reshape(b, l, kvh, d)
+    v = _dense(kvh * d, ("embed", "kv_heads"), cfg, "v_proj", cfg.qkv_bias)(x).reshape(b, l, kvh, d)
+    q = rope(q, positions, cfg.rope_theta)
+    k = rope(k, positions, cfg.rope_theta)
+    if cache_kv is None:
+      keys, values, key_pos = k, v, positions  # key_pos: [batch, len]
+    else:
+      keys = _write_rows(cache_kv[0], k, positions[:, 0])  # [batch, max_len, kv, dim]
+      values = _write_rows(cache_kv[1], v, positions[:, 0])
+      key_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
+      cache_kv = (keys, values)
+    g = h // kvh
+    q = q.reshape(b, l, kvh, g, d)
+    scores = jnp.einsum("blkgd,bskd->bkgls", q, keys.astype(q.dtype)).astype(jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(d))
+    causal = key_pos[:, None, :] <= positions[:, :, None]  # [batch, len, keys]
+    scores = jnp.where(causal[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cfg.jnp_dtype)
+    out = jnp.einsum("bkgls,bskd->blkgd", probs, values.astype(cfg.jnp_dtype)).reshape(b, l, h * d)
+    out = _dense(cfg.hidden_size, ("q_heads", "embed"), cfg, "o_proj", cfg.o_bias)(out)
+    return out, cache_kv
+
+
+class MLP(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.cfg
+    gate = _dense(cfg.intermediate_size, ("embed", "mlp"), cfg, "gate_proj")(x)
+    up = _dense(cfg.intermediate_size, ("embed", "mlp"), cfg, "up_proj")(x)
+    return _dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down_proj")(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+  """One decoder layer (pre-norm attention + pre-norm SwiGLU MLP)."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, cache_kv=None):
+    attn_out, cache_kv = Attention(self.cfg, name="attn")(
+        RMSNorm(self.cfg, name="attn_norm")(x), positions, cache_kv)
+    x = x + attn_out
+    x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
+    return x, cache_kv
+
+
+class Embed(nn.Module):
+  cfg: ModelConfig
+
+  def setup(self):
+    self.embedding = self.param(
+        "embedding", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
+        (self.cfg.vocab_size, self.cfg.hidden_size), self.cfg.jnp_param_dtype)
+
+  def __call__(self, tokens):  # [batch, len] -> [batch, len, embed]
+    return jnp.take(self.embedding, tokens, axis=0).astype(self.cfg.jnp_dtype)
+
+  def attend(self, x):  # tied LM head: [batch, len, embed] -> [batch, len, vocab]
+    return jnp.einsum("ble,ve->blv", x.astype(jnp.float32), self.embedding.astype(jnp.float32))
+
+
+class Head(nn.Module):
+  """Final norm + LM head (float32 logits [batch, len, vocab]) or scalar head ([batch, len])."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, embed: Optional[Embed] = None):
+    cfg = self.cfg
+    x = RMSNorm(cfg, name="final_norm")(x)
+    if cfg.head == "scalar":
+      w = self.param("value_head", nn.with_logical_partitioning(
+          nn.initializers.normal(0.02), ("embed", None)), (cfg.hidden_size, 1),
+                     cfg.jnp_param_dtype)
+      b = self.param("value_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+                     (1,), cfg.jnp_param_dtype)
+      return (x.astype(jnp.float32) @ w.astype(jnp.float32) + b.astype(jnp.float32))[..., 0]
+    if cfg.tie_embeddings:
+      return embed.attend(x)
+    w = self.param("lm_head", nn.with_logical_partitioning(
+        nn.initializers.normal(0.02), ("embed", "vocab")), (cfg.hidden_size, cfg.vocab_size),
+                   cfg.jnp_param_dtype)
+    return x.astype(jnp.float32) @ w.astype(jnp.float32)
+
+
+class Transformer(nn.Module):
+  """The whole decoder. Param tree: embed, layers_0..layers_{n-1}, head."""
+  cfg: ModelConfig
+
+  def setup(self):
+    self.embed = Embed(self.cfg)
+    self.layers = [Block(self.cfg) for _ in range(self.cfg.num_layers)]
+    self.head = Head(self.cfg)
+
+  def __call__(self, tokens, positions=None, cache: Optional[KVCache] = None):
+    """tokens: [batch, len] int32; positions: [batch, len] (default 0..len-1).
+
+    Returns (out, cache): out is float32 logits [batch, len, vocab] for head="lm", values
+    [batch, len] for head="scalar"; cache is the updated KVCache (None if none was given).
+    """
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    x = self.embed(tokens)
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+      x, layer_cache = layer(x, positions, layer_cache)
+      if cache is not None:
+        new_k.append(layer_cache[0])
+        new_v.append(layer_cache[1])
+    out = self.head(x, self.embed)
+    if cache is not None:
+      cache = KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v))
+    return out, cache
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> tuple[Any, Any]:
+  """Returns (params, logical_specs): params as plain arrays, logical axis names per leaf."""
+  model = Transformer(cfg)
+  tokens = jnp.zeros((1, 2), jnp.int32)
+  boxed = model.init(rng, tokens)["params"]
+  return nn.unbox(boxed), nn.get_partition_spec(boxed)
+
+
+def logical_specs(cfg: ModelConfig) -> Any:
+  """Logical axis names of every parameter, without allocating the parameters."""
+  boxed = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0),
+                                                       jnp.zeros((1, 2), jnp.int32))["params"])
+  return nn.get_partition_spec(boxed)
+
+
+def apply(cfg: ModelConfig, params, tokens, positions=None, cache: Optional[KVCache] = None):
+  """Functional forward: see Transformer.__call__."""
+  return Transformer(cfg).apply({"params": params}, tokens, positions, cache)
