@@ -1,0 +1,127 @@
+"""Device meshes and the mapping of logical parameter/activation axes onto them.
+
+Mesh axes (in this order): `data` (pure data parallel), `fsdp` (data parallel with parameters
+sharded along `embed`), `stage` (pipeline), `tensor` (Megatron-style tensor parallel). A mesh is
+built from a `MeshConfig`; -1 in one field takes the remaining devices.
+
+Parameters carry logical names (see models/llama.py); `LOGICAL_RULES` maps each onto mesh axes.
+A dimension that the mapped mesh axis does not divide (e.g. 2 KV heads on tensor=4) is replicated
+instead of failing, and the fallback is logged once: correctness never depends on the sharding.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "stage", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the global batch is split over both data-parallel axes
+
+# logical axis -> mesh axis (None: replicated).
+LOGICAL_RULES = {
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "q_heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "norm": None,
+    "batch": BATCH_AXES,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = -1  # -1: all devices left after the other axes
+  fsdp: int = 1
+  stage: int = 1
+  tensor: int = 1
+
+  def __post_init__(self):
+    sizes = dataclasses.asdict(self)
+    if sum(v == -1 for v in sizes.values()) > 1:
+      raise ValueError(f"mesh: at most one axis may be -1 (take the rest); got {sizes}")
+    for k, v in sizes.items():
+      if v != -1 and v < 1:
+        raise ValueError(f"mesh.{k}={v}; expected a positive size or -1")
+
+  def resolve(self, num_devices: int) -> dict[str, int]:
+    """Axis sizes for `num_devices`, with a clear error when they do not factor."""
+    sizes = dataclasses.asdict(self)
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    free = [k for k, v in sizes.items() if v == -1]
+    if free:
+      if num_devices % fixed:
+        raise ValueError(
+            f"mesh: {num_devices} devices cannot be split as {sizes}: the fixed axes take "
+            f"{fixed} devices, which does not divide {num_devices}")
+      sizes[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+      raise ValueError(f"mesh: axes {sizes} multiply to {fixed} devices but {num_devices} are "
+                       f"available; set one axis to -1 or make the product {num_devices}")
+    return sizes
+
+
+def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """Builds a mesh with axes MESH_AXES (Auto axis types: classic GSPMD/shard_map semantics)."""
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = cfg.resolve(len(devices))
+  shape = tuple(sizes[a] for a in MESH_AXES)
+  dev_array = np.asarray(devices, dtype=object).reshape(shape)
+  return Mesh(dev_array, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def batch_size_multiple(mesh: Mesh) -> int:
+  """The global batch must be a multiple of this to be split over the data axes."""
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+  """Sharding of an array whose leading dim is the batch: split over (data, fsdp), rest replicated."""
+  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+_warned: set = set()
+
+
+def _mesh_spec(logical: P, shape: Sequence[int], mesh: Mesh, where: str) -> P:
+  out = []
+  for dim, name in zip(shape, tuple(logical) + (None,) * (len(shape) - len(logical))):
+    axis = LOGICAL_RULES.get(name) if name is not None else None
+    if name is not None and name not in LOGICAL_RULES:
+      raise KeyError(f"logical axis {name!r} of {where} has no rule; known: {list(LOGICAL_RULES)}")
+    if axis is not None:
+      size = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+      if dim % size:
+        key = (where, name, size)
+        if key not in _warned:
+          _warned.add(key)
+          logging.info("replicating %s dim %d (%s): not divisible by mesh size %d", where, dim,
+                       name, size)
+        axis = None
+    out.append(axis)
+  return P(*out)
+
+
+def param_shardings(params: Any, logical_specs: Any, mesh: Mesh) -> Any:
+  """NamedSharding per parameter leaf, from its logical spec and shape."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  spec_leaves = treedef.flatten_up_to(logical_specs)
+  out = []
+  for (path, leaf), spec in zip(leaves, spec_leaves):
+    where = jax.tree_util.keystr(path)
+    out.append(NamedSharding(mesh, _mesh_spec(spec, np.shape(leaf), mesh, where)))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def shard_params(params: Any, logical_specs: Any, mesh: Mesh) -> Any:
+  """Places parameters onto the mesh according to the logical rules."""
+  return jax.device_put(params, param_shardings(params, logical_specs, mesh))
