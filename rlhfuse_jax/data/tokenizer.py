@@ -1,0 +1,199 @@
+"""Tokenizers: one small interface for real (HF `tokenizer.json`) and synthetic-task vocabularies.
+
+The trainer, generation and reward code only need text <-> ids and the special ids (BOS, EOS,
+PAD), so everything speaks the `Tokenizer` interface below. `HFTokenizer` wraps a
+`tokenizers.Tokenizer` (the Rust library HF models ship with); it is built either from a
+`tokenizer.json` file (special tokens resolved from an optional `tokenizer_config.json` next to
+it) or directly from an in-memory `tokenizers.Tokenizer` (the synthetic tasks' vocabularies).
+
+BOS handling is explicit: `encode` never runs the library's post-processor (whose templates
+differ between model families) and prepends `bos_id` itself when `add_bos` is set.
+"""
+from __future__ import annotations
+
+import abc
+import json
+import os
+from typing import Any, Optional, Sequence
+
+import tokenizers
+
+# Tried in order when neither the caller nor tokenizer_config.json names a special token.
+_EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>",
+                   "[SEP]")
+_BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
+_PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]")
+
+
+class Tokenizer(abc.ABC):
+  """Text <-> token ids plus the special ids the RL loop needs.
+
+  Attributes:
+    vocab_size: number of ids the tokenizer can produce (a model's embedding may be larger).
+    bos_id: id prepended to every prompt by `encode(..., add_bos=True)`; None if the vocabulary
+      has no BOS token.
+    eos_id: id that ends a response (generation stops on it).
+    pad_id: id used to fill padded positions (never attended to; may equal eos_id).
+  """
+  vocab_size: int
+  bos_id: Optional[int]
+  eos_id: int
+  pad_id: int
+
+  @abc.abstractmethod
+  def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]:
+    """Token ids of `text`; BOS prepended when `add_bos` (default: the tokenizer's own setting)."""
+
+  @abc.abstractmethod
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """Text of `ids` (special tokens such as EOS and PAD dropped unless asked for)."""
+
+  def encode_batch(self, texts: Sequence[str], add_bos: Optional[bool] = None) -> list[list[int]]:
+    """`encode` over many texts (subclasses may do this in parallel)."""
+    return [self.encode(t, add_bos=add_bos) for t in texts]
+
+
+class HFTokenizer(Tokenizer):
+  """A `tokenizers.Tokenizer` with explicit special ids (see the module docstring)."""
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer, *, eos_id: int, pad_id: Optional[int] = None,
+               bos_id: Optional[int] = None, add_bos: Optional[bool] = None, name: str = "tokenizer"):
+    """Wraps `tokenizer`.
+
+    Args:
+      tokenizer: the library tokenizer.
+      eos_id: end-of-sequence id (required: generation must be able to stop).
+      pad_id: padding id; defaults to `eos_id` (padded positions are masked, so any id works, and
+        many LLaMA-family vocabularies have no pad token).
+      bos_id: beginning-of-sequence id, or None.
+      add_bos: whether `encode` prepends BOS by default; defaults to `bos_id is not None`.
+      name: how errors refer to this tokenizer (e.g. the file it came from).
+    """
+    self._tok = tokenizer
+    self.name = name
+    self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+    for field, value in (("eos_id", eos_id), ("pad_id", pad_id), ("bos_id", bos_id)):
+      if value is not None and not 0 <= int(value) < self.vocab_size:
+        raise ValueError(f"{name}: {field}={value} is outside the vocabulary "
+                         f"[0, {self.vocab_size})")
+    self.eos_id = int(eos_id)
+    self.pad_id = self.eos_id if pad_id is None else int(pad_id)
+    self.bos_id = None if bos_id is None else int(bos_id)
+    if add_bos and self.bos_id is None:
+      raise ValueError(f"{name}: add_bos=True but the tokenizer has no bos_id")
+    self.add_bos = (self.bos_id is not None) if add_bos is None else bool(add_bos)
+
+  @property
+  def backend(self) -> tokenizers.Tokenizer:
+    """The wrapped `tokenizers.Tokenizer`."""
+    return self._tok
+
+  def token_to_id(self, token: str) -> Optional[int]:
+    return self._tok.token_to_id(token)
+
+  def id_to_token(self, idx: int) -> Optional[str]:
+    return self._tok.id_to_token(int(idx))
+
+  def _with_bos(self, ids: list[int], add_bos: Optional[bool]) -> list[int]:
+    add = self.add_bos if add_bos is None else add_bos
+    if add:
+      if self.bos_id is None:
+        raise ValueError(f"{self.name}: add_bos=True but the tokenizer has no bos_id")
+      return [self.bos_id] + ids
+    return ids
+
+  def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]:
+    try:
+      ids = self._tok.encode(text, add_special_tokens=False).ids
+    except Exception as e:  # the Rust library raises a bare Exception (e.g. an unknown word)
+      raise ValueError(f"{self.name}: cannot encode {text!r}: {e}") from e
+    return self._with_bos(list(ids), add_bos)
+
+  def encode_batch(self, texts: Sequence[str], add_bos: Optional[bool] = None) -> list[list[int]]:
+    try:
+      encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
+    except Exception:
+      # Re-run one by one so that the error names the offending text.
+      return [self.encode(t, add_bos=add_bos) for t in texts]
+    return [self._with_bos(list(e.ids), add_bos) for e in encodings]
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  @classmethod
+  def from_file(cls, path: str, *, eos_token: Optional[str] = None,
+                bos_token: Optional[str] = None, pad_token: Optional[str] = None,
+                add_bos: Optional[bool] = None) -> "HFTokenizer":
+    """Loads `tokenizer.json` (or a directory holding one).
+
+    Special tokens are resolved, per token, from (1) the explicit argument, (2) the
+    `tokenizer_config.json` next to the file (`bos_token`, `eos_token`, `pad_token`,
+    `add_bos_token`, as HF writes them), (3) well-known names among the vocabulary's added
+    tokens. EOS must resolve; PAD falls back to EOS; BOS may stay None. A token set to null in
+    tokenizer_config.json (e.g. Qwen2's `bos_token`) counts as absent and is not guessed.
+    """
+    if os.path.isdir(path):
+      path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"tokenizer file not found: {path}")
+    try:
+      tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # malformed JSON or an unknown model type
+      raise ValueError(f"{path}: not a valid tokenizer.json ({e})") from e
+
+    config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    config = _read_tokenizer_config(config_path)
+    added = {t.content for t in tok.get_added_tokens_decoder().values()}
+
+    def resolve(kind: str, explicit: Optional[str], candidates: Sequence[str]) -> Optional[int]:
+      source = "argument"
+      if explicit is not None:
+        token = explicit
+      elif config is not None and f"{kind}_token" in config:
+        try:
+          token, source = _token_content(config[f"{kind}_token"]), config_path
+        except ValueError as e:
+          raise ValueError(f"{config_path}: {kind}_token: {e}") from e
+        if token is None:
+          return None
+      else:
+        token = next((c for c in candidates if c in added or tok.token_to_id(c) is not None), None)
+        if token is None:
+          return None
+      idx = tok.token_to_id(token)
+      if idx is None:
+        raise ValueError(f"{path}: {kind}_token={token!r} (from {source}) is not in the vocabulary")
+      return idx
+
+    eos_id = resolve("eos", eos_token, _EOS_CANDIDATES)
+    if eos_id is None:
+      raise ValueError(f"{path}: cannot find an EOS token (no eos_token in tokenizer_config.json "
+                       f"and none of {list(_EOS_CANDIDATES)} in the vocabulary); pass eos_token=")
+    bos_id = resolve("bos", bos_token, _BOS_CANDIDATES)
+    pad_id = resolve("pad", pad_token, _PAD_CANDIDATES)
+    if add_bos is None and config is not None and config.get("add_bos_token") is not None:
+      add_bos = bool(config["add_bos_token"]) and bos_id is not None
+    return cls(tok, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, add_bos=add_bos, name=path)
+
+
+def _read_tokenizer_config(path: str) -> Optional[dict[str, Any]]:
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path) as f:
+      config = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path}: not a valid tokenizer_config.json ({e})") from e
+  if not isinstance(config, dict):
+    raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+  return config
+
+
+def _token_content(value: Any) -> Optional[str]:
+  """HF writes a special token either as a string or as an AddedToken dict with 'content'."""
+  if value is None or isinstance(value, str):
+    return value
+  if isinstance(value, dict) and isinstance(value.get("content"), str):
+    return value["content"]
+  raise ValueError(f"unexpected special-token entry {value!r}: expected a string, null or "
+                   "{'content': ...}")

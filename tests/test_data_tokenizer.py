@@ -1,0 +1,120 @@
+"""HFTokenizer on a tiny byte-level BPE that the test trains itself (no network, no fixture)."""
+import json
+import os
+
+import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
+
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "reinforcement learning from human feedback trains a policy",
+    "the critic predicts the value of each token",
+    "pipelines have bubbles; fusion fills them",
+] * 4
+
+
+def _train_bpe(directory, specials=("<s>", "</s>", "<pad>")):
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials),
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(_CORPUS, trainer=trainer)
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, "tokenizer.json")
+  tok.save(path)
+  return path
+
+
+def _write_config(directory, **config):
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f)
+
+
+def test_round_trip_and_special_ids_guessed_from_vocabulary(tmp_path):
+  path = _train_bpe(str(tmp_path))
+  tok = HFTokenizer.from_file(path)
+  assert isinstance(tok, Tokenizer)
+  backend = tokenizers.Tokenizer.from_file(path)
+  assert tok.bos_id == backend.token_to_id("<s>")
+  assert tok.eos_id == backend.token_to_id("</s>")
+  assert tok.pad_id == backend.token_to_id("<pad>")
+  assert tok.vocab_size == backend.get_vocab_size()
+  for text in ["the quick brown fox", "fusion fills bubbles!", "unseen wörds ünïcode 123 \t x"]:
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_id  # a BOS token exists and no config says otherwise
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode(ids) == text
+    assert tok.decode(ids + [tok.eos_id, tok.pad_id]) == text  # specials skipped
+    assert tok.encode(text, add_bos=False) == ids[1:]
+  texts = ["the dog", "a policy", ""]
+  assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+  # Trained merges make common words shorter than their byte count.
+  assert len(tok.encode("the", add_bos=False)) == 1
+
+
+def test_config_file_overrides_and_explicit_arguments(tmp_path):
+  path = _train_bpe(str(tmp_path))
+  # HF writes tokens either as strings or as AddedToken dicts; null means "no such token".
+  _write_config(str(tmp_path), bos_token=None, eos_token={"content": "<pad>"}, pad_token="</s>")
+  tok = HFTokenizer.from_file(str(tmp_path))  # a directory works too
+  backend = tok.backend
+  assert tok.bos_id is None and not tok.add_bos
+  assert tok.eos_id == backend.token_to_id("<pad>")
+  assert tok.pad_id == backend.token_to_id("</s>")
+  assert tok.encode("the dog")[0] != backend.token_to_id("<s>")
+
+  tok = HFTokenizer.from_file(path, eos_token="</s>", bos_token="<s>", add_bos=False)
+  assert tok.eos_id == backend.token_to_id("</s>") and tok.bos_id == backend.token_to_id("<s>")
+  assert tok.encode("dog") == tok.encode("dog", add_bos=False)
+
+  _write_config(str(tmp_path), bos_token="<s>", eos_token="</s>", add_bos_token=False)
+  tok = HFTokenizer.from_file(path)
+  assert tok.bos_id is not None and not tok.add_bos
+  assert tok.pad_id == tok.backend.token_to_id("<pad>")  # not in config: guessed
+
+
+def test_pad_falls_back_to_eos(tmp_path):
+  path = _train_bpe(str(tmp_path), specials=("<|endoftext|>",))
+  tok = HFTokenizer.from_file(path)
+  assert tok.eos_id == tok.backend.token_to_id("<|endoftext|>")
+  assert tok.pad_id == tok.eos_id
+  assert tok.bos_id is None and tok.encode("dog") == tok.encode("dog", add_bos=False)
+
+
+def test_missing_and_malformed_files_name_the_path(tmp_path):
+  missing = str(tmp_path / "nope" / "tokenizer.json")
+  with pytest.raises(FileNotFoundError, match="nope/tokenizer.json"):
+    HFTokenizer.from_file(missing)
+
+  bad = tmp_path / "bad" / "tokenizer.json"
+  bad.parent.mkdir()
+  bad.write_text('{"model": {"type": "BPE", ')
+  with pytest.raises(ValueError, match=r"bad/tokenizer\.json: not a valid tokenizer\.json"):
+    HFTokenizer.from_file(str(bad))
+
+  good_dir = tmp_path / "good"
+  path = _train_bpe(str(good_dir))
+  (good_dir / "tokenizer_config.json").write_text("{not json")
+  with pytest.raises(ValueError, match=r"good/tokenizer_config\.json"):
+    HFTokenizer.from_file(path)
+
+  _write_config(str(good_dir), eos_token="<nonexistent>")
+  with pytest.raises(ValueError, match=r"eos_token='<nonexistent>'.*not in the vocabulary"):
+    HFTokenizer.from_file(path)
+
+  _write_config(str(good_dir), eos_token=3)
+  with pytest.raises(ValueError, match=r"tokenizer_config\.json: eos_token"):
+    HFTokenizer.from_file(path)
+
+
+def test_missing_eos_is_a_clear_error(tmp_path):
+  path = _train_bpe(str(tmp_path), specials=("<unk>",))
+  with pytest.raises(ValueError, match="cannot find an EOS token.*pass eos_token="):
+    HFTokenizer.from_file(path)
+  tok = HFTokenizer.from_file(path, eos_token="<unk>")
+  assert tok.eos_id == tok.backend.token_to_id("<unk>")
