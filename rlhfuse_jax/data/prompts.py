@@ -1,0 +1,244 @@
+"""Prompts: a JSONL loader and a resumable stream of padded prompt batches.
+
+The stream is the concatenation of per-epoch permutations of the prompt pool, cut into global
+batches of B. Epoch e's permutation depends only on (seed, e), so the position in the stream,
+(epoch, index into that epoch's permutation), is the whole state: a run resumed from
+`state_dict()` yields exactly the batches the uninterrupted run would have. A batch that crosses
+an epoch boundary is completed from the next epoch, so every batch has B prompts (static shapes
+for jit) and every prompt is seen once per epoch.
+
+All prompts are tokenised when the dataset is built, so a prompt that does not fit fails at the
+start of a run, not hours into it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import numpy as np
+
+from rlhfuse_jax.data.tokenizer import Tokenizer
+
+# Key added to records read from JSONL so that later errors can point at the line.
+SOURCE_KEY = "_source"
+_PADDINGS = ("left", "right")
+
+
+def load_jsonl_prompts(path: str, field: str = "prompt") -> list[dict[str, Any]]:
+  """Reads one JSON object per line; each must hold a string under `field`.
+
+  Blank lines are skipped. Each returned record is the line's object plus
+  `record["_source"] = "path:line"`. A malformed line raises ValueError naming `path:line` and
+  what was expected.
+  """
+  records = []
+  with open(path, encoding="utf-8") as f:
+    for line_number, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      where = f"{path}:{line_number}"
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); expected one "
+                         f"object per line like {{\"{field}\": \"...\"}}") from e
+      if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object with a string field '{field}', got "
+                         f"{type(record).__name__}")
+      if field not in record:
+        raise ValueError(f"{where}: missing field '{field}' (keys: {sorted(record)}); expected a "
+                         "string")
+      if not isinstance(record[field], str):
+        raise ValueError(f"{where}: field '{field}' must be a string, got "
+                         f"{type(record[field]).__name__}")
+      record.setdefault(SOURCE_KEY, where)
+      records.append(record)
+  if not records:
+    raise ValueError(f"{path}: no prompts (the file is empty or blank)")
+  return records
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+  """One global batch of prompts.
+
+  Attributes:
+    records: the B prompt records (text and whatever the reward needs).
+    indices: position of each record in the dataset's pool.  # [B] int64
+    tokens: prompt ids padded with pad_id to a common width P.  # [B, P] int32
+    lengths: number of real (non-pad) tokens of each prompt.  # [B] int32
+    padding: 'left' (real tokens end at column P-1, as generation wants) or 'right'.
+  """
+  records: list[dict[str, Any]]
+  indices: np.ndarray
+  tokens: np.ndarray
+  lengths: np.ndarray
+  padding: str
+
+  @property
+  def mask(self) -> np.ndarray:
+    """True on real tokens.  # [B, P] bool"""
+    cols = np.arange(self.tokens.shape[1])[None, :]
+    if self.padding == "left":
+      return cols >= (self.tokens.shape[1] - self.lengths)[:, None]
+    return cols < self.lengths[:, None]
+
+
+def pad_token_ids(ids: Sequence[Sequence[int]], width: int, pad_id: int,
+                  padding: str = "left") -> tuple[np.ndarray, np.ndarray]:
+  """Packs variable-length id lists into ([N, width] int32 tokens, [N] int32 lengths)."""
+  if padding not in _PADDINGS:
+    raise ValueError(f"padding={padding!r}: expected one of {_PADDINGS}")
+  tokens = np.full((len(ids), width), pad_id, dtype=np.int32)  # [N, width]
+  lengths = np.zeros((len(ids),), dtype=np.int32)  # [N]
+  for row, seq in enumerate(ids):
+    n = len(seq)
+    if n > width:
+      raise ValueError(f"sequence {row} has {n} tokens, more than width={width}")
+    lengths[row] = n
+    if n:
+      if padding == "left":
+        tokens[row, width - n:] = seq
+      else:
+        tokens[row, :n] = seq
+  return tokens, lengths
+
+
+def tokenize_prompts(records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
+                     max_prompt_len: int, *, field: str = "prompt",
+                     padding: str = "left") -> tuple[np.ndarray, np.ndarray]:
+  """Tokenises `record[field]` of each record to ([N, max_prompt_len] int32, [N] int32 lengths).
+
+  A prompt longer than `max_prompt_len` tokens raises ValueError naming its index (and its
+  `path:line` for records read from JSONL) and both lengths.
+  """
+  if max_prompt_len < 1:
+    raise ValueError(f"max_prompt_len={max_prompt_len}: expected >= 1")
+  ids = tokenizer.encode_batch([r[field] for r in records])
+  for i, seq in enumerate(ids):
+    if len(seq) == 0:
+      raise ValueError(f"prompt {i}{_where(records[i])} encodes to zero tokens; a prompt needs at "
+                       "least one token to condition generation")
+    if len(seq) > max_prompt_len:
+      text = records[i][field]
+      raise ValueError(f"prompt {i}{_where(records[i])} has {len(seq)} tokens, more than "
+                       f"max_prompt_len={max_prompt_len} (text starts {text[:60]!r}); raise "
+                       "max_prompt_len or shorten the prompt")
+  return pad_token_ids(ids, max_prompt_len, tokenizer.pad_id, padding)
+
+
+def _where(record: Mapping[str, Any]) -> str:
+  return f" ({record[SOURCE_KEY]})" if SOURCE_KEY in record else ""
+
+
+def _fingerprint(texts: Sequence[str]) -> int:
+  """A 31-bit hash of the pool, so resuming onto a different pool is caught (fits int32)."""
+  h = hashlib.sha256()
+  for t in texts:
+    h.update(t.encode("utf-8"))
+    h.update(b"\0")
+  return int.from_bytes(h.digest()[:4], "little") & 0x7FFFFFFF
+
+
+class PromptDataset:
+  """Endless, seeded, resumable stream of `PromptBatch`es over a fixed pool of prompts."""
+
+  def __init__(self, records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, *,
+               batch_size: int, max_prompt_len: int, seed: int = 0, shuffle: bool = True,
+               padding: str = "left", field: str = "prompt"):
+    """Tokenises the pool now (see `tokenize_prompts` for the errors).
+
+    Args:
+      records: prompt records, e.g. from `load_jsonl_prompts` or a task's `make_prompts`.
+      tokenizer: turns `record[field]` into ids (BOS as the tokenizer decides).
+      batch_size: B, prompts per global batch (may exceed the pool: the batch then spans epochs).
+      max_prompt_len: P, width of the padded token array; longer prompts are an error.
+      seed: the shuffling seed (epoch e uses permutation rng([seed, e])).
+      shuffle: False streams the pool in file order every epoch.
+      padding: 'left' or 'right'.
+      field: which key holds the prompt text.
+    """
+    if not records:
+      raise ValueError("records is empty: a PromptDataset needs at least one prompt")
+    if batch_size < 1:
+      raise ValueError(f"batch_size={batch_size}: expected >= 1")
+    if padding not in _PADDINGS:
+      raise ValueError(f"padding={padding!r}: expected one of {_PADDINGS}")
+    for i, r in enumerate(records):
+      if not isinstance(r.get(field), str):
+        raise ValueError(f"record {i}{_where(r)}: field '{field}' must be a string, got "
+                         f"{type(r.get(field)).__name__}")
+    self.records = [dict(r) for r in records]
+    self.batch_size = int(batch_size)
+    self.max_prompt_len = int(max_prompt_len)
+    self.seed = int(seed)
+    self.shuffle = bool(shuffle)
+    self.padding = padding
+    self._tokens, self._lengths = tokenize_prompts(  # [N, P], [N]
+        self.records, tokenizer, max_prompt_len, field=field, padding=padding)
+    self._fingerprint = _fingerprint([r[field] for r in self.records])
+    self._epoch = 0
+    self._index = 0
+    self._order_epoch = -1
+    self._order = np.arange(0)
+
+  def __len__(self) -> int:
+    """Number of prompts in the pool."""
+    return len(self.records)
+
+  @property
+  def epoch(self) -> int:
+    return self._epoch
+
+  def _permutation(self, epoch: int) -> np.ndarray:
+    if self._order_epoch != epoch:
+      n = len(self.records)
+      self._order = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
+                     else np.arange(n))
+      self._order_epoch = epoch
+    return self._order
+
+  def next_batch(self) -> PromptBatch:
+    """The next B prompts of the stream; advances the state."""
+    picked, count = [], 0
+    while count < self.batch_size:
+      order = self._permutation(self._epoch)
+      take = min(self.batch_size - count, len(order) - self._index)
+      picked.append(order[self._index:self._index + take])
+      count += take
+      self._index += take
+      if self._index == len(order):
+        self._epoch += 1
+        self._index = 0
+    indices = np.concatenate(picked).astype(np.int64)  # [B]
+    return PromptBatch(records=[self.records[i] for i in indices], indices=indices,
+                       tokens=self._tokens[indices], lengths=self._lengths[indices],
+                       padding=self.padding)
+
+  def __iter__(self) -> Iterator[PromptBatch]:
+    while True:
+      yield self.next_batch()
+
+  def state_dict(self) -> dict[str, int]:
+    """The stream position plus what must match on resume; plain ints (JSON / orbax friendly)."""
+    return {"epoch": self._epoch, "index": self._index, "seed": self.seed,
+            "num_prompts": len(self.records), "fingerprint": self._fingerprint}
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    """Continues from `state`; the pool and seed must be the ones the state was taken from."""
+    missing = {"epoch", "index", "seed", "num_prompts", "fingerprint"} - set(state)
+    if missing:
+      raise ValueError(f"prompt dataset state lacks {sorted(missing)}")
+    expected = {"seed": self.seed, "num_prompts": len(self.records),
+                "fingerprint": self._fingerprint}
+    for key, value in expected.items():
+      if int(state[key]) != value:
+        raise ValueError(f"prompt dataset state has {key}={int(state[key])} but this dataset has "
+                         f"{key}={value}: resuming onto a different prompt pool or seed")
+    epoch, index = int(state["epoch"]), int(state["index"])
+    if epoch < 0 or not 0 <= index < len(self.records):
+      raise ValueError(f"prompt dataset state epoch={epoch}, index={index}: expected epoch >= 0 "
+                       f"and 0 <= index < {len(self.records)}")
+    self._epoch, self._index = epoch, index

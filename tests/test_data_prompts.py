@@ -1,0 +1,161 @@
+"""JSONL prompt loading errors, padded tokenisation, and a deterministic, resumable stream."""
+import json
+
+import numpy as np
+import pytest
+import tokenizers
+from tokenizers import models, pre_tokenizers
+
+from rlhfuse_jax.data.prompts import (PromptDataset, load_jsonl_prompts, pad_token_ids,
+                                      tokenize_prompts)
+from rlhfuse_jax.data.tokenizer import HFTokenizer
+
+_WORDS = ["<pad>", "<bos>", "<eos>"] + [f"w{i}" for i in range(40)]
+
+
+def _tokenizer():
+  tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(_WORDS)}))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.add_special_tokens(_WORDS[:3])
+  return HFTokenizer(tok, pad_id=0, bos_id=1, eos_id=2)
+
+
+def _records(n, rng=None):
+  rng = rng or np.random.default_rng(0)
+  return [{"prompt": " ".join(f"w{j}" for j in rng.integers(0, 40, size=rng.integers(1, 6))),
+           "id": i} for i in range(n)]
+
+
+def _write(path, lines):
+  path.write_text("\n".join(lines) + "\n")
+  return str(path)
+
+
+def test_load_jsonl_skips_blank_lines_and_keeps_fields(tmp_path):
+  path = _write(tmp_path / "p.jsonl", ['{"prompt": "w1 w2", "target": 3}', "", "   ",
+                                       '{"prompt": "w3", "x": [1]}'])
+  records = load_jsonl_prompts(path)
+  assert [r["prompt"] for r in records] == ["w1 w2", "w3"]
+  assert records[0]["target"] == 3 and records[1]["x"] == [1]
+  assert records[1]["_source"] == f"{path}:4"  # blank lines still count
+  assert load_jsonl_prompts(_write(tmp_path / "q.jsonl", ['{"q": "a"}']), field="q")[0]["q"] == "a"
+
+
+@pytest.mark.parametrize("bad_line, expected", [
+    ('{"prompt": "unterminated', r"invalid JSON .*expected one object per line"),
+    ('["prompt", "w1"]', r"expected a JSON object with a string field 'prompt', got list"),
+    ('{"text": "w1"}', r"missing field 'prompt' \(keys: \['text'\]\); expected a string"),
+    ('{"prompt": 7}', r"field 'prompt' must be a string, got int"),
+])
+def test_malformed_line_names_path_and_line_number(tmp_path, bad_line, expected):
+  path = _write(tmp_path / "p.jsonl", ['{"prompt": "w1"}', "", '{"prompt": "w2"}', bad_line,
+                                       '{"prompt": "w3"}'])
+  with pytest.raises(ValueError, match=rf"p\.jsonl:4: {expected}"):
+    load_jsonl_prompts(path)
+
+
+def test_empty_file_is_an_error(tmp_path):
+  with pytest.raises(ValueError, match="no prompts"):
+    load_jsonl_prompts(_write(tmp_path / "e.jsonl", ["", ""]))
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_tokenize_pads_and_reports_lengths(padding):
+  tok = _tokenizer()
+  records = [{"prompt": "w5"}, {"prompt": "w1 w2 w3"}]
+  tokens, lengths = tokenize_prompts(records, tok, max_prompt_len=5, padding=padding)
+  assert tokens.dtype == np.int32 and lengths.dtype == np.int32 and tokens.shape == (2, 5)
+  np.testing.assert_array_equal(lengths, [2, 4])  # BOS counted
+  real = [[1, 8], [1, 4, 5, 6]]
+  for row, ids in enumerate(real):
+    expected = [0] * (5 - len(ids)) + ids if padding == "left" else ids + [0] * (5 - len(ids))
+    np.testing.assert_array_equal(tokens[row], expected)
+  with pytest.raises(ValueError, match="padding='middle'"):
+    pad_token_ids([[1]], 3, 0, padding="middle")
+
+
+def test_too_long_prompt_names_its_line_and_lengths(tmp_path):
+  path = _write(tmp_path / "p.jsonl", ['{"prompt": "w1"}', '{"prompt": "w1 w2 w3 w4 w5"}'])
+  records = load_jsonl_prompts(path)
+  with pytest.raises(ValueError, match=rf"prompt 1 \({path}:2\) has 6 tokens, more than "
+                                       r"max_prompt_len=4"):
+    PromptDataset(records, _tokenizer(), batch_size=1, max_prompt_len=4)
+  with pytest.raises(ValueError, match=r"prompt 1 has 6 tokens, more than max_prompt_len=5"):
+    tokenize_prompts([{"prompt": "w1"}, {"prompt": "w1 w2 w3 w4 w5"}], _tokenizer(), 5)
+
+
+def _take(ds, k):
+  return [ds.next_batch() for _ in range(k)]
+
+
+def test_stream_is_deterministic_and_covers_each_epoch_once():
+  records = _records(10)
+  a = PromptDataset(records, _tokenizer(), batch_size=4, max_prompt_len=8, seed=3)
+  b = PromptDataset(records, _tokenizer(), batch_size=4, max_prompt_len=8, seed=3)
+  c = PromptDataset(records, _tokenizer(), batch_size=4, max_prompt_len=8, seed=4)
+  ba, bb, bc = _take(a, 10), _take(b, 10), _take(c, 10)
+  stream_a = np.concatenate([x.indices for x in ba])
+  np.testing.assert_array_equal(stream_a, np.concatenate([x.indices for x in bb]))
+  assert not np.array_equal(stream_a, np.concatenate([x.indices for x in bc]))
+  # 40 draws over a pool of 10: four epochs, each a permutation, different from each other.
+  epochs = stream_a.reshape(4, 10)
+  for e in epochs:
+    assert sorted(e) == list(range(10))
+  assert len({tuple(e) for e in epochs}) == 4
+  assert a.epoch == 4
+  # Batches hold the records and token rows of their indices.
+  tokens, lengths = tokenize_prompts(records, _tokenizer(), 8)
+  for batch in ba:
+    assert batch.tokens.shape == (4, 8) and batch.tokens.dtype == np.int32
+    assert [r["id"] for r in batch.records] == batch.indices.tolist()
+    np.testing.assert_array_equal(batch.tokens, tokens[batch.indices])
+    np.testing.assert_array_equal(batch.mask.sum(1), lengths[batch.indices])
+
+
+def test_unshuffled_stream_is_file_order_and_batch_may_exceed_pool():
+  ds = PromptDataset(_records(3), _tokenizer(), batch_size=7, max_prompt_len=8, shuffle=False)
+  np.testing.assert_array_equal(ds.next_batch().indices, [0, 1, 2, 0, 1, 2, 0])
+  np.testing.assert_array_equal(ds.next_batch().indices, [1, 2, 0, 1, 2, 0, 1])
+
+
+@pytest.mark.parametrize("stop_after", [0, 1, 2, 3, 5])
+def test_resume_continues_exactly(stop_after):
+  records = _records(11)
+  straight = PromptDataset(records, _tokenizer(), batch_size=4, max_prompt_len=8, seed=7)
+  expected = [x.indices for x in _take(straight, 8)]
+
+  first = PromptDataset(records, _tokenizer(), batch_size=4, max_prompt_len=8, seed=7)
+  got = [x.indices for x in _take(first, stop_after)]
+  state = json.loads(json.dumps(first.state_dict()))  # survives a JSON round trip
+  assert all(isinstance(v, int) and 0 <= v < 2**31 for v in state.values())
+  resumed = PromptDataset(records, _tokenizer(), batch_size=4, max_prompt_len=8, seed=7)
+  resumed.load_state_dict(state)
+  got += [x.indices for x in _take(resumed, 8 - stop_after)]
+  for e, g in zip(expected, got):
+    np.testing.assert_array_equal(e, g)
+
+
+def test_resume_onto_a_different_pool_or_seed_fails():
+  ds = PromptDataset(_records(6), _tokenizer(), batch_size=2, max_prompt_len=8, seed=1)
+  ds.next_batch()
+  state = ds.state_dict()
+  other_seed = PromptDataset(_records(6), _tokenizer(), batch_size=2, max_prompt_len=8, seed=2)
+  with pytest.raises(ValueError, match="seed=1 but this dataset has seed=2"):
+    other_seed.load_state_dict(state)
+  other_pool = PromptDataset(_records(6, np.random.default_rng(9)), _tokenizer(), batch_size=2,
+                             max_prompt_len=8, seed=1)
+  with pytest.raises(ValueError, match="fingerprint=.*different prompt pool"):
+    other_pool.load_state_dict(state)
+  with pytest.raises(ValueError, match=r"lacks \['index'\]"):
+    ds.load_state_dict({k: v for k, v in state.items() if k != "index"})
+
+
+def test_constructor_errors():
+  with pytest.raises(ValueError, match="batch_size=0"):
+    PromptDataset(_records(2), _tokenizer(), batch_size=0, max_prompt_len=8)
+  with pytest.raises(ValueError, match="record 1: field 'prompt' must be a string, got NoneType"):
+    PromptDataset([{"prompt": "w1"}, {"text": "w2"}], _tokenizer(), batch_size=1, max_prompt_len=8)
+  with pytest.raises(ValueError, match="empty"):
+    PromptDataset([], _tokenizer(), batch_size=1, max_prompt_len=8)
+  with pytest.raises(ValueError, match="cannot encode 'w1 zzz'"):
+    PromptDataset([{"prompt": "w1 zzz"}], _tokenizer(), batch_size=1, max_prompt_len=8)
