@@ -1,0 +1,66 @@
+"""Per-token estimators of KL(policy || reference) from sampled tokens.
+
+The response tokens are sampled from the policy, so for token t with log-probs `logp` (policy)
+and `ref_logp` (reference), with r = ref_logp - logp (the log of p_ref / p_policy):
+
+- 'k1':  -r = logp - ref_logp. Unbiased for KL, high variance, can be negative per token.
+- 'k2':  0.5 * r^2. Biased, nonnegative; its gradient is that of the true KL to first order.
+- 'k3':  exp(r) - r - 1. Unbiased for KL (E[exp(r)] = 1), nonnegative, low variance
+         (Schulman, "Approximating KL divergence", 2020). Used by GRPO as a loss.
+- 'abs': |logp - ref_logp|.
+
+Estimates are per token, `[batch, resp_len]`; pass `mask` to zero padding exactly.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import jax
+import jax.numpy as jnp
+
+# exp(20) ~ 5e8: far beyond any sane policy/reference ratio, yet finite in fp32, so a diverged
+# token cannot make the KL (and the loss built on it) inf.
+_MAX_LOG_RATIO = 20.0
+
+
+def _k1(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
+  return logp - ref_logp
+
+
+def _k2(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
+  return 0.5 * jnp.square(logp - ref_logp)
+
+
+def _k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
+  log_ratio = jnp.clip(ref_logp - logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+  # expm1 keeps precision when the ratio is ~1 (the common case), where exp(r) - 1 cancels.
+  return jnp.expm1(log_ratio) - log_ratio
+
+
+def _abs(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
+  return jnp.abs(logp - ref_logp)
+
+
+KL_ESTIMATORS: Dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
+    "k1": _k1,
+    "k2": _k2,
+    "k3": _k3,
+    "abs": _abs,
+}
+
+
+def get_kl_estimator(kind: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """Returns the estimator `fn(logp, ref_logp) -> per-token KL` registered under `kind`."""
+  if kind not in KL_ESTIMATORS:
+    raise ValueError(f"Unknown KL estimator kind={kind!r}; known kinds: {sorted(KL_ESTIMATORS)}")
+  return KL_ESTIMATORS[kind]
+
+
+def kl_estimate(logp: jax.Array, ref_logp: jax.Array, kind: str,
+                mask: Optional[jax.Array] = None) -> jax.Array:
+  """Per-token KL estimate `[batch, resp_len]`, computed in fp32; 0 where `mask` is 0."""
+  fn = get_kl_estimator(kind)
+  kl = fn(logp.astype(jnp.float32), ref_logp.astype(jnp.float32))  # [batch, resp_len]
+  if mask is not None:
+    kl = jnp.where(mask > 0, kl, 0.0)
+  return kl
