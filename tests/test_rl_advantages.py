@@ -1,0 +1,158 @@
+"""Advantage estimators against plain python/numpy loops, on variable-length batches."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from rlhfuse_jax.rl import advantages as adv_lib
+
+LENGTHS = np.array([8, 3, 1, 6, 8, 2])
+T = 8
+
+
+def _batch(seed=0):
+  rng = np.random.default_rng(seed)
+  b = len(LENGTHS)
+  mask = (np.arange(T)[None] < LENGTHS[:, None]).astype(np.float32)
+  rewards = rng.normal(size=(b, T)).astype(np.float32)
+  values = rng.normal(size=(b, T)).astype(np.float32)
+  # Garbage on padding must not matter.
+  rewards = np.where(mask > 0, rewards, 1e6).astype(np.float32)
+  values = np.where(mask > 0, values, np.nan).astype(np.float32)
+  return rewards, values, mask
+
+
+def _gae_reference(rewards, values, lengths, gamma, lam):
+  adv = np.zeros(rewards.shape, np.float64)
+  for i, n in enumerate(lengths):
+    last = 0.0
+    for t in reversed(range(n)):
+      next_v = values[i, t + 1] if t + 1 < n else 0.0
+      delta = rewards[i, t] + gamma * next_v - values[i, t]
+      last = delta + gamma * lam * last
+      adv[i, t] = last
+  ret = np.zeros(rewards.shape, np.float64)
+  for i, n in enumerate(lengths):
+    ret[i, :n] = adv[i, :n] + values[i, :n]
+  return adv, ret
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 1.0), (0.99, 0.0)])
+def test_gae_matches_loop_for_variable_lengths(gamma, lam):
+  rewards, values, mask = _batch()
+  adv, ret = jax.jit(adv_lib.gae, static_argnums=(3, 4))(rewards, values, mask, gamma, lam)
+  ref_adv, ref_ret = _gae_reference(rewards, values, LENGTHS, gamma, lam)
+  np.testing.assert_allclose(adv, ref_adv, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(ret, ref_ret, rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(adv)[mask == 0] == 0.0)
+
+
+def test_gae_mask_with_holes_skips_them():
+  rng = np.random.default_rng(5)
+  mask = np.array([[1, 1, 0, 0, 1, 1, 0, 0]], np.float32)
+  rewards = rng.normal(size=(1, T)).astype(np.float32)
+  values = rng.normal(size=(1, T)).astype(np.float32)
+  adv, _ = adv_lib.gae(rewards, values, mask, 0.9, 0.8)
+  keep = mask[0] > 0
+  ref_adv, _ = _gae_reference(rewards[:, keep], values[:, keep], [int(keep.sum())], 0.9, 0.8)
+  np.testing.assert_allclose(np.asarray(adv)[0, keep], ref_adv[0], rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(adv)[0, ~keep], 0.0)
+
+
+def test_token_level_rewards():
+  rng = np.random.default_rng(1)
+  _, _, mask = _batch()
+  scores = rng.normal(size=len(LENGTHS)).astype(np.float32)
+  kl = rng.normal(size=mask.shape).astype(np.float32)
+  out = np.asarray(adv_lib.token_level_rewards(scores, kl, mask, 0.1))
+  want = -0.1 * kl * mask
+  want[np.arange(len(LENGTHS)), LENGTHS - 1] += scores
+  np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+  # A row with no valid token receives nothing.
+  empty = np.asarray(adv_lib.token_level_rewards(scores[:1], kl[:1], np.zeros((1, T)), 0.1))
+  np.testing.assert_array_equal(empty, 0.0)
+
+
+def test_gae_gamma_lam_one_gives_reward_to_go_minus_value():
+  rewards, values, mask = _batch(3)
+  adv, ret = adv_lib.gae(rewards, values, mask, 1.0, 1.0)
+  r = np.where(mask > 0, rewards, 0.0)
+  to_go = np.cumsum(r[:, ::-1], axis=1)[:, ::-1] * mask
+  np.testing.assert_allclose(ret, to_go, rtol=1e-5, atol=1e-5)
+
+
+def test_grpo_group_stats():
+  rng = np.random.default_rng(0)
+  g, prompts = 4, 3
+  scores = rng.normal(size=g * prompts).astype(np.float32)
+  mask = (np.arange(5)[None] < rng.integers(1, 6, size=g * prompts)[:, None]).astype(np.float32)
+  adv, ret = adv_lib.grpo_advantages(scores, mask, group_size=g)
+  adv = np.asarray(adv)
+  per_sample = adv[:, 0]
+  grouped = scores.reshape(prompts, g)
+  want = (grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, ddof=1, keepdims=True)
+                                                         + 1e-6)
+  np.testing.assert_allclose(per_sample, want.reshape(-1), rtol=1e-5)
+  np.testing.assert_allclose(per_sample.reshape(prompts, g).mean(1), 0.0, atol=1e-6)
+  np.testing.assert_allclose(per_sample.reshape(prompts, g).std(1, ddof=1), 1.0, rtol=1e-4)
+  np.testing.assert_array_equal(adv, per_sample[:, None] * mask)  # broadcast, masked
+  np.testing.assert_array_equal(adv, ret)
+  centred, _ = adv_lib.grpo_advantages(scores, mask, g, normalize_std=False)
+  np.testing.assert_allclose(np.asarray(centred)[:, 0],
+                             (grouped - grouped.mean(1, keepdims=True)).reshape(-1), atol=1e-6)
+  # A group with identical scores has zero advantage (no signal), not nan.
+  flat, _ = adv_lib.grpo_advantages(np.ones(4, np.float32), np.ones((4, 2)), 4)
+  np.testing.assert_array_equal(flat, 0.0)
+
+
+def test_rloo_matches_leave_one_out_loop():
+  rng = np.random.default_rng(4)
+  g = 3
+  scores = rng.normal(size=2 * g).astype(np.float32)
+  mask = np.ones((2 * g, 2), np.float32)
+  adv = np.asarray(adv_lib.rloo_advantages(scores, mask, g)[0])[:, 0]
+  want = []
+  for i in range(2 * g):
+    grp = range((i // g) * g, (i // g + 1) * g)
+    want.append(scores[i] - np.mean([scores[j] for j in grp if j != i]))
+  np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6)
+
+
+def test_reinforce_pp_is_whitened_discounted_return():
+  rewards, _, mask = _batch(6)
+  gamma = 0.9
+  adv = np.asarray(adv_lib.reinforce_pp_advantages(rewards, mask, gamma)[0])
+  ret = np.zeros(rewards.shape)
+  for i, n in enumerate(LENGTHS):
+    g = 0.0
+    for t in reversed(range(n)):
+      g = rewards[i, t] + gamma * g
+      ret[i, t] = g
+  v = ret[mask > 0]
+  np.testing.assert_allclose(adv[mask > 0], (v - v.mean()) / np.sqrt(v.var(ddof=1) + 1e-8),
+                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_array_equal(adv[mask == 0], 0.0)
+
+
+def test_registry_dispatch_and_errors():
+  rewards, values, mask = _batch()
+  scores = np.arange(6, dtype=np.float32)
+  common = dict(scores=scores, token_rewards=rewards, values=values, mask=mask, gamma=0.9,
+                lam=0.95, group_size=2)
+  np.testing.assert_array_equal(adv_lib.compute_advantages("gae", **common)[0],
+                                adv_lib.gae(rewards, values, mask, 0.9, 0.95)[0])
+  np.testing.assert_array_equal(adv_lib.compute_advantages("grpo", **common)[0],
+                                adv_lib.grpo_advantages(scores, mask, 2)[0])
+  assert set(adv_lib.ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_pp"}
+  assert adv_lib.needs_critic("gae")
+  assert not any(adv_lib.needs_critic(n) for n in ("grpo", "rloo", "reinforce_pp"))
+  with pytest.raises(ValueError, match=r"'ppo2'.*\['gae', 'grpo', 'reinforce_pp', 'rloo'\]"):
+    adv_lib.compute_advantages("ppo2", **common)
+  with pytest.raises(ValueError, match=r"'gae' needs inputs \['values'\]"):
+    adv_lib.compute_advantages("gae", token_rewards=rewards, mask=mask, gamma=1.0, lam=1.0)
+  with pytest.raises(ValueError, match="unknown inputs.*'valuez'"):
+    adv_lib.compute_advantages("gae", valuez=values, **common)
+  with pytest.raises(ValueError, match=r"batch size 6.*group_size=4"):
+    adv_lib.grpo_advantages(scores, mask, 4)
+  with pytest.raises(ValueError, match="group_size=1 must be >= 2"):
+    adv_lib.rloo_advantages(scores, mask, 1)
