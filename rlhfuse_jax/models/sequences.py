@@ -1,0 +1,137 @@
+"""The prompt+response layout shared by generation, inference and the trainer's losses.
+
+A sample is stored contiguously: prompt tokens at positions 0..p-1, response tokens at
+p..p+r-1, padding after that (so a batch row is `[prompt | response | pad]`, and the width is
+P + T for a prompt bucket P and T = max_new_tokens). Causal attention means nothing before a
+position ever sees the padding behind it, so no padding mask is needed.
+
+Response token t (0-based) sits at position p+t and is *predicted* by the logit at position
+p-1+t; the critic's value of "the state before response token t" is read at the same position.
+The reward model scores the whole sequence at its last response token, position p+r-1.
+
+All functions are pure, jittable and differentiable (the trainer takes gradients through
+`response_logprobs_and_entropy` and `response_values`). The LM head is applied only at the T
+response positions (`forward_at`), not at all P+T: with a 150k vocabulary the full logits of a
+long batch would dwarf everything else in memory.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from rlhfuse_jax.models import llama
+from rlhfuse_jax.models.llama import KVCache, ModelConfig
+
+
+def build_sequences(prompt_tokens, prompt_lens, response_tokens, response_lens, pad_id: int):
+  """Concatenates right-padded prompts and responses row by row.
+
+  prompt_tokens: [B, P] right-padded; prompt_lens: [B]; response_tokens: [B, T];
+  response_lens: [B]. Returns tokens [B, P+T] int32: prompt, then response, then pad_id.
+  """
+  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+  response_tokens = jnp.asarray(response_tokens, jnp.int32)
+  b, p_width = prompt_tokens.shape
+  t_width = response_tokens.shape[1]
+  p = jnp.asarray(prompt_lens, jnp.int32)[:, None]  # [B, 1]
+  r = jnp.asarray(response_lens, jnp.int32)[:, None]  # [B, 1]
+  col = jnp.arange(p_width + t_width, dtype=jnp.int32)[None, :]  # [1, P+T]
+  prompt_part = jnp.pad(prompt_tokens, ((0, 0), (0, t_width)))  # [B, P+T]
+  resp_idx = jnp.clip(col - p, 0, t_width - 1)  # [B, P+T]
+  resp_part = jnp.take_along_axis(response_tokens, resp_idx, axis=1)  # [B, P+T]
+  out = jnp.where(col < p, prompt_part, jnp.where(col < p + r, resp_part, pad_id))
+  return out.astype(jnp.int32)
+
+
+def response_positions(prompt_lens, num_response: int):
+  """[B, T] index of the position whose output predicts (or values) response token t."""
+  p = jnp.asarray(prompt_lens, jnp.int32)[:, None]
+  return p - 1 + jnp.arange(num_response, dtype=jnp.int32)[None, :]
+
+
+def last_token_positions(prompt_lens, response_lens):
+  """[B] position of the last response token (p+r-1), where the reward model scores."""
+  return jnp.asarray(prompt_lens, jnp.int32) + jnp.asarray(response_lens, jnp.int32) - 1
+
+
+def response_mask(response_lens, num_response: int):
+  """float32 [B, T]: 1.0 on real response tokens (EOS included), 0.0 on padding."""
+  t = jnp.arange(num_response, dtype=jnp.int32)[None, :]
+  return (t < jnp.asarray(response_lens, jnp.int32)[:, None]).astype(jnp.float32)
+
+
+def _hidden_then_head(module: llama.Transformer, tokens, positions, cache, at):
+  # Mirrors Transformer.__call__ but applies the head only at the gathered positions `at`.
+  # tests/test_generation.py checks it against llama.apply so a model change cannot slip by.
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  x = module.embed(tokens)  # [B, L, embed]
+  new_k, new_v = [], []
+  for i, layer in enumerate(module.layers):
+    layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+    x, layer_cache = layer(x, positions, layer_cache)
+    if cache is not None:
+      new_k.append(layer_cache[0])
+      new_v.append(layer_cache[1])
+  x = jnp.take_along_axis(x, at[:, :, None], axis=1)  # [B, n, embed]
+  out = module.head(x, module.embed)
+  if cache is not None:
+    cache = KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v))
+  return out, cache
+
+
+def forward_at(cfg: ModelConfig, params: Any, tokens, at, positions=None,
+               cache: Optional[KVCache] = None):
+  """Forward pass whose head runs only at the L-axis indices `at` [B, n].
+
+  Returns (out, cache): out is float32 logits [B, n, vocab] (head="lm") or values [B, n]
+  (head="scalar"); cache as in `llama.apply`.
+  """
+  return llama.Transformer(cfg).apply({"params": params}, tokens, positions, cache,
+                                      jnp.asarray(at, jnp.int32), method=_hidden_then_head)
+
+
+def token_logprobs_and_entropy(logits, targets, temperature: float = 1.0):
+  """log_softmax(logits/temperature) at targets, and the entropy of that distribution.
+
+  logits: [..., V] float32; targets: [...] int. Returns (logprobs [...], entropy [...]).
+  """
+  logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+  logp = jnp.take_along_axis(logp_all, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  return logp, entropy
+
+
+def response_logprobs_and_entropy(cfg: ModelConfig, params: Any, tokens, prompt_lens,
+                                  num_response: int, temperature: float = 1.0):
+  """Per-response-token log-probs and entropies under `params` (an LM-head model).
+
+  tokens: [B, P+T] from build_sequences; prompt_lens: [B]; num_response: T (static).
+  Returns (logprobs [B, T], entropy [B, T]) in float32 of softmax(logits / temperature).
+  Entries past a row's response length are meaningless (mask them with response_mask).
+  """
+  if cfg.head != "lm":
+    raise ValueError(f"response_logprobs_and_entropy needs model.head='lm', got {cfg.head!r}")
+  pos = response_positions(prompt_lens, num_response)  # [B, T]
+  logits, _ = forward_at(cfg, params, tokens, pos)  # [B, T, V]
+  targets = jnp.take_along_axis(tokens, pos + 1, axis=1)  # [B, T]
+  return token_logprobs_and_entropy(logits, targets, temperature)
+
+
+def response_values(cfg: ModelConfig, params: Any, tokens, prompt_lens, num_response: int):
+  """Critic value of the state before each response token: [B, T] float32 (scalar head)."""
+  if cfg.head != "scalar":
+    raise ValueError(f"response_values needs model.head='scalar', got {cfg.head!r}")
+  values, _ = forward_at(cfg, params, tokens, response_positions(prompt_lens, num_response))
+  return values
+
+
+def sequence_scores(cfg: ModelConfig, params: Any, tokens, prompt_lens, response_lens):
+  """Reward-model score of each whole sequence, read at its last response token: [B] float32."""
+  if cfg.head != "scalar":
+    raise ValueError(f"sequence_scores needs model.head='scalar', got {cfg.head!r}")
+  at = last_token_positions(prompt_lens, response_lens)[:, None]  # [B, 1]
+  values, _ = forward_at(cfg, params, tokens, at)
+  return values[:, 0]
