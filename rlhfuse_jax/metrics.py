@@ -1,0 +1,71 @@
+"""Per-iteration metrics: `metrics.jsonl` (one JSON object per step) and TensorBoard events.
+
+TensorBoard events go through tensorboardX (a maintained writer without a TensorFlow dependency;
+clu's writer would pull TensorFlow in). Non-scalar values (curves, lists) go to JSONL only.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Mapping, Optional
+
+from rlhfuse_jax import workdir as wd
+
+
+class MetricWriter:
+  """Appends metrics to workdir/metrics.jsonl and workdir/tb/ (TensorBoard)."""
+
+  def __init__(self, workdir: str, tensorboard: bool = True):
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # imported lazily: optional at library level
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=10)
+
+  def truncate_after(self, step: int) -> None:
+    """Drops lines with step > `step` (written after the checkpoint a resumed run starts from),
+    so that a resumed run never repeats a step in metrics.jsonl."""
+    rows = [r for r in wd.read_jsonl(self.path) if r.get("step", 0) <= step]
+    wd.atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+    record = {"step": int(step), **metrics}
+    wd.append_jsonl(self.path, record)
+    if self._tb is not None:
+      for k, v in metrics.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+          self._tb.add_scalar(k, v, step)
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+
+
+class ProgressReporter:
+  """One progress line per iteration: step/total, chosen metrics, throughput and ETA."""
+
+  def __init__(self, total: int, start_step: int = 0):
+    self.total = total
+    self.start_step = start_step
+    self.t0 = time.time()
+
+  def line(self, step: int, metrics: Mapping[str, Any], keys=("reward/mean",)) -> str:
+    done = step - self.start_step
+    elapsed = time.time() - self.t0
+    eta = elapsed / max(done, 1) * (self.total - step)
+    parts = [f"iter {step}/{self.total}"]
+    for k in keys:
+      if k in metrics and metrics[k] is not None:
+        parts.append(f"{k}={metrics[k]:.4g}")
+    tps: Optional[float] = metrics.get("perf/tokens_per_s")
+    if tps is not None:
+      parts.append(f"tok/s={tps:.0f}")
+    parts.append(f"elapsed={_fmt(elapsed)} ETA={_fmt(eta)}")
+    return " ".join(parts)
+
+
+def _fmt(seconds: float) -> str:
+  seconds = int(seconds)
+  return f"{seconds // 60}m{seconds % 60:02d}s"
