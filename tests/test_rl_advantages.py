@@ -1,7 +1,6 @@
 """Advantage estimators against plain python/numpy loops, on variable-length batches."""
 import numpy as np
 import jax
-import jax.numpy as jnp
 import pytest
 
 from rlhfuse_jax.rl import advantages as adv_lib

@@ -158,7 +158,7 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mas
 
 
 def entropy_from_logits(logits: jax.Array) -> jax.Array:
-  """Entropy of softmax(logits) over the last axis, in fp32: `[batch, resp_len, vocab]` -> `[batch, resp_len]`.
+  """Entropy of softmax(logits) over the vocab, in fp32: `[batch, seq, vocab]` -> `[batch, seq]`.
 
   H = logsumexp(z) - sum(softmax(z) * z). Vocabulary entries masked with -inf (probability 0)
   contribute 0 instead of 0 * -inf = nan.
