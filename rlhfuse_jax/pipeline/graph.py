@@ -1,0 +1,212 @@
+"""The fused actor/critic pipeline problem: placement, tasks, dependencies, durations, memory.
+
+Idea (DESIGN §3, intra-stage fusion): N devices along a pipeline axis. The actor has Pa = N
+stages, stage a on device a (forward goes 0 -> N-1). The critic has Pc stages (Pa divisible by
+Pc) and R = N / Pc data-parallel replicas; replica r occupies devices r*Pc .. r*Pc+Pc-1 in
+**reverse** order (critic stage s of replica r on device r*Pc + Pc-1-s), so the actor's warm-up
+devices are the critic's drain devices and the two pipelines fill each other's bubbles.
+
+Every device therefore hosts exactly one actor stage and one critic stage (of one replica), and
+holds 2*Ma + 2*Mc tasks. A task is one of four kinds, coded as small integers everywhere in the
+scheduling code (numba kernels included):
+
+  AF = 0 actor forward    AB = 1 actor backward    CF = 2 critic forward    CB = 3 critic backward
+
+Micro-batches of one kind run in increasing order on a device (the canonical order: micro-batches
+are interchangeable, so permuting them gains nothing), hence a device's schedule is fully given by
+its sequence of kinds; the j-th AF in a device's sequence is actor forward of micro-batch j.
+
+Dependencies (one per task at most): F(s, j) after F(s-1, j); B(last, j) after F(last, j) on the
+same device; B(s, j) after B(s+1, j). A dependency between two devices adds `transfer_latency`.
+
+Memory: a forward holds its activations (`actor_mem` / `critic_mem` per micro-batch) on its device
+until its backward ends. The default per-device budget is the sum of the actor's and the critic's
+1F1B peaks there (stage s of a P-stage 1F1B pipeline with M micro-batches holds min(P-s, M)).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+AF, AB, CF, CB = 0, 1, 2, 3
+KIND_NAMES = ("AF", "AB", "CF", "CB")
+MODELS = ("actor", "critic")
+
+
+def kind_model(kind: int) -> str:
+  """'actor' for AF/AB, 'critic' for CF/CB."""
+  return MODELS[kind // 2]
+
+
+def kind_is_forward(kind: int) -> bool:
+  return kind % 2 == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineProblem:
+  """One fused-schedule instance. Times and memory are in arbitrary consistent units.
+
+  actor_bwd / critic_bwd / actor_mem / critic_mem left at None take their defaults: backward
+  = 2 x forward, activation memory per micro-batch = forward time (memory proportional to compute).
+  memory_budget None means the default budget (sum of the two models' 1F1B peaks per device).
+  """
+  actor_pp: int
+  critic_pp: int
+  actor_microbatches: int
+  critic_microbatches: int
+  actor_fwd: float
+  critic_fwd: float
+  actor_bwd: Optional[float] = None
+  critic_bwd: Optional[float] = None
+  actor_mem: Optional[float] = None
+  critic_mem: Optional[float] = None
+  transfer_latency: float = 0.0
+  memory_budget: Optional[tuple[float, ...]] = None
+
+  def __post_init__(self):
+    for name in ("actor_pp", "critic_pp", "actor_microbatches", "critic_microbatches"):
+      v = getattr(self, name)
+      if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name}={v!r} must be a positive integer")
+    if self.actor_pp % self.critic_pp != 0:
+      raise ValueError(
+          f"actor_pp={self.actor_pp} must be divisible by critic_pp={self.critic_pp} "
+          "(the critic is replicated R = actor_pp / critic_pp times over the actor's devices)")
+    for name in ("actor_fwd", "critic_fwd"):
+      v = getattr(self, name)
+      if not (isinstance(v, (int, float, np.number)) and math.isfinite(v) and v > 0):
+        raise ValueError(f"{name}={v!r} must be a positive finite number")
+    # Defaults are resolved here so every consumer sees concrete numbers.
+    # Defaults are resolved here so every consumer sees concrete numbers; None or a negative
+    # value (the config files' sentinel) means "use the default".
+    for name, default in (("actor_bwd", 2.0 * self.actor_fwd), ("critic_bwd", 2.0 * self.critic_fwd),
+                          ("actor_mem", float(self.actor_fwd)),
+                          ("critic_mem", float(self.critic_fwd))):
+      v = getattr(self, name)
+      if v is None or v < 0:
+        object.__setattr__(self, name, float(default))
+        continue
+      positive = name.endswith("bwd")
+      if not math.isfinite(v) or (positive and v == 0):
+        raise ValueError(f"{name}={v!r} must be a {'positive' if positive else 'non-negative'} "
+                         "finite number (or None / negative for the default)")
+      object.__setattr__(self, name, float(v))
+    object.__setattr__(self, "actor_fwd", float(self.actor_fwd))
+    object.__setattr__(self, "critic_fwd", float(self.critic_fwd))
+    if not (math.isfinite(self.transfer_latency) and self.transfer_latency >= 0):
+      raise ValueError(f"transfer_latency={self.transfer_latency!r} must be a non-negative number")
+    object.__setattr__(self, "transfer_latency", float(self.transfer_latency))
+    if self.memory_budget is not None:
+      budget = tuple(float(b) for b in self.memory_budget)
+      if len(budget) == 1:
+        budget = budget * self.num_devices
+      if len(budget) != self.num_devices:
+        raise ValueError(f"memory_budget has {len(budget)} entries; expected 1 or "
+                         f"num_devices={self.num_devices}")
+      if any(b < 0 or not math.isfinite(b) for b in budget):
+        raise ValueError(f"memory_budget={budget} must be non-negative and finite")
+      object.__setattr__(self, "memory_budget", budget)
+
+  # Placement -------------------------------------------------------------------------------------
+  @property
+  def num_devices(self) -> int:
+    return self.actor_pp
+
+  @property
+  def critic_replicas(self) -> int:
+    return self.actor_pp // self.critic_pp
+
+  @property
+  def tasks_per_device(self) -> int:
+    return 2 * self.actor_microbatches + 2 * self.critic_microbatches
+
+  def actor_stage(self, device: int) -> int:
+    return device
+
+  def critic_stage(self, device: int) -> int:
+    return self.critic_pp - 1 - device % self.critic_pp
+
+  def critic_replica(self, device: int) -> int:
+    return device // self.critic_pp
+
+  def critic_device(self, replica: int, stage: int) -> int:
+    if not (0 <= replica < self.critic_replicas and 0 <= stage < self.critic_pp):
+      raise ValueError(f"critic (replica={replica}, stage={stage}) out of range "
+                       f"(replicas={self.critic_replicas}, critic_pp={self.critic_pp})")
+    return replica * self.critic_pp + self.critic_pp - 1 - stage
+
+  # Per-kind constants ----------------------------------------------------------------------------
+  def duration(self, kind: int) -> float:
+    return (self.actor_fwd, self.actor_bwd, self.critic_fwd, self.critic_bwd)[kind]
+
+  def durations(self) -> np.ndarray:
+    return np.array([self.actor_fwd, self.actor_bwd, self.critic_fwd, self.critic_bwd],
+                    dtype=np.float64)  # [4] by kind
+
+  def kind_counts(self) -> np.ndarray:
+    m_a, m_c = self.actor_microbatches, self.critic_microbatches
+    return np.array([m_a, m_a, m_c, m_c], dtype=np.int64)  # [4] tasks of each kind per device
+
+  def mem_deltas(self) -> np.ndarray:
+    """Memory change per kind: a forward allocates, its backward frees."""
+    return np.array([self.actor_mem, -self.actor_mem, self.critic_mem, -self.critic_mem],
+                    dtype=np.float64)  # [4]
+
+  def work_per_device(self) -> float:
+    return (self.actor_microbatches * (self.actor_fwd + self.actor_bwd) +
+            self.critic_microbatches * (self.critic_fwd + self.critic_bwd))
+
+  # Memory ----------------------------------------------------------------------------------------
+  def one_f_one_b_peaks(self) -> tuple[np.ndarray, np.ndarray]:
+    """Per-device activation peaks of the actor's and the critic's 1F1B schedules: [N], [N]."""
+    n = self.num_devices
+    actor = np.array([min(self.actor_pp - d, self.actor_microbatches) * self.actor_mem
+                      for d in range(n)])
+    critic = np.array([min(self.critic_pp - self.critic_stage(d), self.critic_microbatches) *
+                       self.critic_mem for d in range(n)])
+    return actor, critic
+
+  def default_memory_budget(self) -> np.ndarray:
+    actor, critic = self.one_f_one_b_peaks()
+    return actor + critic  # [N]
+
+  def budget(self) -> np.ndarray:
+    """The memory budget in force per device, [N]."""
+    if self.memory_budget is None:
+      return self.default_memory_budget()
+    return np.array(self.memory_budget, dtype=np.float64)
+
+  def params(self) -> np.ndarray:
+    """Flat float64 parameter vector consumed by the numba kernels (see evaluate.py)."""
+    return np.array([self.actor_pp, self.critic_pp, self.actor_microbatches,
+                     self.critic_microbatches, self.actor_fwd, self.actor_bwd, self.critic_fwd,
+                     self.critic_bwd, self.transfer_latency], dtype=np.float64)
+
+  def with_budget(self, budget: Optional[Sequence[float]]) -> "PipelineProblem":
+    return dataclasses.replace(self, memory_budget=None if budget is None else tuple(budget))
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def validate_order(problem: PipelineProblem, order: np.ndarray) -> np.ndarray:
+  """Checks the shape and kind counts of a per-device kind sequence; returns it as int8 [N, T].
+
+  Also rejects a device on which some backward comes before its own forward in the order (a
+  certain deadlock); cyclic waits across devices are found by the evaluator.
+  """
+  order = np.asarray(order)
+  n, t = problem.num_devices, problem.tasks_per_device
+  if order.shape != (n, t):
+    raise ValueError(f"order has shape {order.shape}; expected (num_devices={n}, "
+                     f"tasks_per_device={t})")
+  counts = problem.kind_counts()
+  for d in range(n):
+    got = np.bincount(order[d].astype(np.int64), minlength=4)
+    if got.shape[0] != 4 or np.any(got != counts):
+      raise ValueError(f"device {d}: kind counts {got.tolist()} (AF, AB, CF, CB); expected "
+                       f"{counts.tolist()}")
+  return order.astype(np.int8)

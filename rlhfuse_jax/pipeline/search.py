@@ -1,0 +1,355 @@
+"""Search for a fused schedule: list-scheduling variants, then simulated annealing with a memory
+penalty, within a wall-clock budget and a seed.
+
+1. Start pool: the greedy gap-filling schedule, both 1F1B-serial orders, and a few hundred list
+   schedules (schedules.py) over per-model in-flight caps (1F1B's cap x1, x1.5, x2, unbounded,
+   and cap pairs that trade actor against critic memory within the budget), a combined memory
+   cap (the budget, or none), priority biases towards backwards or one model, and random noise.
+2. Simulated annealing (numba) over the per-device kind orders. A move takes one task and
+   reinserts it up to `max_shift` slots away on its device; moves that put a backward before its
+   own forward are skipped. Cost = makespan + lam * (memory above budget) + eps * (mean device
+   finish time); lam rises geometrically during a run, so a run may cross infeasible schedules
+   early and must end within budget; temperature cools geometrically; each restart starts from
+   the best schedule so far (alternating the best feasible one and the best unconstrained one).
+3. Memory phase: annealing on (peak memory) with the makespan never allowed above the best found,
+   which lowers peaks at equal makespan (and so the lexicographic tie-breakers).
+
+The best feasible schedule by the lexicographic objective of evaluate.py is returned, with the
+best schedule found without the memory budget (the price of the budget is a result).
+Deterministic for a given seed up to the wall-clock budget (how many iterations fit).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Optional
+
+import numba
+import numpy as np
+
+from rlhfuse_jax.pipeline import schedules
+from rlhfuse_jax.pipeline.bounds import tight_lower_bound
+from rlhfuse_jax.pipeline.evaluate import Evaluator, objective_key, peaks_kernel, simulate_kernel
+from rlhfuse_jax.pipeline.graph import PipelineProblem, validate_order
+
+
+@numba.njit(cache=True, nogil=True)
+def _row_valid(row):
+  """No backward before its own forward: per-model prefix counts of B never exceed those of F."""
+  fa = 0
+  fc = 0
+  for k in row:
+    if k == 0:
+      fa += 1
+    elif k == 1:
+      fa -= 1
+      if fa < 0:
+        return False
+    elif k == 2:
+      fc += 1
+    else:
+      fc -= 1
+      if fc < 0:
+        return False
+  return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _row_peak(row, deltas):
+  cur = 0.0
+  best = 0.0
+  for k in row:
+    cur += deltas[k]
+    if cur > best:
+      best = cur
+  return best
+
+
+@numba.njit(cache=True, nogil=True)
+def _move(row, i, j):
+  """Reinserts row[i] at position j, shifting the elements in between."""
+  x = row[i]
+  if i < j:
+    for p in range(i, j):
+      row[p] = row[p + 1]
+  else:
+    for p in range(i, j, -1):
+      row[p] = row[p - 1]
+  row[j] = x
+
+
+@numba.njit(cache=True, nogil=True)
+def anneal_kernel(order, params, deltas, budget, iters, temp0, temp1, lam0, lam1, eps, max_shift,
+                  mem_mode, mk_cap, seed, best_feas, best_any, stats):
+  """Simulated annealing in place on `order` int8 [N, T].
+
+  mem_mode False: cost = makespan + lam*overflow + eps*mean finish. mem_mode True: cost = max
+  peak + sum of peaks / N with moves that raise the makespan above mk_cap rejected.
+  best_feas / best_any: int8 [N, T] receive the best schedule within budget / without budget;
+  stats f8 [10] holds (feas objective x5, any objective x5) on entry and is updated.
+  Returns the number of evaluations.
+  """
+  np.random.seed(seed)
+  n, t = order.shape
+  release = np.zeros(2)
+  mmax = max(int(params[2]), int(params[3]))
+  ends = np.zeros((n, t))
+  work_f = np.zeros((4, n, mmax))
+  work_i = np.zeros((n, 5), dtype=np.int64)
+  peaks = np.zeros(n)
+  peaks_kernel(order, deltas, peaks)
+  ok, mk, sf = simulate_kernel(order, params, release, ends, work_f, work_i)
+  if not ok:
+    return 0
+  over = 0.0
+  for d in range(n):
+    over += max(peaks[d] - budget[d], 0.0)
+  evals = 1
+  saved = np.empty(t, dtype=np.int8)
+  lam = lam0
+  if mem_mode:
+    cur = peaks.max() + peaks.sum() / n
+  else:
+    cur = mk + lam * over + eps * sf / n
+  for it in range(iters):
+    frac = it / iters
+    temp = temp0 * (temp1 / temp0) ** frac
+    if not mem_mode:
+      new_lam = lam0 * (lam1 / lam0) ** frac
+      cur += (new_lam - lam) * over
+      lam = new_lam
+    d = np.random.randint(n)
+    i = np.random.randint(t)
+    sh = np.random.randint(1, max_shift + 1)
+    j = i + sh if np.random.random() < 0.5 else i - sh
+    if j < 0 or j >= t or order[d, i] == order[d, j]:
+      continue
+    row = order[d]
+    lo = min(i, j)
+    hi = max(i, j)
+    saved[lo:hi + 1] = row[lo:hi + 1]
+    _move(row, i, j)
+    if not _row_valid(row):
+      row[lo:hi + 1] = saved[lo:hi + 1]
+      continue
+    old_peak = peaks[d]
+    new_peak = _row_peak(row, deltas)
+    new_over = over - max(old_peak - budget[d], 0.0) + max(new_peak - budget[d], 0.0)
+    peaks[d] = new_peak
+    ok, nmk, nsf = simulate_kernel(order, params, release, ends, work_f, work_i)
+    evals += 1
+    if not ok or (mem_mode and nmk > mk_cap + 1e-9):
+      row[lo:hi + 1] = saved[lo:hi + 1]
+      peaks[d] = old_peak
+      continue
+    if mem_mode:
+      cost = peaks.max() + peaks.sum() / n
+    else:
+      cost = nmk + lam * new_over + eps * nsf / n
+    if cost <= cur or np.random.random() < math.exp(-(cost - cur) / temp):
+      cur = cost
+      over = new_over
+      mk = nmk
+      sf = nsf
+      pmax = peaks.max()
+      psum = peaks.sum()
+      # Lexicographic bests (overflow, makespan, max peak, sum of peaks, sum of finishes).
+      if over <= 1e-9 and (mk < stats[1] - 1e-9 or (
+          mk <= stats[1] + 1e-9 and (pmax < stats[2] - 1e-9 or (pmax <= stats[2] + 1e-9 and (
+              psum < stats[3] - 1e-9 or (psum <= stats[3] + 1e-9 and sf < stats[4] - 1e-9)))))):
+        stats[0] = 0.0
+        stats[1] = mk
+        stats[2] = pmax
+        stats[3] = psum
+        stats[4] = sf
+        best_feas[:] = order
+      if mk < stats[6] - 1e-9 or (mk <= stats[6] + 1e-9 and (pmax < stats[7] - 1e-9 or (
+          pmax <= stats[7] + 1e-9 and psum < stats[8] - 1e-9))):
+        stats[5] = over
+        stats[6] = mk
+        stats[7] = pmax
+        stats[8] = psum
+        stats[9] = sf
+        best_any[:] = order
+    else:
+      row[lo:hi + 1] = saved[lo:hi + 1]
+      peaks[d] = old_peak
+  return evals
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchConfig:
+  """Knobs of the search; defaults were tuned on the 12 reference instances."""
+  time_budget_s: float = 20.0
+  seed: int = 0
+  list_variants: int = 300          # list-scheduling variants in the start pool
+  pool_time_frac: float = 0.15      # at most this fraction of the budget for the pool
+  chunk_iters: int = 20000          # annealing iterations per numba call (progress granularity)
+  run_iters: int = 200000           # iterations of one annealing run (one cooling schedule)
+  max_shift: int = 8                # a move reinserts a task at most this many slots away
+  temp0_frac: float = 0.5           # start temperature as a fraction of the smallest duration
+  temp1_frac: float = 0.01
+  lam0: float = 0.05                # memory penalty weight per unit over budget, start and end
+  lam1: float = 50.0
+  eps: float = 1e-3                 # weight of mean device finish time (guides through plateaus)
+  mem_phase_frac: float = 0.15      # fraction of the budget for the memory phase
+
+  def __post_init__(self):
+    if not self.time_budget_s > 0:
+      raise ValueError(f"time_budget_s={self.time_budget_s} must be > 0")
+    if self.max_shift < 1:
+      raise ValueError(f"max_shift={self.max_shift} must be >= 1")
+    if not 0 <= self.pool_time_frac < 1 or not 0 <= self.mem_phase_frac < 1:
+      raise ValueError("pool_time_frac and mem_phase_frac must be in [0, 1)")
+
+
+@dataclasses.dataclass
+class SearchResult:
+  best: np.ndarray                  # [N, T] best order within budget (None if none found)
+  best_unconstrained: np.ndarray    # [N, T] best order ignoring the budget
+  start: np.ndarray                 # [N, T] best start-pool order within budget
+  evaluations: int
+  search_s: float
+  history: list                     # (seconds, best feasible makespan, best any makespan)
+
+
+def _key(ev: Evaluator, order: np.ndarray) -> tuple:
+  ok, mk, sf = ev.timing(order)
+  peaks = ev.peak(order)
+  over = float(np.maximum(peaks - ev.budget, 0.0).sum())
+  return objective_key(bool(ok), over, float(mk), peaks, float(sf))
+
+
+def _stats_of(key: tuple) -> np.ndarray:
+  return np.array(key[1:], dtype=np.float64)  # (overflow, mk, max peak, sum peaks, sum finish)
+
+
+def start_pool(problem: PipelineProblem, rng: np.random.Generator, variants: int,
+               deadline: float) -> list[np.ndarray]:
+  """Valid orders: greedy, serial orders and list-scheduling variants (see module doc)."""
+  pool = [schedules.greedy_order(problem), schedules.serial_order(problem),
+          schedules.one_f_one_b_order(problem, "critic")]
+  n = problem.num_devices
+  tails = schedules.task_tails(problem)
+  base_caps = schedules.one_f_one_b_caps(problem)
+  budget = problem.budget()
+  am, cm = problem.actor_mem, problem.critic_mem
+  scale = float(problem.durations().max())
+  big = np.full(n, 1 << 30, dtype=np.int64)
+  mults = [1.0, 1.5, 2.0, np.inf]
+  structured = []
+  for ma in mults:
+    for mc in mults:
+      for memcap in (True, False):
+        for bias_b in (0.0, 2.0):
+          for bias_m in (-1.0, 0.0, 1.0):
+            structured.append((ma, mc, memcap, bias_b, bias_m, 0.0, 0.0))
+  # Cap pairs that trade one model's memory for the other's, each pair within the budget.
+  for shift in range(-3, 4):
+    structured.append((shift, None, False, 0.0, 0.0, 0.0, 0.0))
+  order_idx = list(range(len(structured)))
+  for v in range(max(variants, len(structured))):
+    if time.time() > deadline and len(pool) > 3:
+      break
+    if v < len(structured):
+      ma, mc, memcap, bias_b, bias_m, noise, window = structured[order_idx[v]]
+    else:
+      ma, mc = rng.choice(mults), rng.choice(mults)
+      memcap = bool(rng.integers(2))
+      bias_b, bias_m = float(rng.uniform(0, 3)), float(rng.uniform(-2, 2))
+      noise, window = float(rng.uniform(0, 1)), float(rng.choice([0.0, 0.0, 0.5, 1.0]))
+    if mc is None:  # a memory trade: actor cap shifted by `ma`, critic gets what is left
+      caps = base_caps.copy()
+      caps[:, 0] = np.clip(base_caps[:, 0] + int(ma), 1, problem.actor_microbatches)
+      left = budget - caps[:, 0] * am
+      caps[:, 1] = np.clip(np.floor(left / max(cm, 1e-12)), 1, problem.critic_microbatches)
+      mem_cap = np.full(n, np.inf)
+    else:
+      caps = np.empty((n, 2), dtype=np.int64)
+      for col, mult in ((0, ma), (1, mc)):
+        caps[:, col] = big if math.isinf(mult) else np.maximum(
+            1, np.ceil(base_caps[:, col] * mult)).astype(np.int64)
+      mem_cap = budget if memcap else np.full(n, np.inf)
+    prio = tails.copy()
+    prio[:, 1::2] += bias_b * scale
+    prio[:, :2] += bias_m * scale
+    if noise > 0:
+      prio += rng.uniform(0, noise * scale, size=prio.shape)
+    order = schedules.list_schedule(problem, prio, caps, mem_cap, window * scale)
+    if order is not None:
+      pool.append(order)
+  return pool
+
+
+def search(problem: PipelineProblem, config: SearchConfig = SearchConfig(),
+           log: Optional[Callable[[str], None]] = None,
+           initial: Optional[list[np.ndarray]] = None) -> SearchResult:
+  """Best fused schedule within the memory budget found in config.time_budget_s seconds."""
+  t0 = time.time()
+  deadline = t0 + config.time_budget_s
+  rng = np.random.default_rng(config.seed)
+  ev = Evaluator(problem)
+  pool = list(initial or []) + start_pool(
+      problem, rng, config.list_variants, t0 + config.pool_time_frac * config.time_budget_s)
+  pool = [validate_order(problem, o) for o in pool]
+  keys = [_key(ev, o) for o in pool]
+  evaluations = len(pool)
+  valid = [i for i, k in enumerate(keys) if k[0] == 0]
+  feas = [i for i in valid if keys[i][1] == 0]
+  if not feas:
+    raise RuntimeError("no start schedule within the memory budget; the greedy schedule always "
+                       "is, so the budget must be below the two models' 1F1B peaks")
+  i_feas = min(feas, key=lambda i: keys[i])
+  i_any = min(valid, key=lambda i: keys[i][2:])
+  best_feas = pool[i_feas].copy()
+  best_any = pool[i_any].copy()
+  start = best_feas.copy()
+  stats = np.concatenate([_stats_of(keys[i_feas]), _stats_of(keys[i_any])])
+  lb = tight_lower_bound(problem)
+  history = [(time.time() - t0, stats[1], stats[6])]
+  if log:
+    log(f"start pool: {len(pool)} schedules in {time.time() - t0:.1f}s; best within budget "
+        f"{stats[1]:g}, best unconstrained {stats[6]:g}, lower bound {lb:g}")
+  params, deltas, budget = problem.params(), problem.mem_deltas(), problem.budget()
+  dmin = float(problem.durations().min())
+  mem_deadline = deadline - config.mem_phase_frac * config.time_budget_s
+  run = 0
+  while time.time() < mem_deadline and stats[1] > lb + 1e-9:
+    # Alternate starting points: the best within budget, and the best unconstrained one (the
+    # rising penalty pulls it back within budget).
+    cur = (best_feas if run % 2 == 0 or stats[6] >= stats[1] else best_any).copy()
+    done = 0
+    while done < config.run_iters and time.time() < mem_deadline:
+      n_it = min(config.chunk_iters, config.run_iters - done)
+      f0, f1 = done / config.run_iters, (done + n_it) / config.run_iters
+      temp_a = config.temp0_frac * dmin * (config.temp1_frac / config.temp0_frac) ** f0
+      temp_b = config.temp0_frac * dmin * (config.temp1_frac / config.temp0_frac) ** f1
+      lam_a = config.lam0 * (config.lam1 / config.lam0) ** f0
+      lam_b = config.lam0 * (config.lam1 / config.lam0) ** f1
+      seed = int(rng.integers(1 << 31))
+      evaluations += anneal_kernel(cur, params, deltas, budget, n_it, temp_a, temp_b, lam_a, lam_b,
+                                   config.eps, config.max_shift, False, 0.0, seed, best_feas,
+                                   best_any, stats)
+      done += n_it
+      history.append((time.time() - t0, stats[1], stats[6]))
+      if stats[1] <= lb + 1e-9:
+        break
+    run += 1
+    if log:
+      log(f"anneal run {run}: {time.time() - t0:.1f}s, {evaluations} evaluations; best within "
+          f"budget {stats[1]:g} (max peak {stats[2]:g}), unconstrained {stats[6]:g}, LB {lb:g}")
+  # Memory phase: lower the peaks of the best schedule without raising its makespan.
+  while time.time() < deadline:
+    cur = best_feas.copy()
+    seed = int(rng.integers(1 << 31))
+    n_it = config.chunk_iters
+    evaluations += anneal_kernel(cur, params, deltas, budget, n_it, 0.5, 0.01, 0.0, 0.0, 0.0,
+                                 config.max_shift, True, stats[1], seed, best_feas, best_any,
+                                 stats)
+    history.append((time.time() - t0, stats[1], stats[6]))
+  if log:
+    log(f"search done: {time.time() - t0:.1f}s, {evaluations} evaluations; best within budget "
+        f"{stats[1]:g} (max peak {stats[2]:g}), unconstrained {stats[6]:g}, LB {lb:g}")
+  return SearchResult(best=best_feas, best_unconstrained=best_any, start=start,
+                      evaluations=evaluations, search_s=time.time() - t0, history=history)
