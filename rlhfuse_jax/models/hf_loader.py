@@ -1,0 +1,437 @@
+"""Hugging Face LLaMA/Qwen2 checkpoints <-> our `llama.py` parameters.
+
+A HF checkpoint directory is `config.json` plus safetensors weights, either one `model.safetensors`
+or a `model.safetensors.index.json` whose `weight_map` names the shard of every tensor. The
+mapping to our parameter tree is one table (`_tensor_table`): HF `nn.Linear` weights are stored
+[out, in] and our `nn.Dense` kernels [in, out], so every projection is transposed; everything else
+is copied. Loading is strict: each expected tensor must be present with the shape the config
+implies, and tensors we would silently drop are an error (only RoPE's recomputable `inv_freq`
+buffers, and an LM head that a scalar-head model does not use, are skipped).
+
+Configs are strict too: a feature our model does not implement (RoPE scaling, sliding-window
+attention that is actually reached, biases on the MLP, another activation) raises an error that
+names the config.json field, rather than producing a model that quietly computes something else.
+
+Critic and reward models (`head="scalar"`) start from an LM checkpoint (the backbone is loaded,
+the value head drawn fresh from an rng) or from a HF `*ForSequenceClassification` checkpoint
+(the value head is its `score.weight`).
+
+bf16 safetensors are read through safetensors' numpy loader; importing `ml_dtypes` registers
+numpy's `bfloat16`, which older safetensors releases need to recognise the dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Optional
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers numpy bfloat16 for safetensors' numpy loader)
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from rlhfuse_jax.data.tokenizer import HFTokenizer
+from rlhfuse_jax.models import llama
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+# architecture name -> (model family, head it implies)
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "lm"),
+    "Qwen2ForCausalLM": ("qwen2", "lm"),
+    "LlamaForSequenceClassification": ("llama", "scalar"),
+    "Qwen2ForSequenceClassification": ("qwen2", "scalar"),
+}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# Tensors that HF checkpoints may carry and that hold nothing we need.
+_HARMLESS = (re.compile(r".*rotary_emb\.inv_freq$"),)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} not found")
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: not valid JSON ({e})") from e
+  if not isinstance(data, dict):
+    raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+  return data
+
+
+def _architecture(hf: dict[str, Any], where: str) -> str:
+  archs = hf.get("architectures")
+  if archs:
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+      raise ValueError(f"{where}: architectures={archs} is not supported; expected one of "
+                       f"{sorted(ARCHITECTURES)}")
+    return archs[0]
+  model_type = hf.get("model_type")
+  if model_type not in _MODEL_TYPES:
+    raise ValueError(f"{where}: no 'architectures' and model_type={model_type!r} is not "
+                     f"supported; expected one of {sorted(_MODEL_TYPES)}")
+  return _MODEL_TYPES[model_type]
+
+
+def _rope_theta(hf: dict[str, Any], where: str) -> float:
+  """RoPE base; only unscaled ("default") RoPE is implemented by `llama.rope`.
+
+  transformers >= 5 writes `rope_parameters` ({rope_type, rope_theta, ...}); older releases write
+  `rope_theta` and `rope_scaling` ({type or rope_type, factor, ...} or null).
+  """
+  for field in ("rope_parameters", "rope_scaling"):
+    params = hf.get(field)
+    if params is None:
+      continue
+    if not isinstance(params, dict):
+      raise ValueError(f"{where}: {field}={params!r}; expected an object or null")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+      raise ValueError(f"{where}: {field} has rope_type={rope_type!r} ({params}); only unscaled "
+                       "('default') RoPE is implemented")
+  params = hf.get("rope_parameters") or {}
+  return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _sliding_layers(hf: dict[str, Any], num_layers: int) -> list[int]:
+  """Layers that HF would run with sliding-window attention."""
+  if hf.get("layer_types") is not None:
+    return [i for i, t in enumerate(hf["layer_types"]) if t != "full_attention"]
+  if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
+    first = int(hf.get("max_window_layers", 0) or 0)
+    return list(range(first, num_layers))
+  return []
+
+
+def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) -> llama.ModelConfig:
+  """Maps a parsed HF config.json onto ModelConfig (see `load_hf_config`)."""
+  arch = _architecture(hf, where)
+  family, head = ARCHITECTURES[arch]
+  act = hf.get("hidden_act", "silu")
+  if act != "silu":
+    raise ValueError(f"{where}: hidden_act={act!r} is not supported; expected 'silu' (SwiGLU)")
+  if hf.get("mlp_bias"):
+    raise ValueError(f"{where}: mlp_bias=true is not supported (our MLP has no biases)")
+  dtype_name = hf.get("dtype", hf.get("torch_dtype")) or "float32"
+  if dtype_name not in _NP_DTYPES:
+    raise ValueError(f"{where}: torch_dtype={dtype_name!r}; expected one of {list(_NP_DTYPES)}")
+  if family == "qwen2":
+    qkv_bias, o_bias = True, False
+  else:
+    qkv_bias = o_bias = bool(hf.get("attention_bias", False))
+  num_heads = int(hf["num_attention_heads"])
+  fields = dict(
+      vocab_size=int(hf["vocab_size"]),
+      hidden_size=int(hf["hidden_size"]),
+      intermediate_size=int(hf["intermediate_size"]),
+      num_layers=int(hf["num_hidden_layers"]),
+      num_heads=num_heads,
+      num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+      head_dim=int(hf.get("head_dim") or 0),
+      rope_theta=_rope_theta(hf, where),
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      qkv_bias=qkv_bias,
+      o_bias=o_bias,
+      max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+      param_dtype=dtype_name,
+      dtype=dtype_name,
+      head=head,
+  )
+  known = {f.name for f in dataclasses.fields(llama.ModelConfig)}
+  unknown = sorted(set(overrides) - known)
+  if unknown:
+    raise ValueError(f"unknown ModelConfig override(s) {unknown}; known fields: {sorted(known)}")
+  fields.update(overrides)
+  cfg = llama.ModelConfig(**fields)
+  sliding = _sliding_layers(hf, cfg.num_layers)
+  window = hf.get("sliding_window")
+  # A window at least as long as any sequence we run is plain causal attention.
+  if sliding and window is not None and int(window) < cfg.max_seq_len:
+    raise ValueError(
+        f"{where}: sliding_window={window} is used by layers {sliding} (use_sliding_window / "
+        f"layer_types) and is shorter than max_seq_len={cfg.max_seq_len}; sliding-window "
+        f"attention is not implemented (override max_seq_len <= {window} to load anyway)")
+  return cfg
+
+
+def load_hf_config(ckpt_dir: str, **overrides) -> llama.ModelConfig:
+  """ModelConfig of a HF LlamaForCausalLM / Qwen2ForCausalLM (or *ForSequenceClassification) dir.
+
+  param_dtype and dtype follow config.json's torch_dtype; `overrides` replace any ModelConfig
+  field (e.g. `dtype="bfloat16", max_seq_len=1024, head="scalar"`).
+  """
+  path = os.path.join(ckpt_dir, CONFIG_FILE)
+  return config_from_hf(_read_json(path), path, **overrides)
+
+
+def _tensor_table(cfg: llama.ModelConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
+  """HF tensor name -> (our param path, transpose?) for every tensor the backbone needs."""
+  table = {"model.embed_tokens.weight": (("embed", "embedding"), False),
+           "model.norm.weight": (("head", "final_norm", "scale"), False)}
+  for i in range(cfg.num_layers):
+    hf, ours = f"model.layers.{i}.", f"layers_{i}"
+    table[hf + "input_layernorm.weight"] = ((ours, "attn_norm", "scale"), False)
+    table[hf + "post_attention_layernorm.weight"] = ((ours, "mlp_norm", "scale"), False)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      table[hf + f"self_attn.{proj}.weight"] = ((ours, "attn", proj, "kernel"), True)
+    if cfg.qkv_bias:
+      for proj in ("q_proj", "k_proj", "v_proj"):
+        table[hf + f"self_attn.{proj}.bias"] = ((ours, "attn", proj, "bias"), False)
+    if cfg.o_bias:
+      table[hf + "self_attn.o_proj.bias"] = ((ours, "attn", "o_proj", "bias"), False)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+      table[hf + f"mlp.{proj}.weight"] = ((ours, "mlp", proj, "kernel"), True)
+  if cfg.head == "lm" and not cfg.tie_embeddings:
+    table["lm_head.weight"] = (("head", "lm_head"), True)
+  return table
+
+
+class _Checkpoint:
+  """Tensor name -> safetensors file of a checkpoint directory (single file or sharded)."""
+
+  def __init__(self, ckpt_dir: str):
+    self.dir = ckpt_dir
+    single, index = os.path.join(ckpt_dir, SINGLE_FILE), os.path.join(ckpt_dir, INDEX_FILE)
+    if os.path.isfile(single):
+      with safetensors.safe_open(single, framework="numpy") as f:
+        self.files = {name: single for name in f.keys()}
+    elif os.path.isfile(index):
+      weight_map = _read_json(index).get("weight_map")
+      if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: missing 'weight_map' object")
+      self.files = {name: os.path.join(ckpt_dir, shard) for name, shard in weight_map.items()}
+      for shard in sorted(set(self.files.values())):
+        if not os.path.isfile(shard):
+          raise FileNotFoundError(f"{index} names shard {os.path.basename(shard)}, which is "
+                                  "missing")
+    else:
+      present = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else "no such directory"
+      raise FileNotFoundError(f"{ckpt_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found "
+                              f"(contents: {present}); only safetensors checkpoints are supported")
+    self._open: dict[str, Any] = {}
+
+  def names(self) -> set[str]:
+    return set(self.files)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._handle(name).get_slice(name).get_shape())
+
+  def get(self, name: str) -> np.ndarray:
+    try:
+      return self._handle(name).get_tensor(name)
+    except Exception as e:  # the Rust side raises SafetensorError for a name the index lied about
+      raise ValueError(f"{self.files[name]}: cannot read tensor {name} ({e})") from e
+
+  def _handle(self, name: str):
+    path = self.files[name]
+    if path not in self._open:
+      self._open[path] = safetensors.safe_open(path, framework="numpy").__enter__()
+    return self._open[path]
+
+  def close(self):
+    for handle in self._open.values():
+      handle.__exit__(None, None, None)
+    self._open.clear()
+
+
+def _expected_shapes(cfg: llama.ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+  shapes = jax.eval_shape(lambda: llama.Transformer(cfg).init(
+      jax.random.key(0), jnp.zeros((1, 2), jnp.int32))["params"])
+  return {k: tuple(v.shape) for k, v in flax.traverse_util.flatten_dict(nn.unbox(shapes)).items()}
+
+
+def _short_list(names, limit: int = 20) -> str:
+  names = sorted(names)
+  more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+  return ", ".join(names[:limit]) + more
+
+
+def load_hf_params(ckpt_dir: str, cfg: llama.ModelConfig, dtype: Optional[str] = None,
+                   head: Optional[str] = None, rng: Optional[jax.Array] = None) -> Any:
+  """Reads a HF checkpoint into our parameter tree (host numpy arrays).
+
+  Args:
+    ckpt_dir: directory with model.safetensors or model.safetensors.index.json + shards.
+    cfg: the model config (usually `load_hf_config(ckpt_dir)`); shapes are validated against it.
+    dtype: dtype of the returned arrays ("float32", "bfloat16", "float16"); default
+      cfg.param_dtype.
+    head: "lm" or "scalar"; default cfg.head (the config decides the tree, so they must agree).
+    rng: for head="scalar" without a `score.weight` in the checkpoint: key that draws the value
+      head as `llama.init_params` would (normal(0.02) weight, zero bias).
+
+  Returns:
+    Nested dict matching `llama.init_params(cfg, ...)[0]`, as numpy arrays, so that the caller
+    places them with `jax.device_put(params, shardings)` without a detour through one device.
+  """
+  head = cfg.head if head is None else head
+  if head not in llama.HEADS:
+    raise ValueError(f"head={head!r}; expected one of {llama.HEADS}")
+  if head != cfg.head:
+    cfg = cfg.replace(head=head)
+  dtype = cfg.param_dtype if dtype is None else dtype
+  if dtype not in _NP_DTYPES:
+    raise ValueError(f"dtype={dtype!r}; expected one of {list(_NP_DTYPES)}")
+  np_dtype = _NP_DTYPES[dtype]
+  ckpt = _Checkpoint(ckpt_dir)
+  try:
+    return _load(ckpt, cfg, np_dtype, rng)
+  finally:
+    ckpt.close()
+
+
+def _load(ckpt: _Checkpoint, cfg: llama.ModelConfig, np_dtype, rng) -> Any:
+  table = _tensor_table(cfg)
+  expected = _expected_shapes(cfg)
+  names = ckpt.names()
+  optional = set()  # present-or-not tensors we know how to use or safely skip
+  if cfg.head == "scalar":
+    optional |= {"score.weight", "score.bias", "lm_head.weight"}
+  elif cfg.tie_embeddings:
+    optional.add("lm_head.weight")  # some exporters store the tied copy; checked equal below
+  missing = sorted(set(table) - names)
+  if missing:
+    raise ValueError(f"{ckpt.dir}: checkpoint lacks tensor(s) the config needs: "
+                     f"{_short_list(missing)}")
+  unexpected = [n for n in names - set(table) - optional
+                if not any(p.match(n) for p in _HARMLESS)]
+  if unexpected:
+    raise ValueError(f"{ckpt.dir}: checkpoint has tensor(s) this config does not use "
+                     f"(is the config right?): {_short_list(unexpected)}")
+
+  flat = {}
+  for name, (path, transpose) in table.items():
+    want = expected[path][::-1] if transpose else expected[path]
+    got = ckpt.shape(name)
+    if got != want:
+      raise ValueError(f"{ckpt.dir}: tensor {name} has shape {list(got)} but the config expects "
+                       f"{list(want)} (our {'/'.join(path)} {list(expected[path])})")
+    w = ckpt.get(name)
+    flat[path] = np.ascontiguousarray(w.T if transpose else w).astype(np_dtype, copy=False)
+
+  if cfg.head == "lm" and cfg.tie_embeddings and "lm_head.weight" in names:
+    lm = ckpt.get("lm_head.weight")
+    if lm.shape != flat[("embed", "embedding")].shape or not np.array_equal(
+        lm.astype(np_dtype), flat[("embed", "embedding")]):
+      raise ValueError(f"{ckpt.dir}: tie_word_embeddings=true but lm_head.weight differs from "
+                       "model.embed_tokens.weight; set tie_word_embeddings=false in config.json")
+  if cfg.head == "scalar":
+    flat.update(_value_head(ckpt, cfg, expected, np_dtype, rng))
+  return flax.traverse_util.unflatten_dict(flat)
+
+
+def _value_head(ckpt: _Checkpoint, cfg: llama.ModelConfig, expected, np_dtype, rng):
+  w_path, b_path = ("head", "value_head"), ("head", "value_bias")
+  names = ckpt.names()
+  if "score.weight" in names:
+    want = expected[w_path][::-1]  # HF score: nn.Linear(hidden, num_labels=1) -> [1, hidden]
+    if ckpt.shape("score.weight") != want:
+      raise ValueError(f"{ckpt.dir}: tensor score.weight has shape "
+                       f"{list(ckpt.shape('score.weight'))} but a scalar head expects {list(want)} "
+                       "(num_labels must be 1)")
+    w = ckpt.get("score.weight").T  # [hidden, 1]
+  else:
+    if rng is None:
+      raise ValueError(f"{ckpt.dir}: head='scalar' and the checkpoint has no score.weight; pass "
+                       "rng= to initialise the value head")
+    w = np.asarray(nn.initializers.normal(0.02)(rng, expected[w_path], jnp.float32))
+  b = np.zeros(expected[b_path], np.float32)
+  if "score.bias" in names:
+    if ckpt.shape("score.bias") != expected[b_path]:
+      raise ValueError(f"{ckpt.dir}: tensor score.bias has shape {list(ckpt.shape('score.bias'))}"
+                       f" but a scalar head expects {list(expected[b_path])}")
+    b = ckpt.get("score.bias")
+  return {w_path: np.ascontiguousarray(w).astype(np_dtype, copy=False),
+          b_path: np.asarray(b).astype(np_dtype, copy=False)}
+
+
+def hf_config_dict(cfg: llama.ModelConfig, torch_dtype: Optional[str] = None) -> dict[str, Any]:
+  """The config.json that describes `cfg` to transformers (and to `load_hf_config`)."""
+  if cfg.qkv_bias and not cfg.o_bias:
+    family = "qwen2"
+  elif cfg.qkv_bias == cfg.o_bias:
+    family = "llama"
+  else:
+    raise ValueError("model.o_bias=True with model.qkv_bias=False has no HF LLaMA/Qwen2 "
+                     "equivalent")
+  arch = {("llama", "lm"): "LlamaForCausalLM", ("qwen2", "lm"): "Qwen2ForCausalLM",
+          ("llama", "scalar"): "LlamaForSequenceClassification",
+          ("qwen2", "scalar"): "Qwen2ForSequenceClassification"}[(family, cfg.head)]
+  hf = {
+      "architectures": [arch],
+      "model_type": family,
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.hidden_size,
+      "intermediate_size": cfg.intermediate_size,
+      "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim_,
+      "hidden_act": "silu",
+      "max_position_embeddings": cfg.max_seq_len,
+      "rms_norm_eps": cfg.rms_norm_eps,
+      "rope_theta": cfg.rope_theta,
+      "rope_scaling": None,
+      "tie_word_embeddings": cfg.tie_embeddings,
+      "torch_dtype": torch_dtype or cfg.param_dtype,
+  }
+  if family == "llama":
+    hf.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
+  else:
+    hf.update(use_sliding_window=False, sliding_window=None)
+  if cfg.head == "scalar":
+    hf.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+  return hf
+
+
+def save_hf_checkpoint(params: Any, cfg: llama.ModelConfig, out_dir: str) -> None:
+  """Writes `params` as a HF checkpoint: config.json + one model.safetensors.
+
+  Tensors keep their dtype (config.json's torch_dtype is that of the embedding). A scalar head
+  becomes `score.weight` of a *ForSequenceClassification; a non-zero value bias is written as
+  `score.bias`, which `load_hf_params` reads back but transformers ignores (its score layer has
+  no bias).
+  """
+  flat = flax.traverse_util.flatten_dict(jax.device_get(params))
+  expected = _expected_shapes(cfg)
+  if set(flat) != set(expected):
+    raise ValueError(f"params do not match the config: missing "
+                     f"{_short_list('/'.join(p) for p in set(expected) - set(flat))}; unexpected "
+                     f"{_short_list('/'.join(p) for p in set(flat) - set(expected))}")
+  tensors = {}
+  for name, (path, transpose) in _tensor_table(cfg).items():
+    w = np.asarray(flat[path])
+    if w.shape != expected[path]:
+      raise ValueError(f"param {'/'.join(path)} has shape {list(w.shape)}; config expects "
+                       f"{list(expected[path])}")
+    tensors[name] = np.ascontiguousarray(w.T if transpose else w)
+  if cfg.head == "scalar":
+    tensors["score.weight"] = np.ascontiguousarray(np.asarray(flat[("head", "value_head")]).T)
+    bias = np.asarray(flat[("head", "value_bias")])
+    if np.any(bias != 0):
+      tensors["score.bias"] = np.ascontiguousarray(bias)
+  dtype_name = np.dtype(tensors["model.embed_tokens.weight"].dtype).name
+  if dtype_name not in _NP_DTYPES:
+    raise ValueError(f"embedding dtype {dtype_name} cannot be saved; expected one of "
+                     f"{list(_NP_DTYPES)}")
+  os.makedirs(out_dir, exist_ok=True)
+  # transformers refuses safetensors files without a known "format"; "pt" is what it writes.
+  safetensors.numpy.save_file(tensors, os.path.join(out_dir, SINGLE_FILE),
+                              metadata={"format": "pt"})
+  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+    json.dump(hf_config_dict(cfg, dtype_name), f, indent=2, sort_keys=True)
+
+
+def load_hf_tokenizer(ckpt_dir: str, **kwargs) -> HFTokenizer:
+  """The checkpoint's tokenizer.json as an `HFTokenizer` (kwargs go to `HFTokenizer.from_file`)."""
+  return HFTokenizer.from_file(ckpt_dir, **kwargs)
