@@ -1,0 +1,111 @@
+"""Token sampling with per-sample RNG streams (DESIGN §2).
+
+Every sample owns its random stream: the key for response token t of the sample with id `uid` is
+
+  fold_in(fold_in(iteration_key, uid), t)
+
+so the token drawn never depends on the slot, instance or batch that decoded the sample, nor on
+whether it was migrated between instances: only (iteration, uid, t) and the logits matter.
+`t` is the 0-based index of the token within the response (0 = first token after the prompt).
+
+Behaviour log-probs. The log-prob recorded for a sampled token is
+
+  log_softmax(logits / temperature)[token]   (temperature taken as 1 when greedy)
+
+over the FULL vocabulary, without renormalising over the top-k / top-p survivors. That is exactly
+what the trainer recomputes from a full forward (models/sequences.response_logprobs_and_entropy
+with the same temperature), so the PPO ratio starts at 1. Truncation is treated as part of the
+environment, as in common RLHF tools; the recorded value is not the probability that the
+truncated sampler assigned to the token.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How responses are drawn. Frozen and hashable: it is a static argument of the jitted code."""
+  temperature: float = 1.0  # logits are divided by it (> 0); ignored for sampling when greedy
+  top_k: int = 0  # keep the k most likely tokens; 0 disables
+  top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p; 1 disables
+  greedy: bool = False  # argmax decoding (no randomness)
+  max_new_tokens: int = 16  # response budget T per sample (EOS included)
+  eos_id: int = -1  # token that ends a response (it is kept in the response); -1: no EOS
+  pad_id: int = 0  # fills response buffers past a sample's length
+  chunk_size: int = 8  # decode steps K per jitted call; the host checks `done` between calls
+
+  def __post_init__(self):
+    if not self.temperature > 0:
+      raise ValueError(f"sampling.temperature={self.temperature}; expected > 0 "
+                       "(use greedy=True for argmax decoding)")
+    if int(self.top_k) != self.top_k or self.top_k < 0:
+      raise ValueError(f"sampling.top_k={self.top_k}; expected an integer >= 0 (0 disables)")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"sampling.top_p={self.top_p}; expected in (0, 1] (1 disables)")
+    if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
+      raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens}; expected an integer >= 1")
+    if int(self.chunk_size) != self.chunk_size or self.chunk_size < 1:
+      raise ValueError(f"sampling.chunk_size={self.chunk_size}; expected an integer >= 1")
+    if self.eos_id < -1:
+      raise ValueError(f"sampling.eos_id={self.eos_id}; expected a token id >= 0, or -1 for none")
+    if self.pad_id < 0:
+      raise ValueError(f"sampling.pad_id={self.pad_id}; expected a token id >= 0")
+
+  def check_vocab(self, vocab_size: int) -> None:
+    """Raises if a token id or top_k does not fit the model's vocabulary."""
+    for name in ("eos_id", "pad_id"):
+      if getattr(self, name) >= vocab_size:
+        raise ValueError(f"sampling.{name}={getattr(self, name)} is outside the vocabulary "
+                         f"(model.vocab_size={vocab_size})")
+    if self.top_k > vocab_size:
+      raise ValueError(f"sampling.top_k={self.top_k} exceeds model.vocab_size={vocab_size}")
+
+  @property
+  def logprob_temperature(self) -> float:
+    """Temperature of the recorded behaviour log-probs (and of the trainer's recomputation)."""
+    return 1.0 if self.greedy else float(self.temperature)
+
+
+def sample_keys(iteration_key: jax.Array, uids, t):
+  """Per-row keys [B] for response token t[b] of sample uids[b] (both [B] int32)."""
+  return jax.vmap(lambda u, i: jax.random.fold_in(jax.random.fold_in(iteration_key, u), i))(
+      jnp.asarray(uids, jnp.int32), jnp.asarray(t, jnp.int32))
+
+
+def _sample_row(key, scaled, top_k: int, top_p: float):
+  """One row: scaled [V] float32 logits (already divided by temperature) -> token id."""
+  if top_k > 0:
+    vals, idx = jax.lax.top_k(scaled, top_k)  # [k] sorted descending
+  elif top_p < 1.0:
+    idx = jnp.argsort(-scaled, stable=True)  # [V] most likely first, ties by lower id
+    vals = scaled[idx]
+  else:
+    return jax.random.categorical(key, scaled)
+  if top_p < 1.0:
+    probs = jax.nn.softmax(vals)
+    before = jnp.cumsum(probs) - probs  # probability of strictly more likely tokens
+    # Keep a token while the mass before it is < top_p: the smallest set reaching top_p.
+    vals = jnp.where(before < top_p, vals, -jnp.inf)
+  return idx[jax.random.categorical(key, vals)]
+
+
+def sample_token(logits, keys, cfg: SamplingConfig):
+  """Draws one token per row.
+
+  logits: [B, V] float32; keys: [B] typed PRNG keys (see sample_keys).
+  Returns (tokens [B] int32, logprobs [B] float32) with logprobs as in the module docstring.
+  """
+  logits = logits.astype(jnp.float32)
+  if cfg.greedy:
+    tokens = jnp.argmax(logits, axis=-1)
+  else:
+    scaled = logits / cfg.temperature  # [B, V]
+    tokens = jax.vmap(lambda k, s: _sample_row(k, s, cfg.top_k, cfg.top_p))(keys, scaled)
+  tokens = tokens.astype(jnp.int32)
+  logp_all = jax.nn.log_softmax(logits / cfg.logprob_temperature, axis=-1)  # [B, V]
+  logprobs = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
+  return tokens, logprobs
