@@ -130,6 +130,9 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
   else:
     qkv_bias = o_bias = bool(hf.get("attention_bias", False))
   num_heads = int(hf["num_attention_heads"])
+  head_dim = int(hf.get("head_dim") or 0)
+  if head_dim * num_heads == int(hf["hidden_size"]):
+    head_dim = 0  # canonical form: ModelConfig derives it, so configs compare equal
   fields = dict(
       vocab_size=int(hf["vocab_size"]),
       hidden_size=int(hf["hidden_size"]),
@@ -137,7 +140,7 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
       num_layers=int(hf["num_hidden_layers"]),
       num_heads=num_heads,
       num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-      head_dim=int(hf.get("head_dim") or 0),
+      head_dim=head_dim,
       rope_theta=_rope_theta(hf, where),
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
