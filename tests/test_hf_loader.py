@@ -170,7 +170,9 @@ def test_tied_lm_head_copy_must_equal_embedding(tmp_path):
         "type": "linear", "factor": 2.0})), "rope_scaling.*'linear'"),
     (lambda c: c.update(hidden_act="gelu"), "hidden_act='gelu'"),
     (lambda c: c.update(mlp_bias=True), "mlp_bias"),
-], ids=["architecture", "model_type", "rope_llama3", "rope_scaling_linear", "act", "mlp_bias"])
+    (lambda c: c.pop("intermediate_size"), r"missing required field\(s\) \['intermediate_size'\]"),
+], ids=["architecture", "model_type", "rope_llama3", "rope_scaling_linear", "act", "mlp_bias",
+        "missing_field"])
 def test_unsupported_config_names_the_field(tmp_path, edit, match):
   with open(os.path.join(LLAMA, "config.json")) as f:
     config = json.load(f)

@@ -117,6 +117,11 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
   """Maps a parsed HF config.json onto ModelConfig (see `load_hf_config`)."""
   arch = _architecture(hf, where)
   family, head = ARCHITECTURES[arch]
+  required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads")
+  absent = [k for k in required if hf.get(k) is None]
+  if absent:
+    raise ValueError(f"{where}: missing required field(s) {absent}")
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise ValueError(f"{where}: hidden_act={act!r} is not supported; expected 'silu' (SwiGLU)")
