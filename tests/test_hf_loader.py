@@ -1,4 +1,4 @@
-"""HF checkpoint loading against the committed tiny fixtures (made by tests/make_tiny_checkpoint.py).
+"""HF checkpoint loading against the committed tiny fixtures (see tests/make_tiny_checkpoint.py).
 
 No torch or transformers at test time: golden logits were recorded from HF once. Broken
 checkpoints are built in tmp_path by editing config.json or re-saving the safetensors.
