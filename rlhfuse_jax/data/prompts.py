@@ -69,7 +69,9 @@ class PromptBatch:
     indices: position of each record in the dataset's pool.  # [B] int64
     tokens: prompt ids padded with pad_id to a common width P.  # [B, P] int32
     lengths: number of real (non-pad) tokens of each prompt.  # [B] int32
-    padding: 'left' (real tokens end at column P-1, as generation wants) or 'right'.
+    padding: 'right' (real tokens from column 0: the convention of `models.llama`, whose
+      per-row cache offsets make a padding mask unnecessary) or 'left' (real tokens end at
+      column P-1).
   """
   records: list[dict[str, Any]]
   indices: np.ndarray
@@ -87,7 +89,7 @@ class PromptBatch:
 
 
 def pad_token_ids(ids: Sequence[Sequence[int]], width: int, pad_id: int,
-                  padding: str = "left") -> tuple[np.ndarray, np.ndarray]:
+                  padding: str = "right") -> tuple[np.ndarray, np.ndarray]:
   """Packs variable-length id lists into ([N, width] int32 tokens, [N] int32 lengths)."""
   if padding not in _PADDINGS:
     raise ValueError(f"padding={padding!r}: expected one of {_PADDINGS}")
@@ -108,7 +110,7 @@ def pad_token_ids(ids: Sequence[Sequence[int]], width: int, pad_id: int,
 
 def tokenize_prompts(records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
                      max_prompt_len: int, *, field: str = "prompt",
-                     padding: str = "left") -> tuple[np.ndarray, np.ndarray]:
+                     padding: str = "right") -> tuple[np.ndarray, np.ndarray]:
   """Tokenises `record[field]` of each record to ([N, max_prompt_len] int32, [N] int32 lengths).
 
   A prompt longer than `max_prompt_len` tokens raises ValueError naming its index (and its
@@ -147,7 +149,7 @@ class PromptDataset:
 
   def __init__(self, records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, *,
                batch_size: int, max_prompt_len: int, seed: int = 0, shuffle: bool = True,
-               padding: str = "left", field: str = "prompt"):
+               padding: str = "right", field: str = "prompt"):
     """Tokenises the pool now (see `tokenize_prompts` for the errors).
 
     Args:
@@ -157,7 +159,7 @@ class PromptDataset:
       max_prompt_len: P, width of the padded token array; longer prompts are an error.
       seed: the shuffling seed (epoch e uses permutation rng([seed, e])).
       shuffle: False streams the pool in file order every epoch.
-      padding: 'left' or 'right'.
+      padding: 'right' (default) or 'left'.
       field: which key holds the prompt text.
     """
     if not records:
