@@ -121,23 +121,27 @@ def test_batch_rewards_equal_scalar_rewards(name, length_dist):
 def test_other_reward_functions():
   task = make_task("repeat")
   tok = task.tokenizer
-  records = [{"target": "3 3 3"}] * 5
+  records = [{"target": "3 3 3"}] * 6
+  three = _ids(task, "3", eos=False)
+  # The last row holds an id beyond the tokenizer's vocabulary (a padded model embedding can
+  # sample one); decode would drop it silently.
   rows = [_ids(task, "3 3 3"), _ids(task, "4 4 4"), _ids(task, "3 3 3", eos=False),
-          _ids(task, "3 <pad> 3 3"), _ids(task, "3")]
+          _ids(task, "3 <pad> 3 3"), _ids(task, "3"),
+          three + [tok.vocab_size + 3] + _ids(task, "3 3")]
   ids, lengths = _pack(rows, 6, fill=tok.pad_id)
   np.testing.assert_array_equal(REWARD_FUNCTIONS["exact_match"](records, ids, lengths, tok),
-                                [1, 0, 0, 0, 0])
+                                [1, 0, 0, 0, 0, 0])
   np.testing.assert_allclose(REWARD_FUNCTIONS["length_match"](records, ids, lengths, tok),
-                             [1, 1, 3 / 4, 4 / 5, 2 / 4])
+                             [1, 1, 3 / 4, 4 / 5, 2 / 4, 4 / 5])
   np.testing.assert_allclose(REWARD_FUNCTIONS["target_match"](records, ids, lengths, tok),
-                             [1, 1 / 4, 3 / 4, 2 / 5, 1 / 4])
+                             [1, 1 / 4, 3 / 4, 2 / 5, 1 / 4, 2 / 5])
   rlen, stopped = response_extent(ids, lengths, tok.eos_id)
-  np.testing.assert_array_equal(rlen, [4, 4, 3, 5, 2])
-  np.testing.assert_array_equal(stopped, [1, 1, 0, 1, 1])
+  np.testing.assert_array_equal(rlen, [4, 4, 3, 5, 2, 5])
+  np.testing.assert_array_equal(stopped, [1, 1, 0, 1, 1, 1])
   with pytest.raises(ValueError, match="response_lengths must lie in"):
     response_extent(ids, lengths + 3, tok.eos_id)
   with pytest.raises(ValueError, match="needs a string 'target'"):
-    REWARD_FUNCTIONS["target_match"]([{"prompt": "x"}] * 5, ids, lengths, tok)
+    REWARD_FUNCTIONS["target_match"]([{"prompt": "x"}] * 6, ids, lengths, tok)
 
 
 def test_random_policy_scores_low_and_copying_leaves_headroom():

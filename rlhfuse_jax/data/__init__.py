@@ -7,7 +7,8 @@
   tasks      TASKS: repeat, count_up, sort, each with its own vocabulary and verifier
 """
 from rlhfuse_jax.data.lengths import LengthDistribution
-from rlhfuse_jax.data.prompts import PromptBatch, PromptDataset, load_jsonl_prompts, tokenize_prompts
+from rlhfuse_jax.data.prompts import (PromptBatch, PromptDataset, load_jsonl_prompts,
+                                      tokenize_prompts)
 from rlhfuse_jax.data.rewards import REWARD_FUNCTIONS, get_reward_function
 from rlhfuse_jax.data.tasks import TASKS, Task, TaskConfig, make_task
 from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer

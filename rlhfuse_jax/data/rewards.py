@@ -97,9 +97,12 @@ def exact_match(records, response_ids, response_lengths, tokenizer) -> np.ndarra
   for b, r in enumerate(records):
     if not isinstance(r.get("target"), str):
       raise ValueError(f"record {b} needs a string 'target' for a verifiable reward")
-    if stopped[b]:
-      # Special tokens are kept: a stray PAD or BOS inside the answer must not vanish from it.
-      text = tokenizer.decode(ids[b, :rlen[b] - 1].tolist(), skip_special_tokens=False)
+    answer = ids[b, :rlen[b] - 1]  # [len]
+    # decode drops ids beyond the tokenizer's vocabulary (a model's embedding may be padded
+    # larger), so such ids are checked here; special tokens are kept in the text for the same
+    # reason: a stray PAD or BOS inside the answer must not vanish from it.
+    if stopped[b] and np.all((answer >= 0) & (answer < tokenizer.vocab_size)):
+      text = tokenizer.decode(answer.tolist(), skip_special_tokens=False)
       out[b] = float(text.strip() == r["target"].strip())
   return out
 

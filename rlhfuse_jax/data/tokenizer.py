@@ -46,7 +46,11 @@ class Tokenizer(abc.ABC):
 
   @abc.abstractmethod
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-    """Text of `ids` (special tokens such as EOS and PAD dropped unless asked for)."""
+    """Text of `ids` (special tokens such as EOS and PAD dropped unless asked for).
+
+    Ids beyond the vocabulary are dropped silently by the `tokenizers` library; verifiers that
+    compare text must check the id range themselves (see `rewards.exact_match`).
+    """
 
   def encode_batch(self, texts: Sequence[str], add_bos: Optional[bool] = None) -> list[list[int]]:
     """`encode` over many texts (subclasses may do this in parallel)."""
@@ -57,7 +61,8 @@ class HFTokenizer(Tokenizer):
   """A `tokenizers.Tokenizer` with explicit special ids (see the module docstring)."""
 
   def __init__(self, tokenizer: tokenizers.Tokenizer, *, eos_id: int, pad_id: Optional[int] = None,
-               bos_id: Optional[int] = None, add_bos: Optional[bool] = None, name: str = "tokenizer"):
+               bos_id: Optional[int] = None, add_bos: Optional[bool] = None,
+               name: str = "tokenizer"):
     """Wraps `tokenizer`.
 
     Args:
