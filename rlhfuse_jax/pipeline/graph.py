@@ -71,6 +71,10 @@ class PipelineProblem:
       v = getattr(self, name)
       if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name}={v!r} must be a positive integer")
+    if self.critic_pp > self.actor_pp:
+      raise ValueError(
+          f"critic_pp={self.critic_pp} exceeds actor_pp={self.actor_pp}: the pipeline axis has "
+          "actor_pp devices, so the critic cannot have more stages than devices")
     if self.actor_pp % self.critic_pp != 0:
       raise ValueError(
           f"actor_pp={self.actor_pp} must be divisible by critic_pp={self.critic_pp} "

@@ -1,0 +1,51 @@
+"""Fused actor/critic pipeline schedule search (DESIGN §3, intra-stage fusion).
+
+One instance:
+  python -m experiments.schedule_search --config=configs/schedule_search.py --workdir=/tmp/ss_e0
+The 12 reference instances e0..e11 with a 20 s search each:
+  python -m experiments.sweep --config=configs/schedule_search.py --binary=schedule_search \
+      --workdir=/tmp/ss_sweep --config.time_budget_s=20
+"""
+import ml_collections
+
+# (name, actor_pp, critic_pp, actor_microbatches, critic_microbatches, actor_fwd, critic_fwd)
+REFERENCE_INSTANCES = (
+    ("e0", 8, 4, 32, 16, 5.0, 4.0),
+    ("e1", 8, 4, 16, 8, 5.0, 4.0),
+    ("e2", 8, 4, 8, 4, 5.0, 4.0),
+    ("e3", 8, 8, 32, 32, 5.0, 2.0),
+    ("e4", 8, 8, 16, 16, 5.0, 2.0),
+    ("e5", 8, 8, 8, 8, 5.0, 2.0),
+    ("e6", 16, 8, 64, 32, 2.0, 2.0),
+    ("e7", 16, 8, 32, 16, 2.0, 2.0),
+    ("e8", 16, 8, 16, 8, 2.0, 2.0),
+    ("e9", 16, 16, 64, 64, 2.0, 1.0),
+    ("e10", 16, 16, 32, 32, 2.0, 1.0),
+    ("e11", 16, 16, 16, 16, 2.0, 1.0),
+)
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.actor_pp = 8                 # actor pipeline stages = devices on the pipeline axis
+  c.critic_pp = 4                # critic stages; actor_pp / critic_pp critic replicas, reversed
+  c.actor_microbatches = 32      # actor micro-batches per training step
+  c.critic_microbatches = 16     # micro-batches per critic replica
+  c.actor_fwd = 5.0              # actor forward time per stage and micro-batch
+  c.critic_fwd = 4.0             # critic forward time per stage and micro-batch
+  c.actor_bwd = -1.0             # actor backward time; -1: 2 x actor_fwd
+  c.critic_bwd = -1.0            # critic backward time; -1: 2 x critic_fwd
+  c.actor_mem = -1.0             # actor activation memory per micro-batch and stage; -1: actor_fwd
+  c.critic_mem = -1.0            # critic activation memory; -1: critic_fwd
+  c.transfer_latency = 0.0       # added to every dependency between two devices
+  c.memory_budget = -1.0         # per-device budget; -1: sum of the two models' 1F1B peaks there
+  c.time_budget_s = 20.0         # wall-clock seconds for the search
+  c.seed = 0                     # search seed
+  return c
+
+
+def get_sweep() -> list[dict]:
+  """The 12 reference instances of DESIGN §3 (ba = 2 fa, bc = 2 fc)."""
+  return [{"name": name, "actor_pp": pa, "critic_pp": pc, "actor_microbatches": ma,
+           "critic_microbatches": mc, "actor_fwd": fa, "critic_fwd": fc}
+          for name, pa, pc, ma, mc, fa, fc in REFERENCE_INSTANCES]

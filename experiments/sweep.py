@@ -1,0 +1,171 @@
+"""Generic sweep runner: runs a binary once per override dict of a config's get_sweep().
+
+  python -m experiments.sweep --config=configs/X.py --binary=NAME --workdir=DIR \
+      [--config.field=value ...]
+
+For each entry of get_sweep() (a dict of dotted config paths -> values; an optional "name" key
+names the run and is not passed on), runs, one after the other,
+  python -m experiments.NAME --config=configs/X.py --workdir=DIR/<run> --config.k=v ...
+with the sweep's own --config.* flags appended to every run (so they override the sweep's
+values). Output is streamed with a run prefix. Then writes DIR/summary.json and DIR/summary.md:
+one row per run with its overrides, its status, and the scalar fields of its result.json (or of
+the last line of its metrics.jsonl), nested dicts flattened with '/' and lists skipped. A failed
+run is a row with its status, not the end of the sweep.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from absl import app, flags, logging
+
+from rlhfuse_jax import workdir as wd
+
+_CONFIG = flags.DEFINE_string("config", None, "config file defining get_sweep()", required=True)
+_BINARY = flags.DEFINE_string("binary", None, "module name under experiments/", required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "sweep output directory", required=True)
+_DRY = flags.DEFINE_bool("dry_run", False, "print the commands without running them")
+
+
+def load_sweep(config_path: str) -> list[dict]:
+  spec = importlib.util.spec_from_file_location("_sweep_config", config_path)
+  if spec is None or spec.loader is None:
+    raise ValueError(f"--config={config_path!r}: cannot load this file")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_sweep"):
+    raise ValueError(f"--config={config_path!r} defines no get_sweep()")
+  sweep = list(module.get_sweep())
+  for i, entry in enumerate(sweep):
+    if not isinstance(entry, dict):
+      raise ValueError(f"get_sweep()[{i}] is {type(entry).__name__}; expected a dict")
+  return sweep
+
+
+def run_name(index: int, overrides: dict) -> str:
+  name = overrides.get("name")
+  return str(name) if name not in (None, "") else f"run{index:03d}"
+
+
+def format_value(v: Any) -> str:
+  """A value as ml_collections parses it on the command line."""
+  if isinstance(v, bool):
+    return "true" if v else "false"
+  if isinstance(v, (list, tuple)):
+    return "(" + ",".join(format_value(x) for x in v) + ("," if len(v) == 1 else "") + ")"
+  return str(v)
+
+
+def flatten_scalars(obj: dict, prefix: str = "") -> dict:
+  """Nested dicts flattened with '/'; lists and other containers skipped."""
+  out = {}
+  for k, v in obj.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, dict):
+      out.update(flatten_scalars(v, key + "/"))
+    elif isinstance(v, (bool, int, float, str)) or v is None:
+      out[key] = v
+  return out
+
+
+def read_run_result(run_dir: str) -> Optional[dict]:
+  path = os.path.join(run_dir, "result.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  rows = wd.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+  return rows[-1] if rows else None
+
+
+def build_command(binary: str, config: str, run_dir: str, overrides: dict,
+                  passthrough: Sequence[str]) -> list[str]:
+  cmd = [sys.executable, "-m", f"experiments.{binary}", f"--config={config}",
+         f"--workdir={run_dir}"]
+  cmd += [f"--config.{k}={format_value(v)}" for k, v in overrides.items() if k != "name"]
+  return cmd + list(passthrough)
+
+
+def _fmt_cell(v: Any) -> str:
+  if isinstance(v, float):
+    return f"{v:.4g}"
+  return "" if v is None else str(v)
+
+
+def write_summary(workdir: str, rows: list[dict]) -> None:
+  wd.write_json(os.path.join(workdir, "summary.json"), rows)
+  columns: list[str] = []
+  for row in rows:
+    for k in row:
+      if k not in columns:
+        columns.append(k)
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  for row in rows:
+    lines.append("| " + " | ".join(_fmt_cell(row.get(c)) for c in columns) + " |")
+  wd.atomic_write_text(os.path.join(workdir, "summary.md"), "\n".join(lines) + "\n")
+
+
+def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str],
+              dry_run: bool = False) -> list[dict]:
+  sweep = load_sweep(config)
+  os.makedirs(workdir, exist_ok=True)
+  rows = []
+  repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ)
+  env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
+  for i, overrides in enumerate(sweep):
+    name = run_name(i, overrides)
+    run_dir = os.path.join(workdir, name)
+    cmd = build_command(binary, config, run_dir, overrides, passthrough)
+    logging.info("[%d/%d] %s: %s", i + 1, len(sweep), name, " ".join(cmd[1:]))
+    row = {"run": name, **{k: v for k, v in overrides.items() if k != "name"}}
+    if dry_run:
+      rows.append(row)
+      continue
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=repo_root, env=env)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "log.txt"), "w") as log_file:
+      for line in proc.stdout:
+        log_file.write(line)
+        print(f"[{name}] {line}", end="", flush=True)
+    rc = proc.wait()
+    row["status"] = "ok" if rc == 0 else f"failed (exit {rc})"
+    row["wall_s"] = round(time.time() - t0, 2)
+    result = read_run_result(run_dir) if rc == 0 else None
+    if rc == 0 and result is None:
+      row["status"] = "ok (no result.json / metrics.jsonl)"
+    if result:
+      row.update(flatten_scalars(result))
+    rows.append(row)
+    write_summary(workdir, rows)  # partial summaries survive an interrupted sweep
+    logging.info("[%d/%d] %s: %s in %.1fs", i + 1, len(sweep), name, row["status"], row["wall_s"])
+  write_summary(workdir, rows)
+  return rows
+
+
+def split_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+  """Separates --config.* overrides (passed to every run) from the sweep's own flags."""
+  own, passthrough = [], []
+  for arg in argv:
+    (passthrough if arg.startswith("--config.") else own).append(arg)
+  return own, passthrough
+
+
+_PASSTHROUGH: list[str] = []
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  run_sweep(_CONFIG.value, _BINARY.value, _WORKDIR.value, _PASSTHROUGH, _DRY.value)
+
+
+if __name__ == "__main__":
+  _own, _PASSTHROUGH[:] = split_passthrough(sys.argv)
+  app.run(main, argv=_own)

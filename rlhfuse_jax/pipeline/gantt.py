@@ -1,0 +1,39 @@
+"""Gantt chart of a schedule (devices x time; actor vs critic colours, backward hatched)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from rlhfuse_jax.pipeline.schedule import Schedule  # noqa: E402
+
+_COLORS = {("actor", "F"): "#8fb8e8", ("actor", "B"): "#2a5fa8",
+           ("critic", "F"): "#f4b183", ("critic", "B"): "#c55a11"}
+
+
+def plot_gantt(schedule: Schedule, path: str, title: Optional[str] = None,
+               label_microbatches: bool = False) -> None:
+  n = len(schedule.devices)
+  width = min(28.0, 8.0 + schedule.makespan / 40.0)
+  fig, ax = plt.subplots(figsize=(width, 0.45 * n + 1.6))
+  for d, dev in enumerate(schedule.devices):
+    for t in dev:
+      ax.barh(d, t.end - t.start, left=t.start, height=0.8, color=_COLORS[(t.model, t.kind)],
+              edgecolor="black", linewidth=0.2, hatch="//" if t.kind == "B" else None)
+      if label_microbatches:
+        ax.text((t.start + t.end) / 2, d, str(t.microbatch), ha="center", va="center", fontsize=5)
+  ax.set_ylim(n - 0.5, -0.5)
+  ax.set_yticks(range(n))
+  ax.set_yticklabels([f"dev {d}" for d in range(n)])
+  ax.set_xlim(0, schedule.makespan)
+  ax.set_xlabel("time")
+  ax.set_title(title or f"makespan {schedule.makespan:g}")
+  ax.legend(handles=[Patch(facecolor=c, hatch="//" if k == "B" else None, label=f"{m} {k}")
+                     for (m, k), c in _COLORS.items()], loc="upper right", fontsize=7, ncol=4)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,130 @@
+"""The schedule data structure handed to executors: per-device ordered tasks with times.
+
+A `Schedule` is what the search produces and what an executor (e.g. a shard_map program with a
+per-device instruction table) consumes:
+
+  Schedule
+    problem: PipelineProblem            # the instance (placement, durations, memory, budget)
+    devices: tuple[tuple[Task, ...]]    # devices[d] = tasks of device d in execution order
+    makespan, peaks (per device), budget (per device)
+
+  Task (frozen):
+    model: 'actor' | 'critic'
+    replica: int       # critic data-parallel replica (0 for the actor)
+    stage: int         # the model's pipeline stage run by this device
+    microbatch: int    # index within the model's (replica's) micro-batches
+    kind: 'F' | 'B'    # forward or backward
+    start, end: float  # list-scheduled times in the problem's time unit
+
+Invariants (checked by `from_order` and `from_json`): on device d the actor tasks have stage d;
+the critic tasks have replica d // Pc and stage Pc-1-(d mod Pc); each (model, replica, stage,
+microbatch, kind) appears exactly once; executing each device's list in order, with a task
+waiting for its dependency (graph.py), finishes without deadlock. An executor needs only the
+order: the times say how long each device idles in a cost model and order ticks.
+
+JSON (`to_json` / `from_json`): {"problem": {...PipelineProblem fields}, "makespan": x,
+"peak_memory": [...], "budget": [...], "devices": [[{"model", "replica", "stage", "microbatch",
+"kind", "start", "end"}, ...], ...]}.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+
+from rlhfuse_jax.pipeline.evaluate import evaluate
+from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem, validate_order
+
+_KIND_OF = {("actor", "F"): AF, ("actor", "B"): AB, ("critic", "F"): CF, ("critic", "B"): CB}
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  model: str
+  replica: int
+  stage: int
+  microbatch: int
+  kind: str
+  start: float
+  end: float
+
+  def __post_init__(self):
+    if (self.model, self.kind) not in _KIND_OF:
+      raise ValueError(f"task model={self.model!r} kind={self.kind!r}; expected model in "
+                       "('actor', 'critic') and kind in ('F', 'B')")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  problem: PipelineProblem
+  devices: tuple[tuple[Task, ...], ...]
+  makespan: float
+  peaks: tuple[float, ...]
+  budget: tuple[float, ...]
+
+  @property
+  def within_budget(self) -> bool:
+    return all(p <= b + 1e-9 for p, b in zip(self.peaks, self.budget))
+
+  def order(self) -> np.ndarray:
+    """The per-device kind order, int8 [N, T] (graph.py codes)."""
+    return np.array([[_KIND_OF[(t.model, t.kind)] for t in dev] for dev in self.devices],
+                    dtype=np.int8)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"problem": self.problem.to_dict(), "makespan": self.makespan,
+            "peak_memory": list(self.peaks), "budget": list(self.budget),
+            "devices": [[dataclasses.asdict(t) for t in dev] for dev in self.devices]}
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict())
+
+
+def from_order(problem: PipelineProblem, order: np.ndarray) -> Schedule:
+  """Times an order and labels every task; raises ValueError on a deadlock."""
+  order = validate_order(problem, order)
+  ev = evaluate(problem, order)
+  if not ev.valid:
+    raise ValueError("order deadlocks (cyclic wait between devices)")
+  devices = []
+  for d in range(problem.num_devices):
+    cnt = [0, 0, 0, 0]
+    tasks = []
+    for p, k in enumerate(order[d].tolist()):
+      actor = k in (AF, AB)
+      tasks.append(Task(model="actor" if actor else "critic",
+                        replica=0 if actor else problem.critic_replica(d),
+                        stage=problem.actor_stage(d) if actor else problem.critic_stage(d),
+                        microbatch=cnt[k], kind="F" if k in (AF, CF) else "B",
+                        start=float(ev.starts[d, p]), end=float(ev.ends[d, p])))
+      cnt[k] += 1
+    devices.append(tuple(tasks))
+  return Schedule(problem=problem, devices=tuple(devices), makespan=ev.makespan,
+                  peaks=tuple(float(x) for x in ev.peaks), budget=tuple(float(x) for x in ev.budget))
+
+
+def from_dict(data: dict[str, Any]) -> Schedule:
+  """Rebuilds a Schedule; the order is re-timed and checked against the stored labels."""
+  pdata = dict(data["problem"])
+  if pdata.get("memory_budget") is not None:
+    pdata["memory_budget"] = tuple(pdata["memory_budget"])
+  problem = PipelineProblem(**pdata)
+  devs = data["devices"]
+  if len(devs) != problem.num_devices:
+    raise ValueError(f"schedule has {len(devs)} devices; the problem has {problem.num_devices}")
+  order = np.array([[_KIND_OF[(t["model"], t["kind"])] for t in dev] for dev in devs],
+                   dtype=np.int8)
+  sched = from_order(problem, order)
+  for d, (dev, ref) in enumerate(zip(devs, sched.devices)):
+    for t, r in zip(dev, ref):
+      if (t["replica"], t["stage"], t["microbatch"]) != (r.replica, r.stage, r.microbatch):
+        raise ValueError(f"device {d}: task {t} does not match the placement/canonical order "
+                         f"(expected replica={r.replica}, stage={r.stage}, "
+                         f"microbatch={r.microbatch})")
+  return sched
+
+
+def from_json(text: str) -> Schedule:
+  return from_dict(json.loads(text))

@@ -1,0 +1,118 @@
+"""Evaluation of fused schedules: hand-computed cases, 1F1B formula, deadlocks, memory, errors."""
+import numpy as np
+import pytest
+
+from rlhfuse_jax.pipeline import bounds, schedules
+from rlhfuse_jax.pipeline.evaluate import evaluate, peak_memory
+from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem, validate_order
+
+
+def test_placement_critic_reversed_and_replicated():
+  p = PipelineProblem(8, 4, 4, 4, 1.0, 1.0)
+  assert p.critic_replicas == 2
+  assert [p.critic_stage(d) for d in range(8)] == [3, 2, 1, 0, 3, 2, 1, 0]
+  assert [p.critic_replica(d) for d in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+  assert all(p.critic_device(p.critic_replica(d), p.critic_stage(d)) == d for d in range(8))
+  assert (p.actor_bwd, p.critic_bwd, p.actor_mem, p.critic_mem) == (2.0, 2.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(actor_pp=6, critic_pp=4), "actor_pp=6 must be divisible by critic_pp=4"),
+    (dict(actor_pp=4, critic_pp=8), "critic_pp=8 exceeds actor_pp=4"),
+    (dict(actor_pp=0, critic_pp=1), "actor_pp=0 must be a positive integer"),
+    (dict(actor_pp=4, critic_pp=2, actor_fwd=0.0), "actor_fwd=0.0 must be a positive"),
+    (dict(actor_pp=4, critic_pp=2, memory_budget=(1.0, 2.0)), "memory_budget has 2 entries"),
+])
+def test_impossible_problems_raise_clear_errors(kwargs, match):
+  base = dict(actor_microbatches=2, critic_microbatches=2, actor_fwd=1.0, critic_fwd=1.0)
+  base.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    PipelineProblem(**base)
+
+
+def test_order_with_wrong_counts_is_rejected():
+  p = PipelineProblem(2, 1, 1, 1, 1.0, 1.0)
+  with pytest.raises(ValueError, match="device 0: kind counts"):
+    validate_order(p, np.array([[AF, AF, CF, CB], [AF, AB, CF, CB]]))
+  with pytest.raises(ValueError, match="expected \\(num_devices=2, tasks_per_device=4\\)"):
+    validate_order(p, np.zeros((2, 3)))
+
+
+def test_hand_computed_two_devices_two_replicas():
+  # Pa=2, Pc=1: actor stages on devices 0, 1; critic replica r alone on device r.
+  p = PipelineProblem(2, 1, 1, 1, 1.0, 1.0)
+  order = np.array([[AF, CF, CB, AB], [CF, AF, AB, CB]])
+  ev = evaluate(p, order)
+  assert ev.valid
+  # dev0: AF 0-1, CF 1-2, CB 2-4, AB waits for AB on dev1 (2-4) -> 4-6.
+  # dev1: CF 0-1, AF 1-2 (after AF on dev0), AB 2-4, CB 4-6.
+  np.testing.assert_allclose(ev.starts, [[0, 1, 2, 4], [0, 1, 2, 4]])
+  np.testing.assert_allclose(ev.ends, [[1, 2, 4, 6], [1, 2, 4, 6]])
+  assert ev.makespan == 6.0 and ev.sum_finish == 12.0
+  np.testing.assert_allclose(ev.peaks, [2.0, 2.0])
+  assert ev.bubble == pytest.approx(1 - 6 / 6)
+  # Transfer latency 0.5 applies only between devices: AF(1) starts at 1.5, AB(0) at 4.5 + 0.5.
+  lat = evaluate(PipelineProblem(2, 1, 1, 1, 1.0, 1.0, transfer_latency=0.5), order)
+  np.testing.assert_allclose(lat.ends, [[1, 2, 4, 7], [1, 2.5, 4.5, 6.5]])
+  assert lat.makespan == 7.0
+
+
+def test_hand_computed_unequal_backward_and_memory():
+  # Pa=Pc=2 (critic reversed): dev0 = actor 0 + critic 1, dev1 = actor 1 + critic 0.
+  p = PipelineProblem(2, 2, 1, 1, 2.0, 1.0, actor_bwd=3.0, critic_bwd=5.0, actor_mem=4.0,
+                      critic_mem=1.0)
+  order = np.array([[AF, CF, CB, AB], [CF, AF, AB, CB]])
+  ev = evaluate(p, order)
+  # dev1: CF 0-1, AF 2-4 (AF dev0 ends 2), AB 4-7, CB after CB dev0.
+  # dev0: AF 0-2, CF 2-3 (CF dev1 ends 1), CB 3-8, AB max(8, 7) 8-11. dev1 CB 8-13.
+  np.testing.assert_allclose(ev.ends, [[2, 3, 8, 11], [1, 4, 7, 13]])
+  assert ev.makespan == 13.0
+  np.testing.assert_allclose(ev.peaks, [5.0, 5.0])
+  order2 = np.array([[AF, AB, CF, CB], [CF, AF, AB, CB]])
+  np.testing.assert_allclose(peak_memory(p, order2), [4.0, 5.0])
+
+
+def test_deadlocked_orders_are_rejected():
+  p = PipelineProblem(2, 2, 1, 1, 1.0, 1.0)
+  # dev0 waits in CF for dev1's CF, dev1 waits in AF for dev0's AF: a cyclic wait.
+  ev = evaluate(p, np.array([[CF, AF, CB, AB], [AF, CF, AB, CB]]))
+  assert not ev.valid and ev.objective()[0] == 1
+  # A backward before its own forward on the last stage waits forever.
+  ev = evaluate(p, np.array([[AF, CF, CB, AB], [AB, AF, CF, CB]]))
+  assert not ev.valid
+  from rlhfuse_jax.pipeline.schedule import from_order
+  with pytest.raises(ValueError, match="deadlock"):
+    from_order(p, np.array([[CF, AF, CB, AB], [AF, CF, AB, CB]]))
+
+
+@pytest.mark.parametrize("stages, micro, fwd, bwd", [
+    (4, 8, 1.0, 2.0), (8, 8, 5.0, 10.0), (8, 3, 2.0, 4.0), (3, 5, 1.0, 1.0), (5, 7, 1.0, 3.0),
+    (16, 64, 2.0, 4.0), (1, 4, 1.0, 2.0)])
+def test_1f1b_makespan_formula(stages, micro, fwd, bwd):
+  p = PipelineProblem(stages, stages, micro, micro, fwd, fwd, actor_bwd=bwd, critic_bwd=bwd)
+  expected = (stages + micro - 1) * (fwd + bwd)
+  assert schedules.model_makespan(p, "actor") == expected
+  assert schedules.model_makespan(p, "critic") == expected
+  assert bounds.pipeline_1f1b_makespan(stages, micro, fwd, bwd) == expected
+
+
+def test_1f1b_peaks_define_the_default_budget():
+  p = PipelineProblem(8, 4, 6, 2, 3.0, 2.0)
+  # Per-model peaks of the 1F1B orders: min(P - s, M) micro-batches of that model.
+  actor_peaks, critic_peaks = p.one_f_one_b_peaks()
+  np.testing.assert_allclose(actor_peaks, [3.0 * min(8 - d, 6) for d in range(8)])
+  np.testing.assert_allclose(critic_peaks, [2.0 * min(4 - (3 - d % 4), 2) for d in range(8)])
+  np.testing.assert_allclose(p.budget(), actor_peaks + critic_peaks)
+  # Serial (actor 1F1B then critic 1F1B) peaks at the larger of the two, within the budget.
+  serial = evaluate(p, schedules.serial_order(p), schedules.serial_release(p))
+  np.testing.assert_allclose(serial.peaks, np.maximum(actor_peaks, critic_peaks))
+  assert serial.makespan == bounds.serial_makespan_formula(p)
+
+
+def test_greedy_within_budget_and_between_bound_and_serial():
+  for args in [(8, 4, 8, 4, 5.0, 4.0), (8, 8, 8, 8, 5.0, 2.0), (4, 2, 6, 3, 1.0, 3.0)]:
+    p = PipelineProblem(*args)
+    greedy = evaluate(p, schedules.greedy_order(p))
+    serial = evaluate(p, schedules.serial_order(p), schedules.serial_release(p))
+    assert greedy.valid and greedy.within_budget
+    assert bounds.tight_lower_bound(p) <= greedy.makespan <= serial.makespan

@@ -1,0 +1,70 @@
+"""Smoke tests of experiments/schedule_search.py and the generic experiments/sweep.py."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, cwd=REPO, timeout=240):
+  env = dict(os.environ, PYTHONPATH=REPO)
+  return subprocess.run([sys.executable, "-m"] + args, cwd=cwd, env=env, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def test_schedule_search_binary_writes_results(tmp_path):
+  out = _run(["experiments.schedule_search", "--config=configs/schedule_search.py",
+              f"--workdir={tmp_path}", "--config.time_budget_s=1.0", "--config.actor_pp=4",
+              "--config.critic_pp=2", "--config.actor_microbatches=4",
+              "--config.critic_microbatches=4", "--config.actor_fwd=2", "--config.critic_fwd=1"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  for f in ("config.json", "result.json", "schedule.json", "gantt.png"):
+    assert os.path.getsize(tmp_path / f) > 0, f
+  result = json.loads((tmp_path / "result.json").read_text())
+  for key in ("serial_1f1b", "greedy", "searched", "lower_bound", "lower_bound_simple",
+              "gap_to_lower_bound", "bubble", "peak_memory", "search_s", "evaluations",
+              "unconstrained"):
+    assert key in result, key
+  assert set(result["peak_memory"]) == {"serial", "searched", "budget"}
+  assert all(len(v) == 4 for v in result["peak_memory"].values())
+  assert all(s <= b for s, b in zip(result["peak_memory"]["searched"],
+                                    result["peak_memory"]["budget"]))
+  assert result["lower_bound"] <= result["searched"] <= result["greedy"] <= result["serial_1f1b"]
+  assert result["unconstrained"]["makespan"] <= result["searched"]
+  sched = json.loads((tmp_path / "schedule.json").read_text())
+  assert len(sched["devices"]) == 4 and sched["makespan"] == result["searched"]
+  # Backward defaults to 2x forward: the serial 1F1B is (4+4-1)*6 + (2+4-1)*3.
+  assert result["serial_1f1b"] == 7 * 6 + 5 * 3
+
+
+def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
+  cfg = tmp_path / "tiny_sweep.py"
+  cfg.write_text(
+      "import importlib.util, os\n"
+      f"_spec = importlib.util.spec_from_file_location('base', {REPO!r} + "
+      "'/configs/schedule_search.py')\n"
+      "_base = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(_base)\n"
+      "def get_config():\n"
+      "  c = _base.get_config(); c.actor_microbatches = 2; c.critic_microbatches = 2\n"
+      "  return c\n"
+      "def get_sweep():\n"
+      "  return [{'name': 'ok4', 'actor_pp': 4, 'critic_pp': 2},\n"
+      "          {'actor_pp': 6, 'critic_pp': 4}]\n")
+  out = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+              f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.5"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = json.loads((tmp_path / "sw" / "summary.json").read_text())
+  assert [r["run"] for r in rows] == ["ok4", "run001"]
+  assert rows[0]["status"] == "ok" and rows[0]["actor_pp"] == 4
+  assert rows[0]["bubble/searched"] >= 0 and "peak_memory/budget" not in rows[0]
+  assert rows[1]["status"].startswith("failed")
+  assert "searched" not in rows[1]
+  md = (tmp_path / "sw" / "summary.md").read_text()
+  assert "| run |" in md and "failed" in md and "ok4" in md
+  # The failing run's error names the fields (logged in its run directory).
+  log = (tmp_path / "sw" / "run001" / "log.txt").read_text()
+  assert "actor_pp=6 must be divisible by critic_pp=4" in log
+  assert "[ok4]" in out.stdout

@@ -1,0 +1,115 @@
+"""Search, lower bounds and the schedule data structure."""
+import json
+
+import numpy as np
+import pytest
+
+from rlhfuse_jax.pipeline import bounds, schedule, schedules, search
+from rlhfuse_jax.pipeline.evaluate import evaluate
+from rlhfuse_jax.pipeline.graph import PipelineProblem
+
+SMALL = [
+    PipelineProblem(4, 2, 3, 3, 2.0, 1.0),
+    PipelineProblem(4, 4, 4, 4, 1.0, 1.0, actor_bwd=1.5, critic_bwd=3.0),
+    PipelineProblem(2, 1, 3, 2, 1.0, 2.0, transfer_latency=0.5),
+    PipelineProblem(4, 1, 2, 5, 3.0, 1.0, actor_mem=1.0, critic_mem=2.0),
+]
+
+
+def _random_valid_orders(p, rng, count):
+  """Valid schedules from two generators: random list scheduling (always valid), and random
+  reinsertion moves applied to the greedy order (kept when the evaluator finds no deadlock)."""
+  out = []
+  n = p.num_devices
+  while len(out) < count // 2:
+    caps = rng.integers(1, 6, size=(n, 2))
+    order = schedules.list_schedule(p, rng.uniform(0, 10, size=(n, 4)), caps,
+                                    np.full(n, np.inf), float(rng.uniform(0, 3)))
+    if order is not None:
+      out.append(order)
+  cur = schedules.greedy_order(p)
+  while len(out) < count:
+    cand = cur.copy()
+    d, i, j = rng.integers(n), rng.integers(cand.shape[1]), rng.integers(cand.shape[1])
+    row = list(cand[d])
+    row.insert(j, row.pop(i))
+    cand[d] = row
+    if evaluate(p, cand).valid:
+      cur = cand
+      out.append(cand)
+  return out
+
+
+@pytest.mark.parametrize("idx", range(len(SMALL)))
+def test_lower_bounds_never_exceed_valid_schedules(idx):
+  p = SMALL[idx]
+  rng = np.random.default_rng(idx)
+  lb, lb_simple = bounds.tight_lower_bound(p), bounds.simple_lower_bound(p)
+  assert lb_simple <= lb
+  makespans = [evaluate(p, o).makespan for o in _random_valid_orders(p, rng, 400)]
+  assert min(makespans) >= lb - 1e-9
+  # The random schedules are not all trivial: they spread over a range of makespans.
+  assert max(makespans) > min(makespans)
+
+
+def test_tight_bound_hand_computed_reference_instance():
+  # e0 of DESIGN §3: W = 32*15 + 16*12 = 672; device 4 (a=4, c=3): min(20,12) + min(40,24) = 36.
+  p = PipelineProblem(8, 4, 32, 16, 5.0, 4.0)
+  assert bounds.tight_lower_bound(p) == 708.0
+  assert bounds.simple_lower_bound(p) == 672.0
+  assert bounds.serial_makespan_formula(p) == 39 * 15 + 19 * 12
+
+
+@pytest.mark.parametrize("idx", range(len(SMALL)))
+def test_search_never_worse_than_its_start_and_valid(idx):
+  p = SMALL[idx]
+  res = search.search(p, search.SearchConfig(time_budget_s=0.6, seed=idx, chunk_iters=2000,
+                                             run_iters=4000))
+  best, start = evaluate(p, res.best), evaluate(p, res.start)
+  greedy = evaluate(p, schedules.greedy_order(p))
+  assert best.valid and best.within_budget
+  assert best.objective() <= start.objective() <= greedy.objective()
+  unc = evaluate(p, res.best_unconstrained)
+  assert unc.valid and unc.makespan <= best.makespan
+  assert bounds.tight_lower_bound(p) <= unc.makespan
+  assert res.evaluations > 100
+
+
+def test_search_reaches_the_bound_on_a_small_instance():
+  # Pa=4, Pc=2 (two critic replicas): the bound is reachable within budget.
+  p = PipelineProblem(4, 2, 4, 4, 2.0, 1.0)
+  res = search.search(p, search.SearchConfig(time_budget_s=2.0, seed=0))
+  ev = evaluate(p, res.best)
+  assert ev.within_budget
+  assert ev.makespan == bounds.tight_lower_bound(p)
+
+
+def test_search_respects_a_custom_budget_and_rejects_an_impossible_one():
+  p = PipelineProblem(4, 2, 4, 4, 2.0, 1.0)
+  tight = p.with_budget([1.5] * 4)  # the last actor stage alone must hold 2.0
+  with pytest.raises(RuntimeError, match="no start schedule within the memory budget"):
+    search.search(tight, search.SearchConfig(time_budget_s=0.3))
+  loose = p.with_budget(p.budget() * 3)
+  res = search.search(loose, search.SearchConfig(time_budget_s=0.5, chunk_iters=2000))
+  assert evaluate(loose, res.best).within_budget
+
+
+def test_schedule_json_roundtrip_and_labels():
+  p = PipelineProblem(4, 2, 3, 2, 2.0, 1.0, transfer_latency=0.25)
+  sched = schedule.from_order(p, schedules.greedy_order(p))
+  again = schedule.from_json(sched.to_json())
+  assert again == sched
+  assert np.array_equal(again.order(), schedules.greedy_order(p))
+  for d, dev in enumerate(sched.devices):
+    assert len(dev) == p.tasks_per_device
+    for t in dev:
+      assert t.end > t.start >= 0
+      if t.model == "actor":
+        assert (t.stage, t.replica) == (d, 0)
+      else:
+        assert (t.stage, t.replica) == (p.critic_stage(d), p.critic_replica(d))
+    assert all(a.end <= b.start + 1e-9 for a, b in zip(dev, dev[1:]))
+  data = json.loads(sched.to_json())
+  data["devices"][1][0]["microbatch"] = 2
+  with pytest.raises(ValueError, match="device 1"):
+    schedule.from_dict(data)
