@@ -1,0 +1,184 @@
+"""Calibration files: measured operation costs that replace the cost model's formulas.
+
+A first-principles cost model (cost_model.py) is only as good as its efficiency guesses. Where a
+run measured an operation, its figure wins. A calibration file is JSON:
+
+  {
+    "format": "rlhfuse_jax.sim.calibration/v1",        # required, exactly this string
+    "device": "free text: what was measured on",        # required
+    "model_params": 123456,                             # optional: params of the measured actor
+    "instance_devices": 1,                              # optional: devices per gen instance
+    "devices_share_compute": false,                     # optional (default false): true when
+        # all devices are one shared processor (fake CPU devices): work on different
+        # instances then runs one after the other, never at the same time
+    "ops": {                                            # every op optional
+      "decode_step": {"occupied_slots": [1, 2, 4, 8],   # one decode step of one instance
+                      "seconds": [0.010, 0.011, 0.012, 0.015],
+                      "per_context_token_s": 0.0},      # optional extra s per KV token read
+      "prefill":     {"tokens_per_s": 5000.0, "overhead_s": 0.0},
+      "inference":   {"tokens_per_s": 8000.0, "overhead_s": 0.0},  # ref + reward + critic
+      "train_stage": {"actor_fwd_s": 0.02, "critic_fwd_s": 0.01, "bwd_over_fwd": 2.0},
+      "migration":   {"bytes_per_s": 1e9, "latency_s": 0.0},       # KV rows between instances
+      "weight_load": {"bytes_per_s": 1e9, "latency_s": 0.0}        # host -> device
+    }
+  }
+
+decode_step is interpolated linearly in the occupied slots (clamped at the measured ends; the
+engine's compiled step has a fixed batch shape, so its time may not depend on occupancy at all,
+and the measured table says so). Rates: seconds = overhead_s + amount / rate.
+Unknown keys are rejected, so a typo never silently falls back to a formula.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+FORMAT = "rlhfuse_jax.sim.calibration/v1"
+_RATE_OPS = {"prefill": ("tokens_per_s", "overhead_s"),
+             "inference": ("tokens_per_s", "overhead_s"),
+             "migration": ("bytes_per_s", "latency_s"),
+             "weight_load": ("bytes_per_s", "latency_s")}
+_OPS = ("decode_step", "train_stage") + tuple(_RATE_OPS)
+_TOP = ("format", "device", "model_params", "instance_devices", "devices_share_compute", "ops",
+        "notes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rate:
+  """seconds = overhead + amount / per_s."""
+  per_s: float
+  overhead_s: float = 0.0
+
+  def seconds(self, amount: float) -> float:
+    return self.overhead_s + amount / self.per_s
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTable:
+  occupied_slots: tuple[float, ...]
+  seconds: tuple[float, ...]
+  per_context_token_s: float = 0.0
+
+  def step_s(self, occupied: float, context_tokens: float = 0.0) -> float:
+    base = float(np.interp(occupied, self.occupied_slots, self.seconds))
+    return base + self.per_context_token_s * context_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStage:
+  actor_fwd_s: float
+  critic_fwd_s: float
+  bwd_over_fwd: float = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """A loaded calibration file (see module docstring); None fields fall back to formulas."""
+  device: str
+  path: str = ""
+  model_params: Optional[int] = None
+  instance_devices: Optional[int] = None
+  devices_share_compute: bool = False
+  decode_step: Optional[DecodeTable] = None
+  train_stage: Optional[TrainStage] = None
+  prefill: Optional[Rate] = None
+  inference: Optional[Rate] = None
+  migration: Optional[Rate] = None
+  weight_load: Optional[Rate] = None
+
+  def describe(self) -> dict:
+    out = {"path": self.path, "device": self.device,
+           "devices_share_compute": self.devices_share_compute}
+    for name in _OPS:
+      v = getattr(self, name)
+      if v is not None:
+        out[name] = dataclasses.asdict(v)
+    return out
+
+
+def _err(where: str, msg: str) -> ValueError:
+  return ValueError(f"calibration {where}: {msg}")
+
+
+def _pos(where: str, key: str, v: Any, allow_zero: bool = False) -> float:
+  ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
+      v >= 0 if allow_zero else v > 0)
+  if not ok:
+    raise _err(where, f"{key}={v!r} must be a {'non-negative' if allow_zero else 'positive'} "
+               "finite number")
+  return float(v)
+
+
+def _keys(where: str, obj: Any, allowed: tuple, required: tuple) -> dict:
+  if not isinstance(obj, dict):
+    raise _err(where, f"expected an object, got {type(obj).__name__}")
+  extra = sorted(set(obj) - set(allowed))
+  if extra:
+    raise _err(where, f"unknown keys {extra}; allowed: {list(allowed)}")
+  missing = [k for k in required if k not in obj]
+  if missing:
+    raise _err(where, f"missing keys {missing}")
+  return obj
+
+
+def from_dict(obj: dict, path: str = "<dict>") -> Calibration:
+  """Validates a parsed calibration object; errors name the file, the key and the rule."""
+  top = _keys(path, obj, _TOP, ("format", "device", "ops"))
+  if top["format"] != FORMAT:
+    raise _err(path, f"format={top['format']!r}; expected {FORMAT!r}")
+  ops = _keys(f"{path} ops", top["ops"], _OPS, ())
+  kw: dict[str, Any] = {}
+  if "decode_step" in ops:
+    w = f"{path} ops.decode_step"
+    d = _keys(w, ops["decode_step"], ("occupied_slots", "seconds", "per_context_token_s"),
+              ("occupied_slots", "seconds"))
+    xs, ys = d["occupied_slots"], d["seconds"]
+    if not (isinstance(xs, list) and isinstance(ys, list) and len(xs) == len(ys) >= 1):
+      raise _err(w, "occupied_slots and seconds must be lists of equal, non-zero length")
+    xs = [_pos(w, "occupied_slots[]", x) for x in xs]
+    ys = [_pos(w, "seconds[]", y) for y in ys]
+    if any(b <= a for a, b in zip(xs, xs[1:])):
+      raise _err(w, f"occupied_slots={xs} must be strictly increasing")
+    kw["decode_step"] = DecodeTable(tuple(xs), tuple(ys), _pos(
+        w, "per_context_token_s", d.get("per_context_token_s", 0.0), allow_zero=True))
+  if "train_stage" in ops:
+    w = f"{path} ops.train_stage"
+    d = _keys(w, ops["train_stage"], ("actor_fwd_s", "critic_fwd_s", "bwd_over_fwd"),
+              ("actor_fwd_s", "critic_fwd_s"))
+    kw["train_stage"] = TrainStage(_pos(w, "actor_fwd_s", d["actor_fwd_s"]),
+                                   _pos(w, "critic_fwd_s", d["critic_fwd_s"]),
+                                   _pos(w, "bwd_over_fwd", d.get("bwd_over_fwd", 2.0)))
+  for name, (rate_key, over_key) in _RATE_OPS.items():
+    if name in ops:
+      w = f"{path} ops.{name}"
+      d = _keys(w, ops[name], (rate_key, over_key), (rate_key,))
+      kw[name] = Rate(_pos(w, rate_key, d[rate_key]),
+                      _pos(w, over_key, d.get(over_key, 0.0), allow_zero=True))
+  share = top.get("devices_share_compute", False)
+  if not isinstance(share, bool):
+    raise _err(path, f"devices_share_compute={share!r} must be true or false")
+  mp = top.get("model_params")
+  if mp is not None and not (isinstance(mp, int) and mp > 0):
+    raise _err(path, f"model_params={mp!r} must be a positive int")
+  idev = top.get("instance_devices")
+  if idev is not None and not (isinstance(idev, int) and idev > 0):
+    raise _err(path, f"instance_devices={idev!r} must be a positive int")
+  return Calibration(device=str(top["device"]), path=path, model_params=mp,
+                     instance_devices=idev, devices_share_compute=share, **kw)
+
+
+def load(path: str) -> Calibration:
+  """Reads and validates a calibration JSON file."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"calibration file {path!r} does not exist")
+  with open(path) as f:
+    try:
+      obj = json.load(f)
+    except json.JSONDecodeError as e:
+      raise _err(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
+  return from_dict(obj, path)

@@ -1,0 +1,236 @@
+"""First-principles cost of every operation of an RLHF iteration (seconds, bytes, FLOPs).
+
+Roofline: an operation takes max(FLOPs / (devices * peak * mfu), bytes / (devices * hbm_bw *
+bw_eff)) plus its collectives. Prefill, inference and training are compute bound at their MFU;
+decode is bandwidth bound (every step reads the weights and the KV cache), until a large batch
+makes its matmuls compute bound. Formulas (P = parameters, L = layers, h = hidden size, t = tensor
+parallel degree, FLOPs from shapes.py):
+
+  decode step (b live rows, C KV tokens held in total):
+      bytes = weight_bytes/t + C * kv_bytes_per_token/t
+      flops = (2 * matmul_params * b + 4 * L * heads * head_dim * C) / t
+      time  = max(flops/(peak*decode_mfu), bytes/(hbm_bw*decode_bw_eff)) + 2L all-reduces of
+              b*h*2 bytes over t devices (Megatron tensor parallel: after attention, after MLP)
+  prefill / inference forward of sequences (lengths l_i):
+      flops = sum_i sequence_forward_flops(l_i) / t; time = roofline at prefill_mfu
+              + 2L all-reduces of sum(l_i)*h*2 bytes
+  training stage, one micro-batch of n tokens, pp stages: forward = roofline over L/pp layers at
+      train_mfu + its tensor-parallel all-reduces; backward = bwd_over_fwd (2) x forward
+  ring all-reduce of B bytes over g devices: 2(g-1)/g * B / (bw*net_eff) + collective_latency_s;
+      all-gather / reduce-scatter: (g-1)/g * B / (bw*net_eff) + latency. bw is the fast link
+      while the group fits in one node, the scale-out network otherwise (hardware.link_bw).
+  point-to-point / KV migration / weight resharding: bytes / (bw*net_eff) + latency per message.
+  optimizer step: 28 bytes/param touched (fp32 master, m, v read+write, bf16 grad read and weight
+      write) over the device's parameter shard, at hbm_bw*decode_bw_eff.
+Memory (per device, bytes): weights bf16 (2/param); training adds grads bf16 (2) and Adam fp32
+master+m+v (12, divided by dp with ZeRO-1); activations 34*h bytes per token per layer / t
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2
+with sequence parallelism and flash attention, no recomputation); KV cache kv_bytes_per_token per
+token. A plan fits if its total is below hbm_bytes * memory_headroom.
+
+Measured figures (calibration.py) replace the formula of the op they measure.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+from rlhfuse_jax.sim.calibration import Calibration
+from rlhfuse_jax.sim.hardware import Hardware
+from rlhfuse_jax.sim.shapes import ModelShape
+
+GIB = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+  """Achieved fractions of the datasheet peaks, and other non-datasheet constants.
+
+  Defaults and their sources (assumptions, not measurements of ours; a calibration file
+  replaces them):
+    train_mfu 0.45: Megatron-LM on 3072 A100s reached 44-52% of peak across GPT sizes
+      (Narayanan et al. SC'21, Table 1); MegaScale reports 55% on H800 for 175B (Jiang et al.
+      NSDI'24). The lower end is taken: RLHF sequences are short and micro-batches small.
+    prefill_mfu 0.45: same figure for forward-only passes (prefill, reference/reward/critic).
+    decode_bw_eff 0.7 / decode_mfu 0.45: decode kernels stream weights and KV at roughly 70% of
+      peak HBM bandwidth (the bandwidth-bound regime the vLLM paper analyses, Kwon et al.
+      SOSP'23); the compute side matters only for large batches.
+    net_eff 0.8: large NCCL collectives reach ~80% of link bandwidth (nccl-tests "busbw").
+    collective_latency_s 10e-6: fixed cost per collective call (small all-reduce on NVLink is
+      a few to ~20 microseconds in nccl-tests); decode issues 2 per layer per step.
+  """
+  train_mfu: float = 0.45
+  prefill_mfu: float = 0.45
+  decode_mfu: float = 0.45
+  decode_bw_eff: float = 0.7
+  net_eff: float = 0.8
+  collective_latency_s: float = 10e-6
+  memory_headroom: float = 0.9  # usable fraction of HBM (allocator, workspace, fragmentation)
+  bwd_over_fwd: float = 2.0  # backward / forward time of a training micro-batch
+  act_bytes_per_token_layer_per_h: float = 34.0  # activation bytes per token per layer, / h
+
+  def __post_init__(self):
+    for f in ("train_mfu", "prefill_mfu", "decode_mfu", "decode_bw_eff", "net_eff",
+              "memory_headroom"):
+      v = getattr(self, f)
+      if not 0 < v <= 1:
+        raise ValueError(f"efficiency.{f}={v} must be in (0, 1]")
+    if self.collective_latency_s < 0 or self.bwd_over_fwd <= 0:
+      raise ValueError("efficiency.collective_latency_s must be >= 0 and bwd_over_fwd > 0")
+
+
+class CostModel:
+  """Costs of RLHF operations on one hardware preset (formulas in the module docstring)."""
+
+  def __init__(self, hw: Hardware, eff: Efficiency = Efficiency(),
+               calibration: Optional[Calibration] = None):
+    self.hw, self.eff, self.cal = hw, eff, calibration
+
+  # --------------------------------------------------------------------- building blocks
+  def roofline_s(self, flops: float, nbytes: float, devices: int, mfu: float,
+                 bw_eff: float) -> float:
+    return np.maximum(flops / (devices * self.hw.peak_flops * mfu),
+                      nbytes / (devices * self.hw.hbm_bw * bw_eff))
+
+  def allreduce_s(self, nbytes: float, group: int) -> float:
+    if group <= 1:
+      return 0.0
+    bw = self.hw.link_bw(group) * self.eff.net_eff
+    return 2.0 * (group - 1) / group * nbytes / bw + self.eff.collective_latency_s
+
+  def allgather_s(self, nbytes_total: float, group: int) -> float:
+    """All-gather (or reduce-scatter) of a `nbytes_total` buffer over `group` devices."""
+    if group <= 1:
+      return 0.0
+    bw = self.hw.link_bw(group) * self.eff.net_eff
+    return (group - 1) / group * nbytes_total / bw + self.eff.collective_latency_s
+
+  def p2p_s(self, nbytes: float, cross_node: bool) -> float:
+    bw = (self.hw.inter_node_bw if cross_node else self.hw.intra_node_bw) * self.eff.net_eff
+    return nbytes / bw + self.eff.collective_latency_s
+
+  def _tp_comm_s(self, shape: ModelShape, tp: int, tokens: float, layers: float) -> float:
+    return 2.0 * layers * self.allreduce_s(tokens * shape.hidden_size * 2.0, tp)
+
+  # --------------------------------------------------------------------- generation
+  def decode_step_s(self, shape: ModelShape, tp: int, batch, context_tokens):
+    """One decode step of an instance of `tp` devices with `batch` live rows holding
+    `context_tokens` KV tokens in total. Scalars or equal-shape arrays (one entry per step)."""
+    batch = np.asarray(batch, dtype=np.float64)
+    context_tokens = np.asarray(context_tokens, dtype=np.float64)
+    if self.cal is not None and self.cal.decode_step is not None:
+      out = self.cal.decode_step.step_s(batch, context_tokens)
+    else:
+      nbytes = shape.weight_bytes() + context_tokens * shape.kv_bytes_per_token()
+      attn = 4.0 * shape.num_layers * shape.num_heads * shape.head_dim_ * context_tokens
+      flops = 2.0 * shape.matmul_params() * batch + attn
+      out = (self.roofline_s(flops, nbytes, tp, self.eff.decode_mfu, self.eff.decode_bw_eff) +
+             self._tp_comm_s(shape, tp, batch, shape.num_layers))
+    return np.where(batch > 0, out, 0.0)
+
+  def prefill_s(self, shape: ModelShape, tp: int, lengths: Sequence[float]) -> float:
+    """Prefill of prompts with these lengths on one instance."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    if lengths.size == 0:
+      return 0.0
+    if self.cal is not None and self.cal.prefill is not None:
+      return self.cal.prefill.seconds(float(lengths.sum()))
+    return self._forward_s(shape, tp, lengths, self.eff.prefill_mfu)
+
+  def _forward_s(self, shape: ModelShape, tp: int, lengths: np.ndarray, mfu: float) -> float:
+    n = float(lengths.sum())
+    flops = float(np.sum(shape.forward_flops(lengths, (lengths + 1) / 2.0)))
+    return (self.roofline_s(flops, shape.weight_bytes(), tp, mfu, self.eff.decode_bw_eff) +
+            self._tp_comm_s(shape, tp, n, shape.num_layers))
+
+  def inference_s(self, shapes: Sequence[ModelShape], tp: int, lengths: Sequence[float]) -> float:
+    """Reference / reward / critic forward passes (`shapes`) over full sequences."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    if lengths.size == 0:
+      return 0.0
+    if self.cal is not None and self.cal.inference is not None:
+      return self.cal.inference.seconds(float(lengths.sum()))
+    return sum(self._forward_s(s, tp, lengths, self.eff.prefill_mfu) for s in shapes)
+
+  def kv_migration_s(self, nbytes: float, tp: int, cross_node: bool) -> float:
+    """KV rows of `nbytes` (all tensor-parallel shards together) between two instances; the t
+    shard pairs move in parallel."""
+    if nbytes <= 0:
+      return 0.0
+    if self.cal is not None and self.cal.migration is not None:
+      return self.cal.migration.seconds(nbytes)
+    return self.p2p_s(nbytes / tp, cross_node)
+
+  def weight_load_s(self, nbytes_per_device: float) -> float:
+    """Host -> device copy of frozen weights (offloaded reference / reward models)."""
+    if self.cal is not None and self.cal.weight_load is not None:
+      return self.cal.weight_load.seconds(nbytes_per_device)
+    if self.hw.host_to_device_bw is None:
+      raise ValueError(f"hardware {self.hw.name!r} has no host_to_device_bw: set "
+                       "offload_frozen_models=False (frozen models stay on the devices)")
+    return nbytes_per_device / self.hw.host_to_device_bw
+
+  # --------------------------------------------------------------------- training
+  def train_stage_fwd_s(self, shape: ModelShape, tp: int, pp: int, mb_tokens: float,
+                        mean_context: float, model: str = "actor") -> float:
+    """Forward of one micro-batch of `mb_tokens` tokens on one of `pp` pipeline stages."""
+    if self.cal is not None and self.cal.train_stage is not None:
+      ts = self.cal.train_stage
+      return ts.actor_fwd_s if model == "actor" else ts.critic_fwd_s
+    flops = shape.forward_flops(mb_tokens, mean_context) / pp
+    nbytes = shape.weight_bytes() / pp
+    layers = shape.num_layers / pp
+    return (self.roofline_s(flops, nbytes, tp, self.eff.train_mfu, self.eff.decode_bw_eff) +
+            self._tp_comm_s(shape, tp, mb_tokens, layers))
+
+  def bwd_over_fwd(self) -> float:
+    if self.cal is not None and self.cal.train_stage is not None:
+      return self.cal.train_stage.bwd_over_fwd
+    return self.eff.bwd_over_fwd
+
+  def grad_sync_s(self, shape: ModelShape, tp: int, pp: int, dp: int) -> float:
+    """Data-parallel all-reduce of one device's bf16 gradient shard (layout: tp innermost,
+    then dp, so the dp group spans tp*dp consecutive devices)."""
+    if dp <= 1:
+      return 0.0
+    bw = self.hw.link_bw(tp * dp) * self.eff.net_eff
+    nbytes = shape.num_params() * 2.0 / (tp * pp)
+    return 2.0 * (dp - 1) / dp * nbytes / bw + self.eff.collective_latency_s
+
+  def optimizer_step_s(self, shape: ModelShape, devices_sharing: int) -> float:
+    return 28.0 * shape.num_params() / devices_sharing / (self.hw.hbm_bw * self.eff.decode_bw_eff)
+
+  # --------------------------------------------------------------------- memory
+  @property
+  def usable_bytes(self) -> float:
+    return self.hw.hbm_bytes * self.eff.memory_headroom
+
+  def activation_bytes(self, shape: ModelShape, tp: int, tokens: float, layers: float) -> float:
+    return self.eff.act_bytes_per_token_layer_per_h * shape.hidden_size * tokens * layers / tp
+
+  def check_fits(self, what: str, need_bytes: float, detail: str) -> None:
+    """Raises a ValueError naming the plan when `need_bytes` exceeds the usable HBM."""
+    if need_bytes > self.usable_bytes:
+      raise ValueError(
+          f"{what} does not fit in memory: needs {need_bytes / GIB:.1f} GiB per device > "
+          f"{self.usable_bytes / GIB:.1f} GiB usable on {self.hw.name} "
+          f"({self.eff.memory_headroom:.0%} of {self.hw.hbm_bytes / GIB:.1f} GiB); {detail}")
+
+  def train_memory_bytes(self, shape: ModelShape, tp: int, pp: int, dp: int, zero1: bool,
+                         mb_tokens: float, inflight: int) -> float:
+    shard = shape.num_params() / (tp * pp)
+    states = shard * (4.0 + 12.0 / (dp if zero1 else 1))
+    acts = inflight * self.activation_bytes(shape, tp, mb_tokens, shape.num_layers / pp)
+    return states + acts
+
+
+def ceil_div(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def cross_node(stride: int, devices_per_node: int) -> bool:
+  """Whether devices `stride` apart (consecutive numbering, nodes of `devices_per_node`) may sit
+  in different nodes (conservative: true unless the stride stays inside every node)."""
+  return stride >= devices_per_node or devices_per_node % max(stride, 1) != 0

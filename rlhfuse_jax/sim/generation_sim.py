@@ -1,0 +1,325 @@
+"""Sample-level discrete-event simulation of generation + inference on G instances (DESIGN §2).
+
+Model of the engine (the one issue 5 builds): the batch is dealt round-robin to G instances of
+`tp` devices with S slots each (all samples start at once, as in the engine); each instance runs
+a prefill (which samples the first token), then decode chunks of up to K steps; the host sees a
+sample finish only at the end of the chunk in which it finished. A decode step costs
+`CostModel.decode_step_s(rows still live, KV tokens they read)`.
+
+With consolidation (`threshold` = Rt not None): after every chunk the host calls the shared
+policy `rlhfuse_jax.generation.consolidation.plan_consolidation` on the instances' states (each
+unfinished sample counted at its current length plus `max_new_tokens - generated`); when it
+returns moves, each destination waits for its in-flight chunk and its sources' chunks, then
+receives the KV rows (`CostModel.kv_migration_s`), and the released instances leave generation.
+At most `max_consolidations` plans are executed.
+
+Inference (reference log-probs, reward, critic values) runs per micro-batch of finished samples.
+Baseline (`stream_inference` False): every instance starts inference when the last sample
+finishes. Fused: an instance serves the inference queue as soon as it holds no unfinished
+sample (released by consolidation, or its own samples all done), while the tail still decodes.
+With `offload_frozen` the frozen models' weights are first copied from host memory onto each
+instance that runs inference (`CostModel.weight_load_s`).
+
+`devices_share_compute` (a CPU with fake devices): all instances are one processor, so every
+operation also waits for the previous one anywhere to finish.
+
+Times are seconds from the start of generation. The result holds per-instance timelines
+(segments of prefill / decode / migrate / load / inference) and the unfinished-sample curve.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Optional, Sequence
+
+import numpy as np
+
+from rlhfuse_jax.generation.consolidation import InstanceState, SampleState, plan_consolidation
+from rlhfuse_jax.sim.cost_model import CostModel, cross_node
+from rlhfuse_jax.sim.shapes import ModelShape
+
+KINDS = ("prefill", "decode", "migrate", "load", "inference")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenSetup:
+  """How generation and inference are laid out (see module docstring)."""
+  num_instances: int
+  slots: int
+  tp: int = 1
+  chunk_steps: int = 16
+  max_new_tokens: int = 1024
+  threshold: Optional[float] = None  # Rt; None = no consolidation (baseline)
+  max_consolidations: int = 1
+  stream_inference: bool = False  # freed instances run inference while the tail decodes
+  inference_microbatch: int = 8  # samples per inference micro-batch
+  kv_capacity_tokens: int = 0  # per instance; 0 = slots * (longest prompt + max_new_tokens)
+  offload_frozen: bool = False
+  devices_share_compute: bool = False
+  devices_per_node: int = 8  # for whether a migration crosses nodes
+
+  def __post_init__(self):
+    for f in ("num_instances", "slots", "tp", "chunk_steps", "max_new_tokens",
+              "inference_microbatch", "devices_per_node"):
+      if getattr(self, f) < 1:
+        raise ValueError(f"generation.{f}={getattr(self, f)} must be >= 1")
+    if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+      raise ValueError(f"generation.threshold (Rt)={self.threshold} must be in [0, 1] or None")
+    if self.kv_capacity_tokens < 0:
+      raise ValueError(f"generation.kv_capacity_tokens={self.kv_capacity_tokens} must be >= 0")
+
+
+@dataclasses.dataclass
+class GenResult:
+  gen_end_s: float  # last sample seen finished
+  gen_plus_inf_s: float  # last inference micro-batch done
+  finish_s: np.ndarray  # [B] time each sample was seen finished
+  unfinished_curve: list  # [(t, U)]
+  segments: list  # [(instance, start, end, kind)]
+  consolidations: list  # [{time_s, kept, released, moves, moved_bytes, migration_s, reason}]
+  instance_busy_frac: float
+  inference_overlap_frac: float  # inference busy time before gen_end / all inference time
+  decode_busy_s: float
+  inference_busy_s: float
+
+  @property
+  def inf_exposed_s(self) -> float:
+    return self.gen_plus_inf_s - self.gen_end_s
+
+  def summary(self) -> dict:
+    return {"gen_s": self.gen_end_s, "gen_plus_inf_s": self.gen_plus_inf_s,
+            "inf_exposed_s": self.inf_exposed_s, "instance_busy_frac": self.instance_busy_frac,
+            "inference_overlap_frac": self.inference_overlap_frac,
+            "consolidations": [{k: v for k, v in c.items() if k != "kept_list"}
+                               for c in self.consolidations]}
+
+
+class _Clock:
+  """Per-instance clocks, plus one shared processor when devices share compute."""
+
+  def __init__(self, n: int, shared: bool):
+    self.t = np.zeros(n)
+    self.shared = shared
+    self.cpu_free = 0.0
+    self.segments: list = []
+
+  def run(self, inst: int, duration: float, kind: str, not_before: float = 0.0) -> float:
+    start = max(self.t[inst], not_before, self.cpu_free if self.shared else 0.0)
+    end = start + duration
+    if duration > 0:
+      self.segments.append((inst, start, end, kind))
+    self.t[inst] = end
+    if self.shared:
+      self.cpu_free = end
+    return end
+
+
+def simulate_generation(cost: CostModel, actor: ModelShape, frozen: Sequence[ModelShape],
+                        setup: GenSetup, prompt_lens: np.ndarray, response_lens: np.ndarray
+                        ) -> GenResult:
+  """Simulates one batch. prompt_lens / response_lens: [B] ints (a response finishes after
+  exactly response_lens[i] tokens, 1 <= response_lens[i] <= max_new_tokens)."""
+  prompt_lens = np.asarray(prompt_lens, dtype=np.int64)  # [B]
+  target = np.asarray(response_lens, dtype=np.int64)  # [B]
+  b = prompt_lens.size
+  if target.shape != (b,) or b == 0:
+    raise ValueError(f"prompt_lens {prompt_lens.shape} and response_lens {target.shape} must be "
+                     "the same non-empty [B]")
+  if target.min() < 1 or target.max() > setup.max_new_tokens:
+    raise ValueError(f"response lengths must be in [1, max_new_tokens={setup.max_new_tokens}]")
+  g, s = setup.num_instances, setup.slots
+  if g * s < b:
+    raise ValueError(f"generation: num_instances*slots={g}*{s}={g * s} < batch={b}; the engine "
+                     "admits every sample at the start")
+  slot_cap = int(prompt_lens.max()) + setup.max_new_tokens
+  kv_cap = setup.kv_capacity_tokens or s * slot_cap
+  per_inst = -(-b // g)
+  if per_inst * slot_cap > kv_cap:
+    raise ValueError(f"generation: {per_inst} samples per instance may need {per_inst * slot_cap}"
+                     f" KV tokens > kv_capacity_tokens={kv_cap}")
+  kv_bpt = actor.kv_bytes_per_token()
+  clock = _Clock(g, setup.devices_share_compute)
+
+  # Host-side bookkeeping per instance: uids in slots (-1 = free).
+  slot_uid = np.full((g, s), -1, dtype=np.int64)  # [G, S]
+  for uid in range(b):
+    i = uid % g
+    slot_uid[i, uid // g] = uid
+  generated = np.zeros(b, dtype=np.int64)  # [B] response tokens so far
+  finish = np.full(b, np.inf)  # [B]
+  active = np.ones(g, dtype=bool)  # instance still in generation
+  done_gen_at = np.full(g, np.inf)  # when an instance stopped holding unfinished samples
+  curve = [(0.0, b)]
+  consolidations = []
+  unfinished = b
+
+  for i in range(g):
+    uids = slot_uid[i][slot_uid[i] >= 0]
+    clock.run(i, cost.prefill_s(actor, setup.tp, prompt_lens[uids]), "prefill")
+    generated[uids] = 1  # prefill samples the first response token
+    fin = uids[target[uids] <= 1]
+    finish[fin] = clock.t[i]
+    unfinished -= fin.size
+  heap = [(clock.t[i], i) for i in range(g)]
+  heapq.heapify(heap)
+  decode_busy = 0.0
+
+  while heap:
+    t_now, i = heapq.heappop(heap)
+    if not active[i] or t_now != clock.t[i]:
+      continue  # stale entry (instance released, or its clock moved by a migration)
+    occ = slot_uid[i]
+    live_uids = occ[(occ >= 0)]
+    live_uids = live_uids[generated[live_uids] < target[live_uids]]
+    if live_uids.size == 0:
+      active[i] = False
+      done_gen_at[i] = clock.t[i]
+      continue
+    # One chunk of up to K steps: step k is taken by rows with generated + k < target.
+    g0 = generated[live_uids]  # [r]
+    left = target[live_uids] - g0  # [r]
+    n_steps = int(min(setup.chunk_steps, left.max()))
+    k = np.arange(n_steps)[:, None]  # [n_steps, 1]
+    live = k < left[None, :]  # [n_steps, r]
+    ctx = (prompt_lens[live_uids] + g0)[None, :] + k  # [n_steps, r] KV tokens read
+    rows = live.sum(axis=1)  # [n_steps]
+    tokens = (live * ctx).sum(axis=1)  # [n_steps]
+    dur = float(np.sum(cost.decode_step_s(actor, setup.tp, rows, tokens)))
+    end = clock.run(i, dur, "decode")
+    decode_busy += dur
+    generated[live_uids] = g0 + np.minimum(left, n_steps)
+    fin = live_uids[generated[live_uids] >= target[live_uids]]
+    finish[fin] = end
+    unfinished -= fin.size
+    if fin.size:
+      curve.append((end, unfinished))
+      for u in fin:
+        slot_uid[i][occ == u] = -1
+    still = bool(np.any(slot_uid[i] >= 0))
+    if not still:
+      active[i] = False
+      done_gen_at[i] = end
+    else:
+      heapq.heappush(heap, (end, i))
+    if (setup.threshold is not None and len(consolidations) < setup.max_consolidations
+        and 0 < unfinished <= setup.threshold * b):
+      rec = _consolidate(cost, setup, clock, slot_uid, active, prompt_lens, generated, target, b,
+                         kv_cap, slot_cap, kv_bpt, end)
+      if rec is not None:
+        consolidations.append(rec)
+        for r in rec["released"]:
+          active[r] = False
+          done_gen_at[r] = clock.t[r]
+        for kept in rec["kept_list"]:
+          heapq.heappush(heap, (clock.t[kept], kept))
+
+  gen_end = float(finish.max())
+  inf_busy = _simulate_inference(cost, frozen, setup, clock, prompt_lens + target, finish,
+                                 done_gen_at, gen_end)
+  gpi = float(max(clock.t.max(), gen_end))
+  busy = sum(e - st for _, st, e, _ in clock.segments)
+  before = sum(max(0.0, min(e, gen_end) - st) for _, st, e, kd in clock.segments
+               if kd == "inference")
+  return GenResult(
+      gen_end_s=gen_end, gen_plus_inf_s=gpi, finish_s=finish, unfinished_curve=curve,
+      segments=clock.segments, consolidations=consolidations,
+      instance_busy_frac=busy / (g * gpi) if gpi > 0 else 0.0,
+      inference_overlap_frac=before / inf_busy if inf_busy > 0 else 0.0,
+      decode_busy_s=decode_busy, inference_busy_s=inf_busy)
+
+
+def _consolidate(cost, setup, clock, slot_uid, active, prompt_lens, generated, target, b, kv_cap,
+                 slot_cap, kv_bpt, t_decide) -> Optional[dict]:
+  """Plans with the shared policy and, if it moves samples, applies the moves and their costs."""
+  states = []
+  for i in np.flatnonzero(active):
+    samples = []
+    for slot, u in enumerate(slot_uid[i]):
+      if u >= 0 and generated[u] < target[u]:
+        samples.append(SampleState(uid=int(u), slot=slot,
+                                   length=int(prompt_lens[u] + generated[u]),
+                                   remaining=int(setup.max_new_tokens - generated[u])))
+    states.append(InstanceState(index=int(i), slots=setup.slots, kv_capacity_tokens=kv_cap,
+                                samples=tuple(samples), slot_capacity_tokens=slot_cap))
+  plan = plan_consolidation(states, setup.threshold, b, bytes_per_token=kv_bpt)
+  if not plan.consolidate:
+    return None
+  # Each destination waits for its own chunk and its sources' chunks, then receives its rows.
+  per_inst = setup.tp
+  start_by_dst: dict = {}
+  bytes_by_dst: dict = {}
+  secs_by_dst: dict = {}
+  for m in plan.moves:
+    start_by_dst[m.dst_instance] = max(start_by_dst.get(m.dst_instance, clock.t[m.dst_instance]),
+                                       clock.t[m.src_instance], t_decide)
+    stride = abs(m.dst_instance - m.src_instance) * per_inst
+    secs = cost.kv_migration_s(m.bytes, setup.tp, cross_node(stride, setup.devices_per_node))
+    secs_by_dst[m.dst_instance] = secs_by_dst.get(m.dst_instance, 0.0) + secs
+    bytes_by_dst[m.dst_instance] = bytes_by_dst.get(m.dst_instance, 0) + m.bytes
+  src_done: dict = {}
+  for d, st in start_by_dst.items():
+    end = clock.run(d, secs_by_dst[d], "migrate", not_before=st)
+    for m in plan.moves:
+      if m.dst_instance == d:
+        src_done[m.src_instance] = max(src_done.get(m.src_instance, 0.0), end)
+  for m in plan.moves:
+    slot_uid[m.src_instance][m.src_slot] = -1
+    slot_uid[m.dst_instance][m.dst_slot] = m.uid
+  for src, end in src_done.items():
+    if src in plan.released:
+      clock.segments.append((src, max(clock.t[src], t_decide), end, "migrate"))
+      clock.t[src] = max(clock.t[src], end)
+  migration_s = max(secs_by_dst.values())
+  return {"time_s": float(t_decide), "unfinished": plan.unfinished, "kept": len(plan.kept),
+          "kept_list": list(plan.kept), "released": list(plan.released),
+          "moves": len(plan.moves), "moved_bytes": int(plan.moved_bytes),
+          "migration_s": float(migration_s), "reason": plan.reason}
+
+
+def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_at, gen_end
+                        ) -> float:
+  """Greedy list scheduling of inference micro-batches; returns total inference busy time."""
+  g = setup.num_instances
+  avail = np.array([done_gen_at[i] if setup.stream_inference else gen_end for i in range(g)])
+  avail = np.maximum(avail, clock.t)  # an instance's own work (e.g. a migration) ends first
+  order = np.argsort(finish, kind="stable")  # samples by readiness
+  ready_t = finish[order]
+  nxt = 0
+  w_bytes = sum(s.weight_bytes() for s in frozen) / setup.tp
+  load_s = cost.weight_load_s(w_bytes) if setup.offload_frozen else 0.0
+  loaded = np.zeros(g, dtype=bool)
+  # Keyed by when the instance could start computing (after loading the frozen weights), so an
+  # instance that still has to load does not grab work a loaded one would finish sooner.
+  heap = [(avail[i] + load_s, i) for i in range(g)]
+  heapq.heapify(heap)
+  busy = 0.0
+  while nxt < order.size:
+    t, i = heapq.heappop(heap)
+    if setup.offload_frozen and not loaded[i]:
+      t = clock.run(i, load_s, "load", not_before=t - load_s)
+      loaded[i] = True
+    t = max(t, ready_t[nxt])
+    # Take every sample ready by t, up to a micro-batch.
+    hi = int(np.searchsorted(ready_t, t, side="right"))
+    take = order[nxt:min(hi, nxt + setup.inference_microbatch)]
+    nxt += take.size
+    dur = float(cost.inference_s(frozen, setup.tp, seq_lens[take]))
+    end = clock.run(i, dur, "inference", not_before=t)
+    busy += dur
+    heapq.heappush(heap, (end, i))
+  return busy
+
+
+def choose_threshold(cost: CostModel, actor: ModelShape, frozen: Sequence[ModelShape],
+                     setup: GenSetup, prompt_lens: np.ndarray, response_lens: np.ndarray,
+                     candidates: Sequence[float] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
+                     ) -> tuple[float, dict]:
+  """Rt with the smallest simulated gen+inf time over the given lengths (e.g. the histogram
+  kept across iterations). Returns (best Rt, {Rt: gen_plus_inf_s})."""
+  times = {}
+  for rt in candidates:
+    res = simulate_generation(cost, actor, frozen, dataclasses.replace(
+        setup, threshold=float(rt), stream_inference=True), prompt_lens, response_lens)
+    times[float(rt)] = res.gen_plus_inf_s
+  best = min(times, key=lambda r: (times[r], r))
+  return best, times

@@ -1,0 +1,124 @@
+"""Accelerator presets for the simulator: peak compute, memory, and link bandwidths per device.
+
+Every figure is a vendor datasheet / documentation number, cited next to it, converted to SI
+units (FLOP/s, bytes, bytes/s). Conventions, applied when converting:
+
+- `peak_flops`: dense (no structured sparsity) bf16 matrix throughput. NVIDIA datasheets print
+  the sparse figure with a footnote "shown with sparsity, specifications 1/2 lower without".
+- Bandwidths are PER DEVICE and PER DIRECTION (what one device can send while it receives the
+  same). NVIDIA prints NVLink as the bidirectional total (900 GB/s = 450 GB/s each way) and
+  InfiniBand per port in Gb/s (400 Gb/s = 50 GB/s each way); Google prints ICI bidirectional.
+- A "node" is the domain of the fast link: an 8-GPU NVLink/NVSwitch board, or a TPU ICI slice.
+  `inter_node_bw` is the per-device share of the scale-out network (GPU: one NIC per GPU on
+  the DGX/HGX reference designs; TPU: data-center network per chip).
+- `host_to_device_bw`: PCIe per direction (None where the vendor page does not give it; the
+  simulator then refuses to model offloading frozen models to host memory).
+
+Anything here is an upper bound; achieved fractions are the cost model's efficiency parameters.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+GB = 1e9
+TB = 1e12
+TFLOPS = 1e12
+GIB = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """One accelerator type and how devices are wired (SI units, see module docstring)."""
+  name: str
+  peak_flops: float  # dense bf16 FLOP/s per device
+  hbm_bw: float  # bytes/s per device
+  hbm_bytes: float  # bytes per device
+  intra_node_bw: float  # bytes/s per device per direction (NVLink / ICI)
+  inter_node_bw: float  # bytes/s per device per direction (InfiniBand / DCN)
+  devices_per_node: int
+  host_to_device_bw: Optional[float] = None  # bytes/s per device per direction (PCIe)
+  source: str = ""  # where the numbers come from
+
+  def __post_init__(self):
+    for f in ("peak_flops", "hbm_bw", "hbm_bytes", "intra_node_bw", "inter_node_bw"):
+      v = getattr(self, f)
+      if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        raise ValueError(f"hardware {self.name!r}: {f}={v!r} must be a positive finite number")
+    if self.devices_per_node < 1:
+      raise ValueError(f"hardware {self.name!r}: devices_per_node={self.devices_per_node} "
+                       "must be >= 1")
+    if self.host_to_device_bw is not None and not self.host_to_device_bw > 0:
+      raise ValueError(f"hardware {self.name!r}: host_to_device_bw must be > 0 or None")
+
+  def link_bw(self, group_size: int) -> float:
+    """Per-device bandwidth of a collective over `group_size` consecutive devices: the fast
+    link while the group stays inside one node, the scale-out network once it spans nodes."""
+    return self.intra_node_bw if group_size <= self.devices_per_node else self.inter_node_bw
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+HARDWARE: dict[str, Hardware] = {
+    # NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100), H100 SXM column:
+    # BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989.4 dense; GPU memory 80 GB; memory
+    # bandwidth 3.35 TB/s; NVLink 900 GB/s (bidirectional -> 450 each way); PCIe Gen5 128 GB/s
+    # (-> 64 each way). NVIDIA DGX H100 datasheet: 8 GPUs per node, 8x ConnectX-7 400 Gb/s
+    # InfiniBand, one per GPU -> 50 GB/s per GPU each way.
+    "h100_sxm": Hardware(
+        name="h100_sxm", peak_flops=989.4 * TFLOPS, hbm_bw=3.35 * TB, hbm_bytes=80 * GB,
+        intra_node_bw=450 * GB, inter_node_bw=50 * GB, devices_per_node=8,
+        host_to_device_bw=64 * GB,
+        source="NVIDIA H100 datasheet (SXM), NVIDIA DGX H100 datasheet"),
+    # NVIDIA H800 (the export variant of H100 SXM): same GH100 compute and 80 GB HBM3 at
+    # 3.35 TB/s; NVLink limited to 400 GB/s bidirectional (NVIDIA H800 Tensor Core GPU
+    # datasheet, SXM) -> 200 GB/s each way. Scale-out assumed as on DGX H100: 400 Gb/s per GPU.
+    "h800_sxm": Hardware(
+        name="h800_sxm", peak_flops=989.4 * TFLOPS, hbm_bw=3.35 * TB, hbm_bytes=80 * GB,
+        intra_node_bw=200 * GB, inter_node_bw=50 * GB, devices_per_node=8,
+        host_to_device_bw=64 * GB,
+        source="NVIDIA H800 datasheet (SXM); NIC per GPU as DGX H100"),
+    # NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200), H200 SXM:
+    # BF16 1,979 TFLOPS with sparsity -> 989.4 dense; 141 GB HBM3e; 4.8 TB/s; NVLink 900 GB/s
+    # (-> 450 each way); PCIe Gen5 128 GB/s (-> 64). NVIDIA DGX H200 datasheet: 8 GPUs,
+    # 8x ConnectX-7 400 Gb/s -> 50 GB/s per GPU.
+    "h200_sxm": Hardware(
+        name="h200_sxm", peak_flops=989.4 * TFLOPS, hbm_bw=4.8 * TB, hbm_bytes=141 * GB,
+        intra_node_bw=450 * GB, inter_node_bw=50 * GB, devices_per_node=8,
+        host_to_device_bw=64 * GB,
+        source="NVIDIA H200 datasheet (SXM), NVIDIA DGX H200 datasheet"),
+    # NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100), A100 80GB SXM:
+    # BF16 Tensor Core 312 TFLOPS dense (624 with sparsity); 80 GB HBM2e at 2,039 GB/s; NVLink
+    # 600 GB/s (-> 300 each way); PCIe Gen4 64 GB/s (-> 32). NVIDIA DGX A100 datasheet: 8 GPUs,
+    # 8x single-port ConnectX-6 200 Gb/s HDR InfiniBand -> 25 GB/s per GPU.
+    "a100_80g_sxm": Hardware(
+        name="a100_80g_sxm", peak_flops=312 * TFLOPS, hbm_bw=2.039 * TB, hbm_bytes=80 * GB,
+        intra_node_bw=300 * GB, inter_node_bw=25 * GB, devices_per_node=8,
+        host_to_device_bw=32 * GB,
+        source="NVIDIA A100 datasheet (80GB SXM), NVIDIA DGX A100 datasheet"),
+    # Google Cloud TPU v5e documentation (cloud.google.com/tpu/docs/v5e): peak compute per chip
+    # (bf16) 197 TFLOPs; HBM2 16 GB at 819 GBps; bidirectional ICI 400 GBps per chip (-> 200 each
+    # way); TPU Pod (one ICI domain, 2D torus) 256 chips; per-host NIC 2 x 100 Gbps with 8 chips
+    # per host -> 25 GB/s per host = 3.125 GB/s per chip of data-center network.
+    "tpu_v5e": Hardware(
+        name="tpu_v5e", peak_flops=197 * TFLOPS, hbm_bw=819 * GB, hbm_bytes=16 * GB,
+        intra_node_bw=200 * GB, inter_node_bw=3.125 * GB, devices_per_node=256,
+        host_to_device_bw=None, source="Google Cloud TPU v5e system architecture page"),
+    # Google Cloud TPU v5p documentation (cloud.google.com/tpu/docs/v5p): peak compute per chip
+    # (BF16) 459 TFLOPs; HBM 95 GiB at 2765 GBps; bidirectional ICI 1200 GBps per chip (-> 600
+    # each way); 8960 chips per pod (one ICI domain, 3D torus); data-center network 50 Gbps per
+    # chip -> 6.25 GB/s.
+    "tpu_v5p": Hardware(
+        name="tpu_v5p", peak_flops=459 * TFLOPS, hbm_bw=2765 * GB, hbm_bytes=95 * GIB,
+        intra_node_bw=600 * GB, inter_node_bw=6.25 * GB, devices_per_node=8960,
+        host_to_device_bw=None, source="Google Cloud TPU v5p system architecture page"),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+  """The preset called `name`; the error lists the known names."""
+  if name not in HARDWARE:
+    raise ValueError(f"unknown hardware {name!r}; known: {sorted(HARDWARE)}")
+  return HARDWARE[name]

@@ -1,0 +1,307 @@
+"""One RLHF iteration (weight resharding, generation, inference, training) for six systems.
+
+All systems run the same workload: the same prompts and response lengths (drawn once per
+setting from the length distributions with the workload seed), the same models, the same
+cluster and the same cost model. They differ only in what the papers say they do:
+
+  deepspeed_chat_like  colocated: generation with the smallest tensor-parallel degree that fits
+                       (DeepSpeed-Chat's hybrid engine, inference_tp_size), no consolidation;
+                       reference/reward/critic inference and actor/critic training with ZeRO-3
+                       data parallelism over all devices (no pipeline).
+  realhf_like          a parallel plan per stage (ReaLHF): generation tp chosen by simulation;
+                       training either colocated (actor then critic, 1F1B) or actor and critic
+                       concurrently on disjoint device groups, whichever the cost model prefers;
+                       no fusion.
+  rlhfuse_base         stages in series: generation (tp chosen by simulation), then inference on
+                       the same instances, then training with the best colocated pipeline plan,
+                       actor 1F1B followed by critic 1F1B (RLHFuse-Base).
+  inter_stage          rlhfuse_base + long-tail consolidation and streaming inference on the
+                       freed instances (generation_sim with the shared consolidation policy).
+  intra_stage          rlhfuse_base + the fused actor/critic pipeline schedule (pipeline.search
+                       on the same plan).
+  rlhfuse              both fusions.
+
+iteration_s = reshard_s + gen_plus_inf_s + train_s (stages do not overlap across iterations);
+gen_s = when the last sample finished; inf_s = gen_plus_inf_s - gen_s (inference not hidden
+behind generation); samples_per_s = global_batch / iteration_s.
+reshard_s: every generation device receives its tensor-parallel shard of the actor's new
+weights over the scale-out network (the training layout lives on other devices).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import numpy as np
+
+from rlhfuse_jax.pipeline.bounds import pipeline_1f1b_makespan
+from rlhfuse_jax.sim import generation_sim as gen_lib
+from rlhfuse_jax.sim import training_sim as train_lib
+from rlhfuse_jax.sim.cost_model import CostModel
+from rlhfuse_jax.sim.lengths import LengthSpec
+from rlhfuse_jax.sim.shapes import ModelShape
+
+SYSTEMS = ("deepspeed_chat_like", "realhf_like", "rlhfuse_base", "inter_stage", "intra_stage",
+           "rlhfuse")
+_INTER = {"inter_stage", "rlhfuse"}
+_INTRA = {"intra_stage", "rlhfuse"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """What one iteration processes, on which models and how many devices."""
+  actor: ModelShape
+  critic: ModelShape  # scalar head; the reward model has the critic's shape
+  num_devices: int = 256
+  global_batch: int = 512
+  minibatch: int = 64
+  epochs: int = 1
+  micro_batch: int = 1
+  max_new_tokens: int = 1024
+  prompt: LengthSpec = LengthSpec(kind="lognormal", median=256, sigma=0.5, min_len=16,
+                                  max_len=1024)
+  response: LengthSpec = LengthSpec(kind="lognormal", median=256, sigma=0.8)
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.global_batch % self.minibatch:
+      raise ValueError(f"global_batch={self.global_batch} must be divisible by minibatch="
+                       f"{self.minibatch}")
+    for f in ("num_devices", "global_batch", "minibatch", "epochs", "micro_batch",
+              "max_new_tokens"):
+      if getattr(self, f) < 1:
+        raise ValueError(f"workload.{f}={getattr(self, f)} must be >= 1")
+    if self.critic.head != "scalar":
+      raise ValueError(f"workload.critic {self.critic.name!r} must have head='scalar'")
+
+  @property
+  def num_minibatches(self) -> int:
+    return self.epochs * self.global_batch // self.minibatch
+
+  def sample_lengths(self) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt_lens [B], response_lens [B]) of this workload, fixed by its seed."""
+    rng = np.random.default_rng([self.seed, 1])
+    prompts = self.prompt.sample(rng, self.global_batch)
+    resp = self.response.with_max_len(self.max_new_tokens).sample(rng, self.global_batch)
+    return prompts, resp
+
+
+@dataclasses.dataclass(frozen=True)
+class SimOptions:
+  """Knobs of the simulated systems (not of the workload)."""
+  threshold: float = -1.0  # Rt for consolidation; < 0: chosen by simulation (choose_threshold)
+  threshold_candidates: tuple = (0.05, 0.1, 0.2, 0.3, 0.5)
+  chunk_steps: int = 16  # decode steps between host checks
+  inference_microbatch: int = 8  # samples per inference micro-batch
+  max_slots: int = 256  # slots per generation instance at most (memory may allow fewer)
+  gen_tps: tuple = (1, 2, 4, 8)  # tensor-parallel degrees tried for generation
+  offload_frozen: bool = True  # reference/reward/critic weights in host memory until used
+  search_time_s: float = 2.0  # fused-schedule search budget per distinct pipeline problem
+
+
+@dataclasses.dataclass(frozen=True)
+class GenPlan:
+  tp: int
+  num_instances: int
+  slots: int
+  kv_capacity_tokens: int
+
+
+def gen_plan(cost: CostModel, wl: Workload, tp: int, prompt_lens: np.ndarray, max_slots: int
+             ) -> GenPlan:
+  """Instances of `tp` devices; slots and KV pool from the memory left after the actor's
+  weights. Raises if the batch's share of an instance cannot fit."""
+  n = wl.num_devices
+  if n % tp:
+    raise ValueError(f"generation tp={tp} must divide num_devices={n}")
+  g = n // tp
+  per_inst = -(-wl.global_batch // g)
+  kv_tok_bytes = wl.actor.kv_bytes_per_token() / tp  # per device
+  free = cost.usable_bytes - wl.actor.weight_bytes() / tp
+  pool = int(free // kv_tok_bytes) if free > 0 else 0
+  slot_cap = int(prompt_lens.max()) + wl.max_new_tokens
+  need = wl.actor.weight_bytes() / tp + per_inst * slot_cap * kv_tok_bytes
+  cost.check_fits(f"generation of {wl.actor.name}", need,
+                  f"tp={tp}: weights + KV cache for {per_inst} samples x {slot_cap} tokens")
+  slots = max(per_inst, min(max_slots, pool // slot_cap))
+  return GenPlan(tp=tp, num_instances=g, slots=slots, kv_capacity_tokens=pool)
+
+
+def check_inference_memory(cost: CostModel, wl: Workload, tp: int, microbatch: int,
+                           prompt_lens: np.ndarray) -> None:
+  frozen = (wl.actor, wl.critic, wl.critic)
+  tokens = microbatch * (int(prompt_lens.max()) + wl.max_new_tokens)
+  need = sum(s.weight_bytes() for s in frozen) / tp + max(
+      cost.activation_bytes(s, tp, tokens, 1) for s in frozen)
+  cost.check_fits("inference (reference + reward + critic)", need, f"tp={tp}")
+
+
+def _gen_setup(plan: GenPlan, wl: Workload, opt: SimOptions, cost: CostModel, fused: bool,
+               threshold: Optional[float]) -> gen_lib.GenSetup:
+  return gen_lib.GenSetup(
+      num_instances=plan.num_instances, slots=plan.slots, tp=plan.tp,
+      chunk_steps=opt.chunk_steps, max_new_tokens=wl.max_new_tokens,
+      threshold=threshold if fused else None, stream_inference=fused,
+      inference_microbatch=opt.inference_microbatch, kv_capacity_tokens=plan.kv_capacity_tokens,
+      offload_frozen=opt.offload_frozen,
+      devices_share_compute=bool(cost.cal is not None and cost.cal.devices_share_compute),
+      devices_per_node=cost.hw.devices_per_node)
+
+
+def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bool,
+                       smallest_tp: bool = False, log: Optional[Callable] = None) -> dict:
+  """Generation + inference with the best (or smallest fitting) tensor-parallel degree."""
+  prompts, resp = wl.sample_lengths()
+  frozen = (wl.actor, wl.critic, wl.critic)
+  rejected, best = {}, None
+  for tp in opt.gen_tps:
+    try:
+      plan = gen_plan(cost, wl, tp, prompts, opt.max_slots)
+      check_inference_memory(cost, wl, tp, opt.inference_microbatch, prompts)
+    except ValueError as e:
+      rejected[tp] = str(e)
+      continue
+    rt, rt_times = None, None
+    if fused:
+      if opt.threshold >= 0:
+        rt = opt.threshold
+      else:
+        # The histogram "kept across iterations": lengths of another draw of the workload.
+        hist = dataclasses.replace(wl, seed=wl.seed + 1000).sample_lengths()
+        rt, rt_times = gen_lib.choose_threshold(
+            cost, wl.actor, frozen, _gen_setup(plan, wl, opt, cost, True, 0.0), hist[0],
+            hist[1], opt.threshold_candidates)
+    res = gen_lib.simulate_generation(cost, wl.actor, frozen,
+                                      _gen_setup(plan, wl, opt, cost, fused, rt), prompts, resp)
+    cand = {"plan": plan, "result": res, "threshold": rt, "threshold_sweep": rt_times}
+    if best is None or res.gen_plus_inf_s < best["result"].gen_plus_inf_s:
+      best = cand
+    if smallest_tp:
+      break
+  if best is None:
+    raise ValueError(f"no generation plan fits {wl.actor.name} on {cost.hw.name}: {rejected}")
+  best["rejected_tps"] = rejected
+  return best
+
+
+def _reshard_s(cost: CostModel, wl: Workload, tp_gen: int) -> float:
+  return float(cost.p2p_s(wl.actor.weight_bytes() / tp_gen, cross_node=True))
+
+
+def _zero3_stage(cost: CostModel, wl: Workload, prompts: np.ndarray, resp: np.ndarray) -> dict:
+  """DeepSpeed-Chat-like inference and training (ZeRO-3 over all devices)."""
+  n = wl.num_devices
+  seq = (prompts + resp).astype(np.float64)
+  tokens, mean_len = float(seq.sum()), float(seq.mean())
+  inf = 0.0
+  for s in (wl.actor, wl.critic, wl.critic):
+    compute = float(np.sum(s.forward_flops(seq, (seq + 1) / 2.0))) / (
+        n * cost.hw.peak_flops * cost.eff.prefill_mfu)
+    inf += max(compute, cost.allgather_s(s.weight_bytes(), n))
+  mb_tokens = tokens / wl.global_batch * wl.minibatch
+  train_lib.check_zero3_memory(cost, (wl.actor, wl.critic), n, mb_tokens / n)
+  step = (train_lib.zero3_train_s(cost, wl.actor, n, mb_tokens, mean_len) +
+          train_lib.zero3_train_s(cost, wl.critic, n, mb_tokens, mean_len))
+  return {"inf_s": inf, "train_s": wl.num_minibatches * step, "step_s": step}
+
+
+def _single_model_s(cost: CostModel, shape: ModelShape, n: int, wl: Workload, mean_len: float
+                    ) -> Optional[tuple[float, dict]]:
+  """Best 1F1B time of one model alone on n devices (tp x pp x dp), or None if nothing fits."""
+  best = None
+  for tp in (1, 2, 4, 8):
+    for pp in (1, 2, 4, 8, 16):
+      if n % (tp * pp) or tp > cost.hw.devices_per_node or pp > shape.num_layers:
+        continue
+      dp = n // (tp * pp)
+      if wl.minibatch % (dp * wl.micro_batch):
+        continue
+      m = wl.minibatch // (dp * wl.micro_batch)
+      mb_tokens = wl.micro_batch * mean_len
+      need = cost.train_memory_bytes(shape, tp, pp, dp, True, mb_tokens, min(pp, m))
+      if need > cost.usable_bytes:
+        continue
+      f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2))
+      lat = cost.p2p_s(mb_tokens * shape.hidden_size * 2.0 / tp, True) if pp > 1 else 0.0
+      step = (pipeline_1f1b_makespan(pp, m, f, cost.bwd_over_fwd() * f) + 2 * (pp - 1) * lat +
+              cost.grad_sync_s(shape, tp, pp, dp) + cost.optimizer_step_s(shape, tp * pp * dp))
+      if best is None or step < best[0]:
+        best = (step, {"devices": n, "tp": tp, "pp": pp, "dp": dp, "M": m})
+  return best
+
+
+def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=SYSTEMS,
+                       cache: Optional[train_lib.ScheduleCache] = None,
+                       log: Optional[Callable[[str], None]] = None) -> dict:
+  """{system: row} for one setting (row fields in the module docstring, plus details)."""
+  unknown = [s for s in systems if s not in SYSTEMS]
+  if unknown:
+    raise ValueError(f"unknown systems {unknown}; known: {list(SYSTEMS)}")
+  cache = cache or train_lib.ScheduleCache(time_budget_s=opt.search_time_s, log=log)
+  prompts, resp = wl.sample_lengths()
+  mean_len = float(np.mean(prompts + resp))
+  out = {}
+  gen_cache: dict = {}
+
+  def gen(fused: bool, smallest: bool = False) -> dict:
+    key = (fused, smallest)
+    if key not in gen_cache:
+      gen_cache[key] = simulate_gen_stage(cost, wl, opt, fused, smallest, log)
+    return gen_cache[key]
+
+  train_cache: dict = {}
+
+  def train(fused: bool) -> dict:
+    if fused not in train_cache:
+      plan, _ = train_lib.best_plan(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
+                                    wl.micro_batch, mean_len, wl.num_minibatches)
+      costs = train_lib.step_costs(cost, wl.actor, wl.critic, plan, mean_len)
+      res = train_lib.pipeline_train_s(costs, wl.num_minibatches, fused, cache)
+      res["plan"] = plan.to_dict()
+      res["problem"] = costs.problem.to_dict()
+      train_cache[fused] = res
+    return train_cache[fused]
+
+  for name in systems:
+    if log:
+      log(f"  system {name}")
+    if name == "deepspeed_chat_like":
+      g = gen(False, smallest=True)
+      z = _zero3_stage(cost, wl, prompts, resp)
+      gen_s = g["result"].gen_end_s
+      row = {"gen_s": gen_s, "inf_s": z["inf_s"], "gen_plus_inf_s": gen_s + z["inf_s"],
+             "train_s": z["train_s"], "details": {"gen_tp": g["plan"].tp, "train": "zero3"}}
+    else:
+      g = gen(name in _INTER)
+      r = g["result"]
+      row = {"gen_s": r.gen_end_s, "inf_s": r.inf_exposed_s, "gen_plus_inf_s": r.gen_plus_inf_s}
+      details = {"gen_plan": dataclasses.asdict(g["plan"]), "threshold": g["threshold"],
+                 "threshold_sweep": g["threshold_sweep"], "gen": r.summary()}
+      if name == "realhf_like":
+        colocated = train(False)
+        split = None
+        for frac in (0.25, 0.5, 0.75):
+          na = int(wl.num_devices * frac)
+          a = _single_model_s(cost, wl.actor, na, wl, mean_len)
+          c = _single_model_s(cost, wl.critic, wl.num_devices - na, wl, mean_len)
+          if a and c and (split is None or max(a[0], c[0]) < split[0]):
+            split = (max(a[0], c[0]), {"actor": a[1], "critic": c[1]})
+        if split is not None and split[0] * wl.num_minibatches < colocated["train_s"]:
+          row["train_s"] = split[0] * wl.num_minibatches
+          details["train"] = {"mode": "disjoint_concurrent", **split[1]}
+        else:
+          row["train_s"] = colocated["train_s"]
+          details["train"] = {"mode": "colocated_serial_1f1b", "plan": colocated["plan"]}
+      else:
+        t = train(name in _INTRA)
+        row["train_s"] = t["train_s"]
+        details["train"] = {k: v for k, v in t.items() if k != "search"}
+        if t["search"] is not None:
+          details["train"]["search"] = {k: v for k, v in t["search"].items() if k != "order"}
+      row["details"] = details
+    row["reshard_s"] = _reshard_s(cost, wl, row["details"].get("gen_tp") or
+                                  row["details"]["gen_plan"]["tp"])
+    row["iteration_s"] = row["reshard_s"] + row["gen_plus_inf_s"] + row["train_s"]
+    row["samples_per_s"] = wl.global_batch / row["iteration_s"]
+    out[name] = row
+  return out

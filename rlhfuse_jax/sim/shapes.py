@@ -1,0 +1,129 @@
+"""Model shapes for the simulator: parameter counts, FLOPs per token and KV bytes per token.
+
+Plain numpy/Python (the simulator never imports jax). `ModelShape` mirrors the fields of
+`rlhfuse_jax.models.llama.ModelConfig` that cost depends on, and `num_params()` uses the same
+formula (a test checks the two agree), so any config of ours simulates via `from_model_config`.
+
+FLOP accounting (per token, forward):
+  matmul FLOPs = 2 * (parameters used in matrix products) = 2 * (num_params - input embedding
+                 - norm scales - biases), the usual "2N" rule (Kaplan et al. 2020, §2.1);
+  attention    = 4 * layers * (heads * head_dim) * context   (QK^T and PV, 2 FLOPs per MAC),
+                 where `context` is the number of keys the token attends to.
+Training (forward + backward) is 3x the forward FLOPs (backward = 2x forward).
+KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per element.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+HEADS = ("lm", "scalar")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """What the cost of a LLaMA-style decoder depends on."""
+  name: str
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int = 0  # 0: hidden_size // num_heads
+  head: str = "lm"  # "lm" (actor, reference) or "scalar" (critic, reward model)
+  tie_embeddings: bool = False
+  qkv_bias: bool = False
+  max_seq_len: int = 2048
+
+  def __post_init__(self):
+    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "max_seq_len"):
+      if int(getattr(self, f)) <= 0:
+        raise ValueError(f"shape {self.name!r}: {f}={getattr(self, f)} must be a positive int")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"shape {self.name!r}: num_heads={self.num_heads} must be a multiple of "
+                       f"num_kv_heads={self.num_kv_heads}")
+    if self.head not in HEADS:
+      raise ValueError(f"shape {self.name!r}: head={self.head!r}; expected one of {HEADS}")
+
+  @property
+  def head_dim_(self) -> int:
+    return self.head_dim or self.hidden_size // self.num_heads
+
+  def num_params(self) -> int:
+    """Same count as ModelConfig.num_params()."""
+    e, f, d = self.hidden_size, self.intermediate_size, self.head_dim_
+    attn = e * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * e
+    if self.qkv_bias:
+      attn += d * (self.num_heads + 2 * self.num_kv_heads)
+    layer = attn + 3 * e * f + 2 * e
+    embed = self.vocab_size * e
+    head = 0 if (self.tie_embeddings and self.head == "lm") else (
+        self.vocab_size * e if self.head == "lm" else e + 1)
+    return self.num_layers * layer + embed + head + e
+
+  def matmul_params(self) -> int:
+    """Parameters that take part in matrix products (no embedding lookup, norms or biases)."""
+    e, f, d = self.hidden_size, self.intermediate_size, self.head_dim_
+    layer = e * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * e + 3 * e * f
+    head = self.vocab_size * e if self.head == "lm" else e
+    return self.num_layers * layer + head
+
+  def forward_flops(self, tokens: float, mean_context: float) -> float:
+    """Forward FLOPs of `tokens` tokens attending on average to `mean_context` keys each."""
+    attn = 4.0 * self.num_layers * self.num_heads * self.head_dim_ * mean_context
+    return tokens * (2.0 * self.matmul_params() + attn)
+
+  def sequence_forward_flops(self, length: float) -> float:
+    """Forward FLOPs of one causal sequence of `length` tokens (mean context (length+1)/2)."""
+    return self.forward_flops(length, (length + 1) / 2.0)
+
+  def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
+    return 2 * self.num_layers * self.num_kv_heads * self.head_dim_ * bytes_per_elem
+
+  def weight_bytes(self, bytes_per_elem: int = 2) -> float:
+    return float(self.num_params() * bytes_per_elem)
+
+  def as_critic(self) -> "ModelShape":
+    """The same backbone with a scalar head (critic / reward model)."""
+    name = self.name if self.head == "scalar" else f"{self.name}-critic"
+    return dataclasses.replace(self, head="scalar", name=name)
+
+  def to_dict(self) -> dict:
+    return {**dataclasses.asdict(self), "num_params": self.num_params()}
+
+
+def from_model_config(cfg: Any, name: str = "custom") -> ModelShape:
+  """A ModelShape from a `rlhfuse_jax.models.llama.ModelConfig` (read by attribute name, so the
+  simulator does not import jax)."""
+  return ModelShape(name=name, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                    intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
+                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim, head=cfg.head, tie_embeddings=cfg.tie_embeddings,
+                    qkv_bias=cfg.qkv_bias, max_seq_len=cfg.max_seq_len)
+
+
+def _llama1(name: str, hidden: int, inter: int, layers: int, heads: int) -> ModelShape:
+  return ModelShape(name=name, vocab_size=32000, hidden_size=hidden, intermediate_size=inter,
+                    num_layers=layers, num_heads=heads, num_kv_heads=heads, max_seq_len=2048)
+
+
+# LLaMA (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models", Table 2:
+# dimension / heads / layers for 6.7B, 13.0B, 32.5B, 65.2B; vocabulary 32000 tokens, §2.1;
+# context 2048). FFN sizes from the released params.json: SwiGLU width 2/3 * 4d rounded up to a
+# multiple of 256 (11008, 13824, 17920, 22016). Full multi-head attention (kv_heads = heads).
+SHAPES: dict[str, ModelShape] = {
+    "llama-7b": _llama1("llama-7b", 4096, 11008, 32, 32),
+    "llama-13b": _llama1("llama-13b", 5120, 13824, 40, 40),
+    "llama-33b": _llama1("llama-33b", 6656, 17920, 60, 52),
+    "llama-65b": _llama1("llama-65b", 8192, 22016, 80, 64),
+}
+
+
+def get_shape(name: str, head: str = "lm") -> ModelShape:
+  """A preset shape, with a scalar head for head='scalar' (critic / reward model)."""
+  if name not in SHAPES:
+    raise ValueError(f"unknown model shape {name!r}; known: {sorted(SHAPES)}")
+  shape = SHAPES[name]
+  return shape.as_critic() if head == "scalar" else shape

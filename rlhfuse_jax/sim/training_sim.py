@@ -1,0 +1,250 @@
+"""Training-stage time: pipeline plans, 1F1B-serial and fused schedules via `rlhfuse_jax.pipeline`.
+
+The actor and the critic train on the same mini-batches. On a plan (tp, Pa, Pc, dp), the N
+devices form dp * tp pipelines of Pa devices (layout: tp innermost, then dp, then the pipeline
+axis); the critic has Pc stages and R = Pa/Pc replicas along the pipeline axis (DESIGN §3). A
+mini-batch of `minibatch` samples splits over dp groups, then into micro-batches of
+`micro_batch` samples: Ma = minibatch / (dp * micro_batch), Mc = Ma / R.
+
+Per mini-batch: the pipeline makespan (schedule code of `rlhfuse_jax.pipeline`: the serial
+order = actor 1F1B then critic 1F1B, or the fused schedule found by `pipeline.search`), then the
+data-parallel gradient all-reduce of both models and the optimizer steps (not overlapped).
+Stage durations come from the cost model (per micro-batch of mean tokens: the pipeline code has
+one duration per task kind), in milliseconds inside the PipelineProblem.
+
+`ScheduleCache` keeps fused searches per problem (in memory and optionally in a JSON file), so a
+grid of settings searches each distinct shape once. `zero3_train_s` is the DeepSpeed-Chat-like
+alternative: no pipeline, ZeRO-3 data parallel over all devices.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable, Optional
+
+import numpy as np
+
+from rlhfuse_jax.pipeline import schedules
+from rlhfuse_jax.pipeline.bounds import serial_makespan_formula, tight_lower_bound
+from rlhfuse_jax.pipeline.evaluate import evaluate
+from rlhfuse_jax.pipeline.graph import PipelineProblem
+from rlhfuse_jax.pipeline.search import SearchConfig, search
+from rlhfuse_jax.sim.cost_model import CostModel, cross_node
+from rlhfuse_jax.sim.shapes import ModelShape
+
+MS = 1e3  # PipelineProblem times are in milliseconds
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainPlan:
+  """A training layout on `num_devices` devices (see module docstring)."""
+  num_devices: int
+  minibatch: int
+  tp: int
+  actor_pp: int
+  critic_pp: int
+  micro_batch: int = 1  # samples per micro-batch
+
+  def __post_init__(self):
+    n, tp, pa, pc = self.num_devices, self.tp, self.actor_pp, self.critic_pp
+    for f in ("num_devices", "minibatch", "tp", "actor_pp", "critic_pp", "micro_batch"):
+      if getattr(self, f) < 1:
+        raise ValueError(f"train plan: {f}={getattr(self, f)} must be >= 1")
+    if n % (tp * pa):
+      raise ValueError(f"train plan: num_devices={n} must be divisible by tp*actor_pp="
+                       f"{tp}*{pa}")
+    if pa % pc:
+      raise ValueError(f"train plan: actor_pp={pa} must be divisible by critic_pp={pc}")
+    if self.minibatch % (self.dp * self.micro_batch):
+      raise ValueError(f"train plan: minibatch={self.minibatch} must be divisible by "
+                       f"dp*micro_batch={self.dp}*{self.micro_batch} (dp = num_devices/(tp*"
+                       f"actor_pp) = {self.dp})")
+    if self.actor_microbatches % self.critic_replicas:
+      raise ValueError(f"train plan: actor micro-batches {self.actor_microbatches} must be "
+                       f"divisible by critic replicas actor_pp/critic_pp={self.critic_replicas}")
+
+  @property
+  def dp(self) -> int:
+    return self.num_devices // (self.tp * self.actor_pp)
+
+  @property
+  def critic_replicas(self) -> int:
+    return self.actor_pp // self.critic_pp
+
+  @property
+  def actor_microbatches(self) -> int:
+    return self.minibatch // (self.dp * self.micro_batch)
+
+  @property
+  def critic_microbatches(self) -> int:
+    return self.actor_microbatches // self.critic_replicas
+
+  def to_dict(self) -> dict:
+    return {**dataclasses.asdict(self), "dp": self.dp, "Ma": self.actor_microbatches,
+            "Mc": self.critic_microbatches}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+  """Per-mini-batch costs of a plan (seconds) and its pipeline problem (milliseconds)."""
+  problem: PipelineProblem
+  grad_sync_s: float
+  optimizer_s: float
+
+
+def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: TrainPlan,
+               mean_seq_len: float, check_memory: bool = True) -> StepCosts:
+  """Stage durations, transfer latency and the per-step extras of a plan."""
+  mb_tokens = plan.micro_batch * mean_seq_len
+  ctx = (mean_seq_len + 1) / 2.0
+  fa = float(cost.train_stage_fwd_s(actor, plan.tp, plan.actor_pp, mb_tokens, ctx, "actor"))
+  fc = float(cost.train_stage_fwd_s(critic, plan.tp, plan.critic_pp, mb_tokens, ctx, "critic"))
+  ratio = cost.bwd_over_fwd()
+  stride = plan.tp * plan.dp  # devices between pipeline neighbours
+  act_bytes = mb_tokens * max(actor.hidden_size, critic.hidden_size) * 2.0 / plan.tp
+  lat = cost.p2p_s(act_bytes, cross_node(stride, cost.hw.devices_per_node)) if plan.actor_pp > 1 \
+      else 0.0
+  problem = PipelineProblem(
+      actor_pp=plan.actor_pp, critic_pp=plan.critic_pp,
+      actor_microbatches=plan.actor_microbatches, critic_microbatches=plan.critic_microbatches,
+      actor_fwd=round(fa * MS, 6), critic_fwd=round(fc * MS, 6),
+      actor_bwd=round(ratio * fa * MS, 6), critic_bwd=round(ratio * fc * MS, 6),
+      transfer_latency=round(lat * MS, 6))
+  if check_memory:
+    check_train_memory(cost, actor, critic, plan, mb_tokens)
+  sync = (cost.grad_sync_s(actor, plan.tp, plan.actor_pp, plan.dp) +
+          cost.grad_sync_s(critic, plan.tp, plan.critic_pp, plan.dp * plan.critic_replicas))
+  opt = (cost.optimizer_step_s(actor, plan.tp * plan.actor_pp * plan.dp) +
+         cost.optimizer_step_s(critic, plan.tp * plan.critic_pp * plan.dp * plan.critic_replicas))
+  return StepCosts(problem=problem, grad_sync_s=float(sync), optimizer_s=float(opt))
+
+
+def check_train_memory(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: TrainPlan,
+                       mb_tokens: float) -> None:
+  """Both models' states and their 1F1B activation peaks on the busiest device (stage 0 of
+  each) must fit; the fused schedule's budget is that same sum (DESIGN §3)."""
+  ma, mc = plan.actor_microbatches, plan.critic_microbatches
+  need = (cost.train_memory_bytes(actor, plan.tp, plan.actor_pp, plan.dp, True, mb_tokens,
+                                  min(plan.actor_pp, ma)) +
+          cost.train_memory_bytes(critic, plan.tp, plan.critic_pp, plan.dp * plan.critic_replicas,
+                                  True, mb_tokens, min(plan.critic_pp, mc)))
+  cost.check_fits(f"training {actor.name} + {critic.name}", need,
+                  f"plan tp={plan.tp} actor_pp={plan.actor_pp} critic_pp={plan.critic_pp} "
+                  f"dp={plan.dp}; use more pipeline stages or tensor parallelism")
+
+
+def serial_makespan_ms(problem: PipelineProblem) -> float:
+  """Actor 1F1B then critic 1F1B, timed by the pipeline evaluator (with transfer latency)."""
+  ev = evaluate(problem, schedules.serial_order(problem), schedules.serial_release(problem))
+  return ev.makespan
+
+
+class ScheduleCache:
+  """Fused-schedule searches keyed by problem; optionally persisted as JSON."""
+
+  def __init__(self, path: str = "", time_budget_s: float = 2.0, seed: int = 0,
+               log: Optional[Callable[[str], None]] = None):
+    self.path, self.budget, self.seed, self.log = path, time_budget_s, seed, log
+    self.entries: dict = {}
+    if path and os.path.exists(path):
+      with open(path) as f:
+        self.entries = json.load(f)
+
+  @staticmethod
+  def key(problem: PipelineProblem) -> str:
+    return json.dumps(problem.to_dict(), sort_keys=True)
+
+  def fused(self, problem: PipelineProblem) -> dict:
+    """{'makespan', 'serial', 'greedy', 'lower_bound', 'peak_max', 'search_s', 'order'}."""
+    k = self.key(problem)
+    if k in self.entries:
+      return self.entries[k]
+    res = search(problem, SearchConfig(time_budget_s=self.budget, seed=self.seed))
+    ev = evaluate(problem, res.best)
+    greedy = evaluate(problem, schedules.greedy_order(problem))
+    entry = {"makespan": ev.makespan, "serial": serial_makespan_ms(problem),
+             "greedy": greedy.makespan, "lower_bound": tight_lower_bound(problem),
+             "serial_formula": serial_makespan_formula(problem),
+             "peak_max": float(np.max(ev.peaks)), "budget_max": float(np.max(ev.budget)),
+             "search_s": res.search_s, "evaluations": res.evaluations,
+             "order": res.best.astype(int).tolist()}
+    if self.log:
+      self.log(f"fused schedule Pa/Pc={problem.actor_pp}/{problem.critic_pp} "
+               f"Ma/Mc={problem.actor_microbatches}/{problem.critic_microbatches}: "
+               f"{entry['makespan']:.1f} ms (serial {entry['serial']:.1f}, LB "
+               f"{entry['lower_bound']:.1f}) in {res.search_s:.1f}s")
+    self.entries[k] = entry
+    if self.path:
+      from rlhfuse_jax import workdir as wd
+      wd.write_json(self.path, self.entries)
+    return entry
+
+
+def pipeline_train_s(costs: StepCosts, num_minibatches: int, fused: bool,
+                     cache: Optional[ScheduleCache] = None) -> dict:
+  """Training time of all mini-batches with the serial or the fused schedule."""
+  if fused:
+    if cache is None:
+      raise ValueError("fused training needs a ScheduleCache")
+    entry = cache.fused(costs.problem)
+    makespan_ms = entry["makespan"]
+  else:
+    entry = None
+    makespan_ms = serial_makespan_ms(costs.problem)
+  step = makespan_ms / MS + costs.grad_sync_s + costs.optimizer_s
+  return {"train_s": num_minibatches * step, "step_s": step, "pipeline_ms": makespan_ms,
+          "grad_sync_s": costs.grad_sync_s, "optimizer_s": costs.optimizer_s,
+          "schedule": "fused" if fused else "serial_1f1b", "search": entry}
+
+
+def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_devices: int,
+              minibatch: int, micro_batch: int, mean_seq_len: float, num_minibatches: int,
+              tps=(1, 2, 4, 8), pps=(1, 2, 4, 8, 16)) -> tuple[TrainPlan, dict]:
+  """The plan with the smallest serial (1F1B) training time among those that fit in memory.
+  Returns (plan, {candidate description: train_s or the reason it was rejected})."""
+  tried, best, best_t = {}, None, float("inf")
+  for tp in tps:
+    if tp > cost.hw.devices_per_node:
+      continue
+    for pa in pps:
+      for pc in pps:
+        if pc > pa or pa > actor.num_layers or pc > critic.num_layers:
+          continue
+        name = f"tp{tp}/pa{pa}/pc{pc}"
+        try:
+          plan = TrainPlan(num_devices, minibatch, tp, pa, pc, micro_batch)
+          costs = step_costs(cost, actor, critic, plan, mean_seq_len)
+        except ValueError as e:
+          tried[name] = str(e)
+          continue
+        t = pipeline_train_s(costs, num_minibatches, fused=False)["train_s"]
+        tried[name] = t
+        if t < best_t:
+          best, best_t = plan, t
+  if best is None:
+    raise ValueError(f"no training plan fits: {actor.name} + {critic.name} on {num_devices} "
+                     f"x {cost.hw.name}, minibatch={minibatch}; tried {tried}")
+  return best, tried
+
+
+def zero3_train_s(cost: CostModel, shape: ModelShape, num_devices: int, tokens: float,
+                  mean_seq_len: float) -> float:
+  """One model's step on `tokens` tokens with ZeRO-3 data parallelism over all devices: the
+  parameters are all-gathered for the forward and for the backward and the gradients
+  reduce-scattered (3 x the bf16 parameter bytes through every device's link), overlapped with
+  compute (prefetching), so the step takes the larger of the two, plus the optimizer step."""
+  flops = 3.0 * shape.forward_flops(tokens, (mean_seq_len + 1) / 2.0)
+  compute = flops / (num_devices * cost.hw.peak_flops * cost.eff.train_mfu)
+  comm = 3.0 * cost.allgather_s(shape.weight_bytes(), num_devices)
+  return float(max(compute, comm) + cost.optimizer_step_s(shape, num_devices))
+
+
+def check_zero3_memory(cost: CostModel, shapes, num_devices: int, tokens_per_device: float):
+  """ZeRO-3: 16 bytes/param sharded over all devices for each trained model, plus activations
+  of the device's tokens and one gathered layer."""
+  need = 0.0
+  for s in shapes:
+    need += 16.0 * s.num_params() / num_devices
+    need += cost.activation_bytes(s, 1, tokens_per_device, s.num_layers)
+  cost.check_fits("ZeRO-3 training", need, f"{num_devices} devices")
