@@ -1,0 +1,195 @@
+"""The inference stage of PPO (DESIGN §1, step 2): scores for generated samples.
+
+For each prompt+response (laid out by models/sequences.build_sequences):
+
+  reference log-probs [B, T]  log-prob of each response token under the frozen reference actor
+  critic values       [B, T]  value of the state before each response token
+  reward              [B]     a reward model's scalar at the last response token (position
+                              prompt_len+response_len-1), or a Python reward function's output
+
+`Scorer` runs the forward passes jitted, with the batch split over the mesh's data axes, and
+optionally in micro-batches of a fixed size (the last one padded, so each shape compiles once):
+the inter-stage fusion streams finished samples through it in small groups. Each micro-batch is
+dispatched before any result is read, so JAX runs them back to back without host round trips.
+
+`RewardDispatcher` picks the reward source named in `RewardConfig`: 'model' or 'function'. The
+function is any callable `(records, response_tokens [B, T], response_lens [B]) -> [B]`; a task
+registry elsewhere (data/tasks.py) maps names to such functions and is resolved by the caller.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from rlhfuse_jax.models import sequences
+from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.parallel import mesh as mesh_lib
+
+RewardFn = Callable[[Sequence[Mapping[str, Any]], np.ndarray, np.ndarray], np.ndarray]
+REWARD_SOURCES = ("model", "function")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringBatch:
+  """Generated samples as the inference stage sees them (host numpy)."""
+  tokens: np.ndarray  # [B, P+T] int32 prompt, response, padding (build_sequences)
+  prompt_lens: np.ndarray  # [B] int32
+  response_tokens: np.ndarray  # [B, T] int32
+  response_lens: np.ndarray  # [B] int32
+
+  @property
+  def batch_size(self) -> int:
+    return self.tokens.shape[0]
+
+  @property
+  def num_response(self) -> int:
+    return self.response_tokens.shape[1]
+
+  @classmethod
+  def from_rollout(cls, rollout: Any, pad_id: int) -> "ScoringBatch":
+    """From anything with prompt_tokens, prompt_lens, response_tokens, response_lens (Rollout)."""
+    tokens = sequences.build_sequences(rollout.prompt_tokens, rollout.prompt_lens,
+                                       rollout.response_tokens, rollout.response_lens, pad_id)
+    return cls(tokens=np.asarray(tokens), prompt_lens=np.asarray(rollout.prompt_lens, np.int32),
+               response_tokens=np.asarray(rollout.response_tokens, np.int32),
+               response_lens=np.asarray(rollout.response_lens, np.int32))
+
+  def take(self, rows) -> "ScoringBatch":
+    """The samples at `rows` (e.g. the ones that just finished)."""
+    rows = np.asarray(rows)
+    return ScoringBatch(self.tokens[rows], self.prompt_lens[rows], self.response_tokens[rows],
+                        self.response_lens[rows])
+
+
+# Jitted forward passes. cfg, T and temperature are static (one executable per model shape);
+# params keep the shardings the caller gave them.
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def reference_logprobs(cfg: ModelConfig, params, tokens, prompt_lens, num_response: int,
+                       temperature: float = 1.0):
+  """[B, T] float32 log-probs of the response tokens under `params` (LM head)."""
+  return sequences.response_logprobs_and_entropy(cfg, params, tokens, prompt_lens, num_response,
+                                                 temperature)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def critic_values(cfg: ModelConfig, params, tokens, prompt_lens, num_response: int):
+  """[B, T] float32 critic values at positions prompt_len-1+t (scalar head)."""
+  return sequences.response_values(cfg, params, tokens, prompt_lens, num_response)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def reward_model_scores(cfg: ModelConfig, params, tokens, prompt_lens, response_lens):
+  """[B] float32 reward-model scalar at the last response token (scalar head)."""
+  return sequences.sequence_scores(cfg, params, tokens, prompt_lens, response_lens)
+
+
+class Scorer:
+  """Runs the inference forward passes on a mesh, whole-batch or in micro-batches."""
+
+  def __init__(self, mesh: Optional[Mesh] = None, micro_batch_size: int = 0):
+    self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(
+        mesh_lib.MeshConfig(data=1), jax.devices()[:1])
+    self._multiple = mesh_lib.batch_size_multiple(self.mesh)
+    if micro_batch_size < 0 or micro_batch_size % self._multiple:
+      raise ValueError(f"inference micro_batch_size={micro_batch_size} must be 0 (whole batch) or "
+                       f"a positive multiple of the data-parallel mesh size {self._multiple}")
+    self.micro_batch_size = micro_batch_size
+
+  def _pieces(self, batch: ScoringBatch):
+    """Yields (row slice, padded host arrays) of fixed-size pieces covering the batch."""
+    b = batch.batch_size
+    m = self.micro_batch_size or -(-b // self._multiple) * self._multiple
+    for start in range(0, b, m):
+      rows = np.arange(start, start + m)
+      rows = np.minimum(rows, b - 1)  # pad with copies of the last row; their results are dropped
+      yield slice(start, min(start + m, b)), batch.take(rows)
+
+  def _run(self, fn: Callable, batch: ScoringBatch) -> np.ndarray:
+    """fn(tokens, prompt_lens, response_lens) on every piece; results concatenated on the host."""
+    outs = []
+    for sl, piece in self._pieces(batch):
+      args = [jax.device_put(x, mesh_lib.batch_sharding(self.mesh, x.ndim))
+              for x in (piece.tokens, piece.prompt_lens, piece.response_lens)]
+      outs.append((sl, fn(*args)))  # dispatched asynchronously; read all at once below
+    results = jax.device_get([o for _, o in outs])
+    return np.concatenate([r[:sl.stop - sl.start] for (sl, _), r in zip(outs, results)], axis=0)
+
+  def ref_logprobs(self, cfg: ModelConfig, params, batch: ScoringBatch,
+                   temperature: float = 1.0) -> np.ndarray:
+    """Reference log-probs [B, T]; temperature must match the actor's (logprob_temperature)."""
+    _check_head(cfg, "lm", "reference")
+    t, temp = batch.num_response, float(temperature)
+    return self._run(lambda x, p, _: reference_logprobs(cfg, params, x, p, t, temp), batch)
+
+  def values(self, cfg: ModelConfig, params, batch: ScoringBatch) -> np.ndarray:
+    """Critic values [B, T]."""
+    _check_head(cfg, "scalar", "critic")
+    t = batch.num_response
+    return self._run(lambda x, p, _: critic_values(cfg, params, x, p, t), batch)
+
+  def reward_scores(self, cfg: ModelConfig, params, batch: ScoringBatch) -> np.ndarray:
+    """Reward-model scores [B]."""
+    _check_head(cfg, "scalar", "reward model")
+    return self._run(lambda x, p, r: reward_model_scores(cfg, params, x, p, r), batch)
+
+
+def _check_head(cfg: ModelConfig, head: str, role: str) -> None:
+  if cfg.head != head:
+    raise ValueError(f"the {role} needs model.head={head!r}, got {cfg.head!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+  """Where rewards come from."""
+  source: str = "function"  # 'model': reward model at the last response token; 'function': Python
+  function: str = ""  # reward function name (resolved by the caller's registry) for 'function'
+
+  def __post_init__(self):
+    if self.source not in REWARD_SOURCES:
+      raise ValueError(f"reward.source={self.source!r}; expected one of {REWARD_SOURCES}")
+    if self.source == "function" and not self.function:
+      raise ValueError("reward.function is empty; name a reward function when "
+                       "reward.source='function'")
+
+
+def resolve_reward_function(name: str, registry: Mapping[str, RewardFn]) -> RewardFn:
+  """registry[name] with an error listing the known names."""
+  if name not in registry:
+    raise KeyError(f"unknown reward function {name!r}; known: {sorted(registry)}")
+  return registry[name]
+
+
+class RewardDispatcher:
+  """Computes sequence rewards [B] from the source chosen in RewardConfig."""
+
+  def __init__(self, config: RewardConfig, *, scorer: Optional[Scorer] = None,
+               model_cfg: Optional[ModelConfig] = None, model_params: Any = None,
+               fn: Optional[RewardFn] = None):
+    if config.source == "model":
+      if model_cfg is None or model_params is None:
+        raise ValueError("reward.source='model' needs a reward model (model_cfg and model_params)")
+      _check_head(model_cfg, "scalar", "reward model")
+    elif not callable(fn):
+      raise ValueError(f"reward.source='function' needs a callable reward function for "
+                       f"{config.function!r}, got {fn!r}")
+    self.config, self.fn = config, fn
+    self.model_cfg, self.model_params = model_cfg, model_params
+    self.scorer = scorer or Scorer()
+
+  def __call__(self, batch: ScoringBatch,
+               records: Optional[Sequence[Mapping[str, Any]]] = None) -> np.ndarray:
+    """Rewards [B] float32 for the batch (records: the B prompt records, for functions)."""
+    if self.config.source == "model":
+      return self.scorer.reward_scores(self.model_cfg, self.model_params, batch)
+    out = np.asarray(self.fn(records, batch.response_tokens, batch.response_lens), np.float32)
+    if out.shape != (batch.batch_size,):
+      raise ValueError(f"reward function {self.config.function!r} returned shape {out.shape}; "
+                       f"expected ({batch.batch_size},)")
+    if not np.isfinite(out).all():
+      raise ValueError(f"reward function {self.config.function!r} returned non-finite rewards")
+    return out
