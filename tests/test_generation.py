@@ -268,6 +268,8 @@ def test_clear_errors(params, prompts):
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
   with pytest.raises(ValueError, match="batch_size=4 must be a positive multiple of"):
     engine.Generator(CFG, SamplingConfig(), batch_size=4, prompt_len=P, mesh=mesh)
+  with pytest.raises(ValueError, match="params live on 1 device.*mesh has 8"):
+    engine.Generator(CFG, SamplingConfig(), batch_size=B, prompt_len=P, mesh=mesh, params=params)
   gen = engine.Generator(CFG, SamplingConfig(max_new_tokens=2), batch_size=B, prompt_len=P)
   with pytest.raises(ValueError, match="prompt_lens must be in"):
     gen.generate(params, prompts[0], np.zeros(B, np.int32), KEY)

@@ -223,7 +223,19 @@ class Generator:
 
   def _param_shardings(self, params: Any) -> Any:
     rep = mesh_lib.replicated(self.mesh)
-    return jax.tree.map(lambda x: x.sharding if isinstance(x, jax.Array) else rep, params)
+    mesh_devices = set(self.mesh.devices.flat)
+
+    def one(x):
+      sharding = getattr(x, "sharding", None)
+      if sharding is None:  # host arrays: replicate onto the mesh
+        return rep
+      if set(sharding.device_set) != mesh_devices:
+        raise ValueError(
+            f"generation params live on {len(sharding.device_set)} device(s) but the generation "
+            f"mesh has {len(mesh_devices)}; place them on the mesh first (parallel.mesh."
+            f"shard_params or jax.device_put(params, replicated(mesh)))")
+      return sharding
+    return jax.tree.map(one, params)
 
   def compile(self, params: Any) -> None:
     """AOT-compiles prefill and decode for these params' shardings (arrays or
