@@ -64,9 +64,10 @@ class DecodeTable:
   seconds: tuple[float, ...]
   per_context_token_s: float = 0.0
 
-  def step_s(self, occupied: float, context_tokens: float = 0.0) -> float:
-    base = float(np.interp(occupied, self.occupied_slots, self.seconds))
-    return base + self.per_context_token_s * context_tokens
+  def step_s(self, occupied, context_tokens=0.0):
+    """Scalars or equal-shape arrays (one entry per step)."""
+    base = np.interp(occupied, self.occupied_slots, self.seconds)
+    return base + self.per_context_token_s * np.asarray(context_tokens, dtype=np.float64)
 
 
 @dataclasses.dataclass(frozen=True)

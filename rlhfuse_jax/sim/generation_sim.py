@@ -20,8 +20,8 @@ sample (released by consolidation, or its own samples all done), while the tail 
 With `offload_frozen` the frozen models' weights are first copied from host memory onto each
 instance that runs inference (`CostModel.weight_load_s`).
 
-`devices_share_compute` (a CPU with fake devices): all instances are one processor, so every
-operation also waits for the previous one anywhere to finish.
+`devices_share_compute` (a CPU with fake devices; set in GenSetup or in the calibration file):
+all instances are one processor, so every operation also waits for the previous one anywhere.
 
 Times are seconds from the start of generation. The result holds per-instance timelines
 (segments of prefill / decode / migrate / load / inference) and the unfinished-sample curve.
@@ -138,7 +138,8 @@ def simulate_generation(cost: CostModel, actor: ModelShape, frozen: Sequence[Mod
     raise ValueError(f"generation: {per_inst} samples per instance may need {per_inst * slot_cap}"
                      f" KV tokens > kv_capacity_tokens={kv_cap}")
   kv_bpt = actor.kv_bytes_per_token()
-  clock = _Clock(g, setup.devices_share_compute)
+  shared = setup.devices_share_compute or bool(cost.cal and cost.cal.devices_share_compute)
+  clock = _Clock(g, shared)
 
   # Host-side bookkeeping per instance: uids in slots (-1 = free).
   slot_uid = np.full((g, s), -1, dtype=np.int64)  # [G, S]
@@ -149,7 +150,6 @@ def simulate_generation(cost: CostModel, actor: ModelShape, frozen: Sequence[Mod
   finish = np.full(b, np.inf)  # [B]
   active = np.ones(g, dtype=bool)  # instance still in generation
   done_gen_at = np.full(g, np.inf)  # when an instance stopped holding unfinished samples
-  curve = [(0.0, b)]
   consolidations = []
   unfinished = b
 
@@ -164,10 +164,27 @@ def simulate_generation(cost: CostModel, actor: ModelShape, frozen: Sequence[Mod
   heapq.heapify(heap)
   decode_busy = 0.0
 
+  # Chunks are processed in order of their start times. A consolidation decided at the end T
+  # of some chunk is applied once every instance has reached T (the host sees all the chunks
+  # that were in flight at T; sources hand over their rows when their chunk ends).
+  due = None
   while heap:
     t_now, i = heapq.heappop(heap)
     if not active[i] or t_now != clock.t[i]:
       continue  # stale entry (instance released, or its clock moved by a migration)
+    if due is not None and t_now >= due:
+      heapq.heappush(heap, (t_now, i))
+      rec = _consolidate(cost, setup, clock, slot_uid, active, prompt_lens, generated, target, b,
+                         kv_cap, slot_cap, kv_bpt, due)
+      due = None
+      if rec is not None:
+        consolidations.append(rec)
+        for r in rec["released"]:
+          active[r] = False
+          done_gen_at[r] = clock.t[r]
+        for kept in rec["kept_list"]:
+          heapq.heappush(heap, (clock.t[kept], kept))
+      continue
     occ = slot_uid[i]
     live_uids = occ[(occ >= 0)]
     live_uids = live_uids[generated[live_uids] < target[live_uids]]
@@ -191,29 +208,21 @@ def simulate_generation(cost: CostModel, actor: ModelShape, frozen: Sequence[Mod
     fin = live_uids[generated[live_uids] >= target[live_uids]]
     finish[fin] = end
     unfinished -= fin.size
-    if fin.size:
-      curve.append((end, unfinished))
-      for u in fin:
-        slot_uid[i][occ == u] = -1
-    still = bool(np.any(slot_uid[i] >= 0))
-    if not still:
+    for u in fin:
+      slot_uid[i][occ == u] = -1
+    if not np.any(slot_uid[i] >= 0):
       active[i] = False
       done_gen_at[i] = end
     else:
       heapq.heappush(heap, (end, i))
-    if (setup.threshold is not None and len(consolidations) < setup.max_consolidations
-        and 0 < unfinished <= setup.threshold * b):
-      rec = _consolidate(cost, setup, clock, slot_uid, active, prompt_lens, generated, target, b,
-                         kv_cap, slot_cap, kv_bpt, end)
-      if rec is not None:
-        consolidations.append(rec)
-        for r in rec["released"]:
-          active[r] = False
-          done_gen_at[r] = clock.t[r]
-        for kept in rec["kept_list"]:
-          heapq.heappush(heap, (clock.t[kept], kept))
+    if (setup.threshold is not None and due is None and
+        len(consolidations) < setup.max_consolidations and
+        0 < unfinished <= setup.threshold * b):
+      due = end
 
   gen_end = float(finish.max())
+  t_fin, counts = np.unique(finish, return_counts=True)
+  curve = [(0.0, b)] + [(float(t), int(b - c)) for t, c in zip(t_fin, np.cumsum(counts))]
   inf_busy = _simulate_inference(cost, frozen, setup, clock, prompt_lens + target, finish,
                                  done_gen_at, gen_end)
   gpi = float(max(clock.t.max(), gen_end))

@@ -90,7 +90,7 @@ class Workload:
 class SimOptions:
   """Knobs of the simulated systems (not of the workload)."""
   threshold: float = -1.0  # Rt for consolidation; < 0: chosen by simulation (choose_threshold)
-  threshold_candidates: tuple = (0.05, 0.1, 0.2, 0.3, 0.5)
+  threshold_candidates: tuple = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)  # 0: stream, never migrate
   chunk_steps: int = 16  # decode steps between host checks
   inference_microbatch: int = 8  # samples per inference micro-batch
   max_slots: int = 256  # slots per generation instance at most (memory may allow fewer)
@@ -232,8 +232,10 @@ def _single_model_s(cost: CostModel, shape: ModelShape, n: int, wl: Workload, me
 
 def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=SYSTEMS,
                        cache: Optional[train_lib.ScheduleCache] = None,
-                       log: Optional[Callable[[str], None]] = None) -> dict:
-  """{system: row} for one setting (row fields in the module docstring, plus details)."""
+                       log: Optional[Callable[[str], None]] = None) -> tuple[dict, dict]:
+  """({system: row}, raw) for one setting: row fields in the module docstring (+ details);
+  raw = {"gen": {(fused, smallest_tp): stage}, "train": {fused: result}} with the GenResult
+  timelines and the fused schedule's order, for figures."""
   unknown = [s for s in systems if s not in SYSTEMS]
   if unknown:
     raise ValueError(f"unknown systems {unknown}; known: {list(SYSTEMS)}")
@@ -304,4 +306,4 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
     row["iteration_s"] = row["reshard_s"] + row["gen_plus_inf_s"] + row["train_s"]
     row["samples_per_s"] = wl.global_batch / row["iteration_s"]
     out[name] = row
-  return out
+  return out, {"gen": gen_cache, "train": train_cache}

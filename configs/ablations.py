@@ -1,0 +1,86 @@
+r"""Paper-scale ablations from the simulator: actor/critic pairs x max generation lengths x systems.
+
+  python -m experiments.reproduce_ablations --config=configs/ablations.py --workdir=/tmp/ablations
+
+Writes result.json (rows: setting, system, iteration_s, gen_s, inf_s, gen_plus_inf_s, train_s,
+samples_per_s), ablations.md (tables, speedups, every input, validation), PNGs and config.json.
+Variants: `--config=configs/ablations.py:quick` (one setting, short searches, for smoke tests).
+Validation: `--config.validate.calibration=CAL.json --config.validate.bench_generation_workdir=D`.
+"""
+import ml_collections
+
+
+def get_config(arg: str = "paper"):
+  c = ml_collections.ConfigDict()
+  c.hardware = "h100_sxm"  # preset in rlhfuse_jax/sim/hardware.py (h800_sxm, h200_sxm, ...)
+  c.num_devices = 256  # devices in the cluster
+  c.global_batch = 512  # prompts per iteration (one response each)
+  c.minibatch = 64  # samples per PPO mini-batch (one optimizer step)
+  c.epochs = 1  # PPO epochs over the batch
+  c.micro_batch = 1  # samples per pipeline micro-batch
+  # actor/critic pairs (comma-separated 'actor/critic', shapes in rlhfuse_jax/sim/shapes.py)
+  c.pairs = "llama-13b/llama-13b,llama-33b/llama-13b,llama-65b/llama-33b,llama-65b/llama-65b"
+  c.max_new_tokens = "512,1024,2048"  # max generation lengths (comma-separated)
+  c.systems = ("deepspeed_chat_like,realhf_like,rlhfuse_base,inter_stage,intra_stage,"
+               "rlhfuse")  # systems to simulate (rlhfuse_jax/sim/iteration_sim.py)
+  c.seed = 0  # seed of the sampled prompt/response lengths and of the schedule search
+
+  c.prompt = ml_collections.ConfigDict()  # prompt-length distribution (sim/lengths.py)
+  c.prompt.kind = "lognormal"
+  c.prompt.median = 256.0
+  c.prompt.sigma = 0.5
+  c.prompt.min_len = 16
+  c.prompt.max_len = 1024
+  c.prompt.alpha = 1.5
+  c.prompt.value = 0
+  c.prompt.path = ""
+
+  c.response = ml_collections.ConfigDict()  # response lengths; max_len = each max_new_tokens
+  c.response.kind = "lognormal"  # lognormal | pareto | uniform | constant | empirical
+  c.response.median = 256.0  # lognormal median (tokens)
+  c.response.sigma = 0.8  # lognormal sigma (tail weight)
+  c.response.min_len = 1
+  c.response.max_len = 2048  # replaced by each setting's max_new_tokens
+  c.response.alpha = 1.5  # pareto tail index
+  c.response.value = 0  # constant length
+  c.response.path = ""  # empirical: .npy/.txt/.json/.jsonl lengths file
+
+  c.efficiency = ml_collections.ConfigDict()  # achieved fractions (sources: sim/cost_model.py)
+  c.efficiency.train_mfu = 0.45
+  c.efficiency.prefill_mfu = 0.45
+  c.efficiency.decode_mfu = 0.45
+  c.efficiency.decode_bw_eff = 0.7
+  c.efficiency.net_eff = 0.8
+  c.efficiency.collective_latency_s = 10e-6
+  c.efficiency.memory_headroom = 0.9
+  c.efficiency.bwd_over_fwd = 2.0
+  c.efficiency.act_bytes_per_token_layer_per_h = 34.0
+
+  c.sim = ml_collections.ConfigDict()  # simulated system knobs (iteration_sim.SimOptions)
+  c.sim.threshold = -1.0  # consolidation Rt; < 0: chosen by simulation per setting
+  c.sim.threshold_candidates = "0,0.05,0.1,0.2,0.3,0.5"  # Rt tried (0: stream, never migrate)
+  c.sim.chunk_steps = 16  # decode steps between host checks
+  c.sim.inference_microbatch = 8  # samples per inference micro-batch
+  c.sim.max_slots = 256  # slots per generation instance at most
+  c.sim.gen_tps = "1,2,4,8"  # generation tensor-parallel degrees tried
+  c.sim.offload_frozen = True  # reference/reward/critic weights loaded from host when used
+  c.sim.search_time_s = 2.0  # fused-schedule search budget per distinct pipeline problem
+
+  c.calibration = ""  # calibration JSON whose measured op costs replace the formulas
+  c.figure_setting = 0  # index of the setting drawn in the timeline and Gantt figures
+
+  c.validate = ml_collections.ConfigDict()  # predicted vs measured (sim/validation.py)
+  c.validate.calibration = ""  # calibration of the machine the benches ran on
+  c.validate.bench_generation_workdir = ""  # workdir of experiments/bench_generation.py
+  c.validate.bench_pipeline_workdir = ""  # workdir of experiments/bench_pipeline.py
+
+  if arg == "quick":
+    c.pairs = "llama-13b/llama-13b"
+    c.max_new_tokens = "512"
+    c.num_devices = 64
+    c.sim.search_time_s = 0.5
+    c.sim.threshold_candidates = "0.1,0.3"
+    c.sim.gen_tps = "4,8"
+  elif arg != "paper":
+    raise ValueError(f"unknown config variant {arg!r}; expected 'paper' or 'quick'")
+  return c

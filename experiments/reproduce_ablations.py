@@ -1,0 +1,101 @@
+r"""Reproduces the RLHFuse ablations at paper scale with the simulator (rlhfuse_jax/sim/).
+
+  python -m experiments.reproduce_ablations --config=configs/ablations.py --workdir=/tmp/abl
+
+Writes into the workdir: config.json, result.json ({"rows": [{setting, system, iteration_s,
+gen_s, inf_s, gen_plus_inf_s, train_s, samples_per_s, reshard_s, details}], "inputs",
+"validation"}), ablations.md, iteration_time.png, generation_timeline.png, fused_gantt.png (fused
+schedule above the serial 1F1B one), schedule_cache.json (fused searches, reused on re-runs).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.pipeline import schedule as schedule_lib, schedules
+from rlhfuse_jax.pipeline.graph import PipelineProblem
+from rlhfuse_jax.pipeline.search import warmup
+from rlhfuse_jax.sim import ablations, calibration as cal_lib, plots, report, validation
+import numpy as np
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Ablation config file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _figures(out: dict, workdir: str, systems) -> list[str]:
+  names = []
+  plots.plot_iteration_times(out["rows"], systems, os.path.join(workdir, "iteration_time.png"))
+  names.append("iteration_time.png")
+  raw = out["raw"]
+  gens = raw["gen"]
+  panels = []
+  if (False, False) in gens:
+    panels.append(("without consolidation (rlhfuse_base)", gens[(False, False)]["result"]))
+  if (True, False) in gens:
+    rt = gens[(True, False)]["threshold"]
+    panels.append((f"with consolidation, Rt={rt:g} (inter_stage / rlhfuse)",
+                   gens[(True, False)]["result"]))
+  if panels:
+    plots.plot_generation_timelines(panels, os.path.join(workdir, "generation_timeline.png"))
+    names.append("generation_timeline.png")
+  train = raw["train"]
+  label = raw["setting"]["label"]
+  if True in train and False in train:
+    pdict = dict(train[True]["problem"])
+    problem = PipelineProblem(**{k: v for k, v in pdict.items() if k != "memory_budget"})
+    fused = schedule_lib.from_order(problem, np.array(train[True]["search"]["order"], np.int8))
+    serial = _serial_schedule(problem, schedules.serial_order(problem))
+    plots.plot_schedules(
+        [(f"fused actor+critic schedule (intra_stage / rlhfuse), {label}: "
+          f"{fused.makespan:.1f} ms per mini-batch", fused),
+         (f"serial: actor 1F1B then critic 1F1B (rlhfuse_base): {serial.makespan:.1f} ms",
+          serial)], os.path.join(workdir, "fused_gantt.png"))
+    names.append("fused_gantt.png")
+  return names
+
+
+def _serial_schedule(problem, order):
+  """The serial order timed with the critic released after the actor (a Schedule for plotting)."""
+  from rlhfuse_jax.pipeline.evaluate import evaluate
+  ev = evaluate(problem, order, schedules.serial_release(problem))
+  sched = schedule_lib.from_order(problem, order)  # labels; re-time with the release below
+  devices = []
+  for d, dev in enumerate(sched.devices):
+    devices.append(tuple(schedule_lib.Task(t.model, t.replica, t.stage, t.microbatch, t.kind,
+                                           float(ev.starts[d, p]), float(ev.ends[d, p]))
+                         for p, t in enumerate(dev)))
+  return schedule_lib.Schedule(problem=problem, devices=tuple(devices), makespan=ev.makespan,
+                               peaks=sched.peaks, budget=sched.budget)
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  cfg = ablations.AblationConfig.from_config_dict(_CONFIG.value)
+  workdir = _WORKDIR.value
+  os.makedirs(workdir, exist_ok=True)
+  wd.write_config(workdir, _CONFIG.value)
+  t0 = time.time()
+  logging.info("compiling the schedule kernels (numba): %.1fs", warmup())
+  out = ablations.run_ablations(cfg, workdir, log=logging.info)
+  val_cal = cal_lib.load(cfg.validation_calibration) if cfg.validation_calibration else None
+  val_lines = validation.validation_lines(val_cal, cfg.bench_generation_workdir,
+                                          cfg.bench_pipeline_workdir)
+  figures = _figures(out, workdir, cfg.systems)
+  wd.write_json(os.path.join(workdir, "result.json"),
+                {"rows": out["rows"], "inputs": out["inputs"], "validation": val_lines})
+  command = "python -m experiments.reproduce_ablations " + " ".join(sys.argv[1:])
+  report.write_markdown(os.path.join(workdir, "ablations.md"), out["rows"], cfg.systems,
+                        out["inputs"], val_lines, command, figures, time.time() - t0)
+  logging.info("done in %.0fs: %s", time.time() - t0, os.path.join(workdir, "ablations.md"))
+
+
+if __name__ == "__main__":
+  app.run(main)

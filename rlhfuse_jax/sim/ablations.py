@@ -1,0 +1,177 @@
+"""The ablation grid: settings x systems through the iteration simulator, with every input kept.
+
+`AblationConfig` is the typed form of `configs/ablations.py` (converted once, validated with
+field names); `run_ablations` simulates every setting (actor/critic pair x max generation length)
+for every system and returns the result rows plus everything the report and figures need.
+Fused-schedule searches are cached per pipeline problem, so a shape is searched once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Optional
+
+from rlhfuse_jax.sim import calibration as cal_lib
+from rlhfuse_jax.sim import iteration_sim as it
+from rlhfuse_jax.sim import lengths as len_lib
+from rlhfuse_jax.sim import training_sim as train_lib
+from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
+from rlhfuse_jax.sim.hardware import get_hardware
+from rlhfuse_jax.sim.shapes import get_shape
+
+
+def _csv(value: Any, field: str) -> tuple[str, ...]:
+  items = tuple(x.strip() for x in str(value).split(",") if x.strip())
+  if not items:
+    raise ValueError(f"{field}={value!r} must list at least one item")
+  return items
+
+
+@dataclasses.dataclass(frozen=True)
+class AblationConfig:
+  """Typed ablation config (field meanings in configs/ablations.py)."""
+  hardware: str = "h100_sxm"
+  num_devices: int = 256
+  global_batch: int = 512
+  minibatch: int = 64
+  epochs: int = 1
+  micro_batch: int = 1
+  pairs: tuple[tuple[str, str], ...] = (("llama-13b", "llama-13b"),)
+  max_new_tokens: tuple[int, ...] = (1024,)
+  systems: tuple[str, ...] = it.SYSTEMS
+  seed: int = 0
+  prompt: len_lib.LengthSpec = it.Workload.__dataclass_fields__["prompt"].default
+  response: len_lib.LengthSpec = it.Workload.__dataclass_fields__["response"].default
+  efficiency: Efficiency = Efficiency()
+  sim: it.SimOptions = it.SimOptions()
+  calibration: str = ""
+  figure_setting: int = 0
+  bench_generation_workdir: str = ""
+  bench_pipeline_workdir: str = ""
+  validation_calibration: str = ""
+
+  def __post_init__(self):
+    get_hardware(self.hardware)
+    for a, c in self.pairs:
+      get_shape(a)
+      get_shape(c)
+    unknown = [s for s in self.systems if s not in it.SYSTEMS]
+    if unknown:
+      raise ValueError(f"systems: unknown {unknown}; known: {list(it.SYSTEMS)}")
+    if any(m < 1 for m in self.max_new_tokens):
+      raise ValueError(f"max_new_tokens={self.max_new_tokens} must all be >= 1")
+    if self.global_batch % self.minibatch:
+      raise ValueError(f"global_batch={self.global_batch} must be divisible by minibatch="
+                       f"{self.minibatch}")
+    n = len(self.pairs) * len(self.max_new_tokens)
+    if not 0 <= self.figure_setting < n:
+      raise ValueError(f"figure_setting={self.figure_setting} must index one of the {n} settings")
+
+  @classmethod
+  def from_config_dict(cls, c) -> "AblationConfig":
+    def pair(p: str) -> tuple[str, str]:
+      parts = p.split("/")
+      if len(parts) != 2:
+        raise ValueError(f"pairs: {p!r} must be 'actor/critic', e.g. 'llama-13b/llama-13b'")
+      return parts[0].strip(), parts[1].strip()
+
+    def spec(d, field: str) -> len_lib.LengthSpec:
+      kw = dict(d.to_dict() if hasattr(d, "to_dict") else d)
+      try:
+        return len_lib.LengthSpec(**kw)
+      except TypeError as e:
+        raise ValueError(f"{field}: {e}") from None
+
+    sim = dict(c.sim.to_dict())
+    sim["threshold_candidates"] = tuple(float(x) for x in _csv(sim["threshold_candidates"],
+                                                                "sim.threshold_candidates"))
+    sim["gen_tps"] = tuple(int(x) for x in _csv(sim["gen_tps"], "sim.gen_tps"))
+    return cls(
+        hardware=c.hardware, num_devices=c.num_devices, global_batch=c.global_batch,
+        minibatch=c.minibatch, epochs=c.epochs, micro_batch=c.micro_batch,
+        pairs=tuple(pair(p) for p in _csv(c.pairs, "pairs")),
+        max_new_tokens=tuple(int(x) for x in _csv(c.max_new_tokens, "max_new_tokens")),
+        systems=_csv(c.systems, "systems"), seed=c.seed,
+        prompt=spec(c.prompt, "prompt"), response=spec(c.response, "response"),
+        efficiency=Efficiency(**c.efficiency.to_dict()), sim=it.SimOptions(**sim),
+        calibration=c.calibration, figure_setting=c.figure_setting,
+        bench_generation_workdir=c.validate.bench_generation_workdir,
+        bench_pipeline_workdir=c.validate.bench_pipeline_workdir,
+        validation_calibration=c.validate.calibration)
+
+  def settings(self) -> list[dict]:
+    out = []
+    for a, c in self.pairs:
+      for m in self.max_new_tokens:
+        short = lambda s: s.replace("llama-", "").upper()
+        out.append({"actor": a, "critic": c, "max_new_tokens": m,
+                    "label": f"{short(a)}/{short(c)} L={m}", "hardware": self.hardware,
+                    "num_devices": self.num_devices, "global_batch": self.global_batch,
+                    "minibatch": self.minibatch})
+    return out
+
+
+def cost_model(cfg: AblationConfig) -> CostModel:
+  cal = cal_lib.load(cfg.calibration) if cfg.calibration else None
+  return CostModel(get_hardware(cfg.hardware), cfg.efficiency, cal)
+
+
+def workload(cfg: AblationConfig, setting: dict) -> it.Workload:
+  return it.Workload(actor=get_shape(setting["actor"]),
+                     critic=get_shape(setting["critic"], "scalar"),
+                     num_devices=cfg.num_devices, global_batch=cfg.global_batch,
+                     minibatch=cfg.minibatch, epochs=cfg.epochs, micro_batch=cfg.micro_batch,
+                     max_new_tokens=setting["max_new_tokens"], prompt=cfg.prompt,
+                     response=cfg.response, seed=cfg.seed)
+
+
+ROW_FIELDS = ("iteration_s", "gen_s", "inf_s", "gen_plus_inf_s", "train_s", "samples_per_s",
+              "reshard_s")
+
+
+def run_ablations(cfg: AblationConfig, workdir: str,
+                  log: Callable[[str], None] = print) -> dict:
+  """Simulates the grid; returns {'rows', 'raw', 'inputs', 'settings'} (raw: figure material
+  of the figure setting)."""
+  cost = cost_model(cfg)
+  cache = train_lib.ScheduleCache(path=os.path.join(workdir, "schedule_cache.json"),
+                                  time_budget_s=cfg.sim.search_time_s, seed=cfg.seed, log=log)
+  settings = cfg.settings()
+  rows, raw, t0 = [], None, time.time()
+  lengths_info = {}
+  for i, st in enumerate(settings):
+    wl = workload(cfg, st)
+    prompts, resp = wl.sample_lengths()
+    lengths_info[st["label"]] = {"prompt": len_lib.summarize(prompts),
+                                 "response": len_lib.summarize(resp, st["max_new_tokens"])}
+    log(f"setting {i + 1}/{len(settings)}: {st['label']} ...")
+    ts = time.time()
+    res, extra = it.simulate_iteration(cost, wl, cfg.sim, cfg.systems, cache,
+                                       log=lambda m: log("  " + m))
+    for name in cfg.systems:
+      r = res[name]
+      rows.append({"setting": st, "system": name, **{k: float(r[k]) for k in ROW_FIELDS},
+                   "details": r["details"]})
+    if i == cfg.figure_setting:
+      raw = {"setting": st, **extra}
+    elapsed = time.time() - t0
+    eta = elapsed / (i + 1) * (len(settings) - i - 1)
+    best = min(cfg.systems, key=lambda s: res[s]["iteration_s"])
+    log(f"setting {i + 1}/{len(settings)} done in {time.time() - ts:.1f}s (elapsed "
+        f"{elapsed:.0f}s, eta {eta:.0f}s); fastest {best} {res[best]['iteration_s']:.2f}s")
+  inputs = {
+      "hardware": get_hardware(cfg.hardware).to_dict(),
+      "efficiency": dataclasses.asdict(cfg.efficiency),
+      "shapes": {name: get_shape(name).to_dict() for name in
+                 sorted({p for pair in cfg.pairs for p in pair})},
+      "prompt_lengths": cfg.prompt.describe(),
+      "response_lengths": cfg.response.describe(),
+      "lengths_sampled": lengths_info,
+      "sim_options": dataclasses.asdict(cfg.sim),
+      "calibration": cost.cal.describe() if cost.cal is not None else None,
+      "workload": {"num_devices": cfg.num_devices, "global_batch": cfg.global_batch,
+                   "minibatch": cfg.minibatch, "epochs": cfg.epochs,
+                   "micro_batch": cfg.micro_batch, "seed": cfg.seed},
+  }
+  return {"rows": rows, "raw": raw, "inputs": inputs, "settings": settings}

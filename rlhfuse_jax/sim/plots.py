@@ -1,0 +1,120 @@
+"""Figures of the simulator: iteration time per system and setting, generation timelines."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+_KIND_COLORS = {"prefill": "#9e9e9e", "decode": "#2a5fa8", "migrate": "#d62728",
+                "load": "#ffbf00", "inference": "#2ca02c"}
+
+
+def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str) -> None:
+  """Grouped bars: per setting, each system's iteration time split into its stages."""
+  labels = []
+  for r in rows:
+    if r["setting"]["label"] not in labels:
+      labels.append(r["setting"]["label"])
+  by = {(r["setting"]["label"], r["system"]): r for r in rows}
+  n_s, n_sys = len(labels), len(systems)
+  width = 0.8 / n_sys
+  fig, ax = plt.subplots(figsize=(max(8.0, 1.4 * n_s * n_sys / 3), 5.0))
+  parts = (("reshard_s", "#bbbbbb"), ("gen_s", "#2a5fa8"), ("inf_s", "#2ca02c"),
+           ("train_s", "#c55a11"))
+  cmap = plt.get_cmap("tab10")
+  for j, sys_name in enumerate(systems):
+    x = np.arange(n_s) + (j - (n_sys - 1) / 2) * width
+    bottom = np.zeros(n_s)
+    for key, color in parts:
+      vals = np.array([by[(lab, sys_name)][key] if (lab, sys_name) in by else 0.0
+                       for lab in labels])
+      ax.bar(x, vals, width * 0.95, bottom=bottom, color=color, edgecolor=cmap(j), linewidth=1.2)
+      bottom += vals
+    for xi, top in zip(x, bottom):
+      ax.text(xi, top, sys_name.replace("_like", "").replace("_", "\n"), ha="center",
+              va="bottom", fontsize=5, rotation=90)
+  ax.set_xticks(np.arange(n_s))
+  ax.set_xticklabels(labels, fontsize=7, rotation=20)
+  ax.set_ylabel("simulated iteration time (s)")
+  ax.set_yscale("log")
+  handles = [plt.Rectangle((0, 0), 1, 1, color=c) for _, c in parts]
+  ax.legend(handles, ["reshard", "generation", "inference (exposed)", "training"], fontsize=7,
+            loc="upper left")
+  ax.set_title("Iteration time per system (bars left to right: " + ", ".join(systems) + ")",
+               fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_generation_timelines(results: Sequence[tuple[str, object]], path: str,
+                              max_instances: int = 64) -> None:
+  """One panel per (title, GenResult): each instance's activity over time, and the number of
+  unfinished samples (right axis)."""
+  fig, axes = plt.subplots(len(results), 1, figsize=(11, 3.6 * len(results)), squeeze=False)
+  t_max = max(r.gen_plus_inf_s for _, r in results)
+  for ax, (title, res) in zip(axes[:, 0], results):
+    groups: dict = {}  # (instance, kind) -> [(start, width)]: one artist per group is fast
+    for inst, start, end, kind in res.segments:
+      if inst < max_instances:
+        groups.setdefault((inst, kind), []).append((start, end - start))
+    for (inst, kind), spans in groups.items():
+      ax.broken_barh(spans, (inst - 0.42, 0.84), facecolors=_KIND_COLORS[kind], linewidth=0)
+    ax.set_ylabel("instance")
+    ax.set_xlim(0, t_max * 1.02)
+    n = min(max_instances, 1 + max(s[0] for s in res.segments))
+    ax.set_ylim(n - 0.5, -0.5)
+    ax.axvline(res.gen_end_s, color="black", linestyle="--", linewidth=0.8)
+    ax2 = ax.twinx()
+    t, u = zip(*res.unfinished_curve)
+    ax2.step(t, u, where="post", color="black", linewidth=1.2)
+    ax2.set_ylabel("unfinished samples")
+    ax2.set_ylim(0, max(u) * 1.05)
+    for c in res.consolidations:
+      ax.axvline(c["time_s"], color=_KIND_COLORS["migrate"], linewidth=1.0)
+    ax.set_title(f"{title}: generation ends {res.gen_end_s:.2f}s (dashed), gen+inf "
+                 f"{res.gen_plus_inf_s:.2f}s, busy {res.instance_busy_frac:.0%}", fontsize=9)
+  axes[-1, 0].set_xlabel("time (s)")
+  handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _KIND_COLORS.values()]
+  axes[0, 0].legend(handles, list(_KIND_COLORS), fontsize=7, loc="lower right", ncol=5)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+_TASK_COLORS = {("actor", "F"): "#8fb8e8", ("actor", "B"): "#2a5fa8",
+                ("critic", "F"): "#f4b183", ("critic", "B"): "#c55a11"}
+
+
+def plot_schedules(panels: Sequence[tuple[str, object]], path: str) -> None:
+  """Gantt charts of pipeline Schedules (rlhfuse_jax.pipeline.schedule), one panel each, on a
+  common time axis; one broken_barh artist per (device, model, kind) keeps large schedules fast
+  (same colours as pipeline.gantt: actor blue, critic orange, backward darker)."""
+  fig, axes = plt.subplots(len(panels), 1, squeeze=False,
+                           figsize=(12, sum(0.3 * len(s.devices) + 1.2 for _, s in panels)))
+  t_max = max(s.makespan for _, s in panels)
+  for ax, (title, sched) in zip(axes[:, 0], panels):
+    for d, dev in enumerate(sched.devices):
+      groups: dict = {}
+      for t in dev:
+        groups.setdefault((t.model, t.kind), []).append((t.start, t.end - t.start))
+      for key, spans in groups.items():
+        ax.broken_barh(spans, (d - 0.4, 0.8), facecolors=_TASK_COLORS[key], edgecolor="black",
+                       linewidth=0.15)
+    n = len(sched.devices)
+    ax.set_ylim(n - 0.5, -0.5)
+    ax.set_yticks(range(n))
+    ax.set_yticklabels([f"dev {d}" for d in range(n)], fontsize=6)
+    ax.set_xlim(0, t_max * 1.01)
+    ax.set_title(title, fontsize=9)
+  axes[-1, 0].set_xlabel("time (ms)")
+  handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _TASK_COLORS.values()]
+  axes[0, 0].legend(handles, [f"{m} {k}" for m, k in _TASK_COLORS], fontsize=7, ncol=4,
+                    loc="upper right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,54 @@
+"""The ablation binary end to end on its quick variant (one setting, all six systems)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlhfuse_jax.sim import ablations, iteration_sim
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_binary_writes_rows_report_and_figures(tmp_path):
+  env = {**os.environ, "PYTHONPATH": ROOT}
+  cmd = [sys.executable, "-m", "experiments.reproduce_ablations",
+         "--config=configs/ablations.py:quick", f"--workdir={tmp_path}",
+         "--config.sim.search_time_s=0.3"]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "setting 1/1" in proc.stderr  # progress output
+  result = json.loads((tmp_path / "result.json").read_text())
+  rows = result["rows"]
+  assert {r["system"] for r in rows} == set(iteration_sim.SYSTEMS)
+  for r in rows:
+    assert set(r["setting"]) >= {"actor", "critic", "max_new_tokens"}
+    for f in ("iteration_s", "gen_s", "inf_s", "gen_plus_inf_s", "train_s", "samples_per_s"):
+      assert r[f] > 0 or f == "inf_s"
+  md = (tmp_path / "ablations.md").read_text()
+  for needle in ("## Iteration time", "Speedup of the row system", "## Inputs",
+                 "peak_flops", "train_mfu", "llama-13b", "Response lengths",
+                 "## Validation against measured runs"):
+    assert needle in md, needle
+  for png in ("iteration_time.png", "generation_timeline.png", "fused_gantt.png"):
+    assert (tmp_path / png).stat().st_size > 10000
+  assert json.loads((tmp_path / "config.json").read_text())["sim"]["search_time_s"] == 0.3
+
+
+def test_config_errors_name_the_field():
+  from configs import ablations as cfg_mod
+  c = cfg_mod.get_config()
+  c.pairs = "llama-13b"
+  with pytest.raises(ValueError, match="pairs: 'llama-13b' must be 'actor/critic'"):
+    ablations.AblationConfig.from_config_dict(c)
+  c = cfg_mod.get_config()
+  c.systems = "rlhfuse,verl"
+  with pytest.raises(ValueError, match="unknown \\['verl'\\]"):
+    ablations.AblationConfig.from_config_dict(c)
+  c = cfg_mod.get_config()
+  c.minibatch = 60
+  with pytest.raises(ValueError, match="global_batch=512 must be divisible by minibatch=60"):
+    ablations.AblationConfig.from_config_dict(c)
+  cfg = ablations.AblationConfig.from_config_dict(cfg_mod.get_config())
+  assert len(cfg.settings()) == 12 and cfg.systems == iteration_sim.SYSTEMS

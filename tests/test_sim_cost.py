@@ -1,0 +1,127 @@
+"""Cost model formulas, length distributions and calibration files."""
+import json
+
+import numpy as np
+import pytest
+
+from rlhfuse_jax.sim import calibration, lengths
+from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
+from rlhfuse_jax.sim.hardware import Hardware, get_hardware
+from rlhfuse_jax.sim.shapes import ModelShape, get_shape
+
+TOY_HW = Hardware(name="toy", peak_flops=1e15, hbm_bw=1e9, hbm_bytes=1e10, intra_node_bw=1e8,
+                  inter_node_bw=1e7, devices_per_node=4)
+TOY = ModelShape(name="toy", vocab_size=100, hidden_size=16, intermediate_size=32, num_layers=2,
+                 num_heads=2, num_kv_heads=1)
+EFF = Efficiency(decode_bw_eff=0.5, net_eff=0.5, collective_latency_s=0.0)
+
+
+def test_decode_is_bandwidth_bound_by_hand():
+  cm = CostModel(TOY_HW, EFF)
+  # Weights (bf16) + 100 KV tokens read, at half of 1 GB/s; compute is negligible at 1 PFLOP/s.
+  nbytes = 2 * TOY.num_params() + 100 * TOY.kv_bytes_per_token()
+  assert cm.decode_step_s(TOY, 1, 1, 100) == pytest.approx(nbytes / 0.5e9)
+  # Two tensor-parallel devices: half the bytes each, plus 2 all-reduces per layer of h*2 bytes.
+  ar = 2 * (2 - 1) / 2 * (16 * 2) / (1e8 * 0.5)
+  assert cm.decode_step_s(TOY, 2, 1, 100) == pytest.approx(nbytes / 2 / 0.5e9 + 2 * 2 * ar)
+  # Vectorised over steps; zero live rows cost nothing.
+  got = cm.decode_step_s(TOY, 1, np.array([1, 0]), np.array([100, 0]))
+  assert got[1] == 0 and got[0] == pytest.approx(nbytes / 0.5e9)
+
+
+def test_roofline_turns_compute_bound_with_large_batches():
+  cm = CostModel(get_hardware("h100_sxm"))
+  s = get_shape("llama-13b")
+  small = cm.decode_step_s(s, 1, 1, 0)
+  big = cm.decode_step_s(s, 1, 4096, 0)
+  assert big > 5 * small  # 4096 rows x 2P FLOPs exceed what one weight read hides
+  flops = 2.0 * s.matmul_params() * 4096
+  assert big == pytest.approx(flops / (989.4e12 * 0.45))
+
+
+def test_collectives_by_bandwidth():
+  cm = CostModel(TOY_HW, EFF)
+  assert cm.allreduce_s(1e6, 1) == 0.0
+  assert cm.allreduce_s(1e6, 4) == pytest.approx(2 * 3 / 4 * 1e6 / 0.5e8)  # intra-node
+  assert cm.allreduce_s(1e6, 8) == pytest.approx(2 * 7 / 8 * 1e6 / 0.5e7)  # spans nodes
+  assert cm.kv_migration_s(4e6, 2, cross_node=True) == pytest.approx(2e6 / 0.5e7)
+
+
+def test_memory_check_names_the_plan():
+  cm = CostModel(get_hardware("a100_80g_sxm"))
+  with pytest.raises(ValueError, match="does not fit in memory.*tp=1"):
+    cm.check_fits("generation of llama-65b", 130e9, "tp=1")
+
+
+def _cal(**ops):
+  return {"format": calibration.FORMAT, "device": "test", "ops": ops}
+
+
+def test_calibration_replaces_formulas(tmp_path):
+  path = tmp_path / "cal.json"
+  path.write_text(json.dumps(_cal(
+      decode_step={"occupied_slots": [1, 4], "seconds": [0.01, 0.02]},
+      prefill={"tokens_per_s": 1000.0, "overhead_s": 0.5},
+      migration={"bytes_per_s": 1e6})))
+  cal = calibration.load(str(path))
+  cm = CostModel(get_hardware("h100_sxm"), calibration=cal)
+  s = get_shape("llama-13b")
+  assert cm.decode_step_s(s, 8, 1, 999) == pytest.approx(0.01)
+  assert cm.decode_step_s(s, 8, 2.5, 0) == pytest.approx(0.015)  # linear in occupied slots
+  assert cm.decode_step_s(s, 8, 10, 0) == pytest.approx(0.02)  # clamped at the measured end
+  assert cm.prefill_s(s, 8, [100, 100]) == pytest.approx(0.7)
+  assert cm.kv_migration_s(2e6, 8, True) == pytest.approx(2.0)
+  # Ops the file does not measure keep their formula.
+  assert cm.inference_s([s], 8, [100]) == CostModel(get_hardware("h100_sxm")).inference_s(
+      [s], 8, [100])
+
+
+@pytest.mark.parametrize("obj,msg", [
+    ({"format": "v0", "device": "x", "ops": {}}, "format"),
+    (_cal(decode={"x": 1}), "unknown keys"),
+    (_cal(decode_step={"occupied_slots": [2, 1], "seconds": [1, 1]}), "strictly increasing"),
+    (_cal(prefill={"tokens_per_s": -1}), "tokens_per_s"),
+    (_cal(prefill={"tokens_per_second": 1}), "unknown keys"),
+    ({"format": calibration.FORMAT, "ops": {}}, "missing keys.*device"),
+])
+def test_calibration_errors_are_clear(obj, msg):
+  with pytest.raises(ValueError, match=msg):
+    calibration.from_dict(obj, "cal.json")
+
+
+def test_lengths_seeded_clipped_and_described():
+  spec = lengths.LengthSpec(kind="lognormal", median=100, sigma=1.0, max_len=300)
+  a = spec.sample(np.random.default_rng(3), 2000)
+  b = spec.sample(np.random.default_rng(3), 2000)
+  assert np.array_equal(a, b) and a.min() >= 1 and a.max() == 300
+  assert 80 < np.median(a) < 120
+  assert "lognormal" in spec.describe()
+  assert np.all(lengths.LengthSpec(kind="constant", value=7, max_len=9).sample(
+      np.random.default_rng(0), 5) == 7)
+  p = lengths.LengthSpec(kind="pareto", alpha=1.2, min_len=10, max_len=1000)
+  x = p.sample(np.random.default_rng(0), 5000)
+  assert x.min() >= 10 and np.mean(x >= 1000) > 0.001  # a real power-law tail
+  with pytest.raises(ValueError, match="kind"):
+    lengths.LengthSpec(kind="gamma")
+
+
+def test_empirical_lengths_from_files(tmp_path):
+  (tmp_path / "a.json").write_text(json.dumps([5, 6, 7]))
+  (tmp_path / "h.json").write_text(json.dumps({"bins": [10, 20], "counts": [3, 1]}))
+  np.save(tmp_path / "c.npy", np.array([1, 2, 3]))
+  (tmp_path / "m.jsonl").write_text(
+      json.dumps({"step": 1, "gen/response_lengths": [4, 9]}) + "\n" +
+      json.dumps({"step": 2, "gen/response_lengths": [8]}) + "\n")
+  assert lengths.load_lengths(str(tmp_path / "a.json")).tolist() == [5, 6, 7]
+  assert lengths.load_lengths(str(tmp_path / "h.json")).tolist() == [10, 10, 10, 20]
+  assert lengths.load_lengths(str(tmp_path / "c.npy")).tolist() == [1, 2, 3]
+  assert lengths.load_lengths(str(tmp_path / "m.jsonl")).tolist() == [4, 9, 8]
+  spec = lengths.LengthSpec(kind="empirical", path=str(tmp_path / "m.jsonl"), max_len=8)
+  assert set(spec.sample(np.random.default_rng(0), 50).tolist()) <= {4, 8}
+  # train_ppo's metrics.jsonl holds only aggregates today: the error says so.
+  (tmp_path / "metrics.jsonl").write_text(json.dumps({"response_length/mean": 3.0}) + "\n")
+  with pytest.raises(ValueError, match="only aggregates"):
+    lengths.load_lengths(str(tmp_path / "metrics.jsonl"))
+  (tmp_path / "bad.json").write_text(json.dumps([1, 0]))
+  with pytest.raises(ValueError, match="integers >= 1"):
+    lengths.load_lengths(str(tmp_path / "bad.json"))

@@ -1,0 +1,122 @@
+"""Generation simulator on hand-computable cases: one sample, no tail, a pure-tail batch."""
+import numpy as np
+import pytest
+
+from rlhfuse_jax.sim import calibration
+from rlhfuse_jax.sim.cost_model import CostModel
+from rlhfuse_jax.sim.generation_sim import GenSetup, choose_threshold, simulate_generation
+from rlhfuse_jax.sim.hardware import get_hardware
+from rlhfuse_jax.sim.shapes import get_shape
+
+SHAPE = get_shape("llama-7b")
+
+
+def measured_cost(share=False, step=0.01, migration=1e9):
+  """Round measured costs: 10 ms per decode step, prefill 1000 tok/s, inference 500 tok/s."""
+  cal = calibration.from_dict({
+      "format": calibration.FORMAT, "device": "test", "devices_share_compute": share,
+      "ops": {"decode_step": {"occupied_slots": [1, 64], "seconds": [step, step]},
+              "prefill": {"tokens_per_s": 1000.0},
+              "inference": {"tokens_per_s": 500.0},
+              "migration": {"bytes_per_s": migration}}})
+  return CostModel(get_hardware("h100_sxm"), calibration=cal)
+
+
+def run(cost, prompts, resp, **kw):
+  setup = GenSetup(**{"max_new_tokens": int(max(resp)), "chunk_steps": 4, **kw})
+  return simulate_generation(cost, SHAPE, [SHAPE], setup, np.array(prompts), np.array(resp))
+
+
+def test_one_sample_by_hand():
+  res = run(measured_cost(), [10], [5], num_instances=1, slots=1)
+  # prefill 10 tokens (samples token 1) + 4 decode steps of 10 ms; inference of 15 tokens.
+  assert res.gen_end_s == pytest.approx(0.01 + 0.04)
+  assert res.gen_plus_inf_s == pytest.approx(0.05 + 15 / 500)
+  assert res.unfinished_curve == [(0.0, 1), (pytest.approx(0.05), 0)]
+
+
+def test_one_sample_with_formula_costs():
+  cost = CostModel(get_hardware("h100_sxm"))
+  res = run(cost, [10], [5], num_instances=1, slots=1, tp=2)
+  steps = sum(float(cost.decode_step_s(SHAPE, 2, 1, 10 + 1 + k)) for k in range(4))
+  assert res.gen_end_s == pytest.approx(cost.prefill_s(SHAPE, 2, [10]) + steps)
+  assert res.gen_plus_inf_s == pytest.approx(res.gen_end_s + cost.inference_s([SHAPE], 2, [15]))
+
+
+def test_no_tail_fusion_gains_nothing():
+  cost = CostModel(get_hardware("h100_sxm"))
+  prompts, resp = [64] * 32, [40] * 32
+  base = run(cost, prompts, resp, num_instances=4, slots=8)
+  fused = run(cost, prompts, resp, num_instances=4, slots=8, threshold=0.5,
+              stream_inference=True)
+  assert fused.consolidations == []  # every sample finishes in the same chunk
+  assert fused.gen_plus_inf_s == pytest.approx(base.gen_plus_inf_s)
+  assert fused.gen_end_s == pytest.approx(base.gen_end_s)
+
+
+def test_pure_tail_batch():
+  # 8 samples on 4 instances; one needs 100 tokens, the others finish at prefill.
+  cost = measured_cost()
+  prompts, resp = [10] * 8, [1] * 7 + [100]
+  base = run(cost, prompts, resp, num_instances=4, slots=2, inference_microbatch=8)
+  fused = run(cost, prompts, resp, num_instances=4, slots=2, inference_microbatch=8,
+              threshold=0.5, stream_inference=True)
+  gen_end = 2 * 10 / 1000 + 99 * 0.01  # prefill 20 tokens per instance, then 99 steps
+  assert base.gen_end_s == pytest.approx(gen_end) and fused.gen_end_s == pytest.approx(gen_end)
+  # Baseline: all 8 samples (7 x 11 + 110 tokens) go through inference after the tail.
+  assert base.gen_plus_inf_s == pytest.approx(gen_end + (7 * 11 + 110) / 500)
+  # Fused: the 7 short ones were scored on free instances during the tail; only the long one
+  # remains (the policy moves nothing: one sample is already on the fewest instances).
+  assert fused.consolidations == []
+  assert fused.gen_plus_inf_s == pytest.approx(gen_end + 110 / 500)
+  assert fused.inference_overlap_frac > 0.4
+
+
+def test_consolidation_moves_samples_and_frees_instances():
+  cost = measured_cost(migration=1e12)
+  rng = np.random.default_rng(0)
+  resp = np.clip(np.rint(rng.lognormal(np.log(20), 1.0, 64)), 1, 200).astype(int)
+  prompts = np.full(64, 8)
+  fused = run(cost, prompts, resp, num_instances=8, slots=32, threshold=0.3,
+              stream_inference=True)
+  base = run(cost, prompts, resp, num_instances=8, slots=32)
+  assert len(fused.consolidations) == 1
+  c = fused.consolidations[0]
+  assert c["unfinished"] <= 0.3 * 64 and c["kept"] < 8 and c["moves"] > 0
+  assert c["moved_bytes"] > 0 and len(c["released"]) >= 1
+  assert not set(c["released"]) & set(c["kept_list"])
+  # Every sample still finishes; decode cost here is flat in occupancy, so the tail is as fast
+  # and the freed instances' inference is pure gain.
+  assert np.all(np.isfinite(fused.finish_s))
+  assert fused.gen_plus_inf_s < base.gen_plus_inf_s
+  kinds = {k for _, _, _, k in fused.segments}
+  assert {"prefill", "decode", "migrate", "inference"} <= kinds
+
+
+def test_shared_processor_serialises_everything():
+  cost = measured_cost(share=True)
+  res = run(cost, [10] * 8, [5, 9, 13, 2, 7, 7, 3, 11], num_instances=4, slots=2)
+  busy = sum(e - s for _, s, e, _ in res.segments)
+  assert res.gen_plus_inf_s == pytest.approx(busy)  # one processor: no two ops overlap
+  ends = sorted((s, e) for _, s, e, _ in res.segments)
+  assert all(a[1] <= b[0] + 1e-12 for a, b in zip(ends, ends[1:]))
+
+
+def test_choose_threshold_returns_the_best_simulated():
+  cost = measured_cost()
+  rng = np.random.default_rng(1)
+  resp = np.clip(np.rint(rng.lognormal(np.log(20), 1.0, 64)), 1, 200).astype(int)
+  setup = GenSetup(num_instances=8, slots=32, chunk_steps=4, max_new_tokens=200)
+  best, times = choose_threshold(cost, SHAPE, [SHAPE], setup, np.full(64, 8), resp,
+                                 (0.0, 0.2, 0.5))
+  assert best in times and times[best] == min(times.values())
+
+
+def test_bad_settings():
+  cost = measured_cost()
+  with pytest.raises(ValueError, match="num_instances\\*slots"):
+    run(cost, [10] * 9, [3] * 9, num_instances=2, slots=4)
+  with pytest.raises(ValueError, match="threshold"):
+    GenSetup(num_instances=1, slots=1, threshold=1.5)
+  with pytest.raises(ValueError, match="kv_capacity_tokens"):
+    run(cost, [10] * 4, [3] * 4, num_instances=1, slots=4, kv_capacity_tokens=20)

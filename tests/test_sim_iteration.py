@@ -1,0 +1,100 @@
+"""Training and iteration simulation: 1F1B formula, fusion bounds, plans, bad settings."""
+import dataclasses
+
+import pytest
+
+from rlhfuse_jax.pipeline.bounds import pipeline_1f1b_makespan, tight_lower_bound
+from rlhfuse_jax.pipeline.graph import PipelineProblem
+from rlhfuse_jax.sim import iteration_sim as it
+from rlhfuse_jax.sim import training_sim as ts
+from rlhfuse_jax.sim.cost_model import CostModel
+from rlhfuse_jax.sim.hardware import get_hardware
+from rlhfuse_jax.sim.lengths import LengthSpec
+from rlhfuse_jax.sim.shapes import get_shape
+
+H100 = CostModel(get_hardware("h100_sxm"))
+
+
+def test_serial_schedule_is_the_1f1b_formula():
+  p = PipelineProblem(actor_pp=4, critic_pp=2, actor_microbatches=8, critic_microbatches=4,
+                      actor_fwd=3.0, critic_fwd=2.0)
+  want = pipeline_1f1b_makespan(4, 8, 3.0, 6.0) + pipeline_1f1b_makespan(2, 4, 2.0, 4.0)
+  assert ts.serial_makespan_ms(p) == pytest.approx(want)
+  costs = ts.StepCosts(problem=p, grad_sync_s=0.5, optimizer_s=0.25)
+  out = ts.pipeline_train_s(costs, num_minibatches=3, fused=False)
+  assert out["train_s"] == pytest.approx(3 * (want / 1000 + 0.75))
+
+
+def test_no_bubble_fusion_gains_nothing_and_bubbles_do():
+  cache = ts.ScheduleCache(time_budget_s=0.3)
+  flat = PipelineProblem(actor_pp=1, critic_pp=1, actor_microbatches=4, critic_microbatches=4,
+                         actor_fwd=2.0, critic_fwd=1.0)
+  e = cache.fused(flat)
+  assert e["makespan"] == pytest.approx(e["serial"]) == pytest.approx(4 * 6 + 4 * 3)
+  deep = PipelineProblem(actor_pp=4, critic_pp=4, actor_microbatches=4, critic_microbatches=4,
+                         actor_fwd=2.0, critic_fwd=1.0)
+  e = cache.fused(deep)
+  assert tight_lower_bound(deep) - 1e-9 <= e["makespan"] < e["serial"]
+  assert e["peak_max"] <= e["budget_max"] + 1e-9
+  assert cache.fused(deep) is e  # cached per problem
+
+
+def test_train_plan_divisibility_errors():
+  with pytest.raises(ValueError, match="minibatch=48 must be divisible by dp\\*micro_batch"):
+    ts.TrainPlan(num_devices=256, minibatch=48, tp=8, actor_pp=1, critic_pp=1)
+  with pytest.raises(ValueError, match="actor_pp=4 must be divisible by critic_pp=3"):
+    ts.TrainPlan(num_devices=24, minibatch=24, tp=2, actor_pp=4, critic_pp=3)
+  with pytest.raises(ValueError, match="num_devices=100"):
+    ts.TrainPlan(num_devices=100, minibatch=64, tp=8, actor_pp=1, critic_pp=1)
+  with pytest.raises(ValueError, match="global_batch=500 must be divisible by minibatch=64"):
+    it.Workload(actor=get_shape("llama-7b"), critic=get_shape("llama-7b", "scalar"),
+                global_batch=500)
+
+
+def test_model_that_does_not_fit_is_named():
+  a100 = CostModel(get_hardware("a100_80g_sxm"))
+  a, c = get_shape("llama-65b"), get_shape("llama-65b", "scalar")
+  plan = ts.TrainPlan(num_devices=8, minibatch=8, tp=8, actor_pp=1, critic_pp=1)
+  with pytest.raises(ValueError, match="training llama-65b.*does not fit in memory.*tp=8"):
+    ts.step_costs(a100, a, c, plan, 512.0)
+  with pytest.raises(ValueError, match="no training plan fits"):
+    ts.best_plan(a100, a, c, 8, 8, 1, 512.0, 1)
+  wl = it.Workload(actor=a, critic=c, num_devices=8, global_batch=8, minibatch=8)
+  with pytest.raises(ValueError, match="generation of llama-65b does not fit"):
+    it.gen_plan(a100, wl, 1, wl.sample_lengths()[0], 64)
+
+
+def small_workload(**kw):
+  return it.Workload(actor=get_shape("llama-7b"), critic=get_shape("llama-7b", "scalar"),
+                     num_devices=16, global_batch=64, minibatch=16, max_new_tokens=256,
+                     prompt=LengthSpec(kind="constant", value=64, max_len=64),
+                     response=LengthSpec(median=64, sigma=1.0), **kw)
+
+
+def test_six_systems_on_one_small_setting():
+  opt = it.SimOptions(search_time_s=0.3, gen_tps=(2, 4), threshold_candidates=(0.0, 0.2))
+  rows, raw = it.simulate_iteration(H100, small_workload(), opt)
+  assert set(rows) == set(it.SYSTEMS)
+  for name, r in rows.items():
+    for f in ("iteration_s", "gen_s", "inf_s", "gen_plus_inf_s", "train_s", "reshard_s"):
+      assert r[f] >= 0, (name, f)
+    assert r["iteration_s"] == pytest.approx(r["reshard_s"] + r["gen_plus_inf_s"] + r["train_s"])
+    assert r["samples_per_s"] == pytest.approx(64 / r["iteration_s"])
+    assert r["gen_plus_inf_s"] == pytest.approx(r["gen_s"] + r["inf_s"])
+  base, inter, intra, full = (rows[s] for s in ("rlhfuse_base", "inter_stage", "intra_stage",
+                                                 "rlhfuse"))
+  # Each fusion changes only its own stage.
+  assert intra["gen_plus_inf_s"] == base["gen_plus_inf_s"]
+  assert inter["train_s"] == base["train_s"]
+  assert full["train_s"] == intra["train_s"] and full["gen_plus_inf_s"] == inter["gen_plus_inf_s"]
+  assert intra["train_s"] <= base["train_s"] + 1e-9
+  assert (False, False) in raw["gen"] and True in raw["train"]
+
+
+def test_same_workload_for_every_system():
+  wl = small_workload()
+  p1, r1 = wl.sample_lengths()
+  p2, r2 = dataclasses.replace(wl).sample_lengths()
+  assert (p1 == p2).all() and (r1 == r2).all() and r1.max() <= 256
+  with pytest.raises(ValueError, match="unknown systems"):
+    it.simulate_iteration(H100, wl, it.SimOptions(), systems=("verl",))

@@ -1,0 +1,64 @@
+"""Hardware presets and model shapes: positive, in sane units, consistent with ModelConfig."""
+import pytest
+
+from rlhfuse_jax.sim import hardware, shapes
+
+
+@pytest.mark.parametrize("name", sorted(hardware.HARDWARE))
+def test_presets_positive_and_in_si_units(name):
+  hw = hardware.get_hardware(name)
+  assert 1e14 <= hw.peak_flops <= 2e15  # 100 TFLOP/s .. 2 PFLOP/s dense bf16
+  assert 5e11 <= hw.hbm_bw <= 1e13  # 0.5 .. 10 TB/s
+  assert 1e10 <= hw.hbm_bytes <= 2e11  # 10 .. 200 GB
+  assert hw.inter_node_bw < hw.intra_node_bw < hw.hbm_bw
+  assert hw.devices_per_node >= 1 and hw.source
+  # Ridge point (FLOPs per byte at which decode turns compute bound) in the usual 100..400 range.
+  assert 100 < hw.peak_flops / hw.hbm_bw < 400
+
+
+def test_datasheet_values_and_dense_convention():
+  h100 = hardware.get_hardware("h100_sxm")
+  assert h100.peak_flops == pytest.approx(989.4e12)  # 1979 with sparsity / 2
+  assert h100.intra_node_bw == pytest.approx(450e9)  # 900 GB/s bidirectional / 2
+  assert hardware.get_hardware("h800_sxm").intra_node_bw < h100.intra_node_bw
+  assert hardware.get_hardware("h200_sxm").hbm_bytes > h100.hbm_bytes
+  assert hardware.get_hardware("a100_80g_sxm").peak_flops == pytest.approx(312e12)
+  assert hardware.get_hardware("tpu_v5e").peak_flops == pytest.approx(197e12)
+  assert hardware.get_hardware("tpu_v5p").hbm_bw == pytest.approx(2765e9)
+  assert h100.link_bw(8) == h100.intra_node_bw and h100.link_bw(16) == h100.inter_node_bw
+
+
+def test_unknown_and_bad_presets():
+  with pytest.raises(ValueError, match="known:.*h100_sxm"):
+    hardware.get_hardware("h100")
+  with pytest.raises(ValueError, match="hbm_bw"):
+    hardware.Hardware(name="x", peak_flops=1e15, hbm_bw=0, hbm_bytes=1e10, intra_node_bw=1e11,
+                      inter_node_bw=1e10, devices_per_node=8)
+
+
+@pytest.mark.parametrize("name,billions", [("llama-7b", 6.74), ("llama-13b", 13.02),
+                                           ("llama-33b", 32.53), ("llama-65b", 65.29)])
+def test_llama_parameter_counts(name, billions):
+  # LLaMA paper Table 2: 6.7B, 13.0B, 32.5B, 65.2B.
+  assert shapes.get_shape(name).num_params() / 1e9 == pytest.approx(billions, rel=0.005)
+
+
+def test_shape_agrees_with_model_config():
+  from rlhfuse_jax.models.llama import ModelConfig
+  for kw in (dict(vocab_size=97, hidden_size=64, intermediate_size=160, num_layers=3,
+                  num_heads=8, num_kv_heads=2),
+             dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=4, qkv_bias=True, tie_embeddings=True)):
+    for head in ("lm", "scalar"):
+      cfg = ModelConfig(**kw, head=head)
+      assert shapes.from_model_config(cfg).num_params() == cfg.num_params()
+
+
+def test_kv_bytes_and_flops():
+  s = shapes.get_shape("llama-13b")
+  assert s.kv_bytes_per_token() == 2 * 40 * 40 * 128 * 2  # K and V, bf16: 819200 bytes
+  # Forward of one token with no context is 2 x matmul params; critic head is a vector.
+  assert s.forward_flops(1, 0) == 2 * s.matmul_params()
+  assert s.as_critic().num_params() < s.num_params()
+  with pytest.raises(ValueError, match="known"):
+    shapes.get_shape("llama-70b")
