@@ -1,0 +1,32 @@
+r"""Measures this machine's operation costs into a simulator calibration file.
+
+  python -m experiments.calibrate_sim --config=configs/calibrate_sim.py --workdir=/tmp/cal
+
+Writes calibration.json (format of rlhfuse_jax/sim/calibration.py) and config.json. Match the
+model and instance fields to the benchmark the simulator should predict (e.g. the model of
+configs/bench_generation.py) before comparing.
+"""
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.model = ml_collections.ConfigDict()  # shape measured (actor; the critic gets a scalar head)
+  c.model.vocab_size = 256
+  c.model.hidden_size = 64
+  c.model.intermediate_size = 128
+  c.model.num_layers = 2
+  c.model.num_heads = 4
+  c.model.num_kv_heads = 2
+  c.model.max_seq_len = 256
+  c.slots = 8  # batch slots of one generation instance
+  c.prompt_len = 16  # prompt tokens per sample
+  c.max_new_tokens = 64  # response budget (sets the KV cache length)
+  c.chunk_size = 8  # decode steps per jitted call
+  c.occupancies = "1,2,4,8"  # live rows at which a decode step is timed
+  c.inference_microbatch = 8  # samples per inference forward (reference + reward + critic)
+  c.migrate_rows = 4  # KV rows copied between two devices to time a migration
+  c.repeats = 20  # timed repetitions per measurement (the median is kept)
+  c.devices_share_compute = True  # fake CPU devices share one processor
+  return c

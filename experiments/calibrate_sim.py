@@ -1,0 +1,125 @@
+r"""Measures decode step time vs occupied slots, prefill and inference throughput and KV
+migration bandwidth on this machine, and writes them as a simulator calibration file.
+
+  python -m experiments.calibrate_sim --config=configs/calibrate_sim.py --workdir=/tmp/cal
+
+Each op is compiled first and timed `repeats` times (median), with the engine's own pure
+functions (generation.engine.prefill / decode_chunk, inference.scoring), on one device; a
+migration is a `jax.device_put` of KV rows from device 0 to device 1. On a CPU with fake devices
+all devices share the processor, which the file records (`devices_share_compute`).
+"""
+from __future__ import annotations
+
+import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+import functools  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from rlhfuse_jax import workdir as wd  # noqa: E402
+from rlhfuse_jax.generation import engine  # noqa: E402
+from rlhfuse_jax.generation.sampling import SamplingConfig  # noqa: E402
+from rlhfuse_jax.inference import scoring  # noqa: E402
+from rlhfuse_jax.models import llama  # noqa: E402
+from rlhfuse_jax.sim import calibration  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Calibration config.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _median_s(fn, repeats: int) -> float:
+  jax.block_until_ready(fn())  # compile / warm up
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def measure(c) -> dict:
+  cfg = llama.ModelConfig(**c.model.to_dict())
+  critic_cfg = cfg.replace(head="scalar")
+  max_len = c.prompt_len + c.max_new_tokens
+  if max_len > cfg.max_seq_len:
+    raise ValueError(f"prompt_len + max_new_tokens = {max_len} > model.max_seq_len="
+                     f"{cfg.max_seq_len}")
+  occ = [int(x) for x in c.occupancies.split(",")]
+  if max(occ) > c.slots or min(occ) < 1:
+    raise ValueError(f"occupancies={occ} must lie in [1, slots={c.slots}]")
+  key = jax.random.key(c.seed)
+  params, _ = llama.init_params(cfg, key)
+  cparams, _ = llama.init_params(critic_cfg, jax.random.fold_in(key, 1))
+  sampling = SamplingConfig(max_new_tokens=c.max_new_tokens, chunk_size=c.chunk_size)
+  s, p = c.slots, c.prompt_len
+  rng = np.random.default_rng(c.seed)
+  prompts = jnp.asarray(rng.integers(1, cfg.vocab_size, (s, p)), jnp.int32)  # [S, P]
+  plens = jnp.full((s,), p, jnp.int32)
+  uids = jnp.arange(s, dtype=jnp.int32)
+  pre = jax.jit(functools.partial(engine.prefill, cfg, sampling=sampling, max_len=max_len))
+  prefill_s = _median_s(lambda: pre(params, prompts, plens, uids, key), c.repeats)
+  state = pre(params, prompts, plens, uids, key)
+  chunk = jax.jit(functools.partial(engine.decode_chunk, cfg, sampling=sampling))
+  step_s = []
+  for b in occ:
+    st = state.replace(done=jnp.arange(s) >= b)  # b live rows; done rows stay in the batch
+    step_s.append(_median_s(lambda: chunk(params, st, key), c.repeats) / c.chunk_size)
+    logging.info("decode step with %d/%d live rows: %.3f ms", b, s, 1e3 * step_s[-1])
+  mb, t = c.inference_microbatch, c.max_new_tokens
+  toks = jnp.asarray(rng.integers(1, cfg.vocab_size, (mb, p + t)), jnp.int32)  # [mb, P+T]
+  mplens, rlens = jnp.full((mb,), p, jnp.int32), jnp.full((mb,), t, jnp.int32)
+
+  def infer():
+    return (scoring.reference_logprobs(cfg, params, toks, mplens, t),
+            scoring.critic_values(critic_cfg, cparams, toks, mplens, t),
+            scoring.reward_model_scores(critic_cfg, cparams, toks, mplens, rlens))
+  inf_s = _median_s(infer, c.repeats)
+  devs = jax.devices()
+  if len(devs) < 2:
+    raise ValueError("migration timing needs at least 2 devices")
+  rows = jax.device_put(state.cache.k[:, :c.migrate_rows], devs[0])  # [L, rows, max_len, kv, d]
+  nbytes = 2 * rows.nbytes  # K and V
+  mig_s = _median_s(lambda: (jax.device_put(rows, devs[1]), jax.device_put(rows, devs[1])),
+                    c.repeats)
+  return {
+      "format": calibration.FORMAT,
+      "device": f"{jax.devices()[0].platform} x{len(devs)} ({jax.devices()[0].device_kind}), "
+                f"measured by experiments/calibrate_sim.py",
+      "model_params": int(cfg.num_params()), "instance_devices": 1,
+      "devices_share_compute": bool(c.devices_share_compute),
+      "ops": {
+          "decode_step": {"occupied_slots": occ, "seconds": step_s},
+          "prefill": {"tokens_per_s": s * p / prefill_s},
+          "inference": {"tokens_per_s": mb * (p + t) / inf_s},
+          "migration": {"bytes_per_s": nbytes / mig_s},
+      },
+      "notes": f"slots={s}, prompt_len={p}, max_len={max_len}, chunk={c.chunk_size}",
+  }
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  c = _CONFIG.value
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  wd.write_config(_WORKDIR.value, c)
+  cal = measure(c)
+  calibration.from_dict(cal, "measured")  # what we write must load
+  path = os.path.join(_WORKDIR.value, "calibration.json")
+  wd.write_json(path, cal)
+  logging.info("wrote %s: %s", path, cal["ops"])
+
+
+if __name__ == "__main__":
+  app.run(main)
