@@ -22,7 +22,8 @@ def _pack(rows, width, fill):
 
 
 def test_registries_reject_unknown_names():
-  with pytest.raises(ValueError, match=r"unknown task 'nope'; known: \['count_up', 'repeat'"):
+  with pytest.raises(ValueError,
+                     match=r"unknown task 'nope'; known: \['count_up', 'countdown', 'repeat'"):
     make_task("nope")
   with pytest.raises(ValueError, match="unknown task 'nope'"):
     TaskConfig(name="nope")
@@ -61,6 +62,9 @@ def test_prompts_mean_what_they_say():
     assert r["prompt"] == f"{r['symbol']} #{r['count']} ="
   for r in make_task("count_up", num_symbols=5).make_prompts(100, rng):
     assert r["target"].split() == [str((r["symbol"] + i) % 5) for i in range(r["count"])]
+  for r in make_task("countdown").make_prompts(100, rng):
+    assert r["target"].split() == [f"#{c}" for c in range(r["count"], 0, -1)]
+    assert r["prompt"] == f"#{r['count']} ="
   for r in make_task("sort").make_prompts(100, rng):
     xs = r["prompt"].split()[:-1]
     assert len(xs) == r["count"] and r["target"].split() == sorted(xs)

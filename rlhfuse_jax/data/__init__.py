@@ -4,7 +4,7 @@
   prompts    load_jsonl_prompts, tokenize_prompts, PromptDataset (seeded, resumable batches)
   lengths    LengthDistribution: uniform or clipped log-normal (long-tailed) target lengths
   rewards    REWARD_FUNCTIONS: verifiable Python rewards in [0, 1] (target_match, ...)
-  tasks      TASKS: repeat, count_up, sort, each with its own vocabulary and verifier
+  tasks      TASKS: repeat, count_up, countdown, sort, each with its own vocabulary and verifier
 """
 from rlhfuse_jax.data.lengths import LengthDistribution
 from rlhfuse_jax.data.prompts import (PromptBatch, PromptDataset, load_jsonl_prompts,

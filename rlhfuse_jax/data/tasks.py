@@ -6,6 +6,7 @@ positions that agree with the target, over the longer of response and target, EO
 
   repeat    prompt "3 #4 ="        target "3 3 3 3"       copy a symbol, stop after n
   count_up  prompt "8 #4 ="        target "8 9 0 1"       successors modulo num_symbols
+  countdown prompt "#4 ="          target "#4 #3 #2 #1"   count down from n to 1
   sort      prompt "3 1 2 1 ="     target "1 1 2 3"       sort the symbols
 
 Why this learns from scratch (repeat, defaults: 10 symbols, n uniform in 1..8, vocabulary 22):
@@ -178,6 +179,25 @@ class CountUpTask(Task):
     return {"prompt": f"{d} #{n} {SEP}", "target": target, "symbol": d, "count": n}
 
 
+class CountdownTask(Task):
+  """'#n =' -> #n #n-1 ... #1: every step is decided by the previous token alone.
+
+  Meant for length_dist='lognormal': the response is as long as the drawn n, and after copying
+  #n a policy only needs local transitions (#k -> #k-1, #1 -> EOS) that all lengths share, so
+  a rare long n reuses what the common short ones taught. 'repeat' must instead count the tokens
+  it has emitted, which small policies learn slowly for rare n (a short REINFORCE run on
+  'repeat' collapsed to one length; see the data report).
+  """
+
+  @property
+  def max_prompt_len(self) -> int:
+    return 3  # <bos> #n =
+
+  def _make_one(self, n, rng):
+    return {"prompt": f"#{n} {SEP}", "target": " ".join(f"#{c}" for c in range(n, 0, -1)),
+            "count": n}
+
+
 class SortTask(Task):
   """'x1 ... xn =' -> the n symbols in ascending order."""
 
@@ -194,6 +214,7 @@ class SortTask(Task):
 TASKS: dict[str, type[Task]] = {
     "repeat": RepeatTask,
     "count_up": CountUpTask,
+    "countdown": CountdownTask,
     "sort": SortTask,
 }
 
