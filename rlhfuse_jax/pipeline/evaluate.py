@@ -32,11 +32,12 @@ _PA, _PC, _MA, _MC, _FA, _BA, _FC, _BC, _LAT = range(9)
 
 
 @numba.njit(cache=True, nogil=True)
-def simulate_kernel(order, params, release, ends, work_f, work_i):
+def simulate_kernel(order, params, release, ends, work_f, work_i, work_p):
   """List-schedules `order` (int8 [N, T]); writes task end times into `ends` f8 [N, T].
 
   work_f: f8 [4, N, max(Ma, Mc)] scratch for end times per (kind, device, micro-batch).
   work_i: i8 [N, 5] scratch: next position per device and per-kind counters.
+  work_p: i8 [4, N, max(Ma, Mc)] receives the position of each (kind, device, micro-batch).
   Returns (ok, makespan, sum of per-device finish times). ok False means deadlock.
   """
   n, t = order.shape
@@ -102,6 +103,7 @@ def simulate_kernel(order, params, release, ends, work_f, work_i):
         s = max(free[d], dep, release[k // 2])
         en = s + dur[k]
         work_f[k, d, m] = en
+        work_p[k, d, m] = p
         ends[d, p] = en
         free[d] = en
         work_i[d, 0] = p + 1
@@ -142,11 +144,12 @@ class Evaluator:
     self.ends = np.zeros((n, t))  # [N, T] end time of the task at each position
     self.work_f = np.zeros((4, n, mmax))
     self.work_i = np.zeros((n, 5), dtype=np.int64)
+    self.work_p = np.zeros((4, n, mmax), dtype=np.int64)
     self.peaks = np.zeros(n)
 
   def timing(self, order: np.ndarray, release=(0.0, 0.0)) -> tuple[bool, float, float]:
     return simulate_kernel(order, self.params, np.asarray(release, dtype=np.float64), self.ends,
-                           self.work_f, self.work_i)
+                           self.work_f, self.work_i, self.work_p)
 
   def peak(self, order: np.ndarray) -> np.ndarray:
     return peaks_kernel(order, self.deltas, self.peaks).copy()

@@ -178,12 +178,14 @@ def task_tails(problem: PipelineProblem) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True)
-def list_schedule_kernel(params, prio, caps, mem_cap, deltas, window, order):
+def list_schedule_kernel(params, prio, caps, mem_cap, deltas, window, reserve, order):
   """Builds an order (written into `order` int8 [N, T]) by list scheduling; True if no stall.
 
-  prio: f8 [N, 4] priority per device and kind (larger first). caps: i8 [N, 2] max in-flight
+  prio: f8 [4, N, max(Ma, Mc)] priority of each task (kind, device, micro-batch); larger first. caps: i8 [N, 2] max in-flight
   micro-batches per device for (actor, critic). mem_cap: f8 [N] cap on held memory.
   window: a device may idle up to `window` time units to start a higher-priority task.
+  reserve: admit a forward only if one forward of the other model still fits when that model
+  holds nothing on the device (makes the combined memory cap deadlock-free).
   """
   n, t = order.shape
   pc = int(params[1])
@@ -208,9 +210,15 @@ def list_schedule_kernel(params, prio, caps, mem_cap, deltas, window, order):
         m = cnt[d, k]
         if m >= count[k]:
           continue
-        if k % 2 == 0 and (infl[d, k // 2] >= caps[d, k // 2] or
-                           mem[d] + deltas[k] > mem_cap[d] + 1e-9):
-          continue
+        if k % 2 == 0:
+          # Keep room for one forward of the other model while it holds nothing here: the
+          # earliest in-flight micro-batch of each model can then always advance (no deadlock).
+          o = 1 - k // 2
+          need = mem[d] + deltas[k]
+          if reserve and infl[d, o] == 0 and cnt[d, 2 * o] < count[2 * o]:
+            need += deltas[2 * o]
+          if infl[d, k // 2] >= caps[d, k // 2] or need > mem_cap[d] + 1e-9:
+            continue
         ready = 0.0
         if k == 0:
           if d > 0:
@@ -262,7 +270,7 @@ def list_schedule_kernel(params, prio, caps, mem_cap, deltas, window, order):
       for k in range(4):
         s = est[d, k]
         if s <= best_t + window + 1e-9:
-          p = prio[d, k]
+          p = prio[k, d, cnt[d, k]]
           if p > bp + 1e-12 or (abs(p - bp) <= 1e-12 and s < bs):
             bp = p
             bs = s
@@ -285,12 +293,19 @@ def list_schedule_kernel(params, prio, caps, mem_cap, deltas, window, order):
 
 
 def list_schedule(problem: PipelineProblem, prio: np.ndarray, caps: np.ndarray,
-                  mem_cap: np.ndarray, window: float = 0.0):
-  """One list-scheduling variant; returns the order [N, T] or None if it stalled."""
+                  mem_cap: np.ndarray, window: float = 0.0, reserve: bool = False):
+  """One list-scheduling variant; returns the order [N, T] or None if it stalled.
+
+  prio: [N, 4] per device and kind, or [4, N, max(Ma, Mc)] per task (larger runs first).
+  """
   order = np.zeros((problem.num_devices, problem.tasks_per_device), dtype=np.int8)
-  ok = list_schedule_kernel(problem.params(), np.asarray(prio, np.float64),
+  prio = np.asarray(prio, np.float64)
+  if prio.ndim == 2:  # [N, 4] per device and kind -> per task
+    mmax = max(problem.actor_microbatches, problem.critic_microbatches)
+    prio = np.ascontiguousarray(np.broadcast_to(prio.T[:, :, None], (4, prio.shape[0], mmax)))
+  ok = list_schedule_kernel(problem.params(), prio,
                             np.asarray(caps, np.int64), np.asarray(mem_cap, np.float64),
-                            problem.mem_deltas(), float(window), order)
+                            problem.mem_deltas(), float(window), bool(reserve), order)
   return order if ok else None
 
 
