@@ -1,0 +1,362 @@
+"""The fused actor/critic training step: any compiled schedule as one jitted shard_map program.
+
+Idea (DESIGN §3, "Executing a schedule"): every device of the mesh axis `stage` holds its actor
+stage (actor layers stacked [Pa, L/Pa, ...] and sharded P('stage')) and its critic stage (the
+critic layers gathered per device by the placement: stage Pc-1-(d mod Pc) on device d, so the R
+replicas of a critic stage hold the same weights). The instruction table of program.py, indexed
+by `lax.axis_index('stage')`, tells each device at each tick of a `lax.fori_loop` which task to
+run; `lax.switch` runs it:
+
+  idle | actor F | actor B | critic F | critic B   (each in first / middle / last-stage variants)
+
+A forward stashes its stage input in a ring buffer (sized by the schedule's peak in-flight
+micro-batches) and sends its output; a backward recomputes the stage with `jax.vjp` from the
+stash, accumulates the parameter gradients and sends the input gradient. The last stage runs the
+head and the PPO actor loss or the value loss inside its backward (its forward only stashes), so
+the loss is computed once per micro-batch. After each task two `lax.ppermute`s move one padded
+message each: `up` (d -> d+1: actor activations, critic gradients) and `down` (d -> d-1: actor
+gradients, critic activations, the critic running in reverse), and the receiver files the
+message into the inbox ring its table row names.
+
+Gradients accumulate per device in one flat float32 vector per model (a switch branch then
+carries one buffer instead of one per parameter leaf: fewer copies, much faster compiles). At the
+end each device writes its stage's segment into a whole-model vector, and one `psum` over
+`stage` and the data axes adds the segments, the R critic replicas and the data shards together;
+the gradients leave the program replicated over `stage`, like the trainer's parameters.
+
+Data parallelism: the mini-batch is split over the mesh's data axes (`data`, `fsdp`, manual
+here); each data shard runs the pipeline on its rows with the normalisers of the whole
+mini-batch. A `tensor` axis stays automatic (GSPMD shards the layers inside each stage).
+Micro-batches: the actor's Ma and the critic's R*Mc (replica r takes r*Mc .. r*Mc+Mc-1) are
+consecutive row slices of each data shard.
+
+The table is an argument of the compiled step, not a constant: schedules with the same
+program.ProgramShape share one compilation (serial and fused, for example).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Dict, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.pipeline import program as prog
+from rlhfuse_jax.pipeline import stages
+from rlhfuse_jax.pipeline.graph import AB, AF, CF, PipelineProblem
+from rlhfuse_jax.pipeline.stages import LossConfig, StageLayout
+
+STAGE_AXIS = "stage"
+DATA_AXES = ("data", "fsdp")
+MODELS = ("actor", "critic")
+
+
+def check_placement(mesh: Mesh, problem: PipelineProblem, actor_cfg: ModelConfig,
+                    critic_cfg: ModelConfig) -> None:
+  """Clear errors for placements the executor cannot run."""
+  if STAGE_AXIS not in mesh.shape:
+    raise ValueError(f"mesh has no {STAGE_AXIS!r} axis (axes: {mesh.axis_names})")
+  n = mesh.shape[STAGE_AXIS]
+  if problem.actor_pp != n:
+    raise ValueError(f"actor_pp={problem.actor_pp} stages need {problem.actor_pp} devices on mesh "
+                     f"axis {STAGE_AXIS!r}, which has {n} (one actor stage per device)")
+  if problem.critic_pp > n or n % problem.critic_pp:
+    raise ValueError(f"critic_pp={problem.critic_pp} must divide the {n} devices of mesh axis "
+                     f"{STAGE_AXIS!r} (actor_pp={problem.actor_pp})")
+  stages.check_split(actor_cfg, problem.actor_pp, "actor")
+  stages.check_split(critic_cfg, problem.critic_pp, "critic")
+  if actor_cfg.head != "lm":
+    raise ValueError(f"actor.head={actor_cfg.head!r}; the actor needs head='lm'")
+  if critic_cfg.head != "scalar":
+    raise ValueError(f"critic.head={critic_cfg.head!r}; the critic needs head='scalar'")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """Everything the compiled step depends on besides array shapes (hashable: the cache key)."""
+  actor_cfg: ModelConfig
+  critic_cfg: ModelConfig
+  loss_cfg: LossConfig
+  num_devices: int
+  actor_pp: int
+  critic_pp: int
+  branches: tuple
+  stash_sizes: tuple
+  inbox_sizes: tuple
+  mesh: Mesh
+  data_axes: tuple
+
+
+class PipelineExecutor:
+  """One jitted fused training step for a compiled schedule on `mesh`.
+
+  `executor(actor_params, critic_params, batch) -> (actor_grads, critic_grads, metrics)`: params
+  in the unpipelined structure of llama.init_params, `batch` as in stages.py (leading dim the
+  mini-batch), grads in the params' structure and dtypes, metrics a dict of float32 scalars
+  (stages.ACTOR_METRICS + stages.CRITIC_METRICS, mini-batch totals). `grads_fn` is the same
+  computation as a traceable function, to call inside a larger jitted update.
+  """
+
+  def __init__(self, actor_cfg: ModelConfig, critic_cfg: ModelConfig, loss_cfg: LossConfig,
+               program: prog.Program, mesh: Mesh):
+    check_placement(mesh, program.problem, actor_cfg, critic_cfg)
+    self.program, self.mesh, self.loss_cfg = program, mesh, loss_cfg
+    data_axes = tuple(a for a in DATA_AXES if a in mesh.shape)
+    self.data_size = math.prod(mesh.shape[a] for a in data_axes)
+    problem = program.problem
+    self.spec = _Spec(actor_cfg=actor_cfg, critic_cfg=critic_cfg, loss_cfg=loss_cfg,
+                      num_devices=problem.num_devices, actor_pp=problem.actor_pp,
+                      critic_pp=problem.critic_pp, branches=program.branches,
+                      stash_sizes=program.stash_sizes, inbox_sizes=program.inbox_sizes,
+                      mesh=mesh, data_axes=data_axes)
+    self.table = np.asarray(program.table)  # [N, ticks, FIELDS]
+
+  def __call__(self, actor_params: Any, critic_params: Any, batch: Dict[str, jax.Array]):
+    batch = self._select(batch)
+    return _jitted_step(self.spec)(self.table, actor_params, critic_params, batch,
+                                   self.microbatch_sizes(batch["tokens"].shape[0]))
+
+  def grads_fn(self, actor_params: Any, critic_params: Any, batch: Dict[str, jax.Array]):
+    """Traceable form of __call__ (for use inside another jax.jit)."""
+    batch = self._select(batch)
+    return _step(self.spec, jnp.asarray(self.table), actor_params, critic_params, batch,
+                 self.microbatch_sizes(batch["tokens"].shape[0]))
+
+  def lower(self, actor_params: Any, critic_params: Any, batch: Dict[str, jax.Array]):
+    """jax.jit(...).lower for ahead-of-time compilation (and compile-time measurement)."""
+    batch = self._select(batch)
+    return _jitted_step(self.spec).lower(self.table, actor_params, critic_params, batch,
+                                         self.microbatch_sizes(batch["tokens"].shape[0]))
+
+  def microbatch_sizes(self, batch_size: int) -> Tuple[int, int]:
+    """(actor, critic) rows per micro-batch for a mini-batch of `batch_size` rows."""
+    problem = self.program.problem
+    if batch_size % self.data_size:
+      raise ValueError(f"mini-batch of {batch_size} rows cannot be split over the data axes "
+                       f"{self.spec.data_axes} of size {self.data_size}")
+    local = batch_size // self.data_size
+    n_critic = problem.critic_replicas * problem.critic_microbatches
+    if local % problem.actor_microbatches or local % n_critic:
+      raise ValueError(
+          f"mini-batch shard of {local} rows (batch {batch_size} / data {self.data_size}) must be "
+          f"divisible by actor_microbatches={problem.actor_microbatches} and by critic replicas "
+          f"x critic_microbatches={problem.critic_replicas}x{problem.critic_microbatches}")
+    return local // problem.actor_microbatches, local // n_critic
+
+  def _select(self, batch: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
+    keys = stages.batch_keys(self.loss_cfg)
+    missing = [k for k in keys if k not in batch]
+    if missing:
+      raise KeyError(f"batch lacks {missing}; the pipelined losses need {list(keys)}")
+    return {k: batch[k] for k in keys}
+
+
+def _step(spec: _Spec, table, actor_params, critic_params, batch, mb_sizes):
+  pa, pc = spec.actor_pp, spec.critic_pp
+  reps = spec.num_devices // pc
+  layouts = {"actor": StageLayout(spec.actor_cfg, actor_params, pa, "actor"),
+             "critic": StageLayout(spec.critic_cfg, critic_params, pc, "critic")}
+  flat = {"actor": layouts["actor"].flatten(actor_params),      # [whole_size]
+          "critic": layouts["critic"].flatten(critic_params)}
+  # Keep the flat vectors replicated: otherwise GSPMD propagates the stage sharding back into
+  # the concatenation and splits it into many small per-device pieces (slow compiles).
+  replicated = jax.sharding.NamedSharding(spec.mesh, P())
+  flat = {m: lax.with_sharding_constraint(v, replicated) for m, v in flat.items()}
+  a_stages = flat["actor"][:layouts["actor"].layers_size].reshape(pa, -1)  # [Pa, stage_size]
+  c_stages = flat["critic"][:layouts["critic"].layers_size].reshape(pc, -1)  # [Pc, stage_size]
+  # Device r*Pc + j holds critic stage Pc-1-j: reverse the stages, repeat per replica.
+  c_stages = jnp.concatenate([c_stages[::-1]] * reps)  # [N, stage_size]
+  num_tokens, num_seqs = stages.normalisers(batch)
+  rows = P(spec.data_axes) if spec.data_axes else P()
+  staged = P(STAGE_AXIS)
+  in_specs = (P(), staged, P(), staged, P(), jax.tree.map(lambda _: rows, batch), P(), P())
+  fn = jax.shard_map(_make_body(spec, layouts, *mb_sizes), mesh=spec.mesh, in_specs=in_specs,
+                     out_specs=(P(), P(), P(), P()),
+                     axis_names=frozenset(spec.data_axes + (STAGE_AXIS,)), check_vma=False)
+  ga, gc, ma, mc = fn(table, a_stages, flat["actor"][layouts["actor"].layers_size:], c_stages,
+                      flat["critic"][layouts["critic"].layers_size:], batch, num_tokens, num_seqs)
+  actor_grads = layouts["actor"].unflatten(ga.astype(layouts["actor"].dtype))
+  critic_grads = layouts["critic"].unflatten(gc.astype(layouts["critic"].dtype))
+  metrics = {k: ma[i] for i, k in enumerate(stages.ACTOR_METRICS)}
+  metrics.update({k: mc[i] for i, k in enumerate(stages.CRITIC_METRICS)})
+  return actor_grads, critic_grads, metrics
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_step(spec: _Spec) -> Callable:
+  """The jitted step for one spec (cached, so equal specs share compilations)."""
+  return jax.jit(functools.partial(_step, spec), static_argnums=(4,))
+
+
+def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int) -> Callable:
+  """The per-device code: fori_loop over ticks of (switch, two ppermutes, file arrivals)."""
+  loss_cfg = spec.loss_cfg
+  cfgs = {"actor": spec.actor_cfg, "critic": spec.critic_cfg}
+  mb_rows = {"actor": mba, "critic": mbc}
+  head_loss = {"actor": stages.actor_head_loss, "critic": stages.critic_head_loss}
+  n = spec.num_devices
+  up_perm = [(d, d + 1) for d in range(n - 1)]
+  down_perm = [(d + 1, d) for d in range(n - 1)]
+  whole_axes = (STAGE_AXIS,) + spec.data_axes
+
+  def body(table, a_stage, a_tail, c_stage, c_tail, batch, num_tokens, num_seqs):
+    device = lax.axis_index(STAGE_AXIS)
+    critic_stage = spec.critic_pp - 1 - device % spec.critic_pp
+    # This device's stages: a_stage / c_stage [1, stage_size]; tails [embed | head].
+    params = {"actor": layouts["actor"].stage_tree(a_stage[0], a_tail),
+              "critic": layouts["critic"].stage_tree(c_stage[0], c_tail)}
+    seq_len = batch["tokens"].shape[1]
+    act_shape = {m: (mb_rows[m], seq_len, cfgs[m].hidden_size) for m in MODELS}  # [mb, L, H]
+    act_dtype = {m: cfgs[m].jnp_dtype for m in MODELS}
+    msg_size = max(math.prod(s) for s in act_shape.values())
+    msg_dtype = jnp.result_type(*act_dtype.values())
+    zero_msg = jnp.zeros((msg_size,), msg_dtype)
+
+    def to_msg(y):  # [mb, L, H] -> [msg_size], padded: both models share the channels
+      flat = y.reshape(-1).astype(msg_dtype)
+      return jnp.pad(flat, (0, msg_size - flat.shape[0]))
+
+    def from_msg(msg, model):
+      shape = act_shape[model]
+      return msg[:math.prod(shape)].reshape(shape).astype(act_dtype[model])
+
+    def micro(model, j):
+      rows = mb_rows[model]
+      return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, j * rows, rows, axis=0), batch)
+
+    def used_params(model, task):
+      keys = ["layers"]
+      if task.first or (task.last and cfgs[model].tie_embeddings):
+        keys.append("embed")
+      if task.last:
+        keys.append("head")
+      return {k: params[model][k] for k in keys}
+
+    def stage_fn(model, task, mb):
+      """f(used params, stage input) -> stage output, or (loss, metrics) on the last stage."""
+      cfg = cfgs[model]
+
+      def f(p, x):
+        if task.first:
+          x = stages.embed(cfg, p["embed"], mb["tokens"])
+        x = stages.blocks(cfg, p["layers"], x)
+        if task.last:  # an untied head does not read the embedding: no gradient flows to it
+          return head_loss[model](cfg, loss_cfg, p.get("embed", params[model]["embed"]),
+                                  p["head"], x, mb, num_tokens, num_seqs)
+        return x
+      return f
+
+    def forward(task, model, inbox):
+      def run(carry, row):
+        mb = micro(model, row[prog.MICRO])
+        x = None
+        if not task.first:
+          x = carry["inbox"][inbox][row[prog.INBOX_SLOT]]  # [mb, L, H]
+          stash = lax.dynamic_update_index_in_dim(carry["stash"][model], x,
+                                                  row[prog.STASH_SLOT], 0)
+          carry = {**carry, "stash": {**carry["stash"], model: stash}}
+        if task.last:  # the backward runs the head and the loss
+          return carry, zero_msg
+        return carry, to_msg(stage_fn(model, task, mb)(used_params(model, task), x))
+      return run
+
+    def backward(task, model, inbox):
+      def run(carry, row):
+        mb = micro(model, row[prog.MICRO])
+        f = stage_fn(model, task, mb)
+        p = used_params(model, task)
+        if task.first:  # the input is tokens: differentiate the parameters only
+          fx, primals = (lambda p: f(p, None)), (p,)
+        else:
+          fx, primals = f, (p, carry["stash"][model][row[prog.STASH_SLOT]])
+        if task.last:  # the loss is the output; its metrics ride along undifferentiated
+          loss, vjp, metrics = jax.vjp(fx, *primals, has_aux=True)
+          cots = vjp(jnp.ones_like(loss))
+          carry = {**carry, "metrics": {**carry["metrics"],
+                                        model: carry["metrics"][model] + metrics}}
+        else:
+          _, vjp = jax.vjp(fx, *primals)
+          cots = vjp(from_msg(carry["inbox"][inbox][row[prog.INBOX_SLOT]], model))
+        flat = carry["grads"][model]
+        for key, g in cots[0].items():
+          flat = layouts[model].add(flat, key, g)
+        carry = {**carry, "grads": {**carry["grads"], model: flat}}
+        return carry, (zero_msg if task.first else to_msg(cots[1]))
+      return run
+
+    # Branch i of the table; each returns (carry, up message, down message).
+    branches = [lambda carry, row: (carry, zero_msg, zero_msg)]
+    for task in spec.branches[1:]:
+      if task.kind == AF:  # actor activations go up
+        fn, up = forward(task, "actor", "actor_act"), True
+      elif task.kind == AB:  # actor gradients go down
+        fn, up = backward(task, "actor", "actor_grad"), False
+      elif task.kind == CF:  # the critic runs reversed: its activations go down
+        fn, up = forward(task, "critic", "critic_act"), False
+      else:  # and its gradients up
+        fn, up = backward(task, "critic", "critic_grad"), True
+
+      def branch(carry, row, fn=fn, up=up):
+        carry, msg = fn(carry, row)
+        return (carry, msg, zero_msg) if up else (carry, zero_msg, msg)
+      branches.append(branch)
+
+    up_targets = {prog.RECV_ACT: ("actor_act", "actor"), prog.RECV_GRAD: ("critic_grad", "critic")}
+    down_targets = {prog.RECV_ACT: ("critic_act", "critic"),
+                    prog.RECV_GRAD: ("actor_grad", "actor")}
+
+    def file_msg(carry, msg, code, slot, targets):
+      """Writes an arrived message into the inbox its code names (or nowhere: RECV_NONE)."""
+      inbox = dict(carry["inbox"])
+      for want, (name, model) in targets.items():
+        buf = inbox[name]
+        new = jnp.where(code == want, from_msg(msg, model), buf[slot])
+        inbox[name] = lax.dynamic_update_index_in_dim(buf, new, slot, 0)
+      return {**carry, "inbox": inbox}
+
+    my_table = table[device]  # [ticks, FIELDS]
+
+    def tick(t, carry):
+      row = my_table[t]
+      carry, up_msg, down_msg = lax.switch(row[prog.BRANCH], branches, carry, row)
+      up_in = lax.ppermute(up_msg, STAGE_AXIS, up_perm)
+      down_in = lax.ppermute(down_msg, STAGE_AXIS, down_perm)
+      carry = file_msg(carry, up_in, row[prog.UP_RECV], row[prog.UP_SLOT], up_targets)
+      return file_msg(carry, down_in, row[prog.DOWN_RECV], row[prog.DOWN_SLOT], down_targets)
+
+    inbox_model = {name: ("actor" if name.startswith("actor") else "critic")
+                   for name in prog.INBOXES}
+    carry = {
+        "stash": {m: jnp.zeros((size,) + act_shape[m], act_dtype[m])  # [ring, mb, L, H]
+                  for m, size in zip(MODELS, spec.stash_sizes)},
+        "inbox": {name: jnp.zeros((size,) + act_shape[inbox_model[name]],
+                                  act_dtype[inbox_model[name]])
+                  for name, size in zip(prog.INBOXES, spec.inbox_sizes)},
+        "grads": {m: jnp.zeros((layouts[m].device_size,), jnp.float32) for m in MODELS},
+        "metrics": {"actor": jnp.zeros((len(stages.ACTOR_METRICS),), jnp.float32),
+                    "critic": jnp.zeros((len(stages.CRITIC_METRICS),), jnp.float32)},
+    }
+    carry = lax.fori_loop(0, my_table.shape[0], tick, carry)
+    # Whole-model gradients: stage segments, critic replicas and data shards add up in one psum.
+    ga = lax.psum(layouts["actor"].device_to_whole(carry["grads"]["actor"], device), whole_axes)
+    gc = lax.psum(layouts["critic"].device_to_whole(carry["grads"]["critic"], critic_stage),
+                  whole_axes)
+    return (ga, gc, lax.psum(carry["metrics"]["actor"], whole_axes),
+            lax.psum(carry["metrics"]["critic"], whole_axes))
+
+  return body
+
+
+def make_executor(actor_cfg: ModelConfig, critic_cfg: ModelConfig, loss_cfg: LossConfig,
+                  problem: PipelineProblem, order: np.ndarray, mesh: Mesh, barrier: bool = False,
+                  min_shape: prog.ProgramShape | None = None) -> PipelineExecutor:
+  """Compiles `order` (graph.py kinds, [N, T]) for `problem` and builds its executor."""
+  check_placement(mesh, problem, actor_cfg, critic_cfg)
+  return PipelineExecutor(actor_cfg, critic_cfg, loss_cfg,
+                          prog.build_program(problem, order, barrier, min_shape), mesh)

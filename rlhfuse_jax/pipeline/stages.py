@@ -1,0 +1,302 @@
+"""Pipeline stages of the actor and the critic, and the PPO losses at their last stages.
+
+A model of L layers split into P stages gives stage s the layers s*L/P .. (s+1)*L/P - 1; stage 0
+also embeds the tokens, the last stage also runs the head and the loss. `StageLayout` lays the
+parameters out as one flat vector whose layer part reshapes to [P, stage_size], so a pipeline
+axis shards it by stage; the embedding and the head stay whole (only their stages use them; with
+tied embeddings both ends do).
+
+Losses are split over micro-batches exactly: each micro-batch's loss uses the normalisers of the
+whole mini-batch (`num_tokens`, `num_seqs`), so the sum of the micro-batch losses and of their
+gradients equals the loss and gradient of the mini-batch. `actor_loss` / `critic_loss` are the
+unpipelined reference (the trainer's formulation on the whole mini-batch, through
+models/sequences.py), against which the executor is tested.
+
+A batch is a dict of arrays with a leading batch dim (as in the trainer's mini-batch):
+  tokens [B, L] int32, prompt_lens [B], mask [B, T], old_logp [B, T], advantages [B, T],
+  returns [B, T], old_values [B, T], and ref_logp [B, T] when the KL loss term is on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from rlhfuse_jax.models import llama, sequences
+from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.rl import kl as kl_lib
+from rlhfuse_jax.rl import losses, masked
+
+ACTOR_METRICS = ("actor_loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss")
+CRITIC_METRICS = ("critic_loss", "vf_loss", "vf_clipfrac")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """The PPO actor and critic losses (same meaning as the trainer's AlgoConfig fields)."""
+  clip_eps: float = 0.2                   # PPO ratio clip
+  clip_eps_high: Optional[float] = None   # None: clip_eps (set higher for clip-higher)
+  loss_agg: str = "token-mean"            # actor loss aggregation (rl/losses.py)
+  entropy_coef: float = 0.0               # loss -= entropy_coef * mean entropy
+  kl_coef: float = 0.0                    # loss += kl_coef * KL-to-reference loss (0: off)
+  kl_estimator: str = "k1"
+  value_clip_eps: Optional[float] = 0.2   # None: unclipped value loss
+  vf_coef: float = 0.5                    # critic loss = vf_coef * value loss (token-mean)
+  temperature: float = 1.0                # sampling temperature of the behaviour log-probs
+
+  def __post_init__(self):
+    losses.check_loss_agg(self.loss_agg)
+    if not self.clip_eps > 0:
+      raise ValueError(f"loss.clip_eps={self.clip_eps} must be > 0")
+    if self.kl_coef < 0 or self.entropy_coef < 0 or self.vf_coef < 0:
+      raise ValueError("loss.kl_coef, loss.entropy_coef and loss.vf_coef must be >= 0")
+    if not self.temperature > 0:
+      raise ValueError(f"loss.temperature={self.temperature} must be > 0")
+    kl_lib.get_kl_estimator(self.kl_estimator)  # raises naming the known estimators
+
+
+def batch_keys(loss_cfg: LossConfig) -> Tuple[str, ...]:
+  keys = ("tokens", "prompt_lens", "mask", "old_logp", "advantages", "returns", "old_values")
+  return keys + (("ref_logp",) if loss_cfg.kl_coef > 0 else ())
+
+
+def normalisers(batch: Dict[str, jax.Array]) -> Tuple[jax.Array, jax.Array]:
+  """(num_tokens, num_seqs) of a whole mini-batch, float32 scalars."""
+  mask = batch["mask"].astype(jnp.float32)
+  return jnp.sum(mask), jnp.float32(mask.shape[0])
+
+
+# Splitting parameters into stages ---------------------------------------------------------------
+
+def check_split(cfg: ModelConfig, num_stages: int, name: str) -> int:
+  """Layers per stage; a clear error if the layers do not divide evenly."""
+  if num_stages < 1:
+    raise ValueError(f"{name} stages={num_stages} must be >= 1")
+  if cfg.num_layers % num_stages:
+    raise ValueError(f"{name}.num_layers={cfg.num_layers} must be divisible by its pipeline "
+                     f"stages={num_stages} (layers are split evenly over stages)")
+  return cfg.num_layers // num_stages
+
+
+class StageLayout:
+  """A model's parameters as one flat vector, laid out by pipeline stage.
+
+  whole vector: [stage 0 | stage 1 | ... | stage S-1 | embed | head], where a stage segment
+  holds its L/S layers leaf by leaf (each leaf as [L/S, *shape]). So `whole[:S*stage_size]`
+  reshaped to [S, stage_size] is the stage-stacked layers that a pipeline axis shards, and a
+  device's gradient accumulator is [its stage segment | embed | head]. Converting costs one
+  concatenation in and one slice per leaf out: few, cheap XLA ops, which keeps compiles fast.
+  """
+
+  def __init__(self, cfg: ModelConfig, params: Any, num_stages: int, name: str = "model"):
+    self.cfg, self.num_stages = cfg, num_stages
+    self.per_stage = check_split(cfg, num_stages, name)
+    self._layer_leaves, self._layer_def = _shapes(params["layers_0"])
+    self._embed_leaves, self._embed_def = _shapes(params["embed"])
+    self._head_leaves, self._head_def = _shapes(params["head"])
+    self.layer_size = sum(math.prod(s) for s in self._layer_leaves)
+    self.stage_size = self.per_stage * self.layer_size
+    self.embed_size = sum(math.prod(s) for s in self._embed_leaves)
+    self.head_size = sum(math.prod(s) for s in self._head_leaves)
+    self.layers_size = num_stages * self.stage_size
+    self.whole_size = self.layers_size + self.embed_size + self.head_size
+    self.device_size = self.stage_size + self.embed_size + self.head_size
+    dtypes = {x.dtype for x in jax.tree.leaves(params)}
+    if len(dtypes) != 1:
+      raise ValueError(f"{name} parameters mix dtypes {sorted(map(str, dtypes))}")
+    self.dtype = dtypes.pop()
+
+  def flatten(self, params: Any) -> jax.Array:
+    """Unpipelined params (embed, layers_i, head) -> whole vector [whole_size]."""
+    parts = []
+    for s in range(self.num_stages):
+      layers = [jax.tree.leaves(params[f"layers_{s * self.per_stage + k}"])
+                for k in range(self.per_stage)]
+      for leaf in range(len(self._layer_leaves)):
+        parts += [layers[k][leaf].reshape(-1) for k in range(self.per_stage)]
+    parts += [x.reshape(-1) for x in jax.tree.leaves(params["embed"])]
+    parts += [x.reshape(-1) for x in jax.tree.leaves(params["head"])]
+    return jnp.concatenate(parts)
+
+  def unflatten(self, whole: jax.Array) -> Dict[str, Any]:
+    """Whole vector -> unpipelined tree (embed, layers_i, head), one slice per leaf."""
+    out = {}
+    for s in range(self.num_stages):
+      for k in range(self.per_stage):
+        offset, leaves = s * self.stage_size, []
+        for shape in self._layer_leaves:
+          size = math.prod(shape)
+          start = offset + k * size
+          leaves.append(whole[start:start + size].reshape(shape))
+          offset += self.per_stage * size
+        out[f"layers_{s * self.per_stage + k}"] = jax.tree.unflatten(self._layer_def, leaves)
+    tail = whole[self.layers_size:]
+    out["embed"] = _unravel(tail[:self.embed_size], self._embed_leaves, self._embed_def)
+    out["head"] = _unravel(tail[self.embed_size:], self._head_leaves, self._head_def)
+    return out
+
+  def stage_tree(self, stage_vec: jax.Array, tail: jax.Array) -> Dict[str, Any]:
+    """One stage's {"layers" (leaves [L/S, ...]), "embed", "head"} from its segment
+    [stage_size] and the [embed | head] tail."""
+    layers = _unravel(stage_vec, [(self.per_stage,) + s for s in self._layer_leaves],
+                      self._layer_def)
+    return {"layers": layers,
+            "embed": _unravel(tail[:self.embed_size], self._embed_leaves, self._embed_def),
+            "head": _unravel(tail[self.embed_size:], self._head_leaves, self._head_def)}
+
+  def device_offset(self, key: str) -> int:
+    """Offset of "layers" / "embed" / "head" in a device accumulator [device_size]."""
+    return {"layers": 0, "embed": self.stage_size,
+            "head": self.stage_size + self.embed_size}[key]
+
+  def add(self, acc: jax.Array, key: str, grads: Any) -> jax.Array:
+    """acc[segment of key] += ravel(grads) (grads of that part of one stage's tree)."""
+    g = jnp.concatenate([x.reshape(-1).astype(acc.dtype) for x in jax.tree.leaves(grads)])
+    offset = self.device_offset(key)
+    seg = lax.dynamic_slice_in_dim(acc, offset, g.shape[0])
+    return lax.dynamic_update_slice_in_dim(acc, seg + g, offset, 0)
+
+  def device_to_whole(self, acc: jax.Array, stage: jax.Array) -> jax.Array:
+    """A device accumulator placed into a zero whole vector at its stage's segment."""
+    whole = jnp.zeros((self.whole_size,), acc.dtype)
+    whole = lax.dynamic_update_slice_in_dim(whole, acc[:self.stage_size],
+                                            stage * self.stage_size, 0)
+    return whole.at[self.layers_size:].set(acc[self.stage_size:])
+
+
+def _shapes(tree: Any) -> Tuple[list, Any]:
+  leaves, treedef = jax.tree.flatten(tree)
+  return [tuple(x.shape) for x in leaves], treedef
+
+
+def _unravel(vec: jax.Array, shapes: list, treedef: Any) -> Any:
+  leaves, offset = [], 0
+  for shape in shapes:
+    size = math.prod(shape)
+    leaves.append(vec[offset:offset + size].reshape(shape))
+    offset += size
+  return jax.tree.unflatten(treedef, leaves)
+
+
+# Stage computations -----------------------------------------------------------------------------
+
+def embed(cfg: ModelConfig, embed_params: Any, tokens: jax.Array) -> jax.Array:
+  """tokens [mb, L] -> hidden [mb, L, H]."""
+  return llama.Transformer(cfg).apply({"params": {"embed": embed_params}}, tokens,
+                                      method=lambda m, t: m.embed(t))
+
+
+def blocks(cfg: ModelConfig, layers: Any, x: jax.Array) -> jax.Array:
+  """Runs the stacked layers [layers_per_stage, ...] of one stage: [mb, L, H] -> [mb, L, H]."""
+  positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+
+  def body(h, p):
+    return llama.Block(cfg).apply({"params": p}, h, positions)[0], None
+
+  return lax.scan(body, x, layers)[0]
+
+
+def head(cfg: ModelConfig, embed_params: Any, head_params: Any, x: jax.Array) -> jax.Array:
+  """Final norm + head on hidden [mb, n, H]: logits [mb, n, V] or values [mb, n] (float32)."""
+  return llama.Transformer(cfg).apply(
+      {"params": {"embed": embed_params, "head": head_params}}, x,
+      method=lambda m, h: m.head(h, m.embed))
+
+
+def _at_response(x: jax.Array, prompt_lens: jax.Array, num_response: int) -> jax.Array:
+  """Hidden states at the positions that predict (or value) the response tokens: [mb, T, H]."""
+  pos = sequences.response_positions(prompt_lens, num_response)  # [mb, T]
+  return jnp.take_along_axis(x, pos[:, :, None], axis=1)
+
+
+def actor_head_loss(cfg: ModelConfig, loss_cfg: LossConfig, embed_params: Any, head_params: Any,
+                    x: jax.Array, mb: Dict[str, jax.Array], num_tokens: jax.Array,
+                    num_seqs: jax.Array) -> Tuple[jax.Array, jax.Array]:
+  """One micro-batch's share of the actor loss from the last stage's hidden [mb, L, H].
+
+  Returns (loss, metrics [len(ACTOR_METRICS)]): summing both over the micro-batches of a
+  mini-batch gives the mini-batch's loss and metrics.
+  """
+  mask = mb["mask"].astype(jnp.float32)  # [mb, T]
+  t = mask.shape[1]
+  logits = head(cfg, embed_params, head_params, _at_response(x, mb["prompt_lens"], t))
+  pos = sequences.response_positions(mb["prompt_lens"], t)
+  targets = jnp.take_along_axis(mb["tokens"], pos + 1, axis=1)  # [mb, T]
+  logp, entropy = sequences.token_logprobs_and_entropy(logits, targets, loss_cfg.temperature)
+  pg, m = losses.policy_loss(logp, mb["old_logp"], mb["advantages"], mask, loss_cfg.clip_eps,
+                             loss_cfg.clip_eps_high, loss_agg=loss_cfg.loss_agg,
+                             num_tokens=num_tokens, num_seqs=num_seqs)
+  denom = jnp.where(num_tokens > 0, num_tokens, 1.0)
+  # policy_loss's metrics are means over this micro-batch's tokens; reweight them to the
+  # mini-batch's token count so that they add up over micro-batches.
+  share = jnp.sum(mask) / denom
+  ent = masked.masked_sum(entropy, mask) / denom
+  loss = pg - loss_cfg.entropy_coef * ent
+  kl = jnp.zeros((), jnp.float32)
+  if loss_cfg.kl_coef > 0:
+    kl = losses.kl_loss(logp, mb["ref_logp"], mask, loss_cfg.kl_estimator, loss_cfg.loss_agg,
+                        num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = loss + loss_cfg.kl_coef * kl
+  metrics = jnp.stack([loss, pg, m["pg_clipfrac"] * share, m["ppo_kl"] * share, ent, kl])
+  return loss, metrics
+
+
+def critic_head_loss(cfg: ModelConfig, loss_cfg: LossConfig, embed_params: Any, head_params: Any,
+                     x: jax.Array, mb: Dict[str, jax.Array], num_tokens: jax.Array,
+                     num_seqs: jax.Array) -> Tuple[jax.Array, jax.Array]:
+  """One micro-batch's share of the critic loss; metrics [len(CRITIC_METRICS)]."""
+  del num_seqs  # the value loss is a token mean
+  mask = mb["mask"].astype(jnp.float32)
+  t = mask.shape[1]
+  values = head(cfg, embed_params, head_params, _at_response(x, mb["prompt_lens"], t))  # [mb, T]
+  vf, m = losses.value_loss(values, mb["old_values"], mb["returns"], mask,
+                            loss_cfg.value_clip_eps, loss_agg="token-mean", num_tokens=num_tokens)
+  share = jnp.sum(mask) / jnp.where(num_tokens > 0, num_tokens, 1.0)
+  loss = loss_cfg.vf_coef * vf
+  return loss, jnp.stack([loss, vf, m["vf_clipfrac"] * share])
+
+
+# Unpipelined reference losses -------------------------------------------------------------------
+
+def actor_loss(cfg: ModelConfig, loss_cfg: LossConfig, params: Any,
+               batch: Dict[str, jax.Array]) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+  """The actor loss of a whole mini-batch without a pipeline (the trainer's formulation)."""
+  mask = batch["mask"].astype(jnp.float32)
+  logp, entropy = sequences.response_logprobs_and_entropy(
+      cfg, params, batch["tokens"], batch["prompt_lens"], mask.shape[1], loss_cfg.temperature)
+  pg, m = losses.policy_loss(logp, batch["old_logp"], batch["advantages"], mask,
+                             loss_cfg.clip_eps, loss_cfg.clip_eps_high, loss_agg=loss_cfg.loss_agg)
+  ent = masked.masked_mean(entropy, mask)
+  loss = pg - loss_cfg.entropy_coef * ent
+  kl = jnp.zeros((), jnp.float32)
+  if loss_cfg.kl_coef > 0:
+    kl = losses.kl_loss(logp, batch["ref_logp"], mask, loss_cfg.kl_estimator, loss_cfg.loss_agg)
+    loss = loss + loss_cfg.kl_coef * kl
+  return loss, {"actor_loss": loss, "pg_loss": pg, "pg_clipfrac": m["pg_clipfrac"],
+                "ppo_kl": m["ppo_kl"], "entropy": ent, "kl_loss": kl}
+
+
+def critic_loss(cfg: ModelConfig, loss_cfg: LossConfig, params: Any,
+                batch: Dict[str, jax.Array]) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+  """The critic loss of a whole mini-batch without a pipeline."""
+  mask = batch["mask"].astype(jnp.float32)
+  values = sequences.response_values(cfg, params, batch["tokens"], batch["prompt_lens"],
+                                     mask.shape[1])
+  vf, m = losses.value_loss(values, batch["old_values"], batch["returns"], mask,
+                            loss_cfg.value_clip_eps, loss_agg="token-mean")
+  loss = loss_cfg.vf_coef * vf
+  return loss, {"critic_loss": loss, "vf_loss": vf, "vf_clipfrac": m["vf_clipfrac"]}
+
+
+def reference_grads(actor_cfg: ModelConfig, critic_cfg: ModelConfig, loss_cfg: LossConfig,
+                    actor_params: Any, critic_params: Any, batch: Dict[str, jax.Array]):
+  """jax.grad of the unpipelined losses: (actor grads, critic grads, metrics)."""
+  (_, am), ag = jax.value_and_grad(actor_loss, argnums=2, has_aux=True)(
+      actor_cfg, loss_cfg, actor_params, batch)
+  (_, cm), cg = jax.value_and_grad(critic_loss, argnums=2, has_aux=True)(
+      critic_cfg, loss_cfg, critic_params, batch)
+  return ag, cg, {**am, **cm}
