@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from rlhfuse_jax.sim import calibration as cal_lib
 from rlhfuse_jax.sim import iteration_sim as it
@@ -65,8 +65,9 @@ class AblationConfig:
       raise ValueError(f"global_batch={self.global_batch} must be divisible by minibatch="
                        f"{self.minibatch}")
     n = len(self.pairs) * len(self.max_new_tokens)
-    if not 0 <= self.figure_setting < n:
+    if not -n <= self.figure_setting < n:
       raise ValueError(f"figure_setting={self.figure_setting} must index one of the {n} settings")
+    object.__setattr__(self, "figure_setting", self.figure_setting % n)
 
   @classmethod
   def from_config_dict(cls, c) -> "AblationConfig":

@@ -136,7 +136,7 @@ def check_inference_memory(cost: CostModel, wl: Workload, tp: int, microbatch: i
   cost.check_fits("inference (reference + reward + critic)", need, f"tp={tp}")
 
 
-def _gen_setup(plan: GenPlan, wl: Workload, opt: SimOptions, cost: CostModel, fused: bool,
+def gen_setup(plan: GenPlan, wl: Workload, opt: SimOptions, cost: CostModel, fused: bool,
                threshold: Optional[float]) -> gen_lib.GenSetup:
   return gen_lib.GenSetup(
       num_instances=plan.num_instances, slots=plan.slots, tp=plan.tp,
@@ -169,10 +169,10 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
         # The histogram "kept across iterations": lengths of another draw of the workload.
         hist = dataclasses.replace(wl, seed=wl.seed + 1000).sample_lengths()
         rt, rt_times = gen_lib.choose_threshold(
-            cost, wl.actor, frozen, _gen_setup(plan, wl, opt, cost, True, 0.0), hist[0],
+            cost, wl.actor, frozen, gen_setup(plan, wl, opt, cost, True, 0.0), hist[0],
             hist[1], opt.threshold_candidates)
     res = gen_lib.simulate_generation(cost, wl.actor, frozen,
-                                      _gen_setup(plan, wl, opt, cost, fused, rt), prompts, resp)
+                                      gen_setup(plan, wl, opt, cost, fused, rt), prompts, resp)
     cand = {"plan": plan, "result": res, "threshold": rt, "threshold_sweep": rt_times}
     if best is None or res.gen_plus_inf_s < best["result"].gen_plus_inf_s:
       best = cand

@@ -13,41 +13,45 @@ _KIND_COLORS = {"prefill": "#9e9e9e", "decode": "#2a5fa8", "migrate": "#d62728",
                 "load": "#ffbf00", "inference": "#2ca02c"}
 
 
-def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str) -> None:
-  """Grouped bars: per setting, each system's iteration time split into its stages."""
+def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str,
+                         cols: int = 3) -> None:
+  """One panel per setting: each system's iteration time stacked by stage (linear scale; a bar
+  far above the others is clipped and labelled with its value)."""
   labels = []
   for r in rows:
     if r["setting"]["label"] not in labels:
       labels.append(r["setting"]["label"])
   by = {(r["setting"]["label"], r["system"]): r for r in rows}
-  n_s, n_sys = len(labels), len(systems)
-  width = 0.8 / n_sys
-  fig, ax = plt.subplots(figsize=(max(8.0, 1.4 * n_s * n_sys / 3), 5.0))
-  parts = (("reshard_s", "#bbbbbb"), ("gen_s", "#2a5fa8"), ("inf_s", "#2ca02c"),
-           ("train_s", "#c55a11"))
-  cmap = plt.get_cmap("tab10")
-  for j, sys_name in enumerate(systems):
-    x = np.arange(n_s) + (j - (n_sys - 1) / 2) * width
-    bottom = np.zeros(n_s)
-    for key, color in parts:
-      vals = np.array([by[(lab, sys_name)][key] if (lab, sys_name) in by else 0.0
-                       for lab in labels])
-      ax.bar(x, vals, width * 0.95, bottom=bottom, color=color, edgecolor=cmap(j), linewidth=1.2)
-      bottom += vals
-    for xi, top in zip(x, bottom):
-      ax.text(xi, top, sys_name.replace("_like", "").replace("_", "\n"), ha="center",
-              va="bottom", fontsize=5, rotation=90)
-  ax.set_xticks(np.arange(n_s))
-  ax.set_xticklabels(labels, fontsize=7, rotation=20)
-  ax.set_ylabel("simulated iteration time (s)")
-  ax.set_yscale("log")
-  handles = [plt.Rectangle((0, 0), 1, 1, color=c) for _, c in parts]
-  ax.legend(handles, ["reshard", "generation", "inference (exposed)", "training"], fontsize=7,
-            loc="upper left")
-  ax.set_title("Iteration time per system (bars left to right: " + ", ".join(systems) + ")",
-               fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  n_rows = -(-len(labels) // cols)
+  fig, axes = plt.subplots(n_rows, cols, figsize=(4.2 * cols, 3.0 * n_rows), squeeze=False)
+  parts = (("reshard_s", "#bbbbbb", "reshard"), ("gen_s", "#2a5fa8", "generation"),
+           ("inf_s", "#2ca02c", "inference (exposed)"), ("train_s", "#c55a11", "training"))
+  short = [s.replace("_like", "").replace("deepspeed_chat", "ds_chat") for s in systems]
+  for ax, lab in zip(axes.flat, labels):
+    totals = [by[(lab, s)]["iteration_s"] for s in systems if (lab, s) in by]
+    typical = sorted(totals)[len(totals) // 2]
+    top = min(max(totals), 2.0 * typical) * 1.15
+    for j, s in enumerate(systems):
+      if (lab, s) not in by:
+        continue
+      r, bottom = by[(lab, s)], 0.0
+      for key, color, _ in parts:
+        ax.bar(j, r[key], bottom=bottom, color=color, width=0.75)
+        bottom += r[key]
+      ax.text(j, min(bottom, top * 0.97), f"{bottom:.1f}", ha="center", va="bottom" if
+              bottom < top else "top", fontsize=6, fontweight="bold" if bottom > top else None)
+    ax.set_ylim(0, top)
+    ax.set_xticks(range(len(systems)))
+    ax.set_xticklabels(short, fontsize=6, rotation=35, ha="right")
+    ax.set_title(lab, fontsize=9)
+    ax.set_ylabel("iteration (s)", fontsize=7)
+    ax.tick_params(axis="y", labelsize=7)
+  for ax in list(axes.flat)[len(labels):]:
+    ax.axis("off")
+  handles = [plt.Rectangle((0, 0), 1, 1, color=c) for _, c, _ in parts]
+  fig.legend(handles, [n for _, _, n in parts], loc="upper center", ncol=4, fontsize=8)
+  fig.tight_layout(rect=(0, 0, 1, 0.97))
+  fig.savefig(path, dpi=110)
   plt.close(fig)
 
 
