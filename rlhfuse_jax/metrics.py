@@ -69,3 +69,21 @@ class ProgressReporter:
 def _fmt(seconds: float) -> str:
   seconds = int(seconds)
   return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class _DropLibraryInfo:
+  """logging.Filter: drops INFO/DEBUG records emitted from the named packages' source files."""
+
+  def __init__(self, packages):
+    self._markers = tuple(f"/{p}/" for p in packages)
+
+  def filter(self, record) -> bool:
+    import logging as py_logging  # absl logs through the standard library's logging
+    return record.levelno >= py_logging.WARNING or not any(
+        m in record.pathname for m in self._markers)
+
+
+def quiet_library_logs(packages=("orbax", "tensorstore", "etils")) -> None:
+  """Keeps our INFO progress lines readable: orbax logs ~30 INFO lines per checkpoint save."""
+  from absl import logging as absl_logging
+  absl_logging.get_absl_handler().addFilter(_DropLibraryInfo(packages))

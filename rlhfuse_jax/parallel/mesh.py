@@ -125,3 +125,20 @@ def param_shardings(params: Any, logical_specs: Any, mesh: Mesh) -> Any:
 def shard_params(params: Any, logical_specs: Any, mesh: Mesh) -> Any:
   """Places parameters onto the mesh according to the logical rules."""
   return jax.device_put(params, param_shardings(params, logical_specs, mesh))
+
+
+def commit_to_mesh(tree: Any, mesh: Mesh) -> Any:
+  """Replicates onto `mesh` every leaf not already placed on all of its devices.
+
+  Optimizer states built by `tx.init(params)` hold scalars (step counts) committed to one device;
+  a jitted update mixing them with mesh-sharded params would be rejected.
+  """
+  devices = set(mesh.devices.flat)
+  rep = replicated(mesh)
+
+  def place(x):
+    if isinstance(x, jax.Array) and set(x.sharding.device_set) == devices:
+      return x
+    return jax.device_put(x, rep)
+
+  return jax.tree_util.tree_map(place, tree)

@@ -1,0 +1,57 @@
+r"""PPO / GRPO training binary.
+
+  python -m experiments.train_ppo --config=configs/ppo_tiny.py --workdir=/tmp/ppo_tiny
+
+Writes into the workdir: config.json (resolved), metrics.jsonl (one object per iteration),
+tb/ (TensorBoard events), checkpoints/ (orbax; the latest is resumed automatically, so re-running
+with a larger --config.num_iterations continues the run) and result.json (final summary).
+SIGTERM finishes the current iteration, saves a checkpoint and exits cleanly.
+"""
+from __future__ import annotations
+
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from rlhfuse_jax import metrics as metrics_lib
+from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.trainer.config import TrainConfig
+from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and results.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def summarize(history: list[dict]) -> dict:
+  """Reward of the first and last 10% of iterations, and the final metrics."""
+  if not history:
+    return {}
+  k = max(1, len(history) // 10)
+  first = sum(h["reward/mean"] for h in history[:k]) / k
+  last = sum(h["reward/mean"] for h in history[-k:]) / k
+  return {"iterations": history[-1]["step"], "reward_first_10pct": first,
+          "reward_last_10pct": last, "reward_gain": last - first,
+          "final": {k: v for k, v in history[-1].items() if not k.startswith(TIMING_PREFIXES)}}
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  metrics_lib.quiet_library_logs()
+  cfg = TrainConfig.from_config_dict(_CONFIG.value)
+  workdir = _WORKDIR.value
+  os.makedirs(workdir, exist_ok=True)
+  wd.write_config(workdir, _CONFIG.value)
+  trainer = PPOTrainer(cfg, workdir)
+  trainer.run()
+  # The summary covers the whole run (also iterations done before a resume).
+  history = wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  wd.write_json(os.path.join(workdir, "result.json"), summarize(history))
+  logging.info("done: %s", os.path.join(workdir, "result.json"))
+
+
+if __name__ == "__main__":
+  app.run(main)

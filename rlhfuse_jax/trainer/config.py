@@ -1,0 +1,244 @@
+"""Typed, validated configuration of a PPO/GRPO run.
+
+The ml_collections ConfigDict lives only at the binary boundary: `TrainConfig.from_config_dict`
+converts it once, rejecting unknown fields and checking every value with an error that names the
+dotted field and what was expected. Deeper code takes these frozen dataclasses.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Union
+
+from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.parallel.mesh import MeshConfig
+
+
+def _check(cond: bool, field: str, value: Any, expected: str) -> None:
+  if not cond:
+    raise ValueError(f"config.{field}={value!r}: expected {expected}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  task: str = "repeat"  # synthetic verifiable task (rlhfuse_jax.data.tasks.TASKS)
+  prompts_file: str = ""  # optional JSONL of {"prompt": ...}; empty: the task makes prompts
+  num_prompts: int = 4096  # prompts the task generates (ignored with prompts_file)
+  length_dist: str = "uniform"  # task target lengths: "uniform" or "lognormal" (long tail)
+  length_min: int = 1
+  length_max: int = 8
+  length_mu: float = 1.0  # lognormal parameters of the target length
+  length_sigma: float = 0.8
+  max_prompt_len: int = 8  # prompts are right-padded to this bucket; longer ones are an error
+
+  def __post_init__(self):
+    _check(self.num_prompts > 0, "data.num_prompts", self.num_prompts, "> 0")
+    _check(self.length_dist in ("uniform", "lognormal"), "data.length_dist", self.length_dist,
+           "'uniform' or 'lognormal'")
+    _check(1 <= self.length_min <= self.length_max, "data.length_min/length_max",
+           (self.length_min, self.length_max), "1 <= length_min <= length_max")
+    _check(self.max_prompt_len > 0, "data.max_prompt_len", self.max_prompt_len, "> 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  prompts_per_iteration: int = 32  # B prompts per PPO iteration
+  samples_per_prompt: int = 1  # n responses per prompt (GRPO groups need n > 1)
+  max_new_tokens: int = 16
+  temperature: float = 1.0
+  top_k: int = 0  # 0: off
+  top_p: float = 1.0  # 1.0: off
+  chunk_size: int = 8  # decode steps per jitted call (host checks `done` between chunks)
+
+  def __post_init__(self):
+    _check(self.prompts_per_iteration > 0, "rollout.prompts_per_iteration",
+           self.prompts_per_iteration, "> 0")
+    _check(self.samples_per_prompt > 0, "rollout.samples_per_prompt", self.samples_per_prompt,
+           "> 0")
+    _check(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "> 0")
+    _check(self.temperature > 0, "rollout.temperature", self.temperature, "> 0")
+    _check(self.top_k >= 0, "rollout.top_k", self.top_k, ">= 0 (0 disables)")
+    _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
+    _check(self.chunk_size > 0, "rollout.chunk_size", self.chunk_size, "> 0")
+
+  @property
+  def batch_size(self) -> int:
+    return self.prompts_per_iteration * self.samples_per_prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoConfig:
+  estimator: str = "gae"  # gae | grpo | rloo | reinforce_pp
+  gamma: float = 1.0
+  lam: float = 0.95
+  kl_coef: float = 0.02  # weight of the KL to the reference
+  kl_estimator: str = "k1"  # k1 | k2 | k3 | abs
+  kl_in_reward: bool = True  # True: token-level penalty folded into the reward; False: a loss term
+  clip_eps: float = 0.2  # PPO ratio clip
+  value_clip_eps: float = 0.2
+  vf_coef: float = 0.5
+  entropy_coef: float = 0.0
+  loss_agg: str = "token-mean"
+  epochs: int = 2  # passes over the rollout per iteration
+  minibatch_size: int = 32  # samples per optimizer step
+  balance_tokens: bool = True  # balance mini-batch shards across data-parallel devices by tokens
+  whiten_advantages: bool = True
+
+  def __post_init__(self):
+    _check(0 <= self.gamma <= 1, "algo.gamma", self.gamma, "in [0, 1]")
+    _check(0 <= self.lam <= 1, "algo.lam", self.lam, "in [0, 1]")
+    _check(self.kl_coef >= 0, "algo.kl_coef", self.kl_coef, ">= 0")
+    _check(self.clip_eps > 0, "algo.clip_eps", self.clip_eps, "> 0")
+    _check(self.epochs > 0, "algo.epochs", self.epochs, "> 0")
+    _check(self.minibatch_size > 0, "algo.minibatch_size", self.minibatch_size, "> 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  actor_lr: float = 1e-3
+  critic_lr: float = 2e-3
+  warmup_steps: int = 10
+  min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0
+
+  def __post_init__(self):
+    _check(self.actor_lr > 0, "optim.actor_lr", self.actor_lr, "> 0")
+    _check(self.critic_lr > 0, "optim.critic_lr", self.critic_lr, "> 0")
+    _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, ">= 0")
+    _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+    _check(self.grad_clip > 0, "optim.grad_clip", self.grad_clip, "> 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+  kind: str = "function"  # "function" (a Python verifier) or "model" (a scalar-head reward model)
+  function: str = "task"  # name in data.tasks.REWARD_FUNCTIONS; "task": the data task's verifier
+  model_checkpoint: str = ""  # HF-style checkpoint dir of the reward model (kind="model")
+
+  def __post_init__(self):
+    _check(self.kind in ("function", "model"), "reward.kind", self.kind, "'function' or 'model'")
+    _check(self.kind != "model" or bool(self.model_checkpoint), "reward.model_checkpoint",
+           self.model_checkpoint, "a checkpoint directory when reward.kind='model'")
+
+
+@dataclasses.dataclass(frozen=True)
+class InitConfig:
+  actor_checkpoint: str = ""  # HF-style dir (config.json + safetensors); empty: random init
+  critic_checkpoint: str = ""  # empty: critic backbone from the actor's init, fresh value head
+  tokenizer: str = ""  # tokenizer.json; empty: the task's own tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionConfig:
+  inter_stage: bool = False  # sample-level generation with long-tail consolidation (DESIGN §2)
+  intra_stage: bool = False  # fused actor/critic pipeline schedule (DESIGN §3)
+  migration_threshold: Union[float, str] = "auto"  # Rt in [0, 1], or "auto" (simulated)
+
+  def __post_init__(self):
+    rt = self.migration_threshold
+    if isinstance(rt, str) and rt != "auto":
+      # The ConfigDict field is a string ("auto"), so --config.fusion.migration_threshold=0.2
+      # arrives as "0.2".
+      try:
+        rt = float(rt)
+      except ValueError:
+        pass
+      object.__setattr__(self, "migration_threshold", rt)
+    _check(rt == "auto" or (isinstance(rt, (int, float)) and 0 <= rt <= 1),
+           "fusion.migration_threshold", rt, "a number in [0, 1] or 'auto'")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = 25  # save every k iterations (and at the end, and on SIGTERM)
+  keep: int = 2  # checkpoints kept on disk
+
+  def __post_init__(self):
+    _check(self.every > 0, "checkpoint.every", self.every, "> 0")
+    _check(self.keep > 0, "checkpoint.keep", self.keep, "> 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  seed: int
+  num_iterations: int
+  model: ModelConfig  # actor/reference shape (vocab_size 0: take it from the tokenizer)
+  critic_model: ModelConfig  # critic/reward backbone shape (head is forced to "scalar")
+  mesh: MeshConfig
+  data: DataConfig
+  rollout: RolloutConfig
+  algo: AlgoConfig
+  optim: OptimConfig
+  reward: RewardConfig
+  init: InitConfig
+  fusion: FusionConfig
+  checkpoint: CheckpointConfig
+  log_every: int = 1
+  vocab_from_tokenizer: bool = False  # set when model.vocab_size was 0 in the ConfigDict
+
+  def with_vocab(self, vocab_size: int) -> "TrainConfig":
+    """Resolves the vocabulary against the tokenizer's (0 in the config: take the tokenizer's)."""
+    if self.vocab_from_tokenizer:
+      return dataclasses.replace(
+          self, model=self.model.replace(vocab_size=vocab_size),
+          critic_model=self.critic_model.replace(vocab_size=vocab_size),
+          vocab_from_tokenizer=False)
+    _check(self.model.vocab_size >= vocab_size, "model.vocab_size", self.model.vocab_size,
+           f">= the tokenizer's vocabulary ({vocab_size}), or 0 to take it from the tokenizer")
+    _check(self.critic_model.vocab_size == self.model.vocab_size, "critic_model.vocab_size",
+           self.critic_model.vocab_size, f"equal to model.vocab_size={self.model.vocab_size}")
+    return self
+
+  def __post_init__(self):
+    _check(self.num_iterations > 0, "num_iterations", self.num_iterations, "> 0")
+    b = self.rollout.batch_size
+    _check(b % self.algo.minibatch_size == 0, "algo.minibatch_size", self.algo.minibatch_size,
+           f"a divisor of the rollout batch prompts_per_iteration*samples_per_prompt={b}")
+    if self.algo.estimator in ("grpo", "rloo"):
+      _check(self.rollout.samples_per_prompt > 1, "rollout.samples_per_prompt",
+             self.rollout.samples_per_prompt,
+             f"> 1 for the group estimator algo.estimator={self.algo.estimator!r}")
+
+  @classmethod
+  def from_config_dict(cls, cd: Any) -> "TrainConfig":
+    d = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
+    d = dict(d)
+    sections = {
+        "mesh": MeshConfig, "data": DataConfig, "rollout": RolloutConfig, "algo": AlgoConfig,
+        "optim": OptimConfig, "reward": RewardConfig, "init": InitConfig,
+        "fusion": FusionConfig, "checkpoint": CheckpointConfig,
+    }
+    kwargs = {}
+    for name, klass in sections.items():
+      kwargs[name] = _build(klass, d.pop(name, {}), name)
+    model, critic = d.pop("model", {}), d.pop("critic_model", {})
+    kwargs["vocab_from_tokenizer"] = model.get("vocab_size", 0) == 0
+    kwargs["model"] = _build_model(model, "model")
+    kwargs["critic_model"] = _build_model({"vocab_size": model.get("vocab_size", 0), **critic},
+                                          "critic_model", head="scalar")
+    top = {f.name for f in dataclasses.fields(cls)} - set(kwargs)
+    unknown = set(d) - top
+    if unknown:
+      raise ValueError(f"config: unknown top-level fields {sorted(unknown)}; known: {sorted(top)}")
+    return cls(**kwargs, **d)
+
+
+def _build(klass, section: Optional[Mapping[str, Any]], prefix: str):
+  section = dict(section or {})
+  known = {f.name for f in dataclasses.fields(klass)}
+  unknown = set(section) - known
+  if unknown:
+    raise ValueError(f"config.{prefix}: unknown fields {sorted(unknown)}; known: {sorted(known)}")
+  return klass(**section)
+
+
+def _build_model(section: Mapping[str, Any], prefix: str, head: str = "lm") -> ModelConfig:
+  section = dict(section or {})
+  section["head"] = head
+  # vocab_size 0 means "from the tokenizer": a placeholder until TrainConfig.with_vocab.
+  if section.get("vocab_size", 0) == 0:
+    section["vocab_size"] = 1
+  try:
+    return _build(ModelConfig, section, prefix)
+  except ValueError as e:
+    raise ValueError(str(e).replace("model.", f"{prefix}.", 1)) from None

@@ -1,0 +1,321 @@
+"""The PPO/GRPO training loop (serial stages: generation, inference, training; DESIGN §1).
+
+Plain Python around jitted steps. Every source of randomness is derived from (seed, iteration):
+generation keys, mini-batch shuffles; the prompt stream's position is checkpointed. A run stopped
+and resumed therefore produces the same parameters and metrics as one that never stopped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from rlhfuse_jax import checkpointing
+from rlhfuse_jax import metrics as metrics_lib
+from rlhfuse_jax.data import prompts as prompts_lib
+from rlhfuse_jax.data import tasks as tasks_lib
+from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
+from rlhfuse_jax.generation import engine
+from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.inference import scoring
+from rlhfuse_jax.models import hf_loader, llama, sequences
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.rl import advantages as adv_lib
+from rlhfuse_jax.rl import minibatch as mb_lib
+from rlhfuse_jax.rl import optim
+from rlhfuse_jax.trainer import ppo
+from rlhfuse_jax.trainer.config import TrainConfig
+
+# Metrics that measure time; everything else is a deterministic function of (config, seed).
+TIMING_PREFIXES = ("timing_s/", "perf/")
+
+
+class _StopFlag:
+  """Set by SIGTERM/SIGINT; the loop checks it after each iteration, saves and exits cleanly."""
+
+  def __init__(self):
+    self.set = False
+    self._old = {}
+
+  def install(self):
+    for sig in (signal.SIGTERM,):
+      self._old[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    logging.warning("signal %d: finishing this iteration, saving a checkpoint, then exiting",
+                    signum)
+    self.set = True
+
+  def uninstall(self):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
+def build_task_and_tokenizer(cfg: TrainConfig):
+  d = cfg.data
+  task = tasks_lib.make_task(d.task, length_dist=d.length_dist, length_min=d.length_min,
+                             length_max=d.length_max, length_mu=d.length_mu,
+                             length_sigma=d.length_sigma)
+  tokenizer: Tokenizer = task.tokenizer
+  if cfg.init.tokenizer:
+    tokenizer = HFTokenizer.from_file(cfg.init.tokenizer)
+  return task, tokenizer
+
+
+def load_prompt_records(cfg: TrainConfig, task) -> list[dict]:
+  if cfg.data.prompts_file:
+    return prompts_lib.load_jsonl_prompts(cfg.data.prompts_file)
+  return task.make_prompts(cfg.data.num_prompts, np.random.default_rng([cfg.seed, 17]))
+
+
+class PPOTrainer:
+  """Owns the models, optimizers, data stream and checkpoints of one run in `workdir`."""
+
+  def __init__(self, cfg: TrainConfig, workdir: str, mesh: Optional[jax.sharding.Mesh] = None):
+    self.workdir = workdir
+    os.makedirs(workdir, exist_ok=True)
+    self.task, self.tokenizer = build_task_and_tokenizer(cfg)
+    cfg = cfg.with_vocab(self.tokenizer.vocab_size)
+    self.cfg = cfg
+    self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(cfg.mesh)
+    self._check_batch_fits_mesh()
+    self.use_critic = adv_lib.needs_critic(cfg.algo.estimator)
+    self.dataset = prompts_lib.PromptDataset(
+        load_prompt_records(cfg, self.task), self.tokenizer,
+        batch_size=cfg.rollout.prompts_per_iteration, max_prompt_len=cfg.data.max_prompt_len,
+        seed=cfg.seed, padding="right")
+    self.reward_fn = None if cfg.reward.kind == "model" else (
+        (lambda recs, ids, lens, tok: self.task.batch_rewards(recs, ids, lens))
+        if cfg.reward.function == "task" else tasks_lib.get_reward_function(cfg.reward.function))
+    self._init_models()
+    self.sampling = SamplingConfig(
+        temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens, eos_id=self.tokenizer.eos_id,
+        pad_id=self.tokenizer.pad_id, chunk_size=cfg.rollout.chunk_size)
+    self.generator = engine.Generator(
+        cfg.model, self.sampling, batch_size=cfg.rollout.batch_size,
+        prompt_len=cfg.data.max_prompt_len, mesh=self.mesh, params=self.actor.params)
+    self.scorer = scoring.Scorer(self.mesh)
+    self.checkpointer = checkpointing.Checkpointer(workdir, keep=cfg.checkpoint.keep)
+    self.writer = metrics_lib.MetricWriter(workdir)
+
+  # ---------------------------------------------------------------- setup
+  def _check_batch_fits_mesh(self):
+    cfg, mult = self.cfg, mesh_lib.batch_size_multiple(self.mesh)
+    for name, value in (("rollout.prompts_per_iteration*samples_per_prompt",
+                         cfg.rollout.batch_size), ("algo.minibatch_size", cfg.algo.minibatch_size)):
+      if value % mult:
+        raise ValueError(f"config.{name}={value} must be a multiple of the data-parallel size "
+                         f"{mult} (mesh data*fsdp = {dict(self.mesh.shape)})")
+
+  def _init_models(self):
+    cfg = self.cfg
+    key = jax.random.key(cfg.seed)
+    if cfg.init.actor_checkpoint:
+      actor_cfg = hf_loader.load_hf_config(cfg.init.actor_checkpoint)
+      actor_params = hf_loader.load_hf_params(cfg.init.actor_checkpoint, actor_cfg)
+      self.cfg = cfg = dataclasses.replace(cfg, model=actor_cfg)
+    else:
+      actor_params, _ = llama.init_params(cfg.model, jax.random.fold_in(key, 1))
+    actor_specs = llama.logical_specs(cfg.model)
+    actor_params = mesh_lib.shard_params(actor_params, actor_specs, self.mesh)
+    # The reference is the frozen initial actor: a copy, since the actor's buffers are donated.
+    self.ref_params = jax.tree_util.tree_map(jnp.copy, actor_params)
+    updates_per_iter = cfg.algo.epochs * (cfg.rollout.batch_size // cfg.algo.minibatch_size)
+    total = cfg.num_iterations * updates_per_iter
+    warmup = min(cfg.optim.warmup_steps, total - 1)
+    self.actor_tx, self.actor_lr = optim.make_optimizer(
+        cfg.optim.actor_lr, warmup, total, cfg.optim.min_lr_ratio, cfg.optim.weight_decay,
+        cfg.optim.grad_clip, return_schedule=True)
+    self.actor = ppo.ModelState(actor_params, mesh_lib.commit_to_mesh(
+        self.actor_tx.init(actor_params), self.mesh))
+    self.critic, self.critic_tx = None, None
+    if self.use_critic:
+      if cfg.init.critic_checkpoint:
+        critic_cfg = hf_loader.load_hf_config(cfg.init.critic_checkpoint).replace(head="scalar")
+        critic_params = hf_loader.load_hf_params(cfg.init.critic_checkpoint, critic_cfg,
+                                                 head="scalar", rng=jax.random.fold_in(key, 2))
+        self.cfg = cfg = dataclasses.replace(cfg, critic_model=critic_cfg)
+      else:
+        critic_params, _ = llama.init_params(cfg.critic_model, jax.random.fold_in(key, 2))
+      critic_params = mesh_lib.shard_params(critic_params, llama.logical_specs(cfg.critic_model),
+                                            self.mesh)
+      self.critic_tx = optim.make_optimizer(cfg.optim.critic_lr, warmup, total,
+                                            cfg.optim.min_lr_ratio, cfg.optim.weight_decay,
+                                            cfg.optim.grad_clip)
+      self.critic = ppo.ModelState(critic_params, mesh_lib.commit_to_mesh(
+          self.critic_tx.init(critic_params), self.mesh))
+    self.reward_params, self.reward_cfg = None, None
+    if cfg.reward.kind == "model":
+      self.reward_cfg = hf_loader.load_hf_config(cfg.reward.model_checkpoint).replace(
+          head="scalar")
+      params = hf_loader.load_hf_params(cfg.reward.model_checkpoint, self.reward_cfg,
+                                        head="scalar", rng=jax.random.fold_in(key, 3))
+      self.reward_params = mesh_lib.shard_params(params, llama.logical_specs(self.reward_cfg),
+                                                 self.mesh)
+    # Log-probs use the sampling temperature, as generation's behaviour log-probs do (rollouts
+    # always sample: rollout.temperature > 0), so the first epoch's PPO ratio is exactly 1.
+    self.update = ppo.make_update_fn(cfg.model, cfg.critic_model, cfg.algo,
+                                     cfg.rollout.temperature, self.actor_tx, self.critic_tx)
+
+  def _state(self) -> dict:
+    state = {"actor": self.actor}
+    if self.critic is not None:
+      state["critic"] = self.critic
+    return state
+
+  def _restore(self) -> int:
+    """Restores the latest checkpoint in the workdir, if any; returns the iteration to start at."""
+    step = self.checkpointer.latest_step()
+    if step is None:
+      return 0
+    state, meta = self.checkpointer.restore(step, self._state())
+    self.actor = state["actor"]
+    self.critic = state.get("critic")
+    # The reference is not saved: it is the initial actor, rebuilt from the seed or checkpoint
+    # in _init_models exactly as in the first run.
+    self.dataset.load_state_dict(meta["data"])
+    if meta.get("seed") != self.cfg.seed:
+      raise ValueError(f"config.seed={self.cfg.seed} differs from the checkpoint's seed "
+                       f"{meta.get('seed')} in {self.checkpointer.directory}; use a new workdir")
+    self.writer.truncate_after(step)
+    logging.info("resumed from checkpoint at iteration %d", step)
+    return step
+
+  def _save(self, iteration: int):
+    meta = {"iteration": iteration, "seed": self.cfg.seed, "data": self.dataset.state_dict()}
+    self.checkpointer.save(iteration, self._state(), meta)
+
+  # ---------------------------------------------------------------- one iteration
+  def _rollout_batch(self, iteration: int):
+    cfg = self.cfg
+    batch = self.dataset.next_batch()
+    n = cfg.rollout.samples_per_prompt
+    # Samples of one prompt are consecutive: GRPO/RLOO groups are rows [g*n, (g+1)*n).
+    records = [r for r in batch.records for _ in range(n)]
+    prompt_tokens = np.repeat(batch.tokens, n, axis=0)  # [B*n, P]
+    prompt_lens = np.repeat(batch.lengths, n, axis=0)  # [B*n]
+    uids = iteration * cfg.rollout.batch_size + np.arange(cfg.rollout.batch_size)
+    return records, prompt_tokens, prompt_lens, uids
+
+  def _scores(self, records, rollout, batch: scoring.ScoringBatch) -> np.ndarray:
+    if self.reward_fn is not None:
+      return np.asarray(self.reward_fn(records, rollout.response_tokens, rollout.response_lens,
+                                       self.tokenizer), np.float32)
+    return self.scorer.reward_scores(self.reward_cfg, self.reward_params, batch)
+
+  def iteration(self, iteration: int) -> dict:
+    cfg = self.cfg
+    t_step = time.time()
+    records, prompt_tokens, prompt_lens, uids = self._rollout_batch(iteration)
+    gen_key = jax.random.fold_in(jax.random.key(cfg.seed), iteration)
+
+    t0 = time.time()
+    rollout = self.generator.generate(self.actor.params, prompt_tokens, prompt_lens, gen_key,
+                                      uids=uids)
+    t_gen = time.time() - t0
+
+    t0 = time.time()
+    max_new = cfg.rollout.max_new_tokens
+    mask = np.asarray(sequences.response_mask(rollout.response_lens, max_new))  # [B, T] float32
+    batch = scoring.ScoringBatch.from_rollout(rollout, self.tokenizer.pad_id)
+    tokens = batch.tokens  # [B, P+T] contiguous prompt+response
+    put = lambda x: jax.device_put(x, mesh_lib.batch_sharding(self.mesh, np.ndim(x)))
+    ref_logp = self.scorer.ref_logprobs(cfg.model, self.ref_params, batch,
+                                        self.sampling.logprob_temperature)
+    values = (self.scorer.values(cfg.critic_model, self.critic.params, batch)
+              if self.use_critic else np.zeros((len(uids), max_new), np.float32))
+    scores = self._scores(records, rollout, batch)
+    adv, ret, stats = ppo.rollout_statistics(
+        cfg.algo, cfg.rollout.samples_per_prompt, put(scores), put(mask),
+        put(rollout.logprobs.astype(np.float32)), put(ref_logp), put(values))
+    jax.block_until_ready(adv)
+    t_inf = time.time() - t0
+
+    t0 = time.time()
+    data = {"tokens": tokens, "prompt_lens": prompt_lens, "mask": mask,
+            "old_logp": rollout.logprobs.astype(np.float32), "ref_logp": ref_logp,
+            "advantages": np.asarray(adv), "returns": np.asarray(ret), "old_values": values}
+    token_counts = prompt_lens + rollout.response_lens
+    shards = mesh_lib.batch_size_multiple(self.mesh) if cfg.algo.balance_tokens else 1
+    train_metrics = []
+    for epoch in range(cfg.algo.epochs):
+      rng = np.random.default_rng([cfg.seed, iteration, epoch])
+      for idx in mb_lib.minibatch_indices(len(uids), cfg.algo.minibatch_size, rng,
+                                          token_counts=token_counts, num_data_shards=shards):
+        mb = {k: put(v[idx]) for k, v in data.items()}
+        self.actor, self.critic, m = self.update(self.actor, self.critic, mb)
+        train_metrics.append(m)
+    train_metrics = jax.device_get(train_metrics)
+    t_train = time.time() - t0
+
+    out = {k: float(np.mean([m[k] for m in train_metrics])) for k in train_metrics[0]}
+    out.update({k: float(v) for k, v in jax.device_get(stats).items()})
+    if not self.use_critic:
+      for k in list(out):
+        if k.startswith("critic/"):
+          del out[k]
+    resp_lens = rollout.response_lens
+    out.update({
+        "reward/mean": float(np.mean(scores)),
+        "reward/std": float(np.std(scores)),
+        "response_length/mean": float(np.mean(resp_lens)),
+        "response_length/max": int(np.max(resp_lens)),
+        "response_length/clip_ratio": float(np.mean(resp_lens >= max_new)),
+        "actor/lr": float(self.actor_lr(len(train_metrics) * (iteration + 1) - 1)),
+    })
+    t_total = time.time() - t_step
+    n_tokens = int(np.sum(token_counts))
+    out.update({
+        "timing_s/generate": t_gen, "timing_s/inference": t_inf, "timing_s/train": t_train,
+        "timing_s/gen_plus_inf": t_gen + t_inf, "timing_s/step": t_total,
+        "perf/tokens_per_s": n_tokens / t_total,
+        "perf/response_tokens": int(np.sum(resp_lens)),
+    })
+    self.last_rollout = rollout
+    return out
+
+  # ---------------------------------------------------------------- the loop
+  def run(self, stop_after: Optional[int] = None) -> list[dict]:
+    """Runs (or resumes) to cfg.num_iterations; returns this call's per-iteration metrics.
+
+    stop_after: stop early after this iteration as a SIGTERM would (save, return); used to test
+    that an interrupted run resumes exactly.
+    """
+    cfg = self.cfg
+    start = self._restore()
+    if start >= cfg.num_iterations:
+      logging.info("workdir already has %d iterations (num_iterations=%d): nothing to do",
+                   start, cfg.num_iterations)
+      return []
+    stop = _StopFlag()
+    stop.install()
+    progress = metrics_lib.ProgressReporter(cfg.num_iterations, start)
+    history = []
+    try:
+      for it in range(start, cfg.num_iterations):
+        m = self.iteration(it)
+        step = it + 1
+        self.writer.write(step, m)
+        history.append({"step": step, **m})
+        if step % cfg.log_every == 0 or step == cfg.num_iterations:
+          logging.info(progress.line(step, m, keys=("reward/mean", "kl/ref_mean",
+                                                    "response_length/mean")))
+        stop.set = stop.set or step == stop_after
+        if step % cfg.checkpoint.every == 0 or step == cfg.num_iterations or stop.set:
+          self._save(step)
+        if stop.set:
+          logging.warning("stopped after iteration %d; re-run the same command to resume", step)
+          break
+    finally:
+      stop.uninstall()
+      self.checkpointer.wait()
+      self.writer.close()
+    return history

@@ -1,0 +1,124 @@
+"""The jitted math of one PPO iteration: advantages over the rollout, and one optimizer update.
+
+Inputs are device arrays laid out per DESIGN §1, batch-major and sharded over the data axes:
+
+  tokens        [batch, prompt_bucket + max_new]  contiguous prompt+response (models/sequences.py)
+  prompt_lens   [batch]
+  mask          [batch, max_new]  1.0 on real response tokens (EOS included)
+  old_logp      [batch, max_new]  behaviour log-probs recorded by generation
+  ref_logp      [batch, max_new]  reference-model log-probs
+  values        [batch, max_new]  critic values at generation time (zeros without a critic)
+  scores        [batch]           sequence rewards (verifier or reward model)
+
+Sharded and single-device runs execute the same programs; only the placement differs.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from rlhfuse_jax.models import sequences
+from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.rl import advantages as adv_lib
+from rlhfuse_jax.rl import kl as kl_lib
+from rlhfuse_jax.rl import losses, masked
+from rlhfuse_jax.trainer.config import AlgoConfig
+
+
+@flax.struct.dataclass
+class ModelState:
+  """Trainable model: params and optimizer state (the optimizer itself is static)."""
+  params: Any
+  opt_state: Any
+
+
+def advantages_and_returns(algo: AlgoConfig, group_size: int, scores, mask, old_logp, ref_logp,
+                           values):
+  """Returns (advantages, returns, token_rewards, kl) each [batch, max_new] (float32)."""
+  kl = kl_lib.kl_estimate(old_logp, ref_logp, algo.kl_estimator) * mask  # [batch, max_new]
+  kl_coef = algo.kl_coef if algo.kl_in_reward else 0.0
+  token_rewards = adv_lib.token_level_rewards(scores, kl, mask, kl_coef)
+  adv, ret = adv_lib.compute_advantages(
+      algo.estimator, scores=scores, token_rewards=token_rewards, values=values, mask=mask,
+      gamma=algo.gamma, lam=algo.lam, group_size=group_size)
+  if algo.whiten_advantages and algo.estimator == "gae":
+    adv = masked.masked_whiten(adv, mask)
+  return adv * mask, ret * mask, token_rewards, kl
+
+
+def actor_loss(params, actor_cfg: ModelConfig, algo: AlgoConfig, temperature: float, mb):
+  """PPO clipped loss (+ entropy bonus, + KL loss when not in the reward) on one mini-batch."""
+  max_new = mb["mask"].shape[1]
+  logp, entropy = sequences.response_logprobs_and_entropy(
+      actor_cfg, params, mb["tokens"], mb["prompt_lens"], max_new, temperature)
+  loss, m = losses.policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"],
+                               algo.clip_eps, loss_agg=algo.loss_agg)
+  ent = masked.masked_mean(entropy, mb["mask"])
+  loss = loss - algo.entropy_coef * ent
+  if not algo.kl_in_reward and algo.kl_coef > 0:
+    kl = losses.kl_loss(logp, mb["ref_logp"], mb["mask"], algo.kl_estimator)
+    loss = loss + algo.kl_coef * kl
+    m["kl_loss"] = kl
+  m["entropy"] = ent
+  return loss, m
+
+
+def critic_loss(params, critic_cfg: ModelConfig, algo: AlgoConfig, mb):
+  """Clipped value loss on one mini-batch."""
+  max_new = mb["mask"].shape[1]
+  values = sequences.response_values(critic_cfg, params, mb["tokens"], mb["prompt_lens"], max_new)
+  loss, m = losses.value_loss(values, mb["old_values"], mb["returns"], mb["mask"],
+                              algo.value_clip_eps, loss_agg="token-mean")
+  return algo.vf_coef * loss, m
+
+
+def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoConfig,
+                   temperature: float, actor_tx: optax.GradientTransformation,
+                   critic_tx: optax.GradientTransformation | None):
+  """Returns update(actor, critic, mb) -> (actor, critic, metrics), one optimizer step each.
+
+  The actor and critic states are donated: their buffers are reused for the new state, so an
+  update holds one copy of params and optimizer state, not two.
+  """
+
+  def update(actor: ModelState, critic: ModelState | None, mb):
+    (_, am), ag = jax.value_and_grad(actor_loss, has_aux=True)(
+        actor.params, actor_cfg, algo, temperature, mb)
+    updates, opt = actor_tx.update(ag, actor.opt_state, actor.params)
+    actor = ModelState(optax.apply_updates(actor.params, updates), opt)
+    metrics = {f"actor/{k}": v for k, v in am.items()}
+    metrics["actor/grad_norm"] = optax.global_norm(ag)
+    if critic is not None:
+      (_, cm), cg = jax.value_and_grad(critic_loss, has_aux=True)(
+          critic.params, critic_cfg, algo, mb)
+      updates, copt = critic_tx.update(cg, critic.opt_state, critic.params)
+      critic = ModelState(optax.apply_updates(critic.params, updates), copt)
+      metrics.update({f"critic/{k}": v for k, v in cm.items()})
+      metrics["critic/grad_norm"] = optax.global_norm(cg)
+    return actor, critic, metrics
+
+  return jax.jit(update, donate_argnums=(0, 1))
+
+
+@functools.partial(jax.jit, static_argnames=("algo", "group_size"))
+def rollout_statistics(algo: AlgoConfig, group_size: int, scores, mask, old_logp, ref_logp,
+                       values):
+  """Advantages/returns for the whole rollout plus the iteration's reward/KL metrics."""
+  adv, ret, token_rewards, kl = advantages_and_returns(algo, group_size, scores, mask, old_logp,
+                                                       ref_logp, values)
+  seq_kl = jnp.sum(kl, axis=1)  # [batch]
+  metrics = {
+      "kl/ref_mean": jnp.mean(seq_kl),
+      "kl/ref_token_mean": masked.masked_mean(kl, mask),
+      "reward/token_reward_mean": jnp.mean(jnp.sum(token_rewards, axis=1)),
+      "advantages/mean": masked.masked_mean(adv, mask),
+      "returns/mean": masked.masked_mean(ret, mask),
+      "critic/vf_explained_var": masked.explained_variance(values, ret, mask),
+      "critic/values_mean": masked.masked_mean(values, mask),
+  }
+  return adv, ret, metrics
