@@ -37,6 +37,17 @@ from rlhfuse_jax.trainer.config import TrainConfig
 TIMING_PREFIXES = ("timing_s/", "perf/")
 
 
+@dataclasses.dataclass
+class StageOutputs:
+  """What generation + inference hand to training (host numpy arrays)."""
+  rollout: engine.Rollout
+  batch: scoring.ScoringBatch  # tokens [B, P+T] etc.
+  ref_logp: np.ndarray  # [B, T] reference log-probs
+  values: np.ndarray  # [B, T] critic values (zeros without a critic)
+  scores: np.ndarray  # [B] sequence rewards
+  metrics: dict  # timings (timing_s/generate, timing_s/inference) and stage-specific metrics
+
+
 class _StopFlag:
   """Set by SIGTERM/SIGINT; the loop checks it after each iteration, saves and exits cleanly."""
 
@@ -211,33 +222,48 @@ class PPOTrainer:
                                        self.tokenizer), np.float32)
     return self.scorer.reward_scores(self.reward_cfg, self.reward_params, batch)
 
+  def generate_and_infer(self, records, prompt_tokens, prompt_lens, uids, gen_key
+                         ) -> "StageOutputs":
+    """Stages 1-2 (DESIGN §1): generation, then reference/critic/reward inference.
+
+    This is the serial baseline. The inter-stage fusion replaces exactly this method: it must
+    return the same StageOutputs (same tokens and scores) with generation and inference
+    overlapped.
+    """
+    cfg = self.cfg
+    t0 = time.time()
+    rollout = self.generator.generate(self.actor.params, prompt_tokens, prompt_lens, gen_key,
+                                      uids=uids)
+    t_gen = time.time() - t0
+    t0 = time.time()
+    batch = scoring.ScoringBatch.from_rollout(rollout, self.tokenizer.pad_id)
+    ref_logp = self.scorer.ref_logprobs(cfg.model, self.ref_params, batch,
+                                        self.sampling.logprob_temperature)
+    values = (self.scorer.values(cfg.critic_model, self.critic.params, batch)
+              if self.use_critic else np.zeros(rollout.logprobs.shape, np.float32))
+    scores = self._scores(records, rollout, batch)
+    return StageOutputs(rollout=rollout, batch=batch, ref_logp=ref_logp, values=values,
+                        scores=scores, metrics={"timing_s/generate": t_gen,
+                                                "timing_s/inference": time.time() - t0})
+
   def iteration(self, iteration: int) -> dict:
     cfg = self.cfg
     t_step = time.time()
     records, prompt_tokens, prompt_lens, uids = self._rollout_batch(iteration)
     gen_key = jax.random.fold_in(jax.random.key(cfg.seed), iteration)
-
     t0 = time.time()
-    rollout = self.generator.generate(self.actor.params, prompt_tokens, prompt_lens, gen_key,
-                                      uids=uids)
-    t_gen = time.time() - t0
-
-    t0 = time.time()
+    stage_out = self.generate_and_infer(records, prompt_tokens, prompt_lens, uids, gen_key)
+    rollout, ref_logp, values = stage_out.rollout, stage_out.ref_logp, stage_out.values
+    scores = stage_out.scores
     max_new = cfg.rollout.max_new_tokens
     mask = np.asarray(sequences.response_mask(rollout.response_lens, max_new))  # [B, T] float32
-    batch = scoring.ScoringBatch.from_rollout(rollout, self.tokenizer.pad_id)
-    tokens = batch.tokens  # [B, P+T] contiguous prompt+response
+    tokens = stage_out.batch.tokens  # [B, P+T] contiguous prompt+response
     put = lambda x: jax.device_put(x, mesh_lib.batch_sharding(self.mesh, np.ndim(x)))
-    ref_logp = self.scorer.ref_logprobs(cfg.model, self.ref_params, batch,
-                                        self.sampling.logprob_temperature)
-    values = (self.scorer.values(cfg.critic_model, self.critic.params, batch)
-              if self.use_critic else np.zeros((len(uids), max_new), np.float32))
-    scores = self._scores(records, rollout, batch)
     adv, ret, stats = ppo.rollout_statistics(
         cfg.algo, cfg.rollout.samples_per_prompt, put(scores), put(mask),
         put(rollout.logprobs.astype(np.float32)), put(ref_logp), put(values))
     jax.block_until_ready(adv)
-    t_inf = time.time() - t0
+    t_gen_inf = time.time() - t0
 
     t0 = time.time()
     data = {"tokens": tokens, "prompt_lens": prompt_lens, "mask": mask,
@@ -273,9 +299,9 @@ class PPOTrainer:
     })
     t_total = time.time() - t_step
     n_tokens = int(np.sum(token_counts))
+    out.update(stage_out.metrics)
     out.update({
-        "timing_s/generate": t_gen, "timing_s/inference": t_inf, "timing_s/train": t_train,
-        "timing_s/gen_plus_inf": t_gen + t_inf, "timing_s/step": t_total,
+        "timing_s/train": t_train, "timing_s/gen_plus_inf": t_gen_inf, "timing_s/step": t_total,
         "perf/tokens_per_s": n_tokens / t_total,
         "perf/response_tokens": int(np.sum(resp_lens)),
     })
