@@ -22,24 +22,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory", required=True)
 
 
-def problem_from_config(c) -> PipelineProblem:
-  """Converts the ConfigDict once into the typed problem (negative values mean 'default')."""
-  return PipelineProblem(
-      actor_pp=int(c.actor_pp), critic_pp=int(c.critic_pp),
-      actor_microbatches=int(c.actor_microbatches),
-      critic_microbatches=int(c.critic_microbatches),
-      actor_fwd=float(c.actor_fwd), critic_fwd=float(c.critic_fwd),
-      actor_bwd=None if c.actor_bwd is None or c.actor_bwd < 0 else float(c.actor_bwd),
-      critic_bwd=None if c.critic_bwd is None or c.critic_bwd < 0 else float(c.critic_bwd),
-      actor_mem=None if c.actor_mem is None or c.actor_mem < 0 else float(c.actor_mem),
-      critic_mem=None if c.critic_mem is None or c.critic_mem < 0 else float(c.critic_mem),
-      transfer_latency=float(c.transfer_latency),
-      memory_budget=None if c.memory_budget is None or c.memory_budget < 0 else (
-          float(c.memory_budget),))
-
-
 def run(c, workdir: str) -> dict:
-  problem = problem_from_config(c)
+  problem = PipelineProblem.from_config(c)
   cfg = search.SearchConfig(time_budget_s=float(c.time_budget_s), seed=int(c.seed))
   wd.write_config(workdir, c)
   serial = evaluate(problem, schedules.serial_order(problem), schedules.serial_release(problem))

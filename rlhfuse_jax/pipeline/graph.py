@@ -192,6 +192,21 @@ class PipelineProblem:
   def with_budget(self, budget: Optional[Sequence[float]]) -> "PipelineProblem":
     return dataclasses.replace(self, memory_budget=None if budget is None else tuple(budget))
 
+  @classmethod
+  def from_config(cls, c) -> "PipelineProblem":
+    """From a config with the fields of configs/schedule_search.py (negative: the default)."""
+    def opt(v):
+      return None if v is None or v < 0 else float(v)
+    budget = opt(c.memory_budget)
+    return cls(actor_pp=int(c.actor_pp), critic_pp=int(c.critic_pp),
+               actor_microbatches=int(c.actor_microbatches),
+               critic_microbatches=int(c.critic_microbatches),
+               actor_fwd=float(c.actor_fwd), critic_fwd=float(c.critic_fwd),
+               actor_bwd=opt(c.actor_bwd), critic_bwd=opt(c.critic_bwd),
+               actor_mem=opt(c.actor_mem), critic_mem=opt(c.critic_mem),
+               transfer_latency=float(c.transfer_latency),
+               memory_budget=None if budget is None else (budget,))
+
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
 
