@@ -295,6 +295,8 @@ class PPOTrainer:
         "response_length/mean": float(np.mean(resp_lens)),
         "response_length/max": int(np.max(resp_lens)),
         "response_length/clip_ratio": float(np.mean(resp_lens >= max_new)),
+        # Per-sample lengths (JSONL only): the simulator's empirical length distribution.
+        "gen/response_lengths": [int(x) for x in resp_lens],
         "actor/lr": float(self.actor_lr(len(train_metrics) * (iteration + 1) - 1)),
     })
     t_total = time.time() - t_step
