@@ -32,8 +32,8 @@ def plot_gantt(schedule: Schedule, path: str, title: Optional[str] = None,
   ax.set_xlim(0, schedule.makespan)
   ax.set_xlabel("time")
   ax.set_title(title or f"makespan {schedule.makespan:g}")
-  ax.legend(handles=[Patch(facecolor=c, hatch="//" if k == "B" else None, label=f"{m} {k}")
-                     for (m, k), c in _COLORS.items()], loc="upper right", fontsize=7, ncol=4)
-  fig.tight_layout()
+  fig.legend(handles=[Patch(facecolor=c, hatch="//" if k == "B" else None, label=f"{m} {k}")
+                      for (m, k), c in _COLORS.items()], loc="lower center", fontsize=7, ncol=4)
+  fig.tight_layout(rect=(0, 0.5 / (0.45 * n + 1.6), 1, 1))  # room for the legend below
   fig.savefig(path, dpi=110)
   plt.close(fig)
