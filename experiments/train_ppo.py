@@ -16,12 +16,19 @@ from ml_collections import config_flags
 
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and results.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Call jax.distributed.initialize (multi-host; see launch/).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", "",
+                                   "host:port of process 0; empty: auto-detect (SLURM, TPU).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "0: auto-detect.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -41,12 +48,18 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   metrics_lib.quiet_library_logs()
+  if _DISTRIBUTED.value:
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   cfg = TrainConfig.from_config_dict(_CONFIG.value)
   workdir = _WORKDIR.value
+  main_process = distributed.is_main_process()
   os.makedirs(workdir, exist_ok=True)
-  wd.write_config(workdir, _CONFIG.value)
+  if main_process:
+    wd.write_config(workdir, _CONFIG.value)
   trainer = PPOTrainer(cfg, workdir)
   trainer.run()
+  if not main_process:
+    return
   # The summary covers the whole run (also iterations done before a resume).
   history = wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   wd.write_json(os.path.join(workdir, "result.json"), summarize(history))

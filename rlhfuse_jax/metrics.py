@@ -17,20 +17,26 @@ from rlhfuse_jax import workdir as wd
 class MetricWriter:
   """Appends metrics to workdir/metrics.jsonl and workdir/tb/ (TensorBoard)."""
 
-  def __init__(self, workdir: str, tensorboard: bool = True):
+  def __init__(self, workdir: str, tensorboard: bool = True, enabled: bool = True):
+    """enabled=False (processes other than 0 of a multi-host run) makes every call a no-op."""
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self.enabled = enabled
     self._tb = None
-    if tensorboard:
+    if tensorboard and enabled:
       from tensorboardX import SummaryWriter  # imported lazily: optional at library level
       self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=10)
 
   def truncate_after(self, step: int) -> None:
     """Drops lines with step > `step` (written after the checkpoint a resumed run starts from),
     so that a resumed run never repeats a step in metrics.jsonl."""
+    if not self.enabled:
+      return
     rows = [r for r in wd.read_jsonl(self.path) if r.get("step", 0) <= step]
     wd.atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+    if not self.enabled:
+      return
     record = {"step": int(step), **metrics}
     wd.append_jsonl(self.path, record)
     if self._tb is not None:

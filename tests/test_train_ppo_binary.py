@@ -9,8 +9,11 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Same shapes as tests/test_trainer.tiny_config (test_multiprocess compares the two).
 SMALL = ["--config.model.num_layers=1", "--config.critic_model.num_layers=1",
          "--config.model.hidden_size=32", "--config.critic_model.hidden_size=32",
+         "--config.model.intermediate_size=64", "--config.critic_model.intermediate_size=64",
+         "--config.rollout.chunk_size=3",
          "--config.rollout.prompts_per_iteration=16", "--config.algo.minibatch_size=8",
          "--config.rollout.max_new_tokens=6", "--config.data.num_prompts=64",
          "--config.checkpoint.every=2"]

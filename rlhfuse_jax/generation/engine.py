@@ -269,7 +269,7 @@ class Generator:
 
   def prefill(self, params, prompt_tokens, prompt_lens, uids, iteration_key) -> DecodeState:
     """Device-side prefill of host arrays (already validated and padded to the bucket)."""
-    put = jax.device_put
+    put = mesh_lib.put
     return self._prefill(params, put(prompt_tokens, mesh_lib.batch_sharding(self.mesh, 2)),
                          put(prompt_lens, mesh_lib.batch_sharding(self.mesh, 1)),
                          put(uids, mesh_lib.batch_sharding(self.mesh, 1)),
@@ -309,19 +309,19 @@ class Generator:
     tokens, lens, uids = self._check_inputs(prompt_tokens, prompt_lens, uids)
     if self._prefill is None:
       self.compile(params)
-    params = jax.device_put(params, self._param_sh)  # no copy when already placed
+    params = mesh_lib.put(params, self._param_sh)  # no copy when already placed
     key = _as_typed_key(iteration_key)
     t0 = time.perf_counter()
     state = self.prefill(params, tokens, lens, uids, key)
-    done = jax.device_get(state.done)  # [B] bool: the only per-chunk host read
+    done = mesh_lib.to_host(state.done)  # [B] bool: the only per-chunk host read
     t1 = time.perf_counter()
     chunks = 0
     while not done.all():
       state = self.decode_chunk(params, state, key)
       chunks += 1
-      done = jax.device_get(state.done)
+      done = mesh_lib.to_host(state.done)
     t2 = time.perf_counter()
-    out = jax.device_get({"tokens": state.tokens, "logprobs": state.logprobs,
+    out = mesh_lib.to_host({"tokens": state.tokens, "logprobs": state.logprobs,
                           "n": state.num_generated, "stop": state.stop_reason})
     return Rollout(
         prompt_tokens=tokens, prompt_lens=lens, response_tokens=np.asarray(out["tokens"]),

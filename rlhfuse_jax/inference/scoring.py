@@ -113,10 +113,10 @@ class Scorer:
     """fn(tokens, prompt_lens, response_lens) on every piece; results concatenated on the host."""
     outs = []
     for sl, piece in self._pieces(batch):
-      args = [jax.device_put(x, mesh_lib.batch_sharding(self.mesh, x.ndim))
+      args = [mesh_lib.put(x, mesh_lib.batch_sharding(self.mesh, x.ndim))
               for x in (piece.tokens, piece.prompt_lens, piece.response_lens)]
       outs.append((sl, fn(*args)))  # dispatched asynchronously; read all at once below
-    results = jax.device_get([o for _, o in outs])
+    results = mesh_lib.to_host([o for _, o in outs])
     return np.concatenate([r[:sl.stop - sl.start] for (sl, _), r in zip(outs, results)], axis=0)
 
   def ref_logprobs(self, cfg: ModelConfig, params, batch: ScoringBatch,

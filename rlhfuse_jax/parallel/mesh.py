@@ -122,9 +122,32 @@ def param_shardings(params: Any, logical_specs: Any, mesh: Mesh) -> Any:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def _put_leaf(x: Any, sharding: NamedSharding) -> jax.Array:
+  if jax.process_count() == 1 or sharding.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return jax.random.wrap_key_data(_put_leaf(jax.random.key_data(x), sharding))
+  # Multi-host: every process holds the same host value (same seed, same data stream) and
+  # supplies the shards its own devices own. device_put cannot target other hosts' devices.
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def put(tree: Any, shardings: Any) -> Any:
+  """jax.device_put that also works when the shardings span several processes (multi-host).
+
+  `shardings` is one sharding for all leaves or a matching tree of shardings.
+  """
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree_util.tree_map(lambda x: _put_leaf(x, shardings), tree)
+  return jax.tree_util.tree_map(_put_leaf, tree, shardings)
+
+
 def shard_params(params: Any, logical_specs: Any, mesh: Mesh) -> Any:
   """Places parameters onto the mesh according to the logical rules."""
-  return jax.device_put(params, param_shardings(params, logical_specs, mesh))
+  return put(params, param_shardings(params, logical_specs, mesh))
 
 
 def commit_to_mesh(tree: Any, mesh: Mesh) -> Any:
@@ -139,6 +162,25 @@ def commit_to_mesh(tree: Any, mesh: Mesh) -> Any:
   def place(x):
     if isinstance(x, jax.Array) and set(x.sharding.device_set) == devices:
       return x
-    return jax.device_put(x, rep)
+    return _put_leaf(x, rep)
 
   return jax.tree_util.tree_map(place, tree)
+
+
+def to_host(tree: Any) -> Any:
+  """jax.device_get that also works for arrays spanning several processes (multi-host).
+
+  A global array whose shards live on other hosts cannot be read locally: it is all-gathered
+  first (every process gets the full value, which keeps the host-side loop identical on all of
+  them). Single-process runs take the plain device_get path.
+  """
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils  # multi-host only
+
+  def get(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return jax.device_get(x)
+
+  return jax.tree_util.tree_map(get, tree)

@@ -115,7 +115,7 @@ class PPOTrainer:
         prompt_len=cfg.data.max_prompt_len, mesh=self.mesh, params=self.actor.params)
     self.scorer = scoring.Scorer(self.mesh)
     self.checkpointer = checkpointing.Checkpointer(workdir, keep=cfg.checkpoint.keep)
-    self.writer = metrics_lib.MetricWriter(workdir)
+    self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
 
   # ---------------------------------------------------------------- setup
   def _check_batch_fits_mesh(self):
@@ -258,7 +258,7 @@ class PPOTrainer:
     max_new = cfg.rollout.max_new_tokens
     mask = np.asarray(sequences.response_mask(rollout.response_lens, max_new))  # [B, T] float32
     tokens = stage_out.batch.tokens  # [B, P+T] contiguous prompt+response
-    put = lambda x: jax.device_put(x, mesh_lib.batch_sharding(self.mesh, np.ndim(x)))
+    put = lambda x: mesh_lib.put(x, mesh_lib.batch_sharding(self.mesh, np.ndim(x)))
     adv, ret, stats = ppo.rollout_statistics(
         cfg.algo, cfg.rollout.samples_per_prompt, put(scores), put(mask),
         put(rollout.logprobs.astype(np.float32)), put(ref_logp), put(values))
@@ -268,7 +268,8 @@ class PPOTrainer:
     t0 = time.time()
     data = {"tokens": tokens, "prompt_lens": prompt_lens, "mask": mask,
             "old_logp": rollout.logprobs.astype(np.float32), "ref_logp": ref_logp,
-            "advantages": np.asarray(adv), "returns": np.asarray(ret), "old_values": values}
+            "advantages": mesh_lib.to_host(adv), "returns": mesh_lib.to_host(ret),
+            "old_values": values}
     token_counts = prompt_lens + rollout.response_lens
     shards = mesh_lib.batch_size_multiple(self.mesh) if cfg.algo.balance_tokens else 1
     train_metrics = []
@@ -279,11 +280,11 @@ class PPOTrainer:
         mb = {k: put(v[idx]) for k, v in data.items()}
         self.actor, self.critic, m = self.update(self.actor, self.critic, mb)
         train_metrics.append(m)
-    train_metrics = jax.device_get(train_metrics)
+    train_metrics = mesh_lib.to_host(train_metrics)
     t_train = time.time() - t0
 
     out = {k: float(np.mean([m[k] for m in train_metrics])) for k in train_metrics[0]}
-    out.update({k: float(v) for k, v in jax.device_get(stats).items()})
+    out.update({k: float(v) for k, v in mesh_lib.to_host(stats).items()})
     if not self.use_critic:
       for k in list(out):
         if k.startswith("critic/"):

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Multi-host TPU pod slice: run the same command on every worker; jax.distributed.initialize()
+# auto-detects the topology.
+#
+#   gcloud compute tpus tpu-vm ssh NAME --worker=all --command \
+#     "cd rlhfuse_jax && bash launch/tpu_pod.sh configs/ppo_llama.py:7b gs://bucket/run"
+set -euo pipefail
+CONFIG=${1:?config}; WORKDIR=${2:?workdir (shared: gs:// or NFS)}; shift 2
+python -m experiments.train_ppo --config="$CONFIG" --workdir="$WORKDIR" --distributed "$@"
