@@ -11,7 +11,7 @@ import ml_collections
 def get_config(arg: str = "ppo"):
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.num_iterations = 200  # PPO iterations (re-run with a larger value to continue)
+  c.num_iterations = 400  # PPO iterations (re-run with a larger value to continue)
   c.log_every = 1  # progress line every k iterations
 
   c.model = ml_collections.ConfigDict()  # actor / reference shape

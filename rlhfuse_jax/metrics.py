@@ -50,17 +50,23 @@ class MetricWriter:
 
 
 class ProgressReporter:
-  """One progress line per iteration: step/total, chosen metrics, throughput and ETA."""
+  """One progress line per iteration: step/total, chosen metrics, throughput and ETA.
+
+  The ETA uses the pace after the first iteration of this run, which includes XLA compilation.
+  """
 
   def __init__(self, total: int, start_step: int = 0):
     self.total = total
     self.start_step = start_step
     self.t0 = time.time()
+    self._t_first: Optional[float] = None  # end of the first (compiling) iteration
 
   def line(self, step: int, metrics: Mapping[str, Any], keys=("reward/mean",)) -> str:
-    done = step - self.start_step
-    elapsed = time.time() - self.t0
-    eta = elapsed / max(done, 1) * (self.total - step)
+    now = time.time()
+    if self._t_first is None:
+      self._t_first, self._first_step = now, step
+    paced = step - self._first_step
+    eta = (now - self._t_first) / paced * (self.total - step) if paced else None
     parts = [f"iter {step}/{self.total}"]
     for k in keys:
       if k in metrics and metrics[k] is not None:
@@ -68,7 +74,7 @@ class ProgressReporter:
     tps: Optional[float] = metrics.get("perf/tokens_per_s")
     if tps is not None:
       parts.append(f"tok/s={tps:.0f}")
-    parts.append(f"elapsed={_fmt(elapsed)} ETA={_fmt(eta)}")
+    parts.append(f"elapsed={_fmt(now - self.t0)} ETA={'?' if eta is None else _fmt(eta)}")
     return " ".join(parts)
 
 
