@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Optional
 
 GB = 1e9
@@ -122,3 +123,29 @@ def get_hardware(name: str) -> Hardware:
   if name not in HARDWARE:
     raise ValueError(f"unknown hardware {name!r}; known: {sorted(HARDWARE)}")
   return HARDWARE[name]
+
+
+# How `jax.Device.device_kind` names the devices of a preset: the CUDA device name on GPUs
+# ("NVIDIA H100 80GB HBM3" is the SXM part), the generation on TPUs ("TPU v5 lite" is v5e,
+# "TPU v5" is v5p). PCIe / NVL cards and the 40 GB A100 have other clocks or memory bandwidths
+# than the SXM presets, and GH200 is not an H200: those match nothing rather than a wrong preset.
+_DEVICE_KIND_PATTERNS = (
+    (r"\bh200\b", "h200_sxm"),
+    (r"\bh800\b", "h800_sxm"),
+    (r"\bh100\b", "h100_sxm"),
+    (r"\ba100\b.*\bsxm4\b.*\b80gb\b", "a100_80g_sxm"),
+    (r"^tpu v5( lite|e)$", "tpu_v5e"),
+    (r"^tpu v5p?$", "tpu_v5p"),
+)
+
+
+def hardware_for_device_kind(device_kind: str) -> Optional[Hardware]:
+  """The preset of a `jax.Device.device_kind`, or None when no preset is known to match it
+  (CPUs, PCIe/NVL variants, other generations): callers then report an unknown peak."""
+  kind = " ".join(device_kind.lower().split())
+  if "pcie" in kind or re.search(r"\bnvl\b", kind):
+    return None
+  for pattern, name in _DEVICE_KIND_PATTERNS:
+    if re.search(pattern, kind):
+      return HARDWARE[name]
+  return None

@@ -1,0 +1,64 @@
+r"""Decode throughput / achieved HBM bandwidth at several batch sizes, and PPO training-step MFU.
+
+On CPU (the default: a tiny bf16 model, well under a minute):
+  python -m experiments.bench_decode --config=configs/bench_decode.py --workdir=/tmp/bench_decode
+On an accelerator (a ~1.1B LLaMA-shaped bf16 model):
+  python -m experiments.bench_decode --config=configs/bench_decode.py:1b --workdir=/tmp/bench_1b
+
+Writes result.json, calibration.json (simulator calibration file), bench_decode.png, config.json.
+"""
+import ml_collections
+
+
+def get_config(arg: str = "tiny"):
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.model = ml_collections.ConfigDict()  # actor shape; critic = same backbone, scalar head
+  c.model.vocab_size = 256
+  c.model.hidden_size = 64
+  c.model.intermediate_size = 128
+  c.model.num_layers = 2
+  c.model.num_heads = 4
+  c.model.num_kv_heads = 2
+  c.model.head_dim = 0  # 0: hidden_size // num_heads
+  c.model.rope_theta = 10000.0
+  c.model.rms_norm_eps = 1e-5
+  c.model.tie_embeddings = False
+  c.model.max_seq_len = 64
+  c.model.param_dtype = "bfloat16"
+  c.model.dtype = "bfloat16"  # compute dtype; also the KV cache's
+  c.batch_sizes = "1,16,128"  # decode batches (comma-separated, increasing)
+  c.prompt_len = 8  # prompt tokens per row
+  c.max_new_tokens = 16  # generated tokens per row; KV cache length = prompt_len + this
+  c.chunk_size = 8  # decode steps per jitted call (the engine checks `done` between calls)
+  c.warmup = 1  # untimed runs per measurement
+  c.repeats = 5  # timed runs per measurement (median reported)
+  c.train_batch = 8  # samples per PPO update (actor + critic)
+  c.train_prompt_len = 8
+  c.train_response_len = 16
+  c.hardware = "auto"  # peak figures: "auto" (match device_kind), a sim/hardware.py preset, "none"
+
+  if arg == "1b":
+    # TinyLlama-1.1B shape (Zhang et al. 2024, arXiv 2401.02385; config.json of
+    # TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T): hidden 2048, intermediate 5632,
+    # 22 layers, 32 heads, 4 KV heads, vocabulary 32000, context 2048. 1.10B parameters.
+    c.model.vocab_size = 32000
+    c.model.hidden_size = 2048
+    c.model.intermediate_size = 5632
+    c.model.num_layers = 22
+    c.model.num_heads = 32
+    c.model.num_kv_heads = 4
+    c.model.max_seq_len = 2048
+    c.prompt_len = 128
+    c.max_new_tokens = 512
+    c.chunk_size = 128
+    c.warmup = 2
+    c.repeats = 5
+    # [8, 512] tokens: the float32 [batch, heads, S, S] attention scores of 22 layers stay
+    # well inside 80 GB next to two models' params, grads and AdamW states.
+    c.train_batch = 8
+    c.train_prompt_len = 128
+    c.train_response_len = 384
+  elif arg != "tiny":
+    raise ValueError(f"configs/bench_decode.py: unknown variant {arg!r}; expected 'tiny' or '1b'")
+  return c

@@ -1,0 +1,378 @@
+r"""Decode tokens/s and achieved HBM bandwidth vs batch size, and the MFU of one PPO update.
+
+  python -m experiments.bench_decode --config=configs/bench_decode.py --workdir=/tmp/bench_decode
+  python -m experiments.bench_decode --config=configs/bench_decode.py:1b --workdir=/tmp/bench_1b
+
+Decode: for each batch B the engine's own `Generator` (AOT-compiled prefill + chunked decode over
+a donated KV cache) generates max_new_tokens per row from random prompts with random weights and
+no EOS, so every row runs to the end: max_new_tokens - 1 decode steps per run. After `warmup`
+untimed runs, `repeats` timed runs; the median decode wall time t gives
+
+  tokens/s       = B * decode_steps / t
+  step_s         = t / decode_steps
+  achieved bw    = bytes_per_step / step_s   (bytes_per_step: rlhfuse_jax/perf/accounting.py)
+  bw fraction    = achieved bw / the preset's HBM bandwidth (sim/hardware.py), when known
+
+The decode time includes the engine's one host read of the [B] `done` vector per chunk, as in
+real use. Training: one `trainer.ppo.make_update_fn` step (actor and critic forward + backward +
+AdamW) on train_batch random samples, timed the same way (block_until_ready on the new states);
+MFU = model FLOPs (accounting.ppo_update_flops) / step time / the preset's peak bf16 FLOP/s.
+
+The peak is looked up from `jax.devices()[0].device_kind` (config.hardware="auto"); on a CPU, or a
+device no preset matches, fractions are null and the result says "unknown peak". Only device 0
+is used. Writes result.json, calibration.json (rlhfuse_jax.sim.calibration format: decode step
+time vs batch, prefill rate, train-stage forward times), bench_decode.png and config.json.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jaxlib
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.generation import engine
+from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.models import llama, sequences
+from rlhfuse_jax.perf import accounting
+from rlhfuse_jax.perf.bench_config import BenchDecodeConfig
+from rlhfuse_jax.rl import optim
+from rlhfuse_jax.sim import calibration
+from rlhfuse_jax.trainer import ppo
+from rlhfuse_jax.trainer.config import AlgoConfig
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+UNKNOWN_PEAK = "unknown peak"
+
+
+def _timed_runs(fn: Callable[[], Any], warmup: int, repeats: int, what: str) -> list[float]:
+  """Wall seconds of `repeats` calls of fn after `warmup` untimed ones; fn blocks on its result."""
+  for _ in range(warmup):
+    fn()
+  times = []
+  for i in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+    logging.info("%s: run %d/%d %.4f s", what, i + 1, repeats, times[-1])
+  return times
+
+
+def make_generator(cfg: BenchDecodeConfig, params: Any, batch: int) -> engine.Generator:
+  """The engine's generator for one batch size (compiles prefill and decode ahead of time)."""
+  sampling = SamplingConfig(temperature=1.0, max_new_tokens=cfg.max_new_tokens, eos_id=-1,
+                            pad_id=0, chunk_size=cfg.chunk_size)
+  return engine.Generator(cfg.model, sampling, batch_size=batch, prompt_len=cfg.prompt_len,
+                          params=params)
+
+
+def measure_decode(cfg: BenchDecodeConfig, gen: engine.Generator, params: Any) -> dict:
+  """Times the engine's decode at the generator's batch size; returns the per-batch entry."""
+  batch = gen.batch_size
+  rng = np.random.default_rng([cfg.seed, batch])
+  prompts = rng.integers(1, cfg.model.vocab_size, (batch, cfg.prompt_len)).astype(np.int32)
+  lens = np.full((batch,), cfg.prompt_len, np.int32)  # [B]
+  key = jax.random.key(cfg.seed)
+  runs = []
+
+  def once():
+    runs.append(gen.generate(params, prompts, lens, key))  # returns host arrays: synchronous
+
+  _timed_runs(once, cfg.warmup, cfg.repeats, f"decode batch {batch}")
+  timed = runs[cfg.warmup:]
+  steps = cfg.max_new_tokens - 1
+  for r in timed:
+    if r.decode_steps != steps:  # no EOS, so every row must run to max_new_tokens
+      raise RuntimeError(f"batch {batch}: {r.decode_steps} decode steps, expected {steps}")
+  decode_runs = [r.decode_s for r in timed]
+  prefill_runs = [r.prefill_s for r in timed]
+  decode_s = float(np.median(decode_runs))
+  step_s = decode_s / steps
+  nbytes = accounting.decode_step_bytes(cfg.model, batch, cfg.cache_len)
+  out = {
+      "batch": batch, "decode_steps": steps, "decode_s": decode_s,
+      "decode_s_runs": decode_runs, "prefill_s": float(np.median(prefill_runs)),
+      "prefill_s_runs": prefill_runs, "step_s": step_s,
+      "tokens_per_s": batch * steps / decode_s,
+      "weight_bytes": nbytes["weight_bytes"], "kv_bytes": nbytes["kv_bytes"],
+      "bytes_per_step": nbytes["total_bytes"],
+      "achieved_bw_bytes_per_s": nbytes["total_bytes"] / step_s,
+  }
+  logging.info("decode batch %d: %.1f tokens/s, %.3f ms/step, %.3g GB/s achieved", batch,
+               out["tokens_per_s"], 1e3 * step_s, out["achieved_bw_bytes_per_s"] / 1e9)
+  return out
+
+
+def _train_batch(cfg: BenchDecodeConfig) -> dict:
+  b, p, t = cfg.train_batch, cfg.train_prompt_len, cfg.train_response_len
+  v = cfg.model.vocab_size
+  rng = np.random.default_rng([cfg.seed, 7])
+  mb = {
+      "tokens": rng.integers(1, v, (b, p + t)).astype(np.int32),  # [B, P+T]
+      "prompt_lens": np.full((b,), p, np.int32),  # [B]
+      "mask": np.ones((b, t), np.float32),  # [B, T] every response token real
+      "old_logp": np.full((b, t), -np.log(v), np.float32),  # [B, T] uniform policy
+      "ref_logp": np.full((b, t), -np.log(v), np.float32),
+      "advantages": rng.standard_normal((b, t)).astype(np.float32),
+      "returns": rng.standard_normal((b, t)).astype(np.float32),
+      "old_values": np.zeros((b, t), np.float32),
+  }
+  return jax.device_put(mb, jax.devices()[0])
+
+
+def random_params(cfgs: list, key: jax.Array) -> list:
+  """Random N(0, 0.02) weights (norm scales 1 + noise) for each model config, in one small
+  compiled program: one flat draw per model, sliced into the parameter tree. Timing does not
+  depend on the values, and this compiles in a fraction of the time of flax's initialisers."""
+  trees = []
+  for c in cfgs:
+    shapes = jax.eval_shape(lambda c=c: llama.init_params(c, jax.random.key(0))[0])
+    trees.append(jax.tree_util.tree_flatten_with_path(shapes))
+
+  def draw(k):
+    out = []
+    for i, (leaves, treedef) in enumerate(trees):
+      sizes = [int(np.prod(s.shape)) for _, s in leaves]
+      dtype = leaves[0][1].dtype
+      flat = 0.02 * jax.random.normal(jax.random.fold_in(k, i), (sum(sizes),), dtype)
+      arrays, off = [], 0
+      for (path, s), n in zip(leaves, sizes):
+        x = flat[off:off + n].reshape(s.shape)
+        off += n
+        arrays.append((x + 1 if "scale" in jax.tree_util.keystr(path) else x).astype(s.dtype))
+      out.append(jax.tree_util.tree_unflatten(treedef, arrays))
+    return out
+  return jax.jit(draw)(key)
+
+
+@dataclasses.dataclass
+class TrainBench:
+  """Compiled executables and inputs of the training measurement."""
+  update: Any  # compiled ppo update(actor, critic, mb) -> (actor, critic, metrics), donating
+  actor_fwd: Any  # compiled actor forward (response log-probs + entropy)
+  critic_fwd: Any  # compiled critic forward (response values)
+  state: dict  # {"actor": ModelState, "critic": ModelState}, replaced after every update
+  mb: dict
+
+
+def make_train_bench(cfg: BenchDecodeConfig, actor_params: Any, critic_params: Any,
+                     pool: concurrent.futures.Executor) -> TrainBench:
+  """Builds the optimizer states and batch and compiles the update and the two forwards (as
+  three concurrent tasks of `pool`)."""
+  actor_cfg, critic_cfg = cfg.model, cfg.critic_model
+  t = cfg.train_response_len
+  tx = optim.make_optimizer(1e-5, warmup_steps=1, total_steps=1_000_000)
+  actor = ppo.ModelState(actor_params, tx.init(actor_params))
+  critic = ppo.ModelState(critic_params, tx.init(critic_params))
+  mb = _train_batch(cfg)
+  update = ppo.make_update_fn(actor_cfg, critic_cfg, AlgoConfig(), 1.0, tx, tx)
+  fwd_a = jax.jit(lambda prm, x: sequences.response_logprobs_and_entropy(
+      actor_cfg, prm, x["tokens"], x["prompt_lens"], t))
+  fwd_c = jax.jit(lambda prm, x: sequences.response_values(
+      critic_cfg, prm, x["tokens"], x["prompt_lens"], t))
+  jobs = [pool.submit(lambda: update.lower(actor, critic, mb).compile()),
+          pool.submit(lambda: fwd_a.lower(actor_params, mb).compile()),
+          pool.submit(lambda: fwd_c.lower(critic_params, mb).compile())]
+  return TrainBench(update=jobs[0].result(), actor_fwd=jobs[1].result(),
+                    critic_fwd=jobs[2].result(), state={"actor": actor, "critic": critic},
+                    mb=mb)
+
+
+def measure_train(cfg: BenchDecodeConfig, tb: TrainBench) -> dict:
+  """Times one PPO update (actor + critic) and each model's forward on the same batch."""
+  state, mb, t = tb.state, tb.mb, cfg.train_response_len
+
+  def step():  # the update donates the states: only `state` holds the live ones
+    state["actor"], state["critic"], m = tb.update(state["actor"], state["critic"], mb)
+    jax.block_until_ready((state["actor"], state["critic"], m))
+
+  step_runs = _timed_runs(step, cfg.warmup, cfg.repeats, "ppo update")
+  pa, pc = state["actor"].params, state["critic"].params
+  fa_runs = _timed_runs(lambda: jax.block_until_ready(tb.actor_fwd(pa, mb)), cfg.warmup,
+                        cfg.repeats, "actor forward")
+  fc_runs = _timed_runs(lambda: jax.block_until_ready(tb.critic_fwd(pc, mb)), cfg.warmup,
+                        cfg.repeats, "critic forward")
+  step_s = float(np.median(step_runs))
+  tokens = cfg.train_batch * (cfg.train_prompt_len + t)
+  flops = accounting.ppo_update_flops(cfg.model, cfg.critic_model, cfg.train_batch,
+                                      cfg.train_prompt_len, t)
+  out = {
+      "batch": cfg.train_batch, "prompt_len": cfg.train_prompt_len, "response_len": t,
+      "tokens": tokens, "step_s": step_s, "step_s_runs": step_runs,
+      "tokens_per_s": tokens / step_s, "flops": flops, "achieved_flops_per_s": flops / step_s,
+      "flops_6nd": accounting.six_nd_flops(cfg.model, cfg.critic_model, tokens),
+      "actor_fwd_s": float(np.median(fa_runs)), "critic_fwd_s": float(np.median(fc_runs)),
+  }
+  logging.info("ppo update: %.4f s, %.1f tokens/s, %.3g FLOP/s achieved", step_s,
+               out["tokens_per_s"], out["achieved_flops_per_s"])
+  return out
+
+
+def add_fractions(result: dict, peak_flops: float | None, peak_bw: float | None) -> dict:
+  """Adds bw_fraction per decode batch and mfu / mfu_6nd to the train entry (None: unknown)."""
+  for row in result["decode"]["per_batch"]:
+    row["bw_fraction"] = accounting.fraction(row["achieved_bw_bytes_per_s"], peak_bw)
+  tr = result["train"]
+  tr["mfu"] = accounting.fraction(tr["achieved_flops_per_s"], peak_flops)
+  tr["mfu_6nd"] = accounting.fraction(tr["flops_6nd"] / tr["step_s"], peak_flops)
+  return result
+
+
+def calibration_file(result: dict) -> dict:
+  """The measurements as a simulator calibration file (rlhfuse_jax/sim/calibration.py)."""
+  dev, dec, tr = result["device"], result["decode"], result["train"]
+  rows = dec["per_batch"]
+  largest = rows[-1]
+  ops = {
+      "decode_step": {"occupied_slots": [r["batch"] for r in rows],
+                      "seconds": [r["step_s"] for r in rows]},
+      "prefill": {"tokens_per_s": largest["batch"] * dec["prompt_len"] / largest["prefill_s"]},
+  }
+  fwd = tr["actor_fwd_s"] + tr["critic_fwd_s"]
+  bwd_over_fwd = (tr["step_s"] - fwd) / fwd
+  notes = (f"decode_step: an instance of B slots, all live (B = occupied_slots), attending over "
+           f"its whole {dec['cache_len']}-position cache every step (so per_context_token_s is "
+           f"0 for this engine; the times hold for this cache length). prefill: "
+           f"{largest['batch']} x {dec['prompt_len']} tokens, first token sampled included. ")
+  if bwd_over_fwd > 0:
+    ops["train_stage"] = {"actor_fwd_s": tr["actor_fwd_s"], "critic_fwd_s": tr["critic_fwd_s"],
+                          "bwd_over_fwd": bwd_over_fwd}
+    notes += (f"train_stage: one micro-batch of {tr['batch']} x {tr['prompt_len']} + "
+              f"{tr['response_len']} tokens on one stage (no pipeline); bwd_over_fwd = (update "
+              f"- forwards) / forwards, so it includes the AdamW step.")
+  else:
+    notes += (f"train_stage omitted: the update ({tr['step_s']:.4g} s) did not take longer than "
+              f"the two forwards ({fwd:.4g} s), so no backward time could be derived.")
+  return {
+      "format": calibration.FORMAT,
+      "device": f"{dev['platform']} ({dev['device_kind']}), measured by "
+                f"experiments/bench_decode.py",
+      "model_params": result["model"]["num_params"], "instance_devices": 1,
+      # Fake CPU devices are one shared processor (see calibration.py).
+      "devices_share_compute": dev["platform"] == "cpu",
+      "ops": ops, "notes": notes,
+  }
+
+
+def plot(result: dict, path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = result["decode"]["per_batch"]
+  b = [r["batch"] for r in rows]
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+  ax1.plot(b, [r["tokens_per_s"] for r in rows], "o-")
+  ax1.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s",
+          title="decode throughput")
+  ax2.plot(b, [r["achieved_bw_bytes_per_s"] / 1e9 for r in rows], "o-", label="achieved")
+  peak = result["device"]["peak_hbm_bw_bytes_per_s"]
+  if peak:
+    ax2.axhline(peak / 1e9, color="k", ls="--", label=f"peak {result['device']['peak']}")
+  ax2.set(xscale="log", xlabel="batch", ylabel="GB/s (weights + full KV cache per step)",
+          title="achieved HBM bandwidth" + ("" if peak else f" ({UNKNOWN_PEAK})"))
+  ax2.legend()
+  dev = result["device"]
+  fig.suptitle(f"{dev['device_kind']} ({dev['platform']}), {result['model']['num_params']:,} "
+               f"params, {result['model']['dtype']}, cache {result['decode']['cache_len']}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def run(cfg: BenchDecodeConfig, workdir: str) -> dict:
+  """Runs every measurement and writes result.json, calibration.json and the PNG."""
+  t_start = time.perf_counter()
+  device = jax.devices()[0]
+  hw = cfg.resolve_hardware(device.device_kind)
+  logging.info("device %s (%s); peak: %s", device.device_kind, device.platform,
+               hw.name if hw else UNKNOWN_PEAK)
+  key = jax.random.key(cfg.seed)
+  params, critic_params = random_params([cfg.model, cfg.critic_model], key)
+  logging.info("model: %s params (%s)", f"{cfg.model.num_params():,}", cfg.model.param_dtype)
+  # Every executable is compiled before anything is timed, concurrently: XLA compiles outside
+  # the GIL, and compilation, not measurement, is most of a small run's wall time.
+  t0 = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(len(cfg.batch_sizes) + 3) as pool:
+    gens = [pool.submit(make_generator, cfg, params, b) for b in cfg.batch_sizes]
+    train_bench = make_train_bench(cfg, params, critic_params, pool)
+    gens = [g.result() for g in gens]
+  compile_s = time.perf_counter() - t0
+  logging.info("compiled %d generators and the ppo update in %.1f s", len(gens), compile_s)
+  per_batch = []
+  for i, gen in enumerate(gens):
+    logging.info("decode batch %d (%d/%d)", gen.batch_size, i + 1, len(gens))
+    per_batch.append(measure_decode(cfg, gen, params))
+  del gens
+  logging.info("ppo update: batch %d x %d tokens", cfg.train_batch,
+               cfg.train_prompt_len + cfg.train_response_len)
+  train = measure_train(cfg, train_bench)
+  del params, critic_params, train_bench  # donated to the update
+  result = {
+      "device": {
+          "platform": device.platform, "device_kind": device.device_kind,
+          "num_devices": jax.device_count(), "devices_used": 1,
+          "hardware_preset": hw.name if hw else None,
+          "peak": hw.name if hw else UNKNOWN_PEAK,
+          "peak_bf16_flops": hw.peak_flops if hw else None,
+          "peak_hbm_bw_bytes_per_s": hw.hbm_bw if hw else None,
+      },
+      "jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__,
+      "model": {**dataclasses.asdict(cfg.model), "num_params": cfg.model.num_params(),
+                "critic_num_params": cfg.critic_model.num_params()},
+      "decode": {
+          "prompt_len": cfg.prompt_len, "max_new_tokens": cfg.max_new_tokens,
+          "cache_len": cfg.cache_len, "chunk_size": cfg.chunk_size, "warmup": cfg.warmup,
+          "repeats": cfg.repeats,
+          "bytes_per_step_formula": (
+              "weight_bytes + kv_bytes; weight_bytes = all params except the untied input "
+              "embedding (only batch rows gathered); kv_bytes = 2 * layers * batch * cache_len "
+              "* kv_heads * head_dim * itemsize (the whole cache is attended every step); "
+              "see rlhfuse_jax/perf/accounting.py"),
+          "per_batch": per_batch,
+      },
+      "compile_s": compile_s,
+      "train": {**train, "flops_formula": (
+          "3 x forward per model (actor + critic); forward = B*S*(2*layers*layer_matmul_params "
+          "+ 4*layers*heads*head_dim*(S+1)/2) + B*T*2*hidden*head_width; see "
+          "rlhfuse_jax/perf/accounting.py")},
+  }
+  add_fractions(result, hw.peak_flops if hw else None, hw.hbm_bw if hw else None)
+  result["wall_s"] = time.perf_counter() - t_start
+  wd.write_json(os.path.join(workdir, "result.json"), result)
+  cal = calibration_file(result)
+  calibration.from_dict(cal, "bench_decode")  # what we write must load
+  wd.write_json(os.path.join(workdir, "calibration.json"), cal)
+  plot(result, os.path.join(workdir, "bench_decode.png"))
+  return result
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  cfg = BenchDecodeConfig.from_config_dict(_CONFIG.value)
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  wd.write_config(_WORKDIR.value, _CONFIG.value)
+  result = run(cfg, _WORKDIR.value)
+  for row in result["decode"]["per_batch"]:
+    frac = row["bw_fraction"]
+    logging.info("batch %4d: %10.1f tokens/s  %8.3f GB/s  %s", row["batch"],
+                 row["tokens_per_s"], row["achieved_bw_bytes_per_s"] / 1e9,
+                 f"{100 * frac:.1f}% of peak" if frac is not None else UNKNOWN_PEAK)
+  tr = result["train"]
+  logging.info("ppo update: %.4f s, %.1f tokens/s, MFU %s", tr["step_s"], tr["tokens_per_s"],
+               f"{100 * tr['mfu']:.2f}%" if tr["mfu"] is not None else UNKNOWN_PEAK)
+  logging.info("wrote %s", os.path.join(_WORKDIR.value, "result.json"))
+
+
+if __name__ == "__main__":
+  app.run(main)

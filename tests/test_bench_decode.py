@@ -1,0 +1,249 @@
+"""experiments/bench_decode on its tiny CPU default, and the byte/FLOP accounting it reports.
+
+The accounting is checked against what the code really allocates (parameter and KV-cache shapes
+from jax.eval_shape) and against the simulator's FLOP formula, so a model change that the
+formulas miss fails here.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import bench_decode as bench_config_file
+from rlhfuse_jax.models import llama
+from rlhfuse_jax.perf import accounting
+from rlhfuse_jax.perf.bench_config import BenchDecodeConfig
+from rlhfuse_jax.sim import calibration, hardware, shapes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = BenchDecodeConfig.from_config_dict(bench_config_file.get_config())
+
+
+def _param_shapes(cfg):
+  return jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
+
+
+def _nbytes(tree):
+  return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+# ------------------------------------------------------------------------------ the binary
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("bench_decode"))
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.bench_decode", "--config=configs/bench_decode.py",
+       f"--workdir={workdir}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  with open(os.path.join(workdir, "result.json")) as f:
+    result = json.load(f)
+  return workdir, result, proc.stderr
+
+
+def test_writes_result_calibration_config_and_png(bench):
+  workdir, result, log = bench
+  for name in ("result.json", "calibration.json", "config.json"):
+    assert os.path.getsize(os.path.join(workdir, name)) > 0
+  with open(os.path.join(workdir, "bench_decode.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert "decode batch 128" in log and "ppo update" in log  # progress lines
+  assert result["jax_version"] == jax.__version__
+  assert result["device"]["platform"] == "cpu"
+
+
+def test_cpu_reports_unknown_peak(bench):
+  _, result, log = bench
+  dev = result["device"]
+  assert dev["peak"] == "unknown peak" and dev["hardware_preset"] is None
+  assert dev["peak_hbm_bw_bytes_per_s"] is None and dev["peak_bf16_flops"] is None
+  assert all(r["bw_fraction"] is None for r in result["decode"]["per_batch"])
+  assert result["train"]["mfu"] is None and result["train"]["mfu_6nd"] is None
+  assert "unknown peak" in log
+
+
+def test_decode_rows_are_consistent(bench):
+  _, result, _ = bench
+  m = result["model"]
+  assert m["num_params"] == TINY.model.num_params()
+  dec = result["decode"]
+  assert dec["cache_len"] == TINY.prompt_len + TINY.max_new_tokens
+  rows = dec["per_batch"]
+  assert [r["batch"] for r in rows] == [1, 16, 128]
+  head_dim = m["hidden_size"] // m["num_heads"]
+  for r in rows:
+    b, steps = r["batch"], r["decode_steps"]
+    assert steps == TINY.max_new_tokens - 1  # no EOS: every row decodes to the end
+    assert len(r["decode_s_runs"]) == TINY.repeats and min(r["decode_s_runs"]) > 0
+    assert r["decode_s"] == pytest.approx(np.median(r["decode_s_runs"]), rel=1e-12)
+    assert r["tokens_per_s"] == pytest.approx(b * steps / r["decode_s"], rel=1e-9)
+    assert r["step_s"] == pytest.approx(r["decode_s"] / steps, rel=1e-9)
+    kv = 2 * m["num_layers"] * b * dec["cache_len"] * m["num_kv_heads"] * head_dim * 2  # bf16
+    weights = (m["num_params"] - m["vocab_size"] * m["hidden_size"] + b * m["hidden_size"]) * 2
+    assert r["kv_bytes"] == kv and r["weight_bytes"] == weights
+    assert r["bytes_per_step"] == kv + weights
+    assert r["achieved_bw_bytes_per_s"] == pytest.approx(r["bytes_per_step"] / r["step_s"],
+                                                         rel=1e-9)
+    assert r["prefill_s"] > 0
+  # Bigger batches move more KV bytes per step, so the KV share grows with the batch.
+  shares = [r["kv_bytes"] / r["bytes_per_step"] for r in rows]
+  assert shares == sorted(shares) and shares[0] < shares[-1]
+
+
+def test_train_step_is_consistent(bench):
+  _, result, _ = bench
+  tr = result["train"]
+  s = TINY.train_prompt_len + TINY.train_response_len
+  assert tr["tokens"] == TINY.train_batch * s
+  assert tr["step_s"] == pytest.approx(np.median(tr["step_s_runs"]), rel=1e-12)
+  assert tr["tokens_per_s"] == pytest.approx(tr["tokens"] / tr["step_s"], rel=1e-9)
+  assert tr["flops"] == pytest.approx(accounting.ppo_update_flops(
+      TINY.model, TINY.critic_model, TINY.train_batch, TINY.train_prompt_len,
+      TINY.train_response_len), rel=1e-12)
+  assert tr["achieved_flops_per_s"] == pytest.approx(tr["flops"] / tr["step_s"], rel=1e-9)
+  n = TINY.model.num_params() + TINY.critic_model.num_params()
+  assert tr["flops_6nd"] == pytest.approx(6 * n * tr["tokens"], rel=1e-12)
+  assert tr["actor_fwd_s"] > 0 and tr["critic_fwd_s"] > 0
+
+
+def test_calibration_file_loads_with_the_measured_step_times(bench):
+  workdir, result, _ = bench
+  cal = calibration.load(os.path.join(workdir, "calibration.json"))
+  rows = result["decode"]["per_batch"]
+  assert cal.decode_step.occupied_slots == tuple(float(r["batch"]) for r in rows)
+  assert cal.decode_step.seconds == pytest.approx([r["step_s"] for r in rows], rel=1e-12)
+  assert cal.model_params == result["model"]["num_params"]
+  big = rows[-1]
+  assert cal.prefill.per_s == pytest.approx(
+      big["batch"] * result["decode"]["prompt_len"] / big["prefill_s"], rel=1e-9)
+  tr = result["train"]
+  if cal.train_stage is not None:  # present whenever the update outlasts the two forwards
+    assert cal.train_stage.actor_fwd_s == pytest.approx(tr["actor_fwd_s"])
+    fwd = tr["actor_fwd_s"] + tr["critic_fwd_s"]
+    assert cal.train_stage.bwd_over_fwd == pytest.approx((tr["step_s"] - fwd) / fwd)
+
+
+# ------------------------------------------------------------------------------ accounting
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_bytes_match_the_real_params_and_cache(tied):
+  cfg = TINY.model.replace(tie_embeddings=tied)
+  b, cache_len = 16, 24
+  params = _param_shapes(cfg)
+  cache = jax.eval_shape(lambda: llama.KVCache.zeros(cfg, b, cache_len))
+  got = accounting.decode_step_bytes(cfg, b, cache_len)
+  table = params["embed"]["embedding"]
+  assert _nbytes(params) == cfg.num_params() * 2
+  if tied:  # the table is read whole as the LM head
+    assert got["weight_bytes"] == _nbytes(params)
+  else:  # only b rows of the input embedding are read
+    assert got["weight_bytes"] == _nbytes(params) - _nbytes(table) + b * cfg.hidden_size * 2
+  assert got["kv_bytes"] == _nbytes(cache)
+  assert got["total_bytes"] == got["weight_bytes"] + got["kv_bytes"]
+
+
+def test_layer_matmul_params_are_the_layer_kernels():
+  cfg = TINY.model
+  layer = _param_shapes(cfg)["layers_0"]
+  kernels = [x for x in jax.tree_util.tree_leaves(layer) if len(x.shape) == 2]
+  assert accounting.layer_matmul_params(cfg) == sum(int(np.prod(k.shape)) for k in kernels)
+
+
+@pytest.mark.parametrize("head", ["lm", "scalar"])
+def test_forward_flops_agree_with_the_simulator(head):
+  cfg = TINY.model.replace(head=head)
+  b, s = 3, 20
+  sim = shapes.from_model_config(cfg).forward_flops(b * s, (s + 1) / 2)
+  assert accounting.forward_flops(cfg, b, s, head_positions=s) == pytest.approx(sim, rel=1e-12)
+  # The PPO losses apply the head only at the response positions.
+  t = 12
+  head_width = cfg.vocab_size if head == "lm" else 1
+  assert (accounting.forward_flops(cfg, b, s, s) - accounting.forward_flops(cfg, b, s, t)
+          == pytest.approx(b * (s - t) * 2 * cfg.hidden_size * head_width))
+
+
+def test_ppo_update_flops_is_three_forwards_per_model():
+  a, c = TINY.model, TINY.critic_model
+  f = 3 * (accounting.forward_flops(a, 4, 24, 16) + accounting.forward_flops(c, 4, 24, 16))
+  assert accounting.ppo_update_flops(a, c, 4, 8, 16) == pytest.approx(f)
+  assert accounting.ppo_update_flops(a, None, 4, 8, 16) == pytest.approx(
+      3 * accounting.forward_flops(a, 4, 24, 16))
+
+
+def test_fraction():
+  assert accounting.fraction(1.5e12, 3e12) == pytest.approx(0.5)
+  assert accounting.fraction(1.5e12, None) is None
+
+
+# ------------------------------------------------------------------------------ peaks, config
+@pytest.mark.parametrize("kind,preset", [
+    ("NVIDIA H100 80GB HBM3", "h100_sxm"), ("NVIDIA H200", "h200_sxm"),
+    ("NVIDIA H800", "h800_sxm"), ("NVIDIA A100-SXM4-80GB", "a100_80g_sxm"),
+    ("TPU v5 lite", "tpu_v5e"), ("TPU v5", "tpu_v5p"), ("TPU v5p", "tpu_v5p"),
+    # Different bandwidth or clocks than any preset: no match rather than a wrong peak.
+    ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None), ("NVIDIA GH200 480GB", None),
+    ("NVIDIA A100-SXM4-40GB", None), ("NVIDIA A100 80GB PCIe", None), ("TPU v4", None),
+    ("cpu", None),
+])
+def test_hardware_for_device_kind(kind, preset):
+  hw = hardware.hardware_for_device_kind(kind)
+  assert (hw.name if hw else None) == preset
+
+
+def test_resolve_hardware():
+  assert TINY.hardware == "auto"
+  assert TINY.resolve_hardware("cpu") is None
+  assert TINY.resolve_hardware("NVIDIA H100 80GB HBM3").hbm_bw == hardware.HARDWARE[
+      "h100_sxm"].hbm_bw
+  forced = BenchDecodeConfig.from_config_dict(_cd(hardware="h200_sxm"))
+  assert forced.resolve_hardware("cpu").name == "h200_sxm"
+  assert BenchDecodeConfig.from_config_dict(_cd(hardware="none")).resolve_hardware(
+      "NVIDIA H100 80GB HBM3") is None
+
+
+def _cd(**overrides):
+  c = bench_config_file.get_config()
+  for k, v in overrides.items():
+    if "." in k:
+      sec, f = k.split(".")
+      c[sec][f] = v
+    else:
+      c[k] = v
+  return c
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"batch_sizes": "1,x"}, "batch_sizes"),
+    ({"batch_sizes": "16,1"}, "increasing"),
+    ({"batch_sizes": "0,4"}, "positive"),
+    ({"hardware": "h100"}, "hardware"),
+    ({"max_new_tokens": 60}, "max_seq_len"),
+    ({"repeats": 0}, "repeats"),
+])
+def test_bad_configs_name_the_field(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    BenchDecodeConfig.from_config_dict(_cd(**overrides))
+
+
+def test_unknown_fields_are_rejected():
+  c = bench_config_file.get_config().to_dict()
+  c["batchsizes"] = "1"
+  with pytest.raises(ValueError, match="unknown fields.*batchsizes"):
+    BenchDecodeConfig.from_config_dict(c)
+  c = bench_config_file.get_config().to_dict()
+  c["model"]["hidden"] = 3
+  with pytest.raises(ValueError, match="config.model: unknown fields.*hidden"):
+    BenchDecodeConfig.from_config_dict(c)
+
+
+def test_1b_variant_is_about_a_billion_params():
+  cfg = BenchDecodeConfig.from_config_dict(bench_config_file.get_config("1b"))
+  assert cfg.model.param_dtype == cfg.model.dtype == "bfloat16"
+  assert 1.0e9 < cfg.model.num_params() < 1.2e9
+  assert cfg.batch_sizes == (1, 16, 128)
