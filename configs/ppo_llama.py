@@ -1,0 +1,102 @@
+r"""Shape-only PPO configs for LLaMA-class actor/critic pairs on GPU/TPU meshes (DESIGN §6 setting).
+
+For real clusters; nothing here runs them (tests only parse them). 13B actor and critic on
+32 to 256 GPUs (one process per host, see launch/):
+  python -m experiments.train_ppo --config=configs/ppo_llama.py:13b --workdir=/ckpt/ppo_13b
+Variants (critic of the same size): `configs/ppo_llama.py:7b`, `configs/ppo_llama.py:13b`,
+`configs/ppo_llama.py:33b`, `configs/ppo_llama.py:65b`; or an 'actor/critic' pair as in the
+RLHFuse paper: `configs/ppo_llama.py:33b/13b`, `configs/ppo_llama.py:65b/33b`. The paper's generation lengths as a sweep:
+  python -m experiments.sweep --config=configs/ppo_llama.py --binary=train_ppo --workdir=/ckpt/sw
+
+Every field of configs/ppo_tiny.py is present (this file starts from it). Real runs also set
+init.actor_checkpoint / init.critic_checkpoint (HF LLaMA checkpoints), init.tokenizer and
+data.prompts_file; without them the actor is random and prompts come from the synthetic task.
+"""
+from configs import ppo_tiny
+
+# LLaMA-1 (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models", Table 2:
+# dimension, heads, layers, and the parameter counts 6.7B / 13.0B / 32.5B / 65.2B; vocabulary
+# 32000, §2.1). SwiGLU widths from the released params.json (2/3 * 4d rounded up to a multiple
+# of 256). Llama 2 7B/13B (Touvron et al. 2023b) have the same shapes. Full multi-head attention.
+# name: (hidden, intermediate, layers, heads, nominal params)
+SHAPES = {
+    "7b": (4096, 11008, 32, 32, 6.7e9),
+    "13b": (5120, 13824, 40, 40, 13.0e9),
+    "33b": (6656, 17920, 60, 52, 32.5e9),
+    "65b": (8192, 22016, 80, 64, 65.2e9),
+}
+
+# Mesh per actor size: fsdp x tensor devices hold one model replica, `data` takes the rest.
+# tensor divides every model's heads (52 heads of 33B: 4, not 8), intermediate and vocabulary;
+# fsdp divides hidden. The batch is split over data x fsdp, which must divide
+# algo.minibatch_size (64), so each size runs on replica .. 64 * tensor devices: 7B on 8..64
+# GPUs, 13B and 33B on 32..256, 65B on 64..512 (the paper's pairs all fit its 256 GPUs).
+# A pair of two sizes gets the tensor degree both divide and the larger replica (get_config).
+MESHES = {
+    "7b": {"data": -1, "fsdp": 8, "tensor": 1},
+    "13b": {"data": -1, "fsdp": 8, "tensor": 4},
+    "33b": {"data": -1, "fsdp": 8, "tensor": 4},
+    "65b": {"data": -1, "fsdp": 8, "tensor": 8},
+}
+
+
+def _set_shape(section, name: str) -> None:
+  hidden, inter, layers, heads, _ = SHAPES[name]
+  section.hidden_size = hidden
+  section.intermediate_size = inter
+  section.num_layers = layers
+  section.num_heads = heads
+  section.num_kv_heads = heads  # no grouped-query attention in LLaMA-1
+  section.max_seq_len = 4096  # Llama 2's context; covers prompt 512 + 2048 new tokens
+  section.param_dtype = "bfloat16"
+  section.dtype = "bfloat16"
+
+
+def parse_variant(arg: str) -> tuple[str, str]:
+  """'13b' -> ('13b', '13b'); '65b/33b' -> ('65b', '33b')."""
+  parts = arg.split("/")
+  if len(parts) not in (1, 2) or any(p not in SHAPES for p in parts):
+    raise ValueError(f"configs/ppo_llama.py: unknown variant {arg!r}; expected a size in "
+                     f"{list(SHAPES)} or 'actor/critic' such as '65b/33b'")
+  return parts[0], parts[-1]
+
+
+def get_config(arg: str = "13b"):
+  actor, critic = parse_variant(arg)
+  c = ppo_tiny.get_config()
+  c.num_iterations = 100  # PPO iterations
+  c.log_every = 1
+
+  c.model.vocab_size = 32000  # LLaMA SentencePiece vocabulary
+  c.model.head_dim = 0  # 0: hidden_size // num_heads = 128
+  c.model.rope_theta = 10000.0
+  _set_shape(c.model, actor)
+  _set_shape(c.critic_model, critic)  # critic backbone; the trainer gives it a scalar head
+
+  # One mesh holds both models: the tensor size must divide both models' heads (the smaller of
+  # the two sizes' tensor degrees), with the devices of the larger model's replica.
+  tensor = min(MESHES[actor]["tensor"], MESHES[critic]["tensor"])
+  replica = max(MESHES[m]["fsdp"] * MESHES[m]["tensor"] for m in (actor, critic))
+  c.mesh.data = -1  # the rest of the devices
+  c.mesh.fsdp = replica // tensor
+  c.mesh.tensor = tensor
+  c.mesh.stage = 1  # no pipeline in the serial-stage baseline
+
+  c.data.max_prompt_len = 512  # prompt bucket (right-padded)
+  c.rollout.prompts_per_iteration = 512  # global batch of the RLHFuse setting
+  c.rollout.samples_per_prompt = 1
+  c.rollout.max_new_tokens = 1024  # the paper sweeps 512 / 1024 / 2048 (get_sweep)
+  c.rollout.chunk_size = 64  # decode steps per jitted call
+  c.algo.minibatch_size = 64  # samples per optimizer step
+  c.algo.epochs = 1  # one PPO epoch over the rollout per iteration
+  c.optim.actor_lr = 1e-6  # small learning rates: fine-tuning a pretrained model
+  c.optim.critic_lr = 5e-6
+  c.optim.warmup_steps = 10
+  c.checkpoint.every = 10
+  c.checkpoint.keep = 2
+  return c
+
+
+def get_sweep():
+  """The paper's maximum generation lengths, on the default 13B/13B pair."""
+  return [{"name": f"gen{n}", "rollout.max_new_tokens": n} for n in (512, 1024, 2048)]

@@ -1,0 +1,198 @@
+"""Every configs/*.py parses into the typed config of its binary, in every variant it documents,
+and every get_sweep() entry overrides fields that exist (and still parses).
+
+A config's binary is the `python -m experiments.NAME --config=configs/THIS.py` of its docstring;
+its variants are the `configs/THIS.py:VARIANT` it names. Binaries that take the ConfigDict as it
+is (no typed config) are checked for a ConfigDict only. Then the LLaMA-class shape-only configs
+(configs/ppo_llama.py) are checked against the published sizes and their meshes.
+"""
+import glob
+import importlib
+import inspect
+import os
+import re
+
+import ml_collections
+import pytest
+
+from rlhfuse_jax.perf.bench_config import BenchDecodeConfig
+from rlhfuse_jax.pipeline.graph import PipelineProblem
+from rlhfuse_jax.sim import shapes as sim_shapes
+from rlhfuse_jax.sim.ablations import AblationConfig
+from rlhfuse_jax.trainer.config import TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+               if not p.endswith("__init__.py"))
+
+# binary -> the typed conversion it applies to its --config
+PARSERS = {
+    "train_ppo": TrainConfig.from_config_dict,
+    "bench_decode": BenchDecodeConfig.from_config_dict,
+    "reproduce_ablations": AblationConfig.from_config_dict,
+    "schedule_search": PipelineProblem.from_config,
+    "schedule_cp_check": PipelineProblem.from_config,
+}
+
+
+def _module(name):
+  return importlib.import_module(f"configs.{name}")
+
+
+def _binary(name):
+  doc = _module(name).__doc__ or ""
+  here = rf"--config=configs/{name}\.py"
+  found = re.findall(rf"python -m experiments\.(\w+) {here}", doc)
+  found += re.findall(rf"{here}\S* --binary=(\w+)", doc)  # sweeps name the binary they run
+  found = [b for b in found if b != "sweep"]
+  return found[0] if found else None
+
+
+def _variants(name):
+  doc = _module(name).__doc__ or ""
+  return sorted(set(re.findall(rf"configs/{name}\.py:([\w/.-]+)", doc)))
+
+
+def _parse(name, c):
+  binary = _binary(name)
+  assert isinstance(c, ml_collections.ConfigDict), f"configs/{name}.py get_config()"
+  if binary in PARSERS:
+    return PARSERS[binary](c)
+  return c
+
+
+def _flat_keys(d, prefix=""):
+  for k, v in d.items():
+    if isinstance(v, dict):
+      yield from _flat_keys(v, f"{prefix}{k}.")
+    else:
+      yield prefix + k
+
+
+def _override(c, dotted, value, where):
+  node = c
+  *path, leaf = dotted.split(".")
+  for part in path:
+    assert part in node and isinstance(node[part], ml_collections.ConfigDict), (
+        f"{where}: {dotted!r} is not a field of the config")
+    node = node[part]
+  assert leaf in node and not isinstance(node[leaf], ml_collections.ConfigDict), (
+      f"{where}: {dotted!r} is not a field of the config")
+  node[leaf] = value  # ConfigDict refuses a value of another type, as the command line does
+
+
+def test_every_config_names_its_binary():
+  assert {"ppo_tiny", "ppo_llama", "bench_decode"} <= set(NAMES)
+  for name in NAMES:
+    assert _binary(name), f"configs/{name}.py: docstring has no 'python -m experiments.X " \
+                          f"--config=configs/{name}.py' launch command"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_get_config_and_documented_variants_parse(name):
+  mod = _module(name)
+  _parse(name, mod.get_config())
+  for variant in _variants(name):
+    _parse(name, mod.get_config(variant))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unknown_variant_is_an_error(name):
+  get_config = _module(name).get_config
+  if not inspect.signature(get_config).parameters:
+    pytest.skip(f"configs/{name}.py has no variants")
+  with pytest.raises(ValueError, match="variant"):
+    get_config("no_such_variant")
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if hasattr(_module(n), "get_sweep")])
+def test_sweep_entries_override_existing_fields(name):
+  mod = _module(name)
+  sweep = mod.get_sweep()
+  assert sweep, f"configs/{name}.py get_sweep() is empty"
+  for i, entry in enumerate(sweep):
+    c = mod.get_config()
+    for key, value in entry.items():
+      if key != "name":  # the run's name, not a field (experiments/sweep.py)
+        _override(c, key, value, f"configs/{name}.py get_sweep()[{i}]")
+    _parse(name, c)
+
+
+def test_documented_variants_are_found():
+  assert _variants("ppo_tiny") == ["grpo"]
+  assert {"7b", "13b", "33b", "65b", "33b/13b", "65b/33b"} <= set(_variants("ppo_llama"))
+  assert _binary("ppo_llama") == "train_ppo" and _binary("bench_decode") == "bench_decode"
+
+
+# ----------------------------------------------------------------------- LLaMA-class configs
+from configs import ppo_llama, ppo_tiny  # noqa: E402
+
+SIZES = ["7b", "13b", "33b", "65b"]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_llama_sizes_are_within_3_percent_of_nominal(size):
+  cfg = TrainConfig.from_config_dict(ppo_llama.get_config(size))
+  nominal = ppo_llama.SHAPES[size][-1]
+  for model in (cfg.model, cfg.critic_model):
+    assert abs(model.num_params() / nominal - 1) < 0.03, (size, model.head, model.num_params())
+  assert cfg.critic_model.head == "scalar"
+  # The same shapes as the simulator's presets (sim/shapes.py, same paper).
+  ref = sim_shapes.get_shape(f"llama-{size}")
+  for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+            "num_kv_heads"):
+    assert getattr(cfg.model, f) == getattr(ref, f) == getattr(cfg.critic_model, f), f
+  assert cfg.model.num_params() == ref.num_params()
+
+
+@pytest.mark.parametrize("variant", SIZES + ["33b/13b", "65b/33b"])
+def test_llama_configs_are_bf16_paper_sized_and_fit_their_mesh(variant):
+  cfg = TrainConfig.from_config_dict(ppo_llama.get_config(variant))
+  actor, critic = ppo_llama.parse_variant(variant)
+  assert cfg.model.num_layers == ppo_llama.SHAPES[actor][2]
+  assert cfg.critic_model.num_layers == ppo_llama.SHAPES[critic][2]
+  for m in (cfg.model, cfg.critic_model):
+    assert m.param_dtype == m.dtype == "bfloat16"
+  assert cfg.rollout.batch_size == 512 and cfg.algo.minibatch_size == 64
+  assert 512 <= cfg.rollout.max_new_tokens <= 2048
+  mesh = cfg.mesh
+  for m in (cfg.model, cfg.critic_model):  # every sharded dimension divides evenly
+    for dim in (m.num_heads, m.num_kv_heads, m.intermediate_size, m.vocab_size):
+      assert dim % mesh.tensor == 0, (variant, dim, mesh)
+    assert m.hidden_size % mesh.fsdp == 0
+  replica = mesh.fsdp * mesh.stage * mesh.tensor
+  assert replica >= 8  # "8 or more GPUs"
+  assert mesh.resolve(replica)["data"] == 1
+  # The batch splits over data x fsdp = devices / (stage * tensor), which must divide the
+  # mini-batch: from one replica up to minibatch * stage * tensor devices.
+  largest = cfg.algo.minibatch_size * mesh.stage * mesh.tensor
+  for devices in (replica, largest):
+    sizes = mesh.resolve(devices)
+    assert cfg.algo.minibatch_size % (sizes["data"] * sizes["fsdp"]) == 0, (variant, devices)
+  if actor != "7b":  # the RLHFuse paper's pairs (13B and up) on its 256 GPUs
+    assert replica <= 256 <= largest
+  with pytest.raises(ValueError, match="mesh"):
+    mesh.resolve(replica + 1)
+
+
+def test_llama_sweep_lengths_fit_the_context():
+  c = ppo_llama.get_config()
+  for entry in ppo_llama.get_sweep():
+    assert c.data.max_prompt_len + entry["rollout.max_new_tokens"] <= c.model.max_seq_len
+  assert sorted(e["rollout.max_new_tokens"] for e in ppo_llama.get_sweep()) == [512, 1024, 2048]
+
+
+def test_llama_has_every_field_of_ppo_tiny():
+  tiny = set(_flat_keys(ppo_tiny.get_config().to_dict()))
+  for size in SIZES:
+    keys = set(_flat_keys(ppo_llama.get_config(size).to_dict()))
+    assert tiny <= keys
+    # Extra fields only where the tiny config relies on ModelConfig defaults (critic dtypes).
+    assert keys - tiny <= {"critic_model.param_dtype", "critic_model.dtype"}
+
+
+def test_llama_bad_variants():
+  for bad in ("70b", "13b/7b/7b", "13B"):
+    with pytest.raises(ValueError, match="unknown variant"):
+      ppo_llama.get_config(bad)
+
