@@ -1,29 +1,42 @@
-"""Exhaustive check with a CP-SAT model: is there a schedule of makespan <= target within budget?
+"""Exact CP-SAT model of the fused schedule within budget: feasibility of a target, or minimisation.
+
+Check mode: is there a schedule of makespan <= target within budget?
 
 Answers the question the heuristic search cannot: whether the tight lower bound is reachable at
 all while every device's peak memory stays within its budget. The model has one start variable
 per task, the dependencies of graph.py, micro-batches of one kind in increasing order on each
 device (the canonical order every schedule of this package uses), one no-overlap constraint per
-device, and a reservoir constraint per device (+mem at a forward's start, -mem at its backward's
-end, level within [0, budget]). INFEASIBLE is a proof (for that canonical order); OPTIMAL/FEASIBLE
+device, and the budget per device as a reservoir (+mem at a forward's start, -mem at its
+backward's end, level within [0, budget]) or, equivalently, a cumulative of one interval per
+micro-batch (--memory). INFEASIBLE is a proof (for that canonical order); OPTIMAL/FEASIBLE
 comes with a schedule that evaluate.py re-checks. Integer durations and memory only.
 
-Needs `pip install ortools` (an optional analysis dependency; not needed by the library).
+Minimise mode (--minimize): minimises the makespan, hinted with (and bounded above by) the best
+schedule the heuristic search finds in --hint_search_s seconds, bounded below by the tight bound;
+reports the best makespan found and CP-SAT's proven lower bound (equal: a proven optimum).
+
+Needs ortools (an optional analysis dependency, not needed by the library; kept out of the main
+environment because it pins an older protobuf: `pip install --target DIR ortools` and put DIR on
+PYTHONPATH for this binary only).
   python -m experiments.schedule_cp_check --config=configs/schedule_search.py \
       --config.actor_pp=8 --config.critic_pp=4 --config.actor_microbatches=16 \
       --config.critic_microbatches=8 --workdir=/tmp/cp_e1 --time_limit_s=120
+  python -m experiments.schedule_cp_check --config=configs/schedule_search.py --minimize \
+      --hint_search_s=20 --workdir=/tmp/cp_e0_min --time_limit_s=600
 """
 from __future__ import annotations
 
+import math
 import os
 import time
+from typing import Optional
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 import numpy as np
 
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.pipeline import bounds
+from rlhfuse_jax.pipeline import bounds, search
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import PipelineProblem
 
@@ -32,10 +45,23 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "output directory", required=Tru
 _TARGET = flags.DEFINE_float("target", -1.0, "makespan to check; -1: the tight lower bound")
 _TIME = flags.DEFINE_float("time_limit_s", 120.0, "CP-SAT time limit")
 _WORKERS = flags.DEFINE_integer("workers", 2, "CP-SAT search workers")
+_MINIMIZE = flags.DEFINE_bool("minimize", False, "minimise the makespan instead of checking")
+_MEMORY = flags.DEFINE_enum("memory", "reservoir", ["reservoir", "cumulative", "both"],
+                            "CP model of the memory budget")
+_HINT_S = flags.DEFINE_float("hint_search_s", 20.0, "heuristic search seconds for the hint")
 
 
-def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: int):
-  """Returns (status name, order int8 [N, T] or None, seconds)."""
+def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: int,
+          minimize: bool = False, hint: Optional[np.ndarray] = None,
+          memory: str = "reservoir"):
+  """Returns (status name, order int8 [N, T] or None, seconds, proven lower bound).
+
+  target: the makespan to reach (check) or the horizon (minimize). hint: an order [N, T] whose
+  list-scheduled start times seed the solver. memory: how the budget is modelled, 'reservoir',
+  'cumulative' or 'both' (same constraint, different propagation and presolve cost).
+  """
+  if memory not in ("reservoir", "cumulative", "both"):
+    raise ValueError(f"memory={memory!r}; expected 'reservoir', 'cumulative' or 'both'")
   try:
     from ortools.sat.python import cp_model
   except ImportError as e:
@@ -69,8 +95,36 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
           m.Add(x >= (s[3, d - 1, j] + dur[3] if c < pc - 1 else s[2, d, j] + dur[2]))
     keys = [(k, j) for k in range(4) for j in range(counts[k])]
     m.AddNoOverlap([m.NewFixedSizeIntervalVar(s[k, d, j], dur[k], "") for k, j in keys])
-    m.AddReservoirConstraint([s[k, d, j] + (dur[k] if k % 2 else 0) for k, j in keys],
-                             [dmem[k] for k, _ in keys], 0, budget[d])
+    if memory in ("reservoir", "both"):
+      # +mem at a forward's start, -mem at its backward's end: propagates well (it proved the
+      # e8 optimum in minutes) but presolves slowly, quadratically in the tasks per device.
+      m.AddReservoirConstraint([s[k, d, j] + (dur[k] if k % 2 else 0) for k, j in keys],
+                               [dmem[k] for k, _ in keys], 0, budget[d])
+    if memory in ("cumulative", "both"):
+      # The same constraint as one interval per micro-batch (forward start to backward end)
+      # under a cumulative: presolves in seconds on the largest instances.
+      holds, demands = [], []
+      for fk, bk in ((0, 1), (2, 3)):
+        for j in range(counts[fk]):
+          size = m.NewIntVar(dur[fk] + dur[bk], target, "")
+          holds.append(m.NewIntervalVar(s[fk, d, j], size, s[bk, d, j] + dur[bk], ""))
+          demands.append(dmem[fk])
+      m.AddCumulative(holds, demands, budget[d])
+  if minimize:
+    mk = m.NewIntVar(int(math.ceil(bounds.tight_lower_bound(p) - 1e-9)), target, "makespan")
+    for d in range(n):
+      for k in range(4):
+        m.Add(mk >= s[k, d, counts[k] - 1] + dur[k])
+    m.Minimize(mk)
+  if hint is not None:
+    ev = evaluate(p, hint)
+    for d in range(n):
+      seen = [0] * 4
+      for q, k in enumerate(hint[d].tolist()):
+        m.AddHint(s[k, d, seen[k]], int(round(ev.starts[d, q])))
+        seen[k] += 1
+    if minimize:
+      m.AddHint(mk, int(round(ev.makespan)))
   solver = cp_model.CpSolver()
   solver.parameters.max_time_in_seconds = time_limit_s
   solver.parameters.num_workers = workers
@@ -81,22 +135,39 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
     order = np.array([[k for _, k in sorted((solver.Value(s[k, d, j]), k) for k in range(4)
                                             for j in range(counts[k]))] for d in range(n)],
                      dtype=np.int8)
-  return solver.StatusName(status), order, time.time() - t0
+  bound = solver.BestObjectiveBound() if minimize else float("nan")
+  return solver.StatusName(status), order, time.time() - t0, bound
 
 
 def main(argv):
   del argv
   problem = PipelineProblem.from_config(_CONFIG.value)
   lb = bounds.tight_lower_bound(problem)
-  target = int(round(lb if _TARGET.value < 0 else _TARGET.value))
   wd.write_config(_WORKDIR.value, _CONFIG.value)
-  status, order, secs = check(problem, target, _TIME.value, _WORKERS.value)
-  result = {"target": target, "lower_bound": lb, "status": status, "solve_s": secs}
+  hint, result = None, {}
+  if _MINIMIZE.value:
+    search.warmup()
+    res = search.search(problem, search.SearchConfig(time_budget_s=_HINT_S.value,
+                                                     seed=int(_CONFIG.value.seed)))
+    hint = res.best
+    hint_mk = evaluate(problem, hint).makespan
+    result["hint_makespan"] = hint_mk
+    logging.info("hint from %gs of search: %g", _HINT_S.value, hint_mk)
+  if _TARGET.value >= 0:
+    target = int(round(_TARGET.value))
+  else:
+    target = int(round(result["hint_makespan"] if _MINIMIZE.value else lb))
+  status, order, secs, bound = check(problem, target, _TIME.value, _WORKERS.value,
+                                     _MINIMIZE.value, hint, _MEMORY.value)
+  result.update({"target": target, "lower_bound": lb, "status": status, "solve_s": secs})
+  if _MINIMIZE.value:
+    result["proven_lower_bound"] = bound
   if order is not None:
     ev = evaluate(problem, order)
     result.update(makespan=ev.makespan, within_budget=ev.within_budget,
                   peak_memory=ev.peaks.tolist(), budget=ev.budget.tolist())
-  logging.info("target %d (LB %g): %s in %.1fs", target, lb, status, secs)
+  logging.info("target %d (LB %g): %s in %.1fs; %s", target, lb, status, secs,
+               {k: v for k, v in result.items() if k in ("makespan", "proven_lower_bound")})
   wd.write_json(os.path.join(_WORKDIR.value, "result.json"), result)
 
 

@@ -9,7 +9,11 @@ with a memory penalty, and a memory phase, within a wall-clock budget and a seed
 2. Decoder annealing (`decoder_anneal`): annealing over a per-device budget split and per-task
    priorities that a memory-safe list scheduler turns into a schedule; every candidate is within
    budget by construction, and one move changes many positions at once.
-3. Order annealing (numba, `anneal_kernel`) over the per-device kind orders. A move takes one
+3. Order annealing over the per-device kind orders, two kinds of runs. Most runs stay within
+   the budget (feasible_anneal.py: moves checked against the budget by prefix sums before they
+   are timed; cost = makespan + a lateness surrogate that counts tasks whose start plus
+   remaining path exceeds the tight bound, so progress shows before the makespan moves). The
+   others (numba, `anneal_kernel`) penalise memory instead. A move takes one
    task (half the time one on the critical path) and reinserts it up to `max_shift` slots away
    on its device; moves that put a backward before its own forward are skipped. Cost = makespan
    + lam * (memory above budget) + eps * (mean device finish time); lam rises geometrically
@@ -23,7 +27,8 @@ barely moves a schedule that sits at the budget on most devices, decoder anneali
 
 The best feasible schedule by the lexicographic objective of evaluate.py is returned, with the
 best schedule found without the memory budget (the price of the budget is a result).
-Deterministic for a given seed up to the wall-clock budget (how many iterations fit).
+Deterministic for a given seed up to the wall-clock budget (how many iterations fit); with
+`max_evaluations` set, phases are cut by evaluation counts only and the result is deterministic.
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ import numpy as np
 from rlhfuse_jax.pipeline import schedules
 from rlhfuse_jax.pipeline.bounds import tight_lower_bound
 from rlhfuse_jax.pipeline.evaluate import Evaluator, objective_key, peaks_kernel, simulate_kernel
+from rlhfuse_jax.pipeline.decoder import decoder_anneal
+from rlhfuse_jax.pipeline.feasible_anneal import feasible_anneal
 from rlhfuse_jax.pipeline.graph import PipelineProblem, validate_order
 
 
@@ -265,9 +272,12 @@ class SearchConfig:
   lam0: float = 0.05                # memory penalty weight per unit over budget, start and end
   lam1: float = 50.0
   eps: float = 1e-3                 # weight of mean device finish time (guides through plateaus)
-  mem_phase_frac: float = 0.15      # fraction of the budget for the memory phase
+  mem_phase_frac: float = 0.05      # fraction of the budget for the memory phase
   crit_frac: float = 0.5            # fraction of moves that take a task on the critical path
-  decoder_frac: float = 0.5         # fraction of the budget for decoder annealing
+  decoder_frac: float = 0.05        # fraction of the budget for decoder annealing
+  feasible_frac: float = 0.75       # share of annealing runs that stay within the budget
+  lateness_weight: float = 1000.0   # weight of mean lateness (vs the bound) in those runs
+  max_evaluations: Optional[int] = None  # if set: count-based phases, deterministic per seed
 
   def __post_init__(self):
     if not self.time_budget_s > 0:
@@ -276,6 +286,31 @@ class SearchConfig:
       raise ValueError(f"max_shift={self.max_shift} must be >= 1")
     if not 0 <= self.pool_time_frac < 1 or not 0 <= self.mem_phase_frac < 1:
       raise ValueError("pool_time_frac and mem_phase_frac must be in [0, 1)")
+    if not 0 <= self.feasible_frac <= 1:
+      raise ValueError(f"feasible_frac={self.feasible_frac} must be in [0, 1]")
+    if self.max_evaluations is not None and self.max_evaluations < 1:
+      raise ValueError(f"max_evaluations={self.max_evaluations} must be >= 1 (or None)")
+
+
+class _Budget:
+  """Share of the search budget used: elapsed / time_budget_s, or evaluations / max_evaluations
+  when that is set (then the wall clock is ignored, so a seed fixes the result)."""
+
+  def __init__(self, config: SearchConfig):
+    self.t0 = time.time()
+    self.config = config
+    self.evaluations = 0
+
+  def used(self) -> float:
+    if self.config.max_evaluations is not None:
+      return self.evaluations / self.config.max_evaluations
+    return (time.time() - self.t0) / self.config.time_budget_s
+
+  def chunk(self, until: float, default: int) -> int:
+    """Iterations for the next kernel call: at most what is left before `until` in count mode."""
+    if self.config.max_evaluations is None:
+      return default
+    return int(max(0, min(default, (until - self.used()) * self.config.max_evaluations)))
 
 
 @dataclasses.dataclass
@@ -300,7 +335,7 @@ def _stats_of(key: tuple) -> np.ndarray:
 
 
 def start_pool(problem: PipelineProblem, rng: np.random.Generator, variants: int,
-               deadline: float) -> list[np.ndarray]:
+               expired: Callable[[], bool]) -> list[np.ndarray]:
   """Valid orders: greedy, serial orders and list-scheduling variants (see module doc)."""
   pool = [schedules.greedy_order(problem), schedules.serial_order(problem),
           schedules.one_f_one_b_order(problem, "critic")]
@@ -329,7 +364,7 @@ def start_pool(problem: PipelineProblem, rng: np.random.Generator, variants: int
   for shift in range(-3, 4):
     structured.append((shift, None, False, 0.0, 0.0, 0.0, 0.0, 0.0))
   for v in range(max(variants, len(structured))):
-    if time.time() > deadline and len(pool) > 3:
+    if expired() and len(pool) > 3:
       break
     if v < len(structured):
       ma, mc, memcap, bias_a, bias_c, bias_m, noise, window = structured[v]
@@ -380,101 +415,20 @@ def start_pool(problem: PipelineProblem, rng: np.random.Generator, variants: int
   return pool
 
 
-def decoder_anneal(problem: PipelineProblem, rng: np.random.Generator, deadline: float,
-                   restarts: int = 200) -> tuple[Optional[np.ndarray], int]:
-  """Annealing over the inputs of a memory-safe list scheduler instead of over orders.
-
-  State: a per-device split of the budget into (actor cap, critic cap) in-flight micro-batches
-  (so every decoded schedule is within budget and deadlock-free by construction) and a priority
-  per task. Moves: shift one device's split by one micro-batch, shift the priority of one kind on
-  one device, or of a run of micro-batches. Returns the best decoded order and the number of
-  decodes. Complements order annealing: a move here changes many positions at once, in a way
-  that keeps memory within budget.
-  """
-  n = problem.num_devices
-  mmax = max(problem.actor_microbatches, problem.critic_microbatches)
-  am, cm = problem.actor_mem, problem.critic_mem
-  budget = problem.budget()
-  scale = float(problem.durations().max())
-  counts = problem.kind_counts()
-  max_a = np.minimum(np.maximum(1, np.floor((budget - cm) / max(am, 1e-12))),
-                     problem.actor_microbatches).astype(np.int64)
-  tails = schedules.task_tails(problem)
-  ev = Evaluator(problem)
-  no_cap = np.full(n, np.inf)
-  caps = np.empty((n, 2), dtype=np.int64)
-
-  def decode(cap_a, prio):
-    caps[:, 0] = cap_a
-    caps[:, 1] = np.clip(np.floor((budget - cap_a * am) / max(cm, 1e-12)), 1,
-                         problem.critic_microbatches)
-    if np.any(caps[:, 0] * am + caps[:, 1] * cm > budget + 1e-9):
-      return None, np.inf
-    order = schedules.list_schedule(problem, prio, caps, no_cap, 0.0)
-    if order is None:
-      return None, np.inf
-    _, mk, sf = ev.timing(order)
-    return order, mk + 1e-3 * sf / n
-
-  best_order, best_cost, state, decodes = None, np.inf, None, 0
-  for _ in range(restarts):
-    if time.time() > deadline and state is not None:
-      break
-    frac = rng.uniform(0, 1, size=n) if rng.random() < 0.5 else np.full(n, rng.uniform(0, 1))
-    cap_a = np.clip(np.round(1 + frac * (max_a - 1)), 1, max_a).astype(np.int64)
-    prio = np.ascontiguousarray(np.repeat(tails.T[:, :, None], mmax, axis=2))  # [4, N, mmax]
-    prio[1] += rng.uniform(-3, 3) * scale
-    prio[3] += rng.uniform(-3, 3) * scale
-    prio[:2] += rng.uniform(-2, 2) * scale
-    prio += rng.uniform(0, 0.5 * scale, size=prio.shape)
-    order, cost = decode(cap_a, prio)
-    decodes += 1
-    if cost < best_cost:
-      best_order, best_cost, state = order, cost, (cap_a.copy(), prio.copy())
-  if state is None:
-    return None, decodes
-  cap_a, prio = state
-  cur = best_cost
-  temp0 = 0.5 * float(problem.durations().min())
-  t_start, span = time.time(), max(deadline - time.time(), 1e-6)
-  while time.time() < deadline:
-    temp = temp0 * 0.02 ** min(1.0, (time.time() - t_start) / span)
-    r = rng.random()
-    new_cap, new_prio = cap_a, prio
-    if r < 0.3:
-      d = rng.integers(n)
-      new_cap = cap_a.copy()
-      new_cap[d] = np.clip(new_cap[d] + rng.choice([-1, 1]), 1, max_a[d])
-    else:
-      new_prio = prio.copy()
-      k, d = rng.integers(4), rng.integers(n)
-      if r < 0.6:
-        new_prio[k, d, :] += rng.normal(0, 0.5 * scale)
-      else:
-        m = rng.integers(counts[k])
-        new_prio[k, d, m:m + rng.integers(1, 6)] += rng.normal(0, scale)
-    order, cost = decode(new_cap, new_prio)
-    decodes += 1
-    if cost <= cur or rng.random() < math.exp(-(cost - cur) / temp):
-      cap_a, prio, cur = new_cap, new_prio, cost
-      if cost < best_cost:
-        best_order, best_cost = order, cost
-  return best_order, decodes
-
-
 def search(problem: PipelineProblem, config: SearchConfig = SearchConfig(),
            log: Optional[Callable[[str], None]] = None,
            initial: Optional[list[np.ndarray]] = None) -> SearchResult:
-  """Best fused schedule within the memory budget found in config.time_budget_s seconds."""
-  t0 = time.time()
-  deadline = t0 + config.time_budget_s
+  """Best fused schedule within the memory budget found in config.time_budget_s seconds
+  (or config.max_evaluations evaluations)."""
+  clock = _Budget(config)
+  t0 = clock.t0
   rng = np.random.default_rng(config.seed)
   ev = Evaluator(problem)
   pool = list(initial or []) + start_pool(
-      problem, rng, config.list_variants, t0 + config.pool_time_frac * config.time_budget_s)
+      problem, rng, config.list_variants, lambda: clock.used() >= config.pool_time_frac)
   pool = [validate_order(problem, o) for o in pool]
   keys = [_key(ev, o) for o in pool]
-  evaluations = len(pool)
+  clock.evaluations += len(pool)
   valid = [i for i, k in enumerate(keys) if k[0] == 0]
   feas = [i for i in valid if keys[i][1] == 0]
   if not feas:
@@ -482,9 +436,7 @@ def search(problem: PipelineProblem, config: SearchConfig = SearchConfig(),
                        "the greedy schedule fits the default budget (the sum of the two models' "
                        "1F1B peaks), so this budget is probably too small")
   if config.decoder_frac > 0:
-    dec_order, decodes = decoder_anneal(
-        problem, rng, time.time() + config.decoder_frac * config.time_budget_s)
-    evaluations += decodes
+    dec_order, decodes = decoder_anneal(problem, rng, clock, clock.used() + config.decoder_frac)
     if dec_order is not None:
       pool.append(dec_order)
       keys.append(_key(ev, dec_order))
@@ -504,46 +456,67 @@ def search(problem: PipelineProblem, config: SearchConfig = SearchConfig(),
         f"{stats[1]:g}, best unconstrained {stats[6]:g}, lower bound {lb:g}")
   params, deltas, budget = problem.params(), problem.mem_deltas(), problem.budget()
   dmin = float(problem.durations().min())
-  mem_deadline = deadline - config.mem_phase_frac * config.time_budget_s
+  anneal_until = 1.0 - config.mem_phase_frac
   run = 0
-  while time.time() < mem_deadline and stats[1] > lb + 1e-9:
-    # Alternate starting points: the best within budget, and the best unconstrained one (the
-    # rising penalty pulls it back within budget).
-    cur = (best_feas if run % 2 == 0 or stats[6] >= stats[1] else best_any).copy()
+  while clock.used() < anneal_until and stats[1] > lb + 1e-9:
+    # Runs within the budget (feasible_frac of them, spread evenly) restart from the best
+    # feasible schedule; penalty runs alternate between the best feasible and the best
+    # unconstrained schedule (the rising penalty pulls the latter back within budget).
+    feasible_run = math.floor((run + 1) * config.feasible_frac) > math.floor(
+        run * config.feasible_frac)
+    pen_run = run - math.floor(run * config.feasible_frac)
+    cur = (best_feas if feasible_run or pen_run % 2 == 0 or stats[6] >= stats[1]
+           else best_any).copy()
     done = 0
-    while done < config.run_iters and time.time() < mem_deadline:
-      n_it = min(config.chunk_iters, config.run_iters - done)
+    while done < config.run_iters and clock.used() < anneal_until:
+      n_it = clock.chunk(anneal_until, min(config.chunk_iters, config.run_iters - done))
+      if n_it <= 0:
+        break
       f0, f1 = done / config.run_iters, (done + n_it) / config.run_iters
       temp_a = config.temp0_frac * dmin * (config.temp1_frac / config.temp0_frac) ** f0
       temp_b = config.temp0_frac * dmin * (config.temp1_frac / config.temp0_frac) ** f1
-      lam_a = config.lam0 * (config.lam1 / config.lam0) ** f0
-      lam_b = config.lam0 * (config.lam1 / config.lam0) ** f1
       seed = int(rng.integers(1 << 31))
-      evaluations += anneal_kernel(cur, params, deltas, budget, n_it, temp_a, temp_b, lam_a, lam_b,
-                                   config.eps, config.max_shift, 0, 0.0, seed, best_feas,
-                                   best_any, stats, config.crit_frac)
+      if feasible_run:
+        fstats = stats[1:5].copy()
+        _, fstats, n_ev = feasible_anneal(problem, cur, n_it, seed, lb, temp_a, temp_b,
+                                          config.lateness_weight, config.max_shift,
+                                          config.crit_frac, best_feas, fstats)
+        stats[1:5] = fstats
+        if stats[1] < stats[6] - 1e-9 or (stats[1] <= stats[6] + 1e-9 and stats[2] < stats[7]):
+          best_any[:] = best_feas
+          stats[5:10] = stats[0:5]
+      else:
+        lam_a = config.lam0 * (config.lam1 / config.lam0) ** f0
+        lam_b = config.lam0 * (config.lam1 / config.lam0) ** f1
+        n_ev = anneal_kernel(cur, params, deltas, budget, n_it, temp_a, temp_b, lam_a, lam_b,
+                             config.eps, config.max_shift, 0, 0.0, seed, best_feas, best_any,
+                             stats, config.crit_frac)
+      clock.evaluations += n_ev
       done += n_it
       history.append((time.time() - t0, stats[1], stats[6]))
       if stats[1] <= lb + 1e-9:
         break
     run += 1
     if log:
-      log(f"anneal run {run}: {time.time() - t0:.1f}s, {evaluations} evaluations; best within "
-          f"budget {stats[1]:g} (max peak {stats[2]:g}), unconstrained {stats[6]:g}, LB {lb:g}")
+      log(f"anneal run {run} ({'within budget' if feasible_run else 'penalty'}): "
+          f"{time.time() - t0:.1f}s, {clock.evaluations} evaluations; best within budget "
+          f"{stats[1]:g} (max peak {stats[2]:g}), unconstrained {stats[6]:g}, LB {lb:g}")
   # Memory phase: lower the peaks of the best schedule without raising its makespan.
-  while time.time() < deadline:
+  while clock.used() < 1.0:
+    n_it = clock.chunk(1.0, config.chunk_iters)
+    if n_it <= 0:
+      break
     cur = best_feas.copy()
     seed = int(rng.integers(1 << 31))
-    n_it = config.chunk_iters
-    evaluations += anneal_kernel(cur, params, deltas, budget, n_it, 0.5, 0.01, 0.0, 0.0, 0.0,
-                                 config.max_shift, 1, stats[1], seed, best_feas, best_any,
-                                 stats, 0.0)
+    clock.evaluations += anneal_kernel(cur, params, deltas, budget, n_it, 0.5, 0.01, 0.0, 0.0,
+                                       0.0, config.max_shift, 1, stats[1], seed, best_feas,
+                                       best_any, stats, 0.0)
     history.append((time.time() - t0, stats[1], stats[6]))
   if log:
-    log(f"search done: {time.time() - t0:.1f}s, {evaluations} evaluations; best within budget "
-        f"{stats[1]:g} (max peak {stats[2]:g}), unconstrained {stats[6]:g}, LB {lb:g}")
+    log(f"search done: {time.time() - t0:.1f}s, {clock.evaluations} evaluations; best within "
+        f"budget {stats[1]:g} (max peak {stats[2]:g}), unconstrained {stats[6]:g}, LB {lb:g}")
   return SearchResult(best=best_feas, best_unconstrained=best_any, start=start,
-                      evaluations=evaluations, search_s=time.time() - t0, history=history)
+                      evaluations=clock.evaluations, search_s=time.time() - t0, history=history)
 
 
 def warmup() -> float:
@@ -555,4 +528,5 @@ def warmup() -> float:
   tiny = PipelineProblem(actor_pp=2, critic_pp=1, actor_microbatches=2, critic_microbatches=2,
                          actor_fwd=1.0, critic_fwd=1.0)
   search(tiny, SearchConfig(time_budget_s=0.05, list_variants=2, chunk_iters=10, run_iters=10))
+  feasible_anneal(tiny, schedules.greedy_order(tiny), 10, 0, tight_lower_bound(tiny), 1.0, 0.1)
   return time.time() - t0

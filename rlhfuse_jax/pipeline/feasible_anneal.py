@@ -1,0 +1,235 @@
+"""Annealing that never leaves the memory budget, guided by a lateness surrogate of the makespan.
+
+Idea: peak memory depends only on each device's order (prefix sums of +mem per forward and -mem
+per backward), so a move is checked against the budget before it is timed, and infeasible moves
+are never evaluated. Penalty annealing (search.py) spends most of its evaluations outside the
+budget and, with the makespan alone as cost, sits on plateaus: most moves change no critical
+path. Here the cost is
+
+  makespan + w * mean over tasks of max(0, start + tail - target)
+
+where `tail` is the task's remaining path (schedules.task_tails: its own duration and the chain
+of forwards/backwards it still feeds, ignoring contention) and `target` is the tight lower bound.
+A task with start + tail > target is late: every late task must move earlier for the makespan to
+reach the bound, so the surrogate counts progress that the makespan alone does not show.
+
+Moves: take one task (with probability crit_frac a late one) and reinsert it up to `max_shift`
+slots away on its device, or swap it with the task there, or move a block of 2-3 tasks starting
+at it by that shift (pairs keep the memory level where single moves would exceed the budget); skipping moves that put a backward before its own
+forward or a device over budget. The best schedule by the lexicographic objective of evaluate.py
+(makespan, max peak, sum of peaks, sum of finishes) is kept.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from rlhfuse_jax.pipeline.evaluate import simulate_kernel
+
+
+@numba.njit(cache=True, nogil=True)
+def _row_ok(row, deltas, budget_d):
+  """Per-model backward never before its forward, and the running memory within budget_d."""
+  fa = 0
+  fc = 0
+  cur = 0.0
+  for k in row:
+    cur += deltas[k]
+    if cur > budget_d + 1e-9:
+      return False
+    if k == 0:
+      fa += 1
+    elif k == 1:
+      fa -= 1
+      if fa < 0:
+        return False
+    elif k == 2:
+      fc += 1
+    else:
+      fc -= 1
+      if fc < 0:
+        return False
+  return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _row_peak(row, deltas):
+  cur = 0.0
+  best = 0.0
+  for k in row:
+    cur += deltas[k]
+    if cur > best:
+      best = cur
+  return best
+
+
+@numba.njit(cache=True, nogil=True)
+def _lateness(order, ends, dur, tails, target):
+  """Sum over tasks of max(0, start + tail - target) and the late task count; [N, T] inputs."""
+  n, t = order.shape
+  tot = 0.0
+  for d in range(n):
+    for p in range(t):
+      k = order[d, p]
+      x = ends[d, p] - dur[k] + tails[d, k] - target
+      if x > 0.0:
+        tot += x
+  return tot
+
+
+@numba.njit(cache=True, nogil=True)
+def feasible_anneal_kernel(order, params, deltas, budget, tails, target, iters, temp0, temp1,
+                           weight, max_shift, crit_frac, seed, best, stats):
+  """Annealing in place on `order` int8 [N, T], which must be valid and within budget.
+
+  tails: f8 [N, 4] remaining path per (device, kind). best: int8 [N, T] receives the best order;
+  stats f8 [4] = (makespan, max peak, sum of peaks, sum of finishes) of `best` on entry, updated.
+  Returns the number of timed evaluations.
+  """
+  np.random.seed(seed)
+  n, t = order.shape
+  release = np.zeros(2)
+  mmax = max(int(params[2]), int(params[3]))
+  dur = np.array([params[4], params[5], params[6], params[7]])
+  ends = np.zeros((n, t))
+  work_f = np.zeros((4, n, mmax))
+  work_i = np.zeros((n, 5), dtype=np.int64)
+  work_p = np.zeros((4, n, mmax), dtype=np.int64)
+  peaks = np.zeros(n)
+  for d in range(n):
+    peaks[d] = _row_peak(order[d], deltas)
+  ok, mk, sf = simulate_kernel(order, params, release, ends, work_f, work_i, work_p)
+  if not ok:
+    return 0
+  # Late tasks on the latest-finishing device's path are sampled from this list.
+  late_d = np.zeros(n * t, dtype=np.int64)
+  late_p = np.zeros(n * t, dtype=np.int64)
+  scale = 1.0 / (n * t)
+  late = _lateness(order, ends, dur, tails, target)
+  cur = mk + weight * late * scale
+  nlate = 0
+  for d in range(n):
+    for p in range(t):
+      if ends[d, p] - dur[order[d, p]] + tails[d, order[d, p]] > target + 1e-9:
+        late_d[nlate] = d
+        late_p[nlate] = p
+        nlate += 1
+  evals = 1
+  saved = np.empty(t, dtype=np.int8)
+  for it in range(iters):
+    temp = temp0 * (temp1 / temp0) ** (it / iters)
+    if nlate > 0 and np.random.random() < crit_frac:
+      q = np.random.randint(nlate)
+      d = late_d[q]
+      i = late_p[q]
+    else:
+      d = np.random.randint(n)
+      i = np.random.randint(t)
+    sh = np.random.randint(1, max_shift + 1)
+    j = i + sh if np.random.random() < 0.5 else i - sh
+    if j < 0 or j >= t or order[d, i] == order[d, j]:
+      continue
+    row = order[d]
+    lo = min(i, j)
+    hi = max(i, j)
+    saved[lo:hi + 1] = row[lo:hi + 1]
+    r = np.random.random()
+    if r < 0.25:
+      # Swap two tasks: at the budget, moving one forward earlier alone is rejected, swapping
+      # it with a backward keeps the memory level between them.
+      x = row[i]
+      row[i] = row[j]
+      row[j] = x
+    elif r < 0.45:
+      # Move a block of up to 3 tasks starting at i by the shift (e.g. an F/B pair together).
+      ln = np.random.randint(2, 4)
+      if i < j:
+        if i + ln > j:
+          ln = j - i
+        # Block [i, i+ln) goes to end at j: rotate [i, j] left by ln.
+        for _ in range(ln):
+          x = row[i]
+          for p in range(i, j):
+            row[p] = row[p + 1]
+          row[j] = x
+      else:
+        if ln > t - i:
+          ln = t - i
+        hi2 = min(i + ln - 1, t - 1)
+        saved[lo:hi2 + 1] = row[lo:hi2 + 1]
+        hi = max(hi, hi2)
+        # Block [i, i+ln) moves to start at j: rotate [j, i+ln) right by ln.
+        for _ in range(ln):
+          x = row[hi2]
+          for p in range(hi2, j, -1):
+            row[p] = row[p - 1]
+          row[j] = x
+    else:
+      x = row[i]
+      if i < j:
+        for p in range(i, j):
+          row[p] = row[p + 1]
+      else:
+        for p in range(i, j, -1):
+          row[p] = row[p - 1]
+      row[j] = x
+    if not _row_ok(row, deltas, budget[d]):
+      row[lo:hi + 1] = saved[lo:hi + 1]
+      continue
+    ok, nmk, nsf = simulate_kernel(order, params, release, ends, work_f, work_i, work_p)
+    evals += 1
+    if not ok:
+      row[lo:hi + 1] = saved[lo:hi + 1]
+      continue
+    nlat = _lateness(order, ends, dur, tails, target)
+    cost = nmk + weight * nlat * scale
+    if cost <= cur or np.random.random() < math.exp(-(cost - cur) / temp):
+      cur = cost
+      mk = nmk
+      peaks[d] = _row_peak(row, deltas)
+      nlate = 0
+      for dd in range(n):
+        for p in range(t):
+          if ends[dd, p] - dur[order[dd, p]] + tails[dd, order[dd, p]] > target + 1e-9:
+            late_d[nlate] = dd
+            late_p[nlate] = p
+            nlate += 1
+      pmax = peaks.max()
+      psum = peaks.sum()
+      if mk < stats[0] - 1e-9 or (mk <= stats[0] + 1e-9 and (pmax < stats[1] - 1e-9 or (
+          pmax <= stats[1] + 1e-9 and (psum < stats[2] - 1e-9 or (
+              psum <= stats[2] + 1e-9 and nsf < stats[3] - 1e-9))))):
+        stats[0] = mk
+        stats[1] = pmax
+        stats[2] = psum
+        stats[3] = nsf
+        best[:] = order
+    else:
+      row[lo:hi + 1] = saved[lo:hi + 1]
+  return evals
+
+
+def feasible_anneal(problem, order: np.ndarray, iters: int, seed: int, target: float,
+                    temp0: float, temp1: float, weight: float = 1000.0, max_shift: int = 8,
+                    crit_frac: float = 0.5, best: np.ndarray = None, stats: np.ndarray = None):
+  """One annealing run from `order` (valid, within budget); returns (best, stats, evaluations).
+
+  best / stats (makespan, max peak, sum of peaks, sum of finishes) may carry a better incumbent
+  from earlier runs; they are updated in place when this run beats them.
+  """
+  from rlhfuse_jax.pipeline import schedules  # schedules imports evaluate; avoid a cycle
+  from rlhfuse_jax.pipeline.evaluate import evaluate
+  order = np.ascontiguousarray(order, dtype=np.int8)  # annealed in place
+  if best is None or stats is None:
+    ev = evaluate(problem, order)
+    if not (ev.valid and ev.within_budget):
+      raise ValueError("feasible_anneal needs a valid start order within the memory budget")
+    best = order.copy()
+    stats = np.array([ev.makespan, ev.peaks.max(), ev.peaks.sum(), ev.sum_finish])
+  evals = feasible_anneal_kernel(order, problem.params(), problem.mem_deltas(), problem.budget(),
+                                 schedules.task_tails(problem), float(target), int(iters),
+                                 float(temp0), float(temp1), float(weight), int(max_shift),
+                                 float(crit_frac), int(seed), best, stats)
+  return best, stats, evals
