@@ -100,6 +100,11 @@ def get_config(arg: str = "ppo"):
   c.fusion.inter_stage = False  # sample-level generation + long-tail consolidation
   c.fusion.intra_stage = False  # fused actor/critic pipeline schedule
   c.fusion.migration_threshold = "auto"  # Rt in [0, 1] or "auto"
+  c.fusion.num_instances = 0  # generation instances; 0: devices / instance_devices
+  c.fusion.instance_devices = 1  # devices per instance (tensor parallel inside it)
+  c.fusion.slots = 0  # batch slots per instance; 0: batch / num_instances
+  c.fusion.inference_micro_batch = 0  # samples per inference micro-batch; 0: slots
+  c.fusion.max_consolidations = 1  # long-tail consolidations per batch
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 25

@@ -133,8 +133,18 @@ class FusionConfig:
   inter_stage: bool = False  # sample-level generation with long-tail consolidation (DESIGN §2)
   intra_stage: bool = False  # fused actor/critic pipeline schedule (DESIGN §3)
   migration_threshold: Union[float, str] = "auto"  # Rt in [0, 1], or "auto" (simulated)
+  num_instances: int = 0  # generation instances G (inter_stage); 0: devices / instance_devices
+  instance_devices: int = 1  # devices per generation instance (tensor parallel inside it)
+  slots: int = 0  # batch slots per instance; 0: ceil(batch / num_instances)
+  inference_micro_batch: int = 0  # samples per inference micro-batch on freed instances; 0: slots
+  max_consolidations: int = 1  # long-tail consolidations per batch
 
   def __post_init__(self):
+    for name in ("num_instances", "slots", "inference_micro_batch", "max_consolidations"):
+      _check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
+             f"fusion.{name}", getattr(self, name), "an integer >= 0")
+    _check(isinstance(self.instance_devices, int) and self.instance_devices >= 1,
+           "fusion.instance_devices", self.instance_devices, "an integer >= 1")
     rt = self.migration_threshold
     if isinstance(rt, str) and rt != "auto":
       # The ConfigDict field is a string ("auto"), so --config.fusion.migration_threshold=0.2

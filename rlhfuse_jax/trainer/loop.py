@@ -30,7 +30,7 @@ from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import minibatch as mb_lib
 from rlhfuse_jax.rl import optim
-from rlhfuse_jax.trainer import ppo
+from rlhfuse_jax.trainer import fused_stage, ppo
 from rlhfuse_jax.trainer.config import TrainConfig
 
 # Metrics that measure time; everything else is a deterministic function of (config, seed).
@@ -110,10 +110,13 @@ class PPOTrainer:
         temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, eos_id=self.tokenizer.eos_id,
         pad_id=self.tokenizer.pad_id, chunk_size=cfg.rollout.chunk_size)
-    self.generator = engine.Generator(
+    self.scorer = scoring.Scorer(self.mesh)
+    # Inter-stage fusion (DESIGN §2): generation instances + streaming inference replace the
+    # serial generator and scorer calls of generate_and_infer; same outputs, overlapped.
+    self.fused = fused_stage.FusedStage(self) if cfg.fusion.inter_stage else None
+    self.generator = None if self.fused else engine.Generator(
         cfg.model, self.sampling, batch_size=cfg.rollout.batch_size,
         prompt_len=cfg.data.max_prompt_len, mesh=self.mesh, params=self.actor.params)
-    self.scorer = scoring.Scorer(self.mesh)
     self.checkpointer = checkpointing.Checkpointer(workdir, keep=cfg.checkpoint.keep)
     self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
 
@@ -230,6 +233,8 @@ class PPOTrainer:
     return the same StageOutputs (same tokens and scores) with generation and inference
     overlapped.
     """
+    if self.fused is not None:
+      return StageOutputs(**self.fused(records, prompt_tokens, prompt_lens, uids, gen_key))
     cfg = self.cfg
     t0 = time.time()
     rollout = self.generator.generate(self.actor.params, prompt_tokens, prompt_lens, gen_key,

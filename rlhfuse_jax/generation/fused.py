@@ -1,0 +1,464 @@
+"""Inter-stage fusion (DESIGN §2): sample-level generation on G instances, long-tail
+consolidation with KV migration, and streaming inference on the freed instances.
+
+One batch, step by step (`FusedGenerator.run`):
+
+  1. Deal: sample b goes to instance b % G, slot b // G (as the simulator deals). Each instance
+     prefills its slots; empty slots get budget 0 and are done at once.
+  2. Rounds: every instance that still holds unfinished samples decodes one chunk of K steps
+     (dispatched to all instances before any result is read, so disjoint sub-meshes run at the
+     same time). The host then reads each instance's summary (done, generated, stop: 12 bytes
+     per slot) and, for rows that just finished, their tokens and log-probs.
+  3. Consolidation (fused mode): when the unfinished count U <= Rt * B, the shared policy
+     `consolidation.plan_consolidation` picks the smallest set of instances that holds the U
+     samples under slot and KV limits (each counted at prompt + max_new_tokens), keeping the
+     instances with the most KV tokens. The other instances' samples move with their KV rows
+     (gather, device_put, scatter; no recompute) and those instances are released. If nothing
+     fits, nothing moves and the reason is logged.
+  4. Streaming inference (fused mode): a finished sample joins the inference queue at once. An
+     instance holding no unfinished sample (released, or its samples all done) loads the frozen
+     models' weights from host memory (the critic's from its training devices) and runs full
+     micro-batches of reference log-probs, critic values and reward-model scores while the tail
+     still decodes; what is left runs on all instances when generation ends.
+
+Baseline mode (`fuse=False`): the same instances and executables, no consolidation, and
+inference only after the last sample finished (on every instance). The two modes produce the
+same tokens bitwise: a sample's tokens depend only on (prompt, uid, iteration key) and all
+instances share one shape class.
+
+Rounds are synchronous on the host, so decisions (which chunk consolidates, what moves) depend
+only on the tokens, never on timing: with a fixed Rt the fusion metrics are deterministic too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Optional, Sequence, Union
+
+import jax
+import numpy as np
+from absl import logging
+
+from rlhfuse_jax.generation import consolidation as policy
+from rlhfuse_jax.generation import engine
+from rlhfuse_jax.generation import instances as inst_lib
+from rlhfuse_jax.generation import measure
+from rlhfuse_jax.generation.instances import FrozenModels, GenerationInstance
+from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.generation.timeline import ActivityLog, Timeline
+from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.sim import rt_choice
+
+INFERENCE_MODELS = ("reference", "critic", "reward")
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedGenConfig:
+  """Layout and policy of the fused engine (field names as in config.fusion)."""
+  num_instances: int  # G generation instances
+  slots: int  # S batch slots per instance
+  instance_devices: int = 1  # devices per instance (tensor parallel inside it when > 1)
+  migration_threshold: Union[float, str] = "auto"  # Rt in [0, 1], or "auto" (simulated)
+  max_consolidations: int = 1  # consolidations per batch (the simulator's default too)
+  inference_micro_batch: int = 0  # samples per inference micro-batch; 0: slots
+  kv_capacity_tokens: int = 0  # KV cache budget per instance in tokens; 0: slots * max_len
+  rt_candidates: tuple = rt_choice.DEFAULT_CANDIDATES  # Rt values "auto" simulates
+  compile_threads: int = 4  # threads compiling the instances' executables at start-up
+
+  def __post_init__(self):
+    for name in ("num_instances", "slots", "instance_devices", "compile_threads"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"config.fusion.{name}={v!r}: expected an integer >= 1")
+    rt_choice.resolve_threshold(self.migration_threshold)
+    if self.max_consolidations < 0:
+      raise ValueError(f"config.fusion.max_consolidations={self.max_consolidations}: expected "
+                       ">= 0")
+    if self.inference_micro_batch < 0:
+      raise ValueError(f"config.fusion.inference_micro_batch={self.inference_micro_batch}: "
+                       "expected >= 0 (0: slots)")
+    if self.kv_capacity_tokens < 0:
+      raise ValueError(f"config.fusion.kv_capacity_tokens={self.kv_capacity_tokens}: expected "
+                       ">= 0 (0: slots * max_len)")
+    for c in self.rt_candidates:
+      rt_choice.resolve_threshold(c, "fusion.rt_candidates[]")
+
+  @property
+  def micro_batch(self) -> int:
+    return self.inference_micro_batch or self.slots
+
+
+@dataclasses.dataclass
+class FusedOutput:
+  """One batch generated and scored (host numpy, rows in the caller's batch order)."""
+  rollout: engine.Rollout
+  ref_logp: Optional[np.ndarray]  # [B, T] reference log-probs (None without a reference)
+  values: Optional[np.ndarray]  # [B, T] critic values (None without a critic)
+  rewards: Optional[np.ndarray]  # [B] reward-model scores (None without a reward model)
+  timeline: Timeline
+  consolidations: list  # one dict per executed plan
+  rt: float  # the Rt used
+  rt_choice: Optional[rt_choice.RtChoice]  # how "auto" chose it
+  metrics: dict  # DESIGN §2 metrics (see FusedGenerator.run)
+
+
+class FusedGenerator:
+  """G generation instances with AOT-compiled executables; runs batches fused or not."""
+
+  def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, config: FusedGenConfig, *,
+               batch_size: int, prompt_len: int, frozen: FrozenModels, actor_params: Any,
+               frozen_params: dict, devices: Optional[Sequence[jax.Device]] = None):
+    if cfg.head != "lm":
+      raise ValueError(f"generation needs an LM-head model (model.head='lm'), got {cfg.head!r}")
+    sampling.check_vocab(cfg.vocab_size)
+    self.cfg, self.sampling, self.config, self.frozen = cfg, sampling, config, frozen
+    self.batch_size, self.prompt_len = batch_size, prompt_len
+    self.max_len = prompt_len + sampling.max_new_tokens
+    if self.max_len > cfg.max_seq_len:
+      raise ValueError(f"context too long: prompt bucket {prompt_len} + sampling.max_new_tokens="
+                       f"{sampling.max_new_tokens} = {self.max_len} exceeds model.max_seq_len="
+                       f"{cfg.max_seq_len}")
+    g, s = config.num_instances, config.slots
+    per_inst = -(-batch_size // g)
+    if per_inst > s:
+      raise ValueError(f"config.fusion.slots={s}: {batch_size} samples dealt to num_instances="
+                       f"{g} put {per_inst} in one instance; expected slots >= {per_inst}")
+    full = s * self.max_len
+    self.kv_capacity = config.kv_capacity_tokens or full
+    if self.kv_capacity < full:
+      raise ValueError(f"config.fusion.slots={s} do not fit the KV cache: {s} slots x max_len="
+                       f"{self.max_len} (prompt {prompt_len} + max_new_tokens "
+                       f"{sampling.max_new_tokens}) = {full} tokens > config.fusion."
+                       f"kv_capacity_tokens={config.kv_capacity_tokens}")
+    meshes = inst_lib.split_devices(devices if devices is not None else jax.devices(), g,
+                                    config.instance_devices)
+    self.instances = [GenerationInstance(i, m, cfg, sampling, slots=s, prompt_len=prompt_len,
+                                         frozen=frozen, micro_batch=config.micro_batch)
+                      for i, m in enumerate(meshes)]
+    self.models = {n: c for n, c in zip(INFERENCE_MODELS, (frozen.reference, frozen.critic,
+                                                           frozen.reward)) if c is not None}
+    missing = sorted(set(self.models) - set(frozen_params))
+    if missing:
+      raise ValueError(f"frozen_params lacks {missing} (shapes of the inference models)")
+    inst_lib.compile_all(self.instances, actor_params, frozen_params, config.compile_threads)
+    # KV bytes of one token of one sample (K and V, all layers), as KVCache.nbytes_per_token.
+    itemsize = np.dtype(cfg.jnp_dtype).itemsize
+    self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim_ * itemsize
+    self.lengths = rt_choice.LengthHistogram(sampling.max_new_tokens)
+    self.calibration: Optional[dict] = None  # measured costs (generation/measure.py)
+    self.fixed_rt = rt_choice.resolve_threshold(config.migration_threshold)
+
+  # ------------------------------------------------------------------ Rt
+  def choose_rt(self, prompt_lens) -> tuple[float, Optional[rt_choice.RtChoice]]:
+    if self.fixed_rt is not None:
+      return self.fixed_rt, None
+    if self.calibration is None or self.lengths.total == 0:
+      choice = rt_choice.RtChoice(rt_choice.PRIOR_RT, "no lengths or costs measured yet: the "
+                                  "prior Rt", {})
+      return choice.rt, choice
+    choice = rt_choice.choose_rt(self.lengths, self.calibration, *measure.sim_setup(self),
+                                 prompt_lens=prompt_lens,
+                                 candidates=self.config.rt_candidates)
+    return choice.rt, choice
+
+  # ------------------------------------------------------------------ one batch
+  def _deal(self, prompt_tokens, prompt_lens, uids, budgets):
+    g, s, p = self.config.num_instances, self.config.slots, self.prompt_len
+    pad = self.sampling.pad_id
+    per = []
+    for i in range(g):
+      rows = np.arange(i, self.batch_size, g)  # samples of instance i, slot = position
+      tok = np.full((s, p), pad, np.int32)
+      tok[:rows.size] = prompt_tokens[rows]
+      lens = np.ones(s, np.int32)
+      lens[:rows.size] = prompt_lens[rows]
+      uid = np.zeros(s, np.int32)
+      uid[:rows.size] = uids[rows]
+      bud = np.zeros(s, np.int32)  # budget 0: empty slot, done after prefill
+      bud[:rows.size] = budgets[rows]
+      per.append((rows, tok, lens, uid, bud))
+    return per
+
+  def _check(self, prompt_tokens, prompt_lens, uids, budgets):
+    b, p, t = self.batch_size, self.prompt_len, self.sampling.max_new_tokens
+    prompt_tokens = np.asarray(prompt_tokens, np.int32)
+    prompt_lens = np.asarray(prompt_lens, np.int32)
+    if prompt_tokens.ndim != 2 or prompt_tokens.shape[0] != b or prompt_tokens.shape[1] > p:
+      raise ValueError(f"prompt_tokens has shape {prompt_tokens.shape}; expected [{b}, <= {p}]")
+    if prompt_lens.shape != (b,) or prompt_lens.min() < 1 or \
+        prompt_lens.max() > prompt_tokens.shape[1]:
+      raise ValueError(f"prompt_lens must be [{b}] in [1, {prompt_tokens.shape[1]}]")
+    padded = np.full((b, p), self.sampling.pad_id, np.int32)
+    padded[:, :prompt_tokens.shape[1]] = prompt_tokens
+    uids = np.arange(b, dtype=np.int32) if uids is None else np.asarray(uids, np.int32)
+    if uids.shape != (b,):
+      raise ValueError(f"uids has shape {uids.shape}; expected ({b},)")
+    budgets = np.full(b, t, np.int32) if budgets is None else np.asarray(budgets, np.int32)
+    if budgets.shape != (b,) or budgets.min() < 1 or budgets.max() > t:
+      raise ValueError(f"budgets must be [{b}] in [1, max_new_tokens={t}]")
+    return padded, prompt_lens, uids, budgets
+
+  def run(self, actor_params: Any, frozen_params: dict, prompt_tokens, prompt_lens,
+          iteration_key, uids=None, budgets=None, fuse: bool = True) -> FusedOutput:
+    """Generates and scores one batch.
+
+    actor_params: on any devices (copied onto every instance, timed separately);
+    frozen_params: {'reference'|'critic'|'reward': params} for the models in FrozenModels,
+      kept where the caller holds them (host memory for frozen models) until an instance is
+      freed for inference; prompt_tokens [B, <=P] right-padded, prompt_lens [B], uids [B]
+      (default 0..B-1), budgets [B] per-sample response budgets (default max_new_tokens).
+    """
+    tokens, plens, uids, budgets = self._check(prompt_tokens, prompt_lens, uids, budgets)
+    if fuse and self.fixed_rt is None and self.calibration is None:
+      # "auto" simulates with this engine's measured costs: measured once, before timing.
+      self.calibration = measure.measure_costs(self, actor_params, frozen_params)
+    rt, choice = self.choose_rt(plens) if fuse else (0.0, None)
+    run = _Run(self, actor_params, frozen_params, tokens, plens, uids, budgets,
+               engine._as_typed_key(iteration_key), fuse, rt)
+    out = run.execute()
+    out.rt_choice = choice
+    self.lengths.add(out.rollout.response_lens)
+    return out
+
+
+class _Run:
+  """State of one batch (host bookkeeping, device states, inference queue)."""
+
+  def __init__(self, gen: FusedGenerator, actor_params, frozen_params, tokens, plens, uids,
+               budgets, key, fuse: bool, rt: float):
+    self.gen, self.fuse, self.rt, self.key = gen, fuse, rt, key
+    self.frozen_params = frozen_params
+    self.tokens, self.plens, self.uids, self.budgets = tokens, plens, uids, budgets
+    b, t = gen.batch_size, gen.sampling.max_new_tokens
+    g, s = gen.config.num_instances, gen.config.slots
+    self.where = np.zeros((b, 2), np.int64)  # [B] (instance, slot) of each sample
+    self.slot_sample = np.full((g, s), -1, np.int64)  # [G, S] sample in each slot
+    self.n_gen = np.zeros(b, np.int32)  # [B] response tokens so far
+    self.finished = np.zeros(b, bool)  # [B]
+    self.stop = np.zeros(b, np.int32)  # [B]
+    self.resp = np.full((b, t), gen.sampling.pad_id, np.int32)  # [B, T]
+    self.logp = np.zeros((b, t), np.float32)  # [B, T]
+    self.queue: list[int] = []  # finished samples waiting for inference
+    self.pending: list = []  # (samples, {model: device array})
+    self.placed: dict = {}  # instance -> {model: params on it}
+    self.dispatched = np.zeros(g, np.int64)  # inference micro-batches per instance
+    self.load_bytes = 0
+    self.consolidations: list = []
+    self.reasons: list = []
+    self.actor_params = actor_params
+
+  # ---------------------------------------------------------------- helpers
+  def unfinished_in(self, i: int) -> list[int]:
+    return [int(x) for x in self.slot_sample[i] if x >= 0 and not self.finished[x]]
+
+  def read(self, i: int, summary) -> None:
+    """Host bookkeeping from instance i's summary [3, S]; fetches rows that just finished."""
+    done, n, stop = np.asarray(jax.device_get(summary))
+    newly = []
+    for slot, b in enumerate(self.slot_sample[i]):
+      if b < 0 or self.finished[b]:
+        continue
+      self.n_gen[b] = n[slot]
+      if done[slot]:
+        newly.append((slot, b))
+    if not newly:
+      return
+    st = self.states[i].decode
+    toks, lps = jax.device_get((st.tokens, st.logprobs))  # [S, T] each
+    for slot, b in newly:
+      self.finished[b], self.stop[b] = True, stop[slot]
+      self.resp[b], self.logp[b] = toks[slot], lps[slot]
+      self.queue.append(int(b))
+
+  def make_free(self, i: int) -> None:
+    """Instance i leaves generation: its state is dropped and the inference weights come."""
+    self.states.pop(i, None)
+    if i in self.placed:
+      return
+    inst = self.gen.instances[i]
+    placed = {n: inst.place(c, self.frozen_params[n]) for n, c in self.gen.models.items()}
+    self.load_bytes += sum(x.nbytes for x in jax.tree.leaves(placed))
+    self.log.record(i, "load", jax.tree.leaves(placed))
+    self.placed[i] = placed
+
+  def dispatch_inference(self, final: bool) -> None:
+    """Micro-batches of the queue onto free instances (only full ones unless `final`)."""
+    mb = self.gen.config.micro_batch
+    free = sorted(self.placed)
+    while free and (len(self.queue) >= mb or (final and self.queue)):
+      take, self.queue = self.queue[:mb], self.queue[mb:]
+      i = min(free, key=lambda j: (self.dispatched[j], j))
+      self.dispatched[i] += 1
+      rows = np.asarray(take + [take[-1]] * (mb - len(take)))  # padded with copies: dropped
+      seq = _sequences(self.tokens[rows], self.plens[rows], self.resp[rows],
+                       self.n_gen[rows], self.gen.sampling.pad_id)
+      inst = self.gen.instances[i]
+      outs = {n: inst.score(n, self.placed[i][n], seq, self.plens[rows], self.n_gen[rows])
+              for n in self.gen.models}
+      self.log.record(i, "inference", list(outs.values()))
+      self.pending.append((take, outs))
+
+  # ---------------------------------------------------------------- consolidation
+  def consolidate(self, step: int) -> None:
+    gen, cfg = self.gen, self.gen.config
+    t = gen.sampling.max_new_tokens
+    states = []
+    for i in sorted(self.states):
+      samples = tuple(policy.SampleState(uid=b, slot=int(self.where[b, 1]),
+                                         length=int(self.plens[b] + self.n_gen[b]),
+                                         remaining=int(t - self.n_gen[b]))
+                      for b in self.unfinished_in(i))
+      states.append(policy.InstanceState(
+          index=i, slots=cfg.slots, kv_capacity_tokens=gen.kv_capacity, samples=samples,
+          slot_capacity_tokens=gen.max_len, shape_class=gen.instances[i].shape_class))
+    plan = policy.plan_consolidation(states, self.rt, gen.batch_size,
+                                     bytes_per_token=gen.kv_bytes_per_token)
+    if not plan.consolidate:
+      if plan.reason not in self.reasons:
+        self.reasons.append(plan.reason)
+        logging.info("consolidation at step %d: %s", step, plan.reason)
+      return
+    t0 = self.log.now()
+    groups: dict = {}
+    for m in plan.moves:
+      groups.setdefault((m.src_instance, m.dst_instance), []).append(m)
+    copied = 0
+    for (src, dst), moves in sorted(groups.items()):
+      s_inst, d_inst = gen.instances[src], gen.instances[dst]
+      for k in range(0, len(moves), s_inst.buckets[-1]):
+        part = moves[k:k + s_inst.buckets[-1]]
+        rows, _ = s_inst.gather(self.states[src], [m.src_slot for m in part])
+        rows = d_inst.receive(rows)  # device_put between the two sub-meshes
+        copied += sum(x.nbytes for x in jax.tree.leaves(rows))
+        self.states[dst] = d_inst.scatter(self.states[dst], [m.dst_slot for m in part], rows)
+    jax.block_until_ready([self.states[d] for _, d in groups])
+    t1 = self.log.now()
+    for m in plan.moves:
+      self.slot_sample[m.src_instance, m.src_slot] = -1
+      self.slot_sample[m.dst_instance, m.dst_slot] = m.uid
+      self.where[m.uid] = (m.dst_instance, m.dst_slot)
+    involved = sorted({i for pair in groups for i in pair})
+    for i in involved:
+      self.log.add(i, "migrate", t0, t1)
+    rec = {"time_s": t0, "step": step, "unfinished": plan.unfinished, "kept": list(plan.kept),
+           "released": list(plan.released), "moves": len(plan.moves),
+           "moved_bytes": int(plan.moved_bytes), "copied_bytes": int(copied),
+           "migration_s": t1 - t0, "reason": plan.reason,
+           "occupancy": {int(i): len(self.unfinished_in(i)) for i in plan.kept}}
+    self.consolidations.append(rec)
+    logging.info("consolidation at step %d: %s (%d bytes of KV held, %.3fs)", step,
+                 plan.reason, plan.moved_bytes, t1 - t0)
+    for i in plan.released:
+      self.make_free(i)
+
+  # ---------------------------------------------------------------- the batch
+  def execute(self) -> FusedOutput:
+    gen, cfg = self.gen, self.gen.config
+    b, k = gen.batch_size, gen.sampling.chunk_size
+    t_place = time.perf_counter()
+    params = {i: inst.place(gen.cfg, self.actor_params) for i, inst in enumerate(gen.instances)}
+    jax.block_until_ready(params)
+    place_s = time.perf_counter() - t_place
+    self.log = log = ActivityLog(cfg.num_instances)
+    self.states: dict = {}
+    summaries = {}
+    for i, (rows, tok, lens, uid, bud) in enumerate(gen._deal(self.tokens, self.plens,
+                                                              self.uids, self.budgets)):
+      self.slot_sample[i, :rows.size] = rows
+      self.where[rows, 0], self.where[rows, 1] = i, np.arange(rows.size)
+      self.states[i], summaries[i] = gen.instances[i].prefill(params[i], tok, lens, uid, bud,
+                                                              self.key)
+      log.record(i, "prefill", summaries[i])
+    curve = [(0.0, b)]
+    rounds, t_prefill = 0, None
+    while True:
+      for i in sorted(summaries):
+        self.read(i, summaries[i])
+      if t_prefill is None:
+        t_prefill = log.now()
+      curve.append((log.now(), int(b - self.finished.sum())))
+      for i in sorted(self.states):
+        if not self.unfinished_in(i):
+          if self.fuse:
+            self.make_free(i)
+          else:
+            self.states.pop(i)
+      unfinished = int(b - self.finished.sum())
+      if unfinished == 0:
+        break
+      if (self.fuse and len(self.consolidations) < cfg.max_consolidations and
+          unfinished <= self.rt * b):
+        self.consolidate(rounds * k)
+      summaries = {}
+      for i in sorted(self.states):
+        self.states[i], summaries[i] = gen.instances[i].decode(params[i], self.states[i],
+                                                               self.key)
+        log.record(i, "decode", summaries[i])
+      if not summaries:
+        raise RuntimeError("unfinished samples but no instance decoding them (a bug)")
+      rounds += 1
+      if self.fuse:
+        self.dispatch_inference(final=False)
+    gen_end = log.now()
+    del params
+    for i in range(cfg.num_instances):
+      self.make_free(i)
+    self.dispatch_inference(final=True)
+    results = jax.device_get([outs for _, outs in self.pending])
+    gen_plus_inf = log.now()
+    segments = log.close()
+    self.placed.clear()
+    return self._output(results, segments, curve, rounds, t_prefill, gen_end, gen_plus_inf,
+                        place_s)
+
+  def _output(self, results, segments, curve, rounds, t_prefill, gen_end, gen_plus_inf,
+              place_s) -> FusedOutput:
+    gen = self.gen
+    b, t = gen.batch_size, gen.sampling.max_new_tokens
+    out = {n: np.zeros((b, t) if n != "reward" else (b,), np.float32) for n in gen.models}
+    for (take, _), res in zip(self.pending, results):
+      for n, arr in res.items():
+        out[n][np.asarray(take)] = np.asarray(arr)[:len(take)]
+    rollout = engine.Rollout(
+        prompt_tokens=self.tokens, prompt_lens=self.plens, response_tokens=self.resp,
+        response_lens=self.n_gen.copy(), logprobs=self.logp, stop_reason=self.stop,
+        uids=self.uids, prefill_s=t_prefill, decode_s=gen_end - t_prefill,
+        decode_steps=int(self.n_gen.max()) - 1, decode_chunks=rounds)
+    tl = Timeline(num_instances=gen.config.num_instances, segments=segments,
+                  unfinished_curve=curve, consolidations=self.consolidations,
+                  gen_end_s=gen_end, gen_plus_inf_s=gen_plus_inf)
+    cons = self.consolidations
+    metrics = {
+        "gen/unfinished_curve": [[round(float(x), 5), int(u)] for x, u in curve],
+        "gen/consolidation_step": cons[0]["step"] if cons else -1,
+        "gen/migrated_samples": int(sum(c["moves"] for c in cons)),
+        "gen/migrated_kv_bytes": int(sum(c["moved_bytes"] for c in cons)),
+        "gen/migration_copied_bytes": int(sum(c["copied_bytes"] for c in cons)),
+        "gen/migration_s": float(sum(c["migration_s"] for c in cons)),
+        "gen/instance_busy_frac": tl.instance_busy_frac,
+        "fusion/inference_overlap_frac": tl.inference_overlap_frac,
+        "fusion/weight_load_s": tl.kind_s("load"),
+        "fusion/weight_load_bytes": int(self.load_bytes),
+        "fusion/rt": float(self.rt),
+        "gen/decode_rounds": rounds,
+        "timing_s/generate": gen_end,
+        "timing_s/inference": gen_plus_inf - gen_end,
+        "timing_s/gen_plus_inf": gen_plus_inf,
+        "timing_s/actor_to_instances": place_s,
+    }
+    return FusedOutput(rollout=rollout, ref_logp=out.get("reference"), values=out.get("critic"),
+                       rewards=out.get("reward"), timeline=tl, consolidations=cons, rt=self.rt,
+                       rt_choice=None, metrics=metrics)
+
+
+def _sequences(prompts, prompt_lens, responses, response_lens, pad_id: int) -> np.ndarray:
+  """models.sequences.build_sequences in numpy (built on the host, no device dispatch).
+  prompts [n, P], responses [n, T] -> [n, P+T]: prompt, response, then pad_id."""
+  n, p = prompts.shape
+  t = responses.shape[1]
+  out = np.full((n, p + t), pad_id, np.int32)
+  for r in range(n):
+    pl, rl = int(prompt_lens[r]), int(response_lens[r])
+    out[r, :pl] = prompts[r, :pl]
+    out[r, pl:pl + rl] = responses[r, :rl]
+  return out

@@ -1,0 +1,304 @@
+"""Generation instances: the device mesh split into G sub-meshes, each with S slots (DESIGN §2).
+
+An instance is `tp` devices (tensor parallel inside it when tp > 1) owning a fixed-layout KV cache
+of S slots x max_len positions, and its own executables, compiled ahead of time at start-up
+(JAX_NOTES: a function first called on a new device set recompiles, which would otherwise land in
+the middle of generation):
+
+  prefill(params, tokens [S, P], lens [S], uids [S], budget [S], key) -> (SlotState, summary)
+  decode(params, SlotState, key) -> (SlotState, summary)     up to K steps, state donated
+  gather[R](SlotState, slots [R]) -> rows                    R rows of every field (KV included)
+  scatter[R](SlotState, slots [R], rows) -> SlotState        donated; slot index S is dropped
+  ref / critic / reward (params, tokens [mb, P+T], ...)      the inference forward passes
+
+`summary` is int32 [3, S] (done, num_generated, stop_reason): the few bytes the host reads after
+every chunk. It is a separate output, never donated, so a watcher thread may wait on it while the
+state itself is already being decoded further.
+
+Per-sample budget. `SlotState.budget` [S] holds each sample's own response budget (<=
+max_new_tokens): a row stops at EOS or when it holds `budget` tokens. It is part of the sample's
+stop condition and travels with it when it migrates, so a forced length (the benchmark draws
+long-tailed lengths for an untrained model) gives the same tokens on any instance. A budget of 0
+marks an empty slot: done right after prefill. With budget = max_new_tokens everywhere the stop
+rule is exactly the baseline generator's.
+
+Migration moves the rows of every field between two instances of the same shape class (tp,
+slots, max_len, dtype; JAX_NOTES: across classes a sampled token can flip): gather on the source,
+`jax.device_put` onto the target's shardings (arrays of two sub-meshes cannot meet in one jitted
+call), scatter on the target. Row counts are padded to a few buckets (1, 4, 16, ..., S) so each
+instance compiles a handful of gather/scatter programs, not one per migration size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional, Sequence
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from rlhfuse_jax.generation import engine
+from rlhfuse_jax.generation.engine import DecodeState
+from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.inference import scoring
+from rlhfuse_jax.models import llama
+from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.parallel import mesh as mesh_lib
+
+
+@flax.struct.dataclass
+class SlotState:
+  """An instance's decode state plus each slot's response budget."""
+  decode: DecodeState  # every field [S, ...]; cache k/v [layers, S, max_len, kv, d]
+  budget: jax.Array  # [S] int32 response budget of the sample in the slot (0: empty slot)
+
+
+def apply_budget(state: DecodeState, budget) -> DecodeState:
+  """Stops live rows that hold `budget` [S] tokens (as _record stops rows at max_new_tokens)."""
+  over = ~state.done & (state.num_generated >= budget)
+  return state.replace(done=state.done | over,
+                       stop_reason=jnp.where(over, engine.STOP_MAX_TOKENS, state.stop_reason))
+
+
+def _summary(state: DecodeState):
+  return jnp.stack([state.done.astype(jnp.int32), state.num_generated, state.stop_reason])
+
+
+def prefill_slots(cfg: ModelConfig, params, tokens, lens, uids, budget, key, *,
+                  sampling: SamplingConfig, max_len: int):
+  state = engine.prefill(cfg, params, tokens, lens, uids, key, sampling, max_len)
+  state = apply_budget(state, budget)
+  return SlotState(decode=state, budget=budget), _summary(state)
+
+
+def decode_slots(cfg: ModelConfig, params, st: SlotState, key, *, sampling: SamplingConfig):
+  """engine.decode_chunk with the per-slot budget in the stop rule (K steps, early exit)."""
+
+  def cond(carry):
+    i, s = carry
+    return (i < sampling.chunk_size) & ~jnp.all(s.done)
+
+  def body(carry):
+    i, s = carry
+    s = engine.decode_step(cfg, params, s, key, sampling)
+    return i + 1, apply_budget(s, st.budget)
+
+  _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), st.decode))
+  return SlotState(decode=state, budget=st.budget), _summary(state)
+
+
+def _rows_axis(path) -> int:
+  """The slot axis of a SlotState leaf: 1 for the KV cache [layers, S, ...], else 0."""
+  return 1 if any(getattr(p, "name", None) == "cache" for p in path) else 0
+
+
+def gather_rows(st: SlotState, slots):
+  """The rows `slots` [R] of every field (a SlotState with R rows)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.take(x, slots, axis=_rows_axis(path)), st)
+
+
+def scatter_rows(st: SlotState, slots, rows: SlotState):
+  """Writes rows [R] into `slots` [R]; a slot index >= S (padding) is dropped."""
+
+  def put(path, x, r):
+    if _rows_axis(path) == 1:
+      return x.at[:, slots].set(r, mode="drop")
+    return x.at[slots].set(r, mode="drop")
+  return jax.tree_util.tree_map_with_path(put, st, rows)
+
+
+def migration_buckets(slots: int) -> tuple[int, ...]:
+  """Row counts a migration is padded to: 1, 4, 16, ... below S, and S."""
+  out, b = [], 1
+  while b < slots:
+    out.append(b)
+    b *= 4
+  return tuple(out) + (slots,)
+
+
+def split_devices(devices: Sequence[jax.Device], num_instances: int,
+                  devices_per_instance: int) -> list[Mesh]:
+  """G sub-meshes of `devices_per_instance` consecutive devices (axis `tensor` inside)."""
+  devices = list(devices)
+  need = num_instances * devices_per_instance
+  if num_instances < 1 or devices_per_instance < 1:
+    raise ValueError(f"fusion.num_instances={num_instances} and fusion.instance_devices="
+                     f"{devices_per_instance} must be >= 1")
+  if need > len(devices):
+    raise ValueError(f"fusion.num_instances={num_instances} x fusion.instance_devices="
+                     f"{devices_per_instance} = {need} devices, but only {len(devices)} are "
+                     "available: fewer or smaller instances")
+  return [mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, tensor=devices_per_instance),
+                             devices[i * devices_per_instance:(i + 1) * devices_per_instance])
+          for i in range(num_instances)]
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenModels:
+  """Shapes of the inference models (params are given per run): None = not used."""
+  reference: ModelConfig  # LM head: reference log-probs
+  critic: Optional[ModelConfig] = None  # scalar head: values
+  reward: Optional[ModelConfig] = None  # scalar head: reward-model scores
+  temperature: float = 1.0  # of the reference log-probs (the actor's logprob_temperature)
+
+
+# One Python callable per (model, sampling, length): instances then share jax's trace cache, so
+# only XLA's compile runs once per instance (tracing the model again costs ~0.3 s each).
+@functools.lru_cache(maxsize=None)
+def _prefill_fn(cfg: ModelConfig, sampling: SamplingConfig, max_len: int) -> Callable:
+  return functools.partial(prefill_slots, cfg, sampling=sampling, max_len=max_len)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_fn(cfg: ModelConfig, sampling: SamplingConfig) -> Callable:
+  return functools.partial(decode_slots, cfg, sampling=sampling)
+
+
+@functools.lru_cache(maxsize=None)
+def _logical_specs(cfg: ModelConfig) -> Any:
+  return llama.logical_specs(cfg)
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
+class GenerationInstance:
+  """One sub-mesh with S slots and its AOT-compiled executables (module docstring)."""
+
+  def __init__(self, index: int, mesh: Mesh, cfg: ModelConfig, sampling: SamplingConfig, *,
+               slots: int, prompt_len: int, frozen: FrozenModels, micro_batch: int):
+    self.index, self.mesh, self.cfg, self.sampling = index, mesh, cfg, sampling
+    self.slots, self.prompt_len, self.micro_batch = slots, prompt_len, micro_batch
+    self.max_len = prompt_len + sampling.max_new_tokens
+    self.frozen = frozen
+    self.devices = tuple(mesh.devices.flat)
+    self.buckets = migration_buckets(slots)
+    self.row1 = mesh_lib.batch_sharding(mesh, 1)
+    self.row2 = mesh_lib.batch_sharding(mesh, 2)
+    self.rep = mesh_lib.replicated(mesh)
+    self.state_sharding = SlotState(decode=engine.state_shardings(cfg, mesh), budget=self.row1)
+    self._exe: dict = {}
+
+  @property
+  def shape_class(self) -> str:
+    """Instances migrate only within a class (JAX_NOTES: numerics depend on the shape)."""
+    return (f"tp{len(self.devices)}-S{self.slots}-L{self.max_len}-"
+            f"{jnp.dtype(self.cfg.jnp_dtype).name}")
+
+  def param_shardings(self, cfg: ModelConfig, params) -> Any:
+    return mesh_lib.param_shardings(params, _logical_specs(cfg), self.mesh)
+
+  def place(self, cfg: ModelConfig, params) -> Any:
+    """Copies params (host or any devices) onto this instance (no copy if already there)."""
+    return jax.device_put(params, self.param_shardings(cfg, params))
+
+  # ------------------------------------------------------------------ ahead-of-time compile
+  def lower_all(self, actor_params, frozen_params: dict) -> list[tuple[Any, Any]]:
+    """(name, jax Lowered) of every executable of this instance; `compile_all` compiles them.
+
+    actor_params / frozen_params: pytrees of arrays or ShapeDtypeStructs (shapes and dtypes
+    only); frozen_params maps 'reference' / 'critic' / 'reward' to the models to score with.
+    """
+    cfg, sampling, s, p = self.cfg, self.sampling, self.slots, self.prompt_len
+    st_sh, rep = self.state_sharding, self.rep
+    prm = _abstract(actor_params, self.param_shardings(cfg, actor_params))
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep)
+    tok = jax.ShapeDtypeStruct((s, p), jnp.int32, sharding=self.row2)
+    row = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=self.row1)
+    pre = _prefill_fn(cfg, sampling, self.max_len)
+    st = _abstract(jax.eval_shape(pre, prm, tok, row, row, row, key)[0], st_sh)
+    out = [("prefill", jax.jit(pre, out_shardings=(st_sh, rep)).lower(prm, tok, row, row, row,
+                                                                      key)),
+           # The state is donated: the chunk writes the new cache into the old buffers.
+           ("decode", jax.jit(_decode_fn(cfg, sampling), out_shardings=(st_sh, rep),
+                              donate_argnums=(1,)).lower(prm, st, key))]
+    for r in self.buckets:
+      idx = jax.ShapeDtypeStruct((r,), jnp.int32, sharding=rep)
+      rows = _abstract(jax.eval_shape(gather_rows, st, idx), st_sh)
+      out.append((("gather", r), jax.jit(gather_rows, out_shardings=st_sh).lower(st, idx)))
+      out.append((("scatter", r), jax.jit(scatter_rows, out_shardings=st_sh,
+                                          donate_argnums=(0,)).lower(st, idx, rows)))
+    mb, t = self.micro_batch, sampling.max_new_tokens
+    seq = jax.ShapeDtypeStruct((mb, p + t), jnp.int32, sharding=self.row2)
+    lens = jax.ShapeDtypeStruct((mb,), jnp.int32, sharding=self.row1)
+    fz = self.frozen
+    for name, mcfg in (("reference", fz.reference), ("critic", fz.critic),
+                       ("reward", fz.reward)):
+      if mcfg is None:
+        continue
+      fp = _abstract(frozen_params[name], self.param_shardings(mcfg, frozen_params[name]))
+      # The very jitted functions the serial Scorer runs, so the numbers are the same.
+      if name == "reference":
+        low = scoring.reference_logprobs.lower(mcfg, fp, seq, lens, t, float(fz.temperature))
+      elif name == "critic":
+        low = scoring.critic_values.lower(mcfg, fp, seq, lens, t)
+      else:
+        low = scoring.reward_model_scores.lower(mcfg, fp, seq, lens, lens)
+      out.append((name, low))
+    return out
+
+  @property
+  def num_executables(self) -> int:
+    return len(self._exe)
+
+  # ------------------------------------------------------------------ execution
+  def prefill(self, params, tokens, lens, uids, budget, key):
+    put = jax.device_put
+    return self._exe["prefill"](params, put(tokens, self.row2), put(lens, self.row1),
+                                put(uids, self.row1), put(budget, self.row1), put(key, self.rep))
+
+  def decode(self, params, st: SlotState, key):
+    """One chunk; `st` is donated and must not be used afterwards."""
+    return self._exe["decode"](params, st, key)
+
+  def bucket(self, n: int) -> int:
+    for b in self.buckets:
+      if b >= n:
+        return b
+    raise ValueError(f"{n} rows exceed the largest migration bucket {self.buckets[-1]}")
+
+  def gather(self, st: SlotState, slots: Sequence[int]) -> tuple[SlotState, int]:
+    """Rows `slots` padded to a bucket (padding repeats the first slot); returns (rows, n)."""
+    b = self.bucket(len(slots))
+    idx = np.full(b, slots[0], np.int32)
+    idx[:len(slots)] = slots
+    return self._exe[("gather", b)](st, jax.device_put(idx, self.rep)), len(slots)
+
+  def scatter(self, st: SlotState, slots: Sequence[int], rows: SlotState) -> SlotState:
+    """Writes the first len(slots) rows into `slots` (padding rows go to index S: dropped).
+    `st` is donated; `rows` must already be on this instance (see receive)."""
+    b = rows.budget.shape[0]
+    idx = np.full(b, self.slots, np.int32)
+    idx[:len(slots)] = slots
+    return self._exe[("scatter", b)](st, jax.device_put(idx, self.rep), rows)
+
+  def receive(self, rows: SlotState) -> SlotState:
+    """Copies rows gathered on another instance onto this one (device to device)."""
+    return jax.device_put(rows, self.state_sharding)
+
+  def score(self, name: str, params, tokens, prompt_lens, response_lens):
+    """One inference micro-batch: tokens [mb, P+T]; returns a device array (not waited on)."""
+    put = jax.device_put
+    args = (params, put(tokens, self.row2), put(prompt_lens, self.row1))
+    if name == "reward":
+      args = args + (put(response_lens, self.row1),)
+    return self._exe[name](*args)
+
+
+def compile_all(instances: Sequence[GenerationInstance], actor_params, frozen_params: dict,
+                threads: int = 4) -> None:
+  """Compiles every instance's executables at start-up. Lowering runs here (instances share
+  jax's trace cache); XLA compiles in `threads` threads (it releases the GIL)."""
+  jobs = [(inst, name, low) for inst in instances
+          for name, low in inst.lower_all(actor_params, frozen_params)]
+  with ThreadPoolExecutor(max_workers=threads) as pool:
+    futures = [pool.submit(low.compile) for _, _, low in jobs]
+    for (inst, name, _), f in zip(jobs, futures):
+      inst._exe[name] = f.result()

@@ -1,0 +1,129 @@
+"""Measured costs of the fused engine's own executables, as a simulator calibration file.
+
+The Rt choice (sim/rt_choice.py) simulates with these, and the benchmark writes them as
+`calibration.json`, which the simulator reads (sim/calibration.py, sim/validation.py). On a GPU
+this is the calibration of "decode step time against occupied slots and KV migration" of issue 5.
+
+Measured on instance 0 (and 1 for migration), each the median of `repeats` after a warm-up:
+
+  decode_step  one chunk / its K steps, with 1 and with S live rows. The compiled step has a
+               fixed [S] shape, so the two are close: on fixed shapes it is the number of
+               instances still stepping that costs, not how full they are.
+  prefill      one instance's prefill call, as `overhead_s` (a fixed [S, P] shape: the same
+               cost for any prompt lengths; the token rate is set so high that it adds nothing).
+  inference    one micro-batch of every inference model, as `overhead_s` (fixed shape too).
+  migration    gather + device_put + scatter of one sample between two instances, as
+               `latency_s` per moved sample (rows are copied whole: max_len, not the length).
+  weight_load  host -> instance copy of the frozen models, in the simulator's bytes (bf16).
+  devices_share_compute: true on the CPU platform (fake devices are one processor).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from rlhfuse_jax.sim import calibration as cal_lib
+from rlhfuse_jax.sim import shapes as shapes_lib
+from rlhfuse_jax.sim.generation_sim import GenSetup
+
+# A rate high enough that `amount / rate` vanishes next to a measured per-call overhead.
+_NEGLIGIBLE_RATE = 1e15
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+  jax.block_until_ready(fn())  # warm-up
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def shares_compute(gen) -> bool:
+  return gen.instances[0].devices[0].platform == "cpu"
+
+
+def sim_setup(gen) -> tuple:
+  """(actor shape, inference model shapes, GenSetup) describing the engine to the simulator."""
+  cfg = gen.config
+  actor = shapes_lib.from_model_config(gen.cfg, "actor")
+  frozen = tuple(shapes_lib.from_model_config(c, n) for n, c in gen.models.items())
+  setup = GenSetup(num_instances=cfg.num_instances, slots=cfg.slots, tp=cfg.instance_devices,
+                   chunk_steps=gen.sampling.chunk_size,
+                   max_new_tokens=gen.sampling.max_new_tokens,
+                   max_consolidations=max(cfg.max_consolidations, 1), stream_inference=True,
+                   inference_microbatch=cfg.micro_batch, kv_capacity_tokens=gen.kv_capacity,
+                   offload_frozen=True, devices_share_compute=shares_compute(gen))
+  return actor, frozen, setup
+
+
+def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> dict:
+  """Times the engine's executables (module docstring); returns a calibration-file dict."""
+  inst = gen.instances[0]
+  s, p = gen.config.slots, gen.prompt_len
+  t, k = gen.sampling.max_new_tokens, gen.sampling.chunk_size
+  params = inst.place(gen.cfg, actor_params)
+  rng = np.random.default_rng(0)
+  tok = rng.integers(1, gen.cfg.vocab_size, (s, p)).astype(np.int32)  # [S, P]
+  lens = np.full(s, p, np.int32)
+  uids = np.arange(s, dtype=np.int32)
+  key = jax.random.key(0)
+  full = np.full(s, t, np.int32)
+  prefill_s = _median_s(lambda: inst.prefill(params, tok, lens, uids, full, key), repeats)
+  steps = max(1, min(k, t - 1))  # decode steps one chunk runs from a fresh prefill
+  occupancies = sorted({1, s})
+  step_s = []
+  for occ in occupancies:
+    budget = np.where(np.arange(s) < occ, t, 0).astype(np.int32)
+
+    def chunk():
+      st, _ = inst.prefill(params, tok, lens, uids, budget, key)
+      jax.block_until_ready(st)
+      t0 = time.perf_counter()
+      jax.block_until_ready(inst.decode(params, st, key)[1])
+      return time.perf_counter() - t0
+    chunk()
+    step_s.append(float(np.median([chunk() for _ in range(repeats)])) / steps)
+  ops = {"decode_step": {"occupied_slots": occupancies, "seconds": step_s},
+         "prefill": {"tokens_per_s": _NEGLIGIBLE_RATE, "overhead_s": prefill_s}}
+
+  actor_shape, frozen_shapes, setup = sim_setup(gen)
+  host = {n: frozen_params[n] for n in gen.models if n != "critic"}  # critic: training devices
+  if host:
+    load_s = _median_s(lambda: {n: inst.place(gen.models[n], host[n]) for n in host}, repeats)
+    sim_bytes = sum(shapes_lib.from_model_config(gen.models[n]).weight_bytes()
+                    for n in host) / setup.tp
+    ops["weight_load"] = {"bytes_per_s": sim_bytes / load_s}
+  placed = {n: inst.place(c, frozen_params[n]) for n, c in gen.models.items()}
+  mb = gen.config.micro_batch
+  seq = rng.integers(1, gen.cfg.vocab_size, (mb, p + t)).astype(np.int32)  # [mb, P+T]
+  plens, rlens = np.full(mb, p, np.int32), np.full(mb, t, np.int32)
+  inf_s = _median_s(lambda: [inst.score(n, placed[n], seq, plens, rlens) for n in placed],
+                    repeats)
+  ops["inference"] = {"tokens_per_s": _NEGLIGIBLE_RATE, "overhead_s": inf_s}
+  if len(gen.instances) > 1:
+    dst = gen.instances[1]
+    src_state = inst.prefill(params, tok, lens, uids, full, key)[0]
+    holder = {"st": dst.prefill(dst.place(gen.cfg, actor_params), tok, lens, uids, full, key)[0]}
+
+    def migrate():
+      rows, _ = inst.gather(src_state, [0])
+      holder["st"] = dst.scatter(holder["st"], [s - 1], dst.receive(rows))
+      return holder["st"]
+    ops["migration"] = {"bytes_per_s": _NEGLIGIBLE_RATE,
+                        "latency_s": _median_s(migrate, repeats)}
+  dev = inst.devices[0]
+  cal = {"format": cal_lib.FORMAT,
+         "device": f"{dev.platform} ({dev.device_kind}), {len(inst.devices)} device(s) per "
+                   "instance, measured by rlhfuse_jax/generation/measure.py",
+         "model_params": int(gen.cfg.num_params()), "instance_devices": len(inst.devices),
+         "devices_share_compute": shares_compute(gen), "ops": ops,
+         "notes": f"slots={s}, prompt bucket={p}, max_new_tokens={t}, chunk={k}, "
+                  f"inference micro-batch={mb}; fixed-shape executables: prefill and "
+                  "inference as per-call overhead_s, migration as latency_s per sample"}
+  cal_lib.from_dict(cal, "measured")  # what we return must load
+  return cal

@@ -1,0 +1,131 @@
+"""When each generation instance was busy, and with what: measured timelines of the real engine.
+
+JAX dispatch is asynchronous, so the host cannot see when work runs by timing its own calls.
+`ActivityLog` keeps one watcher thread per instance: every dispatched operation is queued with its
+kind (prefill / decode / migrate / load / inference), its dispatch time and one small output that
+is never donated; the watcher waits for that output and records the segment
+
+  [max(dispatch time, end of the instance's previous operation), completion time]
+
+since one device set runs its work in dispatch order. Waiting releases the GIL, so the watchers
+cost the host loop nothing.
+
+`Timeline` is the result: segments, the unfinished-sample curve, consolidation events, the end of
+generation and of generation+inference. It has the fields that
+`rlhfuse_jax.sim.plots.plot_generation_timelines` draws, so measured and simulated runs share
+one figure style, and it derives the DESIGN §2 metrics (busy fraction, inference overlap).
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any, Optional
+
+import jax
+
+KINDS = ("prefill", "decode", "migrate", "load", "inference")
+
+
+class ActivityLog:
+  """Per-instance watcher threads turning dispatched work into timed segments."""
+
+  def __init__(self, num_instances: int, t0: Optional[float] = None):
+    self.t0 = time.perf_counter() if t0 is None else t0
+    self.segments: list = []  # (instance, start_s, end_s, kind), seconds from t0
+    self._lock = threading.Lock()
+    self._queues = [queue.Queue() for _ in range(num_instances)]
+    self._last_end = [0.0] * num_instances
+    self._threads = [threading.Thread(target=self._watch, args=(i,), daemon=True)
+                     for i in range(num_instances)]
+    for t in self._threads:
+      t.start()
+
+  def now(self) -> float:
+    return time.perf_counter() - self.t0
+
+  def record(self, instance: int, kind: str, output: Any) -> None:
+    """`output`: arrays produced by the dispatched work that stay alive (not donated)."""
+    if kind not in KINDS:
+      raise ValueError(f"activity kind {kind!r}; expected one of {KINDS}")
+    self._queues[instance].put((kind, self.now(), output))
+
+  def add(self, instance: int, kind: str, start: float, end: float) -> None:
+    """A segment measured by the caller (e.g. a blocking migration)."""
+    with self._lock:
+      self.segments.append((instance, start, end, kind))
+      self._last_end[instance] = max(self._last_end[instance], end)
+
+  def _watch(self, i: int) -> None:
+    while True:
+      item = self._queues[i].get()
+      if item is None:
+        return
+      kind, t_dispatch, output = item
+      jax.block_until_ready(output)
+      end = self.now()
+      with self._lock:
+        start = max(t_dispatch, self._last_end[i])
+        self.segments.append((i, start, max(start, end), kind))
+        self._last_end[i] = max(self._last_end[i], end)
+
+  def close(self) -> list:
+    """Waits for every recorded operation; returns the segments sorted by start."""
+    for q in self._queues:
+      q.put(None)
+    for t in self._threads:
+      t.join()
+    return sorted(self.segments, key=lambda s: (s[1], s[0]))
+
+
+def _merged_length(spans) -> float:
+  """Total length of the union of [start, end] spans."""
+  total, cur_s, cur_e = 0.0, None, None
+  for s, e in sorted(spans):
+    if cur_e is None or s > cur_e:
+      if cur_e is not None:
+        total += cur_e - cur_s
+      cur_s, cur_e = s, e
+    else:
+      cur_e = max(cur_e, e)
+  if cur_e is not None:
+    total += cur_e - cur_s
+  return total
+
+
+@dataclasses.dataclass
+class Timeline:
+  """One generation+inference run as measured (times in seconds from its start)."""
+  num_instances: int
+  segments: list  # (instance, start, end, kind)
+  unfinished_curve: list  # [(t, unfinished samples)] at every host observation
+  consolidations: list  # [{time_s, step, moves, moved_bytes, ...}]
+  gen_end_s: float  # the host saw the last sample finish
+  gen_plus_inf_s: float  # every inference result is on the host
+
+  def busy_s(self, instance: int, kinds=KINDS, until: Optional[float] = None) -> float:
+    spans = [(s, e if until is None else min(e, until)) for i, s, e, k in self.segments
+             if i == instance and k in kinds and (until is None or s < until)]
+    return _merged_length(spans)
+
+  @property
+  def instance_busy_frac(self) -> float:
+    """Busy instance-seconds / (instances x gen_plus_inf_s)."""
+    if self.gen_plus_inf_s <= 0:
+      return 0.0
+    busy = sum(self.busy_s(i) for i in range(self.num_instances))
+    return busy / (self.num_instances * self.gen_plus_inf_s)
+
+  @property
+  def inference_overlap_frac(self) -> float:
+    """Inference busy time spent before generation ended / all inference busy time."""
+    total = sum(self.busy_s(i, ("inference",)) for i in range(self.num_instances))
+    if total <= 0:
+      return 0.0
+    before = sum(self.busy_s(i, ("inference",), until=self.gen_end_s)
+                 for i in range(self.num_instances))
+    return before / total
+
+  def kind_s(self, kind: str) -> float:
+    return sum(self.busy_s(i, (kind,)) for i in range(self.num_instances))
