@@ -1,11 +1,12 @@
-r"""Shape-only PPO configs for LLaMA-class actor/critic pairs on GPU/TPU meshes (DESIGN §6 setting).
+r"""Shape-only PPO configs for LLaMA-class actor/critic pairs on GPU/TPU meshes (DESIGN §6).
 
 For real clusters; nothing here runs them (tests only parse them). 13B actor and critic on
 32 to 256 GPUs (one process per host, see launch/):
   python -m experiments.train_ppo --config=configs/ppo_llama.py:13b --workdir=/ckpt/ppo_13b
 Variants (critic of the same size): `configs/ppo_llama.py:7b`, `configs/ppo_llama.py:13b`,
 `configs/ppo_llama.py:33b`, `configs/ppo_llama.py:65b`; or an 'actor/critic' pair as in the
-RLHFuse paper: `configs/ppo_llama.py:33b/13b`, `configs/ppo_llama.py:65b/33b`. The paper's generation lengths as a sweep:
+RLHFuse paper: `configs/ppo_llama.py:33b/13b`, `configs/ppo_llama.py:65b/33b`. The paper's
+generation lengths as a sweep:
   python -m experiments.sweep --config=configs/ppo_llama.py --binary=train_ppo --workdir=/ckpt/sw
 
 Every field of configs/ppo_tiny.py is present (this file starts from it). Real runs also set

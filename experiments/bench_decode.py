@@ -133,7 +133,7 @@ def _train_batch(cfg: BenchDecodeConfig) -> dict:
 def random_params(cfgs: list, key: jax.Array) -> list:
   """Random N(0, 0.02) weights (norm scales 1 + noise) for each model config, in one small
   compiled program: one flat draw per model, sliced into the parameter tree. Timing does not
-  depend on the values, and this compiles in a fraction of the time of flax's initialisers."""
+  depend on the values, and this compiles in about half the time of flax's initialisers."""
   trees = []
   for c in cfgs:
     shapes = jax.eval_shape(lambda c=c: llama.init_params(c, jax.random.key(0))[0])
@@ -279,7 +279,7 @@ def plot(result: dict, path: str) -> None:
   if peak:
     ax2.axhline(peak / 1e9, color="k", ls="--", label=f"peak {result['device']['peak']}")
   ax2.set(xscale="log", xlabel="batch", ylabel="GB/s (weights + full KV cache per step)",
-          title="achieved HBM bandwidth" + ("" if peak else f" ({UNKNOWN_PEAK})"))
+          title="achieved memory bandwidth" + ("" if peak else f" ({UNKNOWN_PEAK})"))
   ax2.legend()
   dev = result["device"]
   fig.suptitle(f"{dev['device_kind']} ({dev['platform']}), {result['model']['num_params']:,} "
