@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +49,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.pipeline import program as prog
 from rlhfuse_jax.pipeline import stages
-from rlhfuse_jax.pipeline.graph import AB, AF, CF, PipelineProblem
+from rlhfuse_jax.pipeline.graph import PipelineProblem
 from rlhfuse_jax.pipeline.stages import LossConfig, StageLayout
 
 STAGE_AXIS = "stage"
@@ -86,11 +86,11 @@ class _Spec:
   num_devices: int
   actor_pp: int
   critic_pp: int
-  branches: tuple
   stash_sizes: tuple
   inbox_sizes: tuple
   mesh: Mesh
   data_axes: tuple
+  compiler_options: tuple  # XLA options as sorted (name, value) pairs
 
 
 class PipelineExecutor:
@@ -104,7 +104,8 @@ class PipelineExecutor:
   """
 
   def __init__(self, actor_cfg: ModelConfig, critic_cfg: ModelConfig, loss_cfg: LossConfig,
-               program: prog.Program, mesh: Mesh):
+               program: prog.Program, mesh: Mesh,
+               compiler_options: Optional[Dict[str, Any]] = None):
     check_placement(mesh, program.problem, actor_cfg, critic_cfg)
     self.program, self.mesh, self.loss_cfg = program, mesh, loss_cfg
     data_axes = tuple(a for a in DATA_AXES if a in mesh.shape)
@@ -112,9 +113,10 @@ class PipelineExecutor:
     problem = program.problem
     self.spec = _Spec(actor_cfg=actor_cfg, critic_cfg=critic_cfg, loss_cfg=loss_cfg,
                       num_devices=problem.num_devices, actor_pp=problem.actor_pp,
-                      critic_pp=problem.critic_pp, branches=program.branches,
+                      critic_pp=problem.critic_pp,
                       stash_sizes=program.stash_sizes, inbox_sizes=program.inbox_sizes,
-                      mesh=mesh, data_axes=data_axes)
+                      mesh=mesh, data_axes=data_axes,
+                      compiler_options=tuple(sorted((compiler_options or {}).items())))
     self.table = np.asarray(program.table)  # [N, ticks, FIELDS]
 
   def __call__(self, actor_params: Any, critic_params: Any, batch: Dict[str, jax.Array]):
@@ -191,7 +193,8 @@ def _step(spec: _Spec, table, actor_params, critic_params, batch, mb_sizes):
 @functools.lru_cache(maxsize=32)
 def _jitted_step(spec: _Spec) -> Callable:
   """The jitted step for one spec (cached, so equal specs share compilations)."""
-  return jax.jit(functools.partial(_step, spec), static_argnums=(4,))
+  return jax.jit(functools.partial(_step, spec), static_argnums=(4,),
+                 compiler_options=dict(spec.compiler_options) or None)
 
 
 def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int) -> Callable:
@@ -230,83 +233,78 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
       rows = mb_rows[model]
       return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, j * rows, rows, axis=0), batch)
 
-    def used_params(model, task):
-      keys = ["layers"]
-      if task.first or (task.last and cfgs[model].tie_embeddings):
-        keys.append("embed")
-      if task.last:
-        keys.append("head")
-      return {k: params[model][k] for k in keys}
+    def model_task(model: str) -> Callable:
+      """One branch runs any task of `model`; the row's flags pick forward or backward and
+      first / middle / last stage. The stage's layers are traced once, as one jax.vjp whose
+      backward half runs under lax.cond: XLA compiles each model's layers once instead of once
+      per task variant, which keeps compiles short."""
+      cfg, p, layout = cfgs[model], params[model], layouts[model]
+      act_box, grad_box = f"{model}_act", f"{model}_grad"
 
-    def stage_fn(model, task, mb):
-      """f(used params, stage input) -> stage output, or (loss, metrics) on the last stage."""
-      cfg = cfgs[model]
-
-      def f(p, x):
-        if task.first:
-          x = stages.embed(cfg, p["embed"], mb["tokens"])
-        x = stages.blocks(cfg, p["layers"], x)
-        if task.last:  # an untied head does not read the embedding: no gradient flows to it
-          return head_loss[model](cfg, loss_cfg, p.get("embed", params[model]["embed"]),
-                                  p["head"], x, mb, num_tokens, num_seqs)
-        return x
-      return f
-
-    def forward(task, model, inbox):
       def run(carry, row):
+        bwd, first, last = row[prog.BACKWARD] == 1, row[prog.FIRST] == 1, row[prog.LAST] == 1
         mb = micro(model, row[prog.MICRO])
-        x = None
-        if not task.first:
-          x = carry["inbox"][inbox][row[prog.INBOX_SLOT]]  # [mb, L, H]
-          stash = lax.dynamic_update_index_in_dim(carry["stash"][model], x,
-                                                  row[prog.STASH_SLOT], 0)
-          carry = {**carry, "stash": {**carry["stash"], model: stash}}
-        if task.last:  # the backward runs the head and the loss
-          return carry, zero_msg
-        return carry, to_msg(stage_fn(model, task, mb)(used_params(model, task), x))
+        stash = carry["stash"][model]
+        saved = stash[row[prog.STASH_SLOT]]  # [mb, L, H]
+        x_in = jnp.where(bwd, saved, carry["inbox"][act_box][row[prog.INBOX_SLOT]])
+        x_in = jnp.where(first, stages.embed(cfg, p["embed"], mb["tokens"]).astype(x_in.dtype),
+                         x_in)
+        # A forward of a non-first stage keeps its input for its backward (recompute).
+        keep = jnp.logical_and(jnp.logical_not(bwd), jnp.logical_not(first))
+        stash = lax.dynamic_update_index_in_dim(stash, jnp.where(keep, x_in, saved),
+                                                row[prog.STASH_SLOT], 0)
+        y, blocks_vjp = jax.vjp(lambda layers, x: stages.blocks(cfg, layers, x), p["layers"],
+                                x_in)
+
+        def loss_grad(acc, metrics):
+          """Last stage: head + loss, their gradients, and the output gradient dy."""
+          hp = {"head": p["head"]}
+          if cfg.tie_embeddings:
+            hp["embed"] = p["embed"]
+          loss, vjp, m = jax.vjp(
+              lambda hp, y: head_loss[model](cfg, loss_cfg, hp.get("embed", p["embed"]),
+                                             hp["head"], y, mb, num_tokens, num_seqs),
+              hp, y, has_aux=True)
+          d_hp, dy = vjp(jnp.ones_like(loss))
+          for key, g in d_hp.items():
+            acc = layout.add(acc, key, g)
+          return acc, metrics + m, dy.astype(y.dtype)
+
+        def received_grad(acc, metrics):
+          return acc, metrics, from_msg(carry["inbox"][grad_box][row[prog.INBOX_SLOT]], model)
+
+        def backward(acc, metrics):
+          acc, metrics, dy = lax.cond(last, loss_grad, received_grad, acc, metrics)
+          d_layers, dx = blocks_vjp(dy)
+          acc = layout.add(acc, "layers", d_layers)
+
+          def embed_grad(acc):
+            _, vjp = jax.vjp(lambda e: stages.embed(cfg, e, mb["tokens"]), p["embed"])
+            return layout.add(acc, "embed", vjp(dx.astype(act_dtype[model]))[0])
+          acc = lax.cond(first, embed_grad, lambda acc: acc, acc)
+          return acc, metrics, dx
+
+        def forward(acc, metrics):
+          return acc, metrics, jnp.zeros_like(x_in)
+
+        acc, metrics, dx = lax.cond(bwd, backward, forward, carry["grads"][model],
+                                    carry["metrics"][model])
+        carry = {**carry, "stash": {**carry["stash"], model: stash},
+                 "grads": {**carry["grads"], model: acc},
+                 "metrics": {**carry["metrics"], model: metrics}}
+        # Forwards send their output on (not from the last stage), backwards the input gradient
+        # back (not from the first stage).
+        send = jnp.where(bwd, jnp.logical_not(first), jnp.logical_not(last))
+        msg = jnp.where(send, to_msg(jnp.where(bwd, dx, y)), zero_msg)
+        # The actor's forward direction is up; the critic, placed in reverse, runs down.
+        goes_up = jnp.logical_not(bwd) if model == "actor" else bwd
+        return (carry, jnp.where(goes_up, msg, zero_msg),
+                jnp.where(goes_up, zero_msg, msg))
       return run
 
-    def backward(task, model, inbox):
-      def run(carry, row):
-        mb = micro(model, row[prog.MICRO])
-        f = stage_fn(model, task, mb)
-        p = used_params(model, task)
-        if task.first:  # the input is tokens: differentiate the parameters only
-          fx, primals = (lambda p: f(p, None)), (p,)
-        else:
-          fx, primals = f, (p, carry["stash"][model][row[prog.STASH_SLOT]])
-        if task.last:  # the loss is the output; its metrics ride along undifferentiated
-          loss, vjp, metrics = jax.vjp(fx, *primals, has_aux=True)
-          cots = vjp(jnp.ones_like(loss))
-          carry = {**carry, "metrics": {**carry["metrics"],
-                                        model: carry["metrics"][model] + metrics}}
-        else:
-          _, vjp = jax.vjp(fx, *primals)
-          cots = vjp(from_msg(carry["inbox"][inbox][row[prog.INBOX_SLOT]], model))
-        flat = carry["grads"][model]
-        for key, g in cots[0].items():
-          flat = layouts[model].add(flat, key, g)
-        carry = {**carry, "grads": {**carry["grads"], model: flat}}
-        return carry, (zero_msg if task.first else to_msg(cots[1]))
-      return run
-
-    # Branch i of the table; each returns (carry, up message, down message).
-    branches = [lambda carry, row: (carry, zero_msg, zero_msg)]
-    for task in spec.branches[1:]:
-      if task.kind == AF:  # actor activations go up
-        fn, up = forward(task, "actor", "actor_act"), True
-      elif task.kind == AB:  # actor gradients go down
-        fn, up = backward(task, "actor", "actor_grad"), False
-      elif task.kind == CF:  # the critic runs reversed: its activations go down
-        fn, up = forward(task, "critic", "critic_act"), False
-      else:  # and its gradients up
-        fn, up = backward(task, "critic", "critic_grad"), True
-
-      def branch(carry, row, fn=fn, up=up):
-        carry, msg = fn(carry, row)
-        return (carry, msg, zero_msg) if up else (carry, zero_msg, msg)
-      branches.append(branch)
-
+    # Branches indexed by the row's MODEL field (prog.IDLE, prog.ACTOR, prog.CRITIC).
+    branches = [lambda carry, row: (carry, zero_msg, zero_msg), model_task("actor"),
+                model_task("critic")]
     up_targets = {prog.RECV_ACT: ("actor_act", "actor"), prog.RECV_GRAD: ("critic_grad", "critic")}
     down_targets = {prog.RECV_ACT: ("critic_act", "critic"),
                     prog.RECV_GRAD: ("actor_grad", "actor")}
@@ -324,7 +322,7 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
 
     def tick(t, carry):
       row = my_table[t]
-      carry, up_msg, down_msg = lax.switch(row[prog.BRANCH], branches, carry, row)
+      carry, up_msg, down_msg = lax.switch(row[prog.MODEL], branches, carry, row)
       up_in = lax.ppermute(up_msg, STAGE_AXIS, up_perm)
       down_in = lax.ppermute(down_msg, STAGE_AXIS, down_perm)
       carry = file_msg(carry, up_in, row[prog.UP_RECV], row[prog.UP_SLOT], up_targets)
@@ -355,8 +353,10 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
 
 def make_executor(actor_cfg: ModelConfig, critic_cfg: ModelConfig, loss_cfg: LossConfig,
                   problem: PipelineProblem, order: np.ndarray, mesh: Mesh, barrier: bool = False,
-                  min_shape: prog.ProgramShape | None = None) -> PipelineExecutor:
+                  min_shape: Optional[prog.ProgramShape] = None,
+                  compiler_options: Optional[Dict[str, Any]] = None) -> PipelineExecutor:
   """Compiles `order` (graph.py kinds, [N, T]) for `problem` and builds its executor."""
   check_placement(mesh, problem, actor_cfg, critic_cfg)
   return PipelineExecutor(actor_cfg, critic_cfg, loss_cfg,
-                          prog.build_program(problem, order, barrier, min_shape), mesh)
+                          prog.build_program(problem, order, barrier, min_shape), mesh,
+                          compiler_options)

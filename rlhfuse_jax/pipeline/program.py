@@ -33,15 +33,19 @@ from rlhfuse_jax.pipeline.graph import (AB, AF, CB, CF, KIND_NAMES, PipelineProb
                                         validate_order)
 
 # Fields of one table row (one device, one tick).
-BRANCH = 0      # index into Program.branches; 0 is idle
-MICRO = 1       # data micro-batch of the task (critic: replica * Mc + local micro-batch)
-STASH_SLOT = 2  # ring slot of the task's stashed stage input
-INBOX_SLOT = 3  # ring slot of the message the task consumes
-UP_RECV = 4     # what arrives on the up channel at the end of the tick (RECV_* codes)
-UP_SLOT = 5
-DOWN_RECV = 6   # what arrives on the down channel
-DOWN_SLOT = 7
-FIELDS = 8
+MODEL = 0       # 0 idle, 1 actor, 2 critic (the executor's switch branch)
+BACKWARD = 1    # 0 forward, 1 backward
+FIRST = 2       # the task's stage is its model's first (embeds tokens, sends no gradient)
+LAST = 3        # its model's last stage (head and loss, sends no activation)
+MICRO = 4       # data micro-batch of the task (critic: replica * Mc + local micro-batch)
+STASH_SLOT = 5  # ring slot of the task's stashed stage input
+INBOX_SLOT = 6  # ring slot of the message the task consumes
+UP_RECV = 7     # what arrives on the up channel at the end of the tick (RECV_* codes)
+UP_SLOT = 8
+DOWN_RECV = 9   # what arrives on the down channel
+DOWN_SLOT = 10
+FIELDS = 11
+IDLE, ACTOR, CRITIC = 0, 1, 2
 
 # Arrival codes. Up channel: actor activations and critic gradients; down: the other two.
 RECV_NONE, RECV_ACT, RECV_GRAD = 0, 1, 2
@@ -52,16 +56,10 @@ INBOXES = ("actor_act", "actor_grad", "critic_act", "critic_grad")
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-  """What a branch of the executor does: model kind and where in its pipeline it sits."""
+  """Where a task sits in its model's pipeline."""
   kind: int     # AF, AB, CF, CB
   first: bool   # first stage of its model: embeds tokens, sends no gradient
   last: bool    # last stage: head and loss, sends no activation
-
-  @property
-  def name(self) -> str:
-    pos = "only" if self.first and self.last else "first" if self.first else (
-        "last" if self.last else "mid")
-    return f"{KIND_NAMES[self.kind]}_{pos}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +85,6 @@ class Program:
   problem: PipelineProblem
   order: np.ndarray             # int8 [N, T] the schedule it was built from
   table: np.ndarray             # int32 [N, ticks, FIELDS]
-  branches: tuple               # (None, Task, ...): branch 0 is idle
   task_tick: np.ndarray         # int32 [N, T] tick of the task at each order position
   stash_peaks: np.ndarray       # int [N, 2] peak in-flight micro-batches (actor, critic)
   stash_sizes: tuple            # (actor, critic) ring sizes (max over devices, >= 1)
@@ -108,7 +105,7 @@ class Program:
 
   def busy_ticks(self) -> np.ndarray:
     """[N] ticks each device runs a task (equal on all devices: 2 Ma + 2 Mc)."""
-    return (self.table[:, :, BRANCH] != 0).sum(axis=1)
+    return (self.table[:, :, MODEL] != IDLE).sum(axis=1)
 
   def lockstep_time(self) -> float:
     """Makespan in the problem's time units if each tick lasts as long as its longest task."""
@@ -130,7 +127,6 @@ class Program:
                                    "critic": self.stash_peaks[:, 1].tolist()},
         "stash_sizes": {"actor": self.stash_sizes[0], "critic": self.stash_sizes[1]},
         "inbox_sizes": dict(zip(INBOXES, self.inbox_sizes)),
-        "branches": [b.name for b in self.branches[1:]],
         "barrier": self.barrier,
     }
 
@@ -269,15 +265,6 @@ def build_program(problem: PipelineProblem, order: np.ndarray, barrier: bool = F
     c = problem.critic_stage(d)
     return Task(k, first=c == 0, last=c == pc - 1)
 
-  branches = [None]
-  for d in range(n):
-    for k in (AF, AB, CF, CB):
-      task = task_of(d, k)
-      if task not in branches:
-        branches.append(task)
-  branches.sort(key=lambda b: (-1,) if b is None else (b.kind, b.first, b.last))
-  branch_id = {b: i for i, b in enumerate(branches)}
-
   # Ring events per device: stash (per model) and inboxes (per INBOXES entry).
   stash_ev = [[[] for _ in range(2)] for _ in range(n)]
   inbox_ev = [[[] for _ in range(4)] for _ in range(n)]
@@ -321,7 +308,11 @@ def build_program(problem: PipelineProblem, order: np.ndarray, barrier: bool = F
     for p in range(t):
       k, m, tk = int(order[d, p]), int(micro[d, p]), int(tick[d, p])
       row = table[d, tk]
-      row[BRANCH] = branch_id[task_of(d, k)]
+      task = task_of(d, k)
+      row[MODEL] = ACTOR if k in (AF, AB) else CRITIC
+      row[BACKWARD] = k in (AB, CB)
+      row[FIRST] = task.first
+      row[LAST] = task.last
       row[MICRO] = m if k in (AF, AB) else problem.critic_replica(d) * mc + m
       row[STASH_SLOT] = m % stash_sizes[k // 2]
       row[INBOX_SLOT] = m % inbox_sizes[k]
@@ -331,6 +322,12 @@ def build_program(problem: PipelineProblem, order: np.ndarray, barrier: bool = F
     assert row[f_code] == RECV_NONE, "two messages on one channel in one tick"
     row[f_code] = code
     row[f_slot] = m % inbox_sizes[k]
-  return Program(problem=problem, order=order, table=table, branches=tuple(branches),
+  return Program(problem=problem, order=order, table=table,
                  task_tick=tick.astype(np.int32), stash_peaks=stash_peaks,
                  stash_sizes=stash_sizes, inbox_sizes=inbox_sizes, barrier=barrier)
+
+
+def from_schedule(schedule, barrier: bool = False,
+                  min_shape: Optional[ProgramShape] = None) -> Program:
+  """build_program for a schedule.Schedule (what the search and schedule.json hold)."""
+  return build_program(schedule.problem, schedule.order(), barrier, min_shape)

@@ -1,0 +1,313 @@
+"""The fused pipeline executor: instruction tables (numpy) and gradients against jax.grad.
+
+The executor tests compile one shard_map program per mesh/model configuration and run several
+schedules of the same program shape through it (program.common_shape), to keep the file fast.
+"""
+import functools
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlhfuse_jax.models import llama
+from rlhfuse_jax.parallel.mesh import MeshConfig, make_mesh
+from rlhfuse_jax.pipeline import program as prog
+from rlhfuse_jax.pipeline import schedule, schedules, search, stages
+from rlhfuse_jax.pipeline.evaluate import peak_memory
+from rlhfuse_jax.pipeline.executor import PipelineExecutor, make_executor
+from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem
+
+SEQ, RESP, VOCAB = 12, 6, 64
+# Tiny test programs: LLVM's optimisations cost more compile time than they save at run time.
+FAST = {"xla_backend_optimization_level": 0}
+
+
+def _random_valid_order(p: PipelineProblem, rng: np.random.Generator) -> np.ndarray:
+  """A random interleaving in which every task runs after its dependency: always valid."""
+  n = p.num_devices
+  counts = {AF: p.actor_microbatches, AB: p.actor_microbatches, CF: p.critic_microbatches,
+            CB: p.critic_microbatches}
+  done = set()
+  cnt = np.zeros((n, 4), dtype=int)
+  rows = [[] for _ in range(n)]
+  while len(done) < n * p.tasks_per_device:
+    ready = []
+    for d in range(n):
+      for k in (AF, AB, CF, CB):
+        m = cnt[d, k]
+        if m < counts[k] and (prog._dependency(p, d, k, m) is None or
+                              prog._dependency(p, d, k, m) in done):
+          ready.append((d, k, m))
+    d, k, m = ready[rng.integers(len(ready))]
+    done.add((k, d, m))
+    rows[d].append(k)
+    cnt[d, k] += 1
+  return np.array(rows, dtype=np.int8)
+
+
+# Instruction tables (numpy only) ----------------------------------------------------------------
+
+PROBLEMS = [PipelineProblem(4, 2, 4, 2, 1.0, 1.0), PipelineProblem(4, 4, 3, 5, 2.0, 1.0),
+            PipelineProblem(2, 1, 3, 4, 1.0, 1.0), PipelineProblem(8, 4, 6, 3, 5.0, 4.0)]
+
+
+def _replay(program: prog.Program):
+  """Plays the table like the executor does, with (model, micro-batch) labels instead of
+  arrays, and checks that every task reads exactly the message or stash entry it needs."""
+  p = program.problem
+  n, ticks = program.num_devices, program.ticks
+  stash = [[dict() for _ in range(2)] for _ in range(n)]
+  inbox = [[dict() for _ in range(4)] for _ in range(n)]
+  seen = [[] for _ in range(n)]
+  for t in range(ticks):
+    up, down = [None] * n, [None] * n
+    for d in range(n):
+      row = program.table[d, t]
+      if row[prog.MODEL] == prog.IDLE:
+        continue
+      model, fwd = row[prog.MODEL] - 1, row[prog.BACKWARD] == 0
+      k = 2 * model + (0 if fwd else 1)
+      first, last = bool(row[prog.FIRST]), bool(row[prog.LAST])
+      stage = p.actor_stage(d) if model == 0 else p.critic_stage(d)
+      assert first == (stage == 0) and last == (stage == (p.actor_pp, p.critic_pp)[model] - 1)
+      local = row[prog.MICRO] - (p.critic_replica(d) * p.critic_microbatches if model else 0)
+      seen[d].append((k, local))
+      label = (model, row[prog.MICRO])
+      if (fwd and not first) or (not fwd and not last):
+        got = inbox[d][k].pop(row[prog.INBOX_SLOT])
+        assert got == (label, "act" if fwd else "grad"), (d, t, got, label)
+      if fwd and not first:
+        assert row[prog.STASH_SLOT] not in stash[d][model]
+        stash[d][model][row[prog.STASH_SLOT]] = label
+      if not fwd and not first:
+        assert stash[d][model].pop(row[prog.STASH_SLOT]) == label
+      if (fwd and not last) or (not fwd and not first):
+        msg = (k, (label, "act" if fwd else "grad"))
+        if k in (AF, CB):
+          up[d + 1] = msg
+        else:
+          down[d - 1] = msg
+    for d in range(n):
+      row = program.table[d, t]
+      for msg, code, slot in ((up[d], row[prog.UP_RECV], row[prog.UP_SLOT]),
+                              (down[d], row[prog.DOWN_RECV], row[prog.DOWN_SLOT])):
+        assert (msg is None) == (code == prog.RECV_NONE), (d, t, msg, code)
+        if msg is not None:
+          k, payload = msg
+          assert code == (prog.RECV_ACT if k % 2 == 0 else prog.RECV_GRAD)
+          assert slot not in inbox[d][k], "ring slot overwritten"
+          inbox[d][k][slot] = payload
+  for d in range(n):  # every task ran once, in the schedule's order; nothing left behind
+    micro = prog._task_ids(p, program.order)[d]
+    assert seen[d] == list(zip(program.order[d].tolist(), micro.tolist()))
+    assert all(not box for box in inbox[d]) and all(not s for s in stash[d])
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_tables_replay_serial_greedy_and_random_orders(problem):
+  rng = np.random.default_rng(0)
+  orders = [(schedules.serial_order(problem), True), (schedules.serial_order(problem), False),
+            (schedules.greedy_order(problem), False)]
+  orders += [(_random_valid_order(problem, rng), False) for _ in range(3)]
+  for order, barrier in orders:
+    program = prog.build_program(problem, order, barrier=barrier)
+    _replay(program)
+    assert program.busy_ticks().tolist() == [problem.tasks_per_device] * problem.num_devices
+    # Stash rings hold exactly the schedule's peak number of in-flight micro-batches.
+    actor_only = PipelineProblem(problem.actor_pp, problem.critic_pp, problem.actor_microbatches,
+                                 problem.critic_microbatches, 1.0, 1.0, critic_mem=0.0)
+    peaks_a = peak_memory(actor_only, order)  # [N] in micro-batches
+    assert program.stash_sizes[0] == int(peaks_a.max())
+    assert program.stash_peaks[:, 0].tolist() == peaks_a.astype(int).tolist()
+
+
+def test_serial_ticks_are_two_one_f_one_b_pipelines():
+  for p in PROBLEMS:
+    program = prog.build_program(p, schedules.serial_order(p), barrier=True)
+    assert program.ticks == (2 * (p.actor_pp + p.actor_microbatches - 1) +
+                             2 * (p.critic_pp + p.critic_microbatches - 1))
+    assert prog.build_program(p, schedules.greedy_order(p)).ticks < program.ticks
+
+
+def test_min_shape_pads_and_keeps_the_replay_valid():
+  p = PROBLEMS[0]
+  a = prog.build_program(p, schedules.serial_order(p), barrier=True)
+  b = prog.build_program(p, _random_valid_order(p, np.random.default_rng(1)))
+  shape = prog.common_shape(a, b)
+  for order, barrier in ((a.order, True), (b.order, False)):
+    padded = prog.build_program(p, order, barrier, min_shape=shape)
+    assert padded.shape == shape
+    _replay(padded)
+
+
+def test_deadlocked_orders_are_rejected():
+  p = PipelineProblem(2, 2, 1, 1, 1.0, 1.0)
+  # Device 0 waits for the critic forward of device 1, which waits for device 0's actor.
+  order = np.array([[CF, CB, AF, AB], [AF, AB, CF, CB]], dtype=np.int8)
+  with pytest.raises(ValueError, match="deadlock"):
+    prog.build_program(p, order)
+  with pytest.raises(ValueError, match="deadlock"):
+    prog.level_ticks(p, order)
+  # A fused order cannot run behind a barrier (critic tasks before actor tasks).
+  with pytest.raises(ValueError, match="barrier"):
+    prog.build_program(PROBLEMS[0], schedules.greedy_order(PROBLEMS[0]), barrier=True)
+
+
+# The executor -----------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _models(actor_layers, critic_layers, critic_hidden=32, tie=False):
+  acfg = llama.ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                           num_layers=actor_layers, num_heads=4, num_kv_heads=2,
+                           tie_embeddings=tie)
+  ccfg = llama.ModelConfig(vocab_size=VOCAB, hidden_size=critic_hidden, intermediate_size=48,
+                           num_layers=critic_layers, num_heads=2, num_kv_heads=1, head="scalar")
+  return acfg, ccfg, _init(acfg, 0), _init(ccfg, 1)
+
+
+def _init(cfg, seed):
+  # Random parameters from numpy on the model's shapes: no init program to compile.
+  shapes = jax.eval_shape(lambda: flax.linen.unbox(llama.Transformer(cfg).init(
+      jax.random.key(0), jnp.zeros((1, 2), jnp.int32))["params"]))
+  rng = np.random.default_rng(seed)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  out = []
+  for path, leaf in leaves:
+    scale = "scale" in jax.tree_util.keystr(path)  # RMSNorm gains around 1
+    x = rng.normal(1.0 if scale else 0.0, 0.1 if scale else 0.05, leaf.shape)
+    out.append(jnp.asarray(x, leaf.dtype))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _batch(size, seed=0, ref=False):
+  rng = np.random.default_rng(seed)
+  resp = rng.integers(1, RESP + 1, size=size)
+  batch = {
+      "tokens": rng.integers(0, VOCAB, size=(size, SEQ)).astype(np.int32),
+      "prompt_lens": rng.integers(1, SEQ - RESP + 1, size=size).astype(np.int32),
+      "mask": (np.arange(RESP)[None] < resp[:, None]).astype(np.float32),
+      "old_logp": rng.normal(-4.2, 0.3, (size, RESP)).astype(np.float32),
+      "advantages": rng.normal(0, 1, (size, RESP)).astype(np.float32),
+      "returns": rng.normal(0, 1, (size, RESP)).astype(np.float32),
+      # Far from the fresh critic's values (|v| < 0.5): the value clip is active or not by a
+      # wide margin, so vf_clipfrac does not hinge on rounding (old + (v - old) != v in fp32).
+      "old_values": (rng.choice([-1, 1], (size, RESP)) *
+                     rng.uniform(0.8, 1.8, (size, RESP))).astype(np.float32),
+  }
+  if ref:
+    batch["ref_logp"] = rng.normal(-4.2, 0.3, (size, RESP)).astype(np.float32)
+  return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+def _assert_matches(got, want, rtol=1e-5):
+  g_leaves, treedef = jax.tree.flatten(got)
+  w_leaves, w_treedef = jax.tree.flatten(want)
+  assert treedef == w_treedef
+  for g, w in zip(g_leaves, w_leaves):
+    g, w = np.asarray(g), np.asarray(w)
+    assert g.shape == w.shape and g.dtype == w.dtype
+    scale = np.abs(w).max()
+    assert scale > 0, "a reference gradient is all zero: the test would prove nothing"
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale)
+
+
+def _check(executors, acfg, ccfg, loss_cfg, ap, cp, batch):
+  ref_a, ref_c, ref_m = jax.jit(stages.reference_grads, static_argnums=(0, 1, 2),
+                                compiler_options=FAST)(acfg, ccfg, loss_cfg, ap, cp, batch)
+  for ex in executors:
+    ga, gc, metrics = ex(ap, cp, batch)
+    _assert_matches(ga, ref_a)
+    _assert_matches(gc, ref_c)
+    for k in stages.ACTOR_METRICS + stages.CRITIC_METRICS:
+      np.testing.assert_allclose(metrics[k], ref_m[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def _executors(acfg, ccfg, loss_cfg, mesh, programs):
+  shape = prog.common_shape(*programs)
+  return [PipelineExecutor(acfg, ccfg, loss_cfg,
+                           prog.build_program(p.problem, p.order, p.barrier, shape), mesh,
+                           FAST)
+          for p in programs]
+
+
+def test_grads_match_for_serial_and_searched_schedules_critic_replicated():
+  """Pa=4, Pc=2: two critic replicas, reversed placement; the searched schedule."""
+  problem = PipelineProblem(4, 2, 4, 2, 1.0, 1.0)
+  acfg, ccfg, ap, cp = _models(4, 2)
+  mesh = make_mesh(MeshConfig(data=1, stage=4), jax.devices()[:4])
+  found = search.search(problem, search.SearchConfig(time_budget_s=1.0, seed=0, list_variants=20))
+  fused = schedule.from_order(problem, found.best)
+  serial = prog.build_program(problem, schedules.serial_order(problem), barrier=True)
+  fused_prog = prog.from_schedule(fused)
+  assert fused_prog.ticks < serial.ticks
+  loss_cfg = stages.LossConfig()
+  _check(_executors(acfg, ccfg, loss_cfg, mesh, [serial, fused_prog]), acfg, ccfg, loss_cfg,
+         ap, cp, _batch(8))
+
+
+def test_grads_match_equal_stages_random_schedule_tied_embeddings_and_loss_terms():
+  """Pa=Pc=4, a random valid interleaving, a narrower critic (padded messages), tied actor
+  embeddings (gradient from the first and the last stage), entropy and KL loss terms."""
+  problem = PipelineProblem(4, 4, 2, 4, 1.0, 1.0)
+  acfg, ccfg, ap, cp = _models(4, 4, critic_hidden=16, tie=True)
+  mesh = make_mesh(MeshConfig(data=1, stage=4), jax.devices()[4:])
+  loss_cfg = stages.LossConfig(clip_eps=0.1, clip_eps_high=0.3, loss_agg="seq-mean-token-mean",
+                               entropy_coef=0.05, kl_coef=0.1, kl_estimator="k3",
+                               value_clip_eps=0.05, temperature=0.7)
+  programs = [prog.build_program(problem, schedules.serial_order(problem), barrier=True),
+              prog.build_program(problem, _random_valid_order(problem, np.random.default_rng(3)))]
+  _check(_executors(acfg, ccfg, loss_cfg, mesh, programs), acfg, ccfg, loss_cfg, ap, cp,
+         _batch(8, seed=1, ref=True))
+
+
+def test_grads_match_with_a_data_axis_and_a_single_stage_critic():
+  """mesh data=2 x stage=4: each data shard pipelines its rows and the gradients add up; Pc=1
+  (four critic replicas whose only stage embeds, runs its layers and the loss)."""
+  problem = PipelineProblem(4, 1, 2, 1, 1.0, 1.0)
+  acfg, ccfg, ap, cp = _models(4, 2)
+  mesh = make_mesh(MeshConfig(data=2, stage=4))
+  loss_cfg = stages.LossConfig(loss_agg="seq-mean-token-sum")
+  ex = make_executor(acfg, ccfg, loss_cfg, problem, schedules.greedy_order(problem), mesh,
+                     compiler_options=FAST)
+  critic_rows = ex.program.table[ex.program.table[:, :, prog.MODEL] == prog.CRITIC]
+  assert np.all(critic_rows[:, prog.FIRST] == 1) and np.all(critic_rows[:, prog.LAST] == 1)
+  _check([ex], acfg, ccfg, loss_cfg, ap, cp, _batch(16, seed=2))
+
+
+def test_grads_match_with_a_tensor_axis_and_two_layers_per_stage():
+  """stage=2 x data=2 x an automatic tensor=2 axis; the actor's stages hold two layers each."""
+  problem = PipelineProblem(2, 2, 2, 2, 1.0, 1.0)
+  acfg, ccfg, ap, cp = _models(4, 2)
+  mesh = make_mesh(MeshConfig(data=2, stage=2, tensor=2))
+  loss_cfg = stages.LossConfig()
+  ex = make_executor(acfg, ccfg, loss_cfg, problem, schedules.greedy_order(problem), mesh,
+                     compiler_options=FAST)
+  _check([ex], acfg, ccfg, loss_cfg, ap, cp, _batch(8))
+
+
+def test_impossible_placements_give_clear_errors():
+  acfg, ccfg, _, _ = _models(4, 2)
+  mesh4 = make_mesh(MeshConfig(data=1, stage=4), jax.devices()[:4])
+  order = schedules.serial_order
+  with pytest.raises(ValueError, match="actor_pp=4 must be divisible by critic_pp=3"):
+    PipelineProblem(4, 3, 2, 2, 1.0, 1.0)
+  p8 = PipelineProblem(8, 2, 2, 2, 1.0, 1.0)
+  with pytest.raises(ValueError, match="actor_pp=8 stages need 8 devices on mesh axis 'stage'"):
+    make_executor(acfg.replace(num_layers=8), ccfg, stages.LossConfig(), p8, order(p8), mesh4)
+  p = PipelineProblem(4, 2, 2, 2, 1.0, 1.0)
+  with pytest.raises(ValueError, match="actor.num_layers=6 must be divisible by its pipeline "
+                                       "stages=4"):
+    make_executor(acfg.replace(num_layers=6), ccfg, stages.LossConfig(), p, order(p), mesh4)
+  with pytest.raises(ValueError, match="critic.num_layers=3 must be divisible"):
+    make_executor(acfg, ccfg.replace(num_layers=3), stages.LossConfig(), p, order(p), mesh4)
+  with pytest.raises(ValueError, match="critic.head='lm'"):
+    make_executor(acfg, ccfg.replace(head="lm"), stages.LossConfig(), p, order(p), mesh4)
+  ex = make_executor(acfg, ccfg, stages.LossConfig(), p, order(p), mesh4)
+  with pytest.raises(ValueError, match="divisible by actor_microbatches=2 and by critic replicas "
+                                       "x critic_microbatches=2x2"):
+    ex.microbatch_sizes(6)
+  with pytest.raises(KeyError, match="ref_logp"):
+    make_executor(acfg, ccfg, stages.LossConfig(kl_coef=0.1), p, order(p), mesh4)._select(
+        _batch(8))
