@@ -27,9 +27,11 @@ from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference import scoring
 from rlhfuse_jax.models import hf_loader, llama, sequences
 from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.perf import accounting
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import minibatch as mb_lib
 from rlhfuse_jax.rl import optim
+from rlhfuse_jax.sim import hardware
 from rlhfuse_jax.trainer import fused_stage, ppo
 from rlhfuse_jax.trainer.config import TrainConfig
 
@@ -311,9 +313,22 @@ class PPOTrainer:
     out.update({
         "timing_s/train": t_train, "timing_s/gen_plus_inf": t_gen_inf, "timing_s/step": t_total,
         "perf/tokens_per_s": n_tokens / t_total,
+        **self._train_flops_metrics(t_train, tokens.shape[1] - max_new, max_new),
         "perf/response_tokens": int(np.sum(resp_lens)),
     })
     self.last_rollout = rollout
+    return out
+
+  def _train_flops_metrics(self, t_train: float, prompt_len: int, max_new: int) -> dict:
+    """Training FLOP/s (padded shapes, as executed) and MFU where the device's peak is known."""
+    cfg = self.cfg
+    flops = cfg.algo.epochs * accounting.ppo_update_flops(
+        cfg.model, cfg.critic_model if self.use_critic else None, cfg.rollout.batch_size,
+        prompt_len, max_new)
+    out = {"perf/train_flops_per_s": flops / t_train}
+    hw = hardware.hardware_for_device_kind(self.mesh.devices.flat[0].device_kind)
+    if hw is not None:
+      out["perf/mfu"] = flops / t_train / (hw.peak_flops * self.mesh.devices.size)
     return out
 
   # ---------------------------------------------------------------- the loop
