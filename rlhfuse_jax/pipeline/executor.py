@@ -136,6 +136,13 @@ class PipelineExecutor:
     return _jitted_step(self.spec).lower(self.table, actor_params, critic_params, batch,
                                          self.microbatch_sizes(batch["tokens"].shape[0]))
 
+  def compile(self, actor_params: Any, critic_params: Any,
+              batch: Dict[str, jax.Array]) -> Callable:
+    """Ahead-of-time compiled step: returns f(actor_params, critic_params, batch) -> outputs."""
+    compiled = self.lower(actor_params, critic_params, batch).compile()
+    table = jnp.asarray(self.table)
+    return lambda ap, cp, b: compiled(table, ap, cp, self._select(b))
+
   def microbatch_sizes(self, batch_size: int) -> Tuple[int, int]:
     """(actor, critic) rows per micro-batch for a mini-batch of `batch_size` rows."""
     problem = self.program.problem

@@ -1,0 +1,48 @@
+r"""Fused actor/critic pipeline executor: serial 1F1B vs fused schedules, gradients vs jax.grad.
+
+On CPU (8 fake devices, set by the binary; a tiny actor and critic, about a minute):
+  python -m experiments.bench_pipeline --config=configs/bench_pipeline.py --workdir=/tmp/bench_pipeline
+
+Writes result.json (ticks, lockstep time, wall time, compile time, stash sizes, gradient errors
+of both models against jax.grad of the unpipelined losses, per schedule) and config.json.
+"""
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.actor_pp = 4  # actor stages = devices on the mesh's `stage` axis
+  c.critic_pp = 2  # critic stages (actor_pp / critic_pp critic replicas, reversed placement)
+  c.data = 2  # data-parallel mesh axis (stage x data devices in all)
+  c.actor_microbatches = 8  # actor micro-batches per mini-batch shard
+  c.critic_microbatches = 4  # micro-batches per critic replica
+  c.minibatch_size = 32  # rows of the mini-batch (split over data, then into micro-batches)
+  c.prompt_len = 8  # prompt tokens per row (all rows; response positions follow)
+  c.response_len = 8  # response tokens per row (the last rows are shorter: mask tests padding)
+  c.actor = ml_collections.ConfigDict()  # tiny LLaMA-shaped actor (LM head)
+  c.actor.vocab_size = 256
+  c.actor.hidden_size = 64
+  c.actor.intermediate_size = 128
+  c.actor.num_layers = 4  # divisible by actor_pp
+  c.actor.num_heads = 4
+  c.actor.num_kv_heads = 2
+  c.critic = ml_collections.ConfigDict()  # tiny critic (scalar value head)
+  c.critic.vocab_size = 256
+  c.critic.hidden_size = 64
+  c.critic.intermediate_size = 128
+  c.critic.num_layers = 2  # divisible by critic_pp
+  c.critic.num_heads = 4
+  c.critic.num_kv_heads = 2
+  # Cost model the schedule search optimises (per stage, per micro-batch; backward = ratio x fwd).
+  c.actor_fwd = 1.0
+  c.critic_fwd = 1.0
+  c.bwd_ratio = 2.0
+  c.search_time_s = 5.0  # schedule search budget (seconds)
+  c.warmup = 2  # untimed runs after compilation
+  c.repeats = 7  # timed runs (median reported)
+  c.clip_eps = 0.2  # PPO ratio clip
+  c.value_clip_eps = 0.2  # value clip
+  c.vf_coef = 0.5  # critic loss weight
+  c.entropy_coef = 0.01  # entropy bonus
+  return c
