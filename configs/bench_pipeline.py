@@ -34,11 +34,12 @@ def get_config():
   c.critic.num_layers = 2  # divisible by critic_pp
   c.critic.num_heads = 4
   c.critic.num_kv_heads = 2
-  # Cost model the schedule search optimises (per stage, per micro-batch; backward = ratio x fwd).
+  # Cost model (per stage and micro-batch; backward = ratio x forward) of the reported lockstep
+  # and list-scheduled times, and of the `searched_time` schedule's search.
   c.actor_fwd = 1.0
   c.critic_fwd = 1.0
   c.bwd_ratio = 2.0
-  c.search_time_s = 5.0  # schedule search budget (seconds)
+  c.search_time_s = 5.0  # budget of each of the two schedule searches (seconds)
   c.warmup = 2  # untimed runs after compilation
   c.repeats = 7  # timed runs (median reported)
   c.clip_eps = 0.2  # PPO ratio clip

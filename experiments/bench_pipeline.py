@@ -2,9 +2,11 @@ r"""Benchmark of the fused actor/critic pipeline executor (DESIGN §3, intra-sta
 
   python -m experiments.bench_pipeline --config=configs/bench_pipeline.py --workdir=/tmp/bench_pipeline
 
-Runs three schedules of the same problem through pipeline/executor.py on a `data x stage` mesh:
-serial 1F1B (actor 1F1B, then critic 1F1B behind a barrier), greedy fused, and searched fused
-(pipeline/search.py within the memory budget). For each: lockstep ticks (program.py), the
+Runs four schedules of the same problem through pipeline/executor.py on a `data x stage` mesh:
+serial 1F1B (actor 1F1B, then critic 1F1B behind a barrier), greedy fused, and two searched fused
+schedules (pipeline/search.py within the memory budget): `searched` minimises lockstep ticks (the
+search on unit durations), `searched_time` the list-scheduled time under the cost model (backward
+= bwd_ratio x forward). For each: lockstep ticks (program.py), the
 lockstep time under the cost model (each tick lasts as long as its longest task), compile time,
 wall time of one step (median of `repeats` after `warmup`), stash ring sizes and per-device peaks,
 and the gradient errors of both models against `jax.grad` of the unpipelined losses
@@ -218,11 +220,17 @@ def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
                    cfg.repeats)
   logging.info("unpipelined jax.grad step (one device): %.4fs", np.median(ref_runs))
 
-  found = search.search(problem, search.SearchConfig(time_budget_s=cfg.search_time_s,
-                                                     seed=cfg.seed))
+  # The executor runs in lockstep ticks, so its own objective is the tick count: the search on
+  # unit durations minimises exactly that (list scheduling with unit tasks is the ASAP leveling
+  # of program.py). `searched_time` optimises the cost model's list-scheduled time instead.
+  unit = dataclasses.replace(problem, actor_fwd=1.0, critic_fwd=1.0, actor_bwd=1.0,
+                             critic_bwd=1.0)
+  search_cfg = search.SearchConfig(time_budget_s=cfg.search_time_s, seed=cfg.seed)
+  found = {"ticks": search.search(unit, search_cfg), "time": search.search(problem, search_cfg)}
   orders = {"serial_1f1b": (schedules.serial_order(problem), True),
             "greedy": (schedules.greedy_order(problem), False),
-            "searched": (found.best, False)}
+            "searched": (found["ticks"].best, False),
+            "searched_time": (found["time"].best, False)}
   results = {name: run_schedule(name, cfg, problem, order, barrier, mesh, params, batch, reference)
              for name, (order, barrier) in orders.items()}
   tol = 1e-5
@@ -238,17 +246,16 @@ def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
           mesh).microbatch_sizes(cfg.minibatch_size))),
       "schedules": results,
       "unpipelined_step_s": float(np.median(ref_runs)),
-      "search_s": found.search_s,
+      "search_s": {k: f.search_s for k, f in found.items()},
       "fused_ticks_lt_serial_ticks": bool(results["searched"]["ticks"] <
                                           results["serial_1f1b"]["ticks"]),
       "grad_error_tolerance": tol,
       "grad_errors_within_tolerance": bool(max(errors) <= tol),
   }
   wd.write_json(os.path.join(workdir, "result.json"), result)
-  logging.info("ticks: serial %d, greedy %d, searched %d; fused < serial: %s; max grad error "
-               "%.2e (tolerance %g)", results["serial_1f1b"]["ticks"], results["greedy"]["ticks"],
-               results["searched"]["ticks"], result["fused_ticks_lt_serial_ticks"], max(errors),
-               tol)
+  logging.info("ticks: %s; fused < serial: %s; max grad error %.2e (tolerance %g)",
+               {k: r["ticks"] for k, r in results.items()}, result["fused_ticks_lt_serial_ticks"],
+               max(errors), tol)
   return result
 
 
