@@ -119,8 +119,9 @@ def test_tables_replay_serial_greedy_and_random_orders(problem):
     actor_only = PipelineProblem(problem.actor_pp, problem.critic_pp, problem.actor_microbatches,
                                  problem.critic_microbatches, 1.0, 1.0, critic_mem=0.0)
     peaks_a = peak_memory(actor_only, order)  # [N] in micro-batches
-    assert program.stash_sizes[0] == int(peaks_a.max())
     assert program.stash_peaks[:, 0].tolist() == peaks_a.astype(int).tolist()
+    # The first stage reads tokens; the others stash exactly their peak.
+    assert program.stash_sizes[0] == max(int(peaks_a[1:].max(initial=0)), 1)
 
 
 def test_serial_ticks_are_two_one_f_one_b_pipelines():

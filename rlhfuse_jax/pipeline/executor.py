@@ -1,34 +1,39 @@
 """The fused actor/critic training step: any compiled schedule as one jitted shard_map program.
 
 Idea (DESIGN §3, "Executing a schedule"): every device of the mesh axis `stage` holds its actor
-stage (actor layers stacked [Pa, L/Pa, ...] and sharded P('stage')) and its critic stage (the
-critic layers gathered per device by the placement: stage Pc-1-(d mod Pc) on device d, so the R
-replicas of a critic stage hold the same weights). The instruction table of program.py, indexed
-by `lax.axis_index('stage')`, tells each device at each tick of a `lax.fori_loop` which task to
-run; `lax.switch` runs it:
+stage and its critic stage. Parameters enter as stages.StageLayout vectors: the actor's layers
+stacked [Pa, stage_size] and sharded P('stage'), the critic's stacked per device [N, stage_size]
+(stage Pc-1-(d mod Pc) on device d, so the R replicas of a critic stage hold the same weights),
+embedding and head whole. The instruction table of program.py, indexed by
+`lax.axis_index('stage')`, tells each device at each tick of a `lax.fori_loop` what to run;
+`lax.switch` picks the branch
 
-  idle | actor F | actor B | critic F | critic B   (each in first / middle / last-stage variants)
+  idle | actor task | critic task
 
-A forward stashes its stage input in a ring buffer (sized by the schedule's peak in-flight
-micro-batches) and sends its output; a backward recomputes the stage with `jax.vjp` from the
-stash, accumulates the parameter gradients and sends the input gradient. The last stage runs the
-head and the PPO actor loss or the value loss inside its backward (its forward only stashes), so
-the loss is computed once per micro-batch. After each task two `lax.ppermute`s move one padded
-message each: `up` (d -> d+1: actor activations, critic gradients) and `down` (d -> d-1: actor
-gradients, critic activations, the critic running in reverse), and the receiver files the
-message into the inbox ring its table row names.
+and the row's flags pick forward or backward and first / middle / last stage. A model's branch
+traces its stage once, as a `jax.vjp` whose backward half runs under `lax.cond`: each model's
+layers are compiled once, not once per task variant, which keeps compiles short. A forward
+stashes its stage input in a ring buffer (sized by the schedule's peak in-flight micro-batches)
+and sends its output; a backward recomputes the stage from the stash, runs the head and the PPO
+actor loss or the value loss on the last stage, accumulates the parameter gradients and sends
+the input gradient. (The last stage's forward also runs its layers, unused: in lockstep a tick
+lasts as long as its longest task, so this costs no time.) After each task two `lax.ppermute`s
+move one padded message each: `up` (d -> d+1: actor activations, critic gradients) and `down`
+(d -> d-1: actor gradients, critic activations, the critic running in reverse), and the
+receiver files the message into the inbox ring its table row names.
 
 Gradients accumulate per device in one flat float32 vector per model (a switch branch then
-carries one buffer instead of one per parameter leaf: fewer copies, much faster compiles). At the
-end each device writes its stage's segment into a whole-model vector, and one `psum` over
-`stage` and the data axes adds the segments, the R critic replicas and the data shards together;
-the gradients leave the program replicated over `stage`, like the trainer's parameters.
+carries one buffer instead of one per parameter leaf). At the end each device writes its stage's
+segment into a whole-model vector, and one `psum` over `stage` and the data axes adds the
+segments, the R critic replicas and the data shards together: the gradients leave the program
+replicated over `stage`, like the trainer's parameters.
 
 Data parallelism: the mini-batch is split over the mesh's data axes (`data`, `fsdp`, manual
 here); each data shard runs the pipeline on its rows with the normalisers of the whole
-mini-batch. A `tensor` axis stays automatic (GSPMD shards the layers inside each stage).
-Micro-batches: the actor's Ma and the critic's R*Mc (replica r takes r*Mc .. r*Mc+Mc-1) are
-consecutive row slices of each data shard.
+mini-batch. Micro-batches: the actor's Ma and the critic's R*Mc (replica r takes r*Mc ..
+r*Mc+Mc-1) are consecutive row slices of each data shard. A `tensor` axis is left automatic
+(GSPMD); the stage parameters enter replicated over it, so the stage computation is repeated on
+the tensor axis rather than split (correct, not faster).
 
 The table is an argument of the compiled step, not a constant: schedules with the same
 program.ProgramShape share one compilation (serial and fused, for example).

@@ -28,7 +28,6 @@ from typing import Optional
 
 import numpy as np
 
-from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import (AB, AF, CB, CF, KIND_NAMES, PipelineProblem,
                                         validate_order)
 
@@ -87,7 +86,7 @@ class Program:
   table: np.ndarray             # int32 [N, ticks, FIELDS]
   task_tick: np.ndarray         # int32 [N, T] tick of the task at each order position
   stash_peaks: np.ndarray       # int [N, 2] peak in-flight micro-batches (actor, critic)
-  stash_sizes: tuple            # (actor, critic) ring sizes (max over devices, >= 1)
+  stash_sizes: tuple            # (actor, critic) ring sizes: max peak of non-first stages, >= 1
   inbox_sizes: tuple            # ring size per INBOXES entry (>= 1)
   barrier: bool
 
@@ -249,8 +248,6 @@ def build_program(problem: PipelineProblem, order: np.ndarray, barrier: bool = F
   so that several schedules can run through one compiled executor.
   """
   order = validate_order(problem, order)
-  if not evaluate(problem, order).valid:
-    raise ValueError("schedule deadlocks (cyclic wait between devices); it cannot be executed")
   n, t = order.shape
   pa, pc, mc = problem.actor_pp, problem.critic_pp, problem.critic_microbatches
   tick = level_ticks(problem, order, barrier)
@@ -292,7 +289,10 @@ def build_program(problem: PipelineProblem, order: np.ndarray, barrier: bool = F
         arrivals.append((to, tk, "up" if up else "down", code, k, m))
         inbox_ev[to][k].append((tk, 1, m, +1))
   stash_peaks = _stash_peaks(order)
-  stash_sizes = tuple(max(int(stash_peaks[:, i].max()), 1) for i in range(2))
+  # First stages read tokens, not a stash: the rings are sized by the other devices' peaks.
+  stashing = [[d for d in range(n) if d > 0],
+              [d for d in range(n) if problem.critic_stage(d) > 0]]
+  stash_sizes = tuple(max([int(stash_peaks[d, i]) for d in stashing[i]] + [1]) for i in range(2))
   inbox_sizes = tuple(max(_ring_size(inbox_ev[d][i]) for d in range(n)) for i in range(4))
   if min_shape is not None:
     stash_sizes = tuple(max(a, b) for a, b in zip(stash_sizes, min_shape.stash_sizes))
