@@ -4,6 +4,7 @@ The executor tests compile one shard_map program per mesh/model configuration an
 schedules of the same program shape through it (program.common_shape), to keep the file fast.
 """
 import functools
+import json
 
 import flax
 import jax
@@ -218,7 +219,7 @@ def _check(executors, acfg, ccfg, loss_cfg, ap, cp, batch):
   ref_a, ref_c, ref_m = jax.jit(stages.reference_grads, static_argnums=(0, 1, 2),
                                 compiler_options=FAST)(acfg, ccfg, loss_cfg, ap, cp, batch)
   for ex in executors:
-    ga, gc, metrics = ex(ap, cp, batch)
+    ga, gc, metrics = ex(ap, cp, batch)  # ex: an executor, or any f(ap, cp, batch)
     _assert_matches(ga, ref_a)
     _assert_matches(gc, ref_c)
     for k in stages.ACTOR_METRICS + stages.CRITIC_METRICS:
@@ -239,7 +240,8 @@ def test_grads_match_for_serial_and_searched_schedules_critic_replicated():
   acfg, ccfg, ap, cp = _models(4, 2)
   mesh = make_mesh(MeshConfig(data=1, stage=4), jax.devices()[:4])
   found = search.search(problem, search.SearchConfig(time_budget_s=1.0, seed=0, list_variants=20))
-  fused = schedule.from_order(problem, found.best)
+  # Through schedule.json's format, as a schedule would come from the search binary.
+  fused = schedule.from_dict(json.loads(schedule.from_order(problem, found.best).to_json()))
   serial = prog.build_program(problem, schedules.serial_order(problem), barrier=True)
   fused_prog = prog.from_schedule(fused)
   assert fused_prog.ticks < serial.ticks
@@ -283,9 +285,9 @@ def test_grads_match_with_a_tensor_axis_and_two_layers_per_stage():
   acfg, ccfg, ap, cp = _models(4, 2)
   mesh = make_mesh(MeshConfig(data=2, stage=2, tensor=2))
   loss_cfg = stages.LossConfig()
-  ex = make_executor(acfg, ccfg, loss_cfg, problem, schedules.greedy_order(problem), mesh,
-                     compiler_options=FAST)
-  _check([ex], acfg, ccfg, loss_cfg, ap, cp, _batch(8))
+  ex = make_executor(acfg, ccfg, loss_cfg, problem, schedules.greedy_order(problem), mesh)
+  # grads_fn: the traceable form, as a trainer calls it inside its own jitted update.
+  _check([jax.jit(ex.grads_fn, compiler_options=FAST)], acfg, ccfg, loss_cfg, ap, cp, _batch(8))
 
 
 def test_impossible_placements_give_clear_errors():
