@@ -258,6 +258,7 @@ def test_grads_match_equal_stages_random_schedule_tied_embeddings_and_loss_terms
   mesh = make_mesh(MeshConfig(data=1, stage=4), jax.devices()[4:])
   loss_cfg = stages.LossConfig(clip_eps=0.1, clip_eps_high=0.3, loss_agg="seq-mean-token-mean",
                                entropy_coef=0.05, kl_coef=0.1, kl_estimator="k3",
+                               kl_loss_agg="seq-mean-token-sum-norm",
                                value_clip_eps=0.05, temperature=0.7)
   programs = [prog.build_program(problem, schedules.serial_order(problem), barrier=True),
               prog.build_program(problem, _random_valid_order(problem, np.random.default_rng(3)))]

@@ -44,12 +44,14 @@ class LossConfig:
   entropy_coef: float = 0.0               # loss -= entropy_coef * mean entropy
   kl_coef: float = 0.0                    # loss += kl_coef * KL-to-reference loss (0: off)
   kl_estimator: str = "k1"
+  kl_loss_agg: str = "token-mean"         # aggregation of the KL term (the trainer's: token-mean)
   value_clip_eps: Optional[float] = 0.2   # None: unclipped value loss
   vf_coef: float = 0.5                    # critic loss = vf_coef * value loss (token-mean)
   temperature: float = 1.0                # sampling temperature of the behaviour log-probs
 
   def __post_init__(self):
     losses.check_loss_agg(self.loss_agg)
+    losses.check_loss_agg(self.kl_loss_agg)
     if not self.clip_eps > 0:
       raise ValueError(f"loss.clip_eps={self.clip_eps} must be > 0")
     if self.kl_coef < 0 or self.entropy_coef < 0 or self.vf_coef < 0:
@@ -238,7 +240,7 @@ def actor_head_loss(cfg: ModelConfig, loss_cfg: LossConfig, embed_params: Any, h
   loss = pg - loss_cfg.entropy_coef * ent
   kl = jnp.zeros((), jnp.float32)
   if loss_cfg.kl_coef > 0:
-    kl = losses.kl_loss(logp, mb["ref_logp"], mask, loss_cfg.kl_estimator, loss_cfg.loss_agg,
+    kl = losses.kl_loss(logp, mb["ref_logp"], mask, loss_cfg.kl_estimator, loss_cfg.kl_loss_agg,
                         num_tokens=num_tokens, num_seqs=num_seqs)
     loss = loss + loss_cfg.kl_coef * kl
   metrics = jnp.stack([loss, pg, m["pg_clipfrac"] * share, m["ppo_kl"] * share, ent, kl])
@@ -274,7 +276,8 @@ def actor_loss(cfg: ModelConfig, loss_cfg: LossConfig, params: Any,
   loss = pg - loss_cfg.entropy_coef * ent
   kl = jnp.zeros((), jnp.float32)
   if loss_cfg.kl_coef > 0:
-    kl = losses.kl_loss(logp, batch["ref_logp"], mask, loss_cfg.kl_estimator, loss_cfg.loss_agg)
+    kl = losses.kl_loss(logp, batch["ref_logp"], mask, loss_cfg.kl_estimator,
+                        loss_cfg.kl_loss_agg)
     loss = loss + loss_cfg.kl_coef * kl
   return loss, {"actor_loss": loss, "pg_loss": pg, "pg_clipfrac": m["pg_clipfrac"],
                 "ppo_kl": m["ppo_kl"], "entropy": ent, "kl_loss": kl}
