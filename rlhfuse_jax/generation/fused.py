@@ -62,6 +62,10 @@ class FusedGenConfig:
   max_consolidations: int = 1  # consolidations per batch (the simulator's default too)
   inference_micro_batch: int = 0  # samples per inference micro-batch; 0: slots
   kv_capacity_tokens: int = 0  # KV cache budget per instance in tokens; 0: slots * max_len
+  # Inference micro-batches in flight while the tail decodes; 0: 1 when the devices share one
+  # processor (fake CPU devices: more would take cores from the tail, the critical path),
+  # unlimited otherwise (freed devices are separate hardware).
+  inference_inflight: int = 0
   rt_candidates: tuple = rt_choice.DEFAULT_CANDIDATES  # Rt values "auto" simulates
   compile_threads: int = 4  # threads compiling the instances' executables at start-up
 
@@ -77,6 +81,9 @@ class FusedGenConfig:
     if self.inference_micro_batch < 0:
       raise ValueError(f"config.fusion.inference_micro_batch={self.inference_micro_batch}: "
                        "expected >= 0 (0: slots)")
+    if self.inference_inflight < 0:
+      raise ValueError(f"config.fusion.inference_inflight={self.inference_inflight}: expected "
+                       ">= 0 (0: automatic)")
     if self.kv_capacity_tokens < 0:
       raise ValueError(f"config.fusion.kv_capacity_tokens={self.kv_capacity_tokens}: expected "
                        ">= 0 (0: slots * max_len)")
@@ -99,6 +106,7 @@ class FusedOutput:
   consolidations: list  # one dict per executed plan
   rt: float  # the Rt used
   rt_choice: Optional[rt_choice.RtChoice]  # how "auto" chose it
+  no_migration: list  # why a due consolidation moved nothing (distinct reasons, in order)
   metrics: dict  # DESIGN §2 metrics (see FusedGenerator.run)
 
 
@@ -147,6 +155,7 @@ class FusedGenerator:
     self.lengths = rt_choice.LengthHistogram(sampling.max_new_tokens)
     self.calibration: Optional[dict] = None  # measured costs (generation/measure.py)
     self.fixed_rt = rt_choice.resolve_threshold(config.migration_threshold)
+    self.inflight = config.inference_inflight or (1 if measure.shares_compute(self) else 0)
 
   # ------------------------------------------------------------------ Rt
   def choose_rt(self, prompt_lens) -> tuple[float, Optional[rt_choice.RtChoice]]:
@@ -199,20 +208,29 @@ class FusedGenerator:
     return padded, prompt_lens, uids, budgets
 
   def run(self, actor_params: Any, frozen_params: dict, prompt_tokens, prompt_lens,
-          iteration_key, uids=None, budgets=None, fuse: bool = True) -> FusedOutput:
+          iteration_key, uids=None, budgets=None, fuse: bool = True,
+          rt: Optional[float] = None) -> FusedOutput:
     """Generates and scores one batch.
 
     actor_params: on any devices (copied onto every instance, timed separately);
     frozen_params: {'reference'|'critic'|'reward': params} for the models in FrozenModels,
       kept where the caller holds them (host memory for frozen models) until an instance is
       freed for inference; prompt_tokens [B, <=P] right-padded, prompt_lens [B], uids [B]
-      (default 0..B-1), budgets [B] per-sample response budgets (default max_new_tokens).
+      (default 0..B-1), budgets [B] per-sample response budgets (default max_new_tokens);
+    fuse: False runs the baseline (no consolidation, inference after generation);
+    rt: force this Rt for this batch (default: config.migration_threshold, "auto" simulated).
     """
     tokens, plens, uids, budgets = self._check(prompt_tokens, prompt_lens, uids, budgets)
-    if fuse and self.fixed_rt is None and self.calibration is None:
-      # "auto" simulates with this engine's measured costs: measured once, before timing.
-      self.calibration = measure.measure_costs(self, actor_params, frozen_params)
-    rt, choice = self.choose_rt(plens) if fuse else (0.0, None)
+    choice = None
+    if not fuse:
+      rt = 0.0
+    elif rt is not None:
+      rt = rt_choice.resolve_threshold(rt, "rt")
+    else:
+      if self.fixed_rt is None and self.calibration is None:
+        # "auto" simulates with this engine's measured costs: measured once, before timing.
+        self.calibration = measure.measure_costs(self, actor_params, frozen_params)
+      rt, choice = self.choose_rt(plens)
     run = _Run(self, actor_params, frozen_params, tokens, plens, uids, budgets,
                engine._as_typed_key(iteration_key), fuse, rt)
     out = run.execute()
@@ -281,25 +299,50 @@ class _Run:
     self.log.record(i, "load", jax.tree.leaves(placed))
     self.placed[i] = placed
 
-  def dispatch_inference(self, final: bool) -> None:
-    """Micro-batches of the queue onto free instances (only full ones unless `final`)."""
+  def _score(self, i: int, take: list[int]) -> None:
+    """One micro-batch of samples `take` on instance i (padded with copies of the last one,
+    whose results are dropped), every inference model, dispatched without waiting."""
     mb = self.gen.config.micro_batch
-    free = sorted(self.placed)
-    while free and (len(self.queue) >= mb or (final and self.queue)):
+    self.dispatched[i] += 1
+    rows = np.asarray(take + [take[-1]] * (mb - len(take)))
+    seq = _sequences(self.tokens[rows], self.plens[rows], self.resp[rows], self.n_gen[rows],
+                     self.gen.sampling.pad_id)  # [mb, P+T]
+    inst = self.gen.instances[i]
+    outs = {n: inst.score(n, self.placed[i][n], seq, self.plens[rows], self.n_gen[rows])
+            for n in self.gen.models}
+    self.log.record(i, "inference", list(outs.values()))
+    self.pending.append((take, outs))
+
+  def stream_inference(self) -> None:
+    """While the tail decodes: full micro-batches of the queue onto free instances, at most
+    `gen.inflight` running at once (when capped)."""
+    mb = self.gen.config.micro_batch
+    room = len(self.queue)
+    if self.gen.inflight:
+      running = sum(not all(x.is_ready() for x in outs.values()) for _, outs in self.pending)
+      room = self.gen.inflight - running
+    while self.placed and room > 0 and len(self.queue) >= mb:
+      room -= 1
       take, self.queue = self.queue[:mb], self.queue[mb:]
-      i = min(free, key=lambda j: (self.dispatched[j], j))
-      self.dispatched[i] += 1
-      rows = np.asarray(take + [take[-1]] * (mb - len(take)))  # padded with copies: dropped
-      seq = _sequences(self.tokens[rows], self.plens[rows], self.resp[rows],
-                       self.n_gen[rows], self.gen.sampling.pad_id)
-      inst = self.gen.instances[i]
-      outs = {n: inst.score(n, self.placed[i][n], seq, self.plens[rows], self.n_gen[rows])
-              for n in self.gen.models}
-      self.log.record(i, "inference", list(outs.values()))
-      self.pending.append((take, outs))
+      self._score(min(self.placed, key=lambda j: (self.dispatched[j], j)), take)
+
+  def final_inference(self) -> None:
+    """After generation: the rest of the queue over every instance, least loaded first; an
+    instance's weights are placed just before its first micro-batch, so inference starts
+    after one load, not after all of them."""
+    mb = self.gen.config.micro_batch
+    order = sorted(range(self.gen.config.num_instances),
+                   key=lambda j: (j not in self.placed, self.dispatched[j], j))
+    chunks = [self.queue[k:k + mb] for k in range(0, len(self.queue), mb)]
+    self.queue = []
+    for n, take in enumerate(chunks):
+      i = order[n % len(order)]
+      self.make_free(i)
+      self._score(i, take)
 
   # ---------------------------------------------------------------- consolidation
-  def consolidate(self, step: int) -> None:
+  def consolidate(self, step: int) -> list[int]:
+    """Plans with the shared policy and runs its migrations; returns the released instances."""
     gen, cfg = self.gen, self.gen.config
     t = gen.sampling.max_new_tokens
     states = []
@@ -317,7 +360,7 @@ class _Run:
       if plan.reason not in self.reasons:
         self.reasons.append(plan.reason)
         logging.info("consolidation at step %d: %s", step, plan.reason)
-      return
+      return []
     t0 = self.log.now()
     groups: dict = {}
     for m in plan.moves:
@@ -349,7 +392,8 @@ class _Run:
     logging.info("consolidation at step %d: %s (%d bytes of KV held, %.3fs)", step,
                  plan.reason, plan.moved_bytes, t1 - t0)
     for i in plan.released:
-      self.make_free(i)
+      self.states.pop(i, None)
+    return list(plan.released)
 
   # ---------------------------------------------------------------- the batch
   def execute(self) -> FusedOutput:
@@ -357,6 +401,7 @@ class _Run:
     b, k = gen.batch_size, gen.sampling.chunk_size
     t_place = time.perf_counter()
     params = {i: inst.place(gen.cfg, self.actor_params) for i, inst in enumerate(gen.instances)}
+    keys = {i: jax.device_put(self.key, inst.rep) for i, inst in enumerate(gen.instances)}
     jax.block_until_ready(params)
     place_s = time.perf_counter() - t_place
     self.log = log = ActivityLog(cfg.num_instances)
@@ -367,7 +412,7 @@ class _Run:
       self.slot_sample[i, :rows.size] = rows
       self.where[rows, 0], self.where[rows, 1] = i, np.arange(rows.size)
       self.states[i], summaries[i] = gen.instances[i].prefill(params[i], tok, lens, uid, bud,
-                                                              self.key)
+                                                              keys[i])
       log.record(i, "prefill", summaries[i])
     curve = [(0.0, b)]
     rounds, t_prefill = 0, None
@@ -377,33 +422,31 @@ class _Run:
       if t_prefill is None:
         t_prefill = log.now()
       curve.append((log.now(), int(b - self.finished.sum())))
-      for i in sorted(self.states):
-        if not self.unfinished_in(i):
-          if self.fuse:
-            self.make_free(i)
-          else:
-            self.states.pop(i)
+      idle = [i for i in sorted(self.states) if not self.unfinished_in(i)]
+      for i in idle:
+        self.states.pop(i)
       unfinished = int(b - self.finished.sum())
       if unfinished == 0:
         break
       if (self.fuse and len(self.consolidations) < cfg.max_consolidations and
           unfinished <= self.rt * b):
-        self.consolidate(rounds * k)
+        idle += self.consolidate(rounds * k)
       summaries = {}
       for i in sorted(self.states):
         self.states[i], summaries[i] = gen.instances[i].decode(params[i], self.states[i],
-                                                               self.key)
+                                                               keys[i])
         log.record(i, "decode", summaries[i])
       if not summaries:
         raise RuntimeError("unfinished samples but no instance decoding them (a bug)")
       rounds += 1
       if self.fuse:
-        self.dispatch_inference(final=False)
+        # After the decode dispatch, so that loading weights never delays the tail.
+        for i in idle:
+          self.make_free(i)
+        self.stream_inference()
     gen_end = log.now()
     del params
-    for i in range(cfg.num_instances):
-      self.make_free(i)
-    self.dispatch_inference(final=True)
+    self.final_inference()
     results = jax.device_get([outs for _, outs in self.pending])
     gen_plus_inf = log.now()
     segments = log.close()
@@ -448,7 +491,7 @@ class _Run:
     }
     return FusedOutput(rollout=rollout, ref_logp=out.get("reference"), values=out.get("critic"),
                        rewards=out.get("reward"), timeline=tl, consolidations=cons, rt=self.rt,
-                       rt_choice=None, metrics=metrics)
+                       rt_choice=None, no_migration=list(self.reasons), metrics=metrics)
 
 
 def _sequences(prompts, prompt_lens, responses, response_lens, pad_id: int) -> np.ndarray:

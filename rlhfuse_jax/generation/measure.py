@@ -71,7 +71,7 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   tok = rng.integers(1, gen.cfg.vocab_size, (s, p)).astype(np.int32)  # [S, P]
   lens = np.full(s, p, np.int32)
   uids = np.arange(s, dtype=np.int32)
-  key = jax.random.key(0)
+  key = jax.device_put(jax.random.key(0), inst.rep)
   full = np.full(s, t, np.int32)
   prefill_s = _median_s(lambda: inst.prefill(params, tok, lens, uids, full, key), repeats)
   steps = max(1, min(k, t - 1))  # decode steps one chunk runs from a fresh prefill
@@ -108,7 +108,8 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   if len(gen.instances) > 1:
     dst = gen.instances[1]
     src_state = inst.prefill(params, tok, lens, uids, full, key)[0]
-    holder = {"st": dst.prefill(dst.place(gen.cfg, actor_params), tok, lens, uids, full, key)[0]}
+    holder = {"st": dst.prefill(dst.place(gen.cfg, actor_params), tok, lens, uids, full,
+                                jax.device_put(key, dst.rep))[0]}
 
     def migrate():
       rows, _ = inst.gather(src_state, [0])

@@ -1,0 +1,77 @@
+r"""Generation + inference with and without inter-stage fusion, on the same prompts and seed.
+
+  python -m experiments.bench_generation --config=configs/bench_generation.py --workdir=/tmp/bg
+
+8 fake CPU devices by default (8 instances of 1 device); on a real machine the same command uses
+its devices. Lengths are long-tailed: each sample's response budget is drawn from a clipped
+log-normal (or read from `lengths.path`) and, with no EOS token, every sample stops exactly at
+its budget (a per-sample stop condition that migrates with the sample). Variant
+`--config=configs/bench_generation.py:tiny` is the seconds-long smoke size the tests run.
+"""
+import ml_collections
+
+
+def get_config(arg: str = "default"):
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # prompts, lengths, weights and the sampling key
+  c.batch_size = 64  # samples generated per run
+  c.repeats = 3  # timed runs per mode (interleaved baseline, fused); the median is reported
+  c.warmup = 1  # untimed runs per mode first (another batch: fills the length histogram)
+
+  c.model = ml_collections.ConfigDict()  # actor and reference shape (LM head)
+  c.model.vocab_size = 256
+  c.model.hidden_size = 128
+  c.model.intermediate_size = 256
+  c.model.num_layers = 2
+  c.model.num_heads = 4
+  c.model.num_kv_heads = 2
+  c.model.max_seq_len = 256
+  c.model.dtype = "float32"
+  c.model.param_dtype = "float32"
+
+  c.critic = True  # score critic values (same backbone, scalar head)
+  c.reward_model = True  # score with a reward model (same backbone, scalar head)
+
+  c.generation = ml_collections.ConfigDict()
+  c.generation.num_instances = 8  # generation instances G (0: devices / instance_devices)
+  c.generation.instance_devices = 1  # devices per instance (tensor parallel inside it)
+  c.generation.slots = 8  # batch slots per instance
+  c.generation.prompt_len = 16  # prompt bucket; prompt lengths uniform in [prompt_min_len, it]
+  c.generation.prompt_min_len = 4
+  c.generation.max_new_tokens = 128  # response budget T (KV cache: prompt_len + T per slot)
+  c.generation.chunk_size = 8  # decode steps K per jitted call
+  c.generation.temperature = 1.0
+  c.generation.migration_threshold = "auto"  # Rt in [0, 1] or "auto" (simulated)
+  c.generation.max_consolidations = 1  # consolidations per batch
+  c.generation.inference_micro_batch = 8  # samples per inference micro-batch
+  c.generation.inference_inflight = 0  # micro-batches at once during the tail; 0: 1 on CPU
+
+  c.lengths = ml_collections.ConfigDict()  # per-sample response lengths (sim/lengths.py)
+  c.lengths.kind = "lognormal"  # lognormal | pareto | uniform | constant | empirical
+  c.lengths.median = 12.0  # lognormal median (tokens)
+  c.lengths.sigma = 1.0  # lognormal sigma: the weight of the tail
+  c.lengths.min_len = 1
+  c.lengths.alpha = 1.5  # pareto tail index
+  c.lengths.value = 0  # constant
+  c.lengths.path = ""  # empirical: .npy/.txt/.json/.jsonl lengths (e.g. a metrics.jsonl)
+
+  if arg == "tiny":
+    c.batch_size = 16
+    c.repeats = 1
+    c.model.vocab_size = 32
+    c.model.hidden_size = 32
+    c.model.intermediate_size = 64
+    c.model.num_layers = 1
+    c.model.max_seq_len = 64
+    c.generation.num_instances = 4
+    c.generation.slots = 4
+    c.generation.prompt_len = 6
+    c.generation.prompt_min_len = 2
+    c.generation.max_new_tokens = 24
+    c.generation.chunk_size = 4
+    c.generation.inference_micro_batch = 4
+    c.lengths.median = 4.0
+  elif arg != "default":
+    raise ValueError(f"configs/bench_generation.py: unknown variant {arg!r}; expected 'default' "
+                     "or 'tiny'")
+  return c

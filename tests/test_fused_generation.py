@@ -1,0 +1,243 @@
+"""Inter-stage fusion engine: identical outputs with and without consolidation (instances of 1
+and of 2 devices), migrated KV rows equal the source rows, capacity limits, streamed inference
+equals inference after generation, the Rt choice, and clear errors."""
+import jax
+import numpy as np
+import pytest
+
+from rlhfuse_jax.generation import fused, instances
+from rlhfuse_jax.generation.fused import FusedGenConfig, FusedGenerator
+from rlhfuse_jax.generation.instances import FrozenModels
+from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.inference.scoring import Scorer, ScoringBatch
+from rlhfuse_jax.models import llama
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.sim import rt_choice
+from rlhfuse_jax.sim.generation_sim import GenSetup
+from rlhfuse_jax.sim.shapes import from_model_config
+
+CFG = llama.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
+                        num_heads=4, num_kv_heads=2, max_seq_len=64)
+SCORE = CFG.replace(head="scalar")
+P, T = 6, 16
+KEY = jax.random.key(3)
+
+
+def random_params(cfg, seed):
+  """Random weights on the host, without compiling flax's initialisers."""
+  shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
+  rng = np.random.default_rng(seed)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, s: np.asarray(rng.normal(0.0, 0.1, s.shape) + (
+          1.0 if "scale" in jax.tree_util.keystr(path) else 0.0), s.dtype), shapes)
+
+
+def batch(b, seed):
+  rng = np.random.default_rng(seed)
+  lens = rng.integers(1, P + 1, b).astype(np.int32)
+  tokens = rng.integers(1, CFG.vocab_size, (b, P)).astype(np.int32)
+  tokens[np.arange(P)[None] >= lens[:, None]] = 0
+  budgets = np.clip(np.rint(rng.lognormal(np.log(4), 1.0, b)), 1, T).astype(np.int32)
+  budgets[0] = T  # one sample runs to the end: a tail
+  return tokens, lens, budgets
+
+
+def build(num_instances, slots, devices_per_instance, frozen, **kw):
+  actor = random_params(CFG, 0)
+  params = {"reference": actor}
+  if frozen.critic is not None:
+    params["critic"] = random_params(SCORE, 1)
+  if frozen.reward is not None:
+    params["reward"] = random_params(SCORE, 2)
+  sampling = SamplingConfig(temperature=1.0, max_new_tokens=T, chunk_size=3, eos_id=-1)
+  config = FusedGenConfig(num_instances=num_instances, slots=slots,
+                          instance_devices=devices_per_instance, migration_threshold=0.5, **kw)
+  gen = FusedGenerator(CFG, sampling, config, batch_size=num_instances * slots, prompt_len=P,
+                       frozen=frozen, actor_params=actor, frozen_params=params)
+  return gen, actor, params
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  """4 instances of 1 device, 4 slots; reference, critic and reward model."""
+  return build(4, 4, 1, FrozenModels(reference=CFG, critic=SCORE, reward=SCORE))
+
+
+@pytest.fixture(scope="module")
+def runs(one_device):
+  gen, actor, params = one_device
+  tokens, lens, budgets = batch(16, 0)
+  base = gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=False)
+  with jax.transfer_guard("disallow"):  # no implicit copy may sneak into the loop
+    early = gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=True, rt=1.0)
+  late = gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=True, rt=0.25)
+  return (tokens, lens, budgets), base, early, late
+
+
+def assert_same_samples(a, b):
+  for f in ("response_tokens", "response_lens", "logprobs", "stop_reason"):
+    np.testing.assert_array_equal(getattr(a.rollout, f), getattr(b.rollout, f), err_msg=f)
+
+
+def test_identical_outputs_with_and_without_consolidation(runs):
+  (_, _, budgets), base, early, late = runs
+  np.testing.assert_array_equal(base.rollout.response_lens, budgets)  # each stops at its budget
+  for out in (early, late):
+    assert out.metrics["gen/migrated_samples"] > 0, out.no_migration
+    assert_same_samples(base, out)  # bitwise: tokens and log-probs
+    for name in ("ref_logp", "values", "rewards"):
+      np.testing.assert_array_equal(getattr(base, name), getattr(out, name), err_msg=name)
+  assert base.metrics["gen/migrated_samples"] == 0
+  assert early.metrics["gen/consolidation_step"] < late.metrics["gen/consolidation_step"]
+
+
+def test_metrics_and_timeline(runs):
+  _, base, early, _ = runs
+  for out in (base, early):
+    tl = out.timeline
+    curve = out.metrics["gen/unfinished_curve"]
+    assert curve[0][1] == 16 and curve[-1][1] == 0
+    assert all(a[1] >= b[1] and a[0] <= b[0] for a, b in zip(curve, curve[1:]))
+    assert 0 < out.metrics["gen/instance_busy_frac"] <= 1
+    assert 0 < tl.gen_end_s <= tl.gen_plus_inf_s
+    kinds = {k for _, _, _, k in tl.segments}
+    assert {"prefill", "decode", "load", "inference"} <= kinds
+  assert base.metrics["fusion/inference_overlap_frac"] == 0.0  # inference after generation
+  assert "migrate" in {k for _, _, _, k in early.timeline.segments}
+  c = early.consolidations[0]
+  assert c["moved_bytes"] == early.metrics["gen/migrated_kv_bytes"] > 0
+  assert c["copied_bytes"] >= c["moved_bytes"]  # whole rows (and padding rows) are copied
+
+
+def test_capacity_limits_respected(one_device, runs):
+  gen, actor, params = one_device
+  for out in runs[1:]:
+    for c in out.consolidations:
+      # Each kept instance holds at most its slots; the fewest instances that fit were kept.
+      assert all(n <= 4 for n in c["occupancy"].values())
+      assert sum(c["occupancy"].values()) == c["unfinished"]
+      assert len(c["kept"]) == -(-c["unfinished"] // 4)
+  # Every sample runs to max_new_tokens: the 16 never fit in fewer than 4 instances of 4 slots.
+  tokens, lens, _ = runs[0]
+  full = gen.run(actor, params, tokens, lens, KEY, budgets=np.full(16, T), fuse=True, rt=1.0)
+  assert full.metrics["gen/migrated_samples"] == 0
+  assert any("do not fit in fewer than 4 instances" in r for r in full.no_migration)
+  assert (full.rollout.response_lens == T).all()
+
+
+def test_streamed_inference_equals_inference_after_generation(one_device, runs):
+  gen, _, params = one_device
+  _, _, early, _ = runs
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1])
+  scorer = Scorer(mesh, micro_batch_size=4)  # an instance's micro-batch shape
+  sb = ScoringBatch.from_rollout(early.rollout, pad_id=0)
+  np.testing.assert_allclose(early.ref_logp, scorer.ref_logprobs(CFG, params["reference"], sb),
+                             atol=1e-6)
+  np.testing.assert_allclose(early.values, scorer.values(SCORE, params["critic"], sb), atol=1e-6)
+  np.testing.assert_allclose(early.rewards, scorer.reward_scores(SCORE, params["reward"], sb),
+                             atol=1e-6)
+
+
+def test_migrated_kv_rows_equal_source_rows(one_device):
+  gen, actor, _ = one_device
+  src, dst = gen.instances[0], gen.instances[1]
+  tokens, lens, _ = batch(4, 1)
+  uids = np.arange(4, dtype=np.int32)
+  full = np.full(4, T, np.int32)
+  st_src, _ = src.prefill(src.place(CFG, actor), tokens, lens, uids, full, KEY)
+  st_src, _ = src.decode(src.place(CFG, actor), st_src, jax.device_put(KEY, src.rep))
+  st_dst, _ = dst.prefill(dst.place(CFG, actor), tokens[::-1], lens[::-1], uids + 10, full, KEY)
+  before = jax.device_get(st_dst)
+  rows, n = src.gather(st_src, [2, 0])
+  assert n == 2 and rows.budget.shape == (4,)  # padded to the bucket of 4
+  moved = dst.receive(rows)
+  assert moved.decode.cache.k.sharding == dst.state_sharding.decode.cache.k
+  after = jax.device_get(dst.scatter(st_dst, [1, 3], moved))
+  source = jax.device_get(st_src)
+  flat = [jax.tree_util.tree_flatten_with_path(x)[0] for x in (after, source, before)]
+  for (path, a), (_, s), (_, b) in zip(*flat, strict=True):
+    ax = 1 if "cache" in jax.tree_util.keystr(path) else 0
+    take = lambda x, i: np.take(x, i, axis=ax)
+    np.testing.assert_array_equal(take(a, [1, 3]), take(s, [2, 0]))  # bitwise, KV included
+    np.testing.assert_array_equal(take(a, [0, 2]), take(b, [0, 2]))  # other slots untouched
+
+
+def test_two_device_instances_identical_with_and_without_consolidation():
+  gen, actor, params = build(2, 4, 2, FrozenModels(reference=CFG))
+  assert gen.instances[0].state_sharding.decode.cache.k.spec[3] == "tensor"  # KV heads split
+  assert len(gen.instances[1].devices) == 2
+  tokens, lens, budgets = batch(8, 2)
+  budgets[2:] = np.minimum(budgets[2:], 4)
+  budgets[:2] = T  # the tail: samples 0 and 1, one on each instance
+  base = gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=False)
+  out = gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=True, rt=0.5)
+  assert out.metrics["gen/migrated_samples"] >= 1 and len(out.consolidations[0]["kept"]) == 1
+  assert_same_samples(base, out)
+  np.testing.assert_array_equal(base.ref_logp, out.ref_logp)
+
+
+def test_rt_choice_follows_the_costs():
+  actor = from_model_config(CFG)
+  hist = rt_choice.LengthHistogram(64)
+  assert rt_choice.choose_rt(hist, {}, actor, (actor,), GenSetup(num_instances=4, slots=4),
+                             np.full(16, 6)).rt == rt_choice.PRIOR_RT
+  rng = np.random.default_rng(0)
+  hist.add(np.clip(np.rint(rng.lognormal(np.log(4), 1.2, 400)), 1, 64))
+
+  def cal(migration_s):
+    return {"format": "rlhfuse_jax.sim.calibration/v1", "device": "test",
+            "devices_share_compute": True,
+            "ops": {"decode_step": {"occupied_slots": [1, 4], "seconds": [0.01, 0.01]},
+                    "prefill": {"tokens_per_s": 1e6}, "inference": {"tokens_per_s": 1e5},
+                    "migration": {"bytes_per_s": 1e15, "latency_s": migration_s}}}
+  setup = GenSetup(num_instances=4, slots=4, chunk_steps=2, max_new_tokens=64)
+  cheap = rt_choice.choose_rt(hist, cal(0.0), actor, (actor,), setup, np.full(16, 6))
+  dear = rt_choice.choose_rt(hist, cal(100.0), actor, (actor,), setup, np.full(16, 6))
+  # On one shared processor, fewer instances stepping saves time when moving is free ...
+  assert cheap.rt > 0 and cheap.simulated_s[cheap.rt] < cheap.simulated_s[0.0]
+  # ... and nothing is worth a 100 s migration.
+  assert dear.rt == 0.0
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"migration_threshold": 1.5}, "fusion.migration_threshold"),
+    ({"migration_threshold": -0.1}, "fusion.migration_threshold"),
+    ({"migration_threshold": "sometimes"}, "fusion.migration_threshold"),
+    ({"num_instances": 0}, "fusion.num_instances"),
+    ({"max_consolidations": -1}, "fusion.max_consolidations"),
+])
+def test_bad_fusion_config(kw, match):
+  with pytest.raises(ValueError, match=match):
+    FusedGenConfig(**{"num_instances": 2, "slots": 4, **kw})
+
+
+def test_bad_layouts_fail_before_compiling():
+  sampling = SamplingConfig(max_new_tokens=T, eos_id=-1)
+  frozen = FrozenModels(reference=CFG)
+  shapes = {"reference": random_params(CFG, 0)}
+
+  def make(b, **kw):
+    return FusedGenerator(CFG, sampling, FusedGenConfig(**kw), batch_size=b, prompt_len=P,
+                          frozen=frozen, actor_params=shapes["reference"], frozen_params=shapes)
+  with pytest.raises(ValueError, match=r"num_instances=5 x fusion.instance_devices=2 = 10 "
+                                       r"devices, but only 8"):
+    make(20, num_instances=5, slots=4, instance_devices=2)
+  with pytest.raises(ValueError, match=r"fusion.slots=4 do not fit the KV cache: 4 slots x "
+                                       r"max_len=22 .* = 88 tokens > config.fusion.kv_capacity"):
+    make(8, num_instances=2, slots=4, kv_capacity_tokens=80)
+  with pytest.raises(ValueError, match=r"fusion.slots=2: 16 samples .* expected slots >= 4"):
+    make(16, num_instances=4, slots=2)
+  with pytest.raises(ValueError, match="context too long"):
+    FusedGenerator(CFG, SamplingConfig(max_new_tokens=60), FusedGenConfig(num_instances=1,
+                                                                         slots=1),
+                   batch_size=1, prompt_len=P, frozen=frozen,
+                   actor_params=shapes["reference"], frozen_params=shapes)
+
+
+def test_instances_split_the_devices():
+  meshes = instances.split_devices(jax.devices(), 4, 2)
+  assert [tuple(m.devices.flat) for m in meshes] == [tuple(jax.devices()[2 * i:2 * i + 2])
+                                                    for i in range(4)]
+  assert instances.migration_buckets(8) == (1, 4, 8)
+  assert instances.migration_buckets(1) == (1,)
+  assert fused.INFERENCE_MODELS == ("reference", "critic", "reward")
