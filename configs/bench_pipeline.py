@@ -2,6 +2,8 @@ r"""Fused actor/critic pipeline executor: serial 1F1B vs fused schedules, gradie
 
 On CPU (8 fake devices, set by the binary; a tiny actor and critic, about a minute):
   python -m experiments.bench_pipeline --config=configs/bench_pipeline.py --workdir=/tmp/bench_pipeline
+An 8-stage actor with a 4-stage critic (two replicas) on the same 8 devices, no data axis:
+  python -m experiments.bench_pipeline --config=configs/bench_pipeline.py:pp8 --workdir=/tmp/bench_pp8
 
 Writes result.json (ticks, lockstep time, wall time, compile time, stash sizes, gradient errors
 of both models against jax.grad of the unpipelined losses, per schedule) and config.json.
@@ -9,7 +11,7 @@ of both models against jax.grad of the unpipelined losses, per schedule) and con
 import ml_collections
 
 
-def get_config():
+def get_config(arg: str = "default"):
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.actor_pp = 4  # actor stages = devices on the mesh's `stage` axis
@@ -46,4 +48,10 @@ def get_config():
   c.value_clip_eps = 0.2  # value clip
   c.vf_coef = 0.5  # critic loss weight
   c.entropy_coef = 0.01  # entropy bonus
+  if arg == "pp8":
+    c.actor_pp, c.critic_pp, c.data = 8, 4, 1
+    c.actor_microbatches, c.critic_microbatches = 16, 8
+    c.actor.num_layers, c.critic.num_layers = 8, 4
+  elif arg != "default":
+    raise ValueError(f"unknown config variant {arg!r}; known: 'default', 'pp8'")
   return c
