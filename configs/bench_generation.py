@@ -25,7 +25,7 @@ def get_config(arg: str = "default"):
   c.model.num_layers = 2
   c.model.num_heads = 4
   c.model.num_kv_heads = 2
-  c.model.max_seq_len = 256
+  c.model.max_seq_len = 512
   c.model.dtype = "float32"
   c.model.param_dtype = "float32"
 
@@ -38,39 +38,40 @@ def get_config(arg: str = "default"):
   c.generation.slots = 8  # batch slots per instance
   c.generation.prompt_len = 16  # prompt bucket; prompt lengths uniform in [prompt_min_len, it]
   c.generation.prompt_min_len = 4
-  c.generation.max_new_tokens = 128  # response budget T (KV cache: prompt_len + T per slot)
+  c.generation.max_new_tokens = 256  # response budget T (KV cache: prompt_len + T per slot)
   c.generation.chunk_size = 8  # decode steps K per jitted call
   c.generation.temperature = 1.0
   c.generation.migration_threshold = "auto"  # Rt in [0, 1] or "auto" (simulated)
   c.generation.max_consolidations = 1  # consolidations per batch
   c.generation.inference_micro_batch = 8  # samples per inference micro-batch
-  c.generation.inference_inflight = 0  # micro-batches at once during the tail; 0: 1 on CPU
+  c.generation.inference_inflight = 0  # cap on micro-batches at once during the tail; 0: none
 
   c.lengths = ml_collections.ConfigDict()  # per-sample response lengths (sim/lengths.py)
   c.lengths.kind = "lognormal"  # lognormal | pareto | uniform | constant | empirical
   c.lengths.median = 12.0  # lognormal median (tokens)
-  c.lengths.sigma = 1.0  # lognormal sigma: the weight of the tail
+  c.lengths.sigma = 1.3  # lognormal sigma: the weight of the tail
   c.lengths.min_len = 1
   c.lengths.alpha = 1.5  # pareto tail index
   c.lengths.value = 0  # constant
   c.lengths.path = ""  # empirical: .npy/.txt/.json/.jsonl lengths (e.g. a metrics.jsonl)
 
   if arg == "tiny":
-    c.batch_size = 16
+    c.batch_size = 8
     c.repeats = 1
+    c.critic = False
     c.model.vocab_size = 32
     c.model.hidden_size = 32
     c.model.intermediate_size = 64
     c.model.num_layers = 1
     c.model.max_seq_len = 64
-    c.generation.num_instances = 4
+    c.generation.num_instances = 2
     c.generation.slots = 4
     c.generation.prompt_len = 6
     c.generation.prompt_min_len = 2
-    c.generation.max_new_tokens = 24
-    c.generation.chunk_size = 4
+    c.generation.max_new_tokens = 16
+    c.generation.chunk_size = 2
     c.generation.inference_micro_batch = 4
-    c.lengths.median = 4.0
+    c.lengths.median = 3.0
   elif arg != "default":
     raise ValueError(f"configs/bench_generation.py: unknown variant {arg!r}; expected 'default' "
                      "or 'tiny'")

@@ -62,9 +62,9 @@ class FusedGenConfig:
   max_consolidations: int = 1  # consolidations per batch (the simulator's default too)
   inference_micro_batch: int = 0  # samples per inference micro-batch; 0: slots
   kv_capacity_tokens: int = 0  # KV cache budget per instance in tokens; 0: slots * max_len
-  # Inference micro-batches in flight while the tail decodes; 0: 1 when the devices share one
-  # processor (fake CPU devices: more would take cores from the tail, the critical path),
-  # unlimited otherwise (freed devices are separate hardware).
+  # Cap on inference micro-batches running at once while the tail decodes; 0: no cap. (On 8
+  # fake CPU devices a cap of 1, meant to leave the tail a core, measured no better than none:
+  # the decode loop is latency bound and leaves the cores idle often enough.)
   inference_inflight: int = 0
   rt_candidates: tuple = rt_choice.DEFAULT_CANDIDATES  # Rt values "auto" simulates
   compile_threads: int = 4  # threads compiling the instances' executables at start-up
@@ -83,7 +83,7 @@ class FusedGenConfig:
                        "expected >= 0 (0: slots)")
     if self.inference_inflight < 0:
       raise ValueError(f"config.fusion.inference_inflight={self.inference_inflight}: expected "
-                       ">= 0 (0: automatic)")
+                       ">= 0 (0: no cap)")
     if self.kv_capacity_tokens < 0:
       raise ValueError(f"config.fusion.kv_capacity_tokens={self.kv_capacity_tokens}: expected "
                        ">= 0 (0: slots * max_len)")
@@ -155,7 +155,7 @@ class FusedGenerator:
     self.lengths = rt_choice.LengthHistogram(sampling.max_new_tokens)
     self.calibration: Optional[dict] = None  # measured costs (generation/measure.py)
     self.fixed_rt = rt_choice.resolve_threshold(config.migration_threshold)
-    self.inflight = config.inference_inflight or (1 if measure.shares_compute(self) else 0)
+    self.inflight = config.inference_inflight
 
   # ------------------------------------------------------------------ Rt
   def choose_rt(self, prompt_lens) -> tuple[float, Optional[rt_choice.RtChoice]]:

@@ -27,7 +27,7 @@ from rlhfuse_jax.sim.generation_sim import GenSetup, simulate_generation
 from rlhfuse_jax.sim.hardware import get_hardware
 from rlhfuse_jax.sim.shapes import ModelShape
 
-DEFAULT_CANDIDATES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
+DEFAULT_CANDIDATES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
 # The paper's observation (about 20 % of the samples remaining is often a good point): used
 # while no length has been observed yet.
 PRIOR_RT = 0.2
