@@ -1,6 +1,7 @@
 """train_ppo with inter-stage fusion on and off: the same trajectory (timings aside)."""
 import jax
 import numpy as np
+import pytest
 
 from configs import ppo_tiny
 from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -57,3 +58,14 @@ def test_fused_trajectory_equals_serial(tmp_path):
   assert any(h["gen/migrated_samples"] > 0 for h in h_fused), "no consolidation exercised"
   jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(serial.actor.params),
                          jax.device_get(fused.actor.params))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"fusion.instance_devices": 0}, r"config\.fusion\.instance_devices=0"),
+    ({"fusion.slots": -1}, r"config\.fusion\.slots=-1"),
+    ({"fusion.migration_threshold": "1.5"}, r"config\.fusion\.migration_threshold"),
+])
+def test_bad_fusion_fields_name_the_field(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    tiny(**overrides)
+

@@ -50,6 +50,7 @@ from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.sim import rt_choice
 
 INFERENCE_MODELS = ("reference", "critic", "reward")
+RESIMULATE_GROWTH = 1.25  # "auto" re-simulates Rt once the length histogram grew by this factor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,20 +156,27 @@ class FusedGenerator:
     self.lengths = rt_choice.LengthHistogram(sampling.max_new_tokens)
     self.calibration: Optional[dict] = None  # measured costs (generation/measure.py)
     self.fixed_rt = rt_choice.resolve_threshold(config.migration_threshold)
+    self._rt_cache: Optional[tuple] = None  # (histogram total when simulated, RtChoice)
     self.inflight = config.inference_inflight
 
   # ------------------------------------------------------------------ Rt
   def choose_rt(self, prompt_lens) -> tuple[float, Optional[rt_choice.RtChoice]]:
+    """The fixed Rt, or the simulated choice. The simulation (~0.1-1 s) reruns only once the
+    length histogram has grown by RESIMULATE_GROWTH since the last choice: a PPO iteration
+    must not pay for it every time, and a few more lengths barely move the histogram."""
     if self.fixed_rt is not None:
       return self.fixed_rt, None
     if self.calibration is None or self.lengths.total == 0:
       choice = rt_choice.RtChoice(rt_choice.PRIOR_RT, "no lengths or costs measured yet: the "
                                   "prior Rt", {})
       return choice.rt, choice
-    choice = rt_choice.choose_rt(self.lengths, self.calibration, *measure.sim_setup(self),
-                                 prompt_lens=prompt_lens,
-                                 candidates=self.config.rt_candidates)
-    return choice.rt, choice
+    last = self._rt_cache
+    if last is None or self.lengths.total >= RESIMULATE_GROWTH * last[0]:
+      choice = rt_choice.choose_rt(self.lengths, self.calibration, *measure.sim_setup(self),
+                                   prompt_lens=prompt_lens,
+                                   candidates=self.config.rt_candidates)
+      self._rt_cache = last = (self.lengths.total, choice)
+    return last[1].rt, last[1]
 
   # ------------------------------------------------------------------ one batch
   def _deal(self, prompt_tokens, prompt_lens, uids, budgets):
