@@ -51,12 +51,6 @@ class ActivityLog:
       raise ValueError(f"activity kind {kind!r}; expected one of {KINDS}")
     self._queues[instance].put((kind, self.now(), output))
 
-  def add(self, instance: int, kind: str, start: float, end: float) -> None:
-    """A segment measured by the caller (e.g. a blocking migration)."""
-    with self._lock:
-      self.segments.append((instance, start, end, kind))
-      self._last_end[instance] = max(self._last_end[instance], end)
-
   def _watch(self, i: int) -> None:
     while True:
       item = self._queues[i].get()
@@ -126,6 +120,11 @@ class Timeline:
     before = sum(self.busy_s(i, ("inference",), until=self.gen_end_s)
                  for i in range(self.num_instances))
     return before / total
+
+  def span_s(self, kind: str) -> float:
+    """From the first start to the last end of the segments of one kind (0 if none)."""
+    spans = [(s, e) for _, s, e, k in self.segments if k == kind]
+    return max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0
 
   def kind_s(self, kind: str) -> float:
     return sum(self.busy_s(i, (kind,)) for i in range(self.num_instances))
