@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence, Union
 
 import jax
@@ -50,6 +51,7 @@ from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.sim import rt_choice
 
 INFERENCE_MODELS = ("reference", "critic", "reward")
+PER_INSTANCE_QUEUE = 2  # micro-batches queued on one free instance while the tail decodes
 RESIMULATE_GROWTH = 1.25  # "auto" re-simulates Rt once the length histogram grew by this factor
 
 
@@ -265,8 +267,12 @@ class _Run:
     self.resp = np.full((b, t), gen.sampling.pad_id, np.int32)  # [B, T]
     self.logp = np.zeros((b, t), np.float32)  # [B, T]
     self.queue: list[int] = []  # finished samples waiting for inference
-    self.pending: list = []  # (samples, {model: device array})
-    self.placed: dict = {}  # instance -> {model: params on it}
+    self.pending: list = []  # (instance, {model: device array}) per dispatched micro-batch
+    self.scored: list = []  # the samples of each pending micro-batch
+    # instance -> Future of {model: params on it}: weights are copied by a loader thread, so
+    # the host loop never waits for a load before dispatching the next decode chunk.
+    self.loads: dict = {}
+    self.loader = ThreadPoolExecutor(max_workers=1)
     self.dispatched = np.zeros(g, np.int64)  # inference micro-batches per instance
     self.load_bytes = 0
     self.consolidations: list = []
@@ -297,15 +303,20 @@ class _Run:
       self.queue.append(int(b))
 
   def make_free(self, i: int) -> None:
-    """Instance i leaves generation: its state is dropped and the inference weights come."""
+    """Instance i leaves generation: its state is dropped and its inference weights start
+    loading (frozen models from host memory, the critic from its training devices)."""
     self.states.pop(i, None)
-    if i in self.placed:
-      return
-    inst = self.gen.instances[i]
+    if i not in self.loads:
+      self.loads[i] = self.loader.submit(self._load, i)
+
+  def _load(self, i: int) -> dict:
+    t0, inst = self.log.now(), self.gen.instances[i]
     placed = {n: inst.place(c, self.frozen_params[n]) for n, c in self.gen.models.items()}
-    self.load_bytes += sum(x.nbytes for x in jax.tree.leaves(placed))
-    self.log.record(i, "load", jax.tree.leaves(placed))
-    self.placed[i] = placed
+    self.log.record(i, "load", jax.tree.leaves(placed), since=t0)
+    return placed
+
+  def loaded(self) -> list[int]:
+    return [i for i, f in self.loads.items() if f.done()]
 
   def _score(self, i: int, take: list[int]) -> None:
     """One micro-batch of samples `take` on instance i (padded with copies of the last one,
@@ -316,37 +327,47 @@ class _Run:
     seq = _sequences(self.tokens[rows], self.plens[rows], self.resp[rows], self.n_gen[rows],
                      self.gen.sampling.pad_id)  # [mb, P+T]
     inst = self.gen.instances[i]
-    outs = {n: inst.score(n, self.placed[i][n], seq, self.plens[rows], self.n_gen[rows])
+    placed = self.loads[i].result()
+    outs = {n: inst.score(n, placed[n], seq, self.plens[rows], self.n_gen[rows])
             for n in self.gen.models}
     self.log.record(i, "inference", list(outs.values()))
-    self.pending.append((take, outs))
+    self.pending.append((i, outs))
+    self.scored.append(take)
 
   def stream_inference(self) -> None:
-    """While the tail decodes: full micro-batches of the queue onto free instances, at most
-    `gen.inflight` running at once (when capped)."""
+    """While the tail decodes: full micro-batches of the queue onto free instances. Each free
+    instance holds at most PER_INSTANCE_QUEUE of them (pulled as it completes them, so the
+    instance loaded first does not take the whole queue), and at most `gen.inflight` run at
+    once overall when that cap is set."""
     mb = self.gen.config.micro_batch
-    room = len(self.queue)
-    if self.gen.inflight:
-      running = sum(not all(x.is_ready() for x in outs.values()) for _, outs in self.pending)
-      room = self.gen.inflight - running
-    while self.placed and room > 0 and len(self.queue) >= mb:
-      room -= 1
+    running = {i: 0 for i in self.loaded()}
+    for i, outs in self.pending:
+      if i in running and not all(x.is_ready() for x in outs.values()):
+        running[i] += 1
+    room = (self.gen.inflight - sum(running.values()) if self.gen.inflight
+            else len(self.queue))
+    while room > 0 and len(self.queue) >= mb:
+      open_ = [i for i, n in running.items() if n < PER_INSTANCE_QUEUE]
+      if not open_:
+        break
+      i = min(open_, key=lambda j: (running[j], self.dispatched[j], j))
+      room, running[i] = room - 1, running[i] + 1
       take, self.queue = self.queue[:mb], self.queue[mb:]
-      self._score(min(self.placed, key=lambda j: (self.dispatched[j], j)), take)
+      self._score(i, take)
 
   def final_inference(self) -> None:
-    """After generation: the rest of the queue over every instance, least loaded first; an
-    instance's weights are placed just before its first micro-batch, so inference starts
-    after one load, not after all of them."""
+    """After generation: the rest of the queue over every instance, those with weights first,
+    then least loaded; the remaining loads run in order in the loader thread, so inference
+    starts after one load, not after all of them."""
     mb = self.gen.config.micro_batch
     order = sorted(range(self.gen.config.num_instances),
-                   key=lambda j: (j not in self.placed, self.dispatched[j], j))
+                   key=lambda j: (j not in self.loads, self.dispatched[j], j))
     chunks = [self.queue[k:k + mb] for k in range(0, len(self.queue), mb)]
     self.queue = []
-    for n, take in enumerate(chunks):
-      i = order[n % len(order)]
+    for i in order[:len(chunks)]:
       self.make_free(i)
-      self._score(i, take)
+    for n, take in enumerate(chunks):
+      self._score(order[n % len(order)], take)
 
   # ---------------------------------------------------------------- consolidation
   def consolidate(self, step: int) -> list[int]:
@@ -405,6 +426,12 @@ class _Run:
 
   # ---------------------------------------------------------------- the batch
   def execute(self) -> FusedOutput:
+    try:
+      return self._execute()
+    finally:
+      self.loader.shutdown()  # also on errors: no thread outlives the batch
+
+  def _execute(self) -> FusedOutput:
     gen, cfg = self.gen, self.gen.config
     b, k = gen.batch_size, gen.sampling.chunk_size
     t_place = time.perf_counter()
@@ -458,7 +485,9 @@ class _Run:
     results = jax.device_get([outs for _, outs in self.pending])
     gen_plus_inf = log.now()
     segments = log.close()
-    self.placed.clear()
+    self.load_bytes = sum(x.nbytes for f in self.loads.values()
+                          for x in jax.tree.leaves(f.result()))
+    self.loads.clear()  # the inference weights leave the devices with the last reference
     return self._output(results, segments, curve, rounds, t_prefill, gen_end, gen_plus_inf,
                         place_s)
 
@@ -467,7 +496,7 @@ class _Run:
     gen = self.gen
     b, t = gen.batch_size, gen.sampling.max_new_tokens
     out = {n: np.zeros((b, t) if n != "reward" else (b,), np.float32) for n in gen.models}
-    for (take, _), res in zip(self.pending, results):
+    for take, res in zip(self.scored, results):
       for n, arr in res.items():
         out[n][np.asarray(take)] = np.asarray(arr)[:len(take)]
     rollout = engine.Rollout(

@@ -45,11 +45,12 @@ class ActivityLog:
   def now(self) -> float:
     return time.perf_counter() - self.t0
 
-  def record(self, instance: int, kind: str, output: Any) -> None:
-    """`output`: arrays produced by the dispatched work that stay alive (not donated)."""
+  def record(self, instance: int, kind: str, output: Any, since: Optional[float] = None) -> None:
+    """`output`: arrays produced by the dispatched work that stay alive (not donated);
+    `since`: when the work was issued, if before now (e.g. a copy the caller waited on)."""
     if kind not in KINDS:
       raise ValueError(f"activity kind {kind!r}; expected one of {KINDS}")
-    self._queues[instance].put((kind, self.now(), output))
+    self._queues[instance].put((kind, self.now() if since is None else since, output))
 
   def _watch(self, i: int) -> None:
     while True:
