@@ -95,7 +95,8 @@ def summarize(out: fused_lib.FusedOutput, wall_s: float) -> dict:
           "migration_s": m["gen/migration_s"], "weight_load_s": m["fusion/weight_load_s"],
           "weight_load_bytes": m["fusion/weight_load_bytes"],
           "actor_to_instances_s": m["timing_s/actor_to_instances"],
-          "decode_rounds": m["gen/decode_rounds"], "rt": out.rt,
+          "decode_rounds": m["gen/decode_rounds"], "instance_chunks": m["gen/instance_chunks"],
+          "rt": out.rt,
           "consolidations": out.consolidations,
           "unfinished_curve": m["gen/unfinished_curve"]}
 

@@ -89,6 +89,9 @@ def test_identical_outputs_with_and_without_consolidation(runs):
       np.testing.assert_array_equal(getattr(base, name), getattr(out, name), err_msg=name)
   assert base.metrics["gen/migrated_samples"] == 0
   assert early.metrics["gen/consolidation_step"] < late.metrics["gen/consolidation_step"]
+  # Fewer, fuller instances: fewer decode chunks in all (each chunk runs every slot).
+  assert early.metrics["gen/instance_chunks"] < base.metrics["gen/instance_chunks"]
+  assert late.metrics["gen/instance_chunks"] < base.metrics["gen/instance_chunks"]
 
 
 def test_metrics_and_timeline(runs):

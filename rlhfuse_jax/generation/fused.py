@@ -275,6 +275,7 @@ class _Run:
     self.loader = ThreadPoolExecutor(max_workers=1)
     self.dispatched = np.zeros(g, np.int64)  # inference micro-batches per instance
     self.load_bytes = 0
+    self.chunks = 0  # decode chunks run, summed over instances
     self.consolidations: list = []
     self.reasons: list = []
     self.actor_params = actor_params
@@ -471,6 +472,7 @@ class _Run:
         self.states[i], summaries[i] = gen.instances[i].decode(params[i], self.states[i],
                                                                keys[i])
         log.record(i, "decode", summaries[i])
+      self.chunks += len(summaries)
       if not summaries:
         raise RuntimeError("unfinished samples but no instance decoding them (a bug)")
       rounds += 1
@@ -522,6 +524,9 @@ class _Run:
         "fusion/weight_load_bytes": int(self.load_bytes),
         "fusion/rt": float(self.rt),
         "gen/decode_rounds": rounds,
+        # Summed over instances: each chunk runs all S slots, live or not, so this counts the
+        # decode work; consolidation lowers it (fewer, fuller instances).
+        "gen/instance_chunks": self.chunks,
         "timing_s/generate": gen_end,
         "timing_s/inference": gen_plus_inf - gen_end,
         "timing_s/gen_plus_inf": gen_plus_inf,
