@@ -4,6 +4,13 @@ r"""Tiny PPO run on CPU: a 2-layer decoder learns the synthetic 'repeat' task fr
 
 Variants: `--config=configs/ppo_tiny.py:grpo` (critic-free GRPO). Sweep:
   python -m experiments.sweep --config=configs/ppo_tiny.py --binary=train_ppo --workdir=/tmp/sw
+
+`fused`: intra-stage fusion (DESIGN §3) on a data=2 x stage=4 mesh: a 4-layer actor (4 stages)
+and a 2-layer critic (2 stages, 2 replicas) train through the pipeline executor with the searched
+fused schedule. It needs 8 devices; on a CPU host give jax 8 fake ones:
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.train_ppo \
+    --config=configs/ppo_tiny.py:fused --workdir=/tmp/ppo_tiny_fused
+Add --config.fusion.intra_stage=False for serial 1F1B through the same executor.
 """
 import ml_collections
 
@@ -106,6 +113,15 @@ def get_config(arg: str = "ppo"):
   c.fusion.inference_micro_batch = 0  # samples per inference micro-batch; 0: slots
   c.fusion.max_consolidations = 1  # long-tail consolidations per batch
 
+  c.pipeline = ml_collections.ConfigDict()  # training over mesh.stage > 1 (DESIGN §3)
+  c.pipeline.critic_pp = 0  # critic stages; 0: mesh.stage; must divide mesh.stage
+  c.pipeline.actor_microbatches = 4  # actor micro-batches per mini-batch data shard
+  c.pipeline.critic_microbatches = 4  # micro-batches per critic replica (stage / critic_pp)
+  c.pipeline.search_time_s = 2.0  # fused-schedule search budget, once per shape (then cached)
+  c.pipeline.search_seed = 0  # seed of that search
+  c.pipeline.schedule_cache_dir = ""  # searched schedules; "": ~/.cache/rlhfuse_jax/schedules
+  c.pipeline.xla_opt_level = -1  # XLA backend optimisation of the pipelined update; -1: default
+
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 25
   c.checkpoint.keep = 2
@@ -116,8 +132,16 @@ def get_config(arg: str = "ppo"):
     c.rollout.samples_per_prompt = 4
     c.algo.kl_in_reward = False  # GRPO puts the KL in the loss
     c.algo.kl_estimator = "k3"
+  elif arg == "fused":
+    c.mesh.stage = 4  # data = 8 / 4 = 2
+    c.model.num_layers = 4  # one layer per actor stage
+    c.pipeline.critic_pp = 2  # critic layers 2: one per stage, 2 replicas
+    c.pipeline.actor_microbatches = 8  # 32 rows / 2 data shards = 16 rows: 2 per micro-batch
+    c.pipeline.critic_microbatches = 4  # 2 replicas x 4 = 8 micro-batches of 2 rows
+    c.fusion.intra_stage = True
   elif arg != "ppo":
-    raise ValueError(f"configs/ppo_tiny.py: unknown variant {arg!r}; expected 'ppo' or 'grpo'")
+    raise ValueError(f"configs/ppo_tiny.py: unknown variant {arg!r}; expected 'ppo', 'grpo' or "
+                     "'fused'")
   return c
 
 

@@ -9,8 +9,11 @@ SIGTERM finishes the current iteration, saves a checkpoint and exits cleanly.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -44,6 +47,18 @@ def summarize(history: list[dict]) -> dict:
           "final": {k: v for k, v in history[-1].items() if not k.startswith(TIMING_PREFIXES)}}
 
 
+def check_device_count(cfg: TrainConfig, num_devices: int, platform: str) -> None:
+  """A clear error when the mesh needs more devices than jax sees (e.g. mesh.stage=4 on the one
+  CPU device a plain `python` gets)."""
+  sizes = dataclasses.asdict(cfg.mesh)
+  need = math.prod(v for v in sizes.values() if v != -1)
+  if need > num_devices:
+    hint = (f"; on a CPU host add fake devices before jax starts: "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={need}" if platform == "cpu" else "")
+    raise ValueError(f"config.mesh={sizes} needs at least {need} devices, but jax sees "
+                     f"{num_devices} ({platform}){hint}")
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
@@ -51,6 +66,7 @@ def main(argv):
   if _DISTRIBUTED.value:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   cfg = TrainConfig.from_config_dict(_CONFIG.value)
+  check_device_count(cfg, jax.device_count(), jax.default_backend())
   workdir = _WORKDIR.value
   main_process = distributed.is_main_process()
   os.makedirs(workdir, exist_ok=True)

@@ -159,6 +159,30 @@ class FusionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  """Training over the mesh's `stage` axis (> 1): actor and critic through the fused pipeline
+  executor (trainer/pipelined.py); fusion.intra_stage picks the searched fused schedule or
+  serial 1F1B."""
+  critic_pp: int = 0  # critic stages; 0: mesh.stage (one replica); must divide mesh.stage
+  actor_microbatches: int = 4  # actor micro-batches per mini-batch data shard
+  critic_microbatches: int = 4  # micro-batches per critic replica (mesh.stage / critic_pp of them)
+  search_time_s: float = 2.0  # fused-schedule search budget, once per shape (then cached)
+  search_seed: int = 0  # seed of the fused-schedule search
+  schedule_cache_dir: str = ""  # searched schedules; "": $XDG_CACHE_HOME or ~/.cache/rlhfuse_jax
+  xla_opt_level: int = -1  # XLA backend optimisation level of the pipelined update; -1: default
+
+  def __post_init__(self):
+    _check(isinstance(self.critic_pp, int) and self.critic_pp >= 0, "pipeline.critic_pp",
+           self.critic_pp, "an integer >= 0 (0: mesh.stage)")
+    for name in ("actor_microbatches", "critic_microbatches"):
+      _check(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
+             f"pipeline.{name}", getattr(self, name), "an integer >= 1")
+    _check(self.search_time_s > 0, "pipeline.search_time_s", self.search_time_s, "> 0")
+    _check(self.xla_opt_level >= -1, "pipeline.xla_opt_level", self.xla_opt_level,
+           "-1 (XLA's default) or a level >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   every: int = 25  # save every k iterations (and at the end, and on SIGTERM)
   keep: int = 2  # checkpoints kept on disk
@@ -183,6 +207,7 @@ class TrainConfig:
   init: InitConfig
   fusion: FusionConfig
   checkpoint: CheckpointConfig
+  pipeline: PipelineConfig = PipelineConfig()
   log_every: int = 1
   vocab_from_tokenizer: bool = False  # set when model.vocab_size was 0 in the ConfigDict
 
@@ -208,6 +233,9 @@ class TrainConfig:
       _check(self.rollout.samples_per_prompt > 1, "rollout.samples_per_prompt",
              self.rollout.samples_per_prompt,
              f"> 1 for the group estimator algo.estimator={self.algo.estimator!r}")
+    _check(not self.fusion.intra_stage or self.mesh.stage != 1, "fusion.intra_stage",
+           self.fusion.intra_stage, "False with mesh.stage=1 (the fused actor/critic schedule "
+           "pipelines both models over the mesh's stage axis: set mesh.stage > 1)")
 
   @classmethod
   def from_config_dict(cls, cd: Any) -> "TrainConfig":
@@ -216,7 +244,7 @@ class TrainConfig:
     sections = {
         "mesh": MeshConfig, "data": DataConfig, "rollout": RolloutConfig, "algo": AlgoConfig,
         "optim": OptimConfig, "reward": RewardConfig, "init": InitConfig,
-        "fusion": FusionConfig, "checkpoint": CheckpointConfig,
+        "fusion": FusionConfig, "checkpoint": CheckpointConfig, "pipeline": PipelineConfig,
     }
     kwargs = {}
     for name, klass in sections.items():

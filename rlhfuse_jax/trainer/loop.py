@@ -32,7 +32,7 @@ from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import minibatch as mb_lib
 from rlhfuse_jax.rl import optim
 from rlhfuse_jax.sim import hardware
-from rlhfuse_jax.trainer import fused_stage, ppo
+from rlhfuse_jax.trainer import fused_stage, pipelined, ppo
 from rlhfuse_jax.trainer.config import TrainConfig
 
 # Metrics that measure time; everything else is a deterministic function of (config, seed).
@@ -178,8 +178,12 @@ class PPOTrainer:
                                                  self.mesh)
     # Log-probs use the sampling temperature, as generation's behaviour log-probs do (rollouts
     # always sample: rollout.temperature > 0), so the first epoch's PPO ratio is exactly 1.
-    self.update = ppo.make_update_fn(cfg.model, cfg.critic_model, cfg.algo,
-                                     cfg.rollout.temperature, self.actor_tx, self.critic_tx)
+    update_args = (cfg.model, cfg.critic_model, cfg.algo, cfg.rollout.temperature,
+                   self.actor_tx, self.critic_tx)
+    if self.mesh.shape["stage"] > 1:  # DESIGN §3: both models train through the pipeline
+      self.update = pipelined.make_pipelined_update_fn(*update_args, mesh=self.mesh, config=cfg)
+    else:
+      self.update = ppo.make_update_fn(*update_args)
 
   def _state(self) -> dict:
     state = {"actor": self.actor}
@@ -292,6 +296,7 @@ class PPOTrainer:
 
     out = {k: float(np.mean([m[k] for m in train_metrics])) for k in train_metrics[0]}
     out.update({k: float(v) for k, v in mesh_lib.to_host(stats).items()})
+    out.update(getattr(self.update, "schedule_metrics", {}))  # pipelined: the schedule's figures
     if not self.use_critic:
       for k in list(out):
         if k.startswith("critic/"):

@@ -1,0 +1,224 @@
+"""The PPO update through the fused actor/critic pipeline executor (mesh axis `stage` > 1).
+
+Idea (DESIGN §3): with a pipeline axis, one optimizer step of actor and critic is one jitted
+program in which `pipeline/executor.py` runs a schedule of both models' micro-batch forwards and
+backwards over the `stage` devices and returns whole-model gradients; the optimizer steps follow
+in the same program. `config.fusion.intra_stage` picks the schedule:
+
+  True   the searched fused schedule (pipeline/search.py): the critic fills the actor's bubbles
+  False  serial 1F1B: the actor's 1F1B, then the critic's 1F1B behind a barrier
+
+Both run through the same executor, so they compute the same gradients (to float32 summation
+order) and differ only in ticks. The gradients equal those of the plain update
+(ppo.make_update_fn), whose metric names this update reports too.
+
+The executor runs in lockstep ticks, so the schedule is searched on unit task durations: its
+makespan is then exactly the tick count (program.py levels tasks the same way). A search runs once
+per problem: the schedule is stored as JSON under `pipeline.schedule_cache_dir`, keyed by a hash
+of the problem and the search settings, and later runs load it. The search has a wall-clock
+budget, so which optimal schedule it finds may vary between machines; the cached file fixes it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from typing import Any, Callable, Dict, Tuple
+
+import jax
+import optax
+from absl import logging
+from jax.sharding import Mesh
+
+from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.pipeline import program as prog
+from rlhfuse_jax.pipeline import schedule as schedule_lib
+from rlhfuse_jax.pipeline import schedules, search
+from rlhfuse_jax.pipeline.executor import PipelineExecutor
+from rlhfuse_jax.pipeline.graph import PipelineProblem
+from rlhfuse_jax.pipeline.stages import LossConfig
+from rlhfuse_jax.rl import advantages as adv_lib
+from rlhfuse_jax.trainer.config import AlgoConfig, PipelineConfig, TrainConfig
+from rlhfuse_jax.trainer.ppo import ModelState
+
+SERIAL, FUSED = "serial_1f1b", "fused"
+_CACHE_VERSION = 1  # bump when the cached file's meaning changes
+
+
+def loss_config(algo: AlgoConfig, temperature: float) -> LossConfig:
+  """The executor's losses with the meaning of ppo.actor_loss / ppo.critic_loss."""
+  return LossConfig(clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
+                    entropy_coef=algo.entropy_coef,
+                    kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
+                    kl_estimator=algo.kl_estimator, value_clip_eps=algo.value_clip_eps,
+                    vf_coef=algo.vf_coef, temperature=temperature)
+
+
+def pipeline_problem(stages: int, pipeline: PipelineConfig) -> PipelineProblem:
+  """The schedule problem on unit durations (one task per lockstep tick)."""
+  return PipelineProblem(actor_pp=stages, critic_pp=pipeline.critic_pp or stages,
+                         actor_microbatches=pipeline.actor_microbatches,
+                         critic_microbatches=pipeline.critic_microbatches,
+                         actor_fwd=1.0, critic_fwd=1.0, actor_bwd=1.0, critic_bwd=1.0)
+
+
+def check_config(cfg: TrainConfig, mesh: Mesh) -> None:
+  """Errors, naming the config field, for runs the pipelined update cannot do."""
+  stages = mesh.shape["stage"]
+  p = cfg.pipeline
+  if not adv_lib.needs_critic(cfg.algo.estimator):
+    raise ValueError(
+        f"config.algo.estimator={cfg.algo.estimator!r} trains no critic, but mesh.stage={stages} "
+        "> 1 trains through the fused actor/critic pipeline executor, which has no actor-only "
+        "pipeline: use mesh.stage=1 or an estimator with a critic ('gae')")
+  critic_pp = p.critic_pp or stages
+  if critic_pp > stages or stages % critic_pp:
+    raise ValueError(f"config.pipeline.critic_pp={critic_pp} must divide mesh.stage={stages} "
+                     "(the critic is replicated mesh.stage / critic_pp times over the stages)")
+  for field, model, n in (("model.num_layers", cfg.model, stages),
+                          ("critic_model.num_layers", cfg.critic_model, critic_pp)):
+    if model.num_layers % n:
+      raise ValueError(f"config.{field}={model.num_layers} must be divisible by its pipeline "
+                       f"stages {n} (mesh.stage={stages}, pipeline.critic_pp={critic_pp}): "
+                       "layers are split evenly over stages")
+  shards = mesh_lib.batch_size_multiple(mesh)
+  rows = cfg.algo.minibatch_size // shards
+  where = (f"the mini-batch rows per data shard (algo.minibatch_size={cfg.algo.minibatch_size} "
+           f"/ mesh data*fsdp={shards} = {rows})")
+  if rows % p.actor_microbatches:
+    raise ValueError(f"config.pipeline.actor_microbatches={p.actor_microbatches} must divide "
+                     f"{where}")
+  replicas = stages // critic_pp
+  if rows % (replicas * p.critic_microbatches):
+    raise ValueError(f"config.pipeline.critic_microbatches={p.critic_microbatches} x critic "
+                     f"replicas {replicas} (mesh.stage / pipeline.critic_pp) must divide {where}")
+
+
+def cache_dir(pipeline: PipelineConfig) -> str:
+  if pipeline.schedule_cache_dir:
+    return os.path.expanduser(pipeline.schedule_cache_dir)
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(root, "rlhfuse_jax", "schedules")
+
+
+def _cache_key(problem: PipelineProblem, config: search.SearchConfig) -> dict:
+  return {"version": _CACHE_VERSION, "problem": problem.to_dict(),
+          "search": dataclasses.asdict(config)}
+
+
+def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig
+                      ) -> Tuple[schedule_lib.Schedule, str]:
+  """The fused schedule of `problem`, from the disk cache or searched (then cached).
+
+  Returns (schedule, path of its cache file).
+  """
+  config = search.SearchConfig(time_budget_s=pipeline.search_time_s, seed=pipeline.search_seed)
+  key = _cache_key(problem, config)
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+  path = os.path.join(cache_dir(pipeline), f"{digest}.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      stored = json.load(f)
+    if stored.get("key") == json.loads(json.dumps(key)):
+      logging.info("pipeline: using the cached fused schedule %s", path)
+      return schedule_lib.from_dict(stored["schedule"]), path
+    logging.warning("pipeline: %s holds another problem's schedule; searching again", path)
+  result = search.search(problem, config)
+  found = schedule_lib.from_order(problem, result.best)
+  wd.write_json(path, {"key": key, "schedule": found.to_dict(), "search_s": result.search_s,
+                       "evaluations": result.evaluations})
+  logging.info("pipeline: searched a fused schedule in %.1fs (%d evaluations), makespan %g "
+               "ticks; cached at %s", result.search_s, result.evaluations, found.makespan, path)
+  return found, path
+
+
+class PipelinedUpdate:
+  """update(actor, critic, mb) -> (actor, critic, metrics), as ppo.make_update_fn's.
+
+  `schedule_metrics` holds the schedule's figures (pipeline/schedule, /ticks, /bubble), the same
+  every step; the trainer adds them to each iteration's metrics.
+  """
+
+  def __init__(self, executor: PipelineExecutor, schedule_name: str, algo: AlgoConfig,
+               actor_tx: optax.GradientTransformation, critic_tx: optax.GradientTransformation,
+               compiler_options: Dict[str, Any]):
+    self.executor, self.schedule_name = executor, schedule_name
+    self._algo, self._txs = algo, (actor_tx, critic_tx)
+    self._compiler_options = compiler_options or None
+    self._jitted: Callable | None = None
+    program = executor.program
+    self.schedule_metrics = {
+        "pipeline/schedule": schedule_name,
+        "pipeline/ticks": program.ticks,
+        # Share of device ticks spent idle (each device runs 2 Ma + 2 Mc tasks).
+        "pipeline/bubble": 1.0 - program.problem.tasks_per_device / program.ticks,
+    }
+
+  def __call__(self, actor: ModelState, critic: ModelState, mb: Dict[str, jax.Array]):
+    if self._jitted is None:
+      # Built at the first call, when the parameters' shardings are known: the gradients leave
+      # the executor replicated and are constrained to them, so the updated parameters keep
+      # the placement of the plain update's.
+      shardings = (jax.tree.map(lambda x: x.sharding, actor.params),
+                   jax.tree.map(lambda x: x.sharding, critic.params))
+      self._jitted = jax.jit(self._make(shardings), donate_argnums=(0, 1),
+                             compiler_options=self._compiler_options)
+    return self._jitted(actor, critic, mb)
+
+  def _make(self, shardings) -> Callable:
+    algo, (actor_tx, critic_tx) = self._algo, self._txs
+    grads_fn = self.executor.grads_fn
+
+    def update(actor: ModelState, critic: ModelState, mb):
+      ag, cg, m = grads_fn(actor.params, critic.params, mb)
+      ag = jax.lax.with_sharding_constraint(ag, shardings[0])
+      cg = jax.lax.with_sharding_constraint(cg, shardings[1])
+      updates, opt = actor_tx.update(ag, actor.opt_state, actor.params)
+      actor = ModelState(optax.apply_updates(actor.params, updates), opt)
+      updates, copt = critic_tx.update(cg, critic.opt_state, critic.params)
+      critic = ModelState(optax.apply_updates(critic.params, updates), copt)
+      # The executor's metrics are mini-batch values, named as ppo.actor_loss's and
+      # ppo.critic_loss's. The trainer's loss has no dual clip: pg_clipfrac_lower is 0 there too.
+      metrics = {f"actor/{k}": m[k] for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy")}
+      metrics["actor/pg_clipfrac_lower"] = jax.numpy.zeros((), jax.numpy.float32)
+      if not algo.kl_in_reward and algo.kl_coef > 0:
+        metrics["actor/kl_loss"] = m["kl_loss"]
+      metrics["actor/grad_norm"] = optax.global_norm(ag)
+      metrics.update({f"critic/{k}": m[k] for k in ("vf_loss", "vf_clipfrac")})
+      metrics["critic/grad_norm"] = optax.global_norm(cg)
+      return actor, critic, metrics
+
+    return update
+
+
+def make_pipelined_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoConfig,
+                             temperature: float, actor_tx: optax.GradientTransformation,
+                             critic_tx: optax.GradientTransformation, *, mesh: Mesh,
+                             config: TrainConfig) -> PipelinedUpdate:
+  """ppo.make_update_fn through the pipeline executor on `mesh` (whose `stage` axis is > 1).
+
+  `config` supplies the pipeline section, fusion.intra_stage and the mini-batch size.
+  """
+  check_config(dataclasses.replace(config, model=actor_cfg, critic_model=critic_cfg), mesh)
+  problem = pipeline_problem(mesh.shape["stage"], config.pipeline)
+  if config.fusion.intra_stage:
+    name, barrier = FUSED, False
+    order = searched_schedule(problem, config.pipeline)[0].order()
+  else:
+    name, barrier = SERIAL, True
+    order = schedules.serial_order(problem)
+  program = prog.build_program(problem, order, barrier=barrier)
+  executor = PipelineExecutor(actor_cfg, critic_cfg, loss_config(algo, temperature), program,
+                              mesh)
+  executor.microbatch_sizes(config.algo.minibatch_size)  # raises if the rows do not split
+  logging.info("pipeline: %s schedule, %d ticks (bubble %.2f) on stage=%d, critic_pp=%d, "
+               "micro-batches %d (actor) / %d per critic replica", name, program.ticks,
+               1.0 - problem.tasks_per_device / program.ticks, problem.actor_pp,
+               problem.critic_pp, problem.actor_microbatches, problem.critic_microbatches)
+  opts = ({"xla_backend_optimization_level": config.pipeline.xla_opt_level}
+          if config.pipeline.xla_opt_level >= 0 else {})
+  return PipelinedUpdate(executor, name, algo, actor_tx, critic_tx, opts)

@@ -1,0 +1,201 @@
+"""Training through the pipeline executor (mesh.stage > 1): intra_stage on == off == the plain
+update, the on-disk schedule cache, and config errors that name their field.
+
+One module fixture trains three tiny runs of 2 iterations (fused, serial 1F1B, plain) and the
+tests compare them; the executor compiles at XLA optimisation level 0 to keep the file fast.
+"""
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.pipeline import program as prog
+from rlhfuse_jax.pipeline import schedules
+from rlhfuse_jax.trainer import pipelined
+from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
+from test_trainer import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 4 actor stages of 1 layer; 2 critic stages of 1 layer, 2 replicas. Mini-batch 8 rows over
+# data=2: 4 rows per shard = 4 actor micro-batches = 2 replicas x 2 critic micro-batches.
+PIPE = {"num_iterations": 2, "model.num_layers": 4, "critic_model.num_layers": 2,
+        "pipeline.critic_pp": 2, "pipeline.actor_microbatches": 4,
+        "pipeline.critic_microbatches": 2, "pipeline.search_time_s": 0.3,
+        "pipeline.xla_opt_level": 0}
+STAGED = {"mesh.stage": 4, "mesh.data": 2}
+# Compared only between the pipelined runs: identical there, not a property of the plain update.
+PIPELINE_KEYS = ("pipeline/",)
+# (err_clipped > err_unclipped) on tokens whose value has not moved: a tie broken by float32
+# rounding, which differs between any two programs computing the values.
+TIE_BROKEN = ("critic/vf_clipfrac",)
+
+
+def _config(cache_dir, **overrides):
+  return tiny_config(**{**PIPE, "pipeline.schedule_cache_dir": str(cache_dir), **overrides})
+
+
+def _params(trainer):
+  return jax.device_get({"actor": trainer.actor.params, "critic": trainer.critic.params})
+
+
+def _deterministic(row):
+  return {k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """{name: (trainer, history)} for fused (intra_stage on), serial (off) and plain (stage=1)."""
+  root = tmp_path_factory.mktemp("pipelined")
+  calls = []
+  real_search = pipelined.search.search
+
+  def counting_search(*args, **kwargs):
+    calls.append(args[0])
+    return real_search(*args, **kwargs)
+
+  out = {}
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(pipelined.search, "search", counting_search)
+    for name, over, devices in (("fused", {"fusion.intra_stage": True, **STAGED}, 8),
+                                ("serial", {"fusion.intra_stage": False, **STAGED}, 8),
+                                ("plain", {"mesh.stage": 1, "mesh.data": 2}, 2)):
+      cfg = _config(root / "cache", **over)
+      mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:devices])
+      trainer = PPOTrainer(cfg, str(root / name), mesh=mesh)
+      # The iterations of trainer.run(), without its checkpoint writes (seconds each here).
+      out[name] = (trainer, [trainer.iteration(it) for it in range(cfg.num_iterations)])
+  out["search_calls"] = calls
+  out["cache_dir"] = root / "cache"
+  return out
+
+
+def test_intra_stage_on_equals_off(runs):
+  fused, h_fused = runs["fused"]
+  serial, h_serial = runs["serial"]
+  assert isinstance(fused.update, pipelined.PipelinedUpdate)
+  assert fused.update.schedule_name == pipelined.FUSED
+  assert serial.update.schedule_name == pipelined.SERIAL
+  # Fusion fills the bubbles: fewer ticks than serial 1F1B (20 ticks for this problem).
+  assert h_fused[-1]["pipeline/ticks"] < h_serial[-1]["pipeline/ticks"] == 20
+  assert h_fused[-1]["pipeline/bubble"] < h_serial[-1]["pipeline/bubble"]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               _params(fused), _params(serial))
+  assert len(h_fused) == len(h_serial) == 2
+  for a, b in zip(h_fused, h_serial):
+    a, b = _deterministic(a), _deterministic(b)
+    assert a.keys() == b.keys()
+    for k in a:
+      if k.startswith(PIPELINE_KEYS):
+        continue
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_pipelined_equals_plain_update(runs):
+  fused, h_fused = runs["fused"]
+  plain, h_plain = runs["plain"]
+  assert not isinstance(plain.update, pipelined.PipelinedUpdate)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               _params(fused), _params(plain))
+  for a, b in zip(h_fused, h_plain):
+    a, b = _deterministic(a), _deterministic(b)
+    assert {k for k in a if not k.startswith(PIPELINE_KEYS)} == set(b)
+    for k in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
+              "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
+      assert k in b
+    for k in b:
+      if k not in TIE_BROKEN:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for k in TIE_BROKEN:
+      assert 0.0 <= a[k] <= 1.0
+  # The agreement is not trivial: the updates moved the actor away from its initial copy
+  # (the reference) by far more than the tolerance.
+  moved = max(float(np.max(np.abs(a - b))) for a, b in
+              zip(jax.tree.leaves(jax.device_get(plain.ref_params)),
+                  jax.tree.leaves(_params(plain)["actor"])))
+  assert moved > 1e-3
+
+
+def test_schedule_is_searched_once_then_loaded_from_disk(runs, monkeypatch):
+  # The fixture's fused run searched once (the serial and plain runs never search).
+  assert len(runs["search_calls"]) == 1
+  files = sorted(os.listdir(runs["cache_dir"]))
+  assert len(files) == 1 and files[0].endswith(".json")
+  fused = runs["fused"][0]
+
+  def no_search(*args, **kwargs):
+    raise AssertionError("searched although the schedule is cached")
+
+  monkeypatch.setattr(pipelined.search, "search", no_search)
+  again = PPOTrainer(fused.cfg, str(runs["cache_dir"].parent / "again"), mesh=fused.mesh)
+  np.testing.assert_array_equal(again.update.executor.program.order,
+                                fused.update.executor.program.order)
+  assert sorted(os.listdir(runs["cache_dir"])) == files
+  # Another problem (other micro-batch counts) has another cache file: it is searched.
+  problem = pipelined.pipeline_problem(4, dataclasses.replace(fused.cfg.pipeline,
+                                                              actor_microbatches=2))
+  with pytest.raises(AssertionError, match="searched although"):
+    pipelined.searched_schedule(problem, fused.cfg.pipeline)
+
+
+def test_cached_schedule_for_another_problem_is_not_used(tmp_path):
+  cfg = _config(tmp_path, **STAGED, **{"fusion.intra_stage": True})
+  problem = pipelined.pipeline_problem(4, cfg.pipeline)
+  first, path = pipelined.searched_schedule(problem, cfg.pipeline)
+  # The searched schedule is a valid fused schedule no worse than the serial orders in ticks.
+  serial_ticks = prog.build_program(problem, schedules.serial_order(problem), barrier=True).ticks
+  assert prog.build_program(problem, first.order()).ticks < serial_ticks
+  # A file under this problem's name that holds another problem is searched again, rewritten.
+  other = pipelined.pipeline_problem(4, dataclasses.replace(cfg.pipeline, critic_pp=4))
+  other_sched, other_path = pipelined.searched_schedule(other, cfg.pipeline)
+  os.replace(other_path, path)
+  again, path2 = pipelined.searched_schedule(problem, cfg.pipeline)
+  assert path2 == path and again.problem == problem
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"algo.estimator": "grpo", "rollout.samples_per_prompt": 2}, "config.algo.estimator='grpo'"),
+    ({"pipeline.critic_pp": 3}, "config.pipeline.critic_pp=3 must divide mesh.stage=4"),
+    ({"model.num_layers": 2}, "config.model.num_layers=2 must be divisible"),
+    ({"critic_model.num_layers": 3}, "config.critic_model.num_layers=3 must be divisible"),
+    ({"pipeline.actor_microbatches": 3}, "config.pipeline.actor_microbatches=3 must divide"),
+    ({"pipeline.critic_microbatches": 4}, "config.pipeline.critic_microbatches=4 x critic"),
+])
+def test_config_errors_name_the_field(tmp_path, overrides, match):
+  cfg = _config(tmp_path, **STAGED, **overrides)
+  mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices())
+  with pytest.raises(ValueError, match=re.escape(match)):
+    pipelined.check_config(cfg, mesh)
+
+
+def test_trainer_rejects_a_pipeline_without_critic(tmp_path):
+  cfg = _config(tmp_path, **STAGED, **{"algo.estimator": "grpo",
+                                       "rollout.samples_per_prompt": 2})
+  with pytest.raises(ValueError, match="no actor-only pipeline"):
+    PPOTrainer(cfg, str(tmp_path / "wd"), mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()))
+
+
+def test_typed_config_errors(tmp_path):
+  with pytest.raises(ValueError, match="config.fusion.intra_stage=True"):
+    _config(tmp_path, **{"fusion.intra_stage": True, "mesh.stage": 1})
+  with pytest.raises(ValueError, match="config.pipeline.critic_microbatches=0"):
+    _config(tmp_path, **{"pipeline.critic_microbatches": 0})
+  with pytest.raises(ValueError, match="config.pipeline: unknown fields"):
+    _config(tmp_path, **{"pipeline.stages": 2})
+
+
+def test_binary_says_how_to_get_devices(tmp_path):
+  """configs/ppo_tiny.py:fused on the one CPU device of a plain process: a clear error."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.train_ppo", "--config=configs/ppo_tiny.py:fused",
+       f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert "needs at least 4 devices, but jax sees 1 (cpu)" in proc.stderr
+  assert "XLA_FLAGS=--xla_force_host_platform_device_count=4" in proc.stderr
