@@ -245,6 +245,9 @@ def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
           cfg.actor, cfg.critic, cfg.loss, prog.build_program(problem, orders["greedy"][0]),
           mesh).microbatch_sizes(cfg.minibatch_size))),
       "schedules": results,
+      # The step times the simulator's validation compares its prediction with.
+      "serial_step_s": results["serial_1f1b"]["step_s"],
+      "fused_step_s": results["searched"]["step_s"],
       "unpipelined_step_s": float(np.median(ref_runs)),
       "search_s": {k: f.search_s for k, f in found.items()},
       # No lockstep execution of this problem has fewer ticks (DESIGN §3's tight bound in ticks).

@@ -129,7 +129,8 @@ def _read(workdir: str, name: str) -> dict:
 def gen_bench_from_workdir(workdir: str) -> tuple[GenBenchSpec, dict]:
   """(spec, measured {'baseline': s, 'fused': s}) from a bench_generation workdir."""
   cfg, res = _read(workdir, "config.json"), _read(workdir, "result.json")
-  both = {"config": cfg, "result": res}
+  # result.json first: it holds resolved values (e.g. the Rt that "auto" chose).
+  both = {"result": res, "config": cfg}
   need = {"num_instances": ("num_instances", "instances", "num_gen_instances"),
           "slots": ("slots", "slots_per_instance"),
           "chunk_steps": ("chunk_size", "chunk_steps"),
