@@ -28,8 +28,10 @@ import time
 from typing import Any, Callable, Dict, Tuple
 
 import jax
+import numpy as np
 import optax
 from absl import logging
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from rlhfuse_jax import workdir as wd
@@ -208,6 +210,9 @@ def make_pipelined_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, al
   if config.fusion.intra_stage:
     name, barrier = FUSED, False
     order = searched_schedule(problem, config.pipeline)[0].order()
+    if jax.process_count() > 1:
+      # Each process searched (or cached) on its own clock: all run process 0's schedule.
+      order = np.asarray(multihost_utils.broadcast_one_to_all(order))
   else:
     name, barrier = SERIAL, True
     order = schedules.serial_order(problem)
