@@ -156,6 +156,10 @@ def test_cached_schedule_for_another_problem_is_not_used(tmp_path):
   os.replace(other_path, path)
   again, path2 = pipelined.searched_schedule(problem, cfg.pipeline)
   assert path2 == path and again.problem == problem
+  with open(path, "w") as f:  # a damaged file is searched again too
+    f.write("{not json")
+  again, _ = pipelined.searched_schedule(problem, cfg.pipeline)
+  assert again.problem == problem
 
 
 @pytest.mark.parametrize("overrides, match", [

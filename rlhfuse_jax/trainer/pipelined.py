@@ -123,12 +123,16 @@ def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig
   digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
   path = os.path.join(cache_dir(pipeline), f"{digest}.json")
   if os.path.exists(path):
-    with open(path) as f:
-      stored = json.load(f)
-    if stored.get("key") == json.loads(json.dumps(key)):
+    try:
+      with open(path) as f:
+        stored = json.load(f)
+      if stored.get("key") != json.loads(json.dumps(key)):
+        raise ValueError("it holds another problem's schedule")
+      found = schedule_lib.from_dict(stored["schedule"])  # re-checked: valid, deadlock-free
       logging.info("pipeline: using the cached fused schedule %s", path)
-      return schedule_lib.from_dict(stored["schedule"]), path
-    logging.warning("pipeline: %s holds another problem's schedule; searching again", path)
+      return found, path
+    except (ValueError, KeyError, TypeError) as e:
+      logging.warning("pipeline: ignoring the cached schedule %s (%s); searching again", path, e)
   result = search.search(problem, config)
   found = schedule_lib.from_order(problem, result.best)
   wd.write_json(path, {"key": key, "schedule": found.to_dict(), "search_s": result.search_s,
