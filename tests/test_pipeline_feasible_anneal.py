@@ -66,3 +66,15 @@ def test_search_config_rejects_bad_counts():
     search.SearchConfig(max_evaluations=0)
   with pytest.raises(ValueError, match="feasible_frac"):
     search.SearchConfig(feasible_frac=1.5)
+
+
+@pytest.mark.parametrize("max_evaluations", [700, 2000, 4321])
+def test_count_based_search_ends_near_its_budget(max_evaluations):
+  # Budgets that leave a fraction of an evaluation before a phase ends used to round the next
+  # chunk down to 0 iterations and loop forever.
+  p = PipelineProblem(4, 2, 6, 4, 2.0, 1.0)
+  cfg = search.SearchConfig(time_budget_s=1e6, seed=1, list_variants=20,
+                            max_evaluations=max_evaluations)
+  res = search.search(p, cfg)
+  assert res.evaluations <= 2 * max_evaluations + 1000
+  assert evaluate(p, res.best).within_budget

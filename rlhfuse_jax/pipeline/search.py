@@ -310,7 +310,10 @@ class _Budget:
     """Iterations for the next kernel call: at most what is left before `until` in count mode."""
     if self.config.max_evaluations is None:
       return default
-    return int(max(0, min(default, (until - self.used()) * self.config.max_evaluations)))
+    # ceil: while any budget is left before `until` this returns >= 1, so the caller's loop
+    # (which checks used() < until) always progresses; int() could round to 0 forever.
+    left = (until - self.used()) * self.config.max_evaluations
+    return int(max(0, min(default, math.ceil(left))))
 
 
 @dataclasses.dataclass
