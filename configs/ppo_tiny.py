@@ -7,10 +7,13 @@ Variants: `--config=configs/ppo_tiny.py:grpo` (critic-free GRPO). Sweep:
 
 `fused`: intra-stage fusion (DESIGN §3) on a data=2 x stage=4 mesh: a 4-layer actor (4 stages)
 and a 2-layer critic (2 stages, 2 replicas) train through the pipeline executor with the searched
-fused schedule. It needs 8 devices; on a CPU host give jax 8 fake ones:
+fused schedule, and generation runs as sample-level instances with long-tail consolidation and
+streaming inference (inter-stage fusion, DESIGN §2). It needs 8 devices; on a CPU host give jax
+8 fake ones:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.train_ppo \
     --config=configs/ppo_tiny.py:fused --workdir=/tmp/ppo_tiny_fused
-Add --config.fusion.intra_stage=False for serial 1F1B through the same executor.
+Add --config.fusion.intra_stage=False for serial 1F1B through the same executor, and
+--config.fusion.inter_stage=False for serial generation then inference.
 """
 import ml_collections
 
@@ -139,6 +142,7 @@ def get_config(arg: str = "ppo"):
     c.pipeline.actor_microbatches = 8  # 32 rows / 2 data shards = 16 rows: 2 per micro-batch
     c.pipeline.critic_microbatches = 4  # 2 replicas x 4 = 8 micro-batches of 2 rows
     c.fusion.intra_stage = True
+    c.fusion.inter_stage = True  # both fusions: the README's main command
   elif arg != "ppo":
     raise ValueError(f"configs/ppo_tiny.py: unknown variant {arg!r}; expected 'ppo', 'grpo' or "
                      "'fused'")

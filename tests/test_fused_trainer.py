@@ -3,10 +3,9 @@ import jax
 import numpy as np
 import pytest
 
-from configs import ppo_tiny
 from rlhfuse_jax.parallel import mesh as mesh_lib
-from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
+from tests.test_trainer import tiny_config
 
 # Fusion metrics that measure time (the others are decided from tokens and are deterministic).
 TIMED = ("gen/unfinished_curve", "gen/instance_busy_frac", "fusion/inference_overlap_frac",
@@ -14,26 +13,11 @@ TIMED = ("gen/unfinished_curve", "gen/instance_busy_frac", "fusion/inference_ove
 
 
 def tiny(**overrides):
-  c = ppo_tiny.get_config()
-  c.num_iterations = 3
-  c.model.num_layers = c.critic_model.num_layers = 1
-  c.model.hidden_size = c.critic_model.hidden_size = 32
-  c.model.intermediate_size = c.critic_model.intermediate_size = 64
-  c.rollout.prompts_per_iteration = 16
-  c.rollout.max_new_tokens = 12
-  c.rollout.chunk_size = 2
-  c.algo.minibatch_size = 8
-  c.data.num_prompts = 64
-  c.data.length_dist = "lognormal"  # long-tailed targets: a tail to consolidate
-  c.data.length_max = 8
-  c.checkpoint.every = 100
-  for k, v in overrides.items():
-    node = c
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
-  return TrainConfig.from_config_dict(c)
+  """tests/test_trainer.tiny_config with a long-tailed task and 12-token responses."""
+  base = {"num_iterations": 3, "rollout.max_new_tokens": 12, "rollout.chunk_size": 2,
+          "data.length_dist": "lognormal",  # long-tailed targets: a tail to consolidate
+          "data.length_max": 8, "checkpoint.every": 100}
+  return tiny_config(**{**base, **overrides})
 
 
 def test_fused_trajectory_equals_serial(tmp_path):
