@@ -53,13 +53,7 @@ LOGPROB_ATOL = 1e-6
 
 def random_params(cfg: llama.ModelConfig, seed: int):
   """Random weights drawn on the host (flax's initialisers would cost a compile per model)."""
-  shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
-  rng = np.random.default_rng(seed)
-
-  def draw(path, s):
-    x = rng.normal(0.0, 0.05, s.shape)
-    return np.asarray(x + 1.0 if "scale" in jax.tree_util.keystr(path) else x, s.dtype)
-  return jax.tree_util.tree_map_with_path(draw, shapes)
+  return llama.host_random_params(cfg, seed, std=0.05)
 
 
 def make_batch(c, seed: int):

@@ -23,15 +23,6 @@ P, T = 6, 16
 KEY = jax.random.key(3)
 
 
-def random_params(cfg, seed):
-  """Random weights on the host, without compiling flax's initialisers."""
-  shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
-  rng = np.random.default_rng(seed)
-  return jax.tree_util.tree_map_with_path(
-      lambda path, s: np.asarray(rng.normal(0.0, 0.1, s.shape) + (
-          1.0 if "scale" in jax.tree_util.keystr(path) else 0.0), s.dtype), shapes)
-
-
 def batch(b, seed):
   rng = np.random.default_rng(seed)
   lens = rng.integers(1, P + 1, b).astype(np.int32)
@@ -43,12 +34,12 @@ def batch(b, seed):
 
 
 def build(num_instances, slots, devices_per_instance, frozen, **kw):
-  actor = random_params(CFG, 0)
+  actor = llama.host_random_params(CFG, 0)
   params = {"reference": actor}
   if frozen.critic is not None:
-    params["critic"] = random_params(SCORE, 1)
+    params["critic"] = llama.host_random_params(SCORE, 1)
   if frozen.reward is not None:
-    params["reward"] = random_params(SCORE, 2)
+    params["reward"] = llama.host_random_params(SCORE, 2)
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=T, chunk_size=3, eos_id=-1)
   config = FusedGenConfig(num_instances=num_instances, slots=slots,
                           instance_devices=devices_per_instance, migration_threshold=0.5, **kw)
@@ -217,7 +208,7 @@ def test_bad_fusion_config(kw, match):
 def test_bad_layouts_fail_before_compiling():
   sampling = SamplingConfig(max_new_tokens=T, eos_id=-1)
   frozen = FrozenModels(reference=CFG)
-  shapes = {"reference": random_params(CFG, 0)}
+  shapes = {"reference": llama.host_random_params(CFG, 0)}
 
   def make(b, **kw):
     return FusedGenerator(CFG, sampling, FusedGenConfig(**kw), batch_size=b, prompt_len=P,

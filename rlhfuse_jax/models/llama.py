@@ -27,6 +27,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 HEADS = ("lm", "scalar")
@@ -307,3 +308,19 @@ def logical_specs(cfg: ModelConfig) -> Any:
 def apply(cfg: ModelConfig, params, tokens, positions=None, cache: Optional[KVCache] = None):
   """Functional forward: see Transformer.__call__."""
   return Transformer(cfg).apply({"params": params}, tokens, positions, cache)
+
+
+def host_random_params(cfg: ModelConfig, seed: int, std: float = 0.1) -> Any:
+  """Random weights drawn with numpy on the host: N(0, std), norm scales N(1, std).
+
+  For tests and benchmarks: no flax initialiser is compiled (seconds per model on CPU), and the
+  caller places the numpy arrays wherever the model runs.
+  """
+  shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))[0])
+  rng = np.random.default_rng(seed)
+
+  def draw(path, s):
+    x = rng.normal(0.0, std, s.shape)
+    return np.asarray(x + 1.0 if "scale" in jax.tree_util.keystr(path) else x, s.dtype)
+
+  return jax.tree_util.tree_map_with_path(draw, shapes)
