@@ -55,7 +55,8 @@ def _row_ok(row, deltas, budget_d):
 
 
 @numba.njit(cache=True, nogil=True)
-def _row_peak(row, deltas):
+def row_peak(row, deltas):
+  """Peak of the running memory (prefix sums of per-task deltas) of one device's order."""
   cur = 0.0
   best = 0.0
   for k in row:
@@ -99,7 +100,7 @@ def feasible_anneal_kernel(order, params, deltas, budget, tails, target, iters, 
   work_p = np.zeros((4, n, mmax), dtype=np.int64)
   peaks = np.zeros(n)
   for d in range(n):
-    peaks[d] = _row_peak(order[d], deltas)
+    peaks[d] = row_peak(order[d], deltas)
   ok, mk, sf = simulate_kernel(order, params, release, ends, work_f, work_i, work_p)
   if not ok:
     return 0
@@ -188,7 +189,7 @@ def feasible_anneal_kernel(order, params, deltas, budget, tails, target, iters, 
     if cost <= cur or np.random.random() < math.exp(-(cost - cur) / temp):
       cur = cost
       mk = nmk
-      peaks[d] = _row_peak(row, deltas)
+      peaks[d] = row_peak(row, deltas)
       nlate = 0
       for dd in range(n):
         for p in range(t):

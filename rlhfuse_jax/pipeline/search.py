@@ -44,7 +44,7 @@ from rlhfuse_jax.pipeline import schedules
 from rlhfuse_jax.pipeline.bounds import tight_lower_bound
 from rlhfuse_jax.pipeline.evaluate import Evaluator, objective_key, peaks_kernel, simulate_kernel
 from rlhfuse_jax.pipeline.decoder import decoder_anneal
-from rlhfuse_jax.pipeline.feasible_anneal import feasible_anneal
+from rlhfuse_jax.pipeline.feasible_anneal import row_peak, feasible_anneal
 from rlhfuse_jax.pipeline.graph import PipelineProblem, validate_order
 
 
@@ -67,17 +67,6 @@ def _row_valid(row):
       if fc < 0:
         return False
   return True
-
-
-@numba.njit(cache=True, nogil=True)
-def _row_peak(row, deltas):
-  cur = 0.0
-  best = 0.0
-  for k in row:
-    cur += deltas[k]
-    if cur > best:
-      best = cur
-  return best
 
 
 @numba.njit(cache=True, nogil=True)
@@ -210,7 +199,7 @@ def anneal_kernel(order, params, deltas, budget, iters, temp0, temp1, lam0, lam1
       row[lo:hi + 1] = saved[lo:hi + 1]
       continue
     old_peak = peaks[d]
-    new_peak = _row_peak(row, deltas)
+    new_peak = row_peak(row, deltas)
     new_over = over - max(old_peak - budget[d], 0.0) + max(new_peak - budget[d], 0.0)
     peaks[d] = new_peak
     ok, nmk, nsf = simulate_kernel(order, params, release, ends, work_f, work_i, work_p)
