@@ -1,10 +1,16 @@
-"""Validation path: predictions of the benches from a calibration, and the report lines."""
+"""Validation path: predictions of the benches from a calibration (the lockstep tick model for
+bench_pipeline), calibration files, and the report lines."""
 import json
+import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 
-from rlhfuse_jax.pipeline.graph import PipelineProblem
-from rlhfuse_jax.sim import calibration, validation
+from rlhfuse_jax.pipeline import schedules
+from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem
+from rlhfuse_jax.sim import calibration, lockstep, validation
 
 CAL = {"format": calibration.FORMAT, "device": "2-core CPU, 8 fake devices",
        "devices_share_compute": True,
@@ -60,14 +66,187 @@ def test_missing_inputs_are_said_plainly(tmp_path):
   assert "lacks measured ops" in text
 
 
-def test_pipeline_prediction():
-  problem = PipelineProblem(actor_pp=4, critic_pp=2, actor_microbatches=4, critic_microbatches=2,
-                            actor_fwd=1.0, critic_fwd=1.0)
-  shared = calibration.from_dict(CAL, "cal.json")
-  pred = validation.predict_bench_pipeline(shared, problem)
-  # One processor: both schedules cost the total work of all devices.
-  total = 4 * (4 * 3 * 0.004 + 2 * 3 * 0.002)
-  assert pred["serial_s"] == pytest.approx(total) and pred["ratio_fused_over_serial"] == 1.0
-  parallel = calibration.from_dict({**CAL, "devices_share_compute": False}, "cal.json")
-  pred = validation.predict_bench_pipeline(parallel, problem)
-  assert pred["fused_s"] < pred["serial_s"]
+# Two devices, Ma = Mc = 1. Actor stage d on device d; critic reversed (stage 0 on device 1).
+# This fused order runs two tasks at every tick: ticks (AF0, CF0), (CF1, AF1), (CB1, AB1),
+# (AB0, CB0) with program.py's leveling. The serial order with its barrier runs one per tick.
+TWO = PipelineProblem(actor_pp=2, critic_pp=2, actor_microbatches=1, critic_microbatches=1,
+                      actor_fwd=1.0, critic_fwd=1.0)
+FUSED = np.array([[AF, CF, CB, AB], [CF, AF, AB, CB]], np.int8)
+
+
+def test_tick_model_one_device():
+  p = PipelineProblem(actor_pp=1, critic_pp=1, actor_microbatches=1, critic_microbatches=1,
+                      actor_fwd=1.0, critic_fwd=3.0, actor_bwd=2.0, critic_bwd=4.0)
+  order = np.array([[AF, AB, CF, CB]], np.int8)
+  times = lockstep.StageTimes.uniform(p)
+  np.testing.assert_allclose(lockstep.tick_tasks(p, order, times), [[1], [2], [3], [4]])
+  # One task per tick: its own length (+ 0.5 per tick, + 0.25 per step) whatever the cores.
+  for cores in (None, 1, 2):
+    got = lockstep.step_seconds(p, order, times, tick_overhead_s=0.5, step_overhead_s=0.25,
+                                parallel_tasks=cores)
+    assert got["step_s"] == pytest.approx(10 + 4 * 0.5 + 0.25) and got["ticks"] == 4
+  # Two data copies of that device on one core: every tick runs its task twice.
+  got = lockstep.step_seconds(p, order, times, parallel_tasks=1, data_replicas=2)
+  assert got["step_s"] == pytest.approx(20.0)
+
+
+def test_tick_model_two_devices_shared_vs_dedicated():
+  times = lockstep.StageTimes.uniform(TWO)  # F = 1, B = 2 on every stage
+  np.testing.assert_allclose(lockstep.tick_tasks(TWO, FUSED, times),
+                             [[1, 1], [1, 1], [2, 2], [2, 2]])
+  serial = schedules.serial_order(TWO)
+  ser = lockstep.tick_tasks(TWO, serial, times, barrier=True)
+  assert ser.shape == (8, 2) and np.all((ser > 0).sum(axis=1) == 1)  # one task per tick
+
+  def step(order, barrier, cores, reps=1):
+    return lockstep.step_seconds(TWO, order, times, barrier=barrier, tick_overhead_s=0.1,
+                                 parallel_tasks=cores, data_replicas=reps)["step_s"]
+  # Dedicated devices: each fused tick lasts its longest task: 1 + 1 + 2 + 2.
+  assert step(FUSED, False, None) == pytest.approx(6 + 0.4)
+  # One core: a tick's two tasks run one after the other, so fusion saves only overhead.
+  assert step(FUSED, False, 1) == pytest.approx(12 + 0.4)
+  # Two cores: the two tasks of a tick run at once, as on dedicated devices.
+  assert step(FUSED, False, 2) == pytest.approx(6 + 0.4)
+  # Two cores but two data copies: four tasks per tick on two cores.
+  assert step(FUSED, False, 2, reps=2) == pytest.approx(12 + 0.4)
+  for cores in (None, 1, 2):
+    assert step(serial, True, cores) == pytest.approx(12 + 0.8)
+  with pytest.raises(ValueError, match="parallel_tasks=0"):
+    step(FUSED, False, 0)
+  # Per-stage times: the longest task of a tick is the slower stage's.
+  slow = lockstep.StageTimes(actor_fwd=(1, 3), actor_bwd=(2, 2), critic_fwd=(1, 1),
+                             critic_bwd=(2, 2))
+  assert lockstep.step_seconds(TWO, FUSED, slow)["step_s"] == pytest.approx(1 + 3 + 2 + 2)
+  with pytest.raises(ValueError, match="actor_pp=2"):
+    lockstep.step_seconds(TWO, FUSED, lockstep.StageTimes((1,), (2,), (1,), (2,)))
+
+
+PIPE_CAL = {"format": calibration.FORMAT, "device": "fabricated", "devices_share_compute": True,
+            "parallel_tasks": 2,
+            "ops": {"train_stage": {"actor_fwd_s": 0.001, "critic_fwd_s": 0.001,
+                                    "actor_bwd_s": 0.002, "critic_bwd_s": 0.002,
+                                    "bwd_over_fwd": 2.0,
+                                    "actor_fwd_per_stage_s": [0.001, 0.001],
+                                    "actor_bwd_per_stage_s": [0.002, 0.002],
+                                    "critic_fwd_per_stage_s": [0.001, 0.001],
+                                    "critic_bwd_per_stage_s": [0.002, 0.002]},
+                    "pipeline_executor": {"tick_overhead_s": 0.0005, "step_overhead_s": 0.01}}}
+
+
+def test_calibration_new_keys_round_trip_old_files_load_unknown_rejected(tmp_path):
+  path = tmp_path / "cal.json"
+  path.write_text(json.dumps(PIPE_CAL))
+  cal = calibration.load(str(path))
+  assert cal.parallel_tasks == 2 and cal.pipeline_executor.step_overhead_s == 0.01
+  assert calibration.from_dict(calibration.to_dict(cal), str(path)) == cal
+  fwd, bwd = cal.train_stage.stage_times("critic", 2)
+  np.testing.assert_allclose(bwd, [0.002, 0.002])
+  with pytest.raises(ValueError, match="critic_fwd_per_stage_s has 2 stages.*4 critic"):
+    cal.train_stage.stage_times("critic", 4)
+  # A file from before these keys: backward = bwd_over_fwd x forward, one task at a time.
+  old = calibration.from_dict(CAL, "old.json")
+  assert old.parallel_tasks is None and old.pipeline_executor is None
+  fwd, bwd = old.train_stage.stage_times("actor", 3)
+  np.testing.assert_allclose(fwd, [0.004] * 3)
+  np.testing.assert_allclose(bwd, [0.008] * 3)
+  assert calibration.from_dict(calibration.to_dict(old), "old.json") == old
+  bad = json.loads(json.dumps(PIPE_CAL))
+  bad["ops"]["train_stage"]["actor_bwd"] = 0.002
+  with pytest.raises(ValueError, match="unknown keys \\['actor_bwd'\\]"):
+    calibration.from_dict(bad, "bad.json")
+  bad = {**PIPE_CAL, "ops": {"pipeline_executor": {"tick_s": 0.1}}}
+  with pytest.raises(ValueError, match="unknown keys"):
+    calibration.from_dict(bad, "bad.json")
+  with pytest.raises(ValueError, match="parallel_tasks=0"):
+    calibration.from_dict({**PIPE_CAL, "parallel_tasks": 0}, "bad.json")
+  bad = json.loads(json.dumps(PIPE_CAL))
+  bad["ops"]["train_stage"]["actor_fwd_per_stage_s"] = []
+  with pytest.raises(ValueError, match="non-empty list"):
+    calibration.from_dict(bad, "bad.json")
+
+
+def write_pipe_bench(path, measured=(0.05, 0.04), with_schedules=True, with_cal=True):
+  """A bench_pipeline workdir as the bench writes it, for the two-device problem above."""
+  path.mkdir(parents=True, exist_ok=True)
+  (path / "config.json").write_text(json.dumps({"actor_pp": 2, "critic_pp": 2}))
+  res = {"schedules": {"serial_1f1b": {"step_s": measured[0]},
+                       "searched": {"step_s": measured[1]}},
+         "serial_step_s": measured[0], "fused_step_s": measured[1]}
+  (path / "result.json").write_text(json.dumps(res))
+  if with_schedules:
+    (path / "schedules.json").write_text(json.dumps({
+        "problem": TWO.to_dict(), "data_replicas": 1, "serial": "serial_1f1b",
+        "fused": "searched",
+        "schedules": {"serial_1f1b": {"order": schedules.serial_order(TWO).tolist(),
+                                      "barrier": True},
+                      "searched": {"order": FUSED.tolist(), "barrier": False}}}))
+  if with_cal:
+    (path / "calibration.json").write_text(json.dumps(PIPE_CAL))
+
+
+def test_validator_reads_pipeline_workdir_with_its_own_calibration(tmp_path):
+  write_pipe_bench(tmp_path / "bp")
+  bench = validation.pipeline_bench_from_workdir(str(tmp_path / "bp"))
+  assert bench.fused == "searched" and bench.measured == {"serial_1f1b": 0.05, "searched": 0.04}
+  cal = calibration.load(str(tmp_path / "bp" / "calibration.json"))
+  pred = validation.predict_bench_pipeline(cal, bench.problem, bench.orders["searched"][0],
+                                           bench.orders["serial_1f1b"][0])
+  # Hand-computed (ms): serial 8 ticks of one task (1+1+2+2 per model) + 8 x 0.5 + 10;
+  # fused 4 ticks of two tasks on 2 cores: 1+1+2+2 + 4 x 0.5 + 10.
+  assert pred["serial_s"] == pytest.approx(0.012 + 0.004 + 0.01)
+  assert pred["fused_s"] == pytest.approx(0.006 + 0.002 + 0.01)
+  assert pred["dedicated"]["fused_s"] == pytest.approx(pred["fused_s"])
+  # No calibration given: the bench's own calibration.json is used.
+  text = "\n".join(validation.validation_lines(None, "", str(tmp_path / "bp")))
+  assert f"calibration `{tmp_path / 'bp' / 'calibration.json'}`" in text
+  assert "| serial step s (serial_1f1b, 8 ticks) | 0.026 | 0.05 | -48.0% |" in text
+  assert "| fused step s (searched, 4 ticks) | 0.018 | 0.04 | -55.0% |" in text
+  ratio = f"| ratio fused / serial | {0.018 / 0.026:.4g} | 0.8 | {_pct(0.018 / 0.026, 0.8)} |"
+  assert ratio in text
+  assert "on dedicated devices (prediction only, no measurement)" in text
+  # One core: the fused ticks' two tasks run one after the other.
+  one_core = calibration.from_dict({**PIPE_CAL, "parallel_tasks": 1}, "one.json")
+  pred1 = validation.predict_bench_pipeline(one_core, bench.problem,
+                                            bench.orders["searched"][0])
+  assert pred1["fused_s"] == pytest.approx(0.012 + 0.002 + 0.01)
+  assert pred1["dedicated"]["fused_s"] == pytest.approx(pred["fused_s"])
+  # A bench that timed the schedules in rounds reports the median paired ratio: that is measured.
+  res = json.loads((tmp_path / "bp" / "result.json").read_text())
+  res["paired_ratio_fused_over_serial"] = 0.75
+  (tmp_path / "bp" / "result.json").write_text(json.dumps(res))
+  text = "\n".join(validation.validation_lines(None, "", str(tmp_path / "bp")))
+  assert (f"| ratio fused / serial (measured: median of paired rounds) | {0.018 / 0.026:.4g} | "
+          f"0.75 | {_pct(0.018 / 0.026, 0.75)} |") in text
+
+
+def _pct(p, m):
+  return f"{(p - m) / m * 100:+.1f}%"
+
+
+def test_validator_pipeline_missing_inputs(tmp_path):
+  write_pipe_bench(tmp_path / "old", with_schedules=False)
+  text = "\n".join(validation.validation_lines(None, "", str(tmp_path / "old")))
+  assert "could not compare" in text and "schedules.json does not exist" in text
+  write_pipe_bench(tmp_path / "nocal", with_cal=False)
+  text = "\n".join(validation.validation_lines(None, "", str(tmp_path / "nocal")))
+  assert "no calibration" in text and "nocal/calibration.json" in text
+  # An explicit calibration wins over the workdir's; one without the executor op says so.
+  text = "\n".join(validation.validation_lines(calibration.from_dict(CAL, "gen.json"), "",
+                                               str(tmp_path / "nocal")))
+  assert "lacks the measured op 'pipeline_executor'" in text
+
+
+def test_generation_bench_uses_its_own_calibration_by_default(tmp_path):
+  write_gen_bench(tmp_path / "gen")
+  (tmp_path / "gen" / "calibration.json").write_text(json.dumps(CAL))
+  text = "\n".join(validation.validation_lines(None, str(tmp_path / "gen"), ""))
+  assert "| ratio fused / baseline |" in text and "gen/calibration.json" in text
+
+
+def test_sim_validation_imports_no_jax():
+  code = ("import sys; import rlhfuse_jax.sim.validation, rlhfuse_jax.sim.lockstep; "
+          "print(any(m == 'jax' or m.startswith('jax.') for m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       check=True)
+  assert out.stdout.strip() == "False"

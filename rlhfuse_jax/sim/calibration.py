@@ -11,13 +11,22 @@ run measured an operation, its figure wins. A calibration file is JSON:
     "devices_share_compute": false,                     # optional (default false): true when
         # all devices are one shared processor (fake CPU devices): work on different
         # instances then runs one after the other, never at the same time
+    "parallel_tasks": 2,                                # optional (default 1), only with
+        # devices_share_compute: how many device tasks truly run at the same time on the
+        # shared processor (its cores). Used by the lockstep pipeline model (sim/lockstep.py);
+        # the generation simulator still runs shared work one piece at a time
     "ops": {                                            # every op optional
       "decode_step": {"occupied_slots": [1, 2, 4, 8],   # one decode step of one instance
                       "seconds": [0.010, 0.011, 0.012, 0.015],
                       "per_context_token_s": 0.0},      # optional extra s per KV token read
       "prefill":     {"tokens_per_s": 5000.0, "overhead_s": 0.0},
       "inference":   {"tokens_per_s": 8000.0, "overhead_s": 0.0},  # ref + reward + critic
-      "train_stage": {"actor_fwd_s": 0.02, "critic_fwd_s": 0.01, "bwd_over_fwd": 2.0},
+      "train_stage": {"actor_fwd_s": 0.02, "critic_fwd_s": 0.01, "bwd_over_fwd": 2.0,
+                      "actor_bwd_s": 0.05, "critic_bwd_s": 0.02,   # optional (see below)
+                      "actor_fwd_per_stage_s": [0.02, 0.02],       # optional, one per stage
+                      "actor_bwd_per_stage_s": [0.04, 0.06],
+                      "critic_fwd_per_stage_s": [0.01], "critic_bwd_per_stage_s": [0.02]},
+      "pipeline_executor": {"tick_overhead_s": 0.001, "step_overhead_s": 0.002},
       "migration":   {"bytes_per_s": 1e9, "latency_s": 0.0},       # KV rows between instances
       "weight_load": {"bytes_per_s": 1e9, "latency_s": 0.0}        # host -> device
     }
@@ -26,7 +35,20 @@ run measured an operation, its figure wins. A calibration file is JSON:
 decode_step is interpolated linearly in the occupied slots (clamped at the measured ends; the
 engine's compiled step has a fixed batch shape, so its time may not depend on occupancy at all,
 and the measured table says so). Rates: seconds = overhead_s + amount / rate.
-Unknown keys are rejected, so a typo never silently falls back to a formula.
+train_stage: one pipeline stage and one micro-batch. actor_fwd_s / critic_fwd_s are the forward
+(mean over stages where per-stage lists exist); actor_bwd_s / critic_bwd_s the measured backward
+(the pipeline executor's backward: forward recompute + vjp, and head + loss on the last stage);
+absent, a backward is bwd_over_fwd x forward. bwd_over_fwd (default 2.0) is also the single ratio
+the paper-scale cost model uses. *_per_stage_s lists (first stage first) hold the same figures
+per stage, which differ (embedding on the first, head and loss on the last); a consumer that
+needs a stage's time uses the list when present (its length must equal that model's stages) and
+the scalar otherwise.
+pipeline_executor: fixed costs of the lockstep executor (pipeline/executor.py) on the machine
+measured: tick_overhead_s per tick with every device idle (switch, two ppermutes, inbox filing;
+a tick with tasks lasts this plus its task time) and step_overhead_s per step outside the tick
+loop (parameter flattening, the final gradient psum, dispatch), default 0.
+Unknown keys are rejected, so a typo never silently falls back to a formula; files written
+before a key existed load unchanged (every new key is optional).
 """
 from __future__ import annotations
 
@@ -43,9 +65,12 @@ _RATE_OPS = {"prefill": ("tokens_per_s", "overhead_s"),
              "inference": ("tokens_per_s", "overhead_s"),
              "migration": ("bytes_per_s", "latency_s"),
              "weight_load": ("bytes_per_s", "latency_s")}
-_OPS = ("decode_step", "train_stage") + tuple(_RATE_OPS)
-_TOP = ("format", "device", "model_params", "instance_devices", "devices_share_compute", "ops",
-        "notes")
+_OPS = ("decode_step", "train_stage", "pipeline_executor") + tuple(_RATE_OPS)
+_TOP = ("format", "device", "model_params", "instance_devices", "devices_share_compute",
+        "parallel_tasks", "ops", "notes")
+_TRAIN_SCALARS = ("actor_fwd_s", "critic_fwd_s", "bwd_over_fwd", "actor_bwd_s", "critic_bwd_s")
+_TRAIN_LISTS = ("actor_fwd_per_stage_s", "actor_bwd_per_stage_s", "critic_fwd_per_stage_s",
+                "critic_bwd_per_stage_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +97,43 @@ class DecodeTable:
 
 @dataclasses.dataclass(frozen=True)
 class TrainStage:
+  """Per-stage, per-micro-batch training times (see the module docstring)."""
   actor_fwd_s: float
   critic_fwd_s: float
   bwd_over_fwd: float = 2.0
+  actor_bwd_s: Optional[float] = None
+  critic_bwd_s: Optional[float] = None
+  actor_fwd_per_stage_s: Optional[tuple[float, ...]] = None
+  actor_bwd_per_stage_s: Optional[tuple[float, ...]] = None
+  critic_fwd_per_stage_s: Optional[tuple[float, ...]] = None
+  critic_bwd_per_stage_s: Optional[tuple[float, ...]] = None
+
+  def stage_times(self, model: str, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+    """(forward [num_stages], backward [num_stages]) seconds of `model` ('actor' | 'critic')
+    split into `num_stages` stages: the per-stage lists where measured, else the scalars."""
+    if model not in ("actor", "critic"):
+      raise ValueError(f"model={model!r}; expected 'actor' or 'critic'")
+    fwd = getattr(self, f"{model}_fwd_s")
+    bwd = getattr(self, f"{model}_bwd_s")
+    bwd = self.bwd_over_fwd * fwd if bwd is None else bwd
+    out = []
+    for name, scalar in ((f"{model}_fwd_per_stage_s", fwd), (f"{model}_bwd_per_stage_s", bwd)):
+      per = getattr(self, name)
+      if per is None:
+        out.append(np.full((num_stages,), scalar))
+      elif len(per) != num_stages:
+        raise ValueError(f"calibration train_stage.{name} has {len(per)} stages; this pipeline "
+                         f"has {num_stages} {model} stages (measure it with the same split)")
+      else:
+        out.append(np.array(per, dtype=np.float64))
+    return out[0], out[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorCost:
+  """Fixed costs of the lockstep pipeline executor (seconds)."""
+  tick_overhead_s: float
+  step_overhead_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +144,10 @@ class Calibration:
   model_params: Optional[int] = None
   instance_devices: Optional[int] = None
   devices_share_compute: bool = False
+  parallel_tasks: Optional[int] = None  # None: 1 task at a time when devices_share_compute
   decode_step: Optional[DecodeTable] = None
   train_stage: Optional[TrainStage] = None
+  pipeline_executor: Optional[ExecutorCost] = None
   prefill: Optional[Rate] = None
   inference: Optional[Rate] = None
   migration: Optional[Rate] = None
@@ -95,6 +156,8 @@ class Calibration:
   def describe(self) -> dict:
     out = {"path": self.path, "device": self.device,
            "devices_share_compute": self.devices_share_compute}
+    if self.parallel_tasks is not None:
+      out["parallel_tasks"] = self.parallel_tasks
     for name in _OPS:
       v = getattr(self, name)
       if v is not None:
@@ -149,11 +212,22 @@ def from_dict(obj: dict, path: str = "<dict>") -> Calibration:
         w, "per_context_token_s", d.get("per_context_token_s", 0.0), allow_zero=True))
   if "train_stage" in ops:
     w = f"{path} ops.train_stage"
-    d = _keys(w, ops["train_stage"], ("actor_fwd_s", "critic_fwd_s", "bwd_over_fwd"),
+    d = _keys(w, ops["train_stage"], _TRAIN_SCALARS + _TRAIN_LISTS,
               ("actor_fwd_s", "critic_fwd_s"))
-    kw["train_stage"] = TrainStage(_pos(w, "actor_fwd_s", d["actor_fwd_s"]),
-                                   _pos(w, "critic_fwd_s", d["critic_fwd_s"]),
-                                   _pos(w, "bwd_over_fwd", d.get("bwd_over_fwd", 2.0)))
+    ts = {k: _pos(w, k, d[k]) for k in _TRAIN_SCALARS if k in d}
+    for k in _TRAIN_LISTS:
+      if k in d:
+        if not (isinstance(d[k], list) and d[k]):
+          raise _err(w, f"{k}={d[k]!r} must be a non-empty list (one entry per stage)")
+        ts[k] = tuple(_pos(w, f"{k}[]", x) for x in d[k])
+    kw["train_stage"] = TrainStage(**ts)
+  if "pipeline_executor" in ops:
+    w = f"{path} ops.pipeline_executor"
+    d = _keys(w, ops["pipeline_executor"], ("tick_overhead_s", "step_overhead_s"),
+              ("tick_overhead_s",))
+    kw["pipeline_executor"] = ExecutorCost(
+        _pos(w, "tick_overhead_s", d["tick_overhead_s"], allow_zero=True),
+        _pos(w, "step_overhead_s", d.get("step_overhead_s", 0.0), allow_zero=True))
   for name, (rate_key, over_key) in _RATE_OPS.items():
     if name in ops:
       w = f"{path} ops.{name}"
@@ -166,11 +240,40 @@ def from_dict(obj: dict, path: str = "<dict>") -> Calibration:
   mp = top.get("model_params")
   if mp is not None and not (isinstance(mp, int) and mp > 0):
     raise _err(path, f"model_params={mp!r} must be a positive int")
+  par = top.get("parallel_tasks")
+  if par is not None and not (isinstance(par, int) and not isinstance(par, bool) and par > 0):
+    raise _err(path, f"parallel_tasks={par!r} must be a positive int")
   idev = top.get("instance_devices")
   if idev is not None and not (isinstance(idev, int) and idev > 0):
     raise _err(path, f"instance_devices={idev!r} must be a positive int")
   return Calibration(device=str(top["device"]), path=path, model_params=mp,
-                     instance_devices=idev, devices_share_compute=share, **kw)
+                     instance_devices=idev, devices_share_compute=share,
+                     parallel_tasks=par, **kw)
+
+
+def to_dict(cal: Calibration) -> dict:
+  """The file form of a Calibration (from_dict(to_dict(c)) == c up to `path`)."""
+  top: dict[str, Any] = {"format": FORMAT, "device": cal.device,
+                         "devices_share_compute": cal.devices_share_compute}
+  for k in ("model_params", "instance_devices", "parallel_tasks"):
+    if getattr(cal, k) is not None:
+      top[k] = getattr(cal, k)
+  ops: dict[str, Any] = {}
+  if cal.decode_step is not None:
+    ops["decode_step"] = {"occupied_slots": list(cal.decode_step.occupied_slots),
+                          "seconds": list(cal.decode_step.seconds),
+                          "per_context_token_s": cal.decode_step.per_context_token_s}
+  for name in ("train_stage", "pipeline_executor"):
+    v = getattr(cal, name)
+    if v is not None:
+      ops[name] = {k: list(x) if isinstance(x, tuple) else x
+                   for k, x in dataclasses.asdict(v).items() if x is not None}
+  for name, (rate_key, over_key) in _RATE_OPS.items():
+    v = getattr(cal, name)
+    if v is not None:
+      ops[name] = {rate_key: v.per_s, over_key: v.overhead_s}
+  top["ops"] = ops
+  return top
 
 
 def load(path: str) -> Calibration:

@@ -5,9 +5,15 @@ Prediction side:
   predict_bench_generation(cal, spec): baseline and fused gen_plus_inf_s of a generation bench
       from a calibration file (decode_step, prefill, inference and migration must be measured:
       no datasheet figure describes a CPU), with `devices_share_compute` honoured.
-  predict_bench_pipeline(cal, problem, fused_order): serial (actor 1F1B then critic 1F1B) and
-      fused step times from measured stage times (calibration `train_stage`); on a shared
-      processor every task runs one after the other, so both predictions are the total work.
+  predict_bench_pipeline(cal, problem, fused_order, serial_order, data_replicas): serial
+      (actor 1F1B, barrier, critic 1F1B) and fused step times of the lockstep executor
+      (sim/lockstep.py: the orders' ticks, each as long as its tasks on the calibrated machine,
+      `parallel_tasks` cores when devices_share_compute, plus the measured tick overhead), and
+      the same on dedicated devices (a real mesh; a prediction with nothing to compare to).
+      Needs the calibration ops `train_stage` and `pipeline_executor`.
+
+Calibration: validation_lines uses the given calibration for every bench, or, when none is
+given, each bench's own `<workdir>/calibration.json` (both benches write one).
 
 Reading a bench's workdir: config.json and result.json are searched (recursively) for the keys
 below, first alias wins; a missing key is reported by name, never guessed.
@@ -18,8 +24,11 @@ below, first alias wins; a missing key is reported by name, never guessed.
       max_new_tokens, prompt_lens | prompt_lengths and response_lens | response_lengths
       (per sample, in result.json), the model shape (hidden_size, intermediate_size,
       num_layers, num_heads, num_kv_heads, vocab_size), measured baseline/fused gen_plus_inf_s.
-  pipeline: actor_pp, critic_pp, actor_microbatches, critic_microbatches, measured serial and
-      fused step seconds (serial_step_s | one_f_one_b_s | baseline_s, fused_step_s | fused_s).
+  pipeline: schedules.json (problem, data_replicas, the names of the serial and the fused
+      schedule, and each schedule's order and barrier flag, exactly as run) and, per schedule,
+      result.json's schedules.<name>.step_s (median wall seconds of one step); the measured
+      ratio is result.json's paired_ratio_fused_over_serial when present (rounds of one step
+      per schedule), else the ratio of the two medians.
 """
 from __future__ import annotations
 
@@ -31,9 +40,10 @@ from typing import Any, Optional
 import numpy as np
 
 from rlhfuse_jax.pipeline import schedules
-from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import PipelineProblem
+from rlhfuse_jax.sim import calibration as cal_lib
 from rlhfuse_jax.sim import generation_sim as gen_lib
+from rlhfuse_jax.sim import lockstep
 from rlhfuse_jax.sim.calibration import Calibration
 from rlhfuse_jax.sim.cost_model import CostModel
 from rlhfuse_jax.sim.hardware import get_hardware
@@ -85,24 +95,50 @@ def predict_bench_generation(cal: Calibration, spec: GenBenchSpec) -> dict:
   return out
 
 
-def predict_bench_pipeline(cal: Calibration, problem: PipelineProblem,
-                           fused_order: Optional[np.ndarray] = None) -> dict:
-  """Predicted serial and fused step times (s) from measured stage times."""
+def stage_times(cal: Calibration, problem: PipelineProblem) -> lockstep.StageTimes:
+  """Measured per-stage times of the problem's actor and critic split (calibration train_stage)."""
   if cal.train_stage is None:
     raise ValueError(f"calibration {cal.path or cal.device!r} lacks the measured op "
                      "'train_stage'")
-  ts = cal.train_stage
-  p = dataclasses.replace(problem, actor_fwd=ts.actor_fwd_s, critic_fwd=ts.critic_fwd_s,
-                          actor_bwd=ts.bwd_over_fwd * ts.actor_fwd_s,
-                          critic_bwd=ts.bwd_over_fwd * ts.critic_fwd_s)
-  if cal.devices_share_compute:
-    total = p.num_devices * p.work_per_device()
-    return {"serial_s": total, "fused_s": total, "ratio_fused_over_serial": 1.0,
-            "note": "shared processor: every schedule runs the same total work in series"}
-  serial = evaluate(p, schedules.serial_order(p), schedules.serial_release(p)).makespan
-  order = schedules.greedy_order(p) if fused_order is None else fused_order
-  fused = evaluate(p, order).makespan
-  return {"serial_s": serial, "fused_s": fused, "ratio_fused_over_serial": fused / serial}
+  af, ab = cal.train_stage.stage_times("actor", problem.actor_pp)
+  cf, cb = cal.train_stage.stage_times("critic", problem.critic_pp)
+  return lockstep.StageTimes(tuple(af), tuple(ab), tuple(cf), tuple(cb))
+
+
+def predict_schedule_s(cal: Calibration, problem: PipelineProblem, order: np.ndarray,
+                       barrier: bool = False, data_replicas: int = 1,
+                       dedicated: bool = False) -> dict:
+  """One executor step of `order` on the calibrated machine (sim/lockstep.py): its shared
+  processor (devices_share_compute, parallel_tasks cores) unless `dedicated`."""
+  if cal.pipeline_executor is None:
+    raise ValueError(f"calibration {cal.path or cal.device!r} lacks the measured op "
+                     "'pipeline_executor' (the executor's per-tick cost)")
+  shared = cal.devices_share_compute and not dedicated
+  ex = cal.pipeline_executor
+  return lockstep.step_seconds(problem, order, stage_times(cal, problem), barrier=barrier,
+                               tick_overhead_s=ex.tick_overhead_s,
+                               step_overhead_s=ex.step_overhead_s,
+                               parallel_tasks=(cal.parallel_tasks or 1) if shared else None,
+                               data_replicas=data_replicas)
+
+
+def predict_bench_pipeline(cal: Calibration, problem: PipelineProblem, fused_order: np.ndarray,
+                           serial_order: Optional[np.ndarray] = None,
+                           data_replicas: int = 1) -> dict:
+  """Predicted serial (actor 1F1B, barrier, critic 1F1B) and fused step times (s) of the
+  lockstep executor from measured stage and tick costs, on the calibrated machine and, under
+  'dedicated', on one device per stage (what a real mesh would run; no measurement there)."""
+  serial_order = schedules.serial_order(problem) if serial_order is None else serial_order
+  out = {}
+  for key, dedicated in (("shared", False), ("dedicated", True)):
+    s = predict_schedule_s(cal, problem, serial_order, True, data_replicas, dedicated)
+    f = predict_schedule_s(cal, problem, fused_order, False, data_replicas, dedicated)
+    out[key] = {"serial_s": s["step_s"], "fused_s": f["step_s"],
+                "ratio_fused_over_serial": f["step_s"] / s["step_s"],
+                "serial_ticks": s["ticks"], "fused_ticks": f["ticks"]}
+  out.update(out.pop("shared"))
+  out["parallel_tasks"] = (cal.parallel_tasks or 1) if cal.devices_share_compute else None
+  return out
 
 
 def _find(obj: Any, aliases: tuple) -> Any:
@@ -166,23 +202,89 @@ def gen_bench_from_workdir(workdir: str) -> tuple[GenBenchSpec, dict]:
   return spec, {"baseline": float(base), "fused": float(fused)}
 
 
-def pipeline_bench_from_workdir(workdir: str) -> tuple[PipelineProblem, dict]:
-  cfg, res = _read(workdir, "config.json"), _read(workdir, "result.json")
-  both = {"config": cfg, "result": res}
-  keys = {"actor_pp": ("actor_pp",), "critic_pp": ("critic_pp",),
-          "actor_microbatches": ("actor_microbatches", "Ma"),
-          "critic_microbatches": ("critic_microbatches", "Mc"),
-          "serial": ("serial_step_s", "one_f_one_b_s", "baseline_s"),
-          "fused": ("fused_step_s", "fused_s")}
-  got = {k: _find(both, a) for k, a in keys.items()}
-  missing = [f"{k} (one of {list(keys[k])})" for k, v in got.items() if v is None]
+@dataclasses.dataclass(frozen=True)
+class PipeBench:
+  """What a bench_pipeline workdir says it ran, and its measured step times."""
+  problem: PipelineProblem
+  data_replicas: int  # copies of the stage axis over the mesh's data axes
+  orders: dict        # schedule name -> (order int8 [N, T], barrier)
+  serial: str         # name of the serial 1F1B schedule
+  fused: str          # name of the schedule whose time is the bench's fused_step_s
+  measured: dict      # schedule name -> median step seconds
+  paired_ratio: Optional[float] = None  # median of per-round fused / serial, when recorded
+
+
+def pipeline_bench_from_workdir(workdir: str) -> PipeBench:
+  """Rebuilds the schedules a bench_pipeline run executed (schedules.json) and its times."""
+  res = _read(workdir, "result.json")
+  path = os.path.join(workdir, "schedules.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f"{path} does not exist: the bench did not record the schedule orders it ran (written "
+        "by experiments/bench_pipeline.py since the lockstep validation), so the predicted "
+        "ticks cannot be rebuilt; re-run the bench")
+  sch = _read(workdir, "schedules.json")
+  missing = [k for k in ("problem", "data_replicas", "serial", "fused", "schedules")
+             if k not in sch]
   if missing:
-    raise ValueError(f"{workdir}: cannot rebuild the pipeline bench; missing {missing}")
-  problem = PipelineProblem(actor_pp=int(got["actor_pp"]), critic_pp=int(got["critic_pp"]),
-                            actor_microbatches=int(got["actor_microbatches"]),
-                            critic_microbatches=int(got["critic_microbatches"]),
-                            actor_fwd=1.0, critic_fwd=1.0)
-  return problem, {"serial": float(got["serial"]), "fused": float(got["fused"])}
+    raise ValueError(f"{path}: missing keys {missing}")
+  problem = PipelineProblem(**sch["problem"])
+  orders = {name: (np.array(s["order"], np.int8), bool(s["barrier"]))
+            for name, s in sch["schedules"].items()}
+  measured = {name: _find(res.get("schedules", {}).get(name, {}), ("step_s",))
+              for name in orders}
+  gone = [n for n, v in measured.items() if v is None]
+  if gone or sch["serial"] not in orders or sch["fused"] not in orders:
+    raise ValueError(f"{workdir}: result.json lacks schedules.<name>.step_s for {gone}, or "
+                     f"schedules.json names serial={sch['serial']!r} / fused={sch['fused']!r} "
+                     f"outside its schedules {list(orders)}")
+  return PipeBench(problem=problem, data_replicas=int(sch["data_replicas"]), orders=orders,
+                   serial=sch["serial"], fused=sch["fused"],
+                   measured={n: float(v) for n, v in measured.items()},
+                   paired_ratio=res.get("paired_ratio_fused_over_serial"))
+
+
+def _pipeline_rows(cal: Calibration, bench: PipeBench) -> tuple[list, list[str]]:
+  """(rows (quantity, predicted, measured or None), notes) for one bench_pipeline workdir."""
+  p, r = bench.problem, bench.data_replicas
+  pred = predict_bench_pipeline(cal, p, bench.orders[bench.fused][0],
+                                bench.orders[bench.serial][0], r)
+  meas = bench.measured
+  rows = [(f"serial step s ({bench.serial}, {pred['serial_ticks']} ticks)", pred["serial_s"],
+           meas[bench.serial]),
+          (f"fused step s ({bench.fused}, {pred['fused_ticks']} ticks)", pred["fused_s"],
+           meas[bench.fused]),
+          ("ratio fused / serial" + (" (measured: median of paired rounds)"
+                                     if bench.paired_ratio is not None else ""),
+           pred["ratio_fused_over_serial"],
+           bench.paired_ratio if bench.paired_ratio is not None else
+           meas[bench.fused] / meas[bench.serial])]
+  for name, (order, barrier) in bench.orders.items():
+    if name not in (bench.serial, bench.fused):
+      got = predict_schedule_s(cal, p, order, barrier, r)
+      rows.append((f"{name} step s ({got['ticks']} ticks)", got["step_s"], meas[name]))
+  ded = pred["dedicated"]
+  rows.append(("ratio fused / serial on dedicated devices (prediction only, no measurement)",
+               ded["ratio_fused_over_serial"], None))
+  ts, ex = stage_times(cal, p), cal.pipeline_executor
+  ms = lambda xs: "/".join(f"{1e3 * x:.3g}" for x in xs)  # noqa: E731
+  where = (f"one shared processor running {pred['parallel_tasks']} tasks at a time"
+           if pred["parallel_tasks"] else "dedicated devices")
+  notes = [f"  Model (sim/lockstep.py): lockstep ticks of the orders the bench ran, each tick "
+           f"= max(longest task, sum of its tasks / C) + tick overhead on {where} "
+           f"({p.num_devices} stage devices x {r} data copies); measured inputs: tick overhead "
+           f"{1e3 * ex.tick_overhead_s:.3g} ms, step overhead {1e3 * ex.step_overhead_s:.3g} ms, "
+           f"per-stage ms actor F {ms(ts.actor_fwd)} B {ms(ts.actor_bwd)}, critic F "
+           f"{ms(ts.critic_fwd)} B {ms(ts.critic_bwd)}. Dedicated devices: serial "
+           f"{ded['serial_s']:.4g} s, fused {ded['fused_s']:.4g} s (same measured task and tick "
+           "costs, one device per stage)."]
+  return rows, notes
+
+
+def _default_calibration(workdir: str) -> Optional[Calibration]:
+  """A bench's own calibration.json (written by bench_generation and bench_pipeline)."""
+  path = os.path.join(workdir, "calibration.json")
+  return cal_lib.load(path) if os.path.exists(path) else None
 
 
 def _err_pct(pred: float, meas: float) -> str:
@@ -191,7 +293,10 @@ def _err_pct(pred: float, meas: float) -> str:
 
 def validation_lines(calibration: Optional[Calibration], gen_workdir: str,
                      pipe_workdir: str) -> list[str]:
-  """Markdown lines: predicted vs measured for each bench, or why there is nothing to compare."""
+  """Markdown lines: predicted vs measured for each bench, or why there is nothing to compare.
+
+  `calibration` None: each bench is predicted with its own `<workdir>/calibration.json` (the
+  costs measured on the machine and in the run it is compared with)."""
   lines = []
   for name, wd_path in (("bench_generation", gen_workdir), ("bench_pipeline", pipe_workdir)):
     if not wd_path:
@@ -201,31 +306,30 @@ def validation_lines(calibration: Optional[Calibration], gen_workdir: str,
     if not os.path.exists(os.path.join(wd_path, "result.json")):
       lines.append(f"- **{name}**: `{wd_path}/result.json` does not exist; nothing compared.")
       continue
-    if calibration is None:
-      lines.append(f"- **{name}**: result found but no calibration of the machine it ran on "
-                   "(`--config.validate.calibration`); nothing compared.")
-      continue
+    notes: list[str] = []
     try:
+      cal = calibration if calibration is not None else _default_calibration(wd_path)
+      if cal is None:
+        lines.append(f"- **{name}**: result found but no calibration of the machine it ran on "
+                     f"(`--config.validate.calibration`, or `{wd_path}/calibration.json`); "
+                     "nothing compared.")
+        continue
       if name == "bench_generation":
         spec, meas = gen_bench_from_workdir(wd_path)
-        pred = predict_bench_generation(calibration, spec)
+        pred = predict_bench_generation(cal, spec)
         rows = [("baseline gen_plus_inf_s", pred["baseline"]["gen_plus_inf_s"],
                  meas["baseline"]),
                 ("fused gen_plus_inf_s", pred["fused"]["gen_plus_inf_s"], meas["fused"]),
                 ("ratio fused / baseline", pred["ratio_fused_over_baseline"],
                  meas["fused"] / meas["baseline"])]
       else:
-        problem, meas = pipeline_bench_from_workdir(wd_path)
-        pred = predict_bench_pipeline(calibration, problem)
-        rows = [("serial step s", pred["serial_s"], meas["serial"]),
-                ("fused step s", pred["fused_s"], meas["fused"]),
-                ("ratio fused / serial", pred["ratio_fused_over_serial"],
-                 meas["fused"] / meas["serial"])]
+        rows, notes = _pipeline_rows(cal, pipeline_bench_from_workdir(wd_path))
     except (ValueError, FileNotFoundError, KeyError) as e:
       lines.append(f"- **{name}**: could not compare: {e}")
       continue
-    lines += [f"- **{name}** (`{wd_path}`, calibration `{calibration.path}`):", "",
+    lines += [f"- **{name}** (`{wd_path}`, calibration `{cal.path}`):", "",
               "| quantity | predicted | measured | error |", "|---|---|---|---|"]
-    lines += [f"| {q} | {p:.4g} | {m:.4g} | {_err_pct(p, m)} |" for q, p, m in rows]
-    lines.append("")
+    lines += [f"| {q} | {p:.4g} | {m:.4g} | {_err_pct(p, m)} |" if m is not None else
+              f"| {q} | {p:.4g} | - | - |" for q, p, m in rows]
+    lines += [""] + notes + ([""] if notes else [])
   return lines
