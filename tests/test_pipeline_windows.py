@@ -1,0 +1,76 @@
+"""Task windows (pipeline/windows.py): redundant constraints that must never cut a valid schedule."""
+import numpy as np
+import pytest
+
+from rlhfuse_jax.pipeline import bounds, schedules
+from rlhfuse_jax.pipeline.evaluate import evaluate
+from rlhfuse_jax.pipeline.graph import AB, AF, PipelineProblem
+from rlhfuse_jax.pipeline.windows import task_windows
+from tests.test_pipeline_search import SMALL, _random_valid_orders
+
+
+def _violations(p, order, win):
+  """Tasks of a valid order whose start lies outside [head, makespan - tail], and lag breaches."""
+  ev = evaluate(p, order)
+  assert ev.valid
+  bad = 0
+  for d in range(p.num_devices):
+    seen = [0] * 4
+    fwd_end = {}
+    for q, k in enumerate(order[d].tolist()):
+      j = seen[k]
+      seen[k] += 1
+      lo, hi = win.window(k, d, j, ev.makespan)
+      start = ev.starts[d, q]
+      bad += start < lo - 1e-9 or start > hi + 1e-9
+      if k % 2 == 0:
+        fwd_end[k, j] = start + p.duration(k)
+      else:
+        bad += start < fwd_end[k - 1, j] + win.lags[d, k // 2] - 1e-9
+  return bad
+
+
+@pytest.mark.parametrize("idx", range(len(SMALL)))
+def test_valid_schedules_lie_in_their_windows(idx):
+  p = SMALL[idx]
+  win = task_windows(p)
+  rng = np.random.default_rng(idx)
+  orders = _random_valid_orders(p, rng, 40) + [schedules.greedy_order(p),
+                                                schedules.serial_order(p)]
+  assert sum(_violations(p, o, win) for o in orders) == 0
+  # The head + tail bound is a bound: no valid schedule beats it.
+  assert win.bound() <= min(evaluate(p, o).makespan for o in orders) + 1e-9
+
+
+def test_hand_computed_windows_of_a_tight_pipeline():
+  # Actor 2 stages, 2 micro-batches, f=1, b=2: 1F1B takes (2+2-1)*3 = 9. The last stage's second
+  # backward cannot start before 5 (AF(1,0), AF(1,1) and AB(1,0) all precede it on device 1,
+  # released at 1, 2, 2: 2 + 1 + 2 = 5 by edge finding; the plain chain gives only 4), and must
+  # leave 2 + 2 (itself, then AB(0,1)), so at makespan 9 its window is exactly [5, 5].
+  p = PipelineProblem(2, 1, 2, 1, 1.0, 1.0)
+  win = task_windows(p)
+  assert win.heads[AF][1].tolist() == [1.0, 2.0]
+  assert win.heads[AB][1].tolist() == [2.0, 5.0]
+  assert win.window(AB, 1, 1, 9.0) == (5.0, 5.0)
+  assert win.lags[0, 0] == 3.0 and win.lags[1, 0] == 0.0
+  assert win.bound() == bounds.model_bounds(p)[0] == 9.0
+
+
+def test_latency_widens_lags_and_heads():
+  p0 = PipelineProblem(4, 2, 3, 3, 2.0, 1.0)
+  p1 = PipelineProblem(4, 2, 3, 3, 2.0, 1.0, transfer_latency=0.5)
+  w0, w1 = task_windows(p0), task_windows(p1)
+  # Actor stage 0: the round trip crosses 3 links up and 3 down.
+  assert w1.lags[0, 0] - w0.lags[0, 0] == pytest.approx(3.0)
+  assert w1.heads[AF][3, 0] - w0.heads[AF][3, 0] == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("p", SMALL + [PipelineProblem(8, 4, 8, 4, 5.0, 4.0)])
+def test_searched_schedules_lie_in_their_windows(p):
+  # Searched schedules are tight (the best ones reach the bound), so a window even a quarter of
+  # a unit too narrow is caught here where random schedules have slack.
+  from rlhfuse_jax.pipeline import search
+  res = search.search(p, search.SearchConfig(max_evaluations=5000, seed=0, list_variants=30))
+  win = task_windows(p)
+  assert _violations(p, res.best, win) == 0
+  assert _violations(p, res.best_unconstrained, win) == 0
