@@ -5,7 +5,9 @@ r"""Paper-scale ablations from the simulator: actor/critic pairs x max generatio
 Writes result.json (rows: setting, system, iteration_s, gen_s, inf_s, gen_plus_inf_s, train_s,
 samples_per_s), ablations.md (tables, speedups, every input, validation), PNGs and config.json.
 Variants: `--config=configs/ablations.py:quick` (one setting, short searches, for smoke tests).
-Validation: `--config.validate.calibration=CAL.json --config.validate.bench_generation_workdir=D`.
+Validation (predicted vs measured, sim/validation.py): `--config.validate.bench_generation_workdir=D1
+--config.validate.bench_pipeline_workdir=D2`; each bench is predicted from its own
+D/calibration.json unless `--config.validate.calibration=CAL.json` names one for both.
 """
 import ml_collections
 
@@ -70,7 +72,7 @@ def get_config(arg: str = "paper"):
   c.figure_setting = -1  # setting drawn in the timeline and Gantt figures (-1: the last)
 
   c.validate = ml_collections.ConfigDict()  # predicted vs measured (sim/validation.py)
-  c.validate.calibration = ""  # calibration of the machine the benches ran on
+  c.validate.calibration = ""  # calibration for both benches ("": each workdir's calibration.json)
   c.validate.bench_generation_workdir = ""  # workdir of experiments/bench_generation.py
   c.validate.bench_pipeline_workdir = ""  # workdir of experiments/bench_pipeline.py
 

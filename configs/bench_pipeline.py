@@ -6,7 +6,9 @@ An 8-stage actor with a 4-stage critic (two replicas) on the same 8 devices, no 
   python -m experiments.bench_pipeline --config=configs/bench_pipeline.py:pp8 --workdir=/tmp/bench_pp8
 
 Writes result.json (ticks, lockstep time, wall time, compile time, stash sizes, gradient errors
-of both models against jax.grad of the unpipelined losses, per schedule) and config.json.
+of both models against jax.grad of the unpipelined losses, per schedule), config.json,
+schedules.json (the orders run) and calibration.json (this machine's measured stage and
+executor costs, for the simulator's validation in experiments/reproduce_ablations.py).
 """
 import ml_collections
 
@@ -44,6 +46,7 @@ def get_config(arg: str = "default"):
   c.search_time_s = 5.0  # budget of each of the two schedule searches (seconds)
   c.warmup = 2  # untimed runs after compilation
   c.repeats = 7  # timed runs (median reported)
+  c.calib_ticks = 64  # ticks of the calibration tables (calibration.json: task and tick costs)
   c.clip_eps = 0.2  # PPO ratio clip
   c.value_clip_eps = 0.2  # value clip
   c.vf_coef = 0.5  # critic loss weight

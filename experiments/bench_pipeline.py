@@ -16,6 +16,13 @@ On a CPU the binary gives the host platform 8 fake devices (XLA_FLAGS, set befor
 imported, unless already set). They share the host's cores, so a step's wall time there is the
 total work plus per-tick overhead, not the pipeline's parallel time: the ticks and the lockstep
 time are the figures that carry over to real accelerators.
+
+It also measures, with the same executor, the costs the simulator needs to predict these step
+times (sim/lockstep.py, checked by experiments/reproduce_ablations.py's validation) and writes
+them to `calibration.json` (sim/calibration.py format): per stage and micro-batch, the forward
+and backward of the actor and of the critic, and the executor's fixed cost per tick and per
+step (see measure_calibration). `schedules.json` records the orders that ran, so the validation
+rebuilds exactly those ticks.
 """
 from __future__ import annotations
 
@@ -45,7 +52,8 @@ from rlhfuse_jax.pipeline import program as prog  # noqa: E402
 from rlhfuse_jax.pipeline import bounds, schedules, search, stages  # noqa: E402
 from rlhfuse_jax.pipeline.evaluate import evaluate  # noqa: E402
 from rlhfuse_jax.pipeline.executor import PipelineExecutor  # noqa: E402
-from rlhfuse_jax.pipeline.graph import PipelineProblem  # noqa: E402
+from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, KIND_NAMES, PipelineProblem  # noqa: E402
+from rlhfuse_jax.sim import calibration as cal_lib  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
@@ -75,11 +83,12 @@ class BenchPipelineConfig:
   search_time_s: float
   warmup: int
   repeats: int
+  calib_ticks: int
   loss: stages.LossConfig
 
   def __post_init__(self):
     for name in ("actor_pp", "critic_pp", "data", "actor_microbatches", "critic_microbatches",
-                 "minibatch_size", "prompt_len", "response_len", "repeats"):
+                 "minibatch_size", "prompt_len", "response_len", "repeats", "calib_ticks"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
     if self.warmup < 0:
@@ -101,7 +110,7 @@ class BenchPipelineConfig:
                critic=model(c.critic, "scalar"), actor_fwd=float(c.actor_fwd),
                critic_fwd=float(c.critic_fwd), bwd_ratio=float(c.bwd_ratio),
                search_time_s=float(c.search_time_s), warmup=int(c.warmup),
-               repeats=int(c.repeats),
+               repeats=int(c.repeats), calib_ticks=int(c.calib_ticks),
                loss=stages.LossConfig(clip_eps=float(c.clip_eps),
                                       value_clip_eps=float(c.value_clip_eps),
                                       vf_coef=float(c.vf_coef),
@@ -176,14 +185,16 @@ def timed(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
 
 
 def run_schedule(name: str, cfg: BenchPipelineConfig, problem: PipelineProblem,
-                 order: np.ndarray, barrier: bool, mesh, params, batch, reference) -> dict:
+                 order: np.ndarray, barrier: bool, mesh, params, batch,
+                 reference) -> tuple[dict, Callable[[], Any]]:
+  """(result without timings, the compiled and warmed step): timed by run() in rotation."""
   program = prog.build_program(problem, order, barrier=barrier)
   ex = PipelineExecutor(cfg.actor, cfg.critic, cfg.loss, program, mesh)
   t0 = time.perf_counter()
   step = ex.compile(params[0], params[1], batch)
   compile_s = time.perf_counter() - t0
   ga, gc, metrics = jax.block_until_ready(step(params[0], params[1], batch))
-  runs = timed(lambda: step(params[0], params[1], batch), cfg.warmup, cfg.repeats)
+  timed(lambda: step(params[0], params[1], batch), cfg.warmup, 0)
   release = schedules.serial_release(problem) if barrier else (0.0, 0.0)
   ev = evaluate(problem, order, release)
   out = {
@@ -193,19 +204,186 @@ def run_schedule(name: str, cfg: BenchPipelineConfig, problem: PipelineProblem,
       "peak_memory": ev.peaks.tolist(),
       "memory_budget": ev.budget.tolist(),
       "compile_s": compile_s,
-      "step_s": float(np.median(runs)),
-      "step_s_runs": runs,
       "grad_error": {"actor": grad_error(ga, reference[0]),
                      "critic": grad_error(gc, reference[1])},
       "metrics": {k: float(v) for k, v in metrics.items()},
       "metrics_reference": {k: float(reference[2][k]) for k in metrics},
   }
-  logging.info("%s: %d ticks (lockstep time %g), compile %.1fs, step %.4fs; grad error actor "
-               "%.2e critic %.2e", name, program.ticks, out["lockstep_time"], compile_s,
-               out["step_s"], out["grad_error"]["actor"]["max_leaf_rel"],
+  logging.info("%s: %d ticks (lockstep time %g), compile %.1fs; grad error actor %.2e critic "
+               "%.2e", name, program.ticks, out["lockstep_time"], compile_s,
+               out["grad_error"]["actor"]["max_leaf_rel"],
                out["grad_error"]["critic"]["max_leaf_rel"])
-  return out
+  return out, lambda: step(params[0], params[1], batch)
 
+
+def time_in_rotation(steps: dict, repeats: int) -> dict:
+  """name -> wall seconds of `repeats` steps, taken in rounds of one step per schedule: on a
+  host shared with other work, load that drifts over the run then weighs on every schedule
+  alike instead of on whichever ran during it."""
+  runs = {name: [] for name in steps}
+  for _ in range(repeats):
+    for name, fn in steps.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      runs[name].append(time.perf_counter() - t0)
+  return runs
+
+
+def _task_table(problem: PipelineProblem, ticks: int, device: int, kind: int,
+                shape: prog.ProgramShape) -> np.ndarray:
+  """int32 [N, ticks, FIELDS]: `device` runs a task of `kind` at every tick, the others idle
+  (kind None: all idle). No message is filed (arrival codes stay RECV_NONE): the two ppermutes
+  and the filing run every tick whatever the table says, so only the task's own work differs
+  from an idle tick. Stage inputs and messages are whatever the rings hold; the work does not
+  depend on their values."""
+  table = np.zeros((problem.num_devices, ticks, prog.FIELDS), np.int32)
+  if kind is None:
+    return table
+  actor = kind in (AF, AB)
+  stage = device if actor else problem.critic_stage(device)
+  pp = problem.actor_pp if actor else problem.critic_pp
+  m = problem.actor_microbatches if actor else problem.critic_microbatches
+  base = 0 if actor else problem.critic_replica(device) * m
+  stash = shape.stash_sizes[0 if actor else 1]
+  for t in range(ticks):
+    row = table[device, t]
+    row[prog.MODEL] = prog.ACTOR if actor else prog.CRITIC
+    row[prog.BACKWARD] = kind in (AB, CB)
+    row[prog.FIRST], row[prog.LAST] = stage == 0, stage == pp - 1
+    row[prog.MICRO] = base + t % m
+    row[prog.STASH_SLOT] = t % stash
+    row[prog.INBOX_SLOT] = t % shape.inbox_sizes[kind]
+  return table
+
+
+def _stepper(cfg: BenchPipelineConfig, template: prog.Program, table: np.ndarray,
+             shape: prog.ProgramShape, mesh, params, batch) -> Callable[[], float]:
+  """A compiled, warmed executor step running `table`; calling it times one step (seconds)."""
+  program = dataclasses.replace(template, table=table, stash_sizes=shape.stash_sizes,
+                                inbox_sizes=shape.inbox_sizes)
+  ex = PipelineExecutor(cfg.actor, cfg.critic, cfg.loss, program, mesh)
+  # Tables of one shape on one mesh share a compilation (the table is an argument).
+  timed(lambda: ex(params[0], params[1], batch), cfg.warmup + 1, 0)
+
+  def one() -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(ex(params[0], params[1], batch))
+    return time.perf_counter() - t0
+  return one
+
+
+def _paired(a: Callable[[], float], b: Callable[[], float], repeats: int) -> tuple:
+  """(median of b - a over interleaved pairs, median of a): pairs taken back to back cancel the
+  slow drift of a host shared with other work, which medians of separate batches do not."""
+  runs = [(a(), b()) for _ in range(repeats)]
+  return (float(np.median([y - x for x, y in runs])), float(np.median([x for x, _ in runs])))
+
+
+def measure_calibration(cfg: BenchPipelineConfig, problem: PipelineProblem,
+                        programs: list, mesh, params, batch) -> tuple[dict, dict]:
+  """This machine's executor costs in the simulator's calibration format (sim/calibration.py),
+  and a check of the lockstep model on a table where every device works at every tick.
+
+  Everything runs through PipelineExecutor with hand-made tables of the ring sizes of the
+  programs the bench ran (`programs`), so the stage code, the switch and the ppermutes are the
+  ones timed in the bench:
+  - tick and step overhead: all-idle tables of K and 3K ticks on the bench's mesh. A step is
+    step_overhead + ticks x tick_overhead; two lengths separate the two (slope and intercept),
+    and the mesh is the bench's, since the exchange costs depend on how many devices take part.
+  - a task: a table where one device runs that task (one model, one stage, forward or
+    backward) at every one of K ticks and every other device idles, minus the all-idle table of
+    the same shape, over K. The difference is what the task adds to a tick. It is taken on a
+    mesh of the stage axis alone (no data copies) with the mini-batch shard one data copy sees
+    (same micro-batch rows), so exactly one device computes while the others wait at the
+    ppermute: the task's time on one core, without competition for the shared cores, which is
+    the quantity the lockstep model (sim/lockstep.py) composes per tick.
+  - the check (not used by the model): on the bench's mesh every device runs its actor
+    backward at every tick; the lockstep model predicts what that adds per tick from the
+    measured task times and the host's cores, the measurement says how many tasks effectively
+    ran at once.
+  """
+  shape = prog.common_shape(*programs)
+  k, reps = cfg.calib_ticks, cfg.repeats
+  template = programs[0]
+  idle = _stepper(cfg, template, _task_table(problem, k, 0, None, shape), shape, mesh, params,
+                  batch)
+  idle_long = _stepper(cfg, template, _task_table(problem, 3 * k, 0, None, shape), shape, mesh,
+                       params, batch)
+  diff, t_short = _paired(idle, idle_long, reps)
+  tick_s = max(diff / (2 * k), 0.0)
+  step_over_s = max(t_short - k * tick_s, 0.0)
+  logging.info("executor overhead on the %s mesh: %.3f ms per tick, %.3f ms per step",
+               dict(mesh.shape), 1e3 * tick_s, 1e3 * step_over_s)
+
+  one = make_mesh(MeshConfig(data=1, stage=cfg.actor_pp), jax.devices()[:cfg.actor_pp])
+  shard = cfg.minibatch_size // cfg.data
+  local = {key: x[:shard] for key, x in batch.items()}  # one data copy's rows
+  idle_one = _stepper(cfg, template, _task_table(problem, k, 0, None, shape), shape, one, params,
+                      local)
+  per_stage = {}
+  for kind in (AF, AB, CF, CB):
+    actor = kind in (AF, AB)
+    pp = problem.actor_pp if actor else problem.critic_pp
+    secs = []
+    for stage in range(pp):
+      device = stage if actor else problem.critic_device(0, stage)
+      busy = _stepper(cfg, template, _task_table(problem, k, device, kind, shape), shape, one,
+                      params, local)
+      # Below the clock's noise a task still costs something; 1 us keeps the file valid.
+      secs.append(max(_paired(idle_one, busy, reps)[0] / k, 1e-6))
+    per_stage[kind] = secs
+    logging.info("%s per stage (ms): %s", KIND_NAMES[kind],
+                 " ".join(f"{1e3 * x:.3f}" for x in secs))
+
+  all_busy = np.zeros((problem.num_devices, k, prog.FIELDS), np.int32)
+  for d in range(problem.num_devices):
+    all_busy[d] = _task_table(problem, k, d, AB, shape)[d]
+  busy = _stepper(cfg, template, all_busy, shape, mesh, params, batch)
+  added = _paired(idle, busy, reps)[0] / k
+  mach = machine()
+  shared = mach["platform"] == "cpu"
+  cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+           else os.cpu_count()) if shared else None
+  work = cfg.data * float(np.sum(per_stage[AB]))  # one actor backward per device, all copies
+  predicted = max(max(per_stage[AB]), work / cores) if shared else max(per_stage[AB])
+  check = {"what": "every device runs its actor backward at every tick, on the bench mesh",
+           "added_per_tick_s": added, "predicted_added_per_tick_s": predicted,
+           "task_work_per_tick_s": work,
+           "effective_parallel_tasks": work / added if added > 0 else None,
+           "host_cores": cores}
+  logging.info("all devices busy: %.3f ms added per tick, lockstep model %.3f ms; %.2f tasks "
+               "ran at once (host cores: %s)", 1e3 * added, 1e3 * predicted,
+               work / added if added > 0 else float("nan"), cores)
+
+  mean = {kind: float(np.mean(v)) for kind, v in per_stage.items()}
+  out = {
+      "format": cal_lib.FORMAT,
+      "device": f"{mach['description']}; measured by experiments/bench_pipeline.py",
+      "devices_share_compute": shared,
+      "ops": {
+          "train_stage": {
+              "actor_fwd_s": mean[AF], "critic_fwd_s": mean[CF],
+              "actor_bwd_s": mean[AB], "critic_bwd_s": mean[CB],
+              "bwd_over_fwd": (mean[AB] + mean[CB]) / (mean[AF] + mean[CF]),
+              "actor_fwd_per_stage_s": per_stage[AF], "actor_bwd_per_stage_s": per_stage[AB],
+              "critic_fwd_per_stage_s": per_stage[CF], "critic_bwd_per_stage_s": per_stage[CB]},
+          "pipeline_executor": {"tick_overhead_s": tick_s, "step_overhead_s": step_over_s},
+      },
+      "notes": (f"one micro-batch of {shard // cfg.actor_microbatches} (actor) / "
+                f"{shard // (problem.critic_replicas * cfg.critic_microbatches)} (critic) rows "
+                f"x {cfg.prompt_len + cfg.response_len} tokens per stage; actor "
+                f"{cfg.actor.num_layers // cfg.actor_pp} layers/stage, critic "
+                f"{cfg.critic.num_layers // cfg.critic_pp}; tasks timed over {k} ticks on a "
+                f"{cfg.actor_pp}-device stage mesh, overheads from {k} and {3 * k} idle ticks on "
+                f"the bench mesh {dict(mesh.shape)}; medians of {reps} back-to-back pairs "
+                f"(task table, idle table) after {cfg.warmup} warm-up runs"),
+  }
+  if shared:
+    # Fake devices are threads of one process: at most as many run at once as the cores this
+    # process may use.
+    out["parallel_tasks"] = cores
+  cal_lib.from_dict(out, "measured")  # what is written must load
+  return out, check
 
 def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
   problem = cfg.problem()
@@ -231,8 +409,26 @@ def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
             "greedy": (schedules.greedy_order(problem), False),
             "searched": (found["ticks"].best, False),
             "searched_time": (found["time"].best, False)}
-  results = {name: run_schedule(name, cfg, problem, order, barrier, mesh, params, batch, reference)
-             for name, (order, barrier) in orders.items()}
+  results, steps = {}, {}
+  for name, (order, barrier) in orders.items():
+    results[name], steps[name] = run_schedule(name, cfg, problem, order, barrier, mesh, params,
+                                              batch, reference)
+  for name, runs in time_in_rotation(steps, cfg.repeats).items():
+    results[name].update(step_s=float(np.median(runs)), step_s_runs=runs)
+    logging.info("%s: step %.4fs (median of %d)", name, results[name]["step_s"], cfg.repeats)
+  paired = [f / s for f, s in zip(results["searched"]["step_s_runs"],
+                                  results["serial_1f1b"]["step_s_runs"])]
+  # The orders exactly as run: the simulator's validation rebuilds their ticks from these.
+  wd.write_json(os.path.join(workdir, "schedules.json"), {
+      "problem": problem.to_dict(), "data_replicas": cfg.data, "serial": "serial_1f1b",
+      "fused": "searched",
+      "schedules": {name: {"order": order.tolist(), "barrier": barrier,
+                           "ticks": results[name]["ticks"]}
+                    for name, (order, barrier) in orders.items()}})
+  cal, tick_check = measure_calibration(
+      cfg, problem, [prog.build_program(problem, o, barrier=b) for o, b in orders.values()],
+      mesh, params, batch)
+  wd.write_json(os.path.join(workdir, "calibration.json"), cal)
   tol = 1e-5
   errors = [r["grad_error"][m]["max_leaf_rel"] for r in results.values()
             for m in ("actor", "critic")]
@@ -248,12 +444,18 @@ def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
       # The step times the simulator's validation compares its prediction with.
       "serial_step_s": results["serial_1f1b"]["step_s"],
       "fused_step_s": results["searched"]["step_s"],
+      # Median over rounds of fused / serial of the same round (time_in_rotation).
+      "paired_ratio_fused_over_serial": float(np.median(paired)),
       "unpipelined_step_s": float(np.median(ref_runs)),
       "search_s": {k: f.search_s for k, f in found.items()},
       # No lockstep execution of this problem has fewer ticks (DESIGN §3's tight bound in ticks).
       "ticks_lower_bound": bounds.tight_lower_bound(unit),
       "fused_ticks_lt_serial_ticks": bool(results["searched"]["ticks"] <
                                           results["serial_1f1b"]["ticks"]),
+      # Measured costs for the simulator (also in calibration.json) and the lockstep model's
+      # check on an all-busy table (measure_calibration).
+      "calibration": cal["ops"],
+      "tick_model_check": tick_check,
       "grad_error_tolerance": tol,
       "grad_errors_within_tolerance": bool(max(errors) <= tol),
   }

@@ -213,10 +213,13 @@ def test_validator_reads_pipeline_workdir_with_its_own_calibration(tmp_path):
   # A bench that timed the schedules in rounds reports the median paired ratio: that is measured.
   res = json.loads((tmp_path / "bp" / "result.json").read_text())
   res["paired_ratio_fused_over_serial"] = 0.75
+  res["tick_model_check"] = {"added_per_tick_s": 0.004, "predicted_added_per_tick_s": 0.002,
+                             "effective_parallel_tasks": 1.0, "host_cores": 2}
   (tmp_path / "bp" / "result.json").write_text(json.dumps(res))
   text = "\n".join(validation.validation_lines(None, "", str(tmp_path / "bp")))
   assert (f"| ratio fused / serial (measured: median of paired rounds) | {0.018 / 0.026:.4g} | "
           f"0.75 | {_pct(0.018 / 0.026, 0.75)} |") in text
+  assert "1.00 tasks effectively ran at once where the model assumes 2" in text
 
 
 def _pct(p, m):

@@ -212,6 +212,7 @@ class PipeBench:
   fused: str          # name of the schedule whose time is the bench's fused_step_s
   measured: dict      # schedule name -> median step seconds
   paired_ratio: Optional[float] = None  # median of per-round fused / serial, when recorded
+  tick_check: Optional[dict] = None  # result.json's tick_model_check (all-busy table), if any
 
 
 def pipeline_bench_from_workdir(workdir: str) -> PipeBench:
@@ -241,7 +242,8 @@ def pipeline_bench_from_workdir(workdir: str) -> PipeBench:
   return PipeBench(problem=problem, data_replicas=int(sch["data_replicas"]), orders=orders,
                    serial=sch["serial"], fused=sch["fused"],
                    measured={n: float(v) for n, v in measured.items()},
-                   paired_ratio=res.get("paired_ratio_fused_over_serial"))
+                   paired_ratio=res.get("paired_ratio_fused_over_serial"),
+                   tick_check=res.get("tick_model_check"))
 
 
 def _pipeline_rows(cal: Calibration, bench: PipeBench) -> tuple[list, list[str]]:
@@ -270,7 +272,7 @@ def _pipeline_rows(cal: Calibration, bench: PipeBench) -> tuple[list, list[str]]
   ms = lambda xs: "/".join(f"{1e3 * x:.3g}" for x in xs)  # noqa: E731
   where = (f"one shared processor running {pred['parallel_tasks']} tasks at a time"
            if pred["parallel_tasks"] else "dedicated devices")
-  notes = [f"  Model (sim/lockstep.py): lockstep ticks of the orders the bench ran, each tick "
+  notes = [f"Model (sim/lockstep.py): lockstep ticks of the orders the bench ran, each tick "
            f"= max(longest task, sum of its tasks / C) + tick overhead on {where} "
            f"({p.num_devices} stage devices x {r} data copies); measured inputs: tick overhead "
            f"{1e3 * ex.tick_overhead_s:.3g} ms, step overhead {1e3 * ex.step_overhead_s:.3g} ms, "
@@ -278,6 +280,14 @@ def _pipeline_rows(cal: Calibration, bench: PipeBench) -> tuple[list, list[str]]
            f"{ms(ts.critic_fwd)} B {ms(ts.critic_bwd)}. Dedicated devices: serial "
            f"{ded['serial_s']:.4g} s, fused {ded['fused_s']:.4g} s (same measured task and tick "
            "costs, one device per stage)."]
+  chk = bench.tick_check
+  if chk and chk.get("effective_parallel_tasks"):
+    notes += [
+        "", f"Check of the tick model in the bench (every device runs its actor backward at every "
+        f"tick): {1e3 * chk['added_per_tick_s']:.3g} ms added per tick, the model predicts "
+        f"{1e3 * chk['predicted_added_per_tick_s']:.3g} ms; "
+        f"{chk['effective_parallel_tasks']:.2f} tasks effectively ran at once where the model "
+        f"assumes {chk['host_cores']} (the host's cores)."]
   return rows, notes
 
 
