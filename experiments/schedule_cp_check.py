@@ -11,6 +11,12 @@ backward's end, level within [0, budget]) or, equivalently, a cumulative of one 
 micro-batch (--memory). INFEASIBLE is a proof (for that canonical order); OPTIMAL/FEASIBLE
 comes with a schedule that evaluate.py re-checks. Integer durations and memory only.
 
+Every start is confined to its window of pipeline/windows.py (edge-finding heads and tails,
+round-trip lags): redundant constraints that let CP-SAT prove infeasibility in minutes
+(--nowindows drops them). --devices=a,b,..: the same model on a subset of the devices, the rest
+summarised by those windows: a relaxation, so INFEASIBLE there is a proof for the instance, and
+far smaller on 16-device instances.
+
 Minimise mode (--minimize): minimises the makespan, hinted with (and bounded above by) the best
 schedule the heuristic search finds in --hint_search_s seconds, bounded below by the tight bound;
 reports the best makespan found and CP-SAT's proven lower bound (equal: a proven optimum).
@@ -29,7 +35,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -51,11 +57,14 @@ _MEMORY = flags.DEFINE_enum("memory", "reservoir", ["reservoir", "cumulative", "
 _HINT_S = flags.DEFINE_float("hint_search_s", 20.0, "heuristic search seconds for the hint")
 _WINDOWS = flags.DEFINE_bool("windows", True, "add the task windows and lags of "
                              "pipeline/windows.py (redundant constraints that speed up proofs)")
+_DEVICES = flags.DEFINE_list("devices", [], "relaxation on these devices only (e.g. 8,9,10): "
+                             "INFEASIBLE proves the whole instance infeasible; empty: all")
 
 
 def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: int,
           minimize: bool = False, hint: Optional[np.ndarray] = None,
-          memory: str = "reservoir", use_windows: bool = True):
+          memory: str = "reservoir", use_windows: bool = True,
+          devices: Optional[Sequence[int]] = None):
   """Returns (status name, order int8 [N, T] or None, seconds, proven lower bound).
 
   target: the makespan to reach (check) or the horizon (minimize). hint: an order [N, T] whose
@@ -64,6 +73,10 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
   use_windows: confine every start to [head, target - tail] and add the round-trip lags of
   pipeline/windows.py (redundant constraints: they cut no valid schedule, and let CP-SAT prove
   infeasibility sooner; e8 at its bound is proved unreachable in about a minute with them).
+  devices: a relaxation on these devices only: their tasks, the dependencies among them, and the
+  windows and lags standing in for everything else. INFEASIBLE on a subset proves the whole
+  problem infeasible (every constraint kept is implied by the full model); a schedule of the
+  subset proves nothing, so no order is returned.
   """
   if memory not in ("reservoir", "cumulative", "both"):
     raise ValueError(f"memory={memory!r}; expected 'reservoir', 'cumulative' or 'both'")
@@ -80,10 +93,14 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
   budget = [int(round(b)) for b in p.budget()]
   counts = p.kind_counts()
   n, pc = p.num_devices, p.critic_pp
+  devs = sorted(set(range(n) if devices is None else devices))
+  if not devs or devs[0] < 0 or devs[-1] >= n:
+    raise ValueError(f"devices={devices} must be a non-empty subset of 0..{n - 1}")
+  full = len(devs) == n
   m = cp_model.CpModel()
   if use_windows:
     win = windows.task_windows(p)
-    lo = {(k, d, j): int(math.ceil(win.heads[k][d, j] - 1e-9)) for d in range(n)
+    lo = {(k, d, j): int(math.ceil(win.heads[k][d, j] - 1e-9)) for d in devs
           for k in range(4) for j in range(counts[k])}
     hi = {key: int(math.floor(target - win.tails[key[0]][key[1], key[2]] + 1e-9))
           for key in lo}
@@ -92,10 +109,14 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
       return "INFEASIBLE", None, 0.0, float("nan")
     lag = [[int(math.ceil(x - 1e-9)) for x in row] for row in win.lags]
   else:
-    lo = {(k, d, j): 0 for d in range(n) for k in range(4) for j in range(counts[k])}
+    lo = {(k, d, j): 0 for d in devs for k in range(4) for j in range(counts[k])}
     hi = {key: target - dur[key[0]] for key in lo}
   s = {key: m.NewIntVar(lo[key], hi[key], "s{}_{}_{}".format(*key)) for key in lo}
-  for d in range(n):
+  def dep(kind, dev, j, extra):  # a dependency on a task that may lie outside the subset
+    if (kind, dev, j) in s:
+      m.Add(x >= s[kind, dev, j] + extra)
+
+  for d in devs:
     c = p.critic_stage(d)
     for k in range(4):
       for j in range(counts[k]):
@@ -103,13 +124,13 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
         if j > 0:
           m.Add(x >= s[k, d, j - 1] + dur[k])
         if k == 0 and d > 0:
-          m.Add(x >= s[0, d - 1, j] + dur[0])
+          dep(0, d - 1, j, dur[0])
         if k == 1:
-          m.Add(x >= (s[1, d + 1, j] + dur[1] if d < n - 1 else s[0, d, j] + dur[0]))
+          dep(*((1, d + 1, j, dur[1]) if d < n - 1 else (0, d, j, dur[0])))
         if k == 2 and c > 0:
-          m.Add(x >= s[2, d + 1, j] + dur[2])
+          dep(2, d + 1, j, dur[2])
         if k == 3:
-          m.Add(x >= (s[3, d - 1, j] + dur[3] if c < pc - 1 else s[2, d, j] + dur[2]))
+          dep(*((3, d - 1, j, dur[3]) if c < pc - 1 else (2, d, j, dur[2])))
         if use_windows and k % 2:  # round trip through the other devices
           m.Add(x >= s[k - 1, d, j] + dur[k - 1] + lag[d][k // 2])
     keys = [(k, j) for k in range(4) for j in range(counts[k])]
@@ -130,8 +151,9 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
           demands.append(dmem[fk])
       m.AddCumulative(holds, demands, budget[d])
   if minimize:
-    mk = m.NewIntVar(int(math.ceil(bounds.tight_lower_bound(p) - 1e-9)), target, "makespan")
-    for d in range(n):
+    mk = m.NewIntVar(int(math.ceil(bounds.tight_lower_bound(p) - 1e-9)) if full else 0, target,
+                     "makespan")
+    for d in devs:
       for k in range(4):
         m.Add(mk >= s[k, d, counts[k] - 1] + dur[k])
         if use_windows:
@@ -140,7 +162,7 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
     m.Minimize(mk)
   if hint is not None:
     ev = evaluate(p, hint)
-    for d in range(n):
+    for d in devs:
       seen = [0] * 4
       for q, k in enumerate(hint[d].tolist()):
         m.AddHint(s[k, d, seen[k]], int(round(ev.starts[d, q])))
@@ -153,7 +175,7 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
   t0 = time.time()
   status = solver.Solve(m)
   order = None
-  if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+  if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) and full:
     order = np.array([[k for _, k in sorted((solver.Value(s[k, d, j]), k) for k in range(4)
                                             for j in range(counts[k]))] for d in range(n)],
                      dtype=np.int8)
@@ -180,9 +202,11 @@ def main(argv):
   else:
     target = int(round(result["hint_makespan"] if _MINIMIZE.value else lb))
   status, order, secs, bound = check(problem, target, _TIME.value, _WORKERS.value,
-                                     _MINIMIZE.value, hint, _MEMORY.value, _WINDOWS.value)
+                                     _MINIMIZE.value, hint, _MEMORY.value, _WINDOWS.value,
+                                     [int(x) for x in _DEVICES.value] or None)
   result.update({"target": target, "lower_bound": lb, "status": status, "solve_s": secs,
                  "windows": _WINDOWS.value, "memory_model": _MEMORY.value,
+                 "devices": [int(x) for x in _DEVICES.value] or "all",
                  "workers": _WORKERS.value})
   if _MINIMIZE.value:
     result["proven_lower_bound"] = bound
