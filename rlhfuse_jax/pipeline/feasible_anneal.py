@@ -8,8 +8,10 @@ path. Here the cost is
 
   makespan + w * mean over tasks of max(0, start + tail - target)
 
-where `tail` is the task's remaining path (schedules.task_tails: its own duration and the chain
-of forwards/backwards it still feeds, ignoring contention) and `target` is the tight lower bound.
+where `tail` is the least time from the task's start to the end of any schedule
+(windows.per_task_tails: edge-finding, so it also counts the work that must follow on the same
+device; schedules.task_tails, the plain chain per device and kind, is the other choice), and
+`target` is the tight lower bound.
 A task with start + tail > target is late: every late task must move earlier for the makespan to
 reach the bound, so the surrogate counts progress that the makespan alone does not show.
 
@@ -26,6 +28,7 @@ import math
 import numba
 import numpy as np
 
+from rlhfuse_jax.pipeline import windows
 from rlhfuse_jax.pipeline.evaluate import simulate_kernel
 
 
@@ -67,17 +70,29 @@ def row_peak(row, deltas):
 
 
 @numba.njit(cache=True, nogil=True)
-def _lateness(order, ends, dur, tails, target):
-  """Sum over tasks of max(0, start + tail - target) and the late task count; [N, T] inputs."""
+def _lateness(order, ends, dur, tails, target, late_d, late_p, record):
+  """Sum over tasks of max(0, start + tail - target); [N, T] inputs, tails [4, N, M] per task.
+
+  With `record`, the late tasks' (device, position) go into late_d / late_p and their number is
+  returned second (else 0).
+  """
   n, t = order.shape
   tot = 0.0
+  nlate = 0
+  seen = np.zeros(4, dtype=np.int64)
   for d in range(n):
+    seen[:] = 0
     for p in range(t):
       k = order[d, p]
-      x = ends[d, p] - dur[k] + tails[d, k] - target
+      x = ends[d, p] - dur[k] + tails[k, d, seen[k]] - target
+      seen[k] += 1
       if x > 0.0:
         tot += x
-  return tot
+        if record and x > 1e-9:
+          late_d[nlate] = d
+          late_p[nlate] = p
+          nlate += 1
+  return tot, nlate
 
 
 @numba.njit(cache=True, nogil=True)
@@ -85,7 +100,7 @@ def feasible_anneal_kernel(order, params, deltas, budget, tails, target, iters, 
                            weight, max_shift, crit_frac, seed, best, stats):
   """Annealing in place on `order` int8 [N, T], which must be valid and within budget.
 
-  tails: f8 [N, 4] remaining path per (device, kind). best: int8 [N, T] receives the best order;
+  tails: f8 [4, N, M] least time from each task's start to the end (windows.py). best: int8 [N, T] receives the best order;
   stats f8 [4] = (makespan, max peak, sum of peaks, sum of finishes) of `best` on entry, updated.
   Returns the number of timed evaluations.
   """
@@ -108,15 +123,8 @@ def feasible_anneal_kernel(order, params, deltas, budget, tails, target, iters, 
   late_d = np.zeros(n * t, dtype=np.int64)
   late_p = np.zeros(n * t, dtype=np.int64)
   scale = 1.0 / (n * t)
-  late = _lateness(order, ends, dur, tails, target)
+  late, nlate = _lateness(order, ends, dur, tails, target, late_d, late_p, True)
   cur = mk + weight * late * scale
-  nlate = 0
-  for d in range(n):
-    for p in range(t):
-      if ends[d, p] - dur[order[d, p]] + tails[d, order[d, p]] > target + 1e-9:
-        late_d[nlate] = d
-        late_p[nlate] = p
-        nlate += 1
   evals = 1
   saved = np.empty(t, dtype=np.int8)
   for it in range(iters):
@@ -184,19 +192,13 @@ def feasible_anneal_kernel(order, params, deltas, budget, tails, target, iters, 
     if not ok:
       row[lo:hi + 1] = saved[lo:hi + 1]
       continue
-    nlat = _lateness(order, ends, dur, tails, target)
+    nlat, _ = _lateness(order, ends, dur, tails, target, late_d, late_p, False)
     cost = nmk + weight * nlat * scale
     if cost <= cur or np.random.random() < math.exp(-(cost - cur) / temp):
       cur = cost
       mk = nmk
       peaks[d] = row_peak(row, deltas)
-      nlate = 0
-      for dd in range(n):
-        for p in range(t):
-          if ends[dd, p] - dur[order[dd, p]] + tails[dd, order[dd, p]] > target + 1e-9:
-            late_d[nlate] = dd
-            late_p[nlate] = p
-            nlate += 1
+      _, nlate = _lateness(order, ends, dur, tails, target, late_d, late_p, True)
       pmax = peaks.max()
       psum = peaks.sum()
       if mk < stats[0] - 1e-9 or (mk <= stats[0] + 1e-9 and (pmax < stats[1] - 1e-9 or (
@@ -214,15 +216,19 @@ def feasible_anneal_kernel(order, params, deltas, budget, tails, target, iters, 
 
 def feasible_anneal(problem, order: np.ndarray, iters: int, seed: int, target: float,
                     temp0: float, temp1: float, weight: float = 1000.0, max_shift: int = 8,
-                    crit_frac: float = 0.5, best: np.ndarray = None, stats: np.ndarray = None):
+                    crit_frac: float = 0.5, best: np.ndarray = None, stats: np.ndarray = None,
+                    tails: np.ndarray = None):
   """One annealing run from `order` (valid, within budget); returns (best, stats, evaluations).
+
+  tails: [4, N, M] per-task tails of the lateness surrogate; None: windows.per_task_tails.
 
   best / stats (makespan, max peak, sum of peaks, sum of finishes) may carry a better incumbent
   from earlier runs; they are updated in place when this run beats them.
   """
-  from rlhfuse_jax.pipeline import schedules  # schedules imports evaluate; avoid a cycle
   from rlhfuse_jax.pipeline.evaluate import evaluate
   order = np.ascontiguousarray(order, dtype=np.int8)  # annealed in place
+  if tails is None:
+    tails = windows.per_task_tails(problem)
   if best is None or stats is None:
     ev = evaluate(problem, order)
     if not (ev.valid and ev.within_budget):
@@ -230,7 +236,7 @@ def feasible_anneal(problem, order: np.ndarray, iters: int, seed: int, target: f
     best = order.copy()
     stats = np.array([ev.makespan, ev.peaks.max(), ev.peaks.sum(), ev.sum_finish])
   evals = feasible_anneal_kernel(order, problem.params(), problem.mem_deltas(), problem.budget(),
-                                 schedules.task_tails(problem), float(target), int(iters),
+                                 tails, float(target), int(iters),
                                  float(temp0), float(temp1), float(weight), int(max_shift),
                                  float(crit_frac), int(seed), best, stats)
   return best, stats, evals

@@ -125,3 +125,22 @@ def task_windows(problem: PipelineProblem) -> Windows:
           durs = np.concatenate([np.full(m - 1 - j, f), np.full(m - j, b)])
           tails[fk][d, j] = _set_tail(q, durs, f, t)
   return Windows(heads=tuple(heads), tails=tuple(tails), lags=lags)
+
+
+def per_task_tails(problem: PipelineProblem) -> np.ndarray:
+  """The windows' tails laid out per task as f8 [4, N, max(Ma, Mc)] (kind, device, micro-batch);
+  slots past a kind's count hold -1e9 (they are never read for real tasks)."""
+  win = task_windows(problem)
+  mmax = max(problem.actor_microbatches, problem.critic_microbatches)
+  out = np.full((4, problem.num_devices, mmax), -1e9)
+  for k in range(4):
+    out[k, :, :win.tails[k].shape[1]] = win.tails[k]
+  return out
+
+
+def chain_tails_per_task(problem: PipelineProblem) -> np.ndarray:
+  """schedules.task_tails (the chain tail per device and kind) broadcast to [4, N, M]."""
+  from rlhfuse_jax.pipeline import schedules  # schedules imports evaluate; keep this light
+  mmax = max(problem.actor_microbatches, problem.critic_microbatches)
+  chain = schedules.task_tails(problem)  # [N, 4]
+  return np.ascontiguousarray(np.broadcast_to(chain.T[:, :, None], (4, problem.num_devices, mmax)))
