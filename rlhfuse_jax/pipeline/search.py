@@ -5,7 +5,9 @@ with a memory penalty, and a memory phase, within a wall-clock budget and a seed
    (schedules.py) over per-model in-flight caps (1F1B's cap x1, x1.5, x2, unbounded; random
    per-device splits of the budget between the two models), a combined memory cap (the budget,
    none, or the budget with a reserve for the other model, which cannot deadlock), priority
-   biases towards backwards or one model (negative: GPipe-like), noise and idle windows.
+   biases towards backwards or one model (negative: GPipe-like), noise and idle windows, on two
+   priority bases: the chain tail per (device, kind) and the edge-finding tail of each task
+   (windows.py), the latter giving the better starts on most reference instances.
 2. Decoder annealing (`decoder_anneal`): annealing over a per-device budget split and per-task
    priorities that a memory-safe list scheduler turns into a schedule; every candidate is within
    budget by construction, and one move changes many positions at once.
