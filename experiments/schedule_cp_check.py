@@ -20,6 +20,7 @@ far smaller on 16-device instances.
 Minimise mode (--minimize): minimises the makespan, hinted with (and bounded above by) the best
 schedule the heuristic search finds in --hint_search_s seconds, bounded below by the tight bound;
 reports the best makespan found and CP-SAT's proven lower bound (equal: a proven optimum).
+A schedule found is written as schedule.json and gantt.png, as schedule_search does.
 
 Needs ortools (an optional analysis dependency, not needed by the library; kept out of the main
 environment because it pins an older protobuf: `pip install --target DIR ortools` and put DIR on
@@ -42,7 +43,7 @@ from ml_collections import config_flags
 import numpy as np
 
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.pipeline import bounds, search, windows
+from rlhfuse_jax.pipeline import bounds, gantt, schedule, search, windows
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import PipelineProblem
 
@@ -214,6 +215,13 @@ def main(argv):
     ev = evaluate(problem, order)
     result.update(makespan=ev.makespan, within_budget=ev.within_budget,
                   peak_memory=ev.peaks.tolist(), budget=ev.budget.tolist())
+    # The solver's schedule, re-timed by evaluate.py, in the format of schedule_search (it can
+    # seed a search, run through the executor, or be looked at).
+    sched = schedule.from_order(problem, order)
+    wd.atomic_write_text(os.path.join(_WORKDIR.value, "schedule.json"), sched.to_json() + "\n")
+    gantt.plot_gantt(sched, os.path.join(_WORKDIR.value, "gantt.png"),
+                     title=f"CP-SAT schedule: makespan {ev.makespan:g}, tight LB {lb:g}, "
+                           f"peak/budget {np.max(ev.peaks / ev.budget):.2f}")
   logging.info("target %d (LB %g): %s in %.1fs; %s", target, lb, status, secs,
                {k: v for k, v in result.items() if k in ("makespan", "proven_lower_bound")})
   wd.write_json(os.path.join(_WORKDIR.value, "result.json"), result)
