@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import os
 
-# Must precede the first jax import. The flag only adds host (CPU) devices, so it is harmless
-# where an accelerator is the default backend; it is left alone when the caller set it.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+from rlhfuse_jax.parallel.host_devices import request_host_devices
+
+request_host_devices(8)  # before the first jax import
 
 import dataclasses  # noqa: E402
 import platform  # noqa: E402

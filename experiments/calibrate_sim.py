@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+from rlhfuse_jax.parallel.host_devices import request_host_devices
+
+request_host_devices(8)  # before the first jax import
 
 import functools  # noqa: E402
 import time  # noqa: E402
