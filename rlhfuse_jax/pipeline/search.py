@@ -447,6 +447,7 @@ def search(problem: PipelineProblem, config: SearchConfig = SearchConfig(),
     if dec_order is not None:
       pool.append(dec_order)
       keys.append(_key(ev, dec_order))
+      valid.append(len(pool) - 1)  # also a candidate for the best unconstrained schedule
       feas.append(len(pool) - 1)
       if log:
         log(f"decoder annealing: {decodes} decodes; best {keys[-1][2]:g}")
