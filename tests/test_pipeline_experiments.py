@@ -10,7 +10,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(args, cwd=REPO, timeout=240):
-  env = dict(os.environ, PYTHONPATH=REPO)
+  # Prepend, keep the rest: packages installed with --target are found through PYTHONPATH.
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   return subprocess.run([sys.executable, "-m"] + args, cwd=cwd, env=env, capture_output=True,
                         text=True, timeout=timeout)
 

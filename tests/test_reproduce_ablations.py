@@ -12,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_binary_writes_rows_report_and_figures(tmp_path):
-  env = {**os.environ, "PYTHONPATH": ROOT}
+  # Prepend, keep the rest: packages installed with --target are found through PYTHONPATH.
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
   cmd = [sys.executable, "-m", "experiments.reproduce_ablations",
          "--config=configs/ablations.py:quick", f"--workdir={tmp_path}",
          "--config.sim.search_time_s=0.3"]
