@@ -8,6 +8,8 @@ Variants: `--config=configs/ablations.py:quick` (one setting, short searches, fo
 Validation (predicted vs measured, sim/validation.py): `--config.validate.bench_generation_workdir=D1
 --config.validate.bench_pipeline_workdir=D2`; each bench is predicted from its own
 D/calibration.json unless `--config.validate.calibration=CAL.json` names one for both.
+`--config.validate.bench_decode_workdir=D3` (a GPU/TPU run of bench_decode) is predicted from the
+datasheet preset of its device and `efficiency`, uncalibrated.
 """
 import ml_collections
 
@@ -75,6 +77,9 @@ def get_config(arg: str = "paper"):
   c.validate.calibration = ""  # calibration for both benches ("": each workdir's calibration.json)
   c.validate.bench_generation_workdir = ""  # workdir of experiments/bench_generation.py
   c.validate.bench_pipeline_workdir = ""  # workdir of experiments/bench_pipeline.py
+  # workdir of experiments/bench_decode.py on an accelerator: predicted uncalibrated, from the
+  # matching hardware preset and the efficiencies above
+  c.validate.bench_decode_workdir = ""
 
   if arg == "quick":
     c.pairs = "llama-13b/llama-13b"

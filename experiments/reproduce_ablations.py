@@ -100,7 +100,8 @@ def main(argv):
   out = ablations.run_ablations(cfg, workdir, log=logging.info)
   val_cal = cal_lib.load(cfg.validation_calibration) if cfg.validation_calibration else None
   val_lines = validation.validation_lines(val_cal, cfg.bench_generation_workdir,
-                                          cfg.bench_pipeline_workdir)
+                                          cfg.bench_pipeline_workdir, cfg.bench_decode_workdir,
+                                          cfg.efficiency)
   figures = _figures(cfg, out, workdir, cfg.systems)
   wd.write_json(os.path.join(workdir, "result.json"),
                 {"rows": out["rows"], "inputs": out["inputs"], "validation": val_lines})

@@ -253,3 +253,56 @@ def test_sim_validation_imports_no_jax():
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        check=True)
   assert out.stdout.strip() == "False"
+
+
+def write_decode_bench(path, preset="h100_sxm"):
+  # A bench_decode result.json as an H100 run writes it (values invented; the shape is 1 layer).
+  os.makedirs(path, exist_ok=True)
+  result = {
+      "device": {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3",
+                 "hardware_preset": preset},
+      "model": {"vocab_size": 1000, "hidden_size": 512, "intermediate_size": 1024,
+                "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "head_dim": 0,
+                "tie_embeddings": False, "qkv_bias": False, "max_seq_len": 128},
+      "decode": {"cache_len": 2, "per_batch": [
+          {"batch": 1, "step_s": 2e-6, "bw_fraction": 0.3},
+          {"batch": 1000, "step_s": 1e-3, "bw_fraction": 0.1}]},
+      "train": {"batch": 2, "prompt_len": 4, "response_len": 4, "step_s": 1e-4,
+                "actor_fwd_s": 1e-5, "critic_fwd_s": 1e-5, "mfu": 0.2},
+  }
+  with open(os.path.join(path, "result.json"), "w") as f:
+    json.dump(result, f)
+
+
+def test_decode_bench_predicted_from_the_datasheet_by_hand(tmp_path):
+  write_decode_bench(str(tmp_path))
+  with open(tmp_path / "result.json") as f:
+    pred = validation.predict_bench_decode(json.load(f))
+  # Hand count: layer matmul params 512*128*(4+2*2) + 4*128*512 + 3*512*1024 = 2,359,296;
+  # params = layer + 2*512 (norms) + embed 512,000 + lm head 512,000 + final norm 512.
+  params = 2_359_296 + 1024 + 512_000 + 512_000 + 512
+  matmul = 2_359_296 + 512_000
+  kv_per_token = 2 * 1 * 2 * 128 * 2
+  peak, bw = 989.4e12, 3.35e12  # h100_sxm; efficiencies: decode 0.45 MFU, 0.7 of bandwidth
+  for b in (1, 1000):
+    nbytes = 2 * params + b * 2 * kv_per_token
+    flops = 2 * matmul * b + 4 * 1 * 4 * 128 * (b * 2)
+    want = max(flops / (peak * 0.45), nbytes / (bw * 0.7))
+    assert pred["decode_step_s"][b] == pytest.approx(want, rel=1e-12)
+  # batch 1 is bandwidth bound, batch 1000 compute bound (so both branches are checked)
+  assert 2 * params / (bw * 0.7) > 2 * matmul / (peak * 0.45)
+  assert pred["decode_step_s"][1000] == pytest.approx(
+      (2 * matmul * 1000 + 4 * 4 * 128 * 2000) / (peak * 0.45), rel=1e-12)
+  # update: 3 forwards per model (bwd_over_fwd 2) + AdamW (28 bytes per param at 0.7 of bw)
+  critic_params = params - 512_000 + 513
+  opt = 28 * (params + critic_params) / (bw * 0.7)
+  assert pred["update_s"] == pytest.approx(3 * (pred["actor_fwd_s"] + pred["critic_fwd_s"]) + opt,
+                                           rel=1e-12)
+  lines = "\n".join(validation.validation_lines(None, "", "", str(tmp_path)))
+  assert "| decode step, batch 1 (s) |" in lines and "h100_sxm" in lines
+
+
+def test_decode_bench_without_a_preset_is_said_plainly(tmp_path):
+  write_decode_bench(str(tmp_path), preset=None)
+  lines = "\n".join(validation.validation_lines(None, "", "", str(tmp_path)))
+  assert "bench_decode**: could not compare" in lines and "matched no hardware preset" in lines

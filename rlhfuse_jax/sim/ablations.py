@@ -49,6 +49,7 @@ class AblationConfig:
   figure_setting: int = 0
   bench_generation_workdir: str = ""
   bench_pipeline_workdir: str = ""
+  bench_decode_workdir: str = ""
   validation_calibration: str = ""
 
   def __post_init__(self):
@@ -99,6 +100,7 @@ class AblationConfig:
         calibration=c.calibration, figure_setting=c.figure_setting,
         bench_generation_workdir=c.validate.bench_generation_workdir,
         bench_pipeline_workdir=c.validate.bench_pipeline_workdir,
+        bench_decode_workdir=c.validate.bench_decode_workdir,
         validation_calibration=c.validate.calibration)
 
   def settings(self) -> list[dict]:

@@ -12,8 +12,15 @@ Prediction side:
       the same on dedicated devices (a real mesh; a prediction with nothing to compare to).
       Needs the calibration ops `train_stage` and `pipeline_executor`.
 
-Calibration: validation_lines uses the given calibration for every bench, or, when none is
-given, each bench's own `<workdir>/calibration.json` (both benches write one).
+  predict_bench_decode(result, efficiency): decode step times per batch and the PPO update of
+      `experiments/bench_decode.py` (one accelerator) from the datasheet preset that matched the
+      device and the simulator's *assumed* efficiencies, uncalibrated: this tests the formulas
+      and the default Efficiency the paper-scale ablations use against a real GPU. (Its
+      calibration.json is not used here: predicting a bench from its own measured step times
+      would compare the measurement with itself.)
+
+Calibration: validation_lines uses the given calibration for bench_generation and bench_pipeline,
+or, when none is given, each bench's own `<workdir>/calibration.json` (both benches write one).
 
 Reading a bench's workdir: config.json and result.json are searched (recursively) for the keys
 below, first alias wins; a missing key is reported by name, never guessed.
@@ -45,7 +52,7 @@ from rlhfuse_jax.sim import calibration as cal_lib
 from rlhfuse_jax.sim import generation_sim as gen_lib
 from rlhfuse_jax.sim import lockstep
 from rlhfuse_jax.sim.calibration import Calibration
-from rlhfuse_jax.sim.cost_model import CostModel
+from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
 from rlhfuse_jax.sim.hardware import get_hardware
 from rlhfuse_jax.sim.shapes import ModelShape
 
@@ -301,14 +308,65 @@ def _err_pct(pred: float, meas: float) -> str:
   return f"{(pred - meas) / meas * 100:+.1f}%"
 
 
+def predict_bench_decode(result: dict, efficiency: Efficiency = Efficiency()) -> dict:
+  """The uncalibrated simulator's decode step time per batch and PPO update time for a
+  bench_decode result.json (None when no hardware preset matched its device)."""
+  preset = result["device"].get("hardware_preset")
+  if not preset:
+    return None
+  cost = CostModel(get_hardware(preset), efficiency)
+  m = result["model"]
+  fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+            "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "max_seq_len")
+  actor = ModelShape(name="bench_decode", head="lm", **{f: m[f] for f in fields if f in m})
+  critic = actor.as_critic()
+  cache = result["decode"]["cache_len"]
+  # The engine attends over its whole cache every step: batch * cache_len KV tokens.
+  decode = {int(r["batch"]): float(cost.decode_step_s(actor, 1, r["batch"], r["batch"] * cache))
+            for r in result["decode"]["per_batch"]}
+  tr = result["train"]
+  seq = tr["prompt_len"] + tr["response_len"]
+  tokens, ctx = tr["batch"] * seq, (seq + 1) / 2.0
+  fwd = {name: float(cost.train_stage_fwd_s(shape, 1, 1, tokens, ctx, name))
+         for name, shape in (("actor", actor), ("critic", critic))}
+  update = sum((1.0 + cost.bwd_over_fwd()) * f for f in fwd.values()) + sum(
+      cost.optimizer_step_s(shape, 1) for shape in (actor, critic))
+  return {"hardware": preset, "decode_step_s": decode, "actor_fwd_s": fwd["actor"],
+          "critic_fwd_s": fwd["critic"], "update_s": update}
+
+
+def _decode_rows(workdir: str, efficiency: Efficiency) -> tuple[list, list[str]]:
+  result = _read(workdir, "result.json")
+  pred = predict_bench_decode(result, efficiency)
+  if pred is None:
+    raise ValueError(f"device {result['device'].get('device_kind')!r} matched no hardware "
+                     "preset (sim/hardware.py), so there is no datasheet peak to predict from")
+  rows = [(f"decode step, batch {r['batch']} (s)", pred["decode_step_s"][int(r["batch"])],
+           r["step_s"]) for r in result["decode"]["per_batch"]]
+  tr = result["train"]
+  rows += [("actor forward (s)", pred["actor_fwd_s"], tr["actor_fwd_s"]),
+           ("critic forward (s)", pred["critic_fwd_s"], tr["critic_fwd_s"]),
+           ("PPO update, actor + critic (s)", pred["update_s"], tr["step_s"])]
+  bw = [r.get("bw_fraction") for r in result["decode"]["per_batch"]]
+  notes = [f"Uncalibrated: datasheet preset `{pred['hardware']}` with the assumed efficiencies "
+           f"(decode_bw_eff {efficiency.decode_bw_eff}, train_mfu {efficiency.train_mfu}, "
+           f"bwd_over_fwd {efficiency.bwd_over_fwd}). Measured on "
+           f"{result['device'].get('device_kind')}: decode reached "
+           + ", ".join(f"{100 * f:.0f}%" for f in bw if f is not None)
+           + f" of peak HBM bandwidth, the update {100 * (tr.get('mfu') or 0):.0f}% MFU."]
+  return rows, notes
+
+
 def validation_lines(calibration: Optional[Calibration], gen_workdir: str,
-                     pipe_workdir: str) -> list[str]:
+                     pipe_workdir: str, decode_workdir: str = "",
+                     efficiency: Efficiency = Efficiency()) -> list[str]:
   """Markdown lines: predicted vs measured for each bench, or why there is nothing to compare.
 
   `calibration` None: each bench is predicted with its own `<workdir>/calibration.json` (the
   costs measured on the machine and in the run it is compared with)."""
   lines = []
-  for name, wd_path in (("bench_generation", gen_workdir), ("bench_pipeline", pipe_workdir)):
+  for name, wd_path in (("bench_generation", gen_workdir), ("bench_pipeline", pipe_workdir),
+                        ("bench_decode", decode_workdir)):
     if not wd_path:
       lines.append(f"- **{name}**: no workdir given (`--config.validate.{name}_workdir`); "
                    "nothing compared.")
@@ -317,6 +375,17 @@ def validation_lines(calibration: Optional[Calibration], gen_workdir: str,
       lines.append(f"- **{name}**: `{wd_path}/result.json` does not exist; nothing compared.")
       continue
     notes: list[str] = []
+    if name == "bench_decode":
+      try:
+        rows, notes = _decode_rows(wd_path, efficiency)
+      except (ValueError, FileNotFoundError, KeyError) as e:
+        lines.append(f"- **{name}**: could not compare: {e}")
+        continue
+      lines += [f"- **{name}** (`{wd_path}`, no calibration: datasheet and assumed efficiencies):",
+                "", "| quantity | predicted | measured | error |", "|---|---|---|---|"]
+      lines += [f"| {q} | {p:.4g} | {m:.4g} | {_err_pct(p, m)} |" for q, p, m in rows]
+      lines += [""] + notes + [""]
+      continue
     try:
       cal = calibration if calibration is not None else _default_calibration(wd_path)
       if cal is None:
