@@ -58,6 +58,8 @@ _MEMORY = flags.DEFINE_enum("memory", "reservoir", ["reservoir", "cumulative", "
 _HINT_S = flags.DEFINE_float("hint_search_s", 20.0, "heuristic search seconds for the hint")
 _WINDOWS = flags.DEFINE_bool("windows", True, "add the task windows and lags of "
                              "pipeline/windows.py (redundant constraints that speed up proofs)")
+_MEM_LAGS = flags.DEFINE_bool("memory_lags", True, "add the precedences the memory budget "
+                               "implies: F(d, j+K) starts after B(d, j) ends, K = budget // mem")
 _DEVICES = flags.DEFINE_list("devices", [], "relaxation on these devices only (e.g. 8,9,10): "
                              "INFEASIBLE proves the whole instance infeasible; empty: all")
 
@@ -65,7 +67,7 @@ _DEVICES = flags.DEFINE_list("devices", [], "relaxation on these devices only (e
 def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: int,
           minimize: bool = False, hint: Optional[np.ndarray] = None,
           memory: str = "reservoir", use_windows: bool = True,
-          devices: Optional[Sequence[int]] = None):
+          devices: Optional[Sequence[int]] = None, memory_lags: bool = True):
   """Returns (status name, order int8 [N, T] or None, seconds, proven lower bound).
 
   target: the makespan to reach (check) or the horizon (minimize). hint: an order [N, T] whose
@@ -78,6 +80,10 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
   windows and lags standing in for everything else. INFEASIBLE on a subset proves the whole
   problem infeasible (every constraint kept is implied by the full model); a schedule of the
   subset proves nothing, so no order is returned.
+  memory_lags: for each model on each device, at most K = budget // (its activation memory)
+  micro-batches can be in flight even when the other model holds none; with micro-batches in
+  canonical order that is the precedence F(j + K) starts no earlier than B(j) ends (else j..j+K
+  would all hold memory at once). Redundant with the memory constraint, but propagated directly.
   """
   if memory not in ("reservoir", "cumulative", "both"):
     raise ValueError(f"memory={memory!r}; expected 'reservoir', 'cumulative' or 'both'")
@@ -100,7 +106,7 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
   full = len(devs) == n
   m = cp_model.CpModel()
   if use_windows:
-    win = windows.task_windows(p)
+    win = windows.task_windows(p, memory_lags=memory_lags)
     lo = {(k, d, j): int(math.ceil(win.heads[k][d, j] - 1e-9)) for d in devs
           for k in range(4) for j in range(counts[k])}
     hi = {key: int(math.floor(target - win.tails[key[0]][key[1], key[2]] + 1e-9))
@@ -134,6 +140,10 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
           dep(*((3, d - 1, j, dur[3]) if c < pc - 1 else (2, d, j, dur[2])))
         if use_windows and k % 2:  # round trip through the other devices
           m.Add(x >= s[k - 1, d, j] + dur[k - 1] + lag[d][k // 2])
+        if memory_lags and k % 2 == 0 and dmem[k] > 0:
+          cap = budget[d] // dmem[k]  # micro-batches of this model in flight at most
+          if j >= cap:
+            m.Add(x >= s[k + 1, d, j - cap] + dur[k + 1])
     keys = [(k, j) for k in range(4) for j in range(counts[k])]
     m.AddNoOverlap([m.NewFixedSizeIntervalVar(s[k, d, j], dur[k], "") for k, j in keys])
     if memory in ("reservoir", "both"):
@@ -204,9 +214,11 @@ def main(argv):
     target = int(round(result["hint_makespan"] if _MINIMIZE.value else lb))
   status, order, secs, bound = check(problem, target, _TIME.value, _WORKERS.value,
                                      _MINIMIZE.value, hint, _MEMORY.value, _WINDOWS.value,
-                                     [int(x) for x in _DEVICES.value] or None)
+                                     [int(x) for x in _DEVICES.value] or None,
+                                     _MEM_LAGS.value)
   result.update({"target": target, "lower_bound": lb, "status": status, "solve_s": secs,
                  "windows": _WINDOWS.value, "memory_model": _MEMORY.value,
+                 "memory_lags": _MEM_LAGS.value,
                  "devices": [int(x) for x in _DEVICES.value] or "all",
                  "workers": _WORKERS.value})
   if _MINIMIZE.value:

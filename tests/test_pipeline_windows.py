@@ -5,7 +5,7 @@ import pytest
 from rlhfuse_jax.pipeline import bounds, schedules
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import AB, AF, PipelineProblem
-from rlhfuse_jax.pipeline.windows import task_windows
+from rlhfuse_jax.pipeline.windows import memory_caps, task_windows
 from tests.test_pipeline_search import SMALL, _random_valid_orders
 
 
@@ -74,3 +74,43 @@ def test_searched_schedules_lie_in_their_windows(p):
   win = task_windows(p)
   assert _violations(p, res.best, win) == 0
   assert _violations(p, res.best_unconstrained, win) == 0
+
+
+def test_memory_lags_hand_computed():
+  # Actor 2 stages, 3 micro-batches, f=1, b=2, budget 1.5 (K = 1 actor micro-batch in flight):
+  # each micro-batch must finish B(0, j) (end 0+1 .. 6 after F(0, j) starts) before F(0, j+1).
+  p = PipelineProblem(2, 1, 3, 1, 1.0, 1.0, memory_budget=(1.5,))
+  assert memory_caps(p)[:, 0].tolist() == [1, 1]
+  assert task_windows(p).heads[AF][0].tolist() == [0.0, 1.0, 2.0]
+  win = task_windows(p, memory_lags=True)
+  assert win.heads[AF][0].tolist() == [0.0, 6.0, 12.0]
+  assert win.heads[AF][1].tolist() == [1.0, 7.0, 13.0]
+  # Tails mirror it: F(0, 0) is followed by two whole round trips after its own.
+  assert win.tails[AF][0, 0] == 18.0
+
+
+@pytest.mark.parametrize("p", SMALL + [PipelineProblem(8, 4, 8, 4, 5.0, 4.0),
+                                       PipelineProblem(4, 2, 6, 3, 2.0, 1.0)])
+def test_schedules_within_budget_lie_in_memory_lag_windows(p):
+  from rlhfuse_jax.pipeline import search
+  win, plain = task_windows(p, memory_lags=True), task_windows(p)
+  rng = np.random.default_rng(7)
+  orders = [o for o in _random_valid_orders(p, rng, 60) + [
+      schedules.greedy_order(p), schedules.serial_order(p),
+      search.search(p, search.SearchConfig(max_evaluations=5000, seed=0, list_variants=30)).best]
+            if evaluate(p, o).within_budget]
+  assert len(orders) >= 3
+  assert sum(_violations(p, o, win) for o in orders) == 0
+  # never wider than the plain windows
+  for k in range(4):
+    assert (win.heads[k] >= plain.heads[k] - 1e-9).all()
+    assert (win.tails[k] >= plain.tails[k] - 1e-9).all()
+
+
+def test_memory_lag_windows_are_tighter_on_reference_instances():
+  # e0 of DESIGN §3: the budget caps the actor at 4 micro-batches in flight on devices 4-7, so
+  # the windows narrow there (the CP check uses them; they are not what the search uses).
+  p = PipelineProblem(8, 4, 32, 16, 5.0, 4.0)
+  win, plain = task_windows(p, memory_lags=True), task_windows(p)
+  assert memory_caps(p)[:, 0].tolist() == [8, 8, 8, 8, 4, 4, 4, 4]
+  assert win.heads[AF][4, 31] > plain.heads[AF][4, 31]

@@ -74,11 +74,25 @@ def _set_tail(items_q: np.ndarray, items_d: np.ndarray, own: float, base: float)
   return max(base, float((own + np.cumsum(items_d[idx]) + items_q[idx]).max()))
 
 
-def task_windows(problem: PipelineProblem) -> Windows:
+def memory_caps(problem: PipelineProblem) -> np.ndarray:
+  """int [N, 2]: micro-batches of the actor / critic that can be in flight on each device within
+  its memory budget even when the other model holds none: floor(budget / activation memory)."""
+  budget = problem.budget()
+  caps = np.zeros((problem.num_devices, 2), dtype=np.int64)
+  for i, mem in enumerate((problem.actor_mem, problem.critic_mem)):
+    caps[:, i] = np.floor(budget / mem + 1e-9) if mem > 0 else 1 << 30
+  return caps
+
+
+def task_windows(problem: PipelineProblem, memory_lags: bool = False) -> Windows:
+  """Heads, tails and lags of every task (module docstring). memory_lags: also use the
+  precedences the memory budget implies, F(d, j + K) after B(d, j) with K = memory_caps (then the
+  windows hold for schedules within the budget only, which is what the exact check asks)."""
   p = problem
   n, lat = p.num_devices, p.transfer_latency
   dur = p.durations()
   cnt = p.kind_counts()
+  caps = memory_caps(p) if memory_lags else np.full((n, 2), 1 << 30, dtype=np.int64)
   heads = [np.zeros((n, int(cnt[k]))) for k in range(4)]
   tails = [np.zeros((n, int(cnt[k]))) for k in range(4)]
   lags = np.zeros((n, 2))
@@ -89,35 +103,43 @@ def task_windows(problem: PipelineProblem) -> Windows:
       last = len(chain) - 1
       for s, d in enumerate(chain):
         lags[d, fk // 2] = (last - s) * (f + b) + 2 * (last - s) * lat
-      # Heads: forwards up the chain, then backwards down it.
-      for s, d in enumerate(chain):
-        for j in range(m):
+      # Heads, micro-batch by micro-batch (a memory lag reaches back to B(j - K)): forwards up
+      # the chain, then backwards down it.
+      for j in range(m):
+        for s, d in enumerate(chain):
           h = 0.0
           if s > 0:
             h = heads[fk][chain[s - 1], j] + f + lat
           if j > 0:
             h = max(h, heads[fk][d, j - 1] + f)
+          k = int(caps[d, fk // 2])
+          if j >= k:  # memory: F(j) after B(j - K) ends
+            h = max(h, heads[bk][d, j - k] + b)
           heads[fk][d, j] = h
-      for s in range(last, -1, -1):
-        d = chain[s]
-        for j in range(m):
+        for s in range(last, -1, -1):
+          d = chain[s]
           h = heads[fk][d, j] + f if s == last else heads[bk][chain[s + 1], j] + b + lat
           if j > 0:
             h = max(h, heads[bk][d, j - 1] + b)
           heads[bk][d, j] = _set_head(heads[fk][d], heads[bk][d], j, f, b, h)
-      # Tails: backwards from stage 0 upwards in reversed time, then forwards.
-      for s, d in enumerate(chain):
-        for j in range(m - 1, -1, -1):
+      # Tails in reversed time, micro-batch by micro-batch from the last (a memory lag reaches
+      # forward to F(j + K)): backwards from stage 0 upwards, then forwards.
+      for j in range(m - 1, -1, -1):
+        for s, d in enumerate(chain):
           t = b
           if s > 0:
             t = b + lat + tails[bk][chain[s - 1], j]
           if j < m - 1:
             t = max(t, b + tails[bk][d, j + 1])
-          q = tails[bk][d, j + 1:] - b
-          tails[bk][d, j] = _set_tail(q, np.full(q.size, b), b, t)
-      for s in range(last, -1, -1):
-        d = chain[s]
-        for j in range(m - 1, -1, -1):
+          k = int(caps[d, fk // 2])
+          q, durs = tails[bk][d, j + 1:] - b, np.full(m - 1 - j, b)
+          if j + k < m:  # memory: F(j + K..) follow B(j), and so do their successors
+            t = max(t, b + tails[fk][d, j + k])
+            q = np.concatenate([q, tails[fk][d, j + k:] - f])
+            durs = np.concatenate([durs, np.full(m - j - k, f)])
+          tails[bk][d, j] = _set_tail(q, durs, b, t)
+        for s in range(last, -1, -1):
+          d = chain[s]
           t = f + (tails[bk][d, j] if s == last else lat + tails[fk][chain[s + 1], j])
           if j < m - 1:
             t = max(t, f + tails[fk][d, j + 1])
