@@ -192,6 +192,23 @@ class PipelineProblem:
   def with_budget(self, budget: Optional[Sequence[float]]) -> "PipelineProblem":
     return dataclasses.replace(self, memory_budget=None if budget is None else tuple(budget))
 
+  def time_reversed(self) -> "PipelineProblem":
+    """The same instance run backwards in time: a problem of the same family.
+
+    Reversing every edge of the task graph and the time axis turns each backward chain into a
+    forward chain over the same devices (B(s+1) after B(s) becomes the new F chain, stage 0 up)
+    and vice versa, so the mirror image is this problem with forward and backward durations
+    swapped; memory is held from the new forward's start (the old backward's end) to the new
+    backward's end (the old forward's start), the same interval, so memory per micro-batch and
+    the budget carry over unchanged (fixed explicitly: their defaults depend on the durations).
+    With `reverse_order` a schedule of one maps to a schedule of the other with the same
+    makespan and the same per-device peaks; a search can therefore work from either end.
+    """
+    return dataclasses.replace(
+        self, actor_fwd=self.actor_bwd, actor_bwd=self.actor_fwd, critic_fwd=self.critic_bwd,
+        critic_bwd=self.critic_fwd, actor_mem=self.actor_mem, critic_mem=self.critic_mem,
+        memory_budget=tuple(float(b) for b in self.budget()))
+
   @classmethod
   def from_config(cls, c) -> "PipelineProblem":
     """From a config with the fields of configs/schedule_search.py (negative: the default)."""
@@ -229,3 +246,14 @@ def validate_order(problem: PipelineProblem, order: np.ndarray) -> np.ndarray:
       raise ValueError(f"device {d}: kind counts {got.tolist()} (AF, AB, CF, CB); expected "
                        f"{counts.tolist()}")
   return order.astype(np.int8)
+
+
+def reverse_order(order: np.ndarray) -> np.ndarray:
+  """Maps an order of a problem to the order of its `time_reversed()` mirror (and back).
+
+  Each device's sequence is read from the end with forward and backward swapped (AF <-> AB,
+  CF <-> CB); micro-batch j of a kind becomes micro-batch M-1-j, which the canonical order
+  implies, so no index needs rewriting.
+  """
+  order = np.asarray(order, dtype=np.int8)
+  return np.ascontiguousarray(order[:, ::-1] ^ np.int8(1))  # codes: AF=0/AB=1, CF=2/CB=3
