@@ -1,0 +1,103 @@
+"""Proves a makespan unreachable within the memory budget with the time-indexed LP relaxation.
+
+The relaxation (rlhfuse_jax/pipeline/time_indexed.py) holds every valid schedule within budget;
+when even its fractional version has no solution, the target is unreachable, and the multipliers
+saved in certificate.npz prove it: `--verify` rebuilds the model and re-checks them in exact
+integer arithmetic, with no solver. A feasible LP proves nothing (use schedule_cp_check).
+
+Needs highspy for the large models (an optional analysis dependency, like ortools for
+schedule_cp_check: `pip install highspy`); `--solver=scipy` uses the HiGHS bundled with scipy
+(small models only).
+  python -m experiments.schedule_lp_check --config=configs/schedule_search.py \
+      --config.actor_pp=16 --config.critic_pp=16 --config.actor_microbatches=32 \
+      --config.critic_microbatches=32 --config.actor_fwd=2 --config.critic_fwd=1 \
+      --workdir=/tmp/lp_e10
+  python -m experiments.schedule_lp_check --config=configs/schedule_search.py ... \
+      --workdir=/tmp/lp_e10 --verify=/tmp/lp_e10/certificate.npz
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+import numpy as np
+
+from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.pipeline import bounds, time_indexed
+from rlhfuse_jax.pipeline.graph import PipelineProblem
+
+_CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "output directory", required=True)
+_TARGET = flags.DEFINE_float("target", -1.0, "makespan to check; -1: the tight lower bound")
+_SOLVER = flags.DEFINE_enum("solver", "pdlp", ["pdlp", "ipm", "simplex", "scipy"],
+                            "LP solver: HiGHS via highspy (pdlp: first-order, for the million-"
+                            "variable models), or scipy's bundled HiGHS for small models")
+_TIME = flags.DEFINE_float("time_limit_s", 3600.0, "solver time limit")
+_THREADS = flags.DEFINE_integer("threads", 2, "solver threads")
+_VERIFY = flags.DEFINE_string("verify", None, "re-check this certificate.npz instead of solving")
+
+
+def save_certificate(path: str, multipliers: np.ndarray, target: float) -> None:
+  """The non-zero multipliers, compressed, written atomically."""
+  nz = np.flatnonzero(multipliers > 0)
+  tmp = path + ".tmp.npz"
+  np.savez_compressed(tmp, rows=np.int64(multipliers.size), index=nz.astype(np.int32),
+                      value=multipliers[nz], target=np.float64(target))
+  os.replace(tmp, path)
+
+
+def load_certificate(path: str, rows: int, target: float) -> np.ndarray:
+  with np.load(path) as f:
+    if "target" in f and not np.isclose(float(f["target"]), target):
+      raise ValueError(f"{path}: certificate for target {float(f['target']):g}, not {target:g}")
+    if int(f["rows"]) != rows:
+      raise ValueError(f"{path}: certificate for a model of {int(f['rows'])} rows; this instance "
+                       f"and target give {rows} (other instance, target or code version?)")
+    lam = np.zeros(rows)
+    lam[f["index"]] = f["value"]
+  return lam
+
+
+def main(argv):
+  del argv
+  problem = PipelineProblem.from_config(_CONFIG.value)
+  lb = bounds.tight_lower_bound(problem)
+  target = lb if _TARGET.value < 0 else _TARGET.value
+  wd.write_config(_WORKDIR.value, _CONFIG.value)
+  t0 = time.time()
+  model = time_indexed.build(problem, target)
+  result = {"target": target, "lower_bound": lb, "unit": model.unit, "vars": model.num_vars,
+            "rows": int(model.A.shape[0]), "nonzeros": int(model.A.nnz),
+            "build_s": time.time() - t0}
+  logging.info("time-indexed model at %g (LB %g): %d variables, %d rows, %d non-zeros, unit %g "
+               "(%.1fs)", target, lb, result["vars"], result["rows"], result["nonzeros"],
+               model.unit, result["build_s"])
+  if _VERIFY.value:
+    lam = load_certificate(_VERIFY.value, model.A.shape[0], target)
+    bound = time_indexed.certificate_bound(model, lam)
+    result.update(verified=_VERIFY.value, certificate_bound=bound, certified=bound > 0)
+    logging.info("certificate %s: exact bound %.6g -> %s", _VERIFY.value, bound,
+                 "target unreachable (proof)" if bound > 0 else "NOT a proof")
+    wd.write_json(os.path.join(_WORKDIR.value, "verify.json"), result)
+    return
+  logging.info("solving the elastic LP with %s (time limit %gs)...", _SOLVER.value, _TIME.value)
+  res = time_indexed.solve(model, _SOLVER.value, _TIME.value, _THREADS.value)
+  lam = res.pop("multipliers")
+  result.update(res)
+  if res["certified"] and lam is not None:
+    path = os.path.join(_WORKDIR.value, "certificate.npz")
+    save_certificate(path, lam, target)
+    result["certificate"] = "certificate.npz"
+  verdict = ("unreachable within budget (certified)" if res["certified"] else
+             "LP feasible: the relaxation proves nothing" if res["status"] == "feasible" else
+             f"{res['status']} (not certified)")
+  logging.info("target %g: %s; elastic optimum %s, certificate bound %s, %.1fs", target, verdict,
+               res["elastic_optimum"], res["certificate_bound"], res["solve_s"])
+  result["verdict"] = verdict
+  wd.write_json(os.path.join(_WORKDIR.value, "result.json"), result)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,133 @@
+"""Time-indexed LP relaxation (pipeline/time_indexed.py): a relaxation of every valid schedule
+within budget, and certificates that are checked exactly."""
+import json
+
+import numpy as np
+import pytest
+
+from rlhfuse_jax.pipeline import bounds, time_indexed, windows
+from rlhfuse_jax.pipeline.evaluate import evaluate
+from rlhfuse_jax.pipeline.graph import PipelineProblem
+from tests.test_pipeline_search import SMALL, _random_valid_orders
+
+# LB 42 (device 1: work 36 + 2 + 4); the best schedule within budget takes 43 (search, and the
+# LP below proves 42 unreachable).
+TIGHT = PipelineProblem(4, 4, 4, 4, 2.0, 1.0)
+
+
+def _task_starts(model, problem, order):
+  """Start of every task of `model.tasks` in the list schedule of `order`."""
+  ev = evaluate(problem, order)
+  pos = {}
+  for d in range(problem.num_devices):
+    seen = [0] * 4
+    for q, k in enumerate(order[d].tolist()):
+      pos[k, d, seen[k]] = ev.starts[d, q]
+      seen[k] += 1
+  return np.array([pos[tuple(t)] for t in model.tasks.tolist()]), ev
+
+
+@pytest.mark.parametrize("idx", range(len(SMALL)))
+def test_every_valid_schedule_within_budget_is_a_point_of_the_relaxation(idx):
+  # Soundness: a schedule that meets the target satisfies every row, so an LP without solution
+  # means no schedule exists. Unit 0.5 on SMALL[1] (backward 1.5) and SMALL[2] (latency 0.5).
+  p = SMALL[idx]
+  rng = np.random.default_rng(idx)
+  checked = 0
+  for order in _random_valid_orders(p, rng, 80):
+    ev = evaluate(p, order)
+    if not ev.within_budget:
+      continue
+    for slack in (0.0, 2.0):
+      model = time_indexed.build(p, ev.makespan + slack)
+      assert model.infeasible_reason is None
+      starts, _ = _task_starts(model, p, order)
+      y = model.encode(starts)
+      assert np.all(model.A @ y <= model.b + 1e-9)
+      checked += 1
+  assert checked >= 10  # within-budget schedules among the random ones (7 on SMALL[3])
+
+
+def test_time_unit_is_the_gcd_of_durations_and_latency():
+  assert time_indexed.time_unit(PipelineProblem(16, 8, 4, 4, 2.0, 2.0)) == 2.0
+  assert time_indexed.time_unit(SMALL[1]) == 0.5
+  assert time_indexed.time_unit(SMALL[2]) == 0.5
+  with pytest.raises(ValueError, match="multiples of 0.001"):
+    time_indexed.time_unit(PipelineProblem(2, 1, 2, 2, 1.0, 1.0 / 3.0))
+
+
+def test_lp_proves_the_bound_unreachable_on_a_small_instance_with_an_exact_certificate():
+  assert bounds.tight_lower_bound(TIGHT) == 42.0
+  at_lb = time_indexed.build(TIGHT, 42.0)
+  assert at_lb.infeasible_reason is None  # the windows alone do not rule 42 out
+  res = time_indexed.solve(at_lb, solver="scipy")
+  assert res["status"] == "infeasible" and res["certified"]
+  assert res["certificate_bound"] > 0.1
+  assert res["certificate_bound"] == pytest.approx(res["elastic_optimum"], rel=1e-3)
+  # The multipliers scale freely; a positive bound stays positive.
+  assert time_indexed.certificate_bound(at_lb, 7.0 * res["multipliers"]) > 0
+  one_more = time_indexed.build(TIGHT, 43.0)
+  res43 = time_indexed.solve(one_more, solver="scipy")
+  assert res43["status"] == "feasible" and not res43["certified"]
+
+
+def test_no_multipliers_certify_a_feasible_model():
+  # At 43 a schedule within budget exists (the relaxation has the point), so no non-negative
+  # multipliers may give a positive bound: the exact check must reject all of them.
+  model = time_indexed.build(TIGHT, 43.0)
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    lam = rng.exponential(size=model.b.shape) * (rng.random(model.b.shape) < 0.3)
+    assert time_indexed.certificate_bound(model, lam) <= 0
+  # The multipliers proving 42 unreachable, applied to the model at 43, prove nothing either.
+  with pytest.raises(ValueError, match="multipliers"):
+    time_indexed.certificate_bound(model, np.ones(3))
+
+
+def test_targets_below_the_windows_are_ruled_out_without_a_solver():
+  p = SMALL[0]
+  low = windows.task_windows(p, memory_lags=True).bound() - 1.0
+  model = time_indexed.build(p, low)
+  assert model.infeasible_reason is not None and "no start" in model.infeasible_reason
+  res = time_indexed.solve(model, solver="scipy")
+  assert res["status"] == "infeasible" and res["solver"] == "windows"
+
+
+def test_bad_arguments_are_named():
+  model = time_indexed.build(TIGHT, 43.0)
+  with pytest.raises(ValueError, match="solver="):
+    time_indexed.solve(model, solver="cplex")
+  with pytest.raises(ValueError, match="unit=0.75"):
+    time_indexed.build(TIGHT, 43.0, unit=0.75)
+  fractional = PipelineProblem(4, 4, 2, 2, 2.0, 1.0, actor_mem=1.5)
+  m = time_indexed.build(fractional, 40.0)
+  with pytest.raises(ValueError, match="integer memory"):
+    time_indexed.certificate_bound(m, np.ones(m.b.shape))
+
+
+def test_lp_check_binary_saves_a_certificate_that_verify_rechecks(tmp_path):
+  from tests.test_pipeline_experiments import _run
+  inst = ["--config=configs/schedule_search.py", "--config.actor_pp=4", "--config.critic_pp=4",
+          "--config.actor_microbatches=4", "--config.critic_microbatches=4",
+          "--config.actor_fwd=2", "--config.critic_fwd=1"]
+  out = _run(["experiments.schedule_lp_check", *inst, f"--workdir={tmp_path}", "--solver=scipy"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads((tmp_path / "result.json").read_text())
+  assert result["target"] == result["lower_bound"] == 42.0
+  assert result["certified"] and result["certificate_bound"] > 0
+  assert "unreachable" in result["verdict"]
+  out = _run(["experiments.schedule_lp_check", *inst, f"--workdir={tmp_path}",
+              f"--verify={tmp_path / 'certificate.npz'}"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert json.loads((tmp_path / "verify.json").read_text())["certified"]
+  # A certificate changed by hand no longer proves anything; one for another target is refused.
+  with np.load(tmp_path / "certificate.npz") as f:
+    fields = dict(f)
+  fields["value"] = fields["value"][::-1].copy()
+  np.savez(tmp_path / "tampered.npz", **fields)
+  out = _run(["experiments.schedule_lp_check", *inst, f"--workdir={tmp_path}",
+              f"--verify={tmp_path / 'tampered.npz'}"])
+  assert out.returncode == 0 and not json.loads((tmp_path / "verify.json").read_text())["certified"]
+  out = _run(["experiments.schedule_lp_check", *inst, f"--workdir={tmp_path}", "--target=43",
+              f"--verify={tmp_path / 'certificate.npz'}"])
+  assert out.returncode != 0 and "certificate for target 42, not 43" in out.stderr
