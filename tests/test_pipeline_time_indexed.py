@@ -1,6 +1,7 @@
 """Time-indexed LP relaxation (pipeline/time_indexed.py): a relaxation of every valid schedule
 within budget, and certificates that are checked exactly."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -9,6 +10,8 @@ from rlhfuse_jax.pipeline import bounds, time_indexed, windows
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import PipelineProblem
 from tests.test_pipeline_search import SMALL, _random_valid_orders
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # LB 42 (device 1: work 36 + 2 + 4); the best schedule within budget takes 43 (search, and the
 # LP below proves 42 unreachable).
@@ -131,3 +134,21 @@ def test_lp_check_binary_saves_a_certificate_that_verify_rechecks(tmp_path):
   out = _run(["experiments.schedule_lp_check", *inst, f"--workdir={tmp_path}", "--target=43",
               f"--verify={tmp_path / 'certificate.npz'}"])
   assert out.returncode != 0 and "certificate for target 42, not 43" in out.stderr
+
+
+@pytest.mark.parametrize("name", ["e8", "e10"])
+def test_shipped_certificates_prove_the_bound_unreachable(name):
+  # experiments/results/lp_certificates: made once by schedule_lp_check (HiGHS), re-checked here
+  # exactly, without a solver. e8 and e10 at their tight bounds (186, 318).
+  from configs.schedule_search import REFERENCE_INSTANCES
+  from experiments.schedule_lp_check import load_certificate
+  _, pa, pc, ma, mc, fa, fc = [r for r in REFERENCE_INSTANCES if r[0] == name][0]
+  p = PipelineProblem(pa, pc, ma, mc, fa, fc)
+  lb = bounds.tight_lower_bound(p)
+  model = time_indexed.build(p, lb)
+  path = os.path.join(REPO, "experiments", "results", "lp_certificates", name, "certificate.npz")
+  lam = load_certificate(path, model.A.shape[0], lb)
+  assert time_indexed.certificate_bound(model, lam) > 0.5
+  # A certificate is bound to its target: loading it for another one is refused.
+  with pytest.raises(ValueError, match="certificate for target"):
+    load_certificate(path, model.A.shape[0], lb + 1)

@@ -22,6 +22,11 @@ with a memory penalty, and a memory phase, within a wall-clock budget and a seed
    within a run, temperature cools geometrically; restarts alternate between the best feasible
    and the best unconstrained schedule (the rising penalty pulls the latter back within budget).
 4. Memory phase: annealing on the peaks with the makespan never allowed above the best found.
+5. Both directions (`search`): steps 1-4 run on the problem and on its time-reversed mirror
+   (graph.time_reversed: forward and backward durations swapped; an order read backwards is a
+   schedule of the mirror with the same makespan and peaks). Every heuristic above builds
+   schedules from time 0, so the mirror treats the drain as carefully as the warm-up; each phase
+   starts from the best schedules of the previous one.
 
 Measured on the 12 reference instances: the unconstrained bound is reached easily (by list
 scheduling alone on most), while the memory budget is the hard part; order annealing alone
