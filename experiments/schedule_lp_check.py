@@ -22,7 +22,6 @@ import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
-import numpy as np
 
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import bounds, time_indexed
@@ -37,27 +36,6 @@ _SOLVER = flags.DEFINE_enum("solver", "pdlp", ["pdlp", "ipm", "simplex", "scipy"
 _TIME = flags.DEFINE_float("time_limit_s", 3600.0, "solver time limit")
 _THREADS = flags.DEFINE_integer("threads", 2, "solver threads")
 _VERIFY = flags.DEFINE_string("verify", None, "re-check this certificate.npz instead of solving")
-
-
-def save_certificate(path: str, multipliers: np.ndarray, target: float) -> None:
-  """The non-zero multipliers, compressed, written atomically."""
-  nz = np.flatnonzero(multipliers > 0)
-  tmp = path + ".tmp.npz"
-  np.savez_compressed(tmp, rows=np.int64(multipliers.size), index=nz.astype(np.int32),
-                      value=multipliers[nz], target=np.float64(target))
-  os.replace(tmp, path)
-
-
-def load_certificate(path: str, rows: int, target: float) -> np.ndarray:
-  with np.load(path) as f:
-    if "target" in f and not np.isclose(float(f["target"]), target):
-      raise ValueError(f"{path}: certificate for target {float(f['target']):g}, not {target:g}")
-    if int(f["rows"]) != rows:
-      raise ValueError(f"{path}: certificate for a model of {int(f['rows'])} rows; this instance "
-                       f"and target give {rows} (other instance, target or code version?)")
-    lam = np.zeros(rows)
-    lam[f["index"]] = f["value"]
-  return lam
 
 
 def main(argv):
@@ -75,7 +53,7 @@ def main(argv):
                "(%.1fs)", target, lb, result["vars"], result["rows"], result["nonzeros"],
                model.unit, result["build_s"])
   if _VERIFY.value:
-    lam = load_certificate(_VERIFY.value, model.A.shape[0], target)
+    lam = time_indexed.load_certificate(_VERIFY.value, model.A.shape[0], target)
     bound = time_indexed.certificate_bound(model, lam)
     result.update(verified=_VERIFY.value, certificate_bound=bound, certified=bound > 0)
     logging.info("certificate %s: exact bound %.6g -> %s", _VERIFY.value, bound,
@@ -88,7 +66,7 @@ def main(argv):
   result.update(res)
   if res["certified"] and lam is not None:
     path = os.path.join(_WORKDIR.value, "certificate.npz")
-    save_certificate(path, lam, target)
+    time_indexed.save_certificate(path, lam, target)
     result["certificate"] = "certificate.npz"
   verdict = ("unreachable within budget (certified)" if res["certified"] else
              "LP feasible: the relaxation proves nothing" if res["status"] == "feasible" else

@@ -141,14 +141,13 @@ def test_shipped_certificates_prove_the_bound_unreachable(name):
   # experiments/results/lp_certificates: made once by schedule_lp_check (HiGHS), re-checked here
   # exactly, without a solver. e8 and e10 at their tight bounds (186, 318).
   from configs.schedule_search import REFERENCE_INSTANCES
-  from experiments.schedule_lp_check import load_certificate
   _, pa, pc, ma, mc, fa, fc = [r for r in REFERENCE_INSTANCES if r[0] == name][0]
   p = PipelineProblem(pa, pc, ma, mc, fa, fc)
   lb = bounds.tight_lower_bound(p)
   model = time_indexed.build(p, lb)
   path = os.path.join(REPO, "experiments", "results", "lp_certificates", name, "certificate.npz")
-  lam = load_certificate(path, model.A.shape[0], lb)
+  lam = time_indexed.load_certificate(path, model.A.shape[0], lb)
   assert time_indexed.certificate_bound(model, lam) > 0.5
   # A certificate is bound to its target: loading it for another one is refused.
   with pytest.raises(ValueError, match="certificate for target"):
-    load_certificate(path, model.A.shape[0], lb + 1)
+    time_indexed.load_certificate(path, model.A.shape[0], lb + 1)

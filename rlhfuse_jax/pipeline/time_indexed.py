@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from typing import Optional
 
@@ -248,6 +249,29 @@ def certificate_bound(model: TimeIndexedModel, lam: np.ndarray) -> float:
   b_i = np.rint(b).astype(np.int64)
   total = int(np.minimum(col, 0).sum(dtype=object)) - int((b_i.astype(object) * lam_i).sum())
   return total / scale
+
+
+def save_certificate(path: str, multipliers: np.ndarray, target: float) -> None:
+  """The non-zero multipliers, compressed, written atomically."""
+  nz = np.flatnonzero(multipliers > 0)
+  tmp = path + ".tmp.npz"
+  np.savez_compressed(tmp, rows=np.int64(multipliers.size), index=nz.astype(np.int32),
+                      value=multipliers[nz], target=np.float64(target))
+  os.replace(tmp, path)
+
+
+def load_certificate(path: str, rows: int, target: float) -> np.ndarray:
+  """The multipliers [rows] saved by `save_certificate`; refuses one made for another target or
+  another model size (it could only fail the exact check there)."""
+  with np.load(path) as f:
+    if "target" in f and not np.isclose(float(f["target"]), target):
+      raise ValueError(f"{path}: certificate for target {float(f['target']):g}, not {target:g}")
+    if int(f["rows"]) != rows:
+      raise ValueError(f"{path}: certificate for a model of {int(f['rows'])} rows; this instance "
+                       f"and target give {rows} (other instance, target or code version?)")
+    lam = np.zeros(rows)
+    lam[f["index"]] = f["value"]
+  return lam
 
 
 def solve(model: TimeIndexedModel, solver: str = "pdlp", time_limit_s: float = 3600.0,
