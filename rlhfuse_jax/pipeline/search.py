@@ -486,6 +486,10 @@ def search(problem: PipelineProblem, config: SearchConfig = SearchConfig(),
     if _key(ev, best_feas)[2] <= tight_lower_bound(problem) + 1e-9:
       break
     seeds = [best_feas, best_any]
+  if log:
+    log(f"search done: {time.time() - t0:.1f}s, {evaluations} evaluations in {i + 1} phase(s); "
+        f"best {_key(ev, best_feas)[2]:g} ({'within' if _key(ev, best_feas)[1] == 0 else 'over'} "
+        f"budget), unconstrained {_key(ev, best_any)[2]:g}")
   return SearchResult(best=best_feas, best_unconstrained=best_any, start=first,
                       evaluations=evaluations, search_s=time.time() - t0, history=history)
 
@@ -590,7 +594,7 @@ def _search_one(problem: PipelineProblem, config: SearchConfig,
                                        best_any, stats, 0.0)
     history.append((time.time() - t0, stats[1], stats[6]))
   if log:
-    log(f"search done: {time.time() - t0:.1f}s, {clock.evaluations} evaluations; best within "
+    log(f"phase done: {time.time() - t0:.1f}s, {clock.evaluations} evaluations; best within "
         f"budget {stats[1]:g} (max peak {stats[2]:g}), unconstrained {stats[6]:g}, LB {lb:g}")
   return SearchResult(best=best_feas, best_unconstrained=best_any, start=start,
                       evaluations=clock.evaluations, search_s=time.time() - t0, history=history)
