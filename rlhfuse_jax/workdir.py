@@ -27,14 +27,14 @@ def _to_jsonable(x: Any) -> Any:
   return x
 
 
-def atomic_write_text(path: str, text: str) -> None:
-  """Writes `text` to `path` atomically (same-directory temp file + os.replace)."""
+def atomic_write_bytes(path: str, data: bytes) -> None:
+  """Writes `data` to `path` atomically (same-directory temp file + fsync + os.replace)."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_", suffix=os.path.basename(path))
   try:
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -42,6 +42,11 @@ def atomic_write_text(path: str, text: str) -> None:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+  """Writes `text` (UTF-8) to `path` atomically."""
+  atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def write_json(path: str, obj: Any) -> None:

@@ -9,9 +9,8 @@ import pytest
 from rlhfuse_jax.pipeline import bounds, time_indexed, windows
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import PipelineProblem
+from tests.test_pipeline_experiments import REPO
 from tests.test_pipeline_search import SMALL, _random_valid_orders
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # LB 42 (device 1: work 36 + 2 + 4); the best schedule within budget takes 43 (search, and the
 # LP below proves 42 unreachable).

@@ -487,9 +487,10 @@ def search(problem: PipelineProblem, config: SearchConfig = SearchConfig(),
       break
     seeds = [best_feas, best_any]
   if log:
+    key = _key(ev, best_feas)
     log(f"search done: {time.time() - t0:.1f}s, {evaluations} evaluations in {i + 1} phase(s); "
-        f"best {_key(ev, best_feas)[2]:g} ({'within' if _key(ev, best_feas)[1] == 0 else 'over'} "
-        f"budget), unconstrained {_key(ev, best_any)[2]:g}")
+        f"best {key[2]:g} ({'within' if key[1] == 0 else 'over'} budget), "
+        f"unconstrained {_key(ev, best_any)[2]:g}")
   return SearchResult(best=best_feas, best_unconstrained=best_any, start=first,
                       evaluations=evaluations, search_s=time.time() - t0, history=history)
 

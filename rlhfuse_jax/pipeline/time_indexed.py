@@ -34,14 +34,15 @@ the canonical order (micro-batches of one kind in increasing order on a device).
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
-import os
 import time
 from typing import Optional
 
 import numpy as np
 import scipy.sparse as sp
 
+from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import windows
 from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem
 
@@ -254,10 +255,10 @@ def certificate_bound(model: TimeIndexedModel, lam: np.ndarray) -> float:
 def save_certificate(path: str, multipliers: np.ndarray, target: float) -> None:
   """The non-zero multipliers, compressed, written atomically."""
   nz = np.flatnonzero(multipliers > 0)
-  tmp = path + ".tmp.npz"
-  np.savez_compressed(tmp, rows=np.int64(multipliers.size), index=nz.astype(np.int32),
+  buf = io.BytesIO()
+  np.savez_compressed(buf, rows=np.int64(multipliers.size), index=nz.astype(np.int32),
                       value=multipliers[nz], target=np.float64(target))
-  os.replace(tmp, path)
+  wd.atomic_write_bytes(path, buf.getvalue())
 
 
 def load_certificate(path: str, rows: int, target: float) -> np.ndarray:
