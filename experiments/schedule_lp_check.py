@@ -36,6 +36,9 @@ _SOLVER = flags.DEFINE_enum("solver", "pdlp", ["pdlp", "ipm", "simplex", "scipy"
 _TIME = flags.DEFINE_float("time_limit_s", 3600.0, "solver time limit")
 _THREADS = flags.DEFINE_integer("threads", 2, "solver threads")
 _VERIFY = flags.DEFINE_string("verify", None, "re-check this certificate.npz instead of solving")
+_DEVICES = flags.DEFINE_list("devices", [], "model only these devices (e.g. 4,5,6): its rows "
+                             "are a subset of the whole model's, so its certificate proves the "
+                             "whole target unreachable too; --verify needs the same list")
 
 
 def main(argv):
@@ -45,8 +48,10 @@ def main(argv):
   target = lb if _TARGET.value < 0 else _TARGET.value
   wd.write_config(_WORKDIR.value, _CONFIG.value)
   t0 = time.time()
-  model = time_indexed.build(problem, target)
-  result = {"target": target, "lower_bound": lb, "unit": model.unit, "vars": model.num_vars,
+  devices = [int(x) for x in _DEVICES.value] or None
+  model = time_indexed.build(problem, target, devices=devices)
+  result = {"target": target, "lower_bound": lb, "devices": devices or "all",
+            "unit": model.unit, "vars": model.num_vars,
             "rows": int(model.A.shape[0]), "nonzeros": int(model.A.nnz),
             "build_s": time.time() - t0}
   logging.info("time-indexed model at %g (LB %g): %d variables, %d rows, %d non-zeros, unit %g "

@@ -50,6 +50,37 @@ def test_every_valid_schedule_within_budget_is_a_point_of_the_relaxation(idx):
   assert checked >= 10  # within-budget schedules among the random ones (7 on SMALL[3])
 
 
+@pytest.mark.parametrize("idx,devices", [(0, (1, 2)), (1, (0,)), (3, (2, 3)), (0, (0, 3))])
+def test_a_device_subset_model_is_a_relaxation_of_every_valid_schedule(idx, devices):
+  # Soundness of --devices: the subset's rows hold at every within-budget schedule's starts.
+  p = SMALL[idx]
+  rng = np.random.default_rng(100 + idx)
+  checked = 0
+  for order in _random_valid_orders(p, rng, 60):
+    ev = evaluate(p, order)
+    if not ev.within_budget:
+      continue
+    model = time_indexed.build(p, ev.makespan, devices=devices)
+    assert model.devices == tuple(devices)
+    assert set(model.tasks[:, 1].tolist()) == set(devices)
+    starts, _ = _task_starts(model, p, order)
+    assert np.all(model.A @ model.encode(starts) <= model.b + 1e-9)
+    checked += 1
+  assert checked >= 5
+
+
+def test_a_device_subset_certificate_proves_the_whole_bound_unreachable():
+  # Devices 1-2 of TIGHT alone cannot meet 42; devices 0-1 can (the subset proves nothing).
+  sub = time_indexed.build(TIGHT, 42.0, devices=[2, 1])
+  whole = time_indexed.build(TIGHT, 42.0)
+  assert sub.A.shape[0] < whole.A.shape[0] and sub.devices == (1, 2)
+  res = time_indexed.solve(sub, solver="scipy")
+  assert res["status"] == "infeasible" and res["certified"] and res["certificate_bound"] > 0
+  assert time_indexed.solve(time_indexed.build(TIGHT, 42.0, devices=[0, 1]),
+                            solver="scipy")["status"] == "feasible"
+  assert time_indexed.build(TIGHT, 42.0, devices=range(4)).devices is None  # all: the whole
+
+
 def test_time_unit_is_the_gcd_of_durations_and_latency():
   assert time_indexed.time_unit(PipelineProblem(16, 8, 4, 4, 2.0, 2.0)) == 2.0
   assert time_indexed.time_unit(SMALL[1]) == 0.5
@@ -99,6 +130,9 @@ def test_bad_arguments_are_named():
   model = time_indexed.build(TIGHT, 43.0)
   with pytest.raises(ValueError, match="solver="):
     time_indexed.solve(model, solver="cplex")
+  for devices in ([], [4], [-1, 0]):
+    with pytest.raises(ValueError, match="devices="):
+      time_indexed.build(TIGHT, 43.0, devices=devices)
   with pytest.raises(ValueError, match="unit=0.75"):
     time_indexed.build(TIGHT, 43.0, unit=0.75)
   fractional = PipelineProblem(4, 4, 2, 2, 2.0, 1.0, actor_mem=1.5)

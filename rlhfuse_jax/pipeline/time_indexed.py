@@ -37,7 +37,7 @@ import dataclasses
 import io
 import math
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import scipy.sparse as sp
@@ -64,6 +64,7 @@ class TimeIndexedModel:
   offsets: np.ndarray            # [tasks + 1] first variable of each task
   soft: np.ndarray               # [rows] bool: capacity and memory rows (elastic in `solve`)
   infeasible_reason: Optional[str] = None
+  devices: Optional[tuple] = None  # the devices modelled (None: all)
 
   @property
   def num_vars(self) -> int:
@@ -94,13 +95,15 @@ def time_unit(problem: PipelineProblem) -> float:
 
 
 def _edges(problem: PipelineProblem, index, dur_u: np.ndarray, lat_u: int, lags_u: np.ndarray,
-           caps: np.ndarray) -> list[tuple[int, int, int]]:
-  """(a, b, delta): start_b >= start_a + delta, in units, for every precedence the model states."""
+           caps: np.ndarray, devices: Sequence[int]) -> list[tuple[int, int, int]]:
+  """(a, b, delta): start_b >= start_a + delta, in units, for every precedence the model states
+  between tasks on `devices` (index returns None for a task on another device: that edge is
+  dropped, which only relaxes the model)."""
   p = problem
   n, pc = p.num_devices, p.critic_pp
   counts = p.kind_counts()
   out = []
-  for d in range(n):
+  for d in devices:
     c = p.critic_stage(d)
     for k in range(4):
       for j in range(int(counts[k])):
@@ -123,13 +126,23 @@ def _edges(problem: PipelineProblem, index, dur_u: np.ndarray, lat_u: int, lags_
           cap = int(caps[d, k // 2])
           if j >= cap:  # memory: F(j) after B(j - K) ends
             out.append((index(k + 1, d, j - cap), b, int(dur_u[k + 1])))
-  return out
+  return [e for e in out if e[0] is not None]
 
 
-def build(problem: PipelineProblem, target: float, unit: Optional[float] = None
-          ) -> TimeIndexedModel:
-  """The time-indexed relaxation at makespan `target` (module docstring)."""
+def build(problem: PipelineProblem, target: float, unit: Optional[float] = None,
+          devices: Optional[Sequence[int]] = None) -> TimeIndexedModel:
+  """The time-indexed relaxation at makespan `target` (module docstring).
+
+  devices: only the tasks on these devices and the rows among them (a subset of the whole
+  model's rows and variables, so a certificate for it also proves the whole model infeasible);
+  dependencies on other devices are then represented by the windows alone. Smaller models
+  solve in minutes where the whole one does not converge."""
   p = problem
+  n = p.num_devices
+  devs = sorted(set(range(n) if devices is None else (int(d) for d in devices)))
+  if not devs or devs[0] < 0 or devs[-1] >= n:
+    raise ValueError(f"devices={devices!r}: expected a non-empty subset of 0..{n - 1}")
+  subset = None if len(devs) == n else tuple(devs)
   unit = time_unit(p) if unit is None else float(unit)
   dur_u = np.rint(p.durations() / unit).astype(np.int64)  # [4]
   if np.any(np.abs(dur_u * unit - p.durations()) > 1e-9):
@@ -140,14 +153,14 @@ def build(problem: PipelineProblem, target: float, unit: Optional[float] = None
   caps = windows.memory_caps(p)
   lags_u = np.ceil(win.lags / unit - 1e-9).astype(np.int64)  # [N, 2]
   counts = p.kind_counts()
-  n = p.num_devices
-  tasks = np.array([(k, d, j) for d in range(n) for k in range(4) for j in range(counts[k])],
+  tasks = np.array([(k, d, j) for d in devs for k in range(4) for j in range(counts[k])],
                    dtype=np.int64)  # [tasks, 3]
   base = {}
   for i, (k, d, j) in enumerate(tasks.tolist()):
     if j == 0:
       base[k, d] = i
-  index = lambda k, d, j: base[k, d] + j  # noqa: E731  (tasks of a (kind, device) are contiguous)
+  def index(k, d, j):  # tasks of a (kind, device) are contiguous; None: not in the model
+    return base[k, d] + j if (k, d) in base else None
   lo = np.array([math.ceil(win.heads[k][d, j] / unit - 1e-9) for k, d, j in tasks.tolist()],
                 dtype=np.int64)
   hi = np.array([math.floor((target - win.tails[k][d, j]) / unit + 1e-9)
@@ -156,7 +169,7 @@ def build(problem: PipelineProblem, target: float, unit: Optional[float] = None
 
   def empty(reason):
     return TimeIndexedModel(p, float(target), unit, sp.csr_matrix((0, 0)), np.zeros(0), tasks,
-                            lo, hi, offsets, np.zeros(0, dtype=bool), reason)
+                            lo, hi, offsets, np.zeros(0, dtype=bool), reason, subset)
 
   bad = np.flatnonzero(hi < lo)
   if bad.size:
@@ -195,7 +208,7 @@ def build(problem: PipelineProblem, target: float, unit: Optional[float] = None
     ids = new_rows(t.size, 0.0)
     add_terms(i, ids, t - 1, 1.0)
     add_terms(i, ids, t, -1.0)
-  for a, b, delta in _edges(p, index, dur_u, lat_u, lags_u, caps):
+  for a, b, delta in _edges(p, index, dur_u, lat_u, lags_u, caps, devs):
     # y[b, t] <= y[a, t - delta]; before lo[b] the row holds trivially (y[b, t] = 0), from
     # max(hi[b], hi[a] + delta) on both sides are 1.
     t = np.arange(lo[b], max(hi[b], hi[a] + delta) + 1)
@@ -204,7 +217,7 @@ def build(problem: PipelineProblem, target: float, unit: Optional[float] = None
     add_terms(a, ids, t - delta, -1.0)
   mem = p.mem_deltas()
   slots = np.arange(horizon)
-  for d in range(n):
+  for d in devs:
     cap_ids = new_rows(horizon, 1.0, True)
     mem_ids = new_rows(horizon, float(p.budget()[d]), True)
     for i in np.flatnonzero(tasks[:, 1] == d):
@@ -223,7 +236,7 @@ def build(problem: PipelineProblem, target: float, unit: Optional[float] = None
     return empty("a row without variables is violated by the windows' constants")
   A, b = A[used], b[used]
   return TimeIndexedModel(p, float(target), unit, A.tocsr(), b, tasks, lo, hi, offsets,
-                          np.concatenate(soft)[used])
+                          np.concatenate(soft)[used], None, subset)
 
 
 def _integral(x: np.ndarray) -> bool:
