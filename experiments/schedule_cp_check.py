@@ -20,7 +20,9 @@ far smaller on 16-device instances.
 Minimise mode (--minimize): minimises the makespan, hinted with (and bounded above by) the best
 schedule the heuristic search finds in --hint_search_s seconds, bounded below by the tight bound;
 reports the best makespan found and CP-SAT's proven lower bound (equal: a proven optimum).
-A schedule found is written as schedule.json and gantt.png, as schedule_search does.
+A schedule found is written as schedule.json and gantt.png, as schedule_search does;
+schedule.json is rewritten (atomically) at each improvement, so stopping a long run early keeps
+its best schedule. --log_search prints CP-SAT's own progress log (bounds, subsolvers).
 
 Needs ortools (an optional analysis dependency, not needed by the library; kept out of the main
 environment because it pins an older protobuf: `pip install --target DIR ortools` and put DIR on
@@ -36,7 +38,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -62,12 +64,16 @@ _MEM_LAGS = flags.DEFINE_bool("memory_lags", True, "add the precedences the memo
                                "implies: F(d, j+K) starts after B(d, j) ends, K = budget // mem")
 _DEVICES = flags.DEFINE_list("devices", [], "relaxation on these devices only (e.g. 8,9,10): "
                              "INFEASIBLE proves the whole instance infeasible; empty: all")
+_LOG_SEARCH = flags.DEFINE_bool("log_search", False, "print CP-SAT's own search log (presolve, "
+                                "subsolvers, each improving solution and bound)")
 
 
 def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: int,
           minimize: bool = False, hint: Optional[np.ndarray] = None,
           memory: str = "reservoir", use_windows: bool = True,
-          devices: Optional[Sequence[int]] = None, memory_lags: bool = True):
+          devices: Optional[Sequence[int]] = None, memory_lags: bool = True,
+          on_solution: Optional[Callable[[np.ndarray, float], None]] = None,
+          log_search: bool = False):
   """Returns (status name, order int8 [N, T] or None, seconds, proven lower bound).
 
   target: the makespan to reach (check) or the horizon (minimize). hint: an order [N, T] whose
@@ -84,6 +90,9 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
   micro-batches can be in flight even when the other model holds none; with micro-batches in
   canonical order that is the precedence F(j + K) starts no earlier than B(j) ends (else j..j+K
   would all hold memory at once). Redundant with the memory constraint, but propagated directly.
+  on_solution(order, seconds): called with each schedule the solver finds on the full problem
+  (in minimize mode, each improvement), so a long run that is killed keeps its best schedule.
+  log_search: CP-SAT's own progress log on stdout.
   """
   if memory not in ("reservoir", "cumulative", "both"):
     raise ValueError(f"memory={memory!r}; expected 'reservoir', 'cumulative' or 'both'")
@@ -180,16 +189,24 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
         seen[k] += 1
     if minimize:
       m.AddHint(mk, int(round(ev.makespan)))
+  def order_of(value):  # each device's kinds sorted by start time
+    return np.array([[k for _, k in sorted((value(s[k, d, j]), k) for k in range(4)
+                                           for j in range(counts[k]))] for d in range(n)],
+                    dtype=np.int8)
+
+  class Progress(cp_model.CpSolverSolutionCallback):
+    def on_solution_callback(self):
+      on_solution(order_of(self.Value), time.time() - t0)
+
   solver = cp_model.CpSolver()
   solver.parameters.max_time_in_seconds = time_limit_s
   solver.parameters.num_workers = workers
+  solver.parameters.log_search_progress = log_search
   t0 = time.time()
-  status = solver.Solve(m)
+  status = solver.Solve(m, Progress() if on_solution is not None and full else None)
   order = None
   if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) and full:
-    order = np.array([[k for _, k in sorted((solver.Value(s[k, d, j]), k) for k in range(4)
-                                            for j in range(counts[k]))] for d in range(n)],
-                     dtype=np.int8)
+    order = order_of(solver.Value)
   bound = solver.BestObjectiveBound() if minimize else float("nan")
   return solver.StatusName(status), order, time.time() - t0, bound
 
@@ -212,10 +229,21 @@ def main(argv):
     target = int(round(_TARGET.value))
   else:
     target = int(round(result["hint_makespan"] if _MINIMIZE.value else lb))
+  sched_path = os.path.join(_WORKDIR.value, "schedule.json")
+
+  def on_solution(order, secs):
+    # Each schedule the solver finds is kept at once (atomically), so a run stopped or killed
+    # before its time limit still leaves its best schedule behind.
+    ev = evaluate(problem, order)
+    wd.atomic_write_text(sched_path, schedule.from_order(problem, order).to_json() + "\n")
+    logging.info("solution at %.1fs: makespan %g (LB %g), within budget %s; kept in %s",
+                 secs, ev.makespan, lb, ev.within_budget, sched_path)
+
   status, order, secs, bound = check(problem, target, _TIME.value, _WORKERS.value,
                                      _MINIMIZE.value, hint, _MEMORY.value, _WINDOWS.value,
                                      [int(x) for x in _DEVICES.value] or None,
-                                     _MEM_LAGS.value)
+                                     _MEM_LAGS.value, on_solution=on_solution,
+                                     log_search=_LOG_SEARCH.value)
   result.update({"target": target, "lower_bound": lb, "status": status, "solve_s": secs,
                  "windows": _WINDOWS.value, "memory_model": _MEMORY.value,
                  "memory_lags": _MEM_LAGS.value,
@@ -230,7 +258,7 @@ def main(argv):
     # The solver's schedule, re-timed by evaluate.py, in the format of schedule_search (it can
     # seed a search, run through the executor, or be looked at).
     sched = schedule.from_order(problem, order)
-    wd.atomic_write_text(os.path.join(_WORKDIR.value, "schedule.json"), sched.to_json() + "\n")
+    wd.atomic_write_text(sched_path, sched.to_json() + "\n")
     gantt.plot_gantt(sched, os.path.join(_WORKDIR.value, "gantt.png"),
                      title=f"CP-SAT schedule: makespan {ev.makespan:g}, tight LB {lb:g}, "
                            f"peak/budget {np.max(ev.peaks / ev.budget):.2f}")
