@@ -116,37 +116,27 @@ def test_memory_lag_windows_are_tighter_on_reference_instances():
   assert win.heads[AF][4, 31] > plain.heads[AF][4, 31]
 
 
-def test_e7_optimum_from_cp_sat_meets_the_bound_and_lies_in_every_window():
-  # experiments/results/e7_cp_schedule: the schedule CP-SAT found for e7 (Pa/Pc 16/8, Ma/Mc 32/16,
-  # fa = fc = 2) at the tight bound within budget. Re-timed here by evaluate.py, it must still
-  # reach 330 within budget, and, being tight everywhere on device 8, it is the sharpest check
-  # we have that the windows and the memory lags cut no valid schedule.
+@pytest.mark.parametrize("name,shape,makespan,bound", [
+    # e7 (Pa/Pc 16/8, Ma/Mc 32/16, fa = fc = 2): CP-SAT's schedule at the tight bound within
+    # budget; tight everywhere on device 8, the sharpest check that the windows and the memory
+    # lags cut no valid schedule.
+    ("e7_cp_schedule", (16, 8, 32, 16), 330.0, 330.0),
+    # e6 (Ma/Mc 64/32): the best schedule known, from a CP-SAT minimisation; 4 above the tight
+    # bound, 10 below the 20 s search. The same check on a larger instance.
+    ("e6_cp_schedule", (16, 8, 64, 32), 622.0, 618.0),
+])
+def test_kept_cp_sat_schedules_keep_their_makespan_and_lie_in_every_window(name, shape, makespan,
+                                                                           bound):
+  # experiments/results/<name>: re-timed here by evaluate.py, the kept schedule must still reach
+  # its makespan within budget and lie in every window of pipeline/windows.py.
   import pathlib
   from rlhfuse_jax.pipeline import schedule
-  path = (pathlib.Path(__file__).resolve().parents[1] / "experiments" / "results" /
-          "e7_cp_schedule" / "schedule.json")
+  path = (pathlib.Path(__file__).resolve().parents[1] / "experiments" / "results" / name /
+          "schedule.json")
   sched = schedule.from_json(path.read_text())
   p = sched.problem
-  assert (p.actor_pp, p.critic_pp, p.actor_microbatches, p.critic_microbatches) == (16, 8, 32, 16)
+  assert (p.actor_pp, p.critic_pp, p.actor_microbatches, p.critic_microbatches) == shape
   ev = evaluate(p, sched.order())
-  assert ev.makespan == bounds.tight_lower_bound(p) == 330.0
-  assert ev.within_budget and np.all(ev.budget == np.array([34.0] * 8 + [18.0] * 8))
-  assert _violations(p, sched.order(), task_windows(p, memory_lags=True)) == 0
-
-
-def test_e6_cp_schedule_is_within_budget_at_622():
-  # experiments/results/e6_cp_schedule: the best schedule known for e6 (Pa/Pc 16/8, Ma/Mc 64/32,
-  # fa = fc = 2), from a CP-SAT minimisation; 4 above the tight bound 618, 10 below the 20 s
-  # search. Re-timed by evaluate.py it must keep its makespan within budget and lie in every
-  # window (a second check, on a larger instance, that the windows cut no valid schedule).
-  import pathlib
-  from rlhfuse_jax.pipeline import schedule
-  path = (pathlib.Path(__file__).resolve().parents[1] / "experiments" / "results" /
-          "e6_cp_schedule" / "schedule.json")
-  sched = schedule.from_json(path.read_text())
-  p = sched.problem
-  assert (p.actor_pp, p.critic_pp, p.actor_microbatches, p.critic_microbatches) == (16, 8, 64, 32)
-  ev = evaluate(p, sched.order())
-  assert ev.makespan == 622.0 and bounds.tight_lower_bound(p) == 618.0
+  assert ev.makespan == makespan and bounds.tight_lower_bound(p) == bound
   assert ev.within_budget and np.all(ev.budget == np.array([34.0] * 8 + [18.0] * 8))
   assert _violations(p, sched.order(), task_windows(p, memory_lags=True)) == 0
