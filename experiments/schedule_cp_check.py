@@ -18,7 +18,8 @@ summarised by those windows: a relaxation, so INFEASIBLE there is a proof for th
 far smaller on 16-device instances.
 
 Minimise mode (--minimize): minimises the makespan, hinted with (and bounded above by) the best
-schedule the heuristic search finds in --hint_search_s seconds, bounded below by the tight bound;
+schedule the heuristic search finds in --hint_search_s seconds, or by a kept schedule
+(--hint_schedule=DIR/schedule.json, to go on from an earlier run), bounded below by the tight bound;
 reports the best makespan found and CP-SAT's proven lower bound (equal: a proven optimum).
 A schedule found is written as schedule.json and gantt.png, as schedule_search does;
 schedule.json is rewritten (atomically) at each improvement, so stopping a long run early keeps
@@ -58,6 +59,9 @@ _MINIMIZE = flags.DEFINE_bool("minimize", False, "minimise the makespan instead 
 _MEMORY = flags.DEFINE_enum("memory", "reservoir", ["reservoir", "cumulative", "both"],
                             "CP model of the memory budget")
 _HINT_S = flags.DEFINE_float("hint_search_s", 20.0, "heuristic search seconds for the hint")
+_HINT_SCHEDULE = flags.DEFINE_string("hint_schedule", None, "schedule.json to hint with instead "
+                                     "of a search (e.g. a kept CP-SAT schedule, to go on "
+                                     "minimising from it); its problem must equal the config's")
 _WINDOWS = flags.DEFINE_bool("windows", True, "add the task windows and lags of "
                              "pipeline/windows.py (redundant constraints that speed up proofs)")
 _MEM_LAGS = flags.DEFINE_bool("memory_lags", True, "add the precedences the memory budget "
@@ -217,14 +221,22 @@ def main(argv):
   lb = bounds.tight_lower_bound(problem)
   wd.write_config(_WORKDIR.value, _CONFIG.value)
   hint, result = None, {}
-  if _MINIMIZE.value:
+  if _HINT_SCHEDULE.value:
+    hint = schedule.load(_HINT_SCHEDULE.value, problem).order()
+    result["hint_schedule"] = _HINT_SCHEDULE.value
+  elif _MINIMIZE.value:
     search.warmup()
     res = search.search(problem, search.SearchConfig(time_budget_s=_HINT_S.value,
                                                      seed=int(_CONFIG.value.seed)))
     hint = res.best
-    hint_mk = evaluate(problem, hint).makespan
-    result["hint_makespan"] = hint_mk
-    logging.info("hint from %gs of search: %g", _HINT_S.value, hint_mk)
+  if hint is not None:
+    ev = evaluate(problem, hint)
+    if _MINIMIZE.value and not ev.within_budget:
+      raise ValueError(f"hint schedule exceeds the memory budget (peaks {ev.peaks.tolist()}, "
+                       f"budget {ev.budget.tolist()}): it cannot bound the minimisation")
+    result["hint_makespan"] = ev.makespan
+    logging.info("hint (%s): makespan %g", _HINT_SCHEDULE.value or
+                 f"{_HINT_S.value:g}s of search", ev.makespan)
   if _TARGET.value >= 0:
     target = int(round(_TARGET.value))
   else:

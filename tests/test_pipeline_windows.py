@@ -133,9 +133,11 @@ def test_kept_cp_sat_schedules_keep_their_makespan_and_lie_in_every_window(name,
   from rlhfuse_jax.pipeline import schedule
   path = (pathlib.Path(__file__).resolve().parents[1] / "experiments" / "results" / name /
           "schedule.json")
-  sched = schedule.from_json(path.read_text())
-  p = sched.problem
-  assert (p.actor_pp, p.critic_pp, p.actor_microbatches, p.critic_microbatches) == shape
+  p = PipelineProblem(*shape, 2.0, 2.0)
+  sched = schedule.load(str(path), p)  # checks it is a schedule of p (what --hint_schedule uses)
+  other = PipelineProblem(16, 8, 16, 8, 2.0, 2.0)  # e8
+  with pytest.raises(ValueError, match=f"{name}/schedule.json: a schedule of .* not of the"):
+    schedule.load(str(path), other)
   ev = evaluate(p, sched.order())
   assert ev.makespan == makespan and bounds.tight_lower_bound(p) == bound
   assert ev.within_budget and np.all(ev.budget == np.array([34.0] * 8 + [18.0] * 8))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -128,3 +128,13 @@ def from_dict(data: dict[str, Any]) -> Schedule:
 
 def from_json(text: str) -> Schedule:
   return from_dict(json.loads(text))
+
+
+def load(path: str, problem: Optional[PipelineProblem] = None) -> Schedule:
+  """Reads a schedule.json; with `problem`, checks the schedule is one of that problem."""
+  with open(path) as f:
+    sched = from_json(f.read())
+  if problem is not None and sched.problem != problem:
+    raise ValueError(f"{path}: a schedule of {sched.problem.to_dict()}, not of the expected "
+                     f"problem {problem.to_dict()}")
+  return sched
