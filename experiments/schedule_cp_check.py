@@ -25,6 +25,11 @@ A schedule found is written as schedule.json and gantt.png, as schedule_search d
 schedule.json is rewritten (atomically) at each improvement, so stopping a long run early keeps
 its best schedule. --log_search prints CP-SAT's own progress log (bounds, subsolvers).
 
+Splice mode (--hint_schedule=S --splice=T1,T2,D): a local repair of schedule S that CP-SAT's own
+neighbourhood search cannot express: S's tasks starting before T1 keep their starts, those at or
+after T2 move D earlier, and the band between is re-solved at S's makespan - D. A restriction:
+a schedule found is valid; INFEASIBLE says only that no repair of this band exists.
+
 Needs ortools (an optional analysis dependency, not needed by the library; kept out of the main
 environment because it pins an older protobuf: `pip install --target DIR ortools` and put DIR on
 PYTHONPATH for this binary only).
@@ -66,6 +71,10 @@ _WINDOWS = flags.DEFINE_bool("windows", True, "add the task windows and lags of 
                              "pipeline/windows.py (redundant constraints that speed up proofs)")
 _MEM_LAGS = flags.DEFINE_bool("memory_lags", True, "add the precedences the memory budget "
                                "implies: F(d, j+K) starts after B(d, j) ends, K = budget // mem")
+_SPLICE = flags.DEFINE_list("splice", [], "T1,T2,S with --hint_schedule: keep the hint's tasks "
+                            "starting before T1, move those starting at or after T2 S earlier, "
+                            "re-solve the band between at the hint's makespan - S (a "
+                            "restriction: INFEASIBLE says only that this repair does not exist)")
 _DEVICES = flags.DEFINE_list("devices", [], "relaxation on these devices only (e.g. 8,9,10): "
                              "INFEASIBLE proves the whole instance infeasible; empty: all")
 _LOG_SEARCH = flags.DEFINE_bool("log_search", False, "print CP-SAT's own search log (presolve, "
@@ -77,7 +86,7 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
           memory: str = "reservoir", use_windows: bool = True,
           devices: Optional[Sequence[int]] = None, memory_lags: bool = True,
           on_solution: Optional[Callable[[np.ndarray, float], None]] = None,
-          log_search: bool = False):
+          log_search: bool = False, fixed: Optional[dict] = None):
   """Returns (status name, order int8 [N, T] or None, seconds, proven lower bound).
 
   target: the makespan to reach (check) or the horizon (minimize). hint: an order [N, T] whose
@@ -97,6 +106,8 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
   on_solution(order, seconds): called with each schedule the solver finds on the full problem
   (in minimize mode, each improvement), so a long run that is killed keeps its best schedule.
   log_search: CP-SAT's own progress log on stdout.
+  fixed: {(kind, device, microbatch): start} pins those tasks (a restriction: a schedule found
+  is valid, INFEASIBLE then proves nothing about the instance).
   """
   if memory not in ("reservoir", "cumulative", "both"):
     raise ValueError(f"memory={memory!r}; expected 'reservoir', 'cumulative' or 'both'")
@@ -132,6 +143,11 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
     lo = {(k, d, j): 0 for d in devs for k in range(4) for j in range(counts[k])}
     hi = {key: target - dur[key[0]] for key in lo}
   s = {key: m.NewIntVar(lo[key], hi[key], "s{}_{}_{}".format(*key)) for key in lo}
+  for key, start in (fixed or {}).items():
+    if key in s:
+      if not lo[key] <= start <= hi[key]:  # a pinned task outside its window
+        return "INFEASIBLE", None, 0.0, float("nan")
+      m.Add(s[key] == int(round(start)))
   def dep(kind, dev, j, extra):  # a dependency on a task that may lie outside the subset
     if (kind, dev, j) in s:
       m.Add(x >= s[kind, dev, j] + extra)
@@ -221,9 +237,24 @@ def main(argv):
   lb = bounds.tight_lower_bound(problem)
   wd.write_config(_WORKDIR.value, _CONFIG.value)
   hint, result = None, {}
+  fixed, shift = None, 0
+  if _SPLICE.value and not _HINT_SCHEDULE.value:
+    raise ValueError("--splice needs --hint_schedule (the schedule to repair)")
   if _HINT_SCHEDULE.value:
-    hint = schedule.load(_HINT_SCHEDULE.value, problem).order()
+    kept = schedule.load(_HINT_SCHEDULE.value, problem)
+    hint = kept.order()
     result["hint_schedule"] = _HINT_SCHEDULE.value
+    if _SPLICE.value:
+      try:
+        t1, t2, shift = (float(x) for x in _SPLICE.value)
+      except ValueError as e:
+        raise ValueError(f"--splice={','.join(_SPLICE.value)}: expected three numbers T1,T2,S"
+                         ) from e
+      fixed = schedule.splice_pins(kept, t1, t2, shift)
+      result.update(splice={"t1": t1, "t2": t2, "shift": shift},
+                    pinned_tasks=len(fixed), free_tasks=hint.size - len(fixed))
+      logging.info("splice: %d tasks pinned, %d free in the band", len(fixed),
+                   hint.size - len(fixed))
   elif _MINIMIZE.value:
     search.warmup()
     res = search.search(problem, search.SearchConfig(time_budget_s=_HINT_S.value,
@@ -240,7 +271,8 @@ def main(argv):
   if _TARGET.value >= 0:
     target = int(round(_TARGET.value))
   else:
-    target = int(round(result["hint_makespan"] if _MINIMIZE.value else lb))
+    target = int(round(result["hint_makespan"] - shift if _MINIMIZE.value or fixed is not None
+                       else lb))
   sched_path = os.path.join(_WORKDIR.value, "schedule.json")
 
   def on_solution(order, secs):
@@ -255,7 +287,7 @@ def main(argv):
                                      _MINIMIZE.value, hint, _MEMORY.value, _WINDOWS.value,
                                      [int(x) for x in _DEVICES.value] or None,
                                      _MEM_LAGS.value, on_solution=on_solution,
-                                     log_search=_LOG_SEARCH.value)
+                                     log_search=_LOG_SEARCH.value, fixed=fixed)
   result.update({"target": target, "lower_bound": lb, "status": status, "solve_s": secs,
                  "windows": _WINDOWS.value, "memory_model": _MEMORY.value,
                  "memory_lags": _MEM_LAGS.value,

@@ -129,6 +129,34 @@ def test_schedule_json_roundtrip_and_labels():
     schedule.from_dict(data)
 
 
+def test_splice_pins_keep_the_head_shift_the_tail_and_free_the_band(tmp_path):
+  p = PipelineProblem(4, 2, 6, 3, 2.0, 1.0)
+  sched = schedule.from_order(p, schedules.greedy_order(p))
+  path = tmp_path / "schedule.json"
+  path.write_text(sched.to_json())
+  assert schedule.load(str(path), p) == sched
+  with pytest.raises(ValueError, match="not of the expected problem"):
+    schedule.load(str(path), PipelineProblem(4, 2, 6, 3, 2.0, 2.0))
+  starts = {}
+  for d, dev in enumerate(sched.devices):
+    for t in dev:
+      starts[(("actor", "critic").index(t.model) * 2 + ("F", "B").index(t.kind), d,
+              t.microbatch)] = t.start
+  assert schedule.splice_pins(sched, sched.makespan, sched.makespan, 0.0) == starts
+  assert schedule.splice_pins(sched, 0.0, float("inf"), 3.0) == {}
+  t1, t2, shift = 6.0, 14.0, 2.0
+  pins = schedule.splice_pins(sched, t1, t2, shift)
+  free = [key for key, st in starts.items() if t1 <= st < t2]
+  assert free and len(pins) == len(starts) - len(free)
+  for key, st in starts.items():
+    if st < t1:
+      assert pins[key] == st
+    elif st >= t2:
+      assert pins[key] == st - shift
+  with pytest.raises(ValueError, match="expected t1 <= t2"):
+    schedule.splice_pins(sched, 5.0, 4.0, 1.0)
+
+
 @pytest.mark.parametrize("idx", range(len(SMALL)))
 def test_time_reversed_mirror_keeps_makespan_and_peaks(idx):
   # graph.time_reversed: forward and backward durations swapped, memory and budget kept; an order

@@ -138,3 +138,26 @@ def load(path: str, problem: Optional[PipelineProblem] = None) -> Schedule:
     raise ValueError(f"{path}: a schedule of {sched.problem.to_dict()}, not of the expected "
                      f"problem {problem.to_dict()}")
   return sched
+
+
+def splice_pins(sched: Schedule, t1: float, t2: float, shift: float
+                ) -> dict[tuple[int, int, int], float]:
+  """Start times that keep `sched` outside the band [t1, t2): {(kind, device, microbatch): start}.
+
+  Tasks starting before t1 keep their start; tasks starting at or after t2 start `shift` earlier;
+  tasks in the band are left out (free). Pinning these and re-solving the band at makespan −
+  shift asks whether the schedule can be repaired locally (schedule_cp_check --splice): the kept
+  sets are closed under dependencies (every successor of a task starts later), so the pins are
+  consistent with each other whenever the band can absorb the shift.
+  """
+  if not (t1 <= t2 and shift >= 0):
+    raise ValueError(f"splice band [{t1}, {t2}) with shift {shift}: expected t1 <= t2, shift >= 0")
+  pins = {}
+  for d, dev in enumerate(sched.devices):
+    for t in dev:
+      key = (_KIND_OF[(t.model, t.kind)], d, t.microbatch)
+      if t.start < t1:
+        pins[key] = t.start
+      elif t.start >= t2:
+        pins[key] = t.start - shift
+  return pins
