@@ -143,11 +143,14 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
     lo = {(k, d, j): 0 for d in devs for k in range(4) for j in range(counts[k])}
     hi = {key: target - dur[key[0]] for key in lo}
   s = {key: m.NewIntVar(lo[key], hi[key], "s{}_{}_{}".format(*key)) for key in lo}
-  for key, start in (fixed or {}).items():
-    if key in s:
-      if not lo[key] <= start <= hi[key]:  # a pinned task outside its window
-        return "INFEASIBLE", None, 0.0, float("nan")
-      m.Add(s[key] == int(round(start)))
+  fixed = {key: int(round(start)) for key, start in (fixed or {}).items() if key in s}
+  outside = [key for key, start in fixed.items() if not lo[key] <= start <= hi[key]]
+  if outside:  # pinned tasks whose windows exclude their pinned starts: no solver needed
+    logging.info("%d pinned tasks lie outside their windows at target %d, e.g. (kind, device, "
+                 "microbatch) %s", len(outside), target, sorted(outside, key=fixed.get)[:5])
+    return "INFEASIBLE", None, 0.0, float("nan")
+  for key, start in fixed.items():
+    m.Add(s[key] == start)
   def dep(kind, dev, j, extra):  # a dependency on a task that may lie outside the subset
     if (kind, dev, j) in s:
       m.Add(x >= s[kind, dev, j] + extra)
