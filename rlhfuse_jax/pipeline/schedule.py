@@ -146,9 +146,10 @@ def splice_pins(sched: Schedule, t1: float, t2: float, shift: float
 
   Tasks starting before t1 keep their start; tasks starting at or after t2 start `shift` earlier;
   tasks in the band are left out (free). Pinning these and re-solving the band at makespan −
-  shift asks whether the schedule can be repaired locally (schedule_cp_check --splice): the kept
-  sets are closed under dependencies (every successor of a task starts later), so the pins are
-  consistent with each other whenever the band can absorb the shift.
+  shift asks whether the schedule can be repaired locally (schedule_cp_check --splice). Every
+  successor of a task starts later, so no pinned task waits on a free one in the head, nor a free
+  one on a moved one; but a moved task may now start before a kept predecessor ends (a band
+  narrower than the shift), in which case the pins alone are contradictory and the solver says so.
   """
   if not (t1 <= t2 and shift >= 0):
     raise ValueError(f"splice band [{t1}, {t2}) with shift {shift}: expected t1 <= t2, shift >= 0")
