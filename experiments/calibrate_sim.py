@@ -17,7 +17,6 @@ from rlhfuse_jax.parallel.host_devices import request_host_devices
 request_host_devices(8)  # before the first jax import
 
 import functools  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -27,6 +26,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from rlhfuse_jax import workdir as wd  # noqa: E402
 from rlhfuse_jax.generation import engine  # noqa: E402
+from rlhfuse_jax.generation.measure import median_s  # noqa: E402
 from rlhfuse_jax.generation.sampling import SamplingConfig  # noqa: E402
 from rlhfuse_jax.inference import scoring  # noqa: E402
 from rlhfuse_jax.models import llama  # noqa: E402
@@ -36,16 +36,6 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Calibration config.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
 flags.mark_flags_as_required(["config", "workdir"])
-
-
-def _median_s(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())  # compile / warm up
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
 
 
 def measure(c) -> dict:
@@ -68,13 +58,13 @@ def measure(c) -> dict:
   plens = jnp.full((s,), p, jnp.int32)
   uids = jnp.arange(s, dtype=jnp.int32)
   pre = jax.jit(functools.partial(engine.prefill, cfg, sampling=sampling, max_len=max_len))
-  prefill_s = _median_s(lambda: pre(params, prompts, plens, uids, key), c.repeats)
+  prefill_s = median_s(lambda: pre(params, prompts, plens, uids, key), c.repeats)
   state = pre(params, prompts, plens, uids, key)
   chunk = jax.jit(functools.partial(engine.decode_chunk, cfg, sampling=sampling))
   step_s = []
   for b in occ:
     st = state.replace(done=jnp.arange(s) >= b)  # b live rows; done rows stay in the batch
-    step_s.append(_median_s(lambda: chunk(params, st, key), c.repeats) / c.chunk_size)
+    step_s.append(median_s(lambda: chunk(params, st, key), c.repeats) / c.chunk_size)
     logging.info("decode step with %d/%d live rows: %.3f ms", b, s, 1e3 * step_s[-1])
   mb, t = c.inference_microbatch, c.max_new_tokens
   toks = jnp.asarray(rng.integers(1, cfg.vocab_size, (mb, p + t)), jnp.int32)  # [mb, P+T]
@@ -84,13 +74,13 @@ def measure(c) -> dict:
     return (scoring.reference_logprobs(cfg, params, toks, mplens, t),
             scoring.critic_values(critic_cfg, cparams, toks, mplens, t),
             scoring.reward_model_scores(critic_cfg, cparams, toks, mplens, rlens))
-  inf_s = _median_s(infer, c.repeats)
+  inf_s = median_s(infer, c.repeats)
   devs = jax.devices()
   if len(devs) < 2:
     raise ValueError("migration timing needs at least 2 devices")
   rows = jax.device_put(state.cache.k[:, :c.migrate_rows], devs[0])  # [L, rows, max_len, kv, d]
   nbytes = 2 * rows.nbytes  # K and V
-  mig_s = _median_s(lambda: (jax.device_put(rows, devs[1]), jax.device_put(rows, devs[1])),
+  mig_s = median_s(lambda: (jax.device_put(rows, devs[1]), jax.device_put(rows, devs[1])),
                     c.repeats)
   return {
       "format": calibration.FORMAT,

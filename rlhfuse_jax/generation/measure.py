@@ -33,7 +33,8 @@ from rlhfuse_jax.sim.generation_sim import GenSetup
 _NEGLIGIBLE_RATE = 1e15
 
 
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
+def median_s(fn: Callable[[], object], repeats: int) -> float:
+  """Median wall seconds of `fn()` over `repeats` calls, after one untimed call (compile, warm-up)."""
   jax.block_until_ready(fn())  # warm-up
   times = []
   for _ in range(repeats):
@@ -73,7 +74,7 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   uids = np.arange(s, dtype=np.int32)
   key = jax.device_put(jax.random.key(0), inst.rep)
   full = np.full(s, t, np.int32)
-  prefill_s = _median_s(lambda: inst.prefill(params, tok, lens, uids, full, key), repeats)
+  prefill_s = median_s(lambda: inst.prefill(params, tok, lens, uids, full, key), repeats)
   steps = max(1, min(k, t - 1))  # decode steps one chunk runs from a fresh prefill
   occupancies = sorted({1, s})
   step_s = []
@@ -94,7 +95,7 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   actor_shape, frozen_shapes, setup = sim_setup(gen)
   host = {n: frozen_params[n] for n in gen.models if n != "critic"}  # critic: training devices
   if host:
-    load_s = _median_s(lambda: {n: inst.place(gen.models[n], host[n]) for n in host}, repeats)
+    load_s = median_s(lambda: {n: inst.place(gen.models[n], host[n]) for n in host}, repeats)
     sim_bytes = sum(shapes_lib.from_model_config(gen.models[n]).weight_bytes()
                     for n in host) / setup.tp
     ops["weight_load"] = {"bytes_per_s": sim_bytes / load_s}
@@ -102,7 +103,7 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   mb = gen.config.micro_batch
   seq = rng.integers(1, gen.cfg.vocab_size, (mb, p + t)).astype(np.int32)  # [mb, P+T]
   plens, rlens = np.full(mb, p, np.int32), np.full(mb, t, np.int32)
-  inf_s = _median_s(lambda: [inst.score(n, placed[n], seq, plens, rlens) for n in placed],
+  inf_s = median_s(lambda: [inst.score(n, placed[n], seq, plens, rlens) for n in placed],
                     repeats)
   ops["inference"] = {"tokens_per_s": _NEGLIGIBLE_RATE, "overhead_s": inf_s}
   if len(gen.instances) > 1:
@@ -116,7 +117,7 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
       holder["st"] = dst.scatter(holder["st"], [s - 1], dst.receive(rows))
       return holder["st"]
     ops["migration"] = {"bytes_per_s": _NEGLIGIBLE_RATE,
-                        "latency_s": _median_s(migrate, repeats)}
+                        "latency_s": median_s(migrate, repeats)}
   dev = inst.devices[0]
   cal = {"format": cal_lib.FORMAT,
          "device": f"{dev.platform} ({dev.device_kind}), {len(inst.devices)} device(s) per "
