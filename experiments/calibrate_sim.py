@@ -81,7 +81,7 @@ def measure(c) -> dict:
   rows = jax.device_put(state.cache.k[:, :c.migrate_rows], devs[0])  # [L, rows, max_len, kv, d]
   nbytes = 2 * rows.nbytes  # K and V
   mig_s = median_s(lambda: (jax.device_put(rows, devs[1]), jax.device_put(rows, devs[1])),
-                    c.repeats)
+                   c.repeats)
   return {
       "format": calibration.FORMAT,
       "device": f"{jax.devices()[0].platform} x{len(devs)} ({jax.devices()[0].device_kind}), "

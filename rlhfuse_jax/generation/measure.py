@@ -34,7 +34,7 @@ _NEGLIGIBLE_RATE = 1e15
 
 
 def median_s(fn: Callable[[], object], repeats: int) -> float:
-  """Median wall seconds of `fn()` over `repeats` calls, after one untimed call (compile, warm-up)."""
+  """Median wall seconds of `fn()` over `repeats` calls, after one untimed call (compile)."""
   jax.block_until_ready(fn())  # warm-up
   times = []
   for _ in range(repeats):
@@ -104,7 +104,7 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   seq = rng.integers(1, gen.cfg.vocab_size, (mb, p + t)).astype(np.int32)  # [mb, P+T]
   plens, rlens = np.full(mb, p, np.int32), np.full(mb, t, np.int32)
   inf_s = median_s(lambda: [inst.score(n, placed[n], seq, plens, rlens) for n in placed],
-                    repeats)
+                   repeats)
   ops["inference"] = {"tokens_per_s": _NEGLIGIBLE_RATE, "overhead_s": inf_s}
   if len(gen.instances) > 1:
     dst = gen.instances[1]

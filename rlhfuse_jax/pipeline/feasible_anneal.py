@@ -17,9 +17,10 @@ reach the bound, so the surrogate counts progress that the makespan alone does n
 
 Moves: take one task (with probability crit_frac a late one) and reinsert it up to `max_shift`
 slots away on its device, or swap it with the task there, or move a block of 2-3 tasks starting
-at it by that shift (pairs keep the memory level where single moves would exceed the budget); skipping moves that put a backward before its own
-forward or a device over budget. The best schedule by the lexicographic objective of evaluate.py
-(makespan, max peak, sum of peaks, sum of finishes) is kept.
+at it by that shift (pairs keep the memory level where single moves would exceed the budget);
+skipping moves that put a backward before its own forward or a device over budget. The best
+schedule by the lexicographic objective of evaluate.py (makespan, max peak, sum of peaks, sum of
+finishes) is kept.
 """
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ def feasible_anneal_kernel(order, params, deltas, budget, tails, target, iters, 
                            weight, max_shift, crit_frac, seed, best, stats):
   """Annealing in place on `order` int8 [N, T], which must be valid and within budget.
 
-  tails: f8 [4, N, M] least time from each task's start to the end (windows.py). best: int8 [N, T] receives the best order;
+  tails: f8 [4, N, M] least time from each task's start to the end (windows.py).
+  best: int8 [N, T] receives the best order;
   stats f8 [4] = (makespan, max peak, sum of peaks, sum of finishes) of `best` on entry, updated.
   Returns the number of timed evaluations.
   """
