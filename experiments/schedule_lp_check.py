@@ -14,6 +14,13 @@ schedule_cp_check: `pip install highspy`); `--solver=scipy` uses the HiGHS bundl
       --workdir=/tmp/lp_e10
   python -m experiments.schedule_lp_check --config=configs/schedule_search.py ... \
       --workdir=/tmp/lp_e10 --verify=/tmp/lp_e10/certificate.npz
+
+--devices=each scans the one-device models (device 0, 1, ...) and stops at the first one that is
+certified infeasible: a quick first try on a large instance, since the device that breaks need
+not be the one the tight bound comes from (e9: the bound comes from device 5, which alone is
+LP-feasible; device 13 alone is certified in 39 s, where the whole model does not converge in an
+hour). The certificate is saved with that device in result.json, so `--verify` with
+`--devices=D` re-checks it.
 """
 from __future__ import annotations
 
@@ -38,7 +45,53 @@ _THREADS = flags.DEFINE_integer("threads", 2, "solver threads")
 _VERIFY = flags.DEFINE_string("verify", None, "re-check this certificate.npz instead of solving")
 _DEVICES = flags.DEFINE_list("devices", [], "model only these devices (e.g. 4,5,6): its rows "
                              "are a subset of the whole model's, so its certificate proves the "
-                             "whole target unreachable too; --verify needs the same list")
+                             "whole target unreachable too; --verify needs the same list. 'each': "
+                             "one device at a time, stopping at the first certified")
+
+
+def _parse_devices(values: list[str], num_devices: int):
+  """None (the whole model), 'each', or a list of device indices."""
+  if values == ["each"]:
+    return "each"
+  try:
+    return [int(x) for x in values] or None
+  except ValueError as e:
+    raise ValueError(f"--devices={','.join(values)}: expected device indices in "
+                     f"0..{num_devices - 1} separated by commas, or 'each'") from e
+
+
+def _build(problem, target, lb, devices):
+  t0 = time.time()
+  model = time_indexed.build(problem, target, devices=devices)
+  result = {"target": target, "lower_bound": lb, "devices": devices or "all",
+            "unit": model.unit, "vars": model.num_vars,
+            "rows": int(model.A.shape[0]), "nonzeros": int(model.A.nnz),
+            "build_s": time.time() - t0}
+  logging.info("time-indexed model at %g (LB %g), devices %s: %d variables, %d rows, %d "
+               "non-zeros, unit %g (%.1fs)", target, lb, result["devices"], result["vars"],
+               result["rows"], result["nonzeros"], model.unit, result["build_s"])
+  return model, result
+
+
+def _solve(model, result, workdir):
+  """Solves one model; saves its certificate in workdir when it is certified infeasible."""
+  target = result["target"]
+  logging.info("solving the elastic LP with %s (time limit %gs)...", _SOLVER.value, _TIME.value)
+  res = time_indexed.solve(model, _SOLVER.value, _TIME.value, _THREADS.value)
+  lam = res.pop("multipliers")
+  result.update(res)
+  if res["certified"] and lam is not None:
+    path = os.path.join(workdir, "certificate.npz")
+    time_indexed.save_certificate(path, lam, target)
+    result["certificate"] = "certificate.npz"
+  verdict = ("unreachable within budget (certified)" if res["certified"] else
+             "LP feasible: the relaxation proves nothing" if res["status"] == "feasible" else
+             f"{res['status']} (not certified)")
+  logging.info("target %g, devices %s: %s; elastic optimum %s, certificate bound %s, %.1fs",
+               target, result["devices"], verdict, res["elastic_optimum"],
+               res["certificate_bound"], res["solve_s"])
+  result["verdict"] = verdict
+  return result
 
 
 def main(argv):
@@ -47,16 +100,21 @@ def main(argv):
   lb = bounds.tight_lower_bound(problem)
   target = lb if _TARGET.value < 0 else _TARGET.value
   wd.write_config(_WORKDIR.value, _CONFIG.value)
-  t0 = time.time()
-  devices = [int(x) for x in _DEVICES.value] or None
-  model = time_indexed.build(problem, target, devices=devices)
-  result = {"target": target, "lower_bound": lb, "devices": devices or "all",
-            "unit": model.unit, "vars": model.num_vars,
-            "rows": int(model.A.shape[0]), "nonzeros": int(model.A.nnz),
-            "build_s": time.time() - t0}
-  logging.info("time-indexed model at %g (LB %g): %d variables, %d rows, %d non-zeros, unit %g "
-               "(%.1fs)", target, lb, result["vars"], result["rows"], result["nonzeros"],
-               model.unit, result["build_s"])
+  devices = _parse_devices(_DEVICES.value, problem.num_devices)
+  if devices == "each":
+    if _VERIFY.value:
+      raise ValueError("--verify needs the device list the certificate was made for, not 'each'")
+    scan = []
+    for d in range(problem.num_devices):
+      result = _solve(*_build(problem, target, lb, [d]), _WORKDIR.value)
+      scan.append({k: result[k] for k in ("devices", "status", "certified", "elastic_optimum",
+                                          "solve_s")})
+      if result["certified"]:
+        break
+    result["scan"] = scan  # the last device's result, with every device tried before it
+    wd.write_json(os.path.join(_WORKDIR.value, "result.json"), result)
+    return
+  model, result = _build(problem, target, lb, devices)
   if _VERIFY.value:
     lam = time_indexed.load_certificate(_VERIFY.value, model.A.shape[0], target)
     bound = time_indexed.certificate_bound(model, lam)
@@ -65,21 +123,8 @@ def main(argv):
                  "target unreachable (proof)" if bound > 0 else "NOT a proof")
     wd.write_json(os.path.join(_WORKDIR.value, "verify.json"), result)
     return
-  logging.info("solving the elastic LP with %s (time limit %gs)...", _SOLVER.value, _TIME.value)
-  res = time_indexed.solve(model, _SOLVER.value, _TIME.value, _THREADS.value)
-  lam = res.pop("multipliers")
-  result.update(res)
-  if res["certified"] and lam is not None:
-    path = os.path.join(_WORKDIR.value, "certificate.npz")
-    time_indexed.save_certificate(path, lam, target)
-    result["certificate"] = "certificate.npz"
-  verdict = ("unreachable within budget (certified)" if res["certified"] else
-             "LP feasible: the relaxation proves nothing" if res["status"] == "feasible" else
-             f"{res['status']} (not certified)")
-  logging.info("target %g: %s; elastic optimum %s, certificate bound %s, %.1fs", target, verdict,
-               res["elastic_optimum"], res["certificate_bound"], res["solve_s"])
-  result["verdict"] = verdict
-  wd.write_json(os.path.join(_WORKDIR.value, "result.json"), result)
+  wd.write_json(os.path.join(_WORKDIR.value, "result.json"),
+                _solve(model, result, _WORKDIR.value))
 
 
 if __name__ == "__main__":

@@ -169,6 +169,32 @@ def test_lp_check_binary_saves_a_certificate_that_verify_rechecks(tmp_path):
   assert out.returncode != 0 and "certificate for target 42, not 43" in out.stderr
 
 
+def test_lp_check_scans_one_device_at_a_time_and_stops_at_the_first_certified(tmp_path):
+  from tests.test_pipeline_experiments import _run
+  inst = ["--config=configs/schedule_search.py", "--config.actor_pp=4", "--config.critic_pp=4",
+          "--config.actor_microbatches=4", "--config.critic_microbatches=4",
+          "--config.actor_fwd=2", "--config.critic_fwd=1", "--solver=scipy", "--devices=each"]
+  # At the bound 42 every device alone is LP-feasible: all four tried, nothing certified.
+  out = _run(["experiments.schedule_lp_check", *inst, f"--workdir={tmp_path / 'a'}"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads((tmp_path / "a" / "result.json").read_text())
+  assert [r["devices"] for r in result["scan"]] == [[0], [1], [2], [3]]
+  assert not any(r["certified"] for r in result["scan"]) and not result["certified"]
+  assert not (tmp_path / "a" / "certificate.npz").exists()
+  # Below it (41) the windows already exclude some task of device 0: the scan stops there
+  # instead of trying the other three.
+  out = _run(["experiments.schedule_lp_check", *inst, f"--workdir={tmp_path / 'b'}",
+              "--target=41"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads((tmp_path / "b" / "result.json").read_text())
+  assert [(r["devices"], r["certified"]) for r in result["scan"]] == [([0], True)]
+  assert result["certified"] and result["solver"] == "windows"
+  for bad, msg in (("--devices=each", "not 'each'"), ("--devices=1,x", "expected device")):
+    out = _run(["experiments.schedule_lp_check", *inst[:-1], bad, f"--workdir={tmp_path / 'c'}",
+                f"--verify={tmp_path / 'c' / 'certificate.npz'}"])
+    assert out.returncode != 0 and msg in out.stderr
+
+
 @pytest.mark.parametrize("name", ["e8", "e9", "e10"])
 def test_shipped_certificates_prove_the_bound_unreachable(name):
   # experiments/results/lp_certificates: made once by schedule_lp_check (HiGHS), re-checked here
