@@ -109,10 +109,11 @@ def main(argv):
       result = _solve(*_build(problem, target, lb, [d]), _WORKDIR.value)
       scan.append({k: result[k] for k in ("devices", "status", "certified", "elastic_optimum",
                                           "solve_s")})
+      # The last device's result with every device tried so far, rewritten after each one so
+      # that a scan stopped early keeps what it learned.
+      wd.write_json(os.path.join(_WORKDIR.value, "result.json"), dict(result, scan=scan))
       if result["certified"]:
         break
-    result["scan"] = scan  # the last device's result, with every device tried before it
-    wd.write_json(os.path.join(_WORKDIR.value, "result.json"), result)
     return
   model, result = _build(problem, target, lb, devices)
   if _VERIFY.value:
