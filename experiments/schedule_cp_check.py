@@ -53,7 +53,7 @@ import numpy as np
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import bounds, gantt, schedule, search, windows
 from rlhfuse_jax.pipeline.evaluate import evaluate
-from rlhfuse_jax.pipeline.graph import PipelineProblem
+from rlhfuse_jax.pipeline.graph import PipelineProblem, parse_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory", required=True)
@@ -238,6 +238,7 @@ def main(argv):
   del argv
   problem = PipelineProblem.from_config(_CONFIG.value)
   lb = bounds.tight_lower_bound(problem)
+  devices = parse_devices(_DEVICES.value, problem.num_devices)
   wd.write_config(_WORKDIR.value, _CONFIG.value)
   hint, result = None, {}
   fixed, shift = None, 0
@@ -288,13 +289,13 @@ def main(argv):
 
   status, order, secs, bound = check(problem, target, _TIME.value, _WORKERS.value,
                                      _MINIMIZE.value, hint, _MEMORY.value, _WINDOWS.value,
-                                     [int(x) for x in _DEVICES.value] or None,
+                                     devices,
                                      _MEM_LAGS.value, on_solution=on_solution,
                                      log_search=_LOG_SEARCH.value, fixed=fixed)
   result.update({"target": target, "lower_bound": lb, "status": status, "solve_s": secs,
                  "windows": _WINDOWS.value, "memory_model": _MEMORY.value,
                  "memory_lags": _MEM_LAGS.value,
-                 "devices": [int(x) for x in _DEVICES.value] or "all",
+                 "devices": devices or "all",
                  "workers": _WORKERS.value})
   if _MINIMIZE.value:
     result["proven_lower_bound"] = bound

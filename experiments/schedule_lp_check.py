@@ -32,7 +32,7 @@ from ml_collections import config_flags
 
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import bounds, time_indexed
-from rlhfuse_jax.pipeline.graph import PipelineProblem
+from rlhfuse_jax.pipeline.graph import PipelineProblem, parse_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory", required=True)
@@ -47,17 +47,6 @@ _DEVICES = flags.DEFINE_list("devices", [], "model only these devices (e.g. 4,5,
                              "are a subset of the whole model's, so its certificate proves the "
                              "whole target unreachable too; --verify needs the same list. 'each': "
                              "one device at a time, stopping at the first certified")
-
-
-def _parse_devices(values: list[str], num_devices: int):
-  """None (the whole model), 'each', or a list of device indices."""
-  if values == ["each"]:
-    return "each"
-  try:
-    return [int(x) for x in values] or None
-  except ValueError as e:
-    raise ValueError(f"--devices={','.join(values)}: expected device indices in "
-                     f"0..{num_devices - 1} separated by commas, or 'each'") from e
 
 
 def _build(problem, target, lb, devices):
@@ -100,7 +89,7 @@ def main(argv):
   lb = bounds.tight_lower_bound(problem)
   target = lb if _TARGET.value < 0 else _TARGET.value
   wd.write_config(_WORKDIR.value, _CONFIG.value)
-  devices = _parse_devices(_DEVICES.value, problem.num_devices)
+  devices = parse_devices(_DEVICES.value, problem.num_devices, allow_each=True)
   if devices == "each":
     if _VERIFY.value:
       raise ValueError("--verify needs the device list the certificate was made for, not 'each'")

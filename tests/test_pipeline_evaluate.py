@@ -4,7 +4,8 @@ import pytest
 
 from rlhfuse_jax.pipeline import bounds, schedules
 from rlhfuse_jax.pipeline.evaluate import evaluate, peak_memory
-from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem, validate_order
+from rlhfuse_jax.pipeline.graph import (AB, AF, CB, CF, PipelineProblem, parse_devices,
+                                        validate_order)
 
 
 def test_placement_critic_reversed_and_replicated():
@@ -36,6 +37,15 @@ def test_order_with_wrong_counts_is_rejected():
     validate_order(p, np.array([[AF, AF, CF, CB], [AF, AB, CF, CB]]))
   with pytest.raises(ValueError, match="expected \\(num_devices=2, tasks_per_device=4\\)"):
     validate_order(p, np.zeros((2, 3)))
+
+
+def test_device_list_flag_is_parsed_or_refused_naming_the_flag():
+  assert parse_devices([], 4) is None
+  assert parse_devices(["3", " 1", "3"], 4) == [1, 3]
+  assert parse_devices(["each"], 4, allow_each=True) == "each"
+  for values, kw in ((["each"], {}), (["1", "x"], {}), (["4"], {}), (["-1"], {})):
+    with pytest.raises(ValueError, match=r"--devices=.*expected device indices in 0\.\.3"):
+      parse_devices(values, 4, **kw)
 
 
 def test_hand_computed_two_devices_two_replicas():

@@ -193,6 +193,10 @@ def test_lp_check_scans_one_device_at_a_time_and_stops_at_the_first_certified(tm
     out = _run(["experiments.schedule_lp_check", *inst[:-1], bad, f"--workdir={tmp_path / 'c'}",
                 f"--verify={tmp_path / 'c' / 'certificate.npz'}"])
     assert out.returncode != 0 and msg in out.stderr
+  # schedule_cp_check shares the parser; its flag is checked before ortools is needed.
+  out = _run(["experiments.schedule_cp_check", *inst[:-2], "--devices=1,x",
+              f"--workdir={tmp_path / 'd'}"])
+  assert out.returncode != 0 and "--devices=1,x: expected device indices in 0..3" in out.stderr
 
 
 @pytest.mark.parametrize("name", ["e8", "e9", "e10"])

@@ -228,6 +228,26 @@ class PipelineProblem:
     return dataclasses.asdict(self)
 
 
+def parse_devices(values: Sequence[str], num_devices: int, flag: str = "--devices",
+                  allow_each: bool = False):
+  """A device subset from a list flag's strings: None for all (empty list), 'each' where
+  `allow_each`, else the sorted distinct indices. Anything else is refused naming `flag`."""
+  values = [str(v).strip() for v in values]
+  expected = (f"expected device indices in 0..{num_devices - 1} separated by commas"
+              + (", or 'each'" if allow_each else ""))
+  if values == ["each"]:
+    if allow_each:
+      return "each"
+    raise ValueError(f"{flag}=each: {expected}")
+  try:
+    devices = sorted({int(x) for x in values})
+  except ValueError as e:
+    raise ValueError(f"{flag}={','.join(values)}: {expected}") from e
+  if devices and (devices[0] < 0 or devices[-1] >= num_devices):
+    raise ValueError(f"{flag}={','.join(values)}: {expected}")
+  return devices or None
+
+
 def validate_order(problem: PipelineProblem, order: np.ndarray) -> np.ndarray:
   """Checks the shape and kind counts of a per-device kind sequence; returns it as int8 [N, T].
 
