@@ -30,6 +30,13 @@ neighbourhood search cannot express: S's tasks starting before T1 keep their sta
 after T2 move D earlier, and the band between is re-solved at S's makespan - D. A restriction:
 a schedule found is valid; INFEASIBLE says only that no repair of this band exists.
 
+Grow mode (--hint_schedule=S --grow=T1,T2,SLOPE): S is a schedule of the same instance with
+fewer micro-batches (e7's at its bound for e6); pipeline/grow.py inserts the extra actor
+micro-batches as 1F1B pairs where that adds only their work, then the extra critic
+micro-batches go into the band [T1 + SLOPE*d, T2 + SLOPE*d) of that schedule on device d, the
+rest pinned (after the band: moved later by the critic's extra work), at the grown makespan. A
+restriction: a schedule found is valid; INFEASIBLE says only that this growth does not exist.
+
 Needs ortools (an optional analysis dependency, not needed by the library; kept out of the main
 environment because it pins an older protobuf: `pip install --target DIR ortools` and put DIR on
 PYTHONPATH for this binary only).
@@ -38,6 +45,11 @@ PYTHONPATH for this binary only).
       --config.critic_microbatches=8 --workdir=/tmp/cp_e1 --time_limit_s=120
   python -m experiments.schedule_cp_check --config=configs/schedule_search.py --minimize \
       --hint_search_s=20 --workdir=/tmp/cp_e0_min --time_limit_s=600
+  python -m experiments.schedule_cp_check --config=configs/schedule_search.py \
+      --config.actor_pp=16 --config.critic_pp=8 --config.actor_microbatches=64 \
+      --config.critic_microbatches=32 --config.actor_fwd=2 --config.critic_fwd=2 \
+      --hint_schedule=experiments/results/e7_cp_schedule/schedule.json --grow=120,200,0 \
+      --workdir=/tmp/cp_e6_grow --time_limit_s=1200
 """
 from __future__ import annotations
 
@@ -51,7 +63,7 @@ from ml_collections import config_flags
 import numpy as np
 
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.pipeline import bounds, gantt, schedule, search, windows
+from rlhfuse_jax.pipeline import bounds, gantt, grow, schedule, search, windows
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import PipelineProblem, parse_devices
 
@@ -75,6 +87,13 @@ _SPLICE = flags.DEFINE_list("splice", [], "T1,T2,S with --hint_schedule: keep th
                             "starting before T1, move those starting at or after T2 S earlier, "
                             "re-solve the band between at the hint's makespan - S (a "
                             "restriction: INFEASIBLE says only that this repair does not exist)")
+_GROW = flags.DEFINE_list("grow", [], "T1,T2,SLOPE with --hint_schedule of the same instance "
+                          "with fewer micro-batches: grow it into the config's instance "
+                          "(pipeline/grow.py). The extra actor micro-batches go in as 1F1B pairs "
+                          "at the first cut that adds only their work; the extra critic ones go "
+                          "into the band [T1 + SLOPE*d, T2 + SLOPE*d) of that schedule (device d), "
+                          "re-solved with the rest pinned, after the band moved later by their "
+                          "work; target: the grown makespan (a restriction, like --splice)")
 _DEVICES = flags.DEFINE_list("devices", [], "relaxation on these devices only (e.g. 8,9,10): "
                              "INFEASIBLE proves the whole instance infeasible; empty: all")
 _LOG_SEARCH = flags.DEFINE_bool("log_search", False, "print CP-SAT's own search log (presolve, "
@@ -234,6 +253,17 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
   return solver.StatusName(status), order, time.time() - t0, bound
 
 
+def _numbers(flag: str, values: Sequence[str], form: str) -> tuple[float, ...]:
+  """The numbers of a list flag of the form `form` (e.g. "T1,T2,S"); else a ValueError."""
+  try:
+    out = tuple(float(x) for x in values)
+  except ValueError:
+    out = ()
+  if len(out) != len(form.split(",")):
+    raise ValueError(f"{flag}={','.join(values)}: expected {len(form.split(','))} numbers {form}")
+  return out
+
+
 def main(argv):
   del argv
   problem = PipelineProblem.from_config(_CONFIG.value)
@@ -241,19 +271,25 @@ def main(argv):
   devices = parse_devices(_DEVICES.value, problem.num_devices)
   wd.write_config(_WORKDIR.value, _CONFIG.value)
   hint, result = None, {}
-  fixed, shift = None, 0
-  if _SPLICE.value and not _HINT_SCHEDULE.value:
-    raise ValueError("--splice needs --hint_schedule (the schedule to repair)")
-  if _HINT_SCHEDULE.value:
+  fixed, default_target = None, lb
+  if (_SPLICE.value or _GROW.value) and not _HINT_SCHEDULE.value:
+    flag = "--grow" if _GROW.value else "--splice"
+    raise ValueError(f"{flag} needs --hint_schedule (the schedule to {flag[2:]})")
+  if _SPLICE.value and _GROW.value:
+    raise ValueError("--splice and --grow exclude each other")
+  if _GROW.value:
+    t1, t2, slope = _numbers("--grow", _GROW.value, "T1,T2,SLOPE")
+    fixed, grown = grow.grow_pins(schedule.load(_HINT_SCHEDULE.value), problem, t1, t2, slope)
+    default_target = grown["target"]
+    logging.info("grow: %s; %d tasks pinned", grown, len(fixed))
+    result.update(hint_schedule=_HINT_SCHEDULE.value, grow=grown, pinned_tasks=len(fixed),
+                  free_tasks=problem.num_devices * problem.tasks_per_device - len(fixed))
+  elif _HINT_SCHEDULE.value:
     kept = schedule.load(_HINT_SCHEDULE.value, problem)
     hint = kept.order()
     result["hint_schedule"] = _HINT_SCHEDULE.value
     if _SPLICE.value:
-      try:
-        t1, t2, shift = (float(x) for x in _SPLICE.value)
-      except ValueError as e:
-        raise ValueError(f"--splice={','.join(_SPLICE.value)}: expected three numbers T1,T2,S"
-                         ) from e
+      t1, t2, shift = _numbers("--splice", _SPLICE.value, "T1,T2,S")
       fixed = schedule.splice_pins(kept, t1, t2, shift)
       result.update(splice={"t1": t1, "t2": t2, "shift": shift},
                     pinned_tasks=len(fixed), free_tasks=hint.size - len(fixed))
@@ -272,11 +308,9 @@ def main(argv):
     result["hint_makespan"] = ev.makespan
     logging.info("hint (%s): makespan %g", _HINT_SCHEDULE.value or
                  f"{_HINT_S.value:g}s of search", ev.makespan)
-  if _TARGET.value >= 0:
-    target = int(round(_TARGET.value))
-  else:
-    target = int(round(result["hint_makespan"] - shift if _MINIMIZE.value or fixed is not None
-                       else lb))
+    if _MINIMIZE.value or fixed is not None:
+      default_target = ev.makespan - (shift if _SPLICE.value else 0)
+  target = int(round(_TARGET.value if _TARGET.value >= 0 else default_target))
   sched_path = os.path.join(_WORKDIR.value, "schedule.json")
 
   def on_solution(order, secs):

@@ -140,6 +140,35 @@ def load(path: str, problem: Optional[PipelineProblem] = None) -> Schedule:
   return sched
 
 
+def band_pins(sched: Schedule, t1: float, t2: float, move: float, slope: float = 0.0,
+              index_shift: tuple[int, int] = (0, 0)) -> dict[tuple[int, int, int], float]:
+  """Start times that keep `sched` outside a band: {(kind, device, microbatch): start}.
+
+  On device d the band is [t1 + slope * d, t2 + slope * d). Tasks starting before it keep their
+  start; tasks starting at or after it start `move` later (negative: earlier) and take micro-batch
+  index + index_shift (actor, critic); tasks in the band are left out (free). Pinning these and
+  re-solving the band asks whether the schedule can be repaired locally (move < 0, see
+  `splice_pins`) or grown: with index_shift = (0, E) and move = E * (critic fwd + bwd), the
+  band also holds E new critic micro-batches of a larger instance (grow.py). A moved task may
+  start before a kept predecessor ends (a band narrower than |move|); the solver then finds the
+  pins contradictory and says so.
+  """
+  if not t1 <= t2:
+    raise ValueError(f"band [{t1}, {t2}): expected t1 <= t2")
+  if any(not isinstance(s, (int, np.integer)) or s < 0 for s in index_shift):
+    raise ValueError(f"index_shift={index_shift}: expected two non-negative integers")
+  pins = {}
+  for d, dev in enumerate(sched.devices):
+    lo, hi = t1 + slope * d, t2 + slope * d
+    for t in dev:
+      kind = _KIND_OF[(t.model, t.kind)]
+      if t.start < lo:
+        pins[kind, d, t.microbatch] = t.start
+      elif t.start >= hi:
+        pins[kind, d, t.microbatch + index_shift[kind // 2]] = t.start + move
+  return pins
+
+
 def splice_pins(sched: Schedule, t1: float, t2: float, shift: float
                 ) -> dict[tuple[int, int, int], float]:
   """Start times that keep `sched` outside the band [t1, t2): {(kind, device, microbatch): start}.
@@ -153,12 +182,4 @@ def splice_pins(sched: Schedule, t1: float, t2: float, shift: float
   """
   if not (t1 <= t2 and shift >= 0):
     raise ValueError(f"splice band [{t1}, {t2}) with shift {shift}: expected t1 <= t2, shift >= 0")
-  pins = {}
-  for d, dev in enumerate(sched.devices):
-    for t in dev:
-      key = (_KIND_OF[(t.model, t.kind)], d, t.microbatch)
-      if t.start < t1:
-        pins[key] = t.start
-      elif t.start >= t2:
-        pins[key] = t.start - shift
-  return pins
+  return band_pins(sched, t1, t2, -shift)

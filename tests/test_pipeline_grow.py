@@ -1,0 +1,118 @@
+"""Growing schedules to more micro-batches (pipeline/grow.py, schedule.band_pins)."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from rlhfuse_jax.pipeline import bounds, grow, schedule, schedules
+from rlhfuse_jax.pipeline.evaluate import evaluate
+from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("model", ["actor", "critic"])
+def test_insert_pairs_extends_a_steady_state_by_exactly_its_work(model):
+  # Each model's own 1F1B first (the other model after it) has a steady state of alternating
+  # forwards and backwards: 3 more micro-batches fit in as 3 pairs, the schedule growing by
+  # exactly their work, within budget, the original order kept around the inserted block.
+  p = PipelineProblem(4, 2, 8, 6, 2.0, 1.0)
+  order = schedules.one_f_one_b_order(p, model)
+  ev0 = evaluate(p, order)
+  big, grown, cut = grow.insert_pairs(p, order, model, 3)
+  fwd, bwd = (AF, AB) if model == "actor" else (CF, CB)
+  extra = (3, 0) if model == "actor" else (0, 3)
+  assert (big.actor_microbatches, big.critic_microbatches) == (8 + extra[0], 6 + extra[1])
+  ev = evaluate(big, grown)
+  assert ev.valid and ev.within_budget
+  assert ev.makespan == ev0.makespan + 3 * (p.duration(fwd) + p.duration(bwd))
+  block = [fwd, bwd] * 3 if cut.block == "FB" else [bwd, fwd] * 3
+  for d, pos in enumerate(cut.positions):
+    assert grown[d, pos:pos + 6].tolist() == block
+    assert np.concatenate([grown[d, :pos], grown[d, pos + 6:]]).tolist() == order[d].tolist()
+
+
+def test_insert_pairs_refuses_a_model_without_a_steady_state():
+  # In e7's schedule at its bound the critic runs only in the warm-up and the drain (frozen in
+  # the middle), so no cut takes critic pairs without lengthening it by more than their work.
+  path = os.path.join(REPO, "experiments", "results", "e7_cp_schedule", "schedule.json")
+  kept = schedule.load(path)
+  with pytest.raises(ValueError, match="the critic has no steady state to extend"):
+    grow.insert_pairs(kept.problem, kept.order(), "critic", 1)
+  with pytest.raises(ValueError, match="model='both'"):
+    grow.insert_pairs(kept.problem, kept.order(), "both", 1)
+  with pytest.raises(ValueError, match="extra=0 must be a positive integer"):
+    grow.insert_pairs(kept.problem, kept.order(), "actor", 0)
+
+
+def test_check_grows_names_what_differs():
+  small = PipelineProblem(16, 8, 32, 16, 2.0, 2.0)
+  assert grow.check_grows(small, PipelineProblem(16, 8, 64, 32, 2.0, 2.0)) == (32, 16)
+  with pytest.raises(ValueError, match="critic_fwd=2.0 into one of critic_fwd=1.0"):
+    grow.check_grows(small, PipelineProblem(16, 8, 64, 32, 2.0, 1.0))
+  with pytest.raises(ValueError, match="actor_microbatches: 32 -> 16; a schedule can only grow"):
+    grow.check_grows(small, PipelineProblem(16, 8, 16, 16, 2.0, 2.0))
+  with pytest.raises(ValueError, match="memory_budget"):
+    grow.check_grows(small, PipelineProblem(16, 8, 64, 32, 2.0, 2.0, memory_budget=(40.0,)))
+
+
+def test_band_pins_keep_the_head_move_and_renumber_the_tail_on_a_sloped_band():
+  p = PipelineProblem(4, 2, 6, 3, 2.0, 1.0)
+  sched = schedule.from_order(p, schedules.greedy_order(p))
+  order = sched.order()
+  t1, t2, slope, move = 6.0, 14.0, 2.0, 5.0
+  pins = schedule.band_pins(sched, t1, t2, move, slope, index_shift=(1, 2))
+  n_free = 0
+  for d, dev in enumerate(sched.devices):
+    for i, t in enumerate(dev):
+      k = int(order[d, i])
+      if t.start < t1 + slope * d:
+        assert pins[k, d, t.microbatch] == t.start
+      elif t.start >= t2 + slope * d:
+        assert pins[k, d, t.microbatch + (1, 2)[k // 2]] == t.start + move
+      else:
+        n_free += 1
+  assert n_free and len(pins) == order.size - n_free
+  with pytest.raises(ValueError, match="index_shift"):
+    schedule.band_pins(sched, t1, t2, move, index_shift=(0, -1))
+
+
+def test_kept_e6_schedule_is_e7_grown_as_its_readme_says():
+  # experiments/results/e6_cp_schedule was made by `schedule_cp_check --grow=120,200,0` from
+  # e7's kept schedule: every task the growth pins keeps that start in the kept e6 schedule, and
+  # the target of the growth is e6's tight bound, which the kept schedule reaches.
+  e7 = schedule.load(os.path.join(REPO, "experiments", "results", "e7_cp_schedule",
+                                  "schedule.json"))
+  folder = os.path.join(REPO, "experiments", "results", "e6_cp_schedule")
+  p6 = PipelineProblem(16, 8, 64, 32, 2.0, 2.0)
+  e6 = schedule.load(os.path.join(folder, "schedule.json"), p6)
+  with open(os.path.join(folder, "result.json")) as f:
+    band = json.load(f)["grow"]["band"]
+  pins, info = grow.grow_pins(e7, p6, band["t1"], band["t2"], band["slope"])
+  assert info["actor_pairs"]["makespan"] == 330 + 32 * 6
+  assert info["target"] == e6.makespan == bounds.tight_lower_bound(p6) == 618
+  assert e6.within_budget
+  order = e6.order()
+  starts = {(int(order[d, i]), d, t.microbatch): t.start
+            for d, dev in enumerate(e6.devices) for i, t in enumerate(dev)}
+  assert len(pins) == 2133 and all(starts[key] == st for key, st in pins.items())
+
+
+def test_cp_check_grow_flag_errors_name_the_flag(tmp_path):
+  # Checked before ortools is needed (it is an optional dependency, absent in CI).
+  from tests.test_pipeline_experiments import _run
+  inst = ["experiments.schedule_cp_check", "--config=configs/schedule_search.py",
+          "--config.actor_pp=16", "--config.critic_pp=8", "--config.actor_microbatches=64",
+          "--config.critic_microbatches=32", "--config.actor_fwd=2", "--config.critic_fwd=2",
+          f"--workdir={tmp_path}"]
+  e7 = os.path.join(REPO, "experiments", "results", "e7_cp_schedule", "schedule.json")
+  for extra, msg in ((["--grow=120,200"], "--grow needs --hint_schedule"),
+                     ([f"--hint_schedule={e7}", "--grow=120,x,0"],
+                      "--grow=120,x,0: expected 3 numbers T1,T2,SLOPE"),
+                     ([f"--hint_schedule={e7}", "--grow=1,2,0", "--splice=1,2,3"],
+                      "--splice and --grow exclude each other"),
+                     ([f"--hint_schedule={e7}", "--grow=1,2,0", "--config.critic_fwd=1"],
+                      "cannot grow a schedule of critic_fwd=2.0 into one of critic_fwd=1.0")):
+    out = _run([*inst, *extra])
+    assert out.returncode != 0 and msg in out.stderr, out.stderr[-2000:]
