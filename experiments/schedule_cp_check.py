@@ -32,8 +32,8 @@ a schedule found is valid; INFEASIBLE says only that no repair of this band exis
 
 Grow mode (--hint_schedule=S --grow=T1,T2,SLOPE): S is a schedule of the same instance with
 fewer micro-batches (e7's at its bound for e6); pipeline/grow.py inserts the extra actor
-micro-batches as 1F1B pairs where that adds only their work, then the extra critic
-micro-batches go into the band [T1 + SLOPE*d, T2 + SLOPE*d) of that schedule on device d, the
+micro-batches as 1F1B pairs where that adds only their work (else they join the band), then the
+extra critic micro-batches go into the band [T1 + SLOPE*d, T2 + SLOPE*d) of that schedule on device d, the
 rest pinned (after the band: moved later by the critic's extra work), at the grown makespan. A
 restriction: a schedule found is valid; INFEASIBLE says only that this growth does not exist.
 
@@ -90,8 +90,8 @@ _SPLICE = flags.DEFINE_list("splice", [], "T1,T2,S with --hint_schedule: keep th
 _GROW = flags.DEFINE_list("grow", [], "T1,T2,SLOPE with --hint_schedule of the same instance "
                           "with fewer micro-batches: grow it into the config's instance "
                           "(pipeline/grow.py). The extra actor micro-batches go in as 1F1B pairs "
-                          "at the first cut that adds only their work; the extra critic ones go "
-                          "into the band [T1 + SLOPE*d, T2 + SLOPE*d) of that schedule (device d), "
+                          "at the first cut that adds only their work (if none does, into the "
+                          "band); the extra critic ones go into the band [T1 + SLOPE*d, T2 + SLOPE*d) of that schedule (device d), "
                           "re-solved with the rest pinned, after the band moved later by their "
                           "work; target: the grown makespan (a restriction, like --splice)")
 _DEVICES = flags.DEFINE_list("devices", [], "relaxation on these devices only (e.g. 8,9,10): "

@@ -78,6 +78,21 @@ def test_band_pins_keep_the_head_move_and_renumber_the_tail_on_a_sloped_band():
     schedule.band_pins(sched, t1, t2, move, index_shift=(0, -1))
 
 
+def test_grow_pins_put_the_actor_in_the_band_when_it_has_no_steady_state():
+  # 2 actor micro-batches on 4 stages never reach a 1F1B steady state, so growing to 4 sends the
+  # actor's 2 extra micro-batches into the band with the critic's 1: both renumbered after the
+  # band, which moves later by all the extra work.
+  # (An explicit budget: the default one depends on the micro-batch counts below 4.)
+  p = PipelineProblem(4, 2, 2, 2, 2.0, 1.0, memory_budget=(12.0,))
+  kept = schedule.from_order(p, schedules.greedy_order(p))
+  big = PipelineProblem(4, 2, 4, 3, 2.0, 1.0, memory_budget=(12.0,))
+  pins, info = grow.grow_pins(kept, big, 4.0, 10.0)
+  assert isinstance(info["actor_pairs"], str) and "no steady state" in info["actor_pairs"]
+  assert info["move"] == 2 * 6.0 + 1 * 3.0 and info["target"] == kept.makespan + 15.0
+  assert pins == schedule.band_pins(kept, 4.0, 10.0, 15.0, index_shift=(2, 1))
+  assert all(j < 4 and (k < 2 or j < 3) for k, _, j in pins)
+
+
 def test_kept_e6_schedule_is_e7_grown_as_its_readme_says():
   # experiments/results/e6_cp_schedule was made by `schedule_cp_check --grow=120,200,0` from
   # e7's kept schedule: every task the growth pins keeps that start in the kept e6 schedule, and

@@ -19,7 +19,8 @@ Two steps, each a restriction (what they build is checked; a failure proves noth
    (in e7's schedule at its bound the critic runs only in the warm-up and the drain, frozen
    in between). `schedule.band_pins` then pins the schedule before a band and shifts it after the
    band by that work, and CP-SAT re-solves the band with the new micro-batches in it
-   (experiments/schedule_cp_check.py --grow).
+   (experiments/schedule_cp_check.py --grow). `grow_pins` does both: actor pairs where the actor
+   has a steady state, everything else into the band.
 """
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ def insert_pairs(problem: PipelineProblem, order: np.ndarray, model: str, extra:
         ok, makespan, _ = evaluator.timing(grown)
         if (ok and makespan <= target + 1e-9 and
             np.all(evaluator.peak(grown) <= evaluator.budget + 1e-9)):
-          return big, grown, Cut(time=t, slope=slope, block=label, positions=positions)
+          return big, grown, Cut(time=float(t), slope=float(slope), block=label,
+                                 positions=positions)
   raise ValueError(f"no cut of the schedule takes {extra} more {model} forward/backward pairs "
                    f"within budget without lengthening it by more than their work "
                    f"({extra} x {f + b:g}): the {model} has no steady state to extend")
@@ -111,9 +113,10 @@ def insert_pairs(problem: PipelineProblem, order: np.ndarray, model: str, extra:
 def grow_pins(kept: schedule.Schedule, problem: PipelineProblem, t1: float, t2: float,
               slope: float = 0.0) -> tuple[dict[tuple[int, int, int], float], dict]:
   """Pins of `problem` that grow `kept`, a schedule of the same instance with fewer
-  micro-batches: the extra actor micro-batches as 1F1B pairs (`insert_pairs`), then the extra
-  critic ones left free in the band [t1 + slope*d, t2 + slope*d) of that schedule, everything
-  after the band moved later by their work (`schedule.band_pins`).
+  micro-batches: the extra actor micro-batches as 1F1B pairs (`insert_pairs`) where the actor has
+  a steady state to extend, else with the critic's; the extra critic ones (and those actor ones)
+  left free in the band [t1 + slope*d, t2 + slope*d) of that schedule, everything after the band
+  moved later by their work and renumbered (`schedule.band_pins`).
 
   Returns ({(kind, device, microbatch): start}, info) where info records what was done and
   info["target"] is the grown makespan (the kept one plus the extra work per device).
@@ -121,13 +124,20 @@ def grow_pins(kept: schedule.Schedule, problem: PipelineProblem, t1: float, t2: 
   extra_actor, extra_critic = check_grows(kept.problem, problem)
   info = {"from_makespan": kept.makespan, "extra_actor": extra_actor,
           "extra_critic": extra_critic}
-  mid = kept
+  mid, in_band = kept, 0
   if extra_actor:
-    mid_problem, mid_order, cut = insert_pairs(kept.problem, kept.order(), "actor", extra_actor)
-    mid = schedule.from_order(mid_problem, mid_order)
-    info["actor_pairs"] = {"cut_time": cut.time, "cut_slope": cut.slope, "block": cut.block,
-                           "makespan": mid.makespan}
-  move = extra_critic * (problem.critic_fwd + problem.critic_bwd)
-  pins = schedule.band_pins(mid, t1, t2, move, slope, index_shift=(0, extra_critic))
+    try:
+      mid_problem, mid_order, cut = insert_pairs(kept.problem, kept.order(), "actor",
+                                                 extra_actor)
+    except ValueError as e:
+      in_band = extra_actor
+      info["actor_pairs"] = f"none, the actor's micro-batches go into the band ({e})"
+    else:
+      mid = schedule.from_order(mid_problem, mid_order)
+      info["actor_pairs"] = {"cut_time": cut.time, "cut_slope": cut.slope, "block": cut.block,
+                             "makespan": mid.makespan}
+  move = (in_band * (problem.actor_fwd + problem.actor_bwd) +
+          extra_critic * (problem.critic_fwd + problem.critic_bwd))
+  pins = schedule.band_pins(mid, t1, t2, move, slope, index_shift=(in_band, extra_critic))
   info.update(band={"t1": t1, "t2": t2, "slope": slope}, move=move, target=mid.makespan + move)
   return pins, info
