@@ -93,25 +93,32 @@ def test_grow_pins_put_the_actor_in_the_band_when_it_has_no_steady_state():
   assert all(j < 4 and (k < 2 or j < 3) for k, _, j in pins)
 
 
-def test_kept_e6_schedule_is_e7_grown_as_its_readme_says():
-  # experiments/results/e6_cp_schedule was made by `schedule_cp_check --grow=120,200,0` from
-  # e7's kept schedule: every task the growth pins keeps that start in the kept e6 schedule, and
-  # the target of the growth is e6's tight bound, which the kept schedule reaches.
-  e7 = schedule.load(os.path.join(REPO, "experiments", "results", "e7_cp_schedule",
-                                  "schedule.json"))
-  folder = os.path.join(REPO, "experiments", "results", "e6_cp_schedule")
-  p6 = PipelineProblem(16, 8, 64, 32, 2.0, 2.0)
-  e6 = schedule.load(os.path.join(folder, "schedule.json"), p6)
-  with open(os.path.join(folder, "result.json")) as f:
-    band = json.load(f)["grow"]["band"]
-  pins, info = grow.grow_pins(e7, p6, band["t1"], band["t2"], band["slope"])
-  assert info["actor_pairs"]["makespan"] == 330 + 32 * 6
-  assert info["target"] == e6.makespan == bounds.tight_lower_bound(p6) == 618
-  assert e6.within_budget
-  order = e6.order()
+@pytest.mark.parametrize("name,source,problem,bound", [
+    ("e6_cp_schedule", "e7_cp_schedule", PipelineProblem(16, 8, 64, 32, 2.0, 2.0), 618.0),
+    ("e0_cp_schedule", "e1_cp_schedule", PipelineProblem(8, 4, 32, 16, 5.0, 4.0), 708.0),
+])
+def test_kept_grown_schedules_are_grown_as_their_readmes_say(name, source, problem, bound):
+  # experiments/results/<name> was made by `schedule_cp_check --grow` from <source>'s kept
+  # schedule (the band is in its result.json): every task the growth pins keeps that start in
+  # the kept schedule, whose makespan is the growth's target (e6: its tight bound; e0: 3 above
+  # it, as e1's optimum is above e1's).
+  results = os.path.join(REPO, "experiments", "results")
+  small = schedule.load(os.path.join(results, source, "schedule.json"))
+  kept = schedule.load(os.path.join(results, name, "schedule.json"), problem)
+  with open(os.path.join(results, name, "result.json")) as f:
+    result = json.load(f)
+  band = result["grow"]["band"]
+  pins, info = grow.grow_pins(small, problem, band["t1"], band["t2"], band["slope"])
+  assert info == result["grow"] and len(pins) == result["pinned_tasks"]
+  # The growth adds exactly the extra work per device, and so does the bound: same gap.
+  lb, small_lb = bounds.tight_lower_bound(problem), bounds.tight_lower_bound(small.problem)
+  assert lb == bound and kept.makespan == info["target"]
+  assert kept.makespan - lb == small.makespan - small_lb
+  assert kept.within_budget
+  order = kept.order()
   starts = {(int(order[d, i]), d, t.microbatch): t.start
-            for d, dev in enumerate(e6.devices) for i, t in enumerate(dev)}
-  assert len(pins) == 2133 and all(starts[key] == st for key, st in pins.items())
+            for d, dev in enumerate(kept.devices) for i, t in enumerate(dev)}
+  assert all(starts[key] == st for key, st in pins.items())
 
 
 def test_cp_check_grow_flag_errors_name_the_flag(tmp_path):

@@ -116,27 +116,33 @@ def test_memory_lag_windows_are_tighter_on_reference_instances():
   assert win.heads[AF][4, 31] > plain.heads[AF][4, 31]
 
 
-@pytest.mark.parametrize("name,shape,critic_fwd,budget,makespan,bound", [
+@pytest.mark.parametrize("name,shape,fwd,budget,makespan,bound", [
     # e7 (Pa/Pc 16/8, Ma/Mc 32/16, fa = fc = 2): CP-SAT's schedule at the tight bound within
     # budget; tight everywhere on device 8, the sharpest check that the windows and the memory
     # lags cut no valid schedule.
-    ("e7_cp_schedule", (16, 8, 32, 16), 2.0, [34.0] * 8 + [18.0] * 8, 330.0, 330.0),
+    ("e7_cp_schedule", (16, 8, 32, 16), (2.0, 2.0), [34.0] * 8 + [18.0] * 8, 330.0, 330.0),
     # e6 (Ma/Mc 64/32): at its tight bound too, e7's schedule grown by CP-SAT
     # (schedule_cp_check --grow); 14 below the 20 s search. The same check on a larger instance.
-    ("e6_cp_schedule", (16, 8, 64, 32), 2.0, [34.0] * 8 + [18.0] * 8, 618.0, 618.0),
+    ("e6_cp_schedule", (16, 8, 64, 32), (2.0, 2.0), [34.0] * 8 + [18.0] * 8, 618.0, 618.0),
     # e9 (16/16, 64/64, fa = 2, fc = 1): the best known, a 2700 s minimisation from the 20 s
     # search's 634; budget 2 (16 - d) + (d + 1) = 33 - d on device d.
-    ("e9_cp_schedule", (16, 16, 64, 64), 1.0, [33.0 - d for d in range(16)], 624.0, 606.0),
+    ("e9_cp_schedule", (16, 16, 64, 64), (2.0, 1.0), [33.0 - d for d in range(16)], 624.0, 606.0),
+    # e1 (8/4, 16/8, fa/fc 5/4) at its optimum 375, and e0 (32/16) grown from it to 711, the best
+    # known (its bound 708 is unreachable: e0_cp_subset).
+    ("e1_cp_schedule", (8, 4, 16, 8), (5.0, 4.0), [44.0, 43.0, 42.0, 41.0, 24.0, 23.0, 22.0, 21.0],
+     375.0, 372.0),
+    ("e0_cp_schedule", (8, 4, 32, 16), (5.0, 4.0), [44.0, 43.0, 42.0, 41.0, 24.0, 23.0, 22.0, 21.0],
+     711.0, 708.0),
 ])
 def test_kept_cp_sat_schedules_keep_their_makespan_and_lie_in_every_window(
-    name, shape, critic_fwd, budget, makespan, bound):
+    name, shape, fwd, budget, makespan, bound):
   # experiments/results/<name>: re-timed here by evaluate.py, the kept schedule must still reach
   # its makespan within budget and lie in every window of pipeline/windows.py.
   import pathlib
   from rlhfuse_jax.pipeline import schedule
   path = (pathlib.Path(__file__).resolve().parents[1] / "experiments" / "results" / name /
           "schedule.json")
-  p = PipelineProblem(*shape, 2.0, critic_fwd)
+  p = PipelineProblem(*shape, *fwd)
   sched = schedule.load(str(path), p)  # checks it is a schedule of p (what --hint_schedule uses)
   other = PipelineProblem(16, 8, 16, 8, 2.0, 2.0)  # e8
   with pytest.raises(ValueError, match=f"{name}/schedule.json: a schedule of .* not of the"):
