@@ -33,9 +33,10 @@ a schedule found is valid; INFEASIBLE says only that no repair of this band exis
 Grow mode (--hint_schedule=S --grow=T1,T2,SLOPE): S is a schedule of the same instance with
 fewer micro-batches (e7's at its bound for e6); pipeline/grow.py inserts the extra actor
 micro-batches as 1F1B pairs where that adds only their work (else they join the band), then the
-extra critic micro-batches go into the band [T1 + SLOPE*d, T2 + SLOPE*d) of that schedule on device d, the
-rest pinned (after the band: moved later by the critic's extra work), at the grown makespan. A
-restriction: a schedule found is valid; INFEASIBLE says only that this growth does not exist.
+extra critic micro-batches go into the band [T1 + SLOPE*d, T2 + SLOPE*d) of that schedule on
+device d, the rest pinned (after the band: moved later by the extra work), at the grown
+makespan. A restriction: a schedule found is valid; INFEASIBLE says only that this growth does
+not exist.
 
 Needs ortools (an optional analysis dependency, not needed by the library; kept out of the main
 environment because it pins an older protobuf: `pip install --target DIR ortools` and put DIR on
@@ -91,9 +92,10 @@ _GROW = flags.DEFINE_list("grow", [], "T1,T2,SLOPE with --hint_schedule of the s
                           "with fewer micro-batches: grow it into the config's instance "
                           "(pipeline/grow.py). The extra actor micro-batches go in as 1F1B pairs "
                           "at the first cut that adds only their work (if none does, into the "
-                          "band); the extra critic ones go into the band [T1 + SLOPE*d, T2 + SLOPE*d) of that schedule (device d), "
-                          "re-solved with the rest pinned, after the band moved later by their "
-                          "work; target: the grown makespan (a restriction, like --splice)")
+                          "band); the extra critic ones go into the band "
+                          "[T1 + SLOPE*d, T2 + SLOPE*d) of that schedule (device d), re-solved "
+                          "with the rest pinned, after the band moved later by the extra work; "
+                          "target: the grown makespan (a restriction, like --splice)")
 _DEVICES = flags.DEFINE_list("devices", [], "relaxation on these devices only (e.g. 8,9,10): "
                              "INFEASIBLE proves the whole instance infeasible; empty: all")
 _LOG_SEARCH = flags.DEFINE_bool("log_search", False, "print CP-SAT's own search log (presolve, "

@@ -115,9 +115,7 @@ def test_kept_grown_schedules_are_grown_as_their_readmes_say(name, source, probl
   assert lb == bound and kept.makespan == info["target"]
   assert kept.makespan - lb == small.makespan - small_lb
   assert kept.within_budget
-  order = kept.order()
-  starts = {(int(order[d, i]), d, t.microbatch): t.start
-            for d, dev in enumerate(kept.devices) for i, t in enumerate(dev)}
+  starts = kept.starts()
   assert all(starts[key] == st for key, st in pins.items())
 
 

@@ -137,9 +137,11 @@ def test_splice_pins_keep_the_head_shift_the_tail_and_free_the_band(tmp_path):
   assert schedule.load(str(path), p) == sched
   with pytest.raises(ValueError, match="not of the expected problem"):
     schedule.load(str(path), PipelineProblem(4, 2, 6, 3, 2.0, 2.0))
+  starts = sched.starts()
   order = sched.order()
-  starts = {(int(order[d, i]), d, t.microbatch): t.start
-            for d, dev in enumerate(sched.devices) for i, t in enumerate(dev)}
+  assert len(starts) == order.size and all(
+      starts[int(order[d, i]), d, t.microbatch] == t.start
+      for d, dev in enumerate(sched.devices) for i, t in enumerate(dev))
   assert schedule.splice_pins(sched, sched.makespan, sched.makespan, 0.0) == starts
   assert schedule.splice_pins(sched, 0.0, float("inf"), 3.0) == {}
   t1, t2, shift = 6.0, 14.0, 2.0

@@ -73,6 +73,11 @@ class Schedule:
     return np.array([[_KIND_OF[(t.model, t.kind)] for t in dev] for dev in self.devices],
                     dtype=np.int8)
 
+  def starts(self) -> dict[tuple[int, int, int], float]:
+    """{(kind, device, microbatch): start} of every task: the key the CP model's starts use."""
+    return {(_KIND_OF[(t.model, t.kind)], d, t.microbatch): t.start
+            for d, dev in enumerate(self.devices) for t in dev}
+
   def to_dict(self) -> dict[str, Any]:
     return {"problem": self.problem.to_dict(), "makespan": self.makespan,
             "peak_memory": list(self.peaks), "budget": list(self.budget),
@@ -158,14 +163,11 @@ def band_pins(sched: Schedule, t1: float, t2: float, move: float, slope: float =
   if any(not isinstance(s, (int, np.integer)) or s < 0 for s in index_shift):
     raise ValueError(f"index_shift={index_shift}: expected two non-negative integers")
   pins = {}
-  for d, dev in enumerate(sched.devices):
-    lo, hi = t1 + slope * d, t2 + slope * d
-    for t in dev:
-      kind = _KIND_OF[(t.model, t.kind)]
-      if t.start < lo:
-        pins[kind, d, t.microbatch] = t.start
-      elif t.start >= hi:
-        pins[kind, d, t.microbatch + index_shift[kind // 2]] = t.start + move
+  for (kind, d, j), start in sched.starts().items():
+    if start < t1 + slope * d:
+      pins[kind, d, j] = start
+    elif start >= t2 + slope * d:
+      pins[kind, d, j + index_shift[kind // 2]] = start + move
   return pins
 
 
