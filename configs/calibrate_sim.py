@@ -2,7 +2,7 @@ r"""Measures this machine's operation costs into a simulator calibration file.
 
   python -m experiments.calibrate_sim --config=configs/calibrate_sim.py --workdir=/tmp/cal
 
-Writes calibration.json (format of rlhfuse_jax/sim/calibration.py) and config.json. Match the
+Writes calibration.json (format of rlhfuse_jax/policy/calibration.py) and config.json. Match the
 model and instance fields to the benchmark the simulator should predict (e.g. the model of
 configs/bench_generation.py) before comparing.
 """

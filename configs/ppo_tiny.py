@@ -5,10 +5,10 @@ r"""Tiny PPO run on CPU: a 2-layer decoder learns the synthetic 'repeat' task fr
 Variants: `--config=configs/ppo_tiny.py:grpo` (critic-free GRPO). Sweep:
   python -m experiments.sweep --config=configs/ppo_tiny.py --binary=train_ppo --workdir=/tmp/sw
 
-`fused`: intra-stage fusion (DESIGN §3) on a data=2 x stage=4 mesh: a 4-layer actor (4 stages)
+`fused`: intra-stage fusion (docs/architecture.md §3) on a data=2 x stage=4 mesh: a 4-layer actor (4 stages)
 and a 2-layer critic (2 stages, 2 replicas) train through the pipeline executor with the searched
 fused schedule, and generation runs as sample-level instances with long-tail consolidation and
-streaming inference (inter-stage fusion, DESIGN §2). It needs 8 devices; on a CPU host give jax
+streaming inference (inter-stage fusion, docs/architecture.md §2). It needs 8 devices; on a CPU host give jax
 8 fake ones:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.train_ppo \
     --config=configs/ppo_tiny.py:fused --workdir=/tmp/ppo_tiny_fused
@@ -116,7 +116,7 @@ def get_config(arg: str = "ppo"):
   c.fusion.inference_micro_batch = 0  # samples per inference micro-batch; 0: slots
   c.fusion.max_consolidations = 1  # long-tail consolidations per batch
 
-  c.pipeline = ml_collections.ConfigDict()  # training over mesh.stage > 1 (DESIGN §3)
+  c.pipeline = ml_collections.ConfigDict()  # training over mesh.stage > 1 (docs/architecture.md §3)
   c.pipeline.critic_pp = 0  # critic stages; 0: mesh.stage; must divide mesh.stage
   c.pipeline.actor_microbatches = 4  # actor micro-batches per mini-batch data shard
   c.pipeline.critic_microbatches = 4  # micro-batches per critic replica (stage / critic_pp)

@@ -1,4 +1,4 @@
-"""Fused actor/critic pipeline schedule search (DESIGN §3, intra-stage fusion).
+"""Fused actor/critic pipeline schedule search (docs/architecture.md §3, intra-stage fusion).
 
 One instance:
   python -m experiments.schedule_search --config=configs/schedule_search.py --workdir=/tmp/ss_e0
@@ -45,7 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 def get_sweep() -> list[dict]:
-  """The 12 reference instances of DESIGN §3 (ba = 2 fa, bc = 2 fc)."""
+  """The 12 reference instances of docs/architecture.md §3 (ba = 2 fa, bc = 2 fc)."""
   return [{"name": name, "actor_pp": pa, "critic_pp": pc, "actor_microbatches": ma,
            "critic_microbatches": mc, "actor_fwd": fa, "critic_fwd": fc}
           for name, pa, pc, ma, mc, fa, fc in REFERENCE_INSTANCES]

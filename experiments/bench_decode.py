@@ -20,7 +20,7 @@ MFU = model FLOPs (accounting.ppo_update_flops) / step time / the preset's peak 
 
 The peak is looked up from `jax.devices()[0].device_kind` (config.hardware="auto"); on a CPU, or a
 device no preset matches, fractions are null and the result says "unknown peak". Only device 0
-is used. Writes result.json, calibration.json (rlhfuse_jax.sim.calibration format: decode step
+is used. Writes result.json, calibration.json (rlhfuse_jax/policy/calibration.py format: decode step
 time vs batch, prefill rate, train-stage forward times), bench_decode.png and config.json.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ from rlhfuse_jax.models import llama, sequences
 from rlhfuse_jax.perf import accounting
 from rlhfuse_jax.perf.bench_config import BenchDecodeConfig
 from rlhfuse_jax.rl import optim
-from rlhfuse_jax.sim import calibration
+from rlhfuse_jax.policy import calibration
 from rlhfuse_jax.trainer import ppo
 from rlhfuse_jax.trainer.config import AlgoConfig
 
@@ -229,7 +229,7 @@ def add_fractions(result: dict, peak_flops: float | None, peak_bw: float | None)
 
 
 def calibration_file(result: dict) -> dict:
-  """The measurements as a simulator calibration file (rlhfuse_jax/sim/calibration.py)."""
+  """The measurements as a simulator calibration file (rlhfuse_jax/policy/calibration.py)."""
   dev, dec, tr = result["device"], result["decode"], result["train"]
   rows = dec["per_batch"]
   largest = rows[-1]

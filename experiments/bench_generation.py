@@ -41,6 +41,7 @@ from rlhfuse_jax.generation.sampling import SamplingConfig  # noqa: E402
 from rlhfuse_jax.models import llama  # noqa: E402
 from rlhfuse_jax.sim import lengths as lengths_lib  # noqa: E402
 from rlhfuse_jax.sim import plots  # noqa: E402
+from rlhfuse_jax.trainer import rt_auto  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
@@ -133,7 +134,8 @@ def run(c, workdir: str) -> dict:
   t0 = time.perf_counter()
   gen = fused_lib.FusedGenerator(cfg, sampling, config, batch_size=c.batch_size,
                                  prompt_len=g.prompt_len, frozen=frozen, actor_params=actor,
-                                 frozen_params=host, devices=devices)
+                                 frozen_params=host, devices=devices,
+                                 rt_model=rt_auto.simulated_rt_model)
   compile_s = time.perf_counter() - t0
   n_exe = sum(i.num_executables for i in gen.instances)
   logging.info("%d instances x %d device(s), %d slots each: %d executables compiled in %.1fs",

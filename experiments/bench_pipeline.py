@@ -1,4 +1,4 @@
-r"""Benchmark of the fused actor/critic pipeline executor (DESIGN §3, intra-stage fusion).
+r"""Benchmark of the fused actor/critic pipeline executor (docs/architecture.md §3, intra-stage fusion).
 
   python -m experiments.bench_pipeline --config=configs/bench_pipeline.py --workdir=/tmp/bench_pipeline
 
@@ -19,7 +19,7 @@ time are the figures that carry over to real accelerators.
 
 It also measures, with the same executor, the costs the simulator needs to predict these step
 times (sim/lockstep.py, checked by experiments/reproduce_ablations.py's validation) and writes
-them to `calibration.json` (sim/calibration.py format): per stage and micro-batch, the forward
+them to `calibration.json` (policy/calibration.py format): per stage and micro-batch, the forward
 and backward of the actor and of the critic, and the executor's fixed cost per tick and per
 step (see measure_calibration). `schedules.json` records the orders that ran, so the validation
 rebuilds exactly those ticks.
@@ -51,7 +51,7 @@ from rlhfuse_jax.pipeline import bounds, schedules, search, stages  # noqa: E402
 from rlhfuse_jax.pipeline.evaluate import evaluate  # noqa: E402
 from rlhfuse_jax.pipeline.executor import PipelineExecutor  # noqa: E402
 from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, KIND_NAMES, PipelineProblem  # noqa: E402
-from rlhfuse_jax.sim import calibration as cal_lib  # noqa: E402
+from rlhfuse_jax.policy import calibration as cal_lib  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
@@ -279,7 +279,7 @@ def _paired(a: Callable[[], float], b: Callable[[], float], repeats: int) -> tup
 
 def measure_calibration(cfg: BenchPipelineConfig, problem: PipelineProblem,
                         programs: list, mesh, params, batch) -> tuple[dict, dict]:
-  """This machine's executor costs in the simulator's calibration format (sim/calibration.py),
+  """This machine's executor costs in the simulator's calibration format (policy/calibration.py),
   and a check of the lockstep model on a table where every device works at every tick.
 
   Everything runs through PipelineExecutor with hand-made tables of the ring sizes of the
@@ -446,7 +446,7 @@ def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
       "paired_ratio_fused_over_serial": float(np.median(paired)),
       "unpipelined_step_s": float(np.median(ref_runs)),
       "search_s": {k: f.search_s for k, f in found.items()},
-      # No lockstep execution of this problem has fewer ticks (DESIGN §3's tight bound in ticks).
+      # No lockstep execution of this problem has fewer ticks (docs/architecture.md §3's tight bound in ticks).
       "ticks_lower_bound": bounds.tight_lower_bound(unit),
       "fused_ticks_lt_serial_ticks": bool(results["searched"]["ticks"] <
                                           results["serial_1f1b"]["ticks"]),

@@ -30,7 +30,7 @@ from rlhfuse_jax.generation.measure import median_s  # noqa: E402
 from rlhfuse_jax.generation.sampling import SamplingConfig  # noqa: E402
 from rlhfuse_jax.inference import scoring  # noqa: E402
 from rlhfuse_jax.models import llama  # noqa: E402
-from rlhfuse_jax.sim import calibration  # noqa: E402
+from rlhfuse_jax.policy import calibration  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Calibration config.",
                                           lock_config=True)

@@ -22,14 +22,14 @@ from rlhfuse_jax.pipeline import schedule as schedule_lib, schedules
 from rlhfuse_jax.pipeline.graph import PipelineProblem
 from rlhfuse_jax.pipeline.search import warmup
 from rlhfuse_jax.sim import ablations, iteration_sim, plots, report, validation
-from rlhfuse_jax.sim import calibration as cal_lib
+from rlhfuse_jax.policy import calibration as cal_lib
 from rlhfuse_jax.sim import generation_sim as gen_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Ablation config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
 flags.mark_flags_as_required(["config", "workdir"])
-PAPER_RT = 0.2  # "about 20% remaining is often a good point" (DESIGN §2)
+PAPER_RT = 0.2  # "about 20% remaining is often a good point" (docs/architecture.md §2)
 
 
 def _figures(cfg, out: dict, workdir: str, systems) -> list[str]:

@@ -31,7 +31,7 @@ after T2 move D earlier, and the band between is re-solved at S's makespan - D. 
 a schedule found is valid; INFEASIBLE says only that no repair of this band exists.
 
 Grow mode (--hint_schedule=S --grow=T1,T2,SLOPE): S is a schedule of the same instance with
-fewer micro-batches (e7's at its bound for e6); pipeline/grow.py inserts the extra actor
+fewer micro-batches (e7's at its bound for e6); pipeline/exact/grow.py inserts the extra actor
 micro-batches as 1F1B pairs where that adds only their work (else they join the band), then the
 extra critic micro-batches go into the band [T1 + SLOPE*d, T2 + SLOPE*d) of that schedule on
 device d, the rest pinned (after the band: moved later by the extra work), at the grown
@@ -64,7 +64,8 @@ from ml_collections import config_flags
 import numpy as np
 
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.pipeline import bounds, gantt, grow, schedule, search, windows
+from rlhfuse_jax.pipeline import bounds, gantt, schedule, search, windows
+from rlhfuse_jax.pipeline.exact import grow
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import PipelineProblem, parse_devices
 
@@ -90,7 +91,7 @@ _SPLICE = flags.DEFINE_list("splice", [], "T1,T2,S with --hint_schedule: keep th
                             "restriction: INFEASIBLE says only that this repair does not exist)")
 _GROW = flags.DEFINE_list("grow", [], "T1,T2,SLOPE with --hint_schedule of the same instance "
                           "with fewer micro-batches: grow it into the config's instance "
-                          "(pipeline/grow.py). The extra actor micro-batches go in as 1F1B pairs "
+                          "(pipeline/exact/grow.py). The extra actor micro-batches go in as 1F1B pairs "
                           "at the first cut that adds only their work (if none does, into the "
                           "band); the extra critic ones go into the band "
                           "[T1 + SLOPE*d, T2 + SLOPE*d) of that schedule (device d), re-solved "

@@ -1,6 +1,6 @@
 """Proves a makespan unreachable within the memory budget with the time-indexed LP relaxation.
 
-The relaxation (rlhfuse_jax/pipeline/time_indexed.py) holds every valid schedule within budget;
+The relaxation (rlhfuse_jax/pipeline/exact/time_indexed.py) holds every valid schedule within budget;
 when even its fractional version has no solution, the target is unreachable, and the multipliers
 saved in certificate.npz prove it: `--verify` rebuilds the model and re-checks them in exact
 integer arithmetic, with no solver. A feasible LP proves nothing (use schedule_cp_check).
@@ -31,7 +31,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.pipeline import bounds, time_indexed
+from rlhfuse_jax.pipeline import bounds
+from rlhfuse_jax.pipeline.exact import time_indexed
 from rlhfuse_jax.pipeline.graph import PipelineProblem, parse_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)

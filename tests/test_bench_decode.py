@@ -17,7 +17,8 @@ from configs import bench_decode as bench_config_file
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.perf import accounting
 from rlhfuse_jax.perf.bench_config import BenchDecodeConfig
-from rlhfuse_jax.sim import calibration, hardware, shapes
+from rlhfuse_jax.policy import calibration
+from rlhfuse_jax.sim import hardware, shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = BenchDecodeConfig.from_config_dict(bench_config_file.get_config())

@@ -5,7 +5,8 @@ import os
 
 from configs import bench_generation as bench_config
 from experiments import bench_generation
-from rlhfuse_jax.sim import calibration, validation
+from rlhfuse_jax.policy import calibration
+from rlhfuse_jax.sim import validation
 
 
 def test_tiny_bench(tmp_path):

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from rlhfuse_jax.generation.consolidation import (InstanceState, SampleState, kv_tokens_from_bytes,
+from rlhfuse_jax.policy.consolidation import (InstanceState, SampleState, kv_tokens_from_bytes,
                                                   plan_consolidation)
 
 

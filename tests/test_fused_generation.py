@@ -12,7 +12,9 @@ from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference.scoring import Scorer, ScoringBatch
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
-from rlhfuse_jax.sim import rt_choice
+from rlhfuse_jax.policy import rt as rt_choice
+from rlhfuse_jax.policy.lengths import LengthHistogram
+from rlhfuse_jax.sim import rt_model
 from rlhfuse_jax.sim.generation_sim import GenSetup
 from rlhfuse_jax.sim.shapes import from_model_config
 
@@ -172,9 +174,11 @@ def test_two_device_instances_identical_with_and_without_consolidation():
 
 def test_rt_choice_follows_the_costs():
   actor = from_model_config(CFG)
-  hist = rt_choice.LengthHistogram(64)
-  assert rt_choice.choose_rt(hist, {}, actor, (actor,), GenSetup(num_instances=4, slots=4),
-                             np.full(16, 6)).rt == rt_choice.PRIOR_RT
+  hist = LengthHistogram(64)
+
+  def never(*args):
+    raise AssertionError("nothing to simulate before any length is observed")
+  assert rt_choice.choose_rt(hist, never, np.full(16, 6), 64).rt == rt_choice.PRIOR_RT
   rng = np.random.default_rng(0)
   hist.add(np.clip(np.rint(rng.lognormal(np.log(4), 1.2, 400)), 1, 64))
 
@@ -185,8 +189,10 @@ def test_rt_choice_follows_the_costs():
                     "prefill": {"tokens_per_s": 1e6}, "inference": {"tokens_per_s": 1e5},
                     "migration": {"bytes_per_s": 1e15, "latency_s": migration_s}}}
   setup = GenSetup(num_instances=4, slots=4, chunk_steps=2, max_new_tokens=64)
-  cheap = rt_choice.choose_rt(hist, cal(0.0), actor, (actor,), setup, np.full(16, 6))
-  dear = rt_choice.choose_rt(hist, cal(100.0), actor, (actor,), setup, np.full(16, 6))
+  cheap = rt_choice.choose_rt(hist, rt_model.gen_plus_inf_model(cal(0.0), actor, (actor,), setup),
+                              np.full(16, 6), 64)
+  dear = rt_choice.choose_rt(hist, rt_model.gen_plus_inf_model(cal(100.0), actor, (actor,),
+                                                               setup), np.full(16, 6), 64)
   # On one shared processor, fewer instances stepping saves time when moving is free ...
   assert cheap.rt > 0 and cheap.simulated_s[cheap.rt] < cheap.simulated_s[0.0]
   # ... and nothing is worth a 100 s migration.
@@ -221,6 +227,8 @@ def test_bad_layouts_fail_before_compiling():
     make(8, num_instances=2, slots=4, kv_capacity_tokens=80)
   with pytest.raises(ValueError, match=r"fusion.slots=2: 16 samples .* expected slots >= 4"):
     make(16, num_instances=4, slots=2)
+  with pytest.raises(ValueError, match=r"migration_threshold='auto' needs a model"):
+    make(8, num_instances=2, slots=4)  # "auto" without the simulator plugged in
   with pytest.raises(ValueError, match="context too long"):
     FusedGenerator(CFG, SamplingConfig(max_new_tokens=60), FusedGenConfig(num_instances=1,
                                                                          slots=1),

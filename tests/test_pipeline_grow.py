@@ -1,11 +1,12 @@
-"""Growing schedules to more micro-batches (pipeline/grow.py, schedule.band_pins)."""
+"""Growing schedules to more micro-batches (pipeline/exact/grow.py, schedule.band_pins)."""
 import json
 import os
 
 import numpy as np
 import pytest
 
-from rlhfuse_jax.pipeline import bounds, grow, schedule, schedules
+from rlhfuse_jax.pipeline import bounds, schedule, schedules
+from rlhfuse_jax.pipeline.exact import grow
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem
 

@@ -1,4 +1,4 @@
-"""Time-indexed LP relaxation (pipeline/time_indexed.py): a relaxation of every valid schedule
+"""Time-indexed LP relaxation (pipeline/exact/time_indexed.py): a relaxation of every valid schedule
 within budget, and certificates that are checked exactly."""
 import json
 import os
@@ -6,7 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from rlhfuse_jax.pipeline import bounds, time_indexed, windows
+from rlhfuse_jax.pipeline import bounds, windows
+from rlhfuse_jax.pipeline.exact import time_indexed
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import PipelineProblem
 from tests.test_pipeline_experiments import REPO

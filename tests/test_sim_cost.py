@@ -4,7 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from rlhfuse_jax.sim import calibration, lengths
+from rlhfuse_jax.policy import calibration
+from rlhfuse_jax.sim import lengths
 from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
 from rlhfuse_jax.sim.hardware import Hardware, get_hardware
 from rlhfuse_jax.sim.shapes import ModelShape, get_shape

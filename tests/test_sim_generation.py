@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from rlhfuse_jax.sim import calibration
+from rlhfuse_jax.policy import calibration
 from rlhfuse_jax.sim.cost_model import CostModel
 from rlhfuse_jax.sim.generation_sim import GenSetup, choose_threshold, simulate_generation
 from rlhfuse_jax.sim.hardware import get_hardware

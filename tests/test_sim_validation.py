@@ -10,7 +10,8 @@ import pytest
 
 from rlhfuse_jax.pipeline import schedules
 from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem
-from rlhfuse_jax.sim import calibration, lockstep, validation
+from rlhfuse_jax.policy import calibration
+from rlhfuse_jax.sim import lockstep, validation
 
 CAL = {"format": calibration.FORMAT, "device": "2-core CPU, 8 fake devices",
        "devices_share_compute": True,

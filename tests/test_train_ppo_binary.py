@@ -46,7 +46,7 @@ def test_run_then_continue_to_more_iterations(tmp_path):
   assert _steps(wd) == [1, 2, 3]
   row = json.load(open(os.path.join(wd, "result.json")))
   assert row["iterations"] == 3
-  # The DESIGN §1 metric names are all there.
+  # The docs/architecture.md §1 metric names are all there.
   with open(os.path.join(wd, "metrics.jsonl")) as f:
     first = json.loads(f.readline())
   for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",

@@ -1,4 +1,4 @@
-"""Inter-stage fusion (DESIGN §2): sample-level generation on G instances, long-tail
+"""Inter-stage fusion (docs/architecture.md §2): sample-level generation on G instances, long-tail
 consolidation with KV migration, and streaming inference on the freed instances.
 
 One batch, step by step (`FusedGenerator.run`):
@@ -34,13 +34,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import numpy as np
 from absl import logging
 
-from rlhfuse_jax.generation import consolidation as policy
+from rlhfuse_jax.policy import consolidation as policy
 from rlhfuse_jax.generation import engine
 from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.generation import measure
@@ -48,10 +48,15 @@ from rlhfuse_jax.generation.instances import FrozenModels, GenerationInstance
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.generation.timeline import ActivityLog, Timeline
 from rlhfuse_jax.models.llama import ModelConfig
-from rlhfuse_jax.sim import rt_choice
+from rlhfuse_jax.policy import rt as rt_choice
+from rlhfuse_jax.policy.lengths import LengthHistogram
 
 INFERENCE_MODELS = ("reference", "critic", "reward")
 PER_INSTANCE_QUEUE = 2  # micro-batches queued on one free instance while the tail decodes
+# How "auto" models one batch for a candidate Rt: rt_model(generator, calibration) returns a
+# policy.rt.Simulate. The trainer plugs in the simulator's (trainer/rt_auto.py); the engine does
+# not import the simulator (docs/architecture.md §7).
+RtModel = Callable[["FusedGenerator", dict], rt_choice.Simulate]
 RESIMULATE_GROWTH = 1.25  # "auto" re-simulates Rt once the length histogram grew by this factor
 
 
@@ -110,7 +115,7 @@ class FusedOutput:
   rt: float  # the Rt used
   rt_choice: Optional[rt_choice.RtChoice]  # how "auto" chose it
   no_migration: list  # why a due consolidation moved nothing (distinct reasons, in order)
-  metrics: dict  # DESIGN §2 metrics (see FusedGenerator.run)
+  metrics: dict  # docs/architecture.md §2 metrics (see FusedGenerator.run)
 
 
 class FusedGenerator:
@@ -118,7 +123,8 @@ class FusedGenerator:
 
   def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, config: FusedGenConfig, *,
                batch_size: int, prompt_len: int, frozen: FrozenModels, actor_params: Any,
-               frozen_params: dict, devices: Optional[Sequence[jax.Device]] = None):
+               frozen_params: dict, devices: Optional[Sequence[jax.Device]] = None,
+               rt_model: Optional[RtModel] = None):
     if cfg.head != "lm":
       raise ValueError(f"generation needs an LM-head model (model.head='lm'), got {cfg.head!r}")
     sampling.check_vocab(cfg.vocab_size)
@@ -151,13 +157,18 @@ class FusedGenerator:
     missing = sorted(set(self.models) - set(frozen_params))
     if missing:
       raise ValueError(f"frozen_params lacks {missing} (shapes of the inference models)")
+    if rt_choice.resolve_threshold(config.migration_threshold) is None and rt_model is None:
+      raise ValueError("config.fusion.migration_threshold='auto' needs a model to simulate Rt "
+                       "with: pass rt_model=rlhfuse_jax.trainer.rt_auto.simulated_rt_model (or "
+                       "set a fixed threshold in [0, 1])")
     inst_lib.compile_all(self.instances, actor_params, frozen_params, config.compile_threads)
     # KV bytes of one token of one sample (K and V, all layers), as KVCache.nbytes_per_token.
     itemsize = np.dtype(cfg.jnp_dtype).itemsize
     self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim_ * itemsize
-    self.lengths = rt_choice.LengthHistogram(sampling.max_new_tokens)
+    self.lengths = LengthHistogram(sampling.max_new_tokens)
     self.calibration: Optional[dict] = None  # measured costs (generation/measure.py)
     self.fixed_rt = rt_choice.resolve_threshold(config.migration_threshold)
+    self.rt_model = rt_model
     self._rt_cache: Optional[tuple] = None  # (histogram total when simulated, RtChoice)
     self.inflight = config.inference_inflight
 
@@ -174,8 +185,8 @@ class FusedGenerator:
       return choice.rt, choice
     last = self._rt_cache
     if last is None or self.lengths.total >= RESIMULATE_GROWTH * last[0]:
-      choice = rt_choice.choose_rt(self.lengths, self.calibration, *measure.sim_setup(self),
-                                   prompt_lens=prompt_lens,
+      choice = rt_choice.choose_rt(self.lengths, self.rt_model(self, self.calibration),
+                                   prompt_lens, self.sampling.max_new_tokens,
                                    candidates=self.config.rt_candidates)
       self._rt_cache = last = (self.lengths.total, choice)
     return last[1].rt, last[1]

@@ -1,7 +1,7 @@
 """Measured costs of the fused engine's own executables, as a simulator calibration file.
 
-The Rt choice (sim/rt_choice.py) simulates with these, and the benchmark writes them as
-`calibration.json`, which the simulator reads (sim/calibration.py, sim/validation.py). On a GPU
+The Rt choice (policy/rt.py, with the model of sim/rt_model.py) simulates with these, and the benchmark writes them as
+`calibration.json`, which the simulator reads (policy/calibration.py, sim/validation.py). On a GPU
 this is the calibration of "decode step time against occupied slots and KV migration" of issue 5.
 
 Measured on instance 0 (and 1 for migration), each the median of `repeats` after a warm-up:
@@ -25,9 +25,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from rlhfuse_jax.sim import calibration as cal_lib
-from rlhfuse_jax.sim import shapes as shapes_lib
-from rlhfuse_jax.sim.generation_sim import GenSetup
+from rlhfuse_jax.policy import calibration as cal_lib
 
 # A rate high enough that `amount / rate` vanishes next to a measured per-call overhead.
 _NEGLIGIBLE_RATE = 1e15
@@ -46,20 +44,6 @@ def median_s(fn: Callable[[], object], repeats: int) -> float:
 
 def shares_compute(gen) -> bool:
   return gen.instances[0].devices[0].platform == "cpu"
-
-
-def sim_setup(gen) -> tuple:
-  """(actor shape, inference model shapes, GenSetup) describing the engine to the simulator."""
-  cfg = gen.config
-  actor = shapes_lib.from_model_config(gen.cfg, "actor")
-  frozen = tuple(shapes_lib.from_model_config(c, n) for n, c in gen.models.items())
-  setup = GenSetup(num_instances=cfg.num_instances, slots=cfg.slots, tp=cfg.instance_devices,
-                   chunk_steps=gen.sampling.chunk_size,
-                   max_new_tokens=gen.sampling.max_new_tokens,
-                   max_consolidations=max(cfg.max_consolidations, 1), stream_inference=True,
-                   inference_microbatch=cfg.micro_batch, kv_capacity_tokens=gen.kv_capacity,
-                   offload_frozen=True, devices_share_compute=shares_compute(gen))
-  return actor, frozen, setup
 
 
 def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> dict:
@@ -92,12 +76,11 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   ops = {"decode_step": {"occupied_slots": occupancies, "seconds": step_s},
          "prefill": {"tokens_per_s": _NEGLIGIBLE_RATE, "overhead_s": prefill_s}}
 
-  actor_shape, frozen_shapes, setup = sim_setup(gen)
   host = {n: frozen_params[n] for n in gen.models if n != "critic"}  # critic: training devices
   if host:
     load_s = median_s(lambda: {n: inst.place(gen.models[n], host[n]) for n in host}, repeats)
-    sim_bytes = sum(shapes_lib.from_model_config(gen.models[n]).weight_bytes()
-                    for n in host) / setup.tp
+    # In the simulator's bytes: bf16 weights (2 bytes a parameter), split over the instance.
+    sim_bytes = sum(2 * gen.models[n].num_params() for n in host) / gen.config.instance_devices
     ops["weight_load"] = {"bytes_per_s": sim_bytes / load_s}
   placed = {n: inst.place(c, frozen_params[n]) for n, c in gen.models.items()}
   mb = gen.config.micro_batch

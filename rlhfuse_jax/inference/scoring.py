@@ -1,4 +1,4 @@
-"""The inference stage of PPO (DESIGN §1, step 2): scores for generated samples.
+"""The inference stage of PPO (docs/architecture.md §1, step 2): scores for generated samples.
 
 For each prompt+response (laid out by models/sequences.build_sequences):
 

@@ -12,7 +12,7 @@ forward and -mem per backward. It is checked for every candidate at O(T) cost.
 
 Objective (lexicographic, smaller is better): (budget overflow, makespan, max per-device peak,
 sum of per-device peaks, sum of per-device finish times). A schedule within budget has overflow
-0, so among feasible schedules the makespan decides, then the tie-breakers of DESIGN §3.
+0, so among feasible schedules the makespan decides, then the tie-breakers of docs/architecture.md §3.
 
 The kernels are numba-compiled: one evaluation of the largest reference instance (16 devices x
 256 tasks) costs tens of microseconds, which the search needs (~10^5 evaluations in 20 s).
@@ -181,7 +181,7 @@ class Evaluation:
 
   @property
   def bubble(self) -> float:
-    """1 - N*W / (N*T): the idle fraction of device time (DESIGN §3)."""
+    """1 - N*W / (N*T): the idle fraction of device time (docs/architecture.md §3)."""
     return 1.0 - self.work / self.makespan if self.valid else float("nan")
 
   def objective(self) -> tuple:

@@ -7,7 +7,7 @@ All return a per-device kind order, int8 [N, T] (graph.py), that evaluate.py tim
   micro-batches, which defines the default memory budget.
 - Serial: each device runs the actor's 1F1B, then the critic's; the critic is released only when
   the whole actor pipeline has finished (a barrier), so its makespan is the sum of the two 1F1B
-  makespans, T_serial of DESIGN §3.
+  makespans, T_serial of docs/architecture.md §3.
 - Greedy fused: one model keeps its 1F1B timing; the other model's tasks, in their own 1F1B order,
   go into the earliest gaps that fit them (or after the fixed model ends). Both models keep their
   1F1B order per device, so each holds at most its 1F1B peak and the sum stays within the default

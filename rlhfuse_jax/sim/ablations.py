@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any, Callable
 
-from rlhfuse_jax.sim import calibration as cal_lib
+from rlhfuse_jax.policy import calibration as cal_lib
 from rlhfuse_jax.sim import iteration_sim as it
 from rlhfuse_jax.sim import lengths as len_lib
 from rlhfuse_jax.sim import training_sim as train_lib

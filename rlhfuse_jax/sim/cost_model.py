@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from rlhfuse_jax.sim.calibration import Calibration
+from rlhfuse_jax.policy.calibration import Calibration
 from rlhfuse_jax.sim.hardware import Hardware
 from rlhfuse_jax.sim.shapes import ModelShape
 

@@ -1,4 +1,4 @@
-"""Sample-level discrete-event simulation of generation + inference on G instances (DESIGN §2).
+"""Sample-level discrete-event simulation of generation + inference on G instances (docs/architecture.md §2).
 
 Model of the engine (the one issue 5 builds): the batch is dealt round-robin to G instances of
 `tp` devices with S slots each (all samples start at once, as in the engine); each instance runs
@@ -7,7 +7,7 @@ sample finish only at the end of the chunk in which it finished. A decode step c
 `CostModel.decode_step_s(rows still live, KV tokens they read)`.
 
 With consolidation (`threshold` = Rt not None): after every chunk the host calls the shared
-policy `rlhfuse_jax.generation.consolidation.plan_consolidation` on the instances' states (each
+policy `rlhfuse_jax.policy.consolidation.plan_consolidation` on the instances' states (each
 unfinished sample counted at its current length plus `max_new_tokens - generated`); when it
 returns moves, each destination waits for its in-flight chunk and its sources' chunks, then
 receives the KV rows (`CostModel.kv_migration_s`), and the released instances leave generation.
@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from rlhfuse_jax.generation.consolidation import InstanceState, SampleState, plan_consolidation
+from rlhfuse_jax.policy.consolidation import InstanceState, SampleState, plan_consolidation
 from rlhfuse_jax.sim.cost_model import CostModel, cross_node
 from rlhfuse_jax.sim.shapes import ModelShape
 

@@ -15,7 +15,7 @@ repeated over R data-parallel copies runs each of its tasks R times per tick, on
 longest task is unchanged, the sum is R times larger. A step is step_overhead_s plus its ticks.
 
 No jax here: the same orders the executor ran are rebuilt from numbers (schedules.json) and
-timed with measured stage costs (sim/calibration.py, op `train_stage` / `pipeline_executor`).
+timed with measured stage costs (policy/calibration.py, op `train_stage` / `pipeline_executor`).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The actor and the critic train on the same mini-batches. On a plan (tp, Pa, Pc, dp), the N
 devices form dp * tp pipelines of Pa devices (layout: tp innermost, then dp, then the pipeline
-axis); the critic has Pc stages and R = Pa/Pc replicas along the pipeline axis (DESIGN §3). A
+axis); the critic has Pc stages and R = Pa/Pc replicas along the pipeline axis (docs/architecture.md §3). A
 mini-batch of `minibatch` samples splits over dp groups, then into micro-batches of
 `micro_batch` samples: Ma = minibatch / (dp * micro_batch), Mc = Ma / R.
 
@@ -123,7 +123,7 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: Tra
 def check_train_memory(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: TrainPlan,
                        mb_tokens: float) -> None:
   """Both models' states and their 1F1B activation peaks on the busiest device (stage 0 of
-  each) must fit; the fused schedule's budget is that same sum (DESIGN §3)."""
+  each) must fit; the fused schedule's budget is that same sum (docs/architecture.md §3)."""
   ma, mc = plan.actor_microbatches, plan.critic_microbatches
   need = (cost.train_memory_bytes(actor, plan.tp, plan.actor_pp, plan.dp, True, mb_tokens,
                                   min(plan.actor_pp, ma)) +

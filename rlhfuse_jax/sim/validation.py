@@ -48,10 +48,10 @@ import numpy as np
 
 from rlhfuse_jax.pipeline import schedules
 from rlhfuse_jax.pipeline.graph import PipelineProblem
-from rlhfuse_jax.sim import calibration as cal_lib
+from rlhfuse_jax.policy import calibration as cal_lib
 from rlhfuse_jax.sim import generation_sim as gen_lib
 from rlhfuse_jax.sim import lockstep
-from rlhfuse_jax.sim.calibration import Calibration
+from rlhfuse_jax.policy.calibration import Calibration
 from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
 from rlhfuse_jax.sim.hardware import get_hardware
 from rlhfuse_jax.sim.shapes import ModelShape

@@ -3,7 +3,7 @@
 `FusedStage` replaces the serial `PPOTrainer.generate_and_infer` body: it builds a
 `generation.fused.FusedGenerator` over the trainer's devices and returns the very fields of
 StageOutputs (same tokens, log-probs and scores as the serial path, bitwise when an instance's
-shape matches a device's share of the serial batch: the defaults ensure it), plus the DESIGN §2
+shape matches a device's share of the serial batch: the defaults ensure it), plus the docs/architecture.md §2
 metrics.
 
 Defaults (config.fusion): one instance per `instance_devices` devices, slots = batch /
@@ -21,6 +21,7 @@ import numpy as np
 from rlhfuse_jax.generation import fused as fused_lib
 from rlhfuse_jax.generation.instances import FrozenModels
 from rlhfuse_jax.inference import scoring
+from rlhfuse_jax.trainer import rt_auto
 
 
 def fused_config(fusion, batch_size: int, num_devices: int) -> fused_lib.FusedGenConfig:
@@ -65,7 +66,7 @@ class FusedStage:
     self.generator = fused_lib.FusedGenerator(
         cfg.model, trainer.sampling, self.config, batch_size=cfg.rollout.batch_size,
         prompt_len=cfg.data.max_prompt_len, frozen=frozen, actor_params=trainer.actor.params,
-        frozen_params=shapes, devices=devices)
+        frozen_params=shapes, devices=devices, rt_model=rt_auto.simulated_rt_model)
 
   def __call__(self, records, prompt_tokens, prompt_lens, uids, gen_key) -> dict:
     """The fields of StageOutputs for this batch."""
