@@ -1,0 +1,319 @@
+"""Docs that cannot rot: every command and link in README.md, docs/*.md and the READMEs of
+experiments/results/ still refers to things that exist. Nothing is run; the test takes seconds.
+
+A command is `python -m experiments.X ...` in a fenced block (continued over lines ending in a
+backslash) or in an inline code span (which may wrap). For each one:
+  - experiments/X.py exists;
+  - `--config=configs/Y.py[:variant]` exists and `get_config(variant)` returns a ConfigDict
+    (the sweep binary: `get_sweep()` exists and `--binary=NAME` names a binary);
+  - every `--config.FIELD=VALUE` names a field of that config (dotted), and a bool, int or
+    float field gets a value of its type (placeholders such as DIR are not checked);
+  - every other `--flag` (or `--noflag` for a boolean) is defined by the binary, or is absl's;
+  - a flag value that is a path under experiments/results/ exists.
+Placeholders: `...` is skipped, an upper-case module name (`experiments.NAME`) is not checked.
+Every relative Markdown link must resolve to a file or folder, and its #anchor, if any, to a
+heading of that file. docs/architecture.md keeps the
+numbered section headings that code cites as "docs/architecture.md §n", and pyproject.toml
+lists requirements.txt's dependencies.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import os
+import re
+import shlex
+
+import ml_collections
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC_GLOBS = ("README.md", "docs/*.md", "experiments/results/*/README.md")
+README_MAX_BYTES = 8000
+ARCHITECTURE_SECTIONS = (
+    "## 1. One PPO iteration",
+    "## 2. Inter-stage fusion",
+    "## 3. Intra-stage fusion",
+    "## 4. Pipe-RLHF ideas",
+    "## 5. Other system optimisations",
+    "## 6. Simulator",
+    "## 7. Conventions and the dependency rule",
+)
+# Flags absl defines for every binary.
+ABSL_FLAGS = {"help", "helpfull", "helpshort", "flagfile", "logtostderr", "alsologtostderr",
+              "verbosity", "v", "log_dir", "stderrthreshold", "only_check_args"}
+_COMMAND = re.compile(r"python3? -m experiments\.(\w+)")
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+_PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*([/.].*)?$")  # DIR, OUT, BG, DIR/schedule.json
+
+
+def _doc_files() -> list[str]:
+  found = []
+  for pattern in DOC_GLOBS:
+    found += sorted(glob.glob(os.path.join(ROOT, pattern)))
+  return [os.path.relpath(p, ROOT) for p in found]
+
+
+def _read(rel: str) -> str:
+  with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+    return f.read()
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+  doc: str  # path of the Markdown file, relative to the repository
+  line: int  # 1-based line where the command starts
+  module: str  # X of `python -m experiments.X`
+  args: tuple[str, ...]  # shell words after the module
+
+  @property
+  def where(self) -> str:
+    return f"{self.doc}:{self.line}"
+
+  def __str__(self) -> str:  # the parametrize id
+    return f"{self.where}:{self.module}"
+
+
+def _command_text(text: str, start: int) -> str:
+  """The command from `start` to the end of its code span or of its (continued) line."""
+  inline = start > 0 and text[start - 1] == "`"
+  out = []
+  i = start
+  while i < len(text):
+    ch = text[i]
+    if ch == "`":
+      break
+    if ch == "\n":
+      stripped = "".join(out).rstrip()
+      if stripped.endswith("\\"):
+        out = [stripped[:-1], " "]
+      elif not inline:
+        break
+      else:
+        out.append(" ")
+    else:
+      out.append(ch)
+    i += 1
+  cmd = "".join(out)
+  # A shell comment, or what follows the command in a pipeline or list, is not its argument.
+  cmd = re.split(r"\s#|\s&&|\s\|\|?|;|\s>", cmd)[0]
+  return cmd
+
+
+def find_commands(doc: str, text: str) -> list[Command]:
+  commands = []
+  for m in _COMMAND.finditer(text):
+    line = text.count("\n", 0, m.start()) + 1
+    words = shlex.split(_command_text(text, m.start()))
+    # words: python, -m, experiments.X, args...
+    commands.append(Command(doc, line, m.group(1), tuple(words[3:])))
+  return commands
+
+
+def _all_commands() -> list[Command]:
+  out = []
+  for doc in _doc_files():
+    out += find_commands(doc, _read(doc))
+  return out
+
+
+COMMANDS = _all_commands()
+
+
+def _load_module(path: str):
+  spec = importlib.util.spec_from_file_location(
+      "_doc_config_" + re.sub(r"\W", "_", path), os.path.join(ROOT, path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def binary_flags(module: str) -> tuple[set[str], set[str]]:
+  """(all flags, boolean flags) that experiments/<module>.py defines, absl's included."""
+  with open(os.path.join(ROOT, "experiments", f"{module}.py"), encoding="utf-8") as f:
+    source = f.read()
+  defs = re.findall(r"flags\.DEFINE_(\w+)\(\s*[\"'](\w+)[\"']", source)
+  names = {name for _, name in defs} | ABSL_FLAGS
+  bools = {name for kind, name in defs if kind in ("bool", "boolean")} | {"logtostderr",
+                                                                          "alsologtostderr"}
+  return names, bools
+
+
+def _parse_args(args):
+  """[(name, value or None)] of the --flags; other words (positional) are returned as None."""
+  for word in args:
+    if word == "..." or not word.startswith("-"):
+      continue
+    name, sep, value = word.lstrip("-").partition("=")
+    yield name, (value if sep else None)
+
+
+def _field(config: ml_collections.ConfigDict, dotted: str):
+  node = config
+  for i, part in enumerate(dotted.split(".")):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      known = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+      raise KeyError(f"no field {'.'.join(dotted.split('.')[:i + 1])!r} (known here: {known})")
+    node = node[part]
+  return node
+
+
+def _type_error(field, value: str) -> str | None:
+  if _PLACEHOLDER.match(value):
+    return None
+  try:
+    if isinstance(field, bool):
+      if value.lower() not in ("true", "false", "1", "0"):
+        return f"expected a bool, got {value!r}"
+    elif isinstance(field, int):
+      int(value)
+    elif isinstance(field, float):
+      float(value)
+  except ValueError:
+    return f"expected {type(field).__name__}, got {value!r}"
+  return None
+
+
+def check_command(cmd: Command) -> list[str]:
+  """Everything wrong with one documented command, each message naming file and line."""
+  where = f"{cmd.where}: `python -m experiments.{cmd.module}`"
+  if _PLACEHOLDER.match(cmd.module):
+    return []
+  if not os.path.exists(os.path.join(ROOT, "experiments", f"{cmd.module}.py")):
+    return [f"{where}: no binary experiments/{cmd.module}.py"]
+  problems = []
+  names, bools = binary_flags(cmd.module)
+  parsed = list(_parse_args(cmd.args))
+  config = None
+  for name, value in parsed:
+    if name != "config":
+      continue
+    if value is None:
+      problems.append(f"{where}: --config without a value")
+      continue
+    path, _, variant = value.partition(":")
+    if not os.path.exists(os.path.join(ROOT, path)):
+      problems.append(f"{where}: --config={value}: no file {path}")
+      continue
+    try:
+      module = _load_module(path)
+      if cmd.module == "sweep":
+        if not hasattr(module, "get_sweep"):
+          problems.append(f"{where}: --config={value}: {path} defines no get_sweep()")
+        config = module.get_config()
+      else:
+        config = module.get_config(variant) if variant else module.get_config()
+    except Exception as e:  # pylint: disable=broad-except
+      problems.append(f"{where}: --config={value}: get_config({variant!r}) raised "
+                      f"{type(e).__name__}: {e}")
+      continue
+    if not isinstance(config, ml_collections.ConfigDict):
+      problems.append(f"{where}: --config={value}: get_config returned {type(config).__name__}")
+      config = None
+  for name, value in parsed:
+    if name == "config":
+      continue
+    if name.startswith("config."):
+      if config is None:
+        problems.append(f"{where}: --{name} but no loadable --config=configs/....py")
+        continue
+      try:
+        field = _field(config, name[len("config."):])
+      except KeyError as e:
+        problems.append(f"{where}: --{name}: {e.args[0]}")
+        continue
+      if value is not None and (msg := _type_error(field, value)):
+        problems.append(f"{where}: --{name}={value}: {msg}")
+      continue
+    base = name[2:] if name.startswith("no") and name[2:] in bools else name
+    if base not in names:
+      problems.append(f"{where}: --{name} is not a flag of experiments/{cmd.module}.py "
+                      f"(its flags: {sorted(names - ABSL_FLAGS)})")
+      continue
+    if cmd.module == "sweep" and name == "binary" and value and not _PLACEHOLDER.match(value):
+      if not os.path.exists(os.path.join(ROOT, "experiments", f"{value}.py")):
+        problems.append(f"{where}: --binary={value}: no experiments/{value}.py")
+    if value and value.startswith("experiments/results/"):
+      if not os.path.exists(os.path.join(ROOT, value)):
+        problems.append(f"{where}: --{name}={value}: no such file")
+  return problems
+
+
+def test_docs_document_commands():
+  assert len(COMMANDS) >= 10, f"found only {len(COMMANDS)} commands in {_doc_files()}"
+  readme = {c.module for c in COMMANDS if c.doc == "README.md"}
+  assert "train_ppo" in readme, "README.md no longer shows the main command (experiments.train_ppo)"
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=str)
+def test_documented_command_is_valid(cmd: Command):
+  problems = check_command(cmd)
+  assert not problems, "\n".join(problems)
+
+
+def _links() -> list[tuple[str, int, str]]:
+  out = []
+  for doc in _doc_files():
+    text = _read(doc)
+    # Code may show link syntax; only prose links are followed.
+    prose = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    for m in _LINK.finditer(prose):
+      target = m.group(1) or m.group(2)
+      if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+        continue  # http(s), mailto, and anchors in the same file
+      out.append((doc, prose.count("\n", 0, m.start()) + 1, target))
+  return out
+
+
+def _anchors(path: str) -> set[str]:
+  """GitHub's heading anchors of a Markdown file: lower case, punctuation dropped, spaces -> -."""
+  with open(path, encoding="utf-8") as f:
+    text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+  return {re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+          for m in re.finditer(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("doc,line,target", _links(), ids=lambda x: str(x))
+def test_relative_link_resolves(doc: str, line: int, target: str):
+  file_part, _, anchor = target.partition("#")
+  path = os.path.normpath(os.path.join(ROOT, os.path.dirname(doc), file_part))
+  assert os.path.exists(path), f"{doc}:{line}: link ({target}) resolves to nothing ({path})"
+  if anchor and path.endswith(".md"):
+    known = _anchors(path)
+    assert anchor in known, (f"{doc}:{line}: link ({target}): {os.path.relpath(path, ROOT)} has "
+                             f"no heading #{anchor} (its anchors: {sorted(known)})")
+
+
+def test_readme_is_a_front_door():
+  size = len(_read("README.md").encode("utf-8"))
+  assert size <= README_MAX_BYTES, (
+      f"README.md is {size} bytes (at most {README_MAX_BYTES}): move detail into docs/")
+
+
+def test_architecture_sections_that_code_cites_exist():
+  text = _read("docs/architecture.md")
+  headings = [line for line in text.splitlines() if re.match(r"## \d+\. ", line)]
+  assert tuple(headings) == ARCHITECTURE_SECTIONS, (
+      f"docs/architecture.md: numbered sections are {headings}; code cites "
+      f"'docs/architecture.md §n' for {list(ARCHITECTURE_SECTIONS)}")
+  cited = set()
+  for path in glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True):
+    with open(path, encoding="utf-8") as f:
+      cited |= {(os.path.relpath(path, ROOT), int(n))
+                for n in re.findall(r"docs/architecture\.md §(\d+)", f.read())}
+  bad = sorted((p, n) for p, n in cited if not 1 <= n <= len(ARCHITECTURE_SECTIONS))
+  assert not bad, f"code cites sections docs/architecture.md does not have: {bad}"
+
+
+def test_pyproject_lists_the_requirements():
+  tomllib = pytest.importorskip("tomllib")
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    declared = tomllib.load(f)["project"]["dependencies"]
+  required = []
+  for line in _read("requirements.txt").splitlines():
+    line = line.split("#")[0].strip()
+    if line:
+      required.append(line.replace(" ", ""))
+  assert sorted(declared) == sorted(required), (
+      f"pyproject.toml [project] dependencies {declared} differ from requirements.txt {required}")
