@@ -122,7 +122,7 @@ def get_config(arg: str = "ppo"):
   c.pipeline.critic_microbatches = 4  # micro-batches per critic replica (stage / critic_pp)
   c.pipeline.search_time_s = 2.0  # fused-schedule search budget, once per shape (then cached)
   c.pipeline.search_seed = 0  # seed of that search
-  c.pipeline.schedule_cache_dir = ""  # searched schedules; "": ~/.cache/rlhfuse_jax/schedules
+  c.pipeline.schedule_cache_dir = ""  # searched schedules; "": WORKDIR/cache/schedules
   c.pipeline.xla_opt_level = -1  # XLA backend optimisation of the pipelined update; -1: default
 
   c.checkpoint = ml_collections.ConfigDict()

@@ -181,7 +181,8 @@ class PPOTrainer:
     update_args = (cfg.model, cfg.critic_model, cfg.algo, cfg.rollout.temperature,
                    self.actor_tx, self.critic_tx)
     if self.mesh.shape["stage"] > 1:  # DESIGN §3: both models train through the pipeline
-      self.update = pipelined.make_pipelined_update_fn(*update_args, mesh=self.mesh, config=cfg)
+      self.update = pipelined.make_pipelined_update_fn(*update_args, mesh=self.mesh, config=cfg,
+                                                       workdir=self.workdir)
     else:
       self.update = ppo.make_update_fn(*update_args)
 
