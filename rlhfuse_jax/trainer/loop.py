@@ -94,6 +94,13 @@ class PPOTrainer:
   def __init__(self, cfg: TrainConfig, workdir: str, mesh: Optional[jax.sharding.Mesh] = None):
     self.workdir = workdir
     os.makedirs(workdir, exist_ok=True)
+    self.checkpointer = checkpointing.Checkpointer(workdir, keep=cfg.checkpoint.keep)
+    # A finished run (the same command again) builds nothing: no model, no mesh, no compile
+    # (a fused run compiles for a minute); run() then says "nothing to do" at once.
+    self.finished_at = self._finished_step(cfg)
+    if self.finished_at is not None:
+      self.cfg = cfg
+      return
     self.task, self.tokenizer = build_task_and_tokenizer(cfg)
     cfg = cfg.with_vocab(self.tokenizer.vocab_size)
     self.cfg = cfg
@@ -119,7 +126,6 @@ class PPOTrainer:
     self.generator = None if self.fused else engine.Generator(
         cfg.model, self.sampling, batch_size=cfg.rollout.batch_size,
         prompt_len=cfg.data.max_prompt_len, mesh=self.mesh, params=self.actor.params)
-    self.checkpointer = checkpointing.Checkpointer(workdir, keep=cfg.checkpoint.keep)
     self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
 
   # ---------------------------------------------------------------- setup
@@ -191,6 +197,18 @@ class PPOTrainer:
     if self.critic is not None:
       state["critic"] = self.critic
     return state
+
+  def _finished_step(self, cfg: TrainConfig) -> Optional[int]:
+    """The latest checkpoint's iteration if it already reaches cfg.num_iterations, else None.
+    Reads only the checkpoint's JSON side-car (and checks its seed, as _restore does)."""
+    step = self.checkpointer.latest_step()
+    if step is None or step < cfg.num_iterations:
+      return None
+    meta = self.checkpointer.restore_meta(step)
+    if meta.get("seed") != cfg.seed:
+      raise ValueError(f"config.seed={cfg.seed} differs from the checkpoint's seed "
+                       f"{meta.get('seed')} in {self.checkpointer.directory}; use a new workdir")
+    return step
 
   def _restore(self) -> int:
     """Restores the latest checkpoint in the workdir, if any; returns the iteration to start at."""
@@ -345,6 +363,10 @@ class PPOTrainer:
     that an interrupted run resumes exactly.
     """
     cfg = self.cfg
+    if self.finished_at is not None:
+      logging.info("workdir already has %d iterations (num_iterations=%d): nothing to do",
+                   self.finished_at, cfg.num_iterations)
+      return []
     start = self._restore()
     if start >= cfg.num_iterations:
       logging.info("workdir already has %d iterations (num_iterations=%d): nothing to do",
