@@ -239,7 +239,11 @@ class FusedGenerator:
     else:
       if self.fixed_rt is None and self.calibration is None:
         # "auto" simulates with this engine's measured costs: measured once, before timing.
+        t0 = time.perf_counter()
+        logging.info("generation: measuring the instances' costs for migration_threshold="
+                     "'auto' (once) ...")
         self.calibration = measure.measure_costs(self, actor_params, frozen_params)
+        logging.info("generation: costs measured in %.1fs", time.perf_counter() - t0)
       rt, choice = self.choose_rt(plens)
     run = _Run(self, actor_params, frozen_params, tokens, plens, uids, budgets,
                engine._as_typed_key(iteration_key), fuse, rt)

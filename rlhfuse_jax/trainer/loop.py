@@ -50,6 +50,12 @@ class StageOutputs:
   metrics: dict  # timings (timing_s/generate, timing_s/inference) and stage-specific metrics
 
 
+def _update_kind(update) -> str:
+  name = getattr(update, "schedule_name", None)
+  return {pipelined.FUSED: "fused pipelined training (searched actor/critic schedule)",
+          pipelined.SERIAL: "pipelined training (serial 1F1B)"}.get(name, "training")
+
+
 class _StopFlag:
   """Set by SIGTERM/SIGINT; the loop checks it after each iteration, saves and exits cleanly."""
 
@@ -107,6 +113,9 @@ class PPOTrainer:
     self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(cfg.mesh)
     self._check_batch_fits_mesh()
     self.use_critic = adv_lib.needs_critic(cfg.algo.estimator)
+    t0 = time.time()
+    logging.info("setup: task %r, mesh %s; initialising the models and the update ...",
+                 cfg.data.task, dict(self.mesh.shape))
     self.dataset = prompts_lib.PromptDataset(
         load_prompt_records(cfg, self.task), self.tokenizer,
         batch_size=cfg.rollout.prompts_per_iteration, max_prompt_len=cfg.data.max_prompt_len,
@@ -115,6 +124,7 @@ class PPOTrainer:
         (lambda recs, ids, lens, tok: self.task.batch_rewards(recs, ids, lens))
         if cfg.reward.function == "task" else tasks_lib.get_reward_function(cfg.reward.function))
     self._init_models()
+    logging.info("setup: models and update ready in %.1fs", time.time() - t0)
     self.sampling = SamplingConfig(
         temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, eos_id=self.tokenizer.eos_id,
@@ -127,6 +137,7 @@ class PPOTrainer:
         cfg.model, self.sampling, batch_size=cfg.rollout.batch_size,
         prompt_len=cfg.data.max_prompt_len, mesh=self.mesh, params=self.actor.params)
     self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
+    self._compiled_update = False  # the first update call (compiles) is timed and logged
 
   # ---------------------------------------------------------------- setup
   def _check_batch_fits_mesh(self):
@@ -294,6 +305,10 @@ class PPOTrainer:
         put(rollout.logprobs.astype(np.float32)), put(ref_logp), put(values))
     jax.block_until_ready(adv)
     t_gen_inf = time.time() - t0
+    if not self._compiled_update:  # this process's first iteration compiles as it goes: say so
+      logging.info("iteration %d: generation + inference took %.1fs (first call: compiles "
+                   "included); compiling the %s update ...", iteration + 1, t_gen_inf,
+                   _update_kind(self.update))
 
     t0 = time.time()
     data = {"tokens": tokens, "prompt_lens": prompt_lens, "mask": mask,
@@ -310,6 +325,10 @@ class PPOTrainer:
         mb = {k: put(v[idx]) for k, v in data.items()}
         self.actor, self.critic, m = self.update(self.actor, self.critic, mb)
         train_metrics.append(m)
+        if not self._compiled_update:
+          jax.block_until_ready(m)
+          self._compiled_update = True
+          logging.info("training: update compiled and run once in %.1fs", time.time() - t0)
     train_metrics = mesh_lib.to_host(train_metrics)
     t_train = time.time() - t0
 
