@@ -393,7 +393,8 @@ class _Run:
     if not plan.consolidate:
       if plan.reason not in self.reasons:
         self.reasons.append(plan.reason)
-        logging.info("consolidation at step %d: %s", step, plan.reason)
+        # Verbose only (--v=1): the trainer's progress line sums up each batch's fusion.
+        logging.vlog(1, "consolidation at step %d: %s", step, plan.reason)
       return []
     t0 = self.log.now()
     groups: dict = {}
@@ -423,7 +424,7 @@ class _Run:
            "dispatch_s": t1 - t0, "reason": plan.reason,
            "occupancy": {int(i): len(self.unfinished_in(i)) for i in plan.kept}}
     self.consolidations.append(rec)
-    logging.info("consolidation at step %d: %s (%d bytes of KV held)", step, plan.reason,
+    logging.vlog(1, "consolidation at step %d: %s (%d bytes of KV held)", step, plan.reason,
                  plan.moved_bytes)
     for i in plan.released:
       self.states.pop(i, None)
@@ -517,6 +518,9 @@ class _Run:
     metrics = {
         "gen/unfinished_curve": [[round(float(x), 5), int(u)] for x, u in curve],
         "gen/consolidation_step": cons[0]["step"] if cons else -1,
+        # Instances decoding just before the first consolidation and after the last (0: none).
+        "gen/consolidated_from": len(cons[0]["kept"]) + len(cons[0]["released"]) if cons else 0,
+        "gen/consolidated_to": len(cons[-1]["kept"]) if cons else 0,
         "gen/migrated_samples": int(sum(c["moves"] for c in cons)),
         "gen/migrated_kv_bytes": int(sum(c["moved_bytes"] for c in cons)),
         "gen/migration_copied_bytes": int(sum(c["copied_bytes"] for c in cons)),

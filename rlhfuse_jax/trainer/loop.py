@@ -403,7 +403,8 @@ class PPOTrainer:
         history.append({"step": step, **m})
         if step % cfg.log_every == 0 or step == cfg.num_iterations:
           logging.info(progress.line(step, m, keys=("reward/mean", "kl/ref_mean",
-                                                    "response_length/mean")))
+                                                    "response_length/mean"),
+                                     extra=fused_stage.progress_summary(m)))
         stop.set = stop.set or step == stop_after
         if step % cfg.checkpoint.every == 0 or step == cfg.num_iterations or stop.set:
           self._save(step)
