@@ -44,6 +44,11 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
     return out["state"], out["meta"]
 
+  def restore_meta(self, step: int) -> dict:
+    """The JSON side-car of checkpoint `step` alone: no array is read, nothing is built."""
+    out = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return out["meta"]
+
   def close(self) -> None:
     self._mngr.wait_until_finished()
     self._mngr.close()

@@ -61,7 +61,9 @@ class ProgressReporter:
     self.t0 = time.time()
     self._t_first: Optional[float] = None  # end of the first (compiling) iteration
 
-  def line(self, step: int, metrics: Mapping[str, Any], keys=("reward/mean",)) -> str:
+  def line(self, step: int, metrics: Mapping[str, Any], keys=("reward/mean",),
+           extra: str = "") -> str:
+    """`extra`: a phrase appended at the end (e.g. what inter-stage fusion did)."""
     now = time.time()
     if self._t_first is None:
       self._t_first, self._first_step = now, step
@@ -75,6 +77,8 @@ class ProgressReporter:
     if tps is not None:
       parts.append(f"tok/s={tps:.0f}")
     parts.append(f"elapsed={_fmt(now - self.t0)} ETA={'?' if eta is None else _fmt(eta)}")
+    if extra:
+      parts.append(extra)
     return " ".join(parts)
 
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.trainer import fused_stage
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 from tests.test_trainer import tiny_config
 
@@ -40,8 +41,31 @@ def test_fused_trajectory_equals_serial(tmp_path):
             "gen/instance_busy_frac", "fusion/inference_overlap_frac",
             "gen/unfinished_curve"} <= extra
   assert any(h["gen/migrated_samples"] > 0 for h in h_fused), "no consolidation exercised"
+  for h in h_fused:  # the progress line's phrase says what each iteration's fusion did
+    line = fused_stage.progress_summary(h)
+    if h["gen/migrated_samples"] > 0:
+      assert 0 < h["gen/consolidated_to"] < h["gen/consolidated_from"] <= 4
+      assert line.startswith(f"gen: consolidated {h['gen/consolidated_from']}->"
+                             f"{h['gen/consolidated_to']} instances at step "
+                             f"{h['gen/consolidation_step']} (Rt=1), migrated "
+                             f"{h['gen/migrated_samples']} samples ("), line
+    else:
+      assert line.startswith("gen: no consolidation (Rt=1), inference overlap "), line
+  assert fused_stage.progress_summary(h_serial[0]) == ""
   jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(serial.actor.params),
                          jax.device_get(fused.actor.params))
+
+
+def test_progress_summary_is_one_phrase():
+  m = {"gen/migrated_samples": 5, "gen/migrated_kv_bytes": 40960, "gen/consolidation_step": 12,
+       "gen/consolidated_from": 8, "gen/consolidated_to": 2, "fusion/rt": 0.3,
+       "fusion/inference_overlap_frac": 0.634}
+  assert fused_stage.progress_summary(m) == (
+      "gen: consolidated 8->2 instances at step 12 (Rt=0.3), migrated 5 samples (41 kB KV), "
+      "inference overlap 63%")
+  m.update({"gen/migrated_samples": 0, "gen/migrated_kv_bytes": 0, "fusion/rt": 0.0,
+            "fusion/inference_overlap_frac": 0.0})
+  assert fused_stage.progress_summary(m) == "gen: no consolidation (Rt=0), inference overlap 0%"
 
 
 @pytest.mark.parametrize("overrides, match", [

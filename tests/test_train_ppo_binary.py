@@ -24,11 +24,15 @@ def _cmd(workdir, *extra):
           f"--workdir={workdir}", *SMALL, *extra]
 
 
-def _env():
+def _env(**extra):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the binary runs on the one real CPU device, as a user's would
   env["JAX_PLATFORMS"] = "cpu"
+  env.update(extra)
   return env
+
+
+COMPILE_LOG = "Compiling "  # what jax logs for every XLA compile with JAX_LOG_COMPILES=1
 
 
 def _steps(workdir):
@@ -56,10 +60,21 @@ def test_run_then_continue_to_more_iterations(tmp_path):
               "timing_s/inference", "timing_s/train", "timing_s/step", "perf/tokens_per_s"):
     assert key in first, key
 
-  out = subprocess.run(_cmd(wd, "--config.num_iterations=5"), cwd=REPO, env=_env(), check=True,
-                       capture_output=True, text=True, timeout=600)
+  out = subprocess.run(_cmd(wd, "--config.num_iterations=5"), cwd=REPO,
+                       env=_env(JAX_LOG_COMPILES="1"), check=True, capture_output=True, text=True,
+                       timeout=600)
   assert _steps(wd) == [1, 2, 3, 4, 5]  # continued: no step repeated
   assert "resumed from checkpoint at iteration 3" in out.stderr
+  assert COMPILE_LOG in out.stderr  # (the log this test reads below does show compiles)
+
+  # The same command again: the run is finished, so it says so without compiling anything.
+  out = subprocess.run(_cmd(wd, "--config.num_iterations=5"), cwd=REPO,
+                       env=_env(JAX_LOG_COMPILES="1"), check=True, capture_output=True, text=True,
+                       timeout=600)
+  assert "workdir already has 5 iterations (num_iterations=5): nothing to do" in out.stderr
+  assert COMPILE_LOG not in out.stderr, out.stderr[-3000:]
+  assert _steps(wd) == [1, 2, 3, 4, 5]
+  assert json.load(open(os.path.join(wd, "result.json")))["iterations"] == 5
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path):

@@ -46,7 +46,7 @@ def _deterministic(rows):
   return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
 
 
-def test_resume_is_exact(tmp_path):
+def test_resume_is_exact(tmp_path, monkeypatch):
   cfg = tiny_config()
   straight = PPOTrainer(cfg, str(tmp_path / "straight"))
   straight.run()
@@ -65,6 +65,16 @@ def test_resume_is_exact(tmp_path):
   rows_resumed = wd.read_jsonl(os.path.join(half, "metrics.jsonl"))
   assert [r["step"] for r in rows_resumed] == [1, 2, 3, 4]
   assert _deterministic(rows_straight) == _deterministic(rows_resumed)
+
+  # The same run again: it is finished, so nothing is built or compiled and run() returns at once.
+  def no_build(self):
+    raise AssertionError("a finished run built its models")
+  monkeypatch.setattr(PPOTrainer, "_init_models", no_build)
+  again = PPOTrainer(cfg, half)
+  assert again.finished_at == 4 and again.run() == []
+  assert [r["step"] for r in wd.read_jsonl(os.path.join(half, "metrics.jsonl"))] == [1, 2, 3, 4]
+  with pytest.raises(ValueError, match="config.seed=1 differs"):  # still checked without a build
+    PPOTrainer(tiny_config(seed=1), half)
 
 
 def test_sharded_run_equals_single_device(tmp_path):

@@ -7,6 +7,7 @@ tests compare them; the executor compiles at XLA optimisation level 0 to keep th
 import dataclasses
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.pipeline import program as prog
 from rlhfuse_jax.pipeline import schedules
 from rlhfuse_jax.trainer import pipelined
+from rlhfuse_jax.trainer.config import PipelineConfig
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 from test_trainer import tiny_config
 
@@ -136,11 +138,31 @@ def test_schedule_is_searched_once_then_loaded_from_disk(runs, monkeypatch):
   np.testing.assert_array_equal(again.update.executor.program.order,
                                 fused.update.executor.program.order)
   assert sorted(os.listdir(runs["cache_dir"])) == files
+  # Without pipeline.schedule_cache_dir the cache is the run's WORKDIR/cache/schedules: a run
+  # finds its schedule there (no search), and nothing is read from or written outside it.
+  own = runs["cache_dir"].parent / "own_cache"
+  os.makedirs(own / "cache" / "schedules")
+  shutil.copy(runs["cache_dir"] / files[0], own / "cache" / "schedules" / files[0])
+  cfg = dataclasses.replace(fused.cfg, pipeline=dataclasses.replace(fused.cfg.pipeline,
+                                                                    schedule_cache_dir=""))
+  own_run = PPOTrainer(cfg, str(own), mesh=fused.mesh)
+  np.testing.assert_array_equal(own_run.update.executor.program.order,
+                                fused.update.executor.program.order)
+  assert os.listdir(own / "cache" / "schedules") == files
   # Another problem (other micro-batch counts) has another cache file: it is searched.
   problem = pipelined.pipeline_problem(4, dataclasses.replace(fused.cfg.pipeline,
                                                               actor_microbatches=2))
   with pytest.raises(AssertionError, match="searched although"):
     pipelined.searched_schedule(problem, fused.cfg.pipeline)
+
+
+def test_schedule_cache_dir_defaults_to_the_workdir(monkeypatch, tmp_path):
+  pipe = PipelineConfig()
+  assert pipelined.cache_dir(pipe, "/runs/a") == os.path.join("/runs/a", "cache", "schedules")
+  explicit = dataclasses.replace(pipe, schedule_cache_dir=str(tmp_path / "shared"))
+  assert pipelined.cache_dir(explicit, "/runs/a") == str(tmp_path / "shared")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # a caller without a workdir
+  assert pipelined.cache_dir(pipe) == str(tmp_path / "xdg" / "rlhfuse_jax" / "schedules")
 
 
 def test_cached_schedule_for_another_problem_is_not_used(tmp_path):

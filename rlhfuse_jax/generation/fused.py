@@ -250,7 +250,11 @@ class FusedGenerator:
     else:
       if self.fixed_rt is None and self.calibration is None:
         # "auto" simulates with this engine's measured costs: measured once, before timing.
+        t0 = time.perf_counter()
+        logging.info("generation: measuring the instances' costs for migration_threshold="
+                     "'auto' (once) ...")
         self.calibration = measure.measure_costs(self, actor_params, frozen_params)
+        logging.info("generation: costs measured in %.1fs", time.perf_counter() - t0)
       rt, choice = self.choose_rt(plens)
     run = _Run(self, actor_params, frozen_params, tokens, plens, uids, budgets,
                engine._as_typed_key(iteration_key), fuse, rt)
@@ -400,7 +404,8 @@ class _Run:
     if not plan.consolidate:
       if plan.reason not in self.reasons:
         self.reasons.append(plan.reason)
-        logging.info("consolidation at step %d: %s", step, plan.reason)
+        # Verbose only (--v=1): the trainer's progress line sums up each batch's fusion.
+        logging.vlog(1, "consolidation at step %d: %s", step, plan.reason)
       return []
     t0 = self.log.now()
     groups: dict = {}
@@ -430,7 +435,7 @@ class _Run:
            "dispatch_s": t1 - t0, "reason": plan.reason,
            "occupancy": {int(i): len(self.unfinished_in(i)) for i in plan.kept}}
     self.consolidations.append(rec)
-    logging.info("consolidation at step %d: %s (%d bytes of KV held)", step, plan.reason,
+    logging.vlog(1, "consolidation at step %d: %s (%d bytes of KV held)", step, plan.reason,
                  plan.moved_bytes)
     for i in plan.released:
       self.states.pop(i, None)
@@ -524,6 +529,9 @@ class _Run:
     metrics = {
         "gen/unfinished_curve": [[round(float(x), 5), int(u)] for x, u in curve],
         "gen/consolidation_step": cons[0]["step"] if cons else -1,
+        # Instances decoding just before the first consolidation and after the last (0: none).
+        "gen/consolidated_from": len(cons[0]["kept"]) + len(cons[0]["released"]) if cons else 0,
+        "gen/consolidated_to": len(cons[-1]["kept"]) if cons else 0,
         "gen/migrated_samples": int(sum(c["moves"] for c in cons)),
         "gen/migrated_kv_bytes": int(sum(c["moved_bytes"] for c in cons)),
         "gen/migration_copied_bytes": int(sum(c["copied_bytes"] for c in cons)),

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
@@ -39,6 +40,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.sharding import Mesh
 
 from rlhfuse_jax.generation import engine
@@ -292,13 +294,32 @@ class GenerationInstance:
     return self._exe[name](*args)
 
 
+def _exe_name(name) -> str:
+  return name if isinstance(name, str) else f"{name[0]}[{name[1]}]"
+
+
 def compile_all(instances: Sequence[GenerationInstance], actor_params, frozen_params: dict,
                 threads: int = 4) -> None:
   """Compiles every instance's executables at start-up. Lowering runs here (instances share
-  jax's trace cache); XLA compiles in `threads` threads (it releases the GIL)."""
+  jax's trace cache); XLA compiles in `threads` threads (it releases the GIL).
+
+  Logs its progress (this is most of a fused run's start-up): one line when lowering is done,
+  then one per instance as its executables finish, with the seconds elapsed."""
+  t0 = time.perf_counter()
+  g = len(instances)
   jobs = [(inst, name, low) for inst in instances
           for name, low in inst.lower_all(actor_params, frozen_params)]
+  names = [_exe_name(n) for inst_, n, _ in jobs if inst_ is instances[0]]
+  logging.info("generation: lowered in %.1fs; compiling %d executables per instance (%s) for "
+               "%d instances in %d threads ...", time.perf_counter() - t0, len(names),
+               ", ".join(names), g, threads)
   with ThreadPoolExecutor(max_workers=threads) as pool:
     futures = [pool.submit(low.compile) for _, _, low in jobs]
-    for (inst, name, _), f in zip(jobs, futures):
+    compiled = 0
+    for n, ((inst, name, _), f) in enumerate(zip(jobs, futures)):
       inst._exe[name] = f.result()
+      if n + 1 == len(jobs) or jobs[n + 1][0] is not inst:  # the instance's last executable
+        compiled += 1
+        logging.info("generation: compiled instance %d/%d (devices %s), %.1fs elapsed",
+                     compiled, g, ",".join(str(d.id) for d in inst.devices),
+                     time.perf_counter() - t0)

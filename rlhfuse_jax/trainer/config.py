@@ -168,7 +168,7 @@ class PipelineConfig:
   critic_microbatches: int = 4  # micro-batches per critic replica (mesh.stage / critic_pp of them)
   search_time_s: float = 2.0  # fused-schedule search budget, once per shape (then cached)
   search_seed: int = 0  # seed of the fused-schedule search
-  schedule_cache_dir: str = ""  # searched schedules; "": $XDG_CACHE_HOME or ~/.cache/rlhfuse_jax
+  schedule_cache_dir: str = ""  # searched schedules; "": WORKDIR/cache/schedules
   xla_opt_level: int = -1  # XLA backend optimisation level of the pipelined update; -1: default
 
   def __post_init__(self):

@@ -38,6 +38,30 @@ def fused_config(fusion, batch_size: int, num_devices: int) -> fused_lib.FusedGe
       inference_micro_batch=fusion.inference_micro_batch)
 
 
+def _fmt_bytes(n: float) -> str:
+  for unit, scale in (("MB", 1e6), ("kB", 1e3)):
+    if n >= scale:
+      return f"{n / scale:.3g} {unit}"
+  return f"{int(n)} B"
+
+
+def progress_summary(m: dict) -> str:
+  """What inter-stage fusion did in one iteration, for the progress line (from its metrics):
+  'gen: consolidated 8->2 instances at step 12 (Rt=0.2), migrated 5 samples (40 kB KV),
+  inference overlap 63%', or 'gen: no consolidation (Rt=0), inference overlap 0%'. Empty for
+  an iteration without the fusion metrics (fusion.inter_stage off)."""
+  if "gen/migrated_samples" not in m:
+    return ""
+  rt = f"Rt={m['fusion/rt']:.2g}"
+  if m["gen/migrated_samples"] > 0:
+    what = (f"consolidated {m['gen/consolidated_from']}->{m['gen/consolidated_to']} instances "
+            f"at step {m['gen/consolidation_step']} ({rt}), migrated "
+            f"{m['gen/migrated_samples']} samples ({_fmt_bytes(m['gen/migrated_kv_bytes'])} KV)")
+  else:
+    what = f"no consolidation ({rt})"
+  return f"gen: {what}, inference overlap {m['fusion/inference_overlap_frac']:.0%}"
+
+
 class FusedStage:
   """Generation + inference of one PPO iteration on fused instances."""
 

@@ -50,6 +50,12 @@ class StageOutputs:
   metrics: dict  # timings (timing_s/generate, timing_s/inference) and stage-specific metrics
 
 
+def _update_kind(update) -> str:
+  name = getattr(update, "schedule_name", None)
+  return {pipelined.FUSED: "fused pipelined training (searched actor/critic schedule)",
+          pipelined.SERIAL: "pipelined training (serial 1F1B)"}.get(name, "training")
+
+
 class _StopFlag:
   """Set by SIGTERM/SIGINT; the loop checks it after each iteration, saves and exits cleanly."""
 
@@ -94,12 +100,22 @@ class PPOTrainer:
   def __init__(self, cfg: TrainConfig, workdir: str, mesh: Optional[jax.sharding.Mesh] = None):
     self.workdir = workdir
     os.makedirs(workdir, exist_ok=True)
+    self.checkpointer = checkpointing.Checkpointer(workdir, keep=cfg.checkpoint.keep)
+    # A finished run (the same command again) builds nothing: no model, no mesh, no compile
+    # (a fused run compiles for a minute); run() then says "nothing to do" at once.
+    self.finished_at = self._finished_step(cfg)
+    if self.finished_at is not None:
+      self.cfg = cfg
+      return
     self.task, self.tokenizer = build_task_and_tokenizer(cfg)
     cfg = cfg.with_vocab(self.tokenizer.vocab_size)
     self.cfg = cfg
     self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(cfg.mesh)
     self._check_batch_fits_mesh()
     self.use_critic = adv_lib.needs_critic(cfg.algo.estimator)
+    t0 = time.time()
+    logging.info("setup: task %r, mesh %s; initialising the models and the update ...",
+                 cfg.data.task, dict(self.mesh.shape))
     self.dataset = prompts_lib.PromptDataset(
         load_prompt_records(cfg, self.task), self.tokenizer,
         batch_size=cfg.rollout.prompts_per_iteration, max_prompt_len=cfg.data.max_prompt_len,
@@ -108,6 +124,7 @@ class PPOTrainer:
         (lambda recs, ids, lens, tok: self.task.batch_rewards(recs, ids, lens))
         if cfg.reward.function == "task" else tasks_lib.get_reward_function(cfg.reward.function))
     self._init_models()
+    logging.info("setup: models and update ready in %.1fs", time.time() - t0)
     self.sampling = SamplingConfig(
         temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, eos_id=self.tokenizer.eos_id,
@@ -119,8 +136,8 @@ class PPOTrainer:
     self.generator = None if self.fused else engine.Generator(
         cfg.model, self.sampling, batch_size=cfg.rollout.batch_size,
         prompt_len=cfg.data.max_prompt_len, mesh=self.mesh, params=self.actor.params)
-    self.checkpointer = checkpointing.Checkpointer(workdir, keep=cfg.checkpoint.keep)
     self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
+    self._compiled_update = False  # the first update call (compiles) is timed and logged
 
   # ---------------------------------------------------------------- setup
   def _check_batch_fits_mesh(self):
@@ -181,7 +198,8 @@ class PPOTrainer:
     update_args = (cfg.model, cfg.critic_model, cfg.algo, cfg.rollout.temperature,
                    self.actor_tx, self.critic_tx)
     if self.mesh.shape["stage"] > 1:  # docs/architecture.md §3: both models train through the pipeline
-      self.update = pipelined.make_pipelined_update_fn(*update_args, mesh=self.mesh, config=cfg)
+      self.update = pipelined.make_pipelined_update_fn(*update_args, mesh=self.mesh, config=cfg,
+                                                       workdir=self.workdir)
     else:
       self.update = ppo.make_update_fn(*update_args)
 
@@ -190,6 +208,18 @@ class PPOTrainer:
     if self.critic is not None:
       state["critic"] = self.critic
     return state
+
+  def _finished_step(self, cfg: TrainConfig) -> Optional[int]:
+    """The latest checkpoint's iteration if it already reaches cfg.num_iterations, else None.
+    Reads only the checkpoint's JSON side-car (and checks its seed, as _restore does)."""
+    step = self.checkpointer.latest_step()
+    if step is None or step < cfg.num_iterations:
+      return None
+    meta = self.checkpointer.restore_meta(step)
+    if meta.get("seed") != cfg.seed:
+      raise ValueError(f"config.seed={cfg.seed} differs from the checkpoint's seed "
+                       f"{meta.get('seed')} in {self.checkpointer.directory}; use a new workdir")
+    return step
 
   def _restore(self) -> int:
     """Restores the latest checkpoint in the workdir, if any; returns the iteration to start at."""
@@ -275,6 +305,10 @@ class PPOTrainer:
         put(rollout.logprobs.astype(np.float32)), put(ref_logp), put(values))
     jax.block_until_ready(adv)
     t_gen_inf = time.time() - t0
+    if not self._compiled_update:  # this process's first iteration compiles as it goes: say so
+      logging.info("iteration %d: generation + inference took %.1fs (first call: compiles "
+                   "included); compiling the %s update ...", iteration + 1, t_gen_inf,
+                   _update_kind(self.update))
 
     t0 = time.time()
     data = {"tokens": tokens, "prompt_lens": prompt_lens, "mask": mask,
@@ -291,6 +325,10 @@ class PPOTrainer:
         mb = {k: put(v[idx]) for k, v in data.items()}
         self.actor, self.critic, m = self.update(self.actor, self.critic, mb)
         train_metrics.append(m)
+        if not self._compiled_update:
+          jax.block_until_ready(m)
+          self._compiled_update = True
+          logging.info("training: update compiled and run once in %.1fs", time.time() - t0)
     train_metrics = mesh_lib.to_host(train_metrics)
     t_train = time.time() - t0
 
@@ -344,6 +382,10 @@ class PPOTrainer:
     that an interrupted run resumes exactly.
     """
     cfg = self.cfg
+    if self.finished_at is not None:
+      logging.info("workdir already has %d iterations (num_iterations=%d): nothing to do",
+                   self.finished_at, cfg.num_iterations)
+      return []
     start = self._restore()
     if start >= cfg.num_iterations:
       logging.info("workdir already has %d iterations (num_iterations=%d): nothing to do",
@@ -361,7 +403,8 @@ class PPOTrainer:
         history.append({"step": step, **m})
         if step % cfg.log_every == 0 or step == cfg.num_iterations:
           logging.info(progress.line(step, m, keys=("reward/mean", "kl/ref_mean",
-                                                    "response_length/mean")))
+                                                    "response_length/mean"),
+                                     extra=fused_stage.progress_summary(m)))
         stop.set = stop.set or step == stop_after
         if step % cfg.checkpoint.every == 0 or step == cfg.num_iterations or stop.set:
           self._save(step)

@@ -14,9 +14,12 @@ order) and differ only in ticks. The gradients equal those of the plain update
 
 The executor runs in lockstep ticks, so the schedule is searched on unit task durations: its
 makespan is then exactly the tick count (program.py levels tasks the same way). A search runs once
-per problem: the schedule is stored as JSON under `pipeline.schedule_cache_dir`, keyed by a hash
-of the problem and the search settings, and later runs load it. The search has a wall-clock
-budget, so which optimal schedule it finds may vary between machines; the cached file fixes it.
+per problem: the schedule is stored as JSON under `pipeline.schedule_cache_dir` (default: the
+run's WORKDIR/cache/schedules, so a resumed run reuses its own schedule and nothing is written
+outside the workdir), keyed by a hash of the problem and the search settings, and later runs load
+it. The search has a wall-clock budget, so which optimal schedule it finds may vary between
+machines; the cached file fixes it. Point several runs' `schedule_cache_dir` at one directory to
+share searches between them.
 """
 from __future__ import annotations
 
@@ -100,9 +103,13 @@ def check_config(cfg: TrainConfig, mesh: Mesh) -> None:
                      f"replicas {replicas} (mesh.stage / pipeline.critic_pp) must divide {where}")
 
 
-def cache_dir(pipeline: PipelineConfig) -> str:
+def cache_dir(pipeline: PipelineConfig, workdir: str = "") -> str:
+  """pipeline.schedule_cache_dir if set, else WORKDIR/cache/schedules; a caller without a
+  workdir (a library user) gets $XDG_CACHE_HOME or ~/.cache/rlhfuse_jax/schedules."""
   if pipeline.schedule_cache_dir:
     return os.path.expanduser(pipeline.schedule_cache_dir)
+  if workdir:
+    return os.path.join(workdir, "cache", "schedules")
   root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
   return os.path.join(root, "rlhfuse_jax", "schedules")
 
@@ -112,16 +119,17 @@ def _cache_key(problem: PipelineProblem, config: search.SearchConfig) -> dict:
           "search": dataclasses.asdict(config)}
 
 
-def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig
+def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig, workdir: str = ""
                       ) -> Tuple[schedule_lib.Schedule, str]:
-  """The fused schedule of `problem`, from the disk cache or searched (then cached).
+  """The fused schedule of `problem`, from the disk cache or searched (then cached) in
+  cache_dir(pipeline, workdir).
 
   Returns (schedule, path of its cache file).
   """
   config = search.SearchConfig(time_budget_s=pipeline.search_time_s, seed=pipeline.search_seed)
   key = _cache_key(problem, config)
   digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-  path = os.path.join(cache_dir(pipeline), f"{digest}.json")
+  path = os.path.join(cache_dir(pipeline, workdir), f"{digest}.json")
   if os.path.exists(path):
     try:
       with open(path) as f:
@@ -133,6 +141,8 @@ def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig
       return found, path
     except (ValueError, KeyError, TypeError) as e:
       logging.warning("pipeline: ignoring the cached schedule %s (%s); searching again", path, e)
+  logging.info("pipeline: searching a fused schedule (budget %gs; cached afterwards in %s) ...",
+               config.time_budget_s, os.path.dirname(path))
   result = search.search(problem, config)
   found = schedule_lib.from_order(problem, result.best)
   wd.write_json(path, {"key": key, "schedule": found.to_dict(), "search_s": result.search_s,
@@ -204,16 +214,17 @@ class PipelinedUpdate:
 def make_pipelined_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoConfig,
                              temperature: float, actor_tx: optax.GradientTransformation,
                              critic_tx: optax.GradientTransformation, *, mesh: Mesh,
-                             config: TrainConfig) -> PipelinedUpdate:
+                             config: TrainConfig, workdir: str = "") -> PipelinedUpdate:
   """ppo.make_update_fn through the pipeline executor on `mesh` (whose `stage` axis is > 1).
 
-  `config` supplies the pipeline section, fusion.intra_stage and the mini-batch size.
+  `config` supplies the pipeline section, fusion.intra_stage and the mini-batch size; `workdir`
+  (the run's) holds the searched-schedule cache unless pipeline.schedule_cache_dir is set.
   """
   check_config(dataclasses.replace(config, model=actor_cfg, critic_model=critic_cfg), mesh)
   problem = pipeline_problem(mesh.shape["stage"], config.pipeline)
   if config.fusion.intra_stage:
     name, barrier = FUSED, False
-    order = searched_schedule(problem, config.pipeline)[0].order()
+    order = searched_schedule(problem, config.pipeline, workdir)[0].order()
     if jax.process_count() > 1:
       # Each process searched (or cached) on its own clock: all run process 0's schedule.
       order = np.asarray(multihost_utils.broadcast_one_to_all(order))
