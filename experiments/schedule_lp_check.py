@@ -1,9 +1,9 @@
 """Proves a makespan unreachable within the memory budget with the time-indexed LP relaxation.
 
-The relaxation (rlhfuse_jax/pipeline/exact/time_indexed.py) holds every valid schedule within budget;
-when even its fractional version has no solution, the target is unreachable, and the multipliers
-saved in certificate.npz prove it: `--verify` rebuilds the model and re-checks them in exact
-integer arithmetic, with no solver. A feasible LP proves nothing (use schedule_cp_check).
+The relaxation (rlhfuse_jax/pipeline/exact/time_indexed.py) holds every valid schedule within
+budget; when even its fractional version has no solution, the target is unreachable, and the
+multipliers saved in certificate.npz prove it: `--verify` rebuilds the model and re-checks them in
+exact integer arithmetic, with no solver. A feasible LP proves nothing (use schedule_cp_check).
 
 Needs highspy for the large models (an optional analysis dependency, like ortools for
 schedule_cp_check: `pip install highspy`); `--solver=scipy` uses the HiGHS bundled with scipy

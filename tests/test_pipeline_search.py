@@ -53,7 +53,8 @@ def test_lower_bounds_never_exceed_valid_schedules(idx):
 
 
 def test_tight_bound_hand_computed_reference_instance():
-  # e0 of docs/architecture.md §3: W = 32*15 + 16*12 = 672; device 4 (a=4, c=3): min(20,12) + min(40,24) = 36.
+  # e0 of docs/architecture.md §3: W = 32*15 + 16*12 = 672; device 4 (a=4, c=3): min(20,12) +
+  # min(40,24) = 36.
   p = PipelineProblem(8, 4, 32, 16, 5.0, 4.0)
   assert bounds.tight_lower_bound(p) == 708.0
   assert bounds.simple_lower_bound(p) == 672.0

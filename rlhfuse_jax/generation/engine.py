@@ -9,8 +9,8 @@ The engine is two pure functions over an explicit `DecodeState`:
 
 Every row (slot) carries its own position, sample uid and stop state, so rows are independent:
 a row's tokens depend only on its prompt, its uid and the iteration key (see sampling.py), never
-on the other rows. That is what lets the inter-stage fusion (docs/architecture.md §2) move a row, with its KV
-cache row, into a slot of another instance of the same shape and keep decoding it.
+on the other rows. That is what lets the inter-stage fusion (docs/architecture.md §2) move a row,
+with its KV cache row, into a slot of another instance of the same shape and keep decoding it.
 
 `Generator` is the non-fused baseline on top of these: it compiles one prefill and one decode
 executable ahead of time for (batch, prompt bucket, max_new_tokens) on a mesh, runs prefill and

@@ -1,4 +1,5 @@
-"""Generation instances: the device mesh split into G sub-meshes, each with S slots (docs/architecture.md §2).
+"""Generation instances: the device mesh split into G sub-meshes, each with S slots
+(docs/architecture.md §2).
 
 An instance is `tp` devices (tensor parallel inside it when tp > 1) owning a fixed-layout KV cache
 of S slots x max_len positions, and its own executables, compiled ahead of time at start-up

@@ -1,8 +1,9 @@
 """Measured costs of the fused engine's own executables, as a simulator calibration file.
 
-The Rt choice (policy/rt.py, with the model of sim/rt_model.py) simulates with these, and the benchmark writes them as
-`calibration.json`, which the simulator reads (policy/calibration.py, sim/validation.py). On a GPU
-this is the calibration of "decode step time against occupied slots and KV migration" of issue 5.
+The Rt choice (policy/rt.py, with the model of sim/rt_model.py) simulates with these, and the
+benchmark writes them as `calibration.json`, which the simulator reads (policy/calibration.py,
+sim/validation.py). On a GPU this is the calibration of "decode step time against occupied slots
+and KV migration".
 
 Measured on instance 0 (and 1 for migration), each the median of `repeats` after a warm-up:
 

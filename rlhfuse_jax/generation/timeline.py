@@ -13,7 +13,8 @@ cost the host loop nothing.
 `Timeline` is the result: segments, the unfinished-sample curve, consolidation events, the end of
 generation and of generation+inference. It has the fields that
 `rlhfuse_jax.sim.plots.plot_generation_timelines` draws, so measured and simulated runs share
-one figure style, and it derives the docs/architecture.md §2 metrics (busy fraction, inference overlap).
+one figure style, and it derives the docs/architecture.md §2 metrics (busy fraction, inference
+overlap).
 """
 from __future__ import annotations
 

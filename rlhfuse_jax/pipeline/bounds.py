@@ -1,4 +1,5 @@
-"""Lower bounds on the makespan of any fused schedule (docs/architecture.md §3), and the serial baseline.
+"""Lower bounds on the makespan of any fused schedule (docs/architecture.md §3), and the serial
+baseline.
 
 Work per device W = Ma*(fa+ba) + Mc*(fc+bc) (every device hosts one actor and one critic stage).
 

@@ -1,10 +1,10 @@
 """The fused actor/critic training step: any compiled schedule as one jitted shard_map program.
 
-Idea (docs/architecture.md §3, "Executing a schedule"): every device of the mesh axis `stage` holds its actor
-stage and its critic stage. Parameters enter as stages.StageLayout vectors: the actor's layers
-stacked [Pa, stage_size] and sharded P('stage'), the critic's stacked per device [N, stage_size]
-(stage Pc-1-(d mod Pc) on device d, so the R replicas of a critic stage hold the same weights),
-embedding and head whole. The instruction table of program.py, indexed by
+Idea (docs/architecture.md §3, "Executing a schedule"): every device of the mesh axis `stage` holds
+its actor stage and its critic stage. Parameters enter as stages.StageLayout vectors: the actor's
+layers stacked [Pa, stage_size] and sharded P('stage'), the critic's stacked per device [N,
+stage_size] (stage Pc-1-(d mod Pc) on device d, so the R replicas of a critic stage hold the same
+weights), embedding and head whole. The instruction table of program.py, indexed by
 `lax.axis_index('stage')`, tells each device at each tick of a `lax.fori_loop` what to run;
 `lax.switch` picks the branch
 

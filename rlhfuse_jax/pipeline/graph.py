@@ -1,8 +1,8 @@
 """The fused actor/critic pipeline problem: placement, tasks, dependencies, durations, memory.
 
-Idea (docs/architecture.md §3, intra-stage fusion): N devices along a pipeline axis. The actor has Pa = N
-stages, stage a on device a (forward goes 0 -> N-1). The critic has Pc stages (Pa divisible by
-Pc) and R = N / Pc data-parallel replicas; replica r occupies devices r*Pc .. r*Pc+Pc-1 in
+Idea (docs/architecture.md §3, intra-stage fusion): N devices along a pipeline axis. The actor has
+Pa = N stages, stage a on device a (forward goes 0 -> N-1). The critic has Pc stages (Pa divisible
+by Pc) and R = N / Pc data-parallel replicas; replica r occupies devices r*Pc .. r*Pc+Pc-1 in
 **reverse** order (critic stage s of replica r on device r*Pc + Pc-1-s), so the actor's warm-up
 devices are the critic's drain devices and the two pipelines fill each other's bubbles.
 

@@ -10,8 +10,10 @@ every device runs at most one task, then the two pipeline channels move one mess
   at tick t is received at the end of tick t, so any consumer at a later tick sees it; every
   sender and receiver agree because both read the same table. A cyclic wait leaves tasks
   unleveled: the schedule deadlocks and is rejected. With `barrier=True` no critic task starts
-  before every actor task is done (the serial baseline of docs/architecture.md §3: actor 1F1B, then critic 1F1B).
-- Directions (docs/architecture.md §3 placement): the actor's forward activations go up and its gradients go
+  before every actor task is done (the serial baseline of docs/architecture.md §3: actor 1F1B, then
+  critic 1F1B).
+- Directions (docs/architecture.md §3 placement): the actor's forward activations go up and its
+gradients go
   down; the critic runs reversed (stage s of replica r on device r*Pc + Pc-1-s), so its
   activations go down and its gradients go up. One task sends at most one message.
 - Buffers are rings indexed by (micro-batch mod size): per model a *stash* of stage inputs held

@@ -282,9 +282,9 @@ class SearchConfig:
   # same instance, forward and backward swapped; every heuristic here builds schedules from the
   # start, so the mirror gets the drain as carefully as the warm-up). The two phases run one after
   # the other, the second seeded with the first's best; 0 turns the mirror off. Measured with the
-  # 20 s sweep of the README (2-core machine, seed 0), half forward then half mirror vs forward
-  # only: better on 6 of 12 reference instances (e9 634 vs 654, e10 340 vs 351, e3 743 vs 748,
-  # e11 193 vs 196, e6 632 vs 634, e7 344 vs 346), equal on 4, worse on 2 (e4 396 vs 393,
+  # 20 s sweep of docs/schedules.md (2-core machine, seed 0), half forward then half mirror vs
+  # forward only: better on 6 of 12 reference instances (e9 634 vs 654, e10 340 vs 351, e3 743 vs
+  # 748, e11 193 vs 196, e6 632 vs 634, e7 344 vs 346), equal on 4, worse on 2 (e4 396 vs 393,
   # e0 719 vs 717).
   reverse_frac: float = 0.5
   reverse_first: bool = False       # run the mirror first

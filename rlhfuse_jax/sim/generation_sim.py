@@ -1,4 +1,5 @@
-"""Sample-level discrete-event simulation of generation + inference on G instances (docs/architecture.md §2).
+"""Sample-level discrete-event simulation of generation + inference on G instances
+(docs/architecture.md §2).
 
 Model of the engine (the one issue 5 builds): the batch is dealt round-robin to G instances of
 `tp` devices with S slots each (all samples start at once, as in the engine); each instance runs

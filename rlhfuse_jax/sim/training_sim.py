@@ -2,8 +2,8 @@
 
 The actor and the critic train on the same mini-batches. On a plan (tp, Pa, Pc, dp), the N
 devices form dp * tp pipelines of Pa devices (layout: tp innermost, then dp, then the pipeline
-axis); the critic has Pc stages and R = Pa/Pc replicas along the pipeline axis (docs/architecture.md §3). A
-mini-batch of `minibatch` samples splits over dp groups, then into micro-batches of
+axis); the critic has Pc stages and R = Pa/Pc replicas along the pipeline axis (docs/architecture.md
+§3). A mini-batch of `minibatch` samples splits over dp groups, then into micro-batches of
 `micro_batch` samples: Ma = minibatch / (dp * micro_batch), Mc = Ma / R.
 
 Per mini-batch: the pipeline makespan (schedule code of `rlhfuse_jax.pipeline`: the serial

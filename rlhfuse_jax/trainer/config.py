@@ -130,8 +130,9 @@ class InitConfig:
 
 @dataclasses.dataclass(frozen=True)
 class FusionConfig:
-  inter_stage: bool = False  # sample-level generation with long-tail consolidation (docs/architecture.md §2)
-  intra_stage: bool = False  # fused actor/critic pipeline schedule (docs/architecture.md §3)
+  """The two fusions of docs/architecture.md §2 (inter-stage) and §3 (intra-stage)."""
+  inter_stage: bool = False  # sample-level generation with long-tail consolidation (§2)
+  intra_stage: bool = False  # fused actor/critic pipeline schedule (§3)
   migration_threshold: Union[float, str] = "auto"  # Rt in [0, 1], or "auto" (simulated)
   num_instances: int = 0  # generation instances G (inter_stage); 0: devices / instance_devices
   instance_devices: int = 1  # devices per generation instance (tensor parallel inside it)

@@ -3,8 +3,8 @@
 `FusedStage` replaces the serial `PPOTrainer.generate_and_infer` body: it builds a
 `generation.fused.FusedGenerator` over the trainer's devices and returns the very fields of
 StageOutputs (same tokens, log-probs and scores as the serial path, bitwise when an instance's
-shape matches a device's share of the serial batch: the defaults ensure it), plus the docs/architecture.md §2
-metrics.
+shape matches a device's share of the serial batch: the defaults ensure it), plus the
+docs/architecture.md §2 metrics.
 
 Defaults (config.fusion): one instance per `instance_devices` devices, slots = batch /
 instances, inference micro-batch = slots. The frozen models (reference, reward model) move to

@@ -1,8 +1,8 @@
 """The PPO update through the fused actor/critic pipeline executor (mesh axis `stage` > 1).
 
-Idea (docs/architecture.md §3): with a pipeline axis, one optimizer step of actor and critic is one jitted
-program in which `pipeline/executor.py` runs a schedule of both models' micro-batch forwards and
-backwards over the `stage` devices and returns whole-model gradients; the optimizer steps follow
+Idea (docs/architecture.md §3): with a pipeline axis, one optimizer step of actor and critic is one
+jitted program in which `pipeline/executor.py` runs a schedule of both models' micro-batch forwards
+and backwards over the `stage` devices and returns whole-model gradients; the optimizer steps follow
 in the same program. `config.fusion.intra_stage` picks the schedule:
 
   True   the searched fused schedule (pipeline/search.py): the critic fills the actor's bubbles
