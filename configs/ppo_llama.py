@@ -52,6 +52,8 @@ def _set_shape(section, name: str) -> None:
   section.max_seq_len = 4096  # Llama 2's context; covers prompt 512 + 2048 new tokens
   section.param_dtype = "bfloat16"
   section.dtype = "bfloat16"
+  section.attention = "auto"  # cuDNN fused attention on GPU, blockwise elsewhere
+  section.remat = "dots"  # keep projections, recompute the rest: long sequences fit in memory
 
 
 def parse_variant(arg: str) -> tuple[str, str]:

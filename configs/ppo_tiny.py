@@ -38,6 +38,8 @@ def get_config(arg: str = "ppo"):
   c.model.max_seq_len = 64
   c.model.param_dtype = "float32"
   c.model.dtype = "float32"  # "bfloat16" on accelerators
+  c.model.attention = "blockwise"  # reference | blockwise | cudnn | auto: O(len) unless reference
+  c.model.remat = "none"  # none | full | dots: recompute each decoder layer in the backward
 
   c.critic_model = ml_collections.ConfigDict()  # critic / reward backbone (scalar head)
   c.critic_model.hidden_size = 64
@@ -46,6 +48,8 @@ def get_config(arg: str = "ppo"):
   c.critic_model.num_heads = 4
   c.critic_model.num_kv_heads = 2
   c.critic_model.max_seq_len = 64
+  c.critic_model.attention = "blockwise"  # as c.model.attention
+  c.critic_model.remat = "none"  # as c.model.remat
 
   c.mesh = ml_collections.ConfigDict()  # -1: all remaining devices
   c.mesh.data = -1

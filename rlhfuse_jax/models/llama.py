@@ -15,6 +15,10 @@ t attend to cached keys at positions <= t. Right-padded prompts therefore need n
 a real token only ever sees real tokens before it, and the padding slots behind a prompt are
 overwritten by decode before any query can reach them.
 
+Attention never needs more than O(len) memory per layer by default: `cfg.attention` picks the
+implementation in models/attention.py (blockwise flash-style tiles unless "reference"), and
+`cfg.remat` what each decoder Block keeps for the backward. Neither changes the parameter tree.
+
 Parameters carry logical axis names (`embed`, `vocab`, `q_heads`, `kv_heads`, `mlp`) that
 `rlhfuse_jax.parallel.mesh` maps onto the mesh axes.
 """
@@ -29,8 +33,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlhfuse_jax.models import attention as attention_lib
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 HEADS = ("lm", "scalar")
+# Per-Block rematerialisation: "none" keeps every activation for the backward; "full" keeps
+# only each Block's input and recomputes the layer; "dots" also keeps the outputs of matmuls
+# without batch dimensions (the q/k/v/o and MLP projections), so the backward recomputes only
+# the cheap elementwise work and attention (whose own backward already recomputes its tiles).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +67,8 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype; norms, softmax and heads run in float32
   head: str = "lm"  # "lm" (actor, reference) or "scalar" (critic, reward model)
+  attention: str = "blockwise"  # reference | blockwise | cudnn | auto (models/attention.py)
+  remat: str = "none"  # none | full | dots: what each Block keeps for the backward
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -71,6 +88,11 @@ class ModelConfig:
         raise ValueError(f"model.{name}={getattr(self, name)!r}; expected one of {list(_DTYPES)}")
     if self.head not in HEADS:
       raise ValueError(f"model.head={self.head!r}; expected one of {HEADS}")
+    if self.attention not in attention_lib.IMPLEMENTATIONS:
+      raise ValueError(f"model.attention={self.attention!r}; expected one of "
+                       f"{attention_lib.IMPLEMENTATIONS}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat={self.remat!r}; expected one of {tuple(REMAT_POLICIES)}")
 
   @property
   def head_dim_(self) -> int:
@@ -185,14 +207,9 @@ class Attention(nn.Module):
       values = _write_rows(cache_kv[1], v, positions[:, 0])
       key_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
       cache_kv = (keys, values)
-    g = h // kvh
-    q = q.reshape(b, l, kvh, g, d)
-    scores = jnp.einsum("blkgd,bskd->bkgls", q, keys.astype(q.dtype)).astype(jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(d))
-    causal = key_pos[:, None, :] <= positions[:, :, None]  # [batch, len, keys]
-    scores = jnp.where(causal[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(cfg.jnp_dtype)
-    out = jnp.einsum("bkgls,bskd->blkgd", probs, values.astype(cfg.jnp_dtype)).reshape(b, l, h * d)
+    # [batch, len, heads, dim]; O(len) memory unless cfg.attention == "reference".
+    out = attention_lib.dot_product_attention(q, keys, values, positions, key_pos, cfg.attention)
+    out = out.reshape(b, l, h * d)
     out = _dense(cfg.hidden_size, ("q_heads", "embed"), cfg, "o_proj", cfg.o_bias)(out)
     return out, cache_kv
 
@@ -219,6 +236,14 @@ class Block(nn.Module):
     x = x + attn_out
     x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
     return x, cache_kv
+
+
+def block_class(cfg: ModelConfig):
+  """Block, wrapped in nn.remat with cfg.remat's policy. The wrapper keeps the module name given
+  by the parent (layers_i), so the parameter tree is the same for every policy."""
+  if cfg.remat == "none":
+    return Block
+  return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat])
 
 
 class Embed(nn.Module):
@@ -265,7 +290,8 @@ class Transformer(nn.Module):
 
   def setup(self):
     self.embed = Embed(self.cfg)
-    self.layers = [Block(self.cfg) for _ in range(self.cfg.num_layers)]
+    block = block_class(self.cfg)
+    self.layers = [block(self.cfg) for _ in range(self.cfg.num_layers)]
     self.head = Head(self.cfg)
 
   def __call__(self, tokens, positions=None, cache: Optional[KVCache] = None):

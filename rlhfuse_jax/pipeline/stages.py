@@ -197,7 +197,7 @@ def blocks(cfg: ModelConfig, layers: Any, x: jax.Array) -> jax.Array:
   positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
 
   def body(h, p):
-    return llama.Block(cfg).apply({"params": p}, h, positions)[0], None
+    return llama.block_class(cfg)(cfg).apply({"params": p}, h, positions)[0], None
 
   return lax.scan(body, x, layers)[0]
 

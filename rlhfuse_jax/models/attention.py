@@ -1,0 +1,274 @@
+"""Causal grouped-query attention by positions: a reference, a blockwise (flash-style) kernel in
+plain JAX, and cuDNN's fused kernel on GPU.
+
+Every implementation computes, for query row t of batch row b,
+
+  out[b, t] = softmax_s(q[b, t] . k[b, s] / sqrt(d), over keys with k_pos[b, s] <= q_pos[b, t]) @ v
+
+with query heads grouped over the key/value heads (GQA: query head i reads kv head i // group).
+Masking by positions instead of indices covers the three ways models/llama.py calls attention:
+training and scoring (q_pos == k_pos, right padding included), prefill and decode against a KV
+cache of capacity S (q_pos = p..p+L-1 per row, k_pos = 0..S-1).
+
+Invariants shared by the implementations:
+- Softmax statistics are float32; matmul inputs are the compute dtype (q.dtype), as in the
+  original llama.py attention (`reference_attention`, which the others are tested against).
+- Masked scores are finfo(float32).min, not -inf: a query that sees no key (possible only for
+  positions a caller made up, e.g. negative ones) gets the uniform average of all S values, not a
+  NaN. The blockwise kernel reproduces this exactly; its own internal key padding is -inf, so it
+  never leaks into any row.
+- `blockwise_attention` never materialises [L, S] scores: forward and backward loop over
+  [block_q, block_k] tiles, and the backward recomputes each tile's probabilities from the saved
+  float32 row max and row sum (a custom_vjp), so what attention keeps for the backward is
+  q, k, v, out and two [heads, L] vectors: O(L) per layer instead of O(L * S).
+  This is the "activations in O(L)" half of the scale plan; remat of whole decoder blocks
+  (ModelConfig.remat) is the other half (docs/architecture.md §7 for config conventions).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("reference", "blockwise", "cudnn", "auto")
+_MASKED = float(jnp.finfo(jnp.float32).min)  # score of a masked (but real) key, as reference
+_warned: set = set()
+
+
+def _warn_once(reason: str) -> None:
+  # Traced once per shape; log each distinct reason once per process, not once per layer.
+  if reason not in _warned:
+    _warned.add(reason)
+    logging.warning("attention: cudnn unavailable (%s); using blockwise", reason)
+
+
+def reference_attention(q, k, v, q_pos, k_pos):
+  """The original llama.py attention: materialises float32 [batch, kv, group, L, S] scores.
+
+  q: [batch, L, heads, dim]; k, v: [batch, S, kv_heads, dim]; q_pos: [batch, L];
+  k_pos: [batch, S]. Returns [batch, L, heads, dim] in q.dtype.
+  """
+  b, l, h, d = q.shape
+  kvh = k.shape[2]
+  dtype = q.dtype
+  q = q.reshape(b, l, kvh, h // kvh, d)  # [batch, L, kv, group, dim]
+  scores = jnp.einsum("blkgd,bskd->bkgls", q, k.astype(dtype)).astype(jnp.float32)
+  scores = scores / jnp.sqrt(jnp.float32(d))
+  causal = k_pos[:, None, :] <= q_pos[:, :, None]  # [batch, L, S]
+  scores = jnp.where(causal[:, None, None], scores, _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  out = jnp.einsum("bkgls,bskd->blkgd", probs, v.astype(dtype))
+  return out.reshape(b, l, h, d)
+
+
+# Blockwise kernel ------------------------------------------------------------------------------
+# Internal layout is head-major: q [batch, kv, group, L, dim], k and v [batch, kv, S, dim]; the
+# sequence axes are padded to whole blocks. `s_len` (static) is the true key count: keys at index
+# >= s_len are padding and score -inf, so they get probability 0 even in a fully masked row.
+
+def _tile_scores(qb, kb, qpos, kpos, kidx, s_len, d):
+  """Masked float32 scores of one tile and the causal mask.
+
+  qb: [b, kv, g, bq, d]; kb: [b, kv, bk, d]; qpos: [b, bq]; kpos: [b, bk]; kidx: [bk].
+  Returns s [b, kv, g, bq, bk] and mask [b, 1, 1, bq, bk].
+  """
+  s = jnp.einsum("bkgqd,bksd->bkgqs", qb, kb, preferred_element_type=jnp.float32)
+  s = s / jnp.sqrt(jnp.float32(d))
+  mask = (kpos[:, None, :] <= qpos[:, :, None])[:, None, None]  # [b, 1, 1, bq, bk]
+  s = jnp.where(mask, s, _MASKED)
+  s = jnp.where(kidx < s_len, s, -jnp.inf)  # internal padding: never attended
+  return s, mask
+
+
+def _blocks(x, axis, n):
+  """Splits `axis` into n blocks and moves the block index first (the scan axis)."""
+  shape = x.shape[:axis] + (n, x.shape[axis] // n) + x.shape[axis + 1:]
+  return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _unblocks(x, axis):
+  """Inverse of _blocks: [n, ..., block at axis, ...] -> [..., n * block, ...]."""
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _flash_fwd_impl(bq, bk, s_len, q, k, v, q_pos, k_pos):
+  """Returns out [b, kv, g, Lp, d] (q.dtype) and float32 row max m and row sum l [b, kv, g, Lp]."""
+  b, kvh, g, lp, d = q.shape
+  sp = k.shape[2]
+  nq, nk = lp // bq, sp // bk
+  ks, vs = _blocks(k, 2, nk), _blocks(v, 2, nk)  # [nk, b, kv, bk, d]
+  kposs = _blocks(k_pos, 1, nk)  # [nk, b, bk]
+  kidxs = jnp.arange(sp).reshape(nk, bk)
+
+  def q_block(_, xs):
+    qb, qpos = xs  # [b, kv, g, bq, d], [b, bq]
+
+    def k_block(carry, ys):
+      m, l, acc = carry  # [b, kv, g, bq] x2 (float32), [b, kv, g, bq, d] (float32)
+      kb, vb, kpos, kidx = ys
+      s, _ = _tile_scores(qb, kb, qpos, kpos, kidx, s_len, d)
+      # The first tile always holds a real key (padding < one block), so m_new is finite.
+      m_new = jnp.maximum(m, s.max(-1))
+      p = jnp.exp(s - m_new[..., None])
+      corr = jnp.exp(m - m_new)
+      l = l * corr + p.sum(-1)
+      pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(q.dtype), vb,
+                      preferred_element_type=jnp.float32)
+      return (m_new, l, acc * corr[..., None] + pv), None
+
+    init = (jnp.full((b, kvh, g, bq), -jnp.inf, jnp.float32),
+            jnp.zeros((b, kvh, g, bq), jnp.float32), jnp.zeros((b, kvh, g, bq, d), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(k_block, init, (ks, vs, kposs, kidxs))
+    return None, ((acc / l[..., None]).astype(q.dtype), m, l)
+
+  _, (out, m, l) = jax.lax.scan(q_block, None, (_blocks(q, 3, nq), _blocks(q_pos, 1, nq)))
+  return _unblocks(out, 3), _unblocks(m, 3), _unblocks(l, 3)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _flash(bq, bk, s_len, q, k, v, q_pos, k_pos):
+  return _flash_fwd_impl(bq, bk, s_len, q, k, v, q_pos, k_pos)[0]
+
+
+def _flash_fwd(bq, bk, s_len, q, k, v, q_pos, k_pos):
+  out, m, l = _flash_fwd_impl(bq, bk, s_len, q, k, v, q_pos, k_pos)
+  # Residuals are O(L): no per-tile scores or probabilities survive the forward.
+  return out, (q, k, v, q_pos, k_pos, out, m, l)
+
+
+def _flash_bwd(bq, bk, s_len, res, dout):
+  q, k, v, q_pos, k_pos, out, m, l = res
+  b, kvh, g, lp, d = q.shape
+  sp = k.shape[2]
+  nq, nk = lp // bq, sp // bk
+  dtype = q.dtype
+  # D_t = sum_s p_ts dp_ts = dout_t . out_t (FlashAttention-2, eq. for dS).
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)  # [b, kv, g, Lp]
+  ks, vs = _blocks(k, 2, nk), _blocks(v, 2, nk)  # [nk, b, kv, bk, d]
+  kposs = _blocks(k_pos, 1, nk)
+  kidxs = jnp.arange(sp).reshape(nk, bk)
+
+  def q_block(carry, xs):
+    dk, dv = carry  # [b, kv, Sp, d] float32
+    qb, dob, deltab, mb, lb, qpos = xs
+
+    def k_block(dq, ys):
+      kb, vb, kpos, kidx = ys
+      s, mask = _tile_scores(qb, kb, qpos, kpos, kidx, s_len, d)
+      p = jnp.exp(s - mb[..., None]) / lb[..., None]  # [b, kv, g, bq, bk] float32
+      dp = jnp.einsum("bkgqd,bksd->bkgqs", dob, vb, preferred_element_type=jnp.float32)
+      # Masked scores are constants (jnp.where in the reference): no gradient flows to q or k
+      # through them, even in a fully masked row where their probability is not 0.
+      ds = jnp.where(mask, p * (dp - deltab[..., None]), 0.0)
+      ds = (ds / jnp.sqrt(jnp.float32(d))).astype(dtype)
+      dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, kb, preferred_element_type=jnp.float32)
+      dk_j = jnp.einsum("bkgqs,bkgqd->bksd", ds, qb, preferred_element_type=jnp.float32)
+      dv_j = jnp.einsum("bkgqs,bkgqd->bksd", p.astype(dtype), dob,
+                        preferred_element_type=jnp.float32)
+      return dq, (dk_j, dv_j)
+
+    dq, (dk_js, dv_js) = jax.lax.scan(k_block, jnp.zeros(qb.shape, jnp.float32),
+                                      (ks, vs, kposs, kidxs))
+    return (dk + _unblocks(dk_js, 2), dv + _unblocks(dv_js, 2)), dq
+
+  zeros = jnp.zeros((b, kvh, sp, d), jnp.float32)
+  xs = (_blocks(q, 3, nq), _blocks(dout.astype(dtype), 3, nq), _blocks(delta, 3, nq),
+        _blocks(m, 3, nq), _blocks(l, 3, nq), _blocks(q_pos, 1, nq))
+  (dk, dv), dqs = jax.lax.scan(q_block, (zeros, zeros), xs)
+  # Positions are integers: no cotangent.
+  return (_unblocks(dqs, 3).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _pad_to(x, axis, size):
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+def blockwise_attention(q, k, v, q_pos, k_pos, block_k: int = 512, block_q: int = 512):
+  """Flash-style attention with O(L * block) memory in forward and backward.
+
+  Same contract as `reference_attention` (shapes, masking, dtype, fully masked rows). Blocks are
+  clipped to the sequence lengths (decode: block_q = 1) and the sequences padded to whole
+  blocks internally; padded keys are never attended, padded queries are dropped.
+  """
+  b, l, h, d = q.shape
+  s, kvh = k.shape[1], k.shape[2]
+  g = h // kvh
+  dtype = q.dtype
+  bq, bk = max(1, min(block_q, l)), max(1, min(block_k, s))
+  lp, sp = -(-l // bq) * bq, -(-s // bk) * bk
+  qh = jnp.transpose(q.reshape(b, l, kvh, g, d), (0, 2, 3, 1, 4))  # [b, kv, g, L, d]
+  kh = jnp.transpose(k.astype(dtype), (0, 2, 1, 3))  # [b, kv, S, d]
+  vh = jnp.transpose(v.astype(dtype), (0, 2, 1, 3))
+  out = _flash(bq, bk, s, _pad_to(qh, 3, lp), _pad_to(kh, 2, sp), _pad_to(vh, 2, sp),
+               _pad_to(q_pos.astype(jnp.int32), 1, lp), _pad_to(k_pos.astype(jnp.int32), 1, sp))
+  out = out[:, :, :, :l]  # [b, kv, g, L, d]
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, l, h, d)
+
+
+# cuDNN -----------------------------------------------------------------------------------------
+
+def _cudnn_unsupported(q, k) -> Optional[str]:
+  """Why cuDNN's fused attention cannot run this call (None if it can), checked before tracing
+  it so the fallback is a decision, not an exception mid-compile."""
+  try:
+    backend = jax.default_backend()
+  except RuntimeError as e:  # no backend initialised: treat as unsupported
+    return f"no backend ({e})"
+  if backend != "gpu":
+    return f"backend is {backend!r}, not 'gpu'"
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
+    return f"dtype {q.dtype} (cudnn needs bfloat16 or float16)"
+  d = q.shape[-1]
+  if d % 8 or d > 128:
+    return f"head_dim {d} (cudnn needs a multiple of 8, <= 128)"
+  if q.shape[1] % 2 or k.shape[1] % 2:
+    # Training with a bias/mask needs even lengths (check_is_flash_attention).
+    return f"odd length (L={q.shape[1]}, S={k.shape[1]})"
+  return None
+
+
+def cudnn_attention(q, k, v, q_pos, k_pos):
+  """jax.nn.dot_product_attention(implementation="cudnn") with the position mask.
+
+  The mask [batch, 1, L, S] is boolean (no heads, 1 byte per pair): cuDNN's causal mask types
+  are aligned at index 0 and cannot express per-row cache offsets, and the mask argument exists
+  with the same meaning in jax 0.10 and 0.11. Raises where cuDNN rejects the call.
+  """
+  dtype = q.dtype
+  mask = (k_pos[:, None, :] <= q_pos[:, :, None])[:, None]  # [batch, 1, L, S]
+  return jax.nn.dot_product_attention(
+      q, k.astype(dtype), v.astype(dtype), mask=mask, scale=1.0 / math.sqrt(q.shape[-1]),
+      implementation="cudnn")
+
+
+def dot_product_attention(q, k, v, q_pos, k_pos, impl: str = "blockwise", **block_sizes):
+  """Dispatches on impl in IMPLEMENTATIONS. "cudnn" and "auto" use cuDNN where it runs (GPU,
+  bf16/fp16, supported head_dim) and fall back to blockwise with a logged reason otherwise.
+
+  q: [batch, L, heads, dim]; k, v: [batch, S, kv_heads, dim]; q_pos: [batch, L];
+  k_pos: [batch, S]. Returns [batch, L, heads, dim] in q.dtype.
+  """
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"attention impl {impl!r}; expected one of {IMPLEMENTATIONS}")
+  if impl == "reference":
+    return reference_attention(q, k, v, q_pos, k_pos)
+  if impl in ("cudnn", "auto"):
+    reason = _cudnn_unsupported(q, k)
+    if reason is None:
+      try:
+        return cudnn_attention(q, k, v, q_pos, k_pos)
+      except (NotImplementedError, ValueError, RuntimeError) as e:  # raised while tracing
+        reason = f"{type(e).__name__}: {e}"
+    if impl == "cudnn":  # asked for explicitly: say why it did not happen
+      _warn_once(reason)
+  return blockwise_attention(q, k, v, q_pos, k_pos, **block_sizes)
