@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import flax
 import jax
@@ -203,12 +203,16 @@ class GenerationInstance:
     return jax.device_put(params, self.param_shardings(cfg, params))
 
   # ------------------------------------------------------------------ ahead-of-time compile
-  def lower_all(self, actor_params, frozen_params: dict) -> list[tuple[Any, Any]]:
+  def lower_all(self, actor_params, frozen_params: dict,
+                only: Optional[Collection[str]] = None) -> list[tuple[Any, Any]]:
     """(name, jax Lowered) of every executable of this instance; `compile_all` compiles them.
 
     actor_params / frozen_params: pytrees of arrays or ShapeDtypeStructs (shapes and dtypes
     only); frozen_params maps 'reference' / 'critic' / 'reward' to the models to score with.
+    only: kinds to lower ('prefill', 'decode', 'gather', 'scatter', 'reference', 'critic',
+    'reward'); None: all (experiments/plan_check.py lowers a few to measure them).
     """
+    want = (lambda kind: True) if only is None else (lambda kind: kind in only)
     cfg, sampling, s, p = self.cfg, self.sampling, self.slots, self.prompt_len
     st_sh, rep = self.state_sharding, self.rep
     prm = _abstract(actor_params, self.param_shardings(cfg, actor_params))
@@ -217,24 +221,29 @@ class GenerationInstance:
     row = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=self.row1)
     pre = _prefill_fn(cfg, sampling, self.max_len)
     st = _abstract(jax.eval_shape(pre, prm, tok, row, row, row, key)[0], st_sh)
-    out = [("prefill", jax.jit(pre, out_shardings=(st_sh, rep)).lower(prm, tok, row, row, row,
-                                                                      key)),
-           # The state is donated: the chunk writes the new cache into the old buffers.
-           ("decode", jax.jit(_decode_fn(cfg, sampling), out_shardings=(st_sh, rep),
-                              donate_argnums=(1,)).lower(prm, st, key))]
+    out = []
+    if want("prefill"):
+      out.append(("prefill", jax.jit(pre, out_shardings=(st_sh, rep)).lower(prm, tok, row, row,
+                                                                           row, key)))
+    if want("decode"):
+      # The state is donated: the chunk writes the new cache into the old buffers.
+      out.append(("decode", jax.jit(_decode_fn(cfg, sampling), out_shardings=(st_sh, rep),
+                                    donate_argnums=(1,)).lower(prm, st, key)))
     for r in self.buckets:
       idx = jax.ShapeDtypeStruct((r,), jnp.int32, sharding=rep)
       rows = _abstract(jax.eval_shape(gather_rows, st, idx), st_sh)
-      out.append((("gather", r), jax.jit(gather_rows, out_shardings=st_sh).lower(st, idx)))
-      out.append((("scatter", r), jax.jit(scatter_rows, out_shardings=st_sh,
-                                          donate_argnums=(0,)).lower(st, idx, rows)))
+      if want("gather"):
+        out.append((("gather", r), jax.jit(gather_rows, out_shardings=st_sh).lower(st, idx)))
+      if want("scatter"):
+        out.append((("scatter", r), jax.jit(scatter_rows, out_shardings=st_sh,
+                                            donate_argnums=(0,)).lower(st, idx, rows)))
     mb, t = self.micro_batch, sampling.max_new_tokens
     seq = jax.ShapeDtypeStruct((mb, p + t), jnp.int32, sharding=self.row2)
     lens = jax.ShapeDtypeStruct((mb,), jnp.int32, sharding=self.row1)
     fz = self.frozen
     for name, mcfg in (("reference", fz.reference), ("critic", fz.critic),
                        ("reward", fz.reward)):
-      if mcfg is None:
+      if mcfg is None or not want(name):
         continue
       fp = _abstract(frozen_params[name], self.param_shardings(mcfg, frozen_params[name]))
       # The very jitted functions the serial Scorer runs, so the numbers are the same.

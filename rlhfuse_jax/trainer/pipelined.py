@@ -175,6 +175,14 @@ class PipelinedUpdate:
     }
 
   def __call__(self, actor: ModelState, critic: ModelState, mb: Dict[str, jax.Array]):
+    return self._jit(actor, critic)(actor, critic, mb)
+
+  def lower(self, actor: ModelState, critic: ModelState, mb: Dict[str, Any]):
+    """The jitted update lowered for states and batch given as arrays or as
+    jax.ShapeDtypeStructs with shardings (ahead-of-time memory checks: nothing is allocated)."""
+    return self._jit(actor, critic).lower(actor, critic, mb)
+
+  def _jit(self, actor: ModelState, critic: ModelState) -> Callable:
     if self._jitted is None:
       # Built at the first call, when the parameters' shardings are known: the gradients leave
       # the executor replicated and are constrained to them, so the updated parameters keep
@@ -183,7 +191,7 @@ class PipelinedUpdate:
                    jax.tree.map(lambda x: x.sharding, critic.params))
       self._jitted = jax.jit(self._make(shardings), donate_argnums=(0, 1),
                              compiler_options=self._compiler_options)
-    return self._jitted(actor, critic, mb)
+    return self._jitted
 
   def _make(self, shardings) -> Callable:
     algo, (actor_tx, critic_tx) = self._algo, self._txs
