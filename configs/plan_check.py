@@ -1,0 +1,92 @@
+r"""Compile a plan's real programs from shapes on fake CPU devices and check their memory.
+
+  python -m experiments.plan_check --config=configs/plan_check.py:tiny --workdir=/tmp/pc_tiny
+  python -m experiments.plan_check --config=configs/plan_check.py:7b_host8 --workdir=/tmp/pc_7b8
+
+Variants: `tiny` (seconds; the test's), `7b_host8` (the 7B pair on one 8-GPU host), and the
+RLHFuse paper's pairs `7b/7b`, `13b/13b`, `33b/13b`, `65b/33b` on the plan the simulator picks
+for them on 256 H100s (sim/training_sim.best_plan: tp 8, actor and critic 16 stages, dp 2,
+micro-batch 1; generation tp 8 with the slots of sim/iteration_sim.gen_plan). The executor splits
+layers evenly over stages, which 33B's 60 layers do not allow at 16: 33b/13b runs pp 4, dp 8
+and 65b/33b a 4-stage critic (4 replicas). Those compile a 256-device program;
+`--config.layers=N` compiles N layers per model instead (result.json says so in
+`layers_compiled`). Writes result.json and config.json; logs a table.
+"""
+import ml_collections
+
+# Plans of sim/training_sim.best_plan and sim/iteration_sim.gen_plan (h100_sxm, 256 devices,
+# mini-batch 64, micro-batch 1, prompts up to 1024 + 1024 new tokens), read 2026-11-25.
+# gen_slots: the slots gen_plan gives at tp 8 (its memory budget), at most 256.
+PAPER_PAIRS = {
+    "7b/7b": {"gen_slots": 256},
+    "13b/13b": {"gen_slots": 256},
+    "33b/13b": {"gen_slots": 156},
+    "65b/33b": {"gen_slots": 82},
+}
+
+
+def _tiny_model(layers: int) -> ml_collections.ConfigDict:
+  m = ml_collections.ConfigDict()  # a full model section (fields of models/llama.ModelConfig)
+  m.vocab_size = 256
+  m.hidden_size = 64
+  m.intermediate_size = 128
+  m.num_layers = layers
+  m.num_heads = 4
+  m.num_kv_heads = 2
+  m.head_dim = 0
+  m.max_seq_len = 64
+  m.param_dtype = "float32"
+  m.dtype = "float32"
+  return m
+
+
+def get_config(arg: str = "tiny"):
+  c = ml_collections.ConfigDict()
+  # A preset of configs/ppo_llama.py SHAPES, or a full model section (see tiny).
+  c.actor = _tiny_model(4) if arg == "tiny" else "7b"
+  c.critic = _tiny_model(2) if arg == "tiny" else "7b"  # critic backbone (scalar head)
+  c.layers = 0  # layers compiled per model (0: the model's own); analytic numbers follow it
+  c.pp = 8  # actor pipeline stages (mesh axis `stage`); 1: the unpipelined update
+  c.critic_pp = 8  # critic stages; must divide pp
+  c.tp = 1  # tensor-parallel degree of training (mesh axis `tensor`)
+  c.dp = 1  # data-parallel degree (mesh axis `data`)
+  c.fsdp = 1  # parameter-sharded data-parallel degree (mesh axis `fsdp`)
+  c.minibatch_size = 64  # samples per optimizer step (one train_step program)
+  c.microbatch_size = 1  # samples per pipeline micro-batch
+  c.seq_len = 2048  # tokens per sample: prompt bucket + response
+  c.response_len = 1024  # response tokens (the loss and the heads see these; decode's budget)
+  c.remat = "dots"  # none | full | dots (models/llama.py REMAT_POLICIES)
+  c.attention = "blockwise"  # reference | blockwise | cudnn | auto (models/attention.py)
+  c.intra_stage = True  # True: the searched fused schedule; False: serial 1F1B
+  c.search_time_s = 2.0  # fused-schedule search budget (unit durations; once per run)
+  c.gen_tp = 8  # devices of one generation instance
+  c.gen_slots = 54  # batch slots of one generation instance
+  c.chunk_size = 64  # decode steps per jitted decode call
+  c.inference_microbatch = 8  # samples per inference micro-batch on an instance
+  c.hardware = "h100_sxm"  # preset of rlhfuse_jax/sim/hardware.py: its HBM is the budget
+
+  if arg == "tiny":
+    c.pp, c.critic_pp, c.tp, c.dp, c.fsdp = 2, 2, 1, 2, 2
+    c.minibatch_size, c.microbatch_size = 8, 1
+    c.seq_len, c.response_len = 32, 16
+    c.remat = "none"
+    c.intra_stage = False  # serial 1F1B: no schedule search (the fused one needs numba's compile)
+    c.gen_tp, c.gen_slots, c.chunk_size, c.inference_microbatch = 2, 4, 4, 2
+  elif arg == "7b_host8":
+    # The 7B pair on one 8-GPU host: sim/training_sim.best_plan on 8 H100s picks 8 stages for
+    # both models; prompts up to 512 + 1024 new tokens (configs/ppo_llama.py); generation on
+    # one 8-GPU instance.
+    c.seq_len, c.response_len = 1536, 1024
+    c.gen_tp, c.gen_slots = 8, 64
+  elif arg in PAPER_PAIRS:
+    c.actor, c.critic = arg.split("/")
+    c.pp, c.critic_pp, c.tp, c.dp = 16, 16, 8, 2
+    if arg == "33b/13b":
+      c.pp, c.critic_pp, c.dp = 4, 4, 8  # 60 layers do not split into 16 stages
+    elif arg == "65b/33b":
+      c.critic_pp = 4  # the 33B critic's 60 layers: 4 stages, 4 replicas over the 16
+    c.gen_tp, c.gen_slots = 8, PAPER_PAIRS[arg]["gen_slots"]
+  else:
+    raise ValueError(f"configs/plan_check.py: unknown variant {arg!r}; expected 'tiny', "
+                     f"'7b_host8' or one of {list(PAPER_PAIRS)}")
+  return c

@@ -1,0 +1,66 @@
+r"""Compile a training plan's real programs from shapes and check that they fit in HBM.
+
+  python -m experiments.plan_check --config=configs/plan_check.py:tiny --workdir=/tmp/pc_tiny
+  python -m experiments.plan_check --config=configs/plan_check.py:7b_host8 --workdir=/tmp/pc_7b8
+
+For an actor/critic pair and a plan (pp, critic_pp, tp, dp, fsdp, micro-batch, sequence length,
+remat, attention, generation tp and slots) this lowers and compiles, on fake CPU devices and from
+jax.ShapeDtypeStructs with shardings (no parameter is allocated), the programs this codebase runs
+(experiments/plan_programs.py says which and how they are measured):
+
+  train_step  the PPO update the trainer jits: trainer/pipelined.py (the fused executor + AdamW)
+              when pp > 1, trainer/ppo.make_update_fn when pp == 1
+  decode      a generation instance's decode chunk (generation/instances.py) on gen_tp devices
+  inference   the instance's reference log-prob forward (inference/scoring.py)
+
+and writes result.json (per program: argument/output/temp/peak bytes and FLOPs per device from
+the compiled program, the analytic breakdown, replication, fits, compile_s) and config.json.
+
+XLA reads the device count once, when jax initialises, so this binary imports nothing of jax at
+module level: main() sets `--xla_force_host_platform_device_count` to the plan's device count
+first (parallel/host_devices.py), then imports the programs module.
+"""
+from __future__ import annotations
+
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.parallel.host_devices import request_host_devices
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Plan config.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def device_count(c) -> int:
+  """Devices the plan needs (training mesh, or one generation instance if larger); plain Python,
+  so it runs before jax is imported. Errors name the field."""
+  sizes = {}
+  for name in ("pp", "tp", "dp", "fsdp", "gen_tp"):
+    v = c[name]
+    if not isinstance(v, int) or v < 1:
+      raise ValueError(f"config.{name}={v!r}: expected an integer >= 1")
+    sizes[name] = v
+  return max(sizes["pp"] * sizes["tp"] * sizes["dp"] * sizes["fsdp"], sizes["gen_tp"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  n = device_count(_CONFIG.value)
+  request_host_devices(n)
+  from experiments import plan_programs  # imports jax: after the device count is set
+  cfg = plan_programs.PlanConfig.from_config_dict(_CONFIG.value)
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  wd.write_config(_WORKDIR.value, _CONFIG.value)
+  result = plan_programs.run_and_write(cfg, _WORKDIR.value)
+  for line in plan_programs.table(result):
+    logging.info("%s", line)
+  logging.info("wrote %s", os.path.join(_WORKDIR.value, "result.json"))
+
+
+if __name__ == "__main__":
+  app.run(main)

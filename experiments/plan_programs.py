@@ -1,0 +1,466 @@
+"""The programs of experiments/plan_check.py: lowered from shapes, compiled, measured.
+
+Every program is the codebase's own, reached through the function its caller jits:
+
+  train_step  trainer/pipelined.PipelinedUpdate.lower (pp > 1: the fused executor's gradients,
+              then AdamW, donating both states) or trainer/ppo.make_update_fn (pp == 1); the
+              states are built as the trainer builds them: parameters placed by the logical rules
+              of parallel/mesh.py, AdamW + global-norm clipping of rl/optim.py, optimizer leaves
+              placed like their parameters, scalars replicated
+  decode      generation/instances.GenerationInstance's decode chunk (donated SlotState) on one
+              instance of gen_tp devices with gen_slots slots
+  inference   the same instance's reference log-prob forward (inference/scoring.py) on one
+              inference micro-batch
+
+Arguments are jax.ShapeDtypeStructs with NamedShardings: nothing is allocated.
+
+Measured per program, per device (SPMD: XLA compiles one program per device):
+  argument_bytes, output_bytes, temp_bytes, alias_bytes  compiled.memory_analysis()
+  peak_bytes = argument + output + temp - alias  (donated outputs reuse their arguments' buffers)
+  xla_flops  compiled.cost_analysis()["flops"]: per device (checked: a matmul split over 4
+             devices reports a quarter), but XLA counts a loop body once and a conditional as its
+             costliest branch, and counts elementwise work
+  flops_per_device  dot FLOPs with every loop iteration counted (perf/hlo_flops.py)
+  analytic   params, grads, optimizer state, activations (the simulator's 34*h bytes per token
+             and layer, sim/cost_model.py), KV cache, and FLOPs per device if the plan split the
+             work perfectly (perf/accounting.py formulas)
+  replication  flops_per_device / analytic useful FLOPs per device (1.0: no repeated work)
+  fits       peak_bytes <= the hardware preset's HBM bytes
+
+XLA:CPU's buffer assignment is not XLA:GPU's: temp_bytes are an estimate (JAX_NOTES.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+import optax
+from absl import logging
+from jax.sharding import NamedSharding
+
+from configs import ppo_llama
+from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.generation import instances as inst_lib
+from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.models import llama
+from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.perf import accounting, hlo_flops
+from rlhfuse_jax.rl import optim
+from rlhfuse_jax.sim import hardware as hw_lib
+from rlhfuse_jax.sim import shapes as sim_shapes
+from rlhfuse_jax.sim.cost_model import CostModel
+from rlhfuse_jax.trainer import config as tc
+from rlhfuse_jax.trainer import pipelined, ppo
+
+PROGRAMS = ("train_step", "decode", "inference")
+
+
+def _check(cond: bool, field: str, value: Any, expected: str) -> None:
+  if not cond:
+    raise ValueError(f"config.{field}={value!r}: expected {expected}")
+
+
+def _model(section: Any, field: str, head: str, layers: int, remat: str, attention: str,
+           seq_len: int) -> ModelConfig:
+  """A preset name of configs/ppo_llama.py SHAPES or a model section -> ModelConfig."""
+  if isinstance(section, str):
+    _check(section in ppo_llama.SHAPES, field, section, f"one of {list(ppo_llama.SHAPES)} or a "
+           "model section")
+    hidden, inter, num_layers, heads, _ = ppo_llama.SHAPES[section]
+    kw = dict(vocab_size=32000, hidden_size=hidden, intermediate_size=inter,
+              num_layers=num_layers, num_heads=heads, num_kv_heads=heads, max_seq_len=4096,
+              param_dtype="bfloat16", dtype="bfloat16")
+  else:
+    kw = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+  kw.update(head=head, remat=remat, attention=attention)
+  kw["max_seq_len"] = max(kw.get("max_seq_len", 0), seq_len)
+  if layers:
+    kw["num_layers"] = layers
+  try:
+    return ModelConfig(**kw)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"config.{field}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+  """A pair of models and the plan they run on (configs/plan_check.py comments the fields)."""
+  actor: ModelConfig
+  critic: ModelConfig
+  actor_layers: int  # the model's own layer counts (the compiled ones are in actor/critic)
+  critic_layers: int
+  pp: int
+  critic_pp: int
+  tp: int
+  dp: int
+  fsdp: int
+  minibatch_size: int
+  microbatch_size: int
+  seq_len: int
+  response_len: int
+  intra_stage: bool
+  search_time_s: float
+  gen_tp: int
+  gen_slots: int
+  chunk_size: int
+  inference_microbatch: int
+  hardware: hw_lib.Hardware
+
+  @property
+  def train_devices(self) -> int:
+    return self.pp * self.tp * self.dp * self.fsdp
+
+  @property
+  def num_devices(self) -> int:
+    return max(self.train_devices, self.gen_tp)
+
+  @property
+  def prompt_len(self) -> int:
+    return self.seq_len - self.response_len
+
+  @property
+  def rows_per_shard(self) -> int:
+    return self.minibatch_size // (self.dp * self.fsdp)
+
+  @property
+  def actor_microbatches(self) -> int:
+    return self.rows_per_shard // self.microbatch_size
+
+  @property
+  def critic_microbatches(self) -> int:
+    return self.actor_microbatches // (self.pp // self.critic_pp)
+
+  @classmethod
+  def from_config_dict(cls, c: Any) -> "PlanConfig":
+    d = c.to_dict() if hasattr(c, "to_dict") else dict(c)
+    known = {"actor", "critic", "layers", "remat", "attention", "hardware"} | {
+        f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+      raise ValueError(f"config: unknown fields {sorted(unknown)}; known: {sorted(known)}")
+    for name in ("pp", "critic_pp", "tp", "dp", "fsdp", "minibatch_size", "microbatch_size",
+                 "seq_len", "response_len", "gen_tp", "gen_slots", "chunk_size",
+                 "inference_microbatch"):
+      _check(isinstance(d[name], int) and d[name] >= 1, name, d[name], "an integer >= 1")
+    _check(isinstance(d["layers"], int) and d["layers"] >= 0, "layers", d["layers"],
+           "an integer >= 0 (0: the model's own)")
+    _check(d["hardware"] in hw_lib.HARDWARE, "hardware", d["hardware"],
+           f"a preset of rlhfuse_jax/sim/hardware.py: {sorted(hw_lib.HARDWARE)}")
+    _check(d["response_len"] < d["seq_len"], "response_len", d["response_len"],
+           f"< seq_len={d['seq_len']} (a prompt of at least one token)")
+    models = {}
+    for field, head in (("actor", "lm"), ("critic", "scalar")):
+      models[field] = _model(d[field], field, head, d["layers"], d["remat"], d["attention"],
+                             d["seq_len"])
+      models[f"{field}_layers"] = _model(d[field], field, head, 0, d["remat"], d["attention"],
+                                         d["seq_len"]).num_layers
+    cfg = cls(**models, **{k: d[k] for k in (
+        "pp", "critic_pp", "tp", "dp", "fsdp", "minibatch_size", "microbatch_size", "seq_len",
+        "response_len", "intra_stage", "search_time_s", "gen_tp", "gen_slots", "chunk_size",
+        "inference_microbatch")}, hardware=hw_lib.HARDWARE[d["hardware"]])
+    cfg.validate()
+    return cfg
+
+  def validate(self) -> None:
+    _check(self.pp % self.critic_pp == 0, "critic_pp", self.critic_pp, f"a divisor of pp={self.pp}")
+    for field, model, stages in (("actor", self.actor, self.pp),
+                                 ("critic", self.critic, self.critic_pp)):
+      _check(model.num_layers % stages == 0, f"{field} layers", model.num_layers,
+             f"divisible by its {stages} pipeline stages (set config.layers to compile fewer)")
+    shards = self.dp * self.fsdp
+    _check(self.minibatch_size % (shards * self.microbatch_size) == 0, "minibatch_size",
+           self.minibatch_size, f"a multiple of dp*fsdp*microbatch_size={shards}*"
+           f"{self.microbatch_size}")
+    reps = self.pp // self.critic_pp
+    _check(self.actor_microbatches % reps == 0, "microbatch_size", self.microbatch_size,
+           f"leaving actor micro-batches ({self.actor_microbatches}) divisible by the critic "
+           f"replicas pp/critic_pp={reps}")
+
+
+# Abstract arguments -----------------------------------------------------------------------------
+
+def _structs(shapes: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                      shardings)
+
+
+def abstract_params(cfg: ModelConfig, mesh) -> Any:
+  """Parameter structs placed as the trainer places them (parallel/mesh.py logical rules)."""
+  shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
+  return _structs(shapes, mesh_lib.param_shardings(shapes, llama.logical_specs(cfg), mesh))
+
+
+def abstract_opt_state(tx: optax.GradientTransformation, params: Any, mesh) -> Any:
+  """Optimizer-state structs: leaves that mirror a parameter take its sharding, the rest
+  (step counts) are replicated, as tx.init + mesh.commit_to_mesh give in the trainer."""
+  state = jax.eval_shape(tx.init, params)
+  rep = mesh_lib.replicated(mesh)
+  return optax.tree_map_params(
+      tx, lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding), state,
+      params, transform_non_params=lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                                  sharding=rep))
+
+
+def batch_shapes(cfg: PlanConfig) -> dict:
+  """The trainer's mini-batch fields: name -> (shape, dtype)."""
+  b, s, t = cfg.minibatch_size, cfg.seq_len, cfg.response_len
+  out = {"tokens": ((b, s), jnp.int32), "prompt_lens": ((b,), jnp.int32)}  # [B, P+T], [B]
+  for k in ("mask", "old_logp", "ref_logp", "advantages", "returns", "old_values"):
+    out[k] = ((b, t), jnp.float32)  # [B, T]
+  return out
+
+
+def abstract_batch(cfg: PlanConfig, mesh) -> dict:
+  return {k: jax.ShapeDtypeStruct(shape, dt, sharding=mesh_lib.batch_sharding(mesh, len(shape)))
+          for k, (shape, dt) in batch_shapes(cfg).items()}
+
+
+def make_optimizer() -> optax.GradientTransformation:
+  """The trainer's optimizer (AdamW, warm-up + cosine, clipping); rates do not change shapes."""
+  return optim.make_optimizer(1e-6, 10, 1000, grad_clip=1.0)
+
+
+def train_mesh(cfg: PlanConfig):
+  return mesh_lib.make_mesh(mesh_lib.MeshConfig(data=cfg.dp, fsdp=cfg.fsdp, stage=cfg.pp,
+                                                tensor=cfg.tp),
+                            jax.devices()[:cfg.train_devices])
+
+
+def make_update(cfg: PlanConfig, mesh, tx, workdir: str):
+  """(the trainer's update callable with .lower, info) for the plan."""
+  algo = tc.AlgoConfig(minibatch_size=cfg.minibatch_size, epochs=1)
+  if cfg.pp == 1:
+    return ppo.make_update_fn(cfg.actor, cfg.critic, algo, 1.0, tx, tx), {"schedule": "none"}
+  train_cfg = tc.TrainConfig(
+      seed=0, num_iterations=1, model=cfg.actor, critic_model=cfg.critic,
+      mesh=mesh_lib.MeshConfig(data=cfg.dp, fsdp=cfg.fsdp, stage=cfg.pp, tensor=cfg.tp),
+      data=tc.DataConfig(), rollout=tc.RolloutConfig(prompts_per_iteration=cfg.minibatch_size),
+      algo=algo, optim=tc.OptimConfig(), reward=tc.RewardConfig(), init=tc.InitConfig(),
+      fusion=tc.FusionConfig(intra_stage=cfg.intra_stage), checkpoint=tc.CheckpointConfig(),
+      pipeline=tc.PipelineConfig(
+          critic_pp=cfg.critic_pp, actor_microbatches=cfg.actor_microbatches,
+          critic_microbatches=cfg.critic_microbatches, search_time_s=cfg.search_time_s))
+  update = pipelined.make_pipelined_update_fn(cfg.actor, cfg.critic, algo, 1.0, tx, tx, mesh=mesh,
+                                              config=train_cfg, workdir=workdir)
+  program = update.executor.program
+  return update, {"schedule": update.schedule_name, "ticks": int(program.ticks),
+                  "stash_sizes": list(program.stash_sizes),
+                  "inbox_sizes": list(program.inbox_sizes),
+                  "actor_microbatches": cfg.actor_microbatches,
+                  "critic_microbatches": cfg.critic_microbatches}
+
+
+def train_args(cfg: PlanConfig, mesh, tx) -> tuple:
+  actor_p, critic_p = abstract_params(cfg.actor, mesh), abstract_params(cfg.critic, mesh)
+  return (ppo.ModelState(actor_p, abstract_opt_state(tx, actor_p, mesh)),
+          ppo.ModelState(critic_p, abstract_opt_state(tx, critic_p, mesh)),
+          abstract_batch(cfg, mesh))
+
+
+def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
+  mesh = inst_lib.split_devices(jax.devices(), 1, cfg.gen_tp)[0]
+  sampling = SamplingConfig(max_new_tokens=cfg.response_len, chunk_size=cfg.chunk_size)
+  frozen = inst_lib.FrozenModels(reference=cfg.actor.replace(head="lm"))
+  return inst_lib.GenerationInstance(0, mesh, cfg.actor, sampling, slots=cfg.gen_slots,
+                                     prompt_len=cfg.prompt_len, frozen=frozen,
+                                     micro_batch=cfg.inference_microbatch)
+
+
+# Measuring --------------------------------------------------------------------------------------
+
+def measure(lowered: Any, hbm_bytes: float) -> dict:
+  """Compiles `lowered` and reads its memory and FLOPs per device (module docstring)."""
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  counted = hlo_flops.dot_flops(compiled.as_text())
+  arg, out = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
+  temp, alias = int(mem.temp_size_in_bytes), int(mem.alias_size_in_bytes)
+  peak = arg + out + temp - alias
+  return {"argument_bytes": arg, "output_bytes": out, "temp_bytes": temp, "alias_bytes": alias,
+          "peak_bytes": peak, "flops_per_device": counted.flops,
+          "xla_flops": float(cost.get("flops", 0.0)),
+          "loops_without_trip_count": counted.unknown_trip_loops,
+          "hbm_bytes": hbm_bytes, "fits": bool(peak <= hbm_bytes), "compile_s": compile_s}
+
+
+def _nbytes(tree: Any) -> int:
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _stage_cfg(model: ModelConfig, stages: int) -> ModelConfig:
+  return model.replace(num_layers=model.num_layers // stages)
+
+
+def train_analytic(cfg: PlanConfig, tx, info: dict) -> dict:
+  """Per-device bytes and FLOPs of the update if the plan split everything perfectly."""
+  cost = CostModel(cfg.hardware)
+  out = {"params_bytes": 0.0, "grads_bytes": 0.0, "optimizer_bytes": 0.0,
+         "activations_bytes": 0.0}
+  tokens_mb = cfg.microbatch_size * cfg.seq_len
+  for model, stages in ((cfg.actor, cfg.pp), (cfg.critic, cfg.critic_pp)):
+    shards = stages * cfg.tp * cfg.fsdp
+    params = jax.eval_shape(lambda m=model: llama.init_params(m, jax.random.key(0))[0])
+    out["params_bytes"] += _nbytes(params) / shards
+    out["grads_bytes"] += _nbytes(params) / shards  # gradients in the parameters' dtype
+    out["optimizer_bytes"] += _nbytes(jax.eval_shape(tx.init, params)) / shards
+    # In flight per device under 1F1B: min(stages, micro-batches) (sim/training_sim.py).
+    micro = cfg.actor_microbatches if model is cfg.actor else cfg.critic_microbatches
+    inflight = min(stages, micro) if cfg.pp > 1 else 1
+    tokens = tokens_mb if cfg.pp > 1 else cfg.rows_per_shard * cfg.seq_len
+    out["activations_bytes"] += inflight * cost.activation_bytes(
+        sim_shapes.from_model_config(model), cfg.tp, tokens, model.num_layers / stages)
+  out["total_bytes"] = sum(out.values())
+  useful = accounting.ppo_update_flops(cfg.actor, cfg.critic, cfg.minibatch_size,
+                                       cfg.prompt_len, cfg.response_len) / cfg.train_devices
+  out["flops_per_device"] = useful
+  if cfg.pp > 1:
+    # A lockstep tick lasts as long as its costliest task: a last-stage backward (stage forward
+    # recomputed + backward = 3 x forward, head and loss included), tp-way split.
+    task = max(3.0 * accounting.forward_flops(_stage_cfg(m, s), cfg.microbatch_size,
+                                              cfg.seq_len, cfg.response_len)
+               for m, s in ((cfg.actor, cfg.pp), (cfg.critic, cfg.critic_pp)))
+    out["lockstep_flops_per_device"] = info["ticks"] * task / cfg.tp
+  else:
+    out["lockstep_flops_per_device"] = useful
+  return out
+
+
+def decode_analytic(cfg: PlanConfig) -> dict:
+  """One decode step of gen_slots rows over the whole cache (the chunk's loop exits early, so XLA
+  knows no trip count: both sides count one step), split over gen_tp devices."""
+  a, n = cfg.actor, cfg.gen_tp
+  params = _nbytes(jax.eval_shape(lambda: llama.init_params(a, jax.random.key(0))[0]))
+  kv = accounting.decode_step_bytes(a, cfg.gen_slots, cfg.seq_len)["kv_bytes"]
+  per_row = (2.0 * a.num_layers * accounting.layer_matmul_params(a) +
+             4.0 * a.num_layers * a.num_heads * a.head_dim_ * cfg.seq_len +
+             2.0 * a.hidden_size * a.vocab_size)
+  return {"params_bytes": params / n, "kv_cache_bytes": kv / n,
+          "total_bytes": (params + kv) / n, "flops_per_device": cfg.gen_slots * per_row / n}
+
+
+def inference_analytic(cfg: PlanConfig) -> dict:
+  a, n = cfg.actor, cfg.gen_tp
+  params = _nbytes(jax.eval_shape(lambda: llama.init_params(a, jax.random.key(0))[0]))
+  tokens = cfg.inference_microbatch * cfg.seq_len
+  # One layer's activations live at a time (sim/iteration_sim.check_inference_memory).
+  acts = CostModel(cfg.hardware).activation_bytes(sim_shapes.from_model_config(a), n, tokens, 1)
+  flops = accounting.forward_flops(a, cfg.inference_microbatch, cfg.seq_len, cfg.response_len)
+  return {"params_bytes": params / n, "activations_bytes": acts,
+          "total_bytes": params / n + acts, "flops_per_device": flops / n}
+
+
+def _finish(measured: dict, analytic: dict) -> dict:
+  out = {**measured, "analytic": analytic}
+  out["replication"] = measured["flops_per_device"] / analytic["flops_per_device"]
+  if "lockstep_flops_per_device" in analytic:
+    out["replication_lockstep"] = (measured["flops_per_device"] /
+                                   analytic["lockstep_flops_per_device"])
+  return out
+
+
+def run(cfg: PlanConfig, workdir: str) -> dict:
+  """Lowers, compiles and measures the three programs; returns the result dict."""
+  if jax.device_count() < cfg.num_devices:
+    raise ValueError(f"the plan needs {cfg.num_devices} devices (pp*tp*dp*fsdp="
+                     f"{cfg.train_devices}, gen_tp={cfg.gen_tp}) but jax has "
+                     f"{jax.device_count()}: run experiments/plan_check.py, which sets the count")
+  hbm = cfg.hardware.hbm_bytes
+  t_start = time.perf_counter()
+  programs = {}
+  mesh = train_mesh(cfg)
+  tx = make_optimizer()
+  logging.info("plan: mesh %s, %d devices; actor %d layers (of %d), critic %d (of %d)",
+               dict(mesh.shape), cfg.num_devices, cfg.actor.num_layers, cfg.actor_layers,
+               cfg.critic.num_layers, cfg.critic_layers)
+  update, info = make_update(cfg, mesh, tx, workdir)
+  t0 = time.perf_counter()
+  lowered = update.lower(*train_args(cfg, mesh, tx))
+  logging.info("train_step: lowered in %.1fs (%s schedule); compiling ...",
+               time.perf_counter() - t0, info["schedule"])
+  programs["train_step"] = {**_finish(measure(lowered, hbm), train_analytic(cfg, tx, info)),
+                            **info}
+  del lowered
+  logging.info("train_step: compiled in %.1fs", programs["train_step"]["compile_s"])
+  inst = make_instance(cfg)
+  actor_shapes = jax.eval_shape(lambda: llama.init_params(cfg.actor, jax.random.key(0))[0])
+  low = dict(inst.lower_all(actor_shapes, {"reference": actor_shapes},
+                            only=("decode", "reference")))
+  programs["decode"] = _finish(measure(low["decode"], hbm), decode_analytic(cfg))
+  logging.info("decode: compiled in %.1fs", programs["decode"]["compile_s"])
+  programs["inference"] = _finish(measure(low["reference"], hbm), inference_analytic(cfg))
+  logging.info("inference: compiled in %.1fs", programs["inference"]["compile_s"])
+  return {
+      "plan": {"pp": cfg.pp, "critic_pp": cfg.critic_pp, "tp": cfg.tp, "dp": cfg.dp,
+               "fsdp": cfg.fsdp, "minibatch_size": cfg.minibatch_size,
+               "microbatch_size": cfg.microbatch_size, "seq_len": cfg.seq_len,
+               "response_len": cfg.response_len, "remat": cfg.actor.remat,
+               "attention": cfg.actor.attention, "intra_stage": cfg.intra_stage,
+               "gen_tp": cfg.gen_tp, "gen_slots": cfg.gen_slots, "chunk_size": cfg.chunk_size,
+               "inference_microbatch": cfg.inference_microbatch, "hardware": cfg.hardware.name},
+      "devices": cfg.num_devices, "train_devices": cfg.train_devices,
+      "models": {"actor": {**dataclasses.asdict(cfg.actor), "num_params": cfg.actor.num_params()},
+                 "critic": {**dataclasses.asdict(cfg.critic),
+                            "num_params": cfg.critic.num_params()}},
+      "layers_compiled": {"actor": cfg.actor.num_layers, "critic": cfg.critic.num_layers,
+                          "actor_full": cfg.actor_layers, "critic_full": cfg.critic_layers,
+                          "reduced": (cfg.actor.num_layers != cfg.actor_layers or
+                                      cfg.critic.num_layers != cfg.critic_layers)},
+      "programs": programs,
+      "notes": {
+          "per_device": "memory_analysis and the HLO are one SPMD partition: every byte and "
+                        "FLOP is per device",
+          "peak_bytes": "argument_bytes + output_bytes + temp_bytes - alias_bytes",
+          "flops_per_device": "dot FLOPs of the optimized HLO with loop bodies times their "
+                              "trip counts and conditionals at their costliest branch "
+                              "(rlhfuse_jax/perf/hlo_flops.py); xla_flops is "
+                              "cost_analysis()['flops'] (loop bodies once, elementwise "
+                              "included)",
+          "analytic": "the plan's perfect split; activations: the simulator's 34*h bytes per "
+                      "token and layer (no remat), in-flight micro-batches min(stages, M)",
+          "replication": "flops_per_device / analytic flops_per_device; "
+                         "replication_lockstep divides by ticks x the costliest task instead",
+          "layers_compiled": "with reduced=true every number is of the compiled layer counts "
+                             "(config.layers), not of the full models",
+          "cpu": "XLA:CPU buffer assignment: temp_bytes estimate XLA:GPU's",
+      },
+      "wall_s": time.perf_counter() - t_start,
+      "jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__,
+  }
+
+
+def run_and_write(cfg: PlanConfig, workdir: str) -> dict:
+  result = run(cfg, workdir)
+  wd.write_json(os.path.join(workdir, "result.json"), result)
+  return result
+
+
+def _gb(x: float) -> str:
+  return f"{x / 1e9:.2f}"
+
+
+def table(result: dict) -> list[str]:
+  """The log table: one line per program (GB = 1e9 bytes)."""
+  lines = [f"{'program':<11} {'arg GB':>8} {'out GB':>8} {'temp GB':>8} {'peak GB':>8} "
+           f"{'HBM GB':>7} {'fits':>5} {'analytic GB':>11} {'TFLOP/dev':>10} {'repl':>6} "
+           f"{'compile s':>9}"]
+  for name in PROGRAMS:
+    p = result["programs"][name]
+    lines.append(f"{name:<11} {_gb(p['argument_bytes']):>8} {_gb(p['output_bytes']):>8} "
+                 f"{_gb(p['temp_bytes']):>8} {_gb(p['peak_bytes']):>8} "
+                 f"{_gb(p['hbm_bytes']):>7} {str(p['fits']):>5} "
+                 f"{_gb(p['analytic']['total_bytes']):>11} "
+                 f"{p['flops_per_device'] / 1e12:>10.3f} {p['replication']:>6.2f} "
+                 f"{p['compile_s']:>9.1f}")
+  return lines
