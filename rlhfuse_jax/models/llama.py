@@ -20,18 +20,23 @@ implementation in models/attention.py (blockwise flash-style tiles unless "refer
 `cfg.remat` what each decoder Block keeps for the backward. Neither changes the parameter tree.
 
 Parameters carry logical axis names (`embed`, `vocab`, `q_heads`, `kv_heads`, `mlp`) that
-`rlhfuse_jax.parallel.mesh` maps onto the mesh axes.
+`rlhfuse_jax.parallel.mesh` maps onto the mesh axes. Under `shard_activations` (the unpipelined
+update) every activation is also kept split over the batch axes, so FSDP does no repeated work.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any, Optional
+import math
+from typing import Any, Mapping, Optional, Sequence
 
 import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rlhfuse_jax.models import attention as attention_lib
 
@@ -144,6 +149,57 @@ class KVCache:
     return 2 * layers * kv * d * self.k.dtype.itemsize
 
 
+# Activation sharding ---------------------------------------------------------------------------
+# (mesh, logical rules) while a caller traces the model under `shard_activations`, else None.
+_ACTIVATIONS: contextvars.ContextVar = contextvars.ContextVar("llama_activations", default=None)
+
+
+@contextlib.contextmanager
+def shard_activations(mesh: jax.sharding.Mesh, rules: Mapping[str, Any]):
+  """FSDP inside the traced model: every activation stays split over the batch axes.
+
+  `rules` maps logical axis names to mesh axes (parallel/mesh.LOGICAL_RULES); rules["batch"] are
+  the batch axes. Without this, GSPMD may answer a weight sharded over fsdp on `embed` by
+  resharding the activations to embed and all-reducing the product: the dot is not repeated,
+  but its output [global batch, len, out] is then replicated over fsdp, and so is all that
+  follows (attention, norms, the next layer): 30-60 % repeated FLOPs on a 7B shape
+  (docs/results.md "Scale checks"). Under this context every activation keeps its batch dim
+  split (`constrain_batch`), which leaves GSPMD the FSDP schedule: gather the weight, compute
+  the local rows (docs/architecture.md §3, FSDP inside a stage).
+
+  Only for jit-level (GSPMD) callers such as trainer/ppo.make_update_fn: inside a shard_map body
+  (the pipeline executor) the axes are manual and a constraint would be rejected, so the
+  default, no context, leaves the model as it was.
+  """
+  token = _ACTIVATIONS.set((mesh, dict(rules)))
+  try:
+    yield
+  finally:
+    _ACTIVATIONS.reset(token)
+
+
+def _mesh_axes(rules: Mapping[str, Any], name: Optional[str]) -> tuple[str, ...]:
+  axis = rules.get(name) if name is not None else None
+  return () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+
+
+def constrain_batch(x: jax.Array) -> jax.Array:
+  """x: [batch, ...] split over the batch axes of the active `shard_activations` (dims after the
+  first are left to the compiler, so tensor-parallel splits of heads or vocab stay possible).
+  A no-op outside the context, and where the batch axes have size 1 or do not divide the batch
+  (one prompt scored alone)."""
+  ctx = _ACTIVATIONS.get()
+  if ctx is None:
+    return x
+  mesh, rules = ctx
+  axes = _mesh_axes(rules, "batch")
+  n = math.prod(mesh.shape[a] for a in axes)
+  if n == 1 or x.shape[0] % n:
+    return x
+  spec = P(axes, *([P.UNCONSTRAINED] * (x.ndim - 1)))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
 def _dense(features, logical, cfg: ModelConfig, name: str, use_bias: bool = False):
   return nn.Dense(
       features, use_bias=use_bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
@@ -198,8 +254,10 @@ class Attention(nn.Module):
     q = _dense(h * d, ("embed", "q_heads"), cfg, "q_proj", cfg.qkv_bias)(x).reshape(b, l, h, d)
     k = _dense(kvh * d, ("embed", "kv_heads"), cfg, "k_proj", cfg.qkv_bias)(x).reshape(b, l, kvh, d)
     v = _dense(kvh * d, ("embed", "kv_heads"), cfg, "v_proj", cfg.qkv_bias)(x).reshape(b, l, kvh, d)
-    q = rope(q, positions, cfg.rope_theta)
-    k = rope(k, positions, cfg.rope_theta)
+    # [batch, len, heads, dim] each, kept on the local rows so attention is not repeated.
+    q = constrain_batch(rope(q, positions, cfg.rope_theta))
+    k = constrain_batch(rope(k, positions, cfg.rope_theta))
+    v = constrain_batch(v)
     if cache_kv is None:
       keys, values, key_pos = k, v, positions  # key_pos: [batch, len]
     else:
@@ -209,9 +267,9 @@ class Attention(nn.Module):
       cache_kv = (keys, values)
     # [batch, len, heads, dim]; O(len) memory unless cfg.attention == "reference".
     out = attention_lib.dot_product_attention(q, keys, values, positions, key_pos, cfg.attention)
-    out = out.reshape(b, l, h * d)
+    out = constrain_batch(out.reshape(b, l, h * d))
     out = _dense(cfg.hidden_size, ("q_heads", "embed"), cfg, "o_proj", cfg.o_bias)(out)
-    return out, cache_kv
+    return constrain_batch(out), cache_kv
 
 
 class MLP(nn.Module):
@@ -220,9 +278,10 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x):
     cfg = self.cfg
-    gate = _dense(cfg.intermediate_size, ("embed", "mlp"), cfg, "gate_proj")(x)
-    up = _dense(cfg.intermediate_size, ("embed", "mlp"), cfg, "up_proj")(x)
-    return _dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down_proj")(nn.silu(gate) * up)
+    gate = constrain_batch(_dense(cfg.intermediate_size, ("embed", "mlp"), cfg, "gate_proj")(x))
+    up = constrain_batch(_dense(cfg.intermediate_size, ("embed", "mlp"), cfg, "up_proj")(x))
+    return constrain_batch(
+        _dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down_proj")(nn.silu(gate) * up))
 
 
 class Block(nn.Module):
@@ -231,11 +290,12 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, cache_kv=None):
+    x = constrain_batch(x)  # [batch, len, embed]
     attn_out, cache_kv = Attention(self.cfg, name="attn")(
         RMSNorm(self.cfg, name="attn_norm")(x), positions, cache_kv)
-    x = x + attn_out
+    x = constrain_batch(x + attn_out)
     x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
-    return x, cache_kv
+    return constrain_batch(x), cache_kv
 
 
 def block_class(cfg: ModelConfig):
@@ -255,7 +315,7 @@ class Embed(nn.Module):
         (self.cfg.vocab_size, self.cfg.hidden_size), self.cfg.jnp_param_dtype)
 
   def __call__(self, tokens):  # [batch, len] -> [batch, len, embed]
-    return jnp.take(self.embedding, tokens, axis=0).astype(self.cfg.jnp_dtype)
+    return constrain_batch(jnp.take(self.embedding, tokens, axis=0).astype(self.cfg.jnp_dtype))
 
   def attend(self, x):  # tied LM head: [batch, len, embed] -> [batch, len, vocab]
     return jnp.einsum("ble,ve->blv", x.astype(jnp.float32), self.embedding.astype(jnp.float32))
@@ -277,11 +337,11 @@ class Head(nn.Module):
                      (1,), cfg.jnp_param_dtype)
       return (x.astype(jnp.float32) @ w.astype(jnp.float32) + b.astype(jnp.float32))[..., 0]
     if cfg.tie_embeddings:
-      return embed.attend(x)
+      return constrain_batch(embed.attend(x))
     w = self.param("lm_head", nn.with_logical_partitioning(
         nn.initializers.normal(0.02), ("embed", "vocab")), (cfg.hidden_size, cfg.vocab_size),
                    cfg.jnp_param_dtype)
-    return x.astype(jnp.float32) @ w.astype(jnp.float32)
+    return constrain_batch(x.astype(jnp.float32) @ w.astype(jnp.float32))  # [batch, len, vocab]
 
 
 class Transformer(nn.Module):

@@ -75,7 +75,7 @@ def _hidden_then_head(module: llama.Transformer, tokens, positions, cache, at):
     if cache is not None:
       new_k.append(layer_cache[0])
       new_v.append(layer_cache[1])
-  x = jnp.take_along_axis(x, at[:, :, None], axis=1)  # [B, n, embed]
+  x = llama.constrain_batch(jnp.take_along_axis(x, at[:, :, None], axis=1))  # [B, n, embed]
   out = module.head(x, module.embed)
   if cache is not None:
     cache = KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v))
