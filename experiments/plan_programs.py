@@ -238,7 +238,8 @@ def make_update(cfg: PlanConfig, mesh, tx, workdir: str):
   """(the trainer's update callable with .lower, info) for the plan."""
   algo = tc.AlgoConfig(minibatch_size=cfg.minibatch_size, epochs=1)
   if cfg.pp == 1:
-    return ppo.make_update_fn(cfg.actor, cfg.critic, algo, 1.0, tx, tx), {"schedule": "none"}
+    return (ppo.make_update_fn(cfg.actor, cfg.critic, algo, 1.0, tx, tx, mesh=mesh),
+            {"schedule": "none"})
   train_cfg = tc.TrainConfig(
       seed=0, num_iterations=1, model=cfg.actor, critic_model=cfg.critic,
       mesh=mesh_lib.MeshConfig(data=cfg.dp, fsdp=cfg.fsdp, stage=cfg.pp, tensor=cfg.tp),

@@ -201,7 +201,7 @@ class PPOTrainer:
       self.update = pipelined.make_pipelined_update_fn(*update_args, mesh=self.mesh, config=cfg,
                                                        workdir=self.workdir)
     else:
-      self.update = ppo.make_update_fn(*update_args)
+      self.update = ppo.make_update_fn(*update_args, mesh=self.mesh)
 
   def _state(self) -> dict:
     state = {"actor": self.actor}

@@ -15,16 +15,19 @@ Sharded and single-device runs execute the same programs; only the placement dif
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import flax
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
-from rlhfuse_jax.models import sequences
+from rlhfuse_jax.models import llama, sequences
 from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import kl as kl_lib
 from rlhfuse_jax.rl import losses, masked
@@ -80,14 +83,22 @@ def critic_loss(params, critic_cfg: ModelConfig, algo: AlgoConfig, mb):
 
 def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoConfig,
                    temperature: float, actor_tx: optax.GradientTransformation,
-                   critic_tx: optax.GradientTransformation | None):
+                   critic_tx: optax.GradientTransformation | None, mesh: Optional[Mesh] = None):
   """Returns update(actor, critic, mb) -> (actor, critic, metrics), one optimizer step each.
 
   The actor and critic states are donated: their buffers are reused for the new state, so an
-  update holds one copy of params and optimizer state, not two.
+  update holds one copy of params and optimizer state, not two. With the `mesh` the states and
+  mini-batch live on, the models keep every activation split over the batch axes
+  (llama.shard_activations): each device computes its own rows only, none repeated over fsdp.
   """
 
   def update(actor: ModelState, critic: ModelState | None, mb):
+    ctx = (llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES) if mesh is not None
+           else contextlib.nullcontext())
+    with ctx:  # active while jit traces the losses and their gradients
+      return _update(actor, critic, mb)
+
+  def _update(actor: ModelState, critic: ModelState | None, mb):
     (_, am), ag = jax.value_and_grad(actor_loss, has_aux=True)(
         actor.params, actor_cfg, algo, temperature, mb)
     updates, opt = actor_tx.update(ag, actor.opt_state, actor.params)
