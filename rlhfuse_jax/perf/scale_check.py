@@ -1,0 +1,65 @@
+"""Per-device memory and matmul work of a model's gradient step, compiled from shapes.
+
+The scale checks of docs/results.md ("Scale checks"): a LLaMA-shaped model's gradient of
+sum(logsumexp(logits)) over a [batch, len] token batch, lowered from jax.ShapeDtypeStructs (nothing
+is allocated) and compiled for the caller's mesh, e.g. 8 fake CPU devices
+(--xla_force_host_platform_device_count) with fsdp=8. Reported per device:
+
+  temp_bytes  compiled.memory_analysis().temp_size_in_bytes (XLA:CPU's buffer assignment: an
+              estimate of a GPU's, JAX_NOTES.md)
+  flops       dot FLOPs with every loop iteration counted (perf/hlo_flops.py; blockwise
+              attention is a lax.scan, which cost_analysis() counts once)
+
+`replication` divides the flops per device by those of one sequence compiled for one device:
+1.0 means each device does exactly its share of the work, nothing repeated across the batch axes.
+
+The caller supplies the placements (parallel/mesh.param_shardings and batch_sharding; perf does not
+import parallel, docs/architecture.md §7) and the logical rules that llama.shard_activations
+needs (None: the model unconstrained, as before activation sharding).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+
+from rlhfuse_jax.models import llama
+from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.perf import hlo_flops
+
+
+def logsumexp_loss(cfg: ModelConfig, mesh, rules: Optional[Mapping[str, Any]]):
+  """loss(params, tokens) = sum(logsumexp(logits)), traced under llama.shard_activations when
+  rules are given: a loss that needs the whole head and backbone, the same in every check."""
+  def loss(params, tokens):  # tokens: [batch, len]
+    ctx = (llama.shard_activations(mesh, rules) if rules is not None
+           else contextlib.nullcontext())
+    with ctx:
+      logits, _ = llama.apply(cfg, params, tokens)  # [batch, len, vocab] float32
+    return jnp.sum(jax.nn.logsumexp(logits, axis=-1))
+  return loss
+
+
+def grad_step_cost(cfg: ModelConfig, mesh: jax.sharding.Mesh, param_shardings: Any,
+                   token_sharding: jax.sharding.Sharding, batch: int, seq_len: int,
+                   rules: Optional[Mapping[str, Any]] = None) -> dict:
+  """Compiles grad(sum logsumexp(logits)) for `batch` sequences of `seq_len` tokens on `mesh`.
+
+  Returns per-device temp_bytes, argument_bytes, flops (HLO dots, loops counted) and xla_flops
+  (cost_analysis, loop bodies once). Gradients come out placed like the parameters.
+  """
+  shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
+  params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, param_shardings)
+  tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=token_sharding)
+  step = jax.jit(jax.grad(logsumexp_loss(cfg, mesh, rules)), out_shardings=param_shardings)
+  compiled = step.lower(params, tokens).compile()
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list on some jax versions
+  return {"temp_bytes": int(mem.temp_size_in_bytes),
+          "argument_bytes": int(mem.argument_size_in_bytes),
+          "flops": hlo_flops.dot_flops(compiled.as_text()).flops,
+          "xla_flops": float(cost.get("flops", 0.0))}
