@@ -5,12 +5,12 @@ r"""Tiny PPO run on CPU: a 2-layer decoder learns the synthetic 'repeat' task fr
 Variants: `--config=configs/ppo_tiny.py:grpo` (critic-free GRPO). Sweep:
   python -m experiments.sweep --config=configs/ppo_tiny.py --binary=train_ppo --workdir=/tmp/sw
 
-`fused`: intra-stage fusion (docs/architecture.md §3) on a data=2 x stage=4 mesh: a 4-layer actor (4 stages)
-and a 2-layer critic (2 stages, 2 replicas) train through the pipeline executor with the searched
-fused schedule, and generation runs as sample-level instances with long-tail consolidation and
-streaming inference (inter-stage fusion, docs/architecture.md §2). Its task is 'countdown' with log-normal
-target lengths, so that responses are long-tailed and most iterations consolidate the tail
-(KV migration) and stream inference on the freed instances; the progress line says what fusion
+`fused`: intra-stage fusion (docs/architecture.md §3) on a data=2 x stage=4 mesh: a 4-layer actor (4
+stages) and a 2-layer critic (2 stages, 2 replicas) train through the pipeline executor with the
+searched fused schedule, and generation runs as sample-level instances with long-tail consolidation
+and streaming inference (inter-stage fusion, docs/architecture.md §2). Its task is 'countdown' with
+log-normal target lengths, so that responses are long-tailed and most iterations consolidate the
+tail (KV migration) and stream inference on the freed instances; the progress line says what fusion
 did in each iteration. It needs 8 devices; on a CPU host give jax 8 fake ones:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.train_ppo \
     --config=configs/ppo_tiny.py:fused --workdir=/tmp/ppo_tiny_fused

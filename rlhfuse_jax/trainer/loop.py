@@ -1,4 +1,5 @@
-"""The PPO/GRPO training loop (serial stages: generation, inference, training; docs/architecture.md §1).
+"""The PPO/GRPO training loop: serial stages generation, inference, training
+(docs/architecture.md §1).
 
 Plain Python around jitted steps. Every source of randomness is derived from (seed, iteration):
 generation keys, mini-batch shuffles; the prompt stream's position is checkpointed. A run stopped
@@ -130,8 +131,8 @@ class PPOTrainer:
         max_new_tokens=cfg.rollout.max_new_tokens, eos_id=self.tokenizer.eos_id,
         pad_id=self.tokenizer.pad_id, chunk_size=cfg.rollout.chunk_size)
     self.scorer = scoring.Scorer(self.mesh)
-    # Inter-stage fusion (docs/architecture.md §2): generation instances + streaming inference replace the
-    # serial generator and scorer calls of generate_and_infer; same outputs, overlapped.
+    # Inter-stage fusion (docs/architecture.md §2): generation instances + streaming inference
+    # replace the serial generator and scorer calls of generate_and_infer; same outputs, overlapped.
     self.fused = fused_stage.FusedStage(self) if cfg.fusion.inter_stage else None
     self.generator = None if self.fused else engine.Generator(
         cfg.model, self.sampling, batch_size=cfg.rollout.batch_size,
@@ -197,7 +198,8 @@ class PPOTrainer:
     # always sample: rollout.temperature > 0), so the first epoch's PPO ratio is exactly 1.
     update_args = (cfg.model, cfg.critic_model, cfg.algo, cfg.rollout.temperature,
                    self.actor_tx, self.critic_tx)
-    if self.mesh.shape["stage"] > 1:  # docs/architecture.md §3: both models train through the pipeline
+    # docs/architecture.md §3: with a pipeline axis both models train through the pipeline.
+    if self.mesh.shape["stage"] > 1:
       self.update = pipelined.make_pipelined_update_fn(*update_args, mesh=self.mesh, config=cfg,
                                                        workdir=self.workdir)
     else:
