@@ -22,7 +22,7 @@ Invariants shared by the implementations:
   float32 row max and row sum (a custom_vjp), so what attention keeps for the backward is
   q, k, v, out and two [heads, L] vectors: O(L) per layer instead of O(L * S).
   This is the "activations in O(L)" half of the scale plan; remat of whole decoder blocks
-  (ModelConfig.remat) is the other half (docs/architecture.md §7 for config conventions).
+  (ModelConfig.remat) is the other half (docs/architecture.md §5).
 """
 from __future__ import annotations
 

@@ -165,7 +165,7 @@ def shard_activations(mesh: jax.sharding.Mesh, rules: Mapping[str, Any]):
   follows (attention, norms, the next layer): 30-60 % repeated FLOPs on a 7B shape
   (docs/results.md "Scale checks"). Under this context every activation keeps its batch dim
   split (`constrain_batch`), which leaves GSPMD the FSDP schedule: gather the weight, compute
-  the local rows (docs/architecture.md §3, FSDP inside a stage).
+  the local rows (docs/architecture.md §5, activations split under FSDP).
 
   Only for jit-level (GSPMD) callers such as trainer/ppo.make_update_fn: inside a shard_map body
   (the pipeline executor) the axes are manual and a constraint would be rejected, so the
