@@ -217,11 +217,15 @@ class PPOTrainer:
     step = self.checkpointer.latest_step()
     if step is None or step < cfg.num_iterations:
       return None
-    meta = self.checkpointer.restore_meta(step)
-    if meta.get("seed") != cfg.seed:
-      raise ValueError(f"config.seed={cfg.seed} differs from the checkpoint's seed "
-                       f"{meta.get('seed')} in {self.checkpointer.directory}; use a new workdir")
+    self._check_seed(self.checkpointer.restore_meta(step), cfg.seed)
     return step
+
+  def _check_seed(self, meta: dict, seed: int) -> None:
+    """A checkpoint resumes only under the seed that made it (every random stream derives
+    from it)."""
+    if meta.get("seed") != seed:
+      raise ValueError(f"config.seed={seed} differs from the checkpoint's seed "
+                       f"{meta.get('seed')} in {self.checkpointer.directory}; use a new workdir")
 
   def _restore(self) -> int:
     """Restores the latest checkpoint in the workdir, if any; returns the iteration to start at."""
@@ -234,9 +238,7 @@ class PPOTrainer:
     # The reference is not saved: it is the initial actor, rebuilt from the seed or checkpoint
     # in _init_models exactly as in the first run.
     self.dataset.load_state_dict(meta["data"])
-    if meta.get("seed") != self.cfg.seed:
-      raise ValueError(f"config.seed={self.cfg.seed} differs from the checkpoint's seed "
-                       f"{meta.get('seed')} in {self.checkpointer.directory}; use a new workdir")
+    self._check_seed(meta, self.cfg.seed)
     self.writer.truncate_after(step)
     logging.info("resumed from checkpoint at iteration %d", step)
     return step
