@@ -157,7 +157,8 @@ class FusedGenerator:
     missing = sorted(set(self.models) - set(frozen_params))
     if missing:
       raise ValueError(f"frozen_params lacks {missing} (shapes of the inference models)")
-    if rt_choice.resolve_threshold(config.migration_threshold) is None and rt_model is None:
+    self.fixed_rt = rt_choice.resolve_threshold(config.migration_threshold)  # None: "auto"
+    if self.fixed_rt is None and rt_model is None:
       raise ValueError("config.fusion.migration_threshold='auto' needs a model to simulate Rt "
                        "with: pass rt_model=rlhfuse_jax.trainer.rt_auto.simulated_rt_model (or "
                        "set a fixed threshold in [0, 1])")
@@ -167,7 +168,6 @@ class FusedGenerator:
     self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim_ * itemsize
     self.lengths = LengthHistogram(sampling.max_new_tokens)
     self.calibration: Optional[dict] = None  # measured costs (generation/measure.py)
-    self.fixed_rt = rt_choice.resolve_threshold(config.migration_threshold)
     self.rt_model = rt_model
     self._rt_cache: Optional[tuple] = None  # (histogram total when simulated, RtChoice)
     self.inflight = config.inference_inflight

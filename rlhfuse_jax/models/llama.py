@@ -155,7 +155,7 @@ _ACTIVATIONS: contextvars.ContextVar = contextvars.ContextVar("llama_activations
 
 
 @contextlib.contextmanager
-def shard_activations(mesh: jax.sharding.Mesh, rules: Mapping[str, Any]):
+def shard_activations(mesh: Optional[jax.sharding.Mesh], rules: Mapping[str, Any]):
   """FSDP inside the traced model: every activation stays split over the batch axes.
 
   `rules` maps logical axis names to mesh axes (parallel/mesh.LOGICAL_RULES); rules["batch"] are
@@ -169,8 +169,11 @@ def shard_activations(mesh: jax.sharding.Mesh, rules: Mapping[str, Any]):
 
   Only for jit-level (GSPMD) callers such as trainer/ppo.make_update_fn: inside a shard_map body
   (the pipeline executor) the axes are manual and a constraint would be rejected, so the
-  default, no context, leaves the model as it was.
+  default, no context, leaves the model as it was; so does mesh=None (a caller without a mesh).
   """
+  if mesh is None:
+    yield
+    return
   token = _ACTIVATIONS.set((mesh, dict(rules)))
   try:
     yield

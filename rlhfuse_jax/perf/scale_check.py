@@ -19,7 +19,6 @@ needs (None: the model unconstrained, as before activation sharding).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Mapping, Optional
 
 import jax
@@ -34,9 +33,7 @@ def logsumexp_loss(cfg: ModelConfig, mesh, rules: Optional[Mapping[str, Any]]):
   """loss(params, tokens) = sum(logsumexp(logits)), traced under llama.shard_activations when
   rules are given: a loss that needs the whole head and backbone, the same in every check."""
   def loss(params, tokens):  # tokens: [batch, len]
-    ctx = (llama.shard_activations(mesh, rules) if rules is not None
-           else contextlib.nullcontext())
-    with ctx:
+    with llama.shard_activations(mesh if rules is not None else None, rules or {}):
       logits, _ = llama.apply(cfg, params, tokens)  # [batch, len, vocab] float32
     return jnp.sum(jax.nn.logsumexp(logits, axis=-1))
   return loss

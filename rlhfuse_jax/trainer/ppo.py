@@ -15,7 +15,6 @@ Sharded and single-device runs execute the same programs; only the placement dif
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any, Optional
 
@@ -93,9 +92,8 @@ def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoCo
   """
 
   def update(actor: ModelState, critic: ModelState | None, mb):
-    ctx = (llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES) if mesh is not None
-           else contextlib.nullcontext())
-    with ctx:  # active while jit traces the losses and their gradients
+    # Active while jit traces the losses and their gradients (a no-op without a mesh).
+    with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES):
       return _update(actor, critic, mb)
 
   def _update(actor: ModelState, critic: ModelState | None, mb):
