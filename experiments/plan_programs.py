@@ -52,7 +52,7 @@ from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
-from rlhfuse_jax.perf import accounting, hlo_flops
+from rlhfuse_jax.perf import accounting, scale_check
 from rlhfuse_jax.rl import optim
 from rlhfuse_jax.sim import hardware as hw_lib
 from rlhfuse_jax.sim import shapes as sim_shapes
@@ -187,15 +187,11 @@ class PlanConfig:
 
 # Abstract arguments -----------------------------------------------------------------------------
 
-def _structs(shapes: Any, shardings: Any) -> Any:
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                      shardings)
-
-
 def abstract_params(cfg: ModelConfig, mesh) -> Any:
   """Parameter structs placed as the trainer places them (parallel/mesh.py logical rules)."""
   shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
-  return _structs(shapes, mesh_lib.param_shardings(shapes, llama.logical_specs(cfg), mesh))
+  return scale_check.abstract_params(
+      cfg, mesh_lib.param_shardings(shapes, llama.logical_specs(cfg), mesh))
 
 
 def abstract_opt_state(tx: optax.GradientTransformation, params: Any, mesh) -> Any:
@@ -282,17 +278,11 @@ def measure(lowered: Any, hbm_bytes: float) -> dict:
   t0 = time.perf_counter()
   compiled = lowered.compile()
   compile_s = time.perf_counter() - t0
-  mem = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  counted = hlo_flops.dot_flops(compiled.as_text())
-  arg, out = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
-  temp, alias = int(mem.temp_size_in_bytes), int(mem.alias_size_in_bytes)
-  peak = arg + out + temp - alias
-  return {"argument_bytes": arg, "output_bytes": out, "temp_bytes": temp, "alias_bytes": alias,
-          "peak_bytes": peak, "flops_per_device": counted.flops,
-          "xla_flops": float(cost.get("flops", 0.0)),
-          "loops_without_trip_count": counted.unknown_trip_loops,
+  costs = scale_check.compiled_costs(compiled)
+  peak = (costs["argument_bytes"] + costs["output_bytes"] + costs["temp_bytes"]
+          - costs["alias_bytes"])
+  return {**{k: v for k, v in costs.items() if k != "flops"}, "peak_bytes": peak,
+          "flops_per_device": costs["flops"],
           "hbm_bytes": hbm_bytes, "fits": bool(peak <= hbm_bytes), "compile_s": compile_s}
 
 

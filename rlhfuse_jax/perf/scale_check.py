@@ -39,24 +39,40 @@ def logsumexp_loss(cfg: ModelConfig, mesh, rules: Optional[Mapping[str, Any]]):
   return loss
 
 
+def abstract_params(cfg: ModelConfig, param_shardings: Any) -> Any:
+  """The model's parameters as jax.ShapeDtypeStructs placed by `param_shardings` (a tree of
+  shardings, e.g. parallel/mesh.param_shardings): lowering from them allocates nothing."""
+  shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, param_shardings)
+
+
+def compiled_costs(compiled: Any) -> dict:
+  """Per-device figures of a compiled program: memory_analysis()'s argument / output / temp /
+  alias bytes, dot FLOPs with loops counted (`flops`, perf/hlo_flops.py), cost_analysis()'s
+  `xla_flops` (loop bodies once) and the loops whose trip count hlo_flops could not read."""
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list on some jax versions
+  counted = hlo_flops.dot_flops(compiled.as_text())
+  return {"argument_bytes": int(mem.argument_size_in_bytes),
+          "output_bytes": int(mem.output_size_in_bytes),
+          "temp_bytes": int(mem.temp_size_in_bytes),
+          "alias_bytes": int(mem.alias_size_in_bytes),
+          "flops": counted.flops, "xla_flops": float(cost.get("flops", 0.0)),
+          "loops_without_trip_count": counted.unknown_trip_loops}
+
+
 def grad_step_cost(cfg: ModelConfig, mesh: jax.sharding.Mesh, param_shardings: Any,
                    token_sharding: jax.sharding.Sharding, batch: int, seq_len: int,
                    rules: Optional[Mapping[str, Any]] = None) -> dict:
   """Compiles grad(sum logsumexp(logits)) for `batch` sequences of `seq_len` tokens on `mesh`.
 
-  Returns per-device temp_bytes, argument_bytes, flops (HLO dots, loops counted) and xla_flops
-  (cost_analysis, loop bodies once). Gradients come out placed like the parameters.
+  Returns compiled_costs(...) per device (temp_bytes, argument_bytes, flops: HLO dots with loops
+  counted, xla_flops: cost_analysis, loop bodies once, ...). Gradients come out placed like the
+  parameters.
   """
-  shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
-  params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, param_shardings)
+  params = abstract_params(cfg, param_shardings)
   tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=token_sharding)
   step = jax.jit(jax.grad(logsumexp_loss(cfg, mesh, rules)), out_shardings=param_shardings)
-  compiled = step.lower(params, tokens).compile()
-  mem = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list on some jax versions
-  return {"temp_bytes": int(mem.temp_size_in_bytes),
-          "argument_bytes": int(mem.argument_size_in_bytes),
-          "flops": hlo_flops.dot_flops(compiled.as_text()).flops,
-          "xla_flops": float(cost.get("flops", 0.0))}
+  return compiled_costs(step.lower(params, tokens).compile())
