@@ -167,6 +167,21 @@ def commit_to_mesh(tree: Any, mesh: Mesh) -> Any:
   return jax.tree_util.tree_map(place, tree)
 
 
+def shard_bytes(x: jax.Array) -> int:
+  """Bytes of one device's shard of `x` (its sharding's shard shape)."""
+  return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+
+def reshard_received_bytes(src: Any, dst: Any) -> int:
+  """Bytes one device receives when the tree `src` is resharded into `dst` (the same values in
+  any tree structure): what a device holds of `dst` less what it held of `src`. Exact when a
+  device's old shards are part of its new ones (gathering stage rows or fsdp shards: the
+  layout changes the trainer makes)."""
+  def held(tree):
+    return sum(shard_bytes(x) for x in jax.tree.leaves(tree))
+  return max(0, held(dst) - held(src))
+
+
 def to_host(tree: Any) -> Any:
   """jax.device_get that also works for arrays spanning several processes (multi-host).
 

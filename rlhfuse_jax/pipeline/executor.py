@@ -1,11 +1,13 @@
 """The fused actor/critic training step: any compiled schedule as one jitted shard_map program.
 
 Idea (docs/architecture.md §3, "Executing a schedule"): every device of the mesh axis `stage` holds
-its actor stage and its critic stage. Parameters enter as stages.StageLayout vectors: the actor's
-layers stacked [Pa, stage_size] and sharded P('stage'), the critic's stacked per device [N,
-stage_size] (stage Pc-1-(d mod Pc) on device d, so the R replicas of a critic stage hold the same
-weights), embedding and head whole. The instruction table of program.py, indexed by
-`lax.axis_index('stage')`, tells each device at each tick of a `lax.fori_loop` what to run;
+its actor stage and its critic stage, and nothing of the other stages. Parameters enter as the
+stage-stacked trees of stages.StageLayout.stack: the actor's layer leaves [Pa, L/Pa, ...]
+sharded P('stage'); the critic's [Pc, L/Pc, ...] sharded over the critic_stage half of the stage
+axis split as (critic_replica, critic_stage) = (N/Pc, Pc) (`stage_mesh`; rows stored reversed, so
+device d = r*Pc + j runs critic stage Pc-1-j, and the R = N/Pc replicas of a critic stage hold the
+same rows); embedding and head whole. The instruction table of program.py, indexed by the
+device's stage index, tells each device at each tick of a `lax.fori_loop` what to run;
 `lax.switch` picks the branch
 
   idle | actor task | critic task
@@ -23,10 +25,11 @@ move one padded message each: `up` (d -> d+1: actor activations, critic gradient
 receiver files the message into the inbox ring its table row names.
 
 Gradients accumulate per device in one flat float32 vector per model (a switch branch then
-carries one buffer instead of one per parameter leaf). At the end each device writes its stage's
-segment into a whole-model vector, and one `psum` over `stage` and the data axes adds the
-segments, the R critic replicas and the data shards together: the gradients leave the program
-replicated over `stage`, like the trainer's parameters.
+carries one buffer instead of one per parameter leaf). At the end each device turns its
+accumulator back into its block of the stage-stacked tree: layer gradients are summed over the
+data shards (and, for the critic, over its replicas: one psum over critic_replica) and leave the
+program sharded like the parameters, so the optimizer updates each stage where it lives; the
+embedding and head gradients are summed over all devices, like their replicated parameters.
 
 Data parallelism: the mini-batch is split over the mesh's data axes (`data`, `fsdp`, manual
 here); each data shard runs the pipeline on its rows with the normalisers of the whole
@@ -58,6 +61,9 @@ from rlhfuse_jax.pipeline.graph import PipelineProblem
 from rlhfuse_jax.pipeline.stages import LossConfig, StageLayout
 
 STAGE_AXIS = "stage"
+# Inside the step the stage axis is split in two (stage_mesh): (critic replica, critic stage).
+REPLICA_AXIS, CRITIC_STAGE_AXIS = "critic_replica", "critic_stage"
+STAGE_AXES = (REPLICA_AXIS, CRITIC_STAGE_AXIS)
 DATA_AXES = ("data", "fsdp")
 MODELS = ("actor", "critic")
 
@@ -123,6 +129,7 @@ class PipelineExecutor:
                       mesh=mesh, data_axes=data_axes,
                       compiler_options=tuple(sorted((compiler_options or {}).items())))
     self.table = np.asarray(program.table)  # [N, ticks, FIELDS]
+    self.layouts = layouts_for(actor_cfg, critic_cfg, problem.actor_pp, problem.critic_pp)
 
   def __call__(self, actor_params: Any, critic_params: Any, batch: Dict[str, jax.Array]):
     batch = self._select(batch)
@@ -134,6 +141,33 @@ class PipelineExecutor:
     batch = self._select(batch)
     return _step(self.spec, jnp.asarray(self.table), actor_params, critic_params, batch,
                  self.microbatch_sizes(batch["tokens"].shape[0]))
+
+  def staged_grads_fn(self, actor: Any, critic: Any, batch: Dict[str, jax.Array]):
+    """Traceable step on stage-stacked trees (`stack`): the trainer's form. Gradients come back
+    stage-stacked and placed like `staged_shardings`: no device ever holds a whole model's."""
+    batch = self._select(batch)
+    return _staged_step(self.spec, jnp.asarray(self.table), actor, critic, batch,
+                        self.microbatch_sizes(batch["tokens"].shape[0]))
+
+  def stack(self, model: str, params: Any) -> Dict[str, Any]:
+    """Unpipelined params of "actor" / "critic" -> the stage-stacked tree the step takes (the
+    critic's rows reversed: row j is critic stage Pc-1-j, placed on critic_stage j)."""
+    return self.layouts[model].stack(params, reverse=model == "critic")
+
+  def unstack(self, model: str, staged: Dict[str, Any]) -> Dict[str, Any]:
+    return self.layouts[model].unstack(staged, reverse=model == "critic")
+
+  def staged_shardings(self, model: str) -> Dict[str, Any]:
+    """NamedShardings of `model`'s stage-stacked tree: layer rows one per stage device
+    (critic: one per critic stage, replicated over its replicas), embedding and head
+    replicated."""
+    if model == "actor":
+      mesh, layers = self.mesh, P(STAGE_AXIS)
+    else:
+      mesh, layers = stage_mesh(self.mesh, self.program.problem.critic_pp), P(CRITIC_STAGE_AXIS)
+    specs = _staged_specs(self.layouts[model], layers)
+    return jax.tree.map(lambda p: jax.sharding.NamedSharding(mesh, p), specs,
+                        is_leaf=lambda x: isinstance(x, P))
 
   def lower(self, actor_params: Any, critic_params: Any, batch: Dict[str, jax.Array]):
     """jax.jit(...).lower for ahead-of-time compilation (and compile-time measurement)."""
@@ -171,35 +205,64 @@ class PipelineExecutor:
     return {k: batch[k] for k in keys}
 
 
-def _step(spec: _Spec, table, actor_params, critic_params, batch, mb_sizes):
-  pa, pc = spec.actor_pp, spec.critic_pp
-  reps = spec.num_devices // pc
-  layouts = {"actor": StageLayout(spec.actor_cfg, actor_params, pa, "actor"),
-             "critic": StageLayout(spec.critic_cfg, critic_params, pc, "critic")}
-  flat = {"actor": layouts["actor"].flatten(actor_params),      # [whole_size]
-          "critic": layouts["critic"].flatten(critic_params)}
-  # Keep the flat vectors replicated: otherwise GSPMD propagates the stage sharding back into
-  # the concatenation and splits it into many small per-device pieces (slow compiles).
-  replicated = jax.sharding.NamedSharding(spec.mesh, P())
-  flat = {m: lax.with_sharding_constraint(v, replicated) for m, v in flat.items()}
-  a_stages = flat["actor"][:layouts["actor"].layers_size].reshape(pa, -1)  # [Pa, stage_size]
-  c_stages = flat["critic"][:layouts["critic"].layers_size].reshape(pc, -1)  # [Pc, stage_size]
-  # Device r*Pc + j holds critic stage Pc-1-j: reverse the stages, repeat per replica.
-  c_stages = jnp.concatenate([c_stages[::-1]] * reps)  # [N, stage_size]
+def stage_mesh(mesh: Mesh, critic_pp: int) -> Mesh:
+  """`mesh` with its `stage` axis split into (critic_replica, critic_stage) = (N/Pc, Pc): the
+  same devices in the same order, so stage index d = r*Pc + j is (replica r, critic stage j).
+  The critic's stacked layers [Pc, ...] shard over critic_stage and are replicated over
+  critic_replica; the replicas' gradients add up with one psum over critic_replica."""
+  names = list(mesh.axis_names)
+  i = names.index(STAGE_AXIS)
+  n = mesh.shape[STAGE_AXIS]
+  shape = list(mesh.devices.shape)
+  shape[i:i + 1] = [n // critic_pp, critic_pp]
+  names[i:i + 1] = [REPLICA_AXIS, CRITIC_STAGE_AXIS]
+  return Mesh(mesh.devices.reshape(shape), tuple(names),
+              axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+@functools.lru_cache(maxsize=64)
+def layouts_for(actor_cfg: ModelConfig, critic_cfg: ModelConfig, actor_pp: int, critic_pp: int
+                ) -> Dict[str, StageLayout]:
+  return {"actor": StageLayout.for_config(actor_cfg, actor_pp, "actor"),
+          "critic": StageLayout.for_config(critic_cfg, critic_pp, "critic")}
+
+
+def _staged_specs(layout: StageLayout, layers_spec: P) -> Dict[str, Any]:
+  shapes = layout.staged_shapes()
+  return {"embed": jax.tree.map(lambda _: P(), shapes["embed"]),
+          "layers": jax.tree.map(lambda _: layers_spec, shapes["layers"]),
+          "head": jax.tree.map(lambda _: P(), shapes["head"])}
+
+
+def _staged_step(spec: _Spec, table, actor, critic, batch, mb_sizes):
+  """The fused step on stage-stacked trees: (actor grads, critic grads, metrics), the grads
+  stage-stacked like the parameters and placed like them."""
+  layouts = layouts_for(spec.actor_cfg, spec.critic_cfg, spec.actor_pp, spec.critic_pp)
   num_tokens, num_seqs = stages.normalisers(batch)
   rows = P(spec.data_axes) if spec.data_axes else P()
-  staged = P(STAGE_AXIS)
-  in_specs = (P(), staged, P(), staged, P(), jax.tree.map(lambda _: rows, batch), P(), P())
-  fn = jax.shard_map(_make_body(spec, layouts, *mb_sizes), mesh=spec.mesh, in_specs=in_specs,
-                     out_specs=(P(), P(), P(), P()),
-                     axis_names=frozenset(spec.data_axes + (STAGE_AXIS,)), check_vma=False)
-  ga, gc, ma, mc = fn(table, a_stages, flat["actor"][layouts["actor"].layers_size:], c_stages,
-                      flat["critic"][layouts["critic"].layers_size:], batch, num_tokens, num_seqs)
-  actor_grads = layouts["actor"].unflatten(ga.astype(layouts["actor"].dtype))
-  critic_grads = layouts["critic"].unflatten(gc.astype(layouts["critic"].dtype))
+  specs = {"actor": _staged_specs(layouts["actor"], P(STAGE_AXES)),
+           "critic": _staged_specs(layouts["critic"], P(CRITIC_STAGE_AXIS))}
+  in_specs = (P(), specs["actor"], specs["critic"], jax.tree.map(lambda _: rows, batch), P(),
+              P())
+  fn = jax.shard_map(_make_body(spec, layouts, *mb_sizes), mesh=stage_mesh(spec.mesh,
+                                                                           spec.critic_pp),
+                     in_specs=in_specs, out_specs=(specs["actor"], specs["critic"], P(), P()),
+                     axis_names=frozenset(spec.data_axes + STAGE_AXES), check_vma=False)
+  ga, gc, ma, mc = fn(table, actor, critic, batch, num_tokens, num_seqs)
+  ga = jax.tree.map(lambda g, p: g.astype(p.dtype), ga, actor)
+  gc = jax.tree.map(lambda g, p: g.astype(p.dtype), gc, critic)
   metrics = {k: ma[i] for i, k in enumerate(stages.ACTOR_METRICS)}
   metrics.update({k: mc[i] for i, k in enumerate(stages.CRITIC_METRICS)})
-  return actor_grads, critic_grads, metrics
+  return ga, gc, metrics
+
+
+def _step(spec: _Spec, table, actor_params, critic_params, batch, mb_sizes):
+  """The fused step on unpipelined trees (stacked in, unstacked out)."""
+  layouts = layouts_for(spec.actor_cfg, spec.critic_cfg, spec.actor_pp, spec.critic_pp)
+  ga, gc, metrics = _staged_step(spec, table, layouts["actor"].stack(actor_params),
+                                 layouts["critic"].stack(critic_params, reverse=True), batch,
+                                 mb_sizes)
+  return (layouts["actor"].unstack(ga), layouts["critic"].unstack(gc, reverse=True), metrics)
 
 
 @functools.lru_cache(maxsize=32)
@@ -218,14 +281,13 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
   n = spec.num_devices
   up_perm = [(d, d + 1) for d in range(n - 1)]
   down_perm = [(d + 1, d) for d in range(n - 1)]
-  whole_axes = (STAGE_AXIS,) + spec.data_axes
+  all_axes = STAGE_AXES + spec.data_axes
 
-  def body(table, a_stage, a_tail, c_stage, c_tail, batch, num_tokens, num_seqs):
-    device = lax.axis_index(STAGE_AXIS)
-    critic_stage = spec.critic_pp - 1 - device % spec.critic_pp
-    # This device's stages: a_stage / c_stage [1, stage_size]; tails [embed | head].
-    params = {"actor": layouts["actor"].stage_tree(a_stage[0], a_tail),
-              "critic": layouts["critic"].stage_tree(c_stage[0], c_tail)}
+  def body(table, actor, critic, batch, num_tokens, num_seqs):
+    device = lax.axis_index(STAGE_AXES)
+    # This device's stages (critic stage Pc-1-(device mod Pc): its rows are stored reversed).
+    params = {"actor": layouts["actor"].local_tree(actor),
+              "critic": layouts["critic"].local_tree(critic)}
     seq_len = batch["tokens"].shape[1]
     act_shape = {m: (mb_rows[m], seq_len, cfgs[m].hidden_size) for m in MODELS}  # [mb, L, H]
     act_dtype = {m: cfgs[m].jnp_dtype for m in MODELS}
@@ -335,8 +397,8 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
     def tick(t, carry):
       row = my_table[t]
       carry, up_msg, down_msg = lax.switch(row[prog.MODEL], branches, carry, row)
-      up_in = lax.ppermute(up_msg, STAGE_AXIS, up_perm)
-      down_in = lax.ppermute(down_msg, STAGE_AXIS, down_perm)
+      up_in = lax.ppermute(up_msg, STAGE_AXES, up_perm)
+      down_in = lax.ppermute(down_msg, STAGE_AXES, down_perm)
       carry = file_msg(carry, up_in, row[prog.UP_RECV], row[prog.UP_SLOT], up_targets)
       return file_msg(carry, down_in, row[prog.DOWN_RECV], row[prog.DOWN_SLOT], down_targets)
 
@@ -353,12 +415,15 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
                     "critic": jnp.zeros((len(stages.CRITIC_METRICS),), jnp.float32)},
     }
     carry = lax.fori_loop(0, my_table.shape[0], tick, carry)
-    # Whole-model gradients: stage segments, critic replicas and data shards add up in one psum.
-    ga = lax.psum(layouts["actor"].device_to_whole(carry["grads"]["actor"], device), whole_axes)
-    gc = lax.psum(layouts["critic"].device_to_whole(carry["grads"]["critic"], critic_stage),
-                  whole_axes)
-    return (ga, gc, lax.psum(carry["metrics"]["actor"], whole_axes),
-            lax.psum(carry["metrics"]["critic"], whole_axes))
+    # Each device's layer gradients stay on it: summed over the data shards (and the critic's
+    # replicas); the embedding and head, held whole on every stage, over all devices.
+    out = {}
+    for m, layer_axes in (("actor", spec.data_axes), ("critic", spec.data_axes + (REPLICA_AXIS,))):
+      layers, embed, head = layouts[m].split_accumulator(carry["grads"][m])
+      out[m] = {"layers": jax.tree.map(lambda g: lax.psum(g, layer_axes), layers),
+                "embed": lax.psum(embed, all_axes), "head": lax.psum(head, all_axes)}
+    return (out["actor"], out["critic"], lax.psum(carry["metrics"]["actor"], all_axes),
+            lax.psum(carry["metrics"]["critic"], all_axes))
 
   return body
 

@@ -1,10 +1,10 @@
 """Pipeline stages of the actor and the critic, and the PPO losses at their last stages.
 
 A model of L layers split into P stages gives stage s the layers s*L/P .. (s+1)*L/P - 1; stage 0
-also embeds the tokens, the last stage also runs the head and the loss. `StageLayout` lays the
-parameters out as one flat vector whose layer part reshapes to [P, stage_size], so a pipeline
-axis shards it by stage; the embedding and the head stay whole (only their stages use them; with
-tied embeddings both ends do).
+also embeds the tokens, the last stage also runs the head and the loss. `StageLayout.stack` holds
+the layers as leaves [P, L/P, *shape], so a pipeline axis shards them by stage and each device
+keeps only its own layers; the embedding and the head stay whole on every stage (small next to
+the layers; only their stages use them, with tied embeddings both ends).
 
 Losses are split over micro-batches exactly: each micro-batch's loss uses the normalisers of the
 whole mini-batch (`num_tokens`, `num_seqs`), so the sum of the micro-batch losses and of their
@@ -19,6 +19,7 @@ A batch is a dict of arrays with a leading batch dim (as in the trainer's mini-b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Dict, Optional, Tuple
 
@@ -85,70 +86,42 @@ def check_split(cfg: ModelConfig, num_stages: int, name: str) -> int:
 
 
 class StageLayout:
-  """A model's parameters as one flat vector, laid out by pipeline stage.
+  """How a model's parameters split into pipeline stages, and the executor's flat gradient
+  accumulator of one stage.
 
-  whole vector: [stage 0 | stage 1 | ... | stage S-1 | embed | head], where a stage segment
-  holds its L/S layers leaf by leaf (each leaf as [L/S, *shape]). So `whole[:S*stage_size]`
-  reshaped to [S, stage_size] is the stage-stacked layers that a pipeline axis shards, and a
-  device's gradient accumulator is [its stage segment | embed | head]. Converting costs one
-  concatenation in and one slice per leaf out: few, cheap XLA ops, which keeps compiles fast.
+  The trainer holds a pipelined model as the stage-stacked tree of `stack` (layer leaves
+  [S, L/S, *shape], sharded by stage row). Inside the executor a device accumulates its
+  gradients in one flat float32 vector [device_size] = [its stage's layers, leaf by leaf as
+  [L/S, *shape] | embed | head]: a switch branch then carries one buffer, not one per leaf, which
+  keeps compiles fast; `split_accumulator` turns it back into tree blocks.
   """
 
   def __init__(self, cfg: ModelConfig, params: Any, num_stages: int, name: str = "model"):
+    """`params`: the model's unpipelined or stage-stacked tree, arrays or ShapeDtypeStructs
+    (only shapes and dtypes are read)."""
     self.cfg, self.num_stages = cfg, num_stages
     self.per_stage = check_split(cfg, num_stages, name)
-    self._layer_leaves, self._layer_def = _shapes(params["layers_0"])
+    if "layers" in params:  # stage-stacked: drop the [S, L/S] rows
+      layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), params["layers"])
+    else:
+      layer = params["layers_0"]
+    self._layer_leaves, self._layer_def = _shapes(layer)
     self._embed_leaves, self._embed_def = _shapes(params["embed"])
     self._head_leaves, self._head_def = _shapes(params["head"])
     self.layer_size = sum(math.prod(s) for s in self._layer_leaves)
     self.stage_size = self.per_stage * self.layer_size
     self.embed_size = sum(math.prod(s) for s in self._embed_leaves)
     self.head_size = sum(math.prod(s) for s in self._head_leaves)
-    self.layers_size = num_stages * self.stage_size
-    self.whole_size = self.layers_size + self.embed_size + self.head_size
     self.device_size = self.stage_size + self.embed_size + self.head_size
     dtypes = {x.dtype for x in jax.tree.leaves(params)}
     if len(dtypes) != 1:
       raise ValueError(f"{name} parameters mix dtypes {sorted(map(str, dtypes))}")
     self.dtype = dtypes.pop()
 
-  def flatten(self, params: Any) -> jax.Array:
-    """Unpipelined params (embed, layers_i, head) -> whole vector [whole_size]."""
-    parts = []
-    for s in range(self.num_stages):
-      layers = [jax.tree.leaves(params[f"layers_{s * self.per_stage + k}"])
-                for k in range(self.per_stage)]
-      for leaf in range(len(self._layer_leaves)):
-        parts += [layers[k][leaf].reshape(-1) for k in range(self.per_stage)]
-    parts += [x.reshape(-1) for x in jax.tree.leaves(params["embed"])]
-    parts += [x.reshape(-1) for x in jax.tree.leaves(params["head"])]
-    return jnp.concatenate(parts)
-
-  def unflatten(self, whole: jax.Array) -> Dict[str, Any]:
-    """Whole vector -> unpipelined tree (embed, layers_i, head), one slice per leaf."""
-    out = {}
-    for s in range(self.num_stages):
-      for k in range(self.per_stage):
-        offset, leaves = s * self.stage_size, []
-        for shape in self._layer_leaves:
-          size = math.prod(shape)
-          start = offset + k * size
-          leaves.append(whole[start:start + size].reshape(shape))
-          offset += self.per_stage * size
-        out[f"layers_{s * self.per_stage + k}"] = jax.tree.unflatten(self._layer_def, leaves)
-    tail = whole[self.layers_size:]
-    out["embed"] = _unravel(tail[:self.embed_size], self._embed_leaves, self._embed_def)
-    out["head"] = _unravel(tail[self.embed_size:], self._head_leaves, self._head_def)
-    return out
-
-  def stage_tree(self, stage_vec: jax.Array, tail: jax.Array) -> Dict[str, Any]:
-    """One stage's {"layers" (leaves [L/S, ...]), "embed", "head"} from its segment
-    [stage_size] and the [embed | head] tail."""
-    layers = _unravel(stage_vec, [(self.per_stage,) + s for s in self._layer_leaves],
-                      self._layer_def)
-    return {"layers": layers,
-            "embed": _unravel(tail[:self.embed_size], self._embed_leaves, self._embed_def),
-            "head": _unravel(tail[self.embed_size:], self._head_leaves, self._head_def)}
+  @classmethod
+  def for_config(cls, cfg: ModelConfig, num_stages: int, name: str = "model") -> "StageLayout":
+    """The layout of `cfg`'s parameters (shapes from jax.eval_shape: nothing is allocated)."""
+    return cls(cfg, param_shapes(cfg), num_stages, name)
 
   def device_offset(self, key: str) -> int:
     """Offset of "layers" / "embed" / "head" in a device accumulator [device_size]."""
@@ -162,12 +135,72 @@ class StageLayout:
     seg = lax.dynamic_slice_in_dim(acc, offset, g.shape[0])
     return lax.dynamic_update_slice_in_dim(acc, seg + g, offset, 0)
 
-  def device_to_whole(self, acc: jax.Array, stage: jax.Array) -> jax.Array:
-    """A device accumulator placed into a zero whole vector at its stage's segment."""
-    whole = jnp.zeros((self.whole_size,), acc.dtype)
-    whole = lax.dynamic_update_slice_in_dim(whole, acc[:self.stage_size],
-                                            stage * self.stage_size, 0)
-    return whole.at[self.layers_size:].set(acc[self.stage_size:])
+  # The stage-stacked tree: how the trainer holds a pipelined model (docs/architecture.md §3).
+  # {"embed": ..., "layers": {leaf: [S, L/S, *shape]}, "head": ...}: row s of every layer leaf
+  # holds stage s's layers, so a pipeline axis shards the rows and each device keeps only its
+  # stage's parameters, gradients and optimizer moments. `reverse` stores the stages in reverse
+  # row order (row j = stage S-1-j): the critic, placed in the reverse direction.
+
+  def stack(self, params: Any, reverse: bool = False) -> Dict[str, Any]:
+    """Unpipelined params (embed, layers_i, head) -> the stage-stacked tree."""
+    order = range(self.num_stages)[::-1] if reverse else range(self.num_stages)
+    per_layer = [jax.tree.leaves(params[f"layers_{i}"]) for i in range(self.cfg.num_layers)]
+    leaves = []
+    for leaf in range(len(self._layer_leaves)):
+      rows = [jnp.stack([per_layer[s * self.per_stage + k][leaf] for k in range(self.per_stage)])
+              for s in order]
+      leaves.append(jnp.stack(rows))  # [S, L/S, *shape]
+    return {"embed": params["embed"], "layers": jax.tree.unflatten(self._layer_def, leaves),
+            "head": params["head"]}
+
+  def unstack(self, staged: Dict[str, Any], reverse: bool = False) -> Dict[str, Any]:
+    """The stage-stacked tree -> unpipelined params (embed, layers_i, head)."""
+    leaves = jax.tree.leaves(staged["layers"])
+    out = {"embed": staged["embed"], "head": staged["head"]}
+    for s in range(self.num_stages):
+      row = self.num_stages - 1 - s if reverse else s
+      for k in range(self.per_stage):
+        out[f"layers_{s * self.per_stage + k}"] = jax.tree.unflatten(
+            self._layer_def, [x[row, k] for x in leaves])
+    return out
+
+  def staged_shapes(self) -> Dict[str, Any]:
+    """jax.ShapeDtypeStruct tree of the stage-stacked parameters (no placement)."""
+    def structs(shapes, treedef, lead=()):
+      return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(lead + s, self.dtype)
+                                          for s in shapes])
+    return {"embed": structs(self._embed_leaves, self._embed_def),
+            "layers": structs(self._layer_leaves, self._layer_def,
+                              (self.num_stages, self.per_stage)),
+            "head": structs(self._head_leaves, self._head_def)}
+
+  def local_tree(self, local: Dict[str, Any]) -> Dict[str, Any]:
+    """Inside the executor: a device's block of the stage-stacked tree (layer leaves
+    [1, L/S, ...]) -> its stage's {"layers" (leaves [L/S, ...]), "embed", "head"}."""
+    return {"layers": jax.tree.map(lambda x: x[0], local["layers"]), "embed": local["embed"],
+            "head": local["head"]}
+
+  def split_accumulator(self, acc: jax.Array) -> Tuple[Any, Any, Any]:
+    """A device accumulator [device_size] -> (layers with leaves [1, L/S, ...], embed, head)."""
+    layers = _unravel(acc[:self.stage_size], [(1, self.per_stage) + s for s in self._layer_leaves],
+                      self._layer_def)
+    tail = acc[self.stage_size:]
+    return (layers, _unravel(tail[:self.embed_size], self._embed_leaves, self._embed_def),
+            _unravel(tail[self.embed_size:], self._head_leaves, self._head_def))
+
+
+def staged_decay_mask(staged: Dict[str, Any]) -> Dict[str, Any]:
+  """The weight-decay mask of rl/optim.py (matrices only) for a stage-stacked tree: a layer
+  leaf [S, L/S, *shape] is a matrix when its own shape is."""
+  mask = jax.tree.map(lambda x: x.ndim >= 2, staged)
+  mask["layers"] = jax.tree.map(lambda x: x.ndim - 2 >= 2, staged["layers"])
+  return mask
+
+
+@functools.lru_cache(maxsize=16)
+def param_shapes(cfg: ModelConfig) -> Any:
+  """ShapeDtypeStructs of llama.init_params(cfg)'s parameters."""
+  return jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
 
 
 def _shapes(tree: Any) -> Tuple[list, Any]:

@@ -86,10 +86,11 @@ class FusedStage:
       trainer.reward_params = None
     shapes = dict(self.host)
     if frozen.critic is not None:
-      shapes["critic"] = trainer.critic.params
+      shapes["critic"] = trainer.model_params("critic")
     self.generator = fused_lib.FusedGenerator(
         cfg.model, trainer.sampling, self.config, batch_size=cfg.rollout.batch_size,
-        prompt_len=cfg.data.max_prompt_len, frozen=frozen, actor_params=trainer.actor.params,
+        prompt_len=cfg.data.max_prompt_len, frozen=frozen,
+        actor_params=trainer.model_params("actor"),
         frozen_params=shapes, devices=devices, rt_model=rt_auto.simulated_rt_model)
 
   def __call__(self, records, prompt_tokens, prompt_lens, uids, gen_key) -> dict:
@@ -97,9 +98,9 @@ class FusedStage:
     tr = self.trainer
     frozen = dict(self.host)
     if tr.use_critic:
-      frozen["critic"] = tr.critic.params
-    out = self.generator.run(tr.actor.params, frozen, prompt_tokens, prompt_lens, gen_key,
-                             uids=uids, fuse=True)
+      frozen["critic"] = tr.model_params("critic")
+    out = self.generator.run(tr.model_params("actor"), frozen, prompt_tokens, prompt_lens,
+                             gen_key, uids=uids, fuse=True)
     rollout = out.rollout
     batch = scoring.ScoringBatch.from_rollout(rollout, tr.tokenizer.pad_id)
     values = out.values if tr.use_critic else np.zeros(rollout.logprobs.shape, np.float32)

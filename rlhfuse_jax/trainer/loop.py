@@ -29,6 +29,7 @@ from rlhfuse_jax.inference import scoring
 from rlhfuse_jax.models import hf_loader, llama, sequences
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.perf import accounting
+from rlhfuse_jax.pipeline import stages as stages_lib
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import minibatch as mb_lib
 from rlhfuse_jax.rl import optim
@@ -136,7 +137,7 @@ class PPOTrainer:
     self.fused = fused_stage.FusedStage(self) if cfg.fusion.inter_stage else None
     self.generator = None if self.fused else engine.Generator(
         cfg.model, self.sampling, batch_size=cfg.rollout.batch_size,
-        prompt_len=cfg.data.max_prompt_len, mesh=self.mesh, params=self.actor.params)
+        prompt_len=cfg.data.max_prompt_len, mesh=self.mesh, params=self.model_params("actor"))
     self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
     self._compiled_update = False  # the first update call (compiles) is timed and logged
 
@@ -160,17 +161,21 @@ class PPOTrainer:
       actor_params, _ = llama.init_params(cfg.model, jax.random.fold_in(key, 1))
     actor_specs = llama.logical_specs(cfg.model)
     actor_params = mesh_lib.shard_params(actor_params, actor_specs, self.mesh)
+    # Where generation and inference take whole models (the trainer's own layout when unpipelined).
+    self._whole_shardings = {"actor": jax.tree.map(lambda x: x.sharding, actor_params)}
     # The reference is the frozen initial actor: a copy, since the actor's buffers are donated.
     self.ref_params = jax.tree_util.tree_map(jnp.copy, actor_params)
     updates_per_iter = cfg.algo.epochs * (cfg.rollout.batch_size // cfg.algo.minibatch_size)
     total = cfg.num_iterations * updates_per_iter
     warmup = min(cfg.optim.warmup_steps, total - 1)
+    # docs/architecture.md §3: with a pipeline axis both models train through the pipeline and are
+    # held stage-stacked (pipelined.PipelinedUpdate.to_staged), each stage device its own layers.
+    self.pipelined = self.mesh.shape["stage"] > 1
+    decay_mask = ({"weight_decay_mask": stages_lib.staged_decay_mask} if self.pipelined else {})
     self.actor_tx, self.actor_lr = optim.make_optimizer(
         cfg.optim.actor_lr, warmup, total, cfg.optim.min_lr_ratio, cfg.optim.weight_decay,
-        cfg.optim.grad_clip, return_schedule=True)
-    self.actor = ppo.ModelState(actor_params, mesh_lib.commit_to_mesh(
-        self.actor_tx.init(actor_params), self.mesh))
-    self.critic, self.critic_tx = None, None
+        cfg.optim.grad_clip, return_schedule=True, **decay_mask)
+    critic_params, self.critic_tx = None, None
     if self.use_critic:
       if cfg.init.critic_checkpoint:
         critic_cfg = hf_loader.load_hf_config(cfg.init.critic_checkpoint).replace(head="scalar")
@@ -181,11 +186,10 @@ class PPOTrainer:
         critic_params, _ = llama.init_params(cfg.critic_model, jax.random.fold_in(key, 2))
       critic_params = mesh_lib.shard_params(critic_params, llama.logical_specs(cfg.critic_model),
                                             self.mesh)
+      self._whole_shardings["critic"] = jax.tree.map(lambda x: x.sharding, critic_params)
       self.critic_tx = optim.make_optimizer(cfg.optim.critic_lr, warmup, total,
                                             cfg.optim.min_lr_ratio, cfg.optim.weight_decay,
-                                            cfg.optim.grad_clip)
-      self.critic = ppo.ModelState(critic_params, mesh_lib.commit_to_mesh(
-          self.critic_tx.init(critic_params), self.mesh))
+                                            cfg.optim.grad_clip, **decay_mask)
     self.reward_params, self.reward_cfg = None, None
     if cfg.reward.kind == "model":
       self.reward_cfg = hf_loader.load_hf_config(cfg.reward.model_checkpoint).replace(
@@ -198,12 +202,36 @@ class PPOTrainer:
     # always sample: rollout.temperature > 0), so the first epoch's PPO ratio is exactly 1.
     update_args = (cfg.model, cfg.critic_model, cfg.algo, cfg.rollout.temperature,
                    self.actor_tx, self.critic_tx)
-    # docs/architecture.md §3: with a pipeline axis both models train through the pipeline.
-    if self.mesh.shape["stage"] > 1:
+    if self.pipelined:
       self.update = pipelined.make_pipelined_update_fn(*update_args, mesh=self.mesh, config=cfg,
                                                        workdir=self.workdir)
+      actor_params = self.update.to_staged("actor", actor_params)
+      if critic_params is not None:
+        critic_params = self.update.to_staged("critic", critic_params)
     else:
       self.update = ppo.make_update_fn(*update_args, mesh=self.mesh)
+    self.actor = ppo.ModelState(actor_params, mesh_lib.commit_to_mesh(
+        self.actor_tx.init(actor_params), self.mesh))
+    self.critic = None
+    if critic_params is not None:
+      self.critic = ppo.ModelState(critic_params, mesh_lib.commit_to_mesh(
+          self.critic_tx.init(critic_params), self.mesh))
+    self._reshard = {"timing_s/reshard": 0.0, "perf/reshard_bytes": 0}
+
+  def model_params(self, model: str) -> Any:
+    """The whole parameters of "actor" / "critic", placed as generation and inference take
+    them. A pipelined run holds its models stage-stacked: this reshards them (gathers each
+    stage's layers; docs/architecture.md §3), and the iteration's metrics report the time and
+    the bytes received per device (timing_s/reshard, perf/reshard_bytes)."""
+    state = self.actor if model == "actor" else self.critic
+    if not self.pipelined:
+      return state.params
+    t0 = time.time()
+    whole = self.update.to_whole(model, state.params, self._whole_shardings[model])
+    jax.block_until_ready(whole)
+    self._reshard["timing_s/reshard"] += time.time() - t0
+    self._reshard["perf/reshard_bytes"] += mesh_lib.reshard_received_bytes(state.params, whole)
+    return whole
 
   def _state(self) -> dict:
     state = {"actor": self.actor}
@@ -277,14 +305,15 @@ class PPOTrainer:
       return StageOutputs(**self.fused(records, prompt_tokens, prompt_lens, uids, gen_key))
     cfg = self.cfg
     t0 = time.time()
-    rollout = self.generator.generate(self.actor.params, prompt_tokens, prompt_lens, gen_key,
+    rollout = self.generator.generate(self.model_params("actor"), prompt_tokens, prompt_lens,
+                                      gen_key,
                                       uids=uids)
     t_gen = time.time() - t0
     t0 = time.time()
     batch = scoring.ScoringBatch.from_rollout(rollout, self.tokenizer.pad_id)
     ref_logp = self.scorer.ref_logprobs(cfg.model, self.ref_params, batch,
                                         self.sampling.logprob_temperature)
-    values = (self.scorer.values(cfg.critic_model, self.critic.params, batch)
+    values = (self.scorer.values(cfg.critic_model, self.model_params("critic"), batch)
               if self.use_critic else np.zeros(rollout.logprobs.shape, np.float32))
     scores = self._scores(records, rollout, batch)
     return StageOutputs(rollout=rollout, batch=batch, ref_logp=ref_logp, values=values,
@@ -294,6 +323,7 @@ class PPOTrainer:
   def iteration(self, iteration: int) -> dict:
     cfg = self.cfg
     t_step = time.time()
+    self._reshard = {"timing_s/reshard": 0.0, "perf/reshard_bytes": 0}
     records, prompt_tokens, prompt_lens, uids = self._rollout_batch(iteration)
     gen_key = jax.random.fold_in(jax.random.key(cfg.seed), iteration)
     t0 = time.time()
@@ -357,6 +387,8 @@ class PPOTrainer:
     t_total = time.time() - t_step
     n_tokens = int(np.sum(token_counts))
     out.update(stage_out.metrics)
+    if self.pipelined:  # the stage-stacked weights gathered for generation and inference
+      out.update(self._reshard)
     out.update({
         "timing_s/train": t_train, "timing_s/gen_plus_inf": t_gen_inf, "timing_s/step": t_total,
         "perf/tokens_per_s": n_tokens / t_total,

@@ -24,6 +24,7 @@ share searches between them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -153,7 +154,9 @@ def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig, workdi
 
 
 class PipelinedUpdate:
-  """update(actor, critic, mb) -> (actor, critic, metrics), as ppo.make_update_fn's.
+  """update(actor, critic, mb) -> (actor, critic, metrics), as ppo.make_update_fn's, on states
+  whose parameters are stage-stacked (`to_staged`; `to_whole` converts back), with optimizers
+  built for that tree (rl/optim.py with stages.staged_decay_mask).
 
   `schedule_metrics` holds the schedule's figures (pipeline/schedule, /ticks, /bubble), the same
   every step; the trainer adds them to each iteration's metrics.
@@ -166,6 +169,7 @@ class PipelinedUpdate:
     self._algo, self._txs = algo, (actor_tx, critic_tx)
     self._compiler_options = compiler_options or None
     self._jitted: Callable | None = None
+    self._conversions: Dict[Any, Callable] = {}
     program = executor.program
     self.schedule_metrics = {
         "pipeline/schedule": schedule_name,
@@ -177,6 +181,27 @@ class PipelinedUpdate:
   def __call__(self, actor: ModelState, critic: ModelState, mb: Dict[str, jax.Array]):
     return self._jit(actor, critic)(actor, critic, mb)
 
+  # The states' parameters are stage-stacked (executor.stack): each stage device holds its own
+  # layers, their gradients and their optimizer moments, nothing of the other stages.
+
+  def to_staged(self, model: str, params: Any) -> Any:
+    """Unpipelined params of "actor" / "critic" -> the stage-stacked tree, placed."""
+    key = ("staged", model)
+    if key not in self._conversions:
+      self._conversions[key] = jax.jit(functools.partial(self.executor.stack, model),
+                                       out_shardings=self.executor.staged_shardings(model))
+    return self._conversions[key](params)
+
+  def to_whole(self, model: str, staged: Any, shardings: Any) -> Any:
+    """The stage-stacked tree -> unpipelined params placed by `shardings` (how generation and
+    inference take them): a resharding, gathering each stage's layers onto every device that
+    needs them. The state's own arrays are left untouched."""
+    key = ("whole", model)
+    if key not in self._conversions:
+      self._conversions[key] = jax.jit(functools.partial(self.executor.unstack, model),
+                                       out_shardings=shardings)
+    return self._conversions[key](staged)
+
   def lower(self, actor: ModelState, critic: ModelState, mb: Dict[str, Any]):
     """The jitted update lowered for states and batch given as arrays or as
     jax.ShapeDtypeStructs with shardings (ahead-of-time memory checks: nothing is allocated)."""
@@ -184,9 +209,8 @@ class PipelinedUpdate:
 
   def _jit(self, actor: ModelState, critic: ModelState) -> Callable:
     if self._jitted is None:
-      # Built at the first call, when the parameters' shardings are known: the gradients leave
-      # the executor replicated and are constrained to them, so the updated parameters keep
-      # the placement of the plain update's.
+      # Built at the first call, when the parameters' shardings are known: the gradients are
+      # constrained to them, so the updated parameters and moments keep their stage placement.
       shardings = (jax.tree.map(lambda x: x.sharding, actor.params),
                    jax.tree.map(lambda x: x.sharding, critic.params))
       self._jitted = jax.jit(self._make(shardings), donate_argnums=(0, 1),
@@ -195,7 +219,7 @@ class PipelinedUpdate:
 
   def _make(self, shardings) -> Callable:
     algo, (actor_tx, critic_tx) = self._algo, self._txs
-    grads_fn = self.executor.grads_fn
+    grads_fn = self.executor.staged_grads_fn
 
     def update(actor: ModelState, critic: ModelState, mb):
       ag, cg, m = grads_fn(actor.params, critic.params, mb)
