@@ -5,7 +5,8 @@ Every program is the codebase's own, reached through the function its caller jit
   train_step  trainer/pipelined.PipelinedUpdate.lower (pp > 1: the fused executor's gradients,
               then AdamW, donating both states) or trainer/ppo.make_update_fn (pp == 1); the
               states are built as the trainer builds them: parameters placed by the logical rules
-              of parallel/mesh.py, AdamW + global-norm clipping of rl/optim.py, optimizer leaves
+              of parallel/mesh.py (pp == 1) or stage-stacked, each stage's layers on its stage
+              devices (pp > 1), AdamW + global-norm clipping of rl/optim.py, optimizer leaves
               placed like their parameters, scalars replicated
   decode      generation/instances.GenerationInstance's decode chunk (donated SlotState) on one
               instance of gen_tp devices with gen_slots slots
@@ -53,6 +54,7 @@ from rlhfuse_jax.models import llama
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.perf import accounting, scale_check
+from rlhfuse_jax.pipeline import stages
 from rlhfuse_jax.rl import optim
 from rlhfuse_jax.sim import hardware as hw_lib
 from rlhfuse_jax.sim import shapes as sim_shapes
@@ -219,9 +221,11 @@ def abstract_batch(cfg: PlanConfig, mesh) -> dict:
           for k, (shape, dt) in batch_shapes(cfg).items()}
 
 
-def make_optimizer() -> optax.GradientTransformation:
-  """The trainer's optimizer (AdamW, warm-up + cosine, clipping); rates do not change shapes."""
-  return optim.make_optimizer(1e-6, 10, 1000, grad_clip=1.0)
+def make_optimizer(cfg: PlanConfig) -> optax.GradientTransformation:
+  """The trainer's optimizer (AdamW, warm-up + cosine, clipping; on stage-stacked parameters
+  when pp > 1, as trainer/loop.py builds it); rates do not change shapes."""
+  mask = {"weight_decay_mask": stages.staged_decay_mask} if cfg.pp > 1 else {}
+  return optim.make_optimizer(1e-6, 10, 1000, grad_clip=1.0, **mask)
 
 
 def train_mesh(cfg: PlanConfig):
@@ -255,10 +259,17 @@ def make_update(cfg: PlanConfig, mesh, tx, workdir: str):
                   "critic_microbatches": cfg.critic_microbatches}
 
 
-def train_args(cfg: PlanConfig, mesh, tx) -> tuple:
-  actor_p, critic_p = abstract_params(cfg.actor, mesh), abstract_params(cfg.critic, mesh)
-  return (ppo.ModelState(actor_p, abstract_opt_state(tx, actor_p, mesh)),
-          ppo.ModelState(critic_p, abstract_opt_state(tx, critic_p, mesh)),
+def train_args(cfg: PlanConfig, mesh, tx, update) -> tuple:
+  """The update's arguments as the trainer holds them: whole models placed by the logical
+  rules (pp == 1), or stage-stacked with each stage's layers on its stage devices (pp > 1)."""
+  if cfg.pp == 1:
+    params = [abstract_params(cfg.actor, mesh), abstract_params(cfg.critic, mesh)]
+  else:
+    ex = update.executor
+    params = [jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                           ex.layouts[m].staged_shapes(), ex.staged_shardings(m))
+              for m in ("actor", "critic")]
+  return (*(ppo.ModelState(p, abstract_opt_state(tx, p, mesh)) for p in params),
           abstract_batch(cfg, mesh))
 
 
@@ -294,9 +305,10 @@ def _stage_cfg(model: ModelConfig, stages: int) -> ModelConfig:
   return model.replace(num_layers=model.num_layers // stages)
 
 
-def train_analytic(cfg: PlanConfig, tx, info: dict) -> dict:
+def train_analytic(cfg: PlanConfig, info: dict) -> dict:
   """Per-device bytes and FLOPs of the update if the plan split everything perfectly."""
   cost = CostModel(cfg.hardware)
+  plain_tx = optim.make_optimizer(1e-6, 10, 1000, grad_clip=1.0)
   out = {"params_bytes": 0.0, "grads_bytes": 0.0, "optimizer_bytes": 0.0,
          "activations_bytes": 0.0}
   tokens_mb = cfg.microbatch_size * cfg.seq_len
@@ -305,7 +317,8 @@ def train_analytic(cfg: PlanConfig, tx, info: dict) -> dict:
     params = jax.eval_shape(lambda m=model: llama.init_params(m, jax.random.key(0))[0])
     out["params_bytes"] += _nbytes(params) / shards
     out["grads_bytes"] += _nbytes(params) / shards  # gradients in the parameters' dtype
-    out["optimizer_bytes"] += _nbytes(jax.eval_shape(tx.init, params)) / shards
+    # The same moments for the whole tree as for the stage-stacked one (the mask moves no bytes).
+    out["optimizer_bytes"] += _nbytes(jax.eval_shape(plain_tx.init, params)) / shards
     # In flight per device under 1F1B: min(stages, micro-batches) (sim/training_sim.py).
     micro = cfg.actor_microbatches if model is cfg.actor else cfg.critic_microbatches
     inflight = min(stages, micro) if cfg.pp > 1 else 1
@@ -371,16 +384,16 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   t_start = time.perf_counter()
   programs = {}
   mesh = train_mesh(cfg)
-  tx = make_optimizer()
+  tx = make_optimizer(cfg)
   logging.info("plan: mesh %s, %d devices; actor %d layers (of %d), critic %d (of %d)",
                dict(mesh.shape), cfg.num_devices, cfg.actor.num_layers, cfg.actor_layers,
                cfg.critic.num_layers, cfg.critic_layers)
   update, info = make_update(cfg, mesh, tx, workdir)
   t0 = time.perf_counter()
-  lowered = update.lower(*train_args(cfg, mesh, tx))
+  lowered = update.lower(*train_args(cfg, mesh, tx, update))
   logging.info("train_step: lowered in %.1fs (%s schedule); compiling ...",
                time.perf_counter() - t0, info["schedule"])
-  programs["train_step"] = {**_finish(measure(lowered, hbm), train_analytic(cfg, tx, info)),
+  programs["train_step"] = {**_finish(measure(lowered, hbm), train_analytic(cfg, info)),
                             **info}
   del lowered
   logging.info("train_step: compiled in %.1fs", programs["train_step"]["compile_s"])

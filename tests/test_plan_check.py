@@ -20,12 +20,14 @@ ANALYTIC = {"train_step": ("params_bytes", "grads_bytes", "optimizer_bytes",
             "inference": ("params_bytes", "activations_bytes", "flops_per_device")}
 
 
-def _real_args(cfg, mesh, tx):
-  """Real states and batch, placed as trainer/loop.py places them."""
+def _real_args(cfg, mesh, tx, update):
+  """Real states and batch, placed as trainer/loop.py places them (stage-stacked: pp > 1)."""
   states = []
-  for i, model in enumerate((cfg.actor, cfg.critic)):
+  for i, (name, model) in enumerate((("actor", cfg.actor), ("critic", cfg.critic))):
     params = mesh_lib.shard_params(llama.host_random_params(model, i),
                                    llama.logical_specs(model), mesh)
+    if cfg.pp > 1:
+      params = update.to_staged(name, params)
     states.append(ppo.ModelState(params, mesh_lib.commit_to_mesh(tx.init(params), mesh)))
   batch = {k: mesh_lib.put(np.zeros(shape, dt), mesh_lib.batch_sharding(mesh, len(shape)))
            for k, (shape, dt) in plan_programs.batch_shapes(cfg).items()}
@@ -58,9 +60,10 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
 
   # The same update from real arrays: same argument bytes on device 0, same temp.
   mesh = plan_programs.train_mesh(cfg)
-  tx = plan_programs.make_optimizer()
+  tx = plan_programs.make_optimizer(cfg)
   update, _ = plan_programs.make_update(cfg, mesh, tx, str(tmp_path))
-  args = _real_args(cfg, mesh, tx)
+  assert cfg.pp > 1  # the staged (pipelined) state is the one checked here
+  args = _real_args(cfg, mesh, tx, update)
   train = result["programs"]["train_step"]
   # jit drops arguments the program never reads: ref_logp (the KL is in the reward here).
   used = (*args[:2], {k: v for k, v in args[2].items() if k != "ref_logp"})

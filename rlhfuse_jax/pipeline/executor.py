@@ -159,13 +159,14 @@ class PipelineExecutor:
 
   def staged_shardings(self, model: str) -> Dict[str, Any]:
     """NamedShardings of `model`'s stage-stacked tree: layer rows one per stage device
-    (critic: one per critic stage, replicated over its replicas), embedding and head
-    replicated."""
+    (critic: one per critic stage, replicated over its replicas), embedding and head leaves
+    split over all stage devices (tail_dim)."""
     if model == "actor":
-      mesh, layers = self.mesh, P(STAGE_AXIS)
+      mesh, layers, tail = self.mesh, P(STAGE_AXIS), STAGE_AXIS
     else:
-      mesh, layers = stage_mesh(self.mesh, self.program.problem.critic_pp), P(CRITIC_STAGE_AXIS)
-    specs = _staged_specs(self.layouts[model], layers)
+      mesh = stage_mesh(self.mesh, self.program.problem.critic_pp)
+      layers, tail = P(CRITIC_STAGE_AXIS), STAGE_AXES
+    specs = _staged_specs(self.layouts[model], layers, tail, self.spec.num_devices)
     return jax.tree.map(lambda p: jax.sharding.NamedSharding(mesh, p), specs,
                         is_leaf=lambda x: isinstance(x, P))
 
@@ -227,11 +228,28 @@ def layouts_for(actor_cfg: ModelConfig, critic_cfg: ModelConfig, actor_pp: int, 
           "critic": StageLayout.for_config(critic_cfg, critic_pp, "critic")}
 
 
-def _staged_specs(layout: StageLayout, layers_spec: P) -> Dict[str, Any]:
+def tail_dim(shape: Tuple[int, ...], num_devices: int) -> int:
+  """The dimension along which an embedding/head leaf is split over the stage devices: the first
+  one the device count divides; -1 (kept whole on every device) if there is none."""
+  for k, size in enumerate(shape):
+    if size % num_devices == 0:
+      return k
+  return -1
+
+
+def _staged_specs(layout: StageLayout, layers_spec: P, stage_axes: Any, num_devices: int
+                  ) -> Dict[str, Any]:
+  """PartitionSpecs of a stage-stacked tree: layer rows by `layers_spec`; each embedding and
+  head leaf split over all stage devices (`stage_axes`) along its tail_dim. A device thus keeps
+  1/N of them and of their optimizer moments; the step gathers them whole once (they are small
+  next to the layers) and reduce-scatters their gradients back."""
+  def tail_spec(x):
+    k = tail_dim(x.shape, num_devices)
+    return P() if k < 0 else P(*([None] * k), stage_axes)
   shapes = layout.staged_shapes()
-  return {"embed": jax.tree.map(lambda _: P(), shapes["embed"]),
+  return {"embed": jax.tree.map(tail_spec, shapes["embed"]),
           "layers": jax.tree.map(lambda _: layers_spec, shapes["layers"]),
-          "head": jax.tree.map(lambda _: P(), shapes["head"])}
+          "head": jax.tree.map(tail_spec, shapes["head"])}
 
 
 def _staged_step(spec: _Spec, table, actor, critic, batch, mb_sizes):
@@ -240,8 +258,9 @@ def _staged_step(spec: _Spec, table, actor, critic, batch, mb_sizes):
   layouts = layouts_for(spec.actor_cfg, spec.critic_cfg, spec.actor_pp, spec.critic_pp)
   num_tokens, num_seqs = stages.normalisers(batch)
   rows = P(spec.data_axes) if spec.data_axes else P()
-  specs = {"actor": _staged_specs(layouts["actor"], P(STAGE_AXES)),
-           "critic": _staged_specs(layouts["critic"], P(CRITIC_STAGE_AXIS))}
+  n = spec.num_devices
+  specs = {"actor": _staged_specs(layouts["actor"], P(STAGE_AXES), STAGE_AXES, n),
+           "critic": _staged_specs(layouts["critic"], P(CRITIC_STAGE_AXIS), STAGE_AXES, n)}
   in_specs = (P(), specs["actor"], specs["critic"], jax.tree.map(lambda _: rows, batch), P(),
               P())
   fn = jax.shard_map(_make_body(spec, layouts, *mb_sizes), mesh=stage_mesh(spec.mesh,
@@ -283,11 +302,32 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
   down_perm = [(d + 1, d) for d in range(n - 1)]
   all_axes = STAGE_AXES + spec.data_axes
 
+  def scatter_tail(tree, dims):  # whole gradients -> summed over all devices, this device's 1/N
+    def one(g, k):
+      g = lax.psum(g, spec.data_axes) if spec.data_axes else g
+      if k < 0:
+        return lax.psum(g, STAGE_AXES)
+      return lax.psum_scatter(g, STAGE_AXES, scatter_dimension=k, tiled=True)
+    return jax.tree.map(one, tree, dims)
+
+  # tail_dim of every embedding/head leaf, from the whole shapes.
+  tail_dims = {m: {part: jax.tree.map(lambda x: tail_dim(x.shape, n),
+                                      layouts[m].staged_shapes()[part])
+                   for part in ("embed", "head")} for m in MODELS}
+
+  def gather_tail(tree, dims):  # this device's 1/N of each embedding/head leaf -> whole
+    return jax.tree.map(
+        lambda x, k: x if k < 0 else lax.all_gather(x, STAGE_AXES, axis=k, tiled=True),
+        tree, dims)
+
   def body(table, actor, critic, batch, num_tokens, num_seqs):
     device = lax.axis_index(STAGE_AXES)
-    # This device's stages (critic stage Pc-1-(device mod Pc): its rows are stored reversed).
-    params = {"actor": layouts["actor"].local_tree(actor),
-              "critic": layouts["critic"].local_tree(critic)}
+    # This device's stages (critic stage Pc-1-(device mod Pc): its rows are stored reversed),
+    # with the embedding and head gathered whole.
+    params = {}
+    for m, local in (("actor", actor), ("critic", critic)):
+      whole = {part: gather_tail(local[part], tail_dims[m][part]) for part in ("embed", "head")}
+      params[m] = layouts[m].local_tree({**local, **whole})
     seq_len = batch["tokens"].shape[1]
     act_shape = {m: (mb_rows[m], seq_len, cfgs[m].hidden_size) for m in MODELS}  # [mb, L, H]
     act_dtype = {m: cfgs[m].jnp_dtype for m in MODELS}
@@ -416,12 +456,14 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
     }
     carry = lax.fori_loop(0, my_table.shape[0], tick, carry)
     # Each device's layer gradients stay on it: summed over the data shards (and the critic's
-    # replicas); the embedding and head, held whole on every stage, over all devices.
+    # replicas); the embedding and head gradients are summed over all devices and each device
+    # keeps its 1/N (reduce-scatter over the stage devices).
     out = {}
     for m, layer_axes in (("actor", spec.data_axes), ("critic", spec.data_axes + (REPLICA_AXIS,))):
       layers, embed, head = layouts[m].split_accumulator(carry["grads"][m])
       out[m] = {"layers": jax.tree.map(lambda g: lax.psum(g, layer_axes), layers),
-                "embed": lax.psum(embed, all_axes), "head": lax.psum(head, all_axes)}
+                "embed": scatter_tail(embed, tail_dims[m]["embed"]),
+                "head": scatter_tail(head, tail_dims[m]["head"])}
     return (out["actor"], out["critic"], lax.psum(carry["metrics"]["actor"], all_axes),
             lax.psum(carry["metrics"]["critic"], all_axes))
 
