@@ -291,6 +291,46 @@ def test_grads_match_with_a_tensor_axis_and_two_layers_per_stage():
   _check([jax.jit(ex.grads_fn, compiler_options=FAST)], acfg, ccfg, loss_cfg, ap, cp, _batch(8))
 
 
+def _device_bytes(tree, device):
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+             if s.device == device)
+
+
+def test_stage_sharded_state_with_fsdp_inside_each_stage():
+  """stage=2 x fsdp=2 x data=2 (actor and critic in 2 stages), the trainer's form. Each
+  device holds 1/(pp*fsdp) of every layer leaf and 1/pp of the embedding and head; gradients
+  come back placed the same way and equal jax.grad of the unpipelined losses."""
+  problem = PipelineProblem(2, 2, 2, 2, 1.0, 1.0)
+  acfg, ccfg, ap, cp = _models(4, 2)
+  mesh = make_mesh(MeshConfig(data=2, fsdp=2, stage=2))
+  loss_cfg = stages.LossConfig()
+  ex = make_executor(acfg, ccfg, loss_cfg, problem, schedules.greedy_order(problem), mesh,
+                     compiler_options=FAST)
+  staged = {m: jax.device_put(ex.stack(m, p), ex.staged_shardings(m))
+            for m, p in (("actor", ap), ("critic", cp))}
+  for m, whole in (("actor", ap), ("critic", cp)):
+    layers = [x for k, v in whole.items() if k.startswith("layers_") for x in jax.tree.leaves(v)]
+    tail = [x for k in ("embed", "head") for x in jax.tree.leaves(whole[k])]
+    # Every tiny leaf has a dimension divisible by 2 except the value head's bias, if any.
+    want = (sum(x.nbytes for x in layers) / 4 +
+            sum(x.nbytes / 2 if x.shape and max(x.shape) % 2 == 0 else x.nbytes for x in tail))
+    for d in mesh.devices.flat:
+      assert _device_bytes(staged[m], d) == want, (m, d)
+  batch = _batch(8)
+  ga, gc, metrics = jax.jit(ex.staged_grads_fn, compiler_options=FAST)(
+      staged["actor"], staged["critic"], batch)
+  for g, m in ((ga, "actor"), (gc, "critic")):
+    jax.tree.map(lambda x, p: (x.sharding.is_equivalent_to(p.sharding, x.ndim) or
+                               pytest.fail(f"{m} gradient placed as {x.sharding}")),
+                 g, staged[m])
+  ref_a, ref_c, ref_m = jax.jit(stages.reference_grads, static_argnums=(0, 1, 2),
+                                compiler_options=FAST)(acfg, ccfg, loss_cfg, ap, cp, batch)
+  _assert_matches(ex.unstack("actor", ga), ref_a)
+  _assert_matches(ex.unstack("critic", gc), ref_c)
+  for k in stages.ACTOR_METRICS + stages.CRITIC_METRICS:
+    np.testing.assert_allclose(metrics[k], ref_m[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 def test_impossible_placements_give_clear_errors():
   acfg, ccfg, _, _ = _models(4, 2)
   mesh4 = make_mesh(MeshConfig(data=1, stage=4), jax.devices()[:4])

@@ -162,11 +162,12 @@ class PipelineExecutor:
     (critic: one per critic stage, replicated over its replicas), embedding and head leaves
     split over all stage devices (tail_dim)."""
     if model == "actor":
-      mesh, layers, tail = self.mesh, P(STAGE_AXIS), STAGE_AXIS
+      mesh, layers, tail = self.mesh, STAGE_AXIS, STAGE_AXIS
     else:
       mesh = stage_mesh(self.mesh, self.program.problem.critic_pp)
-      layers, tail = P(CRITIC_STAGE_AXIS), STAGE_AXES
-    specs = _staged_specs(self.layouts[model], layers, tail, self.spec.num_devices)
+      layers, tail = CRITIC_STAGE_AXIS, STAGE_AXES
+    specs = _staged_specs(self.layouts[model], layers, tail, self.spec.num_devices,
+                          _fsdp_size(self.mesh))
     return jax.tree.map(lambda p: jax.sharding.NamedSharding(mesh, p), specs,
                         is_leaf=lambda x: isinstance(x, P))
 
@@ -221,6 +222,10 @@ def stage_mesh(mesh: Mesh, critic_pp: int) -> Mesh:
               axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 
 
+def _fsdp_size(mesh: Mesh) -> int:
+  return mesh.shape.get("fsdp", 1)
+
+
 @functools.lru_cache(maxsize=64)
 def layouts_for(actor_cfg: ModelConfig, critic_cfg: ModelConfig, actor_pp: int, critic_pp: int
                 ) -> Dict[str, StageLayout]:
@@ -237,19 +242,45 @@ def tail_dim(shape: Tuple[int, ...], num_devices: int) -> int:
   return -1
 
 
-def _staged_specs(layout: StageLayout, layers_spec: P, stage_axes: Any, num_devices: int
-                  ) -> Dict[str, Any]:
-  """PartitionSpecs of a stage-stacked tree: layer rows by `layers_spec`; each embedding and
-  head leaf split over all stage devices (`stage_axes`) along its tail_dim. A device thus keeps
-  1/N of them and of their optimizer moments; the step gathers them whole once (they are small
-  next to the layers) and reduce-scatters their gradients back."""
+def layer_fsdp_dim(shape: Tuple[int, ...], fsdp: int) -> int:
+  """The dimension of a layer leaf's own shape split over the `fsdp` axis inside a stage (the
+  first one fsdp divides); -1: kept whole (fsdp == 1, or no dimension divides)."""
+  return tail_dim(shape, fsdp) if fsdp > 1 else -1
+
+
+def _staged_specs(layout: StageLayout, layers_axes: Any, tail_axes: Any, num_devices: int,
+                  fsdp: int) -> Dict[str, Any]:
+  """PartitionSpecs of a stage-stacked tree. Layer leaves [S, L/S, *shape]: rows over
+  `layers_axes`, and one dimension of `shape` over `fsdp` (layer_fsdp_dim; the step gathers a
+  layer whole just before running it). Each embedding and head leaf is split over all stage
+  devices (`tail_axes`) along its tail_dim. A device thus keeps 1/(pp*fsdp) of the layers and
+  1/N of the embedding and head, and as much of their optimizer moments; the step gathers the
+  embedding and head whole once (small next to the layers) and reduce-scatters their gradients
+  back."""
   def tail_spec(x):
     k = tail_dim(x.shape, num_devices)
-    return P() if k < 0 else P(*([None] * k), stage_axes)
+    return P() if k < 0 else P(*([None] * k), tail_axes)
+
+  def layer_spec(x):
+    k = layer_fsdp_dim(x.shape[2:], fsdp)
+    return P(layers_axes) if k < 0 else P(layers_axes, None, *([None] * k), "fsdp")
   shapes = layout.staged_shapes()
   return {"embed": jax.tree.map(tail_spec, shapes["embed"]),
-          "layers": jax.tree.map(lambda _: layers_spec, shapes["layers"]),
+          "layers": jax.tree.map(layer_spec, shapes["layers"]),
           "head": jax.tree.map(tail_spec, shapes["head"])}
+
+
+def _local_layout(layout: StageLayout, fsdp: int) -> StageLayout:
+  """The layout of one device's block: layer leaves with their fsdp dimension divided."""
+  def local(x):
+    k = layer_fsdp_dim(x.shape[2:], fsdp)
+    shape = list(x.shape)
+    if k >= 0:
+      shape[2 + k] //= fsdp
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+  shapes = layout.staged_shapes()
+  return StageLayout(layout.cfg, {**shapes, "layers": jax.tree.map(local, shapes["layers"])},
+                     layout.num_stages)
 
 
 def _staged_step(spec: _Spec, table, actor, critic, batch, mb_sizes):
@@ -258,9 +289,9 @@ def _staged_step(spec: _Spec, table, actor, critic, batch, mb_sizes):
   layouts = layouts_for(spec.actor_cfg, spec.critic_cfg, spec.actor_pp, spec.critic_pp)
   num_tokens, num_seqs = stages.normalisers(batch)
   rows = P(spec.data_axes) if spec.data_axes else P()
-  n = spec.num_devices
-  specs = {"actor": _staged_specs(layouts["actor"], P(STAGE_AXES), STAGE_AXES, n),
-           "critic": _staged_specs(layouts["critic"], P(CRITIC_STAGE_AXIS), STAGE_AXES, n)}
+  n, fsdp = spec.num_devices, _fsdp_size(spec.mesh)
+  specs = {"actor": _staged_specs(layouts["actor"], STAGE_AXES, STAGE_AXES, n, fsdp),
+           "critic": _staged_specs(layouts["critic"], CRITIC_STAGE_AXIS, STAGE_AXES, n, fsdp)}
   in_specs = (P(), specs["actor"], specs["critic"], jax.tree.map(lambda _: rows, batch), P(),
               P())
   fn = jax.shard_map(_make_body(spec, layouts, *mb_sizes), mesh=stage_mesh(spec.mesh,
@@ -297,7 +328,20 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
   cfgs = {"actor": spec.actor_cfg, "critic": spec.critic_cfg}
   mb_rows = {"actor": mba, "critic": mbc}
   head_loss = {"actor": stages.actor_head_loss, "critic": stages.critic_head_loss}
-  n = spec.num_devices
+  n, fsdp = spec.num_devices, _fsdp_size(spec.mesh)
+  whole_layouts = layouts
+  layouts = {m: _local_layout(whole_layouts[m], fsdp) for m in MODELS}  # this device's blocks
+  # layer_fsdp_dim of every layer leaf (of one layer's own shape).
+  fsdp_dims = {m: jax.tree.map(lambda x: layer_fsdp_dim(x.shape[2:], fsdp),
+                               whole_layouts[m].staged_shapes()["layers"]) for m in MODELS}
+
+  def gather_layer(model):
+    """One layer's fsdp shards -> whole (its vjp reduce-scatters the gradients over fsdp)."""
+    def gather(p):
+      return jax.tree.map(
+          lambda x, k: x if k < 0 else lax.all_gather(x, "fsdp", axis=k, tiled=True),
+          p, fsdp_dims[model])
+    return gather if fsdp > 1 else None
   up_perm = [(d, d + 1) for d in range(n - 1)]
   down_perm = [(d + 1, d) for d in range(n - 1)]
   all_axes = STAGE_AXES + spec.data_axes
@@ -367,7 +411,8 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
         keep = jnp.logical_and(jnp.logical_not(bwd), jnp.logical_not(first))
         stash = lax.dynamic_update_index_in_dim(stash, jnp.where(keep, x_in, saved),
                                                 row[prog.STASH_SLOT], 0)
-        y, blocks_vjp = jax.vjp(lambda layers, x: stages.blocks(cfg, layers, x), p["layers"],
+        y, blocks_vjp = jax.vjp(
+            lambda layers, x: stages.blocks(cfg, layers, x, gather_layer(model)), p["layers"],
                                 x_in)
 
         def loss_grad(acc, metrics):
@@ -459,9 +504,13 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
     # replicas); the embedding and head gradients are summed over all devices and each device
     # keeps its 1/N (reduce-scatter over the stage devices).
     out = {}
-    for m, layer_axes in (("actor", spec.data_axes), ("critic", spec.data_axes + (REPLICA_AXIS,))):
+    for m, extra in (("actor", ()), ("critic", (REPLICA_AXIS,))):
       layers, embed, head = layouts[m].split_accumulator(carry["grads"][m])
-      out[m] = {"layers": jax.tree.map(lambda g: lax.psum(g, layer_axes), layers),
+
+      def layer_sum(g, k, extra=extra):  # fsdp-split leaves are summed over fsdp already
+        axes = tuple(a for a in spec.data_axes if k < 0 or a != "fsdp") + extra
+        return lax.psum(g, axes) if axes else g
+      out[m] = {"layers": jax.tree.map(layer_sum, layers, fsdp_dims[m]),
                 "embed": scatter_tail(embed, tail_dims[m]["embed"]),
                 "head": scatter_tail(head, tail_dims[m]["head"])}
     return (out["actor"], out["critic"], lax.psum(carry["metrics"]["actor"], all_axes),

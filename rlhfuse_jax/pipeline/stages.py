@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -225,11 +225,17 @@ def embed(cfg: ModelConfig, embed_params: Any, tokens: jax.Array) -> jax.Array:
                                       method=lambda m, t: m.embed(t))
 
 
-def blocks(cfg: ModelConfig, layers: Any, x: jax.Array) -> jax.Array:
-  """Runs the stacked layers [layers_per_stage, ...] of one stage: [mb, L, H] -> [mb, L, H]."""
+def blocks(cfg: ModelConfig, layers: Any, x: jax.Array,
+           gather: Optional[Callable[[Any], Any]] = None) -> jax.Array:
+  """Runs the stacked layers [layers_per_stage, ...] of one stage: [mb, L, H] -> [mb, L, H].
+
+  `gather` (inside a shard_map) turns one layer's parameter shards into the whole layer just
+  before it runs (FSDP inside a stage: one layer whole at a time)."""
   positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
 
   def body(h, p):
+    if gather is not None:
+      p = gather(p)
     return llama.block_class(cfg)(cfg).apply({"params": p}, h, positions)[0], None
 
   return lax.scan(body, x, layers)[0]
