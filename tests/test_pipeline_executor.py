@@ -160,12 +160,13 @@ def test_deadlocked_orders_are_rejected():
 # The executor -----------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def _models(actor_layers, critic_layers, critic_hidden=32, tie=False):
+def _models(actor_layers, critic_layers, critic_hidden=32, tie=False, critic_kv_heads=1):
   acfg = llama.ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                            num_layers=actor_layers, num_heads=4, num_kv_heads=2,
                            tie_embeddings=tie)
   ccfg = llama.ModelConfig(vocab_size=VOCAB, hidden_size=critic_hidden, intermediate_size=48,
-                           num_layers=critic_layers, num_heads=2, num_kv_heads=1, head="scalar")
+                           num_layers=critic_layers, num_heads=2, num_kv_heads=critic_kv_heads,
+                           head="scalar")
   return acfg, ccfg, _init(acfg, 0), _init(ccfg, 1)
 
 
@@ -281,14 +282,23 @@ def test_grads_match_with_a_data_axis_and_a_single_stage_critic():
 
 
 def test_grads_match_with_a_tensor_axis_and_two_layers_per_stage():
-  """stage=2 x data=2 x an automatic tensor=2 axis; the actor's stages hold two layers each."""
+  """stage=2 x data=2 x tensor=2: Megatron splits inside each stage (heads and MLP width over
+  tensor, llama.tensor_parallel); the actor's stages hold two layers each."""
   problem = PipelineProblem(2, 2, 2, 2, 1.0, 1.0)
-  acfg, ccfg, ap, cp = _models(4, 2)
+  acfg, ccfg, ap, cp = _models(4, 2, critic_kv_heads=2)
   mesh = make_mesh(MeshConfig(data=2, stage=2, tensor=2))
   loss_cfg = stages.LossConfig()
   ex = make_executor(acfg, ccfg, loss_cfg, problem, schedules.greedy_order(problem), mesh)
   # grads_fn: the traceable form, as a trainer calls it inside its own jitted update.
   _check([jax.jit(ex.grads_fn, compiler_options=FAST)], acfg, ccfg, loss_cfg, ap, cp, _batch(8))
+  # The split is real: a device holds half of each projection of its stage.
+  staged = jax.device_put(ex.stack("actor", ap), ex.staged_shardings("actor"))
+  q = staged["layers"]["attn"]["q_proj"]["kernel"]  # [2 stages, 2 layers, H, heads*dim]
+  assert {s.data.shape for s in q.addressable_shards} == {(1, 2, 32, 16)}
+  with pytest.raises(ValueError, match=r"critic.num_kv_heads=1 must be divisible by the mesh's "
+                                       r"tensor axis \(2\)"):
+    make_executor(acfg, _models(4, 2)[1], loss_cfg, problem, schedules.greedy_order(problem),
+                  mesh)
 
 
 def _device_bytes(tree, device):
@@ -298,7 +308,7 @@ def _device_bytes(tree, device):
 
 def test_stage_sharded_state_with_fsdp_inside_each_stage():
   """stage=2 x fsdp=2 x data=2 (actor and critic in 2 stages), the trainer's form. Each
-  device holds 1/(pp*fsdp) of every layer leaf and 1/pp of the embedding and head; gradients
+  device holds 1/(pp*fsdp) of every layer matrix and 1/pp of the embedding and head; gradients
   come back placed the same way and equal jax.grad of the unpipelined losses."""
   problem = PipelineProblem(2, 2, 2, 2, 1.0, 1.0)
   acfg, ccfg, ap, cp = _models(4, 2)
@@ -309,11 +319,14 @@ def test_stage_sharded_state_with_fsdp_inside_each_stage():
   staged = {m: jax.device_put(ex.stack(m, p), ex.staged_shardings(m))
             for m, p in (("actor", ap), ("critic", cp))}
   for m, whole in (("actor", ap), ("critic", cp)):
-    layers = [x for k, v in whole.items() if k.startswith("layers_") for x in jax.tree.leaves(v)]
+    # Layer matrices: 1/(pp*fsdp); norm gains (logical axis "norm", never split): 1/pp.
+    layers = sum(x.nbytes / (2 if "norm" in jax.tree_util.keystr(path) else 4)
+                 for k, v in whole.items() if k.startswith("layers_")
+                 for path, x in jax.tree_util.tree_flatten_with_path(v)[0])
     tail = [x for k in ("embed", "head") for x in jax.tree.leaves(whole[k])]
     # Every tiny leaf has a dimension divisible by 2 except the value head's bias, if any.
-    want = (sum(x.nbytes for x in layers) / 4 +
-            sum(x.nbytes / 2 if x.shape and max(x.shape) % 2 == 0 else x.nbytes for x in tail))
+    want = layers + sum(x.nbytes / 2 if x.shape and max(x.shape) % 2 == 0 else x.nbytes
+                        for x in tail)
     for d in mesh.devices.flat:
       assert _device_bytes(staged[m], d) == want, (m, d)
   batch = _batch(8)

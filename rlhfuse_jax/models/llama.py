@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping, Optional, Sequence
 
@@ -203,6 +204,67 @@ def constrain_batch(x: jax.Array) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+# Megatron-style tensor parallelism inside a shard_map (pipeline/executor.py): the block runs
+# on a local config (heads and MLP width divided by the tensor size) with column-split q/k/v,
+# gate and up kernels and row-split o and down kernels. Two conjugate operators bracket each
+# of the attention and the MLP (Shoeybi et al. 2019, "f" and "g"): on entry the replicated
+# input's gradient is summed over the tensor devices; on exit the partial outputs are summed.
+_TENSOR_AXIS: contextvars.ContextVar = contextvars.ContextVar("llama_tensor_axis", default=None)
+
+
+@contextlib.contextmanager
+def tensor_parallel(axis: Optional[str]):
+  """While active (tracing inside a shard_map whose manual axes include `axis`), Attention and
+  MLP sum their row-split outputs over `axis` and their input gradients likewise. None: no-op."""
+  token = _TENSOR_AXIS.set(axis)
+  try:
+    yield
+  finally:
+    _TENSOR_AXIS.reset(token)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _enter(x, axis):  # identity forward, psum of the gradient backward
+  return x
+
+
+def _enter_fwd(x, axis):
+  return x, None
+
+
+def _enter_bwd(axis, _, g):
+  return (jax.lax.psum(g, axis),)
+
+
+_enter.defvjp(_enter_fwd, _enter_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _exit(x, axis):  # psum forward, identity backward
+  return jax.lax.psum(x, axis)
+
+
+def _exit_fwd(x, axis):
+  return jax.lax.psum(x, axis), None
+
+
+def _exit_bwd(axis, _, g):
+  return (g,)
+
+
+_exit.defvjp(_exit_fwd, _exit_bwd)
+
+
+def tp_enter(x: jax.Array) -> jax.Array:
+  axis = _TENSOR_AXIS.get()
+  return x if axis is None else _enter(x, axis)
+
+
+def tp_exit(x: jax.Array) -> jax.Array:
+  axis = _TENSOR_AXIS.get()
+  return x if axis is None else _exit(x, axis)
+
+
 def _dense(features, logical, cfg: ModelConfig, name: str, use_bias: bool = False):
   return nn.Dense(
       features, use_bias=use_bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
@@ -254,6 +316,7 @@ class Attention(nn.Module):
     cfg = self.cfg
     b, l, _ = x.shape
     h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_
+    x = tp_enter(x)
     q = _dense(h * d, ("embed", "q_heads"), cfg, "q_proj", cfg.qkv_bias)(x).reshape(b, l, h, d)
     k = _dense(kvh * d, ("embed", "kv_heads"), cfg, "k_proj", cfg.qkv_bias)(x).reshape(b, l, kvh, d)
     v = _dense(kvh * d, ("embed", "kv_heads"), cfg, "v_proj", cfg.qkv_bias)(x).reshape(b, l, kvh, d)
@@ -271,7 +334,7 @@ class Attention(nn.Module):
     # [batch, len, heads, dim]; O(len) memory unless cfg.attention == "reference".
     out = attention_lib.dot_product_attention(q, keys, values, positions, key_pos, cfg.attention)
     out = constrain_batch(out.reshape(b, l, h * d))
-    out = _dense(cfg.hidden_size, ("q_heads", "embed"), cfg, "o_proj", cfg.o_bias)(out)
+    out = tp_exit(_dense(cfg.hidden_size, ("q_heads", "embed"), cfg, "o_proj", cfg.o_bias)(out))
     return constrain_batch(out), cache_kv
 
 
@@ -281,10 +344,11 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x):
     cfg = self.cfg
+    x = tp_enter(x)
     gate = constrain_batch(_dense(cfg.intermediate_size, ("embed", "mlp"), cfg, "gate_proj")(x))
     up = constrain_batch(_dense(cfg.intermediate_size, ("embed", "mlp"), cfg, "up_proj")(x))
-    return constrain_batch(
-        _dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down_proj")(nn.silu(gate) * up))
+    return constrain_batch(tp_exit(
+        _dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down_proj")(nn.silu(gate) * up)))
 
 
 class Block(nn.Module):

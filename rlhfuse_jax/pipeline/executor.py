@@ -54,7 +54,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from rlhfuse_jax.models import llama
 from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.pipeline import program as prog
 from rlhfuse_jax.pipeline import stages
 from rlhfuse_jax.pipeline.graph import PipelineProblem
@@ -82,6 +84,15 @@ def check_placement(mesh: Mesh, problem: PipelineProblem, actor_cfg: ModelConfig
                      f"{STAGE_AXIS!r} (actor_pp={problem.actor_pp})")
   stages.check_split(actor_cfg, problem.actor_pp, "actor")
   stages.check_split(critic_cfg, problem.critic_pp, "critic")
+  tensor = mesh.shape.get("tensor", 1)
+  for name, cfg in (("actor", actor_cfg), ("critic", critic_cfg)):
+    for field in ("num_heads", "num_kv_heads", "intermediate_size"):
+      if getattr(cfg, field) % tensor:
+        raise ValueError(f"{name}.{field}={getattr(cfg, field)} must be divisible by the mesh's "
+                         f"tensor axis ({tensor}): a tensor-parallel device runs an equal share")
+    if tensor > 1 and cfg.o_bias:
+      raise ValueError(f"{name}.o_bias=True with tensor={tensor}: the row-split output "
+                       "projection would add its bias once per tensor device")
   if actor_cfg.head != "lm":
     raise ValueError(f"actor.head={actor_cfg.head!r}; the actor needs head='lm'")
   if critic_cfg.head != "scalar":
@@ -167,7 +178,7 @@ class PipelineExecutor:
       mesh = stage_mesh(self.mesh, self.program.problem.critic_pp)
       layers, tail = CRITIC_STAGE_AXIS, STAGE_AXES
     specs = _staged_specs(self.layouts[model], layers, tail, self.spec.num_devices,
-                          _fsdp_size(self.mesh))
+                          _splits(self.spec)[model])
     return jax.tree.map(lambda p: jax.sharding.NamedSharding(mesh, p), specs,
                         is_leaf=lambda x: isinstance(x, P))
 
@@ -222,8 +233,15 @@ def stage_mesh(mesh: Mesh, critic_pp: int) -> Mesh:
               axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 
 
-def _fsdp_size(mesh: Mesh) -> int:
-  return mesh.shape.get("fsdp", 1)
+def _splits(spec: _Spec) -> Dict[str, Any]:
+  fsdp, tensor = _axis_sizes(spec.mesh)
+  return {"actor": layer_splits(spec.actor_cfg, fsdp, tensor),
+          "critic": layer_splits(spec.critic_cfg, fsdp, tensor)}
+
+
+def _tensor_axis(mesh: Mesh) -> Tuple[str, ...]:
+  """("tensor",) where the mesh has that axis: manual in the step (Megatron splits)."""
+  return ("tensor",) if "tensor" in mesh.shape else ()
 
 
 @functools.lru_cache(maxsize=64)
@@ -242,44 +260,74 @@ def tail_dim(shape: Tuple[int, ...], num_devices: int) -> int:
   return -1
 
 
-def layer_fsdp_dim(shape: Tuple[int, ...], fsdp: int) -> int:
-  """The dimension of a layer leaf's own shape split over the `fsdp` axis inside a stage (the
-  first one fsdp divides); -1: kept whole (fsdp == 1, or no dimension divides)."""
-  return tail_dim(shape, fsdp) if fsdp > 1 else -1
+@dataclasses.dataclass(frozen=True)
+class LayerSplit:
+  """How one layer leaf's own dimensions split inside a stage: per dimension the mesh axis
+  ("fsdp" or "tensor") or None (a jax.tree leaf: not a tuple)."""
+  dims: Tuple[Optional[str], ...]
+
+
+@functools.lru_cache(maxsize=64)
+def layer_splits(cfg: ModelConfig, fsdp: int, tensor: int) -> Any:
+  """LayerSplit of every leaf of one layer (the tree of llama's layers_0), from the logical
+  axis names of the parameters and parallel/mesh.LOGICAL_RULES: "embed" dims over fsdp
+  (FSDP: gathered one layer at a time), heads and MLP width over tensor (Megatron column/row
+  splits, never gathered). A dim an axis does not divide stays whole."""
+  sizes = {"fsdp": fsdp, "tensor": tensor}
+
+  def one(spec, shape):
+    dims = []
+    for name, size in zip(spec, shape.shape):
+      axis = mesh_lib.LOGICAL_RULES.get(name)
+      ok = axis in sizes and sizes[axis] > 1 and size % sizes[axis] == 0
+      dims.append(axis if ok else None)
+    return LayerSplit(tuple(dims))
+  return jax.tree.map(one, llama.logical_specs(cfg)["layers_0"],
+                      stages.param_shapes(cfg)["layers_0"], is_leaf=lambda x: isinstance(x, P))
+
+
+def _axis_sizes(mesh: Mesh) -> Tuple[int, int]:
+  return mesh.shape.get("fsdp", 1), mesh.shape.get("tensor", 1)
+
+
+def local_config(cfg: ModelConfig, tensor: int) -> ModelConfig:
+  """The config one tensor-parallel device runs a layer with: its share of the heads and of
+  the MLP width (check_placement guarantees they divide)."""
+  if tensor == 1:
+    return cfg
+  return cfg.replace(num_heads=cfg.num_heads // tensor, num_kv_heads=cfg.num_kv_heads // tensor,
+                     intermediate_size=cfg.intermediate_size // tensor, head_dim=cfg.head_dim_)
 
 
 def _staged_specs(layout: StageLayout, layers_axes: Any, tail_axes: Any, num_devices: int,
-                  fsdp: int) -> Dict[str, Any]:
+                  splits: Any) -> Dict[str, Any]:
   """PartitionSpecs of a stage-stacked tree. Layer leaves [S, L/S, *shape]: rows over
-  `layers_axes`, and one dimension of `shape` over `fsdp` (layer_fsdp_dim; the step gathers a
-  layer whole just before running it). Each embedding and head leaf is split over all stage
-  devices (`tail_axes`) along its tail_dim. A device thus keeps 1/(pp*fsdp) of the layers and
-  1/N of the embedding and head, and as much of their optimizer moments; the step gathers the
-  embedding and head whole once (small next to the layers) and reduce-scatters their gradients
-  back."""
+  `layers_axes`, the dimensions of `shape` by their LayerSplit (fsdp, tensor). Each embedding
+  and head leaf is split over all stage devices (`tail_axes`) along its tail_dim. A device thus
+  keeps 1/(pp*fsdp*tp) of the layers (norm gains: 1/(pp*fsdp) or 1/pp) and 1/N of the embedding
+  and head, and as much of their optimizer moments; the step gathers the embedding and head
+  whole once (small next to the layers) and reduce-scatters their gradients back."""
   def tail_spec(x):
     k = tail_dim(x.shape, num_devices)
     return P() if k < 0 else P(*([None] * k), tail_axes)
 
-  def layer_spec(x):
-    k = layer_fsdp_dim(x.shape[2:], fsdp)
-    return P(layers_axes) if k < 0 else P(layers_axes, None, *([None] * k), "fsdp")
   shapes = layout.staged_shapes()
   return {"embed": jax.tree.map(tail_spec, shapes["embed"]),
-          "layers": jax.tree.map(layer_spec, shapes["layers"]),
+          "layers": jax.tree.map(lambda split: P(layers_axes, None, *split.dims), splits),
           "head": jax.tree.map(tail_spec, shapes["head"])}
 
 
-def _local_layout(layout: StageLayout, fsdp: int) -> StageLayout:
-  """The layout of one device's block: layer leaves with their fsdp dimension divided."""
-  def local(x):
-    k = layer_fsdp_dim(x.shape[2:], fsdp)
+def _local_layout(layout: StageLayout, splits: Any, mesh: Mesh) -> StageLayout:
+  """The layout of one device's block: layer leaves with their split dimensions divided."""
+  def local(x, split):
     shape = list(x.shape)
-    if k >= 0:
-      shape[2 + k] //= fsdp
+    for k, axis in enumerate(split.dims):
+      if axis is not None:
+        shape[2 + k] //= mesh.shape[axis]
     return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
   shapes = layout.staged_shapes()
-  return StageLayout(layout.cfg, {**shapes, "layers": jax.tree.map(local, shapes["layers"])},
+  return StageLayout(layout.cfg, {**shapes, "layers": jax.tree.map(local, shapes["layers"],
+                                                                   splits)},
                      layout.num_stages)
 
 
@@ -289,15 +337,17 @@ def _staged_step(spec: _Spec, table, actor, critic, batch, mb_sizes):
   layouts = layouts_for(spec.actor_cfg, spec.critic_cfg, spec.actor_pp, spec.critic_pp)
   num_tokens, num_seqs = stages.normalisers(batch)
   rows = P(spec.data_axes) if spec.data_axes else P()
-  n, fsdp = spec.num_devices, _fsdp_size(spec.mesh)
-  specs = {"actor": _staged_specs(layouts["actor"], STAGE_AXES, STAGE_AXES, n, fsdp),
-           "critic": _staged_specs(layouts["critic"], CRITIC_STAGE_AXIS, STAGE_AXES, n, fsdp)}
+  n, splits = spec.num_devices, _splits(spec)
+  specs = {"actor": _staged_specs(layouts["actor"], STAGE_AXES, STAGE_AXES, n, splits["actor"]),
+           "critic": _staged_specs(layouts["critic"], CRITIC_STAGE_AXIS, STAGE_AXES, n,
+                                   splits["critic"])}
   in_specs = (P(), specs["actor"], specs["critic"], jax.tree.map(lambda _: rows, batch), P(),
               P())
   fn = jax.shard_map(_make_body(spec, layouts, *mb_sizes), mesh=stage_mesh(spec.mesh,
                                                                            spec.critic_pp),
                      in_specs=in_specs, out_specs=(specs["actor"], specs["critic"], P(), P()),
-                     axis_names=frozenset(spec.data_axes + STAGE_AXES), check_vma=False)
+                     axis_names=frozenset(spec.data_axes + STAGE_AXES + _tensor_axis(spec.mesh)),
+                     check_vma=False)
   ga, gc, ma, mc = fn(table, actor, critic, batch, num_tokens, num_seqs)
   ga = jax.tree.map(lambda g, p: g.astype(p.dtype), ga, actor)
   gc = jax.tree.map(lambda g, p: g.astype(p.dtype), gc, critic)
@@ -328,20 +378,25 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
   cfgs = {"actor": spec.actor_cfg, "critic": spec.critic_cfg}
   mb_rows = {"actor": mba, "critic": mbc}
   head_loss = {"actor": stages.actor_head_loss, "critic": stages.critic_head_loss}
-  n, fsdp = spec.num_devices, _fsdp_size(spec.mesh)
+  n, splits = spec.num_devices, _splits(spec)
+  fsdp, tensor = _axis_sizes(spec.mesh)
   whole_layouts = layouts
-  layouts = {m: _local_layout(whole_layouts[m], fsdp) for m in MODELS}  # this device's blocks
-  # layer_fsdp_dim of every layer leaf (of one layer's own shape).
-  fsdp_dims = {m: jax.tree.map(lambda x: layer_fsdp_dim(x.shape[2:], fsdp),
-                               whole_layouts[m].staged_shapes()["layers"]) for m in MODELS}
+  layouts = {m: _local_layout(whole_layouts[m], splits[m], spec.mesh) for m in MODELS}
+  # The layers run on this device's share of the heads and MLP width (tensor parallelism).
+  layer_cfgs = {"actor": local_config(spec.actor_cfg, tensor),
+                "critic": local_config(spec.critic_cfg, tensor)}
 
   def gather_layer(model):
-    """One layer's fsdp shards -> whole (its vjp reduce-scatters the gradients over fsdp)."""
+    """One layer's fsdp shards -> whole over fsdp (its vjp reduce-scatters the gradients)."""
     def gather(p):
-      return jax.tree.map(
-          lambda x, k: x if k < 0 else lax.all_gather(x, "fsdp", axis=k, tiled=True),
-          p, fsdp_dims[model])
+      def one(x, split):
+        for k, axis in enumerate(split.dims):
+          if axis == "fsdp":
+            x = lax.all_gather(x, "fsdp", axis=k, tiled=True)
+        return x
+      return jax.tree.map(one, p, splits[model])
     return gather if fsdp > 1 else None
+
   up_perm = [(d, d + 1) for d in range(n - 1)]
   down_perm = [(d + 1, d) for d in range(n - 1)]
   all_axes = STAGE_AXES + spec.data_axes
@@ -364,7 +419,12 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
         lambda x, k: x if k < 0 else lax.all_gather(x, STAGE_AXES, axis=k, tiled=True),
         tree, dims)
 
-  def body(table, actor, critic, batch, num_tokens, num_seqs):
+  def body(*args):
+    # Attention and MLP sum their tensor-split outputs over "tensor" (llama.tensor_parallel).
+    with llama.tensor_parallel("tensor" if tensor > 1 else None):
+      return run_body(*args)
+
+  def run_body(table, actor, critic, batch, num_tokens, num_seqs):
     device = lax.axis_index(STAGE_AXES)
     # This device's stages (critic stage Pc-1-(device mod Pc): its rows are stored reversed),
     # with the embedding and head gathered whole.
@@ -412,7 +472,8 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
         stash = lax.dynamic_update_index_in_dim(stash, jnp.where(keep, x_in, saved),
                                                 row[prog.STASH_SLOT], 0)
         y, blocks_vjp = jax.vjp(
-            lambda layers, x: stages.blocks(cfg, layers, x, gather_layer(model)), p["layers"],
+            lambda layers, x: stages.blocks(layer_cfgs[model], layers, x, gather_layer(model)),
+            p["layers"],
                                 x_in)
 
         def loss_grad(acc, metrics):
@@ -507,10 +568,11 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
     for m, extra in (("actor", ()), ("critic", (REPLICA_AXIS,))):
       layers, embed, head = layouts[m].split_accumulator(carry["grads"][m])
 
-      def layer_sum(g, k, extra=extra):  # fsdp-split leaves are summed over fsdp already
-        axes = tuple(a for a in spec.data_axes if k < 0 or a != "fsdp") + extra
+      def layer_sum(g, split, extra=extra):  # fsdp-split leaves are summed over fsdp already
+        axes = tuple(a for a in spec.data_axes if a != "fsdp" or "fsdp" not in split.dims)
+        axes += extra
         return lax.psum(g, axes) if axes else g
-      out[m] = {"layers": jax.tree.map(layer_sum, layers, fsdp_dims[m]),
+      out[m] = {"layers": jax.tree.map(layer_sum, layers, splits[m]),
                 "embed": scatter_tail(embed, tail_dims[m]["embed"]),
                 "head": scatter_tail(head, tail_dims[m]["head"])}
     return (out["actor"], out["critic"], lax.psum(carry["metrics"]["actor"], all_axes),
