@@ -7,9 +7,10 @@ Variants: `tiny` (seconds; the test's), `7b_host8` (the 7B pair on one 8-GPU hos
 RLHFuse paper's pairs `7b/7b`, `13b/13b`, `33b/13b`, `65b/33b` on the plan the simulator picks
 for them on 256 H100s (sim/training_sim.best_plan: tp 8, actor and critic 16 stages, dp 2,
 micro-batch 1; generation tp 8 with the slots of sim/iteration_sim.gen_plan). The executor splits
-layers evenly over stages, which 33B's 60 layers do not allow at 16: 33b/13b runs pp 4, dp 8
-and 65b/33b a 4-stage critic (4 replicas). Those compile a 256-device program;
-`--config.layers=N` compiles N layers per model instead (result.json says so in
+layers evenly over stages, which 13B's 40 and 33B's 60 layers do not allow at 16: 13b/13b runs pp
+8 (dp 4), 33b/13b pp 4 and 65b/33b a 4-stage critic (4 replicas); and tensor parallelism splits
+whole heads, which 33B's 52 do not allow at 8: both pairs with a 33B model train at tp 4 (dp
+doubled), and 33b/13b generates at tp 4 with half the slots. Those compile a 256-device program; `--config.layers=N` compiles N layers per model instead (result.json says so in
 `layers_compiled`). Writes result.json and config.json; logs a table.
 """
 import ml_collections
@@ -81,11 +82,19 @@ def get_config(arg: str = "tiny"):
   elif arg in PAPER_PAIRS:
     c.actor, c.critic = arg.split("/")
     c.pp, c.critic_pp, c.tp, c.dp = 16, 16, 8, 2
-    if arg == "33b/13b":
-      c.pp, c.critic_pp, c.dp = 4, 4, 8  # 60 layers do not split into 16 stages
+    # 33B's 52 heads do not split 8 ways (the executor's tensor split is by whole heads): the
+    # pairs with a 33B model run tp 4 and twice the data parallelism.
+    if arg == "13b/13b":
+      c.pp, c.critic_pp, c.dp = 8, 8, 4  # 40 layers do not split into 16 stages
+    elif arg == "33b/13b":
+      c.pp, c.critic_pp, c.tp, c.dp = 4, 4, 4, 16  # 60 layers do not split into 16 stages
+      # Generation of the 33B actor: tp 4 too, half the slots (the same KV bytes per device).
+      c.gen_tp, c.gen_slots = 4, PAPER_PAIRS[arg]["gen_slots"] // 2
     elif arg == "65b/33b":
       c.critic_pp = 4  # the 33B critic's 60 layers: 4 stages, 4 replicas over the 16
-    c.gen_tp, c.gen_slots = 8, PAPER_PAIRS[arg]["gen_slots"]
+      c.tp, c.dp = 4, 4
+    if arg != "33b/13b":
+      c.gen_tp, c.gen_slots = 8, PAPER_PAIRS[arg]["gen_slots"]
   else:
     raise ValueError(f"configs/plan_check.py: unknown variant {arg!r}; expected 'tiny', "
                      f"'7b_host8' or one of {list(PAPER_PAIRS)}")

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from rlhfuse_jax import checkpointing
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.pipeline import executor as executor_lib
 from rlhfuse_jax.pipeline import program as prog
@@ -181,6 +182,20 @@ def test_pipelined_run_resumes_bitwise(runs, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(second.actor.opt_state),
                jax.device_get(fused.actor.opt_state))
   assert _deterministic(resumed[0]) == {"step": 2, **_deterministic(history[1])}
+
+
+def test_resuming_under_another_pipeline_layout_names_the_fields(runs, tmp_path):
+  """A checkpoint of whole models (mesh.stage=1) met by a pipelined run: a clear error."""
+  plain, _ = runs["plain"]
+  workdir = str(tmp_path / "wd")
+  saver = checkpointing.Checkpointer(workdir)
+  saver.save(1, plain._state(), {"iteration": 1, "seed": plain.cfg.seed,
+                                 "data": plain.dataset.state_dict()})
+  saver.close()
+  fused = runs["fused"][0]
+  with pytest.raises(ValueError, match=r"does not fit this run's state \(stage-stacked for "
+                                       r"mesh.stage=4, pipeline.critic_pp=2\).*mesh.stage"):
+    PPOTrainer(fused.cfg, workdir, mesh=fused.mesh).run()
 
 
 def test_schedule_is_searched_once_then_loaded_from_disk(runs, monkeypatch):

@@ -34,9 +34,15 @@ embedding and head gradients are summed over all devices, like their replicated 
 Data parallelism: the mini-batch is split over the mesh's data axes (`data`, `fsdp`, manual
 here); each data shard runs the pipeline on its rows with the normalisers of the whole
 mini-batch. Micro-batches: the actor's Ma and the critic's R*Mc (replica r takes r*Mc ..
-r*Mc+Mc-1) are consecutive row slices of each data shard. A `tensor` axis is left automatic
-(GSPMD); the stage parameters enter replicated over it, so the stage computation is repeated on
-the tensor axis rather than split (correct, not faster).
+r*Mc+Mc-1) are consecutive row slices of each data shard.
+
+Inside a stage (`layer_splits`, from the parameters' logical axes and parallel/mesh.LOGICAL_RULES):
+`fsdp` splits each layer matrix along its "embed" dimension, gathered one layer at a time just
+before it runs (the gather's vjp reduce-scatters the gradient); `tensor` (manual too) splits
+heads and MLP width Megatron-style: the stage runs its layers on a local config (heads, KV heads
+and MLP width divided by the tensor size) with column-split q/k/v/gate/up and row-split o/down
+kernels, between llama.tensor_parallel's f/g operators. Embedding, head and loss run whole on
+every tensor device.
 
 The table is an argument of the compiled step, not a constant: schedules with the same
 program.ProgramShape share one compilation (serial and fused, for example).

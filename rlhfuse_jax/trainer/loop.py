@@ -260,7 +260,16 @@ class PPOTrainer:
     step = self.checkpointer.latest_step()
     if step is None:
       return 0
-    state, meta = self.checkpointer.restore(step, self._state())
+    try:
+      state, meta = self.checkpointer.restore(step, self._state())
+    except ValueError as e:  # orbax: the saved tree or shapes differ from this run's state
+      layout = ("stage-stacked for mesh.stage=%d, pipeline.critic_pp=%d" % (
+          self.mesh.shape["stage"], self.update.executor.program.problem.critic_pp)
+                if self.pipelined else "whole models (mesh.stage=1)")
+      raise ValueError(
+          f"checkpoint {step} in {self.checkpointer.directory} does not fit this run's state "
+          f"({layout}): a run resumes only with the pipeline layout that saved it (mesh.stage, "
+          f"pipeline.critic_pp). Orbax says: {str(e).splitlines()[0]}") from e
     self.actor = state["actor"]
     self.critic = state.get("critic")
     # The reference is not saved: it is the initial actor, rebuilt from the seed or checkpoint
