@@ -7,12 +7,14 @@ built from a `MeshConfig`; -1 in one field takes the remaining devices.
 Parameters carry logical names (see models/llama.py); `LOGICAL_RULES` maps each onto mesh axes.
 A dimension that the mapped mesh axis does not divide (e.g. 2 KV heads on tensor=4) is replicated
 instead of failing, and the fallback is logged once: correctness never depends on the sharding.
+(The pipelined update's manual Megatron split is stricter: it needs heads, KV heads and MLP width
+divisible by `tensor`; trainer/pipelined.check_config says so.)
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -167,19 +169,21 @@ def commit_to_mesh(tree: Any, mesh: Mesh) -> Any:
   return jax.tree_util.tree_map(place, tree)
 
 
-def shard_bytes(x: jax.Array) -> int:
-  """Bytes of one device's shard of `x` (its sharding's shard shape)."""
-  return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-
-
-def reshard_received_bytes(src: Any, dst: Any) -> int:
-  """Bytes one device receives when the tree `src` is resharded into `dst` (the same values in
-  any tree structure): what a device holds of `dst` less what it held of `src`. Exact when a
-  device's old shards are part of its new ones (gathering stage rows or fsdp shards: the
-  layout changes the trainer makes)."""
-  def held(tree):
-    return sum(shard_bytes(x) for x in jax.tree.leaves(tree))
-  return max(0, held(dst) - held(src))
+def missing_bytes(dst: jax.Array, held: Callable[[jax.Device], Optional[tuple]]
+                  ) -> dict[jax.Device, int]:
+  """Per device: bytes of its shard of `dst` that it does not hold already, where `held(device)`
+  is the index box (a tuple of slices into dst's shape) of what the device holds of the same
+  values, or None. Computed from the placements alone (no data is read)."""
+  shape, out = dst.shape, {}
+  for device, box in dst.sharding.devices_indices_map(shape).items():
+    need = math.prod(len(range(*sl.indices(n))) for sl, n in zip(box, shape))
+    have = held(device)
+    if have is not None:
+      have = math.prod(max(0, min(a.indices(n)[1], b.indices(n)[1]) -
+                              max(a.indices(n)[0], b.indices(n)[0]))
+                       for a, b, n in zip(box, have, shape))
+    out[device] = (need - (have or 0)) * dst.dtype.itemsize
+  return out
 
 
 def to_host(tree: Any) -> Any:

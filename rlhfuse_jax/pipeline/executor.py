@@ -6,7 +6,8 @@ stage-stacked trees of stages.StageLayout.stack: the actor's layer leaves [Pa, L
 sharded P('stage'); the critic's [Pc, L/Pc, ...] sharded over the critic_stage half of the stage
 axis split as (critic_replica, critic_stage) = (N/Pc, Pc) (`stage_mesh`; rows stored reversed, so
 device d = r*Pc + j runs critic stage Pc-1-j, and the R = N/Pc replicas of a critic stage hold the
-same rows); embedding and head whole. The instruction table of program.py, indexed by the
+same rows); embedding and head leaves split over all N stage devices and gathered whole for the
+step. The instruction table of program.py, indexed by the
 device's stage index, tells each device at each tick of a `lax.fori_loop` what to run;
 `lax.switch` picks the branch
 
@@ -29,7 +30,8 @@ carries one buffer instead of one per parameter leaf). At the end each device tu
 accumulator back into its block of the stage-stacked tree: layer gradients are summed over the
 data shards (and, for the critic, over its replicas: one psum over critic_replica) and leave the
 program sharded like the parameters, so the optimizer updates each stage where it lives; the
-embedding and head gradients are summed over all devices, like their replicated parameters.
+embedding and head gradients are summed over all devices and reduce-scattered back to their
+split (each device keeps its 1/N).
 
 Data parallelism: the mini-batch is split over the mesh's data axes (`data`, `fsdp`, manual
 here); each data shard runs the pipeline on its rows with the normalisers of the whole
@@ -310,9 +312,9 @@ def _staged_specs(layout: StageLayout, layers_axes: Any, tail_axes: Any, num_dev
   """PartitionSpecs of a stage-stacked tree. Layer leaves [S, L/S, *shape]: rows over
   `layers_axes`, the dimensions of `shape` by their LayerSplit (fsdp, tensor). Each embedding
   and head leaf is split over all stage devices (`tail_axes`) along its tail_dim. A device thus
-  keeps 1/(pp*fsdp*tp) of the layers (norm gains: 1/(pp*fsdp) or 1/pp) and 1/N of the embedding
-  and head, and as much of their optimizer moments; the step gathers the embedding and head
-  whole once (small next to the layers) and reduce-scatters their gradients back."""
+  keeps 1/(pp*fsdp*tp) of the layer matrices (norm gains, never split: 1/pp) and 1/N of the
+  embedding and head, and as much of their optimizer moments; the step gathers the embedding
+  and head whole once (small next to the layers) and reduce-scatters their gradients back."""
   def tail_spec(x):
     k = tail_dim(x.shape, num_devices)
     return P() if k < 0 else P(*([None] * k), tail_axes)

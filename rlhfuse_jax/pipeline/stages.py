@@ -3,8 +3,9 @@
 A model of L layers split into P stages gives stage s the layers s*L/P .. (s+1)*L/P - 1; stage 0
 also embeds the tokens, the last stage also runs the head and the loss. `StageLayout.stack` holds
 the layers as leaves [P, L/P, *shape], so a pipeline axis shards them by stage and each device
-keeps only its own layers; the embedding and the head stay whole on every stage (small next to
-the layers; only their stages use them, with tied embeddings both ends).
+keeps only its own layers; the pipeline executor splits the embedding and the head over all stage
+devices and gathers them whole for the step (only their stages use them, with tied embeddings
+both ends).
 
 Losses are split over micro-batches exactly: each micro-batch's loss uses the normalisers of the
 whole mini-batch (`num_tokens`, `num_seqs`), so the sum of the micro-batch losses and of their
@@ -230,13 +231,21 @@ def blocks(cfg: ModelConfig, layers: Any, x: jax.Array,
   """Runs the stacked layers [layers_per_stage, ...] of one stage: [mb, L, H] -> [mb, L, H].
 
   `gather` (inside a shard_map) turns one layer's parameter shards into the whole layer just
-  before it runs (FSDP inside a stage: one layer whole at a time)."""
+  before it runs (FSDP inside a stage). The gather and the layer are then rematerialised
+  together: a vjp keeps only each layer's shards and input, and its backward gathers the layer
+  again, so one layer is whole at a time (otherwise every gathered layer of the stage would be
+  kept for the backward)."""
   positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
 
-  def body(h, p):
-    if gather is not None:
-      p = gather(p)
-    return llama.block_class(cfg)(cfg).apply({"params": p}, h, positions)[0], None
+  def layer(h, p):
+    return llama.block_class(cfg)(cfg).apply({"params": p}, h, positions)[0]
+
+  if gather is None:
+    body = lambda h, p: (layer(h, p), None)
+  else:
+    gathered = jax.checkpoint(lambda h, p: layer(h, gather(p)),
+                              policy=jax.checkpoint_policies.nothing_saveable)
+    body = lambda h, p: (gathered(h, p), None)
 
   return lax.scan(body, x, layers)[0]
 

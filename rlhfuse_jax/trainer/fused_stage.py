@@ -86,11 +86,11 @@ class FusedStage:
       trainer.reward_params = None
     shapes = dict(self.host)
     if frozen.critic is not None:
-      shapes["critic"] = trainer.model_params("critic")
+      shapes["critic"] = trainer.model_shapes("critic")
     self.generator = fused_lib.FusedGenerator(
         cfg.model, trainer.sampling, self.config, batch_size=cfg.rollout.batch_size,
         prompt_len=cfg.data.max_prompt_len, frozen=frozen,
-        actor_params=trainer.model_params("actor"),
+        actor_params=trainer.model_shapes("actor"),
         frozen_params=shapes, devices=devices, rt_model=rt_auto.simulated_rt_model)
 
   def __call__(self, records, prompt_tokens, prompt_lens, uids, gen_key) -> dict:

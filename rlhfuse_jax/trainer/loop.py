@@ -58,6 +58,10 @@ def _update_kind(update) -> str:
           pipelined.SERIAL: "pipelined training (serial 1F1B)"}.get(name, "training")
 
 
+def _structs(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
 class _StopFlag:
   """Set by SIGTERM/SIGINT; the loop checks it after each iteration, saves and exits cleanly."""
 
@@ -137,7 +141,7 @@ class PPOTrainer:
     self.fused = fused_stage.FusedStage(self) if cfg.fusion.inter_stage else None
     self.generator = None if self.fused else engine.Generator(
         cfg.model, self.sampling, batch_size=cfg.rollout.batch_size,
-        prompt_len=cfg.data.max_prompt_len, mesh=self.mesh, params=self.model_params("actor"))
+        prompt_len=cfg.data.max_prompt_len, mesh=self.mesh, params=self.model_shapes("actor"))
     self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
     self._compiled_update = False  # the first update call (compiles) is timed and logged
 
@@ -162,7 +166,7 @@ class PPOTrainer:
     actor_specs = llama.logical_specs(cfg.model)
     actor_params = mesh_lib.shard_params(actor_params, actor_specs, self.mesh)
     # Where generation and inference take whole models (the trainer's own layout when unpipelined).
-    self._whole_shardings = {"actor": jax.tree.map(lambda x: x.sharding, actor_params)}
+    self._whole = {"actor": _structs(actor_params)}
     # The reference is the frozen initial actor: a copy, since the actor's buffers are donated.
     self.ref_params = jax.tree_util.tree_map(jnp.copy, actor_params)
     updates_per_iter = cfg.algo.epochs * (cfg.rollout.batch_size // cfg.algo.minibatch_size)
@@ -186,7 +190,7 @@ class PPOTrainer:
         critic_params, _ = llama.init_params(cfg.critic_model, jax.random.fold_in(key, 2))
       critic_params = mesh_lib.shard_params(critic_params, llama.logical_specs(cfg.critic_model),
                                             self.mesh)
-      self._whole_shardings["critic"] = jax.tree.map(lambda x: x.sharding, critic_params)
+      self._whole["critic"] = _structs(critic_params)
       self.critic_tx = optim.make_optimizer(cfg.optim.critic_lr, warmup, total,
                                             cfg.optim.min_lr_ratio, cfg.optim.weight_decay,
                                             cfg.optim.grad_clip, **decay_mask)
@@ -218,19 +222,25 @@ class PPOTrainer:
           self.critic_tx.init(critic_params), self.mesh))
     self._reshard = {"timing_s/reshard": 0.0, "perf/reshard_bytes": 0}
 
+  def model_shapes(self, model: str) -> Any:
+    """ShapeDtypeStructs of model_params(model), placed: what compiling generation needs."""
+    return self._whole[model]
+
   def model_params(self, model: str) -> Any:
     """The whole parameters of "actor" / "critic", placed as generation and inference take
     them. A pipelined run holds its models stage-stacked: this reshards them (gathers each
     stage's layers; docs/architecture.md §3), and the iteration's metrics report the time and
-    the bytes received per device (timing_s/reshard, perf/reshard_bytes)."""
+    the bytes the most loaded device receives (timing_s/reshard, perf/reshard_bytes)."""
     state = self.actor if model == "actor" else self.critic
     if not self.pipelined:
       return state.params
-    t0 = time.time()
-    whole = self.update.to_whole(model, state.params, self._whole_shardings[model])
+    shardings = jax.tree.map(lambda x: x.sharding, self._whole[model])
+    convert = self.update.whole_fn(model, state.params, shardings)
+    t0 = time.time()  # the transfer alone: the conversion was compiled ahead of time
+    whole = convert(state.params)
     jax.block_until_ready(whole)
     self._reshard["timing_s/reshard"] += time.time() - t0
-    self._reshard["perf/reshard_bytes"] += mesh_lib.reshard_received_bytes(state.params, whole)
+    self._reshard["perf/reshard_bytes"] += self.update.reshard_bytes(model, state.params, whole)
     return whole
 
   def _state(self) -> dict:
@@ -269,7 +279,7 @@ class PPOTrainer:
       raise ValueError(
           f"checkpoint {step} in {self.checkpointer.directory} does not fit this run's state "
           f"({layout}): a run resumes only with the pipeline layout that saved it (mesh.stage, "
-          f"pipeline.critic_pp). Orbax says: {str(e).splitlines()[0]}") from e
+          f"pipeline.critic_pp). Orbax says: {(str(e).splitlines() or [repr(e)])[0]}") from e
     self.actor = state["actor"]
     self.critic = state.get("critic")
     # The reference is not saved: it is the initial actor, rebuilt from the seed or checkpoint

@@ -2,8 +2,9 @@
 
 Idea (docs/architecture.md §3): with a pipeline axis, one optimizer step of actor and critic is one
 jitted program in which `pipeline/executor.py` runs a schedule of both models' micro-batch forwards
-and backwards over the `stage` devices and returns whole-model gradients; the optimizer steps follow
-in the same program. `config.fusion.intra_stage` picks the schedule:
+and backwards over the `stage` devices and returns each stage's gradients where its parameters
+live (stage-stacked state); the optimizer steps follow in the same program.
+`config.fusion.intra_stage` picks the schedule:
 
   True   the searched fused schedule (pipeline/search.py): the critic fills the actor's bubbles
   False  serial 1F1B: the actor's 1F1B, then the critic's 1F1B behind a barrier
@@ -23,6 +24,7 @@ share searches between them.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -91,6 +93,14 @@ def check_config(cfg: TrainConfig, mesh: Mesh) -> None:
       raise ValueError(f"config.{field}={model.num_layers} must be divisible by its pipeline "
                        f"stages {n} (mesh.stage={stages}, pipeline.critic_pp={critic_pp}): "
                        "layers are split evenly over stages")
+  tensor = mesh.shape["tensor"]
+  for field, model in (("model", cfg.model), ("critic_model", cfg.critic_model)):
+    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+      if getattr(model, name) % tensor:
+        raise ValueError(
+            f"config.{field}.{name}={getattr(model, name)} must be divisible by mesh.tensor="
+            f"{tensor}: the pipelined update splits heads, KV heads and MLP width over the "
+            "tensor axis (Megatron-style; KV heads are not replicated)")
   shards = mesh_lib.batch_size_multiple(mesh)
   rows = cfg.algo.minibatch_size // shards
   where = (f"the mini-batch rows per data shard (algo.minibatch_size={cfg.algo.minibatch_size} "
@@ -155,7 +165,7 @@ def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig, workdi
 
 class PipelinedUpdate:
   """update(actor, critic, mb) -> (actor, critic, metrics), as ppo.make_update_fn's, on states
-  whose parameters are stage-stacked (`to_staged`; `to_whole` converts back), with optimizers
+  whose parameters are stage-stacked (`to_staged`; `whole_fn` converts back), with optimizers
   built for that tree (rl/optim.py with stages.staged_decay_mask).
 
   `schedule_metrics` holds the schedule's figures (pipeline/schedule, /ticks, /bubble), the same
@@ -192,15 +202,47 @@ class PipelinedUpdate:
                                        out_shardings=self.executor.staged_shardings(model))
     return self._conversions[key](params)
 
-  def to_whole(self, model: str, staged: Any, shardings: Any) -> Any:
-    """The stage-stacked tree -> unpipelined params placed by `shardings` (how generation and
-    inference take them): a resharding, gathering each stage's layers onto every device that
-    needs them. The state's own arrays are left untouched."""
-    key = ("whole", model)
+  def whole_fn(self, model: str, staged: Any, shardings: Any) -> Callable:
+    """f(staged) -> unpipelined params of "actor" / "critic" placed by `shardings` (how
+    generation and inference take them): a resharding, gathering each stage's layers onto every
+    device that needs them; the state's own arrays are left untouched. Compiled ahead of time
+    for `staged`'s shapes and placement (once per model and target placement), so that calling
+    it costs only the transfer."""
+    key = ("whole", model, tuple(jax.tree.leaves(shardings)))
     if key not in self._conversions:
+      abstract = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), staged)
       self._conversions[key] = jax.jit(functools.partial(self.executor.unstack, model),
-                                       out_shardings=shardings)
-    return self._conversions[key](staged)
+                                       out_shardings=shardings).lower(abstract).compile()
+    return self._conversions[key]
+
+  def reshard_bytes(self, model: str, staged: Any, whole: Any) -> int:
+    """Bytes the most loaded device receives when `whole_fn` turns `staged` into `whole`, from
+    both placements' shard boxes (exact; computed once per model and placement)."""
+    key = ("bytes", model, tuple(x.sharding for x in jax.tree.leaves(whole)))
+    if key in self._conversions:
+      return self._conversions[key]
+    layout = self.executor.layouts[model]
+    received: collections.Counter = collections.Counter()
+    for part in ("embed", "head"):
+      for src, dst in zip(jax.tree.leaves(staged[part]), jax.tree.leaves(whole[part])):
+        received.update(mesh_lib.missing_bytes(dst, src.sharding.devices_indices_map(
+            src.shape).get))
+    layer_leaves = jax.tree.leaves(staged["layers"])  # [S, L/S, *shape] each
+    boxes = [x.sharding.devices_indices_map(x.shape) for x in layer_leaves]
+    for i in range(layout.cfg.num_layers):
+      stage, k = divmod(i, layout.per_stage)
+      row = layout.num_stages - 1 - stage if model == "critic" else stage  # critic: reversed
+
+      def held(device, box_map):  # what `device` holds of layer i's leaf, as a box
+        rows, ks, *rest = box_map[device]
+        inside = (row in range(*rows.indices(layout.num_stages)) and
+                  k in range(*ks.indices(layout.per_stage)))
+        return tuple(rest) if inside else None
+      for box_map, dst in zip(boxes, jax.tree.leaves(whole[f"layers_{i}"])):
+        received.update(mesh_lib.missing_bytes(dst, functools.partial(held, box_map=box_map)))
+    self._conversions[key] = max(received.values())
+    return self._conversions[key]
 
   def lower(self, actor: ModelState, critic: ModelState, mb: Dict[str, Any]):
     """The jitted update lowered for states and batch given as arrays or as
