@@ -306,21 +306,25 @@ def _device_bytes(tree, device):
              if s.device == device)
 
 
-def test_stage_sharded_state_with_fsdp_inside_each_stage():
-  """stage=2 x fsdp=2 x data=2 (actor and critic in 2 stages), the trainer's form. Each
-  device holds 1/(pp*fsdp) of every layer matrix and 1/pp of the embedding and head; gradients
-  come back placed the same way and equal jax.grad of the unpipelined losses."""
+@pytest.mark.parametrize("axes", [{"data": 2, "fsdp": 2, "stage": 2, "tensor": 1},
+                                  {"data": 1, "fsdp": 2, "stage": 2, "tensor": 2}],
+                         ids=["stage2-fsdp2-data2", "stage2-tensor2-fsdp2"])
+def test_stage_sharded_state_with_fsdp_and_tensor_inside_each_stage(axes):
+  """The trainer's form (actor and critic in 2 stages): each device holds 1/(pp*fsdp*tp) of
+  every layer matrix and 1/pp of the embedding and head; gradients come back placed the same
+  way and equal jax.grad of the unpipelined losses."""
   problem = PipelineProblem(2, 2, 2, 2, 1.0, 1.0)
-  acfg, ccfg, ap, cp = _models(4, 2)
-  mesh = make_mesh(MeshConfig(data=2, fsdp=2, stage=2))
+  acfg, ccfg, ap, cp = _models(4, 2, critic_kv_heads=2)
+  mesh = make_mesh(MeshConfig(**axes))
+  split = axes["stage"] * axes["fsdp"] * axes["tensor"]
   loss_cfg = stages.LossConfig()
   ex = make_executor(acfg, ccfg, loss_cfg, problem, schedules.greedy_order(problem), mesh,
                      compiler_options=FAST)
   staged = {m: jax.device_put(ex.stack(m, p), ex.staged_shardings(m))
             for m, p in (("actor", ap), ("critic", cp))}
   for m, whole in (("actor", ap), ("critic", cp)):
-    # Layer matrices: 1/(pp*fsdp); norm gains (logical axis "norm", never split): 1/pp.
-    layers = sum(x.nbytes / (2 if "norm" in jax.tree_util.keystr(path) else 4)
+    # Layer matrices: 1/(pp*fsdp*tp); norm gains (logical axis "norm", never split): 1/pp.
+    layers = sum(x.nbytes / (2 if "norm" in jax.tree_util.keystr(path) else split)
                  for k, v in whole.items() if k.startswith("layers_")
                  for path, x in jax.tree_util.tree_flatten_with_path(v)[0])
     tail = [x for k in ("embed", "head") for x in jax.tree.leaves(whole[k])]
