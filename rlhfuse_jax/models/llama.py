@@ -9,9 +9,8 @@ inter-stage fusion can gather/scatter a sample's cache rows between instances:
 
   cache.k, cache.v: [layers, batch, max_len, kv_heads, head_dim]
 
-A forward pass with a cache writes the new keys/values of row b at positions positions[b, :]
-(each row has its own offset; a scatter into the donated cache, updated in place; positions
-outside the cache are dropped), then lets query position
+A forward pass with a cache writes the new keys/values of row b at positions
+positions[b, 0] .. positions[b, 0] + L - 1 (each row has its own offset), then lets query position
 t attend to cached keys at positions <= t. Right-padded prompts therefore need no padding mask:
 a real token only ever sees real tokens before it, and the padding slots behind a prompt are
 overwritten by decode before any query can reach them.
@@ -297,14 +296,23 @@ def rope(x, positions, theta: float):
   return (x32 * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
 
 
+def _write_rows(cache_layer, new, start):
+  """Writes new[b] into cache_layer[b] at position start[b].
+
+  cache_layer: [batch, max_len, kv, dim]; new: [batch, len, kv, dim]; start: [batch].
+  """
+  def one(c, n, s):
+    return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s, 0, 0))
+  return jax.vmap(one)(cache_layer, new, start)
+
+
 class Attention(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, x, positions, cache_kv=None):
-    """x: [batch, len, embed]; positions: [batch, len]; cache_kv: (k, v, layer): the whole
-    cache's arrays [layers, batch, max_len, kv_heads, head_dim] and this layer's index, or None.
-    Returns (out, new cache_kv = (k, v) updated)."""
+    """x: [batch, len, embed]; positions: [batch, len]; cache_kv: (k, v) each
+    [batch, max_len, kv_heads, head_dim] or None. Returns (out, new cache_kv)."""
     cfg = self.cfg
     b, l, _ = x.shape
     h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_
@@ -319,16 +327,10 @@ class Attention(nn.Module):
     if cache_kv is None:
       keys, values, key_pos = k, v, positions  # key_pos: [batch, len]
     else:
-      # Written into the whole cache [layers, batch, max_len, kv, dim] at (this layer, row b,
-      # positions[b]): one scatter per layer into the (donated) buffer, updated in place, instead
-      # of a new per-layer array restacked into a second cache.
-      k_all, v_all, layer = cache_kv
-      rows = jnp.arange(b)[:, None]  # [batch, 1]
-      k_all = k_all.at[layer, rows, positions].set(k.astype(k_all.dtype))
-      v_all = v_all.at[layer, rows, positions].set(v.astype(v_all.dtype))
-      keys, values = k_all[layer], v_all[layer]  # [batch, max_len, kv, dim]
+      keys = _write_rows(cache_kv[0], k, positions[:, 0])  # [batch, max_len, kv, dim]
+      values = _write_rows(cache_kv[1], v, positions[:, 0])
       key_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
-      cache_kv = (k_all, v_all)
+      cache_kv = (keys, values)
     # [batch, len, heads, dim]; O(len) memory unless cfg.attention == "reference".
     out = attention_lib.dot_product_attention(q, keys, values, positions, key_pos, cfg.attention)
     out = constrain_batch(out.reshape(b, l, h * d))
@@ -425,18 +427,20 @@ class Transformer(nn.Module):
     Returns (out, cache): out is float32 logits [batch, len, vocab] for head="lm", values
     [batch, len] for head="scalar"; cache is the updated KVCache (None if none was given).
     """
-    x, cache = self.hidden(tokens, positions, cache)
-    return self.head(x, self.embed), cache
-
-  def hidden(self, tokens, positions=None, cache: Optional[KVCache] = None):
-    """Embedding and layers: (hidden [batch, len, embed], the updated cache or None)."""
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     x = self.embed(tokens)
-    kv = None if cache is None else (cache.k, cache.v)
+    new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
-      x, kv = layer(x, positions, None if kv is None else (*kv, i))
-    return x, (None if cache is None else KVCache(k=kv[0], v=kv[1]))
+      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+      x, layer_cache = layer(x, positions, layer_cache)
+      if cache is not None:
+        new_k.append(layer_cache[0])
+        new_v.append(layer_cache[1])
+    out = self.head(x, self.embed)
+    if cache is not None:
+      cache = KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v))
+    return out, cache
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> tuple[Any, Any]:
