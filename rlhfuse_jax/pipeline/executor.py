@@ -171,10 +171,10 @@ class PipelineExecutor:
   def stack(self, model: str, params: Any) -> Dict[str, Any]:
     """Unpipelined params of "actor" / "critic" -> the stage-stacked tree the step takes (the
     critic's rows reversed: row j is critic stage Pc-1-j, placed on critic_stage j)."""
-    return self.layouts[model].stack(params, reverse=model == "critic")
+    return self.layouts[model].stack(params)
 
   def unstack(self, model: str, staged: Dict[str, Any]) -> Dict[str, Any]:
-    return self.layouts[model].unstack(staged, reverse=model == "critic")
+    return self.layouts[model].unstack(staged)
 
   def staged_shardings(self, model: str) -> Dict[str, Any]:
     """NamedShardings of `model`'s stage-stacked tree: layer rows one per stage device
@@ -255,8 +255,9 @@ def _tensor_axis(mesh: Mesh) -> Tuple[str, ...]:
 @functools.lru_cache(maxsize=64)
 def layouts_for(actor_cfg: ModelConfig, critic_cfg: ModelConfig, actor_pp: int, critic_pp: int
                 ) -> Dict[str, StageLayout]:
+  """The two models' layouts; the critic's rows are reversed (placed in the reverse direction)."""
   return {"actor": StageLayout.for_config(actor_cfg, actor_pp, "actor"),
-          "critic": StageLayout.for_config(critic_cfg, critic_pp, "critic")}
+          "critic": StageLayout.for_config(critic_cfg, critic_pp, "critic", reverse=True)}
 
 
 def tail_dim(shape: Tuple[int, ...], num_devices: int) -> int:
@@ -334,9 +335,8 @@ def _local_layout(layout: StageLayout, splits: Any, mesh: Mesh) -> StageLayout:
         shape[2 + k] //= mesh.shape[axis]
     return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
   shapes = layout.staged_shapes()
-  return StageLayout(layout.cfg, {**shapes, "layers": jax.tree.map(local, shapes["layers"],
-                                                                   splits)},
-                     layout.num_stages)
+  local_shapes = {**shapes, "layers": jax.tree.map(local, shapes["layers"], splits)}
+  return StageLayout(layout.cfg, local_shapes, layout.num_stages, reverse=layout.reverse)
 
 
 def _staged_step(spec: _Spec, table, actor, critic, batch, mb_sizes):
@@ -368,9 +368,8 @@ def _step(spec: _Spec, table, actor_params, critic_params, batch, mb_sizes):
   """The fused step on unpipelined trees (stacked in, unstacked out)."""
   layouts = layouts_for(spec.actor_cfg, spec.critic_cfg, spec.actor_pp, spec.critic_pp)
   ga, gc, metrics = _staged_step(spec, table, layouts["actor"].stack(actor_params),
-                                 layouts["critic"].stack(critic_params, reverse=True), batch,
-                                 mb_sizes)
-  return (layouts["actor"].unstack(ga), layouts["critic"].unstack(gc, reverse=True), metrics)
+                                 layouts["critic"].stack(critic_params), batch, mb_sizes)
+  return layouts["actor"].unstack(ga), layouts["critic"].unstack(gc), metrics
 
 
 @functools.lru_cache(maxsize=32)
@@ -481,8 +480,7 @@ def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int)
                                                 row[prog.STASH_SLOT], 0)
         y, blocks_vjp = jax.vjp(
             lambda layers, x: stages.blocks(layer_cfgs[model], layers, x, gather_layer(model)),
-            p["layers"],
-                                x_in)
+            p["layers"], x_in)
 
         def loss_grad(acc, metrics):
           """Last stage: head + loss, their gradients, and the output gradient dy."""

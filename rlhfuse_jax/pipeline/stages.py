@@ -97,10 +97,12 @@ class StageLayout:
   keeps compiles fast; `split_accumulator` turns it back into tree blocks.
   """
 
-  def __init__(self, cfg: ModelConfig, params: Any, num_stages: int, name: str = "model"):
+  def __init__(self, cfg: ModelConfig, params: Any, num_stages: int, name: str = "model",
+               reverse: bool = False):
     """`params`: the model's unpipelined or stage-stacked tree, arrays or ShapeDtypeStructs
-    (only shapes and dtypes are read)."""
-    self.cfg, self.num_stages = cfg, num_stages
+    (only shapes and dtypes are read). `reverse`: the stage-stacked tree stores the stages in
+    reverse row order (`row`)."""
+    self.cfg, self.num_stages, self.reverse = cfg, num_stages, reverse
     self.per_stage = check_split(cfg, num_stages, name)
     if "layers" in params:  # stage-stacked: drop the [S, L/S] rows
       layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), params["layers"])
@@ -120,9 +122,10 @@ class StageLayout:
     self.dtype = dtypes.pop()
 
   @classmethod
-  def for_config(cls, cfg: ModelConfig, num_stages: int, name: str = "model") -> "StageLayout":
+  def for_config(cls, cfg: ModelConfig, num_stages: int, name: str = "model",
+                 reverse: bool = False) -> "StageLayout":
     """The layout of `cfg`'s parameters (shapes from jax.eval_shape: nothing is allocated)."""
-    return cls(cfg, param_shapes(cfg), num_stages, name)
+    return cls(cfg, param_shapes(cfg), num_stages, name, reverse)
 
   def device_offset(self, key: str) -> int:
     """Offset of "layers" / "embed" / "head" in a device accumulator [device_size]."""
@@ -139,12 +142,16 @@ class StageLayout:
   # The stage-stacked tree: how the trainer holds a pipelined model (docs/architecture.md §3).
   # {"embed": ..., "layers": {leaf: [S, L/S, *shape]}, "head": ...}: row s of every layer leaf
   # holds stage s's layers, so a pipeline axis shards the rows and each device keeps only its
-  # stage's parameters, gradients and optimizer moments. `reverse` stores the stages in reverse
-  # row order (row j = stage S-1-j): the critic, placed in the reverse direction.
+  # stage's parameters, gradients and optimizer moments. A `reverse` layout stores the stages in
+  # reverse row order (row j = stage S-1-j): the critic, placed in the reverse direction.
 
-  def stack(self, params: Any, reverse: bool = False) -> Dict[str, Any]:
+  def row(self, stage: int) -> int:
+    """The row of the stage-stacked tree that holds `stage`."""
+    return self.num_stages - 1 - stage if self.reverse else stage
+
+  def stack(self, params: Any) -> Dict[str, Any]:
     """Unpipelined params (embed, layers_i, head) -> the stage-stacked tree."""
-    order = range(self.num_stages)[::-1] if reverse else range(self.num_stages)
+    order = [self.row(r) for r in range(self.num_stages)]  # the stage each row holds
     per_layer = [jax.tree.leaves(params[f"layers_{i}"]) for i in range(self.cfg.num_layers)]
     leaves = []
     for leaf in range(len(self._layer_leaves)):
@@ -154,12 +161,12 @@ class StageLayout:
     return {"embed": params["embed"], "layers": jax.tree.unflatten(self._layer_def, leaves),
             "head": params["head"]}
 
-  def unstack(self, staged: Dict[str, Any], reverse: bool = False) -> Dict[str, Any]:
+  def unstack(self, staged: Dict[str, Any]) -> Dict[str, Any]:
     """The stage-stacked tree -> unpipelined params (embed, layers_i, head)."""
     leaves = jax.tree.leaves(staged["layers"])
     out = {"embed": staged["embed"], "head": staged["head"]}
     for s in range(self.num_stages):
-      row = self.num_stages - 1 - s if reverse else s
+      row = self.row(s)
       for k in range(self.per_stage):
         out[f"layers_{s * self.per_stage + k}"] = jax.tree.unflatten(
             self._layer_def, [x[row, k] for x in leaves])

@@ -325,8 +325,7 @@ class PPOTrainer:
     cfg = self.cfg
     t0 = time.time()
     rollout = self.generator.generate(self.model_params("actor"), prompt_tokens, prompt_lens,
-                                      gen_key,
-                                      uids=uids)
+                                      gen_key, uids=uids)
     t_gen = time.time() - t0
     t0 = time.time()
     batch = scoring.ScoringBatch.from_rollout(rollout, self.tokenizer.pad_id)

@@ -179,7 +179,8 @@ class PipelinedUpdate:
     self._algo, self._txs = algo, (actor_tx, critic_tx)
     self._compiler_options = compiler_options or None
     self._jitted: Callable | None = None
-    self._conversions: Dict[Any, Callable] = {}
+    self._conversions: Dict[Any, Callable] = {}  # to_staged / whole_fn executables
+    self._reshard_bytes: Dict[Any, int] = {}
     program = executor.program
     self.schedule_metrics = {
         "pipeline/schedule": schedule_name,
@@ -219,9 +220,9 @@ class PipelinedUpdate:
   def reshard_bytes(self, model: str, staged: Any, whole: Any) -> int:
     """Bytes the most loaded device receives when `whole_fn` turns `staged` into `whole`, from
     both placements' shard boxes (exact; computed once per model and placement)."""
-    key = ("bytes", model, tuple(x.sharding for x in jax.tree.leaves(whole)))
-    if key in self._conversions:
-      return self._conversions[key]
+    key = (model, tuple(x.sharding for x in jax.tree.leaves(whole)))
+    if key in self._reshard_bytes:
+      return self._reshard_bytes[key]
     layout = self.executor.layouts[model]
     received: collections.Counter = collections.Counter()
     for part in ("embed", "head"):
@@ -232,7 +233,7 @@ class PipelinedUpdate:
     boxes = [x.sharding.devices_indices_map(x.shape) for x in layer_leaves]
     for i in range(layout.cfg.num_layers):
       stage, k = divmod(i, layout.per_stage)
-      row = layout.num_stages - 1 - stage if model == "critic" else stage  # critic: reversed
+      row = layout.row(stage)
 
       def held(device, box_map):  # what `device` holds of layer i's leaf, as a box
         rows, ks, *rest = box_map[device]
@@ -241,8 +242,8 @@ class PipelinedUpdate:
         return tuple(rest) if inside else None
       for box_map, dst in zip(boxes, jax.tree.leaves(whole[f"layers_{i}"])):
         received.update(mesh_lib.missing_bytes(dst, functools.partial(held, box_map=box_map)))
-    self._conversions[key] = max(received.values())
-    return self._conversions[key]
+    self._reshard_bytes[key] = max(received.values())
+    return self._reshard_bytes[key]
 
   def lower(self, actor: ModelState, critic: ModelState, mb: Dict[str, Any]):
     """The jitted update lowered for states and batch given as arrays or as
