@@ -221,10 +221,10 @@ def abstract_batch(cfg: PlanConfig, mesh) -> dict:
           for k, (shape, dt) in batch_shapes(cfg).items()}
 
 
-def make_optimizer(cfg: PlanConfig) -> optax.GradientTransformation:
-  """The trainer's optimizer (AdamW, warm-up + cosine, clipping; on stage-stacked parameters
-  when pp > 1, as trainer/loop.py builds it); rates do not change shapes."""
-  mask = {"weight_decay_mask": stages.staged_decay_mask} if cfg.pp > 1 else {}
+def make_optimizer(staged: bool) -> optax.GradientTransformation:
+  """The trainer's optimizer (AdamW, warm-up + cosine, clipping; for stage-stacked parameters
+  when `staged`, as trainer/loop.py builds it for pp > 1); rates do not change shapes."""
+  mask = {"weight_decay_mask": stages.staged_decay_mask} if staged else {}
   return optim.make_optimizer(1e-6, 10, 1000, grad_clip=1.0, **mask)
 
 
@@ -266,8 +266,7 @@ def train_args(cfg: PlanConfig, mesh, tx, update) -> tuple:
     params = [abstract_params(cfg.actor, mesh), abstract_params(cfg.critic, mesh)]
   else:
     ex = update.executor
-    params = [jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                           ex.layouts[m].staged_shapes(), ex.staged_shardings(m))
+    params = [mesh_lib.abstract(ex.layouts[m].staged_shapes(), ex.staged_shardings(m))
               for m in ("actor", "critic")]
   return (*(ppo.ModelState(p, abstract_opt_state(tx, p, mesh)) for p in params),
           abstract_batch(cfg, mesh))
@@ -308,7 +307,7 @@ def _stage_cfg(model: ModelConfig, stages: int) -> ModelConfig:
 def train_analytic(cfg: PlanConfig, info: dict) -> dict:
   """Per-device bytes and FLOPs of the update if the plan split everything perfectly."""
   cost = CostModel(cfg.hardware)
-  plain_tx = optim.make_optimizer(1e-6, 10, 1000, grad_clip=1.0)
+  plain_tx = make_optimizer(staged=False)
   out = {"params_bytes": 0.0, "grads_bytes": 0.0, "optimizer_bytes": 0.0,
          "activations_bytes": 0.0}
   tokens_mb = cfg.microbatch_size * cfg.seq_len
@@ -384,7 +383,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   t_start = time.perf_counter()
   programs = {}
   mesh = train_mesh(cfg)
-  tx = make_optimizer(cfg)
+  tx = make_optimizer(staged=cfg.pp > 1)
   logging.info("plan: mesh %s, %d devices; actor %d layers (of %d), critic %d (of %d)",
                dict(mesh.shape), cfg.num_devices, cfg.actor.num_layers, cfg.actor_layers,
                cfg.critic.num_layers, cfg.critic_layers)

@@ -60,7 +60,7 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
 
   # The same update from real arrays: same argument bytes on device 0, same temp.
   mesh = plan_programs.train_mesh(cfg)
-  tx = plan_programs.make_optimizer(cfg)
+  tx = plan_programs.make_optimizer(staged=cfg.pp > 1)
   update, _ = plan_programs.make_update(cfg, mesh, tx, str(tmp_path))
   assert cfg.pp > 1  # the staged (pipelined) state is the one checked here
   args = _real_args(cfg, mesh, tx, update)

@@ -243,8 +243,7 @@ class Generator:
     cfg, sampling, mesh = self.cfg, self.sampling, self.mesh
     b, p = self.batch_size, self.prompt_len
     self._param_sh = self._param_shardings(params)
-    abstract_params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                   params, self._param_sh)
+    abstract_params = mesh_lib.abstract(params, self._param_sh)
     row1, row2 = mesh_lib.batch_sharding(mesh, 1), mesh_lib.batch_sharding(mesh, 2)
     rep = mesh_lib.replicated(mesh)
     self._state_sh = state_shardings(cfg, mesh)
@@ -256,8 +255,7 @@ class Generator:
         prefill_fn, out_shardings=self._state_sh).lower(
             abstract_params, tokens, lens, lens, key).compile()
     state = jax.eval_shape(prefill_fn, abstract_params, tokens, lens, lens, key)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
-                         self._state_sh)
+    state = mesh_lib.abstract(state, self._state_sh)
     # The state is donated: XLA writes the new cache and buffers into the old ones in place, so
     # a chunk holds one KV cache, not two. The caller must drop its reference to the old state
     # (reusing a donated array raises).

@@ -167,11 +167,6 @@ def _logical_specs(cfg: ModelConfig) -> Any:
   return llama.logical_specs(cfg)
 
 
-def _abstract(tree, shardings):
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-                      shardings)
-
-
 class GenerationInstance:
   """One sub-mesh with S slots and its AOT-compiled executables (module docstring)."""
 
@@ -215,12 +210,12 @@ class GenerationInstance:
     want = (lambda kind: True) if only is None else (lambda kind: kind in only)
     cfg, sampling, s, p = self.cfg, self.sampling, self.slots, self.prompt_len
     st_sh, rep = self.state_sharding, self.rep
-    prm = _abstract(actor_params, self.param_shardings(cfg, actor_params))
+    prm = mesh_lib.abstract(actor_params, self.param_shardings(cfg, actor_params))
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep)
     tok = jax.ShapeDtypeStruct((s, p), jnp.int32, sharding=self.row2)
     row = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=self.row1)
     pre = _prefill_fn(cfg, sampling, self.max_len)
-    st = _abstract(jax.eval_shape(pre, prm, tok, row, row, row, key)[0], st_sh)
+    st = mesh_lib.abstract(jax.eval_shape(pre, prm, tok, row, row, row, key)[0], st_sh)
     out = []
     if want("prefill"):
       out.append(("prefill", jax.jit(pre, out_shardings=(st_sh, rep)).lower(prm, tok, row, row,
@@ -231,7 +226,7 @@ class GenerationInstance:
                                     donate_argnums=(1,)).lower(prm, st, key)))
     for r in self.buckets:
       idx = jax.ShapeDtypeStruct((r,), jnp.int32, sharding=rep)
-      rows = _abstract(jax.eval_shape(gather_rows, st, idx), st_sh)
+      rows = mesh_lib.abstract(jax.eval_shape(gather_rows, st, idx), st_sh)
       if want("gather"):
         out.append((("gather", r), jax.jit(gather_rows, out_shardings=st_sh).lower(st, idx)))
       if want("scatter"):
@@ -245,7 +240,7 @@ class GenerationInstance:
                        ("reward", fz.reward)):
       if mcfg is None or not want(name):
         continue
-      fp = _abstract(frozen_params[name], self.param_shardings(mcfg, frozen_params[name]))
+      fp = mesh_lib.abstract(frozen_params[name], self.param_shardings(mcfg, frozen_params[name]))
       # The very jitted functions the serial Scorer runs, so the numbers are the same.
       if name == "reference":
         low = scoring.reference_logprobs.lower(mcfg, fp, seq, lens, t, float(fz.temperature))

@@ -169,6 +169,16 @@ def commit_to_mesh(tree: Any, mesh: Mesh) -> Any:
   return jax.tree_util.tree_map(place, tree)
 
 
+def abstract(tree: Any, shardings: Any = None) -> Any:
+  """jax.ShapeDtypeStructs of `tree`'s leaves (arrays or structs) placed by `shardings` (a
+  matching tree), or by each leaf's own sharding: ahead-of-time lowering allocates nothing."""
+  if shardings is None:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        tree)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
 def missing_bytes(dst: jax.Array, held: Callable[[jax.Device], Optional[tuple]]
                   ) -> dict[jax.Device, int]:
   """Per device: bytes of its shard of `dst` that it does not hold already, where `held(device)`

@@ -58,10 +58,6 @@ def _update_kind(update) -> str:
           pipelined.SERIAL: "pipelined training (serial 1F1B)"}.get(name, "training")
 
 
-def _structs(tree: Any) -> Any:
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
 class _StopFlag:
   """Set by SIGTERM/SIGINT; the loop checks it after each iteration, saves and exits cleanly."""
 
@@ -166,7 +162,7 @@ class PPOTrainer:
     actor_specs = llama.logical_specs(cfg.model)
     actor_params = mesh_lib.shard_params(actor_params, actor_specs, self.mesh)
     # Where generation and inference take whole models (the trainer's own layout when unpipelined).
-    self._whole = {"actor": _structs(actor_params)}
+    self._whole = {"actor": mesh_lib.abstract(actor_params)}
     # The reference is the frozen initial actor: a copy, since the actor's buffers are donated.
     self.ref_params = jax.tree_util.tree_map(jnp.copy, actor_params)
     updates_per_iter = cfg.algo.epochs * (cfg.rollout.batch_size // cfg.algo.minibatch_size)
@@ -190,7 +186,7 @@ class PPOTrainer:
         critic_params, _ = llama.init_params(cfg.critic_model, jax.random.fold_in(key, 2))
       critic_params = mesh_lib.shard_params(critic_params, llama.logical_specs(cfg.critic_model),
                                             self.mesh)
-      self._whole["critic"] = _structs(critic_params)
+      self._whole["critic"] = mesh_lib.abstract(critic_params)
       self.critic_tx = optim.make_optimizer(cfg.optim.critic_lr, warmup, total,
                                             cfg.optim.min_lr_ratio, cfg.optim.weight_decay,
                                             cfg.optim.grad_clip, **decay_mask)

@@ -211,10 +211,9 @@ class PipelinedUpdate:
     it costs only the transfer."""
     key = ("whole", model, tuple(jax.tree.leaves(shardings)))
     if key not in self._conversions:
-      abstract = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), staged)
       self._conversions[key] = jax.jit(functools.partial(self.executor.unstack, model),
-                                       out_shardings=shardings).lower(abstract).compile()
+                                       out_shardings=shardings).lower(
+                                           mesh_lib.abstract(staged)).compile()
     return self._conversions[key]
 
   def reshard_bytes(self, model: str, staged: Any, whole: Any) -> int:
