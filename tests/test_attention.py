@@ -125,8 +125,10 @@ def params():
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-  # Several tiles even at test lengths, so the model path exercises the online softmax.
+  # Several tiles even at test lengths, so the model path exercises the online softmax (and,
+  # with a cache, the live-length loop and its clamped last block: 16 slots in blocks of 3).
   monkeypatch.setattr(attn, "blockwise_attention", _blockwise(2, 3))
+  monkeypatch.setattr(attn, "CACHE_BLOCK_K", 3)
 
 
 def test_model_logits_without_cache(params, small_blocks):
@@ -151,6 +153,88 @@ def test_model_logits_with_cache(params, small_blocks):
     outs.append((logits, last, cache.k))
   for got, want in zip(outs[1], outs[0]):
     np.testing.assert_allclose(got, want, **TOL)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_decode_through_cache_equals_full_forward(params, small_blocks, dtype):
+  # Prefill 4 tokens, then decode 6 one at a time: each step's logits are the full forward's at
+  # that position. A bfloat16 cache holds uint16 bits (KVCache.dtype names the values).
+  cfg = CFG.replace(dtype=dtype)
+  tokens = jnp.asarray(np.random.default_rng(9).integers(0, 32, (2, 10)), jnp.int32)
+  want, _ = llama.apply(cfg, params, tokens)
+  cache = llama.KVCache.zeros(cfg, 2, 16)
+  assert cache.dtype == dtype and cache.k.dtype == llama.cache_bits_dtype(dtype)
+  got, cache = llama.apply(cfg, params, tokens[:, :4], cache=cache)
+  steps = [got]
+  for t in range(4, 10):
+    logits, cache = llama.apply(cfg, params, tokens[:, t:t + 1], jnp.full((2, 1), t), cache)
+    steps.append(logits)
+  tol = TOL if dtype == "float32" else dict(atol=3e-2, rtol=3e-2)
+  np.testing.assert_allclose(jnp.concatenate(steps, 1), want, **tol)
+  k, _ = cache.values()
+  assert k.dtype == jnp.dtype(dtype) and bool(jnp.any(k[:, :, 9] != 0))
+
+
+# Cached attention: live blocks only, in place -------------------------------------------------
+
+def _cache(b, s, kvh, d=8, layers=2, seed=0):
+  rng = np.random.default_rng(seed)
+  shape = (layers, b, s, kvh, d)  # [layers, batch, S, kv, dim]
+  return (jnp.asarray(rng.normal(size=shape), jnp.float32),
+          jnp.asarray(rng.normal(size=shape), jnp.float32))
+
+
+@pytest.mark.parametrize("l,block_k", [(1, 4), (1, 5), (5, 4), (5, 64)])
+def test_cached_attention_matches_reference(l, block_k):
+  # 18 slots in blocks of 4 or 5: the last block is clamped inside the cache and must not count
+  # the keys it re-reads twice. Rows sit at different offsets, one at the very end.
+  b, s, h, kvh = 3, 18, 4, 2
+  q, _, _ = _qkv(b, l, s, h, kvh, seed=1)
+  kc, vc = _cache(b, s, kvh)
+  q_pos = _arange(b, l, jnp.array([0, 7, s - l]))
+  live = jnp.max(q_pos) + 1
+  got, kc2, vc2 = attn.cached_attention(q, kc, vc, 1, q_pos, live, block_k=block_k)
+  k_pos = _arange(b, s)
+  want = attn.reference_attention(q, kc[1], vc[1], q_pos, k_pos)
+  np.testing.assert_allclose(got, want, **TOL)
+  assert kc2 is not None and np.array_equal(kc2, kc) and np.array_equal(vc2, vc)
+
+
+def test_cached_attention_reads_only_live_blocks():
+  # Blocks wholly past the live length hold NaN: if they were read, the output would be NaN.
+  # A row's result is the same whatever the batch's longest row (bitwise: fused == serial).
+  b, s, h, kvh, bk = 2, 32, 4, 2, 4
+  q, _, _ = _qkv(b, 1, s, h, kvh, seed=2)
+  kc, vc = _cache(b, s, kvh, seed=3)
+  q_pos = jnp.array([[5], [9]], jnp.int32)
+  poisoned = (kc.at[:, :, 12:].set(jnp.nan), vc.at[:, :, 12:].set(jnp.nan))
+  got, _, _ = attn.cached_attention(q, *poisoned, 0, q_pos, 10, block_k=bk)
+  assert bool(jnp.all(jnp.isfinite(got)))
+  longer, _, _ = attn.cached_attention(q, kc, vc, 0, q_pos, s, block_k=bk)
+  np.testing.assert_array_equal(got, longer)
+  np.testing.assert_allclose(
+      got, attn.reference_attention(q, kc[0], vc[0], q_pos, _arange(b, s)), **TOL)
+
+
+def test_decode_chunk_writes_the_cache_in_place():
+  # XLA's own accounting of the compiled decode chunk: its temporaries are a small fraction of
+  # the KV cache (the state, cache included, is donated and aliased to the output). Before the
+  # in-place cache the chunk rebuilt every layer's cache each step: 1.5x the cache at float32.
+  from rlhfuse_jax.generation import engine
+  from rlhfuse_jax.generation.sampling import SamplingConfig
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  cfg = llama.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=4,
+                          num_heads=4, num_kv_heads=2, max_seq_len=1024)
+  sampling = SamplingConfig(temperature=1.0, max_new_tokens=1008, eos_id=-1, pad_id=0,
+                            chunk_size=8)
+  gen = engine.Generator(cfg, sampling, batch_size=32, prompt_len=16)
+  shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
+  rep = mesh_lib.replicated(gen.mesh)
+  gen.compile(mesh_lib.abstract(shapes, jax.tree.map(lambda _: rep, shapes)))
+  cache = jax.eval_shape(lambda: llama.KVCache.zeros(cfg, 32, 1024))
+  cache_bytes = 2 * cache.k.size * cache.k.dtype.itemsize
+  temp = gen._decode.memory_analysis().temp_size_in_bytes
+  assert temp <= 0.1 * cache_bytes, (temp, cache_bytes)
 
 
 def _param_keys(cfg):

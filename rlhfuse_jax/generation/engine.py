@@ -48,7 +48,7 @@ class DecodeState:
   last_token = tokens[num_generated-1] sits at `position` = prompt_len + num_generated - 1 and
   is written to the cache by the next decode step.
   """
-  cache: KVCache  # k, v: [layers, S, max_len, kv_heads, head_dim]
+  cache: KVCache  # k, v: [layers, S, max_len, kv_heads, head_dim] (bits: llama.KVCache)
   last_token: jax.Array  # [S] int32 newest sampled token, input of the next step
   position: jax.Array  # [S] int32 cache position of last_token
   prompt_len: jax.Array  # [S] int32 real prompt tokens (positions 0..prompt_len-1)
@@ -147,7 +147,7 @@ def state_shardings(cfg: ModelConfig, mesh: Mesh) -> DecodeState:
   kv_axis = "tensor" if tp > 1 and cfg.num_kv_heads % tp == 0 else None
   kv = NamedSharding(mesh, P(None, ax, None, kv_axis, None))
   row, row_t = NamedSharding(mesh, P(ax)), NamedSharding(mesh, P(ax, None))
-  return DecodeState(cache=KVCache(k=kv, v=kv), last_token=row, position=row, prompt_len=row,
+  return DecodeState(cache=KVCache(k=kv, v=kv, dtype=cfg.dtype), last_token=row, position=row, prompt_len=row,
                      num_generated=row, done=row, stop_reason=row, uid=row, tokens=row_t,
                      logprobs=row_t)
 

@@ -215,6 +215,75 @@ def blockwise_attention(q, k, v, q_pos, k_pos, block_k: int = 512, block_q: int 
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, l, h, d)
 
 
+# Attention against a KV cache ------------------------------------------------------------------
+# Decode (and prefill) read the cache in place: keys at cache index s have position s, so only
+# the blocks below the longest live row can hold a key any query sees. The loop over key blocks
+# has a traced trip count, ceil(live_len / block), not the capacity: a step's reads grow with the
+# live prefix, and a cache of capacity 4096 costs what one of 512 does at the same live length.
+CACHE_BLOCK_K = 128  # keys per block of `cached_attention`; also the live-length granularity
+CACHE_BLOCK_Q = 512  # queries per pass of a long prefill (bounds its [.., L, block] scores)
+
+
+def cached_attention(q, k_cache, v_cache, layer: int, q_pos, live_len, load=None,
+                     block_k: Optional[int] = None, block_q: Optional[int] = None):
+  """Attention of q against layer `layer` of a stacked cache, reading only live key blocks.
+
+  q: [batch, L, heads, dim]; k_cache, v_cache: [layers, batch, S, kv_heads, dim], already
+  holding this call's keys (key at index s has position s); q_pos: [batch, L]; live_len: int32
+  scalar > max(q_pos) (traced; keys at index >= live_len are never read); load: turns a block
+  read from the cache into its values (default: as it is; llama.py stores raw bits). Returns
+  (out [batch, L, heads, dim] in q.dtype, k_cache, v_cache): the caches come back unchanged,
+  threaded through the loop carry so XLA reads them where they are instead of copying the layer.
+
+  Same masking as the other implementations (finfo.min for a real key past a query, so a row's
+  result does not depend on how many blocks the batch's longest row needs: a block wholly past
+  a row's position adds exactly 0 to its sums). Forward only: the trainer never reads a cache.
+  """
+  b, l, h, d = q.shape
+  _, _, s, kvh, _ = k_cache.shape
+  g = h // kvh
+  dtype = q.dtype
+  load = load or (lambda x: x)
+  block_q = block_q or CACHE_BLOCK_Q
+  bk = max(1, min(block_k or CACHE_BLOCK_K, s))
+  num_blocks = (jnp.asarray(live_len, jnp.int32) + bk - 1) // bk
+  outs = []
+  for q0 in range(0, l, block_q):  # a long prefill in passes of block_q queries
+    qb = q[:, q0:q0 + block_q]
+    lq = qb.shape[1]
+    qh = jnp.transpose(qb.reshape(b, lq, kvh, g, d), (0, 2, 3, 1, 4))  # [b, kv, g, Lq, d]
+    qpos = q_pos[:, q0:q0 + block_q]  # [b, Lq]
+
+    def body(carry, qh=qh, qpos=qpos):
+      j, kc, vc, m, lsum, acc = carry
+      # The last block is clamped inside the cache; keys it re-reads were counted already.
+      start = jnp.minimum(j * bk, s - bk)
+      kb = load(jax.lax.dynamic_slice(kc, (layer, 0, start, 0, 0), (1, b, bk, kvh, d))[0])
+      vb = load(jax.lax.dynamic_slice(vc, (layer, 0, start, 0, 0), (1, b, bk, kvh, d))[0])
+      kidx = start + jnp.arange(bk, dtype=jnp.int32)  # [bk] = the keys' positions
+      sc = jnp.einsum("bkgqd,bskd->bkgqs", qh, kb.astype(dtype),
+                      preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
+      mask = (kidx[None, None, :] <= qpos[:, :, None])[:, None, None]  # [b, 1, 1, Lq, bk]
+      sc = jnp.where(mask, sc, _MASKED)
+      sc = jnp.where(kidx >= j * bk, sc, -jnp.inf)
+      # Block 0 holds position 0 <= every query position, so m_new is finite from the start.
+      m_new = jnp.maximum(m, sc.max(-1))
+      p = jnp.exp(sc - m_new[..., None])
+      corr = jnp.exp(m - m_new)
+      pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(dtype), vb.astype(dtype),
+                      preferred_element_type=jnp.float32)
+      return j + 1, kc, vc, m_new, lsum * corr + p.sum(-1), acc * corr[..., None] + pv
+
+    init = (jnp.int32(0), k_cache, v_cache, jnp.full((b, kvh, g, lq), -jnp.inf, jnp.float32),
+            jnp.zeros((b, kvh, g, lq), jnp.float32), jnp.zeros((b, kvh, g, lq, d), jnp.float32))
+    _, k_cache, v_cache, _, lsum, acc = jax.lax.while_loop(
+        lambda c: c[0] < num_blocks, body, init)
+    out = (acc / lsum[..., None]).astype(dtype)  # [b, kv, g, Lq, d]
+    outs.append(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, lq, h, d))
+  out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+  return out, k_cache, v_cache
+
+
 # cuDNN -----------------------------------------------------------------------------------------
 
 def _cudnn_unsupported(q, k) -> Optional[str]:

@@ -7,11 +7,12 @@ Sequences are stored contiguously: prompt tokens at positions 0..p-1, response t
 The KV cache is explicit (not a flax collection) so that generation can donate it, and so that the
 inter-stage fusion can gather/scatter a sample's cache rows between instances:
 
-  cache.k, cache.v: [layers, batch, max_len, kv_heads, head_dim]
+  cache.k, cache.v: [layers, batch, max_len, kv_heads, head_dim] (the values' bits, KVCache)
 
 A forward pass with a cache writes the new keys/values of row b at positions
-positions[b, 0] .. positions[b, 0] + L - 1 (each row has its own offset), then lets query position
-t attend to cached keys at positions <= t. Right-padded prompts therefore need no padding mask:
+positions[b, 0] .. positions[b, 0] + L - 1 (each row has its own offset), in place, then lets
+query position t attend to cached keys at positions <= t, reading only the key blocks below the
+longest live row (docs/architecture.md §5). Right-padded prompts therefore need no padding mask:
 a real token only ever sees real tokens before it, and the padding slots behind a prompt are
 overwritten by decode before any query can reach them.
 
@@ -128,21 +129,53 @@ class ModelConfig:
     return self.num_layers * layer + embed + head + e
 
 
+def cache_bits_dtype(dtype) -> jnp.dtype:
+  """The dtype a KV cache of `dtype` values is stored in: uint16 for 16-bit floats.
+
+  The cache holds raw bits: XLA:CPU runs bfloat16 scatters and copies in float32 over a
+  converted copy of the whole operand (measured on the decode chunk: a float32 copy of the
+  cache per step), while integer buffers are written and sliced as they are. Attention turns
+  each block it reads back into values (`from_bits`) after slicing.
+  """
+  dtype = jnp.dtype(dtype)
+  return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 and jnp.issubdtype(
+      dtype, jnp.floating) else dtype
+
+
+def cache_bits(x: jax.Array) -> jax.Array:
+  """Values -> the stored bits (`cache_bits_dtype`)."""
+  bits = cache_bits_dtype(x.dtype)
+  return x if bits == x.dtype else jax.lax.bitcast_convert_type(x, bits)
+
+
+def from_bits(x: jax.Array, dtype) -> jax.Array:
+  """The stored bits of a cache of `dtype` values -> values."""
+  return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
+
+
 @flax.struct.dataclass
 class KVCache:
-  """Per-row key/value cache. k, v: [layers, batch, max_len, kv_heads, head_dim]."""
+  """Per-row key/value cache. k, v: [layers, batch, max_len, kv_heads, head_dim], holding the
+  values' bits (`cache_bits_dtype(dtype)`: uint16 for a bfloat16 cache); `dtype` names the
+  values' dtype. Moving rows or bytes between caches needs no conversion either way."""
   k: jax.Array
   v: jax.Array
+  dtype: str = flax.struct.field(pytree_node=False, default="float32")
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim_)
-    dtype = dtype or cfg.jnp_dtype
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    dtype = jnp.dtype(dtype or cfg.jnp_dtype)
+    bits = cache_bits_dtype(dtype)
+    return cls(k=jnp.zeros(shape, bits), v=jnp.zeros(shape, bits), dtype=dtype.name)
 
   @property
   def max_len(self) -> int:
     return self.k.shape[2]
+
+  def values(self) -> tuple[jax.Array, jax.Array]:
+    """(k, v) as `dtype` values."""
+    return from_bits(self.k, self.dtype), from_bits(self.v, self.dtype)
 
   def nbytes_per_token(self) -> int:
     """Bytes one cached token of one row occupies (keys and values, all layers)."""
@@ -296,23 +329,46 @@ def rope(x, positions, theta: float):
   return (x32 * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
 
 
-def _write_rows(cache_layer, new, start):
-  """Writes new[b] into cache_layer[b] at position start[b].
+def write_cache(cache, layer: int, new, start):
+  """Writes new[b] into layer `layer` of the stacked cache, row b, from position start[b].
 
-  cache_layer: [batch, max_len, kv, dim]; new: [batch, len, kv, dim]; start: [batch].
+  cache: [layers, batch, max_len, kv, dim] (bits, see `cache_bits`); new: [batch, len, kv,
+  dim] already in the cache's bits; start: [batch]. One scatter whose batch dimension is the
+  cache's own batch dimension (operand_batching_dims), so the SPMD partitioner keeps each row's
+  write on the row's device, and XLA writes the len tokens into the cache in place: no copy of
+  the layer or of the cache (docs/architecture.md §5, in-place KV cache).
   """
-  def one(c, n, s):
-    return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s, 0, 0))
-  return jax.vmap(one)(cache_layer, new, start)
+  b, l = new.shape[:2]
+  pos = start[:, None] + jnp.arange(l, dtype=start.dtype)[None, :]  # [batch, len]
+  idx = jnp.stack([jnp.full_like(pos, layer), pos], axis=-1)  # [batch, len, 2] (layer, pos)
+  dnums = jax.lax.ScatterDimensionNumbers(
+      update_window_dims=(2, 3), inserted_window_dims=(0, 2),
+      scatter_dims_to_operand_dims=(0, 2), operand_batching_dims=(1,),
+      scatter_indices_batching_dims=(0,))
+  return jax.lax.scatter(cache, idx, new, dnums, indices_are_sorted=True, unique_indices=True,
+                         mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+@flax.struct.dataclass
+class CacheView:
+  """What one layer's attention gets of the KV cache: the whole stacked arrays (bits, written
+  and read in place, then handed to the next layer), the layer's index, the values' dtype and
+  a bound on the live length."""
+  k: jax.Array  # [layers, batch, max_len, kv_heads, head_dim], KVCache's bits
+  v: jax.Array
+  live_len: jax.Array  # int32 scalar: no query of this call sits at a position >= live_len
+  layer: int = flax.struct.field(pytree_node=False, default=0)
+  dtype: str = flax.struct.field(pytree_node=False, default="float32")
 
 
 class Attention(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, cache_kv=None):
-    """x: [batch, len, embed]; positions: [batch, len]; cache_kv: (k, v) each
-    [batch, max_len, kv_heads, head_dim] or None. Returns (out, new cache_kv)."""
+  def __call__(self, x, positions, cache: Optional[CacheView] = None):
+    """x: [batch, len, embed]; positions: [batch, len]; cache: the KV cache (or None). Writes
+    this call's keys/values at `positions` (row b from positions[b, 0]) and attends over the
+    cache. Returns (out, cache with the new keys/values)."""
     cfg = self.cfg
     b, l, _ = x.shape
     h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_
@@ -324,18 +380,25 @@ class Attention(nn.Module):
     q = constrain_batch(rope(q, positions, cfg.rope_theta))
     k = constrain_batch(rope(k, positions, cfg.rope_theta))
     v = constrain_batch(v)
-    if cache_kv is None:
-      keys, values, key_pos = k, v, positions  # key_pos: [batch, len]
+    if cache is None:
+      # [batch, len, heads, dim]; O(len) memory unless cfg.attention == "reference".
+      out = attention_lib.dot_product_attention(q, k, v, positions, positions, cfg.attention)
     else:
-      keys = _write_rows(cache_kv[0], k, positions[:, 0])  # [batch, max_len, kv, dim]
-      values = _write_rows(cache_kv[1], v, positions[:, 0])
-      key_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
-      cache_kv = (keys, values)
-    # [batch, len, heads, dim]; O(len) memory unless cfg.attention == "reference".
-    out = attention_lib.dot_product_attention(q, keys, values, positions, key_pos, cfg.attention)
+      kc = write_cache(cache.k, cache.layer, cache_bits(k.astype(cache.dtype)), positions[:, 0])
+      vc = write_cache(cache.v, cache.layer, cache_bits(v.astype(cache.dtype)), positions[:, 0])
+      if cfg.attention == "reference":  # the oracle: every cache slot, materialised scores
+        keys = jnp.broadcast_to(jnp.arange(kc.shape[2]), (b, kc.shape[2]))
+        out = attention_lib.reference_attention(
+            q, from_bits(kc[cache.layer], cache.dtype), from_bits(vc[cache.layer], cache.dtype),
+            positions, keys)
+      else:  # live key blocks only, read in place
+        out, kc, vc = attention_lib.cached_attention(
+            q, kc, vc, cache.layer, positions, cache.live_len,
+            load=functools.partial(from_bits, dtype=cache.dtype))
+      cache = cache.replace(k=kc, v=vc)
     out = constrain_batch(out.reshape(b, l, h * d))
     out = tp_exit(_dense(cfg.hidden_size, ("q_heads", "embed"), cfg, "o_proj", cfg.o_bias)(out))
-    return constrain_batch(out), cache_kv
+    return constrain_batch(out), cache
 
 
 class MLP(nn.Module):
@@ -356,13 +419,13 @@ class Block(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, cache_kv=None):
+  def __call__(self, x, positions, cache: Optional[CacheView] = None):
     x = constrain_batch(x)  # [batch, len, embed]
-    attn_out, cache_kv = Attention(self.cfg, name="attn")(
-        RMSNorm(self.cfg, name="attn_norm")(x), positions, cache_kv)
+    attn_out, cache = Attention(self.cfg, name="attn")(
+        RMSNorm(self.cfg, name="attn_norm")(x), positions, cache)
     x = constrain_batch(x + attn_out)
     x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
-    return constrain_batch(x), cache_kv
+    return constrain_batch(x), cache
 
 
 def block_class(cfg: ModelConfig):
@@ -421,25 +484,30 @@ class Transformer(nn.Module):
     self.layers = [block(self.cfg) for _ in range(self.cfg.num_layers)]
     self.head = Head(self.cfg)
 
-  def __call__(self, tokens, positions=None, cache: Optional[KVCache] = None):
-    """tokens: [batch, len] int32; positions: [batch, len] (default 0..len-1).
+  def __call__(self, tokens, positions=None, cache: Optional[KVCache] = None, at=None):
+    """tokens: [batch, len] int32; positions: [batch, len] (default 0..len-1); at: [batch, n]
+    indices along len where the head runs (default every position: with a 150k vocabulary the
+    logits of all positions of a long batch would dwarf everything else in memory).
 
-    Returns (out, cache): out is float32 logits [batch, len, vocab] for head="lm", values
-    [batch, len] for head="scalar"; cache is the updated KVCache (None if none was given).
+    Returns (out, cache): out is float32 logits [batch, len or n, vocab] for head="lm", values
+    [batch, len or n] for head="scalar"; cache is the updated KVCache (None if none was given).
     """
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     x = self.embed(tokens)
-    new_k, new_v = [], []
+    if cache is not None and cache.k.dtype != cache_bits_dtype(cache.dtype):
+      raise ValueError(f"KVCache of {cache.dtype} values must hold {cache_bits_dtype(cache.dtype)} "
+                       f"bits, got k of dtype {cache.k.dtype} (build it with KVCache.zeros)")
+    view = None if cache is None else CacheView(
+        k=cache.k, v=cache.v, dtype=cache.dtype,
+        live_len=jnp.max(positions).astype(jnp.int32) + 1)
     for i, layer in enumerate(self.layers):
-      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-      x, layer_cache = layer(x, positions, layer_cache)
-      if cache is not None:
-        new_k.append(layer_cache[0])
-        new_v.append(layer_cache[1])
+      x, view = layer(x, positions, None if view is None else view.replace(layer=i))
+    if at is not None:
+      x = constrain_batch(jnp.take_along_axis(x, at[:, :, None], axis=1))  # [batch, n, embed]
     out = self.head(x, self.embed)
-    if cache is not None:
-      cache = KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v))
+    if view is not None:
+      cache = KVCache(k=view.k, v=view.v, dtype=cache.dtype)
     return out, cache
 
 
@@ -458,9 +526,11 @@ def logical_specs(cfg: ModelConfig) -> Any:
   return nn.get_partition_spec(boxed)
 
 
-def apply(cfg: ModelConfig, params, tokens, positions=None, cache: Optional[KVCache] = None):
+def apply(cfg: ModelConfig, params, tokens, positions=None, cache: Optional[KVCache] = None,
+          at=None):
   """Functional forward: see Transformer.__call__."""
-  return Transformer(cfg).apply({"params": params}, tokens, positions, cache)
+  return Transformer(cfg).apply({"params": params}, tokens, positions, cache,
+                                None if at is None else jnp.asarray(at, jnp.int32))
 
 
 def host_random_params(cfg: ModelConfig, seed: int, std: float = 0.1) -> Any:

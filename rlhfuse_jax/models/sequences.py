@@ -62,26 +62,6 @@ def response_mask(response_lens, num_response: int):
   return (t < jnp.asarray(response_lens, jnp.int32)[:, None]).astype(jnp.float32)
 
 
-def _hidden_then_head(module: llama.Transformer, tokens, positions, cache, at):
-  # Mirrors Transformer.__call__ but applies the head only at the gathered positions `at`.
-  # tests/test_generation.py checks it against llama.apply so a model change cannot slip by.
-  if positions is None:
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  x = module.embed(tokens)  # [B, L, embed]
-  new_k, new_v = [], []
-  for i, layer in enumerate(module.layers):
-    layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-    x, layer_cache = layer(x, positions, layer_cache)
-    if cache is not None:
-      new_k.append(layer_cache[0])
-      new_v.append(layer_cache[1])
-  x = llama.constrain_batch(jnp.take_along_axis(x, at[:, :, None], axis=1))  # [B, n, embed]
-  out = module.head(x, module.embed)
-  if cache is not None:
-    cache = KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v))
-  return out, cache
-
-
 def forward_at(cfg: ModelConfig, params: Any, tokens, at, positions=None,
                cache: Optional[KVCache] = None):
   """Forward pass whose head runs only at the L-axis indices `at` [B, n].
@@ -89,8 +69,7 @@ def forward_at(cfg: ModelConfig, params: Any, tokens, at, positions=None,
   Returns (out, cache): out is float32 logits [B, n, vocab] (head="lm") or values [B, n]
   (head="scalar"); cache as in `llama.apply`.
   """
-  return llama.Transformer(cfg).apply({"params": params}, tokens, positions, cache,
-                                      jnp.asarray(at, jnp.int32), method=_hidden_then_head)
+  return llama.apply(cfg, params, tokens, positions, cache, at)
 
 
 def token_logprobs_and_entropy(logits, targets, temperature: float = 1.0):
