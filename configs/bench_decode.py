@@ -37,6 +37,18 @@ def get_config(arg: str = "tiny"):
   c.train_prompt_len = 8
   c.train_response_len = 16
   c.hardware = "auto"  # peak figures: "auto" (match device_kind), a sim/hardware.py preset, "none"
+  # Compile every executable from shapes and report XLA's memory figures; run nothing.
+  c.compile_only = False
+  # Decode step time at one live length for several cache capacities (largest batch): a decode
+  # that reads only the live prefix costs the same whatever the capacity.
+  c.capacity_live_len = 128  # live positions per row at the end of the timed chunk
+  c.capacities = "512,4096"
+  c.capacity_steps = 16  # decode steps timed (from live_len - steps to live_len)
+  # Compile time of the decode chunk with model.scan_layers at these depths (and unrolled).
+  c.scan_compile_layers = "22,44"
+  # HF transformers generation on the same shape, dtype, batch and lengths as a peer baseline:
+  # "auto" on a GPU where torch and transformers import, "hf" always, "none" never.
+  c.peer = "auto"
 
   if arg == "1b":
     # TinyLlama-1.1B shape (Zhang et al. 2024, arXiv 2401.02385; config.json of

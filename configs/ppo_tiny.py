@@ -40,6 +40,7 @@ def get_config(arg: str = "ppo"):
   c.model.dtype = "float32"  # "bfloat16" on accelerators
   c.model.attention = "blockwise"  # reference | blockwise | cudnn | auto: O(len) unless reference
   c.model.remat = "none"  # none | full | dots: recompute each decoder layer in the backward
+  c.model.scan_layers = False  # True: one scanned layer (compile time flat in depth); stage=1 only
 
   c.critic_model = ml_collections.ConfigDict()  # critic / reward backbone (scalar head)
   c.critic_model.hidden_size = 64

@@ -10,8 +10,17 @@ untimed runs, `repeats` timed runs; the median decode wall time t gives
 
   tokens/s       = B * decode_steps / t
   step_s         = t / decode_steps
-  achieved bw    = bytes_per_step / step_s   (bytes_per_step: rlhfuse_jax/perf/accounting.py)
+  achieved bw    = bytes_per_step / step_s   (bytes_per_step: the roofline, weights + the live
+                   KV prefix; rlhfuse_jax/perf/accounting.py)
   bw fraction    = achieved bw / the preset's HBM bandwidth (sim/hardware.py), when known
+
+Each batch row also carries XLA's memory figures of the compiled decode chunk (`decode_temp_bytes`
+next to `cache_bytes`) and the prefill MFU. `capacity_scaling` times one decode chunk at a fixed
+live length for several cache capacities (and, as the contrast, with whole-cache reference
+attention); `scan_compile` times compiling the decode chunk at two depths with
+model.scan_layers (and unrolled); `peer` runs HF transformers generation on the same shape on a
+GPU (config.peer). `--config.compile_only=True` compiles from shapes and reports the memory
+figures and compile times without running anything (e.g. `:1b` on a CPU).
 
 The decode time includes the engine's one host read of the [B] `done` vector per chunk, as in
 real use. Training: one `trainer.ppo.make_update_fn` step (actor and critic forward + backward +
@@ -41,6 +50,7 @@ from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation import engine
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.models import llama, sequences
+from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.perf import accounting
 from rlhfuse_jax.perf.bench_config import BenchDecodeConfig
 from rlhfuse_jax.rl import optim
@@ -53,6 +63,11 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 UNKNOWN_PEAK = "unknown peak"
+BYTES_FORMULA = (
+    "weight_bytes + kv_bytes; weight_bytes = all params except the untied input embedding "
+    "(only batch rows gathered); kv_bytes = 2 * layers * batch * mean_live_len * kv_heads * "
+    "head_dim * itemsize (the live prefix each step attends over, averaged over the run's "
+    "steps, not the cache's capacity); see rlhfuse_jax/perf/accounting.py")
 
 
 def _timed_runs(fn: Callable[[], Any], warmup: int, repeats: int, what: str) -> list[float]:
@@ -70,10 +85,8 @@ def _timed_runs(fn: Callable[[], Any], warmup: int, repeats: int, what: str) -> 
 
 def make_generator(cfg: BenchDecodeConfig, params: Any, batch: int) -> engine.Generator:
   """The engine's generator for one batch size (compiles prefill and decode ahead of time)."""
-  sampling = SamplingConfig(temperature=1.0, max_new_tokens=cfg.max_new_tokens, eos_id=-1,
-                            pad_id=0, chunk_size=cfg.chunk_size)
-  return engine.Generator(cfg.model, sampling, batch_size=batch, prompt_len=cfg.prompt_len,
-                          params=params)
+  return engine.Generator(cfg.model, _sampling(cfg.max_new_tokens, cfg.chunk_size),
+                          batch_size=batch, prompt_len=cfg.prompt_len, params=params)
 
 
 def measure_decode(cfg: BenchDecodeConfig, gen: engine.Generator, params: Any) -> dict:
@@ -98,19 +111,199 @@ def measure_decode(cfg: BenchDecodeConfig, gen: engine.Generator, params: Any) -
   prefill_runs = [r.prefill_s for r in timed]
   decode_s = float(np.median(decode_runs))
   step_s = decode_s / steps
-  nbytes = accounting.decode_step_bytes(cfg.model, batch, cfg.cache_len)
+  live = accounting.mean_live_len(cfg.prompt_len, steps)
+  nbytes = accounting.decode_step_bytes(cfg.model, batch, live)
   out = {
       "batch": batch, "decode_steps": steps, "decode_s": decode_s,
       "decode_s_runs": decode_runs, "prefill_s": float(np.median(prefill_runs)),
       "prefill_s_runs": prefill_runs, "step_s": step_s,
       "tokens_per_s": batch * steps / decode_s,
-      "weight_bytes": nbytes["weight_bytes"], "kv_bytes": nbytes["kv_bytes"],
-      "bytes_per_step": nbytes["total_bytes"],
+      # Prefill: the prompt through the backbone, the LM head at each row's last position.
+      "prefill_flops": accounting.forward_flops(cfg.model, batch, cfg.prompt_len, 1),
+      "mean_live_len": live, "weight_bytes": nbytes["weight_bytes"],
+      "kv_bytes": nbytes["kv_bytes"], "bytes_per_step": nbytes["total_bytes"],
       "achieved_bw_bytes_per_s": nbytes["total_bytes"] / step_s,
+      **_memory_row(gen),
   }
   logging.info("decode batch %d: %.1f tokens/s, %.3f ms/step, %.3g GB/s achieved", batch,
                out["tokens_per_s"], 1e3 * step_s, out["achieved_bw_bytes_per_s"] / 1e9)
   return out
+
+
+def _memory_row(gen: engine.Generator) -> dict:
+  """The compiled decode chunk's temporaries and the KV cache it carries (XLA's accounting)."""
+  mem = gen.memory()
+  return {**mem, "decode_temp_over_cache": mem["decode_temp_bytes"] / mem["cache_bytes"]}
+
+
+def abstract_params(model: llama.ModelConfig, mesh) -> Any:
+  """The model's parameters as placed ShapeDtypeStructs (replicated on `mesh`): nothing is
+  allocated, so any shape compiles on any machine."""
+  shapes = jax.eval_shape(lambda: llama.init_params(model, jax.random.key(0))[0])
+  rep = mesh_lib.replicated(mesh)
+  return mesh_lib.abstract(shapes, jax.tree.map(lambda _: rep, shapes))
+
+
+def _sampling(max_new_tokens: int, chunk_size: int) -> SamplingConfig:
+  # No EOS: every row decodes to the end, so the step count is known.
+  return SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens, eos_id=-1, pad_id=0,
+                        chunk_size=chunk_size)
+
+
+def compile_memory(cfg: BenchDecodeConfig, model: llama.ModelConfig) -> list[dict]:
+  """Per batch size: the decode chunk and prefill compiled from shapes, XLA's memory figures."""
+  rows = []
+  for b in cfg.batch_sizes:
+    gen = engine.Generator(model, _sampling(cfg.max_new_tokens, cfg.chunk_size), batch_size=b,
+                           prompt_len=cfg.prompt_len)
+    gen.compile(abstract_params(model, gen.mesh))
+    rows.append({"batch": b, **_memory_row(gen)})
+    logging.info("compiled decode batch %d: temporaries %.4g GB = %.3f x the %.4g GB KV cache", b,
+                 rows[-1]["decode_temp_bytes"] / 1e9, rows[-1]["decode_temp_over_cache"],
+                 rows[-1]["cache_bytes"] / 1e9)
+  return rows
+
+
+def measure_scan_compile(cfg: BenchDecodeConfig) -> dict:
+  """Compile seconds of the decode chunk (+ prefill) at each depth of scan_compile_layers, with
+  model.scan_layers and unrolled, from shapes (nothing allocated). ratio: deepest over
+  shallowest."""
+  out = {"layers": list(cfg.scan_compile_layers), "batch": cfg.batch_sizes[-1]}
+  for key, scan in (("compile_s", True), ("unrolled_compile_s", False)):
+    times = []
+    for n in cfg.scan_compile_layers:
+      model = cfg.model.replace(num_layers=n, scan_layers=scan)
+      gen = engine.Generator(model, _sampling(cfg.max_new_tokens, cfg.chunk_size),
+                             batch_size=cfg.batch_sizes[-1], prompt_len=cfg.prompt_len)
+      params = abstract_params(model, gen.mesh)
+      t0 = time.perf_counter()
+      gen.compile(params)
+      times.append(time.perf_counter() - t0)
+      logging.info("decode chunk + prefill, %d layers, %s: compiled in %.2f s", n,
+                   "scanned" if scan else "unrolled", times[-1])
+    out[key] = times
+    out[key.replace("compile_s", "ratio")] = times[-1] / times[0]
+  return out
+
+
+def measure_capacity_scaling(cfg: BenchDecodeConfig, params: Any) -> dict:
+  """Decode step time at one live length for each capacity, at the largest batch.
+
+  Each run prefills prompts of live_len - steps tokens into a cache of the capacity, then times
+  one decode chunk of `steps` steps (ending with every row at live_len live positions). The
+  model's max_seq_len is raised to the largest capacity (RoPE has no table to outgrow). The
+  same with model.attention="reference" (which attends over every cache slot) is the contrast:
+  its ratio shows what reading the whole capacity would cost on this machine."""
+  batch, steps = cfg.batch_sizes[-1], cfg.capacity_steps
+  prompt_len = cfg.capacity_live_len - steps
+  rng = np.random.default_rng([cfg.seed, 11])
+  prompts = rng.integers(1, cfg.model.vocab_size, (batch, prompt_len)).astype(np.int32)
+  lens = np.full((batch,), prompt_len, np.int32)
+  uids = np.arange(batch, dtype=np.int32)
+  key = jax.random.key(cfg.seed)
+  out = {"live_len": cfg.capacity_live_len, "capacities": list(cfg.capacities), "batch": batch,
+         "steps": steps}
+  for name, attention in (("step_s", cfg.model.attention), ("reference_step_s", "reference")):
+    model = cfg.model.replace(max_seq_len=max(cfg.capacities), attention=attention)
+    per_cap = []
+    for cap in cfg.capacities:
+      gen = engine.Generator(model, _sampling(cap - prompt_len, steps), batch_size=batch,
+                             prompt_len=prompt_len, params=params)
+      placed = gen.place(params)
+      times = []
+      for i in range(cfg.warmup + cfg.repeats):
+        state = jax.block_until_ready(gen.prefill(placed, prompts, lens, uids, key))
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(gen.decode_chunk(placed, state, key))
+        if i >= cfg.warmup:
+          times.append((time.perf_counter() - t0) / steps)
+      n = int(mesh_lib.to_host(state.num_generated).min())
+      if n != steps + 1:
+        raise RuntimeError(f"capacity {cap}: rows generated {n} tokens, expected {steps + 1}")
+      per_cap.append(float(np.median(times)))
+      logging.info("capacity %d, live %d, %s attention: %.4f ms/step", cap,
+                   cfg.capacity_live_len, attention, 1e3 * per_cap[-1])
+    out[name] = per_cap
+    out[name.replace("step_s", "ratio")] = per_cap[-1] / per_cap[0]
+  return out
+
+
+def measure_peer(cfg: BenchDecodeConfig, batch: int) -> dict:
+  """HF transformers generation of the same shape, dtype, batch and lengths (random weights,
+  static KV cache, sampling, no early stop), timed as ours: decode seconds = median time of
+  max_new_tokens tokens minus median time of 1 token (prefill + first token). torch.compile
+  of the forward ("reduce-overhead", as transformers documents for the static cache) where it
+  works, eager otherwise; `mode` says which ran."""
+  import torch  # only where the peer runs: not a dependency of this package
+  import transformers
+  m = cfg.model
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+  hf_cfg = transformers.LlamaConfig(
+      vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+      num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+      num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim_,
+      max_position_embeddings=m.max_seq_len, rope_theta=m.rope_theta,
+      rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=m.tie_embeddings)
+  torch.manual_seed(cfg.seed)
+  model = transformers.LlamaForCausalLM(hf_cfg).to(device=device, dtype=dtype[m.dtype]).eval()
+  ids = torch.randint(1, m.vocab_size, (batch, cfg.prompt_len), device=device)
+  n = cfg.max_new_tokens
+
+  def generate(tokens: int) -> float:
+    with torch.inference_mode():
+      t0 = time.perf_counter()
+      out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                           temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=tokens,
+                           min_new_tokens=tokens, pad_token_id=0,
+                           cache_implementation="static")
+      if device == "cuda":
+        torch.cuda.synchronize()
+      dt = time.perf_counter() - t0
+    if out.shape[1] != cfg.prompt_len + tokens:
+      raise RuntimeError(f"HF generated {out.shape[1] - cfg.prompt_len} tokens, asked {tokens}")
+    return dt
+
+  mode = "torch.compile(reduce-overhead)"
+  eager_forward = model.forward
+  try:
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    generate(n)
+  except Exception as e:  # noqa: BLE001 any compile failure: measure eager instead, say why
+    logging.warning("peer: torch.compile failed (%s: %s); timing eager", type(e).__name__, e)
+    model.forward, mode = eager_forward, f"eager (compile failed: {type(e).__name__})"
+  full = _timed_runs(lambda: generate(n), cfg.warmup, cfg.repeats, f"peer batch {batch}")
+  first = _timed_runs(lambda: generate(1), cfg.warmup, cfg.repeats, f"peer prefill {batch}")
+  decode_s = float(np.median(full)) - float(np.median(first))
+  return {"batch": batch, "mode": mode, "device": device, "torch": torch.__version__,
+          "transformers": transformers.__version__, "generate_s_runs": full,
+          "prefill_s_runs": first, "decode_s": decode_s, "decode_steps": n - 1,
+          "tokens_per_s": batch * (n - 1) / decode_s}
+
+
+def peer_baselines(cfg: BenchDecodeConfig, per_batch: list[dict]) -> dict:
+  """HF peer per batch size and ours/peer tokens/s, or why the peer was not run."""
+  platform = jax.devices()[0].platform
+  if cfg.peer == "none" or (cfg.peer == "auto" and platform != "gpu"):
+    return {"skipped": f"config.peer={cfg.peer!r} on platform {platform!r} (auto runs the peer "
+                       "on a GPU only)"}
+  try:
+    import torch  # noqa: F401 (availability check)
+    import transformers  # noqa: F401
+  except ImportError as e:
+    if cfg.peer == "hf":
+      raise
+    return {"skipped": f"torch/transformers not importable: {e}"}
+  rows = []
+  for ours in per_batch:
+    try:
+      peer = measure_peer(cfg, ours["batch"])
+      peer["ours_over_peer"] = ours["tokens_per_s"] / peer["tokens_per_s"]
+    except Exception as e:  # noqa: BLE001 a failed peer is reported, not fatal to our figures
+      logging.exception("peer batch %d failed", ours["batch"])
+      peer = {"batch": ours["batch"], "error": f"{type(e).__name__}: {e}"}
+    rows.append(peer)
+  return {"per_batch": rows}
 
 
 def _train_batch(cfg: BenchDecodeConfig) -> dict:
@@ -219,9 +412,11 @@ def measure_train(cfg: BenchDecodeConfig, tb: TrainBench) -> dict:
 
 
 def add_fractions(result: dict, peak_flops: float | None, peak_bw: float | None) -> dict:
-  """Adds bw_fraction per decode batch and mfu / mfu_6nd to the train entry (None: unknown)."""
+  """Adds bw_fraction and prefill_mfu per decode batch and mfu / mfu_6nd to the train entry
+  (None: unknown peak)."""
   for row in result["decode"]["per_batch"]:
     row["bw_fraction"] = accounting.fraction(row["achieved_bw_bytes_per_s"], peak_bw)
+    row["prefill_mfu"] = accounting.fraction(row["prefill_flops"] / row["prefill_s"], peak_flops)
   tr = result["train"]
   tr["mfu"] = accounting.fraction(tr["achieved_flops_per_s"], peak_flops)
   tr["mfu_6nd"] = accounting.fraction(tr["flops_6nd"] / tr["step_s"], peak_flops)
@@ -241,8 +436,10 @@ def calibration_file(result: dict) -> dict:
   fwd = tr["actor_fwd_s"] + tr["critic_fwd_s"]
   bwd_over_fwd = (tr["step_s"] - fwd) / fwd
   notes = (f"decode_step: an instance of B slots, all live (B = occupied_slots), attending over "
-           f"its whole {dec['cache_len']}-position cache every step (so per_context_token_s is "
-           f"0 for this engine; the times hold for this cache length). prefill: "
+           f"the live prefix, {largest['mean_live_len']:g} positions on average (prompt "
+           f"{dec['prompt_len']}, {largest['decode_steps']} steps; cache capacity "
+           f"{dec['cache_len']}); per_context_token_s is not fitted, so the times hold for this "
+           f"mean length. prefill: "
            f"{largest['batch']} x {dec['prompt_len']} tokens, first token sampled included. ")
   if bwd_over_fwd > 0:
     ops["train_stage"] = {"actor_fwd_s": tr["actor_fwd_s"], "critic_fwd_s": tr["critic_fwd_s"],
@@ -278,7 +475,7 @@ def plot(result: dict, path: str) -> None:
   peak = result["device"]["peak_hbm_bw_bytes_per_s"]
   if peak:
     ax2.axhline(peak / 1e9, color="k", ls="--", label=f"peak {result['device']['peak']}")
-  ax2.set(xscale="log", xlabel="batch", ylabel="GB/s (weights + full KV cache per step)",
+  ax2.set(xscale="log", xlabel="batch", ylabel="GB/s (weights + live KV per step)",
           title="achieved memory bandwidth" + ("" if peak else f" ({UNKNOWN_PEAK})"))
   ax2.legend()
   dev = result["device"]
@@ -313,10 +510,15 @@ def run(cfg: BenchDecodeConfig, workdir: str) -> dict:
     logging.info("decode batch %d (%d/%d)", gen.batch_size, i + 1, len(gens))
     per_batch.append(measure_decode(cfg, gen, params))
   del gens
+  logging.info("capacity scaling: live length %d, capacities %s", cfg.capacity_live_len,
+               cfg.capacities)
+  capacity = measure_capacity_scaling(cfg, params)
+  peer = peer_baselines(cfg, per_batch)
   logging.info("ppo update: batch %d x %d tokens", cfg.train_batch,
                cfg.train_prompt_len + cfg.train_response_len)
   train = measure_train(cfg, train_bench)
   del params, critic_params, train_bench  # donated to the update
+  scan = measure_scan_compile(cfg)
   result = {
       "device": {
           "platform": device.platform, "device_kind": device.device_kind,
@@ -333,13 +535,12 @@ def run(cfg: BenchDecodeConfig, workdir: str) -> dict:
           "prompt_len": cfg.prompt_len, "max_new_tokens": cfg.max_new_tokens,
           "cache_len": cfg.cache_len, "chunk_size": cfg.chunk_size, "warmup": cfg.warmup,
           "repeats": cfg.repeats,
-          "bytes_per_step_formula": (
-              "weight_bytes + kv_bytes; weight_bytes = all params except the untied input "
-              "embedding (only batch rows gathered); kv_bytes = 2 * layers * batch * cache_len "
-              "* kv_heads * head_dim * itemsize (the whole cache is attended every step); "
-              "see rlhfuse_jax/perf/accounting.py"),
+          "bytes_per_step_formula": BYTES_FORMULA,
           "per_batch": per_batch,
       },
+      "capacity_scaling": capacity,
+      "scan_compile": scan,
+      "peer": peer,
       "compile_s": compile_s,
       "train": {**train, "flops_formula": (
           "3 x forward per model (actor + critic); forward = B*S*(2*layers*layer_matmul_params "
@@ -356,18 +557,63 @@ def run(cfg: BenchDecodeConfig, workdir: str) -> dict:
   return result
 
 
+def _device_entry() -> dict:
+  device = jax.devices()[0]
+  return {"platform": device.platform, "device_kind": device.device_kind,
+          "num_devices": jax.device_count(), "devices_used": 1}
+
+
+def compile_only(cfg: BenchDecodeConfig, workdir: str) -> dict:
+  """Compiles the decode chunk and prefill at every batch size from shapes and reports XLA's
+  memory figures, and the scan-over-layers compile times; runs and allocates nothing, so the
+  accelerator shape (`:1b`) is checked on any machine.
+
+  On a CPU with a 16-bit model the same is compiled at float32 too (`float32_per_batch`):
+  XLA:CPU has no bfloat16 matmul, so it converts every weight to float32 once per chunk
+  (hoisted out of the decode loop), 2 bytes per parameter of temporaries that a GPU or TPU
+  does not have; the float32 compile has no conversion and shows the program's own."""
+  t_start = time.perf_counter()
+  result = {"compile_only": True, "device": _device_entry(), "jax_version": jax.__version__,
+            "model": {**dataclasses.asdict(cfg.model), "num_params": cfg.model.num_params()},
+            "decode": {"prompt_len": cfg.prompt_len, "max_new_tokens": cfg.max_new_tokens,
+                       "cache_len": cfg.cache_len, "chunk_size": cfg.chunk_size,
+                       "per_batch": compile_memory(cfg, cfg.model)}}
+  if result["device"]["platform"] == "cpu" and cfg.model.dtype != "float32":
+    f32 = cfg.model.replace(dtype="float32", param_dtype="float32")
+    result["decode"]["float32_per_batch"] = compile_memory(cfg, f32)
+  result["scan_compile"] = measure_scan_compile(cfg)
+  result["wall_s"] = time.perf_counter() - t_start
+  wd.write_json(os.path.join(workdir, "result.json"), result)
+  return result
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   cfg = BenchDecodeConfig.from_config_dict(_CONFIG.value)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   wd.write_config(_WORKDIR.value, _CONFIG.value)
+  if cfg.compile_only:
+    result = compile_only(cfg, _WORKDIR.value)
+    sc = result["scan_compile"]
+    logging.info("scan over layers: compile %s s at %s layers (ratio %.2f; unrolled %.2f)",
+                 [round(t, 2) for t in sc["compile_s"]], sc["layers"], sc["ratio"],
+                 sc["unrolled_ratio"])
+    logging.info("wrote %s", os.path.join(_WORKDIR.value, "result.json"))
+    return
   result = run(cfg, _WORKDIR.value)
   for row in result["decode"]["per_batch"]:
     frac = row["bw_fraction"]
     logging.info("batch %4d: %10.1f tokens/s  %8.3f GB/s  %s", row["batch"],
                  row["tokens_per_s"], row["achieved_bw_bytes_per_s"] / 1e9,
                  f"{100 * frac:.1f}% of peak" if frac is not None else UNKNOWN_PEAK)
+  cs, sc = result["capacity_scaling"], result["scan_compile"]
+  logging.info("live length %d: step time capacity %d / %d = %.2f (whole-cache attention: %.2f)",
+               cs["live_len"], cs["capacities"][-1], cs["capacities"][0], cs["ratio"],
+               cs["reference_ratio"])
+  logging.info("scan over layers: compile %s s at %s layers (ratio %.2f; unrolled %.2f)",
+               [round(t, 2) for t in sc["compile_s"]], sc["layers"], sc["ratio"],
+               sc["unrolled_ratio"])
   tr = result["train"]
   logging.info("ppo update: %.4f s, %.1f tokens/s, MFU %s", tr["step_s"], tr["tokens_per_s"],
                f"{100 * tr['mfu']:.2f}%" if tr["mfu"] is not None else UNKNOWN_PEAK)

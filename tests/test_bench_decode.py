@@ -86,7 +86,9 @@ def test_decode_rows_are_consistent(bench):
     assert r["decode_s"] == pytest.approx(np.median(r["decode_s_runs"]), rel=1e-12)
     assert r["tokens_per_s"] == pytest.approx(b * steps / r["decode_s"], rel=1e-9)
     assert r["step_s"] == pytest.approx(r["decode_s"] / steps, rel=1e-9)
-    kv = 2 * m["num_layers"] * b * dec["cache_len"] * m["num_kv_heads"] * head_dim * 2  # bf16
+    # Roofline: the live prefix a step attends over, averaged over the run (bf16).
+    assert r["mean_live_len"] == TINY.prompt_len + (steps + 1) / 2
+    kv = 2 * m["num_layers"] * b * r["mean_live_len"] * m["num_kv_heads"] * head_dim * 2
     weights = (m["num_params"] - m["vocab_size"] * m["hidden_size"] + b * m["hidden_size"]) * 2
     assert r["kv_bytes"] == kv and r["weight_bytes"] == weights
     assert r["bytes_per_step"] == kv + weights
@@ -96,6 +98,65 @@ def test_decode_rows_are_consistent(bench):
   # Bigger batches move more KV bytes per step, so the KV share grows with the batch.
   shares = [r["kv_bytes"] / r["bytes_per_step"] for r in rows]
   assert shares == sorted(shares) and shares[0] < shares[-1]
+
+
+def test_decode_rows_carry_the_compiled_memory(bench):
+  _, result, _ = bench
+  m = result["model"]
+  for r in result["decode"]["per_batch"]:
+    cache = llama.KVCache.zeros(TINY.model, r["batch"], TINY.cache_len)
+    assert r["cache_bytes"] == 2 * cache.k.size * 2  # bf16 bits
+    assert r["decode_temp_bytes"] > 0
+    assert r["decode_temp_over_cache"] == pytest.approx(r["decode_temp_bytes"] / r["cache_bytes"])
+    assert r["prefill_flops"] == accounting.forward_flops(TINY.model, r["batch"],
+                                                          TINY.prompt_len, 1)
+    assert r["prefill_mfu"] is None  # unknown peak on CPU
+  assert m["scan_layers"] is False
+
+
+def test_capacity_scaling_reads_the_live_prefix_only(bench):
+  # One decode chunk ending at 128 live positions, caches of 512 and 4096. Whole-cache
+  # (reference) attention reads 8x more at 4096: its ratio is the contrast the live-prefix
+  # decode must stay far below (measured 0.92 vs 8.4 on the development machine).
+  _, result, log = bench
+  cs = result["capacity_scaling"]
+  assert cs["live_len"] == TINY.capacity_live_len and cs["capacities"] == [512, 4096]
+  assert cs["batch"] == 128 and cs["steps"] == TINY.capacity_steps
+  assert cs["ratio"] == pytest.approx(cs["step_s"][-1] / cs["step_s"][0])
+  assert cs["reference_ratio"] > 3 and cs["ratio"] < cs["reference_ratio"] / 2
+  assert "capacity 4096, live 128" in log
+
+
+def test_scan_compile_times_and_peer_skip(bench):
+  _, result, _ = bench
+  sc = result["scan_compile"]
+  assert sc["layers"] == [22, 44]
+  assert sc["ratio"] == pytest.approx(sc["compile_s"][1] / sc["compile_s"][0])
+  # Unrolled compile time grows with depth (about 2x), scanned does not.
+  assert sc["unrolled_ratio"] > 1.4 and sc["ratio"] < sc["unrolled_ratio"]
+  assert "on platform 'cpu'" in result["peer"]["skipped"]
+
+
+def test_compile_only_reports_memory_without_running(tmp_path):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.bench_decode", "--config=configs/bench_decode.py",
+       "--config.compile_only=True", "--config.scan_compile_layers=2,4",
+       f"--workdir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  with open(os.path.join(tmp_path, "result.json")) as f:
+    result = json.load(f)
+  assert result["compile_only"] is True and "train" not in result
+  rows, f32 = result["decode"]["per_batch"], result["decode"]["float32_per_batch"]
+  assert [r["batch"] for r in rows] == [r["batch"] for r in f32] == [1, 16, 128]
+  for r, r32 in zip(rows, f32):
+    assert r32["cache_bytes"] == 2 * r["cache_bytes"]  # float32 vs bfloat16 bits
+    assert "decode_temp_bytes" in r and "prefill_temp_bytes" in r
+    assert r["decode_temp_bytes"] > 0 and r32["decode_temp_bytes"] > 0
+  assert result["scan_compile"]["layers"] == [2, 4]
 
 
 def test_train_step_is_consistent(bench):

@@ -55,10 +55,12 @@ def _copy(src, dst, edit_config=None, edit_tensors=None):
   return dst
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan_layers"])
 @pytest.mark.parametrize("ckpt", [LLAMA, QWEN2], ids=["llama_sharded", "qwen2"])
-def test_logits_match_hf_golden(ckpt):
-  cfg = hf_loader.load_hf_config(ckpt)
+def test_logits_match_hf_golden(ckpt, scan):
+  cfg = hf_loader.load_hf_config(ckpt, scan_layers=scan)
   params = hf_loader.load_hf_params(ckpt, cfg)
+  assert ("layers" in params) == scan  # one stacked block under model.scan_layers
   ids, golden = _golden(ckpt)
   logits = _forward(cfg, params, ids)
   assert logits.shape == golden.shape
@@ -214,6 +216,15 @@ def test_save_load_round_trip_is_exact(tmp_path, ckpt):
   src, dst = _read_tensors(ckpt), _read_tensors(out)
   assert sorted(src) == sorted(dst)
   assert all(np.array_equal(src[k], dst[k]) for k in src)
+
+
+def test_scan_layers_export_is_the_same_checkpoint(tmp_path):
+  cfg = hf_loader.load_hf_config(LLAMA, scan_layers=True)
+  params = hf_loader.load_hf_params(LLAMA, cfg)
+  out = str(tmp_path / "export")
+  hf_loader.save_hf_checkpoint(params, cfg, out)
+  src, dst = _read_tensors(LLAMA), _read_tensors(out)
+  assert sorted(src) == sorted(dst) and all(np.array_equal(src[k], dst[k]) for k in src)
 
 
 def test_scalar_head_from_lm_checkpoint(tmp_path):

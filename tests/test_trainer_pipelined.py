@@ -274,6 +274,7 @@ def test_cached_schedule_for_another_problem_is_not_used(tmp_path):
     ({"pipeline.critic_microbatches": 4}, "config.pipeline.critic_microbatches=4 x critic"),
     ({"mesh.tensor": 2, "mesh.data": 1, "critic_model.num_kv_heads": 1},
      "config.critic_model.num_kv_heads=1 must be divisible by mesh.tensor=2"),
+    ({"model.scan_layers": True}, "config.model.scan_layers=True with mesh.stage=4 > 1"),
 ])
 def test_config_errors_name_the_field(tmp_path, overrides, match):
   cfg = _config(tmp_path, **{**STAGED, **overrides})

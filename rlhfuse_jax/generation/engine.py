@@ -255,7 +255,7 @@ class Generator:
         prefill_fn, out_shardings=self._state_sh).lower(
             abstract_params, tokens, lens, lens, key).compile()
     state = jax.eval_shape(prefill_fn, abstract_params, tokens, lens, lens, key)
-    state = mesh_lib.abstract(state, self._state_sh)
+    state = self._state_struct = mesh_lib.abstract(state, self._state_sh)
     # The state is donated: XLA writes the new cache and buffers into the old ones in place, so
     # a chunk holds one KV cache, not two. The caller must drop its reference to the old state
     # (reusing a donated array raises).
@@ -264,6 +264,25 @@ class Generator:
         out_shardings=self._state_sh, donate_argnums=(1,)).lower(
             abstract_params, state, key).compile()
     self.num_compiles += 2
+
+  def place(self, params: Any) -> Any:
+    """params on this generator's mesh, as its executables expect them (no copy when there)."""
+    if self._prefill is None:
+      self.compile(params)
+    return mesh_lib.put(params, self._param_sh)
+
+  def memory(self) -> dict:
+    """XLA's own accounting of the compiled executables (bytes; nothing is allocated): the
+    decode chunk's and prefill's temporaries, and the KV cache the decode state carries (the
+    whole buffer: global, summed over devices)."""
+    if self._decode is None:
+      raise RuntimeError("Generator.memory() needs compiled executables: call compile() first")
+    dec, pre = self._decode.memory_analysis(), self._prefill.memory_analysis()
+    cache = self._state_struct.cache
+    return {"decode_temp_bytes": int(dec.temp_size_in_bytes),
+            "decode_argument_bytes": int(dec.argument_size_in_bytes),
+            "prefill_temp_bytes": int(pre.temp_size_in_bytes),
+            "cache_bytes": int(2 * cache.k.size * cache.k.dtype.itemsize)}
 
   def prefill(self, params, prompt_tokens, prompt_lens, uids, iteration_key) -> DecodeState:
     """Device-side prefill of host arrays (already validated and padded to the bucket)."""
@@ -305,9 +324,7 @@ class Generator:
     tokens depend only on (its prompt, its uid, iteration_key), not on its row.
     """
     tokens, lens, uids = self._check_inputs(prompt_tokens, prompt_lens, uids)
-    if self._prefill is None:
-      self.compile(params)
-    params = mesh_lib.put(params, self._param_sh)  # no copy when already placed
+    params = self.place(params)
     key = _as_typed_key(iteration_key)
     t0 = time.perf_counter()
     state = self.prefill(params, tokens, lens, uids, key)

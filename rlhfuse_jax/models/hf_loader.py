@@ -293,9 +293,10 @@ def load_hf_params(ckpt_dir: str, cfg: llama.ModelConfig, dtype: Optional[str] =
   np_dtype = _NP_DTYPES[dtype]
   ckpt = _Checkpoint(ckpt_dir)
   try:
-    return _load(ckpt, cfg, np_dtype, rng)
+    params = _load(ckpt, cfg.replace(scan_layers=False), np_dtype, rng)
   finally:
     ckpt.close()
+  return llama.stack_layers(params, cfg.num_layers) if cfg.scan_layers else params
 
 
 def _load(ckpt: _Checkpoint, cfg: llama.ModelConfig, np_dtype, rng) -> Any:
@@ -410,6 +411,8 @@ def save_hf_checkpoint(params: Any, cfg: llama.ModelConfig, out_dir: str) -> Non
   `score.bias`, which `load_hf_params` reads back but transformers ignores (its score layer has
   no bias).
   """
+  if cfg.scan_layers:  # HF stores one tensor per layer
+    params, cfg = llama.unstack_layers(jax.device_get(params)), cfg.replace(scan_layers=False)
   flat = flax.traverse_util.flatten_dict(jax.device_get(params))
   expected = _expected_shapes(cfg)
   if set(flat) != set(expected):

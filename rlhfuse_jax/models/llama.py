@@ -76,6 +76,10 @@ class ModelConfig:
   head: str = "lm"  # "lm" (actor, reference) or "scalar" (critic, reward model)
   attention: str = "blockwise"  # reference | blockwise | cudnn | auto (models/attention.py)
   remat: str = "none"  # none | full | dots: what each Block keeps for the backward
+  # One scanned Block instead of num_layers unrolled ones: params["layers"]["block"] leaves get
+  # a leading [num_layers] axis (`stack_layers` / `unstack_layers` convert), and compile time
+  # no longer grows with depth. Pipelined runs stack layers per stage themselves: unscanned.
+  scan_layers: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -357,7 +361,7 @@ class CacheView:
   k: jax.Array  # [layers, batch, max_len, kv_heads, head_dim], KVCache's bits
   v: jax.Array
   live_len: jax.Array  # int32 scalar: no query of this call sits at a position >= live_len
-  layer: int = flax.struct.field(pytree_node=False, default=0)
+  layer: Any  # the layer's index: an int, or an int32 scalar inside the scan over layers
   dtype: str = flax.struct.field(pytree_node=False, default="float32")
 
 
@@ -436,6 +440,47 @@ def block_class(cfg: ModelConfig):
   return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat])
 
 
+class _ScanStep(nn.Module):
+  """One step of the scan over layers: ((x, cache view), positions) -> (x, view of the next
+  layer). Its params are one Block's, stacked [num_layers, ...] by nn.scan."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, carry, positions):
+    x, view = carry
+    x, view = block_class(self.cfg)(self.cfg, name="block")(x, positions, view)
+    if view is not None:
+      view = view.replace(layer=view.layer + 1)
+    return (x, view), None
+
+
+def stack_layers(params: Any, num_layers: int) -> Any:
+  """Unrolled params (layers_0 .. layers_{n-1}) -> the scan_layers tree (layers/block, every
+  leaf stacked on a new leading axis). Leaves may be numpy or jax arrays."""
+  names = [f"layers_{i}" for i in range(num_layers)]
+  missing = [n for n in names if n not in params]
+  if missing:
+    raise ValueError(f"stack_layers: params lack {missing[:3]} (expected {num_layers} layers "
+                     "layers_0..; already stacked?)")
+  xp = lambda x: np if isinstance(x, np.ndarray) else jnp  # noqa: E731 keep host arrays on host
+  block = jax.tree.map(lambda *xs: xp(xs[0]).stack(xs), *[params[n] for n in names])
+  out = {k: v for k, v in params.items() if k not in names}
+  out["layers"] = {"block": block}
+  return out
+
+
+def unstack_layers(params: Any) -> Any:
+  """Inverse of `stack_layers`."""
+  if "layers" not in params or "block" not in params["layers"]:
+    raise ValueError("unstack_layers: params have no layers/block (not a scan_layers tree)")
+  block = params["layers"]["block"]
+  n = jax.tree.leaves(block)[0].shape[0]
+  out = {k: v for k, v in params.items() if k != "layers"}
+  for i in range(n):
+    out[f"layers_{i}"] = jax.tree.map(lambda x: x[i], block)
+  return out
+
+
 class Embed(nn.Module):
   cfg: ModelConfig
 
@@ -479,10 +524,16 @@ class Transformer(nn.Module):
   cfg: ModelConfig
 
   def setup(self):
-    self.embed = Embed(self.cfg)
-    block = block_class(self.cfg)
-    self.layers = [block(self.cfg) for _ in range(self.cfg.num_layers)]
-    self.head = Head(self.cfg)
+    cfg = self.cfg
+    self.embed = Embed(cfg)
+    if cfg.scan_layers:
+      self.layers = nn.scan(
+          _ScanStep, variable_axes={"params": 0}, split_rngs={"params": True},
+          in_axes=nn.broadcast, length=cfg.num_layers,
+          metadata_params={nn.PARTITION_NAME: "layers"})(cfg, name="layers")
+    else:
+      self.layers = [block_class(cfg)(cfg) for _ in range(cfg.num_layers)]
+    self.head = Head(cfg)
 
   def __call__(self, tokens, positions=None, cache: Optional[KVCache] = None, at=None):
     """tokens: [batch, len] int32; positions: [batch, len] (default 0..len-1); at: [batch, n]
@@ -499,10 +550,13 @@ class Transformer(nn.Module):
       raise ValueError(f"KVCache of {cache.dtype} values must hold {cache_bits_dtype(cache.dtype)} "
                        f"bits, got k of dtype {cache.k.dtype} (build it with KVCache.zeros)")
     view = None if cache is None else CacheView(
-        k=cache.k, v=cache.v, dtype=cache.dtype,
+        k=cache.k, v=cache.v, dtype=cache.dtype, layer=jnp.int32(0),
         live_len=jnp.max(positions).astype(jnp.int32) + 1)
-    for i, layer in enumerate(self.layers):
-      x, view = layer(x, positions, None if view is None else view.replace(layer=i))
+    if self.cfg.scan_layers:
+      (x, view), _ = self.layers((x, view), positions)
+    else:
+      for i, layer in enumerate(self.layers):
+        x, view = layer(x, positions, None if view is None else view.replace(layer=i))
     if at is not None:
       x = constrain_batch(jnp.take_along_axis(x, at[:, :, None], axis=1))  # [batch, n, embed]
     out = self.head(x, self.embed)

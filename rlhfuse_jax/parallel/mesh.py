@@ -32,6 +32,7 @@ LOGICAL_RULES = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "norm": None,
+    "layers": None,  # the stacked axis of model.scan_layers params
     "batch": BATCH_AXES,
 }
 

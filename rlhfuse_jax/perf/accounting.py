@@ -6,16 +6,18 @@ the operation as our engine defines it, so anything the compiled program does be
 copies of the cache, masked-out attention) shows up as a lower achieved fraction, never as a
 higher one.
 
-Decode step of `batch` rows over a KV cache of `cache_len` positions (bytes read from HBM):
+Decode step of `batch` rows whose attention reads `kv_len` cached positions per row (bytes read
+from HBM; the roofline of the step):
 
   weight_bytes = (num_params - vocab * hidden) * param_bytes + batch * hidden * param_bytes
                  every parameter is read once; of an untied input embedding only the `batch`
                  looked-up rows are (with tied embeddings the table is read whole as the LM head,
                  so weight_bytes = num_params * param_bytes)
-  kv_bytes     = 2 (K and V) * layers * batch * cache_len * kv_heads * head_dim * compute_bytes
-                 our decode attends over the whole preallocated cache (cache_len = prompt bucket
-                 + max_new_tokens) at every step, masking positions not yet written, so it reads
-                 all of it, not just the filled prefix
+  kv_bytes     = 2 (K and V) * layers * batch * kv_len * kv_heads * head_dim * compute_bytes
+                 kv_len is the live prefix, not the cache's capacity: a step at position t needs
+                 the t keys before it, and our decode reads only the key blocks below the longest
+                 live row (models/attention.cached_attention). Over a run of n decode steps after
+                 a prompt of p tokens the mean live prefix is p + (n + 1) / 2 (`mean_live_len`).
   bytes/step   = weight_bytes + kv_bytes
   (not counted: the new K/V rows, activations and logits written, all O(batch * (hidden + vocab)))
 
@@ -49,10 +51,17 @@ def _itemsize(dtype: str, field: str) -> int:
   return ITEMSIZE[dtype]
 
 
-def decode_step_bytes(cfg: Any, batch: int, cache_len: int) -> dict[str, int]:
-  """Bytes read by one decode step (see module docstring). cfg: a models.llama.ModelConfig."""
-  if batch < 1 or cache_len < 1:
-    raise ValueError(f"batch={batch} and cache_len={cache_len} must be >= 1")
+def mean_live_len(prompt_len: int, decode_steps: int) -> float:
+  """Mean live prefix a decode step attends over: step i (1-based) of a row with a p-token
+  prompt writes position p + i - 1 and attends over p + i positions."""
+  return prompt_len + (decode_steps + 1) / 2
+
+
+def decode_step_bytes(cfg: Any, batch: int, kv_len: float) -> dict[str, int]:
+  """Bytes read by one decode step whose rows attend over kv_len positions each (see module
+  docstring). cfg: a models.llama.ModelConfig."""
+  if batch < 1 or kv_len < 1:
+    raise ValueError(f"batch={batch} and kv_len={kv_len} must be >= 1")
   p = _itemsize(cfg.param_dtype, "model.param_dtype")
   c = _itemsize(cfg.dtype, "model.dtype")
   table = cfg.vocab_size * cfg.hidden_size
@@ -60,7 +69,7 @@ def decode_step_bytes(cfg: Any, batch: int, cache_len: int) -> dict[str, int]:
     weight = cfg.num_params() * p
   else:
     weight = (cfg.num_params() - table) * p + batch * cfg.hidden_size * p
-  kv = 2 * cfg.num_layers * batch * cache_len * cfg.num_kv_heads * cfg.head_dim_ * c
+  kv = 2 * cfg.num_layers * batch * kv_len * cfg.num_kv_heads * cfg.head_dim_ * c
   return {"weight_bytes": int(weight), "kv_bytes": int(kv), "total_bytes": int(weight + kv)}
 
 

@@ -31,6 +31,12 @@ class BenchDecodeConfig:
   train_prompt_len: int
   train_response_len: int
   hardware: str  # "auto": preset matched on device_kind; a preset name; "none": no peak
+  compile_only: bool  # compile from shapes, report XLA's memory figures, run nothing
+  capacity_live_len: int  # live positions per row at the end of the capacity-scaling chunk
+  capacities: tuple[int, ...]  # cache capacities compared at that live length
+  capacity_steps: int  # decode steps timed in the capacity-scaling chunk
+  scan_compile_layers: tuple[int, ...]  # depths whose scanned decode chunk compile is timed
+  peer: str  # "auto" | "hf" | "none": HF transformers generation as the peer baseline
 
   def __post_init__(self):
     _check(len(self.batch_sizes) > 0 and all(b > 0 for b in self.batch_sizes), "batch_sizes",
@@ -50,6 +56,14 @@ class BenchDecodeConfig:
            "train_prompt_len + train_response_len",
            self.train_prompt_len + self.train_response_len,
            f"<= model.max_seq_len={self.model.max_seq_len}")
+    _check(0 < self.capacity_steps < self.capacity_live_len, "capacity_steps",
+           self.capacity_steps, f"in [1, capacity_live_len={self.capacity_live_len})")
+    _check(len(self.capacities) >= 2 and list(self.capacities) == sorted(set(self.capacities))
+           and self.capacities[0] >= self.capacity_live_len, "capacities", self.capacities,
+           f"at least two increasing capacities >= capacity_live_len={self.capacity_live_len}")
+    _check(len(self.scan_compile_layers) >= 2 and all(n > 0 for n in self.scan_compile_layers),
+           "scan_compile_layers", self.scan_compile_layers, "at least two positive depths")
+    _check(self.peer in ("auto", "hf", "none"), "peer", self.peer, "'auto', 'hf' or 'none'")
     _check(self.hardware in ("auto", "none") or self.hardware in hw_lib.HARDWARE, "hardware",
            self.hardware, f"'auto', 'none' or a preset in {sorted(hw_lib.HARDWARE)}")
 
@@ -86,11 +100,12 @@ class BenchDecodeConfig:
     missing = known - set(d)
     if missing:
       raise ValueError(f"config: missing fields {sorted(missing)}")
-    raw = d["batch_sizes"]
-    try:
-      batches = tuple(int(x) for x in (raw.split(",") if isinstance(raw, str) else raw))
-    except ValueError:
-      raise ValueError(f"config.batch_sizes={raw!r}: expected comma-separated integers, "
-                       "e.g. '1,16,128'") from None
-    d["batch_sizes"] = batches
+    for name, example in (("batch_sizes", "1,16,128"), ("capacities", "512,4096"),
+                          ("scan_compile_layers", "22,44")):
+      raw = d[name]
+      try:
+        d[name] = tuple(int(x) for x in (raw.split(",") if isinstance(raw, str) else raw))
+      except ValueError:
+        raise ValueError(f"config.{name}={raw!r}: expected comma-separated integers, "
+                         f"e.g. '{example}'") from None
     return cls(model=ModelConfig(**model, head="lm"), **d)

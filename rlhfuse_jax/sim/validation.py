@@ -321,8 +321,11 @@ def predict_bench_decode(result: dict, efficiency: Efficiency = Efficiency()) ->
   actor = ModelShape(name="bench_decode", head="lm", **{f: m[f] for f in fields if f in m})
   critic = actor.as_critic()
   cache = result["decode"]["cache_len"]
-  # The engine attends over its whole cache every step: batch * cache_len KV tokens.
-  decode = {int(r["batch"]): float(cost.decode_step_s(actor, 1, r["batch"], r["batch"] * cache))
+  # KV tokens a step reads: the live prefix (mean_live_len, in results since the engine reads
+  # only live key blocks); results without it come from the engine that attended the whole
+  # cache every step.
+  decode = {int(r["batch"]): float(cost.decode_step_s(
+      actor, 1, r["batch"], r["batch"] * r.get("mean_live_len", cache)))
             for r in result["decode"]["per_batch"]}
   tr = result["train"]
   seq = tr["prompt_len"] + tr["response_len"]

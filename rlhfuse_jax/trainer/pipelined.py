@@ -93,6 +93,11 @@ def check_config(cfg: TrainConfig, mesh: Mesh) -> None:
       raise ValueError(f"config.{field}={model.num_layers} must be divisible by its pipeline "
                        f"stages {n} (mesh.stage={stages}, pipeline.critic_pp={critic_pp}): "
                        "layers are split evenly over stages")
+  for field, model in (("model", cfg.model), ("critic_model", cfg.critic_model)):
+    if model.scan_layers:
+      raise ValueError(f"config.{field}.scan_layers=True with mesh.stage={stages} > 1: the "
+                       "pipeline stacks each stage's layers itself (pipeline/stages.py); set "
+                       f"{field}.scan_layers=False")
   tensor = mesh.shape["tensor"]
   for field, model in (("model", cfg.model), ("critic_model", cfg.critic_model)):
     for name in ("num_heads", "num_kv_heads", "intermediate_size"):
