@@ -2,26 +2,35 @@ r"""PPO / GRPO training binary.
 
   python -m experiments.train_ppo --config=configs/ppo_tiny.py --workdir=/tmp/ppo_tiny
 
-Writes into the workdir: config.json (resolved), metrics.jsonl (one object per iteration),
-tb/ (TensorBoard events), checkpoints/ (orbax; the latest is resumed automatically, so re-running
-with a larger --config.num_iterations continues the run) and result.json (final summary).
-SIGTERM finishes the current iteration, saves a checkpoint and exits cleanly.
+Writes into the workdir: config.json (the resolved config of the first start; a start that
+resumes at iteration k adds config.k.json), metrics.jsonl (one object per iteration), tb/
+(TensorBoard events), checkpoints/ (orbax; the latest is resumed automatically, so re-running
+with a larger --config.num_iterations continues the run and its LR schedule) and result.json
+(final summary). A resume whose config differs in a field that changes the run is refused,
+listing the fields. One run per workdir (a lock names the holder).
+
+Exit status: 0 done; 75 stopped by SIGTERM/SIGINT after saving a checkpoint (re-run to resume);
+1 an error (the message names the field, file or iteration); 3 a checkpoint save failed.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
+import sys
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from rlhfuse_jax import checkpointing
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.trainer.config import TrainConfig
-from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
+from rlhfuse_jax.trainer.loop import EXIT_STOPPED_BY_SIGNAL, PPOTrainer, TIMING_PREFIXES
+
+EXIT_SAVE_FAILED = 3
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
@@ -70,16 +79,27 @@ def main(argv):
   workdir = _WORKDIR.value
   main_process = distributed.is_main_process()
   os.makedirs(workdir, exist_ok=True)
+  trainer = PPOTrainer(cfg, workdir)  # checks the lock and any checkpoint against this config
+  if main_process and trainer.finished_at is None:
+    wd.write_config_history(workdir, _CONFIG.value, trainer.resume_step or 0)
+  try:
+    trainer.run()
+  except checkpointing.SaveError as e:
+    # Orbax's threads of the failed save would hold the process for minutes: stop now.
+    logging.error("%s", e)
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_SAVE_FAILED)
   if main_process:
-    wd.write_config(workdir, _CONFIG.value)
-  trainer = PPOTrainer(cfg, workdir)
-  trainer.run()
-  if not main_process:
-    return
-  # The summary covers the whole run (also iterations done before a resume).
-  history = wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  wd.write_json(os.path.join(workdir, "result.json"), summarize(history))
-  logging.info("done: %s", os.path.join(workdir, "result.json"))
+    # The summary covers the whole run (also iterations done before a resume).
+    history = wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    wd.write_json(os.path.join(workdir, "result.json"), summarize(history))
+    logging.info("done: %s", os.path.join(workdir, "result.json"))
+  if trainer.stopped_by_signal is not None:
+    logging.warning("exit %d: stopped by signal %d after saving; re-run to resume",
+                    EXIT_STOPPED_BY_SIGNAL, trainer.stopped_by_signal)
+    sys.exit(EXIT_STOPPED_BY_SIGNAL)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ run killed mid-save keeps its previous checkpoint; `latest_step()` only sees fin
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any, Optional
 
 import jax
@@ -15,16 +16,43 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 
+class SaveError(RuntimeError):
+  """A checkpoint could not be written. The run must stop: going on would train past progress
+  it can no longer keep. (Orbax's background threads of the failed save wait 5 minutes for a
+  signal that never comes; train_ppo exits at once instead of waiting for them.)"""
+
+
 class Checkpointer:
   """Saves/restores (state pytree, metadata dict) under workdir/checkpoints/<step>."""
 
   def __init__(self, workdir: str, keep: int = 2):
-    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, "checkpoints")
+    self._keep = keep
     self._mngr = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
   def latest_step(self) -> Optional[int]:
     return self._mngr.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """Finished checkpoints, newest first."""
+    return sorted(self._mngr.all_steps(), reverse=True)
+
+  def set_aside(self, step: int) -> str:
+    """Moves checkpoint `step` (one that cannot be read) out of the rotation, to
+    workdir/damaged_checkpoints/<step>[.n], never deleting it; returns where it went. Without
+    this, the run would reach `step` again, find it present, keep the damaged one and lose
+    the progress again on the next resume."""
+    src = os.path.join(self.directory, str(step))
+    dst_dir = os.path.join(self.workdir, "damaged_checkpoints")
+    os.makedirs(dst_dir, exist_ok=True)
+    dst, n = os.path.join(dst_dir, str(step)), 1
+    while os.path.exists(dst):
+      dst, n = os.path.join(dst_dir, f"{step}.{n}"), n + 1
+    shutil.move(src, dst)
+    self._mngr.reload()
+    return dst
 
   def save(self, step: int, state: Any, meta: dict) -> None:
     """Starts an (asynchronous) save; `wait()` blocks until it is durable."""
@@ -35,7 +63,13 @@ class Checkpointer:
     logging.info("checkpoint %d: saving to %s", step, self.directory)
 
   def wait(self) -> None:
-    self._mngr.wait_until_finished()
+    """Blocks until the pending save is durable; raises SaveError (path and cause) if it
+    failed."""
+    try:
+      self._mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 whatever orbax or the filesystem raised
+      raise SaveError(f"checkpoint save under {self.directory} failed: {type(e).__name__}: "
+                      f"{e}") from e
 
   def restore(self, step: int, like: Any) -> tuple[Any, dict]:
     """Restores into the structure, shapes, dtypes and shardings of `like`."""
@@ -50,5 +84,5 @@ class Checkpointer:
     return out["meta"]
 
   def close(self) -> None:
-    self._mngr.wait_until_finished()
+    self.wait()
     self._mngr.close()

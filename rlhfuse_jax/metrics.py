@@ -17,14 +17,17 @@ from rlhfuse_jax import workdir as wd
 class MetricWriter:
   """Appends metrics to workdir/metrics.jsonl and workdir/tb/ (TensorBoard)."""
 
-  def __init__(self, workdir: str, tensorboard: bool = True, enabled: bool = True):
-    """enabled=False (processes other than 0 of a multi-host run) makes every call a no-op."""
+  def __init__(self, workdir: str, tensorboard: bool = True, enabled: bool = True,
+               purge_step: Optional[int] = None):
+    """enabled=False (processes other than 0 of a multi-host run) makes every call a no-op.
+    purge_step: TensorBoard hides the events of steps >= purge_step written before (a resumed
+    run passes its first step; `truncate_after` does the same for metrics.jsonl)."""
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.enabled = enabled
     self._tb = None
     if tensorboard and enabled:
       from tensorboardX import SummaryWriter  # imported lazily: optional at library level
-      self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=10)
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=10, purge_step=purge_step)
 
   def truncate_after(self, step: int) -> None:
     """Drops lines with step > `step` (written after the checkpoint a resumed run starts from),

@@ -6,12 +6,18 @@ killed process never leaves a half-written file behind.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
 import tempfile
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
+
+# Files we write get the mode a plain open() would give them (mkstemp's are 0600).
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def _to_jsonable(x: Any) -> Any:
@@ -37,6 +43,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
+    os.chmod(tmp, 0o666 & ~_UMASK)
     os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):
@@ -58,6 +65,55 @@ def write_config(workdir: str, config: Any) -> None:
   """Writes the resolved config (an ml_collections ConfigDict or a mapping) to workdir/config.json."""
   as_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   write_json(os.path.join(workdir, "config.json"), as_dict)
+
+
+def write_config_history(workdir: str, config: Any, start_step: int) -> str:
+  """Records the config of one start of a resumable run without overwriting an earlier one:
+  config.json for the first start, config.<start_step>.json for a start that resumes at
+  start_step (config.<start_step>.<n>.json if that start happened before). Returns the path."""
+  as_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  first = os.path.join(workdir, "config.json")
+  path = first if not os.path.exists(first) else os.path.join(workdir, f"config.{start_step}.json")
+  n = 1
+  while path != first and os.path.exists(path):
+    path = os.path.join(workdir, f"config.{start_step}.{n}.json")
+    n += 1
+  write_json(path, as_dict)
+  return path
+
+
+class WorkdirLock:
+  """An exclusive lock on a workdir for the life of a run (fcntl.flock on workdir/.lock, which
+  holds the holder's pid and host). A second run on the same workdir fails at once, naming the
+  holder, instead of interleaving its metrics and checkpoints with the first. The kernel drops
+  the lock when the holder exits, however it exits (kill -9 included)."""
+
+  def __init__(self, workdir: str):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, ".lock")
+    self._f: Optional[Any] = open(self.path, "a+")
+    try:
+      fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      self._f.seek(0)
+      holder = self._f.read().strip() or "unknown"
+      self._f.close()
+      self._f = None
+      raise RuntimeError(f"workdir {workdir} is in use by another run ({holder}); wait for it "
+                         "to finish or stop it, or use another --workdir") from None
+    self._f.seek(0)
+    self._f.truncate()
+    self._f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    self._f.flush()
+
+  def release(self) -> None:
+    if self._f is not None:
+      fcntl.flock(self._f, fcntl.LOCK_UN)
+      self._f.close()
+      self._f = None
+
+  def __del__(self):
+    self.release()
 
 
 def append_jsonl(path: str, record: Mapping[str, Any]) -> None:

@@ -21,6 +21,7 @@ numpy's `bfloat16`, which older safetensors releases need to recognise the dtype
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -205,6 +206,15 @@ def _tensor_table(cfg: llama.ModelConfig) -> dict[str, tuple[tuple[str, ...], bo
   return table
 
 
+@contextlib.contextmanager
+def _named(path: str):
+  """Errors of opening a safetensors file (truncated, not safetensors) name the file."""
+  try:
+    yield
+  except Exception as e:  # SafetensorError (a Rust exception type) and OSError alike
+    raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+
+
 class _Checkpoint:
   """Tensor name -> safetensors file of a checkpoint directory (single file or sharded)."""
 
@@ -212,8 +222,9 @@ class _Checkpoint:
     self.dir = ckpt_dir
     single, index = os.path.join(ckpt_dir, SINGLE_FILE), os.path.join(ckpt_dir, INDEX_FILE)
     if os.path.isfile(single):
-      with safetensors.safe_open(single, framework="numpy") as f:
-        self.files = {name: single for name in f.keys()}
+      with _named(single):
+        with safetensors.safe_open(single, framework="numpy") as f:
+          self.files = {name: single for name in f.keys()}
     elif os.path.isfile(index):
       weight_map = _read_json(index).get("weight_map")
       if not isinstance(weight_map, dict):
@@ -236,15 +247,23 @@ class _Checkpoint:
     return tuple(self._handle(name).get_slice(name).get_shape())
 
   def get(self, name: str) -> np.ndarray:
+    """The tensor, checked: a damaged file's garbage must not train (NaN/Inf are refused)."""
     try:
-      return self._handle(name).get_tensor(name)
+      x = self._handle(name).get_tensor(name)
     except Exception as e:  # the Rust side raises SafetensorError for a name the index lied about
       raise ValueError(f"{self.files[name]}: cannot read tensor {name} ({e})") from e
+    if np.issubdtype(x.dtype, np.floating) or x.dtype == _NP_DTYPES["bfloat16"]:
+      bad = int(np.size(x) - np.count_nonzero(np.isfinite(x.astype(np.float32))))
+      if bad:
+        raise ValueError(f"{self.files[name]}: tensor {name} holds {bad} non-finite value(s) "
+                         f"(NaN/Inf) of {np.size(x)}: the file is damaged or the weights diverged")
+    return x
 
   def _handle(self, name: str):
     path = self.files[name]
     if path not in self._open:
-      self._open[path] = safetensors.safe_open(path, framework="numpy").__enter__()
+      with _named(path):
+        self._open[path] = safetensors.safe_open(path, framework="numpy").__enter__()
     return self._open[path]
 
   def close(self):

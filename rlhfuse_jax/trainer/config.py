@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional, Union
 
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel.mesh import MeshConfig
+from rlhfuse_jax.rl import losses as losses_lib
 
 
 def _check(cond: bool, field: str, value: Any, expected: str) -> None:
@@ -84,6 +85,8 @@ class AlgoConfig:
   whiten_advantages: bool = True
 
   def __post_init__(self):
+    _check(self.loss_agg in losses_lib.LOSS_AGGREGATIONS, "algo.loss_agg", self.loss_agg,
+           f"one of {sorted(losses_lib.LOSS_AGGREGATIONS)}")
     _check(0 <= self.gamma <= 1, "algo.gamma", self.gamma, "in [0, 1]")
     _check(0 <= self.lam <= 1, "algo.lam", self.lam, "in [0, 1]")
     _check(self.kl_coef >= 0, "algo.kl_coef", self.kl_coef, ">= 0")
@@ -100,8 +103,14 @@ class OptimConfig:
   min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak
   weight_decay: float = 0.0
   grad_clip: float = 1.0
+  # Iterations the LR schedule spans (warmup + cosine). 0: num_iterations of the run's first
+  # start, kept in its checkpoints, so raising num_iterations later continues the schedule's
+  # floor (min_lr_ratio) instead of restarting the cosine.
+  schedule_iterations: int = 0
 
   def __post_init__(self):
+    _check(self.schedule_iterations >= 0, "optim.schedule_iterations", self.schedule_iterations,
+           ">= 0 (0: num_iterations of the first start)")
     _check(self.actor_lr > 0, "optim.actor_lr", self.actor_lr, "> 0")
     _check(self.critic_lr > 0, "optim.critic_lr", self.critic_lr, "> 0")
     _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, ">= 0")
@@ -185,12 +194,35 @@ class PipelineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  every: int = 25  # save every k iterations (and at the end, and on SIGTERM)
+  every: int = 25  # save every k iterations (and at the end, and on SIGTERM/SIGINT)
   keep: int = 2  # checkpoints kept on disk
+  # A latest checkpoint that cannot be read: True resumes from the newest intact one (with a
+  # warning naming the damaged one, which is never deleted); False stops with the error.
+  fallback: bool = True
 
   def __post_init__(self):
     _check(self.every > 0, "checkpoint.every", self.every, "> 0")
     _check(self.keep > 0, "checkpoint.keep", self.keep, "> 0")
+
+
+GUARD_MODES = ("stop", "skip_update")
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardConfig:
+  """Non-finite values (docs/usage.md, reliability): losses, gradient norms and parameters are
+  checked every iteration. "stop": the run stops with an error naming the iteration and the
+  quantity, before anything of that iteration is written or saved. "skip_update": an optimizer
+  step whose gradients are not finite is skipped (optax.apply_if_finite); after
+  max_consecutive_skips in a row the run stops as with "stop"."""
+  on_nonfinite: str = "stop"
+  max_consecutive_skips: int = 10
+
+  def __post_init__(self):
+    _check(self.on_nonfinite in GUARD_MODES, "guard.on_nonfinite", self.on_nonfinite,
+           f"one of {GUARD_MODES}")
+    _check(self.max_consecutive_skips >= 1, "guard.max_consecutive_skips",
+           self.max_consecutive_skips, ">= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +241,7 @@ class TrainConfig:
   fusion: FusionConfig
   checkpoint: CheckpointConfig
   pipeline: PipelineConfig = PipelineConfig()
+  guard: GuardConfig = GuardConfig()
   log_every: int = 1
   vocab_from_tokenizer: bool = False  # set when model.vocab_size was 0 in the ConfigDict
 
@@ -227,6 +260,9 @@ class TrainConfig:
 
   def __post_init__(self):
     _check(self.num_iterations > 0, "num_iterations", self.num_iterations, "> 0")
+    _check(isinstance(self.seed, int) and self.seed >= 0, "seed", self.seed,
+           "an integer >= 0 (numpy seeds the prompt stream with it)")
+    _check(self.log_every > 0, "log_every", self.log_every, "> 0 (log every k iterations)")
     b = self.rollout.batch_size
     _check(b % self.algo.minibatch_size == 0, "algo.minibatch_size", self.algo.minibatch_size,
            f"a divisor of the rollout batch prompts_per_iteration*samples_per_prompt={b}")
@@ -238,6 +274,23 @@ class TrainConfig:
            self.fusion.intra_stage, "False with mesh.stage=1 (the fused actor/critic schedule "
            "pipelines both models over the mesh's stage axis: set mesh.stage > 1)")
 
+  def fingerprint(self) -> dict[str, Any]:
+    """Every field that shapes the trajectory, as {dotted name: JSON value}: stored in each
+    checkpoint, compared on resume (`fingerprint_changes`). Fields a resumed run may change are
+    in RESUMABLE_FIELDS."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, x: Any) -> None:
+      if isinstance(x, dict):
+        for k, v in x.items():
+          walk(f"{prefix}{k}.", v)
+      else:
+        name = prefix[:-1]
+        if name not in RESUMABLE_FIELDS:
+          flat[name] = list(x) if isinstance(x, tuple) else x
+    walk("", dataclasses.asdict(self))
+    return flat
+
   @classmethod
   def from_config_dict(cls, cd: Any) -> "TrainConfig":
     d = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
@@ -246,6 +299,7 @@ class TrainConfig:
         "mesh": MeshConfig, "data": DataConfig, "rollout": RolloutConfig, "algo": AlgoConfig,
         "optim": OptimConfig, "reward": RewardConfig, "init": InitConfig,
         "fusion": FusionConfig, "checkpoint": CheckpointConfig, "pipeline": PipelineConfig,
+        "guard": GuardConfig,
     }
     kwargs = {}
     for name, klass in sections.items():
@@ -260,6 +314,26 @@ class TrainConfig:
     if unknown:
       raise ValueError(f"config: unknown top-level fields {sorted(unknown)}; known: {sorted(top)}")
     return cls(**kwargs, **d)
+
+
+# Fields that do not change what a resumed run computes: how long it runs, how often it logs
+# and saves, what it does when a checkpoint or a value goes bad.
+RESUMABLE_FIELDS = frozenset({
+    "num_iterations", "log_every", "checkpoint.every", "checkpoint.keep", "checkpoint.fallback",
+    "guard.max_consecutive_skips", "pipeline.schedule_cache_dir",
+})
+
+
+def fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+  """'field: saved -> now' for every field whose value differs (or exists on one side only)."""
+  missing = object()
+  out = []
+  for name in sorted(set(saved) | set(now)):
+    a, b = saved.get(name, missing), now.get(name, missing)
+    if a != b:
+      fmt = lambda v: "(absent)" if v is missing else repr(v)  # noqa: E731
+      out.append(f"{name}: {fmt(a)} -> {fmt(b)}")
+  return out
 
 
 def _build(klass, section: Optional[Mapping[str, Any]], prefix: str):

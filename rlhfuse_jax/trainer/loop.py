@@ -16,10 +16,12 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from absl import logging
 
 from rlhfuse_jax import checkpointing
 from rlhfuse_jax import metrics as metrics_lib
+from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.data import prompts as prompts_lib
 from rlhfuse_jax.data import tasks as tasks_lib
 from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
@@ -35,10 +37,34 @@ from rlhfuse_jax.rl import minibatch as mb_lib
 from rlhfuse_jax.rl import optim
 from rlhfuse_jax.sim import hardware
 from rlhfuse_jax.trainer import fused_stage, pipelined, ppo
+from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 
 # Metrics that measure time; everything else is a deterministic function of (config, seed).
 TIMING_PREFIXES = ("timing_s/", "perf/")
+# Exit status of train_ppo after a SIGTERM/SIGINT stop that saved a checkpoint (EX_TEMPFAIL):
+# a scheduler can tell "preempted, re-run to resume" from completion (0) and failure (1).
+EXIT_STOPPED_BY_SIGNAL = 75
+
+
+def _finite_mean(values) -> float:
+  v = np.asarray(values, np.float64)
+  v = v[np.isfinite(v)]
+  return float(v.mean()) if v.size else float("nan")
+
+
+class NonFiniteError(FloatingPointError):
+  """A loss, gradient norm, metric or parameter of an iteration was NaN or Inf (config.guard)."""
+
+
+def _all_finite(tree) -> jax.Array:
+  """One on-device bool: every element of every leaf is finite."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+_all_finite_jit = jax.jit(_all_finite)
 
 
 @dataclasses.dataclass
@@ -59,20 +85,24 @@ def _update_kind(update) -> str:
 
 
 class _StopFlag:
-  """Set by SIGTERM/SIGINT; the loop checks it after each iteration, saves and exits cleanly."""
+  """Set by SIGTERM/SIGINT; the loop checks it after each iteration, saves and exits cleanly.
+  A second SIGINT (Ctrl-C twice) interrupts at once, without saving."""
 
   def __init__(self):
     self.set = False
+    self.signal: Optional[int] = None
     self._old = {}
 
   def install(self):
-    for sig in (signal.SIGTERM,):
+    for sig in (signal.SIGTERM, signal.SIGINT):
       self._old[sig] = signal.signal(sig, self._handle)
 
   def _handle(self, signum, frame):
-    logging.warning("signal %d: finishing this iteration, saving a checkpoint, then exiting",
-                    signum)
-    self.set = True
+    if self.set and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    logging.warning("signal %d: finishing this iteration, saving a checkpoint, then exiting "
+                    "(Ctrl-C again: stop now without saving)", signum)
+    self.set, self.signal = True, signum
 
   def uninstall(self):
     for sig, old in self._old.items():
@@ -102,10 +132,22 @@ class PPOTrainer:
   def __init__(self, cfg: TrainConfig, workdir: str, mesh: Optional[jax.sharding.Mesh] = None):
     self.workdir = workdir
     os.makedirs(workdir, exist_ok=True)
+    # One run per workdir (process 0 holds it for all processes of a multi-host run).
+    self._lock = wd.WorkdirLock(workdir) if jax.process_index() == 0 else None
     self.checkpointer = checkpointing.Checkpointer(workdir, keep=cfg.checkpoint.keep)
+    self.stopped_by_signal: Optional[int] = None  # the signal that stopped run(), if any
+    self.writer = None
+    # What to resume, checked before anything is built or compiled: the newest readable
+    # checkpoint's side-car, its seed and its config fingerprint against this config.
+    self._fingerprint = cfg.fingerprint()
+    self.resume_step, meta = self._resume_point(cfg)
+    # The LR schedule's horizon is fixed by the first start and kept in the checkpoints.
+    self.schedule_iterations = (cfg.optim.schedule_iterations or (meta or {}).get(
+        "schedule_iterations") or cfg.num_iterations)
     # A finished run (the same command again) builds nothing: no model, no mesh, no compile
     # (a fused run compiles for a minute); run() then says "nothing to do" at once.
-    self.finished_at = self._finished_step(cfg)
+    self.finished_at = (self.resume_step if self.resume_step is not None and
+                        self.resume_step >= cfg.num_iterations else None)
     if self.finished_at is not None:
       self.cfg = cfg
       return
@@ -138,7 +180,6 @@ class PPOTrainer:
     self.generator = None if self.fused else engine.Generator(
         cfg.model, self.sampling, batch_size=cfg.rollout.batch_size,
         prompt_len=cfg.data.max_prompt_len, mesh=self.mesh, params=self.model_shapes("actor"))
-    self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
     self._compiled_update = False  # the first update call (compiles) is timed and logged
 
   # ---------------------------------------------------------------- setup
@@ -166,7 +207,7 @@ class PPOTrainer:
     # The reference is the frozen initial actor: a copy, since the actor's buffers are donated.
     self.ref_params = jax.tree_util.tree_map(jnp.copy, actor_params)
     updates_per_iter = cfg.algo.epochs * (cfg.rollout.batch_size // cfg.algo.minibatch_size)
-    total = cfg.num_iterations * updates_per_iter
+    total = self.schedule_iterations * updates_per_iter
     warmup = min(cfg.optim.warmup_steps, total - 1)
     # docs/architecture.md §3: with a pipeline axis both models train through the pipeline and are
     # held stage-stacked (pipelined.PipelinedUpdate.to_staged), each stage device its own layers.
@@ -176,6 +217,8 @@ class PPOTrainer:
         cfg.optim.actor_lr, warmup, total, cfg.optim.min_lr_ratio, cfg.optim.weight_decay,
         cfg.optim.grad_clip, return_schedule=True, **decay_mask)
     critic_params, self.critic_tx = None, None
+    guard = self._guard_tx
+    self.actor_tx = guard(self.actor_tx)
     if self.use_critic:
       if cfg.init.critic_checkpoint:
         critic_cfg = hf_loader.load_hf_config(cfg.init.critic_checkpoint).replace(head="scalar")
@@ -187,9 +230,9 @@ class PPOTrainer:
       critic_params = mesh_lib.shard_params(critic_params, llama.logical_specs(cfg.critic_model),
                                             self.mesh)
       self._whole["critic"] = mesh_lib.abstract(critic_params)
-      self.critic_tx = optim.make_optimizer(cfg.optim.critic_lr, warmup, total,
-                                            cfg.optim.min_lr_ratio, cfg.optim.weight_decay,
-                                            cfg.optim.grad_clip, **decay_mask)
+      self.critic_tx = guard(optim.make_optimizer(
+          cfg.optim.critic_lr, warmup, total, cfg.optim.min_lr_ratio, cfg.optim.weight_decay,
+          cfg.optim.grad_clip, **decay_mask))
     self.reward_params, self.reward_cfg = None, None
     if cfg.reward.kind == "model":
       self.reward_cfg = hf_loader.load_hf_config(cfg.reward.model_checkpoint).replace(
@@ -218,6 +261,15 @@ class PPOTrainer:
           self.critic_tx.init(critic_params), self.mesh))
     self._reshard = {"timing_s/reshard": 0.0, "perf/reshard_bytes": 0}
 
+  def _guard_tx(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """guard.on_nonfinite="skip_update": an optimizer step with non-finite gradients leaves
+    params and optimizer state as they were (optax.apply_if_finite); the count of such steps
+    is in the state (guard/skipped_updates)."""
+    g = self.cfg.guard
+    if g.on_nonfinite != "skip_update":
+      return tx
+    return optax.apply_if_finite(tx, max_consecutive_errors=g.max_consecutive_skips)
+
   def model_shapes(self, model: str) -> Any:
     """ShapeDtypeStructs of model_params(model), placed: what compiling generation needs."""
     return self._whole[model]
@@ -245,49 +297,89 @@ class PPOTrainer:
       state["critic"] = self.critic
     return state
 
-  def _finished_step(self, cfg: TrainConfig) -> Optional[int]:
-    """The latest checkpoint's iteration if it already reaches cfg.num_iterations, else None.
-    Reads only the checkpoint's JSON side-car (and checks its seed, as _restore does)."""
-    step = self.checkpointer.latest_step()
-    if step is None or step < cfg.num_iterations:
-      return None
-    self._check_seed(self.checkpointer.restore_meta(step), cfg.seed)
-    return step
+  def _resume_point(self, cfg: TrainConfig) -> tuple[Optional[int], Optional[dict]]:
+    """(step, side-car) of the newest checkpoint whose side-car reads, or (None, None). An
+    unreadable one is set aside with a warning (config.checkpoint.fallback) or is an error.
+    The seed and the config fingerprint must match this run's: a resumed run computes what
+    the uninterrupted one would have, or it does not start."""
+    for step in self.checkpointer.all_steps():
+      try:
+        meta = self.checkpointer.restore_meta(step)
+        if not isinstance(meta, dict) or "iteration" not in meta or "data" not in meta:
+          raise ValueError(f"side-car has keys {sorted(meta) if isinstance(meta, dict) else meta}"
+                           ", expected iteration, seed, data")
+      except Exception as e:  # noqa: BLE001 any damage: orbax, JSON, missing files
+        self._damaged(cfg, step, e)
+        continue
+      self._check_resume(meta, cfg)
+      return step, meta
+    return None, None
 
-  def _check_seed(self, meta: dict, seed: int) -> None:
-    """A checkpoint resumes only under the seed that made it (every random stream derives
-    from it)."""
-    if meta.get("seed") != seed:
-      raise ValueError(f"config.seed={seed} differs from the checkpoint's seed "
+  def _damaged(self, cfg: TrainConfig, step: int, error: BaseException) -> None:
+    """A checkpoint that cannot be read: set it aside and go on (fallback), or stop."""
+    what = f"checkpoint {step} in {self.checkpointer.directory} cannot be read " \
+           f"({type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]})"
+    if not cfg.checkpoint.fallback:
+      raise ValueError(f"{what}; config.checkpoint.fallback=False, so the run stops (set it "
+                       "True to resume from the newest intact checkpoint)") from error
+    moved = self.checkpointer.set_aside(step)
+    logging.warning("%s; moved it to %s (kept, not deleted) and trying the one before", what,
+                    moved)
+
+  def _check_resume(self, meta: dict, cfg: TrainConfig) -> None:
+    if meta.get("seed") != cfg.seed:
+      raise ValueError(f"config.seed={cfg.seed} differs from the checkpoint's seed "
                        f"{meta.get('seed')} in {self.checkpointer.directory}; use a new workdir")
+    saved = meta.get("config")
+    if saved is None:  # checkpoints written before fingerprints existed
+      logging.warning("checkpoint %s has no config fingerprint: resuming unchecked",
+                      meta.get("iteration"))
+      return
+    changes = config_lib.fingerprint_changes(saved, self._fingerprint)
+    if changes:
+      raise ValueError(
+          f"this config differs from the one that wrote the checkpoints in "
+          f"{self.checkpointer.directory} (iteration {meta.get('iteration')}) in fields that "
+          f"change the run: " + "; ".join(changes) + ". Resume with the original values, or "
+          f"start a new --workdir (fields a resume may change: "
+          f"{', '.join(sorted(config_lib.RESUMABLE_FIELDS))})")
 
   def _restore(self) -> int:
-    """Restores the latest checkpoint in the workdir, if any; returns the iteration to start at."""
-    step = self.checkpointer.latest_step()
-    if step is None:
+    """Restores the newest intact checkpoint; returns the iteration to start at (0: none)."""
+    while self.resume_step is not None:
+      step = self.resume_step
+      try:
+        state, meta = self.checkpointer.restore(step, self._state())
+        break
+      except Exception as e:  # noqa: BLE001 orbax raises many types for damaged files
+        if "config" not in self.checkpointer.restore_meta(step):
+          # No fingerprint (an old checkpoint): a structure error is most likely a layout
+          # change, not damage; say so instead of setting a good checkpoint aside.
+          raise self._layout_error(step, e) from e
+        self._damaged(self.cfg, step, e)
+        self.resume_step, _ = self._resume_point(self.cfg)
+    else:
       return 0
-    try:
-      state, meta = self.checkpointer.restore(step, self._state())
-    except ValueError as e:  # orbax: the saved tree or shapes differ from this run's state
-      layout = ("stage-stacked for mesh.stage=%d, pipeline.critic_pp=%d" % (
-          self.mesh.shape["stage"], self.update.executor.program.problem.critic_pp)
-                if self.pipelined else "whole models (mesh.stage=1)")
-      raise ValueError(
-          f"checkpoint {step} in {self.checkpointer.directory} does not fit this run's state "
-          f"({layout}): a run resumes only with the pipeline layout that saved it (mesh.stage, "
-          f"pipeline.critic_pp). Orbax says: {(str(e).splitlines() or [repr(e)])[0]}") from e
     self.actor = state["actor"]
     self.critic = state.get("critic")
     # The reference is not saved: it is the initial actor, rebuilt from the seed or checkpoint
     # in _init_models exactly as in the first run.
     self.dataset.load_state_dict(meta["data"])
-    self._check_seed(meta, self.cfg.seed)
-    self.writer.truncate_after(step)
     logging.info("resumed from checkpoint at iteration %d", step)
     return step
 
+  def _layout_error(self, step: int, e: BaseException) -> ValueError:
+    layout = ("stage-stacked for mesh.stage=%d, pipeline.critic_pp=%d" % (
+        self.mesh.shape["stage"], self.update.executor.program.problem.critic_pp)
+              if self.pipelined else "whole models (mesh.stage=1)")
+    return ValueError(
+        f"checkpoint {step} in {self.checkpointer.directory} does not fit this run's state "
+        f"({layout}): a run resumes only with the pipeline layout that saved it (mesh.stage, "
+        f"pipeline.critic_pp). Orbax says: {(str(e).splitlines() or [repr(e)])[0]}")
+
   def _save(self, iteration: int):
-    meta = {"iteration": iteration, "seed": self.cfg.seed, "data": self.dataset.state_dict()}
+    meta = {"iteration": iteration, "seed": self.cfg.seed, "data": self.dataset.state_dict(),
+            "config": self._fingerprint, "schedule_iterations": self.schedule_iterations}
     self.checkpointer.save(iteration, self._state(), meta)
 
   # ---------------------------------------------------------------- one iteration
@@ -342,6 +434,9 @@ class PPOTrainer:
     gen_key = jax.random.fold_in(jax.random.key(cfg.seed), iteration)
     t0 = time.time()
     stage_out = self.generate_and_infer(records, prompt_tokens, prompt_lens, uids, gen_key)
+    # The previous iteration's checkpoint was written while this one generated; a failed save
+    # stops the run here, before training past what it can keep.
+    self.checkpointer.wait()
     rollout, ref_logp, values = stage_out.rollout, stage_out.ref_logp, stage_out.values
     scores = stage_out.scores
     max_new = cfg.rollout.max_new_tokens
@@ -379,8 +474,11 @@ class PPOTrainer:
           logging.info("training: update compiled and run once in %.1fs", time.time() - t0)
     train_metrics = mesh_lib.to_host(train_metrics)
     t_train = time.time() - t0
+    self._check_finite(iteration, train_metrics)
 
-    out = {k: float(np.mean([m[k] for m in train_metrics])) for k in train_metrics[0]}
+    # Means over the finite values: under guard.on_nonfinite="skip_update" a skipped step's
+    # loss is NaN (None if every step of the iteration was skipped).
+    out = {k: _finite_mean([m[k] for m in train_metrics]) for k in train_metrics[0]}
     out.update({k: float(v) for k, v in mesh_lib.to_host(stats).items()})
     out.update(getattr(self.update, "schedule_metrics", {}))  # pipelined: the schedule's figures
     if not self.use_critic:
@@ -398,6 +496,14 @@ class PPOTrainer:
         "gen/response_lengths": [int(x) for x in resp_lens],
         "actor/lr": float(self.actor_lr(len(train_metrics) * (iteration + 1) - 1)),
     })
+    if self.cfg.guard.on_nonfinite == "skip_update":
+      out["guard/skipped_updates"] = int(sum(
+          int(mesh_lib.to_host(st.opt_state.total_notfinite)) for st in self._state().values()))
+    if self.cfg.guard.on_nonfinite == "stop":
+      bad = [k for k, v in out.items() if isinstance(v, float) and not np.isfinite(v)]
+      if bad:
+        raise self._nonfinite(iteration, f"metric(s) {', '.join(bad)} = "
+                              f"{[out[k] for k in bad]}")
     t_total = time.time() - t_step
     n_tokens = int(np.sum(token_counts))
     out.update(stage_out.metrics)
@@ -411,6 +517,27 @@ class PPOTrainer:
     })
     self.last_rollout = rollout
     return out
+
+  def _check_finite(self, iteration: int, train_metrics: list[dict]) -> None:
+    """config.guard: losses and gradient norms of every update ("stop" only: skipped steps are
+    NaN by design under "skip_update"), then the parameters themselves (both modes), with one
+    on-device reduction per model."""
+    if self.cfg.guard.on_nonfinite == "stop":
+      for i, m in enumerate(train_metrics):
+        bad = {k: float(v) for k, v in m.items() if not np.all(np.isfinite(v))}
+        if bad:
+          raise self._nonfinite(iteration, f"update {i + 1}/{len(train_metrics)}: {bad}")
+    for name, st in self._state().items():
+      if not bool(_all_finite_jit(st.params)):
+        raise self._nonfinite(iteration, f"{name} parameters hold NaN/Inf after its updates")
+
+  def _nonfinite(self, iteration: int, what: str) -> NonFiniteError:
+    last = self.checkpointer.latest_step()
+    return NonFiniteError(
+        f"iteration {iteration + 1}: non-finite values: {what}. Nothing of this iteration was "
+        f"written or saved; the last checkpoint ({'none' if last is None else last}) is kept. "
+        f"Lower optim.actor_lr / optim.critic_lr or optim.grad_clip, check the inputs, or set "
+        f"guard.on_nonfinite='skip_update' to skip such optimizer steps")
 
   def _train_flops_metrics(self, t_train: float, prompt_len: int, max_new: int) -> dict:
     """Training FLOP/s (padded shapes, as executed) and MFU where the device's peak is known."""
@@ -432,15 +559,28 @@ class PPOTrainer:
     that an interrupted run resumes exactly.
     """
     cfg = self.cfg
-    if self.finished_at is not None:
-      logging.info("workdir already has %d iterations (num_iterations=%d): nothing to do",
-                   self.finished_at, cfg.num_iterations)
-      return []
-    start = self._restore()
-    if start >= cfg.num_iterations:
-      logging.info("workdir already has %d iterations (num_iterations=%d): nothing to do",
-                   start, cfg.num_iterations)
-      return []
+    try:
+      if self.finished_at is not None:
+        logging.info("workdir already has %d iterations (num_iterations=%d): nothing to do",
+                     self.finished_at, cfg.num_iterations)
+        return []
+      start = self._restore()
+      if start >= cfg.num_iterations:
+        logging.info("workdir already has %d iterations (num_iterations=%d): nothing to do",
+                     start, cfg.num_iterations)
+        return []
+      # Exactly once: rows and TensorBoard events after the restored step belong to a
+      # trajectory that was not kept (a crash after them, before their checkpoint).
+      self.writer = metrics_lib.MetricWriter(self.workdir, enabled=jax.process_index() == 0,
+                                             purge_step=start + 1)
+      self.writer.truncate_after(start)
+      return self._loop(start, stop_after)
+    finally:
+      if self._lock is not None:
+        self._lock.release()
+
+  def _loop(self, start: int, stop_after: Optional[int]) -> list[dict]:
+    cfg = self.cfg
     stop = _StopFlag()
     stop.install()
     progress = metrics_lib.ProgressReporter(cfg.num_iterations, start)
@@ -455,14 +595,15 @@ class PPOTrainer:
           logging.info(progress.line(step, m, keys=("reward/mean", "kl/ref_mean",
                                                     "response_length/mean"),
                                      extra=fused_stage.progress_summary(m)))
-        stop.set = stop.set or step == stop_after
-        if step % cfg.checkpoint.every == 0 or step == cfg.num_iterations or stop.set:
+        stopping = stop.set or step == stop_after
+        if step % cfg.checkpoint.every == 0 or step == cfg.num_iterations or stopping:
           self._save(step)
-        if stop.set:
+        if stopping:
+          self.stopped_by_signal = stop.signal
           logging.warning("stopped after iteration %d; re-run the same command to resume", step)
           break
     finally:
       stop.uninstall()
-      self.checkpointer.wait()
       self.writer.close()
+      self.checkpointer.wait()
     return history
