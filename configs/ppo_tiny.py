@@ -102,6 +102,7 @@ def get_config(arg: str = "ppo"):
   c.optim.min_lr_ratio = 0.1
   c.optim.weight_decay = 0.0
   c.optim.grad_clip = 1.0
+  c.optim.schedule_iterations = 0  # LR schedule horizon; 0: num_iterations of the first start
 
   c.reward = ml_collections.ConfigDict()
   c.reward.kind = "function"  # "function" (verifier) or "model" (reward-model checkpoint)
@@ -135,6 +136,11 @@ def get_config(arg: str = "ppo"):
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 25
   c.checkpoint.keep = 2
+  c.checkpoint.fallback = True  # a damaged latest checkpoint: resume from the newest intact one
+
+  c.guard = ml_collections.ConfigDict()  # NaN/Inf in losses, gradients or parameters
+  c.guard.on_nonfinite = "stop"  # stop | skip_update (skip steps with non-finite gradients)
+  c.guard.max_consecutive_skips = 10  # skip_update: stop after this many skips in a row
 
   if arg == "grpo":
     c.algo.estimator = "grpo"

@@ -132,8 +132,18 @@ class PPOTrainer:
   def __init__(self, cfg: TrainConfig, workdir: str, mesh: Optional[jax.sharding.Mesh] = None):
     self.workdir = workdir
     os.makedirs(workdir, exist_ok=True)
-    # One run per workdir (process 0 holds it for all processes of a multi-host run).
+    # One run per workdir (process 0 holds it for all processes of a multi-host run), from
+    # here until run() ends, or until this constructor fails.
     self._lock = wd.WorkdirLock(workdir) if jax.process_index() == 0 else None
+    try:
+      self._setup(cfg, mesh)
+    except BaseException:
+      if self._lock is not None:
+        self._lock.release()
+      raise
+
+  def _setup(self, cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh]) -> None:
+    workdir = self.workdir
     self.checkpointer = checkpointing.Checkpointer(workdir, keep=cfg.checkpoint.keep)
     self.stopped_by_signal: Optional[int] = None  # the signal that stopped run(), if any
     self.writer = None

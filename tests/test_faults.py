@@ -1,0 +1,258 @@
+"""Faults a careful user meets, each with what must happen (docs/results.md "Reliability").
+
+Non-finite values stop the run (or skip the step) before anything is written or saved; a resume
+with a changed config is refused field by field; the LR schedule continues across a longer run;
+metrics are written exactly once; one run per workdir; a damaged checkpoint falls back to the
+intact one; a failed save or kill -9 loses nothing; bad inputs name the file and the field.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.models import hf_loader
+from rlhfuse_jax.trainer import loop
+from rlhfuse_jax.trainer.loop import PPOTrainer
+from tests.test_train_ppo_binary import REPO, _cmd, _env, _steps
+from tests.test_trainer import _deterministic, _params, tiny_config
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+
+
+def _poison_update(trainer, at_call: int, how: str):
+  """Wraps trainer.update: at the at_call-th optimizer step (1-based) either the actor's new
+  params become NaN ("params") or the mini-batch's advantages do, so its gradients are NaN
+  ("grads")."""
+  orig, calls = trainer.update, [0]
+
+  def update(actor, critic, mb):
+    calls[0] += 1
+    if how == "grads" and calls[0] == at_call:
+      mb = {**mb, "advantages": mb["advantages"] * jnp.nan}
+    actor, critic, m = orig(actor, critic, mb)
+    if how == "params" and calls[0] == at_call:
+      actor = actor.replace(params=jax.tree.map(lambda x: x * jnp.nan, actor.params))
+    return actor, critic, m
+  trainer.update = update
+
+
+# ------------------------------------------------------------------------------ non-finite
+def test_nonfinite_params_stop_the_run_and_keep_the_last_finite_checkpoint(tmp_path):
+  # 4 updates per iteration (16 samples, mini-batches of 8, 2 epochs): the 12th is the last of
+  # iteration 3, so only the parameter check can see it.
+  cfg = tiny_config(**{"checkpoint.every": 1, "checkpoint.keep": 1})
+  trainer = PPOTrainer(cfg, str(tmp_path))
+  _poison_update(trainer, 12, "params")
+  with pytest.raises(loop.NonFiniteError, match=r"iteration 3: .*actor parameters.*last "
+                                                 r"checkpoint \(2\) is kept"):
+    trainer.run()
+  assert _steps(str(tmp_path)) == [1, 2]  # nothing of iteration 3 written
+  again = PPOTrainer(cfg, str(tmp_path))  # keep=1 did not rotate the finite one away
+  assert again.resume_step == 2
+  assert [h["step"] for h in again.run()] == [3, 4]
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(_params(again)))
+
+
+def test_nonfinite_gradients_stop_or_are_skipped(tmp_path):
+  stop = PPOTrainer(tiny_config(), str(tmp_path / "stop"))
+  _poison_update(stop, 3, "grads")
+  with pytest.raises(loop.NonFiniteError, match=r"iteration 1: .*update 3/4"):
+    stop.run()
+  assert not os.path.exists(os.path.join(tmp_path, "stop", "metrics.jsonl")) or \
+      _steps(str(tmp_path / "stop")) == []
+
+  skip = PPOTrainer(tiny_config(**{"guard.on_nonfinite": "skip_update"}), str(tmp_path / "skip"))
+  _poison_update(skip, 3, "grads")
+  history = skip.run()
+  assert [h["guard/skipped_updates"] for h in history] == [1, 1, 1, 1]  # actor's one step
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(_params(skip)))
+  assert all(np.isfinite(h["actor/pg_loss"]) for h in history)  # means over finite steps
+
+
+def test_nonfinite_weights_in_a_checkpoint_name_the_file_and_tensor(tmp_path):
+  src = os.path.join(FIXTURES, "tiny_qwen2")
+  dst = str(tmp_path / "ckpt")
+  shutil.copytree(src, dst)
+  path = os.path.join(dst, "model.safetensors")
+  tensors = safetensors.numpy.load_file(path)
+  name = "model.layers.0.mlp.up_proj.weight"
+  tensors[name] = tensors[name].copy()
+  tensors[name].flat[5] = np.nan
+  safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+  cfg = hf_loader.load_hf_config(dst)
+  with pytest.raises(ValueError, match=rf"model.safetensors: tensor {name} holds 1 non-finite"):
+    hf_loader.load_hf_params(dst, cfg)
+
+
+def test_truncated_safetensors_names_the_file(tmp_path):
+  dst = str(tmp_path / "ckpt")
+  shutil.copytree(os.path.join(FIXTURES, "tiny_qwen2"), dst)
+  path = os.path.join(dst, "model.safetensors")
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+  with pytest.raises(ValueError, match="model.safetensors"):
+    hf_loader.load_hf_params(dst, hf_loader.load_hf_config(dst))
+
+
+# ------------------------------------------------------------------------------ resume safety
+def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path):
+  PPOTrainer(tiny_config(**{"num_iterations": 2}), str(tmp_path)).run()
+  changed = tiny_config(**{"num_iterations": 4, "optim.actor_lr": 5e-4,
+                           "rollout.max_new_tokens": 5, "data.task": "copy"})
+  t0 = time.time()
+  with pytest.raises(ValueError) as e:
+    PPOTrainer(changed, str(tmp_path))
+  assert time.time() - t0 < 5  # refused before building or compiling anything
+  msg = str(e.value)
+  for field in ("optim.actor_lr: 0.003 -> 0.0005", "rollout.max_new_tokens: 6 -> 5",
+                "data.task: 'repeat' -> 'copy'"):
+    assert field in msg, msg
+  # What a resume may change is allowed: more iterations, other logging/checkpoint cadence.
+  ok = PPOTrainer(tiny_config(**{"num_iterations": 3, "log_every": 2, "checkpoint.every": 3}),
+                  str(tmp_path))
+  assert [h["step"] for h in ok.run()] == [3]
+
+
+def test_raising_num_iterations_continues_the_lr_schedule(tmp_path):
+  # The horizon is the first start's num_iterations (4 iterations x 4 updates): extended to 6,
+  # the LR stays on the cosine's floor instead of restarting the cosine.
+  PPOTrainer(tiny_config(), str(tmp_path)).run()
+  history = PPOTrainer(tiny_config(**{"num_iterations": 6}), str(tmp_path)).run()
+  rows = wd.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  lrs = [r["actor/lr"] for r in rows]
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and len(history) == 2
+  floor = 3e-3 * 0.1  # optim.actor_lr * min_lr_ratio
+  assert lrs[3] >= lrs[4] and lrs[4] == pytest.approx(floor) and lrs[5] == pytest.approx(floor), lrs
+
+
+def test_metrics_are_written_exactly_once_after_a_crash_before_the_first_checkpoint(tmp_path):
+  cfg = tiny_config(**{"checkpoint.every": 100, "num_iterations": 3})
+  crashing = PPOTrainer(cfg, str(tmp_path))
+  orig = crashing.iteration
+
+  def iteration(it):
+    if it == 2:
+      raise RuntimeError("crash")
+    return orig(it)
+  crashing.iteration = iteration
+  with pytest.raises(RuntimeError, match="crash"):
+    crashing.run()
+  assert _steps(str(tmp_path)) == [1, 2]  # written, but no checkpoint holds them
+  PPOTrainer(cfg, str(tmp_path)).run()
+  assert _steps(str(tmp_path)) == [1, 2, 3]
+
+
+def test_a_second_run_on_the_same_workdir_is_refused(tmp_path):
+  cfg = tiny_config(**{"num_iterations": 1})
+  first = PPOTrainer(cfg, str(tmp_path))
+  with pytest.raises(RuntimeError, match=rf"in use by another run \(pid {os.getpid()} on"):
+    PPOTrainer(cfg, str(tmp_path))
+  first.run()  # releases the lock when it ends
+  PPOTrainer(cfg, str(tmp_path))
+
+
+# ------------------------------------------------------------------------------ damage
+def _damage_arrays(step_dir):
+  for root, _, files in os.walk(os.path.join(step_dir, "state")):
+    for f in files:
+      if os.sep + "d" in root:  # the array data files
+        p = os.path.join(root, f)
+        with open(p, "r+b") as fh:
+          fh.write(b"\x00garbage" * (os.path.getsize(p) // 8 + 1))
+
+
+@pytest.mark.parametrize("damage", ["arrays", "side-car"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, damage):
+  cfg = tiny_config(**{"num_iterations": 6})
+  straight = PPOTrainer(cfg, str(tmp_path / "straight"))
+  straight.run()
+  run = str(tmp_path / "run")
+  PPOTrainer(cfg, run).run(stop_after=4)  # checkpoints 2 and 4, as a preempted run leaves them
+  latest = os.path.join(run, "checkpoints", "4")
+  if damage == "arrays":
+    _damage_arrays(latest)
+  else:
+    with open(os.path.join(latest, "meta", "metadata"), "w") as f:
+      f.write("{not json")
+  refuse = tiny_config(**{"num_iterations": 6, "checkpoint.fallback": False})
+  if damage == "side-car":  # found while choosing what to resume
+    with pytest.raises(ValueError, match=r"checkpoint 4 in .* cannot be read.*fallback=False"):
+      PPOTrainer(refuse, run)
+  again = PPOTrainer(cfg, run)
+  assert [h["step"] for h in again.run()] == [3, 4, 5, 6]  # resumed from 2
+  assert os.path.isdir(os.path.join(run, "damaged_checkpoints", "4"))  # kept, not deleted
+  for a, b in zip(jax.tree.leaves(_params(again)), jax.tree.leaves(_params(straight))):
+    np.testing.assert_array_equal(a, b)
+  assert _steps(run) == [1, 2, 3, 4, 5, 6]
+
+
+# ------------------------------------------------------------------------------ processes
+def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path):
+  n = ["--config.num_iterations=6", "--config.checkpoint.every=1"]
+  straight = str(tmp_path / "straight")
+  subprocess.run(_cmd(straight, *n), cwd=REPO, env=_env(), check=True, capture_output=True,
+                 timeout=600)
+  run = str(tmp_path / "run")
+  proc = subprocess.Popen(_cmd(run, *n), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while not (os.path.exists(os.path.join(run, "metrics.jsonl")) and len(_steps(run)) >= 3):
+    assert proc.poll() is None and time.time() < deadline
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)  # mid-iteration or mid-save: whatever it was doing
+  proc.wait(timeout=60)
+  out = subprocess.run(_cmd(run, *n), cwd=REPO, env=_env(), capture_output=True, text=True,
+                       timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows, want = (wd.read_jsonl(os.path.join(d, "metrics.jsonl")) for d in (run, straight))
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+  assert _deterministic(rows) == _deterministic(want)
+  # The config of each start is kept: config.json (first) and config.<k>.json (the resume).
+  starts = sorted(f for f in os.listdir(run) if f.startswith("config."))
+  assert "config.json" in starts and len(starts) == 2, starts
+  umask = os.umask(0)
+  os.umask(umask)
+  assert os.stat(os.path.join(run, "result.json")).st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_failed_save_stops_the_run_at_once(tmp_path):
+  run = str(tmp_path / "run")
+  proc = subprocess.Popen(_cmd(run, "--config.num_iterations=10000", "--config.checkpoint.every=1"),
+                          cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  deadline = time.time() + 300
+  while not (os.path.exists(os.path.join(run, "metrics.jsonl")) and len(_steps(run)) >= 2):
+    assert proc.poll() is None and time.time() < deadline
+    time.sleep(0.05)
+  ckpts = os.path.join(run, "checkpoints")
+  shutil.move(ckpts, ckpts + ".moved")  # the checkpoint directory is gone ...
+  with open(ckpts, "w") as f:  # ... and a file is in its way: every later save fails
+    f.write("not a directory")
+  t0 = time.time()
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 3, err[-3000:]
+  assert time.time() - t0 < 60  # not orbax's 5-minute wait
+  assert "checkpoint save under" in err and ckpts in err
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.log_every=0", "config.log_every=0: expected > 0"),
+    ("--config.seed=-1", "config.seed=-1: expected an integer >= 0"),
+    ("--config.algo.loss_agg=mean", "config.algo.loss_agg='mean': expected one of"),
+    ("--config.guard.on_nonfinite=ignore", "config.guard.on_nonfinite='ignore'"),
+])
+def test_bad_values_name_the_field(tmp_path, flag, message):
+  out = subprocess.run(_cmd(str(tmp_path), flag), cwd=REPO, env=_env(), capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 1 and message in out.stderr, out.stderr[-2000:]
+  assert not os.path.exists(os.path.join(tmp_path, "config.json"))  # nothing recorded
