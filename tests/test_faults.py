@@ -256,3 +256,34 @@ def test_bad_values_name_the_field(tmp_path, flag, message):
                        text=True, timeout=300)
   assert out.returncode == 1 and message in out.stderr, out.stderr[-2000:]
   assert not os.path.exists(os.path.join(tmp_path, "config.json"))  # nothing recorded
+
+
+def test_a_record_without_target_is_named_by_file_and_line(tmp_path):
+  from rlhfuse_jax.data import prompts, rewards, tasks
+  path = str(tmp_path / "prompts.jsonl")
+  with open(path, "w") as f:
+    f.write('{"prompt": "1 #2 =", "target": "1 1"}\n\n{"prompt": "2 #1 ="}\n')
+  records = prompts.load_jsonl_prompts(path)
+  tok = tasks.make_task("repeat").tokenizer
+  ids = np.zeros((2, 4), np.int64)
+  with pytest.raises(ValueError, match=rf"record 1 \({path}:3\) needs a string 'target'"):
+    rewards.target_match(records, ids, np.array([4, 4]), tok)
+
+
+def test_schedule_search_rejects_a_negative_time_that_is_not_the_default():
+  from configs import schedule_search
+  from rlhfuse_jax.pipeline.graph import PipelineProblem
+  c = schedule_search.get_config()
+  assert PipelineProblem.from_config(c).critic_bwd == 2 * c.critic_fwd  # -1: the default
+  c.critic_bwd = -2.0
+  with pytest.raises(ValueError, match=r"config.critic_bwd=-2.0: expected -1 \(the default\)"):
+    PipelineProblem.from_config(c)
+
+
+def test_bench_generation_errors_name_the_generation_section():
+  from rlhfuse_jax.generation import fused
+  with pytest.raises(ValueError, match=r"config.generation.slots=0: expected an integer >= 1"):
+    fused.FusedGenConfig(num_instances=2, slots=0, section="generation")
+  with pytest.raises(ValueError, match=r"config.generation.migration_threshold='x'"):
+    fused.FusedGenConfig(num_instances=2, slots=2, migration_threshold="x",
+                         section="generation")

@@ -121,17 +121,18 @@ def tokenize_prompts(records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
   ids = tokenizer.encode_batch([r[field] for r in records])
   for i, seq in enumerate(ids):
     if len(seq) == 0:
-      raise ValueError(f"prompt {i}{_where(records[i])} encodes to zero tokens; a prompt needs at "
+      raise ValueError(f"prompt {i}{where(records[i])} encodes to zero tokens; a prompt needs at "
                        "least one token to condition generation")
     if len(seq) > max_prompt_len:
       text = records[i][field]
-      raise ValueError(f"prompt {i}{_where(records[i])} has {len(seq)} tokens, more than "
+      raise ValueError(f"prompt {i}{where(records[i])} has {len(seq)} tokens, more than "
                        f"max_prompt_len={max_prompt_len} (text starts {text[:60]!r}); raise "
                        "max_prompt_len or shorten the prompt")
   return pad_token_ids(ids, max_prompt_len, tokenizer.pad_id, padding)
 
 
-def _where(record: Mapping[str, Any]) -> str:
+def where(record: Mapping[str, Any]) -> str:
+  """' (path:line)' of a record loaded from a prompts file, '' for one made in memory."""
   return f" ({record[SOURCE_KEY]})" if SOURCE_KEY in record else ""
 
 
@@ -170,7 +171,7 @@ class PromptDataset:
       raise ValueError(f"padding={padding!r}: expected one of {_PADDINGS}")
     for i, r in enumerate(records):
       if not isinstance(r.get(field), str):
-        raise ValueError(f"record {i}{_where(r)}: field '{field}' must be a string, got "
+        raise ValueError(f"record {i}{where(r)}: field '{field}' must be a string, got "
                          f"{type(r.get(field)).__name__}")
     self.records = [dict(r) for r in records]
     self.batch_size = int(batch_size)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from rlhfuse_jax.data.prompts import where as _where
 from rlhfuse_jax.data.tokenizer import Tokenizer
 
 RewardFn = Callable[[Sequence[Mapping[str, Any]], np.ndarray, np.ndarray, Tokenizer], np.ndarray]
@@ -44,8 +45,8 @@ def target_ids(records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) -> li
   """Tokenised 'target' of each record, EOS appended."""
   for i, r in enumerate(records):
     if not isinstance(r.get("target"), str):
-      raise ValueError(f"record {i} needs a string 'target' for a verifiable reward, got "
-                       f"{type(r.get('target')).__name__}")
+      raise ValueError(f"record {i}{_where(r)} needs a string 'target' for a verifiable reward, "
+                       f"got {type(r.get('target')).__name__}")
   return [ids + [tokenizer.eos_id]
           for ids in tokenizer.encode_batch([r["target"] for r in records], add_bos=False)]
 
@@ -96,7 +97,7 @@ def exact_match(records, response_ids, response_lengths, tokenizer) -> np.ndarra
   out = np.zeros((ids.shape[0],), dtype=np.float32)
   for b, r in enumerate(records):
     if not isinstance(r.get("target"), str):
-      raise ValueError(f"record {b} needs a string 'target' for a verifiable reward")
+      raise ValueError(f"record {b}{_where(r)} needs a string 'target' for a verifiable reward")
     answer = ids[b, :rlen[b] - 1]  # [len]
     # decode drops ids beyond the tokenizer's vocabulary (a model's embedding may be padded
     # larger), so such ids are checked here; special tokens are kept in the text for the same

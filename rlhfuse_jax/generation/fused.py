@@ -76,27 +76,31 @@ class FusedGenConfig:
   inference_inflight: int = 0
   rt_candidates: tuple = rt_choice.DEFAULT_CANDIDATES  # Rt values "auto" simulates
   compile_threads: int = 4  # threads compiling the instances' executables at start-up
+  # The config section a user edits for these fields, named in errors: "fusion" in train_ppo,
+  # "generation" in bench_generation.
+  section: str = "fusion"
 
   def __post_init__(self):
     for name in ("num_instances", "slots", "instance_devices", "compile_threads"):
       v = getattr(self, name)
       if not isinstance(v, int) or v < 1:
-        raise ValueError(f"config.fusion.{name}={v!r}: expected an integer >= 1")
-    rt_choice.resolve_threshold(self.migration_threshold)
+        raise ValueError(f"config.{self.section}.{name}={v!r}: expected an integer >= 1")
+    rt_choice.resolve_threshold(self.migration_threshold,
+                                f"{self.section}.migration_threshold")
     if self.max_consolidations < 0:
-      raise ValueError(f"config.fusion.max_consolidations={self.max_consolidations}: expected "
-                       ">= 0")
+      raise ValueError(f"config.{self.section}.max_consolidations={self.max_consolidations}: "
+                       "expected >= 0")
     if self.inference_micro_batch < 0:
-      raise ValueError(f"config.fusion.inference_micro_batch={self.inference_micro_batch}: "
-                       "expected >= 0 (0: slots)")
+      raise ValueError(f"config.{self.section}.inference_micro_batch="
+                       f"{self.inference_micro_batch}: expected >= 0 (0: slots)")
     if self.inference_inflight < 0:
-      raise ValueError(f"config.fusion.inference_inflight={self.inference_inflight}: expected "
-                       ">= 0 (0: no cap)")
+      raise ValueError(f"config.{self.section}.inference_inflight={self.inference_inflight}: "
+                       "expected >= 0 (0: no cap)")
     if self.kv_capacity_tokens < 0:
-      raise ValueError(f"config.fusion.kv_capacity_tokens={self.kv_capacity_tokens}: expected "
-                       ">= 0 (0: slots * max_len)")
+      raise ValueError(f"config.{self.section}.kv_capacity_tokens={self.kv_capacity_tokens}: "
+                       "expected >= 0 (0: slots * max_len)")
     for c in self.rt_candidates:
-      rt_choice.resolve_threshold(c, "fusion.rt_candidates[]")
+      rt_choice.resolve_threshold(c, f"{self.section}.rt_candidates[]")
 
   @property
   def micro_batch(self) -> int:
@@ -138,15 +142,16 @@ class FusedGenerator:
     g, s = config.num_instances, config.slots
     per_inst = -(-batch_size // g)
     if per_inst > s:
-      raise ValueError(f"config.fusion.slots={s}: {batch_size} samples dealt to num_instances="
-                       f"{g} put {per_inst} in one instance; expected slots >= {per_inst}")
+      raise ValueError(f"config.{config.section}.slots={s}: {batch_size} samples dealt to "
+                       f"num_instances={g} put {per_inst} in one instance; expected slots >= "
+                       f"{per_inst}")
     full = s * self.max_len
     self.kv_capacity = config.kv_capacity_tokens or full
     if self.kv_capacity < full:
-      raise ValueError(f"config.fusion.slots={s} do not fit the KV cache: {s} slots x max_len="
-                       f"{self.max_len} (prompt {prompt_len} + max_new_tokens "
-                       f"{sampling.max_new_tokens}) = {full} tokens > config.fusion."
-                       f"kv_capacity_tokens={config.kv_capacity_tokens}")
+      raise ValueError(f"config.{config.section}.slots={s} do not fit the KV cache: {s} slots "
+                       f"x max_len={self.max_len} (prompt {prompt_len} + max_new_tokens "
+                       f"{sampling.max_new_tokens}) = {full} tokens > config."
+                       f"{config.section}.kv_capacity_tokens={config.kv_capacity_tokens}")
     meshes = inst_lib.split_devices(devices if devices is not None else jax.devices(), g,
                                     config.instance_devices)
     self.instances = [GenerationInstance(i, m, cfg, sampling, slots=s, prompt_len=prompt_len,
@@ -159,9 +164,9 @@ class FusedGenerator:
       raise ValueError(f"frozen_params lacks {missing} (shapes of the inference models)")
     self.fixed_rt = rt_choice.resolve_threshold(config.migration_threshold)  # None: "auto"
     if self.fixed_rt is None and rt_model is None:
-      raise ValueError("config.fusion.migration_threshold='auto' needs a model to simulate Rt "
-                       "with: pass rt_model=rlhfuse_jax.trainer.rt_auto.simulated_rt_model (or "
-                       "set a fixed threshold in [0, 1])")
+      raise ValueError(f"config.{config.section}.migration_threshold='auto' needs a model to "
+                       "simulate Rt with: pass rt_model=rlhfuse_jax.trainer.rt_auto."
+                       "simulated_rt_model (or set a fixed threshold in [0, 1])")
     inst_lib.compile_all(self.instances, actor_params, frozen_params, config.compile_threads)
     # KV bytes of one token of one sample (K and V, all layers), as KVCache.nbytes_per_token.
     itemsize = np.dtype(cfg.jnp_dtype).itemsize

@@ -211,16 +211,22 @@ class PipelineProblem:
 
   @classmethod
   def from_config(cls, c) -> "PipelineProblem":
-    """From a config with the fields of configs/schedule_search.py (negative: the default)."""
-    def opt(v):
-      return None if v is None or v < 0 else float(v)
-    budget = opt(c.memory_budget)
+    """From a config with the fields of configs/schedule_search.py (-1: the default; any other
+    negative value is a typo, and an error naming the field)."""
+    def opt(name):
+      v = getattr(c, name)
+      if v is None or v == -1:
+        return None
+      if v < 0:
+        raise ValueError(f"config.{name}={v!r}: expected -1 (the default) or a value >= 0")
+      return float(v)
+    budget = opt("memory_budget")
     return cls(actor_pp=int(c.actor_pp), critic_pp=int(c.critic_pp),
                actor_microbatches=int(c.actor_microbatches),
                critic_microbatches=int(c.critic_microbatches),
                actor_fwd=float(c.actor_fwd), critic_fwd=float(c.critic_fwd),
-               actor_bwd=opt(c.actor_bwd), critic_bwd=opt(c.critic_bwd),
-               actor_mem=opt(c.actor_mem), critic_mem=opt(c.critic_mem),
+               actor_bwd=opt("actor_bwd"), critic_bwd=opt("critic_bwd"),
+               actor_mem=opt("actor_mem"), critic_mem=opt("critic_mem"),
                transfer_latency=float(c.transfer_latency),
                memory_budget=None if budget is None else (budget,))
 
