@@ -123,9 +123,11 @@ def decode_step(cfg: ModelConfig, params: Any, state: DecodeState, iteration_key
 
 
 def decode_chunk(cfg: ModelConfig, params: Any, state: DecodeState, iteration_key: jax.Array,
-                 sampling: SamplingConfig) -> DecodeState:
+                 sampling: SamplingConfig, after_step=None) -> DecodeState:
   """Up to K = sampling.chunk_size decode steps; stops early once every row is done (so the
-  total number of decode steps of a batch is max(response_len) - 1)."""
+  total number of decode steps of a batch is max(response_len) - 1). The one decode loop:
+  `after_step(state) -> state`, if given, runs after every step (the fused instances stop rows
+  at their own response budgets with it: instances.decode_slots)."""
 
   def cond(carry):
     i, s = carry
@@ -133,7 +135,8 @@ def decode_chunk(cfg: ModelConfig, params: Any, state: DecodeState, iteration_ke
 
   def body(carry):
     i, s = carry
-    return i + 1, decode_step(cfg, params, s, iteration_key, sampling)
+    s = decode_step(cfg, params, s, iteration_key, sampling)
+    return i + 1, (s if after_step is None else after_step(s))
 
   _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
   return state

@@ -80,17 +80,8 @@ def prefill_slots(cfg: ModelConfig, params, tokens, lens, uids, budget, key, *,
 
 def decode_slots(cfg: ModelConfig, params, st: SlotState, key, *, sampling: SamplingConfig):
   """engine.decode_chunk with the per-slot budget in the stop rule (K steps, early exit)."""
-
-  def cond(carry):
-    i, s = carry
-    return (i < sampling.chunk_size) & ~jnp.all(s.done)
-
-  def body(carry):
-    i, s = carry
-    s = engine.decode_step(cfg, params, s, key, sampling)
-    return i + 1, apply_budget(s, st.budget)
-
-  _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), st.decode))
+  state = engine.decode_chunk(cfg, params, st.decode, key, sampling,
+                              after_step=lambda s: apply_budget(s, st.budget))
   return SlotState(decode=state, budget=st.budget), _summary(state)
 
 
