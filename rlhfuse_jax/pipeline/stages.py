@@ -30,37 +30,11 @@ from jax import lax
 
 from rlhfuse_jax.models import llama, sequences
 from rlhfuse_jax.models.llama import ModelConfig
-from rlhfuse_jax.rl import kl as kl_lib
-from rlhfuse_jax.rl import losses, masked
+from rlhfuse_jax.rl import objective
 
-ACTOR_METRICS = ("actor_loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss")
-CRITIC_METRICS = ("critic_loss", "vf_loss", "vf_clipfrac")
-
-
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-  """The PPO actor and critic losses (same meaning as the trainer's AlgoConfig fields)."""
-  clip_eps: float = 0.2                   # PPO ratio clip
-  clip_eps_high: Optional[float] = None   # None: clip_eps (set higher for clip-higher)
-  loss_agg: str = "token-mean"            # actor loss aggregation (rl/losses.py)
-  entropy_coef: float = 0.0               # loss -= entropy_coef * mean entropy
-  kl_coef: float = 0.0                    # loss += kl_coef * KL-to-reference loss (0: off)
-  kl_estimator: str = "k1"
-  kl_loss_agg: str = "token-mean"         # aggregation of the KL term (the trainer's: token-mean)
-  value_clip_eps: Optional[float] = 0.2   # None: unclipped value loss
-  vf_coef: float = 0.5                    # critic loss = vf_coef * value loss (token-mean)
-  temperature: float = 1.0                # sampling temperature of the behaviour log-probs
-
-  def __post_init__(self):
-    losses.check_loss_agg(self.loss_agg)
-    losses.check_loss_agg(self.kl_loss_agg)
-    if not self.clip_eps > 0:
-      raise ValueError(f"loss.clip_eps={self.clip_eps} must be > 0")
-    if self.kl_coef < 0 or self.entropy_coef < 0 or self.vf_coef < 0:
-      raise ValueError("loss.kl_coef, loss.entropy_coef and loss.vf_coef must be >= 0")
-    if not self.temperature > 0:
-      raise ValueError(f"loss.temperature={self.temperature} must be > 0")
-    kl_lib.get_kl_estimator(self.kl_estimator)  # raises naming the known estimators
+# The objective and its metrics are defined once, in rl/objective.py.
+ACTOR_METRICS, CRITIC_METRICS = objective.ACTOR_METRICS, objective.CRITIC_METRICS
+LossConfig = objective.LossConfig
 
 
 def batch_keys(loss_cfg: LossConfig) -> Tuple[str, ...]:
@@ -276,30 +250,15 @@ def actor_head_loss(cfg: ModelConfig, loss_cfg: LossConfig, embed_params: Any, h
   """One micro-batch's share of the actor loss from the last stage's hidden [mb, L, H].
 
   Returns (loss, metrics [len(ACTOR_METRICS)]): summing both over the micro-batches of a
-  mini-batch gives the mini-batch's loss and metrics.
+  mini-batch gives the mini-batch's loss and metrics (rl/objective.py).
   """
-  mask = mb["mask"].astype(jnp.float32)  # [mb, T]
-  t = mask.shape[1]
+  t = mb["mask"].shape[1]
   logits = head(cfg, embed_params, head_params, _at_response(x, mb["prompt_lens"], t))
   pos = sequences.response_positions(mb["prompt_lens"], t)
   targets = jnp.take_along_axis(mb["tokens"], pos + 1, axis=1)  # [mb, T]
   logp, entropy = sequences.token_logprobs_and_entropy(logits, targets, loss_cfg.temperature)
-  pg, m = losses.policy_loss(logp, mb["old_logp"], mb["advantages"], mask, loss_cfg.clip_eps,
-                             loss_cfg.clip_eps_high, loss_agg=loss_cfg.loss_agg,
-                             num_tokens=num_tokens, num_seqs=num_seqs)
-  denom = jnp.where(num_tokens > 0, num_tokens, 1.0)
-  # policy_loss's metrics are means over this micro-batch's tokens; reweight them to the
-  # mini-batch's token count so that they add up over micro-batches.
-  share = jnp.sum(mask) / denom
-  ent = masked.masked_sum(entropy, mask) / denom
-  loss = pg - loss_cfg.entropy_coef * ent
-  kl = jnp.zeros((), jnp.float32)
-  if loss_cfg.kl_coef > 0:
-    kl = losses.kl_loss(logp, mb["ref_logp"], mask, loss_cfg.kl_estimator, loss_cfg.kl_loss_agg,
-                        num_tokens=num_tokens, num_seqs=num_seqs)
-    loss = loss + loss_cfg.kl_coef * kl
-  metrics = jnp.stack([loss, pg, m["pg_clipfrac"] * share, m["ppo_kl"] * share, ent, kl])
-  return loss, metrics
+  loss, m = objective.actor_objective(loss_cfg, logp, entropy, mb, num_tokens, num_seqs)
+  return loss, jnp.stack([m[k] for k in ACTOR_METRICS])
 
 
 def critic_head_loss(cfg: ModelConfig, loss_cfg: LossConfig, embed_params: Any, head_params: Any,
@@ -307,47 +266,30 @@ def critic_head_loss(cfg: ModelConfig, loss_cfg: LossConfig, embed_params: Any, 
                      num_seqs: jax.Array) -> Tuple[jax.Array, jax.Array]:
   """One micro-batch's share of the critic loss; metrics [len(CRITIC_METRICS)]."""
   del num_seqs  # the value loss is a token mean
-  mask = mb["mask"].astype(jnp.float32)
-  t = mask.shape[1]
+  t = mb["mask"].shape[1]
   values = head(cfg, embed_params, head_params, _at_response(x, mb["prompt_lens"], t))  # [mb, T]
-  vf, m = losses.value_loss(values, mb["old_values"], mb["returns"], mask,
-                            loss_cfg.value_clip_eps, loss_agg="token-mean", num_tokens=num_tokens)
-  share = jnp.sum(mask) / jnp.where(num_tokens > 0, num_tokens, 1.0)
-  loss = loss_cfg.vf_coef * vf
-  return loss, jnp.stack([loss, vf, m["vf_clipfrac"] * share])
+  loss, m = objective.critic_objective(loss_cfg, values, mb, num_tokens)
+  return loss, jnp.stack([m[k] for k in CRITIC_METRICS])
 
 
 # Unpipelined reference losses -------------------------------------------------------------------
 
 def actor_loss(cfg: ModelConfig, loss_cfg: LossConfig, params: Any,
                batch: Dict[str, jax.Array]) -> Tuple[jax.Array, Dict[str, jax.Array]]:
-  """The actor loss of a whole mini-batch without a pipeline (the trainer's formulation)."""
-  mask = batch["mask"].astype(jnp.float32)
+  """The actor loss of a whole mini-batch without a pipeline: the plain update's
+  (trainer/ppo.py), and the reference the executor is tested against."""
   logp, entropy = sequences.response_logprobs_and_entropy(
-      cfg, params, batch["tokens"], batch["prompt_lens"], mask.shape[1], loss_cfg.temperature)
-  pg, m = losses.policy_loss(logp, batch["old_logp"], batch["advantages"], mask,
-                             loss_cfg.clip_eps, loss_cfg.clip_eps_high, loss_agg=loss_cfg.loss_agg)
-  ent = masked.masked_mean(entropy, mask)
-  loss = pg - loss_cfg.entropy_coef * ent
-  kl = jnp.zeros((), jnp.float32)
-  if loss_cfg.kl_coef > 0:
-    kl = losses.kl_loss(logp, batch["ref_logp"], mask, loss_cfg.kl_estimator,
-                        loss_cfg.kl_loss_agg)
-    loss = loss + loss_cfg.kl_coef * kl
-  return loss, {"actor_loss": loss, "pg_loss": pg, "pg_clipfrac": m["pg_clipfrac"],
-                "ppo_kl": m["ppo_kl"], "entropy": ent, "kl_loss": kl}
+      cfg, params, batch["tokens"], batch["prompt_lens"], batch["mask"].shape[1],
+      loss_cfg.temperature)
+  return objective.actor_objective(loss_cfg, logp, entropy, batch)
 
 
 def critic_loss(cfg: ModelConfig, loss_cfg: LossConfig, params: Any,
                 batch: Dict[str, jax.Array]) -> Tuple[jax.Array, Dict[str, jax.Array]]:
   """The critic loss of a whole mini-batch without a pipeline."""
-  mask = batch["mask"].astype(jnp.float32)
   values = sequences.response_values(cfg, params, batch["tokens"], batch["prompt_lens"],
-                                     mask.shape[1])
-  vf, m = losses.value_loss(values, batch["old_values"], batch["returns"], mask,
-                            loss_cfg.value_clip_eps, loss_agg="token-mean")
-  loss = loss_cfg.vf_coef * vf
-  return loss, {"critic_loss": loss, "vf_loss": vf, "vf_clipfrac": m["vf_clipfrac"]}
+                                     batch["mask"].shape[1])
+  return objective.critic_objective(loss_cfg, values, batch)
 
 
 def reference_grads(actor_cfg: ModelConfig, critic_cfg: ModelConfig, loss_cfg: LossConfig,

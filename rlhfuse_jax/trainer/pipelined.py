@@ -48,22 +48,13 @@ from rlhfuse_jax.pipeline import schedule as schedule_lib
 from rlhfuse_jax.pipeline import schedules, search
 from rlhfuse_jax.pipeline.executor import PipelineExecutor
 from rlhfuse_jax.pipeline.graph import PipelineProblem
-from rlhfuse_jax.pipeline.stages import LossConfig
 from rlhfuse_jax.rl import advantages as adv_lib
+from rlhfuse_jax.trainer import ppo
 from rlhfuse_jax.trainer.config import AlgoConfig, PipelineConfig, TrainConfig
 from rlhfuse_jax.trainer.ppo import ModelState
 
 SERIAL, FUSED = "serial_1f1b", "fused"
 _CACHE_VERSION = 1  # bump when the cached file's meaning changes
-
-
-def loss_config(algo: AlgoConfig, temperature: float) -> LossConfig:
-  """The executor's losses with the meaning of ppo.actor_loss / ppo.critic_loss."""
-  return LossConfig(clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
-                    entropy_coef=algo.entropy_coef,
-                    kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
-                    kl_estimator=algo.kl_estimator, value_clip_eps=algo.value_clip_eps,
-                    vf_coef=algo.vf_coef, temperature=temperature)
 
 
 def pipeline_problem(stages: int, pipeline: PipelineConfig) -> PipelineProblem:
@@ -181,7 +172,7 @@ class PipelinedUpdate:
                actor_tx: optax.GradientTransformation, critic_tx: optax.GradientTransformation,
                compiler_options: Dict[str, Any]):
     self.executor, self.schedule_name = executor, schedule_name
-    self._algo, self._txs = algo, (actor_tx, critic_tx)
+    self._txs = (actor_tx, critic_tx)
     self._compiler_options = compiler_options or None
     self._jitted: Callable | None = None
     self._conversions: Dict[Any, Callable] = {}  # to_staged / whole_fn executables
@@ -265,7 +256,7 @@ class PipelinedUpdate:
     return self._jitted
 
   def _make(self, shardings) -> Callable:
-    algo, (actor_tx, critic_tx) = self._algo, self._txs
+    actor_tx, critic_tx = self._txs
     grads_fn = self.executor.staged_grads_fn
 
     def update(actor: ModelState, critic: ModelState, mb):
@@ -276,12 +267,8 @@ class PipelinedUpdate:
       actor = ModelState(optax.apply_updates(actor.params, updates), opt)
       updates, copt = critic_tx.update(cg, critic.opt_state, critic.params)
       critic = ModelState(optax.apply_updates(critic.params, updates), copt)
-      # The executor's metrics are mini-batch values, named as ppo.actor_loss's and
-      # ppo.critic_loss's. The trainer's loss has no dual clip: pg_clipfrac_lower is 0 there too.
-      metrics = {f"actor/{k}": m[k] for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy")}
-      metrics["actor/pg_clipfrac_lower"] = jax.numpy.zeros((), jax.numpy.float32)
-      if not algo.kl_in_reward and algo.kl_coef > 0:
-        metrics["actor/kl_loss"] = m["kl_loss"]
+      # The executor's metrics are mini-batch values, logged as the plain update logs them.
+      metrics = ppo.actor_metrics(self.executor.loss_cfg, m)
       metrics["actor/grad_norm"] = optax.global_norm(ag)
       metrics.update({f"critic/{k}": m[k] for k in ("vf_loss", "vf_clipfrac")})
       metrics["critic/grad_norm"] = optax.global_norm(cg)
@@ -311,7 +298,7 @@ def make_pipelined_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, al
     name, barrier = SERIAL, True
     order = schedules.serial_order(problem)
   program = prog.build_program(problem, order, barrier=barrier)
-  executor = PipelineExecutor(actor_cfg, critic_cfg, loss_config(algo, temperature), program,
+  executor = PipelineExecutor(actor_cfg, critic_cfg, ppo.loss_config(algo, temperature), program,
                               mesh)
   executor.microbatch_sizes(config.algo.minibatch_size)  # raises if the rows do not split
   logging.info("pipeline: %s schedule, %d ticks (bubble %.2f) on stage=%d, critic_pp=%d, "

@@ -24,12 +24,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from rlhfuse_jax.models import llama, sequences
+from rlhfuse_jax.models import llama
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.pipeline import stages
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import kl as kl_lib
-from rlhfuse_jax.rl import losses, masked
+from rlhfuse_jax.rl import masked
+from rlhfuse_jax.rl.objective import LossConfig
 from rlhfuse_jax.trainer.config import AlgoConfig
 
 
@@ -54,30 +56,21 @@ def advantages_and_returns(algo: AlgoConfig, group_size: int, scores, mask, old_
   return adv * mask, ret * mask, token_rewards, kl
 
 
-def actor_loss(params, actor_cfg: ModelConfig, algo: AlgoConfig, temperature: float, mb):
-  """PPO clipped loss (+ entropy bonus, + KL loss when not in the reward) on one mini-batch."""
-  max_new = mb["mask"].shape[1]
-  logp, entropy = sequences.response_logprobs_and_entropy(
-      actor_cfg, params, mb["tokens"], mb["prompt_lens"], max_new, temperature)
-  loss, m = losses.policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"],
-                               algo.clip_eps, loss_agg=algo.loss_agg)
-  ent = masked.masked_mean(entropy, mb["mask"])
-  loss = loss - algo.entropy_coef * ent
-  if not algo.kl_in_reward and algo.kl_coef > 0:
-    kl = losses.kl_loss(logp, mb["ref_logp"], mb["mask"], algo.kl_estimator)
-    loss = loss + algo.kl_coef * kl
-    m["kl_loss"] = kl
-  m["entropy"] = ent
-  return loss, m
+def loss_config(algo: AlgoConfig, temperature: float) -> LossConfig:
+  """The PPO objective's settings from the run's AlgoConfig, for the plain and the pipelined
+  update alike (the KL is a loss term only when it is not in the reward)."""
+  return LossConfig(clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
+                    entropy_coef=algo.entropy_coef,
+                    kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
+                    kl_estimator=algo.kl_estimator, value_clip_eps=algo.value_clip_eps,
+                    vf_coef=algo.vf_coef, temperature=temperature)
 
 
-def critic_loss(params, critic_cfg: ModelConfig, algo: AlgoConfig, mb):
-  """Clipped value loss on one mini-batch."""
-  max_new = mb["mask"].shape[1]
-  values = sequences.response_values(critic_cfg, params, mb["tokens"], mb["prompt_lens"], max_new)
-  loss, m = losses.value_loss(values, mb["old_values"], mb["returns"], mb["mask"],
-                              algo.value_clip_eps, loss_agg="token-mean")
-  return algo.vf_coef * loss, m
+def actor_metrics(loss_cfg: LossConfig, m) -> dict:
+  """The actor's metrics as the run logs them (kl_loss only when the KL is a loss term)."""
+  keys = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy") + (
+      ("kl_loss",) if loss_cfg.kl_coef > 0 else ())
+  return {f"actor/{k}": m[k] for k in keys}
 
 
 def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoConfig,
@@ -96,19 +89,21 @@ def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoCo
     with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES):
       return _update(actor, critic, mb)
 
+  loss_cfg = loss_config(algo, temperature)
+
   def _update(actor: ModelState, critic: ModelState | None, mb):
-    (_, am), ag = jax.value_and_grad(actor_loss, has_aux=True)(
-        actor.params, actor_cfg, algo, temperature, mb)
+    (_, am), ag = jax.value_and_grad(stages.actor_loss, argnums=2, has_aux=True)(
+        actor_cfg, loss_cfg, actor.params, mb)
     updates, opt = actor_tx.update(ag, actor.opt_state, actor.params)
     actor = ModelState(optax.apply_updates(actor.params, updates), opt)
-    metrics = {f"actor/{k}": v for k, v in am.items()}
+    metrics = actor_metrics(loss_cfg, am)
     metrics["actor/grad_norm"] = optax.global_norm(ag)
     if critic is not None:
-      (_, cm), cg = jax.value_and_grad(critic_loss, has_aux=True)(
-          critic.params, critic_cfg, algo, mb)
+      (_, cm), cg = jax.value_and_grad(stages.critic_loss, argnums=2, has_aux=True)(
+          critic_cfg, loss_cfg, critic.params, mb)
       updates, copt = critic_tx.update(cg, critic.opt_state, critic.params)
       critic = ModelState(optax.apply_updates(critic.params, updates), copt)
-      metrics.update({f"critic/{k}": v for k, v in cm.items()})
+      metrics.update({f"critic/{k}": cm[k] for k in ("vf_loss", "vf_clipfrac")})
       metrics["critic/grad_norm"] = optax.global_norm(cg)
     return actor, critic, metrics
 
