@@ -62,3 +62,10 @@ def test_kv_bytes_and_flops():
   assert s.as_critic().num_params() < s.num_params()
   with pytest.raises(ValueError, match="known"):
     shapes.get_shape("llama-70b")
+
+
+def test_tensor_parallel_degrees_must_divide_heads_kv_heads_and_mlp():
+  s = shapes.ModelShape(name="33b", vocab_size=32000, hidden_size=6656,
+                       intermediate_size=17920, num_layers=60, num_heads=52, num_kv_heads=52)
+  assert s.tensor_parallel_error(4) is None
+  assert s.tensor_parallel_error(8) == "tp8 does not divide 33b's num_heads=52, num_kv_heads=52"

@@ -155,6 +155,11 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
   frozen = (wl.actor, wl.critic, wl.critic)
   rejected, best = {}, None
   for tp in opt.gen_tps:
+    split = next((e for e in (m.tensor_parallel_error(tp) for m in (wl.actor, wl.critic)) if e),
+                 None)
+    if split:
+      rejected[tp] = split
+      continue
     try:
       plan = gen_plan(cost, wl, tp, prompts, opt.max_slots)
       check_inference_memory(cost, wl, tp, opt.inference_microbatch, prompts)
@@ -210,6 +215,8 @@ def _single_model_s(cost: CostModel, shape: ModelShape, n: int, wl: Workload, me
   """Best 1F1B time of one model alone on n devices (tp x pp x dp), or None if nothing fits."""
   best = None
   for tp in (1, 2, 4, 8):
+    if shape.tensor_parallel_error(tp):
+      continue
     for pp in (1, 2, 4, 8, 16):
       if n % (tp * pp) or tp > cost.hw.devices_per_node or pp > shape.num_layers:
         continue

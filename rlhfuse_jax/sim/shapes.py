@@ -51,6 +51,14 @@ class ModelShape:
   def head_dim_(self) -> int:
     return self.head_dim or self.hidden_size // self.num_heads
 
+  def tensor_parallel_error(self, tp: int):
+    """Why Megatron tensor parallelism of degree tp cannot split this model (None if it can):
+    heads, KV heads and MLP width must each divide by tp (our pipelined update requires it,
+    trainer/pipelined.check_config, as Megatron-LM does)."""
+    bad = [f"{f}={getattr(self, f)}" for f in ("num_heads", "num_kv_heads", "intermediate_size")
+           if getattr(self, f) % tp]
+    return f"tp{tp} does not divide {self.name}'s {', '.join(bad)}" if bad else None
+
   def num_params(self) -> int:
     """Same count as ModelConfig.num_params()."""
     e, f, d = self.hidden_size, self.intermediate_size, self.head_dim_

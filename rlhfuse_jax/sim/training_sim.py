@@ -212,6 +212,10 @@ def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_device
         if pc > pa or pa > actor.num_layers or pc > critic.num_layers:
           continue
         name = f"tp{tp}/pa{pa}/pc{pc}"
+        split = actor.tensor_parallel_error(tp) or critic.tensor_parallel_error(tp)
+        if split:
+          tried[name] = split
+          continue
         try:
           plan = TrainPlan(num_devices, minibatch, tp, pa, pc, micro_batch)
           costs = step_costs(cost, actor, critic, plan, mean_seq_len)
