@@ -78,6 +78,21 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
     return out["state"], out["meta"]
 
+  def layout_mismatch(self, step: int, like: Any) -> Optional[str]:
+    """Whether checkpoint `step` holds arrays of `like`'s shapes, from its metadata alone: None
+    if the multiset of stored shapes equals like's, else what differs. A checkpoint that fails
+    to restore although its layout matches is damaged; one whose layout differs was written by
+    another configuration or version of the code and must not be set aside as damaged.
+    Raises if the metadata itself cannot be read."""
+    tree = self._mngr.item_metadata(step)["state"].tree
+    stored = sorted(tuple(m.shape) for m in jax.tree_util.tree_leaves(
+        tree, is_leaf=lambda x: hasattr(x, "shape")))
+    want = sorted(tuple(x.shape) for x in jax.tree_util.tree_leaves(like))
+    if stored == want:
+      return None
+    return (f"it stores {len(stored)} arrays, this run's state has {len(want)}"
+            if len(stored) != len(want) else "the stored array shapes differ from this run's")
+
   def restore_meta(self, step: int) -> dict:
     """The JSON side-car of checkpoint `step` alone: no array is read, nothing is built."""
     out = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))

@@ -200,8 +200,10 @@ def test_resuming_under_another_pipeline_layout_names_the_fields(runs, tmp_path)
   saver.close()
   fused = runs["fused"][0]
   with pytest.raises(ValueError, match=r"does not fit this run's state \(stage-stacked for "
-                                       r"mesh.stage=4, pipeline.critic_pp=2\).*mesh.stage"):
+                                       r"mesh.stage=4, pipeline.critic_pp=2; .*\).*mesh.stage"):
     PPOTrainer(fused.cfg, workdir, mesh=fused.mesh).run()
+  # Not damage: the checkpoint stays where it was (never set aside).
+  assert os.listdir(os.path.join(workdir, "checkpoints")) == ["1"]
 
 
 def test_schedule_is_searched_once_then_loaded_from_disk(runs, monkeypatch):

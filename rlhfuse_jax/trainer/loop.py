@@ -362,10 +362,14 @@ class PPOTrainer:
         state, meta = self.checkpointer.restore(step, self._state())
         break
       except Exception as e:  # noqa: BLE001 orbax raises many types for damaged files
-        if "config" not in self.checkpointer.restore_meta(step):
-          # No fingerprint (an old checkpoint): a structure error is most likely a layout
-          # change, not damage; say so instead of setting a good checkpoint aside.
-          raise self._layout_error(step, e) from e
+        try:
+          mismatch = self.checkpointer.layout_mismatch(step, self._state())
+        except Exception:  # noqa: BLE001 the metadata is damaged too
+          mismatch = None
+        if mismatch is not None:
+          # Written for another layout (pipeline split, code version): not damage, so not
+          # set aside; say what differs.
+          raise self._layout_error(step, e, mismatch) from e
         self._damaged(self.cfg, step, e)
         self.resume_step, _ = self._resume_point(self.cfg)
     else:
@@ -378,14 +382,15 @@ class PPOTrainer:
     logging.info("resumed from checkpoint at iteration %d", step)
     return step
 
-  def _layout_error(self, step: int, e: BaseException) -> ValueError:
+  def _layout_error(self, step: int, e: BaseException, mismatch: str) -> ValueError:
     layout = ("stage-stacked for mesh.stage=%d, pipeline.critic_pp=%d" % (
         self.mesh.shape["stage"], self.update.executor.program.problem.critic_pp)
               if self.pipelined else "whole models (mesh.stage=1)")
     return ValueError(
         f"checkpoint {step} in {self.checkpointer.directory} does not fit this run's state "
-        f"({layout}): a run resumes only with the pipeline layout that saved it (mesh.stage, "
-        f"pipeline.critic_pp). Orbax says: {(str(e).splitlines() or [repr(e)])[0]}")
+        f"({layout}; {mismatch}): a run resumes only with the pipeline layout that saved it "
+        f"(mesh.stage, pipeline.critic_pp) and a code version with the same parameter tree. "
+        f"Orbax says: {(str(e).splitlines() or [repr(e)])[0]}")
 
   def _save(self, iteration: int):
     meta = {"iteration": iteration, "seed": self.cfg.seed, "data": self.dataset.state_dict(),
