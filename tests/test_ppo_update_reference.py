@@ -1,0 +1,152 @@
+"""One PPO update against a reference written from the formulas, not from the code under test.
+
+The reference computes the clipped policy loss, entropy bonus, KL-to-reference loss and clipped
+value loss from full-vocabulary logits with plain jnp, takes jax.grad of that, clips the global
+gradient norm and applies AdamW by hand. A sign error, a wrong normaliser, a missing term or a
+wrong optimizer step in trainer/ppo.py, rl/objective.py or rl/losses.py changes the parameters
+the update returns and fails here (each was tried by hand: see the session note of issue 34).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlhfuse_jax.models import llama
+from rlhfuse_jax.rl import optim
+from rlhfuse_jax.trainer import ppo
+from rlhfuse_jax.trainer.config import AlgoConfig
+
+B, P, T, V = 4, 3, 5, 32
+ACTOR = llama.ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
+                          num_heads=2, num_kv_heads=1, max_seq_len=16)
+CRITIC = ACTOR.replace(head="scalar")
+ALGO = AlgoConfig(clip_eps=0.2, value_clip_eps=0.2, vf_coef=0.5, entropy_coef=0.01,
+                  kl_in_reward=False, kl_coef=0.1, kl_estimator="k1")
+LR, WD, CLIP, TEMP = 1e-2, 0.1, 1.0, 0.7
+
+
+def _batch(seed=0):
+  rng = np.random.default_rng(seed)
+  lens = np.array([3, 2, 3, 1], np.int32)  # prompt lengths: response tokens start at p
+  mask = np.ones((B, T), np.float32)
+  mask[1, 3:] = 0  # shorter responses
+  mask[3, 1:] = 0
+  return {
+      "tokens": rng.integers(0, V, (B, P + T)).astype(np.int32),
+      "prompt_lens": lens, "mask": mask,
+      "old_logp": (np.log(1.0 / V) + rng.normal(0, 0.3, (B, T))).astype(np.float32),
+      "ref_logp": (np.log(1.0 / V) + rng.normal(0, 0.3, (B, T))).astype(np.float32),
+      "advantages": rng.normal(0, 1, (B, T)).astype(np.float32),
+      "returns": rng.normal(0, 1, (B, T)).astype(np.float32),
+      "old_values": rng.normal(0, 1, (B, T)).astype(np.float32),
+  }
+
+
+def _response(x, mb):
+  """x [B, L, ...] at the T positions p-1 .. p+T-2 that predict / value the response."""
+  idx = mb["prompt_lens"][:, None] - 1 + np.arange(T)[None]  # [B, T]
+  return x[np.arange(B)[:, None], idx]
+
+
+def _reference_losses(actor_params, critic_params, mb):
+  mask = mb["mask"]
+  n = mask.sum()
+  logits = _response(llama.apply(ACTOR, actor_params, mb["tokens"])[0], mb) / TEMP  # [B, T, V]
+  logp_all = jax.nn.log_softmax(logits, -1)
+  targets = mb["tokens"][np.arange(B)[:, None],
+                         mb["prompt_lens"][:, None] + np.arange(T)[None]]  # [B, T]
+  logp = jnp.take_along_axis(logp_all, targets[..., None], -1)[..., 0]
+  ratio = jnp.exp(logp - mb["old_logp"])
+  a = mb["advantages"]
+  pg = jnp.sum(jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 0.8, 1.2)) * mask) / n
+  entropy = jnp.sum(-jnp.sum(jnp.exp(logp_all) * logp_all, -1) * mask) / n
+  kl = jnp.sum((logp - mb["ref_logp"]) * mask) / n  # k1
+  actor_loss = pg - ALGO.entropy_coef * entropy + ALGO.kl_coef * kl
+
+  values = _response(llama.apply(CRITIC, critic_params, mb["tokens"])[0], mb)  # [B, T]
+  old, ret = mb["old_values"], mb["returns"]
+  clipped = old + jnp.clip(values - old, -0.2, 0.2)
+  vf = 0.5 * jnp.sum(jnp.maximum((values - ret) ** 2, (clipped - ret) ** 2) * mask) / n
+  return actor_loss, ALGO.vf_coef * vf, {"pg_loss": pg, "entropy": entropy, "kl_loss": kl}
+
+
+def _adamw(params, grads, moments, t, lr):
+  """clip_by_global_norm(CLIP), then AdamW step t (1-based; b1 0.9, b2 0.95, eps 1e-8),
+  decaying only matrices (rl/optim.py's mask), written out. moments: (m, v) trees or None."""
+  leaves = jax.tree.leaves(grads)
+  norm = np.sqrt(sum(float(np.sum(np.square(np.asarray(g, np.float64)))) for g in leaves))
+  scale = min(1.0, CLIP / norm)
+  if moments is None:
+    moments = (jax.tree.map(np.zeros_like, params), jax.tree.map(np.zeros_like, params))
+
+  def one(p, g, m, v):
+    g = np.asarray(g, np.float64) * scale
+    m = 0.9 * m + 0.1 * g
+    v = 0.95 * v + 0.05 * g * g
+    step = (m / (1 - 0.9 ** t)) / (np.sqrt(v / (1 - 0.95 ** t)) + 1e-8)
+    if np.ndim(p) >= 2:
+      step = step + WD * np.asarray(p, np.float64)
+    return (np.asarray(np.asarray(p, np.float64) - lr * step, np.float32), m, v)
+  out = jax.tree.map(one, params, grads, *moments)
+  pick = lambda i: jax.tree.map(lambda x: x[i], out, is_leaf=lambda x: isinstance(x, tuple))  # noqa: E731
+  return pick(0), (pick(1), pick(2))
+
+
+@pytest.fixture(scope="module")
+def update_and_reference():
+  # Two updates on the same batch: the second shows Adam's moments (the first step of Adam is
+  # sign(g) * lr whatever b1 and b2 are).
+  actor = llama.host_random_params(ACTOR, 1)
+  critic = llama.host_random_params(CRITIC, 2)
+  mb = _batch()
+  tx = optim.make_optimizer(LR, warmup_steps=0, total_steps=10, weight_decay=WD, grad_clip=CLIP)
+  lrs = [float(optim.lr_schedule(LR, 0, 10)(i)) for i in range(2)]
+  update = ppo.make_update_fn(ACTOR, CRITIC, ALGO, TEMP, tx, tx)
+  sa = ppo.ModelState(jax.tree.map(jnp.asarray, actor), tx.init(actor))
+  sc = ppo.ModelState(jax.tree.map(jnp.asarray, critic), tx.init(critic))
+  sa, sc, metrics = update(sa, sc, mb)
+  sa, sc, _ = update(sa, sc, mb)
+  _, _, ref_m = _reference_losses(actor, critic, mb)
+  want_a, want_c, ma, mc = actor, critic, None, None
+  for t in (1, 2):
+    ga = jax.grad(lambda p: _reference_losses(p, want_c, mb)[0])(want_a)
+    gc = jax.grad(lambda p: _reference_losses(want_a, p, mb)[1])(want_c)
+    want_a, ma = _adamw(want_a, ga, ma, t, lrs[t - 1])
+    want_c, mc = _adamw(want_c, gc, mc, t, lrs[t - 1])
+  return {"new": (sa.params, sc.params), "metrics": metrics, "ref_m": ref_m,
+          "want": (want_a, want_c), "before": (actor, critic)}
+
+
+def test_update_equals_the_hand_written_reference(update_and_reference):
+  r = update_and_reference
+  for got_tree, want_tree, before in zip(r["new"], r["want"], r["before"]):
+    moved = 0.0  # how far the two steps moved the parameters
+    for got, want, b in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree),
+                            jax.tree.leaves(before)):
+      np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6)
+      moved = max(moved, float(np.max(np.abs(np.asarray(want) - b))))
+    assert moved > 1e-3  # the step is large enough for a wrong sign or term to show
+
+
+def test_update_metrics_equal_the_reference(update_and_reference):
+  r = update_and_reference
+  for k in ("pg_loss", "entropy", "kl_loss"):
+    np.testing.assert_allclose(r["metrics"][f"actor/{k}"], r["ref_m"][k], rtol=1e-5, atol=1e-6)
+
+
+def test_first_minibatch_ratio_is_one():
+  # When old_logp are the policy's own log-probs (the first mini-batch of an iteration), the
+  # PPO ratio is exactly 1: no clipping and a zero KL(old || new) estimate.
+  actor = jax.tree.map(jnp.asarray, llama.host_random_params(ACTOR, 1))
+  critic = jax.tree.map(jnp.asarray, llama.host_random_params(CRITIC, 2))
+  mb = _batch(1)
+  logits = _response(llama.apply(ACTOR, actor, mb["tokens"])[0], mb) / TEMP
+  targets = mb["tokens"][np.arange(B)[:, None], mb["prompt_lens"][:, None] + np.arange(T)[None]]
+  mb["old_logp"] = np.asarray(jnp.take_along_axis(jax.nn.log_softmax(logits, -1),
+                                                  targets[..., None], -1)[..., 0])
+  tx = optim.make_optimizer(LR, warmup_steps=0, total_steps=10)
+  update = ppo.make_update_fn(ACTOR, CRITIC, ALGO, TEMP, tx, tx)
+  _, _, m = update(ppo.ModelState(actor, tx.init(actor)), ppo.ModelState(critic, tx.init(critic)),
+                   mb)
+  assert float(m["actor/pg_clipfrac"]) == 0.0
+  assert abs(float(m["actor/ppo_kl"])) < 1e-6
