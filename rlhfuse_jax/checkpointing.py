@@ -12,8 +12,21 @@ import shutil
 from typing import Any, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+
+
+def _layout(leaves) -> dict:
+  """{path: (shape, dtype)} of flattened leaves; path elements as plain names, so orbax's
+  metadata tree (dicts and lists) and the live state (dataclasses, namedtuples) compare."""
+  def name(k):
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        return str(getattr(k, attr))
+    return str(k)
+  return {"/".join(name(k) for k in path): (tuple(x.shape), str(np.dtype(x.dtype)))
+          for path, x in leaves}
 
 
 class SaveError(RuntimeError):
@@ -29,8 +42,11 @@ class Checkpointer:
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, "checkpoints")
     self._keep = keep
+    # Handlers named up front, so a checkpoint's metadata reads before anything was restored.
     self._mngr = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> Optional[int]:
     return self._mngr.latest_step()
@@ -79,19 +95,21 @@ class Checkpointer:
     return out["state"], out["meta"]
 
   def layout_mismatch(self, step: int, like: Any) -> Optional[str]:
-    """Whether checkpoint `step` holds arrays of `like`'s shapes, from its metadata alone: None
-    if the multiset of stored shapes equals like's, else what differs. A checkpoint that fails
-    to restore although its layout matches is damaged; one whose layout differs was written by
-    another configuration or version of the code and must not be set aside as damaged.
-    Raises if the metadata itself cannot be read."""
+    """Whether checkpoint `step` holds `like`'s arrays (same paths, shapes and dtypes), from its
+    metadata alone: None if it does, else what differs. A checkpoint that fails to restore
+    although its layout matches is damaged; one whose layout differs was written by another
+    configuration or version of the code and must not be set aside as damaged. Raises if the
+    metadata itself cannot be read."""
     tree = self._mngr.item_metadata(step)["state"].tree
-    stored = sorted(tuple(m.shape) for m in jax.tree_util.tree_leaves(
-        tree, is_leaf=lambda x: hasattr(x, "shape")))
-    want = sorted(tuple(x.shape) for x in jax.tree_util.tree_leaves(like))
+    stored = _layout(jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: hasattr(x, "shape"))[0])
+    want = _layout(jax.tree_util.tree_flatten_with_path(like)[0])
     if stored == want:
       return None
-    return (f"it stores {len(stored)} arrays, this run's state has {len(want)}"
-            if len(stored) != len(want) else "the stored array shapes differ from this run's")
+    differ = sorted(k for k in set(stored) | set(want) if stored.get(k) != want.get(k))
+    k = differ[0]
+    return (f"{len(differ)} array(s) differ from this run's state, e.g. {k}: stored "
+            f"{stored.get(k, 'absent')}, this run {want.get(k, 'absent')}")
 
   def restore_meta(self, step: int) -> dict:
     """The JSON side-car of checkpoint `step` alone: no array is read, nothing is built."""

@@ -6,6 +6,7 @@ killed process never leaves a half-written file behind.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -14,6 +15,7 @@ import tempfile
 from typing import Any, Mapping, Optional
 
 import numpy as np
+from absl import logging
 
 # Files we write get the mode a plain open() would give them (mkstemp's are 0600).
 _UMASK = os.umask(0)
@@ -94,7 +96,14 @@ class WorkdirLock:
     self._f: Optional[Any] = open(self.path, "a+")
     try:
       fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        # A filesystem without flock (some network mounts): run unlocked rather than never.
+        logging.warning("cannot lock %s (%s): running without the one-run-per-workdir lock",
+                        self.path, e)
+        self._f.close()
+        self._f = None
+        return
       self._f.seek(0)
       holder = self._f.read().strip() or "unknown"
       self._f.close()

@@ -287,3 +287,41 @@ def test_bench_generation_errors_name_the_generation_section():
   with pytest.raises(ValueError, match=r"config.generation.migration_threshold='x'"):
     fused.FusedGenConfig(num_instances=2, slots=2, migration_threshold="x",
                          section="generation")
+
+
+def test_a_field_added_to_the_code_at_its_default_does_not_block_resume():
+  from rlhfuse_jax.trainer import config as config_lib
+  now = tiny_config().fingerprint()
+  saved = {k: v for k, v in now.items() if k != "guard.on_nonfinite"}  # an older checkpoint
+  assert config_lib.fingerprint_changes(saved, now) == []
+  changed = tiny_config(**{"guard.on_nonfinite": "skip_update"}).fingerprint()
+  assert config_lib.fingerprint_changes(saved, changed) == [
+      "guard.on_nonfinite: (absent) -> 'skip_update'"]
+
+
+def test_another_layout_is_not_mistaken_for_damage(tmp_path):
+  # Same shapes under other names (a renamed parameter in a newer version of the code): the
+  # restore fails, the metadata says why, and the checkpoint is not set aside.
+  from rlhfuse_jax import checkpointing
+  ck = checkpointing.Checkpointer(str(tmp_path))
+  ck.save(1, {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}, {"iteration": 1})
+  ck.wait()
+  assert ck.layout_mismatch(1, {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}) is None
+  msg = ck.layout_mismatch(1, {"kernel": jnp.ones((3, 2)), "b": jnp.zeros(2)})
+  assert msg is not None and "differ from this run's state" in msg
+  assert ck.layout_mismatch(1, {"w": jnp.ones((3, 2), jnp.bfloat16), "b": jnp.zeros(2)})
+  ck.close()
+
+
+def test_two_damaged_checkpoints_in_a_row_stop_instead_of_going_further_back(tmp_path):
+  cfg = tiny_config(**{"num_iterations": 6, "checkpoint.keep": 3})
+  run = str(tmp_path)
+  PPOTrainer(cfg, run).run(stop_after=6)  # checkpoints 2, 4, 6
+  for step in (6, 4):
+    with open(os.path.join(run, "checkpoints", str(step), "meta", "metadata"), "w") as f:
+      f.write("{not json")
+  with pytest.raises(ValueError, match=r"checkpoint 4 .* cannot be read.*checkpoint 6 was "
+                                       r"already set aside"):
+    PPOTrainer(tiny_config(**{"num_iterations": 8, "checkpoint.keep": 3}), run)
+  assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["2", "4"]  # 4 not moved
+  assert os.listdir(os.path.join(run, "damaged_checkpoints")) == ["6"]

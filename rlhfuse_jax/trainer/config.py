@@ -7,6 +7,7 @@ dotted field and what was expected. Deeper code takes these frozen dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Mapping, Optional, Union
 
 from rlhfuse_jax.models.llama import ModelConfig
@@ -289,7 +290,7 @@ class TrainConfig:
         if name not in RESUMABLE_FIELDS:
           flat[name] = list(x) if isinstance(x, tuple) else x
     walk("", dataclasses.asdict(self))
-    return flat
+    return json.loads(json.dumps(flat))  # as it reads back from a checkpoint (tuples -> lists)
 
   @classmethod
   def from_config_dict(cls, cd: Any) -> "TrainConfig":
@@ -325,15 +326,37 @@ RESUMABLE_FIELDS = frozenset({
 
 
 def fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-  """'field: saved -> now' for every field whose value differs (or exists on one side only)."""
-  missing = object()
+  """'field: saved -> now' for every field whose value differs. A field the saved fingerprint
+  lacks (added to the code since) counts only if it is not at its default; one only the saved
+  fingerprint has (removed from the code) cannot change the run any more."""
+  defaults = _field_defaults()
   out = []
-  for name in sorted(set(saved) | set(now)):
-    a, b = saved.get(name, missing), now.get(name, missing)
-    if a != b:
-      fmt = lambda v: "(absent)" if v is missing else repr(v)  # noqa: E731
-      out.append(f"{name}: {fmt(a)} -> {fmt(b)}")
+  for name in sorted(now):
+    if name not in saved:
+      if name in defaults and now[name] == defaults[name]:
+        continue
+      out.append(f"{name}: (absent) -> {now[name]!r}")
+    elif saved[name] != now[name]:
+      out.append(f"{name}: {saved[name]!r} -> {now[name]!r}")
   return out
+
+
+def _field_defaults() -> dict[str, Any]:
+  """{dotted name: JSON default} of every config field that has a default."""
+  out = {}
+  classes = {"model": ModelConfig, "critic_model": ModelConfig, "mesh": MeshConfig,
+             "data": DataConfig, "rollout": RolloutConfig, "algo": AlgoConfig,
+             "optim": OptimConfig, "reward": RewardConfig, "init": InitConfig,
+             "fusion": FusionConfig, "checkpoint": CheckpointConfig, "pipeline": PipelineConfig,
+             "guard": GuardConfig}
+  for f in dataclasses.fields(TrainConfig):
+    if f.name not in classes and f.default is not dataclasses.MISSING:
+      out[f.name] = f.default
+  for sec, klass in classes.items():
+    for f in dataclasses.fields(klass):
+      if f.default is not dataclasses.MISSING:
+        out[f"{sec}.{f.name}"] = f.default
+  return json.loads(json.dumps(out))
 
 
 def _build(klass, section: Optional[Mapping[str, Any]], prefix: str):

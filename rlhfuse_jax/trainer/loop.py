@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
 import time
 from typing import Any, Optional
 
@@ -147,6 +148,7 @@ class PPOTrainer:
     self.checkpointer = checkpointing.Checkpointer(workdir, keep=cfg.checkpoint.keep)
     self.stopped_by_signal: Optional[int] = None  # the signal that stopped run(), if any
     self.writer = None
+    self._set_aside: list[int] = []  # checkpoints set aside as damaged in this start
     # What to resume, checked before anything is built or compiled: the newest readable
     # checkpoint's side-car, its seed and its config fingerprint against this config.
     self._fingerprint = cfg.fingerprint()
@@ -326,15 +328,33 @@ class PPOTrainer:
     return None, None
 
   def _damaged(self, cfg: TrainConfig, step: int, error: BaseException) -> None:
-    """A checkpoint that cannot be read: set it aside and go on (fallback), or stop."""
+    """A checkpoint that cannot be read: set it aside and go on (fallback), or stop.
+
+    At most one checkpoint is set aside per start, and only in a single-process run: a second
+    unreadable one in a row points at something systematic (disk, memory, another version of
+    the code), and in a multi-host run every process would have to agree on the move. A run
+    whose only checkpoint was set aside stops once instead of silently starting over."""
     what = f"checkpoint {step} in {self.checkpointer.directory} cannot be read " \
            f"({type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]})"
+    if isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error):
+      raise error  # out of memory is not damage
     if not cfg.checkpoint.fallback:
       raise ValueError(f"{what}; config.checkpoint.fallback=False, so the run stops (set it "
                        "True to resume from the newest intact checkpoint)") from error
+    if jax.process_count() > 1:
+      raise ValueError(f"{what}; a multi-process run does not fall back by itself: move that "
+                       "checkpoint out of the checkpoints directory and re-run") from error
+    if self._set_aside:
+      raise ValueError(f"{what}; checkpoint {self._set_aside[0]} was already set aside in this "
+                       "start, and two unreadable checkpoints in a row look systematic (disk, "
+                       "memory, code version): stopping instead of going further back") from error
     moved = self.checkpointer.set_aside(step)
+    self._set_aside.append(step)
     logging.warning("%s; moved it to %s (kept, not deleted) and trying the one before", what,
                     moved)
+    if not self.checkpointer.all_steps():
+      raise ValueError(f"{what}; it was the only checkpoint, now in {moved}: re-run to start "
+                       "over from iteration 0, or put it back once repaired") from error
 
   def _check_resume(self, meta: dict, cfg: TrainConfig) -> None:
     if meta.get("seed") != cfg.seed:
@@ -614,11 +634,18 @@ class PPOTrainer:
         if step % cfg.checkpoint.every == 0 or step == cfg.num_iterations or stopping:
           self._save(step)
         if stopping:
-          self.stopped_by_signal = stop.signal
+          # A signal during the last iteration stops nothing: the run is complete.
+          self.stopped_by_signal = stop.signal if step < cfg.num_iterations else None
           logging.warning("stopped after iteration %d; re-run the same command to resume", step)
           break
     finally:
       stop.uninstall()
       self.writer.close()
-      self.checkpointer.wait()
+      try:
+        self.checkpointer.wait()
+      except checkpointing.SaveError:
+        if sys.exc_info()[0] is None:
+          raise
+        # Another error is already on its way out: report this one without hiding it.
+        logging.exception("the last checkpoint save failed too")
     return history
