@@ -246,13 +246,16 @@ def cached_attention(q, k_cache, v_cache, layer: int, q_pos, live_len, load=None
   load = load or (lambda x: x)
   block_q = block_q or CACHE_BLOCK_Q
   bk = max(1, min(block_k or CACHE_BLOCK_K, s))
-  num_blocks = (jnp.asarray(live_len, jnp.int32) + bk - 1) // bk
+  live_len = jnp.asarray(live_len, jnp.int32)
   outs = []
   for q0 in range(0, l, block_q):  # a long prefill in passes of block_q queries
     qb = q[:, q0:q0 + block_q]
     lq = qb.shape[1]
     qh = jnp.transpose(qb.reshape(b, lq, kvh, g, d), (0, 2, 3, 1, 4))  # [b, kv, g, Lq, d]
     qpos = q_pos[:, q0:q0 + block_q]  # [b, Lq]
+    # This pass's queries see no key past their own largest position (a causal prefill's
+    # first pass reads its first blocks only).
+    num_blocks = (jnp.minimum(live_len, jnp.max(qpos) + 1) + bk - 1) // bk
 
     def body(carry, qh=qh, qpos=qpos):
       j, kc, vc, m, lsum, acc = carry
@@ -277,7 +280,7 @@ def cached_attention(q, k_cache, v_cache, layer: int, q_pos, live_len, load=None
     init = (jnp.int32(0), k_cache, v_cache, jnp.full((b, kvh, g, lq), -jnp.inf, jnp.float32),
             jnp.zeros((b, kvh, g, lq), jnp.float32), jnp.zeros((b, kvh, g, lq, d), jnp.float32))
     _, k_cache, v_cache, _, lsum, acc = jax.lax.while_loop(
-        lambda c: c[0] < num_blocks, body, init)
+        lambda c, n=num_blocks: c[0] < n, body, init)
     out = (acc / lsum[..., None]).astype(dtype)  # [b, kv, g, Lq, d]
     outs.append(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, lq, h, d))
   out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
