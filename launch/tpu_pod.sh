@@ -6,4 +6,4 @@
 #     "cd rlhfuse_jax && bash launch/tpu_pod.sh configs/ppo_llama.py:7b gs://bucket/run"
 set -euo pipefail
 CONFIG=${1:?config}; WORKDIR=${2:?workdir (shared: gs:// or NFS)}; shift 2
-python -m experiments.train_ppo --config="$CONFIG" --workdir="$WORKDIR" --distributed "$@"
+"${PYTHON:-python}" -m experiments.train_ppo --config="$CONFIG" --workdir="$WORKDIR" --distributed "$@"

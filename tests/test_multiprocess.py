@@ -3,6 +3,7 @@ run as one process with 8 devices."""
 import json
 import os
 import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -16,6 +17,7 @@ from tests.test_trainer import tiny_config
 def test_two_processes_match_one_process(tmp_path):
   wd = str(tmp_path / "mp")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHON"] = sys.executable  # this interpreter, whatever `python` on PATH is
   out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", wd,
                         "--config.num_iterations=2", *SMALL], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)

@@ -130,3 +130,25 @@ def test_context_longer_than_model_is_rejected(tmp_path):
   cfg = tiny_config(**{"model.max_seq_len": 10})
   with pytest.raises(ValueError, match="max_seq_len"):
     PPOTrainer(cfg, str(tmp_path))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
+def test_critic_free_estimators_train_with_the_kl_loss_and_entropy_bonus(tmp_path, estimator):
+  # Two iterations of each critic-free estimator with the KL as a loss term and an entropy
+  # bonus: no critic is built or logged, the KL-loss branch runs, and the actor moves.
+  cfg = tiny_config(**{"num_iterations": 2, "algo.estimator": estimator,
+                       "rollout.samples_per_prompt": 2, "rollout.prompts_per_iteration": 8,
+                       "algo.kl_in_reward": False, "algo.kl_coef": 0.1,
+                       "algo.entropy_coef": 0.01})
+  trainer = PPOTrainer(cfg, str(tmp_path))
+  before = jax.device_get(trainer.actor.params)
+  history = trainer.run()
+  assert trainer.critic is None
+  assert [h["step"] for h in history] == [1, 2]
+  for h in history:
+    assert not any(k.startswith("critic/") for k in h)
+    assert np.isfinite(h["actor/kl_loss"]) and np.isfinite(h["actor/entropy"])
+    assert h["actor/entropy"] > 0
+  moved = max(float(np.max(np.abs(a - b))) for a, b in zip(
+      jax.tree.leaves(_params(trainer)["actor"]), jax.tree.leaves(before)))
+  assert moved > 1e-4
