@@ -11,10 +11,13 @@ from rlhfuse_jax.sim import validation
 
 def test_tiny_bench(tmp_path):
   c = bench_config.get_config("tiny")
-  c.generation.migration_threshold = "0.5"  # fixed (as --config... would), so the simulator
+  c.generation.migration_threshold = "0.75"  # fixed (as --config... would), so the simulator
   # can rebuild the bench from config.json
+  c.lengths.median = 8.0  # a tail long enough that live samples sit on both instances at Rt
   workdir = str(tmp_path)
   result = bench_generation.run_and_write(c, workdir)
+  # The fused run really migrated a sample's KV cache, and its outputs are still identical.
+  assert result["fused"]["migrated_samples"] > 0 and result["fused"]["consolidation_step"] > 0
   assert result["identical_outputs"] is True and result["identity"]["tokens_equal"]
   with open(os.path.join(workdir, "result.json")) as f:
     stored = json.load(f)
@@ -26,7 +29,7 @@ def test_tiny_bench(tmp_path):
     assert key in stored["fused"]
   assert stored["ratio"] == stored["fused"]["gen_plus_inf_s"] / stored["baseline"][
       "gen_plus_inf_s"]
-  assert stored["migration_threshold"] == 0.5 and len(stored["response_lens"]) == 8
+  assert stored["migration_threshold"] == 0.75 and len(stored["response_lens"]) == 8
   cal = calibration.load(os.path.join(workdir, "calibration.json"))
   assert cal.devices_share_compute and cal.migration is not None
   spec, measured = validation.gen_bench_from_workdir(workdir)
