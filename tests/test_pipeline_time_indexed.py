@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from rlhfuse_jax.pipeline import bounds, windows
+from rlhfuse_jax.pipeline import bounds, search, windows
 from rlhfuse_jax.pipeline.exact import time_indexed
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import PipelineProblem
@@ -106,12 +106,21 @@ def test_lp_proves_the_bound_unreachable_on_a_small_instance_with_an_exact_certi
 
 
 def test_no_multipliers_certify_a_feasible_model():
-  # At 43 a schedule within budget exists (the relaxation has the point), so no non-negative
-  # multipliers may give a positive bound: the exact check must reject all of them.
+  # At 43 a schedule within budget exists: a count-based search (no wall clock) finds one, and
+  # its starts are a point y of the relaxation (A y <= b). Then for every non-negative lam,
+  # certificate_bound (a minimum over [0, 1]^n) <= lam^T (A y - b) <= 0: no multipliers may
+  # certify 43, and the exact check must say so for each random lam tried.
+  order = search.search(TIGHT, search.SearchConfig(time_budget_s=60, max_evaluations=20000,
+                                                   seed=0)).best
   model = time_indexed.build(TIGHT, 43.0)
+  starts, ev = _task_starts(model, TIGHT, order)
+  assert ev.makespan == 43.0 and ev.within_budget  # reachable
+  y = model.encode(starts)
+  assert np.all(model.A @ y <= model.b + 1e-9)
   rng = np.random.default_rng(0)
   for _ in range(20):
     lam = rng.exponential(size=model.b.shape) * (rng.random(model.b.shape) < 0.3)
+    assert time_indexed.certificate_bound(model, lam) <= float(lam @ (model.A @ y - model.b)) + 1e-6
     assert time_indexed.certificate_bound(model, lam) <= 0
   # The multipliers proving 42 unreachable, applied to the model at 43, prove nothing either.
   with pytest.raises(ValueError, match="multipliers"):

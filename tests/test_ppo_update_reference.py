@@ -88,7 +88,9 @@ def _adamw(params, grads, moments, t, lr):
       step = step + WD * np.asarray(p, np.float64)
     return (np.asarray(np.asarray(p, np.float64) - lr * step, np.float32), m, v)
   out = jax.tree.map(one, params, grads, *moments)
-  pick = lambda i: jax.tree.map(lambda x: x[i], out, is_leaf=lambda x: isinstance(x, tuple))  # noqa: E731
+
+  def pick(i):
+    return jax.tree.map(lambda x: x[i], out, is_leaf=lambda x: isinstance(x, tuple))
   return pick(0), (pick(1), pick(2))
 
 
