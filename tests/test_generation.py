@@ -265,3 +265,21 @@ def test_clear_errors(params, prompts):
     gen.generate(params, prompts[0], np.zeros(B, np.int32), KEY)
   with pytest.raises(ValueError, match="prompt_tokens has shape"):
     gen.generate(params, np.zeros((B, P + 1), np.int32), prompts[1], KEY)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_sampling_frequencies_follow_the_tempered_softmax(temperature):
+  # 40,000 draws from one row of fixed logits (one key per draw, as sample_keys gives each
+  # (uid, step) its own): each token's frequency is within 5 binomial standard deviations of
+  # softmax(logits / T), and the reported log-prob is log softmax(logits / T) at the token.
+  n, logits = 40_000, jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], jnp.float32)
+  cfg = sampling.SamplingConfig(temperature=temperature, max_new_tokens=1, eos_id=-1, pad_id=0)
+  keys = sampling.sample_keys(jax.random.key(7), jnp.arange(n, dtype=jnp.int32),
+                              jnp.zeros((n,), jnp.int32))
+  tokens, logp = jax.jit(lambda k: sampling.sample_token(
+      jnp.broadcast_to(logits, (n, logits.shape[0])), k, cfg))(keys)
+  want = np.asarray(jax.nn.softmax(logits / temperature))
+  freq = np.bincount(np.asarray(tokens), minlength=len(want)) / n
+  sd = np.sqrt(want * (1 - want) / n)
+  assert np.all(np.abs(freq - want) <= 5 * sd + 1e-4), (freq, want)
+  np.testing.assert_allclose(np.asarray(logp), np.log(want)[np.asarray(tokens)], atol=1e-5)
