@@ -51,7 +51,7 @@ from rlhfuse_jax.generation import engine
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.models import llama, sequences
 from rlhfuse_jax.parallel import mesh as mesh_lib
-from rlhfuse_jax.perf import accounting
+from rlhfuse_jax.perf import accounting, scale_check
 from rlhfuse_jax.perf.bench_config import BenchDecodeConfig
 from rlhfuse_jax.rl import optim
 from rlhfuse_jax.policy import calibration
@@ -136,14 +136,6 @@ def _memory_row(gen: engine.Generator) -> dict:
   return {**mem, "decode_temp_over_cache": mem["decode_temp_bytes"] / mem["cache_bytes"]}
 
 
-def abstract_params(model: llama.ModelConfig, mesh) -> Any:
-  """The model's parameters as placed ShapeDtypeStructs (replicated on `mesh`): nothing is
-  allocated, so any shape compiles on any machine."""
-  shapes = jax.eval_shape(lambda: llama.init_params(model, jax.random.key(0))[0])
-  rep = mesh_lib.replicated(mesh)
-  return mesh_lib.abstract(shapes, jax.tree.map(lambda _: rep, shapes))
-
-
 def _sampling(max_new_tokens: int, chunk_size: int) -> SamplingConfig:
   # No EOS: every row decodes to the end, so the step count is known.
   return SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens, eos_id=-1, pad_id=0,
@@ -156,7 +148,7 @@ def compile_memory(cfg: BenchDecodeConfig, model: llama.ModelConfig) -> list[dic
   for b in cfg.batch_sizes:
     gen = engine.Generator(model, _sampling(cfg.max_new_tokens, cfg.chunk_size), batch_size=b,
                            prompt_len=cfg.prompt_len)
-    gen.compile(abstract_params(model, gen.mesh))
+    gen.compile(scale_check.abstract_params(model, mesh_lib.replicated(gen.mesh)))
     rows.append({"batch": b, **_memory_row(gen)})
     logging.info("compiled decode batch %d: temporaries %.4g GB = %.3f x the %.4g GB KV cache", b,
                  rows[-1]["decode_temp_bytes"] / 1e9, rows[-1]["decode_temp_over_cache"],
@@ -175,7 +167,7 @@ def measure_scan_compile(cfg: BenchDecodeConfig) -> dict:
       model = cfg.model.replace(num_layers=n, scan_layers=scan)
       gen = engine.Generator(model, _sampling(cfg.max_new_tokens, cfg.chunk_size),
                              batch_size=cfg.batch_sizes[-1], prompt_len=cfg.prompt_len)
-      params = abstract_params(model, gen.mesh)
+      params = scale_check.abstract_params(model, mesh_lib.replicated(gen.mesh))
       t0 = time.perf_counter()
       gen.compile(params)
       times.append(time.perf_counter() - t0)

@@ -18,15 +18,11 @@ from absl import logging
 
 
 def _layout(leaves) -> dict:
-  """{path: (shape, dtype)} of flattened leaves; path elements as plain names, so orbax's
-  metadata tree (dicts and lists) and the live state (dataclasses, namedtuples) compare."""
-  def name(k):
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        return str(getattr(k, attr))
-    return str(k)
-  return {"/".join(name(k) for k in path): (tuple(x.shape), str(np.dtype(x.dtype)))
-          for path, x in leaves}
+  """{path: (shape, dtype)} of flattened leaves; paths as plain names (keystr simple), so
+  orbax's metadata tree (dicts and lists) and the live state (dataclasses, namedtuples)
+  compare."""
+  return {jax.tree_util.keystr(path, simple=True, separator="/"):
+          (tuple(x.shape), str(np.dtype(x.dtype))) for path, x in leaves}
 
 
 class SaveError(RuntimeError):

@@ -223,14 +223,13 @@ def test_decode_chunk_writes_the_cache_in_place():
   from rlhfuse_jax.generation import engine
   from rlhfuse_jax.generation.sampling import SamplingConfig
   from rlhfuse_jax.parallel import mesh as mesh_lib
+  from rlhfuse_jax.perf import scale_check
   cfg = llama.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=4,
                           num_heads=4, num_kv_heads=2, max_seq_len=1024)
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=1008, eos_id=-1, pad_id=0,
                             chunk_size=8)
   gen = engine.Generator(cfg, sampling, batch_size=32, prompt_len=16)
-  shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
-  rep = mesh_lib.replicated(gen.mesh)
-  gen.compile(mesh_lib.abstract(shapes, jax.tree.map(lambda _: rep, shapes)))
+  gen.compile(scale_check.abstract_params(cfg, mesh_lib.replicated(gen.mesh)))
   mem = gen.memory()
   cache = jax.eval_shape(lambda: llama.KVCache.zeros(cfg, 32, 1024))
   assert mem["cache_bytes"] == 2 * cache.k.size * cache.k.dtype.itemsize

@@ -296,14 +296,8 @@ class TrainConfig:
   def from_config_dict(cls, cd: Any) -> "TrainConfig":
     d = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
     d = dict(d)
-    sections = {
-        "mesh": MeshConfig, "data": DataConfig, "rollout": RolloutConfig, "algo": AlgoConfig,
-        "optim": OptimConfig, "reward": RewardConfig, "init": InitConfig,
-        "fusion": FusionConfig, "checkpoint": CheckpointConfig, "pipeline": PipelineConfig,
-        "guard": GuardConfig,
-    }
     kwargs = {}
-    for name, klass in sections.items():
+    for name, klass in SECTIONS.items():
       kwargs[name] = _build(klass, d.pop(name, {}), name)
     model, critic = d.pop("model", {}), d.pop("critic_model", {})
     kwargs["vocab_from_tokenizer"] = model.get("vocab_size", 0) == 0
@@ -316,6 +310,13 @@ class TrainConfig:
       raise ValueError(f"config: unknown top-level fields {sorted(unknown)}; known: {sorted(top)}")
     return cls(**kwargs, **d)
 
+
+# The config sections (ConfigDict key -> dataclass) besides the two model shapes.
+SECTIONS = {
+    "mesh": MeshConfig, "data": DataConfig, "rollout": RolloutConfig, "algo": AlgoConfig,
+    "optim": OptimConfig, "reward": RewardConfig, "init": InitConfig, "fusion": FusionConfig,
+    "checkpoint": CheckpointConfig, "pipeline": PipelineConfig, "guard": GuardConfig,
+}
 
 # Fields that do not change what a resumed run computes: how long it runs, how often it logs
 # and saves, what it does when a checkpoint or a value goes bad.
@@ -344,11 +345,7 @@ def fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> lis
 def _field_defaults() -> dict[str, Any]:
   """{dotted name: JSON default} of every config field that has a default."""
   out = {}
-  classes = {"model": ModelConfig, "critic_model": ModelConfig, "mesh": MeshConfig,
-             "data": DataConfig, "rollout": RolloutConfig, "algo": AlgoConfig,
-             "optim": OptimConfig, "reward": RewardConfig, "init": InitConfig,
-             "fusion": FusionConfig, "checkpoint": CheckpointConfig, "pipeline": PipelineConfig,
-             "guard": GuardConfig}
+  classes = {"model": ModelConfig, "critic_model": ModelConfig, **SECTIONS}
   for f in dataclasses.fields(TrainConfig):
     if f.name not in classes and f.default is not dataclasses.MISSING:
       out[f.name] = f.default
