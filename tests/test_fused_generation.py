@@ -147,7 +147,7 @@ def test_migrated_kv_rows_equal_source_rows(one_device):
   rows, n = src.gather(st_src, [2, 0])
   assert n == 2 and rows.budget.shape == (4,)  # padded to the bucket of 4
   moved = dst.receive(rows)
-  assert moved.decode.cache.k.sharding == dst.state_sharding.decode.cache.k
+  assert moved.cache.k.sharding == dst.state_sharding.cache.k
   after = jax.device_get(dst.scatter(st_dst, [1, 3], moved))
   source = jax.device_get(st_src)
   flat = [jax.tree_util.tree_flatten_with_path(x)[0] for x in (after, source, before)]
@@ -160,7 +160,7 @@ def test_migrated_kv_rows_equal_source_rows(one_device):
 
 def test_two_device_instances_identical_with_and_without_consolidation():
   gen, actor, params = build(2, 4, 2, FrozenModels(reference=CFG))
-  assert gen.instances[0].state_sharding.decode.cache.k.spec[3] == "tensor"  # KV heads split
+  assert gen.instances[0].state_sharding.cache.k.spec[3] == "tensor"  # KV heads split
   assert len(gen.instances[1].devices) == 2
   tokens, lens, budgets = batch(8, 2)
   budgets[2:] = np.minimum(budgets[2:], 4)

@@ -2,15 +2,25 @@
 
 The engine is two pure functions over an explicit `DecodeState`:
 
-  prefill(cfg, params, prompt_tokens, prompt_lens, uids, iteration_key, sampling, max_len)
+  prefill(cfg, params, prompt_tokens, prompt_lens, uids, iteration_key, sampling, max_len,
+          budget=None)
       -> DecodeState  (prompt run through a fresh cache, first response token sampled)
   decode_chunk(cfg, params, state, iteration_key, sampling) -> DecodeState
-      (up to K = sampling.chunk_size decode steps in one `lax.while_loop`)
+      (up to K = sampling.chunk_size decode steps in one `lax.while_loop`: the one decode loop,
+      which the fused instances run too, generation/instances.py)
 
-Every row (slot) carries its own position, sample uid and stop state, so rows are independent:
-a row's tokens depend only on its prompt, its uid and the iteration key (see sampling.py), never
-on the other rows. That is what lets the inter-stage fusion (docs/architecture.md §2) move a row,
-with its KV cache row, into a slot of another instance of the same shape and keep decoding it.
+Every row (slot) carries its own position, sample uid, response budget and stop state, so rows
+are independent: a row's tokens depend only on its prompt, its uid and the iteration key (see
+sampling.py), never on the other rows. That is what lets the inter-stage fusion
+(docs/architecture.md §2) move a row, with its KV cache row and its budget, into a slot of
+another instance of the same shape and keep decoding it.
+
+Response budget. `DecodeState.budget` [S] is each row's own response budget (<= max_new_tokens):
+a row stops at EOS or once it holds `budget` tokens. It is part of the row's stop condition and
+state, not of the loop, so one `decode_chunk` serves every caller and a migrated row takes its
+budget along (the benchmark forces long-tailed lengths on an untrained model with it). The
+default, max_new_tokens everywhere, is the plain stop rule; a budget of 0 marks an empty slot,
+done right after prefill.
 
 `Generator` is the non-fused baseline on top of these: it compiles one prefill and one decode
 executable ahead of time for (batch, prompt bucket, max_new_tokens) on a mesh, runs prefill and
@@ -56,13 +66,15 @@ class DecodeState:
   done: jax.Array  # [S] bool row finished (frozen from then on)
   stop_reason: jax.Array  # [S] int32 STOP_RUNNING / STOP_EOS / STOP_MAX_TOKENS
   uid: jax.Array  # [S] int32 sample id: selects the sample's RNG stream
+  budget: jax.Array  # [S] int32 response budget, <= T (module docstring; 0: an empty slot)
   tokens: jax.Array  # [S, T] int32 response buffer, pad_id past num_generated
   logprobs: jax.Array  # [S, T] float32 behaviour log-probs, 0 past num_generated
 
 
 def _record(state: DecodeState, token, logprob, sampling: SamplingConfig) -> DecodeState:
-  """Appends token/logprob [S] to every live row and updates its stop state; done rows keep
-  every field (their writes go to column T, which `mode="drop"` discards)."""
+  """Appends token/logprob [S] to every live row and updates its stop state (EOS, else its
+  budget reached); done rows keep every field (their writes go to column T, which `mode="drop"`
+  discards)."""
   s, t_max = state.tokens.shape
   live = ~state.done  # [S]
   rows = jnp.arange(s)
@@ -71,7 +83,7 @@ def _record(state: DecodeState, token, logprob, sampling: SamplingConfig) -> Dec
   logprobs = state.logprobs.at[rows, col].set(logprob, mode="drop")
   n = jnp.where(live, state.num_generated + 1, state.num_generated)
   eos = live & (token == sampling.eos_id)  # eos_id = -1 never matches
-  full = live & (n >= t_max)
+  full = live & (n >= state.budget)  # budget <= t_max (prefill clips it)
   stop = jnp.where(eos, STOP_EOS, jnp.where(full, STOP_MAX_TOKENS, state.stop_reason))
   return state.replace(
       last_token=jnp.where(live, token, state.last_token),
@@ -80,9 +92,11 @@ def _record(state: DecodeState, token, logprob, sampling: SamplingConfig) -> Dec
 
 
 def prefill(cfg: ModelConfig, params: Any, prompt_tokens, prompt_lens, uids,
-            iteration_key: jax.Array, sampling: SamplingConfig, max_len: int) -> DecodeState:
+            iteration_key: jax.Array, sampling: SamplingConfig, max_len: int,
+            budget=None) -> DecodeState:
   """Runs right-padded prompts [S, P] through a fresh cache of max_len positions and samples
-  each row's first response token from the logit at position prompt_len-1.
+  each row's first response token from the logit at position prompt_len-1. budget: [S] response
+  budgets (module docstring), clipped to max_new_tokens; None: max_new_tokens for every row.
 
   The padding behind a prompt is written into the cache too; decode overwrites those positions
   before any query can attend to them (llama.py), so it never influences a token.
@@ -97,9 +111,11 @@ def prefill(cfg: ModelConfig, params: Any, prompt_tokens, prompt_lens, uids,
   keys = sampling_lib.sample_keys(iteration_key, uids, zeros)
   token, logprob = sampling_lib.sample_token(logits[:, 0], keys, sampling)
   t_max = sampling.max_new_tokens
+  budget = (jnp.full((s,), t_max, jnp.int32) if budget is None
+            else jnp.minimum(jnp.asarray(budget, jnp.int32), t_max))
   state = DecodeState(
       cache=cache, last_token=token, position=prompt_lens, prompt_len=prompt_lens,
-      num_generated=zeros, done=jnp.zeros((s,), bool), stop_reason=zeros, uid=uids,
+      num_generated=zeros, done=jnp.zeros((s,), bool), stop_reason=zeros, uid=uids, budget=budget,
       tokens=jnp.full((s, t_max), sampling.pad_id, jnp.int32),
       logprobs=jnp.zeros((s, t_max), jnp.float32))
   return _record(state, token, logprob, sampling)
@@ -123,11 +139,11 @@ def decode_step(cfg: ModelConfig, params: Any, state: DecodeState, iteration_key
 
 
 def decode_chunk(cfg: ModelConfig, params: Any, state: DecodeState, iteration_key: jax.Array,
-                 sampling: SamplingConfig, after_step=None) -> DecodeState:
+                 sampling: SamplingConfig) -> DecodeState:
   """Up to K = sampling.chunk_size decode steps; stops early once every row is done (so the
-  total number of decode steps of a batch is max(response_len) - 1). The one decode loop:
-  `after_step(state) -> state`, if given, runs after every step (the fused instances stop rows
-  at their own response budgets with it: instances.decode_slots)."""
+  total number of decode steps of a batch is max(response_len) - 1). The one decode loop of the
+  package: the baseline Generator and the fused instances (instances.decode_slots) both run it;
+  each row's stop rule, its budget included, lives in the state (`_record`)."""
 
   def cond(carry):
     i, s = carry
@@ -135,8 +151,7 @@ def decode_chunk(cfg: ModelConfig, params: Any, state: DecodeState, iteration_ke
 
   def body(carry):
     i, s = carry
-    s = decode_step(cfg, params, s, iteration_key, sampling)
-    return i + 1, (s if after_step is None else after_step(s))
+    return i + 1, decode_step(cfg, params, s, iteration_key, sampling)
 
   _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
   return state
@@ -150,9 +165,9 @@ def state_shardings(cfg: ModelConfig, mesh: Mesh) -> DecodeState:
   kv_axis = "tensor" if tp > 1 and cfg.num_kv_heads % tp == 0 else None
   kv = NamedSharding(mesh, P(None, ax, None, kv_axis, None))
   row, row_t = NamedSharding(mesh, P(ax)), NamedSharding(mesh, P(ax, None))
-  return DecodeState(cache=KVCache(k=kv, v=kv, dtype=cfg.dtype), last_token=row, position=row, prompt_len=row,
-                     num_generated=row, done=row, stop_reason=row, uid=row, tokens=row_t,
-                     logprobs=row_t)
+  return DecodeState(cache=KVCache(k=kv, v=kv, dtype=cfg.dtype), last_token=row, position=row,
+                     prompt_len=row, num_generated=row, done=row, stop_reason=row, uid=row,
+                     budget=row, tokens=row_t, logprobs=row_t)
 
 
 @dataclasses.dataclass

@@ -28,6 +28,15 @@ instances share one shape class.
 
 Rounds are synchronous on the host, so decisions (which chunk consolidates, what moves) depend
 only on the tokens, never on timing: with a fixed Rt the fusion metrics are deterministic too.
+
+Host bookkeeping of a batch (`_Run`) is two pieces: a `SlotTable` (which sample sits in which
+instance and slot, what each has generated, which finished, the migrations' moves) and an
+`InferenceQueue` (finished samples waiting for inference, the instances freed for it and their
+weight loads, micro-batching, the micro-batches in flight). The device states of the decoding
+instances (`engine.DecodeState`, the per-sample budget inside) stay with `_Run`.
+
+Config: `FusionFields` declares the fields the user's config.fusion (trainer/config.py
+FusionConfig) and the engine's `FusedGenConfig` share, with their one validation.
 """
 from __future__ import annotations
 
@@ -61,14 +70,63 @@ RESIMULATE_GROWTH = 1.25  # "auto" re-simulates Rt once the length histogram gre
 
 
 @dataclasses.dataclass(frozen=True)
-class FusedGenConfig:
-  """Layout and policy of the fused engine (field names as in config.fusion)."""
-  num_instances: int  # G generation instances
-  slots: int  # S batch slots per instance
+class FusionFields:
+  """The inter-stage fusion fields (docs/architecture.md §2) that the user's config.fusion
+  (trainer/config.py FusionConfig) and the engine's FusedGenConfig share, declared and checked
+  once, here. Errors name `config.<section>.<field>` and what was expected.
+
+  0 in num_instances or slots means "automatic" only where AUTOMATIC_LAYOUT is set (config.fusion:
+  the trainer's `fused_config` resolves it from the devices and the batch); the engine takes a
+  resolved layout, >= 1.
+  """
+  num_instances: int = 0  # G generation instances; 0 (automatic): devices / instance_devices
+  slots: int = 0  # S batch slots per instance; 0 (automatic): ceil(batch / num_instances)
   instance_devices: int = 1  # devices per instance (tensor parallel inside it when > 1)
   migration_threshold: Union[float, str] = "auto"  # Rt in [0, 1], or "auto" (simulated)
-  max_consolidations: int = 1  # consolidations per batch (the simulator's default too)
-  inference_micro_batch: int = 0  # samples per inference micro-batch; 0: slots
+  max_consolidations: int = 1  # long-tail consolidations per batch (the simulator's default too)
+  inference_micro_batch: int = 0  # samples per inference micro-batch on freed instances; 0: slots
+
+  # Class attributes, not fields. The config section a user edits for these fields, named in
+  # errors (FusedGenConfig makes it a field: "generation" in bench_generation).
+  section = "fusion"
+  AUTOMATIC_LAYOUT = False  # whether num_instances / slots may be 0 (automatic)
+
+  def _fail(self, name: str, value: Any, expected: str):
+    raise ValueError(f"config.{self.section}.{name}={value!r}: expected {expected}")
+
+  def _check_int(self, name: str, low: int, expected: str) -> None:
+    v = getattr(self, name)
+    if not isinstance(v, int) or v < low:
+      self._fail(name, v, expected)
+
+  def __post_init__(self):
+    for name in ("num_instances", "slots"):
+      if self.AUTOMATIC_LAYOUT:
+        self._check_int(name, 0, "an integer >= 0 (0: automatic)")
+      else:
+        self._check_int(name, 1, "an integer >= 1")
+    self._check_int("instance_devices", 1, "an integer >= 1")
+    self._check_int("max_consolidations", 0, "an integer >= 0")
+    self._check_int("inference_micro_batch", 0, "an integer >= 0 (0: slots)")
+    rt = self.migration_threshold
+    if isinstance(rt, str) and rt != "auto":
+      # A ConfigDict field holding "auto" is a string field, so
+      # --config.fusion.migration_threshold=0.2 arrives as "0.2": stored as the number.
+      try:
+        object.__setattr__(self, "migration_threshold", float(rt))
+      except ValueError:
+        pass
+    rt_choice.resolve_threshold(self.migration_threshold, f"{self.section}.migration_threshold")
+
+  def fusion_fields(self) -> dict:
+    """{name: value} of the FusionFields fields (what FusedGenConfig.of copies)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(FusionFields)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedGenConfig(FusionFields):
+  """Layout and policy of the fused engine: the shared FusionFields (a resolved layout:
+  num_instances and slots >= 1) plus the engine's own knobs."""
   kv_capacity_tokens: int = 0  # KV cache budget per instance in tokens; 0: slots * max_len
   # Cap on inference micro-batches running at once while the tail decodes; 0: no cap. (On 8
   # fake CPU devices a cap of 1, meant to leave the tail a core, measured no better than none:
@@ -81,26 +139,18 @@ class FusedGenConfig:
   section: str = "fusion"
 
   def __post_init__(self):
-    for name in ("num_instances", "slots", "instance_devices", "compile_threads"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or v < 1:
-        raise ValueError(f"config.{self.section}.{name}={v!r}: expected an integer >= 1")
-    rt_choice.resolve_threshold(self.migration_threshold,
-                                f"{self.section}.migration_threshold")
-    if self.max_consolidations < 0:
-      raise ValueError(f"config.{self.section}.max_consolidations={self.max_consolidations}: "
-                       "expected >= 0")
-    if self.inference_micro_batch < 0:
-      raise ValueError(f"config.{self.section}.inference_micro_batch="
-                       f"{self.inference_micro_batch}: expected >= 0 (0: slots)")
-    if self.inference_inflight < 0:
-      raise ValueError(f"config.{self.section}.inference_inflight={self.inference_inflight}: "
-                       "expected >= 0 (0: no cap)")
-    if self.kv_capacity_tokens < 0:
-      raise ValueError(f"config.{self.section}.kv_capacity_tokens={self.kv_capacity_tokens}: "
-                       "expected >= 0 (0: slots * max_len)")
+    super().__post_init__()
+    self._check_int("compile_threads", 1, "an integer >= 1")
+    self._check_int("inference_inflight", 0, "an integer >= 0 (0: no cap)")
+    self._check_int("kv_capacity_tokens", 0, "an integer >= 0 (0: slots * max_len)")
     for c in self.rt_candidates:
       rt_choice.resolve_threshold(c, f"{self.section}.rt_candidates[]")
+
+  @classmethod
+  def of(cls, fields: FusionFields, **kw) -> "FusedGenConfig":
+    """The engine's config from config.fusion (or any FusionFields): its shared fields, then
+    `kw` (the resolved num_instances and slots, the engine's own fields)."""
+    return cls(**{**fields.fusion_fields(), **kw})
 
   @property
   def micro_batch(self) -> int:
@@ -269,44 +319,39 @@ class FusedGenerator:
     return out
 
 
-class _Run:
-  """State of one batch (host bookkeeping, device states, inference queue)."""
+class SlotTable:
+  """Where each sample of one batch sits and what the host knows of it (host numpy only;
+  docs/architecture.md §2). Sample b is row b of the caller's batch. slot_sample[i, s] is the
+  sample in slot s of instance i, -1 for a slot never dealt or emptied by a migration; a slot is
+  free when it holds no unfinished sample (a finished sample's entry stays until a migration
+  writes over it: the consolidation plan sees the unfinished samples only)."""
 
-  def __init__(self, gen: FusedGenerator, actor_params, frozen_params, tokens, plens, uids,
-               budgets, key, fuse: bool, rt: float):
-    self.gen, self.fuse, self.rt, self.key = gen, fuse, rt, key
-    self.frozen_params = frozen_params
-    self.tokens, self.plens, self.uids, self.budgets = tokens, plens, uids, budgets
-    b, t = gen.batch_size, gen.sampling.max_new_tokens
-    g, s = gen.config.num_instances, gen.config.slots
+  def __init__(self, num_instances: int, slots: int, batch_size: int, max_new_tokens: int,
+               pad_id: int):
+    b, t = batch_size, max_new_tokens
     self.where = np.zeros((b, 2), np.int64)  # [B] (instance, slot) of each sample
-    self.slot_sample = np.full((g, s), -1, np.int64)  # [G, S] sample in each slot
+    self.slot_sample = np.full((num_instances, slots), -1, np.int64)  # [G, S] sample in each slot
     self.n_gen = np.zeros(b, np.int32)  # [B] response tokens so far
     self.finished = np.zeros(b, bool)  # [B]
-    self.stop = np.zeros(b, np.int32)  # [B]
-    self.resp = np.full((b, t), gen.sampling.pad_id, np.int32)  # [B, T]
-    self.logp = np.zeros((b, t), np.float32)  # [B, T]
-    self.queue: list[int] = []  # finished samples waiting for inference
-    self.pending: list = []  # (instance, {model: device array}) per dispatched micro-batch
-    self.scored: list = []  # the samples of each pending micro-batch
-    # instance -> Future of {model: params on it}: weights are copied by a loader thread, so
-    # the host loop never waits for a load before dispatching the next decode chunk.
-    self.loads: dict = {}
-    self.loader = ThreadPoolExecutor(max_workers=1)
-    self.dispatched = np.zeros(g, np.int64)  # inference micro-batches per instance
-    self.load_bytes = 0
-    self.chunks = 0  # decode chunks run, summed over instances
-    self.consolidations: list = []
-    self.reasons: list = []
-    self.actor_params = actor_params
+    self.stop = np.zeros(b, np.int32)  # [B] engine.STOP_* of the finished samples
+    self.resp = np.full((b, t), pad_id, np.int32)  # [B, T] responses of the finished samples
+    self.logp = np.zeros((b, t), np.float32)  # [B, T] their behaviour log-probs
 
-  # ---------------------------------------------------------------- helpers
+  def deal(self, i: int, samples: np.ndarray) -> None:
+    """Puts `samples` [n] into slots 0..n-1 of instance i."""
+    self.slot_sample[i, :samples.size] = samples
+    self.where[samples, 0], self.where[samples, 1] = i, np.arange(samples.size)
+
+  @property
+  def unfinished(self) -> int:
+    return int(self.finished.size - self.finished.sum())
+
   def unfinished_in(self, i: int) -> list[int]:
     return [int(x) for x in self.slot_sample[i] if x >= 0 and not self.finished[x]]
 
-  def read(self, i: int, summary) -> None:
-    """Host bookkeeping from instance i's summary [3, S]; fetches rows that just finished."""
-    done, n, stop = np.asarray(jax.device_get(summary))
+  def observe(self, i: int, done, n) -> list[tuple[int, int]]:
+    """Records instance i's summary (done [S], num_generated [S]) for its unfinished samples;
+    returns (slot, sample) of those that just finished, whose rows `finish` then takes."""
     newly = []
     for slot, b in enumerate(self.slot_sample[i]):
       if b < 0 or self.finished[b]:
@@ -314,23 +359,51 @@ class _Run:
       self.n_gen[b] = n[slot]
       if done[slot]:
         newly.append((slot, b))
-    if not newly:
-      return
-    st = self.states[i].decode
-    toks, lps = jax.device_get((st.tokens, st.logprobs))  # [S, T] each
+    return newly
+
+  def finish(self, newly: list[tuple[int, int]], stop, tokens, logprobs) -> list[int]:
+    """Marks the `newly` (slot, sample) pairs finished with their rows of stop [S] and tokens,
+    logprobs [S, T]; returns the samples, in slot order."""
     for slot, b in newly:
       self.finished[b], self.stop[b] = True, stop[slot]
-      self.resp[b], self.logp[b] = toks[slot], lps[slot]
-      self.queue.append(int(b))
+      self.resp[b], self.logp[b] = tokens[slot], logprobs[slot]
+    return [int(b) for _, b in newly]
 
-  def make_free(self, i: int) -> None:
-    """Instance i leaves generation: its state is dropped and its inference weights start
-    loading (frozen models from host memory, the critic from its training devices)."""
-    self.states.pop(i, None)
+  def move(self, moves: Sequence[policy.Move]) -> None:
+    """Records a consolidation plan's migrations: each sample leaves its source slot."""
+    for m in moves:
+      self.slot_sample[m.src_instance, m.src_slot] = -1
+      self.slot_sample[m.dst_instance, m.dst_slot] = m.uid
+      self.where[m.uid] = (m.dst_instance, m.dst_slot)
+
+
+class InferenceQueue:
+  """Streaming inference of one batch (docs/architecture.md §2): the finished samples waiting
+  for reference / critic / reward inference, the instances freed for it, micro-batching of the
+  waiting samples onto them, and the micro-batches in flight. Inference weights are copied by a
+  loader thread, so the host loop never waits for a load before dispatching the next decode
+  chunk; results are read once, at the end (`collect`)."""
+
+  def __init__(self, gen: "FusedGenerator", frozen_params: dict, table: SlotTable,
+               prompts: np.ndarray, prompt_lens: np.ndarray, log: ActivityLog):
+    self.gen, self.frozen_params, self.table, self.log = gen, frozen_params, table, log
+    self.prompts, self.plens = prompts, prompt_lens  # [B, P], [B]
+    self.waiting: list[int] = []  # finished samples not yet dispatched, in finishing order
+    self.batches: list = []  # (instance, samples, {model: device array}) per micro-batch
+    self.loads: dict = {}  # instance -> Future of {model: params on it}
+    self.loader = ThreadPoolExecutor(max_workers=1)
+    self.dispatched = np.zeros(gen.config.num_instances, np.int64)  # micro-batches per instance
+
+  def add(self, samples: list[int]) -> None:
+    self.waiting.extend(samples)
+
+  def free(self, i: int) -> None:
+    """Instance i serves inference from now on: its weights start loading (once)."""
     if i not in self.loads:
       self.loads[i] = self.loader.submit(self._load, i)
 
   def _load(self, i: int) -> dict:
+    """Frozen models from host memory, the critic from its training devices."""
     t0, inst = self.log.now(), self.gen.instances[i]
     placed = {n: inst.place(c, self.frozen_params[n]) for n, c in self.gen.models.items()}
     self.log.record(i, "load", jax.tree.leaves(placed), since=t0)
@@ -342,65 +415,115 @@ class _Run:
   def _score(self, i: int, take: list[int]) -> None:
     """One micro-batch of samples `take` on instance i (padded with copies of the last one,
     whose results are dropped), every inference model, dispatched without waiting."""
-    mb = self.gen.config.micro_batch
+    mb, table = self.gen.config.micro_batch, self.table
     self.dispatched[i] += 1
     rows = np.asarray(take + [take[-1]] * (mb - len(take)))
-    seq = _sequences(self.tokens[rows], self.plens[rows], self.resp[rows], self.n_gen[rows],
+    seq = _sequences(self.prompts[rows], self.plens[rows], table.resp[rows], table.n_gen[rows],
                      self.gen.sampling.pad_id)  # [mb, P+T]
     inst = self.gen.instances[i]
     placed = self.loads[i].result()
-    outs = {n: inst.score(n, placed[n], seq, self.plens[rows], self.n_gen[rows])
+    outs = {n: inst.score(n, placed[n], seq, self.plens[rows], table.n_gen[rows])
             for n in self.gen.models}
     self.log.record(i, "inference", list(outs.values()))
-    self.pending.append((i, outs))
-    self.scored.append(take)
+    self.batches.append((i, take, outs))
 
-  def stream_inference(self) -> None:
-    """While the tail decodes: full micro-batches of the queue onto free instances. Each free
-    instance holds at most PER_INSTANCE_QUEUE of them (pulled as it completes them, so the
-    instance loaded first does not take the whole queue), and at most `gen.inflight` run at
+  def stream(self) -> None:
+    """While the tail decodes: full micro-batches of the waiting samples onto free instances.
+    Each free instance holds at most PER_INSTANCE_QUEUE of them (pulled as it completes them, so
+    the instance loaded first does not take the whole queue), and at most `gen.inflight` run at
     once overall when that cap is set."""
     mb = self.gen.config.micro_batch
     running = {i: 0 for i in self.loaded()}
-    for i, outs in self.pending:
+    for i, _, outs in self.batches:
       if i in running and not all(x.is_ready() for x in outs.values()):
         running[i] += 1
     room = (self.gen.inflight - sum(running.values()) if self.gen.inflight
-            else len(self.queue))
-    while room > 0 and len(self.queue) >= mb:
+            else len(self.waiting))
+    while room > 0 and len(self.waiting) >= mb:
       open_ = [i for i, n in running.items() if n < PER_INSTANCE_QUEUE]
       if not open_:
         break
       i = min(open_, key=lambda j: (running[j], self.dispatched[j], j))
       room, running[i] = room - 1, running[i] + 1
-      take, self.queue = self.queue[:mb], self.queue[mb:]
+      take, self.waiting = self.waiting[:mb], self.waiting[mb:]
       self._score(i, take)
 
-  def final_inference(self) -> None:
-    """After generation: the rest of the queue over every instance, those with weights first,
+  def drain(self) -> None:
+    """After generation: every waiting sample over every instance, those with weights first,
     then least loaded; the remaining loads run in order in the loader thread, so inference
     starts after one load, not after all of them."""
     mb = self.gen.config.micro_batch
     order = sorted(range(self.gen.config.num_instances),
                    key=lambda j: (j not in self.loads, self.dispatched[j], j))
-    chunks = [self.queue[k:k + mb] for k in range(0, len(self.queue), mb)]
-    self.queue = []
+    chunks = [self.waiting[k:k + mb] for k in range(0, len(self.waiting), mb)]
+    self.waiting = []
     for i in order[:len(chunks)]:
-      self.make_free(i)
+      self.free(i)
     for n, take in enumerate(chunks):
       self._score(order[n % len(order)], take)
+
+  def collect(self) -> list[tuple[list[int], dict]]:
+    """Waits for every micro-batch: (samples, {model: host array}) each, in dispatch order."""
+    results = jax.device_get([outs for _, _, outs in self.batches])
+    return [(take, res) for (_, take, _), res in zip(self.batches, results)]
+
+  def unload(self) -> int:
+    """Drops the inference weights (they leave the devices with the last reference); returns
+    the bytes that were loaded."""
+    n = sum(x.nbytes for f in self.loads.values() for x in jax.tree.leaves(f.result()))
+    self.loads.clear()
+    return int(n)
+
+  def close(self) -> None:
+    self.loader.shutdown()
+
+
+class _Run:
+  """One batch: the device states of the decoding instances, the SlotTable (where every sample
+  sits, what it generated) and the InferenceQueue (what waits for or runs inference), driven
+  round by round by `execute` (module docstring)."""
+
+  def __init__(self, gen: FusedGenerator, actor_params, frozen_params, tokens, plens, uids,
+               budgets, key, fuse: bool, rt: float):
+    self.gen, self.fuse, self.rt, self.key = gen, fuse, rt, key
+    self.frozen_params = frozen_params
+    self.tokens, self.plens, self.uids, self.budgets = tokens, plens, uids, budgets
+    self.table = SlotTable(gen.config.num_instances, gen.config.slots, gen.batch_size,
+                           gen.sampling.max_new_tokens, gen.sampling.pad_id)
+    self.infer: Optional[InferenceQueue] = None  # made with the activity log (execute)
+    self.states: dict = {}  # instance -> its DecodeState (donated each chunk) while decoding
+    self.chunks = 0  # decode chunks run, summed over instances
+    self.consolidations: list = []
+    self.reasons: list = []
+    self.actor_params = actor_params
+
+  def read(self, i: int, summary) -> None:
+    """Instance i's summary [3, S] into the slot table; fetches the rows that just finished and
+    queues those samples for inference."""
+    done, n, stop = np.asarray(jax.device_get(summary))
+    newly = self.table.observe(i, done, n)
+    if not newly:
+      return
+    st = self.states[i]
+    toks, lps = jax.device_get((st.tokens, st.logprobs))  # [S, T] each
+    self.infer.add(self.table.finish(newly, stop, toks, lps))
+
+  def release(self, i: int) -> None:
+    """Instance i leaves generation: its state is dropped and it is freed for inference."""
+    self.states.pop(i, None)
+    self.infer.free(i)
 
   # ---------------------------------------------------------------- consolidation
   def consolidate(self, step: int) -> list[int]:
     """Plans with the shared policy and runs its migrations; returns the released instances."""
-    gen, cfg = self.gen, self.gen.config
+    gen, cfg, table = self.gen, self.gen.config, self.table
     t = gen.sampling.max_new_tokens
     states = []
     for i in sorted(self.states):
-      samples = tuple(policy.SampleState(uid=b, slot=int(self.where[b, 1]),
-                                         length=int(self.plens[b] + self.n_gen[b]),
-                                         remaining=int(t - self.n_gen[b]))
-                      for b in self.unfinished_in(i))
+      samples = tuple(policy.SampleState(uid=b, slot=int(table.where[b, 1]),
+                                         length=int(self.plens[b] + table.n_gen[b]),
+                                         remaining=int(t - table.n_gen[b]))
+                      for b in table.unfinished_in(i))
       states.append(policy.InstanceState(
           index=i, slots=cfg.slots, kv_capacity_tokens=gen.kv_capacity, samples=samples,
           slot_capacity_tokens=gen.max_len, shape_class=gen.instances[i].shape_class))
@@ -430,15 +553,12 @@ class _Run:
         copied += sum(x.nbytes for x in jax.tree.leaves(rows))
         self.states[dst] = d_inst.scatter(self.states[dst], [m.dst_slot for m in part], rows)
     t1 = self.log.now()
-    for m in plan.moves:
-      self.slot_sample[m.src_instance, m.src_slot] = -1
-      self.slot_sample[m.dst_instance, m.dst_slot] = m.uid
-      self.where[m.uid] = (m.dst_instance, m.dst_slot)
+    table.move(plan.moves)
     rec = {"time_s": t0, "step": step, "unfinished": plan.unfinished, "kept": list(plan.kept),
            "released": list(plan.released), "moves": len(plan.moves),
            "moved_bytes": int(plan.moved_bytes), "copied_bytes": int(copied),
            "dispatch_s": t1 - t0, "reason": plan.reason,
-           "occupancy": {int(i): len(self.unfinished_in(i)) for i in plan.kept}}
+           "occupancy": {int(i): len(table.unfinished_in(i)) for i in plan.kept}}
     self.consolidations.append(rec)
     logging.vlog(1, "consolidation at step %d: %s (%d bytes of KV held)", step, plan.reason,
                  plan.moved_bytes)
@@ -451,10 +571,11 @@ class _Run:
     try:
       return self._execute()
     finally:
-      self.loader.shutdown()  # also on errors: no thread outlives the batch
+      if self.infer is not None:
+        self.infer.close()  # also on errors: no thread outlives the batch
 
   def _execute(self) -> FusedOutput:
-    gen, cfg = self.gen, self.gen.config
+    gen, cfg, table = self.gen, self.gen.config, self.table
     b, k = gen.batch_size, gen.sampling.chunk_size
     t_place = time.perf_counter()
     params = {i: inst.place(gen.cfg, self.actor_params) for i, inst in enumerate(gen.instances)}
@@ -462,12 +583,11 @@ class _Run:
     jax.block_until_ready(params)
     place_s = time.perf_counter() - t_place
     self.log = log = ActivityLog(cfg.num_instances)
-    self.states: dict = {}
+    self.infer = InferenceQueue(gen, self.frozen_params, table, self.tokens, self.plens, log)
     summaries = {}
     for i, (rows, tok, lens, uid, bud) in enumerate(gen._deal(self.tokens, self.plens,
                                                               self.uids, self.budgets)):
-      self.slot_sample[i, :rows.size] = rows
-      self.where[rows, 0], self.where[rows, 1] = i, np.arange(rows.size)
+      table.deal(i, rows)
       self.states[i], summaries[i] = gen.instances[i].prefill(params[i], tok, lens, uid, bud,
                                                               keys[i])
       log.record(i, "prefill", summaries[i])
@@ -478,11 +598,11 @@ class _Run:
         self.read(i, summaries[i])
       if t_prefill is None:
         t_prefill = log.now()
-      curve.append((log.now(), int(b - self.finished.sum())))
-      idle = [i for i in sorted(self.states) if not self.unfinished_in(i)]
+      curve.append((log.now(), table.unfinished))
+      idle = [i for i in sorted(self.states) if not table.unfinished_in(i)]
       for i in idle:
         self.states.pop(i)
-      unfinished = int(b - self.finished.sum())
+      unfinished = table.unfinished
       if unfinished == 0:
         break
       if (self.fuse and len(self.consolidations) < cfg.max_consolidations and
@@ -500,33 +620,31 @@ class _Run:
       if self.fuse:
         # After the decode dispatch, so that loading weights never delays the tail.
         for i in idle:
-          self.make_free(i)
-        self.stream_inference()
+          self.release(i)
+        self.infer.stream()
     gen_end = log.now()
     del params
-    self.final_inference()
-    results = jax.device_get([outs for _, outs in self.pending])
+    self.infer.drain()
+    results = self.infer.collect()
     gen_plus_inf = log.now()
     segments = log.close()
-    self.load_bytes = sum(x.nbytes for f in self.loads.values()
-                          for x in jax.tree.leaves(f.result()))
-    self.loads.clear()  # the inference weights leave the devices with the last reference
+    load_bytes = self.infer.unload()
     return self._output(results, segments, curve, rounds, t_prefill, gen_end, gen_plus_inf,
-                        place_s)
+                        place_s, load_bytes)
 
   def _output(self, results, segments, curve, rounds, t_prefill, gen_end, gen_plus_inf,
-              place_s) -> FusedOutput:
-    gen = self.gen
+              place_s, load_bytes) -> FusedOutput:
+    gen, table = self.gen, self.table
     b, t = gen.batch_size, gen.sampling.max_new_tokens
     out = {n: np.zeros((b, t) if n != "reward" else (b,), np.float32) for n in gen.models}
-    for take, res in zip(self.scored, results):
+    for take, res in results:
       for n, arr in res.items():
         out[n][np.asarray(take)] = np.asarray(arr)[:len(take)]
     rollout = engine.Rollout(
-        prompt_tokens=self.tokens, prompt_lens=self.plens, response_tokens=self.resp,
-        response_lens=self.n_gen.copy(), logprobs=self.logp, stop_reason=self.stop,
+        prompt_tokens=self.tokens, prompt_lens=self.plens, response_tokens=table.resp,
+        response_lens=table.n_gen.copy(), logprobs=table.logp, stop_reason=table.stop,
         uids=self.uids, prefill_s=t_prefill, decode_s=gen_end - t_prefill,
-        decode_steps=int(self.n_gen.max()) - 1, decode_chunks=rounds)
+        decode_steps=int(table.n_gen.max()) - 1, decode_chunks=rounds)
     tl = Timeline(num_instances=gen.config.num_instances, segments=segments,
                   unfinished_curve=curve, consolidations=self.consolidations,
                   gen_end_s=gen_end, gen_plus_inf_s=gen_plus_inf)
@@ -545,7 +663,7 @@ class _Run:
         "gen/instance_busy_frac": tl.instance_busy_frac,
         "fusion/inference_overlap_frac": tl.inference_overlap_frac,
         "fusion/weight_load_s": tl.kind_s("load"),
-        "fusion/weight_load_bytes": int(self.load_bytes),
+        "fusion/weight_load_bytes": load_bytes,
         "fusion/rt": float(self.rt),
         "gen/decode_rounds": rounds,
         # Summed over instances: each chunk runs all S slots, live or not, so this counts the

@@ -6,19 +6,22 @@ of S slots x max_len positions, and its own executables, compiled ahead of time 
 (JAX_NOTES: a function first called on a new device set recompiles, which would otherwise land in
 the middle of generation):
 
-  prefill(params, tokens [S, P], lens [S], uids [S], budget [S], key) -> (SlotState, summary)
-  decode(params, SlotState, key) -> (SlotState, summary)     up to K steps, state donated
-  gather[R](SlotState, slots [R]) -> rows                    R rows of every field (KV included)
-  scatter[R](SlotState, slots [R], rows) -> SlotState        donated; slot index S is dropped
-  ref / critic / reward (params, tokens [mb, P+T], ...)      the inference forward passes
+  prefill(params, tokens [S, P], lens [S], uids [S], budget [S], key) -> (DecodeState, summary)
+  decode(params, DecodeState, key) -> (DecodeState, summary)   up to K steps, state donated
+  gather[R](DecodeState, slots [R]) -> rows                    R rows of every field (KV too)
+  scatter[R](DecodeState, slots [R], rows) -> DecodeState      donated; slot index S is dropped
+  ref / critic / reward (params, tokens [mb, P+T], ...)        the inference forward passes
+
+The instance state is the engine's own `DecodeState` and `decode` is `engine.decode_chunk`, the
+one decode loop (docs/architecture.md §2).
 
 `summary` is int32 [3, S] (done, num_generated, stop_reason): the few bytes the host reads after
 every chunk. It is a separate output, never donated, so a watcher thread may wait on it while the
 state itself is already being decoded further.
 
-Per-sample budget. `SlotState.budget` [S] holds each sample's own response budget (<=
-max_new_tokens): a row stops at EOS or when it holds `budget` tokens. It is part of the sample's
-stop condition and travels with it when it migrates, so a forced length (the benchmark draws
+Per-sample budget. `DecodeState.budget` [S] holds each sample's own response budget (<=
+max_new_tokens; engine.py): a row stops at EOS or when it holds `budget` tokens. It is part of
+the sample's state and travels with it when it migrates, so a forced length (the benchmark draws
 long-tailed lengths for an untrained model) gives the same tokens on any instance. A budget of 0
 marks an empty slot: done right after prefill. With budget = max_new_tokens everywhere the stop
 rule is exactly the baseline generator's.
@@ -37,7 +40,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Collection, Optional, Sequence
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,50 +55,37 @@ from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
 
 
-@flax.struct.dataclass
-class SlotState:
-  """An instance's decode state plus each slot's response budget."""
-  decode: DecodeState  # every field [S, ...]; cache k/v [layers, S, max_len, kv, d]
-  budget: jax.Array  # [S] int32 response budget of the sample in the slot (0: empty slot)
-
-
-def apply_budget(state: DecodeState, budget) -> DecodeState:
-  """Stops live rows that hold `budget` [S] tokens (as _record stops rows at max_new_tokens)."""
-  over = ~state.done & (state.num_generated >= budget)
-  return state.replace(done=state.done | over,
-                       stop_reason=jnp.where(over, engine.STOP_MAX_TOKENS, state.stop_reason))
-
-
 def _summary(state: DecodeState):
+  """int32 [3, S] (done, num_generated, stop_reason): what the host reads after a chunk."""
   return jnp.stack([state.done.astype(jnp.int32), state.num_generated, state.stop_reason])
 
 
 def prefill_slots(cfg: ModelConfig, params, tokens, lens, uids, budget, key, *,
                   sampling: SamplingConfig, max_len: int):
-  state = engine.prefill(cfg, params, tokens, lens, uids, key, sampling, max_len)
-  state = apply_budget(state, budget)
-  return SlotState(decode=state, budget=budget), _summary(state)
+  """engine.prefill with each slot's budget; returns (state, summary)."""
+  state = engine.prefill(cfg, params, tokens, lens, uids, key, sampling, max_len, budget=budget)
+  return state, _summary(state)
 
 
-def decode_slots(cfg: ModelConfig, params, st: SlotState, key, *, sampling: SamplingConfig):
-  """engine.decode_chunk with the per-slot budget in the stop rule (K steps, early exit)."""
-  state = engine.decode_chunk(cfg, params, st.decode, key, sampling,
-                              after_step=lambda s: apply_budget(s, st.budget))
-  return SlotState(decode=state, budget=st.budget), _summary(state)
+def decode_slots(cfg: ModelConfig, params, state: DecodeState, key, *,
+                 sampling: SamplingConfig):
+  """engine.decode_chunk (K steps, early exit; the budgets are in the state) and its summary."""
+  state = engine.decode_chunk(cfg, params, state, key, sampling)
+  return state, _summary(state)
 
 
 def _rows_axis(path) -> int:
-  """The slot axis of a SlotState leaf: 1 for the KV cache [layers, S, ...], else 0."""
+  """The slot axis of a DecodeState leaf: 1 for the KV cache [layers, S, ...], else 0."""
   return 1 if any(getattr(p, "name", None) == "cache" for p in path) else 0
 
 
-def gather_rows(st: SlotState, slots):
-  """The rows `slots` [R] of every field (a SlotState with R rows)."""
+def gather_rows(st: DecodeState, slots):
+  """The rows `slots` [R] of every field (a DecodeState with R rows)."""
   return jax.tree_util.tree_map_with_path(
       lambda path, x: jnp.take(x, slots, axis=_rows_axis(path)), st)
 
 
-def scatter_rows(st: SlotState, slots, rows: SlotState):
+def scatter_rows(st: DecodeState, slots, rows: DecodeState):
   """Writes rows [R] into `slots` [R]; a slot index >= S (padding) is dropped."""
 
   def put(path, x, r):
@@ -172,7 +161,7 @@ class GenerationInstance:
     self.row1 = mesh_lib.batch_sharding(mesh, 1)
     self.row2 = mesh_lib.batch_sharding(mesh, 2)
     self.rep = mesh_lib.replicated(mesh)
-    self.state_sharding = SlotState(decode=engine.state_shardings(cfg, mesh), budget=self.row1)
+    self.state_sharding = engine.state_shardings(cfg, mesh)
     self._exe: dict = {}
 
   @property
@@ -252,7 +241,7 @@ class GenerationInstance:
     return self._exe["prefill"](params, put(tokens, self.row2), put(lens, self.row1),
                                 put(uids, self.row1), put(budget, self.row1), put(key, self.rep))
 
-  def decode(self, params, st: SlotState, key):
+  def decode(self, params, st: DecodeState, key):
     """One chunk; `st` is donated and must not be used afterwards."""
     return self._exe["decode"](params, st, key)
 
@@ -262,14 +251,14 @@ class GenerationInstance:
         return b
     raise ValueError(f"{n} rows exceed the largest migration bucket {self.buckets[-1]}")
 
-  def gather(self, st: SlotState, slots: Sequence[int]) -> tuple[SlotState, int]:
+  def gather(self, st: DecodeState, slots: Sequence[int]) -> tuple[DecodeState, int]:
     """Rows `slots` padded to a bucket (padding repeats the first slot); returns (rows, n)."""
     b = self.bucket(len(slots))
     idx = np.full(b, slots[0], np.int32)
     idx[:len(slots)] = slots
     return self._exe[("gather", b)](st, jax.device_put(idx, self.rep)), len(slots)
 
-  def scatter(self, st: SlotState, slots: Sequence[int], rows: SlotState) -> SlotState:
+  def scatter(self, st: DecodeState, slots: Sequence[int], rows: DecodeState) -> DecodeState:
     """Writes the first len(slots) rows into `slots` (padding rows go to index S: dropped).
     `st` is donated; `rows` must already be on this instance (see receive)."""
     b = rows.budget.shape[0]
@@ -277,7 +266,7 @@ class GenerationInstance:
     idx[:len(slots)] = slots
     return self._exe[("scatter", b)](st, jax.device_put(idx, self.rep), rows)
 
-  def receive(self, rows: SlotState) -> SlotState:
+  def receive(self, rows: DecodeState) -> DecodeState:
     """Copies rows gathered on another instance onto this one (device to device)."""
     return jax.device_put(rows, self.state_sharding)
 
