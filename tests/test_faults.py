@@ -30,10 +30,10 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
 
 def _poison_update(trainer, at_call: int, how: str):
-  """Wraps trainer.update: at the at_call-th optimizer step (1-based) either the actor's new
+  """Wraps trainer.update's step function: at the at_call-th optimizer step (1-based) either the actor's new
   params become NaN ("params") or the mini-batch's advantages do, so its gradients are NaN
   ("grads")."""
-  orig, calls = trainer.update, [0]
+  orig, calls = trainer.update._fn, [0]
 
   def update(actor, critic, mb):
     calls[0] += 1
@@ -43,7 +43,7 @@ def _poison_update(trainer, at_call: int, how: str):
     if how == "params" and calls[0] == at_call:
       actor = actor.replace(params=jax.tree.map(lambda x: x * jnp.nan, actor.params))
     return actor, critic, m
-  trainer.update = update
+  trainer.update._fn = update
 
 
 # ------------------------------------------------------------------------------ non-finite

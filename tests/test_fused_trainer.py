@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from rlhfuse_jax.parallel import mesh as mesh_lib
-from rlhfuse_jax.trainer import fused_stage
+from rlhfuse_jax.trainer import rollout
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
-from tests.test_trainer import tiny_config
+from tests.test_trainer import record_rollouts, tiny_config
 
 # Fusion metrics that measure time (the others are decided from tokens and are deterministic).
 TIMED = ("gen/unfinished_curve", "gen/instance_busy_frac", "fusion/inference_overlap_frac",
@@ -26,12 +26,19 @@ def test_fused_trajectory_equals_serial(tmp_path):
   # so by the tail 3 instances can hold the rest and Rt = 1 consolidates at once.
   mesh = lambda: mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4), jax.devices()[:4])
   serial = PPOTrainer(tiny(), str(tmp_path / "serial"), mesh=mesh())
+  assert isinstance(serial.rollout, rollout.SerialStage)
+  serial_out = record_rollouts(serial)
   h_serial = serial.run()
   fused = PPOTrainer(tiny(**{"fusion.inter_stage": True, "fusion.migration_threshold": "1.0"}),
                      str(tmp_path / "fused"), mesh=mesh())
+  assert isinstance(fused.rollout, rollout.FusedStage)
+  fused_out = record_rollouts(fused)
   h_fused = fused.run()
-  np.testing.assert_array_equal(serial.last_rollout.response_tokens,
-                                fused.last_rollout.response_tokens)
+  for a, b in zip(serial_out, fused_out, strict=True):
+    for field in ("response_tokens", "response_lens", "logprobs"):
+      np.testing.assert_array_equal(getattr(a.rollout, field), getattr(b.rollout, field))
+    for field in ("ref_logp", "values", "scores"):
+      np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
   for a, b in zip(h_serial, h_fused):
     det_a = {k: v for k, v in a.items() if not k.startswith(TIMING_PREFIXES)}
     det_b = {k: v for k, v in b.items() if not k.startswith(TIMING_PREFIXES) and k in det_a}
@@ -42,7 +49,7 @@ def test_fused_trajectory_equals_serial(tmp_path):
             "gen/unfinished_curve"} <= extra
   assert any(h["gen/migrated_samples"] > 0 for h in h_fused), "no consolidation exercised"
   for h in h_fused:  # the progress line's phrase says what each iteration's fusion did
-    line = fused_stage.progress_summary(h)
+    line = rollout.progress_summary(h)
     if h["gen/migrated_samples"] > 0:
       assert 0 < h["gen/consolidated_to"] < h["gen/consolidated_from"] <= 4
       assert line.startswith(f"gen: consolidated {h['gen/consolidated_from']}->"
@@ -51,7 +58,7 @@ def test_fused_trajectory_equals_serial(tmp_path):
                              f"{h['gen/migrated_samples']} samples ("), line
     else:
       assert line.startswith("gen: no consolidation (Rt=1), inference overlap "), line
-  assert fused_stage.progress_summary(h_serial[0]) == ""
+  assert rollout.progress_summary(h_serial[0]) == ""
   jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(serial.actor.params),
                          jax.device_get(fused.actor.params))
 
@@ -60,12 +67,12 @@ def test_progress_summary_is_one_phrase():
   m = {"gen/migrated_samples": 5, "gen/migrated_kv_bytes": 40960, "gen/consolidation_step": 12,
        "gen/consolidated_from": 8, "gen/consolidated_to": 2, "fusion/rt": 0.3,
        "fusion/inference_overlap_frac": 0.634}
-  assert fused_stage.progress_summary(m) == (
+  assert rollout.progress_summary(m) == (
       "gen: consolidated 8->2 instances at step 12 (Rt=0.3), migrated 5 samples (41 kB KV), "
       "inference overlap 63%")
   m.update({"gen/migrated_samples": 0, "gen/migrated_kv_bytes": 0, "fusion/rt": 0.0,
             "fusion/inference_overlap_frac": 0.0})
-  assert fused_stage.progress_summary(m) == "gen: no consolidation (Rt=0), inference overlap 0%"
+  assert rollout.progress_summary(m) == "gen: no consolidation (Rt=0), inference overlap 0%"
 
 
 @pytest.mark.parametrize("overrides, match", [

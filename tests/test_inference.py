@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlhfuse_jax.inference import scoring
-from rlhfuse_jax.inference.scoring import RewardConfig, RewardDispatcher, Scorer, ScoringBatch
+from rlhfuse_jax.inference.scoring import Rewards, Scorer, ScoringBatch
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
 
@@ -99,7 +98,7 @@ def test_micro_batched_and_sharded_scores_equal_whole_batch(models, batch, direc
 def test_reward_dispatch_model_and_function(models, batch, direct):
   _, critic = models
   _, _, score = direct
-  by_model = RewardDispatcher(RewardConfig(source="model"), model_cfg=CRITIC, model_params=critic)
+  by_model = Rewards(model_cfg=CRITIC, model_params=critic)
   np.testing.assert_allclose(by_model(batch), score, atol=1e-5)
   seen = {}
 
@@ -109,31 +108,31 @@ def test_reward_dispatch_model_and_function(models, batch, direct):
     return ((response_tokens == 3) & mask).sum(1) / response_lens
 
   records = [{"prompt": str(i)} for i in range(B)]
-  by_fn = RewardDispatcher(RewardConfig(source="function", function="threes"), fn=count_threes)
+  by_fn = Rewards(fn=count_threes, name="threes")
   want = [(batch.response_tokens[b, :batch.response_lens[b]] == 3).mean() for b in range(B)]
   np.testing.assert_allclose(by_fn(batch, records), want, atol=1e-6)
   assert seen["records"] is records
-  assert scoring.resolve_reward_function("threes", {"threes": count_threes}) is count_threes
+  with pytest.raises(ValueError, match="gave its reward-model weights away"):
+    by_model.without_model_params()(batch)
+  assert by_fn.without_model_params() is by_fn
 
 
 def test_clear_errors(models, batch):
   actor, critic = models
-  with pytest.raises(ValueError, match="reward.source='oracle'"):
-    RewardConfig(source="oracle")
-  with pytest.raises(ValueError, match="reward.function is empty"):
-    RewardConfig(source="function")
-  with pytest.raises(ValueError, match="needs a reward model"):
-    RewardDispatcher(RewardConfig(source="model"))
+  with pytest.raises(ValueError, match="exactly one source"):
+    Rewards()
+  with pytest.raises(ValueError, match="exactly one source"):
+    Rewards(fn=len, model_cfg=CRITIC, model_params=critic)
   with pytest.raises(ValueError, match="reward model needs model.head='scalar'"):
-    RewardDispatcher(RewardConfig(source="model"), model_cfg=ACTOR, model_params=actor)
-  with pytest.raises(ValueError, match="needs a callable"):
-    RewardDispatcher(RewardConfig(source="function", function="f"), fn="f")
-  with pytest.raises(KeyError, match=r"unknown reward function 'g'; known: \['f'\]"):
-    scoring.resolve_reward_function("g", {"f": len})
-  bad = RewardDispatcher(RewardConfig(source="function", function="f"),
-                         fn=lambda r, t, l: np.zeros(3))
-  with pytest.raises(ValueError, match=r"returned shape \(3,\); expected \(12,\)"):
+    Rewards(model_cfg=ACTOR, model_params=actor)
+  with pytest.raises(ValueError, match="reward function 'f': needs a callable"):
+    Rewards(fn="f", name="f")
+  bad = Rewards(fn=lambda r, t, l: np.zeros(3), name="f")
+  with pytest.raises(ValueError, match=r"'f' returned shape \(3,\); expected \(12,\)"):
     bad(batch)
+  nan = Rewards(fn=lambda r, t, l: np.full(len(l), np.nan), name="f")
+  with pytest.raises(ValueError, match="'f' returned non-finite rewards"):
+    nan(batch)
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
   with pytest.raises(ValueError, match="micro_batch_size=4 must be 0"):
     Scorer(mesh, micro_batch_size=4)

@@ -8,6 +8,7 @@ import pytest
 from configs import ppo_tiny
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.trainer import build
 from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 
@@ -33,6 +34,17 @@ def tiny_config(**overrides):
       node = node[p]
     node[last] = v
   return TrainConfig.from_config_dict(c)
+
+
+def record_rollouts(trainer) -> list:
+  """Keeps every StageOutputs the trainer's rollout stage returns (in order) in the list."""
+  stage, seen = trainer.rollout, []
+
+  def recorded(*args):
+    seen.append(stage(*args))
+    return seen[-1]
+  trainer.rollout = recorded
+  return seen
 
 
 def _params(trainer):
@@ -67,9 +79,9 @@ def test_resume_is_exact(tmp_path, monkeypatch):
   assert _deterministic(rows_straight) == _deterministic(rows_resumed)
 
   # The same run again: it is finished, so nothing is built or compiled and run() returns at once.
-  def no_build(self):
+  def no_build(*args, **kwargs):
     raise AssertionError("a finished run built its models")
-  monkeypatch.setattr(PPOTrainer, "_init_models", no_build)
+  monkeypatch.setattr(build, "build_models", no_build)
   again = PPOTrainer(cfg, half)
   assert again.finished_at == 4 and again.run() == []
   assert [r["step"] for r in wd.read_jsonl(os.path.join(half, "metrics.jsonl"))] == [1, 2, 3, 4]
@@ -81,13 +93,15 @@ def test_sharded_run_equals_single_device(tmp_path):
   cfg = tiny_config(num_iterations=2)
   single = PPOTrainer(cfg, str(tmp_path / "one"),
                       mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1]))
+  out1 = record_rollouts(single)
   h1 = single.run()
   sharded = PPOTrainer(cfg, str(tmp_path / "eight"),
                        mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4, fsdp=2)))
+  out8 = record_rollouts(sharded)
   h8 = sharded.run()
   # Same tokens sampled (per-sample RNG; the logits agree to float rounding) ...
-  np.testing.assert_array_equal(single.last_rollout.response_tokens,
-                                sharded.last_rollout.response_tokens)
+  for a, b in zip(out1, out8, strict=True):
+    np.testing.assert_array_equal(a.rollout.response_tokens, b.rollout.response_tokens)
   # ... and the same updates up to float reassociation of the sharded reductions.
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5),
                          _params(single), _params(sharded))

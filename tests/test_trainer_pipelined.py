@@ -122,7 +122,7 @@ def test_pipelined_equals_plain_update(runs):
   # The agreement is not trivial: the updates moved the actor away from its initial copy
   # (the reference) by far more than the tolerance.
   moved = max(float(np.max(np.abs(a - b))) for a, b in
-              zip(jax.tree.leaves(jax.device_get(plain.ref_params)),
+              zip(jax.tree.leaves(jax.device_get(plain.rollout.reference)),
                   jax.tree.leaves(_params(plain)["actor"])))
   assert moved > 1e-3
 

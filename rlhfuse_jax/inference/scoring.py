@@ -12,9 +12,9 @@ optionally in micro-batches of a fixed size (the last one padded, so each shape 
 the inter-stage fusion streams finished samples through it in small groups. Each micro-batch is
 dispatched before any result is read, so JAX runs them back to back without host round trips.
 
-`RewardDispatcher` picks the reward source named in `RewardConfig`: 'model' or 'function'. The
-function is any callable `(records, response_tokens [B, T], response_lens [B]) -> [B]`; a task
-registry elsewhere (data/tasks.py) maps names to such functions and is resolved by the caller.
+`Rewards` is the one reward resolver: a reward model, or any callable `(records,
+response_tokens [B, T], response_lens [B]) -> [B]` (data/rewards.py registers such functions by
+name; the trainer resolves config.reward).
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
 
 RewardFn = Callable[[Sequence[Mapping[str, Any]], np.ndarray, np.ndarray], np.ndarray]
-REWARD_SOURCES = ("model", "function")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,53 +142,57 @@ def _check_head(cfg: ModelConfig, head: str, role: str) -> None:
     raise ValueError(f"the {role} needs model.head={head!r}, got {cfg.head!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class RewardConfig:
-  """Where rewards come from."""
-  source: str = "function"  # 'model': reward model at the last response token; 'function': Python
-  function: str = ""  # reward function name (resolved by the caller's registry) for 'function'
+class Rewards:
+  """The one reward resolver of a run: sequence rewards [B] from a Python function of the
+  responses, or from a scalar-head reward model at the last response token.
 
-  def __post_init__(self):
-    if self.source not in REWARD_SOURCES:
-      raise ValueError(f"reward.source={self.source!r}; expected one of {REWARD_SOURCES}")
-    if self.source == "function" and not self.function:
-      raise ValueError("reward.function is empty; name a reward function when "
-                       "reward.source='function'")
+  `fn(records, response_tokens [B, T], response_lens [B]) -> [B]`; `name` (the config field's
+  value) appears in errors. The serial rollout calls it whole; the fused one (trainer/rollout.py)
+  scores with the model on freed instances and calls `from_function` only.
+  """
 
-
-def resolve_reward_function(name: str, registry: Mapping[str, RewardFn]) -> RewardFn:
-  """registry[name] with an error listing the known names."""
-  if name not in registry:
-    raise KeyError(f"unknown reward function {name!r}; known: {sorted(registry)}")
-  return registry[name]
-
-
-class RewardDispatcher:
-  """Computes sequence rewards [B] from the source chosen in RewardConfig."""
-
-  def __init__(self, config: RewardConfig, *, scorer: Optional[Scorer] = None,
+  def __init__(self, *, fn: Optional[RewardFn] = None, name: str = "",
                model_cfg: Optional[ModelConfig] = None, model_params: Any = None,
-               fn: Optional[RewardFn] = None):
-    if config.source == "model":
-      if model_cfg is None or model_params is None:
-        raise ValueError("reward.source='model' needs a reward model (model_cfg and model_params)")
+               scorer: Optional[Scorer] = None):
+    if (fn is None) == (model_cfg is None):
+      raise ValueError("Rewards needs exactly one source: a reward function (fn) or a reward "
+                       f"model (model_cfg); got fn={fn!r}, model_cfg={model_cfg!r}")
+    if model_cfg is not None:
       _check_head(model_cfg, "scalar", "reward model")
     elif not callable(fn):
-      raise ValueError(f"reward.source='function' needs a callable reward function for "
-                       f"{config.function!r}, got {fn!r}")
-    self.config, self.fn = config, fn
+      raise ValueError(f"reward function {name!r}: needs a callable, got {fn!r}")
+    self.fn, self.name = fn, name
     self.model_cfg, self.model_params = model_cfg, model_params
     self.scorer = scorer or Scorer()
+
+  @property
+  def from_model(self) -> bool:
+    return self.model_cfg is not None
+
+  def without_model_params(self) -> "Rewards":
+    """The same resolver without the reward model's weights (a caller that moved them)."""
+    if not self.from_model:
+      return self
+    return Rewards(model_cfg=self.model_cfg, model_params=None, scorer=self.scorer)
+
+  def from_function(self, records: Optional[Sequence[Mapping[str, Any]]],
+                    response_tokens: np.ndarray, response_lens: np.ndarray) -> np.ndarray:
+    """The function's rewards [B] float32, checked: one finite value per sample."""
+    out = np.asarray(self.fn(records, response_tokens, response_lens), np.float32)
+    b = response_tokens.shape[0]
+    if out.shape != (b,):
+      raise ValueError(f"reward function {self.name!r} returned shape {out.shape}; "
+                       f"expected ({b},)")
+    if not np.isfinite(out).all():
+      raise ValueError(f"reward function {self.name!r} returned non-finite rewards")
+    return out
 
   def __call__(self, batch: ScoringBatch,
                records: Optional[Sequence[Mapping[str, Any]]] = None) -> np.ndarray:
     """Rewards [B] float32 for the batch (records: the B prompt records, for functions)."""
-    if self.config.source == "model":
+    if self.from_model:
+      if self.model_params is None:
+        raise ValueError("this Rewards gave its reward-model weights away "
+                         "(without_model_params): score with their new holder")
       return self.scorer.reward_scores(self.model_cfg, self.model_params, batch)
-    out = np.asarray(self.fn(records, batch.response_tokens, batch.response_lens), np.float32)
-    if out.shape != (batch.batch_size,):
-      raise ValueError(f"reward function {self.config.function!r} returned shape {out.shape}; "
-                       f"expected ({batch.batch_size},)")
-    if not np.isfinite(out).all():
-      raise ValueError(f"reward function {self.config.function!r} returned non-finite rewards")
-    return out
+    return self.from_function(records, batch.response_tokens, batch.response_lens)

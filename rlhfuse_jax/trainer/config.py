@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
+from rlhfuse_jax.generation import fused as fused_lib
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel.mesh import MeshConfig
 from rlhfuse_jax.rl import losses as losses_lib
@@ -139,34 +140,18 @@ class InitConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class FusionConfig:
-  """The two fusions of docs/architecture.md §2 (inter-stage) and §3 (intra-stage)."""
+class FusionConfig(fused_lib.FusionFields):
+  """The two fusions of docs/architecture.md §2 (inter-stage) and §3 (intra-stage).
+
+  The inter-stage fields (migration_threshold, num_instances, instance_devices, slots,
+  inference_micro_batch, max_consolidations) and their checks are declared once, in
+  generation/fused.py FusionFields, which the engine's FusedGenConfig shares. Here
+  num_instances = 0 and slots = 0 mean automatic (the trainer's `fused_config` resolves them:
+  FusedGenConfig.of(fusion, num_instances=..., slots=...)).
+  """
+  AUTOMATIC_LAYOUT = True  # a class attribute, not a field
   inter_stage: bool = False  # sample-level generation with long-tail consolidation (§2)
   intra_stage: bool = False  # fused actor/critic pipeline schedule (§3)
-  migration_threshold: Union[float, str] = "auto"  # Rt in [0, 1], or "auto" (simulated)
-  num_instances: int = 0  # generation instances G (inter_stage); 0: devices / instance_devices
-  instance_devices: int = 1  # devices per generation instance (tensor parallel inside it)
-  slots: int = 0  # batch slots per instance; 0: ceil(batch / num_instances)
-  inference_micro_batch: int = 0  # samples per inference micro-batch on freed instances; 0: slots
-  max_consolidations: int = 1  # long-tail consolidations per batch
-
-  def __post_init__(self):
-    for name in ("num_instances", "slots", "inference_micro_batch", "max_consolidations"):
-      _check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
-             f"fusion.{name}", getattr(self, name), "an integer >= 0")
-    _check(isinstance(self.instance_devices, int) and self.instance_devices >= 1,
-           "fusion.instance_devices", self.instance_devices, "an integer >= 1")
-    rt = self.migration_threshold
-    if isinstance(rt, str) and rt != "auto":
-      # The ConfigDict field is a string ("auto"), so --config.fusion.migration_threshold=0.2
-      # arrives as "0.2".
-      try:
-        rt = float(rt)
-      except ValueError:
-        pass
-      object.__setattr__(self, "migration_threshold", rt)
-    _check(rt == "auto" or (isinstance(rt, (int, float)) and 0 <= rt <= 1),
-           "fusion.migration_threshold", rt, "a number in [0, 1] or 'auto'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +309,28 @@ RESUMABLE_FIELDS = frozenset({
     "num_iterations", "log_every", "checkpoint.every", "checkpoint.keep", "checkpoint.fallback",
     "guard.max_consecutive_skips", "pipeline.schedule_cache_dir",
 })
+
+
+# ModelConfig fields a config never sets: the head is fixed by the role (actor "lm", critic
+# "scalar"), and the critic's vocabulary is the actor's.
+_MODEL_FORCED = {"model": ("head",), "critic_model": ("head", "vocab_size")}
+
+
+def defaults() -> dict[str, Any]:
+  """Every config field that has a default, at that default, as the nested dict a ConfigDict
+  is made from: the one source of defaults (configs/*.py start from it and set only what their
+  run changes, so a default lives here and nowhere else). Model shape fields without a default
+  (hidden_size, num_layers, ...) and the top-level seed and num_iterations are the config's to
+  set."""
+  out: dict[str, Any] = {}
+  for f in dataclasses.fields(TrainConfig):
+    if f.default is not dataclasses.MISSING and f.name != "vocab_from_tokenizer":
+      out[f.name] = f.default
+  for sec, klass in {"model": ModelConfig, "critic_model": ModelConfig, **SECTIONS}.items():
+    out[sec] = {f.name: f.default for f in dataclasses.fields(klass)
+                if f.default is not dataclasses.MISSING and
+                f.name not in _MODEL_FORCED.get(sec, ())}
+  return json.loads(json.dumps(out))  # tuples -> lists, as a ConfigDict field holds them
 
 
 def fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:

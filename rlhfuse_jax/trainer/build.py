@@ -1,0 +1,125 @@
+"""What a run is made of, built once from its config (docs/architecture.md §1): the task and
+tokenizer, the prompt records, the reward resolver, the resolved config and the models.
+
+`resolve_config` fixes everything the config leaves open (the vocabulary from the tokenizer,
+the model shapes from HF checkpoints' config.json) reading no weights, so that
+`trainer/validate.validate` checks the final config before anything is allocated or compiled;
+`build_models` then loads or initialises the weights, placed on the mesh.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlhfuse_jax.data import prompts as prompts_lib
+from rlhfuse_jax.data import tasks as tasks_lib
+from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
+from rlhfuse_jax.inference import scoring
+from rlhfuse_jax.models import hf_loader, llama
+from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.rl import advantages as adv_lib
+from rlhfuse_jax.trainer.config import TrainConfig
+
+
+def build_task_and_tokenizer(cfg: TrainConfig):
+  d = cfg.data
+  task = tasks_lib.make_task(d.task, length_dist=d.length_dist, length_min=d.length_min,
+                             length_max=d.length_max, length_mu=d.length_mu,
+                             length_sigma=d.length_sigma)
+  tokenizer: Tokenizer = task.tokenizer
+  if cfg.init.tokenizer:
+    tokenizer = HFTokenizer.from_file(cfg.init.tokenizer)
+  return task, tokenizer
+
+
+def load_prompt_records(cfg: TrainConfig, task) -> list[dict]:
+  if cfg.data.prompts_file:
+    return prompts_lib.load_jsonl_prompts(cfg.data.prompts_file)
+  return task.make_prompts(cfg.data.num_prompts, np.random.default_rng([cfg.seed, 17]))
+
+
+def build_dataset(cfg: TrainConfig, task, tokenizer: Tokenizer) -> prompts_lib.PromptDataset:
+  """The prompt stream (its position is checkpointed)."""
+  return prompts_lib.PromptDataset(
+      load_prompt_records(cfg, task), tokenizer, batch_size=cfg.rollout.prompts_per_iteration,
+      max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed, padding="right")
+
+
+def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
+  """`cfg` with the tokenizer's vocabulary and the checkpoints' model shapes (config.json only;
+  no weights are read). The config every later step, and the checkpoints' fingerprint check,
+  sees."""
+  cfg = cfg.with_vocab(tokenizer.vocab_size)
+  if cfg.init.actor_checkpoint:
+    cfg = dataclasses.replace(cfg, model=hf_loader.load_hf_config(cfg.init.actor_checkpoint))
+  if cfg.init.critic_checkpoint and adv_lib.needs_critic(cfg.algo.estimator):
+    cfg = dataclasses.replace(cfg, critic_model=hf_loader.load_hf_config(
+        cfg.init.critic_checkpoint).replace(head="scalar"))
+  return cfg
+
+
+def reward_model_config(cfg: TrainConfig) -> Optional[ModelConfig]:
+  """The reward model's shape (reward.kind='model'), from its checkpoint's config.json."""
+  if cfg.reward.kind != "model":
+    return None
+  return hf_loader.load_hf_config(cfg.reward.model_checkpoint).replace(head="scalar")
+
+
+@dataclasses.dataclass
+class Models:
+  """The run's models, whole and placed on the mesh (the trainer's update may restack them)."""
+  actor: Any
+  critic: Optional[Any]  # None: the estimator trains no critic
+  reference: Any  # the frozen initial actor (a copy: the actor's buffers are donated)
+  reward_cfg: Optional[ModelConfig]
+  reward_params: Optional[Any]
+
+
+def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
+  """Loads (init.*_checkpoint, reward.model_checkpoint) or initialises (from cfg.seed) the
+  models of the resolved config `cfg`, each sharded over `mesh` by its logical axes."""
+  key = jax.random.key(cfg.seed)
+  place = lambda params, model_cfg: mesh_lib.shard_params(params, llama.logical_specs(model_cfg),
+                                                          mesh)
+  if cfg.init.actor_checkpoint:
+    actor = hf_loader.load_hf_params(cfg.init.actor_checkpoint, cfg.model)
+  else:
+    actor, _ = llama.init_params(cfg.model, jax.random.fold_in(key, 1))
+  actor = place(actor, cfg.model)
+  critic = None
+  if adv_lib.needs_critic(cfg.algo.estimator):
+    if cfg.init.critic_checkpoint:
+      critic = hf_loader.load_hf_params(cfg.init.critic_checkpoint, cfg.critic_model,
+                                        head="scalar", rng=jax.random.fold_in(key, 2))
+    else:
+      critic, _ = llama.init_params(cfg.critic_model, jax.random.fold_in(key, 2))
+    critic = place(critic, cfg.critic_model)
+  reward_cfg, reward_params = reward_model_config(cfg), None
+  if reward_cfg is not None:
+    reward_params = place(hf_loader.load_hf_params(
+        cfg.reward.model_checkpoint, reward_cfg, head="scalar", rng=jax.random.fold_in(key, 3)),
+                          reward_cfg)
+  return Models(actor=actor, critic=critic, reference=jax.tree.map(jnp.copy, actor),
+                reward_cfg=reward_cfg, reward_params=reward_params)
+
+
+def build_rewards(cfg: TrainConfig, task, tokenizer: Tokenizer, models: Models
+                  ) -> scoring.Rewards:
+  """config.reward resolved: the task's verifier, a registered function, or the reward model."""
+  if cfg.reward.kind == "model":
+    return scoring.Rewards(model_cfg=models.reward_cfg, model_params=models.reward_params)
+  if cfg.reward.function == "task":
+    return scoring.Rewards(fn=task.batch_rewards, name=f"task:{cfg.data.task}")
+  fn = tasks_lib.get_reward_function(cfg.reward.function)
+  return scoring.Rewards(fn=functools.partial(_with_tokenizer, fn, tokenizer),
+                         name=cfg.reward.function)
+
+
+def _with_tokenizer(fn, tokenizer, records, response_tokens, response_lens):
+  return fn(records, response_tokens, response_lens, tokenizer)

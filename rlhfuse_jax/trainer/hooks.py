@@ -1,0 +1,219 @@
+"""What `PPOTrainer.run` does around its iterations, as hooks: the stop flag (SIGTERM/SIGINT),
+the checkpoints (resume, fallback, save) and the metrics log (docs/usage.md "Faults and
+resuming").
+
+A hook has `begin(start)`, `after(step, metrics, stopping)` and `end(failing)`; run() calls
+them in order around each iteration, and `end` in a finally clause (`failing`: an exception is
+on its way out). The checkpoint hook also answers
+the questions asked before anything is built: where to resume, and whether this config may.
+"""
+from __future__ import annotations
+
+import signal
+from typing import Any, Callable, Optional
+
+import jax
+from absl import logging
+
+from rlhfuse_jax import checkpointing
+from rlhfuse_jax import metrics as metrics_lib
+from rlhfuse_jax.trainer import config as config_lib
+from rlhfuse_jax.trainer.config import TrainConfig
+
+
+class Hook:
+  def begin(self, start: int) -> None:
+    pass
+
+  def after(self, step: int, metrics: dict, stopping: bool) -> None:
+    pass
+
+  def end(self, failing: bool) -> None:
+    pass
+
+
+class StopFlag(Hook):
+  """Set by SIGTERM/SIGINT; the loop checks it after each iteration, saves and exits cleanly.
+  A second SIGINT (Ctrl-C twice) interrupts at once, without saving."""
+
+  def __init__(self):
+    self.set = False
+    self.signal: Optional[int] = None
+    self._old = {}
+
+  def begin(self, start: int) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      self._old[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    if self.set and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    logging.warning("signal %d: finishing this iteration, saving a checkpoint, then exiting "
+                    "(Ctrl-C again: stop now without saving)", signum)
+    self.set, self.signal = True, signum
+
+  def end(self, failing: bool) -> None:
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
+class MetricsLog(Hook):
+  """metrics.jsonl + TensorBoard events (process 0), and a progress line every log_every.
+
+  Exactly once: at begin, rows and events after the restored step are dropped; they belong to
+  a trajectory that was not kept (a crash after them, before their checkpoint)."""
+
+  def __init__(self, workdir: str, cfg: TrainConfig, summary: Callable[[dict], str]):
+    self.workdir, self.cfg, self.summary = workdir, cfg, summary
+    self.writer: Optional[metrics_lib.MetricWriter] = None
+
+  def begin(self, start: int) -> None:
+    self.progress = metrics_lib.ProgressReporter(self.cfg.num_iterations, start)
+    self.writer = metrics_lib.MetricWriter(self.workdir, enabled=jax.process_index() == 0,
+                                           purge_step=start + 1)
+    self.writer.truncate_after(start)
+
+  def after(self, step: int, metrics: dict, stopping: bool) -> None:
+    self.writer.write(step, metrics)
+    if step % self.cfg.log_every == 0 or step == self.cfg.num_iterations:
+      logging.info(self.progress.line(step, metrics, keys=("reward/mean", "kl/ref_mean",
+                                                           "response_length/mean"),
+                                      extra=self.summary(metrics)))
+
+  def end(self, failing: bool) -> None:
+    if self.writer is not None:
+      self.writer.close()
+
+
+class Checkpoints(Hook):
+  """Resume point, restore with fallback, and saves every checkpoint.every iterations (and at
+  the end, and when stopping). `state_fn()` gives the state to save, `meta_fn()` the side-car's
+  run-specific entries (the prompt stream's position, the LR schedule's horizon)."""
+
+  def __init__(self, workdir: str, cfg: TrainConfig, fingerprint: dict):
+    self.cfg, self.fingerprint = cfg, fingerprint
+    self.checkpointer = checkpointing.Checkpointer(workdir, keep=cfg.checkpoint.keep)
+    self._set_aside: list[int] = []  # checkpoints set aside as damaged in this start
+    self.state_fn: Callable[[], dict] = dict
+    self.meta_fn: Callable[[], dict] = dict
+
+  # ------------------------------------------------------------ before anything is built
+  def resume_point(self) -> tuple[Optional[int], Optional[dict]]:
+    """(step, side-car) of the newest checkpoint whose side-car reads, or (None, None). An
+    unreadable one is set aside with a warning (config.checkpoint.fallback) or is an error.
+    The seed and the config fingerprint must match this run's: a resumed run computes what
+    the uninterrupted one would have, or it does not start."""
+    for step in self.checkpointer.all_steps():
+      try:
+        meta = self.checkpointer.restore_meta(step)
+        if not isinstance(meta, dict) or "iteration" not in meta or "data" not in meta:
+          raise ValueError(f"side-car has keys {sorted(meta) if isinstance(meta, dict) else meta}"
+                           ", expected iteration, seed, data")
+      except Exception as e:  # noqa: BLE001 any damage: orbax, JSON, missing files
+        self._damaged(step, e)
+        continue
+      self._check_resume(meta)
+      return step, meta
+    return None, None
+
+  def _damaged(self, step: int, error: BaseException) -> None:
+    """A checkpoint that cannot be read: set it aside and go on (fallback), or stop.
+
+    At most one checkpoint is set aside per start, and only in a single-process run: a second
+    unreadable one in a row points at something systematic (disk, memory, another version of
+    the code), and in a multi-host run every process would have to agree on the move. A run
+    whose only checkpoint was set aside stops once instead of silently starting over."""
+    what = f"checkpoint {step} in {self.checkpointer.directory} cannot be read " \
+           f"({type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]})"
+    if isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error):
+      raise error  # out of memory is not damage
+    if not self.cfg.checkpoint.fallback:
+      raise ValueError(f"{what}; config.checkpoint.fallback=False, so the run stops (set it "
+                       "True to resume from the newest intact checkpoint)") from error
+    if jax.process_count() > 1:
+      raise ValueError(f"{what}; a multi-process run does not fall back by itself: move that "
+                       "checkpoint out of the checkpoints directory and re-run") from error
+    if self._set_aside:
+      raise ValueError(f"{what}; checkpoint {self._set_aside[0]} was already set aside in this "
+                       "start, and two unreadable checkpoints in a row look systematic (disk, "
+                       "memory, code version): stopping instead of going further back") from error
+    moved = self.checkpointer.set_aside(step)
+    self._set_aside.append(step)
+    logging.warning("%s; moved it to %s (kept, not deleted) and trying the one before", what,
+                    moved)
+    if not self.checkpointer.all_steps():
+      raise ValueError(f"{what}; it was the only checkpoint, now in {moved}: re-run to start "
+                       "over from iteration 0, or put it back once repaired") from error
+
+  def _check_resume(self, meta: dict) -> None:
+    if meta.get("seed") != self.cfg.seed:
+      raise ValueError(f"config.seed={self.cfg.seed} differs from the checkpoint's seed "
+                       f"{meta.get('seed')} in {self.checkpointer.directory}; use a new workdir")
+    saved = meta.get("config")
+    if saved is None:  # checkpoints written before fingerprints existed
+      logging.warning("checkpoint %s has no config fingerprint: resuming unchecked",
+                      meta.get("iteration"))
+      return
+    changes = config_lib.fingerprint_changes(saved, self.fingerprint)
+    if changes:
+      raise ValueError(
+          f"this config differs from the one that wrote the checkpoints in "
+          f"{self.checkpointer.directory} (iteration {meta.get('iteration')}) in fields that "
+          f"change the run: " + "; ".join(changes) + ". Resume with the original values, or "
+          f"start a new --workdir (fields a resume may change: "
+          f"{', '.join(sorted(config_lib.RESUMABLE_FIELDS))})")
+
+  # ------------------------------------------------------------ restore and save
+  def restore(self, step: Optional[int], template: dict, layout: str
+              ) -> tuple[int, Optional[dict], Optional[dict]]:
+    """(iteration to start at, restored state, side-car) from the newest intact checkpoint at
+    or before `step` (the resume point); (0, None, None) when there is none. `layout` names
+    the state's layout in the error for a checkpoint written for another one."""
+    while step is not None:
+      try:
+        state, meta = self.checkpointer.restore(step, template)
+        logging.info("resumed from checkpoint at iteration %d", step)
+        return step, state, meta
+      except Exception as e:  # noqa: BLE001 orbax raises many types for damaged files
+        try:
+          mismatch = self.checkpointer.layout_mismatch(step, template)
+        except Exception:  # noqa: BLE001 the metadata is damaged too
+          mismatch = None
+        if mismatch is not None:
+          # Written for another layout (pipeline split, code version): not damage, so not
+          # set aside; say what differs.
+          raise ValueError(
+              f"checkpoint {step} in {self.checkpointer.directory} does not fit this run's "
+              f"state ({layout}; {mismatch}): a run resumes only with the pipeline layout that "
+              f"saved it (mesh.stage, pipeline.critic_pp) and a code version with the same "
+              f"parameter tree. Orbax says: {(str(e).splitlines() or [repr(e)])[0]}") from e
+        self._damaged(step, e)
+        step, _ = self.resume_point()
+    return 0, None, None
+
+  def after(self, step: int, metrics: dict, stopping: bool) -> None:
+    if step % self.cfg.checkpoint.every == 0 or step == self.cfg.num_iterations or stopping:
+      meta = {"iteration": step, "seed": self.cfg.seed, "config": self.fingerprint,
+              **self.meta_fn()}
+      self.checkpointer.save(step, self.state_fn(), meta)
+
+  def wait(self) -> None:
+    """Blocks until the last save is on disk; raises checkpointing.SaveError if it failed."""
+    self.checkpointer.wait()
+
+  def latest_step(self) -> Optional[int]:
+    return self.checkpointer.latest_step()
+
+  def end(self, failing: bool) -> None:
+    try:
+      self.checkpointer.wait()
+    except checkpointing.SaveError:
+      if not failing:
+        raise
+      # Another error is already on its way out: report this one without hiding it.
+      logging.exception("the last checkpoint save failed too")
+
+
+def run_hooks(hooks: list, method: str, *args: Any) -> None:
+  for h in hooks:
+    getattr(h, method)(*args)

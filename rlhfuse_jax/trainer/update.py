@@ -1,0 +1,140 @@
+"""Stage 3 of a PPO iteration behind one interface: the optimizer step of actor and critic, plain
+(trainer/ppo.py) or through the pipeline executor (trainer/pipelined.py, mesh.stage > 1;
+docs/architecture.md §3).
+
+`make_update(cfg, mesh, ...)` builds the optimizers and returns an `Update`; the trainer never
+asks which kind it got. An Update also owns the layout it trains a model in: `init_state` takes
+whole parameters (as built or loaded) to that layout with a fresh optimizer state, and `whole`
+gives generation and inference the whole parameters back (for a pipelined update a resharding
+of the stage-stacked state, whose time and bytes `take_reshard_metrics` reports).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import optax
+
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.pipeline import stages as stages_lib
+from rlhfuse_jax.rl import optim
+from rlhfuse_jax.trainer import pipelined, ppo
+from rlhfuse_jax.trainer.config import TrainConfig
+from rlhfuse_jax.trainer.ppo import ModelState
+
+
+def guard_tx(cfg: TrainConfig, tx: optax.GradientTransformation
+             ) -> optax.GradientTransformation:
+  """guard.on_nonfinite="skip_update": an optimizer step with non-finite gradients leaves
+  params and optimizer state as they were (optax.apply_if_finite); the count of such steps
+  is in the state (guard/skipped_updates)."""
+  if cfg.guard.on_nonfinite != "skip_update":
+    return tx
+  return optax.apply_if_finite(tx, max_consecutive_errors=cfg.guard.max_consecutive_skips)
+
+
+def skipped_updates(state: ModelState) -> jax.Array:
+  """Optimizer steps skipped so far (guard.on_nonfinite="skip_update" states only)."""
+  return state.opt_state.total_notfinite
+
+
+class Update:
+  """update(actor, critic, mb) -> (actor, critic, metrics): one optimizer step of each model.
+
+  `description` names it in logs; `schedule_metrics` (pipelined: the schedule's name, ticks,
+  bubble) join each iteration's metrics; `actor_lr` is the actor's learning-rate schedule.
+  """
+
+  def __init__(self, fn: Callable, *, txs: dict, actor_lr: Callable,
+               pipelined_update: Optional[pipelined.PipelinedUpdate] = None):
+    self._fn, self._txs, self.actor_lr = fn, txs, actor_lr
+    self._pipelined = pipelined_update
+    self._whole_shapes: dict = {}  # model -> whole parameters' ShapeDtypeStructs, placed
+    self._reshard = {"timing_s/reshard": 0.0, "perf/reshard_bytes": 0}
+    names = {pipelined.FUSED: "fused pipelined training (searched actor/critic schedule)",
+             pipelined.SERIAL: "pipelined training (serial 1F1B)"}
+    self.schedule_name = getattr(pipelined_update, "schedule_name", None)
+    self.description = names.get(self.schedule_name, "training")
+    self.schedule_metrics = dict(getattr(pipelined_update, "schedule_metrics", {}))
+
+  @property
+  def executor(self):
+    """The pipeline executor (pipelined updates only; tests and tools read its program)."""
+    return self._pipelined.executor
+
+  @property
+  def is_pipelined(self) -> bool:
+    return self._pipelined is not None
+
+  def __call__(self, actor: ModelState, critic: Optional[ModelState], mb):
+    return self._fn(actor, critic, mb)
+
+  def lower(self, actor, critic, mb):
+    """The jitted update lowered for states and batch (arrays or placed ShapeDtypeStructs)."""
+    return self._fn.lower(actor, critic, mb)
+
+  def init_state(self, model: str, params: Any, mesh: jax.sharding.Mesh) -> ModelState:
+    """Whole, placed parameters of "actor" / "critic" -> the state this update trains (stage-
+    stacked for a pipelined update), with a fresh optimizer state on the same devices."""
+    self._whole_shapes[model] = mesh_lib.abstract(params)
+    if self._pipelined is not None:
+      params = self._pipelined.to_staged(model, params)
+    return ModelState(params, mesh_lib.commit_to_mesh(self._txs[model].init(params), mesh))
+
+  def whole_shapes(self, model: str) -> Any:
+    """ShapeDtypeStructs of `whole(model, ...)`, placed: what compiling generation needs."""
+    return self._whole_shapes[model]
+
+  def whole(self, model: str, state: ModelState) -> Any:
+    """The whole parameters of "actor" / "critic", placed as generation and inference take
+    them. A pipelined state is resharded (each stage's layers gathered; docs/architecture.md
+    §3); the state's own arrays are left untouched."""
+    if self._pipelined is None:
+      return state.params
+    shardings = jax.tree.map(lambda x: x.sharding, self._whole_shapes[model])
+    convert = self._pipelined.whole_fn(model, state.params, shardings)
+    t0 = time.time()  # the transfer alone: the conversion was compiled ahead of time
+    whole = convert(state.params)
+    jax.block_until_ready(whole)
+    self._reshard["timing_s/reshard"] += time.time() - t0
+    self._reshard["perf/reshard_bytes"] += self._pipelined.reshard_bytes(model, state.params,
+                                                                         whole)
+    return whole
+
+  def take_reshard_metrics(self) -> dict:
+    """Time and bytes (most loaded device) of the `whole` calls since the last take; empty for
+    a plain update, which never reshards."""
+    out, self._reshard = self._reshard, {"timing_s/reshard": 0.0, "perf/reshard_bytes": 0}
+    return out if self._pipelined is not None else {}
+
+
+def make_update(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, use_critic: bool,
+                schedule_iterations: int, workdir: str = "") -> Update:
+  """The optimizers (AdamW with warmup + cosine over `schedule_iterations` iterations' steps,
+  config.guard's skipping) and the update they step: pipelined when mesh.stage > 1.
+
+  `cfg` is the resolved config (trainer/build.py): its model sections are the models'."""
+  updates_per_iter = cfg.algo.epochs * (cfg.rollout.batch_size // cfg.algo.minibatch_size)
+  total = schedule_iterations * updates_per_iter
+  warmup = min(cfg.optim.warmup_steps, total - 1)
+  is_pipelined = mesh.shape["stage"] > 1
+  # A pipelined model is held stage-stacked: its weight-decay mask is that tree's.
+  decay_mask = ({"weight_decay_mask": stages_lib.staged_decay_mask} if is_pipelined else {})
+  o = cfg.optim
+  actor_tx, actor_lr = optim.make_optimizer(o.actor_lr, warmup, total, o.min_lr_ratio,
+                                            o.weight_decay, o.grad_clip, return_schedule=True,
+                                            **decay_mask)
+  txs = {"actor": guard_tx(cfg, actor_tx)}
+  if use_critic:
+    txs["critic"] = guard_tx(cfg, optim.make_optimizer(o.critic_lr, warmup, total,
+                                                       o.min_lr_ratio, o.weight_decay,
+                                                       o.grad_clip, **decay_mask))
+  # Log-probs use the sampling temperature, as generation's behaviour log-probs do (rollouts
+  # always sample: rollout.temperature > 0), so the first epoch's PPO ratio is exactly 1.
+  args = (cfg.model, cfg.critic_model, cfg.algo, cfg.rollout.temperature, txs["actor"],
+          txs.get("critic"))
+  if is_pipelined:
+    inner = pipelined.make_pipelined_update_fn(*args, mesh=mesh, config=cfg, workdir=workdir)
+    return Update(inner, txs=txs, actor_lr=actor_lr, pipelined_update=inner)
+  return Update(ppo.make_update_fn(*args, mesh=mesh), txs=txs, actor_lr=actor_lr)

@@ -1,0 +1,28 @@
+"""Every check of a run's config against its mesh, in one place, before anything is built.
+
+`TrainConfig` checks each field on its own when it is constructed (trainer/config.py); what
+needs the mesh or several sections together is checked here, on the resolved config
+(trainer/build.resolve_config), so a bad run stops in seconds with an error that names the
+field, not minutes later inside a compile. The builders keep their own asserts as a second line
+of defence; this is where a user's mistake is caught first.
+"""
+from __future__ import annotations
+
+import jax
+
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.trainer import pipelined, rollout
+from rlhfuse_jax.trainer.config import TrainConfig
+
+
+def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
+  """Raises ValueError naming the config field for a run this mesh cannot do."""
+  mult = mesh_lib.batch_size_multiple(mesh)
+  for name, value in (("rollout.prompts_per_iteration*samples_per_prompt",
+                       cfg.rollout.batch_size), ("algo.minibatch_size", cfg.algo.minibatch_size)):
+    if value % mult:
+      raise ValueError(f"config.{name}={value} must be a multiple of the data-parallel size "
+                       f"{mult} (mesh data*fsdp = {dict(mesh.shape)})")
+  if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
+    pipelined.check_config(cfg, mesh)
+  rollout.check_fusion(cfg, mesh.devices.size)
