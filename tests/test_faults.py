@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from rlhfuse_jax import checkpointing
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.models import hf_loader
-from rlhfuse_jax.trainer import loop
+from rlhfuse_jax.trainer import hooks, loop
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from tests.test_train_ppo_binary import REPO, _cmd, _env, _steps
 from tests.test_trainer import _deterministic, _params, tiny_config
@@ -243,6 +244,19 @@ def test_a_failed_save_stops_the_run_at_once(tmp_path):
   assert proc.returncode == 3, err[-3000:]
   assert time.time() - t0 < 60  # not orbax's 5-minute wait
   assert "checkpoint save under" in err and ckpts in err
+
+
+def test_a_failed_last_save_is_raised_unless_another_error_is_leaving(tmp_path):
+  """The end of run(): a failed final save is the run's error; while another error is already
+  on its way out it is logged instead, so that it does not hide that one."""
+  ckpts = hooks.Checkpoints(str(tmp_path), tiny_config(), {})
+
+  def failed_save():
+    raise checkpointing.SaveError("checkpoint save under /x failed: disk full")
+  ckpts.checkpointer.wait = failed_save
+  with pytest.raises(checkpointing.SaveError, match="disk full"):
+    ckpts.end(failing=False)
+  ckpts.end(failing=True)  # logged only
 
 
 @pytest.mark.parametrize("flag, message", [
