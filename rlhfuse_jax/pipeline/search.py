@@ -42,16 +42,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numba
 import numpy as np
 
 from rlhfuse_jax.pipeline import schedules, windows
 from rlhfuse_jax.pipeline.bounds import tight_lower_bound
-from rlhfuse_jax.pipeline.evaluate import Evaluator, objective_key, peaks_kernel, simulate_kernel
+from rlhfuse_jax.pipeline.evaluate import (_PC, Evaluator, objective_key, peaks_kernel,
+                                           simulate_kernel)
 from rlhfuse_jax.pipeline.decoder import decoder_anneal
-from rlhfuse_jax.pipeline.feasible_anneal import row_peak, feasible_anneal
+from rlhfuse_jax.pipeline.feasible_anneal import (draw_move, feasible_anneal, kind_durations,
+                                                  lex_better, metropolis, reinsert, row_peak,
+                                                  timing_scratch)
 from rlhfuse_jax.pipeline.graph import PipelineProblem, reverse_order, validate_order
 
 
@@ -77,30 +80,16 @@ def _row_valid(row):
 
 
 @numba.njit(cache=True, nogil=True)
-def _move(row, i, j):
-  """Reinserts row[i] at position j, shifting the elements in between."""
-  x = row[i]
-  if i < j:
-    for p in range(i, j):
-      row[p] = row[p + 1]
-  else:
-    for p in range(i, j, -1):
-      row[p] = row[p - 1]
-  row[j] = x
-
-
-@numba.njit(cache=True, nogil=True)
-def critical_path(order, params, ends, work_f, work_p, crit_d, crit_p):
+def critical_path(order, params, ends, work_p, crit_d, crit_p):
   """Traces the chain of tasks that fixes the makespan back from the last-ending task.
 
   Each step goes to the predecessor that bound the task's start: the previous task on the same
   device if it ended exactly then, else the task's dependency. Writes (device, position) pairs
-  into crit_d / crit_p and returns their number.
+  into crit_d / crit_p and returns their number (at least 1: the last-ending task).
   """
   n, t = order.shape
-  pc = int(params[1])
-  lat = params[8]
-  dur = np.array([params[4], params[5], params[6], params[7]])
+  pc = int(params[_PC])
+  dur = kind_durations(params)
   d = 0
   for dd in range(n):
     if ends[dd, t - 1] > ends[d, t - 1]:
@@ -139,25 +128,107 @@ def critical_path(order, params, ends, work_f, work_p, crit_d, crit_p):
   return cnt
 
 
-@numba.njit(cache=True, nogil=True)
-def anneal_kernel(order, params, deltas, budget, iters, temp0, temp1, lam0, lam1, eps, max_shift,
-                  mem_mode, mk_cap, seed, best_feas, best_any, stats, crit_frac):
-  """Simulated annealing in place on `order` int8 [N, T].
+# What the cost of anneal_kernel counts (AnnealSettings.mem_mode).
+MODE_PENALTY = 0   # makespan + lam * (memory above budget) + eps * mean device finish time
+MODE_PEAKS = 1     # max peak + mean peak; moves to a makespan above mk_cap are rejected
+MODE_OVERFLOW = 2  # memory above budget + eps * mean peak; the same makespan cap
 
-  mem_mode False: cost = makespan + lam*overflow + eps*mean finish. mem_mode True: cost = max
-  peak + sum of peaks / N with moves that raise the makespan above mk_cap rejected.
-  best_feas / best_any: int8 [N, T] receive the best schedule within budget / without budget;
-  stats f8 [10] holds (feas objective x5, any objective x5) on entry and is updated.
+
+class AnnealSettings(NamedTuple):
+  """Settings of one `anneal_kernel` call (a chunk of one cooling schedule), passed to numba as
+  one typed struct; build it with `anneal_settings`, which fixes the field types."""
+  iters: int        # moves proposed
+  temp0: float      # temperature at the first move; cools geometrically towards temp1
+  temp1: float
+  lam0: float       # MODE_PENALTY: memory penalty weight at the first move, rising towards
+  lam1: float       # lam1 geometrically (linearly from 0 when lam0 is 0)
+  eps: float        # weight of the tie-breaking term of the cost (see the modes above)
+  max_shift: int    # a move reinserts a task at most this many slots away
+  mem_mode: int     # MODE_PENALTY, MODE_PEAKS or MODE_OVERFLOW
+  mk_cap: float     # makespan cap of MODE_PEAKS and MODE_OVERFLOW
+  seed: int         # of numba's np.random, the kernel's only source of randomness
+  crit_frac: float  # share of moves that take a task on the critical path
+
+
+def anneal_settings(iters, temp0, temp1, lam0, lam1, eps, max_shift, mem_mode, mk_cap, seed,
+                    crit_frac) -> AnnealSettings:
+  """AnnealSettings with every field cast to its type: an int where a float is expected (or a
+  numpy scalar type) would make numba compile another copy of the kernel."""
+  return AnnealSettings(
+      iters=int(iters), temp0=float(temp0), temp1=float(temp1), lam0=float(lam0),
+      lam1=float(lam1), eps=float(eps), max_shift=int(max_shift), mem_mode=int(mem_mode),
+      mk_cap=float(mk_cap), seed=int(seed), crit_frac=float(crit_frac))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _temperature(s, frac):
+  """Temperature after `frac` of a chunk: geometric from s.temp0 to s.temp1."""
+  return s.temp0 * (s.temp1 / s.temp0) ** frac
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _penalty_weight(s, frac):
+  """Memory penalty weight after `frac` of a chunk: geometric from s.lam0 to s.lam1, or linear
+  from 0 when s.lam0 is 0 (a geometric ramp cannot start at 0)."""
+  return s.lam0 * (s.lam1 / s.lam0) ** frac if s.lam0 > 0 else s.lam1 * frac
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _cost(s, lam, mk, sf, over, peaks):
+  """Cost in mode s.mem_mode of a schedule with makespan mk, sum of device finish times sf,
+  memory above budget `over` and per-device peaks f8 [N]."""
+  n = peaks.size
+  if s.mem_mode == MODE_PEAKS:
+    return peaks.max() + peaks.sum() / n
+  if s.mem_mode == MODE_OVERFLOW:
+    return over + s.eps * peaks.sum() / n
+  return mk + lam * over + s.eps * sf / n
+
+
+@numba.njit(cache=True, nogil=True)
+def _overflow(peaks, budget):
+  """Memory above budget, summed over devices."""
+  over = 0.0
+  for d in range(peaks.size):
+    over += max(peaks[d] - budget[d], 0.0)
+  return over
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _record_bests(order, over, mk, pmax, psum, sf, best_feas, best_any, stats):
+  """Copies `order` into best_feas (if within budget) and / or best_any when it beats them on
+  the lexicographic objective; stats as in anneal_kernel."""
+  if over <= 1e-9 and lex_better((mk, pmax, psum, sf), stats[1:5], 4):
+    stats[0] = 0.0
+    stats[1] = mk
+    stats[2] = pmax
+    stats[3] = psum
+    stats[4] = sf
+    best_feas[:] = order
+  if lex_better((mk, pmax, psum, sf), stats[6:10], 3):  # the sum of finishes breaks no tie here
+    stats[5] = over
+    stats[6] = mk
+    stats[7] = pmax
+    stats[8] = psum
+    stats[9] = sf
+    best_any[:] = order
+
+
+@numba.njit(cache=True, nogil=True)
+def anneal_kernel(order, params, deltas, budget, settings, best_feas, best_any, stats):
+  """Simulated annealing in place on `order` int8 [N, T]; settings: AnnealSettings.
+
+  MODE_PENALTY: cost = makespan + lam*overflow + eps*mean finish. MODE_PEAKS: cost = max peak +
+  sum of peaks / N with moves that raise the makespan above mk_cap rejected (MODE_OVERFLOW: see
+  its constant). best_feas / best_any: int8 [N, T] receive the best schedule within budget /
+  without budget; stats f8 [10] holds (feas objective x5, any objective x5), each (overflow,
+  makespan, max peak, sum of peaks, sum of finishes), on entry and is updated.
   Returns the number of evaluations.
   """
-  np.random.seed(seed)
+  s = settings
+  np.random.seed(s.seed)
   n, t = order.shape
-  release = np.zeros(2)
-  mmax = max(int(params[2]), int(params[3]))
-  ends = np.zeros((n, t))
-  work_f = np.zeros((4, n, mmax))
-  work_i = np.zeros((n, 5), dtype=np.int64)
-  work_p = np.zeros((4, n, mmax), dtype=np.int64)
+  release, ends, work_f, work_i, work_p = timing_scratch(order, params)
   crit_d = np.zeros(n * t, dtype=np.int64)
   crit_p = np.zeros(n * t, dtype=np.int64)
   peaks = np.zeros(n)
@@ -165,91 +236,55 @@ def anneal_kernel(order, params, deltas, budget, iters, temp0, temp1, lam0, lam1
   ok, mk, sf = simulate_kernel(order, params, release, ends, work_f, work_i, work_p)
   if not ok:
     return 0
-  ncrit = critical_path(order, params, ends, work_f, work_p, crit_d, crit_p)
-  over = 0.0
-  for d in range(n):
-    over += max(peaks[d] - budget[d], 0.0)
+  ncrit = critical_path(order, params, ends, work_p, crit_d, crit_p)
+  over = _overflow(peaks, budget)
   evals = 1
   saved = np.empty(t, dtype=np.int8)
-  lam = lam0
-  if mem_mode == 1:
-    cur = peaks.max() + peaks.sum() / n
-  elif mem_mode == 2:
-    cur = over + eps * peaks.sum() / n
-  else:
-    cur = mk + lam * over + eps * sf / n
-  for it in range(iters):
-    frac = it / iters
-    temp = temp0 * (temp1 / temp0) ** frac
-    if mem_mode == 0:
-      new_lam = lam0 * (lam1 / lam0) ** frac if lam0 > 0 else lam1 * frac
+  lam = s.lam0
+  cur = _cost(s, lam, mk, sf, over, peaks)
+  for it in range(s.iters):
+    frac = it / s.iters
+    temp = _temperature(s, frac)
+    if s.mem_mode == MODE_PENALTY:
+      new_lam = _penalty_weight(s, frac)
       cur += (new_lam - lam) * over
       lam = new_lam
-    # Half the moves take a task on the critical path: only those can shorten the makespan.
-    if np.random.random() < crit_frac:
-      q = np.random.randint(ncrit)
+    q, d, i, step = draw_move(n, t, s.max_shift, ncrit, s.crit_frac)
+    if q >= 0:
       d = crit_d[q]
       i = crit_p[q]
-    else:
-      d = np.random.randint(n)
-      i = np.random.randint(t)
-    sh = np.random.randint(1, max_shift + 1)
-    j = i + sh if np.random.random() < 0.5 else i - sh
+    j = i + step
     if j < 0 or j >= t or order[d, i] == order[d, j]:
       continue
+    # Reinsert; undone from `saved` unless valid, timed without deadlock and accepted.
     row = order[d]
     lo = min(i, j)
     hi = max(i, j)
     saved[lo:hi + 1] = row[lo:hi + 1]
-    _move(row, i, j)
+    reinsert(row, i, j)
     if not _row_valid(row):
       row[lo:hi + 1] = saved[lo:hi + 1]
       continue
     old_peak = peaks[d]
-    new_peak = row_peak(row, deltas)
-    new_over = over - max(old_peak - budget[d], 0.0) + max(new_peak - budget[d], 0.0)
-    peaks[d] = new_peak
+    peaks[d] = row_peak(row, deltas)
+    new_over = over - max(old_peak - budget[d], 0.0) + max(peaks[d] - budget[d], 0.0)
     ok, nmk, nsf = simulate_kernel(order, params, release, ends, work_f, work_i, work_p)
     evals += 1
-    if not ok or (mem_mode > 0 and nmk > mk_cap + 1e-9):
+    if not ok or (s.mem_mode > MODE_PENALTY and nmk > s.mk_cap + 1e-9):  # deadlock, or capped
       row[lo:hi + 1] = saved[lo:hi + 1]
       peaks[d] = old_peak
       continue
-    if mem_mode == 1:
-      cost = peaks.max() + peaks.sum() / n
-    elif mem_mode == 2:
-      cost = new_over + eps * peaks.sum() / n
-    else:
-      cost = nmk + lam * new_over + eps * nsf / n
-    if cost <= cur or np.random.random() < math.exp(-(cost - cur) / temp):
-      ncrit = critical_path(order, params, ends, work_f, work_p, crit_d, crit_p)
-      cur = cost
-      over = new_over
-      mk = nmk
-      sf = nsf
-      pmax = peaks.max()
-      psum = peaks.sum()
-      # Lexicographic bests (overflow, makespan, max peak, sum of peaks, sum of finishes).
-      if over <= 1e-9 and (mk < stats[1] - 1e-9 or (
-          mk <= stats[1] + 1e-9 and (pmax < stats[2] - 1e-9 or (pmax <= stats[2] + 1e-9 and (
-              psum < stats[3] - 1e-9 or (psum <= stats[3] + 1e-9 and sf < stats[4] - 1e-9)))))):
-        stats[0] = 0.0
-        stats[1] = mk
-        stats[2] = pmax
-        stats[3] = psum
-        stats[4] = sf
-        best_feas[:] = order
-      if mk < stats[6] - 1e-9 or (mk <= stats[6] + 1e-9 and (pmax < stats[7] - 1e-9 or (
-          pmax <= stats[7] + 1e-9 and psum < stats[8] - 1e-9))):
-        stats[5] = over
-        stats[6] = mk
-        stats[7] = pmax
-        stats[8] = psum
-        stats[9] = sf
-        best_any[:] = order
-    else:
+    cost = _cost(s, lam, nmk, nsf, new_over, peaks)
+    if not metropolis(cost, cur, temp):
       row[lo:hi + 1] = saved[lo:hi + 1]
       peaks[d] = old_peak
+      continue
+    ncrit = critical_path(order, params, ends, work_p, crit_d, crit_p)
+    cur = cost
+    over = new_over
+    mk = nmk
+    sf = nsf
+    _record_bests(order, over, mk, peaks.max(), peaks.sum(), sf, best_feas, best_any, stats)
   return evals
 
 
@@ -470,8 +505,8 @@ def search(problem: PipelineProblem, config: SearchConfig = SearchConfig(),
                          else max(1, int(config.max_evaluations * frac))))
     to_phase = reverse_order if mirrored else (lambda o: o)
     if log:
-      log(f"phase {i + 1}/{len(phases)}: {'time-reversed mirror' if mirrored else 'forward'} problem, "
-          f"{100 * frac:.0f}% of the budget")
+      log(f"phase {i + 1}/{len(phases)}: {'time-reversed mirror' if mirrored else 'forward'} "
+          f"problem, {100 * frac:.0f}% of the budget")
     res = _search_one(prob, cfg, log, [to_phase(o) for o in seeds])
     t_off = time.time() - t0 - res.search_s
     history += [(t + t_off, a, b) for t, a, b in res.history]
@@ -499,106 +534,196 @@ def _search_one(problem: PipelineProblem, config: SearchConfig,
                 log: Optional[Callable[[str], None]] = None,
                 initial: Optional[list[np.ndarray]] = None) -> SearchResult:
   """One phase of `search`: start pool, decoder annealing, order annealing, memory phase."""
-  clock = _Budget(config)
-  t0 = clock.t0
-  rng = np.random.default_rng(config.seed)
-  ev = Evaluator(problem)
-  pool = list(initial or []) + start_pool(
-      problem, rng, config.list_variants, lambda: clock.used() >= config.pool_time_frac)
-  pool = [validate_order(problem, o) for o in pool]
-  keys = [_key(ev, o) for o in pool]
-  clock.evaluations += len(pool)
-  valid = [i for i, k in enumerate(keys) if k[0] == 0]
-  feas = [i for i in valid if keys[i][1] == 0]
-  if not feas:
-    raise RuntimeError(f"no start schedule within the memory budget {problem.budget().tolist()}; "
-                       "the greedy schedule fits the default budget (the sum of the two models' "
-                       "1F1B peaks), so this budget is probably too small")
-  if config.decoder_frac > 0:
-    dec_order, decodes = decoder_anneal(problem, rng, clock, clock.used() + config.decoder_frac)
-    if dec_order is not None:
-      pool.append(dec_order)
-      keys.append(_key(ev, dec_order))
-      valid.append(len(pool) - 1)  # also a candidate for the best unconstrained schedule
-      feas.append(len(pool) - 1)
-      if log:
-        log(f"decoder annealing: {decodes} decodes; best {keys[-1][2]:g}")
-  i_feas = min(feas, key=lambda i: keys[i])
-  i_any = min(valid, key=lambda i: keys[i][2:])
-  best_feas = pool[i_feas].copy()
-  best_any = pool[i_any].copy()
-  start = best_feas.copy()
-  stats = np.concatenate([_stats_of(keys[i_feas]), _stats_of(keys[i_any])])
-  lb = tight_lower_bound(problem)
-  history = [(time.time() - t0, stats[1], stats[6])]
-  if log:
-    log(f"start pool: {len(pool)} schedules in {time.time() - t0:.1f}s; best within budget "
-        f"{stats[1]:g}, best unconstrained {stats[6]:g}, lower bound {lb:g}")
-  params, deltas, budget = problem.params(), problem.mem_deltas(), problem.budget()
-  dmin = float(problem.durations().min())
-  tails = (windows.per_task_tails(problem) if config.lateness_tails == "window"
-           else windows.chain_tails_per_task(problem))
-  anneal_until = 1.0 - config.mem_phase_frac
-  run = 0
-  while clock.used() < anneal_until and stats[1] > lb + 1e-9:
-    # Runs within the budget (feasible_frac of them, spread evenly) restart from the best
-    # feasible schedule; penalty runs alternate between the best feasible and the best
-    # unconstrained schedule (the rising penalty pulls the latter back within budget).
-    feasible_run = math.floor((run + 1) * config.feasible_frac) > math.floor(
-        run * config.feasible_frac)
-    pen_run = run - math.floor(run * config.feasible_frac)
-    cur = (best_feas if feasible_run or pen_run % 2 == 0 or stats[6] >= stats[1]
-           else best_any).copy()
+  return _Phase(problem, config, log).run(initial)
+
+
+class _Phase:
+  """One phase of `search` (one direction), its steps as methods over the phase's state.
+
+  The clock and the rng are shared by every step, in a fixed order of use, so that a seed fixes
+  the result; best_feas / best_any / stats are the incumbents, updated in place by the kernels
+  (stats f8 [10]: the objective of best_feas, then of best_any, each (overflow, makespan, max
+  peak, sum of peaks, sum of finishes), the layout anneal_kernel reads and writes).
+  """
+
+  def __init__(self, problem: PipelineProblem, config: SearchConfig,
+               log: Optional[Callable[[str], None]]):
+    self.problem, self.config, self.log = problem, config, log
+    self.clock = _Budget(config)
+    self.rng = np.random.default_rng(config.seed)
+    self.ev = Evaluator(problem)
+    self.params, self.deltas, self.budget = problem.params(), problem.mem_deltas(), problem.budget()
+    self.history: list = []  # (seconds, best feasible makespan, best any makespan)
+    self.best_feas = self.best_any = self.stats = self.start = None
+    self.lb = None
+
+  def run(self, initial: Optional[list[np.ndarray]]) -> SearchResult:
+    """Steps 1-4 of the module docstring, from `initial` and the start pool."""
+    self.start_from(initial)
+    self.anneal()
+    self.memory_phase()
+    if self.log:
+      self.log(f"phase done: {self.elapsed():.1f}s, {self.clock.evaluations} evaluations; best "
+               f"within budget {self.stats[1]:g} (max peak {self.stats[2]:g}), unconstrained "
+               f"{self.stats[6]:g}, LB {self.lb:g}")
+    return SearchResult(best=self.best_feas, best_unconstrained=self.best_any, start=self.start,
+                        evaluations=self.clock.evaluations, search_s=self.elapsed(),
+                        history=self.history)
+
+  def elapsed(self) -> float:
+    return time.time() - self.clock.t0
+
+  def note_progress(self):
+    """Appends (seconds, best makespan within budget, best without budget) to the history."""
+    self.history.append((self.elapsed(), self.stats[1], self.stats[6]))
+
+  def start_from(self, initial: Optional[list[np.ndarray]]):
+    """Steps 1-2: the best schedules of `initial`, the start pool and decoder annealing become
+    the incumbents (within budget and without budget) and the phase's start."""
+    pool, keys, valid, feas = self._candidates(initial)
+    i_feas = min(feas, key=lambda i: keys[i])
+    i_any = min(valid, key=lambda i: keys[i][2:])
+    self.best_feas = pool[i_feas].copy()
+    self.best_any = pool[i_any].copy()
+    self.start = self.best_feas.copy()
+    self.stats = np.concatenate([_stats_of(keys[i_feas]), _stats_of(keys[i_any])])
+    self.lb = tight_lower_bound(self.problem)
+    self.note_progress()
+    if self.log:
+      self.log(f"start pool: {len(pool)} schedules in {self.elapsed():.1f}s; best within budget "
+               f"{self.stats[1]:g}, best unconstrained {self.stats[6]:g}, lower bound "
+               f"{self.lb:g}")
+
+  def _candidates(self, initial: Optional[list[np.ndarray]]) -> tuple[list, list, list, list]:
+    """(orders, their objective keys, indices of the valid ones, of those within budget):
+    `initial`, the start pool, and the best schedule of decoder annealing."""
+    problem, config, clock = self.problem, self.config, self.clock
+    pool = list(initial or []) + start_pool(
+        problem, self.rng, config.list_variants, lambda: clock.used() >= config.pool_time_frac)
+    pool = [validate_order(problem, o) for o in pool]
+    keys = [_key(self.ev, o) for o in pool]
+    clock.evaluations += len(pool)
+    valid = [i for i, k in enumerate(keys) if k[0] == 0]
+    feas = [i for i in valid if keys[i][1] == 0]
+    if not feas:
+      raise RuntimeError(f"no start schedule within the memory budget {problem.budget().tolist()}"
+                         "; the greedy schedule fits the default budget (the sum of the two "
+                         "models' 1F1B peaks), so this budget is probably too small")
+    if config.decoder_frac > 0:
+      dec_order, decodes = decoder_anneal(problem, self.rng, clock,
+                                          clock.used() + config.decoder_frac)
+      if dec_order is not None:
+        pool.append(dec_order)
+        keys.append(_key(self.ev, dec_order))
+        valid.append(len(pool) - 1)  # also a candidate for the best unconstrained schedule
+        feas.append(len(pool) - 1)
+        if self.log:
+          self.log(f"decoder annealing: {decodes} decodes; best {keys[-1][2]:g}")
+    return pool, keys, valid, feas
+
+  def anneal(self):
+    """Step 3: annealing runs, each one cooling schedule, until 1 - mem_phase_frac of the budget
+    is used or the best schedule within budget reaches the bound."""
+    config, stats = self.config, self.stats
+    dmin = float(self.problem.durations().min())
+    tails = (windows.per_task_tails(self.problem) if config.lateness_tails == "window"
+             else windows.chain_tails_per_task(self.problem))
+    until = 1.0 - config.mem_phase_frac
+    run = 0
+    while self.clock.used() < until and stats[1] > self.lb + 1e-9:
+      feasible_run, cur = self._run_start(run)
+      self._anneal_run(cur, feasible_run, until, dmin, tails)
+      run += 1
+      if self.log:
+        self.log(f"anneal run {run} ({'within budget' if feasible_run else 'penalty'}): "
+                 f"{self.elapsed():.1f}s, {self.clock.evaluations} evaluations; best within "
+                 f"budget {stats[1]:g} (max peak {stats[2]:g}), unconstrained {stats[6]:g}, "
+                 f"LB {self.lb:g}")
+
+  def _run_start(self, run: int) -> tuple[bool, np.ndarray]:
+    """(whether run `run` stays within the budget, a copy of its start schedule).
+
+    Runs within the budget (feasible_frac of them, spread evenly) restart from the best
+    feasible schedule; penalty runs alternate between the best feasible and the best
+    unconstrained schedule (the rising penalty pulls the latter back within budget).
+    """
+    frac, stats = self.config.feasible_frac, self.stats
+    feasible_run = math.floor((run + 1) * frac) > math.floor(run * frac)
+    pen_run = run - math.floor(run * frac)
+    from_feas = feasible_run or pen_run % 2 == 0 or stats[6] >= stats[1]
+    return feasible_run, (self.best_feas if from_feas else self.best_any).copy()
+
+  def _anneal_run(self, cur: np.ndarray, feasible_run: bool, until: float, dmin: float,
+                  tails: np.ndarray):
+    """One annealing run in place on `cur`: config.run_iters moves cooling from temp0_frac to
+    temp1_frac of the shortest task, in kernel calls of config.chunk_iters (the budget and the
+    bound are checked between them)."""
+    config, clock = self.config, self.clock
     done = 0
-    while done < config.run_iters and clock.used() < anneal_until:
-      n_it = clock.chunk(anneal_until, min(config.chunk_iters, config.run_iters - done))
+    while done < config.run_iters and clock.used() < until:
+      n_it = clock.chunk(until, min(config.chunk_iters, config.run_iters - done))
       if n_it <= 0:
         break
       f0, f1 = done / config.run_iters, (done + n_it) / config.run_iters
       temp_a = config.temp0_frac * dmin * (config.temp1_frac / config.temp0_frac) ** f0
       temp_b = config.temp0_frac * dmin * (config.temp1_frac / config.temp0_frac) ** f1
-      seed = int(rng.integers(1 << 31))
+      seed = int(self.rng.integers(1 << 31))
       if feasible_run:
-        fstats = stats[1:5].copy()
-        _, fstats, n_ev = feasible_anneal(problem, cur, n_it, seed, lb, temp_a, temp_b,
-                                          config.lateness_weight, config.max_shift,
-                                          config.crit_frac, best_feas, fstats, tails)
-        stats[1:5] = fstats
-        if stats[1] < stats[6] - 1e-9 or (stats[1] <= stats[6] + 1e-9 and stats[2] < stats[7]):
-          best_any[:] = best_feas
-          stats[5:10] = stats[0:5]
+        n_ev = self._feasible_chunk(cur, n_it, seed, temp_a, temp_b, tails)
       else:
-        lam_a = config.lam0 * (config.lam1 / config.lam0) ** f0
-        lam_b = config.lam0 * (config.lam1 / config.lam0) ** f1
-        n_ev = anneal_kernel(cur, params, deltas, budget, n_it, temp_a, temp_b, lam_a, lam_b,
-                             config.eps, config.max_shift, 0, 0.0, seed, best_feas, best_any,
-                             stats, config.crit_frac)
+        n_ev = self._penalty_chunk(cur, n_it, seed, temp_a, temp_b, f0, f1)
       clock.evaluations += n_ev
       done += n_it
-      history.append((time.time() - t0, stats[1], stats[6]))
-      if stats[1] <= lb + 1e-9:
+      self.note_progress()
+      if self.stats[1] <= self.lb + 1e-9:
         break
-    run += 1
-    if log:
-      log(f"anneal run {run} ({'within budget' if feasible_run else 'penalty'}): "
-          f"{time.time() - t0:.1f}s, {clock.evaluations} evaluations; best within budget "
-          f"{stats[1]:g} (max peak {stats[2]:g}), unconstrained {stats[6]:g}, LB {lb:g}")
-  # Memory phase: lower the peaks of the best schedule without raising its makespan.
-  while clock.used() < 1.0:
-    n_it = clock.chunk(1.0, config.chunk_iters)
-    if n_it <= 0:
-      break
-    cur = best_feas.copy()
-    seed = int(rng.integers(1 << 31))
-    clock.evaluations += anneal_kernel(cur, params, deltas, budget, n_it, 0.5, 0.01, 0.0, 0.0,
-                                       0.0, config.max_shift, 1, stats[1], seed, best_feas,
-                                       best_any, stats, 0.0)
-    history.append((time.time() - t0, stats[1], stats[6]))
-  if log:
-    log(f"phase done: {time.time() - t0:.1f}s, {clock.evaluations} evaluations; best within "
-        f"budget {stats[1]:g} (max peak {stats[2]:g}), unconstrained {stats[6]:g}, LB {lb:g}")
-  return SearchResult(best=best_feas, best_unconstrained=best_any, start=start,
-                      evaluations=clock.evaluations, search_s=time.time() - t0, history=history)
+
+  def _feasible_chunk(self, cur, n_it, seed, temp_a, temp_b, tails) -> int:
+    """n_it moves of in-budget annealing (feasible_anneal.py) on `cur`; returns evaluations.
+
+    Its incumbent is best_feas; a new best also becomes best_any when it beats that.
+    """
+    config, stats = self.config, self.stats
+    fstats = stats[1:5].copy()
+    _, fstats, n_ev = feasible_anneal(self.problem, cur, n_it, seed, self.lb, temp_a, temp_b,
+                                      config.lateness_weight, config.max_shift,
+                                      config.crit_frac, self.best_feas, fstats, tails)
+    stats[1:5] = fstats
+    if stats[1] < stats[6] - 1e-9 or (stats[1] <= stats[6] + 1e-9 and stats[2] < stats[7]):
+      self.best_any[:] = self.best_feas
+      stats[5:10] = stats[0:5]
+    return n_ev
+
+  def _penalty_chunk(self, cur, n_it, seed, temp_a, temp_b, f0, f1) -> int:
+    """n_it moves of penalty annealing on `cur`, the penalty weight rising from where the run
+    stands (f0) to f1 of its lam0 -> lam1 ramp; returns evaluations."""
+    config = self.config
+    lam_a = config.lam0 * (config.lam1 / config.lam0) ** f0
+    lam_b = config.lam0 * (config.lam1 / config.lam0) ** f1
+    settings = anneal_settings(
+        iters=n_it, temp0=temp_a, temp1=temp_b, lam0=lam_a, lam1=lam_b, eps=config.eps,
+        max_shift=config.max_shift, mem_mode=MODE_PENALTY, mk_cap=0.0, seed=seed,
+        crit_frac=config.crit_frac)
+    return anneal_kernel(cur, self.params, self.deltas, self.budget, settings, self.best_feas,
+                         self.best_any, self.stats)
+
+  def memory_phase(self):
+    """Step 4: to the end of the budget, lower the peaks of the best schedule within budget
+    without raising its makespan (MODE_PEAKS, each chunk restarted from the best)."""
+    config, clock = self.config, self.clock
+    while clock.used() < 1.0:
+      n_it = clock.chunk(1.0, config.chunk_iters)
+      if n_it <= 0:
+        break
+      cur = self.best_feas.copy()
+      seed = int(self.rng.integers(1 << 31))
+      settings = anneal_settings(
+          iters=n_it, temp0=0.5, temp1=0.01, lam0=0.0, lam1=0.0, eps=0.0,
+          max_shift=config.max_shift, mem_mode=MODE_PEAKS, mk_cap=self.stats[1], seed=seed,
+          crit_frac=0.0)
+      clock.evaluations += anneal_kernel(cur, self.params, self.deltas, self.budget, settings,
+                                         self.best_feas, self.best_any, self.stats)
+      self.note_progress()
 
 
 def warmup() -> float:

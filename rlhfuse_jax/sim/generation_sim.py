@@ -115,11 +115,71 @@ class _Clock:
     return end
 
 
+@dataclasses.dataclass
+class _Batch:
+  """Host-side bookkeeping of one simulated batch, updated as generation proceeds."""
+  prompt_lens: np.ndarray  # [B]
+  target: np.ndarray  # [B] response length of each sample
+  slot_uid: np.ndarray  # [G, S] uid of the sample in each slot (-1 = free)
+  generated: np.ndarray  # [B] response tokens so far
+  finish: np.ndarray  # [B] time each sample was seen finished (inf until then)
+  active: np.ndarray  # [G] instance still in generation
+  done_gen_at: np.ndarray  # [G] when an instance stopped holding unfinished samples
+  unfinished: int
+  consolidations: list = dataclasses.field(default_factory=list)  # records of _consolidate
+  decode_busy: float = 0.0  # seconds of decode chunks, over instances
+
+  @classmethod
+  def dealt(cls, num_instances: int, slots: int, prompt_lens: np.ndarray, target: np.ndarray
+            ) -> "_Batch":
+    """The batch dealt round-robin to the instances (sample uid to instance uid % G), as the
+    engine admits it: every sample at the start, nothing generated yet."""
+    b, g = prompt_lens.size, num_instances
+    slot_uid = np.full((g, slots), -1, dtype=np.int64)
+    for uid in range(b):
+      i = uid % g
+      slot_uid[i, uid // g] = uid
+    return cls(prompt_lens=prompt_lens, target=target, slot_uid=slot_uid,
+               generated=np.zeros(b, dtype=np.int64), finish=np.full(b, np.inf),
+               active=np.ones(g, dtype=bool), done_gen_at=np.full(g, np.inf), unfinished=b)
+
+  @property
+  def size(self) -> int:
+    return self.prompt_lens.size
+
+  def finished(self, uids: np.ndarray, t: float):
+    """Samples `uids` seen finished at time t."""
+    self.finish[uids] = t
+    self.unfinished -= uids.size
+
+  def release(self, i: int, t: float):
+    """Instance i leaves generation at time t (it holds no unfinished sample)."""
+    self.active[i] = False
+    self.done_gen_at[i] = t
+
+
 def simulate_generation(cost: CostModel, actor: ModelShape, frozen: Sequence[ModelShape],
                         setup: GenSetup, prompt_lens: np.ndarray, response_lens: np.ndarray
                         ) -> GenResult:
   """Simulates one batch. prompt_lens / response_lens: [B] ints (a response finishes after
-  exactly response_lens[i] tokens, 1 <= response_lens[i] <= max_new_tokens)."""
+  exactly response_lens[i] tokens, 1 <= response_lens[i] <= max_new_tokens).
+
+  Steps: check the batch, deal it to the instances, prefill, decode chunks with the
+  consolidations they trigger (`_generate`), then inference and the totals (`_result`).
+  """
+  prompt_lens, target, kv_cap, slot_cap = _checked_lengths(setup, prompt_lens, response_lens)
+  shared = setup.devices_share_compute or bool(cost.cal and cost.cal.devices_share_compute)
+  clock = _Clock(setup.num_instances, shared)
+  batch = _Batch.dealt(setup.num_instances, setup.slots, prompt_lens, target)
+  _prefill(cost, actor, setup, clock, batch)
+  _generate(cost, actor, setup, clock, batch, kv_cap, slot_cap)
+  return _result(cost, frozen, setup, clock, batch)
+
+
+def _checked_lengths(setup: GenSetup, prompt_lens, response_lens
+                     ) -> tuple[np.ndarray, np.ndarray, int, int]:
+  """(prompt_lens, response_lens) as int64 [B], then the KV tokens an instance holds (kv_cap)
+  and one slot may need (slot_cap); a ValueError for a batch the engine would not admit."""
   prompt_lens = np.asarray(prompt_lens, dtype=np.int64)  # [B]
   target = np.asarray(response_lens, dtype=np.int64)  # [B]
   b = prompt_lens.size
@@ -138,120 +198,134 @@ def simulate_generation(cost: CostModel, actor: ModelShape, frozen: Sequence[Mod
   if per_inst * slot_cap > kv_cap:
     raise ValueError(f"generation: {per_inst} samples per instance may need {per_inst * slot_cap}"
                      f" KV tokens > kv_capacity_tokens={kv_cap}")
+  return prompt_lens, target, kv_cap, slot_cap
+
+
+def _prefill(cost: CostModel, actor: ModelShape, setup: GenSetup, clock: _Clock, batch: _Batch):
+  """Every instance prefills its samples, which samples their first response token."""
+  for i in range(setup.num_instances):
+    uids = batch.slot_uid[i][batch.slot_uid[i] >= 0]
+    clock.run(i, cost.prefill_s(actor, setup.tp, batch.prompt_lens[uids]), "prefill")
+    batch.generated[uids] = 1
+    batch.finished(uids[batch.target[uids] <= 1], clock.t[i])
+
+
+def _generate(cost: CostModel, actor: ModelShape, setup: GenSetup, clock: _Clock,
+              batch: _Batch, kv_cap: int, slot_cap: int):
+  """Decode chunks until every sample has finished, with the consolidations they trigger.
+
+  Chunks are processed in order of their start times. A consolidation decided at the end T
+  of some chunk is applied once every instance has reached T (the host sees all the chunks
+  that were in flight at T; sources hand over their rows when their chunk ends).
+  """
   kv_bpt = actor.kv_bytes_per_token()
-  shared = setup.devices_share_compute or bool(cost.cal and cost.cal.devices_share_compute)
-  clock = _Clock(g, shared)
-
-  # Host-side bookkeeping per instance: uids in slots (-1 = free).
-  slot_uid = np.full((g, s), -1, dtype=np.int64)  # [G, S]
-  for uid in range(b):
-    i = uid % g
-    slot_uid[i, uid // g] = uid
-  generated = np.zeros(b, dtype=np.int64)  # [B] response tokens so far
-  finish = np.full(b, np.inf)  # [B]
-  active = np.ones(g, dtype=bool)  # instance still in generation
-  done_gen_at = np.full(g, np.inf)  # when an instance stopped holding unfinished samples
-  consolidations = []
-  unfinished = b
-
-  for i in range(g):
-    uids = slot_uid[i][slot_uid[i] >= 0]
-    clock.run(i, cost.prefill_s(actor, setup.tp, prompt_lens[uids]), "prefill")
-    generated[uids] = 1  # prefill samples the first response token
-    fin = uids[target[uids] <= 1]
-    finish[fin] = clock.t[i]
-    unfinished -= fin.size
-  heap = [(clock.t[i], i) for i in range(g)]
+  heap = [(clock.t[i], i) for i in range(setup.num_instances)]
   heapq.heapify(heap)
-  decode_busy = 0.0
-
-  # Chunks are processed in order of their start times. A consolidation decided at the end T
-  # of some chunk is applied once every instance has reached T (the host sees all the chunks
-  # that were in flight at T; sources hand over their rows when their chunk ends).
   due = None
   while heap:
     t_now, i = heapq.heappop(heap)
-    if not active[i] or t_now != clock.t[i]:
+    if not batch.active[i] or t_now != clock.t[i]:
       continue  # stale entry (instance released, or its clock moved by a migration)
     if due is not None and t_now >= due:
       heapq.heappush(heap, (t_now, i))
-      rec = _consolidate(cost, setup, clock, slot_uid, active, prompt_lens, generated, target, b,
-                         kv_cap, slot_cap, kv_bpt, due)
+      rec = _consolidate(cost, setup, clock, batch, kv_cap, slot_cap, kv_bpt, due)
       due = None
-      if rec is not None:
-        consolidations.append(rec)
-        for r in rec["released"]:
-          active[r] = False
-          done_gen_at[r] = clock.t[r]
-        for kept in rec["kept_list"]:
-          heapq.heappush(heap, (clock.t[kept], kept))
+      for kept in ([] if rec is None else rec["kept_list"]):
+        heapq.heappush(heap, (clock.t[kept], kept))
       continue
-    occ = slot_uid[i]
-    live_uids = occ[(occ >= 0)]
-    live_uids = live_uids[generated[live_uids] < target[live_uids]]
-    if live_uids.size == 0:
-      active[i] = False
-      done_gen_at[i] = clock.t[i]
+    end = _decode_chunk(cost, actor, setup, clock, batch, i)
+    if end is None:
       continue
-    # One chunk of up to K steps: step k is taken by rows with generated + k < target.
-    g0 = generated[live_uids]  # [r]
-    left = target[live_uids] - g0  # [r]
-    n_steps = int(min(setup.chunk_steps, left.max()))
-    k = np.arange(n_steps)[:, None]  # [n_steps, 1]
-    live = k < left[None, :]  # [n_steps, r]
-    ctx = (prompt_lens[live_uids] + g0)[None, :] + k  # [n_steps, r] KV tokens read
-    rows = live.sum(axis=1)  # [n_steps]
-    tokens = (live * ctx).sum(axis=1)  # [n_steps]
-    dur = float(np.sum(cost.decode_step_s(actor, setup.tp, rows, tokens)))
-    end = clock.run(i, dur, "decode")
-    decode_busy += dur
-    generated[live_uids] = g0 + np.minimum(left, n_steps)
-    fin = live_uids[generated[live_uids] >= target[live_uids]]
-    finish[fin] = end
-    unfinished -= fin.size
-    for u in fin:
-      slot_uid[i][occ == u] = -1
-    if not np.any(slot_uid[i] >= 0):
-      active[i] = False
-      done_gen_at[i] = end
-    else:
+    if batch.active[i]:
       heapq.heappush(heap, (end, i))
-    if (setup.threshold is not None and due is None and
-        len(consolidations) < setup.max_consolidations and
-        0 < unfinished <= setup.threshold * b):
+    if due is None and _consolidation_due(setup, batch):
       due = end
 
-  gen_end = float(finish.max())
-  t_fin, counts = np.unique(finish, return_counts=True)
+
+def _consolidation_due(setup: GenSetup, batch: _Batch) -> bool:
+  """Whether the host plans a consolidation now: with a threshold Rt, plans left, and some but
+  at most Rt * B samples unfinished."""
+  return (setup.threshold is not None and
+          len(batch.consolidations) < setup.max_consolidations and
+          0 < batch.unfinished <= setup.threshold * batch.size)
+
+
+def _decode_chunk(cost: CostModel, actor: ModelShape, setup: GenSetup, clock: _Clock,
+                  batch: _Batch, i: int) -> Optional[float]:
+  """One chunk of up to K decode steps on instance i; returns its end time, or None when the
+  instance holds no unfinished sample. Samples that finish free their slots, and an instance
+  left with no sample leaves generation (so does one found without unfinished samples)."""
+  occ = batch.slot_uid[i]
+  live_uids = occ[(occ >= 0)]
+  live_uids = live_uids[batch.generated[live_uids] < batch.target[live_uids]]
+  if live_uids.size == 0:
+    batch.release(i, clock.t[i])
+    return None
+  g0 = batch.generated[live_uids]  # [r]
+  left = batch.target[live_uids] - g0  # [r]
+  n_steps, dur = _chunk_cost(cost, actor, setup, batch.prompt_lens[live_uids] + g0, left)
+  end = clock.run(i, dur, "decode")
+  batch.decode_busy += dur
+  batch.generated[live_uids] = g0 + np.minimum(left, n_steps)
+  fin = live_uids[batch.generated[live_uids] >= batch.target[live_uids]]
+  batch.finished(fin, end)
+  for u in fin:
+    occ[occ == u] = -1
+  if not np.any(occ >= 0):
+    batch.release(i, end)
+  return end
+
+
+def _chunk_cost(cost: CostModel, actor: ModelShape, setup: GenSetup, ctx0: np.ndarray,
+                left: np.ndarray) -> tuple[int, float]:
+  """(steps, seconds) of one decode chunk over rows with ctx0 [r] KV tokens and left [r]
+  tokens to generate: step k is taken by the rows with k < left, each reading ctx0 + k."""
+  n_steps = int(min(setup.chunk_steps, left.max()))
+  k = np.arange(n_steps)[:, None]  # [n_steps, 1]
+  live = k < left[None, :]  # [n_steps, r]
+  ctx = ctx0[None, :] + k  # [n_steps, r] KV tokens read
+  rows = live.sum(axis=1)  # [n_steps]
+  tokens = (live * ctx).sum(axis=1)  # [n_steps]
+  return n_steps, float(np.sum(cost.decode_step_s(actor, setup.tp, rows, tokens)))
+
+
+def _result(cost: CostModel, frozen: Sequence[ModelShape], setup: GenSetup, clock: _Clock,
+            batch: _Batch) -> GenResult:
+  """Runs inference after generation and sums up both from the clock's segments."""
+  b, g = batch.size, setup.num_instances
+  gen_end = float(batch.finish.max())
+  t_fin, counts = np.unique(batch.finish, return_counts=True)
   curve = [(0.0, b)] + [(float(t), int(b - c)) for t, c in zip(t_fin, np.cumsum(counts))]
-  inf_busy = _simulate_inference(cost, frozen, setup, clock, prompt_lens + target, finish,
-                                 done_gen_at, gen_end)
+  inf_busy = _simulate_inference(cost, frozen, setup, clock, batch.prompt_lens + batch.target,
+                                 batch.finish, batch.done_gen_at, gen_end)
   gpi = float(max(clock.t.max(), gen_end))
   busy = sum(e - st for _, st, e, _ in clock.segments)
   before = sum(max(0.0, min(e, gen_end) - st) for _, st, e, kd in clock.segments
                if kd == "inference")
   return GenResult(
-      gen_end_s=gen_end, gen_plus_inf_s=gpi, finish_s=finish, unfinished_curve=curve,
-      segments=clock.segments, consolidations=consolidations,
+      gen_end_s=gen_end, gen_plus_inf_s=gpi, finish_s=batch.finish,
+      unfinished_curve=curve, segments=clock.segments, consolidations=batch.consolidations,
       instance_busy_frac=busy / (g * gpi) if gpi > 0 else 0.0,
       inference_overlap_frac=before / inf_busy if inf_busy > 0 else 0.0,
-      decode_busy_s=decode_busy, inference_busy_s=inf_busy)
+      decode_busy_s=batch.decode_busy, inference_busy_s=inf_busy)
 
 
-def _consolidate(cost, setup, clock, slot_uid, active, prompt_lens, generated, target, b, kv_cap,
-                 slot_cap, kv_bpt, t_decide) -> Optional[dict]:
-  """Plans with the shared policy and, if it moves samples, applies the moves and their costs."""
+def _consolidate(cost: CostModel, setup: GenSetup, clock: _Clock, batch: _Batch, kv_cap: int,
+                 slot_cap: int, kv_bpt: float, t_decide: float) -> Optional[dict]:
+  """Plans with the shared policy and, if it moves samples, applies the moves and their costs,
+  releases the emptied instances and records the consolidation (also returned)."""
+  slot_uid, generated, target = batch.slot_uid, batch.generated, batch.target
   states = []
-  for i in np.flatnonzero(active):
+  for i in np.flatnonzero(batch.active):
     samples = []
     for slot, u in enumerate(slot_uid[i]):
       if u >= 0 and generated[u] < target[u]:
         samples.append(SampleState(uid=int(u), slot=slot,
-                                   length=int(prompt_lens[u] + generated[u]),
+                                   length=int(batch.prompt_lens[u] + generated[u]),
                                    remaining=int(setup.max_new_tokens - generated[u])))
     states.append(InstanceState(index=int(i), slots=setup.slots, kv_capacity_tokens=kv_cap,
                                 samples=tuple(samples), slot_capacity_tokens=slot_cap))
-  plan = plan_consolidation(states, setup.threshold, b, bytes_per_token=kv_bpt)
+  plan = plan_consolidation(states, setup.threshold, batch.size, bytes_per_token=kv_bpt)
   if not plan.consolidate:
     return None
   # Each destination waits for its own chunk and its sources' chunks, then receives its rows.
@@ -280,10 +354,14 @@ def _consolidate(cost, setup, clock, slot_uid, active, prompt_lens, generated, t
       clock.segments.append((src, max(clock.t[src], t_decide), end, "migrate"))
       clock.t[src] = max(clock.t[src], end)
   migration_s = max(secs_by_dst.values())
-  return {"time_s": float(t_decide), "unfinished": plan.unfinished, "kept": len(plan.kept),
-          "kept_list": list(plan.kept), "released": list(plan.released),
-          "moves": len(plan.moves), "moved_bytes": int(plan.moved_bytes),
-          "migration_s": float(migration_s), "reason": plan.reason}
+  rec = {"time_s": float(t_decide), "unfinished": plan.unfinished, "kept": len(plan.kept),
+         "kept_list": list(plan.kept), "released": list(plan.released),
+         "moves": len(plan.moves), "moved_bytes": int(plan.moved_bytes),
+         "migration_s": float(migration_s), "reason": plan.reason}
+  batch.consolidations.append(rec)
+  for r in rec["released"]:
+    batch.release(r, clock.t[r])
+  return rec
 
 
 def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_at, gen_end
