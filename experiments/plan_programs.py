@@ -41,10 +41,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jaxlib
-import numpy as np
 import optax
 from absl import logging
-from jax.sharding import NamedSharding
 
 from configs import ppo_llama
 from rlhfuse_jax import workdir as wd
@@ -191,7 +189,7 @@ class PlanConfig:
 
 def abstract_params(cfg: ModelConfig, mesh) -> Any:
   """Parameter structs placed as the trainer places them (parallel/mesh.py logical rules)."""
-  shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
+  shapes = llama.param_shapes(cfg)
   return scale_check.abstract_params(
       cfg, mesh_lib.param_shardings(shapes, llama.logical_specs(cfg), mesh))
 
@@ -313,7 +311,7 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
   tokens_mb = cfg.microbatch_size * cfg.seq_len
   for model, stages in ((cfg.actor, cfg.pp), (cfg.critic, cfg.critic_pp)):
     shards = stages * cfg.tp * cfg.fsdp
-    params = jax.eval_shape(lambda m=model: llama.init_params(m, jax.random.key(0))[0])
+    params = llama.param_shapes(model)
     out["params_bytes"] += _nbytes(params) / shards
     out["grads_bytes"] += _nbytes(params) / shards  # gradients in the parameters' dtype
     # The same moments for the whole tree as for the stage-stacked one (the mask moves no bytes).
@@ -344,7 +342,7 @@ def decode_analytic(cfg: PlanConfig) -> dict:
   """One decode step of gen_slots rows over the whole cache (the chunk's loop exits early, so XLA
   knows no trip count: both sides count one step), split over gen_tp devices."""
   a, n = cfg.actor, cfg.gen_tp
-  params = _nbytes(jax.eval_shape(lambda: llama.init_params(a, jax.random.key(0))[0]))
+  params = _nbytes(llama.param_shapes(a))
   kv = accounting.decode_step_bytes(a, cfg.gen_slots, cfg.seq_len)["kv_bytes"]
   per_row = (2.0 * a.num_layers * accounting.layer_matmul_params(a) +
              4.0 * a.num_layers * a.num_heads * a.head_dim_ * cfg.seq_len +
@@ -355,7 +353,7 @@ def decode_analytic(cfg: PlanConfig) -> dict:
 
 def inference_analytic(cfg: PlanConfig) -> dict:
   a, n = cfg.actor, cfg.gen_tp
-  params = _nbytes(jax.eval_shape(lambda: llama.init_params(a, jax.random.key(0))[0]))
+  params = _nbytes(llama.param_shapes(a))
   tokens = cfg.inference_microbatch * cfg.seq_len
   # One layer's activations live at a time (sim/iteration_sim.check_inference_memory).
   acts = CostModel(cfg.hardware).activation_bytes(sim_shapes.from_model_config(a), n, tokens, 1)
@@ -397,7 +395,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   del lowered
   logging.info("train_step: compiled in %.1fs", programs["train_step"]["compile_s"])
   inst = make_instance(cfg)
-  actor_shapes = jax.eval_shape(lambda: llama.init_params(cfg.actor, jax.random.key(0))[0])
+  actor_shapes = llama.param_shapes(cfg.actor)
   low = dict(inst.lower_all(actor_shapes, {"reference": actor_shapes},
                             only=("decode", "reference")))
   programs["decode"] = _finish(measure(low["decode"], hbm), decode_analytic(cfg))

@@ -26,7 +26,7 @@ def _mesh(n):
 
 
 def _cost(mesh, rules):
-  shapes = jax.eval_shape(lambda: llama.init_params(CFG, jax.random.key(0))[0])
+  shapes = llama.param_shapes(CFG)
   shardings = mesh_lib.param_shardings(shapes, llama.logical_specs(CFG), mesh)
   n = mesh.devices.size
   return scale_check.grad_step_cost(CFG, mesh, shardings, mesh_lib.batch_sharding(mesh, 2), n,

@@ -237,7 +237,7 @@ def test_decode_chunk_writes_the_cache_in_place():
 
 
 def _param_keys(cfg):
-  shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
+  shapes = llama.param_shapes(cfg)
   leaves = jax.tree_util.tree_leaves_with_path(shapes)
   return [(jax.tree_util.keystr(p), s.shape) for p, s in leaves]
 
@@ -269,7 +269,7 @@ def test_scan_layers_matches_unrolled(params):
   # the tree converts both ways exactly.
   scfg = CFG.replace(scan_layers=True)
   sp = llama.stack_layers(params, CFG.num_layers)
-  shapes = jax.eval_shape(lambda: llama.init_params(scfg, jax.random.key(0))[0])
+  shapes = llama.param_shapes(scfg)
   assert jax.tree.structure(shapes) == jax.tree.structure(sp)
   assert tuple(llama.logical_specs(scfg)["layers"]["block"]["mlp"]["up_proj"]["kernel"]) == (
       "layers", "embed", "mlp")

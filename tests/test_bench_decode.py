@@ -24,10 +24,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = BenchDecodeConfig.from_config_dict(bench_config_file.get_config())
 
 
-def _param_shapes(cfg):
-  return jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
-
-
 def _nbytes(tree):
   return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
@@ -197,7 +193,7 @@ def test_calibration_file_loads_with_the_measured_step_times(bench):
 def test_decode_bytes_match_the_real_params_and_cache(tied):
   cfg = TINY.model.replace(tie_embeddings=tied)
   b, cache_len = 16, 24
-  params = _param_shapes(cfg)
+  params = llama.param_shapes(cfg)
   cache = jax.eval_shape(lambda: llama.KVCache.zeros(cfg, b, cache_len))
   got = accounting.decode_step_bytes(cfg, b, cache_len)
   table = params["embed"]["embedding"]
@@ -212,7 +208,7 @@ def test_decode_bytes_match_the_real_params_and_cache(tied):
 
 def test_layer_matmul_params_are_the_layer_kernels():
   cfg = TINY.model
-  layer = _param_shapes(cfg)["layers_0"]
+  layer = llama.param_shapes(cfg)["layers_0"]
   kernels = [x for x in jax.tree_util.tree_leaves(layer) if len(x.shape) == 2]
   assert accounting.layer_matmul_params(cfg) == sum(int(np.prod(k.shape)) for k in kernels)
 

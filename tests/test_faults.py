@@ -5,12 +5,10 @@ with a changed config is refused field by field; the LR schedule continues acros
 metrics are written exactly once; one run per workdir; a damaged checkpoint falls back to the
 intact one; a failed save or kill -9 loses nothing; bad inputs name the file and the field.
 """
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import jax

@@ -31,7 +31,7 @@ import contextvars
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import flax
 import flax.linen as nn
@@ -573,6 +573,13 @@ def init_params(cfg: ModelConfig, rng: jax.Array) -> tuple[Any, Any]:
   return nn.unbox(boxed), nn.get_partition_spec(boxed)
 
 
+@functools.lru_cache(maxsize=16)
+def param_shapes(cfg: ModelConfig) -> Any:
+  """ShapeDtypeStructs of init_params(cfg)'s parameters (nothing is allocated or compiled).
+  Cached per config: treat the returned tree as read-only."""
+  return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))[0])
+
+
 def logical_specs(cfg: ModelConfig) -> Any:
   """Logical axis names of every parameter, without allocating the parameters."""
   boxed = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0),
@@ -593,7 +600,7 @@ def host_random_params(cfg: ModelConfig, seed: int, std: float = 0.1) -> Any:
   For tests and benchmarks: no flax initialiser is compiled (seconds per model on CPU), and the
   caller places the numpy arrays wherever the model runs.
   """
-  shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))[0])
+  shapes = param_shapes(cfg)
   rng = np.random.default_rng(seed)
 
   def draw(path, s):

@@ -43,7 +43,7 @@ def abstract_params(cfg: ModelConfig, param_shardings: Any) -> Any:
   """The model's parameters as jax.ShapeDtypeStructs placed by `param_shardings` (a tree of
   shardings, e.g. parallel/mesh.param_shardings, or one sharding for every leaf): lowering
   from them allocates nothing."""
-  shapes = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
+  shapes = llama.param_shapes(cfg)
   if isinstance(param_shardings, jax.sharding.Sharding):
     param_shardings = jax.tree.map(lambda _: param_shardings, shapes)
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
