@@ -134,16 +134,32 @@ def test_unknown_field_is_rejected():
     TrainConfig.from_config_dict(c)
 
 
-def test_batch_must_fit_the_mesh(tmp_path):
-  cfg = tiny_config(**{"rollout.prompts_per_iteration": 12, "algo.minibatch_size": 12})
-  with pytest.raises(ValueError, match="multiple of the data-parallel size 8"):
-    PPOTrainer(cfg, str(tmp_path), mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8)))
-
-
-def test_context_longer_than_model_is_rejected(tmp_path):
-  cfg = tiny_config(**{"model.max_seq_len": 10})
-  with pytest.raises(ValueError, match="max_seq_len"):
-    PPOTrainer(cfg, str(tmp_path))
+@pytest.mark.parametrize("overrides, mesh_cfg, message", [
+    ({"rollout.prompts_per_iteration": 12, "algo.minibatch_size": 12}, {"data": 8},
+     r"config\.rollout\.prompts_per_iteration\*samples_per_prompt=12 must be a multiple of the "
+     r"data-parallel size 8"),
+    ({"model.max_seq_len": 10}, {"data": 8},
+     r"max_new_tokens = 14 exceeds config\.model\.max_seq_len=10"),
+    ({"critic_model.max_seq_len": 10}, {"data": 8}, r"config\.critic_model\.max_seq_len=10"),
+    ({"algo.estimator": "grpo", "rollout.samples_per_prompt": 2}, {"data": 4, "stage": 2},
+     r"config\.algo\.estimator='grpo' trains no critic"),
+    ({}, {"data": 4, "stage": 2}, r"config\.model\.num_layers=1 must be divisible by its "
+     r"pipeline stages 2"),
+    ({"pipeline.actor_microbatches": 3, "model.num_layers": 2, "critic_model.num_layers": 2},
+     {"data": 4, "stage": 2}, r"config\.pipeline\.actor_microbatches=3 must divide"),
+    ({"fusion.inter_stage": True, "fusion.instance_devices": 16}, {"data": 8},
+     r"config\.fusion\.instance_devices=16 exceeds the 8 devices"),
+])
+def test_mesh_and_cross_section_errors_come_before_any_build(tmp_path, monkeypatch, overrides,
+                                                            mesh_cfg, message):
+  """trainer/validate.py: every check that needs the mesh or several sections runs on the
+  resolved config before a model is initialised or a program compiled."""
+  def no_build(*args, **kwargs):
+    raise AssertionError("models were built before the config was validated")
+  monkeypatch.setattr(build, "build_models", no_build)
+  with pytest.raises(ValueError, match=message):
+    PPOTrainer(tiny_config(**overrides), str(tmp_path),
+               mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(**mesh_cfg)))
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])

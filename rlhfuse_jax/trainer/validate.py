@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 
 from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.trainer import pipelined, rollout
 from rlhfuse_jax.trainer.config import TrainConfig
 
@@ -23,6 +24,14 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
     if value % mult:
       raise ValueError(f"config.{name}={value} must be a multiple of the data-parallel size "
                        f"{mult} (mesh data*fsdp = {dict(mesh.shape)})")
+  context = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+  models = [("model", cfg.model)] + ([("critic_model", cfg.critic_model)]
+                                     if adv_lib.needs_critic(cfg.algo.estimator) else [])
+  for field, model in models:
+    if context > model.max_seq_len:
+      raise ValueError(f"config.data.max_prompt_len + config.rollout.max_new_tokens = {context} "
+                       f"exceeds config.{field}.max_seq_len={model.max_seq_len}: a prompt and "
+                       "its response must fit the model's context")
   if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
     pipelined.check_config(cfg, mesh)
   rollout.check_fusion(cfg, mesh.devices.size)
