@@ -19,6 +19,7 @@ from rlhfuse_jax.pipeline import schedule, schedules, search, stages
 from rlhfuse_jax.pipeline.evaluate import peak_memory
 from rlhfuse_jax.pipeline.executor import PipelineExecutor, make_executor
 from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem
+from rlhfuse_jax.pipeline.stages import StageLayout
 
 SEQ, RESP, VOCAB = 12, 6, 64
 # Tiny test programs: LLVM's optimisations cost more compile time than they save at run time.
@@ -155,6 +156,38 @@ def test_deadlocked_orders_are_rejected():
   # A fused order cannot run behind a barrier (critic tasks before actor tasks).
   with pytest.raises(ValueError, match="barrier"):
     prog.build_program(PROBLEMS[0], schedules.greedy_order(PROBLEMS[0]), barrier=True)
+
+
+# Stage-stacked trees (numpy only) ---------------------------------------------------------------
+
+def test_stage_layout_stacks_scanned_layers_by_a_reshape():
+  """docs/architecture.md §3: under model.scan_layers the stage-stacked tree is the layer stack
+  [L, ...] reshaped to [S, L/S, ...] (a reverse layout's rows flipped): row layout.row(s) holds
+  stage s's layers, as for the unrolled model, whose tree it equals; unstack gives each form
+  back."""
+  cfg = llama.ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=6,
+                          num_heads=2, num_kv_heads=1)
+  unrolled = llama.host_random_params(cfg, 0)  # numpy: nothing below compiles
+  scanned = llama.stack_layers(unrolled, cfg.num_layers)
+  for num_stages, reverse in ((3, False), (3, True), (2, True), (6, False), (1, True)):
+    per_stage = cfg.num_layers // num_stages
+    plain = StageLayout.for_config(cfg, num_stages, reverse=reverse)
+    layout = StageLayout.for_config(cfg.replace(scan_layers=True), num_stages, reverse=reverse)
+    assert layout.scanned and not plain.scanned
+    staged = layout.stack(scanned)
+    jax.tree.map(np.testing.assert_array_equal, plain.stack(unrolled), staged)
+    for s in range(num_stages):
+      for k in range(per_stage):
+        jax.tree.map(lambda x, want: np.testing.assert_array_equal(x[layout.row(s), k], want),
+                     staged["layers"], unrolled[f"layers_{s * per_stage + k}"])
+    jax.tree.map(np.testing.assert_array_equal, layout.unstack(staged), scanned)
+    jax.tree.map(np.testing.assert_array_equal, plain.unstack(staged), unrolled)
+    # A layout read from the stage-stacked tree itself has the same accumulator.
+    again = StageLayout(cfg, staged, num_stages, reverse=reverse)
+    assert again.device_size == layout.device_size == plain.device_size
+  with pytest.raises(ValueError, match=r"params are unrolled \(layers_i\), but the model's "
+                                       r"cfg.scan_layers=True"):
+    layout.stack(unrolled)
 
 
 # The executor -----------------------------------------------------------------------------------

@@ -13,16 +13,19 @@ import sys
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from rlhfuse_jax import checkpointing
+from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.pipeline import executor as executor_lib
 from rlhfuse_jax.pipeline import program as prog
-from rlhfuse_jax.pipeline import schedules
-from rlhfuse_jax.trainer import pipelined
+from rlhfuse_jax.pipeline import schedules, stages
+from rlhfuse_jax.trainer import pipelined, ppo
 from rlhfuse_jax.trainer.config import PipelineConfig
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
+from test_pipeline_executor import _batch
 from test_trainer import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,7 +87,7 @@ def runs(tmp_path_factory):
 def test_intra_stage_on_equals_off(runs):
   fused, h_fused = runs["fused"]
   serial, h_serial = runs["serial"]
-  assert isinstance(fused.update, pipelined.PipelinedUpdate)
+  assert fused.update.is_pipelined
   assert fused.update.schedule_name == pipelined.FUSED
   assert serial.update.schedule_name == pipelined.SERIAL
   # Fusion fills the bubbles: fewer ticks than serial 1F1B (20 ticks for this problem).
@@ -105,7 +108,7 @@ def test_intra_stage_on_equals_off(runs):
 def test_pipelined_equals_plain_update(runs):
   fused, h_fused = runs["fused"]
   plain, h_plain = runs["plain"]
-  assert not isinstance(plain.update, pipelined.PipelinedUpdate)
+  assert not plain.update.is_pipelined
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                _params(fused), _params(plain))
   for a, b in zip(h_fused, h_plain):
@@ -175,6 +178,72 @@ def test_each_stage_device_holds_only_its_stages(runs):
                     if executor_lib.tail_dim(x.shape, 4) >= 0)
   want = a_layers * 3 / 4 + c_layers / 2 + split_tails * 3 / 4
   assert [h["perf/reshard_bytes"] for h in history] == [want, want]
+
+
+# 2 stages of 2 layers for both models (the critic's rows reversed), fsdp=2 inside each stage.
+SCAN_PIPE = {"mesh.stage": 2, "mesh.data": 1, "mesh.fsdp": 2, "model.num_layers": 4,
+             "critic_model.num_layers": 4, "pipeline.critic_pp": 2,
+             "pipeline.actor_microbatches": 2, "pipeline.critic_microbatches": 2,
+             "fusion.intra_stage": False, "model.vocab_size": 64, "critic_model.vocab_size": 64}
+
+
+def test_scanned_layers_pipeline_as_a_reshape_of_the_stack(tmp_path):
+  """model.scan_layers=True through the pipeline (docs/architecture.md §3): the stage-stacked
+  tree is a reshape of the scanned stack [L, ...] -> [S, L/S, ...] (the critic's rows flipped)
+  and is the unrolled model's tree, placed alike; an update from it gives the unrolled update's
+  parameters and metrics, and whole_fn gives them back scanned (llama.stack_layers of the
+  unrolled ones), with as many bytes moved."""
+  base = _config(tmp_path, **SCAN_PIPE)
+  mesh = mesh_lib.make_mesh(base.mesh, jax.devices()[:4])
+  init = {"actor": llama.host_random_params(base.model, 0),
+          "critic": llama.host_random_params(base.critic_model, 1)}
+  batch = _batch(base.algo.minibatch_size)
+  out = {}
+  for form, scan in (("unrolled", False), ("scanned", True)):
+    cfg = dataclasses.replace(base, model=base.model.replace(scan_layers=scan),
+                              critic_model=base.critic_model.replace(scan_layers=scan))
+    pipelined.check_config(cfg, mesh)  # scan_layers is no reason to refuse a pipeline
+    txs = {m: optax.adamw(1e-2, weight_decay=0.1, mask=stages.staged_decay_mask)
+           for m in ("actor", "critic")}
+    update = pipelined.make_pipelined_update_fn(
+        cfg.model, cfg.critic_model, cfg.algo, cfg.rollout.temperature, txs["actor"],
+        txs["critic"], mesh=mesh, config=cfg)
+    staged, states, shardings = {}, {}, {}
+    for m, model_cfg in (("actor", cfg.model), ("critic", cfg.critic_model)):
+      params = llama.stack_layers(init[m], model_cfg.num_layers) if scan else init[m]
+      whole = mesh_lib.shard_params(params, llama.logical_specs(model_cfg), mesh)
+      shardings[m] = jax.tree.map(lambda x: x.sharding, whole)
+      p = update.to_staged(m, whole)
+      staged[m] = (jax.device_get(p), jax.tree.map(lambda x: x.sharding, p))
+      states[m] = ppo.ModelState(p, mesh_lib.commit_to_mesh(txs[m].init(p), mesh))
+    actor, critic, metrics = update(states["actor"], states["critic"], batch)
+    back = {m: update.whole_fn(m, s.params, shardings[m])(s.params)
+            for m, s in (("actor", actor), ("critic", critic))}
+    out[form] = {"staged": staged, "trained": jax.device_get((actor.params, critic.params)),
+                 "metrics": jax.device_get(metrics), "back": jax.device_get(back),
+                 "bytes": [update.reshard_bytes(m, s.params, back[m])
+                           for m, s in (("actor", actor), ("critic", critic))]}
+  unrolled, scanned = out["unrolled"], out["scanned"]
+  for m in ("actor", "critic"):
+    (u, u_shard), (s, s_shard) = unrolled["staged"][m], scanned["staged"][m]
+    jax.tree.map(np.testing.assert_array_equal, s, u)
+    jax.tree.map(lambda a, b: a.is_equivalent_to(b, 4) or pytest.fail(f"{m}: {a} != {b}"),
+                 s_shard, u_shard, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  # Row j of the critic holds stage 1 - j: layers 2, 3 in row 0.
+  q = scanned["staged"]["critic"][0]["layers"]["attn"]["q_proj"]["kernel"]
+  np.testing.assert_array_equal(q[0, 1], init["critic"]["layers_3"]["attn"]["q_proj"]["kernel"])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               scanned["trained"], unrolled["trained"])
+  moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.max(np.abs(a - b)),
+                                       unrolled["trained"][0], unrolled["staged"]["actor"][0]))
+  assert max(moved) > 1e-3  # the update did something
+  for k, v in unrolled["metrics"].items():
+    np.testing.assert_allclose(scanned["metrics"][k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+  for m in ("actor", "critic"):
+    num_layers = base.model.num_layers if m == "actor" else base.critic_model.num_layers
+    jax.tree.map(np.testing.assert_array_equal, scanned["back"][m],
+                 llama.stack_layers(unrolled["back"][m], num_layers))
+  assert scanned["bytes"] == unrolled["bytes"] and min(unrolled["bytes"]) > 0
 
 
 def test_pipelined_run_resumes_bitwise(runs, tmp_path):
@@ -276,7 +345,6 @@ def test_cached_schedule_for_another_problem_is_not_used(tmp_path):
     ({"pipeline.critic_microbatches": 4}, "config.pipeline.critic_microbatches=4 x critic"),
     ({"mesh.tensor": 2, "mesh.data": 1, "critic_model.num_kv_heads": 1},
      "config.critic_model.num_kv_heads=1 must be divisible by mesh.tensor=2"),
-    ({"model.scan_layers": True}, "config.model.scan_layers=True with mesh.stage=4 > 1"),
 ])
 def test_config_errors_name_the_field(tmp_path, overrides, match):
   cfg = _config(tmp_path, **{**STAGED, **overrides})

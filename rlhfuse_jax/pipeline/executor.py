@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -127,10 +127,11 @@ class PipelineExecutor:
   """One jitted fused training step for a compiled schedule on `mesh`.
 
   `executor(actor_params, critic_params, batch) -> (actor_grads, critic_grads, metrics)`: params
-  in the unpipelined structure of llama.init_params, `batch` as in stages.py (leading dim the
-  mini-batch), grads in the params' structure and dtypes, metrics a dict of float32 scalars
-  (stages.ACTOR_METRICS + stages.CRITIC_METRICS, mini-batch totals). `grads_fn` is the same
-  computation as a traceable function, to call inside a larger jitted update.
+  in the unpipelined structure of llama.init_params (unrolled or scanned, as each model's
+  scan_layers says), `batch` as in stages.py (leading dim the mini-batch), grads in the params'
+  structure and dtypes, metrics a dict of float32 scalars (stages.ACTOR_METRICS +
+  stages.CRITIC_METRICS, mini-batch totals). `grads_fn` is the same computation as a traceable
+  function, to call inside a larger jitted update.
   """
 
   def __init__(self, actor_cfg: ModelConfig, critic_cfg: ModelConfig, loss_cfg: LossConfig,
@@ -169,8 +170,9 @@ class PipelineExecutor:
                         self.microbatch_sizes(batch["tokens"].shape[0]))
 
   def stack(self, model: str, params: Any) -> Dict[str, Any]:
-    """Unpipelined params of "actor" / "critic" -> the stage-stacked tree the step takes (the
-    critic's rows reversed: row j is critic stage Pc-1-j, placed on critic_stage j)."""
+    """Unpipelined params of "actor" / "critic" (unrolled, or scanned under the model's
+    scan_layers) -> the stage-stacked tree the step takes (the critic's rows reversed: row j is
+    critic stage Pc-1-j, placed on critic_stage j). StageLayout.stack: a reshape of the stack."""
     return self.layouts[model].stack(params)
 
   def unstack(self, model: str, staged: Dict[str, Any]) -> Dict[str, Any]:
@@ -283,6 +285,7 @@ def layer_splits(cfg: ModelConfig, fsdp: int, tensor: int) -> Any:
   (FSDP: gathered one layer at a time), heads and MLP width over tensor (Megatron column/row
   splits, never gathered). A dim an axis does not divide stays whole."""
   sizes = {"fsdp": fsdp, "tensor": tensor}
+  cfg = cfg.replace(scan_layers=False)  # one layer's tree is the same either way
 
   def one(spec, shape):
     dims = []
@@ -379,210 +382,335 @@ def _jitted_step(spec: _Spec) -> Callable:
                  compiler_options=dict(spec.compiler_options) or None)
 
 
-def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int) -> Callable:
-  """The per-device code: fori_loop over ticks of (switch, two ppermutes, file arrivals)."""
-  loss_cfg = spec.loss_cfg
-  cfgs = {"actor": spec.actor_cfg, "critic": spec.critic_cfg}
-  mb_rows = {"actor": mba, "critic": mbc}
-  head_loss = {"actor": stages.actor_head_loss, "critic": stages.critic_head_loss}
-  n, splits = spec.num_devices, _splits(spec)
-  fsdp, tensor = _axis_sizes(spec.mesh)
-  whole_layouts = layouts
-  layouts = {m: _local_layout(whole_layouts[m], splits[m], spec.mesh) for m in MODELS}
-  # The layers run on this device's share of the heads and MLP width (tensor parallelism).
-  layer_cfgs = {"actor": local_config(spec.actor_cfg, tensor),
-                "critic": local_config(spec.critic_cfg, tensor)}
+# The per-device program (docs/architecture.md §3) -----------------------------------------------
+#
+# `_make_body` assembles the shard_map body from named pieces: `_Carry` is the tick loop's state
+# (one `_ModelState` per model); `_StageTasks` runs one model's tasks on this device (`forward`,
+# `backward`, and `branch`, the switch branch that picks between them); `_idle` is the idle
+# branch; `_exchange` is the end of every tick (two ppermutes, arrivals filed into inboxes);
+# `_model_grads_out` reduces an accumulator once the loop is done.
 
-  def gather_layer(model):
+
+class _ModelState(NamedTuple):
+  """One model's part of the tick loop's carry on one device."""
+  stash: jax.Array       # [ring, mb, L, H]: inputs of this stage's forwards, for the recompute
+  act_inbox: jax.Array   # [ring, mb, L, H]: activations received from the previous stage
+  grad_inbox: jax.Array  # [ring, mb, L, H]: output gradients received from the next stage
+  grads: jax.Array       # [device_size] float32: the flat accumulator of StageLayout
+  metrics: jax.Array     # [len(ACTOR_METRICS) or len(CRITIC_METRICS)] float32 sums
+
+
+class _Carry(NamedTuple):
+  """The tick loop's carry: a task reads and writes only its own model's state (the inboxes of
+  both are written by `_exchange`)."""
+  actor: _ModelState
+  critic: _ModelState
+
+
+@dataclasses.dataclass(frozen=True)
+class _Messages:
+  """The two channels' format: one flat vector [size] of one dtype carries either model's
+  [mb, L, H] activations or gradients (zero-padded), so both models share the channels."""
+  size: int
+  dtype: Any
+
+  def zero(self) -> jax.Array:
+    return jnp.zeros((self.size,), self.dtype)
+
+  def pack(self, y: jax.Array) -> jax.Array:
+    flat = y.reshape(-1).astype(self.dtype)
+    return jnp.pad(flat, (0, self.size - flat.shape[0]))
+
+  def unpack(self, msg: jax.Array, shape: Tuple[int, ...], dtype: Any) -> jax.Array:
+    return msg[:math.prod(shape)].reshape(shape).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModelPlan:
+  """What one model's tasks on a device depend on besides traced values (static)."""
+  name: str                 # "actor" | "critic"
+  cfg: ModelConfig          # the whole model's: embedding, head and loss run whole
+  layer_cfg: ModelConfig    # its layers' (local_config: this device's tensor share)
+  layout: StageLayout       # of this device's block (_local_layout)
+  splits: Any               # LayerSplit per layer leaf
+  tail_dims: Dict[str, Any]  # tail_dim of each embedding / head leaf
+  rows: int                 # rows per micro-batch
+  forward_up: bool          # forwards send up (d -> d+1): the actor; the critic runs reversed
+  replica_axes: Tuple[str, ...]  # axes its layer gradients are also summed over
+  fsdp: bool                # layers split over fsdp: gathered one layer at a time
+
+  @property
+  def head_loss(self) -> Callable:
+    return stages.actor_head_loss if self.name == "actor" else stages.critic_head_loss
+
+  @property
+  def num_metrics(self) -> int:
+    return len(stages.ACTOR_METRICS if self.name == "actor" else stages.CRITIC_METRICS)
+
+  def gather_layer(self) -> Optional[Callable[[Any], Any]]:
     """One layer's fsdp shards -> whole over fsdp (its vjp reduce-scatters the gradients)."""
+    if not self.fsdp:
+      return None
+
     def gather(p):
       def one(x, split):
         for k, axis in enumerate(split.dims):
           if axis == "fsdp":
             x = lax.all_gather(x, "fsdp", axis=k, tiled=True)
         return x
-      return jax.tree.map(one, p, splits[model])
-    return gather if fsdp > 1 else None
+      return jax.tree.map(one, p, self.splits)
+    return gather
 
-  up_perm = [(d, d + 1) for d in range(n - 1)]
-  down_perm = [(d + 1, d) for d in range(n - 1)]
+
+@dataclasses.dataclass(frozen=True)
+class _StageTasks:
+  """One model's tasks on this device: its stage's parameters (embedding and head gathered
+  whole), the data shard and the channels. Built inside the body (it holds traced values).
+
+  `branch` is the model's switch branch; the table row's flags pick `forward` or `backward` and
+  first / middle / last stage. The stage's layers are traced once, as one jax.vjp whose
+  backward half runs under lax.cond: XLA compiles each model's layers once instead of once per
+  task variant, which keeps compiles short."""
+  plan: _ModelPlan
+  params: Dict[str, Any]       # {"layers" (leaves [L/S, ...]), "embed", "head"}
+  batch: Dict[str, jax.Array]  # this data shard's rows
+  num_tokens: jax.Array        # normalisers of the whole mini-batch
+  num_seqs: jax.Array
+  loss_cfg: LossConfig
+  msgs: _Messages
+
+  @property
+  def act_shape(self) -> Tuple[int, int, int]:  # [mb, L, H]
+    return (self.plan.rows, self.batch["tokens"].shape[1], self.plan.cfg.hidden_size)
+
+  @property
+  def act_dtype(self) -> Any:
+    return self.plan.cfg.jnp_dtype
+
+  def initial_state(self, stash_size: int, act_inbox: int, grad_inbox: int) -> _ModelState:
+    def ring(size):
+      return jnp.zeros((size,) + self.act_shape, self.act_dtype)
+    return _ModelState(stash=ring(stash_size), act_inbox=ring(act_inbox),
+                       grad_inbox=ring(grad_inbox),
+                       grads=jnp.zeros((self.plan.layout.device_size,), jnp.float32),
+                       metrics=jnp.zeros((self.plan.num_metrics,), jnp.float32))
+
+  def from_msg(self, msg: jax.Array) -> jax.Array:
+    return self.msgs.unpack(msg, self.act_shape, self.act_dtype)
+
+  def micro(self, j: jax.Array) -> Dict[str, jax.Array]:
+    """Rows j*mb .. j*mb+mb-1 of the data shard."""
+    rows = self.plan.rows
+    return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, j * rows, rows, axis=0),
+                        self.batch)
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    return stages.embed(self.plan.cfg, self.params["embed"], tokens)
+
+  def blocks(self, layers: Any, x: jax.Array) -> jax.Array:
+    return stages.blocks(self.plan.layer_cfg, layers, x, self.plan.gather_layer())
+
+  def branch(self, carry: _Carry, row: jax.Array) -> Tuple[_Carry, jax.Array, jax.Array]:
+    """Runs the row's task of this model: (carry, up message, down message)."""
+    state: _ModelState = getattr(carry, self.plan.name)
+    bwd, first, last = row[prog.BACKWARD] == 1, row[prog.FIRST] == 1, row[prog.LAST] == 1
+    mb = self.micro(row[prog.MICRO])
+    # The stage input: stashed (backward), received (forward) or embedded (first stage).
+    saved = state.stash[row[prog.STASH_SLOT]]  # [mb, L, H]
+    x_in = jnp.where(bwd, saved, state.act_inbox[row[prog.INBOX_SLOT]])
+    x_in = jnp.where(first, self.embed(mb["tokens"]).astype(x_in.dtype), x_in)
+    # A forward of a non-first stage keeps its input for its backward (recompute).
+    keep = jnp.logical_and(jnp.logical_not(bwd), jnp.logical_not(first))
+    stash = lax.dynamic_update_index_in_dim(state.stash, jnp.where(keep, x_in, saved),
+                                            row[prog.STASH_SLOT], 0)
+    y, blocks_vjp = jax.vjp(self.blocks, self.params["layers"], x_in)
+
+    def backward(grads, metrics):
+      return self.backward(grads, metrics, mb, y, blocks_vjp, first, last, state.grad_inbox,
+                           row[prog.INBOX_SLOT])
+    grads, metrics, dx = lax.cond(bwd, backward, functools.partial(self.forward, x_in=x_in),
+                                  state.grads, state.metrics)
+    state = state._replace(stash=stash, grads=grads, metrics=metrics)
+    up, down = self.send(bwd, first, last, y, dx)
+    return carry._replace(**{self.plan.name: state}), up, down
+
+  def forward(self, grads: jax.Array, metrics: jax.Array, x_in: jax.Array):
+    """A forward task: its output y (computed by `branch`) is all it makes; no gradient."""
+    return grads, metrics, jnp.zeros_like(x_in)
+
+  def backward(self, grads: jax.Array, metrics: jax.Array, mb: Dict[str, jax.Array],
+               y: jax.Array, blocks_vjp: Callable, first: jax.Array, last: jax.Array,
+               grad_inbox: jax.Array, slot: jax.Array):
+    """A backward task: the output gradient (from the head and loss on the last stage, else
+    received in `grad_inbox[slot]`), the layers' vjp, the embedding's on the first stage;
+    gradients accumulated. Returns (grads, metrics, dx: the input gradient to send back)."""
+    def received(grads, metrics):
+      return grads, metrics, grad_inbox[slot]
+    grads, metrics, dy = lax.cond(last, functools.partial(self.head_loss_grad, mb=mb, y=y),
+                                  received, grads, metrics)
+    d_layers, dx = blocks_vjp(dy)
+    grads = self.plan.layout.add(grads, "layers", d_layers)
+    grads = lax.cond(first, functools.partial(self.embed_grad, mb=mb, dx=dx), lambda g: g, grads)
+    return grads, metrics, dx
+
+  def head_loss_grad(self, grads: jax.Array, metrics: jax.Array, mb: Dict[str, jax.Array],
+                     y: jax.Array):
+    """Last stage: head + loss, their gradients, and the output gradient dy."""
+    cfg, p = self.plan.cfg, self.params
+    hp = {"head": p["head"]}
+    if cfg.tie_embeddings:
+      hp["embed"] = p["embed"]
+    loss, vjp, m = jax.vjp(
+        lambda hp, y: self.plan.head_loss(cfg, self.loss_cfg, hp.get("embed", p["embed"]),
+                                          hp["head"], y, mb, self.num_tokens, self.num_seqs),
+        hp, y, has_aux=True)
+    d_hp, dy = vjp(jnp.ones_like(loss))
+    for key, g in d_hp.items():
+      grads = self.plan.layout.add(grads, key, g)
+    return grads, metrics + m, dy.astype(y.dtype)
+
+  def embed_grad(self, grads: jax.Array, mb: Dict[str, jax.Array], dx: jax.Array) -> jax.Array:
+    """First stage: the embedding's gradient from the input gradient dx."""
+    _, vjp = jax.vjp(lambda e: stages.embed(self.plan.cfg, e, mb["tokens"]),
+                     self.params["embed"])
+    return self.plan.layout.add(grads, "embed", vjp(dx.astype(self.act_dtype))[0])
+
+  def send(self, bwd, first, last, y, dx) -> Tuple[jax.Array, jax.Array]:
+    """(up, down) messages: forwards send their output on (not from the last stage), backwards
+    the input gradient back (not from the first stage). The actor's forward direction is up;
+    the critic, placed in reverse, runs down."""
+    zero = self.msgs.zero()
+    send = jnp.where(bwd, jnp.logical_not(first), jnp.logical_not(last))
+    msg = jnp.where(send, self.msgs.pack(jnp.where(bwd, dx, y)), zero)
+    goes_up = jnp.logical_not(bwd) if self.plan.forward_up else bwd
+    return jnp.where(goes_up, msg, zero), jnp.where(goes_up, zero, msg)
+
+
+def _idle(msgs: _Messages) -> Callable:
+  """The idle branch: the carry unchanged, nothing sent."""
+  def idle(carry, row):
+    del row
+    zero = msgs.zero()
+    return carry, zero, zero
+  return idle
+
+
+def _exchange(carry: _Carry, row: jax.Array, up: jax.Array, down: jax.Array,
+              tasks: Dict[str, _StageTasks], n: int) -> _Carry:
+  """The end of a tick: `up` moves d -> d+1 (actor activations, critic gradients), `down`
+  d -> d-1 (actor gradients, critic activations), and each device files what arrives into the
+  inbox ring its table row names (or nowhere: RECV_NONE)."""
+  up_in = lax.ppermute(up, STAGE_AXES, [(d, d + 1) for d in range(n - 1)])
+  down_in = lax.ppermute(down, STAGE_AXES, [(d + 1, d) for d in range(n - 1)])
+  carry = _file(carry, tasks, up_in, row[prog.UP_RECV], row[prog.UP_SLOT],
+                act_model="actor", grad_model="critic")
+  return _file(carry, tasks, down_in, row[prog.DOWN_RECV], row[prog.DOWN_SLOT],
+               act_model="critic", grad_model="actor")
+
+
+def _file(carry: _Carry, tasks: Dict[str, _StageTasks], msg: jax.Array, code: jax.Array,
+          slot: jax.Array, act_model: str, grad_model: str) -> _Carry:
+  """Writes an arrived message into `act_model`'s activation inbox (code RECV_ACT) or
+  `grad_model`'s gradient inbox (RECV_GRAD); both slots are rewritten, unchanged if not named."""
+  def put(ring, want, model):
+    new = jnp.where(code == want, tasks[model].from_msg(msg), ring[slot])
+    return lax.dynamic_update_index_in_dim(ring, new, slot, 0)
+  act, grad = getattr(carry, act_model), getattr(carry, grad_model)
+  return carry._replace(**{
+      act_model: act._replace(act_inbox=put(act.act_inbox, prog.RECV_ACT, act_model)),
+      grad_model: grad._replace(grad_inbox=put(grad.grad_inbox, prog.RECV_GRAD, grad_model))})
+
+
+def _gather_tail(tree: Any, dims: Any) -> Any:
+  """This device's 1/N of each embedding/head leaf -> whole (all-gather over the stages)."""
+  return jax.tree.map(
+      lambda x, k: x if k < 0 else lax.all_gather(x, STAGE_AXES, axis=k, tiled=True), tree, dims)
+
+
+def _scatter_tail(tree: Any, dims: Any, data_axes: Tuple[str, ...]) -> Any:
+  """Whole embedding/head gradients -> summed over all devices, this device's 1/N kept."""
+  def one(g, k):
+    g = lax.psum(g, data_axes) if data_axes else g
+    if k < 0:
+      return lax.psum(g, STAGE_AXES)
+    return lax.psum_scatter(g, STAGE_AXES, scatter_dimension=k, tiled=True)
+  return jax.tree.map(one, tree, dims)
+
+
+def _model_grads_out(plan: _ModelPlan, acc: jax.Array, data_axes: Tuple[str, ...]
+                     ) -> Dict[str, Any]:
+  """A device's accumulator -> its block of the stage-stacked gradient tree. Layer gradients
+  stay on the device: summed over the data shards (and the critic's replicas); the embedding
+  and head gradients are summed over all devices and each device keeps its 1/N."""
+  layers, embed, head = plan.layout.split_accumulator(acc)
+
+  def layer_sum(g, split):  # fsdp-split leaves are summed over fsdp already (reduce-scatter)
+    axes = tuple(a for a in data_axes if a != "fsdp" or "fsdp" not in split.dims)
+    axes += plan.replica_axes
+    return lax.psum(g, axes) if axes else g
+  return {"layers": jax.tree.map(layer_sum, layers, plan.splits),
+          "embed": _scatter_tail(embed, plan.tail_dims["embed"], data_axes),
+          "head": _scatter_tail(head, plan.tail_dims["head"], data_axes)}
+
+
+def _model_plans(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int
+                 ) -> Dict[str, _ModelPlan]:
+  n, splits = spec.num_devices, _splits(spec)
+  fsdp, tensor = _axis_sizes(spec.mesh)
+  plans = {}
+  for m, cfg, rows, replica_axes in (("actor", spec.actor_cfg, mba, ()),
+                                     ("critic", spec.critic_cfg, mbc, (REPLICA_AXIS,))):
+    layout = _local_layout(layouts[m], splits[m], spec.mesh)
+    shapes = layout.staged_shapes()
+    # The stage runs its layers itself (stages.blocks): how the whole model would run them
+    # (cfg.scan_layers) only matters to the layout's stack / unstack.
+    cfg = cfg.replace(scan_layers=False)
+    plans[m] = _ModelPlan(
+        name=m, cfg=cfg, layer_cfg=local_config(cfg, tensor), layout=layout, splits=splits[m],
+        tail_dims={part: jax.tree.map(lambda x: tail_dim(x.shape, n), shapes[part])
+                   for part in ("embed", "head")},
+        rows=rows, forward_up=m == "actor", replica_axes=replica_axes, fsdp=fsdp > 1)
+  return plans
+
+
+def _make_body(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int) -> Callable:
+  """The per-device code: fori_loop over ticks of (switch, two ppermutes, file arrivals)."""
+  plans = _model_plans(spec, layouts, mba, mbc)
+  tensor = _axis_sizes(spec.mesh)[1]
   all_axes = STAGE_AXES + spec.data_axes
 
-  def scatter_tail(tree, dims):  # whole gradients -> summed over all devices, this device's 1/N
-    def one(g, k):
-      g = lax.psum(g, spec.data_axes) if spec.data_axes else g
-      if k < 0:
-        return lax.psum(g, STAGE_AXES)
-      return lax.psum_scatter(g, STAGE_AXES, scatter_dimension=k, tiled=True)
-    return jax.tree.map(one, tree, dims)
-
-  # tail_dim of every embedding/head leaf, from the whole shapes.
-  tail_dims = {m: {part: jax.tree.map(lambda x: tail_dim(x.shape, n),
-                                      layouts[m].staged_shapes()[part])
-                   for part in ("embed", "head")} for m in MODELS}
-
-  def gather_tail(tree, dims):  # this device's 1/N of each embedding/head leaf -> whole
-    return jax.tree.map(
-        lambda x, k: x if k < 0 else lax.all_gather(x, STAGE_AXES, axis=k, tiled=True),
-        tree, dims)
-
-  def body(*args):
+  def body(table, actor, critic, batch, num_tokens, num_seqs):
     # Attention and MLP sum their tensor-split outputs over "tensor" (llama.tensor_parallel).
     with llama.tensor_parallel("tensor" if tensor > 1 else None):
-      return run_body(*args)
+      seq_len = batch["tokens"].shape[1]
+      sizes = [p.rows * seq_len * p.cfg.hidden_size for p in plans.values()]
+      msgs = _Messages(max(sizes), jnp.result_type(*(p.cfg.jnp_dtype for p in plans.values())))
+      # This device's stages (critic stage Pc-1-(device mod Pc): its rows are stored
+      # reversed), with the embedding and head gathered whole.
+      tasks = {}
+      for m, local in (("actor", actor), ("critic", critic)):
+        plan = plans[m]
+        whole = {part: _gather_tail(local[part], plan.tail_dims[part])
+                 for part in ("embed", "head")}
+        tasks[m] = _StageTasks(plan, plan.layout.local_tree({**local, **whole}), batch,
+                               num_tokens, num_seqs, spec.loss_cfg, msgs)
+      # Branches indexed by the row's MODEL field (prog.IDLE, prog.ACTOR, prog.CRITIC).
+      branches = [_idle(msgs), tasks["actor"].branch, tasks["critic"].branch]
+      my_table = table[lax.axis_index(STAGE_AXES)]  # [ticks, FIELDS]
 
-  def run_body(table, actor, critic, batch, num_tokens, num_seqs):
-    device = lax.axis_index(STAGE_AXES)
-    # This device's stages (critic stage Pc-1-(device mod Pc): its rows are stored reversed),
-    # with the embedding and head gathered whole.
-    params = {}
-    for m, local in (("actor", actor), ("critic", critic)):
-      whole = {part: gather_tail(local[part], tail_dims[m][part]) for part in ("embed", "head")}
-      params[m] = layouts[m].local_tree({**local, **whole})
-    seq_len = batch["tokens"].shape[1]
-    act_shape = {m: (mb_rows[m], seq_len, cfgs[m].hidden_size) for m in MODELS}  # [mb, L, H]
-    act_dtype = {m: cfgs[m].jnp_dtype for m in MODELS}
-    msg_size = max(math.prod(s) for s in act_shape.values())
-    msg_dtype = jnp.result_type(*act_dtype.values())
-    zero_msg = jnp.zeros((msg_size,), msg_dtype)
+      def tick(t, carry):
+        row = my_table[t]
+        carry, up, down = lax.switch(row[prog.MODEL], branches, carry, row)
+        return _exchange(carry, row, up, down, tasks, spec.num_devices)
 
-    def to_msg(y):  # [mb, L, H] -> [msg_size], padded: both models share the channels
-      flat = y.reshape(-1).astype(msg_dtype)
-      return jnp.pad(flat, (0, msg_size - flat.shape[0]))
-
-    def from_msg(msg, model):
-      shape = act_shape[model]
-      return msg[:math.prod(shape)].reshape(shape).astype(act_dtype[model])
-
-    def micro(model, j):
-      rows = mb_rows[model]
-      return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, j * rows, rows, axis=0), batch)
-
-    def model_task(model: str) -> Callable:
-      """One branch runs any task of `model`; the row's flags pick forward or backward and
-      first / middle / last stage. The stage's layers are traced once, as one jax.vjp whose
-      backward half runs under lax.cond: XLA compiles each model's layers once instead of once
-      per task variant, which keeps compiles short."""
-      cfg, p, layout = cfgs[model], params[model], layouts[model]
-      act_box, grad_box = f"{model}_act", f"{model}_grad"
-
-      def run(carry, row):
-        bwd, first, last = row[prog.BACKWARD] == 1, row[prog.FIRST] == 1, row[prog.LAST] == 1
-        mb = micro(model, row[prog.MICRO])
-        stash = carry["stash"][model]
-        saved = stash[row[prog.STASH_SLOT]]  # [mb, L, H]
-        x_in = jnp.where(bwd, saved, carry["inbox"][act_box][row[prog.INBOX_SLOT]])
-        x_in = jnp.where(first, stages.embed(cfg, p["embed"], mb["tokens"]).astype(x_in.dtype),
-                         x_in)
-        # A forward of a non-first stage keeps its input for its backward (recompute).
-        keep = jnp.logical_and(jnp.logical_not(bwd), jnp.logical_not(first))
-        stash = lax.dynamic_update_index_in_dim(stash, jnp.where(keep, x_in, saved),
-                                                row[prog.STASH_SLOT], 0)
-        y, blocks_vjp = jax.vjp(
-            lambda layers, x: stages.blocks(layer_cfgs[model], layers, x, gather_layer(model)),
-            p["layers"], x_in)
-
-        def loss_grad(acc, metrics):
-          """Last stage: head + loss, their gradients, and the output gradient dy."""
-          hp = {"head": p["head"]}
-          if cfg.tie_embeddings:
-            hp["embed"] = p["embed"]
-          loss, vjp, m = jax.vjp(
-              lambda hp, y: head_loss[model](cfg, loss_cfg, hp.get("embed", p["embed"]),
-                                             hp["head"], y, mb, num_tokens, num_seqs),
-              hp, y, has_aux=True)
-          d_hp, dy = vjp(jnp.ones_like(loss))
-          for key, g in d_hp.items():
-            acc = layout.add(acc, key, g)
-          return acc, metrics + m, dy.astype(y.dtype)
-
-        def received_grad(acc, metrics):
-          return acc, metrics, from_msg(carry["inbox"][grad_box][row[prog.INBOX_SLOT]], model)
-
-        def backward(acc, metrics):
-          acc, metrics, dy = lax.cond(last, loss_grad, received_grad, acc, metrics)
-          d_layers, dx = blocks_vjp(dy)
-          acc = layout.add(acc, "layers", d_layers)
-
-          def embed_grad(acc):
-            _, vjp = jax.vjp(lambda e: stages.embed(cfg, e, mb["tokens"]), p["embed"])
-            return layout.add(acc, "embed", vjp(dx.astype(act_dtype[model]))[0])
-          acc = lax.cond(first, embed_grad, lambda acc: acc, acc)
-          return acc, metrics, dx
-
-        def forward(acc, metrics):
-          return acc, metrics, jnp.zeros_like(x_in)
-
-        acc, metrics, dx = lax.cond(bwd, backward, forward, carry["grads"][model],
-                                    carry["metrics"][model])
-        carry = {**carry, "stash": {**carry["stash"], model: stash},
-                 "grads": {**carry["grads"], model: acc},
-                 "metrics": {**carry["metrics"], model: metrics}}
-        # Forwards send their output on (not from the last stage), backwards the input gradient
-        # back (not from the first stage).
-        send = jnp.where(bwd, jnp.logical_not(first), jnp.logical_not(last))
-        msg = jnp.where(send, to_msg(jnp.where(bwd, dx, y)), zero_msg)
-        # The actor's forward direction is up; the critic, placed in reverse, runs down.
-        goes_up = jnp.logical_not(bwd) if model == "actor" else bwd
-        return (carry, jnp.where(goes_up, msg, zero_msg),
-                jnp.where(goes_up, zero_msg, msg))
-      return run
-
-    # Branches indexed by the row's MODEL field (prog.IDLE, prog.ACTOR, prog.CRITIC).
-    branches = [lambda carry, row: (carry, zero_msg, zero_msg), model_task("actor"),
-                model_task("critic")]
-    up_targets = {prog.RECV_ACT: ("actor_act", "actor"), prog.RECV_GRAD: ("critic_grad", "critic")}
-    down_targets = {prog.RECV_ACT: ("critic_act", "critic"),
-                    prog.RECV_GRAD: ("actor_grad", "actor")}
-
-    def file_msg(carry, msg, code, slot, targets):
-      """Writes an arrived message into the inbox its code names (or nowhere: RECV_NONE)."""
-      inbox = dict(carry["inbox"])
-      for want, (name, model) in targets.items():
-        buf = inbox[name]
-        new = jnp.where(code == want, from_msg(msg, model), buf[slot])
-        inbox[name] = lax.dynamic_update_index_in_dim(buf, new, slot, 0)
-      return {**carry, "inbox": inbox}
-
-    my_table = table[device]  # [ticks, FIELDS]
-
-    def tick(t, carry):
-      row = my_table[t]
-      carry, up_msg, down_msg = lax.switch(row[prog.MODEL], branches, carry, row)
-      up_in = lax.ppermute(up_msg, STAGE_AXES, up_perm)
-      down_in = lax.ppermute(down_msg, STAGE_AXES, down_perm)
-      carry = file_msg(carry, up_in, row[prog.UP_RECV], row[prog.UP_SLOT], up_targets)
-      return file_msg(carry, down_in, row[prog.DOWN_RECV], row[prog.DOWN_SLOT], down_targets)
-
-    inbox_model = {name: ("actor" if name.startswith("actor") else "critic")
-                   for name in prog.INBOXES}
-    carry = {
-        "stash": {m: jnp.zeros((size,) + act_shape[m], act_dtype[m])  # [ring, mb, L, H]
-                  for m, size in zip(MODELS, spec.stash_sizes)},
-        "inbox": {name: jnp.zeros((size,) + act_shape[inbox_model[name]],
-                                  act_dtype[inbox_model[name]])
-                  for name, size in zip(prog.INBOXES, spec.inbox_sizes)},
-        "grads": {m: jnp.zeros((layouts[m].device_size,), jnp.float32) for m in MODELS},
-        "metrics": {"actor": jnp.zeros((len(stages.ACTOR_METRICS),), jnp.float32),
-                    "critic": jnp.zeros((len(stages.CRITIC_METRICS),), jnp.float32)},
-    }
-    carry = lax.fori_loop(0, my_table.shape[0], tick, carry)
-    # Each device's layer gradients stay on it: summed over the data shards (and the critic's
-    # replicas); the embedding and head gradients are summed over all devices and each device
-    # keeps its 1/N (reduce-scatter over the stage devices).
-    out = {}
-    for m, extra in (("actor", ()), ("critic", (REPLICA_AXIS,))):
-      layers, embed, head = layouts[m].split_accumulator(carry["grads"][m])
-
-      def layer_sum(g, split, extra=extra):  # fsdp-split leaves are summed over fsdp already
-        axes = tuple(a for a in spec.data_axes if a != "fsdp" or "fsdp" not in split.dims)
-        axes += extra
-        return lax.psum(g, axes) if axes else g
-      out[m] = {"layers": jax.tree.map(layer_sum, layers, splits[m]),
-                "embed": scatter_tail(embed, tail_dims[m]["embed"]),
-                "head": scatter_tail(head, tail_dims[m]["head"])}
-    return (out["actor"], out["critic"], lax.psum(carry["metrics"]["actor"], all_axes),
-            lax.psum(carry["metrics"]["critic"], all_axes))
+      inbox = dict(zip(prog.INBOXES, spec.inbox_sizes))
+      carry = _Carry(*(tasks[m].initial_state(stash, inbox[f"{m}_act"], inbox[f"{m}_grad"])
+                       for m, stash in zip(MODELS, spec.stash_sizes)))
+      carry = lax.fori_loop(0, my_table.shape[0], tick, carry)
+      out = {m: _model_grads_out(plans[m], getattr(carry, m).grads, spec.data_axes)
+             for m in MODELS}
+      return (out["actor"], out["critic"], lax.psum(carry.actor.metrics, all_axes),
+              lax.psum(carry.critic.metrics, all_axes))
 
   return body
 

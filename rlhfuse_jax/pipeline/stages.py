@@ -5,7 +5,8 @@ also embeds the tokens, the last stage also runs the head and the loss. `StageLa
 the layers as leaves [P, L/P, *shape], so a pipeline axis shards them by stage and each device
 keeps only its own layers; the pipeline executor splits the embedding and the head over all stage
 devices and gathers them whole for the step (only their stages use them, with tied embeddings
-both ends).
+both ends). The stage-stacked tree is a reshape of the layer stack [L, ...] of `scan_layers`
+(layers/block); an unrolled model (layers_0 .. layers_{L-1}) is stacked first, to the same tree.
 
 Losses are split over micro-batches exactly: each micro-batch's loss uses the normalisers of the
 whole mini-batch (`num_tokens`, `num_seqs`), so the sum of the micro-batch losses and of their
@@ -73,15 +74,22 @@ class StageLayout:
 
   def __init__(self, cfg: ModelConfig, params: Any, num_stages: int, name: str = "model",
                reverse: bool = False):
-    """`params`: the model's unpipelined or stage-stacked tree, arrays or ShapeDtypeStructs
-    (only shapes and dtypes are read). `reverse`: the stage-stacked tree stores the stages in
-    reverse row order (`row`)."""
+    """`params`: the model's unpipelined tree (unrolled or scanned) or its stage-stacked tree,
+    arrays or ShapeDtypeStructs (only shapes and dtypes are read). `reverse`: the stage-stacked
+    tree stores the stages in reverse row order (`row`). `cfg.scan_layers` picks the form of
+    the unpipelined trees `stack` takes and `unstack` returns (`scanned`)."""
     self.cfg, self.num_stages, self.reverse = cfg, num_stages, reverse
+    self.scanned = cfg.scan_layers
     self.per_stage = check_split(cfg, num_stages, name)
-    if "layers" in params:  # stage-stacked: drop the [S, L/S] rows
-      layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), params["layers"])
-    else:
+
+    def one_layer(tree, lead):  # a stacked layer tree without its `lead` leading dims
+      return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[lead:], x.dtype), tree)
+    if "layers_0" in params:  # unrolled
       layer = params["layers_0"]
+    elif _is_scanned(params):  # scan_layers: leaves [L, ...]
+      layer = one_layer(params["layers"]["block"], 1)
+    else:  # stage-stacked: leaves [S, L/S, ...]
+      layer = one_layer(params["layers"], 2)
     self._layer_leaves, self._layer_def = _shapes(layer)
     self._embed_leaves, self._embed_def = _shapes(params["embed"])
     self._head_leaves, self._head_def = _shapes(params["head"])
@@ -120,31 +128,43 @@ class StageLayout:
   # reverse row order (row j = stage S-1-j): the critic, placed in the reverse direction.
 
   def row(self, stage: int) -> int:
-    """The row of the stage-stacked tree that holds `stage`."""
+    """The row of the stage-stacked tree that holds `stage` (and the stage row `stage` holds:
+    the map is its own inverse)."""
     return self.num_stages - 1 - stage if self.reverse else stage
 
+  def _in_row_order(self, x: Any) -> Any:
+    """A leaf [S, ...] in stage order <-> in row order (a flip of a reverse layout's rows)."""
+    return x[::-1] if self.reverse else x
+
   def stack(self, params: Any) -> Dict[str, Any]:
-    """Unpipelined params (embed, layers_i, head) -> the stage-stacked tree."""
-    order = [self.row(r) for r in range(self.num_stages)]  # the stage each row holds
-    per_layer = [jax.tree.leaves(params[f"layers_{i}"]) for i in range(self.cfg.num_layers)]
-    leaves = []
-    for leaf in range(len(self._layer_leaves)):
-      rows = [jnp.stack([per_layer[s * self.per_stage + k][leaf] for k in range(self.per_stage)])
-              for s in order]
-      leaves.append(jnp.stack(rows))  # [S, L/S, *shape]
+    """Unpipelined params -> the stage-stacked tree: the layer stack [L, ...] of scan_layers
+    reshaped to [S, L/S, ...] (row s = layers s*L/S .. (s+1)*L/S - 1), the rows flipped for a
+    reverse layout. An unrolled model (layers_0 .. layers_{L-1}) is stacked first
+    (llama.stack_layers)."""
+    self._check_form(params)
+    if not self.scanned:
+      params = llama.stack_layers(params, self.cfg.num_layers)
+    shape = (self.num_stages, self.per_stage)
+    leaves = [self._in_row_order(x.reshape(shape + x.shape[1:]))
+              for x in jax.tree.leaves(params["layers"]["block"])]
     return {"embed": params["embed"], "layers": jax.tree.unflatten(self._layer_def, leaves),
             "head": params["head"]}
 
   def unstack(self, staged: Dict[str, Any]) -> Dict[str, Any]:
-    """The stage-stacked tree -> unpipelined params (embed, layers_i, head)."""
-    leaves = jax.tree.leaves(staged["layers"])
-    out = {"embed": staged["embed"], "head": staged["head"]}
-    for s in range(self.num_stages):
-      row = self.row(s)
-      for k in range(self.per_stage):
-        out[f"layers_{s * self.per_stage + k}"] = jax.tree.unflatten(
-            self._layer_def, [x[row, k] for x in leaves])
-    return out
+    """The stage-stacked tree -> unpipelined params in the model's form (cfg.scan_layers):
+    rows back in stage order and reshaped to the layer stack [L, ...] (layers/block), unrolled
+    into layers_0 .. layers_{L-1} (llama.unstack_layers) for an unrolled model."""
+    num_layers = self.cfg.num_layers
+    block = jax.tree.map(lambda x: self._in_row_order(x).reshape((num_layers,) + x.shape[2:]),
+                         staged["layers"])
+    params = {"embed": staged["embed"], "layers": {"block": block}, "head": staged["head"]}
+    return params if self.scanned else llama.unstack_layers(params)
+
+  def _check_form(self, params: Any) -> None:
+    """`stack` takes the model's own form (llama.stack_layers / unstack_layers convert)."""
+    if self.scanned != _is_scanned(params):
+      form = "scanned (layers/block)" if _is_scanned(params) else "unrolled (layers_i)"
+      raise ValueError(f"params are {form}, but the model's cfg.scan_layers={self.scanned}")
 
   def staged_shapes(self) -> Dict[str, Any]:
     """jax.ShapeDtypeStruct tree of the stage-stacked parameters (no placement)."""
@@ -183,6 +203,14 @@ def staged_decay_mask(staged: Dict[str, Any]) -> Dict[str, Any]:
 def param_shapes(cfg: ModelConfig) -> Any:
   """ShapeDtypeStructs of llama.init_params(cfg)'s parameters."""
   return jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
+
+
+def _is_scanned(params: Any) -> bool:
+  """Whether an unpipelined tree is in the scan_layers form (llama.stack_layers): its layers one
+  subtree layers/block of leaves [L, ...]. (A stage-stacked tree's "layers" is a layer's tree,
+  which has no "block".)"""
+  layers = params.get("layers")
+  return hasattr(layers, "keys") and set(layers.keys()) == {"block"}
 
 
 def _shapes(tree: Any) -> Tuple[list, Any]:

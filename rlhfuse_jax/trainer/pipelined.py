@@ -84,11 +84,6 @@ def check_config(cfg: TrainConfig, mesh: Mesh) -> None:
       raise ValueError(f"config.{field}={model.num_layers} must be divisible by its pipeline "
                        f"stages {n} (mesh.stage={stages}, pipeline.critic_pp={critic_pp}): "
                        "layers are split evenly over stages")
-  for field, model in (("model", cfg.model), ("critic_model", cfg.critic_model)):
-    if model.scan_layers:
-      raise ValueError(f"config.{field}.scan_layers=True with mesh.stage={stages} > 1: the "
-                       "pipeline stacks each stage's layers itself (pipeline/stages.py); set "
-                       f"{field}.scan_layers=False")
   tensor = mesh.shape["tensor"]
   for field, model in (("model", cfg.model), ("critic_model", cfg.critic_model)):
     for name in ("num_heads", "num_kv_heads", "intermediate_size"):
@@ -192,7 +187,8 @@ class PipelinedUpdate:
   # layers, their gradients and their optimizer moments, nothing of the other stages.
 
   def to_staged(self, model: str, params: Any) -> Any:
-    """Unpipelined params of "actor" / "critic" -> the stage-stacked tree, placed."""
+    """Unpipelined params of "actor" / "critic" (in the model's form: unrolled, or scanned
+    under scan_layers) -> the stage-stacked tree, placed (StageLayout.stack)."""
     key = ("staged", model)
     if key not in self._conversions:
       self._conversions[key] = jax.jit(functools.partial(self.executor.stack, model),
@@ -226,17 +222,22 @@ class PipelinedUpdate:
             src.shape).get))
     layer_leaves = jax.tree.leaves(staged["layers"])  # [S, L/S, *shape] each
     boxes = [x.sharding.devices_indices_map(x.shape) for x in layer_leaves]
-    for i in range(layout.cfg.num_layers):
-      stage, k = divmod(i, layout.per_stage)
-      row = layout.row(stage)
+    if layout.scanned:  # whole leaves [L, *shape]: what a device holds is one box of layers
+      for box_map, dst in zip(boxes, jax.tree.leaves(whole["layers"]["block"])):
+        received.update(mesh_lib.missing_bytes(dst, functools.partial(
+            _held_layers, layout=layout, box_map=box_map)))
+    else:  # unrolled: layer by layer
+      for i in range(layout.cfg.num_layers):
+        stage, k = divmod(i, layout.per_stage)
+        row = layout.row(stage)
 
-      def held(device, box_map):  # what `device` holds of layer i's leaf, as a box
-        rows, ks, *rest = box_map[device]
-        inside = (row in range(*rows.indices(layout.num_stages)) and
-                  k in range(*ks.indices(layout.per_stage)))
-        return tuple(rest) if inside else None
-      for box_map, dst in zip(boxes, jax.tree.leaves(whole[f"layers_{i}"])):
-        received.update(mesh_lib.missing_bytes(dst, functools.partial(held, box_map=box_map)))
+        def held(device, box_map, row=row, k=k):  # what `device` holds of layer i's leaf
+          rows, ks, *rest = box_map[device]
+          inside = (row in range(*rows.indices(layout.num_stages)) and
+                    k in range(*ks.indices(layout.per_stage)))
+          return tuple(rest) if inside else None
+        for box_map, dst in zip(boxes, jax.tree.leaves(whole[f"layers_{i}"])):
+          received.update(mesh_lib.missing_bytes(dst, functools.partial(held, box_map=box_map)))
     self._reshard_bytes[key] = max(received.values())
     return self._reshard_bytes[key]
 
@@ -275,6 +276,20 @@ class PipelinedUpdate:
       return actor, critic, metrics
 
     return update
+
+
+def _held_layers(device: Any, layout: Any, box_map: Dict[Any, tuple]) -> Tuple[slice, ...]:
+  """What `device` holds of a scanned layer leaf [L, *shape], as a box, from its box of the
+  stage-stacked leaf [S, L/S, *shape]: its rows are consecutive stages (a reverse layout's rows
+  too), so with whole rows (the stage placement never splits L/S) its layers are consecutive."""
+  rows, ks, *rest = box_map[device]
+  stage_ids = sorted(layout.row(r) for r in range(*rows.indices(layout.num_stages)))
+  k0, k1, _ = ks.indices(layout.per_stage)
+  if len(stage_ids) > 1 and (k0, k1) != (0, layout.per_stage):
+    raise NotImplementedError(f"a device holds part of each of the stages {stage_ids}: its "
+                              "layers are no single box")
+  first = stage_ids[0] * layout.per_stage
+  return (slice(first + k0, stage_ids[-1] * layout.per_stage + k1),) + tuple(rest)
 
 
 def make_pipelined_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoConfig,
