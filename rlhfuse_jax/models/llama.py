@@ -78,7 +78,8 @@ class ModelConfig:
   remat: str = "none"  # none | full | dots: what each Block keeps for the backward
   # One scanned Block instead of num_layers unrolled ones: params["layers"]["block"] leaves get
   # a leading [num_layers] axis (`stack_layers` / `unstack_layers` convert), and compile time
-  # no longer grows with depth. Pipelined runs stack layers per stage themselves: unscanned.
+  # no longer grows with depth. A pipelined run reshapes the stack into its stages
+  # ([L, ...] -> [stages, L/stages, ...], pipeline/stages.py).
   scan_layers: bool = False
 
   def __post_init__(self):
