@@ -1,6 +1,9 @@
 """Inter-stage fusion engine: identical outputs with and without consolidation (instances of 1
-and of 2 devices), migrated KV rows equal the source rows, capacity limits, streamed inference
-equals inference after generation, the Rt choice, and clear errors."""
+and of 2 devices, Rt fixed or "auto", one or two consolidations), migrated KV rows equal the
+source rows, capacity limits, streamed inference equals inference after generation, the Rt
+choice, and clear errors."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from rlhfuse_jax.policy.lengths import LengthHistogram
 from rlhfuse_jax.sim import rt_model
 from rlhfuse_jax.sim.generation_sim import GenSetup
 from rlhfuse_jax.sim.shapes import from_model_config
+from rlhfuse_jax.trainer.rt_auto import simulated_rt_model
 
 CFG = llama.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
                         num_heads=4, num_kv_heads=2, max_seq_len=64)
@@ -70,6 +74,31 @@ def runs(one_device):
 def assert_same_samples(a, b):
   for f in ("response_tokens", "response_lens", "logprobs", "stop_reason"):
     np.testing.assert_array_equal(getattr(a.rollout, f), getattr(b.rollout, f), err_msg=f)
+
+
+def assert_same_outputs(a, b):
+  """Bitwise: tokens, log-probs, lengths, stop reasons, reference, critic and reward."""
+  assert_same_samples(a, b)
+  for name in ("ref_logp", "values", "rewards"):
+    np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+
+
+def variant(gen, actor, params, rt_model=None, **fields):
+  """A FusedGenerator like `gen` with other config fields, built by the real constructor but
+  running `gen`'s executables (same devices, same shapes): compiling 4 instances again would
+  cost ~20 s on 2 cores."""
+  real = instances.compile_all
+  instances.compile_all = lambda *args, **kw: None
+  try:
+    new = FusedGenerator(gen.cfg, gen.sampling, dataclasses.replace(gen.config, **fields),
+                         batch_size=gen.batch_size, prompt_len=gen.prompt_len, frozen=gen.frozen,
+                         actor_params=actor, frozen_params=params, rt_model=rt_model)
+  finally:
+    instances.compile_all = real
+  for mine, theirs in zip(new.instances, gen.instances, strict=True):
+    assert mine.devices == theirs.devices and mine.shape_class == theirs.shape_class
+    mine._exe = theirs._exe
+  return new
 
 
 def test_identical_outputs_with_and_without_consolidation(runs):
@@ -156,6 +185,64 @@ def test_migrated_kv_rows_equal_source_rows(one_device):
     take = lambda x, i: np.take(x, i, axis=ax)
     np.testing.assert_array_equal(take(a, [1, 3]), take(s, [2, 0]))  # bitwise, KV included
     np.testing.assert_array_equal(take(a, [0, 2]), take(b, [0, 2]))  # other slots untouched
+
+
+def test_auto_rt_outputs_identical_and_choice_recorded(one_device, runs):
+  """migration_threshold="auto" with the trainer's simulated model: the first batch (no length
+  seen yet) runs the prior Rt, the second the simulated choice, recorded in rt_choice (the
+  candidate with the least simulated time, every candidate simulated) and in fusion/rt. Both
+  give the unfused run's outputs bitwise; the second consolidates (every candidate does on
+  this batch; the prior Rt, 0.2, does not: the last 4 samples end in the same chunk)."""
+  gen, actor, params = one_device
+  (tokens, lens, budgets), base, _, _ = runs
+  candidates = (0.25, 0.5, 1.0)  # all consolidate on this batch, whichever the timing picks
+  auto = variant(gen, actor, params, rt_model=simulated_rt_model, migration_threshold="auto",
+                 rt_candidates=candidates)
+  assert auto.fixed_rt is None
+  first = auto.run(actor, params, tokens, lens, KEY, budgets=budgets)
+  assert auto.calibration is not None  # costs measured once, on the engine's executables
+  assert first.rt_choice.rt == first.rt == rt_choice.PRIOR_RT == first.metrics["fusion/rt"]
+  assert first.rt_choice.simulated_s == {}
+  second = auto.run(actor, params, tokens, lens, KEY, budgets=budgets)
+  choice = second.rt_choice
+  assert set(choice.simulated_s) == set(candidates)
+  assert choice.rt == min(candidates, key=lambda r: (choice.simulated_s[r], r))
+  assert second.rt == choice.rt == second.metrics["fusion/rt"]
+  assert second.metrics["gen/migrated_samples"] > 0, second.no_migration
+  for out in (first, second):
+    assert_same_outputs(base, out)
+
+
+def test_two_consolidations_outputs_identical(one_device):
+  """max_consolidations=2 on a batch built to need two: after prefill 8 samples are left, two
+  on each of the 4 instances (Rt=0.5: 8 <= 0.5 x 16), which pack into 2 instances; after two
+  chunks 4 are left, two on each, which pack into 1. Both consolidations run (the second moves
+  two rows between one pair of instances), outputs equal the unfused run bitwise; with
+  max_consolidations=1 only the first runs."""
+  gen, actor, params = one_device
+  # Full prompts: every instance holds the same KV tokens, so the plans are fixed by indices:
+  # instances 0 and 1 kept, 2 and 3 moved there (tails 0, 2 on 0 and 1, 3 on 1); then 0 kept.
+  tokens = np.random.default_rng(4).integers(1, CFG.vocab_size, (16, P)).astype(np.int32)
+  lens = np.full(16, P, np.int32)
+  budgets = np.ones(16, np.int32)  # sample b: instance b % 4, slot b // 4
+  budgets[0:4] = T  # the tail: one sample per instance
+  budgets[4:8] = 5  # done in the second chunk (1 token at prefill, 3 per chunk)
+  base = gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=False)
+  np.testing.assert_array_equal(base.rollout.response_lens, budgets)
+  once = gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=True, rt=0.5)
+  twice = variant(gen, actor, params, max_consolidations=2).run(
+      actor, params, tokens, lens, KEY, budgets=budgets, fuse=True, rt=0.5)
+  assert [(c["step"], c["unfinished"], c["kept"], c["moves"]) for c in twice.consolidations] == [
+      (0, 8, [0, 1], 4), (6, 4, [0], 2)]
+  assert len(twice.timeline.consolidations) == 2
+  m = twice.metrics
+  assert (m["gen/consolidated_from"], m["gen/consolidated_to"], m["gen/migrated_samples"]) == (
+      4, 1, 6)
+  assert [(c["step"], len(c["kept"])) for c in once.consolidations] == [(0, 2)]
+  assert (once.metrics["gen/consolidated_to"], once.metrics["gen/migrated_samples"]) == (2, 4)
+  assert m["gen/instance_chunks"] < once.metrics["gen/instance_chunks"]
+  for out in (once, twice):
+    assert_same_outputs(base, out)
 
 
 def test_two_device_instances_identical_with_and_without_consolidation():
