@@ -137,9 +137,11 @@ class Task(abc.ABC):
     return hits / max(len(ids), len(target))
 
   def batch_rewards(self, records: Sequence[Mapping[str, Any]], response_ids: np.ndarray,
-                    response_lengths: np.ndarray) -> np.ndarray:
-    """`reward` over a batch.  response_ids [B, T], response_lengths [B] -> [B] float32"""
-    return target_match(records, response_ids, response_lengths, self.tokenizer)
+                    response_lengths: np.ndarray, tokenizer: Any = None) -> np.ndarray:
+    """`reward` over a batch.  response_ids [B, T], response_lengths [B] -> [B] float32.
+    `tokenizer`: the one that produced the ids when it is not the task's own (a run with
+    init.tokenizer); the targets are tokenised with it too."""
+    return target_match(records, response_ids, response_lengths, tokenizer or self.tokenizer)
 
   def response_stats(self, response_ids: np.ndarray, response_lengths: np.ndarray
                      ) -> dict[str, float]:

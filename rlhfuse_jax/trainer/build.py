@@ -51,16 +51,35 @@ def build_dataset(cfg: TrainConfig, task, tokenizer: Tokenizer) -> prompts_lib.P
       max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed, padding="right")
 
 
+# Model fields a run chooses for itself, kept from the config when a checkpoint's config.json
+# sets the architecture: numerics, attention kernel, recomputation, layer scanning, context.
+RUN_MODEL_FIELDS = ("param_dtype", "dtype", "attention", "remat", "scan_layers", "max_seq_len")
+
+
+def _checkpoint_config(path: str, section: ModelConfig, **overrides) -> ModelConfig:
+  """The architecture of the checkpoint at `path` with the run's own fields of `section`."""
+  keep = {f: getattr(section, f) for f in RUN_MODEL_FIELDS}
+  return hf_loader.load_hf_config(path, **{**keep, **overrides})
+
+
 def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
-  """`cfg` with the tokenizer's vocabulary and the checkpoints' model shapes (config.json only;
-  no weights are read). The config every later step, and the checkpoints' fingerprint check,
-  sees."""
+  """`cfg` with the tokenizer's vocabulary and the checkpoints' architectures (config.json
+  only; no weights are read; the config's RUN_MODEL_FIELDS are kept). The config every later
+  step, and the checkpoints' fingerprint check, sees."""
   cfg = cfg.with_vocab(tokenizer.vocab_size)
   if cfg.init.actor_checkpoint:
-    cfg = dataclasses.replace(cfg, model=hf_loader.load_hf_config(cfg.init.actor_checkpoint))
+    model = _checkpoint_config(cfg.init.actor_checkpoint, cfg.model)
+    if tokenizer.vocab_size > model.vocab_size:
+      raise ValueError(
+          f"the tokenizer has {tokenizer.vocab_size} tokens but config.init.actor_checkpoint="
+          f"{cfg.init.actor_checkpoint!r} embeds {model.vocab_size}: use the checkpoint's own "
+          "tokenizer (config.init.tokenizer)")
+    # Without a checkpoint of its own the critic reads the actor's token ids: its vocabulary.
+    cfg = dataclasses.replace(cfg, model=model, critic_model=cfg.critic_model.replace(
+        vocab_size=model.vocab_size))
   if cfg.init.critic_checkpoint and adv_lib.needs_critic(cfg.algo.estimator):
-    cfg = dataclasses.replace(cfg, critic_model=hf_loader.load_hf_config(
-        cfg.init.critic_checkpoint).replace(head="scalar"))
+    cfg = dataclasses.replace(cfg, critic_model=_checkpoint_config(
+        cfg.init.critic_checkpoint, cfg.critic_model, head="scalar"))
   return cfg
 
 
@@ -109,13 +128,17 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
                 reward_cfg=reward_cfg, reward_params=reward_params)
 
 
-def build_rewards(cfg: TrainConfig, task, tokenizer: Tokenizer, models: Models
-                  ) -> scoring.Rewards:
-  """config.reward resolved: the task's verifier, a registered function, or the reward model."""
+def build_rewards(cfg: TrainConfig, task, tokenizer: Tokenizer, models: Models,
+                  mesh: jax.sharding.Mesh) -> scoring.Rewards:
+  """config.reward resolved: the task's verifier, a registered function, or the reward model
+  (scored on `mesh`, where build_models placed it). Functions read the ids with the run's
+  tokenizer (init.tokenizer when set, not the task's own)."""
   if cfg.reward.kind == "model":
-    return scoring.Rewards(model_cfg=models.reward_cfg, model_params=models.reward_params)
+    return scoring.Rewards(model_cfg=models.reward_cfg, model_params=models.reward_params,
+                           scorer=scoring.Scorer(mesh))
   if cfg.reward.function == "task":
-    return scoring.Rewards(fn=task.batch_rewards, name=f"task:{cfg.data.task}")
+    return scoring.Rewards(fn=functools.partial(task.batch_rewards, tokenizer=tokenizer),
+                           name=f"task:{cfg.data.task}")
   fn = tasks_lib.get_reward_function(cfg.reward.function)
   return scoring.Rewards(fn=functools.partial(_with_tokenizer, fn, tokenizer),
                          name=cfg.reward.function)

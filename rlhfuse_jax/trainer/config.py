@@ -135,7 +135,7 @@ class RewardConfig:
 @dataclasses.dataclass(frozen=True)
 class InitConfig:
   actor_checkpoint: str = ""  # HF-style dir (config.json + safetensors); empty: random init
-  critic_checkpoint: str = ""  # empty: critic backbone from the actor's init, fresh value head
+  critic_checkpoint: str = ""  # empty: a critic of shape critic_model, initialised from the seed
   tokenizer: str = ""  # tokenizer.json; empty: the task's own tokenizer
 
 

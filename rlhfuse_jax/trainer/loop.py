@@ -116,7 +116,7 @@ class PPOTrainer:
     # The stage owns the frozen models from here (a fused stage moves them to host memory).
     self.rollout = rollout_lib.make_rollout_stage(
         cfg, self.sampling, self.mesh, reference=models.reference,
-        rewards=build.build_rewards(cfg, self.task, self.tokenizer, models),
+        rewards=build.build_rewards(cfg, self.task, self.tokenizer, models, self.mesh),
         pad_id=self.tokenizer.pad_id, actor_shapes=self.update.whole_shapes("actor"),
         critic_shapes=self.update.whole_shapes("critic") if self.use_critic else None)
     self.checkpoints.state_fn = self._state

@@ -12,7 +12,7 @@ import jax
 
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.rl import advantages as adv_lib
-from rlhfuse_jax.trainer import pipelined, rollout
+from rlhfuse_jax.trainer import build, pipelined, rollout
 from rlhfuse_jax.trainer.config import TrainConfig
 
 
@@ -27,11 +27,19 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
   context = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
   models = [("model", cfg.model)] + ([("critic_model", cfg.critic_model)]
                                      if adv_lib.needs_critic(cfg.algo.estimator) else [])
+  reward_cfg = build.reward_model_config(cfg)
+  if reward_cfg is not None:
+    models.append(("reward.model_checkpoint", reward_cfg))
   for field, model in models:
+    name = field if field.startswith("reward") else f"config.{field}"
+    if model.vocab_size != cfg.model.vocab_size:
+      raise ValueError(f"{name} has vocab_size={model.vocab_size} but the actor "
+                       f"(config.model) has {cfg.model.vocab_size}: every model reads the "
+                       "actor's token ids")
     if context > model.max_seq_len:
       raise ValueError(f"config.data.max_prompt_len + config.rollout.max_new_tokens = {context} "
-                       f"exceeds config.{field}.max_seq_len={model.max_seq_len}: a prompt and "
-                       "its response must fit the model's context")
+                       f"exceeds {name}.max_seq_len={model.max_seq_len}: a prompt and its "
+                       "response must fit the model's context")
   if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
     pipelined.check_config(cfg, mesh)
   rollout.check_fusion(cfg, mesh.devices.size)

@@ -1,0 +1,396 @@
+"""PPOTrainer on the paths a real run takes and the other trainer tests do not (issue 34.6).
+
+  * actor, critic and tokenizer from the tiny HF fixtures (init.actor_checkpoint,
+    init.critic_checkpoint, init.tokenizer) with prompts from a JSONL file (data.prompts_file);
+  * a reward model (reward.kind="model") from a checkpoint written in tmp_path, through the
+    serial rollout stage and through the fused one (fusion.inter_stage=True);
+  * data.prompts_file with the task's own tokenizer, and its malformed-line error.
+
+Every expected value is computed outside the trainer (hf_loader, llama.apply, scoring.Scorer on
+one device, the reward functions) from what the trainer's rollout stage returned.
+"""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from rlhfuse_jax.data import rewards as rewards_lib
+from rlhfuse_jax.data.tokenizer import HFTokenizer
+from rlhfuse_jax.inference import scoring
+from rlhfuse_jax.models import hf_loader, llama
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.trainer import build
+from rlhfuse_jax.trainer import rollout as rollout_lib
+from rlhfuse_jax.trainer.loop import PPOTrainer
+from tests.test_trainer import tiny_config
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+LLAMA = os.path.join(FIXTURES, "tiny_llama")  # sharded, untied, head_dim 32 != 64 / 4 heads
+QWEN2 = os.path.join(FIXTURES, "tiny_qwen2")  # single file, q/k/v biases, tied embeddings
+
+# Prompts the fixtures' byte-level BPE can spell (its alphabet is only these sentences' bytes):
+# (prompt, target) pairs; length_match scores a response's length against the target's.
+SENTENCE_PROMPTS = [
+    ("the quick", "brown fox"), ("a tiny model", "learns"), ("one plus two", "is three"),
+    ("hello world", "this is"), ("the critic", "predicts the value"), ("three plus four", "seven"),
+    ("the lazy dog", "jumps"), ("small numbers", "to count and add"),
+]
+# 'repeat' task prompts in the task's own vocabulary.
+REPEAT_PROMPTS = [(f"{d} #{n} =", " ".join([str(d)] * n))
+                  for d, n in [(3, 4), (0, 1), (7, 2), (9, 5), (1, 3), (5, 8), (2, 6), (4, 7)]]
+
+
+def _write_prompts(path, pairs, blank_after=3):
+  """A JSONL prompts file (a blank line after line `blank_after`, which loaders must skip);
+  returns {prompt: 'path:line'}, what each record's _source must say."""
+  lines, sources = [], {}
+  for i, (prompt, target) in enumerate(pairs):
+    lines.append(json.dumps({"prompt": prompt, "target": target, "id": i}))
+    sources[prompt] = f"{path}:{len(lines)}"
+    if len(lines) == blank_after:
+      lines.append("")
+  path.write_text("\n".join(lines) + "\n")
+  return sources
+
+
+def record_stage(trainer) -> list:
+  """Keeps (Prompts, StageOutputs) of every call of the trainer's rollout stage, in order."""
+  stage, seen = trainer.rollout, []
+
+  def recorded(actor, critic, prompts, key):
+    seen.append((prompts, stage(actor, critic, prompts, key)))
+    return seen[-1][1]
+  trainer.rollout = recorded
+  return seen
+
+
+def _packed(out):
+  """[B, P+T] prompt then response then pad, and [B] prompt lengths, built here with numpy."""
+  ro = out.rollout
+  b, width = ro.prompt_tokens.shape[0], ro.prompt_tokens.shape[1] + ro.response_tokens.shape[1]
+  tokens = np.zeros((b, width), np.int32)
+  for i in range(b):
+    p, r = ro.prompt_lens[i], ro.response_lens[i]
+    tokens[i, :p + r] = np.concatenate([ro.prompt_tokens[i, :p], ro.response_tokens[i, :r]])
+  return tokens, np.asarray(ro.prompt_lens)
+
+
+_apply = jax.jit(llama.apply, static_argnums=0)
+
+
+def _reference_logprobs(cfg, params, out):
+  """[B, T] log-probs of each response token (0 past its length) from a plain forward pass."""
+  tokens, plen = _packed(out)
+  logits = np.asarray(_apply(cfg, params, tokens)[0], np.float64)  # [B, P+T, V]
+  top = logits.max(-1, keepdims=True)
+  logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+  ro, want = out.rollout, np.zeros(out.rollout.response_tokens.shape)
+  for i in range(len(plen)):
+    for t in range(ro.response_lens[i]):
+      want[i, t] = logp[i, plen[i] - 1 + t, ro.response_tokens[i, t]]
+  return want
+
+
+def _decoded_prompts(tokenizer, prompts):
+  return [tokenizer.decode(prompts.tokens[i, :prompts.lens[i]]) for i in range(len(prompts.lens))]
+
+
+def _assert_tree_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def _finite(history):
+  for h in history:
+    bad = {k: v for k, v in h.items() if isinstance(v, float) and not np.isfinite(v)}
+    assert not bad, bad
+
+
+def test_trainer_from_hf_checkpoints_tokenizer_and_prompts_file(tmp_path):
+  """init.actor_checkpoint / init.critic_checkpoint / init.tokenizer / data.prompts_file: the
+  resolved shapes are the fixtures' config.json; the initial actor, reference and critic are
+  exactly hf_loader's weights (the reference reproduces HF's golden logits); prompts are the
+  file's, tokenised by the fixture's tokenizer; the reference log-probs of both iterations are
+  the checkpoint's (it stays frozen while the actor moves); the reward is length_match under the
+  fixture's tokenizer with the file's targets; two iterations run with finite metrics."""
+  sources = _write_prompts(tmp_path / "prompts.jsonl", SENTENCE_PROMPTS)
+  cfg = tiny_config(**{
+      "num_iterations": 2, "init.actor_checkpoint": LLAMA, "init.critic_checkpoint": QWEN2,
+      "init.tokenizer": os.path.join(LLAMA, "tokenizer.json"),
+      "data.prompts_file": str(tmp_path / "prompts.jsonl"), "data.max_prompt_len": 8,
+      "reward.function": "length_match", "rollout.prompts_per_iteration": 8,
+      "algo.minibatch_size": 8, "algo.epochs": 1, "rollout.max_new_tokens": 6})
+  trainer = PPOTrainer(cfg, str(tmp_path / "run"))
+
+  # Shapes: config.json's, not the config's 1-layer, 32-wide tiny model.
+  with open(os.path.join(LLAMA, "config.json")) as f:
+    hf = json.load(f)
+  m = trainer.cfg.model
+  run_fields = lambda section: {f: getattr(section, f) for f in build.RUN_MODEL_FIELDS}
+  assert m == hf_loader.load_hf_config(LLAMA, **run_fields(cfg.model))
+  assert (m.vocab_size, m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads,
+          m.num_kv_heads, m.head_dim_, m.rms_norm_eps, m.rope_theta, m.tie_embeddings) == (
+              hf["vocab_size"], hf["hidden_size"], hf["intermediate_size"],
+              hf["num_hidden_layers"], hf["num_attention_heads"], hf["num_key_value_heads"],
+              hf["head_dim"], hf["rms_norm_eps"], hf["rope_parameters"]["rope_theta"],
+              hf["tie_word_embeddings"])
+  assert trainer.cfg.critic_model == hf_loader.load_hf_config(
+      QWEN2, head="scalar", **run_fields(cfg.critic_model))
+  assert trainer.cfg.critic_model.qkv_bias and trainer.cfg.critic_model.tie_embeddings
+
+  # The tokenizer is the fixture's; generation stops on its EOS.
+  tok = HFTokenizer.from_file(os.path.join(LLAMA, "tokenizer.json"))
+  assert isinstance(trainer.tokenizer, HFTokenizer)
+  assert (trainer.tokenizer.vocab_size, trainer.tokenizer.eos_id, trainer.tokenizer.pad_id) == (
+      tok.vocab_size, tok.eos_id, tok.pad_id) == (128, 2, 0)
+  assert trainer.sampling.eos_id == tok.eos_id and trainer.sampling.pad_id == tok.pad_id
+
+  # Weights before any update: exactly the checkpoints' (critic: Qwen2 backbone + a value head
+  # drawn from the key build_models documents).
+  actor = hf_loader.load_hf_params(LLAMA, m)
+  _assert_tree_equal(jax.device_get(trainer.actor.params), actor)
+  _assert_tree_equal(jax.device_get(trainer.rollout.reference), actor)
+  critic = hf_loader.load_hf_params(QWEN2, trainer.cfg.critic_model, head="scalar",
+                                    rng=jax.random.fold_in(jax.random.key(cfg.seed), 2))
+  _assert_tree_equal(jax.device_get(trainer.critic.params), critic)
+  golden = np.load(os.path.join(LLAMA, "golden.npz"))  # HF's own logits, recorded with torch
+  logits = np.asarray(_apply(m, trainer.rollout.reference, golden["input_ids"])[0])
+  np.testing.assert_allclose(logits, golden["logits"], atol=1e-4, rtol=0)
+
+  seen = record_stage(trainer)
+  history = trainer.run()
+  assert [h["step"] for h in history] == [1, 2]
+  _finite(history)
+  file_prompts = sorted(p for p, _ in SENTENCE_PROMPTS)
+  for (prompts, out), h in zip(seen, history, strict=True):
+    # 8 prompts per iteration from a pool of 8: each iteration is a permutation of the file.
+    decoded = _decoded_prompts(tok, prompts)
+    assert sorted(decoded) == file_prompts
+    assert decoded == [r["prompt"] for r in prompts.records]
+    assert [r["_source"] for r in prompts.records] == [sources[p] for p in decoded]
+    np.testing.assert_array_equal(prompts.lens, [len(tok.encode(p)) for p in decoded])
+    # The reference is the checkpoint in every iteration (frozen), not the moving actor.
+    valid = np.arange(out.ref_logp.shape[1])[None] < out.rollout.response_lens[:, None]
+    want = _reference_logprobs(m, actor, out)
+    np.testing.assert_allclose(np.where(valid, out.ref_logp, 0), want, atol=2e-5, rtol=0)
+    # Rewards: length_match with the fixture's tokenizer and the file's targets.
+    scores = rewards_lib.length_match(prompts.records, out.rollout.response_tokens,
+                                      out.rollout.response_lens, tok)
+    np.testing.assert_array_equal(out.scores, scores)
+    assert h["reward/mean"] == pytest.approx(float(np.mean(scores)), abs=1e-7)
+    assert h["reward/std"] > 0  # responses of several lengths: a comparison that can fail
+  # Iteration 1 samples from the checkpoint itself: behaviour log-probs are the reference's.
+  first = seen[0][1]
+  np.testing.assert_allclose(first.rollout.logprobs, first.ref_logp, atol=2e-5, rtol=0)
+  assert abs(history[0]["kl/ref_mean"]) < 1e-4
+  # The actor trained away from the checkpoint, far enough that a reference following it would
+  # have failed the frozen-reference check above.
+  last = seen[-1][1]
+  trained = jax.device_get(trainer.actor.params)
+  drift = np.abs(_reference_logprobs(m, trained, last) - _reference_logprobs(m, actor, last))
+  assert drift.max() > 100 * 2e-5
+
+
+# ------------------------------------------------------------------ a reward model
+
+REWARD_CFG = llama.ModelConfig(vocab_size=22, hidden_size=32, intermediate_size=64,
+                               num_layers=1, num_heads=4, num_kv_heads=2, qkv_bias=True,
+                               max_seq_len=64, head="scalar")
+
+
+def write_reward_checkpoint(out_dir, cfg=REWARD_CFG, seed=0):
+  """A random scalar-head (Qwen2ForSequenceClassification) checkpoint with O(1) weights, so
+  that its scores differ between responses; value bias non-zero (written as score.bias)."""
+  params = llama.host_random_params(cfg, seed, std=0.3)
+  hf_loader.save_hf_checkpoint(params, cfg, str(out_dir))
+  return params
+
+
+def _reward_run_config(prompts_file, ckpt, **overrides):
+  """'repeat' prompts from a file, a reward model, no critic (reinforce_pp): a small run."""
+  return tiny_config(**{
+      "num_iterations": 2, "reward.kind": "model", "reward.model_checkpoint": str(ckpt),
+      "data.prompts_file": str(prompts_file), "algo.estimator": "reinforce_pp",
+      "rollout.prompts_per_iteration": 8, "algo.minibatch_size": 8, "algo.epochs": 1,
+      "rollout.max_new_tokens": 6, "rollout.chunk_size": 2, "checkpoint.every": 100,
+      **overrides})
+
+
+def _mesh4():
+  return mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4), jax.devices()[:4])
+
+
+@pytest.fixture(scope="module")
+def reward_files(tmp_path_factory):
+  """A reward-model checkpoint and a 'repeat' prompts file, written once for the tests below."""
+  tmp = tmp_path_factory.mktemp("reward_files")
+  params = write_reward_checkpoint(tmp / "rm")
+  sources = _write_prompts(tmp / "prompts.jsonl", REPEAT_PROMPTS)
+  return dict(ckpt=str(tmp / "rm"), params=params, prompts=str(tmp / "prompts.jsonl"),
+              sources=sources, tmp=tmp)
+
+
+@pytest.fixture(scope="module")
+def fused_run(reward_files):
+  """Two iterations with a reward model, prompts from the file and inter-stage fusion (Rt = 1:
+  every iteration consolidates and scores on the freed instances)."""
+  f = reward_files
+  cfg = _reward_run_config(f["prompts"], f["ckpt"], **{
+      "fusion.inter_stage": True, "fusion.migration_threshold": "1.0"})
+  trainer = PPOTrainer(cfg, str(f["tmp"] / "fused"), mesh=_mesh4())
+  stage = trainer.rollout
+  assert isinstance(stage, rollout_lib.FusedStage)
+  seen = record_stage(trainer)
+  history = trainer.run()
+  return dict(trainer=trainer, stage=stage, seen=seen, history=history)
+
+
+def _independent_scores(ckpt, out, pad_id):
+  """Reward-model scores [B] of the rollout's samples: the checkpoint read back by hf_loader,
+  scored by a one-device Scorer (not the trainer's, nor on its mesh or fused instances), and
+  checked against llama.apply's scalar at position prompt_len + response_len - 1."""
+  cfg = hf_loader.load_hf_config(ckpt)
+  params = hf_loader.load_hf_params(ckpt, cfg)
+  batch = scoring.ScoringBatch.from_rollout(out.rollout, pad_id)
+  scores = scoring.Scorer().reward_scores(cfg, params, batch)
+  tokens, plen = _packed(out)
+  values = np.asarray(_apply(cfg, params, tokens)[0])  # [B, P+T]
+  last = plen + out.rollout.response_lens - 1
+  np.testing.assert_allclose(values[np.arange(len(last)), last], scores, atol=1e-5, rtol=0)
+  return scores, params
+
+
+def test_reward_model_scores_the_fused_rollout(reward_files, fused_run):
+  """reward.kind="model" with fusion.inter_stage=True: the reward model is the checkpoint's
+  (shape from its config.json, weights as written), and each iteration's rewards and
+  reward/mean are its scalar at the last response token of the responses generated, as a
+  one-device Scorer computes them."""
+  f, r = reward_files, fused_run
+  assert r["stage"].rewards.from_model
+  assert r["stage"].rewards.model_cfg == hf_loader.load_hf_config(f["ckpt"]) == REWARD_CFG
+  assert [h["step"] for h in r["history"]] == [1, 2]
+  _finite(r["history"])
+  for (_, out), h in zip(r["seen"], r["history"], strict=True):
+    want, params = _independent_scores(f["ckpt"], out, r["trainer"].tokenizer.pad_id)
+    _assert_tree_equal(params, f["params"])  # the checkpoint holds what was written
+    np.testing.assert_allclose(out.scores, want, atol=1e-5, rtol=0)
+    assert h["reward/mean"] == pytest.approx(float(np.mean(want)), abs=1e-6)
+    assert np.std(want) > 0.05  # scores that tell responses apart: the check can fail
+    assert h["gen/migrated_samples"] > 0  # some samples were scored after migrating
+
+
+def test_reward_model_scores_the_serial_rollout_as_the_fused_one(reward_files, fused_run,
+                                                                 tmp_path):
+  """reward.kind="model", serial stage (fusion off): the same responses as the fused run's
+  first iteration and the same scores, which are the checkpoint's (one-device Scorer);
+  reward/mean equal to the fused run's."""
+  f = reward_files
+  cfg = _reward_run_config(f["prompts"], f["ckpt"], num_iterations=1)
+  trainer = PPOTrainer(cfg, str(tmp_path / "serial"), mesh=_mesh4())
+  assert isinstance(trainer.rollout, rollout_lib.SerialStage)
+  assert trainer.rollout.rewards.model_cfg == REWARD_CFG
+  seen = record_stage(trainer)
+  history = trainer.run()
+  _finite(history)
+  (_, serial), (_, fused) = seen[0], fused_run["seen"][0]
+  for field in ("response_tokens", "response_lens"):
+    np.testing.assert_array_equal(getattr(serial.rollout, field), getattr(fused.rollout, field))
+  want, _ = _independent_scores(f["ckpt"], serial, trainer.tokenizer.pad_id)
+  np.testing.assert_allclose(serial.scores, want, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(serial.scores, fused.scores, atol=1e-6, rtol=0)
+  assert history[0]["reward/mean"] == pytest.approx(float(np.mean(want)), abs=1e-6)
+  assert history[0]["reward/mean"] == pytest.approx(fused_run["history"][0]["reward/mean"],
+                                                    abs=1e-6)
+
+
+def test_prompts_file_is_what_the_trainer_generates_from(reward_files, fused_run):
+  """data.prompts_file with the task's tokenizer: every iteration generates from the file's
+  prompts (decoded from the recorded prompt tokens), each file record once per iteration (8 of
+  8), with its fields and its path:line, reshuffled in the next iteration (the pool's second
+  epoch)."""
+  tok = fused_run["trainer"].tokenizer
+  file_prompts = sorted(p for p, _ in REPEAT_PROMPTS)
+  targets = dict(REPEAT_PROMPTS)
+  orders = []
+  for prompts, _ in fused_run["seen"]:
+    decoded = _decoded_prompts(tok, prompts)
+    assert sorted(decoded) == file_prompts
+    assert decoded == [rec["prompt"] for rec in prompts.records]
+    assert [rec["target"] for rec in prompts.records] == [targets[p] for p in decoded]
+    assert [rec["_source"] for rec in prompts.records] == [
+        reward_files["sources"][p] for p in decoded]
+    np.testing.assert_array_equal(prompts.lens, 4)  # <bos> d #n =
+    orders.append(decoded)
+  assert len(orders) == 2 and orders[0] != orders[1]  # epoch 1 reshuffles the pool
+
+
+def test_malformed_prompts_file_names_file_and_line(tmp_path, monkeypatch):
+  """A bad line in data.prompts_file stops PPOTrainer before any model is built, with an error
+  naming the file and the line."""
+  path = tmp_path / "prompts.jsonl"
+  path.write_text('{"prompt": "1 #2 ="}\n\n{"prompt": "3 #1 =", }\n')
+
+  def no_build(*args, **kwargs):
+    raise AssertionError("models were built before the prompts file was read")
+  monkeypatch.setattr(build, "build_models", no_build)
+  with pytest.raises(ValueError, match=rf"{path}:3: invalid JSON"):
+    PPOTrainer(tiny_config(**{"data.prompts_file": str(path)}), str(tmp_path / "run"))
+
+
+# ------------------------------------------------------------------ what a checkpoint may set
+
+def test_a_checkpoint_sets_the_architecture_and_keeps_the_runs_own_fields():
+  """init.actor_checkpoint: the architecture comes from config.json, the run's numerics,
+  attention, remat, scanning and context from the config; a critic without a checkpoint of its
+  own takes the actor's vocabulary (it reads the actor's token ids)."""
+  cfg = tiny_config(**{"init.actor_checkpoint": LLAMA, "model.remat": "full",
+                       "model.attention": "reference", "model.scan_layers": True,
+                       "model.max_seq_len": 48, "model.dtype": "bfloat16"})
+  tok = HFTokenizer.from_file(os.path.join(LLAMA, "tokenizer.json"))
+  m = build.resolve_config(cfg, tok).model
+  hf = hf_loader.load_hf_config(LLAMA)
+  for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+            "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias"):
+    assert getattr(m, f) == getattr(hf, f), f
+  assert (m.remat, m.attention, m.scan_layers, m.max_seq_len, m.dtype) == (
+      "full", "reference", True, 48, "bfloat16")
+  assert build.resolve_config(cfg, tok).critic_model.vocab_size == hf.vocab_size != 22
+
+
+def test_vocabulary_and_context_mismatches_are_named_before_any_build(tmp_path, monkeypatch):
+  """A tokenizer larger than the checkpoint's embedding, or a reward model with another
+  vocabulary or a shorter context, is an error naming the field, not NaN losses later."""
+  def no_build(*args, **kwargs):
+    raise AssertionError("models were built before the config was validated")
+  monkeypatch.setattr(build, "build_models", no_build)
+
+  class BigTokenizer:
+    vocab_size = 1000
+  with pytest.raises(ValueError, match=r"tokenizer has 1000 tokens but config\.init\."
+                                       r"actor_checkpoint=.* embeds 128"):
+    build.resolve_config(tiny_config(**{"init.actor_checkpoint": LLAMA}), BigTokenizer())
+  prompts = tmp_path / "prompts.jsonl"
+  _write_prompts(prompts, REPEAT_PROMPTS)
+  write_reward_checkpoint(tmp_path / "rm16", REWARD_CFG.replace(vocab_size=16))
+  with pytest.raises(ValueError, match=r"reward\.model_checkpoint has vocab_size=16 but the "
+                                       r"actor \(config\.model\) has 22"):
+    PPOTrainer(_reward_run_config(prompts, tmp_path / "rm16"), str(tmp_path / "a"))
+  write_reward_checkpoint(tmp_path / "rm8", REWARD_CFG.replace(max_seq_len=8))
+  with pytest.raises(ValueError, match=r"= 14 exceeds reward\.model_checkpoint\.max_seq_len=8"):
+    PPOTrainer(_reward_run_config(prompts, tmp_path / "rm8"), str(tmp_path / "b"))
+
+
+def test_the_task_reward_reads_ids_with_the_runs_tokenizer():
+  """reward.function='task' with init.tokenizer: the verifier decodes the generated ids and
+  tokenises the targets with the run's tokenizer, not the task's own word-level one."""
+  cfg = tiny_config(**{"init.tokenizer": os.path.join(LLAMA, "tokenizer.json")})
+  task, tok = build.build_task_and_tokenizer(cfg)
+  assert tok is not task.tokenizer
+  rewards = build.build_rewards(cfg, task, tok, None, None)
+  records = [{"prompt": "the quick", "target": "brown fox"}]
+  ids = np.asarray([tok.encode("brown fox", add_bos=False) + [tok.eos_id]], np.int32)
+  lens = np.asarray([ids.shape[1]], np.int32)
+  np.testing.assert_allclose(rewards.from_function(records, ids, lens), [1.0])
+  np.testing.assert_allclose(rewards_lib.target_match(records, ids, lens, tok), [1.0])
