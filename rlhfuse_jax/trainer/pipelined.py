@@ -30,7 +30,6 @@ import functools
 import hashlib
 import json
 import os
-import time
 from typing import Any, Callable, Dict, Tuple
 
 import jax

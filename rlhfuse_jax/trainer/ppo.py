@@ -16,7 +16,7 @@ Sharded and single-device runs execute the same programs; only the placement dif
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import flax
 import jax
@@ -73,23 +73,57 @@ def actor_metrics(loss_cfg: LossConfig, m) -> dict:
   return {f"actor/{k}": m[k] for k in keys}
 
 
+class StatePreservingJit:
+  """jax.jit of update(actor, critic, mb) -> (actor, critic, metrics), built at the first call
+  (or lower) with out_shardings = the states' own shardings, so they come back placed exactly
+  as they went in. Left to itself XLA names a trivially sharded output freely (P('tensor',
+  'fsdp') for P('fsdp', 'tensor') when those axes have size 1), and the next call, on those
+  outputs, misses the compile cache and compiles the update a second time."""
+
+  def __init__(self, fn: Callable, **jit_kwargs):
+    self._fn, self._jit_kwargs = fn, jit_kwargs
+    self._jitted: Optional[Callable] = None
+
+  def jitted(self, actor, critic) -> Callable:
+    if self._jitted is None:
+      leaves = jax.tree.leaves((actor, critic))
+      if not all(isinstance(getattr(x, "sharding", None), jax.sharding.Sharding)
+                 for x in leaves):  # host (numpy) states: nothing to preserve
+        self._jitted = jax.jit(self._fn, **self._jit_kwargs)
+        return self._jitted
+      shardings = jax.tree.map(lambda x: x.sharding, (actor, critic))
+      first = leaves[0].sharding
+      # Metrics are scalars: replicated over the states' mesh (or on their one device).
+      metrics = (jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+                 if isinstance(first, jax.sharding.NamedSharding) else first)
+      self._jitted = jax.jit(self._fn, out_shardings=(*shardings, metrics), **self._jit_kwargs)
+    return self._jitted
+
+  def __call__(self, actor, critic, mb):
+    return self.jitted(actor, critic)(actor, critic, mb)
+
+  def lower(self, actor, critic, mb):
+    """Lowered for states and batch given as arrays or placed jax.ShapeDtypeStructs."""
+    return self.jitted(actor, critic).lower(actor, critic, mb)
+
+
 def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoConfig,
                    temperature: float, actor_tx: optax.GradientTransformation,
                    critic_tx: optax.GradientTransformation | None, mesh: Optional[Mesh] = None):
   """Returns update(actor, critic, mb) -> (actor, critic, metrics), one optimizer step each.
 
   The actor and critic states are donated: their buffers are reused for the new state, so an
-  update holds one copy of params and optimizer state, not two. With the `mesh` the states and
-  mini-batch live on, the models keep every activation split over the batch axes
-  (llama.shard_activations): each device computes its own rows only, none repeated over fsdp.
+  update holds one copy of params and optimizer state, not two; the new states keep the old
+  ones' placement (StatePreservingJit). With the `mesh` the states and mini-batch live on, the
+  models keep every activation split over the batch axes (llama.shard_activations): each device
+  computes its own rows only, none repeated over fsdp.
   """
+  loss_cfg = loss_config(algo, temperature)
 
   def update(actor: ModelState, critic: ModelState | None, mb):
     # Active while jit traces the losses and their gradients (a no-op without a mesh).
     with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES):
       return _update(actor, critic, mb)
-
-  loss_cfg = loss_config(algo, temperature)
 
   def _update(actor: ModelState, critic: ModelState | None, mb):
     (_, am), ag = jax.value_and_grad(stages.actor_loss, argnums=2, has_aux=True)(
@@ -107,7 +141,7 @@ def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoCo
       metrics["critic/grad_norm"] = optax.global_norm(cg)
     return actor, critic, metrics
 
-  return jax.jit(update, donate_argnums=(0, 1))
+  return StatePreservingJit(update, donate_argnums=(0, 1))
 
 
 @functools.partial(jax.jit, static_argnames=("algo", "group_size"))
