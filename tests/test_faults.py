@@ -74,6 +74,11 @@ def test_nonfinite_gradients_stop_or_are_skipped(tmp_path):
   _poison_update(skip, 3, "grads")
   history = skip.run()
   assert [h["guard/skipped_updates"] for h in history] == [1, 1, 1, 1]  # actor's one step
+  # The logged LR is the one the actor's last applied step used: the skipped step did not
+  # advance its schedule (4 updates per iteration, one skipped in the first).
+  lr = skip.update.actor_lr
+  assert [h["actor/lr"] for h in history] == [float(lr(4 * (i + 1) - 2)) for i in range(4)]
+  assert float(lr(4 - 2)) != float(lr(4 - 1))  # warmup: the schedule moves every step
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(_params(skip)))
   assert all(np.isfinite(h["actor/pg_loss"]) for h in history)  # means over finite steps
 

@@ -239,12 +239,15 @@ class PPOTrainer:
         "response_length/clip_ratio": float(np.mean(lens >= max_new)),
         # Per-sample lengths (JSONL only): the simulator's empirical length distribution.
         "gen/response_lengths": [int(x) for x in lens],
-        "actor/lr": float(self.update.actor_lr(len(train_metrics) * (iteration + 1) - 1)),
     })
     guard = self.cfg.guard.on_nonfinite
-    if guard == "skip_update":
-      m["guard/skipped_updates"] = int(sum(int(mesh_lib.to_host(update_lib.skipped_updates(st)))
-                                           for st in self._state().values()))
+    skipped = ({name: int(mesh_lib.to_host(update_lib.skipped_updates(st)))
+                for name, st in self._state().items()} if guard == "skip_update" else {})
+    if skipped:
+      m["guard/skipped_updates"] = sum(skipped.values())
+    # The LR of the actor's last applied step: a skipped step does not advance its schedule.
+    applied = len(train_metrics) * (iteration + 1) - skipped.get("actor", 0)
+    m["actor/lr"] = float(self.update.actor_lr(max(applied - 1, 0)))
     bad = [k for k, v in m.items() if isinstance(v, float) and not np.isfinite(v)]
     if guard == "stop" and bad:
       raise self._nonfinite(iteration, f"metric(s) {', '.join(bad)} = {[m[k] for k in bad]}")
