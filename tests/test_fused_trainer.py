@@ -34,7 +34,7 @@ def test_fused_trajectory_equals_serial(tmp_path):
   assert isinstance(fused.rollout, rollout.FusedStage)
   fused_out = record_rollouts(fused)
   h_fused = fused.run()
-  for a, b in zip(serial_out, fused_out, strict=True):
+  for (_, a), (_, b) in zip(serial_out, fused_out, strict=True):
     for field in ("response_tokens", "response_lens", "logprobs"):
       np.testing.assert_array_equal(getattr(a.rollout, field), getattr(b.rollout, field))
     for field in ("ref_logp", "values", "scores"):

@@ -37,12 +37,12 @@ def tiny_config(**overrides):
 
 
 def record_rollouts(trainer) -> list:
-  """Keeps every StageOutputs the trainer's rollout stage returns (in order) in the list."""
+  """Keeps (Prompts, StageOutputs) of every call of the trainer's rollout stage, in order."""
   stage, seen = trainer.rollout, []
 
-  def recorded(*args):
-    seen.append(stage(*args))
-    return seen[-1]
+  def recorded(params, prompts, key):
+    seen.append((prompts, stage(params, prompts, key)))
+    return seen[-1][1]
   trainer.rollout = recorded
   return seen
 
@@ -100,7 +100,7 @@ def test_sharded_run_equals_single_device(tmp_path):
   out8 = record_rollouts(sharded)
   h8 = sharded.run()
   # Same tokens sampled (per-sample RNG; the logits agree to float rounding) ...
-  for a, b in zip(out1, out8, strict=True):
+  for (_, a), (_, b) in zip(out1, out8, strict=True):
     np.testing.assert_array_equal(a.rollout.response_tokens, b.rollout.response_tokens)
   # ... and the same updates up to float reassociation of the sharded reductions.
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5),
@@ -139,8 +139,8 @@ def test_unknown_field_is_rejected():
      r"config\.rollout\.prompts_per_iteration\*samples_per_prompt=12 must be a multiple of the "
      r"data-parallel size 8"),
     ({"model.max_seq_len": 10}, {"data": 8},
-     r"max_new_tokens = 14 exceeds config\.model\.max_seq_len=10"),
-    ({"critic_model.max_seq_len": 10}, {"data": 8}, r"config\.critic_model\.max_seq_len=10"),
+     r"max_new_tokens = 14 exceeds the max_seq_len=10 of config\.model:"),
+    ({"critic_model.max_seq_len": 10}, {"data": 8}, r"max_seq_len=10 of config\.critic_model"),
     ({"algo.estimator": "grpo", "rollout.samples_per_prompt": 2}, {"data": 4, "stage": 2},
      r"config\.algo\.estimator='grpo' trains no critic"),
     ({}, {"data": 4, "stage": 2}, r"config\.model\.num_layers=1 must be divisible by its "
@@ -149,6 +149,11 @@ def test_unknown_field_is_rejected():
      {"data": 4, "stage": 2}, r"config\.pipeline\.actor_microbatches=3 must divide"),
     ({"fusion.inter_stage": True, "fusion.instance_devices": 16}, {"data": 8},
      r"config\.fusion\.instance_devices=16 exceeds the 8 devices"),
+    ({"fusion.inter_stage": True, "fusion.num_instances": 16}, {"data": 8},
+     r"config\.fusion\.num_instances=16 x config\.fusion\.instance_devices=1 = 16 devices, "
+     r"but the mesh has 8"),
+    ({"fusion.inter_stage": True, "fusion.slots": 1}, {"data": 8},
+     r"config\.fusion\.slots=1: the rollout batch of 16 .* expected slots >= 2"),
 ])
 def test_mesh_and_cross_section_errors_come_before_any_build(tmp_path, monkeypatch, overrides,
                                                             mesh_cfg, message):

@@ -24,7 +24,7 @@ from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import build
 from rlhfuse_jax.trainer import rollout as rollout_lib
 from rlhfuse_jax.trainer.loop import PPOTrainer
-from tests.test_trainer import tiny_config
+from tests.test_trainer import record_rollouts, tiny_config
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 LLAMA = os.path.join(FIXTURES, "tiny_llama")  # sharded, untied, head_dim 32 != 64 / 4 heads
@@ -53,17 +53,6 @@ def _write_prompts(path, pairs, blank_after=3):
       lines.append("")
   path.write_text("\n".join(lines) + "\n")
   return sources
-
-
-def record_stage(trainer) -> list:
-  """Keeps (Prompts, StageOutputs) of every call of the trainer's rollout stage, in order."""
-  stage, seen = trainer.rollout, []
-
-  def recorded(actor, critic, prompts, key):
-    seen.append((prompts, stage(actor, critic, prompts, key)))
-    return seen[-1][1]
-  trainer.rollout = recorded
-  return seen
 
 
 def _packed(out):
@@ -159,7 +148,7 @@ def test_trainer_from_hf_checkpoints_tokenizer_and_prompts_file(tmp_path):
   logits = np.asarray(_apply(m, trainer.rollout.reference, golden["input_ids"])[0])
   np.testing.assert_allclose(logits, golden["logits"], atol=1e-4, rtol=0)
 
-  seen = record_stage(trainer)
+  seen = record_rollouts(trainer)
   history = trainer.run()
   assert [h["step"] for h in history] == [1, 2]
   _finite(history)
@@ -242,7 +231,7 @@ def fused_run(reward_files):
   trainer = PPOTrainer(cfg, str(f["tmp"] / "fused"), mesh=_mesh4())
   stage = trainer.rollout
   assert isinstance(stage, rollout_lib.FusedStage)
-  seen = record_stage(trainer)
+  seen = record_rollouts(trainer)
   history = trainer.run()
   return dict(trainer=trainer, stage=stage, seen=seen, history=history)
 
@@ -291,7 +280,7 @@ def test_reward_model_scores_the_serial_rollout_as_the_fused_one(reward_files, f
   trainer = PPOTrainer(cfg, str(tmp_path / "serial"), mesh=_mesh4())
   assert isinstance(trainer.rollout, rollout_lib.SerialStage)
   assert trainer.rollout.rewards.model_cfg == REWARD_CFG
-  seen = record_stage(trainer)
+  seen = record_rollouts(trainer)
   history = trainer.run()
   _finite(history)
   (_, serial), (_, fused) = seen[0], fused_run["seen"][0]
@@ -374,12 +363,19 @@ def test_vocabulary_and_context_mismatches_are_named_before_any_build(tmp_path, 
   prompts = tmp_path / "prompts.jsonl"
   _write_prompts(prompts, REPEAT_PROMPTS)
   write_reward_checkpoint(tmp_path / "rm16", REWARD_CFG.replace(vocab_size=16))
-  with pytest.raises(ValueError, match=r"reward\.model_checkpoint has vocab_size=16 but the "
-                                       r"actor \(config\.model\) has 22"):
+  with pytest.raises(ValueError, match=r"config\.reward\.model_checkpoint='.*rm16' embeds "
+                                       r"vocab_size=16 tokens but the actor \(config\.model\) "
+                                       r"generates ids up to 21"):
     PPOTrainer(_reward_run_config(prompts, tmp_path / "rm16"), str(tmp_path / "a"))
   write_reward_checkpoint(tmp_path / "rm8", REWARD_CFG.replace(max_seq_len=8))
-  with pytest.raises(ValueError, match=r"= 14 exceeds reward\.model_checkpoint\.max_seq_len=8"):
+  with pytest.raises(ValueError, match=r"= 14 exceeds the max_seq_len=8 of config\.reward\."
+                                       r"model_checkpoint="):
     PPOTrainer(_reward_run_config(prompts, tmp_path / "rm8"), str(tmp_path / "b"))
+  # A larger vocabulary (e.g. a pad token added to the reward model) reads every actor id: it
+  # passes validation and reaches the build.
+  write_reward_checkpoint(tmp_path / "rm30", REWARD_CFG.replace(vocab_size=30))
+  with pytest.raises(AssertionError, match="built before the config was validated"):
+    PPOTrainer(_reward_run_config(prompts, tmp_path / "rm30"), str(tmp_path / "c"))
 
 
 def test_the_task_reward_reads_ids_with_the_runs_tokenizer():

@@ -64,8 +64,8 @@ def _checkpoint_config(path: str, section: ModelConfig, **overrides) -> ModelCon
 
 def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
   """`cfg` with the tokenizer's vocabulary and the checkpoints' architectures (config.json
-  only; no weights are read; the config's RUN_MODEL_FIELDS are kept). The config every later
-  step, and the checkpoints' fingerprint check, sees."""
+  only; no weights are read; the config's RUN_MODEL_FIELDS are kept): the config every later
+  step sees. (The checkpoints' fingerprint is of the config as given, before this.)"""
   cfg = cfg.with_vocab(tokenizer.vocab_size)
   if cfg.init.actor_checkpoint:
     model = _checkpoint_config(cfg.init.actor_checkpoint, cfg.model)
@@ -98,6 +98,13 @@ class Models:
   reference: Any  # the frozen initial actor (a copy: the actor's buffers are donated)
   reward_cfg: Optional[ModelConfig]
   reward_params: Optional[Any]
+
+  def frozen_to_host(self) -> None:
+    """Moves the frozen models (reference, reward model) to host memory, dropping these device
+    copies: a fused rollout stage keeps them on the host (docs/architecture.md §2)."""
+    self.reference = jax.device_get(self.reference)
+    if self.reward_params is not None:
+      self.reward_params = jax.device_get(self.reward_params)
 
 
 def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:

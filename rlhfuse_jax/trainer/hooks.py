@@ -215,5 +215,21 @@ class Checkpoints(Hook):
 
 
 def run_hooks(hooks: list, method: str, *args: Any) -> None:
+  """Calls `method` on every hook in order. For "end" every hook runs even if one raises (a
+  failed metrics close must not skip the wait for the last save), then the first error
+  is raised."""
+  if method != "end":
+    for h in hooks:
+      getattr(h, method)(*args)
+    return
+  first = None
   for h in hooks:
-    getattr(h, method)(*args)
+    try:
+      h.end(*args)
+    except BaseException as e:  # noqa: BLE001 re-raised below
+      if first is None:
+        first = e
+      else:
+        logging.exception("another end hook failed too")
+  if first is not None:
+    raise first

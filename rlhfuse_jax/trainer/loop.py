@@ -108,6 +108,9 @@ class PPOTrainer:
     self.actor = self.update.init_state("actor", models.actor, self.mesh)
     self.critic = (self.update.init_state("critic", models.critic, self.mesh)
                    if self.use_critic else None)
+    models.actor = models.critic = None  # the update's states hold them now (staged: a copy)
+    if cfg.fusion.inter_stage:  # the fused stage keeps the frozen models in host memory (§2)
+      models.frozen_to_host()
     logging.info("setup: models and update ready in %.1fs", time.time() - t0)
     self.sampling = SamplingConfig(
         temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
@@ -195,8 +198,8 @@ class PPOTrainer:
     prompts = self._prompts(iteration)
     gen_key = jax.random.fold_in(jax.random.key(cfg.seed), iteration)
     t0 = time.time()
-    out = self.rollout(self.model_params("actor"),
-                       self.model_params("critic") if self.use_critic else None, prompts, gen_key)
+    self.update.take_reshard_metrics()  # this iteration's gathers only
+    out = self.rollout(self.model_params, prompts, gen_key)
     # The previous iteration's checkpoint was written while this one generated; a failed save
     # stops the run here, before training past what it can keep.
     self.checkpoints.wait()

@@ -1,7 +1,8 @@
 """Stages 1-2 of a PPO iteration behind one interface (docs/architecture.md §1, §2).
 
-A `RolloutStage` turns the current actor and critic parameters, a batch of prompts and a key
-into `StageOutputs`: the sampled responses, the reference log-probs, the critic values and the
+A `RolloutStage` turns the current actor and critic parameters (`params(model)` gives a
+model's whole parameters when the stage needs them, so a serial stage never holds the whole
+actor and critic at once), a batch of prompts and a key into `StageOutputs`: the sampled responses, the reference log-probs, the critic values and the
 rewards, as host arrays. Two implementations return the same outputs:
 
   SerialStage  generation on the whole mesh, then reference / critic / reward inference
@@ -12,15 +13,15 @@ rewards, as host arrays. Two implementations return the same outputs:
 
 Both are built from configs, the frozen parameters (the reference, a reward model through
 `scoring.Rewards`) and devices, never from the trainer. A stage owns the frozen models from then
-on: the serial stage keeps them on the mesh; the fused stage copies them to host memory and
-places them on an instance only when it is freed for inference, so its caller must drop its own
-device references for that memory to be freed.
+on: the serial stage keeps them on the mesh; the fused stage keeps them in host memory and
+places them on an instance only when it is freed for inference (its builder hands them over
+already on the host, build.Models.frozen_to_host, so no device copy outlives setup).
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -55,18 +56,23 @@ class StageOutputs:
   metrics: dict  # timings (timing_s/generate, timing_s/inference) and stage-specific metrics
 
 
+# params("actor") / params("critic"): a model's whole parameters, placed as generation and
+# inference take them (for a pipelined run, gathered from the stage-stacked state on each call).
+WholeParams = Callable[[str], Any]
+
+
 class RolloutStage(Protocol):
-  def __call__(self, actor_params: Any, critic_params: Optional[Any], prompts: Prompts,
-               key: jax.Array) -> StageOutputs:
-    """critic_params: None for a run without a critic (values are then zeros)."""
+  def __call__(self, params: WholeParams, prompts: Prompts, key: jax.Array) -> StageOutputs:
+    """The critic is asked for only in a run with one (otherwise values are zeros)."""
 
 
 class SerialStage:
   """Generation on the whole mesh, then inference: the baseline the fusion must match."""
 
   def __init__(self, cfg: TrainConfig, sampling: SamplingConfig, mesh: jax.sharding.Mesh, *,
-               reference: Any, rewards: scoring.Rewards, pad_id: int, actor_shapes: Any):
-    self.actor_cfg, self.critic_cfg = cfg.model, cfg.critic_model
+               reference: Any, rewards: scoring.Rewards, pad_id: int, actor_shapes: Any,
+               use_critic: bool):
+    self.actor_cfg, self.critic_cfg, self.use_critic = cfg.model, cfg.critic_model, use_critic
     self.sampling, self.pad_id = sampling, pad_id
     self.reference, self.rewards = reference, rewards
     self.scorer = scoring.Scorer(mesh)
@@ -74,17 +80,18 @@ class SerialStage:
                                       prompt_len=cfg.data.max_prompt_len, mesh=mesh,
                                       params=actor_shapes)
 
-  def __call__(self, actor_params, critic_params, prompts: Prompts, key) -> StageOutputs:
+  def __call__(self, params: WholeParams, prompts: Prompts, key) -> StageOutputs:
     t0 = time.time()
-    rollout = self.generator.generate(actor_params, prompts.tokens, prompts.lens, key,
+    # The whole actor lives only while generating, the whole critic only while scoring.
+    rollout = self.generator.generate(params("actor"), prompts.tokens, prompts.lens, key,
                                       uids=prompts.uids)
     t_gen = time.time() - t0
     t0 = time.time()
     batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
     ref_logp = self.scorer.ref_logprobs(self.actor_cfg, self.reference, batch,
                                         self.sampling.logprob_temperature)
-    values = (self.scorer.values(self.critic_cfg, critic_params, batch)
-              if critic_params is not None else np.zeros(rollout.logprobs.shape, np.float32))
+    values = (self.scorer.values(self.critic_cfg, params("critic"), batch)
+              if self.use_critic else np.zeros(rollout.logprobs.shape, np.float32))
     scores = self.rewards(batch, prompts.records)
     return StageOutputs(rollout=rollout, batch=batch, ref_logp=ref_logp, values=values,
                         scores=scores, metrics={"timing_s/generate": t_gen,
@@ -109,7 +116,18 @@ def check_fusion(cfg: TrainConfig, num_devices: int) -> None:
     raise ValueError("config.fusion.inter_stage=True runs in a single process (instances "
                      "exchange KV rows with jax.device_put); got "
                      f"{jax.process_count()} processes")
-  fused_config(cfg.fusion, cfg.rollout.batch_size, num_devices)
+  fc = fused_config(cfg.fusion, cfg.rollout.batch_size, num_devices)
+  need = fc.num_instances * fc.instance_devices
+  if need > num_devices:
+    raise ValueError(f"config.fusion.num_instances={fc.num_instances} x config.fusion."
+                     f"instance_devices={fc.instance_devices} = {need} devices, but the mesh has "
+                     f"{num_devices}")
+  per_instance = -(-cfg.rollout.batch_size // fc.num_instances)
+  if fc.slots < per_instance:
+    raise ValueError(f"config.fusion.slots={fc.slots}: the rollout batch of "
+                     f"{cfg.rollout.batch_size} (rollout.prompts_per_iteration*samples_per_"
+                     f"prompt) over {fc.num_instances} instances puts {per_instance} in one; "
+                     f"expected slots >= {per_instance} (or 0: automatic)")
 
 
 class FusedStage:
@@ -144,11 +162,12 @@ class FusedStage:
         prompt_len=cfg.data.max_prompt_len, frozen=frozen, actor_params=actor_shapes,
         frozen_params=shapes, devices=list(devices), rt_model=rt_auto.simulated_rt_model)
 
-  def __call__(self, actor_params, critic_params, prompts: Prompts, key) -> StageOutputs:
+  def __call__(self, params: WholeParams, prompts: Prompts, key) -> StageOutputs:
+    # Both at once: the critic scores finished samples while the tail still decodes.
     frozen = dict(self.host)
     if self.use_critic:
-      frozen["critic"] = critic_params
-    out = self.generator.run(actor_params, frozen, prompts.tokens, prompts.lens, key,
+      frozen["critic"] = params("critic")
+    out = self.generator.run(params("actor"), frozen, prompts.tokens, prompts.lens, key,
                              uids=prompts.uids, fuse=True)
     rollout = out.rollout
     batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
@@ -172,7 +191,7 @@ def make_rollout_stage(cfg: TrainConfig, sampling: SamplingConfig, mesh: jax.sha
                       rewards=rewards, pad_id=pad_id, actor_shapes=actor_shapes,
                       critic_shapes=critic_shapes)
   return SerialStage(cfg, sampling, mesh, reference=reference, rewards=rewards, pad_id=pad_id,
-                     actor_shapes=actor_shapes)
+                     actor_shapes=actor_shapes, use_critic=critic_shapes is not None)
 
 
 def _fmt_bytes(n: float) -> str:

@@ -25,21 +25,23 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
       raise ValueError(f"config.{name}={value} must be a multiple of the data-parallel size "
                        f"{mult} (mesh data*fsdp = {dict(mesh.shape)})")
   context = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-  models = [("model", cfg.model)] + ([("critic_model", cfg.critic_model)]
-                                     if adv_lib.needs_critic(cfg.algo.estimator) else [])
+  models = [("config.model", cfg.model)]
+  if adv_lib.needs_critic(cfg.algo.estimator):
+    models.append((f"config.init.critic_checkpoint={cfg.init.critic_checkpoint!r}"
+                   if cfg.init.critic_checkpoint else "config.critic_model", cfg.critic_model))
   reward_cfg = build.reward_model_config(cfg)
   if reward_cfg is not None:
-    models.append(("reward.model_checkpoint", reward_cfg))
-  for field, model in models:
-    name = field if field.startswith("reward") else f"config.{field}"
-    if model.vocab_size != cfg.model.vocab_size:
-      raise ValueError(f"{name} has vocab_size={model.vocab_size} but the actor "
-                       f"(config.model) has {cfg.model.vocab_size}: every model reads the "
-                       "actor's token ids")
+    models.append((f"config.reward.model_checkpoint={cfg.reward.model_checkpoint!r}",
+                   reward_cfg))
+  for name, model in models:
+    if model.vocab_size < cfg.model.vocab_size:
+      raise ValueError(f"{name} embeds vocab_size={model.vocab_size} tokens but the actor "
+                       f"(config.model) generates ids up to {cfg.model.vocab_size - 1}: every "
+                       "model reads the actor's token ids")
     if context > model.max_seq_len:
       raise ValueError(f"config.data.max_prompt_len + config.rollout.max_new_tokens = {context} "
-                       f"exceeds {name}.max_seq_len={model.max_seq_len}: a prompt and its "
-                       "response must fit the model's context")
+                       f"exceeds the max_seq_len={model.max_seq_len} of {name}: a prompt and its "
+                       "response must fit every model's context")
   if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
     pipelined.check_config(cfg, mesh)
   rollout.check_fusion(cfg, mesh.devices.size)
