@@ -2,7 +2,8 @@
 
 One instance:
   python -m experiments.schedule_search --config=configs/schedule_search.py --workdir=/tmp/ss_e0
-The 12 reference instances e0..e11 with a 20 s search each:
+The 12 reference instances e0..e11 with a 20 s search each (uniform budget; add
+--config.memory_budget_mode=per_device for the per-device one):
   python -m experiments.sweep --config=configs/schedule_search.py --binary=schedule_search \
       --workdir=/tmp/ss_sweep --config.time_budget_s=20
 """
@@ -38,7 +39,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.actor_mem = -1.0             # actor activation memory per micro-batch and stage; -1: actor_fwd
   c.critic_mem = -1.0            # critic activation memory; -1: critic_fwd
   c.transfer_latency = 0.0       # added to every dependency between two devices
-  c.memory_budget = -1.0         # per-device budget; -1: sum of the two models' 1F1B peaks there
+  # The memory budget without an explicit one: "uniform" (every device: the largest over devices
+  # of the two models' summed 1F1B peaks; equal HBM everywhere, and the most loaded 1F1B stage
+  # must fit anyway) or "per_device" (device d: that sum on d; the tables and proofs made before
+  # the mode existed, experiments/results/, are per_device). docs/schedules.md.
+  c.memory_budget_mode = "uniform"
+  c.memory_budget = -1.0         # explicit budget on every device, overrides the mode; -1: none
   c.time_budget_s = 20.0         # wall-clock seconds for the search
   c.seed = 0                     # search seed
   return c

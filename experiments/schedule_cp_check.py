@@ -42,11 +42,14 @@ Needs ortools (an optional analysis dependency, not needed by the library; kept 
 environment because it pins an older protobuf: `pip install --target DIR ortools` and put DIR on
 PYTHONPATH for this binary only).
   python -m experiments.schedule_cp_check --config=configs/schedule_search.py \
+      --config.memory_budget_mode=per_device \
       --config.actor_pp=8 --config.critic_pp=4 --config.actor_microbatches=16 \
       --config.critic_microbatches=8 --workdir=/tmp/cp_e1 --time_limit_s=120
   python -m experiments.schedule_cp_check --config=configs/schedule_search.py --minimize \
+      --config.memory_budget_mode=per_device \
       --hint_search_s=20 --workdir=/tmp/cp_e0_min --time_limit_s=600
   python -m experiments.schedule_cp_check --config=configs/schedule_search.py \
+      --config.memory_budget_mode=per_device \
       --config.actor_pp=16 --config.critic_pp=8 --config.actor_microbatches=64 \
       --config.critic_microbatches=32 --config.actor_fwd=2 --config.critic_fwd=2 \
       --hint_schedule=experiments/results/e7_cp_schedule/schedule.json --grow=120,200,0 \

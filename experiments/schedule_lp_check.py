@@ -9,10 +9,12 @@ Needs highspy for the large models (an optional analysis dependency, like ortool
 schedule_cp_check: `pip install highspy`); `--solver=scipy` uses the HiGHS bundled with scipy
 (small models only).
   python -m experiments.schedule_lp_check --config=configs/schedule_search.py \
+      --config.memory_budget_mode=per_device \
       --config.actor_pp=16 --config.critic_pp=16 --config.actor_microbatches=32 \
       --config.critic_microbatches=32 --config.actor_fwd=2 --config.critic_fwd=1 \
       --workdir=/tmp/lp_e10
   python -m experiments.schedule_lp_check --config=configs/schedule_search.py ... \
+      --config.memory_budget_mode=per_device \
       --workdir=/tmp/lp_e10 --verify=/tmp/lp_e10/certificate.npz
 
 --devices=each scans the one-device models (device 0, 1, ...) and stops at the first one that is

@@ -3,6 +3,11 @@
 Writes into --workdir: config.json, result.json (serial 1F1B, greedy, searched, lower bounds, gap,
 bubbles, per-device peak memory against the budget, the best schedule without the budget),
 schedule.json (pipeline/schedule.py format) and gantt.png.
+
+The budget is config.memory_budget_mode's ("uniform" by default, or "per_device"; graph.py) unless
+config.memory_budget gives one; result.json names the mode in force ("explicit" for a given
+budget) and the budget's and the searched schedule's largest per-device figures as scalars, so
+that a sweep's summary table shows them.
 Launch commands: see configs/schedule_search.py.
 """
 from __future__ import annotations
@@ -29,8 +34,9 @@ def run(c, workdir: str) -> dict:
   serial = evaluate(problem, schedules.serial_order(problem), schedules.serial_release(problem))
   greedy = evaluate(problem, schedules.greedy_order(problem))
   lb = bounds.tight_lower_bound(problem)
-  logging.info("N=%d devices, %d tasks per device; serial %g, greedy %g, tight LB %g",
-               problem.num_devices, problem.tasks_per_device, serial.makespan, greedy.makespan, lb)
+  logging.info("N=%d devices, %d tasks per device; serial %g, greedy %g, tight LB %g; memory "
+               "budget %s, %s", problem.num_devices, problem.tasks_per_device, serial.makespan,
+               greedy.makespan, lb, problem.memory_budget_mode, problem.budget().tolist())
   logging.info("numba kernels ready in %.1fs (compiled or loaded from cache)", search.warmup())
   res = search.search(problem, cfg, log=logging.info)
   best = evaluate(problem, res.best)
@@ -45,6 +51,10 @@ def run(c, workdir: str) -> dict:
       "gap_to_lower_bound": best.makespan / lb - 1.0,
       "within_budget": best.within_budget,
       "at_lower_bound": bool(best.makespan <= lb + 1e-9),
+      "memory_budget_mode": problem.memory_budget_mode,
+      "budget_max": float(np.max(best.budget)),
+      "peak_max": float(np.max(best.peaks)),
+      "devices_at_budget": int(np.sum(best.peaks >= best.budget - 1e-9)),
       "bubble": {"serial": serial.bubble, "searched": best.bubble},
       "peak_memory": {"serial": serial.peaks.tolist(), "searched": best.peaks.tolist(),
                       "budget": best.budget.tolist()},
@@ -59,9 +69,13 @@ def run(c, workdir: str) -> dict:
   wd.atomic_write_text(os.path.join(workdir, "schedule.json"), sched.to_json() + "\n")
   gantt.plot_gantt(sched, os.path.join(workdir, "gantt.png"),
                    title=(f"fused schedule: makespan {best.makespan:g}, tight LB {lb:g}, serial "
-                          f"{serial.makespan:g}, peak/budget {np.max(best.peaks / best.budget):.2f}"))
-  logging.info("searched %g (LB %g, gap %.2f%%), within budget: %s; wrote %s", best.makespan, lb,
-               100 * result["gap_to_lower_bound"], best.within_budget, workdir)
+                          f"{serial.makespan:g}, peak/budget "
+                          f"{np.max(best.peaks / best.budget):.2f} ({problem.memory_budget_mode})"))
+  logging.info("searched %g (LB %g, gap %.2f%%), peak %g of a %s budget %g (%d devices at it), "
+               "within budget: %s; wrote %s", best.makespan, lb,
+               100 * result["gap_to_lower_bound"], result["peak_max"],
+               problem.memory_budget_mode, result["budget_max"], result["devices_at_budget"],
+               best.within_budget, workdir)
   return result
 
 

@@ -153,7 +153,9 @@ def test_bad_arguments_are_named():
 
 def test_lp_check_binary_saves_a_certificate_that_verify_rechecks(tmp_path):
   from tests.test_pipeline_experiments import _run
-  inst = ["--config=configs/schedule_search.py", "--config.actor_pp=4", "--config.critic_pp=4",
+  # The per-device budget: under the uniform one the bound 42 is LP-feasible (and reached).
+  inst = ["--config=configs/schedule_search.py", "--config.memory_budget_mode=per_device",
+          "--config.actor_pp=4", "--config.critic_pp=4",
           "--config.actor_microbatches=4", "--config.critic_microbatches=4",
           "--config.actor_fwd=2", "--config.critic_fwd=1"]
   out = _run(["experiments.schedule_lp_check", *inst, f"--workdir={tmp_path}", "--solver=scipy"])
@@ -181,7 +183,8 @@ def test_lp_check_binary_saves_a_certificate_that_verify_rechecks(tmp_path):
 
 def test_lp_check_scans_one_device_at_a_time_and_stops_at_the_first_certified(tmp_path):
   from tests.test_pipeline_experiments import _run
-  inst = ["--config=configs/schedule_search.py", "--config.actor_pp=4", "--config.critic_pp=4",
+  inst = ["--config=configs/schedule_search.py", "--config.memory_budget_mode=per_device",
+          "--config.actor_pp=4", "--config.critic_pp=4",
           "--config.actor_microbatches=4", "--config.critic_microbatches=4",
           "--config.actor_fwd=2", "--config.critic_fwd=1", "--solver=scipy", "--devices=each"]
   # At the bound 42 every device alone is LP-feasible: all four tried, nothing certified.

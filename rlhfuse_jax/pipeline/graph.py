@@ -20,8 +20,16 @@ Dependencies (one per task at most): F(s, j) after F(s-1, j); B(last, j) after F
 same device; B(s, j) after B(s+1, j). A dependency between two devices adds `transfer_latency`.
 
 Memory: a forward holds its activations (`actor_mem` / `critic_mem` per micro-batch) on its device
-until its backward ends. The default per-device budget is the sum of the actor's and the critic's
-1F1B peaks there (stage s of a P-stage 1F1B pipeline with M micro-batches holds min(P-s, M)).
+until its backward ends. The budget comes from the two models' 1F1B peaks (stage s of a P-stage
+1F1B pipeline with M micro-batches holds min(P-s, M)), by `memory_budget_mode`:
+
+  per_device  device d holds at most the sum of the actor's and the critic's peaks on d;
+  uniform     every device holds at most the largest of those sums. Every device has the same
+              HBM, and the most loaded device of serial 1F1B already has to fit that much, so any
+              device may hold it: fusion still never needs more memory than serial 1F1B has to
+              provision (docs/schedules.md).
+
+An explicit `memory_budget` overrides the mode (recorded as mode "explicit").
 """
 from __future__ import annotations
 
@@ -34,6 +42,12 @@ import numpy as np
 AF, AB, CF, CB = 0, 1, 2, 3
 KIND_NAMES = ("AF", "AB", "CF", "CB")
 MODELS = ("actor", "critic")
+# memory_budget_mode values. PER_DEVICE is the dataclass default because a problem stored before
+# the mode existed (schedule.json, cache keys, certificates' configs) was made under it and must
+# keep its meaning when read back; the tools that build new problems (configs/schedule_search.py,
+# from_config) default to UNIFORM. EXPLICIT is what any problem with a `memory_budget` records.
+UNIFORM, PER_DEVICE, EXPLICIT = "uniform", "per_device", "explicit"
+BUDGET_MODES = (UNIFORM, PER_DEVICE)
 
 
 def kind_model(kind: int) -> str:
@@ -51,7 +65,11 @@ class PipelineProblem:
 
   actor_bwd / critic_bwd / actor_mem / critic_mem left at None take their defaults: backward
   = 2 x forward, activation memory per micro-batch = forward time (memory proportional to compute).
-  memory_budget None means the default budget (sum of the two models' 1F1B peaks per device).
+  memory_budget None means the budget of `memory_budget_mode` (module docstring): "per_device"
+  (the default here, so that a problem read from a file written before the mode existed keeps
+  the budget it was made under) or "uniform" (the default of the tools that build problems).
+  A given memory_budget overrides the mode, and the mode is then recorded as "explicit", so two
+  problems with the same explicit budget are equal whatever mode they were built with.
   """
   actor_pp: int
   critic_pp: int
@@ -65,6 +83,7 @@ class PipelineProblem:
   critic_mem: Optional[float] = None
   transfer_latency: float = 0.0
   memory_budget: Optional[tuple[float, ...]] = None
+  memory_budget_mode: str = PER_DEVICE
 
   def __post_init__(self):
     for name in ("actor_pp", "critic_pp", "actor_microbatches", "critic_microbatches"):
@@ -83,7 +102,6 @@ class PipelineProblem:
       v = getattr(self, name)
       if not (isinstance(v, (int, float, np.number)) and math.isfinite(v) and v > 0):
         raise ValueError(f"{name}={v!r} must be a positive finite number")
-    # Defaults are resolved here so every consumer sees concrete numbers.
     # Defaults are resolved here so every consumer sees concrete numbers; None or a negative
     # value (the config files' sentinel) means "use the default".
     for name, default in (("actor_bwd", 2.0 * self.actor_fwd), ("critic_bwd", 2.0 * self.critic_fwd),
@@ -113,6 +131,11 @@ class PipelineProblem:
       if any(b < 0 or not math.isfinite(b) for b in budget):
         raise ValueError(f"memory_budget={budget} must be non-negative and finite")
       object.__setattr__(self, "memory_budget", budget)
+      object.__setattr__(self, "memory_budget_mode", EXPLICIT)
+    elif self.memory_budget_mode not in BUDGET_MODES:
+      hint = (" needs a memory_budget" if self.memory_budget_mode == EXPLICIT
+              else f": expected one of {BUDGET_MODES}")
+      raise ValueError(f"memory_budget_mode={self.memory_budget_mode!r}{hint}")
 
   # Placement -------------------------------------------------------------------------------------
   @property
@@ -173,9 +196,20 @@ class PipelineProblem:
                        self.critic_mem for d in range(n)])
     return actor, critic
 
-  def default_memory_budget(self) -> np.ndarray:
+  def per_device_memory_budget(self) -> np.ndarray:
+    """The "per_device" budget: the sum of the two models' 1F1B peaks on each device, [N]."""
     actor, critic = self.one_f_one_b_peaks()
     return actor + critic  # [N]
+
+  def uniform_memory_budget(self) -> np.ndarray:
+    """The "uniform" budget: on every device the largest per-device sum, [N]."""
+    return np.full(self.num_devices, float(np.max(self.per_device_memory_budget())))
+
+  def default_memory_budget(self) -> np.ndarray:
+    """The budget of `memory_budget_mode` (the problem's budget when none is given), [N]."""
+    if self.memory_budget_mode == UNIFORM:
+      return self.uniform_memory_budget()
+    return self.per_device_memory_budget()
 
   def budget(self) -> np.ndarray:
     """The memory budget in force per device, [N]."""
@@ -189,8 +223,17 @@ class PipelineProblem:
                      self.critic_microbatches, self.actor_fwd, self.actor_bwd, self.critic_fwd,
                      self.critic_bwd, self.transfer_latency], dtype=np.float64)
 
-  def with_budget(self, budget: Optional[Sequence[float]]) -> "PipelineProblem":
-    return dataclasses.replace(self, memory_budget=None if budget is None else tuple(budget))
+  def with_budget(self, budget: Optional[Sequence[float]],
+                  mode: Optional[str] = None) -> "PipelineProblem":
+    """This problem with an explicit budget, or (budget None) with the budget of `mode`
+    (default: this problem's mode, which must then not be "explicit")."""
+    if budget is not None:
+      return dataclasses.replace(self, memory_budget=tuple(budget))
+    mode = mode or self.memory_budget_mode
+    if mode == EXPLICIT:
+      raise ValueError("with_budget(None) of a problem with an explicit budget needs a mode "
+                       f"(one of {BUDGET_MODES})")
+    return dataclasses.replace(self, memory_budget=None, memory_budget_mode=mode)
 
   def time_reversed(self) -> "PipelineProblem":
     """The same instance run backwards in time: a problem of the same family.
@@ -212,7 +255,9 @@ class PipelineProblem:
   @classmethod
   def from_config(cls, c) -> "PipelineProblem":
     """From a config with the fields of configs/schedule_search.py (-1: the default; any other
-    negative value is a typo, and an error naming the field)."""
+    negative value is a typo, and an error naming the field). memory_budget >= 0 overrides
+    memory_budget_mode; a config without memory_budget_mode (one written before it existed)
+    means "per_device", what it was run under."""
     def opt(name):
       v = getattr(c, name)
       if v is None or v == -1:
@@ -221,6 +266,10 @@ class PipelineProblem:
         raise ValueError(f"config.{name}={v!r}: expected -1 (the default) or a value >= 0")
       return float(v)
     budget = opt("memory_budget")
+    mode = getattr(c, "memory_budget_mode", PER_DEVICE)
+    if budget is None and mode not in BUDGET_MODES:
+      raise ValueError(f"config.memory_budget_mode={mode!r}: expected one of {BUDGET_MODES} "
+                       "(or config.memory_budget >= 0 for an explicit budget)")
     return cls(actor_pp=int(c.actor_pp), critic_pp=int(c.critic_pp),
                actor_microbatches=int(c.actor_microbatches),
                critic_microbatches=int(c.critic_microbatches),
@@ -228,10 +277,21 @@ class PipelineProblem:
                actor_bwd=opt("actor_bwd"), critic_bwd=opt("critic_bwd"),
                actor_mem=opt("actor_mem"), critic_mem=opt("critic_mem"),
                transfer_latency=float(c.transfer_latency),
-               memory_budget=None if budget is None else (budget,))
+               memory_budget=None if budget is None else (budget,),
+               memory_budget_mode=mode if budget is None else EXPLICIT)
 
   def to_dict(self) -> dict:
+    """Every field, memory_budget_mode included (a dict without it reads back as per_device)."""
     return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "PipelineProblem":
+    """The inverse of to_dict; a dict written before memory_budget_mode existed (no such key)
+    is a per_device problem, the budget it was made under."""
+    d = dict(d)
+    if d.get("memory_budget") is not None:
+      d["memory_budget"] = tuple(d["memory_budget"])
+    return cls(**d)
 
 
 def parse_devices(values: Sequence[str], num_devices: int, flag: str = "--devices",
