@@ -57,11 +57,16 @@ _CACHE_VERSION = 1  # bump when the cached file's meaning changes
 
 
 def pipeline_problem(stages: int, pipeline: PipelineConfig) -> PipelineProblem:
-  """The schedule problem on unit durations (one task per lockstep tick)."""
+  """The schedule problem on unit durations (one task per lockstep tick).
+
+  Per-device memory budget (docs/architecture.md §3): the executor's ring buffers are per-model
+  maxima over devices, which neither budget bounds, and on unit-duration problems the uniform
+  budget gained at most one tick while it can enlarge the rings."""
   return PipelineProblem(actor_pp=stages, critic_pp=pipeline.critic_pp or stages,
                          actor_microbatches=pipeline.actor_microbatches,
                          critic_microbatches=pipeline.critic_microbatches,
-                         actor_fwd=1.0, critic_fwd=1.0, actor_bwd=1.0, critic_bwd=1.0)
+                         actor_fwd=1.0, critic_fwd=1.0, actor_bwd=1.0, critic_bwd=1.0,
+                         memory_budget_mode="per_device")
 
 
 def check_config(cfg: TrainConfig, mesh: Mesh) -> None:
