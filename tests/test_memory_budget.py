@@ -165,17 +165,24 @@ def test_uniform_admits_a_strictly_better_searched_makespan():
 
 
 def test_schedule_search_reports_the_mode_and_the_budget_it_used(tmp_path):
-  from experiments import schedule_search
-  c = ss_config.get_config()
-  c.update(actor_pp=4, critic_pp=2, actor_microbatches=3, critic_microbatches=3, actor_fwd=2.0,
-           critic_fwd=1.0, time_budget_s=0.3)
-  uniform = schedule_search.run(c, str(tmp_path / "u"))
+  """The binary (run as a user runs it: a subprocess, its absl flags its own) writes the mode,
+  the budget it used and its peaks: uniform by default, per_device and explicit on request."""
+  from tests.test_pipeline_experiments import _run
+  inst = ["experiments.schedule_search", "--config=configs/schedule_search.py",
+          "--config.actor_pp=4", "--config.critic_pp=2", "--config.actor_microbatches=3",
+          "--config.critic_microbatches=3", "--config.actor_fwd=2", "--config.critic_fwd=1",
+          "--config.time_budget_s=0.3"]
+
+  def run(name, *flags):
+    out = _run([*inst, f"--workdir={tmp_path / name}", *flags])
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads((tmp_path / name / "result.json").read_text())
+  uniform = run("u")
   assert uniform["memory_budget_mode"] == UNIFORM
   assert uniform["peak_memory"]["budget"] == [8.0] * 4 and uniform["budget_max"] == 8.0
   assert uniform["peak_max"] <= uniform["budget_max"] and uniform["devices_at_budget"] >= 0
-  c.memory_budget_mode = PER_DEVICE
-  per_device = schedule_search.run(c, str(tmp_path / "p"))
+  per_device = run("p", "--config.memory_budget_mode=per_device")
   assert per_device["memory_budget_mode"] == PER_DEVICE
   assert per_device["peak_memory"]["budget"] == [7.0, 8.0, 5.0, 4.0]
-  c.memory_budget = 6.0
-  assert schedule_search.run(c, str(tmp_path / "e"))["memory_budget_mode"] == EXPLICIT
+  explicit = run("e", "--config.memory_budget_mode=per_device", "--config.memory_budget=6.0")
+  assert explicit["memory_budget_mode"] == EXPLICIT
