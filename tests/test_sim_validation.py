@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from rlhfuse_jax.pipeline import program as prog
 from rlhfuse_jax.pipeline import schedules
 from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem
 from rlhfuse_jax.policy import calibration
@@ -183,6 +184,38 @@ def write_pipe_bench(path, measured=(0.05, 0.04), with_schedules=True, with_cal=
                       "searched": {"order": FUSED.tolist(), "barrier": False}}}))
   if with_cal:
     (path / "calibration.json").write_text(json.dumps(PIPE_CAL))
+
+
+def test_bench_pipeline_writes_what_the_validator_reads(tmp_path):
+  """The real writer against the reader (the test above uses a hand-written workdir, so the two
+  could drift): a tiny bench_pipeline run (2 stages, 2 + 2 micro-batches, ~20 s) is read back by
+  the validator, which rebuilds every schedule the bench ran with the bench's own tick counts
+  and step times, and predicts them."""
+  from tests.test_pipeline_experiments import _run
+  wd = tmp_path / "bp"
+  out = _run(["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
+              f"--workdir={wd}", "--config.actor_pp=2", "--config.critic_pp=2", "--config.data=1",
+              "--config.actor_microbatches=2", "--config.critic_microbatches=2",
+              "--config.minibatch_size=4", "--config.actor.num_layers=2",
+              "--config.critic.num_layers=2", "--config.search_time_s=0.5", "--config.warmup=0",
+              "--config.repeats=1", "--config.calib_ticks=8"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  res = json.loads((wd / "result.json").read_text())
+  bench = validation.pipeline_bench_from_workdir(str(wd))
+  assert bench.problem == PipelineProblem(**res["problem"])
+  assert (bench.problem.actor_pp, bench.problem.critic_pp, bench.data_replicas) == (2, 2, 1)
+  assert set(bench.orders) == set(res["schedules"]) >= {bench.serial, bench.fused}
+  for name, (order, barrier) in bench.orders.items():
+    assert barrier == res["schedules"][name]["barrier"]
+    ticks = prog.build_program(bench.problem, order, barrier=barrier).ticks
+    assert ticks == res["schedules"][name]["ticks"], name
+  assert bench.measured[bench.serial] == res["serial_step_s"] > 0
+  assert bench.measured[bench.fused] == res["fused_step_s"] > 0
+  text = "\n".join(validation.validation_lines(None, "", str(wd)))
+  assert f"calibration `{wd / 'calibration.json'}`" in text  # the bench's own calibration
+  for name in (bench.serial, bench.fused):
+    kind = "serial" if name == bench.serial else "fused"
+    assert f"| {kind} step s ({name}, {res['schedules'][name]['ticks']} ticks) |" in text
 
 
 def test_validator_reads_pipeline_workdir_with_its_own_calibration(tmp_path):
