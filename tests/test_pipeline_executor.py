@@ -273,7 +273,8 @@ def test_grads_match_for_serial_and_searched_schedules_critic_replicated():
   problem = PipelineProblem(4, 2, 4, 2, 1.0, 1.0)
   acfg, ccfg, ap, cp = _models(4, 2)
   mesh = make_mesh(MeshConfig(data=1, stage=4), jax.devices()[:4])
-  found = search.search(problem, search.SearchConfig(time_budget_s=1.0, seed=0, list_variants=20))
+  found = search.search(problem, search.SearchConfig(max_evaluations=4000, seed=0,
+                                                    list_variants=20))
   # Through schedule.json's format, as a schedule would come from the search binary.
   fused = schedule.from_dict(json.loads(schedule.from_order(problem, found.best).to_json()))
   serial = prog.build_program(problem, schedules.serial_order(problem), barrier=True)

@@ -144,8 +144,12 @@ class ScheduleCache:
   """Fused-schedule searches keyed by problem; optionally persisted as JSON."""
 
   def __init__(self, path: str = "", time_budget_s: float = 2.0, seed: int = 0,
-               log: Optional[Callable[[str], None]] = None):
+               log: Optional[Callable[[str], None]] = None,
+               max_evaluations: Optional[int] = None):
+    """max_evaluations: count-based searches (deterministic per seed, the same on any machine)
+    instead of time_budget_s seconds each."""
     self.path, self.budget, self.seed, self.log = path, time_budget_s, seed, log
+    self.max_evaluations = max_evaluations
     self.entries: dict = {}
     if path and os.path.exists(path):
       with open(path) as f:
@@ -160,7 +164,8 @@ class ScheduleCache:
     k = self.key(problem)
     if k in self.entries:
       return self.entries[k]
-    res = search(problem, SearchConfig(time_budget_s=self.budget, seed=self.seed))
+    res = search(problem, SearchConfig(time_budget_s=self.budget, seed=self.seed,
+                                       max_evaluations=self.max_evaluations))
     ev = evaluate(problem, res.best)
     greedy = evaluate(problem, schedules.greedy_order(problem))
     entry = {"makespan": ev.makespan, "serial": serial_makespan_ms(problem),
