@@ -126,3 +126,30 @@ def test_empirical_lengths_from_files(tmp_path):
   (tmp_path / "bad.json").write_text(json.dumps([1, 0]))
   with pytest.raises(ValueError, match="integers >= 1"):
     lengths.load_lengths(str(tmp_path / "bad.json"))
+
+
+def test_calibrate_sim_writes_what_the_cost_model_reads(tmp_path):
+  """calibrate_sim's real output (a short run, ~15 s) loads as a calibration whose measured ops
+  replace the cost model's formulas exactly: the decode table at each measured occupancy,
+  prefill and inference throughput, migration bandwidth; the device and the share flag as
+  measured."""
+  from tests.test_pipeline_experiments import _run
+  out = _run(["experiments.calibrate_sim", "--config=configs/calibrate_sim.py",
+              f"--workdir={tmp_path}", "--config.repeats=3", "--config.max_new_tokens=16",
+              "--config.occupancies=1,8"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  raw = json.loads((tmp_path / "calibration.json").read_text())
+  cal = calibration.load(str(tmp_path / "calibration.json"))
+  assert cal.devices_share_compute is True and "calibrate_sim" in cal.device
+  ops = raw["ops"]
+  assert ops["decode_step"]["occupied_slots"] == [1, 8]
+  cost = CostModel(get_hardware("h100_sxm"), calibration=cal)
+  shape = get_shape("llama-7b")  # any shape: measured ops never consult it
+  for occ, sec in zip(ops["decode_step"]["occupied_slots"], ops["decode_step"]["seconds"]):
+    assert sec > 0 and float(cost.decode_step_s(shape, 1, occ, 0.0)) == pytest.approx(sec)
+  assert cost.prefill_s(shape, 1, [16, 16]) == pytest.approx(
+      32 / ops["prefill"]["tokens_per_s"])
+  assert cost.inference_s([shape], 1, [32]) == pytest.approx(
+      32 / ops["inference"]["tokens_per_s"])
+  assert cost.kv_migration_s(1e6, 1, False) == pytest.approx(
+      1e6 / ops["migration"]["bytes_per_s"])
