@@ -150,10 +150,11 @@ def test_unknown_field_is_rejected():
     ({"fusion.inter_stage": True, "fusion.instance_devices": 16}, {"data": 8},
      r"config\.fusion\.instance_devices=16 exceeds the 8 devices"),
     ({"fusion.inter_stage": True, "fusion.num_instances": 16}, {"data": 8},
-     r"config\.fusion\.num_instances=16 x config\.fusion\.instance_devices=1 = 16 devices, "
-     r"but the mesh has 8"),
+     r"fusion\.num_instances=16 x fusion\.instance_devices=1 = 16 devices, but only 8 are "
+     r"available"),
     ({"fusion.inter_stage": True, "fusion.slots": 1}, {"data": 8},
-     r"config\.fusion\.slots=1: the rollout batch of 16 .* expected slots >= 2"),
+     r"config\.fusion\.slots=1: 16 samples dealt to num_instances=8 put 2 in one instance; "
+     r"expected slots >= 2"),
 ])
 def test_mesh_and_cross_section_errors_come_before_any_build(tmp_path, monkeypatch, overrides,
                                                             mesh_cfg, message):

@@ -172,6 +172,18 @@ class FusedOutput:
   metrics: dict  # docs/architecture.md §2 metrics (see FusedGenerator.run)
 
 
+def check_layout(config: FusedGenConfig, batch_size: int, num_devices: int) -> None:
+  """The instances fit the devices and a batch of `batch_size` dealt over them fits their
+  slots: FusedGenerator's own check, also run by the trainer before it builds anything."""
+  inst_lib.check_device_count(config.num_instances, config.instance_devices, num_devices)
+  g, s = config.num_instances, config.slots
+  per_inst = -(-batch_size // g)
+  if per_inst > s:
+    raise ValueError(f"config.{config.section}.slots={s}: {batch_size} samples dealt to "
+                     f"num_instances={g} put {per_inst} in one instance; expected slots >= "
+                     f"{per_inst}")
+
+
 class FusedGenerator:
   """G generation instances with AOT-compiled executables; runs batches fused or not."""
 
@@ -189,12 +201,9 @@ class FusedGenerator:
       raise ValueError(f"context too long: prompt bucket {prompt_len} + sampling.max_new_tokens="
                        f"{sampling.max_new_tokens} = {self.max_len} exceeds model.max_seq_len="
                        f"{cfg.max_seq_len}")
+    devices = list(devices) if devices is not None else jax.devices()
+    check_layout(config, batch_size, len(devices))
     g, s = config.num_instances, config.slots
-    per_inst = -(-batch_size // g)
-    if per_inst > s:
-      raise ValueError(f"config.{config.section}.slots={s}: {batch_size} samples dealt to "
-                       f"num_instances={g} put {per_inst} in one instance; expected slots >= "
-                       f"{per_inst}")
     full = s * self.max_len
     self.kv_capacity = config.kv_capacity_tokens or full
     if self.kv_capacity < full:
@@ -202,8 +211,7 @@ class FusedGenerator:
                        f"x max_len={self.max_len} (prompt {prompt_len} + max_new_tokens "
                        f"{sampling.max_new_tokens}) = {full} tokens > config."
                        f"{config.section}.kv_capacity_tokens={config.kv_capacity_tokens}")
-    meshes = inst_lib.split_devices(devices if devices is not None else jax.devices(), g,
-                                    config.instance_devices)
+    meshes = inst_lib.split_devices(devices, g, config.instance_devices)
     self.instances = [GenerationInstance(i, m, cfg, sampling, slots=s, prompt_len=prompt_len,
                                          frozen=frozen, micro_batch=config.micro_batch)
                       for i, m in enumerate(meshes)]

@@ -104,18 +104,23 @@ def migration_buckets(slots: int) -> tuple[int, ...]:
   return tuple(out) + (slots,)
 
 
-def split_devices(devices: Sequence[jax.Device], num_instances: int,
-                  devices_per_instance: int) -> list[Mesh]:
-  """G sub-meshes of `devices_per_instance` consecutive devices (axis `tensor` inside)."""
-  devices = list(devices)
+def check_device_count(num_instances: int, devices_per_instance: int, available: int) -> None:
+  """The instances fit the devices (split_devices; checked before a run builds anything)."""
   need = num_instances * devices_per_instance
   if num_instances < 1 or devices_per_instance < 1:
     raise ValueError(f"fusion.num_instances={num_instances} and fusion.instance_devices="
                      f"{devices_per_instance} must be >= 1")
-  if need > len(devices):
+  if need > available:
     raise ValueError(f"fusion.num_instances={num_instances} x fusion.instance_devices="
-                     f"{devices_per_instance} = {need} devices, but only {len(devices)} are "
+                     f"{devices_per_instance} = {need} devices, but only {available} are "
                      "available: fewer or smaller instances")
+
+
+def split_devices(devices: Sequence[jax.Device], num_instances: int,
+                  devices_per_instance: int) -> list[Mesh]:
+  """G sub-meshes of `devices_per_instance` consecutive devices (axis `tensor` inside)."""
+  devices = list(devices)
+  check_device_count(num_instances, devices_per_instance, len(devices))
   return [mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, tensor=devices_per_instance),
                              devices[i * devices_per_instance:(i + 1) * devices_per_instance])
           for i in range(num_instances)]

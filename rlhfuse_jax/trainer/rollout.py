@@ -108,26 +108,18 @@ def fused_config(fusion, batch_size: int, num_devices: int) -> fused_lib.FusedGe
   return fused_lib.FusedGenConfig.of(fusion, num_instances=g, slots=slots)
 
 
-def check_fusion(cfg: TrainConfig, num_devices: int) -> None:
-  """What FusedStage would reject, checked before anything is built (trainer/validate.py)."""
+def check_fusion(cfg: TrainConfig, num_devices: int) -> Optional[fused_lib.FusedGenConfig]:
+  """What FusedStage would reject, checked before anything is built (trainer/validate.py); the
+  engine's config when config.fusion.inter_stage is on."""
   if not cfg.fusion.inter_stage:
-    return
+    return None
   if jax.process_count() > 1:
     raise ValueError("config.fusion.inter_stage=True runs in a single process (instances "
                      "exchange KV rows with jax.device_put); got "
                      f"{jax.process_count()} processes")
   fc = fused_config(cfg.fusion, cfg.rollout.batch_size, num_devices)
-  need = fc.num_instances * fc.instance_devices
-  if need > num_devices:
-    raise ValueError(f"config.fusion.num_instances={fc.num_instances} x config.fusion."
-                     f"instance_devices={fc.instance_devices} = {need} devices, but the mesh has "
-                     f"{num_devices}")
-  per_instance = -(-cfg.rollout.batch_size // fc.num_instances)
-  if fc.slots < per_instance:
-    raise ValueError(f"config.fusion.slots={fc.slots}: the rollout batch of "
-                     f"{cfg.rollout.batch_size} (rollout.prompts_per_iteration*samples_per_"
-                     f"prompt) over {fc.num_instances} instances puts {per_instance} in one; "
-                     f"expected slots >= {per_instance} (or 0: automatic)")
+  fused_lib.check_layout(fc, cfg.rollout.batch_size, num_devices)  # the engine's own check
+  return fc
 
 
 class FusedStage:
@@ -142,8 +134,7 @@ class FusedStage:
   def __init__(self, cfg: TrainConfig, sampling: SamplingConfig, devices: Sequence[Any], *,
                reference: Any, rewards: scoring.Rewards, pad_id: int, actor_shapes: Any,
                critic_shapes: Optional[Any] = None):
-    check_fusion(cfg, len(devices))
-    self.config = fused_config(cfg.fusion, cfg.rollout.batch_size, len(devices))
+    self.config = check_fusion(cfg, len(devices))
     self.pad_id, self.use_critic = pad_id, critic_shapes is not None
     frozen = FrozenModels(reference=cfg.model,
                           critic=cfg.critic_model if self.use_critic else None,
