@@ -172,8 +172,10 @@ class PipelinedUpdate:
                compiler_options: Dict[str, Any]):
     self.executor, self.schedule_name = executor, schedule_name
     self._txs = (actor_tx, critic_tx)
-    self._compiler_options = compiler_options or None
-    self._jitted: Callable | None = None
+    # Built at the first call, when the states' shardings are known: the gradients are
+    # constrained to them, so the updated parameters and moments keep their stage placement.
+    self._step = ppo.StatePreservingJit(self._make, donate_argnums=(0, 1),
+                                        compiler_options=compiler_options or None)
     self._conversions: Dict[Any, Callable] = {}  # to_staged / whole_fn executables
     self._reshard_bytes: Dict[Any, int] = {}
     program = executor.program
@@ -185,7 +187,7 @@ class PipelinedUpdate:
     }
 
   def __call__(self, actor: ModelState, critic: ModelState, mb: Dict[str, jax.Array]):
-    return self._jit(actor, critic)(actor, critic, mb)
+    return self._step(actor, critic, mb)
 
   # The states' parameters are stage-stacked (executor.stack): each stage device holds its own
   # layers, their gradients and their optimizer moments, nothing of the other stages.
@@ -248,19 +250,11 @@ class PipelinedUpdate:
   def lower(self, actor: ModelState, critic: ModelState, mb: Dict[str, Any]):
     """The jitted update lowered for states and batch given as arrays or as
     jax.ShapeDtypeStructs with shardings (ahead-of-time memory checks: nothing is allocated)."""
-    return self._jit(actor, critic).lower(actor, critic, mb)
-
-  def _jit(self, actor: ModelState, critic: ModelState) -> Callable:
-    if self._jitted is None:
-      # Built at the first call, when the parameters' shardings are known: the gradients are
-      # constrained to them, so the updated parameters and moments keep their stage placement.
-      shardings = (jax.tree.map(lambda x: x.sharding, actor.params),
-                   jax.tree.map(lambda x: x.sharding, critic.params))
-      self._jitted = jax.jit(self._make(shardings), donate_argnums=(0, 1),
-                             compiler_options=self._compiler_options)
-    return self._jitted
+    return self._step.lower(actor, critic, mb)
 
   def _make(self, shardings) -> Callable:
+    """The update for states placed by `shardings` ((actor, critic) ModelStates of shardings)."""
+    shardings = (shardings[0].params, shardings[1].params)
     actor_tx, critic_tx = self._txs
     grads_fn = self.executor.staged_grads_fn
 

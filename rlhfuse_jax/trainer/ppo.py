@@ -75,28 +75,31 @@ def actor_metrics(loss_cfg: LossConfig, m) -> dict:
 
 class StatePreservingJit:
   """jax.jit of update(actor, critic, mb) -> (actor, critic, metrics), built at the first call
-  (or lower) with out_shardings = the states' own shardings, so they come back placed exactly
-  as they went in. Left to itself XLA names a trivially sharded output freely (P('tensor',
-  'fsdp') for P('fsdp', 'tensor') when those axes have size 1), and the next call, on those
-  outputs, misses the compile cache and compiles the update a second time."""
+  (or lower), when the states' shardings are known: `make(shardings)` returns the update
+  (shardings: the (actor, critic) states' tree of shardings, None where a leaf has none; the
+  pipelined update constrains its gradients to them), and out_shardings = those shardings, so
+  the states come back placed exactly as they went in. Left to itself XLA names a trivially
+  sharded output freely (P('tensor', 'fsdp') for P('fsdp', 'tensor') when those axes have
+  size 1), and the next call, on those outputs, misses the compile cache and compiles the
+  update a second time."""
 
-  def __init__(self, fn: Callable, **jit_kwargs):
-    self._fn, self._jit_kwargs = fn, jit_kwargs
+  def __init__(self, make: Callable[[Any], Callable], **jit_kwargs):
+    self._make, self._jit_kwargs = make, jit_kwargs
     self._jitted: Optional[Callable] = None
 
   def jitted(self, actor, critic) -> Callable:
     if self._jitted is None:
+      shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), (actor, critic))
       leaves = jax.tree.leaves((actor, critic))
-      if not all(isinstance(getattr(x, "sharding", None), jax.sharding.Sharding)
-                 for x in leaves):  # host (numpy) states: nothing to preserve
-        self._jitted = jax.jit(self._fn, **self._jit_kwargs)
-        return self._jitted
-      shardings = jax.tree.map(lambda x: x.sharding, (actor, critic))
-      first = leaves[0].sharding
-      # Metrics are scalars: replicated over the states' mesh (or on their one device).
-      metrics = (jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
-                 if isinstance(first, jax.sharding.NamedSharding) else first)
-      self._jitted = jax.jit(self._fn, out_shardings=(*shardings, metrics), **self._jit_kwargs)
+      kwargs = dict(self._jit_kwargs)
+      if all(isinstance(getattr(x, "sharding", None), jax.sharding.Sharding) for x in leaves):
+        first = leaves[0].sharding
+        # Metrics are scalars: replicated over the states' mesh (or on their one device).
+        metrics = (jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+                   if isinstance(first, jax.sharding.NamedSharding) else first)
+        kwargs["out_shardings"] = (*shardings, metrics)
+      # else: host (numpy) states, nothing to preserve.
+      self._jitted = jax.jit(self._make(shardings), **kwargs)
     return self._jitted
 
   def __call__(self, actor, critic, mb):
@@ -141,7 +144,7 @@ def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoCo
       metrics["critic/grad_norm"] = optax.global_norm(cg)
     return actor, critic, metrics
 
-  return StatePreservingJit(update, donate_argnums=(0, 1))
+  return StatePreservingJit(lambda shardings: update, donate_argnums=(0, 1))
 
 
 @functools.partial(jax.jit, static_argnames=("algo", "group_size"))
