@@ -316,21 +316,30 @@ RESUMABLE_FIELDS = frozenset({
 _MODEL_FORCED = {"model": ("head",), "critic_model": ("head", "vocab_size")}
 
 
+def _declared_defaults() -> dict[str, dict[str, Any]]:
+  """{section: {field: JSON default}} of every field that declares a default; section "" holds
+  TrainConfig's own scalar fields. What defaults() and the fingerprint check both read."""
+  classes = {"model": ModelConfig, "critic_model": ModelConfig, **SECTIONS}
+  out = {"": {f.name: f.default for f in dataclasses.fields(TrainConfig)
+              if f.name not in classes and f.default is not dataclasses.MISSING}}
+  for sec, klass in classes.items():
+    out[sec] = {f.name: f.default for f in dataclasses.fields(klass)
+                if f.default is not dataclasses.MISSING}
+  return json.loads(json.dumps(out))  # tuples -> lists, as a ConfigDict or a checkpoint holds
+
+
 def defaults() -> dict[str, Any]:
   """Every config field that has a default, at that default, as the nested dict a ConfigDict
   is made from: the one source of defaults (configs/*.py start from it and set only what their
   run changes, so a default lives here and nowhere else). Model shape fields without a default
   (hidden_size, num_layers, ...) and the top-level seed and num_iterations are the config's to
   set."""
-  out: dict[str, Any] = {}
-  for f in dataclasses.fields(TrainConfig):
-    if f.default is not dataclasses.MISSING and f.name != "vocab_from_tokenizer":
-      out[f.name] = f.default
-  for sec, klass in {"model": ModelConfig, "critic_model": ModelConfig, **SECTIONS}.items():
-    out[sec] = {f.name: f.default for f in dataclasses.fields(klass)
-                if f.default is not dataclasses.MISSING and
-                f.name not in _MODEL_FORCED.get(sec, ())}
-  return json.loads(json.dumps(out))  # tuples -> lists, as a ConfigDict field holds them
+  declared = _declared_defaults()
+  out: dict[str, Any] = {k: v for k, v in declared.pop("").items()
+                         if k != "vocab_from_tokenizer"}
+  for sec, fields in declared.items():
+    out[sec] = {k: v for k, v in fields.items() if k not in _MODEL_FORCED.get(sec, ())}
+  return out
 
 
 def fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
@@ -351,16 +360,8 @@ def fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> lis
 
 def _field_defaults() -> dict[str, Any]:
   """{dotted name: JSON default} of every config field that has a default."""
-  out = {}
-  classes = {"model": ModelConfig, "critic_model": ModelConfig, **SECTIONS}
-  for f in dataclasses.fields(TrainConfig):
-    if f.name not in classes and f.default is not dataclasses.MISSING:
-      out[f.name] = f.default
-  for sec, klass in classes.items():
-    for f in dataclasses.fields(klass):
-      if f.default is not dataclasses.MISSING:
-        out[f"{sec}.{f.name}"] = f.default
-  return json.loads(json.dumps(out))
+  return {f"{sec}.{k}" if sec else k: v for sec, fields in _declared_defaults().items()
+          for k, v in fields.items()}
 
 
 def _build(klass, section: Optional[Mapping[str, Any]], prefix: str):

@@ -39,6 +39,9 @@ def skipped_updates(state: ModelState) -> jax.Array:
   return state.opt_state.total_notfinite
 
 
+_NO_RESHARD = {"timing_s/reshard": 0.0, "perf/reshard_bytes": 0}
+
+
 class Update:
   """update(actor, critic, mb) -> (actor, critic, metrics): one optimizer step of each model.
 
@@ -51,7 +54,7 @@ class Update:
     self._fn, self._txs, self.actor_lr = fn, txs, actor_lr
     self._pipelined = pipelined_update
     self._whole_shapes: dict = {}  # model -> whole parameters' ShapeDtypeStructs, placed
-    self._reshard = {"timing_s/reshard": 0.0, "perf/reshard_bytes": 0}
+    self._reshard = dict(_NO_RESHARD)
     names = {pipelined.FUSED: "fused pipelined training (searched actor/critic schedule)",
              pipelined.SERIAL: "pipelined training (serial 1F1B)"}
     self.schedule_name = getattr(pipelined_update, "schedule_name", None)
@@ -105,7 +108,7 @@ class Update:
   def take_reshard_metrics(self) -> dict:
     """Time and bytes (most loaded device) of the `whole` calls since the last take; empty for
     a plain update, which never reshards."""
-    out, self._reshard = self._reshard, {"timing_s/reshard": 0.0, "perf/reshard_bytes": 0}
+    out, self._reshard = self._reshard, dict(_NO_RESHARD)
     return out if self._pipelined is not None else {}
 
 
