@@ -112,10 +112,7 @@ def from_order(problem: PipelineProblem, order: np.ndarray) -> Schedule:
 
 def from_dict(data: dict[str, Any]) -> Schedule:
   """Rebuilds a Schedule; the order is re-timed and checked against the stored labels."""
-  pdata = dict(data["problem"])
-  if pdata.get("memory_budget") is not None:
-    pdata["memory_budget"] = tuple(pdata["memory_budget"])
-  problem = PipelineProblem(**pdata)
+  problem = PipelineProblem.from_dict(data["problem"])
   devs = data["devices"]
   if len(devs) != problem.num_devices:
     raise ValueError(f"schedule has {len(devs)} devices; the problem has {problem.num_devices}")

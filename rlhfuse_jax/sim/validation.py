@@ -236,7 +236,7 @@ def pipeline_bench_from_workdir(workdir: str) -> PipeBench:
              if k not in sch]
   if missing:
     raise ValueError(f"{path}: missing keys {missing}")
-  problem = PipelineProblem(**sch["problem"])
+  problem = PipelineProblem.from_dict(sch["problem"])
   orders = {name: (np.array(s["order"], np.int8), bool(s["barrier"]))
             for name, s in sch["schedules"].items()}
   measured = {name: _find(res.get("schedules", {}).get(name, {}), ("step_s",))
