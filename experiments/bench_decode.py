@@ -47,7 +47,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.generation import engine
+from rlhfuse_jax.generation import instances
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.models import llama, sequences
 from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -83,13 +83,13 @@ def _timed_runs(fn: Callable[[], Any], warmup: int, repeats: int, what: str) -> 
   return times
 
 
-def make_generator(cfg: BenchDecodeConfig, params: Any, batch: int) -> engine.Generator:
+def make_generator(cfg: BenchDecodeConfig, params: Any, batch: int) -> instances.Generator:
   """The engine's generator for one batch size (compiles prefill and decode ahead of time)."""
-  return engine.Generator(cfg.model, _sampling(cfg.max_new_tokens, cfg.chunk_size),
+  return instances.Generator(cfg.model, _sampling(cfg.max_new_tokens, cfg.chunk_size),
                           batch_size=batch, prompt_len=cfg.prompt_len, params=params)
 
 
-def measure_decode(cfg: BenchDecodeConfig, gen: engine.Generator, params: Any) -> dict:
+def measure_decode(cfg: BenchDecodeConfig, gen: instances.Generator, params: Any) -> dict:
   """Times the engine's decode at the generator's batch size; returns the per-batch entry."""
   batch = gen.batch_size
   rng = np.random.default_rng([cfg.seed, batch])
@@ -130,7 +130,7 @@ def measure_decode(cfg: BenchDecodeConfig, gen: engine.Generator, params: Any) -
   return out
 
 
-def _memory_row(gen: engine.Generator) -> dict:
+def _memory_row(gen: instances.Generator) -> dict:
   """The compiled decode chunk's temporaries and the KV cache it carries (XLA's accounting)."""
   mem = gen.memory()
   return {**mem, "decode_temp_over_cache": mem["decode_temp_bytes"] / mem["cache_bytes"]}
@@ -146,8 +146,8 @@ def compile_memory(cfg: BenchDecodeConfig, model: llama.ModelConfig) -> list[dic
   """Per batch size: the decode chunk and prefill compiled from shapes, XLA's memory figures."""
   rows = []
   for b in cfg.batch_sizes:
-    gen = engine.Generator(model, _sampling(cfg.max_new_tokens, cfg.chunk_size), batch_size=b,
-                           prompt_len=cfg.prompt_len)
+    gen = instances.Generator(model, _sampling(cfg.max_new_tokens, cfg.chunk_size),
+                              batch_size=b, prompt_len=cfg.prompt_len)
     gen.compile(scale_check.abstract_params(model, mesh_lib.replicated(gen.mesh)))
     rows.append({"batch": b, **_memory_row(gen)})
     logging.info("compiled decode batch %d: temporaries %.4g GB = %.3f x the %.4g GB KV cache", b,
@@ -165,8 +165,8 @@ def measure_scan_compile(cfg: BenchDecodeConfig) -> dict:
     times = []
     for n in cfg.scan_compile_layers:
       model = cfg.model.replace(num_layers=n, scan_layers=scan)
-      gen = engine.Generator(model, _sampling(cfg.max_new_tokens, cfg.chunk_size),
-                             batch_size=cfg.batch_sizes[-1], prompt_len=cfg.prompt_len)
+      gen = instances.Generator(model, _sampling(cfg.max_new_tokens, cfg.chunk_size),
+                                batch_size=cfg.batch_sizes[-1], prompt_len=cfg.prompt_len)
       params = scale_check.abstract_params(model, mesh_lib.replicated(gen.mesh))
       t0 = time.perf_counter()
       gen.compile(params)
@@ -199,14 +199,15 @@ def measure_capacity_scaling(cfg: BenchDecodeConfig, params: Any) -> dict:
     model = cfg.model.replace(max_seq_len=max(cfg.capacities), attention=attention)
     per_cap = []
     for cap in cfg.capacities:
-      gen = engine.Generator(model, _sampling(cap - prompt_len, steps), batch_size=batch,
-                             prompt_len=prompt_len, params=params)
+      gen = instances.Generator(model, _sampling(cap - prompt_len, steps), batch_size=batch,
+                                prompt_len=prompt_len, params=params)
       placed = gen.place(params)
+      budget = np.full(batch, cap - prompt_len, np.int32)
       times = []
       for i in range(cfg.warmup + cfg.repeats):
-        state = jax.block_until_ready(gen.prefill(placed, prompts, lens, uids, key))
+        state, _ = jax.block_until_ready(gen.prefill(placed, prompts, lens, uids, budget, key))
         t0 = time.perf_counter()
-        state = jax.block_until_ready(gen.decode_chunk(placed, state, key))
+        state, _ = jax.block_until_ready(gen.decode(placed, state, key))
         if i >= cfg.warmup:
           times.append((time.perf_counter() - t0) / steps)
       n = int(mesh_lib.to_host(state.num_generated).min())

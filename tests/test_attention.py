@@ -220,7 +220,7 @@ def test_decode_chunk_writes_the_cache_in_place():
   # XLA's own accounting of the compiled decode chunk: its temporaries are a small fraction of
   # the KV cache (the state, cache included, is donated and aliased to the output). Before the
   # in-place cache the chunk rebuilt every layer's cache each step: 1.5x the cache at float32.
-  from rlhfuse_jax.generation import engine
+  from rlhfuse_jax.generation import instances
   from rlhfuse_jax.generation.sampling import SamplingConfig
   from rlhfuse_jax.parallel import mesh as mesh_lib
   from rlhfuse_jax.perf import scale_check
@@ -228,7 +228,7 @@ def test_decode_chunk_writes_the_cache_in_place():
                           num_heads=4, num_kv_heads=2, max_seq_len=1024)
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=1008, eos_id=-1, pad_id=0,
                             chunk_size=8)
-  gen = engine.Generator(cfg, sampling, batch_size=32, prompt_len=16)
+  gen = instances.Generator(cfg, sampling, batch_size=32, prompt_len=16)
   gen.compile(scale_check.abstract_params(cfg, mesh_lib.replicated(gen.mesh)))
   mem = gen.memory()
   cache = jax.eval_shape(lambda: llama.KVCache.zeros(cfg, 32, 1024))

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlhfuse_jax.generation import engine, sampling
+from rlhfuse_jax.generation import engine, instances, sampling
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.models import llama, sequences
 from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -91,7 +91,7 @@ def test_response_logprobs_entropy_and_grad_match_full_forward(params, prompts):
 @pytest.fixture(scope="module")
 def sampled(params, prompts):
   sc = SamplingConfig(temperature=0.7, top_k=6, top_p=0.9, max_new_tokens=T, chunk_size=5)
-  gen = engine.Generator(CFG, sc, batch_size=B, prompt_len=P, params=params)
+  gen = instances.Generator(CFG, sc, batch_size=B, prompt_len=P, params=params)
   return gen, gen.generate(params, *prompts, KEY)
 
 
@@ -125,7 +125,7 @@ def test_behaviour_logprobs_equal_trainer_recomputation(params, sampled):
 @pytest.fixture(scope="module")
 def greedy(params, prompts):
   sc = SamplingConfig(greedy=True, max_new_tokens=T, chunk_size=3)
-  return engine.Generator(CFG, sc, batch_size=B, prompt_len=P).generate(params, *prompts, KEY)
+  return instances.Generator(CFG, sc, batch_size=B, prompt_len=P).generate(params, *prompts, KEY)
 
 
 def test_greedy_is_stepwise_argmax_and_top_k_1_equals_greedy(params, prompts, greedy):
@@ -134,7 +134,7 @@ def test_greedy_is_stepwise_argmax_and_top_k_1_equals_greedy(params, prompts, gr
   _, full = _full_logits(params, r)
   pos = r.prompt_lens[:, None] - 1 + np.arange(T)[None]  # [B, T]
   np.testing.assert_array_equal(r.response_tokens, full[np.arange(B)[:, None], pos].argmax(-1))
-  top1 = engine.Generator(
+  top1 = instances.Generator(
       CFG, SamplingConfig(temperature=0.8, top_k=1, max_new_tokens=T, chunk_size=4),
       batch_size=B, prompt_len=P)
   np.testing.assert_array_equal(top1.generate(params, *prompts, KEY).response_tokens,
@@ -144,9 +144,9 @@ def test_greedy_is_stepwise_argmax_and_top_k_1_equals_greedy(params, prompts, gr
 def test_per_sample_stop_on_eos_or_max_new_tokens(params, prompts, greedy):
   base = greedy
   eos = int(base.response_tokens[0, 2])  # a token some rows emit, at different steps
-  gen = engine.Generator(CFG, SamplingConfig(greedy=True, max_new_tokens=T, chunk_size=3,
-                                             eos_id=eos, pad_id=0),
-                         batch_size=B, prompt_len=P)
+  gen = instances.Generator(CFG, SamplingConfig(greedy=True, max_new_tokens=T, chunk_size=3,
+                                                eos_id=eos, pad_id=0),
+                            batch_size=B, prompt_len=P)
   r = gen.generate(params, *prompts, KEY)
   for b in range(B):
     hits = np.flatnonzero(base.response_tokens[b] == eos)
@@ -176,7 +176,7 @@ def test_per_sample_rng_invariance(params, prompts, sampled):
   np.testing.assert_array_equal(ro.logprobs[5], r.logprobs[0])
   # Alone in a batch of 1: on CPU the logits differ in the last bit across batch sizes (a
   # different GEMM shape), so log-probs match to tolerance; tokens matched for this seed.
-  alone = engine.Generator(CFG, gen.sampling, batch_size=1, prompt_len=P)
+  alone = instances.Generator(CFG, gen.sampling, batch_size=1, prompt_len=P)
   for b in (0, 3):
     r1 = alone.generate(params, tokens[b:b + 1], lens[b:b + 1], KEY, uids=[b])
     np.testing.assert_array_equal(r1.response_tokens[0], r.response_tokens[b])
@@ -212,7 +212,7 @@ def test_top_p_keeps_only_the_nucleus():
 def test_sharded_generation_equals_single_device(params, prompts, sampled):
   _, r = sampled
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
-  gen = engine.Generator(CFG, sampled[0].sampling, batch_size=B, prompt_len=P, mesh=mesh)
+  gen = instances.Generator(CFG, sampled[0].sampling, batch_size=B, prompt_len=P, mesh=mesh)
   r8 = gen.generate(jax.device_put(params, mesh_lib.replicated(mesh)), *prompts, KEY)
   np.testing.assert_array_equal(r8.response_tokens, r.response_tokens)
   np.testing.assert_array_equal(r8.response_lens, r.response_lens)
@@ -220,8 +220,8 @@ def test_sharded_generation_equals_single_device(params, prompts, sampled):
   # data x tensor with tensor-sharded params and KV heads.
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4, tensor=2))
   sharded = mesh_lib.shard_params(params, llama.logical_specs(CFG), mesh)
-  gen = engine.Generator(CFG, sampled[0].sampling, batch_size=B, prompt_len=P, mesh=mesh,
-                         params=sharded)
+  gen = instances.Generator(CFG, sampled[0].sampling, batch_size=B, prompt_len=P, mesh=mesh,
+                            params=sharded)
   rt = gen.generate(sharded, *prompts, KEY)
   np.testing.assert_array_equal(rt.response_tokens, r.response_tokens)
   np.testing.assert_allclose(rt.logprobs, r.logprobs, atol=1e-5)
@@ -232,11 +232,12 @@ def test_state_is_donated_and_compiled_once(params, prompts, sampled):
   tokens, lens = prompts
   placed = jax.device_put(params, gen._param_sh)
   with jax.transfer_guard("disallow"):  # no implicit copy may sneak into the decode loop
-    state = gen.prefill(placed, tokens, lens, np.arange(B, dtype=np.int32), KEY)
+    state, _ = gen.prefill(placed, tokens, lens, np.arange(B, dtype=np.int32),
+                           np.full(B, T, np.int32), KEY)
     old = state
-    state = gen.decode_chunk(placed, state, KEY)
+    state, summary = gen.decode(placed, state, KEY)
     assert old.cache.k.is_deleted() and old.tokens.is_deleted()
-    done = jax.device_get(state.done)
+    done = jax.device_get(summary)[0]
   assert done.shape == (B,)
   gen.generate(params, tokens, lens, KEY)
   assert gen.num_compiles == 2
@@ -244,7 +245,7 @@ def test_state_is_donated_and_compiled_once(params, prompts, sampled):
 
 def test_clear_errors(params, prompts):
   with pytest.raises(ValueError, match="context too long.*max_seq_len=64"):
-    engine.Generator(CFG, SamplingConfig(max_new_tokens=60), batch_size=B, prompt_len=P)
+    instances.Generator(CFG, SamplingConfig(max_new_tokens=60), batch_size=B, prompt_len=P)
   for kw, match in [({"temperature": 0.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
                     ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
                     ({"max_new_tokens": 0}, "max_new_tokens"), ({"chunk_size": 0}, "chunk_size"),
@@ -252,15 +253,15 @@ def test_clear_errors(params, prompts):
     with pytest.raises(ValueError, match=f"sampling.{match}"):
       SamplingConfig(**kw)
   with pytest.raises(ValueError, match="sampling.eos_id=40 is outside the vocabulary"):
-    engine.Generator(CFG, SamplingConfig(eos_id=40), batch_size=B, prompt_len=P)
+    instances.Generator(CFG, SamplingConfig(eos_id=40), batch_size=B, prompt_len=P)
   with pytest.raises(ValueError, match="sampling.top_k=33 exceeds"):
-    engine.Generator(CFG, SamplingConfig(top_k=33), batch_size=B, prompt_len=P)
+    instances.Generator(CFG, SamplingConfig(top_k=33), batch_size=B, prompt_len=P)
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
   with pytest.raises(ValueError, match="batch_size=4 must be a positive multiple of"):
-    engine.Generator(CFG, SamplingConfig(), batch_size=4, prompt_len=P, mesh=mesh)
+    instances.Generator(CFG, SamplingConfig(), batch_size=4, prompt_len=P, mesh=mesh)
   with pytest.raises(ValueError, match="params live on 1 device.*mesh has 8"):
-    engine.Generator(CFG, SamplingConfig(), batch_size=B, prompt_len=P, mesh=mesh, params=params)
-  gen = engine.Generator(CFG, SamplingConfig(max_new_tokens=2), batch_size=B, prompt_len=P)
+    instances.Generator(CFG, SamplingConfig(), batch_size=B, prompt_len=P, mesh=mesh, params=params)
+  gen = instances.Generator(CFG, SamplingConfig(max_new_tokens=2), batch_size=B, prompt_len=P)
   with pytest.raises(ValueError, match="prompt_lens must be in"):
     gen.generate(params, prompts[0], np.zeros(B, np.int32), KEY)
   with pytest.raises(ValueError, match="prompt_tokens has shape"):

@@ -22,16 +22,14 @@ budget along (the benchmark forces long-tailed lengths on an untrained model wit
 default, max_new_tokens everywhere, is the plain stop rule; a budget of 0 marks an empty slot,
 done right after prefill.
 
-`Generator` is the non-fused baseline on top of these: it compiles one prefill and one decode
-executable ahead of time for (batch, prompt bucket, max_new_tokens) on a mesh, runs prefill and
-then chunks until every row is done, reading only the [B] `done` vector between chunks.
+The drivers on top of these live in instances.py: a `GenerationInstance` compiles them ahead of
+time for a mesh and S slots; the fused generator runs G of them, and `Generator`, the non-fused
+baseline, is the one-instance case (the whole mesh, batch = slots).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
-from typing import Any, Optional
+from typing import Any
 
 import flax
 import jax
@@ -142,7 +140,7 @@ def decode_chunk(cfg: ModelConfig, params: Any, state: DecodeState, iteration_ke
                  sampling: SamplingConfig) -> DecodeState:
   """Up to K = sampling.chunk_size decode steps; stops early once every row is done (so the
   total number of decode steps of a batch is max(response_len) - 1). The one decode loop of the
-  package: the baseline Generator and the fused instances (instances.decode_slots) both run it;
+  package: every generation instance runs it (instances.decode_slots), the baseline Generator too;
   each row's stop rule, its budget included, lives in the state (`_record`)."""
 
   def cond(carry):
@@ -196,168 +194,3 @@ class Rollout:
   @property
   def decode_steps_per_s(self) -> float:
     return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
-
-
-def _as_typed_key(key) -> jax.Array:
-  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    return key
-  return jax.random.wrap_key_data(key)  # raw uint32 key data from jax.random.PRNGKey
-
-
-class Generator:
-  """Non-fused baseline generator for fixed shapes (batch, prompt bucket, max_new_tokens).
-
-  Compiles exactly one prefill and one decode-chunk executable (ahead of time, in `compile`),
-  so nothing compiles in the middle of generation. Params must be placed by the caller (e.g.
-  mesh.shard_params); the executables are specialised to their shardings.
-  """
-
-  def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, *, batch_size: int,
-               prompt_len: int, mesh: Optional[Mesh] = None, params: Any = None):
-    if cfg.head != "lm":
-      raise ValueError(f"generation needs an LM-head model (model.head='lm'), got {cfg.head!r}")
-    sampling.check_vocab(cfg.vocab_size)
-    if prompt_len < 1:
-      raise ValueError(f"generation prompt_len={prompt_len}; expected >= 1")
-    self.max_len = prompt_len + sampling.max_new_tokens
-    if self.max_len > cfg.max_seq_len:
-      raise ValueError(
-          f"context too long: prompt bucket {prompt_len} + sampling.max_new_tokens="
-          f"{sampling.max_new_tokens} = {self.max_len} exceeds model.max_seq_len="
-          f"{cfg.max_seq_len}")
-    self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(
-        mesh_lib.MeshConfig(data=1), jax.devices()[:1])
-    multiple = mesh_lib.batch_size_multiple(self.mesh)
-    if batch_size < 1 or batch_size % multiple:
-      raise ValueError(f"generation batch_size={batch_size} must be a positive multiple of the "
-                       f"data-parallel mesh size {multiple} (axes {mesh_lib.BATCH_AXES})")
-    self.cfg, self.sampling = cfg, sampling
-    self.batch_size, self.prompt_len = batch_size, prompt_len
-    self.num_compiles = 0
-    self._prefill = self._decode = None
-    if params is not None:
-      self.compile(params)
-
-  def _param_shardings(self, params: Any) -> Any:
-    rep = mesh_lib.replicated(self.mesh)
-    mesh_devices = set(self.mesh.devices.flat)
-
-    def one(x):
-      sharding = getattr(x, "sharding", None)
-      if sharding is None:  # host arrays: replicate onto the mesh
-        return rep
-      if set(sharding.device_set) != mesh_devices:
-        raise ValueError(
-            f"generation params live on {len(sharding.device_set)} device(s) but the generation "
-            f"mesh has {len(mesh_devices)}; place them on the mesh first (parallel.mesh."
-            f"shard_params or jax.device_put(params, replicated(mesh)))")
-      return sharding
-    return jax.tree.map(one, params)
-
-  def compile(self, params: Any) -> None:
-    """AOT-compiles prefill and decode for these params' shardings (arrays or
-    ShapeDtypeStructs with .sharding)."""
-    cfg, sampling, mesh = self.cfg, self.sampling, self.mesh
-    b, p = self.batch_size, self.prompt_len
-    self._param_sh = self._param_shardings(params)
-    abstract_params = mesh_lib.abstract(params, self._param_sh)
-    row1, row2 = mesh_lib.batch_sharding(mesh, 1), mesh_lib.batch_sharding(mesh, 2)
-    rep = mesh_lib.replicated(mesh)
-    self._state_sh = state_shardings(cfg, mesh)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep)
-    tokens = jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=row2)
-    lens = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=row1)
-    prefill_fn = functools.partial(prefill, cfg, sampling=sampling, max_len=self.max_len)
-    self._prefill = jax.jit(
-        prefill_fn, out_shardings=self._state_sh).lower(
-            abstract_params, tokens, lens, lens, key).compile()
-    state = jax.eval_shape(prefill_fn, abstract_params, tokens, lens, lens, key)
-    state = self._state_struct = mesh_lib.abstract(state, self._state_sh)
-    # The state is donated: XLA writes the new cache and buffers into the old ones in place, so
-    # a chunk holds one KV cache, not two. The caller must drop its reference to the old state
-    # (reusing a donated array raises).
-    self._decode = jax.jit(
-        lambda prm, st, k: decode_chunk(cfg, prm, st, k, sampling),
-        out_shardings=self._state_sh, donate_argnums=(1,)).lower(
-            abstract_params, state, key).compile()
-    self.num_compiles += 2
-
-  def place(self, params: Any) -> Any:
-    """params on this generator's mesh, as its executables expect them (no copy when there)."""
-    if self._prefill is None:
-      self.compile(params)
-    return mesh_lib.put(params, self._param_sh)
-
-  def memory(self) -> dict:
-    """XLA's own accounting of the compiled executables (bytes; nothing is allocated): the
-    decode chunk's and prefill's temporaries, and the KV cache the decode state carries (the
-    whole buffer: global, summed over devices)."""
-    if self._decode is None:
-      raise RuntimeError("Generator.memory() needs compiled executables: call compile() first")
-    dec, pre = self._decode.memory_analysis(), self._prefill.memory_analysis()
-    cache = self._state_struct.cache
-    return {"decode_temp_bytes": int(dec.temp_size_in_bytes),
-            "decode_argument_bytes": int(dec.argument_size_in_bytes),
-            "prefill_temp_bytes": int(pre.temp_size_in_bytes),
-            "cache_bytes": int(2 * cache.k.size * cache.k.dtype.itemsize)}
-
-  def prefill(self, params, prompt_tokens, prompt_lens, uids, iteration_key) -> DecodeState:
-    """Device-side prefill of host arrays (already validated and padded to the bucket)."""
-    put = mesh_lib.put
-    return self._prefill(params, put(prompt_tokens, mesh_lib.batch_sharding(self.mesh, 2)),
-                         put(prompt_lens, mesh_lib.batch_sharding(self.mesh, 1)),
-                         put(uids, mesh_lib.batch_sharding(self.mesh, 1)),
-                         put(iteration_key, mesh_lib.replicated(self.mesh)))
-
-  def decode_chunk(self, params, state: DecodeState, iteration_key) -> DecodeState:
-    """One chunk; `state` is donated and must not be used afterwards."""
-    return self._decode(params, state, iteration_key)
-
-  def _check_inputs(self, prompt_tokens, prompt_lens, uids):
-    b, p = self.batch_size, self.prompt_len
-    prompt_tokens = np.asarray(prompt_tokens, np.int32)
-    prompt_lens = np.asarray(prompt_lens, np.int32)
-    if prompt_tokens.ndim != 2 or prompt_tokens.shape[0] != b or prompt_tokens.shape[1] > p:
-      raise ValueError(f"prompt_tokens has shape {prompt_tokens.shape}; this generator takes "
-                       f"[{b}, <= {p}] (batch_size, prompt bucket)")
-    if prompt_lens.shape != (b,):
-      raise ValueError(f"prompt_lens has shape {prompt_lens.shape}; expected ({b},)")
-    if prompt_lens.min() < 1 or prompt_lens.max() > prompt_tokens.shape[1]:
-      raise ValueError(f"prompt_lens must be in [1, {prompt_tokens.shape[1]}]; got min "
-                       f"{prompt_lens.min()}, max {prompt_lens.max()}")
-    padded = np.full((b, p), self.sampling.pad_id, np.int32)
-    padded[:, :prompt_tokens.shape[1]] = prompt_tokens
-    uids = np.arange(b, dtype=np.int32) if uids is None else np.asarray(uids, np.int32)
-    if uids.shape != (b,):
-      raise ValueError(f"uids has shape {uids.shape}; expected ({b},)")
-    return padded, prompt_lens, uids
-
-  def generate(self, params: Any, prompt_tokens, prompt_lens, iteration_key,
-               uids=None) -> Rollout:
-    """Generates one response per row.
-
-    prompt_tokens: [B, <=P] right-padded (padded here to the bucket P); prompt_lens: [B];
-    iteration_key: PRNG key of this iteration; uids: [B] sample ids (default 0..B-1). A sample's
-    tokens depend only on (its prompt, its uid, iteration_key), not on its row.
-    """
-    tokens, lens, uids = self._check_inputs(prompt_tokens, prompt_lens, uids)
-    params = self.place(params)
-    key = _as_typed_key(iteration_key)
-    t0 = time.perf_counter()
-    state = self.prefill(params, tokens, lens, uids, key)
-    done = mesh_lib.to_host(state.done)  # [B] bool: the only per-chunk host read
-    t1 = time.perf_counter()
-    chunks = 0
-    while not done.all():
-      state = self.decode_chunk(params, state, key)
-      chunks += 1
-      done = mesh_lib.to_host(state.done)
-    t2 = time.perf_counter()
-    out = mesh_lib.to_host({"tokens": state.tokens, "logprobs": state.logprobs,
-                          "n": state.num_generated, "stop": state.stop_reason})
-    return Rollout(
-        prompt_tokens=tokens, prompt_lens=lens, response_tokens=np.asarray(out["tokens"]),
-        response_lens=np.asarray(out["n"]), logprobs=np.asarray(out["logprobs"]),
-        stop_reason=np.asarray(out["stop"]), uids=uids, prefill_s=t1 - t0, decode_s=t2 - t1,
-        decode_steps=int(out["n"].max()) - 1, decode_chunks=chunks)

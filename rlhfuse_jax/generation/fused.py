@@ -53,6 +53,7 @@ from rlhfuse_jax.policy import consolidation as policy
 from rlhfuse_jax.generation import engine
 from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.generation import measure
+from rlhfuse_jax.generation import sampling as sampling_lib
 from rlhfuse_jax.generation.instances import FrozenModels, GenerationInstance
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.generation.timeline import ActivityLog, Timeline
@@ -191,16 +192,9 @@ class FusedGenerator:
                batch_size: int, prompt_len: int, frozen: FrozenModels, actor_params: Any,
                frozen_params: dict, devices: Optional[Sequence[jax.Device]] = None,
                rt_model: Optional[RtModel] = None):
-    if cfg.head != "lm":
-      raise ValueError(f"generation needs an LM-head model (model.head='lm'), got {cfg.head!r}")
-    sampling.check_vocab(cfg.vocab_size)
+    self.max_len = inst_lib.check_model(cfg, sampling, prompt_len)
     self.cfg, self.sampling, self.config, self.frozen = cfg, sampling, config, frozen
     self.batch_size, self.prompt_len = batch_size, prompt_len
-    self.max_len = prompt_len + sampling.max_new_tokens
-    if self.max_len > cfg.max_seq_len:
-      raise ValueError(f"context too long: prompt bucket {prompt_len} + sampling.max_new_tokens="
-                       f"{sampling.max_new_tokens} = {self.max_len} exceeds model.max_seq_len="
-                       f"{cfg.max_seq_len}")
     devices = list(devices) if devices is not None else jax.devices()
     check_layout(config, batch_size, len(devices))
     g, s = config.num_instances, config.slots
@@ -272,25 +266,6 @@ class FusedGenerator:
       per.append((rows, tok, lens, uid, bud))
     return per
 
-  def _check(self, prompt_tokens, prompt_lens, uids, budgets):
-    b, p, t = self.batch_size, self.prompt_len, self.sampling.max_new_tokens
-    prompt_tokens = np.asarray(prompt_tokens, np.int32)
-    prompt_lens = np.asarray(prompt_lens, np.int32)
-    if prompt_tokens.ndim != 2 or prompt_tokens.shape[0] != b or prompt_tokens.shape[1] > p:
-      raise ValueError(f"prompt_tokens has shape {prompt_tokens.shape}; expected [{b}, <= {p}]")
-    if prompt_lens.shape != (b,) or prompt_lens.min() < 1 or \
-        prompt_lens.max() > prompt_tokens.shape[1]:
-      raise ValueError(f"prompt_lens must be [{b}] in [1, {prompt_tokens.shape[1]}]")
-    padded = np.full((b, p), self.sampling.pad_id, np.int32)
-    padded[:, :prompt_tokens.shape[1]] = prompt_tokens
-    uids = np.arange(b, dtype=np.int32) if uids is None else np.asarray(uids, np.int32)
-    if uids.shape != (b,):
-      raise ValueError(f"uids has shape {uids.shape}; expected ({b},)")
-    budgets = np.full(b, t, np.int32) if budgets is None else np.asarray(budgets, np.int32)
-    if budgets.shape != (b,) or budgets.min() < 1 or budgets.max() > t:
-      raise ValueError(f"budgets must be [{b}] in [1, max_new_tokens={t}]")
-    return padded, prompt_lens, uids, budgets
-
   def run(self, actor_params: Any, frozen_params: dict, prompt_tokens, prompt_lens,
           iteration_key, uids=None, budgets=None, fuse: bool = True,
           rt: Optional[float] = None) -> FusedOutput:
@@ -304,7 +279,8 @@ class FusedGenerator:
     fuse: False runs the baseline (no consolidation, inference after generation);
     rt: force this Rt for this batch (default: config.migration_threshold, "auto" simulated).
     """
-    tokens, plens, uids, budgets = self._check(prompt_tokens, prompt_lens, uids, budgets)
+    tokens, plens, uids, budgets = inst_lib.check_prompts(
+        self.batch_size, self.prompt_len, self.sampling, prompt_tokens, prompt_lens, uids, budgets)
     choice = None
     if not fuse:
       rt = 0.0
@@ -320,7 +296,7 @@ class FusedGenerator:
         logging.info("generation: costs measured in %.1fs", time.perf_counter() - t0)
       rt, choice = self.choose_rt(plens)
     run = _Run(self, actor_params, frozen_params, tokens, plens, uids, budgets,
-               engine._as_typed_key(iteration_key), fuse, rt)
+               sampling_lib.as_typed_key(iteration_key), fuse, rt)
     out = run.execute()
     out.rt_choice = choice
     self.lengths.add(out.rollout.response_lens)

@@ -47,6 +47,7 @@ from absl import logging
 from jax.sharding import Mesh
 
 from rlhfuse_jax.generation import engine
+from rlhfuse_jax.generation import sampling as sampling_lib
 from rlhfuse_jax.generation.engine import DecodeState
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference import scoring
@@ -116,6 +117,48 @@ def check_device_count(num_instances: int, devices_per_instance: int, available:
                      "available: fewer or smaller instances")
 
 
+def check_model(cfg: ModelConfig, sampling: SamplingConfig, prompt_len: int) -> int:
+  """What every generator checks of its model and lengths before compiling; returns max_len
+  (the KV cache's positions: prompt bucket + max_new_tokens)."""
+  if cfg.head != "lm":
+    raise ValueError(f"generation needs an LM-head model (model.head='lm'), got {cfg.head!r}")
+  sampling.check_vocab(cfg.vocab_size)
+  if prompt_len < 1:
+    raise ValueError(f"generation prompt_len={prompt_len}; expected >= 1")
+  max_len = prompt_len + sampling.max_new_tokens
+  if max_len > cfg.max_seq_len:
+    raise ValueError(f"context too long: prompt bucket {prompt_len} + sampling.max_new_tokens="
+                     f"{sampling.max_new_tokens} = {max_len} exceeds model.max_seq_len="
+                     f"{cfg.max_seq_len}")
+  return max_len
+
+
+def check_prompts(batch_size: int, prompt_len: int, sampling: SamplingConfig, prompt_tokens,
+                  prompt_lens, uids=None, budgets=None):
+  """A batch's host inputs checked and completed: (tokens [B, P] right-padded to the bucket with
+  pad_id, lens [B], uids [B] (default 0..B-1), budgets [B] (default max_new_tokens))."""
+  b, p, t = batch_size, prompt_len, sampling.max_new_tokens
+  prompt_tokens = np.asarray(prompt_tokens, np.int32)
+  prompt_lens = np.asarray(prompt_lens, np.int32)
+  if prompt_tokens.ndim != 2 or prompt_tokens.shape[0] != b or prompt_tokens.shape[1] > p:
+    raise ValueError(f"prompt_tokens has shape {prompt_tokens.shape}; this generator takes "
+                     f"[{b}, <= {p}] (batch_size, prompt bucket)")
+  if prompt_lens.shape != (b,):
+    raise ValueError(f"prompt_lens has shape {prompt_lens.shape}; expected ({b},)")
+  if prompt_lens.min() < 1 or prompt_lens.max() > prompt_tokens.shape[1]:
+    raise ValueError(f"prompt_lens must be in [1, {prompt_tokens.shape[1]}]; got min "
+                     f"{prompt_lens.min()}, max {prompt_lens.max()}")
+  padded = np.full((b, p), sampling.pad_id, np.int32)
+  padded[:, :prompt_tokens.shape[1]] = prompt_tokens
+  uids = np.arange(b, dtype=np.int32) if uids is None else np.asarray(uids, np.int32)
+  if uids.shape != (b,):
+    raise ValueError(f"uids has shape {uids.shape}; expected ({b},)")
+  budgets = np.full(b, t, np.int32) if budgets is None else np.asarray(budgets, np.int32)
+  if budgets.shape != (b,) or budgets.min() < 1 or budgets.max() > t:
+    raise ValueError(f"budgets must be [{b}] in [1, max_new_tokens={t}]")
+  return padded, prompt_lens, uids, budgets
+
+
 def split_devices(devices: Sequence[jax.Device], num_instances: int,
                   devices_per_instance: int) -> list[Mesh]:
   """G sub-meshes of `devices_per_instance` consecutive devices (axis `tensor` inside)."""
@@ -156,10 +199,15 @@ class GenerationInstance:
   """One sub-mesh with S slots and its AOT-compiled executables (module docstring)."""
 
   def __init__(self, index: int, mesh: Mesh, cfg: ModelConfig, sampling: SamplingConfig, *,
-               slots: int, prompt_len: int, frozen: FrozenModels, micro_batch: int):
+               slots: int, prompt_len: int, frozen: Optional[FrozenModels] = None,
+               micro_batch: int = 0):
+    self.max_len = check_model(cfg, sampling, prompt_len)
+    multiple = mesh_lib.batch_size_multiple(mesh)
+    if slots < 1 or slots % multiple:
+      raise ValueError(f"generation batch_size={slots} must be a positive multiple of the "
+                       f"data-parallel mesh size {multiple} (axes {mesh_lib.BATCH_AXES})")
     self.index, self.mesh, self.cfg, self.sampling = index, mesh, cfg, sampling
     self.slots, self.prompt_len, self.micro_batch = slots, prompt_len, micro_batch
-    self.max_len = prompt_len + sampling.max_new_tokens
     self.frozen = frozen
     self.devices = tuple(mesh.devices.flat)
     self.buckets = migration_buckets(slots)
@@ -190,7 +238,8 @@ class GenerationInstance:
     actor_params / frozen_params: pytrees of arrays or ShapeDtypeStructs (shapes and dtypes
     only); frozen_params maps 'reference' / 'critic' / 'reward' to the models to score with.
     only: kinds to lower ('prefill', 'decode', 'gather', 'scatter', 'reference', 'critic',
-    'reward'); None: all (experiments/plan_check.py lowers a few to measure them).
+    'reward'); None: all (experiments/plan_check.py lowers a few to measure them; the baseline
+    Generator only prefill and decode).
     """
     want = (lambda kind: True) if only is None else (lambda kind: kind in only)
     cfg, sampling, s, p = self.cfg, self.sampling, self.slots, self.prompt_len
@@ -221,8 +270,9 @@ class GenerationInstance:
     seq = jax.ShapeDtypeStruct((mb, p + t), jnp.int32, sharding=self.row2)
     lens = jax.ShapeDtypeStruct((mb,), jnp.int32, sharding=self.row1)
     fz = self.frozen
-    for name, mcfg in (("reference", fz.reference), ("critic", fz.critic),
-                       ("reward", fz.reward)):
+    models = () if fz is None else (("reference", fz.reference), ("critic", fz.critic),
+                                    ("reward", fz.reward))
+    for name, mcfg in models:
       if mcfg is None or not want(name):
         continue
       fp = mesh_lib.abstract(frozen_params[name], self.param_shardings(mcfg, frozen_params[name]))
@@ -242,7 +292,8 @@ class GenerationInstance:
 
   # ------------------------------------------------------------------ execution
   def prefill(self, params, tokens, lens, uids, budget, key):
-    put = jax.device_put
+    """(state, summary) of host inputs already checked and padded to the bucket."""
+    put = mesh_lib.put
     return self._exe["prefill"](params, put(tokens, self.row2), put(lens, self.row1),
                                 put(uids, self.row1), put(budget, self.row1), put(key, self.rep))
 
@@ -277,7 +328,7 @@ class GenerationInstance:
 
   def score(self, name: str, params, tokens, prompt_lens, response_lens):
     """One inference micro-batch: tokens [mb, P+T]; returns a device array (not waited on)."""
-    put = jax.device_put
+    put = mesh_lib.put
     args = (params, put(tokens, self.row2), put(prompt_lens, self.row1))
     if name == "reward":
       args = args + (put(response_lens, self.row1),)
@@ -313,3 +364,100 @@ def compile_all(instances: Sequence[GenerationInstance], actor_params, frozen_pa
         logging.info("generation: compiled instance %d/%d (devices %s), %.1fs elapsed",
                      compiled, g, ",".join(str(d.id) for d in inst.devices),
                      time.perf_counter() - t0)
+
+
+class Generator(GenerationInstance):
+  """The non-fused baseline: one instance over a whole mesh, batch = slots, split over the
+  mesh's batch axes (docs/architecture.md §2).
+
+  It runs the instances' own prefill and decode executables, compiled ahead of time (in
+  `compile`, or at construction when `params` are given), so nothing compiles in the middle of
+  generation and there is one decode loop. Unlike a fused instance, it keeps the placement the
+  caller gave the params (e.g. mesh.shard_params on the training mesh).
+  """
+
+  def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, *, batch_size: int,
+               prompt_len: int, mesh: Optional[Mesh] = None, params: Any = None):
+    mesh = mesh if mesh is not None else mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1),
+                                                            jax.devices()[:1])
+    super().__init__(0, mesh, cfg, sampling, slots=batch_size, prompt_len=prompt_len)
+    self.batch_size = batch_size
+    self.num_compiles = 0
+    self._param_sh = None
+    if params is not None:
+      self.compile(params)
+
+  def param_shardings(self, cfg: ModelConfig, params) -> Any:
+    """The params' own shardings (host arrays: replicated); they must be on this mesh."""
+    rep, mesh_devices = self.rep, set(self.devices)
+
+    def one(x):
+      sharding = getattr(x, "sharding", None)
+      if sharding is None:
+        return rep
+      if set(sharding.device_set) != mesh_devices:
+        raise ValueError(
+            f"generation params live on {len(sharding.device_set)} device(s) but the generation "
+            f"mesh has {len(mesh_devices)}; place them on the mesh first (parallel.mesh."
+            f"shard_params or jax.device_put(params, replicated(mesh)))")
+      return sharding
+    return jax.tree.map(one, params)
+
+  def compile(self, params: Any) -> None:
+    """AOT-compiles prefill and decode for these params' shardings (arrays or
+    ShapeDtypeStructs with .sharding)."""
+    self._param_sh = self.param_shardings(self.cfg, params)
+    for name, low in self.lower_all(params, {}, only=("prefill", "decode")):
+      self._exe[name] = low.compile()
+      self.num_compiles += 1
+
+  def place(self, params: Any) -> Any:
+    """params on this generator's mesh, as its executables expect them (no copy when there)."""
+    if not self._exe:
+      self.compile(params)
+    return mesh_lib.put(params, self._param_sh)
+
+  def memory(self) -> dict:
+    """XLA's own accounting of the compiled executables (bytes; nothing is allocated): the
+    decode chunk's and prefill's temporaries, and the KV cache the decode state carries (the
+    whole buffer: global, summed over devices)."""
+    if not self._exe:
+      raise RuntimeError("Generator.memory() needs compiled executables: call compile() first")
+    dec = self._exe["decode"].memory_analysis()
+    pre = self._exe["prefill"].memory_analysis()
+    cache = jax.eval_shape(lambda: llama.KVCache.zeros(self.cfg, self.slots, self.max_len))
+    return {"decode_temp_bytes": int(dec.temp_size_in_bytes),
+            "decode_argument_bytes": int(dec.argument_size_in_bytes),
+            "prefill_temp_bytes": int(pre.temp_size_in_bytes),
+            "cache_bytes": int(2 * cache.k.size * cache.k.dtype.itemsize)}
+
+  def generate(self, params: Any, prompt_tokens, prompt_lens, iteration_key, uids=None,
+               budgets=None) -> engine.Rollout:
+    """Generates one response per row.
+
+    prompt_tokens: [B, <=P] right-padded (padded here to the bucket P); prompt_lens: [B];
+    iteration_key: PRNG key of this iteration; uids: [B] sample ids (default 0..B-1); budgets:
+    [B] response budgets (default max_new_tokens). A sample's tokens depend only on (its
+    prompt, its uid, its budget, iteration_key), not on its row.
+    """
+    tokens, lens, uids, budgets = check_prompts(self.batch_size, self.prompt_len, self.sampling,
+                                                prompt_tokens, prompt_lens, uids, budgets)
+    params = self.place(params)
+    key = sampling_lib.as_typed_key(iteration_key)
+    t0 = time.perf_counter()
+    state, summary = self.prefill(params, tokens, lens, uids, budgets, key)
+    done = mesh_lib.to_host(summary)[0]  # the only per-chunk host read
+    t1 = time.perf_counter()
+    chunks = 0
+    while not done.all():
+      state, summary = self.decode(params, state, key)
+      chunks += 1
+      done = mesh_lib.to_host(summary)[0]
+    t2 = time.perf_counter()
+    out = mesh_lib.to_host({"tokens": state.tokens, "logprobs": state.logprobs,
+                            "n": state.num_generated, "stop": state.stop_reason})
+    return engine.Rollout(
+        prompt_tokens=tokens, prompt_lens=lens, response_tokens=np.asarray(out["tokens"]),
+        response_lens=np.asarray(out["n"]), logprobs=np.asarray(out["logprobs"]),
+        stop_reason=np.asarray(out["stop"]), uids=uids, prefill_s=t1 - t0, decode_s=t2 - t1,
+        decode_steps=int(out["n"].max()) - 1, decode_chunks=chunks)

@@ -109,3 +109,11 @@ def sample_token(logits, keys, cfg: SamplingConfig):
   logp_all = jax.nn.log_softmax(logits / cfg.logprob_temperature, axis=-1)  # [B, V]
   logprobs = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
   return tokens, logprobs
+
+
+def as_typed_key(key) -> jax.Array:
+  """A typed PRNG key from a typed key or raw uint32 key data (jax.random.PRNGKey)."""
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key
+  return jax.random.wrap_key_data(key)

@@ -28,6 +28,7 @@ import numpy as np
 
 from rlhfuse_jax.generation import engine
 from rlhfuse_jax.generation import fused as fused_lib
+from rlhfuse_jax.generation import instances
 from rlhfuse_jax.generation.instances import FrozenModels
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference import scoring
@@ -76,9 +77,10 @@ class SerialStage:
     self.sampling, self.pad_id = sampling, pad_id
     self.reference, self.rewards = reference, rewards
     self.scorer = scoring.Scorer(mesh)
-    self.generator = engine.Generator(cfg.model, sampling, batch_size=cfg.rollout.batch_size,
-                                      prompt_len=cfg.data.max_prompt_len, mesh=mesh,
-                                      params=actor_shapes)
+    self.generator = instances.Generator(cfg.model, sampling,
+                                         batch_size=cfg.rollout.batch_size,
+                                         prompt_len=cfg.data.max_prompt_len, mesh=mesh,
+                                         params=actor_shapes)
 
   def __call__(self, params: WholeParams, prompts: Prompts, key) -> StageOutputs:
     t0 = time.time()

@@ -19,7 +19,7 @@ out = {}
 params, = bd.random_params([m], jax.random.key(0))
 for b in (1, 128):
   gen = bd.make_generator(cfg, params, b)
-  txt = gen._decode.as_text()
+  txt = gen._exe["decode"].as_text()  # was gen._decode before the Generator became an instance
   out[f"hlo_b{b}"] = {"fusions": len(re.findall(r"= \S+ fusion\(", txt)),
                       "custom_calls": len(re.findall(r"custom-call\(", txt)),
                       "while": txt.count(" while(")}
