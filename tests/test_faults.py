@@ -5,6 +5,7 @@ with a changed config is refused field by field; the LR schedule continues acros
 metrics are written exactly once; one run per workdir; a damaged checkpoint falls back to the
 intact one; a failed save or kill -9 loses nothing; bad inputs name the file and the field.
 """
+import json
 import os
 import shutil
 import signal
@@ -20,9 +21,9 @@ import safetensors.numpy
 from rlhfuse_jax import checkpointing
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.models import hf_loader
-from rlhfuse_jax.trainer import hooks, loop
+from rlhfuse_jax.trainer import build, hooks, loop
 from rlhfuse_jax.trainer.loop import PPOTrainer
-from tests.test_train_ppo_binary import REPO, _cmd, _env, _steps
+from tests.test_train_ppo_binary import COMPILE_LOG, METRIC_NAMES, REPO, _cmd, _env, _steps
 from tests.test_trainer import _deterministic, _params, tiny_config
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -175,11 +176,21 @@ def _damage_arrays(step_dir):
           fh.write(b"\x00garbage" * (os.path.getsize(p) // 8 + 1))
 
 
-@pytest.mark.parametrize("damage", ["arrays", "side-car"])
-def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, damage):
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """An uninterrupted tiny run of 6 iterations: (config, workdir, final params, metrics rows)."""
   cfg = tiny_config(**{"num_iterations": 6})
-  straight = PPOTrainer(cfg, str(tmp_path / "straight"))
-  straight.run()
+  workdir = str(tmp_path_factory.mktemp("straight"))
+  trainer = PPOTrainer(cfg, workdir)
+  trainer.run()
+  return cfg, workdir, _params(trainer), wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("damage", ["arrays", "side-car"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, straight, damage):
+  """Also the in-process resume test: stopped at 4 (as by SIGTERM), resumed from 2 after the
+  damage, the run ends with the uninterrupted run's parameters bitwise and its metrics."""
+  cfg, _, want_params, want_rows = straight
   run = str(tmp_path / "run")
   PPOTrainer(cfg, run).run(stop_after=4)  # checkpoints 2 and 4, as a preempted run leaves them
   latest = os.path.join(run, "checkpoints", "4")
@@ -195,17 +206,41 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, dama
   again = PPOTrainer(cfg, run)
   assert [h["step"] for h in again.run()] == [3, 4, 5, 6]  # resumed from 2
   assert os.path.isdir(os.path.join(run, "damaged_checkpoints", "4"))  # kept, not deleted
-  for a, b in zip(jax.tree.leaves(_params(again)), jax.tree.leaves(_params(straight))):
-    np.testing.assert_array_equal(a, b)
-  assert _steps(run) == [1, 2, 3, 4, 5, 6]
+  jax.tree_util.tree_map(np.testing.assert_array_equal, _params(again), want_params)
+  rows = wd.read_jsonl(os.path.join(run, "metrics.jsonl"))
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # nothing lost or written twice
+  assert _deterministic(rows) == _deterministic(want_rows)
+
+
+def test_a_finished_run_builds_nothing_and_still_checks_the_config(straight, monkeypatch):
+  cfg, workdir, _, _ = straight
+
+  def no_build(*args, **kwargs):
+    raise AssertionError("a finished run built its models")
+  monkeypatch.setattr(build, "build_models", no_build)
+  again = PPOTrainer(cfg, workdir)
+  assert again.finished_at == 6 and again.run() == []
+  assert _steps(workdir) == [1, 2, 3, 4, 5, 6]
+  with pytest.raises(ValueError, match="config.seed=1 differs"):  # checked without a build
+    PPOTrainer(tiny_config(num_iterations=6, seed=1), workdir)
 
 
 # ------------------------------------------------------------------------------ processes
 def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path):
+  """The binary end to end: what a run writes; kill -9 mid-run, the same command resumes and
+  gives the uninterrupted run's metrics; once more, it says the run is finished and compiles
+  nothing. (Continuing to a larger num_iterations: test_raising_num_iterations_...)"""
   n = ["--config.num_iterations=6", "--config.checkpoint.every=1"]
   straight = str(tmp_path / "straight")
   subprocess.run(_cmd(straight, *n), cwd=REPO, env=_env(), check=True, capture_output=True,
                  timeout=600)
+  for name in ("config.json", "metrics.jsonl", "result.json"):
+    assert os.path.exists(os.path.join(straight, name)), name
+  assert os.listdir(os.path.join(straight, "tb")), "no TensorBoard events"
+  assert json.load(open(os.path.join(straight, "result.json")))["iterations"] == 6
+  first = wd.read_jsonl(os.path.join(straight, "metrics.jsonl"))[0]
+  for key in METRIC_NAMES:  # docs/architecture.md §1
+    assert key in first, key
   run = str(tmp_path / "run")
   proc = subprocess.Popen(_cmd(run, *n), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
@@ -218,9 +253,16 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path):
   out = subprocess.run(_cmd(run, *n), cwd=REPO, env=_env(), capture_output=True, text=True,
                        timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
+  assert "resumed from checkpoint at iteration" in out.stderr
   rows, want = (wd.read_jsonl(os.path.join(d, "metrics.jsonl")) for d in (run, straight))
-  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # no step repeated or lost
   assert _deterministic(rows) == _deterministic(want)
+  # The same command again: the run is finished, so it says so without compiling anything.
+  out = subprocess.run(_cmd(run, *n), cwd=REPO, env=_env(JAX_LOG_COMPILES="1"), check=True,
+                       capture_output=True, text=True, timeout=600)
+  assert "workdir already has 6 iterations (num_iterations=6): nothing to do" in out.stderr
+  assert COMPILE_LOG not in out.stderr, out.stderr[-3000:]
+  assert _steps(run) == [1, 2, 3, 4, 5, 6]
   # The config of each start is kept: config.json (first) and config.<k>.json (the resume).
   starts = sorted(f for f in os.listdir(run) if f.startswith("config."))
   assert "config.json" in starts and len(starts) == 2, starts

@@ -1,4 +1,5 @@
-"""experiments/train_ppo end to end: files written, continuing a finished run, SIGTERM."""
+"""experiments/train_ppo end to end: SIGTERM / SIGINT save and exit with the stopped status.
+(What a run writes, kill -9 and resume, a finished run: tests/test_faults.py.)"""
 import json
 import os
 import signal
@@ -7,6 +8,8 @@ import sys
 import time
 
 import pytest
+
+from rlhfuse_jax.trainer import hooks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Same shapes as tests/test_trainer.tiny_config (test_multiprocess compares the two).
@@ -33,6 +36,12 @@ def _env(**extra):
 
 
 COMPILE_LOG = "Compiling "  # what jax logs for every XLA compile with JAX_LOG_COMPILES=1
+# The docs/architecture.md §1 metric names every iteration's row carries.
+METRIC_NAMES = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
+                "actor/grad_norm", "critic/vf_loss", "critic/vf_clipfrac",
+                "critic/vf_explained_var", "reward/mean", "kl/ref_mean", "response_length/mean",
+                "response_length/max", "response_length/clip_ratio", "timing_s/generate",
+                "timing_s/inference", "timing_s/train", "timing_s/step", "perf/tokens_per_s")
 
 
 def _steps(workdir):
@@ -40,45 +49,9 @@ def _steps(workdir):
     return [json.loads(line)["step"] for line in f if line.strip()]
 
 
-def test_run_then_continue_to_more_iterations(tmp_path):
-  wd = str(tmp_path / "run")
-  subprocess.run(_cmd(wd, "--config.num_iterations=3"), cwd=REPO, env=_env(), check=True,
-                 capture_output=True, timeout=600)
-  for name in ("config.json", "metrics.jsonl", "result.json"):
-    assert os.path.exists(os.path.join(wd, name)), name
-  assert os.listdir(os.path.join(wd, "tb")), "no TensorBoard events"
-  assert _steps(wd) == [1, 2, 3]
-  row = json.load(open(os.path.join(wd, "result.json")))
-  assert row["iterations"] == 3
-  # The docs/architecture.md §1 metric names are all there.
-  with open(os.path.join(wd, "metrics.jsonl")) as f:
-    first = json.loads(f.readline())
-  for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
-              "actor/grad_norm", "critic/vf_loss", "critic/vf_clipfrac",
-              "critic/vf_explained_var", "reward/mean", "kl/ref_mean", "response_length/mean",
-              "response_length/max", "response_length/clip_ratio", "timing_s/generate",
-              "timing_s/inference", "timing_s/train", "timing_s/step", "perf/tokens_per_s"):
-    assert key in first, key
-
-  out = subprocess.run(_cmd(wd, "--config.num_iterations=5"), cwd=REPO,
-                       env=_env(JAX_LOG_COMPILES="1"), check=True, capture_output=True, text=True,
-                       timeout=600)
-  assert _steps(wd) == [1, 2, 3, 4, 5]  # continued: no step repeated
-  assert "resumed from checkpoint at iteration 3" in out.stderr
-  assert COMPILE_LOG in out.stderr  # (the log this test reads below does show compiles)
-
-  # The same command again: the run is finished, so it says so without compiling anything.
-  out = subprocess.run(_cmd(wd, "--config.num_iterations=5"), cwd=REPO,
-                       env=_env(JAX_LOG_COMPILES="1"), check=True, capture_output=True, text=True,
-                       timeout=600)
-  assert "workdir already has 5 iterations (num_iterations=5): nothing to do" in out.stderr
-  assert COMPILE_LOG not in out.stderr, out.stderr[-3000:]
-  assert _steps(wd) == [1, 2, 3, 4, 5]
-  assert json.load(open(os.path.join(wd, "result.json")))["iterations"] == 5
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_saves_and_exits_with_the_stopped_status(tmp_path, sig):
+def test_sigterm_saves_and_exits_with_the_stopped_status(tmp_path):
+  """The binary: SIGTERM (a scheduler's preemption) saves where it stops and exits 75. SIGINT
+  takes the same handler (test_sigint_stops_like_sigterm_and_twice_interrupts_at_once)."""
   wd = str(tmp_path / "run")
   proc = subprocess.Popen(_cmd(wd, "--config.num_iterations=10000",
                                "--config.checkpoint.every=10000"),
@@ -89,10 +62,25 @@ def test_signal_saves_and_exits_with_the_stopped_status(tmp_path, sig):
     assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
     assert time.time() < deadline, "no iterations within the deadline"
     time.sleep(0.5)
-  proc.send_signal(sig)
+  proc.send_signal(signal.SIGTERM)
   _, err = proc.communicate(timeout=300)
   # 75: stopped after saving, re-run to resume (a scheduler tells it from completion, 0).
   assert proc.returncode == 75, err.decode()[-3000:]
   last = _steps(wd)[-1]
   ckpts = [int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()]
   assert ckpts == [last], (ckpts, last)  # saved exactly where it stopped
+
+
+def test_sigint_stops_like_sigterm_and_twice_interrupts_at_once():
+  flag = hooks.StopFlag()
+  before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+  flag.begin(0)
+  try:
+    assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == flag._handle
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: finish the iteration, save, exit
+    assert flag.set and flag.signal == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C again: stop now
+      os.kill(os.getpid(), signal.SIGINT)
+  finally:
+    flag.end(failing=False)
+  assert {sig: signal.getsignal(sig) for sig in before} == before  # handlers given back
