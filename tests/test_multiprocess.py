@@ -4,10 +4,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
 
+from rlhfuse_jax import workdir as wdlib
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from tests.test_train_ppo_binary import REPO, SMALL
@@ -34,3 +36,23 @@ def test_two_processes_match_one_process(tmp_path):
     assert a["gen/response_lengths"] == b["gen/response_lengths"]
     for k in ("reward/mean", "kl/ref_mean", "actor/pg_loss", "critic/vf_loss"):
       np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_a_locked_workdir_stops_every_process_at_once(tmp_path):
+  """Only process 0 takes the workdir lock; the others learn its refusal instead of waiting in
+  the run's first collective."""
+  wd = str(tmp_path / "mp")
+  holder = wdlib.WorkdirLock(wd)  # another run holds the workdir
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHON"] = sys.executable
+  t0 = time.time()
+  try:
+    out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "2", wd, *SMALL], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=300)
+  finally:
+    holder.release()
+  logs = [open(f"{wd}.proc{i}.log").read() for i in range(2)]
+  assert out.returncode != 0, logs
+  assert time.time() - t0 < 120, "a process waited for a run that was refused"
+  assert f"workdir {wd} is in use by another run (pid {os.getpid()}" in logs[0], logs[0][-2000:]
+  assert "in use by another run: process 0 could not lock it" in logs[1], logs[1][-2000:]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
+import numpy as np
 from absl import logging
 
 
@@ -44,3 +45,15 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
 
 def is_main_process() -> bool:
   return jax.process_index() == 0
+
+
+def main_process_verdict(ok: bool) -> bool:
+  """Process 0's `ok`, known to every process (one tiny collective; single process: `ok`).
+
+  For a decision only process 0 can take (the workdir lock): every process must call it, so a
+  refusal on process 0 stops the others at once instead of leaving them waiting in the first
+  collective of a run that will never come."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils  # multi-host only
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))

@@ -24,6 +24,7 @@ from absl import logging
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.models import sequences
+from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.perf import accounting
 from rlhfuse_jax.rl import advantages as adv_lib
@@ -67,8 +68,19 @@ class PPOTrainer:
     self.workdir = workdir
     os.makedirs(workdir, exist_ok=True)
     # One run per workdir (process 0 holds it for all processes of a multi-host run), from
-    # here until run() ends, or until this constructor fails.
-    self._lock = wd.WorkdirLock(workdir) if jax.process_index() == 0 else None
+    # here until run() ends, or until this constructor fails. Every process learns process 0's
+    # verdict, so a refused multi-host start ends on all of them at once.
+    self._lock, refused = None, None
+    if jax.process_index() == 0:
+      try:
+        self._lock = wd.WorkdirLock(workdir)
+      except RuntimeError as e:
+        refused = e
+    if not distributed.main_process_verdict(refused is None):
+      if refused is not None:
+        raise refused
+      raise RuntimeError(f"workdir {workdir} is in use by another run: process 0 could not lock "
+                         "it (its log names the holder); use another --workdir")
     try:
       self._setup(cfg, mesh)
     except BaseException:
