@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlhfuse_jax.models import llama
+from rlhfuse_jax.models import llama, sequences
 from rlhfuse_jax.parallel.mesh import MeshConfig, make_mesh
 from rlhfuse_jax.pipeline import program as prog
 from rlhfuse_jax.pipeline import schedule, schedules, search, stages
@@ -317,11 +317,14 @@ def test_grads_match_with_a_data_axis_and_a_single_stage_critic():
 
 def test_grads_match_with_a_tensor_axis_and_two_layers_per_stage():
   """stage=2 x data=2 x tensor=2: Megatron splits inside each stage (heads and MLP width over
-  tensor, llama.tensor_parallel); the actor's stages hold two layers each."""
+  tensor, llama.tensor_parallel); the actor's stages hold two layers each, and its head and loss
+  split the vocabulary over tensor (the entropy bonus and a temperature put every term of the
+  vocabulary-parallel softmax into the gradient)."""
   problem = PipelineProblem(2, 2, 2, 2, 1.0, 1.0)
   acfg, ccfg, ap, cp = _models(4, 2, critic_kv_heads=2)
   mesh = make_mesh(MeshConfig(data=2, stage=2, tensor=2))
-  loss_cfg = stages.LossConfig()
+  loss_cfg = stages.LossConfig(entropy_coef=0.05, temperature=0.8)
+  assert stages.vocab_parallel(acfg, 2) == ("tensor", 2)
   ex = make_executor(acfg, ccfg, loss_cfg, problem, schedules.greedy_order(problem), mesh)
   # grads_fn: the traceable form, as a trainer calls it inside its own jitted update.
   _check([jax.jit(ex.grads_fn, compiler_options=FAST)], acfg, ccfg, loss_cfg, ap, cp, _batch(8))
@@ -333,6 +336,46 @@ def test_grads_match_with_a_tensor_axis_and_two_layers_per_stage():
                                        r"tensor axis \(2\)"):
     make_executor(acfg, _models(4, 2)[1], loss_cfg, problem, schedules.greedy_order(problem),
                   mesh)
+
+
+def test_vocab_parallel_head_equals_the_whole_head():
+  """Log-probs, entropies and their gradients (head kernel, final norm, hidden input) of the
+  vocabulary-parallel head over tensor=4 equal the whole head's (fp32); targets hit every
+  device's columns. The head kernel's gradient is summed over `tensor`, as the executor does."""
+  from jax.sharding import PartitionSpec as P
+  cfg = llama.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
+                          num_heads=2, num_kv_heads=2, dtype="float32", param_dtype="float32")
+  params = llama.host_random_params(cfg, 3)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(3, 5, 16)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 64, size=(3, 5)), jnp.int32)
+  wl, we = (jnp.asarray(rng.normal(size=(3, 5)), jnp.float32) for _ in range(2))
+  temp = 0.7
+
+  def whole(hp, x):
+    logits = stages.head(cfg, params["embed"], hp, x)
+    logp, ent = sequences.token_logprobs_and_entropy(logits, targets, temp)
+    return jnp.sum(logp * wl) + jnp.sum(ent * we), (logp, ent)
+
+  def split(hp, x):
+    return (lambda lp, e: (jnp.sum(lp * wl) + jnp.sum(e * we), (lp, e)))(
+        *stages.vocab_parallel_logprobs(cfg, hp, x, targets, temp, ("tensor", 4)))
+
+  def device(hp, x):
+    (_, out), (dhp, dx) = jax.value_and_grad(split, argnums=(0, 1), has_aux=True)(hp, x)
+    dhp = {**dhp, "lm_head": jax.lax.psum(dhp["lm_head"], "tensor")}
+    return out, dhp, dx
+  mesh = make_mesh(MeshConfig(tensor=4), jax.devices()[:4])
+  got = jax.jit(jax.shard_map(device, mesh=mesh, in_specs=(P(), P()), out_specs=P(),
+                              check_vma=False))(params["head"], x)
+  (_, want), (dhp, dx) = jax.value_and_grad(whole, argnums=(0, 1), has_aux=True)(
+      params["head"], x)
+  assert len(set(np.asarray(targets).ravel() // 16)) == 4
+  for a, b in zip(jax.tree.leaves((got[0], got[1], got[2])), jax.tree.leaves((want, dhp, dx))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  assert stages.vocab_parallel(cfg, 4) == ("tensor", 4)
+  assert stages.vocab_parallel(cfg.replace(tie_embeddings=True), 4) is None
+  assert stages.vocab_parallel(cfg, 1) is None and stages.vocab_parallel(cfg, 3) is None
 
 
 def _device_bytes(tree, device):

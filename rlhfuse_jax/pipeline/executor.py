@@ -43,8 +43,10 @@ Inside a stage (`layer_splits`, from the parameters' logical axes and parallel/m
 before it runs (the gather's vjp reduce-scatters the gradient); `tensor` (manual too) splits
 heads and MLP width Megatron-style: the stage runs its layers on a local config (heads, KV heads
 and MLP width divided by the tensor size) with column-split q/k/v/gate/up and row-split o/down
-kernels, between llama.tensor_parallel's f/g operators. Embedding, head and loss run whole on
-every tensor device.
+kernels, between llama.tensor_parallel's f/g operators. The actor's untied LM head and loss
+split the vocabulary over `tensor` too (stages.vocab_parallel_logprobs: V/tp logits per device,
+the softmax's sums across devices); the embedding, a tied head and the critic's scalar head run
+whole on every tensor device.
 
 The table is an argument of the compiled step, not a constant: schedules with the same
 program.ProgramShape share one compilation (serial and fused, for example).
@@ -438,10 +440,13 @@ class _ModelPlan:
   forward_up: bool          # forwards send up (d -> d+1): the actor; the critic runs reversed
   replica_axes: Tuple[str, ...]  # axes its layer gradients are also summed over
   fsdp: bool                # layers split over fsdp: gathered one layer at a time
+  vocab: stages.VocabAxis = None  # the LM head's vocabulary split over `tensor`, or whole
 
   @property
   def head_loss(self) -> Callable:
-    return stages.actor_head_loss if self.name == "actor" else stages.critic_head_loss
+    if self.name == "critic":
+      return stages.critic_head_loss
+    return functools.partial(stages.actor_head_loss, vocab=self.vocab)
 
   @property
   def num_metrics(self) -> int:
@@ -627,14 +632,20 @@ def _gather_tail(tree: Any, dims: Any) -> Any:
       lambda x, k: x if k < 0 else lax.all_gather(x, STAGE_AXES, axis=k, tiled=True), tree, dims)
 
 
-def _scatter_tail(tree: Any, dims: Any, data_axes: Tuple[str, ...]) -> Any:
-  """Whole embedding/head gradients -> summed over all devices, this device's 1/N kept."""
-  def one(g, k):
-    g = lax.psum(g, data_axes) if data_axes else g
+def _scatter_tail(tree: Any, dims: Any, data_axes: Tuple[str, ...],
+                  vocab: stages.VocabAxis = None) -> Any:
+  """Whole embedding/head gradients -> summed over all devices, this device's 1/N kept. With a
+  vocabulary-parallel head each tensor device holds its own columns of the LM head's gradient
+  (zeros elsewhere), so that leaf is summed over `tensor` too."""
+  def one(path, g, k):
+    axes = data_axes
+    if vocab is not None and any(getattr(p, "key", None) == "lm_head" for p in path):
+      axes = axes + (vocab[0],)
+    g = lax.psum(g, axes) if axes else g
     if k < 0:
       return lax.psum(g, STAGE_AXES)
     return lax.psum_scatter(g, STAGE_AXES, scatter_dimension=k, tiled=True)
-  return jax.tree.map(one, tree, dims)
+  return jax.tree_util.tree_map_with_path(one, tree, dims)
 
 
 def _model_grads_out(plan: _ModelPlan, acc: jax.Array, data_axes: Tuple[str, ...]
@@ -650,7 +661,7 @@ def _model_grads_out(plan: _ModelPlan, acc: jax.Array, data_axes: Tuple[str, ...
     return lax.psum(g, axes) if axes else g
   return {"layers": jax.tree.map(layer_sum, layers, plan.splits),
           "embed": _scatter_tail(embed, plan.tail_dims["embed"], data_axes),
-          "head": _scatter_tail(head, plan.tail_dims["head"], data_axes)}
+          "head": _scatter_tail(head, plan.tail_dims["head"], data_axes, plan.vocab)}
 
 
 def _model_plans(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: int
@@ -669,7 +680,8 @@ def _model_plans(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: in
         name=m, cfg=cfg, layer_cfg=local_config(cfg, tensor), layout=layout, splits=splits[m],
         tail_dims={part: jax.tree.map(lambda x: tail_dim(x.shape, n), shapes[part])
                    for part in ("embed", "head")},
-        rows=rows, forward_up=m == "actor", replica_axes=replica_axes, fsdp=fsdp > 1)
+        rows=rows, forward_up=m == "actor", replica_axes=replica_axes, fsdp=fsdp > 1,
+        vocab=stages.vocab_parallel(cfg, tensor) if m == "actor" else None)
   return plans
 
 

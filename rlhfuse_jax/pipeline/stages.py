@@ -20,7 +20,6 @@ A batch is a dict of arrays with a leading batch dim (as in the trainer's mini-b
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -266,6 +265,52 @@ def head(cfg: ModelConfig, embed_params: Any, head_params: Any, x: jax.Array) ->
       method=lambda m, h: m.head(h, m.embed))
 
 
+VocabAxis = Optional[Tuple[str, int]]  # (mesh axis, its size) the LM head's vocabulary splits over
+
+
+def vocab_parallel(cfg: ModelConfig, tensor: int) -> VocabAxis:
+  """("tensor", size) when the actor's LM head and loss split their vocabulary over `tensor`
+  (Megatron's vocabulary-parallel head: each device computes V/tp logits); None where they run
+  whole: no tensor axis, a scalar head, a tied head (the embedding table's lookup gradient is
+  whole on every device, so its two halves could not be summed alike) or V not divisible."""
+  if tensor > 1 and cfg.head == "lm" and not cfg.tie_embeddings and cfg.vocab_size % tensor == 0:
+    return ("tensor", tensor)
+  return None
+
+
+def vocab_parallel_logprobs(cfg: ModelConfig, head_params: Any, x: jax.Array,
+                            targets: jax.Array, temperature: float, vocab: Tuple[str, int]
+                            ) -> Tuple[jax.Array, jax.Array]:
+  """sequences.token_logprobs_and_entropy of the untied LM head on hidden x [..., H], with this
+  device's V/tp columns of the head (inside a shard_map whose manual axes include vocab[0]).
+
+  The head's input gradient is summed over the axis on the way back (llama.tp_enter); the
+  softmax's sums, the target's logit and the entropy's sum are summed over it on the way out
+  (llama.tp_exit, identity backward), so every device ends with the same log-probs and each
+  back-propagates into its own columns only (the rest of its head gradient is zero: the
+  executor sums the head's gradients over the axis)."""
+  axis, size = vocab
+  local = cfg.vocab_size // size
+  start = lax.axis_index(axis) * local
+  h = llama.RMSNorm(cfg).apply({"params": head_params["final_norm"]}, x)
+  w = lax.dynamic_slice_in_dim(head_params["lm_head"], start, local, axis=1)  # [H, V/tp]
+  with llama.tensor_parallel(axis):
+    h = llama.tp_enter(h)
+    logits = (h.astype(jnp.float32) @ w.astype(jnp.float32)) / temperature  # [..., V/tp]
+    top = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), axis)  # a shift: no gradient
+    e = jnp.exp(logits - top[..., None])
+    # Only sums over this device's columns are summed over the axis: no value the devices share
+    # flows back into a per-device term, so each device's gradient is its columns' own.
+    total = llama.tp_exit(jnp.sum(e, axis=-1))  # sum_v exp(l_v - top)
+    lse = top + jnp.log(total)
+    mine = (targets >= start) & (targets < start + local)
+    idx = jnp.clip(targets - start, 0, local - 1).astype(jnp.int32)
+    hit = jnp.take_along_axis(logits, idx[..., None], axis=-1)[..., 0]
+    logp = llama.tp_exit(jnp.where(mine, hit, 0.0)) - lse
+    mean_logit = llama.tp_exit(jnp.sum(e * logits, axis=-1)) / total  # sum_v p_v l_v
+  return logp, lse - mean_logit
+
+
 def _at_response(x: jax.Array, prompt_lens: jax.Array, num_response: int) -> jax.Array:
   """Hidden states at the positions that predict (or value) the response tokens: [mb, T, H]."""
   pos = sequences.response_positions(prompt_lens, num_response)  # [mb, T]
@@ -274,17 +319,24 @@ def _at_response(x: jax.Array, prompt_lens: jax.Array, num_response: int) -> jax
 
 def actor_head_loss(cfg: ModelConfig, loss_cfg: LossConfig, embed_params: Any, head_params: Any,
                     x: jax.Array, mb: Dict[str, jax.Array], num_tokens: jax.Array,
-                    num_seqs: jax.Array) -> Tuple[jax.Array, jax.Array]:
+                    num_seqs: jax.Array, vocab: VocabAxis = None
+                    ) -> Tuple[jax.Array, jax.Array]:
   """One micro-batch's share of the actor loss from the last stage's hidden [mb, L, H].
 
   Returns (loss, metrics [len(ACTOR_METRICS)]): summing both over the micro-batches of a
-  mini-batch gives the mini-batch's loss and metrics (rl/objective.py).
+  mini-batch gives the mini-batch's loss and metrics (rl/objective.py). vocab: the axis the
+  head's vocabulary splits over (vocab_parallel), or None: the head runs whole.
   """
   t = mb["mask"].shape[1]
-  logits = head(cfg, embed_params, head_params, _at_response(x, mb["prompt_lens"], t))
+  h = _at_response(x, mb["prompt_lens"], t)
   pos = sequences.response_positions(mb["prompt_lens"], t)
   targets = jnp.take_along_axis(mb["tokens"], pos + 1, axis=1)  # [mb, T]
-  logp, entropy = sequences.token_logprobs_and_entropy(logits, targets, loss_cfg.temperature)
+  if vocab is not None:
+    logp, entropy = vocab_parallel_logprobs(cfg, head_params, h, targets, loss_cfg.temperature,
+                                            vocab)
+  else:
+    logits = head(cfg, embed_params, head_params, h)
+    logp, entropy = sequences.token_logprobs_and_entropy(logits, targets, loss_cfg.temperature)
   loss, m = objective.actor_objective(loss_cfg, logp, entropy, mb, num_tokens, num_seqs)
   return loss, jnp.stack([m[k] for k in ACTOR_METRICS])
 
