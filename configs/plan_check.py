@@ -10,19 +10,22 @@ micro-batch 1; generation tp 8 with the slots of sim/iteration_sim.gen_plan). Th
 layers evenly over stages, which 13B's 40 and 33B's 60 layers do not allow at 16: 13b/13b runs pp
 8 (dp 4), 33b/13b pp 4 and 65b/33b a 4-stage critic (4 replicas); and tensor parallelism splits
 whole heads, which 33B's 52 do not allow at 8: both pairs with a 33B model train at tp 4 (dp
-doubled), and 33b/13b generates at tp 4 with half the slots. Those compile a 256-device program; `--config.layers=N` compiles N layers per model instead (result.json says so in
+doubled), and 33b/13b generates at tp 4 with gen_plan's slots at tp 4. Those compile a
+256-device program; `--config.layers=N` compiles N layers per model instead (result.json says so in
 `layers_compiled`). Writes result.json and config.json; logs a table.
 """
 import ml_collections
 
 # Plans of sim/training_sim.best_plan and sim/iteration_sim.gen_plan (h100_sxm, 256 devices,
 # mini-batch 64, micro-batch 1, prompts up to 1024 + 1024 new tokens), read 2026-11-25.
-# gen_slots: the slots gen_plan gives at tp 8 (its memory budget), at most 256.
+# gen_slots: the slots gen_plan gives at gen_tp (90 % of HBM less the actor's weights, in KV
+# cache of prompt 1024 + 1024 tokens), at most 256; 33B generates at tp 4 (52 heads), where its
+# weights take twice the memory per device: 68 slots, not half of tp 8's 156 (re-read 2026-11-26).
 PAPER_PAIRS = {
-    "7b/7b": {"gen_slots": 256},
-    "13b/13b": {"gen_slots": 256},
-    "33b/13b": {"gen_slots": 156},
-    "65b/33b": {"gen_slots": 82},
+    "7b/7b": {"gen_tp": 8, "gen_slots": 256},
+    "13b/13b": {"gen_tp": 8, "gen_slots": 256},
+    "33b/13b": {"gen_tp": 4, "gen_slots": 68},
+    "65b/33b": {"gen_tp": 8, "gen_slots": 82},
 }
 
 
@@ -88,13 +91,10 @@ def get_config(arg: str = "tiny"):
       c.pp, c.critic_pp, c.dp = 8, 8, 4  # 40 layers do not split into 16 stages
     elif arg == "33b/13b":
       c.pp, c.critic_pp, c.tp, c.dp = 4, 4, 4, 16  # 60 layers do not split into 16 stages
-      # Generation of the 33B actor: tp 4 too, half the slots (the same KV bytes per device).
-      c.gen_tp, c.gen_slots = 4, PAPER_PAIRS[arg]["gen_slots"] // 2
     elif arg == "65b/33b":
       c.critic_pp = 4  # the 33B critic's 60 layers: 4 stages, 4 replicas over the 16
       c.tp, c.dp = 4, 4
-    if arg != "33b/13b":
-      c.gen_tp, c.gen_slots = 8, PAPER_PAIRS[arg]["gen_slots"]
+    c.gen_tp, c.gen_slots = PAPER_PAIRS[arg]["gen_tp"], PAPER_PAIRS[arg]["gen_slots"]
   else:
     raise ValueError(f"configs/plan_check.py: unknown variant {arg!r}; expected 'tiny', "
                      f"'7b_host8' or one of {list(PAPER_PAIRS)}")

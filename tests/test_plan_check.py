@@ -71,3 +71,20 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
   real = update.lower(*args).compile().memory_analysis()
   assert real.argument_size_in_bytes == train["argument_bytes"]
   assert real.temp_size_in_bytes == train["temp_bytes"]
+
+
+def test_paper_pairs_generate_with_the_simulators_slots():
+  """configs/plan_check.py's generation plans are sim/iteration_sim.gen_plan's (h100_sxm, 256
+  devices, prompts up to 1024 + 1024 new tokens), at each pair's generation tp."""
+  from rlhfuse_jax.sim import cost_model, hardware, shapes
+  from rlhfuse_jax.sim import iteration_sim as it
+  cost = cost_model.CostModel(hardware.HARDWARE["h100_sxm"])
+  for pair, plan in plan_config.PAPER_PAIRS.items():
+    actor, critic = pair.split("/")
+    wl = it.Workload(actor=shapes.get_shape(f"llama-{actor}"),
+                     critic=shapes.get_shape(f"llama-{critic}", "scalar"), num_devices=256,
+                     max_new_tokens=1024)
+    got = it.gen_plan(cost, wl, plan["gen_tp"], np.array([1024]), 256)
+    assert got.slots == plan["gen_slots"], (pair, got)
+    c = plan_config.get_config(pair)
+    assert (c.gen_tp, c.gen_slots) == (plan["gen_tp"], plan["gen_slots"])
