@@ -332,10 +332,32 @@ def test_grads_match_with_a_tensor_axis_and_two_layers_per_stage():
   staged = jax.device_put(ex.stack("actor", ap), ex.staged_shardings("actor"))
   q = staged["layers"]["attn"]["q_proj"]["kernel"]  # [2 stages, 2 layers, H, heads*dim]
   assert {s.data.shape for s in q.addressable_shards} == {(1, 2, 32, 16)}
-  with pytest.raises(ValueError, match=r"critic.num_kv_heads=1 must be divisible by the mesh's "
-                                       r"tensor axis \(2\)"):
-    make_executor(acfg, _models(4, 2)[1], loss_cfg, problem, schedules.greedy_order(problem),
-                  mesh)
+  odd = llama.ModelConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=48, num_layers=2,
+                          num_heads=6, num_kv_heads=3, head="scalar")
+  with pytest.raises(ValueError, match=r"critic.num_kv_heads=3 must be divisible by the mesh's "
+                                       r"tensor axis \(2\), or divide it"):
+    make_executor(acfg, odd, loss_cfg, problem, schedules.greedy_order(problem), mesh)
+
+
+def test_grads_match_with_fewer_kv_heads_than_tensor_devices():
+  """stage=2 x tensor=4 with grouped-query attention below the tensor size: the actor's one KV
+  head is shared by all 4 devices, the critic's 2 by pairs. Each device slices its KV head from
+  the whole K/V projections; their gradients are summed over tensor."""
+  problem = PipelineProblem(2, 2, 2, 2, 1.0, 1.0)
+  acfg = llama.ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                           num_heads=4, num_kv_heads=1, qkv_bias=True)
+  ccfg = llama.ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head="scalar")
+  mesh = make_mesh(MeshConfig(stage=2, tensor=4))
+  loss_cfg = stages.LossConfig(entropy_coef=0.05)
+  ex = make_executor(acfg, ccfg, loss_cfg, problem, schedules.greedy_order(problem), mesh)
+  _check([jax.jit(ex.grads_fn, compiler_options=FAST)], acfg, ccfg, loss_cfg, _init(acfg, 0),
+         _init(ccfg, 1), _batch(4))
+  staged = jax.device_put(ex.stack("actor", _init(acfg, 0)), ex.staged_shardings("actor"))
+  k = staged["layers"]["attn"]["k_proj"]["kernel"]  # [2 stages, 1 layer, H, 1 head * 8]: whole
+  q = staged["layers"]["attn"]["q_proj"]["kernel"]  # [2, 1, H, 4 heads * 8]: a head per device
+  assert {s.data.shape for s in k.addressable_shards} == {(1, 1, 32, 8)}
+  assert {s.data.shape for s in q.addressable_shards} == {(1, 1, 32, 8)}
 
 
 def test_vocab_parallel_head_equals_the_whole_head():

@@ -343,8 +343,9 @@ def test_cached_schedule_for_another_problem_is_not_used(tmp_path):
     ({"critic_model.num_layers": 3}, "config.critic_model.num_layers=3 must be divisible"),
     ({"pipeline.actor_microbatches": 3}, "config.pipeline.actor_microbatches=3 must divide"),
     ({"pipeline.critic_microbatches": 4}, "config.pipeline.critic_microbatches=4 x critic"),
-    ({"mesh.tensor": 2, "mesh.data": 1, "critic_model.num_kv_heads": 1},
-     "config.critic_model.num_kv_heads=1 must be divisible by mesh.tensor=2"),
+    ({"mesh.tensor": 2, "mesh.data": 1, "critic_model.num_heads": 6,
+      "critic_model.num_kv_heads": 3, "critic_model.hidden_size": 48},
+     "config.critic_model.num_kv_heads=3 must be divisible by mesh.tensor=2 or divide it"),
 ])
 def test_config_errors_name_the_field(tmp_path, overrides, match):
   cfg = _config(tmp_path, **{**STAGED, **overrides})

@@ -7,8 +7,8 @@ built from a `MeshConfig`; -1 in one field takes the remaining devices.
 Parameters carry logical names (see models/llama.py); `LOGICAL_RULES` maps each onto mesh axes.
 A dimension that the mapped mesh axis does not divide (e.g. 2 KV heads on tensor=4) is replicated
 instead of failing, and the fallback is logged once: correctness never depends on the sharding.
-(The pipelined update's manual Megatron split is stricter: it needs heads, KV heads and MLP width
-divisible by `tensor`; trainer/pipelined.check_config says so.)
+(The pipelined update's manual Megatron split is stricter: it needs heads and MLP width divisible
+by `tensor`, and KV heads divisible by it or dividing it; trainer/pipelined.check_config says so.)
 """
 from __future__ import annotations
 

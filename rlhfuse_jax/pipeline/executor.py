@@ -96,10 +96,15 @@ def check_placement(mesh: Mesh, problem: PipelineProblem, actor_cfg: ModelConfig
   stages.check_split(critic_cfg, problem.critic_pp, "critic")
   tensor = mesh.shape.get("tensor", 1)
   for name, cfg in (("actor", actor_cfg), ("critic", critic_cfg)):
-    for field in ("num_heads", "num_kv_heads", "intermediate_size"):
+    for field in ("num_heads", "intermediate_size"):
       if getattr(cfg, field) % tensor:
         raise ValueError(f"{name}.{field}={getattr(cfg, field)} must be divisible by the mesh's "
                          f"tensor axis ({tensor}): a tensor-parallel device runs an equal share")
+    kv = cfg.num_kv_heads
+    if kv % tensor and tensor % kv:
+      raise ValueError(f"{name}.num_kv_heads={kv} must be divisible by the mesh's tensor axis "
+                       f"({tensor}), or divide it (fewer KV heads than tensor devices: each "
+                       "KV head is kept by the devices of its query heads)")
     if tensor > 1 and cfg.o_bias:
       raise ValueError(f"{name}.o_bias=True with tensor={tensor}: the row-split output "
                        "projection would add its bias once per tensor device")
@@ -288,16 +293,30 @@ def layer_splits(cfg: ModelConfig, fsdp: int, tensor: int) -> Any:
   splits, never gathered). A dim an axis does not divide stays whole."""
   sizes = {"fsdp": fsdp, "tensor": tensor}
   cfg = cfg.replace(scan_layers=False)  # one layer's tree is the same either way
+  kv_whole = cfg.num_kv_heads % tensor != 0  # fewer KV heads than devices: kv_head_dims
 
   def one(spec, shape):
     dims = []
     for name, size in zip(spec, shape.shape):
       axis = mesh_lib.LOGICAL_RULES.get(name)
       ok = axis in sizes and sizes[axis] > 1 and size % sizes[axis] == 0
+      ok = ok and not (name == "kv_heads" and kv_whole)
       dims.append(axis if ok else None)
     return LayerSplit(tuple(dims))
   return jax.tree.map(one, llama.logical_specs(cfg)["layers_0"],
                       stages.param_shapes(cfg)["layers_0"], is_leaf=lambda x: isinstance(x, P))
+
+
+@functools.lru_cache(maxsize=64)
+def kv_head_dims(cfg: ModelConfig, tensor: int) -> Any:
+  """Per leaf of one layer: the dimension holding KV heads (K/V kernels and biases) when the
+  model has fewer KV heads than `tensor` devices, else -1. Those leaves stay whole on every
+  tensor device; each device slices the KV head its query heads attend with
+  (_KVHeads.select), and their gradients are summed over `tensor`."""
+  cfg = cfg.replace(scan_layers=False)
+  whole = tensor > 1 and cfg.num_kv_heads % tensor != 0
+  return jax.tree.map(lambda spec: spec.index("kv_heads") if whole and "kv_heads" in spec else -1,
+                      llama.logical_specs(cfg)["layers_0"], is_leaf=lambda x: isinstance(x, P))
 
 
 def _axis_sizes(mesh: Mesh) -> Tuple[int, int]:
@@ -306,10 +325,12 @@ def _axis_sizes(mesh: Mesh) -> Tuple[int, int]:
 
 def local_config(cfg: ModelConfig, tensor: int) -> ModelConfig:
   """The config one tensor-parallel device runs a layer with: its share of the heads and of
-  the MLP width (check_placement guarantees they divide)."""
+  the MLP width (check_placement guarantees they divide), and one KV head when the model has
+  fewer KV heads than devices."""
   if tensor == 1:
     return cfg
-  return cfg.replace(num_heads=cfg.num_heads // tensor, num_kv_heads=cfg.num_kv_heads // tensor,
+  return cfg.replace(num_heads=cfg.num_heads // tensor,
+                     num_kv_heads=max(1, cfg.num_kv_heads // tensor),
                      intermediate_size=cfg.intermediate_size // tensor, head_dim=cfg.head_dim_)
 
 
@@ -441,6 +462,8 @@ class _ModelPlan:
   replica_axes: Tuple[str, ...]  # axes its layer gradients are also summed over
   fsdp: bool                # layers split over fsdp: gathered one layer at a time
   vocab: stages.VocabAxis = None  # the LM head's vocabulary split over `tensor`, or whole
+  kv_dims: Any = None       # kv_head_dims (fewer KV heads than tensor devices), else None
+  tensor: int = 1
 
   @property
   def head_loss(self) -> Callable:
@@ -465,6 +488,21 @@ class _ModelPlan:
         return x
       return jax.tree.map(one, p, self.splits)
     return gather
+
+  def select_kv_head(self) -> Optional[Callable[[Any], Any]]:
+    """One whole layer -> the K/V columns of this tensor device's KV head (kv_head_dims); its
+    vjp puts the gradient into those columns of a whole-size zero gradient."""
+    if self.kv_dims is None:
+      return None
+    kv, head_dim = self.cfg.num_kv_heads, self.cfg.head_dim_
+    group = self.tensor // kv  # tensor devices sharing one KV head
+
+    def select(p):
+      start = (lax.axis_index("tensor") // group) * head_dim
+      return jax.tree.map(
+          lambda x, k: x if k < 0 else lax.dynamic_slice_in_dim(x, start, head_dim, axis=k),
+          p, self.kv_dims)
+    return select
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,7 +551,8 @@ class _StageTasks:
     return stages.embed(self.plan.cfg, self.params["embed"], tokens)
 
   def blocks(self, layers: Any, x: jax.Array) -> jax.Array:
-    return stages.blocks(self.plan.layer_cfg, layers, x, self.plan.gather_layer())
+    return stages.blocks(self.plan.layer_cfg, layers, x, self.plan.gather_layer(),
+                         self.plan.select_kv_head())
 
   def branch(self, carry: _Carry, row: jax.Array) -> Tuple[_Carry, jax.Array, jax.Array]:
     """Runs the row's task of this model: (carry, up message, down message)."""
@@ -655,11 +694,12 @@ def _model_grads_out(plan: _ModelPlan, acc: jax.Array, data_axes: Tuple[str, ...
   and head gradients are summed over all devices and each device keeps its 1/N."""
   layers, embed, head = plan.layout.split_accumulator(acc)
 
-  def layer_sum(g, split):  # fsdp-split leaves are summed over fsdp already (reduce-scatter)
+  def layer_sum(g, split, kv_dim):  # fsdp-split leaves are summed over fsdp already
     axes = tuple(a for a in data_axes if a != "fsdp" or "fsdp" not in split.dims)
-    axes += plan.replica_axes
+    axes += plan.replica_axes + (("tensor",) if kv_dim >= 0 else ())  # a shared KV head
     return lax.psum(g, axes) if axes else g
-  return {"layers": jax.tree.map(layer_sum, layers, plan.splits),
+  kv_dims = plan.kv_dims if plan.kv_dims is not None else jax.tree.map(lambda _: -1, plan.splits)
+  return {"layers": jax.tree.map(layer_sum, layers, plan.splits, kv_dims),
           "embed": _scatter_tail(embed, plan.tail_dims["embed"], data_axes),
           "head": _scatter_tail(head, plan.tail_dims["head"], data_axes, plan.vocab)}
 
@@ -681,7 +721,9 @@ def _model_plans(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: in
         tail_dims={part: jax.tree.map(lambda x: tail_dim(x.shape, n), shapes[part])
                    for part in ("embed", "head")},
         rows=rows, forward_up=m == "actor", replica_axes=replica_axes, fsdp=fsdp > 1,
-        vocab=stages.vocab_parallel(cfg, tensor) if m == "actor" else None)
+        vocab=stages.vocab_parallel(cfg, tensor) if m == "actor" else None,
+        kv_dims=(kv_head_dims(cfg, tensor) if tensor > 1 and cfg.num_kv_heads % tensor else None),
+        tensor=tensor)
   return plans
 
 

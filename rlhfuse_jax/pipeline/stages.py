@@ -235,17 +235,20 @@ def embed(cfg: ModelConfig, embed_params: Any, tokens: jax.Array) -> jax.Array:
 
 
 def blocks(cfg: ModelConfig, layers: Any, x: jax.Array,
-           gather: Optional[Callable[[Any], Any]] = None) -> jax.Array:
+           gather: Optional[Callable[[Any], Any]] = None,
+           select: Optional[Callable[[Any], Any]] = None) -> jax.Array:
   """Runs the stacked layers [layers_per_stage, ...] of one stage: [mb, L, H] -> [mb, L, H].
 
   `gather` (inside a shard_map) turns one layer's parameter shards into the whole layer just
   before it runs (FSDP inside a stage). The gather and the layer are then rematerialised
   together: a vjp keeps only each layer's shards and input, and its backward gathers the layer
   again, so one layer is whole at a time (otherwise every gathered layer of the stage would be
-  kept for the backward)."""
+  kept for the backward). `select` (also inside the shard_map) then picks what this device
+  runs of the whole layer (the executor's shared KV head), without rematerialising."""
   positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
 
   def layer(h, p):
+    p = p if select is None else select(p)
     return llama.block_class(cfg)(cfg).apply({"params": p}, h, positions)[0]
 
   if gather is None:

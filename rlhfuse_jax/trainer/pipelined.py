@@ -90,12 +90,18 @@ def check_config(cfg: TrainConfig, mesh: Mesh) -> None:
                        "layers are split evenly over stages")
   tensor = mesh.shape["tensor"]
   for field, model in (("model", cfg.model), ("critic_model", cfg.critic_model)):
-    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+    for name in ("num_heads", "intermediate_size"):
       if getattr(model, name) % tensor:
         raise ValueError(
             f"config.{field}.{name}={getattr(model, name)} must be divisible by mesh.tensor="
-            f"{tensor}: the pipelined update splits heads, KV heads and MLP width over the "
-            "tensor axis (Megatron-style; KV heads are not replicated)")
+            f"{tensor}: the pipelined update splits heads and MLP width over the tensor axis "
+            "(Megatron-style)")
+    kv = model.num_kv_heads
+    if kv % tensor and tensor % kv:
+      raise ValueError(
+          f"config.{field}.num_kv_heads={kv} must be divisible by mesh.tensor={tensor} or "
+          "divide it (fewer KV heads than tensor devices: each is kept whole by the devices of "
+          "its query heads)")
   shards = mesh_lib.batch_size_multiple(mesh)
   rows = cfg.algo.minibatch_size // shards
   where = (f"the mini-batch rows per data shard (algo.minibatch_size={cfg.algo.minibatch_size} "
