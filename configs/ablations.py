@@ -78,8 +78,12 @@ def get_config(arg: str = "paper"):
   c.validate.bench_generation_workdir = ""  # workdir of experiments/bench_generation.py
   c.validate.bench_pipeline_workdir = ""  # workdir of experiments/bench_pipeline.py
   # workdir of experiments/bench_decode.py on an accelerator: predicted uncalibrated, from the
-  # matching hardware preset and the efficiencies above
+  # matching hardware preset and the efficiencies above, and by the decode model fitted to its
+  # steps (sim/decode_fit.py)
   c.validate.bench_decode_workdir = ""
+  # more bench_decode result files in that workdir for the fit (the same model at other depths;
+  # missing ones are skipped), comma-separated
+  c.validate.bench_decode_extra = "result_11_layers.json"
 
   if arg == "quick":
     c.pairs = "llama-13b/llama-13b"

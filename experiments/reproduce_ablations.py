@@ -99,12 +99,12 @@ def main(argv):
   logging.info("compiling the schedule kernels (numba): %.1fs", warmup())
   out = ablations.run_ablations(cfg, workdir, log=logging.info)
   val_cal = cal_lib.load(cfg.validation_calibration) if cfg.validation_calibration else None
-  val_lines = validation.validation_lines(val_cal, cfg.bench_generation_workdir,
-                                          cfg.bench_pipeline_workdir, cfg.bench_decode_workdir,
-                                          cfg.efficiency)
+  val_lines, val_rows = validation.validate(
+      val_cal, cfg.bench_generation_workdir, cfg.bench_pipeline_workdir,
+      cfg.bench_decode_workdir, cfg.efficiency, cfg.bench_decode_extra)
   figures = _figures(cfg, out, workdir, cfg.systems)
   wd.write_json(os.path.join(workdir, "result.json"),
-                {"rows": out["rows"], "inputs": out["inputs"], "validation": val_lines})
+                {"rows": out["rows"], "inputs": out["inputs"], "validation": val_rows})
   command = "python -m experiments.reproduce_ablations " + " ".join(sys.argv[1:])
   report.write_markdown(os.path.join(workdir, "ablations.md"), out["rows"], cfg.systems,
                         out["inputs"], val_lines, command, figures, time.time() - t0)

@@ -19,6 +19,8 @@ run measured an operation, its figure wins. A calibration file is JSON:
       "decode_step": {"occupied_slots": [1, 2, 4, 8],   # one decode step of one instance
                       "seconds": [0.010, 0.011, 0.012, 0.015],
                       "per_context_token_s": 0.0},      # optional extra s per KV token read
+      "decode_fit":  {"step_s": 0.0, "layer_s": 5e-5,   # a decode step of any model shape:
+                      "mfu": 0.04, "bw_eff": 0.7},      # fitted (sim/decode_fit.py)
       "prefill":     {"tokens_per_s": 5000.0, "overhead_s": 0.0},
       "inference":   {"tokens_per_s": 8000.0, "overhead_s": 0.0},  # ref + reward + critic
       "train_stage": {"actor_fwd_s": 0.02, "critic_fwd_s": 0.01, "bwd_over_fwd": 2.0,
@@ -34,7 +36,10 @@ run measured an operation, its figure wins. A calibration file is JSON:
 
 decode_step is interpolated linearly in the occupied slots (clamped at the measured ends; the
 engine's compiled step has a fixed batch shape, so its time may not depend on occupancy at all,
-and the measured table says so). Rates: seconds = overhead_s + amount / rate.
+and the measured table says so). It is the measured model's own table; decode_fit instead
+predicts any shape: step_s + layers x layer_s + max(FLOPs / (peak x mfu), bytes / (HBM bw x
+bw_eff)) (per-step host cost, per-layer fixed cost, and the roofline), fitted to measured steps
+by sim/decode_fit.py. A table, where present, wins. Rates: seconds = overhead_s + amount / rate.
 train_stage: one pipeline stage and one micro-batch. actor_fwd_s / critic_fwd_s are the forward
 (mean over stages where per-stage lists exist); actor_bwd_s / critic_bwd_s the measured backward
 (the pipeline executor's backward: forward recompute + vjp, and head + loss on the last stage);
@@ -65,7 +70,8 @@ _RATE_OPS = {"prefill": ("tokens_per_s", "overhead_s"),
              "inference": ("tokens_per_s", "overhead_s"),
              "migration": ("bytes_per_s", "latency_s"),
              "weight_load": ("bytes_per_s", "latency_s")}
-_OPS = ("decode_step", "train_stage", "pipeline_executor") + tuple(_RATE_OPS)
+_OPS = ("decode_step", "decode_fit", "train_stage", "pipeline_executor") + tuple(_RATE_OPS)
+_FIT_KEYS = ("step_s", "layer_s", "mfu", "bw_eff")
 _TOP = ("format", "device", "model_params", "instance_devices", "devices_share_compute",
         "parallel_tasks", "ops", "notes")
 _TRAIN_SCALARS = ("actor_fwd_s", "critic_fwd_s", "bwd_over_fwd", "actor_bwd_s", "critic_bwd_s")
@@ -93,6 +99,15 @@ class DecodeTable:
     """Scalars or equal-shape arrays (one entry per step)."""
     base = np.interp(occupied, self.occupied_slots, self.seconds)
     return base + self.per_context_token_s * np.asarray(context_tokens, dtype=np.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeFit:
+  """A decode step of any model shape (module docstring; fitted by sim/decode_fit.py)."""
+  step_s: float   # per-step host cost (dispatch, the host's done check)
+  layer_s: float  # per-layer fixed cost (kernel launches and latencies, whatever the batch)
+  mfu: float      # achieved fraction of peak FLOP/s where the step is compute-bound
+  bw_eff: float   # achieved fraction of HBM bandwidth where it is memory-bound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +161,7 @@ class Calibration:
   devices_share_compute: bool = False
   parallel_tasks: Optional[int] = None  # None: 1 task at a time when devices_share_compute
   decode_step: Optional[DecodeTable] = None
+  decode_fit: Optional[DecodeFit] = None
   train_stage: Optional[TrainStage] = None
   pipeline_executor: Optional[ExecutorCost] = None
   prefill: Optional[Rate] = None
@@ -210,6 +226,14 @@ def from_dict(obj: dict, path: str = "<dict>") -> Calibration:
       raise _err(w, f"occupied_slots={xs} must be strictly increasing")
     kw["decode_step"] = DecodeTable(tuple(xs), tuple(ys), _pos(
         w, "per_context_token_s", d.get("per_context_token_s", 0.0), allow_zero=True))
+  if "decode_fit" in ops:
+    w = f"{path} ops.decode_fit"
+    d = _keys(w, ops["decode_fit"], _FIT_KEYS, _FIT_KEYS)
+    fit = {k: _pos(w, k, d[k], allow_zero=k in ("step_s", "layer_s")) for k in _FIT_KEYS}
+    for k in ("mfu", "bw_eff"):
+      if fit[k] > 1:
+        raise _err(w, f"{k}={fit[k]} must be a fraction in (0, 1]")
+    kw["decode_fit"] = DecodeFit(**fit)
   if "train_stage" in ops:
     w = f"{path} ops.train_stage"
     d = _keys(w, ops["train_stage"], _TRAIN_SCALARS + _TRAIN_LISTS,
@@ -263,7 +287,7 @@ def to_dict(cal: Calibration) -> dict:
     ops["decode_step"] = {"occupied_slots": list(cal.decode_step.occupied_slots),
                           "seconds": list(cal.decode_step.seconds),
                           "per_context_token_s": cal.decode_step.per_context_token_s}
-  for name in ("train_stage", "pipeline_executor"):
+  for name in ("decode_fit", "train_stage", "pipeline_executor"):
     v = getattr(cal, name)
     if v is not None:
       ops[name] = {k: list(x) if isinstance(x, tuple) else x

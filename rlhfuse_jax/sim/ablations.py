@@ -50,6 +50,7 @@ class AblationConfig:
   bench_generation_workdir: str = ""
   bench_pipeline_workdir: str = ""
   bench_decode_workdir: str = ""
+  bench_decode_extra: tuple[str, ...] = ()
   validation_calibration: str = ""
 
   def __post_init__(self):
@@ -101,6 +102,8 @@ class AblationConfig:
         bench_generation_workdir=c.validate.bench_generation_workdir,
         bench_pipeline_workdir=c.validate.bench_pipeline_workdir,
         bench_decode_workdir=c.validate.bench_decode_workdir,
+        bench_decode_extra=tuple(x.strip() for x in c.validate.get("bench_decode_extra", "")
+                                 .split(",") if x.strip()),
         validation_calibration=c.validate.calibration)
 
   def settings(self) -> list[dict]:

@@ -120,14 +120,17 @@ class CostModel:
     `context_tokens` KV tokens in total. Scalars or equal-shape arrays (one entry per step)."""
     batch = np.asarray(batch, dtype=np.float64)
     context_tokens = np.asarray(context_tokens, dtype=np.float64)
+    fit = self.cal.decode_fit if self.cal is not None else None
     if self.cal is not None and self.cal.decode_step is not None:
       out = self.cal.decode_step.step_s(batch, context_tokens)
     else:
-      nbytes = shape.weight_bytes() + context_tokens * shape.kv_bytes_per_token()
-      attn = 4.0 * shape.num_layers * shape.num_heads * shape.head_dim_ * context_tokens
-      flops = 2.0 * shape.matmul_params() * batch + attn
-      out = (self.roofline_s(flops, nbytes, tp, self.eff.decode_mfu, self.eff.decode_bw_eff) +
-             self._tp_comm_s(shape, tp, batch, shape.num_layers))
+      flops, nbytes = decode_step_work(shape, batch, context_tokens)
+      if fit is not None:  # fitted fixed costs and efficiencies (calibration.DecodeFit)
+        out = (fit.step_s + shape.num_layers * fit.layer_s +
+               self.roofline_s(flops, nbytes, tp, fit.mfu, fit.bw_eff))
+      else:
+        out = self.roofline_s(flops, nbytes, tp, self.eff.decode_mfu, self.eff.decode_bw_eff)
+      out = out + self._tp_comm_s(shape, tp, batch, shape.num_layers)
     return np.where(batch > 0, out, 0.0)
 
   def prefill_s(self, shape: ModelShape, tp: int, lengths: Sequence[float]) -> float:
@@ -224,6 +227,14 @@ class CostModel:
     states = shard * (4.0 + 12.0 / (dp if zero1 else 1))
     acts = inflight * self.activation_bytes(shape, tp, mb_tokens, shape.num_layers / pp)
     return states + acts
+
+
+def decode_step_work(shape: ModelShape, batch, context_tokens):
+  """(FLOPs, bytes) of one decode step: every weight read once, every live KV token once;
+  2 x matmul params per row plus attention over the `context_tokens` KV tokens of all rows."""
+  nbytes = shape.weight_bytes() + context_tokens * shape.kv_bytes_per_token()
+  attn = 4.0 * shape.num_layers * shape.num_heads * shape.head_dim_ * context_tokens
+  return 2.0 * shape.matmul_params() * batch + attn, nbytes
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -18,6 +18,13 @@ Prediction side:
       and the default Efficiency the paper-scale ablations use against a real GPU. (Its
       calibration.json is not used here: predicting a bench from its own measured step times
       would compare the measurement with itself.)
+  bench_decode's steps also get the fitted decode model (sim/decode_fit.py: 3 parameters fitted
+      to result.json and the other depths' result files, `decode_extra`), each with its
+      leave-one-out prediction.
+
+validate() returns the markdown lines and the rows {bench, quantity, predicted, measured,
+error (= predicted / measured - 1), prediction: calibrated | uncalibrated | fitted}; a fitted
+decode row adds its source file, leave_one_out and uncalibrated.
 
 Calibration: validation_lines uses the given calibration for bench_generation and bench_pipeline,
 or, when none is given, each bench's own `<workdir>/calibration.json` (both benches write one).
@@ -42,13 +49,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from rlhfuse_jax.pipeline import schedules
 from rlhfuse_jax.pipeline.graph import PipelineProblem
 from rlhfuse_jax.policy import calibration as cal_lib
+from rlhfuse_jax.sim import decode_fit
 from rlhfuse_jax.sim import generation_sim as gen_lib
 from rlhfuse_jax.sim import lockstep
 from rlhfuse_jax.policy.calibration import Calibration
@@ -338,6 +346,43 @@ def predict_bench_decode(result: dict, efficiency: Efficiency = Efficiency()) ->
           "critic_fwd_s": fwd["critic"], "update_s": update}
 
 
+def _decode_fit_rows(workdir: str, result: dict, preset: str, efficiency: Efficiency,
+                     extra: Sequence[str]) -> tuple[list[dict], list[str]]:
+  """The fitted decode model (sim/decode_fit.py) on result.json and the `extra` result files of
+  the same workdir (other depths): per point fitted, leave-one-out and uncalibrated."""
+  results = [("result.json", result)]
+  for name in extra:
+    path = os.path.join(workdir, name)
+    if os.path.exists(path):
+      results.append((name, _read(workdir, name)))
+  points = decode_fit.points_from_results(results)
+  hw = get_hardware(preset)
+  fitted = decode_fit.fit(points, hw, efficiency)
+  loo = decode_fit.leave_one_out(points, hw, efficiency)
+  cost = CostModel(hw, efficiency)
+  rows = []
+  for p, lo in zip(points, loo):
+    shape = decode_fit.bench_shape(dict(results)[p.source])
+    unc = float(cost.decode_step_s(shape, 1, p.batch, _live_tokens(dict(results)[p.source],
+                                                                   p.batch)))
+    rows.append({"bench": "bench_decode", "quantity": p.label, "prediction": "fitted",
+                 "source": p.source,
+                 "predicted": decode_fit.predict(fitted, hw, p), "measured": p.measured_s,
+                 "leave_one_out": lo, "uncalibrated": unc})
+  notes = [f"Fitted decode model ({len(points)} steps of {len(results)} result file(s): "
+           f"{', '.join(n for n, _ in results)}): step_s {fitted.step_s:.3g} s, layer_s "
+           f"{fitted.layer_s:.3g} s per layer, mfu {fitted.mfu:.3g}, bw_eff {fitted.bw_eff} "
+           "(the cost model's, not fitted). Leave-one-out: each step predicted by a fit to "
+           "the others; a step that alone decides a parameter shows the assumption it falls "
+           "back to."]
+  return rows, notes
+
+
+def _live_tokens(result: dict, batch: int) -> float:
+  r = next(r for r in result["decode"]["per_batch"] if int(r["batch"]) == batch)
+  return batch * r.get("mean_live_len", result["decode"]["cache_len"])
+
+
 def _decode_rows(workdir: str, efficiency: Efficiency) -> tuple[list, list[str]]:
   result = _read(workdir, "result.json")
   pred = predict_bench_decode(result, efficiency)
@@ -360,14 +405,29 @@ def _decode_rows(workdir: str, efficiency: Efficiency) -> tuple[list, list[str]]
   return rows, notes
 
 
+def _row(bench: str, quantity: str, predicted: float, measured: Optional[float],
+         prediction: str) -> dict:
+  return {"bench": bench, "quantity": quantity, "prediction": prediction,
+          "predicted": float(predicted), "measured": None if measured is None else float(measured),
+          "error": None if measured is None else float(predicted) / float(measured) - 1.0}
+
+
 def validation_lines(calibration: Optional[Calibration], gen_workdir: str,
                      pipe_workdir: str, decode_workdir: str = "",
                      efficiency: Efficiency = Efficiency()) -> list[str]:
-  """Markdown lines: predicted vs measured for each bench, or why there is nothing to compare.
+  """Markdown lines of validate()."""
+  return validate(calibration, gen_workdir, pipe_workdir, decode_workdir, efficiency)[0]
+
+
+def validate(calibration: Optional[Calibration], gen_workdir: str, pipe_workdir: str,
+             decode_workdir: str = "", efficiency: Efficiency = Efficiency(),
+             decode_extra: Sequence[str] = ()) -> tuple[list[str], list[dict]]:
+  """(markdown lines, rows): predicted vs measured for each bench, or why there is nothing to
+  compare (module docstring).
 
   `calibration` None: each bench is predicted with its own `<workdir>/calibration.json` (the
   costs measured on the machine and in the run it is compared with)."""
-  lines = []
+  lines, table = [], []
   for name, wd_path in (("bench_generation", gen_workdir), ("bench_pipeline", pipe_workdir),
                         ("bench_decode", decode_workdir)):
     if not wd_path:
@@ -384,10 +444,28 @@ def validation_lines(calibration: Optional[Calibration], gen_workdir: str,
       except (ValueError, FileNotFoundError, KeyError) as e:
         lines.append(f"- **{name}**: could not compare: {e}")
         continue
+      try:
+        result = _read(wd_path, "result.json")
+        fit_rows, fit_notes = _decode_fit_rows(wd_path, result,
+                                               result["device"]["hardware_preset"], efficiency,
+                                               decode_extra)
+      except (ValueError, KeyError) as e:
+        fit_rows, fit_notes = [], [f"No fitted decode model: {e}."]
       lines += [f"- **{name}** (`{wd_path}`, no calibration: datasheet and assumed efficiencies):",
                 "", "| quantity | predicted | measured | error |", "|---|---|---|---|"]
       lines += [f"| {q} | {p:.4g} | {m:.4g} | {_err_pct(p, m)} |" for q, p, m in rows]
       lines += [""] + notes + [""]
+      if fit_rows:
+        lines += [f"- **{name}**, fitted decode model (sim/decode_fit.py):", "",
+                  "| quantity | fitted | leave-one-out | uncalibrated | measured | "
+                  "error (fitted) | error (leave-one-out) |", "|---|---|---|---|---|---|---|"]
+      lines += [f"| {r['quantity']} | {r['predicted']:.4g} | {r['leave_one_out']:.4g} | "
+                f"{r['uncalibrated']:.4g} | {r['measured']:.4g} | "
+                f"{_err_pct(r['predicted'], r['measured'])} | "
+                f"{_err_pct(r['leave_one_out'], r['measured'])} |" for r in fit_rows]
+      lines += [""] + fit_notes + [""]
+      table += [_row(name, q, p, m, "uncalibrated") for q, p, m in rows]
+      table += [{**r, "error": r["predicted"] / r["measured"] - 1.0} for r in fit_rows]
       continue
     try:
       cal = calibration if calibration is not None else _default_calibration(wd_path)
@@ -414,4 +492,5 @@ def validation_lines(calibration: Optional[Calibration], gen_workdir: str,
     lines += [f"| {q} | {p:.4g} | {m:.4g} | {_err_pct(p, m)} |" if m is not None else
               f"| {q} | {p:.4g} | - | - |" for q, p, m in rows]
     lines += [""] + notes + ([""] if notes else [])
-  return lines
+    table += [_row(name, q, p, m, "calibrated") for q, p, m in rows]
+  return lines, table
