@@ -98,3 +98,16 @@ def test_same_workload_for_every_system():
   assert (p1 == p2).all() and (r1 == r2).all() and r1.max() <= 256
   with pytest.raises(ValueError, match="unknown systems"):
     it.simulate_iteration(H100, wl, it.SimOptions(), systems=("verl",))
+
+
+def test_fused_schedule_memory_comes_from_the_models_shapes():
+  """Per in-flight micro-batch a stage keeps each layer's input (2 s b h bytes, full
+  recomputation), over tp: the actor and the critic weigh by width x layers per stage, not by
+  their forward times."""
+  actor, critic = get_shape("llama-65b"), get_shape("llama-33b", "scalar")
+  plan = ts.TrainPlan(num_devices=256, minibatch=64, tp=4, actor_pp=16, critic_pp=4)
+  p = ts.step_costs(H100, actor, critic, plan, 1000.0).problem
+  assert p.actor_mem == pytest.approx(2 * 1000 * 8192 * (80 / 16) / 4 / 1e6, rel=1e-6)
+  assert p.critic_mem == pytest.approx(2 * 1000 * 6656 * (60 / 4) / 4 / 1e6, rel=1e-6)
+  # Forward times would weigh them otherwise (the critic's 15-layer stages vs 5-layer ones).
+  assert p.critic_mem / p.actor_mem != pytest.approx(p.critic_fwd / p.actor_fwd, rel=0.05)

@@ -85,6 +85,17 @@ class TrainPlan:
             "Mc": self.critic_microbatches}
 
 
+MB = 1e6  # the pipeline problems' memory unit (bytes per MB)
+
+
+def stash_bytes(shape: ModelShape, stages: int, tp: int, mb_tokens: float) -> float:
+  """Activation bytes one device keeps per in-flight micro-batch of its stage, from the model's
+  shape: with full recomputation each layer keeps only its input, 2 s b h bytes in 16-bit
+  (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+  Table 2), split over the tensor devices by sequence parallelism; times the stage's layers."""
+  return 2.0 * mb_tokens * shape.hidden_size * (shape.num_layers / stages) / tp
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
   """Per-mini-batch costs of a plan (seconds) and its pipeline problem (milliseconds)."""
@@ -110,6 +121,8 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: Tra
       actor_microbatches=plan.actor_microbatches, critic_microbatches=plan.critic_microbatches,
       actor_fwd=round(fa * MS, 6), critic_fwd=round(fc * MS, 6),
       actor_bwd=round(ratio * fa * MS, 6), critic_bwd=round(ratio * fc * MS, 6),
+      actor_mem=round(stash_bytes(actor, plan.actor_pp, plan.tp, mb_tokens) / MB, 6),
+      critic_mem=round(stash_bytes(critic, plan.critic_pp, plan.tp, mb_tokens) / MB, 6),
       transfer_latency=round(lat * MS, 6))
   if check_memory:
     check_train_memory(cost, actor, critic, plan, mb_tokens)
