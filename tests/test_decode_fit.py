@@ -95,3 +95,14 @@ def test_calibration_files_carry_the_fit_and_reject_bad_values(tmp_path):
   del bad["ops"]["decode_fit"]["mfu"]
   with pytest.raises(ValueError, match=r"missing keys \['mfu'\]"):
     calibration.from_dict(bad, "x.json")
+
+
+def test_three_steps_fit_but_give_no_leave_one_out(tmp_path):
+  """One result file of 3 batches (bench_decode's default): fitted, leave-one-out '-'."""
+  import shutil
+  shutil.copy(os.path.join(H100_BENCH, "result.json"), tmp_path / "result.json")
+  lines, rows = validation.validate(None, "", "", str(tmp_path))
+  fitted = [r for r in rows if r["prediction"] == "fitted"]
+  assert len(fitted) == 3 and all(r["leave_one_out"] is None for r in fitted)
+  assert all(abs(r["error"]) < 0.15 for r in fitted)
+  assert "fewer than 3 steps" in "\n".join(lines)

@@ -257,7 +257,7 @@ def test_clear_errors(params, prompts):
   with pytest.raises(ValueError, match="sampling.top_k=33 exceeds"):
     instances.Generator(CFG, SamplingConfig(top_k=33), batch_size=B, prompt_len=P)
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
-  with pytest.raises(ValueError, match="batch_size=4 must be a positive multiple of"):
+  with pytest.raises(ValueError, match=r"batch_size \(slots\)=4 must be a positive multiple of"):
     instances.Generator(CFG, SamplingConfig(), batch_size=4, prompt_len=P, mesh=mesh)
   with pytest.raises(ValueError, match="params live on 1 device.*mesh has 8"):
     instances.Generator(CFG, SamplingConfig(), batch_size=B, prompt_len=P, mesh=mesh, params=params)

@@ -55,4 +55,4 @@ def test_a_locked_workdir_stops_every_process_at_once(tmp_path):
   assert out.returncode != 0, logs
   assert time.time() - t0 < 120, "a process waited for a run that was refused"
   assert f"workdir {wd} is in use by another run (pid {os.getpid()}" in logs[0], logs[0][-2000:]
-  assert "in use by another run: process 0 could not lock it" in logs[1], logs[1][-2000:]
+  assert f"workdir {wd} could not be locked by process 0" in logs[1], logs[1][-2000:]

@@ -204,7 +204,7 @@ class GenerationInstance:
     self.max_len = check_model(cfg, sampling, prompt_len)
     multiple = mesh_lib.batch_size_multiple(mesh)
     if slots < 1 or slots % multiple:
-      raise ValueError(f"generation batch_size={slots} must be a positive multiple of the "
+      raise ValueError(f"generation batch_size (slots)={slots} must be a positive multiple of the "
                        f"data-parallel mesh size {multiple} (axes {mesh_lib.BATCH_AXES})")
     self.index, self.mesh, self.cfg, self.sampling = index, mesh, cfg, sampling
     self.slots, self.prompt_len, self.micro_batch = slots, prompt_len, micro_batch

@@ -42,8 +42,10 @@ Inside a stage (`layer_splits`, from the parameters' logical axes and parallel/m
 `fsdp` splits each layer matrix along its "embed" dimension, gathered one layer at a time just
 before it runs (the gather's vjp reduce-scatters the gradient); `tensor` (manual too) splits
 heads and MLP width Megatron-style: the stage runs its layers on a local config (heads, KV heads
-and MLP width divided by the tensor size) with column-split q/k/v/gate/up and row-split o/down
-kernels, between llama.tensor_parallel's f/g operators. The actor's untied LM head and loss
+and MLP width divided by the tensor size; one KV head where there are fewer KV heads than
+devices: the K/V projections then stay whole and each device slices its query heads' KV head)
+with column-split q/k/v/gate/up and row-split o/down kernels, between llama.tensor_parallel's
+f/g operators. The actor's untied LM head and loss
 split the vocabulary over `tensor` too (stages.vocab_parallel_logprobs: V/tp logits per device,
 the softmax's sums across devices); the embedding, a tied head and the critic's scalar head run
 whole on every tensor device.
@@ -312,7 +314,7 @@ def kv_head_dims(cfg: ModelConfig, tensor: int) -> Any:
   """Per leaf of one layer: the dimension holding KV heads (K/V kernels and biases) when the
   model has fewer KV heads than `tensor` devices, else -1. Those leaves stay whole on every
   tensor device; each device slices the KV head its query heads attend with
-  (_KVHeads.select), and their gradients are summed over `tensor`."""
+  (_ModelPlan.select_kv_head), and their gradients are summed over `tensor`."""
   cfg = cfg.replace(scan_layers=False)
   whole = tensor > 1 and cfg.num_kv_heads % tensor != 0
   return jax.tree.map(lambda spec: spec.index("kv_heads") if whole and "kv_heads" in spec else -1,
@@ -339,7 +341,8 @@ def _staged_specs(layout: StageLayout, layers_axes: Any, tail_axes: Any, num_dev
   """PartitionSpecs of a stage-stacked tree. Layer leaves [S, L/S, *shape]: rows over
   `layers_axes`, the dimensions of `shape` by their LayerSplit (fsdp, tensor). Each embedding
   and head leaf is split over all stage devices (`tail_axes`) along its tail_dim. A device thus
-  keeps 1/(pp*fsdp*tp) of the layer matrices (norm gains, never split: 1/pp) and 1/N of the
+  keeps 1/(pp*fsdp*tp) of the layer matrices (norm gains, never split: 1/pp; K/V projections of
+  shared KV heads: 1/(pp*fsdp)) and 1/N of the
   embedding and head, and as much of their optimizer moments; the step gathers the embedding
   and head whole once (small next to the layers) and reduce-scatters their gradients back."""
   def tail_spec(x):

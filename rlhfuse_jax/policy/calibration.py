@@ -37,9 +37,11 @@ run measured an operation, its figure wins. A calibration file is JSON:
 decode_step is interpolated linearly in the occupied slots (clamped at the measured ends; the
 engine's compiled step has a fixed batch shape, so its time may not depend on occupancy at all,
 and the measured table says so). It is the measured model's own table; decode_fit instead
-predicts any shape: step_s + layers x layer_s + max(FLOPs / (peak x mfu), bytes / (HBM bw x
-bw_eff)) (per-step host cost, per-layer fixed cost, and the roofline), fitted to measured steps
-by sim/decode_fit.py. A table, where present, wins. Rates: seconds = overhead_s + amount / rate.
+predicts any shape: step_s + layers x layer_s + max(FLOPs / (tp x peak x mfu), bytes / (tp x
+HBM bw x bw_eff)) + the tensor-parallel all-reduces (per-step host cost, per-layer fixed cost
+that every device of an instance pays, and the roofline split over its tp devices), fitted to
+measured steps of one device (tp 1) by sim/decode_fit.py. A table, where present, wins.
+Rates: seconds = overhead_s + amount / rate.
 train_stage: one pipeline stage and one micro-batch. actor_fwd_s / critic_fwd_s are the forward
 (mean over stages where per-stage lists exist); actor_bwd_s / critic_bwd_s the measured backward
 (the pipeline executor's backward: forward recompute + vjp, and head + loss on the last stage);

@@ -28,7 +28,9 @@ master+m+v (12, divided by dp with ZeRO-1); activations 34*h bytes per token per
 with sequence parallelism and flash attention, no recomputation); KV cache kv_bytes_per_token per
 token. A plan fits if its total is below hbm_bytes * memory_headroom.
 
-Measured figures (calibration.py) replace the formula of the op they measure.
+Measured figures (calibration.py) replace the formula of the op they measure; a fitted decode
+model (calibration op decode_fit, sim/decode_fit.py) instead adds fixed per-step and per-layer
+costs to the decode roofline and replaces its efficiencies, for any model shape.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ about it: there mfu stays the cost model's assumption.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 from scipy import optimize
 
@@ -103,7 +103,10 @@ def fit(points: Sequence[DecodePoint], hw: Hardware,
 
 
 def leave_one_out(points: Sequence[DecodePoint], hw: Hardware,
-                  efficiency: Efficiency = Efficiency()) -> list[float]:
-  """Each point's prediction by a fit to all the others (module docstring)."""
+                  efficiency: Efficiency = Efficiency()) -> list[Optional[float]]:
+  """Each point's prediction by a fit to all the others (module docstring); None for every
+  point when the others are too few to fit (3 parameters)."""
+  if len(points) - 1 < 3:
+    return [None] * len(points)
   return [predict(fit([q for j, q in enumerate(points) if j != i], hw, efficiency), hw, p)
           for i, p in enumerate(points)]

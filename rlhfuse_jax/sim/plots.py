@@ -7,7 +7,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
 
 _KIND_COLORS = {"prefill": "#9e9e9e", "decode": "#2a5fa8", "migrate": "#d62728",
                 "load": "#ffbf00", "inference": "#2ca02c"}

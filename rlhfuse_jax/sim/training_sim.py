@@ -92,7 +92,9 @@ def stash_bytes(shape: ModelShape, stages: int, tp: int, mb_tokens: float) -> fl
   """Activation bytes one device keeps per in-flight micro-batch of its stage, from the model's
   shape: with full recomputation each layer keeps only its input, 2 s b h bytes in 16-bit
   (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-  Table 2), split over the tensor devices by sequence parallelism; times the stage's layers."""
+  Table 2), split over the tensor devices by sequence parallelism; times the stage's layers.
+  This models the papers' Megatron-style systems; our executor keeps only each stage's input
+  (whole on every tensor device) and recomputes the stage (pipeline/executor.py)."""
   return 2.0 * mb_tokens * shape.hidden_size * (shape.num_layers / stages) / tp
 
 

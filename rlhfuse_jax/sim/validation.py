@@ -374,8 +374,13 @@ def _decode_fit_rows(workdir: str, result: dict, preset: str, efficiency: Effici
            f"{fitted.layer_s:.3g} s per layer, mfu {fitted.mfu:.3g}, bw_eff {fitted.bw_eff} "
            "(the cost model's, not fitted). Leave-one-out: each step predicted by a fit to "
            "the others; a step that alone decides a parameter shows the assumption it falls "
-           "back to."]
+           "back to" + ("." if loo[0] is not None else
+                        " (not computed: the others would be fewer than 3 steps).")]
   return rows, notes
+
+
+def _or_dash(x: Optional[float]) -> str:
+  return "-" if x is None else f"{x:.4g}"
 
 
 def _live_tokens(result: dict, batch: int) -> float:
@@ -459,10 +464,11 @@ def validate(calibration: Optional[Calibration], gen_workdir: str, pipe_workdir:
         lines += [f"- **{name}**, fitted decode model (sim/decode_fit.py):", "",
                   "| quantity | fitted | leave-one-out | uncalibrated | measured | "
                   "error (fitted) | error (leave-one-out) |", "|---|---|---|---|---|---|---|"]
-      lines += [f"| {r['quantity']} | {r['predicted']:.4g} | {r['leave_one_out']:.4g} | "
+      lines += [f"| {r['quantity']} | {r['predicted']:.4g} | {_or_dash(r['leave_one_out'])} | "
                 f"{r['uncalibrated']:.4g} | {r['measured']:.4g} | "
                 f"{_err_pct(r['predicted'], r['measured'])} | "
-                f"{_err_pct(r['leave_one_out'], r['measured'])} |" for r in fit_rows]
+                + (_err_pct(r['leave_one_out'], r['measured']) if r['leave_one_out'] is not None
+                   else "-") + " |" for r in fit_rows]
       lines += [""] + fit_notes + [""]
       table += [_row(name, q, p, m, "uncalibrated") for q, p, m in rows]
       table += [{**r, "error": r["predicted"] / r["measured"] - 1.0} for r in fit_rows]

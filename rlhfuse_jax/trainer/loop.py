@@ -74,14 +74,15 @@ class PPOTrainer:
     if jax.process_index() == 0:
       try:
         self._lock = wd.WorkdirLock(workdir)
-      except RuntimeError as e:
+      except Exception as e:  # busy, or the lock file cannot be written: the others must hear
         refused = e
-    if not distributed.main_process_verdict(refused is None):
-      if refused is not None:
-        raise refused
-      raise RuntimeError(f"workdir {workdir} is in use by another run: process 0 could not lock "
-                         "it (its log names the holder); use another --workdir")
     try:
+      if not distributed.main_process_verdict(refused is None):
+        if refused is not None:
+          raise refused
+        raise RuntimeError(f"workdir {workdir} could not be locked by process 0 (another run "
+                           "holds it, or the lock file cannot be written: process 0's log says "
+                           "which); use another --workdir")
       self._setup(cfg, mesh)
     except BaseException:
       if self._lock is not None:
