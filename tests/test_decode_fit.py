@@ -20,10 +20,8 @@ def _points(truth, shapes_batches):
   """Exact steps of the fitted model with parameters `truth` (no noise)."""
   out = []
   for shape, batch, live in shapes_batches:
-    flops, nbytes = decode_step_work(shape, batch, batch * live)
-    p = decode_fit.DecodePoint("synthetic", shape.num_layers, batch, flops, nbytes, 1.0)
-    out.append(decode_fit.DecodePoint(p.source, p.layers, p.batch, p.flops, p.nbytes,
-                                      decode_fit.predict(truth, HW, p)))
+    p = decode_fit.DecodePoint("synthetic", shape, batch, batch * live, 1.0)
+    out.append(dataclasses.replace(p, measured_s=decode_fit.predict(truth, HW, p)))
   return out
 
 
@@ -32,7 +30,7 @@ def test_fit_recovers_the_parameters_that_made_the_steps():
   big, half = get_shape("llama-7b"), dataclasses.replace(get_shape("llama-7b"), num_layers=16)
   pts = _points(truth, [(big, 1, 500), (big, 16, 500), (big, 256, 500), (half, 1, 500),
                         (half, 16, 500), (half, 256, 500)])
-  assert max(p.flops / (HW.peak_flops * truth.mfu) > p.nbytes / (HW.hbm_bw * truth.bw_eff)
+  assert max(p.work[0] / (HW.peak_flops * truth.mfu) > p.work[1] / (HW.hbm_bw * truth.bw_eff)
              for p in pts)  # some steps are compute-bound, so mfu is determined
   got = decode_fit.fit(pts, HW)
   assert got.step_s == pytest.approx(truth.step_s, rel=1e-3)

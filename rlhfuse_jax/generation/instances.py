@@ -381,11 +381,14 @@ class Generator(GenerationInstance):
     mesh = mesh if mesh is not None else mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1),
                                                             jax.devices()[:1])
     super().__init__(0, mesh, cfg, sampling, slots=batch_size, prompt_len=prompt_len)
-    self.batch_size = batch_size
     self.num_compiles = 0
     self._param_sh = None
     if params is not None:
       self.compile(params)
+
+  @property
+  def batch_size(self) -> int:
+    return self.slots
 
   def param_shardings(self, cfg: ModelConfig, params) -> Any:
     """The params' own shardings (host arrays: replicated); they must be on this mesh."""

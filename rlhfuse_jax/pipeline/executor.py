@@ -45,10 +45,9 @@ heads and MLP width Megatron-style: the stage runs its layers on a local config 
 and MLP width divided by the tensor size; one KV head where there are fewer KV heads than
 devices: the K/V projections then stay whole and each device slices its query heads' KV head)
 with column-split q/k/v/gate/up and row-split o/down kernels, between llama.tensor_parallel's
-f/g operators. The actor's untied LM head and loss
-split the vocabulary over `tensor` too (stages.vocab_parallel_logprobs: V/tp logits per device,
-the softmax's sums across devices); the embedding, a tied head and the critic's scalar head run
-whole on every tensor device.
+f/g operators. The actor's untied LM head and loss split the vocabulary over `tensor` too
+(stages.vocab_parallel_logprobs: V/tp logits per device, the softmax's sums across devices); the
+embedding, a tied head and the critic's scalar head run whole on every tensor device.
 
 The table is an argument of the compiled step, not a constant: schedules with the same
 program.ProgramShape share one compilation (serial and fused, for example).
@@ -295,7 +294,7 @@ def layer_splits(cfg: ModelConfig, fsdp: int, tensor: int) -> Any:
   splits, never gathered). A dim an axis does not divide stays whole."""
   sizes = {"fsdp": fsdp, "tensor": tensor}
   cfg = cfg.replace(scan_layers=False)  # one layer's tree is the same either way
-  kv_whole = cfg.num_kv_heads % tensor != 0  # fewer KV heads than devices: kv_head_dims
+  kv_whole = shares_kv_heads(cfg, tensor)  # the K/V projections stay whole: kv_head_dims
 
   def one(spec, shape):
     dims = []
@@ -309,14 +308,20 @@ def layer_splits(cfg: ModelConfig, fsdp: int, tensor: int) -> Any:
                       stages.param_shapes(cfg)["layers_0"], is_leaf=lambda x: isinstance(x, P))
 
 
+def shares_kv_heads(cfg: ModelConfig, tensor: int) -> bool:
+  """Fewer KV heads than `tensor` devices (check_placement: then they divide it): each KV head
+  is kept whole by the devices of its query heads."""
+  return tensor > 1 and cfg.num_kv_heads % tensor != 0
+
+
 @functools.lru_cache(maxsize=64)
 def kv_head_dims(cfg: ModelConfig, tensor: int) -> Any:
   """Per leaf of one layer: the dimension holding KV heads (K/V kernels and biases) when the
-  model has fewer KV heads than `tensor` devices, else -1. Those leaves stay whole on every
-  tensor device; each device slices the KV head its query heads attend with
+  model shares KV heads over `tensor` (shares_kv_heads), else -1. Those leaves stay whole on
+  every tensor device; each device slices the KV head its query heads attend with
   (_ModelPlan.select_kv_head), and their gradients are summed over `tensor`."""
   cfg = cfg.replace(scan_layers=False)
-  whole = tensor > 1 and cfg.num_kv_heads % tensor != 0
+  whole = shares_kv_heads(cfg, tensor)
   return jax.tree.map(lambda spec: spec.index("kv_heads") if whole and "kv_heads" in spec else -1,
                       llama.logical_specs(cfg)["layers_0"], is_leaf=lambda x: isinstance(x, P))
 
@@ -465,7 +470,7 @@ class _ModelPlan:
   replica_axes: Tuple[str, ...]  # axes its layer gradients are also summed over
   fsdp: bool                # layers split over fsdp: gathered one layer at a time
   vocab: stages.VocabAxis = None  # the LM head's vocabulary split over `tensor`, or whole
-  kv_dims: Any = None       # kv_head_dims (fewer KV heads than tensor devices), else None
+  kv_dims: Any = None       # kv_head_dims: per layer leaf its shared-KV-head dim, or -1
   tensor: int = 1
 
   @property
@@ -495,7 +500,7 @@ class _ModelPlan:
   def select_kv_head(self) -> Optional[Callable[[Any], Any]]:
     """One whole layer -> the K/V columns of this tensor device's KV head (kv_head_dims); its
     vjp puts the gradient into those columns of a whole-size zero gradient."""
-    if self.kv_dims is None:
+    if not shares_kv_heads(self.cfg, self.tensor):
       return None
     kv, head_dim = self.cfg.num_kv_heads, self.cfg.head_dim_
     group = self.tensor // kv  # tensor devices sharing one KV head
@@ -701,8 +706,7 @@ def _model_grads_out(plan: _ModelPlan, acc: jax.Array, data_axes: Tuple[str, ...
     axes = tuple(a for a in data_axes if a != "fsdp" or "fsdp" not in split.dims)
     axes += plan.replica_axes + (("tensor",) if kv_dim >= 0 else ())  # a shared KV head
     return lax.psum(g, axes) if axes else g
-  kv_dims = plan.kv_dims if plan.kv_dims is not None else jax.tree.map(lambda _: -1, plan.splits)
-  return {"layers": jax.tree.map(layer_sum, layers, plan.splits, kv_dims),
+  return {"layers": jax.tree.map(layer_sum, layers, plan.splits, plan.kv_dims),
           "embed": _scatter_tail(embed, plan.tail_dims["embed"], data_axes),
           "head": _scatter_tail(head, plan.tail_dims["head"], data_axes, plan.vocab)}
 
@@ -725,8 +729,7 @@ def _model_plans(spec: _Spec, layouts: Dict[str, StageLayout], mba: int, mbc: in
                    for part in ("embed", "head")},
         rows=rows, forward_up=m == "actor", replica_axes=replica_axes, fsdp=fsdp > 1,
         vocab=stages.vocab_parallel(cfg, tensor) if m == "actor" else None,
-        kv_dims=(kv_head_dims(cfg, tensor) if tensor > 1 and cfg.num_kv_heads % tensor else None),
-        tensor=tensor)
+        kv_dims=kv_head_dims(cfg, tensor), tensor=tensor)
   return plans
 
 

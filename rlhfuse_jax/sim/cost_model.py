@@ -122,10 +122,10 @@ class CostModel:
     `context_tokens` KV tokens in total. Scalars or equal-shape arrays (one entry per step)."""
     batch = np.asarray(batch, dtype=np.float64)
     context_tokens = np.asarray(context_tokens, dtype=np.float64)
-    fit = self.cal.decode_fit if self.cal is not None else None
     if self.cal is not None and self.cal.decode_step is not None:
       out = self.cal.decode_step.step_s(batch, context_tokens)
     else:
+      fit = self.cal.decode_fit if self.cal is not None else None
       flops, nbytes = decode_step_work(shape, batch, context_tokens)
       if fit is not None:  # fitted fixed costs and efficiencies (calibration.DecodeFit)
         out = (fit.step_s + shape.num_layers * fit.layer_s +

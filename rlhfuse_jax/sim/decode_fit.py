@@ -41,11 +41,19 @@ _MFU_STARTS = (0.2, 0.1, 0.05, 0.02, 0.01, 0.005)
 class DecodePoint:
   """One measured decode step (bench_decode: one batch of one result file)."""
   source: str
-  layers: int
+  shape: ModelShape
   batch: int
-  flops: float
-  nbytes: float
+  context_tokens: float  # KV tokens the step reads, all rows together
   measured_s: float
+
+  @property
+  def layers(self) -> int:
+    return self.shape.num_layers
+
+  @property
+  def work(self) -> tuple[float, float]:
+    """(FLOPs, bytes) of the step (cost_model.decode_step_work)."""
+    return decode_step_work(self.shape, self.batch, self.context_tokens)
 
   @property
   def label(self) -> str:
@@ -68,15 +76,15 @@ def points_from_results(results: Sequence[tuple[str, dict]]) -> list[DecodePoint
     cache = result["decode"]["cache_len"]
     for r in result["decode"]["per_batch"]:
       b = int(r["batch"])
-      flops, nbytes = decode_step_work(shape, b, b * r.get("mean_live_len", cache))
-      out.append(DecodePoint(source, shape.num_layers, b, float(flops), float(nbytes),
+      out.append(DecodePoint(source, shape, b, float(b * r.get("mean_live_len", cache)),
                              float(r["step_s"])))
   return out
 
 
 def predict(fit: DecodeFit, hw: Hardware, p: DecodePoint) -> float:
+  flops, nbytes = p.work
   return float(fit.step_s + p.layers * fit.layer_s +
-               max(p.flops / (hw.peak_flops * fit.mfu), p.nbytes / (hw.hbm_bw * fit.bw_eff)))
+               max(flops / (hw.peak_flops * fit.mfu), nbytes / (hw.hbm_bw * fit.bw_eff)))
 
 
 def fit(points: Sequence[DecodePoint], hw: Hardware,

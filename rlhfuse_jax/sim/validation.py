@@ -323,18 +323,11 @@ def predict_bench_decode(result: dict, efficiency: Efficiency = Efficiency()) ->
   if not preset:
     return None
   cost = CostModel(get_hardware(preset), efficiency)
-  m = result["model"]
-  fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-            "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "max_seq_len")
-  actor = ModelShape(name="bench_decode", head="lm", **{f: m[f] for f in fields if f in m})
+  actor = decode_fit.bench_shape(result)
   critic = actor.as_critic()
-  cache = result["decode"]["cache_len"]
-  # KV tokens a step reads: the live prefix (mean_live_len, in results since the engine reads
-  # only live key blocks); results without it come from the engine that attended the whole
-  # cache every step.
-  decode = {int(r["batch"]): float(cost.decode_step_s(
-      actor, 1, r["batch"], r["batch"] * r.get("mean_live_len", cache)))
-            for r in result["decode"]["per_batch"]}
+  # KV tokens a step reads: the live prefix (decode_fit.points_from_results).
+  decode = {p.batch: float(cost.decode_step_s(actor, 1, p.batch, p.context_tokens))
+            for p in decode_fit.points_from_results([("result.json", result)])}
   tr = result["train"]
   seq = tr["prompt_len"] + tr["response_len"]
   tokens, ctx = tr["batch"] * seq, (seq + 1) / 2.0
@@ -346,7 +339,7 @@ def predict_bench_decode(result: dict, efficiency: Efficiency = Efficiency()) ->
           "critic_fwd_s": fwd["critic"], "update_s": update}
 
 
-def _decode_fit_rows(workdir: str, result: dict, preset: str, efficiency: Efficiency,
+def _decode_fit_rows(workdir: str, result: dict, efficiency: Efficiency,
                      extra: Sequence[str]) -> tuple[list[dict], list[str]]:
   """The fitted decode model (sim/decode_fit.py) on result.json and the `extra` result files of
   the same workdir (other depths): per point fitted, leave-one-out and uncalibrated."""
@@ -356,19 +349,18 @@ def _decode_fit_rows(workdir: str, result: dict, preset: str, efficiency: Effici
     if os.path.exists(path):
       results.append((name, _read(workdir, name)))
   points = decode_fit.points_from_results(results)
-  hw = get_hardware(preset)
+  hw = get_hardware(result["device"]["hardware_preset"])
   fitted = decode_fit.fit(points, hw, efficiency)
   loo = decode_fit.leave_one_out(points, hw, efficiency)
   cost = CostModel(hw, efficiency)
   rows = []
   for p, lo in zip(points, loo):
-    shape = decode_fit.bench_shape(dict(results)[p.source])
-    unc = float(cost.decode_step_s(shape, 1, p.batch, _live_tokens(dict(results)[p.source],
-                                                                   p.batch)))
+    pred = decode_fit.predict(fitted, hw, p)
     rows.append({"bench": "bench_decode", "quantity": p.label, "prediction": "fitted",
-                 "source": p.source,
-                 "predicted": decode_fit.predict(fitted, hw, p), "measured": p.measured_s,
-                 "leave_one_out": lo, "uncalibrated": unc})
+                 "source": p.source, "predicted": pred, "measured": p.measured_s,
+                 "error": pred / p.measured_s - 1.0, "leave_one_out": lo,
+                 "uncalibrated": float(cost.decode_step_s(p.shape, 1, p.batch,
+                                                          p.context_tokens))})
   notes = [f"Fitted decode model ({len(points)} steps of {len(results)} result file(s): "
            f"{', '.join(n for n, _ in results)}): step_s {fitted.step_s:.3g} s, layer_s "
            f"{fitted.layer_s:.3g} s per layer, mfu {fitted.mfu:.3g}, bw_eff {fitted.bw_eff} "
@@ -379,17 +371,16 @@ def _decode_fit_rows(workdir: str, result: dict, preset: str, efficiency: Effici
   return rows, notes
 
 
-def _or_dash(x: Optional[float]) -> str:
-  return "-" if x is None else f"{x:.4g}"
+def _fit_row_line(r: dict) -> str:
+  """A fitted decode row in the markdown table ("-" where there is no leave-one-out)."""
+  lo = r["leave_one_out"]
+  return (f"| {r['quantity']} | {r['predicted']:.4g} | {'-' if lo is None else f'{lo:.4g}'} | "
+          f"{r['uncalibrated']:.4g} | {r['measured']:.4g} | "
+          f"{_err_pct(r['predicted'], r['measured'])} | "
+          f"{'-' if lo is None else _err_pct(lo, r['measured'])} |")
 
 
-def _live_tokens(result: dict, batch: int) -> float:
-  r = next(r for r in result["decode"]["per_batch"] if int(r["batch"]) == batch)
-  return batch * r.get("mean_live_len", result["decode"]["cache_len"])
-
-
-def _decode_rows(workdir: str, efficiency: Efficiency) -> tuple[list, list[str]]:
-  result = _read(workdir, "result.json")
+def _decode_rows(result: dict, efficiency: Efficiency) -> tuple[list, list[str]]:
   pred = predict_bench_decode(result, efficiency)
   if pred is None:
     raise ValueError(f"device {result['device'].get('device_kind')!r} matched no hardware "
@@ -445,15 +436,13 @@ def validate(calibration: Optional[Calibration], gen_workdir: str, pipe_workdir:
     notes: list[str] = []
     if name == "bench_decode":
       try:
-        rows, notes = _decode_rows(wd_path, efficiency)
+        result = _read(wd_path, "result.json")
+        rows, notes = _decode_rows(result, efficiency)
       except (ValueError, FileNotFoundError, KeyError) as e:
         lines.append(f"- **{name}**: could not compare: {e}")
         continue
       try:
-        result = _read(wd_path, "result.json")
-        fit_rows, fit_notes = _decode_fit_rows(wd_path, result,
-                                               result["device"]["hardware_preset"], efficiency,
-                                               decode_extra)
+        fit_rows, fit_notes = _decode_fit_rows(wd_path, result, efficiency, decode_extra)
       except (ValueError, KeyError) as e:
         fit_rows, fit_notes = [], [f"No fitted decode model: {e}."]
       lines += [f"- **{name}** (`{wd_path}`, no calibration: datasheet and assumed efficiencies):",
@@ -464,14 +453,9 @@ def validate(calibration: Optional[Calibration], gen_workdir: str, pipe_workdir:
         lines += [f"- **{name}**, fitted decode model (sim/decode_fit.py):", "",
                   "| quantity | fitted | leave-one-out | uncalibrated | measured | "
                   "error (fitted) | error (leave-one-out) |", "|---|---|---|---|---|---|---|"]
-      lines += [f"| {r['quantity']} | {r['predicted']:.4g} | {_or_dash(r['leave_one_out'])} | "
-                f"{r['uncalibrated']:.4g} | {r['measured']:.4g} | "
-                f"{_err_pct(r['predicted'], r['measured'])} | "
-                + (_err_pct(r['leave_one_out'], r['measured']) if r['leave_one_out'] is not None
-                   else "-") + " |" for r in fit_rows]
+      lines += [_fit_row_line(r) for r in fit_rows]
       lines += [""] + fit_notes + [""]
-      table += [_row(name, q, p, m, "uncalibrated") for q, p, m in rows]
-      table += [{**r, "error": r["predicted"] / r["measured"] - 1.0} for r in fit_rows]
+      table += [_row(name, q, p, m, "uncalibrated") for q, p, m in rows] + fit_rows
       continue
     try:
       cal = calibration if calibration is not None else _default_calibration(wd_path)

@@ -2,8 +2,9 @@
 
 A `RolloutStage` turns the current actor and critic parameters (`params(model)` gives a
 model's whole parameters when the stage needs them, so a serial stage never holds the whole
-actor and critic at once), a batch of prompts and a key into `StageOutputs`: the sampled responses, the reference log-probs, the critic values and the
-rewards, as host arrays. Two implementations return the same outputs:
+actor and critic at once), a batch of prompts and a key into `StageOutputs`: the sampled
+responses, the reference log-probs, the critic values and the rewards, as host arrays. Two
+implementations return the same outputs:
 
   SerialStage  generation on the whole mesh, then reference / critic / reward inference
   FusedStage   inter-stage fusion (config.fusion.inter_stage): sample-level generation
