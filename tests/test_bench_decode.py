@@ -26,7 +26,7 @@ TINY = BenchDecodeConfig.from_config_dict(bench_config_file.get_config())
 
 # The tiny default with smaller depths and capacities: the same measurements in about half the
 # time (the default's 22/44 layers and 512/4096 positions are for a user's run).
-FAST = ["--config.scan_compile_layers=8,16", "--config.capacities=256,2048"]
+FAST = ["--config.scan_compile_layers=8,32", "--config.capacities=256,2048"]
 
 
 def _nbytes(tree):
@@ -132,12 +132,13 @@ def test_capacity_scaling_reads_the_live_prefix_only(bench):
 def test_scan_compile_times_and_peer_skip(bench):
   _, result, _ = bench
   sc = result["scan_compile"]
-  assert sc["layers"] == [8, 16]
+  assert sc["layers"] == [8, 32]
   assert sc["ratio"] == pytest.approx(sc["compile_s"][1] / sc["compile_s"][0])
-  # Unrolled compile time grows with depth, scanned does not (measured on the development
-  # machine at 8/16 layers: unrolled 1.52x, scanned 0.92x; a fixed ~1.8 s per compile keeps the
-  # unrolled ratio under 2).
-  assert sc["ratio"] < 1.2 and sc["unrolled_ratio"] > 1.3
+  # Unrolled compile time grows with depth, scanned does not. At 8 -> 32 layers on the
+  # development machine: unrolled 2.85x, scanned 0.90x alone; with three benches sharing its
+  # 2 cores 2.48-2.71x and 1.03-1.15x (at 8 -> 16 the loaded unrolled ratio fell to 1.40: a
+  # fixed ~2 s per compile hid the growth, hence the wider depth range).
+  assert sc["ratio"] < 1.3 and sc["unrolled_ratio"] > 2.0
   assert "on platform 'cpu'" in result["peer"]["skipped"]
 
 
