@@ -160,7 +160,12 @@ def measure_scan_compile(cfg: BenchDecodeConfig) -> dict:
   """Compile seconds of the decode chunk (+ prefill) at each depth of scan_compile_layers, with
   model.scan_layers and unrolled, from shapes (nothing allocated). ratio: deepest over
   shallowest."""
-  out = {"layers": list(cfg.scan_compile_layers), "batch": cfg.batch_sizes[-1]}
+  out = {"layers": list(cfg.scan_compile_layers), "batch": cfg.batch_sizes[-1],
+         "persistent_cache_dir": jax.config.jax_compilation_cache_dir}
+  if out["persistent_cache_dir"]:  # a program compiled before would be loaded, not compiled
+    logging.warning("jax's persistent compilation cache is on (%s): the compile times below "
+                    "include loads of programs compiled before; unset JAX_COMPILATION_CACHE_DIR "
+                    "to time compilation", out["persistent_cache_dir"])
   for key, scan in (("compile_s", True), ("unrolled_compile_s", False)):
     times = []
     for n in cfg.scan_compile_layers:

@@ -1,8 +1,35 @@
-"""Test setup: 8 fake CPU devices, set before jax is imported anywhere."""
+"""Test setup: 8 fake CPU devices, set before jax is imported anywhere, and one persistent XLA
+compilation cache for the whole run.
+
+The cache: many tests compile the same programs (every trainer test builds the same tiny update;
+the binary tests start the same run in several subprocesses), and jax's persistent cache keyed
+by the compiled program lets all of them after the first load it instead of compiling again
+(test_faults.py + test_train_ppo_binary.py: 136 s -> 78 s on the 2-core dev machine). It starts
+empty in a fresh directory each run, is shared by the xdist workers and every subprocess they
+start (through the environment), and is deleted at the end. A run that sets
+JAX_COMPILATION_CACHE_DIR itself keeps its own. Tests that time compilation unset it for their
+subprocess (test_bench_decode.py).
+"""
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller (or a plain run) makes it
+  _OWN_CACHE = tempfile.mkdtemp(prefix="rlhfuse_jax_test_xla_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+# Cache every program: the tiny test programs compile in well under jax's default 1 s minimum.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_unconfigure(config):
+  del config
+  if _OWN_CACHE is not None:
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)

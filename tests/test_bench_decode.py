@@ -34,13 +34,20 @@ def _nbytes(tree):
 
 
 # ------------------------------------------------------------------------------ the binary
+def _bench_env():
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+  # It times compilation: no persistent cache (tests/conftest.py sets one for the suite).
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  return env
+
+
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("bench_decode"))
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  env = _bench_env()
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.bench_decode", "--config=configs/bench_decode.py",
        *FAST, f"--workdir={workdir}"], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -132,7 +139,7 @@ def test_capacity_scaling_reads_the_live_prefix_only(bench):
 def test_scan_compile_times_and_peer_skip(bench):
   _, result, _ = bench
   sc = result["scan_compile"]
-  assert sc["layers"] == [8, 32]
+  assert sc["layers"] == [8, 32] and sc["persistent_cache_dir"] is None
   assert sc["ratio"] == pytest.approx(sc["compile_s"][1] / sc["compile_s"][0])
   # Unrolled compile time grows with depth, scanned does not. At 8 -> 32 layers on the
   # development machine: unrolled 2.85x, scanned 0.90x alone; with three benches sharing its
@@ -143,10 +150,7 @@ def test_scan_compile_times_and_peer_skip(bench):
 
 
 def test_compile_only_reports_memory_without_running(tmp_path):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  env = _bench_env()
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.bench_decode", "--config=configs/bench_decode.py",
        "--config.compile_only=True", "--config.scan_compile_layers=2,4",
