@@ -5,7 +5,9 @@ r"""Reproduces the RLHFuse ablations at paper scale with the simulator (rlhfuse_
 Writes into the workdir: config.json, result.json ({"rows": [{setting, system, iteration_s,
 gen_s, inf_s, gen_plus_inf_s, train_s, samples_per_s, reshard_s, details}], "inputs",
 "validation"}), ablations.md, iteration_time.png, generation_timeline.png, fused_gantt.png (fused
-schedule above the serial 1F1B one), schedule_cache.json (fused searches, reused on re-runs).
+schedule above the serial 1F1B one), schedule_cache.json (fused searches, reused on re-runs),
+and, with --config.validate.bench_decode_workdir, decode_fit_calibration.json: the decode model
+fitted to that bench, which --config.calibration=<it> turns into the simulated engine.
 """
 from __future__ import annotations
 
@@ -101,7 +103,8 @@ def main(argv):
   val_cal = cal_lib.load(cfg.validation_calibration) if cfg.validation_calibration else None
   val_lines, val_rows = validation.validate(
       val_cal, cfg.bench_generation_workdir, cfg.bench_pipeline_workdir,
-      cfg.bench_decode_workdir, cfg.efficiency, cfg.bench_decode_extra)
+      cfg.bench_decode_workdir, cfg.efficiency, cfg.bench_decode_extra,
+      decode_fit_out=os.path.join(workdir, "decode_fit_calibration.json"))
   figures = _figures(cfg, out, workdir, cfg.systems)
   wd.write_json(os.path.join(workdir, "result.json"),
                 {"rows": out["rows"], "inputs": out["inputs"], "validation": val_rows})

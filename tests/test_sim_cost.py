@@ -48,6 +48,37 @@ def test_collectives_by_bandwidth():
   assert cm.kv_migration_s(4e6, 2, cross_node=True) == pytest.approx(2e6 / 0.5e7)
 
 
+def test_collectives_follow_nccls_alpha_beta_model():
+  """NVIDIA presets: NCCL's Ring latencies (hardware.NCCL_RING), the cheaper protocol wins."""
+  cm = CostModel(get_hardware("h100_sxm"), Efficiency(net_eff=1.0))
+  nvlink, net = 450e9, 50e9
+  # 8 GPUs of one node, a small all-reduce (a decode step's activations): LL, 14 ring steps.
+  assert cm.allreduce_s(1e3, 8) == pytest.approx(
+      6.6e-6 + 14 * 0.6e-6 + 2 * 7 / 8 * 1e3 / (nvlink / 4))
+  # A large one: Simple at the full bandwidth.
+  assert cm.allreduce_s(1e9, 8) == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 2 * 7 / 8 * 1e9 / nvlink)
+  # 16 GPUs on 2 nodes: 30 steps, 2 x 2 of them across nodes, at the network's bandwidth.
+  assert cm.allreduce_s(1e9, 16) == pytest.approx(
+      8.4e-6 + 26 * 3.4e-6 + 4 * 14e-6 + 2 * 15 / 16 * 1e9 / net)
+  # All-gather: g - 1 steps, nodes - 1 across; point to point: one step.
+  assert cm.allgather_s(1e9, 16) == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 14e-6 + 15 / 16 * 1e9 / net)
+  assert cm.p2p_s(1e3, True) == pytest.approx(6.6e-6 + 2.7e-6 + 1e3 / (net / 4))
+  assert cm.p2p_s(1e8, False) == pytest.approx(8.4e-6 + 3.4e-6 + 1e8 / nvlink)
+  # The gradient all-reduce of dp = 4 ranks 8 devices apart spans 4 nodes.
+  s = get_shape("llama-13b")
+  nbytes = s.num_params() * 2.0 / (8 * 2)
+  assert cm.grad_sync_s(s, 8, 2, 4) == pytest.approx(
+      8.4e-6 + 0 * 3.4e-6 + 6 * 14e-6 + 2 * 3 / 4 * nbytes / net)
+  # Latency grows with the ring at a fixed size; vectorised like the decode steps.
+  assert cm.allreduce_s(1e3, 4) < cm.allreduce_s(1e3, 8)
+  got = cm.allreduce_s(np.array([1e3, 1e9]), 8)
+  assert got[0] == pytest.approx(cm.allreduce_s(1e3, 8)) and got[1] == pytest.approx(
+      cm.allreduce_s(1e9, 8))
+  # TPU presets have no cited per-step latency: bandwidth + the one collective_latency_s.
+  tpu = CostModel(get_hardware("tpu_v5p"), Efficiency(net_eff=1.0, collective_latency_s=7e-6))
+  assert tpu.allreduce_s(1e6, 8) == pytest.approx(2 * 7 / 8 * 1e6 / 600e9 + 7e-6)
+
+
 def test_memory_check_names_the_plan():
   cm = CostModel(get_hardware("a100_80g_sxm"))
   with pytest.raises(ValueError, match="does not fit in memory.*tp=1"):
@@ -153,3 +184,18 @@ def test_calibrate_sim_writes_what_the_cost_model_reads(tmp_path):
       32 / ops["inference"]["tokens_per_s"])
   assert cost.kv_migration_s(1e6, 1, False) == pytest.approx(
       1e6 / ops["migration"]["bytes_per_s"])
+
+
+def test_decode_host_overhead_stretches_the_uncalibrated_step_only():
+  """configs/ablations.py:vllm_sync: each decode step also waits for 29/38 of its device time."""
+  from configs import ablations as ablation_config
+  from rlhfuse_jax.sim.ablations import AblationConfig
+  eff = AblationConfig.from_config_dict(ablation_config.get_config("vllm_sync")).efficiency
+  assert eff.decode_host_overhead == pytest.approx(29 / 38)
+  hw, s = get_hardware("h100_sxm"), get_shape("llama-13b")
+  base, slow = CostModel(hw), CostModel(hw, eff)
+  assert slow.decode_step_s(s, 4, 16, 16 * 500) == pytest.approx(
+      base.decode_step_s(s, 4, 16, 16 * 500) * (1 + 29 / 38))
+  assert slow.prefill_s(s, 4, [500]) == base.prefill_s(s, 4, [500])  # decode steps only
+  with pytest.raises(ValueError, match="decode_host_overhead=-0.1"):
+    Efficiency(decode_host_overhead=-0.1)

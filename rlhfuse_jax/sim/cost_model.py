@@ -9,17 +9,23 @@ parallel degree, FLOPs from shapes.py):
   decode step (b live rows, C KV tokens held in total):
       bytes = weight_bytes/t + C * kv_bytes_per_token/t
       flops = (2 * matmul_params * b + 4 * L * heads * head_dim * C) / t
-      time  = max(flops/(peak*decode_mfu), bytes/(hbm_bw*decode_bw_eff)) + 2L all-reduces of
-              b*h*2 bytes over t devices (Megatron tensor parallel: after attention, after MLP)
+      time  = (max(flops/(peak*decode_mfu), bytes/(hbm_bw*decode_bw_eff)) + 2L all-reduces of
+              b*h*2 bytes over t devices (Megatron tensor parallel: after attention, after MLP))
+              * (1 + decode_host_overhead)
   prefill / inference forward of sequences (lengths l_i):
       flops = sum_i sequence_forward_flops(l_i) / t; time = roofline at prefill_mfu
               + 2L all-reduces of sum(l_i)*h*2 bytes
   training stage, one micro-batch of n tokens, pp stages: forward = roofline over L/pp layers at
       train_mfu + its tensor-parallel all-reduces; backward = bwd_over_fwd (2) x forward
-  ring all-reduce of B bytes over g devices: 2(g-1)/g * B / (bw*net_eff) + collective_latency_s;
-      all-gather / reduce-scatter: (g-1)/g * B / (bw*net_eff) + latency. bw is the fast link
-      while the group fits in one node, the scale-out network otherwise (hardware.link_bw).
-  point-to-point / KV migration / weight resharding: bytes / (bw*net_eff) + latency per message.
+  collectives, alpha-beta (hardware.py): ring all-reduce of B bytes over g devices moves
+      2(g-1)/g * B through each device in 2(g-1) ring steps; all-gather / reduce-scatter
+      (g-1)/g * B in g-1 steps; point-to-point (KV migration, weight resharding) B in 1 step.
+      time = min over NCCL's protocols of base + steps inside nodes * intra_step + steps across
+      nodes * inter_step + bytes / (bw * net_eff * protocol's bandwidth fraction), with NCCL's
+      step counts (an all-reduce spanning n > 1 nodes: 2n steps cross them). bw is the fast
+      link while the group fits in one node, the scale-out network otherwise
+      (hardware.link_bw). Presets without protocols (TPU): bytes / (bw * net_eff) +
+      collective_latency_s.
   optimizer step: 28 bytes/param touched (fp32 master, m, v read+write, bf16 grad read and weight
       write) over the device's parameter shard, at hbm_bw*decode_bw_eff.
 Memory (per device, bytes): weights bf16 (2/param); training adds grads bf16 (2) and Adam fp32
@@ -30,11 +36,15 @@ token. A plan fits if its total is below hbm_bytes * memory_headroom.
 
 Measured figures (calibration.py) replace the formula of the op they measure; a fitted decode
 model (calibration op decode_fit, sim/decode_fit.py) instead adds fixed per-step and per-layer
-costs to the decode roofline and replaces its efficiencies, for any model shape.
+costs to the decode roofline and replaces its efficiencies, for any model shape. The same engine
+runs prefill and the reference / reward / critic forwards, one launch of every layer per pass,
+so with a decode_fit each of those passes also pays step_s + layers * layer_s (its compute stays
+at prefill_mfu: the fit's mfu is decode's, measured on single-token matmuls).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import numpy as np
@@ -60,8 +70,10 @@ class Efficiency:
       peak HBM bandwidth (the bandwidth-bound regime the vLLM paper analyses, Kwon et al.
       SOSP'23); the compute side matters only for large batches.
     net_eff 0.8: large NCCL collectives reach ~80% of link bandwidth (nccl-tests "busbw").
-    collective_latency_s 10e-6: fixed cost per collective call (small all-reduce on NVLink is
-      a few to ~20 microseconds in nccl-tests); decode issues 2 per layer per step.
+    collective_latency_s 10e-6: fixed cost per collective call, used only on hardware without
+      per-protocol latencies (the TPU presets; NVIDIA presets use NCCL's constants,
+      hardware.NCCL_RING). An assumption, not a cited TPU figure: small all-reduces take a
+      few to ~20 microseconds on NVLink in nccl-tests; decode issues 2 per layer per step.
   """
   train_mfu: float = 0.45
   prefill_mfu: float = 0.45
@@ -72,6 +84,14 @@ class Efficiency:
   memory_headroom: float = 0.9  # usable fraction of HBM (allocator, workspace, fragmentation)
   bwd_over_fwd: float = 2.0  # backward / forward time of a training micro-batch
   act_bytes_per_token_layer_per_h: float = 34.0  # activation bytes per token per layer, / h
+  # Host time per decode step that the device waits for, as a fraction of the step's device
+  # time (scheduling, input preparation, reading the sampled tokens back). 0: hidden behind the
+  # device, as engines that overlap it do (vLLM's multi-step scheduling and async output
+  # processing, v0.6+). The `vllm_sync` variant of configs/ablations.py sets 29/38 = 0.76:
+  # vLLM v0.5.3 on Llama-3-8B, one H100, spent 29 % of the time scheduling against 38 % on the
+  # GPU ("vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency Reduction", vLLM blog,
+  # 2024-09-05; the other 33 % was the HTTP server, which offline RLHF generation has not).
+  decode_host_overhead: float = 0.0
 
   def __post_init__(self):
     for f in ("train_mfu", "prefill_mfu", "decode_mfu", "decode_bw_eff", "net_eff",
@@ -81,6 +101,9 @@ class Efficiency:
         raise ValueError(f"efficiency.{f}={v} must be in (0, 1]")
     if self.collective_latency_s < 0 or self.bwd_over_fwd <= 0:
       raise ValueError("efficiency.collective_latency_s must be >= 0 and bwd_over_fwd > 0")
+    if not 0 <= self.decode_host_overhead < 10:
+      raise ValueError(f"efficiency.decode_host_overhead={self.decode_host_overhead} must be a "
+                       "fraction of the decode step's device time in [0, 10)")
 
 
 class CostModel:
@@ -96,22 +119,40 @@ class CostModel:
     return np.maximum(flops / (devices * self.hw.peak_flops * mfu),
                       nbytes / (devices * self.hw.hbm_bw * bw_eff))
 
-  def allreduce_s(self, nbytes: float, group: int) -> float:
-    if group <= 1:
+  def _ring_s(self, wire_bytes, steps: int, inter_steps: int, bw: float):
+    """A collective moving `wire_bytes` through each device in `steps` ring steps, of which
+    `inter_steps` cross nodes, on links of `bw` bytes/s (module docstring)."""
+    protocols = self.hw.collective_protocols
+    if not protocols:
+      return wire_bytes / bw + self.eff.collective_latency_s
+    inter_steps = min(inter_steps, steps)
+    return functools.reduce(np.minimum, [
+        p.base_s + (steps - inter_steps) * p.intra_step_s + inter_steps * p.inter_step_s +
+        wire_bytes / (bw * p.bw_fraction) for p in protocols])
+
+  def _allreduce_over(self, nbytes, ranks: int, nodes: int, bw: float):
+    """Ring all-reduce of `nbytes` over `ranks` devices spread over `nodes` nodes."""
+    if ranks <= 1:
       return 0.0
-    bw = self.hw.link_bw(group) * self.eff.net_eff
-    return 2.0 * (group - 1) / group * nbytes / bw + self.eff.collective_latency_s
+    return self._ring_s(2.0 * (ranks - 1) / ranks * nbytes, 2 * (ranks - 1),
+                        2 * nodes if nodes > 1 else 0, bw * self.eff.net_eff)
+
+  def allreduce_s(self, nbytes: float, group: int) -> float:
+    """Ring all-reduce of `nbytes` over `group` consecutive devices."""
+    return self._allreduce_over(nbytes, group, self.hw.nodes_spanned(group),
+                                self.hw.link_bw(group))
 
   def allgather_s(self, nbytes_total: float, group: int) -> float:
     """All-gather (or reduce-scatter) of a `nbytes_total` buffer over `group` devices."""
     if group <= 1:
       return 0.0
-    bw = self.hw.link_bw(group) * self.eff.net_eff
-    return (group - 1) / group * nbytes_total / bw + self.eff.collective_latency_s
+    return self._ring_s((group - 1) / group * nbytes_total, group - 1,
+                        self.hw.nodes_spanned(group) - 1,
+                        self.hw.link_bw(group) * self.eff.net_eff)
 
   def p2p_s(self, nbytes: float, cross_node: bool) -> float:
     bw = (self.hw.inter_node_bw if cross_node else self.hw.intra_node_bw) * self.eff.net_eff
-    return nbytes / bw + self.eff.collective_latency_s
+    return self._ring_s(nbytes, 1, int(cross_node), bw)
 
   def _tp_comm_s(self, shape: ModelShape, tp: int, tokens: float, layers: float) -> float:
     return 2.0 * layers * self.allreduce_s(tokens * shape.hidden_size * 2.0, tp)
@@ -130,9 +171,11 @@ class CostModel:
       if fit is not None:  # fitted fixed costs and efficiencies (calibration.DecodeFit)
         out = (fit.step_s + shape.num_layers * fit.layer_s +
                self.roofline_s(flops, nbytes, tp, fit.mfu, fit.bw_eff))
-      else:
-        out = self.roofline_s(flops, nbytes, tp, self.eff.decode_mfu, self.eff.decode_bw_eff)
-      out = out + self._tp_comm_s(shape, tp, batch, shape.num_layers)
+        out = out + self._tp_comm_s(shape, tp, batch, shape.num_layers)
+      else:  # literature efficiencies, plus the host time an engine does not hide
+        out = (self.roofline_s(flops, nbytes, tp, self.eff.decode_mfu, self.eff.decode_bw_eff) +
+               self._tp_comm_s(shape, tp, batch, shape.num_layers))
+        out = out * (1.0 + self.eff.decode_host_overhead)
     return np.where(batch > 0, out, 0.0)
 
   def prefill_s(self, shape: ModelShape, tp: int, lengths: Sequence[float]) -> float:
@@ -145,10 +188,14 @@ class CostModel:
     return self._forward_s(shape, tp, lengths, self.eff.prefill_mfu)
 
   def _forward_s(self, shape: ModelShape, tp: int, lengths: np.ndarray, mfu: float) -> float:
+    """One forward pass over sequences of `lengths` on the generation engine (prefill, and
+    the reference / reward / critic inference)."""
     n = float(lengths.sum())
     flops = float(np.sum(shape.forward_flops(lengths, (lengths + 1) / 2.0)))
-    return (self.roofline_s(flops, shape.weight_bytes(), tp, mfu, self.eff.decode_bw_eff) +
-            self._tp_comm_s(shape, tp, n, shape.num_layers))
+    fit = self.cal.decode_fit if self.cal is not None else None
+    fixed = fit.step_s + shape.num_layers * fit.layer_s if fit is not None else 0.0
+    return (fixed + self.roofline_s(flops, shape.weight_bytes(), tp, mfu, self.eff.decode_bw_eff)
+            + self._tp_comm_s(shape, tp, n, shape.num_layers))
 
   def inference_s(self, shapes: Sequence[ModelShape], tp: int, lengths: Sequence[float]) -> float:
     """Reference / reward / critic forward passes (`shapes`) over full sequences."""
@@ -198,11 +245,9 @@ class CostModel:
   def grad_sync_s(self, shape: ModelShape, tp: int, pp: int, dp: int) -> float:
     """Data-parallel all-reduce of one device's bf16 gradient shard (layout: tp innermost,
     then dp, so the dp group spans tp*dp consecutive devices)."""
-    if dp <= 1:
-      return 0.0
-    bw = self.hw.link_bw(tp * dp) * self.eff.net_eff
     nbytes = shape.num_params() * 2.0 / (tp * pp)
-    return 2.0 * (dp - 1) / dp * nbytes / bw + self.eff.collective_latency_s
+    nodes = min(dp, self.hw.nodes_spanned(tp * dp))  # dp ranks tp apart
+    return self._allreduce_over(nbytes, dp, nodes, self.hw.link_bw(tp * dp))
 
   def optimizer_step_s(self, shape: ModelShape, devices_sharing: int) -> float:
     return 28.0 * shape.num_params() / devices_sharing / (self.hw.hbm_bw * self.eff.decode_bw_eff)

@@ -15,6 +15,16 @@ units (FLOP/s, bytes, bytes/s). Conventions, applied when converting:
   simulator then refuses to model offloading frozen models to host memory).
 
 Anything here is an upper bound; achieved fractions are the cost model's efficiency parameters.
+
+Collective latencies (`collective_protocols`, the alpha of the cost model's alpha-beta
+collectives) are not on datasheets. NVIDIA presets use NCCL's own cost model, the constants NCCL
+uses to choose an algorithm and protocol (NVIDIA/nccl, src/graph/tuning.cc, v2.18-2.19:
+`baseLat` and `hwLat` of the Ring algorithm): a call costs a base latency, and every ring step
+one hop latency, NVLink inside a node and the network across nodes. Two of NCCL's protocols
+are modelled: LL (low latency; NCCL models its bandwidth as 1/4 of the link's for all-reduce)
+and Simple (full bandwidth, higher latencies); a collective takes the cheaper, as NCCL picks.
+Left out: LL128, Tree, NVLS and CollNet, and the refinements NCCL applies on top. TPU presets
+have no cited per-hop figure here and keep the cost model's one `collective_latency_s`.
 """
 from __future__ import annotations
 
@@ -30,6 +40,29 @@ GIB = 2 ** 30
 
 
 @dataclasses.dataclass(frozen=True)
+class CollectiveProtocol:
+  """One protocol of a ring collective's alpha-beta cost (module docstring): a call takes
+  base_s + (ring steps inside nodes) * intra_step_s + (steps across nodes) * inter_step_s +
+  bytes through each device / (link bandwidth * net_eff * bw_fraction)."""
+  name: str
+  base_s: float
+  intra_step_s: float
+  inter_step_s: float
+  bw_fraction: float
+
+
+# NCCL's Ring constants (src/graph/tuning.cc, v2.18-2.19, microseconds): baseLat Ring
+# {LL 6.6, Simple 8.4}; hwLat NVLink Ring {LL .6, Simple 3.4}; hwLat NET Ring {LL 2.7,
+# Simple 14.0}; LL bus bandwidth = link bandwidth / 4 for all-reduce and multi-node rings.
+NCCL_RING = (
+    CollectiveProtocol("LL", base_s=6.6e-6, intra_step_s=0.6e-6, inter_step_s=2.7e-6,
+                       bw_fraction=0.25),
+    CollectiveProtocol("Simple", base_s=8.4e-6, intra_step_s=3.4e-6, inter_step_s=14.0e-6,
+                       bw_fraction=1.0),
+)
+
+
+@dataclasses.dataclass(frozen=True)
 class Hardware:
   """One accelerator type and how devices are wired (SI units, see module docstring)."""
   name: str
@@ -41,6 +74,8 @@ class Hardware:
   devices_per_node: int
   host_to_device_bw: Optional[float] = None  # bytes/s per device per direction (PCIe)
   source: str = ""  # where the numbers come from
+  # alpha of the collectives (module docstring); None: the cost model's collective_latency_s
+  collective_protocols: Optional[tuple[CollectiveProtocol, ...]] = None
 
   def __post_init__(self):
     for f in ("peak_flops", "hbm_bw", "hbm_bytes", "intra_node_bw", "inter_node_bw"):
@@ -52,6 +87,14 @@ class Hardware:
                        "must be >= 1")
     if self.host_to_device_bw is not None and not self.host_to_device_bw > 0:
       raise ValueError(f"hardware {self.name!r}: host_to_device_bw must be > 0 or None")
+    for p in self.collective_protocols or ():
+      if min(p.base_s, p.intra_step_s, p.inter_step_s) < 0 or not 0 < p.bw_fraction <= 1:
+        raise ValueError(f"hardware {self.name!r}: collective protocol {p.name!r} needs "
+                         f"latencies >= 0 and bw_fraction in (0, 1], got {p}")
+
+  def nodes_spanned(self, devices: int) -> int:
+    """Nodes that `devices` consecutive devices occupy (at least 1)."""
+    return max(1, -(-devices // self.devices_per_node))
 
   def link_bw(self, group_size: int) -> float:
     """Per-device bandwidth of a collective over `group_size` consecutive devices: the fast
@@ -72,7 +115,8 @@ HARDWARE: dict[str, Hardware] = {
         name="h100_sxm", peak_flops=989.4 * TFLOPS, hbm_bw=3.35 * TB, hbm_bytes=80 * GB,
         intra_node_bw=450 * GB, inter_node_bw=50 * GB, devices_per_node=8,
         host_to_device_bw=64 * GB,
-        source="NVIDIA H100 datasheet (SXM), NVIDIA DGX H100 datasheet"),
+        source="NVIDIA H100 datasheet (SXM), NVIDIA DGX H100 datasheet",
+        collective_protocols=NCCL_RING),
     # NVIDIA H800 (the export variant of H100 SXM): same GH100 compute and 80 GB HBM3 at
     # 3.35 TB/s; NVLink limited to 400 GB/s bidirectional (NVIDIA H800 Tensor Core GPU
     # datasheet, SXM) -> 200 GB/s each way. Scale-out assumed as on DGX H100: 400 Gb/s per GPU.
@@ -80,7 +124,8 @@ HARDWARE: dict[str, Hardware] = {
         name="h800_sxm", peak_flops=989.4 * TFLOPS, hbm_bw=3.35 * TB, hbm_bytes=80 * GB,
         intra_node_bw=200 * GB, inter_node_bw=50 * GB, devices_per_node=8,
         host_to_device_bw=64 * GB,
-        source="NVIDIA H800 datasheet (SXM); NIC per GPU as DGX H100"),
+        source="NVIDIA H800 datasheet (SXM); NIC per GPU as DGX H100",
+        collective_protocols=NCCL_RING),
     # NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200), H200 SXM:
     # BF16 1,979 TFLOPS with sparsity -> 989.4 dense; 141 GB HBM3e; 4.8 TB/s; NVLink 900 GB/s
     # (-> 450 each way); PCIe Gen5 128 GB/s (-> 64). NVIDIA DGX H200 datasheet: 8 GPUs,
@@ -89,7 +134,8 @@ HARDWARE: dict[str, Hardware] = {
         name="h200_sxm", peak_flops=989.4 * TFLOPS, hbm_bw=4.8 * TB, hbm_bytes=141 * GB,
         intra_node_bw=450 * GB, inter_node_bw=50 * GB, devices_per_node=8,
         host_to_device_bw=64 * GB,
-        source="NVIDIA H200 datasheet (SXM), NVIDIA DGX H200 datasheet"),
+        source="NVIDIA H200 datasheet (SXM), NVIDIA DGX H200 datasheet",
+        collective_protocols=NCCL_RING),
     # NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100), A100 80GB SXM:
     # BF16 Tensor Core 312 TFLOPS dense (624 with sparsity); 80 GB HBM2e at 2,039 GB/s; NVLink
     # 600 GB/s (-> 300 each way); PCIe Gen4 64 GB/s (-> 32). NVIDIA DGX A100 datasheet: 8 GPUs,
@@ -98,7 +144,8 @@ HARDWARE: dict[str, Hardware] = {
         name="a100_80g_sxm", peak_flops=312 * TFLOPS, hbm_bw=2.039 * TB, hbm_bytes=80 * GB,
         intra_node_bw=300 * GB, inter_node_bw=25 * GB, devices_per_node=8,
         host_to_device_bw=32 * GB,
-        source="NVIDIA A100 datasheet (80GB SXM), NVIDIA DGX A100 datasheet"),
+        source="NVIDIA A100 datasheet (80GB SXM), NVIDIA DGX A100 datasheet",
+        collective_protocols=NCCL_RING),
     # Google Cloud TPU v5e documentation (cloud.google.com/tpu/docs/v5e): peak compute per chip
     # (bf16) 197 TFLOPs; HBM2 16 GB at 819 GBps; bidirectional ICI 400 GBps per chip (-> 200 each
     # way); TPU Pod (one ICI domain, 2D torus) 256 chips; per-host NIC 2 x 100 Gbps with 8 chips

@@ -53,6 +53,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import schedules
 from rlhfuse_jax.pipeline.graph import PipelineProblem
 from rlhfuse_jax.policy import calibration as cal_lib
@@ -340,9 +341,10 @@ def predict_bench_decode(result: dict, efficiency: Efficiency = Efficiency()) ->
 
 
 def _decode_fit_rows(workdir: str, result: dict, efficiency: Efficiency,
-                     extra: Sequence[str]) -> tuple[list[dict], list[str]]:
+                     extra: Sequence[str], fit_out: str = "") -> tuple[list[dict], list[str]]:
   """The fitted decode model (sim/decode_fit.py) on result.json and the `extra` result files of
-  the same workdir (other depths): per point fitted, leave-one-out and uncalibrated."""
+  the same workdir (other depths): per point fitted, leave-one-out and uncalibrated. `fit_out`:
+  also write the fit there as a calibration file (the simulator then models this engine)."""
   results = [("result.json", result)]
   for name in extra:
     path = os.path.join(workdir, name)
@@ -361,6 +363,9 @@ def _decode_fit_rows(workdir: str, result: dict, efficiency: Efficiency,
                  "error": pred / p.measured_s - 1.0, "leave_one_out": lo,
                  "uncalibrated": float(cost.decode_step_s(p.shape, 1, p.batch,
                                                           p.context_tokens))})
+  if fit_out:
+    device = result["device"].get("device_kind") or result["device"]["hardware_preset"]
+    wd.write_json(fit_out, cal_lib.to_dict(Calibration(device=str(device), decode_fit=fitted)))
   notes = [f"Fitted decode model ({len(points)} steps of {len(results)} result file(s): "
            f"{', '.join(n for n, _ in results)}): step_s {fitted.step_s:.3g} s, layer_s "
            f"{fitted.layer_s:.3g} s per layer, mfu {fitted.mfu:.3g}, bw_eff {fitted.bw_eff} "
@@ -417,9 +422,11 @@ def validation_lines(calibration: Optional[Calibration], gen_workdir: str,
 
 def validate(calibration: Optional[Calibration], gen_workdir: str, pipe_workdir: str,
              decode_workdir: str = "", efficiency: Efficiency = Efficiency(),
-             decode_extra: Sequence[str] = ()) -> tuple[list[str], list[dict]]:
+             decode_extra: Sequence[str] = (), decode_fit_out: str = ""
+             ) -> tuple[list[str], list[dict]]:
   """(markdown lines, rows): predicted vs measured for each bench, or why there is nothing to
-  compare (module docstring).
+  compare (module docstring). `decode_fit_out`: where to write the fitted decode model as a
+  calibration file (`--config.calibration=` it to simulate the measured engine).
 
   `calibration` None: each bench is predicted with its own `<workdir>/calibration.json` (the
   costs measured on the machine and in the run it is compared with)."""
@@ -442,7 +449,8 @@ def validate(calibration: Optional[Calibration], gen_workdir: str, pipe_workdir:
         lines.append(f"- **{name}**: could not compare: {e}")
         continue
       try:
-        fit_rows, fit_notes = _decode_fit_rows(wd_path, result, efficiency, decode_extra)
+        fit_rows, fit_notes = _decode_fit_rows(wd_path, result, efficiency, decode_extra,
+                                               decode_fit_out)
       except (ValueError, KeyError) as e:
         fit_rows, fit_notes = [], [f"No fitted decode model: {e}."]
       lines += [f"- **{name}** (`{wd_path}`, no calibration: datasheet and assumed efficiencies):",
