@@ -27,7 +27,7 @@ def get_config(arg: str = "paper"):
   c.pairs = "llama-13b/llama-13b,llama-33b/llama-13b,llama-65b/llama-33b,llama-65b/llama-65b"
   c.max_new_tokens = "512,1024,2048"  # max generation lengths (comma-separated)
   c.systems = ("deepspeed_chat_like,realhf_like,rlhfuse_base,inter_stage,intra_stage,"
-               "rlhfuse")  # systems to simulate (rlhfuse_jax/sim/iteration_sim.py)
+               "rlhfuse,pipe_rlhf,rlhfuse_planned")  # systems to simulate (rlhfuse_jax/sim/iteration_sim.py)
   c.seed = 0  # seed of the sampled prompt/response lengths and of the schedule search
 
   c.prompt = ml_collections.ConfigDict()  # prompt-length distribution (sim/lengths.py)

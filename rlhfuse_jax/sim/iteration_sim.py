@@ -1,4 +1,4 @@
-"""One RLHF iteration (weight resharding, generation, inference, training) for six systems.
+"""One RLHF iteration (weight resharding, generation, inference, training) for eight systems.
 
 All systems run the same workload: the same prompts and response lengths (drawn once per
 setting from the length distributions with the workload seed), the same models, the same
@@ -20,6 +20,12 @@ cluster and the same cost model. They differ only in what the papers say they do
   intra_stage          rlhfuse_base + the fused actor/critic pipeline schedule (pipeline.search
                        on the same plan).
   rlhfuse              both fusions.
+  pipe_rlhf            Pipe-RLHF: a plan per stage from the hierarchical plan search
+                       (sim/plan_search.py): generation on instances or as a delayed inter-batch
+                       pipeline, inference on its own layout, training colocated or disjoint.
+  rlhfuse_planned      the searched plan with both fusions where they are faster than the
+                       plan's stage (inter-stage fusion on instances, the fused schedule on the
+                       best colocated pipeline).
 
 iteration_s = reshard_s + gen_plus_inf_s + train_s (stages do not overlap across iterations);
 gen_s = when the last sample finished; inf_s = gen_plus_inf_s - gen_s (inference not hidden
@@ -34,15 +40,15 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from rlhfuse_jax.pipeline.bounds import pipeline_1f1b_makespan
 from rlhfuse_jax.sim import generation_sim as gen_lib
+from rlhfuse_jax.sim import plan_search as plan_lib
 from rlhfuse_jax.sim import training_sim as train_lib
 from rlhfuse_jax.sim.cost_model import CostModel
 from rlhfuse_jax.sim.lengths import LengthSpec
 from rlhfuse_jax.sim.shapes import ModelShape
 
 SYSTEMS = ("deepspeed_chat_like", "realhf_like", "rlhfuse_base", "inter_stage", "intra_stage",
-           "rlhfuse")
+           "rlhfuse", "pipe_rlhf", "rlhfuse_planned")
 _INTER = {"inter_stage", "rlhfuse"}
 _INTRA = {"intra_stage", "rlhfuse"}
 
@@ -210,31 +216,34 @@ def _zero3_stage(cost: CostModel, wl: Workload, prompts: np.ndarray, resp: np.nd
   return {"inf_s": inf, "train_s": wl.num_minibatches * step, "step_s": step}
 
 
-def _single_model_s(cost: CostModel, shape: ModelShape, n: int, wl: Workload, mean_len: float
-                    ) -> Optional[tuple[float, dict]]:
-  """Best 1F1B time of one model alone on n devices (tp x pp x dp), or None if nothing fits."""
-  best = None
-  for tp in (1, 2, 4, 8):
-    if shape.tensor_parallel_error(tp):
-      continue
-    for pp in (1, 2, 4, 8, 16):
-      if n % (tp * pp) or tp > cost.hw.devices_per_node or pp > shape.num_layers:
-        continue
-      dp = n // (tp * pp)
-      if wl.minibatch % (dp * wl.micro_batch):
-        continue
-      m = wl.minibatch // (dp * wl.micro_batch)
-      mb_tokens = wl.micro_batch * mean_len
-      need = cost.train_memory_bytes(shape, tp, pp, dp, True, mb_tokens, min(pp, m))
-      if need > cost.usable_bytes:
-        continue
-      f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2))
-      lat = cost.p2p_s(mb_tokens * shape.hidden_size * 2.0 / tp, True) if pp > 1 else 0.0
-      step = (pipeline_1f1b_makespan(pp, m, f, cost.bwd_over_fwd() * f) + 2 * (pp - 1) * lat +
-              cost.grad_sync_s(shape, tp, pp, dp) + cost.optimizer_step_s(shape, tp * pp * dp))
-      if best is None or step < best[0]:
-        best = (step, {"devices": n, "tp": tp, "pp": pp, "dp": dp, "M": m})
-  return best
+def _planned_row(cost: CostModel, wl: Workload, searched: dict, fused_gen: Optional[dict],
+                 fused_train: Optional[dict]) -> dict:
+  """pipe_rlhf (fused_* None): the searched per-stage plan as is. rlhfuse_planned: both fusions
+  where the plan allows them, each taken where it is faster than the plan's stage: inter-stage
+  fusion on instances (rlhfuse's fused generation, inference streamed on them) instead of
+  the plan's generation then inference; the fused schedule on the best colocated pipeline
+  instead of the plan's training."""
+  best = searched["best"]
+  p = best["predicted"]
+  gen_s, inf_s, reshard = p["gen_s"], p["inf_s"], p["reshard_s"]
+  train_s = p["train_s"]
+  details = {"plan": {k: best[k] for k in ("generation", "inference", "training", "summary")},
+             "uniform": searched["uniform"], "search_s": searched["search_s"]}
+  if fused_gen is not None:
+    r = fused_gen["result"]
+    fused_reshard = _reshard_s(cost, wl, fused_gen["plan"].tp)
+    if r.gen_plus_inf_s + fused_reshard < gen_s + inf_s + reshard:
+      gen_s, inf_s, reshard = r.gen_end_s, r.inf_exposed_s, fused_reshard
+      details["gen"] = {"mode": "inter_stage_fusion", "tp": fused_gen["plan"].tp,
+                        "threshold": fused_gen["threshold"]}
+  if fused_train is not None and fused_train["train_s"] < train_s:
+    train_s = fused_train["train_s"]
+    details["train"] = {"mode": "fused", "plan": fused_train["plan"]}
+  row = {"gen_s": gen_s, "inf_s": inf_s, "gen_plus_inf_s": gen_s + inf_s, "train_s": train_s,
+         "reshard_s": reshard, "details": details}
+  row["iteration_s"] = reshard + row["gen_plus_inf_s"] + train_s
+  row["samples_per_s"] = wl.global_batch / row["iteration_s"]
+  return row
 
 
 def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=SYSTEMS,
@@ -271,9 +280,21 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
       train_cache[fused] = res
     return train_cache[fused]
 
+  planned: dict = {}
+
+  def plan() -> dict:
+    """The hierarchical plan search of this setting (sim/plan_search.py), once."""
+    if "res" not in planned:
+      planned["res"] = plan_lib.search(cost, wl, opt, log=log)
+    return planned["res"]
+
   for name in systems:
     if log:
       log(f"  system {name}")
+    if name in ("pipe_rlhf", "rlhfuse_planned"):
+      out[name] = _planned_row(cost, wl, plan(), gen(True) if name == "rlhfuse_planned" else None,
+                               train(True) if name == "rlhfuse_planned" else None)
+      continue
     if name == "deepspeed_chat_like":
       g = gen(False, smallest=True)
       z = _zero3_stage(cost, wl, prompts, resp)
@@ -288,13 +309,9 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
                  "threshold_sweep": g["threshold_sweep"], "gen": r.summary()}
       if name == "realhf_like":
         colocated = train(False)
-        split = None
-        for frac in (0.25, 0.5, 0.75):
-          na = int(wl.num_devices * frac)
-          a = _single_model_s(cost, wl.actor, na, wl, mean_len)
-          c = _single_model_s(cost, wl.critic, wl.num_devices - na, wl, mean_len)
-          if a and c and (split is None or max(a[0], c[0]) < split[0]):
-            split = (max(a[0], c[0]), {"actor": a[1], "critic": c[1]})
+        split = min(train_lib.disjoint_splits(cost, wl.actor, wl.critic, wl.num_devices,
+                                              wl.minibatch, wl.micro_batch, mean_len),
+                    key=lambda x: x[0], default=None)
         if split is not None and split[0] * wl.num_minibatches < colocated["train_s"]:
           row["train_s"] = split[0] * wl.num_minibatches
           details["train"] = {"mode": "disjoint_concurrent", **split[1]}

@@ -111,6 +111,19 @@ def setting_section(label: str, by: dict, systems: Sequence[str]) -> list[str]:
         bits.append("colocated serial 1F1B (faster than a disjoint split here)")
     if d.get("train") == "zero3":
       bits.append("ZeRO-3 inference and training over all devices")
+    if "plan" in d and "summary" in d["plan"]:  # pipe_rlhf, rlhfuse_planned
+      bits.append(f"searched plan: {d['plan']['summary']} (search {d['search_s']:.1f}s)")
+      if d.get("uniform"):
+        u = d["uniform"]
+        bits.append(f"best uniform layout tp{u['layout']['tp']} pp{u['layout']['pp']}: "
+                    f"{u['predicted']['iteration_s']:.2f}s")
+      if isinstance(d.get("gen"), dict) and d["gen"].get("mode") == "inter_stage_fusion":
+        bits.append(f"inter-stage fusion on tp{d['gen']['tp']} instances instead "
+                    f"(Rt={d['gen']['threshold']:g})")
+      if isinstance(tr, dict) and tr.get("mode") == "fused":
+        p = tr["plan"]
+        bits.append(f"fused schedule on tp{p['tp']} Pa/Pc={p['actor_pp']}/{p['critic_pp']} "
+                    "instead")
     lines.append(f"- **{s}**: " + "; ".join(bits))
   return lines + [""]
 

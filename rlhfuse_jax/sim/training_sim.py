@@ -26,7 +26,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from rlhfuse_jax.pipeline import schedules
-from rlhfuse_jax.pipeline.bounds import serial_makespan_formula, tight_lower_bound
+from rlhfuse_jax.pipeline.bounds import (pipeline_1f1b_makespan, serial_makespan_formula,
+                                         tight_lower_bound)
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import PipelineProblem
 from rlhfuse_jax.pipeline.search import SearchConfig, search
@@ -250,6 +251,50 @@ def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_device
     raise ValueError(f"no training plan fits: {actor.name} + {critic.name} on {num_devices} "
                      f"x {cost.hw.name}, minibatch={minibatch}; tried {tried}")
   return best, tried
+
+
+def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int,
+                      micro_batch: int, mean_len: float) -> Optional[tuple[float, dict]]:
+  """(1F1B step seconds, plan) of one model alone on n devices (tp x pp x dp), the fastest
+  that fits, or None if nothing fits (ReaLHF-like disjoint training; plan_search)."""
+  best = None
+  for tp in (1, 2, 4, 8):
+    if shape.tensor_parallel_error(tp):
+      continue
+    for pp in (1, 2, 4, 8, 16):
+      if n % (tp * pp) or tp > cost.hw.devices_per_node or pp > shape.num_layers:
+        continue
+      dp = n // (tp * pp)
+      if minibatch % (dp * micro_batch):
+        continue
+      m = minibatch // (dp * micro_batch)
+      mb_tokens = micro_batch * mean_len
+      need = cost.train_memory_bytes(shape, tp, pp, dp, True, mb_tokens, min(pp, m))
+      if need > cost.usable_bytes:
+        continue
+      f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2))
+      lat = cost.p2p_s(mb_tokens * shape.hidden_size * 2.0 / tp, True) if pp > 1 else 0.0
+      step = (pipeline_1f1b_makespan(pp, m, f, cost.bwd_over_fwd() * f) + 2 * (pp - 1) * lat +
+              cost.grad_sync_s(shape, tp, pp, dp) + cost.optimizer_step_s(shape, tp * pp * dp))
+      if best is None or step < best[0]:
+        best = (step, {"devices": n, "tp": tp, "pp": pp, "dp": dp, "M": m})
+  return best
+
+
+def disjoint_splits(cost: CostModel, actor: ModelShape, critic: ModelShape, n: int,
+                    minibatch: int, micro_batch: int, mean_len: float,
+                    fractions=(0.25, 0.5, 0.75)) -> list[tuple[float, dict]]:
+  """Actor and critic trained at once on disjoint device groups (the actor on each fraction of
+  the n devices, the critic on the rest): [(step seconds, {"actor": plan, "critic": plan})]
+  for the splits where both fit; a step lasts as long as the slower model's."""
+  out = []
+  for frac in fractions:
+    na = int(n * frac)
+    a = single_model_plan(cost, actor, na, minibatch, micro_batch, mean_len)
+    c = single_model_plan(cost, critic, n - na, minibatch, micro_batch, mean_len)
+    if a and c:
+      out.append((max(a[0], c[0]), {"actor": a[1], "critic": c[1]}))
+  return out
 
 
 def zero3_train_s(cost: CostModel, shape: ModelShape, num_devices: int, tokens: float,

@@ -1,0 +1,377 @@
+"""Pipe-RLHF's hierarchical plan search: a parallel plan per RLHF stage, on the simulator's costs.
+
+Generation (memory-bound decode), inference (compute-bound forwards) and training want different
+layouts (docs/architecture.md §4). A plan gives each stage its own layout over the same devices:
+
+  generation  `instances` of tp devices (the engine's instances: slots, no consolidation), or a
+              `pipeline` of pp stages x tp devices whose batch is split into G groups that enter
+              one stage apart (delayed inter-batch pipelined generation, `pipelined_generation`)
+  inference   instances of tp devices (reference, reward, critic forwards of the finished batch)
+  training    `colocated`: actor and critic pipelines on all devices (training_sim.TrainPlan,
+              actor 1F1B then critic 1F1B); or `disjoint`: each model alone on its own share of
+              the devices, both at once (training_sim.single_model_plan)
+
+The stages of an iteration run one after the other, and a plan pays one resharding: the actor's
+new weights into the generation layout (every generation device receives its shard over the
+scale-out network, as iteration_sim does for every system). So the search is hierarchical: the
+outer level picks the training placement (colocated or a device split) and the generation mode;
+the inner level the degrees of each stage, each stage searched on its own (iteration time =
+reshard + generation + inference + training), and the top plans are the best combinations.
+
+The `uniform` plan is what one layout for every stage gives: a (tp, pp) grid whose generation is
+a plain pipeline (G = 1: each token passes all pp stages before the next starts), whose
+inference is a forward pipeline and whose training is the same (tp, pp, pp) pipeline; it needs
+no resharding.
+
+Pipelined generation, as simulated: R = N / (tp * pp) pipeline replicas, the batch dealt
+round-robin to them and, in a replica, round-robin to G groups. A tick is one stage running its
+L/pp layers on one group's live rows (the cost model's decode step of a model of L/pp layers,
+whose embedding and head are spread evenly over the stages) plus the activation transfer to the
+next stage. A decode step of every group takes max(sum over groups of their ticks, pp x the
+longest tick): with G >= pp every stage is busy all step long; with G < pp (or once groups have
+finished) a group's token must cross all pp stages before its next one, and stages wait. The
+fill adds pp - 1 ticks. Busy fraction = stage-ticks of work / (pp x step time).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from rlhfuse_jax.sim import generation_sim as gen_lib
+from rlhfuse_jax.sim import training_sim as train_lib
+from rlhfuse_jax.sim.cost_model import CostModel, cross_node
+from rlhfuse_jax.sim.shapes import ModelShape
+
+GEN_MODES = ("instances", "pipeline")
+PLACEMENTS = ("colocated", "disjoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationPlan:
+  mode: str  # GEN_MODES
+  tp: int
+  pp: int = 1
+  groups: int = 1  # pipeline: groups per replica (G)
+  slots: int = 0  # instances: slots per instance; pipeline: samples per replica
+
+  def describe(self) -> str:
+    if self.mode == "instances":
+      return f"instances tp{self.tp} ({self.slots} slots)"
+    return f"pipeline pp{self.pp} x tp{self.tp}, G={self.groups}"
+
+
+@dataclasses.dataclass(frozen=True)
+class InferencePlan:
+  tp: int
+  pp: int = 1
+
+  def describe(self) -> str:
+    return f"tp{self.tp}" + (f" x pp{self.pp}" if self.pp > 1 else "")
+
+
+def stage_shape(shape: ModelShape, pp: int) -> ModelShape:
+  """One of pp equal pipeline stages of `shape`: L/pp layers, the embedding and head spread
+  evenly (vocab / pp), so pp stages hold the whole model's weights."""
+  if shape.num_layers % pp:
+    raise ValueError(f"pp={pp} must divide {shape.name}'s {shape.num_layers} layers")
+  return dataclasses.replace(shape, name=f"{shape.name}/pp{pp}",
+                             num_layers=shape.num_layers // pp,
+                             vocab_size=max(1, shape.vocab_size // pp))
+
+
+# ----------------------------------------------------------------------------- generation
+def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, tp: int, pp: int,
+                         groups: int, prompts: np.ndarray, resp: np.ndarray,
+                         max_new_tokens: int) -> dict:
+  """Delayed inter-batch pipelined generation of one batch (module docstring). Returns
+  {gen_s, prefill_s, decode_s, ticks, stage_busy_frac, replicas, samples_per_replica}."""
+  if num_devices % (tp * pp):
+    raise ValueError(f"pipelined generation: tp*pp={tp}*{pp} must divide {num_devices} devices")
+  if groups < 1:
+    raise ValueError(f"pipelined generation: groups={groups} must be >= 1")
+  st = stage_shape(actor, pp)
+  reps = num_devices // (tp * pp)
+  b = prompts.size
+  per_rep = -(-b // reps)
+  slot_cap = int(prompts.max()) + max_new_tokens
+  need = (actor.weight_bytes() + per_rep * slot_cap * actor.kv_bytes_per_token()) / (tp * pp)
+  cost.check_fits(f"pipelined generation of {actor.name}", need,
+                  f"pp={pp} tp={tp}: a stage's weights + KV for {per_rep} samples")
+  # [R, G, S]: sample of each (replica, group, position), -1 where empty.
+  per_group = -(-per_rep // groups)
+  idx = np.full((reps * groups * per_group,), -1, dtype=np.int64)
+  # Round-robin to replicas, then within a replica round-robin to groups.
+  rep_of, pos = np.arange(b) % reps, np.arange(b) // reps
+  idx[(rep_of * groups + pos % groups) * per_group + pos // groups] = np.arange(b)
+  idx = idx.reshape(reps, groups, per_group)
+  valid = idx >= 0
+  plen = np.where(valid, prompts[np.maximum(idx, 0)], 0)
+  rlen = np.where(valid, resp[np.maximum(idx, 0)], 0)
+  hop = cross_node(tp, cost.hw.devices_per_node)
+
+  def ticks_s(rows, ctx):
+    """Per-tick seconds of one stage on `rows` live rows reading `ctx` KV tokens."""
+    act = cost.p2p_s(rows * actor.hidden_size * 2.0 / tp, hop) if pp > 1 else 0.0
+    return np.where(rows > 0, cost.decode_step_s(st, tp, rows, ctx) + act, 0.0)
+
+  # Prefill: each group's prompts through the pp stages, the groups one stage apart.
+  pre = np.stack([[cost.prefill_s(st, tp, plen[r, g][valid[r, g]]) if valid[r, g].any() else 0.0
+                   for g in range(groups)] for r in range(reps)])  # [R, G]
+  prefill = pre.sum(1) + (pp - 1) * pre.max(1)  # [R]
+  # Decode step k (k = 1 .. max-1; prefill sampled token 0): rows with rlen > k.
+  kmax = int(rlen.max())
+  k = np.arange(1, max(kmax, 1))[:, None, None, None]  # [K, 1, 1, 1]
+  live = (rlen[None] > k)  # [K, R, G, S]
+  rows = live.sum(-1).astype(np.float64)  # [K, R, G]
+  ctx = (live * (plen[None] + k)).sum(-1).astype(np.float64)  # [K, R, G]
+  tick = ticks_s(rows, ctx)  # [K, R, G]
+  work = tick.sum(-1)  # [K, R] one stage's busy time in the step
+  step = np.maximum(work, pp * tick.max(-1))  # [K, R]
+  decode = step.sum(0) + (pp - 1) * (tick[0].max(-1) if kmax > 1 else 0.0)  # [R]
+  total = prefill + decode
+  busy = float(work.sum() / max(step.sum(), 1e-30))
+  ticks = int(np.sum(np.maximum((rows > 0).sum(-1), pp * (rows > 0).any(-1))))
+  r_last = int(np.argmax(total))
+  return {"gen_s": float(total.max()), "prefill_s": float(prefill[r_last]),
+          "decode_s": float(decode[r_last]), "ticks": ticks, "stage_busy_frac": busy,
+          "replicas": reps, "samples_per_replica": per_rep}
+
+
+def instance_generation(cost: CostModel, wl, opt, tp: int, prompts: np.ndarray,
+                        resp: np.ndarray) -> dict:
+  """Generation alone on instances of tp devices (no consolidation; inference is its own
+  stage here): {gen_s, plan}."""
+  from rlhfuse_jax.sim import iteration_sim as it  # iteration_sim imports this module
+  plan = it.gen_plan(cost, wl, tp, prompts, opt.max_slots)
+  res = gen_lib.simulate_generation(cost, wl.actor, (wl.actor, wl.critic, wl.critic),
+                                    it.gen_setup(plan, wl, opt, cost, False, None), prompts,
+                                    resp)
+  return {"gen_s": res.gen_end_s, "plan": plan}
+
+
+# ----------------------------------------------------------------------------- inference
+def inference_stage_s(cost: CostModel, frozen, num_devices: int, tp: int, pp: int,
+                      seq_lens: np.ndarray, microbatch: int, offload: bool) -> float:
+  """Reference / reward / critic forwards of the whole batch on R = N / (tp * pp) replicas of
+  a pp-stage forward pipeline (pp = 1: instances): micro-batches of `microbatch` samples, longest
+  first, each to the least-loaded replica; a replica takes the sum of its micro-batches' stage
+  times plus a pipeline fill of pp - 1 stage times; the frozen weights are first copied from
+  host memory when offloaded."""
+  if num_devices % (tp * pp):
+    raise ValueError(f"inference: tp*pp={tp}*{pp} must divide {num_devices} devices")
+  reps = num_devices // (tp * pp)
+  stages = [stage_shape(s, pp) for s in frozen]
+  lens = np.sort(np.asarray(seq_lens, dtype=np.float64))[::-1]
+  mbs = [lens[i:i + microbatch] for i in range(0, lens.size, microbatch)]
+  t_mb = np.array([float(cost.inference_s(stages, tp, m)) for m in mbs])
+  load = np.zeros(reps)
+  longest = np.zeros(reps)
+  for t in t_mb:  # longest-processing-time-first list scheduling
+    r = int(np.argmin(load))
+    load[r] += t
+    longest[r] = max(longest[r], t)
+  w = cost.weight_load_s(sum(s.weight_bytes() for s in frozen) / (tp * pp)) if offload else 0.0
+  return float(np.max(load + (pp - 1) * longest) + w)
+
+
+# ----------------------------------------------------------------------------- search
+@dataclasses.dataclass
+class Candidate:
+  """One stage's option: its plan, predicted seconds, and what it reports."""
+  plan: object
+  seconds: float
+  info: dict = dataclasses.field(default_factory=dict)
+
+
+def _fits(fn: Callable, rejected: dict, name: str):
+  try:
+    return fn()
+  except ValueError as e:
+    rejected[name] = str(e)
+    return None
+
+
+def generation_candidates(cost: CostModel, wl, opt, prompts, resp, rejected: dict,
+                          pps=(2, 4, 8)) -> list[Candidate]:
+  """Generation on instances (each tp of opt.gen_tps) and as pipelines (pp x tp, G = pp and
+  2 pp), each with the resharding of the actor's weights into its layout."""
+  out = []
+  for tp in opt.gen_tps:
+    if tp > cost.hw.devices_per_node or wl.actor.tensor_parallel_error(tp):
+      continue
+    g = _fits(lambda: instance_generation(cost, wl, opt, tp, prompts, resp), rejected,
+              f"gen instances tp{tp}")
+    if g is not None:
+      plan = GenerationPlan("instances", tp, slots=g["plan"].slots)
+      out.append(Candidate(plan, g["gen_s"], {"gen_s": g["gen_s"],
+                                               "reshard_s": _reshard_s(cost, wl, tp)}))
+    for pp in pps:
+      if wl.actor.num_layers % pp or wl.num_devices % (tp * pp):
+        continue
+      for groups in (pp, 2 * pp):
+        p = _fits(lambda: pipelined_generation(cost, wl.actor, wl.num_devices, tp, pp, groups,
+                                               prompts, resp, wl.max_new_tokens), rejected,
+                  f"gen pipeline pp{pp} tp{tp} G{groups}")
+        if p is not None:
+          plan = GenerationPlan("pipeline", tp, pp, groups, p["samples_per_replica"])
+          out.append(Candidate(plan, p["gen_s"], {**p, "reshard_s": _reshard_s(cost, wl,
+                                                                                tp * pp)}))
+  for c in out:
+    c.seconds = c.info["gen_s"] + c.info["reshard_s"]
+  return out
+
+
+def _reshard_s(cost: CostModel, wl, devices_per_copy: int) -> float:
+  """The actor's new weights into a generation layout whose copy spans `devices_per_copy`
+  devices: each receives its shard over the scale-out network (iteration_sim._reshard_s)."""
+  return float(cost.p2p_s(wl.actor.weight_bytes() / devices_per_copy, cross_node=True))
+
+
+def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict) -> list[Candidate]:
+  from rlhfuse_jax.sim import iteration_sim as it
+  frozen = (wl.actor, wl.critic, wl.critic)
+  out = []
+  prompts = seq_lens - 1  # only the longest prompt matters to the memory check
+  for tp in (1, 2, 4, 8):
+    if tp > cost.hw.devices_per_node or any(s.tensor_parallel_error(tp) for s in frozen):
+      continue
+    t = _fits(lambda: (it.check_inference_memory(cost, wl, tp, opt.inference_microbatch,
+                                                 prompts),
+                       inference_stage_s(cost, frozen, wl.num_devices, tp, 1, seq_lens,
+                                         opt.inference_microbatch, opt.offload_frozen))[1],
+              rejected, f"inference tp{tp}")
+    if t is not None:
+      out.append(Candidate(InferencePlan(tp), t, {"inf_s": t}))
+  return out
+
+
+def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict
+                        ) -> list[Candidate]:
+  """Colocated pipeline plans (serial 1F1B time; training_sim.best_plan's grid) and disjoint
+  splits (each model alone on 1/4, 1/2 or 3/4 of the devices, at once)."""
+  out = []
+  try:
+    _, tried = train_lib.best_plan(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
+                                   wl.micro_batch, mean_len, wl.num_minibatches)
+  except ValueError as e:
+    rejected["training colocated"] = str(e)
+    tried = {}
+  for name, t in tried.items():
+    if isinstance(t, str):
+      rejected[f"training {name}"] = t
+      continue
+    tp, pa, pc = (int(x[2:]) for x in name.split("/"))
+    out.append(Candidate({"placement": "colocated", "tp": tp, "actor_pp": pa, "critic_pp": pc},
+                         float(t), {"train_s": float(t)}))
+  for frac in (0.25, 0.5, 0.75):
+    na = int(wl.num_devices * frac)
+    a = train_lib.single_model_plan(cost, wl.actor, na, wl.minibatch, wl.micro_batch, mean_len)
+    c = train_lib.single_model_plan(cost, wl.critic, wl.num_devices - na, wl.minibatch,
+                                    wl.micro_batch, mean_len)
+    if a is None or c is None:
+      rejected[f"training disjoint {frac:g}"] = "a model does not fit on its share"
+      continue
+    t = max(a[0], c[0]) * wl.num_minibatches
+    out.append(Candidate({"placement": "disjoint", "actor": a[1], "critic": c[1]}, t,
+                         {"train_s": t}))
+  return out
+
+
+def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
+                       rejected: dict) -> list[Candidate]:
+  """One (tp, pp) layout for every stage (module docstring); no resharding."""
+  frozen = (wl.actor, wl.critic, wl.critic)
+  seq = (prompts + resp).astype(np.float64)
+  out = []
+  for tp, pp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16)):
+    if (tp > cost.hw.devices_per_node or wl.num_devices % (tp * pp) or
+        any(s.tensor_parallel_error(tp) or s.num_layers % pp for s in frozen)):
+      continue
+    name = f"uniform tp{tp} pp{pp}"
+    try:
+      if pp == 1:
+        gen = instance_generation(cost, wl, opt, tp, prompts, resp)["gen_s"]
+      else:
+        gen = pipelined_generation(cost, wl.actor, wl.num_devices, tp, pp, 1, prompts, resp,
+                                   wl.max_new_tokens)["gen_s"]
+      inf = inference_stage_s(cost, frozen, wl.num_devices, tp, pp, seq,
+                              opt.inference_microbatch, opt.offload_frozen)
+      plan = train_lib.TrainPlan(wl.num_devices, wl.minibatch, tp, pp, pp, wl.micro_batch)
+      costs = train_lib.step_costs(cost, wl.actor, wl.critic, plan, mean_len)
+      train = train_lib.pipeline_train_s(costs, wl.num_minibatches, fused=False)["train_s"]
+    except ValueError as e:
+      rejected[name] = str(e)
+      continue
+    out.append(Candidate({"tp": tp, "pp": pp, "dp": wl.num_devices // (tp * pp)},
+                         gen + inf + train, {"gen_s": gen, "inf_s": inf, "train_s": train,
+                                             "reshard_s": 0.0}))
+  return out
+
+
+def _plan_dict(gen: Candidate, inf: Candidate, train: Candidate) -> dict:
+  g = gen.info
+  return {
+      "generation": dataclasses.asdict(gen.plan), "inference": dataclasses.asdict(inf.plan),
+      "training": train.plan,
+      "predicted": {"reshard_s": g["reshard_s"], "gen_s": g["gen_s"], "inf_s": inf.seconds,
+                    "train_s": train.seconds,
+                    "iteration_s": gen.seconds + inf.seconds + train.seconds},
+      "summary": f"gen {gen.plan.describe()}; inference {inf.plan.describe()}; training "
+                 f"{_describe_train(train.plan)}",
+  }
+
+
+def _describe_train(p: dict) -> str:
+  if p["placement"] == "colocated":
+    return f"colocated tp{p['tp']} Pa/Pc={p['actor_pp']}/{p['critic_pp']}"
+  a, c = p["actor"], p["critic"]
+  return (f"disjoint actor {a['devices']} dev (tp{a['tp']} pp{a['pp']} dp{a['dp']}), critic "
+          f"{c['devices']} dev (tp{c['tp']} pp{c['pp']} dp{c['dp']})")
+
+
+def search(cost: CostModel, wl, opt, top_k: int = 5,
+           log: Optional[Callable[[str], None]] = None) -> dict:
+  """The hierarchical search (module docstring): {best, top, uniform, stages, rejected,
+  search_s, evaluated}. `best` and each of `top` hold generation / inference / training plans
+  and their predicted stage times; `uniform` the best single layout."""
+  t0 = time.time()
+  prompts, resp = wl.sample_lengths()
+  seq = (prompts + resp).astype(np.float64)
+  mean_len = float(seq.mean())
+  rejected: dict = {}
+  say = log or (lambda m: None)
+  gens = sorted(generation_candidates(cost, wl, opt, prompts, resp, rejected),
+                key=lambda c: c.seconds)
+  say(f"plan search: {len(gens)} generation plans, best {gens[0].plan.describe() if gens else '-'}"
+      f" ({time.time() - t0:.1f}s)")
+  infs = sorted(inference_candidates(cost, wl, opt, seq, rejected), key=lambda c: c.seconds)
+  trains = sorted(training_candidates(cost, wl, mean_len, rejected), key=lambda c: c.seconds)
+  say(f"plan search: {len(infs)} inference, {len(trains)} training plans "
+      f"({time.time() - t0:.1f}s)")
+  unif = sorted(uniform_candidates(cost, wl, opt, prompts, resp, mean_len, rejected),
+                key=lambda c: c.seconds)
+  if not (gens and infs and trains):
+    raise ValueError(f"plan search: no feasible plan for a stage of {wl.actor.name} + "
+                     f"{wl.critic.name} on {wl.num_devices} x {cost.hw.name}: {rejected}")
+  combos = sorted(itertools.product(gens[:top_k], infs[:top_k], trains[:top_k]),
+                  key=lambda c: sum(x.seconds for x in c))[:top_k]
+  top = [_plan_dict(*c) for c in combos]
+  uniform = None
+  if unif:
+    u = unif[0]
+    uniform = {"layout": u.plan, "predicted": {**u.info, "iteration_s": u.seconds}}
+  say(f"plan search done in {time.time() - t0:.1f}s: best {top[0]['predicted']['iteration_s']:.2f}s"
+      f" ({top[0]['summary']})" + (f"; uniform {uniform['predicted']['iteration_s']:.2f}s "
+                                   f"(tp{u.plan['tp']} pp{u.plan['pp']})" if uniform else ""))
+  return {"best": top[0], "top": top, "uniform": uniform,
+          "stages": {"generation": [(c.plan.describe(), c.seconds) for c in gens],
+                     "inference": [(c.plan.describe(), c.seconds) for c in infs],
+                     "training": [(_describe_train(c.plan), c.seconds) for c in trains],
+                     "uniform": [(f"tp{c.plan['tp']} pp{c.plan['pp']}", c.seconds)
+                                 for c in unif]},
+          "rejected": rejected, "search_s": time.time() - t0,
+          "evaluated": len(gens) + len(infs) + len(trains) + len(unif)}
