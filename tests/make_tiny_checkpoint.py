@@ -2,14 +2,26 @@
 
 Run once, by hand, from the repository root (needs torch and transformers; the tests do not):
 
-  python tests/make_tiny_checkpoint.py
+  python tests/make_tiny_checkpoint.py [NAME ...]   # default: all of FIXTURE_NAMES
 
-It writes, for a random LlamaForCausalLM (untied, saved SHARDED) and a random Qwen2ForCausalLM
-(q/k/v biases, tied embeddings, single file), in float32:
+It writes, for random models in float32:
 
-  tests/fixtures/tiny_llama/  config.json, model.safetensors.index.json + model-0000k-of-0000n
-                              shards, tokenizer.json, golden.npz
-  tests/fixtures/tiny_qwen2/  config.json, model.safetensors, tokenizer.json, golden.npz
+  tests/fixtures/tiny_llama/    LlamaForCausalLM, untied, saved SHARDED: config.json,
+                                model.safetensors.index.json + model-0000k-of-0000n shards,
+                                tokenizer.json, golden.npz
+  tests/fixtures/tiny_qwen2/    Qwen2ForCausalLM: q/k/v biases, tied embeddings (single file,
+                                as all below: config.json, model.safetensors, tokenizer.json,
+                                golden.npz)
+  tests/fixtures/tiny_llama3/   LlamaForCausalLM with Llama 3.1 RoPE scaling (rope_type "llama3",
+                                original_max_position_embeddings=64 so that the 8 frequencies of
+                                head_dim 16 fall in all three bands: kept, blended, divided by
+                                factor=8), tied embeddings as Llama 3.2
+  tests/fixtures/tiny_qwen3/    Qwen3ForCausalLM: per-head q/k RMSNorm, head_dim=32 != hidden /
+                                heads, no biases, tied embeddings
+  tests/fixtures/tiny_qwen2_5/  Qwen2ForCausalLM as Qwen2.5 7B+ configures it: untied, a
+                                sliding_window that use_sliding_window=false leaves unused
+  tests/fixtures/tiny_mistral/  MistralForCausalLM, untied, sliding_window=4096 (Mistral 7B v0.1)
+                                longer than max_position_embeddings=256, so it never binds
 
 golden.npz holds `input_ids` [batch, len] (int32) and HF's float32 `logits` [batch, len, vocab].
 Every parameter, norm scales and biases included, is drawn from a fixed torch seed with a scale
@@ -19,7 +31,10 @@ biases and norm scales untested). The shapes are deliberately unusual where our 
 could go wrong: LLaMA uses head_dim=32 != hidden/heads, rms_norm_eps=1e-5 and rope_theta=5e5;
 both use grouped-query attention (4 query heads, 2 KV heads).
 
-Recorded with torch 2.13.0+cpu, transformers 5.23.0, tokenizers 0.23.3.
+Recorded with torch 2.13.0+cpu, transformers 5.23.0, tokenizers 0.23.3 (tiny_llama and
+tiny_qwen2 on 2026-11-23; tiny_llama3, tiny_qwen3, tiny_qwen2_5 and tiny_mistral on 2026-11-26
+with the same versions, after checking that re-running tiny_llama and tiny_qwen2 reproduced
+their committed files byte for byte).
 """
 from __future__ import annotations
 
@@ -27,6 +42,7 @@ import json
 import math
 import os
 import shutil
+import sys
 
 import numpy as np
 import tokenizers
@@ -89,8 +105,8 @@ def golden_inputs(tok: tokenizers.Tokenizer, seed: int) -> np.ndarray:
   return ids
 
 
-def build(kind: str, out_dir: str, seed: int, tok: tokenizers.Tokenizer,
-          max_shard_size=None) -> None:
+def make_config(kind: str) -> tuple[transformers.PreTrainedConfig, type]:
+  """The (config, model class) of fixture `kind`: 2 layers, 4 query heads over 2 KV heads."""
   common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -98,11 +114,39 @@ def build(kind: str, out_dir: str, seed: int, tok: tokenizers.Tokenizer,
     config = transformers.LlamaConfig(
         **common, head_dim=32, rms_norm_eps=1e-5, rope_theta=500000.0,
         tie_word_embeddings=False, attention_bias=False)
-    cls = transformers.LlamaForCausalLM
-  else:
+    return config, transformers.LlamaForCausalLM
+  if kind == "qwen2":
     config = transformers.Qwen2Config(
         **common, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
-    cls = transformers.Qwen2ForCausalLM
+    return config, transformers.Qwen2ForCausalLM
+  if kind == "llama3":
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config = transformers.LlamaConfig(
+        **common, rms_norm_eps=1e-5, rope_parameters=rope, tie_word_embeddings=True,
+        attention_bias=False)
+    return config, transformers.LlamaForCausalLM
+  if kind == "qwen3":
+    config = transformers.Qwen3Config(
+        **common, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+        attention_bias=False)
+    return config, transformers.Qwen3ForCausalLM
+  if kind == "qwen2_5":
+    config = transformers.Qwen2Config(
+        **common, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+        use_sliding_window=False, sliding_window=131072, max_window_layers=1)
+    return config, transformers.Qwen2ForCausalLM
+  if kind == "mistral":
+    config = transformers.MistralConfig(
+        **common, rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False,
+        sliding_window=4096)
+    return config, transformers.MistralForCausalLM
+  raise ValueError(f"unknown fixture kind {kind!r}")
+
+
+def build(kind: str, out_dir: str, seed: int, tok: tokenizers.Tokenizer,
+          max_shard_size=None) -> None:
+  config, cls = make_config(kind)
   torch.manual_seed(seed)
   model = cls(config).to(torch.float32).eval()
   randomize(model, seed)
@@ -129,11 +173,17 @@ def build(kind: str, out_dir: str, seed: int, tok: tokenizers.Tokenizer,
     assert len(shards) >= 2, f"expected a sharded checkpoint, got {shards}"
 
 
-def main():
+# name -> (seed, max_shard_size); the seeds of the first two are those they were made with.
+FIXTURE_NAMES = {"llama": (0, "200KB"), "qwen2": (1, None), "llama3": (2, None),
+                 "qwen3": (3, None), "qwen2_5": (4, None), "mistral": (5, None)}
+
+
+def main(names):
   tok = make_tokenizer()
-  build("llama", os.path.join(FIXTURES, "tiny_llama"), seed=0, tok=tok, max_shard_size="200KB")
-  build("qwen2", os.path.join(FIXTURES, "tiny_qwen2"), seed=1, tok=tok)
+  for name in names or FIXTURE_NAMES:
+    seed, shard = FIXTURE_NAMES[name]
+    build(name, os.path.join(FIXTURES, f"tiny_{name}"), seed=seed, tok=tok, max_shard_size=shard)
 
 
 if __name__ == "__main__":
-  main()
+  main(sys.argv[1:])

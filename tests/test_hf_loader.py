@@ -3,6 +3,7 @@
 No torch or transformers at test time: golden logits were recorded from HF once. Broken
 checkpoints are built in tmp_path by editing config.json or re-saving the safetensors.
 """
+import functools
 import glob
 import json
 import os
@@ -14,11 +15,24 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from jax.sharding import PartitionSpec as P
+
 from rlhfuse_jax.models import hf_loader, llama
+from rlhfuse_jax.pipeline import executor
+from rlhfuse_jax.sim import shapes
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 LLAMA = os.path.join(FIXTURES, "tiny_llama")  # sharded, untied, head_dim != hidden / heads
 QWEN2 = os.path.join(FIXTURES, "tiny_qwen2")  # single file, q/k/v biases, tied embeddings
+LLAMA3 = os.path.join(FIXTURES, "tiny_llama3")  # rope_type "llama3", tied embeddings
+QWEN3 = os.path.join(FIXTURES, "tiny_qwen3")  # q/k RMSNorm, head_dim 32 != 64 / 4, no biases
+QWEN2_5 = os.path.join(FIXTURES, "tiny_qwen2_5")  # Qwen2ForCausalLM, untied (Qwen2.5 7B+)
+MISTRAL = os.path.join(FIXTURES, "tiny_mistral")  # sliding_window 4096 > 256 positions
+# architecture (as in docs/results.md's parity table) -> fixture; HF class / family it checks
+CHECKPOINTS = {"llama": LLAMA, "qwen2": QWEN2, "llama3": LLAMA3, "qwen3": QWEN3,
+               "qwen2_5": QWEN2_5, "mistral": MISTRAL}
+FAMILY = {"llama": "llama", "qwen2": "qwen2", "llama3": "llama", "qwen3": "qwen3",
+          "qwen2_5": "qwen2", "mistral": "mistral"}
 
 
 def _golden(ckpt):
@@ -56,16 +70,116 @@ def _copy(src, dst, edit_config=None, edit_tensors=None):
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan_layers"])
-@pytest.mark.parametrize("ckpt", [LLAMA, QWEN2], ids=["llama_sharded", "qwen2"])
-def test_logits_match_hf_golden(ckpt, scan):
+@pytest.mark.parametrize("arch", list(CHECKPOINTS))
+def test_logits_match_hf_golden(arch, scan):
+  """The parity table of docs/results.md: `pytest tests/test_hf_loader.py -k golden -rP`
+  prints one PARITY line per architecture and layer form."""
+  ckpt = CHECKPOINTS[arch]
   cfg = hf_loader.load_hf_config(ckpt, scan_layers=scan)
   params = hf_loader.load_hf_params(ckpt, cfg)
   assert ("layers" in params) == scan  # one stacked block under model.scan_layers
   ids, golden = _golden(ckpt)
   logits = _forward(cfg, params, ids)
   assert logits.shape == golden.shape
-  np.testing.assert_array_less(np.abs(logits - golden).max(), 1e-4)
+  diff = np.abs(logits - golden).max()
+  print(f"PARITY {arch} {'scan_layers' if scan else 'unrolled'} max|logit diff| = {diff:.1e}")
+  np.testing.assert_array_less(diff, 1e-4)
   assert golden.std() > 0.5  # the comparison is not between two near-constant outputs
+
+
+def test_llama3_rope_scaling_bands_and_effect():
+  """The fixture's 8 RoPE frequencies fall in all three bands of the llama3 rule (wavelength
+  < 64/4 kept, > 64/1 divided by 8, blended between), and ignoring the scaling moves the
+  logits far beyond the parity tolerance, so the golden test checks the scaling."""
+  cfg = hf_loader.load_hf_config(LLAMA3)
+  assert (cfg.rope_type, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+          cfg.rope_original_max_len, cfg.rope_theta) == ("llama3", 8.0, 1.0, 4.0, 64, 5e5)
+  plain = np.asarray(llama.rope_frequencies(cfg.replace(rope_type="default")))
+  scaled = np.asarray(llama.rope_frequencies(cfg))
+  wavelen = 2 * np.pi / plain
+  kept, divided = wavelen < 16, wavelen > 64
+  blended = ~kept & ~divided
+  assert kept.any() and divided.any() and blended.any()
+  np.testing.assert_array_equal(scaled[kept], plain[kept])
+  np.testing.assert_allclose(scaled[divided], plain[divided] / 8, rtol=1e-6)
+  assert np.all((scaled[blended] < plain[blended]) & (scaled[blended] > plain[blended] / 8))
+  params = hf_loader.load_hf_params(LLAMA3, cfg)
+  ids, golden = _golden(LLAMA3)
+  unscaled = _forward(cfg.replace(rope_type="default"), params, ids)
+  assert np.abs(unscaled - golden).max() > 0.1
+
+
+def test_qwen3_qk_norm_is_loaded_and_counted():
+  """q_norm / k_norm gains are read per layer (unit gains would miss the golden), and the
+  parameter count of the model, of ModelConfig.num_params and of the simulator's shape agree."""
+  cfg = hf_loader.load_hf_config(QWEN3)
+  params = hf_loader.load_hf_params(QWEN3, cfg)
+  attn = params["layers_1"]["attn"]
+  assert attn["q_norm"]["scale"].shape == attn["k_norm"]["scale"].shape == (32,)
+  assert "bias" not in attn["q_proj"] and "bias" not in attn["o_proj"]
+  assert attn["q_proj"]["kernel"].shape == (64, 4 * 32)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  assert n == cfg.num_params() == shapes.from_model_config(cfg).num_params()
+  assert n - cfg.replace(qk_norm=False).num_params() == 2 * 2 * 32  # 2 layers x (q, k) x dim
+  ones = jax.tree.map(np.asarray, params)
+  for layer in ("layers_0", "layers_1"):
+    for norm in ("q_norm", "k_norm"):
+      ones[layer]["attn"][norm]["scale"] = np.ones(32, np.float32)
+  ids, golden = _golden(QWEN3)
+  assert np.abs(_forward(cfg, ones, ids) - golden).max() > 0.1
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_cached_decode_matches_hf_golden(arch):
+  """Prefill 12 tokens into the KV cache, then decode the last 4 one at a time: the scaled
+  RoPE and the normalised keys are cached and read back as the full forward computes them."""
+  ckpt = CHECKPOINTS[arch]
+  cfg = hf_loader.load_hf_config(ckpt)
+  params = hf_loader.load_hf_params(ckpt, cfg)
+  ids, golden = _golden(ckpt)
+  positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+  step = jax.jit(lambda p, t, pos, c: llama.apply(cfg, p, t, pos, c))
+  out, cache = step(params, ids[:, :12], positions[:, :12], llama.KVCache.zeros(cfg, 2, 16))
+  logits = [np.asarray(out)]
+  for t in range(12, ids.shape[1]):
+    out, cache = step(params, ids[:, t:t + 1], positions[:, t:t + 1], cache)
+    logits.append(np.asarray(out))
+  np.testing.assert_array_less(np.abs(np.concatenate(logits, axis=1) - golden).max(), 1e-4)
+
+
+def test_qk_norm_gradients_under_tensor_parallelism():
+  """The pipeline executor's Megatron split of a Qwen3 layer over tensor=2 (its layer_splits and
+  local_config, llama.tensor_parallel): each device normalises only its own heads, so the
+  replicated q/k norm gains get their full gradient only through the sum over `tensor` that
+  RMSNorm(per_head=True) adds. All gradients equal those of the unsplit layer."""
+  cfg = hf_loader.load_hf_config(QWEN3)
+  layer = jax.tree.map(jax.numpy.asarray, hf_loader.load_hf_params(QWEN3, cfg)["layers_0"])
+  rng = np.random.default_rng(0)
+  x = jax.numpy.asarray(rng.normal(size=(2, 8, 64)), jax.numpy.float32)
+  w = jax.numpy.asarray(rng.normal(size=(2, 8, 64)), jax.numpy.float32)
+  positions = jax.numpy.broadcast_to(jax.numpy.arange(8), (2, 8))
+
+  def loss(c, p):
+    return jax.numpy.sum(llama.Block(c).apply({"params": p}, x, positions)[0] * w)
+
+  fast = {"xla_backend_optimization_level": 0}  # tiny programs: compile time dominates
+  want = jax.jit(jax.grad(lambda p: loss(cfg, p)), compiler_options=fast)(layer)
+  splits = executor.layer_splits(cfg, 1, 2)
+  specs = jax.tree.map(lambda s: P(*s.dims), splits)
+  assert specs["attn"]["q_proj"]["kernel"] == P(None, "tensor")
+  assert specs["attn"]["q_norm"]["scale"] == P(None)  # replicated on both tensor devices
+  local = executor.local_config(cfg, 2)
+
+  def body(p):
+    with llama.tensor_parallel("tensor"):
+      return jax.grad(lambda q: loss(local, q))(p)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tensor",))
+  got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs,
+                              check_vma=False), compiler_options=fast)(layer)
+  for path, g in jax.tree_util.tree_leaves_with_path(got):
+    ref = functools.reduce(lambda t, k: t[k.key], path, want)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=2e-5, atol=2e-5,
+                               err_msg=jax.tree_util.keystr(path))
 
 
 def test_config_mapping():
@@ -82,6 +196,14 @@ def test_config_mapping():
   assert (qcfg.max_seq_len, qcfg.dtype, qcfg.param_dtype) == (64, "bfloat16", "float32")
   with pytest.raises(ValueError, match="unknown ModelConfig override.*max_len"):
     hf_loader.load_hf_config(QWEN2, max_len=64)
+  q3 = hf_loader.load_hf_config(QWEN3)
+  assert q3.qk_norm and not q3.qkv_bias and not q3.o_bias and q3.tie_embeddings
+  assert (q3.head_dim, q3.head_dim_, q3.rope_type, q3.rope_theta) == (32, 32, "default", 1e6)
+  q25 = hf_loader.load_hf_config(QWEN2_5)
+  assert q25.qkv_bias and not q25.o_bias and not q25.tie_embeddings and not q25.qk_norm
+  mistral = hf_loader.load_hf_config(MISTRAL)
+  assert mistral == lcfg.replace(head_dim=0, rope_theta=1e6)  # LLaMA with its own shapes
+  assert not lcfg.qk_norm and lcfg.rope_type == "default"
 
 
 def test_legacy_config_fields_map_the_same():
@@ -163,18 +285,36 @@ def test_tied_lm_head_copy_must_equal_embedding(tmp_path):
     hf_loader.load_hf_params(differ, hf_loader.load_hf_config(differ))
 
 
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
 @pytest.mark.parametrize("edit, match", [
-    (lambda c: c.update(architectures=["MistralForCausalLM"]), r"architectures=\['Mistral"),
+    (lambda c: c.update(architectures=["Qwen3MoeForCausalLM"]), r"architectures=\['Qwen3Moe"),
     (lambda c: (c.pop("architectures"), c.update(model_type="gpt2")), "model_type='gpt2'"),
-    (lambda c: c.update(rope_parameters={"rope_type": "llama3", "factor": 8.0,
-                                         "rope_theta": 5e5}), "rope_parameters.*'llama3'"),
+    (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5}),
+     "rope_parameters has rope_type='yarn'.*implemented: \\['default', 'llama3'\\]"),
     (lambda c: (c.pop("rope_parameters"), c.update(rope_theta=1e4, rope_scaling={
-        "type": "linear", "factor": 2.0})), "rope_scaling.*'linear'"),
+        "type": "linear", "factor": 2.0})), "rope_scaling has rope_type='linear'"),
+    (lambda c: c.update(rope_parameters={k: v for k, v in _LLAMA3_ROPE.items()
+                                         if k != "low_freq_factor"}),
+     r"rope_parameters with rope_type='llama3' lacks \['low_freq_factor'\]"),
+    (lambda c: c.update(rope_parameters=dict(_LLAMA3_ROPE, high_freq_factor=1.0)),
+     "high_freq_factor=1.0.*0 < low_freq_factor < high_freq_factor"),
+    (lambda c: c.update(rope_parameters=dict(_LLAMA3_ROPE, attention_factor=1.2)),
+     r"rope_parameters has key\(s\) \['attention_factor'\]"),
+    (lambda c: c.update(rope_scaling=_LLAMA3_ROPE),
+     "rope_parameters and rope_scaling disagree on rope_type \\('default' vs 'llama3'\\)"),
+    (lambda c: c.update(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    (lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 5e5,
+                                         "partial_rotary_factor": 0.25}),
+     "rope_parameters.partial_rotary_factor=0.25"),
     (lambda c: c.update(hidden_act="gelu"), "hidden_act='gelu'"),
     (lambda c: c.update(mlp_bias=True), "mlp_bias"),
     (lambda c: c.pop("intermediate_size"), r"missing required field\(s\) \['intermediate_size'\]"),
-], ids=["architecture", "model_type", "rope_llama3", "rope_scaling_linear", "act", "mlp_bias",
-        "missing_field"])
+], ids=["architecture", "model_type", "rope_yarn", "rope_scaling_linear", "llama3_missing_key",
+        "llama3_bad_factors", "llama3_unknown_key", "rope_fields_disagree",
+        "partial_rotary", "partial_rotary_in_rope", "act", "mlp_bias", "missing_field"])
 def test_unsupported_config_names_the_field(tmp_path, edit, match):
   with open(os.path.join(LLAMA, "config.json")) as f:
     config = json.load(f)
@@ -199,14 +339,47 @@ def test_sliding_window_only_rejected_when_it_bites():
   v5 = dict(hf, sliding_window=64, layer_types=["sliding_attention", "full_attention"])
   with pytest.raises(ValueError, match=r"sliding_window=64 is used by layers \[0\]"):
     hf_loader.config_from_hf(v5)
+  qwen3 = dict(v5, architectures=["Qwen3ForCausalLM"])  # Qwen3 reads the same fields
+  with pytest.raises(ValueError, match=r"sliding_window=64 is used by layers \[0\]"):
+    hf_loader.config_from_hf(qwen3)
+  assert hf_loader.config_from_hf(qwen3, max_seq_len=64).qk_norm
 
 
-@pytest.mark.parametrize("ckpt", [LLAMA, QWEN2], ids=["llama", "qwen2"])
-def test_save_load_round_trip_is_exact(tmp_path, ckpt):
+def test_mistral_window_binds_on_every_layer_unless_it_covers_max_seq_len():
+  with open(os.path.join(MISTRAL, "config.json")) as f:
+    hf = json.load(f)
+  assert hf["sliding_window"] == 4096 and hf["max_position_embeddings"] == 256
+  assert hf_loader.config_from_hf(hf).max_seq_len == 256
+  assert hf_loader.config_from_hf(dict(hf, sliding_window=None)).max_seq_len == 256
+  with pytest.raises(ValueError, match=r"sliding_window=128 is used by layers \[0, 1\] "
+                                       r"\(model_type mistral\).*max_seq_len=256"):
+    hf_loader.config_from_hf(dict(hf, sliding_window=128))
+  assert hf_loader.config_from_hf(dict(hf, sliding_window=128), max_seq_len=128).max_seq_len == 128
+  # LLaMA has no sliding window: a stray field does not change its attention in HF either.
+  with open(os.path.join(LLAMA, "config.json")) as f:
+    assert hf_loader.config_from_hf(dict(json.load(f), sliding_window=8)).max_seq_len == 256
+
+
+# config.json fields that decide the computation; an export must state them as the source does
+# (transformers' legacy spelling: rope_theta + rope_scaling instead of rope_parameters).
+_SAME_FIELDS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "hidden_act", "rms_norm_eps", "tie_word_embeddings", "attention_bias",
+                "mlp_bias", "max_position_embeddings")
+
+
+@pytest.mark.parametrize("arch", list(CHECKPOINTS))
+def test_save_load_round_trip_is_exact(tmp_path, arch):
+  """Export -> our loader gives the same config, the same parameters and so the same logits;
+  the exported tensors are the fixture's, name for name and bit for bit, and its config.json
+  says what the fixture's says (transformers loads these exports and reproduces golden.npz
+  exactly: checked once with the versions of make_tiny_checkpoint.py, docs/results.md)."""
+  ckpt = CHECKPOINTS[arch]
   cfg = hf_loader.load_hf_config(ckpt)
   params = hf_loader.load_hf_params(ckpt, cfg)
   out = str(tmp_path / "export")
-  hf_loader.save_hf_checkpoint(jax.tree.map(jax.numpy.asarray, params), cfg, out)
+  hf_loader.save_hf_checkpoint(jax.tree.map(jax.numpy.asarray, params), cfg, out,
+                               family=FAMILY[arch])
   assert hf_loader.load_hf_config(out) == cfg
   again = hf_loader.load_hf_params(out, cfg)
   assert jax.tree.structure(again) == jax.tree.structure(params)
@@ -216,6 +389,53 @@ def test_save_load_round_trip_is_exact(tmp_path, ckpt):
   src, dst = _read_tensors(ckpt), _read_tensors(out)
   assert sorted(src) == sorted(dst)
   assert all(np.array_equal(src[k], dst[k]) for k in src)
+  with open(os.path.join(ckpt, "config.json")) as f:
+    want = json.load(f)
+  with open(os.path.join(out, "config.json")) as f:
+    got = json.load(f)
+  for field in _SAME_FIELDS:
+    if field in want:
+      assert got[field] == want[field], field
+  rope = dict(want["rope_parameters"])
+  assert got["rope_theta"] == rope.pop("rope_theta")
+  assert (got["rope_scaling"] or {"rope_type": "default"}) == rope
+  assert got["torch_dtype"] == want["dtype"] == "float32"
+  if "sliding_window" in want or FAMILY[arch] != "llama":
+    assert got["sliding_window"] is None  # transformers' MistralConfig would default to 4096
+  ids = _golden(ckpt)[0]
+  np.testing.assert_array_equal(_forward(cfg, again, ids), _forward(cfg, params, ids))
+
+
+def test_export_family_defaults_and_refusals(tmp_path):
+  """Without family= an export is named after what the config can tell: q/k norms -> Qwen3,
+  q/k/v biases only -> Qwen2, else LLaMA (a Mistral without a binding window is one);
+  a family that cannot express the config is refused before anything is written."""
+  expect = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen2_5": "Qwen2ForCausalLM", "mistral": "LlamaForCausalLM"}
+  for arch, ckpt in CHECKPOINTS.items():
+    cfg = hf_loader.load_hf_config(ckpt)
+    assert hf_loader.hf_config_dict(cfg)["architectures"] == [expect[arch]]
+    critic = hf_loader.hf_config_dict(cfg.replace(head="scalar"), family=FAMILY[arch])
+    assert critic["architectures"] == [expect[arch].replace("ForCausalLM",
+                                                           "ForSequenceClassification")
+                                       if arch != "mistral" else
+                                       "MistralForSequenceClassification"]
+    assert hf_loader.config_from_hf(critic) == cfg.replace(head="scalar")
+  q3 = hf_loader.load_hf_config(QWEN3)
+  biased = hf_loader.hf_config_dict(q3.replace(qkv_bias=True, o_bias=True))
+  assert biased["attention_bias"] and hf_loader.config_from_hf(biased).o_bias
+  for cfg, family, match in [
+      (q3, "qwen2", "qk_norm=True has no HF qwen2 equivalent"),
+      (q3, "llama", "qk_norm=True has no HF llama equivalent"),
+      (hf_loader.load_hf_config(QWEN2), "mistral", "qkv_bias=True.*no HF mistral"),
+      (hf_loader.load_hf_config(LLAMA), "qwen3", "qk_norm=False has no HF qwen3"),
+      (hf_loader.load_hf_config(LLAMA), "gpt2", "family='gpt2'")]:
+    with pytest.raises(ValueError, match=match):
+      hf_loader.save_hf_checkpoint({}, cfg, str(tmp_path / "x"), family=family)
+  assert not (tmp_path / "x").exists()
+  with pytest.raises(ValueError, match="o_bias=True.*has no HF llama"):
+    hf_loader.hf_config_dict(q3.replace(qk_norm=False, o_bias=True))
 
 
 def test_scan_layers_export_is_the_same_checkpoint(tmp_path):

@@ -1,4 +1,9 @@
-"""Hugging Face LLaMA/Qwen2 checkpoints <-> our `llama.py` parameters.
+"""Hugging Face LLaMA / Mistral / Qwen2 / Qwen3 checkpoints <-> our `llama.py` parameters.
+
+The four families are one decoder with switches (ModelConfig): Qwen2 (and Qwen2.5, the same
+architecture) adds q/k/v biases, Qwen3 drops them for a per-head RMSNorm on queries and keys
+(`qk_norm`), Mistral is LLaMA plus a sliding window that we accept only where it never binds
+(max_seq_len <= sliding_window), and Llama 3.1+ scales RoPE's frequencies (rope_type "llama3").
 
 A HF checkpoint directory is `config.json` plus safetensors weights, either one `model.safetensors`
 or a `model.safetensors.index.json` whose `weight_map` names the shard of every tensor. The
@@ -8,9 +13,15 @@ is copied. Loading is strict: each expected tensor must be present with the shap
 implies, and tensors we would silently drop are an error (only RoPE's recomputable `inv_freq`
 buffers, and an LM head that a scalar-head model does not use, are skipped).
 
-Configs are strict too: a feature our model does not implement (RoPE scaling, sliding-window
-attention that is actually reached, biases on the MLP, another activation) raises an error that
-names the config.json field, rather than producing a model that quietly computes something else.
+Configs are strict too: a feature our model does not implement (RoPE scaling other than
+"llama3", partial rotary embeddings, sliding-window attention that is actually reached, biases on
+the MLP, another activation) raises an error that names the config.json field, rather than
+producing a model that quietly computes something else.
+
+Export (`save_hf_checkpoint`) writes the family's config.json (transformers' legacy field names,
+`rope_theta` + `rope_scaling` + `torch_dtype`, as transformers 4.x writes them and 5.x still
+reads them; checked with 5.23.0) and the tensors under the names the family's HF classes use, so
+an exported checkpoint reloads as the same model in transformers and here.
 
 Critic and reward models (`head="scalar"`) start from an LM checkpoint (the backbone is loaded,
 the value head drawn fresh from an rng) or from a HF `*ForSequenceClassification` checkpoint
@@ -45,13 +56,18 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 
 # architecture name -> (model family, head it implies)
-ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", "lm"),
-    "Qwen2ForCausalLM": ("qwen2", "lm"),
-    "LlamaForSequenceClassification": ("llama", "scalar"),
-    "Qwen2ForSequenceClassification": ("qwen2", "scalar"),
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_HEAD_SUFFIX = {"lm": "ForCausalLM", "scalar": "ForSequenceClassification"}
+ARCHITECTURES = {_CLASS_PREFIX[f] + _HEAD_SUFFIX[h]: (f, h) for f in FAMILIES for h in _HEAD_SUFFIX}
+_MODEL_TYPES = {f: _CLASS_PREFIX[f] + "ForCausalLM" for f in FAMILIES}
+# Keys of a RoPE parameter object (rope_parameters / rope_scaling) per rope_type; any other key
+# is a feature we would silently ignore, so it is an error.
+_ROPE_KEYS = {
+    "default": {"rope_type", "type", "rope_theta", "partial_rotary_factor"},
+    "llama3": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor",
+               "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
 }
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Tensors that HF checkpoints may carry and that hold nothing we need.
 _HARMLESS = (re.compile(r".*rotary_emb\.inv_freq$"),)
@@ -84,12 +100,15 @@ def _architecture(hf: dict[str, Any], where: str) -> str:
   return _MODEL_TYPES[model_type]
 
 
-def _rope_theta(hf: dict[str, Any], where: str) -> float:
-  """RoPE base; only unscaled ("default") RoPE is implemented by `llama.rope`.
+def _rope_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
+  """ModelConfig's rope_* fields: unscaled ("default") RoPE or Llama 3.1's "llama3" scaling.
 
   transformers >= 5 writes `rope_parameters` ({rope_type, rope_theta, ...}); older releases write
-  `rope_theta` and `rope_scaling` ({type or rope_type, factor, ...} or null).
+  `rope_theta` and `rope_scaling` ({type or rope_type, factor, ...} or null). Where both are
+  present, they must agree on rope_type and rope_parameters' values are used (transformers 5
+derives it from the legacy fields).
   """
+  present = []  # (field, rope_type, params)
   for field in ("rope_parameters", "rope_scaling"):
     params = hf.get(field)
     if params is None:
@@ -97,15 +116,49 @@ def _rope_theta(hf: dict[str, Any], where: str) -> float:
     if not isinstance(params, dict):
       raise ValueError(f"{where}: {field}={params!r}; expected an object or null")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-      raise ValueError(f"{where}: {field} has rope_type={rope_type!r} ({params}); only unscaled "
-                       "('default') RoPE is implemented")
-  params = hf.get("rope_parameters") or {}
-  return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope_type not in _ROPE_KEYS:
+      raise ValueError(f"{where}: {field} has rope_type={rope_type!r} ({params}); implemented: "
+                       f"{sorted(_ROPE_KEYS)}")
+    unknown = sorted(set(params) - _ROPE_KEYS[rope_type])
+    if unknown:
+      raise ValueError(f"{where}: {field} has key(s) {unknown} that rope_type={rope_type!r} "
+                       f"does not use here (accepted: {sorted(_ROPE_KEYS[rope_type])})")
+    present.append((field, rope_type, params))
+  if len({t for _, t, _ in present}) > 1:
+    raise ValueError(f"{where}: rope_parameters and rope_scaling disagree on rope_type "
+                     f"({present[0][1]!r} vs {present[1][1]!r})")
+  field, rope_type, params = present[0] if present else ("rope_scaling", "default", {})
+  for name, value in (("partial_rotary_factor", hf.get("partial_rotary_factor")),
+                      (f"{field}.partial_rotary_factor", params.get("partial_rotary_factor"))):
+    if value is not None and float(value) != 1.0:
+      raise ValueError(f"{where}: {name}={value}; only full rotary embeddings (1.0) are "
+                       "implemented")
+  fields = dict(rope_theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))))
+  if rope_type == "llama3":
+    need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    absent = [k for k in need if params.get(k) is None]
+    if absent:
+      raise ValueError(f"{where}: {field} with rope_type='llama3' lacks {absent}")
+    factor, low, high = (float(params[k]) for k in need[:3])
+    old_len = int(params["original_max_position_embeddings"])
+    if not (factor > 0 and 0 < low < high and old_len > 0):
+      raise ValueError(f"{where}: {field} has factor={factor}, low_freq_factor={low}, "
+                       f"high_freq_factor={high}, original_max_position_embeddings={old_len}; "
+                       "rope_type='llama3' needs factor > 0, 0 < low_freq_factor < "
+                       "high_freq_factor and original_max_position_embeddings > 0")
+    fields.update(rope_type="llama3", rope_factor=factor, rope_low_freq_factor=low,
+                  rope_high_freq_factor=high, rope_original_max_len=old_len)
+  return fields
 
 
-def _sliding_layers(hf: dict[str, Any], num_layers: int) -> list[int]:
-  """Layers that HF would run with sliding-window attention."""
+def _sliding_layers(hf: dict[str, Any], family: str, num_layers: int) -> list[int]:
+  """Layers that HF would run with sliding-window attention (LLaMA: none; Mistral: all of them
+  whenever sliding_window is set; Qwen2/3: per layer_types, or use_sliding_window from
+  max_window_layers on)."""
+  if family == "llama":
+    return []
+  if family == "mistral":
+    return list(range(num_layers)) if hf.get("sliding_window") is not None else []
   if hf.get("layer_types") is not None:
     return [i for i, t in enumerate(hf["layer_types"]) if t != "full_attention"]
   if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
@@ -133,7 +186,9 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
     raise ValueError(f"{where}: torch_dtype={dtype_name!r}; expected one of {list(_NP_DTYPES)}")
   if family == "qwen2":
     qkv_bias, o_bias = True, False
-  else:
+  elif family == "mistral":  # MistralAttention has no biases whatever the config says
+    qkv_bias = o_bias = False
+  else:  # LLaMA and Qwen3: attention_bias puts biases on q, k, v and o
     qkv_bias = o_bias = bool(hf.get("attention_bias", False))
   num_heads = int(hf["num_attention_heads"])
   head_dim = int(hf.get("head_dim") or 0)
@@ -147,7 +202,8 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
       num_heads=num_heads,
       num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
       head_dim=head_dim,
-      rope_theta=_rope_theta(hf, where),
+      **_rope_fields(hf, where),
+      qk_norm=family == "qwen3",
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       qkv_bias=qkv_bias,
@@ -163,19 +219,21 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
     raise ValueError(f"unknown ModelConfig override(s) {unknown}; known fields: {sorted(known)}")
   fields.update(overrides)
   cfg = llama.ModelConfig(**fields)
-  sliding = _sliding_layers(hf, cfg.num_layers)
+  sliding = _sliding_layers(hf, family, cfg.num_layers)
   window = hf.get("sliding_window")
-  # A window at least as long as any sequence we run is plain causal attention.
+  # A window at least as long as any sequence we run is plain causal attention: HF lets query
+  # q see keys k > q - window, so with max_seq_len <= window every earlier key stays visible.
   if sliding and window is not None and int(window) < cfg.max_seq_len:
+    how = "model_type mistral" if family == "mistral" else "use_sliding_window / layer_types"
     raise ValueError(
-        f"{where}: sliding_window={window} is used by layers {sliding} (use_sliding_window / "
-        f"layer_types) and is shorter than max_seq_len={cfg.max_seq_len}; sliding-window "
-        f"attention is not implemented (override max_seq_len <= {window} to load anyway)")
+        f"{where}: sliding_window={window} is used by layers {sliding} ({how}) and is shorter "
+        f"than max_seq_len={cfg.max_seq_len}; sliding-window attention is not implemented "
+        f"(override max_seq_len <= {window} to load anyway)")
   return cfg
 
 
 def load_hf_config(ckpt_dir: str, **overrides) -> llama.ModelConfig:
-  """ModelConfig of a HF LlamaForCausalLM / Qwen2ForCausalLM (or *ForSequenceClassification) dir.
+  """ModelConfig of a HF {Llama,Mistral,Qwen2,Qwen3}ForCausalLM (or *ForSequenceClassification).
 
   param_dtype and dtype follow config.json's torch_dtype; `overrides` replace any ModelConfig
   field (e.g. `dtype="bfloat16", max_seq_len=1024, head="scalar"`).
@@ -199,6 +257,9 @@ def _tensor_table(cfg: llama.ModelConfig) -> dict[str, tuple[tuple[str, ...], bo
         table[hf + f"self_attn.{proj}.bias"] = ((ours, "attn", proj, "bias"), False)
     if cfg.o_bias:
       table[hf + "self_attn.o_proj.bias"] = ((ours, "attn", "o_proj", "bias"), False)
+    if cfg.qk_norm:
+      for norm in ("q_norm", "k_norm"):
+        table[hf + f"self_attn.{norm}.weight"] = ((ours, "attn", norm, "scale"), False)
     for proj in ("gate_proj", "up_proj", "down_proj"):
       table[hf + f"mlp.{proj}.weight"] = ((ours, "mlp", proj, "kernel"), True)
   if cfg.head == "lm" and not cfg.tie_embeddings:
@@ -383,20 +444,55 @@ def _value_head(ckpt: _Checkpoint, cfg: llama.ModelConfig, expected, np_dtype, r
           b_path: np.asarray(b).astype(np_dtype, copy=False)}
 
 
-def hf_config_dict(cfg: llama.ModelConfig, torch_dtype: Optional[str] = None) -> dict[str, Any]:
-  """The config.json that describes `cfg` to transformers (and to `load_hf_config`)."""
-  if cfg.qkv_bias and not cfg.o_bias:
-    family = "qwen2"
-  elif cfg.qkv_bias == cfg.o_bias:
-    family = "llama"
-  else:
-    raise ValueError("model.o_bias=True with model.qkv_bias=False has no HF LLaMA/Qwen2 "
-                     "equivalent")
-  arch = {("llama", "lm"): "LlamaForCausalLM", ("qwen2", "lm"): "Qwen2ForCausalLM",
-          ("llama", "scalar"): "LlamaForSequenceClassification",
-          ("qwen2", "scalar"): "Qwen2ForSequenceClassification"}[(family, cfg.head)]
+def _family_error(cfg: llama.ModelConfig, family: str) -> Optional[str]:
+  """Why HF's `family` cannot express cfg's attention (None if it can)."""
+  biases = f"qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias}"
+  if family == "qwen2":
+    ok = cfg.qkv_bias and not cfg.o_bias and not cfg.qk_norm
+    need = "qkv_bias=True, o_bias=False, qk_norm=False"
+  elif family == "mistral":
+    ok = not (cfg.qkv_bias or cfg.o_bias or cfg.qk_norm)
+    need = "no biases, qk_norm=False"
+  else:  # llama (qk_norm=False), qwen3 (qk_norm=True): attention_bias = both or neither
+    ok = cfg.qkv_bias == cfg.o_bias and cfg.qk_norm == (family == "qwen3")
+    need = f"qkv_bias == o_bias, qk_norm={family == 'qwen3'}"
+  return None if ok else (f"model {biases}, qk_norm={cfg.qk_norm} has no HF {family} "
+                          f"equivalent (needs {need})")
+
+
+def hf_family(cfg: llama.ModelConfig) -> str:
+  """The HF family `save_hf_checkpoint` writes by default: qwen3 with q/k norms, qwen2 with
+  q/k/v biases only, else llama (a Mistral without a binding window is a LLaMA)."""
+  family = "qwen3" if cfg.qk_norm else ("qwen2" if cfg.qkv_bias and not cfg.o_bias else "llama")
+  error = _family_error(cfg, family)
+  if error:
+    raise ValueError(error)
+  return family
+
+
+def hf_config_dict(cfg: llama.ModelConfig, torch_dtype: Optional[str] = None,
+                   family: Optional[str] = None) -> dict[str, Any]:
+  """The config.json that describes `cfg` to transformers (and to `load_hf_config`).
+
+  family: "llama", "mistral", "qwen2" or "qwen3"; default `hf_family(cfg)`.
+  """
+  if family is None:
+    family = hf_family(cfg)
+  if family not in FAMILIES:
+    raise ValueError(f"family={family!r}; expected one of {FAMILIES}")
+  error = _family_error(cfg, family)
+  if error:
+    raise ValueError(error)
+  rope_scaling = None
+  if cfg.rope_type == "llama3":
+    rope_scaling = {"rope_type": "llama3", "factor": cfg.rope_factor,
+                    "low_freq_factor": cfg.rope_low_freq_factor,
+                    "high_freq_factor": cfg.rope_high_freq_factor,
+                    "original_max_position_embeddings": cfg.rope_original_max_len}
+  elif cfg.rope_type != "default":
+    raise ValueError(f"model.rope_type={cfg.rope_type!r} cannot be exported")
   hf = {
-      "architectures": [arch],
+      "architectures": [_CLASS_PREFIX[family] + _HEAD_SUFFIX[cfg.head]],
       "model_type": family,
       "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.hidden_size,
@@ -409,27 +505,38 @@ def hf_config_dict(cfg: llama.ModelConfig, torch_dtype: Optional[str] = None) ->
       "max_position_embeddings": cfg.max_seq_len,
       "rms_norm_eps": cfg.rms_norm_eps,
       "rope_theta": cfg.rope_theta,
-      "rope_scaling": None,
+      "rope_scaling": rope_scaling,
       "tie_word_embeddings": cfg.tie_embeddings,
       "torch_dtype": torch_dtype or cfg.param_dtype,
   }
   if family == "llama":
     hf.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
+  elif family == "mistral":
+    hf.update(sliding_window=None)  # transformers' MistralConfig would default to 4096
   else:
     hf.update(use_sliding_window=False, sliding_window=None)
+    if family == "qwen3":
+      hf.update(attention_bias=cfg.qkv_bias)
   if cfg.head == "scalar":
     hf.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
   return hf
 
 
-def save_hf_checkpoint(params: Any, cfg: llama.ModelConfig, out_dir: str) -> None:
+def save_hf_checkpoint(params: Any, cfg: llama.ModelConfig, out_dir: str,
+                       family: Optional[str] = None) -> None:
   """Writes `params` as a HF checkpoint: config.json + one model.safetensors.
+
+  family: the HF model family of config.json ("llama", "mistral", "qwen2", "qwen3"); default
+  `hf_family(cfg)`. ModelConfig does not record where a model came from, so a Mistral
+  checkpoint is written back as LLaMA (the same model: names, tensors and logits) unless
+  family="mistral" is passed.
 
   Tensors keep their dtype (config.json's torch_dtype is that of the embedding). A scalar head
   becomes `score.weight` of a *ForSequenceClassification; a non-zero value bias is written as
   `score.bias`, which `load_hf_params` reads back but transformers ignores (its score layer has
   no bias).
   """
+  hf_config_dict(cfg, family=family)  # a family that cannot express cfg: refused before any work
   if cfg.scan_layers:  # HF stores one tensor per layer
     params, cfg = llama.unstack_layers(jax.device_get(params)), cfg.replace(scan_layers=False)
   flat = flax.traverse_util.flatten_dict(jax.device_get(params))
@@ -454,12 +561,13 @@ def save_hf_checkpoint(params: Any, cfg: llama.ModelConfig, out_dir: str) -> Non
   if dtype_name not in _NP_DTYPES:
     raise ValueError(f"embedding dtype {dtype_name} cannot be saved; expected one of "
                      f"{list(_NP_DTYPES)}")
+  hf_config = hf_config_dict(cfg, dtype_name, family)
   os.makedirs(out_dir, exist_ok=True)
   # transformers refuses safetensors files without a known "format"; "pt" is what it writes.
   safetensors.numpy.save_file(tensors, os.path.join(out_dir, SINGLE_FILE),
                               metadata={"format": "pt"})
   with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-    json.dump(hf_config_dict(cfg, dtype_name), f, indent=2, sort_keys=True)
+    json.dump(hf_config, f, indent=2, sort_keys=True)
 
 
 def load_hf_tokenizer(ckpt_dir: str, **kwargs) -> HFTokenizer:

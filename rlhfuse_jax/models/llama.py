@@ -44,6 +44,9 @@ from rlhfuse_jax.models import attention as attention_lib
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 HEADS = ("lm", "scalar")
+# How RoPE's frequencies are derived from rope_theta: "default" (theta ** (-2i/d)) or "llama3"
+# (Llama 3.1+ long-context scaling, `rope_frequencies`).
+ROPE_TYPES = ("default", "llama3")
 # Per-Block rematerialisation: "none" keeps every activation for the backward; "full" keeps
 # only each Block's input and recomputes the layer; "dots" also keeps the outputs of matmuls
 # without batch dimensions (the q/k/v/o and MLP projections), so the backward recomputes only
@@ -57,7 +60,7 @@ REMAT_POLICIES = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shape and numerics of a LLaMA/Qwen2-style decoder."""
+  """Shape and numerics of a LLaMA-family decoder (LLaMA 1-3, Mistral, Qwen2/2.5, Qwen3)."""
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -71,6 +74,18 @@ class ModelConfig:
   qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections
   o_bias: bool = False
   max_seq_len: int = 2048
+  # RoPE scaling (HF rope_scaling / rope_parameters). "llama3" divides the long wavelengths
+  # (> rope_original_max_len / rope_low_freq_factor) by rope_factor, keeps the short ones
+  # (< rope_original_max_len / rope_high_freq_factor) and blends in between; the rope_* factors
+  # are read only then. The defaults are plain RoPE, as before these fields existed.
+  rope_type: str = "default"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
+  # Qwen3: an RMSNorm over head_dim (its own [head_dim] gain, shared by all heads) on every
+  # query and key head after the projection, before RoPE. Adds attn/q_norm and attn/k_norm.
+  qk_norm: bool = False
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype; norms, softmax and heads run in float32
   head: str = "lm"  # "lm" (actor, reference) or "scalar" (critic, reward model)
@@ -95,6 +110,17 @@ class ModelConfig:
                        f"model.num_heads={self.num_heads} when model.head_dim is 0")
     if self.head_dim_ % 2:
       raise ValueError(f"model.head_dim={self.head_dim_} must be even (RoPE rotates pairs)")
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f"model.rope_type={self.rope_type!r}; expected one of {ROPE_TYPES}")
+    if self.rope_type == "llama3":
+      if not self.rope_factor > 0 or not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+        raise ValueError(
+            f"model.rope_factor={self.rope_factor}, rope_low_freq_factor="
+            f"{self.rope_low_freq_factor}, rope_high_freq_factor={self.rope_high_freq_factor}: "
+            "rope_type='llama3' needs factor > 0 and 0 < low_freq_factor < high_freq_factor")
+      if int(self.rope_original_max_len) <= 0:
+        raise ValueError(f"model.rope_original_max_len={self.rope_original_max_len} must be a "
+                         "positive integer")
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r}; expected one of {list(_DTYPES)}")
@@ -127,6 +153,8 @@ class ModelConfig:
     attn = e * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * e
     if self.qkv_bias:
       attn += d * (self.num_heads + 2 * self.num_kv_heads)
+    if self.qk_norm:
+      attn += 2 * d
     layer = attn + 3 * e * f + 2 * e
     embed = self.vocab_size * e
     head = 0 if (self.tie_embeddings and self.head == "lm") else (
@@ -312,21 +340,52 @@ def _dense(features, logical, cfg: ModelConfig, name: str, use_bias: bool = Fals
 
 
 class RMSNorm(nn.Module):
+  """RMSNorm over the last axis with a learned gain.
+
+  per_head: the gain of Qwen3's q/k norm, applied inside Attention's tensor-parallel region
+  where each device holds only its share of the heads: its gradient there covers only those
+  heads, so `tp_enter` sums it over the tensor devices (identity outside tensor_parallel).
+  """
   cfg: ModelConfig
+  per_head: bool = False
 
   @nn.compact
-  def __call__(self, x):  # x: [..., embed]
+  def __call__(self, x):  # x: [..., embed] (or [..., head_dim] if per_head)
     scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
                        (x.shape[-1],), self.cfg.jnp_param_dtype)
+    if self.per_head:
+      scale = tp_enter(scale)
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
     return (y * scale.astype(jnp.float32)).astype(self.cfg.jnp_dtype)
 
 
-def rope(x, positions, theta: float):
-  """Rotary embedding, HF "rotate_half" layout. x: [batch, len, heads, dim]; positions: [batch, len]."""
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+  """RoPE's inverse frequencies [head_dim/2], float32, computed as transformers does.
+
+  "default": theta ** (-2i/d). "llama3" (transformers' `_compute_llama3_parameters`, Llama 3.1+):
+  with wavelength w = 2 pi / f and L = rope_original_max_len, frequencies with
+  w > L / low_freq_factor are divided by `factor`, those with w < L / high_freq_factor kept,
+  and those between interpolated by s = (L / w - low) / (high - low): (1 - s) f / factor + s f.
+  """
+  d = cfg.head_dim_
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [dim/2]
+  if cfg.rope_type == "default":
+    return inv_freq
+  factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  old_len = cfg.rope_original_max_len
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x, positions, inv_freq):
+  """Rotary embedding, HF "rotate_half" layout. x: [batch, len, heads, dim]; positions:
+  [batch, len]; inv_freq: [dim/2] (`rope_frequencies`)."""
   d = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [dim/2]
   freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, len, dim/2]
   emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [batch, len, 1, dim]
   x32 = x.astype(jnp.float32)
@@ -381,9 +440,13 @@ class Attention(nn.Module):
     q = _dense(h * d, ("embed", "q_heads"), cfg, "q_proj", cfg.qkv_bias)(x).reshape(b, l, h, d)
     k = _dense(kvh * d, ("embed", "kv_heads"), cfg, "k_proj", cfg.qkv_bias)(x).reshape(b, l, kvh, d)
     v = _dense(kvh * d, ("embed", "kv_heads"), cfg, "v_proj", cfg.qkv_bias)(x).reshape(b, l, kvh, d)
+    if cfg.qk_norm:  # Qwen3: normalise each head's query and key, then rotate
+      q = RMSNorm(cfg, per_head=True, name="q_norm")(q)
+      k = RMSNorm(cfg, per_head=True, name="k_norm")(k)
     # [batch, len, heads, dim] each, kept on the local rows so attention is not repeated.
-    q = constrain_batch(rope(q, positions, cfg.rope_theta))
-    k = constrain_batch(rope(k, positions, cfg.rope_theta))
+    inv_freq = rope_frequencies(cfg)
+    q = constrain_batch(rope(q, positions, inv_freq))
+    k = constrain_batch(rope(k, positions, inv_freq))
     v = constrain_batch(v)
     if cache is None:
       # [batch, len, heads, dim]; O(len) memory unless cfg.attention == "reference".

@@ -35,6 +35,7 @@ class ModelShape:
   tie_embeddings: bool = False
   qkv_bias: bool = False
   max_seq_len: int = 2048
+  qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm gains: 2 * head_dim params a layer
 
   def __post_init__(self):
     for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -65,6 +66,8 @@ class ModelShape:
     attn = e * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * e
     if self.qkv_bias:
       attn += d * (self.num_heads + 2 * self.num_kv_heads)
+    if self.qk_norm:
+      attn += 2 * d
     layer = attn + 3 * e * f + 2 * e
     embed = self.vocab_size * e
     head = 0 if (self.tie_embeddings and self.head == "lm") else (
@@ -109,7 +112,8 @@ def from_model_config(cfg: Any, name: str = "custom") -> ModelShape:
                     intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
                     num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                     head_dim=cfg.head_dim, head=cfg.head, tie_embeddings=cfg.tie_embeddings,
-                    qkv_bias=cfg.qkv_bias, max_seq_len=cfg.max_seq_len)
+                    qkv_bias=cfg.qkv_bias, max_seq_len=cfg.max_seq_len,
+                    qk_norm=getattr(cfg, "qk_norm", False))
 
 
 def _llama1(name: str, hidden: int, inter: int, layers: int, heads: int) -> ModelShape:
