@@ -7,6 +7,13 @@ its devices. Lengths are long-tailed: each sample's response budget is drawn fro
 log-normal (or read from `lengths.path`) and, with no EOS token, every sample stops exactly at
 its budget (a per-sample stop condition that migrates with the sample). Variant
 `--config=configs/bench_generation.py:tiny` is the seconds-long smoke size the tests run.
+
+Delayed inter-batch pipelined generation (docs/architecture.md §4) instead of fusion:
+
+  python -m experiments.bench_generation --config=configs/bench_generation.py:pipelined \
+      --workdir=/tmp/bgp
+
+(`configs/bench_generation.py:pipelined_tiny` is its test size.)
 """
 import ml_collections
 
@@ -72,7 +79,36 @@ def get_config(arg: str = "default"):
     c.generation.chunk_size = 2
     c.generation.inference_micro_batch = 4
     c.lengths.median = 3.0
+  elif arg in ("pipelined", "pipelined_tiny"):
+    _pipelined(c, tiny=arg == "pipelined_tiny")
   elif arg != "default":
-    raise ValueError(f"configs/bench_generation.py: unknown variant {arg!r}; expected 'default' "
-                     "or 'tiny'")
+    raise ValueError(f"configs/bench_generation.py: unknown variant {arg!r}; expected 'default', "
+                     "'tiny', 'pipelined' or 'pipelined_tiny'")
   return c
+
+
+def _pipelined(c, tiny: bool) -> None:
+  """A pp-stage generation pipeline with G delayed groups (generation/pipelined.py), compared
+  with the non-pipelined Generator on the same prompts and keys. Every sample runs its whole
+  budget (constant lengths, no EOS): the decode steady state the busy fraction is about."""
+  c.generation.pipeline_stages = 2 if tiny else 4  # pp: devices on the `stage` axis
+  c.generation.pipeline_groups = 4 if tiny else 8  # G >= pp groups of batch_size / G rows
+  c.batch_size = 8 if tiny else 32
+  c.repeats = 1 if tiny else 3
+  c.critic = False  # generation only: no inference models
+  c.reward_model = False
+  c.model.num_layers = 2 if tiny else 4
+  # Scanned layers: the Generator's layers then compile to the stages' per-layer code, so the
+  # log-probs are bitwise equal (unrolled: XLA fuses across the boundaries the stages cut).
+  c.model.scan_layers = True
+  c.generation.max_new_tokens = 8 if tiny else 32
+  c.generation.chunk_size = 2 if tiny else 8
+  c.lengths.kind = "constant"
+  c.lengths.value = c.generation.max_new_tokens
+  if tiny:
+    c.model.vocab_size = 32
+    c.model.hidden_size = 32
+    c.model.intermediate_size = 64
+    c.model.max_seq_len = 64
+    c.generation.prompt_len = 6
+    c.generation.prompt_min_len = 2

@@ -17,6 +17,13 @@ gen_plus_inf_s, wall_s, instance_busy_frac, ..., ratio, the per-sample prompt an
 lengths); timeline_baseline.png and timeline_fused.png (unfinished samples over time and each
 instance's prefill / decode / migrate / load / inference activity; white = idle);
 calibration.json (the engine's measured costs in the simulator's calibration format).
+
+With `generation.pipeline_stages` set (`--config=configs/bench_generation.py:pipelined`) it
+benchmarks delayed inter-batch pipelined generation instead (`run_pipelined`): result.json has
+identical_outputs (tokens, lengths, stop reasons and log-probs bitwise equal to the non-pipelined
+Generator), `pipelined` (stage_busy_frac counted from the tick table the program executed, ticks
+next to the formula's, timings) and `reference` (the Generator's timings); schedule_pipelined.png
+shows the executed tick table.
 """
 from __future__ import annotations
 
@@ -36,6 +43,8 @@ from ml_collections import config_flags  # noqa: E402
 from rlhfuse_jax import workdir as wd  # noqa: E402
 from rlhfuse_jax.generation import fused as fused_lib  # noqa: E402
 from rlhfuse_jax.generation import measure  # noqa: E402
+from rlhfuse_jax.generation import instances as instances_lib  # noqa: E402
+from rlhfuse_jax.generation import pipelined as pipelined_lib  # noqa: E402
 from rlhfuse_jax.generation.instances import FrozenModels  # noqa: E402
 from rlhfuse_jax.generation.sampling import SamplingConfig  # noqa: E402
 from rlhfuse_jax.models import llama  # noqa: E402
@@ -204,9 +213,125 @@ def run_and_write(c, workdir: str) -> dict:
   """Runs the benchmark and writes config.json, result.json, the PNGs and calibration.json."""
   os.makedirs(workdir, exist_ok=True)
   wd.write_config(workdir, c)
-  result = run(c, workdir)
+  result = run_pipelined(c, workdir) if c.generation.get("pipeline_stages") else run(c, workdir)
   wd.write_json(os.path.join(workdir, "result.json"), result)
   return result
+
+
+# Delayed inter-batch pipelined generation (docs/architecture.md §4) ------------------------------
+
+def _median_run(runs):
+  """The (rollout, wall seconds) of the median run by wall time (upper median)."""
+  return runs[int(np.argsort([w for _, w in runs])[len(runs) // 2])]
+
+
+def plot_tick_table(table: np.ndarray, groups: int, path: str) -> None:
+  """The executed decode tick table: one row per stage, a colour per group, white = idle."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  ticks, stages = table.shape
+  img = np.ma.masked_equal(table.T.astype(float), pipelined_lib.IDLE)
+  fig, ax = plt.subplots(figsize=(min(20, 2 + ticks / 12), 1 + 0.5 * stages))
+  cmap = plt.get_cmap("tab20", max(groups, 2)).with_extremes(bad="white")
+  ax.imshow(img, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5,
+            vmax=max(groups, 2) - 0.5)
+  ax.set_xlabel("decode tick")
+  ax.set_ylabel("stage")
+  ax.set_yticks(range(stages))
+  ax.set_title(f"executed decode ticks: {stages} stages, {groups} groups (colour = group)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def run_pipelined(c, workdir: str) -> dict:
+  """Pipelined generation against the non-pipelined Generator: same prompts, budgets, uids and
+  key. The Generator runs on a data-parallel mesh of G devices, B/G rows each: the per-device
+  shapes of a pipeline stage, so log-probs can be compared bitwise (pipelined.reference_mesh)."""
+  g = c.generation
+  cfg = llama.ModelConfig(**c.model.to_dict())
+  sampling = SamplingConfig(temperature=g.temperature, max_new_tokens=g.max_new_tokens,
+                            eos_id=-1, pad_id=0, chunk_size=g.chunk_size)
+  stages, groups, b = g.pipeline_stages, g.pipeline_groups, c.batch_size
+  params = random_params(cfg, c.seed)
+  devices = jax.devices()
+  t0 = time.perf_counter()
+  gen = pipelined_lib.PipelinedGenerator(cfg, sampling, batch_size=b, prompt_len=g.prompt_len,
+                                         stages=stages, groups=groups, devices=devices)
+  staged = gen.place(params)
+  gen.compile(staged)
+  compile_s = time.perf_counter() - t0
+  mesh = pipelined_lib.reference_mesh(devices, b, groups)
+  ref_params = jax.device_put(params, jax.sharding.NamedSharding(mesh,
+                                                                 jax.sharding.PartitionSpec()))
+  t0 = time.perf_counter()
+  ref = instances_lib.Generator(cfg, sampling, batch_size=b, prompt_len=g.prompt_len, mesh=mesh,
+                                params=ref_params)
+  ref_compile_s = time.perf_counter() - t0
+  logging.info("pipeline: %d stages x %d groups of %d rows; compiled in %.1fs (reference "
+               "Generator on %d devices: %.1fs)", stages, groups, gen.bg, compile_s, groups,
+               ref_compile_s)
+  key = jax.random.key(c.seed)
+  for w in range(c.warmup):
+    wt, wp, wb, _ = make_batch(c, c.seed + 1000 + w)
+    gen.generate(staged, wt, wp, jax.random.fold_in(key, 1000 + w), budgets=wb)
+    ref.generate(ref_params, wt, wp, jax.random.fold_in(key, 1000 + w), budgets=wb)
+  tokens, plens, budgets, spec = make_batch(c, c.seed)
+  runs = {"pipelined": [], "reference": []}
+  for r in range(c.repeats):  # interleaved, so slow drifts of the machine hit both alike
+    for mode, fn, prm in (("pipelined", gen.generate, staged),
+                          ("reference", ref.generate, ref_params)):
+      t0 = time.perf_counter()
+      out = fn(prm, tokens, plens, key, budgets=budgets)
+      runs[mode].append((out, time.perf_counter() - t0))
+      logging.info("repeat %d %-9s %.3fs (prefill %.3fs, decode %.3fs)", r, mode,
+                   runs[mode][-1][1], out.prefill_s, out.decode_s)
+  base = runs["reference"][0][0]
+  fields = ("response_tokens", "response_lens", "stop_reason", "logprobs")
+  checks = [{f: bool(np.array_equal(getattr(o, f), getattr(base, f))) for f in fields}
+            for m in runs for o, _ in runs[m]]
+  diff = max(float(np.max(np.abs(o.logprobs - base.logprobs))) for m in runs for o, _ in runs[m])
+  result = {"identical_outputs": all(all(ch.values()) for ch in checks),
+            "identity": {"criterion": "bitwise (tokens, lengths, stop reasons, log-probs)",
+                         **{f: all(ch[f] for ch in checks) for f in fields},
+                         "logprobs_max_abs_diff": diff}}
+  for mode, rs in runs.items():
+    out, wall = _median_run(rs)
+    result[mode] = {"wall_s": wall, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
+                    "generate_s": out.generate_s, "decode_steps": out.decode_steps,
+                    "decode_chunks": out.decode_chunks,
+                    "decode_tokens_per_s": float(np.sum(out.response_lens - 1)) / out.decode_s,
+                    "runs_wall_s": [w for _, w in rs]}
+  out = _median_run(runs["pipelined"])[0]
+  report = pipelined_lib.schedule_report(gen, out)
+  result["pipelined"].update(report)
+  result["pipelined"]["compile_s"] = compile_s
+  result["pipelined"]["prefill_ticks"] = int(len(out.prefill_table))
+  result["reference"].update({"compile_s": ref_compile_s,
+                              "mesh": f"data={groups} ({gen.bg} rows per device)"})
+  # Plain pipelining of one batch: every tick one stage of pp works (a formula, not measured).
+  result["plain_pipeline_busy_frac"] = 1.0 / stages
+  result.update({
+      "stages": stages, "groups": groups, "rows_per_group": gen.bg,
+      "device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
+      "lengths": {"spec": spec.describe(), **lengths_lib.summarize(budgets, g.max_new_tokens)},
+      "prompt_lens": plens, "response_lens": out.response_lens,
+      "decode_table": out.decode_table.T})
+  plot_tick_table(out.decode_table, groups, os.path.join(workdir, "schedule_pipelined.png"))
+  return result
+
+
+def log_pipelined(result: dict, workdir: str) -> None:
+  p, r = result["pipelined"], result["reference"]
+  logging.info("identical outputs: %s; %d stages x %d groups: stage_busy_frac %.3f (steady "
+               "%.3f; plain pipeline %.3f), %d ticks (formula %d, busy %d = %d); generate "
+               "%.3fs pipelined, %.3fs reference", result["identical_outputs"], result["stages"],
+               result["groups"], p["stage_busy_frac"], p["stage_busy_frac_steady"],
+               result["plain_pipeline_busy_frac"], p["ticks"], p["formula"]["executed_ticks"],
+               p["busy_stage_ticks"], p["formula"]["busy_stage_ticks"], p["generate_s"],
+               r["generate_s"])
+  logging.info("wrote %s", os.path.join(workdir, "result.json"))
 
 
 def main(argv):
@@ -214,6 +339,8 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   workdir = _WORKDIR.value
   result = run_and_write(_CONFIG.value, workdir)
+  if "pipelined" in result:
+    return log_pipelined(result, workdir)
   b, f = result["baseline"], result["fused"]
   logging.info("identical outputs: %s; gen+inf baseline %.3fs, fused %.3fs: ratio %.3f "
                "(paired median %.3f); fused migrated %d samples (%d KV bytes held, %d bytes "

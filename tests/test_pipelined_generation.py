@@ -4,6 +4,8 @@ same per-sample keys, for pp 2 and 4 stages, G = pp and 2*pp groups, ragged prom
 per-sample budgets and EOS; the tick table the program records equals the schedule's formula;
 clear errors."""
 import functools
+import json
+import os
 
 import jax
 import numpy as np
@@ -123,3 +125,26 @@ def test_clear_errors():
     make(groups=4, batch_size=6)
   with pytest.raises(ValueError, match="pipeline_stages=16 needs 16 devices"):
     pipelined.check_pipeline(CFG.replace(num_layers=16), 16, 16, 16, 8)
+
+
+def test_bench_pipelined_tiny(tmp_path):
+  """The acceptance command's code path at its test size: bitwise identical outputs against the
+  Generator, busy fraction counted from the executed table, ticks equal to the formula."""
+  from configs import bench_generation as bench_config  # pylint: disable=import-outside-toplevel
+  from experiments import bench_generation  # pylint: disable=import-outside-toplevel
+  c = bench_config.get_config("pipelined_tiny")
+  c.warmup = 0  # timings are not checked here
+  result = bench_generation.run_and_write(c, str(tmp_path))
+  assert result["identical_outputs"] is True and result["identity"]["logprobs"]
+  p, g = result["pipelined"], c.generation
+  stages, groups, steps = g.pipeline_stages, g.pipeline_groups, g.max_new_tokens - 1
+  assert p["group_steps"] == [steps] * groups
+  assert p["ticks_match_formula"] and p["table_matches_formula"]
+  # 7 steps x 4 groups + 1 fill = 29 ticks, in chunks of K*G = 8: 32 executed.
+  assert p["formula"]["pipeline_ticks"] == steps * groups + stages - 1 == 29
+  assert p["ticks"] == 32 and p["busy_stage_ticks"] == stages * steps * groups
+  assert p["stage_busy_frac"] == steps * groups / 32 and p["stage_busy_frac_steady"] == 1.0
+  with open(tmp_path / "result.json") as f:
+    stored = json.load(f)
+  assert stored["pipelined"]["stage_busy_frac"] == p["stage_busy_frac"]
+  assert os.path.getsize(tmp_path / "schedule_pipelined.png") > 5_000

@@ -14,12 +14,12 @@ stage 0 never waits. After the fill every stage is busy every tick until groups 
 Tick count. Group g needs n_g - 1 decode steps (n_g: its longest response; the first token comes
 from prefill). Its step k runs on stage s at tick k*G + g + s, if k < n_g - 1; otherwise that
 stage idles for the tick (the round robin keeps the slot: groups never overtake each other). The
-pipeline's last useful tick is therefore max_g ((n_g - 2) * G + g) + pp - 1, i.e. with equal
+pipeline's last useful tick is therefore max_g ((n_g - 2) * G + g) + pp - 1; with equal
 n_g = N + 1 for all groups, N*G + pp - 1 ticks: N*G per stage busy, pp - 1 of fill (and the same
 drain). Decoding runs in chunks of K*G ticks (K = sampling.chunk_size steps per group) and the
 in-flight activations are carried from one chunk to the next, so a chunk boundary costs no
 drain; the host stops after the first chunk in which every row finished, so the executed ticks
-are that last useful tick rounded up to a multiple of K*G (`expected_tick_table`).
+are that count rounded up to a multiple of K*G (`ticks_formula`, `expected_tick_table`).
 Busy fraction = busy stage-ticks / (pp * executed ticks), counted from the tick table the
 program itself records (each stage writes the group it ran, or -1, every tick).
 
@@ -34,7 +34,10 @@ llama.CacheView, the engine's stop rule `engine._record`, the per-sample keys of
 a sample's tokens depend on its prompt, uid, budget and the iteration key only. Bitwise equality
 of the log-probs with `instances.Generator` holds when the per-device rows match: XLA's matmuls
 can round differently for another number of rows, so the tests and the benchmark compare with a
-Generator whose data-parallel mesh puts Bg rows on each device (`reference_mesh`).
+Generator whose data-parallel mesh puts Bg rows on each device (`reference_mesh`); and the model
+must use scan_layers, whose engine runs each layer as its own loop body as the stages do (an
+unrolled engine lets XLA fuse across the layer boundaries the stages cut: log-probs then differ
+by ~5e-7, tokens matched in the tests).
 
 Prefill runs through the same pipeline (G + pp - 1 ticks, each group's whole prompt per tick),
 so each stage writes its own layers' cache and no stage ever holds another stage's weights.
