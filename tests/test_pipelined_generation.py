@@ -2,7 +2,8 @@
 tokens, lengths, stop reasons and log-probs bitwise equal to the non-pipelined Generator on the
 same per-sample keys, for pp 2 and 4 stages, G = pp and 2*pp groups, ragged prompt lengths,
 per-sample budgets and EOS; the tick table the program records equals the schedule's formula;
-clear errors."""
+the benchmark's pipelined path at its tiny size (equal lengths: every stage busy after the
+fill); clear errors."""
 import functools
 import json
 import os
@@ -84,27 +85,10 @@ def test_pipelined_equals_engine_bitwise(stages, groups):
                                                               groups + stages - 1))
 
 
-def test_equal_lengths_keep_every_stage_busy_after_the_fill():
-  """No EOS, every budget T: all groups decode T-1 steps; after the fill no stage idles."""
-  stages, groups = 2, 4
-  sampling = SamplingConfig(max_new_tokens=T, chunk_size=4)
-  gen, out = _pipelined(CFG, stages, groups, sampling, budgets=np.full(B, T, np.int32))
-  report = pipelined.schedule_report(gen, out)
-  n = T - 1
-  assert report["formula"]["pipeline_ticks"] == n * groups + stages - 1
-  assert report["ticks"] == report["formula"]["executed_ticks"] == 48  # 3 chunks of K*G = 16
-  assert report["ticks_match_formula"] and report["table_matches_formula"]
-  assert report["stage_busy_frac_steady"] == 1.0
-  assert report["stage_busy_frac"] == n * groups / 48
-  table = out.decode_table
-  assert (table[stages - 1:n * groups] != pipelined.IDLE).all()  # steady state: all busy
-  assert (table[:stages - 1, -1] == pipelined.IDLE).all()  # the fill
-
-
 def test_unrolled_model_tokens_equal_engine():
   """An unrolled model: the engine fuses across layer boundaries the stages cut, so log-probs
-  may round differently (seen: <= 5e-7); tokens still match here."""
-  cfg = CFG.replace(scan_layers=False)
+  may round differently (seen: <= 5e-7); tokens still match here. (2 layers: a fast compile.)"""
+  cfg = CFG.replace(scan_layers=False, num_layers=2)
   _, out = _pipelined(cfg, 2, 2)
   ref = _reference(cfg, 2)
   np.testing.assert_array_equal(out.response_tokens, ref.response_tokens)
@@ -144,6 +128,10 @@ def test_bench_pipelined_tiny(tmp_path):
   assert p["formula"]["pipeline_ticks"] == steps * groups + stages - 1 == 29
   assert p["ticks"] == 32 and p["busy_stage_ticks"] == stages * steps * groups
   assert p["stage_busy_frac"] == steps * groups / 32 and p["stage_busy_frac_steady"] == 1.0
+  table = np.asarray(result["decode_table"]).T  # [ticks, stages]
+  assert (table[stages - 1:steps * groups] != pipelined.IDLE).all()  # after the fill: all busy
+  assert (table[:stages - 1, -1] == pipelined.IDLE).all()  # the fill: the last stage waits
+  assert (table[steps * groups + stages - 1:] == pipelined.IDLE).all()  # the chunk's rest
   with open(tmp_path / "result.json") as f:
     stored = json.load(f)
   assert stored["pipelined"]["stage_busy_frac"] == p["stage_busy_frac"]
