@@ -109,16 +109,17 @@ def pad_token_ids(ids: Sequence[Sequence[int]], width: int, pad_id: int,
 
 
 def tokenize_prompts(records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
-                     max_prompt_len: int, *, field: str = "prompt",
-                     padding: str = "right") -> tuple[np.ndarray, np.ndarray]:
+                     max_prompt_len: int, *, field: str = "prompt", padding: str = "right",
+                     add_bos: Optional[bool] = None) -> tuple[np.ndarray, np.ndarray]:
   """Tokenises `record[field]` of each record to ([N, max_prompt_len] int32, [N] int32 lengths).
 
-  A prompt longer than `max_prompt_len` tokens raises ValueError naming its index (and its
-  `path:line` for records read from JSONL) and both lengths.
+  add_bos: None, the tokenizer's own setting; False for text a chat template rendered (the
+  template writes BOS itself). A prompt longer than `max_prompt_len` tokens raises ValueError
+  naming its index (and its `path:line` for records read from a file) and both lengths.
   """
   if max_prompt_len < 1:
     raise ValueError(f"max_prompt_len={max_prompt_len}: expected >= 1")
-  ids = tokenizer.encode_batch([r[field] for r in records])
+  ids = tokenizer.encode_batch([r[field] for r in records], add_bos=add_bos)
   for i, seq in enumerate(ids):
     if len(seq) == 0:
       raise ValueError(f"prompt {i}{where(records[i])} encodes to zero tokens; a prompt needs at "
@@ -150,7 +151,7 @@ class PromptDataset:
 
   def __init__(self, records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, *,
                batch_size: int, max_prompt_len: int, seed: int = 0, shuffle: bool = True,
-               padding: str = "right", field: str = "prompt"):
+               padding: str = "right", field: str = "prompt", add_bos: Optional[bool] = None):
     """Tokenises the pool now (see `tokenize_prompts` for the errors).
 
     Args:
@@ -162,6 +163,7 @@ class PromptDataset:
       shuffle: False streams the pool in file order every epoch.
       padding: 'right' (default) or 'left'.
       field: which key holds the prompt text.
+      add_bos: passed to the tokenizer (None: its own setting; False for chat-rendered text).
     """
     if not records:
       raise ValueError("records is empty: a PromptDataset needs at least one prompt")
@@ -180,7 +182,7 @@ class PromptDataset:
     self.shuffle = bool(shuffle)
     self.padding = padding
     self._tokens, self._lengths = tokenize_prompts(  # [N, P], [N]
-        self.records, tokenizer, max_prompt_len, field=field, padding=padding)
+        self.records, tokenizer, max_prompt_len, field=field, padding=padding, add_bos=add_bos)
     self._fingerprint = _fingerprint([r[field] for r in self.records])
     self._epoch = 0
     self._index = 0
@@ -190,6 +192,16 @@ class PromptDataset:
   def __len__(self) -> int:
     """Number of prompts in the pool."""
     return len(self.records)
+
+  @property
+  def tokens(self) -> np.ndarray:
+    """Every prompt's ids in pool order, padded.  # [N, P] int32"""
+    return self._tokens
+
+  @property
+  def lengths(self) -> np.ndarray:
+    """Every prompt's length in pool order.  # [N] int32"""
+    return self._lengths
 
   @property
   def epoch(self) -> int:

@@ -11,13 +11,22 @@ For `reward.kind='function'` the trainer scores a batch with one call
 A response is its ids up to and including the first EOS (or all of its ids if it never stopped);
 the target is the tokenised 'target' followed by EOS, so stopping at the right place is part of
 the answer.
+
+Per-sample text rewards `fn(response: str, answer: str | None, record) -> float` (the math
+verifiers and format rewards of data/verifiers.py, or a user's function named by import path,
+`"my_pkg.rewards:score"`) become batch functions through `per_sample`, which decodes each
+response up to its EOS and names the function and the sample (index and `file:line`) in any
+error. `resolve_reward_function` maps config.reward.function to a batch function.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+import importlib
+import numbers
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from rlhfuse_jax.data import verifiers
 from rlhfuse_jax.data.prompts import where as _where
 from rlhfuse_jax.data.tokenizer import Tokenizer
 
@@ -108,15 +117,122 @@ def exact_match(records, response_ids, response_lengths, tokenizer) -> np.ndarra
   return out
 
 
+class RewardFunctionError(ValueError):
+  """A reward function failed or returned a bad value; the message names it and the sample."""
+  names_function = True  # inference/scoring.Rewards passes it on without wrapping it again
+
+
+def decode_responses(response_ids: np.ndarray, response_lengths: np.ndarray,
+                     tokenizer: Tokenizer) -> list[str]:
+  """Each response's text, up to (without) its first EOS, special tokens skipped.
+
+  Ids outside the tokenizer's vocabulary (a model's embedding may be padded larger) cannot be
+  decoded; each becomes U+FFFD between the decoded pieces around it, so that dropping it can
+  never join the pieces into a different answer ('7', junk, '2' is not '72').
+  """
+  ids = np.asarray(response_ids)  # [B, T]
+  rlen, stopped = response_extent(ids, response_lengths, tokenizer.eos_id)  # [B]
+  texts = []
+  for b in range(ids.shape[0]):
+    row = ids[b, :rlen[b] - int(stopped[b])].tolist()
+    pieces, current = [], []
+    for i in row:
+      if 0 <= i < tokenizer.vocab_size:
+        current.append(i)
+      else:
+        pieces.append(current)
+        current = []
+    pieces.append(current)
+    texts.append("\ufffd".join(tokenizer.decode(p) for p in pieces))
+  return texts
+
+
+TextRewardFn = Callable[[str, Optional[str], Mapping[str, Any]], Any]
+
+
+def _short(text: str, limit: int = 120) -> str:
+  return text if len(text) <= limit else text[:limit] + "..."
+
+
+def per_sample(fn: TextRewardFn, name: str) -> RewardFn:
+  """A batch reward function that calls `fn(response, answer, record)` per sample.
+
+  `answer` is record['target'] (the dataset's answer column; None when the row has none). An
+  exception or a value that is not a finite real number raises RewardFunctionError naming
+  `name`, the sample's index in the batch and its record's file:line, its answer and the start
+  of its response.
+  """
+  def batch(records, response_ids, response_lengths, tokenizer) -> np.ndarray:
+    texts = decode_responses(response_ids, response_lengths, tokenizer)
+    out = np.zeros((len(texts),), np.float32)
+    for b, text in enumerate(texts):
+      record = records[b] if records is not None else {}
+      answer = record.get("target")
+      sample = (f"sample {b}{_where(record)} (answer {None if answer is None else _short(answer)!r}"
+                f", response {_short(text)!r})")
+      try:
+        value = fn(text, answer, record)
+      except Exception as e:  # noqa: BLE001 re-raised with the function and the sample named
+        raise RewardFunctionError(f"reward function {name!r} failed on {sample}: "
+                                  f"{type(e).__name__}: {e}") from e
+      if not isinstance(value, numbers.Real) or not np.isfinite(float(value)):
+        raise RewardFunctionError(f"reward function {name!r} returned {value!r} for {sample}; "
+                                  "expected a finite number")
+      out[b] = float(value)
+    return out
+  batch.__name__ = f"per_sample({name})"
+  return batch
+
+
+def import_function(spec: str) -> Callable:
+  """The callable that `"package.module:attribute"` names (the attribute may be dotted)."""
+  module_name, _, attr = spec.partition(":")
+  if not module_name or not attr:
+    raise ValueError(f"reward function {spec!r}: expected 'package.module:function'")
+  try:
+    node = importlib.import_module(module_name)
+  except Exception as e:  # noqa: BLE001 any import failure (missing module, its own error)
+    raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r} "
+                     f"({type(e).__name__}: {e}); is its directory on PYTHONPATH?") from e
+  for part in attr.split("."):
+    if not hasattr(node, part):
+      raise ValueError(f"reward function {spec!r}: module {module_name!r} has no attribute "
+                       f"{attr!r}")
+    node = getattr(node, part)
+  if not callable(node):
+    raise ValueError(f"reward function {spec!r}: {attr!r} is a {type(node).__name__}, not a "
+                     "callable")
+  return node
+
+
+def weighted_sum(terms: Sequence[tuple[float, RewardFn]]) -> RewardFn:
+  """sum_i w_i * fn_i(...): e.g. a verifier plus a weighted format reward."""
+  def total(records, response_ids, response_lengths, tokenizer) -> np.ndarray:
+    out = 0.0
+    for weight, fn in terms:
+      out = out + weight * np.asarray(fn(records, response_ids, response_lengths, tokenizer),
+                                      np.float32)
+    return np.asarray(out, np.float32)
+  return total
+
+
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "target_match": target_match,
     "length_match": length_match,
     "exact_match": exact_match,
+    **{name: per_sample(fn, name) for name, fn in verifiers.VERIFIERS.items()},
 }
+# Registered functions that read each record's answer ('target'): a dataset used with them must
+# have one in every row.
+NEEDS_ANSWER = frozenset({"target_match", "length_match", "exact_match"}) | verifiers.NEEDS_ANSWER
 
 
 def get_reward_function(name: str) -> RewardFn:
-  """The reward function registered as `name`; the error lists the known names."""
-  if name not in REWARD_FUNCTIONS:
-    raise ValueError(f"unknown reward function {name!r}; known: {sorted(REWARD_FUNCTIONS)}")
-  return REWARD_FUNCTIONS[name]
+  """The reward function registered as `name`, or a per-sample function by import path
+  ('package.module:function', see `per_sample`); the error lists the known names."""
+  if name in REWARD_FUNCTIONS:
+    return REWARD_FUNCTIONS[name]
+  if ":" in name:
+    return per_sample(import_function(name), name)
+  raise ValueError(f"unknown reward function {name!r}; known: {sorted(REWARD_FUNCTIONS)}, or a "
+                   "function by import path 'package.module:function'")

@@ -177,9 +177,17 @@ class Rewards:
 
   def from_function(self, records: Optional[Sequence[Mapping[str, Any]]],
                     response_tokens: np.ndarray, response_lens: np.ndarray) -> np.ndarray:
-    """The function's rewards [B] float32, checked: one finite value per sample."""
-    out = np.asarray(self.fn(records, response_tokens, response_lens), np.float32)
+    """The function's rewards [B] float32, checked: one finite value per sample. An error the
+    function raises names it here unless it already does (data/rewards.RewardFunctionError,
+    which also names the sample)."""
     b = response_tokens.shape[0]
+    try:
+      out = np.asarray(self.fn(records, response_tokens, response_lens), np.float32)
+    except Exception as e:  # noqa: BLE001 re-raised naming the function
+      if getattr(e, "names_function", False):
+        raise
+      raise ValueError(f"reward function {self.name!r} failed on a batch of {b} samples: "
+                       f"{type(e).__name__}: {e}") from e
     if out.shape != (b,):
       raise ValueError(f"reward function {self.name!r} returned shape {out.shape}; "
                        f"expected ({b},)")

@@ -16,7 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlhfuse_jax.data import chat as chat_lib
 from rlhfuse_jax.data import prompts as prompts_lib
+from rlhfuse_jax.data import records as records_lib
+from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.data import tasks as tasks_lib
 from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
 from rlhfuse_jax.inference import scoring
@@ -38,17 +41,56 @@ def build_task_and_tokenizer(cfg: TrainConfig):
   return task, tokenizer
 
 
-def load_prompt_records(cfg: TrainConfig, task) -> list[dict]:
+def _needs_answer(cfg: TrainConfig) -> bool:
+  """Whether the run's reward verifies against each record's answer (then every row needs
+  one; a reward model or a user's function may do without)."""
+  if cfg.reward.kind != "function":
+    return False
+  names = {cfg.reward.function, cfg.reward.format}
+  return "task" in names or bool(names & rewards_lib.NEEDS_ANSWER)
+
+
+def _load(cfg: TrainConfig, path: str) -> list[dict]:
+  d = cfg.data
+  return records_lib.load_records(path, d.prompt_key, d.answer_key,
+                                  require_answer=_needs_answer(cfg))
+
+
+def load_prompt_records(cfg: TrainConfig, task) -> tuple[list[dict], list[dict]]:
+  """(training, held-out) prompt records: data.prompts_file or the task's prompts, and
+  data.val_file or a data.val_fraction split of them (held-out: [] without either)."""
   if cfg.data.prompts_file:
-    return prompts_lib.load_jsonl_prompts(cfg.data.prompts_file)
-  return task.make_prompts(cfg.data.num_prompts, np.random.default_rng([cfg.seed, 17]))
+    records = _load(cfg, cfg.data.prompts_file)
+  else:
+    records = task.make_prompts(cfg.data.num_prompts, np.random.default_rng([cfg.seed, 17]))
+  held_out = []
+  if cfg.data.val_fraction > 0:
+    records, held_out = records_lib.split_records(records, cfg.data.val_fraction, cfg.seed)
+  elif cfg.data.val_file:
+    held_out = _load(cfg, cfg.data.val_file)
+  if cfg.data.val_max_prompts:
+    held_out = held_out[:cfg.data.val_max_prompts]
+  return records, held_out
+
+
+def build_datasets(cfg: TrainConfig, task, tokenizer: Tokenizer
+                   ) -> tuple[prompts_lib.PromptDataset, Optional[prompts_lib.PromptDataset]]:
+  """The training prompt stream (its position is checkpointed) and the held-out prompts (None
+  without any), both rendered through data.chat_template and tokenised now, so that a bad row
+  stops the run before anything is compiled."""
+  template = chat_lib.ChatTemplate.load(cfg.data.chat_template, cfg.init.tokenizer)
+  train, held_out = load_prompt_records(cfg, task)
+  make = lambda records, shuffle: prompts_lib.PromptDataset(
+      records_lib.render_prompts(records, template), tokenizer,
+      batch_size=cfg.rollout.prompts_per_iteration, max_prompt_len=cfg.data.max_prompt_len,
+      seed=cfg.seed, shuffle=shuffle, padding="right", field=records_lib.PROMPT_TEXT_KEY,
+      add_bos=False if template is not None else None)
+  return make(train, True), (make(held_out, False) if held_out else None)
 
 
 def build_dataset(cfg: TrainConfig, task, tokenizer: Tokenizer) -> prompts_lib.PromptDataset:
-  """The prompt stream (its position is checkpointed)."""
-  return prompts_lib.PromptDataset(
-      load_prompt_records(cfg, task), tokenizer, batch_size=cfg.rollout.prompts_per_iteration,
-      max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed, padding="right")
+  """The training prompt stream alone (see build_datasets)."""
+  return build_datasets(cfg, task, tokenizer)[0]
 
 
 # Model fields a run chooses for itself, kept from the config when a checkpoint's config.json
@@ -137,18 +179,33 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
 
 def build_rewards(cfg: TrainConfig, task, tokenizer: Tokenizer, models: Models,
                   mesh: jax.sharding.Mesh) -> scoring.Rewards:
-  """config.reward resolved: the task's verifier, a registered function, or the reward model
-  (scored on `mesh`, where build_models placed it). Functions read the ids with the run's
-  tokenizer (init.tokenizer when set, not the task's own)."""
-  if cfg.reward.kind == "model":
+  """config.reward resolved: the task's verifier, a registered function, a user's function by
+  import path, each plus an optional weighted format reward, or the reward model (scored on
+  `mesh`, where build_models placed it). Functions read the ids with the run's tokenizer
+  (init.tokenizer when set, not the task's own)."""
+  r = cfg.reward
+  if r.kind == "model":
     return scoring.Rewards(model_cfg=models.reward_cfg, model_params=models.reward_params,
                            scorer=scoring.Scorer(mesh))
-  if cfg.reward.function == "task":
-    return scoring.Rewards(fn=functools.partial(task.batch_rewards, tokenizer=tokenizer),
-                           name=f"task:{cfg.data.task}")
-  fn = tasks_lib.get_reward_function(cfg.reward.function)
-  return scoring.Rewards(fn=functools.partial(_with_tokenizer, fn, tokenizer),
-                         name=cfg.reward.function)
+  if r.function == "task":
+    fn, name = (lambda records, ids, lens, tok: task.batch_rewards(records, ids, lens, tok),
+                f"task:{cfg.data.task}")
+  else:
+    fn, name = rewards_lib.get_reward_function(r.function), r.function
+  if r.format:
+    fn = rewards_lib.weighted_sum([(1.0, fn), (r.format_weight,
+                                               rewards_lib.get_reward_function(r.format))])
+    name = f"{name} + {r.format_weight:g} * {r.format}"
+  return scoring.Rewards(fn=functools.partial(_with_tokenizer, fn, tokenizer), name=name)
+
+
+def check_reward_functions(cfg: TrainConfig) -> None:
+  """Resolves reward.function and reward.format now (an unknown name, a module that does not
+  import), so that the error comes before any weight is read or program compiled."""
+  if cfg.reward.kind == "function":
+    for spec in (cfg.reward.function, cfg.reward.format):
+      if spec and spec != "task":
+        rewards_lib.get_reward_function(spec)
 
 
 def _with_tokenizer(fn, tokenizer, records, response_tokens, response_lens):

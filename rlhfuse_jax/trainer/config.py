@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Mapping, Optional
 
 from rlhfuse_jax.generation import fused as fused_lib
@@ -24,7 +25,20 @@ def _check(cond: bool, field: str, value: Any, expected: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   task: str = "repeat"  # synthetic verifiable task (rlhfuse_jax.data.tasks.TASKS)
-  prompts_file: str = ""  # optional JSONL of {"prompt": ...}; empty: the task makes prompts
+  # Training prompts: a JSONL file, or parquet (*.parquet); empty: the task makes prompts.
+  prompts_file: str = ""
+  # The field holding a row's prompt, a string or a list of {"role", "content"} messages, and
+  # the one holding its ground-truth answer, which reward functions get per sample. A dotted key
+  # reads a nested field (verl's files: answer_key="reward_model.ground_truth").
+  prompt_key: str = "prompt"
+  answer_key: str = "target"
+  # "none": prompts are plain text; "auto": the chat template next to init.tokenizer
+  # (chat_template.jinja or tokenizer_config.json); or a path to a .jinja file, a
+  # tokenizer_config.json or a directory. The generation prompt is added.
+  chat_template: str = "none"
+  val_file: str = ""  # held-out prompts (JSONL or parquet) for the validation pass (eval_every)
+  val_fraction: float = 0.0  # or hold out this fraction of the training prompts (seeded split)
+  val_max_prompts: int = 0  # validate on the first k held-out prompts; 0: all
   num_prompts: int = 4096  # prompts the task generates (ignored with prompts_file)
   length_dist: str = "uniform"  # task target lengths: "uniform" or "lognormal" (long tail)
   length_min: int = 1
@@ -40,6 +54,19 @@ class DataConfig:
     _check(1 <= self.length_min <= self.length_max, "data.length_min/length_max",
            (self.length_min, self.length_max), "1 <= length_min <= length_max")
     _check(self.max_prompt_len > 0, "data.max_prompt_len", self.max_prompt_len, "> 0")
+    for name in ("prompt_key", "answer_key", "chat_template"):
+      _check(isinstance(getattr(self, name), str) and bool(getattr(self, name)), f"data.{name}",
+             getattr(self, name), "a non-empty string")
+    _check(0 <= self.val_fraction < 1, "data.val_fraction", self.val_fraction,
+           "in [0, 1) (0: no split)")
+    _check(not (self.val_file and self.val_fraction > 0), "data.val_fraction", self.val_fraction,
+           f"0 when data.val_file={self.val_file!r} gives the held-out prompts (one or the other)")
+    _check(self.val_max_prompts >= 0, "data.val_max_prompts", self.val_max_prompts,
+           ">= 0 (0: every held-out prompt)")
+
+  @property
+  def has_validation_set(self) -> bool:
+    return bool(self.val_file) or self.val_fraction > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,13 +150,26 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
   kind: str = "function"  # "function" (a Python verifier) or "model" (a scalar-head reward model)
-  function: str = "task"  # name in data.tasks.REWARD_FUNCTIONS; "task": the data task's verifier
+  # "task": the data task's verifier; a name in data.rewards.REWARD_FUNCTIONS ("math", "gsm8k",
+  # "target_match", ...); or a per-sample function by import path, "my_pkg.rewards:score",
+  # called as score(response, answer, record) -> float.
+  function: str = "task"
+  # A format reward added to the function's (same forms as `function`, e.g. "boxed_format");
+  # "": none. The reward is function + format_weight * format.
+  format: str = ""
+  format_weight: float = 1.0
   model_checkpoint: str = ""  # HF-style checkpoint dir of the reward model (kind="model")
 
   def __post_init__(self):
     _check(self.kind in ("function", "model"), "reward.kind", self.kind, "'function' or 'model'")
     _check(self.kind != "model" or bool(self.model_checkpoint), "reward.model_checkpoint",
            self.model_checkpoint, "a checkpoint directory when reward.kind='model'")
+    _check(self.kind != "model" or not self.format, "reward.format", self.format,
+           "'' with reward.kind='model' (a format reward adds to a reward function)")
+    _check(self.format != "task", "reward.format", self.format,
+           "a reward function name or import path (the task's verifier is reward.function)")
+    _check(math.isfinite(self.format_weight), "reward.format_weight", self.format_weight,
+           "a finite number")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +269,9 @@ class TrainConfig:
   pipeline: PipelineConfig = PipelineConfig()
   guard: GuardConfig = GuardConfig()
   log_every: int = 1
+  # Every k iterations (and after the last), the reward on the held-out prompts (data.val_file
+  # or data.val_fraction): val/* in metrics.jsonl and TensorBoard. 0: never.
+  eval_every: int = 0
   vocab_from_tokenizer: bool = False  # set when model.vocab_size was 0 in the ConfigDict
 
   def with_vocab(self, vocab_size: int) -> "TrainConfig":
@@ -249,6 +292,9 @@ class TrainConfig:
     _check(isinstance(self.seed, int) and self.seed >= 0, "seed", self.seed,
            "an integer >= 0 (numpy seeds the prompt stream with it)")
     _check(self.log_every > 0, "log_every", self.log_every, "> 0 (log every k iterations)")
+    _check(self.eval_every >= 0, "eval_every", self.eval_every, ">= 0 (0: no validation pass)")
+    _check(self.eval_every == 0 or self.data.has_validation_set, "eval_every", self.eval_every,
+           "0 without held-out prompts: set data.val_file or data.val_fraction")
     b = self.rollout.batch_size
     _check(b % self.algo.minibatch_size == 0, "algo.minibatch_size", self.algo.minibatch_size,
            f"a divisor of the rollout batch prompts_per_iteration*samples_per_prompt={b}")
@@ -308,6 +354,8 @@ SECTIONS = {
 RESUMABLE_FIELDS = frozenset({
     "num_iterations", "log_every", "checkpoint.every", "checkpoint.keep", "checkpoint.fallback",
     "guard.max_consecutive_skips", "pipeline.schedule_cache_dir",
+    # The validation pass reads the policy and its own prompts; training never sees them.
+    "eval_every", "data.val_file", "data.val_max_prompts",
 })
 
 

@@ -76,8 +76,8 @@ class MetricsLog(Hook):
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     self.writer.write(step, metrics)
     if step % self.cfg.log_every == 0 or step == self.cfg.num_iterations:
-      logging.info(self.progress.line(step, metrics, keys=("reward/mean", "kl/ref_mean",
-                                                           "response_length/mean"),
+      logging.info(self.progress.line(step, metrics, keys=("reward/mean", "val/reward_mean",
+                                                           "kl/ref_mean", "response_length/mean"),
                                       extra=self.summary(metrics)))
 
   def end(self, failing: bool) -> None:

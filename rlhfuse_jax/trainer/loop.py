@@ -30,7 +30,7 @@ from rlhfuse_jax.perf import accounting
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import minibatch as mb_lib
 from rlhfuse_jax.sim import hardware
-from rlhfuse_jax.trainer import build, hooks, ppo
+from rlhfuse_jax.trainer import build, evaluation, hooks, ppo
 from rlhfuse_jax.trainer import rollout as rollout_lib
 from rlhfuse_jax.trainer import update as update_lib
 from rlhfuse_jax.trainer.config import TrainConfig
@@ -112,7 +112,9 @@ class PPOTrainer:
     t0 = time.time()
     logging.info("setup: task %r, mesh %s; initialising the models and the update ...",
                  cfg.data.task, dict(self.mesh.shape))
-    self.dataset = build.build_dataset(cfg, self.task, self.tokenizer)
+    self.dataset, held_out = build.build_datasets(cfg, self.task, self.tokenizer)
+    self.held_out = (evaluation.HeldOutEval(held_out, cfg.rollout.batch_size, cfg.seed)
+                     if held_out is not None and cfg.eval_every else None)
     self.use_critic = adv_lib.needs_critic(cfg.algo.estimator)
     models = build.build_models(cfg, self.mesh)
     self.update = update_lib.make_update(cfg, self.mesh, use_critic=self.use_critic,
@@ -330,6 +332,9 @@ class PPOTrainer:
       for it in range(start, self.cfg.num_iterations):
         m = self.iteration(it)
         step = it + 1
+        if self.held_out is not None and (step % self.cfg.eval_every == 0 or
+                                          step == self.cfg.num_iterations):
+          m.update(self.held_out(self.rollout, self.model_params, it))
         history.append({"step": step, **m})
         stopping = stop.set or step == stop_after
         hooks.run_hooks(run_hooks, "after", step, m, stopping)

@@ -45,3 +45,4 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
   if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
     pipelined.check_config(cfg, mesh)
   rollout.check_fusion(cfg, mesh.devices.size)
+  build.check_reward_functions(cfg)

@@ -1,0 +1,260 @@
+"""Chat templates: a prompt (text or a list of messages) rendered as an instruct model expects.
+
+HF tokenizers ship a Jinja template (`chat_template` in tokenizer_config.json, or a
+`chat_template.jinja` file next to it in newer checkpoints) that turns messages into the text the
+model was tuned on. `ChatTemplate` renders it the way transformers' `apply_chat_template` does,
+without transformers: the same sandboxed jinja2 environment (trim_blocks, lstrip_blocks, loop
+controls, its `tojson`, `raise_exception` and `strftime_now`, `namespace`), the tokenizer's named
+special tokens as variables (`bos_token`, `eos_token`, ...), message keys whose value is None
+dropped, and `add_generation_prompt=True` so the text ends where the assistant's answer starts.
+The rendered text is tokenised without adding BOS (the template writes it, as HF's
+`add_special_tokens=False`). tests/test_data_chat.py compares text and ids with transformers'
+own output, recorded in tests/fixtures/tiny_chat/goldens.json.
+
+`data.chat_template`: "none" (prompts are plain text, as before), "auto" (the tokenizer's own
+template; an error if it has none), or a path: a .jinja file, a tokenizer_config.json, or a
+directory holding either.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
+# The named special tokens HF passes to every template (PreTrainedTokenizerBase.special_tokens_map).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")
+
+Message = Mapping[str, Any]
+Prompt = Union[str, Sequence[Message]]
+
+
+class ChatTemplateError(ValueError):
+  """A template that does not load or does not render (its raise_exception included)."""
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+  # HF's filter: jinja's own tojson escapes HTML characters, which templates do not expect.
+  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                    sort_keys=sort_keys)
+
+
+def _raise_exception(message):
+  raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt):
+  return datetime.datetime.now().strftime(fmt)
+
+
+class _Namespace(jinja2.utils.Namespace):
+  """jinja's namespace without underscore attributes (as HF's sandbox: no dunder access)."""
+
+  def __init__(*args, **kwargs):  # noqa: N805 jinja's signature trick, kept
+    self, args = args[0], args[1:]
+    attrs = dict(*args, **kwargs)
+    for name in attrs:
+      _Namespace._check(name)
+    jinja2.utils.Namespace.__init__(self, attrs)
+
+  def __setitem__(self, name, value):
+    _Namespace._check(name)
+    jinja2.utils.Namespace.__setitem__(self, name, value)
+
+  @staticmethod
+  def _check(name):
+    if isinstance(name, str) and name.startswith("_"):
+      raise jinja2.exceptions.SecurityError(
+          f"chat templates cannot store underscore-prefixed attributes, got {name!r}")
+
+
+class _TemplateDict:
+  """`dict(...)` and `dict.fromkeys(...)` for templates without handing them the type itself."""
+
+  def __call__(self, *args, **kwargs):
+    return dict(*args, **kwargs)
+
+  def fromkeys(self, *args, **kwargs):
+    return dict.fromkeys(*args, **kwargs)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+  """The environment transformers compiles chat templates in (templates are untrusted code
+  from the Hub: sandboxed, immutable)."""
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[jinja2.ext.loopcontrols])
+  env.filters["tojson"] = _tojson
+  env.globals["raise_exception"] = _raise_exception
+  env.globals["strftime_now"] = _strftime_now
+  env.globals["namespace"] = _Namespace
+  env.globals["dict"] = _TemplateDict()
+  return env
+
+
+def _plain(value: Any) -> Any:
+  """Plain JSON-like data for the template (numpy scalars from parquet rows become Python
+  ones; message keys set to None are dropped, as HF's _normalize_chat_messages does)."""
+  if value is None or type(value) in (str, int, float, bool):
+    return value
+  if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
+    return value.item()
+  if isinstance(value, Mapping):
+    return {str(k): _plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)) or hasattr(value, "tolist"):
+    return [_plain(v) for v in (value.tolist() if hasattr(value, "tolist") else value)]
+  return str(value)
+
+
+def as_messages(prompt: Prompt) -> list[dict[str, Any]]:
+  """A string prompt is one user message; a list is taken as messages (None keys dropped)."""
+  if isinstance(prompt, str):
+    return [{"role": "user", "content": prompt}]
+  return [{k: _plain(v) for k, v in m.items() if v is not None} for m in prompt]
+
+
+class ChatTemplate:
+  """A compiled chat template plus the special-token strings it may read."""
+
+  def __init__(self, source: str, *, special_tokens: Optional[Mapping[str, str]] = None,
+               name: str = "chat template"):
+    """`source`: the Jinja text; `special_tokens`: {'bos_token': '<s>', ...} (None entries
+    are left undefined, as HF leaves an unset token out); `name`: how errors refer to it."""
+    self.source, self.name = source, name
+    self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+    try:
+      self._template = _environment().from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+      raise ChatTemplateError(f"{name}: not a valid Jinja template (line {e.lineno}: "
+                              f"{e.message})") from e
+
+  def render(self, prompt: Prompt, add_generation_prompt: bool = True) -> str:
+    """The text of `prompt` as the model reads it, ending with the assistant's header."""
+    messages = as_messages(prompt)
+    if not messages:
+      raise ChatTemplateError(f"{self.name}: cannot render an empty conversation")
+    try:
+      return self._template.render(messages=messages, tools=None, documents=None,
+                                   add_generation_prompt=add_generation_prompt,
+                                   **self.special_tokens)
+    except jinja2.exceptions.TemplateError as e:
+      raise ChatTemplateError(f"{self.name}: {type(e).__name__}: {e}") from e
+
+  @classmethod
+  def load(cls, spec: str, tokenizer_path: str = "") -> Optional["ChatTemplate"]:
+    """The template `data.chat_template` names; None for "none".
+
+    spec: "none"; "auto" (the template next to `tokenizer_path`, the run's init.tokenizer);
+      or a path to a .jinja file, a tokenizer_config.json, or a directory holding either
+      (chat_template.jinja first, as transformers reads them).
+    tokenizer_path: tokenizer.json or its directory; its tokenizer_config.json gives the
+      special-token variables (bos_token, eos_token, ...) whichever file the template is from.
+    """
+    if spec == "none":
+      return None
+    tok_dir = _directory(tokenizer_path) if tokenizer_path else ""
+    special = _special_tokens(os.path.join(tok_dir, CONFIG_FILE)) if tok_dir else {}
+    if spec == "auto":
+      if not tok_dir:
+        raise ChatTemplateError(
+            "config.data.chat_template='auto' reads the tokenizer's own template, but "
+            "config.init.tokenizer is empty (the synthetic task's tokenizer has none): set "
+            "init.tokenizer, a template path, or 'none'")
+      found = _find_template(tok_dir)
+      if found is None:
+        raise ChatTemplateError(
+            f"config.data.chat_template='auto': no chat template next to the tokenizer (looked "
+            f"for {os.path.join(tok_dir, TEMPLATE_FILE)} and a 'chat_template' entry in "
+            f"{os.path.join(tok_dir, CONFIG_FILE)}); a base model has none: set 'none' or a "
+            "template path")
+    else:
+      if not os.path.exists(spec):
+        raise ChatTemplateError(f"config.data.chat_template={spec!r}: no such file or directory; "
+                                "expected 'none', 'auto', or a path to a .jinja file, a "
+                                "tokenizer_config.json or a directory holding either")
+      found = _find_template(spec) if os.path.isdir(spec) else _template_file(spec)
+      if found is None:
+        raise ChatTemplateError(f"config.data.chat_template={spec!r}: the directory holds no "
+                                f"{TEMPLATE_FILE} and no {CONFIG_FILE} with a 'chat_template'")
+      if not special:  # no tokenizer config: the template's own directory may have one
+        special = _special_tokens(os.path.join(_directory(found[1]), CONFIG_FILE))
+    source, where = found
+    return cls(source, special_tokens=special, name=where)
+
+
+def _directory(path: str) -> str:
+  return path if os.path.isdir(path) else os.path.dirname(path) or "."
+
+
+def _read_json(path: str) -> dict[str, Any]:
+  try:
+    with open(path, encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ChatTemplateError(f"{path}: cannot read it as JSON ({e})") from e
+  if not isinstance(config, dict):
+    raise ChatTemplateError(f"{path}: expected a JSON object, got {type(config).__name__}")
+  return config
+
+
+def _special_tokens(config_path: str) -> dict[str, str]:
+  """The named special tokens of a tokenizer_config.json (strings or {'content': ...})."""
+  if not os.path.isfile(config_path):
+    return {}
+  config, out = _read_json(config_path), {}
+  for name in SPECIAL_TOKEN_NAMES:
+    value = config.get(name)
+    if isinstance(value, dict):
+      value = value.get("content")
+    if isinstance(value, str):
+      out[name] = value
+  return out
+
+
+def _config_template(path: str, config: Mapping[str, Any]) -> Optional[str]:
+  """tokenizer_config.json's chat_template: a string, or a list of named templates (HF's
+  multi-template form; the one named 'default' is what apply_chat_template uses)."""
+  value = config.get("chat_template")
+  if value is None or isinstance(value, str):
+    return value
+  if isinstance(value, list):
+    named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+    if isinstance(named.get("default"), str):
+      return named["default"]
+    raise ChatTemplateError(f"{path}: chat_template holds the named templates "
+                            f"{sorted(map(str, named))} but none named 'default'")
+  raise ChatTemplateError(f"{path}: chat_template must be a string or a list of "
+                          f"{{'name', 'template'}}, got {type(value).__name__}")
+
+
+def _template_file(path: str) -> Optional[tuple[str, str]]:
+  """(source, path) of a .jinja file or a tokenizer_config.json's template."""
+  if path.endswith(".json"):
+    source = _config_template(path, _read_json(path))
+    if source is None:
+      raise ChatTemplateError(f"{path}: has no 'chat_template' entry")
+    return source, path
+  try:
+    with open(path, encoding="utf-8") as f:
+      return f.read(), path
+  except (OSError, UnicodeDecodeError) as e:
+    raise ChatTemplateError(f"{path}: cannot read the chat template ({e})") from e
+
+
+def _find_template(directory: str) -> Optional[tuple[str, str]]:
+  """chat_template.jinja in `directory`, else its tokenizer_config.json's entry, else None."""
+  jinja_path = os.path.join(directory, TEMPLATE_FILE)
+  if os.path.isfile(jinja_path):
+    return _template_file(jinja_path)
+  config_path = os.path.join(directory, CONFIG_FILE)
+  if os.path.isfile(config_path):
+    source = _config_template(config_path, _read_json(config_path))
+    if source is not None:
+      return source, config_path
+  return None

@@ -1,0 +1,181 @@
+"""Prompt datasets from files: JSONL or parquet rows with a prompt and a ground-truth answer,
+rendered through an optional chat template, split into training and held-out prompts.
+
+A row's prompt sits under `prompt_key` and its answer under `answer_key`; a dotted key reads a
+nested field (verl's parquet files keep the answer in `reward_model.ground_truth`). A key that
+exists literally, dots included, wins over the nested reading. The prompt is a string or a list
+of messages ({"role", "content"} with string values); the answer a string or a number (kept as
+its text; an integral float such as 42.0 as '42'). Every record keeps the row's own fields and
+gets three more:
+
+  prompt     the row's prompt (a string or the messages), what the chat template renders
+  target     the row's answer as text (absent when the row has none and none is required): what
+             the verifiers and a user's reward function receive as the sample's answer
+  _source    'path:line' (JSONL, 1-based lines) or 'path:row i' (parquet, 0-based rows), which
+             every later error about the record names
+
+`render_prompts` adds `_prompt_text` (PROMPT_TEXT_KEY), the text that is tokenised.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import numpy as np
+
+from rlhfuse_jax.data.chat import ChatTemplate, ChatTemplateError
+from rlhfuse_jax.data.prompts import SOURCE_KEY, where
+
+PROMPT_KEY = "prompt"
+ANSWER_KEY = "target"
+PROMPT_TEXT_KEY = "_prompt_text"
+_MISSING = object()
+
+
+def _rows(path: str) -> Iterator[tuple[str, Any]]:
+  """(where, row) for every row of a JSONL or parquet file (by extension)."""
+  if path.endswith(".parquet"):
+    try:
+      import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+      raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
+    try:
+      table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 pyarrow raises several types for a bad file
+      raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
+    for i, row in enumerate(table.to_pylist()):
+      yield f"{path}:row {i}", row
+    return
+  with open(path, encoding="utf-8") as f:
+    for line_number, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      where_ = f"{path}:{line_number}"
+      try:
+        yield where_, json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{where_}: invalid JSON ({e.msg} at column {e.colno}); expected one "
+                         "object per line") from e
+
+
+def lookup(row: Mapping[str, Any], key: str) -> Any:
+  """row[key], or the nested field a dotted key names; _MISSING when absent."""
+  if key in row:
+    return row[key]
+  node: Any = row
+  for part in key.split("."):
+    if not isinstance(node, Mapping) or part not in node:
+      return _MISSING
+    node = node[part]
+  return node
+
+
+def check_prompt(prompt: Any, where_: str, key: str) -> Any:
+  """A string, or a non-empty list of {'role': str, 'content': str} messages."""
+  if isinstance(prompt, str):
+    if not prompt:
+      raise ValueError(f"{where_}: field '{key}' is an empty string; expected a prompt")
+    return prompt
+  if isinstance(prompt, (list, tuple)):
+    if not prompt:
+      raise ValueError(f"{where_}: field '{key}' is an empty list; expected at least one message")
+    for i, m in enumerate(prompt):
+      if not isinstance(m, Mapping):
+        raise ValueError(f"{where_}: field '{key}' message {i} is a {type(m).__name__}; expected "
+                         "an object {\"role\": ..., \"content\": ...}")
+      for name in ("role", "content"):
+        if not isinstance(m.get(name), str):
+          raise ValueError(f"{where_}: field '{key}' message {i} needs a string '{name}', got "
+                           f"{type(m.get(name)).__name__}")
+    return [dict(m) for m in prompt]
+  raise ValueError(f"{where_}: field '{key}' must be a string or a list of messages, got "
+                   f"{type(prompt).__name__}")
+
+
+def _answer_text(answer: Any, where_: str, key: str) -> str:
+  if isinstance(answer, str):
+    return answer
+  if isinstance(answer, (int, np.integer)) and not isinstance(answer, bool):
+    return str(int(answer))
+  if isinstance(answer, (float, np.floating)):
+    # A parquet column of numbers is float as soon as one is: 42 reads back as 42.0.
+    return str(int(answer)) if float(answer).is_integer() else str(float(answer))
+  raise ValueError(f"{where_}: answer field '{key}' must be a string or a number, got "
+                   f"{type(answer).__name__}")
+
+
+def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSWER_KEY, *,
+                 require_answer: bool = False) -> list[dict[str, Any]]:
+  """The rows of a JSONL (any extension but .parquet) or parquet file as prompt records.
+
+  require_answer: every row must have an answer (the run's reward verifies against it);
+  otherwise a row without one simply has no 'target'. Errors name the file and the row; a line
+  that is not JSON is reported before any row's missing field.
+  """
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"prompts file not found: {path}")
+  records = []
+  # Every row is parsed before any is checked: a file that is not JSONL (or parquet) at all is
+  # reported as such, whatever its first rows lack.
+  for where_, row in list(_rows(path)):
+    if not isinstance(row, Mapping):
+      raise ValueError(f"{where_}: expected an object with a prompt field '{prompt_key}', got "
+                       f"{type(row).__name__}")
+    prompt = lookup(row, prompt_key)
+    if prompt is _MISSING or prompt is None:
+      raise ValueError(f"{where_}: missing prompt field '{prompt_key}' (keys: {sorted(row)}); "
+                       "set config.data.prompt_key to the field that holds the prompt")
+    record = dict(row)
+    record[PROMPT_KEY] = check_prompt(prompt, where_, prompt_key)
+    answer = lookup(row, answer_key)
+    if answer is _MISSING or answer is None:
+      if require_answer:
+        raise ValueError(f"{where_}: missing answer field '{answer_key}' (keys: {sorted(row)}), "
+                         "which the run's reward verifies against; set config.data.answer_key "
+                         "to the field that holds the ground truth")
+      record.pop(ANSWER_KEY, None)
+    else:
+      record[ANSWER_KEY] = _answer_text(answer, where_, answer_key)
+    record[SOURCE_KEY] = where_
+    records.append(record)
+  if not records:
+    raise ValueError(f"{path}: no prompts (the file is empty or blank)")
+  return records
+
+
+def split_records(records: Sequence[Mapping[str, Any]], fraction: float, seed: int
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+  """(training, held-out): round(fraction * N) records (at least one) drawn with
+  rng([seed, 29]), each part in the original order; the split depends only on (N, seed)."""
+  n = len(records)
+  k = max(1, int(round(fraction * n)))
+  if not 0 < fraction < 1 or k >= n:
+    raise ValueError(f"config.data.val_fraction={fraction} of {n} prompts leaves "
+                     f"{n - k} for training; expected 0 < val_fraction < 1 leaving at least one")
+  held = np.zeros(n, bool)
+  held[np.random.default_rng([seed, 29]).permutation(n)[:k]] = True
+  return ([dict(r) for r, h in zip(records, held) if not h],
+          [dict(r) for r, h in zip(records, held) if h])
+
+
+def render_prompts(records: Sequence[Mapping[str, Any]],
+                   template: Optional[ChatTemplate]) -> list[dict[str, Any]]:
+  """Records with PROMPT_TEXT_KEY: the chat template's rendering (generation prompt added), or
+  the prompt itself when there is no template (a list of messages then is an error)."""
+  out = []
+  for i, r in enumerate(records):
+    prompt = r.get(PROMPT_KEY)
+    if template is None:
+      if not isinstance(prompt, str):
+        raise ValueError(f"prompt {i}{where(r)} is a list of messages but "
+                         "config.data.chat_template='none': set 'auto' (the tokenizer's "
+                         "template) or a template path")
+      text = prompt
+    else:
+      try:
+        text = template.render(prompt)
+      except ChatTemplateError as e:
+        raise ValueError(f"prompt {i}{where(r)}: {e}") from e
+    out.append({**r, PROMPT_TEXT_KEY: text})
+  return out

@@ -1,0 +1,120 @@
+"""Rule-based verifiers of math answers and format rewards, one sample at a time.
+
+Each is `fn(response: str, answer: str | None, record: dict) -> float`: the decoded response
+(up to its EOS), the sample's ground truth (record['target'], the dataset's answer column) and
+the whole record. data/rewards.py turns them into batch reward functions (`per_sample`) that
+name the function and the sample in every error.
+
+  gsm8k          1.0 if the response's final number equals the answer's. The final number is
+                 the first number after the last '####' when there is one (GSM8K's own answer
+                 format), else the last number in the text; commas in thousands groups and a
+                 leading '$' are ignored, and numbers compare exactly as decimals (72 == 72.0).
+  math           1.0 if the response's last \\boxed{...} is mathematically equal to the answer,
+                 as math-verify decides (sympy: 1/2 == 0.5 == \\dfrac12, x^2+1 == 1+x^2, sets,
+                 intervals, equations x=2 vs 2). No \\boxed in the response: 0. The answer may be
+                 bare LaTeX ('\\frac{1}{2}') or a MATH solution holding \\boxed{}.
+  boxed_format   1.0 if the response holds a non-empty \\boxed{...} with balanced braces
+  gsm8k_format   1.0 if the response ends with '#### <number>'
+  think_format   1.0 if the response is '<think>...</think>' followed by a non-empty answer
+
+The GSM8K extraction is a regular expression written here: GSM8K answers are plain integers
+(sometimes with thousands commas), and the benchmark's convention is exactly "the final number",
+which math-verify's LaTeX-first extraction does not implement; equivalence of MATH answers is
+left to math-verify, a maintained library (HF), not re-implemented.
+"""
+from __future__ import annotations
+
+import decimal
+import re
+import threading
+from typing import Any, Mapping, Optional
+
+# A number: thousands-grouped (1,234.5), plain (1234.5, -3) or a bare fraction part (.5).
+_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+_NUMBER_RE = re.compile(r"(?<![\w.])\$?\s*(" + _NUMBER + r")")
+_GSM8K_FORMAT_RE = re.compile(r"####\s*\$?\s*" + _NUMBER + r"\s*\.?\s*$")
+_THINK_RE = re.compile(r"\s*<think>.*?</think>\s*\S.*", re.S)
+
+
+def final_number(text: str) -> Optional[decimal.Decimal]:
+  """The final number of a GSM8K-style text (see the module docstring); None if it has none."""
+  if "####" in text:
+    found = _NUMBER_RE.search(text.rsplit("####", 1)[1])
+  else:
+    found = None
+    for found in _NUMBER_RE.finditer(text):
+      pass
+  if found is None:
+    return None
+  return decimal.Decimal(found.group(1).replace(",", ""))
+
+
+def gsm8k(response: str, answer: Optional[str], record: Mapping[str, Any]) -> float:
+  gold = final_number(_required(answer))
+  if gold is None:
+    raise ValueError(f"the answer {answer!r} holds no number (GSM8K answers end with "
+                     "'#### <number>' or are a number)")
+  pred = final_number(response)
+  return float(pred is not None and pred == gold)
+
+
+def last_boxed(text: str) -> Optional[str]:
+  r"""The content of the last \boxed{...} (or \fbox{...}) with balanced braces, else None."""
+  start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+  if start < 0:
+    return None
+  i = text.index("{", start) + 1
+  depth, begin = 1, i
+  while i < len(text):
+    depth += {"{": 1, "}": -1}.get(text[i], 0)
+    if depth == 0:
+      return text[begin:i]
+    i += 1
+  return None
+
+
+def _timeout() -> Optional[int]:
+  """math-verify bounds sympy with SIGALRM, which only the main thread may use; elsewhere it
+  runs unbounded (its own advice for threaded callers)."""
+  return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+def math_answer(response: str, answer: Optional[str], record: Mapping[str, Any]) -> float:
+  import math_verify  # pylint: disable=import-outside-toplevel (sympy: ~0.5 s to import)
+  answer = _required(answer)
+  if last_boxed(response) is None:
+    return 0.0
+  timeout = _timeout()
+  gold = math_verify.parse(answer if "\\boxed" in answer else f"${answer}$",
+                           parsing_timeout=timeout)
+  if not gold:
+    raise ValueError(f"math-verify cannot parse the answer {answer!r}")
+  pred = math_verify.parse(response, extraction_config=[math_verify.LatexExtractionConfig(
+      boxed_match_priority=0, try_extract_without_anchor=False)], parsing_timeout=timeout)
+  return float(bool(pred) and math_verify.verify(gold, pred, timeout_seconds=timeout))
+
+
+def boxed_format(response: str, answer: Optional[str], record: Mapping[str, Any]) -> float:
+  boxed = last_boxed(response)
+  return float(boxed is not None and bool(boxed.strip()))
+
+
+def gsm8k_format(response: str, answer: Optional[str], record: Mapping[str, Any]) -> float:
+  return float(_GSM8K_FORMAT_RE.search(response) is not None)
+
+
+def think_format(response: str, answer: Optional[str], record: Mapping[str, Any]) -> float:
+  return float(_THINK_RE.fullmatch(response) is not None)
+
+
+def _required(answer: Optional[str]) -> str:
+  if not isinstance(answer, str):
+    raise ValueError(f"needs the sample's answer as a string (record['target'], from "
+                     f"config.data.answer_key), got {type(answer).__name__}")
+  return answer
+
+
+VERIFIERS = {"gsm8k": gsm8k, "math": math_answer, "boxed_format": boxed_format,
+             "gsm8k_format": gsm8k_format, "think_format": think_format}
+# The verifiers that read the answer: a dataset without one cannot train with them.
+NEEDS_ANSWER = frozenset({"gsm8k", "math"})

@@ -1,0 +1,64 @@
+"""The validation pass: the current policy's reward on held-out prompts (config.eval_every).
+
+It runs through the run's own rollout stage (trainer/rollout.py) in batches of the rollout's
+shape, so it compiles nothing new and scores exactly as training does (the same reward function
+or model, the same sampling temperature). The held-out prompts go in pool order, each once per
+pass; the last batch is filled up with prompts from the start of the pool, whose results are
+dropped. Its keys derive from (seed, iteration) on a stream of their own, so the pass is
+reproducible, a resumed run validates exactly as an uninterrupted one, and training never sees
+it (no prompt-stream position, no state).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from rlhfuse_jax.data.prompts import PromptDataset
+from rlhfuse_jax.trainer import rollout as rollout_lib
+
+# Folded into an iteration's key for the validation pass: a stream that training never uses.
+VALIDATION_STREAM = 0x7A11D
+
+
+def validation_key(seed: int, iteration: int) -> jax.Array:
+  """The pass's key after 0-based `iteration` (training's is fold_in(key(seed), iteration))."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), iteration),
+                            VALIDATION_STREAM)
+
+
+class HeldOutEval:
+  """Reward on a fixed pool of held-out prompts, through a rollout stage."""
+
+  def __init__(self, dataset: PromptDataset, rows: int, seed: int):
+    """rows: the rollout stage's batch (prompts_per_iteration * samples_per_prompt)."""
+    self.dataset, self.rows, self.seed = dataset, int(rows), int(seed)
+
+  def __len__(self) -> int:
+    return len(self.dataset)
+
+  def batches(self):
+    """(Prompts, number of real rows) covering the pool once, in order."""
+    n, ds = len(self.dataset), self.dataset
+    for start in range(0, n, self.rows):
+      idx = (start + np.arange(self.rows)) % n  # [rows]; past the pool: filler from its start
+      yield rollout_lib.Prompts(
+          records=[ds.records[i] for i in idx], tokens=ds.tokens[idx], lens=ds.lengths[idx],
+          uids=start + np.arange(self.rows)), min(self.rows, n - start)
+
+  def __call__(self, stage: rollout_lib.RolloutStage, params: Callable[[str], object],
+               iteration: int) -> dict:
+    """val/* metrics of the policy after 0-based `iteration`."""
+    t0 = time.time()
+    key = validation_key(self.seed, iteration)
+    scores, lengths = [], []
+    for b, (prompts, real) in enumerate(self.batches()):
+      out = stage(params, prompts, jax.random.fold_in(key, b))
+      scores.append(np.asarray(out.scores[:real], np.float64))
+      lengths.append(np.asarray(out.rollout.response_lens[:real]))
+    s, lens = np.concatenate(scores), np.concatenate(lengths)
+    return {"val/reward_mean": float(s.mean()), "val/reward_std": float(s.std()),
+            "val/response_length_mean": float(lens.mean()), "val/prompts": int(s.size),
+            "timing_s/validation": time.time() - t0}

@@ -1,0 +1,136 @@
+"""Chat templates against transformers' apply_chat_template, without transformers.
+
+tests/fixtures/tiny_chat/goldens.json holds what transformers rendered and tokenised for three
+templates and seven conversations (tests/make_chat_fixtures.py, run once in a separate venv):
+our text and ids must equal it exactly, errors included.
+"""
+import datetime
+import json
+import os
+
+import pytest
+
+from rlhfuse_jax.data.chat import ChatTemplate, ChatTemplateError
+from rlhfuse_jax.data.records import PROMPT_TEXT_KEY, render_prompts
+from rlhfuse_jax.data.tokenizer import HFTokenizer
+
+CHAT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tiny_chat")
+with open(os.path.join(CHAT, "goldens.json"), encoding="utf-8") as _f:
+  GOLDENS = json.load(_f)
+TEMPLATES = ("chatml", "headers", "inst")
+CASES = [(t, c) for t in TEMPLATES for c in GOLDENS["conversations"]]
+
+
+@pytest.mark.parametrize("template_dir", TEMPLATES)
+def test_auto_finds_the_template_and_special_tokens_as_transformers_does(template_dir):
+  """'auto' reads tokenizer_config.json's chat_template (chatml, headers) or, in transformers'
+  newer layout, chat_template.jinja (inst); the special-token variables are HF's."""
+  d = os.path.join(CHAT, template_dir)
+  template = ChatTemplate.load("auto", os.path.join(d, "tokenizer.json"))
+  assert template.special_tokens == GOLDENS[template_dir]["special_tokens_map"]
+  expected = "chat_template.jinja" if template_dir == "inst" else "tokenizer_config.json"
+  assert template.name == os.path.join(d, expected)
+
+
+@pytest.mark.parametrize("template_dir, conversation", CASES)
+def test_text_and_ids_equal_transformers(template_dir, conversation):
+  d = os.path.join(CHAT, template_dir)
+  template = ChatTemplate.load("auto", d)
+  tokenizer = HFTokenizer.from_file(d)
+  messages = GOLDENS["conversations"][conversation]
+  want = GOLDENS[template_dir]["conversations"][conversation]
+  if "error" in want:
+    with pytest.raises(ChatTemplateError, match=want["error"]):
+      template.render(messages)
+    return
+  text = template.render(messages)
+  assert text == want["text"]
+  assert tokenizer.encode(text, add_bos=False) == want["ids"]
+  # The generation prompt is what the text ends with.
+  assert text.endswith({"chatml": "<|im_start|>assistant\n", "inst": "[/INST]",
+                        "headers": "<|start_header_id|>assistant<|end_header_id|>\n\n"}[
+                            template_dir])
+
+
+def test_a_string_prompt_is_one_user_message():
+  template = ChatTemplate.load("auto", os.path.join(CHAT, "headers"))
+  want = GOLDENS["headers"]["conversations"]["user"]["text"]
+  assert template.render(GOLDENS["conversations"]["user"][0]["content"]) == want
+  assert template.render(GOLDENS["conversations"]["user"], add_generation_prompt=False) == (
+      want[:-len("<|start_header_id|>assistant<|end_header_id|>\n\n")])
+
+
+def test_path_forms_and_none(tmp_path):
+  """A .jinja file, a tokenizer_config.json, a directory; special tokens from the tokenizer's
+  tokenizer_config.json even when the template comes from elsewhere; 'none' is no template."""
+  assert ChatTemplate.load("none", os.path.join(CHAT, "headers")) is None
+  headers = os.path.join(CHAT, "headers")
+  user = GOLDENS["conversations"]["user"]
+  want = GOLDENS["headers"]["conversations"]["user"]["text"]
+  from_config = ChatTemplate.load(os.path.join(headers, "tokenizer_config.json"), headers)
+  assert from_config.render(user) == want
+  assert ChatTemplate.load(headers).render(user) == want  # a directory, no tokenizer given
+  jinja = tmp_path / "t.jinja"
+  with open(os.path.join(headers, "tokenizer_config.json"), encoding="utf-8") as f:
+    jinja.write_text(json.load(f)["chat_template"])
+  assert ChatTemplate.load(str(jinja), headers).render(user) == want
+  # The inst template with the headers tokenizer's specials: BOS is '<|begin_of_text|>'.
+  inst = ChatTemplate.load(os.path.join(CHAT, "inst", "chat_template.jinja"), headers)
+  assert inst.render(user).startswith("<|begin_of_text|>[INST] ")
+
+
+def test_named_templates_strftime_and_errors(tmp_path):
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+      {"name": "tool_use", "template": "tools"},
+      {"name": "default", "template": "{{ strftime_now('%Y') }}|{{ messages[0].content }}"}]}))
+  year = datetime.datetime.now().strftime("%Y")
+  assert ChatTemplate.load("auto", str(tmp_path)).render("hi") == f"{year}|hi"
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+      {"name": "tool_use", "template": "tools"}]}))
+  with pytest.raises(ChatTemplateError, match=r"named templates \['tool_use'\] but none named "
+                                              "'default'"):
+    ChatTemplate.load("auto", str(tmp_path))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+  with pytest.raises(ChatTemplateError, match="chat_template='auto': no chat template next to "
+                                              "the tokenizer"):
+    ChatTemplate.load("auto", str(tmp_path))
+  with pytest.raises(ChatTemplateError, match="init.tokenizer is empty"):
+    ChatTemplate.load("auto", "")
+  with pytest.raises(ChatTemplateError, match=r"chat_template='/nope\.jinja': no such file"):
+    ChatTemplate.load("/nope.jinja")
+  (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
+  with pytest.raises(ChatTemplateError, match=r"bad\.jinja: not a valid Jinja template"):
+    ChatTemplate.load(str(tmp_path / "bad.jinja"))
+  # The sandbox: no attribute escapes from a template.
+  (tmp_path / "evil.jinja").write_text("{{ messages.__class__.__mro__ }}")
+  with pytest.raises(ChatTemplateError, match="SecurityError|UndefinedError"):
+    ChatTemplate.load(str(tmp_path / "evil.jinja")).render("hi")
+
+
+def test_render_prompts_names_the_row(tmp_path):
+  """render_prompts: chat text under PROMPT_TEXT_KEY; without a template a list of messages is
+  an error naming the row; a template's raise_exception names the row and the template."""
+  records = [{"prompt": "What is 12 plus 30?", "_source": "a.jsonl:1"},
+             {"prompt": [{"role": "user", "content": "hi"}, {"role": "user", "content": "x"}],
+              "_source": "a.jsonl:2"}]
+  assert render_prompts(records[:1], None)[0][PROMPT_TEXT_KEY] == "What is 12 plus 30?"
+  with pytest.raises(ValueError, match=r"prompt 1 \(a\.jsonl:2\) is a list of messages but "
+                                       r"config\.data\.chat_template='none'"):
+    render_prompts(records, None)
+  inst = ChatTemplate.load("auto", os.path.join(CHAT, "inst"))
+  with pytest.raises(ValueError, match=r"prompt 1 \(a\.jsonl:2\): .*chat_template\.jinja: "
+                                       "TemplateError: Conversation roles must alternate"):
+    render_prompts(records, inst)
+  out = render_prompts(records[:1], inst)
+  assert out[0][PROMPT_TEXT_KEY] == GOLDENS["inst"]["conversations"]["user"]["text"]
+  assert out[0]["prompt"] == records[0]["prompt"]  # the record keeps its prompt
+
+
+def test_fixture_tokenizer_directories_share_one_vocabulary():
+  """The three directories' tokenizer.json are the same file as the top-level one, so one
+  model's embedding serves every template in the trainer test."""
+  with open(os.path.join(CHAT, "tokenizer.json"), "rb") as f:
+    top = f.read()
+  for d in TEMPLATES:
+    with open(os.path.join(CHAT, d, "tokenizer.json"), "rb") as f:
+      assert f.read() == top

@@ -1,0 +1,257 @@
+"""Prompt datasets from JSONL and parquet: configurable prompt/answer fields, errors naming the
+file and the row, the seeded train/validation split, and build_datasets end to end (a chat
+template, held-out prompts, the tokens the trainer would generate from)."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlhfuse_jax.data.records import (PROMPT_TEXT_KEY, load_records, lookup, render_prompts,
+                                      split_records)
+from rlhfuse_jax.data.tokenizer import HFTokenizer
+from rlhfuse_jax.trainer import build
+from rlhfuse_jax.trainer import config as config_lib
+from tests.test_trainer import tiny_config
+
+CHAT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tiny_chat")
+with open(os.path.join(CHAT, "goldens.json"), encoding="utf-8") as _f:
+  GOLDENS = json.load(_f)
+
+# verl's layout: messages under "prompt", the answer nested in reward_model.ground_truth.
+VERL_ROWS = [
+    {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "What is 12 plus 30?"}],
+     "reward_model": {"style": "rule", "ground_truth": "42"}, "extra_info": {"index": 0}},
+    {"data_source": "gsm8k", "prompt": [{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "What is 2 times 3?"}],
+     "reward_model": {"style": "rule", "ground_truth": "6"}, "extra_info": {"index": 1}},
+]
+
+
+def _jsonl(path, rows, blank_after=None):
+  lines = []
+  for i, r in enumerate(rows):
+    lines.append(r if isinstance(r, str) else json.dumps(r))
+    if i == blank_after:
+      lines.append("")
+  path.write_text("\n".join(lines) + "\n")
+  return str(path)
+
+
+def _parquet(path, rows):
+  pq.write_table(pa.Table.from_pylist(rows), str(path))
+  return str(path)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_nested_keys_messages_and_sources(tmp_path, fmt):
+  """verl-style rows: messages and a nested answer, read the same from JSONL and parquet;
+  every record keeps its fields and says where it came from."""
+  path = (_jsonl(tmp_path / "d.jsonl", VERL_ROWS, blank_after=0) if fmt == "jsonl"
+          else _parquet(tmp_path / "d.parquet", VERL_ROWS))
+  records = load_records(path, "prompt", "reward_model.ground_truth", require_answer=True)
+  assert [r["target"] for r in records] == ["42", "6"]
+  assert [r["prompt"] for r in records] == [v["prompt"] for v in VERL_ROWS]
+  assert records[1]["extra_info"] == {"index": 1} and records[0]["data_source"] == "gsm8k"
+  where = [f"{path}:1", f"{path}:3"] if fmt == "jsonl" else [f"{path}:row 0", f"{path}:row 1"]
+  assert [r["_source"] for r in records] == where
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_flat_keys_numbers_and_optional_answers(tmp_path, fmt):
+  """OpenRLHF-style flat columns; a numeric answer is kept as its text; without
+  require_answer a row may lack the answer (no 'target')."""
+  rows = [{"question": "What is 12 plus 30?", "label": 42, "target": "old"},
+          {"question": "Half of 3?", "label": 1.5, "target": "old"},
+          {"question": "Name a colour.", "label": None, "target": "old"}]
+  path = (_jsonl(tmp_path / "d.jsonl", rows) if fmt == "jsonl"
+          else _parquet(tmp_path / "d.parquet", rows))
+  records = load_records(path, "question", "label")
+  assert [r["prompt"] for r in records] == [r["question"] for r in rows]
+  assert [r.get("target") for r in records] == ["42", "1.5", None]
+  with pytest.raises(ValueError, match=rf"{path}:(row 2|3): missing answer field 'label'"):
+    load_records(path, "question", "label", require_answer=True)
+
+
+def test_lookup_prefers_a_literal_dotted_key():
+  row = {"a.b": 1, "a": {"b": 2, "c": {"d": 3}}}
+  assert lookup(row, "a.b") == 1 and lookup(row, "a.c.d") == 3
+  assert lookup(row, "a.x") is lookup(row, "z")  # the same "missing" marker
+
+
+@pytest.mark.parametrize("row, expected", [
+    ({"q": "x"}, r"missing prompt field 'prompt' \(keys: \['q'\]\); set config\.data\.prompt_key"),
+    ({"prompt": ""}, "field 'prompt' is an empty string"),
+    ({"prompt": []}, "field 'prompt' is an empty list"),
+    ({"prompt": 3}, "field 'prompt' must be a string or a list of messages, got int"),
+    ({"prompt": ["hi"]}, "field 'prompt' message 0 is a str; expected an object"),
+    ({"prompt": [{"role": "user", "content": "a"}, {"role": "user"}]},
+     "field 'prompt' message 1 needs a string 'content', got NoneType"),
+    ({"prompt": "x", "target": [1]}, "answer field 'target' must be a string or a number, got "
+                                     "list"),
+    ({"prompt": "x", "target": True}, "answer field 'target' must be a string or a number, got "
+                                      "bool"),
+])
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_bad_rows_name_file_and_row(tmp_path, row, expected, fmt):
+  rows = [{"prompt": "fine", "target": "1"}, row]
+  if fmt == "jsonl":
+    path, where = _jsonl(tmp_path / "d.jsonl", rows), "d.jsonl:2"
+  else:  # a parquet column has one type: the bad row gets a file of its own
+    path, where = _parquet(tmp_path / "d.parquet", [row]), r"d\.parquet:row 0"
+  with pytest.raises(ValueError, match=rf"{where}: {expected}"):
+    load_records(path)
+
+
+def test_file_level_errors(tmp_path):
+  with pytest.raises(ValueError, match=r"d\.jsonl:2: invalid JSON"):
+    load_records(_jsonl(tmp_path / "d.jsonl", ['{"prompt": "a"}', '{"prompt": ']))
+  with pytest.raises(ValueError, match=r"e\.jsonl: no prompts"):
+    load_records(_jsonl(tmp_path / "e.jsonl", []))
+  (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+  with pytest.raises(ValueError, match=r"bad\.parquet: not a readable parquet file"):
+    load_records(str(tmp_path / "bad.parquet"))
+  with pytest.raises(FileNotFoundError, match="prompts file not found"):
+    load_records(str(tmp_path / "missing.jsonl"))
+  # Invalid JSON anywhere is reported before a missing field on an earlier line.
+  with pytest.raises(ValueError, match=r"d\.jsonl:3: invalid JSON"):
+    load_records(_jsonl(tmp_path / "d.jsonl", ['{"q": "a"}', '{"prompt": "b"}', '{"prompt":']),
+                 require_answer=True)
+  with pytest.raises(ValueError, match=r"d\.jsonl:1: expected an object"):
+    load_records(_jsonl(tmp_path / "d.jsonl", ['["prompt"]']))
+
+
+def test_split_is_seeded_disjoint_and_ordered():
+  records = [{"prompt": f"p{i}", "i": i} for i in range(20)]
+  train, val = split_records(records, 0.25, seed=3)
+  assert len(val) == 5 and len(train) == 15
+  ids_t, ids_v = [r["i"] for r in train], [r["i"] for r in val]
+  assert sorted(ids_t + ids_v) == list(range(20))
+  assert ids_t == sorted(ids_t) and ids_v == sorted(ids_v)  # file order kept in each part
+  assert split_records(records, 0.25, seed=3)[1] == val
+  assert [r["i"] for r in split_records(records, 0.25, seed=4)[1]] != ids_v
+  assert len(split_records(records, 0.01, seed=0)[1]) == 1  # at least one held out
+  with pytest.raises(ValueError, match="val_fraction=0.5 of 1 prompts leaves 0 for training"):
+    split_records(records[:1], 0.5, seed=0)
+
+
+def _chat_config(tmp_path, **overrides):
+  return tiny_config(**{"init.tokenizer": os.path.join(CHAT, "chatml", "tokenizer.json"),
+                        "data.chat_template": "auto", "data.max_prompt_len": 64,
+                        "model.max_seq_len": 80, "critic_model.max_seq_len": 80,
+                        "reward.function": "gsm8k", **overrides})
+
+
+def test_build_datasets_renders_tokenises_and_holds_out(tmp_path):
+  """build_datasets with a parquet file, the tokenizer's chat template and a 25 % split: the
+  token rows are transformers' ids of each rendered prompt (goldens), no BOS added, the held-out
+  prompts are the split's, in file order."""
+  convs = GOLDENS["conversations"]
+  names = ["user", "system_user", "multi_turn", "unicode"]
+  rows = [{"messages": convs[n], "answer": str(i), "name": n} for i, n in enumerate(names)]
+  path = _parquet(tmp_path / "train.parquet", rows)
+  cfg = _chat_config(tmp_path, **{"data.prompts_file": path, "data.prompt_key": "messages",
+                                  "data.answer_key": "answer", "data.val_fraction": 0.25,
+                                  "rollout.prompts_per_iteration": 2, "algo.minibatch_size": 2})
+  task, tok = build.build_task_and_tokenizer(cfg)
+  train, val = build.build_datasets(cfg, task, tok)
+  assert len(train) == 3 and len(val) == 1
+  _, want_val = split_records(load_records(path, "messages", "answer"), 0.25, cfg.seed)
+  assert [r["name"] for r in val.records] == [r["name"] for r in want_val]
+  for ds in (train, val):
+    for i, r in enumerate(ds.records):
+      golden = GOLDENS["chatml"]["conversations"][r["name"]]
+      assert r[PROMPT_TEXT_KEY] == golden["text"]
+      assert r["target"] == str(names.index(r["name"]))
+      np.testing.assert_array_equal(ds.tokens[i, :ds.lengths[i]], golden["ids"])
+      assert np.all(ds.tokens[i, ds.lengths[i]:] == tok.pad_id)
+  # The stream draws from the training part only.
+  drawn = {r["name"] for _ in range(6) for r in train.next_batch().records}
+  assert drawn == {r["name"] for r in train.records} and not drawn & {val.records[0]["name"]}
+
+
+def test_build_datasets_errors_name_the_row(tmp_path):
+  """A missing answer for a verifier, a template error and a too-long rendered prompt all stop
+  build_datasets naming the file and the row."""
+  rows = [{"prompt": "What is 12 plus 30?", "target": "42"}, {"prompt": "Half of 3?"}]
+  path = _jsonl(tmp_path / "p.jsonl", rows)
+  cfg = _chat_config(tmp_path, **{"data.prompts_file": path})
+  task, tok = build.build_task_and_tokenizer(cfg)
+  with pytest.raises(ValueError, match=r"p\.jsonl:2: missing answer field 'target'"):
+    build.build_datasets(cfg, task, tok)
+  # A user's function needs no answer column; the row without one loads.
+  user = _chat_config(tmp_path, **{"data.prompts_file": path,
+                                   "reward.function": "tests.test_rewards:answer_length"})
+  assert [r.get("target") for r in build.build_datasets(user, task, tok)[0].records] == [
+      "42", None]
+  short = _chat_config(tmp_path, **{"data.prompts_file": _jsonl(tmp_path / "q.jsonl", rows[:1]),
+                                    "data.max_prompt_len": 20})
+  with pytest.raises(ValueError, match=r"prompt 0 \(.*q\.jsonl:1\) has 31 tokens, more than "
+                                       r"max_prompt_len=20"):
+    build.build_datasets(short, task, tok)
+  two_users = [{"prompt": GOLDENS["conversations"]["two_users"], "target": "1"}]
+  inst = _chat_config(tmp_path, **{
+      "data.prompts_file": _jsonl(tmp_path / "r.jsonl", two_users),
+      "init.tokenizer": os.path.join(CHAT, "inst", "tokenizer.json")})
+  with pytest.raises(ValueError, match=r"prompt 0 \(.*r\.jsonl:1\): .*roles must alternate"):
+    build.build_datasets(inst, task, HFTokenizer.from_file(os.path.join(CHAT, "inst")))
+
+
+def test_task_prompts_without_template_keep_their_tokens():
+  """The defaults (synthetic task, chat_template='none') tokenise as before: the task's own
+  text with the tokenizer's BOS, so existing runs and checkpoints are unchanged."""
+  cfg = tiny_config()
+  task, tok = build.build_task_and_tokenizer(cfg)
+  ds = build.build_dataset(cfg, task, tok)
+  for i in range(5):
+    r = ds.records[i]
+    assert r[PROMPT_TEXT_KEY] == r["prompt"]
+    np.testing.assert_array_equal(ds.tokens[i, :ds.lengths[i]], tok.encode(r["prompt"]))
+  assert render_prompts(ds.records[:1], None)[0][PROMPT_TEXT_KEY] == ds.records[0]["prompt"]
+
+
+def test_config_fields_checks_and_resume():
+  """The new fields' errors name them; at their defaults they keep a checkpoint written before
+  they existed resumable, and the validation-only fields may change on resume."""
+  with pytest.raises(ValueError, match=r"config\.data\.val_fraction=0\.1: expected 0 when "
+                                       r"data\.val_file='v\.jsonl'"):
+    tiny_config(**{"data.val_file": "v.jsonl", "data.val_fraction": 0.1})
+  with pytest.raises(ValueError, match=r"config\.eval_every=5: expected 0 without held-out "
+                                       "prompts"):
+    tiny_config(eval_every=5)
+  with pytest.raises(ValueError, match=r"config\.data\.val_fraction=1\.0: expected in \[0, 1\)"):
+    tiny_config(**{"data.val_fraction": 1.0})
+  with pytest.raises(ValueError, match=r"config\.data\.prompt_key='': expected a non-empty"):
+    tiny_config(**{"data.prompt_key": ""})
+  now = tiny_config().fingerprint()
+  new = {"data.prompt_key", "data.answer_key", "data.chat_template", "data.val_fraction",
+         "reward.format", "reward.format_weight"}
+  assert new <= set(now)
+  old = {k: v for k, v in now.items() if k not in new}  # a checkpoint from before the fields
+  assert config_lib.fingerprint_changes(old, now) == []
+  changed = tiny_config(**{"data.chat_template": "auto"}).fingerprint()
+  assert config_lib.fingerprint_changes(old, changed) == [
+      "data.chat_template: (absent) -> 'auto'"]
+  assert not {"eval_every", "data.val_file", "data.val_max_prompts"} & set(now)
+
+
+def test_chat_prompts_get_no_second_bos(tmp_path):
+  """A tokenizer that adds BOS by itself (add_bos_token=true, as LLaMA's) with a template that
+  writes bos_token: the prompt starts with one BOS, exactly transformers' ids."""
+  d = tmp_path / "tok"
+  shutil.copytree(os.path.join(CHAT, "headers"), d)
+  config = json.loads((d / "tokenizer_config.json").read_text())
+  (d / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+  tok = HFTokenizer.from_file(str(d))
+  assert tok.add_bos and tok.encode("hi")[0] == tok.bos_id
+  path = _jsonl(tmp_path / "p.jsonl", [{"prompt": GOLDENS["conversations"]["user"][0]["content"],
+                                        "target": "42"}])
+  cfg = _chat_config(tmp_path, **{"data.prompts_file": path, "init.tokenizer": str(d),
+                                  "rollout.prompts_per_iteration": 8})
+  ds = build.build_dataset(cfg, None, tok)
+  np.testing.assert_array_equal(ds.tokens[0, :ds.lengths[0]],
+                                GOLDENS["headers"]["conversations"]["user"]["ids"])
+

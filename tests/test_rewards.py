@@ -1,0 +1,232 @@
+"""Math verifiers (GSM8K final number, MATH boxed answers through math-verify), format rewards,
+user functions by import path, and errors that name the function and the sample."""
+import os
+
+import numpy as np
+import pytest
+
+from rlhfuse_jax.data import rewards as rewards_lib
+from rlhfuse_jax.data import verifiers
+from rlhfuse_jax.data.tokenizer import HFTokenizer
+from rlhfuse_jax.inference.scoring import Rewards
+from rlhfuse_jax.trainer import build
+from tests.test_trainer import tiny_config
+
+CHAT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tiny_chat")
+GSM8K_SOLUTION = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = "
+                  "<<48+24=72>>72 clips altogether in April and May.\n#### 72")
+
+
+# ------------------------------------------------------------ user functions for the tests
+def answer_length(response, answer, record):
+  """A user reward by import path ('tests.test_rewards:answer_length'): the response's length
+  in characters over 100, so that scores differ between responses."""
+  return len(response) / 100.0
+
+
+def broken(response, answer, record):
+  return 1.0 / 0.0 if record.get("id") == 2 else 0.5
+
+
+def not_a_number(response, answer, record):
+  return "high"
+
+
+NOT_CALLABLE = 3
+
+
+# ------------------------------------------------------------ the verifiers, text in
+@pytest.mark.parametrize("response, score", [
+    ("She sold 24 in May, 72 in all.", 1.0),  # the last number
+    ("72 clips, then 3 more", 0.0),  # the last number is 3
+    ("#### 72", 1.0), ("so #### $72.", 1.0), ("#### 72 and then 5", 1.0),  # after the last ####
+    ("The answer is 72.0", 1.0), ("-72", 0.0), ("720", 0.0), ("7,2", 0.0),
+    ("no number at all", 0.0), ("", 0.0), ("x72", 0.0),
+])
+def test_gsm8k_final_number(response, score):
+  assert verifiers.gsm8k(response, GSM8K_SOLUTION, {}) == score
+  assert verifiers.gsm8k(response, "72", {}) == score  # a bare number as the answer
+
+
+def test_gsm8k_numbers_commas_and_bad_answers():
+  assert verifiers.final_number("in total $1,234,567.50 dollars") == verifiers.final_number(
+      "1234567.5")
+  assert verifiers.final_number("3, 4, 5") == 5 and verifiers.final_number(".5 of it") == 0.5
+  assert verifiers.gsm8k("The answer is 1,000", "#### 1000", {}) == 1.0
+  with pytest.raises(ValueError, match="the answer 'many' holds no number"):
+    verifiers.gsm8k("72", "many", {})
+  with pytest.raises(ValueError, match=r"needs the sample's answer as a string \(record"):
+    verifiers.gsm8k("72", None, {})
+
+
+@pytest.mark.parametrize("answer, response, score", [
+    ("\\frac{1}{2}", "so the answer is \\boxed{0.5}", 1.0),
+    ("\\frac{1}{2}", "\\boxed{\\dfrac12}", 1.0),
+    ("0.5", "$\\boxed{\\frac{1}{2}}$", 1.0),
+    ("\\frac{\\sqrt{3}}{2}", "\\boxed{\\frac{\\sqrt3}{2}}", 1.0),
+    ("x^2+1", "we get \\boxed{1+x^2}", 1.0),
+    ("x=2", "\\boxed{2}", 1.0),
+    ("(1,2)", "\\boxed{(1, 2)}", 1.0),
+    ("\\text{Monday}", "\\boxed{\\text{Monday}}", 1.0),
+    ("The area is $\\boxed{12}$.", "\\boxed{12}", 1.0),  # a MATH solution as the answer
+    ("3", "\\boxed{3} at first, but \\boxed{4}", 0.0),  # the last box counts
+    ("3", "\\boxed{-3}", 0.0),
+    ("\\pi", "\\boxed{3.14159}", 0.0),
+    ("72", "The final answer is $72$", 0.0),  # no \boxed: MATH answers are boxed
+    ("72", "\\boxed{}", 0.0),
+    ("72", "\\boxed{72", 0.0),  # unbalanced
+])
+def test_math_boxed_answers(answer, response, score):
+  assert verifiers.math_answer(response, answer, {}) == score
+
+
+def test_math_unparseable_answer_is_an_error():
+  with pytest.raises(ValueError, match="math-verify cannot parse the answer ''"):
+    verifiers.math_answer("\\boxed{1}", "", {})
+
+
+@pytest.mark.parametrize("fn, response, score", [
+    (verifiers.boxed_format, "so \\boxed{x+1}.", 1.0),
+    (verifiers.boxed_format, "\\boxed{ }", 0.0),
+    (verifiers.boxed_format, "\\boxed{\\frac{1}{2}", 0.0),
+    (verifiers.boxed_format, "72", 0.0),
+    (verifiers.gsm8k_format, "work...\n#### 72", 1.0),
+    (verifiers.gsm8k_format, "#### 1,000.", 1.0),
+    (verifiers.gsm8k_format, "#### 72 apples", 0.0),
+    (verifiers.gsm8k_format, "72", 0.0),
+    (verifiers.think_format, "<think>add them</think> 72", 1.0),
+    (verifiers.think_format, "<think>\na\nb\n</think>\n\\boxed{3}", 1.0),
+    (verifiers.think_format, "<think>add them</think>", 0.0),
+    (verifiers.think_format, "72 <think>late</think> 3", 0.0),
+])
+def test_format_rewards(fn, response, score):
+  assert fn(response, None, {}) == score
+
+
+def test_last_boxed():
+  assert verifiers.last_boxed("a \\boxed{1} b \\boxed{\\frac{a}{b}} c") == "\\frac{a}{b}"
+  assert verifiers.last_boxed("\\fbox{7}") == "7"
+  assert verifiers.last_boxed("\\boxed{{x}") is None and verifiers.last_boxed("none") is None
+
+
+# ------------------------------------------------------------ batch functions, ids in
+@pytest.fixture(scope="module")
+def tok():
+  return HFTokenizer.from_file(os.path.join(CHAT, "chatml"))
+
+
+def _batch(tok, texts, stop=True, width=40):
+  """[B, T] ids of each text (+ EOS when stop) and [B] lengths, padded with PAD."""
+  rows = [tok.encode(t, add_bos=False) + ([tok.eos_id] if stop else []) for t in texts]
+  ids = np.full((len(rows), width), tok.pad_id, np.int32)
+  for i, r in enumerate(rows):
+    ids[i, :len(r)] = r
+  return ids, np.array([len(r) for r in rows], np.int32)
+
+
+def test_decode_responses_stops_at_eos_and_marks_foreign_ids(tok):
+  ids, lens = _batch(tok, ["so #### 72", "7"], stop=True)
+  ids[0, lens[0]:lens[0] + 3] = tok.encode(" 5", add_bos=False)[0]  # after EOS: ignored
+  assert rewards_lib.decode_responses(ids, lens + 3, tok) == ["so #### 72", "7"]
+  ids[1, 1], ids[1, 2], lens[1] = tok.vocab_size + 5, tok.encode("2", add_bos=False)[0], 3
+  text = rewards_lib.decode_responses(ids, lens, tok)[1]
+  assert text == "7\ufffd2"  # never '72'
+  assert verifiers.gsm8k(text, "72", {}) == 0.0
+
+
+def test_registered_verifiers_score_token_batches(tok):
+  texts = ["She sold 72 clips.", "#### 71", "The answer is \\boxed{72}", "no idea"]
+  ids, lens = _batch(tok, texts)
+  records = [{"target": GSM8K_SOLUTION}] * 4
+  gsm8k = rewards_lib.get_reward_function("gsm8k")
+  np.testing.assert_array_equal(gsm8k(records, ids, lens, tok), [1, 0, 1, 0])
+  math = rewards_lib.get_reward_function("math")
+  np.testing.assert_array_equal(math([{"target": "72"}] * 4, ids, lens, tok), [0, 0, 1, 0])
+  # Without an EOS (cut at max_new_tokens) the whole row is the response.
+  ids2, lens2 = _batch(tok, texts, stop=False)
+  np.testing.assert_array_equal(gsm8k(records, ids2, lens2, tok), [1, 0, 1, 0])
+
+
+def test_config_combines_a_verifier_and_a_weighted_format_reward(tok):
+  """reward.function='gsm8k', reward.format='gsm8k_format', weight 0.25: gsm8k + 0.25 *
+  format, per sample, through the trainer's Rewards."""
+  cfg = tiny_config(**{"reward.function": "gsm8k", "reward.format": "gsm8k_format",
+                       "reward.format_weight": 0.25})
+  rewards = build.build_rewards(cfg, None, tok, None, None)
+  assert rewards.name == "gsm8k + 0.25 * gsm8k_format"
+  ids, lens = _batch(tok, ["work\n#### 72", "72", "#### 5", "five"])
+  out = rewards.from_function([{"target": "#### 72"}] * 4, ids, lens)
+  np.testing.assert_allclose(out, [1.25, 1.0, 0.25, 0.0])
+
+
+def test_user_function_by_import_path(tok):
+  fn = rewards_lib.get_reward_function("tests.test_rewards:answer_length")
+  texts = ["a", "abc def", ""]
+  ids, lens = _batch(tok, texts)
+  np.testing.assert_allclose(fn([{}] * 3, ids, lens, tok), [0.01, 0.07, 0.0])
+  # The trainer's resolver and the early check accept it too.
+  cfg = tiny_config(**{"reward.function": "tests.test_rewards:answer_length"})
+  build.check_reward_functions(cfg)
+  out = build.build_rewards(cfg, None, tok, None, None).from_function([{}] * 3, ids, lens)
+  np.testing.assert_allclose(out, [0.01, 0.07, 0.0])
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("nope", r"unknown reward function 'nope'; known: \[.*'gsm8k'.*'math'.*or a function by "
+             r"import path"),
+    ("tests.no_such_module:f", r"cannot import module 'tests\.no_such_module' "
+                               r"\(ModuleNotFoundError"),
+    ("tests.test_rewards:missing", "module 'tests.test_rewards' has no attribute 'missing'"),
+    ("tests.test_rewards:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a callable"),
+    ("tests.test_rewards:", "expected 'package.module:function'"),
+])
+def test_bad_function_specs_fail_before_the_run(spec, expected):
+  with pytest.raises(ValueError, match=expected):
+    rewards_lib.get_reward_function(spec)
+  with pytest.raises(ValueError, match=expected):
+    build.check_reward_functions(tiny_config(**{"reward.function": spec}))
+
+
+def test_errors_name_the_function_and_the_sample(tok):
+  """An exception, a non-number and a non-finite value from a per-sample function each name
+  the function, the sample's index and file:line, its answer and response."""
+  ids, lens = _batch(tok, ["one", "two", "three"])
+  records = [{"id": i, "target": f"t{i}", "_source": f"train.jsonl:{i + 4}"} for i in range(3)]
+  rewards = Rewards(fn=lambda r, i, l: rewards_lib.get_reward_function(
+      "tests.test_rewards:broken")(r, i, l, tok), name="tests.test_rewards:broken")
+  with pytest.raises(rewards_lib.RewardFunctionError,
+                     match=r"reward function 'tests\.test_rewards:broken' failed on sample 2 "
+                           r"\(train\.jsonl:6\) \(answer 't2', response 'three'\): "
+                           r"ZeroDivisionError"):
+    rewards.from_function(records, ids, lens)
+  bad = rewards_lib.get_reward_function("tests.test_rewards:not_a_number")
+  with pytest.raises(ValueError, match=r"'tests\.test_rewards:not_a_number' returned 'high' for "
+                                       r"sample 0 \(train\.jsonl:4\).*expected a finite number"):
+    bad(records, ids, lens, tok)
+  nan = rewards_lib.per_sample(lambda r, a, rec: float("nan"), "nan_fn")
+  with pytest.raises(ValueError, match=r"'nan_fn' returned nan for sample 0"):
+    nan(records, ids, lens, tok)
+  # A registered verifier's error names it and the sample too.
+  with pytest.raises(ValueError, match=r"reward function 'gsm8k' failed on sample 1 "
+                                       r"\(train\.jsonl:5\).*holds no number"):
+    rewards_lib.get_reward_function("gsm8k")(
+        [{"target": "7"}, {"target": "x", "_source": "train.jsonl:5"}], ids[:2], lens[:2], tok)
+
+
+def test_batch_function_errors_are_named_by_the_resolver():
+  """A batch function's own exception reaches the user with the function's name."""
+  def fails(records, ids, lens):
+    raise KeyError("target")
+  rewards = Rewards(fn=fails, name="my_batch_fn")
+  with pytest.raises(ValueError, match=r"reward function 'my_batch_fn' failed on a batch of 2 "
+                                       r"samples: KeyError: 'target'"):
+    rewards.from_function([{}, {}], np.zeros((2, 3), np.int32), np.ones(2, np.int32))
+
+
+def test_reward_config_checks():
+  with pytest.raises(ValueError, match=r"config\.reward\.format='boxed_format': expected '' "
+                                       r"with reward\.kind='model'"):
+    tiny_config(**{"reward.kind": "model", "reward.model_checkpoint": "/x",
+                   "reward.format": "boxed_format"})
+  with pytest.raises(ValueError, match=r"config\.reward\.format_weight=inf"):
+    tiny_config(**{"reward.format": "boxed_format", "reward.format_weight": float("inf")})
