@@ -28,7 +28,7 @@ DATA_DIR = "configs/data/tiny_gsm8k"
 def get_config(arg: str = "ppo"):
   c = ml_collections.ConfigDict(config_lib.defaults())
   c.seed = 0
-  c.num_iterations = 100  # about a minute on a 2-core CPU after ~20 s of compiles
+  c.num_iterations = 100  # 45 s for the whole run on a 2-core CPU
 
   # The actor's architecture comes from the checkpoint's config.json; these shape fields are
   # the tiny model's own and are replaced by it (the run keeps only max_seq_len, dtypes,
@@ -64,7 +64,7 @@ def get_config(arg: str = "ppo"):
   c.algo.minibatch_size = 16
   c.algo.kl_coef = 0.01
   # A toy run's rates, not a fine-tune's 1e-6. At 1e-3 the reward-less random policy drifted
-  # to a KL of ~6 from the reference within 20 iterations; at 1e-4 it stays below ~0.7.
+  # to a KL of ~6 from the reference within 20 iterations; at 1e-4 it stays below 0.85.
   c.optim.actor_lr = 1e-4
   c.optim.critic_lr = 3e-3
   c.optim.warmup_steps = 5

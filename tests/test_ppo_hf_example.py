@@ -20,7 +20,7 @@ from rlhfuse_jax.data.tokenizer import HFTokenizer
 from rlhfuse_jax.models import hf_loader, llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import build, hooks
-from rlhfuse_jax.trainer.config import TrainConfig
+from rlhfuse_jax.trainer.config import EXPORT_HF_CHOICES, TrainConfig
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from rlhfuse_jax.trainer.validate import validate
 from tests.test_trainer import tiny_config
@@ -164,4 +164,4 @@ def test_export_family_and_refusals(tmp_path):
     validate(bad, mesh)
   with pytest.raises(ValueError, match=r"config.checkpoint.export_hf='gpt2': expected one of"):
     tiny_config(**{"checkpoint.export_hf": "gpt2"})
-  assert set(hf_loader.FAMILIES) == set(hooks.config_lib.EXPORT_HF_CHOICES) - {"", "auto"}
+  assert set(hf_loader.FAMILIES) == set(EXPORT_HF_CHOICES) - {"", "auto"}

@@ -70,7 +70,8 @@ def _problem(rng: random.Random) -> dict:
   if kind == 0:
     a, b = rng.randint(2, 20), rng.randint(2, 20)
     s = a + b
-    q = f"{name} has {a} {item}. {he.capitalize()} buys {b} more. How many {item} does {he} have now?"
+    q = (f"{name} has {a} {item}. {he.capitalize()} buys {b} more. "
+         f"How many {item} does {he} have now?")
     sol = f"{name} has {a} + {b} = <<{a}+{b}={s}>>{s} {item} now."
   elif kind == 1:
     a = rng.randint(5, 30)
