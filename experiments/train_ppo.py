@@ -5,8 +5,9 @@ r"""PPO / GRPO training binary.
 Writes into the workdir: config.json (the resolved config of the first start; a start that
 resumes at iteration k adds config.k.json), metrics.jsonl (one object per iteration), tb/
 (TensorBoard events), checkpoints/ (orbax; the latest is resumed automatically, so re-running
-with a larger --config.num_iterations continues the run and its LR schedule) and result.json
-(final summary). A resume whose config differs in a field that changes the run is refused,
+with a larger --config.num_iterations continues the run and its LR schedule), result.json
+(final summary) and, with checkpoint.export_hf, hf_export/ (the final actor as a Hugging Face
+checkpoint). A resume whose config differs in a field that changes the run is refused,
 listing the fields. One run per workdir (a lock names the holder).
 
 Exit status: 0 done; 75 stopped by SIGTERM/SIGINT after saving a checkpoint (re-run to resume);
@@ -27,6 +28,7 @@ from rlhfuse_jax import checkpointing
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.parallel import distributed
+from rlhfuse_jax.trainer import hooks
 from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.loop import EXIT_STOPPED_BY_SIGNAL, PPOTrainer, TIMING_PREFIXES
 
@@ -94,7 +96,11 @@ def main(argv):
   if main_process:
     # The summary covers the whole run (also iterations done before a resume).
     history = wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-    wd.write_json(os.path.join(workdir, "result.json"), summarize(history))
+    result = summarize(history)
+    export = os.path.join(workdir, hooks.HF_EXPORT_DIR)
+    if cfg.checkpoint.export_hf and os.path.isdir(export):
+      result["hf_export"] = export
+    wd.write_json(os.path.join(workdir, "result.json"), result)
     logging.info("done: %s", os.path.join(workdir, "result.json"))
   if trainer.stopped_by_signal is not None:
     logging.warning("exit %d: stopped by signal %d after saving; re-run to resume",

@@ -232,6 +232,14 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
   return cfg
 
 
+def checkpoint_family(ckpt_dir: str) -> str:
+  """The HF family ("llama", "mistral", "qwen2", "qwen3") of the checkpoint at `ckpt_dir`, from
+  its config.json: what an export of a model trained from it should be written back as (a
+  Mistral stays a Mistral, which `hf_family` cannot tell from the ModelConfig)."""
+  path = os.path.join(ckpt_dir, CONFIG_FILE)
+  return ARCHITECTURES[_architecture(_read_json(path), path)][0]
+
+
 def load_hf_config(ckpt_dir: str, **overrides) -> llama.ModelConfig:
   """ModelConfig of a HF {Llama,Mistral,Qwen2,Qwen3}ForCausalLM (or *ForSequenceClassification).
 

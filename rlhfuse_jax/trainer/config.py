@@ -218,6 +218,11 @@ class PipelineConfig:
            "-1 (XLA's default) or a level >= 0")
 
 
+# checkpoint.export_hf: off, the source checkpoint's family, or one of hf_loader.FAMILIES
+# (spelled out here: the config module reads no checkpoint code; a test keeps the two equal).
+EXPORT_HF_CHOICES = ("", "auto", "llama", "mistral", "qwen2", "qwen3")
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   every: int = 25  # save every k iterations (and at the end, and on SIGTERM/SIGINT)
@@ -225,10 +230,17 @@ class CheckpointConfig:
   # A latest checkpoint that cannot be read: True resumes from the newest intact one (with a
   # warning naming the damaged one, which is never deleted); False stops with the error.
   fallback: bool = True
+  # When the run completes num_iterations, the actor as a Hugging Face checkpoint in
+  # WORKDIR/hf_export (config.json + model.safetensors + the tokenizer's files), which
+  # transformers and init.actor_checkpoint load. "": none; "auto": the family of
+  # init.actor_checkpoint's config.json (else the one the model's shape implies); or a family.
+  export_hf: str = ""
 
   def __post_init__(self):
     _check(self.every > 0, "checkpoint.every", self.every, "> 0")
     _check(self.keep > 0, "checkpoint.keep", self.keep, "> 0")
+    _check(self.export_hf in EXPORT_HF_CHOICES, "checkpoint.export_hf", self.export_hf,
+           f"one of {EXPORT_HF_CHOICES} ('': no export)")
 
 
 GUARD_MODES = ("stop", "skip_update")
@@ -353,6 +365,7 @@ SECTIONS = {
 # and saves, what it does when a checkpoint or a value goes bad.
 RESUMABLE_FIELDS = frozenset({
     "num_iterations", "log_every", "checkpoint.every", "checkpoint.keep", "checkpoint.fallback",
+    "checkpoint.export_hf",  # written after the last iteration; the trajectory is the same
     "guard.max_consecutive_skips", "pipeline.schedule_cache_dir",
     # The validation pass reads the policy and its own prompts; training never sees them.
     "eval_every", "data.val_file", "data.val_max_prompts",

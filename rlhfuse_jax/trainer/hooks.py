@@ -1,6 +1,6 @@
 """What `PPOTrainer.run` does around its iterations, as hooks: the stop flag (SIGTERM/SIGINT),
-the checkpoints (resume, fallback, save) and the metrics log (docs/usage.md "Faults and
-resuming").
+the checkpoints (resume, fallback, save), the metrics log (docs/usage.md "Faults and
+resuming") and the Hugging Face export after the last iteration (checkpoint.export_hf).
 
 A hook has `begin(start)`, `after(step, metrics, stopping)` and `end(failing)`; run() calls
 them in order around each iteration, and `end` in a finally clause (`failing`: an exception is
@@ -9,6 +9,8 @@ the questions asked before anything is built: where to resume, and whether this 
 """
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 from typing import Any, Callable, Optional
 
@@ -17,6 +19,8 @@ from absl import logging
 
 from rlhfuse_jax import checkpointing
 from rlhfuse_jax import metrics as metrics_lib
+from rlhfuse_jax.models import hf_loader
+from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 
@@ -212,6 +216,66 @@ class Checkpoints(Hook):
         raise
       # Another error is already on its way out: report this one without hiding it.
       logging.exception("the last checkpoint save failed too")
+
+
+HF_EXPORT_DIR = "hf_export"
+# What a model directory holds besides the weights, copied into the export where the run's
+# tokenizer (init.tokenizer's directory) or its actor checkpoint has them, so that the export
+# loads as a whole model (AutoTokenizer, chat template, generation's EOS) and not weights alone.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
+CHECKPOINT_FILES = ("generation_config.json",)
+
+
+def export_family(cfg: TrainConfig) -> Optional[str]:
+  """The HF family checkpoint.export_hf asks for; None: the one the model's shape implies."""
+  family = cfg.checkpoint.export_hf
+  if family != "auto":
+    return family
+  if cfg.init.actor_checkpoint:
+    return hf_loader.checkpoint_family(cfg.init.actor_checkpoint)
+  return None
+
+
+def export_hf(params: Any, cfg: TrainConfig, out_dir: str) -> Optional[str]:
+  """Writes the actor `params` of the resolved config `cfg` as a HF checkpoint in `out_dir`
+  (replacing an earlier export only once the new one is complete). Every process takes part
+  (a multi-host actor is gathered); process 0 writes. Returns the family written."""
+  family = export_family(cfg)
+  params = mesh_lib.to_host(params)
+  if jax.process_index() != 0:
+    return family
+  tmp = out_dir + ".tmp"
+  shutil.rmtree(tmp, ignore_errors=True)
+  hf_loader.save_hf_checkpoint(params, cfg.model, tmp, family=family)
+  sources = []
+  if cfg.init.tokenizer:
+    tok = cfg.init.tokenizer
+    sources.append((tok if os.path.isdir(tok) else os.path.dirname(tok), TOKENIZER_FILES))
+  if cfg.init.actor_checkpoint:
+    sources.append((cfg.init.actor_checkpoint, CHECKPOINT_FILES))
+  for src, names in sources:
+    for name in names:
+      if os.path.isfile(os.path.join(src, name)):
+        shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))
+  shutil.rmtree(out_dir, ignore_errors=True)
+  os.replace(tmp, out_dir)
+  return family or hf_loader.hf_family(cfg.model)
+
+
+class HFExport(Hook):
+  """checkpoint.export_hf: once the run completes num_iterations, the actor (`params_fn()`, its
+  whole parameters) as a HF checkpoint in WORKDIR/hf_export. A run stopped earlier exports
+  nothing; the run that completes it does."""
+
+  def __init__(self, workdir: str, cfg: TrainConfig, params_fn: Callable[[], Any]):
+    self.out_dir = os.path.join(workdir, HF_EXPORT_DIR)
+    self.cfg, self.params_fn = cfg, params_fn
+
+  def after(self, step: int, metrics: dict, stopping: bool) -> None:
+    if self.cfg.checkpoint.export_hf and step == self.cfg.num_iterations:
+      family = export_hf(self.params_fn(), self.cfg, self.out_dir)
+      logging.info("exported the actor as a HF %s checkpoint: %s", family, self.out_dir)
 
 
 def run_hooks(hooks: list, method: str, *args: Any) -> None:

@@ -3,8 +3,8 @@
 
 Plain Python around jitted steps, assembled from parts that each own one thing: the run's models
 and config (trainer/build.py, checked by trainer/validate.py), stages 1-2 (a RolloutStage,
-trainer/rollout.py), stage 3 (an Update, trainer/update.py), and the checkpoints, metrics log
-and stop flag as hooks on run() (trainer/hooks.py).
+trainer/rollout.py), stage 3 (an Update, trainer/update.py), and the checkpoints, metrics log,
+stop flag and HF export as hooks on run() (trainer/hooks.py).
 
 Every source of randomness is derived from (seed, iteration): generation keys, mini-batch
 shuffles; the prompt stream's position is checkpointed. A run stopped and resumed therefore
@@ -325,7 +325,8 @@ class PPOTrainer:
   def _loop(self, start: int, stop_after: Optional[int]) -> list[dict]:
     stop = hooks.StopFlag()
     run_hooks = [stop, hooks.MetricsLog(self.workdir, self.cfg, rollout_lib.progress_summary),
-                 self.checkpoints]
+                 self.checkpoints,
+                 hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"))]
     history, failing = [], True
     try:
       hooks.run_hooks(run_hooks, "begin", start)

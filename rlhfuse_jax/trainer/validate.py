@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import jax
 
+from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.rl import advantages as adv_lib
-from rlhfuse_jax.trainer import build, pipelined, rollout
+from rlhfuse_jax.trainer import build, hooks, pipelined, rollout
 from rlhfuse_jax.trainer.config import TrainConfig
 
 
@@ -46,3 +47,8 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
     pipelined.check_config(cfg, mesh)
   rollout.check_fusion(cfg, mesh.devices.size)
   build.check_reward_functions(cfg)
+  if cfg.checkpoint.export_hf:  # a family that cannot express the actor: now, not at the end
+    try:
+      hf_loader.hf_config_dict(cfg.model, family=hooks.export_family(cfg))
+    except ValueError as e:
+      raise ValueError(f"config.checkpoint.export_hf={cfg.checkpoint.export_hf!r}: {e}") from e

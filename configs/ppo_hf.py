@@ -1,0 +1,114 @@
+r"""PPO from a Hugging Face checkpoint on a GSM8K-format dataset, end to end on a CPU.
+
+  python -m experiments.train_ppo --config=configs/ppo_hf.py --workdir=/tmp/ppo_hf
+
+Everything a run on your own model needs, at toy size: an HF model directory
+(configs/data/tiny_llama3_chat: a random 2-layer Llama-3-style model with llama3 RoPE scaling,
+its tokenizer and chat template), JSONL prompts with GSM8K answers under `question` / `answer`
+(configs/data/tiny_gsm8k, 256 train + 64 validation problems), the gsm8k verifier plus a format
+reward, a validation pass every eval_every iterations (val/reward_mean) and, at the end, the
+actor exported as an HF checkpoint (WORKDIR/hf_export) that transformers loads. All of it is
+made by configs/data/make_tiny_example.py. The model is random: its reward stays near chance
+(docs/own_model.md says what the run shows). Variant: `configs/ppo_hf.py:grpo` (critic-free,
+4 samples per prompt).
+
+`configs/ppo_hf.py:ppo_gpu` and `configs/ppo_hf.py:grpo_gpu`: the same run at the size of a
+~1B model on one 8-GPU host (bf16, fsdp=8, 512-token prompts, 1024 new tokens, fine-tuning
+rates); they still point at the tiny model and data, so give them yours. docs/own_model.md has
+the commands for Llama-3.2-1B, Qwen3-0.6B and Qwen2.5-1.5B.
+"""
+import ml_collections
+
+from rlhfuse_jax.trainer import config as config_lib
+
+MODEL_DIR = "configs/data/tiny_llama3_chat"  # relative to the repository root, where runs start
+DATA_DIR = "configs/data/tiny_gsm8k"
+
+
+def get_config(arg: str = "ppo"):
+  c = ml_collections.ConfigDict(config_lib.defaults())
+  c.seed = 0
+  c.num_iterations = 100  # 45 s for the whole run on a 2-core CPU
+
+  # The actor's architecture comes from the checkpoint's config.json; these shape fields are
+  # the tiny model's own and are replaced by it (the run keeps only max_seq_len, dtypes,
+  # attention, remat and scan_layers from here: trainer/build.RUN_MODEL_FIELDS).
+  c.init.actor_checkpoint = MODEL_DIR
+  c.init.tokenizer = f"{MODEL_DIR}/tokenizer.json"
+  c.init.critic_checkpoint = MODEL_DIR  # the critic's backbone too; its value head is drawn fresh
+  for section in (c.model, c.critic_model):
+    section.vocab_size = 0
+    section.hidden_size = 64
+    section.intermediate_size = 128
+    section.num_layers = 2
+    section.num_heads = 4
+    section.num_kv_heads = 2
+    section.max_seq_len = 128  # prompt bucket 80 + 32 new tokens, with room
+
+  c.data.prompts_file = f"{DATA_DIR}/train.jsonl"
+  c.data.val_file = f"{DATA_DIR}/val.jsonl"
+  c.data.prompt_key = "question"  # GSM8K's field names
+  c.data.answer_key = "answer"  # the whole solution, ending in '#### N'
+  c.data.chat_template = "auto"  # tokenizer_config.json's, next to init.tokenizer
+  c.data.max_prompt_len = 80  # the longest rendered prompt is 69 tokens
+  c.data.val_max_prompts = 32
+  c.eval_every = 25
+
+  c.reward.function = "gsm8k"  # the response's final number against the answer's
+  c.reward.format = "gsm8k_format"  # + 0.1 when the response ends with '#### <number>'
+  c.reward.format_weight = 0.1
+
+  c.rollout.prompts_per_iteration = 16
+  c.rollout.max_new_tokens = 32
+  c.rollout.chunk_size = 8
+  c.algo.minibatch_size = 16
+  c.algo.kl_coef = 0.01
+  # A toy run's rates, not a fine-tune's 1e-6. At 1e-3 the reward-less random policy drifted
+  # to a KL of ~6 from the reference within 20 iterations; at 1e-4 it stays below 0.85.
+  c.optim.actor_lr = 1e-4
+  c.optim.critic_lr = 3e-3
+  c.optim.warmup_steps = 5
+  c.checkpoint.every = 25
+  c.checkpoint.export_hf = "auto"  # the checkpoint's own family: llama
+
+  algo, _, size = arg.partition("_")
+  if algo not in ("ppo", "grpo") or size not in ("", "gpu"):
+    raise ValueError(f"configs/ppo_hf.py: unknown variant {arg!r}; expected 'ppo', 'grpo', "
+                     "'ppo_gpu' or 'grpo_gpu'")
+  if algo == "grpo":
+    c.algo.estimator = "grpo"
+    c.rollout.prompts_per_iteration = 4
+    c.rollout.samples_per_prompt = 4
+    c.algo.kl_in_reward = False  # GRPO puts the KL in the loss
+    c.algo.kl_estimator = "k3"
+  if size == "gpu":
+    _gpu(c, grpo=algo == "grpo")
+  return c
+
+
+def _gpu(c, grpo: bool) -> None:
+  """A ~1B model (Llama-3.2-1B, Qwen3-0.6B, Qwen2.5-1.5B) on one host of 8 GPUs."""
+  c.num_iterations = 200
+  for section in (c.model, c.critic_model):
+    section.param_dtype = "bfloat16"
+    section.dtype = "bfloat16"
+    section.attention = "auto"  # cuDNN fused attention on GPU, blockwise elsewhere
+    section.remat = "dots"  # keep projections, recompute the rest
+    section.max_seq_len = 1536  # prompt bucket 512 + 1024 new tokens
+  # Every model whole on each of 8 devices' shards (fsdp shards the hidden axis; 1024, 1536
+  # and 2048 all divide by 8), the batch split 8 ways.
+  c.mesh.data = 1
+  c.mesh.fsdp = 8
+  c.data.max_prompt_len = 512  # GSM8K questions under a chat template: well below
+  c.data.val_max_prompts = 512
+  c.eval_every = 20
+  c.rollout.max_new_tokens = 1024
+  c.rollout.chunk_size = 64
+  c.rollout.prompts_per_iteration = 32 if grpo else 128
+  c.rollout.samples_per_prompt = 8 if grpo else 1  # 256 or 128 responses per iteration
+  c.algo.minibatch_size = 64
+  c.algo.epochs = 1
+  c.optim.actor_lr = 1e-6  # fine-tuning a pretrained model
+  c.optim.critic_lr = 5e-6
+  c.optim.warmup_steps = 10
+  c.checkpoint.every = 20

@@ -1,0 +1,167 @@
+"""configs/ppo_hf.py end to end (issue 32): the shipped HF model directory and GSM8K-format data
+are what configs/data/make_tiny_example.py makes; the real config loads, templates, generates,
+verifies, validates, trains and exports an HF checkpoint that reloads to identical logits and is
+laid out as the fixture whose HF logits are recorded (tests/fixtures/tiny_llama3/golden.npz).
+The export option (checkpoint.export_hf) on its own: the family, the files, the refusals."""
+import dataclasses
+import filecmp
+import importlib.util
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from configs import ppo_hf
+from rlhfuse_jax.data import verifiers
+from rlhfuse_jax.data.tokenizer import HFTokenizer
+from rlhfuse_jax.models import hf_loader, llama
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.trainer import build, hooks
+from rlhfuse_jax.trainer.config import EXPORT_HF_CHOICES, TrainConfig
+from rlhfuse_jax.trainer.loop import PPOTrainer
+from rlhfuse_jax.trainer.validate import validate
+from tests.test_trainer import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(REPO, "configs", "data")
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+LLAMA3 = os.path.join(FIXTURES, "tiny_llama3")
+
+
+def _make_script():
+  path = os.path.join(DATA, "make_tiny_example.py")
+  spec = importlib.util.spec_from_file_location("make_tiny_example", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _tensors(ckpt):
+  return safetensors.numpy.load_file(os.path.join(ckpt, "model.safetensors"))
+
+
+def _logits(cfg, params, ids):
+  return np.asarray(jax.jit(lambda p, t: llama.apply(cfg, p, t)[0])(params, ids))
+
+
+def test_shipped_data_is_what_the_script_makes(tmp_path):
+  """Every shipped file is reproduced byte for byte (the model's from the fixture, so its HF
+  goldens are this model's), and every row is a well-formed GSM8K problem whose own solution
+  the gsm8k verifier accepts."""
+  _make_script().main(str(tmp_path))
+  for sub in ("tiny_llama3_chat", "tiny_gsm8k"):
+    names = sorted(os.listdir(tmp_path / sub))
+    assert names == sorted(os.listdir(os.path.join(DATA, sub)))
+    _, mismatch, errors = filecmp.cmpfiles(tmp_path / sub, os.path.join(DATA, sub), names,
+                                           shallow=False)
+    assert not mismatch and not errors, (sub, mismatch, errors)
+  for name in ("config.json", "model.safetensors"):
+    assert filecmp.cmp(os.path.join(DATA, "tiny_llama3_chat", name), os.path.join(LLAMA3, name),
+                       shallow=False)
+  for split, n in (("train", 256), ("val", 64)):
+    with open(os.path.join(DATA, "tiny_gsm8k", f"{split}.jsonl")) as f:
+      rows = [json.loads(line) for line in f]
+    assert len(rows) == n
+    for r in rows:
+      solution, final = r["answer"].rsplit("\n#### ", 1)
+      # The solution's last equation computes the final answer: "... = <<a+b=s>>s ...".
+      assert solution.split(">>")[-1].startswith(final + " ")
+      assert verifiers.gsm8k(f"So the answer is\n#### {final}", r["answer"], r) == 1.0
+      assert verifiers.gsm8k("#### 1000", r["answer"], r) == 0.0
+
+
+def _example_config(**overrides) -> TrainConfig:
+  c = ppo_hf.get_config()
+  for k, v in overrides.items():
+    node = c
+    *path, last = k.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = v
+  return TrainConfig.from_config_dict(c)
+
+
+def test_example_config_trains_validates_and_exports(tmp_path, monkeypatch):
+  """The real config, 2 iterations (validation after the last): verifier and validation reward in
+  the metrics, and WORKDIR/hf_export reloads to the trained actor's parameters and logits
+  exactly, with the config and tensor layout of the HF fixture it started from."""
+  monkeypatch.chdir(REPO)  # the config's paths are relative to the repository, as runs start
+  cfg = _example_config(num_iterations=2, eval_every=2, **{"data.val_max_prompts": 16})
+  wd = str(tmp_path / "run")
+  # One CPU device, as the command runs (the tests' 8 fake devices would only slow it down).
+  trainer = PPOTrainer(cfg, wd, mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1]))
+  assert trainer.cfg.model == hf_loader.load_hf_config(LLAMA3, max_seq_len=128)
+  history = trainer.run()
+  assert [h["step"] for h in history] == [1, 2]
+  for h in history:
+    assert 0.0 <= h["reward/mean"] <= 1.1  # gsm8k (0/1) + 0.1 * gsm8k_format (0/1)
+    assert h["response_length/mean"] > 0
+  assert "val/reward_mean" not in history[0]
+  assert history[1]["val/prompts"] == 16 and 0.0 <= history[1]["val/reward_mean"] <= 1.1
+
+  out = os.path.join(wd, hooks.HF_EXPORT_DIR)
+  assert sorted(os.listdir(out)) == ["config.json", "generation_config.json",
+                                     "model.safetensors", "tokenizer.json",
+                                     "tokenizer_config.json"]
+  for name in ("tokenizer.json", "tokenizer_config.json"):  # the chat template goes along
+    assert filecmp.cmp(os.path.join(out, name), os.path.join(DATA, "tiny_llama3_chat", name),
+                       shallow=False)
+  # Layout: the fixture's tensor names, shapes and dtypes, and its architecture in config.json
+  # (transformers loads exports of this layout to golden.npz exactly, tests/test_hf_loader.py).
+  src, dst = _tensors(LLAMA3), _tensors(out)
+  assert sorted(src) == sorted(dst)
+  assert all(src[k].shape == dst[k].shape and src[k].dtype == dst[k].dtype for k in src)
+  assert not all(np.array_equal(src[k], dst[k]) for k in src)  # it trained
+  with open(os.path.join(out, "config.json")) as f:
+    exported = json.load(f)
+  assert exported["architectures"] == ["LlamaForCausalLM"] and exported["model_type"] == "llama"
+  assert exported["rope_scaling"]["rope_type"] == "llama3"
+  assert hf_loader.load_hf_config(out) == trainer.cfg.model
+  # Reload: the same parameters, bit for bit, so the same logits.
+  actor = mesh_lib.to_host(trainer.model_params("actor"))
+  again = hf_loader.load_hf_params(out, trainer.cfg.model)
+  assert jax.tree.structure(again) == jax.tree.structure(actor)
+  for a, b in zip(jax.tree.leaves(actor), jax.tree.leaves(again)):
+    assert a.dtype == b.dtype and np.array_equal(a, b)
+  ids = np.load(os.path.join(LLAMA3, "golden.npz"))["input_ids"]
+  np.testing.assert_array_equal(_logits(trainer.cfg.model, again, ids),
+                                _logits(trainer.cfg.model, actor, ids))
+
+
+def test_export_family_and_refusals(tmp_path):
+  """export_hf='auto' keeps the source checkpoint's family (a Mistral stays a Mistral, which
+  the model's shape alone would write as LLaMA); a family that cannot express the actor is
+  refused before anything is built; an unknown value names the field."""
+  mistral = os.path.join(FIXTURES, "tiny_mistral")
+  tok = os.path.join(mistral, "tokenizer.json")
+  cfg = tiny_config(**{"checkpoint.export_hf": "auto", "init.actor_checkpoint": mistral,
+                       "init.tokenizer": tok})
+  cfg = build.resolve_config(cfg, HFTokenizer.from_file(tok))  # the checkpoint's architecture
+  assert hooks.export_family(cfg) == "mistral"
+  params = hf_loader.load_hf_params(mistral, cfg.model)
+  out = str(tmp_path / "export")
+  os.makedirs(out)
+  (tmp_path / "export" / "stale.txt").write_text("an earlier export")
+  assert hooks.export_hf(params, cfg, out) == "mistral"
+  assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
+                                     "tokenizer.json"]
+  with open(os.path.join(out, "config.json")) as f:
+    assert json.load(f)["architectures"] == ["MistralForCausalLM"]
+  src, dst = _tensors(mistral), _tensors(out)
+  assert sorted(src) == sorted(dst) and all(np.array_equal(src[k], dst[k]) for k in src)
+  # Without a source checkpoint "auto" is the shape's family.
+  assert hooks.export_family(dataclasses.replace(
+      cfg, init=dataclasses.replace(cfg.init, actor_checkpoint=""))) is None
+
+  bad = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
+                                                                export_hf="qwen3"))
+  mesh = mesh_lib.make_mesh(cfg.mesh)
+  with pytest.raises(ValueError, match=r"config.checkpoint.export_hf='qwen3': .*qk_norm=False "
+                                       r"has no HF qwen3"):
+    validate(bad, mesh)
+  with pytest.raises(ValueError, match=r"config.checkpoint.export_hf='gpt2': expected one of"):
+    tiny_config(**{"checkpoint.export_hf": "gpt2"})
+  assert set(hf_loader.FAMILIES) == set(EXPORT_HF_CHOICES) - {"", "auto"}
