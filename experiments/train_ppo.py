@@ -28,6 +28,7 @@ from rlhfuse_jax import checkpointing
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.parallel import distributed
+from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer import hooks
 from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.loop import EXIT_STOPPED_BY_SIGNAL, PPOTrainer, TIMING_PREFIXES
@@ -58,6 +59,16 @@ def summarize(history: list[dict]) -> dict:
           "final": {k: v for k, v in history[-1].items() if not k.startswith(TIMING_PREFIXES)}}
 
 
+def config_record(config_dict, cfg: TrainConfig) -> dict:
+  """What config.json records: the config as given and, with config.plan.file, the plan file's
+  content (under "plan_file_content"; its path is config.plan.file), so the run says which
+  layout it ran even after the file changed."""
+  out = config_dict.to_dict()
+  if cfg.plan.file:
+    out["plan_file_content"] = config_lib.load_plan_file(cfg.plan.file)
+  return out
+
+
 def check_device_count(cfg: TrainConfig, num_devices: int, platform: str) -> None:
   """A clear error when the mesh needs more devices than jax sees (e.g. mesh.stage=4 on the one
   CPU device a plain `python` gets)."""
@@ -83,7 +94,8 @@ def main(argv):
   os.makedirs(workdir, exist_ok=True)
   trainer = PPOTrainer(cfg, workdir)  # checks the lock and any checkpoint against this config
   if main_process and trainer.finished_at is None:
-    wd.write_config_history(workdir, _CONFIG.value, trainer.resume_step or 0)
+    wd.write_config_history(workdir, config_record(_CONFIG.value, cfg),
+                            trainer.resume_step or 0)
   try:
     trainer.run()
   except checkpointing.SaveError as e:

@@ -218,6 +218,73 @@ class PipelineConfig:
            "-1 (XLA's default) or a level >= 0")
 
 
+PLAN_GENERATION_MODES = ("mesh", "instances", "pipeline")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+  """Per-stage parallel plans (docs/architecture.md §4, docs/usage.md "Per-stage plans"): each
+  stage of an iteration on its own layout over the same devices, the weights resharded between
+  layouts every iteration (timing_s/reshard_generation, timing_s/reshard_inference). Training
+  keeps config.mesh (data x fsdp x stage x tensor) and config.pipeline; a plan file
+  (`file`, the format of `python -m experiments.plan_search`) sets these fields and the mesh and
+  pipeline fields its training plan maps to (`load_plan_file`). The defaults are today's single
+  layout: generation and inference on the training mesh.
+
+  Every field but `file` is in the checkpoint fingerprint: a layout moves work between devices,
+  and a different number of rows per device or a tensor-parallel split can round the logits
+  differently (the tokens are the same per-sample streams), so a run resumes bitwise only on
+  the plan that wrote it."""
+  file: str = ""  # a plan.json of experiments.plan_search; "": the fields below as given
+  # Generation: "mesh" (the Generator on the training mesh), "instances" (G = devices /
+  # generation_tp instances of generation_slots slots: generation/instances.py, the machinery of
+  # inter-stage fusion, fused only with fusion.inter_stage) or "pipeline" (one delayed
+  # inter-batch pipeline of generation_pp devices, generation_groups groups: generation/
+  # pipelined.py; then inference as in "mesh").
+  generation: str = "mesh"
+  generation_tp: int = 1  # instances: devices (tensor parallel) per instance; pipeline: 1 only
+  generation_slots: int = 0  # instances: slots per instance; 0: batch / instances
+  generation_pp: int = 1  # pipeline: stages (one device each)
+  generation_groups: int = 0  # pipeline: groups G >= generation_pp; 0: generation_pp
+  # Inference (reference, critic, reward model): 0 on the training mesh; k > 0 on a mesh of
+  # (data = devices / k) x (tensor = k) over the same devices. With generation="instances" it
+  # runs on the instances (k must be 0 or generation_tp).
+  inference_tp: int = 0
+  inference_pp: int = 1  # only 1: the trainer has no pipelined inference
+
+  def __post_init__(self):
+    _check(self.generation in PLAN_GENERATION_MODES, "plan.generation", self.generation,
+           f"one of {PLAN_GENERATION_MODES}")
+    for name, low in (("generation_tp", 1), ("generation_slots", 0), ("generation_pp", 1),
+                      ("generation_groups", 0), ("inference_tp", 0), ("inference_pp", 1)):
+      v = getattr(self, name)
+      _check(isinstance(v, int) and not isinstance(v, bool) and v >= low, f"plan.{name}", v,
+             f"an integer >= {low}")
+    _check(self.inference_pp == 1, "plan.inference_pp", self.inference_pp,
+           "1 (the trainer scores on a data x tensor mesh; pipelined inference is not "
+           "implemented)")
+    defaults = {f.name: f.default for f in dataclasses.fields(self)}
+    owners = {"generation_pp": "pipeline", "generation_groups": "pipeline",
+              "generation_slots": "instances"}
+    if self.generation == "mesh":
+      owners["generation_tp"] = "instances"
+    for name, mode in owners.items():
+      _check(self.generation == mode or getattr(self, name) == defaults[name], f"plan.{name}",
+             getattr(self, name), f"its default {defaults[name]} with plan.generation="
+             f"{self.generation!r} (a field of plan.generation={mode!r})")
+    if self.generation == "pipeline":
+      _check(self.generation_tp == 1, "plan.generation_tp", self.generation_tp,
+             "1 with plan.generation='pipeline' (the pipelined engine runs one device per stage; "
+             "tensor parallelism inside a stage is not implemented)")
+      _check(self.groups >= self.generation_pp, "plan.generation_groups",
+             self.generation_groups, f">= plan.generation_pp={self.generation_pp} (G >= pp: a "
+             "group's token must be back at stage 0 when its turn comes), or 0 (= pp)")
+
+  @property
+  def groups(self) -> int:
+    return self.generation_groups or self.generation_pp
+
+
 # checkpoint.export_hf: off, the source checkpoint's family, or one of hf_loader.FAMILIES
 # (spelled out here: the config module reads no checkpoint code; a test keeps the two equal).
 EXPORT_HF_CHOICES = ("", "auto", "llama", "mistral", "qwen2", "qwen3")
@@ -280,6 +347,7 @@ class TrainConfig:
   checkpoint: CheckpointConfig
   pipeline: PipelineConfig = PipelineConfig()
   guard: GuardConfig = GuardConfig()
+  plan: PlanConfig = PlanConfig()
   log_every: int = 1
   # Every k iterations (and after the last), the reward on the held-out prompts (data.val_file
   # or data.val_fraction): val/* in metrics.jsonl and TensorBoard. 0: never.
@@ -338,10 +406,17 @@ class TrainConfig:
   @classmethod
   def from_config_dict(cls, cd: Any) -> "TrainConfig":
     d = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
-    d = dict(d)
+    d = apply_plan_file(dict(d))
+    cd_plan = d.get("plan")
     kwargs = {}
     for name, klass in SECTIONS.items():
-      kwargs[name] = _build(klass, d.pop(name, {}), name)
+      try:
+        kwargs[name] = _build(klass, d.pop(name, {}), name)
+      except ValueError as e:
+        plan_file = (cd_plan or {}).get("file", "")
+        if plan_file and name in ("plan", "mesh", "pipeline"):
+          raise ValueError(f"{e} (set by config.plan.file={plan_file!r})") from None
+        raise
     model, critic = d.pop("model", {}), d.pop("critic_model", {})
     kwargs["vocab_from_tokenizer"] = model.get("vocab_size", 0) == 0
     kwargs["model"] = _build_model(model, "model")
@@ -359,6 +434,7 @@ SECTIONS = {
     "mesh": MeshConfig, "data": DataConfig, "rollout": RolloutConfig, "algo": AlgoConfig,
     "optim": OptimConfig, "reward": RewardConfig, "init": InitConfig, "fusion": FusionConfig,
     "checkpoint": CheckpointConfig, "pipeline": PipelineConfig, "guard": GuardConfig,
+    "plan": PlanConfig,
 }
 
 # Fields that do not change what a resumed run computes: how long it runs, how often it logs
@@ -369,6 +445,8 @@ RESUMABLE_FIELDS = frozenset({
     "guard.max_consecutive_skips", "pipeline.schedule_cache_dir",
     # The validation pass reads the policy and its own prompts; training never sees them.
     "eval_every", "data.val_file", "data.val_max_prompts",
+    # The plan file's path: what it sets (plan.*, mesh.*, pipeline.critic_pp) is fingerprinted.
+    "plan.file",
 })
 
 
@@ -444,3 +522,74 @@ def _build_model(section: Mapping[str, Any], prefix: str, head: str = "lm") -> M
     return _build(ModelConfig, section, prefix)
   except ValueError as e:
     raise ValueError(str(e).replace("model.", f"{prefix}.", 1)) from None
+
+
+def load_plan_file(path: str) -> dict:
+  """The plan.json of `python -m experiments.plan_search` (sim/plan_search.py `_plan_dict`):
+  {"generation": {mode, tp, pp, groups, slots}, "inference": {tp, pp}, "training": {placement,
+  ...}, "predicted": ..., "summary": ...}."""
+  try:
+    with open(path) as f:
+      plan = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"config.plan.file={path!r}: cannot read a plan: {e}") from None
+  for key in ("generation", "inference", "training"):
+    _check(isinstance(plan, dict) and isinstance(plan.get(key), dict), "plan.file", path,
+           f"a plan.json with a {key!r} object (the format of experiments.plan_search)")
+  return plan
+
+
+def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, str], tuple]:
+  """{(section, field): (value, the plan file's key)}: what a plan file sets. Training's
+  colocated (tp, actor_pp, critic_pp) maps onto mesh.tensor, mesh.stage and pipeline.critic_pp
+  (mesh.data takes the remaining devices); a disjoint placement is refused."""
+  gen, inf, train = plan["generation"], plan["inference"], plan["training"]
+  where = f"config.plan.file={path!r}"
+  out: dict[tuple[str, str], tuple] = {}
+  mode = gen.get("mode")
+  if mode not in ("instances", "pipeline"):
+    raise ValueError(f"{where}: generation.mode={mode!r}; expected 'instances' or 'pipeline'")
+  out["plan", "generation"] = (mode, "generation.mode")
+  out["plan", "generation_tp"] = (gen.get("tp", 1), "generation.tp")
+  if mode == "instances":
+    out["plan", "generation_slots"] = (gen.get("slots", 0), "generation.slots")
+  else:
+    out["plan", "generation_pp"] = (gen.get("pp", 1), "generation.pp")
+    out["plan", "generation_groups"] = (gen.get("groups", 0), "generation.groups")
+  out["plan", "inference_tp"] = (inf.get("tp", 1), "inference.tp")
+  out["plan", "inference_pp"] = (inf.get("pp", 1), "inference.pp")
+  placement = train.get("placement")
+  if placement != "colocated":
+    raise ValueError(
+        f"{where}: training.placement={placement!r}; expected 'colocated': the trainer runs "
+        "actor and critic on the same devices (a disjoint placement, each model on its own "
+        "share of the devices at once, is simulated by plan_search but not implemented in the "
+        "trainer)")
+  tp, actor_pp, critic_pp = (train.get(k, 1) for k in ("tp", "actor_pp", "critic_pp"))
+  out["mesh", "tensor"] = (tp, "training.tp")
+  out["mesh", "stage"] = (actor_pp, "training.actor_pp")
+  if actor_pp > 1:
+    out["pipeline", "critic_pp"] = (critic_pp, "training.critic_pp")
+  elif critic_pp != 1:
+    raise ValueError(f"{where}: training.critic_pp={critic_pp} with training.actor_pp=1; the "
+                     "trainer pipelines the critic only over the actor's stage axis")
+  return out
+
+
+def apply_plan_file(d: dict) -> dict:
+  """The ConfigDict's dict `d` with config.plan.file's settings applied (unchanged without a
+  file). A field the config sets away from its default to another value than the file's is an
+  error naming both."""
+  path = (d.get("plan") or {}).get("file", "")
+  if not path:
+    return d
+  defaults = _field_defaults()
+  d = {k: dict(v) if isinstance(v, Mapping) else v for k, v in d.items()}
+  for (sec, name), (value, key) in plan_file_settings(load_plan_file(path), path).items():
+    section = d.setdefault(sec, {})
+    now = section.get(name, defaults.get(f"{sec}.{name}"))
+    if now != value and now != defaults.get(f"{sec}.{name}"):
+      raise ValueError(f"config.{sec}.{name}={now!r} conflicts with config.plan.file={path!r}, "
+                       f"whose {key}={value!r} sets it: remove one of the two")
+    section[name] = value
+  return d

@@ -124,7 +124,9 @@ class PPOTrainer:
     self.critic = (self.update.init_state("critic", models.critic, self.mesh)
                    if self.use_critic else None)
     models.actor = models.critic = None  # the update's states hold them now (staged: a copy)
-    if cfg.fusion.inter_stage:  # the fused stage keeps the frozen models in host memory (§2)
+    # The fused stage (and plan.generation='instances', its machinery) keeps the frozen models
+    # in host memory (§2).
+    if cfg.fusion.inter_stage or cfg.plan.generation == "instances":
       models.frozen_to_host()
     logging.info("setup: models and update ready in %.1fs", time.time() - t0)
     self.sampling = SamplingConfig(

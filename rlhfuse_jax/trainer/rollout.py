@@ -30,9 +30,12 @@ import numpy as np
 from rlhfuse_jax.generation import engine
 from rlhfuse_jax.generation import fused as fused_lib
 from rlhfuse_jax.generation import instances
+from rlhfuse_jax.generation import pipelined
 from rlhfuse_jax.generation.instances import FrozenModels
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference import scoring
+from rlhfuse_jax.models import llama
+from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import rt_auto
 from rlhfuse_jax.trainer.config import TrainConfig
 
@@ -136,8 +139,11 @@ class FusedStage:
 
   def __init__(self, cfg: TrainConfig, sampling: SamplingConfig, devices: Sequence[Any], *,
                reference: Any, rewards: scoring.Rewards, pad_id: int, actor_shapes: Any,
-               critic_shapes: Optional[Any] = None):
-    self.config = check_fusion(cfg, len(devices))
+               critic_shapes: Optional[Any] = None,
+               config: Optional[fused_lib.FusedGenConfig] = None, fuse: bool = True):
+    # config/fuse: InstancesStage's (config.plan.generation='instances'); else config.fusion.
+    self.config = config or check_fusion(cfg, len(devices))
+    self.fuse = fuse
     self.pad_id, self.use_critic = pad_id, critic_shapes is not None
     frozen = FrozenModels(reference=cfg.model,
                           critic=cfg.critic_model if self.use_critic else None,
@@ -162,7 +168,7 @@ class FusedStage:
     if self.use_critic:
       frozen["critic"] = params("critic")
     out = self.generator.run(params("actor"), frozen, prompts.tokens, prompts.lens, key,
-                             uids=prompts.uids, fuse=True)
+                             uids=prompts.uids, fuse=self.fuse)
     rollout = out.rollout
     batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
     values = out.values if self.use_critic else np.zeros(rollout.logprobs.shape, np.float32)
@@ -179,13 +185,182 @@ class FusedStage:
 def make_rollout_stage(cfg: TrainConfig, sampling: SamplingConfig, mesh: jax.sharding.Mesh, *,
                        reference: Any, rewards: scoring.Rewards, pad_id: int, actor_shapes: Any,
                        critic_shapes: Optional[Any]) -> RolloutStage:
-  """The stage config.fusion.inter_stage asks for, over the mesh's devices."""
+  """The stage config.fusion.inter_stage and config.plan ask for, over the mesh's devices."""
+  if cfg.plan.generation == "instances":
+    return InstancesStage(cfg, sampling, list(mesh.devices.flat), reference=reference,
+                          rewards=rewards, pad_id=pad_id, actor_shapes=actor_shapes,
+                          critic_shapes=critic_shapes)
+  if cfg.plan.generation == "pipeline" or cfg.plan.inference_tp:
+    return PlannedStage(cfg, sampling, mesh, reference=reference, rewards=rewards, pad_id=pad_id,
+                        actor_shapes=actor_shapes, use_critic=critic_shapes is not None)
   if cfg.fusion.inter_stage:
     return FusedStage(cfg, sampling, list(mesh.devices.flat), reference=reference,
                       rewards=rewards, pad_id=pad_id, actor_shapes=actor_shapes,
                       critic_shapes=critic_shapes)
   return SerialStage(cfg, sampling, mesh, reference=reference, rewards=rewards, pad_id=pad_id,
                      actor_shapes=actor_shapes, use_critic=critic_shapes is not None)
+
+
+# ---------------------------------------------------------------- per-stage plans (config.plan)
+def _fail(field: str, value: Any, expected: str) -> None:
+  raise ValueError(f"config.{field}={value!r}: expected {expected}")
+
+
+def plan_instances_config(cfg: TrainConfig, num_devices: int) -> fused_lib.FusedGenConfig:
+  """The instances of config.plan.generation='instances': G = devices / generation_tp instances
+  of generation_slots slots (0: batch / G), the other fields from config.fusion."""
+  plan, fusion, b = cfg.plan, cfg.fusion, cfg.rollout.batch_size
+  tp = plan.generation_tp
+  if num_devices % tp:
+    _fail("plan.generation_tp", tp, f"a divisor of the {num_devices} devices (G = devices / tp "
+          "instances)")
+  for name, default in (("instance_devices", 1), ("num_instances", 0), ("slots", 0)):
+    if getattr(fusion, name) != default:
+      _fail(f"fusion.{name}", getattr(fusion, name),
+            f"its default {default} with config.plan.generation='instances' (the plan's "
+            "generation_tp and generation_slots lay out the instances)")
+  g = num_devices // tp
+  need = -(-b // g)
+  if plan.generation_slots and plan.generation_slots < need:
+    _fail("plan.generation_slots", plan.generation_slots,
+          f">= {need} ({b} samples dealt to {g} instances of generation_tp={tp}), or 0")
+  return fused_lib.FusedGenConfig.of(fusion, instance_devices=tp, num_instances=g,
+                                     slots=plan.generation_slots or need)
+
+
+def check_plan(cfg: TrainConfig, num_devices: int) -> None:
+  """What the trainer cannot run of config.plan on `num_devices`, before anything is built
+  (trainer/validate.py). Field-local checks are PlanConfig's."""
+  plan = cfg.plan
+  if plan.generation == "instances":
+    plan_instances_config(cfg, num_devices)
+    if plan.inference_tp not in (0, plan.generation_tp):
+      _fail("plan.inference_tp", plan.inference_tp,
+            f"0 or plan.generation_tp={plan.generation_tp} with plan.generation='instances' "
+            "(inference runs on the generation instances, generation/fused.py; scoring on a "
+            "layout of its own after instance generation is not implemented)")
+    return
+  if cfg.fusion.inter_stage:
+    if plan.generation == "pipeline":
+      _fail("fusion.inter_stage", True, "False with config.plan.generation='pipeline' (the "
+            "fusion runs on generation instances: plan.generation='instances')")
+    if plan.inference_tp:
+      _fail("plan.inference_tp", plan.inference_tp, "0 with config.fusion.inter_stage=True "
+            "(fused inference runs on the generation instances)")
+  if plan.inference_tp and num_devices % plan.inference_tp:
+    _fail("plan.inference_tp", plan.inference_tp,
+          f"0 or a divisor of the {num_devices} devices (inference mesh data x tensor)")
+  if plan.generation == "pipeline":
+    pp, g, b = plan.generation_pp, plan.groups, cfg.rollout.batch_size
+    if pp > num_devices:
+      _fail("plan.generation_pp", pp, f"<= the {num_devices} devices (one device per stage)")
+    if cfg.model.num_layers % pp:
+      _fail("plan.generation_pp", pp,
+            f"a divisor of model.num_layers={cfg.model.num_layers} (L/pp layers per stage)")
+    if b % g:
+      _fail("plan.generation_groups", plan.generation_groups,
+            f"a divisor of the rollout batch {b} (groups of B/G rows; 0 means generation_pp)")
+
+
+def _reshard(params: Any, model_cfg: Any, mesh: jax.sharding.Mesh) -> tuple[Any, float]:
+  """`params` placed on `mesh` by their logical axes, and the seconds the transfer took."""
+  t0 = time.perf_counter()
+  out = mesh_lib.shard_params(params, llama.logical_specs(model_cfg), mesh)
+  jax.block_until_ready(out)
+  return out, time.perf_counter() - t0
+
+
+class InstancesStage(FusedStage):
+  """config.plan.generation='instances': generation on G = devices / generation_tp instances
+  (generation/instances.py), inference on them after the last sample (generation/fused.py's
+  baseline, `run(fuse=False)`), or fused with config.fusion.inter_stage. The actor is resharded
+  onto the instances every call (timing_s/reshard_generation = timing_s/actor_to_instances).
+
+  Bitwise the serial stage's outputs when an instance's shape is one training device's share of
+  the serial batch (generation_tp=1, slots = batch / devices: the default); with
+  generation_tp > 1 the logits are reduced over the instance's devices in another order, so the
+  log-probs agree to float rounding (tests/test_plan.py)."""
+
+  def __init__(self, cfg: TrainConfig, sampling: SamplingConfig, devices: Sequence[Any], **kw):
+    super().__init__(cfg, sampling, devices, config=plan_instances_config(cfg, len(devices)),
+                     fuse=cfg.fusion.inter_stage, **kw)
+
+  def __call__(self, params: WholeParams, prompts: Prompts, key) -> StageOutputs:
+    out = super().__call__(params, prompts, key)
+    out.metrics["timing_s/reshard_generation"] = out.metrics["timing_s/actor_to_instances"]
+    return out
+
+
+class PlannedStage:
+  """config.plan with generation 'mesh' or 'pipeline' and inference on the training mesh or a
+  mesh of its own (plan.inference_tp > 0: data = devices / tp, tensor = tp).
+
+  'pipeline' generates with one delayed inter-batch pipeline (generation/pipelined.py) on the
+  first generation_pp devices (the plan's other replicas are not run yet: the engine has one),
+  its stage-stacked actor resharded from the training layout each call
+  (timing_s/reshard_generation). Then inference as in SerialStage, on the inference mesh: the
+  frozen models are placed there once, the critic every call (timing_s/reshard_inference)."""
+
+  def __init__(self, cfg: TrainConfig, sampling: SamplingConfig, mesh: jax.sharding.Mesh, *,
+               reference: Any, rewards: scoring.Rewards, pad_id: int, actor_shapes: Any,
+               use_critic: bool):
+    plan, devices = cfg.plan, list(mesh.devices.flat)
+    self.actor_cfg, self.critic_cfg, self.use_critic = cfg.model, cfg.critic_model, use_critic
+    self.sampling, self.pad_id = sampling, pad_id
+    self.pipe, self.generator = None, None
+    b, p = cfg.rollout.batch_size, cfg.data.max_prompt_len
+    if plan.generation == "pipeline":
+      self.pipe = pipelined.PipelinedGenerator(
+          cfg.model, sampling, batch_size=b, prompt_len=p, stages=plan.generation_pp,
+          groups=plan.groups, devices=devices, section="plan")
+    else:
+      self.generator = instances.Generator(cfg.model, sampling, batch_size=b, prompt_len=p,
+                                           mesh=mesh, params=actor_shapes)
+    self.inf_mesh = None
+    if plan.inference_tp:
+      self.inf_mesh = mesh_lib.make_mesh(
+          mesh_lib.MeshConfig(data=-1, tensor=plan.inference_tp), devices)
+      reference, _ = _reshard(reference, cfg.model, self.inf_mesh)
+      if rewards.from_model:
+        rewards = scoring.Rewards(
+            model_cfg=rewards.model_cfg, name=rewards.name,
+            model_params=_reshard(rewards.model_params, rewards.model_cfg, self.inf_mesh)[0],
+            scorer=scoring.Scorer(self.inf_mesh))
+    self.reference, self.rewards = reference, rewards
+    self.scorer = scoring.Scorer(self.inf_mesh or mesh)
+
+  def __call__(self, params: WholeParams, prompts: Prompts, key) -> StageOutputs:
+    m: dict = {}
+    t0 = time.time()
+    if self.pipe is not None:
+      t = time.perf_counter()
+      staged = self.pipe.place(params("actor"))
+      jax.block_until_ready(staged)
+      m["timing_s/reshard_generation"] = time.perf_counter() - t
+      rollout = self.pipe.generate(staged, prompts.tokens, prompts.lens, key, uids=prompts.uids)
+      del staged
+      # From the tick table the program records: a function of the tokens only.
+      m["gen/pipeline_stage_busy_frac"] = pipelined.busy_stats(
+          rollout.decode_table)["stage_busy_frac"]
+    else:
+      rollout = self.generator.generate(params("actor"), prompts.tokens, prompts.lens, key,
+                                        uids=prompts.uids)
+    m["timing_s/generate"] = time.time() - t0
+    t0 = time.time()
+    batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
+    ref_logp = self.scorer.ref_logprobs(self.actor_cfg, self.reference, batch,
+                                        self.sampling.logprob_temperature)
+    values = np.zeros(rollout.logprobs.shape, np.float32)
+    if self.use_critic:
+      critic = params("critic")
+      if self.inf_mesh is not None:
+        critic, m["timing_s/reshard_inference"] = _reshard(critic, self.critic_cfg,
+                                                           self.inf_mesh)
+      values = self.scorer.values(self.critic_cfg, critic, batch)
+    scores = self.rewards(batch, prompts.records)
+    m["timing_s/inference"] = time.time() - t0
+    return StageOutputs(rollout=rollout, batch=batch, ref_logp=ref_logp, values=values,
+                        scores=scores, metrics=m)
 
 
 def _fmt_bytes(n: float) -> str:

@@ -46,6 +46,7 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
   if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
     pipelined.check_config(cfg, mesh)
   rollout.check_fusion(cfg, mesh.devices.size)
+  rollout.check_plan(cfg, mesh.devices.size)
   build.check_reward_functions(cfg)
   if cfg.checkpoint.export_hf:  # a family that cannot express the actor: now, not at the end
     try:

@@ -1,0 +1,202 @@
+"""config.plan (docs/usage.md "Per-stage plans"): a plan file round trip, each generation mode
+against the default single layout, and the plans the trainer refuses."""
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.trainer import build, rollout
+from rlhfuse_jax.trainer.config import TrainConfig
+from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
+from tests.test_trainer import record_rollouts, tiny_config
+
+
+def plan_json(path, generation, inference=None, training=None):
+  """A plan.json in the format of experiments.plan_search (sim/plan_search.py _plan_dict)."""
+  plan = {"generation": {"mode": "instances", "tp": 1, "pp": 1, "groups": 1, "slots": 0,
+                         **generation},
+          "inference": inference or {"tp": 1, "pp": 1},
+          "training": training or {"placement": "colocated", "tp": 1, "actor_pp": 1,
+                                   "critic_pp": 1},
+          "predicted": {"iteration_s": 1.0}, "summary": "test plan"}
+  path.write_text(json.dumps(plan))
+  return str(path)
+
+
+def test_plan_file_round_trip(tmp_path):
+  path = plan_json(tmp_path / "plan.json", {"mode": "pipeline", "pp": 2, "groups": 4},
+                   inference={"tp": 2, "pp": 1},
+                   training={"placement": "colocated", "tp": 2, "actor_pp": 2, "critic_pp": 1})
+  from_file = tiny_config(**{"plan.file": path})
+  by_hand = tiny_config(**{"plan.generation": "pipeline", "plan.generation_pp": 2,
+                           "plan.generation_groups": 4, "plan.inference_tp": 2,
+                           "mesh.tensor": 2, "mesh.stage": 2, "pipeline.critic_pp": 1})
+  assert from_file == dataclasses.replace(by_hand, plan=dataclasses.replace(by_hand.plan,
+                                                                            file=path))
+  # The path is not part of the fingerprint (what it sets is).
+  assert from_file.fingerprint() == by_hand.fingerprint()
+  # An explicit setting the file agrees with is fine; one it contradicts names both.
+  assert tiny_config(**{"plan.file": path, "mesh.tensor": 2}) == from_file
+  with pytest.raises(ValueError, match=r"config\.mesh\.stage=4 conflicts with config\.plan\."
+                     r"file=.*plan\.json', whose training\.actor_pp=2 sets it"):
+    tiny_config(**{"plan.file": path, "mesh.stage": 4})
+
+
+@pytest.mark.parametrize("plan, match", [
+    ({"training": {"placement": "disjoint", "actor": {}, "critic": {}}},
+     r"training\.placement='disjoint'; expected 'colocated'"),
+    ({"generation": {"mode": "pipeline", "tp": 2, "pp": 2, "groups": 2}},
+     r"config\.plan\.generation_tp=2: expected 1 with plan\.generation='pipeline'.*tensor "
+     r"parallelism inside a stage is not implemented.*\(set by config\.plan\.file="),
+    ({"inference": {"tp": 1, "pp": 2}}, r"config\.plan\.inference_pp=2: expected 1 .*pipelined "
+     r"inference is not implemented"),
+    ({"generation": {"mode": "speculative"}}, r"generation\.mode='speculative'"),
+])
+def test_plan_file_refusals(tmp_path, plan, match):
+  path = plan_json(tmp_path / "plan.json", plan.get("generation", {}), plan.get("inference"),
+                   plan.get("training"))
+  with pytest.raises(ValueError, match=match):
+    tiny_config(**{"plan.file": path})
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"plan.generation": "tpu"}, r"config\.plan\.generation='tpu': expected one of"),
+    ({"plan.generation_pp": 2}, r"config\.plan\.generation_pp=2: expected its default 1 with "
+     r"plan\.generation='mesh'"),
+    ({"plan.generation": "pipeline", "plan.generation_pp": 4, "plan.generation_groups": 2},
+     r"config\.plan\.generation_groups=2: expected >= plan\.generation_pp=4"),
+    ({"plan.inference_tp": -1}, r"config\.plan\.inference_tp=-1: expected an integer >= 0"),
+    ({"plan.file": "/nonexistent/plan.json"}, r"config\.plan\.file='/nonexistent/plan\.json': "
+     r"cannot read a plan"),
+])
+def test_bad_plan_fields_name_the_field(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    tiny_config(**overrides)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"plan.generation": "instances", "plan.generation_tp": 3},
+     r"config\.plan\.generation_tp=3: expected a divisor of the 8 devices"),
+    ({"plan.generation": "instances", "plan.generation_slots": 1},
+     r"config\.plan\.generation_slots=1: expected >= 2"),
+    ({"plan.generation": "instances", "plan.inference_tp": 2},
+     r"config\.plan\.inference_tp=2: expected 0 or plan\.generation_tp=1"),
+    ({"plan.generation": "instances", "fusion.instance_devices": 2},
+     r"config\.fusion\.instance_devices=2: expected its default 1 with config\.plan"),
+    ({"plan.generation": "pipeline", "plan.generation_pp": 2},
+     r"config\.plan\.generation_pp=2: expected a divisor of model\.num_layers=1"),
+    ({"plan.generation": "pipeline", "plan.generation_groups": 3},
+     r"config\.plan\.generation_groups=3: expected a divisor of the rollout batch 16"),
+    ({"plan.generation": "pipeline", "fusion.inter_stage": True},
+     r"config\.fusion\.inter_stage=True: expected False with config\.plan\.generation="),
+    ({"plan.inference_tp": 3}, r"config\.plan\.inference_tp=3: expected 0 or a divisor"),
+])
+def test_plans_the_trainer_cannot_run_are_refused_before_any_build(tmp_path, monkeypatch,
+                                                                   overrides, match):
+  def no_build(*args, **kwargs):
+    raise AssertionError("models were built before the plan was checked")
+  monkeypatch.setattr(build, "build_models", no_build)
+  with pytest.raises(ValueError, match=match):
+    PPOTrainer(tiny_config(**overrides), str(tmp_path), mesh=mesh_lib.make_mesh(
+        mesh_lib.MeshConfig(data=8)))
+
+
+def _run(cfg, workdir, devices=4):
+  """(the trainer's rollout stage, its recorded rollouts, the metrics) of a run on a data-parallel
+  mesh of `devices` devices (4: fewer instances to compile, a fast test)."""
+  trainer = PPOTrainer(cfg, workdir, mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=devices),
+                                                             jax.devices()[:devices]))
+  stage = trainer.rollout
+  seen = record_rollouts(trainer)
+  return stage, seen, trainer.run()
+
+
+# The runs every trajectory test compares: 2 layers (so that generation_pp=2 divides them) with
+# scan_layers (the pipelined engine's bitwise condition), 2 iterations.
+BASE = {"num_iterations": 2, "checkpoint.every": 100, "model.num_layers": 2,
+        "model.scan_layers": True}
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+  """The default plan (generation and inference on the training mesh), run once per module."""
+  return _run(tiny_config(**BASE), str(tmp_path_factory.mktemp("mesh")))
+
+
+def _deterministic(rows, keep=None):
+  return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES) and
+           (keep is None or k in keep)} for r in rows]
+
+
+def test_instances_plan_trajectory_equals_the_default_mesh(tmp_path, default_run):
+  # 4 instances of one device and 4 slots: each is one training device's share of the serial
+  # batch (16 rows on data=4), the shape under which generation/fused.py is bitwise the serial
+  # Generator, so the whole trajectory is bitwise the default's.
+  _, seen_a, h_a = default_run
+  stage, seen_b, h_b = _run(tiny_config(**BASE, **{"plan.generation": "instances"}),
+                              str(tmp_path / "instances"))
+  assert isinstance(stage, rollout.InstancesStage)
+  assert stage.config.num_instances == 4 and stage.config.slots == 4
+  for (_, a), (_, b) in zip(seen_a, seen_b, strict=True):
+    for field in ("response_tokens", "response_lens", "logprobs"):
+      np.testing.assert_array_equal(getattr(a.rollout, field), getattr(b.rollout, field))
+    for field in ("ref_logp", "values", "scores"):
+      np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+  assert _deterministic(h_a) == _deterministic(h_b, keep=h_a[0])
+  for h in h_b:  # the reshard onto the instances is measured every iteration
+    assert h["timing_s/reshard_generation"] == h["timing_s/actor_to_instances"] > 0
+    assert h["gen/migrated_samples"] == 0  # fusion.inter_stage off: the baseline, no migration
+
+
+def test_pipeline_plan_trajectory_equals_the_default_mesh(tmp_path, default_run):
+  # 2 layers over generation_pp=2 stages, G=4 groups of 4 rows: the serial Generator on data=4
+  # also runs 4 rows per device, and scan_layers runs each layer as its own loop body, the
+  # conditions under which generation/pipelined.py is bitwise the Generator (its docstring).
+  _, seen_a, h_a = default_run
+  stage, seen_b, h_b = _run(tiny_config(**BASE, **{
+      "plan.generation": "pipeline", "plan.generation_pp": 2, "plan.generation_groups": 4}),
+                              str(tmp_path / "pipeline"))
+  assert isinstance(stage, rollout.PlannedStage)
+  assert stage.pipe.stages == 2 and stage.pipe.bg == 4
+  for (_, a), (_, b) in zip(seen_a, seen_b, strict=True):
+    for field in ("response_tokens", "response_lens", "logprobs"):
+      np.testing.assert_array_equal(getattr(a.rollout, field), getattr(b.rollout, field))
+  assert _deterministic(h_a) == _deterministic(h_b, keep=h_a[0])
+  for h in h_b:
+    assert h["timing_s/reshard_generation"] > 0
+    assert 0 < h["gen/pipeline_stage_busy_frac"] <= 1
+
+
+def test_inference_on_its_own_mesh(tmp_path, default_run):
+  # Scoring on data=2 x tensor=2 (the critic resharded there every iteration): the same
+  # tokens in the first iteration (generation is untouched), inference numbers to float
+  # rounding (the tensor-parallel reductions add in another order), so the trajectory is close,
+  # not bitwise.
+  _, seen_a, h_a = default_run
+  stage, seen_b, h_b = _run(tiny_config(**BASE, **{"plan.inference_tp": 2}),
+                              str(tmp_path / "inference"))
+  assert dict(stage.inf_mesh.shape) == {"data": 2, "fsdp": 1, "stage": 1, "tensor": 2}
+  (_, a), (_, b) = seen_a[0], seen_b[0]
+  np.testing.assert_array_equal(a.rollout.response_tokens, b.rollout.response_tokens)
+  for field in ("ref_logp", "values", "scores"):
+    np.testing.assert_allclose(getattr(a, field), getattr(b, field), rtol=1e-5, atol=1e-6)
+  for x, y in zip(_deterministic(h_a), _deterministic(h_b, keep=h_a[0])):
+    for k in x:
+      atol = 0.05 if "clipfrac" in k else 1e-4
+      np.testing.assert_allclose(x[k], y[k], rtol=1e-3, atol=atol, err_msg=k)
+  for h in h_b:
+    assert h["timing_s/reshard_inference"] > 0
+
+
+def test_config_json_records_the_plan_file(tmp_path):
+  from configs import ppo_tiny
+  from experiments import train_ppo
+  path = plan_json(tmp_path / "plan.json", {"mode": "instances", "tp": 2, "slots": 8})
+  c = ppo_tiny.get_config()
+  c.plan.file = path
+  record = train_ppo.config_record(c, TrainConfig.from_config_dict(c))
+  assert record["plan"]["file"] == path
+  assert record["plan_file_content"] == json.loads(open(path).read())
