@@ -35,6 +35,11 @@ instance and slot, what each has generated, which finished, the migrations' move
 weight loads, micro-batching, the micro-batches in flight). The device states of the decoding
 instances (`engine.DecodeState`, the per-sample budget inside) stay with `_Run`.
 
+Several processes (jax.distributed): each process drives its own instances and keeps the whole
+slot table and inference queue, made identical on every process by small all-gathers after each
+round; a migration between two processes' instances is a collective both run
+(generation/multihost.py; docs/architecture.md §2).
+
 Config: `FusionFields` declares the fields the user's config.fusion (trainer/config.py
 FusionConfig) and the engine's `FusedGenConfig` share, with their one validation.
 """
@@ -53,6 +58,7 @@ from rlhfuse_jax.policy import consolidation as policy
 from rlhfuse_jax.generation import engine
 from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.generation import measure
+from rlhfuse_jax.generation import multihost
 from rlhfuse_jax.generation import sampling as sampling_lib
 from rlhfuse_jax.generation.instances import FrozenModels, GenerationInstance
 from rlhfuse_jax.generation.sampling import SamplingConfig
@@ -219,7 +225,31 @@ class FusedGenerator:
       raise ValueError(f"config.{config.section}.migration_threshold='auto' needs a model to "
                        "simulate Rt with: pass rt_model=rlhfuse_jax.trainer.rt_auto."
                        "simulated_rt_model (or set a fixed threshold in [0, 1])")
-    inst_lib.compile_all(self.instances, actor_params, frozen_params, config.compile_threads)
+    # Several processes: each drives (compiles, decodes on, scores on) its own instances; the
+    # bookkeeping of all of them is global (generation/multihost.py).
+    self.exchange = multihost.Exchange()
+    self.owner = np.array([multihost.process_of(m.devices.flat, f"generation instance {i}")
+                           for i, m in enumerate(meshes)])  # [G] process of each instance
+    self.local = [i for i in range(g) if self.owner[i] == self.exchange.me]
+    if not self.local:
+      raise ValueError(f"config.{config.section}.num_instances={g} x instance_devices="
+                       f"{config.instance_devices} leaves process {self.exchange.me} without an "
+                       "instance: every process must drive at least one")
+    if self.exchange.multi and self.fixed_rt is None:
+      raise ValueError(f"config.{config.section}.migration_threshold='auto' runs in one process "
+                       f"(it measures instances' costs locally); with {self.exchange.count} "
+                       "processes set a fixed threshold in [0, 1]")
+    if self.exchange.multi and config.inference_inflight:
+      raise ValueError(f"config.{config.section}.inference_inflight={config.inference_inflight}"
+                       " caps running micro-batches, which a process cannot see on another "
+                       f"process's instances: expected 0 with {self.exchange.count} processes")
+    self.transfer = multihost.CrossHostTransfer()
+    # Bytes of one sample's DecodeState row (KV cache and decode state; the same in every
+    # instance, one shape class): what a migration copies per row, known to every process.
+    st = self.instances[self.local[0]].state_abstract(actor_params)
+    self.row_bytes = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(st)) // s
+    inst_lib.compile_all([self.instances[i] for i in self.local], actor_params, frozen_params,
+                         config.compile_threads)
     # KV bytes of one token of one sample (K and V, all layers), as KVCache.nbytes_per_token.
     itemsize = np.dtype(cfg.jnp_dtype).itemsize
     self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim_ * itemsize
@@ -228,6 +258,11 @@ class FusedGenerator:
     self.rt_model = rt_model
     self._rt_cache: Optional[tuple] = None  # (histogram total when simulated, RtChoice)
     self.inflight = config.inference_inflight
+
+  def is_local(self, i: int) -> bool:
+    """Whether this process drives instance i."""
+    return int(self.owner[i]) == self.exchange.me
+
 
   # ------------------------------------------------------------------ Rt
   def choose_rt(self, prompt_lens) -> tuple[float, Optional[rt_choice.RtChoice]]:
@@ -366,15 +401,23 @@ class InferenceQueue:
   for reference / critic / reward inference, the instances freed for it, micro-batching of the
   waiting samples onto them, and the micro-batches in flight. Inference weights are copied by a
   loader thread, so the host loop never waits for a load before dispatching the next decode
-  chunk; results are read once, at the end (`collect`)."""
+  chunk; results are read once, at the end (`collect`).
+
+  With several processes every process keeps the whole queue (the waiting samples, the freed
+  instances, which micro-batch goes where) and runs the micro-batches of its own instances; the
+  assignment must then not depend on timing (`stream`)."""
 
   def __init__(self, gen: "FusedGenerator", frozen_params: dict, table: SlotTable,
                prompts: np.ndarray, prompt_lens: np.ndarray, log: ActivityLog):
     self.gen, self.frozen_params, self.table, self.log = gen, frozen_params, table, log
     self.prompts, self.plens = prompts, prompt_lens  # [B, P], [B]
     self.waiting: list[int] = []  # finished samples not yet dispatched, in finishing order
-    self.batches: list = []  # (instance, samples, {model: device array}) per micro-batch
-    self.loads: dict = {}  # instance -> Future of {model: params on it}
+    # [instance, samples, {model: device array} or None] per micro-batch, in assignment order;
+    # None: not dispatched yet (waits for its instance's weights) or another process's.
+    self.batches: list = []
+    self.pending: list[int] = []  # indices into batches of this process's undispatched ones
+    self.freed: list[int] = []  # instances freed for inference, in order (all processes')
+    self.loads: dict = {}  # this process's instance -> Future of {model: params on it}
     self.loader = ThreadPoolExecutor(max_workers=1)
     self.dispatched = np.zeros(gen.config.num_instances, np.int64)  # micro-batches per instance
 
@@ -382,8 +425,11 @@ class InferenceQueue:
     self.waiting.extend(samples)
 
   def free(self, i: int) -> None:
-    """Instance i serves inference from now on: its weights start loading (once)."""
-    if i not in self.loads:
+    """Instance i serves inference from now on: its weights start loading (once, on the
+    process that drives it)."""
+    if i not in self.freed:
+      self.freed.append(i)
+    if self.gen.is_local(i) and i not in self.loads:
       self.loads[i] = self.loader.submit(self._load, i)
 
   def _load(self, i: int) -> dict:
@@ -396,11 +442,29 @@ class InferenceQueue:
   def loaded(self) -> list[int]:
     return [i for i, f in self.loads.items() if f.done()]
 
-  def _score(self, i: int, take: list[int]) -> None:
+  def _assign(self, i: int, take: list[int]) -> None:
+    """One micro-batch of samples `take` to instance i (run by `pump` on i's process)."""
+    self.dispatched[i] += 1
+    if self.gen.is_local(i):
+      self.pending.append(len(self.batches))
+    self.batches.append([i, take, None])
+
+  def pump(self, block: bool) -> None:
+    """Dispatches this process's assigned micro-batches, in order, whose instance has its
+    weights (all of them when `block`: waits for the loads)."""
+    left = []
+    for n in self.pending:
+      i, take, _ = self.batches[n]
+      if block or self.loads[i].done():
+        self.batches[n][2] = self._score(i, take)
+      else:
+        left.append(n)
+    self.pending = left
+
+  def _score(self, i: int, take: list[int]) -> dict:
     """One micro-batch of samples `take` on instance i (padded with copies of the last one,
     whose results are dropped), every inference model, dispatched without waiting."""
     mb, table = self.gen.config.micro_batch, self.table
-    self.dispatched[i] += 1
     rows = np.asarray(take + [take[-1]] * (mb - len(take)))
     seq = _sequences(self.prompts[rows], self.plens[rows], table.resp[rows], table.n_gen[rows],
                      self.gen.sampling.pad_id)  # [mb, P+T]
@@ -409,14 +473,26 @@ class InferenceQueue:
     outs = {n: inst.score(n, placed[n], seq, self.plens[rows], table.n_gen[rows])
             for n in self.gen.models}
     self.log.record(i, "inference", list(outs.values()))
-    self.batches.append((i, take, outs))
+    return outs
 
   def stream(self) -> None:
     """While the tail decodes: full micro-batches of the waiting samples onto free instances.
-    Each free instance holds at most PER_INSTANCE_QUEUE of them (pulled as it completes them, so
-    the instance loaded first does not take the whole queue), and at most `gen.inflight` run at
-    once overall when that cap is set."""
+
+    One process: each free instance with its weights holds at most PER_INSTANCE_QUEUE of them
+    (pulled as it completes them, so the instance loaded first does not take the whole queue),
+    and at most `gen.inflight` run at once overall when that cap is set.
+    Several processes: which instance has loaded or completed what differs between processes,
+    so the rule reads only global state: each round every free instance is assigned at most one
+    micro-batch, least assigned first; a process runs its own once their weights are in."""
     mb = self.gen.config.micro_batch
+    if self.gen.exchange.multi:
+      for i in sorted(self.freed, key=lambda j: (self.dispatched[j], j)):
+        if len(self.waiting) < mb:
+          break
+        take, self.waiting = self.waiting[:mb], self.waiting[mb:]
+        self._assign(i, take)
+      self.pump(block=False)
+      return
     running = {i: 0 for i in self.loaded()}
     for i, _, outs in self.batches:
       if i in running and not all(x.is_ready() for x in outs.values()):
@@ -430,30 +506,34 @@ class InferenceQueue:
       i = min(open_, key=lambda j: (running[j], self.dispatched[j], j))
       room, running[i] = room - 1, running[i] + 1
       take, self.waiting = self.waiting[:mb], self.waiting[mb:]
-      self._score(i, take)
+      self._assign(i, take)
+      self.pump(block=True)  # i has its weights: dispatched at once
 
   def drain(self) -> None:
-    """After generation: every waiting sample over every instance, those with weights first,
-    then least loaded; the remaining loads run in order in the loader thread, so inference
-    starts after one load, not after all of them."""
+    """After generation: every waiting sample over every instance, those freed first, then
+    least loaded; the remaining loads run in order in the loader thread, so inference starts
+    after one load, not after all of them."""
     mb = self.gen.config.micro_batch
     order = sorted(range(self.gen.config.num_instances),
-                   key=lambda j: (j not in self.loads, self.dispatched[j], j))
+                   key=lambda j: (j not in self.freed, self.dispatched[j], j))
     chunks = [self.waiting[k:k + mb] for k in range(0, len(self.waiting), mb)]
     self.waiting = []
     for i in order[:len(chunks)]:
       self.free(i)
     for n, take in enumerate(chunks):
-      self._score(order[n % len(order)], take)
+      self._assign(order[n % len(order)], take)
+    self.pump(block=True)
 
-  def collect(self) -> list[tuple[list[int], dict]]:
-    """Waits for every micro-batch: (samples, {model: host array}) each, in dispatch order."""
-    results = jax.device_get([outs for _, _, outs in self.batches])
-    return [(take, res) for (_, take, _), res in zip(self.batches, results)]
+  def collect(self) -> list[tuple[int, list[int], dict]]:
+    """Waits for this process's micro-batches: (instance, samples, {model: host array}) each,
+    in assignment order."""
+    mine = [b for b in self.batches if b[2] is not None]
+    results = jax.device_get([outs for _, _, outs in mine])
+    return [(i, take, res) for (i, take, _), res in zip(mine, results)]
 
   def unload(self) -> int:
     """Drops the inference weights (they leave the devices with the last reference); returns
-    the bytes that were loaded."""
+    the bytes that were loaded (on this process)."""
     n = sum(x.nbytes for f in self.loads.values() for x in jax.tree.leaves(f.result()))
     self.loads.clear()
     return int(n)
@@ -465,7 +545,9 @@ class InferenceQueue:
 class _Run:
   """One batch: the device states of the decoding instances, the SlotTable (where every sample
   sits, what it generated) and the InferenceQueue (what waits for or runs inference), driven
-  round by round by `execute` (module docstring)."""
+  round by round by `execute` (module docstring). With several processes `active`, the table
+  and the queue are global (the same on every process) and `states` holds this process's
+  instances only."""
 
   def __init__(self, gen: FusedGenerator, actor_params, frozen_params, tokens, plens, uids,
                budgets, key, fuse: bool, rt: float):
@@ -475,35 +557,86 @@ class _Run:
     self.table = SlotTable(gen.config.num_instances, gen.config.slots, gen.batch_size,
                            gen.sampling.max_new_tokens, gen.sampling.pad_id)
     self.infer: Optional[InferenceQueue] = None  # made with the activity log (execute)
-    self.states: dict = {}  # instance -> its DecodeState (donated each chunk) while decoding
+    self.active: list[int] = []  # instances decoding (all processes'), sorted
+    self.states: dict = {}  # this process's decoding instance -> DecodeState (donated each chunk)
     self.chunks = 0  # decode chunks run, summed over instances
     self.consolidations: list = []
     self.reasons: list = []
     self.actor_params = actor_params
 
-  def read(self, i: int, summary) -> None:
-    """Instance i's summary [3, S] into the slot table; fetches the rows that just finished and
-    queues those samples for inference."""
-    done, n, stop = np.asarray(jax.device_get(summary))
-    newly = self.table.observe(i, done, n)
+  def read(self, ran: list[int], summaries: dict) -> None:
+    """The summaries [3, S] of the instances that ran this round (`summaries`: this process's)
+    into the slot table; fetches the rows that just finished and queues those samples for
+    inference. With several processes the summaries and then the finished rows are all-gathered
+    (module docstring of generation/multihost.py)."""
+    gen, table, ex = self.gen, self.table, self.gen.exchange
+    local = {i: np.asarray(jax.device_get(summaries[i])) for i in sorted(summaries)}
+    if ex.multi:
+      buf = np.zeros((gen.config.num_instances, 3, gen.config.slots), np.int32)
+      for i, x in local.items():
+        buf[i] = x
+      local = ex.by_owner(buf, gen.owner)  # [G, 3, S], every instance's
+    newly = {}
+    for i in ran:
+      done, n, stop = local[i]
+      finished = table.observe(i, done, n)
+      if finished:
+        newly[i] = (finished, stop)
     if not newly:
       return
-    st = self.states[i]
-    toks, lps = jax.device_get((st.tokens, st.logprobs))  # [S, T] each
-    self.infer.add(self.table.finish(newly, stop, toks, lps))
+    rows = {i: jax.device_get((self.states[i].tokens, self.states[i].logprobs))  # [S, T] each
+            for i in newly if gen.is_local(i)}
+    if ex.multi:
+      rows = self._exchange_rows(newly, rows)
+    for i in sorted(newly):
+      finished, stop = newly[i]
+      self.infer.add(table.finish(finished, stop, *rows[i]))
 
-  def release(self, i: int) -> None:
-    """Instance i leaves generation: its state is dropped and it is freed for inference."""
+  def _exchange_rows(self, newly: dict, rows: dict) -> dict:
+    """{instance: (tokens [S, T], logprobs [S, T])} of every instance in `newly`, from each
+    process's own `rows`: each process packs its just-finished rows (instance, then slot order),
+    padded to a common count, and all-gathers them."""
+    gen, ex = self.gen, self.gen.exchange
+    t = gen.sampling.max_new_tokens
+    count = np.zeros(ex.count, np.int64)
+    for i, (finished, _) in newly.items():
+      count[gen.owner[i]] += len(finished)
+    n = multihost.pad_rows(int(count.max()))
+    tok, lp = np.zeros((n, t), np.int32), np.zeros((n, t), np.float32)
+    k = 0
+    for i in sorted(newly):
+      if gen.is_local(i):
+        for slot, _ in newly[i][0]:
+          tok[k], lp[k] = rows[i][0][slot], rows[i][1][slot]
+          k += 1
+    all_tok, all_lp = ex.allgather(tok), ex.allgather(lp)  # [P, n, T]
+    cursor = np.zeros(ex.count, np.int64)
+    out = {}
+    for i in sorted(newly):
+      p = gen.owner[i]
+      tk = np.zeros((gen.config.slots, t), np.int32)
+      lk = np.zeros((gen.config.slots, t), np.float32)
+      for slot, _ in newly[i][0]:
+        tk[slot], lk[slot] = all_tok[p, cursor[p]], all_lp[p, cursor[p]]
+        cursor[p] += 1
+      out[i] = (tk, lk)
+    return out
+
+  def drop(self, i: int) -> None:
+    """Instance i leaves generation (its state, on its process, is dropped)."""
+    self.active.remove(i)
     self.states.pop(i, None)
-    self.infer.free(i)
 
   # ---------------------------------------------------------------- consolidation
   def consolidate(self, step: int) -> list[int]:
-    """Plans with the shared policy and runs its migrations; returns the released instances."""
-    gen, cfg, table = self.gen, self.gen.config, self.table
+    """Plans with the shared policy and runs its migrations; returns the released instances.
+    Every process computes the same plan from the global slot table and runs the migrations
+    that touch its instances: a same-process one as gather, device_put, scatter on that
+    process; a cross-process one as one collective both processes run, in plan order."""
+    gen, cfg, table, me = self.gen, self.gen.config, self.table, self.gen.exchange.me
     t = gen.sampling.max_new_tokens
     states = []
-    for i in sorted(self.states):
+    for i in self.active:
       samples = tuple(policy.SampleState(uid=b, slot=int(table.where[b, 1]),
                                          length=int(self.plens[b] + table.n_gen[b]),
                                          remaining=int(t - table.n_gen[b]))
@@ -523,31 +656,51 @@ class _Run:
     groups: dict = {}
     for m in plan.moves:
       groups.setdefault((m.src_instance, m.dst_instance), []).append(m)
-    copied = 0
-    # Nothing waits here: the next decode chunk of a kept instance depends on its scatter,
-    # which depends on the copy, so JAX orders them; the watchers time the copies.
+    copied = cross_moves = cross_bytes = 0
+    cross_s = 0.0
+    # Nothing waits here on a same-process move: the next decode chunk of a kept instance
+    # depends on its scatter, which depends on the copy, so JAX orders them; the watchers time
+    # the copies. A cross-process move is waited for (timed: cross_host_s).
     for (src, dst), moves in sorted(groups.items()):
       s_inst, d_inst = gen.instances[src], gen.instances[dst]
+      ps, pd = int(gen.owner[src]), int(gen.owner[dst])
       for k in range(0, len(moves), s_inst.buckets[-1]):
         part = moves[k:k + s_inst.buckets[-1]]
-        rows, _ = s_inst.gather(self.states[src], [m.src_slot for m in part])
-        self.log.record(src, "migrate", rows)
-        rows = d_inst.receive(rows)  # device_put between the two sub-meshes
-        self.log.record(dst, "migrate", rows)
-        copied += sum(x.nbytes for x in jax.tree.leaves(rows))
-        self.states[dst] = d_inst.scatter(self.states[dst], [m.dst_slot for m in part], rows)
+        nbytes = s_inst.bucket(len(part)) * gen.row_bytes
+        copied += nbytes
+        if ps != pd:
+          cross_moves, cross_bytes = cross_moves + len(part), cross_bytes + nbytes
+        if me not in (ps, pd):
+          continue
+        rows = None
+        if me == ps:
+          rows, _ = s_inst.gather(self.states[src], [m.src_slot for m in part])
+          self.log.record(src, "migrate", rows)
+        if ps == pd:
+          rows = d_inst.receive(rows)  # device_put between the two sub-meshes
+        else:
+          t1 = time.perf_counter()
+          b = s_inst.bucket(len(part))
+          local = s_inst if me == ps else d_inst
+          rows = gen.transfer(s_inst.devices, d_inst.devices, local.rows_abstract[b], rows)
+          cross_s += time.perf_counter() - t1
+        if me == pd:
+          self.log.record(dst, "migrate", rows)
+          self.states[dst] = d_inst.scatter(self.states[dst], [m.dst_slot for m in part], rows)
     t1 = self.log.now()
     table.move(plan.moves)
     rec = {"time_s": t0, "step": step, "unfinished": plan.unfinished, "kept": list(plan.kept),
            "released": list(plan.released), "moves": len(plan.moves),
            "moved_bytes": int(plan.moved_bytes), "copied_bytes": int(copied),
-           "dispatch_s": t1 - t0, "reason": plan.reason,
+           "cross_host_moves": cross_moves, "cross_host_copied_bytes": int(cross_bytes),
+           "cross_host_s": cross_s, "dispatch_s": t1 - t0, "reason": plan.reason,
            "occupancy": {int(i): len(table.unfinished_in(i)) for i in plan.kept}}
     self.consolidations.append(rec)
     logging.vlog(1, "consolidation at step %d: %s (%d bytes of KV held)", step, plan.reason,
                  plan.moved_bytes)
     for i in plan.released:
-      self.states.pop(i, None)
+      if i in self.active:
+        self.drop(i)
     return list(plan.released)
 
   # ---------------------------------------------------------------- the batch
@@ -562,8 +715,9 @@ class _Run:
     gen, cfg, table = self.gen, self.gen.config, self.table
     b, k = gen.batch_size, gen.sampling.chunk_size
     t_place = time.perf_counter()
-    params = {i: inst.place(gen.cfg, self.actor_params) for i, inst in enumerate(gen.instances)}
-    keys = {i: jax.device_put(self.key, inst.rep) for i, inst in enumerate(gen.instances)}
+    mine = {i: gen.instances[i] for i in gen.local}
+    params = {i: inst.place(gen.cfg, self.actor_params) for i, inst in mine.items()}
+    keys = {i: jax.device_put(self.key, inst.rep) for i, inst in mine.items()}
     jax.block_until_ready(params)
     place_s = time.perf_counter() - t_place
     self.log = log = ActivityLog(cfg.num_instances)
@@ -572,20 +726,21 @@ class _Run:
     for i, (rows, tok, lens, uid, bud) in enumerate(gen._deal(self.tokens, self.plens,
                                                               self.uids, self.budgets)):
       table.deal(i, rows)
-      self.states[i], summaries[i] = gen.instances[i].prefill(params[i], tok, lens, uid, bud,
-                                                              keys[i])
-      log.record(i, "prefill", summaries[i])
+      if i in mine:
+        self.states[i], summaries[i] = mine[i].prefill(params[i], tok, lens, uid, bud, keys[i])
+        log.record(i, "prefill", summaries[i])
+    self.active = list(range(cfg.num_instances))
+    ran = list(self.active)
     curve = [(0.0, b)]
     rounds, t_prefill = 0, None
     while True:
-      for i in sorted(summaries):
-        self.read(i, summaries[i])
+      self.read(ran, summaries)
       if t_prefill is None:
         t_prefill = log.now()
       curve.append((log.now(), table.unfinished))
-      idle = [i for i in sorted(self.states) if not table.unfinished_in(i)]
+      idle = [i for i in self.active if not table.unfinished_in(i)]
       for i in idle:
-        self.states.pop(i)
+        self.drop(i)
       unfinished = table.unfinished
       if unfinished == 0:
         break
@@ -593,18 +748,19 @@ class _Run:
           unfinished <= self.rt * b):
         idle += self.consolidate(rounds * k)
       summaries = {}
-      for i in sorted(self.states):
-        self.states[i], summaries[i] = gen.instances[i].decode(params[i], self.states[i],
-                                                               keys[i])
-        log.record(i, "decode", summaries[i])
-      self.chunks += len(summaries)
-      if not summaries:
+      for i in self.active:
+        if i in mine:
+          self.states[i], summaries[i] = mine[i].decode(params[i], self.states[i], keys[i])
+          log.record(i, "decode", summaries[i])
+      self.chunks += len(self.active)
+      if not self.active:
         raise RuntimeError("unfinished samples but no instance decoding them (a bug)")
+      ran = list(self.active)
       rounds += 1
       if self.fuse:
         # After the decode dispatch, so that loading weights never delays the tail.
         for i in idle:
-          self.release(i)
+          self.infer.free(i)
         self.infer.stream()
     gen_end = log.now()
     del params
@@ -621,9 +777,14 @@ class _Run:
     gen, table = self.gen, self.table
     b, t = gen.batch_size, gen.sampling.max_new_tokens
     out = {n: np.zeros((b, t) if n != "reward" else (b,), np.float32) for n in gen.models}
-    for take, res in results:
+    for _, take, res in results:
       for n, arr in res.items():
         out[n][np.asarray(take)] = np.asarray(arr)[:len(take)]
+    if gen.exchange.multi:  # each sample's results from the process that scored it
+      owner = np.zeros(b, np.int64)
+      for i, take, _ in self.infer.batches:
+        owner[np.asarray(take)] = gen.owner[i]
+      out = {n: gen.exchange.by_owner(x, owner) for n, x in out.items()}
     rollout = engine.Rollout(
         prompt_tokens=self.tokens, prompt_lens=self.plens, response_tokens=table.resp,
         response_lens=table.n_gen.copy(), logprobs=table.logp, stop_reason=table.stop,
@@ -644,6 +805,11 @@ class _Run:
         "gen/migration_copied_bytes": int(sum(c["copied_bytes"] for c in cons)),
         # From the first copy's start to the last copy's end (measured by the watchers).
         "gen/migration_s": tl.span_s("migrate"),
+        # The migrations between instances of different processes (one collective each),
+        # their bytes (rows, padding included) and this process's wait for them.
+        "gen/migrated_samples_cross_host": int(sum(c["cross_host_moves"] for c in cons)),
+        "gen/migration_cross_host_bytes": int(sum(c["cross_host_copied_bytes"] for c in cons)),
+        "gen/migration_cross_host_s": float(sum(c["cross_host_s"] for c in cons)),
         "gen/instance_busy_frac": tl.instance_busy_frac,
         "fusion/inference_overlap_frac": tl.inference_overlap_frac,
         "fusion/weight_load_s": tl.kind_s("load"),

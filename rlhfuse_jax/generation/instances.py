@@ -216,6 +216,9 @@ class GenerationInstance:
     self.rep = mesh_lib.replicated(mesh)
     self.state_sharding = engine.state_shardings(cfg, mesh)
     self._exe: dict = {}
+    # bucket -> ShapeDtypeStructs of gathered rows (set by lower_all): what a cross-host
+    # migration sends and receives (generation/multihost.py).
+    self.rows_abstract: dict = {}
 
   @property
   def shape_class(self) -> str:
@@ -242,14 +245,11 @@ class GenerationInstance:
     Generator only prefill and decode).
     """
     want = (lambda kind: True) if only is None else (lambda kind: kind in only)
-    cfg, sampling, s, p = self.cfg, self.sampling, self.slots, self.prompt_len
+    cfg, sampling, p = self.cfg, self.sampling, self.prompt_len
     st_sh, rep = self.state_sharding, self.rep
-    prm = mesh_lib.abstract(actor_params, self.param_shardings(cfg, actor_params))
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep)
-    tok = jax.ShapeDtypeStruct((s, p), jnp.int32, sharding=self.row2)
-    row = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=self.row1)
+    prm, tok, row, key = self._prefill_args(actor_params)
     pre = _prefill_fn(cfg, sampling, self.max_len)
-    st = mesh_lib.abstract(jax.eval_shape(pre, prm, tok, row, row, row, key)[0], st_sh)
+    st = self.state_abstract(actor_params)
     out = []
     if want("prefill"):
       out.append(("prefill", jax.jit(pre, out_shardings=(st_sh, rep)).lower(prm, tok, row, row,
@@ -261,6 +261,7 @@ class GenerationInstance:
     for r in self.buckets:
       idx = jax.ShapeDtypeStruct((r,), jnp.int32, sharding=rep)
       rows = mesh_lib.abstract(jax.eval_shape(gather_rows, st, idx), st_sh)
+      self.rows_abstract[r] = rows
       if want("gather"):
         out.append((("gather", r), jax.jit(gather_rows, out_shardings=st_sh).lower(st, idx)))
       if want("scatter"):
@@ -285,6 +286,22 @@ class GenerationInstance:
         low = scoring.reward_model_scores.lower(mcfg, fp, seq, lens, lens)
       out.append((name, low))
     return out
+
+  def _prefill_args(self, actor_params) -> tuple:
+    """ShapeDtypeStructs of prefill's arguments (params, tokens, a row vector, key)."""
+    s, p = self.slots, self.prompt_len
+    prm = mesh_lib.abstract(actor_params, self.param_shardings(self.cfg, actor_params))
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=self.rep)
+    tok = jax.ShapeDtypeStruct((s, p), jnp.int32, sharding=self.row2)
+    row = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=self.row1)
+    return prm, tok, row, key
+
+  def state_abstract(self, actor_params) -> DecodeState:
+    """ShapeDtypeStructs (with this instance's shardings) of the decode state."""
+    prm, tok, row, key = self._prefill_args(actor_params)
+    pre = _prefill_fn(self.cfg, self.sampling, self.max_len)
+    return mesh_lib.abstract(jax.eval_shape(pre, prm, tok, row, row, row, key)[0],
+                             self.state_sharding)
 
   @property
   def num_executables(self) -> int:

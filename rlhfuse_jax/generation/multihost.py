@@ -1,0 +1,140 @@
+"""Inter-stage fusion over several processes (docs/architecture.md §2, "Several processes").
+
+Each process drives the generation instances on its own devices; every decision of a batch (the
+deal, the rounds, the consolidation plan, which freed instance scores which samples) is computed
+by every process from the same global state, so no process ever waits for a plan it cannot
+compute. What makes the state global is `Exchange`: after every decode round the processes
+all-gather their instances' summaries (done, generated, stop: 12 bytes per slot), then the
+tokens and log-probs of the rows that just finished, and at the end the inference results.
+
+Cross-host KV migration (`CrossHostTransfer`): a jitted `shard_map` over a (2, tp) mesh of the
+source instance's devices and the target's, whose body is one `lax.ppermute` from row 0 to row
+1. Both processes run it; the source supplies its device shards of the gathered rows, the target
+a zero buffer of the same shape, and the target's shards of the output become its rows,
+already laid out as its scatter expects (same shape class, same mesh shape, so device k of the
+source holds the piece device k of the target needs). No recompute, no host round trip.
+Chosen over jax.experimental.transfer (a socket transfer server, start_transfer_server): that
+API is experimental, its signature differs between jax releases, and it needs an address per
+process that the launch scripts do not have; the collective runs over the channel
+jax.distributed already set up (gloo on CPU, NCCL on GPU, ICI/DCN on TPU).
+
+With one process every function here is the identity (no collective, no jax.experimental import).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+def process_of(devices: Sequence[jax.Device], what: str) -> int:
+  """The one process that owns `devices`; a clear error when they span several."""
+  procs = sorted({d.process_index for d in devices})
+  if len(procs) != 1:
+    raise ValueError(f"{what} spans processes {procs} (devices "
+                     f"{[d.id for d in devices]}): an instance must live in one process; "
+                     "choose fusion.instance_devices dividing each process's device count")
+  return procs[0]
+
+
+class Exchange:
+  """The host-side all-gathers of the fused loop. Every process must call each method in the
+  same order with arrays of the same shape (the shapes derive from global state only)."""
+
+  def __init__(self):
+    self.count = jax.process_count()
+    self.me = jax.process_index()
+
+  @property
+  def multi(self) -> bool:
+    return self.count > 1
+
+  def allgather(self, x: np.ndarray) -> np.ndarray:
+    """[P, *x.shape]: every process's `x` (P = process count), on every process."""
+    x = np.asarray(x)
+    if self.count == 1:
+      return x[None]
+    from jax.experimental import multihost_utils  # multi-host only
+    return np.asarray(multihost_utils.process_allgather(x, tiled=False))
+
+  def by_owner(self, local: np.ndarray, owner: np.ndarray) -> np.ndarray:
+    """Rows of `local` [N, ...] combined over processes: row n from process owner[n] [N]
+    (each process fills the rows it owns; the others' values are ignored)."""
+    if self.count == 1:
+      return local
+    g = self.allgather(local)  # [P, N, ...]
+    return g[np.asarray(owner), np.arange(local.shape[0])]
+
+
+def pad_rows(n: int) -> int:
+  """Row counts of the finished-rows exchange rounded up to a power of two, so the all-gather
+  compiles a handful of shapes, not one per count."""
+  return 1 << max(0, int(n - 1).bit_length())
+
+
+def _permute(mesh: Mesh):
+  spec = P(("pair", "shard"))
+  body = functools.partial(jax.lax.ppermute, axis_name="pair", perm=[(0, 1)])
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+
+
+class CrossHostTransfer:
+  """Moves gathered DecodeState rows from an instance of one process to an instance of another
+  (module docstring). One program per (source, target) pair and row bucket, compiled at its
+  first use (a consolidation happens once or twice per batch; the pairs are too many to compile
+  ahead of time)."""
+
+  def __init__(self):
+    self._fns: dict = {}
+    self._zeros: dict = {}
+
+  def _mesh(self, src_devices, dst_devices) -> Mesh:
+    return Mesh(np.array([list(src_devices), list(dst_devices)], dtype=object), ("pair", "shard"))
+
+  def __call__(self, src_devices: Sequence[jax.Device], dst_devices: Sequence[jax.Device],
+               rows_abstract: Any, rows: Any = None) -> Any:
+    """Run by both processes. rows_abstract: the rows' ShapeDtypeStructs with the local
+    instance's shardings (source or target: same shape class); rows: the gathered rows on the
+    source process, None on the target. Returns the rows on the target's devices (the target
+    process), None on the source process."""
+    key = (tuple(d.id for d in src_devices), tuple(d.id for d in dst_devices))
+    if key not in self._fns:
+      mesh = self._mesh(src_devices, dst_devices)
+      self._fns[key] = (mesh, _permute(mesh))
+    mesh, fn = self._fns[key]
+    pair_sh = NamedSharding(mesh, P(("pair", "shard")))
+    sending = rows is not None
+    leaves, treedef = jax.tree_util.tree_flatten(rows_abstract)
+    data = jax.tree_util.tree_leaves(rows) if sending else None
+    inputs = []
+    for n, a in enumerate(leaves):
+      shard = a.sharding.shard_shape(a.shape)
+      if not shard:
+        raise ValueError(f"cross-host transfer of a 0-d leaf {a}: rows must have a row axis")
+      glob = (2 * len(src_devices) * shard[0],) + tuple(shard[1:])
+      if sending:
+        by_dev = {s.device: s.data for s in data[n].addressable_shards}
+        pieces = [by_dev[d] for d in src_devices]
+      else:
+        pieces = [self._zero(d, shard, a.dtype) for d in dst_devices]
+      inputs.append(jax.make_array_from_single_device_arrays(glob, pair_sh, pieces))
+    out = fn(inputs)
+    if sending:
+      return None
+    result = []
+    for a, o in zip(leaves, out):
+      by_dev = {s.device: s.data for s in o.addressable_shards}
+      result.append(jax.make_array_from_single_device_arrays(
+          a.shape, a.sharding, [by_dev[d] for d in dst_devices]))
+    return jax.tree_util.tree_unflatten(treedef, result)
+
+  def _zero(self, device, shape, dtype):
+    """The target's (never donated, so reusable) zero input of one leaf."""
+    k = (device.id, tuple(shape), jnp.dtype(dtype).name)
+    if k not in self._zeros:
+      self._zeros[k] = jax.device_put(np.zeros(shape, dtype), device)
+    return self._zeros[k]

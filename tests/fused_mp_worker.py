@@ -1,0 +1,80 @@
+"""One process of the multi-process fused-generation test (tests/test_fused_multiprocess.py),
+and the case both sides run: the test runs `run_case` in its own process on 8 devices, and
+
+  python -m tests.fused_mp_worker PROCESS_ID NUM_PROCESSES PORT OUT_DIR
+
+runs it as one of NUM_PROCESSES processes on 127.0.0.1 (XLA_FLAGS from the caller: its local
+devices), writing OUT_DIR/proc{PROCESS_ID}.npz with every process's view of the outputs.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+
+P, T = 6, 16
+G, S = 8, 4  # 8 one-device instances of 4 slots: 16 samples dealt 2 per instance
+RUNS = (("baseline", False, 0.0), ("early", True, 1.0), ("late", True, 0.5))
+FIELDS = ("response_tokens", "response_lens", "logprobs", "stop_reason")
+MODELS = ("ref_logp", "values", "rewards")
+
+
+def batch(b, seed):
+  rng = np.random.default_rng(seed)
+  lens = rng.integers(1, P + 1, b).astype(np.int32)
+  tokens = rng.integers(1, 32, (b, P)).astype(np.int32)
+  tokens[np.arange(P)[None] >= lens[:, None]] = 0
+  budgets = np.clip(np.rint(rng.lognormal(np.log(5), 1.0, b)), 1, T).astype(np.int32)
+  budgets[0] = T  # one sample runs to the end: a tail
+  return tokens, lens, budgets
+
+
+def run_case() -> dict:
+  """{run name: {field: array}} and {run name + '/metrics': json} over jax.devices()."""
+  import jax
+
+  from rlhfuse_jax.generation.fused import FusedGenConfig, FusedGenerator
+  from rlhfuse_jax.generation.instances import FrozenModels
+  from rlhfuse_jax.generation.sampling import SamplingConfig
+  from rlhfuse_jax.models import llama
+
+  cfg = llama.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
+                          num_heads=4, num_kv_heads=2, max_seq_len=64)
+  score = cfg.replace(head="scalar")
+  actor = llama.host_random_params(cfg, 0)
+  params = {"reference": actor, "critic": llama.host_random_params(score, 1),
+            "reward": llama.host_random_params(score, 2)}
+  sampling = SamplingConfig(temperature=1.0, max_new_tokens=T, chunk_size=3, eos_id=-1)
+  config = FusedGenConfig(num_instances=G, slots=S, migration_threshold=0.5,
+                          compile_threads=2)
+  gen = FusedGenerator(cfg, sampling, config, batch_size=2 * G, prompt_len=P,
+                       frozen=FrozenModels(reference=cfg, critic=score, reward=score),
+                       actor_params=actor, frozen_params=params)
+  tokens, lens, budgets = batch(2 * G, 0)
+  out = {}
+  for name, fuse, rt in RUNS:
+    res = gen.run(actor, params, tokens, lens, jax.random.key(3), budgets=budgets, fuse=fuse,
+                  rt=rt)
+    for f in FIELDS:
+      out[f"{name}/{f}"] = getattr(res.rollout, f)
+    for m in MODELS:
+      out[f"{name}/{m}"] = getattr(res, m)
+    keep = {k: v for k, v in res.metrics.items() if not k.startswith(("timing_s/", "fusion/w"))}
+    keep["consolidations"] = [{k: c[k] for k in ("step", "kept", "released", "moves",
+                                                   "cross_host_moves", "copied_bytes",
+                                                   "cross_host_copied_bytes", "cross_host_s")}
+                              for c in res.consolidations]
+    out[f"{name}/metrics"] = np.asarray(json.dumps(keep))
+  return out
+
+
+def main(argv):
+  pid, n, port, out_dir = int(argv[1]), int(argv[2]), argv[3], argv[4]
+  from rlhfuse_jax.parallel import distributed
+  distributed.initialize(f"127.0.0.1:{port}", n, pid)
+  out = run_case()
+  np.savez(os.path.join(out_dir, f"proc{pid}.npz"), **out)
+
+
+if __name__ == "__main__":
+  main(sys.argv)

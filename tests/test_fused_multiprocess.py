@@ -1,0 +1,81 @@
+"""Inter-stage fusion over 2 processes x 4 CPU devices on 127.0.0.1 (jax.distributed): the same
+tokens, log-probs, reference log-probs, values and rewards, bitwise, as 1 process x 8 devices,
+with consolidations that migrate KV rows between the processes (and within one)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+from tests import fused_mp_worker as worker
+from tests.test_train_ppo_binary import REPO
+
+TIMEOUT_S = 300
+
+
+def launch(n: int, devices: int, out_dir: str) -> list:
+  """The worker as n processes with `devices` CPU devices each; returns the Popen objects."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+  with socket.socket() as sock:  # a free port for the coordinator
+    sock.bind(("127.0.0.1", 0))
+    port = str(sock.getsockname()[1])
+  return [subprocess.Popen([sys.executable, "-m", "tests.fused_mp_worker", str(i), str(n), port,
+                            out_dir], cwd=REPO, env=env, stdout=open(f"{out_dir}/log{i}", "w"),
+                           stderr=subprocess.STDOUT) for i in range(n)]
+
+
+def wait(procs, out_dir: str) -> None:
+  try:
+    codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  logs = "".join(open(f"{out_dir}/log{i}").read()[-3000:] for i in range(len(procs)))
+  assert codes == [0] * len(procs), logs
+
+
+def test_two_processes_match_one_process_with_cross_host_migration(tmp_path):
+  out_dir = str(tmp_path)
+  procs = launch(2, 4, out_dir)
+  try:
+    single = worker.run_case()  # this process: 8 devices (tests/conftest.py)
+  finally:
+    wait(procs, out_dir)
+  multi = [np.load(os.path.join(out_dir, f"proc{i}.npz")) for i in range(2)]
+  for name, _, _ in worker.RUNS:
+    for f in worker.FIELDS + worker.MODELS:
+      k = f"{name}/{f}"
+      for i in range(2):  # every process holds every sample's outputs, in sample order
+        np.testing.assert_array_equal(multi[i][k], single[k], err_msg=f"process {i}: {k}")
+      # ... and the fused runs are the baseline's (consolidation changes nothing).
+      np.testing.assert_array_equal(single[k], single[f"baseline/{f}"], err_msg=k)
+  for name, _, _ in worker.RUNS:
+    one = json.loads(str(single[f"{name}/metrics"]))
+    both = [json.loads(str(m[f"{name}/metrics"])) for m in multi]
+    for m in both:  # the same decisions: plans, rounds, chunks, bytes
+      for k in ("gen/migrated_samples", "gen/migrated_kv_bytes", "gen/migration_copied_bytes",
+                "gen/consolidation_step", "gen/decode_rounds", "gen/instance_chunks"):
+        assert m[k] == one[k], (name, k)
+      for c, d in zip(m["consolidations"], one["consolidations"], strict=True):
+        for k in ("step", "kept", "released", "moves", "copied_bytes"):
+          assert c[k] == d[k], (name, k)
+      assert [u for _, u in m["gen/unfinished_curve"]] == [
+          u for _, u in one["gen/unfinished_curve"]]
+    assert one["gen/migrated_samples_cross_host"] == 0  # one process: nothing crosses
+    assert both[0]["gen/migrated_samples_cross_host"] == both[1][
+        "gen/migrated_samples_cross_host"]
+  early = [json.loads(str(m["early/metrics"])) for m in multi]
+  late = [json.loads(str(m["late/metrics"])) for m in multi]
+  # Rt = 1: consolidation right after prefill keeps instances 0-3 (process 0) and moves every
+  # unfinished sample of instances 4-7 (process 1) across; Rt = 0.5, mid-decode, moves some
+  # samples across and some within a process.
+  c = early[0]["consolidations"][0]
+  assert c["step"] == 0 and c["kept"] == [0, 1, 2, 3] and c["cross_host_moves"] == c["moves"] > 0
+  c = late[0]["consolidations"][0]
+  assert c["step"] > 0 and 0 < c["cross_host_moves"] < c["moves"], c
+  for m in early + late:
+    assert m["gen/migration_cross_host_bytes"] > 0 and m["gen/migration_cross_host_s"] > 0
