@@ -16,7 +16,15 @@ Writes into the workdir: config.json; result.json (identical_outputs, baseline /
 gen_plus_inf_s, wall_s, instance_busy_frac, ..., ratio, the per-sample prompt and response
 lengths); timeline_baseline.png and timeline_fused.png (unfinished samples over time and each
 instance's prefill / decode / migrate / load / inference activity; white = idle);
-calibration.json (the engine's measured costs in the simulator's calibration format).
+calibration.json (the engine's measured costs in the simulator's calibration format);
+outputs.npz (the first baseline run's tokens, log-probs and inference outputs).
+
+Several processes (--distributed; launch/local_multiprocess.sh with BINARY=bench_generation):
+every process drives the instances on its devices (generation/multihost.py); process 0 writes
+the files, the fused migrations split into same-host and cross-host (count, bytes, seconds).
+On CPU devices process 0 then also runs the same command as one process with all the devices
+(--single_process_reference, in WORKDIR/single_process) and compares its outputs with the
+distributed run's: `identical_outputs` covers both.
 
 With `generation.pipeline_stages` set (`--config=configs/bench_generation.py:pipelined`) it
 benchmarks delayed inter-batch pipelined generation instead (`run_pipelined`): result.json has
@@ -28,6 +36,8 @@ shows the executed tick table.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 from rlhfuse_jax.parallel.host_devices import request_host_devices
 
@@ -48,13 +58,27 @@ from rlhfuse_jax.generation import pipelined as pipelined_lib  # noqa: E402
 from rlhfuse_jax.generation.instances import FrozenModels  # noqa: E402
 from rlhfuse_jax.generation.sampling import SamplingConfig  # noqa: E402
 from rlhfuse_jax.models import llama  # noqa: E402
+from rlhfuse_jax.parallel import distributed  # noqa: E402
 from rlhfuse_jax.sim import lengths as lengths_lib  # noqa: E402
 from rlhfuse_jax.sim import plots  # noqa: E402
 from rlhfuse_jax.trainer import rt_auto  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Call jax.distributed.initialize (multi-host; see launch/).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", "",
+                                   "host:port of process 0; empty: auto-detect (SLURM, TPU).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "0: auto-detect.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_REFERENCE = flags.DEFINE_bool(
+    "single_process_reference", True, "With --distributed on CPU devices: process 0 reruns the "
+    "bench as one process with all the devices and compares the outputs.")
 flags.mark_flags_as_required(["config", "workdir"])
+# The flags the single-process reference run does not get (it is one process, elsewhere).
+_DISTRIBUTED_FLAGS = ("--distributed", "--nodistributed", "--coordinator_address",
+                      "--num_processes", "--process_id", "--workdir", "--single_process_reference",
+                      "--nosingle_process_reference")
 
 # Log-probs of the two modes must agree to this (they are bitwise equal when the instances share
 # one shape class, which the engine enforces; the tolerance is the issue's definition).
@@ -96,7 +120,19 @@ def summarize(out: fused_lib.FusedOutput, wall_s: float) -> dict:
           "migrated_samples": m["gen/migrated_samples"],
           "migrated_kv_bytes": m["gen/migrated_kv_bytes"],
           "migration_copied_bytes": m["gen/migration_copied_bytes"],
-          "migration_s": m["gen/migration_s"], "weight_load_s": m["fusion/weight_load_s"],
+          "migration_s": m["gen/migration_s"],
+          # Several processes: same-host migrations (gather, device_put, scatter: the span of
+          # their copies) and cross-host ones (one collective each: the wait for them).
+          "same_host_migrated_samples": (m["gen/migrated_samples"] -
+                                         m["gen/migrated_samples_cross_host"]),
+          "same_host_migration_bytes": (m["gen/migration_copied_bytes"] -
+                                        m["gen/migration_cross_host_bytes"]),
+          "same_host_migration_s": m["gen/migration_same_host_s"],
+          "cross_host_migrated_samples": m["gen/migrated_samples_cross_host"],
+          "cross_host_migration_bytes": m["gen/migration_cross_host_bytes"],
+          "cross_host_migration_s": m["gen/migration_cross_host_s"],
+          "cross_host_compile_s": m["gen/migration_cross_host_compile_s"],
+          "weight_load_s": m["fusion/weight_load_s"],
           "weight_load_bytes": m["fusion/weight_load_bytes"],
           "actor_to_instances_s": m["timing_s/actor_to_instances"],
           "decode_rounds": m["gen/decode_rounds"], "instance_chunks": m["gen/instance_chunks"],
@@ -105,16 +141,27 @@ def summarize(out: fused_lib.FusedOutput, wall_s: float) -> dict:
           "unfinished_curve": m["gen/unfinished_curve"]}
 
 
-def compare(a: fused_lib.FusedOutput, b: fused_lib.FusedOutput) -> dict:
-  """Tokens bitwise; log-probs and inference outputs to LOGPROB_ATOL (max differences kept)."""
-  ra, rb = a.rollout, b.rollout
-  out = {"tokens_equal": bool(np.array_equal(ra.response_tokens, rb.response_tokens) and
-                              np.array_equal(ra.response_lens, rb.response_lens)),
-         "logprobs_max_abs_diff": float(np.max(np.abs(ra.logprobs - rb.logprobs)))}
+def output_arrays(out: fused_lib.FusedOutput) -> dict:
+  """What `compare` compares (and outputs.npz holds): {name: host array}."""
+  r = out.rollout
+  arrays = {"response_tokens": r.response_tokens, "response_lens": r.response_lens,
+            "logprobs": r.logprobs}
   for name in ("ref_logp", "values", "rewards"):
-    x, y = getattr(a, name), getattr(b, name)
-    if x is not None:
-      out[f"{name}_max_abs_diff"] = float(np.max(np.abs(x - y)))
+    if getattr(out, name) is not None:
+      arrays[name] = getattr(out, name)
+  return arrays
+
+
+def compare(a, b) -> dict:
+  """Tokens bitwise; log-probs and inference outputs to LOGPROB_ATOL (max differences kept).
+  a, b: FusedOutputs or their `output_arrays`."""
+  a, b = (x if isinstance(x, dict) else output_arrays(x) for x in (a, b))
+  out = {"tokens_equal": bool(np.array_equal(a["response_tokens"], b["response_tokens"]) and
+                              np.array_equal(a["response_lens"], b["response_lens"])),
+         "logprobs_max_abs_diff": float(np.max(np.abs(a["logprobs"] - b["logprobs"])))}
+  for name in ("ref_logp", "values", "rewards"):
+    if name in a:
+      out[f"{name}_max_abs_diff"] = float(np.max(np.abs(a[name] - b[name])))
   out["identical"] = out["tokens_equal"] and all(
       v <= LOGPROB_ATOL for k, v in out.items() if k.endswith("max_abs_diff"))
   return out
@@ -150,8 +197,9 @@ def run(c, workdir: str) -> dict:
   n_exe = sum(i.num_executables for i in gen.instances)
   logging.info("%d instances x %d device(s), %d slots each: %d executables compiled in %.1fs",
                num_instances, g.instance_devices, g.slots, n_exe, compile_s)
-  # The actor lives on the first instance's devices, as a trainer's would on its mesh.
-  actor = gen.instances[0].place(cfg, actor)
+  # The actor lives on the first instance's devices, as a trainer's would on its mesh (several
+  # processes: this process's first instance).
+  actor = gen.instances[gen.local[0]].place(cfg, actor)
   key = jax.random.key(c.seed)
 
   for w in range(c.warmup):  # another batch: warms every path, fills the length histogram
@@ -161,7 +209,9 @@ def run(c, workdir: str) -> dict:
   tokens, plens, budgets, spec = make_batch(c, c.seed)
   if gen.calibration is None:
     gen.calibration = measure.measure_costs(gen, actor, host)
-  wd.write_json(os.path.join(workdir, "calibration.json"), gen.calibration)
+  main_process = distributed.is_main_process()
+  if main_process:
+    wd.write_json(os.path.join(workdir, "calibration.json"), gen.calibration)
   rt, choice = gen.choose_rt(plens)  # once for all timed runs: the histogram of the warm-up
   logging.info("Rt = %.3g (%s)", rt, choice.reason if choice else "fixed in the config")
 
@@ -189,8 +239,10 @@ def run(c, workdir: str) -> dict:
     out, wall = rs[med]
     result[mode] = summarize(out, wall)
     result[mode]["runs_gen_plus_inf_s"] = times
-    plots.plot_generation_timelines([(f"{mode} (median of {len(times)} runs)", out.timeline)],
-                                    os.path.join(workdir, f"timeline_{mode}.png"))
+    if main_process:  # process 0's instances (several processes: each sees its own)
+      plots.plot_generation_timelines(
+          [(f"{mode} (median of {len(times)} runs)", out.timeline)],
+          os.path.join(workdir, f"timeline_{mode}.png"))
   result["ratio"] = result["fused"]["gen_plus_inf_s"] / result["baseline"]["gen_plus_inf_s"]
   # Each repeat ran the two modes back to back: their ratio cancels slow drifts of the machine.
   paired = [f.timeline.gen_plus_inf_s / b.timeline.gen_plus_inf_s
@@ -202,19 +254,37 @@ def run(c, workdir: str) -> dict:
   result.update({
       "num_instances": num_instances, "slots": g.slots, "instance_devices": g.instance_devices,
       "device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
+      "processes": jax.process_count(),
       "startup": {"compile_s": compile_s, "executables": n_exe},
       "lengths": {"spec": spec.describe(), **lengths_lib.summarize(budgets, g.max_new_tokens)},
       "prompt_lens": plens, "response_lens": runs["fused"][0][0].rollout.response_lens,
   })
+  if main_process:
+    np.savez(os.path.join(workdir, "outputs.npz"), **output_arrays(runs["baseline"][0][0]))
   return result
 
 
-def run_and_write(c, workdir: str) -> dict:
-  """Runs the benchmark and writes config.json, result.json, the PNGs and calibration.json."""
-  os.makedirs(workdir, exist_ok=True)
-  wd.write_config(workdir, c)
-  result = run_pipelined(c, workdir) if c.generation.get("pipeline_stages") else run(c, workdir)
-  wd.write_json(os.path.join(workdir, "result.json"), result)
+def run_and_write(c, workdir: str, reference=None) -> dict:
+  """Runs the benchmark and writes config.json, result.json, the PNGs and calibration.json
+  (process 0). `reference(workdir)`: {name: array} of a reference run to compare with (and
+  fold into identical_outputs), run on process 0 after the processes have shut down."""
+  main_process = distributed.is_main_process()
+  pipelined = bool(c.generation.get("pipeline_stages"))
+  if pipelined and jax.process_count() > 1:
+    raise ValueError(f"config.generation.pipeline_stages={c.generation.pipeline_stages}: the "
+                     "pipelined variant runs in one process; drop --distributed")
+  if main_process:
+    os.makedirs(workdir, exist_ok=True)
+    wd.write_config(workdir, c)
+  result = run_pipelined(c, workdir) if pipelined else run(c, workdir)
+  if jax.process_count() > 1:
+    jax.distributed.shutdown()  # the other processes are done: they exit now
+  if main_process and reference is not None:
+    ref = compare(reference(workdir), dict(np.load(os.path.join(workdir, "outputs.npz"))))
+    result["single_process_reference"] = ref
+    result["identical_outputs"] = result["identical_outputs"] and ref["identical"]
+  if main_process:
+    wd.write_json(os.path.join(workdir, "result.json"), result)
   return result
 
 
@@ -334,20 +404,44 @@ def log_pipelined(result: dict, workdir: str) -> None:
   logging.info("wrote %s", os.path.join(workdir, "result.json"))
 
 
+def single_process_reference(workdir: str) -> dict:
+  """This command as one process with every device of the distributed run (fake CPU
+  devices), in workdir/single_process; returns its outputs.npz."""
+  ref_dir = os.path.join(workdir, "single_process")
+  args = [a for a in sys.argv[1:] if not a.split("=")[0] in _DISTRIBUTED_FLAGS]
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={jax.device_count()}")
+  logging.info("single-process reference: %d devices, in %s ...", jax.device_count(), ref_dir)
+  with open(os.path.join(workdir, "single_process.log"), "w") as log:
+    subprocess.run([sys.executable, "-m", "experiments.bench_generation", *args,
+                    f"--workdir={ref_dir}"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                   check=True)
+  return dict(np.load(os.path.join(ref_dir, "outputs.npz")))
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   workdir = _WORKDIR.value
-  result = run_and_write(_CONFIG.value, workdir)
+  reference = None
+  if _DISTRIBUTED.value:
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    if _REFERENCE.value and jax.process_count() > 1 and jax.default_backend() == "cpu":
+      reference = single_process_reference
+  result = run_and_write(_CONFIG.value, workdir, reference)
+  if not distributed.is_main_process():
+    return
   if "pipelined" in result:
     return log_pipelined(result, workdir)
   b, f = result["baseline"], result["fused"]
   logging.info("identical outputs: %s; gen+inf baseline %.3fs, fused %.3fs: ratio %.3f "
                "(paired median %.3f); fused migrated %d samples (%d KV bytes held, %d bytes "
-               "copied) at step %d", result["identical_outputs"], b["gen_plus_inf_s"],
-               f["gen_plus_inf_s"], result["ratio"], result["ratio_paired"]["median"],
-               f["migrated_samples"], f["migrated_kv_bytes"], f["migration_copied_bytes"],
-               f["consolidation_step"])
+               "copied; %d across hosts: %d bytes, %.4fs) at step %d",
+               result["identical_outputs"], b["gen_plus_inf_s"], f["gen_plus_inf_s"],
+               result["ratio"], result["ratio_paired"]["median"], f["migrated_samples"],
+               f["migrated_kv_bytes"], f["migration_copied_bytes"],
+               f["cross_host_migrated_samples"], f["cross_host_migration_bytes"],
+               f["cross_host_migration_s"], f["consolidation_step"])
   logging.info("wrote %s", os.path.join(workdir, "result.json"))
 
 

@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
-# Runs train_ppo as N processes on this machine (127.0.0.1), each with D fake CPU devices: the
-# same code path as a multi-host GPU/TPU run (jax.distributed, global arrays spanning processes).
+# Runs a binary (default train_ppo) as N processes on this machine (127.0.0.1), each with D fake
+# CPU devices: the same code path as a multi-host GPU/TPU run (jax.distributed, global arrays
+# spanning processes, fused generation instances on every process).
 #
-#   bash launch/local_multiprocess.sh N D WORKDIR [extra train_ppo flags...]
+#   bash launch/local_multiprocess.sh N D WORKDIR [extra flags...]
 #   bash launch/local_multiprocess.sh 2 4 /tmp/mp_run --config.num_iterations=5
-# PYTHON picks the interpreter (default: python on PATH), e.g. PYTHON=.venv/bin/python.
+#   BINARY=bench_generation CONFIG=configs/bench_generation.py \
+#     bash launch/local_multiprocess.sh 2 4 /tmp/mp_bench
+# BINARY picks experiments/BINARY.py (train_ppo or bench_generation); CONFIG its config (default
+# configs/ppo_tiny.py for train_ppo, configs/BINARY.py otherwise); PYTHON the interpreter
+# (default: python on PATH), e.g. PYTHON=.venv/bin/python. Logs: WORKDIR.proc<i>.log.
 set -euo pipefail
 N=${1:?number of processes}; D=${2:?devices per process}; WORKDIR=${3:?workdir}; shift 3
+BINARY=${BINARY:-train_ppo}
+if [[ "$BINARY" == train_ppo ]]; then DEFAULT_CONFIG=configs/ppo_tiny.py
+else DEFAULT_CONFIG="configs/$BINARY.py"; fi
 PORT=${PORT:-$((20000 + RANDOM % 20000))}
 cd "$(dirname "$0")/.."
+if [[ ! -f "experiments/$BINARY.py" ]]; then
+  echo "BINARY=$BINARY: no experiments/$BINARY.py (expected train_ppo or bench_generation)" >&2
+  exit 2
+fi
 pids=()
 for ((i = 0; i < N; i++)); do
   XLA_FLAGS="--xla_force_host_platform_device_count=$D" JAX_PLATFORMS=cpu \
-    "${PYTHON:-python}" -m experiments.train_ppo --config="${CONFIG:-configs/ppo_tiny.py}" \
+    "${PYTHON:-python}" -m "experiments.$BINARY" --config="${CONFIG:-$DEFAULT_CONFIG}" \
       --workdir="$WORKDIR" --distributed --coordinator_address="127.0.0.1:$PORT" \
       --num_processes="$N" --process_id="$i" "$@" > "${WORKDIR%/}.proc$i.log" 2>&1 &
   pids+=($!)

@@ -79,3 +79,37 @@ def test_two_processes_match_one_process_with_cross_host_migration(tmp_path):
   assert c["step"] > 0 and 0 < c["cross_host_moves"] < c["moves"], c
   for m in early + late:
     assert m["gen/migration_cross_host_bytes"] > 0 and m["gen/migration_cross_host_s"] > 0
+
+
+def test_bench_generation_through_the_launcher(tmp_path):
+  """BINARY=bench_generation on 2 processes x 4 devices: one result.json (process 0's) whose
+  outputs are identical to the single-process reference it also runs, with migrations split
+  into same-host and cross-host."""
+  wd = str(tmp_path / "bg")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(PYTHON=sys.executable, BINARY="bench_generation",
+             CONFIG="configs/bench_generation.py:tiny")
+  # 8 one-device instances of 4 slots, 2 samples each: at Rt = 0.75 the tail packs into fewer
+  # instances, some on the other process.
+  out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", wd,
+                        "--config.generation.num_instances=8", "--config.batch_size=16",
+                        "--config.generation.slots=4", "--config.lengths.median=8",
+                        "--config.generation.migration_threshold=0.75"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=TIMEOUT_S)
+  logs = "".join(open(f"{wd}.proc{i}.log").read()[-3000:] for i in range(2))
+  assert out.returncode == 0, logs
+  with open(os.path.join(wd, "result.json")) as f:
+    result = json.load(f)
+  assert result["processes"] == 2
+  assert result["identical_outputs"] is True
+  ref = result["single_process_reference"]
+  assert ref["identical"] and ref["tokens_equal"] and ref["logprobs_max_abs_diff"] == 0.0, ref
+  assert os.path.exists(os.path.join(wd, "single_process", "outputs.npz"))
+  f = result["fused"]
+  assert f["cross_host_migrated_samples"] > 0 and f["cross_host_migration_bytes"] > 0
+  assert f["cross_host_migration_s"] > 0
+  assert (f["cross_host_migrated_samples"] + f["same_host_migrated_samples"] ==
+          f["migrated_samples"])
+  assert (f["cross_host_migration_bytes"] + f["same_host_migration_bytes"] ==
+          f["migration_copied_bytes"])
+  assert result["baseline"]["migrated_samples"] == 0

@@ -235,10 +235,6 @@ class FusedGenerator:
       raise ValueError(f"config.{config.section}.num_instances={g} x instance_devices="
                        f"{config.instance_devices} leaves process {self.exchange.me} without an "
                        "instance: every process must drive at least one")
-    if self.exchange.multi and self.fixed_rt is None:
-      raise ValueError(f"config.{config.section}.migration_threshold='auto' runs in one process "
-                       f"(it measures instances' costs locally); with {self.exchange.count} "
-                       "processes set a fixed threshold in [0, 1]")
     if self.exchange.multi and config.inference_inflight:
       raise ValueError(f"config.{config.section}.inference_inflight={config.inference_inflight}"
                        " caps running micro-batches, which a process cannot see on another "
@@ -268,9 +264,22 @@ class FusedGenerator:
   def choose_rt(self, prompt_lens) -> tuple[float, Optional[rt_choice.RtChoice]]:
     """The fixed Rt, or the simulated choice. The simulation (~0.1-1 s) reruns only once the
     length histogram has grown by RESIMULATE_GROWTH since the last choice: a PPO iteration
-    must not pay for it every time, and a few more lengths barely move the histogram."""
+    must not pay for it every time, and a few more lengths barely move the histogram.
+
+    Several processes: each simulates with its own measured costs and every one takes
+    process 0's Rt (broadcast), so the plans stay the same everywhere. Every process must call
+    this at the same point (FusedGenerator.run does)."""
     if self.fixed_rt is not None:
       return self.fixed_rt, None
+    rt, choice = self._choose_rt(prompt_lens)
+    if self.exchange.multi:
+      agreed = self.exchange.broadcast_float(rt)
+      if self.exchange.me != 0:
+        choice = rt_choice.RtChoice(agreed, "process 0's choice (broadcast)", {})
+      rt = agreed
+    return rt, choice
+
+  def _choose_rt(self, prompt_lens) -> tuple[float, rt_choice.RtChoice]:
     if self.calibration is None or self.lengths.total == 0:
       choice = rt_choice.RtChoice(rt_choice.PRIOR_RT, "no lengths or costs measured yet: the "
                                   "prior Rt", {})
@@ -657,7 +666,7 @@ class _Run:
     for m in plan.moves:
       groups.setdefault((m.src_instance, m.dst_instance), []).append(m)
     copied = cross_moves = cross_bytes = 0
-    cross_s = 0.0
+    cross_s, compile0 = 0.0, gen.transfer.compile_s
     # Nothing waits here on a same-process move: the next decode chunk of a kept instance
     # depends on its scatter, which depends on the copy, so JAX orders them; the watchers time
     # the copies. A cross-process move is waited for (timed: cross_host_s).
@@ -672,10 +681,10 @@ class _Run:
           cross_moves, cross_bytes = cross_moves + len(part), cross_bytes + nbytes
         if me not in (ps, pd):
           continue
-        rows = None
+        rows, tag = None, ("same_host" if ps == pd else None)
         if me == ps:
           rows, _ = s_inst.gather(self.states[src], [m.src_slot for m in part])
-          self.log.record(src, "migrate", rows)
+          self.log.record(src, "migrate", rows, tag=tag)
         if ps == pd:
           rows = d_inst.receive(rows)  # device_put between the two sub-meshes
         else:
@@ -685,15 +694,17 @@ class _Run:
           rows = gen.transfer(s_inst.devices, d_inst.devices, local.rows_abstract[b], rows)
           cross_s += time.perf_counter() - t1
         if me == pd:
-          self.log.record(dst, "migrate", rows)
+          self.log.record(dst, "migrate", rows, tag=tag)
           self.states[dst] = d_inst.scatter(self.states[dst], [m.dst_slot for m in part], rows)
+    compile_s = gen.transfer.compile_s - compile0
     t1 = self.log.now()
     table.move(plan.moves)
     rec = {"time_s": t0, "step": step, "unfinished": plan.unfinished, "kept": list(plan.kept),
            "released": list(plan.released), "moves": len(plan.moves),
            "moved_bytes": int(plan.moved_bytes), "copied_bytes": int(copied),
            "cross_host_moves": cross_moves, "cross_host_copied_bytes": int(cross_bytes),
-           "cross_host_s": cross_s, "dispatch_s": t1 - t0, "reason": plan.reason,
+           "cross_host_s": cross_s - compile_s, "cross_host_compile_s": compile_s,
+           "dispatch_s": t1 - t0, "reason": plan.reason,
            "occupancy": {int(i): len(table.unfinished_in(i)) for i in plan.kept}}
     self.consolidations.append(rec)
     logging.vlog(1, "consolidation at step %d: %s (%d bytes of KV held)", step, plan.reason,
@@ -770,10 +781,10 @@ class _Run:
     segments = log.close()
     load_bytes = self.infer.unload()
     return self._output(results, segments, curve, rounds, t_prefill, gen_end, gen_plus_inf,
-                        place_s, load_bytes)
+                        place_s, load_bytes, log.tag_span("same_host"))
 
   def _output(self, results, segments, curve, rounds, t_prefill, gen_end, gen_plus_inf,
-              place_s, load_bytes) -> FusedOutput:
+              place_s, load_bytes, same_host_s) -> FusedOutput:
     gen, table = self.gen, self.table
     b, t = gen.batch_size, gen.sampling.max_new_tokens
     out = {n: np.zeros((b, t) if n != "reward" else (b,), np.float32) for n in gen.models}
@@ -805,11 +816,15 @@ class _Run:
         "gen/migration_copied_bytes": int(sum(c["copied_bytes"] for c in cons)),
         # From the first copy's start to the last copy's end (measured by the watchers).
         "gen/migration_s": tl.span_s("migrate"),
-        # The migrations between instances of different processes (one collective each),
+        # Same-process migrations' span (their copies, as this process's watchers saw them);
+        # the migrations between instances of different processes (one collective each),
         # their bytes (rows, padding included) and this process's wait for them.
+        "gen/migration_same_host_s": same_host_s,
         "gen/migrated_samples_cross_host": int(sum(c["cross_host_moves"] for c in cons)),
         "gen/migration_cross_host_bytes": int(sum(c["cross_host_copied_bytes"] for c in cons)),
         "gen/migration_cross_host_s": float(sum(c["cross_host_s"] for c in cons)),
+        # First use of a (source, target, rows) transfer program: its compile, not counted above.
+        "gen/migration_cross_host_compile_s": float(sum(c["cross_host_compile_s"] for c in cons)),
         "gen/instance_busy_frac": tl.instance_busy_frac,
         "fusion/inference_overlap_frac": tl.inference_overlap_frac,
         "fusion/weight_load_s": tl.kind_s("load"),

@@ -5,7 +5,8 @@ benchmark writes them as `calibration.json`, which the simulator reads (policy/c
 sim/validation.py). On a GPU this is the calibration of "decode step time against occupied slots
 and KV migration".
 
-Measured on instance 0 (and 1 for migration), each the median of `repeats` after a warm-up:
+Measured on this process's first instance (and its second for migration), each the median of
+`repeats` after a warm-up:
 
   decode_step  one chunk / its K steps, with 1 and with S live rows. The compiled step has a
                fixed [S] shape, so the two are close: on fixed shapes it is the number of
@@ -49,7 +50,7 @@ def shares_compute(gen) -> bool:
 
 def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> dict:
   """Times the engine's executables (module docstring); returns a calibration-file dict."""
-  inst = gen.instances[0]
+  inst = gen.instances[gen.local[0]]  # this process's (several processes: each its own)
   s, p = gen.config.slots, gen.prompt_len
   t, k = gen.sampling.max_new_tokens, gen.sampling.chunk_size
   params = inst.place(gen.cfg, actor_params)
@@ -90,8 +91,8 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   inf_s = median_s(lambda: [inst.score(n, placed[n], seq, plens, rlens) for n in placed],
                    repeats)
   ops["inference"] = {"tokens_per_s": _NEGLIGIBLE_RATE, "overhead_s": inf_s}
-  if len(gen.instances) > 1:
-    dst = gen.instances[1]
+  if len(gen.local) > 1:
+    dst = gen.instances[gen.local[1]]
     src_state = inst.prefill(params, tok, lens, uids, full, key)[0]
     holder = {"st": dst.prefill(dst.place(gen.cfg, actor_params), tok, lens, uids, full,
                                 jax.device_put(key, dst.rep))[0]}

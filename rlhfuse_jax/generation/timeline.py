@@ -35,6 +35,7 @@ class ActivityLog:
   def __init__(self, num_instances: int, t0: Optional[float] = None):
     self.t0 = time.perf_counter() if t0 is None else t0
     self.segments: list = []  # (instance, start_s, end_s, kind), seconds from t0
+    self.tagged: dict = {}  # tag -> [(start_s, end_s)] of the segments recorded with that tag
     self._lock = threading.Lock()
     self._queues = [queue.Queue() for _ in range(num_instances)]
     self._last_end = [0.0] * num_instances
@@ -46,24 +47,34 @@ class ActivityLog:
   def now(self) -> float:
     return time.perf_counter() - self.t0
 
-  def record(self, instance: int, kind: str, output: Any, since: Optional[float] = None) -> None:
+  def record(self, instance: int, kind: str, output: Any, since: Optional[float] = None,
+             tag: Optional[str] = None) -> None:
     """`output`: arrays produced by the dispatched work that stay alive (not donated);
-    `since`: when the work was issued, if before now (e.g. a copy the caller waited on)."""
+    `since`: when the work was issued, if before now (e.g. a copy the caller waited on);
+    `tag`: also file the segment under this tag (e.g. same-host migrations: `tag_span`)."""
     if kind not in KINDS:
       raise ValueError(f"activity kind {kind!r}; expected one of {KINDS}")
-    self._queues[instance].put((kind, self.now() if since is None else since, output))
+    self._queues[instance].put((kind, self.now() if since is None else since, output, tag))
+
+  def tag_span(self, tag: str) -> float:
+    """From the first start to the last end of the segments filed under `tag` (0 if none);
+    call after `close`."""
+    spans = self.tagged.get(tag, [])
+    return max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0
 
   def _watch(self, i: int) -> None:
     while True:
       item = self._queues[i].get()
       if item is None:
         return
-      kind, t_dispatch, output = item
+      kind, t_dispatch, output, tag = item
       jax.block_until_ready(output)
       end = self.now()
       with self._lock:
         start = max(t_dispatch, self._last_end[i])
         self.segments.append((i, start, max(start, end), kind))
+        if tag is not None:
+          self.tagged.setdefault(tag, []).append((start, max(start, end)))
         self._last_end[i] = max(self._last_end[i], end)
 
   def close(self) -> list:
