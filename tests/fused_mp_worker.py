@@ -46,7 +46,8 @@ def run_case() -> dict:
             "reward": llama.host_random_params(score, 2)}
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=T, chunk_size=3, eos_id=-1)
   config = FusedGenConfig(num_instances=G, slots=S, migration_threshold=0.5,
-                          compile_threads=2)
+                          compile_threads=2, exchange_timeout_s=float(
+                              os.environ.get("FUSED_MP_TIMEOUT_S", 600)))
   gen = FusedGenerator(cfg, sampling, config, batch_size=2 * G, prompt_len=P,
                        frozen=FrozenModels(reference=cfg, critic=score, reward=score),
                        actor_params=actor, frozen_params=params)
@@ -68,10 +69,32 @@ def run_case() -> dict:
   return out
 
 
+def fail_at_round(k: int, how: str) -> None:
+  """When the fused loop reaches its k-th round this process dies (`how`='die': exit code 7,
+  no clean-up) or hangs ('hang': sleeps, holding its connections open)."""
+  import time
+
+  from rlhfuse_jax.generation import fused
+  read, calls = fused._Run.read, [0]
+
+  def failing_read(self, *args):
+    calls[0] += 1
+    if calls[0] == k:
+      if how == "die":
+        os._exit(7)
+      time.sleep(3600)
+    return read(self, *args)
+  fused._Run.read = failing_read
+
+
 def main(argv):
   pid, n, port, out_dir = int(argv[1]), int(argv[2]), argv[3], argv[4]
   from rlhfuse_jax.parallel import distributed
-  distributed.initialize(f"127.0.0.1:{port}", n, pid)
+  fail = os.environ.get("FUSED_MP_FAIL")  # "PROCESS:ROUND:die|hang" (the test's)
+  distributed.initialize(f"127.0.0.1:{port}", n, pid,
+                         heartbeat_timeout_s=10 if fail else None)
+  if fail and int(fail.split(":")[0]) == pid:
+    fail_at_round(int(fail.split(":")[1]), fail.split(":")[2])
   out = run_case()
   np.savez(os.path.join(out_dir, f"proc{pid}.npz"), **out)
 

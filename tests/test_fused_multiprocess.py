@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -15,10 +16,11 @@ from tests.test_train_ppo_binary import REPO
 TIMEOUT_S = 300
 
 
-def launch(n: int, devices: int, out_dir: str) -> list:
+def launch(n: int, devices: int, out_dir: str, **env_vars) -> list:
   """The worker as n processes with `devices` CPU devices each; returns the Popen objects."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+             **env_vars)
   with socket.socket() as sock:  # a free port for the coordinator
     sock.bind(("127.0.0.1", 0))
     port = str(sock.getsockname()[1])
@@ -113,3 +115,36 @@ def test_bench_generation_through_the_launcher(tmp_path):
   assert (f["cross_host_migration_bytes"] + f["same_host_migration_bytes"] ==
           f["migration_copied_bytes"])
   assert result["baseline"]["migrated_samples"] == 0
+
+
+def test_a_process_that_dies_or_hangs_fails_the_other_with_a_clear_error(tmp_path):
+  """Process 1 dies (or hangs) at its third round: process 0 stops with an error naming the
+  exchange instead of waiting forever: at once when the runtime reports the lost connection,
+  after fusion's exchange_timeout_s (here 20 s) when the peer hangs."""
+  runs = {}
+  for how in ("die", "hang"):
+    out_dir = tmp_path / how
+    out_dir.mkdir()
+    runs[how] = (str(out_dir), time.time(), launch(
+        2, 4, str(out_dir), FUSED_MP_FAIL=f"1:3:{how}", FUSED_MP_TIMEOUT_S="20"))
+  try:
+    for how, (out_dir, t0, procs) in runs.items():
+      code = procs[0].wait(timeout=TIMEOUT_S)
+      elapsed = time.time() - t0
+      log = open(f"{out_dir}/log0").read()
+      assert code != 0, log[-3000:]
+      assert ("fused generation, process 0 of 2: the collective exchanging the instances' "
+              "summaries did not complete: another process died, hung or left the run") in log, (
+                  log[-3000:])
+      if how == "die":
+        assert procs[1].wait(timeout=10) == 7
+        assert "PeerLostError" in log and "Connection closed by peer" in log, log[-3000:]
+      else:
+        assert code == 75 and "within 20s; exiting (75)" in log, log[-3000:]
+        assert procs[1].poll() is None  # still hanging: the other process did not wait for it
+      assert elapsed < 200, (how, elapsed)
+  finally:
+    for _, _, procs in runs.values():
+      for p in procs:
+        if p.poll() is None:
+          p.kill()

@@ -141,6 +141,10 @@ class FusedGenConfig(FusionFields):
   inference_inflight: int = 0
   rt_candidates: tuple = rt_choice.DEFAULT_CANDIDATES  # Rt values "auto" simulates
   compile_threads: int = 4  # threads compiling the instances' executables at start-up
+  # Several processes: a collective of the loop (the per-round exchanges, a cross-host
+  # migration) that has not completed after this many seconds ends the process with a clear
+  # error (a peer died or hangs; generation/multihost.py).
+  exchange_timeout_s: float = 600.0
   # The config section a user edits for these fields, named in errors: "fusion" in train_ppo,
   # "generation" in bench_generation.
   section: str = "fusion"
@@ -150,6 +154,8 @@ class FusedGenConfig(FusionFields):
     self._check_int("compile_threads", 1, "an integer >= 1")
     self._check_int("inference_inflight", 0, "an integer >= 0 (0: no cap)")
     self._check_int("kv_capacity_tokens", 0, "an integer >= 0 (0: slots * max_len)")
+    if not isinstance(self.exchange_timeout_s, (int, float)) or self.exchange_timeout_s <= 0:
+      self._fail("exchange_timeout_s", self.exchange_timeout_s, "a number of seconds > 0")
     for c in self.rt_candidates:
       rt_choice.resolve_threshold(c, f"{self.section}.rt_candidates[]")
 
@@ -227,7 +233,7 @@ class FusedGenerator:
                        "simulated_rt_model (or set a fixed threshold in [0, 1])")
     # Several processes: each drives (compiles, decodes on, scores on) its own instances; the
     # bookkeeping of all of them is global (generation/multihost.py).
-    self.exchange = multihost.Exchange()
+    self.exchange = multihost.Exchange(config.exchange_timeout_s)
     self.owner = np.array([multihost.process_of(m.devices.flat, f"generation instance {i}")
                            for i, m in enumerate(meshes)])  # [G] process of each instance
     self.local = [i for i in range(g) if self.owner[i] == self.exchange.me]
@@ -584,7 +590,7 @@ class _Run:
       buf = np.zeros((gen.config.num_instances, 3, gen.config.slots), np.int32)
       for i, x in local.items():
         buf[i] = x
-      local = ex.by_owner(buf, gen.owner)  # [G, 3, S], every instance's
+      local = ex.by_owner(buf, gen.owner, "the instances' summaries")  # [G, 3, S], all
     newly = {}
     for i in ran:
       done, n, stop = local[i]
@@ -618,7 +624,8 @@ class _Run:
         for slot, _ in newly[i][0]:
           tok[k], lp[k] = rows[i][0][slot], rows[i][1][slot]
           k += 1
-    all_tok, all_lp = ex.allgather(tok), ex.allgather(lp)  # [P, n, T]
+    what = "the rows that just finished"
+    all_tok, all_lp = ex.allgather(tok, what), ex.allgather(lp, what)  # [P, n, T]
     cursor = np.zeros(ex.count, np.int64)
     out = {}
     for i in sorted(newly):
@@ -691,7 +698,9 @@ class _Run:
           t1 = time.perf_counter()
           b = s_inst.bucket(len(part))
           local = s_inst if me == ps else d_inst
-          rows = gen.transfer(s_inst.devices, d_inst.devices, local.rows_abstract[b], rows)
+          with gen.exchange.guard(f"the KV rows of {len(part)} samples migrating from "
+                                  f"instance {src} to instance {dst}"):
+            rows = gen.transfer(s_inst.devices, d_inst.devices, local.rows_abstract[b], rows)
           cross_s += time.perf_counter() - t1
         if me == pd:
           self.log.record(dst, "migrate", rows, tag=tag)
@@ -795,7 +804,7 @@ class _Run:
       owner = np.zeros(b, np.int64)
       for i, take, _ in self.infer.batches:
         owner[np.asarray(take)] = gen.owner[i]
-      out = {n: gen.exchange.by_owner(x, owner) for n, x in out.items()}
+      out = {n: gen.exchange.by_owner(x, owner, f"the {n} results") for n, x in out.items()}
     rollout = engine.Rollout(
         prompt_tokens=self.tokens, prompt_lens=self.plens, response_tokens=table.resp,
         response_lens=table.n_gen.copy(), logprobs=table.logp, stop_reason=table.stop,

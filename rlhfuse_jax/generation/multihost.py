@@ -21,18 +21,35 @@ also runs over the channel jax.distributed already set up (gloo on CPU, NCCL on 
 TPU) and needs no per-process address exchange; the transfer API is experimental and its
 signature has changed between releases.
 
+A process that dies or hangs must not leave the others waiting forever: every collective of the
+loop runs under `Exchange.guard`, which turns a failed collective (gloo reports a closed
+connection at once) into a `PeerLostError` naming what was being exchanged, and whose watchdog
+ends this process with that message (exit code EXIT_PEER_LOST) when a collective has not
+finished within `timeout_s` (a peer that hangs, or dies without closing its connections).
+
 With one process every function here is the identity (no collective, no jax.experimental import).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import sys
+import threading
 import time
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+EXIT_PEER_LOST = 75  # exit code of a process whose collective timed out (Exchange.guard)
+
+
+class PeerLostError(RuntimeError):
+  """A collective of the fused loop failed: another process died or left."""
 
 
 def process_of(devices: Sequence[jax.Device], what: str) -> int:
@@ -49,21 +66,51 @@ class Exchange:
   """The host-side all-gathers of the fused loop. Every process must call each method in the
   same order with arrays of the same shape (the shapes derive from global state only)."""
 
-  def __init__(self):
+  def __init__(self, timeout_s: float = 600.0):
     self.count = jax.process_count()
     self.me = jax.process_index()
+    self.timeout_s = timeout_s
+
+  def _message(self, what: str) -> str:
+    return (f"fused generation, process {self.me} of {self.count}: the collective exchanging "
+            f"{what} did not complete: another process died, hung or left the run (see the "
+            "other processes' logs)")
+
+  @contextlib.contextmanager
+  def guard(self, what: str):
+    """Runs a collective (module docstring): a failure raises PeerLostError; no completion
+    within timeout_s logs the error and ends this process (it cannot be interrupted)."""
+    if self.count == 1:
+      yield
+      return
+
+    def expire():
+      msg = f"{self._message(what)} within {self.timeout_s:g}s; exiting ({EXIT_PEER_LOST})"
+      logging.error("%s", msg)
+      print(msg, file=sys.stderr, flush=True)
+      os._exit(EXIT_PEER_LOST)
+    timer = threading.Timer(self.timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+      yield
+    except Exception as e:  # the runtime's error (e.g. gloo: connection closed by peer)
+      raise PeerLostError(f"{self._message(what)}: {type(e).__name__}: {e}") from e
+    finally:
+      timer.cancel()
 
   @property
   def multi(self) -> bool:
     return self.count > 1
 
-  def allgather(self, x: np.ndarray) -> np.ndarray:
+  def allgather(self, x: np.ndarray, what: str = "host data") -> np.ndarray:
     """[P, *x.shape]: every process's `x` (P = process count), on every process."""
     x = np.asarray(x)
     if self.count == 1:
       return x[None]
     from jax.experimental import multihost_utils  # multi-host only
-    return np.asarray(multihost_utils.process_allgather(x, tiled=False))
+    with self.guard(what):
+      return np.asarray(multihost_utils.process_allgather(x, tiled=False))
 
   def broadcast_float(self, x: float) -> float:
     """Process 0's `x` on every process, bit for bit (sent as its float64 bytes: a float
@@ -72,15 +119,17 @@ class Exchange:
       return float(x)
     from jax.experimental import multihost_utils  # multi-host only
     words = np.frombuffer(np.float64(x).tobytes(), np.int32)
-    got = np.asarray(multihost_utils.broadcast_one_to_all(words), np.int32)
+    with self.guard("process 0's Rt"):
+      got = np.asarray(multihost_utils.broadcast_one_to_all(words), np.int32)
     return float(np.frombuffer(got.tobytes(), np.float64)[0])
 
-  def by_owner(self, local: np.ndarray, owner: np.ndarray) -> np.ndarray:
+  def by_owner(self, local: np.ndarray, owner: np.ndarray, what: str = "host data"
+               ) -> np.ndarray:
     """Rows of `local` [N, ...] combined over processes: row n from process owner[n] [N]
     (each process fills the rows it owns; the others' values are ignored)."""
     if self.count == 1:
       return local
-    g = self.allgather(local)  # [P, N, ...]
+    g = self.allgather(local, what)  # [P, N, ...]
     return g[np.asarray(owner), np.arange(local.shape[0])]
 
 
@@ -113,10 +162,10 @@ class CrossHostTransfer:
 
   def __call__(self, src_devices: Sequence[jax.Device], dst_devices: Sequence[jax.Device],
                rows_abstract: Any, rows: Any = None) -> Any:
-    """Run by both processes. rows_abstract: the rows' ShapeDtypeStructs with the local
-    instance's shardings (source or target: same shape class); rows: the gathered rows on the
-    source process, None on the target. Returns the rows on the target's devices (the target
-    process), None on the source process."""
+    """Run by both processes; returns when the collective has completed. rows_abstract: the
+    rows' ShapeDtypeStructs with the local instance's shardings (source or target: same shape
+    class); rows: the gathered rows on the source process, None on the target. Returns the
+    rows on the target's devices (the target process), None on the source process."""
     key = (tuple(d.id for d in src_devices), tuple(d.id for d in dst_devices))
     if key not in self._meshes:
       self._meshes[key] = self._mesh(src_devices, dst_devices)
@@ -143,6 +192,7 @@ class CrossHostTransfer:
       self._exe[exe_key] = _permute(mesh).lower(inputs).compile()
       self.compile_s += time.perf_counter() - t0
     out = self._exe[exe_key](inputs)
+    jax.block_until_ready(out)  # waited for: it is the migration's time; a lost peer shows here
     if sending:
       return None
     result = []

@@ -18,11 +18,14 @@ from absl import logging
 
 
 def initialize(coordinator_address: str = "", num_processes: int = 0,
-               process_id: Optional[int] = None) -> None:
+               process_id: Optional[int] = None,
+               heartbeat_timeout_s: Optional[int] = None) -> None:
   """Calls jax.distributed.initialize.
 
   With no arguments jax auto-detects the cluster (SLURM, TPU pods, Open MPI); on one machine pass
-  coordinator_address="127.0.0.1:PORT", num_processes and process_id.
+  coordinator_address="127.0.0.1:PORT", num_processes and process_id. heartbeat_timeout_s:
+  how long the coordination service waits for a silent process before it fails the others
+  (jax's default, 100 s, when None); a process whose peer died waits that long at exit.
   """
   if num_processes and num_processes < 1:
     raise ValueError(f"num_processes={num_processes}: expected >= 1")
@@ -34,6 +37,8 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
   if num_processes:
     kwargs["num_processes"] = num_processes
     kwargs["process_id"] = process_id
+  if heartbeat_timeout_s is not None:
+    kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout_s)
   if jax.config.jax_platforms in ("cpu",) or not jax.config.jax_platforms:
     # Cross-process collectives on CPU devices need gloo (GPUs use NCCL, TPUs ICI/DCN).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
