@@ -56,3 +56,36 @@ def test_a_locked_workdir_stops_every_process_at_once(tmp_path):
   assert time.time() - t0 < 120, "a process waited for a run that was refused"
   assert f"workdir {wd} is in use by another run (pid {os.getpid()}" in logs[0], logs[0][-2000:]
   assert f"workdir {wd} could not be locked by process 0" in logs[1], logs[1][-2000:]
+
+
+def test_fused_two_processes_match_one_process(tmp_path):
+  """config.fusion.inter_stage on 2 processes x 4 devices: 8 instances, 4 per process, a tail
+  consolidated across the processes; the trajectory of the 1 x 8 fused run."""
+  fused = {"fusion.inter_stage": True, "fusion.migration_threshold": "1.0"}
+  wd = str(tmp_path / "mp")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHON"] = sys.executable
+  out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", wd,
+                        "--config.num_iterations=2", *SMALL,
+                        *[f"--config.{k}={v}" for k, v in fused.items()]], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+  logs = "".join(open(f"{wd}.proc{i}.log").read()[-2000:] for i in range(2))
+  assert out.returncode == 0, logs
+  with open(os.path.join(wd, "metrics.jsonl")) as f:
+    multi = [json.loads(line) for line in f]
+
+  single = PPOTrainer(tiny_config(num_iterations=2, **fused), str(tmp_path / "sp"),
+                      mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8)))
+  history = single.run()
+  assert [r["step"] for r in multi] == [1, 2]
+  for a, b in zip(multi, history):
+    # Decided from tokens: the same samples, plans and migrations (those crossing processes
+    # are counted apart: none in one process).
+    for k in ("gen/response_lengths", "gen/consolidation_step", "gen/consolidated_from",
+              "gen/consolidated_to", "gen/migrated_samples", "gen/migrated_kv_bytes",
+              "gen/migration_copied_bytes", "gen/instance_chunks", "gen/decode_rounds"):
+      assert a[k] == b[k], k
+    assert b["gen/migrated_samples_cross_host"] == 0
+    for k in ("reward/mean", "kl/ref_mean", "actor/pg_loss", "critic/vf_loss"):
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  assert sum(r["gen/migrated_samples_cross_host"] for r in multi) > 0

@@ -10,7 +10,8 @@ implementations return the same outputs:
   FusedStage   inter-stage fusion (config.fusion.inter_stage): sample-level generation
                instances, long-tail consolidation, inference on the freed instances,
                overlapped (generation/fused.py); bitwise the serial outputs when an instance's
-               shape matches a device's share of the serial batch (the defaults ensure it)
+               shape matches a device's share of the serial batch (the defaults ensure it);
+               with several processes each drives the instances on its own devices
 
 Both are built from configs, the frozen parameters (the reference, a reward model through
 `scoring.Rewards`) and devices, never from the trainer. A stage owns the frozen models from then
@@ -119,10 +120,6 @@ def check_fusion(cfg: TrainConfig, num_devices: int) -> Optional[fused_lib.Fused
   engine's config when config.fusion.inter_stage is on."""
   if not cfg.fusion.inter_stage:
     return None
-  if jax.process_count() > 1:
-    raise ValueError("config.fusion.inter_stage=True runs in a single process (instances "
-                     "exchange KV rows with jax.device_put); got "
-                     f"{jax.process_count()} processes")
   fc = fused_config(cfg.fusion, cfg.rollout.batch_size, num_devices)
   fused_lib.check_layout(fc, cfg.rollout.batch_size, num_devices)  # the engine's own check
   return fc
@@ -150,9 +147,10 @@ class FusedStage:
                           reward=rewards.model_cfg,
                           temperature=sampling.logprob_temperature)
     # The host copies this stage owns: an instance loads them when it is freed for inference.
-    self.host = {"reference": jax.device_get(reference)}
+    # (to_host: with several processes a model sharded over them is all-gathered first.)
+    self.host = {"reference": mesh_lib.to_host(reference)}
     if rewards.from_model:
-      self.host["reward"] = jax.device_get(rewards.model_params)
+      self.host["reward"] = mesh_lib.to_host(rewards.model_params)
     self.rewards = rewards.without_model_params()
     shapes = dict(self.host)
     if self.use_critic:
@@ -166,9 +164,9 @@ class FusedStage:
     # Both at once: the critic scores finished samples while the tail still decodes.
     frozen = dict(self.host)
     if self.use_critic:
-      frozen["critic"] = params("critic")
-    out = self.generator.run(params("actor"), frozen, prompts.tokens, prompts.lens, key,
-                             uids=prompts.uids, fuse=self.fuse)
+      frozen["critic"] = self._instance_ready(params("critic"))
+    out = self.generator.run(self._instance_ready(params("actor")), frozen, prompts.tokens,
+                             prompts.lens, key, uids=prompts.uids, fuse=self.fuse)
     rollout = out.rollout
     batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
     values = out.values if self.use_critic else np.zeros(rollout.logprobs.shape, np.float32)
@@ -180,6 +178,14 @@ class FusedStage:
       metrics["fusion/rt_simulated_s"] = {str(k): v for k, v in out.rt_choice.simulated_s.items()}
     return StageOutputs(rollout=rollout, batch=batch, ref_logp=out.ref_logp, values=values,
                         scores=scores, metrics=metrics)
+
+  @staticmethod
+  def _instance_ready(params: Any) -> Any:
+    """Params an instance can copy onto its devices: as they are in one process; with several,
+    host copies (a process cannot device_put another process's shards onto its own devices)."""
+    if jax.process_count() == 1:
+      return params
+    return mesh_lib.to_host(params)
 
 
 def make_rollout_stage(cfg: TrainConfig, sampling: SamplingConfig, mesh: jax.sharding.Mesh, *,
