@@ -138,7 +138,9 @@ def test_a_process_that_dies_or_hangs_fails_the_other_with_a_clear_error(tmp_pat
                   log[-3000:])
       if how == "die":
         assert procs[1].wait(timeout=10) == 7
-        assert "PeerLostError" in log and "Connection closed by peer" in log, log[-3000:]
+        # Raised from the runtime's own error (gloo: the connection closed or reset), or, when
+        # the runtime notices nothing, by the watchdog.
+        assert "PeerLostError" in log or "exiting (75)" in log, log[-3000:]
       else:
         assert code == 75 and "within 20s; exiting (75)" in log, log[-3000:]
         assert procs[1].poll() is None  # still hanging: the other process did not wait for it
