@@ -4,6 +4,8 @@
 #
 #   gcloud compute tpus tpu-vm ssh NAME --worker=all --command \
 #     "cd rlhfuse_jax && bash launch/tpu_pod.sh configs/ppo_llama.py:7b gs://bucket/run"
+# BINARY picks experiments/BINARY.py: train_ppo (default; fused with
+# --config.fusion.inter_stage=True) or bench_generation (config: configs/bench_generation.py).
 set -euo pipefail
 CONFIG=${1:?config}; WORKDIR=${2:?workdir (shared: gs:// or NFS)}; shift 2
-"${PYTHON:-python}" -m experiments.train_ppo --config="$CONFIG" --workdir="$WORKDIR" --distributed "$@"
+"${PYTHON:-python}" -m experiments."${BINARY:-train_ppo}" --config="$CONFIG" --workdir="$WORKDIR" --distributed "$@"
