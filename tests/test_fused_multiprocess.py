@@ -142,8 +142,9 @@ def test_a_process_that_dies_or_hangs_fails_the_other_with_a_clear_error(tmp_pat
         # the runtime notices nothing, by the watchdog.
         assert "PeerLostError" in log or "exiting (75)" in log, log[-3000:]
       else:
+        # The watchdog, not the hung peer, ended it (the peer may go down with the coordination
+        # service that process 0 hosted, so its state is not checked).
         assert code == 75 and "within 20s; exiting (75)" in log, log[-3000:]
-        assert procs[1].poll() is None  # still hanging: the other process did not wait for it
       assert elapsed < 200, (how, elapsed)
   finally:
     for _, _, procs in runs.values():
