@@ -65,12 +65,18 @@ from rlhfuse_jax.trainer import rt_auto  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "Call jax.distributed.initialize (multi-host; see launch/).")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", "",
-                                   "host:port of process 0; empty: auto-detect (SLURM, TPU).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "0: auto-detect.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+
+
+def define_start_flags() -> None:
+  """--distributed, --coordinator_address, --num_processes, --process_id: train_ppo's names,
+  so they are defined only when this file runs as the binary (a process that imports both
+  modules, as the tests do, would otherwise define them twice); main reads flags.FLAGS."""
+  flags.DEFINE_bool("distributed", False,
+                    "Call jax.distributed.initialize (multi-host; see launch/).")
+  flags.DEFINE_string("coordinator_address", "",
+                      "host:port of process 0; empty: auto-detect (SLURM, TPU).")
+  flags.DEFINE_integer("num_processes", 0, "0: auto-detect.")
+  flags.DEFINE_integer("process_id", None, "This process's index.")
 _REFERENCE = flags.DEFINE_bool(
     "single_process_reference", True, "With --distributed on CPU devices: process 0 reruns the "
     "bench as one process with all the devices and compares the outputs.")
@@ -424,8 +430,9 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   workdir = _WORKDIR.value
   reference = None
-  if _DISTRIBUTED.value:
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  f = flags.FLAGS
+  if f.distributed:
+    distributed.initialize(f.coordinator_address, f.num_processes, f.process_id)
     if _REFERENCE.value and jax.process_count() > 1 and jax.default_backend() == "cpu":
       reference = single_process_reference
   result = run_and_write(_CONFIG.value, workdir, reference)
@@ -446,4 +453,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_start_flags()
   app.run(main)
