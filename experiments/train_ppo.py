@@ -59,16 +59,6 @@ def summarize(history: list[dict]) -> dict:
           "final": {k: v for k, v in history[-1].items() if not k.startswith(TIMING_PREFIXES)}}
 
 
-def config_record(config_dict, cfg: TrainConfig) -> dict:
-  """What config.json records: the config as given and, with config.plan.file, the plan file's
-  content (under "plan_file_content"; its path is config.plan.file), so the run says which
-  layout it ran even after the file changed."""
-  out = config_dict.to_dict()
-  if cfg.plan.file:
-    out["plan_file_content"] = config_lib.load_plan_file(cfg.plan.file)
-  return out
-
-
 def check_device_count(cfg: TrainConfig, num_devices: int, platform: str) -> None:
   """A clear error when the mesh needs more devices than jax sees (e.g. mesh.stage=4 on the one
   CPU device a plain `python` gets)."""
@@ -94,7 +84,7 @@ def main(argv):
   os.makedirs(workdir, exist_ok=True)
   trainer = PPOTrainer(cfg, workdir)  # checks the lock and any checkpoint against this config
   if main_process and trainer.finished_at is None:
-    wd.write_config_history(workdir, config_record(_CONFIG.value, cfg),
+    wd.write_config_history(workdir, config_lib.config_record(_CONFIG.value, cfg),
                             trainer.resume_step or 0)
   try:
     trainer.run()

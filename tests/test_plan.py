@@ -193,10 +193,10 @@ def test_inference_on_its_own_mesh(tmp_path, default_run):
 
 def test_config_json_records_the_plan_file(tmp_path):
   from configs import ppo_tiny
-  from experiments import train_ppo
+  from rlhfuse_jax.trainer.config import config_record
   path = plan_json(tmp_path / "plan.json", {"mode": "instances", "tp": 2, "slots": 8})
   c = ppo_tiny.get_config()
   c.plan.file = path
-  record = train_ppo.config_record(c, TrainConfig.from_config_dict(c))
+  record = config_record(c, TrainConfig.from_config_dict(c))
   assert record["plan"]["file"] == path
   assert record["plan_file_content"] == json.loads(open(path).read())

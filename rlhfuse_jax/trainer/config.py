@@ -593,3 +593,13 @@ def apply_plan_file(d: dict) -> dict:
                        f"whose {key}={value!r} sets it: remove one of the two")
     section[name] = value
   return d
+
+
+def config_record(config_dict: Any, cfg: TrainConfig) -> dict:
+  """What config.json records: the config as given and, with config.plan.file, the plan file's
+  content (under "plan_file_content"; its path is config.plan.file), so the run says which
+  layout it ran even after the file changed."""
+  out = config_dict.to_dict() if hasattr(config_dict, "to_dict") else dict(config_dict)
+  if cfg.plan.file:
+    out["plan_file_content"] = load_plan_file(cfg.plan.file)
+  return out
