@@ -131,11 +131,11 @@ def summarize(out: fused_lib.FusedOutput, wall_s: float) -> dict:
           # their copies) and cross-host ones (one collective each: the wait for them).
           "same_host_migrated_samples": (m["gen/migrated_samples"] -
                                          m["gen/migrated_samples_cross_host"]),
-          "same_host_migration_bytes": (m["gen/migration_copied_bytes"] -
-                                        m["gen/migration_cross_host_bytes"]),
+          "same_host_migrated_bytes": (m["gen/migration_copied_bytes"] -
+                                       m["gen/migration_cross_host_bytes"]),
           "same_host_migration_s": m["gen/migration_same_host_s"],
           "cross_host_migrated_samples": m["gen/migrated_samples_cross_host"],
-          "cross_host_migration_bytes": m["gen/migration_cross_host_bytes"],
+          "cross_host_migrated_bytes": m["gen/migration_cross_host_bytes"],
           "cross_host_migration_s": m["gen/migration_cross_host_s"],
           "cross_host_compile_s": m["gen/migration_cross_host_compile_s"],
           "weight_load_s": m["fusion/weight_load_s"],
@@ -447,7 +447,7 @@ def main(argv):
                result["identical_outputs"], b["gen_plus_inf_s"], f["gen_plus_inf_s"],
                result["ratio"], result["ratio_paired"]["median"], f["migrated_samples"],
                f["migrated_kv_bytes"], f["migration_copied_bytes"],
-               f["cross_host_migrated_samples"], f["cross_host_migration_bytes"],
+               f["cross_host_migrated_samples"], f["cross_host_migrated_bytes"],
                f["cross_host_migration_s"], f["consolidation_step"])
   logging.info("wrote %s", os.path.join(workdir, "result.json"))
 

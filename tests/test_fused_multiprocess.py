@@ -108,11 +108,11 @@ def test_bench_generation_through_the_launcher(tmp_path):
   assert ref["identical"] and ref["tokens_equal"] and ref["logprobs_max_abs_diff"] == 0.0, ref
   assert os.path.exists(os.path.join(wd, "single_process", "outputs.npz"))
   f = result["fused"]
-  assert f["cross_host_migrated_samples"] > 0 and f["cross_host_migration_bytes"] > 0
+  assert f["cross_host_migrated_samples"] > 0 and f["cross_host_migrated_bytes"] > 0
   assert f["cross_host_migration_s"] > 0
   assert (f["cross_host_migrated_samples"] + f["same_host_migrated_samples"] ==
           f["migrated_samples"])
-  assert (f["cross_host_migration_bytes"] + f["same_host_migration_bytes"] ==
+  assert (f["cross_host_migrated_bytes"] + f["same_host_migrated_bytes"] ==
           f["migration_copied_bytes"])
   assert result["baseline"]["migrated_samples"] == 0
 
