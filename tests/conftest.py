@@ -24,9 +24,11 @@ _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller (or a plain run) makes it
   _OWN_CACHE = tempfile.mkdtemp(prefix="rlhfuse_jax_test_xla_cache_")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
-# Cache every program: the tiny test programs compile in well under jax's default 1 s minimum.
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  # Cache every program: the tiny test programs compile in well under jax's default 1 s
+  # minimum. (Only in our own cache: a user's keeps its thresholds; the xdist workers inherit
+  # these from the controller.)
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 def pytest_unconfigure(config):

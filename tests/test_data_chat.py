@@ -4,7 +4,6 @@ tests/fixtures/tiny_chat/goldens.json holds what transformers rendered and token
 templates and seven conversations (tests/make_chat_fixtures.py, run once in a separate venv):
 our text and ids must equal it exactly, errors included.
 """
-import datetime
 import json
 import os
 
@@ -82,9 +81,11 @@ def test_path_forms_and_none(tmp_path):
 def test_named_templates_strftime_and_errors(tmp_path):
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
       {"name": "tool_use", "template": "tools"},
-      {"name": "default", "template": "{{ strftime_now('%Y') }}|{{ messages[0].content }}"}]}))
-  year = datetime.datetime.now().strftime("%Y")
-  assert ChatTemplate.load("auto", str(tmp_path)).render("hi") == f"{year}|hi"
+      {"name": "default", "template": "{{ strftime_now('%d %b %Y') }}|{{ messages[0].content }}"}
+  ]}))
+  # A fixed date, not the wall clock: the prompts (and the pool's fingerprint) are the same on
+  # every start and every day.
+  assert ChatTemplate.load("auto", str(tmp_path)).render("hi") == "01 Jan 2026|hi"
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
       {"name": "tool_use", "template": "tools"}]}))
   with pytest.raises(ChatTemplateError, match=r"named templates \['tool_use'\] but none named "

@@ -119,7 +119,11 @@ def test_example_config_trains_validates_and_exports(tmp_path, monkeypatch):
     exported = json.load(f)
   assert exported["architectures"] == ["LlamaForCausalLM"] and exported["model_type"] == "llama"
   assert exported["rope_scaling"]["rope_type"] == "llama3"
-  assert hf_loader.load_hf_config(out) == trainer.cfg.model
+  # The model's own context stays the source checkpoint's (the run trained at 128 positions).
+  with open(os.path.join(LLAMA3, "config.json")) as f:
+    source = json.load(f)
+  assert exported["max_position_embeddings"] == source["max_position_embeddings"] != 128
+  assert hf_loader.load_hf_config(out, max_seq_len=128) == trainer.cfg.model
   # Reload: the same parameters, bit for bit, so the same logits.
   actor = mesh_lib.to_host(trainer.model_params("actor"))
   again = hf_loader.load_hf_params(out, trainer.cfg.model)

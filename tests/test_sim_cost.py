@@ -63,6 +63,9 @@ def test_collectives_follow_nccls_alpha_beta_model():
   # All-gather: g - 1 steps, nodes - 1 across; point to point: one step.
   assert cm.allgather_s(1e9, 16) == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 14e-6 + 15 / 16 * 1e9 / net)
   assert cm.p2p_s(1e3, True) == pytest.approx(6.6e-6 + 2.7e-6 + 1e3 / (net / 4))
+  # LL inside one node outside an all-reduce: a third of the bandwidth (NCCL's model).
+  assert cm.allgather_s(1e3, 8) == pytest.approx(6.6e-6 + 7 * 0.6e-6 + 7 / 8 * 1e3 / (nvlink / 3))
+  assert cm.p2p_s(1e3, False) == pytest.approx(6.6e-6 + 0.6e-6 + 1e3 / (nvlink / 3))
   assert cm.p2p_s(1e8, False) == pytest.approx(8.4e-6 + 3.4e-6 + 1e8 / nvlink)
   # The gradient all-reduce of dp = 4 ranks 8 devices apart spans 4 nodes.
   s = get_shape("llama-13b")

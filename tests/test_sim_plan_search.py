@@ -75,7 +75,7 @@ def test_search_finds_the_brute_force_optimum_on_a_small_cluster():
   for tp in (1, 2, 4, 8):
     try:
       gens.append(ps.instance_generation(COST, wl, opt, tp, prompts, resp)["gen_s"] +
-                  ps._reshard_s(COST, wl, tp))
+                  ps.reshard_s(COST, wl, tp))
     except ValueError:
       pass
     for pp, groups in itertools.product((2, 4, 8), (1, 2, 4, 8, 16)):
@@ -83,7 +83,7 @@ def test_search_finds_the_brute_force_optimum_on_a_small_cluster():
         continue
       try:
         gens.append(ps.pipelined_generation(COST, ACTOR, 16, tp, pp, groups, prompts, resp,
-                                            64)["gen_s"] + ps._reshard_s(COST, wl, tp * pp))
+                                            64)["gen_s"] + ps.reshard_s(COST, wl, tp * pp))
       except ValueError:
         pass
   infs = []

@@ -50,8 +50,16 @@ def _raise_exception(message):
   raise jinja2.exceptions.TemplateError(message)
 
 
+# The instant a template's `strftime_now` renders. transformers renders the wall clock, but a
+# prompt that changes with the day would change the run's prompt pool (its fingerprint refuses a
+# resume on another day) and the tokens two runs train on (Llama 3.1+ templates print
+# "Today Date: ..." whenever the messages set no date_string). Prompts are rendered with this
+# fixed date instead, the same on every start.
+TEMPLATE_NOW = datetime.datetime(2026, 1, 1)
+
+
 def _strftime_now(fmt):
-  return datetime.datetime.now().strftime(fmt)
+  return TEMPLATE_NOW.strftime(fmt)
 
 
 class _Namespace(jinja2.utils.Namespace):

@@ -119,23 +119,28 @@ class CostModel:
     return np.maximum(flops / (devices * self.hw.peak_flops * mfu),
                       nbytes / (devices * self.hw.hbm_bw * bw_eff))
 
-  def _ring_s(self, wire_bytes, steps: int, inter_steps: int, bw: float):
+  def _ring_s(self, wire_bytes, steps: int, inter_steps: int, bw: float,
+              allreduce: bool = False):
     """A collective moving `wire_bytes` through each device in `steps` ring steps, of which
     `inter_steps` cross nodes, on links of `bw` bytes/s (module docstring)."""
     protocols = self.hw.collective_protocols
     if not protocols:
       return wire_bytes / bw + self.eff.collective_latency_s
     inter_steps = min(inter_steps, steps)
+
+    def fraction(p):  # NCCL's LL: 1/4 for all-reduce or across nodes, 1/3 otherwise
+      in_node = not allreduce and inter_steps == 0
+      return p.bw_fraction_in_node if in_node and p.bw_fraction_in_node else p.bw_fraction
     return functools.reduce(np.minimum, [
         p.base_s + (steps - inter_steps) * p.intra_step_s + inter_steps * p.inter_step_s +
-        wire_bytes / (bw * p.bw_fraction) for p in protocols])
+        wire_bytes / (bw * fraction(p)) for p in protocols])
 
   def _allreduce_over(self, nbytes, ranks: int, nodes: int, bw: float):
     """Ring all-reduce of `nbytes` over `ranks` devices spread over `nodes` nodes."""
     if ranks <= 1:
       return 0.0
     return self._ring_s(2.0 * (ranks - 1) / ranks * nbytes, 2 * (ranks - 1),
-                        2 * nodes if nodes > 1 else 0, bw * self.eff.net_eff)
+                        2 * nodes if nodes > 1 else 0, bw * self.eff.net_eff, allreduce=True)
 
   def allreduce_s(self, nbytes: float, group: int) -> float:
     """Ring all-reduce of `nbytes` over `group` consecutive devices."""

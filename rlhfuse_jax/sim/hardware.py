@@ -48,15 +48,17 @@ class CollectiveProtocol:
   base_s: float
   intra_step_s: float
   inter_step_s: float
-  bw_fraction: float
+  bw_fraction: float  # all-reduce, and any collective spanning nodes
+  bw_fraction_in_node: float = 0.0  # other collectives inside one node; 0: bw_fraction
 
 
 # NCCL's Ring constants (src/graph/tuning.cc, v2.18-2.19, microseconds): baseLat Ring
 # {LL 6.6, Simple 8.4}; hwLat NVLink Ring {LL .6, Simple 3.4}; hwLat NET Ring {LL 2.7,
-# Simple 14.0}; LL bus bandwidth = link bandwidth / 4 for all-reduce and multi-node rings.
+# Simple 14.0}; LL bus bandwidth = link bandwidth / 4 for all-reduce and multi-node rings,
+# / 3 for the other collectives inside one node.
 NCCL_RING = (
     CollectiveProtocol("LL", base_s=6.6e-6, intra_step_s=0.6e-6, inter_step_s=2.7e-6,
-                       bw_fraction=0.25),
+                       bw_fraction=0.25, bw_fraction_in_node=1.0 / 3.0),
     CollectiveProtocol("Simple", base_s=8.4e-6, intra_step_s=3.4e-6, inter_step_s=14.0e-6,
                        bw_fraction=1.0),
 )
@@ -88,7 +90,8 @@ class Hardware:
     if self.host_to_device_bw is not None and not self.host_to_device_bw > 0:
       raise ValueError(f"hardware {self.name!r}: host_to_device_bw must be > 0 or None")
     for p in self.collective_protocols or ():
-      if min(p.base_s, p.intra_step_s, p.inter_step_s) < 0 or not 0 < p.bw_fraction <= 1:
+      if (min(p.base_s, p.intra_step_s, p.inter_step_s) < 0 or not 0 < p.bw_fraction <= 1
+          or not 0 <= p.bw_fraction_in_node <= 1):
         raise ValueError(f"hardware {self.name!r}: collective protocol {p.name!r} needs "
                          f"latencies >= 0 and bw_fraction in (0, 1], got {p}")
 

@@ -195,10 +195,6 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
   return best
 
 
-def _reshard_s(cost: CostModel, wl: Workload, tp_gen: int) -> float:
-  return float(cost.p2p_s(wl.actor.weight_bytes() / tp_gen, cross_node=True))
-
-
 def _zero3_stage(cost: CostModel, wl: Workload, prompts: np.ndarray, resp: np.ndarray) -> dict:
   """DeepSpeed-Chat-like inference and training (ZeRO-3 over all devices)."""
   n = wl.num_devices
@@ -231,7 +227,7 @@ def _planned_row(cost: CostModel, wl: Workload, searched: dict, fused_gen: Optio
              "uniform": searched["uniform"], "search_s": searched["search_s"]}
   if fused_gen is not None:
     r = fused_gen["result"]
-    fused_reshard = _reshard_s(cost, wl, fused_gen["plan"].tp)
+    fused_reshard = plan_lib.reshard_s(cost, wl, fused_gen["plan"].tp)
     if r.gen_plus_inf_s + fused_reshard < gen_s + inf_s + reshard:
       gen_s, inf_s, reshard = r.gen_end_s, r.inf_exposed_s, fused_reshard
       details["gen"] = {"mode": "inter_stage_fusion", "tp": fused_gen["plan"].tp,
@@ -325,7 +321,7 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
         if t["search"] is not None:
           details["train"]["search"] = {k: v for k, v in t["search"].items() if k != "order"}
       row["details"] = details
-    row["reshard_s"] = _reshard_s(cost, wl, row["details"].get("gen_tp") or
+    row["reshard_s"] = plan_lib.reshard_s(cost, wl, row["details"].get("gen_tp") or
                                   row["details"]["gen_plan"]["tp"])
     row["iteration_s"] = row["reshard_s"] + row["gen_plus_inf_s"] + row["train_s"]
     row["samples_per_s"] = wl.global_batch / row["iteration_s"]

@@ -134,7 +134,8 @@ def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, t
   decode = step.sum(0) + (pp - 1) * (tick[0].max(-1) if kmax > 1 else 0.0)  # [R]
   total = prefill + decode
   busy = float(work.sum() / max(step.sum(), 1e-30))
-  ticks = int(np.sum(np.maximum((rows > 0).sum(-1), pp * (rows > 0).any(-1))))
+  # Decode ticks of the slowest replica (replicas run side by side).
+  ticks = int(np.max(np.sum(np.maximum((rows > 0).sum(-1), pp * (rows > 0).any(-1)), axis=0)))
   r_last = int(np.argmax(total))
   return {"gen_s": float(total.max()), "prefill_s": float(prefill[r_last]),
           "decode_s": float(decode[r_last]), "ticks": ticks, "stage_busy_frac": busy,
@@ -208,7 +209,7 @@ def generation_candidates(cost: CostModel, wl, opt, prompts, resp, rejected: dic
     if g is not None:
       plan = GenerationPlan("instances", tp, slots=g["plan"].slots)
       out.append(Candidate(plan, g["gen_s"], {"gen_s": g["gen_s"],
-                                               "reshard_s": _reshard_s(cost, wl, tp)}))
+                                               "reshard_s": reshard_s(cost, wl, tp)}))
     for pp in pps:
       if wl.actor.num_layers % pp or wl.num_devices % (tp * pp):
         continue
@@ -218,16 +219,17 @@ def generation_candidates(cost: CostModel, wl, opt, prompts, resp, rejected: dic
                   f"gen pipeline pp{pp} tp{tp} G{groups}")
         if p is not None:
           plan = GenerationPlan("pipeline", tp, pp, groups, p["samples_per_replica"])
-          out.append(Candidate(plan, p["gen_s"], {**p, "reshard_s": _reshard_s(cost, wl,
+          out.append(Candidate(plan, p["gen_s"], {**p, "reshard_s": reshard_s(cost, wl,
                                                                                 tp * pp)}))
   for c in out:
     c.seconds = c.info["gen_s"] + c.info["reshard_s"]
   return out
 
 
-def _reshard_s(cost: CostModel, wl, devices_per_copy: int) -> float:
+def reshard_s(cost: CostModel, wl, devices_per_copy: int) -> float:
   """The actor's new weights into a generation layout whose copy spans `devices_per_copy`
-  devices: each receives its shard over the scale-out network (iteration_sim._reshard_s)."""
+  devices: each receives its shard over the scale-out network (every simulated system pays it,
+  iteration_sim)."""
   return float(cost.p2p_s(wl.actor.weight_bytes() / devices_per_copy, cross_node=True))
 
 
@@ -267,17 +269,13 @@ def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict
     tp, pa, pc = (int(x[2:]) for x in name.split("/"))
     out.append(Candidate({"placement": "colocated", "tp": tp, "actor_pp": pa, "critic_pp": pc},
                          float(t), {"train_s": float(t)}))
-  for frac in (0.25, 0.5, 0.75):
-    na = int(wl.num_devices * frac)
-    a = train_lib.single_model_plan(cost, wl.actor, na, wl.minibatch, wl.micro_batch, mean_len)
-    c = train_lib.single_model_plan(cost, wl.critic, wl.num_devices - na, wl.minibatch,
-                                    wl.micro_batch, mean_len)
-    if a is None or c is None:
-      rejected[f"training disjoint {frac:g}"] = "a model does not fit on its share"
-      continue
-    t = max(a[0], c[0]) * wl.num_minibatches
-    out.append(Candidate({"placement": "disjoint", "actor": a[1], "critic": c[1]}, t,
-                         {"train_s": t}))
+  splits = train_lib.disjoint_splits(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
+                                     wl.micro_batch, mean_len)
+  if not splits:
+    rejected["training disjoint"] = "no split of the devices fits both models"
+  for step, plans in splits:
+    t = step * wl.num_minibatches
+    out.append(Candidate({"placement": "disjoint", **plans}, t, {"train_s": t}))
   return out
 
 

@@ -9,6 +9,7 @@ the questions asked before anything is built: where to resume, and whether this 
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -237,6 +238,27 @@ def export_family(cfg: TrainConfig) -> Optional[str]:
   return None
 
 
+# config.json fields the run may set for itself (a shorter model.max_seq_len for training) that
+# describe the model, not the run: an export keeps the source checkpoint's values, so it loads
+# as the same model (a 1B Llama 3.2 still advertises its 131072 positions, a Mistral its window).
+SOURCE_CONTEXT_FIELDS = ("max_position_embeddings", "sliding_window")
+
+
+def _keep_source_context(source_dir: str, config_path: str) -> None:
+  src = os.path.join(source_dir, "config.json") if source_dir else ""
+  if not src or not os.path.isfile(src):
+    return
+  with open(src) as f:
+    source = json.load(f)
+  with open(config_path) as f:
+    out = json.load(f)
+  for k in SOURCE_CONTEXT_FIELDS:
+    if k in source:
+      out[k] = source[k]
+  with open(config_path, "w") as f:
+    json.dump(out, f, indent=2)
+
+
 def export_hf(params: Any, cfg: TrainConfig, out_dir: str) -> Optional[str]:
   """Writes the actor `params` of the resolved config `cfg` as a HF checkpoint in `out_dir`
   (replacing an earlier export only once the new one is complete). Every process takes part
@@ -258,8 +280,15 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str) -> Optional[str]:
     for name in names:
       if os.path.isfile(os.path.join(src, name)):
         shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))
-  shutil.rmtree(out_dir, ignore_errors=True)
+  _keep_source_context(cfg.init.actor_checkpoint, os.path.join(tmp, "config.json"))
+  # The earlier export is moved aside first and deleted last, so a crash leaves one whole
+  # export (the old one, or the new one) under out_dir or beside it in .old.
+  old = out_dir + ".old"
+  shutil.rmtree(old, ignore_errors=True)
+  if os.path.exists(out_dir):
+    os.replace(out_dir, old)
   os.replace(tmp, out_dir)
+  shutil.rmtree(old, ignore_errors=True)
   return family or hf_loader.hf_family(cfg.model)
 
 
@@ -274,8 +303,11 @@ class HFExport(Hook):
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     if self.cfg.checkpoint.export_hf and step == self.cfg.num_iterations:
-      family = export_hf(self.params_fn(), self.cfg, self.out_dir)
-      logging.info("exported the actor as a HF %s checkpoint: %s", family, self.out_dir)
+      self._export()
+
+  def _export(self) -> None:
+    family = export_hf(self.params_fn(), self.cfg, self.out_dir)
+    logging.info("exported the actor as a HF %s checkpoint: %s", family, self.out_dir)
 
 
 def run_hooks(hooks: list, method: str, *args: Any) -> None:

@@ -246,6 +246,12 @@ def check_plan(cfg: TrainConfig, num_devices: int) -> None:
             "(inference runs on the generation instances, generation/fused.py; scoring on a "
             "layout of its own after instance generation is not implemented)")
     return
+  if jax.process_count() > 1 and (plan.generation == "pipeline" or plan.inference_tp):
+    field = "plan.generation" if plan.generation == "pipeline" else "plan.inference_tp"
+    _fail(field, plan.generation if field == "plan.generation" else
+          plan.inference_tp, f"the default with {jax.process_count()} processes (pipelined "
+          "generation and inference on its own mesh run in one process so far; multi-host "
+          "runs take plan.generation='instances' or the default 'mesh')")
   if cfg.fusion.inter_stage:
     if plan.generation == "pipeline":
       _fail("fusion.inter_stage", True, "False with config.plan.generation='pipeline' (the "
@@ -343,6 +349,7 @@ class PlannedStage:
       staged = self.pipe.place(params("actor"))
       jax.block_until_ready(staged)
       m["timing_s/reshard_generation"] = time.perf_counter() - t
+      t0 = time.time()  # timing_s/generate without the reshard (timed apart above)
       rollout = self.pipe.generate(staged, prompts.tokens, prompts.lens, key, uids=prompts.uids)
       del staged
       # From the tick table the program records: a function of the tokens only.
