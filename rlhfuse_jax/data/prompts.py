@@ -26,6 +26,21 @@ SOURCE_KEY = "_source"
 _PADDINGS = ("left", "right")
 
 
+def jsonl_rows(path: str, example: str = "") -> Iterator[tuple[str, Any]]:
+  """("path:line", parsed object) for every non-blank line of a JSONL file; a line that is not
+  JSON raises ValueError naming path:line (`example`: text after "one object per line")."""
+  with open(path, encoding="utf-8") as f:
+    for line_number, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      where = f"{path}:{line_number}"
+      try:
+        yield where, json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); expected one "
+                         f"object per line{example}") from e
+
+
 def load_jsonl_prompts(path: str, field: str = "prompt") -> list[dict[str, Any]]:
   """Reads one JSON object per line; each must hold a string under `field`.
 
@@ -34,27 +49,18 @@ def load_jsonl_prompts(path: str, field: str = "prompt") -> list[dict[str, Any]]
   what was expected.
   """
   records = []
-  with open(path, encoding="utf-8") as f:
-    for line_number, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      where = f"{path}:{line_number}"
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); expected one "
-                         f"object per line like {{\"{field}\": \"...\"}}") from e
-      if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object with a string field '{field}', got "
-                         f"{type(record).__name__}")
-      if field not in record:
-        raise ValueError(f"{where}: missing field '{field}' (keys: {sorted(record)}); expected a "
-                         "string")
-      if not isinstance(record[field], str):
-        raise ValueError(f"{where}: field '{field}' must be a string, got "
-                         f"{type(record[field]).__name__}")
-      record.setdefault(SOURCE_KEY, where)
-      records.append(record)
+  for where, record in jsonl_rows(path, f" like {{\"{field}\": \"...\"}}"):
+    if not isinstance(record, dict):
+      raise ValueError(f"{where}: expected a JSON object with a string field '{field}', got "
+                       f"{type(record).__name__}")
+    if field not in record:
+      raise ValueError(f"{where}: missing field '{field}' (keys: {sorted(record)}); expected a "
+                       "string")
+    if not isinstance(record[field], str):
+      raise ValueError(f"{where}: field '{field}' must be a string, got "
+                       f"{type(record[field]).__name__}")
+    record.setdefault(SOURCE_KEY, where)
+    records.append(record)
   if not records:
     raise ValueError(f"{path}: no prompts (the file is empty or blank)")
   return records

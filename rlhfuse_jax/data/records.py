@@ -18,14 +18,13 @@ gets three more:
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
 from rlhfuse_jax.data.chat import ChatTemplate, ChatTemplateError
-from rlhfuse_jax.data.prompts import SOURCE_KEY, where
+from rlhfuse_jax.data.prompts import SOURCE_KEY, jsonl_rows, where
 
 PROMPT_KEY = "prompt"
 ANSWER_KEY = "target"
@@ -47,16 +46,7 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
     for i, row in enumerate(table.to_pylist()):
       yield f"{path}:row {i}", row
     return
-  with open(path, encoding="utf-8") as f:
-    for line_number, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      where_ = f"{path}:{line_number}"
-      try:
-        yield where_, json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{where_}: invalid JSON ({e.msg} at column {e.colno}); expected one "
-                         "object per line") from e
+  yield from jsonl_rows(path)
 
 
 def lookup(row: Mapping[str, Any], key: str) -> Any:
