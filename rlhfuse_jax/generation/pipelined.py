@@ -370,14 +370,9 @@ def _summary(state: PipeState):
 
 def stack_params(cfg: ModelConfig, params: Any, stages: int) -> dict:
   """Unpipelined params (unrolled or scan_layers) -> {"embed", "head", "layers": leaves
-  [pp, L/pp, ...]}: row s = layers s*L/pp .. (s+1)*L/pp - 1 (the layout of pipeline/stages.py's
-  StageLayout.stack, docs/architecture.md §3)."""
-  if "layers_0" in params:
-    params = llama.stack_layers(params, cfg.num_layers)
-  block = params["layers"]["block"]
-  per = cfg.num_layers // stages
-  layers = jax.tree.map(lambda x: x.reshape((stages, per) + x.shape[1:]), block)
-  return {"embed": params["embed"], "head": params["head"], "layers": layers}
+  [pp, L/pp, ...]}: row s = layers s*L/pp .. (s+1)*L/pp - 1, the training pipeline's layout
+  (llama.stage_stack, which pipeline/stages.py's StageLayout.stack uses too)."""
+  return llama.stage_stack(params, cfg.num_layers, stages)
 
 
 def is_staged(params: Any) -> bool:

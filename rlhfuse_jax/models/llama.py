@@ -533,6 +533,19 @@ def stack_layers(params: Any, num_layers: int) -> Any:
   return out
 
 
+def stage_stack(params: Any, num_layers: int, stages: int) -> Any:
+  """Unpipelined params (unrolled or scan_layers) -> {"embed", "layers", "head"} with every
+  layer leaf [stages, num_layers / stages, ...]: row s holds layers s*L/S .. (s+1)*L/S - 1. The
+  stage-stacked layout both pipelines use (pipeline/stages.py for training,
+  generation/pipelined.py for generation)."""
+  if "layers_0" in params:
+    params = stack_layers(params, num_layers)
+  per = num_layers // stages
+  layers = jax.tree.map(lambda x: x.reshape((stages, per) + x.shape[1:]),
+                        params["layers"]["block"])
+  return {"embed": params["embed"], "layers": layers, "head": params["head"]}
+
+
 def unstack_layers(params: Any) -> Any:
   """Inverse of `stack_layers`."""
   if "layers" not in params or "block" not in params["layers"]:

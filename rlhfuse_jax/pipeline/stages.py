@@ -141,13 +141,9 @@ class StageLayout:
     reverse layout. An unrolled model (layers_0 .. layers_{L-1}) is stacked first
     (llama.stack_layers)."""
     self._check_form(params)
-    if not self.scanned:
-      params = llama.stack_layers(params, self.cfg.num_layers)
-    shape = (self.num_stages, self.per_stage)
-    leaves = [self._in_row_order(x.reshape(shape + x.shape[1:]))
-              for x in jax.tree.leaves(params["layers"]["block"])]
-    return {"embed": params["embed"], "layers": jax.tree.unflatten(self._layer_def, leaves),
-            "head": params["head"]}
+    staged = llama.stage_stack(params, self.cfg.num_layers, self.num_stages)
+    leaves = [self._in_row_order(x) for x in jax.tree.leaves(staged["layers"])]
+    return {**staged, "layers": jax.tree.unflatten(self._layer_def, leaves)}
 
   def unstack(self, staged: Dict[str, Any]) -> Dict[str, Any]:
     """The stage-stacked tree -> unpipelined params in the model's form (cfg.scan_layers):
