@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,8 @@ from rlhfuse_jax.perf import accounting
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import minibatch as mb_lib
 from rlhfuse_jax.sim import hardware
+from rlhfuse_jax.models import llama
+from rlhfuse_jax.trainer import async_ppo as async_lib
 from rlhfuse_jax.trainer import build, evaluation, hooks, ppo
 from rlhfuse_jax.trainer import rollout as rollout_lib
 from rlhfuse_jax.trainer import update as update_lib
@@ -107,11 +109,13 @@ class PPOTrainer:
       return
     self.task, self.tokenizer = build.build_task_and_tokenizer(cfg)
     self.cfg = cfg = build.resolve_config(cfg, self.tokenizer)
-    self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(cfg.mesh)
-    validate(cfg, self.mesh)
+    self._make_meshes(cfg, mesh)
+    validate(cfg, self.mesh, generation_devices=self.gen_mesh.devices.size)
     t0 = time.time()
-    logging.info("setup: task %r, mesh %s; initialising the models and the update ...",
-                 cfg.data.task, dict(self.mesh.shape))
+    logging.info("setup: task %r, mesh %s%s; initialising the models and the update ...",
+                 cfg.data.task, dict(self.mesh.shape), (
+                     f" (training group), generation group of {self.gen_mesh.devices.size} "
+                     f"devices" if self.disjoint else ""))
     self.dataset, held_out = build.build_datasets(cfg, self.task, self.tokenizer)
     self.held_out = (evaluation.HeldOutEval(held_out, cfg.rollout.batch_size, cfg.seed)
                      if held_out is not None and cfg.eval_every else None)
@@ -128,6 +132,8 @@ class PPOTrainer:
     # in host memory (§2).
     if cfg.fusion.inter_stage or cfg.plan.generation == "instances":
       models.frozen_to_host()
+    elif self.disjoint:  # the serial stage scores on the generation group
+      models.frozen_to_mesh(cfg, self.gen_mesh)
     logging.info("setup: models and update ready in %.1fs", time.time() - t0)
     self.sampling = SamplingConfig(
         temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
@@ -135,22 +141,104 @@ class PPOTrainer:
         pad_id=self.tokenizer.pad_id, chunk_size=cfg.rollout.chunk_size)
     # The stage owns the frozen models from here (a fused stage moves them to host memory).
     self.rollout = rollout_lib.make_rollout_stage(
-        cfg, self.sampling, self.mesh, reference=models.reference,
-        rewards=build.build_rewards(cfg, self.task, self.tokenizer, models, self.mesh),
-        pad_id=self.tokenizer.pad_id, actor_shapes=self.update.whole_shapes("actor"),
-        critic_shapes=self.update.whole_shapes("critic") if self.use_critic else None)
+        cfg, self.sampling, self.gen_mesh, reference=models.reference,
+        rewards=build.build_rewards(cfg, self.task, self.tokenizer, models, self.gen_mesh),
+        pad_id=self.tokenizer.pad_id, actor_shapes=self._generation_shapes("actor"),
+        critic_shapes=self._generation_shapes("critic") if self.use_critic else None)
+    # Async PPO: the generated batches the next iterations train on (in order), saved with
+    # each checkpoint (trainer/async_ppo.py).
+    self.in_flight: dict[int, async_lib.Generated] = {}
+    self._weights_to_generation_s = 0.0
     self.checkpoints.state_fn = self._state
-    self.checkpoints.meta_fn = lambda: {"data": self.dataset.state_dict(),
-                                        "schedule_iterations": self.schedule_iterations}
+    self.checkpoints.meta_fn = self._meta
     self._compiled_update = False  # the first update call (compiles) is timed and logged
+
+  def _make_meshes(self, cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh]) -> None:
+    """The training mesh (config.mesh) and the generation group's (config.async_ppo): one mesh
+    for both unless async_ppo.generation_devices > 0."""
+    self._gen_shardings: dict = {}  # model -> its whole parameters' shardings on gen_mesh
+    self.disjoint = cfg.async_ppo.generation_devices > 0
+    if mesh is not None and self.disjoint:
+      raise ValueError(f"config.async_ppo.generation_devices={cfg.async_ppo.generation_devices}"
+                       ": the trainer splits the devices itself; pass no mesh")
+    gen, train = async_lib.split_devices(cfg, jax.devices())
+    try:
+      self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(cfg.mesh, train)
+    except ValueError as e:
+      if not self.disjoint:
+        raise
+      raise ValueError(f"config.mesh over the training group ({len(train)} devices left by "
+                       f"config.async_ppo.generation_devices="
+                       f"{cfg.async_ppo.generation_devices}): {e}") from None
+    self.gen_mesh = (mesh_lib.make_mesh(mesh_lib.MeshConfig(data=-1), gen) if self.disjoint
+                     else self.mesh)
+
+  def _model_cfg(self, model: str):
+    return self.cfg.model if model == "actor" else self.cfg.critic_model
+
+  def _generation_shapes(self, model: str) -> Any:
+    """The whole parameters' ShapeDtypeStructs as generation and inference take them: on the
+    training mesh, or laid out by their logical axes on the generation group's."""
+    shapes = self.update.whole_shapes(model)
+    if not self.disjoint:
+      return shapes
+    if model not in self._gen_shardings:  # logical_specs traces the model: once per model
+      self._gen_shardings[model] = mesh_lib.param_shardings(
+          shapes, llama.logical_specs(self._model_cfg(model)), self.gen_mesh)
+    return mesh_lib.abstract(shapes, self._gen_shardings[model])
+
+  def _to_generation(self, model: str, copy: bool = False) -> Any:
+    """The current whole parameters of `model` where generation and inference run (timed in
+    timing_s/weights_to_generation). copy=True: buffers of their own, which survive the next
+    update (it donates the state's) and so stay the policy that generated an in-flight batch."""
+    t0 = time.perf_counter()
+    whole = self.model_params(model)
+    if self.disjoint:
+      if jax.process_count() > 1:  # a process can place only its own devices' shards
+        whole = mesh_lib.to_host(whole)
+      self._generation_shapes(model)  # its shardings, made once
+      whole = mesh_lib.put(whole, self._gen_shardings[model])
+    elif copy and not self.update.is_pipelined:  # a pipelined `whole` is a new array already
+      whole = jax.tree.map(jnp.copy, whole)
+    if self.disjoint or copy:
+      jax.block_until_ready(whole)
+      self._weights_to_generation_s += time.perf_counter() - t0
+    return whole
+
+  def _generation_params(self) -> Callable[[str], Any]:
+    """params(model) for the rollout stage, each model placed when the stage asks for it (a
+    serial stage never holds the whole actor and critic at once)."""
+    return self._to_generation if self.disjoint else self.model_params
+
+  def _snapshot(self) -> Callable[[str], Any]:
+    """The current policy (and critic) copied for generation now, before the next update."""
+    names = ("actor", "critic") if self.use_critic else ("actor",)
+    return {name: self._to_generation(name, copy=True) for name in names}.get
 
   def model_params(self, model: str):
     """The whole parameters of "actor" / "critic", placed as generation and inference take
     them (a pipelined run's stage-stacked state resharded; trainer/update.py)."""
     return self.update.whole(model, self.actor if model == "actor" else self.critic)
 
-  def _state(self) -> dict:
+  def _model_states(self) -> dict:
     return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+  def _state(self) -> dict:
+    """What a checkpoint holds: the model states and, for async PPO, the batches in flight."""
+    state = self._model_states()
+    k = self.cfg.async_ppo.staleness
+    if k:  # k slots of batches in flight, in order (empty ones near the end stay zeros)
+      batches = sorted(self.in_flight.values(), key=lambda g: g.iteration)
+      state["in_flight"] = {str(i): batches[i].arrays() if i < len(batches)
+                            else async_lib.template(self.cfg) for i in range(k)}
+    return state
+
+  def _meta(self) -> dict:
+    meta = {"data": self.dataset.state_dict(), "schedule_iterations": self.schedule_iterations}
+    if self.cfg.async_ppo.staleness:
+      meta["in_flight"] = [g.side_car() for g in sorted(self.in_flight.values(),
+                                                        key=lambda g: g.iteration)]
+    return meta
 
   def _restore(self) -> int:
     """Restores the newest intact checkpoint; returns the iteration to start at (0: none)."""
@@ -163,6 +251,11 @@ class PPOTrainer:
       # checkpoint exactly as in the first run.
       self.actor, self.critic = state["actor"], state.get("critic")
       self.dataset.load_state_dict(meta["data"])
+      # Async PPO: the batches that were in flight, generated by the policies before this one.
+      self.in_flight = {}
+      for i, side_car in enumerate(meta.get("in_flight", [])):
+        g = async_lib.Generated.restore(state["in_flight"][str(i)], side_car)
+        self.in_flight[g.iteration] = g
     return start
 
   # ---------------------------------------------------------------- one iteration
@@ -179,21 +272,46 @@ class PPOTrainer:
   def _put(self, x):
     return mesh_lib.put(x, mesh_lib.batch_sharding(self.mesh, np.ndim(x)))
 
-  def _advantages(self, prompts: rollout_lib.Prompts, out: rollout_lib.StageOutputs):
+  def _generate(self, iteration: int, params: Callable[[str], Any], version: int
+                ) -> async_lib.Generated:
+    """Stages 1-2 for `iteration`: its prompts (the next of the stream), its key, the policy of
+    update `version` (`params`, where the rollout stage runs)."""
+    prompts = self._prompts(iteration)
+    key = jax.random.fold_in(jax.random.key(self.cfg.seed), iteration)
+    out = self.rollout(params, prompts, key)
+    return async_lib.Generated.from_stage(iteration, version, out)
+
+  def _advantages(self, gen: async_lib.Generated):
     """(training data, rollout statistics) of the rollout: advantages and returns on device."""
-    mask = np.asarray(sequences.response_mask(out.rollout.response_lens,
+    mask = np.asarray(sequences.response_mask(gen.response_lens,
                                               self.cfg.rollout.max_new_tokens))  # [B, T]
-    old_logp = out.rollout.logprobs.astype(np.float32)
     adv, ret, stats = ppo.rollout_statistics(
         self.cfg.algo, self.cfg.rollout.samples_per_prompt, *map(self._put, (
-            out.scores, mask, old_logp, out.ref_logp, out.values)))
-    data = {"tokens": out.batch.tokens, "prompt_lens": prompts.lens, "mask": mask,
-            "old_logp": old_logp, "ref_logp": out.ref_logp, "advantages": mesh_lib.to_host(adv),
-            "returns": mesh_lib.to_host(ret), "old_values": out.values}
+            gen.scores, mask, gen.logprobs, gen.ref_logp, gen.values)))
+    data = {"tokens": gen.tokens, "prompt_lens": gen.prompt_lens, "mask": mask,
+            "old_logp": gen.logprobs, "ref_logp": gen.ref_logp,
+            "advantages": mesh_lib.to_host(adv), "returns": mesh_lib.to_host(ret),
+            "old_values": gen.values}
     return data, mesh_lib.to_host(stats)
 
-  def _train(self, iteration: int, data: dict, token_counts: np.ndarray) -> list[dict]:
-    """algo.epochs passes of optimizer steps over token-balanced mini-batches."""
+  def _off_policy(self, iteration: int, gen: async_lib.Generated, data: dict
+                  ) -> tuple[dict, dict]:
+    """Async PPO: the batch's lag behind the current policy and, for the decoupled objective,
+    its training data (trainer/async_ppo.py). One forward pass of the current actor (the
+    proximal policy) gives both."""
+    a = self.cfg.async_ppo
+    prox = async_lib.proximal_logprobs(self.cfg, self.model_params("actor"), self.mesh, gen)
+    weights, m = async_lib.behaviour_weights(prox, gen.logprobs, data["mask"],
+                                             a.behaviour_weight_cap)
+    m["async/staleness"] = iteration - gen.version
+    m["async/policy_version"] = gen.version
+    if a.objective == "decoupled":
+      data = async_lib.decoupled(data, prox, weights)
+    return data, m
+
+  def _dispatch_training(self, iteration: int, data: dict, token_counts: np.ndarray) -> list:
+    """algo.epochs passes of optimizer steps over token-balanced mini-batches, dispatched (jax
+    runs them asynchronously); their metrics on device. The first call compiles, and waits."""
     cfg, t0 = self.cfg, time.time()
     shards = mesh_lib.batch_size_multiple(self.mesh) if cfg.algo.balance_tokens else 1
     train_metrics = []
@@ -208,41 +326,71 @@ class PPOTrainer:
           jax.block_until_ready(m)
           self._compiled_update = True
           logging.info("training: update compiled and run once in %.1fs", time.time() - t0)
-    return mesh_lib.to_host(train_metrics)
+    return train_metrics
 
   def iteration(self, iteration: int) -> dict:
+    """One iteration: synchronous (async_ppo.staleness = 0: generate, then train), or train on
+    the batch generated earlier while the batch of iteration + staleness is generated."""
     cfg, t_step = self.cfg, time.time()
-    prompts = self._prompts(iteration)
-    gen_key = jax.random.fold_in(jax.random.key(cfg.seed), iteration)
-    t0 = time.time()
+    k = cfg.async_ppo.staleness
     self.update.take_reshard_metrics()  # this iteration's gathers only
-    out = self.rollout(self.model_params, prompts, gen_key)
-    # The previous iteration's checkpoint was written while this one generated; a failed save
-    # stops the run here, before training past what it can keep.
-    self.checkpoints.wait()
-    data, stats = self._advantages(prompts, out)
+    self._weights_to_generation_s = 0.0
+    t0 = time.time()
+    if k == 0:
+      gen = self._generate(iteration, self._generation_params(), version=iteration)
+      # The previous iteration's checkpoint was written while this one generated; a failed
+      # save stops the run here, before training past what it can keep.
+      self.checkpoints.wait()
+    else:
+      gen = self.in_flight.pop(iteration)
+    data, stats = self._advantages(gen)
+    async_m: dict = {}
+    if k:
+      data, async_m = self._off_policy(iteration, gen, data)
     t_gen_inf = time.time() - t0
     if not self._compiled_update:  # this process's first iteration compiles as it goes: say so
       logging.info("iteration %d: generation + inference took %.1fs (first call: compiles "
                    "included); compiling the %s update ...", iteration + 1, t_gen_inf,
                    self.update.description)
+    ahead = iteration + k  # async: the batch generated while this iteration trains
+    # Its policy is the current one, copied before the update donates the state's buffers.
+    snapshot = self._snapshot() if k and ahead < cfg.num_iterations else None
     t0 = time.time()
-    token_counts = prompts.lens + out.rollout.response_lens
-    train_metrics = self._train(iteration, data, token_counts)
-    t_train = time.time() - t0
+    token_counts = gen.prompt_lens + gen.response_lens
+    t_dispatch = time.perf_counter()
+    dispatched = self._dispatch_training(iteration, data, token_counts)
+    overlapped = snapshot is not None
+    if overlapped:
+      clock = async_lib.TrainingClock((self.actor, self.critic, dispatched), t_dispatch)
+      g0 = time.perf_counter()
+      self.in_flight[ahead] = self._generate(ahead, snapshot, version=iteration)
+      g1 = time.perf_counter()
+      del snapshot
+      self.checkpoints.wait()
+      t_train = clock.join()
+      async_m.update(async_lib.overlap_metrics((clock.start, clock.start + t_train), (g0, g1)))
+      async_m["timing_s/generate_ahead"] = g1 - g0
+    elif k:
+      self.checkpoints.wait()
+    train_metrics = mesh_lib.to_host(dispatched)
+    if not overlapped:
+      t_train = time.time() - t0
     self._check_finite(iteration, train_metrics)
-    m = self._metrics(iteration, out, train_metrics, stats)
+    m = self._metrics(iteration, gen, train_metrics, stats)
     t_total = time.time() - t_step
-    m.update(out.metrics)
+    m.update(gen.metrics)
+    m.update(async_m)
     m.update(self.update.take_reshard_metrics())  # pipelined: the weights gathered for stage 1-2
+    if self.disjoint or k:
+      m["timing_s/weights_to_generation"] = self._weights_to_generation_s
     max_new = cfg.rollout.max_new_tokens
     m.update({"timing_s/train": t_train, "timing_s/gen_plus_inf": t_gen_inf,
               "timing_s/step": t_total, "perf/tokens_per_s": int(np.sum(token_counts)) / t_total,
-              **self._train_flops_metrics(t_train, out.batch.tokens.shape[1] - max_new, max_new),
-              "perf/response_tokens": int(np.sum(out.rollout.response_lens))})
+              **self._train_flops_metrics(t_train, gen.tokens.shape[1] - max_new, max_new),
+              "perf/response_tokens": int(np.sum(gen.response_lens))})
     return m
 
-  def _metrics(self, iteration: int, out: rollout_lib.StageOutputs, train_metrics: list[dict],
+  def _metrics(self, iteration: int, gen: async_lib.Generated, train_metrics: list[dict],
                stats: dict) -> dict:
     """The iteration's deterministic metrics (docs/architecture.md §1)."""
     # Means over the finite values: under guard.on_nonfinite="skip_update" a skipped step's
@@ -252,7 +400,7 @@ class PPOTrainer:
     m.update(self.update.schedule_metrics)  # pipelined: the schedule's figures
     if not self.use_critic:
       m = {k: v for k, v in m.items() if not k.startswith("critic/")}
-    scores, lens, max_new = out.scores, out.rollout.response_lens, self.cfg.rollout.max_new_tokens
+    scores, lens, max_new = gen.scores, gen.response_lens, self.cfg.rollout.max_new_tokens
     m.update({
         "reward/mean": float(np.mean(scores)), "reward/std": float(np.std(scores)),
         "response_length/mean": float(np.mean(lens)), "response_length/max": int(np.max(lens)),
@@ -262,7 +410,7 @@ class PPOTrainer:
     })
     guard = self.cfg.guard.on_nonfinite
     skipped = ({name: int(mesh_lib.to_host(update_lib.skipped_updates(st)))
-                for name, st in self._state().items()} if guard == "skip_update" else {})
+                for name, st in self._model_states().items()} if guard == "skip_update" else {})
     if skipped:
       m["guard/skipped_updates"] = sum(skipped.values())
     # The LR of the actor's last applied step: a skipped step does not advance its schedule.
@@ -282,7 +430,7 @@ class PPOTrainer:
         bad = {k: float(v) for k, v in m.items() if not np.all(np.isfinite(v))}
         if bad:
           raise self._nonfinite(iteration, f"update {i + 1}/{len(train_metrics)}: {bad}")
-    for name, st in self._state().items():
+    for name, st in self._model_states().items():
       if not bool(_all_finite(st.params)):
         raise self._nonfinite(iteration, f"{name} parameters hold NaN/Inf after its updates")
 
@@ -324,6 +472,26 @@ class PPOTrainer:
       if self._lock is not None:
         self._lock.release()
 
+  def _fill_in_flight(self, start: int) -> None:
+    """Async PPO: the batches of iterations start .. start + staleness - 1 that no checkpoint
+    brought, generated now by the current policy (at start 0, the initial one: versions
+    max(0, i - staleness) = 0)."""
+    k, n = self.cfg.async_ppo.staleness, self.cfg.num_iterations
+    missing = [j for j in range(start, min(start + k, n)) if j not in self.in_flight]
+    if not missing:
+      return
+    if start > 0:
+      logging.warning(
+          "resuming at iteration %d: the checkpoint holds no batch in flight for iteration(s) "
+          "%s (it ended the run at a smaller num_iterations); generating them with the restored "
+          "policy, so from here the run differs from one that had this num_iterations from the "
+          "start", start, [j + 1 for j in missing])
+    logging.info("async PPO: generating the first %d batch(es) before training (staleness %d)",
+                 len(missing), k)
+    params = self._generation_params()
+    for j in missing:
+      self.in_flight[j] = self._generate(j, params, version=start)
+
   def _loop(self, start: int, stop_after: Optional[int]) -> list[dict]:
     stop = hooks.StopFlag()
     run_hooks = [stop, hooks.MetricsLog(self.workdir, self.cfg, rollout_lib.progress_summary),
@@ -332,12 +500,13 @@ class PPOTrainer:
     history, failing = [], True
     try:
       hooks.run_hooks(run_hooks, "begin", start)
+      self._fill_in_flight(start)
       for it in range(start, self.cfg.num_iterations):
         m = self.iteration(it)
         step = it + 1
         if self.held_out is not None and (step % self.cfg.eval_every == 0 or
                                           step == self.cfg.num_iterations):
-          m.update(self.held_out(self.rollout, self.model_params, it))
+          m.update(self.held_out(self.rollout, self._generation_params(), it))
         history.append({"step": step, **m})
         stopping = stop.set or step == stop_after
         hooks.run_hooks(run_hooks, "after", step, m, stopping)

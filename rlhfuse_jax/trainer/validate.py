@@ -8,6 +8,8 @@ of defence; this is where a user's mistake is caught first.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 
 from rlhfuse_jax.models import hf_loader
@@ -17,8 +19,12 @@ from rlhfuse_jax.trainer import build, hooks, pipelined, rollout
 from rlhfuse_jax.trainer.config import TrainConfig
 
 
-def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
-  """Raises ValueError naming the config field for a run this mesh cannot do."""
+def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
+             generation_devices: Optional[int] = None) -> None:
+  """Raises ValueError naming the config field for a run this mesh cannot do. `mesh` is the
+  training mesh; generation and inference run on `generation_devices` devices (default: the
+  mesh's; fewer with async_ppo.generation_devices)."""
+  n_gen = mesh.devices.size if generation_devices is None else generation_devices
   mult = mesh_lib.batch_size_multiple(mesh)
   for name, value in (("rollout.prompts_per_iteration*samples_per_prompt",
                        cfg.rollout.batch_size), ("algo.minibatch_size", cfg.algo.minibatch_size)):
@@ -45,8 +51,12 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
                        "response must fit every model's context")
   if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
     pipelined.check_config(cfg, mesh)
-  rollout.check_fusion(cfg, mesh.devices.size)
-  rollout.check_plan(cfg, mesh.devices.size)
+  rollout.check_fusion(cfg, n_gen)
+  rollout.check_plan(cfg, n_gen)
+  if cfg.async_ppo.generation_devices and cfg.rollout.batch_size % n_gen:
+    raise ValueError(f"config.rollout.prompts_per_iteration*samples_per_prompt="
+                     f"{cfg.rollout.batch_size} must be a multiple of the generation group's "
+                     f"{n_gen} devices (config.async_ppo.generation_devices)")
   build.check_reward_functions(cfg)
   if cfg.checkpoint.export_hf:  # a family that cannot express the actor: now, not at the end
     try:
