@@ -217,17 +217,28 @@ def test_binary_writes_plan_result_and_report(tmp_path):
       [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:13b/13b",
        f"--workdir={tmp_path}", "--config.num_devices=32", "--config.global_batch=64",
        "--config.minibatch=16", "--config.max_new_tokens=128", "--config.sim.search_time_s=0.2",
-       "--config.systems=rlhfuse,pipe_rlhf,rlhfuse_planned"],
+       "--config.systems=rlhfuse,pipe_rlhf,rlhfuse_planned,pipe_rlhf_async"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   res = json.loads((tmp_path / "result.json").read_text())
   plan = json.loads((tmp_path / "plan.json").read_text())
-  assert plan["predicted"]["iteration_s"] == res["best"]["predicted_iteration_s"]
+  a = res["async"]
+  assert a["staleness"] == 1 and a["predicted_iteration_s"] <= res["best"]["predicted_iteration_s"]
+  assert a["generation_devices"] + (0 if a["colocated"] else a["training_devices"]) == 32
+  # plan.json: the faster plan, here the asynchronous one, with the synchronous plan's keys and
+  # its split.
+  assert res["plan_json"] == "asynchronous" and plan == a["plan"] and not a["colocated"]
+  assert set(plan) == {"generation", "inference", "training", "predicted", "summary", "async"}
+  assert plan["async"] == {"generation_devices": a["generation_devices"], "staleness": 1,
+                           "training_devices": 32 - a["generation_devices"], "colocated": False}
+  assert plan["predicted"]["iteration_s"] < res["best"]["predicted_iteration_s"]
   u = res["uniform"]["layout"]
   assert u["tp"] * u["pp"] * u["dp"] == 32 and res["uniform"]["predicted"]["reshard_s"] == 0
   assert res["search_s"] < 60
   sys_rows = res["systems"]
   assert sys_rows["pipe_rlhf"]["iteration_s"] == pytest.approx(res["best"]["predicted_iteration_s"])
   assert sys_rows["rlhfuse_planned"]["iteration_s"] <= sys_rows["pipe_rlhf"]["iteration_s"]
+  assert sys_rows["pipe_rlhf_async"]["iteration_s"] == pytest.approx(a["predicted_iteration_s"])
   md = (tmp_path / "plan_search.md").read_text()
   assert "| uniform | one layout" in md and "| rlhfuse_planned |" in md
+  assert "Asynchronous PPO (staleness k=1" in md and "| pipe_rlhf_async |" in md
