@@ -419,7 +419,7 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
   {best, top, splits, staleness, search_s}: `best` and each of `top` a plan with an "async"
   object {generation_devices, training_devices, staleness, colocated}; `splits` one entry per
   g tried, its best iteration_s or why it was rejected."""
-  if not isinstance(staleness, int) or staleness < 1:
+  if not isinstance(staleness, (int, np.integer)) or staleness < 1:
     raise ValueError(f"async PPO: staleness={staleness!r} must be an integer >= 1")
   t0 = time.time()
   n = wl.num_devices
