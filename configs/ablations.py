@@ -26,8 +26,9 @@ def get_config(arg: str = "paper"):
   # actor/critic pairs (comma-separated 'actor/critic', shapes in rlhfuse_jax/sim/shapes.py)
   c.pairs = "llama-13b/llama-13b,llama-33b/llama-13b,llama-65b/llama-33b,llama-65b/llama-65b"
   c.max_new_tokens = "512,1024,2048"  # max generation lengths (comma-separated)
+  # systems to simulate (rlhfuse_jax/sim/iteration_sim.py)
   c.systems = ("deepspeed_chat_like,realhf_like,rlhfuse_base,inter_stage,intra_stage,"
-               "rlhfuse,pipe_rlhf,rlhfuse_planned")  # systems to simulate (rlhfuse_jax/sim/iteration_sim.py)
+               "rlhfuse,pipe_rlhf,rlhfuse_planned,pipe_rlhf_async")
   c.seed = 0  # seed of the sampled prompt/response lengths and of the schedule search
 
   c.prompt = ml_collections.ConfigDict()  # prompt-length distribution (sim/lengths.py)
@@ -72,6 +73,10 @@ def get_config(arg: str = "paper"):
   c.sim.gen_tps = "1,2,4,8"  # generation tensor-parallel degrees tried
   c.sim.offload_frozen = True  # reference/reward/critic weights loaded from host when used
   c.sim.search_time_s = 2.0  # fused-schedule search budget per distinct pipeline problem
+  # asynchronous PPO (pipe_rlhf_async, plan_search's async plan): updates the generating policy
+  # lags behind; it sets the lag, not the simulated time (docs/simulator.md)
+  c.sim.staleness = 1
+  c.sim.async_split_unit = 0  # generation-group sizes tried in steps of this (0: a node)
 
   c.calibration = ""  # calibration JSON whose measured op costs replace the formulas
   c.figure_setting = -1  # setting drawn in the timeline and Gantt figures (-1: the last)

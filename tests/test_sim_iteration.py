@@ -78,9 +78,20 @@ def test_six_systems_on_one_small_setting():
   for name, r in rows.items():
     for f in ("iteration_s", "gen_s", "inf_s", "gen_plus_inf_s", "train_s", "reshard_s"):
       assert r[f] >= 0, (name, f)
-    assert r["iteration_s"] == pytest.approx(r["reshard_s"] + r["gen_plus_inf_s"] + r["train_s"])
+    serial = r["reshard_s"] + r["gen_plus_inf_s"] + r["train_s"]
+    if name == "pipe_rlhf_async" and not r["details"]["async"]["colocated"]:
+      # The generation group overlaps the training group.
+      assert r["iteration_s"] == pytest.approx(
+          r["reshard_s"] + max(r["gen_plus_inf_s"], r["train_s"]))
+      assert r["details"]["async"]["serial_s"] == pytest.approx(serial)
+    else:
+      assert r["iteration_s"] == pytest.approx(serial)
     assert r["samples_per_s"] == pytest.approx(64 / r["iteration_s"])
     assert r["gen_plus_inf_s"] == pytest.approx(r["gen_s"] + r["inf_s"])
+  assert rows["pipe_rlhf_async"]["iteration_s"] <= rows["pipe_rlhf"]["iteration_s"]
+  with pytest.raises(ValueError, match="sim.staleness=0: pipe_rlhf_async needs"):
+    it.simulate_iteration(H100, small_workload(), dataclasses.replace(opt, staleness=0),
+                          systems=("pipe_rlhf_async",))
   base, inter, intra, full = (rows[s] for s in ("rlhfuse_base", "inter_stage", "intra_stage",
                                                  "rlhfuse"))
   # Each fusion changes only its own stage.

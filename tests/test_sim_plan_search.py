@@ -1,4 +1,6 @@
-"""sim/plan_search.py: pipelined generation by hand, the search against brute force, the binary."""
+"""sim/plan_search.py: pipelined generation by hand, the search and its asynchronous splits
+against brute force, the binary."""
+import dataclasses
 import itertools
 import json
 import os
@@ -63,55 +65,150 @@ def _small():
                      response=LengthSpec(kind="uniform", min_len=1, max_len=64))
 
 
-def test_search_finds_the_brute_force_optimum_on_a_small_cluster():
-  """Every combination of generation layout (instances or pipeline), inference tp and training
-  layout (colocated pipelines or a disjoint split), evaluated directly: the search's best plan
-  is the cheapest of them."""
-  wl, opt = _small(), it.SimOptions(gen_tps=(1, 2, 4, 8))
+def _brute_force_stages(wl, opt):
+  """Every stage plan of `wl` evaluated directly, without the search's code: ([(gen_s, devices
+  per generation copy)], [(inf_s, inference tp)], [train_s])."""
   prompts, resp = wl.sample_lengths()
   seq = (prompts + resp).astype(float)
+  n = wl.num_devices
   frozen = (wl.actor, wl.critic, wl.critic)
   gens = []
   for tp in (1, 2, 4, 8):
     try:
-      gens.append(ps.instance_generation(COST, wl, opt, tp, prompts, resp)["gen_s"] +
-                  ps.reshard_s(COST, wl, tp))
+      gens.append((ps.instance_generation(COST, wl, opt, tp, prompts, resp)["gen_s"], tp))
     except ValueError:
       pass
     for pp, groups in itertools.product((2, 4, 8), (1, 2, 4, 8, 16)):
-      if groups not in (pp, 2 * pp) or 40 % pp or 16 % (tp * pp):
+      if groups not in (pp, 2 * pp) or wl.actor.num_layers % pp or n % (tp * pp):
         continue
       try:
-        gens.append(ps.pipelined_generation(COST, ACTOR, 16, tp, pp, groups, prompts, resp,
-                                            64)["gen_s"] + ps.reshard_s(COST, wl, tp * pp))
+        gens.append((ps.pipelined_generation(COST, wl.actor, n, tp, pp, groups, prompts, resp,
+                                             wl.max_new_tokens)["gen_s"], tp * pp))
       except ValueError:
         pass
   infs = []
   for tp in (1, 2, 4, 8):
     try:
       it.check_inference_memory(COST, wl, tp, opt.inference_microbatch, prompts)
-      infs.append(ps.inference_stage_s(COST, frozen, 16, tp, 1, seq, opt.inference_microbatch,
-                                       opt.offload_frozen))
+      infs.append((ps.inference_stage_s(COST, frozen, n, tp, 1, seq, opt.inference_microbatch,
+                                        opt.offload_frozen), tp))
     except ValueError:
       pass
   trains = []
   for tp, pa, pc in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16)):
     try:
-      plan = train_lib.TrainPlan(16, 16, tp, pa, pc, 1)
+      plan = train_lib.TrainPlan(n, wl.minibatch, tp, pa, pc, 1)
       costs = train_lib.step_costs(COST, wl.actor, wl.critic, plan, float(seq.mean()))
     except ValueError:
       continue
-    if pc <= pa <= 40:
+    if pc <= pa <= wl.actor.num_layers:
       trains.append(train_lib.pipeline_train_s(costs, wl.num_minibatches, False)["train_s"])
   trains += [s * wl.num_minibatches for s, _ in train_lib.disjoint_splits(
-      COST, wl.actor, wl.critic, 16, 16, 1, float(seq.mean()))]
-  brute = min(gens) + min(infs) + min(trains)
+      COST, wl.actor, wl.critic, n, wl.minibatch, 1, float(seq.mean()))]
+  return gens, infs, trains
+
+
+def test_search_finds_the_brute_force_optimum_on_a_small_cluster():
+  """Every combination of generation layout (instances or pipeline), inference tp and training
+  layout (colocated pipelines or a disjoint split), evaluated directly: the search's best plan
+  is the cheapest of them."""
+  wl, opt = _small(), it.SimOptions(gen_tps=(1, 2, 4, 8))
+  gens, infs, trains = _brute_force_stages(wl, opt)
+  brute = (min(g + ps.reshard_s(COST, wl, copy) for g, copy in gens) + min(i for i, _ in infs) +
+           min(trains))
   assert len(gens) * len(infs) * len(trains) > 20
   res = ps.search(COST, wl, opt)
   assert res["best"]["predicted"]["iteration_s"] == pytest.approx(brute, rel=1e-12)
   assert [p["predicted"]["iteration_s"] for p in res["top"]] == sorted(
       p["predicted"]["iteration_s"] for p in res["top"])
   assert res["uniform"]["predicted"]["reshard_s"] == 0.0
+  assert "async" not in res  # staleness 0: the synchronous search only
+
+
+def _small_async():
+  """7B models on 16 devices: four splits in steps of 2 fit, generation- and training-bound."""
+  return dataclasses.replace(_small(), actor=get_shape("llama-7b"),
+                             critic=get_shape("llama-7b", "scalar"))
+
+
+def test_async_search_picks_the_brute_force_best_split():
+  """Asynchronous PPO on 16 devices split in steps of 2: for every split, every generation x
+  inference plan on the generation group against the fastest training plan on the others,
+  iteration = max(gen + inference, train) + the actor's and the critic's reshard, each evaluated
+  directly; the search's async plan is the cheapest of them and of the synchronous plan."""
+  wl, opt = _small_async(), it.SimOptions(gen_tps=(1, 2, 4, 8))
+  res = ps.search(COST, wl, opt, staleness=2, split_unit=2)
+  brute, fitting = [(res["best"]["predicted"]["iteration_s"], 16)], []
+  for g in range(2, 16, 2):
+    gens, infs, _ = _brute_force_stages(dataclasses.replace(wl, num_devices=g), opt)
+    trains = _brute_force_stages(dataclasses.replace(wl, num_devices=16 - g), opt)[2]
+    if not (gens and infs and trains):
+      continue
+    fitting.append(g)
+    for (gen_s, copy), (inf_s, tp) in itertools.product(gens, infs):
+      move = (wl.actor.weight_bytes() / copy + wl.critic.weight_bytes() / tp)
+      brute.append((max(gen_s + inf_s, min(trains)) + COST.p2p_s(move, True), g))
+  a = res["async"]
+  assert len(fitting) >= 3 and a["staleness"] == 2
+  assert [sp["generation_devices"] for sp in a["splits"]] == list(range(2, 16, 2))
+  assert {sp["bound"] for sp in a["splits"] if "iteration_s" in sp} == {"generation",
+                                                                        "training"}
+  assert sorted(sp["generation_devices"] for sp in a["splits"] if "iteration_s" in sp) == fitting
+  best_s, best_g = min(brute)
+  assert a["best"]["predicted"]["iteration_s"] == pytest.approx(best_s, rel=1e-12)
+  assert a["best"]["async"]["generation_devices"] == best_g
+  # The search may choose the synchronous plan (colocated): never worse than it; here a split
+  # is strictly better.
+  assert a["best"]["predicted"]["iteration_s"] < res["best"]["predicted"]["iteration_s"]
+  assert not a["best"]["async"]["colocated"]
+
+
+def test_async_iteration_is_max_of_the_groups_plus_reshard():
+  """Each split's plan: max(gen + inference, train) + reshard, from the component times the
+  code computes on each group's devices; serial_s is their sum."""
+  wl, opt = _small_async(), it.SimOptions(gen_tps=(1, 2, 4, 8))
+  prompts, resp = wl.sample_lengths()
+  seq = (prompts + resp).astype(float)
+  a = ps.search(COST, wl, opt, staleness=1, split_unit=2)["async"]
+  disjoint = [p for p in a["top"] if not p["async"]["colocated"]]
+  assert len(disjoint) >= 3
+  for p in disjoint:
+    q, g = p["predicted"], p["async"]["generation_devices"]
+    assert p["async"]["training_devices"] == 16 - g and p["async"]["staleness"] == 1
+    gp, ip = p["generation"], p["inference"]
+    wg = dataclasses.replace(wl, num_devices=g)
+    if gp["mode"] == "instances":
+      gen_s = ps.instance_generation(COST, wg, opt, gp["tp"], prompts, resp)["gen_s"]
+    else:
+      gen_s = ps.pipelined_generation(COST, wl.actor, g, gp["tp"], gp["pp"], gp["groups"],
+                                      prompts, resp, wl.max_new_tokens)["gen_s"]
+    inf_s = ps.inference_stage_s(COST, (wl.actor, wl.critic, wl.critic), g, ip["tp"], 1, seq,
+                                 opt.inference_microbatch, opt.offload_frozen)
+    train_s = min(c.seconds for c in ps.training_candidates(
+        COST, dataclasses.replace(wl, num_devices=16 - g), float(seq.mean()), {}))
+    reshard = COST.p2p_s(wl.actor.weight_bytes() / (gp["tp"] * gp["pp"]) +
+                         wl.critic.weight_bytes() / ip["tp"], True)
+    assert (q["gen_s"], q["inf_s"], q["train_s"]) == pytest.approx((gen_s, inf_s, train_s))
+    assert q["reshard_s"] == pytest.approx(reshard, rel=1e-12)
+    assert q["iteration_s"] == pytest.approx(max(gen_s + inf_s, train_s) + reshard, rel=1e-12)
+    assert q["serial_s"] == pytest.approx(gen_s + inf_s + train_s + reshard, rel=1e-12)
+    assert q["bound"] == ("generation" if gen_s + inf_s >= train_s else "training")
+
+
+def test_colocated_groups_gain_nothing():
+  """Both groups on all devices overlap nothing: the serial sum, so with no split to try the
+  async plan is the synchronous one; a staleness below 1 is refused."""
+  assert ps.async_iteration_s(5.0, 3.0, 0.5, colocated=True) == 8.5
+  assert ps.async_iteration_s(5.0, 3.0, 0.5, colocated=False) == 5.5
+  assert ps.async_splits(COST, 16) == [8] and ps.async_splits(COST, 16, 4) == [4, 8, 12]
+  wl, opt = _small(), it.SimOptions(gen_tps=(1, 2, 4, 8))
+  res = ps.search(COST, wl, opt, staleness=1, split_unit=16)
+  a = res["async"]
+  assert a["splits"] == [] and a["best"]["async"]["colocated"]
+  assert a["best"]["predicted"]["iteration_s"] == res["best"]["predicted"]["iteration_s"]
+  assert a["best"]["predicted"]["serial_s"] == res["best"]["predicted"]["iteration_s"]
+  with pytest.raises(ValueError, match="staleness=0 must be an integer >= 1"):
+    ps.async_search(COST, wl, opt, 0, res["best"])
 
 
 def test_binary_writes_plan_result_and_report(tmp_path):
@@ -120,17 +217,28 @@ def test_binary_writes_plan_result_and_report(tmp_path):
       [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:13b/13b",
        f"--workdir={tmp_path}", "--config.num_devices=32", "--config.global_batch=64",
        "--config.minibatch=16", "--config.max_new_tokens=128", "--config.sim.search_time_s=0.2",
-       "--config.systems=rlhfuse,pipe_rlhf,rlhfuse_planned"],
+       "--config.systems=rlhfuse,pipe_rlhf,rlhfuse_planned,pipe_rlhf_async"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   res = json.loads((tmp_path / "result.json").read_text())
   plan = json.loads((tmp_path / "plan.json").read_text())
-  assert plan["predicted"]["iteration_s"] == res["best"]["predicted_iteration_s"]
+  a = res["async"]
+  assert a["staleness"] == 1 and a["predicted_iteration_s"] <= res["best"]["predicted_iteration_s"]
+  assert a["generation_devices"] + (0 if a["colocated"] else a["training_devices"]) == 32
+  # plan.json: the faster plan, here the asynchronous one, with the synchronous plan's keys and
+  # its split.
+  assert res["plan_json"] == "asynchronous" and plan == a["plan"] and not a["colocated"]
+  assert set(plan) == {"generation", "inference", "training", "predicted", "summary", "async"}
+  assert plan["async"] == {"generation_devices": a["generation_devices"], "staleness": 1,
+                           "training_devices": 32 - a["generation_devices"], "colocated": False}
+  assert plan["predicted"]["iteration_s"] < res["best"]["predicted_iteration_s"]
   u = res["uniform"]["layout"]
   assert u["tp"] * u["pp"] * u["dp"] == 32 and res["uniform"]["predicted"]["reshard_s"] == 0
   assert res["search_s"] < 60
   sys_rows = res["systems"]
   assert sys_rows["pipe_rlhf"]["iteration_s"] == pytest.approx(res["best"]["predicted_iteration_s"])
   assert sys_rows["rlhfuse_planned"]["iteration_s"] <= sys_rows["pipe_rlhf"]["iteration_s"]
+  assert sys_rows["pipe_rlhf_async"]["iteration_s"] == pytest.approx(a["predicted_iteration_s"])
   md = (tmp_path / "plan_search.md").read_text()
   assert "| uniform | one layout" in md and "| rlhfuse_planned |" in md
+  assert "Asynchronous PPO (staleness k=1" in md and "| pipe_rlhf_async |" in md

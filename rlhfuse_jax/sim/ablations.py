@@ -61,6 +61,12 @@ class AblationConfig:
     unknown = [s for s in self.systems if s not in it.SYSTEMS]
     if unknown:
       raise ValueError(f"systems: unknown {unknown}; known: {list(it.SYSTEMS)}")
+    if self.sim.staleness < 0 or self.sim.async_split_unit < 0:
+      raise ValueError(f"sim.staleness={self.sim.staleness} and sim.async_split_unit="
+                       f"{self.sim.async_split_unit} must be >= 0")
+    if "pipe_rlhf_async" in self.systems and self.sim.staleness < 1:
+      raise ValueError(f"sim.staleness={self.sim.staleness}: pipe_rlhf_async needs a staleness "
+                       ">= 1 (updates the generating policy lags behind)")
     if any(m < 1 for m in self.max_new_tokens):
       raise ValueError(f"max_new_tokens={self.max_new_tokens} must all be >= 1")
     if self.global_batch % self.minibatch:

@@ -1,4 +1,4 @@
-"""One RLHF iteration (weight resharding, generation, inference, training) for eight systems.
+"""One RLHF iteration (weight resharding, generation, inference, training) for nine systems.
 
 All systems run the same workload: the same prompts and response lengths (drawn once per
 setting from the length distributions with the workload seed), the same models, the same
@@ -26,12 +26,26 @@ cluster and the same cost model. They differ only in what the papers say they do
   rlhfuse_planned      the searched plan with both fusions where they are faster than the
                        plan's stage (inter-stage fusion on instances, the fused schedule on the
                        best colocated pipeline).
+  pipe_rlhf_async      Pipe-RLHF with asynchronous PPO (SimOptions.staleness k >= 1): the best
+                       of pipe_rlhf's plan and every split of the devices into a generation
+                       group (generation + inference of the batch k iterations ahead) and a
+                       training group working at once (plan_search.async_search), so never
+                       slower than pipe_rlhf. A row of its own, not folded into pipe_rlhf: it
+                       trains on samples of a policy k updates old, which no other row does.
 
-iteration_s = reshard_s + gen_plus_inf_s + train_s (stages do not overlap across iterations);
+The other systems are synchronous (on-policy). rlhfuse_planned stays so: both fusions would fit
+inside the groups (consolidation and streamed inference on the generation group's instances, the
+fused schedule on the training group's pipeline), but every split that fits would need its own
+fused generation (an Rt chosen by simulation) and fused-schedule searches (seconds each), the
+split best without the fusions need not be best with them, and RLHFuse itself is synchronous.
+
+iteration_s = reshard_s + gen_plus_inf_s + train_s (stages do not overlap across iterations),
+except pipe_rlhf_async on disjoint groups: max(gen_plus_inf_s, train_s) + reshard_s;
 gen_s = when the last sample finished; inf_s = gen_plus_inf_s - gen_s (inference not hidden
 behind generation); samples_per_s = global_batch / iteration_s.
 reshard_s: every generation device receives its tensor-parallel shard of the actor's new
-weights over the scale-out network (the training layout lives on other devices).
+weights over the scale-out network (the training layout lives on other devices); under
+pipe_rlhf_async also its shard of the critic's, for the inference layout.
 """
 from __future__ import annotations
 
@@ -48,7 +62,7 @@ from rlhfuse_jax.sim.lengths import LengthSpec
 from rlhfuse_jax.sim.shapes import ModelShape
 
 SYSTEMS = ("deepspeed_chat_like", "realhf_like", "rlhfuse_base", "inter_stage", "intra_stage",
-           "rlhfuse", "pipe_rlhf", "rlhfuse_planned")
+           "rlhfuse", "pipe_rlhf", "rlhfuse_planned", "pipe_rlhf_async")
 _INTER = {"inter_stage", "rlhfuse"}
 _INTRA = {"intra_stage", "rlhfuse"}
 
@@ -103,6 +117,8 @@ class SimOptions:
   gen_tps: tuple = (1, 2, 4, 8)  # tensor-parallel degrees tried for generation
   offload_frozen: bool = True  # reference/reward/critic weights in host memory until used
   search_time_s: float = 2.0  # fused-schedule search budget per distinct pipeline problem
+  staleness: int = 1  # pipe_rlhf_async: updates the generating policy lags behind (k >= 1)
+  async_split_unit: int = 0  # pipe_rlhf_async: generation-group sizes step (0: a node)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +258,25 @@ def _planned_row(cost: CostModel, wl: Workload, searched: dict, fused_gen: Optio
   return row
 
 
+def _async_row(wl: Workload, searched: dict) -> dict:
+  """pipe_rlhf_async: the asynchronous search's best plan (plan_search.async_search), the
+  synchronous plan where both groups colocated are faster than every split."""
+  a = searched["async"]
+  best = a["best"]
+  p = best["predicted"]
+  split = best["async"]
+  row = {"gen_s": p["gen_s"], "inf_s": p["inf_s"], "gen_plus_inf_s": p["gen_s"] + p["inf_s"],
+         "train_s": p["train_s"], "reshard_s": p["reshard_s"],
+         "iteration_s": p["iteration_s"],
+         "details": {"plan": {k: best[k] for k in ("generation", "inference", "training",
+                                                   "summary")},
+                     "async": {**split, "bound": p["bound"], "serial_s": p["serial_s"],
+                               "splits": a["splits"]},
+                     "uniform": searched["uniform"], "search_s": searched["search_s"]}}
+  row["samples_per_s"] = wl.global_batch / row["iteration_s"]
+  return row
+
+
 def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=SYSTEMS,
                        cache: Optional[train_lib.ScheduleCache] = None,
                        log: Optional[Callable[[str], None]] = None) -> tuple[dict, dict]:
@@ -251,6 +286,9 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
   unknown = [s for s in systems if s not in SYSTEMS]
   if unknown:
     raise ValueError(f"unknown systems {unknown}; known: {list(SYSTEMS)}")
+  if "pipe_rlhf_async" in systems and opt.staleness < 1:
+    raise ValueError(f"sim.staleness={opt.staleness}: pipe_rlhf_async needs a staleness >= 1 "
+                     "(updates the generating policy lags behind)")
   cache = cache or train_lib.ScheduleCache(time_budget_s=opt.search_time_s, log=log)
   prompts, resp = wl.sample_lengths()
   mean_len = float(np.mean(prompts + resp))
@@ -279,14 +317,20 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
   planned: dict = {}
 
   def plan() -> dict:
-    """The hierarchical plan search of this setting (sim/plan_search.py), once."""
+    """The hierarchical plan search of this setting (sim/plan_search.py), once; with the
+    asynchronous splits when pipe_rlhf_async is simulated."""
     if "res" not in planned:
-      planned["res"] = plan_lib.search(cost, wl, opt, log=log)
+      k = opt.staleness if "pipe_rlhf_async" in systems else 0
+      planned["res"] = plan_lib.search(cost, wl, opt, log=log, staleness=k,
+                                       split_unit=opt.async_split_unit)
     return planned["res"]
 
   for name in systems:
     if log:
       log(f"  system {name}")
+    if name == "pipe_rlhf_async":
+      out[name] = _async_row(wl, plan())
+      continue
     if name in ("pipe_rlhf", "rlhfuse_planned"):
       out[name] = _planned_row(cost, wl, plan(), gen(True) if name == "rlhfuse_planned" else None,
                                train(True) if name == "rlhfuse_planned" else None)

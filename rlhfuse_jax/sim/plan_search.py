@@ -11,12 +11,14 @@ layouts (docs/architecture.md §4). A plan gives each stage its own layout over 
               actor 1F1B then critic 1F1B); or `disjoint`: each model alone on its own share of
               the devices, both at once (training_sim.single_model_plan)
 
-The stages of an iteration run one after the other, and a plan pays one resharding: the actor's
-new weights into the generation layout (every generation device receives its shard over the
-scale-out network, as iteration_sim does for every system). So the search is hierarchical: the
-outer level picks the training placement (colocated or a device split) and the generation mode;
-the inner level the degrees of each stage, each stage searched on its own (iteration time =
-reshard + generation + inference + training), and the top plans are the best combinations.
+Synchronously, the stages of an iteration run one after the other, and a plan pays one
+resharding: the actor's new weights into the generation layout (every generation device receives
+its shard over the scale-out network, as iteration_sim does for every system). So the search is
+hierarchical: the outer level picks the training placement (colocated or a device split) and the
+generation mode, and with asynchronous PPO also the split of the devices into a generation and a
+training group (below); the inner level the degrees of each stage, each stage searched on its own
+(iteration time = reshard + generation + inference + training), and the top plans are the best
+combinations.
 
 The `uniform` plan is what one layout for every stage gives: a (tp, pp) grid whose generation is
 a plain pipeline (G = 1: each token passes all pp stages before the next starts), whose
@@ -31,6 +33,32 @@ next stage. A decode step of every group takes max(sum over groups of their tick
 longest tick): with G >= pp every stage is busy all step long; with G < pp (or once groups have
 finished) a group's token must cross all pp stages before its next one, and stages wait. The
 fill adds pp - 1 ticks. Busy fraction = stage-ticks of work / (pp x step time).
+
+Asynchronous PPO (`staleness` k >= 1; Pipe-RLHF's paper runs it): the devices split into a
+generation group of g devices and a training group of the other N - g. While the training group
+trains on iteration i's batch, the generation group already generates the batch of iteration
+i + k, and runs its reference / reward / critic forwards, with a policy k updates old. After each
+update the actor's new weights move from the training layout into the generation layout and the
+critic's into the inference layout (the critic's values are computed on the generation group),
+every receiving device taking its shards over the scale-out network. In steady state an
+iteration costs
+
+  iteration = max(generation + inference on g, training on N - g) + reshard (actor + critic)
+
+The transfer is counted on the critical path of both groups: the generation group holds one copy
+of the actor (no double buffer), so it cannot start the next batch before the new one arrived,
+and the training group sends it from its own devices between two updates. So k sets only the
+lag, not the time, and the first k batches, generated before any update, are a prefill amortised
+over the run. (With double-buffered weights and a transfer hidden behind compute, a period could
+shrink towards max(gen + inf, train, (gen + inf + train + reshard) / (k + 1)); not modelled, the
+formula above is the conservative one.) Each split g
+(a multiple of `split_unit` devices, a node by default) is searched like the synchronous plan:
+generation and inference candidates on g devices, training candidates on N - g (colocated or
+disjoint inside the group); a split where a stage fits nowhere is rejected. For a split the best
+training plan is the fastest one (the time only grows with it); every generation x inference
+pair is tried, since a wider generation copy shortens the reshard. With both groups on all
+devices (`colocated`) nothing overlaps: the iteration is the synchronous plan's serial sum, so
+the asynchronous search, which includes that option, is never slower than the synchronous one.
 """
 from __future__ import annotations
 
@@ -233,6 +261,36 @@ def reshard_s(cost: CostModel, wl, devices_per_copy: int) -> float:
   return float(cost.p2p_s(wl.actor.weight_bytes() / devices_per_copy, cross_node=True))
 
 
+def async_reshard_s(cost: CostModel, wl, gen_devices_per_copy: int,
+                    inf_devices_per_copy: int) -> float:
+  """Asynchronous PPO: the actor's new weights into the generation layout and the critic's into
+  the inference layout, both on the generation group (module docstring). A device of that group
+  receives its actor shard and its critic shard through the same link, so one transfer of their
+  sum."""
+  nbytes = (wl.actor.weight_bytes() / gen_devices_per_copy +
+            wl.critic.weight_bytes() / inf_devices_per_copy)
+  return float(cost.p2p_s(nbytes, cross_node=True))
+
+
+def async_iteration_s(gen_plus_inf_s: float, train_s: float, reshard: float,
+                      colocated: bool) -> float:
+  """Steady-state iteration of asynchronous PPO (module docstring): the groups overlap when
+  disjoint; colocated (both groups on all devices) the stages still run one after the other."""
+  if colocated:
+    return reshard + gen_plus_inf_s + train_s
+  return max(gen_plus_inf_s, train_s) + reshard
+
+
+def async_splits(cost: CostModel, num_devices: int, split_unit: int = 0) -> list[int]:
+  """Generation-group sizes g tried (the training group gets num_devices - g): multiples of
+  `split_unit` devices (0: a node, so no node is shared by the two groups) strictly between 0 and
+  num_devices."""
+  unit = split_unit or cost.hw.devices_per_node
+  if unit < 1:
+    raise ValueError(f"async split unit={unit} must be >= 1")
+  return list(range(unit, num_devices, unit))
+
+
 def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict) -> list[Candidate]:
   from rlhfuse_jax.sim import iteration_sim as it
   frozen = (wl.actor, wl.critic, wl.critic)
@@ -331,11 +389,94 @@ def _describe_train(p: dict) -> str:
           f"{c['devices']} dev (tp{c['tp']} pp{c['pp']} dp{c['dp']})")
 
 
+def _async_plan(cost: CostModel, wl, g: int, staleness: int, gen: Candidate, inf: Candidate,
+                train: Candidate) -> dict:
+  """A disjoint split's plan: each group's layouts, predicted times and the split."""
+  gp, ip = gen.plan, inf.plan
+  reshard = async_reshard_s(cost, wl, gp.tp * gp.pp, ip.tp * ip.pp)
+  gen_s, inf_s, train_s = gen.info["gen_s"], inf.seconds, train.seconds
+  n = wl.num_devices
+  return {
+      "generation": dataclasses.asdict(gp), "inference": dataclasses.asdict(ip),
+      "training": train.plan,
+      "predicted": {"reshard_s": reshard, "gen_s": gen_s, "inf_s": inf_s, "train_s": train_s,
+                    "gen_plus_inf_s": gen_s + inf_s,
+                    "iteration_s": async_iteration_s(gen_s + inf_s, train_s, reshard, False),
+                    "serial_s": async_iteration_s(gen_s + inf_s, train_s, reshard, True),
+                    "bound": "generation" if gen_s + inf_s >= train_s else "training"},
+      "summary": f"async k={staleness}: gen {gp.describe()} and inference {ip.describe()} on "
+                 f"{g} dev; training {_describe_train(train.plan)} on {n - g} dev",
+      "async": {"generation_devices": g, "training_devices": n - g, "staleness": staleness,
+                "colocated": False},
+  }
+
+
+def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_k: int = 5,
+                 split_unit: int = 0, log: Optional[Callable[[str], None]] = None) -> dict:
+  """Asynchronous PPO's outer level (module docstring): every split of the devices into a
+  generation and a training group, each group's stages searched on its own devices, and the
+  colocated option (`sync_best`, the synchronous search's best plan, run serially). Returns
+  {best, top, splits, staleness, search_s}: `best` and each of `top` a plan with an "async"
+  object {generation_devices, training_devices, staleness, colocated}; `splits` one entry per
+  g tried, its best iteration_s or why it was rejected."""
+  if not isinstance(staleness, (int, np.integer)) or staleness < 1:
+    raise ValueError(f"async PPO: staleness={staleness!r} must be an integer >= 1")
+  t0 = time.time()
+  n = wl.num_devices
+  prompts, resp = wl.sample_lengths()
+  seq = (prompts + resp).astype(np.float64)
+  mean_len = float(seq.mean())
+  q = sync_best["predicted"]
+  colocated = {**sync_best, "predicted": {**q, "gen_plus_inf_s": q["gen_s"] + q["inf_s"],
+                                          "serial_s": q["iteration_s"], "bound": "colocated"},
+               "async": {"generation_devices": n, "training_devices": n, "staleness": staleness,
+                         "colocated": True}}
+  plans, splits = [colocated], []
+  for g in async_splits(cost, n, split_unit):
+    rejected: dict = {}
+    # Training first: most training-group sizes fail the mini-batch's divisibility at once.
+    trains = training_candidates(cost, dataclasses.replace(wl, num_devices=n - g), mean_len,
+                                 rejected)
+    gens, infs = [], []
+    if trains:
+      wg = dataclasses.replace(wl, num_devices=g)
+      gens = generation_candidates(cost, wg, opt, prompts, resp, rejected)
+      infs = inference_candidates(cost, wg, opt, seq, rejected) if gens else []
+    if not (trains and gens and infs):
+      stage = "training" if not trains else "generation" if not gens else "inference"
+      why = next((v for k, v in rejected.items() if k.startswith(stage)), "nothing fits")
+      splits.append({"generation_devices": g, "training_devices": n - g,
+                     "rejected": f"no {stage} plan on {n - g if stage == 'training' else g} "
+                                 f"devices: {why.split('; tried')[0][:300]}"})
+      continue
+    train = min(trains, key=lambda c: c.seconds)
+    best = min((_async_plan(cost, wl, g, staleness, gen, inf, train)
+                for gen, inf in itertools.product(gens, infs)),
+               key=lambda p: p["predicted"]["iteration_s"])
+    plans.append(best)
+    splits.append({"generation_devices": g, "training_devices": n - g,
+                   "iteration_s": best["predicted"]["iteration_s"],
+                   "bound": best["predicted"]["bound"]})
+  top = sorted(plans, key=lambda p: p["predicted"]["iteration_s"])[:top_k]
+  if log:
+    a = top[0]["async"]
+    log(f"async plan search (k={staleness}): {len(plans) - 1} of {len(splits)} splits fit; best "
+        f"{top[0]['predicted']['iteration_s']:.2f}s with "
+        + ("both groups colocated (no overlap)" if a["colocated"] else
+           f"generation on {a['generation_devices']}, training on {a['training_devices']}")
+        + f" ({time.time() - t0:.1f}s)")
+  return {"best": top[0], "top": top, "splits": splits, "staleness": staleness,
+          "search_s": time.time() - t0}
+
+
 def search(cost: CostModel, wl, opt, top_k: int = 5,
-           log: Optional[Callable[[str], None]] = None) -> dict:
+           log: Optional[Callable[[str], None]] = None, staleness: int = 0,
+           split_unit: int = 0) -> dict:
   """The hierarchical search (module docstring): {best, top, uniform, stages, rejected,
   search_s, evaluated}. `best` and each of `top` hold generation / inference / training plans
-  and their predicted stage times; `uniform` the best single layout."""
+  and their predicted stage times; `uniform` the best single layout. With `staleness` k >= 1
+  also "async": async_search's result (asynchronous PPO, devices split into a generation and a
+  training group in multiples of `split_unit`); search_s then covers both searches."""
   t0 = time.time()
   prompts, resp = wl.sample_lengths()
   seq = (prompts + resp).astype(np.float64)
@@ -365,11 +506,15 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   say(f"plan search done in {time.time() - t0:.1f}s: best {top[0]['predicted']['iteration_s']:.2f}s"
       f" ({top[0]['summary']})" + (f"; uniform {uniform['predicted']['iteration_s']:.2f}s "
                                    f"(tp{u.plan['tp']} pp{u.plan['pp']})" if uniform else ""))
-  return {"best": top[0], "top": top, "uniform": uniform,
-          "stages": {"generation": [(c.plan.describe(), c.seconds) for c in gens],
-                     "inference": [(c.plan.describe(), c.seconds) for c in infs],
-                     "training": [(_describe_train(c.plan), c.seconds) for c in trains],
-                     "uniform": [(f"tp{c.plan['tp']} pp{c.plan['pp']}", c.seconds)
-                                 for c in unif]},
-          "rejected": rejected, "search_s": time.time() - t0,
-          "evaluated": len(gens) + len(infs) + len(trains) + len(unif)}
+  out = {"best": top[0], "top": top, "uniform": uniform,
+         "stages": {"generation": [(c.plan.describe(), c.seconds) for c in gens],
+                    "inference": [(c.plan.describe(), c.seconds) for c in infs],
+                    "training": [(_describe_train(c.plan), c.seconds) for c in trains],
+                    "uniform": [(f"tp{c.plan['tp']} pp{c.plan['pp']}", c.seconds)
+                                for c in unif]},
+         "rejected": rejected, "search_s": time.time() - t0,
+         "evaluated": len(gens) + len(infs) + len(trains) + len(unif)}
+  if staleness:
+    out["async"] = async_search(cost, wl, opt, staleness, top[0], top_k, split_unit, log)
+    out["search_s"] = time.time() - t0
+  return out

@@ -15,7 +15,9 @@ _KIND_COLORS = {"prefill": "#9e9e9e", "decode": "#2a5fa8", "migrate": "#d62728",
 def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str,
                          cols: int = 3) -> None:
   """One panel per setting: each system's iteration time stacked by stage (linear scale; a bar
-  far above the others is clipped and labelled with its value)."""
+  far above the others is clipped and labelled with its value). A row whose stages overlap
+  (iteration_s below their sum: pipe_rlhf_async) stands generation + inference and training
+  side by side on its reshard."""
   labels = []
   for r in rows:
     if r["setting"]["label"] not in labels:
@@ -34,9 +36,19 @@ def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str
       if (lab, s) not in by:
         continue
       r, bottom = by[(lab, s)], 0.0
-      for key, color, _ in parts:
-        ax.bar(j, r[key], bottom=bottom, color=color, width=0.75)
-        bottom += r[key]
+      if r["iteration_s"] < sum(r[k] for k, _, _ in parts) - 1e-9:
+        # Overlapped groups (pipe_rlhf_async): generation + inference beside training, both
+        # above the reshard.
+        ax.bar(j, r["reshard_s"], color=parts[0][1], width=0.75)
+        for key, color, _ in parts[1:3]:
+          ax.bar(j - 0.19, r[key], bottom=r["reshard_s"] + bottom, color=color, width=0.37)
+          bottom += r[key]
+        ax.bar(j + 0.19, r["train_s"], bottom=r["reshard_s"], color=parts[3][1], width=0.37)
+        bottom = r["iteration_s"]
+      else:
+        for key, color, _ in parts:
+          ax.bar(j, r[key], bottom=bottom, color=color, width=0.75)
+          bottom += r[key]
       ax.text(j, min(bottom, top * 0.97), f"{bottom:.1f}", ha="center", va="bottom" if
               bottom < top else "top", fontsize=6, fontweight="bold" if bottom > top else None)
     ax.set_ylim(0, top)

@@ -111,8 +111,18 @@ def setting_section(label: str, by: dict, systems: Sequence[str]) -> list[str]:
         bits.append("colocated serial 1F1B (faster than a disjoint split here)")
     if d.get("train") == "zero3":
       bits.append("ZeRO-3 inference and training over all devices")
-    if "plan" in d and "summary" in d["plan"]:  # pipe_rlhf, rlhfuse_planned
+    if "plan" in d and "summary" in d["plan"]:  # pipe_rlhf, rlhfuse_planned, pipe_rlhf_async
       bits.append(f"searched plan: {d['plan']['summary']} (search {d['search_s']:.1f}s)")
+      a = d.get("async")
+      if a and a["colocated"]:
+        bits.append(f"async (k={a['staleness']}): no split of the devices beats the "
+                    "synchronous plan, so both groups stay on all devices and run serially")
+      elif a:
+        fit = sum("iteration_s" in sp for sp in a["splits"])
+        bits.append(f"async (k={a['staleness']}): generation + inference on "
+                    f"{a['generation_devices']} devices overlap training on "
+                    f"{a['training_devices']} ({a['bound']} is the slower group; serial on the "
+                    f"same groups {a['serial_s']:.2f}s; {fit} of {len(a['splits'])} splits fit)")
       if d.get("uniform"):
         u = d["uniform"]
         bits.append(f"best uniform layout tp{u['layout']['tp']} pp{u['layout']['pp']}: "

@@ -290,6 +290,8 @@ def disjoint_splits(cost: CostModel, actor: ModelShape, critic: ModelShape, n: i
   out = []
   for frac in fractions:
     na = int(n * frac)
+    if not 0 < na < n:  # too few devices to give each model some
+      continue
     a = single_model_plan(cost, actor, na, minibatch, micro_batch, mean_len)
     c = single_model_plan(cost, critic, n - na, minibatch, micro_batch, mean_len)
     if a and c:
