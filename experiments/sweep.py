@@ -17,13 +17,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any, Optional, Sequence
 
 from absl import app, flags, logging
 
+from experiments.runner import build_command, repo_env, run_streamed
 from rlhfuse_jax import workdir as wd
 
 _CONFIG = flags.DEFINE_string("config", None, "config file defining get_sweep()", required=True)
@@ -52,15 +52,6 @@ def run_name(index: int, overrides: dict) -> str:
   return str(name) if name not in (None, "") else f"run{index:03d}"
 
 
-def format_value(v: Any) -> str:
-  """A value as ml_collections parses it on the command line."""
-  if isinstance(v, bool):
-    return "true" if v else "false"
-  if isinstance(v, (list, tuple)):
-    return "(" + ",".join(format_value(x) for x in v) + ("," if len(v) == 1 else "") + ")"
-  return str(v)
-
-
 def flatten_scalars(obj: dict, prefix: str = "") -> dict:
   """Nested dicts flattened with '/'; lists and other containers skipped."""
   out = {}
@@ -80,14 +71,6 @@ def read_run_result(run_dir: str) -> Optional[dict]:
       return json.load(f)
   rows = wd.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
   return rows[-1] if rows else None
-
-
-def build_command(binary: str, config: str, run_dir: str, overrides: dict,
-                  passthrough: Sequence[str]) -> list[str]:
-  cmd = [sys.executable, "-m", f"experiments.{binary}", f"--config={config}",
-         f"--workdir={run_dir}"]
-  cmd += [f"--config.{k}={format_value(v)}" for k, v in overrides.items() if k != "name"]
-  return cmd + list(passthrough)
 
 
 def _fmt_cell(v: Any) -> str:
@@ -114,9 +97,7 @@ def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str]
   sweep = load_sweep(config)
   os.makedirs(workdir, exist_ok=True)
   rows = []
-  repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ)
-  env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
+  env = repo_env()
   for i, overrides in enumerate(sweep):
     name = run_name(i, overrides)
     run_dir = os.path.join(workdir, name)
@@ -127,14 +108,7 @@ def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str]
       rows.append(row)
       continue
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=repo_root, env=env)
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "log.txt"), "w") as log_file:
-      for line in proc.stdout:
-        log_file.write(line)
-        print(f"[{name}] {line}", end="", flush=True)
-    rc = proc.wait()
+    rc = run_streamed(cmd, run_dir, name, env)
     row["status"] = "ok" if rc == 0 else f"failed (exit {rc})"
     row["wall_s"] = round(time.time() - t0, 2)
     result = read_run_result(run_dir) if rc == 0 else None

@@ -1,11 +1,14 @@
 """Asynchronous PPO (config.async_ppo, trainer/async_ppo.py): the schedule of policy versions,
 the same trajectory on shared or split devices, exact resume with batches in flight, the
 decoupled objective, and the errors that name the field."""
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.rl import objective
 from rlhfuse_jax.trainer import async_ppo, rollout
 from rlhfuse_jax.trainer.loop import PPOTrainer
@@ -21,10 +24,11 @@ def _same(h1, h2, drop=()):
 
 def test_versions_follow_the_schedule_and_split_devices_change_nothing(tmp_path):
   """Staleness 2: batch i comes from the policy after update max(0, i - 2), what the metrics
-  record; generation on 4 devices and training on the other 4 give the trajectory of both on
-  all 8, bitwise (the order of events is the schedule's, not a race's)."""
+  record; generation on 4 devices and training on the other 4, at once, give the trajectory of
+  both on the same 4 in turn, bitwise (the order of events is the schedule's, not a race's)."""
   cfg = dict(num_iterations=5, **{"async_ppo.staleness": 2})
-  shared = PPOTrainer(tiny_config(**cfg), str(tmp_path / "shared"))
+  shared = PPOTrainer(tiny_config(**cfg), str(tmp_path / "shared"), mesh=mesh_lib.make_mesh(
+      mesh_lib.MeshConfig(data=4), jax.devices()[4:]))
   h_shared = shared.run()
   split = PPOTrainer(tiny_config(**cfg, **{"async_ppo.generation_devices": 4}),
                      str(tmp_path / "split"))
@@ -146,3 +150,17 @@ def test_bad_async_settings_name_the_field(tmp_path, override, message):
   with pytest.raises(ValueError) as e:
     PPOTrainer(tiny_config(**override), str(tmp_path))
   assert message in str(e.value), str(e.value)
+
+
+def test_an_asynchronous_plan_file_sets_the_split(tmp_path):
+  """plan_search's asynchronous plan (sim.staleness >= 1) carries the device split; its
+  colocated form (both groups on all devices, no overlap) sets nothing."""
+  from tests.test_plan import plan_json
+  path = plan_json(tmp_path / "plan.json", {"mode": "instances", "tp": 1})
+  plan = json.loads(open(path).read())
+  for colocated, want in ((False, (1, 4)), (True, (0, 0))):
+    plan["async"] = {"generation_devices": 4, "training_devices": 4, "staleness": 1,
+                     "colocated": colocated}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    a = tiny_config(**{"plan.file": path}).async_ppo
+    assert (a.staleness, a.generation_devices) == want

@@ -17,24 +17,31 @@ from tests.test_trainer import tiny_config
 
 
 def test_two_processes_match_one_process(tmp_path):
+  """Also asynchronous PPO across processes (staleness 1): generation and inference on 2 devices
+  of each process, training on the other 2 of each, the weights moved between the groups after
+  every update; the serial stage and the training mesh both span the processes."""
   wd = str(tmp_path / "mp")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHON"] = sys.executable  # this interpreter, whatever `python` on PATH is
+  split = {"async_ppo.staleness": 1, "async_ppo.generation_devices": 4}
   out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", wd,
-                        "--config.num_iterations=2", *SMALL], cwd=REPO, env=env,
+                        "--config.num_iterations=2", *SMALL,
+                        *[f"--config.{k}={v}" for k, v in split.items()]], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
   logs = "".join(open(f"{wd}.proc{i}.log").read()[-2000:] for i in range(2))
   assert out.returncode == 0, logs
   with open(os.path.join(wd, "metrics.jsonl")) as f:
     multi = [json.loads(line) for line in f]
 
-  single = PPOTrainer(tiny_config(num_iterations=2), str(tmp_path / "sp"),
-                      mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8)))
+  single = PPOTrainer(tiny_config(num_iterations=2, **split), str(tmp_path / "sp"))
+  assert [d.id for d in single.gen_mesh.devices.flat] == [0, 1, 2, 3]
   history = single.run()
   assert [r["step"] for r in multi] == [1, 2]
   for a, b in zip(multi, history):
     assert a["gen/response_lengths"] == b["gen/response_lengths"]
-    for k in ("reward/mean", "kl/ref_mean", "actor/pg_loss", "critic/vf_loss"):
+    assert a["async/policy_version"] == b["async/policy_version"] == 0
+    for k in ("reward/mean", "kl/ref_mean", "actor/pg_loss", "critic/vf_loss",
+              "async/behaviour_weight_mean"):
       np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 

@@ -579,7 +579,8 @@ def load_plan_file(path: str) -> dict:
 def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, str], tuple]:
   """{(section, field): (value, the plan file's key)}: what a plan file sets. Training's
   colocated (tp, actor_pp, critic_pp) maps onto mesh.tensor, mesh.stage and pipeline.critic_pp
-  (mesh.data takes the remaining devices); a disjoint placement is refused."""
+  (mesh.data takes the remaining devices); a disjoint placement is refused. An asynchronous
+  plan's split ("async": generation_devices, staleness) maps onto config.async_ppo."""
   gen, inf, train = plan["generation"], plan["inference"], plan["training"]
   where = f"config.plan.file={path!r}"
   out: dict[tuple[str, str], tuple] = {}
@@ -610,6 +611,13 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
   elif critic_pp != 1:
     raise ValueError(f"{where}: training.critic_pp={critic_pp} with training.actor_pp=1; the "
                      "trainer pipelines the critic only over the actor's stage axis")
+  # An asynchronous plan (plan_search with sim.staleness >= 1) splits the devices: generation
+  # and inference on the first generation_devices, training (the layouts above) on the rest.
+  a = plan.get("async")
+  if isinstance(a, Mapping) and not a.get("colocated", False):
+    out["async_ppo", "staleness"] = (a.get("staleness", 1), "async.staleness")
+    out["async_ppo", "generation_devices"] = (a.get("generation_devices", 0),
+                                              "async.generation_devices")
   return out
 
 

@@ -1,0 +1,163 @@
+r"""Asynchronous PPO against the synchronous loop (config.async_ppo; docs/usage.md
+"Asynchronous PPO").
+
+  python -m experiments.bench_async --config=configs/bench_async.py --workdir=/tmp/bench_async
+  python -m experiments.bench_async --config=configs/bench_async.py:timing --workdir=/tmp/ba_t
+
+Runs `python -m experiments.train_ppo` once per run config and staleness (the first staleness
+is the synchronous reference, 0), each in DIR/<config>_s<k> with its own metrics.jsonl, and
+writes DIR/result.json and DIR/curves.png:
+
+  reward_gain       mean reward of the last window minus the first (window: a fraction of the
+                    iterations), as train_ppo's result.json; gain_ratio: over the synchronous
+                    run's gain (the acceptance bar: min_gain_ratio)
+  median_step_s     median iteration wall time, after the first `skip` iterations (compiles)
+                    and without the last (nothing is generated ahead in it)
+  overlap_frac      mean perf/async_overlap_frac: how much of the shorter of generation and
+                    training ran while the other did
+
+The default compares learning (ppo_tiny and grpo_tiny on one CPU device, staleness 0, 1, 2);
+`timing` compares iteration wall time on 8 fake CPU devices split 4 generate / 4 train. Fake
+devices share the host's cores, so there the overlap buys time only where a core would
+otherwise idle; result.json records the machine.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from experiments import runner  # noqa: E402
+from rlhfuse_jax import workdir as wd  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _check(cond: bool, field: str, value, expected: str) -> None:
+  if not cond:
+    raise ValueError(f"config.{field}={value!r}: expected {expected}")
+
+
+def check_config(c) -> None:
+  _check(len(c.runs) > 0, "runs", c.runs, "one or more train_ppo config paths")
+  for r in c.runs:
+    path = r.split(":")[0]
+    _check(os.path.isfile(os.path.join(runner.REPO_ROOT, path)), "runs", r,
+           "train_ppo config files (configs/*.py[:variant])")
+  s = list(c.staleness)
+  _check(len(s) >= 2 and s[0] == 0 and all(isinstance(k, int) and k >= 1 for k in s[1:]),
+         "staleness", c.staleness, "0 (the synchronous reference) first, then values >= 1")
+  _check(0 < c.window <= 0.5, "window", c.window, "in (0, 0.5]")
+  _check(c.host_devices >= 1, "host_devices", c.host_devices, ">= 1")
+  _check(0 <= c.generation_devices < c.host_devices, "generation_devices", c.generation_devices,
+         f"0 or fewer than host_devices={c.host_devices}")
+
+
+def run_name(config: str, staleness: int) -> str:
+  base = os.path.splitext(os.path.basename(config.split(":")[0]))[0]
+  variant = config.split(":")[1] if ":" in config else ""
+  return re.sub(r"[^A-Za-z0-9_]", "_", base + (f"_{variant}" if variant else "")) + \
+      f"_s{staleness}"
+
+
+def summarize(rows: list[dict], window: float, skip: int) -> dict:
+  """The figures of one run's metrics.jsonl rows (module docstring)."""
+  rewards = np.array([r["reward/mean"] for r in rows], np.float64)
+  k = max(1, int(round(len(rows) * window)))
+  steps = [r["timing_s/step"] for r in rows[skip:-1]] or [r["timing_s/step"] for r in rows]
+  overlap = [r["perf/async_overlap_frac"] for r in rows if "perf/async_overlap_frac" in r]
+  return {"iterations": len(rows), "reward_first": float(rewards[:k].mean()),
+          "reward_last": float(rewards[-k:].mean()),
+          "reward_gain": float(rewards[-k:].mean() - rewards[:k].mean()),
+          "median_step_s": float(np.median(steps)),
+          "overlap_frac": float(np.mean(overlap)) if overlap else None,
+          "behaviour_weight_mean": (float(np.mean([r["async/behaviour_weight_mean"]
+                                                   for r in rows]))
+                                    if "async/behaviour_weight_mean" in rows[0] else None)}
+
+
+def smooth(x: np.ndarray, width: int) -> np.ndarray:
+  """Trailing moving average (the first points average what there is)."""
+  c = np.cumsum(np.insert(x, 0, 0.0))
+  idx = np.arange(1, len(x) + 1)
+  lo = np.maximum(idx - width, 0)
+  return (c[idx] - c[lo]) / (idx - lo)
+
+
+def plot(curves: dict, path: str, width: int) -> None:
+  """One panel per run config: reward per iteration (moving average) for each staleness."""
+  fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 3.8), squeeze=False)
+  for ax, (config, by_k) in zip(axes[0], curves.items()):
+    for k, rewards in by_k.items():
+      label = "synchronous" if k == 0 else f"async, staleness {k}"
+      ax.plot(np.arange(1, len(rewards) + 1), smooth(np.asarray(rewards), width), label=label)
+    ax.set_title(config)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(f"reward (moving mean of {width})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  c, out = _CONFIG.value, _WORKDIR.value
+  check_config(c)
+  os.makedirs(out, exist_ok=True)
+  wd.write_json(os.path.join(out, "config.json"), c.to_dict())
+  env = runner.repo_env(JAX_PLATFORMS="cpu",
+                       XLA_FLAGS=f"--xla_force_host_platform_device_count={c.host_devices}")
+  result = {"machine": {"host": platform.node(), "cpus": os.cpu_count(),
+                        "processor": platform.processor() or platform.machine(),
+                        "host_devices": c.host_devices}, "runs": {}}
+  curves: dict = {}
+  for config in c.runs:
+    entry, curves[config] = {}, {}
+    for k in c.staleness:
+      name = run_name(config, k)
+      run_dir = os.path.join(out, name)
+      overrides = {"async_ppo.staleness": k, "async_ppo.generation_devices": c.generation_devices,
+                   "async_ppo.objective": c.objective}
+      if c.num_iterations:
+        overrides["num_iterations"] = c.num_iterations
+      cmd = runner.build_command("train_ppo", config, run_dir, overrides, [])
+      logging.info("%s: %s", name, " ".join(cmd[1:]))
+      rc = runner.run_streamed(cmd, run_dir, name, env)
+      if rc != 0:
+        raise RuntimeError(f"{name} failed (exit {rc}); its log: {run_dir}/log.txt")
+      rows = wd.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+      s = summarize(rows, c.window, c.skip)
+      if k:
+        base = entry["s0"]
+        s["gain_ratio"] = s["reward_gain"] / base["reward_gain"] if base["reward_gain"] else None
+        s["step_time_ratio"] = s["median_step_s"] / base["median_step_s"]
+        s["gain_ok"] = s["gain_ratio"] is not None and s["gain_ratio"] >= c.min_gain_ratio
+      entry[f"s{k}"] = s
+      curves[config][k] = [r["reward/mean"] for r in rows]
+      logging.info("%s: %s", name, {kk: v for kk, v in s.items() if v is not None})
+    result["runs"][config] = entry
+  result["all_gains_ok"] = all(s.get("gain_ok", True) for e in result["runs"].values()
+                               for s in e.values())
+  wd.write_json(os.path.join(out, "result.json"), result)
+  plot(curves, os.path.join(out, "curves.png"), max(1, int(round(
+      min(len(v) for by_k in curves.values() for v in by_k.values()) * c.window))))
+  logging.info("wrote %s/result.json and curves.png", out)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(app.run(main))

@@ -1,0 +1,53 @@
+"""Running an experiments binary from another one (sweep.py, bench_async.py): the command
+line with --config.* overrides, the environment that imports this repository, and a run whose
+output is streamed with a prefix and kept in the run's log.txt. No absl flags are defined here,
+so binaries can share it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any, Sequence
+
+
+def format_value(v: Any) -> str:
+  """A value as ml_collections parses it on the command line."""
+  if isinstance(v, bool):
+    return "true" if v else "false"
+  if isinstance(v, (list, tuple)):
+    return "(" + ",".join(format_value(x) for x in v) + ("," if len(v) == 1 else "") + ")"
+  return str(v)
+
+
+def build_command(binary: str, config: str, run_dir: str, overrides: dict,
+                  passthrough: Sequence[str]) -> list[str]:
+  cmd = [sys.executable, "-m", f"experiments.{binary}", f"--config={config}",
+         f"--workdir={run_dir}"]
+  cmd += [f"--config.{k}={format_value(v)}" for k, v in overrides.items() if k != "name"]
+  return cmd + list(passthrough)
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def repo_env(**extra: str) -> dict:
+  """This environment with the repository importable (and `extra` variables set)."""
+  env = dict(os.environ)
+  env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  env.update(extra)
+  return env
+
+
+def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict) -> int:
+  """Runs `cmd` from the repository root, its output streamed with a [name] prefix and kept in
+  run_dir/log.txt; returns its exit status."""
+  proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          cwd=REPO_ROOT, env=env)
+  os.makedirs(run_dir, exist_ok=True)
+  with open(os.path.join(run_dir, "log.txt"), "w") as log_file:
+    for line in proc.stdout:
+      log_file.write(line)
+      print(f"[{name}] {line}", end="", flush=True)
+  return proc.wait()
+
+
