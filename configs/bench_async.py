@@ -1,6 +1,7 @@
 r"""Asynchronous PPO vs the synchronous loop (experiments/bench_async.py).
 
-Learning (ppo_tiny and grpo_tiny, staleness 0, 1, 2, on one CPU device; ~20 min on 2 cores):
+Learning (ppo_tiny and grpo_tiny, staleness 0, 1, 2, 3 seeds each, on one CPU
+device; ~25 min on 2 cores):
   python -m experiments.bench_async --config=configs/bench_async.py --workdir=/tmp/bench_async
 Iteration wall time on 8 fake CPU devices, 4 generate and 4 train, staleness 0 vs 1:
   python -m experiments.bench_async --config=configs/bench_async.py:timing --workdir=/tmp/ba_t
@@ -15,6 +16,8 @@ def get_config(arg: str = "learning"):
   c.objective = "behaviour"  # config.async_ppo.objective of the async runs
   c.num_iterations = 0  # 0: each config's own (400 for the tiny runs)
   c.generation_devices = 0  # config.async_ppo.generation_devices
+  c.seeds = (0, 1, 2)  # every run config and staleness once per seed (gains: their mean)
+  c.parallel = 2  # runs at once (learning only: each is single-threaded enough on 2 cores)
   c.host_devices = 1  # fake CPU devices of each run (XLA_FLAGS)
   c.window = 0.1  # reward gain: mean of the last window minus the first (fraction of the run)
   c.skip = 3  # iterations left out of the median step time (compiles)
@@ -26,6 +29,8 @@ def get_config(arg: str = "learning"):
     c.host_devices = 8
     c.generation_devices = 4
     c.min_gain_ratio = 0.0  # 40 iterations measure time, not learning
+    c.seeds = (0,)
+    c.parallel = 1  # alone on the machine: wall times
   elif arg != "learning":
     raise ValueError(f"configs/bench_async.py: unknown variant {arg!r}; expected 'learning' or "
                      "'timing'")

@@ -4,13 +4,15 @@ r"""Asynchronous PPO against the synchronous loop (config.async_ppo; docs/usage.
   python -m experiments.bench_async --config=configs/bench_async.py --workdir=/tmp/bench_async
   python -m experiments.bench_async --config=configs/bench_async.py:timing --workdir=/tmp/ba_t
 
-Runs `python -m experiments.train_ppo` once per run config and staleness (the first staleness
-is the synchronous reference, 0), each in DIR/<config>_s<k> with its own metrics.jsonl, and
-writes DIR/result.json and DIR/curves.png:
+Runs `python -m experiments.train_ppo` once per run config, staleness (the first is the
+synchronous reference, 0) and seed, each in DIR/<config>_s<k>_seed<n> with its own
+metrics.jsonl (`parallel` of them at once), and writes DIR/result.json and DIR/curves.png
+(reward per iteration, mean over the seeds):
 
   reward_gain       mean reward of the last window minus the first (window: a fraction of the
-                    iterations), as train_ppo's result.json; gain_ratio: over the synchronous
-                    run's gain (the acceptance bar: min_gain_ratio)
+                    iterations), averaged over the seeds (per seed in reward_gain_per_seed);
+                    gain_ratio: over the synchronous runs' (the acceptance bar: min_gain_ratio).
+                    One seed's gain varies by tens of percent on these tiny runs, hence seeds.
   median_step_s     median iteration wall time, after the first `skip` iterations (compiles)
                     and without the last (nothing is generated ahead in it)
   overlap_frac      mean perf/async_overlap_frac: how much of the shorter of generation and
@@ -23,6 +25,7 @@ otherwise idle; result.json records the machine.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import platform
 import re
@@ -60,15 +63,17 @@ def check_config(c) -> None:
          "staleness", c.staleness, "0 (the synchronous reference) first, then values >= 1")
   _check(0 < c.window <= 0.5, "window", c.window, "in (0, 0.5]")
   _check(c.host_devices >= 1, "host_devices", c.host_devices, ">= 1")
+  _check(len(c.seeds) >= 1, "seeds", c.seeds, "one or more seeds")
+  _check(c.parallel >= 1, "parallel", c.parallel, ">= 1 (runs at once)")
   _check(0 <= c.generation_devices < c.host_devices, "generation_devices", c.generation_devices,
          f"0 or fewer than host_devices={c.host_devices}")
 
 
-def run_name(config: str, staleness: int) -> str:
+def run_name(config: str, staleness: int, seed: int) -> str:
   base = os.path.splitext(os.path.basename(config.split(":")[0]))[0]
   variant = config.split(":")[1] if ":" in config else ""
   return re.sub(r"[^A-Za-z0-9_]", "_", base + (f"_{variant}" if variant else "")) + \
-      f"_s{staleness}"
+      f"_s{staleness}_seed{seed}"
 
 
 def summarize(rows: list[dict], window: float, skip: int) -> dict:
@@ -104,7 +109,7 @@ def plot(curves: dict, path: str, width: int) -> None:
       ax.plot(np.arange(1, len(rewards) + 1), smooth(np.asarray(rewards), width), label=label)
     ax.set_title(config)
     ax.set_xlabel("iteration")
-    ax.set_ylabel(f"reward (moving mean of {width})")
+    ax.set_ylabel(f"reward (seeds' mean, moving mean of {width})")
     ax.grid(alpha=0.3)
     ax.legend()
   fig.tight_layout()
@@ -124,31 +129,44 @@ def main(argv):
   result = {"machine": {"host": platform.node(), "cpus": os.cpu_count(),
                         "processor": platform.processor() or platform.machine(),
                         "host_devices": c.host_devices}, "runs": {}}
+  jobs = [(config, k, seed) for config in c.runs for k in c.staleness for seed in c.seeds]
+
+  def run(job) -> list[dict]:
+    config, k, seed = job
+    name = run_name(*job)
+    run_dir = os.path.join(out, name)
+    overrides = {"seed": seed, "async_ppo.staleness": k,
+                 "async_ppo.generation_devices": c.generation_devices,
+                 "async_ppo.objective": c.objective}
+    if c.num_iterations:
+      overrides["num_iterations"] = c.num_iterations
+    cmd = runner.build_command("train_ppo", config, run_dir, overrides, [])
+    logging.info("%s: %s", name, " ".join(cmd[1:]))
+    rc = runner.run_streamed(cmd, run_dir, name, env)
+    if rc != 0:
+      raise RuntimeError(f"{name} failed (exit {rc}); its log: {run_dir}/log.txt")
+    return wd.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+
+  with concurrent.futures.ThreadPoolExecutor(c.parallel) as pool:
+    rows = dict(zip(jobs, pool.map(run, jobs)))
   curves: dict = {}
   for config in c.runs:
     entry, curves[config] = {}, {}
     for k in c.staleness:
-      name = run_name(config, k)
-      run_dir = os.path.join(out, name)
-      overrides = {"async_ppo.staleness": k, "async_ppo.generation_devices": c.generation_devices,
-                   "async_ppo.objective": c.objective}
-      if c.num_iterations:
-        overrides["num_iterations"] = c.num_iterations
-      cmd = runner.build_command("train_ppo", config, run_dir, overrides, [])
-      logging.info("%s: %s", name, " ".join(cmd[1:]))
-      rc = runner.run_streamed(cmd, run_dir, name, env)
-      if rc != 0:
-        raise RuntimeError(f"{name} failed (exit {rc}); its log: {run_dir}/log.txt")
-      rows = wd.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-      s = summarize(rows, c.window, c.skip)
+      per_seed = [summarize(rows[config, k, seed], c.window, c.skip) for seed in c.seeds]
+      s = {key: (float(np.mean([p[key] for p in per_seed])) if per_seed[0][key] is not None
+                 else None) for key in per_seed[0]}
+      s["reward_gain_per_seed"] = [p["reward_gain"] for p in per_seed]
       if k:
         base = entry["s0"]
         s["gain_ratio"] = s["reward_gain"] / base["reward_gain"] if base["reward_gain"] else None
         s["step_time_ratio"] = s["median_step_s"] / base["median_step_s"]
         s["gain_ok"] = s["gain_ratio"] is not None and s["gain_ratio"] >= c.min_gain_ratio
       entry[f"s{k}"] = s
-      curves[config][k] = [r["reward/mean"] for r in rows]
-      logging.info("%s: %s", name, {kk: v for kk, v in s.items() if v is not None})
+      curves[config][k] = np.mean([[r["reward/mean"] for r in rows[config, k, seed]]
+                                   for seed in c.seeds], axis=0)
+      logging.info("%s staleness %d: %s", config, k, {kk: v for kk, v in s.items()
+                                                      if v is not None})
     result["runs"][config] = entry
   result["all_gains_ok"] = all(s.get("gain_ok", True) for e in result["runs"].values()
                                for s in e.values())
