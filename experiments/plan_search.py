@@ -17,7 +17,8 @@ into the workdir:
                   uniform.predicted_iteration_s and async.predicted_iteration_s (with
                   async.generation_devices, training_devices, staleness, colocated) are the
                   figures; plan_json says which plan plan.json holds ("synchronous" or
-                  "asynchronous")
+                  "asynchronous"); "refused": {why: synchronous combinations} the trainer
+                  would not run (with sim.trainer_runnable or train_config)
   plan_search.md  the top plans with predicted stage times, the best uniform layout, the
                   asynchronous plans and splits, and the simulator's other systems on the same
                   setting
@@ -29,7 +30,8 @@ batch, mini-batch, epochs, max_new_tokens; prompt lengths of its prompts, respon
 its task's targets) on `num_devices` devices of `hardware`, and only plans the trainer runs are
 searched: sim.trainer_runnable (plan_search.trainer_refusal) and the trainer's own checks of the
 run's config with each plan as config.plan.file, on num_devices fake CPU devices (this binary
-asks jax for them; nothing is compiled). plan.json is then
+asks jax for them; nothing is compiled). The systems' rows (`systems`) run the search with
+sim.trainer_runnable but without the trainer's checks. plan.json is then
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.train_ppo \
     --config=configs/ppo_tiny.py --config.plan.file=DIR/plan.json --workdir=/tmp/ppo_plan
 and the workdir also holds lengths/ (prompt_lengths.txt, response_lengths.txt: what the
