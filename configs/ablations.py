@@ -77,6 +77,8 @@ def get_config(arg: str = "paper"):
   # lags behind; it sets the lag, not the simulated time (docs/simulator.md)
   c.sim.staleness = 1
   c.sim.async_split_unit = 0  # generation-group sizes tried in steps of this (0: a node)
+  # plan search: only plans the trainer runs as simulated (sim/plan_search.trainer_refusal)
+  c.sim.trainer_runnable = False
 
   c.calibration = ""  # calibration JSON whose measured op costs replace the formulas
   c.figure_setting = -1  # setting drawn in the timeline and Gantt figures (-1: the last)

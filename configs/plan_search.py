@@ -12,6 +12,27 @@ pipe_rlhf_async).
 Writes plan.json (the fastest plan; an asynchronous one carries "async": {generation_devices,
 training_devices, staleness}), result.json (best synchronous plan, top plans, best uniform
 layout, the async plan, the other systems, search_s) and plan_search.md.
+
+`train`: a plan for a run of the trainer, searched on that run's workload and restricted to
+plans the trainer runs, then run with it:
+
+  python -m experiments.plan_search --config=configs/plan_search.py:train --workdir=/tmp/ps_tiny
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.train_ppo \
+    --config=configs/ppo_tiny.py --config.plan.file=/tmp/ps_tiny/plan.json --workdir=/tmp/ppo_p
+
+`train_config` (a train_ppo config, PATH[:VARIANT]; default configs/ppo_tiny.py) gives the
+models, rollout batch, mini-batch, epochs, max_new_tokens and lengths (experiments/
+plan_search.py); `pairs`, `max_new_tokens`, `global_batch`, `minibatch`, `epochs`, `prompt` and
+`response` are then not read. The hardware stays configs/ablations.py's (H100s, 8 a node): the
+plan is what the search picks for this workload on `num_devices` = 8 of them; the trainer then
+runs it on whatever devices it has (8 fake CPU devices here, which share the host's cores, so
+the predicted times say nothing about the CPU run). ppo_tiny rather than its `fused` variant:
+`fused` pins mesh.stage=4 and pipeline.critic_pp=2, and its inter-stage fusion needs generation
+on instances with inference on them, which leaves the search almost nothing to choose;
+ppo_tiny leaves the layout to the plan. `sim.trainer_runnable` keeps only plans the trainer
+runs as simulated, and the binary checks each with the trainer's own validation of the run's
+config. Asynchronous splits in steps of one device (`sim.async_split_unit` = 1): the 8 devices
+are one node, and the node step would try none.
 """
 import ml_collections
 
@@ -22,12 +43,21 @@ PAIRS = {"13b/13b": "llama-13b/llama-13b", "33b/13b": "llama-33b/llama-13b",
 
 
 def get_config(arg: str = "65b/33b") -> ml_collections.ConfigDict:
-  if arg not in PAIRS:
-    raise ValueError(f"unknown config variant {arg!r}; expected one of {sorted(PAIRS)}")
+  if arg not in PAIRS and arg != "train":
+    raise ValueError(f"unknown config variant {arg!r}; expected one of {sorted(PAIRS)} or "
+                     "'train'")
   c = ablations.get_config()
-  c.pairs = PAIRS[arg]
+  c.pairs = PAIRS.get(arg, PAIRS["65b/33b"])
   c.max_new_tokens = "1024"  # one setting: the max generation length
   c.top_k = 5  # plans listed in the report (the best combinations of each stage's best)
   # the simulator's other systems on the same setting, for comparison ("" for none)
   c.systems = "realhf_like,rlhfuse_base,rlhfuse,pipe_rlhf,rlhfuse_planned,pipe_rlhf_async"
+  # a train_ppo config (PATH[:VARIANT]) whose workload is searched, restricted to plans the
+  # trainer runs ("": the pair above, with this config's workload fields)
+  c.train_config = ""
+  if arg == "train":
+    c.train_config = "configs/ppo_tiny.py"
+    c.num_devices = 8
+    c.sim.trainer_runnable = True
+    c.sim.async_split_unit = 1
   return c

@@ -1,6 +1,7 @@
 r"""Pipe-RLHF's hierarchical plan search: a parallel plan per RLHF stage for one setting.
 
   python -m experiments.plan_search --config=configs/plan_search.py:65b/33b --workdir=/tmp/plan
+  python -m experiments.plan_search --config=configs/plan_search.py:train --workdir=/tmp/plan
 
 Searches generation (instances, or delayed inter-batch pipelines), inference and training
 (colocated pipelines or disjoint groups) layouts on the simulator's cost model
@@ -16,14 +17,29 @@ into the workdir:
                   uniform.predicted_iteration_s and async.predicted_iteration_s (with
                   async.generation_devices, training_devices, staleness, colocated) are the
                   figures; plan_json says which plan plan.json holds ("synchronous" or
-                  "asynchronous")
+                  "asynchronous"); "refused": {why: synchronous combinations} the trainer
+                  would not run (with sim.trainer_runnable or train_config)
   plan_search.md  the top plans with predicted stage times, the best uniform layout, the
                   asynchronous plans and splits, and the simulator's other systems on the same
                   setting
   config.json
+
+With `train_config` (a train_ppo config, PATH[:VARIANT]; the `train` variant: configs/
+ppo_tiny.py) the workload is that run's (rlhfuse_jax/trainer/sim_plan.py: its models, rollout
+batch, mini-batch, epochs, max_new_tokens; prompt lengths of its prompts, response lengths of
+its task's targets) on `num_devices` devices of `hardware`, and only plans the trainer runs are
+searched: sim.trainer_runnable (plan_search.trainer_refusal) and the trainer's own checks of the
+run's config with each plan as config.plan.file, on num_devices fake CPU devices (this binary
+asks jax for them; nothing is compiled). The systems' rows (`systems`) run the search with
+sim.trainer_runnable but without the trainer's checks. plan.json is then
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.train_ppo \
+    --config=configs/ppo_tiny.py --config.plan.file=DIR/plan.json --workdir=/tmp/ppo_plan
+and the workdir also holds lengths/ (prompt_lengths.txt, response_lengths.txt: what the
+workload samples).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 
@@ -33,10 +49,19 @@ from ml_collections import config_flags
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.sim import ablations, iteration_sim, plan_search, training_sim
 
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Plan search config.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _s(seconds: float, decimals: int = 2) -> str:
+  """Seconds for the report: `decimals` decimals, or 3 significant digits where those would
+  show 0 (a tiny model's stages take microseconds)."""
+  small = 0 < seconds < 10.0 ** -decimals
+  return f"{seconds:.2e}" if small else f"{seconds:.{decimals}f}"
 
 
 def report(res: dict, systems: dict, setting: dict) -> list[str]:
@@ -45,19 +70,29 @@ def report(res: dict, systems: dict, setting: dict) -> list[str]:
            f"{setting['hardware']}", "",
            f"Searched in {res['search_s']:.1f} s ({res['evaluated']} stage plans evaluated, "
            f"{len(res['rejected'])} rejected for memory or divisibility). Times are simulated "
-           "seconds of one iteration (rlhfuse_jax/sim/).", "",
-           "| rank | plan | reshard s | gen s | inference s | train s | iteration s |",
-           "|---|---|---|---|---|---|---|"]
+           "seconds of one iteration (rlhfuse_jax/sim/).", ""]
+  if "train_config" in setting:
+    refused = res["refused"]
+    lines += [f"The workload of `{setting['train_config']}` (batch {setting['global_batch']}, "
+              f"mini-batch {setting['minibatch']}, {setting['epochs']} epochs, "
+              f"max_new_tokens {setting['max_new_tokens']}; response lengths: "
+              f"{setting['lengths']['response_lengths_from']}), restricted to plans the "
+              f"trainer runs: {sum(refused.values())} synchronous combinations refused, the "
+              "most often for:", ""]
+    lines += [f"- {n} x {why}" for why, n in sorted(refused.items(), key=lambda x: -x[1])[:5]]
+    lines += [""]
+  lines += ["| rank | plan | reshard s | gen s | inference s | train s | iteration s |",
+            "|---|---|---|---|---|---|---|"]
   for i, p in enumerate(res["top"]):
     q = p["predicted"]
-    lines.append(f"| {i + 1} | {p['summary']} | {q['reshard_s']:.2f} | {q['gen_s']:.2f} | "
-                 f"{q['inf_s']:.2f} | {q['train_s']:.2f} | {q['iteration_s']:.2f} |")
+    lines.append(f"| {i + 1} | {p['summary']} | {_s(q['reshard_s'])} | {_s(q['gen_s'])} | "
+                 f"{_s(q['inf_s'])} | {_s(q['train_s'])} | {_s(q['iteration_s'])} |")
   u = res["uniform"]
   if u is not None:
     q = u["predicted"]
     lines.append(f"| uniform | one layout tp{u['layout']['tp']} pp{u['layout']['pp']} "
-                 f"dp{u['layout']['dp']} for every stage | 0 | {q['gen_s']:.2f} | "
-                 f"{q['inf_s']:.2f} | {q['train_s']:.2f} | {q['iteration_s']:.2f} |")
+                 f"dp{u['layout']['dp']} for every stage | 0 | {_s(q['gen_s'])} | "
+                 f"{_s(q['inf_s'])} | {_s(q['train_s'])} | {_s(q['iteration_s'])} |")
   a = res.get("async")
   if a is not None:
     lines += ["", f"Asynchronous PPO (staleness k={a['staleness']}: the generation group "
@@ -71,25 +106,74 @@ def report(res: dict, systems: dict, setting: dict) -> list[str]:
       q, sp = p["predicted"], p["async"]
       where = ("all / all (colocated, serial)" if sp["colocated"] else
                f"{sp['generation_devices']} / {sp['training_devices']}")
-      lines.append(f"| {i + 1} | {p['summary']} | {where} | {q['reshard_s']:.2f} | "
-                   f"{q['gen_s']:.2f} | {q['inf_s']:.2f} | {q['train_s']:.2f} | "
-                   f"{q['iteration_s']:.2f} |")
+      lines.append(f"| {i + 1} | {p['summary']} | {where} | {_s(q['reshard_s'])} | "
+                   f"{_s(q['gen_s'])} | {_s(q['inf_s'])} | {_s(q['train_s'])} | "
+                   f"{_s(q['iteration_s'])} |")
     fit = [sp for sp in a["splits"] if "iteration_s" in sp]
     lines += ["", f"Splits tried: {len(a['splits'])}, {len(fit)} fit (the others: no training "
-              "plan divides the mini-batch over the group, or a stage does not fit in memory); "
-              "best per split (generation / training devices: iteration s, the slower group):",
-              ""]
+              "plan divides the mini-batch over the group, or a stage does not fit in memory"
+              + (", or the trainer would not run the plan; result.json's async.splits say why"
+                 if "train_config" in setting else "")
+              + "); best per split (generation / training devices: iteration s, the slower "
+              "group):", ""]
     lines += [f"- {sp['generation_devices']} / {sp['training_devices']}: "
-              f"{sp['iteration_s']:.2f} ({sp['bound']})" for sp in fit]
+              f"{_s(sp['iteration_s'])} ({sp['bound']})" for sp in fit]
   if systems:
     lines += ["", "The simulator's systems on the same setting:", "",
               "| system | gen+inf s | train s | iteration s |", "|---|---|---|---|"]
-    lines += [f"| {k} | {r['gen_plus_inf_s']:.2f} | {r['train_s']:.2f} | "
-              f"{r['iteration_s']:.2f} |" for k, r in systems.items()]
+    lines += [f"| {k} | {_s(r['gen_plus_inf_s'])} | {_s(r['train_s'])} | "
+              f"{_s(r['iteration_s'])} |" for k, r in systems.items()]
   for stage, opts in res["stages"].items():
     lines += ["", f"Best {stage} plans (seconds, resharding included for generation):", ""]
-    lines += [f"- {name}: {s:.3f}" for name, s in opts[:8]]
+    lines += [f"- {name}: {_s(s, 3)}" for name, s in opts[:8]]
   return lines + [""]
+
+
+def load_train_config(spec: str):
+  """The ConfigDict of a train_ppo config `spec`, PATH[:VARIANT] (PATH relative to the working
+  directory, as --config takes it)."""
+  path, _, variant = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ValueError(f"config.train_config={spec!r}: no config file {path!r}")
+  module_spec = importlib.util.spec_from_file_location("train_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(variant) if variant else module.get_config()
+
+
+def cpu_devices(n: int) -> list:
+  """n CPU devices for the trainer's checks: fake ones (XLA_FLAGS) unless the flag is set."""
+  if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):  # before jax starts its CPU backend
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}={n}".strip()
+  import jax  # pylint: disable=import-outside-toplevel
+  devices = jax.devices("cpu")
+  if len(devices) < n:
+    raise ValueError(f"the trainer's checks need {n} CPU devices; XLA_FLAGS gives "
+                     f"{len(devices)}: set {_DEVICE_FLAG}={n}")
+  return devices[:n]
+
+
+def trainer_setting(cfg: ablations.AblationConfig, spec: str, workdir: str):
+  """(setting, workload, accept) of the train_ppo config `spec` on cfg.num_devices devices:
+  the run's workload (trainer/sim_plan.workload) and the trainer's check of a plan against the
+  run's config (trainer/sim_plan.PlanCheck on fake CPU devices)."""
+  devices = cpu_devices(cfg.num_devices)
+  # The trainer imports jax: only here, so that the paper variants never start it.
+  from rlhfuse_jax.trainer import build, sim_plan  # pylint: disable=import-outside-toplevel
+  from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
+  config_dict = load_train_config(spec)
+  train = TrainConfig.from_config_dict(config_dict)
+  task, tokenizer = build.build_task_and_tokenizer(train)
+  train = build.resolve_config(train, tokenizer)
+  name = os.path.splitext(os.path.basename(spec.partition(":")[0]))[0]
+  wl, lengths = sim_plan.workload(train, task, tokenizer, cfg.num_devices,
+                                  os.path.join(workdir, "lengths"), micro_batch=cfg.micro_batch,
+                                  seed=cfg.seed, name=name)
+  setting = {"label": spec, "train_config": spec, "hardware": cfg.hardware,
+             "num_devices": cfg.num_devices, "global_batch": wl.global_batch,
+             "minibatch": wl.minibatch, "epochs": wl.epochs, "max_new_tokens": wl.max_new_tokens,
+             "actor": wl.actor.to_dict(), "critic": wl.critic.to_dict(), "lengths": lengths}
+  return setting, wl, sim_plan.PlanCheck(config_dict, devices, tokenizer, workdir)
 
 
 def main(argv):
@@ -99,13 +183,18 @@ def main(argv):
   workdir = _WORKDIR.value
   os.makedirs(workdir, exist_ok=True)
   wd.write_config(workdir, _CONFIG.value)
-  setting = cfg.settings()[0]
-  if len(cfg.settings()) != 1:
-    raise ValueError(f"plan search takes one setting; the config has {len(cfg.settings())} "
-                     "(one pair in `pairs`, one length in `max_new_tokens`)")
-  cost, wl = ablations.cost_model(cfg), ablations.workload(cfg, setting)
+  cost, accept = ablations.cost_model(cfg), None
+  if _CONFIG.value.get("train_config", ""):
+    setting, wl, accept = trainer_setting(cfg, _CONFIG.value.train_config, workdir)
+  else:
+    setting = cfg.settings()[0]
+    if len(cfg.settings()) != 1:
+      raise ValueError(f"plan search takes one setting; the config has {len(cfg.settings())} "
+                       "(one pair in `pairs`, one length in `max_new_tokens`)")
+    wl = ablations.workload(cfg, setting)
   res = plan_search.search(cost, wl, cfg.sim, top_k=int(_CONFIG.value.top_k), log=logging.info,
-                           staleness=cfg.sim.staleness, split_unit=cfg.sim.async_split_unit)
+                           staleness=cfg.sim.staleness, split_unit=cfg.sim.async_split_unit,
+                           accept=accept)
   systems = {}
   if cfg.systems:
     t0 = time.time()
@@ -130,13 +219,14 @@ def main(argv):
   wd.write_json(os.path.join(workdir, "result.json"),
                 {"setting": setting, "best": best, "top": res["top"], "uniform": uniform,
                  "async": asynchronous, "plan_json": which, "stages": res["stages"],
-                 "rejected": res["rejected"], "systems": systems, "search_s": res["search_s"]})
+                 "rejected": res["rejected"], "refused": res["refused"], "systems": systems,
+                 "search_s": res["search_s"]})
   with open(os.path.join(workdir, "plan_search.md"), "w") as f:
     f.write("\n".join(report(res, systems, setting)))
-  logging.info("best %.2fs (%s); uniform %s; async %s; plan.json %s; search %.1fs -> %s",
-               best["predicted_iteration_s"], res["best"]["summary"],
-               f"{uniform['predicted_iteration_s']:.2f}s" if uniform else "none",
-               f"{asynchronous['predicted_iteration_s']:.2f}s ({asynchronous['plan']['summary']})"
+  logging.info("best %ss (%s); uniform %s; async %s; plan.json %s; search %.1fs -> %s",
+               _s(best["predicted_iteration_s"]), res["best"]["summary"],
+               f"{_s(uniform['predicted_iteration_s'])}s" if uniform else "none",
+               f"{_s(asynchronous['predicted_iteration_s'])}s ({asynchronous['plan']['summary']})"
                if asynchronous else "off", which, res["search_s"],
                os.path.join(workdir, "plan_search.md"))
 

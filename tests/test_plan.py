@@ -1,17 +1,27 @@
 """config.plan (docs/usage.md "Per-stage plans"): a plan file round trip, each generation mode
-against the default single layout, and the plans the trainer refuses."""
+against the default single layout, the plans the trainer refuses, and the searched plans
+it runs (sim_plan, plan_search.py:train)."""
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
+from configs import ppo_tiny
 from rlhfuse_jax.parallel import mesh as mesh_lib
-from rlhfuse_jax.trainer import build, rollout
+from rlhfuse_jax.sim import iteration_sim, plan_search
+from rlhfuse_jax.sim.cost_model import CostModel
+from rlhfuse_jax.sim.hardware import get_hardware
+from rlhfuse_jax.trainer import build, rollout, sim_plan
 from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 from tests.test_trainer import record_rollouts, tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def plan_json(path, generation, inference=None, training=None):
@@ -192,7 +202,6 @@ def test_inference_on_its_own_mesh(tmp_path, default_run):
 
 
 def test_config_json_records_the_plan_file(tmp_path):
-  from configs import ppo_tiny
   from rlhfuse_jax.trainer.config import config_record
   path = plan_json(tmp_path / "plan.json", {"mode": "instances", "tp": 2, "slots": 8})
   c = ppo_tiny.get_config()
@@ -200,3 +209,89 @@ def test_config_json_records_the_plan_file(tmp_path):
   record = config_record(c, TrainConfig.from_config_dict(c))
   assert record["plan"]["file"] == path
   assert record["plan_file_content"] == json.loads(open(path).read())
+
+
+
+# ------------------------------------------------------------- searched plans the trainer runs
+H100 = CostModel(get_hardware("h100_sxm"))
+
+
+def _search(tmp_path, config_dict, runnable=True, accept=False, top_k=1000):
+  """(the resolved config, its workload on 8 H100s, the workload's lengths, the trainer's plan
+  check, the plan search's result): every combination kept (top_k), asynchronous splits in
+  steps of one device; restricted to plans the trainer runs with `runnable`, and by the
+  trainer's check with `accept`."""
+  cfg = TrainConfig.from_config_dict(config_dict)
+  task, tokenizer = build.build_task_and_tokenizer(cfg)
+  cfg = build.resolve_config(cfg, tokenizer)
+  wl, info = sim_plan.workload(cfg, task, tokenizer, 8, str(tmp_path / "lengths"))
+  check = sim_plan.PlanCheck(config_dict, jax.devices(), tokenizer, str(tmp_path))
+  opt = iteration_sim.SimOptions(trainer_runnable=runnable)
+  res = plan_search.search(H100, wl, opt, top_k=top_k, staleness=1, split_unit=1,
+                           accept=check if accept else None)
+  return cfg, wl, info, check, res
+
+
+def test_searched_plans_for_ppo_tiny_pass_the_trainer_checks(tmp_path):
+  """Every plan the restricted search lets through for ppo_tiny on 8 devices (all synchronous
+  combinations, and each asynchronous split's best), written as plan.json, passes
+  TrainConfig.from_config_dict + validate on the 8 fake devices, without training; unrestricted,
+  the search emits plans the trainer refuses."""
+  cfg, wl, info, check, res = _search(tmp_path, ppo_tiny.get_config())
+  # The workload is the run's.
+  assert (wl.global_batch, wl.minibatch, wl.epochs, wl.max_new_tokens) == (64, 32, 2, 12)
+  assert wl.actor.num_params() == cfg.model.num_params()
+  assert wl.critic.num_params() == cfg.critic_model.num_params() and wl.critic.head == "scalar"
+  prompts, resp = wl.sample_lengths()
+  assert set(prompts) == {4}  # <bos> d #n =, within data.max_prompt_len
+  assert set(resp) == set(range(2, 10))  # 'repeat': n in 1..8, + EOS
+  assert "targets + EOS" in info["response_lengths_from"]
+  assert len(res["top"]) >= 5 and res["refused"]
+  assert any(not p["async"]["colocated"] for p in res["async"]["top"])
+  for p in res["top"] + res["async"]["top"]:
+    assert plan_search.trainer_refusal(wl, p) is None
+    assert check(p) is None, p["summary"]
+  fit = [sp["generation_devices"] for sp in res["async"]["splits"] if "iteration_s" in sp]
+  assert fit and all(64 % g == 0 for g in fit)
+  # Unrestricted, the best plan trains actor and critic on disjoint devices, and the async
+  # search splits 6 / 2: the trainer refuses both.
+  free = _search(tmp_path, ppo_tiny.get_config(), runnable=False, top_k=5)[-1]
+  assert "disjoint" in check(free["best"])
+  assert any(check(p) for p in free["async"]["top"])
+
+
+def test_the_trainer_check_restricts_what_the_config_pins(tmp_path):
+  """ppo_tiny:fused sets mesh.stage=4 and pipeline.critic_pp=2 and fuses generation with
+  inference on instances: the search's own rules let other plans through, which the trainer's
+  check (accept) refuses; with it, every plan left keeps the config's layout."""
+  c = ppo_tiny.get_config("fused")
+  res = _search(tmp_path, c, top_k=5)[-1]
+  assert any(p["training"]["actor_pp"] != 4 for p in res["top"])
+  _, _, _, check, res = _search(tmp_path, c, accept=True)
+  assert any("conflicts with config.plan.file" in why for why in res["refused"])
+  for p in res["top"] + res["async"]["top"]:
+    assert (p["training"]["actor_pp"], p["training"]["critic_pp"]) == (4, 2)
+    assert p["generation"]["mode"] == "instances" and check(p) is None
+
+
+def test_plan_search_binary_for_a_train_config(tmp_path):
+  """configs/plan_search.py:train: ppo_tiny's plan, which train_ppo's config accepts as
+  config.plan.file."""
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
+       f"--workdir={tmp_path}", "--config.systems=pipe_rlhf"], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  res = json.loads((tmp_path / "result.json").read_text())
+  plan = json.loads((tmp_path / "plan.json").read_text())
+  assert res["setting"]["train_config"] == "configs/ppo_tiny.py" and res["refused"]
+  assert (tmp_path / "lengths" / "response_lengths.txt").exists()
+  assert not (tmp_path / "plan_check.json").exists()
+  c = ppo_tiny.get_config()
+  c.plan.file = str(tmp_path / "plan.json")
+  cfg = TrainConfig.from_config_dict(c)
+  assert cfg.plan.generation == plan["generation"]["mode"]
+  if res["plan_json"] == "asynchronous":
+    assert cfg.async_ppo.generation_devices == plan["async"]["generation_devices"]
+  assert "restricted to plans the trainer runs" in (tmp_path / "plan_search.md").read_text()

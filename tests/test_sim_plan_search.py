@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -209,6 +210,43 @@ def test_colocated_groups_gain_nothing():
   assert a["best"]["predicted"]["serial_s"] == res["best"]["predicted"]["iteration_s"]
   with pytest.raises(ValueError, match="staleness=0 must be an integer >= 1"):
     ps.async_search(COST, wl, opt, 0, res["best"])
+
+
+def test_trainer_refusal_names_what_the_trainer_cannot_run():
+  """sim.trainer_runnable's rules on hand-made plans of 13B models on 16 devices (batch 32,
+  mini-batch 16), and the restricted search: only plans they let through, the fastest first,
+  no faster than the unrestricted search's."""
+  wl = _small()
+  inst = {"mode": "instances", "tp": 2, "pp": 1, "groups": 1, "slots": 4}
+  ok = {"generation": inst, "inference": {"tp": 2, "pp": 1},
+        "training": {"placement": "colocated", "tp": 2, "actor_pp": 2, "critic_pp": 1}}
+  assert ps.trainer_refusal(wl, ok) is None
+  pipe = {"mode": "pipeline", "tp": 1, "pp": 8, "groups": 8, "slots": 32}
+  split = {"generation_devices": 8, "training_devices": 8, "staleness": 1, "colocated": False}
+  assert ps.trainer_refusal(wl, {**ok, "generation": pipe, "async": split}) is None
+  for change, match in [
+      ({"training": {"placement": "disjoint", "actor": {}, "critic": {}}}, "disjoint training"),
+      ({"training": {"placement": "colocated", "tp": 2, "actor_pp": 16, "critic_pp": 1}},
+       "Pa/Pc=16/1 with 40 actor"),
+      ({"async": {**split, "generation_devices": 4, "training_devices": 12}},
+       "tp2 x Pa2 on 12 devices: the data-parallel size does not divide the mini-batch of 16"),
+      ({"inference": {"tp": 1, "pp": 1}}, "inference tp1 after instances of tp2"),
+      ({"generation": {**inst, "slots": 3}}, "3 slots per instance for a batch of 32"),
+      ({"generation": {**pipe, "pp": 8}}, "pp8 on 16 devices .* not 2 replicas"),
+      ({"generation": {**pipe, "tp": 2}}, "pipelined generation with tp2"),
+      ({"generation": {**pipe, "groups": 5}, "async": split}, "G=5"),
+      ({"async": {**split, "generation_devices": 6, "training_devices": 10}},
+       "batch of 32 does not split over 6 generation devices")]:
+    why = ps.trainer_refusal(wl, {**ok, **change})
+    assert why is not None and re.search(match, why), (change, why)
+  opt = it.SimOptions(gen_tps=(1, 2, 4, 8))
+  free = ps.search(COST, wl, opt, top_k=3)
+  res = ps.search(COST, wl, dataclasses.replace(opt, trainer_runnable=True), top_k=3,
+                  staleness=1, split_unit=4)
+  assert all(ps.trainer_refusal(wl, p) is None for p in res["top"] + res["async"]["top"])
+  times = [p["predicted"]["iteration_s"] for p in res["top"]]
+  assert times == sorted(times) and times[0] >= free["best"]["predicted"]["iteration_s"]
+  assert sum(res["refused"].values()) > 0 and free["refused"] == {}
 
 
 def test_binary_writes_plan_result_and_report(tmp_path):

@@ -59,6 +59,16 @@ training plan is the fastest one (the time only grows with it); every generation
 pair is tried, since a wider generation copy shortens the reshard. With both groups on all
 devices (`colocated`) nothing overlaps: the iteration is the synchronous plan's serial sum, so
 the asynchronous search, which includes that option, is never slower than the synchronous one.
+
+Plans the trainer runs (`SimOptions.trainer_runnable`, experiments/plan_search.py's `train`
+variant): a plan is a generation x inference x training combination (with asynchronous PPO, on
+a split), and `trainer_refusal` names what the trainer would refuse of it, or run otherwise
+than simulated (its rules: that function's docstring); such combinations are skipped, and the
+top plans are the fastest of the others. An instance then gets the trainer's slots (its share
+of the batch: plan.generation_slots's default), not the memory's maximum. A caller may refuse
+more (`accept`: the trainer's own checks of a whole plan against a run's config). The stage
+lists and the `uniform` layout are reported unrestricted (uniform's plain pipeline, G = 1, is
+not a trainer plan).
 """
 from __future__ import annotations
 
@@ -235,7 +245,10 @@ def generation_candidates(cost: CostModel, wl, opt, prompts, resp, rejected: dic
     g = _fits(lambda: instance_generation(cost, wl, opt, tp, prompts, resp), rejected,
               f"gen instances tp{tp}")
     if g is not None:
-      plan = GenerationPlan("instances", tp, slots=g["plan"].slots)
+      # The trainer's instances hold their share of the batch (more slots only cost it).
+      slots = (-(-wl.global_batch // (wl.num_devices // tp)) if opt.trainer_runnable else
+               g["plan"].slots)
+      plan = GenerationPlan("instances", tp, slots=slots)
       out.append(Candidate(plan, g["gen_s"], {"gen_s": g["gen_s"],
                                                "reshard_s": reshard_s(cost, wl, tp)}))
     for pp in pps:
@@ -389,6 +402,94 @@ def _describe_train(p: dict) -> str:
           f"{c['devices']} dev (tp{c['tp']} pp{c['pp']} dp{c['dp']})")
 
 
+# ----------------------------------------------------------------------------- the trainer
+def trainer_refusal(wl, plan: dict) -> Optional[str]:
+  """Why the trainer (rlhfuse_jax/trainer: config.plan_file_settings, rollout.check_plan,
+  validate.validate, pipelined.check_config) would refuse `plan` (plan.json's form: _plan_dict,
+  _async_plan) for `wl`, or run it otherwise than simulated; None if it runs it.
+
+  Training: colocated only (mesh.tensor = tp, mesh.stage = actor_pp, pipeline.critic_pp); tp
+  divides both models' heads and MLP width, and their KV heads divide by tp or tp by them (the
+  pipelined update's Megatron-style split); actor_pp divides the actor's layers, critic_pp the
+  critic's layers and actor_pp; the training devices' data-parallel size divides the
+  mini-batch (and so the rollout batch). Generation: instances of tp devices, tp dividing the
+  generation devices and the actor's heads and KV heads, at least the batch's share of slots
+  each, and inference on those instances (inference tp = generation tp); or one pipeline of
+  tp 1 over all the generation devices (the trainer's engine runs one pipeline: a plan of
+  several replicas would generate on a fraction of the devices), pp dividing the actor's
+  layers, its G >= pp groups dividing the batch. Inference: pp 1, tp dividing the generation
+  devices. Asynchronous split ("async", not colocated): generation on g devices that divide
+  the rollout batch, training on the others. What a run's config pins (micro-batch counts, the
+  fusions, fields set away from their defaults) is not known here: `accept` of `search`."""
+  n, a, c, b = wl.num_devices, wl.actor, wl.critic, wl.global_batch
+  split = plan.get("async") or {}
+  g = n if split.get("colocated", True) else split["generation_devices"]
+  t = n if g == n else n - g
+  if not 0 < g <= n:
+    return f"a generation group of {g} of the {n} devices"
+  if g < n and b % g:
+    return f"the rollout batch of {b} does not split over {g} generation devices"
+  gen, inf, train = plan["generation"], plan["inference"], plan["training"]
+  if train.get("placement") != "colocated":
+    return "disjoint training (the trainer trains actor and critic on the same devices)"
+  tp, pa, pc = train["tp"], train["actor_pp"], train["critic_pp"]
+  for m in (a, c):
+    bad = [f"{f}={getattr(m, f)}" for f in ("num_heads", "intermediate_size")
+           if getattr(m, f) % tp]
+    bad += ([f"num_kv_heads={m.num_kv_heads}"] if m.num_kv_heads % tp and tp % m.num_kv_heads
+            else [])
+    if bad:
+      return f"training tp{tp} does not split {m.name}'s {', '.join(bad)}"
+  if a.num_layers % pa or c.num_layers % pc or pa % pc:
+    return (f"training Pa/Pc={pa}/{pc} with {a.num_layers} actor and {c.num_layers} critic "
+            "layers (Pa must divide the actor's layers, Pc the critic's and Pa)")
+  if t % (tp * pa) or wl.minibatch % (t // (tp * pa)):
+    return (f"training tp{tp} x Pa{pa} on {t} devices: the data-parallel size does not divide "
+            f"the mini-batch of {wl.minibatch}")
+  gtp, itp = gen["tp"], inf["tp"]
+  if gen["mode"] == "instances":
+    if g % gtp or a.num_heads % gtp or a.num_kv_heads % gtp:
+      return (f"generation instances of tp{gtp} on {g} devices ({a.name}: {a.num_heads} heads, "
+              f"{a.num_kv_heads} KV heads)")
+    if itp != gtp:
+      return (f"inference tp{itp} after instances of tp{gtp} (the trainer scores on the "
+              "generation instances)")
+    if gen["slots"] < -(-b // (g // gtp)):
+      return f"{gen['slots']} slots per instance for a batch of {b} on {g // gtp} instances"
+  else:
+    pp, groups = gen["pp"], gen["groups"]
+    if gtp != 1:
+      return f"pipelined generation with tp{gtp} (the trainer's stages are one device each)"
+    if pp != g:
+      return (f"a generation pipeline of pp{pp} on {g} devices (the trainer runs one pipeline, "
+              f"not {g // pp} replicas)")
+    if a.num_layers % pp or groups < pp or b % groups:
+      return (f"pipelined generation pp{pp}, G={groups} ({a.num_layers} layers, batch {b}: pp "
+              "must divide the layers, G >= pp the batch)")
+  if inf.get("pp", 1) != 1 or g % itp:
+    return f"inference tp{itp} x pp{inf.get('pp', 1)} on {g} devices (pp must be 1)"
+  return None
+
+
+def _runnable(wl, opt, plans, accept: Optional[Callable[[dict], Optional[str]]], top_k: int,
+              refused: dict) -> list[dict]:
+  """The first `top_k` of `plans` (an iterable of plan dicts, fastest first) that
+  trainer_refusal (with opt.trainer_runnable) and `accept` let through; the others counted in
+  `refused` {reason: plans}."""
+  out = []
+  for plan in plans:
+    why = trainer_refusal(wl, plan) if opt.trainer_runnable else None
+    if why is None and accept is not None:
+      why = accept(plan)
+    if why is not None:
+      refused[why] = refused.get(why, 0) + 1
+      continue
+    out.append(plan)
+    if len(out) == top_k:
+      break
+  return out
+
+
 def _async_plan(cost: CostModel, wl, g: int, staleness: int, gen: Candidate, inf: Candidate,
                 train: Candidate) -> dict:
   """A disjoint split's plan: each group's layouts, predicted times and the split."""
@@ -412,13 +513,16 @@ def _async_plan(cost: CostModel, wl, g: int, staleness: int, gen: Candidate, inf
 
 
 def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_k: int = 5,
-                 split_unit: int = 0, log: Optional[Callable[[str], None]] = None) -> dict:
+                 split_unit: int = 0, log: Optional[Callable[[str], None]] = None,
+                 accept: Optional[Callable[[dict], Optional[str]]] = None) -> dict:
   """Asynchronous PPO's outer level (module docstring): every split of the devices into a
   generation and a training group, each group's stages searched on its own devices, and the
   colocated option (`sync_best`, the synchronous search's best plan, run serially). Returns
   {best, top, splits, staleness, search_s}: `best` and each of `top` a plan with an "async"
   object {generation_devices, training_devices, staleness, colocated}; `splits` one entry per
-  g tried, its best iteration_s or why it was rejected."""
+  g tried, its best iteration_s or why it was rejected. With opt.trainer_runnable or `accept`
+  (search's), a split's plan is its fastest generation x inference x training combination that
+  both let through."""
   if not isinstance(staleness, (int, np.integer)) or staleness < 1:
     raise ValueError(f"async PPO: staleness={staleness!r} must be an integer >= 1")
   t0 = time.time()
@@ -432,8 +536,14 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
                "async": {"generation_devices": n, "training_devices": n, "staleness": staleness,
                          "colocated": True}}
   plans, splits = [colocated], []
+  restricted = opt.trainer_runnable or accept is not None
   for g in async_splits(cost, n, split_unit):
     rejected: dict = {}
+    if opt.trainer_runnable and wl.global_batch % g:
+      splits.append({"generation_devices": g, "training_devices": n - g,
+                     "rejected": f"the trainer: the rollout batch of {wl.global_batch} does not "
+                                 f"split over {g} generation devices"})
+      continue
     # Training first: most training-group sizes fail the mini-batch's divisibility at once.
     trains = training_candidates(cost, dataclasses.replace(wl, num_devices=n - g), mean_len,
                                  rejected)
@@ -449,10 +559,23 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
                      "rejected": f"no {stage} plan on {n - g if stage == 'training' else g} "
                                  f"devices: {why.split('; tried')[0][:300]}"})
       continue
-    train = min(trains, key=lambda c: c.seconds)
-    best = min((_async_plan(cost, wl, g, staleness, gen, inf, train)
-                for gen, inf in itertools.product(gens, infs)),
-               key=lambda p: p["predicted"]["iteration_s"])
+    if restricted:
+      refused: dict = {}
+      found = _runnable(wl, opt, sorted(
+          (_async_plan(cost, wl, g, staleness, *c) for c in itertools.product(gens, infs, trains)),
+          key=lambda p: p["predicted"]["iteration_s"]), accept, 1, refused)
+      if not found:
+        why = max(refused, key=refused.get) if refused else "nothing"
+        splits.append({"generation_devices": g, "training_devices": n - g,
+                       "rejected": f"no plan the trainer runs ({sum(refused.values())} refused, "
+                                   f"most for: {why})"})
+        continue
+      best = found[0]
+    else:
+      train = min(trains, key=lambda c: c.seconds)
+      best = min((_async_plan(cost, wl, g, staleness, gen, inf, train)
+                  for gen, inf in itertools.product(gens, infs)),
+                 key=lambda p: p["predicted"]["iteration_s"])
     plans.append(best)
     splits.append({"generation_devices": g, "training_devices": n - g,
                    "iteration_s": best["predicted"]["iteration_s"],
@@ -471,12 +594,16 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
 
 def search(cost: CostModel, wl, opt, top_k: int = 5,
            log: Optional[Callable[[str], None]] = None, staleness: int = 0,
-           split_unit: int = 0) -> dict:
+           split_unit: int = 0,
+           accept: Optional[Callable[[dict], Optional[str]]] = None) -> dict:
   """The hierarchical search (module docstring): {best, top, uniform, stages, rejected,
   search_s, evaluated}. `best` and each of `top` hold generation / inference / training plans
   and their predicted stage times; `uniform` the best single layout. With `staleness` k >= 1
   also "async": async_search's result (asynchronous PPO, devices split into a generation and a
-  training group in multiples of `split_unit`); search_s then covers both searches."""
+  training group in multiples of `split_unit`); search_s then covers both searches.
+  With opt.trainer_runnable (trainer_refusal) or `accept` (a plan dict -> why a caller refuses
+  it, or None) the top plans are the fastest combinations both let through, synchronous and
+  asynchronous; "refused" counts the others by reason."""
   t0 = time.time()
   prompts, resp = wl.sample_lengths()
   seq = (prompts + resp).astype(np.float64)
@@ -496,9 +623,17 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   if not (gens and infs and trains):
     raise ValueError(f"plan search: no feasible plan for a stage of {wl.actor.name} + "
                      f"{wl.critic.name} on {wl.num_devices} x {cost.hw.name}: {rejected}")
-  combos = sorted(itertools.product(gens[:top_k], infs[:top_k], trains[:top_k]),
-                  key=lambda c: sum(x.seconds for x in c))[:top_k]
-  top = [_plan_dict(*c) for c in combos]
+  refused: dict = {}
+  if opt.trainer_runnable or accept is not None:
+    combos = sorted(itertools.product(gens, infs, trains), key=lambda c: sum(x.seconds for x in c))
+    top = _runnable(wl, opt, (_plan_dict(*c) for c in combos), accept, top_k, refused)
+    if not top:
+      raise ValueError(f"plan search: no plan of {wl.actor.name} + {wl.critic.name} on "
+                       f"{wl.num_devices} devices that the trainer runs; refused: {refused}")
+  else:
+    combos = sorted(itertools.product(gens[:top_k], infs[:top_k], trains[:top_k]),
+                    key=lambda c: sum(x.seconds for x in c))[:top_k]
+    top = [_plan_dict(*c) for c in combos]
   uniform = None
   if unif:
     u = unif[0]
@@ -512,9 +647,10 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
                     "training": [(_describe_train(c.plan), c.seconds) for c in trains],
                     "uniform": [(f"tp{c.plan['tp']} pp{c.plan['pp']}", c.seconds)
                                 for c in unif]},
-         "rejected": rejected, "search_s": time.time() - t0,
+         "rejected": rejected, "refused": refused, "search_s": time.time() - t0,
          "evaluated": len(gens) + len(infs) + len(trains) + len(unif)}
   if staleness:
-    out["async"] = async_search(cost, wl, opt, staleness, top[0], top_k, split_unit, log)
+    out["async"] = async_search(cost, wl, opt, staleness, top[0], top_k, split_unit, log,
+                                accept)
     out["search_s"] = time.time() - t0
   return out

@@ -1,0 +1,105 @@
+"""A run's config as the plan search's workload, and the trainer's verdict on a searched plan
+(`python -m experiments.plan_search --config=configs/plan_search.py:train`; docs/usage.md
+"Per-stage plans").
+
+`workload` turns a resolved TrainConfig into the simulator's Workload (sim/iteration_sim.py):
+the actor's and the critic's shapes (sim/shapes.from_model_config), the rollout batch, the
+mini-batch, the epochs and the max generation length of the run. Prompt lengths are the
+training pool's tokenised prompts (at most data.max_prompt_len). Response lengths are the
+task's target lengths plus the EOS (what a policy that solves the task generates; an untrained
+one runs to rollout.max_new_tokens more often) for the task's own prompts, and uniform in
+1..rollout.max_new_tokens for data.prompts_file, whose lengths are not known. Both are written
+as length files and sampled (with replacement) by the workload's seed. The reward model is
+simulated with the critic's shape, as the simulator does for every system (ppo_tiny's reward is
+a function: no model).
+
+`PlanCheck` asks the trainer itself whether it runs a plan: the plan written as plan.json and
+set as config.plan.file, then what PPOTrainer does before it builds anything
+(TrainConfig.from_config_dict, build.resolve_config, the device split of config.async_ppo,
+config.mesh over the training devices, validate.validate). Nothing is allocated or compiled.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.sim import iteration_sim
+from rlhfuse_jax.sim.lengths import LengthSpec
+from rlhfuse_jax.sim.shapes import from_model_config
+from rlhfuse_jax.trainer import async_ppo as async_lib
+from rlhfuse_jax.trainer import build
+from rlhfuse_jax.trainer.config import TrainConfig
+from rlhfuse_jax.trainer.validate import validate
+
+
+def _lengths_file(path: str, lengths: np.ndarray) -> str:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    f.write(" ".join(str(int(x)) for x in lengths) + "\n")
+  return path
+
+
+def workload(cfg: TrainConfig, task: Any, tokenizer: Any, num_devices: int, lengths_dir: str,
+             micro_batch: int = 1, seed: int = 0, name: str = "run"
+             ) -> tuple[iteration_sim.Workload, dict]:
+  """(the Workload of `cfg`, resolved (build.resolve_config), on `num_devices` devices; what its
+  lengths are, for reports). The prompt and response length files are written into
+  `lengths_dir` (prompt_lengths.txt, response_lengths.txt)."""
+  dataset = build.build_dataset(cfg, task, tokenizer)
+  prompts = np.asarray(dataset.lengths, np.int64)
+  prompt = LengthSpec(kind="empirical", min_len=1, max_len=cfg.data.max_prompt_len,
+                      path=_lengths_file(os.path.join(lengths_dir, "prompt_lengths.txt"),
+                                         prompts))
+  t = cfg.rollout.max_new_tokens
+  if cfg.data.prompts_file:
+    response = LengthSpec(kind="uniform", min_len=1, max_len=t)
+    source = f"uniform 1..{t} (data.prompts_file: lengths not known)"
+    resp = None
+  else:
+    resp = np.minimum([len(task.target_ids(r)) for r in dataset.records], t).astype(np.int64)
+    response = LengthSpec(kind="empirical", min_len=1, max_len=t,
+                          path=_lengths_file(os.path.join(lengths_dir, "response_lengths.txt"),
+                                             resp))
+    source = f"the task's targets + EOS ({cfg.data.task}, {cfg.data.length_dist} lengths)"
+  wl = iteration_sim.Workload(
+      actor=from_model_config(cfg.model, f"{name} actor"),
+      critic=from_model_config(cfg.critic_model, f"{name} critic"), num_devices=num_devices,
+      global_batch=cfg.rollout.batch_size, minibatch=cfg.algo.minibatch_size,
+      epochs=cfg.algo.epochs, micro_batch=micro_batch, max_new_tokens=t, prompt=prompt,
+      response=response, seed=seed)
+  summary = lambda x: None if x is None else {"mean": float(np.mean(x)), "min": int(np.min(x)),
+                                              "max": int(np.max(x))}
+  info = {"prompt_lengths": summary(prompts), "response_lengths": summary(resp),
+          "response_lengths_from": source, "lengths_dir": lengths_dir}
+  return wl, info
+
+
+class PlanCheck:
+  """plan dict -> why the trainer refuses to run `config_dict` with it as config.plan.file on
+  `devices` (the message of its ValueError), or None: a plan_search `accept`. The plan is
+  written to `plan_dir`/plan_check.json for the check and removed after it."""
+
+  def __init__(self, config_dict: Any, devices: Sequence[Any], tokenizer: Any, plan_dir: str):
+    self.config = config_dict.to_dict() if hasattr(config_dict, "to_dict") else dict(config_dict)
+    self.devices = list(devices)
+    self.tokenizer = tokenizer
+    self.path = os.path.join(plan_dir, "plan_check.json")
+
+  def __call__(self, plan: dict) -> Optional[str]:
+    with open(self.path, "w") as f:
+      json.dump(plan, f)
+    d = {k: dict(v) if isinstance(v, dict) else v for k, v in self.config.items()}
+    d["plan"] = {**d.get("plan", {}), "file": self.path}
+    try:
+      cfg = build.resolve_config(TrainConfig.from_config_dict(d), self.tokenizer)
+      gen, train = async_lib.split_devices(cfg, self.devices)
+      validate(cfg, mesh_lib.make_mesh(cfg.mesh, train), generation_devices=len(gen))
+    except ValueError as e:
+      return str(e)
+    finally:
+      os.remove(self.path)
+    return None
