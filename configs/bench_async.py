@@ -1,7 +1,7 @@
 r"""Asynchronous PPO vs the synchronous loop (experiments/bench_async.py).
 
 Learning (ppo_tiny and grpo_tiny, staleness 0, 1, 2, 3 seeds each, on one CPU
-device; ~25 min on 2 cores):
+device; about 10 min on 2 cores, two runs at a time):
   python -m experiments.bench_async --config=configs/bench_async.py --workdir=/tmp/bench_async
 Iteration wall time on 8 fake CPU devices, 4 generate and 4 train, staleness 0 vs 1:
   python -m experiments.bench_async --config=configs/bench_async.py:timing --workdir=/tmp/ba_t

@@ -14,7 +14,8 @@ metrics.jsonl (`parallel` of them at once), and writes DIR/result.json and DIR/c
                     gain_ratio: over the synchronous runs' (the acceptance bar: min_gain_ratio).
                     One seed's gain varies by tens of percent on these tiny runs, hence seeds.
   median_step_s     median iteration wall time, after the first `skip` iterations (compiles)
-                    and without the last (nothing is generated ahead in it)
+                    and without the last max(1, staleness) (nothing is generated ahead in
+                    them)
   overlap_frac      mean perf/async_overlap_frac: how much of the shorter of generation and
                     training ran while the other did
 
@@ -76,11 +77,13 @@ def run_name(config: str, staleness: int, seed: int) -> str:
       f"_s{staleness}_seed{seed}"
 
 
-def summarize(rows: list[dict], window: float, skip: int) -> dict:
+def summarize(rows: list[dict], window: float, skip: int, staleness: int) -> dict:
   """The figures of one run's metrics.jsonl rows (module docstring)."""
   rewards = np.array([r["reward/mean"] for r in rows], np.float64)
   k = max(1, int(round(len(rows) * window)))
-  steps = [r["timing_s/step"] for r in rows[skip:-1]] or [r["timing_s/step"] for r in rows]
+  # Without the last max(1, staleness) iterations: they generate nothing ahead.
+  steps = ([r["timing_s/step"] for r in rows[skip:-max(1, staleness)]] or
+           [r["timing_s/step"] for r in rows])
   overlap = [r["perf/async_overlap_frac"] for r in rows if "perf/async_overlap_frac" in r]
   return {"iterations": len(rows), "reward_first": float(rewards[:k].mean()),
           "reward_last": float(rewards[-k:].mean()),
@@ -153,13 +156,15 @@ def main(argv):
   for config in c.runs:
     entry, curves[config] = {}, {}
     for k in c.staleness:
-      per_seed = [summarize(rows[config, k, seed], c.window, c.skip) for seed in c.seeds]
+      per_seed = [summarize(rows[config, k, seed], c.window, c.skip, k) for seed in c.seeds]
       s = {key: (float(np.mean([p[key] for p in per_seed])) if per_seed[0][key] is not None
                  else None) for key in per_seed[0]}
       s["reward_gain_per_seed"] = [p["reward_gain"] for p in per_seed]
       if k:
         base = entry["s0"]
-        s["gain_ratio"] = s["reward_gain"] / base["reward_gain"] if base["reward_gain"] else None
+        # A ratio over a synchronous run that did not learn says nothing: no ratio, no pass.
+        s["gain_ratio"] = (s["reward_gain"] / base["reward_gain"] if base["reward_gain"] > 0
+                           else None)
         s["step_time_ratio"] = s["median_step_s"] / base["median_step_s"]
         s["gain_ok"] = s["gain_ratio"] is not None and s["gain_ratio"] >= c.min_gain_ratio
       entry[f"s{k}"] = s

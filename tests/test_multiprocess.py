@@ -60,15 +60,15 @@ def test_a_locked_workdir_stops_every_process_at_once(tmp_path):
 def test_fused_async_two_processes_match_one_process(tmp_path):
   """config.fusion.inter_stage with asynchronous PPO (staleness 1) on 2 processes x 4 devices:
   generation on 2 devices of each process (4 instances, 2 per process, a tail consolidated
-  across the processes), training on the other 2 of each, the weights moved between the groups
-  after every update; the trajectory of the same run in one process of 8 devices."""
+  across the processes), training on the other 2 of each, the updated actor moved between the
+  groups; the trajectory of the same run in one process of 8 devices."""
   fused = {"fusion.inter_stage": True, "fusion.migration_threshold": "1.0",
            "async_ppo.staleness": 1, "async_ppo.generation_devices": 4}
   wd = str(tmp_path / "mp")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHON"] = sys.executable
   out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", wd,
-                        "--config.num_iterations=2", *SMALL,
+                        "--config.num_iterations=3", *SMALL,
                         *[f"--config.{k}={v}" for k, v in fused.items()]], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
   logs = "".join(open(f"{wd}.proc{i}.log").read()[-2000:] for i in range(2))
@@ -76,10 +76,12 @@ def test_fused_async_two_processes_match_one_process(tmp_path):
   with open(os.path.join(wd, "metrics.jsonl")) as f:
     multi = [json.loads(line) for line in f]
 
-  single = PPOTrainer(tiny_config(num_iterations=2, **fused), str(tmp_path / "sp"))
+  single = PPOTrainer(tiny_config(num_iterations=3, **fused), str(tmp_path / "sp"))
   assert [d.id for d in single.gen_mesh.devices.flat] == [0, 1, 2, 3]
   history = single.run()
-  assert [r["step"] for r in multi] == [1, 2]
+  assert [r["step"] for r in multi] == [1, 2, 3]
+  # Iteration 3's batch came from the policy after update 1: updated weights crossed over.
+  assert [r["async/policy_version"] for r in multi] == [0, 0, 1]
   for a, b in zip(multi, history):
     # Decided from tokens: the same samples, plans and migrations (those crossing processes
     # are counted apart: none in one process).

@@ -66,13 +66,14 @@ def _small():
                      response=LengthSpec(kind="uniform", min_len=1, max_len=64))
 
 
-def _brute_force_stages(wl, opt):
+def _brute_force_stages(wl, opt, frozen=None):
   """Every stage plan of `wl` evaluated directly, without the search's code: ([(gen_s, devices
-  per generation copy)], [(inf_s, inference tp)], [train_s])."""
+  per generation copy)], [(inf_s, inference tp)], [train_s]). `frozen`: the inference models
+  (default reference, critic, reward model)."""
   prompts, resp = wl.sample_lengths()
   seq = (prompts + resp).astype(float)
   n = wl.num_devices
-  frozen = (wl.actor, wl.critic, wl.critic)
+  frozen = frozen or (wl.actor, wl.critic, wl.critic)
   gens = []
   for tp in (1, 2, 4, 8):
     try:
@@ -134,21 +135,28 @@ def _small_async():
 
 def test_async_search_picks_the_brute_force_best_split():
   """Asynchronous PPO on 16 devices split in steps of 2: for every split, every generation x
-  inference plan on the generation group against the fastest training plan on the others,
-  iteration = max(gen + inference, train) + the actor's and the critic's reshard, each evaluated
+  inference plan (reference and reward model) on the generation group against the fastest
+  training plan on the others plus the rescoring with the current actor and critic there,
+  iteration = max(gen + inference, rescore + train) + the actor's reshard, each evaluated
   directly; the search's async plan is the cheapest of them and of the synchronous plan."""
   wl, opt = _small_async(), it.SimOptions(gen_tps=(1, 2, 4, 8))
   res = ps.search(COST, wl, opt, staleness=2, split_unit=2)
+  prompts, resp = wl.sample_lengths()
+  seq = (prompts + resp).astype(float)
   brute, fitting = [(res["best"]["predicted"]["iteration_s"], 16)], []
   for g in range(2, 16, 2):
-    gens, infs, _ = _brute_force_stages(dataclasses.replace(wl, num_devices=g), opt)
+    gens, infs, _ = _brute_force_stages(dataclasses.replace(wl, num_devices=g), opt,
+                                        frozen=(wl.actor, wl.critic))
     trains = _brute_force_stages(dataclasses.replace(wl, num_devices=16 - g), opt)[2]
     if not (gens and infs and trains):
       continue
     fitting.append(g)
+    rescore = min(ps.inference_stage_s(COST, (wl.actor, wl.critic), 16 - g, tp, 1, seq,
+                                       opt.inference_microbatch, False)
+                  for tp in (1, 2, 4, 8) if (16 - g) % tp == 0)
     for (gen_s, copy), (inf_s, tp) in itertools.product(gens, infs):
-      move = (wl.actor.weight_bytes() / copy + wl.critic.weight_bytes() / tp)
-      brute.append((max(gen_s + inf_s, min(trains)) + COST.p2p_s(move, True), g))
+      move = wl.actor.weight_bytes() / copy
+      brute.append((max(gen_s + inf_s, rescore + min(trains)) + COST.p2p_s(move, True), g))
   a = res["async"]
   assert len(fitting) >= 3 and a["staleness"] == 2
   assert [sp["generation_devices"] for sp in a["splits"]] == list(range(2, 16, 2))
@@ -183,12 +191,15 @@ def test_async_iteration_is_max_of_the_groups_plus_reshard():
     else:
       gen_s = ps.pipelined_generation(COST, wl.actor, g, gp["tp"], gp["pp"], gp["groups"],
                                       prompts, resp, wl.max_new_tokens)["gen_s"]
-    inf_s = ps.inference_stage_s(COST, (wl.actor, wl.critic, wl.critic), g, ip["tp"], 1, seq,
+    inf_s = ps.inference_stage_s(COST, (wl.actor, wl.critic), g, ip["tp"], 1, seq,
                                  opt.inference_microbatch, opt.offload_frozen)
-    train_s = min(c.seconds for c in ps.training_candidates(
+    rescore = min(ps.inference_stage_s(COST, (wl.actor, wl.critic), 16 - g, tp, 1, seq,
+                                       opt.inference_microbatch, False)
+                  for tp in (1, 2, 4, 8) if (16 - g) % tp == 0)
+    assert q["rescore_s"] == pytest.approx(rescore, rel=1e-12)
+    train_s = rescore + min(c.seconds for c in ps.training_candidates(
         COST, dataclasses.replace(wl, num_devices=16 - g), float(seq.mean()), {}))
-    reshard = COST.p2p_s(wl.actor.weight_bytes() / (gp["tp"] * gp["pp"]) +
-                         wl.critic.weight_bytes() / ip["tp"], True)
+    reshard = COST.p2p_s(wl.actor.weight_bytes() / (gp["tp"] * gp["pp"]), True)
     assert (q["gen_s"], q["inf_s"], q["train_s"]) == pytest.approx((gen_s, inf_s, train_s))
     assert q["reshard_s"] == pytest.approx(reshard, rel=1e-12)
     assert q["iteration_s"] == pytest.approx(max(gen_s + inf_s, train_s) + reshard, rel=1e-12)

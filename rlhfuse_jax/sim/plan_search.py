@@ -37,13 +37,14 @@ fill adds pp - 1 ticks. Busy fraction = stage-ticks of work / (pp x step time).
 Asynchronous PPO (`staleness` k >= 1; Pipe-RLHF's paper runs it): the devices split into a
 generation group of g devices and a training group of the other N - g. While the training group
 trains on iteration i's batch, the generation group already generates the batch of iteration
-i + k, and runs its reference / reward / critic forwards, with a policy k updates old. After each
-update the actor's new weights move from the training layout into the generation layout and the
-critic's into the inference layout (the critic's values are computed on the generation group),
-every receiving device taking its shards over the scale-out network. In steady state an
-iteration costs
+i + k, and runs its reference / reward forwards, with a policy k updates old. As the trainer does
+(trainer/loop.py), the training group first scores the batch with the current actor (proximal
+log-probs) and critic (values: GAE's baseline and the value clip's anchor must be those of the
+critic it trains), and after each update the actor's new weights move from the training layout
+into the generation layout, every receiving device taking its shard over the scale-out network.
+In steady state an iteration costs
 
-  iteration = max(generation + inference on g, training on N - g) + reshard (actor + critic)
+  iteration = max(generation + inference on g, rescore + training on N - g) + reshard (actor)
 
 The transfer is counted on the critical path of both groups: the generation group holds one copy
 of the actor (no double buffer), so it cannot start the next batch before the new one arrived,
@@ -59,16 +60,6 @@ training plan is the fastest one (the time only grows with it); every generation
 pair is tried, since a wider generation copy shortens the reshard. With both groups on all
 devices (`colocated`) nothing overlaps: the iteration is the synchronous plan's serial sum, so
 the asynchronous search, which includes that option, is never slower than the synchronous one.
-
-Plans the trainer runs (`SimOptions.trainer_runnable`, experiments/plan_search.py's `train`
-variant): a plan is a generation x inference x training combination (with asynchronous PPO, on
-a split), and `trainer_refusal` names what the trainer would refuse of it, or run otherwise
-than simulated (its rules: that function's docstring); such combinations are skipped, and the
-top plans are the fastest of the others. An instance then gets the trainer's slots (its share
-of the batch: plan.generation_slots's default), not the memory's maximum. A caller may refuse
-more (`accept`: the trainer's own checks of a whole plan against a run's config). The stage
-lists and the `uniform` layout are reported unrestricted (uniform's plain pipeline, G = 1, is
-not a trainer plan).
 """
 from __future__ import annotations
 
@@ -274,15 +265,30 @@ def reshard_s(cost: CostModel, wl, devices_per_copy: int) -> float:
   return float(cost.p2p_s(wl.actor.weight_bytes() / devices_per_copy, cross_node=True))
 
 
-def async_reshard_s(cost: CostModel, wl, gen_devices_per_copy: int,
-                    inf_devices_per_copy: int) -> float:
-  """Asynchronous PPO: the actor's new weights into the generation layout and the critic's into
-  the inference layout, both on the generation group (module docstring). A device of that group
-  receives its actor shard and its critic shard through the same link, so one transfer of their
-  sum."""
-  nbytes = (wl.actor.weight_bytes() / gen_devices_per_copy +
-            wl.critic.weight_bytes() / inf_devices_per_copy)
-  return float(cost.p2p_s(nbytes, cross_node=True))
+# Asynchronous PPO's inference on the generation group: the frozen models only (reference and
+# reward model). The trainer (trainer/loop.py) scores a batch with the current actor (proximal
+# log-probs) and critic (values) on the training group when it trains on it: rescore_s.
+ASYNC_GENERATION_FROZEN = ("reference", "reward")
+
+
+def rescore_s(cost: CostModel, wl, num_devices: int, seq_lens: np.ndarray, opt) -> float:
+  """Asynchronous PPO, on the training group before its updates: the current actor's log-probs
+  and the current critic's values over the batch (trainer/loop.py _current_values and
+  _off_policy), the fastest tensor-parallel degree that fits; the weights are resident (no
+  host load)."""
+  models = (wl.actor, wl.critic)
+  best = None
+  for tp in (1, 2, 4, 8):
+    if (tp > cost.hw.devices_per_node or num_devices % tp or
+            any(s.tensor_parallel_error(tp) for s in models)):
+      continue
+    t = inference_stage_s(cost, models, num_devices, tp, 1, seq_lens, opt.inference_microbatch,
+                          False)
+    best = t if best is None else min(best, t)
+  if best is None:
+    raise ValueError(f"async PPO: no tensor-parallel degree scores the batch on {num_devices} "
+                     "training devices")
+  return best
 
 
 def async_iteration_s(gen_plus_inf_s: float, train_s: float, reshard: float,
@@ -304,9 +310,12 @@ def async_splits(cost: CostModel, num_devices: int, split_unit: int = 0) -> list
   return list(range(unit, num_devices, unit))
 
 
-def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict) -> list[Candidate]:
+def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict,
+                         models: tuple = ("reference", "critic", "reward")) -> list[Candidate]:
+  """Inference plans (tp) for the forwards of `models` (reference: the actor's shape; critic
+  and reward model: the critic's) over the batch."""
   from rlhfuse_jax.sim import iteration_sim as it
-  frozen = (wl.actor, wl.critic, wl.critic)
+  frozen = tuple(wl.actor if m == "reference" else wl.critic for m in models)
   out = []
   prompts = seq_lens - 1  # only the longest prompt matters to the memory check
   for tp in (1, 2, 4, 8):
@@ -491,16 +500,18 @@ def _runnable(wl, opt, plans, accept: Optional[Callable[[dict], Optional[str]]],
 
 
 def _async_plan(cost: CostModel, wl, g: int, staleness: int, gen: Candidate, inf: Candidate,
-                train: Candidate) -> dict:
-  """A disjoint split's plan: each group's layouts, predicted times and the split."""
+                train: Candidate, rescore: float) -> dict:
+  """A disjoint split's plan: each group's layouts, predicted times and the split. Training
+  includes `rescore` (rescore_s); only the actor moves to the generation group."""
   gp, ip = gen.plan, inf.plan
-  reshard = async_reshard_s(cost, wl, gp.tp * gp.pp, ip.tp * ip.pp)
-  gen_s, inf_s, train_s = gen.info["gen_s"], inf.seconds, train.seconds
+  reshard = reshard_s(cost, wl, gp.tp * gp.pp)
+  gen_s, inf_s, train_s = gen.info["gen_s"], inf.seconds, train.seconds + rescore
   n = wl.num_devices
   return {
       "generation": dataclasses.asdict(gp), "inference": dataclasses.asdict(ip),
       "training": train.plan,
       "predicted": {"reshard_s": reshard, "gen_s": gen_s, "inf_s": inf_s, "train_s": train_s,
+                    "rescore_s": rescore,
                     "gen_plus_inf_s": gen_s + inf_s,
                     "iteration_s": async_iteration_s(gen_s + inf_s, train_s, reshard, False),
                     "serial_s": async_iteration_s(gen_s + inf_s, train_s, reshard, True),
@@ -551,7 +562,8 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
     if trains:
       wg = dataclasses.replace(wl, num_devices=g)
       gens = generation_candidates(cost, wg, opt, prompts, resp, rejected)
-      infs = inference_candidates(cost, wg, opt, seq, rejected) if gens else []
+      infs = (inference_candidates(cost, wg, opt, seq, rejected, ASYNC_GENERATION_FROZEN)
+              if gens else [])
     if not (trains and gens and infs):
       stage = "training" if not trains else "generation" if not gens else "inference"
       why = next((v for k, v in rejected.items() if k.startswith(stage)), "nothing fits")
@@ -559,10 +571,17 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
                      "rejected": f"no {stage} plan on {n - g if stage == 'training' else g} "
                                  f"devices: {why.split('; tried')[0][:300]}"})
       continue
+    rescore = _fits(lambda: rescore_s(cost, wl, n - g, seq, opt), rejected, "training rescore")
+    if rescore is None:
+      splits.append({"generation_devices": g, "training_devices": n - g,
+                     "rejected": f"rescoring the batch on {n - g} devices: "
+                                 f"{rejected['training rescore'][:300]}"})
+      continue
     if restricted:
       refused: dict = {}
       found = _runnable(wl, opt, sorted(
-          (_async_plan(cost, wl, g, staleness, *c) for c in itertools.product(gens, infs, trains)),
+          (_async_plan(cost, wl, g, staleness, *c, rescore)
+           for c in itertools.product(gens, infs, trains)),
           key=lambda p: p["predicted"]["iteration_s"]), accept, 1, refused)
       if not found:
         why = max(refused, key=refused.get) if refused else "nothing"
@@ -573,7 +592,7 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
       best = found[0]
     else:
       train = min(trains, key=lambda c: c.seconds)
-      best = min((_async_plan(cost, wl, g, staleness, gen, inf, train)
+      best = min((_async_plan(cost, wl, g, staleness, gen, inf, train, rescore)
                   for gen, inf in itertools.product(gens, infs)),
                  key=lambda p: p["predicted"]["iteration_s"])
     plans.append(best)

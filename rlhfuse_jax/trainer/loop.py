@@ -12,6 +12,7 @@ produces the same parameters and metrics as one that never stopped.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Callable, Optional
@@ -23,6 +24,7 @@ from absl import logging
 
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.inference import scoring
 from rlhfuse_jax.models import sequences
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -140,11 +142,15 @@ class PPOTrainer:
         max_new_tokens=cfg.rollout.max_new_tokens, eos_id=self.tokenizer.eos_id,
         pad_id=self.tokenizer.pad_id, chunk_size=cfg.rollout.chunk_size)
     # The stage owns the frozen models from here (a fused stage moves them to host memory).
+    # Async PPO scores values with the current critic on the training devices instead (a
+    # batch's values must be those of the critic it trains against: _current_values), so its
+    # stage has no critic and the critic never moves to the generation group.
+    self.stage_critic = self.use_critic and not cfg.async_ppo.staleness
     self.rollout = rollout_lib.make_rollout_stage(
         cfg, self.sampling, self.gen_mesh, reference=models.reference,
         rewards=build.build_rewards(cfg, self.task, self.tokenizer, models, self.gen_mesh),
         pad_id=self.tokenizer.pad_id, actor_shapes=self._generation_shapes("actor"),
-        critic_shapes=self._generation_shapes("critic") if self.use_critic else None)
+        critic_shapes=self._generation_shapes("critic") if self.stage_critic else None)
     # Async PPO: the generated batches the next iterations train on (in order), saved with
     # each checkpoint (trainer/async_ppo.py).
     self.in_flight: dict[int, async_lib.Generated] = {}
@@ -212,7 +218,7 @@ class PPOTrainer:
 
   def _snapshot(self) -> Callable[[str], Any]:
     """The current policy (and critic) copied for generation now, before the next update."""
-    names = ("actor", "critic") if self.use_critic else ("actor",)
+    names = ("actor", "critic") if self.stage_critic else ("actor",)
     return {name: self._to_generation(name, copy=True) for name in names}.get
 
   def model_params(self, model: str):
@@ -294,6 +300,18 @@ class PPOTrainer:
             "old_values": gen.values}
     return data, mesh_lib.to_host(stats)
 
+  def _current_values(self, gen: async_lib.Generated) -> async_lib.Generated:
+    """Async PPO: the batch with the current critic's values (GAE's baseline and the value
+    clip's anchor, as in the synchronous loop), scored on the training devices. The stale
+    critic's values would anchor the clip where the critic no longer is: its clipped branch
+    wins and the critic stops learning on those tokens."""
+    if not self.use_critic:
+      return gen
+    scorer = scoring.Scorer(self.mesh, micro_batch_size=self.cfg.algo.minibatch_size)
+    values = scorer.values(self.cfg.critic_model, self.model_params("critic"),
+                           gen.scoring_batch())
+    return dataclasses.replace(gen, values=np.asarray(values, np.float32))
+
   def _off_policy(self, iteration: int, gen: async_lib.Generated, data: dict
                   ) -> tuple[dict, dict]:
     """Async PPO: the batch's lag behind the current policy and, for the decoupled objective,
@@ -307,6 +325,8 @@ class PPOTrainer:
     m["async/policy_version"] = gen.version
     if a.objective == "decoupled":
       data = async_lib.decoupled(data, prox, weights)
+    else:  # nothing is dropped: the weights only measure the lag
+      m.pop("async/behaviour_dropped_frac")
     return data, m
 
   def _dispatch_training(self, iteration: int, data: dict, token_counts: np.ndarray) -> list:
@@ -342,7 +362,7 @@ class PPOTrainer:
       # save stops the run here, before training past what it can keep.
       self.checkpoints.wait()
     else:
-      gen = self.in_flight.pop(iteration)
+      gen = self._current_values(self.in_flight.pop(iteration))
     data, stats = self._advantages(gen)
     async_m: dict = {}
     if k:
@@ -506,7 +526,9 @@ class PPOTrainer:
         step = it + 1
         if self.held_out is not None and (step % self.cfg.eval_every == 0 or
                                           step == self.cfg.num_iterations):
-          m.update(self.held_out(self.rollout, self._generation_params(), it))
+          # The weights moved to the generation group once for the whole pass.
+          params = self._snapshot() if self.disjoint else self._generation_params()
+          m.update(self.held_out(self.rollout, params, it))
         history.append({"step": step, **m})
         stopping = stop.set or step == stop_after
         hooks.run_hooks(run_hooks, "after", step, m, stopping)

@@ -25,12 +25,15 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
   training mesh; generation and inference run on `generation_devices` devices (default: the
   mesh's; fewer with async_ppo.generation_devices)."""
   n_gen = mesh.devices.size if generation_devices is None else generation_devices
+  g = cfg.async_ppo.generation_devices
+  train_group = (f"; the training group: the devices left by config.async_ppo."
+                 f"generation_devices={g}" if g else "")
   mult = mesh_lib.batch_size_multiple(mesh)
   for name, value in (("rollout.prompts_per_iteration*samples_per_prompt",
                        cfg.rollout.batch_size), ("algo.minibatch_size", cfg.algo.minibatch_size)):
     if value % mult:
       raise ValueError(f"config.{name}={value} must be a multiple of the data-parallel size "
-                       f"{mult} (mesh data*fsdp = {dict(mesh.shape)})")
+                       f"{mult} (mesh data*fsdp = {dict(mesh.shape)}{train_group})")
   context = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
   models = [("config.model", cfg.model)]
   if adv_lib.needs_critic(cfg.algo.estimator):
@@ -51,8 +54,14 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                        "response must fit every model's context")
   if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
     pipelined.check_config(cfg, mesh)
-  rollout.check_fusion(cfg, n_gen)
-  rollout.check_plan(cfg, n_gen)
+  try:
+    rollout.check_fusion(cfg, n_gen)
+    rollout.check_plan(cfg, n_gen)
+  except ValueError as e:
+    if not g:
+      raise
+    raise ValueError(f"{e} (generation runs on the {n_gen} devices of config.async_ppo."
+                     f"generation_devices={g})") from None
   if cfg.async_ppo.generation_devices and cfg.rollout.batch_size % n_gen:
     raise ValueError(f"config.rollout.prompts_per_iteration*samples_per_prompt="
                      f"{cfg.rollout.batch_size} must be a multiple of the generation group's "
