@@ -131,6 +131,7 @@ def test_decoupled_objective_is_areal_eq5():
   np.testing.assert_allclose(stats["async/behaviour_weight_mean"],
                              (raw * mask).sum() / mask.sum(), rtol=1e-6)
   np.testing.assert_array_equal(w == 0, (mask == 0) | (raw > cap))
+  np.testing.assert_allclose(stats["async/behaviour_weight_max"], raw[mask > 0].max(), rtol=1e-6)
   data = async_ppo.decoupled({"mask": mask, "old_logp": behav, "advantages": adv}, prox, w)
   cfg = objective.LossConfig(clip_eps=eps)
 
@@ -174,3 +175,10 @@ def test_an_asynchronous_plan_file_sets_the_split(tmp_path):
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     a = tiny_config(**{"plan.file": path}).async_ppo
     assert (a.staleness, a.generation_devices) == want
+
+
+def test_async_fields_without_staleness_are_said_to_do_nothing(tmp_path, caplog):
+  with caplog.at_level("WARNING"):
+    PPOTrainer(tiny_config(**{"async_ppo.objective": "decoupled"}), str(tmp_path))
+  assert ("async_ppo.objective='decoupled': no effect with config.async_ppo.staleness=0"
+          in caplog.text)

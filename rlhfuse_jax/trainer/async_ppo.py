@@ -133,13 +133,16 @@ def behaviour_weights(prox_logp: np.ndarray, behaviour_logp: np.ndarray, mask: n
                       cap: float) -> tuple[np.ndarray, dict]:
   """pi_prox / pi_behaviour per response token (0 on padding and, with cap > 0, where it
   exceeds the cap, as AReaL's behav_imp_weight_cap filters them) and its statistics over the
-  response tokens: async/behaviour_weight_mean (before the cap), async/behaviour_dropped_frac."""
+  response tokens: async/behaviour_weight_mean and _max (before the cap),
+  async/behaviour_dropped_frac."""
   valid = mask > 0
   log_w = np.clip(prox_logp.astype(np.float64) - behaviour_logp.astype(np.float64), -20, 20)
   w = np.where(valid, np.exp(log_w), 0.0)
   n = max(int(valid.sum()), 1)
   dropped = valid & (w > cap) if cap > 0 else np.zeros_like(valid)
   stats = {"async/behaviour_weight_mean": float(w.sum() / n),
+           # One extreme token can dominate the mean: its largest weight says whether one did.
+           "async/behaviour_weight_max": float(w.max()) if valid.any() else 1.0,
            "async/behaviour_dropped_frac": float(dropped.sum() / n)}
   return np.where(dropped, 0.0, w).astype(np.float32), stats
 

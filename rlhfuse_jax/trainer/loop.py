@@ -113,6 +113,7 @@ class PPOTrainer:
     self.cfg = cfg = build.resolve_config(cfg, self.tokenizer)
     self._make_meshes(cfg, mesh)
     validate(cfg, self.mesh, generation_devices=self.gen_mesh.devices.size)
+    self._warn_unused_async_fields(cfg)
     t0 = time.time()
     logging.info("setup: task %r, mesh %s%s; initialising the models and the update ...",
                  cfg.data.task, dict(self.mesh.shape), (
@@ -158,6 +159,23 @@ class PPOTrainer:
     self.checkpoints.state_fn = self._state
     self.checkpoints.meta_fn = self._meta
     self._compiled_update = False  # the first update call (compiles) is timed and logged
+
+  @staticmethod
+  def _warn_unused_async_fields(cfg: TrainConfig) -> None:
+    """async_ppo fields that change nothing in a synchronous run (staleness 0) are said so; a
+    device split without staleness is a synchronous loop on split devices (what bench_async's
+    timing compares against), so it is only noted."""
+    a, defaults = cfg.async_ppo, type(cfg.async_ppo)()
+    if a.staleness:
+      return
+    unused = [f"async_ppo.{f}={getattr(a, f)!r}" for f in ("objective", "behaviour_weight_cap")
+              if getattr(a, f) != getattr(defaults, f)]
+    if unused:
+      logging.warning("%s: no effect with config.async_ppo.staleness=0 (every batch comes from "
+                      "the current policy)", ", ".join(unused))
+    if a.generation_devices:
+      logging.info("async_ppo.generation_devices=%d with staleness 0: generation and training "
+                   "on separate devices, one after the other", a.generation_devices)
 
   def _make_meshes(self, cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh]) -> None:
     """The training mesh (config.mesh) and the generation group's (config.async_ppo): one mesh
