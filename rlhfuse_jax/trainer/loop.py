@@ -9,6 +9,10 @@ stop flag and HF export as hooks on run() (trainer/hooks.py).
 Every source of randomness is derived from (seed, iteration): generation keys, mini-batch
 shuffles; the prompt stream's position is checkpointed. A run stopped and resumed therefore
 produces the same parameters and metrics as one that never stopped.
+
+With config.async_ppo.staleness k >= 1 an iteration trains on the batch generated k iterations
+earlier while it generates the batch k iterations ahead, in one thread and in the schedule's
+order (trainer/async_ppo.py; docs/architecture.md §4); the batches in flight are checkpointed.
 """
 from __future__ import annotations
 
