@@ -133,8 +133,10 @@ def _put_leaf(x: Any, sharding: NamedSharding) -> jax.Array:
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     return jax.random.wrap_key_data(_put_leaf(jax.random.key_data(x), sharding))
   # Multi-host: every process holds the same host value (same seed, same data stream) and
-  # supplies the shards its own devices own. device_put cannot target other hosts' devices.
-  host = np.asarray(x)
+  # supplies the shards its own devices own. device_put cannot target other hosts' devices, so
+  # an array placed on another set of devices (a mesh spanning the processes) is gathered to
+  # every process first.
+  host = np.asarray(to_host(x))
   return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 

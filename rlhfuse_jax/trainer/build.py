@@ -151,13 +151,10 @@ class Models:
   def frozen_to_mesh(self, cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
     """Moves the frozen models onto `mesh` (the generation group of async_ppo.generation_devices,
     where the serial stage scores), by their logical axes."""
-    def move(params, model_cfg):
-      if jax.process_count() > 1:  # a process can place only its own devices' shards
-        params = mesh_lib.to_host(params)
-      return mesh_lib.shard_params(params, llama.logical_specs(model_cfg), mesh)
-    self.reference = move(self.reference, cfg.model)
+    self.reference = mesh_lib.shard_params(self.reference, llama.logical_specs(cfg.model), mesh)
     if self.reward_params is not None:
-      self.reward_params = move(self.reward_params, self.reward_cfg)
+      self.reward_params = mesh_lib.shard_params(self.reward_params,
+                                                 llama.logical_specs(self.reward_cfg), mesh)
 
 
 def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
