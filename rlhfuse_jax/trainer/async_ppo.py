@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from rlhfuse_jax.inference import scoring
+from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 
 
@@ -51,6 +52,24 @@ def split_devices(cfg: TrainConfig, devices: Sequence[Any]) -> tuple[list, list]
     gen += sorted((d for d in devices if d.process_index == p), key=lambda d: d.id)[:per]
   ids = {d.id for d in gen}
   return gen, [d for d in devices if d.id not in ids]
+
+
+def meshes(cfg: TrainConfig, devices: Sequence[Any]
+           ) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
+  """(training mesh: config.mesh over the training group, generation mesh: data-parallel over
+  the generation group), one mesh for both without async_ppo.generation_devices."""
+  gen, train = split_devices(cfg, devices)
+  g = cfg.async_ppo.generation_devices
+  try:
+    train_mesh = mesh_lib.make_mesh(cfg.mesh, train)
+  except ValueError as e:
+    if not g:
+      raise
+    raise ValueError(f"config.mesh over the training group ({len(train)} devices left by "
+                     f"config.async_ppo.generation_devices={g}): {e}") from None
+  if not g:
+    return train_mesh, train_mesh
+  return train_mesh, mesh_lib.make_mesh(mesh_lib.MeshConfig(data=-1), gen)
 
 
 # The arrays of a generated batch, in a checkpoint's in-flight entries (host numpy).
@@ -156,14 +175,6 @@ def decoupled(data: dict, prox_logp: np.ndarray, weights: np.ndarray) -> dict:
   without a new input."""
   return {**data, "old_logp": prox_logp.astype(np.float32),
           "advantages": (data["advantages"] * weights).astype(np.float32)}
-
-
-def proximal_logprobs(cfg: TrainConfig, params: Any, mesh: jax.sharding.Mesh,
-                      gen: Generated) -> np.ndarray:
-  """[B, T] log-probs of the batch's responses under `params` (the actor before this
-  iteration's updates, whole, on the training mesh), in mini-batch sized pieces."""
-  scorer = scoring.Scorer(mesh, micro_batch_size=cfg.algo.minibatch_size)
-  return scorer.ref_logprobs(cfg.model, params, gen.scoring_batch(), cfg.rollout.temperature)
 
 
 class TrainingClock:

@@ -160,6 +160,9 @@ class PPOTrainer:
     # each checkpoint (trainer/async_ppo.py).
     self.in_flight: dict[int, async_lib.Generated] = {}
     self._weights_to_generation_s = 0.0
+    # Async PPO scores each batch again on the training mesh (the current actor's log-probs,
+    # the current critic's values), in mini-batch sized pieces.
+    self._rescorer = scoring.Scorer(self.mesh, micro_batch_size=cfg.algo.minibatch_size)
     self.checkpoints.state_fn = self._state
     self.checkpoints.meta_fn = self._meta
     self._compiled_update = False  # the first update call (compiles) is timed and logged
@@ -189,17 +192,10 @@ class PPOTrainer:
     if mesh is not None and self.disjoint:
       raise ValueError(f"config.async_ppo.generation_devices={cfg.async_ppo.generation_devices}"
                        ": the trainer splits the devices itself; pass no mesh")
-    gen, train = async_lib.split_devices(cfg, jax.devices())
-    try:
-      self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(cfg.mesh, train)
-    except ValueError as e:
-      if not self.disjoint:
-        raise
-      raise ValueError(f"config.mesh over the training group ({len(train)} devices left by "
-                       f"config.async_ppo.generation_devices="
-                       f"{cfg.async_ppo.generation_devices}): {e}") from None
-    self.gen_mesh = (mesh_lib.make_mesh(mesh_lib.MeshConfig(data=-1), gen) if self.disjoint
-                     else self.mesh)
+    if mesh is not None:
+      self.mesh = self.gen_mesh = mesh
+    else:
+      self.mesh, self.gen_mesh = async_lib.meshes(cfg, jax.devices())
 
   def _model_cfg(self, model: str):
     return self.cfg.model if model == "actor" else self.cfg.critic_model
@@ -210,10 +206,16 @@ class PPOTrainer:
     shapes = self.update.whole_shapes(model)
     if not self.disjoint:
       return shapes
-    if model not in self._gen_shardings:  # logical_specs traces the model: once per model
+    return mesh_lib.abstract(shapes, self._generation_shardings(model))
+
+  def _generation_shardings(self, model: str) -> Any:
+    """The whole parameters' shardings on the generation group's mesh, by their logical axes
+    (made once per model: logical_specs traces the model)."""
+    if model not in self._gen_shardings:
       self._gen_shardings[model] = mesh_lib.param_shardings(
-          shapes, llama.logical_specs(self._model_cfg(model)), self.gen_mesh)
-    return mesh_lib.abstract(shapes, self._gen_shardings[model])
+          self.update.whole_shapes(model), llama.logical_specs(self._model_cfg(model)),
+          self.gen_mesh)
+    return self._gen_shardings[model]
 
   def _to_generation(self, model: str, copy: bool = False) -> Any:
     """The current whole parameters of `model` where generation and inference run (timed in
@@ -222,10 +224,7 @@ class PPOTrainer:
     t0 = time.perf_counter()
     whole = self.model_params(model)
     if self.disjoint:
-      if jax.process_count() > 1:  # a process can place only its own devices' shards
-        whole = mesh_lib.to_host(whole)
-      self._generation_shapes(model)  # its shardings, made once
-      whole = mesh_lib.put(whole, self._gen_shardings[model])
+      whole = mesh_lib.put(whole, self._generation_shardings(model))
     elif copy and not self.update.is_pipelined:  # a pipelined `whole` is a new array already
       whole = jax.tree.map(jnp.copy, whole)
     if self.disjoint or copy:
@@ -329,9 +328,8 @@ class PPOTrainer:
     wins and the critic stops learning on those tokens."""
     if not self.use_critic:
       return gen
-    scorer = scoring.Scorer(self.mesh, micro_batch_size=self.cfg.algo.minibatch_size)
-    values = scorer.values(self.cfg.critic_model, self.model_params("critic"),
-                           gen.scoring_batch())
+    values = self._rescorer.values(self.cfg.critic_model, self.model_params("critic"),
+                                   gen.scoring_batch())
     return dataclasses.replace(gen, values=np.asarray(values, np.float32))
 
   def _off_policy(self, iteration: int, gen: async_lib.Generated, data: dict
@@ -340,7 +338,8 @@ class PPOTrainer:
     its training data (trainer/async_ppo.py). One forward pass of the current actor (the
     proximal policy) gives both."""
     a = self.cfg.async_ppo
-    prox = async_lib.proximal_logprobs(self.cfg, self.model_params("actor"), self.mesh, gen)
+    prox = self._rescorer.ref_logprobs(self.cfg.model, self.model_params("actor"),
+                                       gen.scoring_batch(), self.cfg.rollout.temperature)
     weights, m = async_lib.behaviour_weights(prox, gen.logprobs, data["mask"],
                                              a.behaviour_weight_cap)
     m["async/staleness"] = iteration - gen.version

@@ -26,7 +26,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.sim import iteration_sim
 from rlhfuse_jax.sim.lengths import LengthSpec
 from rlhfuse_jax.sim.shapes import from_model_config
@@ -96,8 +95,8 @@ class PlanCheck:
     d["plan"] = {**d.get("plan", {}), "file": self.path}
     try:
       cfg = build.resolve_config(TrainConfig.from_config_dict(d), self.tokenizer)
-      gen, train = async_lib.split_devices(cfg, self.devices)
-      validate(cfg, mesh_lib.make_mesh(cfg.mesh, train), generation_devices=len(gen))
+      train_mesh, gen_mesh = async_lib.meshes(cfg, self.devices)
+      validate(cfg, train_mesh, generation_devices=gen_mesh.devices.size)
     except ValueError as e:
       return str(e)
     finally:
