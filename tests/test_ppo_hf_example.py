@@ -23,7 +23,7 @@ from rlhfuse_jax.trainer import build, hooks
 from rlhfuse_jax.trainer.config import EXPORT_HF_CHOICES, TrainConfig
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from rlhfuse_jax.trainer.validate import validate
-from tests.test_trainer import tiny_config
+from tests.test_trainer import tiny_config, with_overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "configs", "data")
@@ -74,14 +74,7 @@ def test_shipped_data_is_what_the_script_makes(tmp_path):
 
 
 def _example_config(**overrides) -> TrainConfig:
-  c = ppo_hf.get_config()
-  for k, v in overrides.items():
-    node = c
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
-  return TrainConfig.from_config_dict(c)
+  return with_overrides(ppo_hf.get_config(), **overrides)
 
 
 def test_example_config_trains_validates_and_exports(tmp_path, monkeypatch):

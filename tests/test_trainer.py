@@ -25,6 +25,11 @@ def tiny_config(**overrides):
   c.algo.minibatch_size = 8
   c.data.num_prompts = 64
   c.checkpoint.every = 2
+  return with_overrides(c, **overrides)
+
+
+def with_overrides(c, **overrides) -> TrainConfig:
+  """The TrainConfig of ConfigDict `c` with dotted-path overrides ("algo.epochs": 1)."""
   for k, v in overrides.items():
     node = c
     *path, last = k.split(".")
