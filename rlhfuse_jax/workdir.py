@@ -134,6 +134,21 @@ def append_jsonl(path: str, record: Mapping[str, Any]) -> None:
     os.fsync(f.fileno())
 
 
+def read_json_object(path: str, error: type = ValueError, invalid: str = "not valid JSON"
+                     ) -> dict:
+  """The JSON object in the file at `path`; `error` (a ValueError) naming the file otherwise:
+  '{path}: {invalid} ({cause})' when it cannot be read or parsed, '{path}: expected a JSON
+  object, got {type}' when it holds something else."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      obj = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise error(f"{path}: {invalid} ({e})") from e
+  if not isinstance(obj, dict):
+    raise error(f"{path}: expected a JSON object, got {type(obj).__name__}")
+  return obj
+
+
 def read_jsonl(path: str) -> list[dict]:
   """Reads a JSONL file written by `append_jsonl`; a torn last line (crash mid-write) is dropped."""
   if not os.path.exists(path):

@@ -26,6 +26,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from rlhfuse_jax import workdir as wd
+
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
 # The named special tokens HF passes to every template (PreTrainedTokenizerBase.special_tokens_map).
@@ -201,14 +203,7 @@ def _directory(path: str) -> str:
 
 
 def _read_json(path: str) -> dict[str, Any]:
-  try:
-    with open(path, encoding="utf-8") as f:
-      config = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ChatTemplateError(f"{path}: cannot read it as JSON ({e})") from e
-  if not isinstance(config, dict):
-    raise ChatTemplateError(f"{path}: expected a JSON object, got {type(config).__name__}")
-  return config
+  return wd.read_json_object(path, ChatTemplateError, "cannot read it as JSON")
 
 
 def _special_tokens(config_path: str) -> dict[str, str]:

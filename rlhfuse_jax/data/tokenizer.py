@@ -12,11 +12,12 @@ differ between model families) and prepends `bos_id` itself when `add_bos` is se
 from __future__ import annotations
 
 import abc
-import json
 import os
 from typing import Any, Optional, Sequence
 
 import tokenizers
+
+from rlhfuse_jax import workdir as wd
 
 # Tried in order when neither the caller nor tokenizer_config.json names a special token.
 _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>",
@@ -184,14 +185,7 @@ class HFTokenizer(Tokenizer):
 def _read_tokenizer_config(path: str) -> Optional[dict[str, Any]]:
   if not os.path.isfile(path):
     return None
-  try:
-    with open(path) as f:
-      config = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ValueError(f"{path}: not a valid tokenizer_config.json ({e})") from e
-  if not isinstance(config, dict):
-    raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
-  return config
+  return wd.read_json_object(path, ValueError, "not a valid tokenizer_config.json")
 
 
 def _token_content(value: Any) -> Optional[str]:
