@@ -32,16 +32,18 @@ def _blockwise(block_q=2, block_k=3):
 
 
 def _check(q, k, v, q_pos, k_pos, fn=None, grads=True):
+  # Jitted: one compile per function instead of one per op in eager mode (the blockwise
+  # kernel's pads, transposes and scans), a third of this file's time.
   fn = fn or _blockwise()
-  np.testing.assert_allclose(fn(q, k, v, q_pos, k_pos),
-                             attn.reference_attention(q, k, v, q_pos, k_pos), **TOL)
+  np.testing.assert_allclose(jax.jit(fn)(q, k, v, q_pos, k_pos),
+                             jax.jit(attn.reference_attention)(q, k, v, q_pos, k_pos), **TOL)
   if not grads:
     return
   # A non-linear loss so that every output element gets a different cotangent.
   def loss(f):
     return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, q_pos, k_pos)))
-  got = jax.grad(loss(fn), (0, 1, 2))(q, k, v)
-  want = jax.grad(loss(attn.reference_attention), (0, 1, 2))(q, k, v)
+  got = jax.jit(jax.grad(loss(fn), (0, 1, 2)))(q, k, v)
+  want = jax.jit(jax.grad(loss(attn.reference_attention), (0, 1, 2)))(q, k, v)
   for name, g, w in zip("qkv", got, want):
     np.testing.assert_allclose(g, w, err_msg=f"d{name}", **TOL)
 
@@ -118,6 +120,13 @@ CFG = llama.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num
                         num_heads=4, num_kv_heads=2, max_seq_len=32)
 
 
+def _jit_apply(cfg):
+  """llama.apply(cfg, ...) jitted: one compile per input shape instead of one per op. A fresh
+  closure each call, so no trace outlives a test's monkeypatched block sizes."""
+  return jax.jit(lambda p, tokens, positions=None, cache=None: llama.apply(
+      cfg, p, tokens, positions, cache))
+
+
 @pytest.fixture(scope="module")
 def params():
   return jax.tree_util.tree_map(jnp.asarray, llama.host_random_params(CFG, 0))
@@ -133,8 +142,8 @@ def small_blocks(monkeypatch):
 
 def test_model_logits_without_cache(params, small_blocks):
   tokens = jnp.asarray(np.random.default_rng(7).integers(0, 32, (2, 9)), jnp.int32)
-  ref, _ = llama.apply(CFG.replace(attention="reference"), params, tokens)
-  got, _ = llama.apply(CFG, params, tokens)
+  ref, _ = _jit_apply(CFG.replace(attention="reference"))(params, tokens)
+  got, _ = _jit_apply(CFG)(params, tokens)
   np.testing.assert_allclose(got, ref, **TOL)
 
 
@@ -147,9 +156,10 @@ def test_model_logits_with_cache(params, small_blocks):
   outs = []
   for impl in ("reference", "blockwise"):
     cfg = CFG.replace(attention=impl)
+    apply = _jit_apply(cfg)
     cache = llama.KVCache.zeros(cfg, 2, 16)
-    logits, cache = llama.apply(cfg, params, tokens, positions, cache)
-    last, cache = llama.apply(cfg, params, step, positions[:, -1:] + 1, cache)
+    logits, cache = apply(params, tokens, positions, cache)
+    last, cache = apply(params, step, positions[:, -1:] + 1, cache)
     outs.append((logits, last, cache.k))
   for got, want in zip(outs[1], outs[0]):
     np.testing.assert_allclose(got, want, **TOL)
@@ -161,13 +171,14 @@ def test_model_decode_through_cache_equals_full_forward(params, small_blocks, dt
   # that position. A bfloat16 cache holds uint16 bits (KVCache.dtype names the values).
   cfg = CFG.replace(dtype=dtype)
   tokens = jnp.asarray(np.random.default_rng(9).integers(0, 32, (2, 10)), jnp.int32)
-  want, _ = llama.apply(cfg, params, tokens)
+  apply = _jit_apply(cfg)
+  want, _ = apply(params, tokens)
   cache = llama.KVCache.zeros(cfg, 2, 16)
   assert cache.dtype == dtype and cache.k.dtype == llama.cache_bits_dtype(dtype)
-  got, cache = llama.apply(cfg, params, tokens[:, :4], cache=cache)
+  got, cache = apply(params, tokens[:, :4], cache=cache)
   steps = [got]
   for t in range(4, 10):
-    logits, cache = llama.apply(cfg, params, tokens[:, t:t + 1], jnp.full((2, 1), t), cache)
+    logits, cache = apply(params, tokens[:, t:t + 1], jnp.full((2, 1), t), cache)
     steps.append(logits)
   tol = TOL if dtype == "float32" else dict(atol=3e-2, rtol=3e-2)
   np.testing.assert_allclose(jnp.concatenate(steps, 1), want, **tol)
@@ -251,8 +262,8 @@ def test_remat_keeps_params_and_gradients(params, remat):
 
   def loss(c):
     return lambda p: jnp.sum(jax.nn.logsumexp(llama.apply(c, p, tokens)[0], -1))
-  got = jax.grad(loss(cfg))(params)
-  want = jax.grad(loss(CFG))(params)
+  got = jax.jit(jax.grad(loss(cfg)))(params)
+  want = jax.jit(jax.grad(loss(CFG)))(params)
   jax.tree_util.tree_map(lambda g, w: np.testing.assert_allclose(g, w, **TOL), got, want)
 
 
@@ -274,20 +285,21 @@ def test_scan_layers_matches_unrolled(params):
   assert tuple(llama.logical_specs(scfg)["layers"]["block"]["mlp"]["up_proj"]["kernel"]) == (
       "layers", "embed", "mlp")
   tokens = jnp.asarray(np.random.default_rng(10).integers(0, 32, (2, 9)), jnp.int32)
-  np.testing.assert_allclose(llama.apply(scfg, sp, tokens)[0], llama.apply(CFG, params, tokens)[0],
+  np.testing.assert_allclose(_jit_apply(scfg)(sp, tokens)[0], _jit_apply(CFG)(params, tokens)[0],
                              **TOL)
   outs = []
   for cfg, p in ((CFG, params), (scfg, sp)):
-    logits, cache = llama.apply(cfg, p, tokens, cache=llama.KVCache.zeros(cfg, 2, 16))
-    step, cache = llama.apply(cfg, p, tokens[:, :1], jnp.full((2, 1), 9), cache)
+    apply = _jit_apply(cfg)
+    logits, cache = apply(p, tokens, cache=llama.KVCache.zeros(cfg, 2, 16))
+    step, cache = apply(p, tokens[:, :1], jnp.full((2, 1), 9), cache)
     outs.append((logits, step, cache.values()[0]))
   for got, want in zip(outs[1], outs[0]):
     np.testing.assert_allclose(got, want, **TOL)
 
   def loss(cfg, p):
     return jnp.sum(jnp.sin(llama.apply(cfg, p, tokens)[0]))
-  g_scan = llama.unstack_layers(jax.grad(functools.partial(loss, scfg))(sp))
-  g = jax.grad(functools.partial(loss, CFG))(params)
+  g_scan = llama.unstack_layers(jax.jit(jax.grad(functools.partial(loss, scfg)))(sp))
+  g = jax.jit(jax.grad(functools.partial(loss, CFG)))(params)
   for a, b in zip(jax.tree.leaves(g_scan), jax.tree.leaves(g)):
     np.testing.assert_allclose(a, b, **TOL)
   back = llama.unstack_layers(sp)
