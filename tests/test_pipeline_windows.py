@@ -138,9 +138,11 @@ PD, UNI = PER_DEVICE, UNIFORM  # the budget a kept schedule was made under (its 
     ("e0_grown", (8, 4, 32, 16), (5.0, 4.0), PD, E01_BUDGET, 711.0, 708.0),
     ("e0_cp_schedule", (8, 4, 32, 16), (5.0, 4.0), PD, E01_BUDGET, 709.0, 708.0),
     # Under the uniform budget (the largest per-device budget on every device), CP-SAT at the
-    # tight bound: e1, e4 and e8 on the whole instance.
+    # tight bound: e1, e4 and e8 on the whole instance, e0 and e3 grown from e1 and e4.
     ("e1_uniform_cp", (8, 4, 16, 8), (5.0, 4.0), UNI, [44.0] * 8, 372.0, 372.0),
+    ("e0_uniform_cp", (8, 4, 32, 16), (5.0, 4.0), UNI, [44.0] * 8, 708.0, 708.0),
     ("e4_uniform_cp", (8, 8, 16, 16), (5.0, 2.0), UNI, [42.0] * 8, 366.0, 366.0),
+    ("e3_uniform_cp", (8, 8, 32, 32), (5.0, 2.0), UNI, [42.0] * 8, 702.0, 702.0),
     ("e8_uniform_cp", (16, 8, 16, 8), (2.0, 2.0), UNI, [34.0] * 16, 186.0, 186.0),
 ])
 def test_kept_cp_sat_schedules_keep_their_makespan_and_lie_in_every_window(
