@@ -130,6 +130,24 @@ def test_kept_grown_schedules_are_grown_as_their_readmes_say(name, source, probl
   assert sum(starts[key] != st for key, st in pins.items()) == moved
 
 
+def test_kept_spliced_schedule_is_spliced_as_its_readme_says():
+  # experiments/results/e10_uniform_cp was made by `schedule_cp_check --splice` from the searched
+  # schedule kept beside it (319): the tasks the splice pins keep their pinned starts (the head's
+  # unchanged, the tail's one earlier) in the kept schedule at the tight bound 318.
+  results = os.path.join(REPO, "experiments", "results", "e10_uniform_cp")
+  problem = PipelineProblem(16, 16, 32, 32, 2.0, 1.0, memory_budget_mode=UNIFORM)
+  hint = schedule.load(os.path.join(results, "hint_319.json"), problem)
+  kept = schedule.load(os.path.join(results, "schedule.json"), problem)
+  with open(os.path.join(results, "result.json")) as f:
+    result = json.load(f)
+  band = result["splice"]
+  pins = schedule.splice_pins(hint, band["t1"], band["t2"], band["shift"])
+  assert len(pins) == result["pinned_tasks"] and hint.within_budget and kept.within_budget
+  assert hint.makespan == 319.0 and kept.makespan == bounds.tight_lower_bound(problem) == 318.0
+  starts = kept.starts()
+  assert all(starts[key] == st for key, st in pins.items())
+
+
 def test_cp_check_grow_flag_errors_name_the_flag(tmp_path):
   # Checked before ortools is needed (it is an optional dependency, absent in CI).
   from tests.test_pipeline_experiments import _run

@@ -144,6 +144,8 @@ PD, UNI = PER_DEVICE, UNIFORM  # the budget a kept schedule was made under (its 
     ("e4_uniform_cp", (8, 8, 16, 16), (5.0, 2.0), UNI, [42.0] * 8, 366.0, 366.0),
     ("e3_uniform_cp", (8, 8, 32, 32), (5.0, 2.0), UNI, [42.0] * 8, 702.0, 702.0),
     ("e8_uniform_cp", (16, 8, 16, 8), (2.0, 2.0), UNI, [34.0] * 16, 186.0, 186.0),
+    # e10 (16/16, 32/32, fa/fc 2/1): a searched 319 spliced to 318 (schedule_cp_check --splice).
+    ("e10_uniform_cp", (16, 16, 32, 32), (2.0, 1.0), UNI, [33.0] * 16, 318.0, 318.0),
 ])
 def test_kept_cp_sat_schedules_keep_their_makespan_and_lie_in_every_window(
     name, shape, fwd, mode, budget, makespan, bound):
