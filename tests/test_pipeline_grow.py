@@ -94,6 +94,12 @@ def test_grow_pins_put_the_actor_in_the_band_when_it_has_no_steady_state():
   assert all(j < 4 and (k < 2 or j < 3) for k, _, j in pins)
 
 
+def _e9_family(microbatches):
+  """e9/e10's pipelines (16/16, fa/fc 2/1) under the uniform budget, Ma = Mc = microbatches."""
+  return PipelineProblem(16, 16, microbatches, microbatches, 2.0, 1.0,
+                         memory_budget_mode=UNIFORM)
+
+
 @pytest.mark.parametrize("name,source,problem,bound,moved", [
     ("e6_cp_schedule", "e7_cp_schedule", PipelineProblem(16, 8, 64, 32, 2.0, 2.0), 618.0, 0),
     ("e0_grown", "e1_cp_schedule", PipelineProblem(8, 4, 32, 16, 5.0, 4.0), 708.0, 0),
@@ -104,6 +110,13 @@ def test_grow_pins_put_the_actor_in_the_band_when_it_has_no_steady_state():
      PipelineProblem(8, 4, 32, 16, 5.0, 4.0, memory_budget_mode=UNIFORM), 708.0, 1),
     ("e3_uniform_cp", "e4_uniform_cp",
      PipelineProblem(8, 8, 32, 32, 5.0, 2.0, memory_budget_mode=UNIFORM), 702.0, 0),
+    # e9 (64/64) from e10 (32/32) in four steps of 8 micro-batches per model, each at its
+    # instance's tight bound (the steps are kept in e9_uniform_cp/g40, g48, g56). The first
+    # step's re-timing starts three pinned tasks of device 8 one unit earlier.
+    ("e9_uniform_cp/g40", "e10_uniform_cp", _e9_family(40), 390.0, 3),
+    ("e9_uniform_cp/g48", "e9_uniform_cp/g40", _e9_family(48), 462.0, 0),
+    ("e9_uniform_cp/g56", "e9_uniform_cp/g48", _e9_family(56), 534.0, 0),
+    ("e9_uniform_cp", "e9_uniform_cp/g56", _e9_family(64), 606.0, 0),
 ])
 def test_kept_grown_schedules_are_grown_as_their_readmes_say(name, source, problem, bound,
                                                              moved):

@@ -146,6 +146,8 @@ PD, UNI = PER_DEVICE, UNIFORM  # the budget a kept schedule was made under (its 
     ("e8_uniform_cp", (16, 8, 16, 8), (2.0, 2.0), UNI, [34.0] * 16, 186.0, 186.0),
     # e10 (16/16, 32/32, fa/fc 2/1): a searched 319 spliced to 318 (schedule_cp_check --splice).
     ("e10_uniform_cp", (16, 16, 32, 32), (2.0, 1.0), UNI, [33.0] * 16, 318.0, 318.0),
+    # e9 (64/64): e10's grown in four steps of 8 micro-batches per model.
+    ("e9_uniform_cp", (16, 16, 64, 64), (2.0, 1.0), UNI, [33.0] * 16, 606.0, 606.0),
 ])
 def test_kept_cp_sat_schedules_keep_their_makespan_and_lie_in_every_window(
     name, shape, fwd, mode, budget, makespan, bound):
