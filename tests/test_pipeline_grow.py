@@ -8,7 +8,7 @@ import pytest
 from rlhfuse_jax.pipeline import bounds, schedule, schedules
 from rlhfuse_jax.pipeline.exact import grow
 from rlhfuse_jax.pipeline.evaluate import evaluate
-from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem
+from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, UNIFORM, PipelineProblem
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,15 +94,37 @@ def test_grow_pins_put_the_actor_in_the_band_when_it_has_no_steady_state():
   assert all(j < 4 and (k < 2 or j < 3) for k, _, j in pins)
 
 
-@pytest.mark.parametrize("name,source,problem,bound", [
-    ("e6_cp_schedule", "e7_cp_schedule", PipelineProblem(16, 8, 64, 32, 2.0, 2.0), 618.0),
-    ("e0_grown", "e1_cp_schedule", PipelineProblem(8, 4, 32, 16, 5.0, 4.0), 708.0),
+def _e9_family(microbatches):
+  """e9/e10's pipelines (16/16, fa/fc 2/1) under the uniform budget, Ma = Mc = microbatches."""
+  return PipelineProblem(16, 16, microbatches, microbatches, 2.0, 1.0,
+                         memory_budget_mode=UNIFORM)
+
+
+@pytest.mark.parametrize("name,source,problem,bound,moved", [
+    ("e6_cp_schedule", "e7_cp_schedule", PipelineProblem(16, 8, 64, 32, 2.0, 2.0), 618.0, 0),
+    ("e0_grown", "e1_cp_schedule", PipelineProblem(8, 4, 32, 16, 5.0, 4.0), 708.0, 0),
+    # Under the uniform budget, from e1's and e4's schedules at their bounds to e0's and e3's.
+    # In e0's, evaluate.py's re-timing (each task as early as its order allows) starts one
+    # pinned task, device 7's actor backward 11, at 321 instead of its pinned 327.
+    ("e0_uniform_cp", "e1_uniform_cp",
+     PipelineProblem(8, 4, 32, 16, 5.0, 4.0, memory_budget_mode=UNIFORM), 708.0, 1),
+    ("e3_uniform_cp", "e4_uniform_cp",
+     PipelineProblem(8, 8, 32, 32, 5.0, 2.0, memory_budget_mode=UNIFORM), 702.0, 0),
+    # e9 (64/64) from e10 (32/32) in four steps of 8 micro-batches per model, each at its
+    # instance's tight bound (the steps are kept in e9_uniform_cp/g40, g48, g56). The first
+    # step's re-timing starts three pinned tasks of device 8 one unit earlier.
+    ("e9_uniform_cp/g40", "e10_uniform_cp", _e9_family(40), 390.0, 3),
+    ("e9_uniform_cp/g48", "e9_uniform_cp/g40", _e9_family(48), 462.0, 0),
+    ("e9_uniform_cp/g56", "e9_uniform_cp/g48", _e9_family(56), 534.0, 0),
+    ("e9_uniform_cp", "e9_uniform_cp/g56", _e9_family(64), 606.0, 0),
 ])
-def test_kept_grown_schedules_are_grown_as_their_readmes_say(name, source, problem, bound):
+def test_kept_grown_schedules_are_grown_as_their_readmes_say(name, source, problem, bound,
+                                                             moved):
   # experiments/results/<name> was made by `schedule_cp_check --grow` from <source>'s kept
   # schedule (the band is in its result.json): every task the growth pins keeps that start in
-  # the kept schedule, whose makespan is the growth's target (e6: its tight bound; e0: 3 above
-  # it, as e1's optimum is above e1's).
+  # the kept schedule (but `moved` ones, which the re-timing started earlier), whose makespan is
+  # the growth's target (e6: its tight bound; e0: 3 above it, as e1's optimum is above e1's;
+  # the uniform ones: their tight bounds).
   results = os.path.join(REPO, "experiments", "results")
   small = schedule.load(os.path.join(results, source, "schedule.json"))
   kept = schedule.load(os.path.join(results, name, "schedule.json"), problem)
@@ -116,6 +138,25 @@ def test_kept_grown_schedules_are_grown_as_their_readmes_say(name, source, probl
   assert lb == bound and kept.makespan == info["target"]
   assert kept.makespan - lb == small.makespan - small_lb
   assert kept.within_budget
+  starts = kept.starts()
+  assert all(starts[key] <= st for key, st in pins.items())
+  assert sum(starts[key] != st for key, st in pins.items()) == moved
+
+
+def test_kept_spliced_schedule_is_spliced_as_its_readme_says():
+  # experiments/results/e10_uniform_cp was made by `schedule_cp_check --splice` from the searched
+  # schedule kept beside it (319): the tasks the splice pins keep their pinned starts (the head's
+  # unchanged, the tail's one earlier) in the kept schedule at the tight bound 318.
+  results = os.path.join(REPO, "experiments", "results", "e10_uniform_cp")
+  problem = PipelineProblem(16, 16, 32, 32, 2.0, 1.0, memory_budget_mode=UNIFORM)
+  hint = schedule.load(os.path.join(results, "hint_319.json"), problem)
+  kept = schedule.load(os.path.join(results, "schedule.json"), problem)
+  with open(os.path.join(results, "result.json")) as f:
+    result = json.load(f)
+  band = result["splice"]
+  pins = schedule.splice_pins(hint, band["t1"], band["t2"], band["shift"])
+  assert len(pins) == result["pinned_tasks"] and hint.within_budget and kept.within_budget
+  assert hint.makespan == 319.0 and kept.makespan == bounds.tight_lower_bound(problem) == 318.0
   starts = kept.starts()
   assert all(starts[key] == st for key, st in pins.items())
 

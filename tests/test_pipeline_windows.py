@@ -4,7 +4,7 @@ import pytest
 
 from rlhfuse_jax.pipeline import bounds, schedules
 from rlhfuse_jax.pipeline.evaluate import evaluate
-from rlhfuse_jax.pipeline.graph import AB, AF, PipelineProblem
+from rlhfuse_jax.pipeline.graph import AB, AF, PER_DEVICE, UNIFORM, PipelineProblem
 from rlhfuse_jax.pipeline.windows import memory_caps, task_windows
 from tests.test_pipeline_search import SMALL, _random_valid_orders
 
@@ -117,34 +117,47 @@ def test_memory_lag_windows_are_tighter_on_reference_instances():
 
 
 E01_BUDGET = [44.0, 43.0, 42.0, 41.0, 24.0, 23.0, 22.0, 21.0]  # e0 and e1: the same
+PD, UNI = PER_DEVICE, UNIFORM  # the budget a kept schedule was made under (its schedule.json's)
 
 
-@pytest.mark.parametrize("name,shape,fwd,budget,makespan,bound", [
+@pytest.mark.parametrize("name,shape,fwd,mode,budget,makespan,bound", [
     # e7 (Pa/Pc 16/8, Ma/Mc 32/16, fa = fc = 2): CP-SAT's schedule at the tight bound within
     # budget; tight everywhere on device 8, the sharpest check that the windows and the memory
     # lags cut no valid schedule.
-    ("e7_cp_schedule", (16, 8, 32, 16), (2.0, 2.0), [34.0] * 8 + [18.0] * 8, 330.0, 330.0),
+    ("e7_cp_schedule", (16, 8, 32, 16), (2.0, 2.0), PD, [34.0] * 8 + [18.0] * 8, 330.0, 330.0),
     # e6 (Ma/Mc 64/32): at its tight bound too, e7's schedule grown by CP-SAT
     # (schedule_cp_check --grow); 14 below the 20 s search. The same check on a larger instance.
-    ("e6_cp_schedule", (16, 8, 64, 32), (2.0, 2.0), [34.0] * 8 + [18.0] * 8, 618.0, 618.0),
+    ("e6_cp_schedule", (16, 8, 64, 32), (2.0, 2.0), PD, [34.0] * 8 + [18.0] * 8, 618.0, 618.0),
     # e9 (16/16, 64/64, fa = 2, fc = 1): the best known, a 2700 s minimisation from the 20 s
     # search's 634; budget 2 (16 - d) + (d + 1) = 33 - d on device d.
-    ("e9_cp_schedule", (16, 16, 64, 64), (2.0, 1.0), [33.0 - d for d in range(16)], 624.0, 606.0),
+    ("e9_cp_schedule", (16, 16, 64, 64), (2.0, 1.0), PD, [33.0 - d for d in range(16)], 624.0,
+     606.0),
     # e1 (8/4, 16/8, fa/fc 5/4) at its optimum 375; e0 (32/16) grown from it to 711, and e0's
     # optimum 709 minimised from that (its bound 708 is unreachable: e0_cp_subset).
-    ("e1_cp_schedule", (8, 4, 16, 8), (5.0, 4.0), E01_BUDGET, 375.0, 372.0),
-    ("e0_grown", (8, 4, 32, 16), (5.0, 4.0), E01_BUDGET, 711.0, 708.0),
-    ("e0_cp_schedule", (8, 4, 32, 16), (5.0, 4.0), E01_BUDGET, 709.0, 708.0),
+    ("e1_cp_schedule", (8, 4, 16, 8), (5.0, 4.0), PD, E01_BUDGET, 375.0, 372.0),
+    ("e0_grown", (8, 4, 32, 16), (5.0, 4.0), PD, E01_BUDGET, 711.0, 708.0),
+    ("e0_cp_schedule", (8, 4, 32, 16), (5.0, 4.0), PD, E01_BUDGET, 709.0, 708.0),
+    # Under the uniform budget (the largest per-device budget on every device), CP-SAT at the
+    # tight bound: e1, e4 and e8 on the whole instance, e0 and e3 grown from e1 and e4.
+    ("e1_uniform_cp", (8, 4, 16, 8), (5.0, 4.0), UNI, [44.0] * 8, 372.0, 372.0),
+    ("e0_uniform_cp", (8, 4, 32, 16), (5.0, 4.0), UNI, [44.0] * 8, 708.0, 708.0),
+    ("e4_uniform_cp", (8, 8, 16, 16), (5.0, 2.0), UNI, [42.0] * 8, 366.0, 366.0),
+    ("e3_uniform_cp", (8, 8, 32, 32), (5.0, 2.0), UNI, [42.0] * 8, 702.0, 702.0),
+    ("e8_uniform_cp", (16, 8, 16, 8), (2.0, 2.0), UNI, [34.0] * 16, 186.0, 186.0),
+    # e10 (16/16, 32/32, fa/fc 2/1): a searched 319 spliced to 318 (schedule_cp_check --splice).
+    ("e10_uniform_cp", (16, 16, 32, 32), (2.0, 1.0), UNI, [33.0] * 16, 318.0, 318.0),
+    # e9 (64/64): e10's grown in four steps of 8 micro-batches per model.
+    ("e9_uniform_cp", (16, 16, 64, 64), (2.0, 1.0), UNI, [33.0] * 16, 606.0, 606.0),
 ])
 def test_kept_cp_sat_schedules_keep_their_makespan_and_lie_in_every_window(
-    name, shape, fwd, budget, makespan, bound):
+    name, shape, fwd, mode, budget, makespan, bound):
   # experiments/results/<name>: re-timed here by evaluate.py, the kept schedule must still reach
   # its makespan within budget and lie in every window of pipeline/windows.py.
   import pathlib
   from rlhfuse_jax.pipeline import schedule
   path = (pathlib.Path(__file__).resolve().parents[1] / "experiments" / "results" / name /
           "schedule.json")
-  p = PipelineProblem(*shape, *fwd)
+  p = PipelineProblem(*shape, *fwd, memory_budget_mode=mode)
   sched = schedule.load(str(path), p)  # checks it is a schedule of p (what --hint_schedule uses)
   other = PipelineProblem(16, 8, 16, 8, 2.0, 2.0)  # e8
   with pytest.raises(ValueError, match=f"{name}/schedule.json: a schedule of .* not of the"):
@@ -153,3 +166,6 @@ def test_kept_cp_sat_schedules_keep_their_makespan_and_lie_in_every_window(
   assert ev.makespan == makespan and bounds.tight_lower_bound(p) == bound
   assert ev.within_budget and np.all(ev.budget == np.array(budget))
   assert _violations(p, sched.order(), task_windows(p, memory_lags=True)) == 0
+  # The uniform budget is never below the per-device one, so every kept schedule is one of the
+  # uniform problem too (e6 and e7 at their bounds decide those two under the uniform budget).
+  assert evaluate(p.with_budget(None, UNIFORM), sched.order()).within_budget
