@@ -218,3 +218,28 @@ def test_search_over_both_directions_is_valid_and_beats_its_start(reverse_first)
   assert evaluate(p, res.best_unconstrained).makespan <= best.makespan
   # Count mode: the same seed gives the same schedule.
   np.testing.assert_array_equal(search.search(p, cfg).best, res.best)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_repair_takes_an_over_budget_schedule_at_the_bound_within_budget(seed):
+  """The repair step (search._Phase.repair): from a schedule at the tight bound that is over the
+  uniform budget (found by a search without budget), annealing on the memory above budget with
+  the makespan capped at the bound gives a schedule at the bound within budget. Pa/Pc 4/2,
+  Ma/Mc 8/4, fa/fc 5/4: the schedule starts 11 units over, the incumbent is greedy (193)."""
+  p = PipelineProblem(4, 2, 8, 4, 5.0, 4.0, memory_budget_mode="uniform")
+  lb = bounds.tight_lower_bound(p)
+  free = search.search(p.with_budget([1e9] * p.num_devices),
+                       search.SearchConfig(max_evaluations=200000, seed=0)).best
+  over = evaluate(p, free)
+  assert over.makespan == lb and not over.within_budget
+  phase = search._Phase(p, search.SearchConfig(max_evaluations=400000, seed=seed), None)
+  phase.lb = lb
+  greedy = schedules.greedy_order(p)
+  phase.best_feas, phase.best_any = greedy.copy(), free.copy()
+  phase.stats = np.concatenate([search._stats_of(search._key(phase.ev, o))
+                                for o in (greedy, free)])
+  phase.repair(1.0)
+  best = evaluate(p, phase.best_feas)
+  assert best.valid and best.within_budget and best.makespan == lb
+  assert phase.stats[1] == lb
+  np.testing.assert_array_equal(phase.best_any, free)  # repairs leave best_any alone
