@@ -140,7 +140,7 @@ def kind_durations(params):
 
 # The per-move helpers below are inlined into the kernels (inline="always", at numba IR level):
 # called instead, those that take arrays cost about 80 ns per move (feasible_anneal_kernel on e2:
-# 2.16 vs 2.08 us per evaluation with _perturb called, min of 9 runs, loaded 2-core machine).
+# 2.16 vs 2.08 us per evaluation with perturb called, min of 9 runs, loaded 2-core machine).
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -238,7 +238,7 @@ def _move_block(row, i, j, saved, lo, hi):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _perturb(row, i, j, saved, lo, hi):
+def perturb(row, i, j, saved, lo, hi):
   """Applies one of the three moves to `row` (drawn: swap 25%, block 20%, single task 55%),
   with row[lo:hi + 1] already in `saved`; returns the last position to restore on undo."""
   r = np.random.random()
@@ -292,7 +292,7 @@ def feasible_anneal_kernel(order, params, deltas, budget, tails, settings, best,
     lo = min(i, j)
     hi = max(i, j)
     saved[lo:hi + 1] = row[lo:hi + 1]
-    hi = _perturb(row, i, j, saved, lo, hi)
+    hi = perturb(row, i, j, saved, lo, hi)
     if not _row_ok(row, deltas, budget[d]):
       row[lo:hi + 1] = saved[lo:hi + 1]
       continue

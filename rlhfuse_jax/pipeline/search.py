@@ -64,9 +64,9 @@ from rlhfuse_jax.pipeline.bounds import tight_lower_bound
 from rlhfuse_jax.pipeline.evaluate import (_PC, Evaluator, objective_key, peaks_kernel,
                                            simulate_kernel)
 from rlhfuse_jax.pipeline.decoder import decoder_anneal
-from rlhfuse_jax.pipeline.feasible_anneal import (_perturb, draw_move, feasible_anneal,
-                                                  kind_durations, lex_better, metropolis,
-                                                  reinsert, row_peak, timing_scratch)
+from rlhfuse_jax.pipeline.feasible_anneal import (draw_move, feasible_anneal, kind_durations,
+                                                  lex_better, metropolis, perturb, reinsert,
+                                                  row_peak, timing_scratch)
 from rlhfuse_jax.pipeline.graph import PipelineProblem, reverse_order, validate_order
 
 
@@ -274,7 +274,7 @@ def anneal_kernel(order, params, deltas, budget, settings, best_feas, best_any, 
     hi = max(i, j)
     saved[lo:hi + 1] = row[lo:hi + 1]
     if s.mem_mode == MODE_OVERFLOW:  # swaps and F/B blocks keep memory levels (repair)
-      hi = _perturb(row, i, j, saved, lo, hi)
+      hi = perturb(row, i, j, saved, lo, hi)
     else:
       reinsert(row, i, j)
     if not _row_valid(row):
