@@ -774,7 +774,7 @@ class _Phase:
                f"{over0:g} -> {best_over:g}; best within budget {stats[1]:g}")
 
   def _overflow(self, order: np.ndarray) -> float:
-    return float(np.maximum(self.ev.peak(order) - self.budget, 0.0).sum())
+    return float(_overflow(self.ev.peak(order), self.budget))
 
   def memory_phase(self):
     """Step 4: to the end of the budget, lower the peaks of the best schedule within budget
