@@ -85,8 +85,9 @@ def _timed_runs(fn: Callable[[], Any], warmup: int, repeats: int, what: str) -> 
 
 def make_generator(cfg: BenchDecodeConfig, params: Any, batch: int) -> instances.Generator:
   """The engine's generator for one batch size (compiles prefill and decode ahead of time)."""
-  return instances.Generator(cfg.model, _sampling(cfg.max_new_tokens, cfg.chunk_size),
-                          batch_size=batch, prompt_len=cfg.prompt_len, params=params)
+  return instances.Generator(
+      cfg.model, _sampling(cfg.max_new_tokens, cfg.chunk_size, cfg.steps_per_check),
+      batch_size=batch, prompt_len=cfg.prompt_len, params=params)
 
 
 def measure_decode(cfg: BenchDecodeConfig, gen: instances.Generator, params: Any) -> dict:
@@ -136,18 +137,19 @@ def _memory_row(gen: instances.Generator) -> dict:
   return {**mem, "decode_temp_over_cache": mem["decode_temp_bytes"] / mem["cache_bytes"]}
 
 
-def _sampling(max_new_tokens: int, chunk_size: int) -> SamplingConfig:
+def _sampling(max_new_tokens: int, chunk_size: int, steps_per_check: int = 1) -> SamplingConfig:
   # No EOS: every row decodes to the end, so the step count is known.
   return SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens, eos_id=-1, pad_id=0,
-                        chunk_size=chunk_size)
+                        chunk_size=chunk_size, steps_per_check=steps_per_check)
 
 
 def compile_memory(cfg: BenchDecodeConfig, model: llama.ModelConfig) -> list[dict]:
   """Per batch size: the decode chunk and prefill compiled from shapes, XLA's memory figures."""
   rows = []
   for b in cfg.batch_sizes:
-    gen = instances.Generator(model, _sampling(cfg.max_new_tokens, cfg.chunk_size),
-                              batch_size=b, prompt_len=cfg.prompt_len)
+    gen = instances.Generator(
+        model, _sampling(cfg.max_new_tokens, cfg.chunk_size, cfg.steps_per_check),
+        batch_size=b, prompt_len=cfg.prompt_len)
     gen.compile(scale_check.abstract_params(model, mesh_lib.replicated(gen.mesh)))
     rows.append({"batch": b, **_memory_row(gen)})
     logging.info("compiled decode batch %d: temporaries %.4g GB = %.3f x the %.4g GB KV cache", b,
@@ -170,8 +172,9 @@ def measure_scan_compile(cfg: BenchDecodeConfig) -> dict:
     times = []
     for n in cfg.scan_compile_layers:
       model = cfg.model.replace(num_layers=n, scan_layers=scan)
-      gen = instances.Generator(model, _sampling(cfg.max_new_tokens, cfg.chunk_size),
-                                batch_size=cfg.batch_sizes[-1], prompt_len=cfg.prompt_len)
+      gen = instances.Generator(
+          model, _sampling(cfg.max_new_tokens, cfg.chunk_size, cfg.steps_per_check),
+          batch_size=cfg.batch_sizes[-1], prompt_len=cfg.prompt_len)
       params = scale_check.abstract_params(model, mesh_lib.replicated(gen.mesh))
       t0 = time.perf_counter()
       gen.compile(params)
@@ -229,9 +232,8 @@ def measure_capacity_scaling(cfg: BenchDecodeConfig, params: Any) -> dict:
 def measure_peer(cfg: BenchDecodeConfig, batch: int) -> dict:
   """HF transformers generation of the same shape, dtype, batch and lengths (random weights,
   static KV cache, sampling, no early stop), timed as ours: decode seconds = median time of
-  max_new_tokens tokens minus median time of 1 token (prefill + first token). torch.compile
-  of the forward ("reduce-overhead", as transformers documents for the static cache) where it
-  works, eager otherwise; `mode` says which ran."""
+  max_new_tokens tokens minus median time of 1 token (prefill + first token). transformers'
+  own compiled static-cache generation where it works, eager otherwise; `mode` says which."""
   import torch  # only where the peer runs: not a dependency of this package
   import transformers
   m = cfg.model
@@ -254,7 +256,7 @@ def measure_peer(cfg: BenchDecodeConfig, batch: int) -> dict:
       out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
                            temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=tokens,
                            min_new_tokens=tokens, pad_token_id=0,
-                           cache_implementation="static")
+                           cache_implementation="static", **extra)
       if device == "cuda":
         torch.cuda.synchronize()
       dt = time.perf_counter() - t0
@@ -262,14 +264,18 @@ def measure_peer(cfg: BenchDecodeConfig, batch: int) -> dict:
       raise RuntimeError(f"HF generated {out.shape[1] - cfg.prompt_len} tokens, asked {tokens}")
     return dt
 
-  mode = "torch.compile(reduce-overhead)"
-  eager_forward = model.forward
+  # transformers compiles the forward of a static-cache generation itself (its auto-compile,
+  # CUDA graphs included); wrapping model.forward in torch.compile as well failed on an H100
+  # with transformers 5.17 ("accessing tensor output of CUDAGraphs that has been overwritten",
+  # experiments/results/h100_decode_variants), so the first try is plain generate and the
+  # fallback is eager (disable_compile=True).
+  mode, extra = "generate(static cache, transformers' own compile)", {}
   try:
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     generate(n)
   except Exception as e:  # noqa: BLE001 any compile failure: measure eager instead, say why
-    logging.warning("peer: torch.compile failed (%s: %s); timing eager", type(e).__name__, e)
-    model.forward, mode = eager_forward, f"eager (compile failed: {type(e).__name__})"
+    logging.warning("peer: compiled generation failed (%s: %s); timing eager", type(e).__name__, e)
+    mode, extra = f"eager (compiled generation failed: {type(e).__name__})", {
+        "disable_compile": True}
   full = _timed_runs(lambda: generate(n), cfg.warmup, cfg.repeats, f"peer batch {batch}")
   first = _timed_runs(lambda: generate(1), cfg.warmup, cfg.repeats, f"peer prefill {batch}")
   decode_s = float(np.median(full)) - float(np.median(first))
@@ -531,7 +537,8 @@ def run(cfg: BenchDecodeConfig, workdir: str) -> dict:
                 "critic_num_params": cfg.critic_model.num_params()},
       "decode": {
           "prompt_len": cfg.prompt_len, "max_new_tokens": cfg.max_new_tokens,
-          "cache_len": cfg.cache_len, "chunk_size": cfg.chunk_size, "warmup": cfg.warmup,
+          "cache_len": cfg.cache_len, "chunk_size": cfg.chunk_size,
+          "steps_per_check": cfg.steps_per_check, "warmup": cfg.warmup,
           "repeats": cfg.repeats,
           "bytes_per_step_formula": BYTES_FORMULA,
           "per_batch": per_batch,

@@ -160,6 +160,49 @@ def test_per_sample_stop_on_eos_or_max_new_tokens(params, prompts, greedy):
   assert r.decode_chunks == -(-r.decode_steps // 3)
 
 
+def test_steps_per_check_runs_a_static_loop_and_changes_no_output(params, prompts, greedy):
+  """Checking `done` every 3 steps (a fixed-trip-count inner loop) gives the same rollout as
+  every step, rows stopping at EOS mid-loop included; the extra steps of a finished batch are
+  no-ops, and the chunk has the static inner loop it exists for."""
+  eos = int(greedy.response_tokens[0, 2])
+  runs = {}
+  for k in (1, 3):
+    smp = SamplingConfig(greedy=True, max_new_tokens=T, chunk_size=6, eos_id=eos, pad_id=0,
+                         steps_per_check=k)
+    gen = instances.Generator(CFG, smp, batch_size=B, prompt_len=P)
+    runs[k] = gen.generate(params, *prompts, KEY)
+    hlo = gen._exe["decode"].as_text()  # XLA knows the inner loop's trip count: no sync
+    assert ('known_trip_count":{"n":"3"}' in hlo) == (k == 3)
+  a, b = runs[1], runs[3]
+  assert (a.stop_reason == engine.STOP_EOS).any() and a.response_lens.max() % 3 != 1
+  for field in ("response_tokens", "response_lens", "logprobs", "stop_reason"):
+    np.testing.assert_array_equal(getattr(b, field), getattr(a, field))
+  assert b.decode_steps == a.decode_steps
+  with pytest.raises(ValueError, match="steps_per_check=4.*chunk_size=6"):
+    SamplingConfig(chunk_size=6, steps_per_check=4)
+
+
+def test_gpu_decode_reads_the_whole_cache_with_static_shapes(params, prompts, greedy,
+                                                            monkeypatch):
+  """attention="auto" on a GPU backend: one-token decode takes the static whole-cache path (no
+  loop with a traced trip count, which XLA:GPU would sync on per key block and layer). Same
+  tokens as the blockwise decode, log-probs to float32
+  rounding. The backend is faked: the dispatch reads jax.default_backend() while tracing."""
+  smp = SamplingConfig(greedy=True, max_new_tokens=T, chunk_size=4)
+  jax.clear_caches()  # the backend is read while tracing: no trace may come from a cache
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  gen = instances.Generator(CFG.replace(attention="auto"), smp, batch_size=B, prompt_len=P)
+  r = gen.generate(params, *prompts, KEY)
+  whiles = gen._exe["decode"].as_text().count(" while(")
+  monkeypatch.undo()
+  jax.clear_caches()
+  cpu = instances.Generator(CFG.replace(attention="auto"), smp, batch_size=B, prompt_len=P)
+  cpu.compile(params)
+  assert whiles == 1 < cpu._exe["decode"].as_text().count(" while(")  # chunk loop only
+  np.testing.assert_array_equal(r.response_tokens, greedy.response_tokens)
+  np.testing.assert_allclose(r.logprobs, greedy.logprobs, atol=1e-5)
+
+
 def test_per_sample_rng_invariance(params, prompts, sampled):
   gen, r = sampled
   tokens, lens = prompts

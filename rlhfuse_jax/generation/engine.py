@@ -139,9 +139,11 @@ def decode_step(cfg: ModelConfig, params: Any, state: DecodeState, iteration_key
 def decode_chunk(cfg: ModelConfig, params: Any, state: DecodeState, iteration_key: jax.Array,
                  sampling: SamplingConfig) -> DecodeState:
   """Up to K = sampling.chunk_size decode steps; stops early once every row is done (so the
-  total number of decode steps of a batch is max(response_len) - 1). The one decode loop of the
-  package: every generation instance runs it (instances.decode_slots), the baseline Generator too;
-  each row's stop rule, its budget included, lives in the state (`_record`)."""
+  total number of decode steps of a batch is max(response_len) - 1, rounded up to a multiple
+  of sampling.steps_per_check). The one decode loop of the package: every generation instance
+  runs it (instances.decode_slots), the baseline Generator too; each row's stop rule, its budget
+  included, lives in the state (`_record`)."""
+  k = sampling.steps_per_check
 
   def cond(carry):
     i, s = carry
@@ -149,7 +151,13 @@ def decode_chunk(cfg: ModelConfig, params: Any, state: DecodeState, iteration_ke
 
   def body(carry):
     i, s = carry
-    return i + 1, decode_step(cfg, params, s, iteration_key, sampling)
+    if k == 1:
+      return i + 1, decode_step(cfg, params, s, iteration_key, sampling)
+    # k steps with a static trip count: no loop condition to read back (SamplingConfig). A
+    # step of a finished batch changes nothing (decode_step freezes done rows).
+    s = jax.lax.fori_loop(0, k, lambda _, s: decode_step(cfg, params, s, iteration_key,
+                                                         sampling), s)
+    return i + k, s
 
   _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
   return state

@@ -37,6 +37,12 @@ class SamplingConfig:
   eos_id: int = -1  # token that ends a response (it is kept in the response); -1: no EOS
   pad_id: int = 0  # fills response buffers past a sample's length
   chunk_size: int = 8  # decode steps K per jitted call; the host checks `done` between calls
+  # Decode steps between the device's own "is every row done?" tests inside a chunk. Between
+  # two tests the steps run as a fixed-trip-count loop: XLA:GPU evaluates a data-dependent loop
+  # condition by copying it to the host and waiting (one sync per test), a known trip count
+  # needs none. Costs at most steps_per_check - 1 idle steps after the last row finishes (done
+  # rows are frozen: the tokens do not change). Must divide chunk_size; 1: a test every step.
+  steps_per_check: int = 1
 
   def __post_init__(self):
     if not self.temperature > 0:
@@ -50,6 +56,10 @@ class SamplingConfig:
       raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens}; expected an integer >= 1")
     if int(self.chunk_size) != self.chunk_size or self.chunk_size < 1:
       raise ValueError(f"sampling.chunk_size={self.chunk_size}; expected an integer >= 1")
+    k = self.steps_per_check
+    if int(k) != k or k < 1 or self.chunk_size % k:
+      raise ValueError(f"sampling.steps_per_check={k}; expected an integer >= 1 that divides "
+                       f"sampling.chunk_size={self.chunk_size}")
     if self.eos_id < -1:
       raise ValueError(f"sampling.eos_id={self.eos_id}; expected a token id >= 0, or -1 for none")
     if self.pad_id < 0:

@@ -454,7 +454,9 @@ class Attention(nn.Module):
     else:
       kc = write_cache(cache.k, cache.layer, cache_bits(k.astype(cache.dtype)), positions[:, 0])
       vc = write_cache(cache.v, cache.layer, cache_bits(v.astype(cache.dtype)), positions[:, 0])
-      if cfg.attention == "reference":  # the oracle: every cache slot, materialised scores
+      # The oracle reads every cache slot with materialised scores; GPU decode does the same
+      # (static shapes: no host round trip per key block, attention.decode_reads_whole_cache).
+      if cfg.attention == "reference" or attention_lib.decode_reads_whole_cache(cfg.attention, l):
         keys = jnp.broadcast_to(jnp.arange(kc.shape[2]), (b, kc.shape[2]))
         out = attention_lib.reference_attention(
             q, from_bits(kc[cache.layer], cache.dtype), from_bits(vc[cache.layer], cache.dtype),

@@ -25,6 +25,7 @@ class BenchDecodeConfig:
   prompt_len: int  # prompt tokens per row (the cache holds prompt_len + max_new_tokens)
   max_new_tokens: int  # tokens generated per row (no EOS: every row runs to the end)
   chunk_size: int  # decode steps per jitted call
+  steps_per_check: int  # decode steps between "all rows done?" tests (sampling.SamplingConfig)
   warmup: int  # untimed runs before timing (compilation happens before these, ahead of time)
   repeats: int  # timed runs; medians are reported
   train_batch: int  # samples per PPO update
@@ -49,6 +50,9 @@ class BenchDecodeConfig:
     _check(self.max_new_tokens >= 2, "max_new_tokens", self.max_new_tokens,
            ">= 2 (the first token comes from prefill; decode makes the rest)")
     _check(self.warmup >= 0, "warmup", self.warmup, ">= 0")
+    _check(self.steps_per_check > 0 and self.chunk_size % self.steps_per_check == 0,
+           "steps_per_check", self.steps_per_check,
+           f"a positive divisor of chunk_size={self.chunk_size}")
     _check(self.prompt_len + self.max_new_tokens <= self.model.max_seq_len,
            "prompt_len + max_new_tokens", self.prompt_len + self.max_new_tokens,
            f"<= model.max_seq_len={self.model.max_seq_len}")

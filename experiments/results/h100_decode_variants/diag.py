@@ -1,0 +1,130 @@
+"""GPU diagnostics of 2026-11-26 (one H100 call): decode step time of the engine's variants, the
+PPO update's MFU with two attention implementations, and a 1-device plan_check compile.
+
+  OUT=DIR PYTHONPATH=.:<ml-collections> python experiments/results/h100_decode_variants/diag.py \
+      decode|train
+
+decode: the 1.1B bf16 model of configs/bench_decode.py:1b (prompt 128, 512 new tokens, cache
+640, chunk 128), timed with bench_decode.measure_decode (the engine's Generator; median of
+REPEATS runs after one warm-up) for each VARIANT "attention:steps_per_check" ("c": the chunk
+size, one check per chunk) and batch in
+BATCHES; plus per-variant counts in the compiled decode chunk (fusions, custom calls, while
+loops, loops with a trip count XLA knows). Writes $OUT/decode_<TAG>.json after every point.
+train: bench_decode.measure_train at each TRAIN variant "attention:batch". Writes
+$OUT/train.json after every point. peer: bench_decode.measure_peer (HF transformers, same shape
+and lengths) at each batch of BATCHES; writes $OUT/peer.json.
+"""
+import concurrent.futures
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+
+import jax
+
+sys.argv = sys.argv[:2]
+from configs import bench_decode as bdc  # noqa: E402
+from experiments import bench_decode as bd  # noqa: E402
+from rlhfuse_jax.generation import instances  # noqa: E402
+from rlhfuse_jax.generation.sampling import SamplingConfig  # noqa: E402
+from rlhfuse_jax.perf.bench_config import BenchDecodeConfig  # noqa: E402
+
+OUT = os.environ["OUT"]
+CFG = BenchDecodeConfig.from_config_dict(bdc.get_config("1b"))
+CFG = dataclasses.replace(CFG, warmup=1, repeats=int(os.environ.get("REPEATS", "2")))
+PEAK_BW = 3.35e12  # h100_sxm preset (sim/hardware.py); the result keeps the raw bytes and times
+
+
+def hlo_counts(txt: str) -> dict:
+  return {"fusions": len(re.findall(r"= \S+ fusion\(", txt)),
+          "custom_calls": len(re.findall(r"custom-call\(", txt)),
+          "whiles": txt.count(" while("),
+          "known_trip_counts": re.findall(r'known_trip_count":\{"n":"(\d+)"', txt)}
+
+
+def decode(tag: str) -> None:
+  variants = os.environ.get("VARIANTS", "blockwise:1,reference:1,reference:c").split(",")
+  batches = [int(b) for b in os.environ.get("BATCHES", "1,16,128").split(",")]
+  params, = bd.random_params([CFG.model], jax.random.key(0))
+  out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+         "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": []}
+  path = os.path.join(OUT, f"decode_{tag}.json")
+  points = [(v, b) for v in variants for b in batches]
+
+  def build(point):
+    v, b = point
+    att, k = v.split(":")
+    model = CFG.model.replace(attention=att)
+    smp = SamplingConfig(temperature=1.0, max_new_tokens=CFG.max_new_tokens, eos_id=-1,
+                         pad_id=0, chunk_size=CFG.chunk_size,
+                         steps_per_check=CFG.chunk_size if k == "c" else int(k))
+    t0 = time.perf_counter()
+    gen = instances.Generator(model, smp, batch_size=b, prompt_len=CFG.prompt_len, params=params)
+    return model, gen, time.perf_counter() - t0
+
+  # Compiled concurrently (XLA compiles outside the GIL), timed one at a time.
+  with concurrent.futures.ThreadPoolExecutor(len(points)) as pool:
+    jobs = [pool.submit(build, p) for p in points]
+  for (v, b), job in zip(points, jobs):
+    try:
+      model, gen, compile_s = job.result()
+      row = bd.measure_decode(dataclasses.replace(CFG, model=model), gen, params)
+      row.update(variant=v, compile_s=compile_s, bw_fraction=row["achieved_bw_bytes_per_s"]
+                 / PEAK_BW, hlo=hlo_counts(gen._exe["decode"].as_text()))
+    except Exception as e:  # noqa: BLE001 report and go on with the next point
+      row = {"variant": v, "batch": b, "error": f"{type(e).__name__}: {e}"[:2000]}
+    jobs[points.index((v, b))] = None  # drop the generator (its cache) once timed
+    out["rows"].append(row)
+    print(f"DECODE {tag} {v} b={b}: " + (
+        f"{1e3 * row['step_s']:.3f} ms/step, {row['tokens_per_s']:.0f} tok/s, "
+        f"{100 * row['bw_fraction']:.1f}% of HBM peak, compile {row['compile_s']:.1f} s"
+        if "error" not in row else row["error"][:300]), flush=True)
+    json.dump(out, open(path, "w"), indent=1)
+
+
+def train() -> None:
+  variants = os.environ.get("TRAIN", "blockwise:8,cudnn:8").split(",")
+  out = {"device": jax.devices()[0].device_kind, "rows": []}
+  for v in variants:
+    att, b = v.split(":")
+    cfg = dataclasses.replace(CFG, model=CFG.model.replace(attention=att), train_batch=int(b))
+    try:
+      actor, critic = bd.random_params([cfg.model, cfg.critic_model], jax.random.key(1))
+      t0 = time.perf_counter()
+      with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        tb = bd.make_train_bench(cfg, actor, critic, pool)
+      row = bd.measure_train(cfg, tb)
+      row.update(variant=v, compile_s=time.perf_counter() - t0,
+                 mfu=row["achieved_flops_per_s"] / 989.4e12,
+                 mfu_6nd=row["flops_6nd"] / row["step_s"] / 989.4e12)
+      del tb, actor, critic
+    except Exception as e:  # noqa: BLE001
+      row = {"variant": v, "error": f"{type(e).__name__}: {e}"[:2000]}
+    out["rows"].append(row)
+    print(f"TRAIN {v}: " + (f"{row['step_s']:.4f} s, MFU {100 * row['mfu']:.1f}% "
+                            f"(6ND {100 * row['mfu_6nd']:.1f}%)" if "error" not in row
+                            else row["error"][:300]), flush=True)
+    json.dump(out, open(os.path.join(OUT, "train.json"), "w"), indent=1)
+
+
+def peer() -> None:
+  """HF transformers generation at each batch of BATCHES (bench_decode.measure_peer)."""
+  out = {"device": jax.devices()[0].device_kind, "rows": []}
+  for b in [int(b) for b in os.environ.get("BATCHES", "1,16,128").split(",")]:
+    try:
+      row = bd.measure_peer(CFG, b)
+    except Exception as e:  # noqa: BLE001
+      row = {"batch": b, "error": f"{type(e).__name__}: {e}"[:2000]}
+    out["rows"].append(row)
+    print(f"PEER b={b}: " + (f"{row['tokens_per_s']:.0f} tok/s, "
+                             f"{1e3 * row['decode_s'] / row['decode_steps']:.3f} ms/step, "
+                             f"{row['mode']}" if "error" not in row else row["error"][:300]),
+          flush=True)
+    json.dump(out, open(os.path.join(OUT, "peer.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+  {"decode": lambda: decode(os.environ.get("TAG", "default")), "train": train,
+   "peer": peer}[sys.argv[1]]()
