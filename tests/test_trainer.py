@@ -99,6 +99,14 @@ def test_bad_config_names_the_field(overrides, message):
     tiny_config(**overrides)
 
 
+def test_steps_per_check_must_divide_the_chunk():
+  c = ppo_tiny.get_config().to_dict()
+  c["rollout"]["chunk_size"], c["rollout"]["steps_per_check"] = 4, 3
+  with pytest.raises(ValueError, match=r"config\.rollout\.steps_per_check=3: expected a "
+                                       r"positive divisor of rollout\.chunk_size=4"):
+    TrainConfig.from_config_dict(c)
+
+
 def test_unknown_field_is_rejected():
   c = ppo_tiny.get_config().to_dict()
   c["algo"]["clip_epsilon"] = 0.1

@@ -78,6 +78,10 @@ class RolloutConfig:
   top_k: int = 0  # 0: off
   top_p: float = 1.0  # 1.0: off
   chunk_size: int = 8  # decode steps per jitted call (host checks `done` between chunks)
+  # Decode steps between the device's "all rows done?" tests inside a chunk; > 1 runs them as
+  # a fixed-trip-count loop (a GPU reads each test back to the host; generation/sampling.py).
+  # Same tokens whatever its value; must divide chunk_size.
+  steps_per_check: int = 1
 
   def __post_init__(self):
     _check(self.prompts_per_iteration > 0, "rollout.prompts_per_iteration",
@@ -89,6 +93,9 @@ class RolloutConfig:
     _check(self.top_k >= 0, "rollout.top_k", self.top_k, ">= 0 (0 disables)")
     _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
     _check(self.chunk_size > 0, "rollout.chunk_size", self.chunk_size, "> 0")
+    _check(self.steps_per_check > 0 and self.chunk_size % self.steps_per_check == 0,
+           "rollout.steps_per_check", self.steps_per_check,
+           f"a positive divisor of rollout.chunk_size={self.chunk_size}")
 
   @property
   def batch_size(self) -> int:
@@ -484,6 +491,8 @@ RESUMABLE_FIELDS = frozenset({
     "eval_every", "data.val_file", "data.val_max_prompts",
     # The plan file's path: what it sets (plan.*, mesh.*, pipeline.critic_pp) is fingerprinted.
     "plan.file",
+    # When the device tests "all rows done?": the same tokens, only the decode's host syncs.
+    "rollout.steps_per_check",
 })
 
 

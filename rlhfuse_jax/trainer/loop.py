@@ -145,7 +145,8 @@ class PPOTrainer:
     self.sampling = SamplingConfig(
         temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, eos_id=self.tokenizer.eos_id,
-        pad_id=self.tokenizer.pad_id, chunk_size=cfg.rollout.chunk_size)
+        pad_id=self.tokenizer.pad_id, chunk_size=cfg.rollout.chunk_size,
+        steps_per_check=cfg.rollout.steps_per_check)
     # The stage owns the frozen models from here (a fused stage moves them to host memory).
     # Async PPO scores values with the current critic on the training devices instead (a
     # batch's values must be those of the critic it trains against: _current_values), so its
