@@ -9,7 +9,8 @@ decode: the 1.1B bf16 model of configs/bench_decode.py:1b (prompt 128, 512 new t
 REPEATS runs after one warm-up) for each VARIANT "attention:steps_per_check" ("c": the chunk
 size, one check per chunk) and batch in
 BATCHES; plus per-variant counts in the compiled decode chunk (fusions, custom calls, while
-loops, loops with a trip count XLA knows). Writes $OUT/decode_<TAG>.json after every point.
+loops, loops with a trip count XLA knows). Writes $OUT/decode_<TAG>.json after every point;
+with DUMP_HLO=DIR also the optimised decode chunk of every point as DIR/decode_*.hlo.
 train: bench_decode.measure_train at each TRAIN variant "attention:batch". Writes
 $OUT/train.json after every point. peer: bench_decode.measure_peer (HF transformers, same shape
 and lengths) at each batch of BATCHES; writes $OUT/peer.json.
@@ -71,8 +72,13 @@ def decode(tag: str) -> None:
     try:
       model, gen, compile_s = job.result()
       row = bd.measure_decode(dataclasses.replace(CFG, model=model), gen, params)
+      txt = gen._exe["decode"].as_text()
       row.update(variant=v, compile_s=compile_s, bw_fraction=row["achieved_bw_bytes_per_s"]
-                 / PEAK_BW, hlo=hlo_counts(gen._exe["decode"].as_text()))
+                 / PEAK_BW, hlo=hlo_counts(txt))
+      if os.environ.get("DUMP_HLO"):  # the optimised decode chunk, to read offline
+        with open(os.path.join(os.environ["DUMP_HLO"], f"decode_{v.replace(':', '_')}_b{b}.hlo"),
+                  "w") as f:
+          f.write(txt)
     except Exception as e:  # noqa: BLE001 report and go on with the next point
       row = {"variant": v, "batch": b, "error": f"{type(e).__name__}: {e}"[:2000]}
     jobs[points.index((v, b))] = None  # drop the generator (its cache) once timed
