@@ -32,6 +32,11 @@ this way, and 2.1 / 1.7 / 4.2 ms reading the whole cache with static shapes
 decode on GPU to the static path when the implementation is "auto" or "cudnn"; CPU and TPU keep
 the loop (no host round trip there; on CPU the live prefix is what makes a step's cost follow
 the live length, not the capacity).
+
+"pallas" (opt-in, not yet measured on a GPU) keeps the live-prefix loop but on the device: one-
+token decode runs models/decode_kernel.py, a Pallas (Triton) kernel that reads each row's live
+key blocks from the stacked cache in place; off GPU it runs the same kernel in interpret mode.
+Training, scoring and prefill under "pallas" are those of "auto".
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("reference", "blockwise", "cudnn", "auto")
+IMPLEMENTATIONS = ("reference", "blockwise", "cudnn", "auto", "pallas")
 _MASKED = float(jnp.finfo(jnp.float32).min)  # score of a masked (but real) key, as reference
 _warned: set = set()
 
@@ -65,6 +70,30 @@ def decode_reads_whole_cache(impl: str, num_queries: int) -> bool:
     return jax.default_backend() == "gpu"
   except RuntimeError:  # no backend initialised
     return False
+
+
+def uses_decode_kernel(impl: str, num_queries: int) -> bool:
+  """Whether attention of `num_queries` queries against a KV cache runs the Pallas decode kernel
+  (`kernel_decode_attention`): one-token decode under "pallas"."""
+  return impl == "pallas" and num_queries == 1
+
+
+def kernel_decode_attention(q, k_cache, v_cache, layer, q_pos, dtype):
+  """One-token decode through models/decode_kernel.py (the Triton kernel on GPU, the same kernel
+  body in interpret mode elsewhere, so CPU tests run its code).
+
+  q: [batch, 1, heads, dim]; k_cache, v_cache: [layers, batch, S, kv_heads, dim] as stored
+  (bits for 16-bit `dtype`), already holding this step's keys; layer: int or int32 scalar;
+  q_pos: [batch, 1]. Returns [batch, 1, heads, dim] in q.dtype. Imported here, not at the top:
+  only "pallas" runs pay for importing jax.experimental.pallas.
+  """
+  from rlhfuse_jax.models import decode_kernel  # pylint: disable=import-outside-toplevel
+  try:
+    interpret = jax.default_backend() != "gpu"
+  except RuntimeError:  # no backend initialised
+    interpret = True
+  return decode_kernel.pallas_decode_attention(q, k_cache, v_cache, layer, q_pos, dtype,
+                                               interpret=interpret)
 
 
 def reference_attention(q, k, v, q_pos, k_pos):
@@ -345,8 +374,9 @@ def cudnn_attention(q, k, v, q_pos, k_pos):
 
 
 def dot_product_attention(q, k, v, q_pos, k_pos, impl: str = "blockwise", **block_sizes):
-  """Dispatches on impl in IMPLEMENTATIONS. "cudnn" and "auto" use cuDNN where it runs (GPU,
-  bf16/fp16, supported head_dim) and fall back to blockwise with a logged reason otherwise.
+  """Dispatches on impl in IMPLEMENTATIONS. "cudnn", "auto" and "pallas" (whose kernel is for
+  decode only) use cuDNN where it runs (GPU, bf16/fp16, supported head_dim) and fall back to
+  blockwise, "cudnn" with a logged reason, otherwise.
 
   q: [batch, L, heads, dim]; k, v: [batch, S, kv_heads, dim]; q_pos: [batch, L];
   k_pos: [batch, S]. Returns [batch, L, heads, dim] in q.dtype.
@@ -355,7 +385,7 @@ def dot_product_attention(q, k, v, q_pos, k_pos, impl: str = "blockwise", **bloc
     raise ValueError(f"attention impl {impl!r}; expected one of {IMPLEMENTATIONS}")
   if impl == "reference":
     return reference_attention(q, k, v, q_pos, k_pos)
-  if impl in ("cudnn", "auto"):
+  if impl in ("cudnn", "auto", "pallas"):
     reason = _cudnn_unsupported(q, k)
     if reason is None:
       try:

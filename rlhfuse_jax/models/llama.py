@@ -89,7 +89,9 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype; norms, softmax and heads run in float32
   head: str = "lm"  # "lm" (actor, reference) or "scalar" (critic, reward model)
-  attention: str = "blockwise"  # reference | blockwise | cudnn | auto (models/attention.py)
+  # reference | blockwise | cudnn | auto | pallas (models/attention.py). "pallas" is "auto" plus
+  # a Pallas (Triton) kernel for one-token decode against the cache (opt-in, unmeasured on GPU).
+  attention: str = "blockwise"
   remat: str = "none"  # none | full | dots: what each Block keeps for the backward
   # One scanned Block instead of num_layers unrolled ones: params["layers"]["block"] leaves get
   # a leading [num_layers] axis (`stack_layers` / `unstack_layers` convert), and compile time
@@ -456,7 +458,11 @@ class Attention(nn.Module):
       vc = write_cache(cache.v, cache.layer, cache_bits(v.astype(cache.dtype)), positions[:, 0])
       # The oracle reads every cache slot with materialised scores; GPU decode does the same
       # (static shapes: no host round trip per key block, attention.decode_reads_whole_cache).
-      if cfg.attention == "reference" or attention_lib.decode_reads_whole_cache(cfg.attention, l):
+      if attention_lib.uses_decode_kernel(cfg.attention, l):  # live blocks, looped on device
+        out = attention_lib.kernel_decode_attention(q, kc, vc, cache.layer, positions,
+                                                    cache.dtype)
+      elif cfg.attention == "reference" or attention_lib.decode_reads_whole_cache(
+          cfg.attention, l):
         keys = jnp.broadcast_to(jnp.arange(kc.shape[2]), (b, kc.shape[2]))
         out = attention_lib.reference_attention(
             q, from_bits(kc[cache.layer], cache.dtype), from_bits(vc[cache.layer], cache.dtype),
