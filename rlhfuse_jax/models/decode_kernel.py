@@ -161,7 +161,8 @@ def pallas_decode_attention(q, k_cache, v_cache, layer, q_pos, dtype, *, block_k
   or their bits for 16-bit `dtype`); layer: int or int32 scalar; q_pos: [B, 1] int32, the query
   positions (row b sees keys 0..q_pos[b, 0]; its own key is already in the cache); dtype: the
   cache's value dtype. Returns [B, 1, H, D] in q.dtype: reference_attention over the keys at
-  positions <= q_pos, softmax statistics and accumulation in float32.
+  positions <= q_pos, softmax statistics and accumulation in float32. q_pos must be in [0, S):
+  a negative position has no live block (reference_attention would average all S values).
 
   block_k: keys per block (clipped to the largest power of 2 <= S); k_splits: programs per
   (row, kv head) over the key blocks (default `default_k_splits`); interpret: run the kernel
