@@ -29,7 +29,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "output directory", required=Tru
 
 def run(c, workdir: str) -> dict:
   problem = PipelineProblem.from_config(c)
-  cfg = search.SearchConfig(time_budget_s=float(c.time_budget_s), seed=int(c.seed))
+  cfg = search.SearchConfig(time_budget_s=float(c.time_budget_s), seed=int(c.seed),
+                            workers=int(c.workers))
   wd.write_config(workdir, c)
   serial = evaluate(problem, schedules.serial_order(problem), schedules.serial_release(problem))
   greedy = evaluate(problem, schedules.greedy_order(problem))
@@ -64,6 +65,7 @@ def run(c, workdir: str) -> dict:
       "evaluations": res.evaluations,
       "evaluations_per_s": res.evaluations / max(res.search_s, 1e-9),
       "seed": int(c.seed),
+      "workers": int(c.workers),
   }
   wd.write_json(os.path.join(workdir, "result.json"), result)
   wd.atomic_write_text(os.path.join(workdir, "schedule.json"), sched.to_json() + "\n")

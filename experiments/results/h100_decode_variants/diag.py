@@ -12,8 +12,10 @@ BATCHES; plus per-variant counts in the compiled decode chunk (fusions, custom c
 loops, loops with a trip count XLA knows). Writes $OUT/decode_<TAG>.json after every point;
 with DUMP_HLO=DIR also the optimised decode chunk of every point as DIR/decode_*.hlo.
 train: bench_decode.measure_train at each TRAIN variant "attention:batch". Writes
-$OUT/train.json after every point. peer: bench_decode.measure_peer (HF transformers, same shape
-and lengths) at each batch of BATCHES; writes $OUT/peer.json.
+$OUT/train.json after every point. kernel: the Pallas decode kernel compiled for the device vs
+reference_attention (error, time per call); writes $OUT/kernel.json. peer:
+bench_decode.measure_peer (HF transformers, same shape and lengths) at each batch of BATCHES;
+writes $OUT/peer.json.
 """
 import concurrent.futures
 import dataclasses
@@ -115,6 +117,47 @@ def train() -> None:
     json.dump(out, open(os.path.join(OUT, "train.json"), "w"), indent=1)
 
 
+def kernel() -> None:
+  """The Pallas decode kernel compiled for the device against reference_attention: random
+  bf16 caches of the 1.1B shape (S 640, layer 21 of 22), ragged positions, batch 1/16/128;
+  max abs error and the two step times (median of 20 calls)."""
+  import numpy as np
+  from rlhfuse_jax.models import attention, decode_kernel, llama
+  m = CFG.model
+  h, kvh, d, s_len, layers = m.num_heads, m.num_kv_heads, m.head_dim_, CFG.cache_len, 22
+  out = {"device": jax.devices()[0].device_kind, "rows": []}
+  for b in (1, 16, 128):
+    rng = np.random.default_rng(b)
+    try:
+      k = jax.numpy.asarray(rng.standard_normal((layers, b, s_len, kvh, d)), "bfloat16")
+      v = jax.numpy.asarray(rng.standard_normal((layers, b, s_len, kvh, d)), "bfloat16")
+      kb, vb = llama.cache_bits(k), llama.cache_bits(v)
+      q = jax.numpy.asarray(rng.standard_normal((b, 1, h, d)), "bfloat16")
+      pos = jax.numpy.asarray(rng.integers(0, s_len, (b, 1)), "int32")
+      fk = jax.jit(lambda q, kb, vb, pos: decode_kernel.pallas_decode_attention(
+          q, kb, vb, layers - 1, pos, "bfloat16"))
+      fr = jax.jit(lambda q, k, v, pos: attention.reference_attention(
+          q, k[layers - 1], v[layers - 1], pos,
+          jax.numpy.broadcast_to(jax.numpy.arange(s_len), (b, s_len))))
+      got, want = fk(q, kb, vb, pos), fr(q, k, v, pos)
+      err = float(jax.numpy.max(jax.numpy.abs(got.astype("float32") - want.astype("float32"))))
+      times = {}
+      for name, f, args in (("kernel_s", fk, (q, kb, vb, pos)),
+                            ("reference_s", fr, (q, k, v, pos))):
+        ts = []
+        for _ in range(20):
+          t0 = time.perf_counter()
+          jax.block_until_ready(f(*args))
+          ts.append(time.perf_counter() - t0)
+        times[name] = float(np.median(ts))
+      row = {"batch": b, "max_abs_err": err, **times}
+    except Exception as e:  # noqa: BLE001
+      row = {"batch": b, "error": f"{type(e).__name__}: {e}"[:3000]}
+    out["rows"].append(row)
+    print(f"KERNEL b={b}: {row}"[:600], flush=True)
+    json.dump(out, open(os.path.join(OUT, "kernel.json"), "w"), indent=1)
+
+
 def peer() -> None:
   """HF transformers generation at each batch of BATCHES (bench_decode.measure_peer)."""
   out = {"device": jax.devices()[0].device_kind, "rows": []}
@@ -133,4 +176,4 @@ def peer() -> None:
 
 if __name__ == "__main__":
   {"decode": lambda: decode(os.environ.get("TAG", "default")), "train": train,
-   "peer": peer}[sys.argv[1]]()
+   "peer": peer, "kernel": kernel}[sys.argv[1]]()

@@ -19,11 +19,14 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temper
 date >> $L
 timeout 330 python3 -m experiments.bench_decode --config=configs/bench_decode.py:1b \
   --config.scan_compile_layers=2,4 --config.capacities=512,1024 --workdir=$R/bench >> $L 2>&1
-# 2. The opt-in Pallas decode kernel against the static path, with the optimised decode HLO of
+# 2. Does the Pallas decode kernel compile through Triton and match the reference there?
+date >> $L
+OUT=$R timeout 120 python3 $D/diag.py kernel >> $L 2>&1
+# 3. The opt-in Pallas decode kernel against the static path, with the optimised decode HLO of
 #    each point (what is the one KV-cache copy in the GPU chunk's temporaries? how many kernels
 #    per layer at batch 1?).
 date >> $L
 OUT=$R DUMP_HLO=$R/hlo TAG=pallas VARIANTS=pallas:c,auto:c timeout 240 \
   python3 $D/diag.py decode >> $L 2>&1
 date >> $L
-grep -E "^(DECODE|TRAIN|PEER)|batch +[0-9]+:|ppo update:|peer|Error" $L | tail -40
+grep -E "^(DECODE|TRAIN|PEER|KERNEL)|batch +[0-9]+:|ppo update:|peer|Error" $L | tail -40
