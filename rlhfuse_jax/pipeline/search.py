@@ -573,6 +573,11 @@ def _worker_config(config: SearchConfig, i: int) -> SearchConfig:
                              reverse_first=config.reverse_first != bool(i % 2))
 
 
+# Seconds of a time budget kept back from every worker of step 6: the spawned ones' results come
+# back pickled after their last phase, which itself overruns its share by up to ~0.5 s (e6, 20 s).
+WORKER_RESERVE_S = 0.3
+
+
 def _spawned_search(problem: PipelineProblem, config: SearchConfig, t0: float,
                     initial: Optional[list[np.ndarray]]) -> SearchResult:
   """A spawned worker: the budget left of the parent's, counted from t0 (time.time() is one
@@ -590,6 +595,9 @@ def _search_workers(problem: PipelineProblem, config: SearchConfig,
   """Step 6: config.workers searches at once, the best result (ties: the lowest worker)."""
   t0 = time.time()
   n = config.workers
+  if config.max_evaluations is None:
+    config = dataclasses.replace(
+        config, time_budget_s=max(1e-3, config.time_budget_s - WORKER_RESERVE_S))
   ctx = multiprocessing.get_context("spawn")
   pool = concurrent.futures.ProcessPoolExecutor(n - 1, mp_context=ctx)
   try:
