@@ -19,14 +19,19 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temper
 date >> $L
 timeout 330 python3 -m experiments.bench_decode --config=configs/bench_decode.py:1b \
   --config.scan_compile_layers=2,4 --config.capacities=512,1024 --workdir=$R/bench >> $L 2>&1
-# 2. Does the Pallas decode kernel compile through Triton and match the reference there?
+# 2. XLA:GPU's DotMerger (default threshold 32 MB) merges dots that share an input (q/k/v,
+#    gate/up) into one dot against a concatenation of the weights: is that concatenation done
+#    every decode step? The same decode with merging off, HLO kept (look for `concatenate`).
+date >> $L
+OUT=$R DUMP_HLO=$R/hlo XLA_FLAGS=--xla_gpu_dot_merger_threshold_mb=0 TAG=nomerge \
+  VARIANTS=auto:c timeout 150 python3 $D/diag.py decode >> $L 2>&1
+# 3. Does the Pallas decode kernel compile through Triton and match the reference there?
 date >> $L
 OUT=$R timeout 120 python3 $D/diag.py kernel >> $L 2>&1
-# 3. The opt-in Pallas decode kernel against the static path, with the optimised decode HLO of
-#    each point (what is the one KV-cache copy in the GPU chunk's temporaries? how many kernels
-#    per layer at batch 1?).
+# 4. The opt-in Pallas decode kernel in the engine (compare with step 1's auto rows), with the
+#    optimised decode HLO of each point (the KV-cache copy in the GPU chunk's temporaries).
 date >> $L
-OUT=$R DUMP_HLO=$R/hlo TAG=pallas VARIANTS=pallas:c,auto:c timeout 240 \
+OUT=$R DUMP_HLO=$R/hlo TAG=pallas VARIANTS=pallas:c timeout 200 \
   python3 $D/diag.py decode >> $L 2>&1
 date >> $L
 grep -E "^(DECODE|TRAIN|PEER|KERNEL)|batch +[0-9]+:|ppo update:|peer|Error" $L | tail -40
