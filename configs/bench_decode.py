@@ -36,7 +36,7 @@ def get_config(arg: str = "tiny"):
   c.max_new_tokens = 16  # generated tokens per row; KV cache length = prompt_len + this
   c.chunk_size = 8  # decode steps per jitted call (the engine checks `done` between calls)
   # Decode steps between the device's "all rows done?" tests (sampling.steps_per_check): each
-  # test is a host round trip on GPU. No EOS here, so a chunk-long loop wastes no step.
+  # test is a host round trip on GPU. No EOS here: at most steps_per_check - 1 idle steps.
   c.steps_per_check = 1
   c.warmup = 1  # untimed runs per measurement
   c.repeats = 5  # timed runs per measurement (median reported)

@@ -264,14 +264,19 @@ def measure_peer(cfg: BenchDecodeConfig, batch: int) -> dict:
       raise RuntimeError(f"HF generated {out.shape[1] - cfg.prompt_len} tokens, asked {tokens}")
     return dt
 
-  # transformers compiles the forward of a static-cache generation itself (its auto-compile,
-  # CUDA graphs included); wrapping model.forward in torch.compile as well failed on an H100
-  # with transformers 5.17 ("accessing tensor output of CUDAGraphs that has been overwritten",
-  # experiments/results/h100_decode_variants), so the first try is plain generate and the
-  # fallback is eager (disable_compile=True).
-  mode, extra = "generate(static cache, transformers' own compile)", {}
+  # transformers compiles the forward of a static-cache generation itself (its auto-compile);
+  # wrapping model.forward in torch.compile as well failed on an H100 with transformers 5.17
+  # ("accessing tensor output of CUDAGraphs that has been overwritten",
+  # experiments/results/h100_decode_variants), so the first try is plain generate, labelled
+  # compiled only if dynamo compiled a graph, and the fallback is eager (disable_compile=True).
+  from torch._dynamo.utils import counters  # pylint: disable=import-outside-toplevel
+  extra = {}
+  graphs = counters["stats"]["unique_graphs"]
   try:
     generate(n)
+    compiled = counters["stats"]["unique_graphs"] > graphs
+    mode = ("generate(static cache), compiled by transformers" if compiled
+            else "generate(static cache), eager: transformers did not compile it")
   except Exception as e:  # noqa: BLE001 any compile failure: measure eager instead, say why
     logging.warning("peer: compiled generation failed (%s: %s); timing eager", type(e).__name__, e)
     mode, extra = f"eager (compiled generation failed: {type(e).__name__})", {

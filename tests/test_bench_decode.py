@@ -323,6 +323,8 @@ def _cd(**overrides):
     ({"hardware": "h100"}, "hardware"),
     ({"max_new_tokens": 60}, "max_seq_len"),
     ({"repeats": 0}, "repeats"),
+    ({"steps_per_check": 3}, r"config\.steps_per_check=3: expected a positive divisor of "
+                             r"chunk_size=8"),
 ])
 def test_bad_configs_name_the_field(overrides, match):
   with pytest.raises(ValueError, match=match):

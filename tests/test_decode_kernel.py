@@ -13,6 +13,7 @@ from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.models import attention as attn
 from rlhfuse_jax.models import decode_kernel as dk
 from rlhfuse_jax.models import llama
+from rlhfuse_jax.parallel import mesh as mesh_lib
 
 LAYERS = 3
 
@@ -151,3 +152,13 @@ def test_pallas_generation_equals_blockwise():
         prm, tokens, lens, key)
     np.testing.assert_array_equal(got.response_tokens, want.response_tokens, err_msg=str(scan))
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, err_msg=str(scan))
+
+
+def test_pallas_refuses_a_multi_device_instance():
+  """The Triton call has no partitioning rule (XLA would gather the cache onto every device),
+  so a generation instance of several devices is refused, naming the field."""
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2), jax.devices()[:2])
+  with pytest.raises(ValueError, match=r"model\.attention='pallas' decodes on one device; this "
+                                       r"generation instance has 2"):
+    instances.Generator(CFG.replace(attention="pallas"), SamplingConfig(max_new_tokens=T),
+                        batch_size=B, prompt_len=P, mesh=mesh)

@@ -177,25 +177,33 @@ def test_steps_per_check_runs_a_static_loop_and_changes_no_output(params, prompt
   assert (a.stop_reason == engine.STOP_EOS).any() and a.response_lens.max() % 3 != 1
   for field in ("response_tokens", "response_lens", "logprobs", "stop_reason"):
     np.testing.assert_array_equal(getattr(b, field), getattr(a, field))
-  assert b.decode_steps == a.decode_steps
+  # Steps a chunk runs (the Rt calibration divides a chunk's time by them): whole groups of 3.
+  assert [engine.chunk_steps(SamplingConfig(chunk_size=6, steps_per_check=k), n)
+          for k in (1, 3) for n in (1, 4, 6, 11)] == [1, 4, 6, 6, 3, 6, 6, 6]
   with pytest.raises(ValueError, match="steps_per_check=4.*chunk_size=6"):
     SamplingConfig(chunk_size=6, steps_per_check=4)
 
 
 def test_gpu_decode_reads_the_whole_cache_with_static_shapes(params, prompts, greedy,
-                                                            monkeypatch):
+                                                            monkeypatch, caplog):
   """attention="auto" on a GPU backend: one-token decode takes the static whole-cache path (no
   loop with a traced trip count, which XLA:GPU would sync on per key block and layer). Same
-  tokens as the blockwise decode, log-probs to float32
-  rounding. The backend is faked: the dispatch reads jax.default_backend() while tracing."""
+  tokens as the blockwise decode, log-probs to float32 rounding; "blockwise" there still loops,
+  and says once that it is slow. The backend is faked: the dispatch reads
+  jax.default_backend() while tracing, so no trace may come from (or stay in) jax's caches."""
   smp = SamplingConfig(greedy=True, max_new_tokens=T, chunk_size=4)
-  jax.clear_caches()  # the backend is read while tracing: no trace may come from a cache
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  gen = instances.Generator(CFG.replace(attention="auto"), smp, batch_size=B, prompt_len=P)
-  r = gen.generate(params, *prompts, KEY)
-  whiles = gen._exe["decode"].as_text().count(" while(")
-  monkeypatch.undo()
   jax.clear_caches()
+  try:
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    gen = instances.Generator(CFG.replace(attention="auto"), smp, batch_size=B, prompt_len=P)
+    r = gen.generate(params, *prompts, KEY)
+    whiles = gen._exe["decode"].as_text().count(" while(")
+    with caplog.at_level("WARNING"):
+      instances.Generator(CFG, smp, batch_size=B, prompt_len=P).compile(params)
+    monkeypatch.undo()
+  finally:
+    jax.clear_caches()
+  assert "decodes on GPU through the live-prefix loop" in caplog.text
   cpu = instances.Generator(CFG.replace(attention="auto"), smp, batch_size=B, prompt_len=P)
   cpu.compile(params)
   assert whiles == 1 < cpu._exe["decode"].as_text().count(" while(")  # chunk loop only

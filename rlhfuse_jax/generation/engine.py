@@ -163,6 +163,13 @@ def decode_chunk(cfg: ModelConfig, params: Any, state: DecodeState, iteration_ke
   return state
 
 
+def chunk_steps(sampling: SamplingConfig, remaining: int) -> int:
+  """Decode steps one `decode_chunk` runs when its longest row needs `remaining` more: up to
+  chunk_size, rounded up to whole groups of steps_per_check (the done test's granularity)."""
+  k = sampling.steps_per_check
+  return min(sampling.chunk_size, -(-max(1, remaining) // k) * k)
+
+
 def state_shardings(cfg: ModelConfig, mesh: Mesh) -> DecodeState:
   """NamedShardings of a DecodeState: slots split over BATCH_AXES, KV heads over `tensor`
   when it divides them (as the attention weights are), everything else replicated."""
@@ -188,7 +195,9 @@ class Rollout:
   uids: np.ndarray  # [B] int32
   prefill_s: float = 0.0  # wall time of prefill (including the first token)
   decode_s: float = 0.0  # wall time of all decode chunks
-  decode_steps: int = 0  # decode steps run (= max(response_lens) - 1)
+  # Decode steps that produced a token (= max(response_lens) - 1); with steps_per_check > 1 a
+  # chunk may run up to steps_per_check - 1 more, which change nothing (engine.chunk_steps).
+  decode_steps: int = 0
   decode_chunks: int = 0  # jitted decode calls
 
   @property

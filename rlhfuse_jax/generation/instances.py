@@ -202,6 +202,11 @@ class GenerationInstance:
                slots: int, prompt_len: int, frozen: Optional[FrozenModels] = None,
                micro_batch: int = 0):
     self.max_len = check_model(cfg, sampling, prompt_len)
+    if cfg.attention == "pallas" and mesh.devices.size > 1:
+      # The kernel's Triton call has no partitioning rule: XLA would gather the whole cache
+      # onto every device each layer and step (models/decode_kernel.py).
+      raise ValueError(f"model.attention='pallas' decodes on one device; this generation "
+                       f"instance has {mesh.devices.size} (use 'auto', or instances of 1 device)")
     multiple = mesh_lib.batch_size_multiple(mesh)
     if slots < 1 or slots % multiple:
       raise ValueError(f"generation batch_size (slots)={slots} must be a positive multiple of the "

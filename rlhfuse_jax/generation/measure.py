@@ -27,6 +27,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from rlhfuse_jax.generation import engine
 from rlhfuse_jax.policy import calibration as cal_lib
 
 # A rate high enough that `amount / rate` vanishes next to a measured per-call overhead.
@@ -52,7 +53,7 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   """Times the engine's executables (module docstring); returns a calibration-file dict."""
   inst = gen.instances[gen.local[0]]  # this process's (several processes: each its own)
   s, p = gen.config.slots, gen.prompt_len
-  t, k = gen.sampling.max_new_tokens, gen.sampling.chunk_size
+  t = gen.sampling.max_new_tokens
   params = inst.place(gen.cfg, actor_params)
   rng = np.random.default_rng(0)
   tok = rng.integers(1, gen.cfg.vocab_size, (s, p)).astype(np.int32)  # [S, P]
@@ -61,7 +62,7 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   key = jax.device_put(jax.random.key(0), inst.rep)
   full = np.full(s, t, np.int32)
   prefill_s = median_s(lambda: inst.prefill(params, tok, lens, uids, full, key), repeats)
-  steps = max(1, min(k, t - 1))  # decode steps one chunk runs from a fresh prefill
+  steps = engine.chunk_steps(gen.sampling, t - 1)  # steps one chunk runs from a fresh prefill
   occupancies = sorted({1, s})
   step_s = []
   for occ in occupancies:
@@ -109,8 +110,9 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
                    "instance, measured by rlhfuse_jax/generation/measure.py",
          "model_params": int(gen.cfg.num_params()), "instance_devices": len(inst.devices),
          "devices_share_compute": shares_compute(gen), "ops": ops,
-         "notes": f"slots={s}, prompt bucket={p}, max_new_tokens={t}, chunk={k}, "
-                  f"inference micro-batch={mb}; fixed-shape executables: prefill and "
-                  "inference as per-call overhead_s, migration as latency_s per sample"}
+         "notes": f"slots={s}, prompt bucket={p}, max_new_tokens={t}, "
+                  f"chunk={gen.sampling.chunk_size}, inference micro-batch={mb}; fixed-shape "
+                  "executables: prefill and inference as per-call overhead_s, migration as "
+                  "latency_s per sample"}
   cal_lib.from_dict(cal, "measured")  # what we return must load
   return cal

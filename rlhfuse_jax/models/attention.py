@@ -72,6 +72,24 @@ def decode_reads_whole_cache(impl: str, num_queries: int) -> bool:
     return False
 
 
+def warn_if_gpu_decode_loop(impl: str, num_queries: int) -> None:
+  """Logs once per process when one-token decode on a GPU backend takes the live-prefix loop
+  (model.attention "blockwise"): it works, but slowly (module docstring)."""
+  if num_queries != 1 or "gpu-loop" in _warned:
+    return
+  try:
+    gpu = jax.default_backend() == "gpu"
+  except RuntimeError:
+    return
+  if gpu:
+    _warned.add("gpu-loop")
+    logging.warning(
+        "model.attention=%r decodes on GPU through the live-prefix loop, whose traced trip count "
+        "XLA:GPU syncs with the host per key block and layer: 1.4-2.5x slower per step than "
+        "model.attention='auto' on an H100 (1.1B, cache 640; "
+        "experiments/results/h100_decode_variants). Set model.attention='auto'.", impl)
+
+
 def uses_decode_kernel(impl: str, num_queries: int) -> bool:
   """Whether attention of `num_queries` queries against a KV cache runs the Pallas decode kernel
   (`kernel_decode_attention`): one-token decode under "pallas"."""

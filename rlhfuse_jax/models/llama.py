@@ -468,6 +468,7 @@ class Attention(nn.Module):
             q, from_bits(kc[cache.layer], cache.dtype), from_bits(vc[cache.layer], cache.dtype),
             positions, keys)
       else:  # live key blocks only, read in place
+        attention_lib.warn_if_gpu_decode_loop(cfg.attention, l)
         out, kc, vc = attention_lib.cached_attention(
             q, kc, vc, cache.layer, positions, cache.live_len,
             load=functools.partial(from_bits, dtype=cache.dtype))

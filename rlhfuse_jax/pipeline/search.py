@@ -40,7 +40,7 @@ with a memory penalty, and a memory phase, within a wall-clock budget and a seed
    schedules from time 0, so the mirror treats the drain as carefully as the warm-up; each phase
    starts from the best schedules of the previous one.
 6. Parallel workers (`SearchConfig.workers`): steps 1-5 as independent searches on that many
-   cores at once (worker i: seed + i, odd workers start with the mirror), the best kept. The
+   cores at once (worker i: seed + i, odd workers with reverse_first flipped), the best kept. The
    runs of one instance differ a lot by seed (e7, 20 s: 330 on 1 of 6 seeds, 334-336 on the
    others), so a second core buys a second draw in the same wall time.
 
@@ -55,7 +55,6 @@ Deterministic for a given seed up to the wall-clock budget (how many iterations 
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import math
 import multiprocessing
@@ -352,7 +351,9 @@ class SearchConfig:
   repair_patience: int = 4          # repair stops after this many chunks without progress
   # Independent searches at once, one per core (step 6): worker 0 in this process, the others
   # in spawned processes (spawn, not fork: the caller may hold jax's threads), each within the
-  # same wall-clock budget, less their start-up. 1: this process only.
+  # same wall-clock budget, less their start-up; with max_evaluations, each worker gets that
+  # many (the total is workers x max_evaluations). Worker i: seed + i, and reverse_first
+  # flipped for odd i (no effect when reverse_frac is 0). 1: this process only.
   workers: int = 1
 
   def __post_init__(self):
@@ -373,8 +374,8 @@ class SearchConfig:
                        f"repair_patience={self.repair_patience} >= 1")
     if self.max_evaluations is not None and self.max_evaluations < 1:
       raise ValueError(f"max_evaluations={self.max_evaluations} must be >= 1 (or None)")
-    if self.workers < 1:
-      raise ValueError(f"workers={self.workers} must be >= 1")
+    if int(self.workers) != self.workers or self.workers < 1:
+      raise ValueError(f"workers={self.workers} must be an integer >= 1")
 
 
 class _Budget:
@@ -599,21 +600,27 @@ def _search_workers(problem: PipelineProblem, config: SearchConfig,
     config = dataclasses.replace(
         config, time_budget_s=max(1e-3, config.time_budget_s - WORKER_RESERVE_S))
   ctx = multiprocessing.get_context("spawn")
-  pool = concurrent.futures.ProcessPoolExecutor(n - 1, mp_context=ctx)
+  pool = ctx.Pool(n - 1)
   try:
-    others = [pool.submit(_spawned_search, problem, _worker_config(config, i), t0, initial)
+    others = [pool.apply_async(_spawned_search,
+                               (problem, _worker_config(config, i), t0, initial))
               for i in range(1, n)]
     results = [search(problem, _worker_config(config, 0), log, initial)]
-    results += [f.result() for f in others]
-  finally:  # the results are in: let the worker processes exit without waiting for them
-    pool.shutdown(wait=False, cancel_futures=True)
+    for i, job in enumerate(others, 1):
+      try:
+        results.append(job.get())
+      except Exception as e:  # noqa: BLE001 a lost worker costs its draw, not the others'
+        if log:
+          log(f"worker {i} failed ({type(e).__name__}: {e}); keeping the others' results")
+  finally:  # results in (or worker 0 interrupted): stop the workers now, do not wait for them
+    pool.terminate()
   ev = Evaluator(problem)
   keys = [_key(ev, r.best) for r in results]
-  win = min(range(n), key=lambda i: keys[i])
+  win = min(range(len(results)), key=lambda i: keys[i])
   best_any = min((r.best_unconstrained for r in results), key=lambda o: _key(ev, o)[2:])
   if log:
-    log(f"{n} workers: best within budget " + ", ".join(f"{k[2]:g}" for k in keys)
-        + f"; kept worker {win}'s")
+    log(f"{len(results)} of {n} workers: best within budget "
+        + ", ".join(f"{k[2]:g}" for k in keys) + f"; kept result {win}")
   return SearchResult(best=results[win].best, best_unconstrained=best_any,
                       start=results[0].start, evaluations=sum(r.evaluations for r in results),
                       search_s=time.time() - t0, history=results[win].history)
