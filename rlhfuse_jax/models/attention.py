@@ -28,8 +28,8 @@ Against a KV cache (`cached_attention`) the live-prefix loop has a traced trip c
 runs such a loop by copying its condition to the host and waiting, once per key block and layer:
 on one H100 (1.1B bf16, cache 640) a decode step took 4.2 / 3.7 / 5.9 ms at batch 1 / 16 / 128
 this way, and 2.1 / 1.7 / 4.2 ms reading the whole cache with static shapes
-(experiments/results/h100_decode_variants). So `decode_reads_whole_cache` sends one-token
-decode on GPU to the static path when the implementation is "auto" or "cudnn"; CPU and TPU keep
+(experiments/results/h100_decode_variants). So `cache_attention_path` sends one-token decode
+on GPU to the static path when the implementation is "auto" or "cudnn"; CPU and TPU keep
 the loop (no host round trip there; on CPU the live prefix is what makes a step's cost follow
 the live length, not the capacity).
 
@@ -60,40 +60,36 @@ def _warn_once(reason: str) -> None:
     logging.warning("attention: cudnn unavailable (%s); using blockwise", reason)
 
 
-def decode_reads_whole_cache(impl: str, num_queries: int) -> bool:
-  """Whether attention of `num_queries` queries against a KV cache reads the whole cache with
-  static shapes (reference_attention) instead of the live-prefix loop (module docstring): for
-  one-token decode under "auto" / "cudnn" on a GPU backend."""
-  if impl not in ("auto", "cudnn") or num_queries != 1:
-    return False
+def _on_gpu() -> bool:
+  """Whether jax's default backend is a GPU (False before any backend is initialised)."""
   try:
     return jax.default_backend() == "gpu"
-  except RuntimeError:  # no backend initialised
+  except RuntimeError:
     return False
 
 
-def warn_if_gpu_decode_loop(impl: str, num_queries: int) -> None:
-  """Logs once per process when one-token decode on a GPU backend takes the live-prefix loop
-  (model.attention "blockwise"): it works, but slowly (module docstring)."""
-  if num_queries != 1 or "gpu-loop" in _warned:
-    return
-  try:
-    gpu = jax.default_backend() == "gpu"
-  except RuntimeError:
-    return
-  if gpu:
-    _warned.add("gpu-loop")
-    logging.warning(
-        "model.attention=%r decodes on GPU through the live-prefix loop, whose traced trip count "
-        "XLA:GPU syncs with the host per key block and layer: 1.4-2.5x slower per step than "
-        "model.attention='auto' on an H100 (1.1B, cache 640; "
-        "experiments/results/h100_decode_variants). Set model.attention='auto'.", impl)
-
-
-def uses_decode_kernel(impl: str, num_queries: int) -> bool:
-  """Whether attention of `num_queries` queries against a KV cache runs the Pallas decode kernel
-  (`kernel_decode_attention`): one-token decode under "pallas"."""
-  return impl == "pallas" and num_queries == 1
+def cache_attention_path(impl: str, num_queries: int) -> str:
+  """How attention of `num_queries` queries against a KV cache runs under `impl` (module
+  docstring): "kernel", one-token decode under "pallas" (`kernel_decode_attention`); "whole",
+  every cache slot with static shapes (`reference_attention`), under "reference" and for
+  one-token decode under "auto" / "cudnn" on a GPU backend; "loop", `cached_attention`'s
+  live-prefix loop otherwise. Logs once per process when one-token decode on a GPU takes the
+  loop: it works, but slowly."""
+  if num_queries == 1 and impl == "pallas":
+    return "kernel"
+  if impl == "reference":
+    return "whole"
+  if num_queries == 1 and _on_gpu():
+    if impl in ("auto", "cudnn"):
+      return "whole"
+    if "gpu-loop" not in _warned:
+      _warned.add("gpu-loop")
+      logging.warning(
+          "model.attention=%r decodes on GPU through the live-prefix loop, whose traced trip "
+          "count XLA:GPU syncs with the host per key block and layer: 1.4-2.5x slower per step "
+          "than model.attention='auto' on an H100 (1.1B, cache 640; "
+          "experiments/results/h100_decode_variants). Set model.attention='auto'.", impl)
+  return "loop"
 
 
 def kernel_decode_attention(q, k_cache, v_cache, layer, q_pos, dtype):
@@ -106,12 +102,8 @@ def kernel_decode_attention(q, k_cache, v_cache, layer, q_pos, dtype):
   only "pallas" runs pay for importing jax.experimental.pallas.
   """
   from rlhfuse_jax.models import decode_kernel  # pylint: disable=import-outside-toplevel
-  try:
-    interpret = jax.default_backend() != "gpu"
-  except RuntimeError:  # no backend initialised
-    interpret = True
   return decode_kernel.pallas_decode_attention(q, k_cache, v_cache, layer, q_pos, dtype,
-                                               interpret=interpret)
+                                               interpret=not _on_gpu())
 
 
 def reference_attention(q, k, v, q_pos, k_pos):

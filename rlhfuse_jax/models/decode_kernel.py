@@ -2,7 +2,7 @@
 
 Why a kernel: on GPU the live-prefix loop of attention.cached_attention has a traced trip count,
 which XLA:GPU runs with a host round trip per key block and layer, so "auto" decode reads the
-whole cache with static shapes instead (attention.decode_reads_whole_cache). A kernel keeps the
+whole cache with static shapes instead (attention.cache_attention_path). A kernel keeps the
 loop on the device: each program reads only its row's live key blocks, in place, from the
 stacked cache [layers, batch, S, kv_heads, dim] (no per-step copy or transpose of the layer).
 

@@ -456,19 +456,19 @@ class Attention(nn.Module):
     else:
       kc = write_cache(cache.k, cache.layer, cache_bits(k.astype(cache.dtype)), positions[:, 0])
       vc = write_cache(cache.v, cache.layer, cache_bits(v.astype(cache.dtype)), positions[:, 0])
-      # The oracle reads every cache slot with materialised scores; GPU decode does the same
-      # (static shapes: no host round trip per key block, attention.decode_reads_whole_cache).
-      if attention_lib.uses_decode_kernel(cfg.attention, l):  # live blocks, looped on device
+      # attention.cache_attention_path: the Pallas kernel (live blocks, looped on the device),
+      # every slot with static shapes (the oracle, and GPU decode: no host round trip per key
+      # block), or the live-prefix loop reading the cache in place.
+      path = attention_lib.cache_attention_path(cfg.attention, l)
+      if path == "kernel":
         out = attention_lib.kernel_decode_attention(q, kc, vc, cache.layer, positions,
                                                     cache.dtype)
-      elif cfg.attention == "reference" or attention_lib.decode_reads_whole_cache(
-          cfg.attention, l):
+      elif path == "whole":
         keys = jnp.broadcast_to(jnp.arange(kc.shape[2]), (b, kc.shape[2]))
         out = attention_lib.reference_attention(
             q, from_bits(kc[cache.layer], cache.dtype), from_bits(vc[cache.layer], cache.dtype),
             positions, keys)
-      else:  # live key blocks only, read in place
-        attention_lib.warn_if_gpu_decode_loop(cfg.attention, l)
+      else:
         out, kc, vc = attention_lib.cached_attention(
             q, kc, vc, cache.layer, positions, cache.live_len,
             load=functools.partial(from_bits, dtype=cache.dtype))
