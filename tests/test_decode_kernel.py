@@ -1,19 +1,16 @@
 """models/decode_kernel.py: the Pallas decode kernel (interpret mode on CPU) against
 reference_attention over the live keys, on f32 and bf16-bit caches, GQA groups 1, 4 and 7,
 ragged rows, splits with no live block, static and traced layers; garbage (NaN) past a row's
-position never reaches its output; the kernel lowers to a Triton call for CUDA; and
-model.attention="pallas" generates what "blockwise" does."""
+position never reaches its output; the kernel lowers to a Triton call for CUDA. The engine with
+model.attention="pallas" is tested in test_generation.py, on its fixtures."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlhfuse_jax.generation import instances
-from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.models import attention as attn
 from rlhfuse_jax.models import decode_kernel as dk
 from rlhfuse_jax.models import llama
-from rlhfuse_jax.parallel import mesh as mesh_lib
 
 LAYERS = 3
 
@@ -124,41 +121,3 @@ def test_kernel_lowers_to_a_triton_call_for_cuda():
           q, cache, cache, layer, pos)
   text = exported.mlir_module()
   assert text.count("@__gpu$xla.gpu.triton") == 1 and "mosaic" not in text.lower()
-
-
-CFG = llama.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=4,
-                        num_heads=4, num_kv_heads=2, max_seq_len=64)
-B, P, T = 8, 6, 12
-
-
-def test_pallas_generation_equals_blockwise():
-  """The engine with model.attention="pallas" (prefill as "auto", decode through the kernel in
-  interpret mode) gives the blockwise engine's greedy tokens and log-probs to float32 rounding,
-  with unrolled and scanned (traced layer index) layers."""
-  params = jax.tree_util.tree_map(jnp.asarray, llama.host_random_params(CFG, 0))
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(1, CFG.vocab_size, (B, P)).astype(np.int32)
-  lens = np.array([6, 1, 3, 5, 2, 6, 4, 3], np.int32)
-  for b in range(B):  # right padding with pad_id=0, as generation expects
-    tokens[b, lens[b]:] = 0
-  smp = SamplingConfig(greedy=True, max_new_tokens=T, chunk_size=4)
-  key = jax.random.key(7)
-  want = instances.Generator(CFG, smp, batch_size=B, prompt_len=P).generate(
-      params, tokens, lens, key)
-  for scan in (False, True):
-    cfg = CFG.replace(attention="pallas", scan_layers=scan)
-    prm = llama.stack_layers(params, CFG.num_layers) if scan else params
-    got = instances.Generator(cfg, smp, batch_size=B, prompt_len=P).generate(
-        prm, tokens, lens, key)
-    np.testing.assert_array_equal(got.response_tokens, want.response_tokens, err_msg=str(scan))
-    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, err_msg=str(scan))
-
-
-def test_pallas_refuses_a_multi_device_instance():
-  """The Triton call has no partitioning rule (XLA would gather the cache onto every device),
-  so a generation instance of several devices is refused, naming the field."""
-  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2), jax.devices()[:2])
-  with pytest.raises(ValueError, match=r"model\.attention='pallas' decodes on one device; this "
-                                       r"generation instance has 2"):
-    instances.Generator(CFG.replace(attention="pallas"), SamplingConfig(max_new_tokens=T),
-                        batch_size=B, prompt_len=P, mesh=mesh)

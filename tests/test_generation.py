@@ -211,6 +211,29 @@ def test_gpu_decode_reads_the_whole_cache_with_static_shapes(params, prompts, gr
   np.testing.assert_allclose(r.logprobs, greedy.logprobs, atol=1e-5)
 
 
+def test_pallas_generation_equals_blockwise(params, prompts, greedy):
+  """The engine with model.attention="pallas" (prefill as "auto", decode through the Pallas
+  kernel, interpret mode on CPU) gives the blockwise engine's greedy tokens and log-probs to
+  float32 rounding, with unrolled and scanned (traced layer index) layers."""
+  smp = SamplingConfig(greedy=True, max_new_tokens=T, chunk_size=4)
+  for scan in (False, True):
+    cfg = CFG.replace(attention="pallas", scan_layers=scan)
+    prm = llama.stack_layers(params, CFG.num_layers) if scan else params
+    got = instances.Generator(cfg, smp, batch_size=B, prompt_len=P).generate(prm, *prompts, KEY)
+    np.testing.assert_array_equal(got.response_tokens, greedy.response_tokens, err_msg=str(scan))
+    np.testing.assert_allclose(got.logprobs, greedy.logprobs, atol=1e-5, err_msg=str(scan))
+
+
+def test_pallas_refuses_a_multi_device_instance():
+  """The kernel's Triton call has no partitioning rule (XLA would gather the cache onto every
+  device), so a generation instance of several devices is refused, naming the field."""
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2), jax.devices()[:2])
+  with pytest.raises(ValueError, match=r"model\.attention='pallas' decodes on one device; this "
+                                       r"generation instance has 2"):
+    instances.Generator(CFG.replace(attention="pallas"), SamplingConfig(max_new_tokens=T),
+                        batch_size=B, prompt_len=P, mesh=mesh)
+
+
 def test_per_sample_rng_invariance(params, prompts, sampled):
   gen, r = sampled
   tokens, lens = prompts

@@ -253,12 +253,12 @@ def test_parallel_workers_keep_the_best_of_their_independent_searches():
   p = PipelineProblem(4, 2, 6, 3, 2.0, 1.0, memory_budget_mode="uniform")
   cfg = search.SearchConfig(max_evaluations=6000, seed=6, chunk_iters=500, run_iters=1500,
                             list_variants=20)
-  ev = evaluate
   singles = [search.search(p, search._worker_config(dataclasses.replace(cfg, workers=2), i))
              for i in range(2)]
   assert search._worker_config(cfg, 1).seed == 7 and search._worker_config(cfg, 1).reverse_first
   both = search.search(p, dataclasses.replace(cfg, workers=2))
-  got, (w0, w1) = ev(p, both.best).objective(), [ev(p, r.best).objective() for r in singles]
+  got = evaluate(p, both.best).objective()
+  w0, w1 = (evaluate(p, r.best).objective() for r in singles)
   assert w1 < w0 and got == w1  # seed 6: the spawned worker's schedule is the better one
   assert both.evaluations == sum(r.evaluations for r in singles)
   np.testing.assert_array_equal(search.search(p, dataclasses.replace(cfg, workers=2)).best,
