@@ -27,9 +27,10 @@ def get_config(arg: str = "tiny"):
   c.model.max_seq_len = 64
   c.model.param_dtype = "bfloat16"
   c.model.dtype = "bfloat16"  # compute dtype; also the KV cache's
-  # "auto": cuDNN attention for training and prefill where it runs, and on GPU a one-token
-  # decode that reads the whole cache with static shapes; blockwise / the live-prefix loop
-  # elsewhere (models/attention.py; measured in experiments/results/h100_decode_variants).
+  # "auto": cuDNN attention for training and prefill where it runs; on a one-GPU instance
+  # one-token decode through the Pallas kernel (several GPUs: the whole cache with static
+  # shapes); blockwise / the live-prefix loop elsewhere (models/attention.py; measured in
+  # experiments/results/h100_pallas_decode and h100_decode_variants).
   c.model.attention = "auto"
   c.batch_sizes = "1,16,128"  # decode batches (comma-separated, increasing)
   c.prompt_len = 8  # prompt tokens per row
@@ -74,9 +75,10 @@ def get_config(arg: str = "tiny"):
     c.steps_per_check = 128  # 2.11 vs 2.15 ms per step at batch 1 on one H100 (1: a test a step)
     c.warmup = 2
     c.repeats = 5
-    # [16, 512] tokens: with cuDNN attention the update ran at 42.3 % MFU on one H100 (35.9 %
-    # at 8 sequences; experiments/results/h100_decode_variants/train.json), inside 80 GB.
-    c.train_batch = 16
+    # [32, 512] tokens: with cuDNN attention the update ran at 46.1 % MFU on one H100, inside
+    # 80 GB (42.4-44.3 % at 16 sequences, 35.9 % at 8; experiments/results/h100_pallas_decode
+    # and h100_decode_variants, train.json).
+    c.train_batch = 32
     c.train_prompt_len = 128
     c.train_response_len = 384
   elif arg != "tiny":

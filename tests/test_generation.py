@@ -7,6 +7,7 @@ import pytest
 
 from rlhfuse_jax.generation import engine, instances, sampling
 from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.models import attention as attn
 from rlhfuse_jax.models import llama, sequences
 from rlhfuse_jax.parallel import mesh as mesh_lib
 
@@ -233,6 +234,25 @@ def test_pallas_refuses_a_multi_device_instance():
     instances.Generator(CFG.replace(attention="pallas"), SamplingConfig(max_new_tokens=T),
                         batch_size=B, prompt_len=P, mesh=mesh)
 
+
+def test_auto_decodes_with_the_kernel_on_one_gpu_only(monkeypatch):
+  """"auto" becomes "pallas" for an instance of one device on a GPU backend (faster at every
+  measured batch, experiments/results/h100_pallas_decode); several devices, another backend or
+  an explicit implementation ("cudnn", the opt-out) keep their path. Construction only: the
+  Triton kernel cannot run here."""
+  smp = SamplingConfig(max_new_tokens=T)
+  mesh2 = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2), jax.devices()[:2])
+  assert attn.instance_attention("auto", 1) == "auto"  # the CPU backend: unchanged
+  assert instances.Generator(CFG.replace(attention="auto"), smp, batch_size=B,
+                             prompt_len=P).cfg.attention == "auto"
+  monkeypatch.setattr(attn, "_on_gpu", lambda: True)
+  assert [attn.instance_attention(i, n) for i, n in (("auto", 1), ("auto", 2), ("cudnn", 1),
+                                                     ("blockwise", 1), ("pallas", 1))] == [
+      "pallas", "auto", "cudnn", "blockwise", "pallas"]
+  one = instances.Generator(CFG.replace(attention="auto"), smp, batch_size=B, prompt_len=P)
+  two = instances.Generator(CFG.replace(attention="auto"), smp, batch_size=B, prompt_len=P,
+                            mesh=mesh2)
+  assert (one.cfg.attention, two.cfg.attention) == ("pallas", "auto")
 
 def test_per_sample_rng_invariance(params, prompts, sampled):
   gen, r = sampled

@@ -51,6 +51,7 @@ from rlhfuse_jax.generation import sampling as sampling_lib
 from rlhfuse_jax.generation.engine import DecodeState
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference import scoring
+from rlhfuse_jax.models import attention
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -202,6 +203,12 @@ class GenerationInstance:
                slots: int, prompt_len: int, frozen: Optional[FrozenModels] = None,
                micro_batch: int = 0):
     self.max_len = check_model(cfg, sampling, prompt_len)
+    impl = attention.instance_attention(cfg.attention, mesh.devices.size)
+    if impl != cfg.attention:
+      logging.log_first_n(logging.INFO, "generation instances of one GPU decode "
+                          "model.attention=%r with the Pallas kernel (models/attention.py; "
+                          "'cudnn' keeps the static whole-cache path)", 1, cfg.attention)
+      cfg = cfg.replace(attention=impl)
     if cfg.attention == "pallas" and mesh.devices.size > 1:
       # The kernel's Triton call has no partitioning rule: XLA would gather the whole cache
       # onto every device each layer and step (models/decode_kernel.py).
