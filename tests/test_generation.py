@@ -1,5 +1,7 @@
 """Generation: cache == full forward, behaviour log-probs == trainer recomputation, sampling
 filters, per-sample stop, per-sample RNG invariance, sharded == single device, clear errors."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,7 +189,8 @@ def test_steps_per_check_runs_a_static_loop_and_changes_no_output(params, prompt
 
 def test_gpu_decode_reads_the_whole_cache_with_static_shapes(params, prompts, greedy,
                                                             monkeypatch, caplog):
-  """attention="auto" on a GPU backend: one-token decode takes the static whole-cache path (no
+  """attention="cudnn" on a GPU backend (the opt-out: "auto" in a generation instance takes
+  the kernel there, test_auto_decodes_with_the_kernel_on_gpu): one-token decode takes the static whole-cache path (no
   loop with a traced trip count, which XLA:GPU would sync on per key block and layer). Same
   tokens as the blockwise decode, log-probs to float32 rounding; "blockwise" there still loops,
   and says once that it is slow. The backend is faked: the dispatch reads
@@ -196,7 +199,7 @@ def test_gpu_decode_reads_the_whole_cache_with_static_shapes(params, prompts, gr
   jax.clear_caches()
   try:
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    gen = instances.Generator(CFG.replace(attention="auto"), smp, batch_size=B, prompt_len=P)
+    gen = instances.Generator(CFG.replace(attention="cudnn"), smp, batch_size=B, prompt_len=P)
     r = gen.generate(params, *prompts, KEY)
     whiles = gen._exe["decode"].as_text().count(" while(")
     with caplog.at_level("WARNING"):
@@ -225,34 +228,52 @@ def test_pallas_generation_equals_blockwise(params, prompts, greedy):
     np.testing.assert_allclose(got.logprobs, greedy.logprobs, atol=1e-5, err_msg=str(scan))
 
 
-def test_pallas_refuses_a_multi_device_instance():
-  """The kernel's Triton call has no partitioning rule (XLA would gather the cache onto every
-  device), so a generation instance of several devices is refused, naming the field."""
-  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2), jax.devices()[:2])
-  with pytest.raises(ValueError, match=r"model\.attention='pallas' decodes on one device; this "
-                                       r"generation instance has 2"):
-    instances.Generator(CFG.replace(attention="pallas"), SamplingConfig(max_new_tokens=T),
-                        batch_size=B, prompt_len=P, mesh=mesh)
+def test_pallas_on_a_sharded_instance_runs_per_device(params, prompts, greedy):
+  """On an instance of data 2 x tensor 2 the kernel runs inside a shard_map on each device's
+  rows and KV head of its own cache shard: the blockwise engine's greedy tokens and log-probs,
+  and the compiled decode chunk has exactly the blockwise engine's collectives (the kernel
+  moves no cache between devices; without the shard_map XLA gathers the KV shards). KV heads that do not split over
+  `tensor` are refused, naming the field."""
+  smp = SamplingConfig(greedy=True, max_new_tokens=T, chunk_size=4)
+  cfg = CFG.replace(attention="pallas")
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, tensor=2), jax.devices()[:4])
+  sharded = mesh_lib.shard_params(params, llama.logical_specs(CFG), mesh)
+  gen = instances.Generator(cfg, smp, batch_size=B, prompt_len=P, mesh=mesh, params=sharded)
+  got = gen.generate(sharded, *prompts, KEY)
+  np.testing.assert_array_equal(got.response_tokens, greedy.response_tokens)
+  np.testing.assert_allclose(got.logprobs, greedy.logprobs, atol=1e-5)
+  def collectives(g):  # sorted (dtype[shape], op) of every collective in the decode chunk
+    return sorted(re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} (all-\w+|collective-permute)\(",
+                             g._exe["decode"].as_text()))
+  plain = instances.Generator(CFG.replace(attention="blockwise"), smp, batch_size=B,
+                              prompt_len=P, mesh=mesh, params=sharded)
+  assert collectives(gen) == collectives(plain)  # the kernel adds none (the engine's own)
+  mesh4 = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, tensor=4), jax.devices()[:4])
+  with pytest.raises(ValueError, match=r"model\.attention='pallas' needs the KV heads split "
+                                       r"evenly .* num_kv_heads=2, tensor=4"):
+    instances.Generator(cfg, smp, batch_size=B, prompt_len=P, mesh=mesh4)
 
 
-def test_auto_decodes_with_the_kernel_on_one_gpu_only(monkeypatch):
-  """"auto" becomes "pallas" for an instance of one device on a GPU backend (faster at every
-  measured batch, experiments/results/h100_pallas_decode); several devices, another backend or
-  an explicit implementation ("cudnn", the opt-out) keep their path. Construction only: the
-  Triton kernel cannot run here."""
+def test_auto_decodes_with_the_kernel_on_gpu(monkeypatch):
+  """"auto" becomes "pallas" for a generation instance on a GPU backend (faster at every
+  measured batch, experiments/results/h100_pallas_decode) when its KV heads split over the
+  instance's tensor devices; another backend, KV heads that do not split, or an explicit
+  implementation ("cudnn", the opt-out) keep their path. Construction only: the Triton kernel
+  cannot run here."""
   smp = SamplingConfig(max_new_tokens=T)
-  mesh2 = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2), jax.devices()[:2])
-  assert attn.instance_attention("auto", 1) == "auto"  # the CPU backend: unchanged
+  mesh4 = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, tensor=4), jax.devices()[:4])
+  assert attn.instance_attention("auto", 2, 1) == "auto"  # the CPU backend: unchanged
   assert instances.Generator(CFG.replace(attention="auto"), smp, batch_size=B,
                              prompt_len=P).cfg.attention == "auto"
   monkeypatch.setattr(attn, "_on_gpu", lambda: True)
-  assert [attn.instance_attention(i, n) for i, n in (("auto", 1), ("auto", 2), ("cudnn", 1),
-                                                     ("blockwise", 1), ("pallas", 1))] == [
-      "pallas", "auto", "cudnn", "blockwise", "pallas"]
+  assert [attn.instance_attention(i, kv, t) for i, kv, t in (
+      ("auto", 2, 1), ("auto", 8, 4), ("auto", 2, 4), ("cudnn", 2, 1), ("blockwise", 2, 1),
+      ("pallas", 2, 1))] == ["pallas", "pallas", "auto", "cudnn", "blockwise", "pallas"]
   one = instances.Generator(CFG.replace(attention="auto"), smp, batch_size=B, prompt_len=P)
-  two = instances.Generator(CFG.replace(attention="auto"), smp, batch_size=B, prompt_len=P,
-                            mesh=mesh2)
-  assert (one.cfg.attention, two.cfg.attention) == ("pallas", "auto")
+  four = instances.Generator(CFG.replace(attention="auto"), smp, batch_size=B, prompt_len=P,
+                             mesh=mesh4)
+  assert (one.cfg.attention, four.cfg.attention) == ("pallas", "auto")
+
 
 def test_per_sample_rng_invariance(params, prompts, sampled):
   gen, r = sampled

@@ -203,17 +203,18 @@ class GenerationInstance:
                slots: int, prompt_len: int, frozen: Optional[FrozenModels] = None,
                micro_batch: int = 0):
     self.max_len = check_model(cfg, sampling, prompt_len)
-    impl = attention.instance_attention(cfg.attention, mesh.devices.size)
+    tp = mesh.shape.get("tensor", 1)
+    impl = attention.instance_attention(cfg.attention, cfg.num_kv_heads, tp)
     if impl != cfg.attention:
-      logging.log_first_n(logging.INFO, "generation instances of one GPU decode "
+      logging.log_first_n(logging.INFO, "generation instances on GPU decode "
                           "model.attention=%r with the Pallas kernel (models/attention.py; "
                           "'cudnn' keeps the static whole-cache path)", 1, cfg.attention)
       cfg = cfg.replace(attention=impl)
-    if cfg.attention == "pallas" and mesh.devices.size > 1:
-      # The kernel's Triton call has no partitioning rule: XLA would gather the whole cache
-      # onto every device each layer and step (models/decode_kernel.py).
-      raise ValueError(f"model.attention='pallas' decodes on one device; this generation "
-                       f"instance has {mesh.devices.size} (use 'auto', or instances of 1 device)")
+    if cfg.attention == "pallas" and not attention.kernel_splits_heads(cfg.num_kv_heads, tp):
+      # Each device runs the kernel on its own KV heads (attention.kernel_mesh).
+      raise ValueError(f"model.attention='pallas' needs the KV heads split evenly over the "
+                       f"instance's tensor devices: num_kv_heads={cfg.num_kv_heads}, tensor={tp} "
+                       f"(use 'auto', or a tensor size that divides num_kv_heads)")
     multiple = mesh_lib.batch_size_multiple(mesh)
     if slots < 1 or slots % multiple:
       raise ValueError(f"generation batch_size (slots)={slots} must be a positive multiple of the "
@@ -263,13 +264,17 @@ class GenerationInstance:
     pre = _prefill_fn(cfg, sampling, self.max_len)
     st = self.state_abstract(actor_params)
     out = []
-    if want("prefill"):
-      out.append(("prefill", jax.jit(pre, out_shardings=(st_sh, rep)).lower(prm, tok, row, row,
-                                                                           row, key)))
-    if want("decode"):
-      # The state is donated: the chunk writes the new cache into the old buffers.
-      out.append(("decode", jax.jit(_decode_fn(cfg, sampling), out_shardings=(st_sh, rep),
-                                    donate_argnums=(1,)).lower(prm, st, key)))
+    # Under "pallas", one-token attention against the cache (decode; prefill of 1-token
+    # prompts) runs its kernel per device of this instance, on the cache as placed.
+    tensor = "tensor" if self.mesh.shape.get("tensor", 1) > 1 else None
+    with attention.kernel_mesh(self.mesh, mesh_lib.BATCH_AXES, tensor):
+      if want("prefill"):
+        out.append(("prefill", jax.jit(pre, out_shardings=(st_sh, rep)).lower(
+            prm, tok, row, row, row, key)))
+      if want("decode"):
+        # The state is donated: the chunk writes the new cache into the old buffers.
+        out.append(("decode", jax.jit(_decode_fn(cfg, sampling), out_shardings=(st_sh, rep),
+                                      donate_argnums=(1,)).lower(prm, st, key)))
     for r in self.buckets:
       idx = jax.ShapeDtypeStruct((r,), jnp.int32, sharding=rep)
       rows = mesh_lib.abstract(jax.eval_shape(gather_rows, st, idx), st_sh)

@@ -39,13 +39,16 @@ stacked cache in place; off GPU it runs the same kernel in interpret mode. Train
 prefill under "pallas" are those of "auto". On one H100 (1.1B bf16, cache 640,
 experiments/results/h100_pallas_decode) it decodes in 1.90 / 1.34 / 2.52 ms per step at batch
 1 / 16 / 128 against the static path's 2.11 / 1.67 / 4.16 ms, and a step at live length 128
-costs the same at capacity 4096 as at 512 (1.01x; the static path 4.05x). So a generation
-instance of one device on a GPU decodes "auto" with the kernel (`instance_attention`). The
-kernel's Triton call has no partitioning rule, so instances of several devices keep the static
-path; "cudnn" keeps it everywhere (the opt-out).
+costs the same at capacity 4096 as at 512 (1.01x; the static path 4.05x). So generation
+instances on a GPU decode "auto" with the kernel (`instance_attention`); "cudnn" keeps the
+static path (the opt-out). The kernel's Triton call has no partitioning rule, so on an instance
+of several devices it runs inside a shard_map (`kernel_mesh`): each device attends its own rows
+and KV heads of its own cache shard, which needs the KV heads split evenly over `tensor`.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from typing import Optional
@@ -98,14 +101,39 @@ def cache_attention_path(impl: str, num_queries: int) -> str:
   return "loop"
 
 
-def instance_attention(impl: str, num_devices: int) -> str:
-  """The `model.attention` a generation instance of `num_devices` devices runs (module
-  docstring): "auto" becomes "pallas" on a GPU backend for one device, where the kernel was
-  measured faster at every batch; everything else is kept (a multi-device "pallas" instance is
-  refused by the instance, not here)."""
-  if impl == "auto" and num_devices == 1 and _on_gpu():
+def kernel_splits_heads(num_kv_heads: int, tensor: int) -> bool:
+  """Whether the kernel can run on a mesh with `tensor` devices on the head axis: each needs
+  whole KV heads (and the query heads that read them) of its own."""
+  return tensor == 1 or num_kv_heads % tensor == 0
+
+
+def instance_attention(impl: str, num_kv_heads: int, tensor: int) -> str:
+  """The `model.attention` a generation instance runs (module docstring): "auto" becomes
+  "pallas" on a GPU backend, where the kernel was measured faster at every batch, when its KV
+  heads split evenly over the instance's `tensor` devices; everything else is kept (an
+  explicit "pallas" that cannot split is refused by the instance, not here)."""
+  if impl == "auto" and _on_gpu() and kernel_splits_heads(num_kv_heads, tensor):
     return "pallas"
   return impl
+
+
+# (mesh, batch axes, tensor axis or None) while a generation instance traces its programs
+# (`kernel_mesh`), else None: the kernel then runs per device inside a shard_map.
+_KERNEL_MESH: contextvars.ContextVar = contextvars.ContextVar("kernel_mesh", default=None)
+
+
+@contextlib.contextmanager
+def kernel_mesh(mesh, batch_axes: tuple[str, ...], tensor_axis: Optional[str]):
+  """While active, `kernel_decode_attention` runs the kernel per device of `mesh`: rows split
+  over `batch_axes`, KV heads (and their query heads) over `tensor_axis` (None: not split), as
+  the instance's cache is placed (generation/engine.state_shardings). A mesh of one device, or
+  None, calls the kernel directly."""
+  token = _KERNEL_MESH.set(None if mesh is None or mesh.devices.size == 1
+                           else (mesh, tuple(batch_axes), tensor_axis))
+  try:
+    yield
+  finally:
+    _KERNEL_MESH.reset(token)
 
 
 def kernel_decode_attention(q, k_cache, v_cache, layer, q_pos, dtype):
@@ -118,8 +146,22 @@ def kernel_decode_attention(q, k_cache, v_cache, layer, q_pos, dtype):
   only "pallas" runs pay for importing jax.experimental.pallas.
   """
   from rlhfuse_jax.models import decode_kernel  # pylint: disable=import-outside-toplevel
-  return decode_kernel.pallas_decode_attention(q, k_cache, v_cache, layer, q_pos, dtype,
-                                               interpret=not _on_gpu())
+  fn = functools.partial(decode_kernel.pallas_decode_attention, dtype=dtype,
+                         interpret=not _on_gpu())
+  ctx = _KERNEL_MESH.get()
+  if ctx is None:
+    return fn(q, k_cache, v_cache, layer, q_pos)
+  mesh, ax, t = ctx
+  if t is not None and k_cache.shape[3] % mesh.shape[t]:
+    raise ValueError(f"the decode kernel splits KV heads over {t!r}: {k_cache.shape[3]} KV "
+                     f"heads on {mesh.shape[t]} devices")
+  P = jax.sharding.PartitionSpec
+  rows, cache = P(ax, None, t, None), P(None, ax, None, t, None)
+  # A Pallas call has no replication rule for shard_map's checker; every output here is split
+  # by rows and heads like its inputs, nothing is replicated.
+  return jax.shard_map(lambda q, k, v, i, p: fn(q, k, v, i, p), mesh=mesh,
+                       in_specs=(rows, cache, cache, P(), P(ax, None)), out_specs=rows,
+                       check_vma=False)(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), q_pos)
 
 
 def reference_attention(q, k, v, q_pos, k_pos):
