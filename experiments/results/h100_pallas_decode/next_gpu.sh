@@ -1,0 +1,29 @@
+#!/bin/bash
+# Prepared for the next session that is lent a GPU (one call of at most ~8 min), from the
+# repository root with `wheels/` (the ml-collections wheel) carried:
+#   bash experiments/results/h100_pallas_decode/next_gpu.sh
+# Results land in /tmp/res and come back as $OUT/res.tgz; the log goes straight to $OUT.
+set -u
+STEPS=${STEPS:-123}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  wheels/*.whl || exit 1
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
+D=experiments/results/h100_decode_variants
+R=/tmp/res; mkdir -p $R; L=$OUT/log.txt
+trap 'tar czf $OUT/res.tgz -C $R .' EXIT
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu \
+  --format=csv > $R/nvidia_smi.txt 2>&1
+# 1. The bench as configured (attention "auto" = the kernel on one GPU, the update at 32
+#    sequences): the defaults' own figures for issue 26.
+[[ $STEPS == *1* ]] && date >> $L && timeout 240 python3 -m experiments.bench_decode \
+  --config=configs/bench_decode.py:1b --config.scan_compile_layers=2,4 \
+  --config.capacities=512,1024 --config.peer=none --workdir=$R/bench >> $L 2>&1
+# 2. Batch 1 streams the weights at 1.09 TB/s against 1.64 at batch 16: XLA:GPU runs half of
+#    the batch-1 matmuls as Triton reduction fusions. Do cuBLAS GEMMs do better?
+[[ $STEPS == *2* ]] && date >> $L && OUT=$R TAG=cublas VARIANTS=auto:c BATCHES=1,16,128 \
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 120 python3 $D/diag.py decode >> $L 2>&1
+# 3. Where the batch-1 regime ends: batch 2, 4, 8 (same engine as step 1).
+[[ $STEPS == *3* ]] && date >> $L && OUT=$R TAG=small VARIANTS=auto:c BATCHES=2,4,8 \
+  timeout 120 python3 $D/diag.py decode >> $L 2>&1
+date >> $L
+grep -E "^DECODE|batch +[0-9]+:|ppo update:.*MFU|Error" $L | tail -30
