@@ -1,6 +1,7 @@
 """Search, lower bounds and the schedule data structure."""
 import dataclasses
 import json
+import time
 
 import numpy as np
 import pytest
@@ -265,3 +266,27 @@ def test_parallel_workers_keep_the_best_of_their_independent_searches():
                                 both.best)
   with pytest.raises(ValueError, match="workers=0"):
     search.SearchConfig(workers=0)
+
+
+def test_a_worker_at_the_bound_stops_the_others():
+  """Step 6 by wall clock: a worker that ends within budget at the tight bound sets the shared
+  Event, and a set Event reads as a spent budget on every worker's clock, so a 60 s search
+  returns at once (with its start pool's best, valid); a worker that ends above the bound
+  leaves the Event unset."""
+  import threading  # the same is_set / set interface as the multiprocessing Event
+  easy = PipelineProblem(4, 2, 6, 3, 2.0, 1.0, memory_budget_mode="uniform")
+  hard = PipelineProblem(8, 4, 32, 16, 5.0, 4.0)
+  try:
+    for p, at_bound in ((easy, True), (hard, False)):
+      ev = threading.Event()
+      search._install_stop(ev)
+      res = search._spawned_search(p, search.SearchConfig(time_budget_s=0.3, seed=0),
+                                   time.time(), None)
+      assert (evaluate(p, res.best).makespan == bounds.tight_lower_bound(p)) == at_bound
+      assert ev.is_set() == at_bound
+    ev.set()
+    t0 = time.time()
+    res = search.search(hard, search.SearchConfig(time_budget_s=60.0, seed=0))
+    assert time.time() - t0 < 10 and evaluate(hard, res.best).valid
+  finally:
+    search._install_stop(None)

@@ -42,7 +42,8 @@ with a memory penalty, and a memory phase, within a wall-clock budget and a seed
 6. Parallel workers (`SearchConfig.workers`): steps 1-5 as independent searches on that many
    cores at once (worker i: seed + i, odd workers with reverse_first flipped), the best kept. The
    runs of one instance differ a lot by seed (e7, 20 s: 330 on 1 of 6 seeds, 334-336 on the
-   others), so a second core buys a second draw in the same wall time.
+   others), so a second core buys a second draw in the same wall time. By wall clock, a worker
+   that ends at the tight bound stops the others (`_STOP`): no makespan can beat it.
 
 Measured on the 12 reference instances: the unconstrained bound is reached easily (by list
 scheduling alone on most), while the memory budget is the hard part; order annealing alone
@@ -378,9 +379,24 @@ class SearchConfig:
       raise ValueError(f"workers={self.workers} must be an integer >= 1")
 
 
+# While the workers of step 6 search by wall clock: an Event (multiprocessing, shared by the
+# workers) that a worker sets when it ends at the tight bound; every other worker's clock then
+# reads its budget as spent, so nobody waits for a worker that cannot beat that result. None
+# otherwise (one worker, or max_evaluations, where stopping early would make the kept result
+# depend on timing).
+_STOP = None
+
+
+def _install_stop(event) -> None:
+  """Pool initializer of step 6's spawned workers (an Event travels only by inheritance)."""
+  global _STOP
+  _STOP = event
+
+
 class _Budget:
   """Share of the search budget used: elapsed / time_budget_s, or evaluations / max_evaluations
-  when that is set (then the wall clock is ignored, so a seed fixes the result)."""
+  when that is set (then the wall clock is ignored, so a seed fixes the result). Infinite once
+  another worker of step 6 has reached the bound (`_STOP`)."""
 
   def __init__(self, config: SearchConfig):
     self.t0 = time.time()
@@ -390,6 +406,8 @@ class _Budget:
   def used(self) -> float:
     if self.config.max_evaluations is not None:
       return self.evaluations / self.config.max_evaluations
+    if _STOP is not None and _STOP.is_set():
+      return math.inf  # not 1: a step that runs until used() + its share would never end
     return (time.time() - self.t0) / self.config.time_budget_s
 
   def chunk(self, until: float, default: int) -> int:
@@ -587,7 +605,17 @@ def _spawned_search(problem: PipelineProblem, config: SearchConfig, t0: float,
     config = dataclasses.replace(
         config, time_budget_s=max(1e-3, config.time_budget_s - (time.time() - t0)))
   warmup()  # compiled kernels from numba's on-disk cache
-  return search(problem, config, None, initial)
+  res = search(problem, config, None, initial)
+  _stop_others_at_bound(problem, res)
+  return res
+
+
+def _stop_others_at_bound(problem: PipelineProblem, res: SearchResult) -> None:
+  """Sets `_STOP` (if installed) when `res` is within budget at the tight bound."""
+  if _STOP is not None and res.best is not None:
+    key = _key(Evaluator(problem), res.best)
+    if key[1] == 0 and key[2] <= tight_lower_bound(problem) + 1e-9:
+      _STOP.set()
 
 
 def _search_workers(problem: PipelineProblem, config: SearchConfig,
@@ -600,12 +628,19 @@ def _search_workers(problem: PipelineProblem, config: SearchConfig,
     config = dataclasses.replace(
         config, time_budget_s=max(1e-3, config.time_budget_s - WORKER_RESERVE_S))
   ctx = multiprocessing.get_context("spawn")
-  pool = ctx.Pool(n - 1)
+  stop = ctx.Event() if config.max_evaluations is None else None
+  pool = ctx.Pool(n - 1, initializer=_install_stop, initargs=(stop,))
+  global _STOP
   try:
     others = [pool.apply_async(_spawned_search,
                                (problem, _worker_config(config, i), t0, initial))
               for i in range(1, n)]
-    results = [search(problem, _worker_config(config, 0), log, initial)]
+    _STOP = stop
+    try:
+      results = [search(problem, _worker_config(config, 0), log, initial)]
+      _stop_others_at_bound(problem, results[0])
+    finally:
+      _STOP = None
     for i, job in enumerate(others, 1):
       try:
         results.append(job.get())
