@@ -90,8 +90,15 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype; norms, softmax and heads run in float32
   head: str = "lm"  # "lm" (actor, reference) or "scalar" (critic, reward model)
   # reference | blockwise | cudnn | auto | pallas (models/attention.py). "pallas" is "auto" plus
-  # a Pallas (Triton) kernel for one-token decode against the cache (opt-in, unmeasured on GPU).
+  # a Pallas (Triton) kernel for one-token decode against the cache, which generation instances
+  # on GPU also use for "auto" (attention.instance_attention).
   attention: str = "blockwise"
+  # q/k/v as one matmul against their kernels concatenated per KV head ([embed, kv_heads,
+  # (group + 2) x head_dim]), and gate/up as one against [embed, 2, mlp]: fewer, larger
+  # kernels. The parameters are the same arrays under the same names (checkpoints and the HF
+  # loader unchanged); outputs equal the separate projections to rounding. The per-KV-head
+  # layout keeps a split of the heads over `tensor` local when it divides the KV heads.
+  fused_projections: bool = False
   remat: str = "none"  # none | full | dots: what each Block keeps for the backward
   # One scanned Block instead of num_layers unrolled ones: params["layers"]["block"] leaves get
   # a leading [num_layers] axis (`stack_layers` / `unstack_layers` convert), and compile time
@@ -341,6 +348,56 @@ def _dense(features, logical, cfg: ModelConfig, name: str, use_bias: bool = Fals
       name=name)
 
 
+class _Kernel(nn.Module):
+  """The parameters of a `_dense` layer without its matmul (same names, shapes, initialisers
+  and logical axes, so the same values for a seed): `fused_projections` multiplies several at
+  once. Returns (kernel [in, features], bias [features] or None), not yet cast."""
+  features: int
+  logical: tuple
+  cfg: ModelConfig
+  use_bias: bool = False
+
+  @nn.compact
+  def __call__(self, in_features: int):
+    dt = self.cfg.jnp_param_dtype
+    kernel = self.param(
+        "kernel", nn.with_logical_partitioning(nn.initializers.normal(0.02), self.logical),
+        (in_features, self.features), dt)
+    bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                           self.logical[-1:]),
+                      (self.features,), dt) if self.use_bias else None
+    return kernel, bias
+
+
+def _fused_matmul(x, kernel, bias, cfg: ModelConfig):
+  """x [..., in] @ kernel [in, *out] (+ bias [*out]) in the compute dtype, as nn.Dense does."""
+  x, kernel = x.astype(cfg.jnp_dtype), kernel.astype(cfg.jnp_dtype)
+  y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+  return y if bias is None else y + bias.astype(cfg.jnp_dtype)
+
+
+def _qkv(x, cfg: ModelConfig):
+  """q [b, l, h, d], k and v [b, l, kvh, d] from x [b, l, embed] (cfg local to a tensor shard
+  inside the pipeline executor). Separate Dense layers, or with cfg.fused_projections one
+  matmul against the kernels concatenated per KV head: [embed, kvh, (g + 2) d], each KV head's
+  g query heads then its key and value, so heads split over `tensor` stay on their device."""
+  b, l, e = x.shape
+  h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_
+  names = (("q_proj", h, "q_heads"), ("k_proj", kvh, "kv_heads"), ("v_proj", kvh, "kv_heads"))
+  if not cfg.fused_projections:
+    return tuple(_dense(n * d, ("embed", ax), cfg, name, cfg.qkv_bias)(x).reshape(b, l, n, d)
+                 for name, n, ax in names)
+  params = [_Kernel(n * d, ("embed", ax), cfg, cfg.qkv_bias, name=name)(e)
+            for name, n, ax in names]
+  kernel = jnp.concatenate([k.reshape(e, kvh, -1) for k, _ in params], axis=2)
+  bias = (None if not cfg.qkv_bias else
+          jnp.concatenate([bb.reshape(kvh, -1) for _, bb in params], axis=1))
+  y = _fused_matmul(x, kernel, bias, cfg)  # [b, l, kvh, (g + 2) d]
+  g = h // kvh
+  return (y[..., :g * d].reshape(b, l, h, d), y[..., g * d:(g + 1) * d],
+          y[..., (g + 1) * d:])
+
+
 class RMSNorm(nn.Module):
   """RMSNorm over the last axis with a learned gain.
 
@@ -437,11 +494,9 @@ class Attention(nn.Module):
     cache. Returns (out, cache with the new keys/values)."""
     cfg = self.cfg
     b, l, _ = x.shape
-    h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_
+    h, d = cfg.num_heads, cfg.head_dim_
     x = tp_enter(x)
-    q = _dense(h * d, ("embed", "q_heads"), cfg, "q_proj", cfg.qkv_bias)(x).reshape(b, l, h, d)
-    k = _dense(kvh * d, ("embed", "kv_heads"), cfg, "k_proj", cfg.qkv_bias)(x).reshape(b, l, kvh, d)
-    v = _dense(kvh * d, ("embed", "kv_heads"), cfg, "v_proj", cfg.qkv_bias)(x).reshape(b, l, kvh, d)
+    q, k, v = _qkv(x, cfg)
     if cfg.qk_norm:  # Qwen3: normalise each head's query and key, then rotate
       q = RMSNorm(cfg, per_head=True, name="q_norm")(q)
       k = RMSNorm(cfg, per_head=True, name="k_norm")(k)
@@ -485,8 +540,14 @@ class MLP(nn.Module):
   def __call__(self, x):
     cfg = self.cfg
     x = tp_enter(x)
-    gate = constrain_batch(_dense(cfg.intermediate_size, ("embed", "mlp"), cfg, "gate_proj")(x))
-    up = constrain_batch(_dense(cfg.intermediate_size, ("embed", "mlp"), cfg, "up_proj")(x))
+    if cfg.fused_projections:  # one matmul against [embed, 2, mlp] (ModelConfig)
+      (wg, _), (wu, _) = (_Kernel(cfg.intermediate_size, ("embed", "mlp"), cfg, name=name)(
+          x.shape[-1]) for name in ("gate_proj", "up_proj"))
+      y = _fused_matmul(x, jnp.stack([wg, wu], axis=1), None, cfg)
+      gate, up = constrain_batch(y[..., 0, :]), constrain_batch(y[..., 1, :])
+    else:
+      gate = constrain_batch(_dense(cfg.intermediate_size, ("embed", "mlp"), cfg, "gate_proj")(x))
+      up = constrain_batch(_dense(cfg.intermediate_size, ("embed", "mlp"), cfg, "up_proj")(x))
     return constrain_batch(tp_exit(
         _dense(cfg.hidden_size, ("mlp", "embed"), cfg, "down_proj")(nn.silu(gate) * up)))
 
