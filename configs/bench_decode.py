@@ -27,11 +27,13 @@ def get_config(arg: str = "tiny"):
   c.model.max_seq_len = 64
   c.model.param_dtype = "bfloat16"
   c.model.dtype = "bfloat16"  # compute dtype; also the KV cache's
-  # "auto": cuDNN attention for training and prefill where it runs; on a one-GPU instance
-  # one-token decode through the Pallas kernel (several GPUs: the whole cache with static
-  # shapes); blockwise / the live-prefix loop elsewhere (models/attention.py; measured in
-  # experiments/results/h100_pallas_decode and h100_decode_variants).
+  # "auto": cuDNN attention for training and prefill where it runs; on GPU one-token decode
+  # through the Pallas kernel (per device when KV heads split over the instance's tensor
+  # devices; else the whole cache with static shapes); blockwise / the live-prefix loop
+  # elsewhere (models/attention.py; measured in experiments/results/h100_pallas_decode and
+  # h100_decode_variants). Each per_batch row of result.json records what ran.
   c.model.attention = "auto"
+  c.model.fused_projections = False  # q/k/v and gate/up as one matmul each (models/llama.py)
   c.batch_sizes = "1,16,128"  # decode batches (comma-separated, increasing)
   c.prompt_len = 8  # prompt tokens per row
   c.max_new_tokens = 16  # generated tokens per row; KV cache length = prompt_len + this

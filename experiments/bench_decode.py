@@ -124,6 +124,8 @@ def measure_decode(cfg: BenchDecodeConfig, gen: instances.Generator, params: Any
       "mean_live_len": live, "weight_bytes": nbytes["weight_bytes"],
       "kv_bytes": nbytes["kv_bytes"], "bytes_per_step": nbytes["total_bytes"],
       "achieved_bw_bytes_per_s": nbytes["total_bytes"] / step_s,
+      # What the instance ran: "auto" becomes "pallas" on a GPU (attention.instance_attention).
+      "attention": gen.cfg.attention,
       **_memory_row(gen),
   }
   logging.info("decode batch %d: %.1f tokens/s, %.3f ms/step, %.3g GB/s achieved", batch,

@@ -39,7 +39,7 @@ def batch(b, seed):
   return tokens, lens, budgets
 
 
-def build(num_instances, slots, devices_per_instance, frozen, **kw):
+def build(num_instances, slots, devices_per_instance, frozen, cfg=CFG, **kw):
   actor = llama.host_random_params(CFG, 0)
   params = {"reference": actor}
   if frozen.critic is not None:
@@ -49,7 +49,7 @@ def build(num_instances, slots, devices_per_instance, frozen, **kw):
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=T, chunk_size=3, eos_id=-1)
   config = FusedGenConfig(num_instances=num_instances, slots=slots,
                           instance_devices=devices_per_instance, migration_threshold=0.5, **kw)
-  gen = FusedGenerator(CFG, sampling, config, batch_size=num_instances * slots, prompt_len=P,
+  gen = FusedGenerator(cfg, sampling, config, batch_size=num_instances * slots, prompt_len=P,
                        frozen=frozen, actor_params=actor, frozen_params=params)
   return gen, actor, params
 
@@ -257,6 +257,29 @@ def test_two_device_instances_identical_with_and_without_consolidation():
   assert out.metrics["gen/migrated_samples"] >= 1 and len(out.consolidations[0]["kept"]) == 1
   assert_same_samples(base, out)
   np.testing.assert_array_equal(base.ref_logp, out.ref_logp)
+
+
+def test_pallas_kernel_on_two_device_instances():
+  """model.attention="pallas" on fused instances of 2 devices (tensor 2): each instance runs
+  the kernel per device inside a shard_map over its own abstract mesh (both instances share
+  one trace, and each compiles for its own devices). Outputs identical with and without
+  consolidation (the kernel's rows are independent, every instance has the same shape), and
+  the blockwise engine's samples to rounding."""
+  tokens, lens, budgets = batch(8, 2)
+  budgets[2:] = np.minimum(budgets[2:], 4)
+  budgets[:2] = T
+  gen, actor, params = build(2, 4, 2, FrozenModels(reference=CFG),
+                             cfg=CFG.replace(attention="pallas"))
+  a, b = gen.instances
+  assert a.kernel == b.kernel and a.kernel[2] == "tensor"  # abstract meshes: one shared trace
+  base = gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=False)
+  out = gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=True, rt=0.5)
+  assert out.metrics["gen/migrated_samples"] >= 1
+  assert_same_samples(base, out)
+  plain, actor, params = build(2, 4, 2, FrozenModels(reference=CFG))
+  want = plain.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=False)
+  np.testing.assert_array_equal(base.rollout.response_tokens, want.rollout.response_tokens)
+  np.testing.assert_allclose(base.rollout.logprobs, want.rollout.logprobs, atol=1e-5)
 
 
 def test_rt_choice_follows_the_costs():

@@ -250,7 +250,7 @@ def test_pallas_on_a_sharded_instance_runs_per_device(params, prompts, greedy):
   assert collectives(gen) == collectives(plain)  # the kernel adds none (the engine's own)
   mesh4 = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, tensor=4), jax.devices()[:4])
   with pytest.raises(ValueError, match=r"model\.attention='pallas' needs the KV heads split "
-                                       r"evenly .* num_kv_heads=2, tensor=4"):
+                                       r"evenly .*model\.num_kv_heads=2, tensor=4"):
     instances.Generator(cfg, smp, batch_size=B, prompt_len=P, mesh=mesh4)
 
 

@@ -179,16 +179,33 @@ class FrozenModels:
   temperature: float = 1.0  # of the reference log-probs (the actor's logprob_temperature)
 
 
-# One Python callable per (model, sampling, length): instances then share jax's trace cache, so
-# only XLA's compile runs once per instance (tracing the model again costs ~0.3 s each).
-@functools.lru_cache(maxsize=None)
-def _prefill_fn(cfg: ModelConfig, sampling: SamplingConfig, max_len: int) -> Callable:
-  return functools.partial(prefill_slots, cfg, sampling=sampling, max_len=max_len)
+# One Python callable per (model, sampling, length, kernel mesh): instances then share jax's
+# trace cache, so only XLA's compile runs once per instance (tracing the model again costs ~0.3 s
+# each). `kernel`: None, or attention.kernel_mesh's arguments with the instance's *abstract*
+# mesh (axis names and sizes, no devices), so that instances of one shape share the trace and
+# the shard_map of a "pallas" decode is part of it (a context entered around jit would not be:
+# jax's trace cache does not see it).
+def _under_kernel_mesh(fn: Callable, kernel: Optional[tuple]) -> Callable:
+  if kernel is None:
+    return fn
+
+  def run(*args, **kwargs):
+    with attention.kernel_mesh(*kernel):
+      return fn(*args, **kwargs)
+  return run
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_fn(cfg: ModelConfig, sampling: SamplingConfig) -> Callable:
-  return functools.partial(decode_slots, cfg, sampling=sampling)
+def _prefill_fn(cfg: ModelConfig, sampling: SamplingConfig, max_len: int,
+                kernel: Optional[tuple] = None) -> Callable:
+  return _under_kernel_mesh(
+      functools.partial(prefill_slots, cfg, sampling=sampling, max_len=max_len), kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_fn(cfg: ModelConfig, sampling: SamplingConfig,
+               kernel: Optional[tuple] = None) -> Callable:
+  return _under_kernel_mesh(functools.partial(decode_slots, cfg, sampling=sampling), kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,9 +229,14 @@ class GenerationInstance:
       cfg = cfg.replace(attention=impl)
     if cfg.attention == "pallas" and not attention.kernel_splits_heads(cfg.num_kv_heads, tp):
       # Each device runs the kernel on its own KV heads (attention.kernel_mesh).
-      raise ValueError(f"model.attention='pallas' needs the KV heads split evenly over the "
-                       f"instance's tensor devices: num_kv_heads={cfg.num_kv_heads}, tensor={tp} "
-                       f"(use 'auto', or a tensor size that divides num_kv_heads)")
+      raise ValueError(
+          f"model.attention='pallas' needs the KV heads split evenly over a generation "
+          f"instance's tensor devices: model.num_kv_heads={cfg.num_kv_heads}, tensor={tp} "
+          f"(fusion.instance_devices for fused instances, mesh.tensor otherwise); use 'auto', "
+          f"or a tensor size that divides num_kv_heads")
+    # Under "pallas" on several devices the kernel runs per device (attention.kernel_mesh).
+    self.kernel = ((mesh.abstract_mesh, mesh_lib.BATCH_AXES, "tensor" if tp > 1 else None)
+                   if cfg.attention == "pallas" and mesh.devices.size > 1 else None)
     multiple = mesh_lib.batch_size_multiple(mesh)
     if slots < 1 or slots % multiple:
       raise ValueError(f"generation batch_size (slots)={slots} must be a positive multiple of the "
@@ -261,20 +283,17 @@ class GenerationInstance:
     cfg, sampling, p = self.cfg, self.sampling, self.prompt_len
     st_sh, rep = self.state_sharding, self.rep
     prm, tok, row, key = self._prefill_args(actor_params)
-    pre = _prefill_fn(cfg, sampling, self.max_len)
+    pre = _prefill_fn(cfg, sampling, self.max_len, self.kernel)
     st = self.state_abstract(actor_params)
     out = []
-    # Under "pallas", one-token attention against the cache (decode; prefill of 1-token
-    # prompts) runs its kernel per device of this instance, on the cache as placed.
-    tensor = "tensor" if self.mesh.shape.get("tensor", 1) > 1 else None
-    with attention.kernel_mesh(self.mesh, mesh_lib.BATCH_AXES, tensor):
-      if want("prefill"):
-        out.append(("prefill", jax.jit(pre, out_shardings=(st_sh, rep)).lower(
-            prm, tok, row, row, row, key)))
-      if want("decode"):
-        # The state is donated: the chunk writes the new cache into the old buffers.
-        out.append(("decode", jax.jit(_decode_fn(cfg, sampling), out_shardings=(st_sh, rep),
-                                      donate_argnums=(1,)).lower(prm, st, key)))
+    if want("prefill"):
+      out.append(("prefill", jax.jit(pre, out_shardings=(st_sh, rep)).lower(prm, tok, row, row,
+                                                                           row, key)))
+    if want("decode"):
+      # The state is donated: the chunk writes the new cache into the old buffers.
+      out.append(("decode", jax.jit(_decode_fn(cfg, sampling, self.kernel),
+                                    out_shardings=(st_sh, rep),
+                                    donate_argnums=(1,)).lower(prm, st, key)))
     for r in self.buckets:
       idx = jax.ShapeDtypeStruct((r,), jnp.int32, sharding=rep)
       rows = mesh_lib.abstract(jax.eval_shape(gather_rows, st, idx), st_sh)
@@ -316,7 +335,7 @@ class GenerationInstance:
   def state_abstract(self, actor_params) -> DecodeState:
     """ShapeDtypeStructs (with this instance's shardings) of the decode state."""
     prm, tok, row, key = self._prefill_args(actor_params)
-    pre = _prefill_fn(self.cfg, self.sampling, self.max_len)
+    pre = _prefill_fn(self.cfg, self.sampling, self.max_len, self.kernel)
     return mesh_lib.abstract(jax.eval_shape(pre, prm, tok, row, row, row, key)[0],
                              self.state_sharding)
 

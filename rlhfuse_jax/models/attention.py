@@ -124,12 +124,14 @@ _KERNEL_MESH: contextvars.ContextVar = contextvars.ContextVar("kernel_mesh", def
 
 @contextlib.contextmanager
 def kernel_mesh(mesh, batch_axes: tuple[str, ...], tensor_axis: Optional[str]):
-  """While active, `kernel_decode_attention` runs the kernel per device of `mesh`: rows split
-  over `batch_axes`, KV heads (and their query heads) over `tensor_axis` (None: not split), as
-  the instance's cache is placed (generation/engine.state_shardings). A mesh of one device, or
-  None, calls the kernel directly."""
-  token = _KERNEL_MESH.set(None if mesh is None or mesh.devices.size == 1
-                           else (mesh, tuple(batch_axes), tensor_axis))
+  """While active (tracing), `kernel_decode_attention` runs the kernel per device of `mesh` (a
+  Mesh or an AbstractMesh: generation instances pass the abstract one, so instances of one
+  shape share a trace): rows split over `batch_axes`, KV heads (and their query heads) over
+  `tensor_axis` (None: not split), as the instance's cache is placed
+  (generation/engine.state_shardings). A mesh of one device, or None, calls the kernel
+  directly."""
+  size = 1 if mesh is None else math.prod(mesh.shape.values())
+  token = _KERNEL_MESH.set(None if size == 1 else (mesh, tuple(batch_axes), tensor_axis))
   try:
     yield
   finally:
@@ -153,8 +155,8 @@ def kernel_decode_attention(q, k_cache, v_cache, layer, q_pos, dtype):
     return fn(q, k_cache, v_cache, layer, q_pos)
   mesh, ax, t = ctx
   if t is not None and k_cache.shape[3] % mesh.shape[t]:
-    raise ValueError(f"the decode kernel splits KV heads over {t!r}: {k_cache.shape[3]} KV "
-                     f"heads on {mesh.shape[t]} devices")
+    raise ValueError(f"model.attention='pallas' splits the KV heads over {t!r}: "
+                     f"model.num_kv_heads={k_cache.shape[3]} on {mesh.shape[t]} devices")
   P = jax.sharding.PartitionSpec
   rows, cache = P(ax, None, t, None), P(None, ax, None, t, None)
   # A Pallas call has no replication rule for shard_map's checker; every output here is split
