@@ -7,7 +7,7 @@ PPO update's MFU with two attention implementations, and a 1-device plan_check c
 decode: the 1.1B bf16 model of configs/bench_decode.py:1b (prompt 128, 512 new tokens, cache
 640, chunk 128), timed with bench_decode.measure_decode (the engine's Generator; median of
 REPEATS runs after one warm-up) for each VARIANT "attention:steps_per_check" ("c": the chunk
-size, one check per chunk) and batch in
+size, one check per chunk; "attention+fp": with model.fused_projections) and batch in
 BATCHES; plus per-variant counts in the compiled decode chunk (fusions, custom calls, while
 loops, loops with a trip count XLA knows). Writes $OUT/decode_<TAG>.json after every point;
 with DUMP_HLO=DIR also the optimised decode chunk of every point as DIR/decode_*.hlo.
@@ -59,7 +59,8 @@ def decode(tag: str) -> None:
   def build(point):
     v, b = point
     att, k = v.split(":")
-    model = CFG.model.replace(attention=att)
+    fused = att.endswith("+fp")  # "auto+fp": with model.fused_projections
+    model = CFG.model.replace(attention=att.removesuffix("+fp"), fused_projections=fused)
     smp = SamplingConfig(temperature=1.0, max_new_tokens=CFG.max_new_tokens, eos_id=-1,
                          pad_id=0, chunk_size=CFG.chunk_size,
                          steps_per_check=CFG.chunk_size if k == "c" else int(k))

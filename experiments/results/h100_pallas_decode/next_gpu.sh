@@ -1,10 +1,10 @@
 #!/bin/bash
-# Prepared for the next session that is lent a GPU (one call of at most ~8 min), from the
+# Prepared for the next session that is lent a GPU (one call of at most ~10 min), from the
 # repository root with `wheels/` (the ml-collections wheel) carried:
 #   bash experiments/results/h100_pallas_decode/next_gpu.sh
 # Results land in /tmp/res and come back as $OUT/res.tgz; the log goes straight to $OUT.
 set -u
-STEPS=${STEPS:-123}
+STEPS=${STEPS:-1234}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
@@ -24,6 +24,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temper
   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 120 python3 $D/diag.py decode >> $L 2>&1
 # 3. Where the batch-1 regime ends: batch 2, 4, 8 (same engine as step 1).
 [[ $STEPS == *3* ]] && date >> $L && OUT=$R TAG=small VARIANTS=auto:c BATCHES=2,4,8 \
+  timeout 120 python3 $D/diag.py decode >> $L 2>&1
+# 4. model.fused_projections (q/k/v and gate/up as one matmul each): fewer kernels per step?
+[[ $STEPS == *4* ]] && date >> $L && OUT=$R TAG=fused VARIANTS=auto+fp:c BATCHES=1,16,128 \
   timeout 120 python3 $D/diag.py decode >> $L 2>&1
 date >> $L
 grep -E "^DECODE|batch +[0-9]+:|ppo update:.*MFU|Error" $L | tail -30
