@@ -14,6 +14,7 @@ import pytest
 
 from rlhfuse_jax.generation import instances, pipelined
 from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.models import attention as attn
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
 
@@ -94,6 +95,21 @@ def test_unrolled_model_tokens_equal_engine():
   np.testing.assert_array_equal(out.response_tokens, ref.response_tokens)
   np.testing.assert_array_equal(out.response_lens, ref.response_lens)
   np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=0, atol=1e-6)
+
+
+def test_pallas_decode_equals_engine(monkeypatch):
+  """The Pallas decode kernel (interpret mode here) on each stage device of the pipeline, with
+  the scanned layers' traced layer index: the engine's tokens, log-probs to float32 rounding.
+  On a GPU backend "auto" becomes this kernel (construction only: Triton cannot run here)."""
+  _, out = _pipelined(CFG.replace(attention="pallas"), 2, 2)
+  ref = _reference(CFG, 2)
+  np.testing.assert_array_equal(out.response_tokens, ref.response_tokens)
+  np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=0, atol=1e-6)
+  make = lambda: pipelined.PipelinedGenerator(CFG.replace(attention="auto"), SAMPLING,
+                                              batch_size=B, prompt_len=P, stages=2, groups=2)
+  assert make().cfg.attention == "auto"
+  monkeypatch.setattr(attn, "_on_gpu", lambda: True)
+  assert make().cfg.attention == "pallas"
 
 
 def test_clear_errors():

@@ -62,6 +62,7 @@ from rlhfuse_jax.generation import instances
 from rlhfuse_jax.generation import sampling as sampling_lib
 from rlhfuse_jax.generation.engine import DecodeState
 from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.models import attention
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -413,6 +414,9 @@ class PipelinedGenerator:
     devices = list(jax.devices() if devices is None else devices)
     self.bg = check_pipeline(cfg, batch_size, stages, groups, len(devices), section)
     self.max_len = instances.check_model(cfg, sampling, prompt_len)
+    # Each stage device runs its own layers inside the shard_map, so on GPU "auto" decodes with
+    # the Pallas kernel there directly, as a one-device generation instance does.
+    cfg = cfg.replace(attention=attention.instance_attention(cfg.attention, cfg.num_kv_heads, 1))
     self.cfg, self.sampling = cfg, sampling
     self.batch_size, self.prompt_len, self.stages, self.groups = (batch_size, prompt_len, stages,
                                                                   groups)
