@@ -21,26 +21,29 @@ def _tokens(b=3, l=10, seed=0):
 
 
 def test_same_parameters_logits_and_gradients():
-  """With q/k/v biases (Qwen2), so the biases' concatenation is covered too; the generation
-  test below runs without."""
-  cfg = CFG.replace(qkv_bias=True)
-  fused = cfg.replace(fused_projections=True)
-  p, pf = (jax.jit(lambda k, c=c: llama.init_params(c, k)[0])(jax.random.key(1))
-            for c in (cfg, fused))
-  assert jax.tree.structure(p) == jax.tree.structure(pf)
-  assert llama.logical_specs(cfg) == llama.logical_specs(fused)
-  jax.tree.map(np.testing.assert_array_equal, p, pf)  # the same values for a seed
+  """With and without q/k/v biases (Qwen2 / LLaMA): the same parameter tree and values for a
+  seed, the separate projections' logits, loss and gradients to float32 rounding."""
   tok = _tokens()
+  cases = []
+  for bias in (False, True):
+    cfg = CFG.replace(qkv_bias=bias)
+    fused = cfg.replace(fused_projections=True)
+    p, pf = (jax.jit(lambda k, c=c: llama.init_params(c, k)[0])(jax.random.key(1))
+             for c in (cfg, fused))
+    assert jax.tree.structure(p) == jax.tree.structure(pf)
+    assert llama.logical_specs(cfg) == llama.logical_specs(fused)
+    jax.tree.map(np.testing.assert_array_equal, p, pf)  # the same values for a seed
+    cases.append((cfg, fused, p))
 
   @jax.jit
-  def both(prm):  # one program (eager op-by-op dispatch would take most of a minute)
+  def run(prms):  # one program (eager op-by-op dispatch would take most of a minute)
     loss = lambda c: lambda q: jnp.mean(jax.nn.logsumexp(llama.apply(c, q, tok)[0], -1))
-    return ([jax.value_and_grad(loss(c))(prm) for c in (cfg, fused)],
-            [llama.apply(c, prm, tok)[0] for c in (cfg, fused)])
-  ((l0, g0), (l1, g1)), (y0, y1) = both(p)
-  np.testing.assert_allclose(y1, y0, atol=1e-5)
-  np.testing.assert_allclose(l1, l0, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g0)
+    return [[(jax.value_and_grad(loss(c))(prm), llama.apply(c, prm, tok)[0]) for c in cs]
+            for (*cs, _), prm in zip(cases, prms)]
+  for ((l0, g0), y0), ((l1, g1), y1) in run([c[2] for c in cases]):
+    np.testing.assert_allclose(y1, y0, atol=1e-5)
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g0)
 
 
 def test_greedy_generation_and_sharded_collectives():

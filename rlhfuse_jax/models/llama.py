@@ -97,7 +97,10 @@ class ModelConfig:
   # (group + 2) x head_dim]), and gate/up as one against [embed, 2, mlp]: fewer, larger
   # kernels. The parameters are the same arrays under the same names (checkpoints and the HF
   # loader unchanged); outputs equal the separate projections to rounding. The per-KV-head
-  # layout keeps a split of the heads over `tensor` local when it divides the KV heads.
+  # layout keeps a split of the heads over `tensor` local when it divides the KV heads. Costs
+  # memory: the concatenated kernels (and in training their gradients) are buffers of their
+  # own, on a CPU compile ~65 % of the layer weights for a decode chunk and about one more
+  # copy of the parameters for a gradient step (docs/architecture.md §5).
   fused_projections: bool = False
   remat: str = "none"  # none | full | dots: what each Block keeps for the backward
   # One scanned Block instead of num_layers unrolled ones: params["layers"]["block"] leaves get
