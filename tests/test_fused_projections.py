@@ -11,6 +11,7 @@ from rlhfuse_jax.generation import instances
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
+from tests.test_generation import decode_collectives
 
 CFG = llama.ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2,
                         num_heads=6, num_kv_heads=2, max_seq_len=32)
@@ -68,10 +69,6 @@ def test_greedy_generation_and_sharded_collectives():
   fused, got = run(CFG.replace(fused_projections=True), mesh, sharded)
   np.testing.assert_array_equal(got.response_tokens, want.response_tokens)
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
-
-  def collectives(g):
-    return sorted(re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} (all-\w+|collective-permute)\(",
-                             g._exe["decode"].as_text()))
-  assert collectives(fused) == collectives(plain)
+  assert decode_collectives(fused) == decode_collectives(plain)
   dots = lambda g: len(re.findall(r" dot\(", g._exe["decode"].as_text()))
   assert dots(fused) < dots(plain)  # 2 matmuls per layer fewer: the flag takes effect

@@ -228,6 +228,12 @@ def test_pallas_generation_equals_blockwise(params, prompts, greedy):
     np.testing.assert_allclose(got.logprobs, greedy.logprobs, atol=1e-5, err_msg=str(scan))
 
 
+def decode_collectives(gen) -> list:
+  """Sorted (dtype[shape], op) of every collective in a generator's compiled decode chunk."""
+  return sorted(re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} (all-\w+|collective-permute)\(",
+                           gen._exe["decode"].as_text()))
+
+
 def test_pallas_on_a_sharded_instance_runs_per_device(params, prompts, greedy):
   """On an instance of data 2 x tensor 2 the kernel runs inside a shard_map on each device's
   rows and KV head of its own cache shard: the blockwise engine's greedy tokens and log-probs,
@@ -242,12 +248,9 @@ def test_pallas_on_a_sharded_instance_runs_per_device(params, prompts, greedy):
   got = gen.generate(sharded, *prompts, KEY)
   np.testing.assert_array_equal(got.response_tokens, greedy.response_tokens)
   np.testing.assert_allclose(got.logprobs, greedy.logprobs, atol=1e-5)
-  def collectives(g):  # sorted (dtype[shape], op) of every collective in the decode chunk
-    return sorted(re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} (all-\w+|collective-permute)\(",
-                             g._exe["decode"].as_text()))
   plain = instances.Generator(CFG.replace(attention="blockwise"), smp, batch_size=B,
                               prompt_len=P, mesh=mesh, params=sharded)
-  assert collectives(gen) == collectives(plain)  # the kernel adds none (the engine's own)
+  assert decode_collectives(gen) == decode_collectives(plain)  # the kernel adds none
   mesh4 = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, tensor=4), jax.devices()[:4])
   with pytest.raises(ValueError, match=r"model\.attention='pallas' needs the KV heads split "
                                        r"evenly .*model\.num_kv_heads=2, tensor=4"):

@@ -161,9 +161,9 @@ def kernel_decode_attention(q, k_cache, v_cache, layer, q_pos, dtype):
   rows, cache = P(ax, None, t, None), P(None, ax, None, t, None)
   # A Pallas call has no replication rule for shard_map's checker; every output here is split
   # by rows and heads like its inputs, nothing is replicated.
-  return jax.shard_map(lambda q, k, v, i, p: fn(q, k, v, i, p), mesh=mesh,
-                       in_specs=(rows, cache, cache, P(), P(ax, None)), out_specs=rows,
-                       check_vma=False)(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), q_pos)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(rows, cache, cache, P(), P(ax, None)),
+                       out_specs=rows, check_vma=False)(q, k_cache, v_cache,
+                                                        jnp.asarray(layer, jnp.int32), q_pos)
 
 
 def reference_attention(q, k, v, q_pos, k_pos):

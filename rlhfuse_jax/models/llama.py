@@ -343,12 +343,18 @@ def tp_exit(x: jax.Array) -> jax.Array:
   return x if axis is None else _exit(x, axis)
 
 
+def _kernel_init(logical):
+  return nn.with_logical_partitioning(nn.initializers.normal(0.02), logical)
+
+
+def _bias_init(logical):
+  return nn.with_logical_partitioning(nn.initializers.zeros, logical[-1:])
+
+
 def _dense(features, logical, cfg: ModelConfig, name: str, use_bias: bool = False):
   return nn.Dense(
       features, use_bias=use_bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
-      kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), logical),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, logical[-1:]),
-      name=name)
+      kernel_init=_kernel_init(logical), bias_init=_bias_init(logical), name=name)
 
 
 class _Kernel(nn.Module):
@@ -363,12 +369,9 @@ class _Kernel(nn.Module):
   @nn.compact
   def __call__(self, in_features: int):
     dt = self.cfg.jnp_param_dtype
-    kernel = self.param(
-        "kernel", nn.with_logical_partitioning(nn.initializers.normal(0.02), self.logical),
-        (in_features, self.features), dt)
-    bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
-                                                           self.logical[-1:]),
-                      (self.features,), dt) if self.use_bias else None
+    kernel = self.param("kernel", _kernel_init(self.logical), (in_features, self.features), dt)
+    bias = (self.param("bias", _bias_init(self.logical), (self.features,), dt)
+            if self.use_bias else None)
     return kernel, bias
 
 
