@@ -42,6 +42,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from experiments import runner  # noqa: E402
 from rlhfuse_jax import workdir as wd  # noqa: E402
+from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
@@ -127,8 +128,7 @@ def main(argv):
   check_config(c)
   os.makedirs(out, exist_ok=True)
   wd.write_json(os.path.join(out, "config.json"), c.to_dict())
-  env = runner.repo_env(JAX_PLATFORMS="cpu",
-                       XLA_FLAGS=f"--xla_force_host_platform_device_count={c.host_devices}")
+  env = runner.repo_env(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags_with_host_devices(c.host_devices))
   result = {"machine": {"host": platform.node(), "cpus": os.cpu_count(),
                         "processor": platform.processor() or platform.machine(),
                         "host_devices": c.host_devices}, "runs": {}}

@@ -9,7 +9,8 @@
 #     bash launch/local_multiprocess.sh 2 4 /tmp/mp_bench
 # BINARY picks experiments/BINARY.py (train_ppo or bench_generation); CONFIG its config (default
 # configs/ppo_tiny.py for train_ppo, configs/BINARY.py otherwise); PYTHON the interpreter
-# (default: python on PATH), e.g. PYTHON=.venv/bin/python. Logs: WORKDIR.proc<i>.log.
+# (default: python on PATH), e.g. PYTHON=.venv/bin/python. XLA_FLAGS: the caller's, with D
+# devices. Logs: WORKDIR.proc<i>.log.
 set -euo pipefail
 N=${1:?number of processes}; D=${2:?devices per process}; WORKDIR=${3:?workdir}; shift 3
 BINARY=${BINARY:-train_ppo}
@@ -21,9 +22,12 @@ if [[ ! -f "experiments/$BINARY.py" ]]; then
   echo "BINARY=$BINARY: no experiments/$BINARY.py (expected train_ppo or bench_generation)" >&2
   exit 2
 fi
+# The caller's XLA flags stay (any device count is replaced by D).
+FLAGS="$(echo "${XLA_FLAGS:-}" | sed -E 's/--xla_force_host_platform_device_count=[^ ]*//g')"
+FLAGS="$(echo $FLAGS --xla_force_host_platform_device_count=$D)"
 pids=()
 for ((i = 0; i < N; i++)); do
-  XLA_FLAGS="--xla_force_host_platform_device_count=$D" JAX_PLATFORMS=cpu \
+  XLA_FLAGS="$FLAGS" JAX_PLATFORMS=cpu \
     "${PYTHON:-python}" -m "experiments.$BINARY" --config="${CONFIG:-$DEFAULT_CONFIG}" \
       --workdir="$WORKDIR" --distributed --coordinator_address="127.0.0.1:$PORT" \
       --num_processes="$N" --process_id="$i" "$@" > "${WORKDIR%/}.proc$i.log" 2>&1 &

@@ -1,5 +1,5 @@
-"""Test setup: 8 fake CPU devices, set before jax is imported anywhere, and one persistent XLA
-compilation cache for the whole run.
+"""Test setup: 8 fake CPU devices and the suite's codegen flags (tests/xla_env.py), set before jax
+is imported anywhere, and one persistent XLA compilation cache for the whole run.
 
 The cache: many tests compile the same programs (every trainer test builds the same tiny update;
 the binary tests start the same run in several subprocesses), and jax's persistent cache keyed
@@ -15,10 +15,12 @@ import shutil
 import sys
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.xla_env import CODEGEN_FLAGS  # pylint: disable=wrong-import-position
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" {CODEGEN_FLAGS} --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller (or a plain run) makes it

@@ -12,15 +12,14 @@ import numpy as np
 
 from tests import fused_mp_worker as worker
 from tests.test_train_ppo_binary import REPO
+from tests.xla_env import subprocess_env
 
 TIMEOUT_S = 300
 
 
 def launch(n: int, devices: int, out_dir: str, **env_vars) -> list:
   """The worker as n processes with `devices` CPU devices each; returns the Popen objects."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-             **env_vars)
+  env = subprocess_env(devices, **env_vars)
   with socket.socket() as sock:  # a free port for the coordinator
     sock.bind(("127.0.0.1", 0))
     port = str(sock.getsockname()[1])
@@ -88,9 +87,8 @@ def test_bench_generation_through_the_launcher(tmp_path):
   outputs are identical to the single-process reference it also runs, with migrations split
   into same-host and cross-host."""
   wd = str(tmp_path / "bg")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(PYTHON=sys.executable, BINARY="bench_generation",
-             CONFIG="configs/bench_generation.py:tiny")
+  env = subprocess_env(PYTHON=sys.executable, BINARY="bench_generation",
+                       CONFIG="configs/bench_generation.py:tiny")
   # 8 one-device instances of 4 slots, 2 samples each: at Rt = 0.75 the tail packs into fewer
   # instances, some on the other process.
   out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", wd,

@@ -13,12 +13,12 @@ from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from tests.test_train_ppo_binary import REPO, SMALL
 from tests.test_trainer import tiny_config
+from tests.xla_env import subprocess_env
 
 
 def test_two_processes_match_one_process(tmp_path):
   wd = str(tmp_path / "mp")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHON"] = sys.executable  # this interpreter, whatever `python` on PATH is
+  env = subprocess_env(PYTHON=sys.executable)  # this interpreter, whatever `python` on PATH is
   out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", wd,
                         "--config.num_iterations=2", *SMALL], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
@@ -42,8 +42,7 @@ def test_a_locked_workdir_stops_every_process_at_once(tmp_path):
   the run's first collective."""
   wd = str(tmp_path / "mp")
   holder = wdlib.WorkdirLock(wd)  # another run holds the workdir
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHON"] = sys.executable
+  env = subprocess_env(PYTHON=sys.executable)
   t0 = time.time()
   try:
     out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "2", wd, *SMALL], cwd=REPO,
@@ -65,8 +64,7 @@ def test_fused_async_two_processes_match_one_process(tmp_path):
   fused = {"fusion.inter_stage": True, "fusion.migration_threshold": "1.0",
            "async_ppo.staleness": 1, "async_ppo.generation_devices": 4}
   wd = str(tmp_path / "mp")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHON"] = sys.executable
+  env = subprocess_env(PYTHON=sys.executable)
   out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", wd,
                         "--config.num_iterations=3", *SMALL,
                         *[f"--config.{k}={v}" for k, v in fused.items()]], cwd=REPO, env=env,

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from rlhfuse_jax.trainer import hooks
+from tests.xla_env import subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Same shapes as tests/test_trainer.tiny_config (test_multiprocess compares the two).
@@ -28,11 +29,7 @@ def _cmd(workdir, *extra):
 
 
 def _env(**extra):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the binary runs on the one real CPU device, as a user's would
-  env["JAX_PLATFORMS"] = "cpu"
-  env.update(extra)
-  return env
+  return subprocess_env(**extra)  # the binary runs on the one real CPU device, as a user's would
 
 
 COMPILE_LOG = "Compiling "  # what jax logs for every XLA compile with JAX_LOG_COMPILES=1

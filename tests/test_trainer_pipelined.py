@@ -27,6 +27,7 @@ from rlhfuse_jax.trainer.config import PipelineConfig
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 from test_pipeline_executor import _batch
 from test_trainer import tiny_config
+from tests.xla_env import subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 actor stages of 1 layer; 2 critic stages of 1 layer, 2 replicas. Mini-batch 8 rows over
@@ -372,8 +373,7 @@ def test_typed_config_errors(tmp_path):
 
 def test_binary_says_how_to_get_devices(tmp_path):
   """configs/ppo_tiny.py:fused on the one CPU device of a plain process: a clear error."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env = subprocess_env()
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.train_ppo", "--config=configs/ppo_tiny.py:fused",
        f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

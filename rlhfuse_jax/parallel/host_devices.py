@@ -7,6 +7,7 @@ accelerator is the default backend; a count the caller already set is left alone
 from __future__ import annotations
 
 import os
+import re
 
 _FLAG = "--xla_force_host_platform_device_count"
 
@@ -16,3 +17,12 @@ def request_host_devices(count: int = 8) -> None:
   flags = os.environ.get("XLA_FLAGS", "")
   if _FLAG not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={count}".strip()
+
+
+def xla_flags_with_host_devices(count: int, flags: str | None = None) -> str:
+  """XLA_FLAGS for a child process with `count` host devices: `flags` (default this process's
+  XLA_FLAGS) with any device count replaced, every other flag kept (a user's GPU or debug flags,
+  the test suite's codegen level: a child compiled with other flags may round differently)."""
+  flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+  kept = re.sub(rf"{_FLAG}=\S*", "", flags).split()
+  return " ".join([*kept, f"{_FLAG}={count}"])
