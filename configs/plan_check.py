@@ -68,6 +68,11 @@ def get_config(arg: str = "tiny"):
   c.chunk_size = 64  # decode steps per jitted decode call
   c.inference_microbatch = 8  # samples per inference micro-batch on an instance
   c.hardware = "h100_sxm"  # preset of rlhfuse_jax/sim/hardware.py: its HBM is the budget
+  # XLA:CPU runs bfloat16 dots in float32 and hoists a float32 copy of every weight out of the
+  # decode loop, which no GPU makes: per_layer compiles the instance's programs with scanned
+  # layers and that hoisting off, so the copy is one layer's (experiments/plan_programs.py);
+  # as_compiled keeps the plain compile's figures.
+  c.cpu_upcast = "per_layer"
 
   if arg == "tiny":
     c.pp, c.critic_pp, c.tp, c.dp, c.fsdp = 2, 2, 1, 2, 2

@@ -29,6 +29,15 @@ Measured per program, per device (SPMD: XLA compiles one program per device):
   fits       peak_bytes <= the hardware preset's HBM bytes
 
 XLA:CPU's buffer assignment is not XLA:GPU's: temp_bytes are an estimate (JAX_NOTES.md).
+
+One CPU artefact is corrected by default (`cpu_upcast="per_layer"`): XLA:CPU runs bfloat16 dots
+in float32 and, compiled as is, hoists the float32 copy of every weight out of the decode loop
+(while-loop-invariant code motion), a copy as large as twice the weights that XLA:GPU, with
+native bfloat16 dots, never makes (checked on one H100: docs/results.md). With 16-bit weights on
+a CPU backend the instance's two programs are therefore compiled with the layers scanned and that
+pass off (`compiler_options`, this compile only), so the copy is made one layer at a time inside
+the layer loop: their temp_bytes then over-count a GPU's by about one layer's float32 weights.
+The plain compile of the same program is kept beside it (`cpu_upcast.as_compiled`).
 """
 from __future__ import annotations
 
@@ -61,6 +70,9 @@ from rlhfuse_jax.trainer import config as tc
 from rlhfuse_jax.trainer import pipelined, ppo
 
 PROGRAMS = ("train_step", "decode", "inference")
+CPU_UPCAST_MODES = ("per_layer", "as_compiled")
+# XLA's name of the pass that hoists a loop-invariant float32 copy of the weights out of a loop.
+PER_LAYER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
 def _check(cond: bool, field: str, value: Any, expected: str) -> None:
@@ -108,6 +120,7 @@ class PlanConfig:
   response_len: int
   intra_stage: bool
   search_time_s: float
+  cpu_upcast: str
   gen_tp: int
   gen_slots: int
   chunk_size: int
@@ -154,6 +167,8 @@ class PlanConfig:
            "an integer >= 0 (0: the model's own)")
     _check(d["hardware"] in hw_lib.HARDWARE, "hardware", d["hardware"],
            f"a preset of rlhfuse_jax/sim/hardware.py: {sorted(hw_lib.HARDWARE)}")
+    _check(d["cpu_upcast"] in CPU_UPCAST_MODES, "cpu_upcast", d["cpu_upcast"],
+           f"one of {list(CPU_UPCAST_MODES)}")
     _check(d["response_len"] < d["seq_len"], "response_len", d["response_len"],
            f"< seq_len={d['seq_len']} (a prompt of at least one token)")
     models = {}
@@ -165,7 +180,7 @@ class PlanConfig:
     cfg = cls(**models, **{k: d[k] for k in (
         "pp", "critic_pp", "tp", "dp", "fsdp", "minibatch_size", "microbatch_size", "seq_len",
         "response_len", "intra_stage", "search_time_s", "gen_tp", "gen_slots", "chunk_size",
-        "inference_microbatch")}, hardware=hw_lib.HARDWARE[d["hardware"]])
+        "inference_microbatch", "cpu_upcast")}, hardware=hw_lib.HARDWARE[d["hardware"]])
     cfg.validate()
     return cfg
 
@@ -281,10 +296,10 @@ def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
 
 # Measuring --------------------------------------------------------------------------------------
 
-def measure(lowered: Any, hbm_bytes: float) -> dict:
+def measure(lowered: Any, hbm_bytes: float, compiler_options: dict | None = None) -> dict:
   """Compiles `lowered` and reads its memory and FLOPs per device (module docstring)."""
   t0 = time.perf_counter()
-  compiled = lowered.compile()
+  compiled = lowered.compile(compiler_options=compiler_options)
   compile_s = time.perf_counter() - t0
   costs = scale_check.compiled_costs(compiled)
   peak = (costs["argument_bytes"] + costs["output_bytes"] + costs["temp_bytes"]
@@ -292,6 +307,42 @@ def measure(lowered: Any, hbm_bytes: float) -> dict:
   return {**{k: v for k, v in costs.items() if k != "flops"}, "peak_bytes": peak,
           "flops_per_device": costs["flops"],
           "hbm_bytes": hbm_bytes, "fits": bool(peak <= hbm_bytes), "compile_s": compile_s}
+
+
+def per_layer_upcast(cfg: PlanConfig) -> bool:
+  """Whether the instance's programs are compiled per layer (module docstring): cpu_upcast is
+  per_layer, the backend is XLA:CPU and the actor's weights are 16-bit."""
+  return (cfg.cpu_upcast == "per_layer" and jax.default_backend() == "cpu" and
+          jnp.dtype(cfg.actor.param_dtype).itemsize == 2)
+
+
+def instance_programs(cfg: PlanConfig) -> dict:
+  """A generation instance's decode chunk and reference forward, measured."""
+  per_layer = per_layer_upcast(cfg)
+  actor = cfg.actor.replace(scan_layers=True) if per_layer else cfg.actor
+  inst = make_instance(dataclasses.replace(cfg, actor=actor))
+  shapes = llama.param_shapes(actor)
+  low = dict(inst.lower_all(shapes, {"reference": shapes}, only=("decode", "reference")))
+  out = {}
+  for name, key, analytic in (("decode", "decode", decode_analytic(cfg)),
+                              ("inference", "reference", inference_analytic(cfg))):
+    hbm = cfg.hardware.hbm_bytes
+    if per_layer:
+      m = measure(low[key], hbm, PER_LAYER_OPTIONS)
+      plain = measure(low[key], hbm)
+      m["cpu_upcast"] = {"mode": "per_layer", "scan_layers": True,
+                         "compiler_options": PER_LAYER_OPTIONS,
+                         "as_compiled": {k: plain[k] for k in ("temp_bytes", "peak_bytes",
+                                                               "fits")}}
+      logging.info("%s: temp %.2f GB with the float32 weights converted per layer, %.2f GB as "
+                   "compiled (the whole copy hoisted)", name, m["temp_bytes"] / 1e9,
+                   plain["temp_bytes"] / 1e9)
+    else:
+      m = measure(low[key], hbm)
+      m["cpu_upcast"] = {"mode": "as_compiled", "scan_layers": actor.scan_layers}
+    out[name] = _finish(m, analytic)
+    logging.info("%s: compiled in %.1fs", name, out[name]["compile_s"])
+  return out
 
 
 def _nbytes(tree: Any) -> int:
@@ -394,14 +445,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                             **info}
   del lowered
   logging.info("train_step: compiled in %.1fs", programs["train_step"]["compile_s"])
-  inst = make_instance(cfg)
-  actor_shapes = llama.param_shapes(cfg.actor)
-  low = dict(inst.lower_all(actor_shapes, {"reference": actor_shapes},
-                            only=("decode", "reference")))
-  programs["decode"] = _finish(measure(low["decode"], hbm), decode_analytic(cfg))
-  logging.info("decode: compiled in %.1fs", programs["decode"]["compile_s"])
-  programs["inference"] = _finish(measure(low["reference"], hbm), inference_analytic(cfg))
-  logging.info("inference: compiled in %.1fs", programs["inference"]["compile_s"])
+  programs.update(instance_programs(cfg))
   return {
       "plan": {"pp": cfg.pp, "critic_pp": cfg.critic_pp, "tp": cfg.tp, "dp": cfg.dp,
                "fsdp": cfg.fsdp, "minibatch_size": cfg.minibatch_size,

@@ -1,10 +1,12 @@
 """plan_check on the tiny plan: result.json holds every field, and what it reports from shapes
 equals the memory of the same update compiled from real arrays built as the trainer builds them."""
+import dataclasses
 import json
 import os
 
 import jax
 import numpy as np
+import pytest
 
 from configs import plan_check as plan_config
 from experiments import plan_programs
@@ -88,3 +90,34 @@ def test_paper_pairs_generate_with_the_simulators_slots():
     assert got.slots == plan["gen_slots"], (pair, got)
     c = plan_config.get_config(pair)
     assert (c.gen_tp, c.gen_slots) == (plan["gen_tp"], plan["gen_slots"])
+
+
+def test_per_layer_upcast_drops_the_hoisted_float32_weight_copy():
+  """bfloat16 weights on XLA:CPU: compiled as is, the decode chunk and the reference forward hold
+  a float32 copy of every weight (XLA:CPU's dots run in float32; the copy is hoisted out of the
+  loops); per_layer (the default) converts one layer at a time, so the difference is the copy of
+  all but about one layer. The FLOPs are the same program's."""
+  c = plan_config.get_config("tiny")
+  c.actor.update(param_dtype="bfloat16", dtype="bfloat16", hidden_size=128,
+                 intermediate_size=256, num_heads=4, num_kv_heads=4)
+  c.gen_tp = 1
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  assert cfg.cpu_upcast == "per_layer" and plan_programs.per_layer_upcast(cfg)
+  progs = plan_programs.instance_programs(cfg)
+  a = cfg.actor
+  layer_f32 = 4 * (4 * a.hidden_size ** 2 + 3 * a.hidden_size * a.intermediate_size)
+  for name in ("decode", "inference"):
+    p = progs[name]
+    assert p["cpu_upcast"]["mode"] == "per_layer", name
+    hoisted = p["cpu_upcast"]["as_compiled"]["temp_bytes"]
+    assert hoisted - p["temp_bytes"] >= (a.num_layers - 1.5) * layer_f32, (name, hoisted, p)
+    assert p["peak_bytes"] < p["cpu_upcast"]["as_compiled"]["peak_bytes"]
+  # as_compiled: the plain compile's own figures, with the same dot FLOPs.
+  plain = plan_programs.instance_programs(dataclasses.replace(cfg, cpu_upcast="as_compiled"))
+  for name in ("decode", "inference"):
+    assert plain[name]["cpu_upcast"] == {"mode": "as_compiled", "scan_layers": False}
+    assert plain[name]["flops_per_device"] == progs[name]["flops_per_device"]
+    assert plain[name]["temp_bytes"] >= a.num_layers * layer_f32  # the copy, unscanned too
+  c.cpu_upcast = "gpu"
+  with pytest.raises(ValueError, match="config.cpu_upcast='gpu': expected one of"):
+    plan_programs.PlanConfig.from_config_dict(c)
