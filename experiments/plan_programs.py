@@ -36,7 +36,8 @@ in float32 and, compiled as is, hoists the float32 copy of every weight out of t
 native bfloat16 dots, never makes (checked on one H100: docs/results.md). With 16-bit weights on
 a CPU backend the instance's two programs are therefore compiled with the layers scanned and that
 pass off (`compiler_options`, this compile only), so the copy is made one layer at a time inside
-the layer loop: their temp_bytes then over-count a GPU's by about one layer's float32 weights.
+the layer loop: their temp_bytes then over-count a GPU's by about one layer's float32 weights
+and the LM head's (outside the layer loop, still converted whole).
 The plain compile of the same program is kept beside it (`cpu_upcast.as_compiled`).
 """
 from __future__ import annotations

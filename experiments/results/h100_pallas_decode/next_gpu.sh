@@ -28,5 +28,14 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temper
 # 4. model.fused_projections (q/k/v and gate/up as one matmul each): fewer kernels per step?
 [[ $STEPS == *4* ]] && date >> $L && OUT=$R TAG=fused VARIANTS=auto+fp:c BATCHES=1,16,128 \
   timeout 120 python3 $D/diag.py decode >> $L 2>&1
+# 5. (STEPS=5, a call of its own: 1-4 fill ~10 min) Issue 25: plan_check's CPU figures against
+#    the GPU's compile of the same 1-device 7B plan (2 layers, attention auto = the kernel).
+#    CPU, 2026-11-26, cpu_upcast=per_layer: decode arg 2.14 / temp 1.33 GB (as compiled 3.48),
+#    inference 1.33 / 1.95 (3.86), train_step 7.22 / 7.82 GB.
+[[ $STEPS == *5* ]] && date >> $L && timeout 200 python3 -m experiments.plan_check \
+  --config=configs/plan_check.py:7b_host8 --config.pp=1 --config.critic_pp=1 --config.gen_tp=1 \
+  --config.gen_slots=16 --config.layers=2 --config.minibatch_size=1 --config.attention=auto \
+  --workdir=$R/plan_gpu >> $L 2>&1
 date >> $L
-grep -E "^DECODE|batch +[0-9]+:|ppo update:.*MFU|Error" $L | tail -30
+grep -E "^DECODE|batch +[0-9]+:|ppo update:.*MFU|(train_step|decode|inference) +[0-9]|Error" $L |
+  tail -30
