@@ -98,7 +98,7 @@ def test_batch_rewards_equal_scalar_rewards(name, length_dist):
   task = make_task(name, length_dist=length_dist, length_max=16, length_mu=1.2)
   rng = np.random.default_rng(1)
   records = task.make_prompts(300, rng)
-  v, eos, width = task.tokenizer.vocab_size, task.tokenizer.eos_id, 20
+  v, width = task.tokenizer.vocab_size, 20
   rows = []
   for i, r in enumerate(records):
     kind = i % 4
