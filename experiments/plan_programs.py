@@ -38,7 +38,8 @@ a CPU backend the instance's two programs are therefore compiled with the layers
 pass off (`compiler_options`, this compile only), so the copy is made one layer at a time inside
 the layer loop: their temp_bytes then over-count a GPU's by about one layer's float32 weights
 and the LM head's (outside the layer loop, still converted whole).
-The plain compile of the same program is kept beside it (`cpu_upcast.as_compiled`).
+The same scanned program compiled with the hoisting on is kept beside it
+(`cpu_upcast.as_compiled`); `cpu_upcast="as_compiled"` compiles the unscanned program as is.
 """
 from __future__ import annotations
 
@@ -334,7 +335,7 @@ def instance_programs(cfg: PlanConfig) -> dict:
       m["cpu_upcast"] = {"mode": "per_layer", "scan_layers": True,
                          "compiler_options": PER_LAYER_OPTIONS,
                          "as_compiled": {k: plain[k] for k in ("temp_bytes", "peak_bytes",
-                                                               "fits")}}
+                                                               "fits", "compile_s")}}
       logging.info("%s: temp %.2f GB with the float32 weights converted per layer, %.2f GB as "
                    "compiled (the whole copy hoisted)", name, m["temp_bytes"] / 1e9,
                    plain["temp_bytes"] / 1e9)

@@ -23,8 +23,10 @@ if [[ ! -f "experiments/$BINARY.py" ]]; then
   exit 2
 fi
 # The caller's XLA flags stay (any device count is replaced by D).
-FLAGS="$(echo "${XLA_FLAGS:-}" | sed -E 's/--xla_force_host_platform_device_count=[^ ]*//g')"
-FLAGS="$(echo $FLAGS --xla_force_host_platform_device_count=$D)"
+read -ra KEPT <<< "$(echo "${XLA_FLAGS:-}" |
+  sed -E 's/--xla_force_host_platform_device_count=[^[:space:]]*//g')"
+FLAGS="${KEPT[*]} --xla_force_host_platform_device_count=$D"
+FLAGS="${FLAGS# }"
 pids=()
 for ((i = 0; i < N; i++)); do
   XLA_FLAGS="$FLAGS" JAX_PLATFORMS=cpu \

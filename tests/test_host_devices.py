@@ -1,5 +1,6 @@
 """Child processes keep the caller's XLA flags and get their own host-device count."""
 import os
+import pathlib
 import stat
 import subprocess
 
@@ -13,17 +14,20 @@ def test_the_count_is_replaced_and_every_other_flag_kept():
   flags = f"--xla_a=1 {COUNT}=8 --xla_b {COUNT}=8"
   assert xla_flags_with_host_devices(4, flags) == f"--xla_a=1 --xla_b {COUNT}=4"
   assert xla_flags_with_host_devices(2, "") == f"{COUNT}=2"
+  assert xla_flags_with_host_devices(None, f"--xla_a\t{COUNT}=8") == "--xla_a"
 
 
 def test_the_launcher_passes_the_callers_flags_to_every_process(tmp_path):
   fake = tmp_path / "python"  # stands in for the interpreter: records what each process got
   fake.write_text('#!/usr/bin/env bash\necho "XLA_FLAGS=$XLA_FLAGS ARGS=$*"\n')
   fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-  env = dict(os.environ, PYTHON=str(fake), XLA_FLAGS=f"--xla_a=1 {COUNT}=8")
+  # A tab between flags, and a value bash would glob against README.md (the launcher runs in
+  # the repository root) if it split the flags unquoted.
+  env = dict(os.environ, PYTHON=str(fake), XLA_FLAGS=f"--xla_a=1 {COUNT}=8\tREADM*")
   wd = str(tmp_path / "run")
   subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "3", wd], cwd=REPO, env=env,
                  check=True, capture_output=True, timeout=60)
   for i in range(2):
-    log = open(f"{wd}.proc{i}.log").read()
-    assert f"XLA_FLAGS=--xla_a=1 {COUNT}=3 ARGS=-m experiments.train_ppo" in log, log
+    log = pathlib.Path(f"{wd}.proc{i}.log").read_text()
+    assert f"XLA_FLAGS=--xla_a=1 READM* {COUNT}=3 ARGS=-m experiments.train_ppo" in log, log
     assert f"--process_id={i}" in log, log

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import os
 
+from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
+
 CODEGEN_FLAGS = "--xla_backend_optimization_level=0"
 
 
 def subprocess_env(devices: int | None = None, **extra: str) -> dict:
-  """This process's environment for a subprocess on the CPU: XLA_FLAGS is the suite's codegen
-  flags plus `devices` fake CPU devices (None: the one real device, as a user's plain run)."""
+  """This process's environment for a subprocess on the CPU: XLA_FLAGS keeps this process's flags
+  (the suite's codegen flags and whatever the caller set) with `devices` fake CPU devices in place
+  of its 8 (None: the one real device, as a user's plain run)."""
   env = dict(os.environ)
-  count = f" --xla_force_host_platform_device_count={devices}" if devices else ""
-  env.update(XLA_FLAGS=CODEGEN_FLAGS + count, JAX_PLATFORMS="cpu", **extra)
+  flags = xla_flags_with_host_devices(devices)
+  if CODEGEN_FLAGS not in flags.split():
+    flags = f"{CODEGEN_FLAGS} {flags}".strip()
+  env.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)
   return env

@@ -19,10 +19,11 @@ def request_host_devices(count: int = 8) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={count}".strip()
 
 
-def xla_flags_with_host_devices(count: int, flags: str | None = None) -> str:
-  """XLA_FLAGS for a child process with `count` host devices: `flags` (default this process's
-  XLA_FLAGS) with any device count replaced, every other flag kept (a user's GPU or debug flags,
-  the test suite's codegen level: a child compiled with other flags may round differently)."""
+def xla_flags_with_host_devices(count: int | None, flags: str | None = None) -> str:
+  """XLA_FLAGS for a child process with `count` host devices (None: no count, the one real CPU
+  device): `flags` (default this process's XLA_FLAGS) with any device count replaced, every other
+  flag kept (a user's GPU or debug flags, the test suite's codegen level: a child compiled with
+  other flags may round differently)."""
   flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
   kept = re.sub(rf"{_FLAG}=\S*", "", flags).split()
-  return " ".join([*kept, f"{_FLAG}={count}"])
+  return " ".join(kept + ([f"{_FLAG}={count}"] if count is not None else []))
