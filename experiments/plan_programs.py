@@ -188,10 +188,10 @@ class PlanConfig:
 
   def validate(self) -> None:
     _check(self.pp % self.critic_pp == 0, "critic_pp", self.critic_pp, f"a divisor of pp={self.pp}")
-    for field, model, stages in (("actor", self.actor, self.pp),
-                                 ("critic", self.critic, self.critic_pp)):
-      _check(model.num_layers % stages == 0, f"{field} layers", model.num_layers,
-             f"divisible by its {stages} pipeline stages (set config.layers to compile fewer)")
+    for field, model, n_stages in (("actor", self.actor, self.pp),
+                                   ("critic", self.critic, self.critic_pp)):
+      _check(model.num_layers % n_stages == 0, f"{field} layers", model.num_layers,
+             f"divisible by its {n_stages} pipeline stages (set config.layers to compile fewer)")
     shards = self.dp * self.fsdp
     _check(self.minibatch_size % (shards * self.microbatch_size) == 0, "minibatch_size",
            self.minibatch_size, f"a multiple of dp*fsdp*microbatch_size={shards}*"
@@ -362,8 +362,8 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
   out = {"params_bytes": 0.0, "grads_bytes": 0.0, "optimizer_bytes": 0.0,
          "activations_bytes": 0.0}
   tokens_mb = cfg.microbatch_size * cfg.seq_len
-  for model, stages in ((cfg.actor, cfg.pp), (cfg.critic, cfg.critic_pp)):
-    shards = stages * cfg.tp * cfg.fsdp
+  for model, n_stages in ((cfg.actor, cfg.pp), (cfg.critic, cfg.critic_pp)):
+    shards = n_stages * cfg.tp * cfg.fsdp
     params = llama.param_shapes(model)
     out["params_bytes"] += _nbytes(params) / shards
     out["grads_bytes"] += _nbytes(params) / shards  # gradients in the parameters' dtype
@@ -371,10 +371,10 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
     out["optimizer_bytes"] += _nbytes(jax.eval_shape(plain_tx.init, params)) / shards
     # In flight per device under 1F1B: min(stages, micro-batches) (sim/training_sim.py).
     micro = cfg.actor_microbatches if model is cfg.actor else cfg.critic_microbatches
-    inflight = min(stages, micro) if cfg.pp > 1 else 1
+    inflight = min(n_stages, micro) if cfg.pp > 1 else 1
     tokens = tokens_mb if cfg.pp > 1 else cfg.rows_per_shard * cfg.seq_len
     out["activations_bytes"] += inflight * cost.activation_bytes(
-        sim_shapes.from_model_config(model), cfg.tp, tokens, model.num_layers / stages)
+        sim_shapes.from_model_config(model), cfg.tp, tokens, model.num_layers / n_stages)
   out["total_bytes"] = sum(out.values())
   useful = accounting.ppo_update_flops(cfg.actor, cfg.critic, cfg.minibatch_size,
                                        cfg.prompt_len, cfg.response_len) / cfg.train_devices
