@@ -325,10 +325,9 @@ def instance_programs(cfg: PlanConfig) -> dict:
   inst = make_instance(dataclasses.replace(cfg, actor=actor))
   shapes = llama.param_shapes(actor)
   low = dict(inst.lower_all(shapes, {"reference": shapes}, only=("decode", "reference")))
-  out = {}
+  out, hbm = {}, cfg.hardware.hbm_bytes
   for name, key, analytic in (("decode", "decode", decode_analytic(cfg)),
                               ("inference", "reference", inference_analytic(cfg))):
-    hbm = cfg.hardware.hbm_bytes
     if per_layer:
       m = measure(low[key], hbm, PER_LAYER_OPTIONS)
       plain = measure(low[key], hbm)

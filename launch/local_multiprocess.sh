@@ -22,11 +22,11 @@ if [[ ! -f "experiments/$BINARY.py" ]]; then
   echo "BINARY=$BINARY: no experiments/$BINARY.py (expected train_ppo or bench_generation)" >&2
   exit 2
 fi
-# The caller's XLA flags stay (any device count is replaced by D).
-read -ra KEPT <<< "$(echo "${XLA_FLAGS:-}" |
-  sed -E 's/--xla_force_host_platform_device_count=[^[:space:]]*//g')"
-FLAGS="${KEPT[*]} --xla_force_host_platform_device_count=$D"
-FLAGS="${FLAGS# }"
+# The caller's XLA flags stay, any device count replaced by D: the binaries' own rule
+# (rlhfuse_jax/parallel/host_devices.py, which imports no jax).
+FLAGS="$("${PYTHON:-python}" -c 'import sys
+from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
+print(xla_flags_with_host_devices(int(sys.argv[1])))' "$D")"
 pids=()
 for ((i = 0; i < N; i++)); do
   XLA_FLAGS="$FLAGS" JAX_PLATFORMS=cpu \

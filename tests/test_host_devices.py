@@ -3,6 +3,7 @@ import os
 import pathlib
 import stat
 import subprocess
+import sys
 
 from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
 from tests.test_train_ppo_binary import REPO
@@ -18,8 +19,11 @@ def test_the_count_is_replaced_and_every_other_flag_kept():
 
 
 def test_the_launcher_passes_the_callers_flags_to_every_process(tmp_path):
-  fake = tmp_path / "python"  # stands in for the interpreter: records what each process got
-  fake.write_text('#!/usr/bin/env bash\necho "XLA_FLAGS=$XLA_FLAGS ARGS=$*"\n')
+  # Stands in for the interpreter: records what each process got (the launcher's own `-c`
+  # call, which rewrites the flags, goes to the real one).
+  fake = tmp_path / "python"
+  fake.write_text(f'#!/usr/bin/env bash\n[[ $1 == -c ]] && exec {sys.executable} "$@"\n'
+                  'echo "XLA_FLAGS=$XLA_FLAGS ARGS=$*"\n')
   fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
   # A tab between flags, and a value bash would glob against README.md (the launcher runs in
   # the repository root) if it split the flags unquoted.
