@@ -434,9 +434,9 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   programs = {}
   mesh = train_mesh(cfg)
   tx = make_optimizer(staged=cfg.pp > 1)
-  logging.info("plan: mesh %s, %d devices; actor %d layers (of %d), critic %d (of %d)",
-               dict(mesh.shape), cfg.num_devices, cfg.actor.num_layers, cfg.actor_layers,
-               cfg.critic.num_layers, cfg.critic_layers)
+  logging.info("plan: mesh %s, %d devices; actor %d layers (of %d), critic %d (of %d); "
+               "compiling on %s", dict(mesh.shape), cfg.num_devices, cfg.actor.num_layers,
+               cfg.actor_layers, cfg.critic.num_layers, cfg.critic_layers, backend())
   update, info = make_update(cfg, mesh, tx, workdir)
   t0 = time.perf_counter()
   lowered = update.lower(*train_args(cfg, mesh, tx, update))
@@ -482,8 +482,20 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
           "cpu": "XLA:CPU buffer assignment: temp_bytes estimate XLA:GPU's",
       },
       "wall_s": time.perf_counter() - t_start,
+      "backend": backend(),
       "jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__,
   }
+
+
+def backend() -> dict:
+  """What compiled the programs. On one GPU, jax's mock topology (JAX_MOCK_GPU_TOPOLOGY=1xNx1:
+  N one-GPU hosts, this process host 0, NCCL mocked) makes N devices to compile an N-GPU plan
+  for; only one is local, and nothing here needs more (programs are compiled, never run)."""
+  devices = jax.devices()
+  return {"platform": jax.default_backend(), "device_kind": devices[0].device_kind,
+          "device_count": len(devices), "local_device_count": jax.local_device_count(),
+          "process_count": jax.process_count(),
+          "mock_gpu_topology": os.environ.get("JAX_MOCK_GPU_TOPOLOGY") or None}
 
 
 def run_and_write(cfg: PlanConfig, workdir: str) -> dict:

@@ -59,6 +59,9 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
   # The decode step's dot FLOPs are exactly the analytic count (no repeated work at gen_tp 1..).
   assert abs(stored["programs"]["decode"]["replication"] - 1.0) < 1e-6
   assert stored["layers_compiled"]["reduced"] is False
+  assert stored["backend"] == {"platform": "cpu", "device_kind": "cpu", "device_count": 8,
+                               "local_device_count": 8, "process_count": 1,
+                               "mock_gpu_topology": None}
 
   # The same update from real arrays: same argument bytes on device 0, same temp.
   mesh = plan_programs.train_mesh(cfg)

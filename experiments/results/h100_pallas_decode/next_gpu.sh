@@ -3,8 +3,10 @@
 # repository root with `wheels/` (the ml-collections wheel) carried:
 #   bash experiments/results/h100_pallas_decode/next_gpu.sh
 # Results land in /tmp/res and come back as $OUT/res.tgz; the log goes straight to $OUT.
+# Order of calls (15 device-minutes a session, start-up included): first STEPS=156 (the bench
+# for issue 26, the two compiles for issue 25; <= 560 s), then, with the time left, STEPS=234.
 set -u
-STEPS=${STEPS:-1234}
+STEPS=${STEPS:-156}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
@@ -28,14 +30,24 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temper
 # 4. model.fused_projections (q/k/v and gate/up as one matmul each): fewer kernels per step?
 [[ $STEPS == *4* ]] && date >> $L && OUT=$R TAG=fused VARIANTS=auto+fp:c BATCHES=1,16,128 \
   timeout 120 python3 $D/diag.py decode >> $L 2>&1
-# 5. (STEPS=5, a call of its own: 1-4 fill ~10 min) Issue 25: plan_check's CPU figures against
+# 5. Issue 25: Issue 25: plan_check's CPU figures against
 #    the GPU's compile of the same 1-device 7B plan (2 layers, attention auto = the kernel).
 #    CPU, 2026-11-26, cpu_upcast=per_layer: decode arg 2.14 / temp 1.33 GB (as compiled 3.48),
 #    inference 1.33 / 1.95 (3.86), train_step 7.22 / 7.82 GB.
-[[ $STEPS == *5* ]] && date >> $L && timeout 200 python3 -m experiments.plan_check \
+[[ $STEPS == *5* ]] && date >> $L && timeout 120 python3 -m experiments.plan_check \
   --config=configs/plan_check.py:7b_host8 --config.pp=1 --config.critic_pp=1 --config.gen_tp=1 \
   --config.gen_slots=16 --config.layers=2 --config.minibatch_size=1 --config.attention=auto \
   --workdir=$R/plan_gpu >> $L 2>&1
+# 6. Issue 25's multi-device GPU compile: jax's mock topology turns the one
+#    GPU into host 0 of 8 one-GPU hosts (NCCL mocked; programs are compiled, never run), so the
+#    7B-on-8-GPUs plan compiles for 8 H100s: the pp-8 fused train step and the tp-8 decode
+#    instance with the Pallas kernel in its shard_map. 8 layers per model (1 per stage) to keep
+#    the compile short. CPU, 2026-11-26, same command without the variable (cpu_upcast
+#    per_layer): train_step arg 2.73 / temp 10.09 / peak 12.81 GB, repl 2.95; decode 2.08 / 0.18
+#    / 2.26 (1.05 temp as compiled), repl 0.95; inference 0.47 / 0.77 / 1.24, repl 1.03.
+[[ $STEPS == *6* ]] && date >> $L && JAX_MOCK_GPU_TOPOLOGY=1x8x1 timeout 200 python3 -m \
+  experiments.plan_check --config=configs/plan_check.py:7b_host8 --config.attention=auto \
+  --config.layers=8 --workdir=$R/plan_gpu8 >> $L 2>&1
 date >> $L
 grep -E "^DECODE|batch +[0-9]+:|ppo update:.*MFU|(train_step|decode|inference) +[0-9]|Error" $L |
   tail -30
