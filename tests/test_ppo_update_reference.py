@@ -21,7 +21,7 @@ ACTOR = llama.ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, nu
                           num_heads=2, num_kv_heads=1, max_seq_len=16)
 CRITIC = ACTOR.replace(head="scalar")
 ALGO = AlgoConfig(clip_eps=0.2, value_clip_eps=0.2, vf_coef=0.5, entropy_coef=0.01,
-                  kl_in_reward=False, kl_coef=0.1, kl_estimator="k1")
+                  kl_in_reward=False, kl_coef=0.1, kl_estimator="k3")
 LR, WD, CLIP, TEMP = 1e-2, 0.1, 1.0, 0.7
 
 
@@ -60,7 +60,8 @@ def _reference_losses(actor_params, critic_params, mb):
   a = mb["advantages"]
   pg = jnp.sum(jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 0.8, 1.2)) * mask) / n
   entropy = jnp.sum(-jnp.sum(jnp.exp(logp_all) * logp_all, -1) * mask) / n
-  kl = jnp.sum((logp - mb["ref_logp"]) * mask) / n  # k1
+  r = mb["ref_logp"] - logp
+  kl = jnp.sum((jnp.exp(r) - r - 1) * mask) / n  # k3
   actor_loss = pg - ALGO.entropy_coef * entropy + ALGO.kl_coef * kl
 
   values = _response(llama.apply(CRITIC, critic_params, mb["tokens"])[0], mb)  # [B, T]
@@ -154,3 +155,34 @@ def test_first_minibatch_ratio_is_one():
                    mb)
   assert float(m["actor/pg_clipfrac"]) == 0.0
   assert abs(float(m["actor/ppo_kl"])) < 1e-6
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_group_estimators_keep_the_kl_penalty_in_the_reward(estimator):
+  """With the KL in the reward a group estimator compares each sample's summed token rewards,
+  score minus the KL penalty (verl's GRPO/RLOO); the loss then holds no KL term, so comparing
+  the bare scores would drop the KL altogether. With the KL as a loss term the scores are
+  compared as they are."""
+  from rlhfuse_jax.rl import advantages as adv_lib
+  rng = np.random.default_rng(3)
+  n, g = 8, 4
+  mask = (np.arange(T)[None] < rng.integers(1, T + 1, n)[:, None]).astype(np.float32)
+  scores = rng.normal(0, 1, n).astype(np.float32)
+  old = rng.normal(-2, 0.3, (n, T)).astype(np.float32)
+  ref = rng.normal(-2, 0.3, (n, T)).astype(np.float32)
+  fn = {"grpo": adv_lib.grpo_advantages, "rloo": adv_lib.rloo_advantages}[estimator]
+  algo = AlgoConfig(estimator=estimator, kl_in_reward=True, kl_coef=0.5, kl_estimator="k1")
+  adv, _, token_rewards, _ = ppo.advantages_and_returns(algo, g, scores, mask, old, ref, None)
+  penalised = scores - 0.5 * np.sum((old - ref) * mask, -1)
+  np.testing.assert_allclose(np.sum(token_rewards, -1), penalised, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(adv, fn(penalised, mask, g)[0], rtol=1e-5, atol=1e-5)
+  assert not np.allclose(adv, fn(scores, mask, g)[0], atol=1e-3)
+  as_loss = AlgoConfig(estimator=estimator, kl_in_reward=False, kl_coef=0.5, kl_estimator="k3")
+  adv, _, _, _ = ppo.advantages_and_returns(as_loss, g, scores, mask, old, ref, None)
+  np.testing.assert_array_equal(adv, fn(scores, mask, g)[0])
+  assert ppo.loss_config(as_loss, 1.0).kl_coef == 0.5 and ppo.loss_config(algo, 1.0).kl_coef == 0
+
+
+def test_value_clip_zero_means_unclipped():
+  assert ppo.loss_config(AlgoConfig(value_clip_eps=0.0), 1.0).value_clip_eps is None
+  assert ppo.loss_config(AlgoConfig(), 1.0).value_clip_eps == 0.2

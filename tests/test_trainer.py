@@ -95,6 +95,9 @@ def test_sharded_run_equals_single_device(tmp_path):
     ({"data.length_dist": "zipf"}, "data.length_dist"),
     ({"rollout.chunk_size": 4, "rollout.steps_per_check": 3},
      "rollout.steps_per_check=3: expected a positive divisor of rollout.chunk_size=4"),
+    ({"algo.kl_in_reward": False, "algo.kl_estimator": "k1"},
+     "algo.kl_estimator='k1': expected 'k3'"),
+    ({"algo.value_clip_eps": -0.1}, "algo.value_clip_eps=-0.1: expected >= 0"),
 ])
 def test_bad_config_names_the_field(overrides, message):
   with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("*", r"\*")):

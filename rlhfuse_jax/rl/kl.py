@@ -4,6 +4,8 @@ The response tokens are sampled from the policy, so for token t with log-probs `
 and `ref_logp` (reference), with r = ref_logp - logp (the log of p_ref / p_policy):
 
 - 'k1':  -r = logp - ref_logp. Unbiased for KL, high variance, can be negative per token.
+         For the reward only: as a loss its gradient is that of logp, whose expectation on
+         the policy's own samples is zero whatever the reference (config refuses it there).
 - 'k2':  0.5 * r^2. Biased, nonnegative; its gradient is that of the true KL to first order.
 - 'k3':  exp(r) - r - 1. Unbiased for KL (E[exp(r)] = 1), nonnegative, low variance
          (Schulman, "Approximating KL divergence", 2020). Used by GRPO as a loss.

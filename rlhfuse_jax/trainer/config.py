@@ -111,7 +111,7 @@ class AlgoConfig:
   kl_estimator: str = "k1"  # k1 | k2 | k3 | abs
   kl_in_reward: bool = True  # True: token-level penalty folded into the reward; False: a loss term
   clip_eps: float = 0.2  # PPO ratio clip
-  value_clip_eps: float = 0.2
+  value_clip_eps: float = 0.2  # clip of the value update around the old values; 0: unclipped
   vf_coef: float = 0.5
   entropy_coef: float = 0.0
   loss_agg: str = "token-mean"
@@ -127,6 +127,14 @@ class AlgoConfig:
     _check(0 <= self.lam <= 1, "algo.lam", self.lam, "in [0, 1]")
     _check(self.kl_coef >= 0, "algo.kl_coef", self.kl_coef, ">= 0")
     _check(self.clip_eps > 0, "algo.clip_eps", self.clip_eps, "> 0")
+    # As a loss, k1's gradient (that of logp) has zero expectation on the policy's own samples
+    # whatever the reference: it would add noise, not pull toward the reference (rl/kl.py).
+    _check(self.kl_in_reward or self.kl_coef == 0 or self.kl_estimator != "k1",
+           "algo.kl_estimator", self.kl_estimator,
+           "'k3' (GRPO's) or 'k2' when the KL is a loss term (algo.kl_in_reward=False): k1's "
+           "gradient does not depend on the reference")
+    _check(self.value_clip_eps >= 0, "algo.value_clip_eps", self.value_clip_eps,
+           ">= 0 (0: the value loss unclipped)")
     _check(self.epochs > 0, "algo.epochs", self.epochs, "> 0")
     _check(self.minibatch_size > 0, "algo.minibatch_size", self.minibatch_size, "> 0")
 

@@ -42,12 +42,20 @@ class ModelState:
   opt_state: Any
 
 
+GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages from one score per sample, compared in groups
+
+
 def advantages_and_returns(algo: AlgoConfig, group_size: int, scores, mask, old_logp, ref_logp,
                            values):
   """Returns (advantages, returns, token_rewards, kl) each [batch, max_new] (float32)."""
   kl = kl_lib.kl_estimate(old_logp, ref_logp, algo.kl_estimator) * mask  # [batch, max_new]
   kl_coef = algo.kl_coef if algo.kl_in_reward else 0.0
   token_rewards = adv_lib.token_level_rewards(scores, kl, mask, kl_coef)
+  if kl_coef > 0 and algo.estimator in GROUP_ESTIMATORS:
+    # The group estimators compare one number per sample: with the KL in the reward that is the
+    # sum of the token rewards, score and KL penalty (verl's GRPO/RLOO on token_level_rewards).
+    # Comparing the bare scores would drop the KL, as the loss holds none here either.
+    scores = scores - kl_coef * jnp.sum(kl, axis=-1)
   adv, ret = adv_lib.compute_advantages(
       algo.estimator, scores=scores, token_rewards=token_rewards, values=values, mask=mask,
       gamma=algo.gamma, lam=algo.lam, group_size=group_size)
@@ -62,7 +70,7 @@ def loss_config(algo: AlgoConfig, temperature: float) -> LossConfig:
   return LossConfig(clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
                     entropy_coef=algo.entropy_coef,
                     kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
-                    kl_estimator=algo.kl_estimator, value_clip_eps=algo.value_clip_eps,
+                    kl_estimator=algo.kl_estimator, value_clip_eps=algo.value_clip_eps or None,
                     vf_coef=algo.vf_coef, temperature=temperature)
 
 
