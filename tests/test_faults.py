@@ -260,7 +260,7 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path):
   # The same command again: the run is finished, so it says so without compiling anything.
   out = subprocess.run(_cmd(run, *n), cwd=REPO, env=_env(JAX_LOG_COMPILES="1"), check=True,
                        capture_output=True, text=True, timeout=600)
-  assert "workdir already has 6 iterations (num_iterations=6): nothing to do" in out.stderr
+  assert "workdir already has 6 iterations (num_iterations=6): nothing to train" in out.stderr
   assert COMPILE_LOG not in out.stderr, out.stderr[-3000:]
   assert _steps(run) == [1, 2, 3, 4, 5, 6]
   # The config of each start is kept: config.json (first) and config.<k>.json (the resume).

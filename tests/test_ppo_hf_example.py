@@ -97,8 +97,9 @@ def test_example_config_trains_validates_and_exports(tmp_path, monkeypatch):
 
   out = os.path.join(wd, hooks.HF_EXPORT_DIR)
   assert sorted(os.listdir(out)) == ["config.json", "generation_config.json",
-                                     "model.safetensors", "tokenizer.json",
+                                     "model.safetensors", hooks.EXPORT_MARKER, "tokenizer.json",
                                      "tokenizer_config.json"]
+  assert hooks.exported_step(out) == 2
   for name in ("tokenizer.json", "tokenizer_config.json"):  # the chat template goes along
     assert filecmp.cmp(os.path.join(out, name), os.path.join(DATA, "tiny_llama3_chat", name),
                        shallow=False)
@@ -127,6 +128,21 @@ def test_example_config_trains_validates_and_exports(tmp_path, monkeypatch):
   np.testing.assert_array_equal(_logits(trainer.cfg.model, again, ids),
                                 _logits(trainer.cfg.model, actor, ids))
 
+  # The export lost (a failed or killed export at the very end, the checkpoint saved): the same
+  # command restores the last checkpoint and exports it again, training nothing ...
+  os.replace(out, out + ".lost")
+  redo = PPOTrainer(cfg, wd, mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1]))
+  assert redo.export_only and redo.run() == []
+  assert hooks.exported_step(out) == 2
+  assert filecmp.cmp(os.path.join(out, "model.safetensors"),
+                     os.path.join(out + ".lost", "model.safetensors"), shallow=False)
+  # ... and a finished run whose export is current builds nothing.
+  def no_build(*args, **kwargs):
+    raise AssertionError("a finished run with its export built its models")
+  monkeypatch.setattr(build, "build_models", no_build)
+  done = PPOTrainer(cfg, wd)
+  assert done.finished_at == 2 and not done.export_only and done.run() == []
+
 
 def test_export_family_and_refusals(tmp_path):
   """export_hf='auto' keeps the source checkpoint's family (a Mistral stays a Mistral, which
@@ -144,7 +160,8 @@ def test_export_family_and_refusals(tmp_path):
   (tmp_path / "export" / "stale.txt").write_text("an earlier export")
   assert hooks.export_hf(params, cfg, out) == "mistral"
   assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
-                                     "tokenizer.json"]
+                                     "tokenizer.json"]  # unmarked: no step given
+  assert hooks.exported_step(out) is None
   with open(os.path.join(out, "config.json")) as f:
     assert json.load(f)["architectures"] == ["MistralForCausalLM"]
   src, dst = _tensors(mistral), _tensors(out)

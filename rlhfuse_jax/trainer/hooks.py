@@ -259,10 +259,27 @@ def _keep_source_context(source_dir: str, config_path: str) -> None:
     json.dump(out, f, indent=2)
 
 
-def export_hf(params: Any, cfg: TrainConfig, out_dir: str) -> Optional[str]:
+# Inside an export: the iteration whose actor it holds. Written with the export (renamed into
+# place together), so a run whose export is missing or older than its last checkpoint (an export
+# that failed or was killed, an extended run) knows to write it again.
+EXPORT_MARKER = "rlhfuse_export.json"
+
+
+def exported_step(out_dir: str) -> Optional[int]:
+  """The iteration of the actor exported in `out_dir`; None: no (complete) export there."""
+  try:
+    with open(os.path.join(out_dir, EXPORT_MARKER)) as f:
+      return int(json.load(f)["step"])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def export_hf(params: Any, cfg: TrainConfig, out_dir: str,
+              step: Optional[int] = None) -> Optional[str]:
   """Writes the actor `params` of the resolved config `cfg` as a HF checkpoint in `out_dir`
-  (replacing an earlier export only once the new one is complete). Every process takes part
-  (a multi-host actor is gathered); process 0 writes. Returns the family written."""
+  (replacing an earlier export only once the new one is complete), marked with `step` (the
+  iteration it is from; None: unmarked). Every process takes part (a multi-host actor is
+  gathered); process 0 writes. Returns the family written."""
   family = export_family(cfg)
   params = mesh_lib.to_host(params)
   if jax.process_index() != 0:
@@ -270,6 +287,9 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str) -> Optional[str]:
   tmp = out_dir + ".tmp"
   shutil.rmtree(tmp, ignore_errors=True)
   hf_loader.save_hf_checkpoint(params, cfg.model, tmp, family=family)
+  if step is not None:
+    with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
+      json.dump({"step": step}, f)
   sources = []
   if cfg.init.tokenizer:
     tok = cfg.init.tokenizer
@@ -295,19 +315,25 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str) -> Optional[str]:
 class HFExport(Hook):
   """checkpoint.export_hf: once the run completes num_iterations, the actor (`params_fn()`, its
   whole parameters) as a HF checkpoint in WORKDIR/hf_export. A run stopped earlier exports
-  nothing; the run that completes it does."""
+  nothing; the run that completes it does. A finished run whose export is missing or older than
+  its last checkpoint (`pending`) exports again when re-run (trainer/loop.py)."""
 
   def __init__(self, workdir: str, cfg: TrainConfig, params_fn: Callable[[], Any]):
     self.out_dir = os.path.join(workdir, HF_EXPORT_DIR)
     self.cfg, self.params_fn = cfg, params_fn
 
+  def pending(self, step: int) -> bool:
+    """Whether the export asked for should hold iteration `step` and does not."""
+    return bool(self.cfg.checkpoint.export_hf) and exported_step(self.out_dir) != step
+
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     if self.cfg.checkpoint.export_hf and step == self.cfg.num_iterations:
-      self._export()
+      self.export(step)
 
-  def _export(self) -> None:
-    family = export_hf(self.params_fn(), self.cfg, self.out_dir)
-    logging.info("exported the actor as a HF %s checkpoint: %s", family, self.out_dir)
+  def export(self, step: int) -> None:
+    family = export_hf(self.params_fn(), self.cfg, self.out_dir, step)
+    logging.info("exported the actor of iteration %d as a HF %s checkpoint: %s", step, family,
+                 self.out_dir)
 
 
 def run_hooks(hooks: list, method: str, *args: Any) -> None:

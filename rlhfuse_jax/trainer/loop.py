@@ -111,6 +111,16 @@ class PPOTrainer:
     self.cfg = cfg
     self.finished_at = (self.resume_step if self.resume_step is not None and
                         self.resume_step >= cfg.num_iterations else None)
+    # ... unless its HF export is missing or older than its last checkpoint (the export failed
+    # or was killed, or checkpoint.export_hf was turned on or the run extended since): then the
+    # model is built, the last checkpoint restored and exported, and no iteration runs.
+    self.export_only = (self.finished_at is not None and
+                        hooks.HFExport(self.workdir, cfg, None).pending(self.finished_at))
+    if self.export_only:
+      logging.warning("the run is finished at iteration %d but %s does not hold its actor: "
+                      "building the model to export it", self.finished_at,
+                      os.path.join(self.workdir, hooks.HF_EXPORT_DIR))
+      self.finished_at = None
     if self.finished_at is not None:
       return
     self.task, self.tokenizer = build.build_task_and_tokenizer(cfg)
@@ -506,7 +516,9 @@ class PPOTrainer:
     try:
       start = self.finished_at if self.finished_at is not None else self._restore()
       if start >= self.cfg.num_iterations:
-        logging.info("workdir already has %d iterations (num_iterations=%d): nothing to do",
+        if self.export_only:
+          hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor")).export(start)
+        logging.info("workdir already has %d iterations (num_iterations=%d): nothing to train",
                      start, self.cfg.num_iterations)
         return []
       return self._loop(start, stop_after)
