@@ -98,7 +98,8 @@ def test_grpo_with_inter_stage_fusion_on_the_generation_group(tmp_path):
   stage's trajectory (each instance holds one device's share of the serial batch)."""
   cfg = lambda **o: tiny_config(num_iterations=3, **{
       "algo.estimator": "grpo", "rollout.prompts_per_iteration": 4,
-      "rollout.samples_per_prompt": 4, "algo.kl_in_reward": False, "rollout.chunk_size": 2,
+      "rollout.samples_per_prompt": 4, "algo.kl_in_reward": False,
+      "algo.kl_estimator": "k3", "rollout.chunk_size": 2,
       "async_ppo.staleness": 1, "async_ppo.generation_devices": 4, **o})
   serial = PPOTrainer(cfg(), str(tmp_path / "serial"))
   assert isinstance(serial.rollout, rollout.SerialStage)

@@ -151,7 +151,7 @@ def test_critic_free_estimators_train_with_the_kl_loss_and_entropy_bonus(tmp_pat
   # bonus: no critic is built or logged, the KL-loss branch runs, and the actor moves.
   cfg = tiny_config(**{"num_iterations": 2, "algo.estimator": estimator,
                        "rollout.samples_per_prompt": 2, "rollout.prompts_per_iteration": 8,
-                       "algo.kl_in_reward": False, "algo.kl_coef": 0.1,
+                       "algo.kl_in_reward": False, "algo.kl_coef": 0.1, "algo.kl_estimator": "k3",
                        "algo.entropy_coef": 0.01})
   trainer = PPOTrainer(cfg, str(tmp_path))
   before = jax.device_get(trainer.actor.params)
