@@ -188,6 +188,27 @@ SCAN_PIPE = {"mesh.stage": 2, "mesh.data": 1, "mesh.fsdp": 2, "model.num_layers"
              "fusion.intra_stage": False, "model.vocab_size": 64, "critic_model.vocab_size": 64}
 
 
+def test_serial_rollout_splits_the_batch_over_the_stage_devices(runs):
+  """On the data=2 x stage=4 mesh the serial rollout generates and scores with `stage` folded
+  into `data`: each device decodes and scores 1/8 of the batch (not the 1/2 that data alone
+  gives, the whole of which every stage device would run again), with the same devices'
+  coordinates along the axes the weights are split over."""
+  trainer = runs["serial"][0]
+  assert dict(trainer.gen_mesh.shape) == {"data": 8, "fsdp": 1, "stage": 1, "tensor": 1}
+  assert set(trainer.gen_mesh.devices.flat) == set(trainer.mesh.devices.flat)
+  stage = trainer.rollout
+  cache = stage.generator.state_sharding.cache.k  # [layers, slots, max_len, kv_heads, hd]
+  slots = trainer.cfg.rollout.batch_size
+  assert cache.shard_shape((1, slots, 4, 2, 2))[1] == slots // 8
+  assert mesh_lib.batch_size_multiple(stage.scorer.mesh) == 8
+  # The reference lives on that mesh, each device holding what it held on the training mesh.
+  leaf = jax.tree.leaves(stage.reference)[0]
+  assert leaf.sharding.mesh is trainer.gen_mesh
+  # The plain run (stage 1) keeps one mesh for both.
+  plain = runs["plain"][0]
+  assert plain.gen_mesh is plain.mesh and not plain.moves_weights
+
+
 def test_scanned_layers_pipeline_as_a_reshape_of_the_stack(tmp_path):
   """model.scan_layers=True through the pipeline (docs/architecture.md §3): the stage-stacked
   tree is a reshape of the scanned stack [L, ...] -> [S, L/S, ...] (the critic's rows flipped)

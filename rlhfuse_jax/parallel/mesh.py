@@ -78,6 +78,19 @@ def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -
   return Mesh(dev_array, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
+def fold_stage(mesh: Mesh) -> Mesh:
+  """The same devices with the `stage` axis folded into `data` (stage 1): the layout for work on
+  whole models (generation, inference) on a pipelined training mesh, where the batch then splits
+  over data x stage x fsdp instead of running again on every stage device. Each device keeps its
+  fsdp and tensor coordinates, so parameters sharded by their logical axes (never over `stage`)
+  occupy every device exactly as on `mesh`."""
+  d, f, s, t = (mesh.shape[a] for a in MESH_AXES)
+  if s == 1:
+    return mesh
+  devices = np.transpose(mesh.devices, (0, 2, 1, 3)).reshape(d * s, f, 1, t)
+  return Mesh(devices, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
 def batch_size_multiple(mesh: Mesh) -> int:
   """The global batch must be a multiple of this to be split over the data axes."""
   return math.prod(mesh.shape[a] for a in BATCH_AXES)

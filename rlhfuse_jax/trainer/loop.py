@@ -149,7 +149,7 @@ class PPOTrainer:
     # in host memory (§2).
     if cfg.fusion.inter_stage or cfg.plan.generation == "instances":
       models.frozen_to_host()
-    elif self.disjoint:  # the serial stage scores on the generation group
+    elif self.moves_weights:  # the serial stage scores on the generation group's mesh
       models.frozen_to_mesh(cfg, self.gen_mesh)
     logging.info("setup: models and update ready in %.1fs", time.time() - t0)
     self.sampling = SamplingConfig(
@@ -171,9 +171,14 @@ class PPOTrainer:
     # each checkpoint (trainer/async_ppo.py).
     self.in_flight: dict[int, async_lib.Generated] = {}
     self._weights_to_generation_s = 0.0
-    # Async PPO scores each batch again on the training mesh (the current actor's log-probs,
-    # the current critic's values), in mini-batch sized pieces.
-    self._rescorer = scoring.Scorer(self.mesh, micro_batch_size=cfg.algo.minibatch_size)
+    # Async PPO scores each batch again on the training devices (the current actor's log-probs,
+    # the current critic's values), in mini-batch sized pieces: on the training mesh, or its
+    # folded form when the serial rollout runs there.
+    folded = (self.moves_weights and not self.disjoint and cfg.algo.minibatch_size %
+              mesh_lib.batch_size_multiple(self.gen_mesh) == 0)
+    self._rescore_params = self._to_generation if folded else self.model_params
+    self._rescorer = scoring.Scorer(self.gen_mesh if folded else self.mesh,
+                                    micro_batch_size=cfg.algo.minibatch_size)
     self.checkpoints.state_fn = self._state
     self.checkpoints.meta_fn = self._meta
     self._compiled_update = False  # the first update call (compiles) is timed and logged
@@ -207,6 +212,23 @@ class PPOTrainer:
       self.mesh = self.gen_mesh = mesh
     else:
       self.mesh, self.gen_mesh = async_lib.meshes(cfg, jax.devices())
+    # A serial rollout on a pipelined training mesh generates and scores on the same devices
+    # with `stage` folded into `data`: the batch splits over every device instead of each stage
+    # device running the whole of it again (the whole models' weights are placed alike on
+    # both: mesh.fold_stage). Kept as is when the batch does not split that finely.
+    folded = mesh_lib.fold_stage(self.mesh)
+    if (folded is not self.mesh and not self.disjoint and rollout_lib.is_serial(cfg)):
+      if cfg.rollout.batch_size % mesh_lib.batch_size_multiple(folded) == 0:
+        self.gen_mesh = folded
+      else:
+        logging.warning(
+            "the rollout batch %d does not split over data x fsdp x stage = %d devices: "
+            "generation and inference run whole on each of the %d stage devices",
+            cfg.rollout.batch_size, mesh_lib.batch_size_multiple(folded),
+            self.mesh.shape["stage"])
+    # Whether the rollout's whole models live on another mesh than the update's (placed there
+    # by their logical axes each time the stage asks for them).
+    self.moves_weights = self.gen_mesh is not self.mesh
 
   def _model_cfg(self, model: str):
     return self.cfg.model if model == "actor" else self.cfg.critic_model
@@ -215,7 +237,7 @@ class PPOTrainer:
     """The whole parameters' ShapeDtypeStructs as generation and inference take them: on the
     training mesh, or laid out by their logical axes on the generation group's."""
     shapes = self.update.whole_shapes(model)
-    if not self.disjoint:
+    if not self.moves_weights:
       return shapes
     return mesh_lib.abstract(shapes, self._generation_shardings(model))
 
@@ -234,11 +256,11 @@ class PPOTrainer:
     update (it donates the state's) and so stay the policy that generated an in-flight batch."""
     t0 = time.perf_counter()
     whole = self.model_params(model)
-    if self.disjoint:
+    if self.moves_weights:
       whole = mesh_lib.put(whole, self._generation_shardings(model))
     elif copy and not self.update.is_pipelined:  # a pipelined `whole` is a new array already
       whole = jax.tree.map(jnp.copy, whole)
-    if self.disjoint or copy:
+    if self.moves_weights or copy:
       jax.block_until_ready(whole)
       self._weights_to_generation_s += time.perf_counter() - t0
     return whole
@@ -246,7 +268,7 @@ class PPOTrainer:
   def _generation_params(self) -> Callable[[str], Any]:
     """params(model) for the rollout stage, each model placed when the stage asks for it (a
     serial stage never holds the whole actor and critic at once)."""
-    return self._to_generation if self.disjoint else self.model_params
+    return self._to_generation if self.moves_weights else self.model_params
 
   def _snapshot(self) -> Callable[[str], Any]:
     """The current policy (and critic) copied for generation now, before the next update."""
@@ -339,7 +361,7 @@ class PPOTrainer:
     wins and the critic stops learning on those tokens."""
     if not self.use_critic:
       return gen
-    values = self._rescorer.values(self.cfg.critic_model, self.model_params("critic"),
+    values = self._rescorer.values(self.cfg.critic_model, self._rescore_params("critic"),
                                    gen.scoring_batch())
     return dataclasses.replace(gen, values=np.asarray(values, np.float32))
 
@@ -349,7 +371,7 @@ class PPOTrainer:
     its training data (trainer/async_ppo.py). One forward pass of the current actor (the
     proximal policy) gives both."""
     a = self.cfg.async_ppo
-    prox = self._rescorer.ref_logprobs(self.cfg.model, self.model_params("actor"),
+    prox = self._rescorer.ref_logprobs(self.cfg.model, self._rescore_params("actor"),
                                        gen.scoring_batch(), self.cfg.rollout.temperature)
     weights, m = async_lib.behaviour_weights(prox, gen.logprobs, data["mask"],
                                              a.behaviour_weight_cap)
@@ -433,7 +455,7 @@ class PPOTrainer:
     m.update(gen.metrics)
     m.update(async_m)
     m.update(self.update.take_reshard_metrics())  # pipelined: the weights gathered for stage 1-2
-    if self.disjoint or k:
+    if self.moves_weights or k:
       m["timing_s/weights_to_generation"] = self._weights_to_generation_s
     max_new = cfg.rollout.max_new_tokens
     m.update({"timing_s/train": t_train, "timing_s/gen_plus_inf": t_gen_inf,

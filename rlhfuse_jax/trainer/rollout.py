@@ -188,6 +188,12 @@ class FusedStage:
     return mesh_lib.to_host(params)
 
 
+def is_serial(cfg: TrainConfig) -> bool:
+  """Whether make_rollout_stage builds a SerialStage (generation and inference on one mesh)."""
+  return not (cfg.plan.generation in ("instances", "pipeline") or cfg.plan.inference_tp or
+              cfg.fusion.inter_stage)
+
+
 def make_rollout_stage(cfg: TrainConfig, sampling: SamplingConfig, mesh: jax.sharding.Mesh, *,
                        reference: Any, rewards: scoring.Rewards, pad_id: int, actor_shapes: Any,
                        critic_shapes: Optional[Any]) -> RolloutStage:
