@@ -384,3 +384,18 @@ def test_two_damaged_checkpoints_in_a_row_stop_instead_of_going_further_back(tmp
     PPOTrainer(tiny_config(**{"num_iterations": 8, "checkpoint.keep": 3}), run)
   assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["2", "4"]  # 4 not moved
   assert os.listdir(os.path.join(run, "damaged_checkpoints")) == ["6"]
+
+
+def test_nonfinite_error_advises_what_the_guard_has_not_tried():
+  """Under "stop" the error suggests skip_update; under skip_update (its max_consecutive_skips
+  used up, so the bad update was applied) it names max_consecutive_skips instead."""
+  import types
+
+  def message(**guard):
+    fake = types.SimpleNamespace(
+        checkpoints=types.SimpleNamespace(latest_step=lambda: 2),
+        cfg=tiny_config(**{f"guard.{k}": v for k, v in guard.items()}))
+    return str(loop.PPOTrainer._nonfinite(fake, 2, "actor parameters hold NaN/Inf"))
+  assert "set guard.on_nonfinite='skip_update'" in message()
+  skip = message(on_nonfinite="skip_update", max_consecutive_skips=3)
+  assert "raise guard.max_consecutive_skips=3" in skip and "set guard.on_nonfinite" not in skip

@@ -175,3 +175,18 @@ def test_the_update_compiles_once(tmp_path):
                        mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1]))
   trainer.run()
   assert trainer.update._fn.jitted(trainer.actor, trainer.critic)._cache_size() == 1
+
+
+def test_clip_ratio_counts_only_responses_the_budget_cut_off():
+  """A response that emits EOS as its last allowed token ended on its own: not clipped."""
+  import types
+  eos, max_new = 2, 3
+  gen = types.SimpleNamespace(response_lens=np.array([3, 3, 1, 2]),
+                              response_tokens=np.array([[5, 6, 7], [5, 6, eos], [eos, 0, 0],
+                                                        [5, eos, 0]]))
+  fake = types.SimpleNamespace(cfg=types.SimpleNamespace(
+      rollout=types.SimpleNamespace(max_new_tokens=max_new)),
+                               sampling=types.SimpleNamespace(eos_id=eos))
+  np.testing.assert_array_equal(PPOTrainer._truncated(fake, gen), [True, False, False, False])
+  fake.sampling.eos_id = -1  # no EOS: every full-length response was cut off
+  np.testing.assert_array_equal(PPOTrainer._truncated(fake, gen), [True, True, False, False])

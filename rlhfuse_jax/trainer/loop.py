@@ -464,6 +464,13 @@ class PPOTrainer:
               "perf/response_tokens": int(np.sum(gen.response_lens))})
     return m
 
+  def _truncated(self, gen: async_lib.Generated) -> np.ndarray:
+    """[B] bool: responses the token budget cut off (full length and not ended by EOS; one that
+    emits EOS as its last allowed token ended on its own)."""
+    lens, max_new = gen.response_lens, self.cfg.rollout.max_new_tokens
+    last = gen.response_tokens[np.arange(len(lens)), np.clip(lens - 1, 0, None)]
+    return (lens >= max_new) & (last != self.sampling.eos_id)
+
   def _metrics(self, iteration: int, gen: async_lib.Generated, train_metrics: list[dict],
                stats: dict) -> dict:
     """The iteration's deterministic metrics (docs/architecture.md §1)."""
@@ -478,7 +485,7 @@ class PPOTrainer:
     m.update({
         "reward/mean": float(np.mean(scores)), "reward/std": float(np.std(scores)),
         "response_length/mean": float(np.mean(lens)), "response_length/max": int(np.max(lens)),
-        "response_length/clip_ratio": float(np.mean(lens >= max_new)),
+        "response_length/clip_ratio": float(np.mean(self._truncated(gen))),
         # Per-sample lengths (JSONL only): the simulator's empirical length distribution.
         "gen/response_lengths": [int(x) for x in lens],
     })
@@ -510,11 +517,16 @@ class PPOTrainer:
 
   def _nonfinite(self, iteration: int, what: str) -> NonFiniteError:
     last = self.checkpoints.latest_step()
+    guard = self.cfg.guard
+    advice = ("set guard.on_nonfinite='skip_update' to skip such optimizer steps"
+              if guard.on_nonfinite != "skip_update" else
+              f"raise guard.max_consecutive_skips={guard.max_consecutive_skips} (after that many "
+              "skipped steps in a row the non-finite update is applied)")
     return NonFiniteError(
         f"iteration {iteration + 1}: non-finite values: {what}. Nothing of this iteration was "
         f"written or saved; the last checkpoint ({'none' if last is None else last}) is kept. "
-        f"Lower optim.actor_lr / optim.critic_lr or optim.grad_clip, check the inputs, or set "
-        f"guard.on_nonfinite='skip_update' to skip such optimizer steps")
+        f"Lower optim.actor_lr / optim.critic_lr or optim.grad_clip, check the inputs, or "
+        f"{advice}")
 
   def _train_flops_metrics(self, t_train: float, prompt_len: int, max_new: int) -> dict:
     """Training FLOP/s (padded shapes, as executed) and MFU where the device's peak is known."""
