@@ -97,7 +97,13 @@ def test_sharded_run_equals_single_device(tmp_path):
      "rollout.steps_per_check=3: expected a positive divisor of rollout.chunk_size=4"),
     ({"algo.kl_in_reward": False, "algo.kl_estimator": "k1"},
      "algo.kl_estimator='k1': expected 'k3'"),
-    ({"algo.value_clip_eps": -0.1}, "algo.value_clip_eps=-0.1: expected >= 0"),
+    ({"algo.value_clip_eps": -0.1}, "algo.value_clip_eps=-0.1: expected a finite value >= 0"),
+    ({"algo.estimator": "gea"}, "algo.estimator='gea': expected one of"),
+    ({"algo.kl_estimator": "k4"}, "algo.kl_estimator='k4': expected one of"),
+    ({"algo.vf_coef": -1.0}, "algo.vf_coef=-1.0: expected a finite value >= 0"),
+    ({"optim.actor_lr": float("inf")}, "optim.actor_lr=inf: expected a finite value > 0"),
+    ({"optim.weight_decay": -0.1}, "optim.weight_decay=-0.1: expected a finite value >= 0"),
+    ({"rollout.temperature": float("nan")}, "rollout.temperature=nan"),
 ])
 def test_bad_config_names_the_field(overrides, message):
   with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("*", r"\*")):

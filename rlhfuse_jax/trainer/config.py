@@ -14,6 +14,8 @@ from typing import Any, Mapping, Optional
 from rlhfuse_jax.generation import fused as fused_lib
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel.mesh import MeshConfig
+from rlhfuse_jax.rl import advantages as adv_lib
+from rlhfuse_jax.rl import kl as kl_lib
 from rlhfuse_jax.rl import losses as losses_lib
 
 
@@ -89,7 +91,8 @@ class RolloutConfig:
     _check(self.samples_per_prompt > 0, "rollout.samples_per_prompt", self.samples_per_prompt,
            "> 0")
     _check(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "> 0")
-    _check(self.temperature > 0, "rollout.temperature", self.temperature, "> 0")
+    _check(math.isfinite(self.temperature) and self.temperature > 0, "rollout.temperature",
+           self.temperature, "a finite value > 0")
     _check(self.top_k >= 0, "rollout.top_k", self.top_k, ">= 0 (0 disables)")
     _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
     _check(self.chunk_size > 0, "rollout.chunk_size", self.chunk_size, "> 0")
@@ -121,11 +124,17 @@ class AlgoConfig:
   whiten_advantages: bool = True
 
   def __post_init__(self):
+    _check(self.estimator in adv_lib.ADVANTAGE_ESTIMATORS, "algo.estimator", self.estimator,
+           f"one of {sorted(adv_lib.ADVANTAGE_ESTIMATORS)}")
+    _check(self.kl_estimator in kl_lib.KL_ESTIMATORS, "algo.kl_estimator", self.kl_estimator,
+           f"one of {sorted(kl_lib.KL_ESTIMATORS)}")
     _check(self.loss_agg in losses_lib.LOSS_AGGREGATIONS, "algo.loss_agg", self.loss_agg,
            f"one of {sorted(losses_lib.LOSS_AGGREGATIONS)}")
+    for name in ("kl_coef", "clip_eps", "value_clip_eps", "vf_coef", "entropy_coef"):
+      v = getattr(self, name)
+      _check(math.isfinite(v) and v >= 0, f"algo.{name}", v, "a finite value >= 0")
     _check(0 <= self.gamma <= 1, "algo.gamma", self.gamma, "in [0, 1]")
     _check(0 <= self.lam <= 1, "algo.lam", self.lam, "in [0, 1]")
-    _check(self.kl_coef >= 0, "algo.kl_coef", self.kl_coef, ">= 0")
     _check(self.clip_eps > 0, "algo.clip_eps", self.clip_eps, "> 0")
     # As a loss, k1's gradient (that of logp) has zero expectation on the policy's own samples
     # whatever the reference: it would add noise, not pull toward the reference (rl/kl.py).
@@ -133,8 +142,6 @@ class AlgoConfig:
            "algo.kl_estimator", self.kl_estimator,
            "'k3' (GRPO's) or 'k2' when the KL is a loss term (algo.kl_in_reward=False): k1's "
            "gradient does not depend on the reference")
-    _check(self.value_clip_eps >= 0, "algo.value_clip_eps", self.value_clip_eps,
-           ">= 0 (0: the value loss unclipped)")
     _check(self.epochs > 0, "algo.epochs", self.epochs, "> 0")
     _check(self.minibatch_size > 0, "algo.minibatch_size", self.minibatch_size, "> 0")
 
@@ -155,11 +162,13 @@ class OptimConfig:
   def __post_init__(self):
     _check(self.schedule_iterations >= 0, "optim.schedule_iterations", self.schedule_iterations,
            ">= 0 (0: num_iterations of the first start)")
-    _check(self.actor_lr > 0, "optim.actor_lr", self.actor_lr, "> 0")
-    _check(self.critic_lr > 0, "optim.critic_lr", self.critic_lr, "> 0")
+    for name in ("actor_lr", "critic_lr", "grad_clip"):
+      v = getattr(self, name)
+      _check(math.isfinite(v) and v > 0, f"optim.{name}", v, "a finite value > 0")
     _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, ">= 0")
     _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
-    _check(self.grad_clip > 0, "optim.grad_clip", self.grad_clip, "> 0")
+    _check(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "optim.weight_decay",
+           self.weight_decay, "a finite value >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
