@@ -46,12 +46,30 @@ def test_load_jsonl_skips_blank_lines_and_keeps_fields(tmp_path):
     ('["prompt", "w1"]', r"expected a JSON object with a string field 'prompt', got list"),
     ('{"text": "w1"}', r"missing field 'prompt' \(keys: \['text'\]\); expected a string"),
     ('{"prompt": 7}', r"field 'prompt' must be a string, got int"),
+    ('{"prompt": "  "}', r"field 'prompt' is blank; expected the prompt's text"),
 ])
 def test_malformed_line_names_path_and_line_number(tmp_path, bad_line, expected):
   path = _write(tmp_path / "p.jsonl", ['{"prompt": "w1"}', "", '{"prompt": "w2"}', bad_line,
                                        '{"prompt": "w3"}'])
   with pytest.raises(ValueError, match=rf"p\.jsonl:4: {expected}"):
     load_jsonl_prompts(path)
+
+
+def test_encoding_a_bom_and_untokenisable_text(tmp_path):
+  """A byte-order mark is read as nothing; a file that is not UTF-8 and a prompt the tokenizer
+  cannot encode are errors naming the file and the line."""
+  bom = tmp_path / "bom.jsonl"
+  bom.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "w1"}\n')
+  assert load_jsonl_prompts(str(bom))[0]["prompt"] == "w1"
+  latin = tmp_path / "latin1.jsonl"
+  latin.write_bytes(b'{"prompt": "w1"}\n{"prompt": "caf\xe9"}\n')
+  with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not UTF-8 text \(byte 0xe9 at column "
+                                       r"16\); expected a UTF-8 JSONL file"):
+    load_jsonl_prompts(str(latin))
+  path = _write(tmp_path / "p.jsonl", ['{"prompt": "w1"}', '{"prompt": "w2 hello"}'])
+  with pytest.raises(ValueError, match=rf"prompt 1 \({path}:2\) cannot be tokenised \(.*\); "
+                                       r"text starts 'w2 hello'"):
+    tokenize_prompts(load_jsonl_prompts(path), _tokenizer(), 8)
 
 
 def test_empty_file_is_an_error(tmp_path):

@@ -29,11 +29,19 @@ _PADDINGS = ("left", "right")
 def jsonl_rows(path: str, example: str = "") -> Iterator[tuple[str, Any]]:
   """("path:line", parsed object) for every non-blank line of a JSONL file; a line that is not
   JSON raises ValueError naming path:line (`example`: text after "one object per line")."""
-  with open(path, encoding="utf-8") as f:
-    for line_number, line in enumerate(f, start=1):
+  # Read as bytes and decoded line by line, so a line that is not UTF-8 is named; a byte-order
+  # mark that some editors write first is read as nothing.
+  with open(path, "rb") as f:
+    for line_number, raw in enumerate(f, start=1):
+      where = f"{path}:{line_number}"
+      try:
+        line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                         f"{e.start + 1}); expected a UTF-8 JSONL file (convert it, e.g. iconv "
+                         f"-f latin1 -t utf-8)") from e
       if not line.strip():
         continue
-      where = f"{path}:{line_number}"
       try:
         yield where, json.loads(line)
       except json.JSONDecodeError as e:
@@ -59,6 +67,8 @@ def load_jsonl_prompts(path: str, field: str = "prompt") -> list[dict[str, Any]]
     if not isinstance(record[field], str):
       raise ValueError(f"{where}: field '{field}' must be a string, got "
                        f"{type(record[field]).__name__}")
+    if not record[field].strip():
+      raise ValueError(f"{where}: field '{field}' is blank; expected the prompt's text")
     record.setdefault(SOURCE_KEY, where)
     records.append(record)
   if not records:
@@ -125,7 +135,16 @@ def tokenize_prompts(records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
   """
   if max_prompt_len < 1:
     raise ValueError(f"max_prompt_len={max_prompt_len}: expected >= 1")
-  ids = tokenizer.encode_batch([r[field] for r in records], add_bos=add_bos)
+  try:
+    ids = tokenizer.encode_batch([r[field] for r in records], add_bos=add_bos)
+  except Exception as e:  # the tokenizer's own error names neither the prompt nor its line
+    for i, r in enumerate(records):
+      try:
+        tokenizer.encode_batch([r[field]], add_bos=add_bos)
+      except Exception as one:  # pylint: disable=broad-except
+        raise ValueError(f"prompt {i}{where(r)} cannot be tokenised ({one}); text starts "
+                         f"{r[field][:60]!r}") from one
+    raise
   for i, seq in enumerate(ids):
     if len(seq) == 0:
       raise ValueError(f"prompt {i}{where(records[i])} encodes to zero tokens; a prompt needs at "
