@@ -41,6 +41,9 @@ def get_config(arg: str = "paper"):
   c.prompt.value = 0
   c.prompt.path = ""
 
+  # Response lengths: an assumption, not a measurement or a cited trace (the papers show their
+  # traces only as plots): log-normal, median 256, sigma 0.8. Inter-stage fusion's gain depends
+  # on it directly; `empirical` replays a run's own lengths (sim/lengths.py).
   c.response = ml_collections.ConfigDict()  # response lengths; max_len = each max_new_tokens
   c.response.kind = "lognormal"  # lognormal | pareto | uniform | constant | empirical
   c.response.median = 256.0  # lognormal median (tokens)

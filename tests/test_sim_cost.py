@@ -44,7 +44,8 @@ def test_collectives_by_bandwidth():
   cm = CostModel(TOY_HW, EFF)
   assert cm.allreduce_s(1e6, 1) == 0.0
   assert cm.allreduce_s(1e6, 4) == pytest.approx(2 * 3 / 4 * 1e6 / 0.5e8)  # intra-node
-  assert cm.allreduce_s(1e6, 8) == pytest.approx(2 * 7 / 8 * 1e6 / 0.5e7)  # spans nodes
+  # Spans 2 nodes of 4: the ring's 4 channels leave each node through its 4 NICs.
+  assert cm.allreduce_s(1e6, 8) == pytest.approx(2 * 7 / 8 * 1e6 / (4 * 0.5e7))
   assert cm.kv_migration_s(4e6, 2, cross_node=True) == pytest.approx(2e6 / 0.5e7)
 
 
@@ -57,17 +58,20 @@ def test_collectives_follow_nccls_alpha_beta_model():
       6.6e-6 + 14 * 0.6e-6 + 2 * 7 / 8 * 1e3 / (nvlink / 4))
   # A large one: Simple at the full bandwidth.
   assert cm.allreduce_s(1e9, 8) == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 2 * 7 / 8 * 1e9 / nvlink)
-  # 16 GPUs on 2 nodes: 30 steps, 2 x 2 of them across nodes, at the network's bandwidth.
+  # 16 GPUs on 2 nodes: 30 steps, 2 x 2 of them across nodes, at the 8 NICs' bandwidth per
+  # node (one ring channel per NIC; below NVLink's).
   assert cm.allreduce_s(1e9, 16) == pytest.approx(
-      8.4e-6 + 26 * 3.4e-6 + 4 * 14e-6 + 2 * 15 / 16 * 1e9 / net)
+      8.4e-6 + 26 * 3.4e-6 + 4 * 14e-6 + 2 * 15 / 16 * 1e9 / (8 * net))
   # All-gather: g - 1 steps, nodes - 1 across; point to point: one step.
-  assert cm.allgather_s(1e9, 16) == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 14e-6 + 15 / 16 * 1e9 / net)
+  assert cm.allgather_s(1e9, 16) == pytest.approx(
+      8.4e-6 + 14 * 3.4e-6 + 14e-6 + 15 / 16 * 1e9 / (8 * net))
   assert cm.p2p_s(1e3, True) == pytest.approx(6.6e-6 + 2.7e-6 + 1e3 / (net / 4))
   # LL inside one node outside an all-reduce: a third of the bandwidth (NCCL's model).
   assert cm.allgather_s(1e3, 8) == pytest.approx(6.6e-6 + 7 * 0.6e-6 + 7 / 8 * 1e3 / (nvlink / 3))
   assert cm.p2p_s(1e3, False) == pytest.approx(6.6e-6 + 0.6e-6 + 1e3 / (nvlink / 3))
   assert cm.p2p_s(1e8, False) == pytest.approx(8.4e-6 + 3.4e-6 + 1e8 / nvlink)
-  # The gradient all-reduce of dp = 4 ranks 8 devices apart spans 4 nodes.
+  # The gradient all-reduce of dp = 4 ranks 8 devices apart spans 4 nodes, one rank (one NIC)
+  # in each.
   s = get_shape("llama-13b")
   nbytes = s.num_params() * 2.0 / (8 * 2)
   assert cm.grad_sync_s(s, 8, 2, 4) == pytest.approx(
@@ -202,3 +206,19 @@ def test_decode_host_overhead_stretches_the_uncalibrated_step_only():
   assert slow.prefill_s(s, 4, [500]) == base.prefill_s(s, 4, [500])  # decode steps only
   with pytest.raises(ValueError, match="decode_host_overhead=-0.1"):
     Efficiency(decode_host_overhead=-0.1)
+
+
+def test_hops_across_nodes_follow_the_layout():
+  """Which neighbour hops of a chain cross a node boundary (nodes of 8, consecutive numbering):
+  stages 4 devices apart cross at every second hop, 8 apart at every hop, 2 apart at every
+  fourth; a mean hop mixes the two links' times by that share."""
+  from rlhfuse_jax.sim.cost_model import crossing_share, same_node
+  assert same_node(4, 7, 8) and not same_node(7, 8, 8)
+  assert crossing_share(4, 3, 8) == pytest.approx(1 / 3)  # hops 4->8 cross; 0->4, 8->12 not
+  assert crossing_share(8, 3, 8) == 1.0 and crossing_share(2, 4, 8) == pytest.approx(1 / 4)
+  assert crossing_share(3, 2, 8) == pytest.approx(1 / 6)  # of 0->3->6 .. 2->5->8, only 5->8
+  assert crossing_share(4, 0, 8) == 0.0
+  cm = CostModel(get_hardware("h100_sxm"))
+  assert cm.hop_s(1e6, 0.25) == pytest.approx(0.25 * cm.p2p_s(1e6, True) +
+                                              0.75 * cm.p2p_s(1e6, False))
+  assert cm.hop_s(1e6, 1.0) == cm.p2p_s(1e6, True) and cm.hop_s(1e6, 0) == cm.p2p_s(1e6, False)

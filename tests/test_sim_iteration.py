@@ -51,6 +51,16 @@ def test_train_plan_divisibility_errors():
                 global_batch=500)
 
 
+def test_training_plans_split_whole_layers_per_stage():
+  """13B's 40 layers: no plan puts 2.5 layers on each of 16 stages (a stage holds whole layers,
+  as Megatron-LM and our executor require); every candidate tried has pp dividing the layers."""
+  a, c = get_shape("llama-13b"), get_shape("llama-13b", "scalar")
+  plan, tried = ts.best_plan(H100, a, c, 256, 64, 1, 1024.0, 8)
+  assert a.num_layers % plan.actor_pp == 0 and c.num_layers % plan.critic_pp == 0
+  assert not any("pa16" in name or "pc16" in name for name in tried), sorted(tried)
+  assert any("pa8" in name for name in tried)
+
+
 def test_model_that_does_not_fit_is_named():
   a100 = CostModel(get_hardware("a100_80g_sxm"))
   a, c = get_shape("llama-65b"), get_shape("llama-65b", "scalar")

@@ -25,7 +25,12 @@ def test_datasheet_values_and_dense_convention():
   assert hardware.get_hardware("a100_80g_sxm").peak_flops == pytest.approx(312e12)
   assert hardware.get_hardware("tpu_v5e").peak_flops == pytest.approx(197e12)
   assert hardware.get_hardware("tpu_v5p").hbm_bw == pytest.approx(2765e9)
-  assert h100.link_bw(8) == h100.intra_node_bw and h100.link_bw(16) == h100.inter_node_bw
+  # Across nodes a ring runs a channel per NIC: min(NVLink, members per node x NIC).
+  assert h100.link_bw(8) == h100.intra_node_bw
+  assert h100.link_bw(16) == h100.link_bw(256) == pytest.approx(400e9)  # 8 x 50 GB/s
+  assert h100.link_bw(4, stride=8) == h100.inter_node_bw  # one member per node
+  assert h100.link_bw(8, stride=4) == pytest.approx(100e9)  # two per node
+  assert h100.link_bw(2, stride=4) == h100.intra_node_bw  # devices 0 and 4: one node
 
 
 def test_unknown_and_bad_presets():

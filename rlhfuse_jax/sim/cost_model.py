@@ -23,9 +23,10 @@ parallel degree, FLOPs from shapes.py):
       time = min over NCCL's protocols of base + steps inside nodes * intra_step + steps across
       nodes * inter_step + bytes / (bw * net_eff * protocol's bandwidth fraction), with NCCL's
       step counts (an all-reduce spanning n > 1 nodes: 2n steps cross them). bw is the fast
-      link while the group fits in one node, the scale-out network otherwise
-      (hardware.link_bw). Presets without protocols (TPU): bytes / (bw * net_eff) +
-      collective_latency_s.
+      link while the group fits in one node, otherwise min(fast link, the group's members per
+      node x each one's NIC) (hardware.link_bw: one ring channel per NIC). Presets without
+      protocols (TPU): bytes / (bw * net_eff) + collective_latency_s. A point-to-point hop
+      crosses nodes where the layout puts its ends in two (same_node, crossing_share).
   optimizer step: 28 bytes/param touched (fp32 master, m, v read+write, bf16 grad read and weight
       write) over the device's parameter shard, at hbm_bw*decode_bw_eff.
 Memory (per device, bytes): weights bf16 (2/param); training adds grads bf16 (2) and Adam fp32
@@ -159,6 +160,15 @@ class CostModel:
     bw = (self.hw.inter_node_bw if cross_node else self.hw.intra_node_bw) * self.eff.net_eff
     return self._ring_s(nbytes, 1, int(cross_node), bw)
 
+  def hop_s(self, nbytes: float, crossing: float):
+    """Mean point-to-point time of a chain's hops, `crossing` of which cross nodes
+    (crossing_share)."""
+    if crossing <= 0:
+      return self.p2p_s(nbytes, False)
+    if crossing >= 1:
+      return self.p2p_s(nbytes, True)
+    return crossing * self.p2p_s(nbytes, True) + (1 - crossing) * self.p2p_s(nbytes, False)
+
   def _tp_comm_s(self, shape: ModelShape, tp: int, tokens: float, layers: float) -> float:
     return 2.0 * layers * self.allreduce_s(tokens * shape.hidden_size * 2.0, tp)
 
@@ -252,7 +262,7 @@ class CostModel:
     then dp, so the dp group spans tp*dp consecutive devices)."""
     nbytes = shape.num_params() * 2.0 / (tp * pp)
     nodes = min(dp, self.hw.nodes_spanned(tp * dp))  # dp ranks tp apart
-    return self._allreduce_over(nbytes, dp, nodes, self.hw.link_bw(tp * dp))
+    return self._allreduce_over(nbytes, dp, nodes, self.hw.link_bw(dp, stride=tp))
 
   def optimizer_step_s(self, shape: ModelShape, devices_sharing: int) -> float:
     return 28.0 * shape.num_params() / devices_sharing / (self.hw.hbm_bw * self.eff.decode_bw_eff)
@@ -293,7 +303,18 @@ def ceil_div(a: int, b: int) -> int:
   return -(-a // b)
 
 
-def cross_node(stride: int, devices_per_node: int) -> bool:
-  """Whether devices `stride` apart (consecutive numbering, nodes of `devices_per_node`) may sit
-  in different nodes (conservative: true unless the stride stays inside every node)."""
-  return stride >= devices_per_node or devices_per_node % max(stride, 1) != 0
+def same_node(a: int, b: int, devices_per_node: int) -> bool:
+  """Whether devices a and b (consecutive numbering) sit in one node."""
+  return a // devices_per_node == b // devices_per_node
+
+
+def crossing_share(stride: int, hops: int, devices_per_node: int) -> float:
+  """The share of the neighbour hops of a chain of `hops + 1` groups `stride` devices apart
+  (group k's devices at k * stride + j, j < stride: pipeline stages, consecutive instances) that
+  cross a node boundary, over the chain's hops and the devices of a group."""
+  if hops <= 0:
+    return 0.0
+  stride = max(stride, 1)
+  crossing = sum(not same_node(j + k * stride, j + (k + 1) * stride, devices_per_node)
+                 for j in range(stride) for k in range(hops))
+  return crossing / (stride * hops)

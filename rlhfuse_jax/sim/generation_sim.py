@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from rlhfuse_jax.policy.consolidation import InstanceState, SampleState, plan_consolidation
-from rlhfuse_jax.sim.cost_model import CostModel, cross_node
+from rlhfuse_jax.sim.cost_model import CostModel, same_node
 from rlhfuse_jax.sim.shapes import ModelShape
 
 KINDS = ("prefill", "decode", "migrate", "load", "inference")
@@ -336,8 +336,9 @@ def _consolidate(cost: CostModel, setup: GenSetup, clock: _Clock, batch: _Batch,
   for m in plan.moves:
     start_by_dst[m.dst_instance] = max(start_by_dst.get(m.dst_instance, clock.t[m.dst_instance]),
                                        clock.t[m.src_instance], t_decide)
-    stride = abs(m.dst_instance - m.src_instance) * per_inst
-    secs = cost.kv_migration_s(m.bytes, setup.tp, cross_node(stride, setup.devices_per_node))
+    apart = not same_node(m.src_instance * per_inst, m.dst_instance * per_inst,
+                          setup.devices_per_node)
+    secs = cost.kv_migration_s(m.bytes, setup.tp, apart)
     secs_by_dst[m.dst_instance] = secs_by_dst.get(m.dst_instance, 0.0) + secs
     bytes_by_dst[m.dst_instance] = bytes_by_dst.get(m.dst_instance, 0) + m.bytes
   src_done: dict = {}

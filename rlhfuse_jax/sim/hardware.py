@@ -99,10 +99,18 @@ class Hardware:
     """Nodes that `devices` consecutive devices occupy (at least 1)."""
     return max(1, -(-devices // self.devices_per_node))
 
-  def link_bw(self, group_size: int) -> float:
-    """Per-device bandwidth of a collective over `group_size` consecutive devices: the fast
-    link while the group stays inside one node, the scale-out network once it spans nodes."""
-    return self.intra_node_bw if group_size <= self.devices_per_node else self.inter_node_bw
+  def link_bw(self, group_size: int, stride: int = 1) -> float:
+    """Per-device bandwidth of a collective over `group_size` devices `stride` apart
+    (consecutive numbering): the fast link while the group stays inside one node; once it spans
+    nodes, min(fast link, k x inter_node_bw) with k the group's members per node. A ring over
+    nodes runs one channel per NIC (NCCL: bus bandwidth = channels x per-channel network
+    bandwidth, src/graph/tuning.cc), so each byte crosses the network once per node, through
+    the k members' k NICs, and the hops inside the node ride the fast link."""
+    span = (group_size - 1) * stride + 1
+    if span <= self.devices_per_node:
+      return self.intra_node_bw
+    per_node = max(1, min(group_size, self.devices_per_node // stride))
+    return min(self.intra_node_bw, per_node * self.inter_node_bw)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

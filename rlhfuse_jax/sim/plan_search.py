@@ -72,7 +72,7 @@ import numpy as np
 
 from rlhfuse_jax.sim import generation_sim as gen_lib
 from rlhfuse_jax.sim import training_sim as train_lib
-from rlhfuse_jax.sim.cost_model import CostModel, cross_node
+from rlhfuse_jax.sim.cost_model import CostModel, crossing_share
 from rlhfuse_jax.sim.shapes import ModelShape
 
 GEN_MODES = ("instances", "pipeline")
@@ -140,11 +140,11 @@ def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, t
   valid = idx >= 0
   plen = np.where(valid, prompts[np.maximum(idx, 0)], 0)
   rlen = np.where(valid, resp[np.maximum(idx, 0)], 0)
-  hop = cross_node(tp, cost.hw.devices_per_node)
+  hop = crossing_share(tp, pp - 1, cost.hw.devices_per_node)
 
   def ticks_s(rows, ctx):
     """Per-tick seconds of one stage on `rows` live rows reading `ctx` KV tokens."""
-    act = cost.p2p_s(rows * actor.hidden_size * 2.0 / tp, hop) if pp > 1 else 0.0
+    act = cost.hop_s(rows * actor.hidden_size * 2.0 / tp, hop) if pp > 1 else 0.0
     return np.where(rows > 0, cost.decode_step_s(st, tp, rows, ctx) + act, 0.0)
 
   # Prefill: each group's prompts through the pp stages, the groups one stage apart.

@@ -31,7 +31,7 @@ from rlhfuse_jax.pipeline.bounds import (pipeline_1f1b_makespan, serial_makespan
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import PipelineProblem
 from rlhfuse_jax.pipeline.search import SearchConfig, search
-from rlhfuse_jax.sim.cost_model import CostModel, cross_node
+from rlhfuse_jax.sim.cost_model import CostModel, crossing_share
 from rlhfuse_jax.sim.shapes import ModelShape
 
 MS = 1e3  # PipelineProblem times are in milliseconds
@@ -117,8 +117,9 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: Tra
   ratio = cost.bwd_over_fwd()
   stride = plan.tp * plan.dp  # devices between pipeline neighbours
   act_bytes = mb_tokens * max(actor.hidden_size, critic.hidden_size) * 2.0 / plan.tp
-  lat = cost.p2p_s(act_bytes, cross_node(stride, cost.hw.devices_per_node)) if plan.actor_pp > 1 \
-      else 0.0
+  lat = (cost.hop_s(act_bytes, crossing_share(stride, plan.actor_pp - 1,
+                                              cost.hw.devices_per_node))
+         if plan.actor_pp > 1 else 0.0)
   problem = PipelineProblem(
       actor_pp=plan.actor_pp, critic_pp=plan.critic_pp,
       actor_microbatches=plan.actor_microbatches, critic_microbatches=plan.critic_microbatches,
@@ -230,7 +231,8 @@ def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_device
       continue
     for pa in pps:
       for pc in pps:
-        if pc > pa or pa > actor.num_layers or pc > critic.num_layers:
+        # A stage holds whole layers (Megatron-LM, and our executor, need pp | layers).
+        if pc > pa or actor.num_layers % pa or critic.num_layers % pc:
           continue
         name = f"tp{tp}/pa{pa}/pc{pc}"
         split = actor.tensor_parallel_error(tp) or critic.tensor_parallel_error(tp)
@@ -262,7 +264,7 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
     if shape.tensor_parallel_error(tp):
       continue
     for pp in (1, 2, 4, 8, 16):
-      if n % (tp * pp) or tp > cost.hw.devices_per_node or pp > shape.num_layers:
+      if n % (tp * pp) or tp > cost.hw.devices_per_node or shape.num_layers % pp:
         continue
       dp = n // (tp * pp)
       if minibatch % (dp * micro_batch):
