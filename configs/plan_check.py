@@ -5,13 +5,10 @@ r"""Compile a plan's real programs from shapes on fake CPU devices and check the
 
 Variants: `tiny` (seconds; the test's), `7b_host8` (the 7B pair on one 8-GPU host), and the
 RLHFuse paper's pairs `7b/7b`, `13b/13b`, `33b/13b`, `65b/33b` on the plan the simulator picks
-for them on 256 H100s (sim/training_sim.best_plan: tp 8, actor and critic 16 stages, dp 2,
-micro-batch 1; generation tp 8 with the slots of sim/iteration_sim.gen_plan). The executor splits
-layers evenly over stages, which 13B's 40 and 33B's 60 layers do not allow at 16: 13b/13b runs pp
-8 (dp 4), 33b/13b pp 4 and 65b/33b a 4-stage critic (4 replicas); and tensor parallelism splits
-whole heads, which 33B's 52 do not allow at 8: both pairs with a 33B model train at tp 4 (dp
-doubled), and 33b/13b generates at tp 4 with gen_plan's slots at tp 4. Those compile a
-256-device program; `--config.layers=N` compiles N layers per model instead (result.json says so in
+for them on 256 H100s (sim/training_sim.best_plan, whole layers per stage: tp 4; 7B and 13B 8
+stages, dp 8; 33B/13B 4 stages, dp 16; 65B/33B 16 actor and 4 critic stages, dp 4; micro-batch
+1; generation tp 8 with the slots of sim/iteration_sim.gen_plan, tp 4 for 33B, whose 52 heads
+do not split 8 ways). Those compile a 256-device program; `--config.layers=N` compiles N layers per model instead (result.json says so in
 `layers_compiled`). Writes result.json and config.json; logs a table.
 """
 import ml_collections
@@ -89,16 +86,12 @@ def get_config(arg: str = "tiny"):
     c.gen_tp, c.gen_slots = 8, 64
   elif arg in PAPER_PAIRS:
     c.actor, c.critic = arg.split("/")
-    c.pp, c.critic_pp, c.tp, c.dp = 16, 16, 8, 2
-    # 33B's 52 heads do not split 8 ways (the executor's tensor split is by whole heads): the
-    # pairs with a 33B model run tp 4 and twice the data parallelism.
-    if arg == "13b/13b":
-      c.pp, c.critic_pp, c.dp = 8, 8, 4  # 40 layers do not split into 16 stages
-    elif arg == "33b/13b":
-      c.pp, c.critic_pp, c.tp, c.dp = 4, 4, 4, 16  # 60 layers do not split into 16 stages
-    elif arg == "65b/33b":
-      c.critic_pp = 4  # the 33B critic's 60 layers: 4 stages, 4 replicas over the 16
-      c.tp, c.dp = 4, 4
+    # sim/training_sim.best_plan at 2048 tokens per sample (re-read 2026-11-26 (h), after
+    # collectives across nodes got one NIC per member and stages whole layers): tp 4 for every
+    # pair; 7B and 13B 8 stages (dp 8), 33B/13B 4 (60 layers), 65B/33B 16 for the actor and 4
+    # for the 33B critic (4 replicas over the 16).
+    c.pp, c.critic_pp, c.tp, c.dp = {"7b/7b": (8, 8, 4, 8), "13b/13b": (8, 8, 4, 8),
+                                     "33b/13b": (4, 4, 4, 16), "65b/33b": (16, 4, 4, 4)}[arg]
     c.gen_tp, c.gen_slots = PAPER_PAIRS[arg]["gen_tp"], PAPER_PAIRS[arg]["gen_slots"]
   else:
     raise ValueError(f"configs/plan_check.py: unknown variant {arg!r}; expected 'tiny', "
