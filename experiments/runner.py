@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from typing import Any, Sequence
 
 
@@ -39,12 +40,14 @@ def repo_env(**extra: str) -> dict:
 
 
 def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict) -> int:
-  """Runs `cmd` from the repository root, its output streamed with a [name] prefix and kept in
-  run_dir/log.txt; returns its exit status."""
+  """Runs `cmd` from the repository root, its output streamed with a [name] prefix and appended
+  to run_dir/log.txt after a header line (a re-run, e.g. a resumed sweep, keeps the earlier
+  runs' logs); returns its exit status."""
   proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           cwd=REPO_ROOT, env=env)
   os.makedirs(run_dir, exist_ok=True)
-  with open(os.path.join(run_dir, "log.txt"), "w") as log_file:
+  with open(os.path.join(run_dir, "log.txt"), "a") as log_file:
+    log_file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd[1:])}\n")
     for line in proc.stdout:
       log_file.write(line)
       print(f"[{name}] {line}", end="", flush=True)

@@ -10,11 +10,15 @@ with the sweep's own --config.* flags appended to every run (so they override th
 values). Output is streamed with a run prefix. Then writes DIR/summary.json and DIR/summary.md:
 one row per run with its overrides, its status, and the scalar fields of its result.json (or of
 the last line of its metrics.jsonl), nested dicts flattened with '/' and lists skipped. A failed
-run is a row with its status, not the end of the sweep.
+run is a row with its status, not the end of the sweep; the sweep then exits 1 naming the failed
+runs. `--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant,
+if it takes an argument). Each run's output is appended to DIR/<run>/log.txt; --dry_run prints
+the commands and writes nothing.
 """
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -23,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 from absl import app, flags, logging
 
-from experiments.runner import build_command, repo_env, run_streamed
+from experiments.runner import REPO_ROOT, build_command, repo_env, run_streamed
 from rlhfuse_jax import workdir as wd
 
 _CONFIG = flags.DEFINE_string("config", None, "config file defining get_sweep()", required=True)
@@ -33,14 +37,23 @@ _DRY = flags.DEFINE_bool("dry_run", False, "print the commands without running t
 
 
 def load_sweep(config_path: str) -> list[dict]:
-  spec = importlib.util.spec_from_file_location("_sweep_config", config_path)
+  """get_sweep() of `FILE.py[:variant]` (the variant, when given, is passed on to every run's
+  --config, and to get_sweep if it takes an argument)."""
+  path, variant = config_path, None
+  if not os.path.isfile(path) and ":" in path:
+    path, variant = path.rsplit(":", 1)
+  if not os.path.isfile(path):
+    raise ValueError(f"--config={config_path!r}: no such file {path!r}")
+  spec = importlib.util.spec_from_file_location("_sweep_config", path)
   if spec is None or spec.loader is None:
-    raise ValueError(f"--config={config_path!r}: cannot load this file")
+    raise ValueError(f"--config={config_path!r}: cannot load {path!r} as Python")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   if not hasattr(module, "get_sweep"):
     raise ValueError(f"--config={config_path!r} defines no get_sweep()")
-  sweep = list(module.get_sweep())
+  takes_arg = bool(inspect.signature(module.get_sweep).parameters)
+  sweep = list(module.get_sweep(variant) if variant is not None and takes_arg
+               else module.get_sweep())
   for i, entry in enumerate(sweep):
     if not isinstance(entry, dict):
       raise ValueError(f"get_sweep()[{i}] is {type(entry).__name__}; expected a dict")
@@ -95,6 +108,8 @@ def write_summary(workdir: str, rows: list[dict]) -> None:
 def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str],
               dry_run: bool = False) -> list[dict]:
   sweep = load_sweep(config)
+  if not os.path.isfile(os.path.join(REPO_ROOT, "experiments", f"{binary}.py")):
+    raise ValueError(f"--binary={binary!r}: no experiments/{binary}.py")
   os.makedirs(workdir, exist_ok=True)
   rows = []
   env = repo_env()
@@ -104,7 +119,7 @@ def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str]
     cmd = build_command(binary, config, run_dir, overrides, passthrough)
     logging.info("[%d/%d] %s: %s", i + 1, len(sweep), name, " ".join(cmd[1:]))
     row = {"run": name, **{k: v for k, v in overrides.items() if k != "name"}}
-    if dry_run:
+    if dry_run:  # nothing runs, nothing is written (an earlier sweep's summary stays)
       rows.append(row)
       continue
     t0 = time.time()
@@ -119,7 +134,8 @@ def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str]
     rows.append(row)
     write_summary(workdir, rows)  # partial summaries survive an interrupted sweep
     logging.info("[%d/%d] %s: %s in %.1fs", i + 1, len(sweep), name, row["status"], row["wall_s"])
-  write_summary(workdir, rows)
+  if not dry_run:
+    write_summary(workdir, rows)
   return rows
 
 
@@ -137,7 +153,12 @@ _PASSTHROUGH: list[str] = []
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  run_sweep(_CONFIG.value, _BINARY.value, _WORKDIR.value, _PASSTHROUGH, _DRY.value)
+  rows = run_sweep(_CONFIG.value, _BINARY.value, _WORKDIR.value, _PASSTHROUGH, _DRY.value)
+  failed = [r["run"] for r in rows if str(r.get("status", "ok")).startswith("failed")]
+  if failed:
+    logging.error("%d of %d runs failed: %s (their log.txt in %s)", len(failed), len(rows),
+                  ", ".join(failed), _WORKDIR.value)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

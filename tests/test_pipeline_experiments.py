@@ -54,7 +54,9 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
       "          {'actor_pp': 6, 'critic_pp': 4}]\n")
   out = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
               f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.5"])
-  assert out.returncode == 0, out.stderr[-3000:]
+  # Every run ran; the failed one makes the sweep's exit status non-zero, named in its log.
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert "1 of 2 runs failed: run001" in out.stderr
   rows = json.loads((tmp_path / "sw" / "summary.json").read_text())
   assert [r["run"] for r in rows] == ["ok4", "run001"]
   assert rows[0]["status"] == "ok" and rows[0]["actor_pp"] == 4
@@ -67,3 +69,26 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   log = (tmp_path / "sw" / "run001" / "log.txt").read_text()
   assert "actor_pp=6 must be divisible by critic_pp=4" in log
   assert "[ok4]" in out.stdout
+  summary = (tmp_path / "sw" / "summary.json").read_text()
+  # A dry run prints the commands and writes nothing: the finished sweep's summary stays.
+  dry = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+              f"--workdir={tmp_path / 'sw'}", "--dry_run"])
+  assert dry.returncode == 0 and "ok4" in dry.stderr, dry.stderr[-3000:]
+  assert (tmp_path / "sw" / "summary.json").read_text() == summary
+  # A mistyped binary is refused before anything runs.
+  bad = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_serch",
+              f"--workdir={tmp_path / 'sw2'}"])
+  assert bad.returncode != 0 and "--binary='schedule_serch': no experiments/schedule_serch.py" \
+      in bad.stderr
+  assert not os.path.exists(tmp_path / "sw2")
+
+
+def test_sweep_takes_a_config_variant(tmp_path):
+  """FILE.py:variant: every run gets the variant, and get_sweep(variant) when it takes one."""
+  from experiments import sweep
+  cfg = tmp_path / "v.py"
+  cfg.write_text("def get_sweep(arg='a'):\n  return [{'name': arg}]\n")
+  assert sweep.load_sweep(f"{cfg}:b") == [{"name": "b"}]
+  assert sweep.load_sweep(str(cfg)) == [{"name": "a"}]
+  rows = sweep.run_sweep(f"{cfg}:b", "schedule_search", str(tmp_path / "w"), [], dry_run=True)
+  assert rows == [{"run": "b"}]
