@@ -80,6 +80,7 @@ def main(argv):
   cfg = TrainConfig.from_config_dict(_CONFIG.value)
   check_device_count(cfg, jax.device_count(), jax.default_backend())
   workdir = _WORKDIR.value
+  wd.check_local_path(workdir)
   main_process = distributed.is_main_process()
   os.makedirs(workdir, exist_ok=True)
   trainer = PPOTrainer(cfg, workdir)  # checks the lock and any checkpoint against this config

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Multi-host TPU pod slice: run the same command on every worker; jax.distributed.initialize()
-# auto-detects the topology.
+# auto-detects the topology. The workdir is a path every worker sees (a bucket mounted with
+# Cloud Storage FUSE, or NFS): gs:// URIs are refused (runs lock, rename and checkpoint by path).
 #
 #   gcloud compute tpus tpu-vm ssh NAME --worker=all --command \
-#     "cd rlhfuse_jax && bash launch/tpu_pod.sh configs/ppo_llama.py:7b gs://bucket/run"
+#     "cd rlhfuse_jax && bash launch/tpu_pod.sh configs/ppo_llama.py:7b /mnt/bucket/run"
 # BINARY picks experiments/BINARY.py: train_ppo (default; fused with
 # --config.fusion.inter_stage=True) or bench_generation (config: configs/bench_generation.py).
 set -euo pipefail
-CONFIG=${1:?config}; WORKDIR=${2:?workdir (shared: gs:// or NFS)}; shift 2
+CONFIG=${1:?config}; WORKDIR=${2:?workdir (a path every worker sees: gcsfuse mount or NFS)}; shift 2
 "${PYTHON:-python}" -m experiments."${BINARY:-train_ppo}" --config="$CONFIG" --workdir="$WORKDIR" --distributed "$@"

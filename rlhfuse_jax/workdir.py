@@ -63,8 +63,20 @@ def write_json(path: str, obj: Any) -> None:
   atomic_write_text(path, json.dumps(_to_jsonable(obj), indent=2, sort_keys=False) + "\n")
 
 
+def check_local_path(workdir: str, field: str = "--workdir") -> None:
+  """Refuses a URI (gs://, s3://, ...) for a workdir: runs write with the filesystem (locks,
+  atomic renames, orbax on a path), so such a string would become a local directory "gs:" on
+  each host, and no host would hold a whole checkpoint."""
+  if "://" in workdir:
+    raise ValueError(
+        f"{field}={workdir!r}: a URI, but workdirs are filesystem paths (a lock, atomic renames, "
+        "checkpoints by path); give a directory every host sees, e.g. the bucket mounted with "
+        "Cloud Storage FUSE (gcsfuse) or an NFS share")
+
+
 def write_config(workdir: str, config: Any) -> None:
   """Writes the resolved config (an ml_collections ConfigDict or a mapping) to workdir/config.json."""
+  check_local_path(workdir)
   as_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   write_json(os.path.join(workdir, "config.json"), as_dict)
 
@@ -73,6 +85,7 @@ def write_config_history(workdir: str, config: Any, start_step: int) -> str:
   """Records the config of one start of a resumable run without overwriting an earlier one:
   config.json for the first start, config.<start_step>.json for a start that resumes at
   start_step (config.<start_step>.<n>.json if that start happened before). Returns the path."""
+  check_local_path(workdir)
   as_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   first = os.path.join(workdir, "config.json")
   path = first if not os.path.exists(first) else os.path.join(workdir, f"config.{start_step}.json")

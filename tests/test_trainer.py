@@ -1,5 +1,7 @@
 """The PPO loop: sharded == single device, critic-free estimators, config errors. (Resume
 exactness: tests/test_faults.py.)"""
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -196,3 +198,15 @@ def test_clip_ratio_counts_only_responses_the_budget_cut_off():
   np.testing.assert_array_equal(PPOTrainer._truncated(fake, gen), [True, False, False, False])
   fake.sampling.eos_id = -1  # no EOS: every full-length response was cut off
   np.testing.assert_array_equal(PPOTrainer._truncated(fake, gen), [True, True, False, False])
+
+
+def test_a_uri_workdir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+  """gs:// (or any URI) would become a local directory "gs:" on each host: refused by name."""
+  from rlhfuse_jax import workdir as wd
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match=r"--workdir='gs://bucket/run': a URI, but workdirs are "
+                                       r"filesystem paths.*Cloud Storage FUSE"):
+    PPOTrainer(tiny_config(), "gs://bucket/run")
+  with pytest.raises(ValueError, match="a URI"):
+    wd.write_config("s3://b/x", {"a": 1})
+  assert os.listdir(tmp_path) == []

@@ -74,6 +74,7 @@ class PPOTrainer:
 
   def __init__(self, cfg: TrainConfig, workdir: str, mesh: Optional[jax.sharding.Mesh] = None):
     self.workdir = workdir
+    wd.check_local_path(workdir)
     os.makedirs(workdir, exist_ok=True)
     # One run per workdir (process 0 holds it for all processes of a multi-host run), from
     # here until run() ends, or until this constructor fails. Every process learns process 0's
