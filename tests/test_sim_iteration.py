@@ -39,6 +39,22 @@ def test_no_bubble_fusion_gains_nothing_and_bubbles_do():
   assert cache.fused(deep) is e  # cached per problem
 
 
+def test_a_persisted_schedule_cache_is_reused_only_for_the_same_search(tmp_path):
+  """The cache file keys each entry by problem and search (budget, seed): reopened with the
+  same search it answers without searching; with another budget or seed it searches again."""
+  path = str(tmp_path / "schedule_cache.json")
+  p = PipelineProblem(actor_pp=2, critic_pp=2, actor_microbatches=2, critic_microbatches=2,
+                      actor_fwd=2.0, critic_fwd=1.0)
+  calls = []
+  first = ts.ScheduleCache(path, max_evaluations=200, log=calls.append).fused(p)
+  assert len(calls) == 1
+  assert ts.ScheduleCache(path, max_evaluations=200, log=calls.append).fused(p) == first
+  assert len(calls) == 1  # answered from the file
+  ts.ScheduleCache(path, max_evaluations=300, log=calls.append).fused(p)
+  ts.ScheduleCache(path, max_evaluations=200, seed=1, log=calls.append).fused(p)
+  assert len(calls) == 3  # another budget, another seed: searched
+
+
 def test_train_plan_divisibility_errors():
   with pytest.raises(ValueError, match="minibatch=48 must be divisible by dp\\*micro_batch"):
     ts.TrainPlan(num_devices=256, minibatch=48, tp=8, actor_pp=1, critic_pp=1)

@@ -172,9 +172,14 @@ class ScheduleCache:
       with open(path) as f:
         self.entries = json.load(f)
 
-  @staticmethod
-  def key(problem: PipelineProblem) -> str:
-    return json.dumps(problem.to_dict(), sort_keys=True)
+  def key(self, problem: PipelineProblem) -> str:
+    """The problem and the search that solves it (budget, seed): a persisted cache reused
+    under another search budget or seed searches again instead of reporting the old result
+    under the new settings."""
+    search_cfg = ({"max_evaluations": self.max_evaluations} if self.max_evaluations is not None
+                  else {"time_budget_s": self.budget})
+    return json.dumps({"problem": problem.to_dict(), "seed": self.seed, **search_cfg},
+                      sort_keys=True)
 
   def fused(self, problem: PipelineProblem) -> dict:
     """{'makespan', 'serial', 'greedy', 'lower_bound', 'peak_max', 'search_s', 'order'}."""
