@@ -27,6 +27,7 @@ otherwise idle; result.json records the machine.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import platform
 import re
@@ -121,12 +122,32 @@ def plot(curves: dict, path: str, width: int) -> None:
   plt.close(fig)
 
 
+def check_reuse(path: str, config: dict) -> None:
+  """The runs in a workdir are train_ppo workdirs: re-running resumes them (an interrupted
+  benchmark finishes) and reads finished ones back. That is only this benchmark's result when
+  they were started with this config, so a workdir of another config is refused, naming the
+  fields that differ."""
+  if not os.path.exists(path):
+    return
+  old = wd.read_json_object(path)
+  new = json.loads(json.dumps(config))  # as it reads back (tuples -> lists)
+  differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+  if differ:
+    raise ValueError(
+        f"--workdir={os.path.dirname(path)} holds bench_async runs of another config "
+        f"({', '.join(f'{k}: {old.get(k)!r} -> {new.get(k)!r}' for k in differ)}); their "
+        "train_ppo runs would be resumed or read back as this config's: use a new workdir")
+  logging.info("%s: the same config; finished runs are read back, unfinished ones resumed",
+               os.path.dirname(path))
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   c, out = _CONFIG.value, _WORKDIR.value
   check_config(c)
   os.makedirs(out, exist_ok=True)
+  check_reuse(os.path.join(out, "config.json"), c.to_dict())
   wd.write_json(os.path.join(out, "config.json"), c.to_dict())
   env = runner.repo_env(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags_with_host_devices(c.host_devices))
   result = {"machine": {"host": platform.node(), "cpus": os.cpu_count(),

@@ -84,11 +84,24 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
 
 
 def test_sweep_takes_a_config_variant(tmp_path):
-  """FILE.py:variant: every run gets the variant, and get_sweep(variant) when it takes one."""
-  from experiments import sweep
+  """FILE.py:variant: every run gets the variant, and get_sweep(variant) when it takes one.
+  (A subprocess: binaries define absl flags, which two of them cannot share in one process.)"""
   cfg = tmp_path / "v.py"
-  cfg.write_text("def get_sweep(arg='a'):\n  return [{'name': arg}]\n")
-  assert sweep.load_sweep(f"{cfg}:b") == [{"name": "b"}]
-  assert sweep.load_sweep(str(cfg)) == [{"name": "a"}]
-  rows = sweep.run_sweep(f"{cfg}:b", "schedule_search", str(tmp_path / "w"), [], dry_run=True)
-  assert rows == [{"run": "b"}]
+  cfg.write_text("def get_sweep(arg='a'):\n  return [{'name': 'run_' + arg}]\n")
+  for spec, name in ((f"{cfg}:b", "run_b"), (str(cfg), "run_a")):
+    out = _run(["experiments.sweep", f"--config={spec}", "--binary=schedule_search",
+                f"--workdir={tmp_path / 'w'}", "--dry_run"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"{name}: -m experiments.schedule_search --config={spec} " in out.stderr, out.stderr
+
+
+def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
+  """Its runs are train_ppo workdirs that a re-run resumes or reads back: under another config
+  they would be reported as this config's (an earlier num_iterations, other timings)."""
+  (tmp_path / "config.json").write_text(json.dumps({"num_iterations": 4}))
+  out = _run(["experiments.bench_async", "--config=configs/bench_async.py",
+              f"--workdir={tmp_path}", "--config.num_iterations=2"])
+  assert out.returncode != 0
+  assert "holds bench_async runs of another config (" in out.stderr, out.stderr[-3000:]
+  assert "num_iterations: 4 -> 2" in out.stderr and "use a new workdir" in out.stderr
+  assert sorted(os.listdir(tmp_path)) == ["config.json"]  # nothing ran
