@@ -97,6 +97,29 @@ def write_config_history(workdir: str, config: Any, start_step: int) -> str:
   return path
 
 
+# What a run writes that a fresh start (no checkpoint to resume) would overwrite or truncate.
+RUN_OUTPUTS = ("metrics.jsonl", "result.json", "tb", "hf_export")
+
+
+def set_aside_earlier_start(workdir: str) -> Optional[str]:
+  """Moves the outputs of an earlier start that left no checkpoint (RUN_OUTPUTS and its
+  config*.json) into workdir/previous/<n>/, so a fresh start neither truncates them nor leaves
+  the earlier config.json describing it. Returns that directory, or None if there was nothing."""
+  names = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(workdir, n))]
+  names += sorted(n for n in os.listdir(workdir) if n.startswith("config") and
+                  n.endswith(".json")) if os.path.isdir(workdir) else []
+  if not names:
+    return None
+  n = 1
+  while os.path.exists(os.path.join(workdir, "previous", str(n))):
+    n += 1
+  dest = os.path.join(workdir, "previous", str(n))
+  os.makedirs(dest)
+  for name in names:
+    os.replace(os.path.join(workdir, name), os.path.join(dest, name))
+  return dest
+
+
 class WorkdirLock:
   """An exclusive lock on a workdir for the life of a run (fcntl.flock on workdir/.lock, which
   holds the holder's pid and host). A second run on the same workdir fails at once, naming the

@@ -399,3 +399,23 @@ def test_nonfinite_error_advises_what_the_guard_has_not_tried():
   assert "set guard.on_nonfinite='skip_update'" in message()
   skip = message(on_nonfinite="skip_update", max_consecutive_skips=3)
   assert "raise guard.max_consecutive_skips=3" in skip and "set guard.on_nonfinite" not in skip
+
+
+def test_a_fresh_start_keeps_an_earlier_start_that_left_no_checkpoint(tmp_path):
+  """A run stopped before its first checkpoint left metrics and a config: the next start (no
+  checkpoint to resume) moves them to previous/1/ instead of truncating them."""
+  run = str(tmp_path / "run")
+  os.makedirs(run)
+  rows = [{"step": 1, "reward/mean": 0.5}]
+  with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+    f.write(json.dumps(rows[0]) + "\n")
+  with open(os.path.join(run, "config.json"), "w") as f:
+    f.write('{"seed": 0}')
+  trainer = PPOTrainer(tiny_config(num_iterations=1), run)
+  assert trainer.resume_step is None
+  kept = os.path.join(run, "previous", "1")
+  assert sorted(os.listdir(kept)) == ["config.json", "metrics.jsonl"]
+  assert wd.read_jsonl(os.path.join(kept, "metrics.jsonl")) == rows
+  assert not os.path.exists(os.path.join(run, "metrics.jsonl"))
+  trainer.run()
+  assert _steps(run) == [1]

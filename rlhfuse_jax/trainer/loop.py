@@ -104,6 +104,13 @@ class PPOTrainer:
     # checkpoint's side-car, its seed and its config fingerprint against this config.
     self.checkpoints = hooks.Checkpoints(self.workdir, cfg, cfg.fingerprint())
     self.resume_step, meta = self.checkpoints.resume_point()
+    if self.resume_step is None and jax.process_index() == 0:
+      # A start that left no checkpoint (stopped early, failed) left its metrics and config:
+      # kept aside rather than truncated by this fresh start.
+      kept = wd.set_aside_earlier_start(self.workdir)
+      if kept:
+        logging.warning("workdir %s holds an earlier start's outputs but no checkpoint: they "
+                        "are kept in %s; this run starts at iteration 0", self.workdir, kept)
     # The LR schedule's horizon is fixed by the first start and kept in the checkpoints.
     self.schedule_iterations = (cfg.optim.schedule_iterations or (meta or {}).get(
         "schedule_iterations") or cfg.num_iterations)
