@@ -45,9 +45,15 @@ def measure(c) -> dict:
   if max_len > cfg.max_seq_len:
     raise ValueError(f"prompt_len + max_new_tokens = {max_len} > model.max_seq_len="
                      f"{cfg.max_seq_len}")
-  occ = [int(x) for x in c.occupancies.split(",")]
+  if not isinstance(c.repeats, int) or c.repeats < 1:
+    raise ValueError(f"config.repeats={c.repeats!r}: expected an integer >= 1")
+  items = [x.strip() for x in str(c.occupancies).split(",") if x.strip()]
+  if not items or not all(x.isdigit() for x in items):
+    raise ValueError(f"config.occupancies={c.occupancies!r}: expected comma-separated slot "
+                     "counts, e.g. '1,4,8'")
+  occ = [int(x) for x in items]
   if max(occ) > c.slots or min(occ) < 1:
-    raise ValueError(f"occupancies={occ} must lie in [1, slots={c.slots}]")
+    raise ValueError(f"config.occupancies={occ} must lie in [1, slots={c.slots}]")
   key = jax.random.key(c.seed)
   params, _ = llama.init_params(cfg, key)
   cparams, _ = llama.init_params(critic_cfg, jax.random.fold_in(key, 1))

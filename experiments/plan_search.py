@@ -192,7 +192,10 @@ def main(argv):
       raise ValueError(f"plan search takes one setting; the config has {len(cfg.settings())} "
                        "(one pair in `pairs`, one length in `max_new_tokens`)")
     wl = ablations.workload(cfg, setting)
-  res = plan_search.search(cost, wl, cfg.sim, top_k=int(_CONFIG.value.top_k), log=logging.info,
+  top_k = _CONFIG.value.top_k
+  if not isinstance(top_k, int) or top_k < 1:
+    raise ValueError(f"config.top_k={top_k!r}: expected an integer >= 1 (plans to report)")
+  res = plan_search.search(cost, wl, cfg.sim, top_k=top_k, log=logging.info,
                            staleness=cfg.sim.staleness, split_unit=cfg.sim.async_split_unit,
                            accept=accept)
   systems = {}

@@ -25,6 +25,7 @@ from rlhfuse_jax.pipeline.graph import PipelineProblem
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory", required=True)
+flags.mark_flags_as_required(["config"])
 
 
 def run(c, workdir: str) -> dict:

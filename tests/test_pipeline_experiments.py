@@ -1,8 +1,11 @@
-"""Smoke tests of experiments/schedule_search.py and the generic experiments/sweep.py."""
+"""Smoke tests of the experiments binaries: schedule_search, sweep, bench_async's workdir check, and
+the errors that name a bad config field."""
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,3 +108,18 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
   assert "holds bench_async runs of another config (" in out.stderr, out.stderr[-3000:]
   assert "num_iterations: 4 -> 2" in out.stderr and "use a new workdir" in out.stderr
   assert sorted(os.listdir(tmp_path)) == ["config.json"]  # nothing ran
+
+
+@pytest.mark.parametrize("args, message", [
+    (["experiments.reproduce_ablations", "--config=configs/ablations.py",
+      "--config.max_new_tokens=abc"],
+     "config.max_new_tokens='abc': expected comma-separated positive integers"),
+    (["experiments.plan_search", "--config=configs/plan_search.py:65b/33b", "--config.top_k=0"],
+     "config.top_k=0: expected an integer >= 1"),
+    (["experiments.calibrate_sim", "--config=configs/calibrate_sim.py",
+      "--config.occupancies=a"], "config.occupancies='a': expected comma-separated slot counts"),
+    (["experiments.schedule_search"], "Flag --config must have a value other than None"),
+])
+def test_binaries_name_the_bad_field(tmp_path, args, message):
+  out = _run(args + [f"--workdir={tmp_path}"])
+  assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]

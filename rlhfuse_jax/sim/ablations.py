@@ -28,6 +28,15 @@ def _csv(value: Any, field: str) -> tuple[str, ...]:
   return items
 
 
+def _csv_ints(value: Any, field: str) -> tuple[int, ...]:
+  """A comma-separated list of positive integers; the error names the field."""
+  items = _csv(value, field)
+  if not all(x.isdigit() and int(x) > 0 for x in items):
+    raise ValueError(f"config.{field}={value!r}: expected comma-separated positive integers, "
+                     "e.g. '512,1024'")
+  return tuple(int(x) for x in items)
+
+
 @dataclasses.dataclass(frozen=True)
 class AblationConfig:
   """Typed ablation config (field meanings in configs/ablations.py)."""
@@ -95,12 +104,12 @@ class AblationConfig:
     sim = dict(c.sim.to_dict())
     sim["threshold_candidates"] = tuple(float(x) for x in _csv(sim["threshold_candidates"],
                                                                 "sim.threshold_candidates"))
-    sim["gen_tps"] = tuple(int(x) for x in _csv(sim["gen_tps"], "sim.gen_tps"))
+    sim["gen_tps"] = _csv_ints(sim["gen_tps"], "sim.gen_tps")
     return cls(
         hardware=c.hardware, num_devices=c.num_devices, global_batch=c.global_batch,
         minibatch=c.minibatch, epochs=c.epochs, micro_batch=c.micro_batch,
         pairs=tuple(pair(p) for p in _csv(c.pairs, "pairs")),
-        max_new_tokens=tuple(int(x) for x in _csv(c.max_new_tokens, "max_new_tokens")),
+        max_new_tokens=_csv_ints(c.max_new_tokens, "max_new_tokens"),
         systems=_csv(c.systems, "systems"), seed=c.seed,
         prompt=spec(c.prompt, "prompt"), response=spec(c.response, "response"),
         efficiency=Efficiency(**c.efficiency.to_dict()), sim=it.SimOptions(**sim),
