@@ -1,5 +1,5 @@
-"""Smoke tests of the experiments binaries: schedule_search, sweep, bench_async's workdir check, and
-the errors that name a bad config field."""
+"""Smoke tests of the experiments binaries: schedule_search, sweep, bench_async's workdir
+check, and the errors that name a bad config field."""
 import json
 import os
 import subprocess
