@@ -8,8 +8,9 @@ RLHFuse paper's pairs `7b/7b`, `13b/13b`, `33b/13b`, `65b/33b` on the plan the s
 for them on 256 H100s (sim/training_sim.best_plan, whole layers per stage: tp 4; 7B and 13B 8
 stages, dp 8; 33B/13B 4 stages, dp 16; 65B/33B 16 actor and 4 critic stages, dp 4; micro-batch
 1; generation tp 8 with the slots of sim/iteration_sim.gen_plan, tp 4 for 33B, whose 52 heads
-do not split 8 ways). Those compile a 256-device program; `--config.layers=N` compiles N layers per model instead (result.json says so in
-`layers_compiled`). Writes result.json and config.json; logs a table.
+do not split 8 ways). Those compile a 256-device program; `--config.layers=N` compiles N
+layers per model instead (result.json says so in `layers_compiled`). Writes result.json and
+config.json; logs a table.
 """
 import ml_collections
 
