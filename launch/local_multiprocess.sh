@@ -10,7 +10,7 @@
 # BINARY picks experiments/BINARY.py (train_ppo or bench_generation); CONFIG its config (default
 # configs/ppo_tiny.py for train_ppo, configs/BINARY.py otherwise); PYTHON the interpreter
 # (default: python on PATH), e.g. PYTHON=.venv/bin/python. XLA_FLAGS: the caller's, with D
-# devices. Logs: WORKDIR.proc<i>.log.
+# devices. Logs: WORKDIR.proc<i>.log (appended, a header line per start).
 set -euo pipefail
 N=${1:?number of processes}; D=${2:?devices per process}; WORKDIR=${3:?workdir}; shift 3
 BINARY=${BINARY:-train_ppo}
@@ -27,12 +27,16 @@ fi
 FLAGS="$("${PYTHON:-python}" -c 'import sys
 from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
 print(xla_flags_with_host_devices(int(sys.argv[1])))' "$D")"
+mkdir -p "$(dirname "${WORKDIR%/}")"
+echo "$N processes x $D CPU devices; logs (appended): ${WORKDIR%/}.proc<i>.log" \
+  "(follow: tail -f ${WORKDIR%/}.proc0.log)"
 pids=()
 for ((i = 0; i < N; i++)); do
+  echo "=== $(date '+%F %T'): process $i of $N" >> "${WORKDIR%/}.proc$i.log"
   XLA_FLAGS="$FLAGS" JAX_PLATFORMS=cpu \
     "${PYTHON:-python}" -m "experiments.$BINARY" --config="${CONFIG:-$DEFAULT_CONFIG}" \
       --workdir="$WORKDIR" --distributed --coordinator_address="127.0.0.1:$PORT" \
-      --num_processes="$N" --process_id="$i" "$@" > "${WORKDIR%/}.proc$i.log" 2>&1 &
+      --num_processes="$N" --process_id="$i" "$@" >> "${WORKDIR%/}.proc$i.log" 2>&1 &
   pids+=($!)
 done
 status=0

@@ -135,8 +135,9 @@ def test_problem_keyed_caches_tell_the_modes_apart():
   from rlhfuse_jax.sim.training_sim import ScheduleCache
   p = PipelineProblem(4, 2, 3, 3, 2.0, 1.0)
   u = p.with_budget(None, UNIFORM)
-  assert ScheduleCache.key(p) != ScheduleCache.key(u)
-  assert '"memory_budget_mode": "per_device"' in ScheduleCache.key(p)
+  cache = ScheduleCache()
+  assert cache.key(p) != cache.key(u)
+  assert '"memory_budget_mode": "per_device"' in cache.key(p)
 
 
 # LB 42; under the per-device budget [9, 8, 7, 6] the LP relaxation proves 42 unreachable (the
