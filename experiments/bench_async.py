@@ -167,14 +167,20 @@ def main(argv):
     cmd = runner.build_command("train_ppo", config, run_dir, overrides, [])
     logging.info("%s: %s", name, " ".join(cmd[1:]))
     rc = runner.run_streamed(cmd, run_dir, name, env)
-    if rc != 0:
-      raise RuntimeError(f"{name} failed (exit {rc}); its log: {run_dir}/log.txt")
+    if rc != 0:  # the other runs go on; this config gets no figures (below)
+      logging.error("%s failed (exit %d); its log: %s/log.txt", name, rc, run_dir)
+      return None
     return wd.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
 
   with concurrent.futures.ThreadPoolExecutor(c.parallel) as pool:
     rows = dict(zip(jobs, pool.map(run, jobs)))
+  failed = [run_name(*job) for job, r in rows.items() if r is None]
   curves: dict = {}
   for config in c.runs:
+    missing = [run_name(*job) for job in jobs if job[0] == config and rows[job] is None]
+    if missing:
+      result["runs"][config] = {"failed_runs": missing}
+      continue
     entry, curves[config] = {}, {}
     for k in c.staleness:
       per_seed = [summarize(rows[config, k, seed], c.window, c.skip, k) for seed in c.seeds]
@@ -194,12 +200,17 @@ def main(argv):
       logging.info("%s staleness %d: %s", config, k, {kk: v for kk, v in s.items()
                                                       if v is not None})
     result["runs"][config] = entry
-  result["all_gains_ok"] = all(s.get("gain_ok", True) for e in result["runs"].values()
-                               for s in e.values())
+  result["failed_runs"] = failed
+  result["all_gains_ok"] = not failed and all(
+      s.get("gain_ok", True) for e in result["runs"].values() for s in e.values())
   wd.write_json(os.path.join(out, "result.json"), result)
-  plot(curves, os.path.join(out, "curves.png"), max(1, int(round(
-      min(len(v) for by_k in curves.values() for v in by_k.values()) * c.window))))
-  logging.info("wrote %s/result.json and curves.png", out)
+  if curves:
+    plot(curves, os.path.join(out, "curves.png"), max(1, int(round(
+        min(len(v) for by_k in curves.values() for v in by_k.values()) * c.window))))
+  logging.info("wrote %s/result.json%s", out, " and curves.png" if curves else "")
+  if failed:  # re-running the same command resumes them (their finished peers are read back)
+    logging.error("%d run(s) failed: %s", len(failed), ", ".join(failed))
+    return 1
   return 0
 
 

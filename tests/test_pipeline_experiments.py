@@ -123,3 +123,16 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
 def test_binaries_name_the_bad_field(tmp_path, args, message):
   out = _run(args + [f"--workdir={tmp_path}"])
   assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+
+
+def test_bench_async_keeps_what_the_other_runs_measured_when_one_fails(tmp_path):
+  """A run that fails is named in result.json (and the exit status), not a lost result."""
+  out = _run(["experiments.bench_async", "--config=configs/bench_async.py",
+              f"--workdir={tmp_path}", "--config.runs=('configs/ppo_tiny.py:bogus',)",
+              "--config.staleness=(0,1)", "--config.seeds=(0,)"])
+  assert out.returncode == 1, out.stderr[-3000:]
+  result = json.loads((tmp_path / "result.json").read_text())
+  names = ["ppo_tiny_bogus_s0_seed0", "ppo_tiny_bogus_s1_seed0"]
+  assert result["failed_runs"] == names and result["all_gains_ok"] is False
+  assert result["runs"]["configs/ppo_tiny.py:bogus"] == {"failed_runs": names}
+  assert "2 run(s) failed" in out.stderr
