@@ -18,6 +18,8 @@ metrics.jsonl (`parallel` of them at once), and writes DIR/result.json and DIR/c
                     them)
   overlap_frac      mean perf/async_overlap_frac: how much of the shorter of generation and
                     training ran while the other did
+  failed_runs       runs that failed (then the exit status is 1 and their config has no
+                    figures; re-running the command resumes them)
 
 The default compares learning (ppo_tiny and grpo_tiny on one CPU device, staleness 0, 1, 2);
 `timing` compares iteration wall time on 8 fake CPU devices split 4 generate / 4 train. Fake
