@@ -48,9 +48,19 @@ def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict) -> int:
   os.makedirs(run_dir, exist_ok=True)
   with open(os.path.join(run_dir, "log.txt"), "a") as log_file:
     log_file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd[1:])}\n")
-    for line in proc.stdout:
-      log_file.write(line)
-      print(f"[{name}] {line}", end="", flush=True)
+
+    def copy_output():
+      for line in proc.stdout:
+        log_file.write(line)
+        print(f"[{name}] {line}", end="", flush=True)
+    try:
+      copy_output()
+    except KeyboardInterrupt:
+      # Ctrl-C reached the run too: it finishes its iteration and saves; keep its last lines
+      # (a second Ctrl-C stops both at once).
+      copy_output()
+      proc.wait()
+      raise
   return proc.wait()
 
 

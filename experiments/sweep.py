@@ -123,8 +123,15 @@ def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str]
       rows.append(row)
       continue
     t0 = time.time()
-    rc = run_streamed(cmd, run_dir, name, env)
-    row["status"] = "ok" if rc == 0 else f"failed (exit {rc})"
+    try:
+      rc = run_streamed(cmd, run_dir, name, env)
+    except KeyboardInterrupt:
+      rows.append({**row, "status": "interrupted", "wall_s": round(time.time() - t0, 2)})
+      write_summary(workdir, rows)
+      raise
+    # 75: the binary was stopped by a signal after saving (train_ppo's EXIT_STOPPED_BY_SIGNAL).
+    row["status"] = ("ok" if rc == 0 else "stopped (exit 75; re-run to resume)" if rc == 75
+                     else f"failed (exit {rc})")
     row["wall_s"] = round(time.time() - t0, 2)
     result = read_run_result(run_dir) if rc == 0 else None
     if rc == 0 and result is None:
@@ -153,7 +160,12 @@ _PASSTHROUGH: list[str] = []
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  rows = run_sweep(_CONFIG.value, _BINARY.value, _WORKDIR.value, _PASSTHROUGH, _DRY.value)
+  try:
+    rows = run_sweep(_CONFIG.value, _BINARY.value, _WORKDIR.value, _PASSTHROUGH, _DRY.value)
+  except KeyboardInterrupt:
+    logging.error("interrupted: the summary has the runs so far; the same command re-runs "
+                  "the sweep (runs resume from their checkpoints where the binary does)")
+    sys.exit(130)
   failed = [r["run"] for r in rows if str(r.get("status", "ok")).startswith("failed")]
   if failed:
     logging.error("%d of %d runs failed: %s (their log.txt in %s)", len(failed), len(rows),
