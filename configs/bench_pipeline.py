@@ -48,7 +48,7 @@ def get_config(arg: str = "default"):
   c.repeats = 7  # timed runs (median reported)
   c.calib_ticks = 64  # ticks of the calibration tables (calibration.json: task and tick costs)
   c.clip_eps = 0.2  # PPO ratio clip
-  c.value_clip_eps = 0.2  # value clip
+  c.value_clip_eps = 0.2  # value clip (0: unclipped, as the trainer's algo.value_clip_eps)
   c.vf_coef = 0.5  # critic loss weight
   c.entropy_coef = 0.01  # entropy bonus
   if arg == "pp8":

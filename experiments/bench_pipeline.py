@@ -111,7 +111,7 @@ class BenchPipelineConfig:
                search_time_s=float(c.search_time_s), warmup=int(c.warmup),
                repeats=int(c.repeats), calib_ticks=int(c.calib_ticks),
                loss=stages.LossConfig(clip_eps=float(c.clip_eps),
-                                      value_clip_eps=float(c.value_clip_eps),
+                                      value_clip_eps=float(c.value_clip_eps) or None,
                                       vf_coef=float(c.vf_coef),
                                       entropy_coef=float(c.entropy_coef)))
 

@@ -40,8 +40,8 @@ def load_sweep(config_path: str) -> list[dict]:
   """get_sweep() of `FILE.py[:variant]` (the variant, when given, is passed on to every run's
   --config, and to get_sweep if it takes an argument)."""
   path, variant = config_path, None
-  if not os.path.isfile(path) and ":" in path:
-    path, variant = path.rsplit(":", 1)
+  if not os.path.isfile(path) and ":" in path:  # at the first ':', as ml_collections splits
+    path, variant = path.split(":", 1)
   if not os.path.isfile(path):
     raise ValueError(f"--config={config_path!r}: no such file {path!r}")
   spec = importlib.util.spec_from_file_location("_sweep_config", path)
@@ -110,7 +110,8 @@ def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str]
   sweep = load_sweep(config)
   if not os.path.isfile(os.path.join(REPO_ROOT, "experiments", f"{binary}.py")):
     raise ValueError(f"--binary={binary!r}: no experiments/{binary}.py")
-  os.makedirs(workdir, exist_ok=True)
+  if not dry_run:
+    os.makedirs(workdir, exist_ok=True)
   rows = []
   env = repo_env()
   for i, overrides in enumerate(sweep):

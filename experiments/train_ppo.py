@@ -84,7 +84,7 @@ def main(argv):
   main_process = distributed.is_main_process()
   os.makedirs(workdir, exist_ok=True)
   trainer = PPOTrainer(cfg, workdir)  # checks the lock and any checkpoint against this config
-  if main_process and trainer.finished_at is None and not trainer.export_only:
+  if main_process and trainer.finished_at is None:
     wd.write_config_history(workdir, config_lib.config_record(_CONFIG.value, cfg),
                             trainer.resume_step or 0)
   try:

@@ -59,8 +59,13 @@ def test_encoding_a_bom_and_untokenisable_text(tmp_path):
   """A byte-order mark is read as nothing; a file that is not UTF-8 and a prompt the tokenizer
   cannot encode are errors naming the file and the line."""
   bom = tmp_path / "bom.jsonl"
-  bom.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "w1"}\n')
-  assert load_jsonl_prompts(str(bom))[0]["prompt"] == "w1"
+  bom.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "w1"}\r{"prompt": "w2"}\r\n')
+  assert [r["prompt"] for r in load_jsonl_prompts(str(bom))] == ["w1", "w2"]  # \r, \r\n end lines
+  bad_bom = tmp_path / "bad_bom.jsonl"
+  bad_bom.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "caf\xe9"}\n')
+  with pytest.raises(ValueError, match=r"bad_bom\.jsonl:1: not UTF-8 text \(byte 0xe9 at column "
+                                       r"16\)"):
+    load_jsonl_prompts(str(bad_bom))
   latin = tmp_path / "latin1.jsonl"
   latin.write_bytes(b'{"prompt": "w1"}\n{"prompt": "caf\xe9"}\n')
   with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not UTF-8 text \(byte 0xe9 at column "

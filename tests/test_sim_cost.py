@@ -211,12 +211,16 @@ def test_decode_host_overhead_stretches_the_uncalibrated_step_only():
 def test_hops_across_nodes_follow_the_layout():
   """Which neighbour hops of a chain cross a node boundary (nodes of 8, consecutive numbering):
   stages 4 devices apart cross at every second hop, 8 apart at every hop, 2 apart at every
-  fourth; a mean hop mixes the two links' times by that share."""
+  fourth, and a hop crosses if any of its shards does; a mean hop mixes the two links' times by
+  that share."""
   from rlhfuse_jax.sim.cost_model import crossing_share, same_node
   assert same_node(4, 7, 8) and not same_node(7, 8, 8)
   assert crossing_share(4, 3, 8) == pytest.approx(1 / 3)  # hops 4->8 cross; 0->4, 8->12 not
   assert crossing_share(8, 3, 8) == 1.0 and crossing_share(2, 4, 8) == pytest.approx(1 / 4)
-  assert crossing_share(3, 2, 8) == pytest.approx(1 / 6)  # of 0->3->6 .. 2->5->8, only 5->8
+  # Groups of 3: hop 0 (0..2 -> 3..5) stays, hop 1 (3..5 -> 6..8) has shard 5 -> 8 crossing,
+  # and a hop lasts as long as its slowest shard.
+  assert crossing_share(3, 2, 8) == pytest.approx(1 / 2)
+  assert crossing_share(6, 1, 8) == 1.0  # shards 2..5 of 0..5 -> 6..11 cross
   assert crossing_share(4, 0, 8) == 0.0
   cm = CostModel(get_hardware("h100_sxm"))
   assert cm.hop_s(1e6, 0.25) == pytest.approx(0.25 * cm.p2p_s(1e6, True) +

@@ -209,6 +209,30 @@ def test_serial_rollout_splits_the_batch_over_the_stage_devices(runs):
   assert plain.gen_mesh is plain.mesh and not plain.moves_weights
 
 
+@pytest.mark.parametrize("axes", [{"data": 1, "fsdp": 2, "stage": 2, "tensor": 2},
+                                  {"data": 2, "fsdp": 1, "stage": 2, "tensor": 2},
+                                  {"data": 1, "fsdp": 2, "stage": 4, "tensor": 1}])
+def test_weights_move_to_the_folded_mesh_without_a_copy(axes):
+  """fold_stage keeps each device's fsdp and tensor coordinates, so parameters sharded by
+  their logical axes hold the same shard on every device on both meshes: put() relabels them
+  (the same buffers), whatever the device order (fsdp > 1 reorders the devices)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(**axes))
+  folded = mesh_lib.fold_stage(mesh)
+  assert folded.shape["stage"] == 1 and folded.shape["data"] == axes["data"] * axes["stage"]
+  for spec in (P(), P("fsdp", "tensor"), P(None, "tensor")):
+    x = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, spec))
+    y = mesh_lib.put(x, NamedSharding(folded, spec))
+    assert y.sharding == NamedSharding(folded, spec)
+    ptr = {s.device: s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+    assert all(ptr[s.device] == s.data.unsafe_buffer_pointer() for s in y.addressable_shards)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+  # Another placement is a real move (a copy), still correct.
+  x = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("stage")))
+  y = mesh_lib.put(x, NamedSharding(folded, P("data")))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
 def test_scanned_layers_pipeline_as_a_reshape_of_the_stack(tmp_path):
   """model.scan_layers=True through the pipeline (docs/architecture.md §3): the stage-stacked
   tree is a reshape of the scanned stack [L, ...] -> [S, L/S, ...] (the critic's rows flipped)

@@ -12,6 +12,7 @@ start of a run, not hours into it.
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import hashlib
 import json
@@ -29,24 +30,27 @@ _PADDINGS = ("left", "right")
 def jsonl_rows(path: str, example: str = "") -> Iterator[tuple[str, Any]]:
   """("path:line", parsed object) for every non-blank line of a JSONL file; a line that is not
   JSON raises ValueError naming path:line (`example`: text after "one object per line")."""
-  # Read as bytes and decoded line by line, so a line that is not UTF-8 is named; a byte-order
-  # mark that some editors write first is read as nothing.
+  # Read as bytes and decoded line by line (\n, \r\n or \r ends a line), so a line that is not
+  # UTF-8 is named; a byte-order mark that some editors write first is read as nothing.
   with open(path, "rb") as f:
-    for line_number, raw in enumerate(f, start=1):
-      where = f"{path}:{line_number}"
-      try:
-        line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
-      except UnicodeDecodeError as e:
-        raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
-                         f"{e.start + 1}); expected a UTF-8 JSONL file (convert it, e.g. iconv "
-                         f"-f latin1 -t utf-8)") from e
-      if not line.strip():
-        continue
-      try:
-        yield where, json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); expected one "
-                         f"object per line{example}") from e
+    data = f.read()
+  if data.startswith(codecs.BOM_UTF8):
+    data = data[len(codecs.BOM_UTF8):]
+  for line_number, raw in enumerate(data.splitlines(), start=1):
+    where = f"{path}:{line_number}"
+    try:
+      line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                       f"{e.start + 1}); expected a UTF-8 JSONL file (convert it, e.g. iconv "
+                       f"-f latin1 -t utf-8)") from e
+    if not line.strip():
+      continue
+    try:
+      yield where, json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); expected one "
+                       f"object per line{example}") from e
 
 
 def load_jsonl_prompts(path: str, field: str = "prompt") -> list[dict[str, Any]]:

@@ -138,11 +138,24 @@ def param_shardings(params: Any, logical_specs: Any, mesh: Mesh) -> Any:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def _same_placement(x: Any, sharding: Any) -> bool:
+  """Whether every device already holds exactly the shard of `x` that `sharding` gives it (e.g.
+  a NamedSharding of fold_stage's mesh for an array on the training mesh)."""
+  return (isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+          and x.sharding.device_set == sharding.device_set
+          and x.sharding.devices_indices_map(x.shape) == sharding.devices_indices_map(x.shape))
+
+
 def _put_leaf(x: Any, sharding: NamedSharding) -> jax.Array:
-  if jax.process_count() == 1 or sharding.is_fully_addressable:
-    return jax.device_put(x, sharding)
   if isinstance(x, jax.Array) and x.sharding == sharding:
     return x
+  if _same_placement(x, sharding):
+    # Relabelled, not moved: device_put would copy every shard when the mesh's device order
+    # differs, and across processes the path below would gather the whole array to each host.
+    return jax.make_array_from_single_device_arrays(
+        x.shape, sharding, [s.data for s in x.addressable_shards])
+  if jax.process_count() == 1 or sharding.is_fully_addressable:
+    return jax.device_put(x, sharding)
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     return jax.random.wrap_key_data(_put_leaf(jax.random.key_data(x), sharding))
   # Multi-host: every process holds the same host value (same seed, same data stream) and

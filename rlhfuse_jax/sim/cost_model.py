@@ -311,10 +311,11 @@ def same_node(a: int, b: int, devices_per_node: int) -> bool:
 def crossing_share(stride: int, hops: int, devices_per_node: int) -> float:
   """The share of the neighbour hops of a chain of `hops + 1` groups `stride` devices apart
   (group k's devices at k * stride + j, j < stride: pipeline stages, consecutive instances) that
-  cross a node boundary, over the chain's hops and the devices of a group."""
+  cross a node boundary. A hop's shards move in parallel and the next group waits for all of
+  them, so a hop crosses if any of its shards does."""
   if hops <= 0:
     return 0.0
   stride = max(stride, 1)
-  crossing = sum(not same_node(j + k * stride, j + (k + 1) * stride, devices_per_node)
-                 for j in range(stride) for k in range(hops))
-  return crossing / (stride * hops)
+  crossing = sum(any(not same_node(j + k * stride, j + (k + 1) * stride, devices_per_node)
+                     for j in range(stride)) for k in range(hops))
+  return crossing / hops

@@ -557,6 +557,10 @@ class PPOTrainer:
     """
     try:
       start = self.finished_at if self.finished_at is not None else self._restore()
+      if self.export_only and start < self.cfg.num_iterations:
+        logging.warning("the newest checkpoint could not be restored: training iterations "
+                        "%d-%d again from checkpoint %d, then exporting", start + 1,
+                        self.cfg.num_iterations, start)
       if start >= self.cfg.num_iterations:
         if self.export_only:
           hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor")).export(start)
