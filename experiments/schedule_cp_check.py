@@ -273,6 +273,11 @@ def _numbers(flag: str, values: Sequence[str], form: str) -> tuple[float, ...]:
 def main(argv):
   del argv
   problem = PipelineProblem.from_config(_CONFIG.value)
+  if problem.transfer_latency:
+    # The model's dependencies carry no transfer latency: an INFEASIBLE would still prove a
+    # bound (the model is a relaxation), but an OPTIMAL schedule could be faster than any real one.
+    raise ValueError(f"config.transfer_latency={problem.transfer_latency}: expected 0 (the "
+                     "CP-SAT model has no transfer latency between devices)")
   lb = bounds.tight_lower_bound(problem)
   devices = parse_devices(_DEVICES.value, problem.num_devices)
   wd.write_config(_WORKDIR.value, _CONFIG.value)

@@ -24,10 +24,11 @@ until its backward ends. The budget comes from the two models' 1F1B peaks (stage
 1F1B pipeline with M micro-batches holds min(P-s, M)), by `memory_budget_mode`:
 
   per_device  device d holds at most the sum of the actor's and the critic's peaks on d;
-  uniform     every device holds at most the largest of those sums. Every device has the same
-              HBM, and the most loaded device of serial 1F1B already has to fit that much, so any
-              device may hold it: fusion still never needs more memory than serial 1F1B has to
-              provision (docs/schedules.md).
+  uniform     every device holds at most the largest of those sums (every device has the same
+              HBM). The sum provisions both models' in-flight activations at once. Serial 1F1B
+              (actor, then critic) holds only the larger of the two at any time, so a fused
+              schedule within this budget may hold more than serial does: the kept schedules
+              peak 1.03-1.10x serial's largest device (docs/schedules.md).
 
 An explicit `memory_budget` overrides the mode (recorded as mode "explicit").
 """
@@ -317,8 +318,9 @@ def parse_devices(values: Sequence[str], num_devices: int, flag: str = "--device
 def validate_order(problem: PipelineProblem, order: np.ndarray) -> np.ndarray:
   """Checks the shape and kind counts of a per-device kind sequence; returns it as int8 [N, T].
 
-  Also rejects a device on which some backward comes before its own forward in the order (a
-  certain deadlock); cyclic waits across devices are found by the evaluator.
+  Dependencies are not checked here: a backward before its own forward, or a cyclic wait across
+  devices, is a deadlock that the evaluator reports (valid=False); peak_memory() of such an
+  order means nothing.
   """
   order = np.asarray(order)
   n, t = problem.num_devices, problem.tasks_per_device
