@@ -56,6 +56,13 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
     assert p["peak_bytes"] == (p["argument_bytes"] + p["output_bytes"] + p["temp_bytes"] -
                                p["alias_bytes"])
     assert p["fits"] is True and p["flops_per_device"] > 0
+  # Generation and inference run on devices that keep the training state (its arguments).
+  state = stored["programs"]["train_step"]["argument_bytes"]
+  for name in ("decode", "inference"):
+    p = stored["programs"][name]
+    assert p["resident_train_bytes"] == state > 0
+    assert p["peak_with_train_state_bytes"] == p["peak_bytes"] + state
+    assert p["fits"] == (p["peak_with_train_state_bytes"] <= p["hbm_bytes"])
   # The decode step's dot FLOPs are exactly the analytic count (no repeated work at gen_tp 1..).
   assert abs(stored["programs"]["decode"]["replication"] - 1.0) < 1e-6
   assert stored["layers_compiled"]["reduced"] is False
