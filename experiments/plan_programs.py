@@ -489,7 +489,11 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                               "cost_analysis()['flops'] (loop bodies once, elementwise "
                               "included)",
           "analytic": "the plan's perfect split; activations: the simulator's 34*h bytes per "
-                      "token and layer (no remat), in-flight micro-batches min(stages, M)",
+                      "token and layer (no remat), in-flight micro-batches min(stages, M); "
+                      "gradients in the parameters' dtype, split like them (the pipelined "
+                      "executor accumulates float32 over its stage plus the whole embedding "
+                      "and head, and splits embedding, head and norms over the stage devices "
+                      "only: the compiled figures include that)",
           "replication": "flops_per_device / analytic flops_per_device; "
                          "replication_lockstep divides by ticks x the costliest task instead",
           "layers_compiled": "with reduced=true every number is of the compiled layer counts "
