@@ -141,7 +141,7 @@ def tokenize_prompts(records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
     raise ValueError(f"max_prompt_len={max_prompt_len}: expected >= 1")
   try:
     ids = tokenizer.encode_batch([r[field] for r in records], add_bos=add_bos)
-  except Exception as e:  # the tokenizer's own error names neither the prompt nor its line
+  except Exception:  # the tokenizer's own error names neither the prompt nor its line
     for i, r in enumerate(records):
       try:
         tokenizer.encode_batch([r[field]], add_bos=add_bos)

@@ -489,7 +489,7 @@ class PPOTrainer:
     m.update(self.update.schedule_metrics)  # pipelined: the schedule's figures
     if not self.use_critic:
       m = {k: v for k, v in m.items() if not k.startswith("critic/")}
-    scores, lens, max_new = gen.scores, gen.response_lens, self.cfg.rollout.max_new_tokens
+    scores, lens = gen.scores, gen.response_lens
     m.update({
         "reward/mean": float(np.mean(scores)), "reward/std": float(np.std(scores)),
         "response_length/mean": float(np.mean(lens)), "response_length/max": int(np.max(lens)),
