@@ -165,29 +165,27 @@ class ScheduleCache:
                max_evaluations: Optional[int] = None):
     """max_evaluations: count-based searches (deterministic per seed, the same on any machine)
     instead of time_budget_s seconds each."""
-    self.path, self.budget, self.seed, self.log = path, time_budget_s, seed, log
-    self.max_evaluations = max_evaluations
+    self.path, self.log = path, log
+    self.search_config = SearchConfig(time_budget_s=time_budget_s, seed=seed,
+                                      max_evaluations=max_evaluations)
     self.entries: dict = {}
     if path and os.path.exists(path):
       with open(path) as f:
         self.entries = json.load(f)
 
   def key(self, problem: PipelineProblem) -> str:
-    """The problem and the search that solves it (budget, seed): a persisted cache reused
-    under another search budget or seed searches again instead of reporting the old result
-    under the new settings."""
-    search_cfg = ({"max_evaluations": self.max_evaluations} if self.max_evaluations is not None
-                  else {"time_budget_s": self.budget})
-    return json.dumps({"problem": problem.to_dict(), "seed": self.seed, **search_cfg},
-                      sort_keys=True)
+    """The problem and the search that solves it (as trainer/pipelined.py keys its cache): a
+    persisted cache reused under another budget or seed searches again instead of reporting the
+    old result under the new settings."""
+    return json.dumps({"problem": problem.to_dict(),
+                       "search": dataclasses.asdict(self.search_config)}, sort_keys=True)
 
   def fused(self, problem: PipelineProblem) -> dict:
     """{'makespan', 'serial', 'greedy', 'lower_bound', 'peak_max', 'search_s', 'order'}."""
     k = self.key(problem)
     if k in self.entries:
       return self.entries[k]
-    res = search(problem, SearchConfig(time_budget_s=self.budget, seed=self.seed,
-                                       max_evaluations=self.max_evaluations))
+    res = search(problem, self.search_config)
     ev = evaluate(problem, res.best)
     greedy = evaluate(problem, schedules.greedy_order(problem))
     entry = {"makespan": ev.makespan, "serial": serial_makespan_ms(problem),

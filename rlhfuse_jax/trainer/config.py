@@ -130,12 +130,13 @@ class AlgoConfig:
            f"one of {sorted(kl_lib.KL_ESTIMATORS)}")
     _check(self.loss_agg in losses_lib.LOSS_AGGREGATIONS, "algo.loss_agg", self.loss_agg,
            f"one of {sorted(losses_lib.LOSS_AGGREGATIONS)}")
-    for name in ("kl_coef", "clip_eps", "value_clip_eps", "vf_coef", "entropy_coef"):
+    for name in ("kl_coef", "value_clip_eps", "vf_coef", "entropy_coef"):
       v = getattr(self, name)
       _check(math.isfinite(v) and v >= 0, f"algo.{name}", v, "a finite value >= 0")
     _check(0 <= self.gamma <= 1, "algo.gamma", self.gamma, "in [0, 1]")
     _check(0 <= self.lam <= 1, "algo.lam", self.lam, "in [0, 1]")
-    _check(self.clip_eps > 0, "algo.clip_eps", self.clip_eps, "> 0")
+    _check(math.isfinite(self.clip_eps) and self.clip_eps > 0, "algo.clip_eps", self.clip_eps,
+           "a finite value > 0")
     # As a loss, k1's gradient (that of logp) has zero expectation on the policy's own samples
     # whatever the reference: it would add noise, not pull toward the reference (rl/kl.py).
     _check(self.kl_in_reward or self.kl_coef == 0 or self.kl_estimator != "k1",

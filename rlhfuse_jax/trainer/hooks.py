@@ -274,6 +274,13 @@ def exported_step(out_dir: str) -> Optional[int]:
     return None
 
 
+def export_pending(workdir: str, cfg: TrainConfig, step: int) -> bool:
+  """Whether checkpoint.export_hf asks for an export that should hold iteration `step` and
+  WORKDIR/hf_export does not (missing, unmarked or older)."""
+  return (bool(cfg.checkpoint.export_hf) and
+          exported_step(os.path.join(workdir, HF_EXPORT_DIR)) != step)
+
+
 def export_hf(params: Any, cfg: TrainConfig, out_dir: str,
               step: Optional[int] = None) -> Optional[str]:
   """Writes the actor `params` of the resolved config `cfg` as a HF checkpoint in `out_dir`
@@ -316,15 +323,11 @@ class HFExport(Hook):
   """checkpoint.export_hf: once the run completes num_iterations, the actor (`params_fn()`, its
   whole parameters) as a HF checkpoint in WORKDIR/hf_export. A run stopped earlier exports
   nothing; the run that completes it does. A finished run whose export is missing or older than
-  its last checkpoint (`pending`) exports again when re-run (trainer/loop.py)."""
+  its last checkpoint (export_pending) exports again when re-run (trainer/loop.py)."""
 
   def __init__(self, workdir: str, cfg: TrainConfig, params_fn: Callable[[], Any]):
     self.out_dir = os.path.join(workdir, HF_EXPORT_DIR)
     self.cfg, self.params_fn = cfg, params_fn
-
-  def pending(self, step: int) -> bool:
-    """Whether the export asked for should hold iteration `step` and does not."""
-    return bool(self.cfg.checkpoint.export_hf) and exported_step(self.out_dir) != step
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     if self.cfg.checkpoint.export_hf and step == self.cfg.num_iterations:

@@ -123,7 +123,7 @@ class PPOTrainer:
     # or was killed, or checkpoint.export_hf was turned on or the run extended since): then the
     # model is built, the last checkpoint restored and exported, and no iteration runs.
     self.export_only = (self.finished_at is not None and
-                        hooks.HFExport(self.workdir, cfg, None).pending(self.finished_at))
+                        hooks.export_pending(self.workdir, cfg, self.finished_at))
     if self.export_only:
       logging.warning("the run is finished at iteration %d but %s does not hold its actor: "
                       "building the model to export it", self.finished_at,
@@ -182,10 +182,10 @@ class PPOTrainer:
     # Async PPO scores each batch again on the training devices (the current actor's log-probs,
     # the current critic's values), in mini-batch sized pieces: on the training mesh, or its
     # folded form when the serial rollout runs there.
-    folded = (self.moves_weights and not self.disjoint and cfg.algo.minibatch_size %
-              mesh_lib.batch_size_multiple(self.gen_mesh) == 0)
-    self._rescore_params = self._to_generation if folded else self.model_params
-    self._rescorer = scoring.Scorer(self.gen_mesh if folded else self.mesh,
+    on_folded = (self.folded and
+                 cfg.algo.minibatch_size % mesh_lib.batch_size_multiple(self.gen_mesh) == 0)
+    self._rescore_params = self._to_generation if on_folded else self.model_params
+    self._rescorer = scoring.Scorer(self.gen_mesh if on_folded else self.mesh,
                                     micro_batch_size=cfg.algo.minibatch_size)
     self.checkpoints.state_fn = self._state
     self.checkpoints.meta_fn = self._meta
@@ -224,19 +224,22 @@ class PPOTrainer:
     # with `stage` folded into `data`: the batch splits over every device instead of each stage
     # device running the whole of it again (the whole models' weights are placed alike on
     # both: mesh.fold_stage). Kept as is when the batch does not split that finely.
-    folded = mesh_lib.fold_stage(self.mesh)
-    if (folded is not self.mesh and not self.disjoint and rollout_lib.is_serial(cfg)):
-      if cfg.rollout.batch_size % mesh_lib.batch_size_multiple(folded) == 0:
-        self.gen_mesh = folded
+    folded_mesh = mesh_lib.fold_stage(self.mesh)
+    if (folded_mesh is not self.mesh and not self.disjoint and
+        rollout_lib.stage_kind(cfg) == "serial"):
+      if cfg.rollout.batch_size % mesh_lib.batch_size_multiple(folded_mesh) == 0:
+        self.gen_mesh = folded_mesh
       else:
         logging.warning(
             "the rollout batch %d does not split over data x fsdp x stage = %d devices: "
             "generation and inference run whole on each of the %d stage devices",
-            cfg.rollout.batch_size, mesh_lib.batch_size_multiple(folded),
+            cfg.rollout.batch_size, mesh_lib.batch_size_multiple(folded_mesh),
             self.mesh.shape["stage"])
     # Whether the rollout's whole models live on another mesh than the update's (placed there
-    # by their logical axes each time the stage asks for them).
+    # by their logical axes each time the stage asks for them): the generation group's, or the
+    # training devices folded.
     self.moves_weights = self.gen_mesh is not self.mesh
+    self.folded = self.moves_weights and not self.disjoint
 
   def _model_cfg(self, model: str):
     return self.cfg.model if model == "actor" else self.cfg.critic_model

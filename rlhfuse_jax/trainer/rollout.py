@@ -188,24 +188,30 @@ class FusedStage:
     return mesh_lib.to_host(params)
 
 
-def is_serial(cfg: TrainConfig) -> bool:
-  """Whether make_rollout_stage builds a SerialStage (generation and inference on one mesh)."""
-  return not (cfg.plan.generation in ("instances", "pipeline") or cfg.plan.inference_tp or
-              cfg.fusion.inter_stage)
+def stage_kind(cfg: TrainConfig) -> str:
+  """Which RolloutStage config.fusion.inter_stage and config.plan ask for: "instances",
+  "planned", "fused" or "serial" (generation and inference on one mesh)."""
+  if cfg.plan.generation == "instances":
+    return "instances"
+  if cfg.plan.generation == "pipeline" or cfg.plan.inference_tp:
+    return "planned"
+  return "fused" if cfg.fusion.inter_stage else "serial"
 
 
 def make_rollout_stage(cfg: TrainConfig, sampling: SamplingConfig, mesh: jax.sharding.Mesh, *,
                        reference: Any, rewards: scoring.Rewards, pad_id: int, actor_shapes: Any,
                        critic_shapes: Optional[Any]) -> RolloutStage:
-  """The stage config.fusion.inter_stage and config.plan ask for, over the mesh's devices."""
-  if cfg.plan.generation == "instances":
+  """The stage config.fusion.inter_stage and config.plan ask for (stage_kind), over the mesh's
+  devices."""
+  kind = stage_kind(cfg)
+  if kind == "instances":
     return InstancesStage(cfg, sampling, list(mesh.devices.flat), reference=reference,
                           rewards=rewards, pad_id=pad_id, actor_shapes=actor_shapes,
                           critic_shapes=critic_shapes)
-  if cfg.plan.generation == "pipeline" or cfg.plan.inference_tp:
+  if kind == "planned":
     return PlannedStage(cfg, sampling, mesh, reference=reference, rewards=rewards, pad_id=pad_id,
                         actor_shapes=actor_shapes, use_critic=critic_shapes is not None)
-  if cfg.fusion.inter_stage:
+  if kind == "fused":
     return FusedStage(cfg, sampling, list(mesh.devices.flat), reference=reference,
                       rewards=rewards, pad_id=pad_id, actor_shapes=actor_shapes,
                       critic_shapes=critic_shapes)
