@@ -8,9 +8,9 @@ RLHFuse paper's pairs `7b/7b`, `13b/13b`, `33b/13b`, `65b/33b` on the plan the s
 for them on 256 H100s (sim/training_sim.best_plan, whole layers per stage: tp 4; 7B and 13B 8
 stages, dp 8; 33B/13B 4 stages, dp 16; 65B/33B 16 actor and 4 critic stages, dp 4; micro-batch
 1; generation tp 8 with the slots of sim/iteration_sim.gen_plan, tp 4 for 33B, whose 52 heads
-do not split 8 ways). Those compile a 256-device program; `--config.layers=N` compiles N
-layers per model instead (result.json says so in `layers_compiled`). Writes result.json and
-config.json; logs a table.
+do not split 8 ways; 33B/13B and 65B/33B with `offload_optimizer`). Those compile a 256-device
+program; `--config.layers=N` compiles N layers per model instead (result.json says so in
+`layers_compiled`). Writes result.json and config.json; logs a table.
 """
 import ml_collections
 
@@ -22,8 +22,11 @@ import ml_collections
 PAPER_PAIRS = {
     "7b/7b": {"gen_tp": 8, "gen_slots": 256},
     "13b/13b": {"gen_tp": 8, "gen_slots": 256},
-    "33b/13b": {"gen_tp": 4, "gen_slots": 68},
-    "65b/33b": {"gen_tp": 8, "gen_slots": 82},
+    # gen_plan gives the KV cache 90 % of HBM less the actor's weights; beside the training
+    # state these two pairs' slots fit only with the AdamW moments in host memory while the
+    # instances run (the trainer's optim.offload_during_rollout; docs/results.md "Plan check").
+    "33b/13b": {"gen_tp": 4, "gen_slots": 68, "offload_optimizer": True},
+    "65b/33b": {"gen_tp": 8, "gen_slots": 82, "offload_optimizer": True},
 }
 
 
@@ -71,6 +74,9 @@ def get_config(arg: str = "tiny"):
   # layers and that hoisting off, so the copy is one layer's (experiments/plan_programs.py);
   # as_compiled keeps the plain compile's figures.
   c.cpu_upcast = "per_layer"
+  # True: the trainer's optim.offload_during_rollout (the AdamW moments in host memory while the
+  # instances generate and score): decode's and inference's fit counts the parameters only.
+  c.offload_optimizer = False
 
   if arg == "tiny":
     c.pp, c.critic_pp, c.tp, c.dp, c.fsdp = 2, 2, 1, 2, 2
@@ -94,6 +100,7 @@ def get_config(arg: str = "tiny"):
     c.pp, c.critic_pp, c.tp, c.dp = {"7b/7b": (8, 8, 4, 8), "13b/13b": (8, 8, 4, 8),
                                      "33b/13b": (4, 4, 4, 16), "65b/33b": (16, 4, 4, 4)}[arg]
     c.gen_tp, c.gen_slots = PAPER_PAIRS[arg]["gen_tp"], PAPER_PAIRS[arg]["gen_slots"]
+    c.offload_optimizer = PAPER_PAIRS[arg].get("offload_optimizer", False)
   else:
     raise ValueError(f"configs/plan_check.py: unknown variant {arg!r}; expected 'tiny', "
                      f"'7b_host8' or one of {list(PAPER_PAIRS)}")

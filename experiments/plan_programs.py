@@ -128,6 +128,7 @@ class PlanConfig:
   chunk_size: int
   inference_microbatch: int
   hardware: hw_lib.Hardware
+  offload_optimizer: bool = False  # the trainer's optim.offload_during_rollout
 
   @property
   def train_devices(self) -> int:
@@ -171,6 +172,8 @@ class PlanConfig:
            f"a preset of rlhfuse_jax/sim/hardware.py: {sorted(hw_lib.HARDWARE)}")
     _check(d["cpu_upcast"] in CPU_UPCAST_MODES, "cpu_upcast", d["cpu_upcast"],
            f"one of {list(CPU_UPCAST_MODES)}")
+    _check(isinstance(d.get("offload_optimizer", False), bool), "offload_optimizer",
+           d.get("offload_optimizer"), "True or False")
     _check(d["response_len"] < d["seq_len"], "response_len", d["response_len"],
            f"< seq_len={d['seq_len']} (a prompt of at least one token)")
     models = {}
@@ -182,7 +185,8 @@ class PlanConfig:
     cfg = cls(**models, **{k: d[k] for k in (
         "pp", "critic_pp", "tp", "dp", "fsdp", "minibatch_size", "microbatch_size", "seq_len",
         "response_len", "intra_stage", "search_time_s", "gen_tp", "gen_slots", "chunk_size",
-        "inference_microbatch", "cpu_upcast")}, hardware=hw_lib.HARDWARE[d["hardware"]])
+        "inference_microbatch", "cpu_upcast")}, hardware=hw_lib.HARDWARE[d["hardware"]],
+        offload_optimizer=d.get("offload_optimizer", False))
     cfg.validate()
     return cfg
 
@@ -346,6 +350,13 @@ def instance_programs(cfg: PlanConfig) -> dict:
   return out
 
 
+def _device_bytes(tree: Any) -> int:
+  """Bytes one device holds of placed ShapeDtypeStructs (its shard of each; the shardings here
+  split evenly, so every device holds as much)."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree))
+
+
 def _nbytes(tree: Any) -> int:
   return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
@@ -443,25 +454,18 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                     jax.default_backend())
   update, info = make_update(cfg, mesh, tx, workdir)
   t0 = time.perf_counter()
-  lowered = update.lower(*train_args(cfg, mesh, tx, update))
+  args = train_args(cfg, mesh, tx, update)
+  optimizer_bytes = sum(_device_bytes(s.opt_state) for s in args[:2])
+  lowered = update.lower(*args)
+  del args
   logging.info("train_step: lowered in %.1fs (%s schedule); compiling ...",
                time.perf_counter() - t0, info["schedule"])
   programs["train_step"] = {**_finish(measure(lowered, hbm), train_analytic(cfg, info)),
-                            **info}
+                            **info, "optimizer_state_bytes": optimizer_bytes}
   del lowered
   logging.info("train_step: compiled in %.1fs", programs["train_step"]["compile_s"])
   programs.update(instance_programs(cfg))
-  # The trainer keeps the actor's and critic's training state (stage shards of parameters and
-  # AdamW moments: the train step's arguments) on every device for the whole run, and the
-  # generation instances and the freed instances' inference run on those same devices: what
-  # decides whether they fit is their peak on top of that state.
-  resident = programs["train_step"]["argument_bytes"]
-  for name in ("decode", "inference"):
-    p = programs[name]
-    p["fits_alone"] = p["fits"]
-    p["resident_train_bytes"] = resident
-    p["peak_with_train_state_bytes"] = p["peak_bytes"] + resident
-    p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)
+  beside_train_state(programs, hbm, cfg.offload_optimizer)
   return {
       "plan": {"pp": cfg.pp, "critic_pp": cfg.critic_pp, "tp": cfg.tp, "dp": cfg.dp,
                "fsdp": cfg.fsdp, "minibatch_size": cfg.minibatch_size,
@@ -469,7 +473,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "response_len": cfg.response_len, "remat": cfg.actor.remat,
                "attention": cfg.actor.attention, "intra_stage": cfg.intra_stage,
                "gen_tp": cfg.gen_tp, "gen_slots": cfg.gen_slots, "chunk_size": cfg.chunk_size,
-               "inference_microbatch": cfg.inference_microbatch, "hardware": cfg.hardware.name},
+               "inference_microbatch": cfg.inference_microbatch, "hardware": cfg.hardware.name,
+               "offload_optimizer": cfg.offload_optimizer},
       "devices": cfg.num_devices, "train_devices": cfg.train_devices,
       "models": {"actor": {**dataclasses.asdict(cfg.actor), "num_params": cfg.actor.num_params()},
                  "critic": {**dataclasses.asdict(cfg.critic),
@@ -501,8 +506,10 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
           "cpu": "XLA:CPU buffer assignment: temp_bytes estimate XLA:GPU's",
           "fits": "train_step: its peak <= hbm_bytes; decode and inference: their peak plus "
                   "the training state that stays on the same devices (train_step's argument "
-                  "bytes, peak_with_train_state_bytes) <= hbm_bytes (fits_alone: the program "
-                  "by itself); no headroom (the simulator plans with 90 % of HBM)",
+                  "bytes, less the optimizer states' share offloaded_optimizer_bytes with "
+                  "offload_optimizer: resident_train_bytes; peak_with_train_state_bytes) <= "
+                  "hbm_bytes (fits_alone: the program by itself); no headroom (the simulator "
+                  "plans with 90 % of HBM)",
           "gpu_flops": "on a GPU backend library calls (cuBLAS / cuDNN custom-calls) hold most "
                        "dots, which hlo_flops does not count: flops_per_device and replication "
                        "undercount there",
@@ -511,6 +518,24 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
       "backend": backend(),
       "jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__,
   }
+
+
+def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool) -> None:
+  """Decode's and inference's fit on top of the training state. The trainer keeps the actor's
+  and critic's training state (stage shards of parameters and AdamW moments: the train step's
+  arguments) on every device for the whole run, and the generation instances and the freed
+  instances' inference run on those same devices: what decides whether they fit is their peak
+  on top of that state, less the moments when the trainer moves them to host memory during the
+  rollout (optim.offload_during_rollout)."""
+  train = programs["train_step"]
+  offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
+  for name in ("decode", "inference"):
+    p = programs[name]
+    p.setdefault("fits_alone", p["fits"])
+    p["offloaded_optimizer_bytes"] = offloaded
+    p["resident_train_bytes"] = train["argument_bytes"] - offloaded
+    p["peak_with_train_state_bytes"] = p["peak_bytes"] + p["resident_train_bytes"]
+    p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)
 
 
 def backend() -> dict:

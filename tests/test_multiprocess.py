@@ -17,10 +17,13 @@ from tests.xla_env import subprocess_env
 
 
 def test_two_processes_match_one_process(tmp_path):
+  """... with the optimizer states moved to host memory during the 2-process run's rollouts
+  (optim.offload_during_rollout: each process moves its own shards)."""
   wd = str(tmp_path / "mp")
   env = subprocess_env(PYTHON=sys.executable)  # this interpreter, whatever `python` on PATH is
   out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", wd,
-                        "--config.num_iterations=2", *SMALL], cwd=REPO, env=env,
+                        "--config.num_iterations=2", "--config.optim.offload_during_rollout=True",
+                        *SMALL], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
   logs = "".join(open(f"{wd}.proc{i}.log").read()[-2000:] for i in range(2))
   assert out.returncode == 0, logs
@@ -31,6 +34,8 @@ def test_two_processes_match_one_process(tmp_path):
                       mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8)))
   history = single.run()
   assert [r["step"] for r in multi] == [1, 2]
+  assert all(r["perf/optimizer_offload_bytes"] > 0 for r in multi)
+  assert not any("perf/optimizer_offload_bytes" in r for r in history)
   for a, b in zip(multi, history):
     assert a["gen/response_lengths"] == b["gen/response_lengths"]
     for k in ("reward/mean", "kl/ref_mean", "actor/pg_loss", "critic/vf_loss"):

@@ -63,6 +63,7 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
     assert p["resident_train_bytes"] == state > 0
     assert p["peak_with_train_state_bytes"] == p["peak_bytes"] + state
     assert p["fits"] == (p["peak_with_train_state_bytes"] <= p["hbm_bytes"])
+    assert p["offloaded_optimizer_bytes"] == 0  # the tiny plan keeps its moments on device
   # The decode step's dot FLOPs are exactly the analytic count (no repeated work at gen_tp 1..).
   assert abs(stored["programs"]["decode"]["replication"] - 1.0) < 1e-6
   assert stored["layers_compiled"]["reduced"] is False
@@ -83,6 +84,17 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
   real = update.lower(*args).compile().memory_analysis()
   assert real.argument_size_in_bytes == train["argument_bytes"]
   assert real.temp_size_in_bytes == train["temp_bytes"]
+  # The moments' share of those arguments, what offload_optimizer takes off decode's and
+  # inference's resident state (the trainer's optim.offload_during_rollout).
+  moments = _device0_bytes([s.opt_state for s in args[:2]])
+  assert train["optimizer_state_bytes"] == moments > 0
+  programs = result["programs"]
+  plan_programs.beside_train_state(programs, 1.0, offload_optimizer=True)
+  for name in ("decode", "inference"):
+    p = programs[name]
+    assert p["resident_train_bytes"] == train["argument_bytes"] - moments
+    assert p["peak_with_train_state_bytes"] == p["peak_bytes"] + p["resident_train_bytes"]
+    assert p["fits"] is False and p["fits_alone"] is True  # judged against the 1-byte HBM
 
 
 def test_paper_pairs_generate_with_the_simulators_slots():

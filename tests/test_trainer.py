@@ -106,6 +106,8 @@ def test_sharded_run_equals_single_device(tmp_path):
     ({"optim.actor_lr": float("inf")}, "optim.actor_lr=inf: expected a finite value > 0"),
     ({"optim.weight_decay": -0.1}, "optim.weight_decay=-0.1: expected a finite value >= 0"),
     ({"rollout.temperature": float("nan")}, "rollout.temperature=nan"),
+    ({"optim.offload_during_rollout": True, "async_ppo.staleness": 1},
+     "optim.offload_during_rollout=True: expected False with async_ppo.staleness > 0"),
 ])
 def test_bad_config_names_the_field(overrides, message):
   with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("*", r"\*")):

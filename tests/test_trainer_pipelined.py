@@ -293,12 +293,33 @@ def test_scanned_layers_pipeline_as_a_reshape_of_the_stack(tmp_path):
 
 
 def test_pipelined_run_resumes_bitwise(runs, tmp_path):
+  """... also with the optimizer states in host memory during the resumed iteration's rollout
+  (optim.offload_during_rollout, a field a resume may change): the same values come back."""
   fused, history = runs["fused"]
   first = PPOTrainer(fused.cfg, str(tmp_path / "wd"), mesh=fused.mesh)
   first.run(stop_after=1)
-  second = PPOTrainer(fused.cfg, str(tmp_path / "wd"), mesh=fused.mesh)
+  offload = dataclasses.replace(fused.cfg, optim=dataclasses.replace(
+      fused.cfg.optim, offload_during_rollout=True))
+  second = PPOTrainer(offload, str(tmp_path / "wd"), mesh=fused.mesh)
+  stage, kinds = second.rollout, []
+
+  def spied(params, prompts, key):  # where the stage-stacked moments are while it runs
+    kinds.append({x.sharding.memory_kind for s in (second.actor, second.critic)
+                  for x in jax.tree.leaves(s.opt_state)})
+    return stage(params, prompts, key)
+  second.rollout = spied
   resumed = second.run()
   assert [h["step"] for h in resumed] == [2]
+  assert kinds == [{mesh_lib.HOST_MEMORY}]
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(second.actor.opt_state)} != {
+      mesh_lib.HOST_MEMORY}
+  # One device's share of both models' optimizer states (stage-stacked: split over `stage`).
+  device = fused.mesh.devices.flat[0]
+  share = sum(sh.data.nbytes for s in (fused.actor, fused.critic)
+              for x in jax.tree.leaves(s.opt_state) for sh in x.addressable_shards
+              if sh.device == device)
+  assert resumed[0].pop("perf/optimizer_offload_bytes") == share > 0
+  assert resumed[0]["timing_s/optimizer_offload"] > 0
   jax.tree.map(np.testing.assert_array_equal, _params(second), _params(fused))
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(second.actor.opt_state),
                jax.device_get(fused.actor.opt_state))

@@ -202,6 +202,31 @@ def commit_to_mesh(tree: Any, mesh: Mesh) -> Any:
   return jax.tree_util.tree_map(place, tree)
 
 
+HOST_MEMORY = "pinned_host"  # the host memory beside each device (jax memory kinds)
+
+
+def has_host_memory(mesh: Mesh) -> bool:
+  """Whether every local device of `mesh` can hold arrays in its host memory (`HOST_MEMORY`):
+  GPU, TPU and the CPU backend can."""
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  return all(HOST_MEMORY in {m.kind for m in d.addressable_memories()} for d in local)
+
+
+def to_host_memory(tree: Any) -> tuple[Any, Any]:
+  """(moved, shardings): `tree`'s arrays moved shard by shard into the host memory beside the
+  devices that hold them (same devices, same shards: nothing is gathered or replicated), and
+  their shardings as they were, for `from_host_memory`."""
+  shardings = jax.tree.map(lambda x: x.sharding, tree)
+  return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(HOST_MEMORY)),
+                      tree), shardings
+
+
+def from_host_memory(tree: Any, shardings: Any) -> Any:
+  """`to_host_memory` undone: each shard back into its device's memory, placed exactly as
+  before (the same shardings, so a jitted function taking them does not compile again)."""
+  return jax.tree.map(jax.device_put, tree, shardings)
+
+
 def abstract(tree: Any, shardings: Any = None) -> Any:
   """jax.ShapeDtypeStructs of `tree`'s leaves (arrays or structs) placed by `shardings` (a
   matching tree), or by each leaf's own sharding: ahead-of-time lowering allocates nothing."""

@@ -159,6 +159,11 @@ class OptimConfig:
   # start, kept in its checkpoints, so raising num_iterations later continues the schedule's
   # floor (min_lr_ratio) instead of restarting the cosine.
   schedule_iterations: int = 0
+  # True: both models' AdamW moments move into the host memory beside each device (shard by
+  # shard, nothing gathered) while the rollout generates and scores, and back before the update,
+  # so generation's KV cache may use their HBM (verl's optimizer offload; docs/usage.md
+  # "Memory at scale"). The parameters stay. Synchronous loop on the training devices only.
+  offload_during_rollout: bool = False
 
   def __post_init__(self):
     _check(self.schedule_iterations >= 0, "optim.schedule_iterations", self.schedule_iterations,
@@ -444,6 +449,12 @@ class TrainConfig:
       _check(self.rollout.samples_per_prompt > 1, "rollout.samples_per_prompt",
              self.rollout.samples_per_prompt,
              f"> 1 for the group estimator algo.estimator={self.algo.estimator!r}")
+    _check(not self.optim.offload_during_rollout or (
+        self.async_ppo.staleness == 0 and self.async_ppo.generation_devices == 0),
+           "optim.offload_during_rollout", True, "False with async_ppo.staleness > 0 or "
+           "async_ppo.generation_devices > 0 (the moments move out while the training devices "
+           "generate; asynchronously they train meanwhile, and a separate generation group "
+           "holds no optimizer state)")
     _check(not self.fusion.intra_stage or self.mesh.stage != 1, "fusion.intra_stage",
            self.fusion.intra_stage, "False with mesh.stage=1 (the fused actor/critic schedule "
            "pipelines both models over the mesh's stage axis: set mesh.stage > 1)")
@@ -511,6 +522,8 @@ RESUMABLE_FIELDS = frozenset({
     "plan.file",
     # When the device tests "all rows done?": the same tokens, only the decode's host syncs.
     "rollout.steps_per_check",
+    # Where the moments wait during the rollout: the same values come back (tested bitwise).
+    "optim.offload_during_rollout",
 })
 
 

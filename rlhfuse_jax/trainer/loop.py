@@ -16,6 +16,7 @@ order (trainer/async_ppo.py; docs/architecture.md §4); the batches in flight ar
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -153,6 +154,12 @@ class PPOTrainer:
     self.critic = (self.update.init_state("critic", models.critic, self.mesh)
                    if self.use_critic else None)
     models.actor = models.critic = None  # the update's states hold them now (staged: a copy)
+    if cfg.optim.offload_during_rollout and not mesh_lib.has_host_memory(self.mesh):
+      raise ValueError(
+          f"config.optim.offload_during_rollout=True: expected devices with host memory "
+          f"(memory kind {mesh_lib.HOST_MEMORY!r}); {self.mesh.devices.flat[0].platform} "
+          f"devices here offer {[m.kind for m in self.mesh.devices.flat[0].addressable_memories()]}")
+    self._offload = {"timing_s/optimizer_offload": 0.0, "perf/optimizer_offload_bytes": 0}
     # The fused stage (and plan.generation='instances', its machinery) keeps the frozen models
     # in host memory (§2).
     if cfg.fusion.inter_stage or cfg.plan.generation == "instances":
@@ -291,6 +298,43 @@ class PPOTrainer:
     them (a pipelined run's stage-stacked state resharded; trainer/update.py)."""
     return self.update.whole(model, self.actor if model == "actor" else self.critic)
 
+  @contextlib.contextmanager
+  def _optimizer_offloaded(self):
+    """optim.offload_during_rollout: both models' optimizer states in the host memory beside
+    their devices for the body (a rollout), back exactly where they were after it. Timed, both
+    ways, in timing_s/optimizer_offload; perf/optimizer_offload_bytes is one device's share."""
+    if not self.cfg.optim.offload_during_rollout:
+      yield
+      return
+    t0 = time.perf_counter()
+    placed = {}
+    for name, state in self._model_states().items():
+      moved, placed[name] = mesh_lib.to_host_memory(state.opt_state)
+      setattr(self, name, state.replace(opt_state=moved))
+      device = self.mesh.devices.flat[0]
+      self._offload["perf/optimizer_offload_bytes"] += sum(
+          s.data.nbytes for x in jax.tree.leaves(moved) for s in x.addressable_shards
+          if s.device == device)
+    jax.block_until_ready([s.opt_state for s in self._model_states().values()])
+    self._offload["timing_s/optimizer_offload"] += time.perf_counter() - t0
+    try:
+      yield
+    finally:
+      t0 = time.perf_counter()
+      for name, shardings in placed.items():
+        state = getattr(self, name)
+        setattr(self, name, state.replace(
+            opt_state=mesh_lib.from_host_memory(state.opt_state, shardings)))
+      jax.block_until_ready([s.opt_state for s in self._model_states().values()])
+      self._offload["timing_s/optimizer_offload"] += time.perf_counter() - t0
+
+  def _take_offload_metrics(self) -> dict:
+    """The optimizer states' moves since the last take (empty without the offload)."""
+    if not self.cfg.optim.offload_during_rollout:
+      return {}
+    out, self._offload = self._offload, dict.fromkeys(self._offload, 0)
+    return out
+
   def _model_states(self) -> dict:
     return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
@@ -422,7 +466,8 @@ class PPOTrainer:
     self._weights_to_generation_s = 0.0
     t0 = time.time()
     if k == 0:
-      gen = self._generate(iteration, self._generation_params(), version=iteration)
+      with self._optimizer_offloaded():
+        gen = self._generate(iteration, self._generation_params(), version=iteration)
       # The previous iteration's checkpoint was written while this one generated; a failed
       # save stops the run here, before training past what it can keep.
       self.checkpoints.wait()
@@ -468,6 +513,7 @@ class PPOTrainer:
     m.update(self.update.take_reshard_metrics())  # pipelined: the weights gathered for stage 1-2
     if self.moves_weights or k:
       m["timing_s/weights_to_generation"] = self._weights_to_generation_s
+    m.update(self._take_offload_metrics())
     max_new = cfg.rollout.max_new_tokens
     m.update({"timing_s/train": t_train, "timing_s/gen_plus_inf": t_gen_inf,
               "timing_s/step": t_total, "perf/tokens_per_s": int(np.sum(token_counts)) / t_total,
@@ -611,7 +657,10 @@ class PPOTrainer:
                                           step == self.cfg.num_iterations):
           # The weights moved to the generation group once for the whole pass.
           params = self._snapshot() if self.disjoint else self._generation_params()
-          m.update(self.held_out(self.rollout, params, it))
+          with self._optimizer_offloaded():
+            m.update(self.held_out(self.rollout, params, it))
+          for k, v in self._take_offload_metrics().items():  # the pass's moves join the step's
+            m[k] += v
         history.append({"step": step, **m})
         stopping = stop.set or step == stop_after
         hooks.run_hooks(run_hooks, "after", step, m, stopping)
