@@ -505,11 +505,10 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                              "(config.layers), not of the full models",
           "cpu": "XLA:CPU buffer assignment: temp_bytes estimate XLA:GPU's",
           "fits": "train_step: its peak <= hbm_bytes; decode and inference: their peak plus "
-                  "the training state that stays on the same devices (train_step's argument "
-                  "bytes, less the optimizer states' share offloaded_optimizer_bytes with "
-                  "offload_optimizer: resident_train_bytes; peak_with_train_state_bytes) <= "
-                  "hbm_bytes (fits_alone: the program by itself); no headroom (the simulator "
-                  "plans with 90 % of HBM)",
+                  "resident_train_bytes (the training state that stays on the same devices: "
+                  "train_step's argument bytes, minus offloaded_optimizer_bytes when "
+                  "offload_optimizer) <= hbm_bytes (fits_alone: the program by itself); no "
+                  "headroom (the simulator plans with 90 % of HBM)",
           "gpu_flops": "on a GPU backend library calls (cuBLAS / cuDNN custom-calls) hold most "
                        "dots, which hlo_flops does not count: flops_per_device and replication "
                        "undercount there",

@@ -108,6 +108,8 @@ def test_sharded_run_equals_single_device(tmp_path):
     ({"rollout.temperature": float("nan")}, "rollout.temperature=nan"),
     ({"optim.offload_during_rollout": True, "async_ppo.staleness": 1},
      "optim.offload_during_rollout=True: expected False with async_ppo.staleness > 0"),
+    ({"optim.offload_during_rollout": True, "async_ppo.generation_devices": 4},
+     "or async_ppo.generation_devices > 0"),
 ])
 def test_bad_config_names_the_field(overrides, message):
   with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("*", r"\*")):
@@ -188,6 +190,28 @@ def test_the_update_compiles_once(tmp_path, offload):
                        mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1]))
   trainer.run()
   assert trainer.update._fn.jitted(trainer.actor, trainer.critic)._cache_size() == 1
+
+
+def test_a_failed_rollout_leaves_the_offloaded_moments_on_the_devices(tmp_path):
+  """optim.offload_during_rollout: a rollout that raises still brings both optimizer states
+  back, each leaf placed exactly as before (what the update takes)."""
+  cfg = tiny_config(num_iterations=1, **{"optim.offload_during_rollout": True})
+  trainer = PPOTrainer(cfg, str(tmp_path),
+                       mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1]))
+  before = {m: jax.tree.map(lambda x: x.sharding, getattr(trainer, m).opt_state)
+            for m in ("actor", "critic")}
+  kinds = []
+
+  def broken(params, prompts, key):
+    kinds.append({x.sharding.memory_kind for m in ("actor", "critic")
+                  for x in jax.tree.leaves(getattr(trainer, m).opt_state)})
+    raise RuntimeError("generation failed")
+  trainer.rollout = broken
+  with pytest.raises(RuntimeError, match="generation failed"):
+    trainer.iteration(0)
+  assert kinds == [{mesh_lib.HOST_MEMORY}]
+  for m in ("actor", "critic"):
+    assert jax.tree.map(lambda x: x.sharding, getattr(trainer, m).opt_state) == before[m]
 
 
 def test_clip_ratio_counts_only_responses_the_budget_cut_off():

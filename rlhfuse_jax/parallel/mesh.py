@@ -205,6 +205,11 @@ def commit_to_mesh(tree: Any, mesh: Mesh) -> Any:
 HOST_MEMORY = "pinned_host"  # the host memory beside each device (jax memory kinds)
 
 
+def first_local_device(mesh: Mesh) -> jax.Device:
+  """The first device of `mesh` that this process drives."""
+  return next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+
+
 def has_host_memory(mesh: Mesh) -> bool:
   """Whether every local device of `mesh` can hold arrays in its host memory (`HOST_MEMORY`):
   GPU, TPU and the CPU backend can."""

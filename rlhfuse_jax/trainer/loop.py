@@ -136,6 +136,12 @@ class PPOTrainer:
     self.cfg = cfg = build.resolve_config(cfg, self.tokenizer)
     self._make_meshes(cfg, mesh)
     validate(cfg, self.mesh, generation_devices=self.gen_mesh.devices.size)
+    if cfg.optim.offload_during_rollout and not mesh_lib.has_host_memory(self.mesh):
+      local = mesh_lib.first_local_device(self.mesh)
+      raise ValueError(
+          f"config.optim.offload_during_rollout=True: expected devices with host memory (jax "
+          f"memory kind {mesh_lib.HOST_MEMORY!r}); the {local.platform} devices here have "
+          f"{[m.kind for m in local.addressable_memories()]}")
     self._warn_unused_async_fields(cfg)
     t0 = time.time()
     logging.info("setup: task %r, mesh %s%s; initialising the models and the update ...",
@@ -154,11 +160,6 @@ class PPOTrainer:
     self.critic = (self.update.init_state("critic", models.critic, self.mesh)
                    if self.use_critic else None)
     models.actor = models.critic = None  # the update's states hold them now (staged: a copy)
-    if cfg.optim.offload_during_rollout and not mesh_lib.has_host_memory(self.mesh):
-      raise ValueError(
-          f"config.optim.offload_during_rollout=True: expected devices with host memory "
-          f"(memory kind {mesh_lib.HOST_MEMORY!r}); {self.mesh.devices.flat[0].platform} "
-          f"devices here offer {[m.kind for m in self.mesh.devices.flat[0].addressable_memories()]}")
     self._offload = {"timing_s/optimizer_offload": 0.0, "perf/optimizer_offload_bytes": 0}
     # The fused stage (and plan.generation='instances', its machinery) keeps the frozen models
     # in host memory (§2).
@@ -301,32 +302,41 @@ class PPOTrainer:
   @contextlib.contextmanager
   def _optimizer_offloaded(self):
     """optim.offload_during_rollout: both models' optimizer states in the host memory beside
-    their devices for the body (a rollout), back exactly where they were after it. Timed, both
-    ways, in timing_s/optimizer_offload; perf/optimizer_offload_bytes is one device's share."""
+    their devices for the body (a rollout), back exactly where they were after it, also when
+    the body or a move raises. Timed, both ways, in timing_s/optimizer_offload;
+    perf/optimizer_offload_bytes is one device's share of what moves."""
     if not self.cfg.optim.offload_during_rollout:
       yield
       return
-    t0 = time.perf_counter()
-    placed = {}
-    for name, state in self._model_states().items():
-      moved, placed[name] = mesh_lib.to_host_memory(state.opt_state)
-      setattr(self, name, state.replace(opt_state=moved))
-      device = self.mesh.devices.flat[0]
-      self._offload["perf/optimizer_offload_bytes"] += sum(
-          s.data.nbytes for x in jax.tree.leaves(moved) for s in x.addressable_shards
-          if s.device == device)
-    jax.block_until_ready([s.opt_state for s in self._model_states().values()])
-    self._offload["timing_s/optimizer_offload"] += time.perf_counter() - t0
+    placed: dict = {}
     try:
+      self._move_optimizer_states(placed)
       yield
     finally:
-      t0 = time.perf_counter()
+      self._move_optimizer_states(placed, back=True)
+
+  def _move_optimizer_states(self, placed: dict, back: bool = False) -> None:
+    """Moves the optimizer states into host memory, recording each model's shardings in
+    `placed` as it goes (back=False), or the models in `placed` back to them (back=True). A
+    method, not the context manager's body: a local left there holding a state's device arrays
+    would keep them in device memory for the whole rollout."""
+    t0 = time.perf_counter()
+    if back:
       for name, shardings in placed.items():
         state = getattr(self, name)
         setattr(self, name, state.replace(
             opt_state=mesh_lib.from_host_memory(state.opt_state, shardings)))
-      jax.block_until_ready([s.opt_state for s in self._model_states().values()])
-      self._offload["timing_s/optimizer_offload"] += time.perf_counter() - t0
+    else:
+      device, share = mesh_lib.first_local_device(self.mesh), 0
+      for name, state in self._model_states().items():
+        moved, shardings = mesh_lib.to_host_memory(state.opt_state)
+        setattr(self, name, state.replace(opt_state=moved))
+        placed[name] = shardings
+        share += sum(s.data.nbytes for x in jax.tree.leaves(moved) for s in x.addressable_shards
+                     if s.device == device)
+      self._offload["perf/optimizer_offload_bytes"] = share
+    jax.block_until_ready([getattr(self, name).opt_state for name in placed])
+    self._offload["timing_s/optimizer_offload"] += time.perf_counter() - t0
 
   def _take_offload_metrics(self) -> dict:
     """The optimizer states' moves since the last take (empty without the offload)."""
@@ -659,8 +669,9 @@ class PPOTrainer:
           params = self._snapshot() if self.disjoint else self._generation_params()
           with self._optimizer_offloaded():
             m.update(self.held_out(self.rollout, params, it))
-          for k, v in self._take_offload_metrics().items():  # the pass's moves join the step's
-            m[k] += v
+          if self.cfg.optim.offload_during_rollout:  # the pass's moves join the step's time
+            m["timing_s/optimizer_offload"] += self._take_offload_metrics()[
+                "timing_s/optimizer_offload"]
         history.append({"step": step, **m})
         stopping = stop.set or step == stop_after
         hooks.run_hooks(run_hooks, "after", step, m, stopping)
