@@ -10,6 +10,10 @@ RLHFuse paper: `configs/ppo_llama.py:33b/13b`, `configs/ppo_llama.py:65b/33b`. T
 generation lengths as a sweep:
   python -m experiments.sweep --config=configs/ppo_llama.py --binary=train_ppo --workdir=/ckpt/sw
 
+On the RLHFuse paper's pipelined plans (configs/plan_check.py) the 33B/13B and 65B/33B pairs'
+generation instances fit beside the training state only with the AdamW moments in host memory
+while they run: `--config.optim.offload_during_rollout=True` (docs/usage.md "Memory at scale").
+
 Every field of configs/ppo_tiny.py is present (this file starts from it). Real runs also set
 init.actor_checkpoint / init.critic_checkpoint (HF LLaMA checkpoints), init.tokenizer and
 data.prompts_file; without them the actor is random and prompts come from the synthetic task.
