@@ -3,10 +3,11 @@
 # repository root with `wheels/` (the ml-collections wheel) carried:
 #   bash experiments/results/h100_pallas_decode/next_gpu.sh
 # Results land in /tmp/res and come back as $OUT/res.tgz; the log goes straight to $OUT.
-# Order of calls (15 device-minutes a session, start-up included): first STEPS=156 (the bench
-# for issue 26, the two compiles for issue 25; <= 560 s), then, with the time left, STEPS=234.
+# Order of calls (15 device-minutes a session, start-up included): first STEPS=1567 (the bench
+# for issue 26, the two compiles for issue 25, the offload probe; <= 580 s), then, with the time
+# left, STEPS=234.
 set -u
-STEPS=${STEPS:-156}
+STEPS=${STEPS:-1567}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
@@ -48,6 +49,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temper
 [[ $STEPS == *6* ]] && date >> $L && JAX_MOCK_GPU_TOPOLOGY=1x8x1 timeout 200 python3 -m \
   experiments.plan_check --config=configs/plan_check.py:7b_host8 --config.attention=auto \
   --config.layers=8 --workdir=$R/plan_gpu8 >> $L 2>&1
+# 7. optim.offload_during_rollout's moves on this GPU (PCIe): docs/usage.md "Memory at scale"
+#    assumes >= 0.38 s for 65B/33B's 2 x 12.3 GB at 64 GB/s; this measures the GB/s each way.
+[[ $STEPS == *7* ]] && date >> $L && GB=8 timeout 60 python3 \
+  experiments/results/h100_pallas_decode/offload_probe.py > $R/offload.json 2>> $L &&
+  cat $R/offload.json >> $L
 date >> $L
-grep -E "^DECODE|batch +[0-9]+:|ppo update:.*MFU|(train_step|decode|inference) +[0-9]|Error" $L |
+grep -E "to_host_GBps|^DECODE|batch +[0-9]+:|ppo update:.*MFU|(train_step|decode|inference) +[0-9]|Error" $L |
   tail -30
