@@ -54,7 +54,8 @@ def get_config(arg: str = "tiny"):
   c.capacity_live_len = 128  # live positions per row at the end of the timed chunk
   c.capacities = "512,4096"
   c.capacity_steps = 16  # decode steps timed (from live_len - steps to live_len)
-  # Compile time of the decode chunk with model.scan_layers at these depths (and unrolled).
+  # Compile time of the decode chunk with model.scan_layers at these depths (and unrolled);
+  # "": not measured.
   c.scan_compile_layers = "22,44"
   # HF transformers generation on the same shape, dtype, batch and lengths as a peer baseline:
   # "auto" on a GPU where torch and transformers import, "hf" always, "none" never.

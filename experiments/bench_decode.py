@@ -18,9 +18,10 @@ Each batch row also carries XLA's memory figures of the compiled decode chunk (`
 next to `cache_bytes`) and the prefill MFU. `capacity_scaling` times one decode chunk at a fixed
 live length for several cache capacities (and, as the contrast, with whole-cache reference
 attention); `scan_compile` times compiling the decode chunk at two depths with
-model.scan_layers (and unrolled); `peer` runs HF transformers generation on the same shape on a
-GPU (config.peer). `--config.compile_only=True` compiles from shapes and reports the memory
-figures and compile times without running anything (e.g. `:1b` on a CPU).
+model.scan_layers (and unrolled; null with config.scan_compile_layers=""); `peer` runs HF
+transformers generation on the same shape on a GPU (config.peer). `--config.compile_only=True`
+compiles from shapes and reports the memory figures and compile times without running anything
+(e.g. `:1b` on a CPU).
 
 The decode time includes the engine's one host read of the [B] `done` vector per chunk, as in
 real use. Training: one `trainer.ppo.make_update_fn` step (actor and critic forward + backward +
@@ -529,7 +530,7 @@ def run(cfg: BenchDecodeConfig, workdir: str) -> dict:
                cfg.train_prompt_len + cfg.train_response_len)
   train = measure_train(cfg, train_bench)
   del params, critic_params, train_bench  # donated to the update
-  scan = measure_scan_compile(cfg)
+  scan = measure_scan_compile(cfg) if cfg.scan_compile_layers else None
   result = {
       "device": {
           "platform": device.platform, "device_kind": device.device_kind,
@@ -593,10 +594,17 @@ def compile_only(cfg: BenchDecodeConfig, workdir: str) -> dict:
   if result["device"]["platform"] == "cpu" and cfg.model.dtype != "float32":
     f32 = cfg.model.replace(dtype="float32", param_dtype="float32")
     result["decode"]["float32_per_batch"] = compile_memory(cfg, f32)
-  result["scan_compile"] = measure_scan_compile(cfg)
+  result["scan_compile"] = measure_scan_compile(cfg) if cfg.scan_compile_layers else None
   result["wall_s"] = time.perf_counter() - t_start
   wd.write_json(os.path.join(workdir, "result.json"), result)
   return result
+
+
+def _log_scan_compile(sc: dict | None) -> None:
+  if sc:
+    logging.info("scan over layers: compile %s s at %s layers (ratio %.2f; unrolled %.2f)",
+                 [round(t, 2) for t in sc["compile_s"]], sc["layers"], sc["ratio"],
+                 sc["unrolled_ratio"])
 
 
 def main(argv):
@@ -607,10 +615,7 @@ def main(argv):
   wd.write_config(_WORKDIR.value, _CONFIG.value)
   if cfg.compile_only:
     result = compile_only(cfg, _WORKDIR.value)
-    sc = result["scan_compile"]
-    logging.info("scan over layers: compile %s s at %s layers (ratio %.2f; unrolled %.2f)",
-                 [round(t, 2) for t in sc["compile_s"]], sc["layers"], sc["ratio"],
-                 sc["unrolled_ratio"])
+    _log_scan_compile(result["scan_compile"])
     logging.info("wrote %s", os.path.join(_WORKDIR.value, "result.json"))
     return
   result = run(cfg, _WORKDIR.value)
@@ -623,9 +628,7 @@ def main(argv):
   logging.info("live length %d: step time capacity %d / %d = %.2f (whole-cache attention: %.2f)",
                cs["live_len"], cs["capacities"][-1], cs["capacities"][0], cs["ratio"],
                cs["reference_ratio"])
-  logging.info("scan over layers: compile %s s at %s layers (ratio %.2f; unrolled %.2f)",
-               [round(t, 2) for t in sc["compile_s"]], sc["layers"], sc["ratio"],
-               sc["unrolled_ratio"])
+  _log_scan_compile(sc)
   tr = result["train"]
   logging.info("ppo update: %.4f s, %.1f tokens/s, MFU %s", tr["step_s"], tr["tokens_per_s"],
                f"{100 * tr['mfu']:.2f}%" if tr["mfu"] is not None else UNKNOWN_PEAK)

@@ -1,10 +1,11 @@
 """One process of the multi-process fused-generation test (tests/test_fused_multiprocess.py),
-and the case both sides run: the test runs `run_case` in its own process on 8 devices, and
+and the case both sides run: the test runs `run_case` in its own process (8 devices), and
 
   python -m tests.fused_mp_worker PROCESS_ID NUM_PROCESSES PORT OUT_DIR
 
 runs it as one of NUM_PROCESSES processes on 127.0.0.1 (XLA_FLAGS from the caller: its local
 devices), writing OUT_DIR/proc{PROCESS_ID}.npz with every process's view of the outputs.
+FUSED_MP_INSTANCES and FUSED_MP_SEED (default G and 0) pick the instance count and batch.
 """
 import json
 import os
@@ -29,8 +30,9 @@ def batch(b, seed):
   return tokens, lens, budgets
 
 
-def run_case() -> dict:
-  """{run name: {field: array}} and {run name + '/metrics': json} over jax.devices()."""
+def run_case(g: int = G, seed: int = 0) -> dict:
+  """{run name: {field: array}} and {run name + '/metrics': json} of g one-device instances
+  (the first g of jax.devices()) on batch(2 * g, seed)."""
   import jax
 
   from rlhfuse_jax.generation.fused import FusedGenConfig, FusedGenerator
@@ -45,13 +47,13 @@ def run_case() -> dict:
   params = {"reference": actor, "critic": llama.host_random_params(score, 1),
             "reward": llama.host_random_params(score, 2)}
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=T, chunk_size=3, eos_id=-1)
-  config = FusedGenConfig(num_instances=G, slots=S, migration_threshold=0.5,
+  config = FusedGenConfig(num_instances=g, slots=S, migration_threshold=0.5,
                           compile_threads=2, exchange_timeout_s=float(
                               os.environ.get("FUSED_MP_TIMEOUT_S", 600)))
-  gen = FusedGenerator(cfg, sampling, config, batch_size=2 * G, prompt_len=P,
+  gen = FusedGenerator(cfg, sampling, config, batch_size=2 * g, prompt_len=P,
                        frozen=FrozenModels(reference=cfg, critic=score, reward=score),
                        actor_params=actor, frozen_params=params)
-  tokens, lens, budgets = batch(2 * G, 0)
+  tokens, lens, budgets = batch(2 * g, seed)
   out = {}
   for name, fuse, rt in RUNS:
     res = gen.run(actor, params, tokens, lens, jax.random.key(3), budgets=budgets, fuse=fuse,
@@ -95,7 +97,8 @@ def main(argv):
                          heartbeat_timeout_s=10 if fail else None)
   if fail and int(fail.split(":")[0]) == pid:
     fail_at_round(int(fail.split(":")[1]), fail.split(":")[2])
-  out = run_case()
+  out = run_case(int(os.environ.get("FUSED_MP_INSTANCES", G)),
+                 int(os.environ.get("FUSED_MP_SEED", 0)))
   np.savez(os.path.join(out_dir, f"proc{pid}.npz"), **out)
 
 

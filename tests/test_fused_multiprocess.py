@@ -1,6 +1,7 @@
-"""Inter-stage fusion over 2 processes x 4 CPU devices on 127.0.0.1 (jax.distributed): the same
-tokens, log-probs, reference log-probs, values and rewards, bitwise, as 1 process x 8 devices,
-with consolidations that migrate KV rows between the processes (and within one)."""
+"""Inter-stage fusion over 2 processes x 2 CPU devices on 127.0.0.1 (jax.distributed): the same
+tokens, log-probs, reference log-probs, values and rewards, bitwise, as 1 process with the 4
+devices, with consolidations that migrate KV rows between the processes (and within one); a
+process that dies or hangs (2 x 4 devices) stops the other with a clear error."""
 import json
 import os
 import socket
@@ -39,11 +40,17 @@ def wait(procs, out_dir: str) -> None:
   assert codes == [0] * len(procs), logs
 
 
+# 4 instances, 2 per process (half the compiles of 8), on the batch whose consolidations cross
+# the processes both ways asserted below.
+INSTANCES, SEED = 4, 4
+
+
 def test_two_processes_match_one_process_with_cross_host_migration(tmp_path):
   out_dir = str(tmp_path)
-  procs = launch(2, 4, out_dir)
+  procs = launch(2, INSTANCES // 2, out_dir, FUSED_MP_INSTANCES=str(INSTANCES),
+                 FUSED_MP_SEED=str(SEED))
   try:
-    single = worker.run_case()  # this process: 8 devices (tests/conftest.py)
+    single = worker.run_case(INSTANCES, SEED)  # this process: its first 4 of 8 devices
   finally:
     wait(procs, out_dir)
   multi = [np.load(os.path.join(out_dir, f"proc{i}.npz")) for i in range(2)]
@@ -71,11 +78,11 @@ def test_two_processes_match_one_process_with_cross_host_migration(tmp_path):
         "gen/migrated_samples_cross_host"]
   early = [json.loads(str(m["early/metrics"])) for m in multi]
   late = [json.loads(str(m["late/metrics"])) for m in multi]
-  # Rt = 1: consolidation right after prefill keeps instances 0-3 (process 0) and moves every
-  # unfinished sample of instances 4-7 (process 1) across; Rt = 0.5, mid-decode, moves some
+  # Rt = 1: consolidation right after prefill keeps instances 2-3 (process 1) and moves every
+  # unfinished sample of instances 0-1 (process 0) across; Rt = 0.5, mid-decode, moves some
   # samples across and some within a process.
   c = early[0]["consolidations"][0]
-  assert c["step"] == 0 and c["kept"] == [0, 1, 2, 3] and c["cross_host_moves"] == c["moves"] > 0
+  assert c["step"] == 0 and c["kept"] == [2, 3] and c["cross_host_moves"] == c["moves"] > 0
   c = late[0]["consolidations"][0]
   assert c["step"] > 0 and 0 < c["cross_host_moves"] < c["moves"], c
   for m in early + late:
@@ -83,17 +90,18 @@ def test_two_processes_match_one_process_with_cross_host_migration(tmp_path):
 
 
 def test_bench_generation_through_the_launcher(tmp_path):
-  """BINARY=bench_generation on 2 processes x 4 devices: one result.json (process 0's) whose
+  """BINARY=bench_generation on 2 processes x 2 devices: one result.json (process 0's) whose
   outputs are identical to the single-process reference it also runs, with migrations split
   into same-host and cross-host."""
   wd = str(tmp_path / "bg")
   env = subprocess_env(PYTHON=sys.executable, BINARY="bench_generation",
                        CONFIG="configs/bench_generation.py:tiny")
-  # 8 one-device instances of 4 slots, 2 samples each: at Rt = 0.75 the tail packs into fewer
-  # instances, some on the other process.
-  out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", wd,
-                        "--config.generation.num_instances=8", "--config.batch_size=16",
-                        "--config.generation.slots=4", "--config.lengths.median=8",
+  # 4 one-device instances of 8 slots, 2 samples each: at Rt = 0.75 the tail packs into one
+  # instance of process 1, which takes one sample from its other instance and three from
+  # process 0's.
+  out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "2", wd,
+                        "--config.generation.num_instances=4", "--config.batch_size=8",
+                        "--config.generation.slots=8", "--config.lengths.median=8",
                         "--config.generation.migration_threshold=0.75"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=TIMEOUT_S)
   logs = "".join(open(f"{wd}.proc{i}.log").read()[-3000:] for i in range(2))
@@ -107,6 +115,7 @@ def test_bench_generation_through_the_launcher(tmp_path):
   assert os.path.exists(os.path.join(wd, "single_process", "outputs.npz"))
   f = result["fused"]
   assert f["cross_host_migrated_samples"] > 0 and f["cross_host_migrated_bytes"] > 0
+  assert f["same_host_migrated_samples"] > 0 and f["same_host_migrated_bytes"] > 0
   assert f["cross_host_migration_s"] > 0
   assert (f["cross_host_migrated_samples"] + f["same_host_migrated_samples"] ==
           f["migrated_samples"])

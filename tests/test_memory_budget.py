@@ -172,7 +172,10 @@ def test_schedule_search_reports_the_mode_and_the_budget_it_used(tmp_path):
   inst = ["experiments.schedule_search", "--config=configs/schedule_search.py",
           "--config.actor_pp=4", "--config.critic_pp=2", "--config.actor_microbatches=3",
           "--config.critic_microbatches=3", "--config.actor_fwd=2", "--config.critic_fwd=1",
-          "--config.time_budget_s=0.3"]
+          "--config.time_budget_s=0.3",
+          # One search process: a second (spawned) search worker is what test_pipeline_experiments
+          # runs the binary with; the budget modes are the same with one.
+          "--config.workers=1"]
 
   def run(name, *flags):
     out = _run([*inst, f"--workdir={tmp_path / name}", *flags])
