@@ -205,16 +205,20 @@ def commit_to_mesh(tree: Any, mesh: Mesh) -> Any:
 HOST_MEMORY = "pinned_host"  # the host memory beside each device (jax memory kinds)
 
 
+def _local_devices(mesh: Mesh) -> list[jax.Device]:
+  """The devices of `mesh` that this process drives, in mesh order."""
+  return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+
 def first_local_device(mesh: Mesh) -> jax.Device:
-  """The first device of `mesh` that this process drives."""
-  return next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+  return _local_devices(mesh)[0]
 
 
 def has_host_memory(mesh: Mesh) -> bool:
   """Whether every local device of `mesh` can hold arrays in its host memory (`HOST_MEMORY`):
   GPU, TPU and the CPU backend can."""
-  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-  return all(HOST_MEMORY in {m.kind for m in d.addressable_memories()} for d in local)
+  return all(HOST_MEMORY in {m.kind for m in d.addressable_memories()}
+             for d in _local_devices(mesh))
 
 
 def to_host_memory(tree: Any) -> tuple[Any, Any]:
