@@ -100,6 +100,10 @@ def get_config(arg: str = "13b"):
   # most 7 idle steps after the last row stops; the tokens do not change.
   c.rollout.steps_per_check = 8
   c.algo.minibatch_size = 64  # samples per optimizer step
+  # One sample per device through forward + backward at a time, the gradients accumulated: at
+  # the smallest device counts a data shard holds 8 of the 64 (13B on 32 GPUs), whose
+  # activations at once do not fit (plan_check: 159 GB per device with all 8, 61 GB with one).
+  c.algo.microbatch_size = 1
   c.algo.epochs = 1  # one PPO epoch over the rollout per iteration
   c.optim.actor_lr = 1e-6  # small learning rates: fine-tuning a pretrained model
   c.optim.critic_lr = 5e-6

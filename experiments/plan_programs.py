@@ -3,8 +3,9 @@
 Every program is the codebase's own, reached through the function its caller jits:
 
   train_step  trainer/pipelined.PipelinedUpdate.lower (pp > 1: the fused executor's gradients,
-              then AdamW, donating both states) or trainer/ppo.make_update_fn (pp == 1); the
-              states are built as the trainer builds them: parameters placed by the logical rules
+              then AdamW, donating both states) or trainer/ppo.make_update_fn (pp == 1, its
+              gradients accumulated over micro-batches of microbatch_size rows per data shard:
+              the trainer's algo.microbatch_size); the states are built as the trainer builds them: parameters placed by the logical rules
               of parallel/mesh.py (pp == 1) or stage-stacked, each stage's layers on its stage
               devices (pp > 1), AdamW + global-norm clipping of rl/optim.py, optimizer leaves
               placed like their parameters, scalars replicated
@@ -257,8 +258,9 @@ def make_update(cfg: PlanConfig, mesh, tx, workdir: str):
   """(the trainer's update callable with .lower, info) for the plan."""
   algo = tc.AlgoConfig(minibatch_size=cfg.minibatch_size, epochs=1)
   if cfg.pp == 1:
+    algo = dataclasses.replace(algo, microbatch_size=cfg.microbatch_size)
     return (ppo.make_update_fn(cfg.actor, cfg.critic, algo, 1.0, tx, tx, mesh=mesh),
-            {"schedule": "none"})
+            {"schedule": "none", "accumulated_microbatches": cfg.actor_microbatches})
   train_cfg = tc.TrainConfig(
       seed=0, num_iterations=1, model=cfg.actor, critic_model=cfg.critic,
       mesh=mesh_lib.MeshConfig(data=cfg.dp, fsdp=cfg.fsdp, stage=cfg.pp, tensor=cfg.tp),
@@ -371,20 +373,25 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
   plain_tx = make_optimizer(staged=False)
   out = {"params_bytes": 0.0, "grads_bytes": 0.0, "optimizer_bytes": 0.0,
          "activations_bytes": 0.0}
+  if cfg.pp == 1 and cfg.actor_microbatches > 1:
+    out["grad_accumulator_bytes"] = 0.0  # float32 sums of the micro-batches' gradients
   tokens_mb = cfg.microbatch_size * cfg.seq_len
   for model, n_stages in ((cfg.actor, cfg.pp), (cfg.critic, cfg.critic_pp)):
     shards = n_stages * cfg.tp * cfg.fsdp
     params = llama.param_shapes(model)
     out["params_bytes"] += _nbytes(params) / shards
     out["grads_bytes"] += _nbytes(params) / shards  # gradients in the parameters' dtype
+    if "grad_accumulator_bytes" in out:
+      out["grad_accumulator_bytes"] += 4.0 * sum(math.prod(x.shape) for x in
+                                                 jax.tree.leaves(params)) / shards
     # The same moments for the whole tree as for the stage-stacked one (the mask moves no bytes).
     out["optimizer_bytes"] += _nbytes(jax.eval_shape(plain_tx.init, params)) / shards
-    # In flight per device under 1F1B: min(stages, micro-batches) (sim/training_sim.py).
+    # In flight per device under 1F1B: min(stages, micro-batches) (sim/training_sim.py); the
+    # unpipelined update holds one micro-batch (the whole shard's rows without accumulation).
     micro = cfg.actor_microbatches if model is cfg.actor else cfg.critic_microbatches
     inflight = min(n_stages, micro) if cfg.pp > 1 else 1
-    tokens = tokens_mb if cfg.pp > 1 else cfg.rows_per_shard * cfg.seq_len
     out["activations_bytes"] += inflight * cost.activation_bytes(
-        sim_shapes.from_model_config(model), cfg.tp, tokens, model.num_layers / n_stages)
+        sim_shapes.from_model_config(model), cfg.tp, tokens_mb, model.num_layers / n_stages)
   out["total_bytes"] = sum(out.values())
   useful = accounting.ppo_update_flops(cfg.actor, cfg.critic, cfg.minibatch_size,
                                        cfg.prompt_len, cfg.response_len) / cfg.train_devices

@@ -6,6 +6,8 @@ gradient norm and applies AdamW by hand. A sign error, a wrong normaliser, a mis
 wrong optimizer step in trainer/ppo.py, rl/objective.py or rl/losses.py changes the parameters
 the update returns and fails here (each was tried by hand: see the session note of issue 34).
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,8 +97,11 @@ def _adamw(params, grads, moments, t, lr):
   return pick(0), (pick(1), pick(2))
 
 
-@pytest.fixture(scope="module")
-def update_and_reference():
+# algo.microbatch_size: 0, the whole mini-batch at once; 1 and 2, gradients accumulated over 4
+# and 2 micro-batches of unequal token counts (rows 1 and 3 are short), each a share of the
+# mini-batch's normalisers: a micro-batch normalised by its own tokens fails here.
+@pytest.fixture(scope="module", params=[0, 1, 2], ids=lambda m: f"microbatch{m}")
+def update_and_reference(request):
   # Two updates on the same batch: the second shows Adam's moments (the first step of Adam is
   # sign(g) * lr whatever b1 and b2 are).
   actor = llama.host_random_params(ACTOR, 1)
@@ -104,7 +109,8 @@ def update_and_reference():
   mb = _batch()
   tx = optim.make_optimizer(LR, warmup_steps=0, total_steps=10, weight_decay=WD, grad_clip=CLIP)
   lrs = [float(optim.lr_schedule(LR, 0, 10)(i)) for i in range(2)]
-  update = ppo.make_update_fn(ACTOR, CRITIC, ALGO, TEMP, tx, tx)
+  algo = dataclasses.replace(ALGO, microbatch_size=request.param)
+  update = ppo.make_update_fn(ACTOR, CRITIC, algo, TEMP, tx, tx)
   sa = ppo.ModelState(jax.tree.map(jnp.asarray, actor), tx.init(actor))
   sc = ppo.ModelState(jax.tree.map(jnp.asarray, critic), tx.init(critic))
   sa, sc, metrics = update(sa, sc, mb)

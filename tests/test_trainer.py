@@ -114,6 +114,7 @@ def test_sharded_run_equals_single_device(tmp_path):
      "optim.offload_during_rollout=True: expected False with async_ppo.staleness > 0"),
     ({"optim.offload_during_rollout": True, "async_ppo.generation_devices": 4},
      "or async_ppo.generation_devices > 0"),
+    ({"algo.microbatch_size": -1}, "algo.microbatch_size=-1: expected an integer >= 0"),
 ])
 def test_bad_config_names_the_field(overrides, message):
   with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("*", r"\*")):
@@ -140,6 +141,12 @@ def test_unknown_field_is_rejected():
      r"pipeline stages 2"),
     ({"pipeline.actor_microbatches": 3, "model.num_layers": 2, "critic_model.num_layers": 2},
      {"data": 4, "stage": 2}, r"config\.pipeline\.actor_microbatches=3 must divide"),
+    ({"algo.minibatch_size": 16, "algo.microbatch_size": 3},
+     {"data": 2, "fsdp": 2, "tensor": 2},
+     r"config\.algo\.microbatch_size=3 must divide the mini-batch rows per data shard "
+     r"\(algo\.minibatch_size=16 / mesh data\*fsdp=4 = 4\)"),
+    ({"algo.microbatch_size": 1, "model.num_layers": 2, "critic_model.num_layers": 2},
+     {"data": 4, "stage": 2}, r"config\.algo\.microbatch_size=1 splits the unpipelined update"),
     ({"fusion.inter_stage": True, "fusion.instance_devices": 16}, {"data": 8},
      r"config\.fusion\.instance_devices=16 exceeds the 8 devices"),
     ({"fusion.inter_stage": True, "fusion.num_instances": 16}, {"data": 8},

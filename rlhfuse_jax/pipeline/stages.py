@@ -354,21 +354,29 @@ def critic_head_loss(cfg: ModelConfig, loss_cfg: LossConfig, embed_params: Any, 
 # Unpipelined reference losses -------------------------------------------------------------------
 
 def actor_loss(cfg: ModelConfig, loss_cfg: LossConfig, params: Any,
-               batch: Dict[str, jax.Array]) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+               batch: Dict[str, jax.Array], num_tokens: Optional[jax.Array] = None,
+               num_seqs: Optional[jax.Array] = None
+               ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
   """The actor loss of a whole mini-batch without a pipeline: the plain update's
-  (trainer/ppo.py), and the reference the executor is tested against."""
+  (trainer/ppo.py), and the reference the executor is tested against. With the mini-batch's
+  `normalisers`, `batch` is one of its micro-batches and the loss and metrics are its shares
+  (the plain update's gradient accumulation)."""
   logp, entropy = sequences.response_logprobs_and_entropy(
       cfg, params, batch["tokens"], batch["prompt_lens"], batch["mask"].shape[1],
       loss_cfg.temperature)
-  return objective.actor_objective(loss_cfg, logp, entropy, batch)
+  return objective.actor_objective(loss_cfg, logp, entropy, batch, num_tokens, num_seqs)
 
 
 def critic_loss(cfg: ModelConfig, loss_cfg: LossConfig, params: Any,
-                batch: Dict[str, jax.Array]) -> Tuple[jax.Array, Dict[str, jax.Array]]:
-  """The critic loss of a whole mini-batch without a pipeline."""
+                batch: Dict[str, jax.Array], num_tokens: Optional[jax.Array] = None,
+                num_seqs: Optional[jax.Array] = None
+                ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+  """The critic loss of a whole mini-batch without a pipeline (or a micro-batch's share, as
+  actor_loss)."""
+  del num_seqs  # the value loss is a token mean
   values = sequences.response_values(cfg, params, batch["tokens"], batch["prompt_lens"],
                                      batch["mask"].shape[1])
-  return objective.critic_objective(loss_cfg, values, batch)
+  return objective.critic_objective(loss_cfg, values, batch, num_tokens)
 
 
 def reference_grads(actor_cfg: ModelConfig, critic_cfg: ModelConfig, loss_cfg: LossConfig,

@@ -120,6 +120,11 @@ class AlgoConfig:
   loss_agg: str = "token-mean"
   epochs: int = 2  # passes over the rollout per iteration
   minibatch_size: int = 32  # samples per optimizer step
+  # Unpipelined update (mesh.stage = 1): rows each data shard (mesh data x fsdp coordinate) takes
+  # through forward + backward at a time, the gradients accumulated over the micro-batches
+  # (the same step up to float rounding, one micro-batch's activations in memory); 0: the
+  # shard's whole share of the mini-batch at once. Pipelines split with pipeline.*_microbatches.
+  microbatch_size: int = 0
   balance_tokens: bool = True  # balance mini-batch shards across data-parallel devices by tokens
   whiten_advantages: bool = True
 
@@ -145,6 +150,9 @@ class AlgoConfig:
            "gradient does not depend on the reference")
     _check(self.epochs > 0, "algo.epochs", self.epochs, "> 0")
     _check(self.minibatch_size > 0, "algo.minibatch_size", self.minibatch_size, "> 0")
+    _check(isinstance(self.microbatch_size, int) and not isinstance(self.microbatch_size, bool)
+           and self.microbatch_size >= 0, "algo.microbatch_size", self.microbatch_size,
+           "an integer >= 0 (0: no gradient accumulation)")
 
 
 @dataclasses.dataclass(frozen=True)

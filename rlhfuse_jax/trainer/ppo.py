@@ -22,7 +22,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.models.llama import ModelConfig
@@ -118,6 +118,66 @@ class StatePreservingJit:
     return self.jitted(actor, critic).lower(actor, critic, mb)
 
 
+def micro_batches(mb: dict, shards: int, count: int, mesh: Optional[Mesh] = None) -> dict:
+  """Each [B, ...] field of a mini-batch as [count, B / count, ...]: micro-batch j takes rows
+  [j*r, (j+1)*r) of every batch shard's block of B / shards rows (r = B / (shards * count)), so
+  each row stays on the devices it was on (no data moves; the constraint says so to GSPMD)."""
+  def split(x):
+    b = x.shape[0]
+    r = b // (shards * count)
+    y = x.reshape(shards, count, r, *x.shape[1:]).swapaxes(0, 1)
+    y = y.reshape(count, shards * r, *x.shape[1:])  # [count, B / count, ...]
+    if mesh is None:
+      return y
+    return jax.lax.with_sharding_constraint(
+        y, NamedSharding(mesh, PartitionSpec(None, mesh_lib.BATCH_AXES)))
+  return jax.tree.map(split, mb)
+
+
+def microbatch_count(algo: AlgoConfig, rows: int, shards: int) -> int:
+  """Micro-batches of the plain update's gradient accumulation for a mini-batch of `rows` rows
+  over `shards` batch shards: 1 when algo.microbatch_size is 0 (the whole shard at once)."""
+  per_shard = rows // shards
+  if algo.microbatch_size == 0 or algo.microbatch_size >= per_shard:
+    return 1
+  if per_shard % algo.microbatch_size:
+    raise ValueError(f"config.algo.microbatch_size={algo.microbatch_size} must divide the "
+                     f"mini-batch rows per data shard ({rows} / {shards} = {per_shard})")
+  return per_shard // algo.microbatch_size
+
+
+def _accumulated(loss_fn: Callable, cfg: ModelConfig, loss_cfg: LossConfig, params: Any,
+                 sharding: Any, mb: dict, count: int, shards: int, mesh: Optional[Mesh]):
+  """(metrics, grads) of loss_fn over the mini-batch, `count` micro-batches at a time in a scan:
+  each micro-batch's loss is its share under the mini-batch's normalisers (rl/objective.py), so
+  the summed gradients and metrics are the mini-batch's; the activations live for one
+  micro-batch. Gradients add up in float32 (placed as the parameters) and come back in the
+  parameters' dtypes."""
+  num_tokens, num_seqs = stages.normalisers(mb)
+  grad_fn = jax.value_and_grad(loss_fn, argnums=2, has_aux=True)
+
+  def constrain(tree):
+    if sharding is None:
+      return tree
+    return jax.tree.map(lambda x, s: x if s is None else jax.lax.with_sharding_constraint(x, s),
+                        tree, sharding)
+
+  def body(carry, micro):
+    grads, metrics = carry
+    (_, m), g = grad_fn(cfg, loss_cfg, params, micro, num_tokens, num_seqs)
+    grads = constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g))
+    return (grads, jax.tree.map(jnp.add, metrics, m)), None
+
+  micro = micro_batches(mb, shards, count, mesh)
+  first = jax.tree.map(lambda x: x[0], micro)
+  metric_shapes = jax.eval_shape(lambda p, b: grad_fn(cfg, loss_cfg, p, b, num_tokens,
+                                                      num_seqs)[0][1], params, first)
+  zeros = (constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)),
+           jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
+  (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
+  return metrics, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+
 def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoConfig,
                    temperature: float, actor_tx: optax.GradientTransformation,
                    critic_tx: optax.GradientTransformation | None, mesh: Optional[Mesh] = None):
@@ -128,31 +188,59 @@ def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoCo
   ones' placement (StatePreservingJit). With the `mesh` the states and mini-batch live on, the
   models keep every activation split over the batch axes (llama.shard_activations): each device
   computes its own rows only, none repeated over fsdp.
+
+  algo.microbatch_size > 0 accumulates the gradients over micro-batches of that many rows per
+  data shard (`_accumulated`): the same update up to float rounding, with one micro-batch's
+  activations in memory instead of the whole mini-batch's (docs/usage.md "Memory at scale").
   """
   loss_cfg = loss_config(algo, temperature)
+  shards = 1 if mesh is None else mesh_lib.batch_size_multiple(mesh)
 
-  def update(actor: ModelState, critic: ModelState | None, mb):
-    # Active while jit traces the losses and their gradients (a no-op without a mesh).
-    with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES):
-      return _update(actor, critic, mb)
+  def make(shardings):
+    actor_sh, critic_sh = shardings if shardings is not None else (None, None)
 
-  def _update(actor: ModelState, critic: ModelState | None, mb):
-    (_, am), ag = jax.value_and_grad(stages.actor_loss, argnums=2, has_aux=True)(
-        actor_cfg, loss_cfg, actor.params, mb)
-    updates, opt = actor_tx.update(ag, actor.opt_state, actor.params)
-    actor = ModelState(optax.apply_updates(actor.params, updates), opt)
-    metrics = actor_metrics(loss_cfg, am)
-    metrics["actor/grad_norm"] = optax.global_norm(ag)
-    if critic is not None:
-      (_, cm), cg = jax.value_and_grad(stages.critic_loss, argnums=2, has_aux=True)(
-          critic_cfg, loss_cfg, critic.params, mb)
-      updates, copt = critic_tx.update(cg, critic.opt_state, critic.params)
-      critic = ModelState(optax.apply_updates(critic.params, updates), copt)
-      metrics.update({f"critic/{k}": cm[k] for k in ("vf_loss", "vf_clipfrac")})
-      metrics["critic/grad_norm"] = optax.global_norm(cg)
-    return actor, critic, metrics
+    def update(actor: ModelState, critic: ModelState | None, mb):
+      # Active while jit traces the losses and their gradients (a no-op without a mesh).
+      with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES):
+        return _update(actor, critic, mb)
 
-  return StatePreservingJit(lambda shardings: update, donate_argnums=(0, 1))
+    def value_and_grads(loss_fn, cfg, params, sharding, mb):
+      count = microbatch_count(algo, mb["mask"].shape[0], shards)
+      if count == 1:
+        (_, m), g = jax.value_and_grad(loss_fn, argnums=2, has_aux=True)(cfg, loss_cfg, params,
+                                                                          mb)
+        return m, g
+      return _accumulated(loss_fn, cfg, loss_cfg, params, _param_shardings(sharding), mb, count,
+                          shards, mesh)
+
+    def _update(actor: ModelState, critic: ModelState | None, mb):
+      am, ag = value_and_grads(stages.actor_loss, actor_cfg, actor.params, actor_sh, mb)
+      updates, opt = actor_tx.update(ag, actor.opt_state, actor.params)
+      actor = ModelState(optax.apply_updates(actor.params, updates), opt)
+      metrics = actor_metrics(loss_cfg, am)
+      metrics["actor/grad_norm"] = optax.global_norm(ag)
+      if critic is not None:
+        cm, cg = value_and_grads(stages.critic_loss, critic_cfg, critic.params, critic_sh, mb)
+        updates, copt = critic_tx.update(cg, critic.opt_state, critic.params)
+        critic = ModelState(optax.apply_updates(critic.params, updates), copt)
+        metrics.update({f"critic/{k}": cm[k] for k in ("vf_loss", "vf_clipfrac")})
+        metrics["critic/grad_norm"] = optax.global_norm(cg)
+      return actor, critic, metrics
+
+    return update
+
+  return StatePreservingJit(make, donate_argnums=(0, 1))
+
+
+def _param_shardings(state_sharding: Any) -> Any:
+  """The params' NamedShardings from a ModelState's tree of shardings (None: unknown)."""
+  if state_sharding is None:
+    return None
+  params = state_sharding.params
+  leaves = jax.tree.leaves(params, is_leaf=lambda x: x is None)
+  if not leaves or not all(isinstance(s, NamedSharding) for s in leaves):
+    return None
+  return params
 
 
 @functools.partial(jax.jit, static_argnames=("algo", "group_size"))

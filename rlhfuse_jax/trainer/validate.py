@@ -34,6 +34,17 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     if value % mult:
       raise ValueError(f"config.{name}={value} must be a multiple of the data-parallel size "
                        f"{mult} (mesh data*fsdp = {dict(mesh.shape)}{train_group})")
+  if cfg.algo.microbatch_size:
+    if mesh.shape["stage"] > 1:
+      raise ValueError(f"config.algo.microbatch_size={cfg.algo.microbatch_size} splits the "
+                       "unpipelined update (mesh.stage = 1); a pipelined one splits its "
+                       "mini-batch with config.pipeline.actor_microbatches / critic_microbatches"
+                       " (set algo.microbatch_size = 0)")
+    rows = cfg.algo.minibatch_size // mult
+    if rows % cfg.algo.microbatch_size and cfg.algo.microbatch_size < rows:
+      raise ValueError(f"config.algo.microbatch_size={cfg.algo.microbatch_size} must divide the "
+                       f"mini-batch rows per data shard (algo.minibatch_size="
+                       f"{cfg.algo.minibatch_size} / mesh data*fsdp={mult} = {rows})")
   context = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
   models = [("config.model", cfg.model)]
   if adv_lib.needs_critic(cfg.algo.estimator):
