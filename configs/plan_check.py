@@ -10,7 +10,11 @@ stages, dp 8; 33B/13B 4 stages, dp 16; 65B/33B 16 actor and 4 critic stages, dp 
 1; generation tp 8 with the slots of sim/iteration_sim.gen_plan, tp 4 for 33B, whose 52 heads
 do not split 8 ways; 33B/13B and 65B/33B with `offload_optimizer`). Those compile a 256-device
 program; `--config.layers=N` compiles N layers per model instead (result.json says so in
-`layers_compiled`). Writes result.json and config.json; logs a table.
+`layers_compiled`). `llama/<variant>` (`llama/13b`, `llama/65b/33b`, ... any variant of
+configs/ppo_llama.py) checks that preset as its trainer runs it, on its smallest device count
+(one model replica: fsdp x tensor devices, data 1): the unpipelined update with its
+micro-batches, generation and scoring on the training mesh (`generation="mesh"`). Writes
+result.json and config.json; logs a table.
 """
 import ml_collections
 
@@ -45,6 +49,25 @@ def _tiny_model(layers: int) -> ml_collections.ConfigDict:
   return m
 
 
+def _llama_preset(c, variant: str) -> None:
+  """configs/ppo_llama.py's preset on its smallest device count (data 1: one model replica of
+  fsdp x tensor devices), as its trainer would run it: the unpipelined update with its
+  micro-batches, generation and scoring on the training mesh."""
+  from configs import ppo_llama  # pylint: disable=import-outside-toplevel
+  t = ppo_llama.get_config(variant)
+  c.actor, c.critic = ppo_llama.parse_variant(variant)
+  c.pp = c.critic_pp = t.mesh.stage
+  c.tp, c.fsdp, c.dp = t.mesh.tensor, t.mesh.fsdp, 1
+  c.minibatch_size, c.microbatch_size = t.algo.minibatch_size, t.algo.microbatch_size
+  c.seq_len = t.data.max_prompt_len + t.rollout.max_new_tokens
+  c.response_len = t.rollout.max_new_tokens
+  c.remat, c.scan_layers = t.model.remat, t.model.scan_layers
+  c.chunk_size = t.rollout.chunk_size
+  c.generation = "mesh"
+  c.gen_slots = t.rollout.prompts_per_iteration * t.rollout.samples_per_prompt
+  c.gen_tp = 1  # unused on the mesh
+
+
 def get_config(arg: str = "tiny"):
   c = ml_collections.ConfigDict()
   # A preset of configs/ppo_llama.py SHAPES, or a full model section (see tiny).
@@ -63,6 +86,8 @@ def get_config(arg: str = "tiny"):
   c.seq_len = 2048  # tokens per sample: prompt bucket + response
   c.response_len = 1024  # response tokens (the loss and the heads see these; decode's budget)
   c.remat = "dots"  # none | full | dots (models/llama.py REMAT_POLICIES)
+  # True: both models' layers stacked and run by one lax.scan (model.scan_layers)
+  c.scan_layers = False
   c.attention = "blockwise"  # reference | blockwise | cudnn | auto | pallas (models/attention.py)
   c.intra_stage = True  # True: the searched fused schedule; False: serial 1F1B
   c.search_time_s = 2.0  # fused-schedule search budget (unit durations; once per run)
@@ -79,6 +104,10 @@ def get_config(arg: str = "tiny"):
   # True: the trainer's optim.offload_during_rollout (the AdamW moments in host memory while the
   # instances generate and score): decode's and inference's fit counts the parameters only.
   c.offload_optimizer = False
+  # instances: decode and inference on one instance of gen_tp devices (gen_slots slots);
+  # mesh: the trainer's default plan.generation, on the training mesh (pp 1), gen_slots = the
+  # rollout batch, scored whole.
+  c.generation = "instances"
 
   if arg == "tiny":
     c.pp, c.critic_pp, c.tp, c.dp, c.fsdp = 2, 2, 1, 2, 2
@@ -93,6 +122,8 @@ def get_config(arg: str = "tiny"):
     # one 8-GPU instance.
     c.seq_len, c.response_len = 1536, 1024
     c.gen_tp, c.gen_slots = 8, 64
+  elif arg.startswith("llama/"):
+    _llama_preset(c, arg[len("llama/"):])
   elif arg in PAPER_PAIRS:
     c.actor, c.critic = arg.split("/")
     # sim/training_sim.best_plan at 2048 tokens per sample (re-read 2026-11-26 (h), after
@@ -105,5 +136,6 @@ def get_config(arg: str = "tiny"):
     c.offload_optimizer = PAPER_PAIRS[arg].get("offload_optimizer", False)
   else:
     raise ValueError(f"configs/plan_check.py: unknown variant {arg!r}; expected 'tiny', "
-                     f"'7b_host8' or one of {list(PAPER_PAIRS)}")
+                     f"'7b_host8', 'llama/<a configs/ppo_llama.py variant>' or one of "
+                     f"{list(PAPER_PAIRS)}")
   return c

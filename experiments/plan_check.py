@@ -2,6 +2,7 @@ r"""Compile a training plan's real programs from shapes and check that they fit 
 
   python -m experiments.plan_check --config=configs/plan_check.py:tiny --workdir=/tmp/pc_tiny
   python -m experiments.plan_check --config=configs/plan_check.py:7b_host8 --workdir=/tmp/pc_7b8
+  python -m experiments.plan_check --config=configs/plan_check.py:llama/13b --workdir=/tmp/pc_13b
 
 For an actor/critic pair and a plan (pp, critic_pp, tp, dp, fsdp, micro-batch, sequence length,
 remat, attention, generation tp and slots) this lowers and compiles, on fake CPU devices and from
@@ -9,9 +10,11 @@ jax.ShapeDtypeStructs with shardings (no parameter is allocated), the programs t
 (experiments/plan_programs.py says which and how they are measured):
 
   train_step  the PPO update the trainer jits: trainer/pipelined.py (the fused executor + AdamW)
-              when pp > 1, trainer/ppo.make_update_fn when pp == 1
-  decode      a generation instance's decode chunk (generation/instances.py) on gen_tp devices
-  inference   the instance's reference log-prob forward (inference/scoring.py)
+              when pp > 1, trainer/ppo.make_update_fn (micro-batched) when pp == 1
+  decode      a generation instance's decode chunk (generation/instances.py) on gen_tp devices,
+              or with generation="mesh" the Generator's on the training mesh
+  inference   the instance's reference log-prob forward (inference/scoring.py; "mesh": the
+              Scorer's, on the whole rollout batch)
 
 and writes result.json (per program: argument/output/temp/peak bytes and FLOPs per device from
 the compiled program, the analytic breakdown, replication, fits, compile_s) and config.json.

@@ -10,9 +10,12 @@ Every program is the codebase's own, reached through the function its caller jit
               devices (pp > 1), AdamW + global-norm clipping of rl/optim.py, optimizer leaves
               placed like their parameters, scalars replicated
   decode      generation/instances.GenerationInstance's decode chunk (donated SlotState) on one
-              instance of gen_tp devices with gen_slots slots
+              instance of gen_tp devices with gen_slots slots; with generation="mesh" (the
+              trainer's plan.generation default, pp == 1) the Generator's: one instance over the
+              whole training mesh, gen_slots = the rollout batch split over data x fsdp, the
+              parameters placed as the trainer trains them (fsdp x tensor)
   inference   the same instance's reference log-prob forward (inference/scoring.py) on one
-              inference micro-batch
+              inference micro-batch (generation="mesh": the Scorer's, the whole rollout batch)
 
 Arguments are jax.ShapeDtypeStructs with NamedShardings: nothing is allocated.
 
@@ -74,6 +77,7 @@ from rlhfuse_jax.trainer import pipelined, ppo
 
 PROGRAMS = ("train_step", "decode", "inference")
 CPU_UPCAST_MODES = ("per_layer", "as_compiled")
+GENERATION_MODES = ("instances", "mesh")
 # XLA's name of the pass that hoists a loop-invariant float32 copy of the weights out of a loop.
 PER_LAYER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
@@ -84,7 +88,7 @@ def _check(cond: bool, field: str, value: Any, expected: str) -> None:
 
 
 def _model(section: Any, field: str, head: str, layers: int, remat: str, attention: str,
-           seq_len: int) -> ModelConfig:
+           seq_len: int, scan_layers: bool = False) -> ModelConfig:
   """A preset name of configs/ppo_llama.py SHAPES or a model section -> ModelConfig."""
   if isinstance(section, str):
     _check(section in ppo_llama.SHAPES, field, section, f"one of {list(ppo_llama.SHAPES)} or a "
@@ -96,6 +100,8 @@ def _model(section: Any, field: str, head: str, layers: int, remat: str, attenti
   else:
     kw = dict(section.to_dict() if hasattr(section, "to_dict") else section)
   kw.update(head=head, remat=remat, attention=attention)
+  if scan_layers:
+    kw["scan_layers"] = True
   kw["max_seq_len"] = max(kw.get("max_seq_len", 0), seq_len)
   if layers:
     kw["num_layers"] = layers
@@ -130,6 +136,7 @@ class PlanConfig:
   inference_microbatch: int
   hardware: hw_lib.Hardware
   offload_optimizer: bool = False  # the trainer's optim.offload_during_rollout
+  generation: str = "instances"  # instances | mesh (module docstring)
 
   @property
   def train_devices(self) -> int:
@@ -137,7 +144,17 @@ class PlanConfig:
 
   @property
   def num_devices(self) -> int:
-    return max(self.train_devices, self.gen_tp)
+    return max(self.train_devices, self.gen_devices)
+
+  @property
+  def gen_devices(self) -> int:
+    """Devices of the program generation and inference run on."""
+    return self.train_devices if self.generation == "mesh" else self.gen_tp
+
+  @property
+  def gen_model_shards(self) -> int:
+    """Ways the actor's parameters are split there (the mesh: fsdp x tensor; data replicates)."""
+    return self.fsdp * self.tp if self.generation == "mesh" else self.gen_tp
 
   @property
   def prompt_len(self) -> int:
@@ -158,7 +175,8 @@ class PlanConfig:
   @classmethod
   def from_config_dict(cls, c: Any) -> "PlanConfig":
     d = c.to_dict() if hasattr(c, "to_dict") else dict(c)
-    known = {"actor", "critic", "layers", "remat", "attention", "hardware"} | {
+    known = {"actor", "critic", "layers", "remat", "attention", "hardware", "generation",
+             "scan_layers"} | {
         f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - known
     if unknown:
@@ -173,6 +191,8 @@ class PlanConfig:
            f"a preset of rlhfuse_jax/sim/hardware.py: {sorted(hw_lib.HARDWARE)}")
     _check(d["cpu_upcast"] in CPU_UPCAST_MODES, "cpu_upcast", d["cpu_upcast"],
            f"one of {list(CPU_UPCAST_MODES)}")
+    _check(d.get("generation", "instances") in GENERATION_MODES, "generation",
+           d.get("generation"), f"one of {list(GENERATION_MODES)}")
     _check(isinstance(d.get("offload_optimizer", False), bool), "offload_optimizer",
            d.get("offload_optimizer"), "True or False")
     _check(d["response_len"] < d["seq_len"], "response_len", d["response_len"],
@@ -180,18 +200,25 @@ class PlanConfig:
     models = {}
     for field, head in (("actor", "lm"), ("critic", "scalar")):
       models[field] = _model(d[field], field, head, d["layers"], d["remat"], d["attention"],
-                             d["seq_len"])
+                             d["seq_len"], d.get("scan_layers", False))
       models[f"{field}_layers"] = _model(d[field], field, head, 0, d["remat"], d["attention"],
                                          d["seq_len"]).num_layers
     cfg = cls(**models, **{k: d[k] for k in (
         "pp", "critic_pp", "tp", "dp", "fsdp", "minibatch_size", "microbatch_size", "seq_len",
         "response_len", "intra_stage", "search_time_s", "gen_tp", "gen_slots", "chunk_size",
         "inference_microbatch", "cpu_upcast")}, hardware=hw_lib.HARDWARE[d["hardware"]],
-        offload_optimizer=d.get("offload_optimizer", False))
+        offload_optimizer=d.get("offload_optimizer", False),
+        generation=d.get("generation", "instances"))
     cfg.validate()
     return cfg
 
   def validate(self) -> None:
+    _check(self.generation != "mesh" or self.pp == 1, "generation", self.generation,
+           f"'instances' with pp={self.pp} ('mesh' generates on the unpipelined training mesh)")
+    _check(self.generation != "mesh" or self.gen_slots % (self.dp * self.fsdp) == 0,
+           "gen_slots", self.gen_slots,
+           f"a multiple of dp*fsdp={self.dp * self.fsdp} (generation='mesh': the rollout batch "
+           "split over the data axes)")
     _check(self.pp % self.critic_pp == 0, "critic_pp", self.critic_pp, f"a divisor of pp={self.pp}")
     for field, model, n_stages in (("actor", self.actor, self.pp),
                                    ("critic", self.critic, self.critic_pp)):
@@ -294,12 +321,18 @@ def train_args(cfg: PlanConfig, mesh, tx, update) -> tuple:
 
 
 def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
-  mesh = inst_lib.split_devices(jax.devices(), 1, cfg.gen_tp)[0]
+  """One generation instance of gen_tp devices; with generation="mesh" the trainer's Generator
+  and Scorer on the training mesh instead: an instance over the whole mesh places the
+  parameters by the same logical rules as training (as the trainer's Generator keeps them), and
+  scores the whole rollout batch at once (the Scorer's default micro-batch)."""
   sampling = SamplingConfig(max_new_tokens=cfg.response_len, chunk_size=cfg.chunk_size)
   frozen = inst_lib.FrozenModels(reference=cfg.actor.replace(head="lm"))
+  if cfg.generation == "mesh":
+    mesh, micro = train_mesh(cfg), cfg.gen_slots
+  else:
+    mesh, micro = inst_lib.split_devices(jax.devices(), 1, cfg.gen_tp)[0], cfg.inference_microbatch
   return inst_lib.GenerationInstance(0, mesh, cfg.actor, sampling, slots=cfg.gen_slots,
-                                     prompt_len=cfg.prompt_len, frozen=frozen,
-                                     micro_batch=cfg.inference_microbatch)
+                                     prompt_len=cfg.prompt_len, frozen=frozen, micro_batch=micro)
 
 
 # Measuring --------------------------------------------------------------------------------------
@@ -410,26 +443,34 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
 
 def decode_analytic(cfg: PlanConfig) -> dict:
   """One decode step of gen_slots rows over the whole cache (the chunk's loop exits early, so XLA
-  knows no trip count: both sides count one step), split over gen_tp devices."""
-  a, n = cfg.actor, cfg.gen_tp
+  knows no trip count: both sides count one step), split over the generation devices."""
+  a, n = cfg.actor, cfg.gen_devices
   params = _nbytes(llama.param_shapes(a))
   kv = accounting.decode_step_bytes(a, cfg.gen_slots, cfg.seq_len)["kv_bytes"]
   per_row = (2.0 * a.num_layers * accounting.layer_matmul_params(a) +
              4.0 * a.num_layers * a.num_heads * a.head_dim_ * cfg.seq_len +
              2.0 * a.hidden_size * a.vocab_size)
-  return {"params_bytes": params / n, "kv_cache_bytes": kv / n,
-          "total_bytes": (params + kv) / n, "flops_per_device": cfg.gen_slots * per_row / n}
+  shards = cfg.gen_model_shards
+  return {"params_bytes": params / shards, "kv_cache_bytes": kv / n,
+          "total_bytes": params / shards + kv / n,
+          "flops_per_device": cfg.gen_slots * per_row / n}
 
 
 def inference_analytic(cfg: PlanConfig) -> dict:
-  a, n = cfg.actor, cfg.gen_tp
+  a, n = cfg.actor, cfg.gen_devices
   params = _nbytes(llama.param_shapes(a))
-  tokens = cfg.inference_microbatch * cfg.seq_len
+  if cfg.generation == "mesh":  # the whole rollout batch, split over the data axes
+    rows, tp = cfg.gen_slots, cfg.tp
+    tokens = rows // (cfg.dp * cfg.fsdp) * cfg.seq_len
+  else:  # one micro-batch on the instance's tensor devices
+    rows, tp = cfg.inference_microbatch, cfg.gen_tp
+    tokens = rows * cfg.seq_len
   # One layer's activations live at a time (sim/iteration_sim.check_inference_memory).
-  acts = CostModel(cfg.hardware).activation_bytes(sim_shapes.from_model_config(a), n, tokens, 1)
-  flops = accounting.forward_flops(a, cfg.inference_microbatch, cfg.seq_len, cfg.response_len)
-  return {"params_bytes": params / n, "activations_bytes": acts,
-          "total_bytes": params / n + acts, "flops_per_device": flops / n}
+  acts = CostModel(cfg.hardware).activation_bytes(sim_shapes.from_model_config(a), tp, tokens, 1)
+  flops = accounting.forward_flops(a, rows, cfg.seq_len, cfg.response_len)
+  shards = cfg.gen_model_shards
+  return {"params_bytes": params / shards, "activations_bytes": acts,
+          "total_bytes": params / shards + acts, "flops_per_device": flops / n}
 
 
 def _finish(measured: dict, analytic: dict) -> dict:
@@ -478,10 +519,11 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "fsdp": cfg.fsdp, "minibatch_size": cfg.minibatch_size,
                "microbatch_size": cfg.microbatch_size, "seq_len": cfg.seq_len,
                "response_len": cfg.response_len, "remat": cfg.actor.remat,
+               "scan_layers": cfg.actor.scan_layers,
                "attention": cfg.actor.attention, "intra_stage": cfg.intra_stage,
                "gen_tp": cfg.gen_tp, "gen_slots": cfg.gen_slots, "chunk_size": cfg.chunk_size,
                "inference_microbatch": cfg.inference_microbatch, "hardware": cfg.hardware.name,
-               "offload_optimizer": cfg.offload_optimizer},
+               "offload_optimizer": cfg.offload_optimizer, "generation": cfg.generation},
       "devices": cfg.num_devices, "train_devices": cfg.train_devices,
       "models": {"actor": {**dataclasses.asdict(cfg.actor), "num_params": cfg.actor.num_params()},
                  "critic": {**dataclasses.asdict(cfg.critic),

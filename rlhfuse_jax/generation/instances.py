@@ -314,12 +314,14 @@ class GenerationInstance:
         continue
       fp = mesh_lib.abstract(frozen_params[name], self.param_shardings(mcfg, frozen_params[name]))
       # The very jitted functions the serial Scorer runs, so the numbers are the same.
+      mesh = self.mesh
       if name == "reference":
-        low = scoring.reference_logprobs.lower(mcfg, fp, seq, lens, t, float(fz.temperature))
+        low = scoring.reference_logprobs.lower(mcfg, fp, seq, lens, t, float(fz.temperature),
+                                               mesh=mesh)
       elif name == "critic":
-        low = scoring.critic_values.lower(mcfg, fp, seq, lens, t)
+        low = scoring.critic_values.lower(mcfg, fp, seq, lens, t, mesh=mesh)
       else:
-        low = scoring.reward_model_scores.lower(mcfg, fp, seq, lens, lens)
+        low = scoring.reward_model_scores.lower(mcfg, fp, seq, lens, lens, mesh=mesh)
       out.append((name, low))
     return out
 
