@@ -147,7 +147,7 @@ def test_accumulated_update_equals_the_whole_mini_batch_on_a_mesh():
   import optax
   mesh = _ppo_mesh()
   out, before = {}, None
-  for size in (0, 1, 2):
+  for size in (0, 1):  # (k = 2 against the hand-written reference: test_ppo_update_reference)
     # Plain SGD: the parameters move by 100 x the gradients (Adam's first step divides by
     # |g|, so a rounding-level change of a tiny gradient would move its parameter by lr).
     tx, update = _ppo_update(mesh, size, optax.sgd(100.0))
@@ -155,7 +155,7 @@ def test_accumulated_update_equals_the_whole_mini_batch_on_a_mesh():
     before = jax.tree.map(np.asarray, (actor.params, critic.params))
     out[size] = update(actor, critic, _ppo_batch(mesh, False))
   (wa, wc, wm) = out[0]
-  for size in (1, 2):
+  for size in (1,):
     ga, gc, gm = out[size]
     largest = 0.0
     for got, want, b in zip(jax.tree.leaves((ga.params, gc.params)),
