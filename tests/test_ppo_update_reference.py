@@ -192,3 +192,29 @@ def test_group_estimators_keep_the_kl_penalty_in_the_reward(estimator):
 def test_value_clip_zero_means_unclipped():
   assert ppo.loss_config(AlgoConfig(value_clip_eps=0.0), 1.0).value_clip_eps is None
   assert ppo.loss_config(AlgoConfig(), 1.0).value_clip_eps == 0.2
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-sum", "seq-mean-token-mean",
+                                      "seq-mean-token-sum-norm"])
+def test_accumulated_update_sums_every_loss_aggregation(loss_agg):
+  """algo.microbatch_size for the other aggregations (the reference above is token-mean): 4
+  micro-batches of one row give the whole mini-batch's SGD step and metrics."""
+  import optax
+  actor = llama.host_random_params(ACTOR, 1)  # host copies: the update donates its states
+  critic = llama.host_random_params(CRITIC, 2)
+  tx = optax.sgd(10.0)
+  out = []
+  for size in (0, 1):
+    algo = dataclasses.replace(ALGO, loss_agg=loss_agg, microbatch_size=size)
+    update = ppo.make_update_fn(ACTOR, CRITIC, algo, TEMP, tx, tx)
+    a, c = jax.tree.map(jnp.array, actor), jax.tree.map(jnp.array, critic)
+    out.append(update(ppo.ModelState(a, tx.init(a)), ppo.ModelState(c, tx.init(c)), _batch()))
+  (wa, wc, wm), (ga, gc, gm) = out
+  for got, want, b in zip(jax.tree.leaves((ga.params, gc.params)),
+                          jax.tree.leaves((wa.params, wc.params)),
+                          jax.tree.leaves((actor, critic))):
+    step = np.asarray(want) - np.asarray(b)
+    np.testing.assert_allclose(np.asarray(got) - b, step, rtol=1e-4,
+                               atol=1e-3 * max(float(np.max(np.abs(step))), 1e-6))
+  for k in wm:
+    np.testing.assert_allclose(gm[k], wm[k], rtol=1e-5, atol=1e-6, err_msg=k)
