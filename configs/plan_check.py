@@ -13,8 +13,9 @@ program; `--config.layers=N` compiles N layers per model instead (result.json sa
 `layers_compiled`). `llama/<variant>` (`llama/13b`, `llama/65b/33b`, ... any variant of
 configs/ppo_llama.py) checks that preset as its trainer runs it, on its smallest device count
 (one model replica: fsdp x tensor devices, data 1): the unpipelined update with its
-micro-batches, generation and scoring on the training mesh (`generation="mesh"`). Writes
-result.json and config.json; logs a table.
+micro-batches, generation and scoring on the training mesh (`generation="mesh"`);
+`hf_gpu/<model>` the same for configs/ppo_hf.py:ppo_gpu on the models of docs/own_model.md
+(HF_MODELS). Writes result.json and config.json; logs a table.
 """
 import ml_collections
 
@@ -68,11 +69,51 @@ def _llama_preset(c, variant: str) -> None:
   c.gen_tp = 1  # unused on the mesh
 
 
+# The models docs/own_model.md runs with configs/ppo_hf.py:ppo_gpu / grpo_gpu, from their HF
+# config.json (meta-llama/Llama-3.2-1B-Instruct, Qwen/Qwen3-0.6B, Qwen/Qwen2.5-1.5B-Instruct):
+# vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+# num_key_value_heads, head_dim; all three tie the LM head to the embedding; Qwen3 normalises
+# queries and keys.
+HF_MODELS = {
+    "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                        num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64),
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, qk_norm=True),
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128),
+}
+
+
+def _hf_gpu_preset(c, name: str) -> None:
+  """configs/ppo_hf.py:ppo_gpu (actor and critic both the model, one 8-GPU host) on one of
+  HF_MODELS; for the GRPO commands of docs/own_model.md (no critic) an upper bound."""
+  from configs import ppo_hf  # pylint: disable=import-outside-toplevel
+  if name not in HF_MODELS:
+    raise ValueError(f"configs/plan_check.py: unknown model {name!r} in 'hf_gpu/{name}'; "
+                     f"expected one of {list(HF_MODELS)}")
+  t = ppo_hf.get_config("ppo_gpu")
+  model = ml_collections.ConfigDict(dict(HF_MODELS[name], tie_embeddings=True,
+                                         param_dtype=t.model.param_dtype, dtype=t.model.dtype,
+                                         max_seq_len=t.model.max_seq_len))
+  c.actor, c.critic = model, ml_collections.ConfigDict(model.to_dict())
+  c.pp = c.critic_pp = t.mesh.stage
+  c.tp, c.fsdp, c.dp = t.mesh.tensor, t.mesh.fsdp, t.mesh.data
+  c.minibatch_size, c.microbatch_size = t.algo.minibatch_size, t.algo.microbatch_size
+  c.seq_len = t.data.max_prompt_len + t.rollout.max_new_tokens
+  c.response_len = t.rollout.max_new_tokens
+  c.remat, c.scan_layers = t.model.remat, t.model.scan_layers
+  c.chunk_size = t.rollout.chunk_size
+  c.generation = "mesh"
+  c.gen_slots = t.rollout.prompts_per_iteration * t.rollout.samples_per_prompt
+  c.gen_tp = 1  # unused on the mesh
+
+
 def get_config(arg: str = "tiny"):
   c = ml_collections.ConfigDict()
   # A preset of configs/ppo_llama.py SHAPES, or a full model section (see tiny).
-  c.actor = _tiny_model(4) if arg == "tiny" else "7b"
-  c.critic = _tiny_model(2) if arg == "tiny" else "7b"  # critic backbone (scalar head)
+  section = arg == "tiny" or arg.startswith("hf_gpu/")  # model sections, not presets
+  c.actor = _tiny_model(4) if section else "7b"
+  c.critic = _tiny_model(2) if section else "7b"  # critic backbone (scalar head)
   c.layers = 0  # layers compiled per model (0: the model's own); analytic numbers follow it
   c.pp = 8  # actor pipeline stages (mesh axis `stage`); 1: the unpipelined update
   c.critic_pp = 8  # critic stages; must divide pp
@@ -124,6 +165,8 @@ def get_config(arg: str = "tiny"):
     c.gen_tp, c.gen_slots = 8, 64
   elif arg.startswith("llama/"):
     _llama_preset(c, arg[len("llama/"):])
+  elif arg.startswith("hf_gpu/"):
+    _hf_gpu_preset(c, arg[len("hf_gpu/"):])
   elif arg in PAPER_PAIRS:
     c.actor, c.critic = arg.split("/")
     # sim/training_sim.best_plan at 2048 tokens per sample (re-read 2026-11-26 (h), after
@@ -136,6 +179,7 @@ def get_config(arg: str = "tiny"):
     c.offload_optimizer = PAPER_PAIRS[arg].get("offload_optimizer", False)
   else:
     raise ValueError(f"configs/plan_check.py: unknown variant {arg!r}; expected 'tiny', "
-                     f"'7b_host8', 'llama/<a configs/ppo_llama.py variant>' or one of "
+                     f"'7b_host8', 'llama/<a configs/ppo_llama.py variant>', "
+                     f"'hf_gpu/<one of {list(HF_MODELS)}>' or one of "
                      f"{list(PAPER_PAIRS)}")
   return c

@@ -94,6 +94,9 @@ def _gpu(c, grpo: bool) -> None:
     section.dtype = "bfloat16"
     section.attention = "auto"  # cuDNN fused attention on GPU, blockwise elsewhere
     section.remat = "dots"  # keep projections, recompute the rest
+    # One layer's gathered weights at a time under FSDP (plan_check hf_gpu/qwen2.5-1.5b: the
+    # update unrolled with 8 samples per device at once, 153.5 GB per device; docs/results.md).
+    section.scan_layers = True
     section.max_seq_len = 1536  # prompt bucket 512 + 1024 new tokens
   # Every model whole on each of 8 devices' shards (fsdp shards the hidden axis; 1024, 1536
   # and 2048 all divide by 8), the batch split 8 ways.
@@ -111,6 +114,10 @@ def _gpu(c, grpo: bool) -> None:
   c.rollout.prompts_per_iteration = 32 if grpo else 128
   c.rollout.samples_per_prompt = 8 if grpo else 1  # 256 or 128 responses per iteration
   c.algo.minibatch_size = 64
+  # 2 of each device's 8 samples through forward + backward at a time, the gradients accumulated
+  # (docs/usage.md "Memory at scale"): plan_check hf_gpu/qwen2.5-1.5b 19.8 GB per device; all 8
+  # at once (scanned) Llama-3.2-1B alone reads 59.1 GB.
+  c.algo.microbatch_size = 2
   c.algo.epochs = 1
   c.optim.actor_lr = 1e-6  # fine-tuning a pretrained model
   c.optim.critic_lr = 5e-6

@@ -197,3 +197,13 @@ def test_mesh_generation_config_errors_and_llama_presets():
     assert plan.seq_len == run.data.max_prompt_len + run.rollout.max_new_tokens
     assert plan.generation == "mesh" and plan.gen_slots == run.rollout.prompts_per_iteration
     assert plan.scan_layers == run.model.scan_layers == run.critic_model.scan_layers is True
+  # hf_gpu/<model>: configs/ppo_hf.py:ppo_gpu on a model of HF_MODELS.
+  from configs import ppo_hf
+  run, plan = ppo_hf.get_config("ppo_gpu"), plan_config.get_config("hf_gpu/qwen3-0.6b")
+  cfg = plan_programs.PlanConfig.from_config_dict(plan)
+  assert (cfg.fsdp, cfg.tp, cfg.dp, cfg.pp) == (run.mesh.fsdp, 1, 1, 1)
+  assert (cfg.microbatch_size, cfg.gen_slots) == (run.algo.microbatch_size, 128)
+  assert cfg.actor.qk_norm and cfg.actor.tie_embeddings and cfg.actor.head_dim == 128
+  assert cfg.actor.scan_layers and cfg.critic.head == "scalar"
+  with pytest.raises(ValueError, match=r"unknown model 'gpt2' in 'hf_gpu/gpt2'"):
+    plan_config.get_config("hf_gpu/gpt2")
