@@ -5,10 +5,11 @@ Every program is the codebase's own, reached through the function its caller jit
   train_step  trainer/pipelined.PipelinedUpdate.lower (pp > 1: the fused executor's gradients,
               then AdamW, donating both states) or trainer/ppo.make_update_fn (pp == 1, its
               gradients accumulated over micro-batches of microbatch_size rows per data shard:
-              the trainer's algo.microbatch_size); the states are built as the trainer builds them: parameters placed by the logical rules
-              of parallel/mesh.py (pp == 1) or stage-stacked, each stage's layers on its stage
-              devices (pp > 1), AdamW + global-norm clipping of rl/optim.py, optimizer leaves
-              placed like their parameters, scalars replicated
+              the trainer's algo.microbatch_size); the states are built as the trainer builds
+              them: parameters placed by the logical rules of parallel/mesh.py (pp == 1) or
+              stage-stacked, each stage's layers on its stage devices (pp > 1), AdamW +
+              global-norm clipping of rl/optim.py, optimizer leaves placed like their
+              parameters, scalars replicated
   decode      generation/instances.GenerationInstance's decode chunk (donated SlotState) on one
               instance of gen_tp devices with gen_slots slots; with generation="mesh" (the
               trainer's plan.generation default, pp == 1) the Generator's: one instance over the

@@ -138,3 +138,16 @@ def test_clear_errors(models, batch):
     Scorer(mesh, micro_batch_size=4)
   with pytest.raises(ValueError, match="critic needs model.head='scalar'"):
     Scorer().values(ACTOR, actor, batch)
+
+
+def test_static_arguments_may_be_passed_by_keyword(models, batch):
+  """The jitted forwards name their static arguments (cfg, num_response, temperature, mesh): a
+  keyword call is static too, and equals the positional one."""
+  from rlhfuse_jax.inference import scoring
+  actor, _ = models
+  t = batch.num_response
+  positional = scoring.reference_logprobs(ACTOR, actor, batch.tokens, batch.prompt_lens, t, 0.7)
+  keyword = scoring.reference_logprobs(cfg=ACTOR, params=actor, tokens=batch.tokens,
+                                       prompt_lens=batch.prompt_lens, num_response=t,
+                                       temperature=0.7, mesh=None)
+  np.testing.assert_array_equal(np.asarray(keyword), np.asarray(positional))

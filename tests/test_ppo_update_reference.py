@@ -210,6 +210,9 @@ def test_accumulated_update_sums_every_loss_aggregation(loss_agg):
     a, c = jax.tree.map(jnp.array, actor), jax.tree.map(jnp.array, critic)
     out.append(update(ppo.ModelState(a, tx.init(a)), ppo.ModelState(c, tx.init(c)), _batch()))
   (wa, wc, wm), (ga, gc, gm) = out
+  moved = max(float(np.max(np.abs(np.asarray(w) - np.asarray(b)))) for w, b in zip(
+      jax.tree.leaves((wa.params, wc.params)), jax.tree.leaves((actor, critic))))
+  assert moved > 1e-3  # the step is not vanishing
   for got, want, b in zip(jax.tree.leaves((ga.params, gc.params)),
                           jax.tree.leaves((wa.params, wc.params)),
                           jax.tree.leaves((actor, critic))):

@@ -145,8 +145,6 @@ def test_unknown_field_is_rejected():
      {"data": 2, "fsdp": 2, "tensor": 2},
      r"config\.algo\.microbatch_size=3 must divide the mini-batch rows per data shard "
      r"\(algo\.minibatch_size=16 / mesh data\*fsdp=4 = 4\)"),
-    ({"algo.microbatch_size": 1, "model.num_layers": 2, "critic_model.num_layers": 2},
-     {"data": 4, "stage": 2}, r"config\.algo\.microbatch_size=1 splits the unpipelined update"),
     ({"fusion.inter_stage": True, "fusion.instance_devices": 16}, {"data": 8},
      r"config\.fusion\.instance_devices=16 exceeds the 8 devices"),
     ({"fusion.inter_stage": True, "fusion.num_instances": 16}, {"data": 8},

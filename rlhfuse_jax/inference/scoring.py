@@ -26,8 +26,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from rlhfuse_jax.models import sequences
 from rlhfuse_jax.models import llama
+from rlhfuse_jax.models import sequences
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
 
@@ -73,7 +73,9 @@ class ScoringBatch:
 # fsdp-sharded weights by replicating activations over fsdp, repeating part of the forward on
 # every device (plan_check on ppo_llama:13b's training mesh: 1.36x the FLOPs, 45 GB of
 # temporaries per device).
-@functools.partial(jax.jit, static_argnums=(0, 4, 5), static_argnames=("mesh",))
+# Static by name only: given both static_argnums and static_argnames, jit does not map one to
+# the other, so a keyword call would trace a static value.
+@functools.partial(jax.jit, static_argnames=("cfg", "num_response", "temperature", "mesh"))
 def reference_logprobs(cfg: ModelConfig, params, tokens, prompt_lens, num_response: int,
                        temperature: float = 1.0, *, mesh: Optional[Mesh] = None):
   """[B, T] float32 log-probs of the response tokens under `params` (LM head)."""
@@ -82,7 +84,7 @@ def reference_logprobs(cfg: ModelConfig, params, tokens, prompt_lens, num_respon
                                                    num_response, temperature)[0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4), static_argnames=("mesh",))
+@functools.partial(jax.jit, static_argnames=("cfg", "num_response", "mesh"))
 def critic_values(cfg: ModelConfig, params, tokens, prompt_lens, num_response: int, *,
                   mesh: Optional[Mesh] = None):
   """[B, T] float32 critic values at positions prompt_len-1+t (scalar head)."""
@@ -90,7 +92,7 @@ def critic_values(cfg: ModelConfig, params, tokens, prompt_lens, num_response: i
     return sequences.response_values(cfg, params, tokens, prompt_lens, num_response)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("mesh",))
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
 def reward_model_scores(cfg: ModelConfig, params, tokens, prompt_lens, response_lens, *,
                         mesh: Optional[Mesh] = None):
   """[B] float32 reward-model scalar at the last response token (scalar head)."""

@@ -122,8 +122,9 @@ class AlgoConfig:
   minibatch_size: int = 32  # samples per optimizer step
   # Unpipelined update (mesh.stage = 1): rows each data shard (mesh data x fsdp coordinate) takes
   # through forward + backward at a time, the gradients accumulated over the micro-batches
-  # (the same step up to float rounding, one micro-batch's activations in memory); 0: the
-  # shard's whole share of the mini-batch at once. Pipelines split with pipeline.*_microbatches.
+  # (the same step up to float rounding, one micro-batch's activations in memory); it must
+  # divide the rows per shard, and 0 or a value >= them takes the shard's whole share at once.
+  # Pipelined updates ignore it (they split with pipeline.*_microbatches).
   microbatch_size: int = 0
   balance_tokens: bool = True  # balance mini-batch shards across data-parallel devices by tokens
   whiten_advantages: bool = True

@@ -85,11 +85,11 @@ class StatePreservingJit:
   """jax.jit of update(actor, critic, mb) -> (actor, critic, metrics), built at the first call
   (or lower), when the states' shardings are known: `make(shardings)` returns the update
   (shardings: the (actor, critic) states' tree of shardings, None where a leaf has none; the
-  pipelined update constrains its gradients to them), and out_shardings = those shardings, so
-  the states come back placed exactly as they went in. Left to itself XLA names a trivially
-  sharded output freely (P('tensor', 'fsdp') for P('fsdp', 'tensor') when those axes have
-  size 1), and the next call, on those outputs, misses the compile cache and compiles the
-  update a second time."""
+  pipelined update constrains its gradients to them, the plain one its accumulated sums), and
+  out_shardings = those shardings, so the states come back placed exactly as they went in.
+  Left to itself XLA names a trivially sharded output freely (P('tensor', 'fsdp') for
+  P('fsdp', 'tensor') when those axes have size 1), and the next call, on those outputs,
+  misses the compile cache and compiles the update a second time."""
 
   def __init__(self, make: Callable[[Any], Callable], **jit_kwargs):
     self._make, self._jit_kwargs = make, jit_kwargs

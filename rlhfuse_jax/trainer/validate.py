@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
+from absl import logging
 
 from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -35,13 +36,12 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
       raise ValueError(f"config.{name}={value} must be a multiple of the data-parallel size "
                        f"{mult} (mesh data*fsdp = {dict(mesh.shape)}{train_group})")
   if cfg.algo.microbatch_size:
-    if mesh.shape["stage"] > 1:
-      raise ValueError(f"config.algo.microbatch_size={cfg.algo.microbatch_size} splits the "
-                       "unpipelined update (mesh.stage = 1); a pipelined one splits its "
-                       "mini-batch with config.pipeline.actor_microbatches / critic_microbatches"
-                       " (set algo.microbatch_size = 0)")
     rows = cfg.algo.minibatch_size // mult
-    if rows % cfg.algo.microbatch_size and cfg.algo.microbatch_size < rows:
+    if mesh.shape["stage"] > 1:  # a preset's setting stays valid under a pipelined plan file
+      logging.info("config.algo.microbatch_size=%d is not used: the pipelined update splits its "
+                   "mini-batch with config.pipeline.actor_microbatches / critic_microbatches",
+                   cfg.algo.microbatch_size)
+    elif rows % cfg.algo.microbatch_size and cfg.algo.microbatch_size < rows:
       raise ValueError(f"config.algo.microbatch_size={cfg.algo.microbatch_size} must divide the "
                        f"mini-batch rows per data shard (algo.minibatch_size="
                        f"{cfg.algo.minibatch_size} / mesh data*fsdp={mult} = {rows})")
