@@ -50,15 +50,12 @@ def _tiny_model(layers: int) -> ml_collections.ConfigDict:
   return m
 
 
-def _llama_preset(c, variant: str) -> None:
-  """configs/ppo_llama.py's preset on its smallest device count (data 1: one model replica of
-  fsdp x tensor devices), as its trainer would run it: the unpipelined update with its
-  micro-batches, generation and scoring on the training mesh."""
-  from configs import ppo_llama  # pylint: disable=import-outside-toplevel
-  t = ppo_llama.get_config(variant)
-  c.actor, c.critic = ppo_llama.parse_variant(variant)
+def _as_trained(c, t, dp: int) -> None:
+  """The plan of training config `t` (a configs/ppo_*.py preset) with `dp` data replicas: its
+  mesh, mini- and micro-batches, lengths, remat and scan, generation and scoring on the training
+  mesh with the whole rollout batch."""
   c.pp = c.critic_pp = t.mesh.stage
-  c.tp, c.fsdp, c.dp = t.mesh.tensor, t.mesh.fsdp, 1
+  c.tp, c.fsdp, c.dp = t.mesh.tensor, t.mesh.fsdp, dp
   c.minibatch_size, c.microbatch_size = t.algo.minibatch_size, t.algo.microbatch_size
   c.seq_len = t.data.max_prompt_len + t.rollout.max_new_tokens
   c.response_len = t.rollout.max_new_tokens
@@ -67,6 +64,16 @@ def _llama_preset(c, variant: str) -> None:
   c.generation = "mesh"
   c.gen_slots = t.rollout.prompts_per_iteration * t.rollout.samples_per_prompt
   c.gen_tp = 1  # unused on the mesh
+
+
+def _llama_preset(c, variant: str) -> None:
+  """configs/ppo_llama.py's preset on its smallest device count (data 1: one model replica of
+  fsdp x tensor devices), as its trainer would run it: the unpipelined update with its
+  micro-batches, generation and scoring on the training mesh."""
+  from configs import ppo_llama  # pylint: disable=import-outside-toplevel
+  t = ppo_llama.get_config(variant)
+  c.actor, c.critic = ppo_llama.parse_variant(variant)
+  _as_trained(c, t, dp=1)
 
 
 # The models docs/own_model.md runs with configs/ppo_hf.py:ppo_gpu / grpo_gpu, from their HF
@@ -96,16 +103,7 @@ def _hf_gpu_preset(c, name: str) -> None:
                                          param_dtype=t.model.param_dtype, dtype=t.model.dtype,
                                          max_seq_len=t.model.max_seq_len))
   c.actor, c.critic = model, ml_collections.ConfigDict(model.to_dict())
-  c.pp = c.critic_pp = t.mesh.stage
-  c.tp, c.fsdp, c.dp = t.mesh.tensor, t.mesh.fsdp, t.mesh.data
-  c.minibatch_size, c.microbatch_size = t.algo.minibatch_size, t.algo.microbatch_size
-  c.seq_len = t.data.max_prompt_len + t.rollout.max_new_tokens
-  c.response_len = t.rollout.max_new_tokens
-  c.remat, c.scan_layers = t.model.remat, t.model.scan_layers
-  c.chunk_size = t.rollout.chunk_size
-  c.generation = "mesh"
-  c.gen_slots = t.rollout.prompts_per_iteration * t.rollout.samples_per_prompt
-  c.gen_tp = 1  # unused on the mesh
+  _as_trained(c, t, dp=t.mesh.data)
 
 
 def get_config(arg: str = "tiny"):

@@ -142,7 +142,8 @@ def microbatch_count(algo: AlgoConfig, rows: int, shards: int) -> int:
     return 1
   if per_shard % algo.microbatch_size:
     raise ValueError(f"config.algo.microbatch_size={algo.microbatch_size} must divide the "
-                     f"mini-batch rows per data shard ({rows} / {shards} = {per_shard})")
+                     f"mini-batch rows per data shard (algo.minibatch_size={rows} / mesh "
+                     f"data*fsdp={shards} = {per_shard})")
   return per_shard // algo.microbatch_size
 
 

@@ -16,7 +16,7 @@ from absl import logging
 from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.rl import advantages as adv_lib
-from rlhfuse_jax.trainer import build, hooks, pipelined, rollout
+from rlhfuse_jax.trainer import build, hooks, pipelined, ppo, rollout
 from rlhfuse_jax.trainer.config import TrainConfig
 
 
@@ -35,16 +35,13 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     if value % mult:
       raise ValueError(f"config.{name}={value} must be a multiple of the data-parallel size "
                        f"{mult} (mesh data*fsdp = {dict(mesh.shape)}{train_group})")
-  if cfg.algo.microbatch_size:
-    rows = cfg.algo.minibatch_size // mult
-    if mesh.shape["stage"] > 1:  # a preset's setting stays valid under a pipelined plan file
-      logging.info("config.algo.microbatch_size=%d is not used: the pipelined update splits its "
-                   "mini-batch with config.pipeline.actor_microbatches / critic_microbatches",
-                   cfg.algo.microbatch_size)
-    elif rows % cfg.algo.microbatch_size and cfg.algo.microbatch_size < rows:
-      raise ValueError(f"config.algo.microbatch_size={cfg.algo.microbatch_size} must divide the "
-                       f"mini-batch rows per data shard (algo.minibatch_size="
-                       f"{cfg.algo.minibatch_size} / mesh data*fsdp={mult} = {rows})")
+  if cfg.algo.microbatch_size and mesh.shape["stage"] > 1:
+    # A preset's setting stays valid under a pipelined plan file.
+    logging.info("config.algo.microbatch_size=%d is not used: the pipelined update splits its "
+                 "mini-batch with config.pipeline.actor_microbatches / critic_microbatches",
+                 cfg.algo.microbatch_size)
+  elif cfg.algo.microbatch_size:
+    ppo.microbatch_count(cfg.algo, cfg.algo.minibatch_size, mult)  # the update's own check
   context = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
   models = [("config.model", cfg.model)]
   if adv_lib.needs_critic(cfg.algo.estimator):
