@@ -120,7 +120,8 @@ def get_config(arg: str = "tiny"):
   c.fsdp = 1  # parameter-sharded data-parallel degree (mesh axis `fsdp`)
   c.minibatch_size = 64  # samples per optimizer step (one train_step program)
   # samples per micro-batch and data shard: the pipeline's (pp > 1), or the gradient
-  # accumulation of the unpipelined update (pp == 1: the trainer's algo.microbatch_size)
+  # accumulation of the unpipelined update (pp == 1: the trainer's algo.microbatch_size; 0 there
+  # runs each data shard's rows at once)
   c.microbatch_size = 1
   c.seq_len = 2048  # tokens per sample: prompt bucket + response
   c.response_len = 1024  # response tokens (the loss and the heads see these; decode's budget)

@@ -4,8 +4,8 @@ Every program is the codebase's own, reached through the function its caller jit
 
   train_step  trainer/pipelined.PipelinedUpdate.lower (pp > 1: the fused executor's gradients,
               then AdamW, donating both states) or trainer/ppo.make_update_fn (pp == 1, its
-              gradients accumulated over micro-batches of microbatch_size rows per data shard:
-              the trainer's algo.microbatch_size); the states are built as the trainer builds
+              gradients accumulated over micro-batches of microbatch_size rows per data shard,
+              0 for the whole shard at once: the trainer's algo.microbatch_size); the states are built as the trainer builds
               them: parameters placed by the logical rules of parallel/mesh.py (pp == 1) or
               stage-stacked, each stage's layers on its stage devices (pp > 1), AdamW +
               global-norm clipping of rl/optim.py, optimizer leaves placed like their
@@ -166,8 +166,13 @@ class PlanConfig:
     return self.minibatch_size // (self.dp * self.fsdp)
 
   @property
+  def micro_rows(self) -> int:
+    """Rows per micro-batch and data shard: microbatch_size, or (0, pp == 1) the whole shard."""
+    return self.microbatch_size or self.rows_per_shard
+
+  @property
   def actor_microbatches(self) -> int:
-    return self.rows_per_shard // self.microbatch_size
+    return self.rows_per_shard // self.micro_rows
 
   @property
   def critic_microbatches(self) -> int:
@@ -182,10 +187,12 @@ class PlanConfig:
     unknown = set(d) - known
     if unknown:
       raise ValueError(f"config: unknown fields {sorted(unknown)}; known: {sorted(known)}")
-    for name in ("pp", "critic_pp", "tp", "dp", "fsdp", "minibatch_size", "microbatch_size",
+    for name in ("pp", "critic_pp", "tp", "dp", "fsdp", "minibatch_size",
                  "seq_len", "response_len", "gen_tp", "gen_slots", "chunk_size",
                  "inference_microbatch"):
       _check(isinstance(d[name], int) and d[name] >= 1, name, d[name], "an integer >= 1")
+    _check(isinstance(d["microbatch_size"], int) and d["microbatch_size"] >= 0, "microbatch_size",
+           d["microbatch_size"], "an integer >= 0 (0, pp 1 only: each data shard's rows at once)")
     _check(isinstance(d["layers"], int) and d["layers"] >= 0, "layers", d["layers"],
            "an integer >= 0 (0: the model's own)")
     _check(d["hardware"] in hw_lib.HARDWARE, "hardware", d["hardware"],
@@ -226,9 +233,14 @@ class PlanConfig:
       _check(model.num_layers % n_stages == 0, f"{field} layers", model.num_layers,
              f"divisible by its {n_stages} pipeline stages (set config.layers to compile fewer)")
     shards = self.dp * self.fsdp
-    _check(self.minibatch_size % (shards * self.microbatch_size) == 0, "minibatch_size",
-           self.minibatch_size, f"a multiple of dp*fsdp*microbatch_size={shards}*"
-           f"{self.microbatch_size}")
+    _check(self.microbatch_size > 0 or self.pp == 1, "microbatch_size", self.microbatch_size,
+           f">= 1 with pp={self.pp} (0, each data shard's rows at once, is the unpipelined "
+           "update's)")
+    _check(self.minibatch_size % shards == 0, "minibatch_size", self.minibatch_size,
+           f"a multiple of dp*fsdp={shards}")
+    _check(self.rows_per_shard % self.micro_rows == 0, "microbatch_size", self.microbatch_size,
+           f"a divisor of the rows per data shard (minibatch_size/(dp*fsdp) = "
+           f"{self.minibatch_size}/{shards} = {self.rows_per_shard})")
     reps = self.pp // self.critic_pp
     _check(self.actor_microbatches % reps == 0, "microbatch_size", self.microbatch_size,
            f"leaving actor micro-batches ({self.actor_microbatches}) divisible by the critic "
@@ -409,7 +421,7 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
          "activations_bytes": 0.0}
   if cfg.pp == 1 and cfg.actor_microbatches > 1:
     out["grad_accumulator_bytes"] = 0.0  # float32 sums of the micro-batches' gradients
-  tokens_mb = cfg.microbatch_size * cfg.seq_len
+  tokens_mb = cfg.micro_rows * cfg.seq_len
   for model, n_stages in ((cfg.actor, cfg.pp), (cfg.critic, cfg.critic_pp)):
     shards = n_stages * cfg.tp * cfg.fsdp
     params = llama.param_shapes(model)
@@ -433,7 +445,7 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
   if cfg.pp > 1:
     # A lockstep tick lasts as long as its costliest task: a last-stage backward (stage forward
     # recomputed + backward = 3 x forward, head and loss included), tp-way split.
-    task = max(3.0 * accounting.forward_flops(_stage_cfg(m, s), cfg.microbatch_size,
+    task = max(3.0 * accounting.forward_flops(_stage_cfg(m, s), cfg.micro_rows,
                                               cfg.seq_len, cfg.response_len)
                for m, s in ((cfg.actor, cfg.pp), (cfg.critic, cfg.critic_pp)))
     out["lockstep_flops_per_device"] = info["ticks"] * task / cfg.tp

@@ -184,6 +184,24 @@ def test_mesh_generation_config_errors_and_llama_presets():
   c.gen_slots = 6
   with pytest.raises(ValueError, match=r"config\.gen_slots=6: expected a multiple of dp\*fsdp=4"):
     plan_programs.PlanConfig.from_config_dict(c)
+  # microbatch_size 0 (the trainer's default): each data shard's 2 rows at once, unpipelined only.
+  c = _tiny_mesh_generation()
+  c.microbatch_size = 0
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  assert (cfg.micro_rows, cfg.actor_microbatches) == (2, 1)
+  analytic = plan_programs.train_analytic(cfg, {})
+  assert "grad_accumulator_bytes" not in analytic
+  c.microbatch_size = 1
+  one = plan_programs.train_analytic(plan_programs.PlanConfig.from_config_dict(c), {})
+  assert one["activations_bytes"] * 2 == pytest.approx(analytic["activations_bytes"])
+  c.microbatch_size = 3
+  with pytest.raises(ValueError, match=r"config\.microbatch_size=3: expected a divisor of the rows "
+                                       r"per data shard \(minibatch_size/\(dp\*fsdp\) = 8/4 = 2\)"):
+    plan_programs.PlanConfig.from_config_dict(c)
+  c = plan_config.get_config("tiny")
+  c.microbatch_size = 0
+  with pytest.raises(ValueError, match=r"config\.microbatch_size=0: expected >= 1 with pp=2"):
+    plan_programs.PlanConfig.from_config_dict(c)
   c = _tiny_mesh_generation()
   c.generation = "pipeline"
   with pytest.raises(ValueError, match=r"config\.generation='pipeline': expected one of"):

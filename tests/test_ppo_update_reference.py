@@ -194,30 +194,45 @@ def test_value_clip_zero_means_unclipped():
   assert ppo.loss_config(AlgoConfig(), 1.0).value_clip_eps == 0.2
 
 
-@pytest.mark.parametrize("loss_agg", ["seq-mean-token-sum", "seq-mean-token-mean",
-                                      "seq-mean-token-sum-norm"])
-def test_accumulated_update_sums_every_loss_aggregation(loss_agg):
-  """algo.microbatch_size for the other aggregations (the reference above is token-mean): 4
-  micro-batches of one row give the whole mini-batch's SGD step and metrics."""
+@pytest.mark.parametrize("loss_agg,critic_free", [
+    ("seq-mean-token-sum", False), ("seq-mean-token-mean", False),
+    ("seq-mean-token-sum-norm", False), ("token-mean", True)])
+def test_accumulated_update_sums_every_loss_aggregation(loss_agg, critic_free):
+  """algo.microbatch_size for the other aggregations (the reference above is token-mean) and for
+  the critic-free estimators (GRPO: no critic state, no value fields in the batch, the KL as a
+  loss with the entropy bonus): 4 micro-batches of one row give the whole mini-batch's SGD step
+  and metrics."""
   import optax
   actor = llama.host_random_params(ACTOR, 1)  # host copies: the update donates its states
-  critic = llama.host_random_params(CRITIC, 2)
+  critic = None if critic_free else llama.host_random_params(CRITIC, 2)
+  mb = _batch()
+  if critic_free:
+    mb = {k: v for k, v in mb.items() if k not in ("returns", "old_values")}
+  base = dataclasses.replace(ALGO, estimator="grpo") if critic_free else ALGO
   tx = optax.sgd(10.0)
   out = []
   for size in (0, 1):
-    algo = dataclasses.replace(ALGO, loss_agg=loss_agg, microbatch_size=size)
-    update = ppo.make_update_fn(ACTOR, CRITIC, algo, TEMP, tx, tx)
-    a, c = jax.tree.map(jnp.array, actor), jax.tree.map(jnp.array, critic)
-    out.append(update(ppo.ModelState(a, tx.init(a)), ppo.ModelState(c, tx.init(c)), _batch()))
+    algo = dataclasses.replace(base, loss_agg=loss_agg, microbatch_size=size)
+    update = ppo.make_update_fn(ACTOR, None if critic_free else CRITIC, algo, TEMP, tx,
+                                None if critic_free else tx)
+    a = jax.tree.map(jnp.array, actor)
+    c = None if critic_free else jax.tree.map(jnp.array, critic)
+    out.append(update(ppo.ModelState(a, tx.init(a)),
+                      None if critic_free else ppo.ModelState(c, tx.init(c)), mb))
   (wa, wc, wm), (ga, gc, gm) = out
+  assert (wc is None) == (gc is None) == critic_free
+  params = lambda a, c: (a.params,) if c is None else (a.params, c.params)
+  before = (actor,) if critic_free else (actor, critic)
   moved = max(float(np.max(np.abs(np.asarray(w) - np.asarray(b)))) for w, b in zip(
-      jax.tree.leaves((wa.params, wc.params)), jax.tree.leaves((actor, critic))))
+      jax.tree.leaves(params(wa, wc)), jax.tree.leaves(before)))
   assert moved > 1e-3  # the step is not vanishing
-  for got, want, b in zip(jax.tree.leaves((ga.params, gc.params)),
-                          jax.tree.leaves((wa.params, wc.params)),
-                          jax.tree.leaves((actor, critic))):
+  for got, want, b in zip(jax.tree.leaves(params(ga, gc)), jax.tree.leaves(params(wa, wc)),
+                          jax.tree.leaves(before)):
     step = np.asarray(want) - np.asarray(b)
     np.testing.assert_allclose(np.asarray(got) - b, step, rtol=1e-4,
                                atol=1e-3 * max(float(np.max(np.abs(step))), 1e-6))
+  assert set(gm) == set(wm)
+  if critic_free:
+    assert not any(k.startswith("critic/") for k in wm) and wm["actor/kl_loss"] > 0
   for k in wm:
     np.testing.assert_allclose(gm[k], wm[k], rtol=1e-5, atol=1e-6, err_msg=k)

@@ -219,13 +219,13 @@ def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoCo
       updates, opt = actor_tx.update(ag, actor.opt_state, actor.params)
       actor = ModelState(optax.apply_updates(actor.params, updates), opt)
       metrics = actor_metrics(loss_cfg, am)
-      metrics["actor/grad_norm"] = optax.global_norm(ag)
+      metrics["actor/grad_norm"] = optax.tree.norm(ag)
       if critic is not None:
         cm, cg = value_and_grads(stages.critic_loss, critic_cfg, critic.params, critic_sh, mb)
         updates, copt = critic_tx.update(cg, critic.opt_state, critic.params)
         critic = ModelState(optax.apply_updates(critic.params, updates), copt)
         metrics.update({f"critic/{k}": cm[k] for k in ("vf_loss", "vf_clipfrac")})
-        metrics["critic/grad_norm"] = optax.global_norm(cg)
+        metrics["critic/grad_norm"] = optax.tree.norm(cg)
       return actor, critic, metrics
 
     return update
