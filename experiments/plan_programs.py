@@ -32,6 +32,15 @@ Measured per program, per device (SPMD: XLA compiles one program per device):
              work perfectly (perf/accounting.py formulas)
   replication  flops_per_device / analytic useful FLOPs per device (1.0: no repeated work)
   fits       peak_bytes <= the hardware preset's HBM bytes
+  collective_bytes  per kind, the buffer bytes each device's collectives move, loops counted
+             (perf/hlo_flops.py; a decode chunk's loop counts once: one step)
+  collective_s  those collectives one after another on the hardware preset (the simulator's
+             NCCL ring formulas over each collective's own device groups and nodes): the time
+             the program spends communicating unless XLA overlaps it; compute_s: the dot FLOPs
+             at peak FLOP/s; decode's analytic hbm_s: the perfect split's weights and cache read
+             once. Lower bounds to compare layouts with, not predictions.
+  On XLA:CPU a 16-bit weight may move as float32 (the upcast below runs before the gather):
+  collective bytes of weights can be twice a GPU's.
 
 XLA:CPU's buffer assignment is not XLA:GPU's: temp_bytes are an estimate (JAX_NOTES.md).
 
@@ -350,17 +359,24 @@ def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
 
 # Measuring --------------------------------------------------------------------------------------
 
-def measure(lowered: Any, hbm_bytes: float, compiler_options: dict | None = None) -> dict:
-  """Compiles `lowered` and reads its memory and FLOPs per device (module docstring)."""
+def measure(lowered: Any, hardware: hw_lib.Hardware,
+            compiler_options: dict | None = None) -> dict:
+  """Compiles `lowered` and reads its memory, FLOPs and collectives per device (module
+  docstring)."""
   t0 = time.perf_counter()
   compiled = lowered.compile(compiler_options=compiler_options)
   compile_s = time.perf_counter() - t0
-  costs = scale_check.compiled_costs(compiled)
+  costs = scale_check.compiled_costs(compiled, CostModel(hardware))
+  if costs["unread_collective_groups"]:
+    logging.warning("%d collectives have device groups in a form perf/hlo_flops.py does not "
+                    "read: timed as pairs across nodes", costs["unread_collective_groups"])
   peak = (costs["argument_bytes"] + costs["output_bytes"] + costs["temp_bytes"]
           - costs["alias_bytes"])
   return {**{k: v for k, v in costs.items() if k != "flops"}, "peak_bytes": peak,
           "flops_per_device": costs["flops"],
-          "hbm_bytes": hbm_bytes, "fits": bool(peak <= hbm_bytes), "compile_s": compile_s}
+          "compute_s": costs["flops"] / hardware.peak_flops,
+          "hbm_bytes": hardware.hbm_bytes, "fits": bool(peak <= hardware.hbm_bytes),
+          "compile_s": compile_s}
 
 
 def per_layer_upcast(cfg: PlanConfig) -> bool:
@@ -377,12 +393,12 @@ def instance_programs(cfg: PlanConfig) -> dict:
   inst = make_instance(dataclasses.replace(cfg, actor=actor))
   shapes = llama.param_shapes(actor)
   low = dict(inst.lower_all(shapes, {"reference": shapes}, only=("decode", "reference")))
-  out, hbm = {}, cfg.hardware.hbm_bytes
+  out = {}
   for name, key, analytic in (("decode", "decode", decode_analytic(cfg)),
                               ("inference", "reference", inference_analytic(cfg))):
     if per_layer:
-      m = measure(low[key], hbm, PER_LAYER_OPTIONS)
-      plain = measure(low[key], hbm)
+      m = measure(low[key], cfg.hardware, PER_LAYER_OPTIONS)
+      plain = measure(low[key], cfg.hardware)
       m["cpu_upcast"] = {"mode": "per_layer", "scan_layers": True,
                          "compiler_options": PER_LAYER_OPTIONS,
                          "as_compiled": {k: plain[k] for k in ("temp_bytes", "peak_bytes",
@@ -391,7 +407,7 @@ def instance_programs(cfg: PlanConfig) -> dict:
                    "compiled (the whole copy hoisted)", name, m["temp_bytes"] / 1e9,
                    plain["temp_bytes"] / 1e9)
     else:
-      m = measure(low[key], hbm)
+      m = measure(low[key], cfg.hardware)
       m["cpu_upcast"] = {"mode": "as_compiled", "scan_layers": actor.scan_layers}
     out[name] = _finish(m, analytic)
     logging.info("%s: compiled in %.1fs", name, out[name]["compile_s"])
@@ -464,9 +480,10 @@ def decode_analytic(cfg: PlanConfig) -> dict:
              4.0 * a.num_layers * a.num_heads * a.head_dim_ * cfg.seq_len +
              2.0 * a.hidden_size * a.vocab_size)
   shards = cfg.gen_model_shards
-  return {"params_bytes": params / shards, "kv_cache_bytes": kv / n,
-          "total_bytes": params / shards + kv / n,
-          "flops_per_device": cfg.gen_slots * per_row / n}
+  total = params / shards + kv / n
+  # A step reads at least the device's weights and cache once (the bandwidth bound).
+  return {"params_bytes": params / shards, "kv_cache_bytes": kv / n, "total_bytes": total,
+          "flops_per_device": cfg.gen_slots * per_row / n, "hbm_s": total / cfg.hardware.hbm_bw}
 
 
 def inference_analytic(cfg: PlanConfig) -> dict:
@@ -521,7 +538,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   del args
   logging.info("train_step: lowered in %.1fs (%s schedule); compiling ...",
                time.perf_counter() - t0, info["schedule"])
-  programs["train_step"] = {**_finish(measure(lowered, hbm), train_analytic(cfg, info)),
+  programs["train_step"] = {**_finish(measure(lowered, cfg.hardware), train_analytic(cfg, info)),
                             **info, "optimizer_state_bytes": optimizer_bytes}
   del lowered
   logging.info("train_step: compiled in %.1fs", programs["train_step"]["compile_s"])
@@ -635,4 +652,16 @@ def table(result: dict) -> list[str]:
                  f"{_gb(p['analytic']['total_bytes']):>11} "
                  f"{p['flops_per_device'] / 1e12:>10.3f} {p['replication']:>6.2f} "
                  f"{p['compile_s']:>9.1f}")
+  lines.append(f"time bounds on {result['plan']['hardware']} (s; one decode step): "
+               "collectives one after another, dots at peak FLOP/s, HBM reads of the perfect "
+               "split (decode)")
+  lines.append(f"{'program':<11} {'coll GB':>8} {'coll s':>9} {'dots s':>9} {'HBM s':>9}")
+  for name in PROGRAMS:
+    p = result["programs"][name]
+    if "collective_s" not in p:  # a result.json written before collectives were counted
+      continue
+    hbm_s = p["analytic"].get("hbm_s")
+    lines.append(f"{name:<11} {_gb(sum(p['collective_bytes'].values())):>8} "
+                 f"{p['collective_s']:>9.4f} {p['compute_s']:>9.4f} "
+                 f"{'-' if hbm_s is None else f'{hbm_s:.4f}':>9}")
   return lines

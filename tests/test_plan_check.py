@@ -172,6 +172,11 @@ def test_mesh_generation_and_accumulated_update_split_the_work(tmp_path):
     assert p["replication"] < bound, (name, p["replication"])
     assert p["resident_train_bytes"] == train["argument_bytes"]
   assert result["plan"]["generation"] == "mesh"
+  # Collectives counted and timed per program: the update sums the data shards' gradients.
+  sync = train["collective_bytes"]["all-reduce"] + train["collective_bytes"]["reduce-scatter"]
+  assert sync > 0 and train["collective_s"] > 0 and train["unread_collective_groups"] == 0
+  assert result["programs"]["decode"]["analytic"]["hbm_s"] > 0
+  assert any(line.startswith("time bounds on h100_sxm") for line in plan_programs.table(result))
 
 
 def test_mesh_generation_config_errors_and_llama_presets():

@@ -1,4 +1,5 @@
-"""Matrix-product FLOPs of a compiled XLA program, counting every iteration of its loops.
+"""Matrix-product FLOPs and collective traffic of a compiled XLA program, counting every
+iteration of its loops.
 
 `compiled.cost_analysis()["flops"]` counts a while-loop body once, whatever its trip count, and a
 conditional as its costliest branch (measured on jax 0.10.2, CPU: a `fori_loop` of 10 matmuls
@@ -10,11 +11,19 @@ HLO text (`compiled.as_text()`, one SPMD partition, so the counts are per device
   while      body x known_trip_count (XLA's loop analysis puts it in the backend config); a loop
              without a known trip count (an early-exit `while_loop`) counts once and is reported
   conditional  its costliest branch (as XLA's cost analysis: a lockstep tick lasts as long as
-             its longest task)
-  fusion / call / map  the computation they call
+             its longest task); for collectives, the branch moving the most bytes
+  fusion / call / map / async  the computation they call
 
-Only dots are counted: the analytic model (perf/accounting.py) counts matrix products too, so the
-two compare; elementwise work (norms, softmax, the optimizer) is left out of both.
+Only dots are counted as FLOPs: the analytic model (perf/accounting.py) counts matrix products
+too, so the two compare; elementwise work (norms, softmax, the optimizer) is left out of both.
+
+Collectives (`collectives`): each all-gather, all-reduce, reduce-scatter, all-to-all and
+collective-permute (or its async `-start`; `-done` moves nothing new) with its per-device buffer
+in NCCL's sense (all-gather: the gathered output; reduce-scatter: the input, output x group;
+all-reduce, all-to-all, collective-permute: the operand), its device groups (explicit
+`{{0,1},{2,3}}`, iota `[G,N]<=[dims]T(perm)` or named-axis `mesh['a'=2,'b'=4] {'b'}` replica
+groups; partition ids, which are the mesh's devices in order) and how often it runs. A decode
+chunk's loop has no known trip count, so its collectives count once: one decode step's.
 """
 from __future__ import annotations
 
@@ -33,11 +42,47 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 
 
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                          r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+# Bytes per element of HLO's element types (sub-byte types rounded up to one byte).
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction of the program (module docstring)."""
+  kind: str  # one of COLLECTIVES
+  nbytes: int  # per device: the buffer NCCL's formulas take (module docstring)
+  # Device groups: replica groups (each a tuple of partition ids), or for collective-permute the
+  # (source, target) pairs. Empty: unreadable (counted in HloCosts.unread_groups).
+  groups: tuple[tuple[int, ...], ...]
+
+
 @dataclasses.dataclass
-class HloFlops:
+class HloCosts:
   flops: float  # dot FLOPs per device, loops multiplied out, conditionals at their maximum
   unknown_trip_loops: int  # while loops counted once because XLA knows no trip count
   loops: int  # while loops seen (each counted as often as its callers run)
+  collectives: dict[Collective, float]  # each collective -> times it runs (loops multiplied)
+  unread_groups: int = 0  # collectives whose groups are in a form this does not read
+
+  def collective_bytes(self) -> dict[str, float]:
+    """Per-device buffer bytes moved by each kind of collective, every execution counted."""
+    out = {k: 0.0 for k in COLLECTIVES}
+    for c, n in self.collectives.items():
+      out[c.kind] += c.nbytes * n
+    return out
+
+
+# Back-compatible name: the FLOP fields are HloCosts'.
+HloFlops = HloCosts
 
 
 def _dims(shape: str) -> tuple[int, ...] | None:
@@ -47,8 +92,99 @@ def _dims(shape: str) -> tuple[int, ...] | None:
   return tuple(int(d) for d in m.group(1).split(",") if d)
 
 
-def dot_flops(hlo_text: str) -> HloFlops:
-  """Per-device dot FLOPs of an optimized HLO module's text (see module docstring)."""
+def _array_bytes(type_str: str) -> list[int]:
+  """Bytes of each array in an HLO type (a tuple lists several), in order."""
+  out = []
+  for dtype, dims in _ARRAY.findall(type_str):
+    n = math.prod(int(d) for d in dims.split(",") if d)
+    out.append(n * _ITEMSIZE.get(dtype, 1))
+  return out
+
+
+def _iota_groups(shape: list[int], dims: list[int], perm: list[int] | None):
+  """XLA's iota replica groups: arange(prod(dims)) reshaped to dims, transposed by perm,
+  reshaped to [groups, group size]."""
+  total = math.prod(dims)
+  ids = list(range(total))
+  if perm:  # index arithmetic of numpy's reshape(dims).transpose(perm).reshape(-1)
+    strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+    tdims = [dims[p] for p in perm]
+    ids = []
+    for flat in range(total):
+      idx, rem = [], flat
+      for d in reversed(tdims):
+        idx.append(rem % d)
+        rem //= d
+      idx.reverse()
+      ids.append(sum(idx[k] * strides[perm[k]] for k in range(len(perm))))
+  size = shape[-1]
+  return tuple(tuple(ids[i:i + size]) for i in range(0, total, size))
+
+
+def _mesh_groups(axes: str, chosen: str, device_ids: list[int] | None = None):
+  """Named-axis replica groups `mesh['a'=2,'b'=4] {'b'}`: the mesh positions (row-major over the
+  axes) that differ only along the chosen axes form a group; `device_ids` (`device_ids=([dims]
+  T(perm))`, an iota like _iota_groups') names the device at each position (default: itself)."""
+  names, sizes = [], []
+  for part in axes.split(","):
+    name, size = part.split("=")
+    names.append(name.strip().strip("'\""))
+    sizes.append(int(size))
+  picked = {x.strip().strip("'\"") for x in chosen.split(",") if x.strip()}
+  if not picked <= set(names):
+    raise ValueError(f"axes {sorted(picked)} not among {names}")
+  strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+  groups: dict[tuple, list[int]] = {}
+  for flat in range(math.prod(sizes)):
+    idx = [(flat // strides[i]) % sizes[i] for i in range(len(sizes))]
+    key = tuple(idx[i] for i in range(len(sizes)) if names[i] not in picked)
+    groups.setdefault(key, []).append(flat if device_ids is None else device_ids[flat])
+  return tuple(tuple(g) for g in groups.values())
+
+
+def _groups(rest: str, kind: str, partitions: int) -> tuple[tuple[int, ...], ...]:
+  if kind == "collective-permute":
+    m = _PAIRS.search(rest)
+    return tuple(tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}",
+                                                                       m.group(1))) if m else ()
+  m = _GROUPS_LIST.search(rest)
+  if m:
+    groups = tuple(tuple(int(x) for x in g.split(",") if x)
+                   for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+    groups = tuple(g for g in groups if g)
+    return groups or (tuple(range(partitions)),)  # {}: every device, one group
+  m = _GROUPS_IOTA.search(rest)
+  if m:
+    ints = lambda x: [int(v) for v in x.split(",")] if x else None
+    return _iota_groups(ints(m.group(1)), ints(m.group(2)), ints(m.group(3)))
+  m = _GROUPS_MESH.search(rest)
+  if m:
+    ids = None
+    if m.group(2):
+      dims = [int(v) for v in m.group(2).split(",")]
+      perm = [int(v) for v in m.group(3).split(",")] if m.group(3) else None
+      ids = [i for g in _iota_groups([math.prod(dims)], dims, perm) for i in g]
+    return _mesh_groups(m.group(1), m.group(4), ids)
+  if "replica_groups" not in rest:
+    return (tuple(range(partitions)),)
+  return ()
+
+
+def _collective(kind: str, start: bool, type_str: str, rest: str, partitions: int) -> Collective:
+  arrays = _array_bytes(type_str)
+  if start and kind == "all-gather":  # (operands..., outputs...)
+    nbytes = sum(arrays[len(arrays) // 2:])
+  elif kind == "collective-permute":  # -start: (input, output, contexts...)
+    nbytes = arrays[0] if arrays else 0
+  else:
+    nbytes = sum(arrays)
+  groups = _groups(rest, kind, partitions)
+  if kind == "reduce-scatter" and groups:
+    nbytes *= len(groups[0])  # the input: each device keeps 1/group of it
+  return Collective(kind, int(nbytes), groups)
+
+
+def _parse(hlo_text: str) -> tuple[dict[str, list[str]], str]:
   comps: dict[str, list[str]] = {}
   entry, current = None, None
   for line in hlo_text.splitlines():
@@ -64,21 +200,49 @@ def dot_flops(hlo_text: str) -> HloFlops:
       comps[current].append(line)
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text")
-  memo: dict[str, tuple[float, int, int]] = {}
+  return comps, entry
 
-  def cost(name: str) -> tuple[float, int, int]:
+
+def _scaled(colls: dict, reps: float) -> dict:
+  return {c: n * reps for c, n in colls.items()}
+
+
+def _added(a: dict, b: dict) -> dict:
+  out = dict(a)
+  for c, n in b.items():
+    out[c] = out.get(c, 0.0) + n
+  return out
+
+
+def analyze(hlo_text: str) -> HloCosts:
+  """Per-device dot FLOPs and collectives of an optimized HLO module's text (module
+  docstring)."""
+  comps, entry = _parse(hlo_text)
+  m = _PARTITIONS.search(hlo_text.split("\n", 1)[0])
+  partitions = int(m.group(1)) if m else 1
+  memo: dict[str, tuple] = {}
+  unread = [0]
+
+  def cost(name: str) -> tuple[float, int, int, dict]:
     if name in memo:
       return memo[name]
-    memo[name] = (0.0, 0, 0)  # guards against recursion
+    memo[name] = (0.0, 0, 0, {})  # guards against recursion
     shapes: dict[str, tuple[int, ...] | None] = {}
-    flops, unknown, loops = 0.0, 0, 0
+    flops, unknown, loops, colls = 0.0, 0, 0, {}
     for line in comps.get(name, []):
       m = _INSTR.match(line)
       if not m:
         continue
       inst, shape, op, rest = m.groups()
       shapes[inst] = _dims(shape)
-      if op == "dot":
+      base = op[:-len("-start")] if op.endswith("-start") else op
+      if base in COLLECTIVES:
+        c = _collective(base, op != base, shape, rest, partitions)
+        unread[0] += 0 if c.groups else 1
+        colls = _added(colls, {c: 1.0})
+      elif op.endswith("-done") or op.endswith("-update"):
+        continue  # the -start (or async-start's computation) holds the work
+      elif op == "dot":
         operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
         lhs = shapes.get(operands[0]) if operands else None
         out = shapes[inst]
@@ -90,9 +254,10 @@ def dot_flops(hlo_text: str) -> HloFlops:
       elif op == "while":
         body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
         trip = _TRIP.search(rest)
-        f, u, n = cost(body)
+        f, u, n, c = cost(body)
         reps = int(trip.group(1)) if trip else 1
         flops += reps * f
+        colls = _added(colls, _scaled(c, reps))
         unknown += u + (0 if trip else 1)
         loops += n + 1
       elif op == "conditional":
@@ -104,12 +269,21 @@ def dot_flops(hlo_text: str) -> HloFlops:
         flops += max(x[0] for x in branch)
         unknown += sum(x[1] for x in branch)
         loops += sum(x[2] for x in branch)
+        colls = _added(colls, max((x[3] for x in branch), key=lambda d: sum(
+            c.nbytes * n for c, n in d.items())))
       else:
         for callee in _CALLS.findall(rest):
-          f, u, n = cost(callee)
+          f, u, n, c = cost(callee)
           flops, unknown, loops = flops + f, unknown + u, loops + n
-    memo[name] = (flops, unknown, loops)
+          colls = _added(colls, c)
+    memo[name] = (flops, unknown, loops, colls)
     return memo[name]
 
-  f, u, n = cost(entry)
-  return HloFlops(flops=f, unknown_trip_loops=u, loops=n)
+  f, u, n, c = cost(entry)
+  return HloCosts(flops=f, unknown_trip_loops=u, loops=n, collectives=c,
+                  unread_groups=unread[0])
+
+
+def dot_flops(hlo_text: str) -> HloCosts:
+  """Per-device dot FLOPs of an optimized HLO module's text (and the rest of `analyze`)."""
+  return analyze(hlo_text)

@@ -50,20 +50,45 @@ def abstract_params(cfg: ModelConfig, param_shardings: Any) -> Any:
                       shapes, param_shardings)
 
 
-def compiled_costs(compiled: Any) -> dict:
+def compiled_costs(compiled: Any, cost_model: Any = None) -> dict:
   """Per-device figures of a compiled program: memory_analysis()'s argument / output / temp /
   alias bytes, dot FLOPs with loops counted (`flops`, perf/hlo_flops.py), cost_analysis()'s
-  `xla_flops` (loop bodies once) and the loops whose trip count hlo_flops could not read."""
+  `xla_flops` (loop bodies once), the loops whose trip count hlo_flops could not read, and the
+  bytes each kind of collective moves per device (`collective_bytes`, loops counted). With a
+  sim CostModel (`cost_model`), `collective_s`: those collectives one after another on its
+  hardware (CostModel.group_collective_s, each over its slowest group): what the program
+  spends communicating unless XLA overlaps it with compute."""
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list on some jax versions
-  counted = hlo_flops.dot_flops(compiled.as_text())
-  return {"argument_bytes": int(mem.argument_size_in_bytes),
-          "output_bytes": int(mem.output_size_in_bytes),
-          "temp_bytes": int(mem.temp_size_in_bytes),
-          "alias_bytes": int(mem.alias_size_in_bytes),
-          "flops": counted.flops, "xla_flops": float(cost.get("flops", 0.0)),
-          "loops_without_trip_count": counted.unknown_trip_loops}
+  counted = hlo_flops.analyze(compiled.as_text())
+  out = {"argument_bytes": int(mem.argument_size_in_bytes),
+         "output_bytes": int(mem.output_size_in_bytes),
+         "temp_bytes": int(mem.temp_size_in_bytes),
+         "alias_bytes": int(mem.alias_size_in_bytes),
+         "flops": counted.flops, "xla_flops": float(cost.get("flops", 0.0)),
+         "loops_without_trip_count": counted.unknown_trip_loops,
+         "collective_bytes": counted.collective_bytes(),
+         "unread_collective_groups": counted.unread_groups}
+  if cost_model is not None:
+    out["collective_s"] = collective_seconds(counted, cost_model)
+  return out
+
+
+def collective_seconds(counted: hlo_flops.HloCosts, cost_model: Any) -> float:
+  """Seconds of `counted`'s collectives run one after another (compiled_costs). A collective
+  whose groups hlo_flops could not read is timed as a pair across two nodes (the slow link)."""
+  node = cost_model.hw.devices_per_node
+  total = 0.0
+  for c, n in counted.collectives.items():
+    if c.kind == "collective-permute":
+      cross = not c.groups or any(a // node != b // node for a, b in c.groups)
+      one = cost_model.p2p_s(c.nbytes, cross) if c.nbytes else 0.0
+    else:
+      one = max(cost_model.group_collective_s(c.kind, c.nbytes, g)
+                for g in (c.groups or ((0, node),)))
+    total += n * float(one)
+  return total
 
 
 def grad_step_cost(cfg: ModelConfig, mesh: jax.sharding.Mesh, param_shardings: Any,

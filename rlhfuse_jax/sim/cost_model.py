@@ -44,6 +44,7 @@ at prefill_mfu: the fit's mfu is decode's, measured on single-token matmuls).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Optional, Sequence
@@ -148,13 +149,33 @@ class CostModel:
     return self._allreduce_over(nbytes, group, self.hw.nodes_spanned(group),
                                 self.hw.link_bw(group))
 
+  def _allgather_over(self, nbytes_total, ranks: int, nodes: int, bw: float):
+    if ranks <= 1:
+      return 0.0
+    return self._ring_s((ranks - 1) / ranks * nbytes_total, ranks - 1, nodes - 1,
+                        bw * self.eff.net_eff)
+
   def allgather_s(self, nbytes_total: float, group: int) -> float:
     """All-gather (or reduce-scatter) of a `nbytes_total` buffer over `group` devices."""
-    if group <= 1:
-      return 0.0
-    return self._ring_s((group - 1) / group * nbytes_total, group - 1,
-                        self.hw.nodes_spanned(group) - 1,
-                        self.hw.link_bw(group) * self.eff.net_eff)
+    return self._allgather_over(nbytes_total, group, self.hw.nodes_spanned(group),
+                                self.hw.link_bw(group))
+
+  def group_collective_s(self, kind: str, nbytes: float, members: Sequence[int]) -> float:
+    """One collective of a compiled program (perf/hlo_flops.Collective: `nbytes` per device in
+    NCCL's sense) over the devices `members` (consecutive numbering; any layout): the ring
+    formulas above, with the nodes the members occupy and min(fast link, members per node x
+    one NIC each) across nodes. all-to-all moves (g-1)/g of its buffer, as an all-gather.
+    (collective-permute is a point-to-point hop: p2p_s.)"""
+    per_node = collections.Counter(d // self.hw.devices_per_node for d in members)
+    nodes = len(per_node)
+    ranks = len(members)
+    bw = (self.hw.intra_node_bw if nodes <= 1 else
+          min(self.hw.intra_node_bw, max(per_node.values()) * self.hw.inter_node_bw))
+    if kind == "all-reduce":
+      return self._allreduce_over(nbytes, ranks, nodes, bw)
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+      return self._allgather_over(nbytes, ranks, nodes, bw)
+    raise ValueError(f"unknown collective kind {kind!r}")
 
   def p2p_s(self, nbytes: float, cross_node: bool) -> float:
     bw = (self.hw.inter_node_bw if cross_node else self.hw.intra_node_bw) * self.eff.net_eff

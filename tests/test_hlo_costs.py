@@ -1,0 +1,121 @@
+"""perf/hlo_flops.py's collective counting and its timing (perf/scale_check.collective_seconds,
+sim CostModel.group_collective_s): on hand-written HLO and on a compiled shard_map program whose
+collectives are known exactly."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from rlhfuse_jax.perf import hlo_flops, scale_check
+from rlhfuse_jax.sim import hardware as hw_lib
+from rlhfuse_jax.sim.cost_model import CostModel
+
+# A module in the optimized-HLO text form: a loop of 5 known trips holding an all-gather over
+# iota groups and an async all-reduce, a loop without a trip count holding a reduce-scatter and
+# an all-reduce over named axes of permuted device ids, and a conditional whose branches move 64
+# and 4096 bytes.
+_HLO = """HloModule m, is_scheduled=true, num_partitions=8
+
+%body (p: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%p), index=1
+  %ag = bf16[16,8]{1,0} all-gather(%x), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}, use_global_device_ids=true
+  %ars = f32[32]{0} all-reduce-start(%x), channel_id=2, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+  %ard = f32[32]{0} all-reduce-done(%ars)
+  ROOT %t = (s32[], f32[16]{0}) tuple(%x, %x)
+}
+
+%body2 (q: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %q = (s32[], f32[16]{0}) parameter(0)
+  %y = f32[16]{0} get-tuple-element(%q), index=1
+  %rs = f32[2]{0} reduce-scatter(%y), channel_id=3, replica_groups=mesh['a'=2,'b'=4] {'b'}, dimensions={0}, to_apply=%add
+  %ar2 = f32[4]{0} all-reduce(%y), channel_id=6, replica_groups=mesh['a'=2,'b'=4], device_ids=([2,2,2]T(1,0,2)) {'a'}, to_apply=%add
+  ROOT %t2 = (s32[], f32[16]{0}) tuple(%y, %y)
+}
+
+%small (a: f32[16]) -> f32[16] {
+  %a = f32[16]{0} parameter(0)
+  ROOT %cp = f32[16]{0} collective-permute(%a), channel_id=4, source_target_pairs={{0,4},{4,0}}
+}
+
+%large (b: f32[16]) -> f32[1024] {
+  %b = f32[16]{0} parameter(0)
+  ROOT %ag2 = f32[1024]{0} all-gather(%b), channel_id=5, replica_groups={}, dimensions={0}
+}
+
+ENTRY %main (w: f32[16]) -> f32[16] {
+  %w = f32[16]{0} parameter(0)
+  %l1 = (s32[], f32[16]{0}) while(%w), condition=%c, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %l2 = (s32[], f32[16]{0}) while(%w), condition=%c, body=%body2
+  %i = s32[] constant(0)
+  ROOT %cond = f32[16]{0} conditional(%i, %w, %w), branch_computations={%small, %large}
+}
+"""
+
+
+def test_counts_bytes_groups_and_loops_of_hand_written_hlo():
+  costs = hlo_flops.analyze(_HLO)
+  assert costs.unknown_trip_loops == 1 and costs.unread_groups == 0
+  kinds = sorted(c.kind for c in costs.collectives)
+  # The larger branch's all-gather (4096 bytes), not the smaller's collective-permute.
+  assert kinds == ["all-gather", "all-gather", "all-reduce", "all-reduce", "reduce-scatter"], kinds
+  by_kind = {c.kind: (c, n) for c, n in costs.collectives.items() if c.nbytes not in (4096, 16)}
+  # Named axes over permuted device ids: mesh position p holds device ids[p].
+  ids = np.arange(8).reshape(2, 2, 2).transpose(1, 0, 2).reshape(2, 4)
+  (ar2, n), = [(c, n) for c, n in costs.collectives.items() if c.nbytes == 16
+               and c.kind == "all-reduce"]
+  assert n == 1.0 and ar2.groups == tuple(tuple(ids[:, j].tolist()) for j in range(4))
+  ag, n = by_kind["all-gather"]
+  # The gathered bf16[16,8] (256 bytes) five times, over numpy's reading of the iota groups.
+  want = np.arange(8).reshape(4, 2).T.reshape(2, 4)
+  assert (ag.nbytes, n) == (256, 5.0) and ag.groups == tuple(map(tuple, want.tolist()))
+  assert by_kind["all-reduce"][0].nbytes == 128 and by_kind["all-reduce"][1] == 5.0  # -done: 0
+  rs, n = by_kind["reduce-scatter"]
+  # The input (output 8 bytes x 4 members); groups: devices differing only along 'b'.
+  assert (rs.nbytes, n, rs.groups) == (32, 1.0, ((0, 1, 2, 3), (4, 5, 6, 7)))
+  assert costs.collective_bytes()["all-gather"] == 5 * 256 + 4096  # replica_groups={}: all 8
+  big = [c for c in costs.collectives if c.nbytes == 4096][0]
+  assert big.groups == (tuple(range(8)),)
+
+
+def test_group_timing_follows_the_nodes_the_members_occupy():
+  hw = hw_lib.HARDWARE["h100_sxm"]  # 8 devices per node, NVLink 450 GB/s, one 50 GB/s NIC each
+  cm = CostModel(hw)
+  for g in (2, 8, 16):  # consecutive groups: the simulator's own formulas
+    assert cm.group_collective_s("all-gather", 1e9, range(g)) == cm.allgather_s(1e9, g)
+    assert cm.group_collective_s("all-reduce", 1e9, range(g)) == cm.allreduce_s(1e9, g)
+  inside = cm.group_collective_s("all-gather", 1e9, range(0, 8))
+  strided = cm.group_collective_s("all-gather", 1e9, range(0, 32, 4))  # 2 per node, 4 nodes
+  spread = cm.group_collective_s("all-gather", 1e9, range(0, 64, 8))  # 1 per node
+  assert inside < strided < spread
+  # Bandwidth terms: 7/8 GB over NVLink, over two NICs, over one.
+  eff = cm.eff.net_eff
+  assert strided == pytest.approx(0.875e9 / (2 * hw.inter_node_bw * eff), rel=0.05)
+  assert spread == pytest.approx(0.875e9 / (hw.inter_node_bw * eff), rel=0.05)
+  assert inside == pytest.approx(0.875e9 / (hw.intra_node_bw * eff), rel=0.1)
+
+
+def test_counts_a_compiled_shard_map_exactly():
+  """Three trips of all_gather + psum in a fori_loop over a (2, 4) mesh: the bytes and groups
+  XLA compiled are the ones written."""
+  devices = np.array(jax.devices()[:8]).reshape(2, 4)
+  mesh = jax.sharding.Mesh(devices, ("x", "y"))
+
+  def body(_, v):
+    g = jax.lax.all_gather(v, "y", tiled=True)  # [4*16, 32] float32 per device
+    return v + jax.lax.psum(g.sum(0, keepdims=True), "x")[:, :32]
+
+  def f(v):
+    return jax.lax.fori_loop(0, 3, body, v)
+  fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("y"), out_specs=P("y")))
+  arg = jax.device_put(jnp.ones((64, 32), jnp.float32), NamedSharding(mesh, P("y")))
+  costs = hlo_flops.analyze(fn.lower(arg).compile().as_text())
+  got = {}
+  for c, n in costs.collectives.items():
+    got.setdefault(c.kind, []).append((c.nbytes, n, c.groups))
+  assert got["all-gather"] == [(64 * 32 * 4, 3.0, ((0, 1, 2, 3), (4, 5, 6, 7)))]
+  assert got["all-reduce"] == [(32 * 4, 3.0, ((0, 4), (1, 5), (2, 6), (3, 7)))]
+  seconds = scale_check.collective_seconds(costs, CostModel(hw_lib.HARDWARE["h100_sxm"]))
+  cm = CostModel(hw_lib.HARDWARE["h100_sxm"])
+  assert seconds == pytest.approx(3 * (cm.allgather_s(8192, 4) + cm.allreduce_s(128, 2)))
