@@ -52,24 +52,36 @@ def _tiny_model(layers: int) -> ml_collections.ConfigDict:
 
 def _as_trained(c, t, dp: int) -> None:
   """The plan of training config `t` (a configs/ppo_*.py preset) with `dp` data replicas: its
-  mesh, mini- and micro-batches, lengths, remat and scan, generation and scoring on the training
-  mesh with the whole rollout batch."""
+  mesh, mini- and micro-batches, lengths, remat and scan, and its plan.generation: on the
+  training mesh with the whole rollout batch, or on its instances (generation_tp devices, the
+  rollout batch dealt over devices / generation_tp of them, inference micro-batches of
+  fusion.inference_micro_batch)."""
   c.pp = c.critic_pp = t.mesh.stage
   c.tp, c.fsdp, c.dp = t.mesh.tensor, t.mesh.fsdp, dp
   c.minibatch_size, c.microbatch_size = t.algo.minibatch_size, t.algo.microbatch_size
   c.seq_len = t.data.max_prompt_len + t.rollout.max_new_tokens
   c.response_len = t.rollout.max_new_tokens
   c.remat, c.scan_layers = t.model.remat, t.model.scan_layers
+  c.offload_optimizer = t.optim.offload_during_rollout
   c.chunk_size = t.rollout.chunk_size
-  c.generation = "mesh"
-  c.gen_slots = t.rollout.prompts_per_iteration * t.rollout.samples_per_prompt
-  c.gen_tp = 1  # unused on the mesh
+  batch = t.rollout.prompts_per_iteration * t.rollout.samples_per_prompt
+  if t.plan.generation == "mesh":
+    c.generation, c.gen_slots = "mesh", batch
+    c.gen_tp = 1  # unused on the mesh
+  elif t.plan.generation == "instances":  # trainer/rollout.plan_instances_config's layout
+    devices = t.mesh.stage * t.mesh.tensor * t.mesh.fsdp * dp
+    c.generation, c.gen_tp = "instances", t.plan.generation_tp
+    c.gen_slots = t.plan.generation_slots or -(-batch // (devices // c.gen_tp))
+    c.inference_microbatch = t.fusion.inference_micro_batch or c.gen_slots
+  else:
+    raise ValueError(f"configs/plan_check.py: plan.generation={t.plan.generation!r} of the "
+                     "preset has no plan_check mapping (mesh and instances have)")
 
 
 def _llama_preset(c, variant: str) -> None:
   """configs/ppo_llama.py's preset on its smallest device count (data 1: one model replica of
   fsdp x tensor devices), as its trainer would run it: the unpipelined update with its
-  micro-batches, generation and scoring on the training mesh."""
+  micro-batches, generation and scoring where its plan.generation puts them."""
   from configs import ppo_llama  # pylint: disable=import-outside-toplevel
   t = ppo_llama.get_config(variant)
   c.actor, c.critic = ppo_llama.parse_variant(variant)

@@ -13,9 +13,9 @@ generation lengths as a sweep:
 Check a preset's memory before renting the GPUs (compiled from shapes on CPU, a few minutes):
   python -m experiments.plan_check --config=configs/plan_check.py:llama/13b --workdir=/tmp/pc13b
 
-On the RLHFuse paper's pipelined plans (configs/plan_check.py) the 33B/13B and 65B/33B pairs'
-generation instances fit beside the training state only with the AdamW moments in host memory
-while they run: `--config.optim.offload_during_rollout=True` (docs/usage.md "Memory at scale").
+Generation and scoring run on instances of `tensor` devices (config.plan.generation), with the
+AdamW moments in host memory while they run (config.optim.offload_during_rollout): docs/usage.md
+"Memory at scale" and "Communication at scale".
 
 Every field of configs/ppo_tiny.py is present (this file starts from it). Real runs also set
 init.actor_checkpoint / init.critic_checkpoint (HF LLaMA checkpoints), init.tokenizer and
@@ -97,6 +97,19 @@ def get_config(arg: str = "13b"):
   c.mesh.fsdp = replica // tensor
   c.mesh.tensor = tensor
   c.mesh.stage = 1  # no pipeline in the serial-stage baseline
+  # Generation and scoring on instances of `tensor` devices (the actor resharded onto them once
+  # per iteration), not on the training mesh, where every decode step all-gathers the fsdp-split
+  # weights: for 13B on 32 H100s plan_check llama/13b counts 9.6 GB of collectives per device
+  # and step there (>= 130 ms on the links vs 6 ms of HBM reads) and 0.11 GB on instances.
+  c.plan.generation = "instances"
+  c.plan.generation_tp = tensor
+  # Scoring on a freed instance in micro-batches of 8 samples (0 would take all its slots).
+  c.fusion.inference_micro_batch = 8
+  # The AdamW moments wait in host memory while the instances generate: their KV caches (64
+  # slots each at the smallest device counts) fill what the moments held. On the smallest
+  # meshes decode + training state is 76.4 GB per device for 7B and 75.1 GB for 65B/33B with
+  # the moments on the devices, 69.8 and 69.0 GB without (plan_check llama/<variant>).
+  c.optim.offload_during_rollout = True
 
   c.data.max_prompt_len = 512  # prompt bucket (right-padded)
   c.rollout.prompts_per_iteration = 512  # global batch of the RLHFuse setting

@@ -543,7 +543,14 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   del lowered
   logging.info("train_step: compiled in %.1fs", programs["train_step"]["compile_s"])
   programs.update(instance_programs(cfg))
-  beside_train_state(programs, hbm, cfg.offload_optimizer)
+  # On the training mesh the trainer keeps the reference (the actor's shapes) placed beside the
+  # state for the whole run, and decodes with the state's own actor; instances hold a copy of
+  # the actor and load the reference from host memory only when freed for inference
+  # (trainer/rollout.py SerialStage, FusedStage).
+  on_mesh = (_nbytes(llama.param_shapes(cfg.actor)) / cfg.gen_model_shards
+             if cfg.generation == "mesh" else 0)
+  beside_train_state(programs, hbm, cfg.offload_optimizer, frozen_bytes=on_mesh,
+                     shared_bytes=on_mesh)
   return {
       "plan": {"pp": cfg.pp, "critic_pp": cfg.critic_pp, "tp": cfg.tp, "dp": cfg.dp,
                "fsdp": cfg.fsdp, "minibatch_size": cfg.minibatch_size,
@@ -586,8 +593,12 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
           "fits": "train_step: its peak <= hbm_bytes; decode and inference: their peak plus "
                   "resident_train_bytes (the training state that stays on the same devices: "
                   "train_step's argument bytes, minus offloaded_optimizer_bytes when "
-                  "offload_optimizer) <= hbm_bytes (fits_alone: the program by itself); no "
-                  "headroom (the simulator plans with 90 % of HBM)",
+                  "offload_optimizer), decode on the training mesh also plus "
+                  "resident_frozen_bytes (the reference model kept there) minus "
+                  "shared_with_train_bytes (the actor it reads is the training state's) <= "
+                  "hbm_bytes "
+                  "(fits_alone: the program by itself); no headroom (the simulator plans with "
+                  "90 % of HBM)",
           "gpu_flops": "on a GPU backend library calls (cuBLAS / cuDNN custom-calls) hold most "
                        "dots, which hlo_flops does not count: flops_per_device and replication "
                        "undercount there",
@@ -598,13 +609,19 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   }
 
 
-def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool) -> None:
+def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
+                       frozen_bytes: float = 0, shared_bytes: float = 0) -> None:
   """Decode's and inference's fit on top of the training state. The trainer keeps the actor's
   and critic's training state (stage shards of parameters and AdamW moments: the train step's
   arguments) on every device for the whole run, and the generation instances and the freed
   instances' inference run on those same devices: what decides whether they fit is their peak
   on top of that state, less the moments when the trainer moves them to host memory during the
-  rollout (optim.offload_during_rollout)."""
+  rollout (optim.offload_during_rollout).
+
+  With generation on the training mesh, decode also has beside it the frozen reference model,
+  placed there for the whole run (`frozen_bytes` per device; inference takes it as an
+  argument), and reads the training state's own actor parameters (`shared_bytes`, counted
+  once)."""
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
   for name in ("decode", "inference"):
@@ -612,7 +629,10 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool) -> N
     p.setdefault("fits_alone", p["fits"])
     p["offloaded_optimizer_bytes"] = offloaded
     p["resident_train_bytes"] = train["argument_bytes"] - offloaded
-    p["peak_with_train_state_bytes"] = p["peak_bytes"] + p["resident_train_bytes"]
+    p["resident_frozen_bytes"] = frozen_bytes if name == "decode" else 0
+    p["shared_with_train_bytes"] = shared_bytes if name == "decode" else 0
+    p["peak_with_train_state_bytes"] = (p["peak_bytes"] + p["resident_train_bytes"] +
+                                        p["resident_frozen_bytes"] - p["shared_with_train_bytes"])
     p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)
 
 

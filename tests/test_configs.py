@@ -125,6 +125,7 @@ def test_documented_variants_are_found():
 
 # ----------------------------------------------------------------------- LLaMA-class configs
 from configs import ppo_llama, ppo_tiny  # noqa: E402
+from rlhfuse_jax.trainer import rollout as rollout_lib  # noqa: E402
 
 SIZES = ["7b", "13b", "33b", "65b"]
 
@@ -168,6 +169,9 @@ def test_llama_configs_are_bf16_paper_sized_and_fit_their_mesh(variant):
   for devices in (replica, largest):
     sizes = mesh.resolve(devices)
     assert cfg.algo.minibatch_size % (sizes["data"] * sizes["fsdp"]) == 0, (variant, devices)
+    # Generation instances of `tensor` devices: the trainer's plan checks pass on these counts.
+    assert (cfg.plan.generation, cfg.plan.generation_tp) == ("instances", mesh.tensor)
+    rollout_lib.check_plan(cfg, devices)
   if actor != "7b":  # the RLHFuse paper's pairs (13B and up) on its 256 GPUs
     assert replica <= 256 <= largest
   with pytest.raises(ValueError, match="mesh"):

@@ -172,6 +172,10 @@ def test_mesh_generation_and_accumulated_update_split_the_work(tmp_path):
     assert p["replication"] < bound, (name, p["replication"])
     assert p["resident_train_bytes"] == train["argument_bytes"]
   assert result["plan"]["generation"] == "mesh"
+  # On the training mesh the reference stays beside the state, and decode reads the state's
+  # own actor: the two shares are the same size.
+  p = result["programs"]["decode"]
+  assert p["resident_frozen_bytes"] == p["shared_with_train_bytes"] > 0
   # Collectives counted and timed per program: the update sums the data shards' gradients.
   sync = train["collective_bytes"]["all-reduce"] + train["collective_bytes"]["reduce-scatter"]
   assert sync > 0 and train["collective_s"] > 0 and train["unread_collective_groups"] == 0
@@ -218,14 +222,21 @@ def test_mesh_generation_config_errors_and_llama_presets():
     assert (plan.pp, plan.tp, plan.fsdp, plan.dp) == (1, run.mesh.tensor, run.mesh.fsdp, 1)
     assert (plan.minibatch_size, plan.microbatch_size) == (64, run.algo.microbatch_size) == (64, 1)
     assert plan.seq_len == run.data.max_prompt_len + run.rollout.max_new_tokens
-    assert plan.generation == "mesh" and plan.gen_slots == run.rollout.prompts_per_iteration
+    # Generation on instances of `tensor` devices, the batch dealt over them; moments offloaded.
+    instances = plan.tp * plan.fsdp // run.plan.generation_tp
+    assert (plan.generation, plan.gen_tp) == (run.plan.generation, run.mesh.tensor)
+    assert plan.gen_slots == run.rollout.prompts_per_iteration // instances
+    assert plan.inference_microbatch == run.fusion.inference_micro_batch == 8
+    assert plan.offload_optimizer is run.optim.offload_during_rollout is True
     assert plan.scan_layers == run.model.scan_layers == run.critic_model.scan_layers is True
   # hf_gpu/<model>: configs/ppo_hf.py:ppo_gpu on a model of HF_MODELS.
   from configs import ppo_hf
   run, plan = ppo_hf.get_config("ppo_gpu"), plan_config.get_config("hf_gpu/qwen3-0.6b")
   cfg = plan_programs.PlanConfig.from_config_dict(plan)
   assert (cfg.fsdp, cfg.tp, cfg.dp, cfg.pp) == (run.mesh.fsdp, 1, 1, 1)
-  assert (cfg.microbatch_size, cfg.gen_slots) == (run.algo.microbatch_size, 128)
+  # 128 responses dealt over 8 one-device instances.
+  assert (cfg.microbatch_size, cfg.generation, cfg.gen_tp, cfg.gen_slots) == (
+      run.algo.microbatch_size, "instances", 1, 16)
   assert cfg.actor.qk_norm and cfg.actor.tie_embeddings and cfg.actor.head_dim == 128
   assert cfg.actor.scan_layers and cfg.critic.head == "scalar"
   with pytest.raises(ValueError, match=r"unknown model 'gpt2' in 'hf_gpu/gpt2'"):
