@@ -59,6 +59,7 @@ def _as_trained(c, t, dp: int) -> None:
   c.pp = c.critic_pp = t.mesh.stage
   c.tp, c.fsdp, c.dp = t.mesh.tensor, t.mesh.fsdp, dp
   c.minibatch_size, c.microbatch_size = t.algo.minibatch_size, t.algo.microbatch_size
+  c.gradient_sync = t.algo.gradient_sync
   c.seq_len = t.data.max_prompt_len + t.rollout.max_new_tokens
   c.response_len = t.rollout.max_new_tokens
   c.remat, c.scan_layers = t.model.remat, t.model.scan_layers
@@ -135,6 +136,9 @@ def get_config(arg: str = "tiny"):
   # accumulation of the unpipelined update (pp == 1: the trainer's algo.microbatch_size; 0 there
   # runs each data shard's rows at once)
   c.microbatch_size = 1
+  # pp == 1 with micro-batches: the trainer's algo.gradient_sync, "per_microbatch" (weights
+  # gathered and gradients reduced per micro-batch) or "once" (per optimizer step)
+  c.gradient_sync = "per_microbatch"
   c.seq_len = 2048  # tokens per sample: prompt bucket + response
   c.response_len = 1024  # response tokens (the loss and the heads see these; decode's budget)
   c.remat = "dots"  # none | full | dots (models/llama.py REMAT_POLICIES)

@@ -146,6 +146,7 @@ class PlanConfig:
   inference_microbatch: int
   hardware: hw_lib.Hardware
   offload_optimizer: bool = False  # the trainer's optim.offload_during_rollout
+  gradient_sync: str = "per_microbatch"  # the trainer's algo.gradient_sync (pp == 1)
   generation: str = "instances"  # instances | mesh (module docstring)
 
   @property
@@ -191,7 +192,7 @@ class PlanConfig:
   def from_config_dict(cls, c: Any) -> "PlanConfig":
     d = c.to_dict() if hasattr(c, "to_dict") else dict(c)
     known = {"actor", "critic", "layers", "remat", "attention", "hardware", "generation",
-             "scan_layers"} | {
+             "scan_layers", "gradient_sync"} | {
         f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - known
     if unknown:
@@ -210,6 +211,8 @@ class PlanConfig:
            f"one of {list(CPU_UPCAST_MODES)}")
     _check(d.get("generation", "instances") in GENERATION_MODES, "generation",
            d.get("generation"), f"one of {list(GENERATION_MODES)}")
+    _check(d.get("gradient_sync", "per_microbatch") in tc.GRADIENT_SYNC_MODES, "gradient_sync",
+           d.get("gradient_sync"), f"one of {list(tc.GRADIENT_SYNC_MODES)}")
     _check(isinstance(d.get("offload_optimizer", False), bool), "offload_optimizer",
            d.get("offload_optimizer"), "True or False")
     _check(d["response_len"] < d["seq_len"], "response_len", d["response_len"],
@@ -225,7 +228,8 @@ class PlanConfig:
         "response_len", "intra_stage", "search_time_s", "gen_tp", "gen_slots", "chunk_size",
         "inference_microbatch", "cpu_upcast")}, hardware=hw_lib.HARDWARE[d["hardware"]],
         offload_optimizer=d.get("offload_optimizer", False),
-        generation=d.get("generation", "instances"))
+        generation=d.get("generation", "instances"),
+        gradient_sync=d.get("gradient_sync", "per_microbatch"))
     cfg.validate()
     return cfg
 
@@ -242,6 +246,9 @@ class PlanConfig:
       _check(model.num_layers % n_stages == 0, f"{field} layers", model.num_layers,
              f"divisible by its {n_stages} pipeline stages (set config.layers to compile fewer)")
     shards = self.dp * self.fsdp
+    _check(self.gradient_sync == "per_microbatch" or self.pp == 1, "gradient_sync",
+           self.gradient_sync, f"'per_microbatch' with pp={self.pp} (the unpipelined update's "
+           "accumulation)")
     _check(self.microbatch_size > 0 or self.pp == 1, "microbatch_size", self.microbatch_size,
            f">= 1 with pp={self.pp} (0, each data shard's rows at once, is the unpipelined "
            "update's)")
@@ -307,7 +314,8 @@ def make_update(cfg: PlanConfig, mesh, tx, workdir: str):
   """(the trainer's update callable with .lower, info) for the plan."""
   algo = tc.AlgoConfig(minibatch_size=cfg.minibatch_size, epochs=1)
   if cfg.pp == 1:
-    algo = dataclasses.replace(algo, microbatch_size=cfg.microbatch_size)
+    algo = dataclasses.replace(algo, microbatch_size=cfg.microbatch_size,
+                               gradient_sync=cfg.gradient_sync)
     return (ppo.make_update_fn(cfg.actor, cfg.critic, algo, 1.0, tx, tx, mesh=mesh),
             {"schedule": "none", "accumulated_microbatches": cfg.actor_microbatches})
   train_cfg = tc.TrainConfig(
@@ -444,8 +452,14 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
     out["params_bytes"] += _nbytes(params) / shards
     out["grads_bytes"] += _nbytes(params) / shards  # gradients in the parameters' dtype
     if "grad_accumulator_bytes" in out:
-      out["grad_accumulator_bytes"] += 4.0 * sum(math.prod(x.shape) for x in
-                                                 jax.tree.leaves(params)) / shards
+      if cfg.gradient_sync == "once":  # each shard's float32 sums of the gathered weights
+        out["grad_accumulator_bytes"] += 4.0 * sum(math.prod(x.shape) for x in
+                                                   jax.tree.leaves(params)) / cfg.tp
+        out["gathered_params_bytes"] = (out.get("gathered_params_bytes", 0.0) +
+                                        _nbytes(params) / cfg.tp)
+      else:
+        out["grad_accumulator_bytes"] += 4.0 * sum(math.prod(x.shape) for x in
+                                                   jax.tree.leaves(params)) / shards
     # The same moments for the whole tree as for the stage-stacked one (the mask moves no bytes).
     out["optimizer_bytes"] += _nbytes(jax.eval_shape(plain_tx.init, params)) / shards
     # In flight per device under 1F1B: min(stages, micro-batches) (sim/training_sim.py); the
@@ -560,7 +574,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "attention": cfg.actor.attention, "intra_stage": cfg.intra_stage,
                "gen_tp": cfg.gen_tp, "gen_slots": cfg.gen_slots, "chunk_size": cfg.chunk_size,
                "inference_microbatch": cfg.inference_microbatch, "hardware": cfg.hardware.name,
-               "offload_optimizer": cfg.offload_optimizer, "generation": cfg.generation},
+               "offload_optimizer": cfg.offload_optimizer, "generation": cfg.generation,
+               "gradient_sync": cfg.gradient_sync},
       "devices": cfg.num_devices, "train_devices": cfg.train_devices,
       "models": {"actor": {**dataclasses.asdict(cfg.actor), "num_params": cfg.actor.num_params()},
                  "critic": {**dataclasses.asdict(cfg.critic),

@@ -78,12 +78,13 @@ def _ppo_mesh():
   return mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, fsdp=2, tensor=2), jax.devices()[:8])
 
 
-def _ppo_update(mesh, microbatch_size, tx=None):
+def _ppo_update(mesh, microbatch_size, tx=None, gradient_sync="per_microbatch"):
   from rlhfuse_jax.rl import optim
   from rlhfuse_jax.trainer import ppo
   from rlhfuse_jax.trainer.config import AlgoConfig
   tx = tx or optim.make_optimizer(1e-2, 0, 10)
-  algo = AlgoConfig(microbatch_size=microbatch_size, entropy_coef=0.01)
+  algo = AlgoConfig(microbatch_size=microbatch_size, entropy_coef=0.01,
+                    gradient_sync=gradient_sync)
   return tx, ppo.make_update_fn(PPO_ACTOR, PPO_ACTOR.replace(head="scalar"), algo, 1.0, tx, tx,
                                 mesh=mesh)
 
@@ -143,14 +144,15 @@ def test_accumulated_update_holds_one_micro_batch_and_repeats_no_work():
   assert micro_temp < 0.4 * whole_temp, (micro_temp, whole_temp)  # measured 2.3 vs 9.1 MB
 
 
-def test_accumulated_update_equals_the_whole_mini_batch_on_a_mesh():
+@pytest.mark.parametrize("sync", ["per_microbatch", "once"])
+def test_accumulated_update_equals_the_whole_mini_batch_on_a_mesh(sync):
   import optax
   mesh = _ppo_mesh()
   out, before = {}, None
   for size in (0, 1):  # (k = 2 against the hand-written reference: test_ppo_update_reference)
     # Plain SGD: the parameters move by 100 x the gradients (Adam's first step divides by
     # |g|, so a rounding-level change of a tiny gradient would move its parameter by lr).
-    tx, update = _ppo_update(mesh, size, optax.sgd(100.0))
+    tx, update = _ppo_update(mesh, size, optax.sgd(100.0), gradient_sync=sync)
     actor, critic = _ppo_states(mesh, tx, False)
     before = jax.tree.map(np.asarray, (actor.params, critic.params))
     out[size] = update(actor, critic, _ppo_batch(mesh, False))
@@ -168,3 +170,31 @@ def test_accumulated_update_equals_the_whole_mini_batch_on_a_mesh():
   assert largest > 1e-2  # the gradients are not vanishing
   for k in wm:
     np.testing.assert_allclose(gm[k], wm[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_gradient_sync_once_gathers_and_reduces_once_per_step():
+  """algo.gradient_sync="once" against "per_microbatch", 4 micro-batches of one row per shard
+  on data 2 x fsdp 2 x tensor 2, compiled from shapes: the collectives over the batch axes (the
+  fsdp weight gathers, the gradient reductions) run once per step instead of per micro-batch
+  (counted by perf/hlo_flops.py, loops multiplied out; the tensor-parallel ones are the same),
+  with the same dot FLOPs and more memory for the gathered weights and per-shard sums."""
+  from rlhfuse_jax.perf import hlo_flops
+  mesh = _ppo_mesh()
+  coords = np.stack(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape), 1)
+  batch_dims = [mesh.axis_names.index(a) for a in mesh_lib.BATCH_AXES]
+
+  def over_batch_axes(c):  # a group whose members sit on more than one data x fsdp shard
+    return any(len({tuple(coords[d][batch_dims]) for d in g}) > 1 for g in c.groups)
+  measured = {}
+  for sync in ("per_microbatch", "once"):
+    tx, update = _ppo_update(mesh, 1, gradient_sync=sync)
+    compiled = update.lower(*_ppo_states(mesh, tx, True), _ppo_batch(mesh, True)).compile()
+    costs = hlo_flops.analyze(compiled.as_text())
+    assert costs.unread_groups == 0
+    batch = sum(c.nbytes * n for c, n in costs.collectives.items() if over_batch_axes(c))
+    measured[sync] = (batch, costs.flops, compiled.memory_analysis().temp_size_in_bytes)
+  (each, each_flops, each_temp), (once, once_flops, once_temp) = (measured["per_microbatch"],
+                                                                  measured["once"])
+  assert once_flops == pytest.approx(each_flops, rel=0.02)
+  assert once < 0.35 * each, (once, each)  # measured 0.28 (the embedding gather stays per row)
+  assert once_temp > each_temp

@@ -208,6 +208,14 @@ def test_mesh_generation_config_errors_and_llama_presets():
                                        r"per data shard \(minibatch_size/\(dp\*fsdp\) = 8/4 = 2\)"):
     plan_programs.PlanConfig.from_config_dict(c)
   c = plan_config.get_config("tiny")
+  c.gradient_sync = "once"
+  with pytest.raises(ValueError, match=r"config\.gradient_sync='once': expected 'per_microbatch' "
+                                       r"with pp=2"):
+    plan_programs.PlanConfig.from_config_dict(c)
+  c.gradient_sync = "twice"
+  with pytest.raises(ValueError, match=r"config\.gradient_sync='twice': expected one of"):
+    plan_programs.PlanConfig.from_config_dict(c)
+  c = plan_config.get_config("tiny")
   c.microbatch_size = 0
   with pytest.raises(ValueError, match=r"config\.microbatch_size=0: expected >= 1 with pp=2"):
     plan_programs.PlanConfig.from_config_dict(c)
@@ -237,6 +245,7 @@ def test_mesh_generation_config_errors_and_llama_presets():
   # 128 responses dealt over 8 one-device instances.
   assert (cfg.microbatch_size, cfg.generation, cfg.gen_tp, cfg.gen_slots) == (
       run.algo.microbatch_size, "instances", 1, 16)
+  assert cfg.gradient_sync == run.algo.gradient_sync == "once"
   assert cfg.actor.qk_norm and cfg.actor.tie_embeddings and cfg.actor.head_dim == 128
   assert cfg.actor.scan_layers and cfg.critic.head == "scalar"
   with pytest.raises(ValueError, match=r"unknown model 'gpt2' in 'hf_gpu/gpt2'"):

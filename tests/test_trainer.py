@@ -115,6 +115,7 @@ def test_sharded_run_equals_single_device(tmp_path):
     ({"optim.offload_during_rollout": True, "async_ppo.generation_devices": 4},
      "or async_ppo.generation_devices > 0"),
     ({"algo.microbatch_size": -1}, "algo.microbatch_size=-1: expected an integer >= 0"),
+    ({"algo.gradient_sync": "twice"}, "algo.gradient_sync='twice': expected one of"),
 ])
 def test_bad_config_names_the_field(overrides, message):
   with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("*", r"\*")):

@@ -260,6 +260,19 @@ def shard_activations(mesh: Optional[jax.sharding.Mesh], rules: Mapping[str, Any
     _ACTIVATIONS.reset(token)
 
 
+@contextlib.contextmanager
+def no_activation_constraints():
+  """Lifts an enclosing `shard_activations` while tracing a model applied to one data shard's
+  rows under jax.vmap(spmd_axis_name=the batch axes) (trainer/ppo.py's gradient_sync="once"):
+  there the vmapped axis already carries the batch axes, and a constraint naming them again
+  inside would be rejected."""
+  token = _ACTIVATIONS.set(None)
+  try:
+    yield
+  finally:
+    _ACTIVATIONS.reset(token)
+
+
 def _mesh_axes(rules: Mapping[str, Any], name: Optional[str]) -> tuple[str, ...]:
   axis = rules.get(name) if name is not None else None
   return () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))

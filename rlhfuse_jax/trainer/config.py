@@ -24,6 +24,9 @@ def _check(cond: bool, field: str, value: Any, expected: str) -> None:
     raise ValueError(f"config.{field}={value!r}: expected {expected}")
 
 
+GRADIENT_SYNC_MODES = ("per_microbatch", "once")  # AlgoConfig.gradient_sync
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   task: str = "repeat"  # synthetic verifiable task (rlhfuse_jax.data.tasks.TASKS)
@@ -126,6 +129,14 @@ class AlgoConfig:
   # divide the rows per shard, and 0 or a value >= them takes the shard's whole share at once.
   # Pipelined updates ignore it (they split with pipeline.*_microbatches).
   microbatch_size: int = 0
+  # How the accumulated update (microbatch_size splitting a shard) communicates on a mesh:
+  # "per_microbatch", each micro-batch gathers the fsdp-split weights for its forward and
+  # backward and reduces its gradients over the data shards (the least memory); "once", the
+  # weights are gathered once per optimizer step and held, each data shard sums its own
+  # micro-batches' gradients in float32, and the sums are reduced once (collectives 1/k of the
+  # weights' traffic and of the gradients' for k micro-batches, for the weights' tensor share
+  # gathered and its float32 sums in memory: docs/usage.md "Communication at scale").
+  gradient_sync: str = "per_microbatch"
   balance_tokens: bool = True  # balance mini-batch shards across data-parallel devices by tokens
   whiten_advantages: bool = True
 
@@ -154,6 +165,8 @@ class AlgoConfig:
     _check(isinstance(self.microbatch_size, int) and not isinstance(self.microbatch_size, bool)
            and self.microbatch_size >= 0, "algo.microbatch_size", self.microbatch_size,
            "an integer >= 0 (0: no gradient accumulation)")
+    _check(self.gradient_sync in GRADIENT_SYNC_MODES, "algo.gradient_sync", self.gradient_sync,
+           f"one of {list(GRADIENT_SYNC_MODES)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -179,6 +179,61 @@ def _accumulated(loss_fn: Callable, cfg: ModelConfig, loss_cfg: LossConfig, para
   return metrics, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
 
+def _accumulated_once(loss_fn: Callable, cfg: ModelConfig, loss_cfg: LossConfig, params: Any,
+                      sharding: Any, mb: dict, count: int, shards: int, mesh: Mesh):
+  """`_accumulated` with algo.gradient_sync="once": the parameters gathered over fsdp once (kept
+  split over tensor), each data shard's gradients summed over its micro-batches in float32
+  where they were computed (jax.vmap over the shards with the batch axes as its SPMD axes: no
+  collective inside the loop but the tensor-parallel ones), and the per-shard sums reduced to
+  the parameters' placement once. The same sums as `_accumulated` in another order."""
+  num_tokens, num_seqs = stages.normalisers(mb)
+  axes = mesh_lib.BATCH_AXES
+  gathered = jax.tree.map(lambda s: _without_axes(s, axes), sharding)
+  params = jax.tree.map(jax.lax.with_sharding_constraint, params, gathered)
+  # [S, ...]: one float32 sum per data shard, on that shard's devices.
+  sums_sh = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(axes, *s.spec)), gathered)
+
+  def shard_rows(x):  # [B/count, ...] -> [S, rows per shard, ...], rows staying in place
+    y = x.reshape(shards, x.shape[0] // shards, *x.shape[1:])
+    return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, PartitionSpec(axes)))
+  micro = jax.tree.map(jax.vmap(shard_rows), micro_batches(mb, shards, count, mesh))
+
+  def one_shard(p, rows):
+    with llama.no_activation_constraints():
+      (_, m), g = jax.value_and_grad(loss_fn, argnums=2, has_aux=True)(
+          cfg, loss_cfg, p, rows, num_tokens, num_seqs)
+    return m, g
+  per_shard = jax.vmap(one_shard, in_axes=(None, 0), spmd_axis_name=axes)
+
+  def body(carry, rows):
+    sums, metrics = carry
+    m, g = per_shard(params, rows)
+    sums = jax.tree.map(lambda a, b, s: jax.lax.with_sharding_constraint(
+        a + b.astype(jnp.float32), s), sums, g, sums_sh)
+    return (sums, jax.tree.map(lambda a, b: a + jnp.sum(b, 0), metrics, m)), None
+
+  first = jax.tree.map(lambda x: x[0], micro)
+  metric_shapes = jax.eval_shape(lambda p, r: per_shard(p, r)[0], params, first)
+  zeros = (jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(
+      jnp.zeros((shards, *p.shape), jnp.float32), s), params, sums_sh),
+           jax.tree.map(lambda s: jnp.zeros(s.shape[1:], s.dtype), metric_shapes))
+  (sums, metrics), _ = jax.lax.scan(body, zeros, micro)
+  grads = jax.tree.map(lambda a, p, s: jax.lax.with_sharding_constraint(
+      jnp.sum(a, 0), s).astype(p.dtype), sums, params, sharding)
+  return metrics, grads
+
+
+def _without_axes(sharding: NamedSharding, axes: tuple[str, ...]) -> NamedSharding:
+  """`sharding` with the mesh axes `axes` taken out of its spec (those dims whole there)."""
+  def keep(entry):
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+      return entry
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    left = tuple(a for a in names if a not in axes)
+    return None if not left else left[0] if len(left) == 1 else left
+  return NamedSharding(sharding.mesh, PartitionSpec(*(keep(e) for e in sharding.spec)))
+
+
 def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoConfig,
                    temperature: float, actor_tx: optax.GradientTransformation,
                    critic_tx: optax.GradientTransformation | None, mesh: Optional[Mesh] = None):
@@ -192,7 +247,9 @@ def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoCo
 
   algo.microbatch_size > 0 accumulates the gradients over micro-batches of that many rows per
   data shard (`_accumulated`): the same update up to float rounding, with one micro-batch's
-  activations in memory instead of the whole mini-batch's (docs/usage.md "Memory at scale").
+  activations in memory instead of the whole mini-batch's (docs/usage.md "Memory at scale");
+  algo.gradient_sync="once" gathers the weights and reduces the gradients once per step instead
+  of once per micro-batch (`_accumulated_once`; docs/usage.md "Communication at scale").
   """
   loss_cfg = loss_config(algo, temperature)
   shards = 1 if mesh is None else mesh_lib.batch_size_multiple(mesh)
@@ -211,8 +268,11 @@ def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoCo
         (_, m), g = jax.value_and_grad(loss_fn, argnums=2, has_aux=True)(cfg, loss_cfg, params,
                                                                           mb)
         return m, g
-      return _accumulated(loss_fn, cfg, loss_cfg, params, _param_shardings(sharding), mb, count,
-                          shards, mesh)
+      param_sh = _param_shardings(sharding)
+      if algo.gradient_sync == "once" and mesh is not None and param_sh is not None:
+        return _accumulated_once(loss_fn, cfg, loss_cfg, params, param_sh, mb, count, shards,
+                                 mesh)
+      return _accumulated(loss_fn, cfg, loss_cfg, params, param_sh, mb, count, shards, mesh)
 
     def _update(actor: ModelState, critic: ModelState | None, mb):
       am, ag = value_and_grads(stages.actor_loss, actor_cfg, actor.params, actor_sh, mb)

@@ -37,9 +37,10 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                        f"{mult} (mesh data*fsdp = {dict(mesh.shape)}{train_group})")
   if cfg.algo.microbatch_size and mesh.shape["stage"] > 1:
     # A preset's setting stays valid under a pipelined plan file.
-    logging.info("config.algo.microbatch_size=%d is not used: the pipelined update splits its "
-                 "mini-batch with config.pipeline.actor_microbatches / critic_microbatches",
-                 cfg.algo.microbatch_size)
+    logging.info("config.algo.microbatch_size=%d and algo.gradient_sync=%r are not used: the "
+                 "pipelined update splits its mini-batch with config.pipeline."
+                 "actor_microbatches / critic_microbatches", cfg.algo.microbatch_size,
+                 cfg.algo.gradient_sync)
   elif cfg.algo.microbatch_size:
     ppo.microbatch_count(cfg.algo, cfg.algo.minibatch_size, mult)  # the update's own check
   context = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
