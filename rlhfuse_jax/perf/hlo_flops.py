@@ -203,15 +203,9 @@ def _parse(hlo_text: str) -> tuple[dict[str, list[str]], str]:
   return comps, entry
 
 
-def _scaled(colls: dict, reps: float) -> dict:
-  return {c: n * reps for c, n in colls.items()}
-
-
-def _added(a: dict, b: dict) -> dict:
-  out = dict(a)
+def _add_into(out: dict, b: dict, reps: float = 1.0) -> None:
   for c, n in b.items():
-    out[c] = out.get(c, 0.0) + n
-  return out
+    out[c] = out.get(c, 0.0) + n * reps
 
 
 def analyze(hlo_text: str) -> HloCosts:
@@ -239,7 +233,7 @@ def analyze(hlo_text: str) -> HloCosts:
       if base in COLLECTIVES:
         c = _collective(base, op != base, shape, rest, partitions)
         unread[0] += 0 if c.groups else 1
-        colls = _added(colls, {c: 1.0})
+        colls[c] = colls.get(c, 0.0) + 1.0
       elif op.endswith("-done") or op.endswith("-update"):
         continue  # the -start (or async-start's computation) holds the work
       elif op == "dot":
@@ -257,7 +251,7 @@ def analyze(hlo_text: str) -> HloCosts:
         f, u, n, c = cost(body)
         reps = int(trip.group(1)) if trip else 1
         flops += reps * f
-        colls = _added(colls, _scaled(c, reps))
+        _add_into(colls, c, reps)
         unknown += u + (0 if trip else 1)
         loops += n + 1
       elif op == "conditional":
@@ -269,13 +263,13 @@ def analyze(hlo_text: str) -> HloCosts:
         flops += max(x[0] for x in branch)
         unknown += sum(x[1] for x in branch)
         loops += sum(x[2] for x in branch)
-        colls = _added(colls, max((x[3] for x in branch), key=lambda d: sum(
+        _add_into(colls, max((x[3] for x in branch), key=lambda d: sum(
             c.nbytes * n for c, n in d.items())))
       else:
         for callee in _CALLS.findall(rest):
           f, u, n, c = cost(callee)
           flops, unknown, loops = flops + f, unknown + u, loops + n
-          colls = _added(colls, c)
+          _add_into(colls, c)
     memo[name] = (flops, unknown, loops, colls)
     return memo[name]
 
