@@ -53,6 +53,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import jax
 import numpy as np
 from absl import logging
+from jax.sharding import NamedSharding
 
 from rlhfuse_jax.policy import consolidation as policy
 from rlhfuse_jax.generation import engine
@@ -64,6 +65,7 @@ from rlhfuse_jax.generation.instances import FrozenModels, GenerationInstance
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.generation.timeline import ActivityLog, Timeline
 from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.policy import rt as rt_choice
 from rlhfuse_jax.policy.lengths import LengthHistogram
 
@@ -331,6 +333,10 @@ class FusedGenerator:
     """
     tokens, plens, uids, budgets = inst_lib.check_prompts(
         self.batch_size, self.prompt_len, self.sampling, prompt_tokens, prompt_lens, uids, budgets)
+    t_place = time.perf_counter()
+    actor_params = self.place_actor(actor_params)
+    jax.block_until_ready(list(actor_params.values()))
+    place_s = time.perf_counter() - t_place
     choice = None
     if not fuse:
       rt = 0.0
@@ -346,11 +352,39 @@ class FusedGenerator:
         logging.info("generation: costs measured in %.1fs", time.perf_counter() - t0)
       rt, choice = self.choose_rt(plens)
     run = _Run(self, actor_params, frozen_params, tokens, plens, uids, budgets,
-               sampling_lib.as_typed_key(iteration_key), fuse, rt)
+               sampling_lib.as_typed_key(iteration_key), fuse, rt, place_s)
     out = run.execute()
     out.rt_choice = choice
     self.lengths.add(out.rollout.response_lens)
     return out
+
+
+  def place_actor(self, params: Any) -> inst_lib.PlacedOnInstances:
+    """The actor on each of this process's instances. From host memory or arrays this process
+    holds, a device_put per instance. From arrays spread over several processes (a multi-host
+    training mesh) one collective reshard, called by every process, onto a layout over all
+    instances' devices (data = instances x tensor = instance_devices, each instance holding its
+    tensor shards whole), whose local shards each process then takes as its instances' arrays:
+    the weights move device to device, never through host memory."""
+    mine = {i: self.instances[i] for i in self.local}
+    spread = any(isinstance(x, jax.Array) and not x.is_fully_addressable
+                 for x in jax.tree.leaves(params))
+    if not spread:
+      return inst_lib.PlacedOnInstances(
+          {i: inst.place(self.cfg, params) for i, inst in mine.items()})
+    grid = mesh_lib.make_mesh(
+        mesh_lib.MeshConfig(data=len(self.instances), tensor=self.config.instance_devices),
+        [d for inst in self.instances for d in inst.devices])
+    own = {i: inst.param_shardings(self.cfg, params) for i, inst in mine.items()}
+    everywhere = jax.device_put(params, jax.tree.map(
+        lambda sh: NamedSharding(grid, sh.spec), own[self.local[0]]))
+
+    def take(x, sharding):  # the instance's shards of `everywhere`, as an array on its mesh
+      held = {shard.device: shard.data for shard in x.addressable_shards}
+      return jax.make_array_from_single_device_arrays(
+          x.shape, sharding, [held[d] for d in sharding.addressable_devices])
+    return inst_lib.PlacedOnInstances(
+        {i: jax.tree.map(take, everywhere, own[i]) for i in mine})
 
 
 class SlotTable:
@@ -565,7 +599,7 @@ class _Run:
   instances only."""
 
   def __init__(self, gen: FusedGenerator, actor_params, frozen_params, tokens, plens, uids,
-               budgets, key, fuse: bool, rt: float):
+               budgets, key, fuse: bool, rt: float, place_s: float = 0.0):
     self.gen, self.fuse, self.rt, self.key = gen, fuse, rt, key
     self.frozen_params = frozen_params
     self.tokens, self.plens, self.uids, self.budgets = tokens, plens, uids, budgets
@@ -577,7 +611,8 @@ class _Run:
     self.chunks = 0  # decode chunks run, summed over instances
     self.consolidations: list = []
     self.reasons: list = []
-    self.actor_params = actor_params
+    self.actor_params = actor_params  # a PlacedOnInstances (FusedGenerator.place_actor)
+    self.place_s = place_s  # seconds place_actor took
 
   def read(self, ran: list[int], summaries: dict) -> None:
     """The summaries [3, S] of the instances that ran this round (`summaries`: this process's)
@@ -734,12 +769,10 @@ class _Run:
   def _execute(self) -> FusedOutput:
     gen, cfg, table = self.gen, self.gen.config, self.table
     b, k = gen.batch_size, gen.sampling.chunk_size
-    t_place = time.perf_counter()
     mine = {i: gen.instances[i] for i in gen.local}
     params = {i: inst.place(gen.cfg, self.actor_params) for i, inst in mine.items()}
     keys = {i: jax.device_put(self.key, inst.rep) for i, inst in mine.items()}
-    jax.block_until_ready(params)
-    place_s = time.perf_counter() - t_place
+    place_s = self.place_s
     self.log = log = ActivityLog(cfg.num_instances)
     self.infer = InferenceQueue(gen, self.frozen_params, table, self.tokens, self.plens, log)
     summaries = {}

@@ -213,6 +213,12 @@ def _logical_specs(cfg: ModelConfig) -> Any:
   return llama.logical_specs(cfg)
 
 
+class PlacedOnInstances(dict):
+  """{instance index: params already on that instance}: one model placed on each of a process's
+  instances at once (generation/fused.FusedGenerator.place_actor); `GenerationInstance.place`
+  hands each instance its own."""
+
+
 class GenerationInstance:
   """One sub-mesh with S slots and its AOT-compiled executables (module docstring)."""
 
@@ -265,7 +271,10 @@ class GenerationInstance:
     return mesh_lib.param_shardings(params, _logical_specs(cfg), self.mesh)
 
   def place(self, cfg: ModelConfig, params) -> Any:
-    """Copies params (host or any devices) onto this instance (no copy if already there)."""
+    """Copies params (host or any devices) onto this instance (no copy if already there); a
+    PlacedOnInstances gives this instance's own copy."""
+    if isinstance(params, PlacedOnInstances):
+      return params[self.index]
     return jax.device_put(params, self.param_shardings(cfg, params))
 
   # ------------------------------------------------------------------ ahead-of-time compile

@@ -165,8 +165,10 @@ class FusedStage:
     frozen = dict(self.host)
     if self.use_critic:
       frozen["critic"] = self._instance_ready(params("critic"))
-    out = self.generator.run(self._instance_ready(params("actor")), frozen, prompts.tokens,
-                             prompts.lens, key, uids=prompts.uids, fuse=self.fuse)
+    # The actor as placed for training: the generator reshards it onto its instances on the
+    # devices, also across processes (FusedGenerator.place_actor).
+    out = self.generator.run(params("actor"), frozen, prompts.tokens, prompts.lens, key,
+                             uids=prompts.uids, fuse=self.fuse)
     rollout = out.rollout
     batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
     values = out.values if self.use_critic else np.zeros(rollout.logprobs.shape, np.float32)
@@ -181,8 +183,9 @@ class FusedStage:
 
   @staticmethod
   def _instance_ready(params: Any) -> Any:
-    """Params an instance can copy onto its devices: as they are in one process; with several,
-    host copies (a process cannot device_put another process's shards onto its own devices)."""
+    """Params an instance freed for inference can copy onto its devices: as they are in one
+    process; with several, host copies (the critic: any instance may be freed, so every process
+    keeps it whole)."""
     if jax.process_count() == 1:
       return params
     return mesh_lib.to_host(params)
