@@ -137,7 +137,8 @@ def get_config(arg: str = "tiny"):
   # runs each data shard's rows at once)
   c.microbatch_size = 1
   # pp == 1 with micro-batches: the trainer's algo.gradient_sync, "per_microbatch" (weights
-  # gathered and gradients reduced per micro-batch) or "once" (per optimizer step)
+  # gathered and gradients reduced per micro-batch) or "once" (per optimizer step); pipelined
+  # plans ignore it, as the trainer does
   c.gradient_sync = "per_microbatch"
   c.seq_len = 2048  # tokens per sample: prompt bucket + response
   c.response_len = 1024  # response tokens (the loss and the heads see these; decode's budget)

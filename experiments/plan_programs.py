@@ -5,9 +5,10 @@ Every program is the codebase's own, reached through the function its caller jit
   train_step  trainer/pipelined.PipelinedUpdate.lower (pp > 1: the fused executor's gradients,
               then AdamW, donating both states) or trainer/ppo.make_update_fn (pp == 1, its
               gradients accumulated over micro-batches of microbatch_size rows per data shard,
-              0 for the whole shard at once: the trainer's algo.microbatch_size); the states are built as the trainer builds
-              them: parameters placed by the logical rules of parallel/mesh.py (pp == 1) or
-              stage-stacked, each stage's layers on its stage devices (pp > 1), AdamW +
+              0 for the whole shard at once: the trainer's algo.microbatch_size); the states
+              are built as the trainer builds them: parameters placed by the logical rules of
+              parallel/mesh.py (pp == 1) or stage-stacked, each stage's layers on its stage
+              devices (pp > 1), AdamW +
               global-norm clipping of rl/optim.py, optimizer leaves placed like their
               parameters, scalars replicated
   decode      generation/instances.GenerationInstance's decode chunk (donated SlotState) on one
@@ -39,8 +40,9 @@ Measured per program, per device (SPMD: XLA compiles one program per device):
              the program spends communicating unless XLA overlaps it; compute_s: the dot FLOPs
              at peak FLOP/s; decode's analytic hbm_s: the perfect split's weights and cache read
              once. Lower bounds to compare layouts with, not predictions.
-  On XLA:CPU a 16-bit weight may move as float32 (the upcast below runs before the gather):
-  collective bytes of weights can be twice a GPU's.
+  On XLA:CPU a 16-bit weight may move as float32 (the upcast below runs before the gather) and
+  a gradient reduction run as an all-reduce where XLA:GPU makes a reduce-scatter: bytes up to
+  twice a GPU's, seconds up to four times.
 
 XLA:CPU's buffer assignment is not XLA:GPU's: temp_bytes are an estimate (JAX_NOTES.md).
 
@@ -177,8 +179,11 @@ class PlanConfig:
 
   @property
   def micro_rows(self) -> int:
-    """Rows per micro-batch and data shard: microbatch_size, or (0, pp == 1) the whole shard."""
-    return self.microbatch_size or self.rows_per_shard
+    """Rows per micro-batch and data shard: microbatch_size, or (pp == 1) the whole shard for 0
+    or a size at least the shard's rows."""
+    if self.pp == 1:  # as the trainer: 0 or a size >= the shard's rows is the whole shard
+      return min(self.microbatch_size or self.rows_per_shard, self.rows_per_shard)
+    return self.microbatch_size
 
   @property
   def actor_microbatches(self) -> int:
@@ -246,9 +251,6 @@ class PlanConfig:
       _check(model.num_layers % n_stages == 0, f"{field} layers", model.num_layers,
              f"divisible by its {n_stages} pipeline stages (set config.layers to compile fewer)")
     shards = self.dp * self.fsdp
-    _check(self.gradient_sync == "per_microbatch" or self.pp == 1, "gradient_sync",
-           self.gradient_sync, f"'per_microbatch' with pp={self.pp} (the unpipelined update's "
-           "accumulation)")
     _check(self.microbatch_size > 0 or self.pp == 1, "microbatch_size", self.microbatch_size,
            f">= 1 with pp={self.pp} (0, each data shard's rows at once, is the unpipelined "
            "update's)")
@@ -557,14 +559,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   del lowered
   logging.info("train_step: compiled in %.1fs", programs["train_step"]["compile_s"])
   programs.update(instance_programs(cfg))
-  # On the training mesh the trainer keeps the reference (the actor's shapes) placed beside the
-  # state for the whole run, and decodes with the state's own actor; instances hold a copy of
-  # the actor and load the reference from host memory only when freed for inference
-  # (trainer/rollout.py SerialStage, FusedStage).
-  on_mesh = (_nbytes(llama.param_shapes(cfg.actor)) / cfg.gen_model_shards
-             if cfg.generation == "mesh" else 0)
-  beside_train_state(programs, hbm, cfg.offload_optimizer, frozen_bytes=on_mesh,
-                     shared_bytes=on_mesh)
+  beside_train_state(programs, hbm, cfg.offload_optimizer)
   return {
       "plan": {"pp": cfg.pp, "critic_pp": cfg.critic_pp, "tp": cfg.tp, "dp": cfg.dp,
                "fsdp": cfg.fsdp, "minibatch_size": cfg.minibatch_size,
@@ -608,12 +603,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
           "fits": "train_step: its peak <= hbm_bytes; decode and inference: their peak plus "
                   "resident_train_bytes (the training state that stays on the same devices: "
                   "train_step's argument bytes, minus offloaded_optimizer_bytes when "
-                  "offload_optimizer), decode on the training mesh also plus "
-                  "resident_frozen_bytes (the reference model kept there) minus "
-                  "shared_with_train_bytes (the actor it reads is the training state's) <= "
-                  "hbm_bytes "
-                  "(fits_alone: the program by itself); no headroom (the simulator plans with "
-                  "90 % of HBM)",
+                  "offload_optimizer) <= hbm_bytes (fits_alone: the program by itself); no "
+                  "headroom (the simulator plans with 90 % of HBM)",
           "gpu_flops": "on a GPU backend library calls (cuBLAS / cuDNN custom-calls) hold most "
                        "dots, which hlo_flops does not count: flops_per_device and replication "
                        "undercount there",
@@ -624,19 +615,15 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   }
 
 
-def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
-                       frozen_bytes: float = 0, shared_bytes: float = 0) -> None:
+def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool) -> None:
   """Decode's and inference's fit on top of the training state. The trainer keeps the actor's
   and critic's training state (stage shards of parameters and AdamW moments: the train step's
   arguments) on every device for the whole run, and the generation instances and the freed
   instances' inference run on those same devices: what decides whether they fit is their peak
   on top of that state, less the moments when the trainer moves them to host memory during the
-  rollout (optim.offload_during_rollout).
-
-  With generation on the training mesh, decode also has beside it the frozen reference model,
-  placed there for the whole run (`frozen_bytes` per device; inference takes it as an
-  argument), and reads the training state's own actor parameters (`shared_bytes`, counted
-  once)."""
+  rollout (optim.offload_during_rollout). (On the training mesh decode reads the state's own
+  actor, counted twice here, and the reference kept there beside it is not counted: the two
+  are the same size.)"""
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
   for name in ("decode", "inference"):
@@ -644,10 +631,7 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     p.setdefault("fits_alone", p["fits"])
     p["offloaded_optimizer_bytes"] = offloaded
     p["resident_train_bytes"] = train["argument_bytes"] - offloaded
-    p["resident_frozen_bytes"] = frozen_bytes if name == "decode" else 0
-    p["shared_with_train_bytes"] = shared_bytes if name == "decode" else 0
-    p["peak_with_train_state_bytes"] = (p["peak_bytes"] + p["resident_train_bytes"] +
-                                        p["resident_frozen_bytes"] - p["shared_with_train_bytes"])
+    p["peak_with_train_state_bytes"] = p["peak_bytes"] + p["resident_train_bytes"]
     p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)
 
 

@@ -75,6 +75,8 @@ def test_counts_bytes_groups_and_loops_of_hand_written_hlo():
   # The input (output 8 bytes x 4 members); groups: devices differing only along 'b'.
   assert (rs.nbytes, n, rs.groups) == (32, 1.0, ((0, 1, 2, 3), (4, 5, 6, 7)))
   assert costs.collective_bytes()["all-gather"] == 5 * 256 + 4096  # replica_groups={}: all 8
+  # A form it does not read (a sub-axis) is counted as unread, not an error.
+  assert hlo_flops._groups("replica_groups=mesh['a'=2,'b'=4] {'a':(1)2}", "all-reduce", 8) == ()
   big = [c for c in costs.collectives if c.nbytes == 4096][0]
   assert big.groups == (tuple(range(8)),)
 

@@ -131,8 +131,8 @@ def _mesh_groups(axes: str, chosen: str, device_ids: list[int] | None = None):
     names.append(name.strip().strip("'\""))
     sizes.append(int(size))
   picked = {x.strip().strip("'\"") for x in chosen.split(",") if x.strip()}
-  if not picked <= set(names):
-    raise ValueError(f"axes {sorted(picked)} not among {names}")
+  if not picked <= set(names):  # e.g. a sub-axis {'a':(1)2}: read as unread groups
+    return ()
   strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
   groups: dict[tuple, list[int]] = {}
   for flat in range(math.prod(sizes)):
@@ -158,7 +158,7 @@ def _groups(rest: str, kind: str, partitions: int) -> tuple[tuple[int, ...], ...
     ints = lambda x: [int(v) for v in x.split(",")] if x else None
     return _iota_groups(ints(m.group(1)), ints(m.group(2)), ints(m.group(3)))
   m = _GROUPS_MESH.search(rest)
-  if m:
+  if m and re.fullmatch(r"(?:\s*'?[\w.]+'?\s*=\s*\d+\s*,?)+", m.group(1)):
     ids = None
     if m.group(2):
       dims = [int(v) for v in m.group(2).split(",")]

@@ -163,14 +163,16 @@ class CostModel:
   def group_collective_s(self, kind: str, nbytes: float, members: Sequence[int]) -> float:
     """One collective of a compiled program (perf/hlo_flops.Collective: `nbytes` per device in
     NCCL's sense) over the devices `members` (consecutive numbering; any layout): the ring
-    formulas above, with the nodes the members occupy and min(fast link, members per node x
-    one NIC each) across nodes. all-to-all moves (g-1)/g of its buffer, as an all-gather.
-    (collective-permute is a point-to-point hop: p2p_s.)"""
+    formulas above, with the nodes the members occupy and min(fast link, the fewest members
+    any node has x one NIC each) across nodes. all-to-all moves (g-1)/g of its buffer, as an
+    all-gather. (collective-permute is a point-to-point hop: p2p_s.)"""
     per_node = collections.Counter(d // self.hw.devices_per_node for d in members)
     nodes = len(per_node)
     ranks = len(members)
+    # Across nodes each byte leaves every node through its members' NICs: the node with the
+    # fewest members sets the pace (for the even groups XLA makes, any node's count).
     bw = (self.hw.intra_node_bw if nodes <= 1 else
-          min(self.hw.intra_node_bw, max(per_node.values()) * self.hw.inter_node_bw))
+          min(self.hw.intra_node_bw, min(per_node.values()) * self.hw.inter_node_bw))
     if kind == "all-reduce":
       return self._allreduce_over(nbytes, ranks, nodes, bw)
     if kind in ("all-gather", "reduce-scatter", "all-to-all"):

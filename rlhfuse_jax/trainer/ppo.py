@@ -183,9 +183,11 @@ def _accumulated_once(loss_fn: Callable, cfg: ModelConfig, loss_cfg: LossConfig,
                       sharding: Any, mb: dict, count: int, shards: int, mesh: Mesh):
   """`_accumulated` with algo.gradient_sync="once": the parameters gathered over fsdp once (kept
   split over tensor), each data shard's gradients summed over its micro-batches in float32
-  where they were computed (jax.vmap over the shards with the batch axes as its SPMD axes: no
-  collective inside the loop but the tensor-parallel ones), and the per-shard sums reduced to
-  the parameters' placement once. The same sums as `_accumulated` in another order."""
+  where they were computed (jax.vmap over the shards with the batch axes as its SPMD axes: the
+  weights' gathers and the gradients' reductions leave the loop; the tensor-parallel
+  collectives and, as GSPMD partitions it, the embedding lookup's stay), and the per-shard
+  sums reduced to the parameters' placement once. The same sums as `_accumulated` in another
+  order."""
   num_tokens, num_seqs = stages.normalisers(mb)
   axes = mesh_lib.BATCH_AXES
   gathered = jax.tree.map(lambda s: _without_axes(s, axes), sharding)
