@@ -683,4 +683,35 @@ def table(result: dict) -> list[str]:
     lines.append(f"{name:<11} {_gb(sum(p['collective_bytes'].values())):>8} "
                  f"{p['collective_s']:>9.4f} {p['compute_s']:>9.4f} "
                  f"{'-' if hbm_s is None else f'{hbm_s:.4f}':>9}")
+  return lines + link_bound_notes(result)
+
+
+# A program whose collectives take this many times its dots' (and decode's HBM reads') time is
+# reported as bound by the links.
+LINK_BOUND_RATIO = 2.0
+
+
+def link_bound_notes(result: dict) -> list[str]:
+  """One line per program whose collectives outlast its other bounds LINK_BOUND_RATIO times,
+  with the plan change that addresses the cause this plan has (docs/usage.md "Communication
+  at scale")."""
+  plan, lines = result["plan"], []
+  for name in PROGRAMS:
+    p = result["programs"][name]
+    if "collective_s" not in p:
+      continue
+    other = max(p["compute_s"], p["analytic"].get("hbm_s") or 0.0)
+    if p["collective_s"] <= LINK_BOUND_RATIO * other:
+      continue
+    line = (f"{name}: its collectives take >= {p['collective_s']:.3g} s, "
+            f"{p['collective_s'] / max(other, 1e-30):.0f}x its other bounds: bound by the links")
+    if name != "train_step" and plan["generation"] == "mesh" and plan["fsdp"] > 1:
+      line += ("; on the training mesh every step gathers the fsdp-split weights "
+               "(the trainer's plan.generation='instances' reshards them once per iteration)")
+    elif (name == "train_step" and plan["pp"] == 1 and p.get("accumulated_microbatches", 1) > 1
+          and plan.get("gradient_sync", "per_microbatch") == "per_microbatch"):
+      line += (f"; each of its {p['accumulated_microbatches']} micro-batches gathers the weights "
+               "and reduces the gradients (algo.gradient_sync='once' does so once per step, "
+               "holding the gathered weights and float32 sums)")
+    lines.append(line)
   return lines

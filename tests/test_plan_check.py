@@ -176,7 +176,16 @@ def test_mesh_generation_and_accumulated_update_split_the_work(tmp_path):
   sync = train["collective_bytes"]["all-reduce"] + train["collective_bytes"]["reduce-scatter"]
   assert sync > 0 and train["collective_s"] > 0 and train["unread_collective_groups"] == 0
   assert result["programs"]["decode"]["analytic"]["hbm_s"] > 0
-  assert any(line.startswith("time bounds on h100_sxm") for line in plan_programs.table(result))
+  lines = plan_programs.table(result)
+  assert any(line.startswith("time bounds on h100_sxm") for line in lines)
+  # The tiny models' dots take next to nothing, so every program here is bound by its links,
+  # and the notes name this plan's causes: mesh generation and per-micro-batch accumulation.
+  notes = plan_programs.link_bound_notes(result)
+  assert notes == lines[-len(notes):] and len(notes) == 3
+  assert "algo.gradient_sync='once'" in notes[0] and notes[0].startswith("train_step:")
+  assert all("plan.generation='instances'" in n for n in notes[1:])
+  result["plan"]["gradient_sync"] = "once"
+  assert "gradient_sync" not in plan_programs.link_bound_notes(result)[0]
 
 
 def test_mesh_generation_config_errors_and_llama_presets():
