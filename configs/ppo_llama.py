@@ -49,6 +49,15 @@ MESHES = {
 }
 
 
+# algo.microbatch_size per model size, from plan_check llama/<variant> --config.microbatch_size=k
+# on the smallest mesh (train step peak GB per device; collectives, s per step on H100s):
+#   7b   k=1 35.7, 4.3 s;  k=2 44.8, 2.2 s;  k=4 63.8, 1.1 s
+#   13b  k=1 18.4, 10.3 s; k=2 23.9, 5.4 s;  k=4 35.2, 3.0 s;  all 8 at once 76.6
+#   33b  k=1 42.1, 24.8 s; k=2 52.6, 13.0 s; k=4 74.6 (over 72)
+#   65b  k=1 44.1, 50.1 s; k=2 56.9, 26.2 s; k=4 83.0 (does not fit)
+MICROBATCH = {"7b": 4, "13b": 4, "33b": 2, "65b": 2}
+
+
 def _set_shape(section, name: str) -> None:
   hidden, inter, layers, heads, _ = SHAPES[name]
   section.hidden_size = hidden
@@ -121,10 +130,11 @@ def get_config(arg: str = "13b"):
   # most 7 idle steps after the last row stops; the tokens do not change.
   c.rollout.steps_per_check = 8
   c.algo.minibatch_size = 64  # samples per optimizer step
-  # One sample per device through forward + backward at a time, the gradients accumulated: at
-  # the smallest device counts a data shard holds 8 of the 64 (13B on 32 GPUs: plan_check
-  # llama/13b reads 76.6 GB per device with all 8 at once, no headroom left; 18.4 GB with one).
-  c.algo.microbatch_size = 1
+  # Samples per device through forward + backward at a time, the gradients accumulated
+  # (MICROBATCH: the most that leave 10 % of 80 GB free at the smallest device counts, where a
+  # data shard holds 8 of the 64, or 4 for 65B/33B). Each micro-batch gathers the fsdp-split
+  # weights and reduces the gradients again, so fewer, larger ones spend less time on the links.
+  c.algo.microbatch_size = min(MICROBATCH[actor], MICROBATCH[critic])
   c.algo.epochs = 1  # one PPO epoch over the rollout per iteration
   c.optim.actor_lr = 1e-6  # small learning rates: fine-tuning a pretrained model
   c.optim.critic_lr = 5e-6

@@ -232,7 +232,9 @@ def test_mesh_generation_config_errors_and_llama_presets():
   for variant in ("7b", "13b", "65b/33b"):
     run, plan = ppo_llama.get_config(variant), plan_config.get_config(f"llama/{variant}")
     assert (plan.pp, plan.tp, plan.fsdp, plan.dp) == (1, run.mesh.tensor, run.mesh.fsdp, 1)
-    assert (plan.minibatch_size, plan.microbatch_size) == (64, run.algo.microbatch_size) == (64, 1)
+    assert (plan.minibatch_size, plan.microbatch_size) == (64, run.algo.microbatch_size)
+    assert plan.microbatch_size == min(ppo_llama.MICROBATCH[m]
+                                       for m in ppo_llama.parse_variant(variant))
     assert plan.seq_len == run.data.max_prompt_len + run.rollout.max_new_tokens
     # Generation on instances of `tensor` devices, the batch dealt over them; moments offloaded.
     instances = plan.tp * plan.fsdp // run.plan.generation_tp
