@@ -13,9 +13,12 @@ program; `--config.layers=N` compiles N layers per model instead (result.json sa
 `layers_compiled`). `llama/<variant>` (`llama/13b`, `llama/65b/33b`, ... any variant of
 configs/ppo_llama.py) checks that preset as its trainer runs it, on its smallest device count
 (one model replica: fsdp x tensor devices, data 1): the unpipelined update with its
-micro-batches, generation and scoring on the training mesh (`generation="mesh"`);
+micro-batches, generation and scoring where its plan.generation puts them;
 `hf_gpu/<model>` the same for configs/ppo_hf.py:ppo_gpu on the models of docs/own_model.md
-(HF_MODELS). Writes result.json and config.json; logs a table.
+(HF_MODELS); `run/<config file>[:<variant>]` for any training config, as train_ppo's --config
+names it (its checkpoints' config.json for the architectures):
+  python -m experiments.plan_check --config=configs/plan_check.py:run/configs/ppo_hf.py:ppo_gpu --workdir=/tmp/pc_run
+Writes result.json and config.json; logs a table.
 """
 import ml_collections
 
@@ -119,10 +122,46 @@ def _hf_gpu_preset(c, name: str) -> None:
   _as_trained(c, t, dp=t.mesh.data)
 
 
+def _run_preset(c, spec: str) -> None:
+  """A training config file as its trainer would run it, on its smallest device count (data 1
+  unless the file fixes mesh.data): 'run/<file.py>[:<variant>]', the file and variant given to
+  train_ppo's --config. The models are the file's sections, or the architectures of
+  init.actor_checkpoint / init.critic_checkpoint (their config.json, as the trainer reads them;
+  no weights). The unpipelined update only (mesh.stage 1); a critic-free estimator is checked
+  with a critic (an upper bound)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+
+  from rlhfuse_jax.trainer import build  # pylint: disable=import-outside-toplevel
+  from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
+  path, _, variant = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ValueError(f"configs/plan_check.py: 'run/{spec}': no config file {path!r} (a path "
+                     "as train_ppo's --config takes it, e.g. run/configs/ppo_hf.py:ppo_gpu)")
+  module_spec = importlib.util.spec_from_file_location("plan_check_run_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  t = module.get_config(variant) if variant else module.get_config()
+  run = TrainConfig.from_config_dict(t)
+  if run.mesh.stage != 1:
+    raise ValueError(f"configs/plan_check.py: 'run/{spec}' trains with mesh.stage="
+                     f"{run.mesh.stage}: plan_check maps unpipelined runs only; set pp, "
+                     "critic_pp, tp, dp and microbatch_size of a plan variant instead")
+  init = run.init
+  actor = (build.checkpoint_config(init.actor_checkpoint, run.model)
+           if init.actor_checkpoint else run.model)
+  critic = (build.checkpoint_config(init.critic_checkpoint, run.critic_model)
+            if init.critic_checkpoint else run.critic_model.replace(vocab_size=actor.vocab_size))
+  c.actor = ml_collections.ConfigDict(dataclasses.asdict(actor))
+  c.critic = ml_collections.ConfigDict(dataclasses.asdict(critic))
+  _as_trained(c, t, dp=max(run.mesh.data, 1))
+
+
 def get_config(arg: str = "tiny"):
   c = ml_collections.ConfigDict()
   # A preset of configs/ppo_llama.py SHAPES, or a full model section (see tiny).
-  section = arg == "tiny" or arg.startswith("hf_gpu/")  # model sections, not presets
+  section = arg == "tiny" or arg.startswith(("hf_gpu/", "run/"))  # sections, not presets
   c.actor = _tiny_model(4) if section else "7b"
   c.critic = _tiny_model(2) if section else "7b"  # critic backbone (scalar head)
   c.layers = 0  # layers compiled per model (0: the model's own); analytic numbers follow it
@@ -183,6 +222,8 @@ def get_config(arg: str = "tiny"):
     _llama_preset(c, arg[len("llama/"):])
   elif arg.startswith("hf_gpu/"):
     _hf_gpu_preset(c, arg[len("hf_gpu/"):])
+  elif arg.startswith("run/"):
+    _run_preset(c, arg[len("run/"):])
   elif arg in PAPER_PAIRS:
     c.actor, c.critic = arg.split("/")
     # sim/training_sim.best_plan at 2048 tokens per sample (re-read 2026-11-26 (h), after
@@ -196,6 +237,6 @@ def get_config(arg: str = "tiny"):
   else:
     raise ValueError(f"configs/plan_check.py: unknown variant {arg!r}; expected 'tiny', "
                      f"'7b_host8', 'llama/<a configs/ppo_llama.py variant>', "
-                     f"'hf_gpu/<one of {list(HF_MODELS)}>' or one of "
-                     f"{list(PAPER_PAIRS)}")
+                     f"'hf_gpu/<one of {list(HF_MODELS)}>', 'run/<config file>[:<variant>]' "
+                     f"or one of {list(PAPER_PAIRS)}")
   return c

@@ -256,3 +256,32 @@ def test_mesh_generation_config_errors_and_llama_presets():
   assert cfg.actor.scan_layers and cfg.critic.head == "scalar"
   with pytest.raises(ValueError, match=r"unknown model 'gpt2' in 'hf_gpu/gpt2'"):
     plan_config.get_config("hf_gpu/gpt2")
+
+
+def test_run_variant_maps_a_training_config_file(monkeypatch):
+  """run/<file>[:<variant>]: a training config file as its trainer runs it. The LLaMA preset's
+  file gives the llama/ variant's plan; an HF checkpoint's architecture comes from its
+  config.json, as the trainer reads it."""
+  import dataclasses
+  from rlhfuse_jax.models import hf_loader
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  monkeypatch.chdir(repo)  # the configs' paths are relative to the repository, as runs start
+  as_run = plan_programs.PlanConfig.from_config_dict(
+      plan_config.get_config("run/configs/ppo_llama.py:13b"))
+  preset = plan_programs.PlanConfig.from_config_dict(plan_config.get_config("llama/13b"))
+  assert dataclasses.replace(as_run, actor=preset.actor, critic=preset.critic) == preset
+  for got, want in ((as_run.actor, preset.actor), (as_run.critic, preset.critic)):
+    assert got.num_params() == want.num_params() and got.head == want.head
+  from configs import ppo_hf
+  run = ppo_hf.get_config("ppo_gpu")
+  hf = plan_programs.PlanConfig.from_config_dict(
+      plan_config.get_config("run/configs/ppo_hf.py:ppo_gpu"))
+  ckpt = hf_loader.load_hf_config(run.init.actor_checkpoint)
+  for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+    assert getattr(hf.actor, f) == getattr(ckpt, f), f
+  assert (hf.generation, hf.gen_tp, hf.gradient_sync) == ("instances", 1, "once")
+  with pytest.raises(ValueError, match=r"'run/configs/nope\.py': no config file"):
+    plan_config.get_config("run/configs/nope.py")
+  with pytest.raises(ValueError, match=r"trains with mesh\.stage=4: plan_check maps "
+                                       r"unpipelined runs only"):
+    plan_config.get_config("run/configs/ppo_tiny.py:fused")

@@ -98,7 +98,7 @@ def build_dataset(cfg: TrainConfig, task, tokenizer: Tokenizer) -> prompts_lib.P
 RUN_MODEL_FIELDS = ("param_dtype", "dtype", "attention", "remat", "scan_layers", "max_seq_len")
 
 
-def _checkpoint_config(path: str, section: ModelConfig, **overrides) -> ModelConfig:
+def checkpoint_config(path: str, section: ModelConfig, **overrides) -> ModelConfig:
   """The architecture of the checkpoint at `path` with the run's own fields of `section`."""
   keep = {f: getattr(section, f) for f in RUN_MODEL_FIELDS}
   return hf_loader.load_hf_config(path, **{**keep, **overrides})
@@ -110,7 +110,7 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
   step sees. (The checkpoints' fingerprint is of the config as given, before this.)"""
   cfg = cfg.with_vocab(tokenizer.vocab_size)
   if cfg.init.actor_checkpoint:
-    model = _checkpoint_config(cfg.init.actor_checkpoint, cfg.model)
+    model = checkpoint_config(cfg.init.actor_checkpoint, cfg.model)
     if tokenizer.vocab_size > model.vocab_size:
       raise ValueError(
           f"the tokenizer has {tokenizer.vocab_size} tokens but config.init.actor_checkpoint="
@@ -120,7 +120,7 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
     cfg = dataclasses.replace(cfg, model=model, critic_model=cfg.critic_model.replace(
         vocab_size=model.vocab_size))
   if cfg.init.critic_checkpoint and adv_lib.needs_critic(cfg.algo.estimator):
-    cfg = dataclasses.replace(cfg, critic_model=_checkpoint_config(
+    cfg = dataclasses.replace(cfg, critic_model=checkpoint_config(
         cfg.init.critic_checkpoint, cfg.critic_model, head="scalar"))
   return cfg
 
