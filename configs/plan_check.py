@@ -123,18 +123,10 @@ def _hf_gpu_preset(c, name: str) -> None:
 
 
 def _run_preset(c, spec: str) -> None:
-  """A training config file as its trainer would run it, on its smallest device count (data 1
-  unless the file fixes mesh.data): 'run/<file.py>[:<variant>]', the file and variant given to
-  train_ppo's --config. The models are the file's sections, or the architectures of
-  init.actor_checkpoint / init.critic_checkpoint (their config.json, as the trainer reads them;
-  no weights). The unpipelined update only (mesh.stage 1); a critic-free estimator is checked
-  with a critic (an upper bound)."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
+  """'run/<file.py>[:<variant>]': the training config file and variant given to train_ppo's
+  --config, as written (`apply_run`)."""
   import importlib.util  # pylint: disable=import-outside-toplevel
   import os  # pylint: disable=import-outside-toplevel
-
-  from rlhfuse_jax.trainer import build  # pylint: disable=import-outside-toplevel
-  from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
   path, _, variant = spec.partition(":")
   if not os.path.isfile(path):
     raise ValueError(f"configs/plan_check.py: 'run/{spec}': no config file {path!r} (a path "
@@ -142,12 +134,25 @@ def _run_preset(c, spec: str) -> None:
   module_spec = importlib.util.spec_from_file_location("plan_check_run_config", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  t = module.get_config(variant) if variant else module.get_config()
+  apply_run(c, module.get_config(variant) if variant else module.get_config(), f"run/{spec}")
+
+
+def apply_run(c, t, name: str = "--run_config") -> None:
+  """Sets plan config `c` to training config `t` (a ConfigDict of train_ppo's --config) as its
+  trainer would run it, on its smallest device count (data 1 unless `t` fixes mesh.data): the
+  models are t's sections, or the architectures of init.actor_checkpoint /
+  init.critic_checkpoint (their config.json, as the trainer reads them; no weights). The
+  unpipelined update only (mesh.stage 1); a critic-free estimator is checked with a critic (an
+  upper bound). experiments/plan_check.py's --run_config calls it with the flag's overrides."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+
+  from rlhfuse_jax.trainer import build  # pylint: disable=import-outside-toplevel
+  from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
   run = TrainConfig.from_config_dict(t)
   if run.mesh.stage != 1:
-    raise ValueError(f"configs/plan_check.py: 'run/{spec}' trains with mesh.stage="
-                     f"{run.mesh.stage}: plan_check maps unpipelined runs only; set pp, "
-                     "critic_pp, tp, dp and microbatch_size of a plan variant instead")
+    raise ValueError(f"configs/plan_check.py: {name} trains with mesh.stage={run.mesh.stage}: "
+                     "plan_check maps unpipelined runs only; set pp, critic_pp, tp, dp and "
+                     "microbatch_size of a plan variant instead")
   init = run.init
   actor = (build.checkpoint_config(init.actor_checkpoint, run.model)
            if init.actor_checkpoint else run.model)

@@ -3,6 +3,9 @@ r"""Compile a training plan's real programs from shapes and check that they fit 
   python -m experiments.plan_check --config=configs/plan_check.py:tiny --workdir=/tmp/pc_tiny
   python -m experiments.plan_check --config=configs/plan_check.py:7b_host8 --workdir=/tmp/pc_7b8
   python -m experiments.plan_check --config=configs/plan_check.py:llama/13b --workdir=/tmp/pc_13b
+  python -m experiments.plan_check --config=configs/plan_check.py \
+      --run_config=configs/ppo_hf.py:ppo_gpu --run_config.init.actor_checkpoint=/models/x \
+      --run_config.init.critic_checkpoint=/models/x --workdir=/tmp/pc_run
 
 For an actor/critic pair and a plan (pp, critic_pp, tp, dp, fsdp, micro-batch, sequence length,
 remat, attention, generation tp and slots) this lowers and compiles, on fake CPU devices and from
@@ -16,6 +19,7 @@ jax.ShapeDtypeStructs with shardings (no parameter is allocated), the programs t
   inference   the instance's reference log-prob forward (inference/scoring.py; "mesh": the
               Scorer's, on the whole rollout batch)
 
+(--run_config: a training config, with train_ppo's overrides, checked as its trainer runs it)
 and writes result.json (per program: argument/output/temp/peak bytes and FLOPs per device from
 the compiled program, the analytic breakdown, replication, fits, compile_s) and config.json.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import os
 
+import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -34,6 +39,10 @@ from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.parallel.host_devices import request_host_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Plan config.", lock_config=True)
+_RUN_CONFIG = config_flags.DEFINE_config_file(
+    "run_config", None, "Optional: a training config (train_ppo's --config, its overrides as "
+    "--run_config.<field>=...) to check as its trainer runs it; it sets the plan's models, "
+    "mesh, batches, lengths and generation (configs/plan_check.apply_run), --config the rest.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -53,12 +62,19 @@ def device_count(c) -> int:
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  n = device_count(_CONFIG.value)
+  config = _CONFIG.value
+  if _RUN_CONFIG.value is not None:
+    from configs import plan_check as plan_config  # plain Python until a model is loaded
+    fields = config.to_dict()
+    fields.pop("actor"), fields.pop("critic")  # replaced by the run's (sections or presets)
+    config = ml_collections.ConfigDict(fields)
+    plan_config.apply_run(config, _RUN_CONFIG.value)
+  n = device_count(config)
   request_host_devices(n)
   from experiments import plan_programs  # imports jax: after the device count is set
-  cfg = plan_programs.PlanConfig.from_config_dict(_CONFIG.value)
+  cfg = plan_programs.PlanConfig.from_config_dict(config)
   os.makedirs(_WORKDIR.value, exist_ok=True)
-  wd.write_config(_WORKDIR.value, _CONFIG.value)
+  wd.write_config(_WORKDIR.value, config)
   result = plan_programs.run_and_write(cfg, _WORKDIR.value)
   for line in plan_programs.table(result):
     logging.info("%s", line)

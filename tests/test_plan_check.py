@@ -285,3 +285,32 @@ def test_run_variant_maps_a_training_config_file(monkeypatch):
   with pytest.raises(ValueError, match=r"trains with mesh\.stage=4: plan_check maps "
                                        r"unpipelined runs only"):
     plan_config.get_config("run/configs/ppo_tiny.py:fused")
+
+
+def test_binary_takes_a_training_config_with_its_overrides(tmp_path):
+  """experiments/plan_check.py --run_config=<train_ppo's --config> with an override of it: the
+  plan follows the run as overridden (its response length), the models come from the run's
+  checkpoint, the rest from --config."""
+  import subprocess
+  import sys
+  from tests.xla_env import subprocess_env
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  wd = str(tmp_path / "pc")
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_check", "--config=configs/plan_check.py",
+       "--run_config=configs/ppo_hf.py:ppo_gpu", "--run_config.rollout.max_new_tokens=16",
+       f"--workdir={wd}"], cwd=repo, env=subprocess_env(), capture_output=True, text=True,
+      timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(os.path.join(wd, "result.json")) as f:
+    result = json.load(f)
+  from configs import ppo_hf
+  run = ppo_hf.get_config("ppo_gpu")
+  plan = result["plan"]
+  assert (plan["response_len"], plan["seq_len"]) == (16, run.data.max_prompt_len + 16)
+  assert (plan["fsdp"], plan["generation"], plan["gradient_sync"]) == (8, "instances", "once")
+  assert plan["hardware"] == "h100_sxm" and result["devices"] == 8
+  with open(os.path.join(repo, run.init.actor_checkpoint, "config.json")) as f:
+    hf = json.load(f)
+  assert result["models"]["actor"]["hidden_size"] == hf["hidden_size"]
+  assert "time bounds on h100_sxm" in out.stderr
