@@ -358,7 +358,6 @@ class FusedGenerator:
     self.lengths.add(out.rollout.response_lens)
     return out
 
-
   def place_actor(self, params: Any) -> inst_lib.PlacedOnInstances:
     """The actor on each of this process's instances. From host memory or arrays this process
     holds, a device_put per instance. From arrays spread over several processes (a multi-host
@@ -376,7 +375,7 @@ class FusedGenerator:
         mesh_lib.MeshConfig(data=len(self.instances), tensor=self.config.instance_devices),
         [d for inst in self.instances for d in inst.devices])
     own = {i: inst.param_shardings(self.cfg, params) for i, inst in mine.items()}
-    everywhere = jax.device_put(params, jax.tree.map(
+    everywhere = mesh_lib.put(params, jax.tree.map(
         lambda sh: NamedSharding(grid, sh.spec), own[self.local[0]]))
 
     def take(x, sharding):  # the instance's shards of `everywhere`, as an array on its mesh
@@ -599,7 +598,7 @@ class _Run:
   instances only."""
 
   def __init__(self, gen: FusedGenerator, actor_params, frozen_params, tokens, plens, uids,
-               budgets, key, fuse: bool, rt: float, place_s: float = 0.0):
+               budgets, key, fuse: bool, rt: float, place_s: float):
     self.gen, self.fuse, self.rt, self.key = gen, fuse, rt, key
     self.frozen_params = frozen_params
     self.tokens, self.plens, self.uids, self.budgets = tokens, plens, uids, budgets

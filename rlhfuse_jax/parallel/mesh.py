@@ -158,10 +158,15 @@ def _put_leaf(x: Any, sharding: NamedSharding) -> jax.Array:
     return jax.device_put(x, sharding)
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     return jax.random.wrap_key_data(_put_leaf(jax.random.key_data(x), sharding))
-  # Multi-host: every process holds the same host value (same seed, same data stream) and
-  # supplies the shards its own devices own. device_put cannot target other hosts' devices, so
-  # an array placed on another set of devices (a mesh spanning the processes) is gathered to
-  # every process first.
+  if (isinstance(x, jax.Array) and not x.is_fully_addressable
+      and x.sharding.device_set == sharding.device_set):
+    # Multi-host, an array spread over the processes onto another layout of the same devices:
+    # one collective reshard, device to device, which every process joins (as it would
+    # to_host's gather). jax refuses it between different device sets (CPU and GPU runtimes).
+    return jax.device_put(x, sharding)
+  # Multi-host otherwise: every process holds the same host value (same seed, same data stream)
+  # and supplies the shards its own devices own; an array placed on another set of devices is
+  # gathered to every process first.
   host = np.asarray(to_host(x))
   return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
