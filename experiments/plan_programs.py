@@ -454,14 +454,15 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
     out["params_bytes"] += _nbytes(params) / shards
     out["grads_bytes"] += _nbytes(params) / shards  # gradients in the parameters' dtype
     if "grad_accumulator_bytes" in out:
-      if cfg.gradient_sync == "once":  # each shard's float32 sums of the gathered weights
-        out["grad_accumulator_bytes"] += 4.0 * sum(math.prod(x.shape) for x in
-                                                   jax.tree.leaves(params)) / cfg.tp
+      # float32 sums split like the parameters, or with "once" each shard's sums of the
+      # weights gathered over fsdp (split over tensor only), beside that gathered copy
+      once = cfg.gradient_sync == "once"
+      out["grad_accumulator_bytes"] += 4.0 * sum(math.prod(x.shape) for x in
+                                                 jax.tree.leaves(params)) / (
+                                                     cfg.tp if once else shards)
+      if once:
         out["gathered_params_bytes"] = (out.get("gathered_params_bytes", 0.0) +
                                         _nbytes(params) / cfg.tp)
-      else:
-        out["grad_accumulator_bytes"] += 4.0 * sum(math.prod(x.shape) for x in
-                                                   jax.tree.leaves(params)) / shards
     # The same moments for the whole tree as for the stage-stacked one (the mask moves no bytes).
     out["optimizer_bytes"] += _nbytes(jax.eval_shape(plain_tx.init, params)) / shards
     # In flight per device under 1F1B: min(stages, micro-batches) (sim/training_sim.py); the

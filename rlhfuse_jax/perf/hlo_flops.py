@@ -81,10 +81,6 @@ class HloCosts:
     return out
 
 
-# Back-compatible name: the FLOP fields are HloCosts'.
-HloFlops = HloCosts
-
-
 def _dims(shape: str) -> tuple[int, ...] | None:
   m = _SHAPE.match(shape)
   if not m:
@@ -276,8 +272,3 @@ def analyze(hlo_text: str) -> HloCosts:
   f, u, n, c = cost(entry)
   return HloCosts(flops=f, unknown_trip_loops=u, loops=n, collectives=c,
                   unread_groups=unread[0])
-
-
-def dot_flops(hlo_text: str) -> HloCosts:
-  """Per-device dot FLOPs of an optimized HLO module's text (and the rest of `analyze`)."""
-  return analyze(hlo_text)

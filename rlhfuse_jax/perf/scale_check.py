@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.perf import hlo_flops
+from rlhfuse_jax.sim import cost_model as cost_model_lib
 
 
 def logsumexp_loss(cfg: ModelConfig, mesh, rules: Optional[Mapping[str, Any]]):
@@ -82,7 +83,7 @@ def collective_seconds(counted: hlo_flops.HloCosts, cost_model: Any) -> float:
   total = 0.0
   for c, n in counted.collectives.items():
     if c.kind == "collective-permute":
-      cross = not c.groups or any(a // node != b // node for a, b in c.groups)
+      cross = not c.groups or any(not cost_model_lib.same_node(a, b, node) for a, b in c.groups)
       one = cost_model.p2p_s(c.nbytes, cross) if c.nbytes else 0.0
     else:
       one = max(cost_model.group_collective_s(c.kind, c.nbytes, g)
