@@ -1,7 +1,9 @@
 """Multi-host code path: 2 processes x 4 CPU devices on 127.0.0.1 (jax.distributed) give the same
 run as one process with 8 devices."""
+import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -98,3 +100,34 @@ def test_fused_async_two_processes_match_one_process(tmp_path):
               "async/behaviour_weight_mean"):
       np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
   assert sum(r["gen/migrated_samples_cross_host"] for r in multi) > 0
+
+
+def test_put_between_device_groups_stays_on_devices(tmp_path):
+  """mesh.put from the training group to the generation group and back on 2 processes x 4 devices
+  (each process half in each): every shard where its sharding says, with to_host made to fail
+  in the workers, so nothing went through host memory (tests/put_mp_worker.py)."""
+  env = subprocess_env(4)
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = str(sock.getsockname()[1])
+  procs = [subprocess.Popen([sys.executable, "-m", "tests.put_mp_worker", str(i), "2", port,
+                             str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  logs = [p.communicate(timeout=300)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], "".join(log[-3000:] for log in logs)
+  assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1"]
+
+
+def test_process_grid_needs_even_groups():
+  """The device-to-device path needs every process to hold as many source devices, and a source
+  device on every process that receives; otherwise mesh.put goes through host memory."""
+  @dataclasses.dataclass(frozen=True)
+  class dev:  # what _process_grid reads of a jax.Device
+    id: int
+    process_index: int
+
+  src = {dev(2, 0), dev(3, 0), dev(6, 1), dev(7, 1)}
+  grid = mesh_lib._process_grid(src, {dev(0, 0), dev(4, 1)})
+  assert [[d.id for d in row] for row in grid] == [[2, 3], [6, 7]]
+  assert mesh_lib._process_grid(src - {dev(7, 1)}, {dev(0, 0)}) is None  # 2 and 1 devices
+  assert mesh_lib._process_grid(src, {dev(8, 2)}) is None  # process 2 holds none of src

@@ -164,11 +164,64 @@ def _put_leaf(x: Any, sharding: NamedSharding) -> jax.Array:
     # one collective reshard, device to device, which every process joins (as it would
     # to_host's gather). jax refuses it between different device sets (CPU and GPU runtimes).
     return jax.device_put(x, sharding)
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    grid = _process_grid(x.sharding.device_set, sharding.device_set)
+    if grid is not None:
+      return _put_via_own_devices(x, sharding, grid)
   # Multi-host otherwise: every process holds the same host value (same seed, same data stream)
   # and supplies the shards its own devices own; an array placed on another set of devices is
   # gathered to every process first.
   host = np.asarray(to_host(x))
   return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def _process_grid(src: set, dst: set) -> Optional[np.ndarray]:
+  """`src`'s devices as a [processes, devices per process] array (each row one process's, by id),
+  when every process has as many of them and every process owning a device of `dst` owns some of
+  `src`; None otherwise."""
+  rows: dict = {}
+  for d in src:
+    rows.setdefault(d.process_index, []).append(d)
+  if len({len(r) for r in rows.values()}) != 1 or not {d.process_index for d in dst} <= set(rows):
+    return None
+  return np.array([sorted(rows[p], key=lambda d: d.id) for p in sorted(rows)])
+
+
+def _put_via_own_devices(x: jax.Array, sharding: NamedSharding, grid: np.ndarray) -> jax.Array:
+  """Multi-host, `x` onto another set of devices without going through host memory: resharded on
+  its own devices so that each process's share of them holds the whole array (split along one
+  dimension over that process's devices where it divides, the processes alike: one collective
+  every process joins, device to device), then each process copies to its own devices of
+  `sharding` from its own (device to device, no other process involved).
+
+  Extra memory on `x`'s devices: the array over the devices each process has (1/L of it per
+  device for L such devices, the whole of it where no dimension divides by L); none when `x` is
+  replicated (each process copies from one of its own copies). Async PPO hands
+  the updated policy from the training group to the generation group this way
+  (trainer/loop._to_generation); jax refuses a device_put between different device sets across
+  processes.
+  """
+  targets = sharding.addressable_devices_indices_map(x.shape)
+  if x.is_fully_replicated:  # each device of `x` has it whole: no collective
+    local = x.addressable_shards[0].data if targets else None
+  else:
+    n = grid.shape[1]
+    dim = next((i for i, size in enumerate(x.shape) if size % n == 0), None)
+    spec = P(*["_local" if i == dim else None for i in range(x.ndim)])
+    staged = jax.device_put(x, NamedSharding(Mesh(grid, ("_proc", "_local")), spec))
+    if targets:  # this process's row of the grid holds the whole array
+      own = next(row for row in grid if row[0].process_index == jax.process_index())
+      shards = {s.device: s.data for s in staged.addressable_shards}
+      local = jax.make_array_from_single_device_arrays(
+          x.shape, NamedSharding(Mesh(own, ("_local",)), spec), [shards[d] for d in own])
+  pieces = [jax.device_put(local if _covers(idx, x.shape) else local[idx], d)
+            for d, idx in targets.items()]
+  return jax.make_array_from_single_device_arrays(x.shape, sharding, pieces)
+
+
+def _covers(index: tuple, shape: tuple) -> bool:
+  """Whether a shard's index (a tuple of slices) is the whole array."""
+  return all(s.indices(n) == (0, n, 1) for s, n in zip(index, shape))
 
 
 def put(tree: Any, shardings: Any) -> Any:
