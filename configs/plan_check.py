@@ -54,32 +54,63 @@ def _tiny_model(layers: int) -> ml_collections.ConfigDict:
 
 
 def _as_trained(c, t, dp: int) -> None:
-  """The plan of training config `t` (a configs/ppo_*.py preset) with `dp` data replicas: its
-  mesh, mini- and micro-batches, lengths, remat and scan, and its plan.generation: on the
-  training mesh with the whole rollout batch, or on its instances (generation_tp devices, the
-  rollout batch dealt over devices / generation_tp of them, inference micro-batches of
-  fusion.inference_micro_batch)."""
-  c.pp = c.critic_pp = t.mesh.stage
-  c.tp, c.fsdp, c.dp = t.mesh.tensor, t.mesh.fsdp, dp
-  c.minibatch_size, c.microbatch_size = t.algo.minibatch_size, t.algo.microbatch_size
-  c.gradient_sync = t.algo.gradient_sync
-  c.seq_len = t.data.max_prompt_len + t.rollout.max_new_tokens
-  c.response_len = t.rollout.max_new_tokens
-  c.remat, c.scan_layers = t.model.remat, t.model.scan_layers
-  c.offload_optimizer = t.optim.offload_during_rollout
-  c.chunk_size = t.rollout.chunk_size
-  batch = t.rollout.prompts_per_iteration * t.rollout.samples_per_prompt
-  if t.plan.generation == "mesh":
+  """The plan of training config `t` (a ConfigDict of train_ppo's --config) with `dp` data
+  replicas: its mesh, mini- and micro-batches (a pipelined run's pipeline.actor_microbatches /
+  critic_microbatches as rows per micro-batch), fused schedule, lengths, remat and scan, and
+  where its rollout stage generates (trainer/rollout.stage_kind): on the training mesh with the
+  whole rollout batch (stage folded into data when pipelined, as the trainer does), on its
+  plan.generation instances (generation_tp devices, the batch dealt over devices / generation_tp
+  of them, inference micro-batches of fusion.inference_micro_batch), or on the fused stage's
+  instances (config.fusion.inter_stage: fusion.instance_devices each)."""
+  # pylint: disable=import-outside-toplevel
+  from rlhfuse_jax.trainer import rollout
+  from rlhfuse_jax.trainer.config import TrainConfig
+  run = TrainConfig.from_config_dict(t)
+  stages = run.mesh.stage
+  c.pp, c.critic_pp = stages, run.pipeline.critic_pp or stages
+  c.tp, c.fsdp, c.dp = run.mesh.tensor, run.mesh.fsdp, dp
+  c.minibatch_size = run.algo.minibatch_size
+  c.gradient_sync = run.algo.gradient_sync
+  c.critic_microbatch_size = 0
+  if stages == 1:
+    c.microbatch_size = run.algo.microbatch_size
+  else:  # pipeline.*_microbatches split each data shard's rows (trainer/pipelined.check_config)
+    rows = run.algo.minibatch_size // (dp * run.mesh.fsdp)
+    replicas = stages // c.critic_pp
+    for field, count in (("actor_microbatches", run.pipeline.actor_microbatches),
+                         ("critic_microbatches", replicas * run.pipeline.critic_microbatches)):
+      if not rows or rows % count:
+        raise ValueError(f"configs/plan_check.py: the run's pipeline.{field}: {count} "
+                         f"micro-batches per data shard do not split its {rows} rows "
+                         f"(algo.minibatch_size={run.algo.minibatch_size} over data {dp} x "
+                         f"fsdp {run.mesh.fsdp})")
+    c.microbatch_size = rows // run.pipeline.actor_microbatches
+    c.critic_microbatch_size = rows // (replicas * run.pipeline.critic_microbatches)
+    c.intra_stage = run.fusion.intra_stage
+    c.search_time_s = run.pipeline.search_time_s
+  c.seq_len = run.data.max_prompt_len + run.rollout.max_new_tokens
+  c.response_len = run.rollout.max_new_tokens
+  c.remat, c.scan_layers = run.model.remat, run.model.scan_layers
+  c.offload_optimizer = run.optim.offload_during_rollout
+  c.chunk_size = run.rollout.chunk_size
+  batch = run.rollout.batch_size
+  devices = stages * run.mesh.tensor * run.mesh.fsdp * dp
+  kind = rollout.stage_kind(run)
+  if kind == "serial":
     c.generation, c.gen_slots = "mesh", batch
     c.gen_tp = 1  # unused on the mesh
-  elif t.plan.generation == "instances":  # trainer/rollout.plan_instances_config's layout
-    devices = t.mesh.stage * t.mesh.tensor * t.mesh.fsdp * dp
-    c.generation, c.gen_tp = "instances", t.plan.generation_tp
-    c.gen_slots = t.plan.generation_slots or -(-batch // (devices // c.gen_tp))
-    c.inference_microbatch = t.fusion.inference_micro_batch or c.gen_slots
+  elif kind == "instances":  # trainer/rollout.plan_instances_config's layout
+    fc = rollout.plan_instances_config(run, devices)
+    c.generation, c.gen_tp, c.gen_slots = "instances", fc.instance_devices, fc.slots
+    c.inference_microbatch = fc.micro_batch
+  elif kind == "fused":  # FusedStage's instances (config.fusion)
+    fc = rollout.check_fusion(run, devices)
+    c.generation, c.gen_tp, c.gen_slots = "instances", fc.instance_devices, fc.slots
+    c.inference_microbatch = fc.micro_batch
   else:
-    raise ValueError(f"configs/plan_check.py: plan.generation={t.plan.generation!r} of the "
-                     "preset has no plan_check mapping (mesh and instances have)")
+    raise ValueError(f"configs/plan_check.py: the run's rollout stage {kind!r} (plan.generation"
+                     f"={run.plan.generation!r}, plan.inference_tp={run.plan.inference_tp}) has "
+                     "no plan_check mapping (the serial, instances and fused stages have)")
 
 
 def _llama_preset(c, variant: str) -> None:
@@ -134,25 +165,21 @@ def _run_preset(c, spec: str) -> None:
   module_spec = importlib.util.spec_from_file_location("plan_check_run_config", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  apply_run(c, module.get_config(variant) if variant else module.get_config(), f"run/{spec}")
+  apply_run(c, module.get_config(variant) if variant else module.get_config())
 
 
-def apply_run(c, t, name: str = "--run_config") -> None:
+def apply_run(c, t) -> None:
   """Sets plan config `c` to training config `t` (a ConfigDict of train_ppo's --config) as its
   trainer would run it, on its smallest device count (data 1 unless `t` fixes mesh.data): the
   models are t's sections, or the architectures of init.actor_checkpoint /
-  init.critic_checkpoint (their config.json, as the trainer reads them; no weights). The
-  unpipelined update only (mesh.stage 1); a critic-free estimator is checked with a critic (an
-  upper bound). experiments/plan_check.py's --run_config calls it with the flag's overrides."""
+  init.critic_checkpoint (their config.json, as the trainer reads them; no weights); a
+  pipelined run (mesh.stage > 1) with its pipeline section's micro-batches and fused schedule.
+  A critic-free estimator is checked with a critic (an upper bound). experiments/plan_check.py's --run_config calls it with the flag's overrides."""
   import dataclasses  # pylint: disable=import-outside-toplevel
 
   from rlhfuse_jax.trainer import build  # pylint: disable=import-outside-toplevel
   from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
   run = TrainConfig.from_config_dict(t)
-  if run.mesh.stage != 1:
-    raise ValueError(f"configs/plan_check.py: {name} trains with mesh.stage={run.mesh.stage}: "
-                     "plan_check maps unpipelined runs only; set pp, critic_pp, tp, dp and "
-                     "microbatch_size of a plan variant instead")
   init = run.init
   actor = (build.checkpoint_config(init.actor_checkpoint, run.model)
            if init.actor_checkpoint else run.model)
@@ -180,6 +207,9 @@ def get_config(arg: str = "tiny"):
   # accumulation of the unpipelined update (pp == 1: the trainer's algo.microbatch_size; 0 there
   # runs each data shard's rows at once)
   c.microbatch_size = 1
+  # pp > 1: the critic's samples per micro-batch and data shard (0: microbatch_size); its
+  # pp / critic_pp replicas share each data shard's rows
+  c.critic_microbatch_size = 0
   # pp == 1 with micro-batches: the trainer's algo.gradient_sync, "per_microbatch" (weights
   # gathered and gradients reduced per micro-batch) or "once" (per optimizer step); pipelined
   # plans ignore it, as the trainer does

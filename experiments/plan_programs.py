@@ -13,9 +13,10 @@ Every program is the codebase's own, reached through the function its caller jit
               parameters, scalars replicated
   decode      generation/instances.GenerationInstance's decode chunk (donated SlotState) on one
               instance of gen_tp devices with gen_slots slots; with generation="mesh" (the
-              trainer's plan.generation default, pp == 1) the Generator's: one instance over the
-              whole training mesh, gen_slots = the rollout batch split over data x fsdp, the
-              parameters placed as the trainer trains them (fsdp x tensor)
+              trainer's plan.generation default) the Generator's: one instance over the whole
+              training mesh (pp > 1: stage folded into data, parallel/mesh.fold_stage), gen_slots
+              = the rollout batch split over data x fsdp (x stage), the parameters placed as the
+              trainer places the whole models (fsdp x tensor)
   inference   the same instance's reference log-prob forward (inference/scoring.py) on one
               inference micro-batch (generation="mesh": the Scorer's, the whole rollout batch)
 
@@ -150,6 +151,7 @@ class PlanConfig:
   offload_optimizer: bool = False  # the trainer's optim.offload_during_rollout
   gradient_sync: str = "per_microbatch"  # the trainer's algo.gradient_sync (pp == 1)
   generation: str = "instances"  # instances | mesh (module docstring)
+  critic_microbatch_size: int = 0  # pp > 1: the critic's rows per micro-batch (0: the actor's)
 
   @property
   def train_devices(self) -> int:
@@ -190,8 +192,14 @@ class PlanConfig:
     return self.rows_per_shard // self.micro_rows
 
   @property
+  def critic_micro_rows(self) -> int:
+    """Rows per critic micro-batch: the actor's unless critic_microbatch_size is set (pp > 1)."""
+    return self.critic_microbatch_size or self.micro_rows
+
+  @property
   def critic_microbatches(self) -> int:
-    return self.actor_microbatches // (self.pp // self.critic_pp)
+    """Micro-batches per critic replica (pp / critic_pp replicas share each data shard's rows)."""
+    return self.rows_per_shard // (self.pp // self.critic_pp * self.critic_micro_rows)
 
   @classmethod
   def from_config_dict(cls, c: Any) -> "PlanConfig":
@@ -208,6 +216,9 @@ class PlanConfig:
       _check(isinstance(d[name], int) and d[name] >= 1, name, d[name], "an integer >= 1")
     _check(isinstance(d["microbatch_size"], int) and d["microbatch_size"] >= 0, "microbatch_size",
            d["microbatch_size"], "an integer >= 0 (0, pp 1 only: each data shard's rows at once)")
+    _check(isinstance(d.get("critic_microbatch_size", 0), int) and
+           d.get("critic_microbatch_size", 0) >= 0, "critic_microbatch_size",
+           d.get("critic_microbatch_size"), "an integer >= 0 (0: microbatch_size)")
     _check(isinstance(d["layers"], int) and d["layers"] >= 0, "layers", d["layers"],
            "an integer >= 0 (0: the model's own)")
     _check(d["hardware"] in hw_lib.HARDWARE, "hardware", d["hardware"],
@@ -234,17 +245,19 @@ class PlanConfig:
         "inference_microbatch", "cpu_upcast")}, hardware=hw_lib.HARDWARE[d["hardware"]],
         offload_optimizer=d.get("offload_optimizer", False),
         generation=d.get("generation", "instances"),
-        gradient_sync=d.get("gradient_sync", "per_microbatch"))
+        gradient_sync=d.get("gradient_sync", "per_microbatch"),
+        critic_microbatch_size=d.get("critic_microbatch_size", 0))
     cfg.validate()
     return cfg
 
   def validate(self) -> None:
-    _check(self.generation != "mesh" or self.pp == 1, "generation", self.generation,
-           f"'instances' with pp={self.pp} ('mesh' generates on the unpipelined training mesh)")
-    _check(self.generation != "mesh" or self.gen_slots % (self.dp * self.fsdp) == 0,
+    shards = self.dp * self.fsdp * self.pp
+    _check(self.generation != "mesh" or self.gen_slots % shards == 0,
            "gen_slots", self.gen_slots,
-           f"a multiple of dp*fsdp={self.dp * self.fsdp} (generation='mesh': the rollout batch "
-           "split over the data axes)")
+           f"a multiple of dp*fsdp*pp={shards} (generation='mesh': the rollout batch split over "
+           "the data axes, with pp > 1 the stage axis folded into them as the trainer does; a "
+           "batch that does not split so, which the trainer runs whole on every stage, is not "
+           "modelled)")
     _check(self.pp % self.critic_pp == 0, "critic_pp", self.critic_pp, f"a divisor of pp={self.pp}")
     for field, model, n_stages in (("actor", self.actor, self.pp),
                                    ("critic", self.critic, self.critic_pp)):
@@ -260,9 +273,14 @@ class PlanConfig:
            f"a divisor of the rows per data shard (minibatch_size/(dp*fsdp) = "
            f"{self.minibatch_size}/{shards} = {self.rows_per_shard})")
     reps = self.pp // self.critic_pp
-    _check(self.actor_microbatches % reps == 0, "microbatch_size", self.microbatch_size,
-           f"leaving actor micro-batches ({self.actor_microbatches}) divisible by the critic "
-           f"replicas pp/critic_pp={reps}")
+    _check(self.critic_microbatch_size == 0 or self.pp > 1, "critic_microbatch_size",
+           self.critic_microbatch_size, "0 with pp=1 (the unpipelined update's micro-batches "
+           "are microbatch_size for both models)")
+    field = "critic_microbatch_size" if self.critic_microbatch_size else "microbatch_size"
+    _check(self.rows_per_shard % (reps * self.critic_micro_rows) == 0, field,
+           getattr(self, field), f"a size that splits the rows per data shard "
+           f"({self.rows_per_shard}) over the critic replicas pp/critic_pp={reps}: "
+           f"{reps} x {self.critic_micro_rows} does not divide {self.rows_per_shard}")
 
 
 # Abstract arguments -----------------------------------------------------------------------------
@@ -359,8 +377,8 @@ def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
   scores the whole rollout batch at once (the Scorer's default micro-batch)."""
   sampling = SamplingConfig(max_new_tokens=cfg.response_len, chunk_size=cfg.chunk_size)
   frozen = inst_lib.FrozenModels(reference=cfg.actor.replace(head="lm"))
-  if cfg.generation == "mesh":
-    mesh, micro = train_mesh(cfg), cfg.gen_slots
+  if cfg.generation == "mesh":  # pipelined: stage folded into data, as the trainer does
+    mesh, micro = mesh_lib.fold_stage(train_mesh(cfg)), cfg.gen_slots
   else:
     mesh, micro = inst_lib.split_devices(jax.devices(), 1, cfg.gen_tp)[0], cfg.inference_microbatch
   return inst_lib.GenerationInstance(0, mesh, cfg.actor, sampling, slots=cfg.gen_slots,
@@ -447,8 +465,8 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
          "activations_bytes": 0.0}
   if cfg.pp == 1 and cfg.actor_microbatches > 1:
     out["grad_accumulator_bytes"] = 0.0  # float32 sums of the micro-batches' gradients
-  tokens_mb = cfg.micro_rows * cfg.seq_len
   for model, n_stages in ((cfg.actor, cfg.pp), (cfg.critic, cfg.critic_pp)):
+    rows = cfg.micro_rows if model is cfg.actor else cfg.critic_micro_rows
     shards = n_stages * cfg.tp * cfg.fsdp
     params = llama.param_shapes(model)
     out["params_bytes"] += _nbytes(params) / shards
@@ -470,7 +488,8 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
     micro = cfg.actor_microbatches if model is cfg.actor else cfg.critic_microbatches
     inflight = min(n_stages, micro) if cfg.pp > 1 else 1
     out["activations_bytes"] += inflight * cost.activation_bytes(
-        sim_shapes.from_model_config(model), cfg.tp, tokens_mb, model.num_layers / n_stages)
+        sim_shapes.from_model_config(model), cfg.tp, rows * cfg.seq_len,
+        model.num_layers / n_stages)
   out["total_bytes"] = sum(out.values())
   useful = accounting.ppo_update_flops(cfg.actor, cfg.critic, cfg.minibatch_size,
                                        cfg.prompt_len, cfg.response_len) / cfg.train_devices
@@ -478,9 +497,10 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
   if cfg.pp > 1:
     # A lockstep tick lasts as long as its costliest task: a last-stage backward (stage forward
     # recomputed + backward = 3 x forward, head and loss included), tp-way split.
-    task = max(3.0 * accounting.forward_flops(_stage_cfg(m, s), cfg.micro_rows,
-                                              cfg.seq_len, cfg.response_len)
-               for m, s in ((cfg.actor, cfg.pp), (cfg.critic, cfg.critic_pp)))
+    task = max(3.0 * accounting.forward_flops(_stage_cfg(m, s), rows, cfg.seq_len,
+                                              cfg.response_len)
+               for m, s, rows in ((cfg.actor, cfg.pp, cfg.micro_rows),
+                                  (cfg.critic, cfg.critic_pp, cfg.critic_micro_rows)))
     out["lockstep_flops_per_device"] = info["ticks"] * task / cfg.tp
   else:
     out["lockstep_flops_per_device"] = useful
@@ -508,7 +528,7 @@ def inference_analytic(cfg: PlanConfig) -> dict:
   params = _nbytes(llama.param_shapes(a))
   if cfg.generation == "mesh":  # the whole rollout batch, split over the data axes
     rows, tp = cfg.gen_slots, cfg.tp
-    tokens = rows // (cfg.dp * cfg.fsdp) * cfg.seq_len
+    tokens = rows // (cfg.dp * cfg.fsdp * cfg.pp) * cfg.seq_len
   else:  # one micro-batch on the instance's tensor devices
     rows, tp = cfg.inference_microbatch, cfg.gen_tp
     tokens = rows * cfg.seq_len
@@ -571,7 +591,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "gen_tp": cfg.gen_tp, "gen_slots": cfg.gen_slots, "chunk_size": cfg.chunk_size,
                "inference_microbatch": cfg.inference_microbatch, "hardware": cfg.hardware.name,
                "offload_optimizer": cfg.offload_optimizer, "generation": cfg.generation,
-               "gradient_sync": cfg.gradient_sync},
+               "gradient_sync": cfg.gradient_sync,
+               "critic_microbatch_size": cfg.critic_microbatch_size},
       "devices": cfg.num_devices, "train_devices": cfg.train_devices,
       "models": {"actor": {**dataclasses.asdict(cfg.actor), "num_params": cfg.actor.num_params()},
                  "critic": {**dataclasses.asdict(cfg.critic),

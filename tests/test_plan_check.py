@@ -190,13 +190,21 @@ def test_mesh_generation_and_accumulated_update_split_the_work(tmp_path):
 
 def test_mesh_generation_config_errors_and_llama_presets():
   c = _tiny_mesh_generation()
-  c.pp = c.critic_pp = 2
-  with pytest.raises(ValueError, match=r"config\.generation='mesh': expected 'instances' with "
-                                       r"pp=2"):
+  c.pp = c.critic_pp = 2  # pipelined: generation on the mesh with stage folded into data
+  c.tp, c.gen_slots = 1, 4
+  with pytest.raises(ValueError, match=r"config\.gen_slots=4: expected a multiple of "
+                                       r"dp\*fsdp\*pp=8"):
     plan_programs.PlanConfig.from_config_dict(c)
+  c.gen_slots = 8
+  inst = plan_programs.make_instance(plan_programs.PlanConfig.from_config_dict(c))
+  assert dict(inst.mesh.shape) == {"data": 4, "fsdp": 2, "stage": 1, "tensor": 1}
   c = _tiny_mesh_generation()
   c.gen_slots = 6
-  with pytest.raises(ValueError, match=r"config\.gen_slots=6: expected a multiple of dp\*fsdp=4"):
+  with pytest.raises(ValueError, match=r"config\.gen_slots=6: expected a multiple of "
+                                       r"dp\*fsdp\*pp=4"):
+    plan_programs.PlanConfig.from_config_dict(c)
+  c.gen_slots, c.critic_microbatch_size = 8, 1
+  with pytest.raises(ValueError, match=r"config\.critic_microbatch_size=1: expected 0 with pp=1"):
     plan_programs.PlanConfig.from_config_dict(c)
   # microbatch_size 0 (the trainer's default): each data shard's 2 rows at once, unpipelined only.
   c = _tiny_mesh_generation()
@@ -282,9 +290,38 @@ def test_run_variant_maps_a_training_config_file(monkeypatch):
   assert (hf.generation, hf.gen_tp, hf.gradient_sync) == ("instances", 1, "once")
   with pytest.raises(ValueError, match=r"'run/configs/nope\.py': no config file"):
     plan_config.get_config("run/configs/nope.py")
-  with pytest.raises(ValueError, match=r"trains with mesh\.stage=4: plan_check maps "
-                                       r"unpipelined runs only"):
-    plan_config.get_config("run/configs/ppo_tiny.py:fused")
+  # The README's main job: pipelined actor (4 stages) and critic (2 stages, 2 replicas) with the
+  # searched fused schedule, generation and scoring on the fused stage's one-device instances.
+  fused = plan_programs.PlanConfig.from_config_dict(
+      plan_config.get_config("run/configs/ppo_tiny.py:fused"))
+  assert (fused.pp, fused.critic_pp, fused.dp, fused.intra_stage) == (4, 2, 1, True)
+  # 32 rows per data shard: 8 actor micro-batches of 4 rows, 2 replicas x 4 critic ones of 4.
+  assert (fused.actor_microbatches, fused.micro_rows) == (8, 4)
+  assert (fused.critic_microbatches, fused.critic_micro_rows) == (4, 4)
+  assert (fused.generation, fused.gen_tp, fused.gen_slots) == ("instances", 1, 16)
+
+
+def test_pipelined_training_config_compiles_as_its_trainer_runs_it(tmp_path, monkeypatch):
+  """run/configs/ppo_tiny.py:fused with serial generation: the pipelined update of the run's
+  micro-batch counts with its searched fused schedule, and generation on the training mesh with
+  stage folded into data, as trainer/loop.py lays it out."""
+  monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from configs import ppo_tiny
+  run = ppo_tiny.get_config("fused")
+  run.fusion.inter_stage = False
+  run.pipeline.critic_microbatches = 2  # critic micro-batches of 8 rows, the actor's of 4
+  c = plan_config.get_config("tiny")
+  plan_config.apply_run(c, run)
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  assert (cfg.generation, cfg.gen_slots, cfg.critic_micro_rows) == ("mesh", 64, 8)
+  result = plan_programs.run_and_write(cfg, str(tmp_path))
+  train = result["programs"]["train_step"]
+  assert train["schedule"] == "fused"
+  assert (train["actor_microbatches"], train["critic_microbatches"]) == (8, 2)
+  assert result["plan"]["critic_microbatch_size"] == 8
+  # The batch over data x stage (4 devices, 16 rows each): the decode step's dots split 4 ways.
+  assert abs(result["programs"]["decode"]["replication"] - 1.0) < 0.02
+  assert result["programs"]["decode"]["resident_train_bytes"] == train["argument_bytes"]
 
 
 def test_binary_takes_a_training_config_with_its_overrides(tmp_path):
