@@ -63,7 +63,7 @@ def _as_trained(c, t, dp: int) -> None:
   of them, inference micro-batches of fusion.inference_micro_batch), or on the fused stage's
   instances (config.fusion.inter_stage: fusion.instance_devices each)."""
   # pylint: disable=import-outside-toplevel
-  from rlhfuse_jax.trainer import rollout
+  from rlhfuse_jax.trainer import pipelined, rollout
   from rlhfuse_jax.trainer.config import TrainConfig
   run = TrainConfig.from_config_dict(t)
   stages = run.mesh.stage
@@ -77,15 +77,16 @@ def _as_trained(c, t, dp: int) -> None:
   else:  # pipeline.*_microbatches split each data shard's rows (trainer/pipelined.check_config)
     rows = run.algo.minibatch_size // (dp * run.mesh.fsdp)
     replicas = stages // c.critic_pp
-    for field, count in (("actor_microbatches", run.pipeline.actor_microbatches),
-                         ("critic_microbatches", replicas * run.pipeline.critic_microbatches)):
+    pipeline = pipelined.resolve_microbatches(run.pipeline, stages, rows)  # 0: one row each
+    for field, count in (("actor_microbatches", pipeline.actor_microbatches),
+                         ("critic_microbatches", replicas * pipeline.critic_microbatches)):
       if not rows or rows % count:
         raise ValueError(f"configs/plan_check.py: the run's pipeline.{field}: {count} "
                          f"micro-batches per data shard do not split its {rows} rows "
                          f"(algo.minibatch_size={run.algo.minibatch_size} over data {dp} x "
                          f"fsdp {run.mesh.fsdp})")
-    c.microbatch_size = rows // run.pipeline.actor_microbatches
-    c.critic_microbatch_size = rows // (replicas * run.pipeline.critic_microbatches)
+    c.microbatch_size = rows // pipeline.actor_microbatches
+    c.critic_microbatch_size = rows // (replicas * pipeline.critic_microbatches)
     c.intra_stage = run.fusion.intra_stage
     c.search_time_s = run.pipeline.search_time_s
   c.seq_len = run.data.max_prompt_len + run.rollout.max_new_tokens

@@ -441,8 +441,26 @@ def test_trainer_rejects_a_pipeline_without_critic(tmp_path):
 def test_typed_config_errors(tmp_path):
   with pytest.raises(ValueError, match="config.fusion.intra_stage=True"):
     _config(tmp_path, **{"fusion.intra_stage": True, "mesh.stage": 1})
-  with pytest.raises(ValueError, match="config.pipeline.critic_microbatches=0"):
-    _config(tmp_path, **{"pipeline.critic_microbatches": 0})
+  with pytest.raises(ValueError, match="config.pipeline.critic_microbatches=-1"):
+    _config(tmp_path, **{"pipeline.critic_microbatches": -1})
+
+
+def test_zero_microbatches_mean_one_row_each(tmp_path):
+  """pipeline.*_microbatches = 0: PIPE's counts, which are one row per micro-batch (4 rows per
+  data shard; 2 per critic replica), for the same schedule problem and program."""
+  optimizer = optax.adamw(1e-2)
+  updates = []
+  for counts in ((4, 2), (0, 0)):
+    cfg = _config(tmp_path, **STAGED, **{"fusion.intra_stage": False,
+                                         "pipeline.actor_microbatches": counts[0],
+                                         "pipeline.critic_microbatches": counts[1]})
+    mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices())
+    updates.append(pipelined.make_pipelined_update_fn(
+        cfg.model, cfg.critic_model, cfg.algo, 1.0, optimizer, optimizer, mesh=mesh, config=cfg))
+  explicit, zero = (u.executor.program for u in updates)
+  assert zero.problem == explicit.problem
+  np.testing.assert_array_equal(zero.order, explicit.order)
+  assert updates[1].executor.microbatch_sizes(8) == (1, 1)
   with pytest.raises(ValueError, match="config.pipeline: unknown fields"):
     _config(tmp_path, **{"pipeline.stages": 2})
 

@@ -252,8 +252,9 @@ class PipelineConfig:
   executor (trainer/pipelined.py); fusion.intra_stage picks the searched fused schedule or
   serial 1F1B."""
   critic_pp: int = 0  # critic stages; 0: mesh.stage (one replica); must divide mesh.stage
-  actor_microbatches: int = 4  # actor micro-batches per mini-batch data shard
-  critic_microbatches: int = 4  # micro-batches per critic replica (mesh.stage / critic_pp of them)
+  actor_microbatches: int = 4  # actor micro-batches per mini-batch data shard; 0: one row each
+  # micro-batches per critic replica (mesh.stage / critic_pp of them); 0: one row each
+  critic_microbatches: int = 4
   search_time_s: float = 2.0  # fused-schedule search budget, once per shape (then cached)
   search_seed: int = 0  # seed of the fused-schedule search
   schedule_cache_dir: str = ""  # searched schedules; "": WORKDIR/cache/schedules
@@ -263,8 +264,9 @@ class PipelineConfig:
     _check(isinstance(self.critic_pp, int) and self.critic_pp >= 0, "pipeline.critic_pp",
            self.critic_pp, "an integer >= 0 (0: mesh.stage)")
     for name in ("actor_microbatches", "critic_microbatches"):
-      _check(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
-             f"pipeline.{name}", getattr(self, name), "an integer >= 1")
+      _check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
+             f"pipeline.{name}", getattr(self, name),
+             "an integer >= 1, or 0 (one mini-batch row per micro-batch)")
     _check(self.search_time_s > 0, "pipeline.search_time_s", self.search_time_s, "> 0")
     _check(self.xla_opt_level >= -1, "pipeline.xla_opt_level", self.xla_opt_level,
            "-1 (XLA's default) or a level >= 0")

@@ -69,10 +69,25 @@ def pipeline_problem(stages: int, pipeline: PipelineConfig) -> PipelineProblem:
                          memory_budget_mode="per_device")
 
 
+def resolve_microbatches(pipeline: PipelineConfig, stages: int, rows: int) -> PipelineConfig:
+  """`pipeline` with a micro-batch count of 0 made one row per micro-batch for `rows` mini-batch
+  rows per data shard: the actor's `rows`, each critic replica's rows / (stages / critic_pp).
+  (A count fits one mesh; 0 fits every data-parallel size, as the LLaMA fused presets need.)"""
+  replicas = stages // (pipeline.critic_pp or stages)
+  return dataclasses.replace(
+      pipeline, actor_microbatches=pipeline.actor_microbatches or rows,
+      critic_microbatches=pipeline.critic_microbatches or max(rows // replicas, 1))
+
+
 def check_config(cfg: TrainConfig, mesh: Mesh) -> None:
   """Errors, naming the config field, for runs the pipelined update cannot do."""
   stages = mesh.shape["stage"]
-  p = cfg.pipeline
+  shards = mesh_lib.batch_size_multiple(mesh)
+  rows = cfg.algo.minibatch_size // shards
+  if rows < 1:
+    raise ValueError(f"config.algo.minibatch_size={cfg.algo.minibatch_size} must be at least the "
+                     f"data-parallel size (mesh data*fsdp = {shards}): each data shard needs a row")
+  p = resolve_microbatches(cfg.pipeline, stages, rows)
   if not adv_lib.needs_critic(cfg.algo.estimator):
     raise ValueError(
         f"config.algo.estimator={cfg.algo.estimator!r} trains no critic, but mesh.stage={stages} "
@@ -102,8 +117,6 @@ def check_config(cfg: TrainConfig, mesh: Mesh) -> None:
           f"config.{field}.num_kv_heads={kv} must be divisible by mesh.tensor={tensor} or "
           "divide it (fewer KV heads than tensor devices: each is kept whole by the devices of "
           "its query heads)")
-  shards = mesh_lib.batch_size_multiple(mesh)
-  rows = cfg.algo.minibatch_size // shards
   where = (f"the mini-batch rows per data shard (algo.minibatch_size={cfg.algo.minibatch_size} "
            f"/ mesh data*fsdp={shards} = {rows})")
   if rows % p.actor_microbatches:
@@ -306,6 +319,9 @@ def make_pipelined_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, al
   (the run's) holds the searched-schedule cache unless pipeline.schedule_cache_dir is set.
   """
   check_config(dataclasses.replace(config, model=actor_cfg, critic_model=critic_cfg), mesh)
+  config = dataclasses.replace(config, pipeline=resolve_microbatches(
+      config.pipeline, mesh.shape["stage"],
+      config.algo.minibatch_size // mesh_lib.batch_size_multiple(mesh)))
   problem = pipeline_problem(mesh.shape["stage"], config.pipeline)
   if config.fusion.intra_stage:
     name, barrier = FUSED, False
