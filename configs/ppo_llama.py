@@ -6,7 +6,11 @@ For real clusters; nothing here runs them (tests only parse them). 13B actor and
   python -m experiments.train_ppo --config=configs/ppo_llama.py:13b --workdir=/ckpt/ppo_13b
 Variants (critic of the same size): `configs/ppo_llama.py:7b`, `configs/ppo_llama.py:13b`,
 `configs/ppo_llama.py:33b`, `configs/ppo_llama.py:65b`; or an 'actor/critic' pair as in the
-RLHFuse paper: `configs/ppo_llama.py:33b/13b`, `configs/ppo_llama.py:65b/33b`. The paper's
+RLHFuse paper: `configs/ppo_llama.py:33b/13b`, `configs/ppo_llama.py:65b/33b`. Those train
+unpipelined (fsdp x tensor, the serial-stage baseline); the paper's pairs on pipelined plans with
+intra-stage fusion (actor and critic pipelines fused by the searched schedule), which keep the
+large updates off the links: `configs/ppo_llama.py:fused/7b`, `configs/ppo_llama.py:fused/13b`,
+`configs/ppo_llama.py:fused/33b/13b`, `configs/ppo_llama.py:fused/65b/33b`. The paper's
 generation lengths as a sweep:
   python -m experiments.sweep --config=configs/ppo_llama.py --binary=train_ppo --workdir=/ckpt/sw
 
@@ -57,6 +61,11 @@ MESHES = {
 #   65b  k=1 44.1, 50.1 s; k=2 56.9, 26.2 s; k=4 83.0 (does not fit)
 MICROBATCH = {"7b": 4, "13b": 4, "33b": 2, "65b": 2}
 
+# `fused/<pair>`: the pipelined plan sim/training_sim.best_plan picks for the RLHFuse paper's
+# pairs on 256 H100s (whole layers per stage, read 2026-11-26 (h); configs/plan_check.py's paper
+# variants): (actor stages, critic stages, tensor). The data axis takes the other devices.
+FUSED_PLANS = {"7b": (8, 8, 4), "13b": (8, 8, 4), "33b/13b": (4, 4, 4), "65b/33b": (16, 4, 4)}
+
 
 def _set_shape(section, name: str) -> None:
   hidden, inter, layers, heads, _ = SHAPES[name]
@@ -78,16 +87,23 @@ def _set_shape(section, name: str) -> None:
 
 
 def parse_variant(arg: str) -> tuple[str, str]:
-  """'13b' -> ('13b', '13b'); '65b/33b' -> ('65b', '33b')."""
-  parts = arg.split("/")
+  """'13b' -> ('13b', '13b'); '65b/33b' and 'fused/65b/33b' -> ('65b', '33b')."""
+  pair = arg[len("fused/"):] if arg.startswith("fused/") else arg
+  parts = pair.split("/")
   if len(parts) not in (1, 2) or any(p not in SHAPES for p in parts):
     raise ValueError(f"configs/ppo_llama.py: unknown variant {arg!r}; expected a size in "
-                     f"{list(SHAPES)} or 'actor/critic' such as '65b/33b'")
+                     f"{list(SHAPES)} or 'actor/critic' such as '65b/33b', either with the "
+                     f"prefix 'fused/' for the pipelined plans of {list(FUSED_PLANS)}")
+  if pair != arg and pair not in FUSED_PLANS:
+    raise ValueError(f"configs/ppo_llama.py: unknown variant {arg!r}: the pipelined plans are "
+                     f"those of the paper's pairs, {['fused/' + k for k in FUSED_PLANS]}")
   return parts[0], parts[-1]
 
 
 def get_config(arg: str = "13b"):
   actor, critic = parse_variant(arg)
+  if arg.startswith("fused/"):
+    return _fused(get_config(arg[len("fused/"):]), arg[len("fused/"):])
   c = ppo_tiny.get_config()
   c.num_iterations = 100  # PPO iterations
   c.log_every = 1
@@ -141,6 +157,26 @@ def get_config(arg: str = "13b"):
   c.optim.warmup_steps = 10
   c.checkpoint.every = 10
   c.checkpoint.keep = 2
+  return c
+
+
+def _fused(c, pair: str):
+  """The preset `c` on its pipelined plan (FUSED_PLANS): actor and critic layers split over
+  `stage` (the critic over fewer stages, replicated over the rest), Megatron splits over
+  `tensor`, no fsdp, the searched fused schedule (config.fusion.intra_stage), one sample per
+  micro-batch at any data-parallel size. For 13B and up its update spends 2-4x less time on the
+  links than the fsdp preset's on the same GPUs; for 7B the fsdp preset is faster
+  (docs/results.md "Fused presets"). fused/33b/13b needs 32 GPUs or more for its generation
+  instances' KV caches."""
+  stages, critic_stages, tensor = FUSED_PLANS[pair]
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.stage = stages
+  c.mesh.tensor = tensor
+  c.pipeline.critic_pp = critic_stages
+  c.pipeline.actor_microbatches = 0  # one row each: every data-parallel size divides
+  c.pipeline.critic_microbatches = 0
+  c.fusion.intra_stage = True
   return c
 
 

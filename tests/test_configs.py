@@ -178,6 +178,38 @@ def test_llama_configs_are_bf16_paper_sized_and_fit_their_mesh(variant):
     mesh.resolve(replica + 1)
 
 
+@pytest.mark.parametrize("pair", sorted(ppo_llama.FUSED_PLANS))
+def test_llama_fused_presets_pipeline_the_paper_pairs_at_every_data_size(pair):
+  """fused/<pair>: the preset's models on its pipelined plan with the searched fused schedule;
+  one row per micro-batch (pipeline.*_microbatches = 0) keeps the pipelined update's checks
+  passing from one replica (stage x tensor devices) up to the most data shards the critic's
+  replicas allow, and the generation instances' plan alike."""
+  import types
+  from rlhfuse_jax.trainer import pipelined
+  base = TrainConfig.from_config_dict(ppo_llama.get_config(pair))
+  cfg = TrainConfig.from_config_dict(ppo_llama.get_config(f"fused/{pair}"))
+  assert cfg.model == base.model and cfg.critic_model == base.critic_model
+  stages, critic_stages, tensor = ppo_llama.FUSED_PLANS[pair]
+  assert (cfg.mesh.stage, cfg.pipeline.critic_pp, cfg.mesh.tensor, cfg.mesh.fsdp) == (
+      stages, critic_stages, tensor, 1)
+  assert cfg.fusion.intra_stage and cfg.algo.minibatch_size == 64
+  replicas = stages // critic_stages
+  for data in (1, cfg.algo.minibatch_size // replicas):  # one replica .. 1 critic row per shard
+    mesh = types.SimpleNamespace(shape={"data": data, "fsdp": 1, "stage": stages,
+                                        "tensor": tensor})
+    pipelined.check_config(cfg, mesh)
+    rows = cfg.algo.minibatch_size // data
+    p = pipelined.resolve_microbatches(cfg.pipeline, stages, rows)
+    assert (p.actor_microbatches, p.critic_microbatches) == (rows, rows // replicas)
+    rollout_lib.check_plan(cfg, data * stages * tensor)
+  mesh.shape["data"] *= 2  # half a row per critic replica, or none per shard
+  with pytest.raises(ValueError, match="critic_microbatches=1 x critic replicas" if replicas > 1
+                     else "minibatch_size=64 must be at least the data-parallel size"):
+    pipelined.check_config(cfg, mesh)
+  with pytest.raises(ValueError, match="pipelined plans are those of the paper's pairs"):
+    ppo_llama.get_config("fused/33b")
+
+
 def test_llama_sweep_lengths_fit_the_context():
   c = ppo_llama.get_config()
   for entry in ppo_llama.get_sweep():
