@@ -735,5 +735,8 @@ def link_bound_notes(result: dict) -> list[str]:
       line += (f"; each of its {p['accumulated_microbatches']} micro-batches gathers the weights "
                "and reduces the gradients (algo.gradient_sync='once' does so once per step, "
                "holding the gathered weights and float32 sums)")
+    if name == "train_step" and plan["pp"] == 1 and plan["fsdp"] > 1:
+      line += ("; a pipeline keeps each stage's layers where they are used (mesh.stage, "
+               "pipeline.*: configs/ppo_llama.py:fused/<pair>, plan_search)")
     lines.append(line)
   return lines

@@ -183,6 +183,7 @@ def test_mesh_generation_and_accumulated_update_split_the_work(tmp_path):
   notes = plan_programs.link_bound_notes(result)
   assert notes == lines[-len(notes):] and len(notes) == 3
   assert "algo.gradient_sync='once'" in notes[0] and notes[0].startswith("train_step:")
+  assert "configs/ppo_llama.py:fused/<pair>" in notes[0]  # fsdp 2: a pipeline gathers nothing
   assert all("plan.generation='instances'" in n for n in notes[1:])
   result["plan"]["gradient_sync"] = "once"
   assert "gradient_sync" not in plan_programs.link_bound_notes(result)[0]
