@@ -161,6 +161,38 @@ def test_instances_plan_trajectory_equals_the_default_mesh(tmp_path, default_run
     assert h["gen/migrated_samples"] == 0  # fusion.inter_stage off: the baseline, no migration
 
 
+def test_fused_preset_layout_trajectory_equals_the_default_mesh(tmp_path, default_run):
+  """configs/ppo_llama.py:fused/<pair>'s combination at toy size: the pipelined update with the
+  searched fused schedule and one row per micro-batch (pipeline.*_microbatches = 0), the actor
+  resharded from its stage-stacked layout onto one-device generation instances every iteration,
+  the AdamW moments in host memory while they run. The same trajectory as the default layout, to
+  the pipelined update's float rounding (tests/test_trainer_pipelined.py)."""
+  _, seen_a, h_a = default_run
+  cfg = tiny_config(**BASE, **{
+      "mesh.data": 2, "mesh.stage": 2, "pipeline.critic_pp": 1, "fusion.intra_stage": True,
+      "pipeline.actor_microbatches": 0, "pipeline.critic_microbatches": 0,
+      "pipeline.search_time_s": 0.3, "plan.generation": "instances",
+      "optim.offload_during_rollout": True})
+  trainer = PPOTrainer(cfg, str(tmp_path / "fused"),
+                       mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4]))
+  assert trainer.update.schedule_name == "fused" and isinstance(trainer.rollout,
+                                                                rollout.InstancesStage)
+  problem = trainer.update.executor.program.problem
+  rows = cfg.algo.minibatch_size // 2
+  assert (problem.actor_microbatches, problem.critic_microbatches) == (rows, rows // 2)
+  seen_b = record_rollouts(trainer)
+  h_b = trainer.run()
+  for (_, a), (_, b) in zip(seen_a, seen_b, strict=True):
+    for field in ("response_tokens", "response_lens"):
+      np.testing.assert_array_equal(getattr(a.rollout, field), getattr(b.rollout, field))
+  for a, b in zip(_deterministic(h_a), _deterministic(h_b, keep=h_a[0]), strict=True):
+    for k in a:
+      if not k.startswith(("pipeline/", "perf/", "critic/vf_clipfrac")):
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  assert all(h["perf/optimizer_offload_bytes"] > 0 and h["timing_s/reshard_generation"] > 0
+             for h in h_b)
+
+
 def test_pipeline_plan_trajectory_equals_the_default_mesh(tmp_path, default_run):
   # 2 layers over generation_pp=2 stages, G=4 groups of 4 rows: the serial Generator on data=4
   # also runs 4 rows per device, and scan_layers runs each layer as its own loop body, the
