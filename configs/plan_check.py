@@ -59,9 +59,11 @@ def _as_trained(c, t, dp: int) -> None:
   critic_microbatches as rows per micro-batch), fused schedule, lengths, remat and scan, and
   where its rollout stage generates (trainer/rollout.stage_kind): on the training mesh with the
   whole rollout batch (stage folded into data when pipelined, as the trainer does), on its
-  plan.generation instances (generation_tp devices, the batch dealt over devices / generation_tp
-  of them, inference micro-batches of fusion.inference_micro_batch), or on the fused stage's
-  instances (config.fusion.inter_stage: fusion.instance_devices each)."""
+  plan.generation instances (generation_tp devices, the batch dealt over devices /
+  generation_tp of them, inference micro-batches of fusion.inference_micro_batch), or on the
+  fused stage's instances (config.fusion.inter_stage: fusion.instance_devices each); with
+  asynchronous PPO's async_ppo.generation_devices, on that group (its data-only mesh, or the
+  instances over its devices) instead of the training devices."""
   # pylint: disable=import-outside-toplevel
   from rlhfuse_jax.trainer import pipelined, rollout
   from rlhfuse_jax.trainer.config import TrainConfig
@@ -95,7 +97,10 @@ def _as_trained(c, t, dp: int) -> None:
   c.offload_optimizer = run.optim.offload_during_rollout
   c.chunk_size = run.rollout.chunk_size
   batch = run.rollout.batch_size
-  devices = stages * run.mesh.tensor * run.mesh.fsdp * dp
+  # Asynchronous PPO's generation group: its own devices (a data-only mesh), beside the
+  # training mesh's (async_ppo.meshes).
+  c.generation_devices = run.async_ppo.generation_devices
+  devices = c.generation_devices or stages * run.mesh.tensor * run.mesh.fsdp * dp
   kind = rollout.stage_kind(run)
   if kind == "serial":
     c.generation, c.gen_slots = "mesh", batch
@@ -211,6 +216,10 @@ def get_config(arg: str = "tiny"):
   # pp > 1: the critic's samples per micro-batch and data shard (0: microbatch_size); its
   # pp / critic_pp replicas share each data shard's rows
   c.critic_microbatch_size = 0
+  # Asynchronous PPO (the trainer's async_ppo.generation_devices): generation and inference on
+  # that many devices of their own, holding the actor and the reference whole and no training
+  # state; 0: on the training devices
+  c.generation_devices = 0
   # pp == 1 with micro-batches: the trainer's algo.gradient_sync, "per_microbatch" (weights
   # gathered and gradients reduced per micro-batch) or "once" (per optimizer step); pipelined
   # plans ignore it, as the trainer does

@@ -152,6 +152,10 @@ class PlanConfig:
   gradient_sync: str = "per_microbatch"  # the trainer's algo.gradient_sync (pp == 1)
   generation: str = "instances"  # instances | mesh (module docstring)
   critic_microbatch_size: int = 0  # pp > 1: the critic's rows per micro-batch (0: the actor's)
+  # Asynchronous PPO's generation group (the trainer's async_ppo.generation_devices): generation
+  # and inference on that many devices of their own, which hold no training state; 0: on the
+  # training devices.
+  generation_devices: int = 0
 
   @property
   def train_devices(self) -> int:
@@ -164,12 +168,23 @@ class PlanConfig:
   @property
   def gen_devices(self) -> int:
     """Devices of the program generation and inference run on."""
-    return self.train_devices if self.generation == "mesh" else self.gen_tp
+    if self.generation == "instances":
+      return self.gen_tp
+    return self.generation_devices or self.train_devices
 
   @property
   def gen_model_shards(self) -> int:
-    """Ways the actor's parameters are split there (the mesh: fsdp x tensor; data replicates)."""
-    return self.fsdp * self.tp if self.generation == "mesh" else self.gen_tp
+    """Ways the actor's parameters are split there (the training mesh: fsdp x tensor; the
+    generation group's data-only mesh: none; data replicates)."""
+    if self.generation == "instances":
+      return self.gen_tp
+    return 1 if self.generation_devices else self.fsdp * self.tp
+
+  @property
+  def gen_batch_shards(self) -> int:
+    """Ways generation="mesh" splits the rollout batch: the group's devices, or the training
+    mesh's data x fsdp (x stage, folded as the trainer does)."""
+    return self.generation_devices or self.dp * self.fsdp * self.pp
 
   @property
   def prompt_len(self) -> int:
@@ -216,6 +231,9 @@ class PlanConfig:
       _check(isinstance(d[name], int) and d[name] >= 1, name, d[name], "an integer >= 1")
     _check(isinstance(d["microbatch_size"], int) and d["microbatch_size"] >= 0, "microbatch_size",
            d["microbatch_size"], "an integer >= 0 (0, pp 1 only: each data shard's rows at once)")
+    _check(isinstance(d.get("generation_devices", 0), int) and d.get("generation_devices", 0) >= 0,
+           "generation_devices", d.get("generation_devices"),
+           "an integer >= 0 (0: generation on the training devices)")
     _check(isinstance(d.get("critic_microbatch_size", 0), int) and
            d.get("critic_microbatch_size", 0) >= 0, "critic_microbatch_size",
            d.get("critic_microbatch_size"), "an integer >= 0 (0: microbatch_size)")
@@ -246,18 +264,21 @@ class PlanConfig:
         offload_optimizer=d.get("offload_optimizer", False),
         generation=d.get("generation", "instances"),
         gradient_sync=d.get("gradient_sync", "per_microbatch"),
-        critic_microbatch_size=d.get("critic_microbatch_size", 0))
+        critic_microbatch_size=d.get("critic_microbatch_size", 0),
+        generation_devices=d.get("generation_devices", 0))
     cfg.validate()
     return cfg
 
   def validate(self) -> None:
-    shards = self.dp * self.fsdp * self.pp
+    shards = self.gen_batch_shards
+    where = (f"generation_devices={shards}" if self.generation_devices else
+             f"dp*fsdp*pp={shards}")
     _check(self.generation != "mesh" or self.gen_slots % shards == 0,
            "gen_slots", self.gen_slots,
-           f"a multiple of dp*fsdp*pp={shards} (generation='mesh': the rollout batch split over "
-           "the data axes, with pp > 1 the stage axis folded into them as the trainer does; a "
-           "batch that does not split so, which the trainer runs whole on every stage, is not "
-           "modelled)")
+           f"a multiple of {where} (generation='mesh': the rollout batch split over the "
+           "generation group, or over the data axes with pp > 1's stage axis folded into them "
+           "as the trainer does; a batch that does not split so, which the trainer runs whole "
+           "on every stage, is not modelled)")
     _check(self.pp % self.critic_pp == 0, "critic_pp", self.critic_pp, f"a divisor of pp={self.pp}")
     for field, model, n_stages in (("actor", self.actor, self.pp),
                                    ("critic", self.critic, self.critic_pp)):
@@ -377,7 +398,11 @@ def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
   scores the whole rollout batch at once (the Scorer's default micro-batch)."""
   sampling = SamplingConfig(max_new_tokens=cfg.response_len, chunk_size=cfg.chunk_size)
   frozen = inst_lib.FrozenModels(reference=cfg.actor.replace(head="lm"))
-  if cfg.generation == "mesh":  # pipelined: stage folded into data, as the trainer does
+  if cfg.generation == "mesh" and cfg.generation_devices:  # async PPO's data-only group mesh
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=cfg.generation_devices),
+                              jax.devices()[:cfg.generation_devices])
+    micro = cfg.gen_slots
+  elif cfg.generation == "mesh":  # pipelined: stage folded into data, as the trainer does
     mesh, micro = mesh_lib.fold_stage(train_mesh(cfg)), cfg.gen_slots
   else:
     mesh, micro = inst_lib.split_devices(jax.devices(), 1, cfg.gen_tp)[0], cfg.inference_microbatch
@@ -527,8 +552,8 @@ def inference_analytic(cfg: PlanConfig) -> dict:
   a, n = cfg.actor, cfg.gen_devices
   params = _nbytes(llama.param_shapes(a))
   if cfg.generation == "mesh":  # the whole rollout batch, split over the data axes
-    rows, tp = cfg.gen_slots, cfg.tp
-    tokens = rows // (cfg.dp * cfg.fsdp * cfg.pp) * cfg.seq_len
+    rows, tp = cfg.gen_slots, 1 if cfg.generation_devices else cfg.tp
+    tokens = rows // cfg.gen_batch_shards * cfg.seq_len
   else:  # one micro-batch on the instance's tensor devices
     rows, tp = cfg.inference_microbatch, cfg.gen_tp
     tokens = rows * cfg.seq_len
@@ -580,7 +605,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   del lowered
   logging.info("train_step: compiled in %.1fs", programs["train_step"]["compile_s"])
   programs.update(instance_programs(cfg))
-  beside_train_state(programs, hbm, cfg.offload_optimizer)
+  beside_train_state(programs, hbm, cfg.offload_optimizer, bool(cfg.generation_devices))
   return {
       "plan": {"pp": cfg.pp, "critic_pp": cfg.critic_pp, "tp": cfg.tp, "dp": cfg.dp,
                "fsdp": cfg.fsdp, "minibatch_size": cfg.minibatch_size,
@@ -592,7 +617,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "inference_microbatch": cfg.inference_microbatch, "hardware": cfg.hardware.name,
                "offload_optimizer": cfg.offload_optimizer, "generation": cfg.generation,
                "gradient_sync": cfg.gradient_sync,
-               "critic_microbatch_size": cfg.critic_microbatch_size},
+               "critic_microbatch_size": cfg.critic_microbatch_size,
+               "generation_devices": cfg.generation_devices},
       "devices": cfg.num_devices, "train_devices": cfg.train_devices,
       "models": {"actor": {**dataclasses.asdict(cfg.actor), "num_params": cfg.actor.num_params()},
                  "critic": {**dataclasses.asdict(cfg.critic),
@@ -625,8 +651,11 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
           "fits": "train_step: its peak <= hbm_bytes; decode and inference: their peak plus "
                   "resident_train_bytes (the training state that stays on the same devices: "
                   "train_step's argument bytes, minus offloaded_optimizer_bytes when "
-                  "offload_optimizer) <= hbm_bytes (fits_alone: the program by itself); no "
-                  "headroom (the simulator plans with 90 % of HBM)",
+                  "offload_optimizer) <= hbm_bytes (fits_alone: the program by itself); on "
+                  "an asynchronous PPO generation group (generation_devices > 0) their peak "
+                  "plus resident_model_bytes instead (the other of actor and reference, kept "
+                  "whole beside it on the group's mesh; an upper bound on instances, which "
+                  "load the reference from host memory); no headroom (the simulator plans with 90 % of HBM)",
           "gpu_flops": "on a GPU backend library calls (cuBLAS / cuDNN custom-calls) hold most "
                        "dots, which hlo_flops does not count: flops_per_device and replication "
                        "undercount there",
@@ -637,7 +666,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   }
 
 
-def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool) -> None:
+def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
+                       generation_group: bool = False) -> None:
   """Decode's and inference's fit on top of the training state. The trainer keeps the actor's
   and critic's training state (stage shards of parameters and AdamW moments: the train step's
   arguments) on every device for the whole run, and the generation instances and the freed
@@ -645,15 +675,19 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool) -> N
   on top of that state, less the moments when the trainer moves them to host memory during the
   rollout (optim.offload_during_rollout). (On the training mesh decode reads the state's own
   actor, counted twice here, and the reference kept there beside it is not counted: the two
-  are the same size.)"""
+  are the same size.) `generation_group`: asynchronous PPO's generation devices, which keep no
+  training state but the actor and the reference whole beside each other: each program's peak
+  plus the other model's weights (the same size as its own)."""
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
   for name in ("decode", "inference"):
     p = programs[name]
     p.setdefault("fits_alone", p["fits"])
-    p["offloaded_optimizer_bytes"] = offloaded
-    p["resident_train_bytes"] = train["argument_bytes"] - offloaded
-    p["peak_with_train_state_bytes"] = p["peak_bytes"] + p["resident_train_bytes"]
+    p["offloaded_optimizer_bytes"] = 0 if generation_group else offloaded
+    p["resident_train_bytes"] = 0 if generation_group else train["argument_bytes"] - offloaded
+    p["resident_model_bytes"] = p["analytic"]["params_bytes"] if generation_group else 0
+    p["peak_with_train_state_bytes"] = (p["peak_bytes"] + p["resident_train_bytes"] +
+                                        p["resident_model_bytes"])
     p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)
 
 
@@ -727,7 +761,8 @@ def link_bound_notes(result: dict) -> list[str]:
       continue
     line = (f"{name}: its collectives take >= {p['collective_s']:.3g} s, "
             f"{p['collective_s'] / max(other, 1e-30):.0f}x its other bounds: bound by the links")
-    if name != "train_step" and plan["generation"] == "mesh" and plan["fsdp"] > 1:
+    if (name != "train_step" and plan["generation"] == "mesh" and plan["fsdp"] > 1
+        and not plan.get("generation_devices")):
       line += ("; on the training mesh every step gathers the fsdp-split weights "
                "(the trainer's plan.generation='instances' reshards them once per iteration)")
     elif (name == "train_step" and plan["pp"] == 1 and p.get("accumulated_microbatches", 1) > 1

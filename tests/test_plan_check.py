@@ -325,6 +325,32 @@ def test_pipelined_training_config_compiles_as_its_trainer_runs_it(tmp_path, mon
   assert result["programs"]["decode"]["resident_train_bytes"] == train["argument_bytes"]
 
 
+def test_asynchronous_run_generates_on_its_own_group(tmp_path):
+  """async_ppo.generation_devices=4: generation and scoring on the group's data-only mesh (the
+  rollout batch split 4 ways, the actor whole on each device beside the reference), none of the
+  training state there; the update on the training mesh."""
+  from configs import ppo_tiny
+  run = ppo_tiny.get_config()
+  run.async_ppo.staleness, run.async_ppo.generation_devices = 1, 4
+  c = plan_config.get_config("tiny")
+  plan_config.apply_run(c, run)
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  assert (cfg.generation, cfg.generation_devices, cfg.gen_slots) == ("mesh", 4, 64)
+  assert (cfg.train_devices, cfg.gen_devices, cfg.gen_model_shards) == (1, 4, 1)
+  result = plan_programs.run_and_write(cfg, str(tmp_path))
+  for name in ("decode", "inference"):
+    p = result["programs"][name]
+    assert p["replication"] < 1.05, (name, p["replication"])  # 16 rows per device
+    assert p["resident_train_bytes"] == p["offloaded_optimizer_bytes"] == 0
+    assert p["resident_model_bytes"] == p["analytic"]["params_bytes"] > 0
+    assert p["peak_with_train_state_bytes"] == p["peak_bytes"] + p["resident_model_bytes"]
+  assert result["plan"]["generation_devices"] == 4
+  with pytest.raises(ValueError, match=r"config\.gen_slots=6: expected a multiple of "
+                                       r"generation_devices=4"):
+    c.gen_slots = 6
+    plan_programs.PlanConfig.from_config_dict(c)
+
+
 def test_binary_takes_a_training_config_with_its_overrides(tmp_path):
   """experiments/plan_check.py --run_config=<train_ppo's --config> with an override of it: the
   plan follows the run as overridden (its response length), the models come from the run's
