@@ -12,8 +12,9 @@ do not split 8 ways; 33B/13B and 65B/33B with `offload_optimizer`). Those compil
 program; `--config.layers=N` compiles N layers per model instead (result.json says so in
 `layers_compiled`). `llama/<variant>` (`llama/13b`, `llama/65b/33b`, ... any variant of
 configs/ppo_llama.py) checks that preset as its trainer runs it, on its smallest device count
-(one model replica: fsdp x tensor devices, data 1): the unpipelined update with its
-micro-batches, generation and scoring where its plan.generation puts them;
+(one model replica, data 1: fsdp x tensor devices, or stage x tensor for the pipelined
+`fused/` presets): its update with its micro-batches, generation and scoring where its
+plan.generation puts them;
 `hf_gpu/<model>` the same for configs/ppo_hf.py:ppo_gpu on the models of docs/own_model.md
 (HF_MODELS); `run/<config file>[:<variant>]` for any training config, as train_ppo's --config
 names it (its checkpoints' config.json for the architectures):
@@ -65,11 +66,14 @@ def _as_trained(c, t, dp: int) -> None:
   asynchronous PPO's async_ppo.generation_devices, on that group (its data-only mesh, or the
   instances over its devices) instead of the training devices."""
   # pylint: disable=import-outside-toplevel
+  import types
+
   from rlhfuse_jax.trainer import pipelined, rollout
   from rlhfuse_jax.trainer.config import TrainConfig
   run = TrainConfig.from_config_dict(t)
   stages = run.mesh.stage
-  c.pp, c.critic_pp = stages, run.pipeline.critic_pp or stages
+  # An unpipelined run ignores pipeline.critic_pp, as its trainer does.
+  c.pp, c.critic_pp = stages, (run.pipeline.critic_pp or stages) if stages > 1 else 1
   c.tp, c.fsdp, c.dp = run.mesh.tensor, run.mesh.fsdp, dp
   c.minibatch_size = run.algo.minibatch_size
   c.gradient_sync = run.algo.gradient_sync
@@ -77,16 +81,12 @@ def _as_trained(c, t, dp: int) -> None:
   if stages == 1:
     c.microbatch_size = run.algo.microbatch_size
   else:  # pipeline.*_microbatches split each data shard's rows (trainer/pipelined.check_config)
+    # The trainer's own checks on this mesh's shape (they name the run's fields).
+    pipelined.check_config(run, types.SimpleNamespace(shape={
+        "data": dp, "fsdp": run.mesh.fsdp, "stage": stages, "tensor": run.mesh.tensor}))
     rows = run.algo.minibatch_size // (dp * run.mesh.fsdp)
     replicas = stages // c.critic_pp
     pipeline = pipelined.resolve_microbatches(run.pipeline, stages, rows)  # 0: one row each
-    for field, count in (("actor_microbatches", pipeline.actor_microbatches),
-                         ("critic_microbatches", replicas * pipeline.critic_microbatches)):
-      if not rows or rows % count:
-        raise ValueError(f"configs/plan_check.py: the run's pipeline.{field}: {count} "
-                         f"micro-batches per data shard do not split its {rows} rows "
-                         f"(algo.minibatch_size={run.algo.minibatch_size} over data {dp} x "
-                         f"fsdp {run.mesh.fsdp})")
     c.microbatch_size = rows // pipeline.actor_microbatches
     c.critic_microbatch_size = rows // (replicas * pipeline.critic_microbatches)
     c.intra_stage = run.fusion.intra_stage
@@ -121,8 +121,9 @@ def _as_trained(c, t, dp: int) -> None:
 
 def _llama_preset(c, variant: str) -> None:
   """configs/ppo_llama.py's preset on its smallest device count (data 1: one model replica of
-  fsdp x tensor devices), as its trainer would run it: the unpipelined update with its
-  micro-batches, generation and scoring where its plan.generation puts them."""
+  fsdp x tensor devices, or stage x tensor for `fused/`), as its trainer would run it: its
+  update (unpipelined, or the fused pipeline) with its micro-batches, generation and scoring
+  where its plan.generation puts them."""
   from configs import ppo_llama  # pylint: disable=import-outside-toplevel
   t = ppo_llama.get_config(variant)
   c.actor, c.critic = ppo_llama.parse_variant(variant)

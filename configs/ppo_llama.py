@@ -164,9 +164,9 @@ def _fused(c, pair: str):
   """The preset `c` on its pipelined plan (FUSED_PLANS): actor and critic layers split over
   `stage` (the critic over fewer stages, replicated over the rest), Megatron splits over
   `tensor`, no fsdp, the searched fused schedule (config.fusion.intra_stage), one sample per
-  micro-batch at any data-parallel size. For 13B and up its update spends 2-4x less time on the
-  links than the fsdp preset's on the same GPUs; for 7B the fsdp preset is faster
-  (docs/results.md "Fused presets"). fused/33b/13b needs 32 GPUs or more for its generation
+  micro-batch at any data-parallel size that leaves each critic replica a sample. For 13B and
+  up its update spends 2-4x less time on the links than the fsdp preset's on the same GPUs;
+  for 7B the fsdp preset is faster (docs/results.md "Fused presets"). fused/33b/13b needs 32 GPUs or more for its generation
   instances' KV caches."""
   stages, critic_stages, tensor = FUSED_PLANS[pair]
   c.mesh.data = -1
@@ -174,7 +174,7 @@ def _fused(c, pair: str):
   c.mesh.stage = stages
   c.mesh.tensor = tensor
   c.pipeline.critic_pp = critic_stages
-  c.pipeline.actor_microbatches = 0  # one row each: every data-parallel size divides
+  c.pipeline.actor_microbatches = 0  # one row each: fits every data-parallel size
   c.pipeline.critic_microbatches = 0
   c.fusion.intra_stage = True
   return c

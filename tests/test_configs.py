@@ -203,8 +203,9 @@ def test_llama_fused_presets_pipeline_the_paper_pairs_at_every_data_size(pair):
     assert (p.actor_microbatches, p.critic_microbatches) == (rows, rows // replicas)
     rollout_lib.check_plan(cfg, data * stages * tensor)
   mesh.shape["data"] *= 2  # half a row per critic replica, or none per shard
-  with pytest.raises(ValueError, match="critic_microbatches=1 x critic replicas" if replicas > 1
-                     else "minibatch_size=64 must be at least the data-parallel size"):
+  with pytest.raises(ValueError, match=(
+      r"critic_microbatches=0 \(one row per micro-batch\) needs" if replicas > 1
+      else "minibatch_size=64 must be at least the data-parallel size")):
     pipelined.check_config(cfg, mesh)
   with pytest.raises(ValueError, match="pipelined plans are those of the paper's pairs"):
     ppo_llama.get_config("fused/33b")

@@ -300,6 +300,23 @@ def test_run_variant_maps_a_training_config_file(monkeypatch):
   assert (fused.actor_microbatches, fused.micro_rows) == (8, 4)
   assert (fused.critic_microbatches, fused.critic_micro_rows) == (4, 4)
   assert (fused.generation, fused.gen_tp, fused.gen_slots) == ("instances", 1, 16)
+  # The trainer's own pipeline checks, naming the run's fields; an unpipelined run ignores
+  # pipeline.critic_pp, as its trainer does.
+  from configs import ppo_tiny
+  for overrides, match in (({"pipeline.critic_pp": 8}, r"pipeline\.critic_pp=8 must divide "
+                                                       r"mesh\.stage=4"),
+                           ({"mesh.data": 64}, r"algo\.minibatch_size=32 must be at least")):
+    run = ppo_tiny.get_config("fused")
+    for k, v in overrides.items():
+      section, field = k.split(".")
+      setattr(run[section], field, v)
+    with pytest.raises(ValueError, match=match):
+      plan_config.apply_run(plan_config.get_config("tiny"), run)
+  run = ppo_tiny.get_config()
+  run.pipeline.critic_pp = 2
+  c = plan_config.get_config("tiny")
+  plan_config.apply_run(c, run)
+  assert (c.pp, c.critic_pp) == (1, 1)
 
 
 def test_pipelined_training_config_compiles_as_its_trainer_runs_it(tmp_path, monkeypatch):

@@ -72,11 +72,12 @@ def pipeline_problem(stages: int, pipeline: PipelineConfig) -> PipelineProblem:
 def resolve_microbatches(pipeline: PipelineConfig, stages: int, rows: int) -> PipelineConfig:
   """`pipeline` with a micro-batch count of 0 made one row per micro-batch for `rows` mini-batch
   rows per data shard: the actor's `rows`, each critic replica's rows / (stages / critic_pp).
-  (A count fits one mesh; 0 fits every data-parallel size, as the LLaMA fused presets need.)"""
+  (A count fits one data-parallel size; 0 fits every size that leaves each critic replica a
+  row, as the LLaMA fused presets need; check_config says when it does not.)"""
   replicas = stages // (pipeline.critic_pp or stages)
   return dataclasses.replace(
       pipeline, actor_microbatches=pipeline.actor_microbatches or rows,
-      critic_microbatches=pipeline.critic_microbatches or max(rows // replicas, 1))
+      critic_microbatches=pipeline.critic_microbatches or rows // max(replicas, 1))
 
 
 def check_config(cfg: TrainConfig, mesh: Mesh) -> None:
@@ -87,16 +88,22 @@ def check_config(cfg: TrainConfig, mesh: Mesh) -> None:
   if rows < 1:
     raise ValueError(f"config.algo.minibatch_size={cfg.algo.minibatch_size} must be at least the "
                      f"data-parallel size (mesh data*fsdp = {shards}): each data shard needs a row")
-  p = resolve_microbatches(cfg.pipeline, stages, rows)
   if not adv_lib.needs_critic(cfg.algo.estimator):
     raise ValueError(
         f"config.algo.estimator={cfg.algo.estimator!r} trains no critic, but mesh.stage={stages} "
         "> 1 trains through the fused actor/critic pipeline executor, which has no actor-only "
         "pipeline: use mesh.stage=1 or an estimator with a critic ('gae')")
-  critic_pp = p.critic_pp or stages
+  critic_pp = cfg.pipeline.critic_pp or stages
   if critic_pp > stages or stages % critic_pp:
     raise ValueError(f"config.pipeline.critic_pp={critic_pp} must divide mesh.stage={stages} "
                      "(the critic is replicated mesh.stage / critic_pp times over the stages)")
+  if cfg.pipeline.critic_microbatches == 0 and rows % (stages // critic_pp):
+    raise ValueError(
+        f"config.pipeline.critic_microbatches=0 (one row per micro-batch) needs the mini-batch "
+        f"rows per data shard (algo.minibatch_size={cfg.algo.minibatch_size} / mesh data*fsdp="
+        f"{shards} = {rows}) to be a multiple of the critic replicas {stages // critic_pp} "
+        "(mesh.stage / pipeline.critic_pp): fewer data shards, or a larger mini-batch")
+  p = resolve_microbatches(cfg.pipeline, stages, rows)
   for field, model, n in (("model.num_layers", cfg.model, stages),
                           ("critic_model.num_layers", cfg.critic_model, critic_pp)):
     if model.num_layers % n:
