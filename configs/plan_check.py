@@ -91,6 +91,7 @@ def _as_trained(c, t, dp: int) -> None:
     c.critic_microbatch_size = rows // (replicas * pipeline.critic_microbatches)
     c.intra_stage = run.fusion.intra_stage
     c.search_time_s = run.pipeline.search_time_s
+    c.search_seed = run.pipeline.search_seed
   c.seq_len = run.data.max_prompt_len + run.rollout.max_new_tokens
   c.response_len = run.rollout.max_new_tokens
   c.remat, c.scan_layers = run.model.remat, run.model.scan_layers
@@ -233,6 +234,7 @@ def get_config(arg: str = "tiny"):
   c.attention = "blockwise"  # reference | blockwise | cudnn | auto | pallas (models/attention.py)
   c.intra_stage = True  # True: the searched fused schedule; False: serial 1F1B
   c.search_time_s = 2.0  # fused-schedule search budget (unit durations; once per run)
+  c.search_seed = 0  # its seed (the trainer's pipeline.search_seed)
   c.gen_tp = 8  # devices of one generation instance
   c.gen_slots = 54  # batch slots of one generation instance
   c.chunk_size = 64  # decode steps per jitted decode call

@@ -156,6 +156,7 @@ class PlanConfig:
   # and inference on that many devices of their own, which hold no training state; 0: on the
   # training devices.
   generation_devices: int = 0
+  search_seed: int = 0  # the fused-schedule search's seed (the trainer's pipeline.search_seed)
 
   @property
   def train_devices(self) -> int:
@@ -231,6 +232,8 @@ class PlanConfig:
       _check(isinstance(d[name], int) and d[name] >= 1, name, d[name], "an integer >= 1")
     _check(isinstance(d["microbatch_size"], int) and d["microbatch_size"] >= 0, "microbatch_size",
            d["microbatch_size"], "an integer >= 0 (0, pp 1 only: each data shard's rows at once)")
+    _check(isinstance(d.get("search_seed", 0), int), "search_seed", d.get("search_seed"),
+           "an integer")
     _check(isinstance(d.get("generation_devices", 0), int) and d.get("generation_devices", 0) >= 0,
            "generation_devices", d.get("generation_devices"),
            "an integer >= 0 (0: generation on the training devices)")
@@ -265,7 +268,8 @@ class PlanConfig:
         generation=d.get("generation", "instances"),
         gradient_sync=d.get("gradient_sync", "per_microbatch"),
         critic_microbatch_size=d.get("critic_microbatch_size", 0),
-        generation_devices=d.get("generation_devices", 0))
+        generation_devices=d.get("generation_devices", 0),
+        search_seed=d.get("search_seed", 0))
     cfg.validate()
     return cfg
 
@@ -367,7 +371,8 @@ def make_update(cfg: PlanConfig, mesh, tx, workdir: str):
       fusion=tc.FusionConfig(intra_stage=cfg.intra_stage), checkpoint=tc.CheckpointConfig(),
       pipeline=tc.PipelineConfig(
           critic_pp=cfg.critic_pp, actor_microbatches=cfg.actor_microbatches,
-          critic_microbatches=cfg.critic_microbatches, search_time_s=cfg.search_time_s))
+          critic_microbatches=cfg.critic_microbatches, search_time_s=cfg.search_time_s,
+          search_seed=cfg.search_seed))
   update = pipelined.make_pipelined_update_fn(cfg.actor, cfg.critic, algo, 1.0, tx, tx, mesh=mesh,
                                               config=train_cfg, workdir=workdir)
   program = update.executor.program
@@ -618,7 +623,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "offload_optimizer": cfg.offload_optimizer, "generation": cfg.generation,
                "gradient_sync": cfg.gradient_sync,
                "critic_microbatch_size": cfg.critic_microbatch_size,
-               "generation_devices": cfg.generation_devices},
+               "generation_devices": cfg.generation_devices, "search_seed": cfg.search_seed},
       "devices": cfg.num_devices, "train_devices": cfg.train_devices,
       "models": {"actor": {**dataclasses.asdict(cfg.actor), "num_params": cfg.actor.num_params()},
                  "critic": {**dataclasses.asdict(cfg.critic),

@@ -296,6 +296,7 @@ def test_run_variant_maps_a_training_config_file(monkeypatch):
   fused = plan_programs.PlanConfig.from_config_dict(
       plan_config.get_config("run/configs/ppo_tiny.py:fused"))
   assert (fused.pp, fused.critic_pp, fused.dp, fused.intra_stage) == (4, 2, 1, True)
+  assert fused.search_seed == 0  # the run's pipeline.search_seed
   # 32 rows per data shard: 8 actor micro-batches of 4 rows, 2 replicas x 4 critic ones of 4.
   assert (fused.actor_microbatches, fused.micro_rows) == (8, 4)
   assert (fused.critic_microbatches, fused.critic_micro_rows) == (4, 4)
@@ -328,6 +329,7 @@ def test_pipelined_training_config_compiles_as_its_trainer_runs_it(tmp_path, mon
   run = ppo_tiny.get_config("fused")
   run.fusion.inter_stage = False
   run.pipeline.critic_microbatches = 2  # critic micro-batches of 8 rows, the actor's of 4
+  run.pipeline.search_seed = 3  # the schedule searched as the run would search it
   c = plan_config.get_config("tiny")
   plan_config.apply_run(c, run)
   cfg = plan_programs.PlanConfig.from_config_dict(c)
@@ -336,7 +338,7 @@ def test_pipelined_training_config_compiles_as_its_trainer_runs_it(tmp_path, mon
   train = result["programs"]["train_step"]
   assert train["schedule"] == "fused"
   assert (train["actor_microbatches"], train["critic_microbatches"]) == (8, 2)
-  assert result["plan"]["critic_microbatch_size"] == 8
+  assert result["plan"]["critic_microbatch_size"] == 8 and result["plan"]["search_seed"] == 3
   # The batch over data x stage (4 devices, 16 rows each): the decode step's dots split 4 ways.
   assert abs(result["programs"]["decode"]["replication"] - 1.0) < 0.02
   assert result["programs"]["decode"]["resident_train_bytes"] == train["argument_bytes"]
