@@ -5,7 +5,7 @@
 # Results land in /tmp/res and come back as $OUT/res.tgz; the log goes straight to $OUT.
 # Order of calls (15 device-minutes a session, start-up included): first STEPS=1567 (the bench
 # for issue 26, the two compiles for issue 25, the offload probe; <= 580 s), then, with the time
-# left, STEPS=2348.
+# left, STEPS=23489 (9: the fused 13B preset for 32 mocked GPUs).
 set -u
 STEPS=${STEPS:-1567}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -54,14 +54,21 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temper
 [[ $STEPS == *7* ]] && date >> $L && GB=8 timeout 60 python3 \
   experiments/results/h100_pallas_decode/offload_probe.py > $R/offload.json 2>> $L &&
   cat $R/offload.json >> $L
-# 8. The ppo_llama 7B preset as its trainer runs it (scanned layers, one sample per device at a
-#    time, generation and scoring on the fsdp-8 mesh) compiled for 8 H100s (mock topology, as
-#    step 6). CPU, 2026-11-28 (j), same command without the variable: train_step arg 10.01 /
-#    temp 25.73 / peak 35.74 GB, repl 1.06; decode 53.23 / 1.20 / 54.43; inference 1.69 /
-#    12.14 / 13.83 (docs/results.md "The LLaMA presets"). Second call: STEPS=2348.
+# 8. The ppo_llama 7B preset as its trainer runs it (scanned layers, 4 samples per micro-batch,
+#    generation and scoring on 8 one-GPU instances, moments offloaded meanwhile) compiled for 8
+#    H100s (mock topology, as step 6). CPU, 2026-11-28 (l), same command without the variable:
+#    train_step arg 10.01 / temp 53.79 / peak 63.80 GB, repl 1.06; decode 65.02 / 1.41 / 66.42
+#    (69.76 with the state); inference 13.48 / 1.95 / 15.42. Second call: STEPS=23489.
 [[ $STEPS == *8* ]] && date >> $L && JAX_MOCK_GPU_TOPOLOGY=1x8x1 timeout 200 python3 -m \
   experiments.plan_check --config=configs/plan_check.py:llama/7b --config.attention=auto \
   --workdir=$R/plan_llama7b_gpu8 >> $L 2>&1
+# 9. The fused 13B preset (pipelined: 8 stages x tensor 4, the searched fused schedule) for 32
+#    H100s. CPU, 2026-11-28 (l): train_step arg 5.13 / temp 16.36 / peak 21.49 GB, repl 2.27,
+#    collectives 237.10 GB; decode 26.64 / 0.49 / 27.13 (28.84 with the state)
+#    (docs/results.md "Fused presets"). Compare the collective bytes (CPU <= 2x GPU expected).
+[[ $STEPS == *9* ]] && date >> $L && JAX_MOCK_GPU_TOPOLOGY=1x32x1 timeout 300 python3 -m \
+  experiments.plan_check --config=configs/plan_check.py:llama/fused/13b \
+  --config.attention=auto --workdir=$R/plan_llama_fused13b_gpu32 >> $L 2>&1
 date >> $L
 grep -E "to_host_GBps|^DECODE|batch +[0-9]+:|ppo update:.*MFU|(train_step|decode|inference) +[0-9]|Error" $L |
   tail -30
