@@ -68,6 +68,7 @@ def _as_trained(c, t, dp: int) -> None:
   # pylint: disable=import-outside-toplevel
   import types
 
+  from rlhfuse_jax.rl import advantages as adv_lib
   from rlhfuse_jax.trainer import pipelined, rollout
   from rlhfuse_jax.trainer.config import TrainConfig
   run = TrainConfig.from_config_dict(t)
@@ -101,6 +102,10 @@ def _as_trained(c, t, dp: int) -> None:
   # Asynchronous PPO's generation group: its own devices (a data-only mesh), beside the
   # training mesh's (async_ppo.meshes).
   c.generation_devices = run.async_ppo.generation_devices
+  # Synchronous on a separate group: the critic's values are scored there too (trainer/loop.py
+  # stage_critic).
+  c.group_critic = bool(c.generation_devices and not run.async_ppo.staleness and
+                        adv_lib.needs_critic(run.algo.estimator))
   devices = c.generation_devices or stages * run.mesh.tensor * run.mesh.fsdp * dp
   kind = rollout.stage_kind(run)
   if kind == "serial":
@@ -222,6 +227,7 @@ def get_config(arg: str = "tiny"):
   # that many devices of their own, holding the actor and the reference whole and no training
   # state; 0: on the training devices
   c.generation_devices = 0
+  c.group_critic = False  # the group also holds the critic (async_ppo.staleness 0)
   # pp == 1 with micro-batches: the trainer's algo.gradient_sync, "per_microbatch" (weights
   # gathered and gradients reduced per micro-batch) or "once" (per optimizer step); pipelined
   # plans ignore it, as the trainer does

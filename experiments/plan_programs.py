@@ -156,6 +156,9 @@ class PlanConfig:
   # and inference on that many devices of their own, which hold no training state; 0: on the
   # training devices.
   generation_devices: int = 0
+  # The group also holds the critic (the trainer's synchronous loop on a separate group scores
+  # values there: async_ppo.staleness 0), whole beside the actor and the reference.
+  group_critic: bool = False
   search_seed: int = 0  # the fused-schedule search's seed (the trainer's pipeline.search_seed)
 
   @property
@@ -232,6 +235,8 @@ class PlanConfig:
       _check(isinstance(d[name], int) and d[name] >= 1, name, d[name], "an integer >= 1")
     _check(isinstance(d["microbatch_size"], int) and d["microbatch_size"] >= 0, "microbatch_size",
            d["microbatch_size"], "an integer >= 0 (0, pp 1 only: each data shard's rows at once)")
+    _check(isinstance(d.get("group_critic", False), bool), "group_critic", d.get("group_critic"),
+           "True or False")
     _check(isinstance(d.get("search_seed", 0), int), "search_seed", d.get("search_seed"),
            "an integer")
     _check(isinstance(d.get("generation_devices", 0), int) and d.get("generation_devices", 0) >= 0,
@@ -269,6 +274,7 @@ class PlanConfig:
         gradient_sync=d.get("gradient_sync", "per_microbatch"),
         critic_microbatch_size=d.get("critic_microbatch_size", 0),
         generation_devices=d.get("generation_devices", 0),
+        group_critic=d.get("group_critic", False),
         search_seed=d.get("search_seed", 0))
     cfg.validate()
     return cfg
@@ -610,7 +616,9 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   del lowered
   logging.info("train_step: compiled in %.1fs", programs["train_step"]["compile_s"])
   programs.update(instance_programs(cfg))
-  beside_train_state(programs, hbm, cfg.offload_optimizer, bool(cfg.generation_devices))
+  critic = (_nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_model_shards
+            if cfg.generation_devices and cfg.group_critic else 0.0)
+  beside_train_state(programs, hbm, cfg.offload_optimizer, bool(cfg.generation_devices), critic)
   return {
       "plan": {"pp": cfg.pp, "critic_pp": cfg.critic_pp, "tp": cfg.tp, "dp": cfg.dp,
                "fsdp": cfg.fsdp, "minibatch_size": cfg.minibatch_size,
@@ -623,7 +631,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "offload_optimizer": cfg.offload_optimizer, "generation": cfg.generation,
                "gradient_sync": cfg.gradient_sync,
                "critic_microbatch_size": cfg.critic_microbatch_size,
-               "generation_devices": cfg.generation_devices, "search_seed": cfg.search_seed},
+               "generation_devices": cfg.generation_devices, "group_critic": cfg.group_critic,
+               "search_seed": cfg.search_seed},
       "devices": cfg.num_devices, "train_devices": cfg.train_devices,
       "models": {"actor": {**dataclasses.asdict(cfg.actor), "num_params": cfg.actor.num_params()},
                  "critic": {**dataclasses.asdict(cfg.critic),
@@ -672,7 +681,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
 
 
 def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
-                       generation_group: bool = False) -> None:
+                       generation_group: bool = False, group_critic_bytes: float = 0.0) -> None:
   """Decode's and inference's fit on top of the training state. The trainer keeps the actor's
   and critic's training state (stage shards of parameters and AdamW moments: the train step's
   arguments) on every device for the whole run, and the generation instances and the freed
@@ -682,7 +691,8 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
   actor, counted twice here, and the reference kept there beside it is not counted: the two
   are the same size.) `generation_group`: asynchronous PPO's generation devices, which keep no
   training state but the actor and the reference whole beside each other: each program's peak
-  plus the other model's weights (the same size as its own)."""
+  plus the other model's weights (the same size as its own), plus `group_critic_bytes` (the
+  critic's weights per device) where the group also holds the critic."""
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
   for name in ("decode", "inference"):
@@ -690,7 +700,8 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     p.setdefault("fits_alone", p["fits"])
     p["offloaded_optimizer_bytes"] = 0 if generation_group else offloaded
     p["resident_train_bytes"] = 0 if generation_group else train["argument_bytes"] - offloaded
-    p["resident_model_bytes"] = p["analytic"]["params_bytes"] if generation_group else 0
+    p["resident_model_bytes"] = (p["analytic"]["params_bytes"] + group_critic_bytes
+                                 if generation_group else 0)
     p["peak_with_train_state_bytes"] = (p["peak_bytes"] + p["resident_train_bytes"] +
                                         p["resident_model_bytes"])
     p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)

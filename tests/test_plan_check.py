@@ -364,6 +364,17 @@ def test_asynchronous_run_generates_on_its_own_group(tmp_path):
     assert p["resident_model_bytes"] == p["analytic"]["params_bytes"] > 0
     assert p["peak_with_train_state_bytes"] == p["peak_bytes"] + p["resident_model_bytes"]
   assert result["plan"]["generation_devices"] == 4
+  # Synchronous on a separate group: the critic is scored there too, its weights beside.
+  run.async_ppo.staleness = 0
+  c = plan_config.get_config("tiny")
+  plan_config.apply_run(c, run)
+  assert c.group_critic and not cfg.group_critic
+  programs = {k: dict(v) for k, v in result["programs"].items()}
+  critic = plan_programs._nbytes(llama.param_shapes(cfg.critic))
+  plan_programs.beside_train_state(programs, 80e9, False, True, critic)
+  for name in ("decode", "inference"):
+    p = programs[name]
+    assert p["resident_model_bytes"] == p["analytic"]["params_bytes"] + critic
   with pytest.raises(ValueError, match=r"config\.gen_slots=6: expected a multiple of "
                                        r"generation_devices=4"):
     c.gen_slots = 6
