@@ -68,7 +68,6 @@ def _as_trained(c, t, dp: int) -> None:
   # pylint: disable=import-outside-toplevel
   import types
 
-  from rlhfuse_jax.rl import advantages as adv_lib
   from rlhfuse_jax.trainer import pipelined, rollout
   from rlhfuse_jax.trainer.config import TrainConfig
   run = TrainConfig.from_config_dict(t)
@@ -103,9 +102,8 @@ def _as_trained(c, t, dp: int) -> None:
   # training mesh's (async_ppo.meshes).
   c.generation_devices = run.async_ppo.generation_devices
   # Synchronous on a separate group: the critic's values are scored there too (trainer/loop.py
-  # stage_critic).
-  c.group_critic = bool(c.generation_devices and not run.async_ppo.staleness and
-                        adv_lib.needs_critic(run.algo.estimator))
+  # stage_critic; a critic-free estimator is checked with a critic, an upper bound).
+  c.group_critic = bool(c.generation_devices and not run.async_ppo.staleness)
   devices = c.generation_devices or stages * run.mesh.tensor * run.mesh.fsdp * dp
   kind = rollout.stage_kind(run)
   if kind == "serial":
