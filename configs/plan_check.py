@@ -81,14 +81,13 @@ def _as_trained(c, t, dp: int) -> None:
   if stages == 1:
     c.microbatch_size = run.algo.microbatch_size
   else:  # pipeline.*_microbatches split each data shard's rows (trainer/pipelined.check_config)
-    # The trainer's own checks on this mesh's shape (they name the run's fields).
-    pipelined.check_config(run, types.SimpleNamespace(shape={
+    # The trainer's own checks on this mesh's shape (they name the run's fields), and its
+    # micro-batch counts (0: one row each).
+    pipeline = pipelined.check_config(run, types.SimpleNamespace(shape={
         "data": dp, "fsdp": run.mesh.fsdp, "stage": stages, "tensor": run.mesh.tensor}))
     rows = run.algo.minibatch_size // (dp * run.mesh.fsdp)
-    replicas = stages // c.critic_pp
-    pipeline = pipelined.resolve_microbatches(run.pipeline, stages, rows)  # 0: one row each
     c.microbatch_size = rows // pipeline.actor_microbatches
-    c.critic_microbatch_size = rows // (replicas * pipeline.critic_microbatches)
+    c.critic_microbatch_size = rows // (stages // c.critic_pp * pipeline.critic_microbatches)
     c.intra_stage = run.fusion.intra_stage
     c.search_time_s = run.pipeline.search_time_s
     c.search_seed = run.pipeline.search_seed
@@ -109,12 +108,9 @@ def _as_trained(c, t, dp: int) -> None:
   if kind == "serial":
     c.generation, c.gen_slots = "mesh", batch
     c.gen_tp = 1  # unused on the mesh
-  elif kind == "instances":  # trainer/rollout.plan_instances_config's layout
-    fc = rollout.plan_instances_config(run, devices)
-    c.generation, c.gen_tp, c.gen_slots = "instances", fc.instance_devices, fc.slots
-    c.inference_microbatch = fc.micro_batch
-  elif kind == "fused":  # FusedStage's instances (config.fusion)
-    fc = rollout.check_fusion(run, devices)
+  elif kind in ("instances", "fused"):  # plan.generation's instances, or FusedStage's
+    fc = (rollout.plan_instances_config(run, devices) if kind == "instances" else
+          rollout.check_fusion(run, devices))
     c.generation, c.gen_tp, c.gen_slots = "instances", fc.instance_devices, fc.slots
     c.inference_microbatch = fc.micro_batch
   else:
@@ -185,7 +181,8 @@ def apply_run(c, t) -> None:
   models are t's sections, or the architectures of init.actor_checkpoint /
   init.critic_checkpoint (their config.json, as the trainer reads them; no weights); a
   pipelined run (mesh.stage > 1) with its pipeline section's micro-batches and fused schedule.
-  A critic-free estimator is checked with a critic (an upper bound). experiments/plan_check.py's --run_config calls it with the flag's overrides."""
+  A critic-free estimator is checked with a critic (an upper bound). experiments/plan_check.py's
+  --run_config calls it with the flag's overrides."""
   import dataclasses  # pylint: disable=import-outside-toplevel
 
   from rlhfuse_jax.trainer import build  # pylint: disable=import-outside-toplevel

@@ -669,7 +669,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                   "an asynchronous PPO generation group (generation_devices > 0) their peak "
                   "plus resident_model_bytes instead (the other of actor and reference, kept "
                   "whole beside it on the group's mesh; an upper bound on instances, which "
-                  "load the reference from host memory); no headroom (the simulator plans with 90 % of HBM)",
+                  "load the reference from host memory); no headroom (the simulator plans "
+                  "with 90 % of HBM)",
           "gpu_flops": "on a GPU backend library calls (cuBLAS / cuDNN custom-calls) hold most "
                        "dots, which hlo_flops does not count: flops_per_device and replication "
                        "undercount there",

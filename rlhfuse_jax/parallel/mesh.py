@@ -158,13 +158,12 @@ def _put_leaf(x: Any, sharding: NamedSharding) -> jax.Array:
     return jax.device_put(x, sharding)
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     return jax.random.wrap_key_data(_put_leaf(jax.random.key_data(x), sharding))
-  if (isinstance(x, jax.Array) and not x.is_fully_addressable
-      and x.sharding.device_set == sharding.device_set):
-    # Multi-host, an array spread over the processes onto another layout of the same devices:
-    # one collective reshard, device to device, which every process joins (as it would
-    # to_host's gather). jax refuses it between different device sets (CPU and GPU runtimes).
-    return jax.device_put(x, sharding)
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if x.sharding.device_set == sharding.device_set:
+      # Multi-host, an array spread over the processes onto another layout of the same devices:
+      # one collective reshard, device to device, which every process joins (as it would
+      # to_host's gather). jax refuses it between different device sets (CPU and GPU runtimes).
+      return jax.device_put(x, sharding)
     grid = _process_grid(x.sharding.device_set, sharding.device_set)
     if grid is not None:
       return _put_via_own_devices(x, sharding, grid)

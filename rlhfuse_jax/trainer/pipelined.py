@@ -80,8 +80,9 @@ def resolve_microbatches(pipeline: PipelineConfig, stages: int, rows: int) -> Pi
       critic_microbatches=pipeline.critic_microbatches or rows // max(replicas, 1))
 
 
-def check_config(cfg: TrainConfig, mesh: Mesh) -> None:
-  """Errors, naming the config field, for runs the pipelined update cannot do."""
+def check_config(cfg: TrainConfig, mesh: Mesh) -> PipelineConfig:
+  """Errors, naming the config field, for runs the pipelined update cannot do; returns
+  config.pipeline with its micro-batch counts resolved for the mesh (resolve_microbatches)."""
   stages = mesh.shape["stage"]
   shards = mesh_lib.batch_size_multiple(mesh)
   rows = cfg.algo.minibatch_size // shards
@@ -133,6 +134,7 @@ def check_config(cfg: TrainConfig, mesh: Mesh) -> None:
   if rows % (replicas * p.critic_microbatches):
     raise ValueError(f"config.pipeline.critic_microbatches={p.critic_microbatches} x critic "
                      f"replicas {replicas} (mesh.stage / pipeline.critic_pp) must divide {where}")
+  return p
 
 
 def cache_dir(pipeline: PipelineConfig, workdir: str = "") -> str:
@@ -325,10 +327,8 @@ def make_pipelined_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, al
   `config` supplies the pipeline section, fusion.intra_stage and the mini-batch size; `workdir`
   (the run's) holds the searched-schedule cache unless pipeline.schedule_cache_dir is set.
   """
-  check_config(dataclasses.replace(config, model=actor_cfg, critic_model=critic_cfg), mesh)
-  config = dataclasses.replace(config, pipeline=resolve_microbatches(
-      config.pipeline, mesh.shape["stage"],
-      config.algo.minibatch_size // mesh_lib.batch_size_multiple(mesh)))
+  config = dataclasses.replace(config, pipeline=check_config(
+      dataclasses.replace(config, model=actor_cfg, critic_model=critic_cfg), mesh))
   problem = pipeline_problem(mesh.shape["stage"], config.pipeline)
   if config.fusion.intra_stage:
     name, barrier = FUSED, False
