@@ -1,11 +1,13 @@
 """In-budget annealing (feasible_anneal.py) and the count-based, deterministic search budget."""
+import os
+
 import numpy as np
 import pytest
 
-from rlhfuse_jax.pipeline import bounds, schedules, search
+from rlhfuse_jax.pipeline import bounds, schedule, schedules, search
 from rlhfuse_jax.pipeline.evaluate import evaluate
-from rlhfuse_jax.pipeline.feasible_anneal import feasible_anneal
-from rlhfuse_jax.pipeline.graph import PipelineProblem
+from rlhfuse_jax.pipeline.feasible_anneal import _device_lateness, feasible_anneal, kind_durations
+from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem
 
 CASES = [
     PipelineProblem(4, 2, 4, 4, 2.0, 1.0),
@@ -78,3 +80,52 @@ def test_count_based_search_ends_near_its_budget(max_evaluations):
   res = search.search(p, cfg)
   assert res.evaluations <= 2 * max_evaluations + 1000
   assert evaluate(p, res.best).within_budget
+
+
+def _device_lateness_reference(s, tails, target):
+  """Sum over every device's tasks of max(0, start + the device's work from it on + its tail -
+  target), from the schedule's task list."""
+  tot = 0.0
+  for d, tasks in enumerate(s.devices):
+    for i, task in enumerate(tasks):
+      rest = sum(t.end - t.start for t in tasks[i:])
+      tot += max(0.0, task.start + rest + tails[d] - target)
+  return tot
+
+
+def _kernel_device_lateness(s, target):
+  p = s.problem
+  order = np.array([[graph_kind(t) for t in tasks] for tasks in s.devices], dtype=np.int8)
+  ends = np.array([[t.end for t in tasks] for tasks in s.devices])
+  return _device_lateness(order, ends, kind_durations(p.params()), bounds.device_tails(p),
+                          float(target))
+
+
+def graph_kind(task):
+  return {("actor", "F"): AF, ("actor", "B"): AB, ("critic", "F"): CF, ("critic", "B"): CB}[
+      (task.model, task.kind)]
+
+
+@pytest.mark.parametrize("idx", range(len(CASES)))
+def test_device_lateness_is_zero_at_the_makespan_and_matches_its_definition(idx):
+  # The device term of the in-budget annealing's cost: 0 whenever the target is the makespan
+  # (each device's tail is a lower bound on the time after its last task), positive below it,
+  # and equal to the sum written out task by task.
+  p = CASES[idx]
+  for order in (schedules.greedy_order(p), schedules.serial_order(p)):
+    s = schedule.from_order(p, order)
+    assert _kernel_device_lateness(s, s.makespan) == 0.0
+    for target in (s.makespan - 1.0, bounds.tight_lower_bound(p)):
+      got = _kernel_device_lateness(s, target)
+      assert got == pytest.approx(_device_lateness_reference(s, bounds.device_tails(p), target))
+    assert _kernel_device_lateness(s, s.makespan - 1.0) > 0.0
+
+
+def test_device_lateness_sees_the_idle_unit_of_the_kept_e10_schedules():
+  # e10 (uniform budget): the searched 319 idles one unit on device 5, the device whose term is
+  # the tight bound 318; the CP-SAT schedule at 318 runs it without a gap (README there).
+  root = os.path.join(os.path.dirname(__file__), "..", "experiments", "results", "e10_uniform_cp")
+  at_bound = schedule.from_json(open(os.path.join(root, "schedule.json")).read())
+  hint = schedule.from_json(open(os.path.join(root, "hint_319.json")).read())
+  assert _kernel_device_lateness(at_bound, 318) == 0.0
+  assert _kernel_device_lateness(hint, 318) > 0.0

@@ -15,6 +15,8 @@ Transfer latency only delays tasks, so both bounds hold with any latency (they i
 """
 from __future__ import annotations
 
+import numpy as np
+
 from rlhfuse_jax.pipeline.graph import PipelineProblem
 
 
@@ -33,16 +35,25 @@ def simple_lower_bound(problem: PipelineProblem) -> float:
   return max(problem.work_per_device(), *model_bounds(problem))
 
 
+def device_heads(problem: PipelineProblem) -> np.ndarray:
+  """f8 [N]: min(a*fa, c*fc), the earliest time any task can start on each device."""
+  p = problem
+  return np.array([min(p.actor_stage(d) * p.actor_fwd, p.critic_stage(d) * p.critic_fwd)
+                   for d in range(p.num_devices)], dtype=np.float64)
+
+
+def device_tails(problem: PipelineProblem) -> np.ndarray:
+  """f8 [N]: min(a*ba, c*bc), the least time from each device's last task's end to the end of
+  any schedule (the backward chain still to run on other devices)."""
+  p = problem
+  return np.array([min(p.actor_stage(d) * p.actor_bwd, p.critic_stage(d) * p.critic_bwd)
+                   for d in range(p.num_devices)], dtype=np.float64)
+
+
 def device_lower_bounds(problem: PipelineProblem) -> list[float]:
   """W + earliest possible start + unavoidable tail, per device: [N]."""
-  p = problem
-  out = []
-  for d in range(p.num_devices):
-    a, c = p.actor_stage(d), p.critic_stage(d)
-    head = min(a * p.actor_fwd, c * p.critic_fwd)
-    tail = min(a * p.actor_bwd, c * p.critic_bwd)
-    out.append(p.work_per_device() + head + tail)
-  return out
+  w = problem.work_per_device()
+  return [float(w + h + t) for h, t in zip(device_heads(problem), device_tails(problem))]
 
 
 def tight_lower_bound(problem: PipelineProblem) -> float:

@@ -6,7 +6,7 @@ are never evaluated. Penalty annealing (search.py) spends most of its evaluation
 budget and, with the makespan alone as cost, sits on plateaus: most moves change no critical
 path. Here the cost is
 
-  makespan + w * mean over tasks of max(0, start + tail - target)
+  makespan + w * mean over tasks of max(0, start + tail - target) [+ the device term below]
 
 where `tail` is the least time from the task's start to the end of any schedule
 (windows.per_task_tails: edge-finding, so it also counts the work that must follow on the same
@@ -14,6 +14,14 @@ device; schedules.task_tails, the plain chain per device and kind, is the other 
 `target` is the tight lower bound.
 A task with start + tail > target is late: every late task must move earlier for the makespan to
 reach the bound, so the surrogate counts progress that the makespan alone does not show.
+
+Those tails follow other devices' chains, not the task's own device, so an idle gap on the
+device whose term sets the tight bound (bounds.py: W + head + tail) shows only once, on its last
+task. A second term (weight `dev_weight`, `_device_lateness`) adds, per task, max(0, start +
+the device's work from that task on + the device's tail - target): every task after a gap on a
+device without slack is late by that gap. Measured with the 20 s sweep of docs/schedules.md
+(2-core machine, 2 workers): the bound on 8 of 12 in each of two sweeps (e0 at 708 for the
+first time), 6-7 of 12 without the term.
 
 Moves: take one task (with probability crit_frac a late one) and reinsert it up to `max_shift`
 slots away on its device, or swap it with the task there, or move a block of 2-3 tasks starting
@@ -30,7 +38,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from rlhfuse_jax.pipeline import windows
+from rlhfuse_jax.pipeline import bounds, windows
 from rlhfuse_jax.pipeline.evaluate import _BA, _BC, _FA, _FC, _MA, _MC, simulate_kernel
 
 
@@ -102,6 +110,24 @@ def _lateness(order, ends, dur, tails, target, late_d, late_p, record):
   return tot, nlate
 
 
+@numba.njit(cache=True, nogil=True)
+def _device_lateness(order, ends, dur, dev_tails, target):
+  """Sum over tasks of max(0, start + (work from it to the device's end) + dev_tails[d] -
+  target): the device-order analogue of _lateness, 0 on a device that runs without a gap from
+  its earliest start to target - dev_tails[d]; an idle gap counts once per task after it."""
+  n, t = order.shape
+  tot = 0.0
+  for d in range(n):
+    rem = dev_tails[d]
+    for p in range(t - 1, -1, -1):
+      k = order[d, p]
+      rem += dur[k]
+      x = ends[d, p] - dur[k] + rem - target
+      if x > 0.0:
+        tot += x
+  return tot
+
+
 class FeasibleSettings(NamedTuple):
   """Settings of one `feasible_anneal_kernel` call, passed to numba as one typed struct.
 
@@ -116,6 +142,7 @@ class FeasibleSettings(NamedTuple):
   max_shift: int    # a move takes a task at most this many slots away
   crit_frac: float  # share of moves that take a late task
   seed: int         # of numba's np.random, the kernel's only source of randomness
+  dev_weight: float  # weight of the mean device lateness (_device_lateness) in the cost
 
 
 @numba.njit(cache=True, nogil=True)
@@ -252,7 +279,8 @@ def perturb(row, i, j, saved, lo, hi):
 
 
 @numba.njit(cache=True, nogil=True)
-def feasible_anneal_kernel(order, params, deltas, budget, tails, settings, best, stats):
+def feasible_anneal_kernel(order, params, deltas, budget, tails, dev_tails, settings, best,
+                           stats):
   """Annealing in place on `order` int8 [N, T], which must be valid and within budget.
 
   tails: f8 [4, N, M] least time from each task's start to the end (windows.py).
@@ -276,6 +304,8 @@ def feasible_anneal_kernel(order, params, deltas, budget, tails, settings, best,
   late_p = np.zeros(n * t, dtype=np.int64)
   scale = 1.0 / (n * t)
   late, nlate = _lateness(order, ends, dur, tails, s.target, late_d, late_p, True)
+  if s.dev_weight > 0:
+    late += s.dev_weight / s.weight * _device_lateness(order, ends, dur, dev_tails, s.target)
   cur = mk + s.weight * late * scale
   evals = 1
   saved = np.empty(t, dtype=np.int8)
@@ -302,6 +332,8 @@ def feasible_anneal_kernel(order, params, deltas, budget, tails, settings, best,
       row[lo:hi + 1] = saved[lo:hi + 1]
       continue
     nlat, _ = _lateness(order, ends, dur, tails, s.target, late_d, late_p, False)
+    if s.dev_weight > 0:
+      nlat += s.dev_weight / s.weight * _device_lateness(order, ends, dur, dev_tails, s.target)
     cost = nmk + s.weight * nlat * scale
     if not metropolis(cost, cur, temp):
       row[lo:hi + 1] = saved[lo:hi + 1]
@@ -324,7 +356,7 @@ def feasible_anneal_kernel(order, params, deltas, budget, tails, settings, best,
 def feasible_anneal(problem, order: np.ndarray, iters: int, seed: int, target: float,
                     temp0: float, temp1: float, weight: float = 1000.0, max_shift: int = 8,
                     crit_frac: float = 0.5, best: np.ndarray = None, stats: np.ndarray = None,
-                    tails: np.ndarray = None):
+                    tails: np.ndarray = None, dev_weight: float = 0.0):
   """One annealing run from `order` (valid, within budget); returns (best, stats, evaluations).
 
   tails: [4, N, M] per-task tails of the lateness surrogate; None: windows.per_task_tails.
@@ -344,7 +376,8 @@ def feasible_anneal(problem, order: np.ndarray, iters: int, seed: int, target: f
     stats = np.array([ev.makespan, ev.peaks.max(), ev.peaks.sum(), ev.sum_finish])
   settings = FeasibleSettings(
       target=float(target), iters=int(iters), temp0=float(temp0), temp1=float(temp1),
-      weight=float(weight), max_shift=int(max_shift), crit_frac=float(crit_frac), seed=int(seed))
+      weight=float(weight), max_shift=int(max_shift), crit_frac=float(crit_frac), seed=int(seed),
+      dev_weight=float(dev_weight))
   evals = feasible_anneal_kernel(order, problem.params(), problem.mem_deltas(), problem.budget(),
-                                 tails, settings, best, stats)
+                                 tails, bounds.device_tails(problem), settings, best, stats)
   return best, stats, evals

@@ -14,7 +14,8 @@ with a memory penalty, and a memory phase, within a wall-clock budget and a seed
 3. Order annealing over the per-device kind orders, two kinds of runs. Most runs stay within
    the budget (feasible_anneal.py: moves checked against the budget by prefix sums before they
    are timed; cost = makespan + a lateness surrogate that counts tasks whose start plus
-   remaining path exceeds the tight bound, so progress shows before the makespan moves). The
+   remaining path, or plus the rest of their own device's work, exceeds the tight bound, so
+   progress shows before the makespan moves). The
    others (numba, `anneal_kernel`) penalise memory instead. A move takes one
    task (half the time one on the critical path) and reinserts it up to `max_shift` slots away
    on its device; moves that put a backward before its own forward are skipped. Cost = makespan
@@ -333,6 +334,11 @@ class SearchConfig:
   # 3e5 evaluations, seed 0: chain better on e0/e1/e4/e7/e8 (721/384/401/346/202 vs
   # 724/385/406/350/206), so per-task tails help the start pool but not this surrogate.
   lateness_tails: str = "chain"
+  # Weight of the device term of that surrogate (feasible_anneal._device_lateness: idle time on
+  # a device with no slack against the bound, counted on every task after it); 0 turns it off.
+  # 20 s sweep, 2 workers: the bound on 8 of 12 in two sweeps with it, 6-7 of 12 without (the
+  # misses e1 374, e6 620-622, e9 608, e10 319); e9 with 2 seeds each: 608 either way.
+  device_lateness_weight: float = 1000.0
   max_evaluations: Optional[int] = None  # if set: count-based phases, deterministic per seed
   # Share of the budget spent on the time-reversed mirror of the problem (graph.time_reversed:
   # same instance, forward and backward swapped; every heuristic here builds schedules from the
@@ -820,7 +826,8 @@ class _Phase:
     fstats = stats[1:5].copy()
     _, fstats, n_ev = feasible_anneal(self.problem, cur, n_it, seed, self.lb, temp_a, temp_b,
                                       config.lateness_weight, config.max_shift,
-                                      config.crit_frac, self.best_feas, fstats, tails)
+                                      config.crit_frac, self.best_feas, fstats, tails,
+                                      config.device_lateness_weight)
     stats[1:5] = fstats
     if stats[1] < stats[6] - 1e-9 or (stats[1] <= stats[6] + 1e-9 and stats[2] < stats[7]):
       self.best_any[:] = self.best_feas
