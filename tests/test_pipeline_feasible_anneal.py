@@ -68,6 +68,8 @@ def test_search_config_rejects_bad_counts():
     search.SearchConfig(max_evaluations=0)
   with pytest.raises(ValueError, match="feasible_frac"):
     search.SearchConfig(feasible_frac=1.5)
+  with pytest.raises(ValueError, match="device_lateness_weight"):
+    search.SearchConfig(device_lateness_weight=-1.0)
 
 
 @pytest.mark.parametrize("max_evaluations", [700, 2000, 4321])

@@ -305,9 +305,9 @@ def feasible_anneal_kernel(order, params, deltas, budget, tails, dev_tails, sett
   late_p = np.zeros(n * t, dtype=np.int64)
   scale = 1.0 / (n * t)
   late, nlate = _lateness(order, ends, dur, tails, s.target, late_d, late_p, True)
-  if s.dev_weight > 0:
-    late += s.dev_weight / s.weight * _device_lateness(order, ends, dur, dev_tails, s.target)
   cur = mk + s.weight * late * scale
+  if s.dev_weight > 0:
+    cur += s.dev_weight * _device_lateness(order, ends, dur, dev_tails, s.target) * scale
   evals = 1
   saved = np.empty(t, dtype=np.int8)
   for it in range(s.iters):
@@ -333,9 +333,9 @@ def feasible_anneal_kernel(order, params, deltas, budget, tails, dev_tails, sett
       row[lo:hi + 1] = saved[lo:hi + 1]
       continue
     nlat, _ = _lateness(order, ends, dur, tails, s.target, late_d, late_p, False)
-    if s.dev_weight > 0:
-      nlat += s.dev_weight / s.weight * _device_lateness(order, ends, dur, dev_tails, s.target)
     cost = nmk + s.weight * nlat * scale
+    if s.dev_weight > 0:
+      cost += s.dev_weight * _device_lateness(order, ends, dur, dev_tails, s.target) * scale
     if not metropolis(cost, cur, temp):
       row[lo:hi + 1] = saved[lo:hi + 1]
       continue

@@ -373,6 +373,8 @@ class SearchConfig:
       raise ValueError("pool_time_frac and mem_phase_frac must be in [0, 1)")
     if not 0 <= self.feasible_frac <= 1:
       raise ValueError(f"feasible_frac={self.feasible_frac} must be in [0, 1]")
+    if not self.device_lateness_weight >= 0:
+      raise ValueError(f"device_lateness_weight={self.device_lateness_weight} must be >= 0")
     if self.lateness_tails not in ("window", "chain"):
       raise ValueError(f"lateness_tails={self.lateness_tails!r}; expected 'window' or 'chain'")
     if not 0 <= self.reverse_frac < 1:
