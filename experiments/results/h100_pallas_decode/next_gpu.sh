@@ -31,7 +31,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temper
 # 4. model.fused_projections (q/k/v and gate/up as one matmul each): fewer kernels per step?
 [[ $STEPS == *4* ]] && date >> $L && OUT=$R TAG=fused VARIANTS=auto+fp:c BATCHES=1,16,128 \
   timeout 120 python3 $D/diag.py decode >> $L 2>&1
-# 5. Issue 25: Issue 25: plan_check's CPU figures against
+# 5. Issue 25: plan_check's CPU figures against
 #    the GPU's compile of the same 1-device 7B plan (2 layers, attention auto = the kernel).
 #    CPU, 2026-11-26, cpu_upcast=per_layer: decode arg 2.14 / temp 1.33 GB (as compiled 3.48),
 #    inference 1.33 / 1.95 (3.86), train_step 7.22 / 7.82 GB.
