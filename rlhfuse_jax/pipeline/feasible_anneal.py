@@ -20,9 +20,9 @@ device whose term sets the tight bound (bounds.py: W + head + tail) shows only o
 task. A second term (weight `dev_weight`, `_device_lateness`) adds, per task, max(0, start +
 the device's work from that task on + the device's tail - target): every task after a gap on a
 device without slack is late by that gap. Measured with the 20 s sweep of docs/schedules.md
-(2-core machine, 2 workers; experiments/results/schedule_sweep_2workers): the bound on 8, 8, 7
-and 7 of 12 in four sweeps, 6-7 of 12 in the four without the term; e0 708, 708, 713, 712 (710
-in each without: the bound reached for the first time, a wider spread).
+(2-core machine, 2 workers; experiments/results/schedule_sweep_2workers): the bound on 8, 8, 7,
+7 and 8 of 12 in five sweeps, 6-7 of 12 in the four without the term; e0 708, 708, 713, 712,
+708 (710 in each without: the bound reached for the first time, a wider spread).
 
 Moves: take one task (with probability crit_frac a late one) and reinsert it up to `max_shift`
 slots away on its device, or swap it with the task there, or move a block of 2-3 tasks starting

@@ -336,8 +336,8 @@ class SearchConfig:
   lateness_tails: str = "chain"
   # Weight of the device term of that surrogate (feasible_anneal._device_lateness: idle time on
   # a device with no slack against the bound, counted on every task after it); 0 turns it off.
-  # 20 s sweep, 2 workers: the bound on 8, 8, 7, 7 of 12 in four sweeps with it, 6-7 of 12 in
-  # four without (misses with it: e1 374, e6 620-622, e9 608, e10 319, and e0 712-713 in two);
+  # 20 s sweep, 2 workers: the bound on 8, 8, 7, 7, 8 of 12 in five sweeps with it, 6-7 of 12
+  # in four without (misses with it: e1 374, e6 620-622, e9 608, e10 319, e0 712-713 in two);
   # e9 with 2 seeds each: 608 either way.
   device_lateness_weight: float = 1000.0
   max_evaluations: Optional[int] = None  # if set: count-based phases, deterministic per seed
