@@ -189,6 +189,29 @@ def test_group_estimators_keep_the_kl_penalty_in_the_reward(estimator):
   assert ppo.loss_config(as_loss, 1.0).kl_coef == 0.5 and ppo.loss_config(algo, 1.0).kl_coef == 0
 
 
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo", "reinforce_pp"])
+def test_non_finite_log_probs_on_padding_change_nothing(estimator):
+  """Padding positions are masked out by selection, not by multiplication: an -inf or nan
+  reference log-prob where the mask is 0 (nan * 0 = nan) leaves the advantages, the returns
+  and the KL exactly as with finite ones there."""
+  rng = np.random.default_rng(5)
+  n, g = 8, 2
+  mask = (np.arange(T)[None] < rng.integers(1, T, n)[:, None]).astype(np.float32)
+  scores = rng.normal(0, 1, n).astype(np.float32)
+  old = rng.normal(-2, 0.3, (n, T)).astype(np.float32)
+  ref = rng.normal(-2, 0.3, (n, T)).astype(np.float32)
+  values = rng.normal(0, 1, (n, T)).astype(np.float32) if estimator == "gae" else None
+  algo = AlgoConfig(estimator=estimator, kl_in_reward=True, kl_coef=0.1, kl_estimator="k3")
+  clean = ppo.advantages_and_returns(algo, g, scores, mask, old, ref, values)
+  bad = ref.copy()
+  bad[mask == 0] = -np.inf
+  bad[0, -1] = np.nan  # row 0 is shorter than T (lengths drawn below T)
+  dirty = ppo.advantages_and_returns(algo, g, scores, mask, old, bad, values)
+  for a, b in zip(clean, dirty):
+    assert np.all(np.isfinite(np.asarray(b)))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_value_clip_zero_means_unclipped():
   assert ppo.loss_config(AlgoConfig(value_clip_eps=0.0), 1.0).value_clip_eps is None
   assert ppo.loss_config(AlgoConfig(), 1.0).value_clip_eps == 0.2

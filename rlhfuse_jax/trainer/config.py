@@ -120,6 +120,9 @@ class AlgoConfig:
   value_clip_eps: float = 0.2  # clip of the value update around the old values; 0: unclipped
   vf_coef: float = 0.5
   entropy_coef: float = 0.0
+  # Aggregation of the policy loss (rl/losses.py: token-mean, seq-mean-token-mean (GRPO's),
+  # ...); the KL loss term, the entropy bonus and the value loss are token-means whatever this
+  # is (verl aggregates GRPO's KL term like the policy loss instead).
   loss_agg: str = "token-mean"
   epochs: int = 2  # passes over the rollout per iteration
   minibatch_size: int = 32  # samples per optimizer step

@@ -48,7 +48,9 @@ GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages from one score per sample, com
 def advantages_and_returns(algo: AlgoConfig, group_size: int, scores, mask, old_logp, ref_logp,
                            values):
   """Returns (advantages, returns, token_rewards, kl) each [batch, max_new] (float32)."""
-  kl = kl_lib.kl_estimate(old_logp, ref_logp, algo.kl_estimator) * mask  # [batch, max_new]
+  # mask= selects (jnp.where): a product would let a non-finite log-prob on padding through as
+  # nan * 0 = nan, into the summed KL and every advantage of its group.
+  kl = kl_lib.kl_estimate(old_logp, ref_logp, algo.kl_estimator, mask=mask)  # [batch, max_new]
   kl_coef = algo.kl_coef if algo.kl_in_reward else 0.0
   token_rewards = adv_lib.token_level_rewards(scores, kl, mask, kl_coef)
   if kl_coef > 0 and algo.estimator in GROUP_ESTIMATORS:
