@@ -7,7 +7,7 @@ import pytest
 from rlhfuse_jax.pipeline import bounds, schedule, schedules, search
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.feasible_anneal import _device_lateness, feasible_anneal, kind_durations
-from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem
+from rlhfuse_jax.pipeline.graph import PipelineProblem
 
 CASES = [
     PipelineProblem(4, 2, 4, 4, 2.0, 1.0),
@@ -97,15 +97,9 @@ def _device_lateness_reference(s, tails, target):
 
 def _kernel_device_lateness(s, target):
   p = s.problem
-  order = np.array([[graph_kind(t) for t in tasks] for tasks in s.devices], dtype=np.int8)
   ends = np.array([[t.end for t in tasks] for tasks in s.devices])
-  return _device_lateness(order, ends, kind_durations(p.params()), bounds.device_tails(p),
+  return _device_lateness(s.order(), ends, kind_durations(p.params()), bounds.device_tails(p),
                           float(target))
-
-
-def graph_kind(task):
-  return {("actor", "F"): AF, ("actor", "B"): AB, ("critic", "F"): CF, ("critic", "B"): CB}[
-      (task.model, task.kind)]
 
 
 @pytest.mark.parametrize("idx", range(len(CASES)))
@@ -127,7 +121,7 @@ def test_device_lateness_sees_the_idle_unit_of_the_kept_e10_schedules():
   # e10 (uniform budget): the searched 319 idles one unit on device 5, the device whose term is
   # the tight bound 318; the CP-SAT schedule at 318 runs it without a gap (README there).
   root = os.path.join(os.path.dirname(__file__), "..", "experiments", "results", "e10_uniform_cp")
-  at_bound = schedule.from_json(open(os.path.join(root, "schedule.json")).read())
-  hint = schedule.from_json(open(os.path.join(root, "hint_319.json")).read())
+  at_bound = schedule.load(os.path.join(root, "schedule.json"))
+  hint = schedule.load(os.path.join(root, "hint_319.json"))
   assert _kernel_device_lateness(at_bound, 318) == 0.0
   assert _kernel_device_lateness(hint, 318) > 0.0
