@@ -70,6 +70,10 @@ def test_gsm8k_numbers_commas_and_bad_answers():
     ("\\text{Monday}", "\\boxed{\\text{Monday}}", 1.0),
     ("The area is $\\boxed{12}$.", "\\boxed{12}", 1.0),  # a MATH solution as the answer
     ("3", "\\boxed{3} at first, but \\boxed{4}", 0.0),  # the last box counts
+    ("4", "\\boxed{3} at first, but \\boxed{4}", 1.0),  # ... and only it (not the set {3, 4})
+    ("4", "first \\boxed{3}. Wait, actually the answer is \\boxed{4}", 1.0),
+    ("3, 4", "maybe \\boxed{3}? no: \\boxed{4}", 0.0),  # two guesses are not a set answer
+    ("Try $\\boxed{5}$; no, $\\boxed{12}$.", "\\boxed{12}", 1.0),  # a solution's last box
     ("3", "\\boxed{-3}", 0.0),
     ("\\pi", "\\boxed{3.14159}", 0.0),
     ("72", "The final answer is $72$", 0.0),  # no \boxed: MATH answers are boxed

@@ -82,15 +82,21 @@ def _timeout() -> Optional[int]:
 def math_answer(response: str, answer: Optional[str], record: Mapping[str, Any]) -> float:
   import math_verify  # pylint: disable=import-outside-toplevel (sympy: ~0.5 s to import)
   answer = _required(answer)
-  if last_boxed(response) is None:
+  boxed = last_boxed(response)
+  if boxed is None:
     return 0.0
   timeout = _timeout()
-  gold = math_verify.parse(answer if "\\boxed" in answer else f"${answer}$",
-                           parsing_timeout=timeout)
+  # Only the last box is handed to math-verify: given the whole text it joins every \boxed{}
+  # into one set ('\boxed{3} ... \boxed{4}' parses as {3, 4}), so a response that corrects
+  # itself scored 0 and one that boxes several guesses could match a set answer.
+  gold_boxed = last_boxed(answer) if "\\boxed" in answer else None
+  gold = math_verify.parse(f"$\\boxed{{{gold_boxed}}}$" if gold_boxed is not None
+                           else f"${answer}$", parsing_timeout=timeout)
   if not gold:
     raise ValueError(f"math-verify cannot parse the answer {answer!r}")
-  pred = math_verify.parse(response, extraction_config=[math_verify.LatexExtractionConfig(
-      boxed_match_priority=0, try_extract_without_anchor=False)], parsing_timeout=timeout)
+  pred = math_verify.parse(f"$\\boxed{{{boxed}}}$", extraction_config=[
+      math_verify.LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)],
+      parsing_timeout=timeout)
   return float(bool(pred) and math_verify.verify(gold, pred, timeout_seconds=timeout))
 
 
