@@ -29,7 +29,7 @@ def _to_jsonable(x: Any) -> Any:
   if isinstance(x, (list, tuple)):
     return [_to_jsonable(v) for v in x]
   if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
-    return np.asarray(x).tolist()
+    return _to_jsonable(np.asarray(x).tolist())  # a non-finite entry still becomes valid JSON
   if isinstance(x, float) and (np.isnan(x) or np.isinf(x)):
     return None if np.isnan(x) else (1e308 if x > 0 else -1e308)
   return x

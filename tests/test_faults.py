@@ -417,3 +417,18 @@ def test_a_fresh_start_keeps_an_earlier_start_that_left_no_checkpoint(tmp_path):
   assert not os.path.exists(os.path.join(run, "metrics.jsonl"))
   trainer.run()
   assert _steps(run) == [1]
+
+
+def test_non_finite_numpy_and_jax_values_are_written_as_strict_json(tmp_path):
+  # A nan from numpy or jax went through .tolist() as NaN / Infinity, which json.dumps writes
+  # but strict readers (jq, JavaScript, json.loads with parse_constant) refuse.
+  record = {"a": np.float32("nan"), "b": np.float64("inf"), "c": jnp.float32(-np.inf),
+            "d": np.array([1.0, np.nan]), "e": float("nan")}
+  wd.append_jsonl(str(tmp_path / "m.jsonl"), record)
+  wd.write_json(str(tmp_path / "r.json"), {"x": record})
+
+  def refuse(constant):
+    raise ValueError(f"non-standard JSON constant {constant}")
+  line = json.loads((tmp_path / "m.jsonl").read_text(), parse_constant=refuse)
+  assert line == {"a": None, "b": 1e308, "c": -1e308, "d": [1.0, None], "e": None}
+  assert json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse) == {"x": line}
