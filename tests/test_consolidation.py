@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from rlhfuse_jax.policy.consolidation import (InstanceState, SampleState, kv_tokens_from_bytes,
-                                                  plan_consolidation)
+                                                  plan_consolidation, within_threshold)
 
 
 def inst(index, samples, slots=4, cap=1000, slot_cap=None, cls=""):
@@ -41,6 +41,16 @@ def test_above_threshold_does_nothing():
   plan = plan_consolidation(insts, threshold=0.2, total_samples=8)
   assert not plan.consolidate and "Rt*total" in plan.reason
   assert plan.kept == (0, 1) and plan.moves == ()
+
+
+def test_the_threshold_is_inclusive_despite_float_products():
+  # 0.57 * 100 == 56.99999999999999 in floats: U = 57 = Rt * total must still consolidate.
+  assert within_threshold(57, 0.57, 100) and not within_threshold(58, 0.57, 100)
+  assert within_threshold(29, 0.29, 100) and within_threshold(0, 0.0, 8)
+  insts = [inst(0, [(u, u, 10, 5) for u in range(4)], slots=64),
+           inst(1, [(4 + u, u, 10, 5) for u in range(53)], slots=64)]
+  plan = plan_consolidation(insts, threshold=0.57, total_samples=100)
+  assert plan.consolidate and plan.kept == (1,), plan.reason
 
 
 def test_one_sample_nothing_to_move():

@@ -3,6 +3,7 @@ and of 2 devices, Rt fixed or "auto", one or two consolidations), migrated KV ro
 source rows, capacity limits, streamed inference equals inference after generation, the Rt
 choice, and clear errors."""
 import dataclasses
+import threading
 
 import jax
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from rlhfuse_jax.generation import fused, instances
 from rlhfuse_jax.generation.fused import FusedGenConfig, FusedGenerator
 from rlhfuse_jax.generation.instances import FrozenModels
+from rlhfuse_jax.generation.timeline import Timeline
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference.scoring import Scorer, ScoringBatch
 from rlhfuse_jax.models import llama
@@ -211,6 +213,53 @@ def test_auto_rt_outputs_identical_and_choice_recorded(one_device, runs):
   assert second.metrics["gen/migrated_samples"] > 0, second.no_migration
   for out in (first, second):
     assert_same_outputs(base, out)
+  # rt="auto" for one batch of a generator whose config fixes Rt: the simulated choice too
+  # (it was resolved to None and failed with a TypeError in the consolidation gate).
+  fixed = variant(gen, actor, params, rt_model=simulated_rt_model, migration_threshold=0.5,
+                  rt_candidates=candidates)
+  fixed.calibration, fixed.lengths = auto.calibration, auto.lengths
+  forced = fixed.run(actor, params, tokens, lens, KEY, budgets=budgets, rt="auto")
+  assert forced.rt_choice is not None and forced.rt == forced.rt_choice.rt in candidates
+  assert_same_outputs(base, forced)
+
+
+def test_a_failed_batch_leaves_no_thread(one_device, runs, monkeypatch):
+  """A batch that raises (here: in its consolidation) stops its activity watchers and the
+  inference loader too: each failed batch used to leave one waiting thread per instance."""
+  gen, actor, params = one_device
+  (tokens, lens, budgets), _, _, _ = runs
+
+  def fail(self, step):
+    raise RuntimeError("consolidation failed (test)")
+  monkeypatch.setattr(fused._Run, "consolidate", fail)
+  before = threading.active_count()
+  for _ in range(2):
+    with pytest.raises(RuntimeError, match="consolidation failed"):
+      gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=True, rt=1.0)
+  assert threading.active_count() == before
+
+
+def test_prompt_ids_outside_the_vocabulary_are_refused(one_device):
+  gen, actor, params = one_device
+  tokens, lens, budgets = batch(16, 0)
+  tokens[3, 0] = CFG.vocab_size  # embeds as NaN: the row would decode garbage silently
+  with pytest.raises(ValueError, match=r"prompt_tokens\[3, 0\] = 32 is not a token id of "
+                                       r"this model \(vocab_size 32"):
+    gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=False)
+  tokens[3, 0], tokens[5, P - 1], lens[5] = 1, -1, P - 1  # padding is not checked
+  gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=False)
+
+
+def test_timeline_metrics_average_over_the_watched_instances():
+  """On several processes each watches its own instances: instance 1 here is another
+  process's, so it has no segments and must not count as idle."""
+  segments = [(0, 0.0, 1.0, "decode"), (0, 1.0, 2.0, "inference")]
+  mine = Timeline(num_instances=2, segments=segments, unfinished_curve=[], consolidations=[],
+                  gen_end_s=1.5, gen_plus_inf_s=2.0, observed=(0,))
+  assert mine.instance_busy_frac == 1.0
+  assert mine.inference_overlap_frac == 0.5
+  everyone = dataclasses.replace(mine, observed=None)
+  assert everyone.instance_busy_frac == 0.5  # one process holding both: the other idles
 
 
 def test_two_consolidations_outputs_identical(one_device):

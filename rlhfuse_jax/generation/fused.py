@@ -269,15 +269,16 @@ class FusedGenerator:
 
 
   # ------------------------------------------------------------------ Rt
-  def choose_rt(self, prompt_lens) -> tuple[float, Optional[rt_choice.RtChoice]]:
-    """The fixed Rt, or the simulated choice. The simulation (~0.1-1 s) reruns only once the
+  def choose_rt(self, prompt_lens, auto: bool = False
+                ) -> tuple[float, Optional[rt_choice.RtChoice]]:
+    """The fixed Rt (unless `auto`), or the simulated choice. The simulation (~0.1-1 s) reruns only once the
     length histogram has grown by RESIMULATE_GROWTH since the last choice: a PPO iteration
     must not pay for it every time, and a few more lengths barely move the histogram.
 
     Several processes: each simulates with its own measured costs and every one takes
     process 0's Rt (broadcast), so the plans stay the same everywhere. Every process must call
     this at the same point (FusedGenerator.run does)."""
-    if self.fixed_rt is not None:
+    if self.fixed_rt is not None and not auto:
       return self.fixed_rt, None
     rt, choice = self._choose_rt(prompt_lens)
     if self.exchange.multi:
@@ -332,25 +333,28 @@ class FusedGenerator:
     rt: force this Rt for this batch (default: config.migration_threshold, "auto" simulated).
     """
     tokens, plens, uids, budgets = inst_lib.check_prompts(
-        self.batch_size, self.prompt_len, self.sampling, prompt_tokens, prompt_lens, uids, budgets)
+        self.batch_size, self.prompt_len, self.sampling, prompt_tokens, prompt_lens, uids, budgets,
+        self.cfg.vocab_size)
     t_place = time.perf_counter()
     actor_params = self.place_actor(actor_params)
     jax.block_until_ready(list(actor_params.values()))
     place_s = time.perf_counter() - t_place
     choice = None
+    forced = None if rt is None else rt_choice.resolve_threshold(rt, "rt")  # None: 'auto'
     if not fuse:
       rt = 0.0
-    elif rt is not None:
-      rt = rt_choice.resolve_threshold(rt, "rt")
+    elif forced is not None:
+      rt = forced
     else:
-      if self.fixed_rt is None and self.calibration is None:
+      auto = rt is not None  # rt='auto' for this batch, whatever the config's Rt
+      if (self.fixed_rt is None or auto) and self.calibration is None:
         # "auto" simulates with this engine's measured costs: measured once, before timing.
         t0 = time.perf_counter()
         logging.info("generation: measuring the instances' costs for migration_threshold="
                      "'auto' (once) ...")
         self.calibration = measure.measure_costs(self, actor_params, frozen_params)
         logging.info("generation: costs measured in %.1fs", time.perf_counter() - t0)
-      rt, choice = self.choose_rt(plens)
+      rt, choice = self.choose_rt(plens, auto=auto)
     run = _Run(self, actor_params, frozen_params, tokens, plens, uids, budgets,
                sampling_lib.as_typed_key(iteration_key), fuse, rt, place_s)
     out = run.execute()
@@ -605,6 +609,7 @@ class _Run:
     self.table = SlotTable(gen.config.num_instances, gen.config.slots, gen.batch_size,
                            gen.sampling.max_new_tokens, gen.sampling.pad_id)
     self.infer: Optional[InferenceQueue] = None  # made with the activity log (execute)
+    self.log: Optional[ActivityLog] = None
     self.active: list[int] = []  # instances decoding (all processes'), sorted
     self.states: dict = {}  # this process's decoding instance -> DecodeState (donated each chunk)
     self.chunks = 0  # decode chunks run, summed over instances
@@ -761,9 +766,11 @@ class _Run:
   def execute(self) -> FusedOutput:
     try:
       return self._execute()
-    finally:
+    finally:  # also on errors: no thread outlives the batch
       if self.infer is not None:
-        self.infer.close()  # also on errors: no thread outlives the batch
+        self.infer.close()
+      if self.log is not None:
+        self.log.close()  # the watchers (idempotent: _execute closed it on success)
 
   def _execute(self) -> FusedOutput:
     gen, cfg, table = self.gen, self.gen.config, self.table
@@ -797,7 +804,7 @@ class _Run:
       if unfinished == 0:
         break
       if (self.fuse and len(self.consolidations) < cfg.max_consolidations and
-          unfinished <= self.rt * b):
+          policy.within_threshold(unfinished, self.rt, b)):
         idle += self.consolidate(rounds * k)
       summaries = {}
       for i in self.active:
@@ -842,7 +849,8 @@ class _Run:
         response_lens=table.n_gen.copy(), logprobs=table.logp, stop_reason=table.stop,
         uids=self.uids, prefill_s=t_prefill, decode_s=gen_end - t_prefill,
         decode_steps=int(table.n_gen.max()) - 1, decode_chunks=rounds)
-    tl = Timeline(num_instances=gen.config.num_instances, segments=segments,
+    tl = Timeline(num_instances=gen.config.num_instances, observed=tuple(gen.local),
+                  segments=segments,
                   unfinished_curve=curve, consolidations=self.consolidations,
                   gen_end_s=gen_end, gen_plus_inf_s=gen_plus_inf)
     cons = self.consolidations

@@ -8,7 +8,8 @@ and KV migration".
 Measured on this process's first instance (and its second for migration), each the median of
 `repeats` after a warm-up:
 
-  decode_step  one chunk / its K steps, with 1 and with S live rows. The compiled step has a
+  decode_step  one chunk / its K steps, with 1 and with S live rows (on prompts whose chunk
+               no EOS ends early: `measure_costs`). The compiled step has a
                fixed [S] shape, so the two are close: on fixed shapes it is the number of
                instances still stepping that costs, not how full they are.
   prefill      one instance's prefill call, as `overhead_s` (a fixed [S, P] shape: the same
@@ -26,10 +27,13 @@ from typing import Callable
 
 import jax
 import numpy as np
+from absl import logging
 
 from rlhfuse_jax.generation import engine
 from rlhfuse_jax.policy import calibration as cal_lib
 
+# Prompt draws tried for a decode chunk that no EOS ends early (measure_costs).
+_PROMPT_DRAWS = 8
 # A rate high enough that `amount / rate` vanishes next to a measured per-call overhead.
 _NEGLIGIBLE_RATE = 1e15
 
@@ -62,20 +66,41 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   key = jax.device_put(jax.random.key(0), inst.rep)
   full = np.full(s, t, np.int32)
   prefill_s = median_s(lambda: inst.prefill(params, tok, lens, uids, full, key), repeats)
-  steps = engine.chunk_steps(gen.sampling, t - 1)  # steps one chunk runs from a fresh prefill
   occupancies = sorted({1, s})
+  full_steps = engine.chunk_steps(gen.sampling, t - 1)  # a chunk from a fresh prefill
   step_s = []
   for occ in occupancies:
     budget = np.where(np.arange(s) < occ, t, 0).astype(np.int32)
 
-    def chunk():
-      st, _ = inst.prefill(params, tok, lens, uids, budget, key)
+    def chunk(prompts):
+      """(seconds, decode steps run) of one chunk from a fresh prefill of `prompts`."""
+      st, _ = inst.prefill(params, prompts, lens, uids, budget, key)
       jax.block_until_ready(st)
+      before = np.asarray(st.num_generated)  # read before the decode donates st
       t0 = time.perf_counter()
-      jax.block_until_ready(inst.decode(params, st, key)[1])
-      return time.perf_counter() - t0
-    chunk()
-    step_s.append(float(np.median([chunk() for _ in range(repeats)])) / steps)
+      after, summary = inst.decode(params, st, key)
+      jax.block_until_ready(summary)
+      elapsed = time.perf_counter() - t0
+      longest = int(np.max(np.asarray(after.num_generated) - before))  # the last live row's
+      return elapsed, engine.chunk_steps(gen.sampling, longest)
+
+    # A chunk stops once every row is done, so a sampled EOS (these prompts are random tokens)
+    # can end it after a step or two: dividing by the full chunk's steps made the step several
+    # times too cheap, and dividing by the steps run charges it the whole call's fixed cost.
+    # So draw other prompts until one chunk runs every step (the first almost always does).
+    prompts = tok
+    for attempt in range(_PROMPT_DRAWS):
+      ran = chunk(prompts)[1]  # also the warm-up
+      if ran == full_steps:
+        break
+      prompts = rng.integers(1, gen.cfg.vocab_size, (s, p)).astype(np.int32)
+    else:
+      logging.warning("measure_costs: every chunk with %d occupied slot(s) stopped early (EOS "
+                      "within %d steps on %d prompt draws): decode_step is its time per step "
+                      "run, which includes the chunk's fixed cost", occ, full_steps,
+                      _PROMPT_DRAWS)
+    step_s.append(float(np.median([elapsed / ran for elapsed, ran in
+                                   (chunk(prompts) for _ in range(repeats))])))
   ops = {"decode_step": {"occupied_slots": occupancies, "seconds": step_s},
          "prefill": {"tokens_per_s": _NEGLIGIBLE_RATE, "overhead_s": prefill_s}}
 

@@ -484,7 +484,7 @@ class PipelinedGenerator:
     unpipelined (placed here) or already `place`d. Rows g*Bg .. (g+1)*Bg - 1 form group g."""
     tokens, lens, uids, budgets = instances.check_prompts(
         self.batch_size, self.prompt_len, self.sampling, prompt_tokens, prompt_lens, uids,
-        budgets)
+        budgets, self.cfg.vocab_size)
     staged = params if is_staged(params) else self.place(params)
     if not self._exe:
       self.compile(staged)

@@ -78,11 +78,14 @@ class ActivityLog:
         self._last_end[i] = max(self._last_end[i], end)
 
   def close(self) -> list:
-    """Waits for every recorded operation; returns the segments sorted by start."""
-    for q in self._queues:
-      q.put(None)
-    for t in self._threads:
-      t.join()
+    """Waits for every recorded operation; returns the segments sorted by start. Idempotent
+    (a failed batch closes its log on the way out)."""
+    if self._threads:
+      for q in self._queues:
+        q.put(None)
+      for t in self._threads:
+        t.join()
+      self._threads = []
     return sorted(self.segments, key=lambda s: (s[1], s[0]))
 
 
@@ -110,6 +113,14 @@ class Timeline:
   consolidations: list  # [{time_s, step, moves, moved_bytes, ...}]
   gen_end_s: float  # the host saw the last sample finish
   gen_plus_inf_s: float  # every inference result is on the host
+  # The instances this process watched (its own, on many processes); None: all of them. The
+  # per-instance metrics average over these only: another process's instances have no segments
+  # here, and counting them as idle gave each of 2 processes at most 0.5 busy.
+  observed: Optional[tuple] = None
+
+  @property
+  def watched(self) -> tuple:
+    return tuple(range(self.num_instances)) if self.observed is None else tuple(self.observed)
 
   def busy_s(self, instance: int, kinds=KINDS, until: Optional[float] = None) -> float:
     spans = [(s, e if until is None else min(e, until)) for i, s, e, k in self.segments
@@ -118,20 +129,20 @@ class Timeline:
 
   @property
   def instance_busy_frac(self) -> float:
-    """Busy instance-seconds / (instances x gen_plus_inf_s)."""
-    if self.gen_plus_inf_s <= 0:
+    """Busy instance-seconds / (watched instances x gen_plus_inf_s)."""
+    if self.gen_plus_inf_s <= 0 or not self.watched:
       return 0.0
-    busy = sum(self.busy_s(i) for i in range(self.num_instances))
-    return busy / (self.num_instances * self.gen_plus_inf_s)
+    busy = sum(self.busy_s(i) for i in self.watched)
+    return busy / (len(self.watched) * self.gen_plus_inf_s)
 
   @property
   def inference_overlap_frac(self) -> float:
     """Inference busy time spent before generation ended / all inference busy time."""
-    total = sum(self.busy_s(i, ("inference",)) for i in range(self.num_instances))
+    total = sum(self.busy_s(i, ("inference",)) for i in self.watched)
     if total <= 0:
       return 0.0
     before = sum(self.busy_s(i, ("inference",), until=self.gen_end_s)
-                 for i in range(self.num_instances))
+                 for i in self.watched)
     return before / total
 
   def span_s(self, kind: str) -> float:
@@ -140,4 +151,4 @@ class Timeline:
     return max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0
 
   def kind_s(self, kind: str) -> float:
-    return sum(self.busy_s(i, (kind,)) for i in range(self.num_instances))
+    return sum(self.busy_s(i, (kind,)) for i in self.watched)

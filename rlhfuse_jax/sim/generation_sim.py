@@ -35,7 +35,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from rlhfuse_jax.policy.consolidation import InstanceState, SampleState, plan_consolidation
+from rlhfuse_jax.policy.consolidation import (InstanceState, SampleState, plan_consolidation,
+                                              within_threshold)
 from rlhfuse_jax.sim.cost_model import CostModel, same_node
 from rlhfuse_jax.sim.shapes import ModelShape
 
@@ -247,7 +248,8 @@ def _consolidation_due(setup: GenSetup, batch: _Batch) -> bool:
   at most Rt * B samples unfinished."""
   return (setup.threshold is not None and
           len(batch.consolidations) < setup.max_consolidations and
-          0 < batch.unfinished <= setup.threshold * batch.size)
+          0 < batch.unfinished and within_threshold(batch.unfinished, setup.threshold,
+                                                    batch.size))
 
 
 def _decode_chunk(cost: CostModel, actor: ModelShape, setup: GenSetup, clock: _Clock,
