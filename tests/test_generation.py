@@ -370,6 +370,12 @@ def test_clear_errors(params, prompts):
                     ({"eos_id": -2}, "eos_id"), ({"pad_id": -1}, "pad_id")]:
     with pytest.raises(ValueError, match=f"sampling.{match}"):
       SamplingConfig(**kw)
+  with pytest.raises(ValueError, match="sampling.top_k=2.5; expected an integer"):
+    SamplingConfig(top_k=2.5)
+  whole = SamplingConfig(top_k=2.0, max_new_tokens=4.0, chunk_size=4.0, steps_per_check=2.0)
+  assert whole == SamplingConfig(top_k=2, max_new_tokens=4, chunk_size=4, steps_per_check=2)
+  assert all(type(getattr(whole, f)) is int
+             for f in ("top_k", "max_new_tokens", "chunk_size", "steps_per_check"))
   with pytest.raises(ValueError, match="sampling.eos_id=40 is outside the vocabulary"):
     instances.Generator(CFG, SamplingConfig(eos_id=40), batch_size=B, prompt_len=P)
   with pytest.raises(ValueError, match="sampling.top_k=33 exceeds"):

@@ -60,6 +60,10 @@ class SamplingConfig:
     if int(k) != k or k < 1 or self.chunk_size % k:
       raise ValueError(f"sampling.steps_per_check={k}; expected an integer >= 1 that divides "
                        f"sampling.chunk_size={self.chunk_size}")
+    # An integral float (2.0) is taken as the integer: these size static shapes and loops,
+    # where a float failed later, while tracing, without naming the field.
+    for name in ("top_k", "max_new_tokens", "chunk_size", "steps_per_check"):
+      object.__setattr__(self, name, int(getattr(self, name)))
     if self.eos_id < -1:
       raise ValueError(f"sampling.eos_id={self.eos_id}; expected a token id >= 0, or -1 for none")
     if self.pad_id < 0:
