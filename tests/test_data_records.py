@@ -76,6 +76,27 @@ def test_flat_keys_numbers_and_optional_answers(tmp_path, fmt):
     load_records(path, "question", "label", require_answer=True)
 
 
+def test_float_answers_read_back_as_written(tmp_path):
+  """A float32 column's 0.1 is '0.1' (not its float64 widening 0.10000000149011612), 1e-5 is
+  '0.00001' (str() gave '1e-05', whose final number is 5), a NaN is a missing answer (pandas
+  writes one for an empty cell), an inf is refused by row."""
+  table = pa.table({"prompt": ["a", "b", "c", "d"],
+                    "f32": pa.array([0.1, 2.5, 1e-5, 3.0], pa.float32()),
+                    "f64": pa.array([0.1, 1e-5, np.nan, 12.0], pa.float64())})
+  pq.write_table(table, str(tmp_path / "d.parquet"))
+  path = str(tmp_path / "d.parquet")
+  assert [r["target"] for r in load_records(path, answer_key="f32")] == [
+      "0.1", "2.5", "0.00001", "3"]
+  assert [r.get("target") for r in load_records(path, answer_key="f64")] == [
+      "0.1", "0.00001", None, "12"]
+  with pytest.raises(ValueError, match=r"row 2: missing answer field 'f64'"):
+    load_records(path, answer_key="f64", require_answer=True)
+  rows = [{"prompt": "a", "target": 1.0}, {"prompt": "b", "target": float("inf")}]
+  with pytest.raises(ValueError, match=r"d.jsonl:2: answer field 'target' is inf; expected a "
+                                       r"finite number"):
+    load_records(_jsonl(tmp_path / "d.jsonl", rows))
+
+
 def test_lookup_prefers_a_literal_dotted_key():
   row = {"a.b": 1, "a": {"b": 2, "c": {"d": 3}}}
   assert lookup(row, "a.b") == 1 and lookup(row, "a.c.d") == 3

@@ -36,6 +36,7 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
   """(where, row) for every row of a JSONL or parquet file (by extension)."""
   if path.endswith(".parquet"):
     try:
+      import pyarrow as pa  # pylint: disable=import-outside-toplevel
       import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
     except ImportError as e:
       raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
@@ -43,7 +44,16 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
       table = pq.read_table(path)
     except Exception as e:  # noqa: BLE001 pyarrow raises several types for a bad file
       raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
-    for i, row in enumerate(table.to_pylist()):
+    rows = table.to_pylist()
+    # to_pylist widens float32 to a Python float (0.1 -> 0.10000000149011612): top-level
+    # float16/32 columns keep their numpy scalars, so an answer reads back as written.
+    for name in table.column_names:
+      dtype = table.schema.field(name).type
+      if dtype in (pa.float16(), pa.float32()):
+        for row, value in zip(rows, table.column(name).to_numpy(zero_copy_only=False)):
+          if row[name] is not None:
+            row[name] = value
+    for i, row in enumerate(rows):
       yield f"{path}:row {i}", row
     return
   yield from jsonl_rows(path)
@@ -83,14 +93,25 @@ def check_prompt(prompt: Any, where_: str, key: str) -> Any:
                    f"{type(prompt).__name__}")
 
 
+def _is_nan(x: Any) -> bool:
+  return isinstance(x, (float, np.floating)) and bool(np.isnan(x))
+
+
 def _answer_text(answer: Any, where_: str, key: str) -> str:
   if isinstance(answer, str):
     return answer
   if isinstance(answer, (int, np.integer)) and not isinstance(answer, bool):
     return str(int(answer))
   if isinstance(answer, (float, np.floating)):
-    # A parquet column of numbers is float as soon as one is: 42 reads back as 42.0.
-    return str(int(answer)) if float(answer).is_integer() else str(float(answer))
+    # A parquet column of numbers is float as soon as one is: 42 reads back as 42.0. Digits
+    # are positional (str() writes 1e-05, whose final number reads as 5) and the shortest
+    # that give back the value in its own precision (a float32 0.1 is '0.1').
+    if not np.isfinite(answer):
+      raise ValueError(f"{where_}: answer field '{key}' is {answer}; expected a finite number "
+                       "(or none: a missing answer)")
+    if float(answer).is_integer():
+      return str(int(answer))
+    return np.format_float_positional(answer, unique=True, trim="-")
   raise ValueError(f"{where_}: answer field '{key}' must be a string or a number, got "
                    f"{type(answer).__name__}")
 
@@ -119,7 +140,7 @@ def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSW
     record = dict(row)
     record[PROMPT_KEY] = check_prompt(prompt, where_, prompt_key)
     answer = lookup(row, answer_key)
-    if answer is _MISSING or answer is None:
+    if answer is _MISSING or answer is None or _is_nan(answer):  # NaN: pandas' missing value
       if require_answer:
         raise ValueError(f"{where_}: missing answer field '{answer_key}' (keys: {sorted(row)}), "
                          "which the run's reward verifies against; set config.data.answer_key "
