@@ -4,7 +4,7 @@ import os
 
 import pytest
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
 
@@ -76,6 +76,34 @@ def test_config_file_overrides_and_explicit_arguments(tmp_path):
   tok = HFTokenizer.from_file(path)
   assert tok.bos_id is not None and not tok.add_bos
   assert tok.pad_id == tok.backend.token_to_id("<pad>")  # not in config: guessed
+
+
+@pytest.mark.parametrize("processor, adds", [
+    (None, True),  # no post-processor: the BOS the vocabulary names (LLaMA-class default)
+    ("byte_level", False),  # GPT-2 / SmolLM style: transformers adds nothing
+    ("template", True),  # Llama-3 style TemplateProcessing "<s> $A"
+    ("sequence", True),  # ByteLevel then TemplateProcessing, as newer tokenizer.json files hold
+    ("template_eos", False),  # a template that appends EOS only
+])
+def test_bos_follows_the_post_processor_when_the_config_is_silent(tmp_path, processor, adds):
+  """tokenizer_config.json names a bos_token but no add_bos_token: encode prepends BOS as
+  transformers' fast tokenizer would, by the file's post-processor."""
+  path = _train_bpe(str(tmp_path))
+  backend = tokenizers.Tokenizer.from_file(path)
+  bos, eos = backend.token_to_id("<s>"), backend.token_to_id("</s>")
+  template = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+  backend.post_processor = {
+      None: None, "byte_level": processors.ByteLevel(trim_offsets=False), "template": template,
+      "sequence": processors.Sequence([processors.ByteLevel(trim_offsets=False), template]),
+      "template_eos": processors.TemplateProcessing(single="$A </s>",
+                                                    special_tokens=[("</s>", eos)])}[processor]
+  backend.save(path)
+  _write_config(str(tmp_path), bos_token="<s>", eos_token="</s>")
+  tok = HFTokenizer.from_file(path)
+  assert tok.add_bos == adds
+  assert (tok.encode("the dog")[0] == bos) == adds
+  if processor is not None:  # what the library's own post-processor puts first
+    assert (backend.encode("the dog").ids[0] == bos) == adds
 
 
 def test_pad_falls_back_to_eos(tmp_path):

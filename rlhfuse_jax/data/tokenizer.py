@@ -12,6 +12,7 @@ differ between model families) and prepends `bos_id` itself when `add_bos` is se
 from __future__ import annotations
 
 import abc
+import json
 import os
 from typing import Any, Optional, Sequence
 
@@ -137,6 +138,8 @@ class HFTokenizer(Tokenizer):
     `add_bos_token`, as HF writes them), (3) well-known names among the vocabulary's added
     tokens. EOS must resolve; PAD falls back to EOS; BOS may stay None. A token set to null in
     tokenizer_config.json (e.g. Qwen2's `bos_token`) counts as absent and is not guessed.
+    Whether `encode` prepends BOS: the argument, else `add_bos_token`, else what the file's
+    post-processor does (`_post_processor_adds`), else yes when there is a BOS.
     """
     if os.path.isdir(path):
       path = os.path.join(path, "tokenizer.json")
@@ -179,7 +182,28 @@ class HFTokenizer(Tokenizer):
     pad_id = resolve("pad", pad_token, _PAD_CANDIDATES)
     if add_bos is None and config is not None and config.get("add_bos_token") is not None:
       add_bos = bool(config["add_bos_token"]) and bos_id is not None
+    if add_bos is None and bos_id is not None:
+      add_bos = _post_processor_adds(path, tok.id_to_token(bos_id))
     return cls(tok, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, add_bos=add_bos, name=path)
+
+
+def _post_processor_adds(path: str, bos: str) -> Optional[bool]:
+  """Whether tokenizer.json's post-processor puts `bos` first in a single sequence (what
+  transformers' fast tokenizers do with add_special_tokens=True): a TemplateProcessing starting
+  with it, alone or in a Sequence. None when the file has no post-processor (then the BOS the
+  vocabulary names is added, as before: LLaMA-class tokenizers add theirs by default); False for
+  any other one (a GPT-2-style ByteLevel adds nothing, although its config names a bos_token)."""
+  with open(path, encoding="utf-8") as f:
+    processor = json.load(f).get("post_processor")
+  if not processor:
+    return None
+  pieces = processor.get("processors", [processor]) if processor.get("type") == "Sequence" \
+      else [processor]
+  for piece in pieces:
+    if piece.get("type") == "TemplateProcessing" and piece.get("single"):
+      first = piece["single"][0]
+      return isinstance(first, dict) and first.get("SpecialToken", {}).get("id") == bos
+  return False
 
 
 def _read_tokenizer_config(path: str) -> Optional[dict[str, Any]]:
