@@ -226,3 +226,21 @@ def test_hops_across_nodes_follow_the_layout():
   assert cm.hop_s(1e6, 0.25) == pytest.approx(0.25 * cm.p2p_s(1e6, True) +
                                               0.75 * cm.p2p_s(1e6, False))
   assert cm.hop_s(1e6, 1.0) == cm.p2p_s(1e6, True) and cm.hop_s(1e6, 0) == cm.p2p_s(1e6, False)
+
+
+def test_measured_backwards_reach_the_pipeline_problem():
+  """A calibration's measured actor_bwd_s / critic_bwd_s are the problem's backward durations
+  (they were bwd_over_fwd x forward, the ratio pooled over both models: 80 / 20 ms became
+  66.7 / 33.3 ms); without them the ratio applies."""
+  from rlhfuse_jax.sim import training_sim  # pylint: disable=import-outside-toplevel
+  a, c = get_shape("llama-7b"), get_shape("llama-7b", "scalar")
+  plan = training_sim.TrainPlan(8, 8, 1, 4, 4)
+  ratio = (0.08 + 0.02) / (0.02 + 0.01)  # as bench_pipeline writes it
+  for bwd, expected in (((0.08, 0.02), (80.0, 20.0)), ((None, None), (20 * ratio, 10 * ratio))):
+    stage = calibration.TrainStage(actor_fwd_s=0.02, critic_fwd_s=0.01, actor_bwd_s=bwd[0],
+                                   critic_bwd_s=bwd[1], bwd_over_fwd=ratio)
+    cost = CostModel(get_hardware("h100_sxm"),
+                     calibration=calibration.Calibration(device="x", train_stage=stage))
+    p = training_sim.step_costs(cost, a, c, plan, 512, check_memory=False).problem
+    assert (p.actor_fwd, p.critic_fwd) == (20.0, 10.0)
+    assert (p.actor_bwd, p.critic_bwd) == pytest.approx(expected, abs=1e-6)  # ms, 6 decimals

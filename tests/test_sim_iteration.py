@@ -148,3 +148,24 @@ def test_fused_schedule_memory_comes_from_the_models_shapes():
   assert p.critic_mem == pytest.approx(2 * 1000 * 6656 * (60 / 4) / 4 / 1e6, rel=1e-6)
   # Forward times would weigh them otherwise (the critic's 15-layer stages vs 5-layer ones).
   assert p.critic_mem / p.actor_mem != pytest.approx(p.critic_fwd / p.actor_fwd, rel=0.05)
+
+
+def test_deepspeed_chat_generates_at_the_smallest_degree_beside_its_zero3_shards():
+  """65B/65B on 256 H100s: DeepSpeed-Chat's hybrid engine generates at tp 4, the smallest
+  degree whose weights and KV cache fit beside the ZeRO-3 shards of the four models (tp 2 does
+  not). Its inference runs under ZeRO-3, so the instances' inference memory (three whole frozen
+  models, which needs tp 8) must not decide it, as it did."""
+  cost = CostModel(get_hardware("h100_sxm"))
+  wl = it.Workload(actor=get_shape("llama-65b"), critic=get_shape("llama-65b", "scalar"),
+                   max_new_tokens=1024)
+  g = it.simulate_gen_stage(cost, wl, it.SimOptions(), False, smallest_tp=True)
+  assert g["plan"].tp == 4
+  assert "ZeRO-3 shards" in g["rejected_tps"][2]
+  resident = it.zero3_resident_bytes(wl)
+  assert resident == pytest.approx(18 * 2 * wl.actor.num_params() / 256, rel=0.01)
+  free = cost.usable_bytes - wl.actor.weight_bytes() / 4 - resident
+  assert g["plan"].kv_capacity_tokens == int(free // (wl.actor.kv_bytes_per_token() / 4))
+  # The instances' own inference (RLHFuse's generation stage) needs the larger degree.
+  with pytest.raises(ValueError, match=r"inference \(reference \+ reward \+ critic\) does "
+                                       r"not fit .*tp=4"):
+    it.simulate_gen_stage(cost, wl, it.SimOptions(gen_tps=(4,)), False)

@@ -66,10 +66,20 @@ def _small():
                      response=LengthSpec(kind="uniform", min_len=1, max_len=64))
 
 
-def _brute_force_stages(wl, opt, frozen=None):
+def _rescore(wl, seq, colocated, actor, critic):
+  """Async PPO's rescore on a training layout, from its definition: the actor's and the
+  critic's forwards over the batch where their weights are, `actor`/`critic` = (devices, tp,
+  pp); one after the other on the same devices, at once on disjoint ones."""
+  a, c = (ps.inference_stage_s(COST, (shape,), d, tp, pp, seq, 8, False)
+          for shape, (d, tp, pp) in ((wl.actor, actor), (wl.critic, critic)))
+  return a + c if colocated else max(a, c)
+
+
+def _brute_force_stages(wl, opt, frozen=None, rescore=False):
   """Every stage plan of `wl` evaluated directly, without the search's code: ([(gen_s, devices
   per generation copy)], [(inf_s, inference tp)], [train_s]). `frozen`: the inference models
-  (default reference, critic, reward model)."""
+  (default reference, critic, reward model). `rescore`: each train_s with its plan's async
+  rescore, (train_s, rescore_s)."""
   prompts, resp = wl.sample_lengths()
   seq = (prompts + resp).astype(float)
   n = wl.num_devices
@@ -91,7 +101,7 @@ def _brute_force_stages(wl, opt, frozen=None):
   infs = []
   for tp in (1, 2, 4, 8):
     try:
-      it.check_inference_memory(COST, wl, tp, opt.inference_microbatch, prompts)
+      it.check_inference_memory(COST, wl, tp, opt.inference_microbatch, prompts, frozen)
       infs.append((ps.inference_stage_s(COST, frozen, n, tp, 1, seq, opt.inference_microbatch,
                                         opt.offload_frozen), tp))
     except ValueError:
@@ -104,9 +114,14 @@ def _brute_force_stages(wl, opt, frozen=None):
     except ValueError:
       continue
     if pc <= pa <= wl.actor.num_layers:
-      trains.append(train_lib.pipeline_train_s(costs, wl.num_minibatches, False)["train_s"])
-  trains += [s * wl.num_minibatches for s, _ in train_lib.disjoint_splits(
-      COST, wl.actor, wl.critic, n, wl.minibatch, 1, float(seq.mean()))]
+      t = train_lib.pipeline_train_s(costs, wl.num_minibatches, False)["train_s"]
+      trains.append((t, _rescore(wl, seq, True, (n, tp, pa), (n, tp, pc))) if rescore else t)
+  for s, q in train_lib.disjoint_splits(COST, wl.actor, wl.critic, n, wl.minibatch, 1,
+                                        float(seq.mean())):
+    a, c = q["actor"], q["critic"]
+    trains.append((s * wl.num_minibatches, _rescore(
+        wl, seq, False, (a["devices"], a["tp"], a["pp"]), (c["devices"], c["tp"], c["pp"])))
+                  if rescore else s * wl.num_minibatches)
   return gens, infs, trains
 
 
@@ -147,16 +162,15 @@ def test_async_search_picks_the_brute_force_best_split():
   for g in range(2, 16, 2):
     gens, infs, _ = _brute_force_stages(dataclasses.replace(wl, num_devices=g), opt,
                                         frozen=(wl.actor, wl.critic))
-    trains = _brute_force_stages(dataclasses.replace(wl, num_devices=16 - g), opt)[2]
+    trains = _brute_force_stages(dataclasses.replace(wl, num_devices=16 - g), opt,
+                                 rescore=True)[2]
     if not (gens and infs and trains):
       continue
     fitting.append(g)
-    rescore = min(ps.inference_stage_s(COST, (wl.actor, wl.critic), 16 - g, tp, 1, seq,
-                                       opt.inference_microbatch, False)
-                  for tp in (1, 2, 4, 8) if (16 - g) % tp == 0)
     for (gen_s, copy), (inf_s, tp) in itertools.product(gens, infs):
       move = wl.actor.weight_bytes() / copy
-      brute.append((max(gen_s + inf_s, rescore + min(trains)) + COST.p2p_s(move, True), g))
+      brute.append((max(gen_s + inf_s, min(t + r for t, r in trains)) +
+                    COST.p2p_s(move, True), g))
   a = res["async"]
   assert len(fitting) >= 3 and a["staleness"] == 2
   assert [sp["generation_devices"] for sp in a["splits"]] == list(range(2, 16, 2))
@@ -193,12 +207,21 @@ def test_async_iteration_is_max_of_the_groups_plus_reshard():
                                       prompts, resp, wl.max_new_tokens)["gen_s"]
     inf_s = ps.inference_stage_s(COST, (wl.actor, wl.critic), g, ip["tp"], 1, seq,
                                  opt.inference_microbatch, opt.offload_frozen)
-    rescore = min(ps.inference_stage_s(COST, (wl.actor, wl.critic), 16 - g, tp, 1, seq,
-                                       opt.inference_microbatch, False)
-                  for tp in (1, 2, 4, 8) if (16 - g) % tp == 0)
+    t = p["training"]
+    if t["placement"] == "colocated":
+      rescore = _rescore(wl, seq, True, (16 - g, t["tp"], t["actor_pp"]),
+                         (16 - g, t["tp"], t["critic_pp"]))
+    else:
+      a, c = t["actor"], t["critic"]
+      rescore = _rescore(wl, seq, False, (a["devices"], a["tp"], a["pp"]),
+                         (c["devices"], c["tp"], c["pp"]))
     assert q["rescore_s"] == pytest.approx(rescore, rel=1e-12)
-    train_s = rescore + min(c.seconds for c in ps.training_candidates(
-        COST, dataclasses.replace(wl, num_devices=16 - g), float(seq.mean()), {}))
+    # The training plan with its rescore is the group's fastest pair.
+    train_s = rescore + next(c.seconds for c in ps.training_candidates(
+        COST, dataclasses.replace(wl, num_devices=16 - g), float(seq.mean()), {})
+        if c.plan == t)
+    assert train_s == pytest.approx(min(tr + r for tr, r in _brute_force_stages(
+        dataclasses.replace(wl, num_devices=16 - g), opt, rescore=True)[2]), rel=1e-12)
     reshard = COST.p2p_s(wl.actor.weight_bytes() / (gp["tp"] * gp["pp"]), True)
     assert (q["gen_s"], q["inf_s"], q["train_s"]) == pytest.approx((gen_s, inf_s, train_s))
     assert q["reshard_s"] == pytest.approx(reshard, rel=1e-12)

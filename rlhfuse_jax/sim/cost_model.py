@@ -275,6 +275,14 @@ class CostModel:
     return (self.roofline_s(flops, nbytes, tp, self.eff.train_mfu, self.eff.decode_bw_eff) +
             self._tp_comm_s(shape, tp, mb_tokens, layers))
 
+  def train_stage_bwd_s(self, fwd_s: float, model: str = "actor") -> float:
+    """Backward of the micro-batch whose forward takes `fwd_s`: the calibration's measured
+    `{model}_bwd_s` where it has one (the executor's recompute + vjp, head and loss included),
+    else bwd_over_fwd x the forward."""
+    ts = self.cal.train_stage if self.cal is not None else None
+    measured = getattr(ts, f"{model}_bwd_s", None) if ts is not None else None
+    return float(measured) if measured is not None else self.bwd_over_fwd() * fwd_s
+
   def bwd_over_fwd(self) -> float:
     if self.cal is not None and self.cal.train_stage is not None:
       return self.cal.train_stage.bwd_over_fwd

@@ -45,7 +45,8 @@ gen_s = when the last sample finished; inf_s = gen_plus_inf_s - gen_s (inference
 behind generation); samples_per_s = global_batch / iteration_s.
 reshard_s: every generation device receives its tensor-parallel shard of the actor's new
 weights over the scale-out network (the training layout lives on other devices); under
-pipe_rlhf_async also its shard of the critic's, for the inference layout.
+pipe_rlhf_async too, the actor's only (the generation group scores with the frozen reference and
+reward model; the critic's values are computed on the training group, plan_search.rescore_s).
 """
 from __future__ import annotations
 
@@ -132,33 +133,39 @@ class GenPlan:
   kv_capacity_tokens: int
 
 
-def gen_plan(cost: CostModel, wl: Workload, tp: int, prompt_lens: np.ndarray, max_slots: int
-             ) -> GenPlan:
+def gen_plan(cost: CostModel, wl: Workload, tp: int, prompt_lens: np.ndarray, max_slots: int,
+             resident_bytes: float = 0.0, resident: str = "") -> GenPlan:
   """Instances of `tp` devices; slots and KV pool from the memory left after the actor's
-  weights. Raises if the batch's share of an instance cannot fit."""
+  weights (and `resident_bytes` per device that stay there, named `resident`). Raises if the
+  batch's share of an instance cannot fit."""
   n = wl.num_devices
   if n % tp:
     raise ValueError(f"generation tp={tp} must divide num_devices={n}")
   g = n // tp
   per_inst = -(-wl.global_batch // g)
   kv_tok_bytes = wl.actor.kv_bytes_per_token() / tp  # per device
-  free = cost.usable_bytes - wl.actor.weight_bytes() / tp
+  free = cost.usable_bytes - wl.actor.weight_bytes() / tp - resident_bytes
   pool = int(free // kv_tok_bytes) if free > 0 else 0
   slot_cap = int(prompt_lens.max()) + wl.max_new_tokens
-  need = wl.actor.weight_bytes() / tp + per_inst * slot_cap * kv_tok_bytes
+  need = wl.actor.weight_bytes() / tp + per_inst * slot_cap * kv_tok_bytes + resident_bytes
   cost.check_fits(f"generation of {wl.actor.name}", need,
-                  f"tp={tp}: weights + KV cache for {per_inst} samples x {slot_cap} tokens")
+                  f"tp={tp}: weights + KV cache for {per_inst} samples x {slot_cap} tokens"
+                  + (f" + {resident}" if resident else ""))
   slots = max(per_inst, min(max_slots, pool // slot_cap))
   return GenPlan(tp=tp, num_instances=g, slots=slots, kv_capacity_tokens=pool)
 
 
 def check_inference_memory(cost: CostModel, wl: Workload, tp: int, microbatch: int,
-                           prompt_lens: np.ndarray) -> None:
-  frozen = (wl.actor, wl.critic, wl.critic)
+                           prompt_lens: np.ndarray, frozen: Optional[tuple] = None,
+                           what: str = "reference + reward + critic") -> None:
+  """The frozen models' weights (default reference, critic and reward model) split over tp,
+  and one micro-batch's activations of the largest, padded to the longest prompt + the
+  response budget."""
+  frozen = frozen or (wl.actor, wl.critic, wl.critic)
   tokens = microbatch * (int(prompt_lens.max()) + wl.max_new_tokens)
   need = sum(s.weight_bytes() for s in frozen) / tp + max(
       cost.activation_bytes(s, tp, tokens, 1) for s in frozen)
-  cost.check_fits("inference (reference + reward + critic)", need, f"tp={tp}")
+  cost.check_fits(f"inference ({what})", need, f"tp={tp}")
 
 
 def gen_setup(plan: GenPlan, wl: Workload, opt: SimOptions, cost: CostModel, fused: bool,
@@ -173,21 +180,39 @@ def gen_setup(plan: GenPlan, wl: Workload, opt: SimOptions, cost: CostModel, fus
       devices_per_node=cost.hw.devices_per_node)
 
 
+def zero3_resident_bytes(wl: Workload) -> float:
+  """Per device, what DeepSpeed-Chat keeps while its hybrid engine generates: the ZeRO-3 shards
+  of the trained actor and critic (16 bytes a parameter: bf16 weights and gradients, fp32
+  master weights and two Adam moments) and of the frozen reference and reward model (bf16
+  weights; DeepSpeed-Chat gives them ZeRO-3 too: DeepSpeedExamples step3 `ref_zero_stage`)."""
+  trained = wl.actor.num_params() + wl.critic.num_params()
+  frozen = wl.actor.num_params() + wl.critic.num_params()
+  return (16.0 * trained + 2.0 * frozen) / wl.num_devices
+
+
 def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bool,
                        smallest_tp: bool = False, log: Optional[Callable] = None) -> dict:
-  """Generation + inference with the best (or smallest fitting) tensor-parallel degree."""
+  """Generation + inference with the best tensor-parallel degree; `smallest_tp`: DeepSpeed-
+  Chat's hybrid engine, the smallest degree whose generation fits beside the ZeRO-3 shards every
+  device keeps (`zero3_resident_bytes`). Its inference runs under ZeRO-3 (iteration_sim's
+  _zero3_stage), not on the instances, so neither their inference memory nor the critic's
+  heads limit the degree (both did until 2026-11-28: 65B generated at tp 8 where tp 4 fits)."""
   prompts, resp = wl.sample_lengths()
   frozen = (wl.actor, wl.critic, wl.critic)
+  resident = zero3_resident_bytes(wl) if smallest_tp else 0.0
   rejected, best = {}, None
   for tp in opt.gen_tps:
-    split = next((e for e in (m.tensor_parallel_error(tp) for m in (wl.actor, wl.critic)) if e),
+    split = next((e for e in (m.tensor_parallel_error(tp) for m in
+                              ((wl.actor,) if smallest_tp else (wl.actor, wl.critic))) if e),
                  None)
     if split:
       rejected[tp] = split
       continue
     try:
-      plan = gen_plan(cost, wl, tp, prompts, opt.max_slots)
-      check_inference_memory(cost, wl, tp, opt.inference_microbatch, prompts)
+      plan = gen_plan(cost, wl, tp, prompts, opt.max_slots, resident,
+                      "the ZeRO-3 shards of the four models" if smallest_tp else "")
+      if not smallest_tp:
+        check_inference_memory(cost, wl, tp, opt.inference_microbatch, prompts)
     except ValueError as e:
       rejected[tp] = str(e)
       continue

@@ -271,24 +271,23 @@ def reshard_s(cost: CostModel, wl, devices_per_copy: int) -> float:
 ASYNC_GENERATION_FROZEN = ("reference", "reward")
 
 
-def rescore_s(cost: CostModel, wl, num_devices: int, seq_lens: np.ndarray, opt) -> float:
+def rescore_s(cost: CostModel, wl, train_plan: dict, seq_lens: np.ndarray, opt) -> float:
   """Asynchronous PPO, on the training group before its updates: the current actor's log-probs
   and the current critic's values over the batch (trainer/loop.py _current_values and
-  _off_policy), the fastest tensor-parallel degree that fits; the weights are resident (no
-  host load)."""
-  models = (wl.actor, wl.critic)
-  best = None
-  for tp in (1, 2, 4, 8):
-    if (tp > cost.hw.devices_per_node or num_devices % tp or
-            any(s.tensor_parallel_error(tp) for s in models)):
-      continue
-    t = inference_stage_s(cost, models, num_devices, tp, 1, seq_lens, opt.inference_microbatch,
-                          False)
-    best = t if best is None else min(best, t)
-  if best is None:
-    raise ValueError(f"async PPO: no tensor-parallel degree scores the batch on {num_devices} "
-                     "training devices")
-  return best
+  _off_policy), on the training plan's own layout, where both models' weights already are (no
+  load, no second copy: a layout of its own would have to fit beside the training state, and
+  the whole-model shards of tp-only instances do not, e.g. 65 GB per device at 65B/65B tp 4).
+  Colocated: the actor's forward pipeline (tp x actor_pp, every replica of the group) then the
+  critic's; disjoint: each model on its own devices at once, the slower one counts."""
+  if train_plan["placement"] == "colocated":
+    n, tp = train_plan["devices"], train_plan["tp"]
+    return sum(inference_stage_s(cost, (shape,), n, tp, pp, seq_lens, opt.inference_microbatch,
+                                 False)
+               for shape, pp in ((wl.actor, train_plan["actor_pp"]),
+                                 (wl.critic, train_plan["critic_pp"])))
+  return max(inference_stage_s(cost, (shape,), q["devices"], q["tp"], q["pp"], seq_lens,
+                               opt.inference_microbatch, False)
+             for shape, q in ((wl.actor, train_plan["actor"]), (wl.critic, train_plan["critic"])))
 
 
 def async_iteration_s(gen_plus_inf_s: float, train_s: float, reshard: float,
@@ -317,12 +316,12 @@ def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict,
   from rlhfuse_jax.sim import iteration_sim as it
   frozen = tuple(wl.actor if m == "reference" else wl.critic for m in models)
   out = []
-  prompts = seq_lens - 1  # only the longest prompt matters to the memory check
+  prompts = wl.sample_lengths()[0]  # the batch's prompts (seq_lens are prompt + response)
   for tp in (1, 2, 4, 8):
     if tp > cost.hw.devices_per_node or any(s.tensor_parallel_error(tp) for s in frozen):
       continue
     t = _fits(lambda: (it.check_inference_memory(cost, wl, tp, opt.inference_microbatch,
-                                                 prompts),
+                                                 prompts, frozen, " + ".join(models)),
                        inference_stage_s(cost, frozen, wl.num_devices, tp, 1, seq_lens,
                                          opt.inference_microbatch, opt.offload_frozen))[1],
               rejected, f"inference tp{tp}")
@@ -347,8 +346,8 @@ def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict
       rejected[f"training {name}"] = t
       continue
     tp, pa, pc = (int(x[2:]) for x in name.split("/"))
-    out.append(Candidate({"placement": "colocated", "tp": tp, "actor_pp": pa, "critic_pp": pc},
-                         float(t), {"train_s": float(t)}))
+    out.append(Candidate({"placement": "colocated", "devices": wl.num_devices, "tp": tp,
+                          "actor_pp": pa, "critic_pp": pc}, float(t), {"train_s": float(t)}))
   splits = train_lib.disjoint_splits(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
                                      wl.micro_batch, mean_len)
   if not splits:
@@ -571,17 +570,13 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
                      "rejected": f"no {stage} plan on {n - g if stage == 'training' else g} "
                                  f"devices: {why.split('; tried')[0][:300]}"})
       continue
-    rescore = _fits(lambda: rescore_s(cost, wl, n - g, seq, opt), rejected, "training rescore")
-    if rescore is None:
-      splits.append({"generation_devices": g, "training_devices": n - g,
-                     "rejected": f"rescoring the batch on {n - g} devices: "
-                                 f"{rejected['training rescore'][:300]}"})
-      continue
+    # Each training plan rescores on its own layout (rescore_s), so the pair is chosen together.
+    scored = [(c, rescore_s(cost, wl, c.plan, seq, opt)) for c in trains]
     if restricted:
       refused: dict = {}
       found = _runnable(wl, opt, sorted(
-          (_async_plan(cost, wl, g, staleness, *c, rescore)
-           for c in itertools.product(gens, infs, trains)),
+          (_async_plan(cost, wl, g, staleness, gen, inf, train, rescore)
+           for gen, inf, (train, rescore) in itertools.product(gens, infs, scored)),
           key=lambda p: p["predicted"]["iteration_s"]), accept, 1, refused)
       if not found:
         why = max(refused, key=refused.get) if refused else "nothing"
@@ -591,7 +586,7 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
         continue
       best = found[0]
     else:
-      train = min(trains, key=lambda c: c.seconds)
+      train, rescore = min(scored, key=lambda c: c[0].seconds + c[1])
       best = min((_async_plan(cost, wl, g, staleness, gen, inf, train, rescore)
                   for gen, inf in itertools.product(gens, infs)),
                  key=lambda p: p["predicted"]["iteration_s"])

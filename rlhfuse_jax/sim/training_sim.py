@@ -114,7 +114,7 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: Tra
   ctx = (mean_seq_len + 1) / 2.0
   fa = float(cost.train_stage_fwd_s(actor, plan.tp, plan.actor_pp, mb_tokens, ctx, "actor"))
   fc = float(cost.train_stage_fwd_s(critic, plan.tp, plan.critic_pp, mb_tokens, ctx, "critic"))
-  ratio = cost.bwd_over_fwd()
+  ba, bc = cost.train_stage_bwd_s(fa, "actor"), cost.train_stage_bwd_s(fc, "critic")
   stride = plan.tp * plan.dp  # devices between pipeline neighbours
   act_bytes = mb_tokens * max(actor.hidden_size, critic.hidden_size) * 2.0 / plan.tp
   lat = (cost.hop_s(act_bytes, crossing_share(stride, plan.actor_pp - 1,
@@ -124,7 +124,7 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: Tra
       actor_pp=plan.actor_pp, critic_pp=plan.critic_pp,
       actor_microbatches=plan.actor_microbatches, critic_microbatches=plan.critic_microbatches,
       actor_fwd=round(fa * MS, 6), critic_fwd=round(fc * MS, 6),
-      actor_bwd=round(ratio * fa * MS, 6), critic_bwd=round(ratio * fc * MS, 6),
+      actor_bwd=round(ba * MS, 6), critic_bwd=round(bc * MS, 6),
       actor_mem=round(stash_bytes(actor, plan.actor_pp, plan.tp, mb_tokens) / MB, 6),
       critic_mem=round(stash_bytes(critic, plan.critic_pp, plan.tp, mb_tokens) / MB, 6),
       transfer_latency=round(lat * MS, 6))
@@ -323,4 +323,7 @@ def check_zero3_memory(cost: CostModel, shapes, num_devices: int, tokens_per_dev
   for s in shapes:
     need += 16.0 * s.num_params() / num_devices
     need += cost.activation_bytes(s, 1, tokens_per_device, s.num_layers)
+    # The gathered layer: its bf16 weights whole (the largest gather outside the embedding,
+    # which is gathered and used alone at the start and end).
+    need += 2.0 * (s.num_params() - s.vocab_size * s.hidden_size) / s.num_layers
   cost.check_fits("ZeRO-3 training", need, f"{num_devices} devices")
