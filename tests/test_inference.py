@@ -151,3 +151,16 @@ def test_static_arguments_may_be_passed_by_keyword(models, batch):
                                        prompt_lens=batch.prompt_lens, num_response=t,
                                        temperature=0.7, mesh=None)
   np.testing.assert_array_equal(np.asarray(keyword), np.asarray(positional))
+
+
+@pytest.mark.parametrize("plen, rlen, match", [
+    (0, 5, r"prompt_lens must be in \[1, 4\]"),  # read position -1: the row's last column
+    (6, 5, r"prompt_lens must be in \[1, 4\]"),  # past the row: NaN
+    (4, 7, r"response_lens must be in \[0, 5\]"),
+])
+def test_scoring_batch_refuses_lengths_outside_its_rows(plen, rlen, match):
+  tok = np.arange(1, 10, dtype=np.int32)[None]  # P = 4, T = 5
+  with pytest.raises(ValueError, match=match):
+    ScoringBatch(tok, np.array([plen], np.int32), tok[:, 4:], np.array([rlen], np.int32))
+  with pytest.raises(ValueError, match=r"response_tokens \(1, 5\) must be"):
+    ScoringBatch(tok[0], np.array([4], np.int32), tok[:, 4:], np.array([5], np.int32))

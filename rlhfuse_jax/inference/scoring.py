@@ -42,6 +42,26 @@ class ScoringBatch:
   response_tokens: np.ndarray  # [B, T] int32
   response_lens: np.ndarray  # [B] int32
 
+  def __post_init__(self):
+    """Shapes and lengths that index inside the rows: a prompt length of 0 read position -1
+    (the row's last column) and gave finite scores of the wrong tokens; lengths past the row
+    read beyond it and gave NaN."""
+    tok, resp = np.asarray(self.tokens), np.asarray(self.response_tokens)
+    plen, rlen = np.asarray(self.prompt_lens), np.asarray(self.response_lens)
+    if tok.ndim != 2 or resp.ndim != 2 or resp.shape[0] != tok.shape[0]:
+      raise ValueError(f"ScoringBatch: tokens {tok.shape} and response_tokens {resp.shape} must "
+                       "be [B, P+T] and [B, T]")
+    b, width, t = tok.shape[0], tok.shape[1], resp.shape[1]
+    if plen.shape != (b,) or rlen.shape != (b,):
+      raise ValueError(f"ScoringBatch: prompt_lens {plen.shape} and response_lens {rlen.shape} "
+                       f"must be [{b}]")
+    if b and (plen.min() < 1 or plen.max() > width - t):
+      raise ValueError(f"ScoringBatch: prompt_lens must be in [1, {width - t}] (tokens width "
+                       f"{width} - {t} response positions); got {plen.min()}..{plen.max()}")
+    if b and (rlen.min() < 0 or rlen.max() > t):
+      raise ValueError(f"ScoringBatch: response_lens must be in [0, {t}]; got "
+                       f"{rlen.min()}..{rlen.max()}")
+
   @property
   def batch_size(self) -> int:
     return self.tokens.shape[0]

@@ -14,8 +14,11 @@ export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
 D=experiments/results/h100_decode_variants
 R=/tmp/res; mkdir -p $R; L=$OUT/log.txt
 trap 'tar czf $OUT/res.tgz -C $R .' EXIT
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu \
+# memory.total and JAX's bytes_limit: sim/hardware.py takes "80 GB" as 80e9 bytes, the
+# datasheet's figure; if the card has 80 GiB the simulator under-counts HBM by 7 %.
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,memory.total \
   --format=csv > $R/nvidia_smi.txt 2>&1
+python3 -c "import jax; print(jax.devices()[0].memory_stats())" >> $R/nvidia_smi.txt 2>&1
 # 1. The bench as configured (attention "auto" = the kernel on one GPU, the update at 32
 #    sequences): the defaults' own figures for issue 26.
 [[ $STEPS == *1* ]] && date >> $L && timeout 240 python3 -m experiments.bench_decode \
