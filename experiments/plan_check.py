@@ -48,15 +48,19 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def device_count(c) -> int:
-  """Devices the plan needs (training mesh, or one generation instance if larger); plain Python,
-  so it runs before jax is imported. Errors name the field."""
+  """Devices the plan needs (training mesh, one generation instance or asynchronous PPO's
+  generation group, whichever is largest); plain Python, so it runs before jax is imported.
+  Errors name the field."""
   sizes = {}
   for name in ("pp", "tp", "dp", "fsdp", "gen_tp"):
     v = c[name]
     if not isinstance(v, int) or v < 1:
       raise ValueError(f"config.{name}={v!r}: expected an integer >= 1")
     sizes[name] = v
-  return max(sizes["pp"] * sizes["tp"] * sizes["dp"] * sizes["fsdp"], sizes["gen_tp"])
+  group = c.get("generation_devices", 0) or 0
+  if not isinstance(group, int) or group < 0:
+    raise ValueError(f"config.generation_devices={group!r}: expected an integer >= 0")
+  return max(sizes["pp"] * sizes["tp"] * sizes["dp"] * sizes["fsdp"], sizes["gen_tp"], group)
 
 
 def main(argv):
