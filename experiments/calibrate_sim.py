@@ -70,8 +70,13 @@ def measure(c) -> dict:
   step_s = []
   for b in occ:
     st = state.replace(done=jnp.arange(s) >= b)  # b live rows; done rows stay in the batch
-    step_s.append(median_s(lambda: chunk(params, st, key), c.repeats) / c.chunk_size)
-    logging.info("decode step with %d/%d live rows: %.3f ms", b, s, 1e3 * step_s[-1])
+    # The steps the chunk runs, counted: it stops once every live row is done (its budget,
+    # max_new_tokens - 1 steps after prefill, or an EOS), which may be before chunk_size.
+    ran = int(np.max(np.asarray(chunk(params, st, key).num_generated - st.num_generated)))
+    steps = engine.chunk_steps(sampling, ran)
+    step_s.append(median_s(lambda: chunk(params, st, key), c.repeats) / steps)
+    logging.info("decode step with %d/%d live rows: %.3f ms (%d steps per chunk)", b, s,
+                 1e3 * step_s[-1], steps)
   mb, t = c.inference_microbatch, c.max_new_tokens
   toks = jnp.asarray(rng.integers(1, cfg.vocab_size, (mb, p + t)), jnp.int32)  # [mb, P+T]
   mplens, rlens = jnp.full((mb,), p, jnp.int32), jnp.full((mb,), t, jnp.int32)

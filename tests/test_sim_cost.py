@@ -174,8 +174,11 @@ def test_calibrate_sim_writes_what_the_cost_model_reads(tmp_path):
   from tests.test_pipeline_experiments import _run
   out = _run(["experiments.calibrate_sim", "--config=configs/calibrate_sim.py",
               f"--workdir={tmp_path}", "--config.repeats=3", "--config.max_new_tokens=16",
-              "--config.occupancies=1,8"])
+              "--config.chunk_size=32", "--config.occupancies=1,8"])
   assert out.returncode == 0, out.stderr[-3000:]
+  # A chunk of 32 from a fresh prefill runs the 15 steps left of the budget of 16, and the
+  # step is its time over those (it was over 32).
+  assert out.stderr.count("(15 steps per chunk)") == 2, out.stderr[-3000:]
   raw = json.loads((tmp_path / "calibration.json").read_text())
   cal = calibration.load(str(tmp_path / "calibration.json"))
   assert cal.devices_share_compute is True and "calibrate_sim" in cal.device
