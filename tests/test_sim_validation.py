@@ -20,6 +20,7 @@ CAL = {"format": calibration.FORMAT, "device": "2-core CPU, 8 fake devices",
                "prefill": {"tokens_per_s": 20000.0},
                "inference": {"tokens_per_s": 10000.0},
                "migration": {"bytes_per_s": 1e9},
+               "weight_load": {"bytes_per_s": 1e9},
                "train_stage": {"actor_fwd_s": 0.004, "critic_fwd_s": 0.002}}}
 MODEL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
          "num_heads": 4, "num_kv_heads": 2}
@@ -51,6 +52,28 @@ def test_predicts_generation_bench_and_reports_error(tmp_path):
   text = "\n".join(lines)
   assert "| ratio fused / baseline |" in text and "%" in text
   assert "bench_pipeline**: no workdir given" in text
+
+
+def test_generation_prediction_loads_the_bench_s_frozen_models(tmp_path):
+  """The bench loads its inference models' weights from host memory onto each instance freed
+  for inference, inside its measured time: the prediction charges them at the calibration's
+  measured weight_load rate, for the models config.json says the bench ran."""
+  write_gen_bench(tmp_path / "gen")
+  spec, _ = validation.gen_bench_from_workdir(str(tmp_path / "gen"))
+  assert len(spec.frozen) == 3 and spec.offload_frozen  # no flags: reference, critic, reward
+  cfg = json.loads((tmp_path / "gen" / "config.json").read_text())
+  (tmp_path / "gen" / "config.json").write_text(json.dumps({**cfg, "critic": False}))
+  spec, _ = validation.gen_bench_from_workdir(str(tmp_path / "gen"))
+  assert [f.head for f in spec.frozen] == ["lm", "scalar"]
+  slow = {**CAL, "ops": {**CAL["ops"], "weight_load": {"bytes_per_s": 1e5}}}
+  fast, slow = (validation.predict_bench_generation(calibration.from_dict(c, "c.json"), spec)
+                for c in (CAL, slow))
+  weights = sum(f.weight_bytes() for f in spec.frozen)  # bf16, one device per instance
+  assert (slow["baseline"]["gen_plus_inf_s"] - fast["baseline"]["gen_plus_inf_s"]
+          >= weights / 1e5 - weights / 1e9 - 1e-9)
+  lacking = {**CAL, "ops": {k: v for k, v in CAL["ops"].items() if k != "weight_load"}}
+  with pytest.raises(ValueError, match=r"lacks measured ops \['weight_load'\]"):
+    validation.predict_bench_generation(calibration.from_dict(lacking, "c.json"), spec)
 
 
 def test_missing_inputs_are_said_plainly(tmp_path):

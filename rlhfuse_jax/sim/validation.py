@@ -37,7 +37,10 @@ below, first alias wins; a missing key is reported by name, never guessed.
       inference micro-batch (inference_microbatch | inference_micro_batch, default 8),
       max_new_tokens, prompt_lens | prompt_lengths and response_lens | response_lengths
       (per sample, in result.json), the model shape (hidden_size, intermediate_size,
-      num_layers, num_heads, num_kv_heads, vocab_size), measured baseline/fused gen_plus_inf_s.
+      num_layers, num_heads, num_kv_heads, vocab_size), measured baseline/fused gen_plus_inf_s;
+      max_consolidations (default 1), and config.json's top-level `critic` / `reward_model`
+      flags (the inference models besides the reference; absent: on), whose weights are loaded
+      onto every instance freed for inference as the engine does.
   pipeline: schedules.json (problem, data_replicas, the names of the serial and the fused
       schedule, and each schedule's order and barrier flag, exactly as run) and, per schedule,
       result.json's schedules.<name>.step_s (median wall seconds of one step); the measured
@@ -65,7 +68,7 @@ from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
 from rlhfuse_jax.sim.hardware import get_hardware
 from rlhfuse_jax.sim.shapes import ModelShape
 
-_GEN_OPS = ("decode_step", "prefill", "inference", "migration")
+_GEN_OPS = ("decode_step", "prefill", "inference", "migration", "weight_load")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +83,12 @@ class GenBenchSpec:
   max_new_tokens: int
   prompt_lens: tuple
   response_lens: tuple
+  # The inference models the bench scored with (reference: the actor's shape; critic and reward
+  # model: its scalar-head twin), their weights loaded from host memory onto each instance
+  # freed for inference, as the engine does (timed by the calibration's weight_load).
+  frozen: tuple = ()
+  offload_frozen: bool = True
+  max_consolidations: int = 1
 
 
 def _calibrated_cost(cal: Calibration, needed: tuple) -> CostModel:
@@ -101,8 +110,9 @@ def predict_bench_generation(cal: Calibration, spec: GenBenchSpec) -> dict:
         chunk_steps=spec.chunk_steps, max_new_tokens=spec.max_new_tokens,
         threshold=spec.threshold if fused else None, stream_inference=fused,
         inference_microbatch=spec.inference_microbatch,
+        max_consolidations=max(spec.max_consolidations, 1), offload_frozen=spec.offload_frozen,
         devices_share_compute=cal.devices_share_compute)
-    res = gen_lib.simulate_generation(cost, spec.shape, (spec.shape,) * 3, setup,
+    res = gen_lib.simulate_generation(cost, spec.shape, spec.frozen or (spec.shape,), setup,
                                       np.array(spec.prompt_lens), np.array(spec.response_lens))
     out[mode] = {"gen_plus_inf_s": res.gen_plus_inf_s, "gen_s": res.gen_end_s,
                  "instance_busy_frac": res.instance_busy_frac}
@@ -214,7 +224,10 @@ def gen_bench_from_workdir(workdir: str) -> tuple[GenBenchSpec, dict]:
                                             "inference_micro_batch")) or 8),
       max_new_tokens=int(got["max_new_tokens"]),
       prompt_lens=tuple(int(x) for x in got["prompt_lens"]),
-      response_lens=tuple(int(x) for x in got["response_lens"]))
+      response_lens=tuple(int(x) for x in got["response_lens"]),
+      frozen=(shape,) + tuple(shape.as_critic() for key in ("critic", "reward_model")
+                              if cfg.get(key, True) is not False),
+      max_consolidations=int(_find(both, ("max_consolidations",)) or 1))
   return spec, {"baseline": float(base), "fused": float(fused)}
 
 
