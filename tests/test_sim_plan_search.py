@@ -156,8 +156,6 @@ def test_async_search_picks_the_brute_force_best_split():
   directly; the search's async plan is the cheapest of them and of the synchronous plan."""
   wl, opt = _small_async(), it.SimOptions(gen_tps=(1, 2, 4, 8))
   res = ps.search(COST, wl, opt, staleness=2, split_unit=2)
-  prompts, resp = wl.sample_lengths()
-  seq = (prompts + resp).astype(float)
   brute, fitting = [(res["best"]["predicted"]["iteration_s"], 16)], []
   for g in range(2, 16, 2):
     gens, infs, _ = _brute_force_stages(dataclasses.replace(wl, num_devices=g), opt,

@@ -271,9 +271,9 @@ class FusedGenerator:
   # ------------------------------------------------------------------ Rt
   def choose_rt(self, prompt_lens, auto: bool = False
                 ) -> tuple[float, Optional[rt_choice.RtChoice]]:
-    """The fixed Rt (unless `auto`), or the simulated choice. The simulation (~0.1-1 s) reruns only once the
-    length histogram has grown by RESIMULATE_GROWTH since the last choice: a PPO iteration
-    must not pay for it every time, and a few more lengths barely move the histogram.
+    """The fixed Rt (unless `auto`), or the simulated choice. The simulation (~0.1-1 s) reruns
+    only once the length histogram has grown by RESIMULATE_GROWTH since the last choice: a PPO
+    iteration must not pay for it every time, and a few more lengths barely move the histogram.
 
     Several processes: each simulates with its own measured costs and every one takes
     process 0's Rt (broadcast), so the plans stay the same everywhere. Every process must call
