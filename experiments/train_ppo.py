@@ -2,7 +2,8 @@ r"""PPO / GRPO training binary.
 
   python -m experiments.train_ppo --config=configs/ppo_tiny.py --workdir=/tmp/ppo_tiny
 
-Writes into the workdir: config.json (the resolved config of the first start; a start that
+Writes into the workdir: config.json (the config of the first start as given, before a plan
+file or a checkpoint's config.json fills in fields; a start that
 resumes at iteration k adds config.k.json), metrics.jsonl (one object per iteration), tb/
 (TensorBoard events), checkpoints/ (orbax; the latest is resumed automatically, so re-running
 with a larger --config.num_iterations continues the run and its LR schedule), result.json

@@ -249,3 +249,19 @@ def test_a_uri_workdir_is_refused_before_anything_is_written(tmp_path, monkeypat
   with pytest.raises(ValueError, match="a URI"):
     wd.write_config("s3://b/x", {"a": 1})
   assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("field", ["init.tokenizer", "data.prompts_file", "data.val_file",
+                                   "init.actor_checkpoint", "init.critic_checkpoint",
+                                   "reward.model_checkpoint"])
+def test_a_missing_file_names_its_field(field, tmp_path):
+  """A path that does not exist is named by the field that gave it (a validation file's error
+  read 'prompts file not found', a checkpoint's only '<path>/config.json not found')."""
+  missing = str(tmp_path / "nope")
+  extra = {"reward.kind": "model"} if field == "reward.model_checkpoint" else {}
+  cfg = tiny_config(**{field: missing, **extra})
+  with pytest.raises(FileNotFoundError, match=rf"config\.{field}='{missing}': "):
+    task, tokenizer = build.build_task_and_tokenizer(cfg)
+    build.load_prompt_records(cfg, task)
+    build.resolve_config(cfg, tokenizer)
+    build.reward_model_config(cfg)

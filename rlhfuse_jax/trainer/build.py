@@ -30,6 +30,14 @@ from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 
 
+def _field(field: str, path: str, load, *args, **kwargs):
+  """`load(path, ...)`, a missing file named by the config field that gave it."""
+  try:
+    return load(path, *args, **kwargs)
+  except FileNotFoundError as e:
+    raise FileNotFoundError(f"config.{field}={path!r}: {e}") from None
+
+
 def build_task_and_tokenizer(cfg: TrainConfig):
   d = cfg.data
   task = tasks_lib.make_task(d.task, length_dist=d.length_dist, length_min=d.length_min,
@@ -37,7 +45,7 @@ def build_task_and_tokenizer(cfg: TrainConfig):
                              length_sigma=d.length_sigma)
   tokenizer: Tokenizer = task.tokenizer
   if cfg.init.tokenizer:
-    tokenizer = HFTokenizer.from_file(cfg.init.tokenizer)
+    tokenizer = _field("init.tokenizer", cfg.init.tokenizer, HFTokenizer.from_file)
   return task, tokenizer
 
 
@@ -50,24 +58,24 @@ def _needs_answer(cfg: TrainConfig) -> bool:
   return "task" in names or bool(names & rewards_lib.NEEDS_ANSWER)
 
 
-def _load(cfg: TrainConfig, path: str) -> list[dict]:
+def _load(cfg: TrainConfig, field: str) -> list[dict]:
   d = cfg.data
-  return records_lib.load_records(path, d.prompt_key, d.answer_key,
-                                  require_answer=_needs_answer(cfg))
+  return _field(f"data.{field}", getattr(d, field), records_lib.load_records, d.prompt_key,
+                d.answer_key, require_answer=_needs_answer(cfg))
 
 
 def load_prompt_records(cfg: TrainConfig, task) -> tuple[list[dict], list[dict]]:
   """(training, held-out) prompt records: data.prompts_file or the task's prompts, and
   data.val_file or a data.val_fraction split of them (held-out: [] without either)."""
   if cfg.data.prompts_file:
-    records = _load(cfg, cfg.data.prompts_file)
+    records = _load(cfg, "prompts_file")
   else:
     records = task.make_prompts(cfg.data.num_prompts, np.random.default_rng([cfg.seed, 17]))
   held_out = []
   if cfg.data.val_fraction > 0:
     records, held_out = records_lib.split_records(records, cfg.data.val_fraction, cfg.seed)
   elif cfg.data.val_file:
-    held_out = _load(cfg, cfg.data.val_file)
+    held_out = _load(cfg, "val_file")
   if cfg.data.val_max_prompts:
     held_out = held_out[:cfg.data.val_max_prompts]
   return records, held_out
@@ -98,10 +106,12 @@ def build_dataset(cfg: TrainConfig, task, tokenizer: Tokenizer) -> prompts_lib.P
 RUN_MODEL_FIELDS = ("param_dtype", "dtype", "attention", "remat", "scan_layers", "max_seq_len")
 
 
-def checkpoint_config(path: str, section: ModelConfig, **overrides) -> ModelConfig:
-  """The architecture of the checkpoint at `path` with the run's own fields of `section`."""
+def checkpoint_config(path: str, section: ModelConfig, field: str = "init.actor_checkpoint",
+                      **overrides) -> ModelConfig:
+  """The architecture of the checkpoint at `path` (config.`field`) with the run's own fields of
+  `section`."""
   keep = {f: getattr(section, f) for f in RUN_MODEL_FIELDS}
-  return hf_loader.load_hf_config(path, **{**keep, **overrides})
+  return _field(field, path, hf_loader.load_hf_config, **{**keep, **overrides})
 
 
 def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
@@ -121,7 +131,7 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
         vocab_size=model.vocab_size))
   if cfg.init.critic_checkpoint and adv_lib.needs_critic(cfg.algo.estimator):
     cfg = dataclasses.replace(cfg, critic_model=checkpoint_config(
-        cfg.init.critic_checkpoint, cfg.critic_model, head="scalar"))
+        cfg.init.critic_checkpoint, cfg.critic_model, "init.critic_checkpoint", head="scalar"))
   return cfg
 
 
@@ -129,7 +139,8 @@ def reward_model_config(cfg: TrainConfig) -> Optional[ModelConfig]:
   """The reward model's shape (reward.kind='model'), from its checkpoint's config.json."""
   if cfg.reward.kind != "model":
     return None
-  return hf_loader.load_hf_config(cfg.reward.model_checkpoint).replace(head="scalar")
+  return _field("reward.model_checkpoint", cfg.reward.model_checkpoint,
+                hf_loader.load_hf_config).replace(head="scalar")
 
 
 @dataclasses.dataclass
