@@ -309,19 +309,19 @@ def async_splits(cost: CostModel, num_devices: int, split_unit: int = 0) -> list
   return list(range(unit, num_devices, unit))
 
 
-def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict,
+def inference_candidates(cost: CostModel, wl, opt, prompt_lens, seq_lens, rejected: dict,
                          models: tuple = ("reference", "critic", "reward")) -> list[Candidate]:
   """Inference plans (tp) for the forwards of `models` (reference: the actor's shape; critic
-  and reward model: the critic's) over the batch."""
+  and reward model: the critic's) over the batch: `prompt_lens` (the memory check pads to the
+  longest) and `seq_lens`, prompt + response (the time)."""
   from rlhfuse_jax.sim import iteration_sim as it
   frozen = tuple(wl.actor if m == "reference" else wl.critic for m in models)
   out = []
-  prompts = wl.sample_lengths()[0]  # the batch's prompts (seq_lens are prompt + response)
   for tp in (1, 2, 4, 8):
     if tp > cost.hw.devices_per_node or any(s.tensor_parallel_error(tp) for s in frozen):
       continue
     t = _fits(lambda: (it.check_inference_memory(cost, wl, tp, opt.inference_microbatch,
-                                                 prompts, frozen, " + ".join(models)),
+                                                 prompt_lens, frozen, " + ".join(models)),
                        inference_stage_s(cost, frozen, wl.num_devices, tp, 1, seq_lens,
                                          opt.inference_microbatch, opt.offload_frozen))[1],
               rejected, f"inference tp{tp}")
@@ -561,7 +561,8 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
     if trains:
       wg = dataclasses.replace(wl, num_devices=g)
       gens = generation_candidates(cost, wg, opt, prompts, resp, rejected)
-      infs = (inference_candidates(cost, wg, opt, seq, rejected, ASYNC_GENERATION_FROZEN)
+      infs = (inference_candidates(cost, wg, opt, prompts, seq, rejected,
+                                   ASYNC_GENERATION_FROZEN)
               if gens else [])
     if not (trains and gens and infs):
       stage = "training" if not trains else "generation" if not gens else "inference"
@@ -628,7 +629,8 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
                 key=lambda c: c.seconds)
   say(f"plan search: {len(gens)} generation plans, best {gens[0].plan.describe() if gens else '-'}"
       f" ({time.time() - t0:.1f}s)")
-  infs = sorted(inference_candidates(cost, wl, opt, seq, rejected), key=lambda c: c.seconds)
+  infs = sorted(inference_candidates(cost, wl, opt, prompts, seq, rejected),
+                key=lambda c: c.seconds)
   trains = sorted(training_candidates(cost, wl, mean_len, rejected), key=lambda c: c.seconds)
   say(f"plan search: {len(infs)} inference, {len(trains)} training plans "
       f"({time.time() - t0:.1f}s)")
