@@ -125,6 +125,19 @@ def test_behaviour_logprobs_equal_trainer_recomputation(params, sampled):
   assert (r.logprobs[mask == 0] == 0).all()
 
 
+def test_whatever_lies_behind_a_prompt_changes_nothing(params, prompts, sampled):
+  # Behind each row's length any value, in the vocabulary or not (-100, HF's ignore index; 99 >
+  # vocab_size, which jnp.take embeds as NaN and masked attention's 0 x NaN would spread over
+  # the row), gives the tokens and log-probs of pad_id padding.
+  gen, ref = sampled
+  tokens, lens = prompts
+  behind = np.arange(P)[None] >= lens[:, None]
+  for fill in (-100, 99, 5):
+    out = gen.generate(params, np.where(behind, fill, tokens), lens, KEY)
+    np.testing.assert_array_equal(out.response_tokens, ref.response_tokens)
+    np.testing.assert_array_equal(out.logprobs, ref.logprobs)
+
+
 @pytest.fixture(scope="module")
 def greedy(params, prompts):
   sc = SamplingConfig(greedy=True, max_new_tokens=T, chunk_size=3)

@@ -116,7 +116,7 @@ def test_clear_errors():
   def make(cfg=CFG, stages=2, groups=2, batch_size=B):
     return pipelined.PipelinedGenerator(cfg, SAMPLING, batch_size=batch_size, prompt_len=P,
                                         stages=stages, groups=groups)
-  with pytest.raises(ValueError, match="pipeline_groups=2 < generation.pipeline_stages=4"):
+  with pytest.raises(ValueError, match="pipeline_groups=2 < config.generation.pipeline_stages=4"):
     make(stages=4, groups=2)
   with pytest.raises(ValueError, match="num_layers=4 is not divisible by .*pipeline_stages=3"):
     make(stages=3, groups=4)

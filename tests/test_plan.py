@@ -6,17 +6,19 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
 import pytest
 
 from configs import ppo_tiny
+from rlhfuse_jax.generation import multihost, pipelined
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.sim import iteration_sim, plan_search
 from rlhfuse_jax.sim.cost_model import CostModel
 from rlhfuse_jax.sim.hardware import get_hardware
-from rlhfuse_jax.trainer import build, rollout, sim_plan
+from rlhfuse_jax.trainer import build, rollout, sim_plan, validate
 from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 from tests.test_trainer import record_rollouts, tiny_config
@@ -112,6 +114,37 @@ def test_plans_the_trainer_cannot_run_are_refused_before_any_build(tmp_path, mon
   with pytest.raises(ValueError, match=match):
     PPOTrainer(tiny_config(**overrides), str(tmp_path), mesh=mesh_lib.make_mesh(
         mesh_lib.MeshConfig(data=8)))
+
+
+def test_instance_widths_that_span_processes_are_refused_naming_their_field(monkeypatch):
+  # 2 processes x 4 devices (jax's process queries patched: the check reads only them): an
+  # instance of 8 or 3 devices would span processes, refused by the field that sets its width,
+  # before anything is built; the engine's own error names the field it is given.
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "device_count", lambda: 8)
+  monkeypatch.setattr(jax, "local_device_count", lambda: 4)
+  for overrides, field in [({"plan.generation": "instances", "plan.generation_tp": 8},
+                            r"plan\.generation_tp=8"),
+                           ({"fusion.inter_stage": True, "fusion.instance_devices": 8},
+                            r"fusion\.instance_devices=8")]:
+    with pytest.raises(ValueError, match=rf"config\.{field}: expected a divisor of each "
+                       r"process's 4 devices \(2 processes\)"):
+      validate.validate(tiny_config(**overrides), mesh_lib.make_mesh(
+          mesh_lib.MeshConfig(data=8)))
+  validate.validate(tiny_config(**{"plan.generation": "instances", "plan.generation_tp": 4}),
+                    mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8)))
+  devices = [types.SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
+  with pytest.raises(ValueError, match=r"generation instance 0 spans processes \[0, 1\].*"
+                     r"choose config\.plan\.generation_tp dividing"):
+    multihost.process_of(devices[2:6], "generation instance 0", "config.plan.generation_tp")
+
+
+def test_the_pipeline_plan_checks_name_the_plan_fields():
+  model = tiny_config().model.replace(num_layers=4)
+  with pytest.raises(ValueError, match=r"config\.plan\.generation_groups=2 < "
+                     r"config\.plan\.generation_pp=4"):
+    pipelined.check_pipeline(model, 8, 4, 2, 8,
+                             ("config.plan.generation_pp", "config.plan.generation_groups"))
 
 
 def _run(cfg, workdir, devices=4):
@@ -210,6 +243,36 @@ def test_pipeline_plan_trajectory_equals_the_default_mesh(tmp_path, default_run)
   for h in h_b:
     assert h["timing_s/reshard_generation"] > 0
     assert 0 < h["gen/pipeline_stage_busy_frac"] <= 1
+
+
+def test_planned_stages_split_the_batch_over_a_pipelined_training_mesh(tmp_path, default_run):
+  """On a training mesh with `stage` > 1 a planned stage generates and scores with `stage` folded
+  into `data`, as the serial stage does: 4 rows per device on 4 devices, not the 8 of data=2
+  run again on both stage devices. The first rollout (same initial weights, same devices) is the
+  default's."""
+  _, seen_a, _ = default_run
+  pipe = {"plan.generation": "pipeline", "plan.generation_pp": 2, "plan.generation_groups": 4}
+  over = {**BASE, "num_iterations": 1, "mesh.data": 2, "mesh.stage": 2,
+          "pipeline.critic_pp": 1, "pipeline.critic_microbatches": 2}
+  cfg = tiny_config(**over, **pipe)
+  trainer = PPOTrainer(cfg, str(tmp_path / "pipe"),
+                       mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4]))
+  assert isinstance(trainer.rollout, rollout.PlannedStage)
+  assert dict(trainer.rollout.scorer.mesh.shape) == {"data": 4, "fsdp": 1, "stage": 1,
+                                                     "tensor": 1}
+  seen_b = record_rollouts(trainer)
+  trainer.run()
+  (_, a), (_, b) = seen_a[0], seen_b[0]
+  for field in ("response_tokens", "response_lens", "logprobs"):
+    np.testing.assert_array_equal(getattr(a.rollout, field), getattr(b.rollout, field))
+  for field in ("ref_logp", "values", "scores"):
+    np.testing.assert_allclose(getattr(a, field), getattr(b, field), rtol=1e-6, atol=1e-6)
+  # Generation on the training mesh (plan.inference_tp alone): the folded mesh too.
+  cfg = tiny_config(**over, **{"plan.inference_tp": 2})
+  trainer = PPOTrainer(cfg, str(tmp_path / "mesh"),
+                       mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4]))
+  assert dict(trainer.rollout.generator.mesh.shape) == {"data": 4, "fsdp": 1, "stage": 1,
+                                                        "tensor": 1}
 
 
 def test_inference_on_its_own_mesh(tmp_path, default_run):

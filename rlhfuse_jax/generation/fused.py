@@ -236,7 +236,8 @@ class FusedGenerator:
     # Several processes: each drives (compiles, decodes on, scores on) its own instances; the
     # bookkeeping of all of them is global (generation/multihost.py).
     self.exchange = multihost.Exchange(config.exchange_timeout_s)
-    self.owner = np.array([multihost.process_of(m.devices.flat, f"generation instance {i}")
+    self.owner = np.array([multihost.process_of(m.devices.flat, f"generation instance {i}",
+                                                f"config.{config.section}.instance_devices")
                            for i, m in enumerate(meshes)])  # [G] process of each instance
     self.local = [i for i in range(g) if self.owner[i] == self.exchange.me]
     if not self.local:

@@ -136,8 +136,8 @@ def check_model(cfg: ModelConfig, sampling: SamplingConfig, prompt_len: int) -> 
 
 def check_prompts(batch_size: int, prompt_len: int, sampling: SamplingConfig, prompt_tokens,
                   prompt_lens, uids=None, budgets=None, vocab_size: Optional[int] = None):
-  """A batch's host inputs checked and completed: (tokens [B, P] right-padded to the bucket with
-  pad_id, lens [B], uids [B] (default 0..B-1), budgets [B] (default max_new_tokens)).
+  """A batch's host inputs checked and completed: (tokens [B, P], pad_id behind each row's length
+  and up to the bucket, lens [B], uids [B] (default 0..B-1), budgets [B] (default max_new_tokens)).
   `vocab_size`: the prompts' tokens (before each row's length) must lie in [0, vocab_size); an
   id outside it embeds as NaN (jnp.take's fill) and its row would decode garbage silently."""
   b, p, t = batch_size, prompt_len, sampling.max_new_tokens
@@ -151,16 +151,19 @@ def check_prompts(batch_size: int, prompt_len: int, sampling: SamplingConfig, pr
   if prompt_lens.min() < 1 or prompt_lens.max() > prompt_tokens.shape[1]:
     raise ValueError(f"prompt_lens must be in [1, {prompt_tokens.shape[1]}]; got min "
                      f"{prompt_lens.min()}, max {prompt_lens.max()}")
+  real = np.arange(prompt_tokens.shape[1])[None] < prompt_lens[:, None]
   if vocab_size is not None:
-    real = np.arange(prompt_tokens.shape[1])[None] < prompt_lens[:, None]
     bad = real & ((prompt_tokens < 0) | (prompt_tokens >= vocab_size))
     if bad.any():
       row, pos = (int(x[0]) for x in np.nonzero(bad))
       raise ValueError(f"prompt_tokens[{row}, {pos}] = {int(prompt_tokens[row, pos])} is not a "
                        f"token id of this model (vocab_size {vocab_size}; {int(bad.sum())} such "
                        "ids in the batch): was the prompt tokenized with another tokenizer?")
+  # pad_id behind every row's length, whatever the caller had there: the padding is written
+  # into the KV cache (masked), and an id outside the vocabulary would embed as NaN, which the
+  # masked attention's 0 x NaN spreads over the row.
   padded = np.full((b, p), sampling.pad_id, np.int32)
-  padded[:, :prompt_tokens.shape[1]] = prompt_tokens
+  padded[:, :prompt_tokens.shape[1]] = np.where(real, prompt_tokens, sampling.pad_id)
   uids = np.arange(b, dtype=np.int32) if uids is None else np.asarray(uids, np.int32)
   if uids.shape != (b,):
     raise ValueError(f"uids has shape {uids.shape}; expected ({b},)")

@@ -52,13 +52,15 @@ class PeerLostError(RuntimeError):
   """A collective of the fused loop failed: another process died or left."""
 
 
-def process_of(devices: Sequence[jax.Device], what: str) -> int:
-  """The one process that owns `devices`; a clear error when they span several."""
+def process_of(devices: Sequence[jax.Device], what: str,
+               width_field: str = "config.fusion.instance_devices") -> int:
+  """The one process that owns `devices`; a clear error, naming the config field that sets an
+  instance's width, when they span several."""
   procs = sorted({d.process_index for d in devices})
   if len(procs) != 1:
     raise ValueError(f"{what} spans processes {procs} (devices "
                      f"{[d.id for d in devices]}): an instance must live in one process; "
-                     "choose fusion.instance_devices dividing each process's device count")
+                     f"choose {width_field} dividing each process's device count")
   return procs[0]
 
 

@@ -71,23 +71,28 @@ STAGE = "stage"
 IDLE = -1  # a tick-table entry: the stage ran nothing this tick
 
 
+PIPELINE_FIELDS = ("config.generation.pipeline_stages", "config.generation.pipeline_groups")
+
+
 def check_pipeline(cfg: ModelConfig, batch_size: int, stages: int, groups: int,
-                   num_devices: int, section: str = "generation") -> int:
-  """Checks the pipeline's shape before anything compiles; returns the rows per group Bg."""
+                   num_devices: int, fields: tuple[str, str] = PIPELINE_FIELDS) -> int:
+  """Checks the pipeline's shape before anything compiles; returns the rows per group Bg.
+  `fields`: the config fields that set `stages` and `groups`, named in errors."""
+  pp, g = fields
   if stages < 1:
-    raise ValueError(f"{section}.pipeline_stages={stages}; expected >= 1")
+    raise ValueError(f"{pp}={stages}; expected >= 1")
   if cfg.num_layers % stages:
     raise ValueError(f"model.num_layers={cfg.num_layers} is not divisible by "
-                     f"{section}.pipeline_stages={stages} (each stage holds L/pp layers)")
+                     f"{pp}={stages} (each stage holds L/pp layers)")
   if groups < stages:
-    raise ValueError(f"{section}.pipeline_groups={groups} < {section}.pipeline_stages={stages}: "
+    raise ValueError(f"{g}={groups} < {pp}={stages}: "
                      "with fewer groups than stages a group's next token is not back at stage 0 "
                      "when its turn comes (G >= pp, docs/architecture.md §4)")
   if batch_size < groups or batch_size % groups:
     raise ValueError(f"batch_size={batch_size} is not a positive multiple of "
-                     f"{section}.pipeline_groups={groups}")
+                     f"{g}={groups}")
   if stages > num_devices:
-    raise ValueError(f"{section}.pipeline_stages={stages} needs {stages} devices, but only "
+    raise ValueError(f"{pp}={stages} needs {stages} devices, but only "
                      f"{num_devices} are available")
   return batch_size // groups
 
@@ -410,9 +415,10 @@ class PipelinedGenerator:
 
   def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, *, batch_size: int,
                prompt_len: int, stages: int, groups: int,
-               devices: Optional[Sequence[jax.Device]] = None, section: str = "generation"):
+               devices: Optional[Sequence[jax.Device]] = None,
+               fields: tuple[str, str] = PIPELINE_FIELDS):
     devices = list(jax.devices() if devices is None else devices)
-    self.bg = check_pipeline(cfg, batch_size, stages, groups, len(devices), section)
+    self.bg = check_pipeline(cfg, batch_size, stages, groups, len(devices), fields)
     self.max_len = instances.check_model(cfg, sampling, prompt_len)
     # Each stage device runs its own layers inside the shard_map, so on GPU "auto" decodes with
     # the Pallas kernel there directly, as a one-device generation instance does.

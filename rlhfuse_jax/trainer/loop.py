@@ -228,13 +228,14 @@ class PPOTrainer:
       self.mesh = self.gen_mesh = mesh
     else:
       self.mesh, self.gen_mesh = async_lib.meshes(cfg, jax.devices())
-    # A serial rollout on a pipelined training mesh generates and scores on the same devices
-    # with `stage` folded into `data`: the batch splits over every device instead of each stage
-    # device running the whole of it again (the whole models' weights are placed alike on
-    # both: mesh.fold_stage). Kept as is when the batch does not split that finely.
+    # A serial or planned rollout on a pipelined training mesh generates and scores on the same
+    # devices with `stage` folded into `data`: the batch splits over every device instead of
+    # each stage device running the whole of it again (the whole models' weights are placed
+    # alike on both: mesh.fold_stage). Kept as is when the batch does not split that finely.
+    # (The fused and instances stages build their own instance meshes from the devices.)
     folded_mesh = mesh_lib.fold_stage(self.mesh)
     if (folded_mesh is not self.mesh and not self.disjoint and
-        rollout_lib.stage_kind(cfg) == "serial"):
+        rollout_lib.stage_kind(cfg) in ("serial", "planned")):
       if cfg.rollout.batch_size % mesh_lib.batch_size_multiple(folded_mesh) == 0:
         self.gen_mesh = folded_mesh
       else:
