@@ -121,7 +121,7 @@ def test_clear_errors():
   with pytest.raises(ValueError, match="num_layers=4 is not divisible by .*pipeline_stages=3"):
     make(stages=3, groups=4)
   with pytest.raises(ValueError, match="batch_size=6 is not a positive multiple of "
-                     "generation.pipeline_groups=4"):
+                     "config.generation.pipeline_groups=4"):
     make(groups=4, batch_size=6)
   with pytest.raises(ValueError, match="pipeline_stages=16 needs 16 devices"):
     pipelined.check_pipeline(CFG.replace(num_layers=16), 16, 16, 16, 8)
