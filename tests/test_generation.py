@@ -403,6 +403,8 @@ def test_clear_errors(params, prompts):
     gen.generate(params, prompts[0], np.zeros(B, np.int32), KEY)
   with pytest.raises(ValueError, match="prompt_tokens has shape"):
     gen.generate(params, np.zeros((B, P + 1), np.int32), prompts[1], KEY)
+  with pytest.raises(ValueError, match=r"uids\[1\] = uids\[3\] = 7: .*expected distinct"):
+    gen.generate(params, *prompts, KEY, uids=[0, 7, 2, 7, 4, 5, 6, 1])
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])

@@ -167,6 +167,13 @@ def check_prompts(batch_size: int, prompt_len: int, sampling: SamplingConfig, pr
   uids = np.arange(b, dtype=np.int32) if uids is None else np.asarray(uids, np.int32)
   if uids.shape != (b,):
     raise ValueError(f"uids has shape {uids.shape}; expected ({b},)")
+  values, counts = np.unique(uids, return_counts=True)
+  if (counts > 1).any():
+    i = int(np.argmax(counts > 1))
+    rows = np.nonzero(uids == values[i])[0][:2].tolist()
+    raise ValueError(f"uids[{rows[0]}] = uids[{rows[1]}] = {int(values[i])}: a sample's uid seeds "
+                     "its random stream, so two rows with one uid would draw the same tokens; "
+                     "expected distinct uids")
   budgets = np.full(b, t, np.int32) if budgets is None else np.asarray(budgets, np.int32)
   if budgets.shape != (b,) or budgets.min() < 1 or budgets.max() > t:
     raise ValueError(f"budgets must be [{b}] in [1, max_new_tokens={t}]")
