@@ -258,7 +258,8 @@ class GenerationInstance:
       raise ValueError(
           f"model.attention='pallas' needs the KV heads split evenly over a generation "
           f"instance's tensor devices: model.num_kv_heads={cfg.num_kv_heads}, tensor={tp} "
-          f"(fusion.instance_devices for fused instances, mesh.tensor otherwise); use 'auto', "
+          f"(fusion.instance_devices for fused instances, plan.generation_tp for a plan's "
+          f"instances, mesh.tensor otherwise); use 'auto', "
           f"or a tensor size that divides num_kv_heads")
     # Under "pallas" on several devices the kernel runs per device (attention.kernel_mesh).
     self.kernel = ((mesh.abstract_mesh, mesh_lib.BATCH_AXES, "tensor" if tp > 1 else None)
