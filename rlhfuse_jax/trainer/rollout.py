@@ -122,14 +122,15 @@ def check_fusion(cfg: TrainConfig, num_devices: int) -> Optional[fused_lib.Fused
     return None
   fc = fused_config(cfg.fusion, cfg.rollout.batch_size, num_devices)
   fused_lib.check_layout(fc, cfg.rollout.batch_size, num_devices)  # the engine's own check
-  check_instances_within_processes("fusion.instance_devices", fc.instance_devices, num_devices)
   return fc
 
 
 def check_instances_within_processes(field: str, width: int, num_devices: int) -> None:
   """Generation instances of `width` consecutive devices over all of a multi-process run's
   devices: each must lie in one process (generation/multihost.py), so `width` must divide
-  each process's device count. (A generation group of fewer devices is checked by the engine.)"""
+  each process's device count. (A generation group of fewer devices is checked by the engine.)
+  Asks jax for its processes, which starts its backend: only for a run on a live mesh
+  (trainer/validate.py), never while a binary may still set the device count."""
   if jax.process_count() > 1 and num_devices == jax.device_count():
     local = jax.local_device_count()
     if local % width:
@@ -252,7 +253,6 @@ def plan_instances_config(cfg: TrainConfig, num_devices: int) -> fused_lib.Fused
       _fail(f"fusion.{name}", getattr(fusion, name),
             f"its default {default} with config.plan.generation='instances' (the plan's "
             "generation_tp and generation_slots lay out the instances)")
-  check_instances_within_processes("plan.generation_tp", tp, num_devices)
   g = num_devices // tp
   need = -(-b // g)
   if plan.generation_slots and plan.generation_slots < need:

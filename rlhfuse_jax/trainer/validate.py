@@ -66,6 +66,12 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
   try:
     rollout.check_fusion(cfg, n_gen)
     rollout.check_plan(cfg, n_gen)
+    if cfg.plan.generation == "instances":
+      rollout.check_instances_within_processes("plan.generation_tp", cfg.plan.generation_tp,
+                                               n_gen)
+    elif cfg.fusion.inter_stage:
+      rollout.check_instances_within_processes("fusion.instance_devices",
+                                               cfg.fusion.instance_devices, n_gen)
   except ValueError as e:
     if not g:
       raise
