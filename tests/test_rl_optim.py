@@ -74,3 +74,28 @@ def test_errors_name_fields():
     optim.make_optimizer(1e-3, 0, 5, min_lr_ratio=1.5)
   with pytest.raises(ValueError, match="grad_clip=-1"):
     optim.make_optimizer(1e-3, 0, 5, grad_clip=-1.0)
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_a_scanned_model_decays_what_the_unrolled_one_does(qkv_bias):
+  """scan_layers stacks every layer leaf on a leading axis: its norm gains [L, H] and biases
+  [L, D] are still not matrices and take no weight decay, so one AdamW step on the scanned tree
+  is the unrolled tree's step stacked."""
+  from rlhfuse_jax.models import llama
+  cfg = llama.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3,
+                          num_heads=2, num_kv_heads=2, max_seq_len=8, qkv_bias=qkv_bias)
+  unrolled, _ = llama.init_params(cfg, jax.random.key(0))
+  scanned = llama.stack_layers(unrolled, cfg.num_layers)
+  tx = optim.make_optimizer(1e-2, 0, 10, weight_decay=0.5, grad_clip=None)
+  zero = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731 only the decay moves a leaf
+  steps = {}
+  for name, params in (("unrolled", unrolled), ("scanned", scanned)):
+    updates, _ = tx.update(zero(params), tx.init(params), params)
+    steps[name] = updates
+  want = llama.stack_layers(steps["unrolled"], cfg.num_layers)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=0),
+               steps["scanned"], want)
+  block = steps["scanned"]["layers"]["block"]
+  moved = {jax.tree_util.keystr(k): bool(np.any(v != 0))
+           for k, v in jax.tree_util.tree_leaves_with_path(block)}
+  assert any(moved.values()) and not all(moved.values())  # matrices decayed, vectors not

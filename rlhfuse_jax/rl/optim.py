@@ -1,7 +1,11 @@
 """The optimizer for actor and critic: AdamW, linear warm-up + cosine decay, global-norm clipping.
 
-Weight decay applies only to matrices (ndim >= 2) by default: decaying norm scales and biases
-towards 0 hurts and is not what the usual LLM recipes do.
+Weight decay applies only to matrices by default: decaying norm scales and biases towards 0
+hurts and is not what the usual LLM recipes do. A leaf is a matrix when its own shape has two
+dimensions or more: a scan_layers tree (models/llama.py: layers/block, every leaf stacked on a
+leading layer axis) counts that axis out, so its stacked norm gains [L, H] and biases [L, D] are
+not decayed either (pipeline/stages.py's staged_decay_mask does the same for the stage-stacked
+tree, two leading axes).
 """
 from __future__ import annotations
 
@@ -29,7 +33,11 @@ def lr_schedule(learning_rate: float, warmup_steps: int, total_steps: int,
 
 
 def _matrices_only(params: Any) -> Any:
-  return jax.tree_util.tree_map(lambda p: getattr(p, "ndim", 0) >= 2, params)
+  mask = jax.tree_util.tree_map(lambda p: getattr(p, "ndim", 0) >= 2, params)
+  layers = params.get("layers") if hasattr(params, "get") else None
+  if hasattr(layers, "keys") and set(layers.keys()) == {"block"}:  # scan_layers: [L, *shape]
+    mask["layers"] = jax.tree_util.tree_map(lambda p: p.ndim - 1 >= 2, layers)
+  return mask
 
 
 def make_optimizer(
