@@ -55,3 +55,29 @@ def test_k3_gradient_is_zero_at_equality():
 def test_unknown_kind_lists_known():
   with pytest.raises(ValueError, match=r"kind='k4'.*\['abs', 'k1', 'k2', 'k3'\]"):
     kl.kl_estimate(jnp.zeros(2), jnp.zeros(2), "k4")
+
+
+@pytest.mark.parametrize("kind", ["k2", "k3", "abs"])
+def test_padding_sends_no_nan_back_through_the_kl_loss(kind):
+  """Whatever the log-probs hold on padding (NaN, -inf from a masked vocab entry, inf), the KL
+  loss and its gradient are those of the valid tokens alone."""
+  from rlhfuse_jax.rl import losses
+  rng = np.random.default_rng(3)
+  logp = -rng.exponential(size=(2, 6)).astype(np.float32)
+  ref = -rng.exponential(size=(2, 6)).astype(np.float32)
+  mask = np.ones((2, 6), np.float32)
+  mask[0, 4:] = 0
+  mask[1, 2:] = 0
+  junk = np.array([np.nan, -np.inf, np.inf, np.nan], np.float32)
+  dirty_logp, dirty_ref = logp.copy(), ref.copy()
+  dirty_logp[0, 4:], dirty_ref[0, 4:] = junk[:2], junk[2:]
+  dirty_logp[1, 2:], dirty_ref[1, 2:] = np.roll(junk, 1), junk
+  loss = lambda lp, rf: losses.kl_loss(lp, rf, mask, kind=kind)  # noqa: E731
+  (clean, g_clean), (dirty, g_dirty) = (
+      jax.value_and_grad(loss)(jnp.asarray(lp), jnp.asarray(rf))
+      for lp, rf in ((logp, ref), (dirty_logp, dirty_ref)))
+  assert float(clean) > 0
+  np.testing.assert_allclose(dirty, clean, rtol=1e-6)
+  assert np.all(np.isfinite(g_dirty))
+  np.testing.assert_allclose(g_dirty, g_clean, rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(g_dirty)[mask == 0], 0.0)

@@ -62,7 +62,11 @@ def kl_estimate(logp: jax.Array, ref_logp: jax.Array, kind: str,
                 mask: Optional[jax.Array] = None) -> jax.Array:
   """Per-token KL estimate `[batch, resp_len]`, computed in fp32; 0 where `mask` is 0."""
   fn = get_kl_estimator(kind)
-  kl = fn(logp.astype(jnp.float32), ref_logp.astype(jnp.float32))  # [batch, resp_len]
-  if mask is not None:
-    kl = jnp.where(mask > 0, kl, 0.0)
-  return kl
+  logp, ref_logp = logp.astype(jnp.float32), ref_logp.astype(jnp.float32)
+  if mask is None:
+    return fn(logp, ref_logp)  # [batch, resp_len]
+  # Padding's log-probs are zeroed before the estimator, not only its output: a where() after
+  # exp/square of a NaN or -inf still sends NaN back through the gradient (0 * NaN).
+  valid = mask > 0
+  kl = fn(jnp.where(valid, logp, 0.0), jnp.where(valid, ref_logp, 0.0))
+  return jnp.where(valid, kl, 0.0)
