@@ -122,6 +122,23 @@ def test_bad_config_names_the_field(overrides, message):
     tiny_config(**overrides)
 
 
+def test_integer_fields_refuse_floats_and_bools():
+  """ml_collections refuses a float for an int field set on a ConfigDict, but a plain dict (a
+  sweep's, a JSON plan's 2.0) and the dataclasses built directly reach the checks as given."""
+  from rlhfuse_jax.trainer.config import AlgoConfig
+  for field, value in (("epochs", 1.5), ("minibatch_size", 8.0), ("epochs", True)):
+    with pytest.raises(ValueError, match=f"config.algo.{field}={value!r}: expected an integer"):
+      AlgoConfig(**{field: value})
+  for section, field, value in (("rollout", "max_new_tokens", 6.0), ("mesh", "data", 2.0),
+                                ("model", "num_layers", 2.5), ("critic_model", "num_layers", 1.0),
+                                ("checkpoint", "keep", False)):
+    c = ppo_tiny.get_config().to_dict()
+    c[section][field] = value
+    with pytest.raises(ValueError, match=f"config.{section}.{field}={value!r}: expected an "
+                                         "integer"):
+      TrainConfig.from_config_dict(c)
+
+
 def test_unknown_field_is_rejected():
   c = ppo_tiny.get_config().to_dict()
   c["algo"]["clip_epsilon"] = 0.1

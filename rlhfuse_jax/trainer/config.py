@@ -24,6 +24,19 @@ def _check(cond: bool, field: str, value: Any, expected: str) -> None:
     raise ValueError(f"config.{field}={value!r}: expected {expected}")
 
 
+def _is_int(v: Any) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_integers(klass, section: Mapping[str, Any], prefix: str) -> None:
+  """Integer fields given a float (2.0 from a JSON plan, 0.5 from a sweep) or a bool are refused
+  by name before the section's own checks compare them: range(2.0) or a shape of 0.5 would fail
+  far from the config."""
+  for f in dataclasses.fields(klass):
+    if f.type in ("int", int) and f.name in section:
+      _check(_is_int(section[f.name]), f"{prefix}.{f.name}", section[f.name], "an integer")
+
+
 GRADIENT_SYNC_MODES = ("per_microbatch", "once")  # AlgoConfig.gradient_sync
 
 
@@ -163,10 +176,10 @@ class AlgoConfig:
            "algo.kl_estimator", self.kl_estimator,
            "'k3' (GRPO's) or 'k2' when the KL is a loss term (algo.kl_in_reward=False): k1's "
            "gradient does not depend on the reference")
-    _check(self.epochs > 0, "algo.epochs", self.epochs, "> 0")
-    _check(self.minibatch_size > 0, "algo.minibatch_size", self.minibatch_size, "> 0")
-    _check(isinstance(self.microbatch_size, int) and not isinstance(self.microbatch_size, bool)
-           and self.microbatch_size >= 0, "algo.microbatch_size", self.microbatch_size,
+    for name in ("epochs", "minibatch_size"):
+      v = getattr(self, name)
+      _check(_is_int(v) and v > 0, f"algo.{name}", v, "an integer > 0")
+    _check(_is_int(self.microbatch_size) and self.microbatch_size >= 0, "algo.microbatch_size", self.microbatch_size,
            "an integer >= 0 (0: no gradient accumulation)")
     _check(self.gradient_sync in GRADIENT_SYNC_MODES, "algo.gradient_sync", self.gradient_sync,
            f"one of {list(GRADIENT_SYNC_MODES)}")
@@ -613,6 +626,7 @@ def _build(klass, section: Optional[Mapping[str, Any]], prefix: str):
   unknown = set(section) - known
   if unknown:
     raise ValueError(f"config.{prefix}: unknown fields {sorted(unknown)}; known: {sorted(known)}")
+  _check_integers(klass, section, prefix)
   return klass(**section)
 
 
@@ -625,7 +639,10 @@ def _build_model(section: Mapping[str, Any], prefix: str, head: str = "lm") -> M
   try:
     return _build(ModelConfig, section, prefix)
   except ValueError as e:
-    raise ValueError(str(e).replace("model.", f"{prefix}.", 1)) from None
+    msg = str(e)  # ModelConfig's own checks say "model."; _build's name the prefix already
+    if not msg.startswith(f"config.{prefix}"):
+      msg = msg.replace("model.", f"{prefix}.", 1)
+    raise ValueError(msg) from None
 
 
 def load_plan_file(path: str) -> dict:
