@@ -423,6 +423,8 @@ def test_cached_schedule_for_another_problem_is_not_used(tmp_path):
     ({"mesh.tensor": 2, "mesh.data": 1, "critic_model.num_heads": 6,
       "critic_model.num_kv_heads": 3, "critic_model.hidden_size": 48},
      "config.critic_model.num_kv_heads=3 must be divisible by mesh.tensor=2 or divide it"),
+    ({"mesh.tensor": 2, "mesh.data": 1, "model.o_bias": True},
+     "config.model.o_bias=True with mesh.tensor=2"),
 ])
 def test_config_errors_name_the_field(tmp_path, overrides, match):
   cfg = _config(tmp_path, **{**STAGED, **overrides})

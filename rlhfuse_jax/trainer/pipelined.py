@@ -125,6 +125,11 @@ def check_config(cfg: TrainConfig, mesh: Mesh) -> PipelineConfig:
           f"config.{field}.num_kv_heads={kv} must be divisible by mesh.tensor={tensor} or "
           "divide it (fewer KV heads than tensor devices: each is kept whole by the devices of "
           "its query heads)")
+    if tensor > 1 and model.o_bias:
+      raise ValueError(
+          f"config.{field}.o_bias=True with mesh.tensor={tensor}: the pipelined update splits "
+          "the output projection's rows over the tensor axis and would add its bias once per "
+          "tensor device; use mesh.tensor=1 or mesh.stage=1 (the plain update handles it)")
   where = (f"the mini-batch rows per data shard (algo.minibatch_size={cfg.algo.minibatch_size} "
            f"/ mesh data*fsdp={shards} = {rows})")
   if rows % p.actor_microbatches:
