@@ -471,3 +471,7 @@ def test_impossible_placements_give_clear_errors():
   with pytest.raises(KeyError, match="ref_logp"):
     make_executor(acfg, ccfg, stages.LossConfig(kl_coef=0.1), p, order(p), mesh4)._select(
         _batch(8))
+  short = dict(_batch(8), advantages=_batch(4)["advantages"])
+  with pytest.raises(ValueError, match="batch field 'advantages' has 4 rows, batch\\['tokens'\\] "
+                                       "has 8"):
+    ex(None, None, short)

@@ -233,6 +233,11 @@ class PipelineExecutor:
     missing = [k for k in keys if k not in batch]
     if missing:
       raise KeyError(f"batch lacks {missing}; the pipelined losses need {list(keys)}")
+    rows = {k: np.shape(batch[k])[0] if np.ndim(batch[k]) else None for k in keys}
+    odd = [k for k in keys if rows[k] != rows["tokens"]]
+    if odd:  # micro-batches slice every field by row: a short field would misalign silently
+      raise ValueError(f"batch field {odd[0]!r} has {rows[odd[0]]} rows, batch['tokens'] has "
+                       f"{rows['tokens']}: every field needs one row per sample")
     return {k: batch[k] for k in keys}
 
 
