@@ -154,6 +154,8 @@ class AlgoConfig:
   # gathered and its float32 sums in memory: docs/usage.md "Communication at scale").
   gradient_sync: str = "per_microbatch"
   balance_tokens: bool = True  # balance mini-batch shards across data-parallel devices by tokens
+  # Whiten GAE's advantages over the batch; grpo/rloo normalise within each prompt's group and
+  # reinforce_pp over the batch by definition, and ignore it (docs/architecture.md §1).
   whiten_advantages: bool = True
 
   def __post_init__(self):
@@ -174,7 +176,7 @@ class AlgoConfig:
     # whatever the reference: it would add noise, not pull toward the reference (rl/kl.py).
     _check(self.kl_in_reward or self.kl_coef == 0 or self.kl_estimator != "k1",
            "algo.kl_estimator", self.kl_estimator,
-           "'k3' (GRPO's) or 'k2' when the KL is a loss term (algo.kl_in_reward=False): k1's "
+           "'k3' (GRPO's), 'k2' or 'abs' when the KL is a loss term (algo.kl_in_reward=False): k1's "
            "gradient does not depend on the reference")
     for name in ("epochs", "minibatch_size"):
       v = getattr(self, name)
