@@ -62,6 +62,23 @@ def test_lengths_not_divisible_by_block(block_q, block_k):
   _check(q, k, v, pos, pos, _blockwise(block_q, block_k))
 
 
+@pytest.mark.parametrize("block_q,block_k", [(1, 1), (2, 3), (4, 4), (5, 2), (3, 7)])
+def test_causal_skipping_changes_nothing(block_q, block_k):
+  """causal=True (positions are the indices) skips the tiles above the diagonal: the forward is
+  bitwise the full loop's (a skipped tile adds exactly 0), the gradients agree to rounding, and
+  both are the reference's."""
+  q, k, v = _qkv(2, 9, 9, 4, 2, seed=11)
+  pos = _arange(2, 9)
+  causal = functools.partial(attn.blockwise_attention, block_q=block_q, block_k=block_k,
+                             causal=True)
+  full = functools.partial(causal, causal=False)
+  np.testing.assert_array_equal(jax.jit(causal)(q, k, v, pos, pos),
+                                jax.jit(full)(q, k, v, pos, pos))
+  _check(q, k, v, pos, pos, causal)
+  with pytest.raises(ValueError, match="causal=True.*9 queries and 7 keys"):
+    causal(q, k[:, :7], v[:, :7], pos, pos[:, :7])
+
+
 @pytest.mark.parametrize("pad_pos", ["continue", "far"])
 def test_right_padding_by_positions(pad_pos):
   # Row 1 holds 5 real tokens then 4 padding slots: its padding either continues the positions
@@ -145,6 +162,28 @@ def test_model_logits_without_cache(params, small_blocks):
   ref, _ = _jit_apply(CFG.replace(attention="reference"))(params, tokens)
   got, _ = _jit_apply(CFG)(params, tokens)
   np.testing.assert_allclose(got, ref, **TOL)
+
+
+def test_default_positions_skip_the_tiles_above_the_diagonal(params, monkeypatch):
+  """The model's default positions (training, scoring) are the indices: its attention reads
+  only the key tiles on or below the diagonal. Counted in the compiled program's dot FLOPs
+  against the same positions passed explicitly (no promise, every tile): 16 tokens in 4 x 4
+  tiles of 4 read 10 tiles instead of 16, each 2 dots of 2 * batch * heads * 4 * 4 * head_dim
+  FLOPs, in each of the 2 layers. Same logits."""
+  from rlhfuse_jax.perf import hlo_flops
+  monkeypatch.setattr(attn, "blockwise_attention", _blockwise(4, 4))
+  tokens = jnp.asarray(np.random.default_rng(12).integers(0, 32, (2, 16)), jnp.int32)
+  explicit = _arange(2, 16)
+  fns = {"default": lambda p, t: llama.apply(CFG, p, t)[0],
+         "explicit": lambda p, t: llama.apply(CFG, p, t, explicit)[0]}
+  flops, logits = {}, {}
+  for name, fn in fns.items():
+    compiled = jax.jit(fn).lower(params, tokens).compile()
+    flops[name] = hlo_flops.analyze(compiled.as_text()).flops
+    logits[name] = compiled(params, tokens)
+  np.testing.assert_array_equal(logits["default"], logits["explicit"])
+  tile = 2 * 2 * CFG.num_heads * 4 * 4 * CFG.head_dim_
+  assert flops["explicit"] - flops["default"] == CFG.num_layers * (16 - 10) * 2 * tile
 
 
 def test_model_logits_with_cache(params, small_blocks):

@@ -216,7 +216,14 @@ def _unblocks(x, axis):
   return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
 
 
-def _flash_fwd_impl(bq, bk, s_len, q, k, v, q_pos, k_pos):
+def _causal_blocks(bq: int, bk: int, nq: int, nk: int, causal: bool) -> list:
+  """Key blocks each query block reads: all nk, or under `causal` (positions are the indices,
+  `positions_are_indices`) those below its last query, ceil((i+1) bq / bk): a tile wholly above
+  the diagonal has every score masked and adds exactly 0 to the row sums and the gradients."""
+  return [min(nk, -(-(i + 1) * bq // bk)) if causal else nk for i in range(nq)]
+
+
+def _flash_fwd_impl(bq, bk, s_len, causal, q, k, v, q_pos, k_pos):
   """Returns out [b, kv, g, Lp, d] (q.dtype) and float32 row max m and row sum l [b, kv, g, Lp]."""
   b, kvh, g, lp, d = q.shape
   sp = k.shape[2]
@@ -225,9 +232,7 @@ def _flash_fwd_impl(bq, bk, s_len, q, k, v, q_pos, k_pos):
   kposs = _blocks(k_pos, 1, nk)  # [nk, b, bk]
   kidxs = jnp.arange(sp).reshape(nk, bk)
 
-  def q_block(_, xs):
-    qb, qpos = xs  # [b, kv, g, bq, d], [b, bq]
-
+  def q_block(qb, qpos, n):  # [b, kv, g, bq, d], [b, bq]; the first n key blocks
     def k_block(carry, ys):
       m, l, acc = carry  # [b, kv, g, bq] x2 (float32), [b, kv, g, bq, d] (float32)
       kb, vb, kpos, kidx = ys
@@ -243,25 +248,31 @@ def _flash_fwd_impl(bq, bk, s_len, q, k, v, q_pos, k_pos):
 
     init = (jnp.full((b, kvh, g, bq), -jnp.inf, jnp.float32),
             jnp.zeros((b, kvh, g, bq), jnp.float32), jnp.zeros((b, kvh, g, bq, d), jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(k_block, init, (ks, vs, kposs, kidxs))
-    return None, ((acc / l[..., None]).astype(q.dtype), m, l)
+    (m, l, acc), _ = jax.lax.scan(k_block, init, (ks[:n], vs[:n], kposs[:n], kidxs[:n]))
+    return (acc / l[..., None]).astype(q.dtype), m, l
 
-  _, (out, m, l) = jax.lax.scan(q_block, None, (_blocks(q, 3, nq), _blocks(q_pos, 1, nq)))
-  return _unblocks(out, 3), _unblocks(m, 3), _unblocks(l, 3)
+  qs, qposs = _blocks(q, 3, nq), _blocks(q_pos, 1, nq)
+  if not causal:  # one loop over the query blocks, each reading every key block
+    _, (out, m, l) = jax.lax.scan(lambda _, xs: (None, q_block(*xs, nk)), None, (qs, qposs))
+    return _unblocks(out, 3), _unblocks(m, 3), _unblocks(l, 3)
+  # Causal: query block i reads its own key blocks only, a static count per block, so the
+  # query blocks are unrolled (nq loops of different lengths; nq = L / block_q is small).
+  parts = [q_block(qs[i], qposs[i], n) for i, n in enumerate(_causal_blocks(bq, bk, nq, nk, True))]
+  return tuple(jnp.concatenate(xs, axis=3) for xs in zip(*parts))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _flash(bq, bk, s_len, q, k, v, q_pos, k_pos):
-  return _flash_fwd_impl(bq, bk, s_len, q, k, v, q_pos, k_pos)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _flash(bq, bk, s_len, causal, q, k, v, q_pos, k_pos):
+  return _flash_fwd_impl(bq, bk, s_len, causal, q, k, v, q_pos, k_pos)[0]
 
 
-def _flash_fwd(bq, bk, s_len, q, k, v, q_pos, k_pos):
-  out, m, l = _flash_fwd_impl(bq, bk, s_len, q, k, v, q_pos, k_pos)
+def _flash_fwd(bq, bk, s_len, causal, q, k, v, q_pos, k_pos):
+  out, m, l = _flash_fwd_impl(bq, bk, s_len, causal, q, k, v, q_pos, k_pos)
   # Residuals are O(L): no per-tile scores or probabilities survive the forward.
   return out, (q, k, v, q_pos, k_pos, out, m, l)
 
 
-def _flash_bwd(bq, bk, s_len, res, dout):
+def _flash_bwd(bq, bk, s_len, causal, res, dout):
   q, k, v, q_pos, k_pos, out, m, l = res
   b, kvh, g, lp, d = q.shape
   sp = k.shape[2]
@@ -273,8 +284,7 @@ def _flash_bwd(bq, bk, s_len, res, dout):
   kposs = _blocks(k_pos, 1, nk)
   kidxs = jnp.arange(sp).reshape(nk, bk)
 
-  def q_block(carry, xs):
-    dk, dv = carry  # [b, kv, Sp, d] float32
+  def q_block(dk, dv, xs, n):  # dk, dv: [b, kv, Sp, d] float32; the first n key blocks
     qb, dob, deltab, mb, lb, qpos = xs
 
     def k_block(dq, ys):
@@ -293,15 +303,29 @@ def _flash_bwd(bq, bk, s_len, res, dout):
       return dq, (dk_j, dv_j)
 
     dq, (dk_js, dv_js) = jax.lax.scan(k_block, jnp.zeros(qb.shape, jnp.float32),
-                                      (ks, vs, kposs, kidxs))
-    return (dk + _unblocks(dk_js, 2), dv + _unblocks(dv_js, 2)), dq
+                                      (ks[:n], vs[:n], kposs[:n], kidxs[:n]))
+    if n == nk:
+      return dk + _unblocks(dk_js, 2), dv + _unblocks(dv_js, 2), dq
+    return (dk.at[:, :, :n * bk].add(_unblocks(dk_js, 2)),
+            dv.at[:, :, :n * bk].add(_unblocks(dv_js, 2)), dq)
 
   zeros = jnp.zeros((b, kvh, sp, d), jnp.float32)
   xs = (_blocks(q, 3, nq), _blocks(dout.astype(dtype), 3, nq), _blocks(delta, 3, nq),
         _blocks(m, 3, nq), _blocks(l, 3, nq), _blocks(q_pos, 1, nq))
-  (dk, dv), dqs = jax.lax.scan(q_block, (zeros, zeros), xs)
+  if not causal:
+    def step(carry, x):
+      dk, dv, dq = q_block(*carry, x, nk)
+      return (dk, dv), dq
+    (dk, dv), dqs = jax.lax.scan(step, (zeros, zeros), xs)
+    dq = _unblocks(dqs, 3)
+  else:  # unrolled over the query blocks, as in the forward
+    dk, dv, dqs = zeros, zeros, []
+    for i, n in enumerate(_causal_blocks(bq, bk, nq, nk, True)):
+      dk, dv, dq_i = q_block(dk, dv, tuple(x[i] for x in xs), n)
+      dqs.append(dq_i)
+    dq = jnp.concatenate(dqs, axis=3)
   # Positions are integers: no cotangent.
-  return (_unblocks(dqs, 3).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -313,15 +337,45 @@ def _pad_to(x, axis, size):
   return jnp.pad(x, pad)
 
 
-def blockwise_attention(q, k, v, q_pos, k_pos, block_k: int = 512, block_q: int = 512):
+# True while tracing a forward whose attention positions are the token indices, 0..L-1 in every
+# row for queries and keys alike (`positions_are_indices`).
+_POSITIONS_ARE_INDICES: contextvars.ContextVar = contextvars.ContextVar(
+    "positions_are_indices", default=False)
+
+
+@contextlib.contextmanager
+def positions_are_indices(value: bool = True):
+  """While active (tracing), the caller promises that every attention call without a cache has
+  q_pos == k_pos == 0..L-1 in every row (models/llama.py's default positions, which training and
+  scoring use), so `blockwise_attention` skips the key tiles wholly above the diagonal: about
+  half of the causal L x L work, with bitwise the same result (those tiles' scores are all
+  masked and add exactly 0). `value=False` withdraws the promise for a nested call."""
+  token = _POSITIONS_ARE_INDICES.set(bool(value))
+  try:
+    yield
+  finally:
+    _POSITIONS_ARE_INDICES.reset(token)
+
+
+def blockwise_attention(q, k, v, q_pos, k_pos, block_k: int = 512, block_q: int = 512,
+                        causal: Optional[bool] = None):
   """Flash-style attention with O(L * block) memory in forward and backward.
 
   Same contract as `reference_attention` (shapes, masking, dtype, fully masked rows). Blocks are
   clipped to the sequence lengths (decode: block_q = 1) and the sequences padded to whole
   blocks internally; padded keys are never attended, padded queries are dropped.
+
+  causal: the positions are the indices (q_pos == k_pos == 0..L-1 in every row): tiles wholly
+  above the diagonal are skipped. None: as `positions_are_indices` says while tracing. Wrong
+  positions under causal=True give wrong results: only pass it when it holds.
   """
   b, l, h, d = q.shape
   s, kvh = k.shape[1], k.shape[2]
+  if causal is None:
+    causal = _POSITIONS_ARE_INDICES.get()
+  if causal and l != s:
+    raise ValueError(f"blockwise_attention(causal=True) needs as many queries as keys (the "
+                     f"positions are the indices), got {l} queries and {s} keys")
   g = h // kvh
   dtype = q.dtype
   bq, bk = max(1, min(block_q, l)), max(1, min(block_k, s))
@@ -329,7 +383,7 @@ def blockwise_attention(q, k, v, q_pos, k_pos, block_k: int = 512, block_q: int 
   qh = jnp.transpose(q.reshape(b, l, kvh, g, d), (0, 2, 3, 1, 4))  # [b, kv, g, L, d]
   kh = jnp.transpose(k.astype(dtype), (0, 2, 1, 3))  # [b, kv, S, d]
   vh = jnp.transpose(v.astype(dtype), (0, 2, 1, 3))
-  out = _flash(bq, bk, s, _pad_to(qh, 3, lp), _pad_to(kh, 2, sp), _pad_to(vh, 2, sp),
+  out = _flash(bq, bk, s, bool(causal), _pad_to(qh, 3, lp), _pad_to(kh, 2, sp), _pad_to(vh, 2, sp),
                _pad_to(q_pos.astype(jnp.int32), 1, lp), _pad_to(k_pos.astype(jnp.int32), 1, sp))
   out = out[:, :, :, :l]  # [b, kv, g, L, d]
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, l, h, d)

@@ -709,8 +709,15 @@ class Transformer(nn.Module):
     Returns (out, cache): out is float32 logits [batch, len or n, vocab] for head="lm", values
     [batch, len or n] for head="scalar"; cache is the updated KVCache (None if none was given).
     """
+    # Default positions without a cache are the indices: blockwise attention then skips the key
+    # tiles above the diagonal (attention.positions_are_indices).
+    indices = positions is None and cache is None
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    with attention_lib.positions_are_indices(indices):
+      return self._forward(tokens, positions, cache, at)
+
+  def _forward(self, tokens, positions, cache, at):
     x = self.embed(tokens)
     if cache is not None and cache.k.dtype != cache_bits_dtype(cache.dtype):
       raise ValueError(f"KVCache of {cache.dtype} values must hold {cache_bits_dtype(cache.dtype)} "

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from rlhfuse_jax.models import attention as attention_lib
 from rlhfuse_jax.models import llama, sequences
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.rl import objective
@@ -245,7 +246,8 @@ def blocks(cfg: ModelConfig, layers: Any, x: jax.Array,
 
   def layer(h, p):
     p = p if select is None else select(p)
-    return llama.block_class(cfg)(cfg).apply({"params": p}, h, positions)[0]
+    with attention_lib.positions_are_indices():  # they are: skip the tiles above the diagonal
+      return llama.block_class(cfg)(cfg).apply({"params": p}, h, positions)[0]
 
   if gather is None:
     body = lambda h, p: (layer(h, p), None)
