@@ -163,7 +163,12 @@ def test_a_second_run_on_the_same_workdir_is_refused(tmp_path):
   with pytest.raises(RuntimeError, match=rf"in use by another run \(pid {os.getpid()} on"):
     PPOTrainer(cfg, str(tmp_path))
   first.run()  # releases the lock when it ends
-  PPOTrainer(cfg, str(tmp_path))
+  # Once per trainer: a second call would restore the old resume point over the trained state
+  # and rewrite metrics.jsonl; a new trainer on the workdir resumes.
+  with pytest.raises(RuntimeError, match=r"run\(\) was already called on this trainer"):
+    first.run()
+  assert _steps(str(tmp_path)) == [1]
+  assert PPOTrainer(cfg, str(tmp_path)).run() == []
 
 
 # ------------------------------------------------------------------------------ damage
@@ -218,6 +223,9 @@ def test_a_finished_run_builds_nothing_and_still_checks_the_config(straight, mon
   def no_build(*args, **kwargs):
     raise AssertionError("a finished run built its models")
   monkeypatch.setattr(build, "build_models", no_build)
+  # A row after the last checkpoint (an extension to 7 iterations that died before saving)
+  # holds no kept state: a finished start drops it too, as every start does.
+  wd.append_jsonl(os.path.join(workdir, "metrics.jsonl"), {"step": 7, "reward/mean": 0.5})
   again = PPOTrainer(cfg, workdir)
   assert again.finished_at == 6 and again.run() == []
   assert _steps(workdir) == [1, 2, 3, 4, 5, 6]

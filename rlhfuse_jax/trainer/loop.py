@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference import scoring
@@ -80,7 +81,7 @@ class PPOTrainer:
     # One run per workdir (process 0 holds it for all processes of a multi-host run), from
     # here until run() ends, or until this constructor fails. Every process learns process 0's
     # verdict, so a refused multi-host start ends on all of them at once.
-    self._lock, refused = None, None
+    self._lock, refused, self._ran = None, None, False
     if jax.process_index() == 0:
       try:
         self._lock = wd.WorkdirLock(workdir)
@@ -614,7 +615,15 @@ class PPOTrainer:
 
     stop_after: stop early after this iteration as a SIGTERM would (save, return); used to test
     that an interrupted run resumes exactly.
+
+    Once per trainer: its resume point, workdir lock and prompt stream belong to that one run
+    (a second call would restore the old resume point over the trained state and rewrite
+    metrics.jsonl). To continue, build a new PPOTrainer on the workdir: it resumes.
     """
+    if self._ran:
+      raise RuntimeError("PPOTrainer.run() was already called on this trainer; build a new "
+                         f"PPOTrainer(cfg, {self.workdir!r}) to resume from its checkpoints")
+    self._ran = True
     try:
       start = self.finished_at if self.finished_at is not None else self._restore()
       if self.export_only and start < self.cfg.num_iterations:
@@ -622,6 +631,10 @@ class PPOTrainer:
                         "%d-%d again from checkpoint %d, then exporting", start + 1,
                         self.cfg.num_iterations, start)
       if start >= self.cfg.num_iterations:
+        # Rows after the checkpoint (an extension that died before its next save) belong to
+        # no kept state: dropped, as every other start does (hooks.MetricsLog.begin).
+        metrics_lib.MetricWriter(self.workdir, tensorboard=False,
+                                 enabled=jax.process_index() == 0).truncate_after(start)
         if self.export_only:
           hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor")).export(start)
         logging.info("workdir already has %d iterations (num_iterations=%d): nothing to train",
