@@ -54,7 +54,8 @@ def test_nonfinite_params_stop_the_run_and_keep_the_last_finite_checkpoint(tmp_p
   trainer = PPOTrainer(cfg, str(tmp_path))
   _poison_update(trainer, 12, "params")
   with pytest.raises(loop.NonFiniteError, match=r"iteration 3: .*actor parameters.*last "
-                                                 r"checkpoint \(2\) is kept"):
+                                                 r"checkpoint \(2\) is kept, .*a resume "
+                                                 r"refuses a changed one. In a new --workdir"):
     trainer.run()
   assert _steps(str(tmp_path)) == [1, 2]  # nothing of iteration 3 written
   again = PPOTrainer(cfg, str(tmp_path))  # keep=1 did not rotate the finite one away

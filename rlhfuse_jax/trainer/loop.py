@@ -593,9 +593,10 @@ class PPOTrainer:
               "skipped steps in a row the non-finite update is applied)")
     return NonFiniteError(
         f"iteration {iteration + 1}: non-finite values: {what}. Nothing of this iteration was "
-        f"written or saved; the last checkpoint ({'none' if last is None else last}) is kept. "
-        f"Lower optim.actor_lr / optim.critic_lr or optim.grad_clip, check the inputs, or "
-        f"{advice}")
+        f"written or saved; the last checkpoint ({'none' if last is None else last}) is kept, "
+        f"but resuming it with this config repeats the same steps, and a resume refuses a "
+        f"changed one. In a new --workdir: lower optim.actor_lr / optim.critic_lr or "
+        f"optim.grad_clip, check the inputs, or {advice}")
 
   def _train_flops_metrics(self, t_train: float, prompt_len: int, max_new: int) -> dict:
     """Training FLOP/s (padded shapes, as executed) and MFU where the device's peak is known."""
