@@ -39,8 +39,13 @@ class Checkpointer:
     self.directory = os.path.join(self.workdir, "checkpoints")
     self._keep = keep
     # Handlers named up front, so a checkpoint's metadata reads before anything was restored.
+    # cleanup_tmp_directories: the partial directory of a save that was killed mid-way
+    # (<step>.orbax-checkpoint-tmp-*) is never a checkpoint and would otherwise stay, one full
+    # copy of the state per preemption. Safe: the trainer builds this holding the workdir lock,
+    # so no save of another run is in progress.
     self._mngr = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, cleanup_tmp_directories=True),
         item_handlers={"state": ocp.StandardCheckpointHandler(),
                        "meta": ocp.JsonCheckpointHandler()})
 

@@ -379,6 +379,29 @@ def test_another_layout_is_not_mistaken_for_damage(tmp_path):
   ck.close()
 
 
+def test_the_partial_directory_of_a_killed_save_is_removed(tmp_path):
+  """A save killed mid-way leaves <step>.orbax-checkpoint-tmp-*: never a checkpoint, one copy
+  of the state per preemption. The next start removes it (in orbax's background thread) and
+  keeps the finished checkpoints."""
+  import time
+  from rlhfuse_jax import checkpointing
+  ck = checkpointing.Checkpointer(str(tmp_path))
+  ck.save(1, {"w": jnp.ones((3, 2))}, {"iteration": 1})
+  ck.wait()
+  ck.close()
+  partial = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-123"
+  (partial / "state").mkdir(parents=True)
+  (partial / "state" / "garbage").write_bytes(b"\x00" * 64)
+  again = checkpointing.Checkpointer(str(tmp_path))
+  for _ in range(100):  # the cleanup runs in the background
+    if not partial.exists():
+      break
+    time.sleep(0.05)
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+  assert again.all_steps() == [1]
+  again.close()
+
+
 def test_two_damaged_checkpoints_in_a_row_stop_instead_of_going_further_back(tmp_path):
   cfg = tiny_config(**{"num_iterations": 6, "checkpoint.keep": 3})
   run = str(tmp_path)
