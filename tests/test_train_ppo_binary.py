@@ -81,3 +81,24 @@ def test_sigint_stops_like_sigterm_and_twice_interrupts_at_once():
   finally:
     flag.end(failing=False)
   assert {sig: signal.getsignal(sig) for sig in before} == before  # handlers given back
+
+
+def test_a_stop_flag_off_the_main_thread_installs_nothing():
+  """Python installs signal handlers from the main thread only: a trainer driven from another
+  thread runs without them instead of failing before its first iteration."""
+  import threading
+  before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+  errors = []
+
+  def body():
+    try:
+      flag = hooks.StopFlag()
+      flag.begin(0)
+      flag.end(failing=False)
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+  thread = threading.Thread(target=body)
+  thread.start()
+  thread.join()
+  assert errors == []
+  assert {sig: signal.getsignal(sig) for sig in before} == before

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 from typing import Any, Callable, Optional
 
 import jax
@@ -47,6 +48,12 @@ class StopFlag(Hook):
     self._old = {}
 
   def begin(self, start: int) -> None:
+    if threading.current_thread() is not threading.main_thread():
+      # Python installs signal handlers from the main thread only (a trainer driven from a
+      # worker or notebook thread): run without them rather than fail.
+      logging.warning("PPOTrainer.run() is not on the main thread: SIGTERM/SIGINT will not "
+                      "save a checkpoint before exiting (checkpoint.every still does)")
+      return
     for sig in (signal.SIGTERM, signal.SIGINT):
       self._old[sig] = signal.signal(sig, self._handle)
 
