@@ -193,9 +193,12 @@ def straight(tmp_path_factory):
 
 
 @pytest.mark.parametrize("damage", ["arrays", "side-car"])
-def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, straight, damage):
+def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, straight, damage,
+                                                                  caplog):
   """Also the in-process resume test: stopped at 4 (as by SIGTERM), resumed from 2 after the
   damage, the run ends with the uninterrupted run's parameters bitwise and its metrics."""
+  import logging as py_logging
+  caplog.set_level(py_logging.WARNING)
   cfg, _, want_params, want_rows = straight
   run = str(tmp_path / "run")
   PPOTrainer(cfg, run).run(stop_after=4)  # checkpoints 2 and 4, as a preempted run leaves them
@@ -211,6 +214,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, stra
       PPOTrainer(refuse, run)
   again = PPOTrainer(cfg, run)
   assert [h["step"] for h in again.run()] == [3, 4, 5, 6]  # resumed from 2
+  assert not [r for r in caplog.records if "resuming checkpoint" in r.getMessage()]  # same devices
   assert os.path.isdir(os.path.join(run, "damaged_checkpoints", "4"))  # kept, not deleted
   jax.tree_util.tree_map(np.testing.assert_array_equal, _params(again), want_params)
   rows = wd.read_jsonl(os.path.join(run, "metrics.jsonl"))
@@ -232,6 +236,24 @@ def test_a_finished_run_builds_nothing_and_still_checks_the_config(straight, mon
   assert _steps(workdir) == [1, 2, 3, 4, 5, 6]
   with pytest.raises(ValueError, match="config.seed=1 differs"):  # checked without a build
     PPOTrainer(tiny_config(num_iterations=6, seed=1), workdir)
+
+
+def test_a_resume_on_other_devices_says_so(tmp_path, straight, caplog):
+  """mesh.data=-1 takes every device: a preempted run may come back on fewer. It continues,
+  with a warning that names both layouts, since it is not the uninterrupted trajectory."""
+  import logging as py_logging
+  import shutil
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  _, workdir, _, _ = straight
+  run = str(tmp_path / "run")
+  shutil.copytree(workdir, run)
+  cfg = tiny_config(**{"num_iterations": 7})
+  with caplog.at_level(py_logging.WARNING):
+    again = PPOTrainer(cfg, run, mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4),
+                                                         jax.devices()[:4]))
+    assert [h["step"] for h in again.run()] == [7]
+  warned = [r.getMessage() for r in caplog.records if "resuming checkpoint 6" in r.getMessage()]
+  assert len(warned) == 1 and "'data': 8" in warned[0] and "'data': 4" in warned[0], warned
 
 
 # ------------------------------------------------------------------------------ processes

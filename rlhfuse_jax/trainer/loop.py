@@ -364,11 +364,19 @@ class PPOTrainer:
     return state
 
   def _meta(self) -> dict:
-    meta = {"data": self.dataset.state_dict(), "schedule_iterations": self.schedule_iterations}
+    meta = {"data": self.dataset.state_dict(), "schedule_iterations": self.schedule_iterations,
+            "devices": self._devices()}
     if self.cfg.async_ppo.staleness:
       meta["in_flight"] = [g.side_car() for g in sorted(self.in_flight.values(),
                                                         key=lambda g: g.iteration)]
     return meta
+
+  def _devices(self) -> dict:
+    """The layout this run computes on, which its config may leave to the device count
+    (mesh.data=-1: all of them): the training mesh, the generation devices, the processes."""
+    return {"mesh": {k: int(v) for k, v in self.mesh.shape.items()},
+            "generation_devices": int(self.gen_mesh.devices.size),
+            "processes": jax.process_count()}
 
   def _restore(self) -> int:
     """Restores the newest intact checkpoint; returns the iteration to start at (0: none)."""
@@ -376,6 +384,13 @@ class PPOTrainer:
         self.mesh.shape["stage"], self.update.executor.program.problem.critic_pp)
               if self.update.is_pipelined else "whole models (mesh.stage=1)")
     start, state, meta = self.checkpoints.restore(self.resume_step, self._state(), layout)
+    saved, now = (meta or {}).get("devices"), self._devices()
+    if saved is not None and saved != now:
+      # Allowed (a preempted job may come back on other machines), but not the uninterrupted
+      # run's trajectory: reductions split differently round differently, and whatever the
+      # config sizes from the device count (instances, groups, mini-batch shards) changes.
+      logging.warning("resuming checkpoint %d, saved on %s, on %s: the run continues, but not "
+                      "exactly as it would have on the devices that saved it", start, saved, now)
     if state is not None:
       # The reference is not saved: it is the initial actor, rebuilt from the seed or the
       # checkpoint exactly as in the first run.
