@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.models import attention as attention_lib
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.perf import hlo_flops
+from rlhfuse_jax.perf.timing import timed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
@@ -42,17 +42,6 @@ def parse_lengths(text: str) -> list[int]:
   if not lengths or min(lengths) < 1:
     raise ValueError(f"config.lengths={text!r}: expected comma-separated positive integers")
   return lengths
-
-
-def _fastest(fn, warmup: int, repeats: int) -> float:
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return min(times)
 
 
 def measure(c) -> dict:
@@ -75,7 +64,7 @@ def measure(c) -> dict:
       compiled = jax.jit(jax.grad(loss)).lower(params).compile()
       row[f"{name}_dot_flops"] = hlo_flops.analyze(compiled.as_text()).flops
       grads[name] = compiled(params)
-      row[f"{name}_s"] = _fastest(lambda f=compiled: f(params), c.warmup, c.repeats)
+      row[f"{name}_s"] = min(timed(lambda f=compiled: f(params), c.warmup, c.repeats))
     row["speedup"] = row["every_tile_s"] / row["causal_s"]
     # Largest difference of a gradient leaf, relative to that leaf's largest entry.
     row["max_grad_rel_diff"] = float(max(jax.tree.leaves(jax.tree.map(

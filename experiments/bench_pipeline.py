@@ -51,6 +51,7 @@ from rlhfuse_jax.pipeline import program as prog  # noqa: E402
 from rlhfuse_jax.pipeline import bounds, schedules, search, stages  # noqa: E402
 from rlhfuse_jax.pipeline.evaluate import evaluate  # noqa: E402
 from rlhfuse_jax.pipeline.executor import PipelineExecutor  # noqa: E402
+from rlhfuse_jax.perf.timing import timed  # noqa: E402
 from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, KIND_NAMES, PipelineProblem  # noqa: E402
 from rlhfuse_jax.policy import calibration as cal_lib  # noqa: E402
 
@@ -170,17 +171,6 @@ def grad_error(got: Any, want: Any) -> dict:
     num += float(np.sum((g - r) ** 2))
     den += float(np.sum(r ** 2))
   return {"max_leaf_rel": worst, "global_rel_l2": (num / max(den, 1e-300)) ** 0.5}
-
-
-def timed(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  out = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    out.append(time.perf_counter() - t0)
-  return out
 
 
 def run_schedule(name: str, cfg: BenchPipelineConfig, problem: PipelineProblem,
