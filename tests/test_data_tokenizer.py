@@ -57,6 +57,27 @@ def test_round_trip_and_special_ids_guessed_from_vocabulary(tmp_path):
   assert len(tok.encode("the", add_bos=False)) == 1
 
 
+def test_truncation_and_padding_saved_in_the_file_are_not_applied(tmp_path):
+  """A tokenizer.json saved after a call with truncation/padding keeps them, and the library
+  applies them on every encode: prompts would be cut silently or padded with ids counted as
+  prompt tokens. Encoding ignores them, as transformers does per call."""
+  path = _train_bpe(str(tmp_path))
+  reference = HFTokenizer.from_file(path)
+  backend = tokenizers.Tokenizer.from_file(path)
+  backend.enable_truncation(max_length=2)
+  backend.enable_padding(pad_id=reference.pad_id, pad_token="<pad>")
+  backend.save(path)
+  tok = HFTokenizer.from_file(path)
+  texts = ["the dog", "the critic predicts the value of each token"]
+  assert len(reference.encode(texts[1], add_bos=False)) > 2
+  assert tok.encode(texts[1]) == reference.encode(texts[1])
+  assert tok.encode_batch(texts) == [reference.encode(t) for t in texts]
+  assert backend.truncation is not None  # the caller's object is left as it was
+  wrapped = HFTokenizer(backend, eos_id=reference.eos_id)
+  assert wrapped.encode(texts[1], add_bos=False) == reference.encode(texts[1], add_bos=False)
+  assert backend.truncation is not None and backend.padding is not None
+
+
 def test_config_file_overrides_and_explicit_arguments(tmp_path):
   path = _train_bpe(str(tmp_path))
   # HF writes tokens either as strings or as AddedToken dicts; null means "no such token".

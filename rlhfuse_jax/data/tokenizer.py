@@ -76,6 +76,14 @@ class HFTokenizer(Tokenizer):
       add_bos: whether `encode` prepends BOS by default; defaults to `bos_id is not None`.
       name: how errors refer to this tokenizer (e.g. the file it came from).
     """
+    if tokenizer.truncation is not None or tokenizer.padding is not None:
+      # A tokenizer.json saved after a call with truncation/padding keeps those settings and
+      # the library applies them on every encode: prompts would be cut silently (past the
+      # max_prompt_len check) or padded with ids counted as prompt tokens. transformers resets
+      # both per call; so do we, on a copy (the caller's object stays as it was).
+      tokenizer = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+      tokenizer.no_truncation()
+      tokenizer.no_padding()
     self._tok = tokenizer
     self.name = name
     self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
