@@ -268,6 +268,29 @@ def test_a_uri_workdir_is_refused_before_anything_is_written(tmp_path, monkeypat
   assert os.listdir(tmp_path) == []
 
 
+def test_a_reward_model_takes_the_runs_context_and_numerics(tmp_path):
+  """Like the actor's checkpoint, the reward model's gets the run's max_seq_len, dtypes and
+  attention: a Mistral-v0.1-style config (sliding window 4,096 < 32,768 positions) loads for a
+  run whose context fits the window, instead of being refused with no field to fix it."""
+  import json
+  import shutil
+  fixtures = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+  rm = str(tmp_path / "rm")
+  shutil.copytree(os.path.join(fixtures, "tiny_mistral"), rm)
+  with open(os.path.join(rm, "config.json")) as f:
+    hf = json.load(f)
+  hf["max_position_embeddings"] = 32768
+  hf["sliding_window"] = 4096
+  with open(os.path.join(rm, "config.json"), "w") as f:
+    json.dump(hf, f)
+  cfg = tiny_config(**{"reward.kind": "model", "reward.model_checkpoint": rm,
+                       "model.dtype": "bfloat16", "model.attention": "reference"})
+  got = build.reward_model_config(cfg)
+  assert (got.head, got.max_seq_len, got.dtype, got.attention, got.remat) == (
+      "scalar", cfg.model.max_seq_len, "bfloat16", "reference", "none")
+  assert got.hidden_size == hf["hidden_size"] and got.num_layers == hf["num_hidden_layers"]
+
+
 @pytest.mark.parametrize("field", ["init.tokenizer", "data.prompts_file", "data.val_file",
                                    "init.actor_checkpoint", "init.critic_checkpoint",
                                    "reward.model_checkpoint"])

@@ -136,11 +136,14 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
 
 
 def reward_model_config(cfg: TrainConfig) -> Optional[ModelConfig]:
-  """The reward model's shape (reward.kind='model'), from its checkpoint's config.json."""
+  """The reward model's shape (reward.kind='model'), from its checkpoint's config.json, with
+  the run's own RUN_MODEL_FIELDS of config.model as the actor's: its numerics and attention,
+  and the run's context (max_seq_len), so that a checkpoint advertising more positions than
+  it can attend over (Mistral v0.1's sliding window) loads for a run that fits the window."""
   if cfg.reward.kind != "model":
     return None
-  return _field("reward.model_checkpoint", cfg.reward.model_checkpoint,
-                hf_loader.load_hf_config).replace(head="scalar")
+  return checkpoint_config(cfg.reward.model_checkpoint, cfg.model, "reward.model_checkpoint",
+                           head="scalar", remat="none")
 
 
 @dataclasses.dataclass
