@@ -291,6 +291,22 @@ def test_a_reward_model_takes_the_runs_context_and_numerics(tmp_path):
   assert got.hidden_size == hf["hidden_size"] and got.num_layers == hf["num_hidden_layers"]
 
 
+def test_a_checkpoint_without_its_tokenizer_is_refused():
+  """init.actor_checkpoint with init.tokenizer empty would pair a real model with the task's
+  word-level vocabulary (smaller, so no other check objects): refused, naming the field and
+  the checkpoint's own tokenizer.json."""
+  llama = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tiny_llama3")
+  cfg = tiny_config(**{"init.actor_checkpoint": llama})
+  with pytest.raises(ValueError, match=r"config\.init\.tokenizer is empty but config\.init\."
+                                       r"actor_checkpoint=.*set config\.init\.tokenizer to its "
+                                       r"own, '.*tiny_llama3/tokenizer\.json'"):
+    build.build_task_and_tokenizer(cfg)
+  tok = os.path.join(llama, "tokenizer.json")
+  _, tokenizer = build.build_task_and_tokenizer(tiny_config(**{"init.actor_checkpoint": llama,
+                                                               "init.tokenizer": tok}))
+  assert tokenizer.vocab_size > 22
+
+
 @pytest.mark.parametrize("field", ["init.tokenizer", "data.prompts_file", "data.val_file",
                                    "init.actor_checkpoint", "init.critic_checkpoint",
                                    "reward.model_checkpoint"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Optional
 
 import jax
@@ -44,6 +45,19 @@ def build_task_and_tokenizer(cfg: TrainConfig):
                              length_max=d.length_max, length_mu=d.length_mu,
                              length_sigma=d.length_sigma)
   tokenizer: Tokenizer = task.tokenizer
+  # (A checkpoint path that does not exist is named later, by resolve_config.)
+  if cfg.init.actor_checkpoint and not cfg.init.tokenizer and os.path.exists(
+      cfg.init.actor_checkpoint):
+    # The task's own word-level vocabulary would pass every check (it is smaller) and feed a
+    # real model ids that mean other tokens in its vocabulary, stopping on the wrong EOS.
+    beside = os.path.join(cfg.init.actor_checkpoint, "tokenizer.json")
+    hint = (f"its own, {beside!r}" if os.path.isfile(beside) else
+            "the tokenizer.json the checkpoint was trained with")
+    raise ValueError(
+        f"config.init.tokenizer is empty but config.init.actor_checkpoint="
+        f"{cfg.init.actor_checkpoint!r} is set: the task's {task.tokenizer.vocab_size}-token "
+        f"vocabulary would give the model ids of other tokens; set config.init.tokenizer to "
+        f"{hint}")
   if cfg.init.tokenizer:
     tokenizer = _field("init.tokenizer", cfg.init.tokenizer, HFTokenizer.from_file)
   return task, tokenizer
