@@ -1,5 +1,6 @@
 """The PPO loop: sharded == single device, critic-free estimators, config errors. (Resume
 exactness: tests/test_faults.py.)"""
+import dataclasses
 import os
 
 import jax
@@ -289,6 +290,22 @@ def test_a_reward_model_takes_the_runs_context_and_numerics(tmp_path):
   assert (got.head, got.max_seq_len, got.dtype, got.attention, got.remat) == (
       "scalar", cfg.model.max_seq_len, "bfloat16", "reference", "none")
   assert got.hidden_size == hf["hidden_size"] and got.num_layers == hf["num_hidden_layers"]
+
+
+def test_top_k_beyond_the_vocabulary_is_refused_before_anything_is_built():
+  """The vocabulary is the tokenizer's, known once the config is resolved: validate names
+  config.rollout.top_k (the sampler's own check came after the models were built and named a
+  'sampling.top_k' the user never set)."""
+  from rlhfuse_jax.trainer.validate import validate
+  cfg = tiny_config(**{"rollout.top_k": 100000})
+  _, tokenizer = build.build_task_and_tokenizer(cfg)
+  cfg = build.resolve_config(cfg, tokenizer)
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
+  with pytest.raises(ValueError, match=rf"config\.rollout\.top_k=100000 exceeds the actor's "
+                                       rf"vocabulary \(model\.vocab_size={tokenizer.vocab_size}\)"):
+    validate(cfg, mesh)
+  validate(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout,
+                                                                top_k=tokenizer.vocab_size)), mesh)
 
 
 def test_a_checkpoint_without_its_tokenizer_is_refused():

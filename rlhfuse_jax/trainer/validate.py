@@ -43,6 +43,9 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                  cfg.algo.gradient_sync)
   elif cfg.algo.microbatch_size:
     ppo.microbatch_count(cfg.algo, cfg.algo.minibatch_size, mult)  # the update's own check
+  if cfg.rollout.top_k > cfg.model.vocab_size:
+    raise ValueError(f"config.rollout.top_k={cfg.rollout.top_k} exceeds the actor's vocabulary "
+                     f"(model.vocab_size={cfg.model.vocab_size}); 0 samples from all of it")
   context = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
   models = [("config.model", cfg.model)]
   if adv_lib.needs_critic(cfg.algo.estimator):
