@@ -97,6 +97,24 @@ def test_float_answers_read_back_as_written(tmp_path):
     load_records(_jsonl(tmp_path / "d.jsonl", rows))
 
 
+def test_nested_float32_and_decimal_answers_read_back_as_written(tmp_path):
+  """verl's layout nests the answer (reward_model.ground_truth): a float32 there is '0.1' as at
+  the top level, and a decimal column is a number ('2.50' -> '2.5'), not a refused type."""
+  import decimal
+  gt = pa.array([0.1, 2.5, None], pa.float32())
+  table = pa.table({
+      "prompt": ["a", "b", "c"],
+      "reward_model": pa.StructArray.from_arrays([gt, pa.array(["x", "y", "z"])],
+                                                 names=["ground_truth", "style"]),
+      "dec": pa.array([decimal.Decimal("2.50"), decimal.Decimal("100"), decimal.Decimal("-0.01")],
+                      pa.decimal128(6, 2))})
+  path = str(tmp_path / "d.parquet")
+  pq.write_table(table, path)
+  assert [r.get("target") for r in load_records(path, answer_key="reward_model.ground_truth")
+          ] == ["0.1", "2.5", None]
+  assert [r["target"] for r in load_records(path, answer_key="dec")] == ["2.5", "100", "-0.01"]
+
+
 def test_lookup_prefers_a_literal_dotted_key():
   row = {"a.b": 1, "a": {"b": 2, "c": {"d": 3}}}
   assert lookup(row, "a.b") == 1 and lookup(row, "a.c.d") == 3

@@ -18,6 +18,7 @@ gets three more:
 """
 from __future__ import annotations
 
+import decimal
 import os
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -45,14 +46,22 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
     except Exception as e:  # noqa: BLE001 pyarrow raises several types for a bad file
       raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
     rows = table.to_pylist()
-    # to_pylist widens float32 to a Python float (0.1 -> 0.10000000149011612): top-level
-    # float16/32 columns keep their numpy scalars, so an answer reads back as written.
+    # to_pylist widens float32 to a Python float (0.1 -> 0.10000000149011612): float16/32
+    # fields, top-level or nested in structs (verl's reward_model.ground_truth), keep their
+    # numpy scalars, so an answer reads back as written.
+    def narrow(path, arr):
+      if pa.types.is_struct(arr.type):
+        for i in range(arr.type.num_fields):
+          narrow(path + (arr.type.field(i).name,), arr.field(i))
+      elif arr.type in (pa.float16(), pa.float32()):
+        for row, value in zip(rows, arr.to_numpy(zero_copy_only=False)):
+          *parents, last = path
+          for part in parents:
+            row = row.get(part) if isinstance(row, dict) else None
+          if isinstance(row, dict) and row.get(last) is not None:
+            row[last] = value
     for name in table.column_names:
-      dtype = table.schema.field(name).type
-      if dtype in (pa.float16(), pa.float32()):
-        for row, value in zip(rows, table.column(name).to_numpy(zero_copy_only=False)):
-          if row[name] is not None:
-            row[name] = value
+      narrow((name,), table.column(name).combine_chunks())
     for i, row in enumerate(rows):
       yield f"{path}:row {i}", row
     return
@@ -112,6 +121,11 @@ def _answer_text(answer: Any, where_: str, key: str) -> str:
     if float(answer).is_integer():
       return str(int(answer))
     return np.format_float_positional(answer, unique=True, trim="-")
+  if isinstance(answer, decimal.Decimal):  # a parquet decimal column
+    if not answer.is_finite():
+      raise ValueError(f"{where_}: answer field '{key}' is {answer}; expected a finite number "
+                       "(or none: a missing answer)")
+    return format(answer.normalize(), "f")
   raise ValueError(f"{where_}: answer field '{key}' must be a string or a number, got "
                    f"{type(answer).__name__}")
 
