@@ -286,6 +286,15 @@ def test_a_reward_model_takes_the_runs_context_and_numerics(tmp_path):
     json.dump(hf, f)
   cfg = tiny_config(**{"reward.kind": "model", "reward.model_checkpoint": rm,
                        "model.dtype": "bfloat16", "model.attention": "reference"})
+  # The fixture is a language model: no trained scalar head, refused (the loader would draw a
+  # random one), before anything is built.
+  with pytest.raises(ValueError, match=r"config\.reward\.model_checkpoint=.* has no "
+                                       r"score\.weight: a reward model needs its trained"):
+    build.reward_model_config(cfg)
+  import safetensors.numpy
+  weights = safetensors.numpy.load_file(os.path.join(rm, "model.safetensors"))
+  weights["score.weight"] = np.zeros((1, hf["hidden_size"]), np.float32)
+  safetensors.numpy.save_file(weights, os.path.join(rm, "model.safetensors"))
   got = build.reward_model_config(cfg)
   assert (got.head, got.max_seq_len, got.dtype, got.attention, got.remat) == (
       "scalar", cfg.model.max_seq_len, "bfloat16", "reference", "none")

@@ -284,6 +284,17 @@ def _named(path: str):
     raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from e
 
 
+def max_positions(ckpt_dir: str) -> int:
+  """config.json's max_position_embeddings (2048 when absent, as config_from_hf reads it)."""
+  return int(_read_json(os.path.join(ckpt_dir, CONFIG_FILE)).get("max_position_embeddings",
+                                                                  2048))
+
+
+def tensor_names(ckpt_dir: str) -> set[str]:
+  """The tensor names of a safetensors checkpoint directory (headers only; nothing is read)."""
+  return _Checkpoint(ckpt_dir).names()
+
+
 class _Checkpoint:
   """Tensor name -> safetensors file of a checkpoint directory (single file or sharded)."""
 

@@ -151,13 +151,24 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
 
 def reward_model_config(cfg: TrainConfig) -> Optional[ModelConfig]:
   """The reward model's shape (reward.kind='model'), from its checkpoint's config.json, with
-  the run's own RUN_MODEL_FIELDS of config.model as the actor's: its numerics and attention,
-  and the run's context (max_seq_len), so that a checkpoint advertising more positions than
-  it can attend over (Mistral v0.1's sliding window) loads for a run that fits the window."""
+  the run's numerics and attention (config.model's, as the actor's). Its max_seq_len is the
+  smaller of its own positions and the run's, so that a checkpoint advertising more positions
+  than it attends over (Mistral v0.1's sliding window) loads for a run that fits the window,
+  and one with fewer is still refused by validate for a longer run."""
   if cfg.reward.kind != "model":
     return None
-  return checkpoint_config(cfg.reward.model_checkpoint, cfg.model, "reward.model_checkpoint",
-                           head="scalar", remat="none")
+  path = cfg.reward.model_checkpoint
+  positions = _field("reward.model_checkpoint", path, hf_loader.max_positions)
+  model = checkpoint_config(path, cfg.model, "reward.model_checkpoint", head="scalar",
+                            remat="none", max_seq_len=min(positions, cfg.model.max_seq_len))
+  # A reward model is its trained scalar head: without one (a *ForCausalLM, the policy's own
+  # directory) the loader would draw a random head and PPO would optimise a random projection.
+  if "score.weight" not in _field("reward.model_checkpoint", path, hf_loader.tensor_names):
+    raise ValueError(
+        f"config.reward.model_checkpoint={path!r} has no score.weight: a reward model needs "
+        "its trained scalar head (a *ForSequenceClassification checkpoint with num_labels=1), "
+        "not a language model's")
+  return model
 
 
 @dataclasses.dataclass
@@ -206,9 +217,10 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
     critic = place(critic, cfg.critic_model)
   reward_cfg, reward_params = reward_model_config(cfg), None
   if reward_cfg is not None:
-    reward_params = place(hf_loader.load_hf_params(
-        cfg.reward.model_checkpoint, reward_cfg, head="scalar", rng=jax.random.fold_in(key, 3)),
-                          reward_cfg)
+    # No rng: a checkpoint without its score head is an error (reward_model_config), never a
+    # random one.
+    reward_params = place(hf_loader.load_hf_params(cfg.reward.model_checkpoint, reward_cfg,
+                                                   head="scalar"), reward_cfg)
   return Models(actor=actor, critic=critic, reference=jax.tree.map(jnp.copy, actor),
                 reward_cfg=reward_cfg, reward_params=reward_params)
 
