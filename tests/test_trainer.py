@@ -154,6 +154,10 @@ def test_unknown_field_is_rejected():
     ({"model.max_seq_len": 10}, {"data": 8},
      r"max_new_tokens = 14 exceeds the max_seq_len=10 of config\.model:"),
     ({"critic_model.max_seq_len": 10}, {"data": 8}, r"max_seq_len=10 of config\.critic_model"),
+    # With a checkpoint the context is still the config's field, which the error names.
+    ({"critic_model.max_seq_len": 10, "init.critic_checkpoint": os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "fixtures", "tiny_llama3")}, {"data": 8},
+     r"max_seq_len=10 of config\.critic_model: a prompt"),
     ({"algo.estimator": "grpo", "rollout.samples_per_prompt": 2}, {"data": 4, "stage": 2},
      r"config\.algo\.estimator='grpo' trains no critic"),
     ({}, {"data": 4, "stage": 2}, r"config\.model\.num_layers=1 must be divisible by its "

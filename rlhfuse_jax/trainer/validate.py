@@ -47,23 +47,27 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     raise ValueError(f"config.rollout.top_k={cfg.rollout.top_k} exceeds the actor's vocabulary "
                      f"(model.vocab_size={cfg.model.vocab_size}); 0 samples from all of it")
   context = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-  models = [("config.model", cfg.model)]
+  # (where its vocabulary comes from, where its max_seq_len comes from, the model): a
+  # checkpoint sets the architecture, but the actor's and critic's context is the config's
+  # (build.RUN_MODEL_FIELDS); a reward model's is capped by its own positions.
+  models = [("config.model", "config.model", cfg.model)]
   if adv_lib.needs_critic(cfg.algo.estimator):
     models.append((f"config.init.critic_checkpoint={cfg.init.critic_checkpoint!r}"
-                   if cfg.init.critic_checkpoint else "config.critic_model", cfg.critic_model))
+                   if cfg.init.critic_checkpoint else "config.critic_model",
+                   "config.critic_model", cfg.critic_model))
   reward_cfg = build.reward_model_config(cfg)
   if reward_cfg is not None:
-    models.append((f"config.reward.model_checkpoint={cfg.reward.model_checkpoint!r}",
-                   reward_cfg))
-  for name, model in models:
+    rm = f"config.reward.model_checkpoint={cfg.reward.model_checkpoint!r}"
+    models.append((rm, rm, reward_cfg))
+  for vocab_name, context_name, model in models:
     if model.vocab_size < cfg.model.vocab_size:
-      raise ValueError(f"{name} embeds vocab_size={model.vocab_size} tokens but the actor "
+      raise ValueError(f"{vocab_name} embeds vocab_size={model.vocab_size} tokens but the actor "
                        f"(config.model) generates ids up to {cfg.model.vocab_size - 1}: every "
                        "model reads the actor's token ids")
     if context > model.max_seq_len:
       raise ValueError(f"config.data.max_prompt_len + config.rollout.max_new_tokens = {context} "
-                       f"exceeds the max_seq_len={model.max_seq_len} of {name}: a prompt and its "
-                       "response must fit every model's context")
+                       f"exceeds the max_seq_len={model.max_seq_len} of {context_name}: a prompt "
+                       "and its response must fit every model's context")
   if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
     pipelined.check_config(cfg, mesh)
   try:
