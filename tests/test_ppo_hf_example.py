@@ -163,7 +163,13 @@ def test_export_family_and_refusals(tmp_path):
                                      "tokenizer.json"]  # unmarked: no step given
   assert hooks.exported_step(out) is None
   with open(os.path.join(out, "config.json")) as f:
-    assert json.load(f)["architectures"] == ["MistralForCausalLM"]
+    exported = json.load(f)
+  with open(os.path.join(mistral, "config.json")) as f:
+    source = json.load(f)
+  assert exported["architectures"] == ["MistralForCausalLM"]
+  # The model's own fields come from the source: its positions and its special ids.
+  for k in hooks.SOURCE_CONTEXT_FIELDS:
+    assert exported.get(k) == source.get(k), k
   src, dst = _tensors(mistral), _tensors(out)
   assert sorted(src) == sorted(dst) and all(np.array_equal(src[k], dst[k]) for k in src)
   # Without a source checkpoint "auto" is the shape's family.

@@ -245,10 +245,13 @@ def export_family(cfg: TrainConfig) -> Optional[str]:
   return None
 
 
-# config.json fields the run may set for itself (a shorter model.max_seq_len for training) that
-# describe the model, not the run: an export keeps the source checkpoint's values, so it loads
-# as the same model (a 1B Llama 3.2 still advertises its 131072 positions, a Mistral its window).
-SOURCE_CONTEXT_FIELDS = ("max_position_embeddings", "sliding_window")
+# config.json fields that describe the model, not the run: the run may set its own context (a
+# shorter model.max_seq_len for training) and never writes the special ids, so an export keeps
+# the source checkpoint's values and loads as the same model (a 1B Llama 3.2 still advertises
+# its 131072 positions, a Mistral its window; without them transformers reads bos 1 / eos 2,
+# which are other tokens in Llama 3's vocabulary).
+SOURCE_CONTEXT_FIELDS = ("max_position_embeddings", "sliding_window", "bos_token_id",
+                         "eos_token_id", "pad_token_id")
 
 
 def _keep_source_context(source_dir: str, config_path: str) -> None:
