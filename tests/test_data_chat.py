@@ -108,6 +108,21 @@ def test_named_templates_strftime_and_errors(tmp_path):
     ChatTemplate.load(str(tmp_path / "evil.jinja")).render("hi")
 
 
+def test_generation_blocks_render_their_body(tmp_path):
+  """Templates written for assistant-only losses (TRL) mark the assistant's text with
+  {% generation %}; transformers renders the body unchanged (its AssistantTracker), so do we
+  (the text here is what transformers 5.24 renders for it)."""
+  (tmp_path / "t.jinja").write_text(
+      "{% for m in messages %}<|{{ m.role }}|>{% if m.role == 'assistant' %}{% generation %}"
+      "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
+      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+  template = ChatTemplate.load(str(tmp_path / "t.jinja"), os.path.join(CHAT, "headers"))
+  messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+              {"role": "user", "content": "2+2?"}]
+  # (trim_blocks, as in transformers, drops the newline after each {% endif %})
+  assert template.render(messages) == "<|user|>Hi<|assistant|>Hello<|user|>2+2?<|assistant|>"
+
+
 def test_render_prompts_names_the_row(tmp_path):
   """render_prompts: chat text under PROMPT_TEXT_KEY; without a template a list of messages is
   an error naming the row; a template's raise_exception names the row and the template."""

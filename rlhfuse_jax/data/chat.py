@@ -95,11 +95,26 @@ class _TemplateDict:
     return dict.fromkeys(*args, **kwargs)
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+  """`{% generation %}...{% endgeneration %}`: marks the assistant's text in templates written
+  for assistant-only losses (TRL). transformers records the marked span; rendering a prompt
+  needs only the body, which this writes unchanged."""
+  tags = {"generation"}
+
+  def parse(self, parser):
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+  def _body(self, caller):
+    return caller()
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
   """The environment transformers compiles chat templates in (templates are untrusted code
   from the Hub: sandboxed, immutable)."""
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[jinja2.ext.loopcontrols])
+                                      extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_exception
   env.globals["strftime_now"] = _strftime_now
