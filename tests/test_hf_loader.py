@@ -345,6 +345,17 @@ def test_sliding_window_only_rejected_when_it_bites():
   assert hf_loader.config_from_hf(qwen3, max_seq_len=64).qk_norm
 
 
+def test_qwen3_without_head_dim_takes_transformers_default():
+  """Qwen3Config's head_dim defaults to 128 (not hidden / heads, as LLaMA's): a config.json
+  that omits it describes 128-wide heads."""
+  with open(os.path.join(QWEN2, "config.json")) as f:
+    hf = dict(json.load(f), architectures=["Qwen3ForCausalLM"])
+  hf.pop("head_dim", None)
+  cfg = hf_loader.config_from_hf(hf)
+  assert cfg.head_dim_ == 128 != hf["hidden_size"] // hf["num_attention_heads"]
+  assert hf_loader.config_from_hf(dict(hf, head_dim=8)).head_dim_ == 8
+
+
 def test_mistral_window_binds_on_every_layer_unless_it_covers_max_seq_len():
   with open(os.path.join(MISTRAL, "config.json")) as f:
     hf = json.load(f)
@@ -355,6 +366,11 @@ def test_mistral_window_binds_on_every_layer_unless_it_covers_max_seq_len():
                                        r"\(model_type mistral\).*max_seq_len=256"):
     hf_loader.config_from_hf(dict(hf, sliding_window=128))
   assert hf_loader.config_from_hf(dict(hf, sliding_window=128), max_seq_len=128).max_seq_len == 128
+  # Absent (not null), transformers' MistralConfig defaults the window to 4096, and so do we.
+  absent = {k: v for k, v in hf.items() if k != "sliding_window"}
+  with pytest.raises(ValueError, match=r"sliding_window=4096 is used by layers \[0, 1\]"):
+    hf_loader.config_from_hf(absent, max_seq_len=8192)
+  assert hf_loader.config_from_hf(absent, max_seq_len=4096).max_seq_len == 4096
   # LLaMA has no sliding window: a stray field does not change its attention in HF either.
   with open(os.path.join(LLAMA, "config.json")) as f:
     assert hf_loader.config_from_hf(dict(json.load(f), sliding_window=8)).max_seq_len == 256

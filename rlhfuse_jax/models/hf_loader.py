@@ -158,13 +158,25 @@ def _sliding_layers(hf: dict[str, Any], family: str, num_layers: int) -> list[in
   if family == "llama":
     return []
   if family == "mistral":
-    return list(range(num_layers)) if hf.get("sliding_window") is not None else []
+    return list(range(num_layers)) if _window(hf, family) is not None else []
   if hf.get("layer_types") is not None:
     return [i for i, t in enumerate(hf["layer_types"]) if t != "full_attention"]
   if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
     first = int(hf.get("max_window_layers", 0) or 0)
     return list(range(first, num_layers))
   return []
+
+
+# transformers' defaults for keys a config.json may omit, where they differ from "none":
+# MistralConfig(sliding_window=4096), Qwen3Config(head_dim=128). (An explicit null is kept.)
+_MISTRAL_DEFAULT_WINDOW = 4096
+_QWEN3_DEFAULT_HEAD_DIM = 128
+
+
+def _window(hf: dict[str, Any], family: str) -> Optional[int]:
+  if family == "mistral" and "sliding_window" not in hf:
+    return _MISTRAL_DEFAULT_WINDOW
+  return hf.get("sliding_window")
 
 
 def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) -> llama.ModelConfig:
@@ -191,7 +203,10 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
   else:  # LLaMA and Qwen3: attention_bias puts biases on q, k, v and o
     qkv_bias = o_bias = bool(hf.get("attention_bias", False))
   num_heads = int(hf["num_attention_heads"])
-  head_dim = int(hf.get("head_dim") or 0)
+  if family == "qwen3" and "head_dim" not in hf:
+    head_dim = _QWEN3_DEFAULT_HEAD_DIM
+  else:
+    head_dim = int(hf.get("head_dim") or 0)
   if head_dim * num_heads == int(hf["hidden_size"]):
     head_dim = 0  # canonical form: ModelConfig derives it, so configs compare equal
   fields = dict(
@@ -220,7 +235,7 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
   fields.update(overrides)
   cfg = llama.ModelConfig(**fields)
   sliding = _sliding_layers(hf, family, cfg.num_layers)
-  window = hf.get("sliding_window")
+  window = _window(hf, family)
   # A window at least as long as any sequence we run is plain causal attention: HF lets query
   # q see keys k > q - window, so with max_seq_len <= window every earlier key stays visible.
   if sliding and window is not None and int(window) < cfg.max_seq_len:
