@@ -239,6 +239,33 @@ def test_a_failed_batch_leaves_no_thread(one_device, runs, monkeypatch):
   assert threading.active_count() == before
 
 
+def test_no_actor_copy_outlives_generation(one_device, runs, monkeypatch):
+  """Once the instances stop decoding, their actor copies are gone before inference drains:
+  the freed instances score with the frozen models only (what the planner's memory check
+  counts). The run used to keep every copy to the end of the batch."""
+  import gc
+  import weakref
+  gen, actor, params = one_device
+  (tokens, lens, budgets), _, _, _ = runs
+  copies, alive = [], []
+  place = FusedGenerator.place_actor
+
+  def recording_place(self, p):
+    out = place(self, p)
+    copies.extend(weakref.ref(x) for i in self.local for x in jax.tree.leaves(out[i]))
+    return out
+  drain = fused.InferenceQueue.drain
+
+  def checking_drain(self):
+    gc.collect()
+    alive.append(sum(r() is not None for r in copies))
+    return drain(self)
+  monkeypatch.setattr(FusedGenerator, "place_actor", recording_place)
+  monkeypatch.setattr(fused.InferenceQueue, "drain", checking_drain)
+  gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=True, rt=0.5)
+  assert len(copies) == 4 * len(jax.tree.leaves(actor)) and alive == [0]
+
+
 def test_prompt_ids_outside_the_vocabulary_are_refused(one_device):
   gen, actor, params = one_device
   tokens, lens, budgets = batch(16, 0)

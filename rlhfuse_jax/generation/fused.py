@@ -358,6 +358,7 @@ class FusedGenerator:
       rt, choice = self.choose_rt(plens, auto=auto)
     run = _Run(self, actor_params, frozen_params, tokens, plens, uids, budgets,
                sampling_lib.as_typed_key(iteration_key), fuse, rt, place_s)
+    del actor_params  # the run holds the instances' copies, and lets each go when it is done
     out = run.execute()
     out.rt_choice = choice
     self.lengths.add(out.rollout.response_lens)
@@ -778,6 +779,10 @@ class _Run:
     b, k = gen.batch_size, gen.sampling.chunk_size
     mine = {i: gen.instances[i] for i in gen.local}
     params = {i: inst.place(gen.cfg, self.actor_params) for i, inst in mine.items()}
+    # From here `params` holds the only references to the instances' actor copies: an instance
+    # done decoding drops its copy before it scores (the frozen models take that memory; the
+    # planner's inference memory check, sim/iteration_sim.py, counts no actor there).
+    self.actor_params = None
     keys = {i: jax.device_put(self.key, inst.rep) for i, inst in mine.items()}
     place_s = self.place_s
     self.log = log = ActivityLog(cfg.num_instances)
@@ -817,6 +822,8 @@ class _Run:
         raise RuntimeError("unfinished samples but no instance decoding them (a bug)")
       ran = list(self.active)
       rounds += 1
+      for i in idle:
+        params.pop(i, None)  # decodes no more
       if self.fuse:
         # After the decode dispatch, so that loading weights never delays the tail.
         for i in idle:
