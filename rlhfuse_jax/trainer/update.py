@@ -134,7 +134,9 @@ def make_update(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, use_critic: bool,
                                                        o.min_lr_ratio, o.weight_decay,
                                                        o.grad_clip, **decay_mask))
   # Log-probs use the sampling temperature, as generation's behaviour log-probs do (rollouts
-  # always sample: rollout.temperature > 0), so the first epoch's PPO ratio is exactly 1.
+  # always sample: rollout.temperature > 0), both over the whole vocabulary (before top-k /
+  # top-p), so the first epoch's PPO ratio is 1 up to the rounding between generation's
+  # program and the update's (~1e-5 in float32, a few 1e-2 in bfloat16: far inside the clip).
   args = (cfg.model, cfg.critic_model, cfg.algo, cfg.rollout.temperature, txs["actor"],
           txs.get("critic"))
   if is_pipelined:
