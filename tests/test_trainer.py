@@ -321,6 +321,27 @@ def test_top_k_beyond_the_vocabulary_is_refused_before_anything_is_built():
                                                                 top_k=tokenizer.vocab_size)), mesh)
 
 
+def test_a_scalar_head_checkpoint_is_refused_as_the_actor(tmp_path):
+  """A *ForSequenceClassification (a reward model's directory) as init.actor_checkpoint was
+  accepted by validate and failed in the build asking for an rng."""
+  import json
+  import shutil
+  llama = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tiny_llama3")
+  rm = str(tmp_path / "rm")
+  shutil.copytree(llama, rm)
+  with open(os.path.join(rm, "config.json")) as f:
+    hf = json.load(f)
+  hf["architectures"] = ["LlamaForSequenceClassification"]
+  with open(os.path.join(rm, "config.json"), "w") as f:
+    json.dump(hf, f)
+  cfg = tiny_config(**{"init.actor_checkpoint": rm,
+                       "init.tokenizer": os.path.join(rm, "tokenizer.json")})
+  _, tokenizer = build.build_task_and_tokenizer(cfg)
+  with pytest.raises(ValueError, match=r"config\.init\.actor_checkpoint=.* is a "
+                                       r"\*ForSequenceClassification"):
+    build.resolve_config(cfg, tokenizer)
+
+
 def test_a_checkpoint_without_its_tokenizer_is_refused():
   """init.actor_checkpoint with init.tokenizer empty would pair a real model with the task's
   word-level vocabulary (smaller, so no other check objects): refused, naming the field and

@@ -135,6 +135,11 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
   cfg = cfg.with_vocab(tokenizer.vocab_size)
   if cfg.init.actor_checkpoint:
     model = checkpoint_config(cfg.init.actor_checkpoint, cfg.model)
+    if model.head != "lm":
+      raise ValueError(
+          f"config.init.actor_checkpoint={cfg.init.actor_checkpoint!r} is a "
+          "*ForSequenceClassification (a scalar head, a reward model's or a critic's): the "
+          "actor needs a language model, a *ForCausalLM checkpoint")
     if tokenizer.vocab_size > model.vocab_size:
       raise ValueError(
           f"the tokenizer has {tokenizer.vocab_size} tokens but config.init.actor_checkpoint="
