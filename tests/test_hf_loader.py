@@ -221,6 +221,10 @@ def test_legacy_config_fields_map_the_same():
   assert (old.head_dim_, old.num_kv_heads) == (16, 4)
   biased = hf_loader.config_from_hf(dict(hf, attention_bias=True))
   assert biased.qkv_bias and biased.o_bias
+  # A null "dtype" beside a "torch_dtype" does not hide it; errors name the key that was read.
+  assert hf_loader.config_from_hf(dict(hf, dtype=None, torch_dtype="bfloat16")).dtype == "bfloat16"
+  with pytest.raises(ValueError, match=r": dtype='float8'; expected one of"):
+    hf_loader.config_from_hf(dict(hf, dtype="float8"))
 
 
 def test_sharded_index_is_used_and_missing_shard_is_named(tmp_path):

@@ -193,9 +193,11 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
     raise ValueError(f"{where}: hidden_act={act!r} is not supported; expected 'silu' (SwiGLU)")
   if hf.get("mlp_bias"):
     raise ValueError(f"{where}: mlp_bias=true is not supported (our MLP has no biases)")
-  dtype_name = hf.get("dtype", hf.get("torch_dtype")) or "float32"
+  # transformers 5 writes "dtype", 4 "torch_dtype"; a null one does not hide the other.
+  key = "dtype" if hf.get("dtype") is not None else "torch_dtype"
+  dtype_name = hf.get(key) or "float32"
   if dtype_name not in _NP_DTYPES:
-    raise ValueError(f"{where}: torch_dtype={dtype_name!r}; expected one of {list(_NP_DTYPES)}")
+    raise ValueError(f"{where}: {key}={dtype_name!r}; expected one of {list(_NP_DTYPES)}")
   if family == "qwen2":
     qkv_bias, o_bias = True, False
   elif family == "mistral":  # MistralAttention has no biases whatever the config says
