@@ -54,8 +54,9 @@ def test_nonfinite_params_stop_the_run_and_keep_the_last_finite_checkpoint(tmp_p
   trainer = PPOTrainer(cfg, str(tmp_path))
   _poison_update(trainer, 12, "params")
   with pytest.raises(loop.NonFiniteError, match=r"iteration 3: .*actor parameters.*last "
-                                                 r"checkpoint \(2\) is kept, .*a resume "
-                                                 r"refuses a changed one. In a new --workdir"):
+                                                 r"checkpoint \(2\) is kept, .*resume "
+                                                 r"naming them in config\.checkpoint\."
+                                                 r"resume_changes"):
     trainer.run()
   assert _steps(str(tmp_path)) == [1, 2]  # nothing of iteration 3 written
   again = PPOTrainer(cfg, str(tmp_path))  # keep=1 did not rotate the finite one away
@@ -127,6 +128,28 @@ def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path):
   ok = PPOTrainer(tiny_config(**{"num_iterations": 3, "log_every": 2, "checkpoint.every": 3}),
                   str(tmp_path))
   assert [h["step"] for h in ok.run()] == [3]
+  # A hyper-parameter named in checkpoint.resume_changes may change (the NaN guard's advice:
+  # continue with a lower learning rate); the others are still refused.
+  lower = {"num_iterations": 4, "optim.actor_lr": 5e-4}
+  with pytest.raises(ValueError, match=r"optim\.actor_lr: 0\.003 -> 0\.0005.*config\.checkpoint"
+                                       r"\.resume_changes"):
+    PPOTrainer(tiny_config(**lower), str(tmp_path))
+  with pytest.raises(ValueError, match=r"config\.checkpoint\.resume_changes='model\.num_layers': "
+                                       r"expected comma-separated fields of"):
+    tiny_config(**{"checkpoint.resume_changes": "model.num_layers"})
+  with pytest.raises(ValueError, match=r"rollout\.max_new_tokens: 6 -> 5"):
+    PPOTrainer(tiny_config(**lower, **{"rollout.max_new_tokens": 5,
+                                       "checkpoint.resume_changes": "optim.actor_lr"}),
+               str(tmp_path))
+  resumed = PPOTrainer(tiny_config(**lower, **{"checkpoint.resume_changes": "optim.actor_lr"}),
+                       str(tmp_path))
+  assert [h["step"] for h in resumed.run()] == [4]
+  rows = wd.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  # Past the first start's horizon (2 iterations x 4 updates) the LR sits on its floor:
+  # min_lr_ratio (0.1) of the peak, now the new one.
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  assert rows[2]["actor/lr"] == pytest.approx(3e-3 * 0.1)
+  assert rows[3]["actor/lr"] == pytest.approx(5e-4 * 0.1)
 
 
 def test_raising_num_iterations_continues_the_lr_schedule(tmp_path):

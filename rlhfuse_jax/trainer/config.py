@@ -410,8 +410,21 @@ class CheckpointConfig:
   # transformers and init.actor_checkpoint load. "": none; "auto": the family of
   # init.actor_checkpoint's config.json (else the one the model's shape implies); or a family.
   export_hf: str = ""
+  # Comma-separated fields this start may change against the checkpoints' config, from
+  # RESUME_CHANGEABLE (hyper-parameters that leave the saved state's layout as it is): e.g.
+  # "optim.actor_lr,optim.grad_clip" to continue a run the NaN guard stopped with a lower
+  # learning rate. Each change is logged; later checkpoints record the new values.
+  resume_changes: str = ""
+
+  @property
+  def resume_changes_set(self) -> frozenset:
+    return frozenset(x.strip() for x in self.resume_changes.split(",") if x.strip())
 
   def __post_init__(self):
+    _check(isinstance(self.resume_changes, str) and
+           self.resume_changes_set <= RESUME_CHANGEABLE, "checkpoint.resume_changes",
+           self.resume_changes, f"comma-separated fields of {sorted(RESUME_CHANGEABLE)} (others "
+           "change the saved state's layout or what the checkpoints mean: start a new --workdir)")
     _check(self.every > 0, "checkpoint.every", self.every, "> 0")
     _check(self.keep > 0, "checkpoint.keep", self.keep, "> 0")
     _check(self.export_hf in EXPORT_HF_CHOICES, "checkpoint.export_hf", self.export_hf,
@@ -554,9 +567,19 @@ SECTIONS = {
 
 # Fields that do not change what a resumed run computes: how long it runs, how often it logs
 # and saves, what it does when a checkpoint or a value goes bad.
+# Fields a resume may change when checkpoint.resume_changes names them: they change the
+# trajectory from the restored iteration on, but not the layout of the saved state (the
+# optimizer's chain is the same for any value: grad_clip stays > 0, the decay mask is fixed).
+RESUME_CHANGEABLE = frozenset({
+    "optim.actor_lr", "optim.critic_lr", "optim.grad_clip", "optim.weight_decay",
+    "optim.min_lr_ratio", "algo.clip_eps", "algo.value_clip_eps", "algo.vf_coef",
+    "algo.entropy_coef", "algo.kl_coef",
+})
+
 RESUMABLE_FIELDS = frozenset({
     "num_iterations", "log_every", "checkpoint.every", "checkpoint.keep", "checkpoint.fallback",
     "checkpoint.export_hf",  # written after the last iteration; the trajectory is the same
+    "checkpoint.resume_changes",  # what it allows is checked field by field (hooks.py)
     "guard.max_consecutive_skips", "pipeline.schedule_cache_dir",
     # The validation pass reads the policy and its own prompts; training never sees them.
     "eval_every", "data.val_file", "data.val_max_prompts",

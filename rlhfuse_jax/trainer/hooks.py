@@ -167,12 +167,19 @@ class Checkpoints(Hook):
                       meta.get("iteration"))
       return
     changes = config_lib.fingerprint_changes(saved, self.fingerprint)
+    allowed = self.cfg.checkpoint.resume_changes_set
+    for change in [c for c in changes if c.split(":")[0] in allowed]:
+      logging.warning("resuming iteration %s with a changed %s (config.checkpoint."
+                      "resume_changes)", meta.get("iteration"), change)
+    changes = [c for c in changes if c.split(":")[0] not in allowed]
     if changes:
       raise ValueError(
           f"this config differs from the one that wrote the checkpoints in "
           f"{self.checkpointer.directory} (iteration {meta.get('iteration')}) in fields that "
-          f"change the run: " + "; ".join(changes) + ". Resume with the original values, or "
-          f"start a new --workdir (fields a resume may change: "
+          f"change the run: " + "; ".join(changes) + ". Resume with the original values, "
+          f"name the ones of {sorted(config_lib.RESUME_CHANGEABLE)} in "
+          f"config.checkpoint.resume_changes to continue with the new values, or start a new "
+          f"--workdir (fields a resume may change freely: "
           f"{', '.join(sorted(config_lib.RESUMABLE_FIELDS))})")
 
   # ------------------------------------------------------------ restore and save

@@ -605,16 +605,18 @@ class PPOTrainer:
   def _nonfinite(self, iteration: int, what: str) -> NonFiniteError:
     last = self.checkpoints.latest_step()
     guard = self.cfg.guard
-    advice = ("set guard.on_nonfinite='skip_update' to skip such optimizer steps"
+    advice = ("set guard.on_nonfinite='skip_update' to skip such optimizer steps (in a new "
+              "--workdir: it changes the saved optimizer state)"
               if guard.on_nonfinite != "skip_update" else
               f"raise guard.max_consecutive_skips={guard.max_consecutive_skips} (after that many "
               "skipped steps in a row the non-finite update is applied)")
     return NonFiniteError(
         f"iteration {iteration + 1}: non-finite values: {what}. Nothing of this iteration was "
         f"written or saved; the last checkpoint ({'none' if last is None else last}) is kept, "
-        f"but resuming it with this config repeats the same steps, and a resume refuses a "
-        f"changed one. In a new --workdir: lower optim.actor_lr / optim.critic_lr or "
-        f"optim.grad_clip, check the inputs, or {advice}")
+        f"but resuming it with this config repeats the same steps. Lower optim.actor_lr / "
+        f"optim.critic_lr or optim.grad_clip and resume naming them in "
+        f"config.checkpoint.resume_changes (e.g. 'optim.actor_lr'), check the inputs, or "
+        f"{advice}")
 
   def _train_flops_metrics(self, t_train: float, prompt_len: int, max_new: int) -> dict:
     """Training FLOP/s (padded shapes, as executed) and MFU where the device's peak is known."""
