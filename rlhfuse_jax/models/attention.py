@@ -216,11 +216,11 @@ def _unblocks(x, axis):
   return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
 
 
-def _causal_blocks(bq: int, bk: int, nq: int, nk: int, causal: bool) -> list:
-  """Key blocks each query block reads: all nk, or under `causal` (positions are the indices,
-  `positions_are_indices`) those below its last query, ceil((i+1) bq / bk): a tile wholly above
-  the diagonal has every score masked and adds exactly 0 to the row sums and the gradients."""
-  return [min(nk, -(-(i + 1) * bq // bk)) if causal else nk for i in range(nq)]
+def _causal_blocks(bq: int, bk: int, nq: int, nk: int) -> list:
+  """Key blocks each query block reads when the positions are the indices
+  (`positions_are_indices`): those up to its last query, ceil((i+1) bq / bk); a tile wholly
+  above the diagonal has every score masked and adds exactly 0 to the row sums and gradients."""
+  return [min(nk, -(-(i + 1) * bq // bk)) for i in range(nq)]
 
 
 def _flash_fwd_impl(bq, bk, s_len, causal, q, k, v, q_pos, k_pos):
@@ -257,7 +257,7 @@ def _flash_fwd_impl(bq, bk, s_len, causal, q, k, v, q_pos, k_pos):
     return _unblocks(out, 3), _unblocks(m, 3), _unblocks(l, 3)
   # Causal: query block i reads its own key blocks only, a static count per block, so the
   # query blocks are unrolled (nq loops of different lengths; nq = L / block_q is small).
-  parts = [q_block(qs[i], qposs[i], n) for i, n in enumerate(_causal_blocks(bq, bk, nq, nk, True))]
+  parts = [q_block(qs[i], qposs[i], n) for i, n in enumerate(_causal_blocks(bq, bk, nq, nk))]
   return tuple(jnp.concatenate(xs, axis=3) for xs in zip(*parts))
 
 
@@ -320,7 +320,7 @@ def _flash_bwd(bq, bk, s_len, causal, res, dout):
     dq = _unblocks(dqs, 3)
   else:  # unrolled over the query blocks, as in the forward
     dk, dv, dqs = zeros, zeros, []
-    for i, n in enumerate(_causal_blocks(bq, bk, nq, nk, True)):
+    for i, n in enumerate(_causal_blocks(bq, bk, nq, nk)):
       dk, dv, dq_i = q_block(dk, dv, tuple(x[i] for x in xs), n)
       dqs.append(dq_i)
     dq = jnp.concatenate(dqs, axis=3)

@@ -176,13 +176,13 @@ class AlgoConfig:
     # whatever the reference: it would add noise, not pull toward the reference (rl/kl.py).
     _check(self.kl_in_reward or self.kl_coef == 0 or self.kl_estimator != "k1",
            "algo.kl_estimator", self.kl_estimator,
-           "'k3' (GRPO's), 'k2' or 'abs' when the KL is a loss term (algo.kl_in_reward=False): k1's "
-           "gradient does not depend on the reference")
+           "'k3' (GRPO's), 'k2' or 'abs' when the KL is a loss term (algo.kl_in_reward=False): "
+           "k1's gradient does not depend on the reference")
     for name in ("epochs", "minibatch_size"):
       v = getattr(self, name)
       _check(_is_int(v) and v > 0, f"algo.{name}", v, "an integer > 0")
-    _check(_is_int(self.microbatch_size) and self.microbatch_size >= 0, "algo.microbatch_size", self.microbatch_size,
-           "an integer >= 0 (0: no gradient accumulation)")
+    _check(_is_int(self.microbatch_size) and self.microbatch_size >= 0, "algo.microbatch_size",
+           self.microbatch_size, "an integer >= 0 (0: no gradient accumulation)")
     _check(self.gradient_sync in GRADIENT_SYNC_MODES, "algo.gradient_sync", self.gradient_sync,
            f"one of {list(GRADIENT_SYNC_MODES)}")
 
@@ -565,8 +565,6 @@ SECTIONS = {
     "plan": PlanConfig, "async_ppo": AsyncPPOConfig,
 }
 
-# Fields that do not change what a resumed run computes: how long it runs, how often it logs
-# and saves, what it does when a checkpoint or a value goes bad.
 # Fields a resume may change when checkpoint.resume_changes names them: they change the
 # trajectory from the restored iteration on, but not the layout of the saved state (the
 # optimizer's chain is the same for any value: grad_clip stays > 0, the decay mask is fixed).
@@ -576,6 +574,8 @@ RESUME_CHANGEABLE = frozenset({
     "algo.entropy_coef", "algo.kl_coef",
 })
 
+# Fields that do not change what a resumed run computes: how long it runs, how often it logs
+# and saves, what it does when a checkpoint or a value goes bad.
 RESUMABLE_FIELDS = frozenset({
     "num_iterations", "log_every", "checkpoint.every", "checkpoint.keep", "checkpoint.fallback",
     "checkpoint.export_hf",  # written after the last iteration; the trajectory is the same
