@@ -60,14 +60,20 @@ def summarize(history: list[dict]) -> dict:
           "final": {k: v for k, v in history[-1].items() if not k.startswith(TIMING_PREFIXES)}}
 
 
-def check_device_count(cfg: TrainConfig, num_devices: int, platform: str) -> None:
+def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
+                       processes: int = 1) -> None:
   """A clear error when the mesh needs more devices than jax sees (e.g. mesh.stage=4 on the one
   CPU device a plain `python` gets)."""
   sizes = dataclasses.asdict(cfg.mesh)
   need = math.prod(v for v in sizes.values() if v != -1)
   if need > num_devices:
-    hint = (f"; on a CPU host add fake devices before jax starts: "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={need}" if platform == "cpu" else "")
+    hint = ""
+    if platform == "cpu" and processes > 1:  # the launcher sets each process's count
+      hint = (f"; {processes} processes need at least {-(-need // processes)} CPU devices each "
+              f"(launch/local_multiprocess.sh N D: D)")
+    elif platform == "cpu":
+      hint = (f"; on a CPU host add fake devices before jax starts: "
+              f"XLA_FLAGS=--xla_force_host_platform_device_count={need}")
     raise ValueError(f"config.mesh={sizes} needs at least {need} devices, but jax sees "
                      f"{num_devices} ({platform}){hint}")
 
@@ -79,7 +85,7 @@ def main(argv):
   if _DISTRIBUTED.value:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   cfg = TrainConfig.from_config_dict(_CONFIG.value)
-  check_device_count(cfg, jax.device_count(), jax.default_backend())
+  check_device_count(cfg, jax.device_count(), jax.default_backend(), jax.process_count())
   workdir = _WORKDIR.value
   wd.check_local_path(workdir)
   main_process = distributed.is_main_process()

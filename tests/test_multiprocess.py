@@ -3,14 +3,17 @@ run as one process with 8 devices."""
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 
 from rlhfuse_jax import workdir as wdlib
+from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from tests.test_train_ppo_binary import REPO, SMALL
@@ -18,24 +21,81 @@ from tests.test_trainer import tiny_config
 from tests.xla_env import subprocess_env
 
 
+def _pid_of(workdir: str, process_id: int) -> int:
+  """The pid of the launcher's process `process_id` for `workdir` (read from /proc)."""
+  want = [f"--workdir={workdir}", f"--process_id={process_id}"]
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        args = f.read().decode(errors="replace").split("\0")
+    except OSError:
+      continue
+    if all(w in args for w in want) and "experiments.train_ppo" in args:
+      return int(pid)
+  raise AssertionError(f"no process {process_id} for {workdir}")
+
+
+# The pipelined update with the fused schedule, stage 2 x data 4 (each process: both stages of
+# two data shards).
+PIPELINED = {"mesh.stage": 2, "mesh.data": 4, "fusion.intra_stage": True,
+             "model.num_layers": 2, "critic_model.num_layers": 2,
+             "pipeline.actor_microbatches": 2, "pipeline.critic_microbatches": 2,
+             "pipeline.search_time_s": 0.3, "pipeline.xla_opt_level": 0}
+
+
 def test_two_processes_match_one_process(tmp_path):
-  """... with the optimizer states moved to host memory during the 2-process run's rollouts
-  (optim.offload_during_rollout: each process moves its own shards)."""
+  """The pipelined update with the fused schedule (PIPELINED) on 2 processes x 4 devices equals
+  one process on the same mesh, with the optimizer states moved to host memory during the
+  2-process run's rollouts
+  (optim.offload_during_rollout: each process moves its own shards), and a SIGTERM that reaches
+  only process 1 mid-run: both processes stop after the same iteration, save, exit 75 (before
+  they agreed, process 0 went on and both hung in their next collective); the same command
+  then resumes to the end."""
   wd = str(tmp_path / "mp")
   env = subprocess_env(PYTHON=sys.executable)  # this interpreter, whatever `python` on PATH is
-  out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", wd,
-                        "--config.num_iterations=2", "--config.optim.offload_during_rollout=True",
-                        *SMALL], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
-  logs = "".join(open(f"{wd}.proc{i}.log").read()[-2000:] for i in range(2))
-  assert out.returncode == 0, logs
-  with open(os.path.join(wd, "metrics.jsonl")) as f:
-    multi = [json.loads(line) for line in f]
+  cmd = ["bash", "launch/local_multiprocess.sh", "2", "4", wd, "--config.num_iterations=6",
+         "--config.optim.offload_during_rollout=True", *SMALL,
+         *(f"--config.{k}={v}" for k, v in PIPELINED.items())]
+  logs = lambda: "".join(open(f"{wd}.proc{i}.log").read()[-2000:] for i in range(2))
+  metrics = os.path.join(wd, "metrics.jsonl")
+  with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL) as launcher:
+    try:
+      deadline = time.time() + 300
+      while not (os.path.exists(metrics) and os.path.getsize(metrics)):  # iteration 1 is done
+        assert launcher.poll() is None and time.time() < deadline, logs()
+        time.sleep(0.05)
+      os.kill(_pid_of(wd, 1), signal.SIGTERM)
+      assert launcher.wait(timeout=240) == 75, logs()  # EXIT_STOPPED_BY_SIGNAL on both
+    finally:
+      if launcher.poll() is None:
+        for i in range(2):  # hung: do not leave them running
+          try:
+            os.kill(_pid_of(wd, i), signal.SIGKILL)
+          except (AssertionError, ProcessLookupError):
+            pass
+        launcher.kill()
+  stopped = len(wdlib.read_jsonl(metrics))
+  assert 1 <= stopped < 6, logs()
+  text = logs()
+  assert "signal 15 reached another process" in text, text
+  out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, logs()
+  assert f"resumed from checkpoint at iteration {stopped}" in open(f"{wd}.proc0.log").read()
+  multi = wdlib.read_jsonl(metrics)
 
-  single = PPOTrainer(tiny_config(num_iterations=2), str(tmp_path / "sp"),
-                      mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8)))
+  # Only process 0 searched the fused schedule and wrote the cache (the one all ran), and the
+  # resume loaded it.
+  proc0, proc1 = (open(f"{wd}.proc{i}.log").read() for i in range(2))
+  assert proc0.count("pipeline: searched a fused schedule") == 1, proc0[-3000:]
+  assert "pipeline: using the cached fused schedule" in proc0, proc0[-3000:]
+  assert "fused schedule" in proc1 and "schedule (budget" not in proc1, proc1[-3000:]
+  assert "pipeline: searched" not in proc1 and "cached at" not in proc1, proc1[-3000:]
+
+  single = PPOTrainer(tiny_config(num_iterations=6, **PIPELINED), str(tmp_path / "sp"),
+                      mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4, stage=2)))
   history = single.run()
-  assert [r["step"] for r in multi] == [1, 2]
+  assert [r["step"] for r in multi] == [1, 2, 3, 4, 5, 6]
   assert all(r["perf/optimizer_offload_bytes"] > 0 for r in multi)
   assert not any("perf/optimizer_offload_bytes" in r for r in history)
   for a, b in zip(multi, history):
@@ -61,6 +121,20 @@ def test_a_locked_workdir_stops_every_process_at_once(tmp_path):
   assert time.time() - t0 < 120, "a process waited for a run that was refused"
   assert f"workdir {wd} is in use by another run (pid {os.getpid()}" in logs[0], logs[0][-2000:]
   assert f"workdir {wd} could not be locked by process 0" in logs[1], logs[1][-2000:]
+
+
+def test_too_few_devices_names_the_count_each_process_needs(tmp_path):
+  """The launcher sets each process's device count: the hint names that, not a flag the
+  launcher replaces."""
+  wd = str(tmp_path / "mp")
+  out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "2", wd,
+                        "--config.mesh.data=8", *SMALL], cwd=REPO,
+                       env=subprocess_env(PYTHON=sys.executable), capture_output=True, text=True,
+                       timeout=300)
+  log = open(f"{wd}.proc0.log").read()
+  assert out.returncode != 0, log[-2000:]
+  assert ("needs at least 8 devices, but jax sees 4 (cpu); 2 processes need at least 4 CPU "
+          "devices each (launch/local_multiprocess.sh N D: D)") in log, log[-2000:]
 
 
 def test_fused_async_two_processes_match_one_process(tmp_path):
@@ -131,3 +205,37 @@ def test_process_grid_needs_even_groups():
   assert [[d.id for d in row] for row in grid] == [[2, 3], [6, 7]]
   assert mesh_lib._process_grid(src - {dev(7, 1)}, {dev(0, 0)}) is None  # 2 and 1 devices
   assert mesh_lib._process_grid(src, {dev(8, 2)}) is None  # process 2 holds none of src
+
+
+SLURM_ONE_TASK_PER_NODE = {"SLURM_JOB_ID": "7", "SLURM_LOCALID": "0", "SLURM_PROCID": "1",
+                           "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "4",
+                           "SLURM_GPUS_ON_NODE": "8"}
+
+
+def test_slurm_one_task_per_node_sees_every_gpu_of_its_node(monkeypatch):
+  """launch/slurm_gpu.sbatch runs one process per node; jax's SLURM detection alone makes only
+  GPU SLURM_LOCALID visible to it (1 of 8). The node's GPUs come from SLURM's variables."""
+  env = dict(SLURM_ONE_TASK_PER_NODE)
+  assert distributed.slurm_node_gpus(env) == list(range(8))
+  assert distributed.slurm_node_gpus({**env, "SLURM_NTASKS_PER_NODE": "1"}) == list(range(8))
+  typed = {k: v for k, v in env.items() if k != "SLURM_GPUS_ON_NODE"}
+  assert distributed.slurm_node_gpus({**typed, "SLURM_GPUS_PER_NODE": "h100:4"}) == [0, 1, 2, 3]
+  assert distributed.slurm_node_gpus({**typed, "CUDA_VISIBLE_DEVICES": "3,5"}) == [0, 1]
+  # jax's own rule where it is right or where we cannot tell: one GPU per task, several tasks
+  # per node, the user's JAX_LOCAL_DEVICE_IDS, no SLURM, an unknown GPU count.
+  assert distributed.slurm_node_gpus({**env, "SLURM_STEP_NUM_TASKS": "32"}) is None
+  assert distributed.slurm_node_gpus({**env, "SLURM_NTASKS_PER_NODE": "8"}) is None
+  assert distributed.slurm_node_gpus({**env, "JAX_LOCAL_DEVICE_IDS": "0,1"}) is None
+  assert distributed.slurm_node_gpus({"SLURM_GPUS_ON_NODE": "8"}) is None
+  assert distributed.slurm_node_gpus(typed) is None
+  # initialize passes them to jax.distributed (recorded here instead of starting a cluster).
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.delenv("JAX_LOCAL_DEVICE_IDS", raising=False)
+  distributed.initialize()
+  assert calls[-1]["local_device_ids"] == list(range(8))
+  monkeypatch.delenv("SLURM_LOCALID")
+  distributed.initialize()
+  assert "local_device_ids" not in calls[-1]

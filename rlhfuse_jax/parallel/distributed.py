@@ -10,7 +10,8 @@ GPU/TPU cluster (see launch/local_multiprocess.sh).
 """
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import Mapping, Optional
 
 import jax
 import numpy as np
@@ -39,6 +40,11 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
     kwargs["process_id"] = process_id
   if heartbeat_timeout_s is not None:
     kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout_s)
+  gpus = slurm_node_gpus(os.environ)
+  if gpus is not None:
+    kwargs["local_device_ids"] = gpus
+    logging.info("SLURM, one task per node: all %d GPUs of the node (jax alone would use GPU "
+                 "SLURM_LOCALID only)", len(gpus))
   if jax.config.jax_platforms in ("cpu",) or not jax.config.jax_platforms:
     # Cross-process collectives on CPU devices need gloo (GPUs use NCCL, TPUs ICI/DCN).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -46,6 +52,38 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
+
+
+def _int(environ: Mapping[str, str], *names: str) -> Optional[int]:
+  """The first of `names` set to an integer ("a100:8", SLURM's typed GPU count, reads 8)."""
+  for name in names:
+    value = environ.get(name, "").rsplit(":", 1)[-1]
+    if value.isdigit():
+      return int(value)
+  return None
+
+
+def slurm_node_gpus(environ: Mapping[str, str]) -> Optional[list[int]]:
+  """The local device ids for a SLURM step with one task per node: every GPU of the node.
+
+  jax's SLURM detection assumes one process per GPU and, unless told otherwise, makes only GPU
+  SLURM_LOCALID visible, so launch/slurm_gpu.sbatch's one process per node would see one GPU of
+  eight. None (jax's own rule) outside SLURM, with several tasks per node, when
+  JAX_LOCAL_DEVICE_IDS is set or when the node's GPU count is unknown."""
+  if "SLURM_LOCALID" not in environ or environ.get("JAX_LOCAL_DEVICE_IDS"):
+    return None
+  per_node = _int(environ, "SLURM_NTASKS_PER_NODE")
+  if per_node is None:
+    tasks = _int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    nodes = _int(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    per_node = tasks // nodes if tasks and nodes and tasks % nodes == 0 else None
+  gpus = _int(environ, "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE")
+  visible = environ.get("CUDA_VISIBLE_DEVICES", "")
+  if gpus is None and visible:
+    gpus = len(visible.split(","))
+  if per_node != 1 or not gpus:
+    return None
+  return list(range(gpus))
 
 
 def is_main_process() -> bool:
@@ -62,3 +100,13 @@ def main_process_verdict(ok: bool) -> bool:
     return ok
   from jax.experimental import multihost_utils  # multi-host only
   return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+
+
+def max_over_processes(value: int) -> int:
+  """The largest of every process's `value` (one tiny collective that every process must call at
+  the same point; single process: `value`). For decisions each process may reach alone, such as
+  a stop signal that reached only some of them: all then act on the same answer."""
+  if jax.process_count() == 1:
+    return int(value)
+  from jax.experimental import multihost_utils  # multi-host only
+  return int(np.max(multihost_utils.process_allgather(np.int32(value))))

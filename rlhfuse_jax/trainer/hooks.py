@@ -22,6 +22,7 @@ from absl import logging
 from rlhfuse_jax import checkpointing
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax.models import hf_loader
+from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer.config import TrainConfig
@@ -63,6 +64,19 @@ class StopFlag(Hook):
     logging.warning("signal %d: finishing this iteration, saving a checkpoint, then exiting "
                     "(Ctrl-C again: stop now without saving)", signum)
     self.set, self.signal = True, signum
+
+  def agreed(self) -> bool:
+    """Whether to stop after this iteration, the same answer on every process: a signal that
+    reached only some processes (or reached them on both sides of an iteration's end) stops
+    them all after the same iteration, so all join the save (its collectives, and the next
+    iteration's, would otherwise wait forever for the processes that went on or stopped).
+    Every process calls it once per iteration; one tiny collective when there are several."""
+    signum = distributed.max_over_processes(self.signal if self.set else 0)  # snapshot first
+    if signum and not self.set:
+      logging.warning("signal %d reached another process: finishing this iteration, saving a "
+                      "checkpoint, then exiting", signum)
+      self.set, self.signal = True, signum
+    return bool(signum)
 
   def end(self, failing: bool) -> None:
     for sig, old in self._old.items():

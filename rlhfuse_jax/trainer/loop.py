@@ -708,7 +708,7 @@ class PPOTrainer:
             m["timing_s/optimizer_offload"] += self._take_offload_metrics()[
                 "timing_s/optimizer_offload"]
         history.append({"step": step, **m})
-        stopping = stop.set or step == stop_after
+        stopping = stop.agreed() or step == stop_after
         hooks.run_hooks(run_hooks, "after", step, m, stopping)
         if stopping:
           # A signal during the last iteration stops nothing: the run is complete.

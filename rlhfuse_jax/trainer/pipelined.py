@@ -337,9 +337,13 @@ def make_pipelined_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, al
   problem = pipeline_problem(mesh.shape["stage"], config.pipeline)
   if config.fusion.intra_stage:
     name, barrier = FUSED, False
-    order = searched_schedule(problem, config.pipeline, workdir)[0].order()
+    if jax.process_index() == 0:
+      order = searched_schedule(problem, config.pipeline, workdir)[0].order()
+    else:
+      # Process 0 searches (on its own clock) or loads, and alone writes the cache, so the
+      # cached schedule is the one every process runs and a resume runs it again.
+      order = schedules.serial_order(problem)  # a placeholder of the order's shape
     if jax.process_count() > 1:
-      # Each process searched (or cached) on its own clock: all run process 0's schedule.
       order = np.asarray(multihost_utils.broadcast_one_to_all(order))
   else:
     name, barrier = SERIAL, True
