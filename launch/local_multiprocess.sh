@@ -39,7 +39,24 @@ for ((i = 0; i < N; i++)); do
       --num_processes="$N" --process_id="$i" "$@" >> "${WORKDIR%/}.proc$i.log" 2>&1 &
   pids+=($!)
 done
+# Background processes of a script ignore SIGINT (bash without job control), so a Ctrl-C or a
+# SIGTERM reaches the launcher alone: it passes SIGTERM on (each process saves after its
+# iteration and exits 75, or ends at once if it has not started training) and keeps waiting;
+# a second signal kills them.
+signalled=0
+forward() {
+  if ((signalled)); then kill -KILL "${pids[@]}" 2>/dev/null || true
+  else signalled=1; echo "stopping: SIGTERM to every process (again: kill)" >&2
+    kill -TERM "${pids[@]}" 2>/dev/null || true; fi
+}
+trap forward INT TERM
 status=0
-for p in "${pids[@]}"; do wait "$p" || status=$?; done
+for p in "${pids[@]}"; do
+  while :; do
+    wait "$p" && rc=0 || rc=$?
+    kill -0 "$p" 2>/dev/null || break  # else a signal interrupted the wait: wait again
+  done
+  ((rc == 0)) || status=$rc
+done
 echo "logs: ${WORKDIR%/}.proc*.log; exit status $status"
 exit $status

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from rlhfuse_jax.generation.multihost import EXIT_PEER_LOST
 from tests import fused_mp_worker as worker
 from tests.test_train_ppo_binary import REPO
 from tests.xla_env import subprocess_env
@@ -133,7 +134,7 @@ def test_a_process_that_dies_or_hangs_fails_the_other_with_a_clear_error(tmp_pat
   process 1 down with the coordination service before it could die (exit -6, not 7). The two
   runs go one after the other: side by side (4 processes on a loaded 2-core CI machine) process
   1 of the dying run once came to a collective more than 30 s late, past gloo's own context
-  deadline, so process 0 stopped before process 1 could die (exit 75, not 7)."""
+  deadline, so process 0 stopped before process 1 could die (EXIT_PEER_LOST, not 7)."""
   # The hanging run's watchdog may fire while process 1 is still on its way to round 3: that
   # ends it for the same reason (a peer that does not come), so 8 s is enough.
   for how, timeout in (("die", "120"), ("hang", "8")):
@@ -153,11 +154,12 @@ def test_a_process_that_dies_or_hangs_fails_the_other_with_a_clear_error(tmp_pat
         assert procs[1].wait(timeout=10) == 7, open(f"{out_dir}/log1").read()[-3000:]
         # Raised from the runtime's own error (gloo: the connection closed or reset), or, when
         # the runtime notices nothing, by the watchdog.
-        assert "PeerLostError" in log or "exiting (75)" in log, log[-3000:]
+        assert "PeerLostError" in log or f"exiting ({EXIT_PEER_LOST})" in log, log[-3000:]
       else:
         # The watchdog, not the hung peer, ended it (the peer may go down with the coordination
         # service that process 0 hosted, so its state is not checked).
-        assert code == 75 and "within 8s; exiting (75)" in log, log[-3000:]
+        assert code == EXIT_PEER_LOST == 69, log[-3000:]
+        assert f"within 8s; exiting ({EXIT_PEER_LOST})" in log, log[-3000:]
       assert elapsed < 200, (how, elapsed)
     finally:
       for p in procs:

@@ -1,9 +1,11 @@
 """Child processes keep the caller's XLA flags and get their own host-device count."""
 import os
 import pathlib
+import signal
 import stat
 import subprocess
 import sys
+import time
 
 from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
 from tests.test_train_ppo_binary import REPO
@@ -35,3 +37,36 @@ def test_the_launcher_passes_the_callers_flags_to_every_process(tmp_path):
     log = pathlib.Path(f"{wd}.proc{i}.log").read_text()
     assert f"XLA_FLAGS=--xla_a=1 READM* {COUNT}=3 ARGS=-m experiments.train_ppo" in log, log
     assert f"--process_id={i}" in log, log
+
+
+def test_a_signal_to_the_launcher_stops_every_process(tmp_path):
+  """Ctrl-C / SIGTERM reach the launcher alone (its background processes ignore SIGINT): it
+  passes SIGTERM to every process and waits for them (which save and exit 75); a second signal
+  kills them. Before, the launcher died and its processes trained on, holding the workdir."""
+  # Stands in for train_ppo: exits 75 on SIGTERM, as the trainer does after saving.
+  fake = tmp_path / "python"
+  fake.write_text(
+      f'#!/usr/bin/env bash\n[[ $1 == -c ]] && exec {sys.executable} "$@"\n'
+      f'exec {sys.executable} -c "import signal, sys, time\n'
+      'signal.signal(signal.SIGTERM, lambda s, f: (print(\'got\', s, flush=True), sys.exit(75)))\n'
+      'print(\'ready\', flush=True)\n'
+      'time.sleep(30 if \'--process_id=0\' in sys.argv else 0.5)" "$@"\n')
+  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+  env = dict(os.environ, PYTHON=str(fake))
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    wd = str(tmp_path / f"run{sig}")
+    logs = [pathlib.Path(f"{wd}.proc{i}.log") for i in range(2)]
+    with subprocess.Popen(["bash", "launch/local_multiprocess.sh", "2", "1", wd], cwd=REPO,
+                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True) as launcher:
+      try:
+        deadline = time.time() + 30
+        while not all(p.exists() and "ready" in p.read_text() for p in logs):
+          assert time.time() < deadline and launcher.poll() is None
+          time.sleep(0.05)
+        time.sleep(1)  # process 1 has ended (0), process 0 still runs
+        launcher.send_signal(sig)
+        assert launcher.wait(timeout=30) == 75, launcher.stderr.read()
+      finally:
+        launcher.kill()
+    assert "got 15" in logs[0].read_text(), logs[0].read_text()

@@ -45,7 +45,9 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-EXIT_PEER_LOST = 75  # exit code of a process whose collective timed out (Exchange.guard)
+# Exit code of a process whose collective timed out (Exchange.guard): EX_UNAVAILABLE, not
+# train_ppo's 75 (stopped by a signal after saving), so a requeue script can tell them apart.
+EXIT_PEER_LOST = 69
 
 
 class PeerLostError(RuntimeError):
