@@ -39,6 +39,11 @@ def run(c, workdir: str) -> dict:
   logging.info("N=%d devices, %d tasks per device; serial %g, greedy %g, tight LB %g; memory "
                "budget %s, %s", problem.num_devices, problem.tasks_per_device, serial.makespan,
                greedy.makespan, lb, problem.memory_budget_mode, problem.budget().tolist())
+  for name, ev in (("serial 1F1B", serial), ("greedy", greedy)):
+    if not ev.within_budget:
+      d = int(np.argmax(ev.peaks - ev.budget))
+      logging.warning("%s exceeds this memory budget (device %d: peak %g > %g): no baseline "
+                      "the searched schedule must beat", name, d, ev.peaks[d], ev.budget[d])
   logging.info("numba kernels ready in %.1fs (compiled or loaded from cache)", search.warmup())
   res = search.search(problem, cfg, log=logging.info)
   best = evaluate(problem, res.best)
@@ -47,6 +52,10 @@ def run(c, workdir: str) -> dict:
   result = {
       "serial_1f1b": serial.makespan,
       "greedy": greedy.makespan,
+      # The uniform and per_device budgets hold both; an explicit --config.memory_budget may
+      # not, and then searched (within it) may be above them.
+      "serial_within_budget": serial.within_budget,
+      "greedy_within_budget": greedy.within_budget,
       "searched": best.makespan,
       "lower_bound": lb,
       "lower_bound_simple": bounds.simple_lower_bound(problem),

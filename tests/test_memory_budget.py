@@ -188,5 +188,12 @@ def test_schedule_search_reports_the_mode_and_the_budget_it_used(tmp_path):
   per_device = run("p", "--config.memory_budget_mode=per_device")
   assert per_device["memory_budget_mode"] == PER_DEVICE
   assert per_device["peak_memory"]["budget"] == [7.0, 8.0, 5.0, 4.0]
+  for r in (uniform, per_device):  # both modes hold serial 1F1B (and greedy)
+    assert r["serial_within_budget"] and r["greedy_within_budget"], r
   explicit = run("e", "--config.memory_budget_mode=per_device", "--config.memory_budget=6.0")
   assert explicit["memory_budget_mode"] == EXPLICIT
+  # 4 is below serial's and greedy's peak of 6 on devices 0 and 1: result.json says so (the
+  # search keeps within it, so it may take longer than they do).
+  tight = run("e4", "--config.memory_budget=4.0")
+  assert not tight["serial_within_budget"] and not tight["greedy_within_budget"], tight
+  assert tight["within_budget"] and tight["peak_max"] <= 4.0, tight

@@ -132,8 +132,17 @@ def test_count_limited_search_strictly_beats_its_start(idx, pool, optimum):
 def test_search_respects_a_custom_budget_and_rejects_an_impossible_one():
   p = PipelineProblem(4, 2, 4, 4, 2.0, 1.0)
   tight = p.with_budget([1.5] * 4)  # the last actor stage alone must hold 2.0
-  with pytest.raises(RuntimeError, match="no start schedule within the memory budget"):
+  with pytest.raises(RuntimeError, match=r"no schedule fits the memory budget \[1.5, 1.5, 1.5, "
+                     r"1.5\]: .* at least max\(actor_mem, critic_mem\) = 2"):
     search.search(tight, search.SearchConfig(max_evaluations=200))
+  # Between max(actor_mem, critic_mem) and their sum no start of the pool fitted (it said the
+  # budget was too small); one micro-batch at a time does, and the search improves on it.
+  p = PipelineProblem(2, 2, 1, 2, 3.0, 3.0, memory_budget=(4.0,))
+  last = evaluate(p, schedules.sequential_order(p))
+  assert last.valid and last.within_budget and last.peaks.max() == 3.0
+  res = search.search(p, search.SearchConfig(max_evaluations=2000, list_variants=50))
+  best = evaluate(p, res.best)
+  assert best.valid and best.within_budget and best.makespan <= last.makespan
   loose = p.with_budget(p.budget() * 3)
   res = search.search(loose, search.SearchConfig(max_evaluations=3000, chunk_iters=2000))
   assert evaluate(loose, res.best).within_budget
@@ -266,6 +275,12 @@ def test_parallel_workers_keep_the_best_of_their_independent_searches():
                                 both.best)
   with pytest.raises(ValueError, match="workers=0"):
     search.SearchConfig(workers=0)
+  # 0 iterations per chunk never counted an evaluation: a count-based search never ended.
+  for name in ("chunk_iters", "run_iters", "direction_rounds"):
+    with pytest.raises(ValueError, match=f"{name}=0 must be >= 1"):
+      search.SearchConfig(**{name: 0})
+  with pytest.raises(ValueError, match="list_variants=-1 must be >= 0"):
+    search.SearchConfig(list_variants=-1)
 
 
 def test_a_worker_at_the_bound_stops_the_others():

@@ -1,5 +1,6 @@
 """Time-indexed LP relaxation (pipeline/exact/time_indexed.py): a relaxation of every valid schedule
 within budget, and certificates that are checked exactly."""
+import dataclasses
 import json
 import os
 
@@ -105,6 +106,33 @@ def test_lp_proves_the_bound_unreachable_on_a_small_instance_with_an_exact_certi
   assert res43["status"] == "feasible" and not res43["certified"]
 
 
+def test_fractional_memory_is_scaled_to_integers_and_decides_the_same():
+  """Memory and budget off the integers (TIGHT's at 0.3-fold: 0.6 / 0.3 per micro-batch) are
+  the same constraints: the rows are built 10-fold, so the exact check still certifies 42 and
+  finds 43 feasible (the certificate check raised after the solver had run)."""
+  assert time_indexed.memory_scale(TIGHT) == 1
+  frac = dataclasses.replace(TIGHT, actor_mem=0.6, critic_mem=0.3,
+                             memory_budget=tuple(0.3 * TIGHT.budget()))
+  assert time_indexed.memory_scale(frac) == 10
+  res = time_indexed.solve(time_indexed.build(frac, 42.0), solver="scipy")
+  assert res["status"] == "infeasible" and res["certified"]
+  assert time_indexed.solve(time_indexed.build(frac, 43.0), solver="scipy")["status"] == "feasible"
+  assert time_indexed.memory_scale(dataclasses.replace(frac, actor_mem=2.0 / 3.0)) == 30
+  with pytest.raises(ValueError, match="must become integers times some k <= 1000"):
+    time_indexed.build(dataclasses.replace(frac, actor_mem=0.1 * np.pi), 43.0)  # before any work
+
+
+def test_a_model_whose_windows_fix_every_start_is_decided_without_a_solver():
+  """At its optimum (6, brute force) every window of this instance is one point: no variables
+  (scipy raised, HiGHS said 'Empty')."""
+  p = PipelineProblem(2, 2, 1, 1, 1.0, 1.0, actor_mem=1.0, critic_mem=0.0,
+                      memory_budget_mode="uniform")
+  model = time_indexed.build(p, 6.0)
+  assert model.A.shape[1] == 0 and model.infeasible_reason is None
+  res = time_indexed.solve(model, solver="scipy")
+  assert res["status"] == "feasible" and not res["certified"], res
+
+
 def test_no_multipliers_certify_a_feasible_model():
   # At 43 a schedule within budget exists: a count-based search (no wall clock) finds one, and
   # its starts are a point y of the relaxation (A y <= b). Then for every non-negative lam,
@@ -145,8 +173,10 @@ def test_bad_arguments_are_named():
       time_indexed.build(TIGHT, 43.0, devices=devices)
   with pytest.raises(ValueError, match="unit=0.75"):
     time_indexed.build(TIGHT, 43.0, unit=0.75)
-  fractional = PipelineProblem(4, 4, 2, 2, 2.0, 1.0, actor_mem=1.5)
+  fractional = PipelineProblem(4, 4, 2, 2, 2.0, 1.0, actor_mem=1.5)  # rows built 2-fold
   m = time_indexed.build(fractional, 40.0)
+  assert np.isfinite(time_indexed.certificate_bound(m, np.ones(m.b.shape)))
+  m = dataclasses.replace(m, b=m.b + 0.5)  # a model whose rows are not integral
   with pytest.raises(ValueError, match="integer memory"):
     time_indexed.certificate_bound(m, np.ones(m.b.shape))
 

@@ -87,6 +87,10 @@ def test_memory_lags_hand_computed():
   assert win.heads[AF][1].tolist() == [1.0, 7.0, 13.0]
   # Tails mirror it: F(0, 0) is followed by two whole round trips after its own.
   assert win.tails[AF][0, 0] == 18.0
+  # A budget meant as "no limit" caps nothing (it overflowed int64 to a negative cap).
+  free = PipelineProblem(2, 1, 3, 3, 1.0, 1.0, memory_budget=(1e30,))
+  assert (memory_caps(free) == 1 << 30).all()
+  assert task_windows(free, memory_lags=True).bound() == task_windows(free).bound()
 
 
 @pytest.mark.parametrize("p", SMALL + [PipelineProblem(8, 4, 8, 4, 5.0, 4.0),

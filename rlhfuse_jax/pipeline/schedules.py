@@ -54,6 +54,16 @@ def serial_order(problem: PipelineProblem) -> np.ndarray:
   return np.array(rows, dtype=np.int8)  # [N, T]
 
 
+def sequential_order(problem: PipelineProblem) -> np.ndarray:
+  """Actor then critic with one micro-batch in flight (F, B, F, B, ...) on every device. It holds
+  max(actor_mem, critic_mem) at most, which every schedule holds at some point (each device runs
+  a forward of both models), so it fits every budget any schedule fits: the search's start of
+  last resort under an explicit budget below the two models' sum."""
+  n = problem.num_devices
+  row = [AF, AB] * problem.actor_microbatches + [CF, CB] * problem.critic_microbatches
+  return np.array([row] * n, dtype=np.int8)  # [N, T]
+
+
 def serial_release(problem: PipelineProblem) -> tuple[float, float]:
   """Release times (actor, critic) of the serial baseline: the critic waits for the actor."""
   return 0.0, model_makespan(problem, "actor")

@@ -382,6 +382,13 @@ class SearchConfig:
     if self.repair_iters < 0 or self.repair_patience < 1:
       raise ValueError(f"repair_iters={self.repair_iters} must be >= 0 and "
                        f"repair_patience={self.repair_patience} >= 1")
+    for name in ("chunk_iters", "run_iters", "direction_rounds"):
+      # 0 would never count an evaluation (a count-based search would never end) or search no
+      # direction at all.
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    if self.list_variants < 0:
+      raise ValueError(f"list_variants={self.list_variants} must be >= 0")
     if self.max_evaluations is not None and self.max_evaluations < 1:
       raise ValueError(f"max_evaluations={self.max_evaluations} must be >= 1 (or None)")
     if int(self.workers) != self.workers or self.workers < 1:
@@ -745,10 +752,19 @@ class _Phase:
     clock.evaluations += len(pool)
     valid = [i for i, k in enumerate(keys) if k[0] == 0]
     feas = [i for i in valid if keys[i][1] == 0]
+    if not feas:  # an explicit budget below the two models' sum: one micro-batch at a time
+      last = validate_order(problem, schedules.sequential_order(problem))
+      pool.append(last)
+      keys.append(_key(self.ev, last))
+      clock.evaluations += 1
+      valid.append(len(pool) - 1)
+      if keys[-1][1] == 0:
+        feas.append(len(pool) - 1)
     if not feas:
-      raise RuntimeError(f"no start schedule within the memory budget {problem.budget().tolist()}"
-                         "; the greedy schedule fits the default budget (the sum of the two "
-                         "models' 1F1B peaks), so this budget is probably too small")
+      need = max(problem.actor_mem, problem.critic_mem)
+      raise RuntimeError(f"no schedule fits the memory budget {problem.budget().tolist()}: every "
+                         f"device runs a forward of each model, so it needs at least "
+                         f"max(actor_mem, critic_mem) = {need:g}")
     if config.decoder_frac > 0:
       dec_order, decodes = decoder_anneal(problem, self.rng, clock,
                                           clock.used() + config.decoder_frac)

@@ -80,7 +80,8 @@ def memory_caps(problem: PipelineProblem) -> np.ndarray:
   budget = problem.budget()
   caps = np.zeros((problem.num_devices, 2), dtype=np.int64)
   for i, mem in enumerate((problem.actor_mem, problem.critic_mem)):
-    caps[:, i] = np.floor(budget / mem + 1e-9) if mem > 0 else 1 << 30
+    # Capped at 1 << 30 ("no limit", as for memory 0): a huge budget (1e30) would overflow int64.
+    caps[:, i] = np.minimum(np.floor(budget / mem + 1e-9), 1 << 30) if mem > 0 else 1 << 30
   return caps
 
 

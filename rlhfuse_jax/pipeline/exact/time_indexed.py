@@ -23,7 +23,7 @@ Rows (all "<="), each implied by any valid schedule within budget, so the LP is 
   capacity       sum_i (y[i, t] - y[i, t - p_i]) <= 1            per device and slot [t, t+1)
   memory         sum_F m_F y[F, t] - sum_B m_B y[B, t - p_B] <= budget   per device and instant t
                  (a backward ending at t releases before a forward starting at t allocates, as in
-                 evaluate.py's device order)
+                 evaluate.py's device order; m and budget times `memory_scale`: integers)
 
 Certificate: lambda >= 0 over the rows with min over y in [0,1]^n of lambda^T (A y - b) > 0, i.e.
 sum_j min(0, (A^T lambda)_j) - b^T lambda > 0, contradicts A y <= b. `verify_certificate` checks it
@@ -94,6 +94,19 @@ def time_unit(problem: PipelineProblem) -> float:
   return g / 1000
 
 
+def memory_scale(problem: PipelineProblem) -> int:
+  """Smallest k <= 1000 that makes every activation memory and budget k-fold an integer: the
+  memory rows are built k-fold (the same constraint), so `certificate_bound`'s exact check sees
+  integers; raises (before any work) if there is none, as `time_unit` does for durations."""
+  values = np.concatenate([np.abs(problem.mem_deltas()), problem.budget()]).astype(np.float64)
+  for k in range(1, 1001):
+    if _integral(values * k):
+      return k
+  raise ValueError(f"activation memory {np.abs(problem.mem_deltas()).tolist()} and budget "
+                   f"{problem.budget().tolist()} must become integers times some k <= 1000 "
+                   "(multiples of 0.001 do) for the time-indexed model's exact certificates")
+
+
 def _edges(problem: PipelineProblem, index, dur_u: np.ndarray, lat_u: int, lags_u: np.ndarray,
            caps: np.ndarray, devices: Sequence[int]) -> list[tuple[int, int, int]]:
   """(a, b, delta): start_b >= start_a + delta, in units, for every precedence the model states
@@ -144,6 +157,7 @@ def build(problem: PipelineProblem, target: float, unit: Optional[float] = None,
     raise ValueError(f"devices={devices!r}: expected a non-empty subset of 0..{n - 1}")
   subset = None if len(devs) == n else tuple(devs)
   unit = time_unit(p) if unit is None else float(unit)
+  scale = memory_scale(p)
   dur_u = np.rint(p.durations() / unit).astype(np.int64)  # [4]
   if np.any(np.abs(dur_u * unit - p.durations()) > 1e-9):
     raise ValueError(f"unit={unit} does not divide the durations {p.durations().tolist()}")
@@ -219,12 +233,12 @@ def build(problem: PipelineProblem, target: float, unit: Optional[float] = None,
   slots = np.arange(horizon)
   for d in devs:
     cap_ids = new_rows(horizon, 1.0, True)
-    mem_ids = new_rows(horizon, float(p.budget()[d]), True)
+    mem_ids = new_rows(horizon, float(p.budget()[d]) * scale, True)
     for i in np.flatnonzero(tasks[:, 1] == d):
       k = int(tasks[i, 0])
       add_terms(i, cap_ids, slots, 1.0)
       add_terms(i, cap_ids, slots - dur_task[i], -1.0)
-      add_terms(i, mem_ids, slots if k % 2 == 0 else slots - dur_task[i], mem[k])
+      add_terms(i, mem_ids, slots if k % 2 == 0 else slots - dur_task[i], mem[k] * scale)
   b = np.concatenate(rhs)
   const = np.bincount(np.concatenate(const_rows), np.concatenate(const_vals), minlength=next_row)
   b = b - const
@@ -314,6 +328,14 @@ def solve(model: TimeIndexedModel, solver: str = "pdlp", time_limit_s: float = 3
     raise ValueError(f"solver={solver!r}; expected 'pdlp', 'ipm', 'simplex' or 'scipy'")
   t0 = time.time()
   m, nv = model.A.shape
+  if nv == 0:  # the windows fix every start: the rows are 0 <= b, decided here
+    lam = (model.b < 0).astype(np.float64)
+    bound = certificate_bound(model, lam) if lam.any() else None
+    return {"status": "feasible" if bound is None else "infeasible",
+            "certified": bound is not None and bound > 0, "certificate_bound": bound,
+            "elastic_optimum": float(np.maximum(-model.b, 0).sum()),
+            "multipliers": None if bound is None else lam, "solve_s": time.time() - t0,
+            "solver": "windows", "solver_status": "no variables"}
   soft_idx = np.flatnonzero(model.soft)
   slack = sp.csr_matrix((-np.ones(soft_idx.size), (soft_idx, np.arange(soft_idx.size))),
                         shape=(m, soft_idx.size))
