@@ -243,7 +243,8 @@ def get_config(arg: str = "tiny"):
   c.hardware = "h100_sxm"  # preset of rlhfuse_jax/sim/hardware.py: its HBM is the budget
   # XLA:CPU runs bfloat16 dots in float32 and hoists a float32 copy of every weight out of the
   # decode loop, which no GPU makes: per_layer compiles the instance's programs with scanned
-  # layers and that hoisting off, so the copy is one layer's (experiments/plan_programs.py);
+  # layers and that hoisting off, so the copy is one layer's, and reports it unless the program
+  # as configured compiles smaller (an XLA:CPU that does not hoist: experiments/plan_programs.py);
   # as_compiled keeps the plain compile's figures.
   c.cpu_upcast = "per_layer"
   # True: the trainer's optim.offload_during_rollout (the AdamW moments in host memory while the

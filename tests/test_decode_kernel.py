@@ -116,8 +116,15 @@ def test_kernel_lowers_to_a_triton_call_for_cuda():
   layer = jax.ShapeDtypeStruct((), jnp.int32)
   fn = jax.jit(lambda q, k, v, layer, pos: dk.pallas_decode_attention(
       q, k, v, layer, pos, "bfloat16"))
-  exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[
-      jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-          q, cache, cache, layer, pos)
+  # The GPU it is lowered for: jax 0.11's Triton lowering asks the abstract mesh's device when
+  # the process has no GPU (0.10's did not ask).
+  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                     platform="gpu")
+  target = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
+                                     abstract_device=h100)
+  with jax.sharding.use_abstract_mesh(target):
+    exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            q, cache, cache, layer, pos)
   text = exported.mlir_module()
   assert text.count("@__gpu$xla.gpu.triton") == 1 and "mosaic" not in text.lower()

@@ -32,6 +32,10 @@ Triton constraints the kernel is written for (all loads, stores and tiles power-
 Masking: keys past q_pos[b] score -inf and their values are zeroed before p @ v, so whatever the
 cache holds past a row's position (stale or even NaN bits) cannot reach the output. Every live
 block holds key j * block_k <= q_pos[b], so a split that reads any block has a finite max.
+
+jax 0.11 deprecates the Pallas Triton backend (a DeprecationWarning at lowering: "will be removed
+in a future JAX version", in favour of Mosaic GPU); it still lowers and runs there. attention.py
+imports this module only when a kernel path is chosen, so a jax without it breaks only those.
 """
 from __future__ import annotations
 
