@@ -56,9 +56,12 @@ def test_a_signal_to_the_launcher_stops_every_process(tmp_path):
   for sig in (signal.SIGINT, signal.SIGTERM):
     wd = str(tmp_path / f"run{sig}")
     logs = [pathlib.Path(f"{wd}.proc{i}.log") for i in range(2)]
+    # SIGINT as a terminal's shell leaves it: pytest-xdist's workers ignore it, and bash can
+    # neither trap nor reset a signal ignored when it starts.
     with subprocess.Popen(["bash", "launch/local_multiprocess.sh", "2", "1", wd], cwd=REPO,
-                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True) as launcher:
+                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+                          ) as launcher:
       try:
         deadline = time.time() + 30
         while not all(p.exists() and "ready" in p.read_text() for p in logs):
