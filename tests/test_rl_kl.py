@@ -52,6 +52,20 @@ def test_k3_gradient_is_zero_at_equality():
   np.testing.assert_allclose(g, 0.0)
 
 
+def test_k3_keeps_pulling_a_token_that_drifted_far_above_the_reference():
+  """d k3 / d logp = 1 - pi_ref / pi: about 1 once log(pi / pi_ref) is large. A two-sided clip
+  of the log-ratio at 20 made it 0 there (the tokens that drifted furthest); the clip above
+  (where exp overflows) stays: finite, no gradient."""
+  drift = jnp.array([5.0, 19.0, 21.0, 25.0, 60.0])  # logp - ref_logp
+  g = jax.grad(lambda x: jnp.sum(kl.kl_estimate(x, jnp.zeros(5), "k3")))(drift)
+  np.testing.assert_allclose(g, 1.0 - np.exp(-np.asarray(drift)), rtol=1e-6)
+  np.testing.assert_allclose(kl.kl_estimate(drift, jnp.zeros(5), "k3"),
+                             np.expm1(-np.asarray(drift)) + np.asarray(drift), rtol=1e-6)
+  below = jax.grad(lambda x: jnp.sum(kl.kl_estimate(x, jnp.zeros(1), "k3")))(jnp.array([-25.0]))
+  assert np.isfinite(kl.kl_estimate(jnp.array([-25.0]), jnp.zeros(1), "k3")).all()
+  assert float(below[0]) == 0.0
+
+
 def test_unknown_kind_lists_known():
   with pytest.raises(ValueError, match=r"kind='k4'.*\['abs', 'k1', 'k2', 'k3'\]"):
     kl.kl_estimate(jnp.zeros(2), jnp.zeros(2), "k4")

@@ -1,9 +1,11 @@
 """The PPO loop: sharded == single device, critic-free estimators, config errors. (Resume
 exactness: tests/test_faults.py.)"""
 import dataclasses
+import logging
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -101,6 +103,7 @@ def test_sharded_run_equals_single_device(tmp_path):
     ({"algo.kl_in_reward": False, "algo.kl_estimator": "k1"},
      "algo.kl_estimator='k1': expected 'k3'"),
     ({"algo.value_clip_eps": -0.1}, "algo.value_clip_eps=-0.1: expected a finite value >= 0"),
+    ({"algo.clip_eps": 3.0}, r"algo.clip_eps=3.0: expected in \(0, 1\)"),
     ({"algo.estimator": "gea"}, "algo.estimator='gea': expected one of"),
     ({"algo.kl_estimator": "k4"}, "algo.kl_estimator='k4': expected one of"),
     ({"algo.vf_coef": -1.0}, "algo.vf_coef=-1.0: expected a finite value >= 0"),
@@ -319,6 +322,45 @@ def test_top_k_beyond_the_vocabulary_is_refused_before_anything_is_built():
     validate(cfg, mesh)
   validate(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout,
                                                                 top_k=tokenizer.vocab_size)), mesh)
+
+
+def test_grpo_with_the_kl_in_the_reward_is_warned_about(caplog):
+  """GRPO's std normalisation turns a tied group's KL penalties into advantages of about +-1
+  whatever kl_coef is (the advantages here, then validate's warning); the KL as a loss does not
+  reach the advantages."""
+  from rlhfuse_jax.rl import advantages as adv_lib
+  from rlhfuse_jax.trainer.validate import validate
+  tied = np.ones(8, np.float32)
+  kl_sums = np.random.default_rng(0).normal(size=8).astype(np.float32)
+  for coef in (0.02, 0.0002):
+    adv, _ = adv_lib.grpo_advantages(jnp.asarray(tied - coef * kl_sums), jnp.ones((8, 1)), 8)
+    assert np.abs(np.asarray(adv)).max() > 0.9, (coef, adv)
+  overrides = {"algo.estimator": "grpo", "rollout.samples_per_prompt": 4, "algo.kl_coef": 0.02}
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
+  for kl_in_reward, warned in ((True, True), (False, False)):
+    cfg = tiny_config(**overrides, **{"algo.kl_in_reward": kl_in_reward,
+                                      "algo.kl_estimator": "k3"})
+    _, tokenizer = build.build_task_and_tokenizer(cfg)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      validate(build.resolve_config(cfg, tokenizer), mesh)
+    assert ("GRPO divides each group's scores by their std" in caplog.text) == warned
+
+
+def test_a_warmup_longer_than_the_schedule_is_warned_about(caplog):
+  """min(warmup, steps - 1) kept the rate rising to the last step and never decaying, silently."""
+  from rlhfuse_jax.trainer import update as update_lib
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
+  # (2 or 4 iterations) x 2 epochs x 2 mini-batches: 8 or 16 optimizer steps.
+  for warmup, warned in ((16, True), (15, False)):
+    cfg = tiny_config(**{"optim.warmup_steps": warmup, "algo.epochs": 2})
+    _, tokenizer = build.build_task_and_tokenizer(cfg)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      update_lib.make_update(build.resolve_config(cfg, tokenizer), mesh, use_critic=True,
+                             schedule_iterations=2 if warmup == 16 else 4)
+    assert (f"config.optim.warmup_steps={warmup} covers all" in caplog.text) == warned, (
+        caplog.text)
 
 
 def test_a_scalar_head_checkpoint_is_refused_as_the_actor(tmp_path):

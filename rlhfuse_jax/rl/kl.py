@@ -34,7 +34,10 @@ def _k2(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
 
 
 def _k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
-  log_ratio = jnp.clip(ref_logp - logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+  # Clipped above only, where exp overflows: below, k3 = exp(r) - r - 1 is about -r - 1 and its
+  # gradient is the policy's pull back to the reference (a two-sided clip zeroed it on the tokens
+  # that had drifted furthest, log(pi / pi_ref) > 20).
+  log_ratio = jnp.minimum(ref_logp - logp, _MAX_LOG_RATIO)
   # expm1 keeps precision when the ratio is ~1 (the common case), where exp(r) - 1 cancels.
   return jnp.expm1(log_ratio) - log_ratio
 

@@ -43,8 +43,8 @@ class LossConfig:
   def __post_init__(self):
     losses.check_loss_agg(self.loss_agg)
     losses.check_loss_agg(self.kl_loss_agg)
-    if not self.clip_eps > 0:
-      raise ValueError(f"loss.clip_eps={self.clip_eps} must be > 0")
+    if not 0 < self.clip_eps < 1:  # 1 - clip_eps is the ratio's lower clip
+      raise ValueError(f"loss.clip_eps={self.clip_eps} must be in (0, 1)")
     if self.kl_coef < 0 or self.entropy_coef < 0 or self.vf_coef < 0:
       raise ValueError("loss.kl_coef, loss.entropy_coef and loss.vf_coef must be >= 0")
     if not self.temperature > 0:

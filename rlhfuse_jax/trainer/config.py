@@ -170,8 +170,8 @@ class AlgoConfig:
       _check(math.isfinite(v) and v >= 0, f"algo.{name}", v, "a finite value >= 0")
     _check(0 <= self.gamma <= 1, "algo.gamma", self.gamma, "in [0, 1]")
     _check(0 <= self.lam <= 1, "algo.lam", self.lam, "in [0, 1]")
-    _check(math.isfinite(self.clip_eps) and self.clip_eps > 0, "algo.clip_eps", self.clip_eps,
-           "a finite value > 0")
+    _check(0 < self.clip_eps < 1, "algo.clip_eps", self.clip_eps,
+           "in (0, 1) (the ratio is clipped to [1 - clip_eps, 1 + clip_eps])")
     # As a loss, k1's gradient (that of logp) has zero expectation on the policy's own samples
     # whatever the reference: it would add noise, not pull toward the reference (rl/kl.py).
     _check(self.kl_in_reward or self.kl_coef == 0 or self.kl_estimator != "k1",

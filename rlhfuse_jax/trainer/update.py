@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import optax
+from absl import logging
 
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.pipeline import stages as stages_lib
@@ -121,6 +122,12 @@ def make_update(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, use_critic: bool,
   updates_per_iter = cfg.algo.epochs * (cfg.rollout.batch_size // cfg.algo.minibatch_size)
   total = schedule_iterations * updates_per_iter
   warmup = min(cfg.optim.warmup_steps, total - 1)
+  if cfg.optim.warmup_steps >= total:
+    logging.warning("config.optim.warmup_steps=%d covers all %d optimizer steps of the schedule "
+                    "(%d iterations x %d updates): the learning rate rises until the last step "
+                    "and never decays; lower optim.warmup_steps or raise "
+                    "optim.schedule_iterations", cfg.optim.warmup_steps, total,
+                    schedule_iterations, updates_per_iter)
   is_pipelined = mesh.shape["stage"] > 1
   # A pipelined model is held stage-stacked: its weight-decay mask is that tree's.
   decay_mask = ({"weight_decay_mask": stages_lib.staged_decay_mask} if is_pipelined else {})

@@ -43,6 +43,15 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                  cfg.algo.gradient_sync)
   elif cfg.algo.microbatch_size:
     ppo.microbatch_count(cfg.algo, cfg.algo.minibatch_size, mult)  # the update's own check
+  if cfg.algo.estimator == "grpo" and cfg.algo.kl_in_reward and cfg.algo.kl_coef > 0:
+    # Accepted (verl computes it so too), but rarely what a user who only switched the estimator
+    # wants: the group's std rescales the penalty whatever its coefficient.
+    logging.warning("config.algo.estimator='grpo' with the KL in the reward (algo.kl_in_reward="
+                    "True, kl_coef=%g): GRPO divides each group's scores by their std, so in a "
+                    "group whose rewards tie the KL penalty alone becomes advantages of about "
+                    "+-1, whatever kl_coef is. GRPO's own setting is algo.kl_in_reward=False "
+                    "(the KL as a loss term, kl_estimator='k3'), as configs/ppo_tiny.py:grpo has",
+                    cfg.algo.kl_coef)
   if cfg.rollout.top_k > cfg.model.vocab_size:
     raise ValueError(f"config.rollout.top_k={cfg.rollout.top_k} exceeds the actor's vocabulary "
                      f"(model.vocab_size={cfg.model.vocab_size}); 0 samples from all of it")
