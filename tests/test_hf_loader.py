@@ -6,6 +6,7 @@ checkpoints are built in tmp_path by editing config.json or re-saving the safete
 import functools
 import glob
 import json
+import math
 import os
 import shutil
 
@@ -121,6 +122,9 @@ def test_qwen3_qk_norm_is_loaded_and_counted():
   n = sum(x.size for x in jax.tree.leaves(params))
   assert n == cfg.num_params() == shapes.from_model_config(cfg).num_params()
   assert n - cfg.replace(qk_norm=False).num_params() == 2 * 2 * 32  # 2 layers x (q, k) x dim
+  for biased in (cfg.replace(o_bias=True), cfg.replace(qkv_bias=True, o_bias=True)):
+    built = llama.param_shapes(biased)  # o_proj's bias was not counted
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(built)) == biased.num_params()
   ones = jax.tree.map(np.asarray, params)
   for layer in ("layers_0", "layers_1"):
     for norm in ("q_norm", "k_norm"):
@@ -347,6 +351,17 @@ def test_sliding_window_only_rejected_when_it_bites():
   with pytest.raises(ValueError, match=r"sliding_window=64 is used by layers \[0\]"):
     hf_loader.config_from_hf(qwen3)
   assert hf_loader.config_from_hf(qwen3, max_seq_len=64).qk_norm
+  # Omitted keys read as transformers' Qwen2Config / Qwen3Config defaults: sliding_window 4096
+  # (it was read as none: full attention where HF slides), max_window_layers 28 (read as 0).
+  long = dict(hf, max_position_embeddings=8192, use_sliding_window=True)
+  long.pop("sliding_window", None)
+  long.pop("max_window_layers", None)
+  for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match=r"sliding_window=4096 is used by layers \[1\]"):
+      hf_loader.config_from_hf(dict(long, architectures=[arch], max_window_layers=1))
+    assert hf_loader.config_from_hf(dict(long, architectures=[arch])).max_seq_len == 8192  # 28
+    assert hf_loader.config_from_hf(dict(long, architectures=[arch], use_sliding_window=False,
+                                         max_window_layers=1)).max_seq_len == 8192
 
 
 def test_qwen3_without_head_dim_takes_transformers_default():

@@ -161,21 +161,25 @@ def _sliding_layers(hf: dict[str, Any], family: str, num_layers: int) -> list[in
     return list(range(num_layers)) if _window(hf, family) is not None else []
   if hf.get("layer_types") is not None:
     return [i for i, t in enumerate(hf["layer_types"]) if t != "full_attention"]
-  if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
-    first = int(hf.get("max_window_layers", 0) or 0)
-    return list(range(first, num_layers))
+  if hf.get("use_sliding_window") and _window(hf, family) is not None:
+    first = hf.get("max_window_layers")
+    return list(range(_QWEN_DEFAULT_MAX_WINDOW_LAYERS if first is None else int(first),
+                      num_layers))
   return []
 
 
 # transformers' defaults for keys a config.json may omit, where they differ from "none":
-# MistralConfig(sliding_window=4096), Qwen3Config(head_dim=128). (An explicit null is kept.)
-_MISTRAL_DEFAULT_WINDOW = 4096
+# MistralConfig(sliding_window=4096), Qwen2Config / Qwen3Config(sliding_window=4096,
+# max_window_layers=28), Qwen3Config(head_dim=128). (An explicit null window is kept.)
+_DEFAULT_WINDOW = 4096
+_QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
 _QWEN3_DEFAULT_HEAD_DIM = 128
 
 
 def _window(hf: dict[str, Any], family: str) -> Optional[int]:
-  if family == "mistral" and "sliding_window" not in hf:
-    return _MISTRAL_DEFAULT_WINDOW
+  if "sliding_window" not in hf and (family == "mistral" or (
+      family in ("qwen2", "qwen3") and hf.get("use_sliding_window"))):  # Qwen: None unless used
+    return _DEFAULT_WINDOW
   return hf.get("sliding_window")
 
 

@@ -165,6 +165,8 @@ class ModelConfig:
     attn = e * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * e
     if self.qkv_bias:
       attn += d * (self.num_heads + 2 * self.num_kv_heads)
+    if self.o_bias:
+      attn += e
     if self.qk_norm:
       attn += 2 * d
     layer = attn + 3 * e * f + 2 * e
