@@ -39,6 +39,10 @@ def test_the_launcher_passes_the_callers_flags_to_every_process(tmp_path):
     assert f"--process_id={i}" in log, log
 
 
+RESET_SIGINT_AND_EXEC = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                         "os.execvp(sys.argv[1], sys.argv[1:])")
+
+
 def test_a_signal_to_the_launcher_stops_every_process(tmp_path):
   """Ctrl-C / SIGTERM reach the launcher alone (its background processes ignore SIGINT): it
   passes SIGTERM to every process and waits for them (which save and exit 75); a second signal
@@ -57,10 +61,11 @@ def test_a_signal_to_the_launcher_stops_every_process(tmp_path):
     wd = str(tmp_path / f"run{sig}")
     logs = [pathlib.Path(f"{wd}.proc{i}.log") for i in range(2)]
     # SIGINT as a terminal's shell leaves it: pytest-xdist's workers ignore it, and bash can
-    # neither trap nor reset a signal ignored when it starts.
-    with subprocess.Popen(["bash", "launch/local_multiprocess.sh", "2", "1", wd], cwd=REPO,
-                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # neither trap nor reset a signal ignored when it starts. (An exec'ing interpreter, not
+    # preexec_fn, which forks a multithreaded process.)
+    with subprocess.Popen([sys.executable, "-c", RESET_SIGINT_AND_EXEC, "bash",
+                           "launch/local_multiprocess.sh", "2", "1", wd], cwd=REPO, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
                           ) as launcher:
       try:
         deadline = time.time() + 30
