@@ -28,6 +28,7 @@ from ml_collections import config_flags
 from rlhfuse_jax import checkpointing
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.generation import multihost
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer import hooks
@@ -96,13 +97,16 @@ def main(argv):
                             trainer.resume_step or 0)
   try:
     trainer.run()
-  except checkpointing.SaveError as e:
-    # Orbax's threads of the failed save would hold the process for minutes: stop now.
+  except (checkpointing.SaveError, multihost.PeerLostError) as e:
+    # A failed save: orbax's threads would hold the process for minutes. A peer lost in fused
+    # generation's exchange: the watchdog's status (a hung peer) for a dead one too, and no wait
+    # at exit for a process that will not come. Stop now.
     logging.error("%s", e)
     logging.flush()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(EXIT_SAVE_FAILED)
+    os._exit(EXIT_SAVE_FAILED if isinstance(e, checkpointing.SaveError)
+             else multihost.EXIT_PEER_LOST)
   if main_process:
     # The summary covers the whole run (also iterations done before a resume).
     history = wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))

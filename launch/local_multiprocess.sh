@@ -44,7 +44,9 @@ done
 # iteration and exits 75, or ends at once if it has not started training) and keeps waiting;
 # a second signal kills them.
 signalled=0
+interrupted=0
 forward() {
+  interrupted=1
   if ((signalled)); then kill -KILL "${pids[@]}" 2>/dev/null || true
   else signalled=1; echo "stopping: SIGTERM to every process (again: kill)" >&2
     kill -TERM "${pids[@]}" 2>/dev/null || true; fi
@@ -52,9 +54,10 @@ forward() {
 trap forward INT TERM
 status=0
 for p in "${pids[@]}"; do
-  while :; do
+  while :; do  # a trapped signal ends `wait` early (128 + signal): wait again for the status
+    interrupted=0
     wait "$p" && rc=0 || rc=$?
-    kill -0 "$p" 2>/dev/null || break  # else a signal interrupted the wait: wait again
+    ((interrupted && rc > 128)) || break  # <= 128: the process's own status
   done
   ((rc == 0)) || status=$rc
 done

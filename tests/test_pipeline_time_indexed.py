@@ -122,6 +122,23 @@ def test_fractional_memory_is_scaled_to_integers_and_decides_the_same():
     time_indexed.build(dataclasses.replace(frac, actor_mem=0.1 * np.pi), 43.0)  # before any work
 
 
+def test_a_no_limit_budget_certifies_nothing():
+  """A budget of 1e30 (no limit) wrapped to int64's minimum in the exact check, so one multiplier
+  on a memory row 'proved' a feasible target (30; serial 1F1B takes 21) unreachable. The rows are
+  capped where they cannot bind; right-hand sides past 2^62 are refused."""
+  p = PipelineProblem(2, 1, 3, 3, 1.0, 1.0, memory_budget=(1e30,))
+  model = time_indexed.build(p, 30.0)
+  assert np.abs(model.b).max() < 2 ** 62
+  assert time_indexed.solve(model, solver="scipy")["status"] == "feasible"
+  for row in np.flatnonzero(model.soft):
+    lam = np.zeros(model.b.shape)
+    lam[row] = 1.0
+    assert time_indexed.certificate_bound(model, lam) <= 0, row
+  huge = dataclasses.replace(model, b=np.where(model.soft, 1e30, model.b))
+  with pytest.raises(ValueError, match="below 2\\^62"):
+    time_indexed.certificate_bound(huge, np.ones(model.b.shape))
+
+
 def test_a_model_whose_windows_fix_every_start_is_decided_without_a_solver():
   """At its optimum (6, brute force) every window of this instance is one point: no variables
   (scipy raised, HiGHS said 'Empty')."""

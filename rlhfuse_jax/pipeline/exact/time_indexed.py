@@ -233,7 +233,11 @@ def build(problem: PipelineProblem, target: float, unit: Optional[float] = None,
   slots = np.arange(horizon)
   for d in devs:
     cap_ids = new_rows(horizon, 1.0, True)
-    mem_ids = new_rows(horizon, float(p.budget()[d]) * scale, True)
+    # A budget above all the device's forwards at once never binds: capped there (+1), so a
+    # "no limit" budget (1e30) stays an exact integer in the certificate check.
+    held = sum(mem[k] * cnt for k, cnt in enumerate(np.bincount(
+        tasks[tasks[:, 1] == d, 0], minlength=4)) if k % 2 == 0) * scale
+    mem_ids = new_rows(horizon, min(float(p.budget()[d]) * scale, held + 1.0), True)
     for i in np.flatnonzero(tasks[:, 1] == d):
       k = int(tasks[i, 0])
       add_terms(i, cap_ids, slots, 1.0)
@@ -274,6 +278,8 @@ def certificate_bound(model: TimeIndexedModel, lam: np.ndarray) -> float:
   lam_i = np.floor(np.maximum(lam, 0.0) * scale).astype(np.int64)  # [rows], 0 .. 2^30
   a_i = sp.csr_matrix((np.rint(A.data).astype(np.int64), A.indices, A.indptr), shape=A.shape)
   col = a_i.T.tocsr() @ lam_i  # [vars] exact: |entries| and counts keep it far below 2^63
+  if np.abs(b).max(initial=0.0) >= 2.0 ** 62:  # int64 would wrap (a bound out of nothing)
+    raise ValueError("exact certificate check needs right-hand sides below 2^62")
   b_i = np.rint(b).astype(np.int64)
   total = int(np.minimum(col, 0).sum(dtype=object)) - int((b_i.astype(object) * lam_i).sum())
   return total / scale
