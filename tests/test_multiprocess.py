@@ -220,6 +220,8 @@ def test_slurm_one_task_per_node_sees_every_gpu_of_its_node(monkeypatch):
   assert distributed.slurm_node_gpus({**env, "SLURM_NTASKS_PER_NODE": "1"}) == list(range(8))
   typed = {k: v for k, v in env.items() if k != "SLURM_GPUS_ON_NODE"}
   assert distributed.slurm_node_gpus({**typed, "SLURM_GPUS_PER_NODE": "h100:4"}) == [0, 1, 2, 3]
+  assert distributed.slurm_node_gpus(  # two GPU types on a node: 2 + 1 (it read the last, 1)
+      {**typed, "SLURM_GPUS_PER_NODE": "gpu:a100:2,gpu:v100:1"}) == [0, 1, 2]
   assert distributed.slurm_node_gpus({**typed, "CUDA_VISIBLE_DEVICES": "3,5"}) == [0, 1]
   # jax's own rule where it is right or where we cannot tell: one GPU per task, several tasks
   # per node, the user's JAX_LOCAL_DEVICE_IDS, no SLURM, an unknown GPU count.

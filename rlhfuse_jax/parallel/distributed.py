@@ -55,11 +55,12 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
 
 
 def _int(environ: Mapping[str, str], *names: str) -> Optional[int]:
-  """The first of `names` set to an integer ("a100:8", SLURM's typed GPU count, reads 8)."""
+  """The first of `names` set to an integer. SLURM's typed GPU counts add up: "a100:8" reads 8,
+  "gpu:a100:2,gpu:v100:1" reads 3."""
   for name in names:
-    value = environ.get(name, "").rsplit(":", 1)[-1]
-    if value.isdigit():
-      return int(value)
+    counts = [part.rsplit(":", 1)[-1] for part in environ.get(name, "").split(",")]
+    if all(c.isdigit() for c in counts):
+      return sum(int(c) for c in counts)
   return None
 
 
