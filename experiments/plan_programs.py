@@ -467,14 +467,14 @@ def instance_programs(cfg: PlanConfig) -> dict:
     inst = make_instance(dataclasses.replace(cfg, actor=actor))
     shapes = llama.param_shapes(actor)
     lowered[scan] = dict(inst.lower_all(shapes, {"reference": shapes},
-                                                     only=("decode", "reference")))
+                                        only=("decode", "reference")))
+  figures = lambda r: {k: r[k] for k in ("temp_bytes", "peak_bytes", "fits", "compile_s")}
   out = {}
   for name, key, analytic in (("decode", "decode", decode_analytic(cfg)),
                               ("inference", "reference", inference_analytic(cfg))):
     m = measure(lowered[cfg.actor.scan_layers][key], cfg.hardware)
     record = {"scan_layers": cfg.actor.scan_layers}
     if per_layer:
-      figures = lambda r: {k: r[k] for k in ("temp_bytes", "peak_bytes", "fits", "compile_s")}
       scanned = measure(lowered[True][key], cfg.hardware, PER_LAYER_OPTIONS)
       used = "per_layer" if scanned["temp_bytes"] <= m["temp_bytes"] else "as_compiled"
       logging.info("%s: temp %.2f GB with the float32 weights converted per layer, %.2f GB as "

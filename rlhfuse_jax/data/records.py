@@ -54,8 +54,8 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
         for i in range(arr.type.num_fields):
           narrow(path + (arr.type.field(i).name,), arr.field(i))
       elif arr.type in (pa.float16(), pa.float32()):
+        *parents, last = path
         for row, value in zip(rows, arr.to_numpy(zero_copy_only=False)):
-          *parents, last = path
           for part in parents:
             row = row.get(part) if isinstance(row, dict) else None
           if isinstance(row, dict) and row.get(last) is not None:

@@ -54,11 +54,12 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
                jax.device_count())
 
 
-def _int(environ: Mapping[str, str], *names: str) -> Optional[int]:
-  """The first of `names` set to an integer. SLURM's typed GPU counts add up: "a100:8" reads 8,
-  "gpu:a100:2,gpu:v100:1" reads 3."""
+def _int(environ: Mapping[str, str], *names: str, typed: bool = False) -> Optional[int]:
+  """The first of `names` set to an integer. typed: SLURM's GPU counts, "type:n" per GPU type,
+  which add up ("a100:8" reads 8, "gpu:a100:2,gpu:v100:1" reads 3)."""
   for name in names:
-    counts = [part.rsplit(":", 1)[-1] for part in environ.get(name, "").split(",")]
+    value = environ.get(name, "")
+    counts = [part.rsplit(":", 1)[-1] for part in value.split(",")] if typed else [value]
     if all(c.isdigit() for c in counts):
       return sum(int(c) for c in counts)
   return None
@@ -78,7 +79,7 @@ def slurm_node_gpus(environ: Mapping[str, str]) -> Optional[list[int]]:
     tasks = _int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
     nodes = _int(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
     per_node = tasks // nodes if tasks and nodes and tasks % nodes == 0 else None
-  gpus = _int(environ, "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE")
+  gpus = _int(environ, "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", typed=True)
   visible = environ.get("CUDA_VISIBLE_DEVICES", "")
   if gpus is None and visible:
     gpus = len(visible.split(","))

@@ -231,12 +231,11 @@ def build(problem: PipelineProblem, target: float, unit: Optional[float] = None,
     add_terms(a, ids, t - delta, -1.0)
   mem = p.mem_deltas()
   slots = np.arange(horizon)
+  # A budget above every forward of a device at once never binds: capped there (+1), so a
+  # "no limit" budget (1e30) stays an exact integer in the certificate check.
+  held = (mem[AF] * counts[AF] + mem[CF] * counts[CF]) * scale
   for d in devs:
     cap_ids = new_rows(horizon, 1.0, True)
-    # A budget above all the device's forwards at once never binds: capped there (+1), so a
-    # "no limit" budget (1e30) stays an exact integer in the certificate check.
-    held = sum(mem[k] * cnt for k, cnt in enumerate(np.bincount(
-        tasks[tasks[:, 1] == d, 0], minlength=4)) if k % 2 == 0) * scale
     mem_ids = new_rows(horizon, min(float(p.budget()[d]) * scale, held + 1.0), True)
     for i in np.flatnonzero(tasks[:, 1] == d):
       k = int(tasks[i, 0])
