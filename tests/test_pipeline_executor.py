@@ -228,7 +228,7 @@ def _batch(size, seed=0, ref=False):
       "advantages": rng.normal(0, 1, (size, RESP)).astype(np.float32),
       "returns": rng.normal(0, 1, (size, RESP)).astype(np.float32),
       # Far from the fresh critic's values (|v| < 0.5): the value clip is active or not by a
-      # wide margin, so vf_clipfrac does not hinge on rounding (old + (v - old) != v in fp32).
+      # wide margin, so vf_clipfrac does not hinge on float rounding.
       "old_values": (rng.choice([-1, 1], (size, RESP)) *
                      rng.uniform(0.8, 1.8, (size, RESP))).astype(np.float32),
   }

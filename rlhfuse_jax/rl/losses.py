@@ -149,10 +149,14 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mas
     per_token = err_unclipped
     clipfrac = jnp.zeros((), jnp.float32)
   else:
-    clipped_values = old_values + jnp.clip(values - old_values, -clip_eps, clip_eps)
+    delta = values - old_values
+    clipped_values = old_values + jnp.clip(delta, -clip_eps, clip_eps)
     err_clipped = jnp.square(clipped_values - returns)
     per_token = jnp.maximum(err_unclipped, err_clipped)
-    clipfrac = masked.masked_mean((err_clipped > err_unclipped).astype(jnp.float32), mask)
+    # Counted only where the clip is active: inside the range V_old + (V - V_old) is V only up to
+    # float rounding, and comparing the two errors alone counted that rounding as clipping.
+    active = (jnp.abs(delta) > clip_eps) & (err_clipped > err_unclipped)
+    clipfrac = masked.masked_mean(active.astype(jnp.float32), mask)
   loss = 0.5 * aggregate_loss(per_token, mask, loss_agg, **agg_kwargs)
   return loss, {"vf_loss": loss, "vf_clipfrac": clipfrac}
 
