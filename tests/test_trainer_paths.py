@@ -11,6 +11,7 @@ one device, the reward functions) from what the trainer's rollout stage returned
 """
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -371,6 +372,18 @@ def test_vocabulary_and_context_mismatches_are_named_before_any_build(tmp_path, 
   with pytest.raises(ValueError, match=r"= 14 exceeds the max_seq_len=8 of config\.reward\."
                                        r"model_checkpoint="):
     PPOTrainer(_reward_run_config(prompts, tmp_path / "rm8"), str(tmp_path / "b"))
+  # An actor or critic checkpoint trained on fewer positions than a prompt and its response.
+  short = tmp_path / "llama8"
+  shutil.copytree(LLAMA, short)
+  with open(short / "config.json") as f:
+    hf_cfg = json.load(f)
+  with open(short / "config.json", "w") as f:
+    json.dump({**hf_cfg, "max_position_embeddings": 8}, f)
+  for field in ("actor_checkpoint", "critic_checkpoint"):
+    with pytest.raises(ValueError, match=rf"= 14 exceeds the max_position_embeddings=8 that "
+                                         rf"config\.init\.{field}='.*llama8' was trained on"):
+      PPOTrainer(tiny_config(**{f"init.{field}": str(short), "init.tokenizer": str(
+          short / "tokenizer.json")}), str(tmp_path / field))
   # A larger vocabulary (e.g. a pad token added to the reward model) reads every actor id: it
   # passes validation and reaches the build.
   write_reward_checkpoint(tmp_path / "rm30", REWARD_CFG.replace(vocab_size=30))

@@ -31,7 +31,7 @@ from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 
 
-def _field(field: str, path: str, load, *args, **kwargs):
+def load_named(field: str, path: str, load, *args, **kwargs):
   """`load(path, ...)`, a missing file named by the config field that gave it."""
   try:
     return load(path, *args, **kwargs)
@@ -59,7 +59,7 @@ def build_task_and_tokenizer(cfg: TrainConfig):
         f"vocabulary would give the model ids of other tokens; set config.init.tokenizer to "
         f"{hint}")
   if cfg.init.tokenizer:
-    tokenizer = _field("init.tokenizer", cfg.init.tokenizer, HFTokenizer.from_file)
+    tokenizer = load_named("init.tokenizer", cfg.init.tokenizer, HFTokenizer.from_file)
   return task, tokenizer
 
 
@@ -74,7 +74,7 @@ def _needs_answer(cfg: TrainConfig) -> bool:
 
 def _load(cfg: TrainConfig, field: str) -> list[dict]:
   d = cfg.data
-  return _field(f"data.{field}", getattr(d, field), records_lib.load_records, d.prompt_key,
+  return load_named(f"data.{field}", getattr(d, field), records_lib.load_records, d.prompt_key,
                 d.answer_key, require_answer=_needs_answer(cfg))
 
 
@@ -125,7 +125,7 @@ def checkpoint_config(path: str, section: ModelConfig, field: str = "init.actor_
   """The architecture of the checkpoint at `path` (config.`field`) with the run's own fields of
   `section`."""
   keep = {f: getattr(section, f) for f in RUN_MODEL_FIELDS}
-  return _field(field, path, hf_loader.load_hf_config, **{**keep, **overrides})
+  return load_named(field, path, hf_loader.load_hf_config, **{**keep, **overrides})
 
 
 def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
@@ -163,12 +163,12 @@ def reward_model_config(cfg: TrainConfig) -> Optional[ModelConfig]:
   if cfg.reward.kind != "model":
     return None
   path = cfg.reward.model_checkpoint
-  positions = _field("reward.model_checkpoint", path, hf_loader.max_positions)
+  positions = load_named("reward.model_checkpoint", path, hf_loader.max_positions)
   model = checkpoint_config(path, cfg.model, "reward.model_checkpoint", head="scalar",
                             remat="none", max_seq_len=min(positions, cfg.model.max_seq_len))
   # A reward model is its trained scalar head: without one (a *ForCausalLM, the policy's own
   # directory) the loader would draw a random head and PPO would optimise a random projection.
-  if "score.weight" not in _field("reward.model_checkpoint", path, hf_loader.tensor_names):
+  if "score.weight" not in load_named("reward.model_checkpoint", path, hf_loader.tensor_names):
     raise ValueError(
         f"config.reward.model_checkpoint={path!r} has no score.weight: a reward model needs "
         "its trained scalar head (a *ForSequenceClassification checkpoint with num_labels=1), "

@@ -77,6 +77,20 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
       raise ValueError(f"config.data.max_prompt_len + config.rollout.max_new_tokens = {context} "
                        f"exceeds the max_seq_len={model.max_seq_len} of {context_name}: a prompt "
                        "and its response must fit every model's context")
+  # The actor's and critic's context is the config's (model.max_seq_len), but a checkpoint was
+  # trained on its config.json's positions only: rotary positions past them are ones its weights
+  # never saw, so a run that needs them is refused, as a reward model's shorter context is.
+  for field, needed in (("actor_checkpoint", True),
+                        ("critic_checkpoint", adv_lib.needs_critic(cfg.algo.estimator))):
+    path = getattr(cfg.init, field)
+    if not path or not needed:
+      continue
+    positions = build.load_named(f"init.{field}", path, hf_loader.max_positions)
+    if context > positions:
+      raise ValueError(f"config.data.max_prompt_len + config.rollout.max_new_tokens = {context} "
+                       f"exceeds the max_position_embeddings={positions} that config.init."
+                       f"{field}={path!r} was trained on: a prompt and its response must fit "
+                       "its positions")
   if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
     pipelined.check_config(cfg, mesh)
   try:
