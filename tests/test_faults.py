@@ -195,6 +195,20 @@ def test_a_second_run_on_the_same_workdir_is_refused(tmp_path):
   assert PPOTrainer(cfg, str(tmp_path)).run() == []
 
 
+def test_a_start_refused_by_the_config_closes_what_it_opened(tmp_path, monkeypatch):
+  """A config error found after the checkpoint manager opened (a mesh these devices cannot
+  make) closes the manager (left open, orbax's cleanup thread raced the interpreter's shutdown
+  and printed its traceback after the error) and releases the workdir."""
+  closed = []
+  real_close = checkpointing.Checkpointer.close
+  monkeypatch.setattr(checkpointing.Checkpointer, "close",
+                      lambda self: (closed.append(self), real_close(self))[-1])
+  with pytest.raises(ValueError, match=r"multiply to 3 devices but 8 are available"):
+    PPOTrainer(tiny_config(**{"mesh.data": 3}), str(tmp_path))
+  assert len(closed) == 1
+  wd.WorkdirLock(str(tmp_path)).release()  # free again
+
+
 # ------------------------------------------------------------------------------ damage
 def _damage_arrays(step_dir):
   for root, _, files in os.walk(os.path.join(step_dir, "state")):

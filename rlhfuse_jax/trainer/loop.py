@@ -99,6 +99,14 @@ class PPOTrainer:
                            "which); use another --workdir")
       self._setup(cfg, mesh)
     except BaseException:
+      # A config error found after the checkpoint manager opened: close it here, or orbax's
+      # cleanup thread can race the interpreter's shutdown and print its own traceback last.
+      checkpoints = getattr(self, "checkpoints", None)
+      if checkpoints is not None:
+        try:
+          checkpoints.checkpointer.close()
+        except Exception:  # pylint: disable=broad-except
+          logging.exception("closing the checkpoint manager after a failed start")
       if self._lock is not None:
         self._lock.release()
       raise
