@@ -1,6 +1,7 @@
 """Math verifiers (GSM8K final number, MATH boxed answers through math-verify), format rewards,
 user functions by import path, and errors that name the function and the sample."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -187,8 +188,17 @@ def test_user_function_by_import_path(tok):
 def test_bad_function_specs_fail_before_the_run(spec, expected):
   with pytest.raises(ValueError, match=expected):
     rewards_lib.get_reward_function(spec)
-  with pytest.raises(ValueError, match=expected):
+  with pytest.raises(ValueError, match=rf"^config\.reward\.function='{re.escape(spec)}': "
+                                       rf".*{expected}"):
     build.check_reward_functions(tiny_config(**{"reward.function": spec}))
+  with pytest.raises(ValueError, match=rf"^config\.reward\.format='{re.escape(spec)}': "):
+    build.check_reward_functions(tiny_config(**{"reward.format": spec}))
+
+
+def test_an_unknown_task_names_the_field():
+  with pytest.raises(ValueError, match=r"^config\.data\.task='nope': expected one of "
+                                       r"\['count_up', 'countdown', 'repeat', 'sort'\]"):
+    build.build_task_and_tokenizer(tiny_config(**{"data.task": "nope"}))
 
 
 def test_errors_name_the_function_and_the_sample(tok):

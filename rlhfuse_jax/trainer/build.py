@@ -41,6 +41,8 @@ def load_named(field: str, path: str, load, *args, **kwargs):
 
 def build_task_and_tokenizer(cfg: TrainConfig):
   d = cfg.data
+  if d.task not in tasks_lib.TASKS:
+    raise ValueError(f"config.data.task={d.task!r}: expected one of {sorted(tasks_lib.TASKS)}")
   task = tasks_lib.make_task(d.task, length_dist=d.length_dist, length_min=d.length_min,
                              length_max=d.length_max, length_mu=d.length_mu,
                              length_sigma=d.length_sigma)
@@ -256,9 +258,13 @@ def check_reward_functions(cfg: TrainConfig) -> None:
   """Resolves reward.function and reward.format now (an unknown name, a module that does not
   import), so that the error comes before any weight is read or program compiled."""
   if cfg.reward.kind == "function":
-    for spec in (cfg.reward.function, cfg.reward.format):
+    for field in ("function", "format"):
+      spec = getattr(cfg.reward, field)
       if spec and spec != "task":
-        rewards_lib.get_reward_function(spec)
+        try:
+          rewards_lib.get_reward_function(spec)
+        except ValueError as e:
+          raise ValueError(f"config.reward.{field}={spec!r}: {e}") from None
 
 
 def _with_tokenizer(fn, tokenizer, records, response_tokens, response_lens):
