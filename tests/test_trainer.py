@@ -363,6 +363,22 @@ def test_a_warmup_longer_than_the_schedule_is_warned_about(caplog):
         caplog.text)
 
 
+def test_pipeline_fields_on_an_unpipelined_mesh_are_warned_about(caplog):
+  """pipeline.* only applies with mesh.stage > 1: set on a one-stage mesh they were ignored
+  without a word."""
+  from rlhfuse_jax.trainer.validate import validate
+  for overrides, warned in (({"pipeline.critic_pp": 3, "pipeline.actor_microbatches": 2}, True),
+                            ({}, False)):
+    cfg = tiny_config(**overrides)
+    _, tokenizer = build.build_task_and_tokenizer(cfg)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      validate(build.resolve_config(cfg, tokenizer), mesh_lib.make_mesh(
+          mesh_lib.MeshConfig(data=8)))
+    assert ("config.pipeline.critic_pp=3, config.pipeline.actor_microbatches=2 not used: "
+            "mesh.stage=1" in caplog.text) == warned, caplog.text
+
+
 def test_a_scalar_head_checkpoint_is_refused_as_the_actor(tmp_path):
   """A *ForSequenceClassification (a reward model's directory) as init.actor_checkpoint was
   accepted by validate and failed in the build asking for an rng."""

@@ -8,6 +8,7 @@ of defence; this is where a user's mistake is caught first.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
@@ -93,6 +94,13 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                        "its positions")
   if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
     pipelined.check_config(cfg, mesh)
+  else:
+    unused = [f"pipeline.{f.name}={getattr(cfg.pipeline, f.name)!r}"
+              for f in dataclasses.fields(cfg.pipeline)
+              if getattr(cfg.pipeline, f.name) != f.default]
+    if unused:
+      logging.warning("config.%s not used: mesh.stage=1 runs the plain (unpipelined) update; "
+                      "the pipeline section applies with mesh.stage > 1", ", config.".join(unused))
   try:
     rollout.check_fusion(cfg, n_gen)
     rollout.check_plan(cfg, n_gen)
