@@ -78,6 +78,26 @@ def test_path_forms_and_none(tmp_path):
   assert inst.render(user).startswith("<|begin_of_text|>[INST] ")
 
 
+def test_special_tokens_missing_from_the_config_come_from_special_tokens_map(tmp_path):
+  """transformers reads special_tokens_map.json for a token tokenizer_config.json does not name:
+  the inst template's `{{ bos_token }}` is then "<s>", not dropped; a token the config sets to
+  null stays unset whatever the map says."""
+  import shutil
+  d = tmp_path / "inst"
+  shutil.copytree(os.path.join(CHAT, "inst"), d)
+  with open(d / "tokenizer_config.json", encoding="utf-8") as f:
+    config = json.load(f)
+  del config["bos_token"]
+  with open(d / "tokenizer_config.json", "w", encoding="utf-8") as f:
+    json.dump(config, f)
+  with open(d / "special_tokens_map.json", "w", encoding="utf-8") as f:
+    json.dump({"bos_token": {"content": "<s>"}, "eos_token": "</s>", "unk_token": "<unk>"}, f)
+  template = ChatTemplate.load("auto", str(d))
+  assert template.render("hi").startswith("<s>[INST] hi [/INST]"), template.render("hi")
+  assert template.special_tokens["bos_token"] == "<s>"
+  assert "unk_token" not in template.special_tokens  # null in the config
+
+
 def test_named_templates_strftime_and_errors(tmp_path):
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
       {"name": "tool_use", "template": "tools"},

@@ -30,6 +30,7 @@ from rlhfuse_jax import workdir as wd
 
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 # The named special tokens HF passes to every template (PreTrainedTokenizerBase.special_tokens_map).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
@@ -222,12 +223,16 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def _special_tokens(config_path: str) -> dict[str, str]:
-  """The named special tokens of a tokenizer_config.json (strings or {'content': ...})."""
-  if not os.path.isfile(config_path):
-    return {}
-  config, out = _read_json(config_path), {}
+  """The named special tokens of a tokenizer_config.json (strings or {'content': ...}), and for
+  a name it does not mention, of the special_tokens_map.json beside it (transformers reads both:
+  a config without `bos_token` whose map names "<s>" renders `{{ bos_token }}` as "<s>"; a name
+  the config sets to null, as Qwen2's bos_token, stays unset)."""
+  config = _read_json(config_path) if os.path.isfile(config_path) else {}
+  map_path = os.path.join(os.path.dirname(config_path), SPECIAL_TOKENS_MAP)
+  token_map = _read_json(map_path) if os.path.isfile(map_path) else {}
+  out = {}
   for name in SPECIAL_TOKEN_NAMES:
-    value = config.get(name)
+    value = config[name] if name in config else token_map.get(name)
     if isinstance(value, dict):
       value = value.get("content")
     if isinstance(value, str):
