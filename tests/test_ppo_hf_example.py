@@ -144,6 +144,57 @@ def test_example_config_trains_validates_and_exports(tmp_path, monkeypatch):
   assert done.finished_at == 2 and not done.export_only and done.run() == []
 
 
+def test_export_carries_the_runs_tokenizer_template_and_special_ids(tmp_path):
+  """Without a source checkpoint the export is the run's own: the tokenizer file it read (named
+  anything, beside another directory's tokenizer.json) as tokenizer.json, the chat template it
+  rendered prompts with, and the tokenizer's bos/eos/pad ids in config.json (absent, transformers
+  reads bos 1 / eos 2). A run on the synthetic task's tokenizer exports that one."""
+  import shutil
+  chat = os.path.join(FIXTURES, "tiny_chat")
+  llama_dir = os.path.join(FIXTURES, "tiny_llama")
+  mine = tmp_path / "tok"
+  mine.mkdir()
+  shutil.copyfile(os.path.join(chat, "chatml", "tokenizer.json"), mine / "chatml_tok.json")
+  shutil.copyfile(os.path.join(chat, "chatml", "tokenizer_config.json"),
+                  mine / "tokenizer_config.json")  # read beside the file, by the run and HF
+  shutil.copyfile(os.path.join(llama_dir, "tokenizer.json"), mine / "tokenizer.json")  # not it
+  template = os.path.join(chat, "inst", "chat_template.jinja")
+  cfg = tiny_config(**{"init.actor_checkpoint": llama_dir, "checkpoint.export_hf": "llama",
+                       "init.tokenizer": os.path.join(llama_dir, "tokenizer.json")})
+  cfg = build.resolve_config(cfg, HFTokenizer.from_file(llama_dir))
+  params = hf_loader.load_hf_params(llama_dir, cfg.model)
+  cfg = dataclasses.replace(
+      cfg, init=dataclasses.replace(cfg.init, actor_checkpoint="",
+                                    tokenizer=str(mine / "chatml_tok.json")),
+      data=dataclasses.replace(cfg.data, chat_template=template))
+  tok = HFTokenizer.from_file(str(mine / "chatml_tok.json"))
+  out = str(tmp_path / "export")
+  hooks.export_hf(params, cfg, out, tokenizer=tok)
+  assert filecmp.cmp(os.path.join(out, "tokenizer.json"), mine / "chatml_tok.json",
+                     shallow=False)
+  assert filecmp.cmp(os.path.join(out, "tokenizer_config.json"), mine / "tokenizer_config.json",
+                     shallow=False)
+  with open(os.path.join(out, "chat_template.jinja"), encoding="utf-8") as f, \
+       open(template, encoding="utf-8") as g:
+    assert f.read() == g.read()
+  with open(os.path.join(out, "config.json")) as f:
+    exported = json.load(f)
+  assert (exported["bos_token_id"], exported["eos_token_id"], exported["pad_token_id"]) == (
+      tok.bos_id, tok.eos_id, tok.pad_id)
+  assert tok.bos_id is None and tok.eos_id != 2  # ChatML has no BOS; not LlamaConfig's 1 / 2
+  # The synthetic task's word-level tokenizer, written from memory.
+  _, task_tok = build.build_task_and_tokenizer(tiny_config())
+  plain = dataclasses.replace(cfg, init=dataclasses.replace(cfg.init, tokenizer=""),
+                              data=dataclasses.replace(cfg.data, chat_template="none"))
+  out = str(tmp_path / "task_export")
+  hooks.export_hf(params, plain, out, tokenizer=task_tok)
+  again = HFTokenizer.from_file(os.path.join(out, "tokenizer.json"), eos_token=(
+      task_tok.id_to_token(task_tok.eos_id)))
+  assert again.encode("2 #3 =", add_bos=False) == task_tok.encode("2 #3 =", add_bos=False)
+  with open(os.path.join(out, "config.json")) as f:
+    assert json.load(f)["eos_token_id"] == task_tok.eos_id
+
+
 def test_export_family_and_refusals(tmp_path):
   """export_hf='auto' keeps the source checkpoint's family (a Mistral stays a Mistral, which
   the model's shape alone would write as LLaMA); a family that cannot express the actor is

@@ -21,6 +21,8 @@ from absl import logging
 
 from rlhfuse_jax import checkpointing
 from rlhfuse_jax import metrics as metrics_lib
+from rlhfuse_jax.data import chat as chat_lib
+from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
 from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -275,6 +277,43 @@ SOURCE_CONTEXT_FIELDS = ("max_position_embeddings", "sliding_window", "bos_token
                          "eos_token_id", "pad_token_id")
 
 
+def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) -> None:
+  """The tokenizer the run read, as tokenizer.json, with the files beside it that it read too
+  (tokenizer_config.json, special_tokens_map.json, chat_template.jinja); then a chat template
+  given by path (data.chat_template), which is what the prompts were rendered with. A run on
+  the synthetic task's tokenizer (no init.tokenizer) writes that one."""
+  tok = cfg.init.tokenizer
+  if tok:
+    path = os.path.join(tok, "tokenizer.json") if os.path.isdir(tok) else tok
+    shutil.copyfile(path, os.path.join(out, "tokenizer.json"))
+    for name in TOKENIZER_FILES:
+      src = os.path.join(os.path.dirname(path), name)
+      if name != "tokenizer.json" and os.path.isfile(src):
+        shutil.copyfile(src, os.path.join(out, name))
+  elif isinstance(tokenizer, HFTokenizer):
+    tokenizer.backend.save(os.path.join(out, "tokenizer.json"))
+  if cfg.data.chat_template not in ("none", "auto"):
+    template = chat_lib.ChatTemplate.load(cfg.data.chat_template, tok)
+    with open(os.path.join(out, chat_lib.TEMPLATE_FILE), "w", encoding="utf-8") as f:
+      f.write(template.source)
+
+
+def _fill_special_ids(tokenizer: Optional[Tokenizer], config_path: str) -> None:
+  """bos/eos/pad ids the export's config.json lacks (no source checkpoint gave them), from the
+  run's tokenizer: without them transformers reads LlamaConfig's bos 1 / eos 2, other tokens
+  in most vocabularies, and generation would not stop on the run's EOS."""
+  if tokenizer is None:
+    return
+  with open(config_path) as f:
+    out = json.load(f)
+  for key, value in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id),
+                     ("pad_token_id", tokenizer.pad_id)):
+    if out.get(key) is None:  # null, not absent, for no BOS: absent reads as LlamaConfig's 1
+      out[key] = None if value is None else int(value)
+  with open(config_path, "w") as f:
+    json.dump(out, f, indent=2)
+
+
 def _keep_source_context(source_dir: str, config_path: str) -> None:
   src = os.path.join(source_dir, "config.json") if source_dir else ""
   if not src or not os.path.isfile(src):
@@ -312,12 +351,14 @@ def export_pending(workdir: str, cfg: TrainConfig, step: int) -> bool:
           exported_step(os.path.join(workdir, HF_EXPORT_DIR)) != step)
 
 
-def export_hf(params: Any, cfg: TrainConfig, out_dir: str,
-              step: Optional[int] = None) -> Optional[str]:
+def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] = None,
+              tokenizer: Optional[Tokenizer] = None) -> Optional[str]:
   """Writes the actor `params` of the resolved config `cfg` as a HF checkpoint in `out_dir`
   (replacing an earlier export only once the new one is complete), marked with `step` (the
-  iteration it is from; None: unmarked). Every process takes part (a multi-host actor is
-  gathered); process 0 writes. Returns the family written."""
+  iteration it is from; None: unmarked), with the run's tokenizer files and chat template, and
+  the special ids of `tokenizer` (the run's) where no source checkpoint gave them. Every
+  process takes part (a multi-host actor is gathered); process 0 writes. Returns the family
+  written."""
   family = export_family(cfg)
   params = mesh_lib.to_host(params)
   if jax.process_index() != 0:
@@ -328,17 +369,15 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str,
   if step is not None:
     with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
       json.dump({"step": step}, f)
-  sources = []
-  if cfg.init.tokenizer:
-    tok = cfg.init.tokenizer
-    sources.append((tok if os.path.isdir(tok) else os.path.dirname(tok), TOKENIZER_FILES))
+  _copy_tokenizer(cfg, tokenizer, tmp)
   if cfg.init.actor_checkpoint:
-    sources.append((cfg.init.actor_checkpoint, CHECKPOINT_FILES))
-  for src, names in sources:
-    for name in names:
-      if os.path.isfile(os.path.join(src, name)):
-        shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))
-  _keep_source_context(cfg.init.actor_checkpoint, os.path.join(tmp, "config.json"))
+    for name in CHECKPOINT_FILES:
+      if os.path.isfile(os.path.join(cfg.init.actor_checkpoint, name)):
+        shutil.copyfile(os.path.join(cfg.init.actor_checkpoint, name), os.path.join(tmp, name))
+  if cfg.init.actor_checkpoint:  # its config.json's ids are the model's
+    _keep_source_context(cfg.init.actor_checkpoint, os.path.join(tmp, "config.json"))
+  else:
+    _fill_special_ids(tokenizer, os.path.join(tmp, "config.json"))
   # The earlier export is moved aside first and deleted last, so a crash leaves one whole
   # export (the old one, or the new one) under out_dir or beside it in .old.
   old = out_dir + ".old"
@@ -356,16 +395,17 @@ class HFExport(Hook):
   nothing; the run that completes it does. A finished run whose export is missing or older than
   its last checkpoint (export_pending) exports again when re-run (trainer/loop.py)."""
 
-  def __init__(self, workdir: str, cfg: TrainConfig, params_fn: Callable[[], Any]):
+  def __init__(self, workdir: str, cfg: TrainConfig, params_fn: Callable[[], Any],
+               tokenizer: Optional[Tokenizer] = None):
     self.out_dir = os.path.join(workdir, HF_EXPORT_DIR)
-    self.cfg, self.params_fn = cfg, params_fn
+    self.cfg, self.params_fn, self.tokenizer = cfg, params_fn, tokenizer
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     if self.cfg.checkpoint.export_hf and step == self.cfg.num_iterations:
       self.export(step)
 
   def export(self, step: int) -> None:
-    family = export_hf(self.params_fn(), self.cfg, self.out_dir, step)
+    family = export_hf(self.params_fn(), self.cfg, self.out_dir, step, self.tokenizer)
     logging.info("exported the actor of iteration %d as a HF %s checkpoint: %s", step, family,
                  self.out_dir)
 

@@ -665,7 +665,8 @@ class PPOTrainer:
         metrics_lib.MetricWriter(self.workdir, tensorboard=False,
                                  enabled=jax.process_index() == 0).truncate_after(start)
         if self.export_only:
-          hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor")).export(start)
+          hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
+                         self.tokenizer).export(start)
         logging.info("workdir already has %d iterations (num_iterations=%d): nothing to train",
                      start, self.cfg.num_iterations)
         return []
@@ -698,7 +699,8 @@ class PPOTrainer:
     stop = hooks.StopFlag()
     run_hooks = [stop, hooks.MetricsLog(self.workdir, self.cfg, rollout_lib.progress_summary),
                  self.checkpoints,
-                 hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"))]
+                 hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
+                                self.tokenizer)]
     history, failing = [], True
     try:
       hooks.run_hooks(run_hooks, "begin", start)
