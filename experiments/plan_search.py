@@ -93,11 +93,17 @@ def report(res: dict, systems: dict, setting: dict) -> list[str]:
     lines.append(f"| uniform | one layout tp{u['layout']['tp']} pp{u['layout']['pp']} "
                  f"dp{u['layout']['dp']} for every stage | 0 | {_s(q['gen_s'])} | "
                  f"{_s(q['inf_s'])} | {_s(q['train_s'])} | {_s(q['iteration_s'])} |")
+    if q["iteration_s"] < res["best"]["predicted"]["iteration_s"]:
+      lines += ["", f"The uniform layout is predicted faster than every per-stage combination "
+                f"({q['iteration_s'] / res['best']['predicted']['iteration_s']:.3f}x the best's "
+                "time): no per-stage combination expresses its generation and inference on the "
+                "training layout. plan.json holds the best combination; the simulated systems' "
+                "pipe_rlhf row takes the uniform layout."]
   a = res.get("async")
   if a is not None:
     lines += ["", f"Asynchronous PPO (staleness k={a['staleness']}: the generation group "
               "generates and scores the batch k iterations ahead while the training group "
-              "trains; iteration = max(gen + inference, train) + reshard of actor and critic, "
+              "trains; iteration = max(gen + inference, train) + reshard of the actor, "
               "or the serial sum with both groups on all devices; searched in "
               f"{a['search_s']:.1f} s):", "",
               "| rank | plan | generation / training devices | reshard s | gen s | inference s "
@@ -218,6 +224,11 @@ def main(argv):
     if not ab["async"]["colocated"] and (ab["predicted"]["iteration_s"] <
                                          best["predicted_iteration_s"]):
       plan, which = ab, "asynchronous"
+  if uniform is not None and uniform["predicted_iteration_s"] < plan["predicted"]["iteration_s"]:
+    logging.warning("the uniform layout %s (%ss) is predicted faster than plan.json's %s plan "
+                    "(%ss), which is the best per-stage combination (plan_search.md)",
+                    uniform["layout"], _s(uniform["predicted_iteration_s"]), which,
+                    _s(plan["predicted"]["iteration_s"]))
   wd.write_json(os.path.join(workdir, "plan.json"), plan)
   wd.write_json(os.path.join(workdir, "result.json"),
                 {"setting": setting, "best": best, "top": res["top"], "uniform": uniform,

@@ -160,6 +160,10 @@ def test_deepspeed_chat_generates_at_the_smallest_degree_beside_its_zero3_shards
                    max_new_tokens=1024)
   g = it.simulate_gen_stage(cost, wl, it.SimOptions(), False, smallest_tp=True)
   assert g["plan"].tp == 4
+  # Whatever order the degrees are listed in.
+  reverse = it.simulate_gen_stage(cost, wl, it.SimOptions(gen_tps=(8, 4, 2, 1)), False,
+                                  smallest_tp=True)
+  assert reverse["plan"].tp == 4
   assert "ZeRO-3 shards" in g["rejected_tps"][2]
   resident = it.zero3_resident_bytes(wl)
   assert resident == pytest.approx(18 * 2 * wl.actor.num_params() / 256, rel=0.01)

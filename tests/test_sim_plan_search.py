@@ -133,6 +133,25 @@ def test_search_finds_the_brute_force_optimum_on_a_small_cluster():
   gens, infs, trains = _brute_force_stages(wl, opt)
   brute = (min(g + ps.reshard_s(COST, wl, copy) for g, copy in gens) + min(i for i, _ in infs) +
            min(trains))
+  # Instances of tp t on a colocated, unpipelined training layout of tp t hold their shards
+  # already: no resharding.
+  prompts, resp = wl.sample_lengths()
+  mean_len = float((prompts + resp).mean())
+  for tp in (1, 2, 4, 8):
+    try:
+      g = ps.instance_generation(COST, wl, opt, tp, prompts, resp)["gen_s"]
+    except ValueError:
+      continue
+    for pc in (1, 2, 4, 8, 16):
+      try:
+        costs = train_lib.step_costs(COST, wl.actor, wl.critic,
+                                     train_lib.TrainPlan(wl.num_devices, wl.minibatch, tp, 1, pc,
+                                                         1), mean_len)
+      except ValueError:
+        continue
+      if pc <= 1:
+        t = train_lib.pipeline_train_s(costs, wl.num_minibatches, False)["train_s"]
+        brute = min(brute, g + min(i for i, _ in infs) + t)
   assert len(gens) * len(infs) * len(trains) > 20
   res = ps.search(COST, wl, opt)
   assert res["best"]["predicted"]["iteration_s"] == pytest.approx(brute, rel=1e-12)
@@ -140,6 +159,32 @@ def test_search_finds_the_brute_force_optimum_on_a_small_cluster():
       p["predicted"]["iteration_s"] for p in res["top"])
   assert res["uniform"]["predicted"]["reshard_s"] == 0.0
   assert "async" not in res  # staleness 0: the synchronous search only
+
+
+def test_a_plan_on_the_training_layout_pays_no_resharding_and_uniform_can_win():
+  """A small model on 8 GPUs: instances of tp 1 over a colocated tp-1 training layout are the
+  uniform tp1 pp1 layout and cost the same (no resharding charged for weights already in
+  place); the uniform tp1 pp4 layout, which no per-stage combination expresses, is the fastest,
+  and pipe_rlhf's simulated row takes it."""
+  from rlhfuse_jax.sim.shapes import ModelShape
+  small = ModelShape("small", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                     num_layers=8, num_heads=8, num_kv_heads=8)
+  wl = it.Workload(actor=small, critic=small.as_critic(), num_devices=8, global_batch=64,
+                   minibatch=16, max_new_tokens=64,
+                   prompt=LengthSpec(kind="constant", value=32, max_len=32),
+                   response=LengthSpec(kind="lognormal", median=32, sigma=0.5))
+  res = ps.search(COST, wl, it.SimOptions(), top_k=200)
+  same = [p["predicted"] for p in res["top"] if p["summary"].startswith("gen instances tp1 ")
+          and p["summary"].endswith("training colocated tp1 Pa/Pc=1/1")]
+  assert same and same[0]["reshard_s"] == 0.0
+  # With inference on the same tp-1 instances, the uniform tp1 pp1 layout's time exactly.
+  inf_tp1 = dict(res["stages"]["inference"])["tp1"]
+  assert same[0]["gen_s"] + inf_tp1 + same[0]["train_s"] == pytest.approx(
+      dict(res["stages"]["uniform"])["tp1 pp1"], rel=1e-12)
+  u = res["uniform"]["predicted"]["iteration_s"]
+  assert res["uniform"]["layout"]["pp"] > 1 and u < res["best"]["predicted"]["iteration_s"]
+  rows, _ = it.simulate_iteration(COST, wl, it.SimOptions(), systems=("pipe_rlhf",))
+  assert rows["pipe_rlhf"]["iteration_s"] == pytest.approx(u, rel=1e-12)
 
 
 def _small_async():

@@ -201,7 +201,8 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
   frozen = (wl.actor, wl.critic, wl.critic)
   resident = zero3_resident_bytes(wl) if smallest_tp else 0.0
   rejected, best = {}, None
-  for tp in opt.gen_tps:
+  # Smallest first: "the smallest degree that fits" must not depend on how gen_tps is listed.
+  for tp in (sorted(opt.gen_tps) if smallest_tp else opt.gen_tps):
     split = next((e for e in (m.tensor_parallel_error(tp) for m in
                               ((wl.actor,) if smallest_tp else (wl.actor, wl.critic))) if e),
                  None)
@@ -269,6 +270,14 @@ def _planned_row(cost: CostModel, wl: Workload, searched: dict, fused_gen: Optio
   train_s = p["train_s"]
   details = {"plan": {k: best[k] for k in ("generation", "inference", "training", "summary")},
              "uniform": searched["uniform"], "search_s": searched["search_s"]}
+  u = searched["uniform"]
+  if u is not None and u["predicted"]["iteration_s"] < p["iteration_s"]:
+    # One layout for every stage is a plan too (a pipeline layout's generation and inference,
+    # which no per-stage combination expresses), and it pays no resharding.
+    q, lay = u["predicted"], u["layout"]
+    gen_s, inf_s, reshard, train_s = q["gen_s"], q["inf_s"], 0.0, q["train_s"]
+    details["plan"] = {"uniform": lay, "summary": f"one layout tp{lay['tp']} pp{lay['pp']} "
+                                                  f"dp{lay['dp']} for every stage"}
   if fused_gen is not None:
     r = fused_gen["result"]
     fused_reshard = plan_lib.reshard_s(cost, wl, fused_gen["plan"].tp)

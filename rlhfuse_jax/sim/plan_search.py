@@ -389,14 +389,29 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
   return out
 
 
+def _pair_reshard_s(gen: Candidate, train: Candidate) -> float:
+  """The actor's weights into the generation layout, or 0 where generation runs on instances of
+  the training layout itself (colocated, the same tp, no actor pipeline: each instance already
+  holds its shard, as the uniform plans do)."""
+  t = train.plan
+  same = (gen.plan.mode == "instances" and t["placement"] == "colocated" and
+          t["tp"] == gen.plan.tp and t["actor_pp"] == 1)
+  return 0.0 if same else gen.info["reshard_s"]
+
+
+def _combo_s(combo: tuple) -> float:
+  gen, inf, train = combo
+  return gen.info["gen_s"] + _pair_reshard_s(gen, train) + inf.seconds + train.seconds
+
+
 def _plan_dict(gen: Candidate, inf: Candidate, train: Candidate) -> dict:
   g = gen.info
   return {
       "generation": dataclasses.asdict(gen.plan), "inference": dataclasses.asdict(inf.plan),
       "training": train.plan,
-      "predicted": {"reshard_s": g["reshard_s"], "gen_s": g["gen_s"], "inf_s": inf.seconds,
-                    "train_s": train.seconds,
-                    "iteration_s": gen.seconds + inf.seconds + train.seconds},
+      "predicted": {"reshard_s": _pair_reshard_s(gen, train), "gen_s": g["gen_s"],
+                    "inf_s": inf.seconds, "train_s": train.seconds,
+                    "iteration_s": _combo_s((gen, inf, train))},
       "summary": f"gen {gen.plan.describe()}; inference {inf.plan.describe()}; training "
                  f"{_describe_train(train.plan)}",
   }
@@ -641,14 +656,15 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
                      f"{wl.critic.name} on {wl.num_devices} x {cost.hw.name}: {rejected}")
   refused: dict = {}
   if opt.trainer_runnable or accept is not None:
-    combos = sorted(itertools.product(gens, infs, trains), key=lambda c: sum(x.seconds for x in c))
+    combos = sorted(itertools.product(gens, infs, trains), key=_combo_s)
     top = _runnable(wl, opt, (_plan_dict(*c) for c in combos), accept, top_k, refused)
     if not top:
       raise ValueError(f"plan search: no plan of {wl.actor.name} + {wl.critic.name} on "
                        f"{wl.num_devices} devices that the trainer runs; refused: {refused}")
   else:
-    combos = sorted(itertools.product(gens[:top_k], infs[:top_k], trains[:top_k]),
-                    key=lambda c: sum(x.seconds for x in c))[:top_k]
+    # Every generation and training plan: a pair of the same layout pays no resharding, so
+    # plans outside their stage's top k may still make the best combination.
+    combos = sorted(itertools.product(gens, infs[:top_k], trains), key=_combo_s)[:top_k]
     top = [_plan_dict(*c) for c in combos]
   uniform = None
   if unif:
