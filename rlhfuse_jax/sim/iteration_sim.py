@@ -246,7 +246,9 @@ def _zero3_stage(cost: CostModel, wl: Workload, prompts: np.ndarray, resp: np.nd
   seq = (prompts + resp).astype(np.float64)
   tokens, mean_len = float(seq.sum()), float(seq.mean())
   inf = 0.0
-  for s in (wl.actor, wl.critic, wl.critic):
+  # DeepSpeed-Chat's generate_experience runs four forwards: the actor (the old log-probs), the
+  # reference, the critic and the reward model (until 2026-11-29 the actor's was missing here).
+  for s in (wl.actor, wl.actor, wl.critic, wl.critic):
     compute = float(np.sum(s.forward_flops(seq, (seq + 1) / 2.0))) / (
         n * cost.hw.peak_flops * cost.eff.prefill_mfu)
     inf += max(compute, cost.allgather_s(s.weight_bytes(), n))

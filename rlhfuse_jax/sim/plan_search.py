@@ -187,20 +187,22 @@ def instance_generation(cost: CostModel, wl, opt, tp: int, prompts: np.ndarray,
 def inference_stage_s(cost: CostModel, frozen, num_devices: int, tp: int, pp: int,
                       seq_lens: np.ndarray, microbatch: int, offload: bool) -> float:
   """Reference / reward / critic forwards of the whole batch on R = N / (tp * pp) replicas of
-  a pp-stage forward pipeline (pp = 1: instances): micro-batches of `microbatch` samples, longest
-  first, each to the least-loaded replica; a replica takes the sum of its micro-batches' stage
-  times plus a pipeline fill of pp - 1 stage times; the frozen weights are first copied from
-  host memory when offloaded."""
+  a pp-stage forward pipeline (pp = 1: instances): micro-batches of `microbatch` samples,
+  shortest first (about the order they finish generating, which is how generation_sim schedules
+  the other systems' inference after generation: one rule for the same stage; until 2026-11-29
+  longest first here, 8-13 % faster than the same stage in those systems), each to the least-loaded
+  replica; a replica takes the sum of its micro-batches' stage times plus a pipeline fill of
+  pp - 1 stage times; the frozen weights are first copied from host memory when offloaded."""
   if num_devices % (tp * pp):
     raise ValueError(f"inference: tp*pp={tp}*{pp} must divide {num_devices} devices")
   reps = num_devices // (tp * pp)
   stages = [stage_shape(s, pp) for s in frozen]
-  lens = np.sort(np.asarray(seq_lens, dtype=np.float64))[::-1]
+  lens = np.sort(np.asarray(seq_lens, dtype=np.float64), kind="stable")
   mbs = [lens[i:i + microbatch] for i in range(0, lens.size, microbatch)]
   t_mb = np.array([float(cost.inference_s(stages, tp, m)) for m in mbs])
   load = np.zeros(reps)
   longest = np.zeros(reps)
-  for t in t_mb:  # longest-processing-time-first list scheduling
+  for t in t_mb:  # list scheduling in finish order
     r = int(np.argmin(load))
     load[r] += t
     longest[r] = max(longest[r], t)
