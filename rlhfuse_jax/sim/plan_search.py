@@ -190,9 +190,10 @@ def inference_stage_s(cost: CostModel, frozen, num_devices: int, tp: int, pp: in
   a pp-stage forward pipeline (pp = 1: instances): micro-batches of `microbatch` samples,
   shortest first (about the order they finish generating, which is how generation_sim schedules
   the other systems' inference after generation: one rule for the same stage; until 2026-11-29
-  longest first here, 8-13 % faster than the same stage in those systems), each to the least-loaded
-  replica; a replica takes the sum of its micro-batches' stage times plus a pipeline fill of
-  pp - 1 stage times; the frozen weights are first copied from host memory when offloaded."""
+  longest first here, 8-13 % faster than the same stage in those systems), each to the
+  least-loaded replica; a replica takes the sum of its micro-batches' stage times plus a
+  pipeline fill of pp - 1 stage times; the frozen weights are first copied from host memory
+  when offloaded."""
   if num_devices % (tp * pp):
     raise ValueError(f"inference: tp*pp={tp}*{pp} must divide {num_devices} devices")
   reps = num_devices // (tp * pp)
