@@ -370,11 +370,10 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
     with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
       json.dump({"step": step}, f)
   _copy_tokenizer(cfg, tokenizer, tmp)
-  if cfg.init.actor_checkpoint:
+  if cfg.init.actor_checkpoint:  # its generation config, and its config.json's special ids
     for name in CHECKPOINT_FILES:
       if os.path.isfile(os.path.join(cfg.init.actor_checkpoint, name)):
         shutil.copyfile(os.path.join(cfg.init.actor_checkpoint, name), os.path.join(tmp, name))
-  if cfg.init.actor_checkpoint:  # its config.json's ids are the model's
     _keep_source_context(cfg.init.actor_checkpoint, os.path.join(tmp, "config.json"))
   else:
     _fill_special_ids(tokenizer, os.path.join(tmp, "config.json"))
