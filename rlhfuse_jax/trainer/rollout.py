@@ -92,16 +92,23 @@ class SerialStage:
                                          params=actor_shapes)
 
   def __call__(self, params: WholeParams, prompts: Prompts, key) -> StageOutputs:
+    # The whole actor lives only while generating, the whole critic only while scoring. Their
+    # fetches (a pipelined state's gather, timing_s/reshard) stay outside the stage clocks, as
+    # in the planned and fused stages.
+    actor = params("actor")
     t0 = time.time()
-    # The whole actor lives only while generating, the whole critic only while scoring.
-    rollout = self.generator.generate(params("actor"), prompts.tokens, prompts.lens, key,
+    rollout = self.generator.generate(actor, prompts.tokens, prompts.lens, key,
                                       uids=prompts.uids)
     t_gen = time.time() - t0
+    del actor
     t0 = time.time()
     batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
     ref_logp = self.scorer.ref_logprobs(self.actor_cfg, self.reference, batch,
                                         self.sampling.logprob_temperature)
-    values = (self.scorer.values(self.critic_cfg, params("critic"), batch)
+    t_fetch = time.time()
+    critic = params("critic") if self.use_critic else None
+    t0 += time.time() - t_fetch  # (fetched after the reference's pass: not both at once)
+    values = (self.scorer.values(self.critic_cfg, critic, batch)
               if self.use_critic else np.zeros(rollout.logprobs.shape, np.float32))
     scores = self.rewards(batch, prompts.records)
     return StageOutputs(rollout=rollout, batch=batch, ref_logp=ref_logp, values=values,
