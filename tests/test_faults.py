@@ -349,9 +349,20 @@ def test_a_failed_save_stops_the_run_at_once(tmp_path):
     assert proc.poll() is None and time.time() < deadline
     time.sleep(0.05)
   ckpts = os.path.join(run, "checkpoints")
-  shutil.move(ckpts, ckpts + ".moved")  # the checkpoint directory is gone ...
-  with open(ckpts, "w") as f:  # ... and a file is in its way: every later save fails
-    f.write("not a directory")
+  # The checkpoint directory is gone and a file is in its way: every later save fails. A save
+  # under way can make the directory again between the move and the file's creation (the CI
+  # saw it once): then move that one too and try again.
+  for attempt in range(100):
+    if os.path.isdir(ckpts):
+      shutil.move(ckpts, f"{ckpts}.moved{attempt}")
+    try:
+      fd = os.open(ckpts, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except (FileExistsError, IsADirectoryError):
+      continue
+    with os.fdopen(fd, "w") as f:
+      f.write("not a directory")
+    break
+  assert os.path.isfile(ckpts)
   t0 = time.time()
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == 3, err[-3000:]
