@@ -211,25 +211,30 @@ def measure_capacity_scaling(cfg: BenchDecodeConfig, params: Any) -> dict:
          "steps": steps}
   for name, attention in (("step_s", cfg.model.attention), ("reference_step_s", "reference")):
     model = cfg.model.replace(max_seq_len=max(cfg.capacities), attention=attention)
-    per_cap = []
+    runs = []
     for cap in cfg.capacities:
       gen = instances.Generator(model, _sampling(cap - prompt_len, steps), batch_size=batch,
                                 prompt_len=prompt_len, params=params)
-      placed = gen.place(params)
-      budget = np.full(batch, cap - prompt_len, np.int32)
-      times = []
-      for i in range(cfg.warmup + cfg.repeats):
+      runs.append((cap, gen, gen.place(params), np.full(batch, cap - prompt_len, np.int32)))
+    times = [[] for _ in runs]
+    # Interleaved, one run of each capacity per round: a change in what else the machine runs
+    # then slows every capacity alike, and the ratio below still compares like with like (in
+    # turn, a test suite's other worker once made the first capacity 4x slower than the last).
+    for i in range(cfg.warmup + cfg.repeats):
+      for (cap, gen, placed, budget), cap_times in zip(runs, times):
         state, _ = jax.block_until_ready(gen.prefill(placed, prompts, lens, uids, budget, key))
         t0 = time.perf_counter()
         state, _ = jax.block_until_ready(gen.decode(placed, state, key))
         if i >= cfg.warmup:
-          times.append((time.perf_counter() - t0) / steps)
-      n = int(mesh_lib.to_host(state.num_generated).min())
-      if n != steps + 1:
-        raise RuntimeError(f"capacity {cap}: rows generated {n} tokens, expected {steps + 1}")
-      per_cap.append(float(np.median(times)))
+          cap_times.append((time.perf_counter() - t0) / steps)
+        n = int(mesh_lib.to_host(state.num_generated).min())
+        if n != steps + 1:
+          raise RuntimeError(f"capacity {cap}: rows generated {n} tokens, expected {steps + 1}")
+        del state
+    per_cap = [float(np.median(t)) for t in times]
+    for cap, t in zip(cfg.capacities, per_cap):
       logging.info("capacity %d, live %d, %s attention: %.4f ms/step", cap,
-                   cfg.capacity_live_len, attention, 1e3 * per_cap[-1])
+                   cfg.capacity_live_len, attention, 1e3 * t)
     out[name] = per_cap
     out[name.replace("step_s", "ratio")] = per_cap[-1] / per_cap[0]
   return out
