@@ -21,11 +21,16 @@ def plot_gantt(schedule: Schedule, path: str, title: Optional[str] = None,
   width = min(28.0, 8.0 + schedule.makespan / 40.0)
   fig, ax = plt.subplots(figsize=(width, 0.45 * n + 1.6))
   for d, dev in enumerate(schedule.devices):
+    # One collection per device and task kind: a bar per task took 37 s for 8 devices x 3072
+    # tasks (1024 actor micro-batches), the collections well under a second.
+    spans: dict = {}
     for t in dev:
-      ax.barh(d, t.end - t.start, left=t.start, height=0.8, color=_COLORS[(t.model, t.kind)],
-              edgecolor="black", linewidth=0.2, hatch="//" if t.kind == "B" else None)
+      spans.setdefault((t.model, t.kind), []).append((t.start, t.end - t.start))
       if label_microbatches:
         ax.text((t.start + t.end) / 2, d, str(t.microbatch), ha="center", va="center", fontsize=5)
+    for (model, kind), xranges in spans.items():
+      ax.broken_barh(xranges, (d - 0.4, 0.8), facecolors=_COLORS[(model, kind)],
+                     edgecolor="black", linewidth=0.2, hatch="//" if kind == "B" else None)
   ax.set_ylim(n - 0.5, -0.5)
   ax.set_yticks(range(n))
   ax.set_yticklabels([f"dev {d}" for d in range(n)])
