@@ -305,3 +305,14 @@ def test_a_worker_at_the_bound_stops_the_others():
     assert time.time() - t0 < 10 and evaluate(hard, res.best).valid
   finally:
     search._install_stop(None)
+
+
+def test_a_timed_search_of_a_large_instance_keeps_its_budget():
+  """Thousands of tasks per device: a kernel call of chunk_iters moves takes seconds there, so
+  the timed search sizes its calls from the measured rate (at a fixed 20,000 moves per call, a
+  3 s search of this instance took 6.4 s on the 2-core dev machine; now 3.3 s)."""
+  p = PipelineProblem(8, 4, 512, 256, 5.0, 4.0)
+  search.warmup()
+  res = search.search(p, search.SearchConfig(time_budget_s=3.0, seed=0))
+  assert evaluate(p, res.best).valid
+  assert res.search_s < 4.5, res.search_s
