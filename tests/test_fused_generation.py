@@ -118,7 +118,7 @@ def test_identical_outputs_with_and_without_consolidation(runs):
   assert late.metrics["gen/instance_chunks"] < base.metrics["gen/instance_chunks"]
 
 
-def test_metrics_and_timeline(runs):
+def test_metrics_and_timeline(one_device, runs):
   _, base, early, _ = runs
   for out in (base, early):
     tl = out.timeline
@@ -133,6 +133,14 @@ def test_metrics_and_timeline(runs):
   assert "migrate" in {k for _, _, _, k in early.timeline.segments}
   c = early.consolidations[0]
   assert c["moved_bytes"] == early.metrics["gen/migrated_kv_bytes"] > 0
+  # Rt = 1 consolidates at the first check, after k decode steps: the samples of the released
+  # instances (sample b is dealt to instance b % 4) with more than k + 1 tokens to go move, each
+  # with k + 1 response tokens of which the KV rows hold all but the newest (the next step
+  # writes it): prompt + k positions.
+  (_, lens, budgets), gen, k = runs[0], one_device[0], c["step"]
+  moved = [b for b in range(16) if b % 4 in c["released"] and budgets[b] > k + 1]
+  assert k > 0 and c["moves"] == len(moved)
+  assert c["moved_bytes"] == sum(int(lens[b]) + k for b in moved) * gen.kv_bytes_per_token
   assert c["copied_bytes"] >= c["moved_bytes"]  # whole rows (and padding rows) are copied
 
 

@@ -694,8 +694,10 @@ class _Run:
     t = gen.sampling.max_new_tokens
     states = []
     for i in self.active:
+      # The KV rows hold the prompt and every response token but the newest (engine.DecodeState:
+      # the next step writes it), and the row gains one per step left (remaining).
       samples = tuple(policy.SampleState(uid=b, slot=int(table.where[b, 1]),
-                                         length=int(self.plens[b] + table.n_gen[b]),
+                                         length=int(self.plens[b] + table.n_gen[b] - 1),
                                          remaining=int(t - table.n_gen[b]))
                       for b in table.unfinished_in(i))
       states.append(policy.InstanceState(
