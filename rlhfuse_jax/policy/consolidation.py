@@ -68,7 +68,7 @@ class SampleState:
   """One unfinished sample in an instance (see module docstring)."""
   uid: int
   slot: int
-  length: int  # tokens in its KV rows now: prompt + generated so far
+  length: int  # tokens in its KV rows now (the engine: prompt + generated - 1: newest unwritten)
   remaining: int  # tokens it may still add: max_new_tokens - generated
 
   def __post_init__(self):
