@@ -296,6 +296,30 @@ def test_inference_on_its_own_mesh(tmp_path, default_run):
     assert h["timing_s/reshard_inference"] > 0
 
 
+@pytest.mark.parametrize("plan", [
+    {"plan.inference_tp": 2},
+    {"plan.generation": "pipeline", "plan.generation_pp": 2, "plan.generation_groups": 4,
+     "model.num_layers": 2},
+], ids=["mesh", "pipeline"])
+def test_planned_stage_clocks_leave_out_the_weight_fetches(tmp_path, plan):
+  """As the serial stage's (tests/test_trainer.py): timing_s/generate, timing_s/inference and
+  timing_s/reshard_generation leave out fetching the whole actor and critic (a pipelined
+  state's gather, timed as timing_s/reshard). A fetch made 0.5 s slow shows in the step only."""
+  import time as time_lib
+  trainer = PPOTrainer(tiny_config(num_iterations=2, **plan), str(tmp_path))
+  assert isinstance(trainer.rollout, rollout.PlannedStage)
+  fetch = trainer.model_params
+
+  def slow(model):
+    time_lib.sleep(0.5)
+    return fetch(model)
+  trainer.model_params = slow
+  last = trainer.run()[-1]  # iteration 2: compiled
+  for k in ("timing_s/generate", "timing_s/inference", "timing_s/reshard_generation"):
+    assert last.get(k, 0.0) < 0.5, (k, last.get(k))
+  assert last["timing_s/step"] > 1.0, last
+
+
 def test_config_json_records_the_plan_file(tmp_path):
   from rlhfuse_jax.trainer.config import config_record
   path = plan_json(tmp_path / "plan.json", {"mode": "instances", "tp": 2, "slots": 8})

@@ -385,8 +385,10 @@ class PlannedStage:
     m: dict = {}
     t0 = time.time()
     if self.pipe is not None:
+      actor = params("actor")  # its fetch (a pipelined state's gather) is timing_s/reshard
       t = time.perf_counter()
-      staged = self.pipe.place(params("actor"))
+      staged = self.pipe.place(actor)
+      del actor
       jax.block_until_ready(staged)
       m["timing_s/reshard_generation"] = time.perf_counter() - t
       t0 = time.time()  # timing_s/generate without the reshard (timed apart above)
@@ -395,9 +397,12 @@ class PlannedStage:
       # From the tick table the program records: a function of the tokens only.
       m["gen/pipeline_stage_busy_frac"] = pipelined.busy_stats(
           rollout.decode_table)["stage_busy_frac"]
-    else:
-      rollout = self.generator.generate(params("actor"), prompts.tokens, prompts.lens, key,
+    else:  # the whole actor's fetch (a pipelined state's gather) outside the stage clock
+      actor = params("actor")
+      t0 = time.time()
+      rollout = self.generator.generate(actor, prompts.tokens, prompts.lens, key,
                                         uids=prompts.uids)
+      del actor
     m["timing_s/generate"] = time.time() - t0
     t0 = time.time()
     batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
@@ -405,7 +410,9 @@ class PlannedStage:
                                         self.sampling.logprob_temperature)
     values = np.zeros(rollout.logprobs.shape, np.float32)
     if self.use_critic:
+      t_fetch = time.time()
       critic = params("critic")
+      t0 += time.time() - t_fetch  # the fetch outside timing_s/inference, as in SerialStage
       if self.inf_mesh is not None:
         critic, m["timing_s/reshard_inference"] = _reshard(critic, self.critic_cfg,
                                                            self.inf_mesh)
