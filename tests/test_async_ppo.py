@@ -93,6 +93,24 @@ def test_resume_with_batches_in_flight_equals_the_straight_run(tmp_path, straigh
   jax.tree.map(np.testing.assert_array_equal, _params(resumed), p_straight)
 
 
+def test_the_train_clock_leaves_out_the_checkpoint_wait(tmp_path):
+  """timing_s/train (and the perf/ figures made from it) is the training's time: the wait for
+  the previous checkpoint's save is not in it, also in the last iterations, which generate
+  nothing ahead. A save made 0.5 s slow shows in the step only."""
+  import time as time_lib
+  trainer = PPOTrainer(tiny_config(num_iterations=3, **{"async_ppo.staleness": 1,
+                                                        "checkpoint.every": 1}), str(tmp_path))
+  wait = trainer.checkpoints.wait
+
+  def slow():
+    time_lib.sleep(0.5)
+    wait()
+  trainer.checkpoints.wait = slow
+  h = trainer.run()
+  assert all(m["timing_s/train"] < 0.5 for m in h[1:]), [m["timing_s/train"] for m in h]
+  assert all(m["timing_s/step"] > 0.5 for m in h[1:]), [m["timing_s/step"] for m in h]
+
+
 def test_grpo_with_inter_stage_fusion_on_the_generation_group(tmp_path):
   """GRPO, staleness 1, generation on 4 of 8 devices: fused instances there give the serial
   stage's trajectory (each instance holds one device's share of the serial batch)."""

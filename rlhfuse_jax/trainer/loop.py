@@ -538,11 +538,11 @@ class PPOTrainer:
       t_train = clock.join()
       async_m.update(async_lib.overlap_metrics((clock.start, clock.start + t_train), (g0, g1)))
       async_m["timing_s/generate_ahead"] = g1 - g0
-    elif k:
-      self.checkpoints.wait()
     train_metrics = mesh_lib.to_host(dispatched)
     if not overlapped:
       t_train = time.time() - t0
+    if k and not overlapped:  # after the clock: the save's wait is not training time
+      self.checkpoints.wait()
     self._check_finite(iteration, train_metrics)
     m = self._metrics(iteration, gen, train_metrics, stats)
     t_total = time.time() - t_step
