@@ -5,9 +5,10 @@ Most of the suite's time is XLA:CPU compiling small programs; two codegen flags 
   test_pipeline_executor.py + test_attention.py took 88 s with the default level and 71 s at 0
   (2026-11-26).
 - XLA:CPU's loop emitters instead of its MLIR fusion emitters
-  (`--xla_cpu_use_fusion_emitters=false`): test_attention.py, one pipeline-executor and one
-  sharded-trainer test took 131 s with the fusion emitters and 82 s without (2026-11-29, with
-  level 0 in both; disabling LLVM's expensive passes or codegen splitting gained <= 7 %).
+  (`--xla_cpu_use_fusion_emitters=false`, where this XLA has the switch: jax 0.10.x, not
+  0.11.2): test_attention.py, one pipeline-executor and one sharded-trainer test took 131 s with
+  the fusion emitters and 82 s without (2026-11-29, jax 0.10.2, with level 0 in both; disabling
+  LLVM's expensive passes or codegen splitting gained <= 7 %).
 The flags change machine code only, not the HLO programs, their buffers or XLA's memory/cost
 analyses that tests read. They can change float rounding (e.g. fewer multiply-adds contracted
 into FMAs), so every process whose outputs a test compares bitwise with another's must compile
@@ -16,10 +17,29 @@ with the same flags: subprocesses get them through `subprocess_env`.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
 
-CODEGEN_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+_LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_knows(flag: str) -> bool:
+  """Whether this jaxlib's XLA accepts `flag`: an unknown flag in XLA_FLAGS aborts the process,
+  and jax 0.11.2's XLA no longer has the emitter switch (0.10.x has it). Asked of a subprocess,
+  once per test run (about 2 s): the result travels to the xdist workers and subprocesses in
+  RLHFUSE_TEST_CODEGEN_FLAGS."""
+  env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                        capture_output=True, timeout=300).returncode == 0
+
+
+CODEGEN_FLAGS = os.environ.get("RLHFUSE_TEST_CODEGEN_FLAGS")
+if CODEGEN_FLAGS is None:
+  CODEGEN_FLAGS = " ".join(["--xla_backend_optimization_level=0",
+                            *([_LOOP_EMITTERS] if _xla_knows(_LOOP_EMITTERS) else [])])
+  os.environ["RLHFUSE_TEST_CODEGEN_FLAGS"] = CODEGEN_FLAGS
 
 
 def subprocess_env(devices: int | None = None, **extra: str) -> dict:
