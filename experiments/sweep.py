@@ -21,6 +21,7 @@ import importlib.util
 import inspect
 import json
 import os
+import shlex
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -118,7 +119,8 @@ def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str]
     name = run_name(i, overrides)
     run_dir = os.path.join(workdir, name)
     cmd = build_command(binary, config, run_dir, overrides, passthrough)
-    logging.info("[%d/%d] %s: %s", i + 1, len(sweep), name, " ".join(cmd[1:]))
+    # A command to paste (cmd[0] is this interpreter's full path).
+    logging.info("[%d/%d] %s: %s", i + 1, len(sweep), name, shlex.join(["python", *cmd[1:]]))
     row = {"run": name, **{k: v for k, v in overrides.items() if k != "name"}}
     if dry_run:  # nothing runs, nothing is written (an earlier sweep's summary stays)
       rows.append(row)

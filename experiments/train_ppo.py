@@ -12,7 +12,8 @@ checkpoint). A resume whose config differs in a field that changes the run is re
 listing the fields. One run per workdir (a lock names the holder).
 
 Exit status: 0 done; 75 stopped by SIGTERM/SIGINT after saving a checkpoint (re-run to resume);
-1 an error (the message names the field, file or iteration); 3 a checkpoint save failed.
+1 an error (the message names the field, file or iteration); 3 a checkpoint save failed; 69 fused
+generation lost another process of a multi-process run (docs/usage.md).
 """
 from __future__ import annotations
 

@@ -95,7 +95,9 @@ def test_sweep_takes_a_config_variant(tmp_path):
     out = _run(["experiments.sweep", f"--config={spec}", "--binary=schedule_search",
                 f"--workdir={tmp_path / 'w'}", "--dry_run"])
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"{name}: -m experiments.schedule_search --config={spec} " in out.stderr, out.stderr
+    # A command to paste.
+    assert f"{name}: python -m experiments.schedule_search --config={spec} " in out.stderr, (
+        out.stderr)
 
 
 def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):

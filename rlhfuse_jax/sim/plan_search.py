@@ -617,7 +617,7 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
   if log:
     a = top[0]["async"]
     log(f"async plan search (k={staleness}): {len(plans) - 1} of {len(splits)} splits fit; best "
-        f"{top[0]['predicted']['iteration_s']:.2f}s with "
+        f"{top[0]['predicted']['iteration_s']:.3g}s with "
         + ("both groups colocated (no overlap)" if a["colocated"] else
            f"generation on {a['generation_devices']}, training on {a['training_devices']}")
         + f" ({time.time() - t0:.1f}s)")
@@ -673,8 +673,8 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   if unif:
     u = unif[0]
     uniform = {"layout": u.plan, "predicted": {**u.info, "iteration_s": u.seconds}}
-  say(f"plan search done in {time.time() - t0:.1f}s: best {top[0]['predicted']['iteration_s']:.2f}s"
-      f" ({top[0]['summary']})" + (f"; uniform {uniform['predicted']['iteration_s']:.2f}s "
+  say(f"plan search done in {time.time() - t0:.1f}s: best {top[0]['predicted']['iteration_s']:.3g}s"
+      f" ({top[0]['summary']})" + (f"; uniform {uniform['predicted']['iteration_s']:.3g}s "
                                    f"(tp{u.plan['tp']} pp{u.plan['pp']})" if uniform else ""))
   out = {"best": top[0], "top": top, "uniform": uniform,
          "stages": {"generation": [(c.plan.describe(), c.seconds) for c in gens],
