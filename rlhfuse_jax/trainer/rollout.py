@@ -383,9 +383,10 @@ class PlannedStage:
 
   def __call__(self, params: WholeParams, prompts: Prompts, key) -> StageOutputs:
     m: dict = {}
-    t0 = time.time()
+    # The whole actor's fetch (a pipelined state's gather, timing_s/reshard) stays outside the
+    # stage clocks.
+    actor = params("actor")
     if self.pipe is not None:
-      actor = params("actor")  # its fetch (a pipelined state's gather) is timing_s/reshard
       t = time.perf_counter()
       staged = self.pipe.place(actor)
       del actor
@@ -397,8 +398,7 @@ class PlannedStage:
       # From the tick table the program records: a function of the tokens only.
       m["gen/pipeline_stage_busy_frac"] = pipelined.busy_stats(
           rollout.decode_table)["stage_busy_frac"]
-    else:  # the whole actor's fetch (a pipelined state's gather) outside the stage clock
-      actor = params("actor")
+    else:
       t0 = time.time()
       rollout = self.generator.generate(actor, prompts.tokens, prompts.lens, key,
                                         uids=prompts.uids)
