@@ -28,7 +28,7 @@ _LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 def _xla_knows(flag: str) -> bool:
   """Whether this jaxlib's XLA accepts `flag`: an unknown flag in XLA_FLAGS aborts the process,
   and jax 0.11.2's XLA no longer has the emitter switch (0.10.x has it). Asked of a subprocess,
-  once per test run (about 2 s): the result travels to the xdist workers and subprocesses in
+  once per test run (about 1 s): the result travels to the xdist workers and subprocesses in
   RLHFUSE_TEST_CODEGEN_FLAGS."""
   env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
