@@ -32,7 +32,7 @@ TINY = BenchDecodeConfig.from_config_dict(bench_config_file.get_config())
 # measure_scan_compile, at 1 and 2 layers: at that size a compile's fixed cost hides the growth
 # with depth, which test_scanned_decode_program_does_not_grow_with_depth checks on the programs
 # themselves instead of on (load-dependent) seconds.
-FAST = ["--config.scan_compile_layers=", "--config.capacities=256,1024"]
+FAST = ["--config.scan_compile_layers=", "--config.capacities=256,2048"]
 
 
 def _nbytes(tree):
@@ -130,17 +130,22 @@ def test_decode_rows_carry_the_compiled_memory(bench):
 
 
 def test_capacity_scaling_reads_the_live_prefix_only(bench):
-  # One decode chunk ending at 128 live positions, caches of 256 and 1024. Whole-cache
-  # (reference) attention reads 4x more at 1024: its ratio is the contrast the live-prefix
-  # decode must stay far below (at 512/4096 measured 0.92 vs 8.4 on the development machine;
-  # at 256/2048 0.88 vs 8.3).
+  # One decode chunk ending at 128 live positions, caches of 256 and 2048. Whole-cache
+  # (reference) attention reads 8x more at 2048; how much slower that makes a step is a property
+  # of the machine (its caches, what else it runs): 6.7x on the 2-core development machine, but
+  # the CI machine once measured only 1.58x at 256/1024 where this machine measures 3.7x. So the
+  # test asks for a visible contrast and for the live-prefix decode to grow by less than half of
+  # what whole-cache attention grows (at 256/2048 measured 0.99 vs 6.7 here, 2026-11-29).
   _, result, log = bench
   cs = result["capacity_scaling"]
-  assert cs["live_len"] == TINY.capacity_live_len and cs["capacities"] == [256, 1024]
+  assert cs["live_len"] == TINY.capacity_live_len and cs["capacities"] == [256, 2048]
   assert cs["batch"] == 128 and cs["steps"] == TINY.capacity_steps
   assert cs["ratio"] == pytest.approx(cs["step_s"][-1] / cs["step_s"][0])
-  assert cs["reference_ratio"] > 2.5 and cs["ratio"] < cs["reference_ratio"] / 2
-  assert "capacity 1024, live 128" in log
+  assert cs["reference_ratio"] == pytest.approx(
+      cs["reference_step_s"][-1] / cs["reference_step_s"][0])
+  assert cs["reference_ratio"] > 1.25, cs
+  assert cs["ratio"] - 1 < (cs["reference_ratio"] - 1) / 2, cs
+  assert "capacity 2048, live 128" in log
 
 
 def test_no_scan_compile_when_not_asked_and_peer_skip(bench):
