@@ -269,8 +269,9 @@ def _executors(acfg, ccfg, loss_cfg, mesh, programs):
 
 
 def test_grads_match_for_serial_and_searched_schedules_critic_replicated():
-  """Pa=4, Pc=2: two critic replicas, reversed placement; the searched schedule."""
-  problem = PipelineProblem(4, 2, 4, 2, 1.0, 1.0)
+  """Pa=4, Pc=2: two critic replicas, reversed placement; the searched schedule. Ma=4, Mc=3:
+  actor micro-batches of 3 rows, critic micro-batches of 2 (replica r's m-th is r*Mc+m)."""
+  problem = PipelineProblem(4, 2, 4, 3, 1.0, 1.0)
   acfg, ccfg, ap, cp = _models(4, 2)
   mesh = make_mesh(MeshConfig(data=1, stage=4), jax.devices()[:4])
   found = search.search(problem, search.SearchConfig(max_evaluations=4000, seed=0,
@@ -282,7 +283,7 @@ def test_grads_match_for_serial_and_searched_schedules_critic_replicated():
   assert fused_prog.ticks < serial.ticks
   loss_cfg = stages.LossConfig()
   _check(_executors(acfg, ccfg, loss_cfg, mesh, [serial, fused_prog]), acfg, ccfg, loss_cfg,
-         ap, cp, _batch(8))
+         ap, cp, _batch(12))
 
 
 def test_grads_match_equal_stages_random_schedule_tied_embeddings_and_loss_terms():
