@@ -99,9 +99,19 @@ def test_grpo_group_stats():
   centred, _ = adv_lib.grpo_advantages(scores, mask, g, normalize_std=False)
   np.testing.assert_allclose(np.asarray(centred)[:, 0],
                              (grouped - grouped.mean(1, keepdims=True)).reshape(-1), atol=1e-6)
-  # A group with identical scores has zero advantage (no signal), not nan.
+  # A group with identical scores has zero advantage (no signal), not nan: also where the
+  # score is not exact in binary (0.1, 0.7, 1.1: gsm8k + a 0.1 format bonus) and beside groups
+  # that differ. The float32 mean of eight 0.1s is off by ~1e-8, and dividing that by a std of
+  # ~1e-8 (+ eps) gave every sample of the group the same advantage, up to about +-0.1.
   flat, _ = adv_lib.grpo_advantages(np.ones(4, np.float32), np.ones((4, 2)), 4)
   np.testing.assert_array_equal(flat, 0.0)
+  for size in (3, 8, 16):
+    for tie in (0.1, 0.7, 1.1):
+      scores = np.array([tie] * size + [0.0, 1.0] * (size // 2) + [0.5] * (size % 2),
+                        np.float32)
+      adv, _ = adv_lib.grpo_advantages(scores, np.ones((2 * size, 3)), size)
+      np.testing.assert_array_equal(np.asarray(adv)[:size], 0.0, err_msg=f"{size} x {tie}")
+      assert np.abs(np.asarray(adv)[size:]).max() > 0.5
 
 
 def test_rloo_matches_leave_one_out_loop():

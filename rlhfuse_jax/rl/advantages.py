@@ -125,6 +125,10 @@ def grpo_advantages(scores: jax.Array, mask: jax.Array, group_size: int, eps: fl
   """
   _check_groups(scores.shape[0], group_size, 2)
   grouped = scores.astype(jnp.float32).reshape(-1, group_size)  # [num_prompts, group_size]
+  # Shifted by the group's first score first: a group whose scores tie is then exactly zero.
+  # Unshifted, the float32 mean of e.g. eight 0.1s is off by ~1e-8, its std is ~1e-8 too, and
+  # eps does not hide it: every sample got the same advantage, up to about +-0.1.
+  grouped = grouped - grouped[:, :1]
   centred = grouped - jnp.mean(grouped, axis=-1, keepdims=True)
   if normalize_std:
     std = jnp.std(grouped, axis=-1, keepdims=True, ddof=1)
