@@ -22,26 +22,42 @@ B, P, T, V = 4, 3, 5, 32
 ACTOR = llama.ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
                           num_heads=2, num_kv_heads=1, max_seq_len=16)
 CRITIC = ACTOR.replace(head="scalar")
-ALGO = AlgoConfig(clip_eps=0.2, value_clip_eps=0.2, vf_coef=0.5, entropy_coef=0.01,
-                  kl_in_reward=False, kl_coef=0.1, kl_estimator="k3")
+# Clip-higher (the ratio clipped to [0.8, 1.28]) and dual clip (the loss of A < 0 capped at
+# -3A) on, as a user turns them on: through AlgoConfig and ppo.loss_config.
+ALGO = AlgoConfig(clip_eps=0.2, clip_eps_high=0.28, clip_ratio_c=3.0, value_clip_eps=0.2,
+                  vf_coef=0.5, entropy_coef=0.01, kl_in_reward=False, kl_coef=0.1,
+                  kl_estimator="k3")
 LR, WD, CLIP, TEMP = 1e-2, 0.1, 1.0, 0.7
 
 
-def _batch(seed=0):
+def _batch(seed=0, actor=None):
   rng = np.random.default_rng(seed)
   lens = np.array([3, 2, 3, 1], np.int32)  # prompt lengths: response tokens start at p
   mask = np.ones((B, T), np.float32)
   mask[1, 3:] = 0  # shorter responses
   mask[3, 1:] = 0
-  return {
+  old_logp = np.log(1.0 / V) + rng.normal(0, 0.3, (B, T))
+  advantages = rng.normal(0, 1, (B, T))
+  # Two tokens whose ratio is about e^2 > 3 with A < 0: the dual clip's cap binds.
+  old_logp[0, 1] = old_logp[2, 4] = np.log(1.0 / V) - 2.0
+  advantages[0, 1], advantages[2, 4] = -1.5, -0.7
+  batch = {
       "tokens": rng.integers(0, V, (B, P + T)).astype(np.int32),
       "prompt_lens": lens, "mask": mask,
-      "old_logp": (np.log(1.0 / V) + rng.normal(0, 0.3, (B, T))).astype(np.float32),
+      "old_logp": old_logp.astype(np.float32),
       "ref_logp": (np.log(1.0 / V) + rng.normal(0, 0.3, (B, T))).astype(np.float32),
-      "advantages": rng.normal(0, 1, (B, T)).astype(np.float32),
+      "advantages": advantages.astype(np.float32),
       "returns": rng.normal(0, 1, (B, T)).astype(np.float32),
       "old_values": rng.normal(0, 1, (B, T)).astype(np.float32),
   }
+  if actor is not None:
+    # Two tokens whose ratio under `actor` is e^0.24 = 1.27 with A > 0: inside clip-higher's
+    # 1.28, outside the symmetric clip's 1.2 (whose gradient there is zero).
+    logp = np.asarray(_logp(actor, batch)[0])
+    for i, j in ((1, 2), (2, 0)):
+      batch["old_logp"][i, j] = logp[i, j] - 0.24
+      batch["advantages"][i, j] = 1.1
+  return batch
 
 
 def _response(x, mb):
@@ -50,17 +66,24 @@ def _response(x, mb):
   return x[np.arange(B)[:, None], idx]
 
 
-def _reference_losses(actor_params, critic_params, mb):
-  mask = mb["mask"]
-  n = mask.sum()
+def _logp(actor_params, mb):
+  """(log-probs of the response tokens [B, T], of the whole vocabulary [B, T, V])."""
   logits = _response(llama.apply(ACTOR, actor_params, mb["tokens"])[0], mb) / TEMP  # [B, T, V]
   logp_all = jax.nn.log_softmax(logits, -1)
   targets = mb["tokens"][np.arange(B)[:, None],
                          mb["prompt_lens"][:, None] + np.arange(T)[None]]  # [B, T]
-  logp = jnp.take_along_axis(logp_all, targets[..., None], -1)[..., 0]
+  return jnp.take_along_axis(logp_all, targets[..., None], -1)[..., 0], logp_all
+
+
+def _reference_losses(actor_params, critic_params, mb):
+  mask = mb["mask"]
+  n = mask.sum()
+  logp, logp_all = _logp(actor_params, mb)
   ratio = jnp.exp(logp - mb["old_logp"])
   a = mb["advantages"]
-  pg = jnp.sum(jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 0.8, 1.2)) * mask) / n
+  surrogate = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 0.8, 1.28))
+  surrogate = jnp.where(a < 0, jnp.minimum(surrogate, -a * 3.0), surrogate)
+  pg = jnp.sum(surrogate * mask) / n
   entropy = jnp.sum(-jnp.sum(jnp.exp(logp_all) * logp_all, -1) * mask) / n
   r = mb["ref_logp"] - logp
   kl = jnp.sum((jnp.exp(r) - r - 1) * mask) / n  # k3
@@ -106,7 +129,7 @@ def update_and_reference(request):
   # sign(g) * lr whatever b1 and b2 are).
   actor = llama.host_random_params(ACTOR, 1)
   critic = llama.host_random_params(CRITIC, 2)
-  mb = _batch()
+  mb = _batch(actor=actor)
   tx = optim.make_optimizer(LR, warmup_steps=0, total_steps=10, weight_decay=WD, grad_clip=CLIP)
   lrs = [float(optim.lr_schedule(LR, 0, 10)(i)) for i in range(2)]
   algo = dataclasses.replace(ALGO, microbatch_size=request.param)
@@ -215,6 +238,11 @@ def test_non_finite_log_probs_on_padding_change_nothing(estimator):
 def test_value_clip_zero_means_unclipped():
   assert ppo.loss_config(AlgoConfig(value_clip_eps=0.0), 1.0).value_clip_eps is None
   assert ppo.loss_config(AlgoConfig(), 1.0).value_clip_eps == 0.2
+  # Clip-higher and dual clip: 0 is off (the upper clip is clip_eps, no cap).
+  off = ppo.loss_config(AlgoConfig(), 1.0)
+  assert off.clip_eps_high is None and off.clip_ratio_c is None
+  on = ppo.loss_config(ALGO, 1.0)
+  assert on.clip_eps_high == 0.28 and on.clip_ratio_c == 3.0
 
 
 @pytest.mark.parametrize("loss_agg,critic_free", [

@@ -104,6 +104,8 @@ def test_sharded_run_equals_single_device(tmp_path):
      "algo.kl_estimator='k1': expected 'k3'"),
     ({"algo.value_clip_eps": -0.1}, "algo.value_clip_eps=-0.1: expected a finite value >= 0"),
     ({"algo.clip_eps": 3.0}, r"algo.clip_eps=3.0: expected in \(0, 1\)"),
+    ({"algo.clip_eps_high": -0.1}, r"algo.clip_eps_high=-0.1: expected 0 \(= algo.clip_eps\)"),
+    ({"algo.clip_ratio_c": 0.5}, r"algo.clip_ratio_c=0.5: expected 0 \(dual clip off\) or"),
     ({"algo.estimator": "gea"}, "algo.estimator='gea': expected one of"),
     ({"algo.kl_estimator": "k4"}, "algo.kl_estimator='k4': expected one of"),
     ({"algo.vf_coef": -1.0}, "algo.vf_coef=-1.0: expected a finite value >= 0"),
@@ -141,6 +143,24 @@ def test_integer_fields_refuse_floats_and_bools():
     with pytest.raises(ValueError, match=f"config.{section}.{field}={value!r}: expected an "
                                          "integer"):
       TrainConfig.from_config_dict(c)
+
+
+@pytest.mark.parametrize("path,value,expected", [
+    ("num_iterations", 2.5, "an integer"), ("seed", True, "an integer"),
+    ("log_every", 1.5, "an integer"),
+    # "False" is truthy: the KL would have gone into the reward, the opposite of what was asked.
+    ("algo.kl_in_reward", "False", "True or False"),
+    ("algo.whiten_advantages", None, "True or False"),
+    ("algo.gamma", "0.9", "a number"), ("algo.kl_coef", True, "a number"),
+])
+def test_fields_of_the_wrong_type_are_refused_by_name(path, value, expected):
+  """A plain dict (a sweep's, a plan file's) reaches TrainConfig without ml_collections' typed
+  overrides: a wrong type is refused naming the field, not accepted or failing far away."""
+  c = ppo_tiny.get_config().to_dict()
+  *section, field = path.split(".")
+  (c[section[0]] if section else c)[field] = value
+  with pytest.raises(ValueError, match=f"config.{path}={value!r}: expected {expected}"):
+    TrainConfig.from_config_dict(c)
 
 
 def test_unknown_field_is_rejected():

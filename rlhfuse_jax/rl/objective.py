@@ -31,6 +31,7 @@ class LossConfig:
   """The PPO actor and critic losses (the trainer maps its AlgoConfig here: ppo.loss_config)."""
   clip_eps: float = 0.2                   # PPO ratio clip
   clip_eps_high: Optional[float] = None   # None: clip_eps (set higher for clip-higher)
+  clip_ratio_c: Optional[float] = None    # dual-clip cap for A < 0 (> 1); None: off
   loss_agg: str = "token-mean"            # actor loss aggregation (rl/losses.py)
   entropy_coef: float = 0.0               # loss -= entropy_coef * mean entropy
   kl_coef: float = 0.0                    # loss += kl_coef * KL-to-reference loss (0: off)
@@ -45,6 +46,10 @@ class LossConfig:
     losses.check_loss_agg(self.kl_loss_agg)
     if not 0 < self.clip_eps < 1:  # 1 - clip_eps is the ratio's lower clip
       raise ValueError(f"loss.clip_eps={self.clip_eps} must be in (0, 1)")
+    if self.clip_eps_high is not None and not self.clip_eps_high > 0:
+      raise ValueError(f"loss.clip_eps_high={self.clip_eps_high} must be > 0 (None: clip_eps)")
+    if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+      raise ValueError(f"loss.clip_ratio_c={self.clip_ratio_c} must be > 1 (None: off)")
     if self.kl_coef < 0 or self.entropy_coef < 0 or self.vf_coef < 0:
       raise ValueError("loss.kl_coef, loss.entropy_coef and loss.vf_coef must be >= 0")
     if not self.temperature > 0:
@@ -72,7 +77,8 @@ def actor_objective(cfg: LossConfig, logp: jax.Array, entropy: jax.Array,
   mask = batch["mask"].astype(jnp.float32)
   agg = {} if num_tokens is None else {"num_tokens": num_tokens, "num_seqs": num_seqs}
   pg, m = losses.policy_loss(logp, batch["old_logp"], batch["advantages"], mask, cfg.clip_eps,
-                             cfg.clip_eps_high, loss_agg=cfg.loss_agg, **agg)
+                             cfg.clip_eps_high, loss_agg=cfg.loss_agg,
+                             clip_ratio_c=cfg.clip_ratio_c, **agg)
   share, denom = _share(mask, num_tokens)
   ent = (masked.masked_mean(entropy, mask) if num_tokens is None
          else masked.masked_sum(entropy, mask) / denom)

@@ -28,13 +28,27 @@ def _is_int(v: Any) -> bool:
   return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_integers(klass, section: Mapping[str, Any], prefix: str) -> None:
-  """Integer fields given a float (2.0 from a JSON plan, 0.5 from a sweep) or a bool are refused
-  by name before the section's own checks compare them: range(2.0) or a shape of 0.5 would fail
-  far from the config."""
+# Field type -> (accepts the value?, what was expected). A bool field given the string "False"
+# would be true; an integer field given 2.0 (a JSON plan) or 0.5 (a sweep) fails far from the
+# config (range(2.0), a shape of 0.5); a float given "0.9" fails in a comparison that names no
+# field. ml_collections' typed overrides refuse these on the command line, but plain dicts (a
+# sweep's, a plan file's) and the dataclasses built directly reach the checks as given.
+_TYPE_CHECKS = {
+    "int": (_is_int, "an integer"),
+    "bool": (lambda v: isinstance(v, bool), "True or False"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+}
+
+
+def _check_types(klass, section: Mapping[str, Any], prefix: str) -> None:
+  """Refuses by name a value of the wrong type for an int, bool or float field of `klass`
+  (before the section's own checks compare it)."""
   for f in dataclasses.fields(klass):
-    if f.type in ("int", int) and f.name in section:
-      _check(_is_int(section[f.name]), f"{prefix}.{f.name}", section[f.name], "an integer")
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+    if kind in _TYPE_CHECKS and f.name in section:
+      ok, expected = _TYPE_CHECKS[kind]
+      name = f"{prefix}.{f.name}" if prefix else f.name
+      _check(ok(section[f.name]), name, section[f.name], expected)
 
 
 GRADIENT_SYNC_MODES = ("per_microbatch", "once")  # AlgoConfig.gradient_sync
@@ -129,7 +143,14 @@ class AlgoConfig:
   kl_coef: float = 0.02  # weight of the KL to the reference
   kl_estimator: str = "k1"  # k1 | k2 | k3 | abs
   kl_in_reward: bool = True  # True: token-level penalty folded into the reward; False: a loss term
-  clip_eps: float = 0.2  # PPO ratio clip
+  clip_eps: float = 0.2  # PPO ratio clip: the ratio is clipped to [1 - clip_eps, 1 + ...]
+  # The upper clip, 1 + clip_eps_high; 0: clip_eps. Higher than clip_eps is DAPO's clip-higher
+  # (Yu et al. 2025, arXiv 2503.14476: 0.28 with clip_eps 0.2), room for rare tokens to grow.
+  clip_eps_high: float = 0.0
+  # Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729): for negative advantages the loss is also
+  # capped at -A * clip_ratio_c, so one huge ratio on a bad token cannot dominate the update;
+  # 0: off, else > 1 (the paper and verl use 3).
+  clip_ratio_c: float = 0.0
   value_clip_eps: float = 0.2  # clip of the value update around the old values; 0: unclipped
   vf_coef: float = 0.5
   entropy_coef: float = 0.0
@@ -172,6 +193,11 @@ class AlgoConfig:
     _check(0 <= self.lam <= 1, "algo.lam", self.lam, "in [0, 1]")
     _check(0 < self.clip_eps < 1, "algo.clip_eps", self.clip_eps,
            "in (0, 1) (the ratio is clipped to [1 - clip_eps, 1 + clip_eps])")
+    _check(math.isfinite(self.clip_eps_high) and self.clip_eps_high >= 0, "algo.clip_eps_high",
+           self.clip_eps_high, "0 (= algo.clip_eps) or a finite value > 0 (the upper clip is "
+           "1 + clip_eps_high)")
+    _check(self.clip_ratio_c == 0 or (math.isfinite(self.clip_ratio_c) and self.clip_ratio_c > 1),
+           "algo.clip_ratio_c", self.clip_ratio_c, "0 (dual clip off) or a finite value > 1")
     # As a loss, k1's gradient (that of logp) has zero expectation on the policy's own samples
     # whatever the reference: it would add noise, not pull toward the reference (rl/kl.py).
     _check(self.kl_in_reward or self.kl_coef == 0 or self.kl_estimator != "k1",
@@ -554,6 +580,7 @@ class TrainConfig:
     unknown = set(d) - top
     if unknown:
       raise ValueError(f"config: unknown top-level fields {sorted(unknown)}; known: {sorted(top)}")
+    _check_types(cls, d, "")
     return cls(**kwargs, **d)
 
 
@@ -570,7 +597,8 @@ SECTIONS = {
 # optimizer's chain is the same for any value: grad_clip stays > 0, the decay mask is fixed).
 RESUME_CHANGEABLE = frozenset({
     "optim.actor_lr", "optim.critic_lr", "optim.grad_clip", "optim.weight_decay",
-    "optim.min_lr_ratio", "algo.clip_eps", "algo.value_clip_eps", "algo.vf_coef",
+    "optim.min_lr_ratio", "algo.clip_eps", "algo.clip_eps_high", "algo.clip_ratio_c",
+    "algo.value_clip_eps", "algo.vf_coef",
     "algo.entropy_coef", "algo.kl_coef",
 })
 
@@ -651,7 +679,7 @@ def _build(klass, section: Optional[Mapping[str, Any]], prefix: str):
   unknown = set(section) - known
   if unknown:
     raise ValueError(f"config.{prefix}: unknown fields {sorted(unknown)}; known: {sorted(known)}")
-  _check_integers(klass, section, prefix)
+  _check_types(klass, section, prefix)
   return klass(**section)
 
 

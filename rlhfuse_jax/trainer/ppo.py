@@ -69,7 +69,8 @@ def advantages_and_returns(algo: AlgoConfig, group_size: int, scores, mask, old_
 def loss_config(algo: AlgoConfig, temperature: float) -> LossConfig:
   """The PPO objective's settings from the run's AlgoConfig, for the plain and the pipelined
   update alike (the KL is a loss term only when it is not in the reward)."""
-  return LossConfig(clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
+  return LossConfig(clip_eps=algo.clip_eps, clip_eps_high=algo.clip_eps_high or None,
+                    clip_ratio_c=algo.clip_ratio_c or None, loss_agg=algo.loss_agg,
                     entropy_coef=algo.entropy_coef,
                     kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
                     kl_estimator=algo.kl_estimator, value_clip_eps=algo.value_clip_eps or None,
