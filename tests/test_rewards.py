@@ -54,6 +54,11 @@ def test_gsm8k_numbers_commas_and_bad_answers():
       "1234567.5")
   assert verifiers.final_number("3, 4, 5") == 5 and verifiers.final_number(".5 of it") == 0.5
   assert verifiers.gsm8k("The answer is 1,000", "#### 1000", {}) == 1.0
+  # Malformed groups lose no digits: the last number of "1,2345" is 2345, not 1234.
+  assert verifiers.final_number("the total is 1,2345") == 2345
+  assert verifiers.final_number("about 12,3456") == 3456
+  assert verifiers.gsm8k("so 1,234567 items", "#### 1234", {}) == 0.0
+  assert verifiers.gsm8k("#### 1,234", "#### 1234", {}) == 1.0
   with pytest.raises(ValueError, match="the answer 'many' holds no number"):
     verifiers.gsm8k("72", "many", {})
   with pytest.raises(ValueError, match=r"needs the sample's answer as a string \(record"):

@@ -29,8 +29,10 @@ import re
 import threading
 from typing import Any, Mapping, Optional
 
-# A number: thousands-grouped (1,234.5), plain (1234.5, -3) or a bare fraction part (.5).
-_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+# A number: thousands-grouped (1,234.5), plain (1234.5, -3) or a bare fraction part (.5). A
+# group of more than three digits is no thousands group: "1,2345" is the numbers 1 and 2345
+# (without the (?!\d), "1,234" matched and the 5 was lost: "1,234567" read as 1234).
+_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
 _NUMBER_RE = re.compile(r"(?<![\w.])\$?\s*(" + _NUMBER + r")")
 _GSM8K_FORMAT_RE = re.compile(r"####\s*\$?\s*" + _NUMBER + r"\s*\.?\s*$")
 _THINK_RE = re.compile(r"\s*<think>.*?</think>\s*\S.*", re.S)
