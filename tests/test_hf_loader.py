@@ -240,6 +240,21 @@ def test_sharded_index_is_used_and_missing_shard_is_named(tmp_path):
   os.remove(os.path.join(broken, shards[-1]))
   with pytest.raises(FileNotFoundError, match=shards[-1]):
     hf_loader.load_hf_params(broken, hf_loader.load_hf_config(broken))
+  # An index that names the wrong shard for a tensor: the error names the shard, the tensor and
+  # the index (it was safetensors' bare "File does not contain tensor ...").
+  lying = str(tmp_path / "lying")
+  shutil.copytree(LLAMA, lying)
+  index = os.path.join(lying, "model.safetensors.index.json")
+  with open(index) as f:
+    table = json.load(f)
+  name = sorted(table["weight_map"])[0]
+  other = next(s for s in shards if s != table["weight_map"][name])
+  table["weight_map"][name] = other
+  with open(index, "w") as f:
+    json.dump(table, f)
+  with pytest.raises(ValueError, match=rf"{other}: cannot read tensor {name} .*"
+                                       r"model\.safetensors\.index\.json may name the wrong"):
+    hf_loader.load_hf_params(lying, hf_loader.load_hf_config(lying))
   empty = str(tmp_path / "empty")
   os.makedirs(empty)
   with pytest.raises(FileNotFoundError, match="model.safetensors.index.json"):

@@ -345,20 +345,31 @@ class _Checkpoint:
     return set(self.files)
 
   def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(self._handle(name).get_slice(name).get_shape())
+    with self._reading(name):
+      return tuple(self._handle(name).get_slice(name).get_shape())
 
   def get(self, name: str) -> np.ndarray:
     """The tensor, checked: a damaged file's garbage must not train (NaN/Inf are refused)."""
-    try:
+    with self._reading(name):
       x = self._handle(name).get_tensor(name)
-    except Exception as e:  # the Rust side raises SafetensorError for a name the index lied about
-      raise ValueError(f"{self.files[name]}: cannot read tensor {name} ({e})") from e
     if np.issubdtype(x.dtype, np.floating) or x.dtype == _NP_DTYPES["bfloat16"]:
       bad = int(np.size(x) - np.count_nonzero(np.isfinite(x.astype(np.float32))))
       if bad:
         raise ValueError(f"{self.files[name]}: tensor {name} holds {bad} non-finite value(s) "
                          f"(NaN/Inf) of {np.size(x)}: the file is damaged or the weights diverged")
     return x
+
+  @contextlib.contextmanager
+  def _reading(self, name: str):
+    """A tensor that is not where the index says (the Rust side raises SafetensorError) names
+    the file and the tensor (the header read for its shape comes first: both are covered)."""
+    try:
+      yield
+    except ValueError:
+      raise  # _handle's own, naming the file already
+    except Exception as e:  # noqa: BLE001 SafetensorError is not importable as a Python type
+      raise ValueError(f"{self.files[name]}: cannot read tensor {name} ({e}); the checkpoint's "
+                       f"{INDEX_FILE} may name the wrong shard for it") from e
 
   def _handle(self, name: str):
     path = self.files[name]
