@@ -98,6 +98,39 @@ def test_special_tokens_missing_from_the_config_come_from_special_tokens_map(tmp
   assert "unk_token" not in template.special_tokens  # null in the config
 
 
+def test_the_tokenizer_takes_its_special_tokens_from_the_map_as_the_template_does(tmp_path):
+  """A tokenizer_config.json without eos/bos/pad beside a special_tokens_map.json naming them (a
+  legacy save): the tokenizer's EOS is the map's <|eot_id|>, the token the template ends turns
+  with (it guessed <|end_of_text|> from its candidate list: generation ran past every turn)."""
+  import shutil
+  d = tmp_path / "tok"
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  shutil.copytree(os.path.join(repo, "configs", "data", "tiny_llama3_chat"), d)
+  with open(d / "tokenizer_config.json", encoding="utf-8") as f:
+    config = json.load(f)
+  for k in ("bos_token", "eos_token", "pad_token"):
+    config.pop(k)
+  with open(d / "tokenizer_config.json", "w", encoding="utf-8") as f:
+    json.dump(config, f)
+  with open(d / "special_tokens_map.json", "w", encoding="utf-8") as f:
+    json.dump({"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|eot_id|>"}}, f)
+  tok = HFTokenizer.from_file(str(d))
+  template = ChatTemplate.load("auto", str(d))
+  assert template.special_tokens["eos_token"] == "<|eot_id|>"
+  assert tok.id_to_token(tok.eos_id) == "<|eot_id|>"
+  assert tok.id_to_token(tok.bos_id) == "<|begin_of_text|>"
+  # The config still wins where it names a token; null there leaves it unset.
+  config["bos_token"] = None
+  with open(d / "tokenizer_config.json", "w", encoding="utf-8") as f:
+    json.dump(config, f)
+  assert HFTokenizer.from_file(str(d)).bos_id is None
+  with open(d / "special_tokens_map.json", "w", encoding="utf-8") as f:
+    json.dump({"eos_token": "<|no_such_token|>"}, f)
+  with pytest.raises(ValueError, match=r"eos_token='<\|no_such_token\|>' \(from .*"
+                                       r"special_tokens_map\.json\) is not in the vocabulary"):
+    HFTokenizer.from_file(str(d))
+
+
 def test_named_templates_strftime_and_errors(tmp_path):
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
       {"name": "tool_use", "template": "tools"},

@@ -27,10 +27,10 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.data.tokenizer import SPECIAL_TOKENS_MAP
 
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
-SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 # The named special tokens HF passes to every template (PreTrainedTokenizerBase.special_tokens_map).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")

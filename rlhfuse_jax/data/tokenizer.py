@@ -20,6 +20,8 @@ import tokenizers
 
 from rlhfuse_jax import workdir as wd
 
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # names special tokens beside tokenizer_config
+
 # Tried in order when neither the caller nor tokenizer_config.json names a special token.
 _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>",
                    "[SEP]")
@@ -160,17 +162,29 @@ class HFTokenizer(Tokenizer):
 
     config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
     config = _read_tokenizer_config(config_path)
+    # A name tokenizer_config.json does not mention comes from special_tokens_map.json beside
+    # it, as transformers (and data/chat.py's template variables) read them: otherwise a
+    # Llama-3-style vocabulary got <|end_of_text|> from the candidates below as its EOS while
+    # the chat template ended turns with the map's <|eot_id|>. A name the config sets to null
+    # (Qwen2's bos_token) stays unset.
+    map_path = os.path.join(os.path.dirname(path), SPECIAL_TOKENS_MAP)
+    named = {}
+    if os.path.isfile(map_path):
+      token_map = wd.read_json_object(map_path, ValueError, "not a valid " + SPECIAL_TOKENS_MAP)
+      named = {k: (v, map_path) for k, v in token_map.items()}
+    named.update({k: (v, config_path) for k, v in (config or {}).items()})
     added = {t.content for t in tok.get_added_tokens_decoder().values()}
 
     def resolve(kind: str, explicit: Optional[str], candidates: Sequence[str]) -> Optional[int]:
       source = "argument"
       if explicit is not None:
         token = explicit
-      elif config is not None and f"{kind}_token" in config:
+      elif f"{kind}_token" in named:
+        value, source = named[f"{kind}_token"]
         try:
-          token, source = _token_content(config[f"{kind}_token"]), config_path
+          token = _token_content(value)
         except ValueError as e:
-          raise ValueError(f"{config_path}: {kind}_token: {e}") from e
+          raise ValueError(f"{source}: {kind}_token: {e}") from e
         if token is None:
           return None
       else:
