@@ -472,6 +472,17 @@ def test_export_family_defaults_and_refusals(tmp_path):
                                        if arch != "mistral" else
                                        "MistralForSequenceClassification"]
     assert hf_loader.config_from_hf(critic) == cfg.replace(head="scalar")
+    # A reward model's pad_token_id is where it scores (transformers pools at the last token
+    # that is not it); a language model's is not read.
+    rm = hf_loader.hf_config_dict(cfg.replace(head="scalar", score_pad_id=7), family=FAMILY[arch])
+    assert rm["pad_token_id"] == 7
+    assert hf_loader.config_from_hf(rm) == cfg.replace(head="scalar", score_pad_id=7)
+    lm = hf_loader.hf_config_dict(cfg)
+    assert "pad_token_id" not in lm
+    assert hf_loader.config_from_hf(dict(lm, pad_token_id=7)).score_pad_id == -1
+  with pytest.raises(ValueError, match=r"pad_token_id=-2; expected null or a token id >= 0"):
+    hf_loader.config_from_hf(dict(hf_loader.hf_config_dict(cfg.replace(head="scalar")),
+                                  pad_token_id=-2))
   q3 = hf_loader.load_hf_config(QWEN3)
   biased = hf_loader.hf_config_dict(q3.replace(qkv_bias=True, o_bias=True))
   assert biased["attention_bias"] and hf_loader.config_from_hf(biased).o_bias

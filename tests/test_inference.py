@@ -1,5 +1,7 @@
 """Inference scores equal direct forward passes (whole batch, micro-batched, sharded); reward
 dispatch between a reward model and a Python function; clear errors."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,3 +166,36 @@ def test_scoring_batch_refuses_lengths_outside_its_rows(plen, rlen, match):
     ScoringBatch(tok, np.array([plen], np.int32), tok[:, 4:], np.array([rlen], np.int32))
   with pytest.raises(ValueError, match=r"response_tokens \(1, 5\) must be"):
     ScoringBatch(tok[0], np.array([4], np.int32), tok[:, 4:], np.array([5], np.int32))
+
+
+def test_a_reward_model_with_a_pad_id_scores_where_transformers_pools(models, batch):
+  """score_pad_id (a *ForSequenceClassification's config.json pad_token_id, often = EOS): the
+  score is read at the last token of prompt + response that is not that id, as transformers
+  pools; -1 reads the last response token. Rows here end in the id (an EOS), hold it inside
+  the prompt, or are nothing but it after the first token."""
+  _, critic = models
+  eos = 3
+  tokens = np.array(batch.tokens)
+  plens, rlens = np.array(batch.prompt_lens), np.array(batch.response_lens)
+  for b in range(B):
+    p, r = plens[b], rlens[b]
+    if b % 3 == 0:
+      tokens[b, p + r - 1] = eos  # the response stopped at EOS
+    if b % 4 == 1 and r >= 2:
+      tokens[b, p + r - 2: p + r] = eos  # two trailing: both skipped
+    if b % 5 == 2:
+      tokens[b, 0] = eos  # inside the prompt: not a trailing one, kept
+  tokens[11, :plens[11] + rlens[11]] = eos  # all of it: position 0, as transformers reads
+  tokens[11, 0] = 5
+  edited = dataclasses.replace(batch, tokens=tokens)  # only the tokens are scored
+  full = np.asarray(jax.jit(lambda p, x: llama.apply(CRITIC, p, x)[0])(critic, tokens))
+  want, last = np.zeros(B, np.float32), np.zeros(B, np.float32)
+  for b in range(B):
+    seq = tokens[b, :plens[b] + rlens[b]]
+    keep = [i for i, t in enumerate(seq) if t != eos]
+    want[b] = full[b, keep[-1] if keep else 0]
+    last[b] = full[b, len(seq) - 1]
+  got = Scorer().reward_scores(CRITIC.replace(score_pad_id=eos), critic, edited)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  assert np.abs(want - last).max() > 1e-3  # the two rules differ on these rows
+  np.testing.assert_allclose(Scorer().reward_scores(CRITIC, critic, edited), last, atol=1e-5)

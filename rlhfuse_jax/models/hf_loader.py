@@ -233,6 +233,8 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
       param_dtype=dtype_name,
       dtype=dtype_name,
       head=head,
+      # A *ForSequenceClassification scores at its last token that is not pad_token_id.
+      score_pad_id=_pad_id(hf, where) if head == "scalar" else -1,
   )
   known = {f.name for f in dataclasses.fields(llama.ModelConfig)}
   unknown = sorted(set(overrides) - known)
@@ -251,6 +253,16 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
         f"than max_seq_len={cfg.max_seq_len}; sliding-window attention is not implemented "
         f"(override max_seq_len <= {window} to load anyway)")
   return cfg
+
+
+def _pad_id(hf: dict[str, Any], where: str) -> int:
+  """config.json's pad_token_id as ModelConfig.score_pad_id (-1 when null or absent)."""
+  pad = hf.get("pad_token_id")
+  if pad is None:
+    return -1
+  if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+    raise ValueError(f"{where}: pad_token_id={pad!r}; expected null or a token id >= 0")
+  return pad
 
 
 def checkpoint_family(ckpt_dir: str) -> str:
@@ -570,6 +582,8 @@ def hf_config_dict(cfg: llama.ModelConfig, torch_dtype: Optional[str] = None,
       hf.update(attention_bias=cfg.qkv_bias)
   if cfg.head == "scalar":
     hf.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    if cfg.score_pad_id >= 0:  # where it scores (config_from_hf reads it back)
+      hf.update(pad_token_id=cfg.score_pad_id)
   return hf
 
 

@@ -89,6 +89,12 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype; norms, softmax and heads run in float32
   head: str = "lm"  # "lm" (actor, reference) or "scalar" (critic, reward model)
+  # A reward model's sequence score (models/sequences.sequence_scores) is read at the last
+  # token of prompt + response that is not this id: how transformers' *ForSequenceClassification
+  # pools, at the last token that is not config.json's pad_token_id (read by hf_loader). With
+  # pad = EOS (common in TRL-trained reward models) that is the token before the EOS, where the
+  # model was trained to score. -1: at the last response token, EOS included (OpenRLHF's).
+  score_pad_id: int = -1
   # reference | blockwise | cudnn | auto | pallas (models/attention.py). "pallas" is "auto" plus
   # a Pallas (Triton) kernel for one-token decode against the cache, which generation instances
   # on GPU also use for "auto" (attention.instance_attention).
@@ -138,6 +144,9 @@ class ModelConfig:
         raise ValueError(f"model.{name}={getattr(self, name)!r}; expected one of {list(_DTYPES)}")
     if self.head not in HEADS:
       raise ValueError(f"model.head={self.head!r}; expected one of {HEADS}")
+    if int(self.score_pad_id) < -1:
+      raise ValueError(f"model.score_pad_id={self.score_pad_id}: expected -1 (score at the last "
+                       "token) or a token id >= 0")
     if self.attention not in attention_lib.IMPLEMENTATIONS:
       raise ValueError(f"model.attention={self.attention!r}; expected one of "
                        f"{attention_lib.IMPLEMENTATIONS}")

@@ -107,10 +107,24 @@ def response_values(cfg: ModelConfig, params: Any, tokens, prompt_lens, num_resp
   return values
 
 
+def score_positions(tokens, prompt_lens, response_lens, pad_id: int):
+  """[B] where a reward model reads each sequence's score: the last position of prompt +
+  response whose token is not `pad_id` (transformers' *ForSequenceClassification pooling, which
+  skips its pad_token_id; 0 when every token is it, as there); pad_id -1: the last response
+  token (last_token_positions)."""
+  last = last_token_positions(prompt_lens, response_lens)
+  if pad_id < 0:
+    return last
+  col = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+  scored = (col <= last[:, None]) & (tokens != pad_id)
+  return jnp.max(jnp.where(scored, col, 0), axis=1)
+
+
 def sequence_scores(cfg: ModelConfig, params: Any, tokens, prompt_lens, response_lens):
-  """Reward-model score of each whole sequence, read at its last response token: [B] float32."""
+  """Reward-model score of each whole sequence: [B] float32, read at its last response token,
+  or with cfg.score_pad_id >= 0 at its last token that is not that id (`score_positions`)."""
   if cfg.head != "scalar":
     raise ValueError(f"sequence_scores needs model.head='scalar', got {cfg.head!r}")
-  at = last_token_positions(prompt_lens, response_lens)[:, None]  # [B, 1]
+  at = score_positions(tokens, prompt_lens, response_lens, cfg.score_pad_id)[:, None]  # [B, 1]
   values, _ = forward_at(cfg, params, tokens, at)
   return values[:, 0]

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from rlhfuse_jax.data import chat as chat_lib
 from rlhfuse_jax.data import prompts as prompts_lib
@@ -228,6 +229,10 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
     # random one.
     reward_params = place(hf_loader.load_hf_params(cfg.reward.model_checkpoint, reward_cfg,
                                                    head="scalar"), reward_cfg)
+    where = (f"at the last token that is not its pad_token_id {reward_cfg.score_pad_id}, as "
+             "transformers' *ForSequenceClassification pools" if reward_cfg.score_pad_id >= 0
+             else "at the last response token, EOS included (no pad_token_id in its config.json)")
+    logging.info("reward model %s scores each sequence %s", cfg.reward.model_checkpoint, where)
   return Models(actor=actor, critic=critic, reference=jax.tree.map(jnp.copy, actor),
                 reward_cfg=reward_cfg, reward_params=reward_params)
 
