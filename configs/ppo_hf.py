@@ -81,6 +81,7 @@ def get_config(arg: str = "ppo"):
     c.rollout.samples_per_prompt = 4
     c.algo.kl_in_reward = False  # GRPO puts the KL in the loss
     c.algo.kl_estimator = "k3"
+    c.init.critic_checkpoint = ""  # no critic to initialise (validate warns about one set)
   if size == "gpu":
     _gpu(c, grpo=algo == "grpo")
   return c

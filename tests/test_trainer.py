@@ -399,6 +399,38 @@ def test_pipeline_fields_on_an_unpipelined_mesh_are_warned_about(caplog):
             "mesh.stage=1" in caplog.text) == warned, caplog.text
 
 
+def test_critic_settings_of_a_critic_free_run_are_warned_about(caplog):
+  """A critic-free estimator ignores the critic's settings (and grpo/rloo the discount): a
+  critic checkpoint or lambda set away from the defaults were ignored without a word. The
+  critic-free presets set none of them."""
+  from configs import grpo_tiny
+  from rlhfuse_jax.trainer.validate import validate
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
+  grpo = {"algo.estimator": "grpo", "rollout.samples_per_prompt": 4, "algo.kl_in_reward": False,
+          "algo.kl_estimator": "k3"}
+  for overrides, warned in (
+      ({**grpo, "algo.lam": 0.9, "algo.gamma": 0.99},
+       "config.algo.lam=0.9, config.algo.gamma=0.99 not used: algo.estimator='grpo' trains no "
+       "critic"),
+      ({"algo.estimator": "reinforce_pp", "algo.gamma": 0.99, "algo.vf_coef": 1.0},
+       "config.algo.vf_coef=1.0 not used: algo.estimator='reinforce_pp'"),
+      (grpo, None), ({"algo.lam": 0.9}, None)):
+    cfg = tiny_config(**overrides)
+    _, tokenizer = build.build_task_and_tokenizer(cfg)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      validate(build.resolve_config(cfg, tokenizer), mesh)
+    if warned:
+      assert warned in caplog.text, caplog.text
+    else:
+      assert "trains no critic" not in caplog.text, caplog.text
+  from configs import ppo_hf
+  from rlhfuse_jax.trainer.validate import _critic_free_unused
+  for preset in (grpo_tiny.get_config(), ppo_hf.get_config("grpo"),
+                 ppo_hf.get_config("grpo_gpu")):
+    assert _critic_free_unused(TrainConfig.from_config_dict(preset)) == []
+
+
 def test_a_scalar_head_checkpoint_is_refused_as_the_actor(tmp_path):
   """A *ForSequenceClassification (a reward model's directory) as init.actor_checkpoint was
   accepted by validate and failed in the build asking for an rng."""

@@ -21,6 +21,25 @@ from rlhfuse_jax.trainer import build, hooks, pipelined, ppo, rollout
 from rlhfuse_jax.trainer.config import TrainConfig
 
 
+def _critic_free_unused(cfg: TrainConfig) -> list[str]:
+  """The fields a critic-free estimator ignores that this config sets away from their defaults
+  (a critic checkpoint that is never loaded, a GAE lambda that changes nothing). Not
+  optim.critic_lr: presets carry one rate for all their variants."""
+  if adv_lib.needs_critic(cfg.algo.estimator):
+    return []
+  ignored = {"algo": ["lam", "vf_coef", "value_clip_eps", "whiten_advantages"],
+             "init": ["critic_checkpoint"]}
+  if cfg.algo.estimator in ("grpo", "rloo"):  # one score per sample: no discounting
+    ignored["algo"].append("gamma")
+  out = []
+  for section, names in ignored.items():
+    obj = getattr(cfg, section)
+    defaults = {f.name: f.default for f in dataclasses.fields(obj)}
+    out += [f"{section}.{n}={getattr(obj, n)!r}" for n in names
+            if getattr(obj, n) != defaults[n]]
+  return out
+
+
 def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
              generation_devices: Optional[int] = None) -> None:
   """Raises ValueError naming the config field for a run this mesh cannot do. `mesh` is the
@@ -53,6 +72,10 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                     "+-1, whatever kl_coef is. GRPO's own setting is algo.kl_in_reward=False "
                     "(the KL as a loss term, kl_estimator='k3'), as configs/ppo_tiny.py:grpo has",
                     cfg.algo.kl_coef)
+  unused = _critic_free_unused(cfg)
+  if unused:
+    logging.warning("config.%s not used: algo.estimator=%r trains no critic and computes its "
+                    "advantages without them", ", config.".join(unused), cfg.algo.estimator)
   if cfg.rollout.top_k > cfg.model.vocab_size:
     raise ValueError(f"config.rollout.top_k={cfg.rollout.top_k} exceeds the actor's vocabulary "
                      f"(model.vocab_size={cfg.model.vocab_size}); 0 samples from all of it")
