@@ -17,6 +17,15 @@ BINARY=${BINARY:-train_ppo}
 if [[ "$BINARY" == train_ppo ]]; then DEFAULT_CONFIG=configs/ppo_tiny.py
 else DEFAULT_CONFIG="configs/$BINARY.py"; fi
 PORT=${PORT:-$((20000 + RANDOM % 20000))}
+# Paths the caller gave relative to where it runs (the workdir, a config file, an interpreter
+# such as .venv/bin/python) made absolute before the cd below; a config that is not a file here
+# stays as given (configs/X.py[:variant], read from the repository root).
+abspath() { [[ "$1" == /* ]] && echo "$1" || echo "$PWD/$1"; }
+WORKDIR=$(abspath "$WORKDIR")
+if [[ -n "${CONFIG:-}" && -f "${CONFIG%%:*}" ]]; then
+  CONFIG="$(abspath "${CONFIG%%:*}")${CONFIG#"${CONFIG%%:*}"}"
+fi
+if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(abspath "$PYTHON"); fi
 cd "$(dirname "$0")/.."
 if [[ ! -f "experiments/$BINARY.py" ]]; then
   echo "BINARY=$BINARY: no experiments/$BINARY.py (expected train_ppo or bench_generation)" >&2

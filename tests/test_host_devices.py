@@ -39,6 +39,31 @@ def test_the_launcher_passes_the_callers_flags_to_every_process(tmp_path):
     assert f"--process_id={i}" in log, log
 
 
+def test_the_launcher_reads_relative_paths_where_it_was_started(tmp_path):
+  """A relative workdir, config file and interpreter are the caller's, not the repository's
+  (the launcher runs from the repository root): the logs landed inside the repository, and a
+  relative CONFIG or PYTHON=.venv/bin/python was looked for there. configs/X.py, not a file
+  where the caller is, stays as given (the repository's)."""
+  bin_dir = tmp_path / "venv" / "bin"
+  bin_dir.mkdir(parents=True)
+  fake = bin_dir / "python"
+  fake.write_text(f'#!/usr/bin/env bash\n[[ $1 == -c ]] && exec {sys.executable} "$@"\n'
+                  'echo "ARGS=$*"\n')
+  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+  (tmp_path / "mine.py").write_text("")
+  launcher = os.path.join(REPO, "launch", "local_multiprocess.sh")
+  for config, want in (("mine.py:fused", f"--config={tmp_path}/mine.py:fused"),
+                       ("configs/ppo_tiny.py:fused", "--config=configs/ppo_tiny.py:fused")):
+    env = dict(os.environ, PYTHON="venv/bin/python", CONFIG=config)
+    out = subprocess.run(["bash", launcher, "1", "1", "runs/wd"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"tail -f {tmp_path}/runs/wd.proc0.log" in out.stdout, out.stdout
+    log = (tmp_path / "runs" / "wd.proc0.log").read_text()
+    assert f"{want} --workdir={tmp_path}/runs/wd " in log, log
+  assert not os.path.exists(os.path.join(REPO, "runs", "wd.proc0.log"))
+
+
 RESET_SIGINT_AND_EXEC = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
                          "os.execvp(sys.argv[1], sys.argv[1:])")
 
