@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 
 def format_value(v: Any) -> str:
@@ -20,10 +20,23 @@ def format_value(v: Any) -> str:
   return str(v)
 
 
+def caller_path(config: str) -> str:
+  """`FILE[:variant]` with FILE made absolute when it is a file relative to this process's
+  directory (the runs start in the repository root: run_streamed); otherwise as given (a
+  configs/X.py of the repository)."""
+  path, sep, variant = config.partition(":")
+  if os.path.isfile(config):  # a ':' in the file's own name
+    return os.path.abspath(config)
+  return os.path.abspath(path) + sep + variant if os.path.isfile(path) else config
+
+
 def build_command(binary: str, config: str, run_dir: str, overrides: dict,
                   passthrough: Sequence[str]) -> list[str]:
-  cmd = [sys.executable, "-m", f"experiments.{binary}", f"--config={config}",
-         f"--workdir={run_dir}"]
+  """The run's command line. Paths the caller gave relative to its own directory (the config
+  file, the run directory) are made absolute: the run starts in the repository root, where they
+  named another file or put the results where the caller did not look."""
+  cmd = [sys.executable, "-m", f"experiments.{binary}", f"--config={caller_path(config)}",
+         f"--workdir={os.path.abspath(run_dir)}"]
   cmd += [f"--config.{k}={format_value(v)}" for k, v in overrides.items() if k != "name"]
   return cmd + list(passthrough)
 
@@ -39,14 +52,19 @@ def repo_env(**extra: str) -> dict:
   return env
 
 
-def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict) -> int:
+def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
+                 started: Optional[Callable[[subprocess.Popen], None]] = None) -> int:
   """Runs `cmd` from the repository root, its output streamed with a [name] prefix and appended
   to run_dir/log.txt after a header line (a re-run, e.g. a resumed sweep, keeps the earlier
-  runs' logs); returns its exit status."""
+  runs' logs); returns its exit status. `started` gets the process once it runs (a caller that
+  passes signals on)."""
   proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           cwd=REPO_ROOT, env=env)
+  if started is not None:
+    started(proc)
   os.makedirs(run_dir, exist_ok=True)
-  with open(os.path.join(run_dir, "log.txt"), "a") as log_file:
+  # Line-buffered: `tail -f log.txt` follows the run as it goes (it saw nothing until the end).
+  with open(os.path.join(run_dir, "log.txt"), "a", buffering=1) as log_file:
     log_file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd[1:])}\n")
 
     def copy_output():

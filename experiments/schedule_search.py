@@ -13,6 +13,7 @@ Launch commands: see configs/schedule_search.py.
 from __future__ import annotations
 
 import os
+import signal
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -91,8 +92,16 @@ def run(c, workdir: str) -> dict:
   return result
 
 
+def _exit_on_sigterm(signum, frame):
+  # SIGTERM's default ends this process at once and leaves the search's worker processes
+  # (config.workers) running to the end of their budget, holding the output a sweep reads; as
+  # an exception, the search's `finally` terminates them first. The status is a SIGTERM death's.
+  raise SystemExit(128 + signum)
+
+
 def main(argv):
   del argv
+  signal.signal(signal.SIGTERM, _exit_on_sigterm)
   run(_CONFIG.value, _WORKDIR.value)
 
 

@@ -11,7 +11,10 @@ values). Output is streamed with a run prefix. Then writes DIR/summary.json and 
 one row per run with its overrides, its status, and the scalar fields of its result.json (or of
 the last line of its metrics.jsonl), nested dicts flattened with '/' and lists skipped. A failed
 run is a row with its status, not the end of the sweep; the sweep then exits 1 naming the failed
-runs. `--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant,
+runs. A run stopped by a signal (exit 75), or SIGTERM to the sweep (passed on to the run in
+progress), ends the sweep after that run: the summary has the runs so far, and the sweep exits
+75, as train_ppo does (the same command runs it again; train_ppo runs resume). Each run starts
+in the repository root; a relative --config file or --workdir is the caller's (made absolute). `--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant,
 if it takes an argument). Each run's output is appended to DIR/<run>/log.txt; --dry_run prints
 the commands and writes nothing.
 """
@@ -22,7 +25,9 @@ import inspect
 import json
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
 from typing import Any, Optional, Sequence
 
@@ -55,9 +60,20 @@ def load_sweep(config_path: str) -> list[dict]:
   takes_arg = bool(inspect.signature(module.get_sweep).parameters)
   sweep = list(module.get_sweep(variant) if variant is not None and takes_arg
                else module.get_sweep())
+  seen: dict[str, int] = {}
   for i, entry in enumerate(sweep):
     if not isinstance(entry, dict):
       raise ValueError(f"get_sweep()[{i}] is {type(entry).__name__}; expected a dict")
+    # A run's name is its directory: two runs of one name shared it (the second resumed the
+    # first's checkpoint, or was refused as another config).
+    name = run_name(i, entry)
+    if name in seen:
+      raise ValueError(f"get_sweep()[{seen[name]}] and [{i}] are both named {name!r}; each run "
+                       "needs its own name (its directory under --workdir)")
+    if "/" in name or name.startswith(".") or os.sep in name:
+      raise ValueError(f"get_sweep()[{i}]['name']={name!r}: expected a directory name (no "
+                       "'/', not starting with '.')")
+    seen[name] = i
   return sweep
 
 
@@ -106,8 +122,50 @@ def write_summary(workdir: str, rows: list[dict]) -> None:
   wd.atomic_write_text(os.path.join(workdir, "summary.md"), "\n".join(lines) + "\n")
 
 
+STOPPED = 75  # a run stopped by a signal after saving (train_ppo's EXIT_STOPPED_BY_SIGNAL)
+
+
+class _Signals:
+  """SIGTERM to the sweep (a scheduler's stop, a `kill`): passed on to the run in progress (a
+  run that got it already ignores the second: train_ppo saves once and exits 75), and no
+  further run starts. Without it the sweep died at once with no summary, its run went on
+  alone, and SIGTERM to the sweep's process alone left the run holding its workdir."""
+
+  def __init__(self):
+    self.proc = None
+    self.signum = 0
+    self._old = None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._old = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    if self._old is not None:
+      signal.signal(signal.SIGTERM, self._old)
+
+  def started(self, proc) -> None:
+    self.proc = proc
+
+  def _handle(self, signum, frame):
+    self.signum = signum
+    logging.warning("signal %d: passing it to the run in progress; no further run starts", signum)
+    if self.proc is not None and self.proc.poll() is None:
+      self.proc.send_signal(signum)
+
+
 def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str],
-              dry_run: bool = False) -> list[dict]:
+              dry_run: bool = False) -> tuple[list[dict], bool]:
+  """(one row per run that ran, whether every run ran; see the module docstring). It ends
+  early, after writing the summary, when a run stops with exit 75 (stopped by a signal;
+  re-running resumes it) or the sweep gets SIGTERM."""
+  with _Signals() as signals:
+    return _run_sweep(config, binary, workdir, passthrough, dry_run, signals)
+
+
+def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str],
+               dry_run: bool, signals: _Signals) -> tuple[list[dict], bool]:
   sweep = load_sweep(config)
   if not os.path.isfile(os.path.join(REPO_ROOT, "experiments", f"{binary}.py")):
     raise ValueError(f"--binary={binary!r}: no experiments/{binary}.py")
@@ -125,16 +183,21 @@ def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str]
     if dry_run:  # nothing runs, nothing is written (an earlier sweep's summary stays)
       rows.append(row)
       continue
+    if signals.signum:
+      break
     t0 = time.time()
     try:
-      rc = run_streamed(cmd, run_dir, name, env)
+      rc = run_streamed(cmd, run_dir, name, env, started=signals.started)
     except KeyboardInterrupt:
       rows.append({**row, "status": "interrupted", "wall_s": round(time.time() - t0, 2)})
       write_summary(workdir, rows)
       raise
-    # 75: the binary was stopped by a signal after saving (train_ppo's EXIT_STOPPED_BY_SIGNAL).
-    row["status"] = ("ok" if rc == 0 else "stopped (exit 75; re-run to resume)" if rc == 75
-                     else f"failed (exit {rc})")
+    # A run that died of the signal the sweep passed on (-15, or 143 from a binary that exits
+    # as SIGTERM's death) was stopped, not failed.
+    signalled = rc < 0 or (signals.signum and rc == 128 + signals.signum)
+    row["status"] = ("ok" if rc == 0 else "stopped (exit 75; re-run to resume)"
+                     if rc == STOPPED else f"stopped (exit {rc}: signal {abs(rc) % 128})"
+                     if signalled else f"failed (exit {rc})")
     row["wall_s"] = round(time.time() - t0, 2)
     result = read_run_result(run_dir) if rc == 0 else None
     if rc == 0 and result is None:
@@ -144,9 +207,13 @@ def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str]
     rows.append(row)
     write_summary(workdir, rows)  # partial summaries survive an interrupted sweep
     logging.info("[%d/%d] %s: %s in %.1fs", i + 1, len(sweep), name, row["status"], row["wall_s"])
+    if rc == STOPPED or signals.signum:  # the job is being stopped: start nothing more
+      break
   if not dry_run:
     write_summary(workdir, rows)
-  return rows
+  complete = not signals.signum and len(rows) == len(sweep) and not any(
+      r.get("status", "").startswith("stopped") for r in rows)
+  return rows, complete
 
 
 def split_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -164,7 +231,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
-    rows = run_sweep(_CONFIG.value, _BINARY.value, _WORKDIR.value, _PASSTHROUGH, _DRY.value)
+    rows, complete = run_sweep(_CONFIG.value, _BINARY.value, _WORKDIR.value, _PASSTHROUGH,
+                               _DRY.value)
   except KeyboardInterrupt:
     logging.error("interrupted: the summary has the runs so far; the same command re-runs "
                   "the sweep (runs resume from their checkpoints where the binary does)")
@@ -173,6 +241,13 @@ def main(argv):
   if failed:
     logging.error("%d of %d runs failed: %s (their log.txt in %s)", len(failed), len(rows),
                   ", ".join(failed), _WORKDIR.value)
+  if not complete:
+    # A scheduler's requeue rule acts on 75 as on train_ppo's: the same command resumes.
+    logging.error("stopped after %d run(s): the summary has them; the same command runs the "
+                  "sweep again (train_ppo runs resume from their checkpoints, and finished "
+                  "ones have nothing left to train)", len(rows))
+    sys.exit(STOPPED)
+  if failed:
     sys.exit(1)
 
 

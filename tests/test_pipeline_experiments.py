@@ -2,8 +2,10 @@
 check, and the errors that name a bad config field."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -98,6 +100,61 @@ def test_sweep_takes_a_config_variant(tmp_path):
     # A command to paste.
     assert f"{name}: python -m experiments.schedule_search --config={spec} " in out.stderr, (
         out.stderr)
+
+
+def test_sweep_paths_are_the_callers_and_run_names_are_unique(tmp_path):
+  """Runs start in the repository root: a relative --config or --workdir named another file
+  there, or put the results where the sweep did not look (it reported "ok (no result.json)").
+  Two entries of one name shared a directory."""
+  (tmp_path / "s.py").write_text("def get_sweep():\n  return [{'name': 'a'}, {'x': 1}]\n")
+  out = _run(["experiments.sweep", "--config=s.py:v", "--binary=schedule_search",
+              "--workdir=sw", "--dry_run"], cwd=tmp_path)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert (f"a: python -m experiments.schedule_search --config={tmp_path}/s.py:v "
+          f"--workdir={tmp_path}/sw/a") in out.stderr, out.stderr
+  assert f"--workdir={tmp_path}/sw/run001" in out.stderr
+  (tmp_path / "d.py").write_text("def get_sweep():\n  return [{'name': 'a'}, {'name': 'a'}]\n")
+  out = _run(["experiments.sweep", "--config=d.py", "--binary=schedule_search",
+              "--workdir=sw", "--dry_run"], cwd=tmp_path)
+  assert out.returncode != 0
+  assert "get_sweep()[0] and [1] are both named 'a'" in out.stderr, out.stderr[-3000:]
+
+
+def test_sigterm_to_the_sweep_stops_its_run_and_the_sweep(tmp_path):
+  """SIGTERM to the sweep's process alone (a `kill`): the run in progress gets it, the summary
+  has that run, no further run starts, and the sweep exits 75 (the same command resumes). It
+  died at once, without a summary, and its run went on alone."""
+  (tmp_path / "s.py").write_text(
+      "import importlib.util\n"
+      f"_spec = importlib.util.spec_from_file_location('base', {REPO!r} + "
+      "'/configs/schedule_search.py')\n"
+      "_base = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(_base)\n"
+      "get_config = _base.get_config\n"
+      "def get_sweep():\n  return [{'name': 'long'}, {'name': 'never'}]\n")
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  with subprocess.Popen(
+      [sys.executable, "-m", "experiments.sweep", f"--config={tmp_path / 's.py'}",
+       "--binary=schedule_search", f"--workdir={tmp_path / 'sw'}",
+       "--config.time_budget_s=120"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True) as sweep:
+    try:
+      log = tmp_path / "sw" / "long" / "log.txt"
+      deadline = time.time() + 120
+      while not (log.exists() and "phase 1/2" in log.read_text()):  # searching
+        assert sweep.poll() is None and time.time() < deadline
+        time.sleep(0.1)
+      sweep.send_signal(signal.SIGTERM)
+      _, err = sweep.communicate(timeout=60)
+    finally:
+      sweep.kill()
+  assert sweep.returncode == 75, err[-3000:]
+  assert "stopped after 1 run(s)" in err
+  rows = json.loads((tmp_path / "sw" / "summary.json").read_text())
+  assert [r["run"] for r in rows] == ["long"]
+  assert rows[0]["status"] == "stopped (exit 143: signal 15)", rows
+  assert not (tmp_path / "sw" / "never").exists()
+  # schedule_search's worker processes ended with it (they held the output the sweep reads).
+  assert "2 of 2 workers" not in (tmp_path / "sw" / "long" / "log.txt").read_text()
 
 
 def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
