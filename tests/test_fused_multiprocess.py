@@ -165,3 +165,25 @@ def test_a_process_that_dies_or_hangs_fails_the_other_with_a_clear_error(tmp_pat
       for p in procs:
         if p.poll() is None:
           p.kill()
+
+
+def test_only_the_runtimes_errors_are_blamed_on_another_process():
+  """Exchange.guard turns the runtime's error in a collective (gloo: connection reset by the
+  peer) into PeerLostError (exit 69); an error of this process's own (a shape error, a compile
+  error, an out-of-memory) goes through unchanged: blamed on a peer, a scheduler that retries
+  exit 69 would retry it for ever."""
+  import jax
+  import pytest
+  from rlhfuse_jax.generation import multihost
+  ex = multihost.Exchange(timeout_s=60)
+  ex.count = 2  # as on 2 processes: the guard is a no-op on one
+  with pytest.raises(multihost.PeerLostError, match=r"process 0 of 2: the collective exchanging "
+                                                     r"x did not complete.*Connection reset"):
+    with ex.guard("x"):
+      raise jax.errors.JaxRuntimeError("UNAVAILABLE: Gloo: Connection reset by peer")
+  for own in (ValueError("shapes (2,) and (3,) differ"),
+              jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 GiB")):
+    with pytest.raises(type(own)) as raised:
+      with ex.guard("x"):
+        raise own
+    assert raised.value is own

@@ -98,7 +98,13 @@ class Exchange:
     timer.start()
     try:
       yield
-    except Exception as e:  # the runtime's error (e.g. gloo: connection closed by peer)
+    except (jax.errors.JaxRuntimeError, OSError) as e:
+      # The runtime's error (gloo: connection closed or reset by the peer). Not one that names
+      # this process's own cause (an out-of-memory here), nor any other exception (a compile
+      # or a shape error of the block): blamed on another process, it became exit 69, which a
+      # scheduler's requeue rule would retry for ever.
+      if str(e).startswith("RESOURCE_EXHAUSTED"):
+        raise
       raise PeerLostError(f"{self._message(what)}: {type(e).__name__}: {e}") from e
     finally:
       timer.cancel()
