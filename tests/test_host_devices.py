@@ -103,3 +103,32 @@ def test_a_signal_to_the_launcher_stops_every_process(tmp_path):
       finally:
         launcher.kill()
     assert "got 15" in logs[0].read_text(), logs[0].read_text()
+
+
+def test_the_slurm_script_requeues_a_run_stopped_after_saving(tmp_path):
+  """launch/slurm_gpu.sbatch with stand-ins for srun and scontrol: exit 75 (SIGTERM before the
+  time limit, --signal=TERM@600: saved) requeues the job and keeps the status; another status
+  is returned as it is; submitted outside the repository it says so."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  for name, body in (("srun", f'echo "srun $*" >> {tmp_path}/calls; exit $SRUN_RC'),
+                     ("scontrol", f'echo "scontrol $*" >> {tmp_path}/calls')):
+    (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+    (bin_dir / name).chmod(0o755)
+  script = os.path.join(REPO, "launch", "slurm_gpu.sbatch")
+  for rc, requeued in ((75, True), (3, False)):
+    (tmp_path / "calls").write_text("")
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_RC=str(rc),
+               SLURM_JOB_ID="4242")
+    out = subprocess.run(["bash", script, "configs/ppo_tiny.py", "/shared/wd", "--x=1"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == rc, out.stderr
+    calls = (tmp_path / "calls").read_text()
+    assert ("-m experiments.train_ppo --config=configs/ppo_tiny.py --workdir=/shared/wd "
+            "--distributed --x=1") in calls, calls
+    assert ("scontrol requeue 4242" in calls) == requeued, calls
+  out = subprocess.run(["bash", script, "c.py", "/wd"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=60)
+  assert out.returncode == 2 and "submit from the repository root" in out.stderr, out.stderr
+  with open(script) as f:
+    assert "#SBATCH --signal=TERM@600" in f.read()

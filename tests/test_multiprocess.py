@@ -11,6 +11,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from rlhfuse_jax import workdir as wdlib
 from rlhfuse_jax.parallel import distributed
@@ -248,3 +249,10 @@ def test_slurm_one_task_per_node_sees_every_gpu_of_its_node(monkeypatch):
   monkeypatch.delenv("SLURM_LOCALID")
   distributed.initialize()
   assert "local_device_ids" not in calls[-1]
+  # Half a manual setup names the missing flag (jax's own error named none, and a process_id
+  # alone was dropped).
+  n = len(calls)
+  for args, given in ((("127.0.0.1:1234",), "coordinator_address"), (("", 0, 1), "process_id")):
+    with pytest.raises(ValueError, match=f"{given} given without num_processes"):
+      distributed.initialize(*args)
+  assert len(calls) == n

@@ -30,6 +30,14 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
   """
   if num_processes and num_processes < 1:
     raise ValueError(f"num_processes={num_processes}: expected >= 1")
+  if (coordinator_address or process_id is not None) and not num_processes:
+    # jax's own error ("Number of processes must be defined") names no flag, and a process_id
+    # alone was dropped without a word.
+    given = [f for f, v in (("coordinator_address", coordinator_address),
+                            ("process_id", process_id)) if v or v == 0]
+    raise ValueError(f"{' and '.join(given)} given without num_processes: pass all three "
+                     "(--coordinator_address, --num_processes, --process_id), or none to let "
+                     "jax detect the cluster (SLURM, TPU pods, Open MPI)")
   if num_processes and (process_id is None or not 0 <= process_id < num_processes):
     raise ValueError(f"process_id={process_id}: expected an integer in [0, {num_processes})")
   kwargs = {}
