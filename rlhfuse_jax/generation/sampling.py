@@ -91,7 +91,11 @@ def sample_keys(iteration_key: jax.Array, uids, t):
 
 
 def _sample_row(key, scaled, top_k: int, top_p: float):
-  """One row: scaled [V] float32 logits (already divided by temperature) -> token id."""
+  """One row: scaled [V] float32 logits (already divided by temperature) -> token id.
+
+  top_k keeps exactly k tokens: a tie at the k-th logit goes to the lower ids (lax.top_k), where
+  transformers and vLLM keep every token tied with it. Exact float ties there are rare, and
+  keeping them would need a sort of the whole vocabulary per step instead of a top-k."""
   if top_k > 0:
     vals, idx = jax.lax.top_k(scaled, top_k)  # [k] sorted descending
   elif top_p < 1.0:
