@@ -97,7 +97,9 @@ def main(argv):
     wd.write_config_history(workdir, config_lib.config_record(_CONFIG.value, cfg),
                             trainer.resume_step or 0)
   try:
-    trainer.run()
+    # The lock stays held while result.json is written below: another start on this workdir in
+    # between could change metrics.jsonl while it is summarised.
+    trainer.run(keep_lock=True)
   except (checkpointing.SaveError, multihost.PeerLostError) as e:
     # A failed save: orbax's threads would hold the process for minutes. A peer lost in fused
     # generation's exchange: the watchdog's status (a hung peer) for a dead one too, and no wait
@@ -117,6 +119,7 @@ def main(argv):
       result["hf_export"] = export
     wd.write_json(os.path.join(workdir, "result.json"), result)
     logging.info("done: %s", os.path.join(workdir, "result.json"))
+  trainer.release_lock()
   if trainer.stopped_by_signal is not None:
     logging.warning("exit %d: stopped by signal %d after saving; re-run to resume",
                     EXIT_STOPPED_BY_SIGNAL, trainer.stopped_by_signal)

@@ -192,7 +192,16 @@ def test_a_second_run_on_the_same_workdir_is_refused(tmp_path):
   with pytest.raises(RuntimeError, match=r"run\(\) was already called on this trainer"):
     first.run()
   assert _steps(str(tmp_path)) == [1]
+  # keep_lock (train_ppo, which writes result.json after run()): held until release_lock(),
+  # also on a start that finds nothing to train.
+  again = PPOTrainer(cfg, str(tmp_path))
+  assert again.run(keep_lock=True) == []
+  with pytest.raises(RuntimeError, match="in use by another run"):
+    PPOTrainer(cfg, str(tmp_path))
+  again.release_lock()
+  again.release_lock()  # idempotent
   assert PPOTrainer(cfg, str(tmp_path)).run() == []
+  wd.WorkdirLock(str(tmp_path)).release()  # run() released it: free again
 
 
 def test_a_start_refused_by_the_config_closes_what_it_opened(tmp_path, monkeypatch):

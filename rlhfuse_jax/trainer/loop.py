@@ -639,11 +639,13 @@ class PPOTrainer:
     return out
 
   # ---------------------------------------------------------------- the loop
-  def run(self, stop_after: Optional[int] = None) -> list[dict]:
+  def run(self, stop_after: Optional[int] = None, keep_lock: bool = False) -> list[dict]:
     """Runs (or resumes) to cfg.num_iterations; returns this call's per-iteration metrics.
 
     stop_after: stop early after this iteration as a SIGTERM would (save, return); used to test
-    that an interrupted run resumes exactly.
+    that an interrupted run resumes exactly. keep_lock: hold the workdir lock after returning,
+    until release_lock() (a caller that still writes into the workdir: train_ppo's result.json,
+    which another start in between could race on metrics.jsonl); released on an error anyway.
 
     Once per trainer: its resume point, workdir lock and prompt stream belong to that one run
     (a second call would restore the old resume point over the trained state and rewrite
@@ -669,11 +671,21 @@ class PPOTrainer:
                          self.tokenizer).export(start)
         logging.info("workdir already has %d iterations (num_iterations=%d): nothing to train",
                      start, self.cfg.num_iterations)
-        return []
-      return self._loop(start, stop_after)
-    finally:
-      if self._lock is not None:
-        self._lock.release()
+        out = []
+      else:
+        out = self._loop(start, stop_after)
+    except BaseException:
+      self.release_lock()
+      raise
+    if not keep_lock:
+      self.release_lock()
+    return out
+
+  def release_lock(self) -> None:
+    """Releases the workdir lock (idempotent; run() does it unless keep_lock)."""
+    if self._lock is not None:
+      self._lock.release()
+      self._lock = None
 
   def _fill_in_flight(self, start: int) -> None:
     """Async PPO: the batches of iterations start .. start + staleness - 1 that no checkpoint
