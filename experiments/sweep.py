@@ -14,8 +14,9 @@ run is a row with its status, not the end of the sweep; the sweep then exits 1 n
 runs. A run stopped by a signal (exit 75), or SIGTERM to the sweep (passed on to the run in
 progress), ends the sweep after that run: the summary has the runs so far, and the sweep exits
 75, as train_ppo does (the same command runs it again; train_ppo runs resume). Each run starts
-in the repository root; a relative --config file or --workdir is the caller's (made absolute). `--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant,
-if it takes an argument). Each run's output is appended to DIR/<run>/log.txt; --dry_run prints
+in the repository root; a relative --config file or --workdir is the caller's (made absolute).
+`--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant, if it
+takes an argument). Each run's output is appended to DIR/<run>/log.txt; --dry_run prints
 the commands and writes nothing.
 """
 from __future__ import annotations
@@ -193,8 +194,8 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
       write_summary(workdir, rows)
       raise
     # A run that died of the signal the sweep passed on (-15, or 143 from a binary that exits
-    # as SIGTERM's death) was stopped, not failed.
-    signalled = rc < 0 or (signals.signum and rc == 128 + signals.signum)
+    # as SIGTERM's death) was stopped; one killed otherwise (-9: the OOM killer) failed.
+    signalled = bool(signals.signum) and rc in (-signals.signum, 128 + signals.signum)
     row["status"] = ("ok" if rc == 0 else "stopped (exit 75; re-run to resume)"
                      if rc == STOPPED else f"stopped (exit {rc}: signal {abs(rc) % 128})"
                      if signalled else f"failed (exit {rc})")
