@@ -302,12 +302,20 @@ def test_inference_on_its_own_mesh(tmp_path, default_run):
     {"plan.generation": "pipeline", "plan.generation_pp": 2, "plan.generation_groups": 4,
      "model.num_layers": 2},
 ], ids=["serial", "mesh", "pipeline"])
-def test_stage_clocks_leave_out_the_weight_fetches(tmp_path, plan):
+def test_stage_clocks_leave_out_the_weight_fetches(tmp_path, plan, monkeypatch):
   """The serial and planned stages' timing_s/generate, timing_s/inference and
   timing_s/reshard_generation time their work: fetching the whole actor and critic (a
   pipelined state's gather, timed as timing_s/reshard) is outside them, as in the fused stage.
-  A fetch made 0.5 s slow shows in the step only."""
+  A fetch made 0.5 s slow shows in the step only; so does a reshard onto the inference mesh
+  made 0.5 s slow, which timing_s/reshard_inference times (it was in both)."""
   import time as time_lib
+  real_reshard = rollout._reshard
+
+  def slow_reshard(*args):
+    time_lib.sleep(0.5)
+    out, seconds = real_reshard(*args)
+    return out, seconds + 0.5  # the sleep is part of the reshard
+  monkeypatch.setattr(rollout, "_reshard", slow_reshard)
   trainer = PPOTrainer(tiny_config(num_iterations=2, **plan), str(tmp_path))
   assert isinstance(trainer.rollout, rollout.PlannedStage if plan else rollout.SerialStage)
   fetch = trainer.model_params
@@ -320,6 +328,8 @@ def test_stage_clocks_leave_out_the_weight_fetches(tmp_path, plan):
   for k in ("timing_s/generate", "timing_s/inference", "timing_s/reshard_generation"):
     assert last.get(k, 0.0) < 0.5, (k, last.get(k))
   assert last["timing_s/step"] > 1.0, last
+  if "timing_s/reshard_inference" in last:
+    assert last["timing_s/reshard_inference"] >= 0.5, last
 
 
 def test_config_json_records_the_plan_file(tmp_path):
