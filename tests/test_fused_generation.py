@@ -437,3 +437,43 @@ def test_instances_split_the_devices():
   assert instances.migration_buckets(8) == (1, 4, 8)
   assert instances.migration_buckets(1) == (1,)
   assert fused.INFERENCE_MODELS == ("reference", "critic", "reward")
+
+
+def test_a_validation_pass_leaves_the_rt_history_as_it_was():
+  """The held-out pass runs through the fused stage, and its response lengths went into the
+  Rt histogram (and the cached simulated choice): eval_every, which training never sees,
+  changed the Rt given to training batches. Inside FusedGenerator.history_kept they do not."""
+  import types
+  from rlhfuse_jax.generation.fused import FusedGenerator
+  from rlhfuse_jax.policy.lengths import LengthHistogram
+  from rlhfuse_jax.trainer.evaluation import HeldOutEval
+  from rlhfuse_jax.trainer.rollout import StageOutputs
+  gen = types.SimpleNamespace(lengths=LengthHistogram(8), _rt_cache=(4, "training's choice"))
+  gen.lengths.add([2, 3, 5, 8])
+  gen.history_kept = lambda: FusedGenerator.history_kept(gen)
+
+  def stage(params, prompts, key):  # generates, adding to the history as FusedGenerator.run
+    lens = np.full(len(prompts.lens), 7, np.int32)
+    gen.lengths.add(lens)
+    gen._rt_cache = (gen.lengths.total, "another choice")
+    rollout = types.SimpleNamespace(response_lens=lens)
+    return StageOutputs(rollout=rollout, batch=None, ref_logp=None, values=None,
+                        scores=np.ones(len(lens), np.float32), metrics={})
+  stage.generator = gen
+  before = gen.lengths.counts.copy()
+  evaluation = HeldOutEval(_Pool(records=[{}] * 6, tokens=np.ones((6, 3), np.int32),
+                                 lengths=np.full(6, 3, np.int32)), rows=4, seed=0)
+  metrics = evaluation(stage, lambda name: None, iteration=3)
+  assert metrics["val/prompts"] == 6 and metrics["val/response_length_mean"] == 7
+  np.testing.assert_array_equal(gen.lengths.counts, before)
+  assert gen._rt_cache == (4, "training's choice")
+
+
+class _Pool:
+  """A prompt pool as HeldOutEval reads one (records, tokens, lengths, len)."""
+
+  def __init__(self, records, tokens, lengths):
+    self.records, self.tokens, self.lengths = records, tokens, lengths
+
+  def __len__(self):
+    return len(self.records)

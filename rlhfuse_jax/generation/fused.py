@@ -45,6 +45,7 @@ FusionConfig) and the engine's `FusedGenConfig` share, with their one validation
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -263,6 +264,17 @@ class FusedGenerator:
     self.rt_model = rt_model
     self._rt_cache: Optional[tuple] = None  # (histogram total when simulated, RtChoice)
     self.inflight = config.inference_inflight
+
+  @contextlib.contextmanager
+  def history_kept(self):
+    """Batches generated inside leave the Rt length histogram and the cached Rt choice as they
+    were: a validation pass's responses are not the training batches' (without it, eval_every,
+    which training never sees, changed the Rt that training batches were given)."""
+    counts, cache = self.lengths.counts.copy(), self._rt_cache
+    try:
+      yield
+    finally:
+      self.lengths.counts, self._rt_cache = counts, cache
 
   def is_local(self, i: int) -> bool:
     """Whether this process drives instance i."""

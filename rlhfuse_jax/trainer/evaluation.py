@@ -10,6 +10,7 @@ it (no prompt-stream position, no state).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -54,10 +55,14 @@ class HeldOutEval:
     t0 = time.time()
     key = validation_key(self.seed, iteration)
     scores, lengths = [], []
-    for b, (prompts, real) in enumerate(self.batches()):
-      out = stage(params, prompts, jax.random.fold_in(key, b))
-      scores.append(np.asarray(out.scores[:real], np.float64))
-      lengths.append(np.asarray(out.rollout.response_lens[:real]))
+    # A fused stage's Rt histogram learns from training batches only.
+    generator = getattr(stage, "generator", None)
+    kept = getattr(generator, "history_kept", contextlib.nullcontext)
+    with kept():
+      for b, (prompts, real) in enumerate(self.batches()):
+        out = stage(params, prompts, jax.random.fold_in(key, b))
+        scores.append(np.asarray(out.scores[:real], np.float64))
+        lengths.append(np.asarray(out.rollout.response_lens[:real]))
     s, lens = np.concatenate(scores), np.concatenate(lengths)
     return {"val/reward_mean": float(s.mean()), "val/reward_std": float(s.std()),
             "val/response_length_mean": float(lens.mean()), "val/prompts": int(s.size),

@@ -8,7 +8,9 @@ stop flag and HF export as hooks on run() (trainer/hooks.py).
 
 Every source of randomness is derived from (seed, iteration): generation keys, mini-batch
 shuffles; the prompt stream's position is checkpointed. A run stopped and resumed therefore
-produces the same parameters and metrics as one that never stopped.
+produces the same parameters and metrics as one that never stopped (with
+fusion.migration_threshold="auto", the fusion decision metrics aside: docs/architecture.md §2,
+"Invariant").
 
 With config.async_ppo.staleness k >= 1 an iteration trains on the batch generated k iterations
 earlier while it generates the batch k iterations ahead, in one thread and in the schedule's
@@ -49,7 +51,8 @@ from rlhfuse_jax.trainer.validate import validate
 # Metrics that measure time. Everything else is a deterministic function of (config, seed),
 # except the fused rollout's own wall-clock readings, kept under their subsystem's names:
 # gen/unfinished_curve (its x axis is seconds), gen/*_s, gen/instance_busy_frac, fusion/*_s and
-# fusion/inference_overlap_frac (generation/fused.py).
+# fusion/inference_overlap_frac (generation/fused.py), and with fusion.migration_threshold=
+# "auto" the decisions made from measured costs (docs/architecture.md §2, "Invariant").
 TIMING_PREFIXES = ("timing_s/", "perf/")
 # Exit status of train_ppo after a SIGTERM/SIGINT stop that saved a checkpoint (EX_TEMPFAIL):
 # a scheduler can tell "preempted, re-run to resume" from completion (0) and failure (1).
