@@ -224,9 +224,11 @@ class PlanConfig:
   @classmethod
   def from_config_dict(cls, c: Any) -> "PlanConfig":
     d = c.to_dict() if hasattr(c, "to_dict") else dict(c)
+    # actor_layers / critic_layers are derived (the presets' own counts): set, they were
+    # accepted and overwritten without a word; config.layers is the field to set.
     known = {"actor", "critic", "layers", "remat", "attention", "hardware", "generation",
              "scan_layers", "gradient_sync"} | {
-        f.name for f in dataclasses.fields(cls)}
+        f.name for f in dataclasses.fields(cls)} - {"actor_layers", "critic_layers"}
     unknown = set(d) - known
     if unknown:
       raise ValueError(f"config: unknown fields {sorted(unknown)}; known: {sorted(known)}")

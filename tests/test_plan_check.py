@@ -239,6 +239,11 @@ def test_mesh_generation_config_errors_and_llama_presets():
   c.generation = "pipeline"
   with pytest.raises(ValueError, match=r"config\.generation='pipeline': expected one of"):
     plan_programs.PlanConfig.from_config_dict(c)
+  # The presets' own layer counts are derived, not settable (accepted, then overwritten).
+  d = plan_config.get_config("tiny").to_dict()
+  d["actor_layers"] = 2
+  with pytest.raises(ValueError, match=r"config: unknown fields \['actor_layers'\]"):
+    plan_programs.PlanConfig.from_config_dict(d)
   # llama/<variant>: configs/ppo_llama.py's run on its smallest mesh (data 1).
   from configs import ppo_llama
   for variant in ("7b", "13b", "65b/33b"):
