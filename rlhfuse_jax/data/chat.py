@@ -27,7 +27,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.data.tokenizer import SPECIAL_TOKENS_MAP
+from rlhfuse_jax.data.tokenizer import special_token_entries
 
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
@@ -228,11 +228,10 @@ def _special_tokens(config_path: str) -> dict[str, str]:
   a config without `bos_token` whose map names "<s>" renders `{{ bos_token }}` as "<s>"; a name
   the config sets to null, as Qwen2's bos_token, stays unset)."""
   config = _read_json(config_path) if os.path.isfile(config_path) else {}
-  map_path = os.path.join(os.path.dirname(config_path), SPECIAL_TOKENS_MAP)
-  token_map = _read_json(map_path) if os.path.isfile(map_path) else {}
+  entries = special_token_entries(config_path, config, ChatTemplateError)
   out = {}
   for name in SPECIAL_TOKEN_NAMES:
-    value = config[name] if name in config else token_map.get(name)
+    value = entries.get(name, (None, ""))[0]
     if isinstance(value, dict):
       value = value.get("content")
     if isinstance(value, str):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import json
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import tokenizers
 
@@ -162,17 +162,10 @@ class HFTokenizer(Tokenizer):
 
     config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
     config = _read_tokenizer_config(config_path)
-    # A name tokenizer_config.json does not mention comes from special_tokens_map.json beside
-    # it, as transformers (and data/chat.py's template variables) read them: otherwise a
-    # Llama-3-style vocabulary got <|end_of_text|> from the candidates below as its EOS while
-    # the chat template ended turns with the map's <|eot_id|>. A name the config sets to null
-    # (Qwen2's bos_token) stays unset.
-    map_path = os.path.join(os.path.dirname(path), SPECIAL_TOKENS_MAP)
-    named = {}
-    if os.path.isfile(map_path):
-      token_map = wd.read_json_object(map_path, ValueError, "not a valid " + SPECIAL_TOKENS_MAP)
-      named = {k: (v, map_path) for k, v in token_map.items()}
-    named.update({k: (v, config_path) for k, v in (config or {}).items()})
+    # The map's tokens too, as the chat template reads them: otherwise a Llama-3-style
+    # vocabulary got <|end_of_text|> from the candidates below as its EOS while the template
+    # ended turns with the map's <|eot_id|>.
+    named = special_token_entries(config_path, config)
     added = {t.content for t in tok.get_added_tokens_decoder().values()}
 
     def resolve(kind: str, explicit: Optional[str], candidates: Sequence[str]) -> Optional[int]:
@@ -226,6 +219,23 @@ def _post_processor_adds(path: str, bos: str) -> Optional[bool]:
       first = piece["single"][0]
       return isinstance(first, dict) and first.get("SpecialToken", {}).get("id") == bos
   return False
+
+
+def special_token_entries(config_path: str, config: Optional[Mapping[str, Any]],
+                          error: type = ValueError) -> dict[str, tuple[Any, str]]:
+  """{key: (entry, the file it came from)} of a tokenizer_config.json (`config`, parsed from
+  `config_path`; None: absent) and of the special_tokens_map.json beside it, the config's entry
+  where it has the key: transformers reads both, so a name the config does not mention comes from
+  the map, and one it sets to null (Qwen2's bos_token) stays unset. The tokenizer's special ids
+  and the chat template's variables (data/chat.py) both read them here. `error`: raised for a map
+  that is not a JSON object."""
+  map_path = os.path.join(os.path.dirname(config_path), SPECIAL_TOKENS_MAP)
+  out = {}
+  if os.path.isfile(map_path):
+    token_map = wd.read_json_object(map_path, error, "not a valid " + SPECIAL_TOKENS_MAP)
+    out = {k: (v, map_path) for k, v in token_map.items()}
+  out.update({k: (v, config_path) for k, v in (config or {}).items()})
+  return out
 
 
 def _read_tokenizer_config(path: str) -> Optional[dict[str, Any]]:

@@ -620,8 +620,6 @@ RESUMABLE_FIELDS = frozenset({
 })
 
 
-# ModelConfig fields a config never sets: the head is fixed by the role (actor "lm", critic
-# "scalar"), and the critic's vocabulary is the actor's.
 # Model fields the config does not set: the head is the role's; the critic's vocabulary is the
 # actor's; where a reward model scores comes from its checkpoint's config.json.
 _MODEL_FORCED = {"model": ("head", "score_pad_id"),
