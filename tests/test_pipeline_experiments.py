@@ -12,11 +12,22 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(args, cwd=REPO, timeout=240):
+def _env():
   # Prepend, keep the rest: packages installed with --target are found through PYTHONPATH.
-  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  return subprocess.run([sys.executable, "-m"] + args, cwd=cwd, env=env, capture_output=True,
+  return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _run(args, cwd=REPO, timeout=240):
+  return subprocess.run([sys.executable, "-m"] + args, cwd=cwd, env=_env(), capture_output=True,
                         text=True, timeout=timeout)
+
+
+# The start of a sweep config file whose runs are schedule_search's: its config as `_base`.
+SCHEDULE_SEARCH_BASE = (
+    "import importlib.util\n"
+    f"_spec = importlib.util.spec_from_file_location('base', {REPO!r} + "
+    "'/configs/schedule_search.py')\n"
+    "_base = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(_base)\n")
 
 
 def test_schedule_search_binary_writes_results(tmp_path):
@@ -47,10 +58,7 @@ def test_schedule_search_binary_writes_results(tmp_path):
 def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   cfg = tmp_path / "tiny_sweep.py"
   cfg.write_text(
-      "import importlib.util, os\n"
-      f"_spec = importlib.util.spec_from_file_location('base', {REPO!r} + "
-      "'/configs/schedule_search.py')\n"
-      "_base = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(_base)\n"
+      SCHEDULE_SEARCH_BASE +
       "def get_config():\n"
       "  c = _base.get_config(); c.actor_microbatches = 2; c.critic_microbatches = 2\n"
       "  return c\n"
@@ -125,17 +133,13 @@ def test_sigterm_to_the_sweep_stops_its_run_and_the_sweep(tmp_path):
   has that run, no further run starts, and the sweep exits 75 (the same command resumes). It
   died at once, without a summary, and its run went on alone."""
   (tmp_path / "s.py").write_text(
-      "import importlib.util\n"
-      f"_spec = importlib.util.spec_from_file_location('base', {REPO!r} + "
-      "'/configs/schedule_search.py')\n"
-      "_base = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(_base)\n"
+      SCHEDULE_SEARCH_BASE +
       "get_config = _base.get_config\n"
       "def get_sweep():\n  return [{'name': 'long'}, {'name': 'never'}]\n")
-  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   with subprocess.Popen(
       [sys.executable, "-m", "experiments.sweep", f"--config={tmp_path / 's.py'}",
        "--binary=schedule_search", f"--workdir={tmp_path / 'sw'}",
-       "--config.time_budget_s=120"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+       "--config.time_budget_s=120"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True) as sweep:
     try:
       log = tmp_path / "sw" / "long" / "log.txt"
