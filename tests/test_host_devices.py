@@ -20,13 +20,19 @@ def test_the_count_is_replaced_and_every_other_flag_kept():
   assert xla_flags_with_host_devices(None, f"--xla_a\t{COUNT}=8") == "--xla_a"
 
 
+def _stand_in(path, body: str, python: bool = True):
+  """An executable bash script at `path` running `body`. python: it stands in for the
+  interpreter, so the launcher's own `python -c` call (which rewrites the flags) goes first to
+  the real one."""
+  real = f'[[ $1 == -c ]] && exec {sys.executable} "$@"\n' if python else ""
+  path.write_text(f"#!/usr/bin/env bash\n{real}{body}\n")
+  path.chmod(path.stat().st_mode | stat.S_IEXEC)
+  return path
+
+
 def test_the_launcher_passes_the_callers_flags_to_every_process(tmp_path):
-  # Stands in for the interpreter: records what each process got (the launcher's own `-c`
-  # call, which rewrites the flags, goes to the real one).
-  fake = tmp_path / "python"
-  fake.write_text(f'#!/usr/bin/env bash\n[[ $1 == -c ]] && exec {sys.executable} "$@"\n'
-                  'echo "XLA_FLAGS=$XLA_FLAGS ARGS=$*"\n')
-  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+  # Stands in for the interpreter: records what each process got.
+  fake = _stand_in(tmp_path / "python", 'echo "XLA_FLAGS=$XLA_FLAGS ARGS=$*"')
   # A tab between flags, and a value bash would glob against README.md (the launcher runs in
   # the repository root) if it split the flags unquoted.
   env = dict(os.environ, PYTHON=str(fake), XLA_FLAGS=f"--xla_a=1 {COUNT}=8\tREADM*")
@@ -46,10 +52,7 @@ def test_the_launcher_reads_relative_paths_where_it_was_started(tmp_path):
   where the caller is, stays as given (the repository's)."""
   bin_dir = tmp_path / "venv" / "bin"
   bin_dir.mkdir(parents=True)
-  fake = bin_dir / "python"
-  fake.write_text(f'#!/usr/bin/env bash\n[[ $1 == -c ]] && exec {sys.executable} "$@"\n'
-                  'echo "ARGS=$*"\n')
-  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+  _stand_in(bin_dir / "python", 'echo "ARGS=$*"')
   (tmp_path / "mine.py").write_text("")
   launcher = os.path.join(REPO, "launch", "local_multiprocess.sh")
   for config, want in (("mine.py:fused", f"--config={tmp_path}/mine.py:fused"),
@@ -73,14 +76,12 @@ def test_a_signal_to_the_launcher_stops_every_process(tmp_path):
   passes SIGTERM to every process and waits for them (which save and exit 75); a second signal
   kills them. Before, the launcher died and its processes trained on, holding the workdir."""
   # Stands in for train_ppo: exits 75 on SIGTERM, as the trainer does after saving.
-  fake = tmp_path / "python"
-  fake.write_text(
-      f'#!/usr/bin/env bash\n[[ $1 == -c ]] && exec {sys.executable} "$@"\n'
+  fake = _stand_in(
+      tmp_path / "python",
       f'exec {sys.executable} -c "import signal, sys, time\n'
       'signal.signal(signal.SIGTERM, lambda s, f: (print(\'got\', s, flush=True), sys.exit(75)))\n'
       'print(\'ready\', flush=True)\n'
-      'time.sleep(30 if \'--process_id=0\' in sys.argv else 0.5)" "$@"\n')
-  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+      'time.sleep(30 if \'--process_id=0\' in sys.argv else 0.5)" "$@"')
   env = dict(os.environ, PYTHON=str(fake))
   for sig in (signal.SIGINT, signal.SIGTERM):
     wd = str(tmp_path / f"run{sig}")
@@ -113,8 +114,7 @@ def test_the_slurm_script_requeues_a_run_stopped_after_saving(tmp_path):
   bin_dir.mkdir()
   for name, body in (("srun", f'echo "srun $*" >> {tmp_path}/calls; exit $SRUN_RC'),
                      ("scontrol", f'echo "scontrol $*" >> {tmp_path}/calls')):
-    (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
-    (bin_dir / name).chmod(0o755)
+    _stand_in(bin_dir / name, body, python=False)
   script = os.path.join(REPO, "launch", "slurm_gpu.sbatch")
   for rc, requeued in ((75, True), (3, False)):
     (tmp_path / "calls").write_text("")
