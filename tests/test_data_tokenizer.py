@@ -135,6 +135,31 @@ def test_pad_falls_back_to_eos(tmp_path):
   assert tok.bos_id is None and tok.encode("dog") == tok.encode("dog", add_bos=False)
 
 
+def test_generation_config_eos_ids_also_end_a_response(tmp_path):
+  """generation_config.json's eos_token_id (an id or a list, as Llama 3 Instruct's and Qwen2.5
+  Instruct's list two or three) adds stop ids after the tokenizer's own EOS; the argument
+  overrides the file; a bad entry names the file."""
+  path = _train_bpe(str(tmp_path), specials=("<s>", "</s>", "<pad>", "<|eot|>", "<|eom|>"))
+  _write_config(str(tmp_path), eos_token="<|eot|>")
+  ids = {t: tokenizers.Tokenizer.from_file(path).token_to_id(t) for t in ("</s>", "<|eot|>",
+                                                                          "<|eom|>")}
+  assert HFTokenizer.from_file(path).stop_ids == (ids["<|eot|>"],)  # no generation_config
+  gen = tmp_path / "generation_config.json"
+  gen.write_text(json.dumps({"eos_token_id": [ids["</s>"], ids["<|eom|>"], ids["<|eot|>"]]}))
+  tok = HFTokenizer.from_file(path)
+  assert tok.eos_id == ids["<|eot|>"]  # the one targets end with stays the tokenizer's
+  assert tok.stop_ids == (ids["<|eot|>"], ids["</s>"], ids["<|eom|>"])
+  gen.write_text(json.dumps({"eos_token_id": ids["</s>"]}))
+  assert HFTokenizer.from_file(path).stop_ids == (ids["<|eot|>"], ids["</s>"])
+  assert HFTokenizer.from_file(path, extra_eos_ids=()).stop_ids == (ids["<|eot|>"],)
+  gen.write_text(json.dumps({"eos_token_id": ["</s>"]}))
+  with pytest.raises(ValueError, match="generation_config.json: eos_token_id=.*expected a token"):
+    HFTokenizer.from_file(path)
+  gen.write_text(json.dumps({"eos_token_id": [10 ** 6]}))
+  with pytest.raises(ValueError, match="extra_eos_ids has 1000000; expected token ids in"):
+    HFTokenizer.from_file(path)
+
+
 def test_missing_and_malformed_files_name_the_path(tmp_path):
   missing = str(tmp_path / "nope" / "tokenizer.json")
   with pytest.raises(FileNotFoundError, match="nope/tokenizer.json"):

@@ -176,6 +176,32 @@ def test_per_sample_stop_on_eos_or_max_new_tokens(params, prompts, greedy):
   assert r.decode_chunks == -(-r.decode_steps // 3)
 
 
+def test_any_of_several_eos_ids_stops_a_row(params, prompts, greedy):
+  """A chat model's generation_config lists several ids that end a turn: a row stops at the
+  first of any of them, as with one EOS, and the stop is an EOS stop (not the token budget)."""
+  first, second = int(greedy.response_tokens[0, 2]), int(greedy.response_tokens[1, 3])
+  unused = next(i for i in range(CFG.vocab_size) if i not in greedy.response_tokens)
+  gen = instances.Generator(
+      CFG, SamplingConfig(greedy=True, max_new_tokens=T, chunk_size=3, eos_id=unused, pad_id=0,
+                          extra_eos_ids=[first, second]), batch_size=B, prompt_len=P)
+  r = gen.generate(params, *prompts, KEY)
+  for b in range(B):
+    hits = np.flatnonzero(np.isin(greedy.response_tokens[b], [first, second]))
+    assert r.response_lens[b] == (hits[0] + 1 if hits.size else T)
+    assert r.stop_reason[b] == (engine.STOP_EOS if hits.size else engine.STOP_MAX_TOKENS)
+  assert r.response_lens[1] <= 4 and r.stop_reason[1] == engine.STOP_EOS
+  assert SamplingConfig(eos_id=5, extra_eos_ids=[7, 9]).stop_ids == (5, 7, 9)
+  assert SamplingConfig().stop_ids == ()
+  for kw, match in [({"extra_eos_ids": [3]}, "needs sampling.eos_id >= 0"),
+                    ({"eos_id": 1, "extra_eos_ids": 3}, "expected a sequence"),
+                    ({"eos_id": 1, "extra_eos_ids": [-1]}, "expected a sequence")]:
+    with pytest.raises(ValueError, match=f"sampling.extra_eos_ids=.*{match}"):
+      SamplingConfig(**kw)
+  with pytest.raises(ValueError, match="sampling.extra_eos_ids=.40.*outside the vocabulary"):
+    instances.Generator(CFG, SamplingConfig(eos_id=1, extra_eos_ids=(40,)), batch_size=B,
+                        prompt_len=P)
+
+
 def test_steps_per_check_runs_a_static_loop_and_changes_no_output(params, prompts, greedy):
   """Checking `done` every 3 steps (a fixed-trip-count inner loop) gives the same rollout as
   every step, rows stopping at EOS mid-loop included; the extra steps of a finished batch are

@@ -144,6 +144,21 @@ def test_decode_responses_stops_at_eos_and_marks_foreign_ids(tok):
   assert verifiers.gsm8k(text, "72", {}) == 0.0
 
 
+def test_a_response_ends_at_the_first_of_any_stop_id(tok):
+  """Qwen2.5 Instruct's generation_config ends a turn on <|im_end|> or <|endoftext|>: the
+  functions read a response up to whichever comes first, and count it as stopped."""
+  qwen = HFTokenizer(tok.backend, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                     extra_eos_ids=[tok.token_to_id("<|endoftext|>")])
+  ids, lens = _batch(tok, ["so #### 72", "7"], stop=False)
+  end = qwen.token_to_id("<|endoftext|>")
+  ids[0, lens[0]], ids[0, lens[0] + 1:lens[0] + 3] = end, tok.encode("5", add_bos=False)[0]
+  lens[0] += 3
+  assert rewards_lib.decode_responses(ids, lens, qwen) == ["so #### 72", "7"]
+  assert rewards_lib.decode_responses(ids, lens, tok)[0] != "so #### 72"  # one EOS: runs on
+  rlen, stopped = rewards_lib.response_extent(ids, lens, qwen.stop_ids)
+  assert rlen.tolist() == [lens[0] - 2, lens[1]] and stopped.tolist() == [True, False]
+
+
 def test_registered_verifiers_score_token_batches(tok):
   texts = ["She sold 72 clips.", "#### 71", "The answer is \\boxed{72}", "no idea"]
   ids, lens = _batch(tok, texts)

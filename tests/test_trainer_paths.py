@@ -403,3 +403,18 @@ def test_the_task_reward_reads_ids_with_the_runs_tokenizer():
   lens = np.asarray([ids.shape[1]], np.int32)
   np.testing.assert_allclose(rewards.from_function(records, ids, lens), [1.0])
   np.testing.assert_allclose(rewards_lib.target_match(records, ids, lens, tok), [1.0])
+
+
+def test_the_ids_generation_config_lists_all_end_a_response(tmp_path):
+  """A tokenizer directory whose generation_config.json lists several eos_token_ids (chat
+  models end a turn on any of them): the trainer's sampling stops on each, and a response cut
+  at the token budget by any of them counts as ended, not truncated."""
+  shutil.copyfile(os.path.join(LLAMA, "tokenizer.json"), tmp_path / "tokenizer.json")
+  other = HFTokenizer.from_file(LLAMA).encode("e", add_bos=False)[0]
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, other]}))
+  trainer = PPOTrainer(tiny_config(**{"init.tokenizer": str(tmp_path), "num_iterations": 1,
+                                      "rollout.max_new_tokens": 3}), str(tmp_path / "run"))
+  assert trainer.sampling.stop_ids == (2, other)
+  rows = np.asarray([[5, 6, 2], [5, 6, other], [5, 6, 7], [5, 2, 0]], np.int32)
+  gen = type("Gen", (), {"response_tokens": rows, "response_lens": np.asarray([3, 3, 3, 2])})
+  np.testing.assert_array_equal(trainer._truncated(gen), [False, False, True, False])

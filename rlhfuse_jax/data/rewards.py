@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 import numbers
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -34,8 +34,9 @@ RewardFn = Callable[[Sequence[Mapping[str, Any]], np.ndarray, np.ndarray, Tokeni
 
 
 def response_extent(response_ids: np.ndarray, response_lengths: np.ndarray,
-                    eos_id: int) -> tuple[np.ndarray, np.ndarray]:
-  """(length through the first EOS, whether an EOS was emitted) per row.  # [B], [B]"""
+                    eos_id: Union[int, Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+  """(length through the first EOS, whether an EOS was emitted) per row.  # [B], [B]
+  `eos_id`: the id, or every id, that ends a response (a tokenizer's `stop_ids`)."""
   ids = np.asarray(response_ids)  # [B, T]
   lengths = np.asarray(response_lengths).astype(np.int64)  # [B]
   if ids.ndim != 2 or lengths.shape != ids.shape[:1]:
@@ -45,7 +46,7 @@ def response_extent(response_ids: np.ndarray, response_lengths: np.ndarray,
     raise ValueError(f"response_lengths must lie in [0, T={ids.shape[1]}], got "
                      f"[{lengths.min()}, {lengths.max()}]")
   valid = np.arange(ids.shape[1])[None, :] < lengths[:, None]  # [B, T]
-  is_eos = (ids == eos_id) & valid  # [B, T]
+  is_eos = np.isin(ids, np.asarray(eos_id, np.int64)) & valid  # [B, T]
   stopped = is_eos.any(axis=1)  # [B]
   return np.where(stopped, is_eos.argmax(axis=1) + 1, lengths), stopped
 
@@ -76,7 +77,7 @@ def target_match(records, response_ids, response_lengths, tokenizer) -> np.ndarr
   target; anything else scores less.
   """
   ids = np.asarray(response_ids)  # [B, T]
-  rlen, _ = response_extent(ids, response_lengths, tokenizer.eos_id)  # [B]
+  rlen, _ = response_extent(ids, response_lengths, tokenizer.stop_ids)  # [B]
   tgt, tlen = _padded(target_ids(records, tokenizer))  # [B, M], [B]
   k = min(ids.shape[1], tgt.shape[1])
   cols = np.arange(k)[None, :]  # [1, K]
@@ -90,7 +91,7 @@ def length_match(records, response_ids, response_lengths, tokenizer) -> np.ndarr
   Trains a policy to reproduce the targets' length distribution, e.g. a long tail for the
   fusion benchmarks, faster than it would learn the content.
   """
-  rlen, _ = response_extent(response_ids, response_lengths, tokenizer.eos_id)  # [B]
+  rlen, _ = response_extent(response_ids, response_lengths, tokenizer.stop_ids)  # [B]
   tlen = np.array([len(t) for t in target_ids(records, tokenizer)], dtype=np.int64)  # [B]
   return (np.minimum(rlen, tlen) / np.maximum(np.maximum(rlen, tlen), 1)).astype(np.float32)
 
@@ -102,7 +103,7 @@ def exact_match(records, response_ids, response_lengths, tokenizer) -> np.ndarra
   own may split differently from the generated ids.
   """
   ids = np.asarray(response_ids)  # [B, T]
-  rlen, stopped = response_extent(ids, response_lengths, tokenizer.eos_id)  # [B]
+  rlen, stopped = response_extent(ids, response_lengths, tokenizer.stop_ids)  # [B]
   out = np.zeros((ids.shape[0],), dtype=np.float32)
   for b, r in enumerate(records):
     if not isinstance(r.get("target"), str):
@@ -131,7 +132,7 @@ def decode_responses(response_ids: np.ndarray, response_lengths: np.ndarray,
   never join the pieces into a different answer ('7', junk, '2' is not '72').
   """
   ids = np.asarray(response_ids)  # [B, T]
-  rlen, stopped = response_extent(ids, response_lengths, tokenizer.eos_id)  # [B]
+  rlen, stopped = response_extent(ids, response_lengths, tokenizer.stop_ids)  # [B]
   texts = []
   for b in range(ids.shape[0]):
     row = ids[b, :rlen[b] - int(stopped[b])].tolist()

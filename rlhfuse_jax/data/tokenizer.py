@@ -21,6 +21,7 @@ import tokenizers
 from rlhfuse_jax import workdir as wd
 
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # names special tokens beside tokenizer_config
+GENERATION_CONFIG = "generation_config.json"  # its eos_token_id: the ids generation stops on
 
 # Tried in order when neither the caller nor tokenizer_config.json names a special token.
 _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>",
@@ -36,13 +37,21 @@ class Tokenizer(abc.ABC):
     vocab_size: number of ids the tokenizer can produce (a model's embedding may be larger).
     bos_id: id prepended to every prompt by `encode(..., add_bos=True)`; None if the vocabulary
       has no BOS token.
-    eos_id: id that ends a response (generation stops on it).
+    eos_id: id that ends a response (generation stops on it); the one appended to targets.
+    extra_eos_ids: other ids that also end a response (a chat model's generation_config.json
+      often lists several: Llama 3 Instruct's <|end_of_text|>, <|eom_id|> and <|eot_id|>).
     pad_id: id used to fill padded positions (never attended to; may equal eos_id).
   """
   vocab_size: int
   bos_id: Optional[int]
   eos_id: int
   pad_id: int
+  extra_eos_ids: tuple[int, ...] = ()
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """Every id that ends a response: eos_id first, then extra_eos_ids."""
+    return (self.eos_id,) + tuple(self.extra_eos_ids)
 
   @abc.abstractmethod
   def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]:
@@ -66,7 +75,7 @@ class HFTokenizer(Tokenizer):
 
   def __init__(self, tokenizer: tokenizers.Tokenizer, *, eos_id: int, pad_id: Optional[int] = None,
                bos_id: Optional[int] = None, add_bos: Optional[bool] = None,
-               name: str = "tokenizer"):
+               extra_eos_ids: Sequence[int] = (), name: str = "tokenizer"):
     """Wraps `tokenizer`.
 
     Args:
@@ -76,6 +85,7 @@ class HFTokenizer(Tokenizer):
         many LLaMA-family vocabularies have no pad token).
       bos_id: beginning-of-sequence id, or None.
       add_bos: whether `encode` prepends BOS by default; defaults to `bos_id is not None`.
+      extra_eos_ids: other ids that also end a response (eos_id itself and repeats are dropped).
       name: how errors refer to this tokenizer (e.g. the file it came from).
     """
     if tokenizer.truncation is not None or tokenizer.padding is not None:
@@ -93,7 +103,13 @@ class HFTokenizer(Tokenizer):
       if value is not None and not 0 <= int(value) < self.vocab_size:
         raise ValueError(f"{name}: {field}={value} is outside the vocabulary "
                          f"[0, {self.vocab_size})")
+    for value in extra_eos_ids:
+      if isinstance(value, bool) or int(value) != value or not 0 <= value < self.vocab_size:
+        raise ValueError(f"{name}: extra_eos_ids has {value!r}; expected token ids in "
+                         f"[0, {self.vocab_size})")
     self.eos_id = int(eos_id)
+    self.extra_eos_ids = tuple(dict.fromkeys(int(v) for v in extra_eos_ids
+                                             if int(v) != self.eos_id))
     self.pad_id = self.eos_id if pad_id is None else int(pad_id)
     self.bos_id = None if bos_id is None else int(bos_id)
     if add_bos and self.bos_id is None:
@@ -140,7 +156,8 @@ class HFTokenizer(Tokenizer):
   @classmethod
   def from_file(cls, path: str, *, eos_token: Optional[str] = None,
                 bos_token: Optional[str] = None, pad_token: Optional[str] = None,
-                add_bos: Optional[bool] = None) -> "HFTokenizer":
+                add_bos: Optional[bool] = None,
+                extra_eos_ids: Optional[Sequence[int]] = None) -> "HFTokenizer":
     """Loads `tokenizer.json` (or a directory holding one).
 
     Special tokens are resolved, per token, from (1) the explicit argument, (2) the
@@ -150,6 +167,9 @@ class HFTokenizer(Tokenizer):
     tokenizer_config.json (e.g. Qwen2's `bos_token`) counts as absent and is not guessed.
     Whether `encode` prepends BOS: the argument, else `add_bos_token`, else what the file's
     post-processor does (`_post_processor_adds`), else yes when there is a BOS.
+    The ids that end a response besides EOS: the argument, else the `eos_token_id` of a
+    `generation_config.json` next to the file (an id or a list, as transformers' generate and
+    vLLM read it: a chat model may end a turn on any of them).
     """
     if os.path.isdir(path):
       path = os.path.join(path, "tokenizer.json")
@@ -199,7 +219,24 @@ class HFTokenizer(Tokenizer):
       add_bos = bool(config["add_bos_token"]) and bos_id is not None
     if add_bos is None and bos_id is not None:
       add_bos = _post_processor_adds(path, tok.id_to_token(bos_id))
-    return cls(tok, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, add_bos=add_bos, name=path)
+    if extra_eos_ids is None:
+      extra_eos_ids = _generation_config_eos(
+          os.path.join(os.path.dirname(path), GENERATION_CONFIG))
+    return cls(tok, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, add_bos=add_bos,
+               extra_eos_ids=extra_eos_ids, name=path)
+
+
+def _generation_config_eos(path: str) -> tuple[int, ...]:
+  """The eos_token_id of a generation_config.json (an int, a list of them, null or absent), as
+  a tuple; () when the file is absent."""
+  if not os.path.isfile(path):
+    return ()
+  value = wd.read_json_object(path, ValueError, f"not a valid {GENERATION_CONFIG}").get(
+      "eos_token_id")
+  ids = [] if value is None else value if isinstance(value, list) else [value]
+  if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    raise ValueError(f"{path}: eos_token_id={value!r}; expected a token id or a list of them")
+  return tuple(ids)
 
 
 def _post_processor_adds(path: str, bos: str) -> Optional[bool]:

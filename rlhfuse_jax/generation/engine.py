@@ -80,7 +80,7 @@ def _record(state: DecodeState, token, logprob, sampling: SamplingConfig) -> Dec
   tokens = state.tokens.at[rows, col].set(token, mode="drop")
   logprobs = state.logprobs.at[rows, col].set(logprob, mode="drop")
   n = jnp.where(live, state.num_generated + 1, state.num_generated)
-  eos = live & (token == sampling.eos_id)  # eos_id = -1 never matches
+  eos = live & sampling.is_stop(token)
   full = live & (n >= state.budget)  # budget <= t_max (prefill clips it)
   stop = jnp.where(eos, STOP_EOS, jnp.where(full, STOP_MAX_TOKENS, state.stop_reason))
   return state.replace(

@@ -35,6 +35,8 @@ class SamplingConfig:
   greedy: bool = False  # argmax decoding (no randomness)
   max_new_tokens: int = 16  # response budget T per sample (EOS included)
   eos_id: int = -1  # token that ends a response (it is kept in the response); -1: no EOS
+  # Other tokens that end a response too (a tuple: the config is hashed); needs eos_id >= 0.
+  extra_eos_ids: tuple[int, ...] = ()
   pad_id: int = 0  # fills response buffers past a sample's length
   chunk_size: int = 8  # decode steps K per jitted call; the host checks `done` between calls
   # Decode steps between the device's own "is every row done?" tests inside a chunk. Between
@@ -68,15 +70,35 @@ class SamplingConfig:
       raise ValueError(f"sampling.eos_id={self.eos_id}; expected a token id >= 0, or -1 for none")
     if self.pad_id < 0:
       raise ValueError(f"sampling.pad_id={self.pad_id}; expected a token id >= 0")
+    extra = self.extra_eos_ids
+    if isinstance(extra, (int, str)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra):
+      raise ValueError(f"sampling.extra_eos_ids={extra!r}; expected a sequence of token ids >= 0")
+    if extra and self.eos_id < 0:
+      raise ValueError(f"sampling.extra_eos_ids={extra!r} needs sampling.eos_id >= 0")
+    object.__setattr__(self, "extra_eos_ids", tuple(int(i) for i in extra))
 
   def check_vocab(self, vocab_size: int) -> None:
     """Raises if a token id or top_k does not fit the model's vocabulary."""
-    for name in ("eos_id", "pad_id"):
-      if getattr(self, name) >= vocab_size:
-        raise ValueError(f"sampling.{name}={getattr(self, name)} is outside the vocabulary "
+    for name in ("eos_id", "pad_id", "extra_eos_ids"):
+      value = getattr(self, name)
+      if max((value,) if isinstance(value, int) else value, default=-1) >= vocab_size:
+        raise ValueError(f"sampling.{name}={value} is outside the vocabulary "
                          f"(model.vocab_size={vocab_size})")
     if self.top_k > vocab_size:
       raise ValueError(f"sampling.top_k={self.top_k} exceeds model.vocab_size={vocab_size}")
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """Every token that ends a response (empty when eos_id is -1)."""
+    return ((self.eos_id,) if self.eos_id >= 0 else ()) + self.extra_eos_ids
+
+  def is_stop(self, token):
+    """Whether each token of `token` (any shape, jax or numpy) ends a response."""
+    hit = token == self.eos_id  # eos_id = -1 never matches
+    for i in self.extra_eos_ids:
+      hit = hit | (token == i)
+    return hit
 
   @property
   def logprob_temperature(self) -> float:

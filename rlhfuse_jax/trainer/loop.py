@@ -186,8 +186,12 @@ class PPOTrainer:
     self.sampling = SamplingConfig(
         temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, eos_id=self.tokenizer.eos_id,
-        pad_id=self.tokenizer.pad_id, chunk_size=cfg.rollout.chunk_size,
-        steps_per_check=cfg.rollout.steps_per_check)
+        extra_eos_ids=tuple(self.tokenizer.extra_eos_ids), pad_id=self.tokenizer.pad_id,
+        chunk_size=cfg.rollout.chunk_size, steps_per_check=cfg.rollout.steps_per_check)
+    if self.sampling.extra_eos_ids:
+      logging.info("setup: responses end on any of the token ids %s (EOS %d, then the others "
+                   "its generation_config.json lists)", list(self.sampling.stop_ids),
+                   self.sampling.eos_id)
     # The stage owns the frozen models from here (a fused stage moves them to host memory).
     # Async PPO scores values with the current critic on the training devices instead (a
     # batch's values must be those of the critic it trains against: _current_values), so its
@@ -567,7 +571,7 @@ class PPOTrainer:
     emits EOS as its last allowed token ended on its own)."""
     lens, max_new = gen.response_lens, self.cfg.rollout.max_new_tokens
     last = gen.response_tokens[np.arange(len(lens)), np.clip(lens - 1, 0, None)]
-    return (lens >= max_new) & (last != self.sampling.eos_id)
+    return (lens >= max_new) & ~self.sampling.is_stop(last)
 
   def _metrics(self, iteration: int, gen: async_lib.Generated, train_metrics: list[dict],
                stats: dict) -> dict:
