@@ -186,6 +186,17 @@ class PlanConfig:
     return 1 if self.generation_devices else self.fsdp * self.tp
 
   @property
+  def gen_kv_shards(self) -> int:
+    """Ways the decode cache is split: its rows over the batch axes, its KV heads over the
+    tensor devices only where these divide them (generation/engine.state_shardings; otherwise
+    every tensor device holds all of its rows' heads)."""
+    if self.generation == "instances":
+      tp = self.gen_tp
+    else:
+      tp = 1 if self.generation_devices else self.tp
+    return self.gen_devices // tp * (tp if self.actor.num_kv_heads % tp == 0 else 1)
+
+  @property
   def gen_batch_shards(self) -> int:
     """Ways generation="mesh" splits the rollout batch: the group's devices, or the training
     mesh's data x fsdp (x stage, folded as the trainer does)."""
@@ -570,9 +581,10 @@ def decode_analytic(cfg: PlanConfig) -> dict:
              4.0 * a.num_layers * a.num_heads * a.head_dim_ * cfg.seq_len +
              2.0 * a.hidden_size * a.vocab_size)
   shards = cfg.gen_model_shards
-  total = params / shards + kv / n
+  kv /= cfg.gen_kv_shards
+  total = params / shards + kv
   # A step reads at least the device's weights and cache once (the bandwidth bound).
-  return {"params_bytes": params / shards, "kv_cache_bytes": kv / n, "total_bytes": total,
+  return {"params_bytes": params / shards, "kv_cache_bytes": kv, "total_bytes": total,
           "flops_per_device": cfg.gen_slots * per_row / n, "hbm_s": total / cfg.hardware.hbm_bw}
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from configs import plan_check as plan_config
 from experiments import plan_programs
+from rlhfuse_jax.generation import engine
+from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import ppo
@@ -430,3 +432,27 @@ def test_binary_takes_a_training_config_with_its_overrides(tmp_path):
     hf = json.load(f)
   assert result["models"]["actor"]["hidden_size"] == hf["hidden_size"]
   assert "time bounds on h100_sxm" in out.stderr
+
+
+@pytest.mark.parametrize("generation,kv_heads,tp", [("instances", 2, 1), ("instances", 2, 2),
+                                                        ("instances", 2, 4),
+                                                        ("instances", 1, 4), ("mesh", 2, 2),
+                                                        ("mesh", 1, 2)])
+def test_decode_analytic_cache_bytes_follow_the_engines_cache_sharding(generation, kv_heads, tp):
+  """The analytic KV bytes per device are those of the cache as the engine shards it: split
+  over the tensor devices only where they divide the KV heads, replicated otherwise (gen_tp 4
+  over 2 heads holds 4x what an even split would)."""
+  cfg = plan_programs.PlanConfig.from_config_dict(plan_config.get_config("tiny"))
+  cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, num_kv_heads=kv_heads),
+                            generation=generation, gen_tp=tp)
+  if generation == "mesh":  # the training mesh's tensor axis: pp 2 x tp 2 x fsdp 2
+    cfg = dataclasses.replace(cfg, tp=tp, dp=1, gen_slots=8)
+  if generation == "instances":
+    mesh = inst_lib.split_devices(jax.devices(), 1, tp)[0]
+  else:
+    mesh = mesh_lib.fold_stage(plan_programs.train_mesh(cfg))  # as make_instance builds it
+  a = cfg.actor
+  shape = (a.num_layers, cfg.gen_slots, cfg.seq_len, a.num_kv_heads, a.head_dim_)
+  k = engine.state_shardings(a, mesh).cache.k
+  per_device = 2 * np.prod(k.shard_shape(shape)) * np.dtype(a.dtype).itemsize
+  assert plan_programs.decode_analytic(cfg)["kv_cache_bytes"] == per_device
