@@ -366,6 +366,18 @@ def test_pallas_kernel_on_two_device_instances():
   np.testing.assert_allclose(base.rollout.logprobs, want.rollout.logprobs, atol=1e-5)
 
 
+def test_length_histogram_round_trips_and_drops_lengths_past_a_smaller_budget():
+  hist = LengthHistogram(8)
+  hist.add([1, 3, 3, 8, 8, 8])
+  again = LengthHistogram(8)
+  assert again.load_dict(hist.to_dict()) == 0
+  np.testing.assert_array_equal(again.counts, hist.counts)
+  shorter = LengthHistogram(4)  # resumed with max_new_tokens 4
+  assert shorter.load_dict(hist.to_dict()) == 3 and shorter.counts.tolist() == [0, 1, 0, 2, 0]
+  with pytest.raises(ValueError, match="bins and counts of one length"):
+    shorter.load_dict({"bins": [1, 2], "counts": [1]})
+
+
 def test_rt_choice_follows_the_costs():
   actor = from_model_config(CFG)
   hist = LengthHistogram(64)

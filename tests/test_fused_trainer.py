@@ -63,6 +63,28 @@ def test_fused_trajectory_equals_serial(tmp_path):
                          jax.device_get(fused.actor.params))
 
 
+def test_auto_rt_resumes_with_the_lengths_it_had_seen(tmp_path):
+  """migration_threshold='auto': a checkpoint keeps the length histogram Rt is chosen from, so
+  the run resumed after 2 of 3 iterations holds the same histogram as the straight one at the
+  end (it was empty after a resume, and the first batch fell back to the prior Rt)."""
+  mesh = lambda: mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4), jax.devices()[:4])
+  cfg = lambda: tiny(**{"fusion.inter_stage": True, "fusion.migration_threshold": "auto"})
+  straight = PPOTrainer(cfg(), str(tmp_path / "straight"), mesh=mesh())
+  straight.run()
+  want = straight._fused_generator().lengths.counts
+  assert want.sum() == 3 * straight.cfg.rollout.batch_size
+  first = PPOTrainer(cfg(), str(tmp_path / "run"), mesh=mesh())
+  first.run(stop_after=2)
+  resumed = PPOTrainer(cfg(), str(tmp_path / "run"), mesh=mesh())
+  seen = []
+  run = resumed._fused_generator().run
+  resumed._fused_generator().run = lambda *a, **k: seen.append(run(*a, **k)) or seen[-1]
+  resumed.run()
+  np.testing.assert_array_equal(resumed._fused_generator().lengths.counts, want)
+  # Its one batch chose Rt by simulation over the 2 batches' lengths, not the prior.
+  assert len(seen) == 1 and seen[0].rt_choice.simulated_s, seen[0].rt_choice
+
+
 def test_progress_summary_is_one_phrase():
   m = {"gen/migrated_samples": 5, "gen/migrated_kv_bytes": 40960, "gen/consolidation_step": 12,
        "gen/consolidated_from": 8, "gen/consolidated_to": 2, "fusion/rt": 0.3,

@@ -276,6 +276,19 @@ class FusedGenerator:
     finally:
       self.lengths.counts, self._rt_cache = counts, cache
 
+  def rt_state(self) -> dict:
+    """What "auto" Rt has learnt that a checkpoint keeps: the training batches' length
+    histogram (the measured costs are measured again on the devices of the next start)."""
+    return {"lengths": self.lengths.to_dict()}
+
+  def load_rt_state(self, state: dict) -> None:
+    """Restores `rt_state()`'s output: a resumed run chooses Rt from the lengths it has seen."""
+    dropped = self.lengths.load_dict(state["lengths"])
+    if dropped:
+      logging.warning("Rt length histogram: %d lengths above max_new_tokens=%d dropped",
+                      dropped, self.lengths.max_len)
+    self._rt_cache = None
+
   def is_local(self, i: int) -> bool:
     """Whether this process drives instance i."""
     return int(self.owner[i]) == self.exchange.me

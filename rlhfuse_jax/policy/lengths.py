@@ -36,3 +36,14 @@ class LengthHistogram:
   def to_dict(self) -> dict:
     nz = np.flatnonzero(self.counts)
     return {"bins": nz.tolist(), "counts": self.counts[nz].tolist()}
+
+  def load_dict(self, d: dict) -> int:
+    """Replaces the counts by those of `to_dict`'s output; lengths beyond max_len (a run
+    resumed with fewer max_new_tokens) are dropped. Returns how many were dropped."""
+    bins, counts = np.asarray(d["bins"], np.int64), np.asarray(d["counts"], np.int64)
+    if bins.shape != counts.shape or bins.ndim != 1 or np.any(bins < 0) or np.any(counts < 0):
+      raise ValueError(f"a length histogram needs bins and counts of one length, >= 0; got {d}")
+    keep = bins <= self.max_len
+    self.counts = np.zeros(self.max_len + 1, np.int64)
+    np.add.at(self.counts, bins[keep], counts[keep])
+    return int(counts[~keep].sum())

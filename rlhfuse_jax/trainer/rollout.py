@@ -155,8 +155,9 @@ class FusedStage:
   Defaults (config.fusion): one instance per `instance_devices` devices, slots = batch /
   instances, inference micro-batch = slots. The critic is trained, so its current parameters
   come with each call; the frozen models live in host memory. The Rt histogram lives in the
-  generator and restarts on resume (Rt changes timings and the fusion decision metrics, never
-  the tokens or the trajectory).
+  generator; checkpoints keep it (PPOTrainer._meta), so a resumed "auto" Rt chooses from the
+  lengths seen before (Rt changes timings and the fusion decision metrics, never the tokens or
+  the trajectory).
   """
 
   def __init__(self, cfg: TrainConfig, sampling: SamplingConfig, devices: Sequence[Any], *,
