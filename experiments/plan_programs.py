@@ -77,7 +77,7 @@ from configs import ppo_llama
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.generation.sampling import SamplingConfig
-from rlhfuse_jax.models import llama
+from rlhfuse_jax.models import attention, llama
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.perf import accounting, scale_check
@@ -186,14 +186,19 @@ class PlanConfig:
     return 1 if self.generation_devices else self.fsdp * self.tp
 
   @property
+  def gen_tensor(self) -> int:
+    """Size of the tensor axis generation runs with (an instance's gen_tp; the training mesh's
+    tp; none on async PPO's data-only group)."""
+    if self.generation == "instances":
+      return self.gen_tp
+    return 1 if self.generation_devices else self.tp
+
+  @property
   def gen_kv_shards(self) -> int:
     """Ways the decode cache is split: its rows over the batch axes, its KV heads over the
     tensor devices only where these divide them (generation/engine.state_shardings; otherwise
     every tensor device holds all of its rows' heads)."""
-    if self.generation == "instances":
-      tp = self.gen_tp
-    else:
-      tp = 1 if self.generation_devices else self.tp
+    tp = self.gen_tensor
     return self.gen_devices // tp * (tp if self.actor.num_kv_heads % tp == 0 else 1)
 
   @property
@@ -573,19 +578,30 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
 
 def decode_analytic(cfg: PlanConfig) -> dict:
   """One decode step of gen_slots rows over the whole cache (the chunk's loop exits early, so XLA
-  knows no trip count: both sides count one step), split over the generation devices."""
+  knows no trip count: both sides count one step), split over the generation devices.
+
+  `flops_counted_per_device` is what the compiled count can be compared with: where the step's
+  attention runs the live-prefix loop over key blocks (models/attention.cached_attention, the
+  path on CPU), that loop's trip count is traced too and its body, one block of CACHE_BLOCK_K
+  keys, is counted once; `replication` divides by it, so that it shows split or repeated work
+  rather than the loop's count."""
   a, n = cfg.actor, cfg.gen_devices
   params = _nbytes(llama.param_shapes(a))
   kv = accounting.decode_step_bytes(a, cfg.gen_slots, cfg.seq_len)["kv_bytes"]
-  per_row = (2.0 * a.num_layers * accounting.layer_matmul_params(a) +
-             4.0 * a.num_layers * a.num_heads * a.head_dim_ * cfg.seq_len +
-             2.0 * a.hidden_size * a.vocab_size)
+  per_row = lambda keys: (2.0 * a.num_layers * accounting.layer_matmul_params(a) +
+                          4.0 * a.num_layers * a.num_heads * a.head_dim_ * keys +
+                          2.0 * a.hidden_size * a.vocab_size)
+  impl = attention.instance_attention(a.attention, a.num_kv_heads, cfg.gen_tensor)
+  loop = attention.cache_attention_path(impl, 1) == "loop"
+  counted_keys = min(attention.CACHE_BLOCK_K, cfg.seq_len) if loop else cfg.seq_len
   shards = cfg.gen_model_shards
   kv /= cfg.gen_kv_shards
   total = params / shards + kv
   # A step reads at least the device's weights and cache once (the bandwidth bound).
   return {"params_bytes": params / shards, "kv_cache_bytes": kv, "total_bytes": total,
-          "flops_per_device": cfg.gen_slots * per_row / n, "hbm_s": total / cfg.hardware.hbm_bw}
+          "flops_per_device": cfg.gen_slots * per_row(cfg.seq_len) / n,
+          "flops_counted_per_device": cfg.gen_slots * per_row(counted_keys) / n,
+          "hbm_s": total / cfg.hardware.hbm_bw}
 
 
 def inference_analytic(cfg: PlanConfig) -> dict:
@@ -607,7 +623,8 @@ def inference_analytic(cfg: PlanConfig) -> dict:
 
 def _finish(measured: dict, analytic: dict) -> dict:
   out = {**measured, "analytic": analytic}
-  out["replication"] = measured["flops_per_device"] / analytic["flops_per_device"]
+  out["replication"] = measured["flops_per_device"] / analytic.get(
+      "flops_counted_per_device", analytic["flops_per_device"])
   if "lockstep_flops_per_device" in analytic:
     out["replication_lockstep"] = (measured["flops_per_device"] /
                                    analytic["lockstep_flops_per_device"])

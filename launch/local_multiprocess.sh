@@ -61,14 +61,21 @@ forward() {
     kill -TERM "${pids[@]}" 2>/dev/null || true; fi
 }
 trap forward INT TERM
+# The launcher's status: the first failure in process order that is not 75, else 75 when a
+# process stopped on SIGTERM (saved; resumable: a caller may requeue), else 0. A failure beside
+# a clean stop must not read as "stopped, start again".
 status=0
-for p in "${pids[@]}"; do
+summary=""
+for i in "${!pids[@]}"; do
   while :; do  # a trapped signal ends `wait` early (128 + signal): wait again for the status
     interrupted=0
-    wait "$p" && rc=0 || rc=$?
+    wait "${pids[$i]}" && rc=0 || rc=$?
     ((interrupted && rc > 128)) || break  # <= 128: the process's own status
   done
-  ((rc == 0)) || status=$rc
+  summary+=" $i:$rc"
+  if ((rc != 0 && rc != 75 && (status == 0 || status == 75))); then status=$rc
+  elif ((rc == 75 && status == 0)); then status=75; fi
 done
-echo "logs: ${WORKDIR%/}.proc*.log; exit status $status"
+echo "logs: ${WORKDIR%/}.proc*.log; exit status per process (process:status):$summary;" \
+  "exit status $status"
 exit $status

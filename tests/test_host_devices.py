@@ -67,6 +67,22 @@ def test_the_launcher_reads_relative_paths_where_it_was_started(tmp_path):
   assert not os.path.exists(os.path.join(REPO, "runs", "wd.proc0.log"))
 
 
+def test_the_launcher_exits_with_a_failure_rather_than_a_clean_stop(tmp_path):
+  """Process statuses (0 saved-and-stopped 75, 1 failed with 3): the launcher exits 3, not 75
+  (a caller would requeue a failed run as resumable) and not the last process's status; each
+  process's status is in its last line. All stopped on SIGTERM: 75; all fine: 0."""
+  launcher = os.path.join(REPO, "launch", "local_multiprocess.sh")
+  for codes, want in (((75, 3), 3), ((3, 75), 3), ((75, 75), 75), ((0, 75), 75), ((0, 0), 0),
+                      ((2, 3), 2)):
+    fake = _stand_in(tmp_path / "python", "case \"$*\" in\n" + "".join(
+        f"  *--process_id={i}*) exit {c};;\n" for i, c in enumerate(codes)) + "esac")
+    out = subprocess.run(["bash", launcher, "2", "1", str(tmp_path / "run")], cwd=REPO,
+                         env=dict(os.environ, PYTHON=str(fake)), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == want, (codes, out.stdout, out.stderr)
+    assert f"(process:status): 0:{codes[0]} 1:{codes[1]}; exit status {want}" in out.stdout
+
+
 RESET_SIGINT_AND_EXEC = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
                          "os.execvp(sys.argv[1], sys.argv[1:])")
 

@@ -456,3 +456,17 @@ def test_decode_analytic_cache_bytes_follow_the_engines_cache_sharding(generatio
   k = engine.state_shardings(a, mesh).cache.k
   per_device = 2 * np.prod(k.shard_shape(shape)) * np.dtype(a.dtype).itemsize
   assert plan_programs.decode_analytic(cfg)["kv_cache_bytes"] == per_device
+
+
+def test_decode_replication_compares_like_with_like_past_one_key_block():
+  """A cache longer than one key block (seq_len 320 > CACHE_BLOCK_K = 128): XLA counts the
+  live-prefix loop's body, one block, once, and the analytic count it is compared with does
+  the same, so the split decode step shows replication 1 (it read 0.7 here, 0.93-0.96 on the
+  paper pairs, comparing one block with the whole cache)."""
+  cfg = plan_programs.PlanConfig.from_config_dict(plan_config.get_config("tiny"))
+  cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, max_seq_len=320),
+                            seq_len=320, response_len=16, gen_tp=2)
+  out = plan_programs.instance_programs(cfg)["decode"]
+  assert abs(out["replication"] - 1.0) < 1e-6, out["replication"]
+  a = out["analytic"]
+  assert a["flops_counted_per_device"] < a["flops_per_device"]  # the whole cache's step
