@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from configs import ppo_tiny
+from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import build
 from rlhfuse_jax.trainer.config import TrainConfig
@@ -278,10 +279,12 @@ def test_clip_ratio_counts_only_responses_the_budget_cut_off():
                                                         [5, eos, 0]]))
   fake = types.SimpleNamespace(cfg=types.SimpleNamespace(
       rollout=types.SimpleNamespace(max_new_tokens=max_new)),
-                               sampling=types.SimpleNamespace(eos_id=eos))
+                               sampling=SamplingConfig(eos_id=eos, max_new_tokens=max_new))
   np.testing.assert_array_equal(PPOTrainer._truncated(fake, gen), [True, False, False, False])
-  fake.sampling.eos_id = -1  # no EOS: every full-length response was cut off
+  fake.sampling = SamplingConfig(eos_id=-1)  # no EOS: every full-length response was cut off
   np.testing.assert_array_equal(PPOTrainer._truncated(fake, gen), [True, True, False, False])
+  fake.sampling = SamplingConfig(eos_id=9, extra_eos_ids=(eos,))  # any of several ends it
+  np.testing.assert_array_equal(PPOTrainer._truncated(fake, gen), [True, False, False, False])
 
 
 def test_a_uri_workdir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
