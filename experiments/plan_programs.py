@@ -311,7 +311,7 @@ class PlanConfig:
     _check(self.pp % self.critic_pp == 0, "critic_pp", self.critic_pp, f"a divisor of pp={self.pp}")
     for field, model, n_stages in (("actor", self.actor, self.pp),
                                    ("critic", self.critic, self.critic_pp)):
-      _check(model.num_layers % n_stages == 0, f"{field} layers", model.num_layers,
+      _check(model.num_layers % n_stages == 0, f"{field}.num_layers", model.num_layers,
              f"divisible by its {n_stages} pipeline stages (set config.layers to compile fewer)")
     shards = self.dp * self.fsdp
     _check(self.microbatch_size > 0 or self.pp == 1, "microbatch_size", self.microbatch_size,

@@ -241,6 +241,11 @@ def test_mesh_generation_config_errors_and_llama_presets():
   c.generation = "pipeline"
   with pytest.raises(ValueError, match=r"config\.generation='pipeline': expected one of"):
     plan_programs.PlanConfig.from_config_dict(c)
+  c = plan_config.get_config("tiny")
+  c.layers = 3  # over pp=2 stages
+  with pytest.raises(ValueError, match=r"config\.actor\.num_layers=3: expected divisible by "
+                                       r"its 2 pipeline stages \(set config\.layers"):
+    plan_programs.PlanConfig.from_config_dict(c)
   # The presets' own layer counts are derived, not settable (accepted, then overwritten).
   d = plan_config.get_config("tiny").to_dict()
   d["actor_layers"] = 2
