@@ -158,6 +158,10 @@ def test_export_carries_the_runs_tokenizer_template_and_special_ids(tmp_path):
   shutil.copyfile(os.path.join(chat, "chatml", "tokenizer_config.json"),
                   mine / "tokenizer_config.json")  # read beside the file, by the run and HF
   shutil.copyfile(os.path.join(llama_dir, "tokenizer.json"), mine / "tokenizer.json")  # not it
+  # A second id a response ends on (Qwen2.5 Instruct's <|endoftext|> beside <|im_end|>).
+  chatml = HFTokenizer.from_file(str(mine / "chatml_tok.json"))
+  stops = [chatml.eos_id, chatml.token_to_id("<|endoftext|>")]
+  (mine / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
   template = os.path.join(chat, "inst", "chat_template.jinja")
   cfg = tiny_config(**{"init.actor_checkpoint": llama_dir, "checkpoint.export_hf": "llama",
                        "init.tokenizer": os.path.join(llama_dir, "tokenizer.json")})
@@ -180,8 +184,11 @@ def test_export_carries_the_runs_tokenizer_template_and_special_ids(tmp_path):
   with open(os.path.join(out, "config.json")) as f:
     exported = json.load(f)
   assert (exported["bos_token_id"], exported["eos_token_id"], exported["pad_token_id"]) == (
-      tok.bos_id, tok.eos_id, tok.pad_id)
+      tok.bos_id, stops, tok.pad_id)
   assert tok.bos_id is None and tok.eos_id != 2  # ChatML has no BOS; not LlamaConfig's 1 / 2
+  assert filecmp.cmp(os.path.join(out, "generation_config.json"),
+                     mine / "generation_config.json", shallow=False)
+  assert HFTokenizer.from_file(out).stop_ids == tuple(stops)  # the export ends where the run did
   # The synthetic task's word-level tokenizer, written from memory.
   _, task_tok = build.build_task_and_tokenizer(tiny_config())
   plain = dataclasses.replace(cfg, init=dataclasses.replace(cfg.init, tokenizer=""),

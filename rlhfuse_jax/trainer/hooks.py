@@ -22,6 +22,7 @@ from absl import logging
 from rlhfuse_jax import checkpointing
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax.data import chat as chat_lib
+from rlhfuse_jax.data import tokenizer as tokenizer_lib
 from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
 from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.parallel import distributed
@@ -252,10 +253,11 @@ class Checkpoints(Hook):
 HF_EXPORT_DIR = "hf_export"
 # What a model directory holds besides the weights, copied into the export where the run's
 # tokenizer (init.tokenizer's directory) or its actor checkpoint has them, so that the export
-# loads as a whole model (AutoTokenizer, chat template, generation's EOS) and not weights alone.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                   "special_tokens_map.json")
-CHECKPOINT_FILES = ("generation_config.json",)
+# loads as a whole model (AutoTokenizer, chat template, generation's EOS ids) and not weights
+# alone. The checkpoint's generation config, copied after, wins over the tokenizer directory's.
+TOKENIZER_FILES = ("tokenizer.json", chat_lib.CONFIG_FILE, chat_lib.TEMPLATE_FILE,
+                   tokenizer_lib.SPECIAL_TOKENS_MAP, tokenizer_lib.GENERATION_CONFIG)
+CHECKPOINT_FILES = (tokenizer_lib.GENERATION_CONFIG,)
 
 
 def export_family(cfg: TrainConfig) -> Optional[str]:
@@ -306,10 +308,12 @@ def _fill_special_ids(tokenizer: Optional[Tokenizer], config_path: str) -> None:
     return
   with open(config_path) as f:
     out = json.load(f)
-  for key, value in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id),
+  # Every id a response ends on, as transformers writes several (a list) in config.json too.
+  eos = list(tokenizer.stop_ids) if tokenizer.extra_eos_ids else tokenizer.eos_id
+  for key, value in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", eos),
                      ("pad_token_id", tokenizer.pad_id)):
     if out.get(key) is None:  # null, not absent, for no BOS: absent reads as LlamaConfig's 1
-      out[key] = None if value is None else int(value)
+      out[key] = None if value is None else value if isinstance(value, list) else int(value)
   with open(config_path, "w") as f:
     json.dump(out, f, indent=2)
 
