@@ -460,9 +460,9 @@ def test_a_validation_pass_leaves_the_rt_history_as_it_was():
   from rlhfuse_jax.policy.lengths import LengthHistogram
   from rlhfuse_jax.trainer.evaluation import HeldOutEval
   from rlhfuse_jax.trainer.rollout import StageOutputs
-  gen = types.SimpleNamespace(lengths=LengthHistogram(8), _rt_cache=(4, "training's choice"))
+  gen = FusedGenerator.__new__(FusedGenerator)  # its Rt state only: no instances built
+  gen.lengths, gen._rt_cache = LengthHistogram(8), (4, "training's choice")
   gen.lengths.add([2, 3, 5, 8])
-  gen.history_kept = lambda: FusedGenerator.history_kept(gen)
 
   def stage(params, prompts, key):  # generates, adding to the history as FusedGenerator.run
     lens = np.full(len(prompts.lens), 7, np.int32)

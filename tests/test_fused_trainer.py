@@ -71,16 +71,17 @@ def test_auto_rt_resumes_with_the_lengths_it_had_seen(tmp_path):
   cfg = lambda: tiny(**{"fusion.inter_stage": True, "fusion.migration_threshold": "auto"})
   straight = PPOTrainer(cfg(), str(tmp_path / "straight"), mesh=mesh())
   straight.run()
-  want = straight._fused_generator().lengths.counts
+  want = rollout.fused_generator(straight.rollout).lengths.counts
   assert want.sum() == 3 * straight.cfg.rollout.batch_size
   first = PPOTrainer(cfg(), str(tmp_path / "run"), mesh=mesh())
   first.run(stop_after=2)
   resumed = PPOTrainer(cfg(), str(tmp_path / "run"), mesh=mesh())
   seen = []
-  run = resumed._fused_generator().run
-  resumed._fused_generator().run = lambda *a, **k: seen.append(run(*a, **k)) or seen[-1]
+  generator = rollout.fused_generator(resumed.rollout)
+  run = generator.run
+  generator.run = lambda *a, **k: seen.append(run(*a, **k)) or seen[-1]
   resumed.run()
-  np.testing.assert_array_equal(resumed._fused_generator().lengths.counts, want)
+  np.testing.assert_array_equal(generator.lengths.counts, want)
   # Its one batch chose Rt by simulation over the 2 batches' lengths, not the prior.
   assert len(seen) == 1 and seen[0].rt_choice.simulated_s, seen[0].rt_choice
 

@@ -56,9 +56,8 @@ class HeldOutEval:
     key = validation_key(self.seed, iteration)
     scores, lengths = [], []
     # A fused stage's Rt histogram learns from training batches only.
-    generator = getattr(stage, "generator", None)
-    kept = getattr(generator, "history_kept", contextlib.nullcontext)
-    with kept():
+    generator = rollout_lib.fused_generator(stage)
+    with generator.history_kept() if generator else contextlib.nullcontext():
       for b, (prompts, real) in enumerate(self.batches()):
         out = stage(params, prompts, jax.random.fold_in(key, b))
         scores.append(np.asarray(out.scores[:real], np.float64))

@@ -31,7 +31,6 @@ from absl import logging
 
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.generation import fused as fused_lib
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference import scoring
 from rlhfuse_jax.models import sequences
@@ -385,15 +384,10 @@ class PPOTrainer:
     if self.cfg.async_ppo.staleness:
       meta["in_flight"] = [g.side_car() for g in sorted(self.in_flight.values(),
                                                         key=lambda g: g.iteration)]
-    if self._fused_generator() is not None:
-      meta["rt"] = self._fused_generator().rt_state()
+    generator = rollout_lib.fused_generator(self.rollout)
+    if generator is not None:  # the "auto" Rt's length histogram
+      meta["rt"] = generator.rt_state()
     return meta
-
-  def _fused_generator(self) -> Optional[fused_lib.FusedGenerator]:
-    """The fused stage's generator (fusion.inter_stage, plan.generation='instances'), whose
-    "auto" Rt state a checkpoint keeps; None for the other stages."""
-    gen = getattr(self.rollout, "generator", None)
-    return gen if isinstance(gen, fused_lib.FusedGenerator) else None
 
   def _devices(self) -> dict:
     """The layout this run computes on, which its config may leave to the device count
@@ -425,8 +419,9 @@ class PPOTrainer:
       for i, side_car in enumerate(meta.get("in_flight", [])):
         g = async_lib.Generated.restore(state["in_flight"][str(i)], side_car)
         self.in_flight[g.iteration] = g
-      if "rt" in meta and self._fused_generator() is not None:
-        self._fused_generator().load_rt_state(meta["rt"])
+      generator = rollout_lib.fused_generator(self.rollout)
+      if "rt" in meta and generator is not None:
+        generator.load_rt_state(meta["rt"])
     return start
 
   # ---------------------------------------------------------------- one iteration

@@ -76,6 +76,14 @@ class RolloutStage(Protocol):
     """The critic is asked for only in a run with one (otherwise values are zeros)."""
 
 
+def fused_generator(stage: Any) -> Optional[fused_lib.FusedGenerator]:
+  """The generator of a fused stage (FusedStage, InstancesStage), which learns the "auto" Rt's
+  length histogram from the batches it generates; None for the other stages (and for a stage
+  a test replaced by a plain function)."""
+  gen = getattr(stage, "generator", None)
+  return gen if isinstance(gen, fused_lib.FusedGenerator) else None
+
+
 class SerialStage:
   """Generation on the whole mesh, then inference: the baseline the fusion must match."""
 
