@@ -7,8 +7,9 @@ file or a checkpoint's config.json fills in fields; a start that
 resumes at iteration k adds config.k.json), metrics.jsonl (one object per iteration), tb/
 (TensorBoard events), checkpoints/ (orbax; the latest is resumed automatically, so re-running
 with a larger --config.num_iterations continues the run and its LR schedule), result.json
-(final summary) and, with checkpoint.export_hf, hf_export/ (the final actor as a Hugging Face
-checkpoint). A resume whose config differs in a field that changes the run is refused,
+(final summary), cache/ (searched pipeline schedules, and jax's compilation cache in
+cache/xla: config.compilation_cache_dir) and, with checkpoint.export_hf, hf_export/ (the final
+actor as a Hugging Face checkpoint). A resume whose config differs in a field that changes the run is refused,
 listing the fields. One run per workdir (a lock names the holder).
 
 Exit status: 0 done; 75 stopped by SIGTERM/SIGINT after saving a checkpoint (re-run to resume);
@@ -92,6 +93,7 @@ def main(argv):
   wd.check_local_path(workdir)
   main_process = distributed.is_main_process()
   os.makedirs(workdir, exist_ok=True)
+  hooks.enable_compilation_cache(cfg.compilation_cache_dir, workdir)  # before anything compiles
   trainer = PPOTrainer(cfg, workdir)  # checks the lock and any checkpoint against this config
   if main_process and trainer.finished_at is None:
     wd.write_config_history(workdir, config_lib.config_record(_CONFIG.value, cfg),

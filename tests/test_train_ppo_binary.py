@@ -102,3 +102,29 @@ def test_a_stop_flag_off_the_main_thread_installs_nothing():
   thread.join()
   assert errors == []
   assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_the_compilation_cache_lives_in_the_workdir_unless_the_caller_set_one(tmp_path):
+  """train_ppo's hooks.enable_compilation_cache: WORKDIR/cache/xla by default, and every program
+  is written there (a small one too: jax's default skips those under 1 s); 'none' turns it off;
+  a JAX_COMPILATION_CACHE_DIR the caller set is kept. (The suite itself runs with its own cache,
+  tests/conftest.py, so the binary tests above take the last branch.)"""
+  code = ("import sys, jax, jax.numpy as jnp\n"
+          "from rlhfuse_jax.trainer import hooks\n"
+          "print(hooks.enable_compilation_cache(sys.argv[1], sys.argv[2]))\n"
+          "jax.jit(lambda x: x * 2 + 1)(jnp.ones(3)).block_until_ready()\n")
+  env = {k: v for k, v in _env().items() if not k.startswith(("JAX_COMPILATION_CACHE",
+                                                             "JAX_PERSISTENT_CACHE"))}
+  for setting, caller, want in (("", None, tmp_path / "a" / "cache" / "xla"),
+                                (str(tmp_path / "mine"), None, tmp_path / "mine"),
+                                ("none", None, None),
+                                ("", str(tmp_path / "callers"), tmp_path / "callers")):
+    wd = tmp_path / "a"
+    run_env = dict(env, **({"JAX_COMPILATION_CACHE_DIR": caller} if caller else {}))
+    out = subprocess.run([sys.executable, "-c", code, setting, str(wd)], cwd=REPO, env=run_env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(want), (setting, out.stdout)
+    if want is not None and caller is None:  # (the caller's keeps jax's 1 s threshold)
+      assert os.listdir(want), f"nothing cached in {want}"
+  assert sorted(os.listdir(tmp_path / "a" / "cache")) == ["xla"]  # 'none' wrote no other

@@ -500,6 +500,10 @@ class TrainConfig:
   # Every k iterations (and after the last), the reward on the held-out prompts (data.val_file
   # or data.val_fraction): val/* in metrics.jsonl and TensorBoard. 0: never.
   eval_every: int = 0
+  # jax's persistent compilation cache for the train_ppo binary: a restart (a resume, a
+  # requeued job) loads the programs the earlier start compiled instead of compiling them again.
+  # "": WORKDIR/cache/xla; "none": off. A JAX_COMPILATION_CACHE_DIR the caller set wins.
+  compilation_cache_dir: str = ""
   vocab_from_tokenizer: bool = False  # set when model.vocab_size was 0 in the ConfigDict
 
   def with_vocab(self, vocab_size: int) -> "TrainConfig":
@@ -521,6 +525,8 @@ class TrainConfig:
            "an integer >= 0 (numpy seeds the prompt stream with it)")
     _check(self.log_every > 0, "log_every", self.log_every, "> 0 (log every k iterations)")
     _check(self.eval_every >= 0, "eval_every", self.eval_every, ">= 0 (0: no validation pass)")
+    _check(isinstance(self.compilation_cache_dir, str), "compilation_cache_dir",
+           self.compilation_cache_dir, "a directory, '' (WORKDIR/cache/xla) or 'none'")
     _check(self.eval_every == 0 or self.data.has_validation_set, "eval_every", self.eval_every,
            "0 without held-out prompts: set data.val_file or data.val_fraction")
     b = self.rollout.batch_size
@@ -608,7 +614,7 @@ RESUMABLE_FIELDS = frozenset({
     "num_iterations", "log_every", "checkpoint.every", "checkpoint.keep", "checkpoint.fallback",
     "checkpoint.export_hf",  # written after the last iteration; the trajectory is the same
     "checkpoint.resume_changes",  # what it allows is checked field by field (hooks.py)
-    "guard.max_consecutive_skips", "pipeline.schedule_cache_dir",
+    "guard.max_consecutive_skips", "pipeline.schedule_cache_dir", "compilation_cache_dir",
     # The validation pass reads the policy and its own prompts; training never sees them.
     "eval_every", "data.val_file", "data.val_max_prompts",
     # The plan file's path: what it sets (plan.*, mesh.*, pipeline.critic_pp) is fingerprinted.

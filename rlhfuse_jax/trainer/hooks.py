@@ -250,6 +250,31 @@ class Checkpoints(Hook):
       logging.exception("the last checkpoint save failed too")
 
 
+def enable_compilation_cache(setting: str, workdir: str) -> Optional[str]:
+  """Points jax's persistent compilation cache at `setting` (config.compilation_cache_dir; "":
+  WORKDIR/cache/xla, "none": off) unless the caller set one (JAX_COMPILATION_CACHE_DIR), and
+  caches every program, however fast it compiled (jax's default skips those under 1 s: most of
+  a small run's). Must run before the first compile: jax decides once per process whether it
+  uses a cache. Returns the directory in use, or None.
+
+  A restart then loads what the earlier start compiled (the tiny fused main job on the 2-core
+  CPU machine: 81.5 s to its third iteration, 25.0 s restarted). jax writes the cache from
+  process 0 only; every process reads it."""
+  current = jax.config.jax_compilation_cache_dir
+  if current:
+    logging.info("XLA compilation cache: %s (set by the caller)", current)
+    return current
+  if setting == "none":
+    return None
+  path = setting or os.path.join(workdir, "cache", "xla")
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  logging.info("XLA compilation cache: %s (a restart loads the programs compiled before; "
+               "config.compilation_cache_dir='none' turns it off)", path)
+  return path
+
+
 HF_EXPORT_DIR = "hf_export"
 # What a model directory holds besides the weights, copied into the export where the run's
 # tokenizer (init.tokenizer's directory) or its actor checkpoint has them, so that the export
