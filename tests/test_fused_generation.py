@@ -489,3 +489,42 @@ class _Pool:
 
   def __len__(self):
     return len(self.records)
+
+
+@pytest.mark.parametrize("platform", ["gpu", "cpu"])
+def test_gpu_instances_compile_one_first_so_the_others_load_it(platform, monkeypatch):
+  """With jax's persistent cache (the suite runs with one) on a GPU backend, instance 0's
+  executables compile before any other instance's start, so those load instance 0's from the
+  cache (GPU cache keys carry no device assignment); on CPU (keys keep the devices) all start
+  at once."""
+  import threading
+  import time as time_lib
+  import types
+  from rlhfuse_jax.generation import instances as inst_lib
+  assert jax.config.jax_compilation_cache_dir  # tests/conftest.py
+  events, lock = [], threading.Lock()
+
+  class Lowered:
+    def __init__(self, i):
+      self.i = i
+
+    def compile(self):
+      with lock:
+        events.append(("start", self.i))
+      time_lib.sleep(0.2 if self.i == 0 else 0.01)
+      with lock:
+        events.append(("end", self.i))
+      return f"exe{self.i}"
+
+  def instance(i):
+    inst = types.SimpleNamespace(devices=[types.SimpleNamespace(platform=platform, id=i)],
+                                 _exe={})
+    inst.lower_all = lambda *a: [("prefill", Lowered(i)), ("decode", Lowered(i))]
+    return inst
+  insts = [instance(i) for i in range(3)]
+  inst_lib.compile_all(insts, None, {}, threads=4)
+  assert all(inst._exe == {"prefill": f"exe{i}", "decode": f"exe{i}"}
+             for i, inst in enumerate(insts))
+  last_end_of_0 = max(k for k, e in enumerate(events) if e == ("end", 0))
+  first_start_of_others = min(k for k, e in enumerate(events) if e[0] == "start" and e[1])
+  assert (first_start_of_others > last_end_of_0) == (platform == "gpu"), events

@@ -439,11 +439,20 @@ def compile_all(instances: Sequence[GenerationInstance], actor_params, frozen_pa
   logging.info("generation: lowered in %.1fs; compiling %d executables per instance (%s) for "
                "%d instances in %d threads ...", time.perf_counter() - t0, len(names),
                ", ".join(names), g, threads)
+  # With jax's persistent cache on a GPU backend, the first instance compiles alone and the
+  # others then load its executables: jax leaves the device assignment out of a GPU program's
+  # cache key (jax/_src/cache_key.py), so instances of one shape share entries. Compiled all at
+  # once, every instance would miss. (XLA:CPU keys keep the devices: no sharing, one wave.)
+  # Expected on GPUs, not yet measured there.
+  waves = (len(names) if len(instances) > 1 and jax.config.jax_compilation_cache_dir and
+           instances[0].devices[0].platform == "gpu" else len(jobs))
   with ThreadPoolExecutor(max_workers=threads) as pool:
-    futures = [pool.submit(low.compile) for _, _, low in jobs]
+    futures = [pool.submit(low.compile) for _, _, low in jobs[:waves]]
     compiled = 0
-    for n, ((inst, name, _), f) in enumerate(zip(jobs, futures)):
-      inst._exe[name] = f.result()
+    for n, (inst, name, _) in enumerate(jobs):
+      if n == len(futures):  # the first instance is done: the others load from the cache
+        futures += [pool.submit(low.compile) for _, _, low in jobs[n:]]
+      inst._exe[name] = futures[n].result()
       if n + 1 == len(jobs) or jobs[n + 1][0] is not inst:  # the instance's last executable
         compiled += 1
         logging.info("generation: compiled instance %d/%d (devices %s), %.1fs elapsed",
