@@ -99,3 +99,34 @@ def test_a_scanned_model_decays_what_the_unrolled_one_does(qkv_bias):
   moved = {jax.tree_util.keystr(k): bool(np.any(v != 0))
            for k, v in jax.tree_util.tree_leaves_with_path(block)}
   assert any(moved.values()) and not all(moved.values())  # matrices decayed, vectors not
+
+
+def test_float32_master_steps_bfloat16_weights_as_float32_ones():
+  """optim.float32_master around AdamW: its float32 copy follows, bit for bit, the float32 run
+  with the same (bfloat16-valued) gradients, and the bfloat16 weights are that copy rounded.
+  Plain AdamW on the bfloat16 weights at lr 1e-6 barely moves them (its steps round away)."""
+  rng = np.random.default_rng(0)
+  to_bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+  w = to_bf16(rng.normal(0, 0.02, (128, 128)))
+  grads = [to_bf16(rng.normal(size=w.shape)) for _ in range(20)]
+  runs = {}
+  for name, dtype, tx in (("float32", jnp.float32, optim.make_optimizer(1e-6, 0, 100)),
+                          ("plain", jnp.bfloat16, optim.make_optimizer(1e-6, 0, 100)),
+                          ("master", jnp.bfloat16,
+                           optim.float32_master(optim.make_optimizer(1e-6, 0, 100)))):
+    p = {"w": jnp.asarray(w, dtype)}
+    state = tx.init(p)
+    for g in grads:
+      u, state = tx.update({"w": jnp.asarray(g, dtype)}, state, p)
+      p = optax.apply_updates(p, u)
+    runs[name] = (p["w"], state)
+  master = runs["master"][1].master["w"]
+  assert master.dtype == jnp.float32 and runs["master"][0].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(master, runs["float32"][0])
+  np.testing.assert_array_equal(runs["master"][0], master.astype(jnp.bfloat16))
+  moved = lambda x: float(np.mean(np.asarray(x, np.float32) != w))
+  assert moved(runs["float32"][0]) > 0.99 and moved(runs["plain"][0]) < 0.05
+  assert moved(runs["master"][0]) > 2 * moved(runs["plain"][0])
+  with pytest.raises(ValueError, match="needs the weights"):
+    optim.float32_master(optim.make_optimizer(1e-6, 0, 100)).update(
+        {"w": jnp.zeros(2)}, optim.float32_master(optax.sgd(1.0)).init({"w": jnp.zeros(2)}))

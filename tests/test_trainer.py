@@ -369,7 +369,10 @@ def test_weights_trained_in_bfloat16_are_warned_about(caplog):
   for overrides, fields in (({}, []), ({"model.param_dtype": "bfloat16"}, ["model"]),
                             ({"model.param_dtype": "bfloat16",
                               "critic_model.param_dtype": "bfloat16"},
-                             ["model", "critic_model"])):
+                             ["model", "critic_model"]),
+                            ({"model.param_dtype": "bfloat16",
+                              "critic_model.param_dtype": "bfloat16",
+                              "optim.master_weights": True}, [])):
     cfg = tiny_config(**overrides)
     _, tokenizer = build.build_task_and_tokenizer(cfg)
     caplog.clear()
@@ -378,6 +381,25 @@ def test_weights_trained_in_bfloat16_are_warned_about(caplog):
     assert [f for f in ("model", "critic_model")
             if f"config.{f}.param_dtype='bfloat16' trains the weights themselves" in caplog.text
             ] == fields, caplog.text
+
+
+def test_master_weights_train_bfloat16_weights_from_a_float32_copy(tmp_path):
+  """optim.master_weights: the trainer's bfloat16 weights are, after every update, its
+  optimizer's float32 copy rounded, for the actor and the critic."""
+  cfg = tiny_config(num_iterations=2, **{"model.param_dtype": "bfloat16",
+                                         "critic_model.param_dtype": "bfloat16",
+                                         "optim.master_weights": True})
+  trainer = PPOTrainer(cfg, str(tmp_path))
+  trainer.run()
+  for state in (trainer.actor, trainer.critic):
+    master = state.opt_state.master
+    assert {x.dtype for x in jax.tree.leaves(master)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    jax.tree.map(lambda p, m: np.testing.assert_array_equal(
+        np.asarray(p), np.asarray(m.astype(jnp.bfloat16))), state.params, master)
+  init = PPOTrainer(cfg, str(tmp_path / "fresh")).actor.params
+  assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+             for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(trainer.actor.params)))
 
 
 def test_grpo_with_the_kl_in_the_reward_is_warned_about(caplog):

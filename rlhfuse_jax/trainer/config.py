@@ -230,6 +230,10 @@ class OptimConfig:
   # so generation's KV cache may use their HBM (verl's optimizer offload; docs/usage.md
   # "Memory at scale"). The parameters stay. Synchronous loop on the training devices only.
   offload_during_rollout: bool = False
+  # 16-bit weights: keep a float32 copy of them and float32 moments in the optimizer state and
+  # step that (rl/optim.float32_master; the weights are its rounding). Mixed precision as the
+  # simulator's memory model assumes (16 bytes a parameter with bf16 weights and gradients).
+  master_weights: bool = False
 
   def __post_init__(self):
     _check(self.schedule_iterations >= 0, "optim.schedule_iterations", self.schedule_iterations,

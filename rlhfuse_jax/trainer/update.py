@@ -132,14 +132,15 @@ def make_update(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, use_critic: bool,
   # A pipelined model is held stage-stacked: its weight-decay mask is that tree's.
   decay_mask = ({"weight_decay_mask": stages_lib.staged_decay_mask} if is_pipelined else {})
   o = cfg.optim
+  master = optim.float32_master if o.master_weights else (lambda tx: tx)
   actor_tx, actor_lr = optim.make_optimizer(o.actor_lr, warmup, total, o.min_lr_ratio,
                                             o.weight_decay, o.grad_clip, return_schedule=True,
                                             **decay_mask)
-  txs = {"actor": guard_tx(cfg, actor_tx)}
+  txs = {"actor": guard_tx(cfg, master(actor_tx))}
   if use_critic:
-    txs["critic"] = guard_tx(cfg, optim.make_optimizer(o.critic_lr, warmup, total,
-                                                       o.min_lr_ratio, o.weight_decay,
-                                                       o.grad_clip, **decay_mask))
+    txs["critic"] = guard_tx(cfg, master(optim.make_optimizer(o.critic_lr, warmup, total,
+                                                              o.min_lr_ratio, o.weight_decay,
+                                                              o.grad_clip, **decay_mask)))
   # Log-probs use the sampling temperature, as generation's behaviour log-probs do (rollouts
   # always sample: rollout.temperature > 0), both over the whole vocabulary (before top-k /
   # top-p), so the first epoch's PPO ratio is 1 up to the rounding between generation's

@@ -44,6 +44,8 @@ def _critic_free_unused(cfg: TrainConfig) -> list[str]:
 def _low_precision_trained(cfg: TrainConfig) -> list[tuple[str, Any, float]]:
   """(section, model config, learning rate) of each trained model whose weights are a 16-bit
   float."""
+  if cfg.optim.master_weights:  # stepped in float32 (rl/optim.float32_master)
+    return []
   out = [("model", cfg.model, cfg.optim.actor_lr)]
   if adv_lib.needs_critic(cfg.algo.estimator):
     out.append(("critic_model", cfg.critic_model, cfg.optim.critic_lr))
@@ -90,9 +92,10 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     logging.warning(
         "config.%s.param_dtype=%r trains the weights themselves in 16 bits: an AdamW step of "
         "~lr=%g changes a weight of magnitude 0.02 only if lr > %.1e, so most updates round "
-        "away and the model barely moves. Set config.%s.param_dtype='float32' (float32 "
-        "weights and moments, computation still in model.dtype=%r: mixed precision; twice "
-        "the training state's bytes)", section, model.param_dtype, lr,
+        "away and the model barely moves. Set config.optim.master_weights=True (a float32 "
+        "copy and float32 moments in the optimizer state; the weights stay 16-bit for "
+        "generation and inference) or config.%s.param_dtype='float32' (computation still in "
+        "dtype=%r)", section, model.param_dtype, lr,
         0.02 * 2.0 ** -(jnp.finfo(model.param_dtype).nmant + 1), section, model.dtype)
   unused = _critic_free_unused(cfg)
   if unused:
