@@ -608,13 +608,14 @@ def inference_analytic(cfg: PlanConfig) -> dict:
   a, n = cfg.actor, cfg.gen_devices
   params = _nbytes(llama.param_shapes(a))
   if cfg.generation == "mesh":  # the whole rollout batch, split over the data axes
-    rows, tp = cfg.gen_slots, 1 if cfg.generation_devices else cfg.tp
+    rows = cfg.gen_slots
     tokens = rows // cfg.gen_batch_shards * cfg.seq_len
   else:  # one micro-batch on the instance's tensor devices
-    rows, tp = cfg.inference_microbatch, cfg.gen_tp
+    rows = cfg.inference_microbatch
     tokens = rows * cfg.seq_len
   # One layer's activations live at a time (sim/iteration_sim.check_inference_memory).
-  acts = CostModel(cfg.hardware).activation_bytes(sim_shapes.from_model_config(a), tp, tokens, 1)
+  acts = CostModel(cfg.hardware).activation_bytes(sim_shapes.from_model_config(a),
+                                                  cfg.gen_tensor, tokens, 1)
   flops = accounting.forward_flops(a, rows, cfg.seq_len, cfg.response_len)
   shards = cfg.gen_model_shards
   return {"params_bytes": params / shards, "activations_bytes": acts,

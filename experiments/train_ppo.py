@@ -9,8 +9,8 @@ resumes at iteration k adds config.k.json), metrics.jsonl (one object per iterat
 with a larger --config.num_iterations continues the run and its LR schedule), result.json
 (final summary), cache/ (searched pipeline schedules, and jax's compilation cache in
 cache/xla: config.compilation_cache_dir) and, with checkpoint.export_hf, hf_export/ (the final
-actor as a Hugging Face checkpoint). A resume whose config differs in a field that changes the run is refused,
-listing the fields. One run per workdir (a lock names the holder).
+actor as a Hugging Face checkpoint). A resume whose config differs in a field that changes the
+run is refused, listing the fields. One run per workdir (a lock names the holder).
 
 Exit status: 0 done; 75 stopped by SIGTERM/SIGINT after saving a checkpoint (re-run to resume);
 1 an error (the message names the field, file or iteration); 3 a checkpoint save failed; 69 fused
