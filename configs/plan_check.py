@@ -95,6 +95,8 @@ def _as_trained(c, t, dp: int) -> None:
   c.response_len = run.rollout.max_new_tokens
   c.remat, c.scan_layers = run.model.remat, run.model.scan_layers
   c.offload_optimizer = run.optim.offload_during_rollout
+  c.master_weights = run.optim.master_weights
+  c.zero1 = run.optim.zero1
   c.chunk_size = run.rollout.chunk_size
   batch = run.rollout.batch_size
   # Asynchronous PPO's generation group: its own devices (a data-only mesh), beside the
@@ -250,6 +252,14 @@ def get_config(arg: str = "tiny"):
   # True: the trainer's optim.offload_during_rollout (the AdamW moments in host memory while the
   # instances generate and score): decode's and inference's fit counts the parameters only.
   c.offload_optimizer = False
+  # The trainer's optim.master_weights: AdamW steps a float32 copy of the 16-bit weights, with
+  # float32 moments (2 + 4 + 4 + 4 bytes of state per parameter, not 2 + 2 + 2): mixed
+  # precision as the simulator assumes it (sim/cost_model.py) and as 16-bit weights need to
+  # train at all (docs/usage.md); the presets' runs set their own.
+  c.master_weights = not section
+  # The trainer's optim.zero1: the optimizer state split over the model's copies (the data axis,
+  # a pipelined critic's replicas), as the simulator's plans assume (sim/cost_model.py ZeRO-1).
+  c.zero1 = not section
   # instances: decode and inference on one instance of gen_tp devices (gen_slots slots);
   # mesh: the trainer's default plan.generation, on the training mesh (pp 1), gen_slots = the
   # rollout batch, scored whole.

@@ -9,8 +9,9 @@ Every program is the codebase's own, reached through the function its caller jit
               are built as the trainer builds them: parameters placed by the logical rules of
               parallel/mesh.py (pp == 1) or stage-stacked, each stage's layers on its stage
               devices (pp > 1), AdamW +
-              global-norm clipping of rl/optim.py, optimizer leaves placed like their
-              parameters, scalars replicated
+              global-norm clipping of rl/optim.py (stepped on a float32 copy of the weights
+              with master_weights: rl/optim.float32_master), optimizer leaves placed like
+              their parameters, scalars replicated
   decode      generation/instances.GenerationInstance's decode chunk (donated SlotState) on one
               instance of gen_tp devices with gen_slots slots; with generation="mesh" (the
               trainer's plan.generation default) the Generator's: one instance over the whole
@@ -88,6 +89,7 @@ from rlhfuse_jax.sim import shapes as sim_shapes
 from rlhfuse_jax.sim.cost_model import CostModel
 from rlhfuse_jax.trainer import config as tc
 from rlhfuse_jax.trainer import pipelined, ppo
+from rlhfuse_jax.trainer import update as update_lib
 
 PROGRAMS = ("train_step", "decode", "inference")
 CPU_UPCAST_MODES = ("per_layer", "as_compiled")
@@ -150,6 +152,10 @@ class PlanConfig:
   inference_microbatch: int
   hardware: hw_lib.Hardware
   offload_optimizer: bool = False  # the trainer's optim.offload_during_rollout
+  # The trainer's optim.master_weights: a float32 copy of the weights and float32 moments in
+  # the optimizer state (rl/optim.float32_master)
+  master_weights: bool = False
+  zero1: bool = False  # the trainer's optim.zero1: optimizer state split over data (ZeRO-1)
   gradient_sync: str = "per_microbatch"  # the trainer's algo.gradient_sync (pp == 1)
   generation: str = "instances"  # instances | mesh (module docstring)
   critic_microbatch_size: int = 0  # pp > 1: the critic's rows per micro-batch (0: the actor's)
@@ -276,6 +282,8 @@ class PlanConfig:
            d.get("gradient_sync"), f"one of {list(tc.GRADIENT_SYNC_MODES)}")
     _check(isinstance(d.get("offload_optimizer", False), bool), "offload_optimizer",
            d.get("offload_optimizer"), "True or False")
+    for name in ("master_weights", "zero1"):
+      _check(isinstance(d.get(name, False), bool), name, d.get(name), "True or False")
     _check(d["response_len"] < d["seq_len"], "response_len", d["response_len"],
            f"< seq_len={d['seq_len']} (a prompt of at least one token)")
     models = {}
@@ -289,6 +297,7 @@ class PlanConfig:
         "response_len", "intra_stage", "search_time_s", "gen_tp", "gen_slots", "chunk_size",
         "inference_microbatch", "cpu_upcast")}, hardware=hw_lib.HARDWARE[d["hardware"]],
         offload_optimizer=d.get("offload_optimizer", False),
+        master_weights=d.get("master_weights", False), zero1=d.get("zero1", False),
         generation=d.get("generation", "instances"),
         gradient_sync=d.get("gradient_sync", "per_microbatch"),
         critic_microbatch_size=d.get("critic_microbatch_size", 0),
@@ -342,15 +351,13 @@ def abstract_params(cfg: ModelConfig, mesh) -> Any:
       cfg, mesh_lib.param_shardings(shapes, llama.logical_specs(cfg), mesh))
 
 
-def abstract_opt_state(tx: optax.GradientTransformation, params: Any, mesh) -> Any:
-  """Optimizer-state structs: leaves that mirror a parameter take its sharding, the rest
-  (step counts) are replicated, as tx.init + mesh.commit_to_mesh give in the trainer."""
-  state = jax.eval_shape(tx.init, params)
-  rep = mesh_lib.replicated(mesh)
-  return optax.tree_map_params(
-      tx, lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding), state,
-      params, transform_non_params=lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                                  sharding=rep))
+def abstract_opt_state(tx: optax.GradientTransformation, params: Any, mesh,
+                       zero1: bool = False) -> Any:
+  """Optimizer-state structs placed as the trainer places them (trainer/update.Update.
+  init_state): leaves that mirror a parameter take its sharding (with `zero1`, split further
+  over the axes it is replicated over), the rest (step counts) replicated."""
+  return mesh_lib.abstract(jax.eval_shape(tx.init, params),
+                           update_lib.optimizer_state_shardings(tx, params, mesh, zero1))
 
 
 def batch_shapes(cfg: PlanConfig) -> dict:
@@ -367,11 +374,13 @@ def abstract_batch(cfg: PlanConfig, mesh) -> dict:
           for k, (shape, dt) in batch_shapes(cfg).items()}
 
 
-def make_optimizer(staged: bool) -> optax.GradientTransformation:
+def make_optimizer(staged: bool, master_weights: bool = False) -> optax.GradientTransformation:
   """The trainer's optimizer (AdamW, warm-up + cosine, clipping; for stage-stacked parameters
-  when `staged`, as trainer/loop.py builds it for pp > 1); rates do not change shapes."""
+  when `staged`, as trainer/update.py builds it for pp > 1; stepped on a float32 copy of the
+  weights with `master_weights`); rates do not change shapes."""
   mask = {"weight_decay_mask": stages.staged_decay_mask} if staged else {}
-  return optim.make_optimizer(1e-6, 10, 1000, grad_clip=1.0, **mask)
+  tx = optim.make_optimizer(1e-6, 10, 1000, grad_clip=1.0, **mask)
+  return optim.float32_master(tx) if master_weights else tx
 
 
 def train_mesh(cfg: PlanConfig):
@@ -417,7 +426,7 @@ def train_args(cfg: PlanConfig, mesh, tx, update) -> tuple:
     ex = update.executor
     params = [mesh_lib.abstract(ex.layouts[m].staged_shapes(), ex.staged_shardings(m))
               for m in ("actor", "critic")]
-  return (*(ppo.ModelState(p, abstract_opt_state(tx, p, mesh)) for p in params),
+  return (*(ppo.ModelState(p, abstract_opt_state(tx, p, mesh, cfg.zero1)) for p in params),
           abstract_batch(cfg, mesh))
 
 
@@ -529,7 +538,7 @@ def _stage_cfg(model: ModelConfig, stages: int) -> ModelConfig:
 def train_analytic(cfg: PlanConfig, info: dict) -> dict:
   """Per-device bytes and FLOPs of the update if the plan split everything perfectly."""
   cost = CostModel(cfg.hardware)
-  plain_tx = make_optimizer(staged=False)
+  plain_tx = make_optimizer(staged=False, master_weights=cfg.master_weights)
   out = {"params_bytes": 0.0, "grads_bytes": 0.0, "optimizer_bytes": 0.0,
          "activations_bytes": 0.0}
   if cfg.pp == 1 and cfg.actor_microbatches > 1:
@@ -550,8 +559,11 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
       if once:
         out["gathered_params_bytes"] = (out.get("gathered_params_bytes", 0.0) +
                                         _nbytes(params) / cfg.tp)
-    # The same moments for the whole tree as for the stage-stacked one (the mask moves no bytes).
-    out["optimizer_bytes"] += _nbytes(jax.eval_shape(plain_tx.init, params)) / shards
+    # The same moments (and float32 copy) for the whole tree as for the stage-stacked one (the
+    # mask moves no bytes); zero1 splits them over the model's copies too: data, and a
+    # pipelined critic's pp / critic_pp replicas.
+    copies = cfg.dp * (cfg.pp // n_stages) if cfg.zero1 else 1
+    out["optimizer_bytes"] += _nbytes(jax.eval_shape(plain_tx.init, params)) / (shards * copies)
     # In flight per device under 1F1B: min(stages, micro-batches) (sim/training_sim.py); the
     # unpipelined update holds one micro-batch (the whole shard's rows without accumulation).
     micro = cfg.actor_microbatches if model is cfg.actor else cfg.critic_microbatches
@@ -642,7 +654,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   t_start = time.perf_counter()
   programs = {}
   mesh = train_mesh(cfg)
-  tx = make_optimizer(staged=cfg.pp > 1)
+  tx = make_optimizer(staged=cfg.pp > 1, master_weights=cfg.master_weights)
   logging.info("plan: mesh %s, %d devices; actor %d layers (of %d), critic %d (of %d); "
                "compiling on %s", dict(mesh.shape), cfg.num_devices, cfg.actor.num_layers,
                cfg.actor_layers, cfg.critic.num_layers, cfg.critic_layers, backend())
@@ -675,7 +687,9 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "attention": cfg.actor.attention, "intra_stage": cfg.intra_stage,
                "gen_tp": cfg.gen_tp, "gen_slots": cfg.gen_slots, "chunk_size": cfg.chunk_size,
                "inference_microbatch": cfg.inference_microbatch, "hardware": cfg.hardware.name,
-               "offload_optimizer": cfg.offload_optimizer, "generation": cfg.generation,
+               "offload_optimizer": cfg.offload_optimizer,
+               "master_weights": cfg.master_weights, "zero1": cfg.zero1,
+               "generation": cfg.generation,
                "gradient_sync": cfg.gradient_sync,
                "critic_microbatch_size": cfg.critic_microbatch_size,
                "generation_devices": cfg.generation_devices, "group_critic": cfg.group_critic,

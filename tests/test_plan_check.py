@@ -15,6 +15,7 @@ from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import ppo
+from rlhfuse_jax.trainer import update as update_lib
 
 KEYS = ("argument_bytes", "output_bytes", "temp_bytes", "peak_bytes", "flops_per_device",
         "analytic", "replication", "hbm_bytes", "fits", "compile_s")
@@ -25,14 +26,16 @@ ANALYTIC = {"train_step": ("params_bytes", "grads_bytes", "optimizer_bytes",
 
 
 def _real_args(cfg, mesh, tx, update):
-  """Real states and batch, placed as trainer/loop.py places them (stage-stacked: pp > 1)."""
+  """Real states and batch, placed as trainer/loop.py places them (stage-stacked: pp > 1; the
+  optimizer state split over data: trainer/update.Update.init_state with optim.zero1)."""
   states = []
   for i, (name, model) in enumerate((("actor", cfg.actor), ("critic", cfg.critic))):
     params = mesh_lib.shard_params(llama.host_random_params(model, i),
                                    llama.logical_specs(model), mesh)
     if cfg.pp > 1:
       params = update.to_staged(name, params)
-    states.append(ppo.ModelState(params, mesh_lib.commit_to_mesh(tx.init(params), mesh)))
+    shardings = update_lib.optimizer_state_shardings(tx, params, mesh, zero1=cfg.zero1)
+    states.append(ppo.ModelState(params, jax.jit(tx.init, out_shardings=shardings)(params)))
   batch = {k: mesh_lib.put(np.zeros(shape, dt), mesh_lib.batch_sharding(mesh, len(shape)))
            for k, (shape, dt) in plan_programs.batch_shapes(cfg).items()}
   return (*states, batch)
@@ -45,7 +48,11 @@ def _device0_bytes(tree) -> int:
 
 
 def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
+  """... with the GPU presets' optimizer: a float32 copy of the weights and float32 moments,
+  split over the data axis (optim.master_weights, optim.zero1)."""
   cfg = plan_programs.PlanConfig.from_config_dict(plan_config.get_config("tiny"))
+  cfg = dataclasses.replace(cfg, master_weights=True, zero1=True)
+  assert cfg.dp > 1  # something to split over
   result = plan_programs.run_and_write(cfg, str(tmp_path))
   with open(os.path.join(tmp_path, "result.json")) as f:
     stored = json.load(f)
@@ -75,7 +82,7 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
 
   # The same update from real arrays: same argument bytes on device 0, same temp.
   mesh = plan_programs.train_mesh(cfg)
-  tx = plan_programs.make_optimizer(staged=cfg.pp > 1)
+  tx = plan_programs.make_optimizer(staged=cfg.pp > 1, master_weights=True)
   update, _ = plan_programs.make_update(cfg, mesh, tx, str(tmp_path))
   assert cfg.pp > 1  # the staged (pipelined) state is the one checked here
   args = _real_args(cfg, mesh, tx, update)
@@ -90,6 +97,13 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
   # inference's resident state (the trainer's optim.offload_during_rollout).
   moments = _device0_bytes([s.opt_state for s in args[:2]])
   assert train["optimizer_state_bytes"] == moments > 0
+  # Each leaf of the float32 copy (and so of each moment) is split over data = 2 at least
+  # beyond its parameter (the embedding and head, which the stages split but fsdp does not,
+  # over data x fsdp), but for the value head's one-element bias.
+  for state in args[:2]:
+    for p, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state.master)):
+      shard = lambda x: x.addressable_shards[0].data.size
+      assert shard(m) * cfg.dp <= shard(p) or p.size == 1, (p.shape, m.sharding)
   programs = result["programs"]
   plan_programs.beside_train_state(programs, 1.0, offload_optimizer=True)
   for name in ("decode", "inference"):

@@ -130,3 +130,41 @@ def test_float32_master_steps_bfloat16_weights_as_float32_ones():
   with pytest.raises(ValueError, match="needs the weights"):
     optim.float32_master(optim.make_optimizer(1e-6, 0, 100)).update(
         {"w": jnp.zeros(2)}, optim.float32_master(optax.sgd(1.0)).init({"w": jnp.zeros(2)}))
+
+
+def test_zero1_splits_each_state_leaf_over_the_axes_its_parameter_is_replicated_over():
+  """trainer/update.optimizer_state_shardings(zero1=True) (mesh.zero1_sharding): a moment or
+  master copy is split further over every axis its parameter is replicated over, each on the
+  dimension with the most elements per shard it divides; what no dimension takes stays
+  replicated; step counts are replicated. A jitted step on the split state gives the unsplit
+  one's weights."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  from rlhfuse_jax.trainer import update as update_lib
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, fsdp=2, tensor=2), jax.devices()[:8])
+  rng = np.random.default_rng(0)
+  specs = {"w": P("fsdp", None), "b": P("tensor"), "g": P()}
+  shapes = {"w": (8, 6), "b": (4,), "g": (3,)}
+  params = {k: jax.device_put(rng.normal(size=shapes[k]).astype(np.float32),
+                              NamedSharding(mesh, specs[k])) for k in specs}
+  tx = optim.float32_master(optim.make_optimizer(1e-2, 0, 10))
+  plain = update_lib.optimizer_state_shardings(tx, params, mesh)
+  split = update_lib.optimizer_state_shardings(tx, params, mesh, zero1=True)
+  # data -> w's dim 1 (6 per shard against 4), then tensor -> dim 0 (6 is not a multiple of 4)
+  want = {"w": P(("fsdp", "tensor"), "data"), "b": P(("tensor", "data")), "g": P(None)}
+  for k in specs:
+    assert split.master[k].spec == want[k] and plain.master[k].spec == specs[k], k
+    assert split.inner[1][0].mu[k].spec == want[k] and split.inner[1][0].nu[k].spec == want[k]
+  assert split.inner[1][0].count.spec == P()
+  grads = jax.tree.map(lambda p: p * 0.5 + 1.0, params)
+  out = {}
+  for name, shardings in (("plain", plain), ("zero1", split)):
+    state = jax.jit(tx.init, out_shardings=shardings)(params)
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p),
+                   out_shardings=(jax.tree.map(lambda p: p.sharding, params), shardings))
+    updates, state = step(grads, state, params)
+    out[name] = jax.device_get(optax.apply_updates(params, updates))
+    assert state.master["w"].addressable_shards[0].data.shape == (
+        (4, 6) if name == "plain" else (2, 3))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out["plain"],
+               out["zero1"])

@@ -330,6 +330,52 @@ def test_pipelined_run_resumes_bitwise(runs, tmp_path, monkeypatch):
   assert _deterministic(resumed[0]) == {"step": 2, **_deterministic(history[1])}
 
 
+def _shaped_bytes(tree, device):
+  """A device's bytes of `tree`'s arrays with a shape (not the step counts)."""
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) if x.ndim
+             for s in x.addressable_shards if s.device == device)
+
+
+def test_zero1_splits_the_optimizer_state_over_the_model_copies(runs, tmp_path):
+  """optim.zero1 (a field a resume may change): resumed from the fused run's first iteration
+  with the optimizer state split over data (2) and, for the critic, its 2 replicas, the second
+  iteration gives the same weights and state as the run without it, up to float rounding (the
+  gradient norm sums in another order); a device holds 1/2 of the actor's moments and 1/4 of
+  the critic's layers' of what it held."""
+  fused, history = runs["fused"]
+  PPOTrainer(fused.cfg, str(tmp_path / "wd"), mesh=fused.mesh).run(stop_after=1)
+  cfg = dataclasses.replace(fused.cfg, optim=dataclasses.replace(fused.cfg.optim, zero1=True))
+  second = PPOTrainer(cfg, str(tmp_path / "wd"), mesh=fused.mesh)
+  resumed = second.run()
+  assert [h["step"] for h in resumed] == [2]
+  def part(state, name):  # the state's leaves that mirror the parameters' `name` subtree
+    return [s.mu[name] for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(
+        x, "mu")) if hasattr(s, "mu")]
+  # Layer rows: over data (the actor), over data and the replicas (the critic); the embedding
+  # and the head, already split over all 4 stage devices: over data.
+  for name, part_name, ratio in (("actor", "layers", 2), ("actor", "embed", 2),
+                                 ("critic", "layers", 4), ("critic", "embed", 2)):
+    for d in fused.mesh.devices.flat:
+      assert (_shaped_bytes(part(getattr(second, name), part_name), d) * ratio ==
+              _shaped_bytes(part(getattr(fused, name), part_name), d)), (name, part_name, d)
+    # Each leaf's slices tile it: the state is split, not dropped.
+    for x in jax.tree.leaves(getattr(second, name).opt_state):
+      assert sum(s.data.size for s in x.addressable_shards if s.replica_id == 0) == x.size
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  jax.tree.map(close, _params(second), _params(fused))
+  for name in ("actor", "critic"):
+    jax.tree.map(close, jax.device_get(getattr(second, name).opt_state),
+                 jax.device_get(getattr(fused, name).opt_state))
+  want = {"step": 2, **_deterministic(history[1])}
+  got = _deterministic(resumed[0])
+  assert got.keys() == want.keys()
+  for k in want:
+    if isinstance(want[k], str):
+      assert got[k] == want[k], k
+    else:
+      np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 def test_resuming_under_another_pipeline_layout_names_the_fields(runs, tmp_path):
   """A checkpoint of whole models (mesh.stage=1) met by a pipelined run: a clear error."""
   plain, _ = runs["plain"]

@@ -138,6 +138,31 @@ def param_shardings(params: Any, logical_specs: Any, mesh: Mesh) -> Any:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def zero1_sharding(sharding: NamedSharding, shape: Sequence[int]) -> NamedSharding:
+  """ZeRO stage 1's placement of an optimizer-state leaf (a float32 copy, a moment) that mirrors
+  a parameter placed by `sharding`: split further over every mesh axis of size > 1 the
+  parameter is replicated over (its data-parallel copies, a pipelined critic's replicas), each
+  such axis on the dimension with the most elements per shard that it divides. These copies all
+  see the same gradients and take the same step, so each device can keep and step one slice of
+  the state; the update then gathers the stepped weights over those axes. An axis no dimension
+  divides (a norm gain on a large mesh) stays replicated."""
+  mesh = sharding.mesh
+  spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+  entries = [() if e is None else ((e,) if isinstance(e, str) else tuple(e)) for e in spec]
+  used = {a for e in entries for a in e}
+  for axis in mesh.axis_names:
+    size = mesh.shape[axis]
+    if size == 1 or axis in used:
+      continue
+    split = [math.prod(mesh.shape[a] for a in e) for e in entries]
+    fits = [k for k, dim in enumerate(shape) if dim % (split[k] * size) == 0]
+    if fits:
+      k = max(fits, key=lambda k: shape[k] // split[k])
+      entries[k] += (axis,)
+  spec = [None if not e else (e[0] if len(e) == 1 else e) for e in entries]
+  return NamedSharding(mesh, P(*spec), memory_kind=sharding.memory_kind)
+
+
 def _same_placement(x: Any, sharding: Any) -> bool:
   """Whether every device already holds exactly the shard of `x` that `sharding` gives it (e.g.
   a NamedSharding of fold_stage's mesh for an array on the training mesh)."""

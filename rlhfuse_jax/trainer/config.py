@@ -234,6 +234,11 @@ class OptimConfig:
   # step that (rl/optim.float32_master; the weights are its rounding). Mixed precision as the
   # simulator's memory model assumes (16 bytes a parameter with bf16 weights and gradients).
   master_weights: bool = False
+  # ZeRO stage 1: each model's optimizer state (AdamW moments, the float32 copy) split over the
+  # devices that hold the same parameters (the data axis; a pipelined critic's replicas) instead
+  # of repeated on each; the update gathers the stepped weights (parallel/mesh.zero1_sharding;
+  # docs/usage.md "Memory at scale"). The same values up to float rounding.
+  zero1: bool = False
 
   def __post_init__(self):
     _check(self.schedule_iterations >= 0, "optim.schedule_iterations", self.schedule_iterations,
@@ -627,6 +632,9 @@ RESUMABLE_FIELDS = frozenset({
     "rollout.steps_per_check",
     # Where the moments wait during the rollout: the same values come back (tested bitwise).
     "optim.offload_during_rollout",
+    # Where the optimizer state lives: restored into the new placement, the same values up to
+    # float rounding (the gradient norm sums in another order; tested).
+    "optim.zero1",
 })
 
 

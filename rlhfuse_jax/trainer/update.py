@@ -40,6 +40,18 @@ def skipped_updates(state: ModelState) -> jax.Array:
   return state.opt_state.total_notfinite
 
 
+def optimizer_state_shardings(tx: optax.GradientTransformation, params: Any,
+                              mesh: jax.sharding.Mesh, zero1: bool = False) -> Any:
+  """Shardings of `tx.init(params)` for placed `params` (arrays or ShapeDtypeStructs): leaves
+  that mirror a parameter (moments, float32_master's copy) are placed like it, or with `zero1`
+  split further over the axes it is replicated over (mesh.zero1_sharding); the rest (step
+  counts) replicated on `mesh`."""
+  place = mesh_lib.zero1_sharding if zero1 else (lambda sharding, shape: sharding)
+  return optax.tree_map_params(
+      tx, lambda s, p: place(p.sharding, s.shape), jax.eval_shape(tx.init, params), params,
+      transform_non_params=lambda _: mesh_lib.replicated(mesh))
+
+
 _NO_RESHARD = {"timing_s/reshard": 0.0, "perf/reshard_bytes": 0}
 
 
@@ -51,8 +63,10 @@ class Update:
   """
 
   def __init__(self, fn: Callable, *, txs: dict, actor_lr: Callable,
-               pipelined_update: Optional[pipelined.PipelinedUpdate] = None):
+               pipelined_update: Optional[pipelined.PipelinedUpdate] = None,
+               zero1: bool = False):
     self._fn, self._txs, self.actor_lr = fn, txs, actor_lr
+    self._zero1 = zero1
     self._pipelined = pipelined_update
     self._whole_shapes: dict = {}  # model -> whole parameters' ShapeDtypeStructs, placed
     self._reshard = dict(_NO_RESHARD)
@@ -84,7 +98,11 @@ class Update:
     self._whole_shapes[model] = mesh_lib.abstract(params)
     if self._pipelined is not None:
       params = self._pipelined.to_staged(model, params)
-    return ModelState(params, mesh_lib.commit_to_mesh(self._txs[model].init(params), mesh))
+    tx = self._txs[model]
+    if self._zero1:  # built in place, each device its slice (optim.zero1)
+      shardings = optimizer_state_shardings(tx, params, mesh, zero1=True)
+      return ModelState(params, jax.jit(tx.init, out_shardings=shardings)(params))
+    return ModelState(params, mesh_lib.commit_to_mesh(tx.init(params), mesh))
 
   def whole_shapes(self, model: str) -> Any:
     """ShapeDtypeStructs of `whole(model, ...)`, placed: what compiling generation needs."""
@@ -149,5 +167,5 @@ def make_update(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, use_critic: bool,
           txs.get("critic"))
   if is_pipelined:
     inner = pipelined.make_pipelined_update_fn(*args, mesh=mesh, config=cfg, workdir=workdir)
-    return Update(inner, txs=txs, actor_lr=actor_lr, pipelined_update=inner)
-  return Update(ppo.make_update_fn(*args, mesh=mesh), txs=txs, actor_lr=actor_lr)
+    return Update(inner, txs=txs, actor_lr=actor_lr, pipelined_update=inner, zero1=o.zero1)
+  return Update(ppo.make_update_fn(*args, mesh=mesh), txs=txs, actor_lr=actor_lr, zero1=o.zero1)
