@@ -121,15 +121,19 @@ def _gpu(c, grpo: bool) -> None:
   c.rollout.samples_per_prompt = 8 if grpo else 1  # 256 or 128 responses per iteration
   c.algo.minibatch_size = 64
   # 2 of each device's 8 samples through forward + backward at a time, the gradients accumulated
-  # (docs/usage.md "Memory at scale"): plan_check hf_gpu/qwen2.5-1.5b 19.8 GB per device; all 8
-  # at once (scanned) Llama-3.2-1B alone reads 59.1 GB.
+  # (docs/usage.md "Memory at scale"); all 8 at once (scanned) Llama-3.2-1B alone reads 59.1 GB
+  # per device (plan_check hf_gpu/llama3.2-1b --config.microbatch_size=8).
   c.algo.microbatch_size = 2
   # The weights gathered and the gradients reduced once per optimizer step, not per micro-batch:
   # plan_check hf_gpu/qwen2.5-1.5b counts 25 GB of collectives per device and step (>= 0.09 s
-  # on NVLink, below the dots' 0.24 s at peak) instead of 131 GB (0.53 s), at 43.6 GB per device.
+  # on NVLink, below the dots' 0.24 s at peak) instead of 131 GB (0.53 s), at 46.7 GB per device
+  # (with the float32 copy and moments of optim.master_weights; 2026-11-29 (v)).
   c.algo.gradient_sync = "once"
   c.algo.epochs = 1
   c.optim.actor_lr = 1e-6  # fine-tuning a pretrained model
   c.optim.critic_lr = 5e-6
   c.optim.warmup_steps = 10
+  # AdamW steps a float32 copy of the bfloat16 weights (at lr 1e-6 steps on the weights
+  # themselves mostly round away: docs/usage.md "GPU, TPU and many hosts").
+  c.optim.master_weights = True
   c.checkpoint.every = 20

@@ -54,12 +54,17 @@ MESHES = {
 
 
 # algo.microbatch_size per model size, from plan_check llama/<variant> --config.microbatch_size=k
-# on the smallest mesh (train step peak GB per device; collectives, s per step on H100s):
-#   7b   k=1 35.7, 4.3 s;  k=2 44.8, 2.2 s;  k=4 63.8, 1.1 s
-#   13b  k=1 18.4, 10.3 s; k=2 23.9, 5.4 s;  k=4 35.2, 3.0 s;  all 8 at once 76.6
-#   33b  k=1 42.1, 24.8 s; k=2 52.6, 13.0 s; k=4 74.6 (over 72)
-#   65b  k=1 44.1, 50.1 s; k=2 56.9, 26.2 s; k=4 83.0 (does not fit)
-MICROBATCH = {"7b": 4, "13b": 4, "33b": 2, "65b": 2}
+# on the smallest mesh (train step peak GB per device; collectives, s per step on H100s), with
+# the float32 copy and moments of optim.master_weights (2026-11-29 (v); without them, 2 + 4
+# bytes a parameter, 7b took 4 and 65b 2):
+#   7b   k=2 58.5, 2.2 s;  k=4 77.1 (over 72)
+#   13b  k=4 41.9, 3.0 s
+#   33b  k=2 68.8, 13.0 s
+#   65b  k=1 60.4, 50.1 s; k=2 73.3 (over 72)
+# A pair takes the smaller of its two sizes' unless PAIR_MICROBATCH measured it on its own mesh.
+MICROBATCH = {"7b": 2, "13b": 4, "33b": 2, "65b": 1}
+#   65b/33b (tensor 4, fsdp 16)  k=2 71.9, 10.5 s
+PAIR_MICROBATCH = {("65b", "33b"): 2}
 
 # `fused/<pair>`: the pipelined plan sim/training_sim.best_plan picks for the RLHFuse paper's
 # pairs on 256 H100s (whole layers per stage, read 2026-11-26 (h); configs/plan_check.py's paper
@@ -130,10 +135,11 @@ def get_config(arg: str = "13b"):
   c.plan.generation_tp = tensor
   # Scoring on a freed instance in micro-batches of 8 samples (0 would take all its slots).
   c.fusion.inference_micro_batch = 8
-  # The AdamW moments wait in host memory while the instances generate: their KV caches (64
-  # slots each at the smallest device counts) fill what the moments held. On the smallest
-  # meshes decode + training state is 76.4 GB per device for 7B and 75.1 GB for 65B/33B with
-  # the moments on the devices, 69.8 and 69.0 GB without (plan_check llama/<variant>).
+  # The optimizer state waits in host memory while the instances generate: their KV caches (64
+  # slots each at the smallest device counts) fill what that state held. On the smallest
+  # meshes decode + training state is 89.8 GB per device for 7B and 87.3 GB for 65B/33B with
+  # the optimizer state (float32 copy and moments) on the devices, 69.8 and 69.0 GB without
+  # (plan_check llama/<variant>, 2026-11-29 (v)).
   c.optim.offload_during_rollout = True
 
   c.data.max_prompt_len = 512  # prompt bucket (right-padded)
@@ -150,10 +156,15 @@ def get_config(arg: str = "13b"):
   # (MICROBATCH: the most that leave 10 % of 80 GB free at the smallest device counts, where a
   # data shard holds 8 of the 64, or 4 for 65B/33B). Each micro-batch gathers the fsdp-split
   # weights and reduces the gradients again, so fewer, larger ones spend less time on the links.
-  c.algo.microbatch_size = min(MICROBATCH[actor], MICROBATCH[critic])
+  c.algo.microbatch_size = PAIR_MICROBATCH.get((actor, critic),
+                                               min(MICROBATCH[actor], MICROBATCH[critic]))
   c.algo.epochs = 1  # one PPO epoch over the rollout per iteration
   c.optim.actor_lr = 1e-6  # small learning rates: fine-tuning a pretrained model
   c.optim.critic_lr = 5e-6
+  # AdamW steps a float32 copy of the bfloat16 weights with float32 moments (at lr 1e-6 steps
+  # on the weights themselves mostly round away: docs/usage.md "GPU, TPU and many hosts").
+  # fsdp x tensor already split that state; optim.zero1 (also over data) is the fused presets'.
+  c.optim.master_weights = True
   c.optim.warmup_steps = 10
   c.checkpoint.every = 10
   c.checkpoint.keep = 2
@@ -177,6 +188,10 @@ def _fused(c, pair: str):
   c.pipeline.actor_microbatches = 0  # one row each: fits every data-parallel size
   c.pipeline.critic_microbatches = 0
   c.fusion.intra_stage = True
+  # The optimizer state (float32 copy and moments) split over data and the critic's replicas
+  # (ZeRO-1, as the simulator's plans assume): without it 65b/33b's critic state, whole on each
+  # of its 4 replicas, would not fit beside the actor's (plan_check llama/fused/65b/33b).
+  c.optim.zero1 = True
   return c
 
 

@@ -271,8 +271,11 @@ def test_mesh_generation_config_errors_and_llama_presets():
     run, plan = ppo_llama.get_config(variant), plan_config.get_config(f"llama/{variant}")
     assert (plan.pp, plan.tp, plan.fsdp, plan.dp) == (1, run.mesh.tensor, run.mesh.fsdp, 1)
     assert (plan.minibatch_size, plan.microbatch_size) == (64, run.algo.microbatch_size)
-    assert plan.microbatch_size == min(ppo_llama.MICROBATCH[m]
-                                       for m in ppo_llama.parse_variant(variant))
+    # The GPU presets' optimizer: a float32 copy of the bfloat16 weights; split over data in
+    # the fused presets only.
+    assert plan.master_weights is run.optim.master_weights is True
+    assert plan.zero1 is run.optim.zero1 is False
+    assert plan_config.get_config(f"llama/fused/{variant}").zero1 is True
     assert plan.seq_len == run.data.max_prompt_len + run.rollout.max_new_tokens
     # Generation on instances of `tensor` devices, the batch dealt over them; moments offloaded.
     instances = plan.tp * plan.fsdp // run.plan.generation_tp
