@@ -46,7 +46,8 @@ PIPELINED = {"mesh.stage": 2, "mesh.data": 4, "fusion.intra_stage": True,
 
 def test_two_processes_match_one_process(tmp_path):
   """The pipelined update with the fused schedule (PIPELINED) on 2 processes x 4 devices equals
-  one process on the same mesh, with the optimizer states moved to host memory during the
+  one process on the same mesh, with the optimizer states split over data (optim.zero1: each
+  process builds, saves, restores and steps its own slices) and moved to host memory during the
   2-process run's rollouts
   (optim.offload_during_rollout: each process moves its own shards), and a SIGTERM that reaches
   only process 1 mid-run: both processes stop after the same iteration, save, exit 75 (before
@@ -55,7 +56,7 @@ def test_two_processes_match_one_process(tmp_path):
   wd = str(tmp_path / "mp")
   env = subprocess_env(PYTHON=sys.executable)  # this interpreter, whatever `python` on PATH is
   cmd = ["bash", "launch/local_multiprocess.sh", "2", "4", wd, "--config.num_iterations=6",
-         "--config.optim.offload_during_rollout=True", *SMALL,
+         "--config.optim.offload_during_rollout=True", "--config.optim.zero1=True", *SMALL,
          *(f"--config.{k}={v}" for k, v in PIPELINED.items())]
   logs = lambda: "".join(open(f"{wd}.proc{i}.log").read()[-2000:] for i in range(2))
   metrics = os.path.join(wd, "metrics.jsonl")
@@ -105,6 +106,13 @@ def test_two_processes_match_one_process(tmp_path):
 
   assert [r["step"] for r in multi] == [1, 2, 3, 4, 5, 6]
   assert all(r["perf/optimizer_offload_bytes"] > 0 for r in multi)
+  # zero1 split the state over data = 4: a device moves well under half of what a device of
+  # the one-process run (no zero1) holds.
+  device = single.mesh.devices.flat[0]
+  held = sum(sh.data.nbytes for m in (single.actor, single.critic)
+             for x in jax.tree.leaves(m.opt_state) for sh in x.addressable_shards
+             if sh.device == device)
+  assert all(r["perf/optimizer_offload_bytes"] < held / 2 for r in multi), held
   assert not any("perf/optimizer_offload_bytes" in r for r in history)
   for a, b in zip(multi, history):
     assert a["gen/response_lengths"] == b["gen/response_lengths"]
