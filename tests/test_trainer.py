@@ -2,6 +2,7 @@
 exactness: tests/test_faults.py.)"""
 import dataclasses
 import logging
+import re
 import os
 
 import jax
@@ -383,13 +384,21 @@ def test_weights_trained_in_bfloat16_are_warned_about(caplog):
             ] == fields, caplog.text
 
 
-def test_master_weights_train_bfloat16_weights_from_a_float32_copy(tmp_path):
+def test_master_weights_train_bfloat16_weights_from_a_float32_copy(tmp_path, caplog):
   """optim.master_weights: the trainer's bfloat16 weights are, after every update, its
-  optimizer's float32 copy rounded, for the actor and the critic."""
+  optimizer's float32 copy rounded, for the actor and the critic. The set-up log says what a
+  device holds: the copy and two float32 moments are 6x the bfloat16 weights."""
   cfg = tiny_config(num_iterations=2, **{"model.param_dtype": "bfloat16",
                                          "critic_model.param_dtype": "bfloat16",
                                          "optim.master_weights": True})
-  trainer = PPOTrainer(cfg, str(tmp_path))
+  with caplog.at_level(logging.INFO):
+    trainer = PPOTrainer(cfg, str(tmp_path))
+  for name in ("actor", "critic"):
+    line = re.search(rf"setup: {name} on .*: weights ([0-9.e-]+) GB, optimizer state ([0-9.e-]+) GB "
+                     r"\(a float32 copy\)", caplog.text)
+    assert line, caplog.text
+    weights, state = (float(x) for x in line.groups())
+    assert weights > 0 and abs(state / weights - 6) < 0.05, (name, weights, state)
   trainer.run()
   for state in (trainer.actor, trainer.critic):
     master = state.opt_state.master

@@ -175,6 +175,7 @@ class PPOTrainer:
     self.critic = (self.update.init_state("critic", models.critic, self.mesh)
                    if self.use_critic else None)
     models.actor = models.critic = None  # the update's states hold them now (staged: a copy)
+    self._log_state_bytes(cfg)
     self._offload = {"timing_s/optimizer_offload": 0.0, "perf/optimizer_offload_bytes": 0}
     # The fused stage (and plan.generation='instances', its machinery) keeps the frozen models
     # in host memory (§2).
@@ -217,6 +218,22 @@ class PPOTrainer:
     self.checkpoints.state_fn = self._state
     self.checkpoints.meta_fn = self._meta
     self._compiled_update = False  # the first update call (compiles) is timed and logged
+
+  def _log_state_bytes(self, cfg: TrainConfig) -> None:
+    """Logs what one device holds of each trained model: weights and optimizer state (the
+    figures plan_check's train_step arguments predict; docs/usage.md "Memory at scale")."""
+    device = mesh_lib.first_local_device(self.mesh)
+    held = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree)
+                            for s in x.addressable_shards if s.device == device) / 1e9
+    o = cfg.optim
+    layout = ", ".join(what for what, on in (("a float32 copy", o.master_weights),
+                                             ("split over data (zero1)", o.zero1)) if on)
+    for name in ("actor", "critic"):
+      state = getattr(self, name)
+      if state is not None:
+        logging.info("setup: %s on %s: weights %.4g GB, optimizer state %.4g GB%s", name,
+                     device, held(state.params), held(state.opt_state),
+                     f" ({layout})" if layout else "")
 
   @staticmethod
   def _warn_unused_async_fields(cfg: TrainConfig) -> None:
