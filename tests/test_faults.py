@@ -86,6 +86,35 @@ def test_nonfinite_gradients_stop_or_are_skipped(tmp_path):
   assert all(np.isfinite(h["actor/pg_loss"]) for h in history)  # means over finite steps
 
 
+def test_a_skipped_step_leaves_bfloat16_weights_and_their_float32_copy(tmp_path):
+  """guard.on_nonfinite="skip_update" with optim.master_weights on bfloat16 weights (the GPU
+  presets' optimizer): the skipped step leaves the weights and the copy as they were, and the
+  weights stay the copy rounded. (The guard once sat outside the copy's step: its skip branch
+  returned bfloat16 zeros against the step's float32 updates, and the first update failed.)"""
+  cfg = tiny_config(num_iterations=1, **{
+      "guard.on_nonfinite": "skip_update", "optim.master_weights": True,
+      "model.param_dtype": "bfloat16", "critic_model.param_dtype": "bfloat16"})
+  trainer = PPOTrainer(cfg, str(tmp_path))
+  _poison_update(trainer, 2, "grads")
+  seen, step = [], trainer.update._fn
+
+  def spy(actor, critic, mb):
+    seen.append(jax.device_get((actor.params, actor.opt_state.master)))
+    out = step(actor, critic, mb)
+    seen.append(jax.device_get((out[0].params, out[0].opt_state.master)))
+    return out
+  trainer.update._fn = spy
+  history = trainer.run()
+  assert [h["guard/skipped_updates"] for h in history] == [1]
+  before, after = seen[2], seen[3]  # around the second (poisoned) step
+  jax.tree.map(np.testing.assert_array_equal, after, before)
+  # The third step (the first is at the warm-up's learning rate 0) moved the copy.
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(seen[4][1]),
+                                                      jax.tree.leaves(seen[5][1])))
+  params, master = jax.device_get((trainer.actor.params, trainer.actor.opt_state.master))
+  jax.tree.map(lambda p, m: np.testing.assert_array_equal(p, m.astype(p.dtype)), params, master)
+
+
 def test_nonfinite_weights_in_a_checkpoint_name_the_file_and_tensor(tmp_path):
   src = os.path.join(FIXTURES, "tiny_qwen2")
   dst = str(tmp_path / "ckpt")

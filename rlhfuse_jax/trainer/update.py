@@ -37,7 +37,10 @@ def guard_tx(cfg: TrainConfig, tx: optax.GradientTransformation
 
 def skipped_updates(state: ModelState) -> jax.Array:
   """Optimizer steps skipped so far (guard.on_nonfinite="skip_update" states only)."""
-  return state.opt_state.total_notfinite
+  opt = state.opt_state
+  if isinstance(opt, optim.MasterState):  # the guard runs inside the float32 copy's step
+    opt = opt.inner
+  return opt.total_notfinite
 
 
 def optimizer_state_shardings(tx: optax.GradientTransformation, params: Any,
@@ -154,9 +157,12 @@ def make_update(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, use_critic: bool,
   actor_tx, actor_lr = optim.make_optimizer(o.actor_lr, warmup, total, o.min_lr_ratio,
                                             o.weight_decay, o.grad_clip, return_schedule=True,
                                             **decay_mask)
-  txs = {"actor": guard_tx(cfg, master(actor_tx))}
+  # The guard inside the float32 copy's step: its skipped step returns float32 zeros, as the
+  # copy's step does (outside, it returned zeros in the weights' 16-bit dtype: a jax.lax.cond
+  # whose branches differ in type).
+  txs = {"actor": master(guard_tx(cfg, actor_tx))}
   if use_critic:
-    txs["critic"] = guard_tx(cfg, master(optim.make_optimizer(o.critic_lr, warmup, total,
+    txs["critic"] = master(guard_tx(cfg, optim.make_optimizer(o.critic_lr, warmup, total,
                                                               o.min_lr_ratio, o.weight_decay,
                                                               o.grad_clip, **decay_mask)))
   # Log-probs use the sampling temperature, as generation's behaviour log-probs do (rollouts
