@@ -127,6 +127,11 @@ def test_float32_master_steps_bfloat16_weights_as_float32_ones():
   moved = lambda x: float(np.mean(np.asarray(x, np.float32) != w))
   assert moved(runs["float32"][0]) > 0.99 and moved(runs["plain"][0]) < 0.05
   assert moved(runs["master"][0]) > 2 * moved(runs["plain"][0])
+  # A copy even of float32 weights: the update donates weights and state, and one buffer in
+  # both would be donated twice.
+  p = {"w": jnp.ones(4)}
+  copy = optim.float32_master(optax.sgd(1.0)).init(p).master["w"]
+  assert copy.unsafe_buffer_pointer() != p["w"].unsafe_buffer_pointer()
   with pytest.raises(ValueError, match="needs the weights"):
     optim.float32_master(optim.make_optimizer(1e-6, 0, 100)).update(
         {"w": jnp.zeros(2)}, optim.float32_master(optax.sgd(1.0)).init({"w": jnp.zeros(2)}))

@@ -90,7 +90,9 @@ def float32_master(inner: optax.GradientTransformation) -> optax.GradientTransfo
   weight and master are within a factor of 2 of each other: Sterbenz's lemma)."""
 
   def init(params):
-    master = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+    # A copy even of float32 weights (jnp.asarray would return the same buffer, which the
+    # update, donating both, would then donate twice).
+    master = jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), params)
     return MasterState(master, inner.init(master))
 
   def update(grads, state, params=None):
