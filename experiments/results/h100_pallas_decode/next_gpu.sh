@@ -53,21 +53,24 @@ python3 -c "import jax; print(jax.devices()[0].memory_stats())" >> $R/nvidia_smi
   experiments.plan_check --config=configs/plan_check.py:7b_host8 --config.attention=auto \
   --config.layers=8 --workdir=$R/plan_gpu8 >> $L 2>&1
 # 7. optim.offload_during_rollout's moves on this GPU (PCIe): docs/usage.md "Memory at scale"
-#    assumes >= 0.38 s for 65B/33B's 2 x 12.3 GB at 64 GB/s; this measures the GB/s each way.
+#    assumes >= 0.14 s for 65B/33B's 2 x 4.6 GB at 64 GB/s (float32 copy and moments, split by
+#    zero1, since 2026-11-29 (v)); this measures the GB/s each way.
 [[ $STEPS == *7* ]] && date >> $L && GB=8 timeout 60 python3 \
   experiments/results/h100_pallas_decode/offload_probe.py > $R/offload.json 2>> $L &&
   cat $R/offload.json >> $L
-# 8. The ppo_llama 7B preset as its trainer runs it (scanned layers, 4 samples per micro-batch,
-#    generation and scoring on 8 one-GPU instances, moments offloaded meanwhile) compiled for 8
-#    H100s (mock topology, as step 6). CPU, 2026-11-28 (l), same command without the variable:
-#    train_step arg 10.01 / temp 53.79 / peak 63.80 GB, repl 1.06; decode 65.02 / 1.41 / 66.42
-#    (69.76 with the state); inference 13.48 / 1.95 / 15.42. Second call: STEPS=23489.
+# 8. The ppo_llama 7B preset as its trainer runs it (scanned layers, 2 samples per micro-batch,
+#    a float32 copy and moments of the bf16 weights, generation and scoring on 8 one-GPU
+#    instances, the optimizer state offloaded meanwhile) compiled for 8 H100s (mock topology, as
+#    step 6). CPU, 2026-11-29 (v), same command without the variable: train_step arg 23.36 /
+#    temp 35.09 / peak 58.45 GB, repl 1.03; decode 65.02 / 1.41 / 66.42 (69.76 with the state);
+#    inference 13.48 / 2.25 / 15.73. Second call: STEPS=23489.
 [[ $STEPS == *8* ]] && date >> $L && JAX_MOCK_GPU_TOPOLOGY=1x8x1 timeout 200 python3 -m \
   experiments.plan_check --config=configs/plan_check.py:llama/7b --config.attention=auto \
   --workdir=$R/plan_llama7b_gpu8 >> $L 2>&1
-# 9. The fused 13B preset (pipelined: 8 stages x tensor 4, the searched fused schedule) for 32
-#    H100s. CPU, 2026-11-28 (l): train_step arg 5.13 / temp 16.36 / peak 21.49 GB, repl 2.27,
-#    collectives 237.10 GB; decode 26.64 / 0.49 / 27.13 (28.84 with the state)
+# 9. The fused 13B preset (pipelined: 8 stages x tensor 4, the searched fused schedule, the
+#    float32 optimizer state split by zero1) for 32 H100s. CPU, 2026-11-29 (v): train_step arg
+#    11.41 / temp 16.36 / peak 27.77 GB, repl 2.22, collectives 237.34 GB; decode 26.64 / 0.49 /
+#    27.13 (28.84 with the state)
 #    (docs/results.md "Fused presets"). Compare the collective bytes (CPU <= 2x GPU expected).
 [[ $STEPS == *9* ]] && date >> $L && JAX_MOCK_GPU_TOPOLOGY=1x32x1 timeout 300 python3 -m \
   experiments.plan_check --config=configs/plan_check.py:llama/fused/13b \
