@@ -45,7 +45,8 @@ def test_plan_file_round_trip(tmp_path):
   from_file = tiny_config(**{"plan.file": path})
   by_hand = tiny_config(**{"plan.generation": "pipeline", "plan.generation_pp": 2,
                            "plan.generation_groups": 4, "plan.inference_tp": 2,
-                           "mesh.tensor": 2, "mesh.stage": 2, "pipeline.critic_pp": 1})
+                           "mesh.tensor": 2, "mesh.stage": 2, "pipeline.critic_pp": 1,
+                           "optim.zero1": True})
   assert from_file == dataclasses.replace(by_hand, plan=dataclasses.replace(by_hand.plan,
                                                                             file=path))
   # The path is not part of the fingerprint (what it sets is).

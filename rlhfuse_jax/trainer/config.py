@@ -735,7 +735,8 @@ def load_plan_file(path: str) -> dict:
 def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, str], tuple]:
   """{(section, field): (value, the plan file's key)}: what a plan file sets. Training's
   colocated (tp, actor_pp, critic_pp) maps onto mesh.tensor, mesh.stage and pipeline.critic_pp
-  (mesh.data takes the remaining devices); a disjoint placement is refused. An asynchronous
+  (mesh.data takes the remaining devices), and optim.zero1 is on (the simulator's memory check
+  assumes it); a disjoint placement is refused. An asynchronous
   plan's split ("async": generation_devices, staleness) maps onto config.async_ppo."""
   gen, inf, train = plan["generation"], plan["inference"], plan["training"]
   where = f"config.plan.file={path!r}"
@@ -767,6 +768,9 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
   elif critic_pp != 1:
     raise ValueError(f"{where}: training.critic_pp={critic_pp} with training.actor_pp=1; the "
                      "trainer pipelines the critic only over the actor's stage axis")
+  # The simulator's memory check counts the optimizer state split over data (ZeRO-1,
+  # sim/cost_model.train_memory_bytes): the plan fits only so.
+  out["optim", "zero1"] = (True, "training (its memory check assumes ZeRO-1)")
   # An asynchronous plan (plan_search with sim.staleness >= 1) splits the devices: generation
   # and inference on the first generation_devices, training (the layouts above) on the rest.
   a = plan.get("async")
