@@ -373,7 +373,8 @@ def test_weights_trained_in_bfloat16_are_warned_about(caplog):
                              ["model", "critic_model"]),
                             ({"model.param_dtype": "bfloat16",
                               "critic_model.param_dtype": "bfloat16",
-                              "optim.master_weights": True}, [])):
+                              "optim.master_weights": True}, []),
+                            ({"optim.master_weights": True}, [])):
     cfg = tiny_config(**overrides)
     _, tokenizer = build.build_task_and_tokenizer(cfg)
     caplog.clear()
@@ -382,6 +383,10 @@ def test_weights_trained_in_bfloat16_are_warned_about(caplog):
     assert [f for f in ("model", "critic_model")
             if f"config.{f}.param_dtype='bfloat16' trains the weights themselves" in caplog.text
             ] == fields, caplog.text
+    # A float32 copy of float32 weights is only memory: said, naming the model.
+    wasted = "config.optim.master_weights=True with config.model.param_dtype='float32'"
+    assert (wasted in caplog.text) == (overrides.get("optim.master_weights", False) and
+                                       overrides.get("model.param_dtype") != "bfloat16")
 
 
 def test_master_weights_train_bfloat16_weights_from_a_float32_copy(tmp_path, caplog):

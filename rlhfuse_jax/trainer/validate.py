@@ -97,6 +97,15 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
         "generation and inference) or config.%s.param_dtype='float32' (computation still in "
         "dtype=%r)", section, model.param_dtype, lr,
         0.02 * 2.0 ** -(jnp.finfo(model.param_dtype).nmant + 1), section, model.dtype)
+  if cfg.optim.master_weights:
+    models = [("model", cfg.model)] + ([("critic_model", cfg.critic_model)]
+                                       if adv_lib.needs_critic(cfg.algo.estimator) else [])
+    wide = [f"config.{s}.param_dtype={m.param_dtype!r}" for s, m in models
+            if jnp.finfo(m.param_dtype).bits > 16]
+    if wide:  # float32_master's copy of float32 weights: the same values twice
+      logging.warning("config.optim.master_weights=True with %s: the float32 copy of weights "
+                      "already in float32 adds 4 bytes a parameter and no precision; it is "
+                      "for 16-bit weights", ", ".join(wide))
   unused = _critic_free_unused(cfg)
   if unused:
     logging.warning("config.%s not used: algo.estimator=%r trains no critic and computes its "
