@@ -269,11 +269,16 @@ def make_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoCo
 
     def value_and_grads(loss_fn, cfg, params, sharding, mb):
       count = microbatch_count(algo, mb["mask"].shape[0], shards)
+      param_sh = _param_shardings(sharding)
       if count == 1:
         (_, m), g = jax.value_and_grad(loss_fn, argnums=2, has_aux=True)(cfg, loss_cfg, params,
                                                                           mb)
+        # Reduced to the parameters' placement in their dtype: with the optimizer state split
+        # further (optim.zero1) XLA otherwise reduced them in the optimizer's float32, over
+        # other groups (plan_check, 7B on 32 devices: 0.81 -> 2.66 s of collectives).
+        if param_sh is not None:
+          g = jax.tree.map(jax.lax.with_sharding_constraint, g, param_sh)
         return m, g
-      param_sh = _param_shardings(sharding)
       if algo.gradient_sync == "once" and mesh is not None and param_sh is not None:
         return _accumulated_once(loss_fn, cfg, loss_cfg, params, param_sh, mb, count, shards,
                                  mesh)
