@@ -46,6 +46,7 @@ ABSL_FLAGS = {"help", "helpfull", "helpshort", "flagfile", "logtostderr", "alsol
 _COMMAND = re.compile(r"python3? -m experiments\.(\w+)")
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 _PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*([/.].*)?$")  # DIR, OUT, BG, DIR/schedule.json
+_CONFIG_FILE = re.compile(r"^configs/[\w/.-]+\.py(:.*)?$")
 
 
 def _doc_files() -> list[str]:
@@ -185,41 +186,48 @@ def check_command(cmd: Command) -> list[str]:
   problems = []
   names, bools = binary_flags(cmd.module)
   parsed = list(_parse_args(cmd.args))
-  config = None
+  # Config flags: --config, and any other flag given a config file (plan_check's --run_config);
+  # each may be followed by --<flag>.<field>=... overrides.
+  config_flags = {"config"} | {n for n, v in parsed
+                               if n in names and v and _CONFIG_FILE.match(v)}
+  configs = {}
   for name, value in parsed:
-    if name != "config":
+    if name not in config_flags:
       continue
     if value is None:
-      problems.append(f"{where}: --config without a value")
+      problems.append(f"{where}: --{name} without a value")
       continue
     path, _, variant = value.partition(":")
     if not os.path.exists(os.path.join(ROOT, path)):
-      problems.append(f"{where}: --config={value}: no file {path}")
+      problems.append(f"{where}: --{name}={value}: no file {path}")
       continue
     try:
       module = _load_module(path)
-      if cmd.module == "sweep":
+      if cmd.module == "sweep" and name == "config":
         if not hasattr(module, "get_sweep"):
           problems.append(f"{where}: --config={value}: {path} defines no get_sweep()")
-        config = module.get_config()
+        configs[name] = module.get_config()
       else:
-        config = module.get_config(variant) if variant else module.get_config()
+        configs[name] = module.get_config(variant) if variant else module.get_config()
     except Exception as e:  # pylint: disable=broad-except
-      problems.append(f"{where}: --config={value}: get_config({variant!r}) raised "
+      problems.append(f"{where}: --{name}={value}: get_config({variant!r}) raised "
                       f"{type(e).__name__}: {e}")
       continue
-    if not isinstance(config, ml_collections.ConfigDict):
-      problems.append(f"{where}: --config={value}: get_config returned {type(config).__name__}")
-      config = None
+    if not isinstance(configs[name], ml_collections.ConfigDict):
+      problems.append(f"{where}: --{name}={value}: get_config returned "
+                      f"{type(configs[name]).__name__}")
+      del configs[name]
   for name, value in parsed:
-    if name == "config":
+    if name in config_flags:
       continue
-    if name.startswith("config."):
+    flag, dot, rest = name.partition(".")
+    if dot and flag in config_flags:
+      config = configs.get(flag)
       if config is None:
-        problems.append(f"{where}: --{name} but no loadable --config=configs/....py")
+        problems.append(f"{where}: --{name} but no loadable --{flag}=configs/....py")
         continue
       try:
-        field = _field(config, name[len("config."):])
+        field = _field(config, rest)
       except KeyError as e:
         problems.append(f"{where}: --{name}: {e.args[0]}")
         continue
