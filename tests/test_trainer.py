@@ -399,8 +399,8 @@ def test_master_weights_train_bfloat16_weights_from_a_float32_copy(tmp_path, cap
   with caplog.at_level(logging.INFO):
     trainer = PPOTrainer(cfg, str(tmp_path))
   for name in ("actor", "critic"):
-    line = re.search(rf"setup: {name} on .*: weights ([0-9.e-]+) GB, optimizer state ([0-9.e-]+) GB "
-                     r"\(a float32 copy\)", caplog.text)
+    line = re.search(rf"setup: {name} on .*: weights ([0-9.e-]+) GB, optimizer state "
+                     r"([0-9.e-]+) GB \(a float32 copy\)", caplog.text)
     assert line, caplog.text
     weights, state = (float(x) for x in line.groups())
     assert weights > 0 and abs(state / weights - 6) < 0.05, (name, weights, state)

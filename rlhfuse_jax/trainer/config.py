@@ -236,8 +236,9 @@ class OptimConfig:
   master_weights: bool = False
   # ZeRO stage 1: each model's optimizer state (AdamW moments, the float32 copy) split over the
   # devices that hold the same parameters (the data axis; a pipelined critic's replicas; fsdp,
-  # tensor or stage for a leaf they leave whole) instead of repeated on each; the update gathers the stepped weights (parallel/mesh.zero1_sharding;
-  # docs/usage.md "Memory at scale"). The same values up to float rounding.
+  # tensor or stage for a leaf they leave whole) instead of repeated on each; the update
+  # gathers the stepped weights (parallel/mesh.zero1_sharding; docs/usage.md "Memory at
+  # scale"). The same values up to float rounding.
   zero1: bool = False
 
   def __post_init__(self):
