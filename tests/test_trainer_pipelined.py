@@ -330,12 +330,6 @@ def test_pipelined_run_resumes_bitwise(runs, tmp_path, monkeypatch):
   assert _deterministic(resumed[0]) == {"step": 2, **_deterministic(history[1])}
 
 
-def _shaped_bytes(tree, device):
-  """A device's bytes of `tree`'s arrays with a shape (not the step counts)."""
-  return sum(s.data.nbytes for x in jax.tree.leaves(tree) if x.ndim
-             for s in x.addressable_shards if s.device == device)
-
-
 def test_zero1_splits_the_optimizer_state_over_the_model_copies(runs, tmp_path):
   """optim.zero1 (a field a resume may change): resumed from the fused run's first iteration
   with the optimizer state split over data (2) and, for the critic, its 2 replicas, the second
@@ -356,8 +350,8 @@ def test_zero1_splits_the_optimizer_state_over_the_model_copies(runs, tmp_path):
   for name, part_name, ratio in (("actor", "layers", 2), ("actor", "embed", 2),
                                  ("critic", "layers", 4), ("critic", "embed", 2)):
     for d in fused.mesh.devices.flat:
-      assert (_shaped_bytes(part(getattr(second, name), part_name), d) * ratio ==
-              _shaped_bytes(part(getattr(fused, name), part_name), d)), (name, part_name, d)
+      assert (_device_bytes(part(getattr(second, name), part_name), d) * ratio ==
+              _device_bytes(part(getattr(fused, name), part_name), d)), (name, part_name, d)
     # Each leaf's slices tile it: the state is split, not dropped.
     for x in jax.tree.leaves(getattr(second, name).opt_state):
       assert sum(s.data.size for s in x.addressable_shards if s.replica_id == 0) == x.size

@@ -41,15 +41,20 @@ def _critic_free_unused(cfg: TrainConfig) -> list[str]:
   return out
 
 
-def _low_precision_trained(cfg: TrainConfig) -> list[tuple[str, Any, float]]:
-  """(section, model config, learning rate) of each trained model whose weights are a 16-bit
-  float."""
-  if cfg.optim.master_weights:  # stepped in float32 (rl/optim.float32_master)
-    return []
+def _trained_models(cfg: TrainConfig) -> list[tuple[str, Any, float]]:
+  """(section, model config, learning rate) of each model the run trains."""
   out = [("model", cfg.model, cfg.optim.actor_lr)]
   if adv_lib.needs_critic(cfg.algo.estimator):
     out.append(("critic_model", cfg.critic_model, cfg.optim.critic_lr))
-  return [(s, m, lr) for s, m, lr in out if jnp.finfo(m.param_dtype).bits == 16]
+  return out
+
+
+def _low_precision_trained(cfg: TrainConfig) -> list[tuple[str, Any, float]]:
+  """_trained_models' entries whose weights are a 16-bit float."""
+  if cfg.optim.master_weights:  # stepped in float32 (rl/optim.float32_master)
+    return []
+  return [(s, m, lr) for s, m, lr in _trained_models(cfg)
+          if jnp.finfo(m.param_dtype).bits == 16]
 
 
 def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
@@ -98,9 +103,7 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
         "dtype=%r)", section, model.param_dtype, lr,
         0.02 * 2.0 ** -(jnp.finfo(model.param_dtype).nmant + 1), section, model.dtype)
   if cfg.optim.master_weights:
-    models = [("model", cfg.model)] + ([("critic_model", cfg.critic_model)]
-                                       if adv_lib.needs_critic(cfg.algo.estimator) else [])
-    wide = [f"config.{s}.param_dtype={m.param_dtype!r}" for s, m in models
+    wide = [f"config.{s}.param_dtype={m.param_dtype!r}" for s, m, _ in _trained_models(cfg)
             if jnp.finfo(m.param_dtype).bits > 16]
     if wide:  # float32_master's copy of float32 weights: the same values twice
       logging.warning("config.optim.master_weights=True with %s: the float32 copy of weights "
