@@ -32,7 +32,7 @@ PAPER_PAIRS = {
     "7b/7b": {"gen_tp": 8, "gen_slots": 256},
     "13b/13b": {"gen_tp": 8, "gen_slots": 256},
     # gen_plan gives the KV cache 90 % of HBM less the actor's weights; beside the training
-    # state these two pairs' slots fit only with the AdamW moments in host memory while the
+    # state these two pairs' slots fit only with the optimizer state in host memory while the
     # instances run (the trainer's optim.offload_during_rollout; docs/results.md "Plan check").
     "33b/13b": {"gen_tp": 4, "gen_slots": 68, "offload_optimizer": True},
     "65b/33b": {"gen_tp": 8, "gen_slots": 82, "offload_optimizer": True},
@@ -249,7 +249,7 @@ def get_config(arg: str = "tiny"):
   # as configured compiles smaller (an XLA:CPU that does not hoist: experiments/plan_programs.py);
   # as_compiled keeps the plain compile's figures.
   c.cpu_upcast = "per_layer"
-  # True: the trainer's optim.offload_during_rollout (the AdamW moments in host memory while the
+  # True: the trainer's optim.offload_during_rollout (the optimizer state in host memory while the
   # instances generate and score): decode's and inference's fit counts the parameters only.
   c.offload_optimizer = False
   # The trainer's optim.master_weights: AdamW steps a float32 copy of the 16-bit weights, with

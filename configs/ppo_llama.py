@@ -18,7 +18,7 @@ Check a preset's memory before renting the GPUs (compiled from shapes on CPU, a 
   python -m experiments.plan_check --config=configs/plan_check.py:llama/13b --workdir=/tmp/pc13b
 
 Generation and scoring run on instances of `tensor` devices (config.plan.generation), with the
-AdamW moments in host memory while they run (config.optim.offload_during_rollout): docs/usage.md
+optimizer state in host memory while they run (config.optim.offload_during_rollout): docs/usage.md
 "Memory at scale" and "Communication at scale".
 
 Every field of configs/ppo_tiny.py is present (this file starts from it). Real runs also set

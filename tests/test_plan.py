@@ -19,7 +19,7 @@ from rlhfuse_jax.sim import iteration_sim, plan_search
 from rlhfuse_jax.sim.cost_model import CostModel
 from rlhfuse_jax.sim.hardware import get_hardware
 from rlhfuse_jax.trainer import build, rollout, sim_plan, validate
-from rlhfuse_jax.trainer.config import TrainConfig
+from rlhfuse_jax.trainer.config import TrainConfig, plan_file_summary
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 from tests.test_trainer import record_rollouts, tiny_config
 
@@ -341,6 +341,20 @@ def test_config_json_records_the_plan_file(tmp_path):
   record = config_record(c, TrainConfig.from_config_dict(c))
   assert record["plan"]["file"] == path
   assert record["plan_file_content"] == json.loads(open(path).read())
+
+
+def test_the_set_up_log_names_what_the_plan_file_set(tmp_path):
+  """A plan file's settings are applied under fields the user may not have written (zero1 among
+  them, with no way back), so the trainer's set-up log names each one (the trainer logs
+  config.plan_file_summary)."""
+  path = plan_json(tmp_path / "plan.json", {"mode": "instances", "tp": 2, "slots": 8},
+                   inference={"tp": 2, "pp": 1},
+                   training={"placement": "colocated", "tp": 2, "actor_pp": 1, "critic_pp": 1})
+  line = plan_file_summary(path)
+  assert line.startswith(f"config.plan.file={path!r} sets "), line
+  for setting in ("plan.generation='instances'", "plan.generation_tp=2", "mesh.tensor=2",
+                  "mesh.stage=1", "optim.zero1=True"):
+    assert setting in line, (setting, line)
 
 
 

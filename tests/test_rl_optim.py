@@ -173,3 +173,8 @@ def test_zero1_splits_each_state_leaf_over_the_axes_its_parameter_is_replicated_
         (4, 6) if name == "plain" else (2, 3))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out["plain"],
                out["zero1"])
+  # A parameter placed without a mesh (one device) has no axes to split over: said, not an
+  # AttributeError from deep inside.
+  lone = jax.device_put(np.zeros(3, np.float32), jax.devices()[0])
+  with pytest.raises(TypeError, match="optim.zero1 .* needs a NamedSharding"):
+    update_lib.optimizer_state_shardings(tx, {"g": lone}, mesh, zero1=True)

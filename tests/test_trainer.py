@@ -4,18 +4,20 @@ import dataclasses
 import logging
 import re
 import os
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from configs import ppo_tiny
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import build
 from rlhfuse_jax.trainer.config import TrainConfig
-from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
+from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES, _zero1_label
 
 
 def tiny_config(**overrides):
@@ -414,6 +416,22 @@ def test_master_weights_train_bfloat16_weights_from_a_float32_copy(tmp_path, cap
   init = PPOTrainer(cfg, str(tmp_path / "fresh")).actor.params
   assert any(not np.array_equal(np.asarray(a), np.asarray(b))
              for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(trainer.actor.params)))
+
+
+def test_the_set_up_log_says_what_zero1_split():
+  """The label reads the placement: the axes the optimizer state is split over beyond the
+  weights', or that there were none (data 1: zero1 then splits only leaves the other axes leave
+  whole), instead of promising a split over data that did not happen."""
+  for shape, want in (({"data": 2, "fsdp": 2, "tensor": 2}, "split over data (zero1)"),
+                      ({"data": 1, "fsdp": 4, "tensor": 2},
+                       "zero1: no data copies or replicas to split over")):
+    mesh = jax.make_mesh(tuple(shape.values()), tuple(shape))
+    w = jax.device_put(jnp.zeros((8, 4)), jax.sharding.NamedSharding(mesh, P("fsdp", "tensor")))
+    gain = jax.device_put(jnp.zeros((4,)), jax.sharding.NamedSharding(mesh, P()))
+    params = {"w": w, "gain": gain}
+    state = {k: jax.device_put(x, mesh_lib.zero1_sharding(x.sharding, x.shape))
+             for k, x in params.items()}
+    assert _zero1_label(SimpleNamespace(params=params, opt_state=state)) == want, shape
 
 
 def test_grpo_with_the_kl_in_the_reward_is_warned_about(caplog):

@@ -5,6 +5,7 @@ One module fixture trains three tiny runs of 2 iterations (fused, serial 1F1B, p
 tests compare them; the executor compiles at XLA optimisation level 0 to keep the file fast.
 """
 import dataclasses
+import logging
 import os
 import re
 import shutil
@@ -330,7 +331,7 @@ def test_pipelined_run_resumes_bitwise(runs, tmp_path, monkeypatch):
   assert _deterministic(resumed[0]) == {"step": 2, **_deterministic(history[1])}
 
 
-def test_zero1_splits_the_optimizer_state_over_the_model_copies(runs, tmp_path):
+def test_zero1_splits_the_optimizer_state_over_the_model_copies(runs, tmp_path, caplog):
   """optim.zero1 (a field a resume may change): resumed from the fused run's first iteration
   with the optimizer state split over data (2) and, for the critic, its 2 replicas, the second
   iteration gives the same weights and state as the run without it, up to float rounding (the
@@ -339,7 +340,11 @@ def test_zero1_splits_the_optimizer_state_over_the_model_copies(runs, tmp_path):
   fused, history = runs["fused"]
   PPOTrainer(fused.cfg, str(tmp_path / "wd"), mesh=fused.mesh).run(stop_after=1)
   cfg = dataclasses.replace(fused.cfg, optim=dataclasses.replace(fused.cfg.optim, zero1=True))
-  second = PPOTrainer(cfg, str(tmp_path / "wd"), mesh=fused.mesh)
+  with caplog.at_level(logging.INFO):
+    second = PPOTrainer(cfg, str(tmp_path / "wd"), mesh=fused.mesh)
+  for name in ("actor", "critic"):  # the set-up log reads the split from the placement
+    assert re.search(rf"setup: {name} on .*optimizer state .* GB \(split over data \(zero1\)\)",
+                     caplog.text), caplog.text
   resumed = second.run()
   assert [h["step"] for h in resumed] == [2]
   def part(state, name):  # the state's leaves that mirror the parameters' `name` subtree

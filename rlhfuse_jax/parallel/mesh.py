@@ -146,6 +146,9 @@ def zero1_sharding(sharding: NamedSharding, shape: Sequence[int]) -> NamedShardi
   see the same gradients and take the same step, so each device can keep and step one slice of
   the state; the update then gathers the stepped weights over those axes. An axis no dimension
   divides (a norm gain on a large mesh) stays replicated."""
+  if not isinstance(sharding, NamedSharding):
+    raise TypeError("optim.zero1 splits a parameter over the axes of the mesh it is placed on, "
+                    f"so it needs a NamedSharding; this one is placed by {sharding!r}")
   mesh = sharding.mesh
   spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
   entries = [() if e is None else ((e,) if isinstance(e, str) else tuple(e)) for e in spec]

@@ -225,10 +225,11 @@ class OptimConfig:
   # start, kept in its checkpoints, so raising num_iterations later continues the schedule's
   # floor (min_lr_ratio) instead of restarting the cosine.
   schedule_iterations: int = 0
-  # True: both models' AdamW moments move into the host memory beside each device (shard by
-  # shard, nothing gathered) while the rollout generates and scores, and back before the update,
-  # so generation's KV cache may use their HBM (verl's optimizer offload; docs/usage.md
-  # "Memory at scale"). The parameters stay. Synchronous loop on the training devices only.
+  # True: both models' optimizer state (AdamW moments; the float32 copy of master_weights)
+  # moves into the host memory beside each device (shard by shard, nothing gathered) while the
+  # rollout generates and scores, and back before the update, so generation's KV cache may use
+  # their HBM (verl's optimizer offload; docs/usage.md "Memory at scale"). The parameters stay.
+  # Synchronous loop on the training devices only.
   offload_during_rollout: bool = False
   # 16-bit weights: keep a float32 copy of them and float32 moments in the optimizer state and
   # step that (rl/optim.float32_master; the weights are its rounding). Mixed precision as the
@@ -780,6 +781,14 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
     out["async_ppo", "generation_devices"] = (a.get("generation_devices", 0),
                                               "async.generation_devices")
   return out
+
+
+def plan_file_summary(path: str) -> str:
+  """One line naming every field the plan file at `path` sets, for the set-up log: some of them
+  (optim.zero1) the user may not have written."""
+  settings = plan_file_settings(load_plan_file(path), path)
+  return f"config.plan.file={path!r} sets " + ", ".join(
+      f"{sec}.{name}={value!r}" for (sec, name), (value, _) in settings.items())
 
 
 def apply_plan_file(d: dict) -> dict:

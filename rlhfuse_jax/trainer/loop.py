@@ -45,6 +45,7 @@ from rlhfuse_jax.trainer import async_ppo as async_lib
 from rlhfuse_jax.trainer import build, evaluation, hooks, ppo
 from rlhfuse_jax.trainer import rollout as rollout_lib
 from rlhfuse_jax.trainer import update as update_lib
+from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.validate import validate
 
@@ -75,6 +76,24 @@ def _finite_mean(values) -> float:
   v = np.asarray(values, np.float64)
   v = v[np.isfinite(v)]
   return float(v.mean()) if v.size else float("nan")
+
+
+def _spec_axes(tree: Any) -> set[str]:
+  """The mesh axes any leaf of `tree` is split over."""
+  return {a for x in jax.tree.leaves(tree)
+          if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+          for e in x.sharding.spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+
+
+def _zero1_label(state: Any) -> str:
+  """What optim.zero1 split, read from the placement: the axes the optimizer state is split
+  over beyond the weights' (data, a critic's replicas), or that it found none (data 1 and no
+  replicas: only leaves that fsdp, tensor or the stages leave whole, such as norm gains, are
+  split further, if the mesh has those axes)."""
+  extra = sorted(_spec_axes(state.opt_state) - _spec_axes(state.params))
+  if extra:
+    return f"split over {', '.join(extra)} (zero1)"
+  return "zero1: no data copies or replicas to split over"
 
 
 class PPOTrainer:
@@ -158,6 +177,8 @@ class PPOTrainer:
           f"memory kind {mesh_lib.HOST_MEMORY!r}); the {local.platform} devices here have "
           f"{[m.kind for m in local.addressable_memories()]}")
     self._warn_unused_async_fields(cfg)
+    if cfg.plan.file:  # what the file changed is otherwise visible only in config.json
+      logging.info("setup: %s", config_lib.plan_file_summary(cfg.plan.file))
     t0 = time.time()
     logging.info("setup: task %r, mesh %s%s; initialising the models and the update ...",
                  cfg.data.task, dict(self.mesh.shape), (
@@ -225,12 +246,11 @@ class PPOTrainer:
     device = mesh_lib.first_local_device(self.mesh)
     held = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree)
                             for s in x.addressable_shards if s.device == device) / 1e9
-    o = cfg.optim
-    layout = ", ".join(what for what, on in (("a float32 copy", o.master_weights),
-                                             ("split over data (zero1)", o.zero1)) if on)
     for name in ("actor", "critic"):
       state = getattr(self, name)
       if state is not None:
+        layout = ", ".join(filter(None, ("a float32 copy" if cfg.optim.master_weights else "",
+                                         _zero1_label(state) if cfg.optim.zero1 else "")))
         logging.info("setup: %s on %s: weights %.4g GB, optimizer state %.4g GB%s", name,
                      device, held(state.params), held(state.opt_state),
                      f" ({layout})" if layout else "")
