@@ -117,6 +117,7 @@ def _ppo_batch(mesh, abstract):
 def _ppo_states(mesh, tx, abstract, zero1=False):
   from experiments import plan_programs
   from rlhfuse_jax.trainer import ppo
+  from rlhfuse_jax.trainer import update as update_lib
   states = []
   for seed, cfg in enumerate((PPO_ACTOR, PPO_ACTOR.replace(head="scalar"))):
     if abstract:
@@ -126,7 +127,7 @@ def _ppo_states(mesh, tx, abstract, zero1=False):
     else:
       params = mesh_lib.shard_params(llama.host_random_params(cfg, seed, std=0.05),
                                      llama.logical_specs(cfg), mesh)
-      states.append(ppo.ModelState(params, mesh_lib.commit_to_mesh(tx.init(params), mesh)))
+      states.append(ppo.ModelState(params, update_lib.init_optimizer_state(tx, params, mesh)))
   return states
 
 

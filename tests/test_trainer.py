@@ -241,7 +241,7 @@ def test_critic_free_estimators_train_with_the_kl_loss_and_entropy_bonus(tmp_pat
 @pytest.mark.parametrize("offload", [False, True])
 def test_the_update_compiles_once(tmp_path, offload):
   """On a one-device mesh too: the optimizer state's step counts start mesh-placed as the
-  update returns them (parallel/mesh.commit_to_mesh), so iteration 2 reuses iteration 1's
+  update returns them (trainer/update.init_optimizer_state), so iteration 2 reuses iteration 1's
   executable instead of compiling the update again; also when the optimizer state came back
   from host memory (optim.offload_during_rollout restores its shardings exactly)."""
   cfg = tiny_config(num_iterations=2, **{"optim.offload_during_rollout": offload})

@@ -25,6 +25,7 @@ from rlhfuse_jax.pipeline import executor as executor_lib
 from rlhfuse_jax.pipeline import program as prog
 from rlhfuse_jax.pipeline import schedules, stages
 from rlhfuse_jax.trainer import pipelined, ppo
+from rlhfuse_jax.trainer import update as update_lib
 from rlhfuse_jax.trainer.config import PipelineConfig
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 from test_pipeline_executor import _batch
@@ -257,7 +258,7 @@ def test_scanned_layers_pipeline_as_a_reshape_of_the_stack(tmp_path):
       shardings[m] = jax.tree.map(lambda x: x.sharding, whole)
       p = update.to_staged(m, whole)
       staged[m] = (jax.device_get(p), jax.tree.map(lambda x: x.sharding, p))
-      states[m] = ppo.ModelState(p, mesh_lib.commit_to_mesh(txs[m].init(p), mesh))
+      states[m] = ppo.ModelState(p, update_lib.init_optimizer_state(txs[m], p, mesh))
     actor, critic, metrics = update(states["actor"], states["critic"], batch)
     back = {m: update.whole_fn(m, s.params, shardings[m])(s.params)
             for m, s in (("actor", actor), ("critic", critic))}

@@ -266,27 +266,6 @@ def shard_params(params: Any, logical_specs: Any, mesh: Mesh) -> Any:
   return put(params, param_shardings(params, logical_specs, mesh))
 
 
-def commit_to_mesh(tree: Any, mesh: Mesh) -> Any:
-  """Replicates onto `mesh` every leaf not already placed on all of its devices by a mesh
-  sharding.
-
-  Optimizer states built by `tx.init(params)` hold scalars (step counts) committed to one device;
-  a jitted update mixing them with mesh-sharded params would be rejected. On a one-device mesh
-  such a scalar is on the right device but with a SingleDeviceSharding, while the update returns
-  it mesh-sharded: the second call would miss the compile cache and compile again.
-  """
-  devices = set(mesh.devices.flat)
-  rep = replicated(mesh)
-
-  def place(x):
-    if (isinstance(x, jax.Array) and set(x.sharding.device_set) == devices and
-        not isinstance(x.sharding, jax.sharding.SingleDeviceSharding)):
-      return x
-    return _put_leaf(x, rep)
-
-  return jax.tree_util.tree_map(place, tree)
-
-
 HOST_MEMORY = "pinned_host"  # the host memory beside each device (jax memory kinds)
 
 

@@ -55,6 +55,17 @@ def optimizer_state_shardings(tx: optax.GradientTransformation, params: Any,
       transform_non_params=lambda _: mesh_lib.replicated(mesh))
 
 
+def init_optimizer_state(tx: optax.GradientTransformation, params: Any,
+                         mesh: jax.sharding.Mesh, zero1: bool = False) -> Any:
+  """`tx.init(params)` for placed `params`, built in place: each leaf straight on its devices
+  as optimizer_state_shardings gives them (with `zero1` each device only its slice; step
+  counts replicated on `mesh`, as the jitted update returns them, so its second call reuses the
+  first's executable), and as fresh buffers (the update donates the state and the parameters
+  separately: a float32 copy must not alias float32 weights)."""
+  shardings = optimizer_state_shardings(tx, params, mesh, zero1)
+  return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
 _NO_RESHARD = {"timing_s/reshard": 0.0, "perf/reshard_bytes": 0}
 
 
@@ -101,11 +112,7 @@ class Update:
     self._whole_shapes[model] = mesh_lib.abstract(params)
     if self._pipelined is not None:
       params = self._pipelined.to_staged(model, params)
-    tx = self._txs[model]
-    if self._zero1:  # built in place, each device its slice (optim.zero1)
-      shardings = optimizer_state_shardings(tx, params, mesh, zero1=True)
-      return ModelState(params, jax.jit(tx.init, out_shardings=shardings)(params))
-    return ModelState(params, mesh_lib.commit_to_mesh(tx.init(params), mesh))
+    return ModelState(params, init_optimizer_state(self._txs[model], params, mesh, self._zero1))
 
   def whole_shapes(self, model: str) -> Any:
     """ShapeDtypeStructs of `whole(model, ...)`, placed: what compiling generation needs."""
