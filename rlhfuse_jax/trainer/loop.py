@@ -43,9 +43,9 @@ from rlhfuse_jax.sim import hardware
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.trainer import async_ppo as async_lib
 from rlhfuse_jax.trainer import build, evaluation, hooks, ppo
+from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer import rollout as rollout_lib
 from rlhfuse_jax.trainer import update as update_lib
-from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.validate import validate
 
