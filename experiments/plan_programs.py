@@ -42,9 +42,13 @@ Measured per program, per device (SPMD: XLA compiles one program per device):
              the program spends communicating unless XLA overlaps it; compute_s: the dot FLOPs
              at peak FLOP/s; decode's analytic hbm_s: the perfect split's weights and cache read
              once. Lower bounds to compare layouts with, not predictions.
-  On XLA:CPU a 16-bit weight may move as float32 (the upcast below runs before the gather) and
-  a gradient reduction run as an all-reduce where XLA:GPU makes a reduce-scatter: bytes up to
-  twice a GPU's, seconds up to four times.
+  program_collective_bytes / program_collective_s  the same at the widths the partitioned
+             program asks for: XLA:CPU widens 16-bit collectives to float32 after partitioning
+             (a bf16 weight's all-gather, a bf16 gradient's all-reduce), a GPU does not. Read
+             from an XLA dump of the program before that pass (`_compile`; perf/hlo_flops.py
+             "Widths"): half the bytes of the LLaMA presets' updates (7B: 625 -> 314 GB a
+             device, 2.16 -> 1.15 s). A gradient reduction XLA:CPU runs as an all-reduce where
+             XLA:GPU makes a reduce-scatter still counts as the all-reduce (up to 2x the seconds).
 
 XLA:CPU's buffer assignment is not XLA:GPU's: temp_bytes are an estimate (JAX_NOTES.md).
 
@@ -63,8 +67,10 @@ correction. `cpu_upcast="as_compiled"` compiles only the program as the config h
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
 import os
+import tempfile
 import time
 from typing import Any
 
@@ -451,14 +457,44 @@ def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
 
 # Measuring --------------------------------------------------------------------------------------
 
+# The XLA:CPU pass that starts widening 16-bit collectives (hlo_flops "Widths"); the dump before
+# it is the partitioned program at the widths it asks for.
+_WIDENING_PASS = "all-reduce-promotion"
+
+
+def _compile(lowered: Any, compiler_options: dict | None) -> tuple[Any, str | None]:
+  """(compiled, the partitioned program's HLO text before XLA:CPU widens its 16-bit collectives,
+  or None off CPU or where this XLA has no such pass). The text comes from an XLA dump of that
+  one pass into a temporary directory; the persistent compilation cache is off for this
+  compile, since a program loaded from it is not compiled and so not dumped."""
+  if jax.default_backend() != "cpu":
+    return lowered.compile(compiler_options=compiler_options), None
+  cache = jax.config.jax_enable_compilation_cache
+  with tempfile.TemporaryDirectory(prefix="plan_check_hlo_") as dump:
+    options = {**(compiler_options or {}), "xla_dump_to": dump,
+               "xla_dump_hlo_pass_re": _WIDENING_PASS}
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+      compiled = lowered.compile(compiler_options=options)
+    finally:
+      jax.config.update("jax_enable_compilation_cache", cache)
+    found = sorted(glob.glob(os.path.join(dump, f"*.before_{_WIDENING_PASS}.txt")))
+    if not found:
+      logging.warning("no XLA dump before %s: collectives only as compiled (16-bit ones may "
+                      "count as float32)", _WIDENING_PASS)
+      return compiled, None
+    with open(found[-1]) as f:
+      return compiled, f.read()
+
+
 def measure(lowered: Any, hardware: hw_lib.Hardware,
             compiler_options: dict | None = None) -> dict:
   """Compiles `lowered` and reads its memory, FLOPs and collectives per device (module
   docstring)."""
   t0 = time.perf_counter()
-  compiled = lowered.compile(compiler_options=compiler_options)
+  compiled, program_text = _compile(lowered, compiler_options)
   compile_s = time.perf_counter() - t0
-  costs = scale_check.compiled_costs(compiled, CostModel(hardware))
+  costs = scale_check.compiled_costs(compiled, CostModel(hardware), program_text)
   if costs["unread_collective_groups"]:
     logging.warning("%d collectives have device groups in a form perf/hlo_flops.py does not "
                     "read: timed as pairs across nodes", costs["unread_collective_groups"])
@@ -806,17 +842,23 @@ def table(result: dict) -> list[str]:
                  f"{p['flops_per_device'] / 1e12:>10.3f} {p['replication']:>6.2f} "
                  f"{p['compile_s']:>9.1f}")
   lines.append(f"time bounds on {result['plan']['hardware']} (s; one decode step): "
-               "collectives one after another, dots at peak FLOP/s, HBM reads of the perfect "
-               "split (decode)")
-  lines.append(f"{'program':<11} {'coll GB':>8} {'coll s':>9} {'dots s':>9} {'HBM s':>9}")
+               "collectives one after another (as compiled; and at the widths the program asks "
+               "for, 16-bit where XLA:CPU widened them to float32), dots at peak FLOP/s, HBM "
+               "reads of the perfect split (decode)")
+  lines.append(f"{'program':<11} {'coll GB':>8} {'coll s':>9} {'16b GB':>8} {'16b s':>9} "
+               f"{'dots s':>9} {'HBM s':>9}")
   for name in PROGRAMS:
     p = result["programs"][name]
     if "collective_s" not in p:  # a result.json written before collectives were counted
       continue
     hbm_s = p["analytic"].get("hbm_s")
+    narrow_gb, narrow_s = "-", "-"  # absent: no dump (off CPU; an older result.json)
+    if "program_collective_s" in p:
+      narrow_gb = _gb(sum(p["program_collective_bytes"].values()))
+      narrow_s = f"{p['program_collective_s']:.4f}"
     lines.append(f"{name:<11} {_gb(sum(p['collective_bytes'].values())):>8} "
-                 f"{p['collective_s']:>9.4f} {p['compute_s']:>9.4f} "
-                 f"{'-' if hbm_s is None else f'{hbm_s:.4f}':>9}")
+                 f"{p['collective_s']:>9.4f} {narrow_gb:>8} {narrow_s:>9} "
+                 f"{p['compute_s']:>9.4f} {'-' if hbm_s is None else f'{hbm_s:.4f}':>9}")
   return lines + link_bound_notes(result)
 
 
@@ -835,10 +877,13 @@ def link_bound_notes(result: dict) -> list[str]:
     if "collective_s" not in p:
       continue
     other = max(p["compute_s"], p["analytic"].get("hbm_s") or 0.0)
-    if p["collective_s"] <= LINK_BOUND_RATIO * other:
+    # At the program's widths where known: XLA:CPU's float32 copies of 16-bit collectives
+    # would call a plan link-bound that a GPU is not.
+    coll = p.get("program_collective_s", p["collective_s"])
+    if coll <= LINK_BOUND_RATIO * other:
       continue
-    line = (f"{name}: its collectives take >= {p['collective_s']:.3g} s, "
-            f"{p['collective_s'] / max(other, 1e-30):.0f}x its other bounds: bound by the links")
+    line = (f"{name}: its collectives take >= {coll:.3g} s, "
+            f"{coll / max(other, 1e-30):.0f}x its other bounds: bound by the links")
     if (name != "train_step" and plan["generation"] == "mesh" and plan["fsdp"] > 1
         and not plan.get("generation_devices")):
       line += ("; on the training mesh every step gathers the fsdp-split weights "

@@ -121,3 +121,53 @@ def test_counts_a_compiled_shard_map_exactly():
   seconds = scale_check.collective_seconds(costs, CostModel(hw_lib.HARDWARE["h100_sxm"]))
   cm = CostModel(hw_lib.HARDWARE["h100_sxm"])
   assert seconds == pytest.approx(3 * (cm.allgather_s(8192, 4) + cm.allreduce_s(128, 2)))
+
+
+def test_widened_collectives_count_at_the_width_the_program_asks_for():
+  """program_widths: a float32 collective counts at 16 bits only where the partitioned program
+  has that kind on that shape in 16 bits alone; float32 there, or both, or another kind on the
+  shape: as compiled."""
+  early = """HloModule e, num_partitions=8
+ENTRY %main (w: bf16[4,8]) -> bf16[16,8] {
+  %w = bf16[4,8]{1,0} parameter(0)
+  %ag = bf16[16,8]{1,0} all-gather(%w), channel_id=1, replica_groups={}, dimensions={0}
+  %ar = f32[32]{0} all-reduce(%x), channel_id=2, replica_groups={}, to_apply=%add
+  %ar2 = bf16[64]{0} all-reduce(%y), channel_id=3, replica_groups={}, to_apply=%add
+  %ar3 = f32[64]{0} all-reduce(%z), channel_id=4, replica_groups={}, to_apply=%add
+  ROOT %r = bf16[16,8]{1,0} copy(%ag)
+}
+"""
+  widths = hlo_flops.program_widths(early)
+  assert widths[("all-gather", (16, 8))] == {"bf16"}
+  assert widths[("all-reduce", (64,))] == {"bf16", "f32"}
+  optimized = """HloModule o, num_partitions=8
+ENTRY %main (w: f32[4,8]) -> f32[16,8] {
+  %w = f32[4,8]{1,0} parameter(0)
+  %ag = f32[16,8]{1,0} all-gather(%w), channel_id=1, replica_groups={}, dimensions={0}
+  %ar = (f32[32]{0}, f32[64]{0}) all-reduce(%x, %y), channel_id=2, replica_groups={}, to_apply=%add
+  %cp = f32[16,8]{1,0} collective-permute(%ag), channel_id=5, source_target_pairs={{0,1}}
+  ROOT %r = f32[16,8]{1,0} copy(%ag)
+}
+"""
+  plain = hlo_flops.analyze(optimized).collective_bytes()
+  narrow = hlo_flops.analyze(optimized, widths).collective_bytes()
+  assert plain["all-gather"] == 16 * 8 * 4 and narrow["all-gather"] == 16 * 8 * 2
+  assert narrow["all-reduce"] == plain["all-reduce"] == (32 + 64) * 4
+  assert narrow["collective-permute"] == plain["collective-permute"] == 16 * 8 * 4
+
+
+def test_plan_check_reads_the_widths_from_the_partitioned_program():
+  """plan_programs' compile: XLA:CPU gathers a bfloat16 weight as float32 (a convert, the
+  gather, a convert back); the dump before its widening passes gives the 2 bytes an element a
+  GPU moves."""
+  from experiments import plan_programs
+  mesh = jax.make_mesh((4, 2), ("data", "fsdp"))
+  w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+  x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+  lowered = jax.jit(lambda w, x: x @ w).lower(w, x)
+  compiled, program = plan_programs._compile(lowered, None)
+  costs = scale_check.compiled_costs(compiled, CostModel(hw_lib.HARDWARE["h100_sxm"]), program)
+  assert costs["collective_bytes"]["all-gather"] == 256 * 512 * 4  # as XLA:CPU compiled it
+  assert costs["program_collective_bytes"]["all-gather"] == 256 * 512 * 2
+  assert costs["program_collective_s"] < costs["collective_s"]

@@ -194,6 +194,11 @@ def test_mesh_generation_and_accumulated_update_split_the_work(tmp_path):
   # Collectives counted and timed per program: the update sums the data shards' gradients.
   sync = train["collective_bytes"]["all-reduce"] + train["collective_bytes"]["reduce-scatter"]
   assert sync > 0 and train["collective_s"] > 0 and train["unread_collective_groups"] == 0
+  # At the program's widths too (read from XLA's dump before XLA:CPU widens 16-bit ones): never
+  # more than as compiled.
+  for p in result["programs"].values():
+    assert all(p["program_collective_bytes"][k] <= v for k, v in p["collective_bytes"].items())
+    assert p["program_collective_s"] <= p["collective_s"]
   assert result["programs"]["decode"]["analytic"]["hbm_s"] > 0
   lines = plan_programs.table(result)
   assert any(line.startswith("time bounds on h100_sxm") for line in lines)

@@ -24,6 +24,14 @@ all-reduce, all-to-all, collective-permute: the operand), its device groups (exp
 `{{0,1},{2,3}}`, iota `[G,N]<=[dims]T(perm)` or named-axis `mesh['a'=2,'b'=4] {'b'}` replica
 groups; partition ids, which are the mesh's devices in order) and how often it runs. A decode
 chunk's loop has no known trip count, so its collectives count once: one decode step's.
+
+Widths: XLA:CPU widens 16-bit collectives to float32 after partitioning (its
+all-reduce-promotion and float-normalization-bf16 passes; a bf16 weight's all-gather becomes a
+convert, an f32 all-gather and a convert back), where a GPU moves them in 16 bits. Given the
+element types of the partitioned program before those passes (`program_widths`, e.g. from an
+XLA dump), `analyze` counts such float32 collectives at 16 bits: a collective of that kind and
+shape that the program has only in bf16/f16. Matched by kind and shape, not by instruction:
+later passes rename, combine and move collectives.
 """
 from __future__ import annotations
 
@@ -88,13 +96,46 @@ def _dims(shape: str) -> tuple[int, ...] | None:
   return tuple(int(d) for d in m.group(1).split(",") if d)
 
 
-def _array_bytes(type_str: str) -> list[int]:
-  """Bytes of each array in an HLO type (a tuple lists several), in order."""
+def _array_bytes(type_str: str, kind: str = "", widths: Widths | None = None) -> list[int]:
+  """Bytes of each array in an HLO type (a tuple lists several), in order. With `widths`
+  (program_widths of the partitioned program), a float32 array of a `kind` collective is
+  counted at 16 bits where the partitioned program has that collective on that shape only in
+  16 bits (XLA:CPU widened it: module docstring)."""
   out = []
   for dtype, dims in _ARRAY.findall(type_str):
-    n = math.prod(int(d) for d in dims.split(",") if d)
-    out.append(n * _ITEMSIZE.get(dtype, 1))
+    shape = tuple(int(d) for d in dims.split(",") if d)
+    itemsize = _ITEMSIZE.get(dtype, 1)
+    if widths is not None and dtype == "f32":
+      asked = widths.get((kind, shape))
+      if asked and asked <= _16_BIT:
+        itemsize = 2
+    out.append(math.prod(shape) * itemsize)
   return out
+
+
+_16_BIT = frozenset({"bf16", "f16"})
+# (collective kind, array shape) -> the element types the partitioned program gives it.
+Widths = dict[tuple[str, tuple[int, ...]], frozenset[str]]
+
+
+def program_widths(hlo_text: str) -> Widths:
+  """The element types of each (collective kind, array shape) in an HLO module: read from the
+  partitioned program before XLA:CPU's float normalisation, which widens 16-bit collectives to
+  float32 (XLA:CPU's all-reduce-promotion and float-normalization-bf16 passes; a GPU moves them
+  in 16 bits), so that `analyze(optimized, widths=...)` can count them at the width the program
+  asks for (module docstring)."""
+  out: dict[tuple[str, tuple[int, ...]], set[str]] = {}
+  for line in hlo_text.splitlines():
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    _, type_str, op, _ = m.groups()
+    kind = op[:-len("-start")] if op.endswith("-start") else op
+    if kind not in COLLECTIVES:
+      continue
+    for dtype, dims in _ARRAY.findall(type_str):
+      out.setdefault((kind, tuple(int(d) for d in dims.split(",") if d)), set()).add(dtype)
+  return {k: frozenset(v) for k, v in out.items()}
 
 
 def _iota_groups(shape: list[int], dims: list[int], perm: list[int] | None):
@@ -166,8 +207,9 @@ def _groups(rest: str, kind: str, partitions: int) -> tuple[tuple[int, ...], ...
   return ()
 
 
-def _collective(kind: str, start: bool, type_str: str, rest: str, partitions: int) -> Collective:
-  arrays = _array_bytes(type_str)
+def _collective(kind: str, start: bool, type_str: str, rest: str, partitions: int,
+                widths: Widths | None = None) -> Collective:
+  arrays = _array_bytes(type_str, kind, widths)
   if start and kind == "all-gather":  # (operands..., outputs...)
     nbytes = sum(arrays[len(arrays) // 2:])
   elif kind == "collective-permute":  # -start: (input, output, contexts...)
@@ -204,9 +246,9 @@ def _add_into(out: dict, b: dict, reps: float = 1.0) -> None:
     out[c] = out.get(c, 0.0) + n * reps
 
 
-def analyze(hlo_text: str) -> HloCosts:
+def analyze(hlo_text: str, widths: Widths | None = None) -> HloCosts:
   """Per-device dot FLOPs and collectives of an optimized HLO module's text (module
-  docstring)."""
+  docstring); with `widths` (program_widths), widened collectives at the program's width."""
   comps, entry = _parse(hlo_text)
   m = _PARTITIONS.search(hlo_text.split("\n", 1)[0])
   partitions = int(m.group(1)) if m else 1
@@ -227,7 +269,7 @@ def analyze(hlo_text: str) -> HloCosts:
       shapes[inst] = _dims(shape)
       base = op[:-len("-start")] if op.endswith("-start") else op
       if base in COLLECTIVES:
-        c = _collective(base, op != base, shape, rest, partitions)
+        c = _collective(base, op != base, shape, rest, partitions, widths)
         unread[0] += 0 if c.groups else 1
         colls[c] = colls.get(c, 0.0) + 1.0
       elif op.endswith("-done") or op.endswith("-update"):

@@ -51,14 +51,18 @@ def abstract_params(cfg: ModelConfig, param_shardings: Any) -> Any:
                       shapes, param_shardings)
 
 
-def compiled_costs(compiled: Any, cost_model: Any = None) -> dict:
+def compiled_costs(compiled: Any, cost_model: Any = None,
+                   program_text: Optional[str] = None) -> dict:
   """Per-device figures of a compiled program: memory_analysis()'s argument / output / temp /
   alias bytes, dot FLOPs with loops counted (`flops`, perf/hlo_flops.py), cost_analysis()'s
   `xla_flops` (loop bodies once), the loops whose trip count hlo_flops could not read, and the
   bytes each kind of collective moves per device (`collective_bytes`, loops counted). With a
   sim CostModel (`cost_model`), `collective_s`: those collectives one after another on its
   hardware (CostModel.group_collective_s, each over its slowest group): what the program
-  spends communicating unless XLA overlaps it with compute."""
+  spends communicating unless XLA overlaps it with compute. With `program_text` (the
+  partitioned program before XLA:CPU widens its 16-bit collectives: hlo_flops "Widths"), the
+  same at the widths the program asks for, as a GPU moves them: `program_collective_bytes`,
+  `program_collective_s`."""
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list on some jax versions
@@ -73,6 +77,11 @@ def compiled_costs(compiled: Any, cost_model: Any = None) -> dict:
          "unread_collective_groups": counted.unread_groups}
   if cost_model is not None:
     out["collective_s"] = collective_seconds(counted, cost_model)
+  if program_text is not None:
+    narrow = hlo_flops.analyze(compiled.as_text(), hlo_flops.program_widths(program_text))
+    out["program_collective_bytes"] = narrow.collective_bytes()
+    if cost_model is not None:
+      out["program_collective_s"] = collective_seconds(narrow, cost_model)
   return out
 
 
