@@ -457,9 +457,10 @@ def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
 
 # Measuring --------------------------------------------------------------------------------------
 
-# The XLA:CPU pass that starts widening 16-bit collectives (hlo_flops "Widths"); the dump before
-# it is the partitioned program at the widths it asks for.
-_WIDENING_PASS = "all-reduce-promotion"
+# The XLA:CPU passes that widen 16-bit collectives (hlo_flops "Widths"), in the order they run
+# (jax 0.10.2); the dump before the first one present is the partitioned program at the widths
+# it asks for.
+_WIDENING_PASSES = ("all-reduce-promotion", "float-normalization-bf16")
 
 
 def _compile(lowered: Any, compiler_options: dict | None) -> tuple[Any, str | None]:
@@ -472,18 +473,20 @@ def _compile(lowered: Any, compiler_options: dict | None) -> tuple[Any, str | No
   cache = jax.config.jax_enable_compilation_cache
   with tempfile.TemporaryDirectory(prefix="plan_check_hlo_") as dump:
     options = {**(compiler_options or {}), "xla_dump_to": dump,
-               "xla_dump_hlo_pass_re": _WIDENING_PASS}
+               "xla_dump_hlo_pass_re": "|".join(_WIDENING_PASSES)}
     jax.config.update("jax_enable_compilation_cache", False)
     try:
       compiled = lowered.compile(compiler_options=options)
     finally:
       jax.config.update("jax_enable_compilation_cache", cache)
-    found = sorted(glob.glob(os.path.join(dump, f"*.before_{_WIDENING_PASS}.txt")))
+    # Named <module>.<step>.<pipeline>.after_<pass>.before_<pass>.txt: the lowest step first.
+    found = sorted(f for name in _WIDENING_PASSES
+                   for f in glob.glob(os.path.join(dump, f"*.before_{name}.txt")))
     if not found:
       logging.warning("no XLA dump before %s: collectives only as compiled (16-bit ones may "
-                      "count as float32)", _WIDENING_PASS)
+                      "count as float32)", " or ".join(_WIDENING_PASSES))
       return compiled, None
-    with open(found[-1]) as f:
+    with open(found[0]) as f:
       return compiled, f.read()
 
 
