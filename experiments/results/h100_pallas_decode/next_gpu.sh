@@ -71,7 +71,10 @@ python3 -c "import jax; print(jax.devices()[0].memory_stats())" >> $R/nvidia_smi
 #    float32 optimizer state split by zero1) for 32 H100s. CPU, 2026-11-29 (v): train_step arg
 #    11.41 / temp 16.36 / peak 27.77 GB, repl 2.22, collectives 237.34 GB; decode 26.64 / 0.49 /
 #    27.13 (28.84 with the state)
-#    (docs/results.md "Fused presets"). Compare the collective bytes (CPU <= 2x GPU expected).
+#    (docs/results.md "Fused presets"). Compare the collective bytes: CPU 237.34 GB as compiled,
+#    122 GB at the program's widths (program_collective_bytes, 2026-11-29 (w)), which should be
+#    the GPU's up to reduce-scatters that XLA:CPU runs as all-reduces (steps 8-9 on a GPU have
+#    no program_collective_* fields: the GPU compiles them as the program asks).
 [[ $STEPS == *9* ]] && date >> $L && JAX_MOCK_GPU_TOPOLOGY=1x32x1 timeout 300 python3 -m \
   experiments.plan_check --config=configs/plan_check.py:llama/fused/13b \
   --config.attention=auto --workdir=$R/plan_llama_fused13b_gpu32 >> $L 2>&1
