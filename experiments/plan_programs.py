@@ -78,6 +78,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 import optax
+from jax.experimental.compilation_cache import compilation_cache
 from absl import logging
 
 from configs import ppo_llama
@@ -465,20 +466,29 @@ _WIDENING_PASSES = ("all-reduce-promotion", "float-normalization-bf16")
 
 def _compile(lowered: Any, compiler_options: dict | None) -> tuple[Any, str | None]:
   """(compiled, the partitioned program's HLO text before XLA:CPU widens its 16-bit collectives,
-  or None off CPU or where this XLA has no such pass). The text comes from an XLA dump of that
-  one pass into a temporary directory; the persistent compilation cache is off for this
-  compile, since a program loaded from it is not compiled and so not dumped."""
+  or None off CPU or where this XLA has no such pass). The text comes from an XLA dump of those
+  passes into a temporary directory (XLA:CPU also writes the program's LLVM IR and object files
+  there whenever it dumps, about +15 % of compile_s on the tiny config; no option turns that
+  off). The persistent compilation cache is off for this compile: jax leaves the dump options
+  out of its cache key, so a program loaded from the cache would not be compiled, nor dumped."""
   if jax.default_backend() != "cpu":
     return lowered.compile(compiler_options=compiler_options), None
   cache = jax.config.jax_enable_compilation_cache
   with tempfile.TemporaryDirectory(prefix="plan_check_hlo_") as dump:
+    # Text, every module and pipeline, whatever the user's XLA_FLAGS say about dumping.
     options = {**(compiler_options or {}), "xla_dump_to": dump,
-               "xla_dump_hlo_pass_re": "|".join(_WIDENING_PASSES)}
+               "xla_dump_hlo_pass_re": "|".join(_WIDENING_PASSES),
+               "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": ".*",
+               "xla_dump_hlo_pipeline_re": ".*"}
+    # jax decides once per process whether to use the cache (compilation_cache.is_cache_used
+    # keeps its first answer): the flag takes effect, here and after, only through a reset.
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
       compiled = lowered.compile(compiler_options=options)
     finally:
       jax.config.update("jax_enable_compilation_cache", cache)
+      compilation_cache.reset_cache()
     # Named <module>.<step>.<pipeline>.after_<pass>.before_<pass>.txt: the lowest step first.
     found = sorted(f for name in _WIDENING_PASSES
                    for f in glob.glob(os.path.join(dump, f"*.before_{name}.txt")))
