@@ -88,7 +88,7 @@ from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.models import attention, llama
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
-from rlhfuse_jax.perf import accounting, scale_check
+from rlhfuse_jax.perf import accounting, hlo_flops, scale_check
 from rlhfuse_jax.pipeline import stages
 from rlhfuse_jax.rl import optim
 from rlhfuse_jax.sim import hardware as hw_lib
@@ -508,6 +508,12 @@ def measure(lowered: Any, hardware: hw_lib.Hardware,
   compiled, program_text = _compile(lowered, compiler_options)
   compile_s = time.perf_counter() - t0
   costs = scale_check.compiled_costs(compiled, CostModel(hardware), program_text)
+  if (program_text is not None and not hlo_flops.program_widths(program_text)
+      and any(costs["collective_bytes"].values())):
+    # The dump came from before partitioning (an XLA whose passes run in another order): it
+    # names no collective, so none was narrowed.
+    logging.warning("the XLA dump before %s has no collectives, the compiled program has: "
+                    "program_collective_* are as compiled", " / ".join(_WIDENING_PASSES))
   if costs["unread_collective_groups"]:
     logging.warning("%d collectives have device groups in a form perf/hlo_flops.py does not "
                     "read: timed as pairs across nodes", costs["unread_collective_groups"])
