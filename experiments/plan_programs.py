@@ -507,9 +507,9 @@ def measure(lowered: Any, hardware: hw_lib.Hardware,
   t0 = time.perf_counter()
   compiled, program_text = _compile(lowered, compiler_options)
   compile_s = time.perf_counter() - t0
-  costs = scale_check.compiled_costs(compiled, CostModel(hardware), program_text)
-  if (program_text is not None and not hlo_flops.program_widths(program_text)
-      and any(costs["collective_bytes"].values())):
+  widths = None if program_text is None else hlo_flops.program_widths(program_text)
+  costs = scale_check.compiled_costs(compiled, CostModel(hardware), widths)
+  if widths == {} and any(costs["collective_bytes"].values()):
     # The dump came from before partitioning (an XLA whose passes run in another order): it
     # names no collective, so none was narrowed.
     logging.warning("the XLA dump before %s has no collectives, the compiled program has: "

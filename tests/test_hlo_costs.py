@@ -171,7 +171,7 @@ def test_plan_check_reads_the_widths_from_the_partitioned_program():
   for _ in range(2):
     compiled, program = plan_programs._compile(lowered, None)
     costs = scale_check.compiled_costs(compiled, CostModel(hw_lib.HARDWARE["h100_sxm"]),
-                                       program)
+                                       hlo_flops.program_widths(program))
     assert costs["collective_bytes"]["all-gather"] == 256 * 512 * 4  # as XLA:CPU compiled it
     assert costs["program_collective_bytes"]["all-gather"] == 256 * 512 * 2
     assert costs["program_collective_s"] < costs["collective_s"]
@@ -182,6 +182,6 @@ def test_plan_check_reads_the_widths_from_the_partitioned_program():
   grad = jax.jit(jax.grad(lambda w, x: jnp.sum((x @ w).astype(jnp.float32))),
                  out_shardings=NamedSharding(mesh, P()))
   compiled, program = plan_programs._compile(grad.lower(replicated, x), None)
-  costs = scale_check.compiled_costs(compiled, None, program)
+  costs = scale_check.compiled_costs(compiled, None, hlo_flops.program_widths(program))
   assert costs["collective_bytes"]["all-reduce"] == 256 * 512 * 4
   assert costs["program_collective_bytes"]["all-reduce"] == 256 * 512 * 2

@@ -52,21 +52,22 @@ def abstract_params(cfg: ModelConfig, param_shardings: Any) -> Any:
 
 
 def compiled_costs(compiled: Any, cost_model: Any = None,
-                   program_text: Optional[str] = None) -> dict:
+                   widths: Optional[hlo_flops.Widths] = None) -> dict:
   """Per-device figures of a compiled program: memory_analysis()'s argument / output / temp /
   alias bytes, dot FLOPs with loops counted (`flops`, perf/hlo_flops.py), cost_analysis()'s
   `xla_flops` (loop bodies once), the loops whose trip count hlo_flops could not read, and the
   bytes each kind of collective moves per device (`collective_bytes`, loops counted). With a
   sim CostModel (`cost_model`), `collective_s`: those collectives one after another on its
   hardware (CostModel.group_collective_s, each over its slowest group): what the program
-  spends communicating unless XLA overlaps it with compute. With `program_text` (the
-  partitioned program before XLA:CPU widens its 16-bit collectives: hlo_flops "Widths"), the
+  spends communicating unless XLA overlaps it with compute. With `widths` (hlo_flops.
+  program_widths of the partitioned program before XLA:CPU widens its 16-bit collectives), the
   same at the widths the program asks for, as a GPU moves them: `program_collective_bytes`,
   `program_collective_s`."""
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list on some jax versions
-  counted = hlo_flops.analyze(compiled.as_text())
+  text = compiled.as_text()
+  counted = hlo_flops.analyze(text)
   out = {"argument_bytes": int(mem.argument_size_in_bytes),
          "output_bytes": int(mem.output_size_in_bytes),
          "temp_bytes": int(mem.temp_size_in_bytes),
@@ -77,8 +78,8 @@ def compiled_costs(compiled: Any, cost_model: Any = None,
          "unread_collective_groups": counted.unread_groups}
   if cost_model is not None:
     out["collective_s"] = collective_seconds(counted, cost_model)
-  if program_text is not None:
-    narrow = hlo_flops.analyze(compiled.as_text(), hlo_flops.program_widths(program_text))
+  if widths is not None:
+    narrow = hlo_flops.analyze(text, widths)
     out["program_collective_bytes"] = narrow.collective_bytes()
     if cost_model is not None:
       out["program_collective_s"] = collective_seconds(narrow, cost_model)
