@@ -180,14 +180,26 @@ def check_prompts(batch_size: int, prompt_len: int, sampling: SamplingConfig, pr
   return padded, prompt_lens, uids, budgets
 
 
+def instance_groups(devices: Sequence[Any], num_instances: int,
+                    devices_per_instance: int) -> list[list[Any]]:
+  """The devices of each of G instances: `devices_per_instance` consecutive devices of
+  `devices` taken process by process (a stable sort by process_index first).
+
+  An instance must live in one process (multihost.process_of). jax's device order already goes
+  process by process, so this changes nothing there; a mesh arranged by the TPU torus
+  (parallel/mesh.device_array) interleaves the hosts of a pod, and its flattened order would put
+  most instances across two hosts."""
+  devices = sorted(devices, key=lambda d: d.process_index)
+  check_device_count(num_instances, devices_per_instance, len(devices))
+  return [devices[i * devices_per_instance:(i + 1) * devices_per_instance]
+          for i in range(num_instances)]
+
+
 def split_devices(devices: Sequence[jax.Device], num_instances: int,
                   devices_per_instance: int) -> list[Mesh]:
-  """G sub-meshes of `devices_per_instance` consecutive devices (axis `tensor` inside)."""
-  devices = list(devices)
-  check_device_count(num_instances, devices_per_instance, len(devices))
-  return [mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, tensor=devices_per_instance),
-                             devices[i * devices_per_instance:(i + 1) * devices_per_instance])
-          for i in range(num_instances)]
+  """G sub-meshes (axis `tensor` inside) over `instance_groups`."""
+  return [mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, tensor=devices_per_instance), group)
+          for group in instance_groups(devices, num_instances, devices_per_instance)]
 
 
 @dataclasses.dataclass(frozen=True)

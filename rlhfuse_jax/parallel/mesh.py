@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import numpy as np
 from absl import logging
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
@@ -69,13 +70,55 @@ class MeshConfig:
     return sizes
 
 
-def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """Builds a mesh with axes MESH_AXES (Auto axis types: classic GSPMD/shard_map semantics)."""
+_warned: set = set()  # the fallbacks already logged (each once)
+
+
+def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None, *,
+              by_topology: bool = False) -> Mesh:
+  """Builds a mesh with axes MESH_AXES (Auto axis types: classic GSPMD/shard_map semantics).
+
+  The devices go in the order given (reshaped, the last axis fastest): callers that build a
+  mesh over groups they chose (an instance, the grid of all instances) rely on it. The
+  training mesh passes by_topology=True: its devices are arranged by `device_array`."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = cfg.resolve(len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)
-  dev_array = np.asarray(devices, dtype=object).reshape(shape)
-  return Mesh(dev_array, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  arranged = (device_array(shape, devices) if by_topology
+              else np.asarray(devices, dtype=object).reshape(shape))
+  return Mesh(arranged, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def device_array(shape: Sequence[int], devices: Sequence[Any]) -> np.ndarray:
+  """`devices` as an array of `shape` (MESH_AXES order: from the axis that communicates least,
+  data, to the one that communicates most, tensor).
+
+  TPU: by the chips' positions in the ICI torus (jax's mesh_utils.create_device_mesh, as
+  MaxText builds its meshes), so that each tensor group, and each group along the axes before
+  it, lies along the torus' rings whatever order the devices come in; with several slices
+  (multislice), the data axis spans the slices over the data-centre network and every other
+  axis stays inside one (create_hybrid_device_mesh). A device set mesh_utils cannot arrange (a
+  part of a slice, data not a multiple of the slices) falls back to the order given, with a
+  warning. Other platforms: the order given (jax.devices(): by process, so the innermost axes
+  stay inside a host, e.g. a GPU node's NVLink domain)."""
+  devices = list(devices)
+  if devices and getattr(devices[0], "platform", None) == "tpu":
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    try:
+      if slices == 1:
+        return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+      if shape[0] % slices:
+        raise ValueError(f"mesh.data={shape[0]} is not a multiple of the {slices} TPU slices")
+      return mesh_utils.create_hybrid_device_mesh(
+          (shape[0] // slices, *shape[1:]), (slices,) + (1,) * (len(shape) - 1), devices,
+          allow_split_physical_axes=True)
+    except (ValueError, AssertionError, NotImplementedError) as e:
+      key = ("device_array", tuple(shape), len(devices))
+      if key not in _warned:
+        _warned.add(key)
+        logging.warning("mesh %s on %d TPU devices: not arranged by the ICI topology (%s); "
+                        "using the devices in the order given", dict(zip(MESH_AXES, shape)),
+                        len(devices), e)
+  return np.asarray(devices, dtype=object).reshape(shape)
 
 
 def fold_stage(mesh: Mesh) -> Mesh:
@@ -104,8 +147,6 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
-
-_warned: set = set()
 
 
 def _mesh_spec(logical: P, shape: Sequence[int], mesh: Mesh, where: str) -> P:

@@ -61,7 +61,7 @@ def meshes(cfg: TrainConfig, devices: Sequence[Any]
   gen, train = split_devices(cfg, devices)
   g = cfg.async_ppo.generation_devices
   try:
-    train_mesh = mesh_lib.make_mesh(cfg.mesh, train)
+    train_mesh = mesh_lib.make_mesh(cfg.mesh, train, by_topology=True)
   except ValueError as e:
     if not g:
       raise
