@@ -82,19 +82,26 @@ def test_empty_file_is_an_error(tmp_path):
     load_jsonl_prompts(_write(tmp_path / "e.jsonl", ["", ""]))
 
 
-@pytest.mark.parametrize("padding", ["left", "right"])
-def test_tokenize_pads_and_reports_lengths(padding):
+def test_tokenize_pads_and_reports_lengths():
   tok = _tokenizer()
   records = [{"prompt": "w5"}, {"prompt": "w1 w2 w3"}]
-  tokens, lengths = tokenize_prompts(records, tok, max_prompt_len=5, padding=padding)
+  tokens, lengths = tokenize_prompts(records, tok, max_prompt_len=5)
   assert tokens.dtype == np.int32 and lengths.dtype == np.int32 and tokens.shape == (2, 5)
   np.testing.assert_array_equal(lengths, [2, 4])  # BOS counted
   real = [[1, 8], [1, 4, 5, 6]]
   for row, ids in enumerate(real):
-    expected = [0] * (5 - len(ids)) + ids if padding == "left" else ids + [0] * (5 - len(ids))
-    np.testing.assert_array_equal(tokens[row], expected)
-  with pytest.raises(ValueError, match="padding='middle'"):
-    pad_token_ids([[1]], 3, 0, padding="middle")
+    np.testing.assert_array_equal(tokens[row], ids + [0] * (5 - len(ids)))
+
+
+@pytest.mark.parametrize("padding", ["left", "middle"])
+def test_only_right_padding_is_offered(padding):
+  """Generators read a prompt's tokens from column 0: left-padded prompts were overwritten with
+  padding there, silently (generation/instances.check_prompts)."""
+  with pytest.raises(ValueError, match=f"padding='{padding}': expected 'right'"):
+    pad_token_ids([[1]], 3, 0, padding=padding)
+  with pytest.raises(ValueError, match=f"padding='{padding}': expected 'right'"):
+    PromptDataset([{"prompt": "w1"}], _tokenizer(), batch_size=1, max_prompt_len=4,
+                  padding=padding)
 
 
 def test_too_long_prompt_names_its_line_and_lengths(tmp_path):

@@ -49,6 +49,34 @@ def test_gsm8k_final_number(response, score):
   assert verifiers.gsm8k(response, "72", {}) == score  # a bare number as the answer
 
 
+@pytest.mark.parametrize("text, number", [
+    ("the change is -$15.", -15), ("the change is $-15.", -15), ("- $ 15", -15), ("$15", 15),
+    ("-15", -15), ("x-15", 15), ("5-$3", 3), ("#### -$1,000.5", -1000.5)])
+def test_the_sign_before_a_dollar_sign_is_kept(text, number):
+  """'-$15' is -15 (the '-' sat inside the number's group, after '$?', so it read as 15); a '-'
+  joined to a word before it is a hyphen, as before."""
+  assert verifiers.final_number(text) == number
+
+
+@pytest.mark.parametrize("response, score", [
+    ("#### -$15", 1.0), ("#### $-15", 1.0), ("#### -15", 1.0), ("#### --15", 0.0)])
+def test_gsm8k_format_takes_a_sign_before_the_dollar(response, score):
+  assert verifiers.gsm8k_format(response, None, {}) == score
+
+
+@pytest.mark.parametrize("response, score", [
+    ("2 plus 3 is 5.\n</think>\n\nThe answer is 5.", 1.0),
+    ("2 plus 3 is 5.\n</think>\n", 0.0),  # no answer after the block
+    ("The answer is 5.", 0.0),  # the block never closed
+])
+def test_think_format_when_the_prompt_opened_the_block(response, score):
+  """R1-distill and QwQ chat templates end the generation prompt with '<think>\\n': the response
+  starts inside the block (it scored 0 for every such response)."""
+  record = {"_prompt_text": "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
+                            "<think>\n"}
+  assert verifiers.think_format(response, None, record) == score
+  assert verifiers.think_format("<think>add</think> 5", None, {"_prompt_text": "Q: 2+3?"}) == 1.0
+  assert verifiers.think_format(response, None, {"_prompt_text": "Q: 2+3?"}) == 0.0
 def test_gsm8k_numbers_commas_and_bad_answers():
   assert verifiers.final_number("in total $1,234,567.50 dollars") == verifiers.final_number(
       "1234567.5")
@@ -142,6 +170,20 @@ def test_decode_responses_stops_at_eos_and_marks_foreign_ids(tok):
   text = rewards_lib.decode_responses(ids, lens, tok)[1]
   assert text == "7\ufffd2"  # never '72'
   assert verifiers.gsm8k(text, "72", {}) == 0.0
+
+
+def test_a_special_token_between_digits_does_not_join_them(tok):
+  """decode(skip_special_tokens=True) drops special tokens the vocabulary knows (<|im_start|>)
+  and joined the text around them: '7', <|im_start|>, '2' read as 72, a reward a policy could
+  learn to collect. They now split the text as ids outside the vocabulary do."""
+  start = tok.token_to_id("<|im_start|>")
+  assert start in tok.special_ids and tok.token_to_id("a") not in tok.special_ids
+  ids, lens = _batch(tok, ["so 7"], stop=False)
+  ids[0, lens[0]], ids[0, lens[0] + 1] = start, tok.encode("2", add_bos=False)[0]
+  ids[0, lens[0] + 2] = tok.eos_id
+  text = rewards_lib.decode_responses(ids, lens + 3, tok)[0]
+  assert text == "so 7\ufffd2"
+  assert rewards_lib.REWARD_FUNCTIONS["gsm8k"]([{"target": "#### 72"}], ids, lens + 3, tok) == 0
 
 
 def test_a_response_ends_at_the_first_of_any_stop_id(tok):

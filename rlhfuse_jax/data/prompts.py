@@ -24,7 +24,17 @@ from rlhfuse_jax.data.tokenizer import Tokenizer
 
 # Key added to records read from JSONL so that later errors can point at the line.
 SOURCE_KEY = "_source"
-_PADDINGS = ("left", "right")
+# Right padding only: every generator (generation/instances.check_prompts) and the training
+# sequences read a prompt's tokens from column 0 with per-row lengths (models.llama's per-row
+# cache offsets make a padding mask unnecessary). Left-padded prompts were offered here once and
+# were overwritten with padding by the generators, silently.
+_PADDINGS = ("right",)
+
+
+def _check_padding(padding: str) -> None:
+  if padding not in _PADDINGS:
+    raise ValueError(f"padding={padding!r}: expected 'right' (every generator reads a prompt's "
+                     "tokens from column 0, with its length)")
 
 
 def jsonl_rows(path: str, example: str = "") -> Iterator[tuple[str, Any]]:
@@ -89,30 +99,25 @@ class PromptBatch:
     indices: position of each record in the dataset's pool.  # [B] int64
     tokens: prompt ids padded with pad_id to a common width P.  # [B, P] int32
     lengths: number of real (non-pad) tokens of each prompt.  # [B] int32
-    padding: 'right' (real tokens from column 0: the convention of `models.llama`, whose
-      per-row cache offsets make a padding mask unnecessary) or 'left' (real tokens end at
-      column P-1).
+  Real tokens start at column 0 (right padding, _PADDINGS).
   """
   records: list[dict[str, Any]]
   indices: np.ndarray
   tokens: np.ndarray
   lengths: np.ndarray
-  padding: str
 
   @property
   def mask(self) -> np.ndarray:
     """True on real tokens.  # [B, P] bool"""
     cols = np.arange(self.tokens.shape[1])[None, :]
-    if self.padding == "left":
-      return cols >= (self.tokens.shape[1] - self.lengths)[:, None]
     return cols < self.lengths[:, None]
 
 
 def pad_token_ids(ids: Sequence[Sequence[int]], width: int, pad_id: int,
                   padding: str = "right") -> tuple[np.ndarray, np.ndarray]:
-  """Packs variable-length id lists into ([N, width] int32 tokens, [N] int32 lengths)."""
-  if padding not in _PADDINGS:
-    raise ValueError(f"padding={padding!r}: expected one of {_PADDINGS}")
+  """Packs variable-length id lists into ([N, width] int32 tokens, [N] int32 lengths), each
+  row's ids from column 0 (`padding` must be 'right', _PADDINGS)."""
+  _check_padding(padding)
   tokens = np.full((len(ids), width), pad_id, dtype=np.int32)  # [N, width]
   lengths = np.zeros((len(ids),), dtype=np.int32)  # [N]
   for row, seq in enumerate(ids):
@@ -121,10 +126,7 @@ def pad_token_ids(ids: Sequence[Sequence[int]], width: int, pad_id: int,
       raise ValueError(f"sequence {row} has {n} tokens, more than width={width}")
     lengths[row] = n
     if n:
-      if padding == "left":
-        tokens[row, width - n:] = seq
-      else:
-        tokens[row, :n] = seq
+      tokens[row, :n] = seq
   return tokens, lengths
 
 
@@ -190,7 +192,7 @@ class PromptDataset:
       max_prompt_len: P, width of the padded token array; longer prompts are an error.
       seed: the shuffling seed (epoch e uses permutation rng([seed, e])).
       shuffle: False streams the pool in file order every epoch.
-      padding: 'right' (default) or 'left'.
+      padding: 'right' (the only one: _PADDINGS).
       field: which key holds the prompt text.
       add_bos: passed to the tokenizer (None: its own setting; False for chat-rendered text).
     """
@@ -198,8 +200,7 @@ class PromptDataset:
       raise ValueError("records is empty: a PromptDataset needs at least one prompt")
     if batch_size < 1:
       raise ValueError(f"batch_size={batch_size}: expected >= 1")
-    if padding not in _PADDINGS:
-      raise ValueError(f"padding={padding!r}: expected one of {_PADDINGS}")
+    _check_padding(padding)
     for i, r in enumerate(records):
       if not isinstance(r.get(field), str):
         raise ValueError(f"record {i}{where(r)}: field '{field}' must be a string, got "
@@ -209,7 +210,6 @@ class PromptDataset:
     self.max_prompt_len = int(max_prompt_len)
     self.seed = int(seed)
     self.shuffle = bool(shuffle)
-    self.padding = padding
     self._tokens, self._lengths = tokenize_prompts(  # [N, P], [N]
         self.records, tokenizer, max_prompt_len, field=field, padding=padding, add_bos=add_bos)
     self._fingerprint = _fingerprint([r[field] for r in self.records])
@@ -258,8 +258,7 @@ class PromptDataset:
         self._index = 0
     indices = np.concatenate(picked).astype(np.int64)  # [B]
     return PromptBatch(records=[self.records[i] for i in indices], indices=indices,
-                       tokens=self._tokens[indices], lengths=self._lengths[indices],
-                       padding=self.padding)
+                       tokens=self._tokens[indices], lengths=self._lengths[indices])
 
   def __iter__(self) -> Iterator[PromptBatch]:
     while True:

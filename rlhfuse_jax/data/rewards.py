@@ -128,17 +128,19 @@ def decode_responses(response_ids: np.ndarray, response_lengths: np.ndarray,
   """Each response's text, up to (without) its first EOS, special tokens skipped.
 
   Ids outside the tokenizer's vocabulary (a model's embedding may be padded larger) cannot be
-  decoded; each becomes U+FFFD between the decoded pieces around it, so that dropping it can
-  never join the pieces into a different answer ('7', junk, '2' is not '72').
+  decoded, and special tokens (`Tokenizer.special_ids`: Qwen's <|im_start|>, reserved ids) are
+  dropped by decoding; each becomes U+FFFD between the decoded pieces around it, so that
+  dropping it can never join the pieces into a different answer ('7', junk, '2' is not '72': a
+  policy could otherwise write a number its verifier reads with a special token inside).
   """
   ids = np.asarray(response_ids)  # [B, T]
   rlen, stopped = response_extent(ids, response_lengths, tokenizer.stop_ids)  # [B]
-  texts = []
+  texts, special = [], tokenizer.special_ids
   for b in range(ids.shape[0]):
     row = ids[b, :rlen[b] - int(stopped[b])].tolist()
     pieces, current = [], []
     for i in row:
-      if 0 <= i < tokenizer.vocab_size:
+      if 0 <= i < tokenizer.vocab_size and i not in special:
         current.append(i)
       else:
         pieces.append(current)

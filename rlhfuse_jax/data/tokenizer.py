@@ -12,6 +12,7 @@ differ between model families) and prepends `bos_id` itself when `add_bos` is se
 from __future__ import annotations
 
 import abc
+import functools
 import json
 import os
 from typing import Any, Mapping, Optional, Sequence
@@ -69,6 +70,11 @@ class Tokenizer(abc.ABC):
     """`encode` over many texts (subclasses may do this in parallel)."""
     return [self.encode(t, add_bos=add_bos) for t in texts]
 
+  @property
+  def special_ids(self) -> frozenset[int]:
+    """The ids `decode(..., skip_special_tokens=True)` drops (none unless a subclass says)."""
+    return frozenset()
+
 
 class HFTokenizer(Tokenizer):
   """A `tokenizers.Tokenizer` with explicit special ids (see the module docstring)."""
@@ -115,6 +121,12 @@ class HFTokenizer(Tokenizer):
     if add_bos and self.bos_id is None:
       raise ValueError(f"{name}: add_bos=True but the tokenizer has no bos_id")
     self.add_bos = (self.bos_id is not None) if add_bos is None else bool(add_bos)
+
+  @functools.cached_property
+  def special_ids(self) -> frozenset[int]:
+    """The added tokens marked special (what the library's skip_special_tokens drops)."""
+    return frozenset(int(i) for i, token in self._tok.get_added_tokens_decoder().items()
+                     if token.special)
 
   @property
   def backend(self) -> tokenizers.Tokenizer:

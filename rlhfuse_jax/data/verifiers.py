@@ -8,14 +8,17 @@ name the function and the sample in every error.
   gsm8k          1.0 if the response's final number equals the answer's. The final number is
                  the first number after the last '####' when there is one (GSM8K's own answer
                  format), else the last number in the text; commas in thousands groups and a
-                 leading '$' are ignored, and numbers compare exactly as decimals (72 == 72.0).
+                 leading '$' are ignored (a sign before it kept: -$15 is -15), and numbers
+                 compare exactly as decimals (72 == 72.0).
   math           1.0 if the response's last \\boxed{...} is mathematically equal to the answer,
                  as math-verify decides (sympy: 1/2 == 0.5 == \\dfrac12, x^2+1 == 1+x^2, sets,
                  intervals, equations x=2 vs 2). No \\boxed in the response: 0. The answer may be
                  bare LaTeX ('\\frac{1}{2}') or a MATH solution holding \\boxed{}.
   boxed_format   1.0 if the response holds a non-empty \\boxed{...} with balanced braces
   gsm8k_format   1.0 if the response ends with '#### <number>'
-  think_format   1.0 if the response is '<think>...</think>' followed by a non-empty answer
+  think_format   1.0 if the response is '<think>...</think>' followed by a non-empty answer;
+                 when the rendered prompt (record['_prompt_text']) already ends with '<think>'
+                 (R1-distill and QwQ chat templates), '...</think>' and the answer
 
 The GSM8K extraction is a regular expression written here: GSM8K answers are plain integers
 (sometimes with thousands commas), and the benchmark's convention is exactly "the final number",
@@ -29,13 +32,20 @@ import re
 import threading
 from typing import Any, Mapping, Optional
 
+from rlhfuse_jax.data.records import PROMPT_TEXT_KEY
+
 # A number: thousands-grouped (1,234.5), plain (1234.5, -3) or a bare fraction part (.5). A
 # group of more than three digits is no thousands group: "1,2345" is the numbers 1 and 2345
 # (without the (?!\d), "1,234" matched and the 5 was lost: "1,234567" read as 1234).
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
-_NUMBER_RE = re.compile(r"(?<![\w.])\$?\s*(" + _NUMBER + r")")
-_GSM8K_FORMAT_RE = re.compile(r"####\s*\$?\s*" + _NUMBER + r"\s*\.?\s*$")
+# A leading '$' may carry the sign before it ("-$15") or the number after it ("$-15").
+_CURRENCY = r"(-\s*\$|\$)?"
+_NUMBER_RE = re.compile(r"(?<![\w.])" + _CURRENCY + r"\s*(" + _NUMBER + r")")
+_GSM8K_FORMAT_RE = re.compile(r"####\s*" + _CURRENCY + r"\s*" + _NUMBER + r"\s*\.?\s*$")
 _THINK_RE = re.compile(r"\s*<think>.*?</think>\s*\S.*", re.S)
+# The rest of a think block the prompt opened (R1-distill and QwQ chat templates end the
+# generation prompt with '<think>\n', so the response starts inside the block).
+_THINK_OPENED_RE = re.compile(r".*?</think>\s*\S.*", re.S)
 
 
 def final_number(text: str) -> Optional[decimal.Decimal]:
@@ -48,7 +58,8 @@ def final_number(text: str) -> Optional[decimal.Decimal]:
       pass
   if found is None:
     return None
-  return decimal.Decimal(found.group(1).replace(",", ""))
+  value = decimal.Decimal(found.group(2).replace(",", ""))
+  return -value if (found.group(1) or "").startswith("-") else value
 
 
 def gsm8k(response: str, answer: Optional[str], record: Mapping[str, Any]) -> float:
@@ -112,7 +123,9 @@ def gsm8k_format(response: str, answer: Optional[str], record: Mapping[str, Any]
 
 
 def think_format(response: str, answer: Optional[str], record: Mapping[str, Any]) -> float:
-  return float(_THINK_RE.fullmatch(response) is not None)
+  prompt = record.get(PROMPT_TEXT_KEY)
+  opened = isinstance(prompt, str) and prompt.rstrip().endswith("<think>")
+  return float((_THINK_OPENED_RE if opened else _THINK_RE).fullmatch(response) is not None)
 
 
 def _required(answer: Optional[str]) -> str:

@@ -123,8 +123,8 @@ def decode_step(cfg: ModelConfig, params: Any, state: DecodeState, iteration_key
                 sampling: SamplingConfig) -> DecodeState:
   """One token for every live row.
 
-  A done row still runs through the batched forward: it rewrites the keys/values of its final
-  token at its own final position (the values that token has), so its cache stays a valid
+  A done row still runs through the batched forward: it writes (or rewrites) the keys/values of
+  its final token at its own final position (the values that token has), so its cache stays a valid
   prefix of its sequence, and `_record` leaves its tokens, log-probs and counters untouched.
   """
   logits, cache = llama.apply(cfg, params, state.last_token[:, None], state.position[:, None],

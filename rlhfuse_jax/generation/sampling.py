@@ -4,8 +4,10 @@ Every sample owns its random stream: the key for response token t of the sample 
 
   fold_in(fold_in(iteration_key, uid), t)
 
-so the token drawn never depends on the slot, instance or batch that decoded the sample, nor on
-whether it was migrated between instances: only (iteration, uid, t) and the logits matter.
+so the random stream never depends on the slot, instance or batch that decoded the sample, nor
+on whether it was migrated between instances: only (iteration, uid, t) and the logits matter
+(the logits' last bits may differ between programs of another shape, so tokens are bitwise
+equal within one shape class: generation/instances.py).
 `t` is the 0-based index of the token within the response (0 = first token after the prompt).
 
 Behaviour log-probs. The log-prob recorded for a sampled token is

@@ -4,8 +4,10 @@ For each prompt+response (laid out by models/sequences.build_sequences):
 
   reference log-probs [B, T]  log-prob of each response token under the frozen reference actor
   critic values       [B, T]  value of the state before each response token
-  reward              [B]     a reward model's scalar at the last response token (position
-                              prompt_len+response_len-1), or a Python reward function's output
+  reward              [B]     a reward model's scalar at its score position (sequences.
+                              score_positions: the last token that is not the model's
+                              score_pad_id, else the last response token), or a Python reward
+                              function's output
 
 `Scorer` runs the forward passes jitted, with the batch split over the mesh's data axes, and
 optionally in micro-batches of a fixed size (the last one padded, so each shape compiles once):
@@ -115,7 +117,7 @@ def critic_values(cfg: ModelConfig, params, tokens, prompt_lens, num_response: i
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
 def reward_model_scores(cfg: ModelConfig, params, tokens, prompt_lens, response_lens, *,
                         mesh: Optional[Mesh] = None):
-  """[B] float32 reward-model scalar at the last response token (scalar head)."""
+  """[B] float32 reward-model scalar at sequences.score_positions (scalar head)."""
   with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES):
     return sequences.sequence_scores(cfg, params, tokens, prompt_lens, response_lens)
 
@@ -179,7 +181,7 @@ def _check_head(cfg: ModelConfig, head: str, role: str) -> None:
 
 class Rewards:
   """The one reward resolver of a run: sequence rewards [B] from a Python function of the
-  responses, or from a scalar-head reward model at the last response token.
+  responses, or from a scalar-head reward model (read at sequences.score_positions).
 
   `fn(records, response_tokens [B, T], response_lens [B]) -> [B]`; `name` (the config field's
   value) appears in errors. The serial rollout calls it whole; the fused one (trainer/rollout.py)

@@ -7,7 +7,8 @@ position ever sees the padding behind it, so no padding mask is needed.
 
 Response token t (0-based) sits at position p+t and is *predicted* by the logit at position
 p-1+t; the critic's value of "the state before response token t" is read at the same position.
-The reward model scores the whole sequence at its last response token, position p+r-1.
+The reward model scores the whole sequence at `score_positions`: the last response token,
+position p+r-1, or, with the model's score_pad_id set, the last token that is not that id.
 
 All functions are pure, jittable and differentiable (the trainer takes gradients through
 `response_logprobs_and_entropy` and `response_values`). The LM head is applied only at the T
@@ -52,7 +53,7 @@ def response_positions(prompt_lens, num_response: int):
 
 
 def last_token_positions(prompt_lens, response_lens):
-  """[B] position of the last response token (p+r-1), where the reward model scores."""
+  """[B] position of the last response token (p+r-1)."""
   return jnp.asarray(prompt_lens, jnp.int32) + jnp.asarray(response_lens, jnp.int32) - 1
 
 
