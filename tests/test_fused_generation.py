@@ -528,3 +528,17 @@ def test_gpu_instances_compile_one_first_so_the_others_load_it(platform, monkeyp
   last_end_of_0 = max(k for k, e in enumerate(events) if e == ("end", 0))
   first_start_of_others = min(k for k, e in enumerate(events) if e[0] == "start" and e[1])
   assert (first_start_of_others > last_end_of_0) == (platform == "gpu"), events
+
+
+def test_the_host_side_sequences_equal_build_sequences():
+  """fused._sequences builds on the host what models.sequences.build_sequences builds on the
+  device (the fused engine scores the former, the trainer the latter): pinned equal."""
+  from rlhfuse_jax.models import sequences  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  n, p, t = 6, 5, 7
+  prompts, responses = rng.integers(3, 50, (n, p)), rng.integers(3, 50, (n, t))
+  prompt_lens, response_lens = rng.integers(1, p + 1, n), rng.integers(0, t + 1, n)
+  response_lens[0], prompt_lens[1] = t, p  # full rows too
+  np.testing.assert_array_equal(
+      fused._sequences(prompts, prompt_lens, responses, response_lens, pad_id=1),
+      np.asarray(sequences.build_sequences(prompts, prompt_lens, responses, response_lens, 1)))
