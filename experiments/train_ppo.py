@@ -95,13 +95,10 @@ def main(argv):
   os.makedirs(workdir, exist_ok=True)
   hooks.enable_compilation_cache(cfg.compilation_cache_dir, workdir)  # before anything compiles
   trainer = PPOTrainer(cfg, workdir)  # checks the lock and any checkpoint against this config
-  if main_process and trainer.finished_at is None:
-    wd.write_config_history(workdir, config_lib.config_record(_CONFIG.value, cfg),
-                            trainer.resume_step or 0)
   try:
     # The lock stays held while result.json is written below: another start on this workdir in
     # between could change metrics.jsonl while it is summarised.
-    trainer.run(keep_lock=True)
+    trainer.run(keep_lock=True, config_record=config_lib.config_record(_CONFIG.value, cfg))
   except (checkpointing.SaveError, multihost.PeerLostError) as e:
     # A failed save: orbax's threads would hold the process for minutes. A peer lost in fused
     # generation's exchange: the watchdog's status (a hung peer) for a dead one too, and no wait

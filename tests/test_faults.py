@@ -276,7 +276,8 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, stra
   caplog.set_level(py_logging.WARNING)
   cfg, _, want_params, want_rows = straight
   run = str(tmp_path / "run")
-  PPOTrainer(cfg, run).run(stop_after=4)  # checkpoints 2 and 4, as a preempted run leaves them
+  # checkpoints 2 and 4, as a preempted run leaves them
+  PPOTrainer(cfg, run).run(stop_after=4, config_record={"start": "first"})
   latest = os.path.join(run, "checkpoints", "4")
   if damage == "arrays":
     _damage_arrays(latest)
@@ -288,7 +289,11 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, stra
     with pytest.raises(ValueError, match=r"checkpoint 4 in .* cannot be read.*fallback=False"):
       PPOTrainer(refuse, run)
   again = PPOTrainer(cfg, run)
-  assert [h["step"] for h in again.run()] == [3, 4, 5, 6]  # resumed from 2
+  assert [h["step"] for h in again.run(config_record={"start": "again"})] == [3, 4, 5, 6]
+  # The config of each start is named by the iteration it really started at (from 2, not 4).
+  assert [f for f in sorted(os.listdir(run)) if f.startswith("config")] == [
+      "config.2.json", "config.json"]
+  assert wd.read_json_object(os.path.join(run, "config.2.json")) == {"start": "again"}
   assert not [r for r in caplog.records if "resuming checkpoint" in r.getMessage()]  # same devices
   assert os.path.isdir(os.path.join(run, "damaged_checkpoints", "4"))  # kept, not deleted
   jax.tree_util.tree_map(np.testing.assert_array_equal, _params(again), want_params)
@@ -419,6 +424,26 @@ def test_a_failed_last_save_is_raised_unless_another_error_is_leaving(tmp_path):
   with pytest.raises(checkpointing.SaveError, match="disk full"):
     ckpts.end(failing=False)
   ckpts.end(failing=True)  # logged only
+
+
+def test_a_sigterm_while_the_last_save_commits_keeps_it(tmp_path, monkeypatch, caplog):
+  """The stop flag's handlers stay until the last save has committed (hooks end in reverse
+  order): a SIGTERM during that wait killed the process (the default action, restored first)
+  and the checkpoint being committed was lost."""
+  end = hooks.Checkpoints.end
+  sent = []
+
+  def signalled_end(self, failing):  # a preemption notice arrives while the last save commits
+    sent.append(True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return end(self, failing)
+  monkeypatch.setattr(hooks.Checkpoints, "end", signalled_end)
+  cfg = tiny_config(**{"num_iterations": 2, "checkpoint.every": 1})
+  with caplog.at_level("WARNING"):
+    history = PPOTrainer(cfg, str(tmp_path)).run()
+  assert sent and [h["step"] for h in history] == [1, 2]
+  assert "waiting for its last checkpoint to be saved" in caplog.text
+  assert checkpointing.Checkpointer(str(tmp_path)).latest_step() == 2
 
 
 def test_the_binary_names_a_bad_value_and_records_nothing(tmp_path):

@@ -66,6 +66,8 @@ def test_sigterm_saves_and_exits_with_the_stopped_status(tmp_path):
   last = _steps(wd)[-1]
   ckpts = [int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()]
   assert ckpts == [last], (ckpts, last)  # saved exactly where it stopped
+  # The config of the start, recorded once it knew where it started (PPOTrainer.run).
+  assert json.load(open(os.path.join(wd, "config.json")))["num_iterations"] == 10000
 
 
 def test_sigint_stops_like_sigterm_and_twice_interrupts_at_once():

@@ -49,6 +49,7 @@ class StopFlag(Hook):
   def __init__(self):
     self.set = False
     self.signal: Optional[int] = None
+    self.ending = False  # set by the loop once its iterations are over
     self._old = {}
 
   def begin(self, start: int) -> None:
@@ -64,8 +65,12 @@ class StopFlag(Hook):
   def _handle(self, signum, frame):
     if self.set and signum == signal.SIGINT:
       raise KeyboardInterrupt
-    logging.warning("signal %d: finishing this iteration, saving a checkpoint, then exiting "
-                    "(Ctrl-C again: stop now without saving)", signum)
+    if self.ending:
+      logging.warning("signal %d: the run is ending; waiting for its last checkpoint to be "
+                      "saved (Ctrl-C again: stop now without it)", signum)
+    else:
+      logging.warning("signal %d: finishing this iteration, saving a checkpoint, then exiting "
+                      "(Ctrl-C again: stop now without saving)", signum)
     self.set, self.signal = True, signum
 
   def agreed(self) -> bool:
@@ -439,15 +444,17 @@ class HFExport(Hook):
 
 
 def run_hooks(hooks: list, method: str, *args: Any) -> None:
-  """Calls `method` on every hook in order. For "end" every hook runs even if one raises (a
-  failed metrics close must not skip the wait for the last save), then the first error
-  is raised."""
+  """Calls `method` on every hook in order; "end" in the reverse order, as nested with-blocks
+  unwind: what began first ends last (the stop flag, first to begin, keeps its signal handlers
+  until the last save has committed: a SIGTERM during that wait killed the run and lost the
+  checkpoint). For "end" every hook runs even if one raises (a failed metrics close must not
+  skip the wait for the last save), then the first error is raised."""
   if method != "end":
     for h in hooks:
       getattr(h, method)(*args)
     return
   first = None
-  for h in hooks:
+  for h in reversed(hooks):
     try:
       h.end(*args)
     except BaseException as e:  # noqa: BLE001 re-raised below

@@ -689,8 +689,13 @@ class PPOTrainer:
     return out
 
   # ---------------------------------------------------------------- the loop
-  def run(self, stop_after: Optional[int] = None, keep_lock: bool = False) -> list[dict]:
+  def run(self, stop_after: Optional[int] = None, keep_lock: bool = False,
+          config_record: Optional[Any] = None) -> list[dict]:
     """Runs (or resumes) to cfg.num_iterations; returns this call's per-iteration metrics.
+
+    config_record: when this start trains, recorded as workdir.write_config_history names it,
+    by the iteration it really starts at (an older checkpoint than resume_step when the newest
+    cannot be restored).
 
     stop_after: stop early after this iteration as a SIGTERM would (save, return); used to test
     that an interrupted run resumes exactly. keep_lock: hold the workdir lock after returning,
@@ -707,6 +712,9 @@ class PPOTrainer:
     self._ran = True
     try:
       start = self.finished_at if self.finished_at is not None else self._restore()
+      if (config_record is not None and start < self.cfg.num_iterations and
+          jax.process_index() == 0):
+        wd.write_config_history(self.workdir, config_record, start)
       if self.export_only and start < self.cfg.num_iterations:
         logging.warning("the newest checkpoint could not be restored: training iterations "
                         "%d-%d again from checkpoint %d, then exporting", start + 1,
@@ -789,5 +797,6 @@ class PPOTrainer:
           break
       failing = False
     finally:
+      stop.ending = True
       hooks.run_hooks(run_hooks, "end", failing)
     return history
