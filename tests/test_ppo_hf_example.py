@@ -142,6 +142,14 @@ def test_example_config_trains_validates_and_exports(tmp_path, monkeypatch):
   monkeypatch.setattr(build, "build_models", no_build)
   done = PPOTrainer(cfg, wd)
   assert done.finished_at == 2 and not done.export_only and done.run() == []
+  # ... while another family asked for on a re-run exports again (it kept the old one).
+  monkeypatch.undo()
+  mistral = _example_config(num_iterations=2, eval_every=2, **{
+      "data.val_max_prompts": 16, "checkpoint.export_hf": "mistral"})
+  redo = PPOTrainer(mistral, wd, mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1]))
+  assert redo.export_only and redo.run() == []
+  with open(os.path.join(out, "config.json")) as f:
+    assert json.load(f)["architectures"] == ["MistralForCausalLM"]
 
 
 def test_export_carries_the_runs_tokenizer_template_and_special_ids(tmp_path):

@@ -346,8 +346,11 @@ def test_zero1_splits_the_optimizer_state_over_the_model_copies(runs, tmp_path, 
   for name in ("actor", "critic"):  # the set-up log reads the split from the placement
     assert re.search(rf"setup: {name} on .*optimizer state .* GB \(split over data \(zero1\)\)",
                      caplog.text), caplog.text
-  resumed = second.run()
+  with caplog.at_level(logging.WARNING):
+    resumed = second.run()
   assert [h["step"] for h in resumed] == [2]
+  assert re.search(r"saved with optim.zero1=False, with optim.zero1=True: .* not bitwise",
+                   caplog.text), caplog.text
   def part(state, name):  # the state's leaves that mirror the parameters' `name` subtree
     return [s.mu[name] for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(
         x, "mu")) if hasattr(s, "mu")]

@@ -635,7 +635,8 @@ RESUMABLE_FIELDS = frozenset({
     # Where the moments wait during the rollout: the same values come back (tested bitwise).
     "optim.offload_during_rollout",
     # Where the optimizer state lives: restored into the new placement, the same values up to
-    # float rounding (the gradient norm sums in another order; tested).
+    # float rounding (the gradient norm sums in another order; tested allclose on the pipelined
+    # update, test_trainer_pipelined.py); the resume says so in a warning.
     "optim.zero1",
 })
 

@@ -369,20 +369,35 @@ def _keep_source_context(source_dir: str, config_path: str) -> None:
 EXPORT_MARKER = "rlhfuse_export.json"
 
 
-def exported_step(out_dir: str) -> Optional[int]:
-  """The iteration of the actor exported in `out_dir`; None: no (complete) export there."""
+def _export_marker(out_dir: str) -> Optional[dict]:
   try:
     with open(os.path.join(out_dir, EXPORT_MARKER)) as f:
-      return int(json.load(f)["step"])
-  except (OSError, ValueError, KeyError, TypeError):
+      marker = json.load(f)
+    return {"step": int(marker["step"]), "family": marker.get("family")}
+  except (OSError, ValueError, KeyError, TypeError, AttributeError):
     return None
+
+
+def exported_step(out_dir: str) -> Optional[int]:
+  """The iteration of the actor exported in `out_dir`; None: no (complete) export there."""
+  marker = _export_marker(out_dir)
+  return None if marker is None else marker["step"]
 
 
 def export_pending(workdir: str, cfg: TrainConfig, step: int) -> bool:
   """Whether checkpoint.export_hf asks for an export that should hold iteration `step` and
-  WORKDIR/hf_export does not (missing, unmarked or older)."""
-  return (bool(cfg.checkpoint.export_hf) and
-          exported_step(os.path.join(workdir, HF_EXPORT_DIR)) != step)
+  WORKDIR/hf_export does not (missing, unmarked, older, or of another HF family: the field may
+  change on a re-run; a marker written before families were recorded is taken as current)."""
+  if not cfg.checkpoint.export_hf:
+    return False
+  marker = _export_marker(os.path.join(workdir, HF_EXPORT_DIR))
+  if marker is None or marker["step"] != step:
+    return True
+  return marker["family"] is not None and marker["family"] != _resolved_family(cfg)
+
+
+def _resolved_family(cfg: TrainConfig) -> str:
+  return export_family(cfg) or hf_loader.hf_family(cfg.model)
 
 
 def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] = None,
@@ -402,7 +417,7 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
   hf_loader.save_hf_checkpoint(params, cfg.model, tmp, family=family)
   if step is not None:
     with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
-      json.dump({"step": step}, f)
+      json.dump({"step": step, "family": _resolved_family(cfg)}, f)
   _copy_tokenizer(cfg, tokenizer, tmp)
   if cfg.init.actor_checkpoint:  # its generation config, and its config.json's special ids
     for name in CHECKPOINT_FILES:
@@ -419,7 +434,7 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
     os.replace(out_dir, old)
   os.replace(tmp, out_dir)
   shutil.rmtree(old, ignore_errors=True)
-  return family or hf_loader.hf_family(cfg.model)
+  return _resolved_family(cfg)
 
 
 class HFExport(Hook):

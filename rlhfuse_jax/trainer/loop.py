@@ -417,7 +417,7 @@ class PPOTrainer:
 
   def _meta(self) -> dict:
     meta = {"data": self.dataset.state_dict(), "schedule_iterations": self.schedule_iterations,
-            "devices": self._devices()}
+            "devices": self._devices(), "zero1": bool(self.cfg.optim.zero1)}
     if self.cfg.async_ppo.staleness:
       meta["in_flight"] = [g.side_car() for g in sorted(self.in_flight.values(),
                                                         key=lambda g: g.iteration)]
@@ -446,6 +446,13 @@ class PPOTrainer:
       # config sizes from the device count (instances, groups, mini-batch shards) changes.
       logging.warning("resuming checkpoint %d, saved on %s, on %s: the run continues, but not "
                       "exactly as it would have on the devices that saved it", start, saved, now)
+    saved_zero1 = (meta or {}).get("zero1")
+    if saved_zero1 is not None and saved_zero1 != self.cfg.optim.zero1:
+      # Allowed (RESUMABLE_FIELDS): the state is restored into the other placement.
+      logging.warning("resuming checkpoint %d, saved with optim.zero1=%s, with optim.zero1=%s: "
+                      "the optimizer state is placed anew and the run continues, equal to the "
+                      "uninterrupted run up to float rounding (the gradient norm sums in another "
+                      "order), not bitwise", start, saved_zero1, self.cfg.optim.zero1)
     if state is not None:
       # The reference is not saved: it is the initial actor, rebuilt from the seed or the
       # checkpoint exactly as in the first run.
