@@ -90,11 +90,11 @@ def get_config(arg: str = "ppo"):
     # run of countdown (log-normal mu=0.7); at 1e-3 this config's reward rises from ~0.17 (first
     # 40 iterations) to ~0.78 (last 40) with 2 epochs, and ~96 % of the iterations consolidate.
     c.optim.actor_lr = 1e-3
-    # One PPO epoch (default 2): each update through the pipelined executor costs ~0.13 s on 2
-    # cores, and training was 0.52 of the 0.81 s per iteration; with one epoch the run takes
-    # 5 min 52 s instead of 7 min 32 s and still learns (reward 0.07 -> 0.69, first -> last 10 %)
-    # while keeping the tail. (minibatch_size=64 at 2 epochs was as fast but taught the policy to
-    # end early: inference overlapped the tail in only 62 of 400 iterations.)
+    # One PPO epoch (default 2): when this was chosen (2026-11-25, before the stage-sharded
+    # pipeline state) one epoch took 5 min 52 s instead of 7 min 32 s and still learned while
+    # keeping the tail; minibatch_size=64 at 2 epochs was as fast but taught the policy to end
+    # early (inference overlapped the tail in only 62 of 400 iterations). Today's figures:
+    # docs/results.md, "main job".
     c.algo.epochs = 1
   elif arg != "ppo":
     raise ValueError(f"configs/ppo_tiny.py: unknown variant {arg!r}; expected 'ppo', 'grpo' or "

@@ -6,7 +6,8 @@ Writes into the workdir: config.json (the config of the first start as given, be
 file or a checkpoint's config.json fills in fields; a start that
 resumes at iteration k adds config.k.json), metrics.jsonl (one object per iteration), tb/
 (TensorBoard events), checkpoints/ (orbax; the latest is resumed automatically, so re-running
-with a larger --config.num_iterations continues the run and its LR schedule), result.json
+with a larger --config.num_iterations continues the run, past the first start's horizon on the
+LR schedule's floor unless optim.schedule_iterations is raised with it), result.json
 (final summary), cache/ (searched pipeline schedules, and jax's compilation cache in
 cache/xla: config.compilation_cache_dir) and, with checkpoint.export_hf, hf_export/ (the final
 actor as a Hugging Face checkpoint). A resume whose config differs in a field that changes the

@@ -181,16 +181,27 @@ def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path):
   assert rows[3]["actor/lr"] == pytest.approx(5e-4 * 0.1)
 
 
-def test_raising_num_iterations_continues_the_lr_schedule(tmp_path):
+def test_raising_num_iterations_continues_the_lr_schedule(tmp_path, caplog):
   # The horizon is the first start's num_iterations (4 iterations x 4 updates): extended to 6,
-  # the LR stays on the cosine's floor instead of restarting the cosine.
+  # the LR stays on the cosine's floor instead of restarting the cosine, and the resume says so.
   PPOTrainer(tiny_config(), str(tmp_path)).run()
-  history = PPOTrainer(tiny_config(**{"num_iterations": 6}), str(tmp_path)).run()
+  with caplog.at_level("WARNING"):
+    history = PPOTrainer(tiny_config(**{"num_iterations": 6}), str(tmp_path)).run()
+  assert "iterations 5-6 run at the LR schedule's floor" in caplog.text
   rows = wd.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
   lrs = [r["actor/lr"] for r in rows]
   assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and len(history) == 2
   floor = 3e-3 * 0.1  # optim.actor_lr * min_lr_ratio
   assert lrs[3] >= lrs[4] and lrs[4] == pytest.approx(floor) and lrs[5] == pytest.approx(floor), lrs
+  # What the warning advises: a longer horizon, named in resume_changes, stretches the cosine.
+  with pytest.raises(ValueError, match="optim.schedule_iterations"):
+    PPOTrainer(tiny_config(**{"num_iterations": 7, "optim.schedule_iterations": 12}),
+               str(tmp_path))
+  PPOTrainer(tiny_config(**{"num_iterations": 7, "optim.schedule_iterations": 12,
+                            "checkpoint.resume_changes": "optim.schedule_iterations"}),
+             str(tmp_path)).run()
+  last = wd.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))[-1]
+  assert last["step"] == 7 and last["actor/lr"] > 2 * floor
 
 
 def test_metrics_are_written_exactly_once_after_a_crash_before_the_first_checkpoint(tmp_path):

@@ -617,6 +617,9 @@ RESUME_CHANGEABLE = frozenset({
     "optim.min_lr_ratio", "algo.clip_eps", "algo.clip_eps_high", "algo.clip_ratio_c",
     "algo.value_clip_eps", "algo.vf_coef",
     "algo.entropy_coef", "algo.kl_coef",
+    # The LR schedule's horizon: a run extended past it trains on the floor; a longer horizon
+    # stretches the cosine from the restored step on (optax counts the steps, not the horizon).
+    "optim.schedule_iterations",
 })
 
 # Fields that do not change what a resumed run computes: how long it runs, how often it logs

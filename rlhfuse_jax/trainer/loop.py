@@ -154,6 +154,15 @@ class PPOTrainer:
     self.cfg = cfg
     self.finished_at = (self.resume_step if self.resume_step is not None and
                         self.resume_step >= cfg.num_iterations else None)
+    if (self.resume_step is not None and self.finished_at is None and
+        cfg.num_iterations > self.schedule_iterations):
+      logging.warning(
+          "iterations %d-%d run at the LR schedule's floor (optim.min_lr_ratio=%g of the peak): "
+          "the cosine spans %d iterations, fixed by the first start. To stretch it instead: "
+          "--config.optim.schedule_iterations=%d "
+          "--config.checkpoint.resume_changes=optim.schedule_iterations",
+          max(self.resume_step, self.schedule_iterations) + 1, cfg.num_iterations,
+          cfg.optim.min_lr_ratio, self.schedule_iterations, cfg.num_iterations)
     # ... unless its HF export is missing or older than its last checkpoint (the export failed
     # or was killed, or checkpoint.export_hf was turned on or the run extended since): then the
     # model is built, the last checkpoint restored and exported, and no iteration runs.
