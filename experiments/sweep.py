@@ -17,10 +17,13 @@ progress), ends the sweep after that run: the summary has the runs so far, and t
 in the repository root; a relative --config file or --workdir is the caller's (made absolute).
 `--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant, if it
 takes an argument). Each run's output is appended to DIR/<run>/log.txt; --dry_run prints
-the commands and writes nothing.
+the commands and writes nothing. Before anything runs, every overridden field (the entries' and
+the sweep's own --config.* flags) must exist in the file's get_config(): a misspelled one is
+named once, with the closest field, instead of failing every run.
 """
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import inspect
 import json
@@ -43,9 +46,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "sweep output directory", requir
 _DRY = flags.DEFINE_bool("dry_run", False, "print the commands without running them")
 
 
-def load_sweep(config_path: str) -> list[dict]:
-  """get_sweep() of `FILE.py[:variant]` (the variant, when given, is passed on to every run's
-  --config, and to get_sweep if it takes an argument)."""
+def _load_config_module(config_path: str) -> tuple[Any, Optional[str]]:
+  """(the module of `FILE.py[:variant]`, the variant or None)."""
   path, variant = config_path, None
   if not os.path.isfile(path) and ":" in path:  # at the first ':', as ml_collections splits
     path, variant = path.split(":", 1)
@@ -56,11 +58,22 @@ def load_sweep(config_path: str) -> list[dict]:
     raise ValueError(f"--config={config_path!r}: cannot load {path!r} as Python")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
+  return module, variant
+
+
+def _call(fn, variant: Optional[str]):
+  """fn(variant) if a variant was given and fn takes an argument, else fn()."""
+  takes_arg = bool(inspect.signature(fn).parameters)
+  return fn(variant) if variant is not None and takes_arg else fn()
+
+
+def load_sweep(config_path: str) -> list[dict]:
+  """get_sweep() of `FILE.py[:variant]` (the variant, when given, is passed on to every run's
+  --config, and to get_sweep if it takes an argument)."""
+  module, variant = _load_config_module(config_path)
   if not hasattr(module, "get_sweep"):
     raise ValueError(f"--config={config_path!r} defines no get_sweep()")
-  takes_arg = bool(inspect.signature(module.get_sweep).parameters)
-  sweep = list(module.get_sweep(variant) if variant is not None and takes_arg
-               else module.get_sweep())
+  sweep = list(_call(module.get_sweep, variant))
   seen: dict[str, int] = {}
   for i, entry in enumerate(sweep):
     if not isinstance(entry, dict):
@@ -76,6 +89,30 @@ def load_sweep(config_path: str) -> list[dict]:
                        "'/', not starting with '.')")
     seen[name] = i
   return sweep
+
+
+def check_overrides(config_path: str, sweep: Sequence[dict], passthrough: Sequence[str]) -> None:
+  """Every field the sweep's entries and its own --config.* flags override exists in the config
+  (get_config() of the same file and variant); a ValueError naming the first that does not,
+  before any run starts (each run would otherwise start, import jax and fail on it)."""
+  module, variant = _load_config_module(config_path)
+  if not hasattr(module, "get_config"):
+    return
+  config = _call(module.get_config, variant)
+  keys = [(f"get_sweep()[{i}]", k) for i, entry in enumerate(sweep) for k in entry
+          if k != "name"]
+  keys += [("the sweep's flag", arg.split("=", 1)[0][len("--config."):]) for arg in passthrough]
+  for where, key in keys:
+    node, walked = config, []
+    for part in key.split("."):
+      fields = list(node.keys()) if hasattr(node, "keys") else []
+      if part not in fields:
+        close = difflib.get_close_matches(part, [str(f) for f in fields], n=1)
+        hint = f"; did you mean {'.'.join(walked + close)!r}?" if close else ""
+        raise ValueError(f"{where}: --config.{key}: {config_path} has no field "
+                         f"{'.'.join(walked + [part])!r}{hint}")
+      node = node[part]
+      walked.append(part)
 
 
 def run_name(index: int, overrides: dict) -> str:
@@ -170,6 +207,7 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
   sweep = load_sweep(config)
   if not os.path.isfile(os.path.join(REPO_ROOT, "experiments", f"{binary}.py")):
     raise ValueError(f"--binary={binary!r}: no experiments/{binary}.py")
+  check_overrides(config, sweep, passthrough)
   if not dry_run:
     os.makedirs(workdir, exist_ok=True)
   rows = []

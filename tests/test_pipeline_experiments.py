@@ -94,6 +94,12 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   assert bad.returncode != 0 and "--binary='schedule_serch': no experiments/schedule_serch.py" \
       in bad.stderr
   assert not os.path.exists(tmp_path / "sw2")
+  # So is a misspelled override (each run would start, import jax and fail on it).
+  typo = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+               f"--workdir={tmp_path / 'sw3'}", "--config.time_budgt_s=0.5"])
+  assert typo.returncode != 0 and ("the sweep's flag: --config.time_budgt_s: " in typo.stderr and
+                                   "did you mean 'time_budget_s'?" in typo.stderr), typo.stderr
+  assert not os.path.exists(tmp_path / "sw3")
 
 
 def test_sweep_takes_a_config_variant(tmp_path):
