@@ -242,7 +242,9 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
     if rc == 0 and result is None:
       row["status"] = "ok (no result.json / metrics.jsonl)"
     if result:
-      row.update(flatten_scalars(result))
+      # A result's own "status" (train_ppo's done / stopped) must not replace the sweep's.
+      row.update({f"result/{k}" if k in row else k: v
+                  for k, v in flatten_scalars(result).items()})
     rows.append(row)
     write_summary(workdir, rows)  # partial summaries survive an interrupted sweep
     logging.info("[%d/%d] %s: %s in %.1fs", i + 1, len(sweep), name, row["status"], row["wall_s"])

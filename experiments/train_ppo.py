@@ -52,16 +52,21 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def summarize(history: list[dict]) -> dict:
-  """Reward of the first and last 10% of iterations, and the final metrics."""
+def summarize(history: list[dict], num_iterations: int) -> dict:
+  """Whether the run is done or stopped early (a signal: re-run to resume), reward of the first
+  and last 10% of iterations, and the final iteration's scalar metrics (its timings and
+  per-sample lists are in metrics.jsonl)."""
   if not history:
-    return {}
+    return {"status": "stopped", "iterations": 0, "num_iterations": num_iterations}
   k = max(1, len(history) // 10)
   first = sum(h["reward/mean"] for h in history[:k]) / k
   last = sum(h["reward/mean"] for h in history[-k:]) / k
-  return {"iterations": history[-1]["step"], "reward_first_10pct": first,
+  step = history[-1]["step"]
+  return {"status": "done" if step >= num_iterations else "stopped", "iterations": step,
+          "num_iterations": num_iterations, "reward_first_10pct": first,
           "reward_last_10pct": last, "reward_gain": last - first,
-          "final": {k: v for k, v in history[-1].items() if not k.startswith(TIMING_PREFIXES)}}
+          "final": {k: v for k, v in history[-1].items()
+                    if not k.startswith(TIMING_PREFIXES) and not isinstance(v, list)}}
 
 
 def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
@@ -113,12 +118,14 @@ def main(argv):
   if main_process:
     # The summary covers the whole run (also iterations done before a resume).
     history = wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-    result = summarize(history)
+    result = summarize(history, cfg.num_iterations)
     export = os.path.join(workdir, hooks.HF_EXPORT_DIR)
     if cfg.checkpoint.export_hf and os.path.isdir(export):
       result["hf_export"] = export
     wd.write_json(os.path.join(workdir, "result.json"), result)
-    logging.info("done: %s", os.path.join(workdir, "result.json"))
+    logging.info("%s: %s", "done" if result["status"] == "done" else
+                 f"stopped at iteration {result['iterations']} of {cfg.num_iterations}",
+                 os.path.join(workdir, "result.json"))
   trainer.release_lock()
   if trainer.stopped_by_signal is not None:
     logging.warning("exit %d: stopped by signal %d after saving; re-run to resume",

@@ -359,7 +359,9 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path):
   for name in ("config.json", "metrics.jsonl", "result.json"):
     assert os.path.exists(os.path.join(straight, name)), name
   assert os.listdir(os.path.join(straight, "tb")), "no TensorBoard events"
-  assert json.load(open(os.path.join(straight, "result.json")))["iterations"] == 6
+  result = json.load(open(os.path.join(straight, "result.json")))
+  assert (result["status"], result["iterations"], result["num_iterations"]) == ("done", 6, 6)
+  assert not [k for k, v in result["final"].items() if isinstance(v, list)]
   first = wd.read_jsonl(os.path.join(straight, "metrics.jsonl"))[0]
   for key in METRIC_NAMES:  # docs/architecture.md §1
     assert key in first, key

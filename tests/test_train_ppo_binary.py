@@ -68,6 +68,8 @@ def test_sigterm_saves_and_exits_with_the_stopped_status(tmp_path):
   assert ckpts == [last], (ckpts, last)  # saved exactly where it stopped
   # The config of the start, recorded once it knew where it started (PPOTrainer.run).
   assert json.load(open(os.path.join(wd, "config.json")))["num_iterations"] == 10000
+  result = json.load(open(os.path.join(wd, "result.json")))  # not mistaken for a finished run
+  assert (result["status"], result["iterations"]) == ("stopped", last), result
 
 
 def test_sigint_stops_like_sigterm_and_twice_interrupts_at_once():
