@@ -75,6 +75,21 @@ def test_plan_file_refusals(tmp_path, plan, match):
     tiny_config(**{"plan.file": path})
 
 
+def test_a_bad_value_the_plan_file_set_in_async_ppo_names_the_file(tmp_path):
+  """Every section the file sets is named (it was only plan, mesh and pipeline): the user never
+  wrote async_ppo.generation_devices. A field the file did not set is not blamed on it."""
+  path = plan_json(tmp_path / "plan.json", {})
+  plan = json.loads(open(path).read())
+  plan["async"] = {"generation_devices": 4.5, "staleness": 1}
+  open(path, "w").write(json.dumps(plan))
+  with pytest.raises(ValueError, match=r"config\.async_ppo\.generation_devices=4\.5: expected "
+                     r".*\(set by config\.plan\.file="):
+    tiny_config(**{"plan.file": path})
+  with pytest.raises(ValueError) as e:
+    tiny_config(**{"plan.file": plan_json(tmp_path / "ok.json", {}), "optim.actor_lr": -1.0})
+  assert "config.optim.actor_lr=-1.0" in str(e.value) and "set by" not in str(e.value)
+
+
 @pytest.mark.parametrize("overrides, match", [
     ({"plan.generation": "tpu"}, r"config\.plan\.generation='tpu': expected one of"),
     ({"plan.generation_pp": 2}, r"config\.plan\.generation_pp=2: expected its default 1 with "

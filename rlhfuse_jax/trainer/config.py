@@ -585,7 +585,10 @@ class TrainConfig:
         kwargs[name] = _build(klass, d.pop(name, {}), name)
       except ValueError as e:
         plan_file = (cd_plan or {}).get("file", "")
-        if plan_file and name in ("plan", "mesh", "pipeline"):
+        # Named when the field the error names is one the file set (plan.*, mesh.*,
+        # pipeline.critic_pp, optim.zero1, async_ppo.*): the user never wrote it.
+        if plan_file and any(f"config.{sec}.{field}=" in str(e) for sec, field in
+                             plan_file_settings(load_plan_file(plan_file), plan_file)):
           raise ValueError(f"{e} (set by config.plan.file={plan_file!r})") from None
         raise
     model, critic = d.pop("model", {}), d.pop("critic_model", {})
