@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import time
 
@@ -322,9 +323,26 @@ def test_a_finished_run_builds_nothing_and_still_checks_the_config(straight, mon
   # A row after the last checkpoint (an extension to 7 iterations that died before saving)
   # holds no kept state: a finished start drops it too, as every start does.
   wd.append_jsonl(os.path.join(workdir, "metrics.jsonl"), {"step": 7, "reward/mean": 0.5})
+  events = set(os.listdir(os.path.join(workdir, "tb")))
   again = PPOTrainer(cfg, workdir)
   assert again.finished_at == 6 and again.run() == []
   assert _steps(workdir) == [1, 2, 3, 4, 5, 6]
+  # ... and from TensorBoard: a new events file whose purge marker (SessionLog START at step 7)
+  # hides what the extension wrote there.
+  new = set(os.listdir(os.path.join(workdir, "tb"))) - events
+  assert len(new) == 1, new
+  from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
+  data = open(os.path.join(workdir, "tb", new.pop()), "rb").read()
+  marks, pos = [], 0
+  while pos < len(data):  # TFRecord framing: length, crc, event, crc
+    (length,) = struct.unpack("<Q", data[pos:pos + 8])
+    event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+    pos += 12 + length + 4
+    if event.HasField("session_log"):
+      marks.append((event.session_log.status, event.step))
+  assert marks == [(event_pb2.SessionLog.START, 7)], marks
+  again = PPOTrainer(cfg, workdir)  # nothing after the checkpoint now: tb/ stays as it is
+  assert again.run() == [] and len(os.listdir(os.path.join(workdir, "tb"))) == len(events) + 1
   with pytest.raises(ValueError, match="config.seed=1 differs"):  # checked without a build
     PPOTrainer(tiny_config(num_iterations=6, seed=1), workdir)
 

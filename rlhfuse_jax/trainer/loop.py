@@ -737,9 +737,16 @@ class PPOTrainer:
                         self.cfg.num_iterations, start)
       if start >= self.cfg.num_iterations:
         # Rows after the checkpoint (an extension that died before its next save) belong to
-        # no kept state: dropped, as every other start does (hooks.MetricsLog.begin).
-        metrics_lib.MetricWriter(self.workdir, tensorboard=False,
-                                 enabled=jax.process_index() == 0).truncate_after(start)
+        # no kept state: dropped, as every other start does (hooks.MetricsLog.begin), from
+        # metrics.jsonl and from TensorBoard (a purge marker, written only when such rows
+        # exist: a finished run re-run leaves tb/ as it was).
+        main = jax.process_index() == 0
+        later = main and any(r.get("step", 0) > start for r in wd.read_jsonl(
+            os.path.join(self.workdir, "metrics.jsonl")))
+        writer = metrics_lib.MetricWriter(self.workdir, tensorboard=later, enabled=main,
+                                          purge_step=start + 1)
+        writer.truncate_after(start)
+        writer.close()
         if self.export_only:
           hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
                          self.tokenizer).export(start)
