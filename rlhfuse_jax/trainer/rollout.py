@@ -109,19 +109,32 @@ class SerialStage:
                                       uids=prompts.uids)
     t_gen = time.time() - t0
     del actor
-    t0 = time.time()
-    batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
-    ref_logp = self.scorer.ref_logprobs(self.actor_cfg, self.reference, batch,
-                                        self.sampling.logprob_temperature)
+    return score_rollout(self, rollout, params, prompts, {"timing_s/generate": t_gen})
+
+
+def score_rollout(stage: Any, rollout: Any, params: WholeParams, prompts: Prompts, m: dict,
+                  place_critic: Optional[Callable[[Any, dict], Any]] = None) -> StageOutputs:
+  """The inference half of the serial and planned stages: reference log-probs, values (the
+  critic fetched after the reference's pass, not both whole at once; `place_critic(critic, m)`
+  moves it where the stage scores and records its own timing), rewards. timing_s/inference
+  leaves out the fetch and the placement (timed apart). `stage` holds actor_cfg, critic_cfg,
+  use_critic, sampling, pad_id, reference, rewards and scorer."""
+  t0 = time.time()
+  batch = scoring.ScoringBatch.from_rollout(rollout, stage.pad_id)
+  ref_logp = stage.scorer.ref_logprobs(stage.actor_cfg, stage.reference, batch,
+                                       stage.sampling.logprob_temperature)
+  values = np.zeros(rollout.logprobs.shape, np.float32)
+  if stage.use_critic:
     t_fetch = time.time()
-    critic = params("critic") if self.use_critic else None
-    t0 += time.time() - t_fetch  # (fetched after the reference's pass: not both at once)
-    values = (self.scorer.values(self.critic_cfg, critic, batch)
-              if self.use_critic else np.zeros(rollout.logprobs.shape, np.float32))
-    scores = self.rewards(batch, prompts.records)
-    return StageOutputs(rollout=rollout, batch=batch, ref_logp=ref_logp, values=values,
-                        scores=scores, metrics={"timing_s/generate": t_gen,
-                                                "timing_s/inference": time.time() - t0})
+    critic = params("critic")
+    if place_critic is not None:
+      critic = place_critic(critic, m)
+    t0 += time.time() - t_fetch
+    values = stage.scorer.values(stage.critic_cfg, critic, batch)
+  scores = stage.rewards(batch, prompts.records)
+  m["timing_s/inference"] = time.time() - t0
+  return StageOutputs(rollout=rollout, batch=batch, ref_logp=ref_logp, values=values,
+                      scores=scores, metrics=m)
 
 
 def fused_config(fusion, batch_size: int, num_devices: int) -> fused_lib.FusedGenConfig:
@@ -414,25 +427,13 @@ class PlannedStage:
                                         uids=prompts.uids)
       del actor
     m["timing_s/generate"] = time.time() - t0
-    t0 = time.time()
-    batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
-    ref_logp = self.scorer.ref_logprobs(self.actor_cfg, self.reference, batch,
-                                        self.sampling.logprob_temperature)
-    values = np.zeros(rollout.logprobs.shape, np.float32)
-    if self.use_critic:
-      t_fetch = time.time()
-      critic = params("critic")
-      if self.inf_mesh is not None:
-        critic, m["timing_s/reshard_inference"] = _reshard(critic, self.critic_cfg,
-                                                           self.inf_mesh)
-      # The fetch (as in SerialStage) and the reshard (timed apart) outside timing_s/inference:
-      # the reshard was in both.
-      t0 += time.time() - t_fetch
-      values = self.scorer.values(self.critic_cfg, critic, batch)
-    scores = self.rewards(batch, prompts.records)
-    m["timing_s/inference"] = time.time() - t0
-    return StageOutputs(rollout=rollout, batch=batch, ref_logp=ref_logp, values=values,
-                        scores=scores, metrics=m)
+
+    def place_critic(critic, m):  # onto the inference mesh (timing_s/reshard_inference)
+      if self.inf_mesh is None:
+        return critic
+      critic, m["timing_s/reshard_inference"] = _reshard(critic, self.critic_cfg, self.inf_mesh)
+      return critic
+    return score_rollout(self, rollout, params, prompts, m, place_critic)
 
 
 def _fmt_bytes(n: float) -> str:
