@@ -201,5 +201,5 @@ def test_an_asynchronous_plan_file_sets_the_split(tmp_path):
 def test_async_fields_without_staleness_are_said_to_do_nothing(tmp_path, caplog):
   with caplog.at_level("WARNING"):
     PPOTrainer(tiny_config(**{"async_ppo.objective": "decoupled"}), str(tmp_path))
-  assert ("async_ppo.objective='decoupled': no effect with config.async_ppo.staleness=0"
-          in caplog.text)
+  assert ("config.async_ppo.objective='decoupled' not used: no effect with "
+          "config.async_ppo.staleness=0" in caplog.text)

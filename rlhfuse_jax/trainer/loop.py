@@ -187,7 +187,6 @@ class PPOTrainer:
           f"config.optim.offload_during_rollout=True: expected devices with host memory (jax "
           f"memory kind {mesh_lib.HOST_MEMORY!r}); the {local.platform} devices here have "
           f"{[m.kind for m in local.addressable_memories()]}")
-    self._warn_unused_async_fields(cfg)
     if cfg.plan.file:  # what the file changed is otherwise visible only in config.json
       logging.info("setup: %s", config_lib.plan_file_summary(cfg.plan.file))
     t0 = time.time()
@@ -265,23 +264,6 @@ class PPOTrainer:
         logging.info("setup: %s on %s: weights %.4g GB, optimizer state %.4g GB%s", name,
                      device, held(state.params), held(state.opt_state),
                      f" ({layout})" if layout else "")
-
-  @staticmethod
-  def _warn_unused_async_fields(cfg: TrainConfig) -> None:
-    """async_ppo fields that change nothing in a synchronous run (staleness 0) are said so; a
-    device split without staleness is a synchronous loop on split devices (what bench_async's
-    timing compares against), so it is only noted."""
-    a, defaults = cfg.async_ppo, type(cfg.async_ppo)()
-    if a.staleness:
-      return
-    unused = [f"async_ppo.{f}={getattr(a, f)!r}" for f in ("objective", "behaviour_weight_cap")
-              if getattr(a, f) != getattr(defaults, f)]
-    if unused:
-      logging.warning("%s: no effect with config.async_ppo.staleness=0 (every batch comes from "
-                      "the current policy)", ", ".join(unused))
-    if a.generation_devices:
-      logging.info("async_ppo.generation_devices=%d with staleness 0: generation and training "
-                   "on separate devices, one after the other", a.generation_devices)
 
   def _make_meshes(self, cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh]) -> None:
     """The training mesh (config.mesh) and the generation group's (config.async_ppo): one mesh

@@ -9,7 +9,7 @@ of defence; this is where a user's mistake is caught first.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,23 +22,46 @@ from rlhfuse_jax.trainer import build, hooks, pipelined, ppo, rollout
 from rlhfuse_jax.trainer.config import TrainConfig
 
 
+def set_fields(cfg: TrainConfig, section: str,
+               names: Optional[Sequence[str]] = None) -> list[str]:
+  """'section.name=value' for each of `names` (default: every field of the section) that the
+  config sets away from its default."""
+  obj = getattr(cfg, section)
+  defaults = {f.name: f.default for f in dataclasses.fields(obj)}
+  return [f"{section}.{n}={getattr(obj, n)!r}" for n in (names or defaults)
+          if getattr(obj, n) != defaults[n]]
+
+
+def warn_unused(fields: Sequence[str], why: str) -> None:
+  """One warning for fields a config sets that this run does not use (when there are any)."""
+  if fields:
+    logging.warning("config.%s not used: %s", ", config.".join(fields), why)
+
+
 def _critic_free_unused(cfg: TrainConfig) -> list[str]:
   """The fields a critic-free estimator ignores that this config sets away from their defaults
   (a critic checkpoint that is never loaded, a GAE lambda that changes nothing). Not
   optim.critic_lr: presets carry one rate for all their variants."""
   if adv_lib.needs_critic(cfg.algo.estimator):
     return []
-  ignored = {"algo": ["lam", "vf_coef", "value_clip_eps", "whiten_advantages"],
-             "init": ["critic_checkpoint"]}
+  algo = ["lam", "vf_coef", "value_clip_eps", "whiten_advantages"]
   if cfg.algo.estimator in ("grpo", "rloo"):  # one score per sample: no discounting
-    ignored["algo"].append("gamma")
-  out = []
-  for section, names in ignored.items():
-    obj = getattr(cfg, section)
-    defaults = {f.name: f.default for f in dataclasses.fields(obj)}
-    out += [f"{section}.{n}={getattr(obj, n)!r}" for n in names
-            if getattr(obj, n) != defaults[n]]
-  return out
+    algo.append("gamma")
+  return set_fields(cfg, "algo", algo) + set_fields(cfg, "init", ["critic_checkpoint"])
+
+
+def _async_unused(cfg: TrainConfig) -> None:
+  """async_ppo fields that change nothing in a synchronous run (staleness 0) are said so; a
+  device split without staleness is a synchronous loop on split devices (what bench_async's
+  timing compares against), so it is only noted."""
+  if cfg.async_ppo.staleness:
+    return
+  warn_unused(set_fields(cfg, "async_ppo", ["objective", "behaviour_weight_cap"]),
+              "no effect with config.async_ppo.staleness=0 (every batch comes from the current "
+              "policy)")
+  if cfg.async_ppo.generation_devices:
+    logging.info("async_ppo.generation_devices=%d with staleness 0: generation and training "
+                 "on separate devices, one after the other", cfg.async_ppo.generation_devices)
 
 
 def _trained_models(cfg: TrainConfig) -> list[tuple[str, Any, float]]:
@@ -109,10 +132,9 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
       logging.warning("config.optim.master_weights=True with %s: the float32 copy of weights "
                       "already in float32 adds 4 bytes a parameter and no precision; it is "
                       "for 16-bit weights", ", ".join(wide))
-  unused = _critic_free_unused(cfg)
-  if unused:
-    logging.warning("config.%s not used: algo.estimator=%r trains no critic and computes its "
-                    "advantages without them", ", config.".join(unused), cfg.algo.estimator)
+  warn_unused(_critic_free_unused(cfg), f"algo.estimator={cfg.algo.estimator!r} trains no "
+              "critic and computes its advantages without them")
+  _async_unused(cfg)
   if cfg.rollout.top_k > cfg.model.vocab_size:
     raise ValueError(f"config.rollout.top_k={cfg.rollout.top_k} exceeds the actor's vocabulary "
                      f"(model.vocab_size={cfg.model.vocab_size}); 0 samples from all of it")
@@ -155,12 +177,8 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
   if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
     pipelined.check_config(cfg, mesh)
   else:
-    unused = [f"pipeline.{f.name}={getattr(cfg.pipeline, f.name)!r}"
-              for f in dataclasses.fields(cfg.pipeline)
-              if getattr(cfg.pipeline, f.name) != f.default]
-    if unused:
-      logging.warning("config.%s not used: mesh.stage=1 runs the plain (unpipelined) update; "
-                      "the pipeline section applies with mesh.stage > 1", ", config.".join(unused))
+    warn_unused(set_fields(cfg, "pipeline"), "mesh.stage=1 runs the plain (unpipelined) "
+                "update; the pipeline section applies with mesh.stage > 1")
   try:
     rollout.check_fusion(cfg, n_gen)
     rollout.check_plan(cfg, n_gen)
