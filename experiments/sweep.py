@@ -17,7 +17,8 @@ progress), ends the sweep after that run: the summary has the runs so far, and t
 in the repository root; a relative --config file or --workdir is the caller's (made absolute).
 `--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant, if it
 takes an argument). Each run's output is appended to DIR/<run>/log.txt; --dry_run prints
-the commands and writes nothing. Before anything runs, every overridden field (the entries' and
+the commands and writes nothing; --only=NAME,... runs those entries alone (in their directories
+of the whole sweep; the summary then lists those runs). Before anything runs, every overridden field (the entries' and
 the sweep's own --config.* flags) must exist in the file's get_config(): a misspelled one is
 named once, with the closest field, instead of failing every run.
 """
@@ -44,6 +45,8 @@ _CONFIG = flags.DEFINE_string("config", None, "config file defining get_sweep()"
 _BINARY = flags.DEFINE_string("binary", None, "module name under experiments/", required=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "sweep output directory", required=True)
 _DRY = flags.DEFINE_bool("dry_run", False, "print the commands without running them")
+_ONLY = flags.DEFINE_list("only", None, "run only these entries of get_sweep(), by run name "
+                          "(e.g. --only=e0,e7; --dry_run lists the names)")
 
 
 def _load_config_module(config_path: str) -> tuple[Any, Optional[str]]:
@@ -194,17 +197,36 @@ class _Signals:
 
 
 def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str],
-              dry_run: bool = False) -> tuple[list[dict], bool]:
+              dry_run: bool = False, only: Optional[Sequence[str]] = None
+              ) -> tuple[list[dict], bool]:
   """(one row per run that ran, whether every run ran; see the module docstring). It ends
   early, after writing the summary, when a run stops with exit 75 (stopped by a signal;
-  re-running resumes it) or the sweep gets SIGTERM."""
+  re-running resumes it) or the sweep gets SIGTERM. `only`: the run names to run (all: None)."""
   with _Signals() as signals:
-    return _run_sweep(config, binary, workdir, passthrough, dry_run, signals)
+    return _run_sweep(config, binary, workdir, passthrough, dry_run, signals, only)
+
+
+def select(sweep: list[dict], only: Optional[Sequence[str]]) -> list[dict]:
+  """The entries whose run names are in `only` (all of them for None), in the sweep's order;
+  a ValueError naming any name the sweep does not have."""
+  if not only:
+    return sweep
+  names = [run_name(i, e) for i, e in enumerate(sweep)]
+  missing = [n for n in only if n not in names]
+  if missing:
+    raise ValueError(f"--only={','.join(only)}: no run named {missing} in this sweep; its runs "
+                     f"are {names}")
+  return [e for n, e in zip(names, sweep) if n in only]
 
 
 def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str],
-               dry_run: bool, signals: _Signals) -> tuple[list[dict], bool]:
-  sweep = load_sweep(config)
+               dry_run: bool, signals: _Signals, only: Optional[Sequence[str]] = None
+               ) -> tuple[list[dict], bool]:
+  full = load_sweep(config)
+  # Names come from the full sweep (an unnamed entry's is its index there), so a subset's runs
+  # keep their directories.
+  names = {id(e): run_name(i, e) for i, e in enumerate(full)}
+  sweep = select(full, only)
   if not os.path.isfile(os.path.join(REPO_ROOT, "experiments", f"{binary}.py")):
     raise ValueError(f"--binary={binary!r}: no experiments/{binary}.py")
   check_overrides(config, sweep, passthrough)
@@ -213,7 +235,7 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
   rows = []
   env = repo_env()
   for i, overrides in enumerate(sweep):
-    name = run_name(i, overrides)
+    name = names[id(overrides)]
     run_dir = os.path.join(workdir, name)
     cmd = build_command(binary, config, run_dir, overrides, passthrough)
     # A command to paste (cmd[0] is this interpreter's full path).
@@ -273,7 +295,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     rows, complete = run_sweep(_CONFIG.value, _BINARY.value, _WORKDIR.value, _PASSTHROUGH,
-                               _DRY.value)
+                               _DRY.value, _ONLY.value)
   except KeyboardInterrupt:
     logging.error("interrupted: the summary has the runs so far; the same command re-runs "
                   "the sweep (runs resume from their checkpoints where the binary does)")

@@ -127,6 +127,15 @@ def test_sweep_paths_are_the_callers_and_run_names_are_unique(tmp_path):
   assert (f"a: python -m experiments.schedule_search --config={tmp_path}/s.py:v "
           f"--workdir={tmp_path}/sw/a") in out.stderr, out.stderr
   assert f"--workdir={tmp_path}/sw/run001" in out.stderr
+  # --only: a subset by name, each in its directory of the whole sweep; an unknown name refused.
+  out = _run(["experiments.sweep", "--config=s.py:v", "--binary=schedule_search",
+              "--workdir=sw", "--dry_run", "--only=run001"], cwd=tmp_path)
+  assert out.returncode == 0 and f"--workdir={tmp_path}/sw/run001" in out.stderr, out.stderr
+  assert f"--workdir={tmp_path}/sw/a " not in out.stderr
+  out = _run(["experiments.sweep", "--config=s.py:v", "--binary=schedule_search",
+              "--workdir=sw", "--dry_run", "--only=b"], cwd=tmp_path)
+  assert out.returncode != 0 and "--only=b: no run named ['b'] in this sweep; its runs are " \
+      "['a', 'run001']" in out.stderr, out.stderr[-2000:]
   (tmp_path / "d.py").write_text("def get_sweep():\n  return [{'name': 'a'}, {'name': 'a'}]\n")
   out = _run(["experiments.sweep", "--config=d.py", "--binary=schedule_search",
               "--workdir=sw", "--dry_run"], cwd=tmp_path)
