@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging as std_logging
 import math
 import os
 import tempfile
@@ -464,6 +465,19 @@ def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
 _WIDENING_PASSES = ("all-reduce-promotion", "float-normalization-bf16")
 
 
+def _reset_compilation_cache() -> None:
+  """compilation_cache.reset_cache without its INFO line ("Resetting cache at <empty>."): plan_check
+  resets twice a compile, six lines a run that say nothing about the plan. Only that logger, only
+  during the reset; its level is put back, whatever the user set it to."""
+  logger = std_logging.getLogger(compilation_cache.reset_cache.__module__)
+  level = logger.level
+  logger.setLevel(max(level, std_logging.WARNING))
+  try:
+    compilation_cache.reset_cache()
+  finally:
+    logger.setLevel(level)
+
+
 def _compile(lowered: Any, compiler_options: dict | None) -> tuple[Any, str | None]:
   """(compiled, the partitioned program's HLO text before XLA:CPU widens its 16-bit collectives,
   or None off CPU or where this XLA has no such pass). The text comes from an XLA dump of those
@@ -483,12 +497,12 @@ def _compile(lowered: Any, compiler_options: dict | None) -> tuple[Any, str | No
     # jax decides once per process whether to use the cache (compilation_cache.is_cache_used
     # keeps its first answer): the flag takes effect, here and after, only through a reset.
     jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
+    _reset_compilation_cache()
     try:
       compiled = lowered.compile(compiler_options=options)
     finally:
       jax.config.update("jax_enable_compilation_cache", cache)
-      compilation_cache.reset_cache()
+      _reset_compilation_cache()
     # Named <module>.<step>.<pipeline>.after_<pass>.before_<pass>.txt: the lowest step first.
     found = sorted(f for name in _WIDENING_PASSES
                    for f in glob.glob(os.path.join(dump, f"*.before_{name}.txt")))
@@ -841,12 +855,22 @@ def run_and_write(cfg: PlanConfig, workdir: str) -> dict:
   return result
 
 
+def _fixed(x: float, decimals: int) -> str:
+  """`decimals` decimals where they show 2 significant digits or more, else 3 significant digits
+  in e-notation (plan_search's report does so for seconds): the tiny configs' programs hold
+  kilobytes and take microseconds, the LLaMA presets' gigabytes and seconds, and one column, in
+  one unit, serves both."""
+  small = 0 < abs(x) < 10.0 ** (1 - decimals)
+  return f"{x:.2e}" if small else f"{x:.{decimals}f}"
+
+
 def _gb(x: float) -> str:
-  return f"{x / 1e9:.2f}"
+  return _fixed(x / 1e9, 2)
 
 
 def table(result: dict) -> list[str]:
-  """The log table: one line per program (GB = 1e9 bytes)."""
+  """The log table: one line per program (GB = 1e9 bytes; figures too small for a column's
+  decimals with 3 significant digits: _fixed)."""
   lines = [f"{'program':<11} {'arg GB':>8} {'out GB':>8} {'temp GB':>8} {'peak GB':>8} "
            f"{'+state GB':>9} {'HBM GB':>7} {'fits':>5} {'analytic GB':>11} {'TFLOP/dev':>10} "
            f"{'repl':>6} {'compile s':>9}"]
@@ -858,7 +882,7 @@ def table(result: dict) -> list[str]:
                  f"{_gb(with_state) if with_state is not None else '-':>9} "
                  f"{_gb(p['hbm_bytes']):>7} {str(p['fits']):>5} "
                  f"{_gb(p['analytic']['total_bytes']):>11} "
-                 f"{p['flops_per_device'] / 1e12:>10.3f} {p['replication']:>6.2f} "
+                 f"{_fixed(p['flops_per_device'] / 1e12, 3):>10} {p['replication']:>6.2f} "
                  f"{p['compile_s']:>9.1f}")
   lines.append(f"time bounds on {result['plan']['hardware']} (s; one decode step): "
                "collectives one after another (as compiled; and at the widths the program asks "
@@ -874,22 +898,31 @@ def table(result: dict) -> list[str]:
     narrow_gb, narrow_s = "-", "-"  # absent: no dump (off CPU; an older result.json)
     if "program_collective_s" in p:
       narrow_gb = _gb(sum(p["program_collective_bytes"].values()))
-      narrow_s = f"{p['program_collective_s']:.4f}"
+      narrow_s = _fixed(p["program_collective_s"], 4)
     lines.append(f"{name:<11} {_gb(sum(p['collective_bytes'].values())):>8} "
-                 f"{p['collective_s']:>9.4f} {narrow_gb:>8} {narrow_s:>9} "
-                 f"{p['compute_s']:>9.4f} {'-' if hbm_s is None else f'{hbm_s:.4f}':>9}")
+                 f"{_fixed(p['collective_s'], 4):>9} {narrow_gb:>8} {narrow_s:>9} "
+                 f"{_fixed(p['compute_s'], 4):>9} "
+                 f"{'-' if hbm_s is None else _fixed(hbm_s, 4):>9}")
   return lines + link_bound_notes(result)
 
 
 # A program whose collectives take this many times its dots' (and decode's HBM reads') time is
 # reported as bound by the links.
 LINK_BOUND_RATIO = 2.0
+# ... if they take at least this long. Below it the ratio says nothing a plan should act on: a
+# few small collectives' latencies against microseconds of dots (the tiny configs: a 4 ms update,
+# 0.1 ms a decode step and scoring forward, thousands of times their dots). The update and the
+# scoring forward run a few times an iteration, which takes seconds at any real scale; a decode
+# step runs once per generated token, hundreds of times, hence its lower floor (a 1B actor decoding
+# on a mesh of 8 H100s that splits its weights gathers their 2 GB in ~5 ms a step: above it).
+LINK_BOUND_MIN_S = {"train_step": 0.01, "decode": 0.001, "inference": 0.01}
 
 
-def link_bound_notes(result: dict) -> list[str]:
-  """One line per program whose collectives outlast its other bounds LINK_BOUND_RATIO times,
-  with the plan change that addresses the cause this plan has (docs/usage.md "Communication
-  at scale")."""
+def link_bound_notes(result: dict, min_s: dict | None = None) -> list[str]:
+  """One line per program whose collectives outlast its other bounds LINK_BOUND_RATIO times
+  and take at least its `min_s` (LINK_BOUND_MIN_S; {}: no floor), with the plan change that
+  addresses the cause this plan has (docs/usage.md "Communication at scale")."""
+  floors = LINK_BOUND_MIN_S if min_s is None else min_s
   plan, lines = result["plan"], []
   for name in PROGRAMS:
     p = result["programs"][name]
@@ -899,7 +932,7 @@ def link_bound_notes(result: dict) -> list[str]:
     # At the program's widths where known: XLA:CPU's float32 copies of 16-bit collectives
     # would call a plan link-bound that a GPU is not.
     coll = p.get("program_collective_s", p["collective_s"])
-    if coll <= LINK_BOUND_RATIO * other:
+    if coll <= LINK_BOUND_RATIO * other or coll < floors.get(name, 0.0):
       continue
     line = (f"{name}: its collectives take >= {coll:.3g} s, "
             f"{coll / max(other, 1e-30):.0f}x its other bounds: bound by the links")

@@ -64,13 +64,27 @@ def _s(seconds: float, decimals: int = 2) -> str:
   return f"{seconds:.2e}" if small else f"{seconds:.{decimals}f}"
 
 
+# What each stage's listed seconds cover (plan_search.search's "stages").
+STAGE_TIMES = {"generation": "seconds, the actor's resharding into the layout included",
+               "inference": "seconds", "training": "seconds",
+               "uniform": "seconds of the whole iteration: one layout for every stage, "
+                          "no resharding"}
+
+
 def report(res: dict, systems: dict, setting: dict) -> list[str]:
   """plan_search.md: the top plans, the uniform layout, the other systems."""
+  # `evaluated` counts the plans that fit, `rejected` the others; the synchronous time is the
+  # one the search logs ("plan search done in"), the asynchronous search's follows it.
+  plans = (f"{res['evaluated']} feasible stage plans, {len(res['rejected'])} rejected for "
+           "memory or divisibility")
+  a = res.get("async")
+  searched = (f"Searched in {res['synchronous_search_s']:.1f} s: {plans}." if a is None else
+              f"Searched in {res['search_s']:.1f} s in all: the synchronous plans in "
+              f"{res['synchronous_search_s']:.1f} s ({plans}), the asynchronous splits in "
+              f"{a['search_s']:.1f} s.")
   lines = [f"# Plan search: {setting['label']} on {setting['num_devices']} x "
            f"{setting['hardware']}", "",
-           f"Searched in {res['search_s']:.1f} s ({res['evaluated']} stage plans evaluated, "
-           f"{len(res['rejected'])} rejected for memory or divisibility). Times are simulated "
-           "seconds of one iteration (rlhfuse_jax/sim/).", ""]
+           f"{searched} Times are simulated seconds of one iteration (rlhfuse_jax/sim/).", ""]
   if "train_config" in setting:
     refused = res["refused"]
     lines += [f"The workload of `{setting['train_config']}` (batch {setting['global_batch']}, "
@@ -99,7 +113,6 @@ def report(res: dict, systems: dict, setting: dict) -> list[str]:
                 "time): no per-stage combination expresses its generation and inference on the "
                 "training layout. plan.json holds the best combination; the simulated systems' "
                 "pipe_rlhf row takes the uniform layout."]
-  a = res.get("async")
   if a is not None:
     lines += ["", f"Asynchronous PPO (staleness k={a['staleness']}: the generation group "
               "generates and scores the batch k iterations ahead while the training group "
@@ -130,7 +143,7 @@ def report(res: dict, systems: dict, setting: dict) -> list[str]:
     lines += [f"| {k} | {_s(r['gen_plus_inf_s'])} | {_s(r['train_s'])} | "
               f"{_s(r['iteration_s'])} |" for k, r in systems.items()]
   for stage, opts in res["stages"].items():
-    lines += ["", f"Best {stage} plans (seconds, resharding included for generation):", ""]
+    lines += ["", f"Best {stage} plans ({STAGE_TIMES.get(stage, 'seconds')}):", ""]
     lines += [f"- {name}: {_s(s, 3)}" for name, s in opts[:8]]
   return lines + [""]
 
@@ -237,7 +250,8 @@ def main(argv):
                  "search_s": res["search_s"]})
   with open(os.path.join(workdir, "plan_search.md"), "w") as f:
     f.write("\n".join(report(res, systems, setting)))
-  logging.info("best %ss (%s); uniform %s; async %s; plan.json %s; search %.1fs -> %s",
+  logging.info("best %ss (%s); uniform %s; async %s; plan.json %s; searched in %.1fs in all "
+               "-> %s",
                _s(best["predicted_iteration_s"]), res["best"]["summary"],
                f"{_s(uniform['predicted_iteration_s'])}s" if uniform else "none",
                f"{_s(asynchronous['predicted_iteration_s'])}s ({asynchronous['plan']['summary']})"

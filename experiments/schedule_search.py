@@ -84,12 +84,18 @@ def run(c, workdir: str) -> dict:
                    title=(f"fused schedule: makespan {best.makespan:g}, tight LB {lb:g}, serial "
                           f"{serial.makespan:g}, peak/budget "
                           f"{np.max(best.peaks / best.budget):.2f} ({problem.memory_budget_mode})"))
-  logging.info("searched %g (LB %g, gap %.2f%%), peak %g of a %s budget %g (%d devices at it), "
-               "within budget: %s; wrote %s", best.makespan, lb,
-               100 * result["gap_to_lower_bound"], result["peak_max"],
-               problem.memory_budget_mode, result["budget_max"], result["devices_at_budget"],
-               best.within_budget, workdir)
+  logging.info("%s", summary(result, workdir))
   return result
+
+
+def summary(result: dict, workdir: str) -> str:
+  """The closing log line, from result.json's fields."""
+  n = result["devices_at_budget"]
+  return (f"searched {result['searched']:g} (LB {result['lower_bound']:g}, gap "
+          f"{100 * result['gap_to_lower_bound']:.2f}%), peak {result['peak_max']:g} of a "
+          f"{result['memory_budget_mode']} budget {result['budget_max']:g} ({n} "
+          f"device{'' if n == 1 else 's'} at it), within budget: {result['within_budget']}; "
+          f"wrote {workdir}")
 
 
 def _exit_on_sigterm(signum, frame):

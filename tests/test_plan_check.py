@@ -2,6 +2,7 @@
 equals the memory of the same update compiled from real arrays built as the trainer builds them."""
 import dataclasses
 import json
+import logging as std_logging
 import os
 
 import jax
@@ -202,15 +203,92 @@ def test_mesh_generation_and_accumulated_update_split_the_work(tmp_path):
   assert result["programs"]["decode"]["analytic"]["hbm_s"] > 0
   lines = plan_programs.table(result)
   assert any(line.startswith("time bounds on h100_sxm") for line in lines)
-  # The tiny models' dots take next to nothing, so every program here is bound by its links,
-  # and the notes name this plan's causes: mesh generation and per-micro-batch accumulation.
-  notes = plan_programs.link_bound_notes(result)
-  assert notes == lines[-len(notes):] and len(notes) == 3
+  # Every figure of the KB-sized programs reads as itself in its column's unit (GB, s), not as
+  # 0.00 (the table printed nothing else here).
+  for line, name in zip(lines[1:4], plan_programs.PROGRAMS):
+    p = result["programs"][name]
+    cells = line.split()
+    assert cells[0] == name
+    for cell, x in zip(cells[1:5], (p["argument_bytes"], p["output_bytes"], p["temp_bytes"],
+                                    p["peak_bytes"])):
+      assert float(cell) == pytest.approx(x / 1e9, rel=0.01), (name, line)
+  for line, name in zip(lines[6:9], plan_programs.PROGRAMS):
+    p = result["programs"][name]
+    coll_gb, coll_s = (float(c) for c in line.split()[1:3])
+    assert coll_gb == pytest.approx(sum(p["collective_bytes"].values()) / 1e9, rel=0.05), line
+    assert coll_s == pytest.approx(p["collective_s"], rel=0.05), line
+  # The tiny models' dots take next to nothing, so every program here outlasts them on its links
+  # thousands of times over, but for milliseconds at most: no note (LINK_BOUND_MIN_S).
+  assert plan_programs.link_bound_notes(result) == [] and lines[-1].startswith("inference")
+  # Without the floor every program is bound by its links, and the notes name this plan's
+  # causes: mesh generation and per-micro-batch accumulation.
+  notes = plan_programs.link_bound_notes(result, min_s={})
+  assert len(notes) == 3
   assert "algo.gradient_sync='once'" in notes[0] and notes[0].startswith("train_step:")
   assert "configs/ppo_llama.py:fused/<pair>" in notes[0]  # fsdp 2: a pipeline gathers nothing
   assert all("plan.generation='instances'" in n for n in notes[1:])
   result["plan"]["gradient_sync"] = "once"
-  assert "gradient_sync" not in plan_programs.link_bound_notes(result)[0]
+  assert "gradient_sync" not in plan_programs.link_bound_notes(result, min_s={})[0]
+
+
+def _scaled_result(scale: float) -> dict:
+  """A result.json's table fields, its byte, FLOP and second figures times `scale`: 1 is a
+  LLaMA-preset-sized plan, 1e-6 a tiny one."""
+  def program(coll_s):
+    return {"argument_bytes": 7.22e9 * scale, "output_bytes": 0.81e9 * scale,
+            "temp_bytes": 2.74e9 * scale, "peak_bytes": 10.77e9 * scale,
+            "peak_with_train_state_bytes": 17.99e9 * scale, "hbm_bytes": 80e9, "fits": True,
+            "analytic": {"total_bytes": 10.48e9 * scale, "hbm_s": 0.005 * scale},
+            "flops_per_device": 8.961e12 * scale, "replication": 1.05, "compile_s": 4.6,
+            "collective_bytes": {"all-gather": 9.6e9 * scale}, "collective_s": coll_s * scale,
+            "program_collective_bytes": {"all-gather": 4.8e9 * scale},
+            "program_collective_s": coll_s * scale / 2, "compute_s": 0.01 * scale}
+  return {"plan": {"hardware": "h100_sxm", "generation": "mesh", "fsdp": 4, "pp": 2},
+          "programs": {"train_step": program(1.5), "decode": program(0.13),
+                       "inference": program(0.3)}}
+
+
+def test_table_reads_at_every_scale_in_the_same_units():
+  """A preset-sized plan's table is as it always was (2 decimals of GB, 3 of TFLOP, 4 of
+  seconds); a tiny one's figures keep their units and show 3 significant digits where those
+  decimals would show 0 (every byte column read 0.00 on configs/plan_check.py:tiny)."""
+  big = plan_programs.table(_scaled_result(1.0))
+  assert big[1].split() == ["train_step", "7.22", "0.81", "2.74", "10.77", "17.99", "80.00",
+                            "True", "10.48", "8.961", "1.05", "4.6"]
+  assert big[6].split() == ["train_step", "9.60", "1.5000", "4.80", "0.7500", "0.0100", "0.0050"]
+  assert "arg GB" in big[0] and "TFLOP/dev" in big[0] and "coll s" in big[5]
+  tiny = plan_programs.table(_scaled_result(1e-6))
+  assert tiny[1].split() == ["train_step", "7.22e-06", "8.10e-07", "2.74e-06", "1.08e-05",
+                             "1.80e-05", "80.00", "True", "1.05e-05", "8.96e-06", "1.05", "4.6"]
+  assert tiny[6].split() == ["train_step", "9.60e-06", "1.50e-06", "4.80e-06", "7.50e-07",
+                             "1.00e-08", "5.00e-09"]
+  assert plan_programs._gb(0) == "0.00"  # pylint: disable=protected-access
+  # Each table line its columns' width: the small figures fit them.
+  assert len({len(line) for line in tiny[1:4]}) == 1 == len({len(line) for line in tiny[6:9]})
+  assert len(tiny[1]) == len(big[1]) and len(tiny[6]) == len(big[6])
+  # Link-bound notes: the preset-sized plan's collectives (at 16 bits: 0.75 s, 65 ms, 0.15 s)
+  # outlast 2x its other bounds, and so do the tiny one's, by as much but for microseconds:
+  # below LINK_BOUND_MIN_S it gets no note.
+  notes = plan_programs.link_bound_notes(_scaled_result(1.0))
+  assert [n.split(":")[0] for n in notes] == list(plan_programs.PROGRAMS)
+  assert big[-3:] == notes
+  assert plan_programs.link_bound_notes(_scaled_result(1e-6)) == []
+  assert tiny[-1].startswith("inference")
+  assert len(plan_programs.link_bound_notes(_scaled_result(1e-6), min_s={})) == 3
+
+
+def test_compile_logs_nothing_of_its_cache_resets(caplog):
+  """_compile resets jax's compilation cache around each compile (so that the dump options take
+  effect); jax logs each reset at INFO, six lines a plan_check run that said nothing about the
+  plan. The logger's level is left as it was."""
+  name = "jax._src.compilation_cache"
+  with caplog.at_level("INFO", logger=name):
+    before = std_logging.getLogger(name).level
+    lowered = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((8,), np.float32))
+    compiled, _ = plan_programs._compile(lowered, None)  # pylint: disable=protected-access
+    assert compiled is not None
+    assert std_logging.getLogger(name).level == before
+  assert not [r for r in caplog.records if "Resetting cache" in r.getMessage()], caplog.text
 
 
 def test_mesh_generation_config_errors_and_llama_presets():

@@ -357,3 +357,20 @@ def test_binary_writes_plan_result_and_report(tmp_path):
   md = (tmp_path / "plan_search.md").read_text()
   assert "| uniform | one layout" in md and "| rlhfuse_planned |" in md
   assert "Asynchronous PPO (staleness k=1" in md and "| pipe_rlhf_async |" in md
+  # The counts say which plans fit ("45 stage plans evaluated, 44 rejected" read as 45 tried),
+  # and the log's times are the report's: the synchronous search's, the asynchronous one's and
+  # both together.
+  feasible = sum(len(plans) for plans in res["stages"].values())
+  assert (f"({feasible} feasible stage plans, {len(res['rejected'])} rejected for memory or "
+          "divisibility)" in md)
+  sync = re.search(r"synchronous plan search done in ([\d.]+)s", out.stderr).group(1)
+  both = re.search(r"searched in ([\d.]+)s in all", out.stderr).group(1)
+  assert both == f"{res['search_s']:.1f}"
+  assert (f"Searched in {both} s in all: the synchronous plans in {sync} s" in md and
+          f"the asynchronous splits in {a['search_s']:.1f} s." in md), md[:600]
+  # Only generation's times include a resharding (the actor's, into its layout).
+  headings = [line for line in md.splitlines() if line.startswith("Best ")]
+  assert [h.split(" (")[0] for h in headings] == [f"Best {s} plans" for s in res["stages"]]
+  assert [h for h in headings if "included" in h] == [
+      "Best generation plans (seconds, the actor's resharding into the layout included):"]
+  assert {"Best inference plans (seconds):", "Best training plans (seconds):"} <= set(headings)

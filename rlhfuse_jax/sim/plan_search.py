@@ -630,10 +630,12 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
            split_unit: int = 0,
            accept: Optional[Callable[[dict], Optional[str]]] = None) -> dict:
   """The hierarchical search (module docstring): {best, top, uniform, stages, rejected,
-  search_s, evaluated}. `best` and each of `top` hold generation / inference / training plans
-  and their predicted stage times; `uniform` the best single layout. With `staleness` k >= 1
-  also "async": async_search's result (asynchronous PPO, devices split into a generation and a
-  training group in multiples of `split_unit`); search_s then covers both searches.
+  search_s, synchronous_search_s, evaluated}. `best` and each of `top` hold generation /
+  inference / training plans and their predicted stage times; `uniform` the best single layout;
+  `evaluated` counts the stage plans (and uniform layouts) that fit, `rejected` the others by
+  name, with why. With `staleness` k >= 1 also "async": async_search's result (asynchronous PPO,
+  devices split into a generation and a training group in multiples of `split_unit`); search_s
+  then covers both searches, synchronous_search_s the first.
   With opt.trainer_runnable (trainer_refusal) or `accept` (a plan dict -> why a caller refuses
   it, or None) the top plans are the fastest combinations both let through, synchronous and
   asynchronous; "refused" counts the others by reason."""
@@ -673,16 +675,20 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   if unif:
     u = unif[0]
     uniform = {"layout": u.plan, "predicted": {**u.info, "iteration_s": u.seconds}}
-  say(f"plan search done in {time.time() - t0:.1f}s: best {top[0]['predicted']['iteration_s']:.3g}s"
-      f" ({top[0]['summary']})" + (f"; uniform {uniform['predicted']['iteration_s']:.3g}s "
-                                   f"(tp{u.plan['tp']} pp{u.plan['pp']})" if uniform else ""))
+  sync_s = time.time() - t0
+  # With staleness the asynchronous search follows and logs its own time: this one says whose.
+  say(f"{'synchronous ' if staleness else ''}plan search done in {sync_s:.1f}s: best "
+      f"{top[0]['predicted']['iteration_s']:.3g}s ({top[0]['summary']})"
+      + (f"; uniform {uniform['predicted']['iteration_s']:.3g}s "
+         f"(tp{u.plan['tp']} pp{u.plan['pp']})" if uniform else ""))
   out = {"best": top[0], "top": top, "uniform": uniform,
          "stages": {"generation": [(c.plan.describe(), c.seconds) for c in gens],
                     "inference": [(c.plan.describe(), c.seconds) for c in infs],
                     "training": [(_describe_train(c.plan), c.seconds) for c in trains],
                     "uniform": [(f"tp{c.plan['tp']} pp{c.plan['pp']}", c.seconds)
                                 for c in unif]},
-         "rejected": rejected, "refused": refused, "search_s": time.time() - t0,
+         "rejected": rejected, "refused": refused, "search_s": sync_s,
+         "synchronous_search_s": sync_s,
          "evaluated": len(gens) + len(infs) + len(trains) + len(unif)}
   if staleness:
     out["async"] = async_search(cost, wl, opt, staleness, top[0], top_k, split_unit, log,
