@@ -603,6 +603,9 @@ class PPOTrainer:
       m["timing_s/weights_to_generation"] = self._weights_to_generation_s
     m.update(self._take_offload_metrics())
     max_new = cfg.rollout.max_new_tokens
+    # timing_s/gen_plus_inf: the loop's whole rollout phase (docs/architecture.md §1), replacing
+    # the fused engine's own figure of that name (its generation and inference alone; with
+    # async PPO this phase also holds the rescoring, not the generation of another iteration).
     m.update({"timing_s/train": t_train, "timing_s/gen_plus_inf": t_gen_inf,
               "timing_s/step": t_total, "perf/tokens_per_s": int(np.sum(token_counts)) / t_total,
               **self._train_flops_metrics(t_train, gen.tokens.shape[1] - max_new, max_new),
