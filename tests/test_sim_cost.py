@@ -30,6 +30,29 @@ def test_decode_is_bandwidth_bound_by_hand():
   assert got[1] == 0 and got[0] == pytest.approx(nbytes / 0.5e9)
 
 
+def test_the_backward_pays_the_forwards_tensor_parallel_all_reduces_once():
+  """By hand on the toy: a stage's forward holds 2 all-reduces a layer of its micro-batch's
+  activations (tokens x h x 2 bytes); Megatron's backward has as many (f's conjugate), so it is
+  bwd_over_fwd x the compute plus the same all-reduces, not bwd_over_fwd x all of it (10-21 %
+  too slow a backward at the LLaMA pairs' tp 4-8, more the larger tp)."""
+  cm = CostModel(TOY_HW, EFF)
+  tokens = 64.0
+  comm = cm.train_stage_comm_s(TOY, 2, 1, tokens)
+  ar = 2 * (2 - 1) / 2 * (tokens * 16 * 2) / (1e8 * 0.5)  # ring all-reduce over 2 devices
+  assert comm == pytest.approx(2 * 2 * ar)  # 2 layers x 2 all-reduces
+  fwd = cm.train_stage_fwd_s(TOY, 2, 1, tokens, 32.0)
+  assert fwd > comm > 0
+  assert cm.train_stage_bwd_s(fwd, "actor", comm) == pytest.approx(2 * (fwd - comm) + comm)
+  assert cm.train_stage_comm_s(TOY, 1, 1, tokens) == 0.0  # no tensor parallelism, no all-reduce
+  # The step the simulator times uses it (training_sim.step_costs): the backward it hands the
+  # schedule is the one above.
+  from rlhfuse_jax.sim import training_sim  # pylint: disable=import-outside-toplevel
+  plan = training_sim.TrainPlan(num_devices=2, minibatch=2, tp=2, actor_pp=1, critic_pp=1)
+  costs = training_sim.step_costs(cm, TOY, TOY, plan, tokens, check_memory=False)
+  p = costs.problem  # in the schedule's time unit
+  assert p.actor_bwd / p.actor_fwd == pytest.approx((2 * (fwd - comm) + comm) / fwd, rel=1e-6)
+
+
 def test_roofline_turns_compute_bound_with_large_batches():
   cm = CostModel(get_hardware("h100_sxm"))
   s = get_shape("llama-13b")

@@ -173,3 +173,34 @@ def test_deepspeed_chat_generates_at_the_smallest_degree_beside_its_zero3_shards
   with pytest.raises(ValueError, match=r"inference \(reference \+ reward \+ critic\) does "
                                        r"not fit .*tp=4"):
     it.simulate_gen_stage(cost, wl, it.SimOptions(gen_tps=(4,)), False)
+
+
+@pytest.mark.parametrize("fused_train_s, picked", [(0.8, True), (0.99, False)])
+def test_planned_fused_training_pays_the_resharding_its_layout_brings(fused_train_s, picked):
+  """rlhfuse_planned swaps the plan's training for the fused schedule on a pipelined layout. A
+  generation layout that needed no resharding (here the uniform tp 8 layout, every stage on
+  it) then does: the weights move from the fused layout to it. The swap is charged that, and
+  taken only where it still wins (it stayed free before: a 0.8 s schedule beat 1.0 s with
+  0 s of resharding)."""
+  from rlhfuse_jax.sim import plan_search as ps  # pylint: disable=import-outside-toplevel
+  cost = CostModel(get_hardware("h100_sxm"))
+  wl = it.Workload(actor=get_shape("llama-13b"), critic=get_shape("llama-13b", "scalar"))
+  lay = {"tp": 8, "pp": 1, "dp": 32}
+  searched = {"best": {"predicted": {"gen_s": 2.0, "inf_s": 0.5, "reshard_s": 0.0,
+                                     "train_s": 1.0, "iteration_s": 3.5},
+                       "generation": {"mode": "instances", "tp": 8, "pp": 1}, "inference": {},
+                       "training": {}, "summary": "same layout"},
+              "uniform": {"layout": lay, "predicted": {"gen_s": 2.0, "inf_s": 0.5,
+                                                       "train_s": 1.0, "reshard_s": 0.0,
+                                                       "iteration_s": 3.4}},
+              "search_s": 0}
+  fused_train = {"train_s": fused_train_s,
+                 "plan": {"tp": 4, "actor_pp": 8, "critic_pp": 8, "dp": 8}}
+  row = it._planned_row(cost, wl, searched, None, fused_train)
+  moved = ps.reshard_s(cost, wl, 8)
+  assert 0.05 < moved < 0.2  # 13B's bf16 weights in tp-8 shards over the scale-out network
+  if picked:
+    assert row["reshard_s"] == moved and row["train_s"] == fused_train_s
+    assert row["iteration_s"] == pytest.approx(moved + 2.5 + fused_train_s)
+  else:  # 0.99 s + the move > 1.0 s: the uniform layout's own training stays
+    assert row["reshard_s"] == 0.0 and row["train_s"] == 1.0 and "train" not in row["details"]

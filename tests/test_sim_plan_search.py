@@ -265,7 +265,11 @@ def test_async_iteration_is_max_of_the_groups_plus_reshard():
         if c.plan == t)
     assert train_s == pytest.approx(min(tr + r for tr, r in _brute_force_stages(
         dataclasses.replace(wl, num_devices=16 - g), opt, rescore=True)[2]), rel=1e-12)
-    reshard = COST.p2p_s(wl.actor.weight_bytes() / (gp["tp"] * gp["pp"]), True)
+    # The actor's weights from the training group's 16 - g devices into g (reshard_s).
+    copy, w = gp["tp"] * gp["pp"], wl.actor.weight_bytes()
+    spread = max(copy, COST.hw.devices_per_node)
+    reshard = max(COST.p2p_s(max(w / spread, g / spread * w / (16 - g)), True),
+                  COST.p2p_s(w / copy, False) if copy < COST.hw.devices_per_node else 0.0)
     assert (q["gen_s"], q["inf_s"], q["train_s"]) == pytest.approx((gen_s, inf_s, train_s))
     assert q["reshard_s"] == pytest.approx(reshard, rel=1e-12)
     assert q["iteration_s"] == pytest.approx(max(gen_s + inf_s, train_s) + reshard, rel=1e-12)
@@ -374,3 +378,26 @@ def test_binary_writes_plan_result_and_report(tmp_path):
   assert [h for h in headings if "included" in h] == [
       "Best generation plans (seconds, the actor's resharding into the layout included):"]
   assert {"Best inference plans (seconds):", "Best training plans (seconds):"} <= set(headings)
+
+
+def test_resharding_by_hand():
+  """The actor's weights into generation copies (reshard_s), on H100 nodes of 8 (40 GB/s of
+  scale-out network per GPU after net_eff, 360 GB/s of NVLink). A copy smaller than a node
+  crosses the network once a node, through its 8 NICs, and spreads over NVLink: 13B at tp 1
+  costs what tp 8 does (it was charged 8x, each GPU pulling a whole copy through its own NIC).
+  Sending from fewer devices than receive is bound by the senders' NICs."""
+  cost = CostModel(get_hardware("h100_sxm"))
+  wl = it.Workload(actor=get_shape("llama-13b"), critic=get_shape("llama-13b", "scalar"))
+  w, nic, nvlink = wl.actor.weight_bytes(), 50e9 * 0.8, 450e9 * 0.8
+  assert cost.hw.inter_node_bw * cost.eff.net_eff == pytest.approx(nic)
+  assert cost.hw.intra_node_bw * cost.eff.net_eff == pytest.approx(nvlink)
+  for tp in (1, 2, 4, 8):
+    assert ps.reshard_s(cost, wl, tp) == pytest.approx(w / (8 * nic), rel=0.01), tp
+  assert w / (8 * nic) > w / nvlink  # tp 1: the NVLink fan-out hides under the network
+  assert ps.reshard_s(cost, wl, 16) == pytest.approx(w / (16 * nic), rel=0.01)
+  # Asynchronous PPO: 192 generation devices receive copies of 64 from 64 training devices:
+  # 3 copies leave through 64 NICs.
+  assert ps.reshard_s(cost, wl, 64, receivers=192, senders=64) == pytest.approx(
+      3 * w / (64 * nic), rel=0.01)
+  assert ps.reshard_s(cost, wl, 64, receivers=64, senders=192) == pytest.approx(
+      w / (64 * nic), rel=0.01)

@@ -259,7 +259,7 @@ class CostModel:
       return self.cal.weight_load.seconds(nbytes_per_device)
     if self.hw.host_to_device_bw is None:
       raise ValueError(f"hardware {self.hw.name!r} has no host_to_device_bw: set "
-                       "offload_frozen_models=False (frozen models stay on the devices)")
+                       "sim.offload_frozen=False (frozen models stay on the devices)")
     return nbytes_per_device / self.hw.host_to_device_bw
 
   # --------------------------------------------------------------------- training
@@ -271,17 +271,28 @@ class CostModel:
       return ts.actor_fwd_s if model == "actor" else ts.critic_fwd_s
     flops = shape.forward_flops(mb_tokens, mean_context) / pp
     nbytes = shape.weight_bytes() / pp
-    layers = shape.num_layers / pp
     return (self.roofline_s(flops, nbytes, tp, self.eff.train_mfu, self.eff.decode_bw_eff) +
-            self._tp_comm_s(shape, tp, mb_tokens, layers))
+            self.train_stage_comm_s(shape, tp, pp, mb_tokens))
 
-  def train_stage_bwd_s(self, fwd_s: float, model: str = "actor") -> float:
-    """Backward of the micro-batch whose forward takes `fwd_s`: the calibration's measured
-    `{model}_bwd_s` where it has one (the executor's recompute + vjp, head and loss included),
-    else bwd_over_fwd x the forward."""
+  def train_stage_comm_s(self, shape: ModelShape, tp: int, pp: int, mb_tokens: float) -> float:
+    """The tensor-parallel all-reduces in train_stage_fwd_s (two per layer, Megatron's g after
+    attention and after the MLP); 0 where the calibration measured the stage whole."""
+    if self.cal is not None and self.cal.train_stage is not None:
+      return 0.0
+    return self._tp_comm_s(shape, tp, mb_tokens, shape.num_layers / pp)
+
+  def train_stage_bwd_s(self, fwd_s: float, model: str = "actor", comm_s: float = 0.0) -> float:
+    """Backward of the micro-batch whose forward takes `fwd_s`, `comm_s` of it tensor-parallel
+    all-reduces (train_stage_comm_s): the calibration's measured `{model}_bwd_s` where it has
+    one (the executor's recompute + vjp, head and loss included), else bwd_over_fwd x the
+    forward's compute plus the same all-reduces once: Megatron's backward has as many as its
+    forward (f's conjugate all-reduces the input gradients of the column-parallel layers;
+    Shoeybi et al. 2019, Fig. 3), so they are not scaled with the compute."""
     ts = self.cal.train_stage if self.cal is not None else None
     measured = getattr(ts, f"{model}_bwd_s", None) if ts is not None else None
-    return float(measured) if measured is not None else self.bwd_over_fwd() * fwd_s
+    if measured is not None:
+      return float(measured)
+    return self.bwd_over_fwd() * (fwd_s - comm_s) + comm_s
 
   def bwd_over_fwd(self) -> float:
     if self.cal is not None and self.cal.train_stage is not None:

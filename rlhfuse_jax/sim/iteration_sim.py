@@ -273,11 +273,14 @@ def _planned_row(cost: CostModel, wl: Workload, searched: dict, fused_gen: Optio
   details = {"plan": {k: best[k] for k in ("generation", "inference", "training", "summary")},
              "uniform": searched["uniform"], "search_s": searched["search_s"]}
   u = searched["uniform"]
+  g = best["generation"]
+  gen_layout = (g["mode"], g["tp"], g.get("pp", 1))  # where generation runs (its weights)
   if u is not None and u["predicted"]["iteration_s"] < p["iteration_s"]:
     # One layout for every stage is a plan too (a pipeline layout's generation and inference,
     # which no per-stage combination expresses), and it pays no resharding.
     q, lay = u["predicted"], u["layout"]
     gen_s, inf_s, reshard, train_s = q["gen_s"], q["inf_s"], 0.0, q["train_s"]
+    gen_layout = ("uniform", lay["tp"], lay["pp"])
     details["plan"] = {"uniform": lay, "summary": f"one layout tp{lay['tp']} pp{lay['pp']} "
                                                   f"dp{lay['dp']} for every stage"}
   if fused_gen is not None:
@@ -285,11 +288,21 @@ def _planned_row(cost: CostModel, wl: Workload, searched: dict, fused_gen: Optio
     fused_reshard = plan_lib.reshard_s(cost, wl, fused_gen["plan"].tp)
     if r.gen_plus_inf_s + fused_reshard < gen_s + inf_s + reshard:
       gen_s, inf_s, reshard = r.gen_end_s, r.inf_exposed_s, fused_reshard
+      gen_layout = ("instances", fused_gen["plan"].tp, 1)
       details["gen"] = {"mode": "inter_stage_fusion", "tp": fused_gen["plan"].tp,
                         "threshold": fused_gen["threshold"]}
-  if fused_train is not None and fused_train["train_s"] < train_s:
-    train_s = fused_train["train_s"]
-    details["train"] = {"mode": "fused", "plan": fused_train["plan"]}
+  if fused_train is not None:
+    # The fused schedule trains on its own pipelined layout: a generation layout that needed no
+    # resharding (the uniform one, or instances of the training layout) now needs it, unless it
+    # is that very layout.
+    ft = fused_train["plan"]
+    same = (gen_layout[0] == "uniform" and gen_layout[1] == ft["tp"] and
+            gen_layout[2] == ft["actor_pp"])
+    moved = reshard if reshard or same else plan_lib.reshard_s(cost, wl,
+                                                              gen_layout[1] * gen_layout[2])
+    if fused_train["train_s"] + moved < train_s + reshard:
+      train_s, reshard = fused_train["train_s"], moved
+      details["train"] = {"mode": "fused", "plan": fused_train["plan"]}
   row = {"gen_s": gen_s, "inf_s": inf_s, "gen_plus_inf_s": gen_s + inf_s, "train_s": train_s,
          "reshard_s": reshard, "details": details}
   row["iteration_s"] = reshard + row["gen_plus_inf_s"] + train_s

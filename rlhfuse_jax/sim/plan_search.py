@@ -261,11 +261,25 @@ def generation_candidates(cost: CostModel, wl, opt, prompts, resp, rejected: dic
   return out
 
 
-def reshard_s(cost: CostModel, wl, devices_per_copy: int) -> float:
+def reshard_s(cost: CostModel, wl, devices_per_copy: int, receivers: int = 0,
+              senders: int = 0) -> float:
   """The actor's new weights into a generation layout whose copy spans `devices_per_copy`
-  devices: each receives its shard over the scale-out network (every simulated system pays it,
-  iteration_sim)."""
-  return float(cost.p2p_s(wl.actor.weight_bytes() / devices_per_copy, cross_node=True))
+  devices (every simulated system pays it, iteration_sim). A node's devices hold identical
+  copies when a copy is smaller than the node, so one copy a node crosses the scale-out network,
+  through all the node's NICs (the ring collectives' link model, hardware.link_bw), and spreads
+  over NVLink, the two pipelined (each chunk forwarded as it lands), hence the slower of them.
+  With `receivers` and `senders` (asynchronous PPO: the training group holds the weights, the
+  generation group receives them) the senders' NICs bound it too: every node-level copy leaves
+  through them. (Each receiver pulling its shard through its own NIC, as this was until
+  2026-11-30, charged a copy smaller than a node up to 8x, DeepSpeed-Chat's tp-1 13B 0.65 s
+  for 0.08 s, and never the senders.)"""
+  w, dpn = wl.actor.weight_bytes(), cost.hw.devices_per_node
+  spread = max(devices_per_copy, dpn)  # devices (NICs) one copy crosses the network through
+  network = w / spread
+  if receivers and senders:
+    network = max(network, receivers / spread * w / senders)
+  fan_out = cost.p2p_s(w / devices_per_copy, cross_node=False) if devices_per_copy < dpn else 0.0
+  return float(max(cost.p2p_s(network, cross_node=True), fan_out))
 
 
 # Asynchronous PPO's inference on the generation group: the frozen models only (reference and
@@ -521,7 +535,7 @@ def _async_plan(cost: CostModel, wl, g: int, staleness: int, gen: Candidate, inf
   """A disjoint split's plan: each group's layouts, predicted times and the split. Training
   includes `rescore` (rescore_s); only the actor moves to the generation group."""
   gp, ip = gen.plan, inf.plan
-  reshard = reshard_s(cost, wl, gp.tp * gp.pp)
+  reshard = reshard_s(cost, wl, gp.tp * gp.pp, receivers=g, senders=wl.num_devices - g)
   gen_s, inf_s, train_s = gen.info["gen_s"], inf.seconds, train.seconds + rescore
   n = wl.num_devices
   return {

@@ -114,7 +114,10 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: Tra
   ctx = (mean_seq_len + 1) / 2.0
   fa = float(cost.train_stage_fwd_s(actor, plan.tp, plan.actor_pp, mb_tokens, ctx, "actor"))
   fc = float(cost.train_stage_fwd_s(critic, plan.tp, plan.critic_pp, mb_tokens, ctx, "critic"))
-  ba, bc = cost.train_stage_bwd_s(fa, "actor"), cost.train_stage_bwd_s(fc, "critic")
+  ba = cost.train_stage_bwd_s(fa, "actor", cost.train_stage_comm_s(
+      actor, plan.tp, plan.actor_pp, mb_tokens))
+  bc = cost.train_stage_bwd_s(fc, "critic", cost.train_stage_comm_s(
+      critic, plan.tp, plan.critic_pp, mb_tokens))
   stride = plan.tp * plan.dp  # devices between pipeline neighbours
   act_bytes = mb_tokens * max(actor.hidden_size, critic.hidden_size) * 2.0 / plan.tp
   lat = (cost.hop_s(act_bytes, crossing_share(stride, plan.actor_pp - 1,
@@ -279,7 +282,9 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
         continue
       f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2))
       lat = cost.p2p_s(mb_tokens * shape.hidden_size * 2.0 / tp, True) if pp > 1 else 0.0
-      step = (pipeline_1f1b_makespan(pp, m, f, cost.bwd_over_fwd() * f) + 2 * (pp - 1) * lat +
+      comm = cost.train_stage_comm_s(shape, tp, pp, mb_tokens)  # counted once (cost_model)
+      b = cost.bwd_over_fwd() * (f - comm) + comm
+      step = (pipeline_1f1b_makespan(pp, m, f, b) + 2 * (pp - 1) * lat +
               cost.grad_sync_s(shape, tp, pp, dp) + cost.optimizer_step_s(shape, tp * pp * dp))
       if best is None or step < best[0]:
         best = (step, {"devices": n, "tp": tp, "pp": pp, "dp": dp, "M": m})
