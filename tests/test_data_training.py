@@ -100,7 +100,7 @@ def test_validation_pass_scores_the_held_out_prompts(runs):
   for (prompts, out), step in zip(val_calls, (2, 3), strict=True):
     assert [p["_source"] for p in prompts.records] == [h["_source"] for h in held_out] + [
         held_out[0]["_source"]]
-    texts = [tok.decode(out.rollout.response_tokens[i, :out.rollout.response_lens[i]])
+    texts = [_text(tok, out.rollout.response_tokens[i, :out.rollout.response_lens[i]])
              for i in range(VAL)]
     want = np.mean([answer_length(t, None, {}) for t in texts])
     row = rows[step - 1]
@@ -112,6 +112,22 @@ def test_validation_pass_scores_the_held_out_prompts(runs):
   assert "val/reward_mean" not in rows[0] and set(tb["val/reward_mean"]) == {2, 3}
   # Responses of different lengths: a mean that a wrong row selection would change.
   assert len({len(t) for t in texts}) > 1
+
+
+def _text(tok, ids):
+  """A response as the reward functions read it: up to its EOS, a special token inside it
+  (the random policy writes <|im_start|> at times) a U+FFFD between the pieces around it."""
+  ids = list(ids)
+  if ids and ids[-1] in tok.stop_ids:
+    ids = ids[:-1]
+  pieces, current = [], []
+  for i in ids:
+    if i in tok.special_ids:
+      pieces.append(current)
+      current = []
+    else:
+      current.append(i)
+  return "\ufffd".join(tok.decode(p) for p in pieces + [current])
 
 
 def test_prompts_are_the_chat_rendered_rows(runs):
@@ -134,7 +150,7 @@ def test_prompts_are_the_chat_rendered_rows(runs):
                 f"{rec['question'][0]['content']}<|im_end|>\n<|im_start|>assistant\n")
         assert ids == tok.encode(text, add_bos=False)
       assert rec["target"] == str(rec["answer"])
-    texts = [tok.decode(out.rollout.response_tokens[i, :out.rollout.response_lens[i]])
+    texts = [_text(tok, out.rollout.response_tokens[i, :out.rollout.response_lens[i]])
              for i in range(len(prompts.records))]
     np.testing.assert_allclose(out.scores, [answer_length(t, None, {}) for t in texts],
                                atol=1e-6)
