@@ -7,12 +7,12 @@ trainer/rollout.py), stage 3 (an Update, trainer/update.py), and the checkpoints
 stop flag and HF export as hooks on run() (trainer/hooks.py).
 
 Every source of randomness is derived from (seed, iteration): generation keys, mini-batch
-shuffles; the prompt stream's position is checkpointed. (The initial actor and critic come from
-fold_in(key(seed), 1) and 2, which are also iterations 1's and 2's generation keys; each is
-split differently below, and changing it would change every documented trajectory.) A run stopped and resumed therefore
-produces the same parameters and metrics as one that never stopped (with
-fusion.migration_threshold="auto", the fusion decision metrics aside: docs/architecture.md §2,
-"Invariant").
+shuffles; the prompt stream's position is checkpointed. (The initial actor and critic come
+from fold_in(key(seed), 1) and 2, which are also iterations 1's and 2's generation keys; each
+is split differently below, and changing it would change every documented trajectory.) A run
+stopped and resumed therefore produces the same parameters and metrics as one that never
+stopped (with fusion.migration_threshold="auto", the fusion decision metrics aside:
+docs/architecture.md §2, "Invariant").
 
 With config.async_ppo.staleness k >= 1 an iteration trains on the batch generated k iterations
 earlier while it generates the batch k iterations ahead, in one thread and in the schedule's
