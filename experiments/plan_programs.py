@@ -83,6 +83,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from absl import logging
 
 from configs import ppo_llama
+from experiments.runner import fixed_or_sci
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.generation.sampling import SamplingConfig
@@ -857,11 +858,8 @@ def run_and_write(cfg: PlanConfig, workdir: str) -> dict:
 
 def _fixed(x: float, decimals: int) -> str:
   """`decimals` decimals where they show 2 significant digits or more, else 3 significant digits
-  in e-notation (plan_search's report does so for seconds): the tiny configs' programs hold
-  kilobytes and take microseconds, the LLaMA presets' gigabytes and seconds, and one column, in
-  one unit, serves both."""
-  small = 0 < abs(x) < 10.0 ** (1 - decimals)
-  return f"{x:.2e}" if small else f"{x:.{decimals}f}"
+  in e-notation (runner.fixed_or_sci; plan_search's report uses it for seconds)."""
+  return fixed_or_sci(x, decimals, significant=2)
 
 
 def _gb(x: float) -> str:

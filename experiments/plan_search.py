@@ -46,6 +46,7 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments.runner import fixed_or_sci
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.sim import ablations, iteration_sim, plan_search, training_sim
 
@@ -60,8 +61,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def _s(seconds: float, decimals: int = 2) -> str:
   """Seconds for the report: `decimals` decimals, or 3 significant digits where those would
   show 0 (a tiny model's stages take microseconds)."""
-  small = 0 < seconds < 10.0 ** -decimals
-  return f"{seconds:.2e}" if small else f"{seconds:.{decimals}f}"
+  return fixed_or_sci(seconds, decimals)
 
 
 # What each stage's listed seconds cover (plan_search.search's "stages").

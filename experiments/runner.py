@@ -1,7 +1,7 @@
 """Running an experiments binary from another one (sweep.py, bench_async.py): the command
 line with --config.* overrides, the environment that imports this repository, and a run whose
-output is streamed with a prefix and kept in the run's log.txt. No absl flags are defined here,
-so binaries can share it."""
+output is streamed with a prefix and kept in the run's log.txt; and the number format of the
+binaries' reports (`fixed_or_sci`). No absl flags are defined here, so binaries can share it."""
 from __future__ import annotations
 
 import os
@@ -9,6 +9,14 @@ import subprocess
 import sys
 import time
 from typing import Any, Callable, Optional, Sequence
+
+
+def fixed_or_sci(x: float, decimals: int, significant: int = 1) -> str:
+  """`x` with `decimals` decimals where they show at least `significant` significant digits,
+  else 3 significant digits in e-notation: a tiny model's figures (kilobytes, microseconds)
+  and the LLaMA presets' (gigabytes, seconds) share one column."""
+  small = 0 < abs(x) < 10.0 ** (significant - 1 - decimals)
+  return f"{x:.2e}" if small else f"{x:.{decimals}f}"
 
 
 def format_value(v: Any) -> str:
