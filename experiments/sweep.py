@@ -74,7 +74,11 @@ def _call(fn, variant: Optional[str]):
 def load_sweep(config_path: str) -> list[dict]:
   """get_sweep() of `FILE.py[:variant]` (the variant, when given, is passed on to every run's
   --config, and to get_sweep if it takes an argument)."""
-  module, variant = _load_config_module(config_path)
+  return _sweep_of(*_load_config_module(config_path), config_path)
+
+
+def _sweep_of(module: Any, variant: Optional[str], config_path: str) -> list[dict]:
+  """load_sweep on the loaded config module."""
   if not hasattr(module, "get_sweep"):
     raise ValueError(f"--config={config_path!r} defines no get_sweep()")
   sweep = list(_call(module.get_sweep, variant))
@@ -95,16 +99,16 @@ def load_sweep(config_path: str) -> list[dict]:
   return sweep
 
 
-def check_overrides(config_path: str, sweep: Sequence[dict], passthrough: Sequence[str]) -> None:
-  """Every field the sweep's entries and its own --config.* flags override exists in the config
-  (get_config() of the same file and variant); a ValueError naming the first that does not,
-  before any run starts (each run would otherwise start, import jax and fail on it)."""
-  module, variant = _load_config_module(config_path)
+def check_overrides(module: Any, variant: Optional[str], config_path: str,
+                    runs: Sequence[tuple[int, str, dict]], passthrough: Sequence[str]) -> None:
+  """Every field the runs' entries (`select`'s triples) and the sweep's own --config.* flags
+  override exists in the config (get_config() of the loaded file and variant); a ValueError
+  naming the first that does not, before any run starts (each run would otherwise start,
+  import jax and fail on it)."""
   if not hasattr(module, "get_config"):
     return
   config = _call(module.get_config, variant)
-  keys = [(f"get_sweep()[{i}]", k) for i, entry in enumerate(sweep) for k in entry
-          if k != "name"]
+  keys = [(f"get_sweep()[{i}]", k) for i, _, entry in runs for k in entry if k != "name"]
   keys += [("the sweep's flag", arg.split("=", 1)[0][len("--config."):]) for arg in passthrough]
   for where, key in keys:
     node, walked = config, []
@@ -207,40 +211,38 @@ def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str]
     return _run_sweep(config, binary, workdir, passthrough, dry_run, signals, only)
 
 
-def select(sweep: list[dict], only: Optional[Sequence[str]]) -> list[dict]:
-  """The entries whose run names are in `only` (all of them for None), in the sweep's order;
-  a ValueError naming any name the sweep does not have."""
+def select(sweep: list[dict], only: Optional[Sequence[str]]) -> list[tuple[int, str, dict]]:
+  """(index in the sweep, run name, entry) of the entries whose run names are in `only` (all
+  of them for None), in the sweep's order: names and indices are the whole sweep's, so a
+  subset's runs keep their directories. A ValueError naming any name the sweep does not have."""
+  runs = [(i, run_name(i, e), e) for i, e in enumerate(sweep)]
   if not only:
-    return sweep
-  names = [run_name(i, e) for i, e in enumerate(sweep)]
+    return runs
+  names = [name for _, name, _ in runs]
   missing = [n for n in only if n not in names]
   if missing:
     raise ValueError(f"--only={','.join(only)}: no run named {missing} in this sweep; its runs "
                      f"are {names}")
-  return [e for n, e in zip(names, sweep) if n in only]
+  return [r for r in runs if r[1] in only]
 
 
 def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str],
                dry_run: bool, signals: _Signals, only: Optional[Sequence[str]] = None
                ) -> tuple[list[dict], bool]:
-  full = load_sweep(config)
-  # Names come from the full sweep (an unnamed entry's is its index there), so a subset's runs
-  # keep their directories.
-  names = {id(e): run_name(i, e) for i, e in enumerate(full)}
-  sweep = select(full, only)
+  module, variant = _load_config_module(config)  # executed once: entries and field check
+  runs = select(_sweep_of(module, variant, config), only)
   if not os.path.isfile(os.path.join(REPO_ROOT, "experiments", f"{binary}.py")):
     raise ValueError(f"--binary={binary!r}: no experiments/{binary}.py")
-  check_overrides(config, sweep, passthrough)
+  check_overrides(module, variant, config, runs, passthrough)
   if not dry_run:
     os.makedirs(workdir, exist_ok=True)
   rows = []
   env = repo_env()
-  for i, overrides in enumerate(sweep):
-    name = names[id(overrides)]
+  for i, (_, name, overrides) in enumerate(runs):
     run_dir = os.path.join(workdir, name)
     cmd = build_command(binary, config, run_dir, overrides, passthrough)
     # A command to paste (cmd[0] is this interpreter's full path).
-    logging.info("[%d/%d] %s: %s", i + 1, len(sweep), name, shlex.join(["python", *cmd[1:]]))
+    logging.info("[%d/%d] %s: %s", i + 1, len(runs), name, shlex.join(["python", *cmd[1:]]))
     row = {"run": name, **{k: v for k, v in overrides.items() if k != "name"}}
     if dry_run:  # nothing runs, nothing is written (an earlier sweep's summary stays)
       rows.append(row)
@@ -270,12 +272,12 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
                   for k, v in flatten_scalars(result).items()})
     rows.append(row)
     write_summary(workdir, rows)  # partial summaries survive an interrupted sweep
-    logging.info("[%d/%d] %s: %s in %.1fs", i + 1, len(sweep), name, row["status"], row["wall_s"])
+    logging.info("[%d/%d] %s: %s in %.1fs", i + 1, len(runs), name, row["status"], row["wall_s"])
     if rc == STOPPED or signals.signum:  # the job is being stopped: start nothing more
       break
   if not dry_run:
     write_summary(workdir, rows)
-  complete = not signals.signum and len(rows) == len(sweep) and not any(
+  complete = not signals.signum and len(rows) == len(runs) and not any(
       r.get("status", "").startswith("stopped") for r in rows)
   return rows, complete
 
