@@ -292,6 +292,11 @@ class CostModel:
     measured = getattr(ts, f"{model}_bwd_s", None) if ts is not None else None
     if measured is not None:
       return float(measured)
+    return self.bwd_from_fwd_s(fwd_s, comm_s)
+
+  def bwd_from_fwd_s(self, fwd_s: float, comm_s: float = 0.0) -> float:
+    """bwd_over_fwd x the forward's compute plus its `comm_s` of all-reduces once
+    (train_stage_bwd_s without a measured backward)."""
     return self.bwd_over_fwd() * (fwd_s - comm_s) + comm_s
 
   def bwd_over_fwd(self) -> float:

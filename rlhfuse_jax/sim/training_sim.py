@@ -282,8 +282,7 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
         continue
       f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2))
       lat = cost.p2p_s(mb_tokens * shape.hidden_size * 2.0 / tp, True) if pp > 1 else 0.0
-      comm = cost.train_stage_comm_s(shape, tp, pp, mb_tokens)  # counted once (cost_model)
-      b = cost.bwd_over_fwd() * (f - comm) + comm
+      b = cost.bwd_from_fwd_s(f, cost.train_stage_comm_s(shape, tp, pp, mb_tokens))
       step = (pipeline_1f1b_makespan(pp, m, f, b) + 2 * (pp - 1) * lat +
               cost.grad_sync_s(shape, tp, pp, dp) + cost.optimizer_step_s(shape, tp * pp * dp))
       if best is None or step < best[0]:
