@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from experiments import config_files  # noqa: E402
 from experiments import runner  # noqa: E402
 from rlhfuse_jax import workdir as wd  # noqa: E402
 from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices  # noqa: E402
@@ -217,4 +218,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.exit(app.run(main))
+  sys.exit(app.run(main, flags_parser=config_files.parse_flags))

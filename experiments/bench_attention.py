@@ -23,6 +23,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import config_files
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.models import attention as attention_lib
 from rlhfuse_jax.models import llama
@@ -94,4 +95,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

@@ -47,6 +47,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import config_files
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation import instances
 from rlhfuse_jax.generation.sampling import SamplingConfig
@@ -644,4 +645,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

@@ -50,6 +50,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from experiments import config_files  # noqa: E402
 from rlhfuse_jax import workdir as wd  # noqa: E402
 from rlhfuse_jax.generation import fused as fused_lib  # noqa: E402
 from rlhfuse_jax.generation import measure  # noqa: E402
@@ -457,4 +458,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_start_flags()
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

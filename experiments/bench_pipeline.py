@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from experiments import config_files  # noqa: E402
 from rlhfuse_jax import workdir as wd  # noqa: E402
 from rlhfuse_jax.models import llama  # noqa: E402
 from rlhfuse_jax.parallel.mesh import MeshConfig, make_mesh  # noqa: E402
@@ -466,4 +467,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

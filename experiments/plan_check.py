@@ -35,6 +35,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import config_files
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.parallel.host_devices import request_host_devices
 
@@ -86,4 +87,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

@@ -39,13 +39,13 @@ workload samples).
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import config_files
 from experiments.runner import fixed_or_sci
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.sim import ablations, iteration_sim, plan_search, training_sim
@@ -151,13 +151,7 @@ def report(res: dict, systems: dict, setting: dict) -> list[str]:
 def load_train_config(spec: str):
   """The ConfigDict of a train_ppo config `spec`, PATH[:VARIANT] (PATH relative to the working
   directory, as --config takes it)."""
-  path, _, variant = spec.partition(":")
-  if not os.path.isfile(path):
-    raise ValueError(f"config.train_config={spec!r}: no config file {path!r}")
-  module_spec = importlib.util.spec_from_file_location("train_config", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(variant) if variant else module.get_config()
+  return config_files.get_config(spec, "config.train_config")
 
 
 def cpu_devices(n: int) -> list:
@@ -260,4 +254,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

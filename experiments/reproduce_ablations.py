@@ -19,6 +19,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import config_files
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import schedule as schedule_lib, schedules
 from rlhfuse_jax.pipeline.graph import PipelineProblem
@@ -115,4 +116,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

@@ -66,6 +66,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 import numpy as np
 
+from experiments import config_files
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import bounds, gantt, schedule, search, windows
 from rlhfuse_jax.pipeline.exact import grow
@@ -361,4 +362,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

@@ -32,6 +32,7 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import config_files
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import bounds
 from rlhfuse_jax.pipeline.exact import time_indexed
@@ -121,4 +122,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

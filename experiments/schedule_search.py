@@ -19,6 +19,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 import numpy as np
 
+from experiments import config_files
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import bounds, gantt, schedule, schedules, search
 from rlhfuse_jax.pipeline.evaluate import evaluate
@@ -112,4 +113,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

@@ -25,9 +25,6 @@ run.
 """
 from __future__ import annotations
 
-import difflib
-import importlib.util
-import inspect
 import json
 import os
 import shlex
@@ -39,6 +36,7 @@ from typing import Any, Optional, Sequence
 
 from absl import app, flags, logging
 
+from experiments import config_files
 from experiments.runner import REPO_ROOT, build_command, repo_env, run_streamed
 from rlhfuse_jax import workdir as wd
 
@@ -50,38 +48,17 @@ _ONLY = flags.DEFINE_list("only", None, "run only these entries of get_sweep(), 
                           "(e.g. --only=e0,e7; --dry_run lists the names)")
 
 
-def _load_config_module(config_path: str) -> tuple[Any, Optional[str]]:
-  """(the module of `FILE.py[:variant]`, the variant or None)."""
-  path, variant = config_path, None
-  if not os.path.isfile(path) and ":" in path:  # at the first ':', as ml_collections splits
-    path, variant = path.split(":", 1)
-  if not os.path.isfile(path):
-    raise ValueError(f"--config={config_path!r}: no such file {path!r}")
-  spec = importlib.util.spec_from_file_location("_sweep_config", path)
-  if spec is None or spec.loader is None:
-    raise ValueError(f"--config={config_path!r}: cannot load {path!r} as Python")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module, variant
-
-
-def _call(fn, variant: Optional[str]):
-  """fn(variant) if a variant was given and fn takes an argument, else fn()."""
-  takes_arg = bool(inspect.signature(fn).parameters)
-  return fn(variant) if variant is not None and takes_arg else fn()
-
-
 def load_sweep(config_path: str) -> list[dict]:
   """get_sweep() of `FILE.py[:variant]` (the variant, when given, is passed on to every run's
   --config, and to get_sweep if it takes an argument)."""
-  return _sweep_of(*_load_config_module(config_path), config_path)
+  return _sweep_of(*config_files.load_module(config_path), config_path)
 
 
 def _sweep_of(module: Any, variant: Optional[str], config_path: str) -> list[dict]:
   """load_sweep on the loaded config module."""
   if not hasattr(module, "get_sweep"):
     raise ValueError(f"--config={config_path!r} defines no get_sweep()")
-  sweep = list(_call(module.get_sweep, variant))
+  sweep = list(config_files.call_with_variant(module.get_sweep, variant))
   seen: dict[str, int] = {}
   for i, entry in enumerate(sweep):
     if not isinstance(entry, dict):
@@ -107,20 +84,13 @@ def check_overrides(module: Any, variant: Optional[str], config_path: str,
   import jax and fail on it)."""
   if not hasattr(module, "get_config"):
     return
-  config = _call(module.get_config, variant)
+  config = config_files.call_with_variant(module.get_config, variant)
   keys = [(f"get_sweep()[{i}]", k) for i, _, entry in runs for k in entry if k != "name"]
   keys += [("the sweep's flag", arg.split("=", 1)[0][len("--config."):]) for arg in passthrough]
   for where, key in keys:
-    node, walked = config, []
-    for part in key.split("."):
-      fields = list(node.keys()) if hasattr(node, "keys") else []
-      if part not in fields:
-        close = difflib.get_close_matches(part, [str(f) for f in fields], n=1)
-        hint = f"; did you mean {'.'.join(walked + close)!r}?" if close else ""
-        raise ValueError(f"{where}: --config.{key}: {config_path} has no field "
-                         f"{'.'.join(walked + [part])!r}{hint}")
-      node = node[part]
-      walked.append(part)
+    problem = config_files.missing_field(config, key)
+    if problem:
+      raise ValueError(f"{where}: --config.{key}: {config_path} {problem}")
 
 
 def run_name(index: int, overrides: dict) -> str:
@@ -229,7 +199,7 @@ def select(sweep: list[dict], only: Optional[Sequence[str]]) -> list[tuple[int, 
 def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str],
                dry_run: bool, signals: _Signals, only: Optional[Sequence[str]] = None
                ) -> tuple[list[dict], bool]:
-  module, variant = _load_config_module(config)  # executed once: entries and field check
+  module, variant = config_files.load_module(config)  # executed once: entries and field check
   runs = select(_sweep_of(module, variant, config), only)
   if not os.path.isfile(os.path.join(REPO_ROOT, "experiments", f"{binary}.py")):
     raise ValueError(f"--binary={binary!r}: no experiments/{binary}.py")

@@ -28,6 +28,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import config_files
 from rlhfuse_jax import checkpointing
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax import workdir as wd
@@ -134,4 +135,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

@@ -1,0 +1,156 @@
+"""Config files on the command line: loading `FILE.py[:variant]` (the sweep, plan_search's
+trainer configs), naming a misspelled field with a hint, and `parse_flags`, the binaries' flag
+parser, which turns ml_collections' errors into one line naming the flag.
+
+ml_collections reports a misspelled override (`--config.algo.clip_range=0.2`) as a 40-line
+traceback ending in `AttributeError: "'clip_range'"`, a missing config file as an uncaught
+OSError, and an error inside the config file as that file's whole traceback; absl prints its
+own one-line form only for `flags.Error`. No absl flags are defined here."""
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+from absl import flags
+
+
+def split_config_path(config_path: str) -> tuple[str, Optional[str]]:
+  """(file, variant or None) of `FILE.py[:variant]`, split at the first ':' as ml_collections
+  does, unless the whole string names a file."""
+  if os.path.isfile(config_path) or ":" not in config_path:
+    return config_path, None
+  path, variant = config_path.split(":", 1)
+  return path, variant
+
+
+def load_module(config_path: str, flag: str = "--config") -> tuple[Any, Optional[str]]:
+  """(the module of `FILE.py[:variant]`, the variant or None); a ValueError naming `flag`
+  when the file is missing or is not Python."""
+  path, variant = split_config_path(config_path)
+  if not os.path.isfile(path):
+    raise ValueError(f"{flag}={config_path!r}: no such file {path!r}")
+  spec = importlib.util.spec_from_file_location("_config_" + re.sub(r"\W", "_", path), path)
+  if spec is None or spec.loader is None:
+    raise ValueError(f"{flag}={config_path!r}: cannot load {path!r} as Python")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module, variant
+
+
+def call_with_variant(fn: Callable[..., Any], variant: Optional[str]) -> Any:
+  """fn(variant) if a variant was given and fn takes an argument, else fn()."""
+  takes_arg = bool(inspect.signature(fn).parameters)
+  return fn(variant) if variant is not None and takes_arg else fn()
+
+
+def get_config(config_path: str, flag: str = "--config") -> Any:
+  """get_config() of `FILE.py[:variant]`."""
+  module, variant = load_module(config_path, flag)
+  if not hasattr(module, "get_config"):
+    raise ValueError(f"{flag}={config_path!r} defines no get_config()")
+  return call_with_variant(module.get_config, variant)
+
+
+def missing_field(config: Any, key: str) -> Optional[str]:
+  """None when the dotted `key` names a field of `config`; else "has no field 'a.b'" with the
+  closest field's path as a hint (or the section's fields). A part under a value that is not
+  a config (a scalar, a list) is left to ml_collections."""
+  node, walked = config, []
+  for part in key.split("."):
+    if not hasattr(node, "keys"):
+      return None
+    fields = [str(f) for f in node.keys()]
+    if part not in fields:
+      close = difflib.get_close_matches(part, fields, n=1)
+      hint = (f"; did you mean {'.'.join(walked + close)!r}?" if close else
+              f"; its fields: {', '.join(sorted(fields))}")
+      return f"has no field {'.'.join(walked + [part])!r}{hint}"
+    node = node[part]
+    walked.append(part)
+  return None
+
+
+def _config_flags(argv: Sequence[str]) -> dict[str, str]:
+  """{flag name: its `FILE[:variant]`} of the config file flags (ml_collections'
+  DEFINE_config_file) given in `argv`."""
+  given = {}
+  for arg in argv:
+    m = re.match(r"^--?(\w+)=(.*)$", arg)
+    if m and m.group(1) in flags.FLAGS and \
+        flags.FLAGS[m.group(1)].flag_type() == "config object":
+      given[m.group(1)] = m.group(2)
+  return given
+
+
+def diagnose(argv: Sequence[str]) -> Optional[str]:
+  """The first config-file problem in `argv` as one line: a missing file, or an override of a
+  field the file's config does not have. None when none is found (the caller then shows the
+  original error)."""
+  for name, config_path in _config_flags(argv).items():
+    try:
+      config = get_config(config_path, f"--{name}")
+    except Exception as e:  # pylint: disable=broad-except
+      if isinstance(e, ValueError) and str(e).startswith(f"--{name}="):
+        return str(e)
+      return None  # the config file's own error: the caller shows it
+    for arg in argv:
+      m = re.match(rf"^--?(?:no)?{name}\.([\w.]+)(=|$)", arg)
+      problem = m and missing_field(config, m.group(1))
+      if problem:
+        return f"--{name}.{m.group(1)}: {config_path} {problem}"
+  return None
+
+
+def _missing_file(argv: Sequence[str]) -> Optional[str]:
+  """A config file flag naming no file (ml_collections defers that error to the first use of
+  the config, deep in the binary)."""
+  for name, config_path in _config_flags(argv).items():
+    path, _ = split_config_path(config_path)
+    if not os.path.isfile(path):
+      return f"--{name}={config_path!r}: no such file {path!r}"
+  return None
+
+
+def shorten(message: str) -> str:
+  """A flags.Error message with an embedded traceback (ml_collections wraps an exception raised
+  in the config file so) cut to its header, the frame that raised and the exception line."""
+  head, sep, trace = message.partition("Traceback (most recent call last):")
+  if not sep:
+    return message
+  lines = [line.strip() for line in trace.splitlines() if line.strip()]
+  frames = [line for line in lines if line.startswith("File ")]
+  last = lines[-1] if lines else ""
+  where = f" ({frames[-1]})" if frames else ""
+  head = head.replace("Error whilst parsing config file:", "").strip()
+  return f"{head} {last}{where}"
+
+
+def _fatal(message: str) -> None:
+  sys.stderr.write(f"FATAL Flags parsing error: {message}\n"
+                   "Pass --helpshort or --helpfull to see help on flags.\n")
+  sys.exit(1)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (`app.run(main, flags_parser=parse_flags)`) with every config-file
+  error on one line that names the flag: absl's own form for flags.Error, and for the errors
+  ml_collections lets through (a misspelled field, a missing file) the field or file with a
+  close match. Anything not diagnosed is raised as it came."""
+  try:
+    args = flags.FLAGS(argv)
+  except flags.Error as e:
+    _fatal(shorten(str(e)))
+  except (KeyError, AttributeError, OSError):
+    message = diagnose(argv[1:])
+    if message is None:
+      raise
+    _fatal(message)
+  missing = _missing_file(argv[1:])
+  if missing:
+    _fatal(missing)
+  return args

@@ -1,0 +1,131 @@
+"""experiments/config_files.py: config files on the command line, and the binaries' flag parser
+that reports a config-file mistake on one line naming the flag (ml_collections' own errors are a
+traceback ending in `AttributeError: "'clip_range'"`, or a deferred OSError)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import ml_collections
+import pytest
+
+from experiments import config_files
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A binary with a config file flag parsed by config_files.parse_flags; prints the parsed config.
+_BINARY = textwrap.dedent("""
+  import sys
+  from absl import app
+  from ml_collections import config_flags
+  from experiments import config_files
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "config file")
+  def main(argv):
+    print("parsed", _CONFIG.value.model.width, _CONFIG.value.lr)
+  app.run(main, flags_parser=config_files.parse_flags)
+""")
+
+_CONFIG_FILE = textwrap.dedent("""
+  import ml_collections
+  def get_config(variant="small"):
+    if variant not in ("small", "big"):
+      raise ValueError(f"unknown variant {variant!r}; expected 'small' or 'big'")
+    c = ml_collections.ConfigDict()
+    c.lr = 0.1
+    c.model = ml_collections.ConfigDict(dict(width=8 if variant == "small" else 64, depth=2))
+    c.extras = {"free": 1}
+    return c
+""")
+
+
+def _run(tmp_path, *args):
+  (tmp_path / "cfg.py").write_text(_CONFIG_FILE)
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  return subprocess.run([sys.executable, "-c", _BINARY, *args], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=120)
+
+
+def _fatal_line(proc) -> str:
+  assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+  lines = [l for l in proc.stderr.splitlines() if l.startswith("FATAL Flags parsing error: ")]
+  assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+  return lines[0][len("FATAL Flags parsing error: "):]
+
+
+def test_a_good_command_line_parses_as_before(tmp_path):
+  ok = _run(tmp_path, "--config=cfg.py:big", "--config.lr=0.5")
+  assert ok.returncode == 0 and "parsed 64 0.5" in ok.stdout, ok.stderr
+
+
+def test_a_misspelled_field_is_named_with_the_closest_one(tmp_path):
+  assert _fatal_line(_run(tmp_path, "--config=cfg.py", "--config.model.widht=3")) == (
+      "--config.model.widht: cfg.py has no field 'model.widht'; did you mean 'model.width'?")
+  # No close match: the section's fields are listed. A later good override does not hide it.
+  assert _fatal_line(_run(tmp_path, "--config=cfg.py", "--config.optim.lr=3",
+                          "--config.lr=0.2")) == (
+      "--config.optim.lr: cfg.py has no field 'optim'; its fields: extras, lr, model")
+
+
+def test_a_missing_config_file_is_named_at_once(tmp_path):
+  # Without overrides ml_collections defers this error to the config's first use.
+  for extra in ([], ["--config.lr=0.2"]):
+    assert _fatal_line(_run(tmp_path, "--config=nope.py", *extra)) == (
+        "--config='nope.py': no such file 'nope.py'")
+
+
+def test_an_error_raised_in_the_config_file_is_cut_to_its_message_and_frame(tmp_path):
+  line = _fatal_line(_run(tmp_path, "--config=cfg.py:huge"))
+  assert line.startswith("flag --config=cfg.py:huge: ValueError: unknown variant 'huge'; "
+                         "expected 'small' or 'big' (File "), line
+  assert "cfg.py" in line.split("(File ", 1)[1] and "in get_config)" in line
+
+
+def test_a_bad_value_keeps_absls_own_message(tmp_path):
+  line = _fatal_line(_run(tmp_path, "--config=cfg.py", "--config.model.width=wide"))
+  assert line.startswith("flag --config.model.width=wide: ") and "int()" in line, line
+
+
+def test_missing_field():
+  c = ml_collections.ConfigDict(dict(a=dict(bb=1, cc=2), d={"x": 1}, e=3))
+  assert config_files.missing_field(c, "a.bb") is None
+  assert config_files.missing_field(c, "d.y") == "has no field 'd.y'; its fields: x"
+  assert config_files.missing_field(c, "a.b") == "has no field 'a.b'; did you mean 'a.bb'?"
+  assert config_files.missing_field(c, "e.x") is None  # under a scalar: ml_collections' error
+  assert config_files.missing_field(c, "zzz") == "has no field 'zzz'; its fields: a, d, e"
+
+
+def test_split_and_load(tmp_path):
+  (tmp_path / "a:b.py").write_text(_CONFIG_FILE)
+  (tmp_path / "c.py").write_text(_CONFIG_FILE)
+  assert config_files.split_config_path(str(tmp_path / "a:b.py")) == (str(tmp_path / "a:b.py"),
+                                                                       None)
+  assert config_files.split_config_path("c.py:big:x") == ("c.py", "big:x")
+  assert config_files.get_config(str(tmp_path / "c.py") + ":big").model.width == 64
+  assert config_files.get_config(str(tmp_path / "a:b.py")).model.width == 8
+  with pytest.raises(ValueError, match=r"^--run='nope\.py:x': no such file 'nope\.py'$"):
+    config_files.get_config("nope.py:x", "--run")
+  (tmp_path / "n.py").write_text("x = 1\n")
+  with pytest.raises(ValueError, match=r"defines no get_config\(\)"):
+    config_files.get_config(str(tmp_path / "n.py"))
+
+
+def test_the_training_binary_names_a_misspelled_field():
+  proc = subprocess.run([sys.executable, "-m", "experiments.train_ppo",
+                         "--config=configs/ppo_tiny.py", "--config.algo.clip_range=0.3",
+                         "--workdir=/nonexistent/never_made"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+  assert _fatal_line(proc) == ("--config.algo.clip_range: configs/ppo_tiny.py has no field "
+                               "'algo.clip_range'; did you mean 'algo.clip_eps'?")
+
+
+def test_every_binary_with_a_config_file_flag_parses_with_it():
+  binaries = [f for f in sorted(os.listdir(os.path.join(ROOT, "experiments")))
+              if f.endswith(".py")]
+  with_config = []
+  for name in binaries:
+    with open(os.path.join(ROOT, "experiments", name)) as f:
+      source = f.read()
+    if "DEFINE_config_file(" in source:
+      with_config.append(name)
+      assert "flags_parser=config_files.parse_flags)" in source, name
+  assert "train_ppo.py" in with_config and len(with_config) >= 10, with_config
