@@ -11,6 +11,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import sys
 import time
 
 import jax
@@ -269,6 +270,26 @@ def _damage_arrays(step_dir):
           fh.write(b"\x00garbage" * (os.path.getsize(p) // 8 + 1))
 
 
+def test_only_callbacks_onto_a_closed_event_loop_are_dropped(monkeypatch):
+  seen = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+  hook = checkpointing._ClosedLoopCallbacks()
+  hook.install()
+  hook.install()  # twice: still one link in the chain
+  assert sys.unraisablehook is hook
+
+  class Unraisable:  # the fields sys.unraisablehook reads
+    def __init__(self, e):
+      self.exc_type, self.exc_value, self.exc_traceback = type(e), e, None
+      self.err_msg, self.object = None, None
+
+  other = RuntimeError("something else")
+  for e in (RuntimeError("Event loop is closed"), other, ValueError("Event loop is closed")):
+    sys.unraisablehook(Unraisable(e))
+  assert hook.dropped == 1 and [str(e) for e in seen] == ["something else",
+                                                          "Event loop is closed"]
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
   """An uninterrupted tiny run of 6 iterations: (config, workdir, final params, metrics rows)."""
@@ -281,11 +302,15 @@ def straight(tmp_path_factory):
 
 @pytest.mark.parametrize("damage", ["arrays", "side-car"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, straight, damage,
-                                                                  caplog):
+                                                                  caplog, monkeypatch):
   """Also the in-process resume test: stopped at 4 (as by SIGTERM), resumed from 2 after the
-  damage, the run ends with the uninterrupted run's parameters bitwise and its metrics."""
+  damage, the run ends with the uninterrupted run's parameters bitwise and its metrics. The
+  failed read's tensorstore callbacks onto orbax's closed event loop (18-130 unraisable
+  tracebacks on stderr) are not printed."""
   import logging as py_logging
   caplog.set_level(py_logging.WARNING)
+  unraisable = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(repr(u.exc_value)))
   cfg, _, want_params, want_rows = straight
   run = str(tmp_path / "run")
   # checkpoints 2 and 4, as a preempted run leaves them
@@ -312,6 +337,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, stra
   rows = wd.read_jsonl(os.path.join(run, "metrics.jsonl"))
   assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # nothing lost or written twice
   assert _deterministic(rows) == _deterministic(want_rows)
+  assert not unraisable, unraisable[:3]
 
 
 def test_a_finished_run_builds_nothing_and_still_checks_the_config(straight, monkeypatch):
