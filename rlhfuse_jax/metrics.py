@@ -53,15 +53,18 @@ class MetricWriter:
 
 
 class ProgressReporter:
-  """One progress line per iteration: step/total, chosen metrics, throughput and ETA.
+  """One progress line per iteration: step/total, chosen metrics, throughput, elapsed time and
+  ETA.
 
-  The ETA uses the pace after the first iteration of this run, which includes XLA compilation.
+  `elapsed` counts from `t0` (the trainer passes the time it was built: setup, restore and the
+  first iteration's compilation included; default now). The ETA uses the pace after the first
+  iteration of this run, which includes XLA compilation.
   """
 
-  def __init__(self, total: int, start_step: int = 0):
+  def __init__(self, total: int, start_step: int = 0, t0: Optional[float] = None):
     self.total = total
     self.start_step = start_step
-    self.t0 = time.time()
+    self.t0 = time.time() if t0 is None else t0
     self._t_first: Optional[float] = None  # end of the first (compiling) iteration
 
   def line(self, step: int, metrics: Mapping[str, Any], keys=("reward/mean",),

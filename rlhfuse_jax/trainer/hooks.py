@@ -97,12 +97,14 @@ class MetricsLog(Hook):
   Exactly once: at begin, rows and events after the restored step are dropped; they belong to
   a trajectory that was not kept (a crash after them, before their checkpoint)."""
 
-  def __init__(self, workdir: str, cfg: TrainConfig, summary: Callable[[dict], str]):
-    self.workdir, self.cfg, self.summary = workdir, cfg, summary
+  def __init__(self, workdir: str, cfg: TrainConfig, summary: Callable[[dict], str],
+               started: Optional[float] = None):
+    """`started`: the time the progress line's `elapsed` counts from (default: begin)."""
+    self.workdir, self.cfg, self.summary, self.started = workdir, cfg, summary, started
     self.writer: Optional[metrics_lib.MetricWriter] = None
 
   def begin(self, start: int) -> None:
-    self.progress = metrics_lib.ProgressReporter(self.cfg.num_iterations, start)
+    self.progress = metrics_lib.ProgressReporter(self.cfg.num_iterations, start, self.started)
     self.writer = metrics_lib.MetricWriter(self.workdir, enabled=jax.process_index() == 0,
                                            purge_step=start + 1)
     self.writer.truncate_after(start)

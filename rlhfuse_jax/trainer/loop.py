@@ -102,6 +102,7 @@ class PPOTrainer:
   """One run in `workdir`: builds its parts from the config, then iterates (run)."""
 
   def __init__(self, cfg: TrainConfig, workdir: str, mesh: Optional[jax.sharding.Mesh] = None):
+    self._built_at = time.time()  # the progress line's elapsed counts from here (setup too)
     self.workdir = workdir
     wd.check_local_path(workdir)
     os.makedirs(workdir, exist_ok=True)
@@ -777,7 +778,9 @@ class PPOTrainer:
 
   def _loop(self, start: int, stop_after: Optional[int]) -> list[dict]:
     stop = hooks.StopFlag()
-    run_hooks = [stop, hooks.MetricsLog(self.workdir, self.cfg, rollout_lib.progress_summary),
+    run_hooks = [stop,
+                 hooks.MetricsLog(self.workdir, self.cfg, rollout_lib.progress_summary,
+                                  self._built_at),
                  self.checkpoints,
                  hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
                                 self.tokenizer)]

@@ -1,0 +1,27 @@
+"""rlhfuse_jax/metrics.py's progress line: what elapsed counts from, and the ETA's pace."""
+from rlhfuse_jax import metrics as metrics_lib
+from rlhfuse_jax.trainer import hooks
+
+
+def test_progress_line_counts_elapsed_from_t0_and_paces_the_eta_after_the_first(monkeypatch):
+  now = [1000.0]
+  monkeypatch.setattr(metrics_lib.time, "time", lambda: now[0])
+  progress = metrics_lib.ProgressReporter(total=10, start_step=2, t0=1000.0 - 125)  # setup
+  now[0] += 40  # iteration 3 (compiles)
+  first = progress.line(3, {"reward/mean": 0.25, "perf/tokens_per_s": 1234.4})
+  assert first == "iter 3/10 reward/mean=0.25 tok/s=1234 elapsed=2m45s ETA=?"
+  now[0] += 10  # iterations 4 and 5: 5 s each, 5 left
+  assert progress.line(5, {}, extra="(x)") == "iter 5/10 elapsed=2m55s ETA=0m25s (x)"
+  # Without t0, elapsed starts at construction.
+  assert metrics_lib.ProgressReporter(10).line(1, {}).endswith("elapsed=0m00s ETA=?")
+
+
+def test_the_trainers_progress_counts_from_when_it_was_built(tmp_path):
+  class Cfg:
+    num_iterations = 4
+  log = hooks.MetricsLog(str(tmp_path), Cfg(), lambda m: "", started=123.0)
+  log.begin(0)
+  try:
+    assert log.progress.t0 == 123.0
+  finally:
+    log.end(failing=False)
