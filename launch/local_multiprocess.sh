@@ -10,7 +10,9 @@
 # BINARY picks experiments/BINARY.py (train_ppo or bench_generation); CONFIG its config (default
 # configs/ppo_tiny.py for train_ppo, configs/BINARY.py otherwise); PYTHON the interpreter
 # (default: python on PATH), e.g. PYTHON=.venv/bin/python. XLA_FLAGS: the caller's, with D
-# devices. Logs: WORKDIR.proc<i>.log (appended, a header line per start).
+# devices. Logs: WORKDIR.proc<i>.log (appended, a header line per start); process 0's is shown
+# here as it is written (FOLLOW=0: not; needs GNU tail), and the end of each failed process's
+# log once all have ended.
 set -euo pipefail
 N=${1:?number of processes}; D=${2:?devices per process}; WORKDIR=${3:?workdir}; shift 3
 BINARY=${BINARY:-train_ppo}
@@ -40,7 +42,10 @@ mkdir -p "$(dirname "${WORKDIR%/}")"
 echo "$N processes x $D CPU devices; logs (appended): ${WORKDIR%/}.proc<i>.log" \
   "(follow: tail -f ${WORKDIR%/}.proc0.log)"
 pids=()
+offsets=()  # each log's output of this start begins after this byte
 for ((i = 0; i < N; i++)); do
+  touch "${WORKDIR%/}.proc$i.log"
+  offsets+=("$(wc -c < "${WORKDIR%/}.proc$i.log")")
   echo "=== $(date '+%F %T'): process $i of $N" >> "${WORKDIR%/}.proc$i.log"
   XLA_FLAGS="$FLAGS" JAX_PLATFORMS=cpu \
     "${PYTHON:-python}" -m "experiments.$BINARY" --config="${CONFIG:-$DEFAULT_CONFIG}" \
@@ -48,6 +53,13 @@ for ((i = 0; i < N; i++)); do
       --num_processes="$N" --process_id="$i" "$@" >> "${WORKDIR%/}.proc$i.log" 2>&1 &
   pids+=($!)
 done
+# Process 0's output, shown as it comes, until it ends (GNU tail's --pid; elsewhere, or with
+# FOLLOW=0, only the log has it).
+follower=""
+if [[ "${FOLLOW:-1}" != 0 ]] && tail --pid=$$ -n 0 /dev/null 2>/dev/null; then
+  tail --pid="${pids[0]}" -s 0.2 -c +$((offsets[0] + 1)) -f "${WORKDIR%/}.proc0.log" &
+  follower=$!
+fi
 # Background processes of a script ignore SIGINT (bash without job control), so a Ctrl-C or a
 # SIGTERM reaches the launcher alone: it passes SIGTERM on (each process saves after its
 # iteration and exits 75, or ends at once if it has not started training) and keeps waiting;
@@ -75,6 +87,16 @@ for i in "${!pids[@]}"; do
   summary+=" $i:$rc"
   if ((rc != 0 && rc != 75 && (status == 0 || status == 75))); then status=$rc
   elif ((rc == 75 && status == 0)); then status=75; fi
+done
+if [[ -n "$follower" ]]; then wait "$follower" 2>/dev/null || true; fi
+# Why a process failed is at the end of its log: show it (process 0's, unless already shown).
+read -r -a codes <<< "$summary"
+for entry in "${codes[@]}"; do
+  i=${entry%%:*}; rc=${entry#*:}
+  if ((rc != 0 && rc != 75)) && [[ $i != 0 || -z "$follower" ]]; then
+    echo "--- process $i exited $rc; the end of ${WORKDIR%/}.proc$i.log:"
+    tail -c +$((offsets[i] + 1)) "${WORKDIR%/}.proc$i.log" | tail -n 15
+  fi
 done
 echo "logs: ${WORKDIR%/}.proc*.log; exit status per process (process:status):$summary;" \
   "exit status $status"

@@ -70,17 +70,23 @@ def test_the_launcher_reads_relative_paths_where_it_was_started(tmp_path):
 def test_the_launcher_exits_with_a_failure_rather_than_a_clean_stop(tmp_path):
   """Process statuses (0 saved-and-stopped 75, 1 failed with 3): the launcher exits 3, not 75
   (a caller would requeue a failed run as resumable) and not the last process's status; each
-  process's status is in its last line. All stopped on SIGTERM: 75; all fine: 0."""
+  process's status is in its last line. All stopped on SIGTERM: 75; all fine: 0. Process 0's
+  output is shown as it runs, and the end of each failed process's log after."""
   launcher = os.path.join(REPO, "launch", "local_multiprocess.sh")
   for codes, want in (((75, 3), 3), ((3, 75), 3), ((75, 75), 75), ((0, 75), 75), ((0, 0), 0),
                       ((2, 3), 2)):
     fake = _stand_in(tmp_path / "python", "case \"$*\" in\n" + "".join(
-        f"  *--process_id={i}*) exit {c};;\n" for i, c in enumerate(codes)) + "esac")
+        f"  *--process_id={i}*) echo 'why {i} ended'; exit {c};;\n"
+        for i, c in enumerate(codes)) + "esac")
     out = subprocess.run(["bash", launcher, "2", "1", str(tmp_path / "run")], cwd=REPO,
                          env=dict(os.environ, PYTHON=str(fake)), capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == want, (codes, out.stdout, out.stderr)
     assert f"(process:status): 0:{codes[0]} 1:{codes[1]}; exit status {want}" in out.stdout
+    assert out.stdout.count("why 0 ended") == 1, out.stdout  # followed, not repeated
+    failed_1 = f"--- process 1 exited {codes[1]}; the end of {tmp_path}/run.proc1.log:"
+    assert (failed_1 in out.stdout) == (codes[1] not in (0, 75)), out.stdout
+    assert out.stdout.count("why 1 ended") == (codes[1] not in (0, 75)), out.stdout
 
 
 RESET_SIGINT_AND_EXEC = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
