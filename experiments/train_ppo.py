@@ -88,22 +88,20 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
                      f"{num_devices} ({platform}){hint}")
 
 
-def main(argv):
-  del argv
-  logging.set_verbosity(logging.INFO)
-  metrics_lib.quiet_library_logs()
+def _start_and_train() -> tuple[TrainConfig, PPOTrainer]:
+  """Joins the processes of a multi-host run, checks the config and the devices, and runs the
+  trainer (which keeps the workdir lock until the caller has written result.json)."""
   if _DISTRIBUTED.value:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   cfg = TrainConfig.from_config_dict(_CONFIG.value)
   check_device_count(cfg, jax.device_count(), jax.default_backend(), jax.process_count())
   workdir = _WORKDIR.value
   wd.check_local_path(workdir)
-  main_process = distributed.is_main_process()
   os.makedirs(workdir, exist_ok=True)
   hooks.enable_compilation_cache(cfg.compilation_cache_dir, workdir)  # before anything compiles
   trainer = PPOTrainer(cfg, workdir)  # checks the lock and any checkpoint against this config
   try:
-    # The lock stays held while result.json is written below: another start on this workdir in
+    # The lock stays held while result.json is written: another start on this workdir in
     # between could change metrics.jsonl while it is summarised.
     trainer.run(keep_lock=True, config_record=config_lib.config_record(_CONFIG.value, cfg))
   except (checkpointing.SaveError, multihost.PeerLostError) as e:
@@ -116,6 +114,25 @@ def main(argv):
     sys.stderr.flush()
     os._exit(EXIT_SAVE_FAILED if isinstance(e, checkpointing.SaveError)
              else multihost.EXIT_PEER_LOST)
+  return cfg, trainer
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  metrics_lib.quiet_library_logs()
+  try:
+    # Until the loop installs its own handlers, SIGTERM (a preemption while a large model loads
+    # or compiles) and Ctrl-C end the start with the stopped status too, not 143.
+    with hooks.stop_before_training():
+      cfg, trainer = _start_and_train()
+  except hooks.StoppedBeforeTraining as e:
+    logging.warning("exit %d: signal %d came before training began (set-up, checkpoint restore "
+                    "or the first compiles); no iteration ran since the last checkpoint, so "
+                    "nothing is lost; re-run to resume", EXIT_STOPPED_BY_SIGNAL, e.signum)
+    sys.exit(EXIT_STOPPED_BY_SIGNAL)
+  workdir = _WORKDIR.value
+  main_process = distributed.is_main_process()
   if main_process:
     # The summary covers the whole run (also iterations done before a resume).
     history = wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))

@@ -72,6 +72,47 @@ def test_sigterm_saves_and_exits_with_the_stopped_status(tmp_path):
   assert (result["status"], result["iterations"]) == ("stopped", last), result
 
 
+def test_a_signal_during_set_up_exits_with_the_stopped_status(tmp_path):
+  """A preemption while the run sets up (before the loop's handlers exist) exits 75 too, with
+  the workdir unlocked and nothing written for an iteration: before, SIGTERM killed it with
+  143, which a scheduler's requeue rule (launch/slurm_gpu.sbatch) does not resume."""
+  from rlhfuse_jax import workdir as wdlib
+  wd = str(tmp_path / "run")
+  proc = subprocess.Popen(_cmd(wd), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
+  deadline = time.time() + 300
+  lock = os.path.join(wd, ".lock")  # taken (the holder's pid written) first thing in set-up
+  while not (os.path.exists(lock) and open(lock).read().startswith("pid ")):
+    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+    assert time.time() < deadline, "the run never took its workdir lock"
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=300)
+  err = err.decode()
+  assert proc.returncode == 75, err[-3000:]
+  assert "signal 15 came before training began" in err, err[-3000:]
+  assert not os.path.exists(os.path.join(wd, "metrics.jsonl"))
+  wdlib.WorkdirLock(wd).release()  # free: the lock was given back
+
+
+def test_signals_before_the_loop_raise_and_the_loops_own_handler_takes_over():
+  before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+  with hooks.stop_before_training():
+    with pytest.raises(hooks.StoppedBeforeTraining) as stopped:
+      os.kill(os.getpid(), signal.SIGTERM)
+    assert stopped.value.signum == signal.SIGTERM
+    flag = hooks.StopFlag()
+    flag.begin(0)
+    try:
+      os.kill(os.getpid(), signal.SIGTERM)  # the loop's: finish the iteration, save
+      assert flag.set and flag.signal == signal.SIGTERM
+    finally:
+      flag.end(failing=False)
+    with pytest.raises(hooks.StoppedBeforeTraining):  # given back to the set-up's handler
+      os.kill(os.getpid(), signal.SIGINT)
+  assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
 def test_sigint_stops_like_sigterm_and_twice_interrupts_at_once():
   flag = hooks.StopFlag()
   before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}

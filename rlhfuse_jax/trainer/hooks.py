@@ -9,6 +9,7 @@ the questions asked before anything is built: where to resume, and whether this 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -40,6 +41,39 @@ class Hook:
 
   def end(self, failing: bool) -> None:
     pass
+
+
+class StoppedBeforeTraining(BaseException):
+  """SIGTERM/SIGINT came before the training loop installed its own handlers (StopFlag): while
+  the run set up, restored its checkpoint or compiled. No iteration ran since the last
+  checkpoint, so there is nothing to save and nothing is lost; train_ppo exits 75 (re-run to
+  resume), as a stop during training does. A BaseException, as KeyboardInterrupt is, so that
+  no `except Exception` on its way (a restore's fallback) takes it for an error of its own."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_before_training():
+  """Within: SIGTERM/SIGINT raise StoppedBeforeTraining, except while StopFlag's handlers are
+  installed (the loop's: finish the iteration, save). Python runs the handler once the main
+  thread is back in the interpreter: a signal during an XLA compile takes effect when the
+  compile returns. Off the main thread nothing is installed."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def handle(signum, frame):
+    raise StoppedBeforeTraining(signum)
+
+  old = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    yield
+  finally:
+    for sig, handler in old.items():
+      signal.signal(sig, handler)
 
 
 class StopFlag(Hook):
