@@ -1,5 +1,5 @@
 r"""Shape-only PPO configs for LLaMA-class actor/critic pairs on GPU/TPU meshes
-(docs/architecture.md §6).
+(docs/usage.md "GPU, TPU and many hosts" and "Memory at scale").
 
 For real clusters; nothing here runs them (tests only parse them). 13B actor and critic on
 32 to 256 GPUs (one process per host, see launch/):

@@ -87,8 +87,8 @@ def get_config(arg: str = "ppo"):
     # metrics.jsonl).
     c.fusion.migration_threshold = "0.3"
     # At 3e-3 the 4-layer actor collapsed to empty responses after ~170 iterations in a trial
-    # run of countdown (log-normal mu=0.7); at 1e-3 this config's reward rises from ~0.17 (first
-    # 40 iterations) to ~0.78 (last 40) with 2 epochs, and ~96 % of the iterations consolidate.
+    # run of countdown (log-normal mu=0.7); at 1e-3 it learns (docs/results.md, the main job's
+    # row: reward, consolidations).
     c.optim.actor_lr = 1e-3
     # One PPO epoch (default 2): when this was chosen (2026-11-25, before the stage-sharded
     # pipeline state) one epoch took 5 min 52 s instead of 7 min 32 s and still learned while

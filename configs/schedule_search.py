@@ -56,7 +56,7 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 def get_sweep() -> list[dict]:
-  """The 12 reference instances of docs/architecture.md §3 (ba = 2 fa, bc = 2 fc)."""
+  """The 12 reference instances of docs/schedules.md (ba = 2 fa, bc = 2 fc)."""
   return [{"name": name, "actor_pp": pa, "critic_pp": pc, "actor_microbatches": ma,
            "critic_microbatches": mc, "actor_fwd": fa, "critic_fwd": fc}
           for name, pa, pc, ma, mc, fa, fc in REFERENCE_INSTANCES]

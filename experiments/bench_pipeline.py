@@ -438,7 +438,7 @@ def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
       "paired_ratio_fused_over_serial": float(np.median(paired)),
       "unpipelined_step_s": float(np.median(ref_runs)),
       "search_s": {k: f.search_s for k, f in found.items()},
-      # No lockstep execution of this problem has fewer ticks (docs/architecture.md §3's tight bound
+      # No lockstep execution of this problem has fewer ticks (docs/schedules.md's tight bound
       # in ticks).
       "ticks_lower_bound": bounds.tight_lower_bound(unit),
       "fused_ticks_lt_serial_ticks": bool(results["searched"]["ticks"] <

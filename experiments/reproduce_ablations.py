@@ -32,7 +32,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Ablation config file.
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
 flags.mark_flags_as_required(["config", "workdir"])
-PAPER_RT = 0.2  # "about 20% remaining is often a good point" (docs/architecture.md §2)
+PAPER_RT = 0.2  # RLHFuse (arXiv 2409.13221): about 20 % of samples remaining is often a good Rt
 
 
 def _figures(cfg, out: dict, workdir: str, systems) -> list[str]:

@@ -1,6 +1,6 @@
 """Side effects at the edge: writing what a binary produces into its workdir.
 
-Every binary writes the resolved config, a `metrics.jsonl` or a `result.json`, and figures.
+Every binary writes its config, a `metrics.jsonl` or a `result.json`, and figures.
 Writes are atomic (write to a temporary file in the same directory, then `os.replace`), so a
 killed process never leaves a half-written file behind.
 """
@@ -75,7 +75,7 @@ def check_local_path(workdir: str, field: str = "--workdir") -> None:
 
 
 def write_config(workdir: str, config: Any) -> None:
-  """Writes the resolved config (an ml_collections ConfigDict or a mapping) to workdir/config.json."""
+  """Writes a config (an ml_collections ConfigDict or a mapping) to workdir/config.json."""
   check_local_path(workdir)
   as_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   write_json(os.path.join(workdir, "config.json"), as_dict)

@@ -55,7 +55,7 @@ def test_lower_bounds_never_exceed_valid_schedules(idx):
 
 
 def test_tight_bound_hand_computed_reference_instance():
-  # e0 of docs/architecture.md §3: W = 32*15 + 16*12 = 672; device 4 (a=4, c=3): min(20,12) +
+  # e0 of docs/schedules.md: W = 32*15 + 16*12 = 672; device 4 (a=4, c=3): min(20,12) +
   # min(40,24) = 36.
   p = PipelineProblem(8, 4, 32, 16, 5.0, 4.0)
   assert bounds.tight_lower_bound(p) == 708.0

@@ -112,7 +112,7 @@ def test_schedules_within_budget_lie_in_memory_lag_windows(p):
 
 
 def test_memory_lag_windows_are_tighter_on_reference_instances():
-  # e0 of docs/architecture.md §3: the budget caps the actor at 4 micro-batches in flight on devices
+  # e0 of docs/schedules.md: the budget caps the actor at 4 micro-batches in flight on devices
   # 4-7, so the windows narrow there (the CP check uses them; they are not what the search uses).
   p = PipelineProblem(8, 4, 32, 16, 5.0, 4.0)
   win, plain = task_windows(p, memory_lags=True), task_windows(p)

@@ -12,8 +12,8 @@ forward and -mem per backward. It is checked for every candidate at O(T) cost.
 
 Objective (lexicographic, smaller is better): (budget overflow, makespan, max per-device peak,
 sum of per-device peaks, sum of per-device finish times). A schedule within budget has overflow
-0, so among feasible schedules the makespan decides, then the tie-breakers of docs/architecture.md
-§3.
+0, so among feasible schedules the makespan decides, then the peaks and finish times
+(docs/architecture.md §3, "Evaluation").
 
 The kernels are numba-compiled: one evaluation of the largest reference instance (16 devices x
 256 tasks) costs tens of microseconds, which the search needs (~10^5 evaluations in 20 s).

@@ -1,6 +1,6 @@
 """The fused actor/critic training step: any compiled schedule as one jitted shard_map program.
 
-Idea (docs/architecture.md §3, "Executing a schedule"): every device of the mesh axis `stage` holds
+Idea (docs/architecture.md §3, "Executor"): every device of the mesh axis `stage` holds
 its actor stage and its critic stage, and nothing of the other stages. Parameters enter as the
 stage-stacked trees of stages.StageLayout.stack: the actor's layer leaves [Pa, L/Pa, ...]
 sharded P('stage'); the critic's [Pc, L/Pc, ...] sharded over the critic_stage half of the stage

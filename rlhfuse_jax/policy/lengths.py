@@ -1,7 +1,7 @@
 """The histogram of response lengths a run has generated, kept across iterations.
 
 The Rt choice (rt.py) draws batches of lengths from it to simulate candidate thresholds; the
-engine adds each batch's lengths after generating it (docs/architecture.md §2, "Choosing Rt").
+engine adds each batch's lengths after generating it (docs/architecture.md §2, "Rt").
 """
 from __future__ import annotations
 

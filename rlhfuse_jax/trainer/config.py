@@ -473,7 +473,7 @@ GUARD_MODES = ("stop", "skip_update")
 
 @dataclasses.dataclass(frozen=True)
 class GuardConfig:
-  """Non-finite values (docs/usage.md, reliability): losses, gradient norms and parameters are
+  """Non-finite values (docs/usage.md "Faults and resuming"): losses, gradient norms and parameters are
   checked every iteration. "stop": the run stops with an error naming the iteration and the
   quantity, before anything of that iteration is written or saved. "skip_update": an optimizer
   step whose gradients are not finite is skipped (optax.apply_if_finite); after
