@@ -94,10 +94,11 @@ def _fmt(seconds: float) -> str:
 
 
 class _DropLibraryInfo:
-  """logging.Filter: drops INFO/DEBUG records emitted from the named packages' source files."""
+  """logging.Filter: drops INFO/DEBUG records emitted from the named packages' source files
+  (a package folder, or a file path inside one)."""
 
   def __init__(self, packages):
-    self._markers = tuple(f"/{p}/" for p in packages)
+    self._markers = tuple(f"/{p}" if p.endswith(".py") else f"/{p}/" for p in packages)
 
   def filter(self, record) -> bool:
     import logging as py_logging  # absl logs through the standard library's logging
@@ -105,7 +106,16 @@ class _DropLibraryInfo:
         m in record.pathname for m in self._markers)
 
 
-def quiet_library_logs(packages=("orbax", "tensorstore", "etils")) -> None:
-  """Keeps our INFO progress lines readable: orbax logs ~30 INFO lines per checkpoint save."""
+# orbax logs ~30 INFO lines per checkpoint save; jax's backend probe an INFO line for every
+# platform it does not find ("Unable to initialize backend 'tpu'": every run on CPU or GPU;
+# a missing GPU still gets jax's own WARNING).
+LIBRARY_INFO = ("orbax", "tensorstore", "etils", "jax/_src/xla_bridge.py")
+
+
+def quiet_library_logs(packages=LIBRARY_INFO) -> None:
+  """Keeps our INFO progress lines readable: the libraries' INFO lines are dropped, their
+  warnings kept. Once per process (experiments/config_files.run calls it)."""
   from absl import logging as absl_logging
-  absl_logging.get_absl_handler().addFilter(_DropLibraryInfo(packages))
+  handler = absl_logging.get_absl_handler()
+  if not any(isinstance(f, _DropLibraryInfo) for f in handler.filters):
+    handler.addFilter(_DropLibraryInfo(packages))

@@ -101,15 +101,8 @@ def write_config_history(workdir: str, config: Any, start_step: int) -> str:
 RUN_OUTPUTS = ("metrics.jsonl", "result.json", "tb", "hf_export")
 
 
-def set_aside_earlier_start(workdir: str) -> Optional[str]:
-  """Moves the outputs of an earlier start that left no checkpoint (RUN_OUTPUTS and its
-  config*.json) into workdir/previous/<n>/, so a fresh start neither truncates them nor leaves
-  the earlier config.json describing it. Returns that directory, or None if there was nothing."""
-  names = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(workdir, n))]
-  names += sorted(n for n in os.listdir(workdir) if n.startswith("config") and
-                  n.endswith(".json")) if os.path.isdir(workdir) else []
-  if not names:
-    return None
+def _move_to_previous(workdir: str, names: list[str]) -> str:
+  """Moves workdir/<name> for each of `names` into a new workdir/previous/<n>/; returns it."""
   n = 1
   while os.path.exists(os.path.join(workdir, "previous", str(n))):
     n += 1
@@ -118,6 +111,41 @@ def set_aside_earlier_start(workdir: str) -> Optional[str]:
   for name in names:
     os.replace(os.path.join(workdir, name), os.path.join(dest, name))
   return dest
+
+
+def start_outputs(workdir: str, config: Any, keep: tuple[str, ...] = (),
+                  inputs: tuple[Optional[str], ...] = ()) -> Optional[str]:
+  """A one-shot binary's start on `workdir`: what an earlier run left there (every entry but
+  previous/, log.txt, the `keep` names, e.g. a cache reused across runs, and whatever holds one of this
+  run's `inputs`, e.g. the earlier schedule it goes on from) moves into workdir/previous/<n>/,
+  so no stale result, schedule, certificate or plot sits beside this run's and nothing is
+  lost; then config.json is written. Returns where the earlier outputs went, or None."""
+  check_local_path(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  root = os.path.realpath(workdir)
+  for path in inputs:
+    rel = os.path.relpath(os.path.realpath(path), root) if path else os.pardir
+    if rel != os.curdir and not rel.startswith(os.pardir):
+      keep = keep + (rel.split(os.sep)[0],)
+  # log.txt: the run's log as the sweep streams it (appended, one header per start), already
+  # holding this start's first lines.
+  names = sorted(n for n in os.listdir(workdir) if n not in ("previous", "log.txt", *keep))
+  dest = _move_to_previous(workdir, names) if names else None
+  if dest:
+    logging.info("moved the earlier run's outputs in %s (%s) to %s", workdir,
+                 ", ".join(names), dest)
+  write_config(workdir, config)
+  return dest
+
+
+def set_aside_earlier_start(workdir: str) -> Optional[str]:
+  """Moves the outputs of an earlier start that left no checkpoint (RUN_OUTPUTS and its
+  config*.json) into workdir/previous/<n>/, so a fresh start neither truncates them nor leaves
+  the earlier config.json describing it. Returns that directory, or None if there was nothing."""
+  names = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(workdir, n))]
+  names += sorted(n for n in os.listdir(workdir) if n.startswith("config") and
+                  n.endswith(".json")) if os.path.isdir(workdir) else []
+  return _move_to_previous(workdir, names) if names else None
 
 
 class WorkdirLock:

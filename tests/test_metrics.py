@@ -25,3 +25,17 @@ def test_the_trainers_progress_counts_from_when_it_was_built(tmp_path):
     assert log.progress.t0 == 123.0
   finally:
     log.end(failing=False)
+
+
+def test_library_info_lines_are_dropped_and_their_warnings_kept():
+  import logging as py_logging
+  drop = metrics_lib._DropLibraryInfo(metrics_lib.LIBRARY_INFO)
+
+  def record(path, level):
+    return py_logging.LogRecord("x", level, path, 1, "m", None, None)
+  probe = "/site-packages/jax/_src/xla_bridge.py"  # "Unable to initialize backend 'tpu'"
+  assert not drop.filter(record(probe, py_logging.INFO))
+  assert drop.filter(record(probe, py_logging.WARNING))  # "a GPU may be present, but ..."
+  assert not drop.filter(record("/site-packages/orbax/checkpoint/x.py", py_logging.INFO))
+  assert drop.filter(record("/site-packages/jax/_src/compiler.py", py_logging.INFO))
+  assert drop.filter(record("/repo/rlhfuse_jax/trainer/hooks.py", py_logging.INFO))

@@ -23,6 +23,7 @@ def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str
     if r["setting"]["label"] not in labels:
       labels.append(r["setting"]["label"])
   by = {(r["setting"]["label"], r["system"]): r for r in rows}
+  cols = max(1, min(cols, len(labels)))  # one setting: one panel, not a third of the figure
   n_rows = -(-len(labels) // cols)
   fig, axes = plt.subplots(n_rows, cols, figsize=(4.2 * cols, 3.0 * n_rows), squeeze=False)
   parts = (("reshard_s", "#bbbbbb", "reshard"), ("gen_s", "#2a5fa8", "generation"),
