@@ -26,8 +26,10 @@ def get_config(arg: str = "tiny"):
   # n * 512 reads n (n + 1) / 2 of n^2 tiles with the default positions.
   c.lengths = "1024,1536"
   c.batch = 1  # sequences per step
-  c.warmup = 1  # untimed steps per measurement (after the compile)
-  c.repeats = 3  # timed steps per measurement (the fastest is reported)
+  c.warmup = 1  # untimed steps of each program (after the compile)
+  # timed steps of each program, the two taking turns; the medians and the median of the
+  # paired ratios are reported (3 gave 0.62-2.41x on a shared 2-core machine: noise)
+  c.repeats = 7
   if arg == "cpu":
     c.model.vocab_size = 512
     c.model.hidden_size = 256

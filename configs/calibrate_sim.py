@@ -28,5 +28,6 @@ def get_config():
   c.inference_microbatch = 8  # samples per inference forward (reference + reward + critic)
   c.migrate_rows = 4  # KV rows copied between two devices to time a migration
   c.repeats = 20  # timed repetitions per measurement (the median is kept)
-  c.devices_share_compute = True  # fake CPU devices share one processor
+  # whether the devices share one processor: "auto" is true on CPU (fake devices), false else
+  c.devices_share_compute = "auto"
   return c

@@ -31,7 +31,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import platform
 import re
 import sys
 
@@ -71,6 +70,8 @@ def check_config(c) -> None:
   _check(c.host_devices >= 1, "host_devices", c.host_devices, ">= 1")
   _check(len(c.seeds) >= 1, "seeds", c.seeds, "one or more seeds")
   _check(c.parallel >= 1, "parallel", c.parallel, ">= 1 (runs at once)")
+  _check(isinstance(c.num_iterations, int) and c.num_iterations >= 0, "num_iterations",
+         c.num_iterations, "an integer >= 0 (0: each run config's own)")
   _check(0 <= c.generation_devices < c.host_devices, "generation_devices", c.generation_devices,
          f"0 or fewer than host_devices={c.host_devices}")
 
@@ -100,6 +101,22 @@ def summarize(rows: list[dict], window: float, skip: int, staleness: int) -> dic
                                     if "async/behaviour_weight_mean" in rows[0] else None)}
 
 
+def describe(s: dict, min_gain_ratio: float) -> str:
+  """One staleness's figures (`summarize` plus the ratios to the synchronous run) in words."""
+  parts = [f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f} "
+           f"(gain {s['reward_gain']:+.3f} over {s['iterations']} iterations)",
+           f"median step {s['median_step_s']:.3f}s"]
+  if "gain_ratio" in s:
+    ratio = "n/a (the synchronous run did not learn)" if s["gain_ratio"] is None else (
+        f"{s['gain_ratio']:.2f}x")
+    parts.append(f"gain {ratio} the synchronous run's (bar {min_gain_ratio:g}: "
+                 f"{'ok' if s['gain_ok'] else 'MISSED'}), step time "
+                 f"{s['step_time_ratio']:.2f}x")
+  if s.get("overlap_frac") is not None:
+    parts.append(f"overlap {s['overlap_frac']:.0%}")
+  return "; ".join(parts)
+
+
 def smooth(x: np.ndarray, width: int) -> np.ndarray:
   """Trailing moving average (the first points average what there is)."""
   c = np.cumsum(np.insert(x, 0, 0.0))
@@ -125,16 +142,26 @@ def plot(curves: dict, path: str, width: int) -> None:
   plt.close(fig)
 
 
+# The fields that change a run without changing its name (a run is named by its config,
+# staleness and seed; each train_ppo run refuses a resume under another config of its own).
+# The others (window, skip, min_gain_ratio, parallel; runs, staleness and seeds add or drop
+# runs) may change between starts.
+RUN_FIELDS = ("objective", "num_iterations", "generation_devices", "host_devices")
+
+
 def check_reuse(path: str, config: dict) -> None:
   """The runs in a workdir are train_ppo workdirs: re-running resumes them (an interrupted
   benchmark finishes) and reads finished ones back. That is only this benchmark's result when
-  they were started with this config, so a workdir of another config is refused, naming the
-  fields that differ."""
+  they were started with this config, so a workdir whose runs trained under other RUN_FIELDS
+  is refused, naming the fields that differ."""
   if not os.path.exists(path):
     return
   old = wd.read_json_object(path)
   new = json.loads(json.dumps(config))  # as it reads back (tuples -> lists)
-  differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+  workdir = os.path.dirname(path)
+  trained = any(os.path.exists(os.path.join(workdir, d, "metrics.jsonl"))
+                for d in os.listdir(workdir))
+  differ = sorted(k for k in RUN_FIELDS if old.get(k) != new.get(k)) if trained else []
   if differ:
     raise ValueError(
         f"--workdir={os.path.dirname(path)} holds bench_async runs of another config "
@@ -153,9 +180,7 @@ def main(argv):
   check_reuse(os.path.join(out, "config.json"), c.to_dict())
   wd.write_json(os.path.join(out, "config.json"), c.to_dict())
   env = runner.repo_env(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags_with_host_devices(c.host_devices))
-  result = {"machine": {"host": platform.node(), "cpus": os.cpu_count(),
-                        "processor": platform.processor() or platform.machine(),
-                        "host_devices": c.host_devices}, "runs": {}}
+  result = {"machine": {"host_devices": c.host_devices}, "runs": {}}  # and `provenance`
   jobs = [(config, k, seed) for config in c.runs for k in c.staleness for seed in c.seeds]
 
   def run(job) -> list[dict]:
@@ -200,17 +225,20 @@ def main(argv):
       entry[f"s{k}"] = s
       curves[config][k] = np.mean([[r["reward/mean"] for r in rows[config, k, seed]]
                                    for seed in c.seeds], axis=0)
-      logging.info("%s staleness %d: %s", config, k, {kk: v for kk, v in s.items()
-                                                      if v is not None})
+      logging.info("%s staleness %d: %s", config, k, describe(s, c.min_gain_ratio))
     result["runs"][config] = entry
   result["failed_runs"] = failed
   result["all_gains_ok"] = not failed and all(
       s.get("gain_ok", True) for e in result["runs"].values() for s in e.values())
-  wd.write_json(os.path.join(out, "result.json"), result)
+  runner.write_result(out, result)
   if curves:
     plot(curves, os.path.join(out, "curves.png"), max(1, int(round(
         min(len(v) for by_k in curves.values() for v in by_k.values()) * c.window))))
   logging.info("wrote %s/result.json%s", out, " and curves.png" if curves else "")
+  if not failed:
+    (logging.info if result["all_gains_ok"] else logging.warning)(
+        "acceptance (every asynchronous run's reward gain >= %g x the synchronous one's): %s",
+        c.min_gain_ratio, "PASS" if result["all_gains_ok"] else "FAIL")
   if failed:  # re-running the same command resumes them (their finished peers are read back)
     logging.error("%d run(s) failed: %s", len(failed), ", ".join(failed))
     return 1
@@ -218,4 +246,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.exit(app.run(main, flags_parser=config_files.parse_flags))
+  sys.exit(config_files.run(main))

@@ -44,10 +44,11 @@ from typing import Any, Callable
 import jax
 import jaxlib
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from experiments import config_files
+from experiments import runner
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation import instances
 from rlhfuse_jax.generation.sampling import SamplingConfig
@@ -571,7 +572,7 @@ def run(cfg: BenchDecodeConfig, workdir: str) -> dict:
   }
   add_fractions(result, hw.peak_flops if hw else None, hw.hbm_bw if hw else None)
   result["wall_s"] = time.perf_counter() - t_start
-  wd.write_json(os.path.join(workdir, "result.json"), result)
+  runner.write_result(workdir, result)
   cal = calibration_file(result)
   calibration.from_dict(cal, "bench_decode")  # what we write must load
   wd.write_json(os.path.join(workdir, "calibration.json"), cal)
@@ -605,7 +606,7 @@ def compile_only(cfg: BenchDecodeConfig, workdir: str) -> dict:
     result["decode"]["float32_per_batch"] = compile_memory(cfg, f32)
   result["scan_compile"] = measure_scan_compile(cfg) if cfg.scan_compile_layers else None
   result["wall_s"] = time.perf_counter() - t_start
-  wd.write_json(os.path.join(workdir, "result.json"), result)
+  runner.write_result(workdir, result)
   return result
 
 
@@ -620,8 +621,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   cfg = BenchDecodeConfig.from_config_dict(_CONFIG.value)
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  wd.write_config(_WORKDIR.value, _CONFIG.value)
+  wd.start_outputs(_WORKDIR.value, _CONFIG.value)
   if cfg.compile_only:
     result = compile_only(cfg, _WORKDIR.value)
     _log_scan_compile(result["scan_compile"])
@@ -645,4 +645,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_files.parse_flags)
+  config_files.run(main)

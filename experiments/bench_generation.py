@@ -47,10 +47,11 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from experiments import config_files  # noqa: E402
+from experiments import runner  # noqa: E402
 from rlhfuse_jax import workdir as wd  # noqa: E402
 from rlhfuse_jax.generation import fused as fused_lib  # noqa: E402
 from rlhfuse_jax.generation import measure  # noqa: E402
@@ -284,8 +285,7 @@ def run_and_write(c, workdir: str, reference=None) -> dict:
     raise ValueError(f"config.generation.pipeline_stages={c.generation.pipeline_stages}: the "
                      "pipelined variant runs in one process; drop --distributed")
   if main_process:
-    os.makedirs(workdir, exist_ok=True)
-    wd.write_config(workdir, c)
+    wd.start_outputs(workdir, c)
   result = run_pipelined(c, workdir) if pipelined else run(c, workdir)
   if jax.process_count() > 1:
     jax.distributed.shutdown()  # the other processes are done: they exit now
@@ -294,7 +294,7 @@ def run_and_write(c, workdir: str, reference=None) -> dict:
     result["single_process_reference"] = ref
     result["identical_outputs"] = result["identical_outputs"] and ref["identical"]
   if main_process:
-    wd.write_json(os.path.join(workdir, "result.json"), result)
+    runner.write_result(workdir, result)
   return result
 
 
@@ -458,4 +458,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_start_flags()
-  app.run(main, flags_parser=config_files.parse_flags)
+  config_files.run(main)

@@ -34,17 +34,17 @@ from rlhfuse_jax.parallel.host_devices import request_host_devices
 request_host_devices(8)  # before the first jax import
 
 import dataclasses  # noqa: E402
-import platform  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import jax  # noqa: E402
 import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from experiments import config_files  # noqa: E402
+from experiments import runner  # noqa: E402
 from rlhfuse_jax import workdir as wd  # noqa: E402
 from rlhfuse_jax.models import llama  # noqa: E402
 from rlhfuse_jax.parallel.mesh import MeshConfig, make_mesh  # noqa: E402
@@ -127,13 +127,7 @@ class BenchPipelineConfig:
 def machine() -> dict:
   """What ran the benchmark, in words and figures."""
   devs = jax.devices()
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      names = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
-    cpu = names[0] if names else cpu
-  except OSError:
-    pass
+  cpu = runner.host_cpu()
   fake = devs[0].platform == "cpu"
   return {
       "platform": devs[0].platform, "device_kind": devs[0].device_kind,
@@ -450,7 +444,7 @@ def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
       "grad_error_tolerance": tol,
       "grad_errors_within_tolerance": bool(max(errors) <= tol),
   }
-  wd.write_json(os.path.join(workdir, "result.json"), result)
+  runner.write_result(workdir, result)
   logging.info("ticks: %s; fused < serial: %s; max grad error %.2e (tolerance %g)",
                {k: r["ticks"] for k, r in results.items()}, result["fused_ticks_lt_serial_ticks"],
                max(errors), tol)
@@ -461,10 +455,9 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   cfg = BenchPipelineConfig.from_config_dict(_CONFIG.value)
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  wd.write_config(_WORKDIR.value, _CONFIG.value)
+  wd.start_outputs(_WORKDIR.value, _CONFIG.value)
   run(cfg, _WORKDIR.value)
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_files.parse_flags)
+  config_files.run(main)

@@ -21,7 +21,7 @@ import functools  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from experiments import config_files  # noqa: E402
@@ -46,8 +46,17 @@ def measure(c) -> dict:
   if max_len > cfg.max_seq_len:
     raise ValueError(f"prompt_len + max_new_tokens = {max_len} > model.max_seq_len="
                      f"{cfg.max_seq_len}")
-  if not isinstance(c.repeats, int) or c.repeats < 1:
-    raise ValueError(f"config.repeats={c.repeats!r}: expected an integer >= 1")
+  for name in ("repeats", "slots", "chunk_size", "migrate_rows", "inference_microbatch"):
+    if not isinstance(c[name], int) or c[name] < 1:
+      raise ValueError(f"config.{name}={c[name]!r}: expected an integer >= 1")
+  if c.migrate_rows > c.slots:
+    raise ValueError(f"config.migrate_rows={c.migrate_rows}: expected at most slots={c.slots} "
+                     "(the rows copied come from one instance's cache)")
+  share = {"auto": "auto", "true": True, "false": False}.get(
+      str(c.devices_share_compute).lower())
+  if share is None:
+    raise ValueError(f"config.devices_share_compute={c.devices_share_compute!r}: expected "
+                     "'auto' (true on CPU), true or false")
   items = [x.strip() for x in str(c.occupancies).split(",") if x.strip()]
   if not items or not all(x.isdigit() for x in items):
     raise ValueError(f"config.occupancies={c.occupancies!r}: expected comma-separated slot "
@@ -78,6 +87,11 @@ def measure(c) -> dict:
     step_s.append(median_s(lambda: chunk(params, st, key), c.repeats) / steps)
     logging.info("decode step with %d/%d live rows: %.3f ms (%d steps per chunk)", b, s,
                  1e3 * step_s[-1], steps)
+  if any(later < 0.9 * earlier for earlier, later in zip(step_s, step_s[1:])):
+    logging.warning("the decode step got >10 %% faster with more live rows (%s ms): timing "
+                    "noise; the simulator would read more rows as cheaper. Raise "
+                    "config.repeats or measure on a quiet machine",
+                    ", ".join(f"{1e3 * x:.3f}" for x in step_s))
   mb, t = c.inference_microbatch, c.max_new_tokens
   toks = jnp.asarray(rng.integers(1, cfg.vocab_size, (mb, p + t)), jnp.int32)  # [mb, P+T]
   mplens, rlens = jnp.full((mb,), p, jnp.int32), jnp.full((mb,), t, jnp.int32)
@@ -99,7 +113,7 @@ def measure(c) -> dict:
       "device": f"{jax.devices()[0].platform} x{len(devs)} ({jax.devices()[0].device_kind}), "
                 f"measured by experiments/calibrate_sim.py",
       "model_params": int(cfg.num_params()), "instance_devices": 1,
-      "devices_share_compute": bool(c.devices_share_compute),
+      "devices_share_compute": devs[0].platform == "cpu" if share == "auto" else share,
       "ops": {
           "decode_step": {"occupied_slots": occ, "seconds": step_s},
           "prefill": {"tokens_per_s": s * p / prefill_s},
@@ -114,8 +128,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   c = _CONFIG.value
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  wd.write_config(_WORKDIR.value, c)
+  wd.start_outputs(_WORKDIR.value, c)
   cal = measure(c)
   calibration.from_dict(cal, "measured")  # what we write must load
   path = os.path.join(_WORKDIR.value, "calibration.json")
@@ -124,4 +137,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_files.parse_flags)
+  config_files.run(main)

@@ -1,6 +1,8 @@
 """Config files on the command line: loading `FILE.py[:variant]` (the sweep, plan_search's
-trainer configs), naming a misspelled field with a hint, and `parse_flags`, the binaries' flag
-parser, which turns ml_collections' errors into one line naming the flag.
+trainer configs), naming a misspelled field with a hint, `parse_flags`, the binaries' flag
+parser, which turns ml_collections' errors into one line naming the flag, and `run`, the
+binaries' `app.run`, which ends on a bad value's message rather than its traceback and keeps
+the libraries' INFO lines out of the log.
 
 ml_collections reports a misspelled override (`--config.algo.clip_range=0.2`) as a 40-line
 traceback ending in `AttributeError: "'clip_range'"`, a missing config file as an uncaught
@@ -14,9 +16,13 @@ import inspect
 import os
 import re
 import sys
+import tempfile
+import traceback
 from typing import Any, Callable, Optional, Sequence
 
-from absl import flags
+from absl import app, flags, logging
+
+from rlhfuse_jax import metrics as metrics_lib
 
 
 def split_config_path(config_path: str) -> tuple[str, Optional[str]]:
@@ -116,6 +122,26 @@ def _missing_file(argv: Sequence[str]) -> Optional[str]:
   return None
 
 
+def _no_variants(argv: Sequence[str]) -> Optional[str]:
+  """A `:variant` given to a config file whose get_config() takes none (ml_collections calls
+  it with the variant: a TypeError about positional arguments)."""
+  for name, config_path in _config_flags(argv).items():
+    path, variant = split_config_path(config_path)
+    if variant is None or not os.path.isfile(path):
+      continue
+    try:
+      module, _ = load_module(path, f"--{name}")
+    except Exception:  # pylint: disable=broad-except
+      return None  # the file's own error: the caller shows it
+    get = getattr(module, "get_config", None)
+    if get is not None and not inspect.signature(get).parameters:
+      extra = (f"; to run one entry of its get_sweep(): python -m experiments.sweep "
+               f"--config={path} --binary=BINARY --workdir=DIR --only={variant}"
+               if hasattr(module, "get_sweep") else "")
+      return f"--{name}={config_path!r}: {path} takes no variant (':{variant}'){extra}"
+  return None
+
+
 def shorten(message: str) -> str:
   """A flags.Error message with an embedded traceback (ml_collections wraps an exception raised
   in the config file so) cut to its header, the frame that raised and the exception line."""
@@ -144,7 +170,7 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     args = flags.FLAGS(argv)
   except flags.Error as e:
-    _fatal(shorten(str(e)))
+    _fatal(_no_variants(argv[1:]) or shorten(str(e)))
   except (KeyError, AttributeError, OSError):
     message = diagnose(argv[1:])
     if message is None:
@@ -153,4 +179,39 @@ def parse_flags(argv: list[str]) -> list[str]:
   missing = _missing_file(argv[1:])
   if missing:
     _fatal(missing)
+  workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None
+  if workdir and os.path.exists(workdir) and not os.path.isdir(workdir):
+    _fatal(f"--workdir={workdir!r} is a file; expected a directory (new or a run's own)")
   return args
+
+
+TRACEBACK_ENV = "RLHFUSE_TRACEBACK"
+
+
+def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None) -> Any:
+  """`app.run(main)` with `parse_flags`, and a ValueError that ends `main` (this codebase's bad
+  input: the message names the field or file and what was expected) logged as one line, exit
+  status 1, its traceback kept in a file the next line names (or printed, with
+  RLHFUSE_TRACEBACK=1). Other exceptions print their traceback as before."""
+
+  def guarded(args):
+    metrics_lib.quiet_library_logs()
+    try:
+      return main(args)
+    except ValueError as e:
+      if os.environ.get(TRACEBACK_ENV):
+        raise
+      fd, path = tempfile.mkstemp(prefix="rlhfuse_traceback_", suffix=".txt")
+      with os.fdopen(fd, "w") as f:
+        f.write(traceback.format_exc())
+      logging.error("%s", e)
+      logging.flush()
+      sys.stderr.write(f"(where it was raised: {path}; {TRACEBACK_ENV}=1 prints it)\n")
+      sys.exit(1)
+
+  return app.run(guarded, argv=argv, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+  raise SystemExit("experiments/config_files.py is a library of the binaries, not one "
+                   "(docs/usage.md lists them)")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 
 import ml_collections
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from experiments import config_files
@@ -78,8 +78,7 @@ def main(argv):
   request_host_devices(n)
   from experiments import plan_programs  # imports jax: after the device count is set
   cfg = plan_programs.PlanConfig.from_config_dict(config)
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  wd.write_config(_WORKDIR.value, config)
+  wd.start_outputs(_WORKDIR.value, config)
   result = plan_programs.run_and_write(cfg, _WORKDIR.value)
   for line in plan_programs.table(result):
     logging.info("%s", line)
@@ -87,4 +86,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_files.parse_flags)
+  config_files.run(main)

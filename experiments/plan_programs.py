@@ -83,8 +83,8 @@ from jax.experimental.compilation_cache import compilation_cache
 from absl import logging
 
 from configs import ppo_llama
+from experiments import runner
 from experiments.runner import fixed_or_sci
-from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.models import attention, llama
@@ -852,7 +852,7 @@ def backend() -> dict:
 
 def run_and_write(cfg: PlanConfig, workdir: str) -> dict:
   result = run(cfg, workdir)
-  wd.write_json(os.path.join(workdir, "result.json"), result)
+  runner.write_result(workdir, result)
   return result
 
 
@@ -948,3 +948,8 @@ def link_bound_notes(result: dict, min_s: dict | None = None) -> list[str]:
                "pipeline.*: configs/ppo_llama.py:fused/<pair>, plan_search)")
     lines.append(line)
   return lines
+
+
+if __name__ == "__main__":
+  raise SystemExit("experiments/plan_programs.py is plan_check's library; run: python -m "
+                   "experiments.plan_check --config=configs/plan_check.py:tiny --workdir=DIR")

@@ -42,10 +42,11 @@ from __future__ import annotations
 import os
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from experiments import config_files
+from experiments import runner
 from experiments.runner import fixed_or_sci
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.sim import ablations, iteration_sim, plan_search, training_sim
@@ -194,8 +195,7 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   cfg = ablations.AblationConfig.from_config_dict(_CONFIG.value)
   workdir = _WORKDIR.value
-  os.makedirs(workdir, exist_ok=True)
-  wd.write_config(workdir, _CONFIG.value)
+  wd.start_outputs(workdir, _CONFIG.value)
   cost, accept = ablations.cost_model(cfg), None
   if _CONFIG.value.get("train_config", ""):
     setting, wl, accept = trainer_setting(cfg, _CONFIG.value.train_config, workdir)
@@ -236,12 +236,17 @@ def main(argv):
                     "(%ss), which is the best per-stage combination (plan_search.md)",
                     uniform["layout"], _s(uniform["predicted_iteration_s"]), which,
                     _s(plan["predicted"]["iteration_s"]))
+  refusal = plan_search.trainer_refusal(wl, plan)
+  if refusal:
+    logging.warning("plan.json (%s) is not one train_ppo runs: %s; "
+                    "--config.sim.trainer_runnable=True keeps the search to plans it runs",
+                    plan["summary"], refusal)
   wd.write_json(os.path.join(workdir, "plan.json"), plan)
-  wd.write_json(os.path.join(workdir, "result.json"),
-                {"setting": setting, "best": best, "top": res["top"], "uniform": uniform,
-                 "async": asynchronous, "plan_json": which, "stages": res["stages"],
-                 "rejected": res["rejected"], "refused": res["refused"], "systems": systems,
-                 "search_s": res["search_s"]})
+  runner.write_result(workdir, {
+      "setting": setting, "best": best, "top": res["top"], "uniform": uniform,
+      "async": asynchronous, "plan_json": which, "stages": res["stages"],
+      "rejected": res["rejected"], "refused": res["refused"], "systems": systems,
+      "search_s": res["search_s"]})
   with open(os.path.join(workdir, "plan_search.md"), "w") as f:
     f.write("\n".join(report(res, systems, setting)))
   logging.info("best %ss (%s); uniform %s; async %s; plan.json %s; searched in %.1fs in all "
@@ -254,4 +259,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_files.parse_flags)
+  config_files.run(main)

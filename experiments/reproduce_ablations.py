@@ -16,10 +16,11 @@ import sys
 import time
 
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from experiments import config_files
+from experiments import runner
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import schedule as schedule_lib, schedules
 from rlhfuse_jax.pipeline.graph import PipelineProblem
@@ -95,9 +96,13 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   cfg = ablations.AblationConfig.from_config_dict(_CONFIG.value)
+  for name in ("bench_generation", "bench_pipeline", "bench_decode"):
+    given = getattr(cfg, f"{name}_workdir")
+    if given and not os.path.isfile(os.path.join(given, "result.json")):
+      raise ValueError(f"config.validate.{name}_workdir={given!r}: no result.json there (the "
+                       f"--workdir of a finished python -m experiments.{name} run)")
   workdir = _WORKDIR.value
-  os.makedirs(workdir, exist_ok=True)
-  wd.write_config(workdir, _CONFIG.value)
+  wd.start_outputs(workdir, _CONFIG.value, keep=("schedule_cache.json",))
   t0 = time.time()
   logging.info("compiling the schedule kernels (numba): %.1fs", warmup())
   out = ablations.run_ablations(cfg, workdir, log=logging.info)
@@ -107,13 +112,22 @@ def main(argv):
       cfg.bench_decode_workdir, cfg.efficiency, cfg.bench_decode_extra,
       decode_fit_out=os.path.join(workdir, "decode_fit_calibration.json"))
   figures = _figures(cfg, out, workdir, cfg.systems)
-  wd.write_json(os.path.join(workdir, "result.json"),
-                {"rows": out["rows"], "inputs": out["inputs"], "validation": val_rows})
+  runner.write_result(workdir, {"rows": out["rows"], "inputs": out["inputs"],
+                               "validation": val_rows})
   command = "python -m experiments.reproduce_ablations " + " ".join(sys.argv[1:])
   report.write_markdown(os.path.join(workdir, "ablations.md"), out["rows"], cfg.systems,
                         out["inputs"], val_lines, command, figures, time.time() - t0)
+  for row in val_rows:
+    if row.get("measured") is not None:
+      logging.info("validation %s (%s): %s predicted %.4g, measured %.4g (%+.1f %%)",
+                   row["bench"], row.get("prediction", ""), row["quantity"], row["predicted"],
+                   row["measured"], 100 * row["error"])
+  for line in val_lines:
+    if ("nothing compared" in line or "could not compare" in line) and \
+        "no workdir given" not in line:  # a bench the user named that could not be compared
+      logging.warning("validation: %s", line.lstrip("- ").replace("**", ""))
   logging.info("done in %.0fs: %s", time.time() - t0, os.path.join(workdir, "ablations.md"))
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_files.parse_flags)
+  config_files.run(main)

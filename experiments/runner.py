@@ -1,14 +1,20 @@
 """Running an experiments binary from another one (sweep.py, bench_async.py): the command
 line with --config.* overrides, the environment that imports this repository, and a run whose
 output is streamed with a prefix and kept in the run's log.txt; and the number format of the
-binaries' reports (`fixed_or_sci`). No absl flags are defined here, so binaries can share it."""
+binaries' reports (`fixed_or_sci`); what every result.json records about how it was made
+(`provenance`, `write_result`). No absl flags are defined here, so binaries can share it."""
 from __future__ import annotations
 
+import json
 import os
+import platform
+import shlex
 import subprocess
 import sys
 import time
 from typing import Any, Callable, Optional, Sequence
+
+from rlhfuse_jax import workdir as wd
 
 
 def fixed_or_sci(x: float, decimals: int, significant: int = 1) -> str:
@@ -90,3 +96,73 @@ def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
   return proc.wait()
 
 
+
+
+def merge_rows(workdir: str, rows: list[dict], names: Sequence[str]) -> list[dict]:
+  """This start's `rows` and, for the runs of the sweep (`names`, in its order) that it did not
+  run (`--only`), their rows of the earlier summary.json: re-running one entry keeps the
+  others' results in the summary."""
+  try:
+    with open(os.path.join(workdir, "summary.json")) as f:
+      earlier = json.load(f)
+  except (OSError, ValueError):  # none yet, or unreadable: this start's rows alone
+    earlier = []
+  old = {r.get("run"): r for r in earlier if isinstance(r, dict)} if isinstance(
+      earlier, list) else {}
+  new = {r["run"]: r for r in rows}
+  return [new.get(n) or old[n] for n in names if n in new or n in old]
+
+
+def host_cpu() -> str:
+  """The host processor's model name (Linux /proc/cpuinfo), else what `platform` knows."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    if names:
+      return names[0]
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def git_commit() -> Optional[str]:
+  """`git describe --always --dirty` of this repository (None outside a git checkout)."""
+  try:
+    out = subprocess.run(["git", "-C", REPO_ROOT, "describe", "--always", "--dirty"],
+                         capture_output=True, text=True, timeout=10)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def provenance() -> dict:
+  """When, from which code, by which command and on what a result was made: the date, the
+  git commit (`-dirty` with uncommitted changes), the command line, the host (processor,
+  cores, Python) and, when the binary used jax, its version and devices."""
+  prog = os.path.relpath(os.path.abspath(sys.argv[0]), REPO_ROOT) if sys.argv else ""
+  head = (["python", "-m", prog[:-3].replace(os.sep, ".")]
+          if prog.startswith("experiments" + os.sep) and prog.endswith(".py") else
+          ["python", *sys.argv[:1]])
+  out = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),
+         "command": shlex.join(head + sys.argv[1:]), "host": platform.node(),
+         "host_cpu": host_cpu(), "host_cores": os.cpu_count(),
+         "python": platform.python_version()}
+  jax = sys.modules.get("jax")
+  if jax is not None:
+    devices = jax.devices()
+    out.update(jax=jax.__version__, platform=devices[0].platform,
+               device_kind=devices[0].device_kind, num_devices=len(devices),
+               num_processes=jax.process_count())
+  return out
+
+
+def write_result(workdir: str, result: dict, name: str = "result.json") -> str:
+  """Writes `result` with its `provenance` to workdir/name (atomically); returns the path."""
+  path = os.path.join(workdir, name)
+  wd.write_json(path, {**result, "provenance": provenance()})
+  return path
+
+
+if __name__ == "__main__":
+  raise SystemExit("experiments/runner.py is a library of the binaries, not one "
+                   "(docs/usage.md lists them)")

@@ -62,11 +62,12 @@ import os
 import time
 from typing import Callable, Optional, Sequence
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 import numpy as np
 
 from experiments import config_files
+from experiments import runner
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import bounds, gantt, schedule, search, windows
 from rlhfuse_jax.pipeline.exact import grow
@@ -281,7 +282,7 @@ def main(argv):
                      "CP-SAT model has no transfer latency between devices)")
   lb = bounds.tight_lower_bound(problem)
   devices = parse_devices(_DEVICES.value, problem.num_devices)
-  wd.write_config(_WORKDIR.value, _CONFIG.value)
+  wd.start_outputs(_WORKDIR.value, _CONFIG.value, inputs=(_HINT_SCHEDULE.value,))
   hint, result = None, {}
   fixed, default_target = None, lb
   if (_SPLICE.value or _GROW.value) and not _HINT_SCHEDULE.value:
@@ -358,8 +359,8 @@ def main(argv):
                            f"peak/budget {np.max(ev.peaks / ev.budget):.2f}")
   logging.info("target %d (LB %g): %s in %.1fs; %s", target, lb, status, secs,
                {k: v for k, v in result.items() if k in ("makespan", "proven_lower_bound")})
-  wd.write_json(os.path.join(_WORKDIR.value, "result.json"), result)
+  runner.write_result(_WORKDIR.value, result)
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_files.parse_flags)
+  config_files.run(main)

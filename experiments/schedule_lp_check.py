@@ -29,10 +29,11 @@ from __future__ import annotations
 import os
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from experiments import config_files
+from experiments import runner
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import bounds
 from rlhfuse_jax.pipeline.exact import time_indexed
@@ -92,7 +93,8 @@ def main(argv):
   problem = PipelineProblem.from_config(_CONFIG.value)
   lb = bounds.tight_lower_bound(problem)
   target = lb if _TARGET.value < 0 else _TARGET.value
-  wd.write_config(_WORKDIR.value, _CONFIG.value)
+  if not _VERIFY.value:  # a check of a certificate writes verify.json beside the solve's files
+    wd.start_outputs(_WORKDIR.value, _CONFIG.value)
   devices = parse_devices(_DEVICES.value, problem.num_devices, allow_each=True)
   if devices == "each":
     if _VERIFY.value:
@@ -104,7 +106,7 @@ def main(argv):
                                           "solve_s")})
       # The last device's result with every device tried so far, rewritten after each one so
       # that a scan stopped early keeps what it learned.
-      wd.write_json(os.path.join(_WORKDIR.value, "result.json"), dict(result, scan=scan))
+      runner.write_result(_WORKDIR.value, dict(result, scan=scan))
       if result["certified"]:
         break
     return
@@ -117,9 +119,8 @@ def main(argv):
                  "target unreachable (proof)" if bound > 0 else "NOT a proof")
     wd.write_json(os.path.join(_WORKDIR.value, "verify.json"), result)
     return
-  wd.write_json(os.path.join(_WORKDIR.value, "result.json"),
-                _solve(model, result, _WORKDIR.value))
+  runner.write_result(_WORKDIR.value, _solve(model, result, _WORKDIR.value))
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_files.parse_flags)
+  config_files.run(main)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 import signal
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 import numpy as np
 
 from experiments import config_files
+from experiments import runner
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import bounds, gantt, schedule, schedules, search
 from rlhfuse_jax.pipeline.evaluate import evaluate
@@ -34,7 +35,7 @@ def run(c, workdir: str) -> dict:
   problem = PipelineProblem.from_config(c)
   cfg = search.SearchConfig(time_budget_s=float(c.time_budget_s), seed=int(c.seed),
                             workers=int(c.workers))
-  wd.write_config(workdir, c)
+  wd.start_outputs(workdir, c)
   serial = evaluate(problem, schedules.serial_order(problem), schedules.serial_release(problem))
   greedy = evaluate(problem, schedules.greedy_order(problem))
   lb = bounds.tight_lower_bound(problem)
@@ -79,7 +80,7 @@ def run(c, workdir: str) -> dict:
       "seed": int(c.seed),
       "workers": int(c.workers),
   }
-  wd.write_json(os.path.join(workdir, "result.json"), result)
+  runner.write_result(workdir, result)
   wd.atomic_write_text(os.path.join(workdir, "schedule.json"), sched.to_json() + "\n")
   gantt.plot_gantt(sched, os.path.join(workdir, "gantt.png"),
                    title=(f"fused schedule: makespan {best.makespan:g}, tight LB {lb:g}, serial "
@@ -113,4 +114,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_files.parse_flags)
+  config_files.run(main)

@@ -37,7 +37,7 @@ from typing import Any, Optional, Sequence
 from absl import app, flags, logging
 
 from experiments import config_files
-from experiments.runner import REPO_ROOT, build_command, repo_env, run_streamed
+from experiments.runner import REPO_ROOT, build_command, merge_rows, repo_env, run_streamed
 from rlhfuse_jax import workdir as wd
 
 _CONFIG = flags.DEFINE_string("config", None, "config file defining get_sweep()", required=True)
@@ -200,7 +200,13 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
                dry_run: bool, signals: _Signals, only: Optional[Sequence[str]] = None
                ) -> tuple[list[dict], bool]:
   module, variant = config_files.load_module(config)  # executed once: entries and field check
-  runs = select(_sweep_of(module, variant, config), only)
+  sweep = _sweep_of(module, variant, config)
+  names = [name for _, name, _ in select(sweep, None)]
+  runs = select(sweep, only)
+
+  def summary(rows_: list[dict]) -> None:
+    write_summary(workdir, merge_rows(workdir, rows_, names) if only else rows_)
+
   if not os.path.isfile(os.path.join(REPO_ROOT, "experiments", f"{binary}.py")):
     raise ValueError(f"--binary={binary!r}: no experiments/{binary}.py")
   check_overrides(module, variant, config, runs, passthrough)
@@ -224,7 +230,7 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
       rc = run_streamed(cmd, run_dir, name, env, started=signals.started)
     except KeyboardInterrupt:
       rows.append({**row, "status": "interrupted", "wall_s": round(time.time() - t0, 2)})
-      write_summary(workdir, rows)
+      summary(rows)
       raise
     # A run that died of the signal the sweep passed on (-15, or 143 from a binary that exits
     # as SIGTERM's death) was stopped; one killed otherwise (-9: the OOM killer) failed.
@@ -238,15 +244,18 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
       row["status"] = "ok (no result.json / metrics.jsonl)"
     if result:
       # A result's own "status" (train_ppo's done / stopped) must not replace the sweep's.
-      row.update({f"result/{k}" if k in row else k: v
-                  for k, v in flatten_scalars(result).items()})
+      row.update({f"result/{k}" if k in row else k: v for k, v in flatten_scalars(
+          {k: v for k, v in result.items() if k != "provenance"}).items()})
     rows.append(row)
-    write_summary(workdir, rows)  # partial summaries survive an interrupted sweep
+    summary(rows)  # partial summaries survive an interrupted sweep
     logging.info("[%d/%d] %s: %s in %.1fs", i + 1, len(runs), name, row["status"], row["wall_s"])
     if rc == STOPPED or signals.signum:  # the job is being stopped: start nothing more
       break
   if not dry_run:
-    write_summary(workdir, rows)
+    summary(rows)
+    ok = sum(str(r.get("status", "")).startswith("ok") for r in rows)
+    logging.info("%d of %d run(s) ok; summary: %s", ok, len(rows),
+                 os.path.join(workdir, "summary.md"))
   complete = not signals.signum and len(rows) == len(runs) and not any(
       r.get("status", "").startswith("stopped") for r in rows)
   return rows, complete
@@ -289,4 +298,4 @@ def main(argv):
 
 if __name__ == "__main__":
   _own, _PASSTHROUGH[:] = split_passthrough(sys.argv)
-  app.run(main, argv=_own)
+  config_files.run(main, argv=_own)

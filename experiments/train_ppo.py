@@ -25,12 +25,12 @@ import os
 import sys
 
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from experiments import config_files
+from experiments import runner
 from rlhfuse_jax import checkpointing
-from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation import multihost
 from rlhfuse_jax.parallel import distributed
@@ -120,7 +120,6 @@ def _start_and_train() -> tuple[TrainConfig, PPOTrainer]:
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  metrics_lib.quiet_library_logs()
   try:
     # Until the loop installs its own handlers, SIGTERM (a preemption while a large model loads
     # or compiles) and Ctrl-C end the start with the stopped status too, not 143.
@@ -140,7 +139,7 @@ def main(argv):
     export = os.path.join(workdir, hooks.HF_EXPORT_DIR)
     if cfg.checkpoint.export_hf and os.path.isdir(export):
       result["hf_export"] = export
-    wd.write_json(os.path.join(workdir, "result.json"), result)
+    runner.write_result(workdir, result)
     logging.info("%s: %s", "done" if result["status"] == "done" else
                  f"stopped at iteration {result['iterations']} of {cfg.num_iterations}",
                  os.path.join(workdir, "result.json"))
@@ -152,4 +151,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_files.parse_flags)
+  config_files.run(main)

@@ -24,7 +24,8 @@ def test_tiny_run_reports_both_variants(tmp_path):
   assert [r["length"] for r in rows] == [1024, 1536]
   for r in rows:
     assert r["causal_s"] > 0 and r["every_tile_s"] > 0
-    assert r["speedup"] == r["every_tile_s"] / r["causal_s"]
+    assert r["speedup"] == r["every_tile_s"] / r["causal_s"]  # one repeat: the pair's ratio
+    assert r["causal_runs_s"] == [r["causal_s"]] and r["speedup_runs"] == [r["speedup"]]
     assert r["max_grad_rel_diff"] < 1e-5  # rounding: the same gradient
   # 2 and 3 query blocks: 1 and 3 tiles above the diagonal skipped per layer, each 7 dots
   # (forward 2, backward 5), and one more per layer: the skipping program's first query block

@@ -1,6 +1,7 @@
 """experiments/config_files.py: config files on the command line, and the binaries' flag parser
 that reports a config-file mistake on one line naming the flag (ml_collections' own errors are a
-traceback ending in `AttributeError: "'clip_range'"`, or a deferred OSError)."""
+traceback ending in `AttributeError: "'clip_range'"`, or a deferred OSError); and the
+experiments/runner.py pieces the binaries share (the sweep's summary merge)."""
 import os
 import subprocess
 import sys
@@ -13,16 +14,19 @@ from experiments import config_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A binary with a config file flag parsed by config_files.parse_flags; prints the parsed config.
+# A binary with a config file flag, run by config_files.run; prints the parsed config, and
+# raises a ValueError (a bad value its own check finds) for a negative lr.
 _BINARY = textwrap.dedent("""
-  import sys
-  from absl import app
+  from absl import flags
   from ml_collections import config_flags
   from experiments import config_files
   _CONFIG = config_flags.DEFINE_config_file("config", None, "config file")
+  flags.DEFINE_string("workdir", None, "output directory")
   def main(argv):
+    if _CONFIG.value.lr < 0:
+      raise ValueError(f"config.lr={_CONFIG.value.lr}: expected >= 0")
     print("parsed", _CONFIG.value.model.width, _CONFIG.value.lr)
-  app.run(main, flags_parser=config_files.parse_flags)
+  config_files.run(main)
 """)
 
 _CONFIG_FILE = textwrap.dedent("""
@@ -85,6 +89,35 @@ def test_a_bad_value_keeps_absls_own_message(tmp_path):
   assert line.startswith("flag --config.model.width=wide: ") and "int()" in line, line
 
 
+def test_a_bad_value_ends_in_one_line_and_keeps_its_traceback_in_a_file(tmp_path):
+  proc = _run(tmp_path, "--config=cfg.py", "--config.lr=-1")
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+  assert "config.lr=-1.0: expected >= 0" in proc.stderr.splitlines()[-2], proc.stderr
+  where = proc.stderr.splitlines()[-1]
+  assert where.startswith("(where it was raised: ") and "RLHFUSE_TRACEBACK=1" in where, where
+  path = where[len("(where it was raised: "):].split(";")[0]
+  with open(path) as f:
+    assert "Traceback" in f.read() and "in main" in open(path).read()
+  os.remove(path)
+  env_run = subprocess.run(
+      [sys.executable, "-c", _BINARY, "--config=cfg.py", "--config.lr=-1"], cwd=tmp_path,
+      env=dict(os.environ, RLHFUSE_TRACEBACK="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
+      capture_output=True, text=True, timeout=120)
+  assert env_run.returncode == 1 and "Traceback" in env_run.stderr
+
+
+def test_a_workdir_that_is_a_file_and_a_variant_of_a_config_without_any(tmp_path):
+  (tmp_path / "afile").write_text("mine")
+  assert _fatal_line(_run(tmp_path, "--config=cfg.py", f"--workdir={tmp_path / 'afile'}")) == (
+      f"--workdir='{tmp_path / 'afile'}' is a file; expected a directory (new or a run's own)")
+  assert (tmp_path / "afile").read_text() == "mine"
+  (tmp_path / "plain.py").write_text("import ml_collections\n"
+                                     "def get_config():\n  return ml_collections.ConfigDict()\n")
+  assert _fatal_line(_run(tmp_path, "--config=plain.py:e3")) == (
+      "--config='plain.py:e3': plain.py takes no variant (':e3')")
+
+
 def test_missing_field():
   c = ml_collections.ConfigDict(dict(a=dict(bb=1, cc=2), d={"x": 1}, e=3))
   assert config_files.missing_field(c, "a.bb") is None
@@ -118,7 +151,7 @@ def test_the_training_binary_names_a_misspelled_field():
                                "'algo.clip_range'; did you mean 'algo.clip_eps'?")
 
 
-def test_every_binary_with_a_config_file_flag_parses_with_it():
+def test_every_binary_with_a_config_file_flag_runs_through_config_files():
   binaries = [f for f in sorted(os.listdir(os.path.join(ROOT, "experiments")))
               if f.endswith(".py")]
   with_config = []
@@ -127,5 +160,16 @@ def test_every_binary_with_a_config_file_flag_parses_with_it():
       source = f.read()
     if "DEFINE_config_file(" in source:
       with_config.append(name)
-      assert "flags_parser=config_files.parse_flags)" in source, name
+      assert "config_files.run(main" in source, name
   assert "train_ppo.py" in with_config and len(with_config) >= 10, with_config
+
+
+def test_a_subset_rerun_keeps_the_other_runs_rows_in_the_summary(tmp_path):
+  from experiments import runner
+  (tmp_path / "summary.json").write_text(
+      '[{"run": "e0", "status": "ok", "x": 1}, {"run": "e1", "status": "failed (exit 1)"}]')
+  rows = runner.merge_rows(str(tmp_path), [{"run": "e1", "status": "ok", "x": 2}],
+                           ["e0", "e1", "e2"])
+  assert rows == [{"run": "e0", "status": "ok", "x": 1}, {"run": "e1", "status": "ok", "x": 2}]
+  assert runner.merge_rows(str(tmp_path / "none"), [{"run": "e2"}], ["e0", "e2"]) == [
+      {"run": "e2"}]

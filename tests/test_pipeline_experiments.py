@@ -48,6 +48,16 @@ def test_schedule_search_binary_writes_results(tmp_path):
   assert all(s <= b for s, b in zip(result["peak_memory"]["searched"],
                                     result["peak_memory"]["budget"]))
   assert result["lower_bound"] <= result["searched"] <= result["greedy"] <= result["serial_1f1b"]
+  # How, when and on what it was made (experiments/runner.provenance).
+  made = result["provenance"]
+  assert made["command"].startswith("python -m experiments.schedule_search --config="), made
+  assert made["date"][:4].isdigit() and made["host_cores"] == os.cpu_count()
+  head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+                        capture_output=True, text=True)
+  if head.returncode == 0:  # a git checkout (CI's fresh clone is one)
+    assert made["git_commit"].startswith(head.stdout.strip()[:7]), made
+  else:
+    assert made["git_commit"] is None, made
   assert result["unconstrained"]["makespan"] <= result["searched"]
   sched = json.loads((tmp_path / "schedule.json").read_text())
   assert len(sched["devices"]) == 4 and sched["makespan"] == result["searched"]
@@ -199,14 +209,24 @@ def test_sigterm_to_the_sweep_stops_its_run_and_the_sweep(tmp_path):
 
 def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
   """Its runs are train_ppo workdirs that a re-run resumes or reads back: under another config
-  they would be reported as this config's (an earlier num_iterations, other timings)."""
-  (tmp_path / "config.json").write_text(json.dumps({"num_iterations": 4}))
+  they would be reported as this config's (an earlier num_iterations, other timings). A bad
+  value is refused before anything starts (it used to start every run, which failed, and then
+  locked the workdir to the bad value)."""
+  (tmp_path / "config.json").write_text(json.dumps({"num_iterations": 4, "window": 0.1}))
+  (tmp_path / "ppo_tiny_s0_seed0").mkdir()
+  (tmp_path / "ppo_tiny_s0_seed0" / "metrics.jsonl").write_text('{"step": 1}\n')  # trained
   out = _run(["experiments.bench_async", "--config=configs/bench_async.py",
               f"--workdir={tmp_path}", "--config.num_iterations=2"])
   assert out.returncode != 0
   assert "holds bench_async runs of another config (" in out.stderr, out.stderr[-3000:]
   assert "num_iterations: 4 -> 2" in out.stderr and "use a new workdir" in out.stderr
-  assert sorted(os.listdir(tmp_path)) == ["config.json"]  # nothing ran
+  assert "window" not in out.stderr.split("another config (")[1]  # analysis only: may change
+  assert sorted(os.listdir(tmp_path)) == ["config.json", "ppo_tiny_s0_seed0"]  # nothing ran
+  bad = _run(["experiments.bench_async", "--config=configs/bench_async.py",
+              f"--workdir={tmp_path / 'new'}", "--config.num_iterations=-5"])
+  assert bad.returncode == 1 and "config.num_iterations=-5: expected an integer >= 0" in \
+      bad.stderr, bad.stderr[-3000:]
+  assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -218,6 +238,9 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
     (["experiments.calibrate_sim", "--config=configs/calibrate_sim.py",
       "--config.occupancies=a"], "config.occupancies='a': expected comma-separated slot counts"),
     (["experiments.schedule_search"], "Flag --config must have a value other than None"),
+    (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
+      "--config.validate.bench_generation_workdir=/nonexistent/bg"],
+     "config.validate.bench_generation_workdir='/nonexistent/bg': no result.json there"),
 ])
 def test_binaries_name_the_bad_field(tmp_path, args, message):
   out = _run(args + [f"--workdir={tmp_path}"])
