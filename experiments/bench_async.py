@@ -192,6 +192,14 @@ def main(argv):
                  "async_ppo.objective": c.objective}
     if c.num_iterations:
       overrides["num_iterations"] = c.num_iterations
+    # A progress line per tenth of the run: its runs' lines interleave (`parallel`), and
+    # metrics.jsonl has every iteration anyway (log_every may change on a resume).
+    try:
+      iterations = c.num_iterations or config_files.get_config(
+          os.path.join(runner.REPO_ROOT, config)).num_iterations
+      overrides["log_every"] = max(1, int(iterations) // 10)
+    except Exception:  # pylint: disable=broad-except  the run itself reports its config's error
+      pass
     cmd = runner.build_command("train_ppo", config, run_dir, overrides, [])
     logging.info("%s: %s", name, " ".join(cmd[1:]))
     rc = runner.run_streamed(cmd, run_dir, name, env)

@@ -447,13 +447,16 @@ def main(argv):
   b, f = result["baseline"], result["fused"]
   logging.info("identical outputs: %s; gen+inf baseline %.3fs, fused %.3fs: ratio %.3f "
                "(paired median %.3f); fused migrated %d samples (%d KV bytes held, %d bytes "
-               "copied; %d across hosts: %d bytes, %.4fs) at step %d",
+               "copied; %d across hosts: %d bytes, %.4fs) %s",
                result["identical_outputs"], b["gen_plus_inf_s"], f["gen_plus_inf_s"],
                result["ratio"], result["ratio_paired"]["median"], f["migrated_samples"],
                f["migrated_kv_bytes"], f["migration_copied_bytes"],
                f["cross_host_migrated_samples"], f["cross_host_migrated_bytes"],
-               f["cross_host_migration_s"], f["consolidation_step"])
-  logging.info("wrote %s", os.path.join(workdir, "result.json"))
+               f["cross_host_migration_s"],
+               f"at step {f['consolidation_step']}" if f["consolidation_step"] >= 0 else
+               "(no consolidation: the tail never fell below Rt)")
+  logging.info("wrote %s (+ calibration.json, outputs.npz, timeline PNGs)",
+               os.path.join(workdir, "result.json"))
 
 
 if __name__ == "__main__":

@@ -174,6 +174,7 @@ def run_schedule(name: str, cfg: BenchPipelineConfig, problem: PipelineProblem,
   """(result without timings, the compiled and warmed step): timed by run() in rotation."""
   program = prog.build_program(problem, order, barrier=barrier)
   ex = PipelineExecutor(cfg.actor, cfg.critic, cfg.loss, program, mesh)
+  logging.info("%s: %d ticks; compiling the shard_map program ...", name, program.ticks)
   t0 = time.perf_counter()
   step = ex.compile(params[0], params[1], batch)
   compile_s = time.perf_counter() - t0
@@ -445,9 +446,11 @@ def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
       "grad_errors_within_tolerance": bool(max(errors) <= tol),
   }
   runner.write_result(workdir, result)
-  logging.info("ticks: %s; fused < serial: %s; max grad error %.2e (tolerance %g)",
+  logging.info("ticks: %s; fused < serial: %s; wall time fused / serial %.3f (paired median; "
+               "%s); max grad error %.2e (tolerance %g); wrote %s",
                {k: r["ticks"] for k, r in results.items()}, result["fused_ticks_lt_serial_ticks"],
-               max(errors), tol)
+               result["paired_ratio_fused_over_serial"], result["machine"]["description"],
+               max(errors), tol, os.path.join(workdir, "result.json"))
   return result
 
 

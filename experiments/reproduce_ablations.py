@@ -104,7 +104,8 @@ def main(argv):
   workdir = _WORKDIR.value
   wd.start_outputs(workdir, _CONFIG.value, keep=("schedule_cache.json",))
   t0 = time.time()
-  logging.info("compiling the schedule kernels (numba): %.1fs", warmup())
+  logging.info("compiling the schedule kernels (numba; cached after the first run) ...")
+  logging.info("schedule kernels ready in %.1fs", warmup())
   out = ablations.run_ablations(cfg, workdir, log=logging.info)
   val_cal = cal_lib.load(cfg.validation_calibration) if cfg.validation_calibration else None
   val_lines, val_rows = validation.validate(

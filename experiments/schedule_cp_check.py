@@ -57,6 +57,7 @@ PYTHONPATH for this binary only).
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import time
@@ -141,7 +142,7 @@ def check(problem: PipelineProblem, target: int, time_limit_s: float, workers: i
   try:
     from ortools.sat.python import cp_model
   except ImportError as e:
-    raise ImportError("schedule_cp_check needs ortools: pip install ortools") from e
+    raise ImportError(f"schedule_cp_check needs ortools: {INSTALL}") from e
   p = problem
   vals = list(p.durations()) + list(p.mem_deltas()) + list(p.budget())
   if any(abs(v - round(v)) > 1e-9 for v in vals):
@@ -272,6 +273,27 @@ def _numbers(flag: str, values: Sequence[str], form: str) -> tuple[float, ...]:
   return out
 
 
+INSTALL = 'pip install -e ".[exact]" (ortools; the module docstring has a --target install)'
+
+
+# What each CP-SAT status means for this binary: a check asks "is `target` reachable?", a
+# minimisation "how short, and is that proven?".
+VERDICT = {
+    ("OPTIMAL", False): "reachable: a schedule of the target makespan exists (kept)",
+    ("FEASIBLE", False): "reachable: a schedule of the target makespan exists (kept)",
+    ("INFEASIBLE", False): "unreachable: a proof that no schedule reaches the target",
+    ("OPTIMAL", True): "minimised: the makespan found is proven optimal",
+    ("FEASIBLE", True): "a schedule found, its optimality not proven within the time limit",
+    ("INFEASIBLE", True): "no schedule within the horizon (the target)",
+}
+
+
+def verdict(status: str, minimize: bool) -> str:
+  """`status` of CP-SAT in words (an UNKNOWN: no answer within the time limit)."""
+  return VERDICT.get((status, minimize), "no answer within --time_limit_s (raise it, or hint "
+                     "with --hint_schedule)" if status == "UNKNOWN" else status)
+
+
 def main(argv):
   del argv
   problem = PipelineProblem.from_config(_CONFIG.value)
@@ -282,7 +304,6 @@ def main(argv):
                      "CP-SAT model has no transfer latency between devices)")
   lb = bounds.tight_lower_bound(problem)
   devices = parse_devices(_DEVICES.value, problem.num_devices)
-  wd.start_outputs(_WORKDIR.value, _CONFIG.value, inputs=(_HINT_SCHEDULE.value,))
   hint, result = None, {}
   fixed, default_target = None, lb
   if (_SPLICE.value or _GROW.value) and not _HINT_SCHEDULE.value:
@@ -290,6 +311,11 @@ def main(argv):
     raise ValueError(f"{flag} needs --hint_schedule (the schedule to {flag[2:]})")
   if _SPLICE.value and _GROW.value:
     raise ValueError("--splice and --grow exclude each other")
+  # After the flags' own checks (they need no solver), before the hint search: without the
+  # solver, 20 s of searching for a hint would end in an ImportError.
+  if importlib.util.find_spec("ortools") is None:
+    raise ValueError(f"schedule_cp_check needs ortools: {INSTALL}")
+  wd.start_outputs(_WORKDIR.value, _CONFIG.value, inputs=(_HINT_SCHEDULE.value,))
   if _GROW.value:
     t1, t2, slope = _numbers("--grow", _GROW.value, "T1,T2,SLOPE")
     fixed, grown = grow.grow_pins(schedule.load(_HINT_SCHEDULE.value), problem, t1, t2, slope)
@@ -334,6 +360,10 @@ def main(argv):
     logging.info("solution at %.1fs: makespan %g (LB %g), within budget %s; kept in %s",
                  secs, ev.makespan, lb, ev.within_budget, sched_path)
 
+  logging.info("%s target %d (tight LB %g) on %s of %d devices, %d tasks each; time limit "
+               "%gs, %d workers ...", "minimising from" if _MINIMIZE.value else "checking",
+               target, lb, devices or "all", problem.num_devices, problem.tasks_per_device,
+               _TIME.value, _WORKERS.value)
   status, order, secs, bound = check(problem, target, _TIME.value, _WORKERS.value,
                                      _MINIMIZE.value, hint, _MEMORY.value, _WINDOWS.value,
                                      devices,
@@ -357,9 +387,13 @@ def main(argv):
     gantt.plot_gantt(sched, os.path.join(_WORKDIR.value, "gantt.png"),
                      title=f"CP-SAT schedule: makespan {ev.makespan:g}, tight LB {lb:g}, "
                            f"peak/budget {np.max(ev.peaks / ev.budget):.2f}")
-  logging.info("target %d (LB %g): %s in %.1fs; %s", target, lb, status, secs,
-               {k: v for k, v in result.items() if k in ("makespan", "proven_lower_bound")})
-  runner.write_result(_WORKDIR.value, result)
+  result["verdict"] = verdict(status, _MINIMIZE.value)
+  found = ", ".join(f"{k} {result[k]:g}" for k in ("makespan", "proven_lower_bound")
+                    if result.get(k) is not None)
+  logging.info("target %d (LB %g): %s (CP-SAT %s in %.1fs)%s", target, lb, result["verdict"],
+               status, secs, f"; {found}" if found else "")
+  path = runner.write_result(_WORKDIR.value, result)
+  logging.info("wrote %s%s", path, " (+ schedule.json, gantt.png)" if order is not None else "")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ hour). The certificate is saved with that device in result.json, so `--verify` w
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 
@@ -76,7 +77,7 @@ def _solve(model, result, workdir):
   result.update(res)
   if res["certified"] and lam is not None:
     path = os.path.join(workdir, "certificate.npz")
-    time_indexed.save_certificate(path, lam, target)
+    time_indexed.save_certificate(path, lam, target, model.devices)
     result["certificate"] = "certificate.npz"
   verdict = ("unreachable within budget (certified)" if res["certified"] else
              "LP feasible: the relaxation proves nothing" if res["status"] == "feasible" else
@@ -93,12 +94,20 @@ def main(argv):
   problem = PipelineProblem.from_config(_CONFIG.value)
   lb = bounds.tight_lower_bound(problem)
   target = lb if _TARGET.value < 0 else _TARGET.value
+  devices = parse_devices(_DEVICES.value, problem.num_devices, allow_each=True)
+  if devices == "each" and _VERIFY.value:
+    raise ValueError("--verify needs the device list the certificate was made for, not 'each'")
+  if _VERIFY.value and not os.path.isfile(_VERIFY.value):
+    raise ValueError(f"--verify={_VERIFY.value!r}: no such file")
+  if _VERIFY.value and not devices:  # the certificate names the devices it was made for
+    devices = time_indexed.certificate_devices(_VERIFY.value)
+  if (not _VERIFY.value and _SOLVER.value != "scipy" and
+      importlib.util.find_spec("highspy") is None):
+    raise ValueError(f"--solver={_SOLVER.value} needs highspy: pip install -e \".[exact]\" "
+                     "(or --solver=scipy, for small models)")
   if not _VERIFY.value:  # a check of a certificate writes verify.json beside the solve's files
     wd.start_outputs(_WORKDIR.value, _CONFIG.value)
-  devices = parse_devices(_DEVICES.value, problem.num_devices, allow_each=True)
   if devices == "each":
-    if _VERIFY.value:
-      raise ValueError("--verify needs the device list the certificate was made for, not 'each'")
     scan = []
     for d in range(problem.num_devices):
       result = _solve(*_build(problem, target, lb, [d]), _WORKDIR.value)
@@ -118,8 +127,11 @@ def main(argv):
     logging.info("certificate %s: exact bound %.6g -> %s", _VERIFY.value, bound,
                  "target unreachable (proof)" if bound > 0 else "NOT a proof")
     wd.write_json(os.path.join(_WORKDIR.value, "verify.json"), result)
+    logging.info("wrote %s", os.path.join(_WORKDIR.value, "verify.json"))
     return
-  runner.write_result(_WORKDIR.value, _solve(model, result, _WORKDIR.value))
+  result = _solve(model, result, _WORKDIR.value)
+  path = runner.write_result(_WORKDIR.value, result)
+  logging.info("wrote %s%s", path, " (+ certificate.npz)" if result.get("certificate") else "")
 
 
 if __name__ == "__main__":

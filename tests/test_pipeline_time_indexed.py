@@ -215,6 +215,16 @@ def test_lp_check_binary_saves_a_certificate_that_verify_rechecks(tmp_path):
               f"--verify={tmp_path / 'certificate.npz'}"])
   assert out.returncode == 0, out.stderr[-3000:]
   assert json.loads((tmp_path / "verify.json").read_text())["certified"]
+  # A certificate names the devices its model was built for (--verify defaults to them).
+  assert time_indexed.certificate_devices(str(tmp_path / "certificate.npz")) is None  # all
+  lam = np.zeros(5)
+  lam[[1, 3]] = 0.5
+  time_indexed.save_certificate(str(tmp_path / "sub.npz"), lam, 42.0, (2, 3))
+  assert time_indexed.certificate_devices(str(tmp_path / "sub.npz")) == [2, 3]
+  np.testing.assert_array_equal(time_indexed.load_certificate(str(tmp_path / "sub.npz"), 5, 42.0),
+                                lam)
+  with pytest.raises(ValueError, match=r"5 rows, built for devices \[2, 3\]; this instance"):
+    time_indexed.load_certificate(str(tmp_path / "sub.npz"), 6, 42.0)
   # A certificate changed by hand no longer proves anything; one for another target is refused.
   with np.load(tmp_path / "certificate.npz") as f:
     fields = dict(f)
@@ -249,6 +259,7 @@ def test_lp_check_scans_one_device_at_a_time_and_stops_at_the_first_certified(tm
   result = json.loads((tmp_path / "b" / "result.json").read_text())
   assert [(r["devices"], r["certified"]) for r in result["scan"]] == [([0], True)]
   assert result["certified"] and result["solver"] == "windows"
+  assert not (tmp_path / "b" / "certificate.npz").exists()  # the windows need no multipliers
   for bad, msg in (("--devices=each", "not 'each'"), ("--devices=1,x", "expected device")):
     out = _run(["experiments.schedule_lp_check", *inst[:-1], bad, f"--workdir={tmp_path / 'c'}",
                 f"--verify={tmp_path / 'c' / 'certificate.npz'}"])

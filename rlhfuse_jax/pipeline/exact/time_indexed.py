@@ -284,13 +284,24 @@ def certificate_bound(model: TimeIndexedModel, lam: np.ndarray) -> float:
   return total / scale
 
 
-def save_certificate(path: str, multipliers: np.ndarray, target: float) -> None:
-  """The non-zero multipliers, compressed, written atomically."""
+def save_certificate(path: str, multipliers: np.ndarray, target: float,
+                     devices: Optional[Sequence[int]] = None) -> None:
+  """The non-zero multipliers, compressed, written atomically, with the target and the devices
+  the model was built for (None: all)."""
   nz = np.flatnonzero(multipliers > 0)
   buf = io.BytesIO()
   np.savez_compressed(buf, rows=np.int64(multipliers.size), index=nz.astype(np.int32),
-                      value=multipliers[nz], target=np.float64(target))
+                      value=multipliers[nz], target=np.float64(target),
+                      devices=np.asarray([] if devices is None else list(devices), np.int32))
   wd.atomic_write_bytes(path, buf.getvalue())
+
+
+def certificate_devices(path: str) -> Optional[list[int]]:
+  """The devices a certificate's model was built for; None for all, or for a certificate
+  saved before they were recorded."""
+  with np.load(path) as f:
+    devices = [int(d) for d in f["devices"]] if "devices" in f else []
+  return devices or None
 
 
 def load_certificate(path: str, rows: int, target: float) -> np.ndarray:
@@ -300,8 +311,11 @@ def load_certificate(path: str, rows: int, target: float) -> np.ndarray:
     if "target" in f and not np.isclose(float(f["target"]), target):
       raise ValueError(f"{path}: certificate for target {float(f['target']):g}, not {target:g}")
     if int(f["rows"]) != rows:
-      raise ValueError(f"{path}: certificate for a model of {int(f['rows'])} rows; this instance "
-                       f"and target give {rows} (other instance, target or code version?)")
+      made_for = (f", built for devices {[int(d) for d in f['devices']]}"
+                  if "devices" in f and len(f["devices"]) else "")
+      raise ValueError(f"{path}: certificate for a model of {int(f['rows'])} rows{made_for}; "
+                       f"this instance, target and devices give {rows} (other instance, "
+                       "--devices, target or code version?)")
     lam = np.zeros(rows)
     lam[f["index"]] = f["value"]
   return lam
