@@ -107,7 +107,7 @@ def measure(c) -> dict:
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  wd.start_outputs(_WORKDIR.value, _CONFIG.value)
+  wd.start_outputs(_WORKDIR.value, _CONFIG.value, ("result.json",))
   result = measure(_CONFIG.value)
   runner.write_result(_WORKDIR.value, result)
   logging.info("wrote %s", os.path.join(_WORKDIR.value, "result.json"))

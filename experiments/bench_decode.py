@@ -621,7 +621,8 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   cfg = BenchDecodeConfig.from_config_dict(_CONFIG.value)
-  wd.start_outputs(_WORKDIR.value, _CONFIG.value)
+  wd.start_outputs(_WORKDIR.value, _CONFIG.value,
+                   ("result.json", "calibration.json", "bench_decode.png"))
   if cfg.compile_only:
     result = compile_only(cfg, _WORKDIR.value)
     _log_scan_compile(result["scan_compile"])

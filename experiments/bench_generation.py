@@ -285,7 +285,9 @@ def run_and_write(c, workdir: str, reference=None) -> dict:
     raise ValueError(f"config.generation.pipeline_stages={c.generation.pipeline_stages}: the "
                      "pipelined variant runs in one process; drop --distributed")
   if main_process:
-    wd.start_outputs(workdir, c)
+    wd.start_outputs(workdir, c, (
+        "result.json", "calibration.json", "outputs.npz", "timeline_*.png",
+        "schedule_pipelined.png", "single_process", "single_process.log"))
   result = run_pipelined(c, workdir) if pipelined else run(c, workdir)
   if jax.process_count() > 1:
     jax.distributed.shutdown()  # the other processes are done: they exit now

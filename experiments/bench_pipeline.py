@@ -458,7 +458,8 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   cfg = BenchPipelineConfig.from_config_dict(_CONFIG.value)
-  wd.start_outputs(_WORKDIR.value, _CONFIG.value)
+  wd.start_outputs(_WORKDIR.value, _CONFIG.value,
+                   ("result.json", "schedules.json", "calibration.json"))
   run(cfg, _WORKDIR.value)
 
 

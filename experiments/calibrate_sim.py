@@ -128,7 +128,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   c = _CONFIG.value
-  wd.start_outputs(_WORKDIR.value, c)
+  wd.start_outputs(_WORKDIR.value, c, ("calibration.json",))
   cal = measure(c)
   calibration.from_dict(cal, "measured")  # what we write must load
   path = os.path.join(_WORKDIR.value, "calibration.json")

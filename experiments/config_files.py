@@ -15,6 +15,7 @@ import importlib.util
 import inspect
 import os
 import re
+import socket
 import sys
 import tempfile
 import traceback
@@ -85,11 +86,13 @@ def _config_flags(argv: Sequence[str]) -> dict[str, str]:
   """{flag name: its `FILE[:variant]`} of the config file flags (ml_collections'
   DEFINE_config_file) given in `argv`."""
   given = {}
-  for arg in argv:
-    m = re.match(r"^--?(\w+)=(.*)$", arg)
-    if m and m.group(1) in flags.FLAGS and \
+  for i, arg in enumerate(argv):
+    m = re.match(r"^--?(\w+)(?:=(.*))?$", arg)  # --config=FILE, or --config FILE
+    value = m and (m.group(2) if m.group(2) is not None else
+                   argv[i + 1] if i + 1 < len(argv) else None)
+    if value is not None and m.group(1) in flags.FLAGS and \
         flags.FLAGS[m.group(1)].flag_type() == "config object":
-      given[m.group(1)] = m.group(2)
+      given[m.group(1)] = value
   return given
 
 
@@ -188,6 +191,25 @@ def parse_flags(argv: list[str]) -> list[str]:
 TRACEBACK_ENV = "RLHFUSE_TRACEBACK"
 
 
+def _save_traceback(text: str) -> Optional[str]:
+  """Writes a traceback beside the run's outputs (WORKDIR/traceback.txt, on the shared
+  filesystem of a multi-host job; the last failure's, so failed starts do not pile up files),
+  else in the temp directory (one file per process); returns the path, or None if neither
+  can be written."""
+  workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None
+  places = ([os.path.join(workdir, "traceback.txt")] if workdir and os.path.isdir(workdir)
+            else []) + [os.path.join(tempfile.gettempdir(),
+                                     f"rlhfuse_traceback.{socket.gethostname()}.{os.getpid()}.txt")]
+  for path in places:
+    try:
+      with open(path, "w") as f:
+        f.write(text)
+      return path
+    except OSError:
+      continue
+  return None
+
+
 def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None) -> Any:
   """`app.run(main)` with `parse_flags`, and a ValueError that ends `main` (this codebase's bad
   input: the message names the field or file and what was expected) logged as one line, exit
@@ -201,12 +223,11 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None) -> A
     except ValueError as e:
       if os.environ.get(TRACEBACK_ENV):
         raise
-      fd, path = tempfile.mkstemp(prefix="rlhfuse_traceback_", suffix=".txt")
-      with os.fdopen(fd, "w") as f:
-        f.write(traceback.format_exc())
-      logging.error("%s", e)
+      path = _save_traceback(traceback.format_exc())
+      logging.error("%s: %s", type(e).__name__, e)
       logging.flush()
-      sys.stderr.write(f"(where it was raised: {path}; {TRACEBACK_ENV}=1 prints it)\n")
+      sys.stderr.write(f"(where it was raised: {path or 'not saved'}; {TRACEBACK_ENV}=1 prints "
+                       "it)\n")
       sys.exit(1)
 
   return app.run(guarded, argv=argv, flags_parser=parse_flags)

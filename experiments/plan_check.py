@@ -78,7 +78,7 @@ def main(argv):
   request_host_devices(n)
   from experiments import plan_programs  # imports jax: after the device count is set
   cfg = plan_programs.PlanConfig.from_config_dict(config)
-  wd.start_outputs(_WORKDIR.value, config)
+  wd.start_outputs(_WORKDIR.value, config, ("result.json",))
   result = plan_programs.run_and_write(cfg, _WORKDIR.value)
   for line in plan_programs.table(result):
     logging.info("%s", line)

@@ -195,7 +195,8 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   cfg = ablations.AblationConfig.from_config_dict(_CONFIG.value)
   workdir = _WORKDIR.value
-  wd.start_outputs(workdir, _CONFIG.value)
+  wd.start_outputs(workdir, _CONFIG.value,
+                   ("result.json", "plan.json", "plan_search.md", "lengths"))
   cost, accept = ablations.cost_model(cfg), None
   if _CONFIG.value.get("train_config", ""):
     setting, wl, accept = trainer_setting(cfg, _CONFIG.value.train_config, workdir)

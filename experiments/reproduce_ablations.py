@@ -102,7 +102,11 @@ def main(argv):
       raise ValueError(f"config.validate.{name}_workdir={given!r}: no result.json there (the "
                        f"--workdir of a finished python -m experiments.{name} run)")
   workdir = _WORKDIR.value
-  wd.start_outputs(workdir, _CONFIG.value, keep=("schedule_cache.json",))
+  # schedule_cache.json is not an output: the searches it holds are reused on a re-run.
+  wd.start_outputs(workdir, _CONFIG.value, (
+      "result.json", "ablations.md", "decode_fit_calibration.json", "fused_gantt.png",
+      "generation_timeline.png", "iteration_time.png"),
+      inputs=(cfg.calibration, cfg.validation_calibration))
   t0 = time.time()
   logging.info("compiling the schedule kernels (numba; cached after the first run) ...")
   logging.info("schedule kernels ready in %.1fs", warmup())

@@ -126,13 +126,19 @@ def host_cpu() -> str:
 
 
 def git_commit() -> Optional[str]:
-  """`git describe --always --dirty` of this repository (None outside a git checkout)."""
+  """This repository's commit (12 hex digits; `-dirty` with uncommitted changes to tracked
+  files), or None outside a git checkout."""
+  def git(*args):
+    return subprocess.run(["git", "-C", REPO_ROOT, *args], capture_output=True, text=True,
+                          timeout=10)
   try:
-    out = subprocess.run(["git", "-C", REPO_ROOT, "describe", "--always", "--dirty"],
-                         capture_output=True, text=True, timeout=10)
+    head, status = git("rev-parse", "--short=12", "HEAD"), git("status", "--porcelain",
+                                                                "--untracked-files=no")
   except (OSError, subprocess.SubprocessError):
     return None
-  return out.stdout.strip() or None if out.returncode == 0 else None
+  if head.returncode != 0 or not head.stdout.strip():
+    return None
+  return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
 
 
 def provenance() -> dict:

@@ -288,10 +288,19 @@ VERDICT = {
 }
 
 
-def verdict(status: str, minimize: bool) -> str:
-  """`status` of CP-SAT in words (an UNKNOWN: no answer within the time limit)."""
-  return VERDICT.get((status, minimize), "no answer within --time_limit_s (raise it, or hint "
-                     "with --hint_schedule)" if status == "UNKNOWN" else status)
+def verdict(status: str, minimize: bool, subset: bool = False, pinned: bool = False) -> str:
+  """`status` of CP-SAT in words (an UNKNOWN: no answer within the time limit). On a device
+  subset (a relaxation) only an INFEASIBLE says something about the instance; with pinned
+  tasks (--splice, --grow: a restriction) only a schedule found does. An INFEASIBLE holds for
+  the model's canonical order of each model's tasks (module docstring)."""
+  if status == "UNKNOWN":
+    return "no answer within --time_limit_s (raise it, or hint with --hint_schedule)"
+  if subset and status in ("OPTIMAL", "FEASIBLE"):
+    return "feasible on the device subset (a relaxation: this proves nothing; no schedule kept)"
+  if pinned and status == "INFEASIBLE":
+    return "no schedule with these pinned tasks (a restriction: proves nothing about the instance)"
+  out = VERDICT.get((status, minimize), status)
+  return out + " (in the canonical task order)" if status == "INFEASIBLE" else out
 
 
 def main(argv):
@@ -315,7 +324,6 @@ def main(argv):
   # solver, 20 s of searching for a hint would end in an ImportError.
   if importlib.util.find_spec("ortools") is None:
     raise ValueError(f"schedule_cp_check needs ortools: {INSTALL}")
-  wd.start_outputs(_WORKDIR.value, _CONFIG.value, inputs=(_HINT_SCHEDULE.value,))
   if _GROW.value:
     t1, t2, slope = _numbers("--grow", _GROW.value, "T1,T2,SLOPE")
     fixed, grown = grow.grow_pins(schedule.load(_HINT_SCHEDULE.value), problem, t1, t2, slope)
@@ -350,6 +358,9 @@ def main(argv):
     if _MINIMIZE.value or fixed is not None:
       default_target = ev.makespan - (shift if _SPLICE.value else 0)
   target = int(round(_TARGET.value if _TARGET.value >= 0 else default_target))
+  # After every check and the hint: a mistyped flag leaves the earlier run's files in place.
+  wd.start_outputs(_WORKDIR.value, _CONFIG.value, ("result.json", "schedule.json", "gantt.png"),
+                   inputs=(_HINT_SCHEDULE.value,))
   sched_path = os.path.join(_WORKDIR.value, "schedule.json")
 
   def on_solution(order, secs):
@@ -387,7 +398,8 @@ def main(argv):
     gantt.plot_gantt(sched, os.path.join(_WORKDIR.value, "gantt.png"),
                      title=f"CP-SAT schedule: makespan {ev.makespan:g}, tight LB {lb:g}, "
                            f"peak/budget {np.max(ev.peaks / ev.budget):.2f}")
-  result["verdict"] = verdict(status, _MINIMIZE.value)
+  result["verdict"] = verdict(status, _MINIMIZE.value, subset=bool(devices),
+                              pinned=fixed is not None)
   found = ", ".join(f"{k} {result[k]:g}" for k in ("makespan", "proven_lower_bound")
                     if result.get(k) is not None)
   logging.info("target %d (LB %g): %s (CP-SAT %s in %.1fs)%s", target, lb, result["verdict"],

@@ -35,7 +35,7 @@ def run(c, workdir: str) -> dict:
   problem = PipelineProblem.from_config(c)
   cfg = search.SearchConfig(time_budget_s=float(c.time_budget_s), seed=int(c.seed),
                             workers=int(c.workers))
-  wd.start_outputs(workdir, c)
+  wd.start_outputs(workdir, c, ("result.json", "schedule.json", "gantt.png"))
   serial = evaluate(problem, schedules.serial_order(problem), schedules.serial_release(problem))
   greedy = evaluate(problem, schedules.greedy_order(problem))
   lb = bounds.tight_lower_bound(problem)

@@ -15,6 +15,10 @@
 # log once all have ended.
 set -euo pipefail
 N=${1:?number of processes}; D=${2:?devices per process}; WORKDIR=${3:?workdir}; shift 3
+if ! [[ "$N" =~ ^[1-9][0-9]*$ && "$D" =~ ^[1-9][0-9]*$ ]]; then
+  echo "N=$N D=$D: expected the number of processes and the devices per process, both >= 1" >&2
+  exit 2
+fi
 BINARY=${BINARY:-train_ppo}
 if [[ "$BINARY" == train_ppo ]]; then DEFAULT_CONFIG=configs/ppo_tiny.py
 else DEFAULT_CONFIG="configs/$BINARY.py"; fi
@@ -95,7 +99,7 @@ for entry in "${codes[@]}"; do
   i=${entry%%:*}; rc=${entry#*:}
   if ((rc != 0 && rc != 75)) && [[ $i != 0 || -z "$follower" ]]; then
     echo "--- process $i exited $rc; the end of ${WORKDIR%/}.proc$i.log:"
-    tail -c +$((offsets[i] + 1)) "${WORKDIR%/}.proc$i.log" | tail -n 15
+    tail -c +$((offsets[i] + 1)) "${WORKDIR%/}.proc$i.log" | tail -n 15 || true
   fi
 done
 echo "logs: ${WORKDIR%/}.proc*.log; exit status per process (process:status):$summary;" \

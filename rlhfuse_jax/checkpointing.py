@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 from typing import Any, Optional
 
 import jax
@@ -40,6 +41,7 @@ class _ClosedLoopCallbacks:
   def __init__(self):
     self.dropped = 0
     self._previous = None
+    self._inside = threading.local()  # a hook installed later that passes calls on to us
 
   def install(self) -> None:
     """Puts this hook in front of the current one (again, if something replaced it since)."""
@@ -51,7 +53,14 @@ class _ClosedLoopCallbacks:
     if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
       self.dropped += 1
       return
-    (self._previous or sys.__unraisablehook__)(unraisable)
+    if getattr(self._inside, "active", False):  # a cycle through a hook that chains to us
+      sys.__unraisablehook__(unraisable)
+      return
+    self._inside.active = True
+    try:
+      (self._previous or sys.__unraisablehook__)(unraisable)
+    finally:
+      self._inside.active = False
 
 
 _CLOSED_LOOP_CALLBACKS = _ClosedLoopCallbacks()

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import fnmatch
 import json
 import os
+import shutil
 import socket
 import tempfile
 from typing import Any, Mapping, Optional
@@ -113,27 +115,43 @@ def _move_to_previous(workdir: str, names: list[str]) -> str:
   return dest
 
 
-def start_outputs(workdir: str, config: Any, keep: tuple[str, ...] = (),
+def start_outputs(workdir: str, config: Any, outputs: tuple[str, ...],
                   inputs: tuple[Optional[str], ...] = ()) -> Optional[str]:
-  """A one-shot binary's start on `workdir`: what an earlier run left there (every entry but
-  previous/, log.txt, the `keep` names, e.g. a cache reused across runs, and whatever holds one of this
-  run's `inputs`, e.g. the earlier schedule it goes on from) moves into workdir/previous/<n>/,
-  so no stale result, schedule, certificate or plot sits beside this run's and nothing is
-  lost; then config.json is written. Returns where the earlier outputs went, or None."""
+  """A one-shot binary's start on `workdir`: the files an earlier run of it left there (the
+  `outputs` names or glob patterns, and config.json / traceback.txt) move into
+  workdir/previous/<n>/, so no stale result, schedule, certificate or plot sits beside this
+  run's and nothing is lost; then config.json is written. Anything else in the workdir (a
+  user's notes, a log a `tee` writes, the sweep's log.txt) stays. One of this run's `inputs`
+  among them (the schedule it goes on from) stays too, and a copy goes with the earlier run.
+  A train_ppo workdir (checkpoints/, its .lock) is refused. Returns where the earlier outputs
+  went, or None."""
   check_local_path(workdir)
+  for marker in ("checkpoints", ".lock"):
+    if os.path.exists(os.path.join(workdir, marker)):
+      raise ValueError(f"--workdir={workdir!r} holds a training run ({marker}); give this "
+                       "binary a directory of its own")
   os.makedirs(workdir, exist_ok=True)
-  root = os.path.realpath(workdir)
-  for path in inputs:
-    rel = os.path.relpath(os.path.realpath(path), root) if path else os.pardir
-    if rel != os.curdir and not rel.startswith(os.pardir):
-      keep = keep + (rel.split(os.sep)[0],)
-  # log.txt: the run's log as the sweep streams it (appended, one header per start), already
-  # holding this start's first lines.
-  names = sorted(n for n in os.listdir(workdir) if n not in ("previous", "log.txt", *keep))
-  dest = _move_to_previous(workdir, names) if names else None
-  if dest:
-    logging.info("moved the earlier run's outputs in %s (%s) to %s", workdir,
-                 ", ".join(names), dest)
+  roots = {os.path.abspath(workdir), os.path.realpath(workdir)}
+  held = set()  # top-level entries holding an input (as given, or where a link points)
+  for path in filter(None, inputs):
+    for full in {os.path.abspath(path), os.path.realpath(path)}:
+      for root in roots:
+        rel = os.path.relpath(full, root)
+        if rel != os.curdir and rel != os.pardir and not rel.startswith(os.pardir + os.sep):
+          held.add(rel.split(os.sep)[0])
+  patterns = ("config.json", "traceback.txt", *outputs)
+  names = sorted(n for n in os.listdir(workdir)
+                 if any(fnmatch.fnmatchcase(n, p) for p in patterns))
+  if not names:
+    write_config(workdir, config)
+    return None
+  moved = [n for n in names if n not in held]
+  dest = _move_to_previous(workdir, moved)
+  for n in names:
+    if n in held and os.path.isfile(os.path.join(workdir, n)):
+      shutil.copy2(os.path.join(workdir, n), os.path.join(dest, n))
+  logging.info("moved the earlier run's outputs in %s (%s) to %s", workdir, ", ".join(names),
+               dest)
   write_config(workdir, config)
   return dest
 

@@ -5,6 +5,7 @@ experiments/runner.py pieces the binaries share (the sweep's summary merge)."""
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import ml_collections
@@ -64,6 +65,9 @@ def test_a_good_command_line_parses_as_before(tmp_path):
 def test_a_misspelled_field_is_named_with_the_closest_one(tmp_path):
   assert _fatal_line(_run(tmp_path, "--config=cfg.py", "--config.model.widht=3")) == (
       "--config.model.widht: cfg.py has no field 'model.widht'; did you mean 'model.width'?")
+  # The space-separated form (absl takes --config FILE too).
+  assert _fatal_line(_run(tmp_path, "--config", "cfg.py", "--config.model.widht=3")).startswith(
+      "--config.model.widht: cfg.py has no field 'model.widht'")
   # No close match: the section's fields are listed. A later good override does not hide it.
   assert _fatal_line(_run(tmp_path, "--config=cfg.py", "--config.optim.lr=3",
                           "--config.lr=0.2")) == (
@@ -92,13 +96,19 @@ def test_a_bad_value_keeps_absls_own_message(tmp_path):
 def test_a_bad_value_ends_in_one_line_and_keeps_its_traceback_in_a_file(tmp_path):
   proc = _run(tmp_path, "--config=cfg.py", "--config.lr=-1")
   assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-  assert "config.lr=-1.0: expected >= 0" in proc.stderr.splitlines()[-2], proc.stderr
+  assert "ValueError: config.lr=-1.0: expected >= 0" in proc.stderr.splitlines()[-2], proc.stderr
   where = proc.stderr.splitlines()[-1]
   assert where.startswith("(where it was raised: ") and "RLHFUSE_TRACEBACK=1" in where, where
   path = where[len("(where it was raised: "):].split(";")[0]
   with open(path) as f:
-    assert "Traceback" in f.read() and "in main" in open(path).read()
+    text = f.read()
+  assert "Traceback" in text and "in main" in text
+  assert os.path.dirname(path) == tempfile.gettempdir()  # no --workdir given: the temp folder
   os.remove(path)
+  (tmp_path / "out").mkdir()  # with one: beside the run's outputs (a cluster's shared disk)
+  proc = _run(tmp_path, "--config=cfg.py", "--config.lr=-1", f"--workdir={tmp_path / 'out'}")
+  assert os.listdir(tmp_path / "out") == ["traceback.txt"]
+  assert str(tmp_path / "out" / "traceback.txt") in proc.stderr
   env_run = subprocess.run(
       [sys.executable, "-c", _BINARY, "--config=cfg.py", "--config.lr=-1"], cwd=tmp_path,
       env=dict(os.environ, RLHFUSE_TRACEBACK="1",

@@ -288,6 +288,15 @@ def test_only_callbacks_onto_a_closed_event_loop_are_dropped(monkeypatch):
     sys.unraisablehook(Unraisable(e))
   assert hook.dropped == 1 and [str(e) for e in seen] == ["something else",
                                                           "Event loop is closed"]
+  # A hook installed later that passes calls on to ours, then ours put in front again (the
+  # next restore): a cycle, which ends in Python's default hook instead of recursing.
+  chained = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda u: (chained.append(1), hook(u)))
+  hook.install()
+  printed = []
+  monkeypatch.setattr(sys, "__unraisablehook__", lambda u: printed.append(str(u.exc_value)))
+  sys.unraisablehook(Unraisable(RuntimeError("once")))
+  assert chained == [1] and printed == ["once"]
 
 
 @pytest.fixture(scope="module")

@@ -221,7 +221,8 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
   assert "holds bench_async runs of another config (" in out.stderr, out.stderr[-3000:]
   assert "num_iterations: 4 -> 2" in out.stderr and "use a new workdir" in out.stderr
   assert "window" not in out.stderr.split("another config (")[1]  # analysis only: may change
-  assert sorted(os.listdir(tmp_path)) == ["config.json", "ppo_tiny_s0_seed0"]  # nothing ran
+  # Nothing ran (the refusal's traceback is kept beside the outputs).
+  assert sorted(os.listdir(tmp_path)) == ["config.json", "ppo_tiny_s0_seed0", "traceback.txt"]
   bad = _run(["experiments.bench_async", "--config=configs/bench_async.py",
               f"--workdir={tmp_path / 'new'}", "--config.num_iterations=-5"])
   assert bad.returncode == 1 and "config.num_iterations=-5: expected an integer >= 0" in \

@@ -2,34 +2,49 @@
 import json
 import os
 
+import pytest
+
 from rlhfuse_jax import workdir as wd
 
+OUTPUTS = ("result.json", "certificate.npz", "schedule.json", "timeline_*.png")
 
-def test_an_earlier_runs_outputs_move_to_previous_and_nothing_is_lost(tmp_path):
+
+def test_an_earlier_runs_outputs_move_to_previous_and_nothing_else_does(tmp_path):
   run = tmp_path / "run"
-  assert wd.start_outputs(str(run), {"a": 1}) is None  # a new workdir: nothing to move
+  assert wd.start_outputs(str(run), {"a": 1}, OUTPUTS) is None  # a new workdir
   (run / "result.json").write_text("first")
   (run / "certificate.npz").write_text("proof")
-  (run / "cache.json").write_text("reused")
-  (run / "hint").mkdir()
-  (run / "hint" / "schedule.json").write_text("go on from here")
-  dest = wd.start_outputs(str(run), {"a": 2}, keep=("cache.json",),
-                          inputs=(str(run / "hint" / "schedule.json"), None, "/elsewhere/x"))
+  (run / "timeline_fused.png").write_text("png")
+  (run / "schedule_cache.json").write_text("reused")  # not an output: stays
+  (run / "notes.md").write_text("mine")  # a user's: stays
+  (run / "log.txt").write_text("=== start 2\n")  # the sweep streams this start's log into it
+  (run / "schedule.json").write_text("go on from here")  # this run's input: stays, and a copy
+  dest = wd.start_outputs(str(run), {"a": 2}, OUTPUTS,
+                          inputs=(str(run / "schedule.json"), None, "/elsewhere/x"))
   assert dest == str(run / "previous" / "1")
-  assert sorted(os.listdir(dest)) == ["certificate.npz", "config.json", "result.json"]
+  assert sorted(os.listdir(dest)) == ["certificate.npz", "config.json", "result.json",
+                                      "schedule.json", "timeline_fused.png"]
   assert (run / "previous" / "1" / "result.json").read_text() == "first"
   assert json.loads((run / "previous" / "1" / "config.json").read_text()) == {"a": 1}
-  # Kept: the cache, this run's input, and the earlier starts; config.json is this run's.
-  assert sorted(os.listdir(run)) == ["cache.json", "config.json", "hint", "previous"]
+  assert sorted(os.listdir(run)) == ["config.json", "log.txt", "notes.md", "previous",
+                                     "schedule.json", "schedule_cache.json"]
   assert json.loads((run / "config.json").read_text()) == {"a": 2}
-  assert wd.start_outputs(str(run), {"a": 3}) == str(run / "previous" / "2")
-  assert sorted(os.listdir(run / "previous" / "2")) == ["cache.json", "config.json", "hint"]
-  assert sorted(os.listdir(run / "previous")) == ["1", "2"]
+  assert (run / "log.txt").read_text() == "=== start 2\n"
+  assert wd.start_outputs(str(run), {"a": 3}, OUTPUTS) == str(run / "previous" / "2")
+  assert sorted(os.listdir(run / "previous" / "2")) == ["config.json", "schedule.json"]
 
 
-def test_the_log_a_sweep_streams_into_the_run_stays(tmp_path):
-  (tmp_path / "log.txt").write_text("=== start 2\n")  # the sweep wrote it before the run began
-  (tmp_path / "result.json").write_text("{}")
-  wd.start_outputs(str(tmp_path), {})
-  assert (tmp_path / "log.txt").read_text() == "=== start 2\n"
-  assert os.listdir(tmp_path / "previous" / "1") == ["result.json"]
+def test_a_linked_input_stays_and_a_training_workdir_is_refused(tmp_path):
+  (tmp_path / "data").mkdir()
+  (tmp_path / "data" / "hint.json").write_text("hint")
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "schedule.json").symlink_to(tmp_path / "data" / "hint.json")
+  wd.start_outputs(str(run), {}, OUTPUTS, inputs=(str(run / "schedule.json"),))
+  assert (run / "schedule.json").read_text() == "hint"  # the link, not only its target
+  train = tmp_path / "train"
+  (train / "checkpoints").mkdir(parents=True)
+  (train / "result.json").write_text("a training run's")
+  with pytest.raises(ValueError, match=r"holds a training run \(checkpoints\)"):
+    wd.start_outputs(str(train), {}, OUTPUTS)
+  assert (train / "result.json").read_text() == "a training run's"

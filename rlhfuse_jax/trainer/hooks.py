@@ -55,18 +55,29 @@ class StoppedBeforeTraining(BaseException):
     self.signum = signum
 
 
+_LOOP = {"began": False}  # set by StopFlag.begin: the set-up is over
+
+
 @contextlib.contextmanager
 def stop_before_training():
-  """Within: SIGTERM/SIGINT raise StoppedBeforeTraining, except while StopFlag's handlers are
-  installed (the loop's: finish the iteration, save). Python runs the handler once the main
+  """Within: SIGTERM/SIGINT raise StoppedBeforeTraining until the loop begins; then StopFlag's
+  handlers take over (finish the iteration, save), and once they are given back (the run's
+  last moments: result.json, a failed save's exit) a signal does what it did before (SIGINT:
+  KeyboardInterrupt; SIGTERM: the default, death). Python runs the handler once the main
   thread is back in the interpreter: a signal during an XLA compile takes effect when the
   compile returns. Off the main thread nothing is installed."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
+  _LOOP["began"] = False
 
   def handle(signum, frame):
-    raise StoppedBeforeTraining(signum)
+    if not _LOOP["began"]:
+      raise StoppedBeforeTraining(signum)
+    if signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
   old = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
   try:
@@ -93,6 +104,7 @@ class StopFlag(Hook):
       logging.warning("PPOTrainer.run() is not on the main thread: SIGTERM/SIGINT will not "
                       "save a checkpoint before exiting (checkpoint.every still does)")
       return
+    _LOOP["began"] = True
     for sig in (signal.SIGTERM, signal.SIGINT):
       self._old[sig] = signal.signal(sig, self._handle)
 

@@ -389,7 +389,7 @@ def _solve_highs(A, b, cost, upper, solver, time_limit_s, threads, log):
     import highspy
   except ImportError as e:
     raise ImportError("the time-indexed LP needs highspy for large models "
-                      "(pip install highspy), or solver='scipy' for small ones") from e
+                      "(pip install -e \".[exact]\"), or --solver=scipy for small ones") from e
   h = highspy.Highs()
   h.setOptionValue("output_flag", bool(log))
   h.setOptionValue("solver", solver)
