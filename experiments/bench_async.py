@@ -104,7 +104,7 @@ def summarize(rows: list[dict], window: float, skip: int, staleness: int) -> dic
 def describe(s: dict, min_gain_ratio: float) -> str:
   """One staleness's figures (`summarize` plus the ratios to the synchronous run) in words."""
   parts = [f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f} "
-           f"(gain {s['reward_gain']:+.3f} over {s['iterations']} iterations)",
+           f"(gain {s['reward_gain']:+.3f} over {int(s['iterations'])} iterations)",
            f"median step {s['median_step_s']:.3f}s"]
   if "gain_ratio" in s:
     ratio = "n/a (the synchronous run did not learn)" if s["gain_ratio"] is None else (

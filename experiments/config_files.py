@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from absl import app, flags, logging
 
+from experiments import runner
 from rlhfuse_jax import metrics as metrics_lib
 
 
@@ -56,11 +57,15 @@ def call_with_variant(fn: Callable[..., Any], variant: Optional[str]) -> Any:
 
 
 def get_config(config_path: str, flag: str = "--config") -> Any:
-  """get_config() of `FILE.py[:variant]`."""
+  """get_config() of `FILE.py[:variant]` (an empty variant: none); a ValueError for a variant
+  given to a get_config() that takes none."""
   module, variant = load_module(config_path, flag)
   if not hasattr(module, "get_config"):
     raise ValueError(f"{flag}={config_path!r} defines no get_config()")
-  return call_with_variant(module.get_config, variant)
+  if variant and not inspect.signature(module.get_config).parameters:
+    raise ValueError(f"{flag}={config_path!r}: its get_config() takes no variant "
+                     f"(':{variant}')")
+  return call_with_variant(module.get_config, variant or None)
 
 
 def missing_field(config: Any, key: str) -> Optional[str]:
@@ -218,6 +223,7 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None) -> A
 
   def guarded(args):
     metrics_lib.quiet_library_logs()
+    runner.note_start()  # when, from which commit and by which command: read before the run
     try:
       return main(args)
     except ValueError as e:

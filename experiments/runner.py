@@ -141,18 +141,33 @@ def git_commit() -> Optional[str]:
   return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
 
 
+_START: dict = {}  # the run's start, as note_start read it
+
+
+def note_start() -> None:
+  """Reads the date, git commit and command line at the start of a run (config_files.run
+  calls it): a long run's result records the code it started from, even if the checkout
+  changed under it."""
+  _START.clear()
+  _START.update(started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), git_commit=git_commit())
+
+
 def provenance() -> dict:
-  """When, from which code, by which command and on what a result was made: the date, the
-  git commit (`-dirty` with uncommitted changes), the command line, the host (processor,
-  cores, Python) and, when the binary used jax, its version and devices."""
+  """When, from which code, by which command and on what a result was made: the date it was
+  written and (through config_files.run) the run's start, the git commit at the start (`-dirty`
+  with uncommitted changes), the command line, the host (processor, cores, Python) and, when
+  the binary used jax, its version and devices."""
   prog = os.path.relpath(os.path.abspath(sys.argv[0]), REPO_ROOT) if sys.argv else ""
   head = (["python", "-m", prog[:-3].replace(os.sep, ".")]
           if prog.startswith("experiments" + os.sep) and prog.endswith(".py") else
           ["python", *sys.argv[:1]])
-  out = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),
+  out = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+         "git_commit": _START["git_commit"] if _START else git_commit(),
          "command": shlex.join(head + sys.argv[1:]), "host": platform.node(),
          "host_cpu": host_cpu(), "host_cores": os.cpu_count(),
          "python": platform.python_version()}
+  if _START:
+    out["started"] = _START["started"]
   jax = sys.modules.get("jax")
   if jax is not None:
     devices = jax.devices()

@@ -147,6 +147,11 @@ def test_split_and_load(tmp_path):
   assert config_files.get_config(str(tmp_path / "a:b.py")).model.width == 8
   with pytest.raises(ValueError, match=r"^--run='nope\.py:x': no such file 'nope\.py'$"):
     config_files.get_config("nope.py:x", "--run")
+  (tmp_path / "plain.py").write_text("import ml_collections\n"
+                                     "def get_config():\n  return ml_collections.ConfigDict()\n")
+  with pytest.raises(ValueError, match=r"get_config\(\) takes no variant \(':x'\)"):
+    config_files.get_config(str(tmp_path / "plain.py") + ":x")
+  assert config_files.get_config(str(tmp_path / "c.py") + ":").model.width == 8  # empty: none
   (tmp_path / "n.py").write_text("x = 1\n")
   with pytest.raises(ValueError, match=r"defines no get_config\(\)"):
     config_files.get_config(str(tmp_path / "n.py"))

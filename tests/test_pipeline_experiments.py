@@ -52,6 +52,7 @@ def test_schedule_search_binary_writes_results(tmp_path):
   made = result["provenance"]
   assert made["command"].startswith("python -m experiments.schedule_search --config="), made
   assert made["date"][:4].isdigit() and made["host_cores"] == os.cpu_count()
+  assert made["started"] <= made["date"]  # read at the start (config_files.run)
   head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                         capture_output=True, text=True)
   if head.returncode == 0:  # a git checkout (CI's fresh clone is one)
