@@ -63,8 +63,13 @@ def get_config(config_path: str, flag: str = "--config") -> Any:
   if not hasattr(module, "get_config"):
     raise ValueError(f"{flag}={config_path!r} defines no get_config()")
   if variant and not inspect.signature(module.get_config).parameters:
-    raise ValueError(f"{flag}={config_path!r}: its get_config() takes no variant "
-                     f"(':{variant}')")
+    # (ml_collections would call it with the variant: a TypeError about positional arguments)
+    path = split_config_path(config_path)[0]
+    extra = (f"; to run one entry of its get_sweep(): python -m experiments.sweep "
+             f"--config={path} --binary=BINARY --workdir=DIR --only={variant}"
+             if hasattr(module, "get_sweep") else "")
+    raise ValueError(f"{flag}={config_path!r}: {path}'s get_config() takes no variant "
+                     f"(':{variant}'){extra}")
   return call_with_variant(module.get_config, variant or None)
 
 
@@ -102,9 +107,9 @@ def _config_flags(argv: Sequence[str]) -> dict[str, str]:
 
 
 def diagnose(argv: Sequence[str]) -> Optional[str]:
-  """The first config-file problem in `argv` as one line: a missing file, or an override of a
-  field the file's config does not have. None when none is found (the caller then shows the
-  original error)."""
+  """The first config-file problem in `argv` as one line: a missing file, a variant its
+  get_config() cannot take, or an override of a field the file's config does not have. None
+  when none is found (the caller then shows the original error)."""
   for name, config_path in _config_flags(argv).items():
     try:
       config = get_config(config_path, f"--{name}")
@@ -127,26 +132,6 @@ def _missing_file(argv: Sequence[str]) -> Optional[str]:
     path, _ = split_config_path(config_path)
     if not os.path.isfile(path):
       return f"--{name}={config_path!r}: no such file {path!r}"
-  return None
-
-
-def _no_variants(argv: Sequence[str]) -> Optional[str]:
-  """A `:variant` given to a config file whose get_config() takes none (ml_collections calls
-  it with the variant: a TypeError about positional arguments)."""
-  for name, config_path in _config_flags(argv).items():
-    path, variant = split_config_path(config_path)
-    if variant is None or not os.path.isfile(path):
-      continue
-    try:
-      module, _ = load_module(path, f"--{name}")
-    except Exception:  # pylint: disable=broad-except
-      return None  # the file's own error: the caller shows it
-    get = getattr(module, "get_config", None)
-    if get is not None and not inspect.signature(get).parameters:
-      extra = (f"; to run one entry of its get_sweep(): python -m experiments.sweep "
-               f"--config={path} --binary=BINARY --workdir=DIR --only={variant}"
-               if hasattr(module, "get_sweep") else "")
-      return f"--{name}={config_path!r}: {path} takes no variant (':{variant}'){extra}"
   return None
 
 
@@ -178,7 +163,7 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     args = flags.FLAGS(argv)
   except flags.Error as e:
-    _fatal(_no_variants(argv[1:]) or shorten(str(e)))
+    _fatal(diagnose(argv[1:]) or shorten(str(e)))
   except (KeyError, AttributeError, OSError):
     message = diagnose(argv[1:])
     if message is None:

@@ -125,7 +125,7 @@ def test_a_workdir_that_is_a_file_and_a_variant_of_a_config_without_any(tmp_path
   (tmp_path / "plain.py").write_text("import ml_collections\n"
                                      "def get_config():\n  return ml_collections.ConfigDict()\n")
   assert _fatal_line(_run(tmp_path, "--config=plain.py:e3")) == (
-      "--config='plain.py:e3': plain.py takes no variant (':e3')")
+      "--config='plain.py:e3': plain.py's get_config() takes no variant (':e3')")
 
 
 def test_missing_field():
@@ -149,7 +149,7 @@ def test_split_and_load(tmp_path):
     config_files.get_config("nope.py:x", "--run")
   (tmp_path / "plain.py").write_text("import ml_collections\n"
                                      "def get_config():\n  return ml_collections.ConfigDict()\n")
-  with pytest.raises(ValueError, match=r"get_config\(\) takes no variant \(':x'\)"):
+  with pytest.raises(ValueError, match=r"plain\.py's get_config\(\) takes no variant \(':x'\)$"):
     config_files.get_config(str(tmp_path / "plain.py") + ":x")
   assert config_files.get_config(str(tmp_path / "c.py") + ":").model.width == 8  # empty: none
   (tmp_path / "n.py").write_text("x = 1\n")
