@@ -6,8 +6,8 @@ r"""Causal tile skipping in blockwise attention, timed (models/attention.py
 For each sequence length, one jitted gradient step of sum(logsumexp(logits)) of a LLaMA-shaped
 model under blockwise attention, twice: with the model's default positions (the token indices,
 so only the key tiles on or below the diagonal are read) and with the same positions passed
-explicitly (no promise: every tile). Reports the fastest of `repeats` timed steps of each, the
-speed-up, the compiled dot FLOPs of each (perf/hlo_flops.py) and the largest difference between
+explicitly (no promise: every tile). Times `repeats` steps of each, the two taking turns, and
+reports each one's median, the median of the paired speed-ups, the compiled dot FLOPs of each (perf/hlo_flops.py) and the largest difference between
 the two gradients relative to each leaf's largest entry (rounding only: the forward is bitwise
 the same). Writes DIR/result.json
 (with the device it ran on) and DIR/config.json.
@@ -29,7 +29,7 @@ from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.models import attention as attention_lib
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.perf import hlo_flops
-from rlhfuse_jax.perf.timing import timed
+from rlhfuse_jax.perf.timing import time_in_rotation, timed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
@@ -72,10 +72,7 @@ def measure(c) -> dict:
       timed(steps[name], c.warmup, 0)
     # The two programs take turns (the order alternating), so a slow spell of a shared machine
     # falls on both; each pair's ratio is kept and their median reported.
-    runs = {"causal": [], "every_tile": []}
-    for r in range(c.repeats):
-      for name in (("causal", "every_tile") if r % 2 == 0 else ("every_tile", "causal")):
-        runs[name] += timed(steps[name], 0, 1)
+    runs = time_in_rotation(steps, c.repeats, alternate=True)
     ratios = [e / a for e, a in zip(runs["every_tile"], runs["causal"])]
     for name in runs:
       row[f"{name}_runs_s"] = runs[name]

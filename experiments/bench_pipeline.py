@@ -52,7 +52,7 @@ from rlhfuse_jax.pipeline import program as prog  # noqa: E402
 from rlhfuse_jax.pipeline import bounds, schedules, search, stages  # noqa: E402
 from rlhfuse_jax.pipeline.evaluate import evaluate  # noqa: E402
 from rlhfuse_jax.pipeline.executor import PipelineExecutor  # noqa: E402
-from rlhfuse_jax.perf.timing import timed  # noqa: E402
+from rlhfuse_jax.perf.timing import time_in_rotation, timed  # noqa: E402
 from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, KIND_NAMES, PipelineProblem  # noqa: E402
 from rlhfuse_jax.policy import calibration as cal_lib  # noqa: E402
 
@@ -199,19 +199,6 @@ def run_schedule(name: str, cfg: BenchPipelineConfig, problem: PipelineProblem,
                out["grad_error"]["actor"]["max_leaf_rel"],
                out["grad_error"]["critic"]["max_leaf_rel"])
   return out, lambda: step(params[0], params[1], batch)
-
-
-def time_in_rotation(steps: dict, repeats: int) -> dict:
-  """name -> wall seconds of `repeats` steps, taken in rounds of one step per schedule: on a
-  host shared with other work, load that drifts over the run then weighs on every schedule
-  alike instead of on whichever ran during it."""
-  runs = {name: [] for name in steps}
-  for _ in range(repeats):
-    for name, fn in steps.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn())
-      runs[name].append(time.perf_counter() - t0)
-  return runs
 
 
 def _task_table(problem: PipelineProblem, ticks: int, device: int, kind: int,
@@ -429,7 +416,7 @@ def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
       # The step times the simulator's validation compares its prediction with.
       "serial_step_s": results["serial_1f1b"]["step_s"],
       "fused_step_s": results["searched"]["step_s"],
-      # Median over rounds of fused / serial of the same round (time_in_rotation).
+      # Median over rounds of fused / serial of the same round (perf/timing.time_in_rotation).
       "paired_ratio_fused_over_serial": float(np.median(paired)),
       "unpipelined_step_s": float(np.median(ref_runs)),
       "search_s": {k: f.search_s for k, f in found.items()},

@@ -96,8 +96,6 @@ def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
   return proc.wait()
 
 
-
-
 def merge_rows(workdir: str, rows: list[dict], names: Sequence[str]) -> list[dict]:
   """This start's `rows` and, for the runs of the sweep (`names`, in its order) that it did not
   run (`--only`), their rows of the earlier summary.json: re-running one entry keeps the

@@ -142,16 +142,14 @@ def start_outputs(workdir: str, config: Any, outputs: tuple[str, ...],
   patterns = ("config.json", "traceback.txt", *outputs)
   names = sorted(n for n in os.listdir(workdir)
                  if any(fnmatch.fnmatchcase(n, p) for p in patterns))
-  if not names:
-    write_config(workdir, config)
-    return None
-  moved = [n for n in names if n not in held]
-  dest = _move_to_previous(workdir, moved)
-  for n in names:
-    if n in held and os.path.isfile(os.path.join(workdir, n)):
-      shutil.copy2(os.path.join(workdir, n), os.path.join(dest, n))
-  logging.info("moved the earlier run's outputs in %s (%s) to %s", workdir, ", ".join(names),
-               dest)
+  dest = None
+  if names:
+    dest = _move_to_previous(workdir, [n for n in names if n not in held])
+    for n in names:
+      if n in held and os.path.isfile(os.path.join(workdir, n)):
+        shutil.copy2(os.path.join(workdir, n), os.path.join(dest, n))
+    logging.info("moved the earlier run's outputs in %s (%s) to %s", workdir,
+                 ", ".join(names), dest)
   write_config(workdir, config)
   return dest
 
