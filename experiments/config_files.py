@@ -62,6 +62,13 @@ def get_config(config_path: str, flag: str = "--config") -> Any:
   module, variant = load_module(config_path, flag)
   if not hasattr(module, "get_config"):
     raise ValueError(f"{flag}={config_path!r} defines no get_config()")
+  check_variant(module, variant, config_path, flag)
+  return call_with_variant(module.get_config, variant or None)
+
+
+def check_variant(module: Any, variant: Optional[str], config_path: str,
+                  flag: str = "--config") -> None:
+  """A ValueError when a variant is given to a module whose get_config() takes none."""
   if variant and not inspect.signature(module.get_config).parameters:
     # (ml_collections would call it with the variant: a TypeError about positional arguments)
     path = split_config_path(config_path)[0]
@@ -70,7 +77,6 @@ def get_config(config_path: str, flag: str = "--config") -> Any:
              if hasattr(module, "get_sweep") else "")
     raise ValueError(f"{flag}={config_path!r}: {path}'s get_config() takes no variant "
                      f"(':{variant}'){extra}")
-  return call_with_variant(module.get_config, variant or None)
 
 
 def missing_field(config: Any, key: str) -> Optional[str]:

@@ -84,6 +84,8 @@ def check_overrides(module: Any, variant: Optional[str], config_path: str,
   import jax and fail on it)."""
   if not hasattr(module, "get_config"):
     return
+  # every run's --config carries the variant: its get_config() must take it
+  config_files.check_variant(module, variant, config_path)
   config = config_files.call_with_variant(module.get_config, variant)
   keys = [(f"get_sweep()[{i}]", k) for i, _, entry in runs for k in entry if k != "name"]
   keys += [("the sweep's flag", arg.split("=", 1)[0][len("--config."):]) for arg in passthrough]

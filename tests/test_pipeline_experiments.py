@@ -146,6 +146,14 @@ def test_sweep_takes_a_config_variant(tmp_path):
     # A command to paste.
     assert f"{name}: python -m experiments.schedule_search --config={spec} " in out.stderr, (
         out.stderr)
+  # A variant every run would refuse (its get_config() takes none) is refused by the sweep.
+  (tmp_path / "p.py").write_text("def get_config():\n  return {}\n"
+                                 "def get_sweep(arg='a'):\n  return [{'name': 'run_' + arg}]\n")
+  out = _run(["experiments.sweep", f"--config={tmp_path / 'p.py'}:b", "--binary=schedule_search",
+              f"--workdir={tmp_path / 'w'}", "--dry_run"])
+  assert out.returncode != 0 and "p.py's get_config() takes no variant (':b')" in out.stderr, (
+      out.stderr[-2000:])
+  assert "run_b: python" not in out.stderr
 
 
 def test_sweep_paths_are_the_callers_and_run_names_are_unique(tmp_path):
