@@ -112,7 +112,7 @@ def main(argv):
   logging.info("schedule kernels ready in %.1fs", warmup())
   out = ablations.run_ablations(cfg, workdir, log=logging.info)
   val_cal = cal_lib.load(cfg.validation_calibration) if cfg.validation_calibration else None
-  val_lines, val_rows = validation.validate(
+  val_lines, val_rows, val_skipped = validation.validate(
       val_cal, cfg.bench_generation_workdir, cfg.bench_pipeline_workdir,
       cfg.bench_decode_workdir, cfg.efficiency, cfg.bench_decode_extra,
       decode_fit_out=os.path.join(workdir, "decode_fit_calibration.json"))
@@ -127,10 +127,8 @@ def main(argv):
       logging.info("validation %s (%s): %s predicted %.4g, measured %.4g (%+.1f %%)",
                    row["bench"], row.get("prediction", ""), row["quantity"], row["predicted"],
                    row["measured"], 100 * row["error"])
-  for line in val_lines:
-    if ("nothing compared" in line or "could not compare" in line) and \
-        "no workdir given" not in line:  # a bench the user named that could not be compared
-      logging.warning("validation: %s", line.lstrip("- ").replace("**", ""))
+  for bench, reason in val_skipped:  # a bench the user named that could not be compared
+    logging.warning("validation: %s: %s", bench, reason)
   logging.info("done in %.0fs: %s", time.time() - t0, os.path.join(workdir, "ablations.md"))
 
 

@@ -57,7 +57,7 @@ def test_the_h100_bench_is_fitted_within_15_percent(tmp_path):
   parameters: every step within 15 % (the uncalibrated roofline is 53-80 % off). The fit is
   written as a calibration file that prices the same steps."""
   out = str(tmp_path / "fit.json")
-  lines, rows = validation.validate(None, "", "", H100_BENCH,
+  lines, rows, _ = validation.validate(None, "", "", H100_BENCH,
                                     decode_extra=("result_11_layers.json",), decode_fit_out=out)
   fitted = [r for r in rows if r["prediction"] == "fitted"]
   cal = calibration.load(out)
@@ -116,7 +116,7 @@ def test_three_steps_fit_but_give_no_leave_one_out(tmp_path):
   """One result file of 3 batches (bench_decode's default): fitted, leave-one-out '-'."""
   import shutil
   shutil.copy(os.path.join(H100_BENCH, "result.json"), tmp_path / "result.json")
-  lines, rows = validation.validate(None, "", "", str(tmp_path))
+  lines, rows, _ = validation.validate(None, "", "", str(tmp_path))
   fitted = [r for r in rows if r["prediction"] == "fitted"]
   assert len(fitted) == 3 and all(r["leave_one_out"] is None for r in fitted)
   assert all(abs(r["error"]) < 0.15 for r in fitted)

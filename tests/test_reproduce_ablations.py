@@ -14,12 +14,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_binary_writes_rows_report_and_figures(tmp_path):
   # Prepend, keep the rest: packages installed with --target are found through PYTHONPATH.
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  # A bench workdir whose result cannot be compared: the run goes on and warns about it.
+  (tmp_path / "gen").mkdir()
+  (tmp_path / "gen" / "result.json").write_text("{}")
   cmd = [sys.executable, "-m", "experiments.reproduce_ablations",
-         "--config=configs/ablations.py:quick", f"--workdir={tmp_path}",
-         "--config.sim.search_time_s=0.3"]
+         "--config=configs/ablations.py:quick", f"--workdir={tmp_path / 'w'}",
+         "--config.sim.search_time_s=0.3",
+         f"--config.validate.bench_generation_workdir={tmp_path / 'gen'}"]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "setting 1/1" in proc.stderr  # progress output
+  warnings = [line for line in proc.stderr.splitlines() if "validation: " in line]
+  assert len(warnings) == 1 and warnings[0].startswith("W") and \
+      "validation: bench_generation: result found but no calibration" in warnings[0], warnings
+  tmp_path = tmp_path / "w"
   result = json.loads((tmp_path / "result.json").read_text())
   rows = result["rows"]
   assert {r["system"] for r in rows} == set(iteration_sim.SYSTEMS)

@@ -78,8 +78,11 @@ def test_generation_prediction_loads_the_bench_s_frozen_models(tmp_path):
 
 def test_missing_inputs_are_said_plainly(tmp_path):
   cal = calibration.from_dict(CAL, "cal.json")
-  text = "\n".join(validation.validation_lines(cal, str(tmp_path / "nope"), ""))
-  assert "does not exist; nothing compared" in text
+  lines, rows, skipped = validation.validate(cal, str(tmp_path / "nope"), "")
+  assert "does not exist; nothing compared" in "\n".join(lines) and rows == []
+  # Only the bench given a workdir is reported as not compared (reproduce_ablations warns).
+  assert skipped == [("bench_generation", f"{tmp_path}/nope/result.json does not exist; "
+                      "nothing compared.")]
   write_gen_bench(tmp_path / "gen", drop=("response_lens",))
   text = "\n".join(validation.validation_lines(cal, str(tmp_path / "gen"), ""))
   assert "could not compare" in text and "response_lens" in text

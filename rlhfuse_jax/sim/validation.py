@@ -22,9 +22,10 @@ Prediction side:
       to result.json and the other depths' result files, `decode_extra`), each with its
       leave-one-out prediction.
 
-validate() returns the markdown lines and the rows {bench, quantity, predicted, measured,
-error (= predicted / measured - 1), prediction: calibrated | uncalibrated | fitted}; a fitted
-decode row adds its source file, leave_one_out and uncalibrated.
+validate() returns the markdown lines, the rows {bench, quantity, predicted, measured,
+error (= predicted / measured - 1), prediction: calibrated | uncalibrated | fitted} (a fitted
+decode row adds its source file, leave_one_out and uncalibrated), and the (bench, reason) of each
+bench given a workdir that could not be compared.
 
 Calibration: validation_lines uses the given calibration for bench_generation and bench_pipeline,
 or, when none is given, each bench's own `<workdir>/calibration.json` (both benches write one).
@@ -436,14 +437,20 @@ def validation_lines(calibration: Optional[Calibration], gen_workdir: str,
 def validate(calibration: Optional[Calibration], gen_workdir: str, pipe_workdir: str,
              decode_workdir: str = "", efficiency: Efficiency = Efficiency(),
              decode_extra: Sequence[str] = (), decode_fit_out: str = ""
-             ) -> tuple[list[str], list[dict]]:
-  """(markdown lines, rows): predicted vs measured for each bench, or why there is nothing to
-  compare (module docstring). `decode_fit_out`: where to write the fitted decode model as a
+             ) -> tuple[list[str], list[dict], list[tuple[str, str]]]:
+  """(markdown lines, rows, skipped): predicted vs measured for each bench, or why there is
+  nothing to compare (module docstring); skipped: (bench, reason) of each bench given a workdir
+  that was not compared. `decode_fit_out`: where to write the fitted decode model as a
   calibration file (`--config.calibration=` it to simulate the measured engine).
 
   `calibration` None: each bench is predicted with its own `<workdir>/calibration.json` (the
   costs measured on the machine and in the run it is compared with)."""
-  lines, table = [], []
+  lines, table, skipped = [], [], []
+
+  def skip(name: str, reason: str) -> None:
+    lines.append(f"- **{name}**: {reason}")
+    skipped.append((name, reason.replace("`", "")))
+
   for name, wd_path in (("bench_generation", gen_workdir), ("bench_pipeline", pipe_workdir),
                         ("bench_decode", decode_workdir)):
     if not wd_path:
@@ -451,7 +458,7 @@ def validate(calibration: Optional[Calibration], gen_workdir: str, pipe_workdir:
                    "nothing compared.")
       continue
     if not os.path.exists(os.path.join(wd_path, "result.json")):
-      lines.append(f"- **{name}**: `{wd_path}/result.json` does not exist; nothing compared.")
+      skip(name, f"`{wd_path}/result.json` does not exist; nothing compared.")
       continue
     notes: list[str] = []
     if name == "bench_decode":
@@ -459,7 +466,7 @@ def validate(calibration: Optional[Calibration], gen_workdir: str, pipe_workdir:
         result = _read(wd_path, "result.json")
         rows, notes = _decode_rows(result, efficiency)
       except (ValueError, FileNotFoundError, KeyError) as e:
-        lines.append(f"- **{name}**: could not compare: {e}")
+        skip(name, f"could not compare: {e}")
         continue
       try:
         fit_rows, fit_notes = _decode_fit_rows(wd_path, result, efficiency, decode_extra,
@@ -481,9 +488,9 @@ def validate(calibration: Optional[Calibration], gen_workdir: str, pipe_workdir:
     try:
       cal = calibration if calibration is not None else _default_calibration(wd_path)
       if cal is None:
-        lines.append(f"- **{name}**: result found but no calibration of the machine it ran on "
-                     f"(`--config.validate.calibration`, or `{wd_path}/calibration.json`); "
-                     "nothing compared.")
+        skip(name, "result found but no calibration of the machine it ran on "
+             f"(`--config.validate.calibration`, or `{wd_path}/calibration.json`); "
+             "nothing compared.")
         continue
       if name == "bench_generation":
         spec, meas = gen_bench_from_workdir(wd_path)
@@ -496,7 +503,7 @@ def validate(calibration: Optional[Calibration], gen_workdir: str, pipe_workdir:
       else:
         rows, notes = _pipeline_rows(cal, pipeline_bench_from_workdir(wd_path))
     except (ValueError, FileNotFoundError, KeyError) as e:
-      lines.append(f"- **{name}**: could not compare: {e}")
+      skip(name, f"could not compare: {e}")
       continue
     lines += [f"- **{name}** (`{wd_path}`, calibration `{cal.path}`):", "",
               "| quantity | predicted | measured | error |", "|---|---|---|---|"]
@@ -504,4 +511,4 @@ def validate(calibration: Optional[Calibration], gen_workdir: str, pipe_workdir:
               f"| {q} | {p:.4g} | - | - |" for q, p, m in rows]
     lines += [""] + notes + ([""] if notes else [])
     table += [_row(name, q, p, m, "calibrated") for q, p, m in rows]
-  return lines, table
+  return lines, table, skipped
