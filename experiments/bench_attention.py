@@ -47,11 +47,8 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def measure(c) -> dict:
-  for name in ("batch", "repeats"):
-    if not isinstance(c[name], int) or c[name] < 1:
-      raise ValueError(f"config.{name}={c[name]!r}: expected an integer >= 1")
-  if not isinstance(c.warmup, int) or c.warmup < 0:
-    raise ValueError(f"config.warmup={c.warmup!r}: expected an integer >= 0")
+  config_files.check_ints(c, ("batch", "repeats"))
+  config_files.check_ints(c, ("warmup",), minimum=0)
   lengths = parse_lengths(c.lengths)
   cfg = llama.ModelConfig(**c.model.to_dict(), max_seq_len=max(lengths), attention="blockwise")
   params = jax.tree.map(jnp.asarray, llama.host_random_params(cfg, c.seed))

@@ -276,9 +276,7 @@ def run_and_write(c, workdir: str, reference=None) -> dict:
   """Runs the benchmark and writes config.json, result.json, the PNGs and calibration.json
   (process 0). `reference(workdir)`: {name: array} of a reference run to compare with (and
   fold into identical_outputs), run on process 0 after the processes have shut down."""
-  for field in ("repeats", "batch_size"):
-    if not isinstance(c[field], int) or c[field] < 1:
-      raise ValueError(f"config.{field}={c[field]!r}: expected an integer >= 1")
+  config_files.check_ints(c, ("repeats", "batch_size"))
   main_process = distributed.is_main_process()
   pipelined = bool(c.generation.get("pipeline_stages"))
   if pipelined and jax.process_count() > 1:

@@ -46,9 +46,8 @@ def measure(c) -> dict:
   if max_len > cfg.max_seq_len:
     raise ValueError(f"prompt_len + max_new_tokens = {max_len} > model.max_seq_len="
                      f"{cfg.max_seq_len}")
-  for name in ("repeats", "slots", "chunk_size", "migrate_rows", "inference_microbatch"):
-    if not isinstance(c[name], int) or c[name] < 1:
-      raise ValueError(f"config.{name}={c[name]!r}: expected an integer >= 1")
+  config_files.check_ints(c, ("repeats", "slots", "chunk_size", "migrate_rows",
+                             "inference_microbatch"))
   if c.migrate_rows > c.slots:
     raise ValueError(f"config.migrate_rows={c.migrate_rows}: expected at most slots={c.slots} "
                      "(the rows copied come from one instance's cache)")

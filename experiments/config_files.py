@@ -79,6 +79,15 @@ def check_variant(module: Any, variant: Optional[str], config_path: str,
                      f"(':{variant}'){extra}")
 
 
+def check_ints(config: Any, names: Sequence[str], minimum: int = 1) -> None:
+  """A ValueError naming the first of `config`'s fields `names` that is not an integer (a bool
+  is not one) >= `minimum`: the binaries' check of their count fields."""
+  for name in names:
+    v = config[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+      raise ValueError(f"config.{name}={v!r}: expected an integer >= {minimum}")
+
+
 def missing_field(config: Any, key: str) -> Optional[str]:
   """None when the dotted `key` names a field of `config`; else "has no field 'a.b'" with the
   closest field's path as a hint (or the section's fields). A part under a value that is not

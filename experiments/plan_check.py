@@ -52,14 +52,11 @@ def device_count(c) -> int:
   """Devices the plan needs (training mesh, one generation instance or asynchronous PPO's
   generation group, whichever is largest); plain Python, so it runs before jax is imported.
   Errors name the field."""
-  sizes = {}
-  for name in ("pp", "tp", "dp", "fsdp", "gen_tp"):
-    v = c[name]
-    if not isinstance(v, int) or v < 1:
-      raise ValueError(f"config.{name}={v!r}: expected an integer >= 1")
-    sizes[name] = v
+  names = ("pp", "tp", "dp", "fsdp", "gen_tp")
+  config_files.check_ints(c, names)
+  sizes = {name: c[name] for name in names}
   group = c.get("generation_devices", 0) or 0
-  if not isinstance(group, int) or group < 0:
+  if isinstance(group, bool) or not isinstance(group, int) or group < 0:
     raise ValueError(f"config.generation_devices={group!r}: expected an integer >= 0")
   return max(sizes["pp"] * sizes["tp"] * sizes["dp"] * sizes["fsdp"], sizes["gen_tp"], group)
 

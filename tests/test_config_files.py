@@ -188,3 +188,16 @@ def test_a_subset_rerun_keeps_the_other_runs_rows_in_the_summary(tmp_path):
   assert rows == [{"run": "e0", "status": "ok", "x": 1}, {"run": "e1", "status": "ok", "x": 2}]
   assert runner.merge_rows(str(tmp_path / "none"), [{"run": "e2"}], ["e0", "e2"]) == [
       {"run": "e2"}]
+
+
+@pytest.mark.parametrize("value,minimum,ok", [
+    (1, 1, True), (0, 0, True), (0, 1, False), (2.0, 1, False), (True, 0, False),
+    ("3", 1, False)])
+def test_count_fields_must_be_integers_at_least_the_minimum(value, minimum, ok):
+  c = ml_collections.ConfigDict({"repeats": 3, "slots": value})
+  if ok:
+    config_files.check_ints(c, ("repeats", "slots"), minimum)
+  else:
+    with pytest.raises(ValueError, match=rf"^config\.slots={value!r}: expected an integer >= "
+                                         rf"{minimum}$"):
+      config_files.check_ints(c, ("repeats", "slots"), minimum)
