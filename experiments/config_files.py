@@ -131,6 +131,8 @@ def diagnose(argv: Sequence[str]) -> Optional[str]:
     except Exception as e:  # pylint: disable=broad-except
       if isinstance(e, ValueError) and str(e).startswith(f"--{name}="):
         return str(e)
+      if isinstance(e, OSError):  # ml_collections defers it (_load_error)
+        return _load_message(name, config_path, e)
       return None  # the config file's own error: the caller shows it
     for arg in argv:
       m = re.match(rf"^--?(?:no)?{name}\.([\w.]+)(=|$)", arg)
@@ -147,6 +149,28 @@ def _missing_file(argv: Sequence[str]) -> Optional[str]:
     path, _ = split_config_path(config_path)
     if not os.path.isfile(path):
       return f"--{name}={config_path!r}: no such file {path!r}"
+  return None
+
+
+def _load_message(name: str, config_path: str, error: BaseException) -> str:
+  """One line for an error raised while `--name=config_path` was loaded, with the config file's
+  line that raised it."""
+  given = split_config_path(config_path)[0]
+  frames = [f for f in traceback.extract_tb(error.__traceback__)
+            if os.path.abspath(f.filename) == os.path.abspath(given)]
+  where = f" ({given}, line {frames[-1].lineno})" if frames else ""
+  return f"--{name}={config_path!r}: loading it raised {type(error).__name__}: {error}{where}"
+
+
+def _load_error(argv: Sequence[str]) -> Optional[str]:
+  """An OSError raised while a config file was loaded (its get_config() reading a missing
+  file): ml_collections keeps it in a placeholder config and raises it at the config's first
+  use, deep in the binary. None when every config flag loaded."""
+  for name, config_path in _config_flags(argv).items():
+    value = flags.FLAGS[name].value
+    error = vars(value).get("_error") if type(value).__name__ == "_ErrorConfig" else None
+    if isinstance(error, BaseException):
+      return _load_message(name, config_path, error)
   return None
 
 
@@ -184,9 +208,9 @@ def parse_flags(argv: list[str]) -> list[str]:
     if message is None:
       raise
     _fatal(message)
-  missing = _missing_file(argv[1:])
-  if missing:
-    _fatal(missing)
+  problem = _missing_file(argv[1:]) or _load_error(argv[1:])
+  if problem:
+    _fatal(problem)
   workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None
   if workdir and os.path.exists(workdir) and not os.path.isdir(workdir):
     _fatal(f"--workdir={workdir!r} is a file; expected a directory (new or a run's own)")

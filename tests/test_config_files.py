@@ -88,6 +88,19 @@ def test_an_error_raised_in_the_config_file_is_cut_to_its_message_and_frame(tmp_
   assert "cfg.py" in line.split("(File ", 1)[1] and "in get_config)" in line
 
 
+def test_a_file_the_config_file_cannot_open_is_named_at_once(tmp_path):
+  # An OSError inside get_config() (a data file it reads): ml_collections keeps it for the
+  # config's first use, deep in the binary, as "Configuration is not available because of an
+  # earlier failure to load".
+  (tmp_path / "reads.py").write_text("import ml_collections\n"
+                                     "def get_config():\n"
+                                     "  open('missing_prompts.txt')\n")
+  for extra in ([], ["--config.lr=0.2"]):
+    assert _fatal_line(_run(tmp_path, "--config=reads.py", *extra)) == (
+        "--config='reads.py': loading it raised FileNotFoundError: [Errno 2] No such file or "
+        "directory: 'missing_prompts.txt' (reads.py, line 3)")
+
+
 def test_a_bad_value_keeps_absls_own_message(tmp_path):
   line = _fatal_line(_run(tmp_path, "--config=cfg.py", "--config.model.width=wide"))
   assert line.startswith("flag --config.model.width=wide: ") and "int()" in line, line
