@@ -7,7 +7,7 @@ r"""Asynchronous PPO against the synchronous loop (config.async_ppo; docs/usage.
 Runs `python -m experiments.train_ppo` once per run config, staleness (the first is the
 synchronous reference, 0) and seed, each in DIR/<config>_s<k>_seed<n> with its own
 metrics.jsonl (`parallel` of them at once), and writes DIR/result.json and DIR/curves.png
-(reward per iteration, mean over the seeds):
+(reward per iteration and against the iterations' summed wall time, means over the seeds):
 
   reward_gain       mean reward of the last window minus the first (window: a fraction of the
                     iterations), averaged over the seeds (per seed in reward_gain_per_seed);
@@ -125,18 +125,33 @@ def smooth(x: np.ndarray, width: int) -> np.ndarray:
   return (c[idx] - c[lo]) / (idx - lo)
 
 
+def curve(runs: list[list[dict]]) -> dict:
+  """The seeds' mean reward per iteration and mean wall time of the iterations so far (each
+  run's metrics.jsonl rows; the seeds ran the same number of iterations)."""
+  return {"reward": np.mean([[r["reward/mean"] for r in run] for run in runs], axis=0),
+          "elapsed_s": np.mean([np.cumsum([r["timing_s/step"] for r in run]) for run in runs],
+                               axis=0)}
+
+
 def plot(curves: dict, path: str, width: int) -> None:
-  """One panel per run config: reward per iteration (moving average) for each staleness."""
-  fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 3.8), squeeze=False)
-  for ax, (config, by_k) in zip(axes[0], curves.items()):
-    for k, rewards in by_k.items():
+  """A column per run config, a curve per staleness: the reward (moving average) per iteration
+  (top) and against the wall time the iterations took so far (bottom: what asynchrony is for;
+  start-up not counted). curves[config][staleness]: {"reward": [...], "elapsed_s": [...]}."""
+  fig, axes = plt.subplots(2, len(curves), figsize=(5.5 * len(curves), 7.2), squeeze=False)
+  for col, (config, by_k) in enumerate(curves.items()):
+    top, bottom = axes[0, col], axes[1, col]
+    for k, curve in by_k.items():
       label = "synchronous" if k == 0 else f"async, staleness {k}"
-      ax.plot(np.arange(1, len(rewards) + 1), smooth(np.asarray(rewards), width), label=label)
-    ax.set_title(config)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel(f"reward (seeds' mean, moving mean of {width})")
-    ax.grid(alpha=0.3)
-    ax.legend()
+      reward = smooth(np.asarray(curve["reward"]), width)
+      top.plot(np.arange(1, len(reward) + 1), reward, label=label)
+      bottom.plot(curve["elapsed_s"], reward, label=label)
+    top.set_title(config)
+    top.set_xlabel("iteration")
+    bottom.set_xlabel("wall time of the iterations so far (s)")
+    for ax in (top, bottom):
+      ax.set_ylabel(f"reward (seeds' mean, moving mean of {width})")
+      ax.grid(alpha=0.3)
+      ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -231,8 +246,7 @@ def main(argv):
         s["step_time_ratio"] = s["median_step_s"] / base["median_step_s"]
         s["gain_ok"] = s["gain_ratio"] is not None and s["gain_ratio"] >= c.min_gain_ratio
       entry[f"s{k}"] = s
-      curves[config][k] = np.mean([[r["reward/mean"] for r in rows[config, k, seed]]
-                                   for seed in c.seeds], axis=0)
+      curves[config][k] = curve([rows[config, k, seed] for seed in c.seeds])
       logging.info("%s staleness %d: %s", config, k, describe(s, c.min_gain_ratio))
     result["runs"][config] = entry
   result["failed_runs"] = failed
@@ -241,7 +255,8 @@ def main(argv):
   runner.write_result(out, result)
   if curves:
     plot(curves, os.path.join(out, "curves.png"), max(1, int(round(
-        min(len(v) for by_k in curves.values() for v in by_k.values()) * c.window))))
+        min(len(v["reward"]) for by_k in curves.values() for v in by_k.values()) *
+        c.window))))
   logging.info("wrote %s/result.json%s", out, " and curves.png" if curves else "")
   if not failed:
     (logging.info if result["all_gains_ok"] else logging.warning)(

@@ -268,3 +268,25 @@ def test_bench_async_keeps_what_the_other_runs_measured_when_one_fails(tmp_path)
   assert result["failed_runs"] == names and result["all_gains_ok"] is False
   assert result["runs"]["configs/ppo_tiny.py:bogus"] == {"failed_runs": names}
   assert "2 run(s) failed" in out.stderr
+
+
+def test_bench_async_plots_reward_by_iteration_and_by_wall_time(tmp_path):
+  """curves.png: the seeds' mean reward per iteration (top row) and against the summed wall
+  time of the iterations (bottom row), a column per run config. (A subprocess: the binary
+  defines absl flags.)"""
+  code = f"""
+from experiments import bench_async as b
+runs = [[{{"reward/mean": 0.1, "timing_s/step": 2.0}}, {{"reward/mean": 0.3, "timing_s/step": 1.0}}],
+        [{{"reward/mean": 0.3, "timing_s/step": 4.0}}, {{"reward/mean": 0.5, "timing_s/step": 1.0}}]]
+c = b.curve(runs)
+print(c["reward"].tolist(), c["elapsed_s"].tolist())
+b.plot({{"a.py": {{0: c, 1: c}}, "b.py": {{0: c}}}}, {str(tmp_path / "curves.png")!r}, 1)
+"""
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split() == ["[0.2,", "0.4]", "[3.0,", "4.0]"]
+  import matplotlib.image
+  height, width = matplotlib.image.imread(str(tmp_path / "curves.png")).shape[:2]
+  assert (height, width) == (864, 1320)  # 2 rows x 2 columns of panels at 120 dpi
