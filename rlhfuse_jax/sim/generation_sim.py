@@ -322,8 +322,10 @@ def _consolidate(cost: CostModel, setup: GenSetup, clock: _Clock, batch: _Batch,
     samples = []
     for slot, u in enumerate(slot_uid[i]):
       if u >= 0 and generated[u] < target[u]:
+        # The KV rows hold the prompt and every response token but the newest, as the engine's
+        # (generation/fused.py's consolidation: the next step writes it).
         samples.append(SampleState(uid=int(u), slot=slot,
-                                   length=int(batch.prompt_lens[u] + generated[u]),
+                                   length=int(batch.prompt_lens[u] + generated[u] - 1),
                                    remaining=int(setup.max_new_tokens - generated[u])))
     states.append(InstanceState(index=int(i), slots=setup.slots, kv_capacity_tokens=kv_cap,
                                 samples=tuple(samples), slot_capacity_tokens=slot_cap))
