@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from rlhfuse_jax.generation import engine
 from rlhfuse_jax.generation import fused
@@ -86,7 +87,6 @@ def test_critical_path_is_a_gapless_chain_from_time_zero_to_the_makespan(lat):
     assert starts[d1, p1] == pytest.approx(ev.ends[d0, p0] + gap, abs=1e-9)
   hops = sum(a[0] != b[0] for a, b in zip(chain, chain[1:]))
   assert sum(durs[c] for c in chain) + lat * hops == pytest.approx(makespan)
-
 
 
 def test_staged_decay_mask_decays_what_the_unpipelined_optimizer_decays():
@@ -360,7 +360,6 @@ def test_decode_bench_training_forward_counts_causal_attention():
 # parallel/ ---------------------------------------------------------------------------------------
 
 def test_param_shardings_replicate_a_dimension_the_mesh_does_not_divide():
-  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, fsdp=2, tensor=4), jax.devices()[:8])
   params = {"odd": np.zeros((6, 8), np.float32), "even": np.zeros((8, 8), np.float32)}
   specs = {"odd": P("mlp", "embed"), "even": P("mlp", "embed")}
