@@ -30,7 +30,8 @@ from rlhfuse_jax.sim import plan_search
 from rlhfuse_jax.sim import validation
 from rlhfuse_jax.sim.cost_model import CostModel, Efficiency, decode_step_work
 from rlhfuse_jax.sim.hardware import Hardware, get_hardware
-from rlhfuse_jax.sim.shapes import ModelShape, get_shape
+from rlhfuse_jax.sim.shapes import get_shape
+from tests.test_sim_cost import EFF, TOY, TOY_HW
 
 
 # pipeline/ ---------------------------------------------------------------------------------------
@@ -225,11 +226,8 @@ def test_slot_table_reports_a_finished_sample_once():
 
 # sim/cost_model.py -------------------------------------------------------------------------------
 
-_TOY_HW = Hardware(name="toy", peak_flops=1e15, hbm_bw=1e9, hbm_bytes=1e10, intra_node_bw=1e8,
-                   inter_node_bw=1e7, devices_per_node=4)
-_TOY = ModelShape(name="toy", vocab_size=100, hidden_size=16, intermediate_size=32, num_layers=2,
-                  num_heads=2, num_kv_heads=1)
-_EFF = Efficiency(decode_bw_eff=0.5, net_eff=0.5, collective_latency_s=0.0)
+# test_sim_cost.py's toy hardware (1 PFLOP/s, 1 GB/s HBM, 4 devices a node), model and efficiencies
+_TOY_HW, _TOY, _EFF = TOY_HW, TOY, EFF
 
 
 def test_decode_step_flops_count_4_per_head_dim_per_kv_token():
