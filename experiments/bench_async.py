@@ -140,11 +140,11 @@ def plot(curves: dict, path: str, width: int) -> None:
   fig, axes = plt.subplots(2, len(curves), figsize=(5.5 * len(curves), 7.2), squeeze=False)
   for col, (config, by_k) in enumerate(curves.items()):
     top, bottom = axes[0, col], axes[1, col]
-    for k, curve in by_k.items():
+    for k, series in by_k.items():
       label = "synchronous" if k == 0 else f"async, staleness {k}"
-      reward = smooth(np.asarray(curve["reward"]), width)
+      reward = smooth(np.asarray(series["reward"]), width)
       top.plot(np.arange(1, len(reward) + 1), reward, label=label)
-      bottom.plot(curve["elapsed_s"], reward, label=label)
+      bottom.plot(series["elapsed_s"], reward, label=label)
     top.set_title(config)
     top.set_xlabel("iteration")
     bottom.set_xlabel("wall time of the iterations so far (s)")
