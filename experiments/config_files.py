@@ -79,13 +79,17 @@ def check_variant(module: Any, variant: Optional[str], config_path: str,
                      f"(':{variant}'){extra}")
 
 
+def check_int(name: str, value: Any, minimum: int = 1) -> None:
+  """A ValueError naming config.`name` unless `value` is an integer (a bool is not one)
+  >= `minimum`: the binaries' check of their count fields."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ValueError(f"config.{name}={value!r}: expected an integer >= {minimum}")
+
+
 def check_ints(config: Any, names: Sequence[str], minimum: int = 1) -> None:
-  """A ValueError naming the first of `config`'s fields `names` that is not an integer (a bool
-  is not one) >= `minimum`: the binaries' check of their count fields."""
+  """check_int of each of `config`'s fields `names`, in order."""
   for name in names:
-    v = config[name]
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-      raise ValueError(f"config.{name}={v!r}: expected an integer >= {minimum}")
+    check_int(name, config[name], minimum)
 
 
 def missing_field(config: Any, key: str) -> Optional[str]:

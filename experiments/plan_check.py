@@ -56,8 +56,7 @@ def device_count(c) -> int:
   config_files.check_ints(c, names)
   sizes = {name: c[name] for name in names}
   group = c.get("generation_devices", 0) or 0
-  if isinstance(group, bool) or not isinstance(group, int) or group < 0:
-    raise ValueError(f"config.generation_devices={group!r}: expected an integer >= 0")
+  config_files.check_int("generation_devices", group, minimum=0)
   return max(sizes["pp"] * sizes["tp"] * sizes["dp"] * sizes["fsdp"], sizes["gen_tp"], group)
 
 
