@@ -7,9 +7,9 @@ For each sequence length, one jitted gradient step of sum(logsumexp(logits)) of 
 model under blockwise attention, twice: with the model's default positions (the token indices,
 so only the key tiles on or below the diagonal are read) and with the same positions passed
 explicitly (no promise: every tile). Times `repeats` steps of each, the two taking turns, and
-reports each one's median, the median of the paired speed-ups, the compiled dot FLOPs of each (perf/hlo_flops.py) and the largest difference between
-the two gradients relative to each leaf's largest entry (rounding only: the forward is bitwise
-the same). Writes DIR/result.json
+reports each one's median, the median of the paired speed-ups, the compiled dot FLOPs of each
+(perf/hlo_flops.py) and the largest difference between the two gradients relative to each
+leaf's largest entry (rounding only: the forward is bitwise the same). Writes DIR/result.json
 (with the device it ran on) and DIR/config.json.
 """
 from __future__ import annotations

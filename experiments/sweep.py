@@ -18,10 +18,10 @@ in the repository root; a relative --config file or --workdir is the caller's (m
 `--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant, if it
 takes an argument). Each run's output is appended to DIR/<run>/log.txt; --dry_run prints
 the commands and writes nothing; --only=NAME,... runs those entries alone (in their
-directories of the whole sweep; the summary keeps the other runs' earlier rows). Before anything runs, every
-overridden field (the entries' and the sweep's own --config.* flags) must exist in the file's
-get_config(): a misspelled one is named once, with the closest field, instead of failing every
-run.
+directories of the whole sweep; the summary keeps the other runs' earlier rows). Before
+anything runs, every overridden field (the entries' and the sweep's own --config.* flags) must
+exist in the file's get_config(): a misspelled one is named once, with the closest field,
+instead of failing every run.
 """
 from __future__ import annotations
 

@@ -276,14 +276,13 @@ def test_bench_async_plots_reward_by_iteration_and_by_wall_time(tmp_path):
   defines absl flags.)"""
   code = f"""
 from experiments import bench_async as b
-runs = [[{{"reward/mean": 0.1, "timing_s/step": 2.0}}, {{"reward/mean": 0.3, "timing_s/step": 1.0}}],
-        [{{"reward/mean": 0.3, "timing_s/step": 4.0}}, {{"reward/mean": 0.5, "timing_s/step": 1.0}}]]
+row = lambda reward, step_s: {{"reward/mean": reward, "timing_s/step": step_s}}
+runs = [[row(0.1, 2.0), row(0.3, 1.0)], [row(0.3, 4.0), row(0.5, 1.0)]]
 c = b.curve(runs)
 print(c["reward"].tolist(), c["elapsed_s"].tolist())
 b.plot({{"a.py": {{0: c, 1: c}}, "b.py": {{0: c}}}}, {str(tmp_path / "curves.png")!r}, 1)
 """
-  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True,
                        text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.split() == ["[0.2,", "0.4]", "[3.0,", "4.0]"]
