@@ -12,7 +12,6 @@ fitted to that bench, which --config.calibration=<it> turns into the simulated e
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import numpy as np
@@ -119,7 +118,7 @@ def main(argv):
   figures = _figures(cfg, out, workdir, cfg.systems)
   runner.write_result(workdir, {"rows": out["rows"], "inputs": out["inputs"],
                                "validation": val_rows})
-  command = "python -m experiments.reproduce_ablations " + " ".join(sys.argv[1:])
+  command = runner.command_line()  # quoted as in result.json's provenance
   report.write_markdown(os.path.join(workdir, "ablations.md"), out["rows"], cfg.systems,
                         out["inputs"], val_lines, command, figures, time.time() - t0)
   for row in val_rows:

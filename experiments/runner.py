@@ -150,18 +150,24 @@ def note_start() -> None:
   _START.update(started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), git_commit=git_commit())
 
 
+def command_line() -> str:
+  """This process's command line as a shell would take it back (quoted where needed), an
+  experiments binary written as `python -m experiments.NAME`."""
+  prog = os.path.relpath(os.path.abspath(sys.argv[0]), REPO_ROOT) if sys.argv else ""
+  head = (["python", "-m", prog[:-3].replace(os.sep, ".")]
+          if prog.startswith("experiments" + os.sep) and prog.endswith(".py") else
+          ["python", *sys.argv[:1]])
+  return shlex.join(head + sys.argv[1:])
+
+
 def provenance() -> dict:
   """When, from which code, by which command and on what a result was made: the date it was
   written and (through config_files.run) the run's start, the git commit at the start (`-dirty`
   with uncommitted changes), the command line, the host (processor, cores, Python) and, when
   the binary used jax, its version and devices."""
-  prog = os.path.relpath(os.path.abspath(sys.argv[0]), REPO_ROOT) if sys.argv else ""
-  head = (["python", "-m", prog[:-3].replace(os.sep, ".")]
-          if prog.startswith("experiments" + os.sep) and prog.endswith(".py") else
-          ["python", *sys.argv[:1]])
   out = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
          "git_commit": _START["git_commit"] if _START else git_commit(),
-         "command": shlex.join(head + sys.argv[1:]), "host": platform.node(),
+         "command": command_line(), "host": platform.node(),
          "host_cpu": host_cpu(), "host_cores": os.cpu_count(),
          "python": platform.python_version()}
   if _START:

@@ -1,6 +1,7 @@
 """The ablation binary end to end on its quick variant (one setting, all six systems)."""
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -17,8 +18,9 @@ def test_binary_writes_rows_report_and_figures(tmp_path):
   # A bench workdir whose result cannot be compared: the run goes on and warns about it.
   (tmp_path / "gen").mkdir()
   (tmp_path / "gen" / "result.json").write_text("{}")
+  # A workdir with a space: the report's command must quote it to be re-runnable.
   cmd = [sys.executable, "-m", "experiments.reproduce_ablations",
-         "--config=configs/ablations.py:quick", f"--workdir={tmp_path / 'w'}",
+         "--config=configs/ablations.py:quick", f"--workdir={tmp_path / 'w d'}",
          "--config.sim.search_time_s=0.3",
          f"--config.validate.bench_generation_workdir={tmp_path / 'gen'}"]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -27,7 +29,7 @@ def test_binary_writes_rows_report_and_figures(tmp_path):
   warnings = [line for line in proc.stderr.splitlines() if "validation: " in line]
   assert len(warnings) == 1 and warnings[0].startswith("W") and \
       "validation: bench_generation: result found but no calibration" in warnings[0], warnings
-  tmp_path = tmp_path / "w"
+  tmp_path = tmp_path / "w d"
   result = json.loads((tmp_path / "result.json").read_text())
   rows = result["rows"]
   assert {r["system"] for r in rows} == set(iteration_sim.SYSTEMS)
@@ -40,6 +42,9 @@ def test_binary_writes_rows_report_and_figures(tmp_path):
                  "peak_flops", "train_mfu", "llama-13b", "Response lengths",
                  "## Validation against measured runs"):
     assert needle in md, needle
+  command = result["provenance"]["command"]
+  assert f"Produced by `{command}`" in md
+  assert shlex.split(command)[3:] == cmd[3:], command  # after `python -m experiments...`
   for png in ("iteration_time.png", "generation_timeline.png", "fused_gantt.png"):
     assert (tmp_path / png).stat().st_size > 10000
   assert json.loads((tmp_path / "config.json").read_text())["sim"]["search_time_s"] == 0.3
