@@ -12,7 +12,7 @@
 # (default: python on PATH), e.g. PYTHON=.venv/bin/python. XLA_FLAGS: the caller's, with D
 # devices. Logs: WORKDIR.proc<i>.log (appended, a header line per start); process 0's is shown
 # here as it is written (FOLLOW=0: not; needs GNU tail), and the end of each failed process's
-# log once all have ended.
+# log as soon as it has ended.
 set -euo pipefail
 N=${1:?number of processes}; D=${2:?devices per process}; WORKDIR=${3:?workdir}; shift 3
 if ! [[ "$N" =~ ^[1-9][0-9]*$ && "$D" =~ ^[1-9][0-9]*$ ]]; then
@@ -77,30 +77,50 @@ forward() {
     kill -TERM "${pids[@]}" 2>/dev/null || true; fi
 }
 trap forward INT TERM
+# A failed process's reason is at the end of its log: shown as soon as it ends, not after the
+# others (they may wait for it in a collective until jax.distributed times out). Process 0's
+# output is already on screen while it is followed.
+show_failure() {  # process index, status
+  echo "--- process $1 exited $2; the end of ${WORKDIR%/}.proc$1.log:"
+  tail -c +$((offsets[$1] + 1)) "${WORKDIR%/}.proc$1.log" | tail -n 15 || true
+}
+# Each process's status once it has ended ("" while it runs): bash reaps its children and
+# keeps their statuses for `wait`, so `kill -0` fails once a process has ended.
+rcs=()
+running=$N
+failed_early=0
+while ((running > 0)); do
+  for i in "${!pids[@]}"; do
+    if [[ -n "${rcs[i]:-}" ]] || kill -0 "${pids[i]}" 2>/dev/null; then continue; fi
+    while :; do  # a trapped signal ends `wait` early (128 + signal): wait again for the status
+      interrupted=0
+      wait "${pids[i]}" && rc=0 || rc=$?
+      ((interrupted && rc > 128)) || break  # <= 128: the process's own status
+    done
+    rcs[i]=$rc
+    running=$((running - 1))
+    if ((rc != 0 && rc != 75)) && [[ $i != 0 || -z "$follower" ]]; then
+      show_failure "$i" "$rc"
+      if ((running > 0 && !failed_early)); then
+        failed_early=1
+        echo "--- $running process(es) still running; they may wait for process $i until" \
+          "jax.distributed times out (Ctrl-C stops them)"
+      fi
+    fi
+  done
+  if ((running > 0)); then sleep 0.2 || true; fi  # a Ctrl-C ends the sleep too
+done
+if [[ -n "$follower" ]]; then wait "$follower" 2>/dev/null || true; fi
 # The launcher's status: the first failure in process order that is not 75, else 75 when a
 # process stopped on SIGTERM (saved; resumable: a caller may requeue), else 0. A failure beside
 # a clean stop must not read as "stopped, start again".
 status=0
 summary=""
 for i in "${!pids[@]}"; do
-  while :; do  # a trapped signal ends `wait` early (128 + signal): wait again for the status
-    interrupted=0
-    wait "${pids[$i]}" && rc=0 || rc=$?
-    ((interrupted && rc > 128)) || break  # <= 128: the process's own status
-  done
+  rc=${rcs[i]}
   summary+=" $i:$rc"
   if ((rc != 0 && rc != 75 && (status == 0 || status == 75))); then status=$rc
   elif ((rc == 75 && status == 0)); then status=75; fi
-done
-if [[ -n "$follower" ]]; then wait "$follower" 2>/dev/null || true; fi
-# Why a process failed is at the end of its log: show it (process 0's, unless already shown).
-read -r -a codes <<< "$summary"
-for entry in "${codes[@]}"; do
-  i=${entry%%:*}; rc=${entry#*:}
-  if ((rc != 0 && rc != 75)) && [[ $i != 0 || -z "$follower" ]]; then
-    echo "--- process $i exited $rc; the end of ${WORKDIR%/}.proc$i.log:"
-    tail -c +$((offsets[i] + 1)) "${WORKDIR%/}.proc$i.log" | tail -n 15 || true
-  fi
 done
 echo "logs: ${WORKDIR%/}.proc*.log; exit status per process (process:status):$summary;" \
   "exit status $status"
