@@ -164,8 +164,11 @@ def _hf_gpu_preset(c, name: str) -> None:
 
 def _run_preset(c, spec: str) -> None:
   """'run/<file.py>[:<variant>]': the training config file and variant given to train_ppo's
-  --config, as written (`apply_run`)."""
+  --config, as written (`apply_run`). (Loaded here rather than by experiments/config_files.py:
+  a config file imports nothing outside the library's trainer, docs/architecture.md §7; its
+  checks are repeated below.)"""
   import importlib.util  # pylint: disable=import-outside-toplevel
+  import inspect  # pylint: disable=import-outside-toplevel
   import os  # pylint: disable=import-outside-toplevel
   path, _, variant = spec.partition(":")
   if not os.path.isfile(path):
@@ -174,7 +177,13 @@ def _run_preset(c, spec: str) -> None:
   module_spec = importlib.util.spec_from_file_location("plan_check_run_config", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  apply_run(c, module.get_config(variant) if variant else module.get_config())
+  get = getattr(module, "get_config", None)
+  if get is None:
+    raise ValueError(f"configs/plan_check.py: 'run/{spec}': {path} defines no get_config()")
+  if variant and not inspect.signature(get).parameters:
+    raise ValueError(f"configs/plan_check.py: 'run/{spec}': {path}'s get_config() takes no "
+                     f"variant (':{variant}')")
+  apply_run(c, get(variant) if variant else get())
 
 
 def apply_run(c, t) -> None:

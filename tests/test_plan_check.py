@@ -382,7 +382,7 @@ def test_mesh_generation_config_errors_and_llama_presets():
     plan_config.get_config("hf_gpu/gpt2")
 
 
-def test_run_variant_maps_a_training_config_file(monkeypatch):
+def test_run_variant_maps_a_training_config_file(monkeypatch, tmp_path):
   """run/<file>[:<variant>]: a training config file as its trainer runs it. The LLaMA preset's
   file gives the llama/ variant's plan; an HF checkpoint's architecture comes from its
   config.json, as the trainer reads it."""
@@ -406,6 +406,11 @@ def test_run_variant_maps_a_training_config_file(monkeypatch):
   assert (hf.generation, hf.gen_tp, hf.gradient_sync) == ("instances", 1, "once")
   with pytest.raises(ValueError, match=r"'run/configs/nope\.py': no config file"):
     plan_config.get_config("run/configs/nope.py")
+  with pytest.raises(ValueError, match=r"grpo_tiny\.py's get_config\(\) takes no variant"):
+    plan_config.get_config("run/configs/grpo_tiny.py:fused")  # was a TypeError
+  (tmp_path / "empty.py").write_text("")
+  with pytest.raises(ValueError, match=r"empty\.py defines no get_config\(\)"):
+    plan_config.get_config(f"run/{tmp_path / 'empty.py'}")
   # The README's main job: pipelined actor (4 stages) and critic (2 stages, 2 replicas) with the
   # searched fused schedule, generation and scoring on the fused stage's one-device instances.
   fused = plan_programs.PlanConfig.from_config_dict(
