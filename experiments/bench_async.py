@@ -164,6 +164,18 @@ def plot(curves: dict, path: str, width: int) -> None:
 RUN_FIELDS = ("objective", "num_iterations", "generation_devices", "host_devices")
 
 
+def run_iterations(num_iterations, config: str):
+  """The iterations a run of train_ppo config `config` (FILE.py[:variant], from the repository
+  root) trains: `num_iterations`, or the config's own when 0; None when that config cannot be
+  read (the run itself reports why)."""
+  if num_iterations:
+    return int(num_iterations)
+  try:
+    return int(config_files.get_config(os.path.join(runner.REPO_ROOT, config)).num_iterations)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
 def check_reuse(path: str, config: dict) -> None:
   """The runs in a workdir are train_ppo workdirs: re-running resumes them (an interrupted
   benchmark finishes) and reads finished ones back. That is only this benchmark's result when
@@ -177,6 +189,10 @@ def check_reuse(path: str, config: dict) -> None:
   trained = any(os.path.exists(os.path.join(workdir, d, "metrics.jsonl"))
                 for d in os.listdir(workdir))
   differ = sorted(k for k in RUN_FIELDS if old.get(k) != new.get(k)) if trained else []
+  if "num_iterations" in differ and all(
+      run_iterations(old.get("num_iterations"), r) == run_iterations(new["num_iterations"], r)
+      is not None for r in set(old.get("runs") or ()) | set(new.get("runs") or ())):
+    differ.remove("num_iterations")  # 0 (each config's own) and that count given explicitly
   if differ:
     raise ValueError(
         f"--workdir={os.path.dirname(path)} holds bench_async runs of another config "
@@ -209,12 +225,9 @@ def main(argv):
       overrides["num_iterations"] = c.num_iterations
     # A progress line per tenth of the run: its runs' lines interleave (`parallel`), and
     # metrics.jsonl has every iteration anyway (log_every may change on a resume).
-    try:
-      iterations = c.num_iterations or config_files.get_config(
-          os.path.join(runner.REPO_ROOT, config)).num_iterations
-      overrides["log_every"] = max(1, int(iterations) // 10)
-    except Exception:  # pylint: disable=broad-except  the run itself reports its config's error
-      pass
+    iterations = run_iterations(c.num_iterations, config)
+    if iterations is not None:
+      overrides["log_every"] = max(1, iterations // 10)
     cmd = runner.build_command("train_ppo", config, run_dir, overrides, [])
     logging.info("%s: %s", name, " ".join(cmd[1:]))
     rc = runner.run_streamed(cmd, run_dir, name, env)

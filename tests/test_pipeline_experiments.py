@@ -270,6 +270,31 @@ def test_bench_async_keeps_what_the_other_runs_measured_when_one_fails(tmp_path)
   assert "2 run(s) failed" in out.stderr
 
 
+def test_bench_async_reuses_runs_of_their_configs_own_iteration_count(tmp_path):
+  """num_iterations 0 (each run config's own: 400 for ppo_tiny) and 400 given explicitly train
+  the same runs: the workdir is reused, not refused (its finished runs would be lost to a new
+  one). 399 is refused. (A subprocess: the binary defines absl flags.)"""
+  (tmp_path / "ppo_tiny_s0_seed0").mkdir()
+  (tmp_path / "ppo_tiny_s0_seed0" / "metrics.jsonl").write_text('{"step": 1}\n')  # trained
+  runs = ["configs/ppo_tiny.py"]
+  (tmp_path / "config.json").write_text(json.dumps({"num_iterations": 0, "runs": runs}))
+  code = f"""
+from experiments import bench_async as b
+for n in (400, 399):
+  try:
+    b.check_reuse({str(tmp_path / "config.json")!r}, {{"num_iterations": n, "runs": {runs!r}}})
+    print(n, "reused")
+  except ValueError as e:
+    print(n, "refused:", e)
+"""
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.splitlines()
+  assert lines[0] == "400 reused", out.stdout
+  assert lines[1].startswith("399 refused:") and "num_iterations: 0 -> 399" in lines[1], lines
+
+
 def test_bench_async_plots_reward_by_iteration_and_by_wall_time(tmp_path):
   """curves.png: the seeds' mean reward per iteration (top row) and against the summed wall
   time of the iterations (bottom row), a column per run config. (A subprocess: the binary
