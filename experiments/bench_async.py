@@ -67,11 +67,9 @@ def check_config(c) -> None:
   _check(len(s) >= 2 and s[0] == 0 and all(isinstance(k, int) and k >= 1 for k in s[1:]),
          "staleness", c.staleness, "0 (the synchronous reference) first, then values >= 1")
   _check(0 < c.window <= 0.5, "window", c.window, "in (0, 0.5]")
-  _check(c.host_devices >= 1, "host_devices", c.host_devices, ">= 1")
+  config_files.check_ints(c, ("host_devices", "parallel"))  # parallel: runs at once
   _check(len(c.seeds) >= 1, "seeds", c.seeds, "one or more seeds")
-  _check(c.parallel >= 1, "parallel", c.parallel, ">= 1 (runs at once)")
-  _check(isinstance(c.num_iterations, int) and c.num_iterations >= 0, "num_iterations",
-         c.num_iterations, "an integer >= 0 (0: each run config's own)")
+  config_files.check_int("num_iterations", c.num_iterations, 0)  # 0: each run config's own
   _check(0 <= c.generation_devices < c.host_devices, "generation_devices", c.generation_devices,
          f"0 or fewer than host_devices={c.host_devices}")
 

@@ -83,7 +83,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from absl import logging
 
 from configs import ppo_llama
-from experiments import runner
+from experiments import config_files, runner
 from experiments.runner import fixed_or_sci
 from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.generation.sampling import SamplingConfig
@@ -266,21 +266,17 @@ class PlanConfig:
     for name in ("pp", "critic_pp", "tp", "dp", "fsdp", "minibatch_size",
                  "seq_len", "response_len", "gen_tp", "gen_slots", "chunk_size",
                  "inference_microbatch"):
-      _check(isinstance(d[name], int) and d[name] >= 1, name, d[name], "an integer >= 1")
-    _check(isinstance(d["microbatch_size"], int) and d["microbatch_size"] >= 0, "microbatch_size",
-           d["microbatch_size"], "an integer >= 0 (0, pp 1 only: each data shard's rows at once)")
+      config_files.check_int(name, d[name], 1)
+    # 0, pp 1 only: each data shard's rows at once
+    config_files.check_int("microbatch_size", d["microbatch_size"], 0)
     _check(isinstance(d.get("group_critic", False), bool), "group_critic", d.get("group_critic"),
            "True or False")
-    _check(isinstance(d.get("search_seed", 0), int), "search_seed", d.get("search_seed"),
+    seed = d.get("search_seed", 0)
+    _check(isinstance(seed, int) and not isinstance(seed, bool), "search_seed", seed,
            "an integer")
-    _check(isinstance(d.get("generation_devices", 0), int) and d.get("generation_devices", 0) >= 0,
-           "generation_devices", d.get("generation_devices"),
-           "an integer >= 0 (0: generation on the training devices)")
-    _check(isinstance(d.get("critic_microbatch_size", 0), int) and
-           d.get("critic_microbatch_size", 0) >= 0, "critic_microbatch_size",
-           d.get("critic_microbatch_size"), "an integer >= 0 (0: microbatch_size)")
-    _check(isinstance(d["layers"], int) and d["layers"] >= 0, "layers", d["layers"],
-           "an integer >= 0 (0: the model's own)")
+    # 0: generation on the training devices; microbatch_size; the model's own
+    for name in ("generation_devices", "critic_microbatch_size", "layers"):
+      config_files.check_int(name, d.get(name, 0), 0)
     _check(d["hardware"] in hw_lib.HARDWARE, "hardware", d["hardware"],
            f"a preset of rlhfuse_jax/sim/hardware.py: {sorted(hw_lib.HARDWARE)}")
     _check(d["cpu_upcast"] in CPU_UPCAST_MODES, "cpu_upcast", d["cpu_upcast"],

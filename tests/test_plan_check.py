@@ -343,6 +343,13 @@ def test_mesh_generation_config_errors_and_llama_presets():
   with pytest.raises(ValueError, match=r"config\.actor\.num_layers=3: expected divisible by "
                                        r"its 2 pipeline stages \(set config\.layers"):
     plan_programs.PlanConfig.from_config_dict(c)
+  # A bool is not a count (True passed as 1, a plan file's `"pp": true` read as one stage).
+  for name, minimum in (("pp", 1), ("gen_slots", 1), ("layers", 0), ("microbatch_size", 0)):
+    d = plan_config.get_config("tiny").to_dict()
+    d[name] = True
+    with pytest.raises(ValueError, match=rf"config\.{name}=True: expected an integer >= "
+                                         rf"{minimum}"):
+      plan_programs.PlanConfig.from_config_dict(d)
   # The presets' own layer counts are derived, not settable (accepted, then overwritten).
   d = plan_config.get_config("tiny").to_dict()
   d["actor_layers"] = 2
