@@ -175,6 +175,30 @@ def test_deepspeed_chat_generates_at_the_smallest_degree_beside_its_zero3_shards
     it.simulate_gen_stage(cost, wl, it.SimOptions(gen_tps=(4,)), False)
 
 
+def test_frozen_models_kept_on_the_devices_shrink_the_kv_pool():
+  """sim.offload_frozen=False: the reference, critic and reward model stay on the generation
+  instances, so their weights (split over the instance's tp) come out of the KV pool, and a
+  degree where they leave no room for the batch is refused naming them. Until 2026-11-30 no
+  memory check counted them."""
+  cost = CostModel(get_hardware("h100_sxm"))
+  wl = it.Workload(actor=get_shape("llama-13b"), critic=get_shape("llama-13b", "scalar"),
+                   max_new_tokens=1024)
+  on, off = (it.simulate_gen_stage(cost, wl, it.SimOptions(gen_tps=(4,), offload_frozen=o),
+                                   False) for o in (False, True))
+  kv_tok = wl.actor.kv_bytes_per_token() / 4
+  frozen = (wl.actor.weight_bytes() + 2 * wl.critic.weight_bytes()) / 4  # bf16, per device
+  assert frozen == pytest.approx(2 * 39e9 / 4, rel=0.05)  # three 13B models
+  free = cost.usable_bytes - wl.actor.weight_bytes() / 4
+  assert off["plan"].kv_capacity_tokens == int(free // kv_tok)
+  assert on["plan"].kv_capacity_tokens == int((free - frozen) // kv_tok)
+  # 65B: three frozen 65B-class models fill tp 4 instances (about 98 GB a device).
+  wl = it.Workload(actor=get_shape("llama-65b"), critic=get_shape("llama-65b", "scalar"),
+                   max_new_tokens=1024)
+  with pytest.raises(ValueError, match=r"tp=4: weights \+ KV cache .* \+ the frozen models' "
+                                       r"weights \(sim\.offload_frozen=False\)"):
+    it.simulate_gen_stage(cost, wl, it.SimOptions(gen_tps=(4,), offload_frozen=False), False)
+
+
 @pytest.mark.parametrize("fused_train_s, picked", [(0.8, True), (0.99, False)])
 def test_planned_fused_training_pays_the_resharding_its_layout_brings(fused_train_s, picked):
   """rlhfuse_planned swaps the plan's training for the fused schedule on a pipelined layout. A

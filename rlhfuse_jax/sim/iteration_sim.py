@@ -150,7 +150,7 @@ def gen_plan(cost: CostModel, wl: Workload, tp: int, prompt_lens: np.ndarray, ma
   need = wl.actor.weight_bytes() / tp + per_inst * slot_cap * kv_tok_bytes + resident_bytes
   cost.check_fits(f"generation of {wl.actor.name}", need,
                   f"tp={tp}: weights + KV cache for {per_inst} samples x {slot_cap} tokens"
-                  + (f" + {resident}" if resident else ""))
+                  + (f" + {resident}" if resident and resident_bytes else ""))
   slots = max(per_inst, min(max_slots, pool // slot_cap))
   return GenPlan(tp=tp, num_instances=g, slots=slots, kv_capacity_tokens=pool)
 
@@ -178,6 +178,13 @@ def gen_setup(plan: GenPlan, wl: Workload, opt: SimOptions, cost: CostModel, fus
       offload_frozen=opt.offload_frozen,
       devices_share_compute=bool(cost.cal is not None and cost.cal.devices_share_compute),
       devices_per_node=cost.hw.devices_per_node)
+
+
+def frozen_resident_bytes(frozen: tuple, tp: int, opt: SimOptions) -> float:
+  """Per device of a tp-device generation instance, the frozen models' weights that stay there
+  while it generates: none when they wait in host memory (`offload_frozen`), else their bf16
+  weights split over tp (the instance scores with them)."""
+  return 0.0 if opt.offload_frozen else sum(s.weight_bytes() for s in frozen) / tp
 
 
 def zero3_resident_bytes(wl: Workload) -> float:
@@ -210,8 +217,13 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
       rejected[tp] = split
       continue
     try:
-      plan = gen_plan(cost, wl, tp, prompts, opt.max_slots, resident,
-                      "the ZeRO-3 shards of the four models" if smallest_tp else "")
+      if smallest_tp:
+        plan = gen_plan(cost, wl, tp, prompts, opt.max_slots, resident,
+                        "the ZeRO-3 shards of the four models")
+      else:
+        plan = gen_plan(cost, wl, tp, prompts, opt.max_slots,
+                        frozen_resident_bytes(frozen, tp, opt),
+                        "the frozen models' weights (sim.offload_frozen=False)")
       if not smallest_tp:
         check_inference_memory(cost, wl, tp, opt.inference_microbatch, prompts)
     except ValueError as e:
