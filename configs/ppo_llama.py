@@ -176,7 +176,7 @@ def _fused(c, pair: str):
   `stage` (the critic over fewer stages, replicated over the rest), Megatron splits over
   `tensor`, no fsdp, the searched fused schedule (config.fusion.intra_stage), one sample per
   micro-batch at any data-parallel size that leaves each critic replica a sample. For 13B and
-  up its update spends 2-4x less time on the links than the fsdp preset's on the same GPUs;
+  up its update spends 1.9-3.0x less time on the links than the fsdp preset's on the same GPUs;
   for 7B the fsdp preset is faster (docs/results.md "Fused presets"). fused/33b/13b needs 32
   GPUs or more for its generation instances' KV caches."""
   stages, critic_stages, tensor = FUSED_PLANS[pair]

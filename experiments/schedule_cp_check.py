@@ -38,9 +38,9 @@ device d, the rest pinned (after the band: moved later by the extra work), at th
 makespan. A restriction: a schedule found is valid; INFEASIBLE says only that this growth does
 not exist.
 
-Needs ortools (an optional analysis dependency, not needed by the library; kept out of the main
-environment because it pins an older protobuf: `pip install --target DIR ortools` and put DIR on
-PYTHONPATH for this binary only).
+Needs ortools (an optional analysis dependency, not needed by the library): `pip install -e
+".[exact]"`; where its protobuf pin conflicts with the environment's, `pip install --target DIR
+ortools` and put DIR on PYTHONPATH for this binary only.
   python -m experiments.schedule_cp_check --config=configs/schedule_search.py \
       --config.memory_budget_mode=per_device \
       --config.actor_pp=8 --config.critic_pp=4 --config.actor_microbatches=16 \

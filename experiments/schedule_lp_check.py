@@ -6,7 +6,7 @@ multipliers saved in certificate.npz prove it: `--verify` rebuilds the model and
 exact integer arithmetic, with no solver. A feasible LP proves nothing (use schedule_cp_check).
 
 Needs highspy for the large models (an optional analysis dependency, like ortools for
-schedule_cp_check: `pip install highspy`); `--solver=scipy` uses the HiGHS bundled with scipy
+schedule_cp_check: `pip install -e ".[exact]"`); `--solver=scipy` uses the HiGHS bundled with scipy
 (small models only).
   python -m experiments.schedule_lp_check --config=configs/schedule_search.py \
       --config.memory_budget_mode=per_device \
