@@ -442,6 +442,23 @@ def test_bad_layouts_fail_before_compiling():
                    actor_params=shapes["reference"], frozen_params=shapes)
 
 
+def test_every_process_refuses_a_layout_that_leaves_one_without_an_instance(monkeypatch):
+  """2 instances on the first 2 of process 0's devices, 2 processes: process 0 refuses too (it
+  used to compile on and wait in its first exchange for process 1, which had refused)."""
+  class TwoProcesses(fused.multihost.Exchange):
+    def __init__(self, timeout_s):
+      super().__init__(timeout_s)
+      self.count = 2  # as process 0 of 2
+  monkeypatch.setattr(fused.multihost, "Exchange", TwoProcesses)
+  shapes = {"reference": llama.host_random_params(CFG, 0)}
+  with pytest.raises(ValueError, match=r"num_instances=2 x instance_devices=1 leaves "
+                                       r"process\(es\) \[1\] of 2 without an instance"):
+    FusedGenerator(CFG, SamplingConfig(max_new_tokens=T, eos_id=-1),
+                   FusedGenConfig(num_instances=2, slots=4, migration_threshold=0.5),
+                   batch_size=8, prompt_len=P, frozen=FrozenModels(reference=CFG),
+                   actor_params=shapes["reference"], frozen_params=shapes)
+
+
 def test_instances_split_the_devices():
   meshes = instances.split_devices(jax.devices(), 4, 2)
   assert [tuple(m.devices.flat) for m in meshes] == [tuple(jax.devices()[2 * i:2 * i + 2])

@@ -241,10 +241,15 @@ class FusedGenerator:
                                                 f"config.{config.section}.instance_devices")
                            for i, m in enumerate(meshes)])  # [G] process of each instance
     self.local = [i for i in range(g) if self.owner[i] == self.exchange.me]
-    if not self.local:
+    # Decided from the owners of all instances (the same on every process), so every process
+    # stops here: checked by the process left without one alone, the others went on to compile
+    # and then waited in their first exchange for a process that had left.
+    idle = sorted(set(range(self.exchange.count)) - set(self.owner.tolist()))
+    if idle:
       raise ValueError(f"config.{config.section}.num_instances={g} x instance_devices="
-                       f"{config.instance_devices} leaves process {self.exchange.me} without an "
-                       "instance: every process must drive at least one")
+                       f"{config.instance_devices} leaves process(es) {idle} of "
+                       f"{self.exchange.count} without an instance: every process must drive "
+                       "at least one")
     if self.exchange.multi and config.inference_inflight:
       raise ValueError(f"config.{config.section}.inference_inflight={config.inference_inflight}"
                        " caps running micro-batches, which a process cannot see on another "
