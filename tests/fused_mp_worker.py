@@ -5,7 +5,8 @@ and the case both sides run: the test runs `run_case` in its own process (8 devi
 
 runs it as one of NUM_PROCESSES processes on 127.0.0.1 (XLA_FLAGS from the caller: its local
 devices), writing OUT_DIR/proc{PROCESS_ID}.npz with every process's view of the outputs.
-FUSED_MP_INSTANCES and FUSED_MP_SEED (default G and 0) pick the instance count and batch.
+FUSED_MP_INSTANCES and FUSED_MP_SEED (default G and 0) pick the instance count and batch,
+FUSED_MP_EXCHANGE the exchanges' `exchange_on` (default "host").
 """
 import json
 import os
@@ -49,7 +50,8 @@ def run_case(g: int = G, seed: int = 0) -> dict:
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=T, chunk_size=3, eos_id=-1)
   config = FusedGenConfig(num_instances=g, slots=S, migration_threshold=0.5,
                           compile_threads=2, exchange_timeout_s=float(
-                              os.environ.get("FUSED_MP_TIMEOUT_S", 600)))
+                              os.environ.get("FUSED_MP_TIMEOUT_S", 600)),
+                          exchange_on=os.environ.get("FUSED_MP_EXCHANGE", "host"))
   gen = FusedGenerator(cfg, sampling, config, batch_size=2 * g, prompt_len=P,
                        frozen=FrozenModels(reference=cfg, critic=score, reward=score),
                        actor_params=actor, frozen_params=params)

@@ -446,8 +446,8 @@ def test_every_process_refuses_a_layout_that_leaves_one_without_an_instance(monk
   """2 instances on the first 2 of process 0's devices, 2 processes: process 0 refuses too (it
   used to compile on and wait in its first exchange for process 1, which had refused)."""
   class TwoProcesses(fused.multihost.Exchange):
-    def __init__(self, timeout_s):
-      super().__init__(timeout_s)
+    def __init__(self, *args):
+      super().__init__(*args)
       self.count = 2  # as process 0 of 2
   monkeypatch.setattr(fused.multihost, "Exchange", TwoProcesses)
   shapes = {"reference": llama.host_random_params(CFG, 0)}

@@ -134,14 +134,16 @@ def test_a_process_that_dies_or_hangs_fails_the_other_with_a_clear_error(tmp_pat
   process 1 down with the coordination service before it could die (exit -6, not 7). The two
   runs go one after the other: side by side (4 processes on a loaded 2-core CI machine) process
   1 of the dying run once came to a collective more than 30 s late, past gloo's own context
-  deadline, so process 0 stopped before process 1 could die (EXIT_PEER_LOST, not 7)."""
+  deadline, so process 0 stopped before process 1 could die (EXIT_PEER_LOST, not 7). The dying
+  run exchanges over every device (exchange_on="devices"), the other over the host mesh."""
   # The hanging run's watchdog may fire while process 1 is still on its way to round 3: that
   # ends it for the same reason (a peer that does not come), so 8 s is enough.
   for how, timeout in (("die", "120"), ("hang", "8")):
     out_dir = str(tmp_path / how)
     os.makedirs(out_dir)
     t0 = time.time()
-    procs = launch(2, 4, out_dir, FUSED_MP_FAIL=f"1:3:{how}", FUSED_MP_TIMEOUT_S=timeout)
+    procs = launch(2, 4, out_dir, FUSED_MP_FAIL=f"1:3:{how}", FUSED_MP_TIMEOUT_S=timeout,
+                   FUSED_MP_EXCHANGE="devices" if how == "die" else "host")
     try:
       code = procs[0].wait(timeout=TIMEOUT_S)
       elapsed = time.time() - t0
@@ -165,6 +167,36 @@ def test_a_process_that_dies_or_hangs_fails_the_other_with_a_clear_error(tmp_pat
       for p in procs:
         if p.poll() is None:
           p.kill()
+
+
+class _Device:
+  def __init__(self, id_, process, platform="cpu"):
+    self.id, self.process_index, self.platform = id_, process, platform
+
+
+def test_host_exchanges_gather_over_one_cpu_device_per_process(monkeypatch):
+  """exchange_on="host": the lowest-numbered CPU device of each process, where the CPU backend
+  spans the processes (a GPU or TPU run's hosts); else the lowest-numbered device of each."""
+  import jax
+  from rlhfuse_jax.generation import multihost
+  cpus = [_Device(i, int(i >= 4)) for i in (5, 4, 1, 0, 7, 2)]
+  gpus = [_Device(10 + i, i // 2, "gpu") for i in (3, 2, 1, 0)]
+  ex = multihost.Exchange(60)
+  ex.count = 2
+  monkeypatch.setattr(jax, "devices", lambda kind=None: cpus if kind == "cpu" else gpus)
+  assert [d.id for d in ex.host_devices()] == [0, 4]
+  cpus[:] = [d for d in cpus if d.process_index == 0]  # a CPU backend of this process only
+  assert [d.id for d in ex.host_devices()] == [10, 12]
+
+  def no_cpu(kind=None):
+    if kind == "cpu":
+      raise RuntimeError("Unknown backend cpu")
+    return gpus
+  monkeypatch.setattr(jax, "devices", no_cpu)
+  assert [d.id for d in ex.host_devices()] == [10, 12]
+  import pytest
+  with pytest.raises(ValueError, match=r"exchange_on='disk': expected one of \('host', "):
+    multihost.Exchange(60, "disk")
 
 
 def test_only_the_runtimes_errors_are_blamed_on_another_process():

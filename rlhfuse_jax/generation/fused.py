@@ -95,6 +95,13 @@ class FusionFields:
   migration_threshold: Union[float, str] = "auto"  # Rt in [0, 1], or "auto" (simulated)
   max_consolidations: int = 1  # long-tail consolidations per batch (the simulator's default too)
   inference_micro_batch: int = 0  # samples per inference micro-batch on freed instances; 0: slots
+  # Several processes (generation/multihost.py): where the per-round host exchanges run,
+  # "host" (a CPU device of each process, so an exchange never waits for work queued on the
+  # accelerators: the scoring on freed instances, an asynchronous update) or "devices" (every
+  # device of every process, jax's process_allgather); and after how many seconds a collective
+  # of the loop that has not completed (a peer died or hangs) ends the process (exit 69).
+  exchange_on: str = "host"
+  exchange_timeout_s: float = 600.0
 
   # Class attributes, not fields. The config section a user edits for these fields, named in
   # errors (FusedGenConfig makes it a field: "generation" in bench_generation).
@@ -127,6 +134,11 @@ class FusionFields:
       except ValueError:
         pass
     rt_choice.resolve_threshold(self.migration_threshold, f"{self.section}.migration_threshold")
+    if self.exchange_on not in multihost.EXCHANGE_ON:
+      self._fail("exchange_on", self.exchange_on, f"one of {multihost.EXCHANGE_ON}")
+    t = self.exchange_timeout_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+      self._fail("exchange_timeout_s", t, "a number of seconds > 0")
 
   def fusion_fields(self) -> dict:
     """{name: value} of the FusionFields fields (what FusedGenConfig.of copies)."""
@@ -144,10 +156,6 @@ class FusedGenConfig(FusionFields):
   inference_inflight: int = 0
   rt_candidates: tuple = rt_choice.DEFAULT_CANDIDATES  # Rt values "auto" simulates
   compile_threads: int = 4  # threads compiling the instances' executables at start-up
-  # Several processes: a collective of the loop (the per-round exchanges, a cross-host
-  # migration) that has not completed after this many seconds ends the process with a clear
-  # error (a peer died or hangs; generation/multihost.py).
-  exchange_timeout_s: float = 600.0
   # The config section a user edits for these fields, named in errors: "fusion" in train_ppo,
   # "generation" in bench_generation.
   section: str = "fusion"
@@ -157,8 +165,6 @@ class FusedGenConfig(FusionFields):
     self._check_int("compile_threads", 1, "an integer >= 1")
     self._check_int("inference_inflight", 0, "an integer >= 0 (0: no cap)")
     self._check_int("kv_capacity_tokens", 0, "an integer >= 0 (0: slots * max_len)")
-    if not isinstance(self.exchange_timeout_s, (int, float)) or self.exchange_timeout_s <= 0:
-      self._fail("exchange_timeout_s", self.exchange_timeout_s, "a number of seconds > 0")
     for c in self.rt_candidates:
       rt_choice.resolve_threshold(c, f"{self.section}.rt_candidates[]")
 
@@ -236,7 +242,7 @@ class FusedGenerator:
                        "simulated_rt_model (or set a fixed threshold in [0, 1])")
     # Several processes: each drives (compiles, decodes on, scores on) its own instances; the
     # bookkeeping of all of them is global (generation/multihost.py).
-    self.exchange = multihost.Exchange(config.exchange_timeout_s)
+    self.exchange = multihost.Exchange(config.exchange_timeout_s, config.exchange_on)
     self.owner = np.array([multihost.process_of(m.devices.flat, f"generation instance {i}",
                                                 f"config.{config.section}.instance_devices")
                            for i, m in enumerate(meshes)])  # [G] process of each instance

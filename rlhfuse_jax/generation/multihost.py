@@ -7,6 +7,18 @@ compute. What makes the state global is `Exchange`: after every decode round the
 all-gather their instances' summaries (done, generated, stop: 12 bytes per slot), then the
 tokens and log-probs of the rows that just finished, and at the end the inference results.
 
+Where the exchanges run (`exchange_on`): jax's process_allgather runs a program on every device
+of every process, and an accelerator runs its programs in launch order, so each exchange would
+wait for whatever is queued on any device: the scoring that freed instances run beside the
+tail (the overlap inter-stage fusion is for) or, with asynchronous PPO, the whole update on the
+training devices. "host" (the default) gathers over a mesh of one CPU device per process
+instead (jax's CPU backend spans the processes once jax.distributed is initialised, with gloo
+collectives), which no accelerator work delays; where it does not span them (a CPU backend
+left out by JAX_PLATFORMS), or on CPU-only runs, the first device of each process. "devices"
+is jax's process_allgather over every device. (Argued from jax's source and the GPU/TPU
+runtimes' per-device ordering; on CPU devices, executions are not ordered per device, so the
+tests cannot tell the two apart. Not yet measured on several GPU hosts.)
+
 Cross-host KV migration (`CrossHostTransfer`): a jitted `shard_map` over a (2, tp) mesh of the
 source instance's devices and the target's, whose body is one `lax.ppermute` from row 0 to row
 1. Both processes run it; the source supplies its device shards of the gathered rows, the target
@@ -45,6 +57,8 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+EXCHANGE_ON = ("host", "devices")
+
 # Exit code of a process whose collective timed out (Exchange.guard): EX_UNAVAILABLE, not
 # train_ppo's 75 (stopped by a signal after saving), so a requeue script can tell them apart.
 EXIT_PEER_LOST = 69
@@ -70,10 +84,39 @@ class Exchange:
   """The host-side all-gathers of the fused loop. Every process must call each method in the
   same order with arrays of the same shape (the shapes derive from global state only)."""
 
-  def __init__(self, timeout_s: float = 600.0):
+  def __init__(self, timeout_s: float = 600.0, on: str = "host"):
+    if on not in EXCHANGE_ON:
+      raise ValueError(f"exchange_on={on!r}: expected one of {EXCHANGE_ON}")
     self.count = jax.process_count()
     self.me = jax.process_index()
     self.timeout_s = timeout_s
+    self.on = on
+    self._gather = None  # (the host mesh's local device, jitted gather), built at first use
+
+  def host_devices(self) -> list:
+    """One device per process, in process order, for the "host" exchanges (module docstring):
+    the lowest-numbered CPU device of each process where the CPU backend spans them all, else
+    the lowest-numbered device of each process."""
+    try:
+      cpus = jax.devices("cpu")
+    except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu)
+      cpus = []
+    pool = cpus if {d.process_index for d in cpus} == set(range(self.count)) else jax.devices()
+    first: dict = {}
+    for d in sorted(pool, key=lambda d: d.id):
+      first.setdefault(d.process_index, d)
+    return [first[p] for p in range(self.count)]
+
+  def _host_allgather(self, x: np.ndarray) -> np.ndarray:
+    if self._gather is None:
+      devices = self.host_devices()
+      mesh = Mesh(np.array(devices, dtype=object), ("process",))
+      self._gather = (devices[self.me], NamedSharding(mesh, P("process")),
+                      jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P())))
+    local, sharding, gather = self._gather
+    piece = jax.device_put(x[None], local)
+    glob = jax.make_array_from_single_device_arrays((self.count,) + x.shape, sharding, [piece])
+    return np.asarray(gather(glob).addressable_data(0))
 
   def _message(self, what: str) -> str:
     return (f"fused generation, process {self.me} of {self.count}: the collective exchanging "
@@ -118,8 +161,10 @@ class Exchange:
     x = np.asarray(x)
     if self.count == 1:
       return x[None]
-    from jax.experimental import multihost_utils  # multi-host only
     with self.guard(what):
+      if self.on == "host":
+        return self._host_allgather(x)
+      from jax.experimental import multihost_utils  # multi-host only
       return np.asarray(multihost_utils.process_allgather(x, tiled=False))
 
   def broadcast_float(self, x: float) -> float:
@@ -127,10 +172,8 @@ class Exchange:
     through jax would round to float32, and processes must compare against the same Rt)."""
     if self.count == 1:
       return float(x)
-    from jax.experimental import multihost_utils  # multi-host only
     words = np.frombuffer(np.float64(x).tobytes(), np.int32)
-    with self.guard("process 0's Rt"):
-      got = np.asarray(multihost_utils.broadcast_one_to_all(words), np.int32)
+    got = np.ascontiguousarray(self.allgather(words, "process 0's Rt")[0], np.int32)
     return float(np.frombuffer(got.tobytes(), np.float64)[0])
 
   def by_owner(self, local: np.ndarray, owner: np.ndarray, what: str = "host data"

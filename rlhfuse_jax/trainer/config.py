@@ -638,6 +638,8 @@ RESUMABLE_FIELDS = frozenset({
     "plan.file",
     # When the device tests "all rows done?": the same tokens, only the decode's host syncs.
     "rollout.steps_per_check",
+    # Where the fused loop's host exchanges run and how long one may wait: the same values.
+    "fusion.exchange_on", "fusion.exchange_timeout_s",
     # Where the moments wait during the rollout: the same values come back (tested bitwise).
     "optim.offload_during_rollout",
     # Where the optimizer state lives: restored into the new placement, the same values up to
