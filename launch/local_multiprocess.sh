@@ -111,16 +111,18 @@ while ((running > 0)); do
   if ((running > 0)); then sleep 0.2 || true; fi  # a Ctrl-C ends the sleep too
 done
 if [[ -n "$follower" ]]; then wait "$follower" 2>/dev/null || true; fi
-# The launcher's status: the first failure in process order that is not 75, else 75 when a
+# The launcher's status: the first failure in process order that is neither 75 nor 69, else
+# 69 (a process saw a peer die or hang: rlhfuse_jax/generation/multihost.py), else 75 when a
 # process stopped on SIGTERM (saved; resumable: a caller may requeue), else 0. A failure beside
-# a clean stop must not read as "stopped, start again".
+# a clean stop must not read as "stopped, start again", and the process that failed, not the
+# ones that lost it (69, which a requeue rule may retry), gives the status.
 status=0
 summary=""
+rank() { case $1 in 0) echo 0;; 75) echo 1;; 69) echo 2;; *) echo 3;; esac; }
 for i in "${!pids[@]}"; do
   rc=${rcs[i]}
   summary+=" $i:$rc"
-  if ((rc != 0 && rc != 75 && (status == 0 || status == 75))); then status=$rc
-  elif ((rc == 75 && status == 0)); then status=75; fi
+  if (($(rank "$rc") > $(rank "$status"))); then status=$rc; fi
 done
 echo "logs: ${WORKDIR%/}.proc*.log; exit status per process (process:status):$summary;" \
   "exit status $status"

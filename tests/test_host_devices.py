@@ -69,12 +69,13 @@ def test_the_launcher_reads_relative_paths_where_it_was_started(tmp_path):
 
 def test_the_launcher_exits_with_a_failure_rather_than_a_clean_stop(tmp_path):
   """Process statuses (0 saved-and-stopped 75, 1 failed with 3): the launcher exits 3, not 75
-  (a caller would requeue a failed run as resumable) and not the last process's status; each
+  (a caller would requeue a failed run as resumable) and not the last process's status; a
+  process's own failure (1) beside one that lost it (69, peer lost) gives 1, not 69; each
   process's status is in its last line. All stopped on SIGTERM: 75; all fine: 0. Process 0's
   output is shown as it runs, and the end of each failed process's log after."""
   launcher = os.path.join(REPO, "launch", "local_multiprocess.sh")
   for codes, want in (((75, 3), 3), ((3, 75), 3), ((75, 75), 75), ((0, 75), 75), ((0, 0), 0),
-                      ((2, 3), 2)):
+                      ((2, 3), 2), ((69, 1), 1), ((69, 75), 69), ((0, 69), 69)):
     fake = _stand_in(tmp_path / "python", "case \"$*\" in\n" + "".join(
         f"  *--process_id={i}*) echo 'why {i} ended'; exit {c};;\n"
         for i, c in enumerate(codes)) + "esac")
