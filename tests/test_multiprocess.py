@@ -264,3 +264,20 @@ def test_slurm_one_task_per_node_sees_every_gpu_of_its_node(monkeypatch):
     with pytest.raises(ValueError, match=f"{given} given without num_processes"):
       distributed.initialize(*args)
   assert len(calls) == n
+
+
+def test_processes_that_read_different_checkpoints_stop_naming_each(monkeypatch):
+  """What each process reads of the workdir alone (the checkpoint to resume) is compared: a
+  host with another view of the shared filesystem stops the run on every process, naming each
+  one's values, instead of training on from a mix of states (trainer/loop.py calls it)."""
+  import jax
+  from jax.experimental import multihost_utils
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  # As every process sees it: process 0 resumes step 40, process 1 (a stale listing) step 30.
+  views = np.array([[40, 0], [30, 0]], np.int32)
+  monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: views)
+  with pytest.raises(ValueError, match=r"the processes disagree on where to start \(process 0: "
+                                       r"\(40, 0\); process 1: \(30, 0\)\): see why"):
+    distributed.check_same_over_processes((40, False), "where to start", ": see why")
+  views[1, 0] = 40
+  distributed.check_same_over_processes((40, False), "where to start")  # agreed: nothing

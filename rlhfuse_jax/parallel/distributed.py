@@ -112,6 +112,22 @@ def main_process_verdict(ok: bool) -> bool:
   return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
 
 
+def check_same_over_processes(values: tuple, what: str, why: str = "") -> None:
+  """A ValueError on every process unless every process has the same integer `values` (one
+  tiny collective that every process must call at the same point; single process: nothing).
+  For what each process reads on its own but all must agree on, such as the checkpoint to
+  resume: otherwise they would go on from different states without an error, or wait for
+  each other in different collectives."""
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils  # multi-host only
+  mine = np.asarray(values, np.int32)
+  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
+  if not (every == every[0]).all():
+    seen = "; ".join(f"process {p}: {tuple(int(v) for v in row)}" for p, row in enumerate(every))
+    raise ValueError(f"the processes disagree on {what} ({seen}){why}")
+
+
 def max_over_processes(value: int) -> int:
   """The largest of every process's `value` (one tiny collective that every process must call at
   the same point; single process: `value`). For decisions each process may reach alone, such as

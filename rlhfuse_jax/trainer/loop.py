@@ -142,13 +142,6 @@ class PPOTrainer:
     # checkpoint's side-car, its seed and its config fingerprint against this config.
     self.checkpoints = hooks.Checkpoints(self.workdir, cfg, cfg.fingerprint())
     self.resume_step, meta = self.checkpoints.resume_point()
-    if self.resume_step is None and jax.process_index() == 0:
-      # A start that left no checkpoint (stopped early, failed) left its metrics and config:
-      # kept aside rather than truncated by this fresh start.
-      kept = wd.set_aside_earlier_start(self.workdir)
-      if kept:
-        logging.warning("workdir %s holds an earlier start's outputs but no checkpoint: they "
-                        "are kept in %s; this run starts at iteration 0", self.workdir, kept)
     # The LR schedule's horizon is fixed by the first start and kept in the checkpoints.
     self.schedule_iterations = (cfg.optim.schedule_iterations or (meta or {}).get(
         "schedule_iterations") or cfg.num_iterations)
@@ -171,6 +164,21 @@ class PPOTrainer:
     # model is built, the last checkpoint restored and exported, and no iteration runs.
     self.export_only = (self.finished_at is not None and
                         hooks.export_pending(self.workdir, cfg, self.finished_at))
+    # Every process read the workdir itself: a host whose view of the shared filesystem
+    # differs (a stale directory listing, a workdir not on the shared mount) would restore
+    # another checkpoint, or none, and the run would go on from a mix of states.
+    distributed.check_same_over_processes(
+        (-1 if self.resume_step is None else self.resume_step, self.export_only),
+        f"where to start in {self.workdir} (checkpoint step, -1: none; export only)",
+        ": each reads the workdir's checkpoints itself, so their hosts see different files "
+        "there; check that it is on a filesystem every host shares, as the same path")
+    if self.resume_step is None and jax.process_index() == 0:
+      # A start that left no checkpoint (stopped early, failed) left its metrics and config:
+      # kept aside rather than truncated by this fresh start.
+      kept = wd.set_aside_earlier_start(self.workdir)
+      if kept:
+        logging.warning("workdir %s holds an earlier start's outputs but no checkpoint: they "
+                        "are kept in %s; this run starts at iteration 0", self.workdir, kept)
     if self.export_only:
       logging.warning("the run is finished at iteration %d but %s does not hold its actor: "
                       "building the model to export it", self.finished_at,
