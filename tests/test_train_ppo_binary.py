@@ -114,6 +114,37 @@ def test_signals_before_the_loop_raise_and_the_loops_own_handler_takes_over():
   assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
+@pytest.mark.parametrize("mine, others", [(signal.SIGTERM, 0), (0, signal.SIGTERM), (0, 0)])
+def test_several_processes_stop_together_when_a_signal_came_during_set_up(monkeypatch, mine,
+                                                                          others):
+  """Several processes: a signal during set-up is only recorded, and the loop's start stops
+  every process together (the largest signal over them), with the stopped status; before,
+  the signalled process left alone and the others waited for it in a collective."""
+  import jax
+  from rlhfuse_jax.parallel import distributed
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(distributed, "max_over_processes", lambda v: max(v, others))
+  before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+  with hooks.stop_before_training():
+    if mine:
+      os.kill(os.getpid(), mine)  # recorded, not raised: the set-up goes on
+    flag = hooks.StopFlag()
+    if mine or others:
+      with pytest.raises(hooks.StoppedBeforeTraining) as stopped:
+        flag.begin(0)
+      assert stopped.value.signum == signal.SIGTERM
+    else:
+      flag.begin(0)
+      flag.end(failing=False)
+    # A second signal during another set-up stops at once.
+  assert {sig: signal.getsignal(sig) for sig in before} == before
+  with hooks.stop_before_training():
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(hooks.StoppedBeforeTraining):
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
 def test_sigint_stops_like_sigterm_and_twice_interrupts_at_once():
   flag = hooks.StopFlag()
   before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}

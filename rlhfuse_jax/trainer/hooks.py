@@ -55,7 +55,9 @@ class StoppedBeforeTraining(BaseException):
     self.signum = signum
 
 
-_LOOP = {"began": False}  # set by StopFlag.begin: the set-up is over
+# began: set by StopFlag.begin (the set-up is over); pending: a signal that came during the
+# set-up of a run of several processes, which stops them together when StopFlag.begin agrees.
+_LOOP = {"began": False, "pending": 0}
 
 
 @contextlib.contextmanager
@@ -65,14 +67,25 @@ def stop_before_training():
   last moments: result.json, a failed save's exit) a signal does what it did before (SIGINT:
   KeyboardInterrupt; SIGTERM: the default, death). Python runs the handler once the main
   thread is back in the interpreter: a signal during an XLA compile takes effect when the
-  compile returns. Off the main thread nothing is installed."""
+  compile returns. Off the main thread nothing is installed.
+
+  With several processes (jax.distributed initialised) the first signal is only recorded: a
+  process that left alone would leave the others waiting in a collective for it (a signal
+  reaches the processes at different points of their set-up), so all finish their set-up and
+  StopFlag.begin stops them together, each with the stopped status. A second signal stops
+  this process at once."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
-  _LOOP["began"] = False
+  _LOOP.update(began=False, pending=0)
 
   def handle(signum, frame):
     if not _LOOP["began"]:
+      if not _LOOP["pending"] and jax.distributed.is_initialized():
+        _LOOP["pending"] = signum
+        logging.warning("signal %d during set-up: stopping with the other processes once the "
+                        "set-up is over (again: stop this process now)", signum)
+        return
       raise StoppedBeforeTraining(signum)
     if signum == signal.SIGINT:
       raise KeyboardInterrupt
@@ -85,6 +98,7 @@ def stop_before_training():
   finally:
     for sig, handler in old.items():
       signal.signal(sig, handler)
+    _LOOP["pending"] = 0  # a later run's StopFlag has no set-up signal of this one's
 
 
 class StopFlag(Hook):
@@ -104,9 +118,17 @@ class StopFlag(Hook):
       logging.warning("PPOTrainer.run() is not on the main thread: SIGTERM/SIGINT will not "
                       "save a checkpoint before exiting (checkpoint.every still does)")
       return
-    _LOOP["began"] = True
     for sig in (signal.SIGTERM, signal.SIGINT):
       self._old[sig] = signal.signal(sig, self._handle)
+    _LOOP["began"] = True  # after the handlers: no signal falls between the two
+    # A signal that came during set-up on any process (stop_before_training) stops them all
+    # here, before anything of an iteration is written; the same answer on every process.
+    signum = (distributed.max_over_processes(_LOOP["pending"]) if jax.process_count() > 1 else
+              _LOOP["pending"])
+    _LOOP["pending"] = 0
+    if signum:
+      self.end(failing=True)  # hands the handlers back, as the loop's end would
+      raise StoppedBeforeTraining(signum)
 
   def _handle(self, signum, frame):
     if self.set and signum == signal.SIGINT:
