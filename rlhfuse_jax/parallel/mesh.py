@@ -295,7 +295,13 @@ def _covers(index: tuple, shape: tuple) -> bool:
 def put(tree: Any, shardings: Any) -> Any:
   """jax.device_put that also works when the shardings span several processes (multi-host).
 
-  `shardings` is one sharding for all leaves or a matching tree of shardings.
+  `shardings` is one sharding for all leaves or a matching tree of shardings. Every process
+  calls it with the same shardings and either the same host values, its own local arrays, or
+  global arrays. Not for a global array whose devices all belong to one process (an
+  instance's) moved elsewhere, or onto one process's devices from several: the path taken
+  reads `is_fully_addressable`, which differs between the owner and the others, and the
+  owner cannot tell such an array from a local one, so nothing here can refuse it; use
+  jax.device_put on the owner (as generation/fused.py does for its instances).
   """
   if isinstance(shardings, jax.sharding.Sharding):
     return jax.tree_util.tree_map(lambda x: _put_leaf(x, shardings), tree)
