@@ -437,6 +437,40 @@ def test_schedule_cache_dir_defaults_to_the_workdir(monkeypatch, tmp_path):
   assert pipelined.cache_dir(pipe) == str(tmp_path / "xdg" / "rlhfuse_jax" / "schedules")
 
 
+@pytest.mark.parametrize("me", [0, 1])
+def test_a_schedule_search_that_fails_on_process_0_stops_every_process(monkeypatch, me):
+  """Several processes: process 0 searches or loads the fused schedule and writes the cache
+  alone; when that fails (an unwritable cache) every process stops at the broadcast, process 0
+  with its own error. Before, process 0 left and the others waited in the update's first
+  collective."""
+  problem = pipelined.pipeline_problem(4, PipelineConfig())
+  sent = []
+
+  def broadcast(order):  # process 0's order reaches every process
+    sent.append(np.asarray(order))
+    return sent[0] if me == 0 else np.full_like(order, -1)
+
+  def search(*args):
+    raise OSError("[Errno 28] No space left on device: 'cache/schedules/x.json'")
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: me)
+  monkeypatch.setattr(pipelined.multihost_utils, "broadcast_one_to_all", broadcast)
+  monkeypatch.setattr(pipelined, "searched_schedule", search)
+  with pytest.raises(OSError if me == 0 else RuntimeError,
+                     match="No space left" if me == 0 else "process 0 failed to search"):
+    pipelined.fused_order(problem, PipelineConfig(), "/runs/a")
+  assert len(sent) == 1  # the broadcast was joined
+  # Nothing failing: process 0's order on every process.
+  order = schedules.serial_order(problem)[:, ::-1].copy()
+  monkeypatch.setattr(pipelined, "searched_schedule", lambda *a: (
+      type("S", (), {"order": lambda self: order})(), ""))
+  sent.clear()
+  monkeypatch.setattr(pipelined.multihost_utils, "broadcast_one_to_all",
+                      lambda o: order if me else np.asarray(o))
+  np.testing.assert_array_equal(pipelined.fused_order(problem, PipelineConfig(), "/runs/a"),
+                                order)
+
+
 def test_cached_schedule_for_another_problem_is_not_used(tmp_path):
   cfg = _config(tmp_path, **STAGED, **{"fusion.intra_stage": True})
   problem = pipelined.pipeline_problem(4, cfg.pipeline)

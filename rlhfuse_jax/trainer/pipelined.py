@@ -323,6 +323,32 @@ def _held_layers(device: Any, layout: Any, box_map: Dict[Any, tuple]) -> Tuple[s
   return (slice(first + k0, stage_ids[-1] * layout.per_stage + k1),) + tuple(rest)
 
 
+def fused_order(problem: PipelineProblem, pipeline: PipelineConfig, workdir: str) -> np.ndarray:
+  """The searched fused schedule's per-device order, the same on every process: process 0
+  searches (on its own clock) or loads, and alone writes the cache, so the cached schedule is
+  the one every process runs and a resume runs it again; the others take it by broadcast. A
+  failure there (the cache unwritable) stops every process, not process 0 alone while the
+  others wait for it in the update's first collective."""
+  if jax.process_count() == 1:
+    return searched_schedule(problem, pipeline, workdir)[0].order()
+  failed = None
+  placeholder = schedules.serial_order(problem)  # of the order's shape and dtype
+  if jax.process_index() == 0:
+    try:
+      order = searched_schedule(problem, pipeline, workdir)[0].order()
+    except Exception as e:  # pylint: disable=broad-except  raised after the broadcast
+      failed, order = e, np.full_like(placeholder, -1)
+  else:
+    order = placeholder
+  order = np.asarray(multihost_utils.broadcast_one_to_all(order))
+  if failed is not None:
+    raise failed
+  if (order < 0).any():  # kind codes are >= 0
+    raise RuntimeError("process 0 failed to search or cache the fused pipeline schedule (its "
+                       "log has the error)")
+  return order
+
+
 def make_pipelined_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoConfig,
                              temperature: float, actor_tx: optax.GradientTransformation,
                              critic_tx: optax.GradientTransformation, *, mesh: Mesh,
@@ -337,14 +363,7 @@ def make_pipelined_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, al
   problem = pipeline_problem(mesh.shape["stage"], config.pipeline)
   if config.fusion.intra_stage:
     name, barrier = FUSED, False
-    if jax.process_index() == 0:
-      order = searched_schedule(problem, config.pipeline, workdir)[0].order()
-    else:
-      # Process 0 searches (on its own clock) or loads, and alone writes the cache, so the
-      # cached schedule is the one every process runs and a resume runs it again.
-      order = schedules.serial_order(problem)  # a placeholder of the order's shape
-    if jax.process_count() > 1:
-      order = np.asarray(multihost_utils.broadcast_one_to_all(order))
+    order = fused_order(problem, config.pipeline, workdir)
   else:
     name, barrier = SERIAL, True
     order = schedules.serial_order(problem)
