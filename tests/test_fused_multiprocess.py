@@ -199,6 +199,42 @@ def test_host_exchanges_gather_over_one_cpu_device_per_process(monkeypatch):
     multihost.Exchange(60, "disk")
 
 
+def test_the_first_exchange_waits_at_a_barrier_and_names_the_transport_when_it_fails(
+    monkeypatch):
+  """Exchange.warm_up: a coordination-service barrier bounded by exchange_timeout_s (gloo's own
+  first rendezvous gives up after ~30 s), each with its own id; then a first exchange, whose
+  failure with every process there is the transport's: a RuntimeError naming exchange_on, not
+  PeerLostError (exit 69, retried by a requeue rule). 64-bit data is refused, not narrowed."""
+  import jax
+  import pytest
+  from jax._src import distributed as jax_distributed
+  from rlhfuse_jax.generation import multihost
+  barriers = []
+
+  class Client:
+    def wait_at_barrier(self, name, timeout_ms):
+      barriers.append((name, timeout_ms))
+  monkeypatch.setattr(jax_distributed.global_state, "client", Client())
+  ex = multihost.Exchange(timeout_s=90)
+  ex.count = 2
+
+  def broken(x, what="host data"):
+    with ex.guard(what):
+      raise jax.errors.JaxRuntimeError("UNAVAILABLE: Gloo connectFullMesh failed")
+  monkeypatch.setattr(ex, "allgather", broken)
+  with pytest.raises(RuntimeError, match=r"every process reached the start, but the first "
+                                         r"exchange over one CPU device per process .*exchange_"
+                                         r"on=devices.*connectFullMesh"):
+    ex.warm_up()
+  gathered = []
+  monkeypatch.setattr(ex, "allgather", lambda x, what="": gathered.append(x))
+  ex.warm_up()
+  assert [t for _, t in barriers] == [90000, 90000] and barriers[0][0] != barriers[1][0]
+  assert len(gathered) == 1
+  with pytest.raises(ValueError, match=r"dtype int64 would be narrowed to 32 bits"):
+    multihost.Exchange(60).allgather(np.arange(3, dtype=np.int64), "ids")
+
+
 def test_only_the_runtimes_errors_are_blamed_on_another_process():
   """Exchange.guard turns the runtime's error in a collective (gloo: connection reset by the
   peer) into PeerLostError (exit 69); an error of this process's own (a shape error, a compile

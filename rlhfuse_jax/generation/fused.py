@@ -267,6 +267,7 @@ class FusedGenerator:
     self.row_bytes = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(st)) // s
     inst_lib.compile_all([self.instances[i] for i in self.local], actor_params, frozen_params,
                          config.compile_threads)
+    self.exchange.warm_up()  # after each process's compiles: the first round finds all there
     # KV bytes of one token of one sample (K and V, all layers), as KVCache.nbytes_per_token.
     itemsize = np.dtype(cfg.jnp_dtype).itemsize
     self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim_ * itemsize

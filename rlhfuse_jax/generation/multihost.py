@@ -58,6 +58,8 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 EXCHANGE_ON = ("host", "devices")
+_WARM_UPS = [0]  # Exchange.warm_up calls in this process: each barrier's id (the same order
+#                  on every process, as every process builds its generators alike)
 
 # Exit code of a process whose collective timed out (Exchange.guard): EX_UNAVAILABLE, not
 # train_ppo's 75 (stopped by a signal after saving), so a requeue script can tell them apart.
@@ -118,6 +120,31 @@ class Exchange:
     glob = jax.make_array_from_single_device_arrays((self.count,) + x.shape, sharding, [piece])
     return np.asarray(gather(glob).addressable_data(0))
 
+  def warm_up(self) -> None:
+    """Lines the processes up, then runs the first exchange (at start-up, after each
+    process's own compiles). A collective's first use on a device set opens a gloo context,
+    whose rendezvous gives up after about 30 s whatever timeout_s says: a process that
+    compiled longer would have failed the others' first round as a lost peer (exit 69). The
+    wait here is a coordination-service barrier bounded by timeout_s. With every process
+    there, a failed first exchange is the transport's (gloo's TCP between the hosts), not a
+    lost peer's: a RuntimeError naming exchange_on, not exit 69 for a requeue to retry."""
+    if self.count == 1:
+      return
+    from jax._src import distributed as jax_distributed  # the coordination service's client
+    _WARM_UPS[0] += 1
+    with self.guard("the start of fused generation (every process's set-up)"):
+      jax_distributed.global_state.client.wait_at_barrier(f"rlhfuse_exchange_{_WARM_UPS[0]}",
+                                                          int(self.timeout_s * 1000))
+    try:
+      self.allgather(np.zeros(1, np.int32), "a first exchange")
+    except PeerLostError as e:
+      how = ("one CPU device per process (gloo over TCP between the hosts; "
+             "--config.fusion.exchange_on=devices uses the accelerators' collectives)"
+             if self.on == "host" else "every device of every process")
+      raise RuntimeError(f"fused generation, process {self.me} of {self.count}: every process "
+                         f"reached the start, but the first exchange over {how} failed: "
+                         f"{e.__cause__}") from e
+
   def _message(self, what: str) -> str:
     return (f"fused generation, process {self.me} of {self.count}: the collective exchanging "
             f"{what} did not complete: another process died, hung or left the run (see the "
@@ -157,8 +184,12 @@ class Exchange:
     return self.count > 1
 
   def allgather(self, x: np.ndarray, what: str = "host data") -> np.ndarray:
-    """[P, *x.shape]: every process's `x` (P = process count), on every process."""
+    """[P, *x.shape]: every process's `x` (P = process count), on every process. At most 32
+    bits per element: jax would narrow a 64-bit dtype without a word (x64 is off)."""
     x = np.asarray(x)
+    if x.dtype.itemsize > 4:
+      raise ValueError(f"Exchange.allgather of {what}: dtype {x.dtype} would be narrowed to 32 "
+                       "bits; send it as 32-bit words (as broadcast_float does)")
     if self.count == 1:
       return x[None]
     with self.guard(what):
