@@ -281,3 +281,11 @@ def test_processes_that_read_different_checkpoints_stop_naming_each(monkeypatch)
     distributed.check_same_over_processes((40, False), "where to start", ": see why")
   views[1, 0] = 40
   distributed.check_same_over_processes((40, False), "where to start")  # agreed: nothing
+  # A process whose own read failed joins the comparison first, then raises its error; the
+  # others, with its marker (-2) among the views, stop naming it.
+  damaged = OSError("side-car of checkpoint 40 truncated")
+  with pytest.raises(OSError, match="truncated"):
+    distributed.check_same_over_processes((-2, 0), "where to start", failed=damaged)
+  views[1] = (-2, 0)
+  with pytest.raises(ValueError, match=r"process 1: \(-2, 0\)"):
+    distributed.check_same_over_processes((40, 0), "where to start")

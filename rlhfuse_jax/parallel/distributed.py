@@ -112,17 +112,24 @@ def main_process_verdict(ok: bool) -> bool:
   return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
 
 
-def check_same_over_processes(values: tuple, what: str, why: str = "") -> None:
+def check_same_over_processes(values: tuple, what: str, why: str = "",
+                              failed: Optional[BaseException] = None) -> None:
   """A ValueError on every process unless every process has the same integer `values` (one
   tiny collective that every process must call at the same point; single process: nothing).
   For what each process reads on its own but all must agree on, such as the checkpoint to
   resume: otherwise they would go on from different states without an error, or wait for
-  each other in different collectives."""
+  each other in different collectives. `failed`: this process's own error in reading them
+  (its `values` a marker the others do not have), raised here after the comparison, so the
+  others learn of it rather than wait for this process."""
   if jax.process_count() == 1:
+    if failed is not None:
+      raise failed
     return
   from jax.experimental import multihost_utils  # multi-host only
   mine = np.asarray(values, np.int32)
   every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
+  if failed is not None:
+    raise failed
   if not (every == every[0]).all():
     seen = "; ".join(f"process {p}: {tuple(int(v) for v in row)}" for p, row in enumerate(every))
     raise ValueError(f"the processes disagree on {what} ({seen}){why}")

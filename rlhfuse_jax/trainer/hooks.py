@@ -71,9 +71,9 @@ def stop_before_training():
 
   With several processes (jax.distributed initialised) the first signal is only recorded: a
   process that left alone would leave the others waiting in a collective for it (a signal
-  reaches the processes at different points of their set-up), so all finish their set-up and
-  StopFlag.begin stops them together, each with the stopped status. A second signal stops
-  this process at once."""
+  reaches the processes at different points of their set-up), so all go on to the next point
+  where they agree (agree_setup_signal) and stop there together, each with the stopped
+  status. A second signal stops this process at once."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
@@ -101,6 +101,18 @@ def stop_before_training():
     _LOOP["pending"] = 0  # a later run's StopFlag has no set-up signal of this one's
 
 
+def agree_setup_signal() -> None:
+  """Raises StoppedBeforeTraining on every process when a signal came during set-up on any of
+  them (recorded by stop_before_training): one tiny collective, at points of the set-up every
+  process reaches in the same order (after reading the checkpoints, around the restore, when
+  the loop begins), so a preempted run stops soon after the signal, all processes alike."""
+  signum = (distributed.max_over_processes(_LOOP["pending"]) if jax.process_count() > 1 else
+            _LOOP["pending"])
+  _LOOP["pending"] = 0
+  if signum:
+    raise StoppedBeforeTraining(signum)
+
+
 class StopFlag(Hook):
   """Set by SIGTERM/SIGINT; the loop checks it after each iteration, saves and exits cleanly.
   A second SIGINT (Ctrl-C twice) interrupts at once, without saving."""
@@ -123,12 +135,11 @@ class StopFlag(Hook):
     _LOOP["began"] = True  # after the handlers: no signal falls between the two
     # A signal that came during set-up on any process (stop_before_training) stops them all
     # here, before anything of an iteration is written; the same answer on every process.
-    signum = (distributed.max_over_processes(_LOOP["pending"]) if jax.process_count() > 1 else
-              _LOOP["pending"])
-    _LOOP["pending"] = 0
-    if signum:
+    try:
+      agree_setup_signal()
+    except StoppedBeforeTraining:
       self.end(failing=True)  # hands the handlers back, as the loop's end would
-      raise StoppedBeforeTraining(signum)
+      raise
 
   def _handle(self, signum, frame):
     if self.set and signum == signal.SIGINT:

@@ -136,18 +136,16 @@ class PPOTrainer:
         self._lock.release()
       raise
 
-  def _setup(self, cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh]) -> None:
-    self.stopped_by_signal: Optional[int] = None  # the signal that stopped run(), if any
-    # What to resume, checked before anything is built or compiled: the newest readable
-    # checkpoint's side-car, its seed and its config fingerprint against this config.
-    self.checkpoints = hooks.Checkpoints(self.workdir, cfg, cfg.fingerprint())
+  def _read_start(self, cfg: TrainConfig) -> None:
+    """What to resume, checked before anything is built or compiled: the newest readable
+    checkpoint's side-car, its seed and its config fingerprint against this config; whether
+    the run is finished, and whether its HF export is still to be written."""
     self.resume_step, meta = self.checkpoints.resume_point()
     # The LR schedule's horizon is fixed by the first start and kept in the checkpoints.
     self.schedule_iterations = (cfg.optim.schedule_iterations or (meta or {}).get(
         "schedule_iterations") or cfg.num_iterations)
     # A finished run (the same command again) builds nothing: no model, no mesh, no compile
     # (a fused run compiles for a minute); run() then says "nothing to do" at once.
-    self.cfg = cfg
     self.finished_at = (self.resume_step if self.resume_step is not None and
                         self.resume_step >= cfg.num_iterations else None)
     if (self.resume_step is not None and self.finished_at is None and
@@ -164,14 +162,32 @@ class PPOTrainer:
     # model is built, the last checkpoint restored and exported, and no iteration runs.
     self.export_only = (self.finished_at is not None and
                         hooks.export_pending(self.workdir, cfg, self.finished_at))
-    # Every process read the workdir itself: a host whose view of the shared filesystem
+
+  def _setup(self, cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh]) -> None:
+    self.stopped_by_signal: Optional[int] = None  # the signal that stopped run(), if any
+    self.checkpoints = hooks.Checkpoints(self.workdir, cfg, cfg.fingerprint())
+    self.cfg = cfg
+    # Every process reads the workdir itself: a host whose view of the shared filesystem
     # differs (a stale directory listing, a workdir not on the shared mount) would restore
-    # another checkpoint, or none, and the run would go on from a mix of states.
+    # another checkpoint, or none, and the run would go on from a mix of states; and a read
+    # that fails on that host alone would leave the others waiting for it. So every process
+    # compares what it read (or that it failed: -2) before anything else.
+    failed = None
+    try:
+      self._read_start(cfg)
+    except Exception as e:  # pylint: disable=broad-except  raised below, after the comparison
+      if jax.process_count() == 1:
+        raise
+      failed = e
     distributed.check_same_over_processes(
+        (-2, 0) if failed is not None else
         (-1 if self.resume_step is None else self.resume_step, self.export_only),
-        f"where to start in {self.workdir} (checkpoint step, -1: none; export only)",
+        f"where to start in {self.workdir} (checkpoint step, -1: none, -2: reading the "
+        "checkpoints failed, that process's log says why; export only)",
         ": each reads the workdir's checkpoints itself, so their hosts see different files "
-        "there; check that it is on a filesystem every host shares, as the same path")
+        "there; check that it is on a filesystem every host shares, as the same path",
+        failed=failed)
+    hooks.agree_setup_signal()  # a signal so far, on any process: all stop here
     if self.resume_step is None and jax.process_index() == 0:
       # A start that left no checkpoint (stopped early, failed) left its metrics and config:
       # kept aside rather than truncated by this fresh start.
@@ -723,7 +739,9 @@ class PPOTrainer:
                          f"PPOTrainer(cfg, {self.workdir!r}) to resume from its checkpoints")
     self._ran = True
     try:
+      hooks.agree_setup_signal()  # set-up points every process reaches: a signal stops all
       start = self.finished_at if self.finished_at is not None else self._restore()
+      hooks.agree_setup_signal()  # (before anything is written for this start)
       if (config_record is not None and start < self.cfg.num_iterations and
           jax.process_index() == 0):
         wd.write_config_history(self.workdir, config_record, start)
