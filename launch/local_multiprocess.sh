@@ -99,12 +99,13 @@ while ((running > 0)); do
     done
     rcs[i]=$rc
     running=$((running - 1))
-    if ((rc != 0 && rc != 75)) && [[ $i != 0 || -z "$follower" ]]; then
-      show_failure "$i" "$rc"
+    if ((rc != 0 && rc != 75)); then
+      # (process 0's output is already on screen while it is followed)
+      if [[ $i != 0 || -z "$follower" ]]; then show_failure "$i" "$rc"; fi
       if ((running > 0 && !failed_early)); then
         failed_early=1
-        echo "--- $running process(es) still running; they may wait for process $i until" \
-          "jax.distributed times out (Ctrl-C stops them)"
+        echo "--- $running process(es) still running after process $i exited $rc: they may" \
+          "wait for it in a collective (Ctrl-C stops them)"
       fi
     fi
   done
