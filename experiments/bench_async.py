@@ -69,7 +69,7 @@ def check_config(c) -> None:
   _check(0 < c.window <= 0.5, "window", c.window, "in (0, 0.5]")
   config_files.check_ints(c, ("host_devices", "parallel"))  # parallel: runs at once
   _check(len(c.seeds) >= 1, "seeds", c.seeds, "one or more seeds")
-  config_files.check_int("num_iterations", c.num_iterations, 0)  # 0: each run config's own
+  config_files.check_int("num_iterations", c.num_iterations, 0, "0: each run config's own")
   _check(0 <= c.generation_devices < c.host_devices, "generation_devices", c.generation_devices,
          f"0 or fewer than host_devices={c.host_devices}")
 

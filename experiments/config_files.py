@@ -79,11 +79,13 @@ def check_variant(module: Any, variant: Optional[str], config_path: str,
                      f"(':{variant}'){extra}")
 
 
-def check_int(name: str, value: Any, minimum: int = 1) -> None:
+def check_int(name: str, value: Any, minimum: int = 1, hint: str = "") -> None:
   """A ValueError naming config.`name` unless `value` is an integer (a bool is not one)
-  >= `minimum`: the binaries' check of their count fields."""
+  >= `minimum`: the binaries' check of their count fields. `hint` follows in brackets (what
+  a special value means)."""
   if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise ValueError(f"config.{name}={value!r}: expected an integer >= {minimum}")
+    raise ValueError(f"config.{name}={value!r}: expected an integer >= {minimum}"
+                     + (f" ({hint})" if hint else ""))
 
 
 def check_ints(config: Any, names: Sequence[str], minimum: int = 1) -> None:

@@ -267,16 +267,17 @@ class PlanConfig:
                  "seq_len", "response_len", "gen_tp", "gen_slots", "chunk_size",
                  "inference_microbatch"):
       config_files.check_int(name, d[name], 1)
-    # 0, pp 1 only: each data shard's rows at once
-    config_files.check_int("microbatch_size", d["microbatch_size"], 0)
+    config_files.check_int("microbatch_size", d["microbatch_size"], 0,
+                           "0, pp 1 only: each data shard's rows at once")
     _check(isinstance(d.get("group_critic", False), bool), "group_critic", d.get("group_critic"),
            "True or False")
     seed = d.get("search_seed", 0)
     _check(isinstance(seed, int) and not isinstance(seed, bool), "search_seed", seed,
            "an integer")
-    # 0: generation on the training devices; microbatch_size; the model's own
-    for name in ("generation_devices", "critic_microbatch_size", "layers"):
-      config_files.check_int(name, d.get(name, 0), 0)
+    for name, zero in (("generation_devices", "generation on the training devices"),
+                       ("critic_microbatch_size", "microbatch_size"),
+                       ("layers", "the model's own")):
+      config_files.check_int(name, d.get(name, 0), 0, f"0: {zero}")
     _check(d["hardware"] in hw_lib.HARDWARE, "hardware", d["hardware"],
            f"a preset of rlhfuse_jax/sim/hardware.py: {sorted(hw_lib.HARDWARE)}")
     _check(d["cpu_upcast"] in CPU_UPCAST_MODES, "cpu_upcast", d["cpu_upcast"],

@@ -344,11 +344,13 @@ def test_mesh_generation_config_errors_and_llama_presets():
                                        r"its 2 pipeline stages \(set config\.layers"):
     plan_programs.PlanConfig.from_config_dict(c)
   # A bool is not a count (True passed as 1, a plan file's `"pp": true` read as one stage).
-  for name, minimum in (("pp", 1), ("gen_slots", 1), ("layers", 0), ("microbatch_size", 0)):
+  for name, minimum, hint in (("pp", 1, ""), ("gen_slots", 1, ""),
+                              ("layers", 0, r" \(0: the model's own\)"),
+                              ("microbatch_size", 0, r" \(0, pp 1 only: each data shard")):
     d = plan_config.get_config("tiny").to_dict()
     d[name] = True
     with pytest.raises(ValueError, match=rf"config\.{name}=True: expected an integer >= "
-                                         rf"{minimum}"):
+                                         rf"{minimum}{hint}"):
       plan_programs.PlanConfig.from_config_dict(d)
   # The presets' own layer counts are derived, not settable (accepted, then overwritten).
   d = plan_config.get_config("tiny").to_dict()
