@@ -52,6 +52,10 @@ def get_config(arg: str = "default"):
   c.generation.max_consolidations = 1  # consolidations per batch
   c.generation.inference_micro_batch = 8  # samples per inference micro-batch
   c.generation.inference_inflight = 0  # cap on micro-batches at once during the tail; 0: none
+  # Several processes (--distributed): where the per-round exchanges run, "host" (one CPU
+  # device per process) or "devices" (every device); a collective's timeout (exit 69).
+  c.generation.exchange_on = "host"
+  c.generation.exchange_timeout_s = 600.0
 
   c.lengths = ml_collections.ConfigDict()  # per-sample response lengths (sim/lengths.py)
   c.lengths.kind = "lognormal"  # lognormal | pareto | uniform | constant | empirical

@@ -195,7 +195,7 @@ def run(c, workdir: str) -> dict:
       num_instances=num_instances, slots=g.slots, instance_devices=g.instance_devices,
       migration_threshold=g.migration_threshold, max_consolidations=g.max_consolidations,
       inference_micro_batch=g.inference_micro_batch, inference_inflight=g.inference_inflight,
-      section="generation")
+      exchange_on=g.exchange_on, exchange_timeout_s=g.exchange_timeout_s, section="generation")
   t0 = time.perf_counter()
   gen = fused_lib.FusedGenerator(cfg, sampling, config, batch_size=c.batch_size,
                                  prompt_len=g.prompt_len, frozen=frozen, actor_params=actor,
