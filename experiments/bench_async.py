@@ -187,10 +187,18 @@ def check_reuse(path: str, config: dict) -> None:
   trained = any(os.path.exists(os.path.join(workdir, d, "metrics.jsonl"))
                 for d in os.listdir(workdir))
   differ = sorted(k for k in RUN_FIELDS if old.get(k) != new.get(k)) if trained else []
-  if "num_iterations" in differ and all(
-      run_iterations(old.get("num_iterations"), r) == run_iterations(new["num_iterations"], r)
-      is not None for r in set(old.get("runs") or ()) | set(new.get("runs") or ())):
-    differ.remove("num_iterations")  # 0 (each config's own) and that count given explicitly
+  if "num_iterations" in differ:
+    # 0 (each config's own) and that count given explicitly train the same runs: compared by
+    # the counts the runs were started with (recorded since 2026-11-30; before, the config
+    # files' counts as they read now).
+    started = old.get("resolved_num_iterations") or {}
+
+    def same(r: str) -> bool:
+      now = run_iterations(new["num_iterations"], r)
+      then = started[r] if r in started else run_iterations(old.get("num_iterations"), r)
+      return now is not None and now == then
+    if all(same(r) for r in set(old.get("runs") or ()) | set(new.get("runs") or ())):
+      differ.remove("num_iterations")
   if differ:
     raise ValueError(
         f"--workdir={os.path.dirname(path)} holds bench_async runs of another config "
@@ -207,7 +215,8 @@ def main(argv):
   check_config(c)
   os.makedirs(out, exist_ok=True)
   check_reuse(os.path.join(out, "config.json"), c.to_dict())
-  wd.write_json(os.path.join(out, "config.json"), c.to_dict())
+  wd.write_json(os.path.join(out, "config.json"), {**c.to_dict(), "resolved_num_iterations": {
+      r: run_iterations(c.num_iterations, r) for r in c.runs}})
   env = runner.repo_env(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags_with_host_devices(c.host_devices))
   result = {"machine": {"host_devices": c.host_devices}, "runs": {}}  # and `provenance`
   jobs = [(config, k, seed) for config in c.runs for k in c.staleness for seed in c.seeds]

@@ -268,6 +268,9 @@ def test_bench_async_keeps_what_the_other_runs_measured_when_one_fails(tmp_path)
   assert result["failed_runs"] == names and result["all_gains_ok"] is False
   assert result["runs"]["configs/ppo_tiny.py:bogus"] == {"failed_runs": names}
   assert "2 run(s) failed" in out.stderr
+  # The counts the runs started with (None: the config file cannot say), for a later reuse.
+  recorded = json.loads((tmp_path / "config.json").read_text())
+  assert recorded["resolved_num_iterations"] == {"configs/ppo_tiny.py:bogus": None}
 
 
 def test_bench_async_reuses_runs_of_their_configs_own_iteration_count(tmp_path):
@@ -293,6 +296,13 @@ for n in (400, 399):
   lines = out.stdout.splitlines()
   assert lines[0] == "400 reused", out.stdout
   assert lines[1].startswith("399 refused:") and "num_iterations: 0 -> 399" in lines[1], lines
+  # Since 2026-11-30 the workdir records the counts its runs started with: a config file whose
+  # count changed since (the runs trained 300) no longer makes 0 and 400 look the same.
+  (tmp_path / "config.json").write_text(json.dumps({
+      "num_iterations": 0, "runs": runs, "resolved_num_iterations": {runs[0]: 300}}))
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True,
+                       text=True, timeout=120)
+  assert out.stdout.splitlines()[0].startswith("400 refused:"), out.stdout + out.stderr[-2000:]
 
 
 def test_bench_async_plots_reward_by_iteration_and_by_wall_time(tmp_path):
