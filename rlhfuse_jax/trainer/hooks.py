@@ -56,7 +56,8 @@ class StoppedBeforeTraining(BaseException):
 
 
 # began: set by StopFlag.begin (the set-up is over); pending: a signal that came during the
-# set-up of a run of several processes, which stops them together when StopFlag.begin agrees.
+# set-up of a run of several processes, which stops them together where they next agree
+# (agree_setup_signal).
 _LOOP = {"began": False, "pending": 0}
 
 
@@ -83,8 +84,8 @@ def stop_before_training():
     if not _LOOP["began"]:
       if not _LOOP["pending"] and jax.distributed.is_initialized():
         _LOOP["pending"] = signum
-        logging.warning("signal %d during set-up: stopping with the other processes once the "
-                        "set-up is over (again: stop this process now)", signum)
+        logging.warning("signal %d during set-up: stopping with the other processes where "
+                        "they next agree (again: stop this process now)", signum)
         return
       raise StoppedBeforeTraining(signum)
     if signum == signal.SIGINT:
