@@ -320,10 +320,12 @@ def main(argv):
     raise ValueError(f"{flag} needs --hint_schedule (the schedule to {flag[2:]})")
   if _SPLICE.value and _GROW.value:
     raise ValueError("--splice and --grow exclude each other")
-  # After the flags' own checks (they need no solver), before the hint search: without the
-  # solver, 20 s of searching for a hint would end in an ImportError.
-  if importlib.util.find_spec("ortools") is None:
-    raise ValueError(f"schedule_cp_check needs ortools: {INSTALL}")
+  # After the flags' own checks (they need no solver: --grow's and --splice's numbers and
+  # pins too), before the hint search: without the solver, 20 s of searching for a hint would
+  # end in an ImportError.
+  def need_ortools():
+    if importlib.util.find_spec("ortools") is None:
+      raise ValueError(f"schedule_cp_check needs ortools: {INSTALL}")
   if _GROW.value:
     t1, t2, slope = _numbers("--grow", _GROW.value, "T1,T2,SLOPE")
     fixed, grown = grow.grow_pins(schedule.load(_HINT_SCHEDULE.value), problem, t1, t2, slope)
@@ -343,10 +345,12 @@ def main(argv):
       logging.info("splice: %d tasks pinned, %d free in the band", len(fixed),
                    hint.size - len(fixed))
   elif _MINIMIZE.value:
+    need_ortools()
     search.warmup()
     res = search.search(problem, search.SearchConfig(time_budget_s=_HINT_S.value,
                                                      seed=int(_CONFIG.value.seed)))
     hint = res.best
+  need_ortools()
   if hint is not None:
     ev = evaluate(problem, hint)
     if _MINIMIZE.value and not ev.within_budget:
