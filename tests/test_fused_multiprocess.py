@@ -149,9 +149,13 @@ def test_a_process_that_dies_or_hangs_fails_the_other_with_a_clear_error(tmp_pat
       elapsed = time.time() - t0
       log = open(f"{out_dir}/log0").read()
       assert code != 0, log[-3000:]
-      assert ("fused generation, process 0 of 2: the collective exchanging the instances' "
-              "summaries did not complete: another process died, hung or left the run") in log, (
-                  log[-3000:])
+      # (With the hang run's 8 s, a slow compile on a loaded machine can fire it already at
+      # the start's barrier, Exchange.warm_up: the same reason, a peer that does not come.)
+      whats = ["the instances' summaries"] + (
+          ["the start of fused generation"] if how == "hang" else [])
+      assert any(f"fused generation, process 0 of 2: the collective exchanging {w}" in log
+                 for w in whats), log[-3000:]
+      assert "did not complete: another process died, hung or left the run" in log, log[-3000:]
       if how == "die":
         assert procs[1].wait(timeout=10) == 7, open(f"{out_dir}/log1").read()[-3000:]
         # Raised from the runtime's own error (gloo: the connection closed or reset), or, when
