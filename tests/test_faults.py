@@ -646,6 +646,24 @@ def test_a_fresh_start_keeps_an_earlier_start_that_left_no_checkpoint(tmp_path):
   assert _steps(run) == [1]
 
 
+@pytest.mark.parametrize("me", [0, 1])
+def test_setting_aside_the_earlier_start_fails_on_every_process(tmp_path, monkeypatch, me):
+  """Process 0 alone moves an earlier start's outputs aside; when that fails (a full disk,
+  permissions) every process stops (process 0 with its own error), instead of process 0 alone
+  while the others go on into the next collective. As process 0 and as process 1 of 2 (its
+  verdict from process 0 faked)."""
+  def full(workdir):
+    raise OSError(28, "No space left on device")
+  verdicts = iter([True, False])  # the lock's (granted), then the set-aside's (failed)
+  monkeypatch.setattr(loop.wd, "set_aside_earlier_start", full)
+  if me:
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(loop.distributed, "main_process_verdict", lambda ok: next(verdicts))
+  with pytest.raises(OSError if me == 0 else RuntimeError,
+                     match="No space left" if me == 0 else "process 0 could not set aside"):
+    PPOTrainer(tiny_config(num_iterations=1), str(tmp_path / "run"))
+
+
 def test_non_finite_numpy_and_jax_values_are_written_as_strict_json(tmp_path):
   # A nan from numpy or jax went through .tolist() as NaN / Infinity, which json.dumps writes
   # but strict readers (jq, JavaScript, json.loads with parse_constant) refuse.

@@ -188,10 +188,21 @@ class PPOTrainer:
         "there; check that it is on a filesystem every host shares, as the same path",
         failed=failed)
     hooks.agree_setup_signal()  # a signal so far, on any process: all stop here
-    if self.resume_step is None and jax.process_index() == 0:
+    if self.resume_step is None:  # (agreed above: every process is here, or none)
       # A start that left no checkpoint (stopped early, failed) left its metrics and config:
-      # kept aside rather than truncated by this fresh start.
-      kept = wd.set_aside_earlier_start(self.workdir)
+      # kept aside rather than truncated by this fresh start. Process 0 moves them; if that
+      # fails (permissions, a full disk) every process stops, not process 0 alone.
+      kept, failed = None, None
+      if jax.process_index() == 0:
+        try:
+          kept = wd.set_aside_earlier_start(self.workdir)
+        except Exception as e:  # pylint: disable=broad-except  raised below, on every process
+          failed = e
+      if not distributed.main_process_verdict(failed is None):
+        if failed is not None:
+          raise failed
+        raise RuntimeError(f"process 0 could not set aside the earlier start's outputs in "
+                           f"{self.workdir} (its log says why)")
       if kept:
         logging.warning("workdir %s holds an earlier start's outputs but no checkpoint: they "
                         "are kept in %s; this run starts at iteration 0", self.workdir, kept)
