@@ -215,8 +215,9 @@ def main(argv):
   check_config(c)
   os.makedirs(out, exist_ok=True)
   check_reuse(os.path.join(out, "config.json"), c.to_dict())
-  wd.write_json(os.path.join(out, "config.json"), {**c.to_dict(), "resolved_num_iterations": {
-      r: run_iterations(c.num_iterations, r) for r in c.runs}})
+  iterations = {r: run_iterations(c.num_iterations, r) for r in c.runs}  # None: unreadable
+  wd.write_json(os.path.join(out, "config.json"),
+                {**c.to_dict(), "resolved_num_iterations": iterations})
   env = runner.repo_env(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags_with_host_devices(c.host_devices))
   result = {"machine": {"host_devices": c.host_devices}, "runs": {}}  # and `provenance`
   jobs = [(config, k, seed) for config in c.runs for k in c.staleness for seed in c.seeds]
@@ -232,9 +233,8 @@ def main(argv):
       overrides["num_iterations"] = c.num_iterations
     # A progress line per tenth of the run: its runs' lines interleave (`parallel`), and
     # metrics.jsonl has every iteration anyway (log_every may change on a resume).
-    iterations = run_iterations(c.num_iterations, config)
-    if iterations is not None:
-      overrides["log_every"] = max(1, iterations // 10)
+    if iterations[config] is not None:
+      overrides["log_every"] = max(1, iterations[config] // 10)
     cmd = runner.build_command("train_ppo", config, run_dir, overrides, [])
     logging.info("%s: %s", name, " ".join(cmd[1:]))
     rc = runner.run_streamed(cmd, run_dir, name, env)

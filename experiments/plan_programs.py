@@ -263,10 +263,9 @@ class PlanConfig:
     unknown = set(d) - known
     if unknown:
       raise ValueError(f"config: unknown fields {sorted(unknown)}; known: {sorted(known)}")
-    for name in ("pp", "critic_pp", "tp", "dp", "fsdp", "minibatch_size",
-                 "seq_len", "response_len", "gen_tp", "gen_slots", "chunk_size",
-                 "inference_microbatch"):
-      config_files.check_int(name, d[name], 1)
+    config_files.check_ints(d, ("pp", "critic_pp", "tp", "dp", "fsdp", "minibatch_size",
+                                "seq_len", "response_len", "gen_tp", "gen_slots", "chunk_size",
+                                "inference_microbatch"))
     config_files.check_int("microbatch_size", d["microbatch_size"], 0,
                            "0, pp 1 only: each data shard's rows at once")
     _check(isinstance(d.get("group_critic", False), bool), "group_critic", d.get("group_critic"),

@@ -206,7 +206,6 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
   heads limit the degree (both did until 2026-11-28: 65B generated at tp 8 where tp 4 fits)."""
   prompts, resp = wl.sample_lengths()
   frozen = (wl.actor, wl.critic, wl.critic)
-  resident = zero3_resident_bytes(wl) if smallest_tp else 0.0
   rejected, best = {}, None
   # Smallest first: "the smallest degree that fits" must not depend on how gen_tps is listed.
   for tp in (sorted(opt.gen_tps) if smallest_tp else opt.gen_tps):
@@ -218,13 +217,12 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
       continue
     try:
       if smallest_tp:
-        plan = gen_plan(cost, wl, tp, prompts, opt.max_slots, resident,
+        plan = gen_plan(cost, wl, tp, prompts, opt.max_slots, zero3_resident_bytes(wl),
                         "the ZeRO-3 shards of the four models")
       else:
         plan = gen_plan(cost, wl, tp, prompts, opt.max_slots,
                         frozen_resident_bytes(frozen, tp, opt),
                         "the frozen models' weights (sim.offload_frozen=False)")
-      if not smallest_tp:
         check_inference_memory(cost, wl, tp, opt.inference_microbatch, prompts)
     except ValueError as e:
       rejected[tp] = str(e)
