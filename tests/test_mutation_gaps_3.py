@@ -1,6 +1,7 @@
 """Cheap tests proposed by a third mutation audit (models/, inference/scoring.py, trainer/, data/,
 perf/): each one fails under a plausible bug that the rest of the suite lets through (see the
 audit report for the mutation each kills)."""
+import dataclasses
 import json
 import os
 import shutil
@@ -417,6 +418,20 @@ def test_validate_refuses_a_run_one_past_the_limits(overrides, match):
   cfg = build.resolve_config(TrainConfig.from_config_dict(c), tasks.make_task("repeat").tokenizer)
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1])
   with pytest.raises(ValueError, match=match):
+    validate_lib.validate(cfg, mesh)
+
+
+def test_validate_refuses_a_reward_model_with_a_smaller_vocabulary(monkeypatch):
+  """trainer/validate: a reward model (or critic) checkpoint that embeds fewer ids than the
+  actor generates is refused by name, before any build: its embedding lookup would read past
+  its table (the reward model's shape faked: the fixtures share one vocabulary)."""
+  c = ppo_tiny.get_config()
+  cfg = build.resolve_config(TrainConfig.from_config_dict(c), tasks.make_task("repeat").tokenizer)
+  small = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size - 1)
+  monkeypatch.setattr(build, "reward_model_config", lambda run_cfg: small)
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1])
+  with pytest.raises(ValueError, match=f"embeds vocab_size={small.vocab_size} tokens but the "
+                     "actor"):
     validate_lib.validate(cfg, mesh)
 
 

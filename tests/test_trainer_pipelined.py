@@ -444,27 +444,29 @@ def test_a_schedule_search_that_fails_on_process_0_stops_every_process(monkeypat
   with its own error. Before, process 0 left and the others waited in the update's first
   collective."""
   problem = pipelined.pipeline_problem(4, PipelineConfig())
-  sent = []
+  verdicts = []
 
-  def broadcast(order):  # process 0's order reaches every process
-    sent.append(np.asarray(order))
-    return sent[0] if me == 0 else np.full_like(order, -1)
+  def verdict(ok):  # process 0's verdict reaches every process (here: the search failed)
+    verdicts.append(ok)
+    return ok if me == 0 else False
 
   def search(*args):
+    if me:
+      raise AssertionError("only process 0 searches")
     raise OSError("[Errno 28] No space left on device: 'cache/schedules/x.json'")
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(jax, "process_index", lambda: me)
-  monkeypatch.setattr(pipelined.multihost_utils, "broadcast_one_to_all", broadcast)
+  monkeypatch.setattr(pipelined.distributed, "main_process_verdict", verdict)
   monkeypatch.setattr(pipelined, "searched_schedule", search)
   with pytest.raises(OSError if me == 0 else RuntimeError,
                      match="No space left" if me == 0 else "process 0 failed to search"):
     pipelined.fused_order(problem, PipelineConfig(), "/runs/a")
-  assert len(sent) == 1  # the broadcast was joined
+  assert len(verdicts) == 1  # the verdict was joined
   # Nothing failing: process 0's order on every process.
   order = schedules.serial_order(problem)[:, ::-1].copy()
   monkeypatch.setattr(pipelined, "searched_schedule", lambda *a: (
       type("S", (), {"order": lambda self: order})(), ""))
-  sent.clear()
+  monkeypatch.setattr(pipelined.distributed, "main_process_verdict", lambda ok: True)
   monkeypatch.setattr(pipelined.multihost_utils, "broadcast_one_to_all",
                       lambda o: order if me else np.asarray(o))
   np.testing.assert_array_equal(pipelined.fused_order(problem, PipelineConfig(), "/runs/a"),

@@ -11,11 +11,13 @@ GPU/TPU cluster (see launch/local_multiprocess.sh).
 from __future__ import annotations
 
 import os
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional, TypeVar
 
 import jax
 import numpy as np
 from absl import logging
+
+T = TypeVar("T")
 
 
 def initialize(coordinator_address: str = "", num_processes: int = 0,
@@ -110,6 +112,25 @@ def main_process_verdict(ok: bool) -> bool:
     return ok
   from jax.experimental import multihost_utils  # multi-host only
   return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+
+
+def run_on_main_process(fn: Callable[[], T], failure: str) -> Optional[T]:
+  """`fn()` on process 0 alone, its success known to every process: process 0's result there,
+  None on the others. Every process must call it at the same point. A failure raises on every
+  process at once (process 0: fn's own exception; the others: RuntimeError(`failure`)),
+  instead of process 0 stopping alone while the others wait for it in the next collective.
+  For what only process 0 may do: hold the workdir lock, move files, write a shared cache."""
+  result, failed = None, None
+  if jax.process_index() == 0:
+    try:
+      result = fn()
+    except Exception as e:  # pylint: disable=broad-except  raised below, after the verdict
+      failed = e
+  if not main_process_verdict(failed is None):
+    if failed is not None:
+      raise failed
+    raise RuntimeError(failure)
+  return result
 
 
 def check_same_over_processes(values: tuple, what: str, why: str = "",

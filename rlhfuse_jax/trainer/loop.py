@@ -109,19 +109,12 @@ class PPOTrainer:
     # One run per workdir (process 0 holds it for all processes of a multi-host run), from
     # here until run() ends, or until this constructor fails. Every process learns process 0's
     # verdict, so a refused multi-host start ends on all of them at once.
-    self._lock, refused, self._ran = None, None, False
-    if jax.process_index() == 0:
-      try:
-        self._lock = wd.WorkdirLock(workdir)
-      except Exception as e:  # busy, or the lock file cannot be written: the others must hear
-        refused = e
+    self._lock, self._ran = None, False
     try:
-      if not distributed.main_process_verdict(refused is None):
-        if refused is not None:
-          raise refused
-        raise RuntimeError(f"workdir {workdir} could not be locked by process 0 (another run "
-                           "holds it, or the lock file cannot be written: process 0's log says "
-                           "which); use another --workdir")
+      self._lock = distributed.run_on_main_process(
+          lambda: wd.WorkdirLock(workdir),
+          f"workdir {workdir} could not be locked by process 0 (another run holds it, or the "
+          "lock file cannot be written: process 0's log says which); use another --workdir")
       self._setup(cfg, mesh)
     except BaseException:
       # A config error found after the checkpoint manager opened: close it here, or orbax's
@@ -192,17 +185,10 @@ class PPOTrainer:
       # A start that left no checkpoint (stopped early, failed) left its metrics and config:
       # kept aside rather than truncated by this fresh start. Process 0 moves them; if that
       # fails (permissions, a full disk) every process stops, not process 0 alone.
-      kept, failed = None, None
-      if jax.process_index() == 0:
-        try:
-          kept = wd.set_aside_earlier_start(self.workdir)
-        except Exception as e:  # pylint: disable=broad-except  raised below, on every process
-          failed = e
-      if not distributed.main_process_verdict(failed is None):
-        if failed is not None:
-          raise failed
-        raise RuntimeError(f"process 0 could not set aside the earlier start's outputs in "
-                           f"{self.workdir} (its log says why)")
+      kept = distributed.run_on_main_process(
+          lambda: wd.set_aside_earlier_start(self.workdir),
+          f"process 0 could not set aside the earlier start's outputs in {self.workdir} (its "
+          "log says why)")
       if kept:
         logging.warning("workdir %s holds an earlier start's outputs but no checkpoint: they "
                         "are kept in %s; this run starts at iteration 0", self.workdir, kept)

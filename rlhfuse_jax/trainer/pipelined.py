@@ -41,6 +41,7 @@ from jax.sharding import Mesh
 
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.models.llama import ModelConfig
+from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.pipeline import program as prog
 from rlhfuse_jax.pipeline import schedule as schedule_lib
@@ -331,22 +332,12 @@ def fused_order(problem: PipelineProblem, pipeline: PipelineConfig, workdir: str
   others wait for it in the update's first collective."""
   if jax.process_count() == 1:
     return searched_schedule(problem, pipeline, workdir)[0].order()
-  failed = None
-  placeholder = schedules.serial_order(problem)  # of the order's shape and dtype
-  if jax.process_index() == 0:
-    try:
-      order = searched_schedule(problem, pipeline, workdir)[0].order()
-    except Exception as e:  # pylint: disable=broad-except  raised after the broadcast
-      failed, order = e, np.full_like(placeholder, -1)
-  else:
-    order = placeholder
-  order = np.asarray(multihost_utils.broadcast_one_to_all(order))
-  if failed is not None:
-    raise failed
-  if (order < 0).any():  # kind codes are >= 0
-    raise RuntimeError("process 0 failed to search or cache the fused pipeline schedule (its "
-                       "log has the error)")
-  return order
+  order = distributed.run_on_main_process(
+      lambda: searched_schedule(problem, pipeline, workdir)[0].order(),
+      "process 0 failed to search or cache the fused pipeline schedule (its log has the error)")
+  if order is None:  # the others: a placeholder of the order's shape and dtype
+    order = schedules.serial_order(problem)
+  return np.asarray(multihost_utils.broadcast_one_to_all(order))
 
 
 def make_pipelined_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, algo: AlgoConfig,
