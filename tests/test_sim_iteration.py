@@ -199,6 +199,35 @@ def test_frozen_models_kept_on_the_devices_shrink_the_kv_pool():
     it.simulate_gen_stage(cost, wl, it.SimOptions(gen_tps=(4,), offload_frozen=False), False)
 
 
+def test_frozen_models_kept_on_the_devices_bound_the_training_plan_too():
+  """sim.offload_frozen=False: the frozen reference and reward model stay on the generation
+  instances while the actor and critic train, so the training plan must fit beside their
+  weights split over the generation tp. Here (33B/13B on 16 H100s) the plan that is fastest
+  when they are offloaded does not fit beside them, and is refused naming them. Until
+  2026-11-30 training charged nothing for them."""
+  wl = it.Workload(actor=get_shape("llama-33b"), critic=get_shape("llama-13b", "scalar"),
+                   num_devices=16, global_batch=64, minibatch=32, max_new_tokens=256,
+                   prompt=LengthSpec(kind="uniform", min_len=8, max_len=64),
+                   response=LengthSpec(kind="uniform", min_len=1, max_len=256))
+  on, off = (it.simulate_iteration(H100, wl, it.SimOptions(gen_tps=(1, 2, 4, 8),
+                                                           offload_frozen=o),
+                                   systems=("rlhfuse_base",))[0]["rlhfuse_base"]
+             for o in (False, True))
+  gen_tp = on["details"]["gen_plan"]["tp"]
+  kept = (wl.actor.weight_bytes() + wl.critic.weight_bytes()) / gen_tp
+  assert it.kept_frozen_bytes(wl, gen_tp, it.SimOptions(offload_frozen=False)) == kept
+  prompts, resp = wl.sample_lengths()
+  mean_len = float((prompts + resp).mean())
+  plan = lambda p: ts.TrainPlan(16, 32, p["tp"], p["actor_pp"], p["critic_pp"], 1)  # noqa: E731
+  chosen, fastest = on["details"]["train"]["plan"], off["details"]["train"]["plan"]
+  assert (fastest["tp"], fastest["dp"]) == (2, 2) and (chosen["tp"], chosen["dp"]) == (4, 1)
+  assert on["train_s"] > off["train_s"]
+  ts.step_costs(H100, wl.actor, wl.critic, plan(chosen), mean_len, resident_bytes=kept)
+  with pytest.raises(ValueError, match=r"beside [\d.]+ GiB of frozen models' weights kept on "
+                                       r"the devices \(sim\.offload_frozen=False\)"):
+    ts.step_costs(H100, wl.actor, wl.critic, plan(fastest), mean_len, resident_bytes=kept)
+
+
 @pytest.mark.parametrize("fused_train_s, picked", [(0.8, True), (0.99, False)])
 def test_planned_fused_training_pays_the_resharding_its_layout_brings(fused_train_s, picked):
   """rlhfuse_planned swaps the plan's training for the fused schedule on a pipelined layout. A

@@ -187,6 +187,15 @@ def frozen_resident_bytes(frozen: tuple, tp: int, opt: SimOptions) -> float:
   return 0.0 if opt.offload_frozen else sum(s.weight_bytes() for s in frozen) / tp
 
 
+def kept_frozen_bytes(wl: Workload, devices_per_copy: int, opt: SimOptions) -> float:
+  """Per device, what the frozen reference and reward model keep on the devices through every
+  stage, training included, with sim.offload_frozen=False (no host memory to wait in): their
+  bf16 weights split over the `devices_per_copy` devices of the layout that scores with them.
+  0 when they are offloaded. (The critic's scoring copy is rebuilt from its training state;
+  generation, which scores beside decoding, charges it too: frozen_resident_bytes.)"""
+  return frozen_resident_bytes((wl.actor, wl.critic), devices_per_copy, opt)
+
+
 def zero3_resident_bytes(wl: Workload) -> float:
   """Per device, what DeepSpeed-Chat keeps while its hybrid engine generates: the ZeRO-3 shards
   of the trained actor and critic (16 bytes a parameter: bf16 weights and gradients, fp32
@@ -365,16 +374,23 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
 
   train_cache: dict = {}
 
-  def train(fused: bool) -> dict:
-    if fused not in train_cache:
+  def train(fused: bool, kept: float = 0.0) -> dict:
+    """The training stage, beside `kept` bytes per device of frozen weights (kept_frozen_bytes
+    at the system's generation degree, where it scores)."""
+    if (fused, kept) not in train_cache:
       plan, _ = train_lib.best_plan(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
-                                    wl.micro_batch, mean_len, wl.num_minibatches)
-      costs = train_lib.step_costs(cost, wl.actor, wl.critic, plan, mean_len)
+                                    wl.micro_batch, mean_len, wl.num_minibatches,
+                                    resident_bytes=kept)
+      costs = train_lib.step_costs(cost, wl.actor, wl.critic, plan, mean_len,
+                                   resident_bytes=kept)
       res = train_lib.pipeline_train_s(costs, wl.num_minibatches, fused, cache)
       res["plan"] = plan.to_dict()
       res["problem"] = costs.problem.to_dict()
-      train_cache[fused] = res
-    return train_cache[fused]
+      train_cache[(fused, kept)] = res
+    return train_cache[(fused, kept)]
+
+  def kept(g: dict) -> float:
+    return kept_frozen_bytes(wl, g["plan"].tp, opt)
 
   planned: dict = {}
 
@@ -394,8 +410,9 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
       out[name] = _async_row(wl, plan())
       continue
     if name in ("pipe_rlhf", "rlhfuse_planned"):
-      out[name] = _planned_row(cost, wl, plan(), gen(True) if name == "rlhfuse_planned" else None,
-                               train(True) if name == "rlhfuse_planned" else None)
+      fused = name == "rlhfuse_planned"
+      out[name] = _planned_row(cost, wl, plan(), gen(True) if fused else None,
+                               train(True, kept(gen(True))) if fused else None)
       continue
     if name == "deepspeed_chat_like":
       g = gen(False, smallest=True)
@@ -410,9 +427,10 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
       details = {"gen_plan": dataclasses.asdict(g["plan"]), "threshold": g["threshold"],
                  "threshold_sweep": g["threshold_sweep"], "gen": r.summary()}
       if name == "realhf_like":
-        colocated = train(False)
+        colocated = train(False, kept(g))
         split = min(train_lib.disjoint_splits(cost, wl.actor, wl.critic, wl.num_devices,
-                                              wl.minibatch, wl.micro_batch, mean_len),
+                                              wl.minibatch, wl.micro_batch, mean_len,
+                                              resident_bytes=kept(g)),
                     key=lambda x: x[0], default=None)
         if split is not None and split[0] * wl.num_minibatches < colocated["train_s"]:
           row["train_s"] = split[0] * wl.num_minibatches
@@ -421,7 +439,7 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
           row["train_s"] = colocated["train_s"]
           details["train"] = {"mode": "colocated_serial_1f1b", "plan": colocated["plan"]}
       else:
-        t = train(name in _INTRA)
+        t = train(name in _INTRA, kept(g))
         row["train_s"] = t["train_s"]
         details["train"] = {k: v for k, v in t.items() if k != "search"}
         if t["search"] is not None:
@@ -432,4 +450,6 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
     row["iteration_s"] = row["reshard_s"] + row["gen_plus_inf_s"] + row["train_s"]
     row["samples_per_s"] = wl.global_batch / row["iteration_s"]
     out[name] = row
-  return out, {"gen": gen_cache, "train": train_cache}
+  # raw["train"] by `fused` alone: with sim.offload_frozen=False a system's training also
+  # depends on where its generation keeps the frozen weights; the figures take one of each.
+  return out, {"gen": gen_cache, "train": {fused: res for (fused, _), res in train_cache.items()}}

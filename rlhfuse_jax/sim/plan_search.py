@@ -115,9 +115,10 @@ def stage_shape(shape: ModelShape, pp: int) -> ModelShape:
 # ----------------------------------------------------------------------------- generation
 def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, tp: int, pp: int,
                          groups: int, prompts: np.ndarray, resp: np.ndarray,
-                         max_new_tokens: int) -> dict:
-  """Delayed inter-batch pipelined generation of one batch (module docstring). Returns
-  {gen_s, prefill_s, decode_s, ticks, stage_busy_frac, replicas, samples_per_replica}."""
+                         max_new_tokens: int, resident_bytes: float = 0.0) -> dict:
+  """Delayed inter-batch pipelined generation of one batch (module docstring), beside
+  `resident_bytes` per device of frozen weights (frozen_note). Returns {gen_s, prefill_s,
+  decode_s, ticks, stage_busy_frac, replicas, samples_per_replica}."""
   if num_devices % (tp * pp):
     raise ValueError(f"pipelined generation: tp*pp={tp}*{pp} must divide {num_devices} devices")
   if groups < 1:
@@ -127,9 +128,11 @@ def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, t
   b = prompts.size
   per_rep = -(-b // reps)
   slot_cap = int(prompts.max()) + max_new_tokens
-  need = (actor.weight_bytes() + per_rep * slot_cap * actor.kv_bytes_per_token()) / (tp * pp)
+  need = ((actor.weight_bytes() + per_rep * slot_cap * actor.kv_bytes_per_token()) / (tp * pp)
+          + resident_bytes)
   cost.check_fits(f"pipelined generation of {actor.name}", need,
-                  f"pp={pp} tp={tp}: a stage's weights + KV for {per_rep} samples")
+                  f"pp={pp} tp={tp}: a stage's weights + KV for {per_rep} samples"
+                  + train_lib.frozen_note(resident_bytes))
   # [R, G, S]: sample of each (replica, group, position), -1 where empty.
   per_group = -(-per_rep // groups)
   idx = np.full((reps * groups * per_group,), -1, dtype=np.int64)
@@ -172,13 +175,12 @@ def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, t
 
 
 def instance_generation(cost: CostModel, wl, opt, tp: int, prompts: np.ndarray,
-                        resp: np.ndarray) -> dict:
+                        resp: np.ndarray, resident_bytes: float = 0.0) -> dict:
   """Generation alone on instances of tp devices (no consolidation; inference is its own
-  stage here): {gen_s, plan}."""
+  stage here), beside `resident_bytes` per device of frozen weights: {gen_s, plan}."""
   from rlhfuse_jax.sim import iteration_sim as it  # iteration_sim imports this module
-  # No frozen weights charged here, with sim.offload_frozen=False either: in a per-stage plan
-  # they live in the inference stage's layout, chosen apart (a known gap, docs/simulator.md).
-  plan = it.gen_plan(cost, wl, tp, prompts, opt.max_slots)
+  plan = it.gen_plan(cost, wl, tp, prompts, opt.max_slots, resident_bytes,
+                     "the frozen reference and reward weights (sim.offload_frozen=False)")
   res = gen_lib.simulate_generation(cost, wl.actor, (wl.actor, wl.critic, wl.critic),
                                     it.gen_setup(plan, wl, opt, cost, False, None), prompts,
                                     resp)
@@ -231,15 +233,16 @@ def _fits(fn: Callable, rejected: dict, name: str):
 
 
 def generation_candidates(cost: CostModel, wl, opt, prompts, resp, rejected: dict,
-                          pps=(2, 4, 8)) -> list[Candidate]:
+                          pps=(2, 4, 8), resident_bytes: float = 0.0) -> list[Candidate]:
   """Generation on instances (each tp of opt.gen_tps) and as pipelines (pp x tp, G = pp and
-  2 pp), each with the resharding of the actor's weights into its layout."""
+  2 pp), each with the resharding of the actor's weights into its layout, beside
+  `resident_bytes` per device of frozen weights (search)."""
   out = []
   for tp in opt.gen_tps:
     if tp > cost.hw.devices_per_node or wl.actor.tensor_parallel_error(tp):
       continue
-    g = _fits(lambda: instance_generation(cost, wl, opt, tp, prompts, resp), rejected,
-              f"gen instances tp{tp}")
+    g = _fits(lambda: instance_generation(cost, wl, opt, tp, prompts, resp, resident_bytes),
+              rejected, f"gen instances tp{tp}")
     if g is not None:
       # The trainer's instances hold their share of the batch (more slots only cost it).
       slots = (-(-wl.global_batch // (wl.num_devices // tp)) if opt.trainer_runnable else
@@ -252,7 +255,8 @@ def generation_candidates(cost: CostModel, wl, opt, prompts, resp, rejected: dic
         continue
       for groups in (pp, 2 * pp):
         p = _fits(lambda: pipelined_generation(cost, wl.actor, wl.num_devices, tp, pp, groups,
-                                               prompts, resp, wl.max_new_tokens), rejected,
+                                               prompts, resp, wl.max_new_tokens,
+                                               resident_bytes), rejected,
                   f"gen pipeline pp{pp} tp{tp} G{groups}")
         if p is not None:
           plan = GenerationPlan("pipeline", tp, pp, groups, p["samples_per_replica"])
@@ -349,14 +353,16 @@ def inference_candidates(cost: CostModel, wl, opt, prompt_lens, seq_lens, reject
   return out
 
 
-def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict
-                        ) -> list[Candidate]:
+def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict,
+                        resident_bytes: float = 0.0) -> list[Candidate]:
   """Colocated pipeline plans (serial 1F1B time; training_sim.best_plan's grid) and disjoint
-  splits (each model alone on 1/4, 1/2 or 3/4 of the devices, at once)."""
+  splits (each model alone on 1/4, 1/2 or 3/4 of the devices, at once), beside
+  `resident_bytes` per device of frozen weights (search)."""
   out = []
   try:
     _, tried = train_lib.best_plan(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
-                                   wl.micro_batch, mean_len, wl.num_minibatches)
+                                   wl.micro_batch, mean_len, wl.num_minibatches,
+                                   resident_bytes=resident_bytes)
   except ValueError as e:
     rejected["training colocated"] = str(e)
     tried = {}
@@ -368,7 +374,7 @@ def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict
     out.append(Candidate({"placement": "colocated", "devices": wl.num_devices, "tp": tp,
                           "actor_pp": pa, "critic_pp": pc}, float(t), {"train_s": float(t)}))
   splits = train_lib.disjoint_splits(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
-                                     wl.micro_batch, mean_len)
+                                     wl.micro_batch, mean_len, resident_bytes=resident_bytes)
   if not splits:
     rejected["training disjoint"] = "no split of the devices fits both models"
   for step, plans in splits:
@@ -377,9 +383,35 @@ def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict
   return out
 
 
+def beside_frozen(cost: CostModel, wl, opt, infs: list, prompts, resp, mean_len: float,
+                  rejected: dict, training: bool = True) -> tuple[dict, dict]:
+  """Generation (and with `training` training) candidates beside each inference plan's frozen
+  weights: ({kept bytes per device: (generation, training candidates, fastest first)},
+  {inference tp: its kept bytes}). With sim.offload_frozen=False the frozen reference and
+  reward model stay in the inference layout, a copy over each inference instance's tp devices
+  (iteration_sim.kept_frozen_bytes), while the other stages run, so a generation or training
+  plan must fit beside the share of the inference plan it is combined with. Offloaded, every
+  share is 0 and each stage is searched once, as before 2026-11-30, when no stage here charged
+  them."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  kept_at = {c.plan.tp: it.kept_frozen_bytes(wl, c.plan.tp, opt) for c in infs}
+  groups = {}
+  for kept in sorted(set(kept_at.values())) or [0.0]:
+    rej: dict = {}
+    gens = generation_candidates(cost, wl, opt, prompts, resp, rej, resident_bytes=kept)
+    trains = training_candidates(cost, wl, mean_len, rej, kept) if training else []
+    rejected.update(rej if not kept else {
+        f"{k} beside {kept / 2**30:.1f} GiB of frozen weights": v for k, v in rej.items()})
+    groups[kept] = tuple(sorted(c, key=lambda x: x.seconds) for c in (gens, trains))
+  return groups, kept_at
+
+
 def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
                        rejected: dict) -> list[Candidate]:
-  """One (tp, pp) layout for every stage (module docstring); no resharding."""
+  """One (tp, pp) layout for every stage (module docstring); no resharding. With
+  sim.offload_frozen=False the frozen reference and reward model stay in that layout through
+  generation and training."""
+  from rlhfuse_jax.sim import iteration_sim as it
   frozen = (wl.actor, wl.critic, wl.critic)
   seq = (prompts + resp).astype(np.float64)
   out = []
@@ -388,16 +420,18 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
         any(s.tensor_parallel_error(tp) or s.num_layers % pp for s in frozen)):
       continue
     name = f"uniform tp{tp} pp{pp}"
+    kept = it.kept_frozen_bytes(wl, tp * pp, opt)
     try:
       if pp == 1:
-        gen = instance_generation(cost, wl, opt, tp, prompts, resp)["gen_s"]
+        gen = instance_generation(cost, wl, opt, tp, prompts, resp, kept)["gen_s"]
       else:
         gen = pipelined_generation(cost, wl.actor, wl.num_devices, tp, pp, 1, prompts, resp,
-                                   wl.max_new_tokens)["gen_s"]
+                                   wl.max_new_tokens, kept)["gen_s"]
       inf = inference_stage_s(cost, frozen, wl.num_devices, tp, pp, seq,
                               opt.inference_microbatch, opt.offload_frozen)
       plan = train_lib.TrainPlan(wl.num_devices, wl.minibatch, tp, pp, pp, wl.micro_batch)
-      costs = train_lib.step_costs(cost, wl.actor, wl.critic, plan, mean_len)
+      costs = train_lib.step_costs(cost, wl.actor, wl.critic, plan, mean_len,
+                                   resident_bytes=kept)
       train = train_lib.pipeline_train_s(costs, wl.num_minibatches, fused=False)["train_s"]
     except ValueError as e:
       rejected[name] = str(e)
@@ -591,15 +625,18 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
     # Training first: most training-group sizes fail the mini-batch's divisibility at once.
     trains = training_candidates(cost, dataclasses.replace(wl, num_devices=n - g), mean_len,
                                  rejected)
-    gens, infs = [], []
+    pairs, any_gen = [], False  # (generation, inference) candidates of the generation group
     if trains:
       wg = dataclasses.replace(wl, num_devices=g)
-      gens = generation_candidates(cost, wg, opt, prompts, resp, rejected)
-      infs = (inference_candidates(cost, wg, opt, prompts, seq, rejected,
-                                   ASYNC_GENERATION_FROZEN)
-              if gens else [])
-    if not (trains and gens and infs):
-      stage = "training" if not trains else "generation" if not gens else "inference"
+      infs = inference_candidates(cost, wg, opt, prompts, seq, rejected,
+                                  ASYNC_GENERATION_FROZEN)
+      # The frozen models live on the generation group only (beside its generation).
+      groups, kept_at = beside_frozen(cost, wg, opt, infs, prompts, resp, mean_len, rejected,
+                                      training=False)
+      any_gen = any(gens for gens, _ in groups.values())
+      pairs = [(gen, inf) for inf in infs for gen in groups[kept_at[inf.plan.tp]][0]]
+    if not (trains and pairs):
+      stage = "training" if not trains else "generation" if not any_gen else "inference"
       why = next((v for k, v in rejected.items() if k.startswith(stage)), "nothing fits")
       splits.append({"generation_devices": g, "training_devices": n - g,
                      "rejected": f"no {stage} plan on {n - g if stage == 'training' else g} "
@@ -611,7 +648,7 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
       refused: dict = {}
       found = _runnable(wl, opt, sorted(
           (_async_plan(cost, wl, g, staleness, gen, inf, train, rescore)
-           for gen, inf, (train, rescore) in itertools.product(gens, infs, scored)),
+           for (gen, inf), (train, rescore) in itertools.product(pairs, scored)),
           key=lambda p: p["predicted"]["iteration_s"]), accept, 1, refused)
       if not found:
         why = max(refused, key=refused.get) if refused else "nothing"
@@ -623,7 +660,7 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
     else:
       train, rescore = min(scored, key=lambda c: c[0].seconds + c[1])
       best = min((_async_plan(cost, wl, g, staleness, gen, inf, train, rescore)
-                  for gen, inf in itertools.product(gens, infs)),
+                  for gen, inf in pairs),
                  key=lambda p: p["predicted"]["iteration_s"])
     plans.append(best)
     splits.append({"generation_devices": g, "training_devices": n - g,
@@ -661,23 +698,27 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   mean_len = float(seq.mean())
   rejected: dict = {}
   say = log or (lambda m: None)
-  gens = sorted(generation_candidates(cost, wl, opt, prompts, resp, rejected),
-                key=lambda c: c.seconds)
-  say(f"plan search: {len(gens)} generation plans, best {gens[0].plan.describe() if gens else '-'}"
-      f" ({time.time() - t0:.1f}s)")
   infs = sorted(inference_candidates(cost, wl, opt, prompts, seq, rejected),
                 key=lambda c: c.seconds)
-  trains = sorted(training_candidates(cost, wl, mean_len, rejected), key=lambda c: c.seconds)
-  say(f"plan search: {len(infs)} inference, {len(trains)} training plans "
-      f"({time.time() - t0:.1f}s)")
+  groups, kept_at = beside_frozen(cost, wl, opt, infs, prompts, resp, mean_len, rejected)
+  gens, trains = groups[kept_at[infs[0].plan.tp]] if infs else next(iter(groups.values()))
+  say(f"plan search: {len(infs)} inference plans; {len(gens)} generation plans, best "
+      f"{gens[0].plan.describe() if gens else '-'}; {len(trains)} training plans"
+      + (f" (beside inference tp{infs[0].plan.tp}'s frozen weights; "
+         f"{len(groups)} inference degrees searched)" if len(groups) > 1 else "")
+      + f" ({time.time() - t0:.1f}s)")
   unif = sorted(uniform_candidates(cost, wl, opt, prompts, resp, mean_len, rejected),
                 key=lambda c: c.seconds)
-  if not (gens and infs and trains):
+  # Every combination of an inference plan with the generation and training plans that fit
+  # beside its frozen weights.
+  every = [(gen, inf, train) for inf in infs
+           for gen, train in itertools.product(*groups[kept_at[inf.plan.tp]])]
+  if not every:
     raise ValueError(f"plan search: no feasible plan for a stage of {wl.actor.name} + "
                      f"{wl.critic.name} on {wl.num_devices} x {cost.hw.name}: {rejected}")
   refused: dict = {}
   if opt.trainer_runnable or accept is not None:
-    combos = sorted(itertools.product(gens, infs, trains), key=_combo_s)
+    combos = sorted(every, key=_combo_s)
     top = _runnable(wl, opt, (_plan_dict(*c) for c in combos), accept, top_k, refused)
     if not top:
       raise ValueError(f"plan search: no plan of {wl.actor.name} + {wl.critic.name} on "
@@ -685,8 +726,10 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   else:
     # Every generation and training plan: a pair of the same layout pays no resharding, so
     # plans outside their stage's top k may still make the best combination.
-    combos = sorted(itertools.product(gens, infs[:top_k], trains), key=_combo_s)[:top_k]
+    combos = sorted(every, key=_combo_s)[:top_k]
     top = [_plan_dict(*c) for c in combos]
+  # The stage lists shown: those beside the best plan's inference.
+  gens, trains = groups[kept_at[top[0]["inference"]["tp"]]]
   uniform = None
   if unif:
     u = unif[0]
@@ -705,7 +748,7 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
                                 for c in unif]},
          "rejected": rejected, "refused": refused, "search_s": sync_s,
          "synchronous_search_s": sync_s,
-         "evaluated": len(gens) + len(infs) + len(trains) + len(unif)}
+         "evaluated": len(infs) + len(unif) + sum(len(g) + len(t) for g, t in groups.values())}
   if staleness:
     out["async"] = async_search(cost, wl, opt, staleness, top[0], top_k, split_unit, log,
                                 accept)

@@ -31,7 +31,7 @@ from rlhfuse_jax.pipeline.bounds import (pipeline_1f1b_makespan, serial_makespan
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import PipelineProblem
 from rlhfuse_jax.pipeline.search import SearchConfig, search
-from rlhfuse_jax.sim.cost_model import CostModel, crossing_share
+from rlhfuse_jax.sim.cost_model import GIB, CostModel, crossing_share
 from rlhfuse_jax.sim.shapes import ModelShape
 
 MS = 1e3  # PipelineProblem times are in milliseconds
@@ -108,8 +108,10 @@ class StepCosts:
 
 
 def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: TrainPlan,
-               mean_seq_len: float, check_memory: bool = True) -> StepCosts:
-  """Stage durations, transfer latency and the per-step extras of a plan."""
+               mean_seq_len: float, check_memory: bool = True,
+               resident_bytes: float = 0.0) -> StepCosts:
+  """Stage durations, transfer latency and the per-step extras of a plan (`resident_bytes`:
+  check_train_memory's)."""
   mb_tokens = plan.micro_batch * mean_seq_len
   ctx = (mean_seq_len + 1) / 2.0
   fa = float(cost.train_stage_fwd_s(actor, plan.tp, plan.actor_pp, mb_tokens, ctx, "actor"))
@@ -132,7 +134,7 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: Tra
       critic_mem=round(stash_bytes(critic, plan.critic_pp, plan.tp, mb_tokens) / MB, 6),
       transfer_latency=round(lat * MS, 6))
   if check_memory:
-    check_train_memory(cost, actor, critic, plan, mb_tokens)
+    check_train_memory(cost, actor, critic, plan, mb_tokens, resident_bytes)
   sync = (cost.grad_sync_s(actor, plan.tp, plan.actor_pp, plan.dp) +
           cost.grad_sync_s(critic, plan.tp, plan.critic_pp, plan.dp * plan.critic_replicas))
   opt = (cost.optimizer_step_s(actor, plan.tp * plan.actor_pp * plan.dp) +
@@ -141,17 +143,29 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: Tra
 
 
 def check_train_memory(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: TrainPlan,
-                       mb_tokens: float) -> None:
+                       mb_tokens: float, resident_bytes: float = 0.0) -> None:
   """Both models' states and their 1F1B activation peaks on the busiest device (stage 0 of
-  each) must fit; the fused schedule's budget is that same sum (docs/architecture.md §3)."""
+  each) must fit, beside `resident_bytes` per device that other stages keep there (the frozen
+  models' weights with sim.offload_frozen=False: frozen_note); the fused schedule's budget is
+  the sum of the two models' (docs/architecture.md §3)."""
   ma, mc = plan.actor_microbatches, plan.critic_microbatches
   need = (cost.train_memory_bytes(actor, plan.tp, plan.actor_pp, plan.dp, True, mb_tokens,
                                   min(plan.actor_pp, ma)) +
           cost.train_memory_bytes(critic, plan.tp, plan.critic_pp, plan.dp * plan.critic_replicas,
-                                  True, mb_tokens, min(plan.critic_pp, mc)))
+                                  True, mb_tokens, min(plan.critic_pp, mc)) +
+          resident_bytes)
   cost.check_fits(f"training {actor.name} + {critic.name}", need,
                   f"plan tp={plan.tp} actor_pp={plan.actor_pp} critic_pp={plan.critic_pp} "
-                  f"dp={plan.dp}; use more pipeline stages or tensor parallelism")
+                  f"dp={plan.dp}{frozen_note(resident_bytes)}; use more pipeline stages or "
+                  "tensor parallelism")
+
+
+def frozen_note(resident_bytes: float) -> str:
+  """The part of a memory refusal that names what other stages keep on the devices."""
+  if not resident_bytes:
+    return ""
+  return (f", beside {resident_bytes / GIB:.1f} GiB of frozen models' weights kept on the "
+          "devices (sim.offload_frozen=False)")
 
 
 def serial_makespan_ms(problem: PipelineProblem) -> float:
@@ -228,9 +242,11 @@ def pipeline_train_s(costs: StepCosts, num_minibatches: int, fused: bool,
 
 def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_devices: int,
               minibatch: int, micro_batch: int, mean_seq_len: float, num_minibatches: int,
-              tps=(1, 2, 4, 8), pps=(1, 2, 4, 8, 16)) -> tuple[TrainPlan, dict]:
-  """The plan with the smallest serial (1F1B) training time among those that fit in memory.
-  Returns (plan, {candidate description: train_s or the reason it was rejected})."""
+              tps=(1, 2, 4, 8), pps=(1, 2, 4, 8, 16),
+              resident_bytes: float = 0.0) -> tuple[TrainPlan, dict]:
+  """The plan with the smallest serial (1F1B) training time among those that fit in memory
+  (beside `resident_bytes` per device: check_train_memory). Returns (plan, {candidate
+  description: train_s or the reason it was rejected})."""
   tried, best, best_t = {}, None, float("inf")
   for tp in tps:
     if tp > cost.hw.devices_per_node:
@@ -247,7 +263,8 @@ def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_device
           continue
         try:
           plan = TrainPlan(num_devices, minibatch, tp, pa, pc, micro_batch)
-          costs = step_costs(cost, actor, critic, plan, mean_seq_len)
+          costs = step_costs(cost, actor, critic, plan, mean_seq_len,
+                             resident_bytes=resident_bytes)
         except ValueError as e:
           tried[name] = str(e)
           continue
@@ -262,9 +279,11 @@ def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_device
 
 
 def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int,
-                      micro_batch: int, mean_len: float) -> Optional[tuple[float, dict]]:
+                      micro_batch: int, mean_len: float,
+                      resident_bytes: float = 0.0) -> Optional[tuple[float, dict]]:
   """(1F1B step seconds, plan) of one model alone on n devices (tp x pp x dp), the fastest
-  that fits, or None if nothing fits (ReaLHF-like disjoint training; plan_search)."""
+  that fits beside `resident_bytes` per device, or None if nothing fits (ReaLHF-like disjoint
+  training; plan_search)."""
   best = None
   for tp in (1, 2, 4, 8):
     if shape.tensor_parallel_error(tp):
@@ -278,7 +297,7 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
       m = minibatch // (dp * micro_batch)
       mb_tokens = micro_batch * mean_len
       need = cost.train_memory_bytes(shape, tp, pp, dp, True, mb_tokens, min(pp, m))
-      if need > cost.usable_bytes:
+      if need + resident_bytes > cost.usable_bytes:
         continue
       f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2))
       lat = cost.p2p_s(mb_tokens * shape.hidden_size * 2.0 / tp, True) if pp > 1 else 0.0
@@ -292,17 +311,20 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
 
 def disjoint_splits(cost: CostModel, actor: ModelShape, critic: ModelShape, n: int,
                     minibatch: int, micro_batch: int, mean_len: float,
-                    fractions=(0.25, 0.5, 0.75)) -> list[tuple[float, dict]]:
+                    fractions=(0.25, 0.5, 0.75),
+                    resident_bytes: float = 0.0) -> list[tuple[float, dict]]:
   """Actor and critic trained at once on disjoint device groups (the actor on each fraction of
   the n devices, the critic on the rest): [(step seconds, {"actor": plan, "critic": plan})]
-  for the splits where both fit; a step lasts as long as the slower model's."""
+  for the splits where both fit (beside `resident_bytes` per device); a step lasts as long as
+  the slower model's."""
   out = []
   for frac in fractions:
     na = int(n * frac)
     if not 0 < na < n:  # too few devices to give each model some
       continue
-    a = single_model_plan(cost, actor, na, minibatch, micro_batch, mean_len)
-    c = single_model_plan(cost, critic, n - na, minibatch, micro_batch, mean_len)
+    a = single_model_plan(cost, actor, na, minibatch, micro_batch, mean_len, resident_bytes)
+    c = single_model_plan(cost, critic, n - na, minibatch, micro_batch, mean_len,
+                          resident_bytes)
     if a and c:
       out.append((max(a[0], c[0]), {"actor": a[1], "critic": c[1]}))
   return out
