@@ -106,12 +106,38 @@ def make_batch(c, seed: int):
   plens = rng.integers(g.prompt_min_len, p + 1, b).astype(np.int32)  # [B]
   tokens = rng.integers(1, c.model.vocab_size, (b, p)).astype(np.int32)  # [B, P]
   tokens[np.arange(p)[None, :] >= plens[:, None]] = 0  # right padding (pad_id 0)
-  spec = lengths_lib.LengthSpec(kind=c.lengths.kind, max_len=g.max_new_tokens,
+  spec = length_spec(c)
+  budgets = spec.sample(np.random.default_rng([seed, 2]), b).astype(np.int32)  # [B]
+  return tokens, plens, budgets, spec
+
+
+def length_spec(c) -> lengths_lib.LengthSpec:
+  """The response budgets' distribution of `config.lengths` (max_len: max_new_tokens)."""
+  return lengths_lib.LengthSpec(kind=c.lengths.kind, max_len=c.generation.max_new_tokens,
                                 min_len=c.lengths.min_len, median=c.lengths.median,
                                 sigma=c.lengths.sigma, alpha=c.lengths.alpha,
                                 value=c.lengths.value, path=c.lengths.path)
-  budgets = spec.sample(np.random.default_rng([seed, 2]), b).astype(np.int32)  # [B]
-  return tokens, plens, budgets, spec
+
+
+def check_inputs(c) -> None:
+  """What make_batch reads, checked before the earlier run's outputs are moved aside and before
+  anything compiles (a bad prompt length or lengths file otherwise failed after the compiles,
+  minutes on a large model, as numpy's "low >= high" or a FileNotFoundError traceback)."""
+  g = c.generation
+  if isinstance(g.prompt_len, bool) or not isinstance(g.prompt_len, int) or g.prompt_len < 1:
+    raise ValueError(f"config.generation.prompt_len={g.prompt_len!r}: expected an integer >= 1")
+  if (isinstance(g.prompt_min_len, bool) or not isinstance(g.prompt_min_len, int) or
+      not 1 <= g.prompt_min_len <= g.prompt_len):
+    raise ValueError(f"config.generation.prompt_min_len={g.prompt_min_len!r}: expected an "
+                     f"integer in [1, generation.prompt_len={g.prompt_len}] (prompt lengths are "
+                     "drawn uniformly between them)")
+  if c.model.vocab_size < 2:
+    raise ValueError(f"config.model.vocab_size={c.model.vocab_size}: expected >= 2 (token 0 "
+                     "pads the prompts)")
+  try:
+    length_spec(c).sample(np.random.default_rng(0), 1)  # an empirical file is read here
+  except (ValueError, FileNotFoundError) as e:
+    raise ValueError(f"config.lengths: {e}") from None
 
 
 def summarize(out: fused_lib.FusedOutput, wall_s: float) -> dict:
@@ -277,6 +303,7 @@ def run_and_write(c, workdir: str, reference=None) -> dict:
   (process 0). `reference(workdir)`: {name: array} of a reference run to compare with (and
   fold into identical_outputs), run on process 0 after the processes have shut down."""
   config_files.check_ints(c, ("repeats", "batch_size"))
+  check_inputs(c)
   main_process = distributed.is_main_process()
   pipelined = bool(c.generation.get("pipeline_stages"))
   if pipelined and jax.process_count() > 1:

@@ -39,15 +39,17 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def measure(c) -> dict:
+def check_config(c) -> tuple[llama.ModelConfig, object, list[int]]:
+  """(model config, devices_share_compute, occupancies) of `c`; a ValueError naming the field
+  otherwise. main calls it before the earlier run's calibration.json is moved aside (a typo
+  left the workdir without one, the good file in previous/<n>)."""
   cfg = llama.ModelConfig(**c.model.to_dict())
-  critic_cfg = cfg.replace(head="scalar")
+  config_files.check_ints(c, ("repeats", "slots", "chunk_size", "migrate_rows",
+                             "inference_microbatch", "prompt_len", "max_new_tokens"))
   max_len = c.prompt_len + c.max_new_tokens
   if max_len > cfg.max_seq_len:
-    raise ValueError(f"prompt_len + max_new_tokens = {max_len} > model.max_seq_len="
-                     f"{cfg.max_seq_len}")
-  config_files.check_ints(c, ("repeats", "slots", "chunk_size", "migrate_rows",
-                             "inference_microbatch"))
+    raise ValueError(f"config.prompt_len + config.max_new_tokens = {max_len}: expected at most "
+                     f"config.model.max_seq_len={cfg.max_seq_len}")
   if c.migrate_rows > c.slots:
     raise ValueError(f"config.migrate_rows={c.migrate_rows}: expected at most slots={c.slots} "
                      "(the rows copied come from one instance's cache)")
@@ -63,6 +65,13 @@ def measure(c) -> dict:
   occ = [int(x) for x in items]
   if max(occ) > c.slots or min(occ) < 1:
     raise ValueError(f"config.occupancies={occ} must lie in [1, slots={c.slots}]")
+  return cfg, share, occ
+
+
+def measure(c) -> dict:
+  cfg, share, occ = check_config(c)
+  critic_cfg = cfg.replace(head="scalar")
+  max_len = c.prompt_len + c.max_new_tokens
   key = jax.random.key(c.seed)
   params, _ = llama.init_params(cfg, key)
   cparams, _ = llama.init_params(critic_cfg, jax.random.fold_in(key, 1))
@@ -127,6 +136,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   c = _CONFIG.value
+  check_config(c)  # before the earlier calibration.json moves aside
   wd.start_outputs(_WORKDIR.value, c, ("calibration.json",))
   cal = measure(c)
   calibration.from_dict(cal, "measured")  # what we write must load

@@ -25,6 +25,7 @@ from absl import app, flags, logging
 
 from experiments import runner
 from rlhfuse_jax import metrics as metrics_lib
+from rlhfuse_jax import workdir as wd
 
 
 def split_config_path(config_path: str) -> tuple[str, Optional[str]]:
@@ -220,21 +221,50 @@ def parse_flags(argv: list[str]) -> list[str]:
   workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None
   if workdir and os.path.exists(workdir) and not os.path.isdir(workdir):
     _fatal(f"--workdir={workdir!r} is a file; expected a directory (new or a run's own)")
+  problem = workdir and "://" not in workdir and unwritable(workdir)
+  if problem:
+    _fatal(f"--workdir={workdir!r}: {problem}; expected a directory this process can create "
+           "and write")
   return args
 
 
+def unwritable(path: str) -> Optional[str]:
+  """Why `path` (a directory, existing or to be made) cannot be written, or None: the nearest
+  existing directory on its way (itself, else an ancestor) must be writable. A read-only
+  filesystem or a directory without write permission otherwise failed deep in the binary, as an
+  OSError traceback, after the config was loaded (and for train_ppo, after jax started)."""
+  probe = os.path.abspath(path)
+  while not os.path.exists(probe):
+    parent = os.path.dirname(probe)
+    if parent == probe:
+      return None
+    probe = parent
+  if not os.path.isdir(probe):
+    return f"{probe} is a file, not a directory"
+  if not os.access(probe, os.W_OK | os.X_OK):
+    return f"{probe} is not writable (read-only filesystem or no write permission)"
+  return None
+
+
 TRACEBACK_ENV = "RLHFUSE_TRACEBACK"
+# What `run` reports as one line: bad input (ValueError), a file a field names that does not
+# exist (FileNotFoundError: the loaders' messages name the field or the file) and a workdir
+# another run holds. Anything else is a bug's traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, wd.WorkdirInUseError)
 
 
-def _save_traceback(text: str) -> Optional[str]:
+def _save_traceback(text: str, in_workdir: bool = True) -> Optional[str]:
   """Writes a traceback beside the run's outputs (WORKDIR/traceback.txt, on the shared
   filesystem of a multi-host job; the last failure's, so failed starts do not pile up files),
   else in the temp directory (one file per process); returns the path, or None if neither
-  can be written."""
+  can be written. `in_workdir=False`: the temp directory (a start refused from a workdir
+  that another run holds, or that holds another binary's outputs: their traceback.txt stays
+  theirs)."""
   workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None
-  places = ([os.path.join(workdir, "traceback.txt")] if workdir and os.path.isdir(workdir)
-            else []) + [os.path.join(tempfile.gettempdir(),
-                                     f"rlhfuse_traceback.{socket.gethostname()}.{os.getpid()}.txt")]
+  beside = in_workdir and workdir and os.path.isdir(workdir)
+  places = ([os.path.join(workdir, "traceback.txt")] if beside else []) + [
+      os.path.join(tempfile.gettempdir(),
+                   f"rlhfuse_traceback.{socket.gethostname()}.{os.getpid()}.txt")]
   for path in places:
     try:
       with open(path, "w") as f:
@@ -246,9 +276,9 @@ def _save_traceback(text: str) -> Optional[str]:
 
 
 def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None) -> Any:
-  """`app.run(main)` with `parse_flags`, and a ValueError that ends `main` (this codebase's bad
-  input: the message names the field or file and what was expected) logged as one line, exit
-  status 1, its traceback kept in a file the next line names (or printed, with
+  """`app.run(main)` with `parse_flags`, and a USER_ERRORS exception that ends `main` (this
+  codebase's bad input: the message names the field or file and what was expected) logged as
+  one line, exit status 1, its traceback kept in a file the next line names (or printed, with
   RLHFUSE_TRACEBACK=1). Other exceptions print their traceback as before."""
 
   def guarded(args):
@@ -256,10 +286,11 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None) -> A
     runner.note_start()  # when, from which commit and by which command: read before the run
     try:
       return main(args)
-    except ValueError as e:
+    except USER_ERRORS as e:
       if os.environ.get(TRACEBACK_ENV):
         raise
-      path = _save_traceback(traceback.format_exc())
+      path = _save_traceback(traceback.format_exc(), in_workdir=not isinstance(
+          e, (wd.WorkdirInUseError, wd.ForeignWorkdirError)))
       logging.error("%s: %s", type(e).__name__, e)
       logging.flush()
       sys.stderr.write(f"(where it was raised: {path or 'not saved'}; {TRACEBACK_ENV}=1 prints "

@@ -12,6 +12,7 @@ fitted to that bench, which --config.calibration=<it> turns into the simulated e
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import numpy as np
@@ -91,15 +92,33 @@ def _serial_schedule(problem, order):
                                peaks=sched.peaks, budget=sched.budget)
 
 
+def check_bench_workdir(name: str, given: str) -> None:
+  """A ValueError naming config.validate.`name`_workdir unless it is empty or holds the
+  result.json of a finished `name` run: another binary's result (a train_ppo or bench_decode
+  workdir given for bench_generation) was taken as the bench's and, after the whole
+  simulation, skipped with a warning or a bare KeyError ("could not compare: 'device'"), exit 0.
+  The binary is read from the result's provenance command (results without one pass)."""
+  if not given:
+    return
+  field = f"config.validate.{name}_workdir={given!r}"
+  path = os.path.join(given, "result.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"{field}: no result.json there (the --workdir of a finished python -m "
+                     f"experiments.{name} run)")
+  result = wd.read_json_object(path, invalid="not valid JSON (a result.json being written?)")
+  command = str((result.get("provenance") or {}).get("command") or "")
+  wrote = re.search(r"-m experiments\.(\w+)", command)  # runner.command_line's form
+  if wrote and wrote.group(1) != name:
+    raise ValueError(f"{field}: its result.json was written by experiments.{wrote.group(1)}, "
+                     f"not experiments.{name} ({command[:120]})")
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   cfg = ablations.AblationConfig.from_config_dict(_CONFIG.value)
   for name in ("bench_generation", "bench_pipeline", "bench_decode"):
-    given = getattr(cfg, f"{name}_workdir")
-    if given and not os.path.isfile(os.path.join(given, "result.json")):
-      raise ValueError(f"config.validate.{name}_workdir={given!r}: no result.json there (the "
-                       f"--workdir of a finished python -m experiments.{name} run)")
+    check_bench_workdir(name, getattr(cfg, f"{name}_workdir"))
   workdir = _WORKDIR.value
   # schedule_cache.json is not an output: the searches it holds are reused on a re-run.
   wd.start_outputs(workdir, _CONFIG.value, (

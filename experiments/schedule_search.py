@@ -35,6 +35,13 @@ def run(c, workdir: str) -> dict:
   problem = PipelineProblem.from_config(c)
   cfg = search.SearchConfig(time_budget_s=float(c.time_budget_s), seed=int(c.seed),
                             workers=int(c.workers))
+  need = max(problem.actor_mem, problem.critic_mem)
+  if c.memory_budget >= 0 and c.memory_budget < need:
+    # (the search found it only after moving the earlier result aside and compiling its
+    # kernels, as a RuntimeError traceback)
+    raise ValueError(f"config.memory_budget={c.memory_budget:g}: expected at least max(actor_mem, "
+                     f"critic_mem) = {need:g} (every device runs a forward of each model), or -1 "
+                     "for the budget of config.memory_budget_mode")
   wd.start_outputs(workdir, c, ("result.json", "schedule.json", "gantt.png"))
   serial = evaluate(problem, schedules.serial_order(problem), schedules.serial_release(problem))
   greedy = evaluate(problem, schedules.greedy_order(problem))

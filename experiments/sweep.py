@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -121,6 +122,22 @@ def read_run_result(run_dir: str) -> Optional[dict]:
   return rows[-1] if rows else None
 
 
+def failure_line(run_dir: str) -> Optional[str]:
+  """The error line a failed run ended on (the binaries' one-line `...Error: message`, or a
+  flag error), from the end of its log.txt: the summary says why, not only "failed (exit 1)"
+  (e.g. a re-run with another value that the checkpoints refuse). None when there is none."""
+  try:
+    with open(os.path.join(run_dir, "log.txt"), errors="replace") as f:
+      tail = f.read()[-20000:].splitlines()
+  except OSError:
+    return None
+  for line in reversed(tail):
+    m = re.search(r"(?:\] |^)(\w*(?:Error|Exception)\b.*|FATAL Flags parsing error: .*)$", line)
+    if m:
+      return m.group(1)[:500]
+  return None
+
+
 def _fmt_cell(v: Any) -> str:
   if isinstance(v, float):
     return f"{v:.4g}"
@@ -212,8 +229,23 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
   if not os.path.isfile(os.path.join(REPO_ROOT, "experiments", f"{binary}.py")):
     raise ValueError(f"--binary={binary!r}: no experiments/{binary}.py")
   check_overrides(module, variant, config, runs, passthrough)
+  lock = None
   if not dry_run:
     os.makedirs(workdir, exist_ok=True)
+    # One sweep per workdir: two at once each found the other's run holding its directory,
+    # called it failed (exit 1) and wrote a summary of runs "failed" that the other finished.
+    lock = wd.WorkdirLock(workdir)
+  try:
+    return _run_locked(binary, config, workdir, passthrough, dry_run, signals, runs, summary)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[str],
+                dry_run: bool, signals: _Signals, runs: list[tuple[int, str, dict]],
+                summary) -> tuple[list[dict], bool]:
+  """_run_sweep's runs, under the sweep's workdir lock."""
   rows = []
   env = repo_env()
   for i, (_, name, overrides) in enumerate(runs):
@@ -241,6 +273,8 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
                      if rc == STOPPED else f"stopped (exit {rc}: signal {abs(rc) % 128})"
                      if signalled else f"failed (exit {rc})")
     row["wall_s"] = round(time.time() - t0, 2)
+    if row["status"].startswith("failed"):
+      row["error"] = failure_line(run_dir)
     result = read_run_result(run_dir) if rc == 0 else None
     if rc == 0 and result is None:
       row["status"] = "ok (no result.json / metrics.jsonl)"

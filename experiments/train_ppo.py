@@ -20,8 +20,10 @@ generation lost another process of a multi-process run (docs/usage.md).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import re
 import sys
 
 import jax
@@ -88,6 +90,28 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
                      f"{num_devices} ({platform}){hint}")
 
 
+def check_own_workdir(workdir: str) -> None:
+  """A ValueError when `workdir` holds another binary's outputs (its result.json's provenance
+  names experiments.<other>): the run moved that binary's config.json and result.json to
+  previous/<n> and trained beside the rest of them (a schedule_search's schedule.json and
+  gantt.png). The one-shot binaries refuse a training workdir the same way."""
+  path = os.path.join(workdir, "result.json")
+  if not os.path.isfile(path):
+    return
+  try:
+    with open(path, encoding="utf-8") as f:
+      result = json.load(f)
+  except (OSError, ValueError):
+    return  # unreadable: the run's own torn result, rewritten at its end
+  command = str(((result if isinstance(result, dict) else {}).get("provenance") or {}).get(
+      "command") or "")
+  wrote = re.search(r"-m experiments\.(\w+)", command)  # runner.command_line's form
+  if wrote and wrote.group(1) != "train_ppo":
+    raise wd.ForeignWorkdirError(
+        f"--workdir={workdir!r} holds the outputs of experiments.{wrote.group(1)} (its "
+        "result.json); give train_ppo a directory of its own")
+
+
 def _start_and_train() -> tuple[TrainConfig, PPOTrainer]:
   """Joins the processes of a multi-host run, checks the config and the devices, and runs the
   trainer (which keeps the workdir lock until the caller has written result.json)."""
@@ -97,6 +121,7 @@ def _start_and_train() -> tuple[TrainConfig, PPOTrainer]:
   check_device_count(cfg, jax.device_count(), jax.default_backend(), jax.process_count())
   workdir = _WORKDIR.value
   wd.check_local_path(workdir)
+  check_own_workdir(workdir)
   os.makedirs(workdir, exist_ok=True)
   hooks.enable_compilation_cache(cfg.compilation_cache_dir, workdir)  # before anything compiles
   trainer = PPOTrainer(cfg, workdir)  # checks the lock and any checkpoint against this config

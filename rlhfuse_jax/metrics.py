@@ -29,13 +29,17 @@ class MetricWriter:
       from tensorboardX import SummaryWriter  # imported lazily: optional at library level
       self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=10, purge_step=purge_step)
 
-  def truncate_after(self, step: int) -> None:
+  def truncate_after(self, step: int) -> list[int]:
     """Drops lines with step > `step` (written after the checkpoint a resumed run starts from),
-    so that a resumed run never repeats a step in metrics.jsonl."""
+    so that a resumed run never repeats a step in metrics.jsonl. Returns the steps 1..`step`
+    that have no row (a torn or removed line the checkpoint covers: they are not run again), []
+    on processes other than 0."""
     if not self.enabled:
-      return
+      return []
     rows = [r for r in wd.read_jsonl(self.path) if r.get("step", 0) <= step]
     wd.atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
+    have = {r.get("step") for r in rows}
+    return [s for s in range(1, step + 1) if s not in have]
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     if not self.enabled:

@@ -128,8 +128,8 @@ def start_outputs(workdir: str, config: Any, outputs: tuple[str, ...],
   check_local_path(workdir)
   for marker in ("checkpoints", ".lock"):
     if os.path.exists(os.path.join(workdir, marker)):
-      raise ValueError(f"--workdir={workdir!r} holds a training run ({marker}); give this "
-                       "binary a directory of its own")
+      raise ForeignWorkdirError(f"--workdir={workdir!r} holds a training run ({marker}); give "
+                                "this binary a directory of its own")
   os.makedirs(workdir, exist_ok=True)
   roots = {os.path.abspath(workdir), os.path.realpath(workdir)}
   held = set()  # top-level entries holding an input (as given, or where a link points)
@@ -164,6 +164,16 @@ def set_aside_earlier_start(workdir: str) -> Optional[str]:
   return _move_to_previous(workdir, names) if names else None
 
 
+class ForeignWorkdirError(ValueError):
+  """The workdir holds another binary's outputs (a one-shot binary given a training run's, or
+  train_ppo another binary's): refused, and the refusal's traceback is kept out of it."""
+
+
+class WorkdirInUseError(RuntimeError):
+  """Another run holds the workdir's lock (a RuntimeError, as it always was; the binaries
+  report it as one line, like bad input)."""
+
+
 class WorkdirLock:
   """An exclusive lock on a workdir for the life of a run (fcntl.flock on workdir/.lock, which
   holds the holder's pid and host). A second run on the same workdir fails at once, naming the
@@ -171,9 +181,10 @@ class WorkdirLock:
   the lock when the holder exits, however it exits (kill -9 included)."""
 
   def __init__(self, workdir: str):
+    self._f: Optional[Any] = None  # set first: __del__ runs even when open() below fails
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, ".lock")
-    self._f: Optional[Any] = open(self.path, "a+")
+    self._f = open(self.path, "a+")
     try:
       fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -188,7 +199,7 @@ class WorkdirLock:
       holder = self._f.read().strip() or "unknown"
       self._f.close()
       self._f = None
-      raise RuntimeError(f"workdir {workdir} is in use by another run ({holder}); wait for it "
+      raise WorkdirInUseError(f"workdir {workdir} is in use by another run ({holder}); wait for it "
                          "to finish or stop it, or use another --workdir") from None
     self._f.seek(0)
     self._f.truncate()

@@ -36,3 +36,29 @@ def test_tiny_bench(tmp_path):
   assert spec.num_instances == 2 and spec.slots == 4
   predicted = validation.predict_bench_generation(cal, spec)
   assert predicted["fused"]["gen_plus_inf_s"] > 0 and measured["fused"] > 0
+
+
+def test_bad_batch_inputs_fail_before_the_earlier_results_move_or_anything_compiles(tmp_path):
+  """A prompt length range that is empty or a lengths file that is missing or malformed is a
+  one-line error naming the field, raised before start_outputs moves the earlier run's
+  result.json aside and before the instances compile (it was numpy's "low >= high", or a
+  FileNotFoundError traceback, after the compiles)."""
+  (tmp_path / "result.json").write_text('{"earlier": 1}')
+  (tmp_path / "bad.jsonl").write_text('{"response_lengths": [3]}\n{"x": \n{"y": 1}\n')
+  cases = [({"generation.prompt_min_len": 40}, "config.generation.prompt_min_len=40: expected "
+            "an integer in [1, generation.prompt_len=6]"),
+           ({"lengths.kind": "empirical", "lengths.path": str(tmp_path / "nope.jsonl")},
+            f"config.lengths: lengths file '{tmp_path / 'nope.jsonl'}' does not exist"),
+           ({"lengths.kind": "empirical", "lengths.path": str(tmp_path / "bad.jsonl")},
+            f"config.lengths: {tmp_path / 'bad.jsonl'}:2: malformed JSON line")]
+  for overrides, message in cases:
+    c = bench_config.get_config("tiny")
+    for key, value in overrides.items():
+      section, field = key.split(".")
+      c[section][field] = value
+    try:
+      bench_generation.run_and_write(c, str(tmp_path))
+      raise AssertionError(f"{overrides}: no error")
+    except ValueError as e:
+      assert str(e).startswith(message), (overrides, str(e))
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "result.json"]

@@ -141,6 +141,53 @@ def test_a_workdir_that_is_a_file_and_a_variant_of_a_config_without_any(tmp_path
       "--config='plain.py:e3': plain.py's get_config() takes no variant (':e3')")
 
 
+def test_a_workdir_that_cannot_be_written_is_named_at_once(tmp_path, monkeypatch):
+  """A workdir under a file or on a read-only place is one flag line naming the path, before the
+  binary runs (it was an OSError traceback from os.makedirs deep in the binary, and for a
+  read-only workdir an AttributeError from the lock's __del__ after it)."""
+  (tmp_path / "afile").write_text("mine")
+  bad = tmp_path / "afile" / "run"
+  assert _fatal_line(_run(tmp_path, "--config=cfg.py", f"--workdir={bad}")) == (
+      f"--workdir='{bad}': {tmp_path / 'afile'} is a file, not a directory; expected a "
+      "directory this process can create and write")
+  assert (tmp_path / "afile").read_text() == "mine"
+  assert config_files.unwritable(str(tmp_path / "new" / "deeper")) is None  # made on the way
+  readonly = str(tmp_path)
+  monkeypatch.setattr(os, "access", lambda path, mode: path != readonly)  # root ignores chmod
+  assert config_files.unwritable(os.path.join(readonly, "run")) == (
+      f"{readonly} is not writable (read-only filesystem or no write permission)")
+
+
+_FAILING_BINARY = textwrap.dedent("""
+  import sys
+  from absl import flags
+  from experiments import config_files
+  from rlhfuse_jax import workdir as wd
+  flags.DEFINE_string("workdir", None, "output directory")
+  def main(argv):
+    if sys.argv[-1] == "missing":
+      raise FileNotFoundError("config.data.prompts_file='p.jsonl': prompts file not found")
+    raise wd.WorkdirInUseError("workdir w is in use by another run (pid 1 on h)")
+  config_files.run(main)
+""")
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("missing", "FileNotFoundError: config.data.prompts_file='p.jsonl': prompts file not found"),
+    ("held", "WorkdirInUseError: workdir w is in use by another run (pid 1 on h)"),
+])
+def test_a_missing_input_file_and_a_held_workdir_end_in_one_line(tmp_path, kind, message):
+  """A file a field names that does not exist (the loaders raise FileNotFoundError naming the
+  field) and a workdir another run holds are reported like a bad value: one line, status 1, the
+  traceback in a file (they were a 30-line traceback ending in that line)."""
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run([sys.executable, "-c", _FAILING_BINARY, kind], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.splitlines()[-2].endswith(message), proc.stderr
+  assert proc.stderr.splitlines()[-1].startswith("(where it was raised: ")
+
+
 def test_missing_field():
   c = ml_collections.ConfigDict(dict(a=dict(bb=1, cc=2), d={"x": 1}, e=3))
   assert config_files.missing_field(c, "a.bb") is None

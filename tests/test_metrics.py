@@ -1,4 +1,7 @@
 """rlhfuse_jax/metrics.py's progress line: what elapsed counts from, and the ETA's pace."""
+import json
+import logging
+
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax.trainer import hooks
 
@@ -39,3 +42,26 @@ def test_library_info_lines_are_dropped_and_their_warnings_kept():
   assert not drop.filter(record("/site-packages/orbax/checkpoint/x.py", py_logging.INFO))
   assert drop.filter(record("/site-packages/jax/_src/compiler.py", py_logging.INFO))
   assert drop.filter(record("/repo/rlhfuse_jax/trainer/hooks.py", py_logging.INFO))
+
+
+def test_a_resume_over_a_torn_row_the_checkpoint_covers_warns_of_the_gap(tmp_path, caplog):
+  """metrics.jsonl whose row of the checkpointed iteration is torn (or removed): the resumed run
+  starts after it, so that row is never written again; the start says which rows are missing
+  (it dropped the torn line silently, leaving a gap nothing pointed at)."""
+  class Cfg:
+    num_iterations, log_every = 6, 1
+
+  rows = "".join(json.dumps({"step": s, "reward/mean": 0.1}) + "\n" for s in (1, 2))
+  (tmp_path / "metrics.jsonl").write_text(rows + '{"step": 3, "rew')  # torn, step 3 saved
+  log = hooks.MetricsLog(str(tmp_path), Cfg(), lambda m: "")
+  with caplog.at_level(logging.WARNING):
+    log.begin(3)
+  log.end(False)
+  assert "has no row for 1 iteration(s) the checkpoint at iteration 3 covers (3)" in caplog.text
+  assert (tmp_path / "metrics.jsonl").read_text() == rows
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):  # every row there: nothing to say
+    log = hooks.MetricsLog(str(tmp_path), Cfg(), lambda m: "")
+    log.begin(2)
+    log.end(False)
+  assert "has no row" not in caplog.text

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from rlhfuse_jax import workdir as wdlib
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -108,6 +110,9 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   assert rows[0]["bubble/searched"] >= 0 and "peak_memory/budget" not in rows[0]
   assert rows[1]["status"].startswith("failed")
   assert "searched" not in rows[1]
+  # The summary says why (it said only "failed (exit 1)"): the run's own error line.
+  assert rows[1]["error"].startswith("ValueError: actor_pp=6 must be divisible by critic_pp=4")
+  assert "error" not in rows[0]
   md = (tmp_path / "sw" / "summary.md").read_text()
   assert "| run |" in md and "failed" in md and "ok4" in md
   # The failing run's error names the fields (logged in its run directory).
@@ -132,6 +137,27 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   assert typo.returncode != 0 and ("the sweep's flag: --config.time_budgt_s: " in typo.stderr and
                                    "did you mean 'time_budget_s'?" in typo.stderr), typo.stderr
   assert not os.path.exists(tmp_path / "sw3")
+
+
+def test_a_second_sweep_on_a_workdir_in_use_is_refused_before_any_run(tmp_path):
+  """One sweep per workdir: two at once each found the other's run holding its directory,
+  counted it failed (exit 1) and wrote a summary calling runs failed that the other finished."""
+  cfg = tmp_path / "tiny_sweep.py"
+  cfg.write_text(SCHEDULE_SEARCH_BASE + "def get_config():\n  return _base.get_config()\n"
+                 "def get_sweep():\n  return [{'name': 'a'}, {'name': 'b'}]\n")
+  (tmp_path / "sw").mkdir()
+  holder = wdlib.WorkdirLock(str(tmp_path / "sw"))  # a sweep in progress
+  try:
+    out = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+                f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.5"])
+  finally:
+    holder.release()
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert f"workdir {tmp_path / 'sw'} is in use by another run (pid {os.getpid()}" in out.stderr
+  assert "Traceback" not in out.stderr
+  # No run started, no summary; the refusal's traceback went to the temp directory, not into
+  # the workdir of the sweep that holds it.
+  assert sorted(os.listdir(tmp_path / "sw")) == [".lock"]
 
 
 def test_sweep_takes_a_config_variant(tmp_path):
@@ -251,10 +277,75 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
     (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
       "--config.validate.bench_generation_workdir=/nonexistent/bg"],
      "config.validate.bench_generation_workdir='/nonexistent/bg': no result.json there"),
+    # prompt and response lengths share LengthSpec's messages: the section is named
+    (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
+      "--config.prompt.median=-5"], "config.prompt: lengths: lognormal needs median=-5.0 > 0"),
+    (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
+      "--config.response.kind=empirical", "--config.response.path=/nonexistent/l.npy"],
+     "config.response.path='/nonexistent/l.npy': no such file"),
+    # below one forward of each model: refused before the search's kernels compile
+    (["experiments.schedule_search", "--config=configs/schedule_search.py",
+      "--config.memory_budget=1"],
+     "config.memory_budget=1: expected at least max(actor_mem, critic_mem) = 5"),
 ])
 def test_binaries_name_the_bad_field(tmp_path, args, message):
   out = _run(args + [f"--workdir={tmp_path}"])
   assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+
+
+def test_a_bad_calibrate_sim_value_leaves_the_earlier_calibration_in_place(tmp_path):
+  """calibrate_sim checks its fields before it moves the earlier run's calibration.json to
+  previous/<n> (a typo left the workdir without one, which a bench workdir's validation reads)."""
+  (tmp_path / "calibration.json").write_text('{"earlier": 1}')
+  out = _run(["experiments.calibrate_sim", "--config=configs/calibrate_sim.py",
+              f"--workdir={tmp_path}", "--config.migrate_rows=1000"])
+  assert out.returncode == 1 and "config.migrate_rows=1000: expected at most slots=8" in \
+      out.stderr, out.stderr[-3000:]
+  assert (tmp_path / "calibration.json").read_text() == '{"earlier": 1}'
+  assert not (tmp_path / "previous").exists()
+
+
+def test_train_ppo_refuses_another_binarys_workdir_and_refusals_leave_its_files(tmp_path):
+  """train_ppo on a workdir holding another binary's outputs is refused (it moved their
+  config.json and result.json to previous/1 and trained beside the rest), as a one-shot binary
+  on a training workdir is; neither refusal overwrites the workdir's own traceback.txt."""
+  other = tmp_path / "ss"
+  other.mkdir()
+  (other / "result.json").write_text(json.dumps(
+      {"provenance": {"command": "python -m experiments.schedule_search --workdir=ss"}}))
+  (other / "traceback.txt").write_text("mine")
+  before = sorted(os.listdir(other))
+  out = _run(["experiments.train_ppo", "--config=configs/ppo_tiny.py", f"--workdir={other}",
+              "--config.num_iterations=1"])
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert (f"--workdir='{other}' holds the outputs of experiments.schedule_search (its "
+          "result.json); give train_ppo a directory of its own") in out.stderr
+  assert sorted(os.listdir(other)) == before and (other / "traceback.txt").read_text() == "mine"
+  train = tmp_path / "train"
+  (train / "checkpoints").mkdir(parents=True)
+  (train / "traceback.txt").write_text("mine")
+  out = _run(["experiments.calibrate_sim", "--config=configs/calibrate_sim.py",
+              f"--workdir={train}"])
+  assert out.returncode == 1 and "holds a training run (checkpoints)" in out.stderr
+  assert (train / "traceback.txt").read_text() == "mine"
+
+
+def test_a_validation_workdir_of_another_binary_is_refused_before_the_simulation(tmp_path):
+  """reproduce_ablations' validate.<bench>_workdir must hold that bench's result.json: another
+  binary's (a train_ppo run's) was taken for it and, after the whole simulation, skipped with a
+  warning or a bare KeyError ("could not compare: 'device'"), exit 0."""
+  (tmp_path / "train").mkdir()
+  (tmp_path / "train" / "result.json").write_text(json.dumps(
+      {"status": "done", "provenance": {"command": "python -m experiments.train_ppo "
+                                                   "--config=configs/ppo_tiny.py --workdir=x"}}))
+  for bench in ("bench_generation", "bench_decode"):
+    out = _run(["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
+                f"--config.validate.{bench}_workdir={tmp_path / 'train'}",
+                f"--workdir={tmp_path / 'out'}"])
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert (f"config.validate.{bench}_workdir='{tmp_path / 'train'}': its result.json was "
+            f"written by experiments.train_ppo, not experiments.{bench}") in out.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
 def test_bench_async_keeps_what_the_other_runs_measured_when_one_fails(tmp_path):

@@ -95,11 +95,16 @@ class AblationConfig:
       return parts[0].strip(), parts[1].strip()
 
     def spec(d, field: str) -> len_lib.LengthSpec:
+      # The section is named: prompt and response lengths share LengthSpec's messages.
       kw = dict(d.to_dict() if hasattr(d, "to_dict") else d)
       try:
-        return len_lib.LengthSpec(**kw)
-      except TypeError as e:
-        raise ValueError(f"{field}: {e}") from None
+        out = len_lib.LengthSpec(**kw)
+      except (TypeError, ValueError) as e:
+        raise ValueError(f"config.{field}: {e}") from None
+      if out.kind == "empirical" and not os.path.isfile(out.path):
+        raise ValueError(f"config.{field}.path={out.path!r}: no such file (kind 'empirical' "
+                         "replays the per-sample lengths in it)")
+      return out
 
     sim = dict(c.sim.to_dict())
     sim["threshold_candidates"] = tuple(float(x) for x in _csv(sim["threshold_candidates"],

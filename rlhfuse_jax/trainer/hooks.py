@@ -187,7 +187,12 @@ class MetricsLog(Hook):
     self.progress = metrics_lib.ProgressReporter(self.cfg.num_iterations, start, self.started)
     self.writer = metrics_lib.MetricWriter(self.workdir, enabled=jax.process_index() == 0,
                                            purge_step=start + 1)
-    self.writer.truncate_after(start)
+    missing = self.writer.truncate_after(start)
+    if missing:
+      shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+      logging.warning("%s has no row for %d iteration(s) the checkpoint at iteration %d covers "
+                      "(%s): a torn or removed line; those iterations are not run again, so "
+                      "their metrics stay missing", self.writer.path, len(missing), start, shown)
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     self.writer.write(step, metrics)
