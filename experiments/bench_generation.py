@@ -120,8 +120,8 @@ def length_spec(c) -> lengths_lib.LengthSpec:
 
 
 def check_inputs(c) -> None:
-  """What make_batch reads, checked before the earlier run's outputs are moved aside and before
-  anything compiles (a bad prompt length or lengths file otherwise failed after the compiles,
+  """What make_batch and the fused generator's config read, checked before the earlier run's
+  outputs are moved aside and before anything compiles (a bad prompt length or lengths file otherwise failed after the compiles,
   minutes on a large model, as numpy's "low >= high" or a FileNotFoundError traceback)."""
   g = c.generation
   if isinstance(g.prompt_len, bool) or not isinstance(g.prompt_len, int) or g.prompt_len < 1:
@@ -138,6 +138,8 @@ def check_inputs(c) -> None:
     length_spec(c).sample(np.random.default_rng(0), 1)  # an empirical file is read here
   except (ValueError, FileNotFoundError) as e:
     raise ValueError(f"config.lengths: {e}") from None
+  if not c.generation.get("pipeline_stages"):
+    fused_config(c, jax.device_count())  # e.g. generation.slots=0, named by its field
 
 
 def summarize(out: fused_lib.FusedOutput, wall_s: float) -> dict:
@@ -201,6 +203,18 @@ def compare(a, b) -> dict:
   return out
 
 
+def fused_config(c, num_devices: int) -> fused_lib.FusedGenConfig:
+  """The fused generator's config of `c` on `num_devices` devices (its fields checked, named
+  under config.generation)."""
+  g = c.generation
+  return fused_lib.FusedGenConfig(
+      num_instances=g.num_instances or num_devices // g.instance_devices, slots=g.slots,
+      instance_devices=g.instance_devices, migration_threshold=g.migration_threshold,
+      max_consolidations=g.max_consolidations, inference_micro_batch=g.inference_micro_batch,
+      inference_inflight=g.inference_inflight, exchange_on=g.exchange_on,
+      exchange_timeout_s=g.exchange_timeout_s, section="generation")
+
+
 def run(c, workdir: str) -> dict:
   g = c.generation
   cfg = llama.ModelConfig(**c.model.to_dict())
@@ -214,14 +228,10 @@ def run(c, workdir: str) -> dict:
   if c.reward_model:
     host["reward"] = random_params(score_cfg, c.seed + 2)
   devices = jax.devices()
-  num_instances = g.num_instances or len(devices) // g.instance_devices
+  config = fused_config(c, len(devices))
+  num_instances = config.num_instances
   sampling = SamplingConfig(temperature=g.temperature, max_new_tokens=g.max_new_tokens,
                             eos_id=-1, pad_id=0, chunk_size=g.chunk_size)
-  config = fused_lib.FusedGenConfig(
-      num_instances=num_instances, slots=g.slots, instance_devices=g.instance_devices,
-      migration_threshold=g.migration_threshold, max_consolidations=g.max_consolidations,
-      inference_micro_batch=g.inference_micro_batch, inference_inflight=g.inference_inflight,
-      exchange_on=g.exchange_on, exchange_timeout_s=g.exchange_timeout_s, section="generation")
   t0 = time.perf_counter()
   gen = fused_lib.FusedGenerator(cfg, sampling, config, batch_size=c.batch_size,
                                  prompt_len=g.prompt_len, frozen=frozen, actor_params=actor,

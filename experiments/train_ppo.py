@@ -74,11 +74,17 @@ def summarize(history: list[dict], num_iterations: int) -> dict:
 
 def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
                        processes: int = 1) -> None:
-  """A clear error when the mesh needs more devices than jax sees (e.g. mesh.stage=4 on the one
-  CPU device a plain `python` gets)."""
+  """A clear error when the mesh (and an asynchronous run's generation group) needs more devices
+  than jax sees (e.g. mesh.stage=4 on the one CPU device a plain `python` gets), naming a plan
+  file that set them (a plan searched for more devices than this run has)."""
   sizes = dataclasses.asdict(cfg.mesh)
-  need = math.prod(v for v in sizes.values() if v != -1)
+  gen = cfg.async_ppo.generation_devices
+  need = math.prod(v for v in sizes.values() if v != -1) + gen
   if need > num_devices:
+    what = f"config.mesh={sizes}" + (f" + config.async_ppo.generation_devices={gen}" if gen
+                                     else "")
+    if cfg.plan.file:
+      what += f" (set by config.plan.file={cfg.plan.file!r})"
     hint = ""
     if platform == "cpu" and processes > 1:  # the launcher sets each process's count
       hint = (f"; {processes} processes need at least {-(-need // processes)} CPU devices each "
@@ -86,8 +92,8 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
     elif platform == "cpu":
       hint = (f"; on a CPU host add fake devices before jax starts: "
               f"XLA_FLAGS=--xla_force_host_platform_device_count={need}")
-    raise ValueError(f"config.mesh={sizes} needs at least {need} devices, but jax sees "
-                     f"{num_devices} ({platform}){hint}")
+    raise ValueError(f"{what} needs at least {need} devices, but jax sees {num_devices} "
+                     f"({platform}){hint}")
 
 
 def check_own_workdir(workdir: str) -> None:

@@ -39,8 +39,8 @@ def test_tiny_bench(tmp_path):
 
 
 def test_bad_batch_inputs_fail_before_the_earlier_results_move_or_anything_compiles(tmp_path):
-  """A prompt length range that is empty or a lengths file that is missing or malformed is a
-  one-line error naming the field, raised before start_outputs moves the earlier run's
+  """A prompt length range that is empty, a lengths file that is missing or malformed, or a bad
+  fused-generator field is a one-line error naming the field, raised before start_outputs moves the earlier run's
   result.json aside and before the instances compile (it was numpy's "low >= high", or a
   FileNotFoundError traceback, after the compiles)."""
   (tmp_path / "result.json").write_text('{"earlier": 1}')
@@ -50,7 +50,8 @@ def test_bad_batch_inputs_fail_before_the_earlier_results_move_or_anything_compi
            ({"lengths.kind": "empirical", "lengths.path": str(tmp_path / "nope.jsonl")},
             f"config.lengths: lengths file '{tmp_path / 'nope.jsonl'}' does not exist"),
            ({"lengths.kind": "empirical", "lengths.path": str(tmp_path / "bad.jsonl")},
-            f"config.lengths: {tmp_path / 'bad.jsonl'}:2: malformed JSON line")]
+            f"config.lengths: {tmp_path / 'bad.jsonl'}:2: malformed JSON line"),
+           ({"generation.slots": 0}, "config.generation.slots=0: expected an integer >= 1")]
   for overrides, message in cases:
     c = bench_config.get_config("tiny")
     for key, value in overrides.items():

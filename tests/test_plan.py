@@ -358,6 +358,26 @@ def test_config_json_records_the_plan_file(tmp_path):
   assert record["plan_file_content"] == json.loads(open(path).read())
 
 
+def test_a_plan_for_more_devices_than_jax_sees_names_the_plan_file(tmp_path):
+  """train_ppo on fewer devices than a plan file's layout needs (an asynchronous plan: its
+  generation group plus the training mesh) names the plan file and the device hint, before any
+  build (it blamed async_ppo.generation_devices, a field the user never wrote)."""
+  path = plan_json(tmp_path / "plan.json", {},
+                   training={"placement": "colocated", "tp": 2, "actor_pp": 1, "critic_pp": 1})
+  plan = json.loads(open(path).read())
+  plan["async"] = {"generation_devices": 4, "training_devices": 4, "staleness": 1}
+  open(path, "w").write(json.dumps(plan))
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")  # one CPU device
+  out = subprocess.run([sys.executable, "-m", "experiments.train_ppo",
+                        "--config=configs/ppo_tiny.py", f"--config.plan.file={path}",
+                        f"--workdir={tmp_path / 'run'}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert (f"+ config.async_ppo.generation_devices=4 (set by config.plan.file={path!r}) needs "
+          "at least 6 devices, but jax sees 1 (cpu); on a CPU host add fake devices") in \
+      out.stderr, out.stderr[-3000:]
+
+
 def test_the_set_up_log_names_what_the_plan_file_set(tmp_path):
   """A plan file's settings are applied under fields the user may not have written (zero1 among
   them, with no way back), so the trainer's set-up log names each one (the trainer logs
