@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from rlhfuse_jax.parallel import mesh as mesh_lib
-from rlhfuse_jax.trainer import rollout
+from rlhfuse_jax.data import tasks
+from rlhfuse_jax.trainer import build, rollout
+from rlhfuse_jax.trainer import validate as validate_lib
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 from tests.test_trainer import record_rollouts, tiny_config
 
@@ -107,3 +109,20 @@ def test_bad_fusion_fields_name_the_field(overrides, match):
   with pytest.raises(ValueError, match=match):
     tiny(**overrides)
 
+
+
+def test_instances_that_leave_devices_idle_are_warned_of(monkeypatch):
+  """fusion.instance_devices=3 on 8 devices lays out 2 instances on 6 of them: legal, but the
+  other 2 would stay idle while the instances generate, so validation says so, naming the
+  counts; a layout that uses every device says nothing."""
+  seen = []
+  monkeypatch.setattr(rollout.logging, "warning", lambda msg, *a: seen.append(msg % a))
+  tokenizer = tasks.make_task("repeat").tokenizer
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8), jax.devices()[:8])
+  for width in (3, 2):
+    cfg = build.resolve_config(tiny(**{"fusion.inter_stage": True,
+                                       "fusion.instance_devices": width}), tokenizer)
+    validate_lib.validate(cfg, mesh)
+  assert seen == ["config.fusion: 2 instances of 3 device(s) use 6 of the 8 devices; the other 2 "
+                  "stay idle while they generate (instance_devices does not divide the devices, "
+                  "or num_instances is set lower)"]

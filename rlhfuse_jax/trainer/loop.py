@@ -212,8 +212,9 @@ class PPOTrainer:
     if cfg.plan.file:  # what the file changed is otherwise visible only in config.json
       logging.info("setup: %s", config_lib.plan_file_summary(cfg.plan.file))
     t0 = time.time()
-    logging.info("setup: task %r, mesh %s%s; initialising the models and the update ...",
-                 cfg.data.task, dict(self.mesh.shape), (
+    logging.info("setup: %s, mesh %s%s; initialising the models and the update ...",
+                 f"prompts {cfg.data.prompts_file!r}" if cfg.data.prompts_file else
+                 f"task {cfg.data.task!r}", dict(self.mesh.shape), (
                      f" (training group), generation group of {self.gen_mesh.devices.size} "
                      f"devices" if self.disjoint else ""))
     self.dataset, held_out = build.build_datasets(cfg, self.task, self.tokenizer)

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 
 from rlhfuse_jax.generation import engine
 from rlhfuse_jax.generation import fused as fused_lib
@@ -155,6 +156,16 @@ def check_fusion(cfg: TrainConfig, num_devices: int) -> Optional[fused_lib.Fused
   fc = fused_config(cfg.fusion, cfg.rollout.batch_size, num_devices)
   fused_lib.check_layout(fc, cfg.rollout.batch_size, num_devices)  # the engine's own check
   return fc
+
+
+def warn_idle_instance_devices(fc: fused_lib.FusedGenConfig, num_devices: int) -> None:
+  """Legal but rarely meant: instances that leave some of the generation devices idle."""
+  used = fc.num_instances * fc.instance_devices
+  if used < num_devices:
+    logging.warning("config.fusion: %d instances of %d device(s) use %d of the %d devices; the "
+                    "other %d stay idle while they generate (instance_devices does not divide "
+                    "the devices, or num_instances is set lower)", fc.num_instances,
+                    fc.instance_devices, used, num_devices, num_devices - used)
 
 
 def check_instances_within_processes(field: str, width: int, num_devices: int) -> None:

@@ -180,7 +180,9 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     warn_unused(set_fields(cfg, "pipeline"), "mesh.stage=1 runs the plain (unpipelined) "
                 "update; the pipeline section applies with mesh.stage > 1")
   try:
-    rollout.check_fusion(cfg, n_gen)
+    fused = rollout.check_fusion(cfg, n_gen)
+    if fused is not None:
+      rollout.warn_idle_instance_devices(fused, n_gen)
     rollout.check_plan(cfg, n_gen)
     if cfg.plan.generation == "instances":
       rollout.check_instances_within_processes("plan.generation_tp", cfg.plan.generation_tp,
