@@ -69,7 +69,11 @@ def main(argv):
     fields = config.to_dict()
     fields.pop("actor"), fields.pop("critic")  # replaced by the run's (sections or presets)
     config = ml_collections.ConfigDict(fields)
-    plan_config.apply_run(config, _RUN_CONFIG.value)
+    try:
+      plan_config.apply_run(config, _RUN_CONFIG.value)
+    except ValueError as e:  # its messages say config.<field>: the user typed --run_config
+      raise ValueError(f"--run_config (config.<field> is --run_config.<field> here): {e}"
+                       ) from None
   n = device_count(config)
   request_host_devices(n)
   from experiments import plan_programs  # imports jax: after the device count is set

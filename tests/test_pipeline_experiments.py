@@ -283,6 +283,10 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
     (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
       "--config.response.kind=empirical", "--config.response.path=/nonexistent/l.npy"],
      "config.response.path='/nonexistent/l.npy': no such file"),
+    # a training config's field under plan_check: named as the flag the user typed
+    (["experiments.plan_check", "--config=configs/plan_check.py:tiny",
+      "--run_config=configs/ppo_tiny.py", "--run_config.algo.minibatch_size=5"],
+     "--run_config (config.<field> is --run_config.<field> here): config.algo.minibatch_size=5"),
     # below one forward of each model: refused before the search's kernels compile
     (["experiments.schedule_search", "--config=configs/schedule_search.py",
       "--config.memory_budget=1"],
