@@ -32,6 +32,8 @@ def test_tiny_bench(tmp_path):
   assert stored["migration_threshold"] == 0.75 and len(stored["response_lens"]) == 8
   cal = calibration.load(os.path.join(workdir, "calibration.json"))
   assert cal.devices_share_compute and cal.migration is not None
+  # The decode step measured at one live row and at a full instance (the table's two ends).
+  assert tuple(cal.decode_step.occupied_slots) == (1, 4)
   spec, measured = validation.gen_bench_from_workdir(workdir)
   assert spec.num_instances == 2 and spec.slots == 4
   predicted = validation.predict_bench_generation(cal, spec)

@@ -142,6 +142,14 @@ def test_metrics_and_timeline(one_device, runs):
   assert k > 0 and c["moves"] == len(moved)
   assert c["moved_bytes"] == sum(int(lens[b]) + k for b in moved) * gen.kv_bytes_per_token
   assert c["copied_bytes"] >= c["moved_bytes"]  # whole rows (and padding rows) are copied
+  # A token's K and V of every layer, as a cache of the model holds them.
+  assert gen.kv_bytes_per_token == llama.KVCache.zeros(CFG, 1, 1).nbytes_per_token()
+  # The released instances stop decoding at the consolidation and are freed for streaming
+  # inference at once: each loads the frozen models while the kept ones still generate.
+  tl = early.timeline
+  for i in c["released"]:
+    assert all(s < c["time_s"] for j, s, _, kind in tl.segments if j == i and kind == "decode")
+    assert any(s < tl.gen_end_s for j, s, _, kind in tl.segments if j == i and kind == "load")
 
 
 def test_capacity_limits_respected(one_device, runs):

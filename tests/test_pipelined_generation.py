@@ -89,6 +89,14 @@ def test_pipelined_equals_engine_bitwise(stages, groups):
                                                               groups + stages - 1))
 
 
+def test_a_batch_that_ends_at_prefill_runs_no_decode_chunk():
+  """Every budget 1: each row has its one token from the prefill, and the first done-check
+  (the last stage's record, the only stage that sees every row finish) ends the batch without
+  a decode chunk."""
+  _, out = _pipelined(CFG, 2, 2, budgets=np.ones(B, np.int32))
+  assert (out.response_lens == 1).all() and out.decode_chunks == 0
+
+
 def test_unrolled_model_tokens_equal_engine():
   """An unrolled model: the engine fuses across layer boundaries the stages cut, so log-probs
   may round differently (seen: <= 5e-7); tokens still match here. (2 layers: a fast compile.)"""
