@@ -42,9 +42,9 @@ def test_tiny_bench(tmp_path):
 
 def test_bad_batch_inputs_fail_before_the_earlier_results_move_or_anything_compiles(tmp_path):
   """A prompt length range that is empty, a lengths file that is missing or malformed, or a bad
-  fused-generator field is a one-line error naming the field, raised before start_outputs moves the earlier run's
-  result.json aside and before the instances compile (it was numpy's "low >= high", or a
-  FileNotFoundError traceback, after the compiles)."""
+  fused-generator field is a one-line error naming the field, raised before start_outputs moves
+  the earlier run's result.json aside and before the instances compile (it was numpy's "low >=
+  high", or a FileNotFoundError traceback, after the compiles)."""
   (tmp_path / "result.json").write_text('{"earlier": 1}')
   (tmp_path / "bad.jsonl").write_text('{"response_lengths": [3]}\n{"x": \n{"y": 1}\n')
   cases = [({"generation.prompt_min_len": 40}, "config.generation.prompt_min_len=40: expected "
