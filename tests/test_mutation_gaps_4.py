@@ -295,9 +295,9 @@ def test_a_batch_that_does_not_divide_over_the_instances_needs_the_rounded_up_sl
 
 def test_finished_row_exchanges_pad_to_a_power_of_two():
   """pad_rows rounds a row count up to a power of two (so the all-gather compiles a handful of
-  shapes, not one per count). (It is called with at least one row.)"""
+  shapes, not one per count); no rows pad to one (it gave 2)."""
   from rlhfuse_jax.generation import multihost
-  assert [multihost.pad_rows(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+  assert [multihost.pad_rows(n) for n in range(10)] == [1, 1, 2, 4, 4, 8, 8, 8, 8, 16]
 
 
 def test_a_length_histogram_refuses_negative_counts():

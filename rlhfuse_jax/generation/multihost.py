@@ -220,7 +220,7 @@ class Exchange:
 def pad_rows(n: int) -> int:
   """Row counts of the finished-rows exchange rounded up to a power of two, so the all-gather
   compiles a handful of shapes, not one per count."""
-  return 1 << max(0, int(n - 1).bit_length())
+  return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _permute(mesh: Mesh):
