@@ -121,11 +121,11 @@ def length_spec(c) -> lengths_lib.LengthSpec:
 
 def check_inputs(c) -> None:
   """What make_batch and the fused generator's config read, checked before the earlier run's
-  outputs are moved aside and before anything compiles (a bad prompt length or lengths file otherwise failed after the compiles,
-  minutes on a large model, as numpy's "low >= high" or a FileNotFoundError traceback)."""
+  outputs are moved aside and before anything compiles (a bad prompt length or lengths file
+  otherwise failed after the compiles, minutes on a large model, as numpy's "low >= high" or a
+  FileNotFoundError traceback)."""
   g = c.generation
-  if isinstance(g.prompt_len, bool) or not isinstance(g.prompt_len, int) or g.prompt_len < 1:
-    raise ValueError(f"config.generation.prompt_len={g.prompt_len!r}: expected an integer >= 1")
+  config_files.check_int("generation.prompt_len", g.prompt_len)
   if (isinstance(g.prompt_min_len, bool) or not isinstance(g.prompt_min_len, int) or
       not 1 <= g.prompt_min_len <= g.prompt_len):
     raise ValueError(f"config.generation.prompt_min_len={g.prompt_min_len!r}: expected an "

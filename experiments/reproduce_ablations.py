@@ -12,7 +12,6 @@ fitted to that bench, which --config.calibration=<it> turns into the simulated e
 from __future__ import annotations
 
 import os
-import re
 import time
 
 import numpy as np
@@ -106,11 +105,10 @@ def check_bench_workdir(name: str, given: str) -> None:
     raise ValueError(f"{field}: no result.json there (the --workdir of a finished python -m "
                      f"experiments.{name} run)")
   result = wd.read_json_object(path, invalid="not valid JSON (a result.json being written?)")
-  command = str((result.get("provenance") or {}).get("command") or "")
-  wrote = re.search(r"-m experiments\.(\w+)", command)  # runner.command_line's form
-  if wrote and wrote.group(1) != name:
-    raise ValueError(f"{field}: its result.json was written by experiments.{wrote.group(1)}, "
-                     f"not experiments.{name} ({command[:120]})")
+  wrote = runner.written_by(result)
+  if wrote is not None and wrote != name:
+    raise ValueError(f"{field}: its result.json was written by experiments.{wrote}, not "
+                     f"experiments.{name} ({result['provenance']['command'][:120]})")
 
 
 def main(argv):

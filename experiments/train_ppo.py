@@ -23,7 +23,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import sys
 
 import jax
@@ -109,13 +108,11 @@ def check_own_workdir(workdir: str) -> None:
       result = json.load(f)
   except (OSError, ValueError):
     return  # unreadable: the run's own torn result, rewritten at its end
-  command = str(((result if isinstance(result, dict) else {}).get("provenance") or {}).get(
-      "command") or "")
-  wrote = re.search(r"-m experiments\.(\w+)", command)  # runner.command_line's form
-  if wrote and wrote.group(1) != "train_ppo":
+  wrote = runner.written_by(result)
+  if wrote is not None and wrote != "train_ppo":
     raise wd.ForeignWorkdirError(
-        f"--workdir={workdir!r} holds the outputs of experiments.{wrote.group(1)} (its "
-        "result.json); give train_ppo a directory of its own")
+        f"--workdir={workdir!r} holds the outputs of experiments.{wrote} (its result.json); "
+        "give train_ppo a directory of its own")
 
 
 def _start_and_train() -> tuple[TrainConfig, PPOTrainer]:

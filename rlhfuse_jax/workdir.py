@@ -199,8 +199,8 @@ class WorkdirLock:
       holder = self._f.read().strip() or "unknown"
       self._f.close()
       self._f = None
-      raise WorkdirInUseError(f"workdir {workdir} is in use by another run ({holder}); wait for it "
-                         "to finish or stop it, or use another --workdir") from None
+      raise WorkdirInUseError(f"workdir {workdir} is in use by another run ({holder}); wait for "
+                              "it to finish or stop it, or use another --workdir") from None
     self._f.seek(0)
     self._f.truncate()
     self._f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")

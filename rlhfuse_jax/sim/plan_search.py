@@ -72,7 +72,7 @@ import numpy as np
 
 from rlhfuse_jax.sim import generation_sim as gen_lib
 from rlhfuse_jax.sim import training_sim as train_lib
-from rlhfuse_jax.sim.cost_model import CostModel, crossing_share
+from rlhfuse_jax.sim.cost_model import GIB, CostModel, crossing_share
 from rlhfuse_jax.sim.shapes import ModelShape
 
 GEN_MODES = ("instances", "pipeline")
@@ -401,7 +401,7 @@ def beside_frozen(cost: CostModel, wl, opt, infs: list, prompts, resp, mean_len:
     gens = generation_candidates(cost, wl, opt, prompts, resp, rej, resident_bytes=kept)
     trains = training_candidates(cost, wl, mean_len, rej, kept) if training else []
     rejected.update(rej if not kept else {
-        f"{k} beside {kept / 2**30:.1f} GiB of frozen weights": v for k, v in rej.items()})
+        f"{k} beside {kept / GIB:.1f} GiB of frozen weights": v for k, v in rej.items()})
     groups[kept] = tuple(sorted(c, key=lambda x: x.seconds) for c in (gens, trains))
   return groups, kept_at
 

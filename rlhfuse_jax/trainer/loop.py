@@ -169,8 +169,6 @@ class PPOTrainer:
     try:
       self._read_start(cfg)
     except Exception as e:  # pylint: disable=broad-except  raised below, after the comparison
-      if jax.process_count() == 1:
-        raise
       failed = e
     distributed.check_same_over_processes(
         (-2, 0) if failed is not None else
