@@ -21,7 +21,7 @@ the commands and writes nothing; --only=NAME,... runs those entries alone (in th
 directories of the whole sweep; the summary keeps the other runs' earlier rows). Before
 anything runs, every overridden field (the entries' and the sweep's own --config.* flags) must
 exist in the file's get_config(): a misspelled one is named once, with the closest field,
-instead of failing every run.
+instead of failing every run; likewise a value its field's type does not take.
 """
 from __future__ import annotations
 
@@ -36,9 +36,11 @@ import time
 from typing import Any, Optional, Sequence
 
 from absl import app, flags, logging
+from ml_collections import config_flags
 
 from experiments import config_files
-from experiments.runner import REPO_ROOT, build_command, merge_rows, repo_env, run_streamed
+from experiments.runner import (REPO_ROOT, build_command, format_value, merge_rows, repo_env,
+                                run_streamed)
 from rlhfuse_jax import workdir as wd
 
 _CONFIG = flags.DEFINE_string("config", None, "config file defining get_sweep()", required=True)
@@ -80,9 +82,9 @@ def _sweep_of(module: Any, variant: Optional[str], config_path: str) -> list[dic
 def check_overrides(module: Any, variant: Optional[str], config_path: str,
                     runs: Sequence[tuple[int, str, dict]], passthrough: Sequence[str]) -> None:
   """Every field the runs' entries (`select`'s triples) and the sweep's own --config.* flags
-  override exists in the config (get_config() of the loaded file and variant); a ValueError
-  naming the first that does not, before any run starts (each run would otherwise start,
-  import jax and fail on it)."""
+  override exists in the config (get_config() of the loaded file and variant), and takes the
+  value (check_values); a ValueError naming the first that does not, before any run starts
+  (each run would otherwise start, import jax and fail on it)."""
   if not hasattr(module, "get_config"):
     return
   # every run's --config carries the variant: its get_config() must take it
@@ -94,6 +96,31 @@ def check_overrides(module: Any, variant: Optional[str], config_path: str,
     problem = config_files.missing_field(config, key)
     if problem:
       raise ValueError(f"{where}: --config.{key}: {config_path} {problem}")
+  check_values(config_path, runs, passthrough)
+
+
+def check_values(config_path: str, runs: Sequence[tuple[int, str, dict]],
+                 passthrough: Sequence[str]) -> None:
+  """Every run's overrides (`select`'s triples, then the sweep's own --config.* flags) parse
+  as its binary will parse them: ml_collections' own parsing of `--config.k=v` against the
+  field's type, on a private FlagValues. A ValueError naming the run (or the sweep's flag) and
+  the value before any run starts; a value of the wrong type (num_iterations='abc') failed
+  each run after it had started. What a binary checks of a value beyond its type (ranges,
+  combinations) it still checks itself, at the run's start."""
+  path, variant = config_files.split_config_path(config_path)
+  config_arg = f"--config={os.path.abspath(path)}" + (f":{variant}" if variant is not None else "")
+  own = [(f"get_sweep()[{i}] ({name})",
+          [f"--config.{k}={format_value(v)}" for k, v in entry.items() if k != "name"])
+         for i, name, entry in runs]
+  for where, args in [("the sweep's flag", [])] + own:
+    argv = ["sweep", config_arg, *args, *passthrough]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, flag_values=values, sys_argv=argv)
+    try:
+      values(argv)
+      values["config"].value  # pylint: disable=pointless-statement  (applies the overrides)
+    except flags.Error as e:
+      raise ValueError(f"{where}: {e}") from None
 
 
 def run_name(index: int, overrides: dict) -> str:

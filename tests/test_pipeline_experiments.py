@@ -419,3 +419,30 @@ b.plot({{"a.py": {{0: c, 1: c}}, "b.py": {{0: c}}}}, {str(tmp_path / "curves.png
   import matplotlib.image
   height, width = matplotlib.image.imread(str(tmp_path / "curves.png")).shape[:2]
   assert (height, width) == (864, 1320)  # 2 rows x 2 columns of panels at 120 dpi
+
+
+def test_sweep_refuses_a_value_of_the_wrong_type_before_any_run(tmp_path):
+  """A value its field's type does not take (an entry's, or the sweep's own flag) is named with
+  its run before anything runs: each run used to start, import jax and fail on it."""
+  cfg = tmp_path / "typed.py"
+  cfg.write_text(SCHEDULE_SEARCH_BASE + "def get_config():\n  return _base.get_config()\n"
+                 "def get_sweep():\n  return [{'name': 'a', 'actor_pp': 2},\n"
+                 "          {'name': 'b', 'actor_pp': 'four'}]\n")
+  out = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+              f"--workdir={tmp_path / 'sw'}", "--dry_run"])
+  assert out.returncode != 0, out.stderr[-3000:]
+  assert ("get_sweep()[1] (b): flag --config.actor_pp=four: invalid literal for int()"
+          in out.stderr), out.stderr[-3000:]
+  assert "a: python" not in out.stderr  # refused before any run's command
+  cfg.write_text(SCHEDULE_SEARCH_BASE + "def get_config():\n  return _base.get_config()\n"
+                 "def get_sweep():\n  return [{'name': 'a', 'actor_pp': 2}]\n")
+  out = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+              f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=soon"])
+  assert out.returncode != 0, out.stderr[-3000:]
+  assert "the sweep's flag: flag --config.time_budget_s=soon: could not convert" in out.stderr, (
+      out.stderr[-3000:])
+  assert not os.path.exists(tmp_path / "sw")
+  # Values of the right types pass (the run's command is printed).
+  out = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+              f"--workdir={tmp_path / 'sw'}", "--dry_run", "--config.time_budget_s=1"])
+  assert out.returncode == 0 and "a: python" in out.stderr, out.stderr[-3000:]
