@@ -28,7 +28,7 @@ DATA_DIR = "configs/data/tiny_gsm8k"
 def get_config(arg: str = "ppo"):
   c = ml_collections.ConfigDict(config_lib.defaults())
   c.seed = 0
-  c.num_iterations = 100  # 45 s for the whole run on a 2-core CPU
+  c.num_iterations = 100  # about a minute for the whole run on a 2-core CPU (docs/own_model.md)
 
   # The actor's architecture comes from the checkpoint's config.json; these shape fields are
   # the tiny model's own and are replaced by it (the run keeps only max_seq_len, dtypes,

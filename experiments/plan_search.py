@@ -10,8 +10,9 @@ asynchronous PPO's splits of the devices into a generation and a training group,
 into the workdir:
   plan.json       the fastest plan: generation / inference / training layouts, predicted stage
                   times; the asynchronous plan where it beats the synchronous one, then with
-                  "async": {generation_devices, training_devices, staleness} (the generation
-                  and inference layouts on the generation group, training on the other devices)
+                  "async": {generation_devices, training_devices, staleness, colocated} (the
+                  generation and inference layouts on the generation group, training on the
+                  other devices)
   result.json     {"best", "top", "uniform", "async", "plan_json", "stages", "systems",
                   "search_s", "setting"}; best.predicted_iteration_s (synchronous),
                   uniform.predicted_iteration_s and async.predicted_iteration_s (with

@@ -16,7 +16,8 @@ parallel degree, FLOPs from shapes.py):
       flops = sum_i sequence_forward_flops(l_i) / t; time = roofline at prefill_mfu
               + 2L all-reduces of sum(l_i)*h*2 bytes
   training stage, one micro-batch of n tokens, pp stages: forward = roofline over L/pp layers at
-      train_mfu + its tensor-parallel all-reduces; backward = bwd_over_fwd (2) x forward
+      train_mfu + its tensor-parallel all-reduces; backward = bwd_over_fwd (2) x the forward's
+      compute + the same all-reduces once (no recomputation timed)
   collectives, alpha-beta (hardware.py): ring all-reduce of B bytes over g devices moves
       2(g-1)/g * B through each device in 2(g-1) ring steps; all-gather / reduce-scatter
       (g-1)/g * B in g-1 steps; point-to-point (KV migration, weight resharding) B in 1 step.

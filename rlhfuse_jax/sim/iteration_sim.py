@@ -43,8 +43,8 @@ iteration_s = reshard_s + gen_plus_inf_s + train_s (stages do not overlap across
 except pipe_rlhf_async on disjoint groups: max(gen_plus_inf_s, train_s) + reshard_s;
 gen_s = when the last sample finished; inf_s = gen_plus_inf_s - gen_s (inference not hidden
 behind generation); samples_per_s = global_batch / iteration_s.
-reshard_s: every generation device receives its tensor-parallel shard of the actor's new
-weights over the scale-out network (the training layout lives on other devices); under
+reshard_s: the actor's new weights into the generation layout, one copy a node over the
+scale-out network through the node's NICs, then over NVLink (plan_search.reshard_s); under
 pipe_rlhf_async too, the actor's only (the generation group scores with the frozen reference and
 reward model; the critic's values are computed on the training group, plan_search.rescore_s).
 """

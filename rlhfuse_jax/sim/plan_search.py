@@ -12,13 +12,13 @@ layouts (docs/architecture.md §4). A plan gives each stage its own layout over 
               the devices, both at once (training_sim.single_model_plan)
 
 Synchronously, the stages of an iteration run one after the other, and a plan pays one
-resharding: the actor's new weights into the generation layout (every generation device receives
-its shard over the scale-out network, as iteration_sim does for every system). So the search is
-hierarchical: the outer level picks the training placement (colocated or a device split) and the
-generation mode, and with asynchronous PPO also the split of the devices into a generation and a
-training group (below); the inner level the degrees of each stage, each stage searched on its own
-(iteration time = reshard + generation + inference + training), and the top plans are the best
-combinations.
+resharding: the actor's new weights into the generation layout (one copy a node over the
+scale-out network, then over NVLink: reshard_s, which iteration_sim charges every system). So
+the search is hierarchical: the outer level picks the training placement (colocated or a
+device split) and the generation mode, and with asynchronous PPO also the split of the devices
+into a generation and a training group (below); the inner level the degrees of each stage, each
+stage searched on its own (iteration time = reshard + generation + inference + training), and
+the top plans are the best combinations.
 
 The `uniform` plan is what one layout for every stage gives: a (tp, pp) grid whose generation is
 a plain pipeline (G = 1: each token passes all pp stages before the next starts), whose
@@ -41,7 +41,7 @@ i + k, and runs its reference / reward forwards, with a policy k updates old. As
 (trainer/loop.py), the training group first scores the batch with the current actor (proximal
 log-probs) and critic (values: GAE's baseline and the value clip's anchor must be those of the
 critic it trains), and after each update the actor's new weights move from the training layout
-into the generation layout, every receiving device taking its shard over the scale-out network.
+into the generation layout (reshard_s: one copy a node, bound by the senders' NICs too).
 In steady state an iteration costs
 
   iteration = max(generation + inference on g, rescore + training on N - g) + reshard (actor)
