@@ -32,7 +32,7 @@ def get_config(arg: str = "ppo"):
 
   # The actor's architecture comes from the checkpoint's config.json; these shape fields are
   # the tiny model's own and are replaced by it (the run keeps only max_seq_len, dtypes,
-  # attention, remat and scan_layers from here: trainer/build.RUN_MODEL_FIELDS).
+  # attention, remat, scan_layers and fused_projections from here: build.RUN_MODEL_FIELDS).
   c.init.actor_checkpoint = MODEL_DIR
   c.init.tokenizer = f"{MODEL_DIR}/tokenizer.json"
   c.init.critic_checkpoint = MODEL_DIR  # the critic's backbone too; its value head is drawn fresh

@@ -418,3 +418,18 @@ def test_the_ids_generation_config_lists_all_end_a_response(tmp_path):
   rows = np.asarray([[5, 6, 2], [5, 6, other], [5, 6, 7], [5, 2, 0]], np.int32)
   gen = type("Gen", (), {"response_tokens": rows, "response_lens": np.asarray([3, 3, 3, 2])})
   np.testing.assert_array_equal(trainer._truncated(gen), [False, False, True, False])
+
+
+def test_a_checkpoints_architecture_keeps_the_runs_own_model_fields():
+  """config.json sets the architecture; what the run chooses (numerics, kernels, recomputation,
+  scanning, context, fused projections) stays as the config says. model.fused_projections was
+  silently dropped for a checkpoint (the option aimed at exactly those runs did nothing)."""
+  section = llama.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                              num_layers=1, num_heads=4, num_kv_heads=2, max_seq_len=96,
+                              fused_projections=True, remat="full", scan_layers=True,
+                              attention="reference")
+  m = build.checkpoint_config(LLAMA, section)
+  assert (m.fused_projections, m.remat, m.scan_layers, m.attention, m.max_seq_len) == (
+      True, "full", True, "reference", 96)
+  with open(os.path.join(LLAMA, "config.json")) as f:
+    assert m.num_layers == json.load(f)["num_hidden_layers"] != section.num_layers

@@ -119,8 +119,10 @@ def build_dataset(cfg: TrainConfig, task, tokenizer: Tokenizer) -> prompts_lib.P
 
 
 # Model fields a run chooses for itself, kept from the config when a checkpoint's config.json
-# sets the architecture: numerics, attention kernel, recomputation, layer scanning, context.
-RUN_MODEL_FIELDS = ("param_dtype", "dtype", "attention", "remat", "scan_layers", "max_seq_len")
+# sets the architecture: numerics, attention kernel, recomputation, layer scanning, context, and
+# the fused projections (the same parameters computed as fewer matmuls; models/llama.py).
+RUN_MODEL_FIELDS = ("param_dtype", "dtype", "attention", "remat", "scan_layers", "max_seq_len",
+                    "fused_projections")
 
 
 def checkpoint_config(path: str, section: ModelConfig, field: str = "init.actor_checkpoint",
