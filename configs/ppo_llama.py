@@ -159,6 +159,9 @@ def get_config(arg: str = "13b"):
   c.algo.microbatch_size = PAIR_MICROBATCH.get((actor, critic),
                                                min(MICROBATCH[actor], MICROBATCH[critic]))
   c.algo.epochs = 1  # one PPO epoch over the rollout per iteration
+  # The KL weight, stated here rather than left to ppo_tiny's toy run (same value). Published
+  # scripts use 1e-3 to 0.1 (OpenRLHF's examples 1e-3, ReaLHF's quickstart kl_ctl 0.1).
+  c.algo.kl_coef = 0.01
   c.optim.actor_lr = 1e-6  # small learning rates: fine-tuning a pretrained model
   c.optim.critic_lr = 5e-6
   # AdamW steps a float32 copy of the bfloat16 weights with float32 moments (at lr 1e-6 steps

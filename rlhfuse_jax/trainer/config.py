@@ -405,9 +405,11 @@ class AsyncPPOConfig:
   a run is as reproducible and resumable as a synchronous one.
 
   generation_devices = g > 0 splits the devices into a generation group (generation and
-  reference / reward / critic inference, the first g devices; with several processes the first
+  reference / reward inference, the first g devices; with several processes the first
   g / processes local devices of each) and a training group (config.mesh over the others); the
-  actor (and critic) are copied to the generation group after each update. 0: both on all
+  actor is copied to the generation group after each update, and with staleness 0 the critic
+  too (it scores there); with staleness >= 1 the training group scores the values with the
+  current critic. 0: both on all
   devices, interleaved (no device overlap; the host's work still overlaps)."""
   staleness: int = 0  # 0: the synchronous loop; k >= 1: at most k updates between the policies
   generation_devices: int = 0
