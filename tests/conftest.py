@@ -9,6 +9,12 @@ empty in a fresh directory each run, is shared by the xdist workers and every su
 start (through the environment), and is deleted at the end. A run that sets
 JAX_COMPILATION_CACHE_DIR itself keeps its own. Tests that time compilation unset it for their
 subprocess (test_bench_decode.py).
+
+A whole-suite run may end with one "PytestUnraisableExceptionWarning: Exception ignored in
+_xla_gc_callback ... KeyboardInterrupt" after the last test, all tests passed. It is xdist's
+worker shutdown, not a test: execnet (gateway_base.WorkerGateway._terminate_execution) sends the
+worker a SIGINT when it is still busy 5 s after being told to stop, and a worker that compiled
+hundreds of programs can still be freeing them in jax's gc callback then.
 """
 import os
 import shutil
