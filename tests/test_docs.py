@@ -141,6 +141,16 @@ def binary_flags(module: str) -> tuple[set[str], set[str]]:
   return names, bools
 
 
+def required_flags(module: str) -> set[str]:
+  """The flags experiments/<module>.py requires (`required=True`, mark_flags_as_required)."""
+  with open(os.path.join(ROOT, "experiments", f"{module}.py"), encoding="utf-8") as f:
+    source = f.read()
+  required = set(re.findall(r"DEFINE_\w+\(\s*[\"'](\w+)[\"'][^)]*required=True", source))
+  for listed in re.findall(r"mark_flags?_as_required\(\s*\[([^\]]*)\]", source):
+    required |= set(re.findall(r"[\"'](\w+)[\"']", listed))
+  return required
+
+
 def _parse_args(args):
   """[(name, value or None)] of the --flags; other words (positional) are returned as None."""
   for word in args:
@@ -186,6 +196,12 @@ def check_command(cmd: Command) -> list[str]:
   problems = []
   names, bools = binary_flags(cmd.module)
   parsed = list(_parse_args(cmd.args))
+  # A command to copy has every flag its binary requires ("..." stands for the rest; a bare
+  # `python -m experiments.X` names the binary in prose).
+  if cmd.args and "..." not in cmd.args:
+    given = {name for name, _ in parsed}
+    problems += [f"{where}: no --{flag}, which experiments/{cmd.module}.py requires"
+                 for flag in sorted(required_flags(cmd.module) - given)]
   # Config flags: --config, and any other flag given a config file (plan_check's --run_config);
   # each may be followed by --<flag>.<field>=... overrides.
   config_flags = {"config"} | {n for n, v in parsed
