@@ -22,6 +22,7 @@ from absl import logging
 # Files we write get the mode a plain open() would give them (mkstemp's are 0600).
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+PLAIN_FILE_MODE = 0o666 & ~_UMASK
 
 
 def _to_jsonable(x: Any) -> Any:
@@ -47,7 +48,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
-    os.chmod(tmp, 0o666 & ~_UMASK)
+    os.chmod(tmp, PLAIN_FILE_MODE)
     os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):

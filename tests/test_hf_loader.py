@@ -18,6 +18,7 @@ import safetensors.numpy
 
 from jax.sharding import PartitionSpec as P
 
+from rlhfuse_jax import workdir as wdlib
 from rlhfuse_jax.models import hf_loader, llama
 from rlhfuse_jax.pipeline import executor
 from rlhfuse_jax.sim import shapes
@@ -435,7 +436,11 @@ def test_save_load_round_trip_is_exact(tmp_path, arch):
   assert jax.tree.structure(again) == jax.tree.structure(params)
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again)):
     assert a.dtype == b.dtype and np.array_equal(a, b)
-  # The export holds exactly the HF tensors of the source, bit for bit.
+  # The export holds exactly the HF tensors of the source, bit for bit, in files any user may
+  # read as a plain open() would make them (safetensors wrote 0600: a serving job of another
+  # user could not load the weights), and no temporary file is left.
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+  assert os.stat(os.path.join(out, "model.safetensors")).st_mode & 0o777 == wdlib.PLAIN_FILE_MODE
   src, dst = _read_tensors(ckpt), _read_tensors(out)
   assert sorted(src) == sorted(dst)
   assert all(np.array_equal(src[k], dst[k]) for k in src)

@@ -48,6 +48,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.data.tokenizer import HFTokenizer
 from rlhfuse_jax.models import llama
 
@@ -629,8 +630,17 @@ def save_hf_checkpoint(params: Any, cfg: llama.ModelConfig, out_dir: str,
   hf_config = hf_config_dict(cfg, dtype_name, family)
   os.makedirs(out_dir, exist_ok=True)
   # transformers refuses safetensors files without a known "format"; "pt" is what it writes.
-  safetensors.numpy.save_file(tensors, os.path.join(out_dir, SINGLE_FILE),
-                              metadata={"format": "pt"})
+  # Written beside and moved into place (a reader never sees half a file), with a plain file's
+  # mode: safetensors creates 0600 files, which a serving job of another user cannot read.
+  path = os.path.join(out_dir, SINGLE_FILE)
+  tmp = os.path.join(out_dir, f".tmp_{SINGLE_FILE}")
+  try:
+    safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"})
+    os.chmod(tmp, wd.PLAIN_FILE_MODE)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
   with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
     json.dump(hf_config, f, indent=2, sort_keys=True)
 
