@@ -170,6 +170,12 @@ def test_missing_and_malformed_files_name_the_path(tmp_path):
   bad.write_text('{"model": {"type": "BPE", ')
   with pytest.raises(ValueError, match=r"bad/tokenizer\.json: not a valid tokenizer\.json"):
     HFTokenizer.from_file(str(bad))
+  # The directory's other JSON, named instead of tokenizer.json: said so, not a parse error.
+  config = tmp_path / "bad" / "tokenizer_config.json"
+  config.write_text('{"eos_token": "</s>", "chat_template": "{{ messages }}"}')
+  with pytest.raises(ValueError, match=r"bad/tokenizer_config\.json is a tokenizer_config\.json "
+                     r".*the tokenizer is the tokenizer\.json beside it"):
+    HFTokenizer.from_file(str(config))
 
   good_dir = tmp_path / "good"
   path = _train_bpe(str(good_dir))

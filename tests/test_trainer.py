@@ -181,6 +181,12 @@ def test_unknown_field_is_rejected():
     ({"model.max_seq_len": 10}, {"data": 8},
      r"max_new_tokens = 14 exceeds the max_seq_len=10 of config\.model:"),
     ({"critic_model.max_seq_len": 10}, {"data": 8}, r"max_seq_len=10 of config\.critic_model"),
+    # Every model too short is named at once, with what to raise (raising the actor's alone
+    # then failed on the critic's).
+    ({"model.max_seq_len": 10, "critic_model.max_seq_len": 12}, {"data": 8},
+     r"exceeds the max_seq_len=10 of config\.model and the max_seq_len=12 of "
+     r"config\.critic_model: .*; raise config\.model\.max_seq_len and "
+     r"config\.critic_model\.max_seq_len to at least 14"),
     # With a checkpoint the context is still the config's field, which the error names.
     ({"critic_model.max_seq_len": 10, "init.critic_checkpoint": os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "fixtures", "tiny_llama3")}, {"data": 8},

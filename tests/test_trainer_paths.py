@@ -433,3 +433,19 @@ def test_a_checkpoints_architecture_keeps_the_runs_own_model_fields():
       True, "full", True, "reference", 96)
   with open(os.path.join(LLAMA, "config.json")) as f:
     assert m.num_layers == json.load(f)["num_hidden_layers"] != section.num_layers
+
+
+def test_a_tokenizer_other_than_the_actor_checkpoints_is_warned_of(tmp_path):
+  """configs/ppo_hf.py names its example's tokenizer: a user who changed only
+  init.actor_checkpoint trained their model on the example's ids and exported that tokenizer
+  beside it, silently. Another tokenizer file than the checkpoint's own is now warned of; the
+  checkpoint's own, named as its file, its directory or a byte-identical copy, is not."""
+  copy = tmp_path / "copy.json"
+  shutil.copy(os.path.join(LLAMA, "tokenizer.json"), copy)
+  other = os.path.join(os.path.dirname(LLAMA), "tiny_chat")  # another vocabulary
+  assert build.warn_foreign_tokenizer(LLAMA, os.path.join(other, "tokenizer.json"))
+  assert build.warn_foreign_tokenizer(LLAMA, other)  # a directory names its tokenizer.json
+  # QWEN2's is a byte-identical copy of LLAMA's (the fixtures share one tokenizer).
+  for same in (os.path.join(LLAMA, "tokenizer.json"), LLAMA, str(copy), QWEN2, ""):
+    assert not build.warn_foreign_tokenizer(LLAMA, same), same
+  assert not build.warn_foreign_tokenizer(str(tmp_path), other)  # no tokenizer of its own

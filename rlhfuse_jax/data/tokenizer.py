@@ -187,10 +187,15 @@ class HFTokenizer(Tokenizer):
       path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
       raise FileNotFoundError(f"tokenizer file not found: {path}")
+    if os.path.basename(path) == "tokenizer_config.json":  # a model directory's other file
+      raise ValueError(f"{path} is a tokenizer_config.json (special tokens, chat template); the "
+                       "tokenizer is the tokenizer.json beside it: name that file or the model's "
+                       "directory")
     try:
       tok = tokenizers.Tokenizer.from_file(path)
     except Exception as e:  # malformed JSON or an unknown model type
-      raise ValueError(f"{path}: not a valid tokenizer.json ({e})") from e
+      raise ValueError(f"{path}: not a valid tokenizer.json ({e}); expected the `tokenizers` "
+                       "library's file, as a HF model directory has it") from e
 
     config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
     config = _read_tokenizer_config(config_path)

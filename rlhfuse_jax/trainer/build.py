@@ -133,6 +133,33 @@ def checkpoint_config(path: str, section: ModelConfig, field: str = "init.actor_
   return load_named(field, path, hf_loader.load_hf_config, **{**keep, **overrides})
 
 
+def _tokenizer_file(path: str) -> str:
+  return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+
+
+def warn_foreign_tokenizer(checkpoint: str, tokenizer_path: str) -> bool:
+  """Warns (and returns True) when the actor's checkpoint directory has a tokenizer.json other
+  than the run's (config.init.tokenizer): a config made for another model (configs/ppo_hf.py
+  names its example's tokenizer) with only init.actor_checkpoint changed trained the new model
+  on the old tokenizer's ids and exported that tokenizer beside it, silently, whenever the old
+  vocabulary was no larger than the new embedding. A warning, not an error: a run may mean to
+  use another tokenizer file (an extended one, say)."""
+  own = os.path.join(checkpoint, "tokenizer.json")
+  given = _tokenizer_file(tokenizer_path) if tokenizer_path else ""
+  if not given or not os.path.isfile(own) or not os.path.isfile(given):
+    return False
+  if os.path.samefile(own, given):
+    return False
+  with open(own, "rb") as a, open(given, "rb") as b:
+    if a.read() == b.read():
+      return False
+  logging.warning("config.init.tokenizer=%r is not the tokenizer of config.init.actor_checkpoint="
+                  "%r (%s differs): the run tokenises with the former and exports it beside the "
+                  "trained weights; if you changed the model, set config.init.tokenizer=%r too",
+                  tokenizer_path, checkpoint, own, own)
+  return True
+
+
 def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
   """`cfg` with the tokenizer's vocabulary and the checkpoints' architectures (config.json
   only; no weights are read; the config's RUN_MODEL_FIELDS are kept): the config every later
@@ -150,6 +177,7 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
           f"the tokenizer has {tokenizer.vocab_size} tokens but config.init.actor_checkpoint="
           f"{cfg.init.actor_checkpoint!r} embeds {model.vocab_size}: use the checkpoint's own "
           "tokenizer (config.init.tokenizer)")
+    warn_foreign_tokenizer(cfg.init.actor_checkpoint, cfg.init.tokenizer)
     # Without a checkpoint of its own the critic reads the actor's token ids: its vocabulary.
     cfg = dataclasses.replace(cfg, model=model, critic_model=cfg.critic_model.replace(
         vocab_size=model.vocab_size))

@@ -153,13 +153,26 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     models.append((rm, rm, reward_cfg))
   for vocab_name, context_name, model in models:
     if model.vocab_size < cfg.model.vocab_size:
+      fix = ("; point it at a checkpoint of the actor's vocabulary (e.g. the actor's own "
+             "directory), or set it to '' for a critic built from config.critic_model"
+             if vocab_name.startswith("config.init.critic_checkpoint") else
+             "; a reward model must read the actor's tokenizer's ids"
+             if vocab_name.startswith("config.reward") else "")
       raise ValueError(f"{vocab_name} embeds vocab_size={model.vocab_size} tokens but the actor "
                        f"(config.model) generates ids up to {cfg.model.vocab_size - 1}: every "
-                       "model reads the actor's token ids")
-    if context > model.max_seq_len:
-      raise ValueError(f"config.data.max_prompt_len + config.rollout.max_new_tokens = {context} "
-                       f"exceeds the max_seq_len={model.max_seq_len} of {context_name}: a prompt "
-                       "and its response must fit every model's context")
+                       f"model reads the actor's token ids{fix}")
+  short = [(name, m) for _, name, m in models if context > m.max_seq_len]
+  if short:
+    # Every model too short at once (raising the actor's alone then failed on the critic's).
+    raisable = [f"{name}.max_seq_len" for name, _ in short if name.startswith("config.model")
+                or name.startswith("config.critic_model")]
+    fix = (f"raise {' and '.join(raisable)} to at least {context}, or lower "
+           "config.data.max_prompt_len / config.rollout.max_new_tokens" if raisable else
+           "lower config.data.max_prompt_len / config.rollout.max_new_tokens")
+    raise ValueError(f"config.data.max_prompt_len + config.rollout.max_new_tokens = {context} "
+                     "exceeds the " + " and the ".join(
+                         f"max_seq_len={m.max_seq_len} of {name}" for name, m in short) +
+                     f": a prompt and its response must fit every model's context; {fix}")
   # The actor's and critic's context is the config's (model.max_seq_len), but a checkpoint was
   # trained on its config.json's positions only: rotary positions past them are ones its weights
   # never saw, so a run that needs them is refused, as a reward model's shorter context is.
