@@ -72,7 +72,8 @@ def test_flat_keys_numbers_and_optional_answers(tmp_path, fmt):
   records = load_records(path, "question", "label")
   assert [r["prompt"] for r in records] == [r["question"] for r in rows]
   assert [r.get("target") for r in records] == ["42", "1.5", None]
-  with pytest.raises(ValueError, match=rf"{path}:(row 2|3): missing answer field 'label'"):
+  with pytest.raises(ValueError,
+                     match=rf"{path}:(row 2|3): answer field 'label' is empty \(None\)"):
     load_records(path, "question", "label", require_answer=True)
 
 
@@ -89,7 +90,7 @@ def test_float_answers_read_back_as_written(tmp_path):
       "0.1", "2.5", "0.00001", "3"]
   assert [r.get("target") for r in load_records(path, answer_key="f64")] == [
       "0.1", "0.00001", None, "12"]
-  with pytest.raises(ValueError, match=r"row 2: missing answer field 'f64'"):
+  with pytest.raises(ValueError, match=r"row 2: answer field 'f64' is empty \(nan\)"):
     load_records(path, answer_key="f64", require_answer=True)
   rows = [{"prompt": "a", "target": 1.0}, {"prompt": "b", "target": float("inf")}]
   with pytest.raises(ValueError, match=r"d.jsonl:2: answer field 'target' is inf; expected a "
@@ -159,8 +160,37 @@ def test_file_level_errors(tmp_path):
   with pytest.raises(ValueError, match=r"d\.jsonl:3: invalid JSON"):
     load_records(_jsonl(tmp_path / "d.jsonl", ['{"q": "a"}', '{"prompt": "b"}', '{"prompt":']),
                  require_answer=True)
-  with pytest.raises(ValueError, match=r"d\.jsonl:1: expected an object"):
+  # A file that opens with '[' is a JSON array: its items are the rows.
+  with pytest.raises(ValueError, match=r"d\.jsonl:item 0: expected an object .* got str"):
     load_records(_jsonl(tmp_path / "d.jsonl", ['["prompt"]']))
+  (tmp_path / "torn.json").write_text('[{"prompt": "a"},\n {"prompt": ')
+  with pytest.raises(ValueError, match=r"torn\.json: starts like a JSON array but does not "
+                     r"parse"):
+    load_records(str(tmp_path / "torn.json"))
+
+
+def test_json_arrays_and_unsuffixed_parquet_are_read(tmp_path):
+  """What users have besides JSONL: a JSON array (json.dump(rows), many exports; it was
+  "invalid JSON at column 2"), and a parquet file not named *.parquet (a .pq was read as text
+  and refused as "not UTF-8 ... convert it with iconv"). Both read as their rows, sources named."""
+  array = tmp_path / "rows.json"
+  array.write_text(json.dumps(VERL_ROWS, indent=2))
+  got = load_records(str(array), "prompt", "reward_model.ground_truth", require_answer=True)
+  assert [r["target"] for r in got] == ["42", "6"]
+  assert [r["_source"] for r in got] == [f"{array}:item 0", f"{array}:item 1"]
+  pq_path = _parquet(tmp_path / "rows.pq", VERL_ROWS)
+  got = load_records(pq_path, "prompt", "reward_model.ground_truth", require_answer=True)
+  assert [r["target"] for r in got] == ["42", "6"] and got[1]["_source"] == f"{pq_path}:row 1"
+
+
+def test_an_empty_answer_is_named_as_empty_not_missing(tmp_path):
+  """A row whose answer field is there but null (or NaN) said the field was missing and to
+  change config.data.answer_key, which is not the fix."""
+  path = _jsonl(tmp_path / "d.jsonl", [{"q": "1+1?", "label": 2}, {"q": "2+2?", "label": None}])
+  with pytest.raises(ValueError, match=r"d\.jsonl:2: answer field 'label' is empty \(None\) on "
+                     r"this row; every row needs an answer"):
+    load_records(path, "q", "label", require_answer=True)
+  assert [r.get("target") for r in load_records(path, "q", "label")] == ["2", None]
 
 
 def test_split_is_seeded_disjoint_and_ordered():

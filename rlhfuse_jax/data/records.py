@@ -1,24 +1,26 @@
-"""Prompt datasets from files: JSONL or parquet rows with a prompt and a ground-truth answer,
-rendered through an optional chat template, split into training and held-out prompts.
+"""Prompt datasets from files: JSONL, JSON-array or parquet rows with a prompt and a ground-truth
+answer, rendered through an optional chat template, split into training and held-out prompts.
 
 A row's prompt sits under `prompt_key` and its answer under `answer_key`; a dotted key reads a
 nested field (verl's parquet files keep the answer in `reward_model.ground_truth`). A key that
 exists literally, dots included, wins over the nested reading. The prompt is a string or a list
 of messages ({"role", "content"} with string values); the answer a string or a number (kept as
 its text; an integral float such as 42.0 as '42'). Every record keeps the row's own fields and
-gets three more:
+gets three more (replacing row fields of those names):
 
   prompt     the row's prompt (a string or the messages), what the chat template renders
   target     the row's answer as text (absent when the row has none and none is required): what
              the verifiers and a user's reward function receive as the sample's answer
-  _source    'path:line' (JSONL, 1-based lines) or 'path:row i' (parquet, 0-based rows), which
-             every later error about the record names
+  _source    'path:line' (JSONL, 1-based lines), 'path:item i' (a JSON array, 0-based) or
+             'path:row i' (parquet, 0-based rows), which every later error about the record names
 
 `render_prompts` adds `_prompt_text` (PROMPT_TEXT_KEY), the text that is tokenised.
 """
 from __future__ import annotations
 
+import codecs
 import decimal
+import json
 import os
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -33,9 +35,17 @@ PROMPT_TEXT_KEY = "_prompt_text"
 _MISSING = object()
 
 
+def _first_bytes(path: str, n: int = 64) -> bytes:
+  with open(path, "rb") as f:
+    return f.read(n)
+
+
 def _rows(path: str) -> Iterator[tuple[str, Any]]:
-  """(where, row) for every row of a JSONL or parquet file (by extension)."""
-  if path.endswith(".parquet"):
+  """(where, row) for every row of a JSONL, JSON-array or parquet file: parquet by extension or
+  by its magic bytes (a `.pq` file was read as text and refused as "not UTF-8"), a JSON array
+  (what `json.dump(rows)` and many exports write) by its opening bracket."""
+  head = _first_bytes(path)
+  if path.endswith(".parquet") or head.startswith(b"PAR1"):
     try:
       import pyarrow as pa  # pylint: disable=import-outside-toplevel
       import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
@@ -65,6 +75,18 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
     for i, row in enumerate(rows):
       yield f"{path}:row {i}", row
     return
+  if head.lstrip(codecs.BOM_UTF8 + b" \t\r\n").startswith(b"["):
+    with open(path, "rb") as f:
+      data = f.read()
+    try:
+      rows = json.loads(data.decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise ValueError(f"{path}: starts like a JSON array but does not parse as one ({e}); "
+                       "expected a JSON array of objects or one object per line (JSONL)") from e
+    if isinstance(rows, list):  # else one JSONL line that is an array: refused row by row
+      for i, row in enumerate(rows):
+        yield f"{path}:item {i}", row
+      return
   yield from jsonl_rows(path)
 
 
@@ -155,6 +177,10 @@ def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSW
     record[PROMPT_KEY] = check_prompt(prompt, where_, prompt_key)
     answer = lookup(row, answer_key)
     if answer is _MISSING or answer is None or _is_nan(answer):  # NaN: pandas' missing value
+      if require_answer and answer is not _MISSING:  # the field is there, without a value
+        raise ValueError(f"{where_}: answer field '{answer_key}' is empty ({answer!r}) on this "
+                         "row; every row needs an answer when the run's reward verifies "
+                         "against it (fill it in or drop the row)")
       if require_answer:
         raise ValueError(f"{where_}: missing answer field '{answer_key}' (keys: {sorted(row)}), "
                          "which the run's reward verifies against; set config.data.answer_key "
