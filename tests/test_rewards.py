@@ -246,6 +246,9 @@ def test_user_function_by_import_path(tok):
     ("tests.test_rewards:missing", "module 'tests.test_rewards' has no attribute 'missing'"),
     ("tests.test_rewards:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a callable"),
     ("tests.test_rewards:", "expected 'package.module:function'"),
+    # A dot where the colon goes is an unknown name, with the colon suggested.
+    ("tests.test_rewards.answer_length", r"did you mean 'tests\.test_rewards:answer_length' \(a "
+                                         r"colon before the function\)\?"),
 ])
 def test_bad_function_specs_fail_before_the_run(spec, expected):
   with pytest.raises(ValueError, match=expected):
@@ -287,6 +290,25 @@ def test_errors_name_the_function_and_the_sample(tok):
                                        r"\(train\.jsonl:5\).*holds no number"):
     rewards_lib.get_reward_function("gsm8k")(
         [{"target": "7"}, {"target": "x", "_source": "train.jsonl:5"}], ids[:2], lens[:2], tok)
+
+
+def test_numpy_and_jax_scalars_are_rewards_and_arrays_are_not(tok):
+  """Reward code computed with numpy or jax returns 0-d arrays (np.array(0.25), a jnp scalar):
+  each is its number (they were refused as 'expected a finite number'), as Python and numpy
+  scalars and bools are; a longer array or a string is still refused."""
+  import jax.numpy as jnp
+  ids, lens = _batch(tok, ["one", "two"])
+  for value in (np.array(0.25), jnp.float32(0.25), jnp.asarray(0.25), np.float32(0.25), 0.25):
+    fn = rewards_lib.per_sample(lambda r, a, rec, v=value: v, "scalar_fn")
+    np.testing.assert_allclose(fn([{}, {}], ids, lens, tok), [0.25, 0.25], err_msg=repr(value))
+  for value in (True, np.bool_(True), np.array(True)):
+    fn = rewards_lib.per_sample(lambda r, a, rec, v=value: v, "bool_fn")
+    np.testing.assert_array_equal(fn([{}, {}], ids, lens, tok), [1.0, 1.0])
+  for value, shown in ((np.array([0.25]), r"array\(\[0\.25\]\)"), (np.str_("1"), "'1'"),
+                       (jnp.asarray(float("nan")), "nan")):
+    fn = rewards_lib.per_sample(lambda r, a, rec, v=value: v, "bad_fn")
+    with pytest.raises(ValueError, match=rf"'bad_fn' returned {shown} for sample 0"):
+      fn([{}, {}], ids, lens, tok)
 
 
 def test_batch_function_errors_are_named_by_the_resolver():

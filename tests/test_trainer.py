@@ -521,7 +521,13 @@ def test_critic_settings_of_a_critic_free_run_are_warned_about(caplog):
     else:
       assert "trains no critic" not in caplog.text, caplog.text
   from configs import ppo_hf
-  from rlhfuse_jax.trainer.validate import _critic_free_unused
+  from rlhfuse_jax.trainer.validate import _critic_free_unused, _reward_unused
+  # A verifier left in the config of a run a reward model scores is said to be unused.
+  model = {"reward.kind": "model", "reward.model_checkpoint": "/models/rm"}
+  assert _reward_unused(tiny_config(**model, **{"reward.function": "gsm8k"})) == [
+      "reward.function='gsm8k'"]
+  assert _reward_unused(tiny_config(**model)) == []
+  assert _reward_unused(tiny_config(**{"reward.function": "gsm8k"})) == []
   for preset in (grpo_tiny.get_config(), ppo_hf.get_config("grpo"),
                  ppo_hf.get_config("grpo_gpu")):
     assert _critic_free_unused(TrainConfig.from_config_dict(preset)) == []

@@ -178,6 +178,10 @@ def per_sample(fn: TextRewardFn, name: str) -> RewardFn:
       except Exception as e:  # noqa: BLE001 re-raised with the function and the sample named
         raise RewardFunctionError(f"reward function {name!r} failed on {sample}: "
                                   f"{type(e).__name__}: {e}") from e
+      # A 0-d array (np.array(0.5), a jnp scalar: what reward code computed with numpy or jax
+      # returns) is its one number, as a Python bool, int or float.
+      if hasattr(value, "__array__") and np.shape(value) == ():
+        value = np.asarray(value).item()
       if not isinstance(value, numbers.Real) or not np.isfinite(float(value)):
         raise RewardFunctionError(f"reward function {name!r} returned {value!r} for {sample}; "
                                   "expected a finite number")
@@ -237,5 +241,8 @@ def get_reward_function(name: str) -> RewardFn:
     return REWARD_FUNCTIONS[name]
   if ":" in name:
     return per_sample(import_function(name), name)
+  module, _, attr = name.rpartition(".")
+  hint = (f"; did you mean {module + ':' + attr!r} (a colon before the function)?"
+          if module and attr else "")
   raise ValueError(f"unknown reward function {name!r}; known: {sorted(REWARD_FUNCTIONS)}, or a "
-                   "function by import path 'package.module:function'")
+                   f"function by import path 'package.module:function'{hint}")

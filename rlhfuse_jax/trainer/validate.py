@@ -50,6 +50,13 @@ def _critic_free_unused(cfg: TrainConfig) -> list[str]:
   return set_fields(cfg, "algo", algo) + set_fields(cfg, "init", ["critic_checkpoint"])
 
 
+def _reward_unused(cfg: TrainConfig) -> list[str]:
+  """reward.function set with a reward model, which scores every sample alone (a config made
+  for a verifier, switched to reward.kind='model', kept it in its config.json silently; a
+  format reward there is an error, TrainConfig's check, since it would add to nothing)."""
+  return set_fields(cfg, "reward", ["function"]) if cfg.reward.kind == "model" else []
+
+
 def _async_unused(cfg: TrainConfig) -> None:
   """async_ppo fields that change nothing in a synchronous run (staleness 0) are said so; a
   device split without staleness is a synchronous loop on split devices (what bench_async's
@@ -135,6 +142,7 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
   warn_unused(_critic_free_unused(cfg), f"algo.estimator={cfg.algo.estimator!r} trains no "
               "critic and computes its advantages without them")
   _async_unused(cfg)
+  warn_unused(_reward_unused(cfg), "reward.kind='model': the reward model scores every sample")
   if cfg.rollout.top_k > cfg.model.vocab_size:
     raise ValueError(f"config.rollout.top_k={cfg.rollout.top_k} exceeds the actor's vocabulary "
                      f"(model.vocab_size={cfg.model.vocab_size}); 0 samples from all of it")
