@@ -53,6 +53,7 @@ def get_config(arg: str = "ppo"):
   c.data.max_prompt_len = 80  # the longest rendered prompt is 69 tokens
   c.data.val_max_prompts = 32
   c.eval_every = 25
+  c.log_samples = 2  # two prompts and responses as text per iteration: WORKDIR/samples.jsonl
 
   c.reward.function = "gsm8k"  # the response's final number against the answer's
   c.reward.format = "gsm8k_format"  # + 0.1 when the response ends with '#### <number>'

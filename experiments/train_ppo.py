@@ -4,7 +4,8 @@ r"""PPO / GRPO training binary.
 
 Writes into the workdir: config.json (the config of the first start as given, before a plan
 file or a checkpoint's config.json fills in fields; a start that
-resumes at iteration k adds config.k.json), metrics.jsonl (one object per iteration), tb/
+resumes at iteration k adds config.k.json), metrics.jsonl (one object per iteration), with
+config.log_samples samples.jsonl (the batch's first samples as text), tb/
 (TensorBoard events), checkpoints/ (orbax; the latest is resumed automatically, so re-running
 with a larger --config.num_iterations continues the run, past the first start's horizon on the
 LR schedule's floor unless optim.schedule_iterations is raised with it), result.json

@@ -101,7 +101,7 @@ def write_config_history(workdir: str, config: Any, start_step: int) -> str:
 
 
 # What a run writes that a fresh start (no checkpoint to resume) would overwrite or truncate.
-RUN_OUTPUTS = ("metrics.jsonl", "result.json", "tb", "hf_export")
+RUN_OUTPUTS = ("metrics.jsonl", "samples.jsonl", "result.json", "tb", "hf_export")
 
 
 def _move_to_previous(workdir: str, names: list[str]) -> str:

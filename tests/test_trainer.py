@@ -584,3 +584,32 @@ def test_a_missing_file_names_its_field(field, tmp_path):
     build.load_prompt_records(cfg, task)
     build.resolve_config(cfg, tokenizer)
     build.reward_model_config(cfg)
+
+
+def test_samples_are_written_as_text_once_per_logged_iteration_across_a_resume(tmp_path):
+  """config.log_samples=k: every log_every iterations and after the last, the batch's first k
+  samples as text in samples.jsonl (a user had no way to see what the policy writes). A resume
+  drops rows after its checkpoint, as metrics.jsonl's, so each logged step's rows appear once."""
+  from rlhfuse_jax import workdir as wdlib
+  run = str(tmp_path / "run")
+  cfg = tiny_config(**{"num_iterations": 3, "log_samples": 2, "log_every": 2})
+  path = os.path.join(run, "samples.jsonl")
+  first = PPOTrainer(cfg, run).run(stop_after=2)  # saved at 2
+  assert [(r["step"], r["sample"]) for r in wdlib.read_jsonl(path)] == [(2, 0), (2, 1)]
+  # Rows of an iteration 3 that died before its checkpoint: the resume drops them.
+  wdlib.append_jsonl(path, {"step": 3, "sample": 0, "prompt": "lost", "response": "lost"})
+  trainer = PPOTrainer(cfg, run)
+  rest = trainer.run()
+  rows = wdlib.read_jsonl(path)
+  assert [(r["step"], r["sample"]) for r in rows] == [(2, 0), (2, 1), (3, 0), (3, 1)]
+  assert not any(r["prompt"] == "lost" for r in rows)
+  by_step = {m["step"]: m for m in first + rest}
+  for r in rows:
+    assert isinstance(r["reward"], float) and np.isfinite(r["reward"])
+    # The sample's length is the batch's (gen/response_lengths) and its text that many tokens
+    # up to the EOS (or all of them when the budget ran out).
+    assert r["response_length"] == by_step[r["step"]]["gen/response_lengths"][r["sample"]]
+    n = r["response_length"] - (r["response_length"] < cfg.rollout.max_new_tokens)
+    symbols = r["response"].replace("\ufffd", " ").split()  # U+FFFD: a special token's place
+    assert 0 < len(symbols) <= n or n == 0, r
+    assert r["prompt"].endswith(" ="), r  # every task's prompt, its <bos> not shown

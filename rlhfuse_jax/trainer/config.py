@@ -510,6 +510,9 @@ class TrainConfig:
   plan: PlanConfig = PlanConfig()
   async_ppo: AsyncPPOConfig = AsyncPPOConfig()
   log_every: int = 1
+  # Every log_every iterations (and after the last), the first k samples of the batch trained on
+  # as text (prompt, response, reward) in WORKDIR/samples.jsonl: what the policy writes. 0: none.
+  log_samples: int = 0
   # Every k iterations (and after the last), the reward on the held-out prompts (data.val_file
   # or data.val_fraction): val/* in metrics.jsonl and TensorBoard. 0: never.
   eval_every: int = 0
@@ -537,6 +540,8 @@ class TrainConfig:
     _check(isinstance(self.seed, int) and self.seed >= 0, "seed", self.seed,
            "an integer >= 0 (numpy seeds the prompt stream with it)")
     _check(self.log_every > 0, "log_every", self.log_every, "> 0 (log every k iterations)")
+    _check(self.log_samples >= 0, "log_samples", self.log_samples,
+           ">= 0 (samples written as text every log_every iterations; 0: none)")
     _check(self.eval_every >= 0, "eval_every", self.eval_every, ">= 0 (0: no validation pass)")
     _check(isinstance(self.compilation_cache_dir, str), "compilation_cache_dir",
            self.compilation_cache_dir, "a directory, '' (WORKDIR/cache/xla) or 'none'")
@@ -630,7 +635,7 @@ RESUME_CHANGEABLE = frozenset({
 # Fields that do not change what a resumed run computes: how long it runs, how often it logs
 # and saves, what it does when a checkpoint or a value goes bad.
 RESUMABLE_FIELDS = frozenset({
-    "num_iterations", "log_every", "checkpoint.every", "checkpoint.keep", "checkpoint.fallback",
+    "num_iterations", "log_every", "log_samples", "checkpoint.every", "checkpoint.keep", "checkpoint.fallback",
     "checkpoint.export_hf",  # written after the last iteration; the trajectory is the same
     "checkpoint.resume_changes",  # what it allows is checked field by field (hooks.py)
     "guard.max_consecutive_skips", "pipeline.schedule_cache_dir", "compilation_cache_dir",

@@ -22,6 +22,7 @@ from absl import logging
 
 from rlhfuse_jax import checkpointing
 from rlhfuse_jax import metrics as metrics_lib
+from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.data import chat as chat_lib
 from rlhfuse_jax.data import tokenizer as tokenizer_lib
 from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
@@ -204,6 +205,28 @@ class MetricsLog(Hook):
   def end(self, failing: bool) -> None:
     if self.writer is not None:
       self.writer.close()
+
+
+class SamplesLog(Hook):
+  """WORKDIR/samples.jsonl (process 0, config.log_samples): one row per sample that `take()`
+  hands over after an iteration ({step, sample, prompt, response, reward, response_length}).
+  Exactly once, as MetricsLog: at begin, rows after the restored step are dropped."""
+
+  def __init__(self, workdir: str, take: Callable[[], Optional[list]]):
+    self.path, self.take = os.path.join(workdir, "samples.jsonl"), take
+    self.enabled = False
+
+  def begin(self, start: int) -> None:
+    self.enabled = jax.process_index() == 0
+    if self.enabled and os.path.exists(self.path):
+      rows = [r for r in wd.read_jsonl(self.path) if r.get("step", 0) <= start]
+      wd.atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
+
+  def after(self, step: int, metrics: dict, stopping: bool) -> None:
+    rows = self.take()
+    if rows and self.enabled:
+      for row in rows:
+        wd.append_jsonl(self.path, {"step": step, **row})
 
 
 class Checkpoints(Hook):

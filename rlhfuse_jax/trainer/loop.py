@@ -33,6 +33,7 @@ from absl import logging
 
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference import scoring
 from rlhfuse_jax.models import sequences
@@ -98,11 +99,24 @@ def _zero1_label(state: Any) -> str:
   return "zero1: no data copies or replicas to split over"
 
 
+def sample_rows(gen: async_lib.Generated, tokenizer: Any, k: int) -> list[dict]:
+  """The batch's first `k` samples as text (config.log_samples): each prompt as its tokens
+  decode, each response as the reward functions read it (up to its EOS, rewards_lib.
+  decode_responses), its reward and its length in tokens (EOS included)."""
+  k = min(k, len(gen.scores))
+  responses = rewards_lib.decode_responses(gen.response_tokens[:k], gen.response_lens[:k],
+                                           tokenizer)
+  return [{"sample": b, "prompt": tokenizer.decode(gen.tokens[b, :gen.prompt_lens[b]].tolist()),
+           "response": responses[b], "reward": float(gen.scores[b]),
+           "response_length": int(gen.response_lens[b])} for b in range(k)]
+
+
 class PPOTrainer:
   """One run in `workdir`: builds its parts from the config, then iterates (run)."""
 
   def __init__(self, cfg: TrainConfig, workdir: str, mesh: Optional[jax.sharding.Mesh] = None):
     self._built_at = time.time()  # the progress line's elapsed counts from here (setup too)
+    self._samples: Optional[list] = None  # config.log_samples: this iteration's, as text
     self.workdir = workdir
     wd.check_local_path(workdir)
     os.makedirs(workdir, exist_ok=True)
@@ -616,6 +630,9 @@ class PPOTrainer:
       self.checkpoints.wait()
     self._check_finite(iteration, train_metrics)
     m = self._metrics(iteration, gen, train_metrics, stats)
+    step = iteration + 1
+    if cfg.log_samples and (step % cfg.log_every == 0 or step == cfg.num_iterations):
+      self._samples = sample_rows(gen, self.tokenizer, cfg.log_samples)
     t_total = time.time() - t_step
     m.update(gen.metrics)
     m.update(async_m)
@@ -772,6 +789,10 @@ class PPOTrainer:
       self.release_lock()
     return out
 
+  def _take_samples(self) -> Optional[list]:
+    samples, self._samples = self._samples, None
+    return samples
+
   def release_lock(self) -> None:
     """Releases the workdir lock (idempotent; run() does it unless keep_lock)."""
     if self._lock is not None:
@@ -803,6 +824,7 @@ class PPOTrainer:
     run_hooks = [stop,
                  hooks.MetricsLog(self.workdir, self.cfg, rollout_lib.progress_summary,
                                   self._built_at),
+                 hooks.SamplesLog(self.workdir, self._take_samples),
                  self.checkpoints,
                  hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
                                 self.tokenizer)]
