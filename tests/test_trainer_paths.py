@@ -449,3 +449,19 @@ def test_a_tokenizer_other_than_the_actor_checkpoints_is_warned_of(tmp_path):
   for same in (os.path.join(LLAMA, "tokenizer.json"), LLAMA, str(copy), QWEN2, ""):
     assert not build.warn_foreign_tokenizer(LLAMA, same), same
   assert not build.warn_foreign_tokenizer(str(tmp_path), other)  # no tokenizer of its own
+
+
+def test_a_tokenizer_that_cannot_spell_the_prompts_is_warned_of():
+  """A tokenizer without byte fallback or an unknown token drops what its vocabulary lacks:
+  tests/fixtures/tiny_mistral's read 'Ann has 14 cards' back as 'nn has  cards', so every
+  number of every GSM8K prompt vanished, silently. The first prompts are now read back and the
+  loss warned of; configs/ppo_hf.py's example tokenizer spells its own data."""
+  from rlhfuse_jax.data.tokenizer import HFTokenizer
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(LLAMA)))
+  with open(os.path.join(repo, "configs", "data", "tiny_gsm8k", "train.jsonl")) as f:
+    questions = [json.loads(line)["question"] for line in f][:2]
+  records = [{"prompt": questions[0]}, {"prompt": [{"role": "user", "content": questions[1]}]}]
+  lossy = HFTokenizer.from_file(os.path.join(os.path.dirname(LLAMA), "tiny_mistral"))
+  assert build.warn_unspellable(records, lossy, "prompts.jsonl") == 2
+  own = HFTokenizer.from_file(os.path.join(repo, "configs", "data", "tiny_llama3_chat"))
+  assert build.warn_unspellable(records, own, "prompts.jsonl") == 0

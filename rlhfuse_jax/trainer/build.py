@@ -98,6 +98,35 @@ def load_prompt_records(cfg: TrainConfig, task) -> tuple[list[dict], list[dict]]
   return records, held_out
 
 
+def _prompt_text(prompt: Any) -> str:
+  """A record's prompt as plain text: the string, or its messages' contents."""
+  if isinstance(prompt, str):
+    return prompt
+  return "\n".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict))
+
+
+def warn_unspellable(records: list, tokenizer: Tokenizer, where: str, sample: int = 64) -> int:
+  """Warns (and returns how many) when the tokenizer cannot spell some of the first `sample`
+  prompts: their text does not read back from its tokens (whitespace aside). A tokenizer
+  without byte fallback or an unknown token drops what its vocabulary lacks, silently: a test
+  fixture's turned every GSM8K prompt's numbers into nothing, and the verifier could never
+  score. Byte-level tokenizers (Llama 3, Qwen) always read back."""
+  lost = []
+  for record in records[:sample]:
+    text = _prompt_text(record.get(records_lib.PROMPT_KEY, ""))
+    back = tokenizer.decode(tokenizer.encode(text, add_bos=False))
+    if "".join(back.split()) != "".join(text.split()):
+      lost.append((text, back))
+  if lost:
+    text, back = lost[0]
+    logging.warning("the tokenizer cannot spell %d of the first %d prompts of %s: e.g. %r reads "
+                    "back from its tokens as %r (characters outside its vocabulary are dropped: "
+                    "a tokenizer without byte fallback or an unknown token; is config.init."
+                    "tokenizer the model's own?)", len(lost), min(sample, len(records)), where,
+                    text[:120], back[:120])
+  return len(lost)
+
+
 def build_datasets(cfg: TrainConfig, task, tokenizer: Tokenizer
                    ) -> tuple[prompts_lib.PromptDataset, Optional[prompts_lib.PromptDataset]]:
   """The training prompt stream (its position is checkpointed) and the held-out prompts (None
@@ -105,6 +134,8 @@ def build_datasets(cfg: TrainConfig, task, tokenizer: Tokenizer
   stops the run before anything is compiled."""
   template = chat_lib.ChatTemplate.load(cfg.data.chat_template, cfg.init.tokenizer)
   train, held_out = load_prompt_records(cfg, task)
+  if cfg.data.prompts_file:  # a task's prompts are its tokenizer's own words
+    warn_unspellable(train, tokenizer, f"config.data.prompts_file={cfg.data.prompts_file!r}")
   make = lambda records, shuffle: prompts_lib.PromptDataset(
       records_lib.render_prompts(records, template), tokenizer,
       batch_size=cfg.rollout.prompts_per_iteration, max_prompt_len=cfg.data.max_prompt_len,
