@@ -495,7 +495,8 @@ def test_export_family_defaults_and_refusals(tmp_path):
       (q3, "qwen2", "qk_norm=True has no HF qwen2 equivalent"),
       (q3, "llama", "qk_norm=True has no HF llama equivalent"),
       (hf_loader.load_hf_config(QWEN2), "mistral", "qkv_bias=True.*no HF mistral"),
-      (hf_loader.load_hf_config(LLAMA), "qwen3", "qk_norm=False has no HF qwen3"),
+      (hf_loader.load_hf_config(LLAMA), "qwen3", "qk_norm=False has no HF qwen3 equivalent "
+       r".*; this model is written as 'llama' \(export_hf='auto' picks it\)"),
       (hf_loader.load_hf_config(LLAMA), "gpt2", "family='gpt2'")]:
     with pytest.raises(ValueError, match=match):
       hf_loader.save_hf_checkpoint({}, cfg, str(tmp_path / "x"), family=family)

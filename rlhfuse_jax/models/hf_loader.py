@@ -546,6 +546,10 @@ def hf_config_dict(cfg: llama.ModelConfig, torch_dtype: Optional[str] = None,
     raise ValueError(f"family={family!r}; expected one of {FAMILIES}")
   error = _family_error(cfg, family)
   if error:
+    try:  # the family that does express it, when there is one
+      error += f"; this model is written as {hf_family(cfg)!r} (export_hf='auto' picks it)"
+    except ValueError:
+      pass
     raise ValueError(error)
   rope_scaling = None
   if cfg.rope_type == "llama3":
