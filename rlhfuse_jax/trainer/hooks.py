@@ -438,6 +438,16 @@ def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) 
     template = chat_lib.ChatTemplate.load(cfg.data.chat_template, tok)
     with open(os.path.join(out, chat_lib.TEMPLATE_FILE), "w", encoding="utf-8") as f:
       f.write(template.source)
+    # The copied tokenizer_config.json's own template (the source model's) would disagree with
+    # it for readers of that file alone (transformers before chat_template.jinja, other tools).
+    config_path = os.path.join(out, "tokenizer_config.json")
+    if os.path.isfile(config_path):
+      with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+      if "chat_template" in config:
+        config["chat_template"] = template.source
+        with open(config_path, "w", encoding="utf-8") as f:
+          json.dump(config, f, indent=2, ensure_ascii=False)
 
 
 def _fill_special_ids(tokenizer: Optional[Tokenizer], config_path: str) -> None:
