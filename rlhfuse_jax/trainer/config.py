@@ -475,8 +475,8 @@ GUARD_MODES = ("stop", "skip_update")
 
 @dataclasses.dataclass(frozen=True)
 class GuardConfig:
-  """Non-finite values (docs/usage.md "Faults and resuming"): losses, gradient norms and parameters are
-  checked every iteration. "stop": the run stops with an error naming the iteration and the
+  """Non-finite values (docs/usage.md "Faults and resuming"): losses, gradient norms and
+  parameters are checked every iteration. "stop": the run stops with an error naming the iteration and the
   quantity, before anything of that iteration is written or saved. "skip_update": an optimizer
   step whose gradients are not finite is skipped (optax.apply_if_finite); after
   max_consecutive_skips in a row the run stops as with "stop"."""
@@ -635,7 +635,8 @@ RESUME_CHANGEABLE = frozenset({
 # Fields that do not change what a resumed run computes: how long it runs, how often it logs
 # and saves, what it does when a checkpoint or a value goes bad.
 RESUMABLE_FIELDS = frozenset({
-    "num_iterations", "log_every", "log_samples", "checkpoint.every", "checkpoint.keep", "checkpoint.fallback",
+    "num_iterations", "log_every", "log_samples", "checkpoint.every", "checkpoint.keep",
+    "checkpoint.fallback",
     "checkpoint.export_hf",  # written after the last iteration; the trajectory is the same
     "checkpoint.resume_changes",  # what it allows is checked field by field (hooks.py)
     "guard.max_consecutive_skips", "pipeline.schedule_cache_dir", "compilation_cache_dir",
