@@ -478,9 +478,8 @@ class GuardConfig:
   """Non-finite values (docs/usage.md "Faults and resuming"): losses, gradient norms and
   parameters are checked every iteration. "stop": the run stops with an error naming the
   iteration and the quantity, before anything of that iteration is written or saved.
-  "skip_update": an optimizer
-  step whose gradients are not finite is skipped (optax.apply_if_finite); after
-  max_consecutive_skips in a row the run stops as with "stop"."""
+  "skip_update": an optimizer step whose gradients are not finite is skipped
+  (optax.apply_if_finite); after max_consecutive_skips in a row the run stops as with "stop"."""
   on_nonfinite: str = "stop"
   max_consecutive_skips: int = 10
 
