@@ -612,4 +612,4 @@ def test_samples_are_written_as_text_once_per_logged_iteration_across_a_resume(t
     n = r["response_length"] - (r["response_length"] < cfg.rollout.max_new_tokens)
     symbols = r["response"].replace("\ufffd", " ").split()  # U+FFFD: a special token's place
     assert 0 < len(symbols) <= n or n == 0, r
-    assert r["prompt"].endswith(" ="), r  # every task's prompt, its <bos> not shown
+    assert r["prompt"].startswith("<bos>") and r["prompt"].endswith(" ="), r  # as tokenised

@@ -10,6 +10,7 @@ Every expected value is computed outside the trainer (hf_loader, llama.apply, sc
 one device, the reward functions) from what the trainer's rollout stage returned.
 """
 import json
+import logging
 import os
 import shutil
 
@@ -98,7 +99,7 @@ def _finite(history):
     assert not bad, bad
 
 
-def test_trainer_from_hf_checkpoints_tokenizer_and_prompts_file(tmp_path):
+def test_trainer_from_hf_checkpoints_tokenizer_and_prompts_file(tmp_path, caplog):
   """init.actor_checkpoint / init.critic_checkpoint / init.tokenizer / data.prompts_file: the
   resolved shapes are the fixtures' config.json; the initial actor, reference and critic are
   exactly hf_loader's weights (the reference reproduces HF's golden logits); prompts are the
@@ -112,7 +113,12 @@ def test_trainer_from_hf_checkpoints_tokenizer_and_prompts_file(tmp_path):
       "data.prompts_file": str(tmp_path / "prompts.jsonl"), "data.max_prompt_len": 8,
       "reward.function": "length_match", "rollout.prompts_per_iteration": 8,
       "algo.minibatch_size": 8, "algo.epochs": 1, "rollout.max_new_tokens": 6})
-  trainer = PPOTrainer(cfg, str(tmp_path / "run"))
+  with caplog.at_level(logging.INFO):
+    trainer = PPOTrainer(cfg, str(tmp_path / "run"))
+  # The set-up says how far num_iterations goes through the file.
+  n = len(SENTENCE_PROMPTS)
+  assert (f"setup: {n} training prompts, 8 per iteration: 2 iterations are {16 / n:.3g} passes "
+          "over them") in caplog.text, caplog.text[-2000:]
 
   # Shapes: config.json's, not the config's 1-layer, 32-wide tiny model.
   with open(os.path.join(LLAMA, "config.json")) as f:

@@ -101,12 +101,14 @@ def _zero1_label(state: Any) -> str:
 
 def sample_rows(gen: async_lib.Generated, tokenizer: Any, k: int) -> list[dict]:
   """The batch's first `k` samples as text (config.log_samples): each prompt as its tokens
-  decode, each response as the reward functions read it (up to its EOS, rewards_lib.
-  decode_responses), its reward and its length in tokens (EOS included)."""
+  decode, special tokens shown (the chat template as the model read it), each response as the
+  reward functions read it (up to its EOS, rewards_lib.decode_responses), its reward and its
+  length in tokens (EOS included)."""
   k = min(k, len(gen.scores))
   responses = rewards_lib.decode_responses(gen.response_tokens[:k], gen.response_lens[:k],
                                            tokenizer)
-  return [{"sample": b, "prompt": tokenizer.decode(gen.tokens[b, :gen.prompt_lens[b]].tolist()),
+  return [{"sample": b, "prompt": tokenizer.decode(gen.tokens[b, :gen.prompt_lens[b]].tolist(),
+                                                   skip_special_tokens=False),
            "response": responses[b], "reward": float(gen.scores[b]),
            "response_length": int(gen.response_lens[b])} for b in range(k)]
 
@@ -230,6 +232,12 @@ class PPOTrainer:
                      f" (training group), generation group of {self.gen_mesh.devices.size} "
                      f"devices" if self.disjoint else ""))
     self.dataset, held_out = build.build_datasets(cfg, self.task, self.tokenizer)
+    if cfg.data.prompts_file:  # how far num_iterations takes the run through the data
+      n, per = len(self.dataset.records), cfg.rollout.prompts_per_iteration
+      logging.info("setup: %d training prompts%s, %d per iteration: %d iterations are %.3g "
+                   "passes over them (each pass in a new seeded order)", n,
+                   f" ({len(held_out.records)} held out)" if held_out is not None else "", per,
+                   cfg.num_iterations, cfg.num_iterations * per / n)
     self.held_out = (evaluation.HeldOutEval(held_out, cfg.rollout.batch_size, cfg.seed)
                      if held_out is not None and cfg.eval_every else None)
     self.use_critic = adv_lib.needs_critic(cfg.algo.estimator)
