@@ -38,6 +38,39 @@ def plan_json(path, generation, inference=None, training=None):
   return str(path)
 
 
+def test_a_plan_file_sets_the_micro_batching_it_was_sized_with(tmp_path):
+  """plan.json records the micro-batching the search timed and checked memory with, and the
+  trainer runs it: without, it kept its own (4 micro-batches of 16 rows for an 8B actor on 16
+  GPUs) and a plan the search said fits took 134 GB of 80 under plan_check. A config that
+  sets its own micro-batching keeps it (no conflict error)."""
+  piped = plan_json(tmp_path / "piped.json", {}, training={
+      "placement": "colocated", "tp": 1, "actor_pp": 2, "critic_pp": 1, "micro_batch": 1,
+      "actor_microbatches": 4, "critic_microbatches": 2})
+  cfg = tiny_config(**{"plan.file": piped, "model.num_layers": 2, "critic_model.num_layers": 2})
+  assert (cfg.pipeline.actor_microbatches, cfg.pipeline.critic_microbatches) == (4, 2)
+  own = tiny_config(**{"plan.file": piped, "model.num_layers": 2, "critic_model.num_layers": 2,
+                       "pipeline.actor_microbatches": 8})
+  assert own.pipeline.actor_microbatches == 8
+  flat = plan_json(tmp_path / "flat.json", {}, training={
+      "placement": "colocated", "tp": 1, "actor_pp": 1, "critic_pp": 1, "micro_batch": 2})
+  assert tiny_config(**{"plan.file": flat}).algo.microbatch_size == 2
+  # A plan file from before (no micro_batch) leaves the config's.
+  assert tiny_config(**{"plan.file": plan_json(tmp_path / "old.json", {})}).algo.microbatch_size \
+      == tiny_config().algo.microbatch_size
+  # The search writes them: the plan's dp and its Ma = minibatch / (dp * micro_batch).
+  from rlhfuse_jax.sim import plan_search as ps
+  from rlhfuse_jax.sim.iteration_sim import Workload
+  from rlhfuse_jax.sim.lengths import LengthSpec
+  from rlhfuse_jax.sim.shapes import get_shape
+  a = get_shape("llama-7b")
+  wl = Workload(actor=a, critic=a.as_critic(), num_devices=16, global_batch=64, minibatch=32,
+                max_new_tokens=64, prompt=LengthSpec(kind="constant", value=32, max_len=32),
+                response=LengthSpec(kind="constant", value=32, max_len=64))
+  assert ps.micro_batching(wl, 2, 4, 2) == {"micro_batch": 1, "actor_microbatches": 16,
+                                            "critic_microbatches": 8}  # dp 2: 32 / 2 rows
+  assert ps.micro_batching(wl, 2, 1, 1) == {"micro_batch": 1}
+
+
 def test_plan_file_round_trip(tmp_path):
   path = plan_json(tmp_path / "plan.json", {"mode": "pipeline", "pp": 2, "groups": 4},
                    inference={"tp": 2, "pp": 1},

@@ -353,6 +353,21 @@ def inference_candidates(cost: CostModel, wl, opt, prompt_lens, seq_lens, reject
   return out
 
 
+def micro_batching(wl, tp: int, actor_pp: int, critic_pp: int) -> dict:
+  """The micro-batching a colocated training plan was timed and sized with, for plan.json: the
+  samples per micro-batch and, pipelined, the actor's micro-batches per data shard and the
+  critic's per replica (training_sim.TrainPlan's Ma, Mc). The trainer runs the plan with them
+  (trainer/config.plan_file_settings): without, it kept its own (ppo configs: 4 micro-batches
+  of 16 rows for an 8B actor) and a plan the search said fits took 134 GB of 80."""
+  plan = train_lib.TrainPlan(wl.num_devices, wl.minibatch, tp, actor_pp, critic_pp,
+                             wl.micro_batch)
+  out = {"micro_batch": wl.micro_batch}
+  if actor_pp > 1:
+    out.update(actor_microbatches=plan.actor_microbatches,
+               critic_microbatches=plan.critic_microbatches)
+  return out
+
+
 def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict,
                         resident_bytes: float = 0.0) -> list[Candidate]:
   """Colocated pipeline plans (serial 1F1B time; training_sim.best_plan's grid) and disjoint
@@ -372,7 +387,8 @@ def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict,
       continue
     tp, pa, pc = (int(x[2:]) for x in name.split("/"))
     out.append(Candidate({"placement": "colocated", "devices": wl.num_devices, "tp": tp,
-                          "actor_pp": pa, "critic_pp": pc}, float(t), {"train_s": float(t)}))
+                          "actor_pp": pa, "critic_pp": pc,
+                          **micro_batching(wl, tp, pa, pc)}, float(t), {"train_s": float(t)}))
   splits = train_lib.disjoint_splits(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
                                      wl.micro_batch, mean_len, resident_bytes=resident_bytes)
   if not splits:

@@ -787,6 +787,18 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
   elif critic_pp != 1:
     raise ValueError(f"{where}: training.critic_pp={critic_pp} with training.actor_pp=1; the "
                      "trainer pipelines the critic only over the actor's stage axis")
+  # The micro-batching the plan was timed and its memory checked with (plan.json since
+  # 2026-11-30; older files leave the config's): pipelined, the micro-batches per data shard
+  # and per critic replica; unpipelined, the rows a data shard takes at once. A config that
+  # sets its own keeps it (PLAN_SOFT_FIELDS).
+  if "micro_batch" in train:
+    if actor_pp > 1:
+      out["pipeline", "actor_microbatches"] = (train.get("actor_microbatches"),
+                                               "training.actor_microbatches")
+      out["pipeline", "critic_microbatches"] = (train.get("critic_microbatches"),
+                                                "training.critic_microbatches")
+    else:
+      out["algo", "microbatch_size"] = (train["micro_batch"], "training.micro_batch")
   # The simulator's memory check counts the optimizer state split over data (ZeRO-1,
   # sim/cost_model.train_memory_bytes): the plan fits only so.
   out["optim", "zero1"] = (True, "training (its memory check assumes ZeRO-1)")
@@ -800,6 +812,12 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
   return out
 
 
+# What a plan file sets only where the config leaves the default: its micro-batching. A config
+# that chose its own keeps it (its memory is then not what the plan checked: plan_check says).
+PLAN_SOFT_FIELDS = frozenset({("pipeline", "actor_microbatches"),
+                              ("pipeline", "critic_microbatches"), ("algo", "microbatch_size")})
+
+
 def plan_file_summary(path: str) -> str:
   """One line naming every field the plan file at `path` sets, for the set-up log: some of them
   (optim.zero1) the user may not have written."""
@@ -811,7 +829,7 @@ def plan_file_summary(path: str) -> str:
 def apply_plan_file(d: dict) -> dict:
   """The ConfigDict's dict `d` with config.plan.file's settings applied (unchanged without a
   file). A field the config sets away from its default to another value than the file's is an
-  error naming both."""
+  error naming both, but for the micro-batching (PLAN_SOFT_FIELDS), which the config keeps."""
   path = (d.get("plan") or {}).get("file", "")
   if not path:
     return d
@@ -821,6 +839,8 @@ def apply_plan_file(d: dict) -> dict:
     section = d.setdefault(sec, {})
     now = section.get(name, defaults.get(f"{sec}.{name}"))
     if now != value and now != defaults.get(f"{sec}.{name}"):
+      if (sec, name) in PLAN_SOFT_FIELDS:
+        continue  # the config's own micro-batching
       raise ValueError(f"config.{sec}.{name}={now!r} conflicts with config.plan.file={path!r}, "
                        f"whose {key}={value!r} sets it: remove one of the two")
     section[name] = value
