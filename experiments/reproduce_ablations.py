@@ -105,7 +105,7 @@ def check_bench_workdir(name: str, given: str) -> None:
     raise ValueError(f"{field}: no result.json there (the --workdir of a finished python -m "
                      f"experiments.{name} run)")
   result = wd.read_json_object(path, invalid="not valid JSON (a result.json being written?)")
-  wrote = runner.written_by(result)
+  wrote = wd.written_by(result)
   if wrote is not None and wrote != name:
     raise ValueError(f"{field}: its result.json was written by experiments.{wrote}, not "
                      f"experiments.{name} ({result['provenance']['command'][:120]})")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import shlex
 import subprocess
 import sys
@@ -159,15 +158,6 @@ def command_line() -> str:
           if prog.startswith("experiments" + os.sep) and prog.endswith(".py") else
           ["python", *sys.argv[:1]])
   return shlex.join(head + sys.argv[1:])
-
-
-def written_by(result: Any) -> Optional[str]:
-  """The experiments binary (NAME of `python -m experiments.NAME`) whose command_line a
-  result's provenance records, or None (no provenance, another command, not a JSON object)."""
-  prov = result.get("provenance") if isinstance(result, dict) else None
-  command = str((prov if isinstance(prov, dict) else {}).get("command") or "")
-  found = re.search(r"-m experiments\.(\w+)", command)
-  return found.group(1) if found else None
 
 
 def provenance() -> dict:

@@ -21,7 +21,6 @@ generation lost another process of a multi-process run (docs/usage.md).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -101,15 +100,7 @@ def check_own_workdir(workdir: str) -> None:
   names experiments.<other>): the run moved that binary's config.json and result.json to
   previous/<n> and trained beside the rest of them (a schedule_search's schedule.json and
   gantt.png). The one-shot binaries refuse a training workdir the same way."""
-  path = os.path.join(workdir, "result.json")
-  if not os.path.isfile(path):
-    return
-  try:
-    with open(path, encoding="utf-8") as f:
-      result = json.load(f)
-  except (OSError, ValueError):
-    return  # unreadable: the run's own torn result, rewritten at its end
-  wrote = runner.written_by(result)
+  wrote = wd.workdir_writer(workdir)
   if wrote is not None and wrote != "train_ppo":
     raise wd.ForeignWorkdirError(
         f"--workdir={workdir!r} holds the outputs of experiments.{wrote} (its result.json); "

@@ -11,8 +11,10 @@ import fcntl
 import fnmatch
 import json
 import os
+import re
 import shutil
 import socket
+import sys
 import tempfile
 from typing import Any, Mapping, Optional
 
@@ -116,6 +118,33 @@ def _move_to_previous(workdir: str, names: list[str]) -> str:
   return dest
 
 
+def written_by(result: Any) -> Optional[str]:
+  """The experiments binary (NAME of `python -m experiments.NAME`) whose command line a
+  result's provenance records, or None (no provenance, another command, not a JSON object)."""
+  prov = result.get("provenance") if isinstance(result, dict) else None
+  command = str((prov if isinstance(prov, dict) else {}).get("command") or "")
+  found = re.search(r"-m experiments\.(\w+)", command)
+  return found.group(1) if found else None
+
+
+def workdir_writer(workdir: str) -> Optional[str]:
+  """written_by of workdir/result.json; None without one, or when it does not read (a run's
+  own torn result, rewritten at its end)."""
+  path = os.path.join(workdir, "result.json")
+  try:
+    with open(path, encoding="utf-8") as f:
+      return written_by(json.load(f))
+  except (OSError, ValueError):
+    return None
+
+
+def _running_binary() -> Optional[str]:
+  """NAME when this process runs `python -m experiments.NAME`, else None."""
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  name = getattr(spec, "name", "") or ""
+  return name.split(".", 1)[1] if name.startswith("experiments.") else None
+
+
 def start_outputs(workdir: str, config: Any, outputs: tuple[str, ...],
                   inputs: tuple[Optional[str], ...] = ()) -> Optional[str]:
   """A one-shot binary's start on `workdir`: the files an earlier run of it left there (the
@@ -124,13 +153,18 @@ def start_outputs(workdir: str, config: Any, outputs: tuple[str, ...],
   run's and nothing is lost; then config.json is written. Anything else in the workdir (a
   user's notes, a log a `tee` writes, the sweep's log.txt) stays. One of this run's `inputs`
   among them (the schedule it goes on from) stays too, and a copy goes with the earlier run.
-  A train_ppo workdir (checkpoints/, its .lock) is refused. Returns where the earlier outputs
-  went, or None."""
+  A train_ppo workdir (checkpoints/, its .lock) is refused, and so is another one-shot binary's
+  (its result.json's provenance names it): its reports and figures, which this binary does not
+  move, stayed beside this run's result. Returns where the earlier outputs went, or None."""
   check_local_path(workdir)
   for marker in ("checkpoints", ".lock"):
     if os.path.exists(os.path.join(workdir, marker)):
       raise ForeignWorkdirError(f"--workdir={workdir!r} holds a training run ({marker}); give "
                                 "this binary a directory of its own")
+  me, other = _running_binary(), workdir_writer(workdir)
+  if me is not None and other is not None and other != me:
+    raise ForeignWorkdirError(f"--workdir={workdir!r} holds the outputs of experiments.{other} "
+                              f"(its result.json); give experiments.{me} a directory of its own")
   os.makedirs(workdir, exist_ok=True)
   roots = {os.path.abspath(workdir), os.path.realpath(workdir)}
   held = set()  # top-level entries holding an input (as given, or where a link points)

@@ -446,3 +446,29 @@ def test_sweep_refuses_a_value_of_the_wrong_type_before_any_run(tmp_path):
   out = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
               f"--workdir={tmp_path / 'sw'}", "--dry_run", "--config.time_budget_s=1"])
   assert out.returncode == 0 and "a: python" in out.stderr, out.stderr[-3000:]
+
+
+def test_a_one_shot_binary_refuses_another_ones_workdir(tmp_path):
+  """plan_search run in a reproduce_ablations workdir moved that run's config.json and
+  result.json to previous/ and left its ablations.md and figures beside the new result. A
+  one-shot binary now refuses a workdir whose result.json another binary wrote, as train_ppo
+  does, and leaves it as it was; its own earlier outputs it still moves aside."""
+  other = tmp_path / "abl"
+  other.mkdir()
+  (other / "result.json").write_text(json.dumps(
+      {"rows": [], "provenance": {"command": "python -m experiments.reproduce_ablations "
+                                             "--config=configs/ablations.py --workdir=abl"}}))
+  (other / "ablations.md").write_text("# the earlier report\n")
+  before = sorted(os.listdir(other))
+  out = _run(["experiments.schedule_search", "--config=configs/schedule_search.py",
+              f"--workdir={other}", "--config.time_budget_s=0.2"])
+  assert out.returncode != 0, out.stderr[-2000:]
+  assert (f"--workdir={str(other)!r} holds the outputs of experiments.reproduce_ablations (its "
+          "result.json); give experiments.schedule_search a directory of its own") in out.stderr
+  assert sorted(os.listdir(other)) == before and "Traceback" not in out.stderr
+  mine = tmp_path / "mine"
+  for _ in range(2):
+    out = _run(["experiments.schedule_search", "--config=configs/schedule_search.py",
+                f"--workdir={mine}", "--config.time_budget_s=0.2"])
+    assert out.returncode == 0, out.stderr[-2000:]
+  assert (mine / "previous" / "1" / "result.json").exists()
