@@ -232,3 +232,18 @@ def test_llama_bad_variants():
     with pytest.raises(ValueError, match="unknown variant"):
       ppo_llama.get_config(bad)
 
+
+
+@pytest.mark.parametrize("variant", ["", "fused", "grpo"])
+def test_every_ppo_tiny_sweep_entry_is_a_valid_run_of_its_variant(variant):
+  """sweep --config=configs/ppo_tiny.py:VARIANT gives get_sweep the variant: every entry must be
+  a run that variant's config accepts (for :fused, the README's main job, two of the four
+  entries were critic-free estimators, which its fused actor/critic pipeline refuses)."""
+  from configs import ppo_tiny
+  from rlhfuse_jax.trainer.config import TrainConfig
+  for entry in ppo_tiny.get_sweep(variant):
+    c = ppo_tiny.get_config(variant) if variant else ppo_tiny.get_config()
+    for key, value in entry.items():
+      if key != "name":
+        _override(c, key, value, f"get_sweep({variant!r})")
+    TrainConfig.from_config_dict(c)
