@@ -323,8 +323,12 @@ class PlanConfig:
            "as the trainer does; a batch that does not split so, which the trainer runs whole "
            "on every stage, is not modelled)")
     _check(self.pp % self.critic_pp == 0, "critic_pp", self.critic_pp, f"a divisor of pp={self.pp}")
-    for field, model, n_stages in (("actor", self.actor, self.pp),
-                                   ("critic", self.critic, self.critic_pp)):
+    for field, model, n_stages, full in (("actor", self.actor, self.pp, self.actor_layers),
+                                         ("critic", self.critic, self.critic_pp,
+                                          self.critic_layers)):
+      if model.num_layers != full:  # config.layers set the compiled count: name it
+        _check(model.num_layers % n_stages == 0, "layers", model.num_layers,
+               f"a multiple of the {field}'s {n_stages} pipeline stages (e.g. {n_stages})")
       _check(model.num_layers % n_stages == 0, f"{field}.num_layers", model.num_layers,
              f"divisible by its {n_stages} pipeline stages (set config.layers to compile fewer)")
     shards = self.dp * self.fsdp
@@ -897,7 +901,31 @@ def table(result: dict) -> list[str]:
                  f"{_fixed(p['collective_s'], 4):>9} {narrow_gb:>8} {narrow_s:>9} "
                  f"{_fixed(p['compute_s'], 4):>9} "
                  f"{'-' if hbm_s is None else _fixed(hbm_s, 4):>9}")
-  return lines + link_bound_notes(result)
+  return lines + link_bound_notes(result) + [verdict(result)]
+
+
+def verdict(result: dict) -> str:
+  """The table's last line: whether every program fits, the ones that do not with what would
+  shrink their largest term, and, when fewer layers were compiled (config.layers), that the
+  figures are of those layers, not of the model."""
+  over = [name for name in PROGRAMS if not result["programs"][name]["fits"]]
+  if not over:
+    line = f"verdict: every program fits in {_gb(result['programs'][PROGRAMS[0]]['hbm_bytes'])} GB"
+  else:
+    hints = []
+    for name in over:
+      p = result["programs"][name]
+      temp = p["temp_bytes"] > p["argument_bytes"]
+      hints.append(f"{name} (peak {_gb(p['peak_bytes'])} of {_gb(p['hbm_bytes'])} GB; largest: "
+                   + ("temporaries: smaller or more micro-batches, remat" if temp else
+                      "arguments: zero1, fsdp, more stages or tensor devices") + ")")
+    line = "verdict: DOES NOT FIT: " + "; ".join(hints)
+  lc = result.get("layers_compiled", {})
+  if lc.get("reduced"):
+    line += (f" -- for {lc['actor']} of {lc['actor_full']} actor layers and {lc['critic']} of "
+             f"{lc['critic_full']} critic layers (config.layers): not a verdict on the whole "
+             "models")
+  return line
 
 
 # A program whose collectives take this many times its dots' (and decode's HBM reads') time is

@@ -219,7 +219,8 @@ def test_mesh_generation_and_accumulated_update_split_the_work(tmp_path):
     assert coll_s == pytest.approx(p["collective_s"], rel=0.05), line
   # The tiny models' dots take next to nothing, so every program here outlasts them on its links
   # thousands of times over, but for milliseconds at most: no note (LINK_BOUND_MIN_S).
-  assert plan_programs.link_bound_notes(result) == [] and lines[-1].startswith("inference")
+  assert plan_programs.link_bound_notes(result) == [] and lines[-2].startswith("inference")
+  assert lines[-1].startswith("verdict: every program fits in"), lines[-1]
   # Without the floor every program is bound by its links, and the notes name this plan's
   # causes: mesh generation and per-micro-batch accumulation.
   notes = plan_programs.link_bound_notes(result, min_s={})
@@ -248,6 +249,25 @@ def _scaled_result(scale: float) -> dict:
                        "inference": program(0.3)}}
 
 
+def test_the_table_ends_with_a_verdict_naming_what_does_not_fit():
+  """A plan that does not fit ended with the table's `fits False` cells alone, and one
+  compiled with fewer layers (config.layers) said `fits True` of those layers only: the last
+  line now says which program does not fit, what would shrink its largest term, and that a
+  reduced compile is no verdict on the whole models."""
+  result = _scaled_result(1.0)
+  train = result["programs"]["train_step"]
+  train.update(fits=False, temp_bytes=119.27e9, argument_bytes=14.39e9, peak_bytes=133.66e9)
+  result["layers_compiled"] = {"actor": 8, "actor_full": 32, "critic": 4, "critic_full": 16,
+                               "reduced": True}
+  last = plan_programs.table(result)[-1]
+  assert last == ("verdict: DOES NOT FIT: train_step (peak 133.66 of 80.00 GB; largest: "
+                  "temporaries: smaller or more micro-batches, remat) -- for 8 of 32 actor "
+                  "layers and 4 of 16 critic layers (config.layers): not a verdict on the whole "
+                  "models")
+  train.update(temp_bytes=1e9, argument_bytes=90e9)
+  assert "largest: arguments: zero1, fsdp" in plan_programs.verdict(result)
+
+
 def test_table_reads_at_every_scale_in_the_same_units():
   """A preset-sized plan's table is as it always was (2 decimals of GB, 3 of TFLOP, 4 of
   seconds); a tiny one's figures keep their units and show 3 significant digits where those
@@ -271,9 +291,9 @@ def test_table_reads_at_every_scale_in_the_same_units():
   # below LINK_BOUND_MIN_S it gets no note.
   notes = plan_programs.link_bound_notes(_scaled_result(1.0))
   assert [n.split(":")[0] for n in notes] == list(plan_programs.PROGRAMS)
-  assert big[-3:] == notes
+  assert big[-4:-1] == notes and big[-1].startswith("verdict: every program fits")
   assert plan_programs.link_bound_notes(_scaled_result(1e-6)) == []
-  assert tiny[-1].startswith("inference")
+  assert tiny[-2].startswith("inference")
   assert len(plan_programs.link_bound_notes(_scaled_result(1e-6), min_s={})) == 3
 
 
@@ -589,3 +609,13 @@ def test_decode_replication_compares_like_with_like_past_one_key_block():
   assert abs(out["replication"] - 1.0) < 1e-6, out["replication"]
   a = out["analytic"]
   assert a["flops_counted_per_device"] < a["flops_per_device"]  # the whole cache's step
+
+
+def test_a_layer_count_the_stages_do_not_divide_names_config_layers():
+  """config.layers=4 on an 8-stage plan named config.actor.num_layers, which the user never
+  set, and advised setting config.layers, which they had."""
+  c = plan_config.get_config("7b_host8")
+  c.layers = 4
+  with pytest.raises(ValueError, match=r"^config\.layers=4: expected a multiple of the actor's 8 "
+                                       r"pipeline stages \(e\.g\. 8\)$"):
+    plan_programs.PlanConfig.from_config_dict(c)
