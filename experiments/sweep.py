@@ -25,6 +25,7 @@ instead of failing every run; likewise a value its field's type does not take.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -161,14 +162,18 @@ def failure_line(run_dir: str) -> Optional[str]:
   for line in reversed(tail):
     m = re.search(r"(?:\] |^)(\w*(?:Error|Exception)\b.*|FATAL Flags parsing error: .*)$", line)
     if m:
-      return m.group(1)[:500]
+      return m.group(1)[:4000]  # whole in summary.json; summary.md shortens it
   return None
+
+
+MD_CELL_CHARS = 300  # a longer text (a simulator's error) is shortened in summary.md only
 
 
 def _fmt_cell(v: Any) -> str:
   if isinstance(v, float):
     return f"{v:.4g}"
-  return "" if v is None else str(v)
+  text = "" if v is None else str(v).replace("|", "\\|").replace("\n", " ")
+  return text if len(text) <= MD_CELL_CHARS else text[:MD_CELL_CHARS] + " ... (summary.json)"
 
 
 def write_summary(workdir: str, rows: list[dict]) -> None:
@@ -254,7 +259,12 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
     write_summary(workdir, merge_rows(workdir, rows_, names) if only else rows_)
 
   if not os.path.isfile(os.path.join(REPO_ROOT, "experiments", f"{binary}.py")):
-    raise ValueError(f"--binary={binary!r}: no experiments/{binary}.py")
+    binaries = sorted(f[:-3] for f in os.listdir(os.path.join(REPO_ROOT, "experiments"))
+                      if f.endswith(".py") and not f.startswith("_"))
+    close = difflib.get_close_matches(binary, binaries, n=1)
+    raise ValueError(f"--binary={binary!r}: no experiments/{binary}.py" +
+                     (f"; did you mean {close[0]!r}?" if close else
+                      f"; experiments/ has {binaries}"))
   check_overrides(module, variant, config, runs, passthrough)
   lock = None
   if not dry_run:

@@ -128,8 +128,8 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   # A mistyped binary is refused before anything runs.
   bad = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_serch",
               f"--workdir={tmp_path / 'sw2'}"])
-  assert bad.returncode != 0 and "--binary='schedule_serch': no experiments/schedule_serch.py" \
-      in bad.stderr
+  assert bad.returncode != 0 and ("--binary='schedule_serch': no experiments/schedule_serch.py; "
+                                  "did you mean 'schedule_search'?") in bad.stderr, bad.stderr
   assert not os.path.exists(tmp_path / "sw2")
   # So is a misspelled override (each run would start, import jax and fail on it).
   typo = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
@@ -472,3 +472,17 @@ def test_a_one_shot_binary_refuses_another_ones_workdir(tmp_path):
                 f"--workdir={mine}", "--config.time_budget_s=0.2"])
     assert out.returncode == 0, out.stderr[-2000:]
   assert (mine / "previous" / "1" / "result.json").exists()
+
+
+def test_a_long_error_is_whole_in_summary_json_and_short_in_summary_md(tmp_path):
+  """A simulator's error lists every plan it refused: cut at 500 characters in both files, the
+  reason that decided was lost. summary.json keeps the line whole; summary.md shortens long
+  cells and escapes '|' (which split a markdown table's row)."""
+  from experiments import sweep
+  run = tmp_path / "r"
+  run.mkdir()
+  reason = "ValueError: no plan fits: " + "; ".join(f"tp{i}|pp{i}: too big" for i in range(80))
+  (run / "log.txt").write_text("I1130 noise\n" + reason + "\n")
+  assert sweep.failure_line(str(run)) == reason and len(reason) > 1000
+  cell = sweep._fmt_cell(reason)  # pylint: disable=protected-access
+  assert len(cell) < 400 and cell.endswith("... (summary.json)") and "tp0\\|pp0" in cell
