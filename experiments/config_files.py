@@ -184,6 +184,10 @@ def _load_error(argv: Sequence[str]) -> Optional[str]:
 def shorten(message: str) -> str:
   """A flags.Error message with an embedded traceback (ml_collections wraps an exception raised
   in the config file so) cut to its header, the frame that raised and the exception line."""
+  section = re.match(r"flag (--[\w.]+)=(.*?): Failed to parse '.*' as a ConfigDict", message)
+  if section:  # a value given to a section of fields (plan_check's actor on its tiny variant)
+    return (f"{section.group(1)}={section.group(2)}: {section.group(1)[2:]} is a section of "
+            f"fields in this config, not a value: set them as {section.group(1)}.<field>=...")
   head, sep, trace = message.partition("Traceback (most recent call last):")
   if not sep:
     return message

@@ -261,3 +261,14 @@ def test_count_fields_must_be_integers_at_least_the_minimum(value, minimum, ok):
     with pytest.raises(ValueError, match=rf"^config\.slots={value!r}: expected an integer >= "
                                          rf"{minimum}$"):
       config_files.check_ints(c, ("repeats", "slots"), minimum)
+
+
+def test_a_value_given_to_a_section_says_it_is_a_section():
+  """--config.actor=7b where `actor` is a section of fields (plan_check's tiny variant) printed
+  ml_collections' "Failed to parse '7b' as a ConfigDict: SyntaxError('invalid decimal
+  literal', ...)"."""
+  raw = ("flag --config.actor=7b: Failed to parse '7b' as a ConfigDict: SyntaxError('invalid "
+         "decimal literal', ('<unknown>', 1, 1, '7b', 1, 1))")
+  assert config_files.shorten(raw) == (
+      "--config.actor=7b: config.actor is a section of fields in this config, not a value: set "
+      "them as --config.actor.<field>=...")
