@@ -191,9 +191,28 @@ def trainer_setting(cfg: ablations.AblationConfig, spec: str, workdir: str):
   return setting, wl, sim_plan.PlanCheck(config_dict, devices, tokenizer, workdir)
 
 
+# The workload fields a train_ppo config (config.train_config) replaces with its run's own.
+TRAIN_CONFIG_REPLACES = ("pairs", "max_new_tokens", "global_batch", "minibatch", "epochs",
+                         "prompt", "response")
+
+
+def check_unread_overrides(train_config: str, overrides: dict) -> None:
+  """A ValueError when the command line overrides a workload field that config.train_config
+  replaces: --config.response.median=512 was silently ignored, and an 8B run was predicted on
+  the toy task's 1-8-token responses."""
+  unread = sorted(k for k in overrides if k.split(".")[0] in TRAIN_CONFIG_REPLACES)
+  if train_config and unread:
+    raise ValueError(
+        f"--config.{unread[0]}: not read with config.train_config={train_config!r}, whose "
+        "run sets the models, batches and lengths (set them in that config: its data.length_* "
+        f"and rollout fields); {len(unread)} such override(s): {unread}")
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
+  check_unread_overrides(_CONFIG.value.get("train_config", ""),
+                         config_flags.get_override_values(flags.FLAGS["config"]))
   cfg = ablations.AblationConfig.from_config_dict(_CONFIG.value)
   workdir = _WORKDIR.value
   wd.start_outputs(workdir, _CONFIG.value,

@@ -271,6 +271,10 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
      "config.max_new_tokens='abc': expected comma-separated positive integers"),
     (["experiments.plan_search", "--config=configs/plan_search.py:65b/33b", "--config.top_k=0"],
      "config.top_k=0: expected an integer >= 1"),
+    # a workload field a train config replaces: it was ignored, silently
+    (["experiments.plan_search", "--config=configs/plan_search.py:train",
+      "--config.response.median=512", "--config.pairs=llama-7b/llama-7b"],
+     "--config.pairs: not read with config.train_config='configs/ppo_tiny.py'"),
     (["experiments.calibrate_sim", "--config=configs/calibrate_sim.py",
       "--config.occupancies=a"], "config.occupancies='a': expected comma-separated slot counts"),
     (["experiments.schedule_search"], "Flag --config must have a value other than None"),
