@@ -111,6 +111,16 @@ def check_bench_workdir(name: str, given: str) -> None:
                      f"experiments.{name} ({result['provenance']['command'][:120]})")
 
 
+def iteration_table(rows: list) -> dict:
+  """{setting label: {system: iteration seconds}}: the headline figures as scalars, which a
+  sweep's summary (it keeps scalars only) shows as columns `iteration_s/<label>/<system>`; a
+  sweep over hardware or efficiencies showed only the inputs."""
+  out: dict = {}
+  for row in rows:
+    out.setdefault(row["setting"]["label"], {})[row["system"]] = row["iteration_s"]
+  return out
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
@@ -133,8 +143,8 @@ def main(argv):
       cfg.bench_decode_workdir, cfg.efficiency, cfg.bench_decode_extra,
       decode_fit_out=os.path.join(workdir, "decode_fit_calibration.json"))
   figures = _figures(cfg, out, workdir, cfg.systems)
-  runner.write_result(workdir, {"rows": out["rows"], "inputs": out["inputs"],
-                               "validation": val_rows})
+  runner.write_result(workdir, {"iteration_s": iteration_table(out["rows"]), "rows": out["rows"],
+                               "inputs": out["inputs"], "validation": val_rows})
   command = runner.command_line()  # quoted as in result.json's provenance
   report.write_markdown(os.path.join(workdir, "ablations.md"), out["rows"], cfg.systems,
                         out["inputs"], val_lines, command, figures, time.time() - t0)

@@ -37,6 +37,11 @@ def test_binary_writes_rows_report_and_figures(tmp_path):
     assert set(r["setting"]) >= {"actor", "critic", "max_new_tokens"}
     for f in ("iteration_s", "gen_s", "inf_s", "gen_plus_inf_s", "train_s", "samples_per_s"):
       assert r[f] > 0 or f == "inf_s"
+  # The headline figures as scalars, which a sweep's summary keeps (it drops the rows' list):
+  # {label: {system: iteration_s}}.
+  assert result["iteration_s"] == {rows[0]["setting"]["label"]: {
+      r["system"]: r["iteration_s"] for r in rows}}
+  assert all(isinstance(v, float) for d in result["iteration_s"].values() for v in d.values())
   md = (tmp_path / "ablations.md").read_text()
   for needle in ("## Iteration time", "Speedup of the row system", "## Inputs",
                  "peak_flops", "train_mfu", "llama-13b", "Response lengths",
