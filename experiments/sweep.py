@@ -124,6 +124,18 @@ def check_values(config_path: str, runs: Sequence[tuple[int, str, dict]],
       raise ValueError(f"{where}: {e}") from None
 
 
+def run_row(name: str, overrides: dict, passthrough: Sequence[str]) -> dict:
+  """A summary row's start: the run's name and the values its command sets, the sweep's own
+  --config.* flags included and winning over the entry's, as on the command line (the row
+  showed an entry's minibatch_size 5 for a run the sweep's flag gave 8, and never the sweep's
+  flags)."""
+  row = {"run": name, **{k: v for k, v in overrides.items() if k != "name"}}
+  for arg in passthrough:
+    key, _, value = arg[len("--config."):].partition("=")
+    row[key] = value
+  return row
+
+
 def run_name(index: int, overrides: dict) -> str:
   name = overrides.get("name")
   return str(name) if name not in (None, "") else f"run{index:03d}"
@@ -290,7 +302,7 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
     cmd = build_command(binary, config, run_dir, overrides, passthrough)
     # A command to paste (cmd[0] is this interpreter's full path).
     logging.info("[%d/%d] %s: %s", i + 1, len(runs), name, shlex.join(["python", *cmd[1:]]))
-    row = {"run": name, **{k: v for k, v in overrides.items() if k != "name"}}
+    row = run_row(name, overrides, passthrough)
     if dry_run:  # nothing runs, nothing is written (an earlier sweep's summary stays)
       rows.append(row)
       continue

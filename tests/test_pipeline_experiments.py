@@ -108,6 +108,8 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   assert [r["run"] for r in rows] == ["ok4", "run001"]
   assert rows[0]["status"] == "ok" and rows[0]["actor_pp"] == 4
   assert rows[0]["bubble/searched"] >= 0 and "peak_memory/budget" not in rows[0]
+  # The sweep's own flags are in every row, as the runs got them.
+  assert [r["time_budget_s"] for r in rows] == ["0.5", "0.5"]
   assert rows[1]["status"].startswith("failed")
   assert "searched" not in rows[1]
   # The summary says why (it said only "failed (exit 1)"): the run's own error line.
@@ -490,3 +492,12 @@ def test_a_long_error_is_whole_in_summary_json_and_short_in_summary_md(tmp_path)
   assert sweep.failure_line(str(run)) == reason and len(reason) > 1000
   cell = sweep._fmt_cell(reason)  # pylint: disable=protected-access
   assert len(cell) < 400 and cell.endswith("... (summary.json)") and "tp0\\|pp0" in cell
+
+
+def test_a_summary_row_shows_the_values_its_run_got():
+  """The sweep's own --config.* flags come after an entry's on the command line and win: the
+  row showed the entry's minibatch_size 5 for a run given 8, and no sweep flag at all."""
+  from experiments import sweep
+  row = sweep.run_row("bad_mb", {"name": "bad_mb", "algo.minibatch_size": 5, "seed": 1},
+                      ["--config.algo.minibatch_size=8", "--config.num_iterations=5"])
+  assert row == {"run": "bad_mb", "algo.minibatch_size": "8", "seed": 1, "num_iterations": "5"}
