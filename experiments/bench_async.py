@@ -115,12 +115,7 @@ def describe(s: dict, min_gain_ratio: float) -> str:
   return "; ".join(parts)
 
 
-def smooth(x: np.ndarray, width: int) -> np.ndarray:
-  """Trailing moving average (the first points average what there is)."""
-  c = np.cumsum(np.insert(x, 0, 0.0))
-  idx = np.arange(1, len(x) + 1)
-  lo = np.maximum(idx - width, 0)
-  return (c[idx] - c[lo]) / (idx - lo)
+smooth = runner.smooth
 
 
 def curve(runs: list[list[dict]]) -> dict:

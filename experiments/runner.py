@@ -160,6 +160,16 @@ def command_line() -> str:
   return shlex.join(head + sys.argv[1:])
 
 
+def smooth(x, width: int):
+  """Trailing moving average of the 1-d array `x` (the first points average what there is)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  x = np.asarray(x, np.float64)
+  c = np.cumsum(np.insert(x, 0, 0.0))
+  idx = np.arange(1, len(x) + 1)
+  lo = np.maximum(idx - width, 0)
+  return (c[idx] - c[lo]) / (idx - lo)
+
+
 def provenance() -> dict:
   """When, from which code, by which command and on what a result was made: the date it was
   written and (through config_files.run) the run's start, the git commit at the start (`-dirty`

@@ -42,6 +42,7 @@ from ml_collections import config_flags
 from experiments import config_files
 from experiments.runner import (REPO_ROOT, build_command, format_value, merge_rows, repo_env,
                                 run_streamed)
+from experiments.runner import smooth as runner_smooth
 from rlhfuse_jax import workdir as wd
 
 _CONFIG = flags.DEFINE_string("config", None, "config file defining get_sweep()", required=True)
@@ -201,6 +202,52 @@ def write_summary(workdir: str, rows: list[dict]) -> None:
   wd.atomic_write_text(os.path.join(workdir, "summary.md"), "\n".join(lines) + "\n")
 
 
+CURVE_METRICS = ("reward/mean", "kl/ref_mean", "response_length/mean")
+
+
+def plot_curves(workdir: str) -> Optional[str]:
+  """WORKDIR/curves.png: each of CURVE_METRICS by iteration, a line per run (the summary's
+  runs, in its order) whose directory has a metrics.jsonl (train_ppo's), as a trailing moving
+  mean over a twentieth of the longest run: the comparison a summary of final values cannot
+  show. None (nothing written) when no run has such metrics."""
+  try:
+    with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
+      names = [str(r["run"]) for r in json.load(f)]
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+  runs = {n: wd.read_jsonl(os.path.join(workdir, n, "metrics.jsonl")) for n in names}
+  runs = {n: rows for n, rows in runs.items() if rows}
+  metrics = [m for m in CURVE_METRICS
+             if any(isinstance(row.get(m), (int, float)) for rows in runs.values() for row in rows)]
+  if not metrics:
+    return None
+  import io  # pylint: disable=import-outside-toplevel
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  width = max(1, max(len(rows) for rows in runs.values()) // 20)
+  fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.2), squeeze=False)
+  for ax, metric in zip(axes[0], metrics):
+    for name, rows in runs.items():
+      points = [(row["step"], row[metric]) for row in rows
+                if isinstance(row.get(metric), (int, float)) and "step" in row]
+      if points:
+        steps, values = zip(*points)
+        ax.plot(steps, runner_smooth(values, width), label=name)
+    ax.set_title(metric)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(f"moving mean of {width}" if width > 1 else metric)
+    ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize=8)
+  fig.tight_layout()
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=110)
+  plt.close(fig)
+  path = os.path.join(workdir, "curves.png")
+  wd.atomic_write_bytes(path, buf.getvalue())
+  return path
+
+
 STOPPED = 75  # a run stopped by a signal after saving (train_ppo's EXIT_STOPPED_BY_SIGNAL)
 
 
@@ -339,8 +386,9 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
   if not dry_run:
     summary(rows)
     ok = sum(str(r.get("status", "")).startswith("ok") for r in rows)
-    logging.info("%d of %d run(s) ok; summary: %s", ok, len(rows),
-                 os.path.join(workdir, "summary.md"))
+    curves = plot_curves(workdir)
+    logging.info("%d of %d run(s) ok; summary: %s%s", ok, len(rows),
+                 os.path.join(workdir, "summary.md"), f", curves: {curves}" if curves else "")
   complete = not signals.signum and len(rows) == len(runs) and not any(
       r.get("status", "").startswith("stopped") for r in rows)
   return rows, complete

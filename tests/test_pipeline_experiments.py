@@ -501,3 +501,24 @@ def test_a_summary_row_shows_the_values_its_run_got():
   row = sweep.run_row("bad_mb", {"name": "bad_mb", "algo.minibatch_size": 5, "seed": 1},
                       ["--config.algo.minibatch_size=8", "--config.num_iterations=5"])
   assert row == {"run": "bad_mb", "algo.minibatch_size": "8", "seed": 1, "num_iterations": "5"}
+
+
+def test_a_sweep_of_training_runs_draws_their_curves(tmp_path):
+  """Comparing runs took a script of one's own (a summary holds final values): the sweep
+  draws reward, KL and length by iteration, a line per run of its summary, to curves.png; a
+  sweep of binaries without metrics.jsonl draws nothing."""
+  from experiments import sweep
+  from rlhfuse_jax import workdir as wdlib
+  (tmp_path / "summary.json").write_text(json.dumps([{"run": "a"}, {"run": "b"}, {"run": "c"}]))
+  for name, slope in (("a", 0.01), ("b", 0.02)):
+    for step in range(1, 41):
+      wdlib.append_jsonl(str(tmp_path / name / "metrics.jsonl"),
+                         {"step": step, "reward/mean": slope * step, "kl/ref_mean": 0.1})
+  path = sweep.plot_curves(str(tmp_path))
+  assert path == str(tmp_path / "curves.png")
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  (tmp_path / "x").mkdir()
+  (tmp_path / "x" / "summary.json").write_text(json.dumps([{"run": "s"}]))
+  assert sweep.plot_curves(str(tmp_path / "x")) is None
+  assert not (tmp_path / "x" / "curves.png").exists()
