@@ -29,6 +29,7 @@ def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str
   parts = (("reshard_s", "#bbbbbb", "reshard"), ("gen_s", "#2a5fa8", "generation"),
            ("inf_s", "#2ca02c", "inference (exposed)"), ("train_s", "#c55a11", "training"))
   short = [s.replace("_like", "").replace("deepspeed_chat", "ds_chat") for s in systems]
+  overlapped = False
   for ax, lab in zip(axes.flat, labels):
     totals = [by[(lab, s)]["iteration_s"] for s in systems if (lab, s) in by]
     typical = sorted(totals)[len(totals) // 2]
@@ -46,6 +47,7 @@ def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str
           bottom += r[key]
         ax.bar(j + 0.19, r["train_s"], bottom=r["reshard_s"], color=parts[3][1], width=0.37)
         bottom = r["iteration_s"]
+        overlapped = True
       else:
         for key, color, _ in parts:
           ax.bar(j, r[key], bottom=bottom, color=color, width=0.75)
@@ -61,9 +63,17 @@ def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str
   for ax in list(axes.flat)[len(labels):]:
     ax.axis("off")
   handles = [plt.Rectangle((0, 0), 1, 1, color=c) for _, c, _ in parts]
-  fig.legend(handles, [n for _, _, n in parts], loc="upper center", ncol=4, fontsize=8)
-  fig.tight_layout(rect=(0, 0, 1, 0.97))
-  fig.savefig(path, dpi=110)
+  names = [n for _, _, n in parts]
+  if overlapped:  # pipe_rlhf_async's two half-width bars are not a broken stack
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="none"))
+    names.append("half-width bars side by side: at once (async)")
+  if cols == 1:  # one panel: the legend beside it (above, it covered the panel's title)
+    fig.tight_layout()
+    fig.legend(handles, names, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+  else:  # its row (about 0.35 in) above the panels' titles, whatever the figure's height
+    fig.legend(handles, names, loc="upper center", ncol=len(names), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
+  fig.savefig(path, dpi=110, bbox_inches="tight")
   plt.close(fig)
 
 
