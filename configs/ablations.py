@@ -25,6 +25,9 @@ def get_config(arg: str = "paper"):
   c.micro_batch = 1  # samples per pipeline micro-batch
   # actor/critic pairs (comma-separated 'actor/critic', shapes in rlhfuse_jax/sim/shapes.py)
   c.pairs = "llama-13b/llama-13b,llama-33b/llama-13b,llama-65b/llama-33b,llama-65b/llama-65b"
+  # Shapes of your own for `pairs`, from HF config.json files (the file or its model
+  # directory): 'NAME=PATH,...', e.g. 'llama3-8b=/models/llama3-8b' then pairs='llama3-8b/...'
+  c.shapes = ""
   c.max_new_tokens = "512,1024,2048"  # max generation lengths (comma-separated)
   # systems to simulate (rlhfuse_jax/sim/iteration_sim.py)
   c.systems = ("deepspeed_chat_like,realhf_like,rlhfuse_base,inter_stage,intra_stage,"

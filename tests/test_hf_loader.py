@@ -3,6 +3,7 @@
 No torch or transformers at test time: golden logits were recorded from HF once. Broken
 checkpoints are built in tmp_path by editing config.json or re-saving the safetensors.
 """
+import dataclasses
 import functools
 import glob
 import json
@@ -584,3 +585,20 @@ def test_tokenizer_round_trip():
   golden_ids = _golden(QWEN2)[0][0]
   first = tok.encode("the quick brown fox", add_bos=True)
   assert list(golden_ids[:len(first)]) == first
+
+
+@pytest.mark.parametrize("arch", list(CHECKPOINTS))
+def test_the_simulator_reads_a_config_json_as_the_loader_does(arch, tmp_path):
+  """config.shapes='NAME=PATH' (reproduce_ablations, plan_search): the simulator reads an HF
+  config.json as plain JSON; its shape has the fields and parameter count of the model the
+  loader builds from the same file (GQA, head_dim, tied embeddings, Qwen2's biases, Qwen3's
+  q/k norms). Before, only the four LLaMA-1 presets could be named."""
+  ckpt = CHECKPOINTS[arch]
+  got = shapes.from_hf_config(ckpt, arch)
+  want = shapes.from_model_config(hf_loader.load_hf_config(ckpt), arch)
+  same = lambda s, seq: dataclasses.replace(s, head_dim=s.head_dim_, max_seq_len=seq)
+  assert same(got, 1) == same(want, 1)
+  assert got.num_params() == want.num_params()
+  (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+  with pytest.raises(ValueError, match=r"shape 'x': .*config\.json has no integer \['vocab_size'"):
+    shapes.from_hf_config(str(tmp_path), "x")

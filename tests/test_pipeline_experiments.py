@@ -283,6 +283,12 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
     (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
       "--config.validate.bench_generation_workdir=/nonexistent/bg"],
      "config.validate.bench_generation_workdir='/nonexistent/bg': no result.json there"),
+    (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
+      "--config.shapes=mine"], "config.shapes: 'mine' must be 'NAME=path/to/config.json'"),
+    (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
+      "--config.pairs=llama3-8b/llama-7b"],
+     "unknown model shape 'llama3-8b'; known: ['llama-13b', 'llama-33b', 'llama-65b', "
+     "'llama-7b'] (a model of your own: config.shapes='NAME=path/to/config.json')"),
     # prompt and response lengths share LengthSpec's messages: the section is named
     (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
       "--config.prompt.median=-5"], "config.prompt: lengths: lognormal needs median=-5.0 > 0"),

@@ -18,7 +18,7 @@ from rlhfuse_jax.sim import lengths as len_lib
 from rlhfuse_jax.sim import training_sim as train_lib
 from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
 from rlhfuse_jax.sim.hardware import get_hardware
-from rlhfuse_jax.sim.shapes import get_shape
+from rlhfuse_jax.sim.shapes import ModelShape, from_hf_config, get_shape
 
 
 def _csv(value: Any, field: str) -> tuple[str, ...]:
@@ -47,6 +47,8 @@ class AblationConfig:
   epochs: int = 1
   micro_batch: int = 1
   pairs: tuple[tuple[str, str], ...] = (("llama-13b", "llama-13b"),)
+  # Shapes of one's own, by name, for `pairs`: (name, ModelShape) from HF config.json files.
+  shapes: tuple = ()
   max_new_tokens: tuple[int, ...] = (1024,)
   systems: tuple[str, ...] = it.SYSTEMS
   seed: int = 0
@@ -65,8 +67,8 @@ class AblationConfig:
   def __post_init__(self):
     get_hardware(self.hardware)
     for a, c in self.pairs:
-      get_shape(a)
-      get_shape(c)
+      self.shape(a)
+      self.shape(c)
     unknown = [s for s in self.systems if s not in it.SYSTEMS]
     if unknown:
       raise ValueError(f"systems: unknown {unknown}; known: {list(it.SYSTEMS)}")
@@ -86,6 +88,9 @@ class AblationConfig:
       raise ValueError(f"figure_setting={self.figure_setting} must index one of the {n} settings")
     object.__setattr__(self, "figure_setting", self.figure_setting % n)
 
+  def shape(self, name: str, head: str = "lm") -> ModelShape:
+    return get_shape(name, head, self.shapes)
+
   @classmethod
   def from_config_dict(cls, c) -> "AblationConfig":
     def pair(p: str) -> tuple[str, str]:
@@ -93,6 +98,16 @@ class AblationConfig:
       if len(parts) != 2:
         raise ValueError(f"pairs: {p!r} must be 'actor/critic', e.g. 'llama-13b/llama-13b'")
       return parts[0].strip(), parts[1].strip()
+
+    def own_shape(s: str) -> tuple:
+      name, sep, path = s.partition("=")
+      if not sep or not name.strip() or not path.strip():
+        raise ValueError(f"config.shapes: {s!r} must be 'NAME=path/to/config.json' (or its "
+                         "model directory)")
+      try:
+        return name.strip(), from_hf_config(path.strip(), name.strip())
+      except ValueError as e:
+        raise ValueError(f"config.shapes: {e}") from None
 
     def spec(d, field: str) -> len_lib.LengthSpec:
       # The section is named: prompt and response lengths share LengthSpec's messages.
@@ -114,6 +129,8 @@ class AblationConfig:
         hardware=c.hardware, num_devices=c.num_devices, global_batch=c.global_batch,
         minibatch=c.minibatch, epochs=c.epochs, micro_batch=c.micro_batch,
         pairs=tuple(pair(p) for p in _csv(c.pairs, "pairs")),
+        shapes=tuple(own_shape(s.strip()) for s in str(c.get("shapes", "")).split(",")
+                     if s.strip()),
         max_new_tokens=_csv_ints(c.max_new_tokens, "max_new_tokens"),
         systems=_csv(c.systems, "systems"), seed=c.seed,
         prompt=spec(c.prompt, "prompt"), response=spec(c.response, "response"),
@@ -144,8 +161,8 @@ def cost_model(cfg: AblationConfig) -> CostModel:
 
 
 def workload(cfg: AblationConfig, setting: dict) -> it.Workload:
-  return it.Workload(actor=get_shape(setting["actor"]),
-                     critic=get_shape(setting["critic"], "scalar"),
+  return it.Workload(actor=cfg.shape(setting["actor"]),
+                     critic=cfg.shape(setting["critic"], "scalar"),
                      num_devices=cfg.num_devices, global_batch=cfg.global_batch,
                      minibatch=cfg.minibatch, epochs=cfg.epochs, micro_batch=cfg.micro_batch,
                      max_new_tokens=setting["max_new_tokens"], prompt=cfg.prompt,
@@ -189,7 +206,7 @@ def run_ablations(cfg: AblationConfig, workdir: str,
   inputs = {
       "hardware": get_hardware(cfg.hardware).to_dict(),
       "efficiency": dataclasses.asdict(cfg.efficiency),
-      "shapes": {name: get_shape(name).to_dict() for name in
+      "shapes": {name: cfg.shape(name).to_dict() for name in
                  sorted({p for pair in cfg.pairs for p in pair})},
       "prompt_lengths": cfg.prompt.describe(),
       "response_lengths": cfg.response.describe(),

@@ -116,6 +116,37 @@ def from_model_config(cfg: Any, name: str = "custom") -> ModelShape:
                     qk_norm=getattr(cfg, "qk_norm", False))
 
 
+def from_hf_config(path: str, name: str) -> ModelShape:
+  """The shape a Hugging Face config.json describes (`path`: the file or its model directory),
+  read as plain JSON (the simulator imports no jax): LLaMA, Mistral, Qwen2/2.5/3 fields, grouped-
+  query heads, an explicit head_dim, tied embeddings, Qwen2's q/k/v biases (or
+  `attention_bias`), Qwen3's q/k norms. A ValueError names the file and the missing field."""
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+  try:
+    with open(file, encoding="utf-8") as f:
+      hf = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"shape {name!r}: cannot read {file!r} as a config.json ({e})") from None
+  need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads")
+  missing = [k for k in need if not isinstance(hf.get(k), int)]
+  if missing:
+    raise ValueError(f"shape {name!r}: {file} has no integer {missing} (a decoder's "
+                     "config.json: LLaMA, Mistral, Qwen)")
+  heads = hf["num_attention_heads"]
+  model_type = str(hf.get("model_type", ""))
+  return ModelShape(
+      name=name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+      intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+      num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or 0, tie_embeddings=bool(hf.get("tie_word_embeddings")),
+      qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias")),
+      max_seq_len=int(hf.get("max_position_embeddings") or 2048),
+      qk_norm=model_type == "qwen3")
+
+
 def _llama1(name: str, hidden: int, inter: int, layers: int, heads: int) -> ModelShape:
   return ModelShape(name=name, vocab_size=32000, hidden_size=hidden, intermediate_size=inter,
                     num_layers=layers, num_heads=heads, num_kv_heads=heads, max_seq_len=2048)
@@ -133,9 +164,12 @@ SHAPES: dict[str, ModelShape] = {
 }
 
 
-def get_shape(name: str, head: str = "lm") -> ModelShape:
-  """A preset shape, with a scalar head for head='scalar' (critic / reward model)."""
-  if name not in SHAPES:
-    raise ValueError(f"unknown model shape {name!r}; known: {sorted(SHAPES)}")
-  shape = SHAPES[name]
+def get_shape(name: str, head: str = "lm", extra: Any = ()) -> ModelShape:
+  """A preset shape, or one of `extra` ((name, ModelShape) pairs: a config's own, `shapes`),
+  with a scalar head for head='scalar' (critic / reward model)."""
+  known = {**SHAPES, **dict(extra)}
+  if name not in known:
+    raise ValueError(f"unknown model shape {name!r}; known: {sorted(known)} (a model of your "
+                     "own: config.shapes='NAME=path/to/config.json')")
+  shape = known[name]
   return shape.as_critic() if head == "scalar" else shape
