@@ -277,8 +277,10 @@ class PlanConfig:
                        ("critic_microbatch_size", "microbatch_size"),
                        ("layers", "the model's own")):
       config_files.check_int(name, d.get(name, 0), 0, f"0: {zero}")
-    _check(d["hardware"] in hw_lib.HARDWARE, "hardware", d["hardware"],
-           f"a preset of rlhfuse_jax/sim/hardware.py: {sorted(hw_lib.HARDWARE)}")
+    try:
+      hardware = hw_lib.get_hardware(str(d["hardware"]))
+    except ValueError as e:
+      raise ValueError(f"config.hardware={d['hardware']!r}: {e}") from None
     _check(d["cpu_upcast"] in CPU_UPCAST_MODES, "cpu_upcast", d["cpu_upcast"],
            f"one of {list(CPU_UPCAST_MODES)}")
     _check(d.get("generation", "instances") in GENERATION_MODES, "generation",
@@ -300,7 +302,7 @@ class PlanConfig:
     cfg = cls(**models, **{k: d[k] for k in (
         "pp", "critic_pp", "tp", "dp", "fsdp", "minibatch_size", "microbatch_size", "seq_len",
         "response_len", "intra_stage", "search_time_s", "gen_tp", "gen_slots", "chunk_size",
-        "inference_microbatch", "cpu_upcast")}, hardware=hw_lib.HARDWARE[d["hardware"]],
+        "inference_microbatch", "cpu_upcast")}, hardware=hardware,
         offload_optimizer=d.get("offload_optimizer", False),
         master_weights=d.get("master_weights", False), zero1=d.get("zero1", False),
         generation=d.get("generation", "instances"),

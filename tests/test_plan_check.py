@@ -360,8 +360,8 @@ def test_mesh_generation_config_errors_and_llama_presets():
     plan_programs.PlanConfig.from_config_dict(c)
   c = plan_config.get_config("tiny")
   c.layers = 3  # over pp=2 stages
-  with pytest.raises(ValueError, match=r"config\.actor\.num_layers=3: expected divisible by "
-                                       r"its 2 pipeline stages \(set config\.layers"):
+  with pytest.raises(ValueError, match=r"config\.layers=3: expected a multiple of the actor's 2 "
+                                       r"pipeline stages \(e\.g\. 2\)"):
     plan_programs.PlanConfig.from_config_dict(c)
   # A bool is not a count (True passed as 1, a plan file's `"pp": true` read as one stage).
   for name, minimum, hint in (("pp", 1, ""), ("gen_slots", 1, ""),

@@ -1,4 +1,6 @@
 """Hardware presets and model shapes: positive, in sane units, consistent with ModelConfig."""
+import json
+
 import pytest
 
 from rlhfuse_jax.sim import hardware, shapes
@@ -74,3 +76,23 @@ def test_tensor_parallel_degrees_must_divide_heads_kv_heads_and_mlp():
                        intermediate_size=17920, num_layers=60, num_heads=52, num_kv_heads=52)
   assert s.tensor_parallel_error(4) is None
   assert s.tensor_parallel_error(8) == "tp8 does not divide 33b's num_heads=52, num_kv_heads=52"
+
+
+def test_a_hardware_file_changes_fields_of_its_base_preset(tmp_path):
+  """--config.hardware=FILE.json: the GPUs one rents (an A100 40 GB, 4 a node) as a preset
+  with some fields replaced; only the presets could be named (reproduce_ablations, plan_search,
+  plan_check's HBM budget)."""
+  path = tmp_path / "a100_40g_4.json"
+  path.write_text(json.dumps({"base": "a100_80g_sxm", "hbm_bytes": 40e9, "devices_per_node": 4}))
+  got = hardware.get_hardware(str(path))
+  base = hardware.get_hardware("a100_80g_sxm")
+  assert (got.name, got.hbm_bytes, got.devices_per_node) == ("a100_40g_4", 40e9, 4)
+  assert (got.peak_flops, got.collective_protocols) == (base.peak_flops,
+                                                        base.collective_protocols)
+  for spec, message in (({"base": "h100"}, r"whose \"base\" is a preset of"),
+                        ({"base": "h100_sxm", "hbm_gb": 40}, r"unknown fields \['hbm_gb'\]"),
+                        ({"base": "h100_sxm", "hbm_bytes": -1}, r"hbm_bytes=-1 must be a "
+                                                                r"positive")):
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=message):
+      hardware.get_hardware(str(path))

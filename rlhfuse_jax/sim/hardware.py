@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from typing import Optional
 
@@ -176,11 +177,42 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 
+# The fields a hardware file may change of its base preset.
+FILE_FIELDS = ("name", "peak_flops", "hbm_bw", "hbm_bytes", "intra_node_bw", "inter_node_bw",
+               "devices_per_node", "host_to_device_bw", "source")
+
+
 def get_hardware(name: str) -> Hardware:
-  """The preset called `name`; the error lists the known names."""
+  """The preset called `name`, or the hardware a JSON file describes (`name` ending in .json:
+  {"base": PRESET, FIELD: value, ...}, the preset with those fields replaced: an A100 40 GB, a
+  4-GPU node, fewer NICs); the error lists the known names or the file's bad field."""
+  if name.endswith(".json"):
+    return hardware_file(name)
   if name not in HARDWARE:
-    raise ValueError(f"unknown hardware {name!r}; known: {sorted(HARDWARE)}")
+    raise ValueError(f"unknown hardware {name!r}; known: {sorted(HARDWARE)}, or a JSON file "
+                     '{"base": PRESET, FIELD: value} (FIELD one of ' f"{list(FILE_FIELDS)})")
   return HARDWARE[name]
+
+
+def hardware_file(path: str) -> Hardware:
+  """get_hardware of a JSON file: its "base" preset with the file's other fields replaced (SI
+  units, as the presets: FLOP/s, bytes/s, bytes). Its collective latencies stay the base's."""
+  import json  # pylint: disable=import-outside-toplevel
+  try:
+    with open(path, encoding="utf-8") as f:
+      spec = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"hardware {path!r}: cannot read it as JSON ({e})") from None
+  if not isinstance(spec, dict) or spec.get("base") not in HARDWARE:
+    raise ValueError(f"hardware {path!r}: expected an object whose \"base\" is a preset of "
+                     f"{sorted(HARDWARE)}")
+  unknown = sorted(set(spec) - {"base", *FILE_FIELDS})
+  if unknown:
+    raise ValueError(f"hardware {path!r}: unknown fields {unknown}; expected some of "
+                     f"{list(FILE_FIELDS)}")
+  fields = {k: v for k, v in spec.items() if k != "base"}
+  fields.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+  return dataclasses.replace(HARDWARE[spec["base"]], **fields)
 
 
 # How `jax.Device.device_kind` names the devices of a preset: the CUDA device name on GPUs
