@@ -486,45 +486,58 @@ def test_a_one_shot_binary_refuses_another_ones_workdir(tmp_path):
   assert (mine / "previous" / "1" / "result.json").exists()
 
 
-def test_a_long_error_is_whole_in_summary_json_and_short_in_summary_md(tmp_path):
-  """A simulator's error lists every plan it refused: cut at 500 characters in both files, the
-  reason that decided was lost. summary.json keeps the line whole; summary.md shortens long
-  cells and escapes '|' (which split a markdown table's row)."""
-  from experiments import sweep
-  run = tmp_path / "r"
-  run.mkdir()
-  reason = "ValueError: no plan fits: " + "; ".join(f"tp{i}|pp{i}: too big" for i in range(80))
-  (run / "log.txt").write_text("I1130 noise\n" + reason + "\n")
-  assert sweep.failure_line(str(run)) == reason and len(reason) > 1000
-  cell = sweep._fmt_cell(reason)  # pylint: disable=protected-access
-  assert len(cell) < 400 and cell.endswith("... (summary.json)") and "tp0\\|pp0" in cell
+# The sweep's helpers, run in a subprocess: importing experiments.sweep defines its absl flags,
+# which a binary another test of this worker imported (bench_generation) defines too.
+_SWEEP_HELPERS = """
+import json, os, sys
+from experiments import sweep
+from rlhfuse_jax import workdir as wdlib
+work = sys.argv[1]
+out = {}
+out["row"] = sweep.run_row("bad_mb", {"name": "bad_mb", "algo.minibatch_size": 5, "seed": 1},
+                           ["--config.algo.minibatch_size=8", "--config.num_iterations=5"])
+run = os.path.join(work, "r")
+os.makedirs(run)
+reason = "ValueError: no plan fits: " + "; ".join(f"tp{i}|pp{i}: too big" for i in range(80))
+with open(os.path.join(run, "log.txt"), "w") as f:
+  f.write("I1130 noise\\n" + reason + "\\n")
+out["line_whole"] = sweep.failure_line(run) == reason and len(reason) > 1000
+out["cell"] = sweep._fmt_cell(reason)
+curves = os.path.join(work, "curves")
+os.makedirs(curves)
+with open(os.path.join(curves, "summary.json"), "w") as f:
+  json.dump([{"run": "a"}, {"run": "b"}, {"run": "c"}], f)
+for name, slope in (("a", 0.01), ("b", 0.02)):
+  for step in range(1, 41):
+    wdlib.append_jsonl(os.path.join(curves, name, "metrics.jsonl"),
+                       {"step": step, "reward/mean": slope * step, "kl/ref_mean": 0.1})
+out["curves"] = sweep.plot_curves(curves)
+none = os.path.join(work, "none")
+os.makedirs(none)
+with open(os.path.join(none, "summary.json"), "w") as f:
+  json.dump([{"run": "s"}], f)
+out["no_curves"] = sweep.plot_curves(none)
+print(json.dumps(out))
+"""
 
 
-def test_a_summary_row_shows_the_values_its_run_got():
-  """The sweep's own --config.* flags come after an entry's on the command line and win: the
-  row showed the entry's minibatch_size 5 for a run given 8, and no sweep flag at all."""
-  from experiments import sweep
-  row = sweep.run_row("bad_mb", {"name": "bad_mb", "algo.minibatch_size": 5, "seed": 1},
-                      ["--config.algo.minibatch_size=8", "--config.num_iterations=5"])
-  assert row == {"run": "bad_mb", "algo.minibatch_size": "8", "seed": 1, "num_iterations": "5"}
-
-
-def test_a_sweep_of_training_runs_draws_their_curves(tmp_path):
-  """Comparing runs took a script of one's own (a summary holds final values): the sweep
-  draws reward, KL and length by iteration, a line per run of its summary, to curves.png; a
-  sweep of binaries without metrics.jsonl draws nothing."""
-  from experiments import sweep
-  from rlhfuse_jax import workdir as wdlib
-  (tmp_path / "summary.json").write_text(json.dumps([{"run": "a"}, {"run": "b"}, {"run": "c"}]))
-  for name, slope in (("a", 0.01), ("b", 0.02)):
-    for step in range(1, 41):
-      wdlib.append_jsonl(str(tmp_path / name / "metrics.jsonl"),
-                         {"step": step, "reward/mean": slope * step, "kl/ref_mean": 0.1})
-  path = sweep.plot_curves(str(tmp_path))
-  assert path == str(tmp_path / "curves.png")
-  with open(path, "rb") as f:
+def test_sweep_rows_errors_and_curves(tmp_path):
+  """A summary row shows the values its run got (the sweep's own --config.* flags come after an
+  entry's and win: the row showed the entry's minibatch_size 5 for a run given 8, and no sweep
+  flag at all). A simulator's long error is whole in summary.json (cut at 500 characters, the
+  deciding reason was lost) and shortened in summary.md, '|' escaped. The training runs'
+  reward, KL and length by iteration go to curves.png (comparing runs took a script of one's
+  own); a sweep of binaries without metrics.jsonl draws nothing."""
+  out = subprocess.run([sys.executable, "-c", _SWEEP_HELPERS, str(tmp_path)], cwd=REPO,
+                       env=_env(), capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-3000:]
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  assert got["row"] == {"run": "bad_mb", "algo.minibatch_size": "8", "seed": 1,
+                        "num_iterations": "5"}
+  assert got["line_whole"]
+  assert len(got["cell"]) < 400 and got["cell"].endswith("... (summary.json)")
+  assert "tp0\\|pp0" in got["cell"]
+  assert got["curves"] == str(tmp_path / "curves" / "curves.png")
+  with open(got["curves"], "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-  (tmp_path / "x").mkdir()
-  (tmp_path / "x" / "summary.json").write_text(json.dumps([{"run": "s"}]))
-  assert sweep.plot_curves(str(tmp_path / "x")) is None
-  assert not (tmp_path / "x" / "curves.png").exists()
+  assert got["no_curves"] is None and not (tmp_path / "none" / "curves.png").exists()
