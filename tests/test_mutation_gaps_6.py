@@ -702,14 +702,8 @@ def test_every_plan_costs_the_sum_of_its_stages():
   from rlhfuse_jax.sim import plan_search as ps
   from rlhfuse_jax.sim.cost_model import CostModel
   from rlhfuse_jax.sim.hardware import get_hardware
-  from rlhfuse_jax.sim.lengths import LengthSpec
-  from rlhfuse_jax.sim.shapes import ModelShape
-  small = ModelShape("small", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                     num_layers=8, num_heads=8, num_kv_heads=8)
-  wl = it.Workload(actor=small, critic=small.as_critic(), num_devices=8, global_batch=64,
-                   minibatch=16, max_new_tokens=64,
-                   prompt=LengthSpec(kind="constant", value=32, max_len=32),
-                   response=LengthSpec(kind="lognormal", median=32, sigma=0.5))
+  from tests.test_sim_plan_search import small_workload
+  wl = small_workload()
   res = ps.search(CostModel(get_hardware("h100_sxm")), wl, it.SimOptions(), top_k=200)
   assert any(p["predicted"]["reshard_s"] == 0.0 for p in res["top"])
   for p in res["top"]:

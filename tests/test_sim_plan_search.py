@@ -201,18 +201,23 @@ def test_frozen_weights_kept_on_the_devices_bound_generation_and_training():
   assert any("sim.offload_frozen=False" in v for v in refused.values())
 
 
+def small_workload():
+  """A 1024-wide, 8-layer model pair on 8 GPUs (64 samples, responses of ~32 tokens)."""
+  from rlhfuse_jax.sim.shapes import ModelShape
+  small = ModelShape("small", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                     num_layers=8, num_heads=8, num_kv_heads=8)
+  return it.Workload(actor=small, critic=small.as_critic(), num_devices=8, global_batch=64,
+                     minibatch=16, max_new_tokens=64,
+                     prompt=LengthSpec(kind="constant", value=32, max_len=32),
+                     response=LengthSpec(kind="lognormal", median=32, sigma=0.5))
+
+
 def test_a_plan_on_the_training_layout_pays_no_resharding_and_uniform_can_win():
   """A small model on 8 GPUs: instances of tp 1 over a colocated tp-1 training layout are the
   uniform tp1 pp1 layout and cost the same (no resharding charged for weights already in
   place); the uniform tp1 pp4 layout, which no per-stage combination expresses, is the fastest,
   and pipe_rlhf's simulated row takes it."""
-  from rlhfuse_jax.sim.shapes import ModelShape
-  small = ModelShape("small", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                     num_layers=8, num_heads=8, num_kv_heads=8)
-  wl = it.Workload(actor=small, critic=small.as_critic(), num_devices=8, global_batch=64,
-                   minibatch=16, max_new_tokens=64,
-                   prompt=LengthSpec(kind="constant", value=32, max_len=32),
-                   response=LengthSpec(kind="lognormal", median=32, sigma=0.5))
+  wl = small_workload()
   res = ps.search(COST, wl, it.SimOptions(), top_k=200)
   same = [p["predicted"] for p in res["top"] if p["summary"].startswith("gen instances tp1 ")
           and p["summary"].endswith("training colocated tp1 Pa/Pc=1/1")]
