@@ -148,9 +148,13 @@ def gen_plan(cost: CostModel, wl: Workload, tp: int, prompt_lens: np.ndarray, ma
   pool = int(free // kv_tok_bytes) if free > 0 else 0
   slot_cap = int(prompt_lens.max()) + wl.max_new_tokens
   need = wl.actor.weight_bytes() / tp + per_inst * slot_cap * kv_tok_bytes + resident_bytes
+  # An instance holds its whole share of the batch at the longest length at once (no waves,
+  # no KV paged by the lengths reached): a cluster too small for that is refused.
   cost.check_fits(f"generation of {wl.actor.name}", need,
                   f"tp={tp}: weights + KV cache for {per_inst} samples x {slot_cap} tokens"
-                  + (f" + {resident}" if resident and resident_bytes else ""))
+                  + (f" + {resident}" if resident and resident_bytes else "")
+                  + "; the simulated engine holds an instance's whole share of the batch at the "
+                  "longest length at once: more devices or a smaller global_batch fit")
   slots = max(per_inst, min(max_slots, pool // slot_cap))
   return GenPlan(tp=tp, num_instances=g, slots=slots, kv_capacity_tokens=pool)
 
