@@ -76,6 +76,12 @@ class Tokenizer(abc.ABC):
     return frozenset()
 
 
+def tokenizer_file(path: str) -> str:
+  """The tokenizer.json that config.init.tokenizer's `path` names: the file, or the one in the
+  model directory it names."""
+  return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+
+
 class HFTokenizer(Tokenizer):
   """A `tokenizers.Tokenizer` with explicit special ids (see the module docstring)."""
 
@@ -183,8 +189,7 @@ class HFTokenizer(Tokenizer):
     `generation_config.json` next to the file (an id or a list, as transformers' generate and
     vLLM read it: a chat model may end a turn on any of them).
     """
-    if os.path.isdir(path):
-      path = os.path.join(path, "tokenizer.json")
+    path = tokenizer_file(path)
     if not os.path.isfile(path):
       raise FileNotFoundError(f"tokenizer file not found: {path}")
     if os.path.basename(path) == "tokenizer_config.json":  # a model directory's other file

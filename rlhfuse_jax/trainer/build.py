@@ -23,6 +23,7 @@ from rlhfuse_jax.data import prompts as prompts_lib
 from rlhfuse_jax.data import records as records_lib
 from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.data import tasks as tasks_lib
+from rlhfuse_jax.data import tokenizer as tokenizer_lib
 from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
 from rlhfuse_jax.inference import scoring
 from rlhfuse_jax.models import hf_loader, llama
@@ -164,10 +165,6 @@ def checkpoint_config(path: str, section: ModelConfig, field: str = "init.actor_
   return load_named(field, path, hf_loader.load_hf_config, **{**keep, **overrides})
 
 
-def _tokenizer_file(path: str) -> str:
-  return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-
-
 def warn_foreign_tokenizer(checkpoint: str, tokenizer_path: str) -> bool:
   """Warns (and returns True) when the actor's checkpoint directory has a tokenizer.json other
   than the run's (config.init.tokenizer): a config made for another model (configs/ppo_hf.py
@@ -176,7 +173,7 @@ def warn_foreign_tokenizer(checkpoint: str, tokenizer_path: str) -> bool:
   vocabulary was no larger than the new embedding. A warning, not an error: a run may mean to
   use another tokenizer file (an extended one, say)."""
   own = os.path.join(checkpoint, "tokenizer.json")
-  given = _tokenizer_file(tokenizer_path) if tokenizer_path else ""
+  given = tokenizer_lib.tokenizer_file(tokenizer_path) if tokenizer_path else ""
   if not given or not os.path.isfile(own) or not os.path.isfile(given):
     return False
   if os.path.samefile(own, given):

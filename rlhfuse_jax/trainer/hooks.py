@@ -426,7 +426,7 @@ def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) 
   the synthetic task's tokenizer (no init.tokenizer) writes that one."""
   tok = cfg.init.tokenizer
   if tok:
-    path = os.path.join(tok, "tokenizer.json") if os.path.isdir(tok) else tok
+    path = tokenizer_lib.tokenizer_file(tok)
     shutil.copyfile(path, os.path.join(out, "tokenizer.json"))
     for name in TOKENIZER_FILES:
       src = os.path.join(os.path.dirname(path), name)
