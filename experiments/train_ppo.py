@@ -100,11 +100,7 @@ def check_own_workdir(workdir: str) -> None:
   names experiments.<other>): the run moved that binary's config.json and result.json to
   previous/<n> and trained beside the rest of them (a schedule_search's schedule.json and
   gantt.png). The one-shot binaries refuse a training workdir the same way."""
-  wrote = wd.workdir_writer(workdir)
-  if wrote is not None and wrote != "train_ppo":
-    raise wd.ForeignWorkdirError(
-        f"--workdir={workdir!r} holds the outputs of experiments.{wrote} (its result.json); "
-        "give train_ppo a directory of its own")
+  wd.refuse_foreign_result(workdir, "train_ppo", shown="train_ppo")
 
 
 def _start_and_train() -> tuple[TrainConfig, PPOTrainer]:

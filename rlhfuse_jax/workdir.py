@@ -138,6 +138,17 @@ def workdir_writer(workdir: str) -> Optional[str]:
     return None
 
 
+def refuse_foreign_result(workdir: str, binary: str, shown: str = "") -> None:
+  """ForeignWorkdirError when workdir/result.json was written by another experiments binary
+  than `binary` (its provenance), naming this one as `shown` (default experiments.<binary>):
+  train_ppo and the one-shot binaries each went on beside the other's outputs."""
+  other = workdir_writer(workdir)
+  if other is not None and other != binary:
+    raise ForeignWorkdirError(f"--workdir={workdir!r} holds the outputs of experiments.{other} "
+                              f"(its result.json); give {shown or 'experiments.' + binary} a "
+                              "directory of its own")
+
+
 def _running_binary() -> Optional[str]:
   """NAME when this process runs `python -m experiments.NAME`, else None."""
   spec = getattr(sys.modules.get("__main__"), "__spec__", None)
@@ -161,10 +172,9 @@ def start_outputs(workdir: str, config: Any, outputs: tuple[str, ...],
     if os.path.exists(os.path.join(workdir, marker)):
       raise ForeignWorkdirError(f"--workdir={workdir!r} holds a training run ({marker}); give "
                                 "this binary a directory of its own")
-  me, other = _running_binary(), workdir_writer(workdir)
-  if me is not None and other is not None and other != me:
-    raise ForeignWorkdirError(f"--workdir={workdir!r} holds the outputs of experiments.{other} "
-                              f"(its result.json); give experiments.{me} a directory of its own")
+  me = _running_binary()
+  if me is not None:
+    refuse_foreign_result(workdir, me)
   os.makedirs(workdir, exist_ok=True)
   roots = {os.path.abspath(workdir), os.path.realpath(workdir)}
   held = set()  # top-level entries holding an input (as given, or where a link points)
