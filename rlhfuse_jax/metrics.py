@@ -5,7 +5,6 @@ clu's writer would pull TensorFlow in). Non-scalar values (curves, lists) go to 
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -36,9 +35,7 @@ class MetricWriter:
     on processes other than 0."""
     if not self.enabled:
       return []
-    rows = [r for r in wd.read_jsonl(self.path) if r.get("step", 0) <= step]
-    wd.atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
-    have = {r.get("step") for r in rows}
+    have = {r.get("step") for r in wd.keep_jsonl_through(self.path, step)}
     return [s for s in range(1, step + 1) if s not in have]
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:

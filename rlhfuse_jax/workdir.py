@@ -285,6 +285,15 @@ def read_json_object(path: str, error: type = ValueError, invalid: str = "not va
   return obj
 
 
+def keep_jsonl_through(path: str, step: int) -> list[dict]:
+  """Rewrites the JSONL file at `path` (append_jsonl's, rows with a "step") without the rows of
+  steps after `step`, atomically; returns the rows kept. A resumed run's logs (metrics.jsonl,
+  samples.jsonl) so never repeat a step written after the checkpoint it resumed from."""
+  rows = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
+  atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+  return rows
+
+
 def read_jsonl(path: str) -> list[dict]:
   """Reads a JSONL file written by `append_jsonl`; a torn last line (crash mid-write) is dropped."""
   if not os.path.exists(path):

@@ -219,8 +219,7 @@ class SamplesLog(Hook):
   def begin(self, start: int) -> None:
     self.enabled = jax.process_index() == 0
     if self.enabled and os.path.exists(self.path):
-      rows = [r for r in wd.read_jsonl(self.path) if r.get("step", 0) <= start]
-      wd.atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
+      wd.keep_jsonl_through(self.path, start)
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     rows = self.take()
