@@ -115,9 +115,6 @@ def describe(s: dict, min_gain_ratio: float) -> str:
   return "; ".join(parts)
 
 
-smooth = runner.smooth
-
-
 def curve(runs: list[list[dict]]) -> dict:
   """The seeds' mean reward per iteration and mean wall time of the iterations so far (each
   run's metrics.jsonl rows; the seeds ran the same number of iterations)."""
@@ -135,7 +132,7 @@ def plot(curves: dict, path: str, width: int) -> None:
     top, bottom = axes[0, col], axes[1, col]
     for k, series in by_k.items():
       label = "synchronous" if k == 0 else f"async, staleness {k}"
-      reward = smooth(np.asarray(series["reward"]), width)
+      reward = runner.smooth(series["reward"], width)
       top.plot(np.arange(1, len(reward) + 1), reward, label=label)
       bottom.plot(series["elapsed_s"], reward, label=label)
     top.set_title(config)

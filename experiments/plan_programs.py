@@ -328,11 +328,12 @@ class PlanConfig:
     for field, model, n_stages, full in (("actor", self.actor, self.pp, self.actor_layers),
                                          ("critic", self.critic, self.critic_pp,
                                           self.critic_layers)):
-      if model.num_layers != full:  # config.layers set the compiled count: name it
-        _check(model.num_layers % n_stages == 0, "layers", model.num_layers,
-               f"a multiple of the {field}'s {n_stages} pipeline stages (e.g. {n_stages})")
-      _check(model.num_layers % n_stages == 0, f"{field}.num_layers", model.num_layers,
-             f"divisible by its {n_stages} pipeline stages (set config.layers to compile fewer)")
+      # config.layers set the compiled count (the model's own is `full`): the error names it.
+      name, want = (("layers", f"a multiple of the {field}'s {n_stages} pipeline stages (e.g. "
+                     f"{n_stages})") if model.num_layers != full else
+                    (f"{field}.num_layers", f"divisible by its {n_stages} pipeline stages (set "
+                     "config.layers to compile fewer)"))
+      _check(model.num_layers % n_stages == 0, name, model.num_layers, want)
     shards = self.dp * self.fsdp
     _check(self.microbatch_size > 0 or self.pp == 1, "microbatch_size", self.microbatch_size,
            f">= 1 with pp={self.pp} (0, each data shard's rows at once, is the unpipelined "

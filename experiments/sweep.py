@@ -41,8 +41,7 @@ from ml_collections import config_flags
 
 from experiments import config_files
 from experiments.runner import (REPO_ROOT, build_command, format_value, merge_rows, repo_env,
-                                run_streamed)
-from experiments.runner import smooth as runner_smooth
+                                run_streamed, smooth)
 from rlhfuse_jax import workdir as wd
 
 _CONFIG = flags.DEFINE_string("config", None, "config file defining get_sweep()", required=True)
@@ -233,7 +232,7 @@ def plot_curves(workdir: str) -> Optional[str]:
                 if isinstance(row.get(metric), (int, float)) and "step" in row]
       if points:
         steps, values = zip(*points)
-        ax.plot(steps, runner_smooth(values, width), label=name)
+        ax.plot(steps, smooth(values, width), label=name)
     ax.set_title(metric)
     ax.set_xlabel("iteration")
     ax.set_ylabel(f"moving mean of {width}" if width > 1 else metric)

@@ -29,6 +29,7 @@ have no cited per-hop figure here and keep the cost model's one `collective_late
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -197,7 +198,6 @@ def get_hardware(name: str) -> Hardware:
 def hardware_file(path: str) -> Hardware:
   """get_hardware of a JSON file: its "base" preset with the file's other fields replaced (SI
   units, as the presets: FLOP/s, bytes/s, bytes). Its collective latencies stay the base's."""
-  import json  # pylint: disable=import-outside-toplevel
   try:
     with open(path, encoding="utf-8") as f:
       spec = json.load(f)

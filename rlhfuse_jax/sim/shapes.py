@@ -15,6 +15,8 @@ KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per elem
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
 HEADS = ("lm", "scalar")
@@ -121,8 +123,6 @@ def from_hf_config(path: str, name: str) -> ModelShape:
   read as plain JSON (the simulator imports no jax): LLaMA, Mistral, Qwen2/2.5/3 fields, grouped-
   query heads, an explicit head_dim, tied embeddings, Qwen2's q/k/v biases (or
   `attention_bias`), Qwen3's q/k norms. A ValueError names the file and the missing field."""
-  import json  # pylint: disable=import-outside-toplevel
-  import os  # pylint: disable=import-outside-toplevel
   file = os.path.join(path, "config.json") if os.path.isdir(path) else path
   try:
     with open(file, encoding="utf-8") as f:
