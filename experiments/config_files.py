@@ -279,11 +279,15 @@ def _save_traceback(text: str, in_workdir: bool = True) -> Optional[str]:
   return None
 
 
-def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None) -> Any:
+def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
+        traceback_in_workdir: bool = True) -> Any:
   """`app.run(main)` with `parse_flags`, and a USER_ERRORS exception that ends `main` (this
   codebase's bad input: the message names the field or file and what was expected) logged as
   one line, exit status 1, its traceback kept in a file the next line names (or printed, with
-  RLHFUSE_TRACEBACK=1). Other exceptions print their traceback as before."""
+  RLHFUSE_TRACEBACK=1). Other exceptions print their traceback as before.
+  `traceback_in_workdir=False`: that file always in the temp directory (the sweep, whose input
+  errors come before any run: a corrected command re-run on a finished sweep's workdir found
+  the last mistake's traceback.txt among the results)."""
 
   def guarded(args):
     metrics_lib.quiet_library_logs()
@@ -293,8 +297,8 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None) -> A
     except USER_ERRORS as e:
       if os.environ.get(TRACEBACK_ENV):
         raise
-      path = _save_traceback(traceback.format_exc(), in_workdir=not isinstance(
-          e, (wd.WorkdirInUseError, wd.ForeignWorkdirError)))
+      path = _save_traceback(traceback.format_exc(), in_workdir=traceback_in_workdir and not
+                             isinstance(e, (wd.WorkdirInUseError, wd.ForeignWorkdirError)))
       logging.error("%s: %s", type(e).__name__, e)
       logging.flush()
       sys.stderr.write(f"(where it was raised: {path or 'not saved'}; {TRACEBACK_ENV}=1 prints "

@@ -160,6 +160,59 @@ def command_line() -> str:
   return shlex.join(head + sys.argv[1:])
 
 
+def is_seed_field(key: str) -> bool:
+  """A config field that only picks a random stream: `seed`, `pipeline.search_seed`, ..."""
+  last = key.rsplit(".", 1)[-1]
+  return last == "seed" or last.endswith("_seed")
+
+
+def seed_groups(rows: Sequence[dict], override_keys: Sequence[str]) -> list[tuple[dict, list]]:
+  """The sweep's finished runs ("ok" status) that differ only in their seed fields
+  (is_seed_field), grouped: (the group's values of the other overridden fields, its rows) for
+  each group of at least two runs, in the order of their first run. None of `override_keys`
+  a seed field: no groups."""
+  seeds = [k for k in override_keys if is_seed_field(k)]
+  if not seeds:
+    return []
+  others = [k for k in override_keys if k not in seeds]
+  groups: dict = {}
+  for row in rows:
+    if str(row.get("status", "")).startswith("ok"):
+      key = json.dumps([row.get(k) for k in others], default=str)
+      groups.setdefault(key, ({k: row[k] for k in others if k in row}, []))[1].append(row)
+  return [g for g in groups.values() if len(g[1]) >= 2]
+
+
+def across_seeds(rows: Sequence[dict], override_keys: Sequence[str]) -> list[dict]:
+  """One row per seed group (seed_groups): its other overrides, `seeds` (how many), `runs`
+  (their names) and, for every numeric column that every run of the group has and that differs
+  between runs of some group (the rest are settings the per-run rows show), `COL/mean` and
+  `COL/std` (sample standard deviation, n - 1)."""
+  import math  # pylint: disable=import-outside-toplevel
+  import statistics  # pylint: disable=import-outside-toplevel
+
+  def number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+  groups = seed_groups(rows, override_keys)
+  skip = set(override_keys) | {"run", "status"}
+  columns = list(dict.fromkeys(k for _, members in groups for r in members for k in r
+                               if k not in skip))
+  varying = [c for c in columns if any(
+      all(number(r.get(c)) for r in members) and len({r[c] for r in members}) > 1
+      for _, members in groups)]
+  out = []
+  for values, members in groups:
+    row = {**values, "seeds": len(members), "runs": ",".join(str(r["run"]) for r in members)}
+    for c in varying:
+      xs = [r.get(c) for r in members]
+      if all(number(x) for x in xs):
+        finite = all(math.isfinite(x) for x in xs)
+        row[f"{c}/mean"] = statistics.fmean(xs) if finite else float("nan")
+        row[f"{c}/std"] = statistics.stdev(xs) if finite else float("nan")
+    out.append(row)
+  return out
+
+
 def smooth(x, width: int):
   """Trailing moving average of the 1-d array `x` (the first points average what there is)."""
   import numpy as np  # pylint: disable=import-outside-toplevel

@@ -9,7 +9,10 @@ names the run and is not passed on), runs, one after the other,
 with the sweep's own --config.* flags appended to every run (so they override the sweep's
 values). Output is streamed with a run prefix. Then writes DIR/summary.json and DIR/summary.md:
 one row per run with its overrides, its status, and the scalar fields of its result.json (or of
-the last line of its metrics.jsonl), nested dicts flattened with '/' and lists skipped. A failed
+the last line of its metrics.jsonl), nested dicts flattened with '/' and lists skipped; runs
+that differ only in seed fields also as one row per setting with each result's mean and
+standard deviation (DIR/summary_seeds.json, a second table of summary.md), and training runs'
+curves in DIR/curves.png (a setting's seeds as their mean in a band). A failed
 run is a row with its status, not the end of the sweep; the sweep then exits 1 naming the failed
 runs. A run stopped by a signal (exit 75), or SIGTERM to the sweep (passed on to the run in
 progress), ends the sweep after that run: the summary has the runs so far, and the sweep exits
@@ -40,8 +43,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import config_files
-from experiments.runner import (REPO_ROOT, build_command, format_value, merge_rows, repo_env,
-                                run_streamed, smooth)
+from experiments.runner import (REPO_ROOT, across_seeds, build_command, format_value, merge_rows,
+                                repo_env, run_streamed, seed_groups, smooth)
 from rlhfuse_jax import workdir as wd
 
 _CONFIG = flags.DEFINE_string("config", None, "config file defining get_sweep()", required=True)
@@ -188,51 +191,108 @@ def _fmt_cell(v: Any) -> str:
   return text if len(text) <= MD_CELL_CHARS else text[:MD_CELL_CHARS] + " ... (summary.json)"
 
 
-def write_summary(workdir: str, rows: list[dict]) -> None:
-  wd.write_json(os.path.join(workdir, "summary.json"), rows)
+def _md_table(rows: list[dict]) -> list[str]:
   columns: list[str] = []
   for row in rows:
     for k in row:
       if k not in columns:
         columns.append(k)
-  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-  for row in rows:
-    lines.append("| " + " | ".join(_fmt_cell(row.get(c)) for c in columns) + " |")
+  return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] +
+          ["| " + " | ".join(_fmt_cell(row.get(c)) for c in columns) + " |" for row in rows])
+
+
+def write_summary(workdir: str, rows: list[dict], override_keys: Sequence[str] = ()) -> None:
+  """summary.json and summary.md: a row per run. When the sweep's overridden fields
+  (`override_keys`) include a seed field and two or more finished runs differ only in seeds,
+  also summary_seeds.json (runner.across_seeds: a row per group, each result column's mean and
+  standard deviation over its seeds) and the same as a second table of summary.md, "mean ±
+  std" per cell: a difference between settings reads against the seeds' own spread."""
+  wd.write_json(os.path.join(workdir, "summary.json"), rows)
+  lines = _md_table(rows)
+  seeds_path = os.path.join(workdir, "summary_seeds.json")
+  groups = across_seeds(rows, override_keys)
+  if groups:
+    wd.write_json(seeds_path, groups)
+    table = []
+    for g in groups:
+      cells = {k: v for k, v in g.items() if not k.endswith(("/mean", "/std"))}
+      for k, v in g.items():
+        if k.endswith("/mean"):
+          col = k[:-len("/mean")]
+          cells[col] = f"{_fmt_cell(v)} ± {_fmt_cell(g[col + '/std'])}"
+      table.append(cells)
+    lines += ["", "Across seeds (runs that differ only in their seed fields; mean ± sample "
+              "standard deviation of each result that varies; summary_seeds.json):", ""]
+    lines += _md_table(table)
+  elif os.path.exists(seeds_path):  # an earlier sweep's, no longer true of these rows
+    os.remove(seeds_path)
   wd.atomic_write_text(os.path.join(workdir, "summary.md"), "\n".join(lines) + "\n")
 
 
 CURVE_METRICS = ("reward/mean", "kl/ref_mean", "response_length/mean")
 
 
-def plot_curves(workdir: str) -> Optional[str]:
-  """WORKDIR/curves.png: each of CURVE_METRICS by iteration, a line per run (the summary's
-  runs, in its order) whose directory has a metrics.jsonl (train_ppo's), as a trailing moving
-  mean over a twentieth of the longest run: the comparison a summary of final values cannot
-  show. None (nothing written) when no run has such metrics."""
+def curve_lines(workdir: str, override_keys: Sequence[str] = ()
+                ) -> tuple[dict[str, list[tuple]], int]:
+  """What curves.png draws: ({metric of CURVE_METRICS: [(label, steps, mean, low, high)]},
+  the moving mean's width). A line per run of the summary (in its order) whose directory has a
+  metrics.jsonl (train_ppo's), as a trailing moving mean over a twentieth of the longest run.
+  Runs that differ only in seeds (runner.seed_groups of `override_keys`) are one line, where
+  their first run stood: their mean at the iterations all of them logged, low and high the
+  lowest and highest of them (a single run: all three its own)."""
   try:
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
-      names = [str(r["run"]) for r in json.load(f)]
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
+      summary_rows = [r for r in json.load(f) if isinstance(r, dict) and "run" in r]
+  except (OSError, ValueError, TypeError):
+    return {}, 1
+  names = [str(r["run"]) for r in summary_rows]
   runs = {n: wd.read_jsonl(os.path.join(workdir, n, "metrics.jsonl")) for n in names}
   runs = {n: rows for n, rows in runs.items() if rows}
-  metrics = [m for m in CURVE_METRICS
-             if any(isinstance(row.get(m), (int, float)) for rows in runs.values() for row in rows)]
-  if not metrics:
+  if not runs:
+    return {}, 1
+  group_of = {}
+  groups = seed_groups(summary_rows, override_keys)
+  differ = [k for k in dict.fromkeys(k for values, _ in groups for k in values)
+            if len({json.dumps(values.get(k), default=str) for values, _ in groups}) > 1]
+  for values, members in groups:  # labelled by the fields that tell the groups apart
+    label = ", ".join(f"{k}={values.get(k)}" for k in differ) or "all"
+    members = [str(m["run"]) for m in members if str(m["run"]) in runs]
+    for name in members:
+      group_of[name] = (f"{label} ({len(members)} seeds)", tuple(members))
+  lines = list(dict.fromkeys(group_of.get(n, (n, (n,))) for n in runs))
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  width = max(1, max(len(rows) for rows in runs.values()) // 20)
+  out: dict[str, list[tuple]] = {}
+  for metric in CURVE_METRICS:
+    for label, members in lines:
+      per_run = [{row["step"]: row[metric] for row in runs[n]
+                  if isinstance(row.get(metric), (int, float)) and "step" in row}
+                 for n in members]
+      steps = sorted(set.intersection(*(set(p) for p in per_run)))
+      if steps:
+        curves = np.array([smooth([p[t] for t in steps], width) for p in per_run])
+        out.setdefault(metric, []).append((label, steps, curves.mean(axis=0),
+                                           curves.min(axis=0), curves.max(axis=0)))
+  return out, width
+
+
+def plot_curves(workdir: str, override_keys: Sequence[str] = ()) -> Optional[str]:
+  """WORKDIR/curves.png: curve_lines' lines, a panel per metric, a band where a line is the
+  mean of several seeds: the comparison a summary of final values cannot show. None (nothing
+  written) when no run has such metrics."""
+  lines, width = curve_lines(workdir, override_keys)
+  if not lines:
     return None
   import io  # pylint: disable=import-outside-toplevel
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  width = max(1, max(len(rows) for rows in runs.values()) // 20)
-  fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.2), squeeze=False)
-  for ax, metric in zip(axes[0], metrics):
-    for name, rows in runs.items():
-      points = [(row["step"], row[metric]) for row in rows
-                if isinstance(row.get(metric), (int, float)) and "step" in row]
-      if points:
-        steps, values = zip(*points)
-        ax.plot(steps, smooth(values, width), label=name)
+  fig, axes = plt.subplots(1, len(lines), figsize=(5.5 * len(lines), 4.2), squeeze=False)
+  for ax, (metric, metric_lines) in zip(axes[0], lines.items()):
+    for label, steps, mean, low, high in metric_lines:
+      line, = ax.plot(steps, mean, label=label)
+      if (low != high).any():
+        ax.fill_between(steps, low, high, alpha=0.2, color=line.get_color(), linewidth=0)
     ax.set_title(metric)
     ax.set_xlabel("iteration")
     ax.set_ylabel(f"moving mean of {width}" if width > 1 else metric)
@@ -312,9 +372,13 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
   sweep = _sweep_of(module, variant, config)
   names = [name for _, name, _ in select(sweep, None)]
   runs = select(sweep, only)
+  # the fields the runs' commands set (a seed among them groups runs in the summary)
+  override_keys = list(dict.fromkeys(
+      [k for entry in sweep for k in entry if k != "name"] +
+      [arg[len("--config."):].partition("=")[0] for arg in passthrough]))
 
   def summary(rows_: list[dict]) -> None:
-    write_summary(workdir, merge_rows(workdir, rows_, names) if only else rows_)
+    write_summary(workdir, merge_rows(workdir, rows_, names) if only else rows_, override_keys)
 
   if not os.path.isfile(os.path.join(REPO_ROOT, "experiments", f"{binary}.py")):
     binaries = sorted(f[:-3] for f in os.listdir(os.path.join(REPO_ROOT, "experiments"))
@@ -331,7 +395,8 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
     # called it failed (exit 1) and wrote a summary of runs "failed" that the other finished.
     lock = wd.WorkdirLock(workdir)
   try:
-    return _run_locked(binary, config, workdir, passthrough, dry_run, signals, runs, summary)
+    return _run_locked(binary, config, workdir, passthrough, dry_run, signals, runs, summary,
+                       override_keys)
   finally:
     if lock is not None:
       lock.release()
@@ -339,7 +404,7 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
 
 def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[str],
                 dry_run: bool, signals: _Signals, runs: list[tuple[int, str, dict]],
-                summary) -> tuple[list[dict], bool]:
+                summary, override_keys: Sequence[str] = ()) -> tuple[list[dict], bool]:
   """_run_sweep's runs, under the sweep's workdir lock."""
   rows = []
   env = repo_env()
@@ -385,7 +450,7 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
   if not dry_run:
     summary(rows)
     ok = sum(str(r.get("status", "")).startswith("ok") for r in rows)
-    curves = plot_curves(workdir)
+    curves = plot_curves(workdir, override_keys)
     logging.info("%d of %d run(s) ok; summary: %s%s", ok, len(rows),
                  os.path.join(workdir, "summary.md"), f", curves: {curves}" if curves else "")
   complete = not signals.signum and len(rows) == len(runs) and not any(
@@ -430,4 +495,4 @@ def main(argv):
 
 if __name__ == "__main__":
   _own, _PASSTHROUGH[:] = split_passthrough(sys.argv)
-  config_files.run(main, argv=_own)
+  config_files.run(main, argv=_own, traceback_in_workdir=False)

@@ -79,11 +79,14 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
   sizes = dataclasses.asdict(cfg.mesh)
   gen = cfg.async_ppo.generation_devices
   need = math.prod(v for v in sizes.values() if v != -1) + gen
+  planned = config_lib.plan_devices(config_lib.load_plan_file(cfg.plan.file)) if (
+      cfg.plan.file) else None
   if need > num_devices:
     what = f"config.mesh={sizes}" + (f" + config.async_ppo.generation_devices={gen}" if gen
                                      else "")
     if cfg.plan.file:
-      what += f" (set by config.plan.file={cfg.plan.file!r})"
+      what += f" (set by config.plan.file={cfg.plan.file!r}" + (
+          f", a plan searched for {planned} devices" if planned else "") + ")"
     hint = ""
     if platform == "cpu" and processes > 1:  # the launcher sets each process's count
       hint = (f"; {processes} processes need at least {-(-need // processes)} CPU devices each "
@@ -93,6 +96,11 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
               f"XLA_FLAGS=--xla_force_host_platform_device_count={need}")
     raise ValueError(f"{what} needs at least {need} devices, but jax sees {num_devices} "
                      f"({platform}){hint}")
+  if planned and planned != num_devices:  # it runs, but not as the search timed and sized it
+    logging.warning("config.plan.file=%r was searched for %d devices and this run has %d: its "
+                    "predicted times and memory check are for %d (plan_search --config."
+                    "num_devices=%d searches for this run's)", cfg.plan.file, planned,
+                    num_devices, planned, num_devices)
 
 
 def check_own_workdir(workdir: str) -> None:

@@ -454,6 +454,14 @@ def test_sweep_refuses_a_value_of_the_wrong_type_before_any_run(tmp_path):
   assert "the sweep's flag: flag --config.time_budget_s=soon: could not convert" in out.stderr, (
       out.stderr[-3000:])
   assert not os.path.exists(tmp_path / "sw")
+  # On a finished sweep's workdir, the mistake's traceback goes to the temp directory, not
+  # among the results (it was WORKDIR/traceback.txt).
+  (tmp_path / "sw").mkdir()
+  (tmp_path / "sw" / "summary.json").write_text("[]")
+  out = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+              f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=soon"])
+  assert out.returncode != 0 and "(where it was raised: " in out.stderr, out.stderr[-3000:]
+  assert os.listdir(tmp_path / "sw") == ["summary.json"]
   # Values of the right types pass (the run's command is printed).
   out = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
               f"--workdir={tmp_path / 'sw'}", "--dry_run", "--config.time_budget_s=1"])
@@ -541,3 +549,75 @@ def test_sweep_rows_errors_and_curves(tmp_path):
   with open(got["curves"], "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert got["no_curves"] is None and not (tmp_path / "none" / "curves.png").exists()
+
+
+# A sweep of 2 learning rates x 3 seeds whose runs are faked: each writes a result.json and a
+# metrics.jsonl from its own flags; lr=2 with seed 2 fails.
+_SEED_SWEEP = """
+import json, os, sys
+from experiments import sweep
+work, cfg = sys.argv[1], sys.argv[2]
+
+def fake_run(cmd, run_dir, name, env, started=None):
+  flag = {a.split("=")[0][len("--config."):]: float(a.split("=")[1]) for a in cmd
+          if a.startswith("--config.")}
+  lr, seed = flag["lr"], flag["seed"]
+  if (lr, seed) == (2, 2):
+    return 1
+  os.makedirs(run_dir, exist_ok=True)
+  with open(os.path.join(run_dir, "result.json"), "w") as f:
+    json.dump({"final_reward": lr * 10 + seed / 10, "iterations": 10, "lr_seen": lr}, f)
+  with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+    for step in range(1, 11):
+      f.write(json.dumps({"step": step, "reward/mean": lr * step + seed}) + "\\n")
+  return 0
+sweep.run_streamed = fake_run
+rows, complete = sweep.run_sweep(cfg, "train_ppo", work, ["--config.steps=10"])
+lines, width = sweep.curve_lines(work, ["lr", "seed", "steps"])
+print(json.dumps({"lines": {m: [(l, s, list(a), list(lo), list(hi)) for l, s, a, lo, hi in v]
+                            for m, v in lines.items()}, "width": width}))
+"""
+
+
+def test_a_sweep_over_seeds_reports_each_settings_mean_and_spread(tmp_path):
+  """Runs that differ only in a seed field: summary_seeds.json and a second table of
+  summary.md give each setting's mean ± sample std of every result that varies over its
+  finished runs (a failed seed left out), and curves.png draws each setting as its seeds' mean
+  in a band from the lowest to the highest. (A seeds x settings sweep left the reader to
+  average rows by hand and drew one line per seed.)"""
+  import numpy as np
+  cfg = tmp_path / "seeds.py"
+  cfg.write_text("import ml_collections\n\n\ndef get_config():\n"
+                 "  return ml_collections.ConfigDict({'lr': 1.0, 'seed': 0, 'steps': 1})\n\n\n"
+                 "def get_sweep():\n"
+                 "  return [{'name': f'lr{lr}_s{s}', 'lr': lr, 'seed': s}\n"
+                 "          for lr in (1.0, 2.0) for s in (0, 1, 2)]\n")
+  out = subprocess.run([sys.executable, "-c", _SEED_SWEEP, str(tmp_path / "sw"), str(cfg)],
+                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-3000:]
+  groups = json.loads((tmp_path / "sw" / "summary_seeds.json").read_text())
+  assert [(g["lr"], g["seeds"], g["runs"]) for g in groups] == [
+      (1.0, 3, "lr1.0_s0,lr1.0_s1,lr1.0_s2"), (2.0, 2, "lr2.0_s0,lr2.0_s1")]
+  for g, finals in zip(groups, ([10.0, 10.1, 10.2], [20.0, 20.1])):
+    assert g["final_reward/mean"] == pytest.approx(np.mean(finals))
+    assert g["final_reward/std"] == pytest.approx(np.std(finals, ddof=1))
+  # constant within every group (settings, not results): left to the per-run table
+  assert not any(k.startswith(("iterations", "lr_seen")) for g in groups for k in g)
+  assert all(g["steps"] == "10" for g in groups)  # the sweep's own flag, as its runs got it
+  md = (tmp_path / "sw" / "summary.md").read_text()
+  head, _, *cells = md.split("Across seeds")[1].strip().splitlines()[2:]
+  def split(line):
+    return [c.strip() for c in line.strip("|").split("|")]
+  table = [dict(zip(split(head), split(row))) for row in cells]
+  assert [(r["lr"], r["seeds"], r["final_reward"]) for r in table] == [
+      ("1", "3", "10.1 ± 0.1"), ("2", "2", "20.05 ± 0.07071")]
+  lines = json.loads(out.stdout.strip().splitlines()[-1])["lines"]["reward/mean"]
+  # labelled by what tells the settings apart (not the sweep's flag that all runs got)
+  assert [line[0] for line in lines] == ["lr=1.0 (3 seeds)", "lr=2.0 (2 seeds)"]
+  label, steps, mean, low, high = lines[1]
+  assert steps == list(range(1, 11))
+  np.testing.assert_allclose(mean, [2 * s + 0.5 for s in steps])  # seeds 0 and 1
+  np.testing.assert_allclose(low, [2 * s for s in steps])
+  np.testing.assert_allclose(high, [2 * s + 1 for s in steps])
+  with open(tmp_path / "sw" / "curves.png", "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"

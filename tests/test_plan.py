@@ -406,9 +406,36 @@ def test_a_plan_for_more_devices_than_jax_sees_names_the_plan_file(tmp_path):
                         f"--workdir={tmp_path / 'run'}"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 1, out.stderr[-3000:]
-  assert (f"+ config.async_ppo.generation_devices=4 (set by config.plan.file={path!r}) needs "
-          "at least 6 devices, but jax sees 1 (cpu); on a CPU host add fake devices") in \
-      out.stderr, out.stderr[-3000:]
+  assert (f"+ config.async_ppo.generation_devices=4 (set by config.plan.file={path!r}, a plan "
+          "searched for 8 devices) needs at least 6 devices, but jax sees 1 (cpu); on a CPU "
+          "host add fake devices") in out.stderr, out.stderr[-3000:]
+
+
+def test_a_plan_searched_for_other_devices_says_so(tmp_path):
+  """A plan file searched for another device count: a field it set that the config refuses is
+  named with the plan's device count (a 256-device plan run on 8 failed on plan.generation_tp
+  alone), and one that runs on this run's devices is warned of: its times and memory check
+  were for the others."""
+  bad = plan_json(tmp_path / "big.json", {"mode": "pipeline", "tp": 8, "pp": 1, "groups": 1},
+                  training={"placement": "colocated", "devices": 64, "tp": 8, "actor_pp": 1,
+                            "critic_pp": 1})
+  plan = json.loads(open(bad).read())
+  plan["async"] = {"generation_devices": 192, "training_devices": 64, "staleness": 1}
+  open(bad, "w").write(json.dumps(plan))
+  with pytest.raises(ValueError, match=r"config\.plan\.generation_tp=8: .*\(set by config\.plan"
+                     r"\.file='[^']*', a plan searched for 256 devices\)"):
+    tiny_config(**{"plan.file": bad})
+  small = plan_json(tmp_path / "small.json", {},
+                    training={"placement": "colocated", "devices": 16, "tp": 1, "actor_pp": 1,
+                              "critic_pp": 1})
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")  # one CPU device
+  out = subprocess.run([sys.executable, "-m", "experiments.train_ppo",
+                        "--config=configs/ppo_tiny.py", f"--config.plan.file={small}",
+                        "--workdir=gs://stop/here"], cwd=ROOT, env=env,  # refused next
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1 and "a URI" in out.stderr, out.stderr[-3000:]
+  assert (f"config.plan.file={small!r} was searched for 16 devices and this run has 1: its "
+          "predicted times and memory check are for 16") in out.stderr, out.stderr[-3000:]
 
 
 def test_the_set_up_log_names_what_the_plan_file_set(tmp_path):

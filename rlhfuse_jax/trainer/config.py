@@ -594,9 +594,12 @@ class TrainConfig:
         plan_file = (cd_plan or {}).get("file", "")
         # Named when the field the error names is one the file set (plan.*, mesh.*,
         # pipeline.critic_pp, optim.zero1, async_ppo.*): the user never wrote it.
-        if plan_file and any(f"config.{sec}.{field}=" in str(e) for sec, field in
-                             plan_file_settings(load_plan_file(plan_file), plan_file)):
-          raise ValueError(f"{e} (set by config.plan.file={plan_file!r})") from None
+        plan = load_plan_file(plan_file) if plan_file else None
+        if plan and any(f"config.{sec}.{field}=" in str(e)
+                        for sec, field in plan_file_settings(plan, plan_file)):
+          n = plan_devices(plan)
+          raise ValueError(f"{e} (set by config.plan.file={plan_file!r}" + (
+              f", a plan searched for {n} devices" if n else "") + ")") from None
         raise
     model, critic = d.pop("model", {}), d.pop("critic_model", {})
     kwargs["vocab_from_tokenizer"] = model.get("vocab_size", 0) == 0
@@ -749,6 +752,17 @@ def load_plan_file(path: str) -> dict:
     _check(isinstance(plan, dict) and isinstance(plan.get(key), dict), "plan.file", path,
            f"a plan.json with a {key!r} object (the format of experiments.plan_search)")
   return plan
+
+
+def plan_devices(plan: Mapping[str, Any]) -> Optional[int]:
+  """How many devices the plan file's plan was searched for (plan_search's num_devices: an
+  asynchronous split's two groups, else training's devices); None when it does not say."""
+  a = plan.get("async")
+  if isinstance(a, Mapping) and not a.get("colocated", False):
+    n = a.get("generation_devices", 0) + a.get("training_devices", 0)
+  else:
+    n = plan["training"].get("devices")
+  return n if isinstance(n, int) and n > 0 else None
 
 
 def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, str], tuple]:
