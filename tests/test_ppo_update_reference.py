@@ -186,7 +186,7 @@ def test_first_minibatch_ratio_is_one():
   assert abs(float(m["actor/ppo_kl"])) < 1e-6
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
 def test_group_estimators_keep_the_kl_penalty_in_the_reward(estimator):
   """With the KL in the reward a group estimator compares each sample's summed token rewards,
   score minus the KL penalty (verl's GRPO/RLOO); the loss then holds no KL term, so comparing
@@ -199,7 +199,8 @@ def test_group_estimators_keep_the_kl_penalty_in_the_reward(estimator):
   scores = rng.normal(0, 1, n).astype(np.float32)
   old = rng.normal(-2, 0.3, (n, T)).astype(np.float32)
   ref = rng.normal(-2, 0.3, (n, T)).astype(np.float32)
-  fn = {"grpo": adv_lib.grpo_advantages, "rloo": adv_lib.rloo_advantages}[estimator]
+  fn = {"grpo": adv_lib.grpo_advantages, "dr_grpo": adv_lib.dr_grpo_advantages,
+        "rloo": adv_lib.rloo_advantages}[estimator]
   algo = AlgoConfig(estimator=estimator, kl_in_reward=True, kl_coef=0.5, kl_estimator="k1")
   adv, _, token_rewards, _ = ppo.advantages_and_returns(algo, g, scores, mask, old, ref, None)
   penalised = scores - 0.5 * np.sum((old - ref) * mask, -1)
@@ -212,7 +213,40 @@ def test_group_estimators_keep_the_kl_penalty_in_the_reward(estimator):
   assert ppo.loss_config(as_loss, 1.0).kl_coef == 0.5 and ppo.loss_config(algo, 1.0).kl_coef == 0
 
 
-@pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo", "reinforce_pp"])
+def test_an_estimator_added_to_the_registry_alone_gets_its_kind_of_treatment(monkeypatch):
+  """What the trainer does for a kind of estimator follows from its registry entry, not from a
+  list of names: a new group estimator (it takes group_size) gets the KL penalty folded into its
+  scores, a new critic estimator gets algo.whiten_advantages, and the config asks a group
+  estimator for samples_per_prompt > 1. (With hand-kept lists, a group estimator registered
+  alone trained with its KL penalty in neither the reward nor the loss.)"""
+  from rlhfuse_jax.rl import advantages as adv_lib
+  from rlhfuse_jax.rl import masked
+  reg = adv_lib.ADVANTAGE_ESTIMATORS
+  monkeypatch.setitem(reg, "centred", dataclasses.replace(reg["dr_grpo"], description="new"))
+  monkeypatch.setitem(reg, "gae2", dataclasses.replace(reg["gae"], description="new"))
+  rng = np.random.default_rng(4)
+  n, g = 8, 4
+  mask = (np.arange(T)[None] < rng.integers(1, T + 1, n)[:, None]).astype(np.float32)
+  scores = rng.normal(0, 1, n).astype(np.float32)
+  old = rng.normal(-2, 0.3, (n, T)).astype(np.float32)
+  ref = rng.normal(-2, 0.3, (n, T)).astype(np.float32)
+  algo = AlgoConfig(estimator="centred", kl_in_reward=True, kl_coef=0.5, kl_estimator="k1")
+  adv, _, _, _ = ppo.advantages_and_returns(algo, g, scores, mask, old, ref, None)
+  penalised = scores - 0.5 * np.sum((old - ref) * mask, -1)
+  np.testing.assert_allclose(adv, adv_lib.dr_grpo_advantages(penalised, mask, g)[0], rtol=1e-5,
+                             atol=1e-5)
+  values = rng.normal(0, 1, (n, T)).astype(np.float32)
+  algo = AlgoConfig(estimator="gae2", kl_in_reward=True, kl_coef=0.5, kl_estimator="k1")
+  adv, _, token_rewards, _ = ppo.advantages_and_returns(algo, g, scores, mask, old, ref, values)
+  raw = adv_lib.gae(token_rewards, values, mask, algo.gamma, algo.lam)[0]
+  np.testing.assert_allclose(adv, masked.masked_whiten(raw, mask) * mask, rtol=1e-5, atol=1e-5)
+  from tests.test_trainer import tiny_config
+  with pytest.raises(ValueError, match=r"rollout\.samples_per_prompt=1: expected > 1 for the "
+                     r"group estimator algo\.estimator='centred'"):
+    tiny_config(**{"algo.estimator": "centred"})
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"])
 def test_non_finite_log_probs_on_padding_change_nothing(estimator):
   """Padding positions are masked out by selection, not by multiplication: an -inf or nan
   reference log-prob where the mask is 0 (nan * 0 = nan) leaves the advantages, the returns

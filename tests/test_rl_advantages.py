@@ -152,10 +152,13 @@ def test_registry_dispatch_and_errors():
                                 adv_lib.gae(rewards, values, mask, 0.9, 0.95)[0])
   np.testing.assert_array_equal(adv_lib.compute_advantages("grpo", **common)[0],
                                 adv_lib.grpo_advantages(scores, mask, 2)[0])
-  assert set(adv_lib.ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_pp"}
+  assert set(adv_lib.ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"}
   assert adv_lib.needs_critic("gae")
-  assert not any(adv_lib.needs_critic(n) for n in ("grpo", "rloo", "reinforce_pp"))
-  with pytest.raises(ValueError, match=r"'ppo2'.*\['gae', 'grpo', 'reinforce_pp', 'rloo'\]"):
+  assert not any(adv_lib.needs_critic(n) for n in ("grpo", "dr_grpo", "rloo", "reinforce_pp"))
+  assert [n for n in adv_lib.ADVANTAGE_ESTIMATORS if adv_lib.compares_groups(n)] == [
+      "grpo", "dr_grpo", "rloo"]
+  with pytest.raises(ValueError, match=r"'ppo2'.*\['dr_grpo', 'gae', 'grpo', 'reinforce_pp', "
+                     r"'rloo'\]"):
     adv_lib.compute_advantages("ppo2", **common)
   with pytest.raises(ValueError, match=r"'gae' needs inputs \['values'\]"):
     adv_lib.compute_advantages("gae", token_rewards=rewards, mask=mask, gamma=1.0, lam=1.0)
@@ -165,3 +168,17 @@ def test_registry_dispatch_and_errors():
     adv_lib.grpo_advantages(scores, mask, 4)
   with pytest.raises(ValueError, match="group_size=1 must be >= 2"):
     adv_lib.rloo_advantages(scores, mask, 1)
+
+
+def test_dr_grpo_centres_each_groups_scores_without_the_std():
+  """Dr. GRPO: each sample's score less its group's mean, not divided by the group's std (a
+  group of nearly tied scores keeps its small advantages), on every valid token."""
+  scores = np.array([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.1], np.float32)
+  mask = np.ones((8, 3), np.float32)
+  mask[1, 2:] = 0.0
+  adv, ret = adv_lib.compute_advantages("dr_grpo", scores=scores, mask=mask, group_size=4)
+  grouped = scores.reshape(2, 4).astype(np.float64)
+  want = (grouped - grouped.mean(-1, keepdims=True)).reshape(-1)
+  np.testing.assert_allclose(np.asarray(adv), want[:, None] * mask, atol=1e-6)
+  np.testing.assert_array_equal(adv, ret)
+  assert abs(float(adv[7, 0]) - 0.075) < 1e-5  # GRPO would give it ~1.5

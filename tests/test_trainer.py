@@ -222,7 +222,7 @@ def test_mesh_and_cross_section_errors_come_before_any_build(tmp_path, monkeypat
                mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(**mesh_cfg)))
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
 def test_critic_free_estimators_train_with_the_kl_loss_and_entropy_bonus(tmp_path, estimator):
   # Two iterations of each critic-free estimator with the KL as a loss term and an entropy
   # bonus: no critic is built or logged, the KL-loss branch runs, and the actor moves.

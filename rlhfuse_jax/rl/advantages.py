@@ -114,7 +114,7 @@ def grpo_advantages(scores: jax.Array, mask: jax.Array, group_size: int, eps: fl
   """GRPO (Shao et al., 2024, DeepSeekMath): A_i = (s_i - mean_group) / (std_group + eps).
 
   The same advantage is given to every valid token of sample i. `normalize_std=False` gives the
-  Dr. GRPO variant (mean-centred only). The std is the unbiased one (ddof=1), as in common
+  Dr. GRPO variant (mean-centred only; `dr_grpo_advantages`, estimator "dr_grpo"). The std is the unbiased one (ddof=1), as in common
   implementations, so `group_size` must be >= 2.
 
   Args:
@@ -135,6 +135,14 @@ def grpo_advantages(scores: jax.Array, mask: jax.Array, group_size: int, eps: fl
     centred = centred / (std + eps)
   adv = jnp.where(mask > 0, centred.reshape(-1)[:, None], 0.0)  # [batch, resp_len]
   return adv, adv
+
+
+def dr_grpo_advantages(scores: jax.Array, mask: jax.Array, group_size: int) -> Pair:
+  """Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training: A Critical
+  Perspective"): A_i = s_i - mean_group, GRPO without the division by the group's std (which
+  weights groups of nearly tied scores up). The paper also replaces the per-sequence length
+  mean of the loss by a constant: pair it with `algo.loss_agg='seq-mean-token-sum-norm'`."""
+  return grpo_advantages(scores, mask, group_size, normalize_std=False)
 
 
 def rloo_advantages(scores: jax.Array, mask: jax.Array, group_size: int) -> Pair:
@@ -182,6 +190,9 @@ ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {
     "grpo": AdvantageEstimator(
         grpo_advantages, ("scores", "mask", "group_size", "eps", "normalize_std"), False,
         "group-normalised sequence scores"),
+    "dr_grpo": AdvantageEstimator(
+        dr_grpo_advantages, ("scores", "mask", "group_size"), False,
+        "group mean-centred sequence scores (no std division)"),
     "rloo": AdvantageEstimator(
         rloo_advantages, ("scores", "mask", "group_size"), False,
         "leave-one-out baseline within each group"),
@@ -193,7 +204,7 @@ ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {
 # Inputs a caller may pass to any estimator; each estimator picks the ones it uses.
 _OPTIONAL = {"eps", "normalize_std"}
 KNOWN_INPUTS = frozenset(
-    name for est in ADVANTAGE_ESTIMATORS.values() for name in est.inputs) | {"scores", "kl_coef"}
+    name for est in ADVANTAGE_ESTIMATORS.values() for name in est.inputs) | {"scores"}
 
 
 def get_estimator(name: str) -> AdvantageEstimator:
@@ -201,6 +212,15 @@ def get_estimator(name: str) -> AdvantageEstimator:
     raise ValueError(f"Unknown advantage estimator {name!r}; known estimators: "
                      f"{sorted(ADVANTAGE_ESTIMATORS)}")
   return ADVANTAGE_ESTIMATORS[name]
+
+
+def compares_groups(name: str) -> bool:
+  """True if estimator `name` compares one score per sample within each prompt's group (it takes
+  `group_size`): the trainer then folds a KL-in-reward penalty into that score, needs
+  rollout.samples_per_prompt > 1 and has no use for gamma. Read from the registry, so a new
+  group estimator gets all three (a hand-kept list of names missed one: its KL penalty was in
+  neither the reward nor the loss)."""
+  return "group_size" in get_estimator(name).inputs
 
 
 def needs_critic(name: str) -> bool:

@@ -137,7 +137,7 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AlgoConfig:
-  estimator: str = "gae"  # gae | grpo | rloo | reinforce_pp
+  estimator: str = "gae"  # gae | grpo | dr_grpo | rloo | reinforce_pp (rl/advantages.py)
   gamma: float = 1.0
   lam: float = 0.95
   kl_coef: float = 0.02  # weight of the KL to the reference
@@ -175,8 +175,9 @@ class AlgoConfig:
   # gathered and its float32 sums in memory: docs/usage.md "Communication at scale").
   gradient_sync: str = "per_microbatch"
   balance_tokens: bool = True  # balance mini-batch shards across data-parallel devices by tokens
-  # Whiten GAE's advantages over the batch; grpo/rloo normalise within each prompt's group and
-  # reinforce_pp over the batch by definition, and ignore it (docs/architecture.md §1).
+  # Whiten a critic's (GAE's) advantages over the batch; the group estimators normalise within
+  # each prompt's group and reinforce_pp over the batch by definition, and ignore it
+  # (docs/architecture.md §1).
   whiten_advantages: bool = True
 
   def __post_init__(self):
@@ -550,7 +551,7 @@ class TrainConfig:
     b = self.rollout.batch_size
     _check(b % self.algo.minibatch_size == 0, "algo.minibatch_size", self.algo.minibatch_size,
            f"a divisor of the rollout batch prompts_per_iteration*samples_per_prompt={b}")
-    if self.algo.estimator in ("grpo", "rloo"):
+    if adv_lib.compares_groups(self.algo.estimator):
       _check(self.rollout.samples_per_prompt > 1, "rollout.samples_per_prompt",
              self.rollout.samples_per_prompt,
              f"> 1 for the group estimator algo.estimator={self.algo.estimator!r}")

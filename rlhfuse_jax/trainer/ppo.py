@@ -42,9 +42,6 @@ class ModelState:
   opt_state: Any
 
 
-GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages from one score per sample, compared in groups
-
-
 def advantages_and_returns(algo: AlgoConfig, group_size: int, scores, mask, old_logp, ref_logp,
                            values):
   """Returns (advantages, returns, token_rewards, kl) each [batch, max_new] (float32)."""
@@ -53,7 +50,7 @@ def advantages_and_returns(algo: AlgoConfig, group_size: int, scores, mask, old_
   kl = kl_lib.kl_estimate(old_logp, ref_logp, algo.kl_estimator, mask=mask)  # [batch, max_new]
   kl_coef = algo.kl_coef if algo.kl_in_reward else 0.0
   token_rewards = adv_lib.token_level_rewards(scores, kl, mask, kl_coef)
-  if kl_coef > 0 and algo.estimator in GROUP_ESTIMATORS:
+  if kl_coef > 0 and adv_lib.compares_groups(algo.estimator):
     # The group estimators compare one number per sample: with the KL in the reward that is the
     # sum of the token rewards, score and KL penalty (verl's GRPO/RLOO on token_level_rewards).
     # Comparing the bare scores would drop the KL, as the loss holds none here either.
@@ -61,7 +58,7 @@ def advantages_and_returns(algo: AlgoConfig, group_size: int, scores, mask, old_
   adv, ret = adv_lib.compute_advantages(
       algo.estimator, scores=scores, token_rewards=token_rewards, values=values, mask=mask,
       gamma=algo.gamma, lam=algo.lam, group_size=group_size)
-  if algo.whiten_advantages and algo.estimator == "gae":
+  if algo.whiten_advantages and adv_lib.needs_critic(algo.estimator):  # a critic's baseline
     adv = masked.masked_whiten(adv, mask)
   return adv * mask, ret * mask, token_rewards, kl
 

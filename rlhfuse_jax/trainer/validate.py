@@ -45,7 +45,7 @@ def _critic_free_unused(cfg: TrainConfig) -> list[str]:
   if adv_lib.needs_critic(cfg.algo.estimator):
     return []
   algo = ["lam", "vf_coef", "value_clip_eps", "whiten_advantages"]
-  if cfg.algo.estimator in ("grpo", "rloo"):  # one score per sample: no discounting
+  if adv_lib.compares_groups(cfg.algo.estimator):  # one score per sample: no discounting
     algo.append("gamma")
   return set_fields(cfg, "algo", algo) + set_fields(cfg, "init", ["critic_checkpoint"])
 
