@@ -599,6 +599,16 @@ def test_the_simulator_reads_a_config_json_as_the_loader_does(arch, tmp_path):
   same = lambda s, seq: dataclasses.replace(s, head_dim=s.head_dim_, max_seq_len=seq)
   assert same(got, 1) == same(want, 1)
   assert got.num_params() == want.num_params()
+  # attention_bias as the loader reads it: q, k, v and o for LLaMA and Qwen3, ignored by
+  # Mistral, Qwen2's own q, k, v biases whatever it says.
+  with open(os.path.join(ckpt, "config.json")) as f:
+    hf = {**json.load(f), "attention_bias": True}
+  (tmp_path / "biased").mkdir()
+  (tmp_path / "biased" / "config.json").write_text(json.dumps(hf))
+  got = shapes.from_hf_config(str(tmp_path / "biased"), arch)
+  want = shapes.from_model_config(hf_loader.config_from_hf(hf), arch)
+  assert (got.qkv_bias, got.o_bias) == (want.qkv_bias, want.o_bias)
+  assert got.num_params() == want.num_params()
   (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
   with pytest.raises(ValueError, match=r"shape 'x': .*config\.json has no integer \['vocab_size'"):
     shapes.from_hf_config(str(tmp_path), "x")

@@ -50,15 +50,27 @@ def test_llama_parameter_counts(name, billions):
   assert shapes.get_shape(name).num_params() / 1e9 == pytest.approx(billions, rel=0.005)
 
 
-def test_shape_agrees_with_model_config():
-  from rlhfuse_jax.models.llama import ModelConfig
-  for kw in (dict(vocab_size=97, hidden_size=64, intermediate_size=160, num_layers=3,
-                  num_heads=8, num_kv_heads=2),
-             dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2,
-                  num_heads=4, num_kv_heads=4, qkv_bias=True, tie_embeddings=True)):
-    for head in ("lm", "scalar"):
-      cfg = ModelConfig(**kw, head=head)
-      assert shapes.from_model_config(cfg).num_params() == cfg.num_params()
+@pytest.mark.parametrize("flags", [(), ("qkv_bias",), ("o_bias",), ("qk_norm",),
+                                   ("tie_embeddings",), ("qkv_bias", "o_bias", "qk_norm")])
+def test_shape_agrees_with_model_config_and_the_built_parameters(flags):
+  """Every flag that adds parameters is counted alike by ModelConfig.num_params, the simulator's
+  ModelShape and the parameter tree the model builds, for both heads (the simulator's copy of
+  the formula missed o_proj's bias after ModelConfig's was fixed)."""
+  import math
+
+  import jax
+  from rlhfuse_jax.models import llama
+  from rlhfuse_jax.perf import accounting
+  for head in ("lm", "scalar"):
+    cfg = llama.ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=16, head=head,
+                            **{f: True for f in flags})
+    built = sum(math.prod(x.shape) for x in jax.tree.leaves(llama.param_shapes(cfg)))
+    shape = shapes.from_model_config(cfg)
+    assert built == cfg.num_params() == shape.num_params(), (flags, head)
+    # 4 heads x 16 = 64 query columns of a 32-wide model: q, k, v, o and the gated MLP
+    assert accounting.layer_matmul_params(cfg) == shape.layer_matmul_params() == (
+        32 * 16 * (4 + 2 * 2) + 4 * 16 * 32 + 3 * 32 * 64)
 
 
 def test_kv_bytes_and_flops():

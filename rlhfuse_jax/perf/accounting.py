@@ -42,6 +42,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from rlhfuse_jax.sim import shapes
+
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -74,9 +76,9 @@ def decode_step_bytes(cfg: Any, batch: int, kv_len: float) -> dict[str, int]:
 
 
 def layer_matmul_params(cfg: Any) -> int:
-  """Weights of one decoder layer that take part in matrix products (no norms or biases)."""
-  e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim_
-  return e * d * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * d * e + 3 * e * f
+  """Weights of one decoder layer that take part in matrix products (no norms or biases): the
+  simulator's count of the same model."""
+  return shapes.from_model_config(cfg).layer_matmul_params()
 
 
 def forward_flops(cfg: Any, batch: int, seq_len: int, head_positions: int) -> float:

@@ -36,6 +36,7 @@ class ModelShape:
   head: str = "lm"  # "lm" (actor, reference) or "scalar" (critic, reward model)
   tie_embeddings: bool = False
   qkv_bias: bool = False
+  o_bias: bool = False  # a bias on the attention's output projection (LLaMA's attention_bias)
   max_seq_len: int = 2048
   qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm gains: 2 * head_dim params a layer
 
@@ -63,11 +64,15 @@ class ModelShape:
     return f"tp{tp} does not divide {self.name}'s {', '.join(bad)}" if bad else None
 
   def num_params(self) -> int:
-    """Same count as ModelConfig.num_params()."""
+    """Same count as ModelConfig.num_params() (models/ may not import the simulator, nor the
+    simulator jax: tests/test_sim_presets.py checks both against the built parameter tree for
+    every flag that adds parameters)."""
     e, f, d = self.hidden_size, self.intermediate_size, self.head_dim_
     attn = e * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * e
     if self.qkv_bias:
       attn += d * (self.num_heads + 2 * self.num_kv_heads)
+    if self.o_bias:
+      attn += e
     if self.qk_norm:
       attn += 2 * d
     layer = attn + 3 * e * f + 2 * e
@@ -76,12 +81,15 @@ class ModelShape:
         self.vocab_size * e if self.head == "lm" else e + 1)
     return self.num_layers * layer + embed + head + e
 
+  def layer_matmul_params(self) -> int:
+    """Weights of one decoder layer that take part in matrix products (no norms or biases)."""
+    e, f, d = self.hidden_size, self.intermediate_size, self.head_dim_
+    return e * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * e + 3 * e * f
+
   def matmul_params(self) -> int:
     """Parameters that take part in matrix products (no embedding lookup, norms or biases)."""
-    e, f, d = self.hidden_size, self.intermediate_size, self.head_dim_
-    layer = e * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * e + 3 * e * f
-    head = self.vocab_size * e if self.head == "lm" else e
-    return self.num_layers * layer + head
+    head = self.vocab_size * self.hidden_size if self.head == "lm" else self.hidden_size
+    return self.num_layers * self.layer_matmul_params() + head
 
   def forward_flops(self, tokens: float, mean_context: float) -> float:
     """Forward FLOPs of `tokens` tokens attending on average to `mean_context` keys each."""
@@ -114,8 +122,8 @@ def from_model_config(cfg: Any, name: str = "custom") -> ModelShape:
                     intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
                     num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                     head_dim=cfg.head_dim, head=cfg.head, tie_embeddings=cfg.tie_embeddings,
-                    qkv_bias=cfg.qkv_bias, max_seq_len=cfg.max_seq_len,
-                    qk_norm=getattr(cfg, "qk_norm", False))
+                    qkv_bias=cfg.qkv_bias, o_bias=getattr(cfg, "o_bias", False),
+                    max_seq_len=cfg.max_seq_len, qk_norm=getattr(cfg, "qk_norm", False))
 
 
 def from_hf_config(path: str, name: str) -> ModelShape:
@@ -137,13 +145,17 @@ def from_hf_config(path: str, name: str) -> ModelShape:
                      "config.json: LLaMA, Mistral, Qwen)")
   heads = hf["num_attention_heads"]
   model_type = str(hf.get("model_type", ""))
+  # Biases as the loader reads them (models/hf_loader.config_from_hf): Qwen2 on q, k, v; Mistral
+  # none whatever the file says; LLaMA and Qwen3 on q, k, v and o with attention_bias.
+  qkv_bias = o_bias = model_type != "mistral" and bool(hf.get("attention_bias"))
+  if model_type == "qwen2":
+    qkv_bias, o_bias = True, False
   return ModelShape(
       name=name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
       intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or 0, tie_embeddings=bool(hf.get("tie_word_embeddings")),
-      qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias")),
-      max_seq_len=int(hf.get("max_position_embeddings") or 2048),
+      qkv_bias=qkv_bias, o_bias=o_bias, max_seq_len=int(hf.get("max_position_embeddings") or 2048),
       qk_norm=model_type == "qwen3")
 
 
