@@ -36,6 +36,14 @@ def not_a_number(response, answer, record):
 NOT_CALLABLE = 3
 
 
+def two_args(response, answer):
+  return 0.0
+
+
+def with_defaults(response, answer=None, record=None, *, scale=1.0):
+  return scale * len(response)
+
+
 # ------------------------------------------------------------ the verifiers, text in
 @pytest.mark.parametrize("response, score", [
     ("She sold 24 in May, 72 in all.", 1.0),  # the last number
@@ -246,11 +254,16 @@ def test_user_function_by_import_path(tok):
     ("tests.test_rewards:missing", "module 'tests.test_rewards' has no attribute 'missing'"),
     ("tests.test_rewards:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a callable"),
     ("tests.test_rewards:", "expected 'package.module:function'"),
+    # Called as fn(response, answer, record): a function that cannot take them is refused now
+    # (it failed at the first reward, after set-up and the first generation).
+    ("tests.test_rewards:two_args", r"its signature \(response, answer\) cannot take the three "
+                                    r"arguments it is called with, \(response, answer, record\)"),
     # A dot where the colon goes is an unknown name, with the colon suggested.
     ("tests.test_rewards.answer_length", r"did you mean 'tests\.test_rewards:answer_length' \(a "
                                          r"colon before the function\)\?"),
 ])
 def test_bad_function_specs_fail_before_the_run(spec, expected):
+  rewards_lib.get_reward_function("tests.test_rewards:with_defaults")  # takes the three
   with pytest.raises(ValueError, match=expected):
     rewards_lib.get_reward_function(spec)
   with pytest.raises(ValueError, match=rf"^config\.reward\.function='{re.escape(spec)}': "

@@ -1,7 +1,9 @@
 """Verifiable reward functions: Python scorers of generated responses against a known target.
 
 For `reward.kind='function'` the trainer scores a batch with one call
-`fn(records, response_ids, response_lengths, tokenizer) -> rewards [B] float32 in [0, 1]`:
+`fn(records, response_ids, response_lengths, tokenizer) -> rewards [B] float32` (the
+registered verifiers and format rewards score in [0, 1]; a function of your own may return any
+finite number, a penalty included):
 
   records: the B prompt records; each holds its answer under 'target' (text).
   response_ids: generated ids after the prompt.  # [B, T] int
@@ -21,6 +23,7 @@ error. `resolve_reward_function` maps config.reward.function to a batch function
 from __future__ import annotations
 
 import importlib
+import inspect
 import numbers
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -212,6 +215,22 @@ def import_function(spec: str) -> Callable:
   return node
 
 
+def _check_arguments(fn: Callable, spec: str) -> None:
+  """A ValueError now when `fn` cannot be called as fn(response, answer, record) (it failed at
+  the first reward, after the models were built and the first batch generated). A callable
+  whose signature Python cannot read (a C function) is left to that first call."""
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return
+  try:
+    signature.bind("response", "answer", {"record": 1})
+  except TypeError as e:
+    raise ValueError(f"reward function {spec!r}: its signature {signature} cannot take the "
+                     f"three arguments it is called with, (response, answer, record) ({e}); "
+                     "one it does not need can be a `*_` or a default") from None
+
+
 def weighted_sum(terms: Sequence[tuple[float, RewardFn]]) -> RewardFn:
   """sum_i w_i * fn_i(...): e.g. a verifier plus a weighted format reward."""
   def total(records, response_ids, response_lengths, tokenizer) -> np.ndarray:
@@ -240,7 +259,9 @@ def get_reward_function(name: str) -> RewardFn:
   if name in REWARD_FUNCTIONS:
     return REWARD_FUNCTIONS[name]
   if ":" in name:
-    return per_sample(import_function(name), name)
+    fn = import_function(name)
+    _check_arguments(fn, name)
+    return per_sample(fn, name)
   module, _, attr = name.rpartition(".")
   hint = (f"; did you mean {module + ':' + attr!r} (a colon before the function)?"
           if module and attr else "")
