@@ -612,3 +612,42 @@ def test_the_simulator_reads_a_config_json_as_the_loader_does(arch, tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
   with pytest.raises(ValueError, match=r"shape 'x': .*config\.json has no integer \['vocab_size'"):
     shapes.from_hf_config(str(tmp_path), "x")
+
+
+# ModelConfig fields that do not describe the model an HF config.json holds: how it runs here.
+RUN_ONLY_FIELDS = {"param_dtype", "dtype", "attention", "fused_projections", "remat",
+                   "scan_layers"}
+# A value other than the default for every other field (with what it needs beside it).
+NON_DEFAULT = {
+    "vocab_size": {"vocab_size": 40}, "hidden_size": {"hidden_size": 48},
+    "intermediate_size": {"intermediate_size": 80}, "num_layers": {"num_layers": 3},
+    "num_heads": {"num_heads": 8, "num_kv_heads": 4}, "num_kv_heads": {"num_kv_heads": 1},
+    "head_dim": {"head_dim": 16}, "rope_theta": {"rope_theta": 5e5},
+    "rms_norm_eps": {"rms_norm_eps": 1e-5}, "tie_embeddings": {"tie_embeddings": True},
+    "qkv_bias": {"qkv_bias": True}, "o_bias": {"qkv_bias": True, "o_bias": True},
+    "max_seq_len": {"max_seq_len": 512},
+    **{f: {"rope_type": "llama3", "rope_factor": 8.0, "rope_low_freq_factor": 2.0,
+           "rope_high_freq_factor": 8.0, "rope_original_max_len": 256}
+       for f in ("rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                 "rope_original_max_len")},
+    "qk_norm": {"qk_norm": True}, "head": {"head": "scalar"},
+    "score_pad_id": {"head": "scalar", "score_pad_id": 3},
+}
+
+
+@pytest.mark.parametrize("field", sorted(NON_DEFAULT))
+def test_every_model_field_survives_the_hf_export(field):
+  """An exported config.json read back gives every ModelConfig field the model had: a field
+  the export wrote as a constant would load as another model without a word (a researcher's
+  new MLP activation came back as SwiGLU). A new field must be added here or to
+  RUN_ONLY_FIELDS, so that its export is decided, not forgotten (one that cannot be exported
+  gets a test that hf_config_dict refuses it)."""
+  fields = {f.name for f in dataclasses.fields(llama.ModelConfig)}
+  assert fields == set(NON_DEFAULT) | RUN_ONLY_FIELDS, fields ^ (set(NON_DEFAULT) |
+                                                                 RUN_ONLY_FIELDS)
+  base = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+              num_kv_heads=2)
+  cfg = llama.ModelConfig(**{**base, **NON_DEFAULT[field]})
+  assert getattr(cfg, field) != getattr(llama.ModelConfig(**base), field)
+  back = hf_loader.config_from_hf(hf_loader.hf_config_dict(cfg))
+  assert getattr(back, field) == getattr(cfg, field)
