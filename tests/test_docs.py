@@ -39,6 +39,7 @@ ARCHITECTURE_SECTIONS = (
     "## 5. Other system optimisations",
     "## 6. Simulator",
     "## 7. Conventions and the dependency rule",
+    "## 8. Changing the code",
 )
 # Flags absl defines for every binary.
 ABSL_FLAGS = {"help", "helpfull", "helpshort", "flagfile", "logtostderr", "alsologtostderr",
