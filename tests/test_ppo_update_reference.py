@@ -186,6 +186,15 @@ def test_first_minibatch_ratio_is_one():
   assert abs(float(m["actor/ppo_kl"])) < 1e-6
 
 
+def _groups_batch(rng, n):
+  """(mask, scores, old log-probs, reference log-probs) of n random samples of up to T tokens."""
+  mask = (np.arange(T)[None] < rng.integers(1, T + 1, n)[:, None]).astype(np.float32)
+  scores = rng.normal(0, 1, n).astype(np.float32)
+  old = rng.normal(-2, 0.3, (n, T)).astype(np.float32)
+  ref = rng.normal(-2, 0.3, (n, T)).astype(np.float32)
+  return mask, scores, old, ref
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
 def test_group_estimators_keep_the_kl_penalty_in_the_reward(estimator):
   """With the KL in the reward a group estimator compares each sample's summed token rewards,
@@ -193,12 +202,8 @@ def test_group_estimators_keep_the_kl_penalty_in_the_reward(estimator):
   the bare scores would drop the KL altogether. With the KL as a loss term the scores are
   compared as they are."""
   from rlhfuse_jax.rl import advantages as adv_lib
-  rng = np.random.default_rng(3)
   n, g = 8, 4
-  mask = (np.arange(T)[None] < rng.integers(1, T + 1, n)[:, None]).astype(np.float32)
-  scores = rng.normal(0, 1, n).astype(np.float32)
-  old = rng.normal(-2, 0.3, (n, T)).astype(np.float32)
-  ref = rng.normal(-2, 0.3, (n, T)).astype(np.float32)
+  mask, scores, old, ref = _groups_batch(np.random.default_rng(3), n)
   fn = {"grpo": adv_lib.grpo_advantages, "dr_grpo": adv_lib.dr_grpo_advantages,
         "rloo": adv_lib.rloo_advantages}[estimator]
   algo = AlgoConfig(estimator=estimator, kl_in_reward=True, kl_coef=0.5, kl_estimator="k1")
@@ -224,12 +229,9 @@ def test_an_estimator_added_to_the_registry_alone_gets_its_kind_of_treatment(mon
   reg = adv_lib.ADVANTAGE_ESTIMATORS
   monkeypatch.setitem(reg, "centred", dataclasses.replace(reg["dr_grpo"], description="new"))
   monkeypatch.setitem(reg, "gae2", dataclasses.replace(reg["gae"], description="new"))
-  rng = np.random.default_rng(4)
   n, g = 8, 4
-  mask = (np.arange(T)[None] < rng.integers(1, T + 1, n)[:, None]).astype(np.float32)
-  scores = rng.normal(0, 1, n).astype(np.float32)
-  old = rng.normal(-2, 0.3, (n, T)).astype(np.float32)
-  ref = rng.normal(-2, 0.3, (n, T)).astype(np.float32)
+  rng = np.random.default_rng(4)
+  mask, scores, old, ref = _groups_batch(rng, n)
   algo = AlgoConfig(estimator="centred", kl_in_reward=True, kl_coef=0.5, kl_estimator="k1")
   adv, _, _, _ = ppo.advantages_and_returns(algo, g, scores, mask, old, ref, None)
   penalised = scores - 0.5 * np.sum((old - ref) * mask, -1)
