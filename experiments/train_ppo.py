@@ -138,6 +138,9 @@ def _start_and_train() -> tuple[TrainConfig, PPOTrainer]:
     sys.stderr.flush()
     os._exit(EXIT_SAVE_FAILED if isinstance(e, checkpointing.SaveError)
              else multihost.EXIT_PEER_LOST)
+  except (jax.errors.JaxRuntimeError, ValueError) as e:
+    multihost.exit_if_peer_lost(e)  # a training collective whose peer died: 69, at once
+    raise
   return cfg, trainer
 
 

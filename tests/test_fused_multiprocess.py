@@ -135,7 +135,8 @@ def test_a_process_that_dies_or_hangs_fails_the_other_with_a_clear_error(tmp_pat
   runs go one after the other: side by side (4 processes on a loaded 2-core CI machine) process
   1 of the dying run once came to a collective more than 30 s late, past gloo's own context
   deadline, so process 0 stopped before process 1 could die (EXIT_PEER_LOST, not 7). The dying
-  run exchanges over every device (exchange_on="devices"), the other over the host mesh."""
+  run exchanges over the host mesh (exchange_on="host", the default: gloo's failure comes as
+  a ValueError there), the other over every device."""
   # The hanging run's watchdog may fire while process 1 is still on its way to round 3: that
   # ends it for the same reason (a peer that does not come), so 8 s is enough.
   for how, timeout in (("die", "120"), ("hang", "8")):
@@ -143,7 +144,7 @@ def test_a_process_that_dies_or_hangs_fails_the_other_with_a_clear_error(tmp_pat
     os.makedirs(out_dir)
     t0 = time.time()
     procs = launch(2, 4, out_dir, FUSED_MP_FAIL=f"1:3:{how}", FUSED_MP_TIMEOUT_S=timeout,
-                   FUSED_MP_EXCHANGE="devices" if how == "die" else "host")
+                   FUSED_MP_EXCHANGE="host" if how == "die" else "devices")
     try:
       code = procs[0].wait(timeout=TIMEOUT_S)
       elapsed = time.time() - t0
@@ -253,9 +254,41 @@ def test_only_the_runtimes_errors_are_blamed_on_another_process():
                                                      r"x did not complete.*Connection reset"):
     with ex.guard("x"):
       raise jax.errors.JaxRuntimeError("UNAVAILABLE: Gloo: Connection reset by peer")
+  # jax 0.10 raises gloo's failure inside a jitted call as a ValueError (the default host
+  # exchange's path): it went through as this process's own error, and the process waited
+  # ~100 s for the coordination service to end it with 134.
+  with pytest.raises(multihost.PeerLostError, match="Gloo AllGather failed"):
+    with ex.guard("x"):
+      raise ValueError("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/"
+                       "pair.cc:538] Read error [127.0.0.1]:9954: Connection reset by peer")
   for own in (ValueError("shapes (2,) and (3,) differ"),
               jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 GiB")):
     with pytest.raises(type(own)) as raised:
       with ex.guard("x"):
         raise own
     assert raised.value is own
+
+
+def test_a_training_collectives_lost_peer_ends_the_process_with_69_at_once(monkeypatch):
+  """train_ppo outside fused generation's exchanges (the training step's collectives): the
+  transport's report of a dead peer ends the process with EXIT_PEER_LOST at once, naming the
+  cause (it waited ~100 s for jax's coordination service and ended with 134, which the
+  launcher blamed on this process); another error, or one process, is left to the caller."""
+  import jax
+  import pytest
+  from rlhfuse_jax.generation import multihost
+  exits = []
+
+  def fake_exit(code):
+    exits.append(code)
+    raise SystemExit(code)
+  monkeypatch.setattr(multihost.os, "_exit", fake_exit)
+  lost = jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: Connection reset by peer")
+  multihost.exit_if_peer_lost(lost)  # one process: nothing to blame
+  monkeypatch.setattr(multihost.jax, "process_count", lambda: 2)
+  multihost.exit_if_peer_lost(ValueError("shapes (2,) and (3,) differ"))  # its own
+  multihost.exit_if_peer_lost(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Gloo OOM"))
+  assert exits == []
+  with pytest.raises(SystemExit):
+    multihost.exit_if_peer_lost(lost)
+  assert exits == [EXIT_PEER_LOST]

@@ -70,6 +70,38 @@ class PeerLostError(RuntimeError):
   """A collective of the fused loop failed: another process died or left."""
 
 
+# What the collectives' transport says when a peer process is gone (gloo over TCP; jax's
+# coordination service). jax 0.10 raises a gloo failure inside a jitted call as a ValueError
+# ("UNKNOWN: Gloo AllGather failed ... Connection reset by peer"), elsewhere as JaxRuntimeError.
+_TRANSPORT_FAILURES = ("Gloo", "Connection reset by peer", "Connection closed by peer",
+                       "Broken pipe", "UNAVAILABLE:")
+
+
+def exit_if_peer_lost(e: BaseException) -> None:
+  """Ends this process with EXIT_PEER_LOST, at once, when `e` (raised out of a multi-process
+  run's training or generation) is a collective's report of a peer that died or left
+  (transport_failure): it waited for jax's coordination service to notice the dead peer
+  (~100 s) and ended with 134, which the launcher then blamed on this process. Returns
+  otherwise (one process, or another error: the caller raises it)."""
+  if jax.process_count() == 1 or not transport_failure(e):
+    return
+  msg = (f"process {jax.process_index()} of {jax.process_count()}: a collective failed because "
+         f"another process died or left the run (see the other processes' logs): "
+         f"{type(e).__name__}: {str(e)[:500]}; exiting ({EXIT_PEER_LOST})")
+  logging.error("%s", msg)
+  logging.flush()
+  print(msg, file=sys.stderr, flush=True)
+  os._exit(EXIT_PEER_LOST)
+
+
+def transport_failure(e: BaseException) -> bool:
+  """Whether `e`, raised by a cross-process collective, is its transport's report of a peer that
+  died or left (not this process's own error: an out-of-memory, a shape or compile error)."""
+  return (isinstance(e, (jax.errors.JaxRuntimeError, ValueError, OSError)) and
+          not str(e).startswith("RESOURCE_EXHAUSTED") and
+          any(t in str(e) for t in _TRANSPORT_FAILURES))
+
+
 def process_of(devices: Sequence[jax.Device], what: str,
                width_field: str = "config.fusion.instance_devices") -> int:
   """The one process that owns `devices`; a clear error, naming the config field that sets an
@@ -168,12 +200,17 @@ class Exchange:
     timer.start()
     try:
       yield
-    except (jax.errors.JaxRuntimeError, OSError) as e:
-      # The runtime's error (gloo: connection closed or reset by the peer). Not one that names
-      # this process's own cause (an out-of-memory here), nor any other exception (a compile
-      # or a shape error of the block): blamed on another process, it became exit 69, which a
-      # scheduler's requeue rule would retry for ever.
-      if str(e).startswith("RESOURCE_EXHAUSTED"):
+    except (jax.errors.JaxRuntimeError, OSError, ValueError) as e:
+      # The runtime's error (gloo: connection closed or reset by the peer; from a jitted call a
+      # ValueError: transport_failure). Not one that names this process's own cause (an
+      # out-of-memory here), nor any other exception (a compile or a shape error of the block):
+      # blamed on another process, it became exit 69, which a scheduler's requeue rule would
+      # retry for ever. (A ValueError not from the transport went on as this process's error,
+      # and the process waited for the coordination service's heartbeat timeout, ~100 s, to
+      # end with 134.)
+      own = str(e).startswith("RESOURCE_EXHAUSTED") or (
+          isinstance(e, ValueError) and not transport_failure(e))
+      if own:
         raise
       raise PeerLostError(f"{self._message(what)}: {type(e).__name__}: {e}") from e
     finally:
