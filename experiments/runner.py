@@ -150,6 +150,11 @@ def note_start() -> None:
   _START.update(started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), git_commit=git_commit())
 
 
+def start_record() -> dict:
+  """What note_start read at this run's start: {started, git_commit} (empty before it ran)."""
+  return dict(_START)
+
+
 def command_line() -> str:
   """This process's command line as a shell would take it back (quoted where needed), an
   experiments binary written as `python -m experiments.NAME`."""

@@ -21,9 +21,12 @@ generation lost another process of a multi-process run (docs/usage.md).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
+import zlib
+from typing import Any
 
 import jax
 from absl import flags, logging
@@ -103,6 +106,22 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
                     num_devices, planned, num_devices)
 
 
+def check_same_run_everywhere(config: Any) -> None:
+  """A ValueError on every process unless all run the same config (the ConfigDict after the
+  command line's overrides) from the same git commit: each process computes "its" share of
+  one global batch from the config and the code, so two processes with another seed (or a
+  worker of a TPU pod on another checkout) trained side by side on different batches, each
+  logging its own rewards, without an error."""
+  as_json = json.dumps(config.to_dict() if hasattr(config, "to_dict") else dict(config),
+                       sort_keys=True, default=str)
+  commit = runner.start_record().get("git_commit") or ""
+  distributed.check_same_over_processes(
+      tuple(zlib.crc32(x.encode()) & 0x7FFFFFFF for x in (as_json, commit)),
+      "the run (a checksum of the config as given, one of the git commit)",
+      ": every process must run the same command (config file and --config.* flags) on the "
+      "same checkout; each process's config.json would show its own, its log the commit")
+
+
 def check_own_workdir(workdir: str) -> None:
   """A ValueError when `workdir` holds another binary's outputs (its result.json's provenance
   names experiments.<other>): the run moved that binary's config.json and result.json to
@@ -116,6 +135,7 @@ def _start_and_train() -> tuple[TrainConfig, PPOTrainer]:
   trainer (which keeps the workdir lock until the caller has written result.json)."""
   if _DISTRIBUTED.value:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    check_same_run_everywhere(_CONFIG.value)
   cfg = TrainConfig.from_config_dict(_CONFIG.value)
   check_device_count(cfg, jax.device_count(), jax.default_backend(), jax.process_count())
   workdir = _WORKDIR.value

@@ -11,6 +11,7 @@ import fcntl
 import fnmatch
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -219,6 +220,17 @@ class WorkdirInUseError(RuntimeError):
   report it as one line, like bad input)."""
 
 
+def lock_token(workdir: str) -> int:
+  """The start token of the run that holds (or last held) `workdir`'s lock (WorkdirLock), as
+  this host reads it: -1 when there is none (no lock file, another format)."""
+  try:
+    with open(os.path.join(workdir, ".lock")) as f:
+      m = re.search(r"\(start (\d+)\)", f.read())
+  except OSError:
+    return -1
+  return int(m.group(1)) if m else -1
+
+
 class WorkdirLock:
   """An exclusive lock on a workdir for the life of a run (fcntl.flock on workdir/.lock, which
   holds the holder's pid and host). A second run on the same workdir fails at once, naming the
@@ -246,10 +258,14 @@ class WorkdirLock:
       self._f = None
       raise WorkdirInUseError(f"workdir {workdir} is in use by another run ({holder}); wait for "
                               "it to finish or stop it, or use another --workdir") from None
+    # A random token beside the holder: the processes of a multi-host run each read it back
+    # (lock_token) to find a workdir that is not one directory on every host.
+    self.token = random.SystemRandom().randrange(1, 2**31 - 1)
     self._f.seek(0)
     self._f.truncate()
-    self._f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    self._f.write(f"pid {os.getpid()} on {socket.gethostname()} (start {self.token})\n")
     self._f.flush()
+    os.fsync(self._f.fileno())
 
   def release(self) -> None:
     if self._f is not None:

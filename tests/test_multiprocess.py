@@ -139,6 +139,47 @@ def test_a_locked_workdir_stops_every_process_at_once(tmp_path):
   assert f"workdir {wd} could not be locked by process 0" in logs[1], logs[1][-2000:]
 
 
+def _two_processes(tmp_path, workdirs, per_process_args=((), ())):
+  """train_ppo on 2 processes x 2 CPU devices (--distributed on 127.0.0.1): their outputs."""
+  env = subprocess_env(2)
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = str(sock.getsockname()[1])
+  procs = [subprocess.Popen([sys.executable, "-m", "experiments.train_ppo",
+                             "--config=configs/ppo_tiny.py", f"--workdir={workdirs[i]}",
+                             "--distributed", f"--coordinator_address=127.0.0.1:{port}",
+                             "--num_processes=2", f"--process_id={i}", *SMALL,
+                             *per_process_args[i]],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True) for i in range(2)]
+  try:
+    return [(p.communicate(timeout=300)[0], p.returncode) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+
+
+def test_processes_on_different_workdirs_or_runs_stop_at_once(tmp_path):
+  """A workdir that is not one directory on every host (each process its own, as a node-local
+  path) stops every process at set-up: it trained, then hung for ever at the first checkpoint
+  save. Processes that run different configs (here another seed) stop too: they trained side
+  by side on different batches, each logging its own rewards."""
+  outs = _two_processes(tmp_path, [str(tmp_path / "a"), str(tmp_path / "b")])
+  for log, code in outs:
+    assert code == 1, log[-3000:]
+    assert (f"the processes disagree on the workdir {tmp_path / 'a'}" in log or
+            f"the processes disagree on the workdir {tmp_path / 'b'}" in log), log[-3000:]
+    assert "process 1: (-1,)" in log and "every host sees, at the same path" in log, log[-3000:]
+  shared = str(tmp_path / "shared")
+  outs = _two_processes(tmp_path, [shared, shared], (("--config.seed=0",), ("--config.seed=1",)))
+  for log, code in outs:
+    assert code == 1, log[-3000:]
+    assert "the processes disagree on the run (a checksum of the config as given" in log, (
+        log[-3000:])
+  assert not os.path.exists(shared)  # stopped before anything was written
+
+
 def test_too_few_devices_names_the_count_each_process_needs(tmp_path):
   """The launcher sets each process's device count: the hint names that, not a flag the
   launcher replaces."""

@@ -43,11 +43,13 @@ def test_a_workdir_lock_names_only_its_current_holder(tmp_path):
   (tmp_path / ".lock").write_text("pid 1 on an-old-host\n")
   lock = wd.WorkdirLock(str(tmp_path))
   try:
-    me = f"pid {os.getpid()} on {socket.gethostname()}"
+    me = f"pid {os.getpid()} on {socket.gethostname()} (start {lock.token})"
     assert (tmp_path / ".lock").read_text() == me + "\n"
+    assert wd.lock_token(str(tmp_path)) == lock.token > 0  # what the other hosts read back
     with pytest.raises(wd.WorkdirInUseError) as e:
       wd.WorkdirLock(str(tmp_path))
     assert f"({me})" in str(e.value) and "an-old-host" not in str(e.value)
+    assert wd.lock_token(str(tmp_path / "elsewhere")) == -1
   finally:
     lock.release()
 

@@ -131,6 +131,13 @@ class PPOTrainer:
           lambda: wd.WorkdirLock(workdir),
           f"workdir {workdir} could not be locked by process 0 (another run holds it, or the "
           "lock file cannot be written: process 0's log says which); use another --workdir")
+      # Every process reads back the token process 0 just wrote there: a workdir that is not
+      # one directory on every host (a node-local disk) trained, then hung for ever at the
+      # first checkpoint save, where orbax waits for every host's part.
+      distributed.check_same_over_processes(
+          (wd.lock_token(workdir),), f"the workdir {workdir} (the start token process 0 wrote "
+          "to its .lock; -1: not there)", ": the workdir must be one directory every host "
+          "sees, at the same path (a shared filesystem: NFS, Lustre, a mounted bucket)")
       self._setup(cfg, mesh)
     except BaseException:
       # A config error found after the checkpoint manager opened: close it here, or orbax's
