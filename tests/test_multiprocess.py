@@ -301,10 +301,22 @@ def test_slurm_one_task_per_node_sees_every_gpu_of_its_node(monkeypatch):
   # Half a manual setup names the missing flag (jax's own error named none, and a process_id
   # alone was dropped).
   n = len(calls)
-  for args, given in ((("127.0.0.1:1234",), "coordinator_address"), (("", 0, 1), "process_id")):
-    with pytest.raises(ValueError, match=f"{given} given without num_processes"):
+  for args, message in (
+      (("127.0.0.1:1234",), "coordinator_address given without num_processes and process_id"),
+      (("", 0, 1), "process_id given without coordinator_address and num_processes"),
+      (("", 2, 0), "num_processes and process_id given without coordinator_address")):
+    with pytest.raises(ValueError, match=f"{message}: pass all three"):
       distributed.initialize(*args)
   assert len(calls) == n
+  # No flags and no cluster jax can detect: jax's bare "coordinator_address should be defined."
+  # becomes what to do.
+  def no_cluster(**kw):
+    raise ValueError("coordinator_address should be defined.")
+  monkeypatch.setattr(jax.distributed, "initialize", no_cluster)
+  with pytest.raises(ValueError, match=r"--distributed: jax found no cluster to join \("
+                     r"coordinator_address should be defined\.\): .* give every process "
+                     r"--coordinator_address=HOST:PORT --num_processes=N --process_id=i"):
+    distributed.initialize()
 
 
 def test_processes_that_read_different_checkpoints_stop_naming_each(monkeypatch):

@@ -550,7 +550,8 @@ def test_a_process_id_alone_is_refused_and_only_process_0_is_main(monkeypatch):
   from rlhfuse_jax.parallel import distributed
   calls = []
   monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
-  with pytest.raises(ValueError, match="process_id given without num_processes"):
+  with pytest.raises(ValueError, match="process_id given without coordinator_address and "
+                     "num_processes"):
     distributed.initialize(process_id=0)
   assert not calls
   monkeypatch.setattr(jax, "process_index", lambda: 1)

@@ -32,12 +32,14 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
   """
   if num_processes and num_processes < 1:
     raise ValueError(f"num_processes={num_processes}: expected >= 1")
-  if (coordinator_address or process_id is not None) and not num_processes:
-    # jax's own error ("Number of processes must be defined") names no flag, and a process_id
-    # alone was dropped without a word.
-    given = [f for f, v in (("coordinator_address", coordinator_address),
-                            ("process_id", process_id)) if v or v == 0]
-    raise ValueError(f"{' and '.join(given)} given without num_processes: pass all three "
+  named = {"coordinator_address": bool(coordinator_address), "num_processes": bool(num_processes),
+           "process_id": process_id is not None}
+  if any(named.values()) and not all(named.values()):
+    # jax's own errors ("Number of processes must be defined", "coordinator_address should be
+    # defined") name no flag, and a process_id alone was dropped without a word.
+    given = [f for f, v in named.items() if v]
+    raise ValueError(f"{' and '.join(given)} given without "
+                     f"{' and '.join(f for f, v in named.items() if not v)}: pass all three "
                      "(--coordinator_address, --num_processes, --process_id), or none to let "
                      "jax detect the cluster (SLURM, TPU pods, Open MPI)")
   if num_processes and (process_id is None or not 0 <= process_id < num_processes):
@@ -58,7 +60,15 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
   if jax.config.jax_platforms in ("cpu",) or not jax.config.jax_platforms:
     # Cross-process collectives on CPU devices need gloo (GPUs use NCCL, TPUs ICI/DCN).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(**kwargs)
+  try:
+    jax.distributed.initialize(**kwargs)
+  except ValueError as e:
+    if coordinator_address:
+      raise
+    raise ValueError(f"--distributed: jax found no cluster to join ({e}): it detects SLURM, TPU "
+                     "pods and Open MPI; elsewhere give every process --coordinator_address="
+                     "HOST:PORT --num_processes=N --process_id=i (launch/local_multiprocess.sh "
+                     "does on one machine)") from e
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
