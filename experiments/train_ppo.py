@@ -91,12 +91,13 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
       what += f" (set by config.plan.file={cfg.plan.file!r}" + (
           f", a plan searched for {planned} devices" if planned else "") + ")"
     hint = ""
+    want = max(need, planned or 0)  # a plan's own count: fewer run it on another layout
     if platform == "cpu" and processes > 1:  # the launcher sets each process's count
-      hint = (f"; {processes} processes need at least {-(-need // processes)} CPU devices each "
+      hint = (f"; {processes} processes need at least {-(-want // processes)} CPU devices each "
               f"(launch/local_multiprocess.sh N D: D)")
     elif platform == "cpu":
       hint = (f"; on a CPU host add fake devices before jax starts: "
-              f"XLA_FLAGS=--xla_force_host_platform_device_count={need}")
+              f"XLA_FLAGS=--xla_force_host_platform_device_count={want}")
     raise ValueError(f"{what} needs at least {need} devices, but jax sees {num_devices} "
                      f"({platform}){hint}")
   if planned and planned != num_devices:  # it runs, but not as the search timed and sized it

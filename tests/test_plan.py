@@ -409,6 +409,8 @@ def test_a_plan_for_more_devices_than_jax_sees_names_the_plan_file(tmp_path):
   assert (f"+ config.async_ppo.generation_devices=4 (set by config.plan.file={path!r}, a plan "
           "searched for 8 devices) needs at least 6 devices, but jax sees 1 (cpu); on a CPU "
           "host add fake devices") in out.stderr, out.stderr[-3000:]
+  # the plan's own count, not the least that starts (with 6 it trained on 2 devices, not 4)
+  assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in out.stderr, out.stderr[-3000:]
 
 
 def test_a_plan_searched_for_other_devices_says_so(tmp_path):
