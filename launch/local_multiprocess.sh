@@ -81,8 +81,12 @@ trap forward INT TERM
 # others (they may wait for it in a collective until jax.distributed times out). Process 0's
 # output is already on screen while it is followed.
 show_failure() {  # process index, status
-  echo "--- process $1 exited $2; the end of ${WORKDIR%/}.proc$1.log:"
-  tail -c +$((offsets[$1] + 1)) "${WORKDIR%/}.proc$1.log" | tail -n 15 || true
+  local log="${WORKDIR%/}.proc$1.log" cause
+  # The error line first: after a runtime abort the log's last lines are a C++ stack dump.
+  cause=$(tail -c +$((offsets[$1] + 1)) "$log" | grep -E '^E[0-9]{4} |Error: ' | tail -n 1 || true)
+  echo "--- process $1 exited $2${cause:+; its last error: $cause}"
+  echo "--- the end of $log:"
+  tail -c +$((offsets[$1] + 1)) "$log" | tail -n 15 || true
 }
 # Each process's status once it has ended ("" while it runs): bash reaps its children and
 # keeps their statuses for `wait`, so `kill -0` fails once a process has ended.

@@ -4,7 +4,11 @@
 # Cloud Storage FUSE, or NFS): gs:// URIs are refused (runs lock, rename and checkpoint by path).
 #
 #   gcloud compute tpus tpu-vm ssh NAME --worker=all --command \
-#     "cd rlhfuse_jax && bash launch/tpu_pod.sh configs/ppo_llama.py:7b /mnt/bucket/run"
+#     "cd rlhfuse_jax && nohup bash launch/tpu_pod.sh configs/ppo_llama.py:7b /mnt/bucket/run \
+#      > ~/run.log 2>&1 &"
+# (nohup: a dropped ssh session does not end the run.) Every worker needs the same checkout and
+# config: the run stops at set-up when their git commits or configs differ. Exit 75 (stopped
+# by a preemption's SIGTERM after saving): run the same command again to resume.
 # BINARY picks experiments/BINARY.py: train_ppo (default; fused with
 # --config.fusion.inter_stage=True) or bench_generation (config: configs/bench_generation.py).
 set -euo pipefail

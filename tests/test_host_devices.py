@@ -87,9 +87,18 @@ def test_the_launcher_exits_with_a_failure_rather_than_a_clean_stop(tmp_path):
     assert out.returncode == want, (codes, out.stdout, out.stderr)
     assert f"(process:status): 0:{codes[0]} 1:{codes[1]}; exit status {want}" in out.stdout
     assert out.stdout.count("why 0 ended") == 1, out.stdout  # followed, not repeated
-    failed_1 = f"--- process 1 exited {codes[1]}; the end of {tmp_path}/run.proc1.log:"
+    failed_1 = f"--- process 1 exited {codes[1]}\n--- the end of {tmp_path}/run.proc1.log:"
     assert (failed_1 in out.stdout) == (codes[1] not in (0, 75)), out.stdout
     assert out.stdout.count("why 1 ended") == (codes[1] not in (0, 75)), out.stdout
+  # After a runtime abort the log ends in a stack dump: its last error line comes first.
+  fake = _stand_in(tmp_path / "python", "case \"$*\" in\n  *--process_id=0*) exit 0;;\n"
+                   "  *) echo 'E1130 15:00:00.000 1 x.py:9] ValueError: the cause'; "
+                   "for i in $(seq 30); do echo \"  frame $i\"; done; exit 134;;\nesac")
+  out = subprocess.run(["bash", launcher, "2", "1", str(tmp_path / "abort")], cwd=REPO,
+                       env=dict(os.environ, PYTHON=str(fake)), capture_output=True, text=True,
+                       timeout=60)
+  assert ("--- process 1 exited 134; its last error: E1130 15:00:00.000 1 x.py:9] ValueError: "
+          "the cause\n") in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("failing", [1, 0])
@@ -170,14 +179,17 @@ def test_the_slurm_script_requeues_a_run_stopped_after_saving(tmp_path):
   is returned as it is; submitted outside the repository it says so."""
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
-  for name, body in (("srun", f'echo "srun $*" >> {tmp_path}/calls; exit $SRUN_RC'),
+  for name, body in (("srun", f'echo "srun $* cpus=${{SRUN_CPUS_PER_TASK:-unset}}" >> '
+                             f'{tmp_path}/calls; exit $SRUN_RC'),
                      ("scontrol", f'echo "scontrol $*" >> {tmp_path}/calls')):
     _stand_in(bin_dir / name, body, python=False)
   script = os.path.join(REPO, "launch", "slurm_gpu.sbatch")
   for rc, requeued in ((75, True), (3, False)):
     (tmp_path / "calls").write_text("")
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_RC=str(rc),
-               SLURM_JOB_ID="4242")
+               SLURM_JOB_ID="4242", SLURM_CPUS_ON_NODE="96")
+    env.pop("SRUN_CPUS_PER_TASK", None)
+    env.pop("SLURM_CPUS_PER_TASK", None)
     out = subprocess.run(["bash", script, "configs/ppo_tiny.py", "/shared/wd", "--x=1"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == rc, out.stderr
@@ -185,8 +197,11 @@ def test_the_slurm_script_requeues_a_run_stopped_after_saving(tmp_path):
     assert ("-m experiments.train_ppo --config=configs/ppo_tiny.py --workdir=/shared/wd "
             "--distributed --x=1") in calls, calls
     assert ("scontrol requeue 4242" in calls) == requeued, calls
+    # the node's CPUs for its one process (srun >= 22.05 gave it one)
+    assert calls.splitlines()[0].endswith("cpus=96"), calls
   out = subprocess.run(["bash", script, "c.py", "/wd"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=60)
   assert out.returncode == 2 and "submit from the repository root" in out.stderr, out.stderr
   with open(script) as f:
-    assert "#SBATCH --signal=TERM@600" in f.read()
+    text = f.read()
+  assert "#SBATCH --signal=TERM@600" in text and "#SBATCH --open-mode=append" in text
