@@ -12,9 +12,9 @@ into the workdir:
                   times; the asynchronous plan where it beats the synchronous one, then with
                   "async": {generation_devices, training_devices, staleness, colocated} (the
                   generation and inference layouts on the generation group, training on the
-                  other devices)
+                  other devices), and the hardware's values ("hardware")
   result.json     {"best", "top", "uniform", "async", "plan_json", "stages", "systems",
-                  "search_s", "setting"}; best.predicted_iteration_s (synchronous),
+                  "search_s", "setting", "hardware"}; best.predicted_iteration_s (synchronous),
                   uniform.predicted_iteration_s and async.predicted_iteration_s (with
                   async.generation_devices, training_devices, staleness, colocated) are the
                   figures; plan_json says which plan plan.json holds ("synchronous" or
@@ -262,9 +262,12 @@ def main(argv):
     logging.warning("plan.json (%s) is not one train_ppo runs: %s; "
                     "--config.sim.trainer_runnable=True keeps the search to plans it runs",
                     plan["summary"], refusal)
-  wd.write_json(os.path.join(workdir, "plan.json"), plan)
+  # The hardware's values, not only its name: a file of one's own (--config.hardware=FILE.json)
+  # may change after the search.
+  hardware = cost.hw.to_dict()
+  wd.write_json(os.path.join(workdir, "plan.json"), {**plan, "hardware": hardware})
   runner.write_result(workdir, {
-      "setting": setting, "best": best, "top": res["top"], "uniform": uniform,
+      "setting": setting, "hardware": hardware, "best": best, "top": res["top"], "uniform": uniform,
       "async": asynchronous, "plan_json": which, "stages": res["stages"],
       "rejected": res["rejected"], "refused": res["refused"], "systems": systems,
       "search_s": res["search_s"]})

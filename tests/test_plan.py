@@ -531,6 +531,9 @@ def test_plan_search_binary_for_a_train_config(tmp_path):
   assert res["setting"]["train_config"] == "configs/ppo_tiny.py" and res["refused"]
   assert (tmp_path / "lengths" / "response_lengths.txt").exists()
   assert not (tmp_path / "plan_check.json").exists()
+  # the hardware's values, not only its name (a file of one's own may change after)
+  assert plan["hardware"] == res["hardware"] == json.loads(json.dumps(
+      get_hardware("h100_sxm").to_dict()))
   c = ppo_tiny.get_config()
   c.plan.file = str(tmp_path / "plan.json")
   cfg = TrainConfig.from_config_dict(c)

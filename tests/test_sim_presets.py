@@ -104,7 +104,10 @@ def test_a_hardware_file_changes_fields_of_its_base_preset(tmp_path):
   for spec, message in (({"base": "h100"}, r"whose \"base\" is a preset of"),
                         ({"base": "h100_sxm", "hbm_gb": 40}, r"unknown fields \['hbm_gb'\]"),
                         ({"base": "h100_sxm", "hbm_bytes": -1}, r"hbm_bytes=-1 must be a "
-                                                                r"positive")):
+                                                                r"positive"),
+                        # a node holds whole devices (4.5 was taken, and spans computed from it)
+                        ({"base": "h100_sxm", "devices_per_node": 4.5},
+                         r"devices_per_node=4\.5 must be an integer >= 1")):
     path.write_text(json.dumps(spec))
     with pytest.raises(ValueError, match=message):
       hardware.get_hardware(str(path))

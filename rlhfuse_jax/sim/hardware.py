@@ -86,9 +86,10 @@ class Hardware:
       v = getattr(self, f)
       if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
         raise ValueError(f"hardware {self.name!r}: {f}={v!r} must be a positive finite number")
-    if self.devices_per_node < 1:
-      raise ValueError(f"hardware {self.name!r}: devices_per_node={self.devices_per_node} "
-                       "must be >= 1")
+    if (not isinstance(self.devices_per_node, int) or isinstance(self.devices_per_node, bool)
+        or self.devices_per_node < 1):
+      raise ValueError(f"hardware {self.name!r}: devices_per_node={self.devices_per_node!r} "
+                       "must be an integer >= 1")
     if self.host_to_device_bw is not None and not self.host_to_device_bw > 0:
       raise ValueError(f"hardware {self.name!r}: host_to_device_bw must be > 0 or None")
     for p in self.collective_protocols or ():
