@@ -391,8 +391,10 @@ def test_binary_writes_plan_result_and_report(tmp_path):
   assert a["generation_devices"] + (0 if a["colocated"] else a["training_devices"]) == 32
   # plan.json: the faster plan, here the asynchronous one, with the synchronous plan's keys and
   # its split.
-  assert res["plan_json"] == "asynchronous" and plan == a["plan"] and not a["colocated"]
-  assert set(plan) == {"generation", "inference", "training", "predicted", "summary", "async"}
+  assert res["plan_json"] == "asynchronous" and not a["colocated"]
+  assert plan == {**a["plan"], "hardware": res["hardware"]}  # and the hardware's values
+  assert set(plan) == {"generation", "inference", "training", "predicted", "summary", "async",
+                       "hardware"}
   assert plan["async"] == {"generation_devices": a["generation_devices"], "staleness": 1,
                            "training_devices": 32 - a["generation_devices"], "colocated": False}
   assert plan["predicted"]["iteration_s"] < res["best"]["predicted_iteration_s"]
