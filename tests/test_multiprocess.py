@@ -342,3 +342,26 @@ def test_processes_that_read_different_checkpoints_stop_naming_each(monkeypatch)
   views[1] = (-2, 0)
   with pytest.raises(ValueError, match=r"process 1: \(-2, 0\)"):
     distributed.check_same_over_processes((40, 0), "where to start")
+
+
+def test_a_tensor_axis_across_hosts_is_warned_of(monkeypatch):
+  """The training mesh's tensor groups should stay inside a host (two all-reduces a layer):
+  one that spans processes on GPU or CPU is warned of, once; within hosts, or on a TPU slice
+  (its hosts share the ICI torus), nothing is said."""
+  @dataclasses.dataclass(frozen=True)
+  class dev:
+    id: int
+    process_index: int
+    platform: str = "gpu"
+  warned = []
+  monkeypatch.setattr(mesh_lib.logging, "warning", lambda *a: warned.append(a[0] % a[1:]))
+  monkeypatch.setattr(mesh_lib, "_warned", set())
+  gpus = [dev(i, i // 4) for i in range(8)]  # 2 hosts of 4
+  grid = lambda devices, shape: np.asarray(devices, dtype=object).reshape(shape)
+  assert not mesh_lib.warn_tensor_across_hosts(grid(gpus, (2, 1, 1, 4)))  # tensor 4 per host
+  assert not mesh_lib.warn_tensor_across_hosts(grid(gpus, (1, 2, 2, 2)))
+  assert mesh_lib.warn_tensor_across_hosts(grid(gpus, (1, 1, 1, 8)))
+  assert mesh_lib.warn_tensor_across_hosts(grid(gpus, (1, 1, 1, 8)))  # logged once
+  assert len(warned) == 1 and "mesh.tensor=8 spans 2 processes (hosts)" in warned[0], warned
+  tpus = [dev(i, i // 4, "tpu") for i in range(8)]
+  assert not mesh_lib.warn_tensor_across_hosts(grid(tpus, (1, 1, 1, 8)))

@@ -85,7 +85,32 @@ def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None, *
   shape = tuple(sizes[a] for a in MESH_AXES)
   arranged = (device_array(shape, devices) if by_topology
               else np.asarray(devices, dtype=object).reshape(shape))
+  if by_topology:
+    warn_tensor_across_hosts(arranged)
   return Mesh(arranged, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def warn_tensor_across_hosts(arranged: np.ndarray) -> bool:
+  """Warns (once per layout; returns True) when a tensor group of the training mesh (`arranged`,
+  MESH_AXES order) holds GPU or CPU devices of several processes: tensor parallelism all-reduces
+  twice per layer, over the hosts' network there instead of NVLink. (A TPU slice's hosts share
+  the ICI torus, so it is not warned of there.)"""
+  first = arranged.flat[0]
+  if getattr(first, "platform", None) == "tpu":
+    return False
+  procs = np.vectorize(lambda d: getattr(d, "process_index", 0), otypes=[int])(arranged)
+  tensor = procs.reshape(-1, arranged.shape[-1])  # one row per tensor group
+  if (tensor.min(axis=1) == tensor.max(axis=1)).all():
+    return False
+  key = ("tensor_across_hosts", arranged.shape)
+  if key not in _warned:
+    _warned.add(key)
+    logging.warning(
+        "mesh.tensor=%d spans %d processes (hosts): each layer's tensor-parallel all-reduces "
+        "cross the network between them; keep tensor within one host's devices (usually "
+        "tensor <= the devices per host, with data or fsdp across hosts)", arranged.shape[-1],
+        len(set(tensor[0].tolist())))
+  return True
 
 
 def device_array(shape: Sequence[int], devices: Sequence[Any]) -> np.ndarray:
