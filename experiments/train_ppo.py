@@ -100,6 +100,12 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
               f"XLA_FLAGS=--xla_force_host_platform_device_count={want}")
     raise ValueError(f"{what} needs at least {need} devices, but jax sees {num_devices} "
                      f"({platform}){hint}")
+  try:  # the axes' product, before the workdir is made (a bad value leaves none behind)
+    cfg.mesh.resolve(num_devices - gen)
+  except ValueError as e:
+    raise ValueError(f"config.{e}" + (f" (the training group: the devices left by config."
+                                      f"async_ppo.generation_devices={gen})" if gen else "")
+                     ) from None
   if planned and planned != num_devices:  # it runs, but not as the search timed and sized it
     logging.warning("config.plan.file=%r was searched for %d devices and this run has %d: its "
                     "predicted times and memory check are for %d (plan_search --config."

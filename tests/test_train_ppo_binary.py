@@ -116,6 +116,19 @@ def test_signals_before_the_loop_raise_and_the_loops_own_handler_takes_over():
     with pytest.raises(hooks.StoppedBeforeTraining) as stopped:
       _signal_self(signal.SIGTERM)
     assert stopped.value.signum == signal.SIGTERM
+    # The signal stays recorded: where the handler's raise is dropped (Python ran it inside a
+    # gc callback or a __del__, which print and drop exceptions) the next agreement point
+    # stops the run. (A SIGTERM right after the workdir lock once went unnoticed on a loaded
+    # CI machine: the run trained to the end.)
+    with pytest.raises(hooks.StoppedBeforeTraining):
+      hooks.agree_setup_signal()
+    try:
+      signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    except hooks.StoppedBeforeTraining:
+      pass  # dropped, as in a gc callback
+    with pytest.raises(hooks.StoppedBeforeTraining) as stopped:
+      hooks.StopFlag().begin(0)  # the loop's start is such a point
+    assert stopped.value.signum == signal.SIGTERM
     flag = hooks.StopFlag()
     flag.begin(0)
     try:
@@ -230,3 +243,17 @@ def test_the_compilation_cache_lives_in_the_workdir_unless_the_caller_set_one(tm
     if want is not None and caller is None:  # (the caller's keeps jax's 1 s threshold)
       assert os.listdir(want), f"nothing cached in {want}"
   assert sorted(os.listdir(tmp_path / "a" / "cache")) == ["xla"]  # 'none' wrote no other
+
+
+def test_mesh_axes_that_do_not_multiply_to_the_devices_leave_no_workdir(tmp_path):
+  """config.mesh whose axes do not make the devices jax sees is refused before the workdir is
+  made (it was refused after, leaving a workdir with a traceback.txt), naming the field."""
+  wd = str(tmp_path / "run")
+  env = subprocess_env(8)
+  out = subprocess.run([sys.executable, "-m", "experiments.train_ppo",
+                        "--config=configs/ppo_tiny.py", f"--workdir={wd}", "--config.mesh.data=3"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert ("config.mesh: axes {'data': 3, 'fsdp': 1, 'stage': 1, 'tensor': 1} multiply to 3 "
+          "devices but 8 are available") in out.stderr, out.stderr[-3000:]
+  assert not os.path.exists(wd)

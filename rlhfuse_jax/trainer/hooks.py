@@ -83,8 +83,13 @@ def stop_before_training():
 
   def handle(signum, frame):
     if not _LOOP["began"]:
-      if not _LOOP["pending"] and jax.distributed.is_initialized():
-        _LOOP["pending"] = signum
+      first = not _LOOP["pending"]
+      # Recorded before raising too: Python may run this handler inside a gc callback or a
+      # __del__ (jax frees arrays there), where the raised exception is printed and dropped;
+      # the next agreement point (agree_setup_signal) then stops the run. (A SIGTERM right
+      # after the workdir lock once went unnoticed on a loaded machine: the run trained on.)
+      _LOOP["pending"] = _LOOP["pending"] or signum
+      if first and jax.distributed.is_initialized():
         logging.warning("signal %d during set-up: stopping with the other processes where "
                         "they next agree (again: stop this process now)", signum)
         return
