@@ -288,6 +288,10 @@ def test_a_training_collectives_lost_peer_ends_the_process_with_69_at_once(monke
   monkeypatch.setattr(multihost.jax, "process_count", lambda: 2)
   multihost.exit_if_peer_lost(ValueError("shapes (2,) and (3,) differ"))  # its own
   multihost.exit_if_peer_lost(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Gloo OOM"))
+  # Our own errors quote what they saw (a reward function's, the model's response): not a
+  # runtime status, so not a lost peer.
+  multihost.exit_if_peer_lost(ValueError("reward function 'f' failed on sample 0 (response "
+                                         "'UNKNOWN: Gloo Connection reset by peer'): KeyError"))
   assert exits == []
   with pytest.raises(SystemExit):
     multihost.exit_if_peer_lost(lost)

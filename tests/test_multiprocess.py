@@ -308,6 +308,11 @@ def test_slurm_one_task_per_node_sees_every_gpu_of_its_node(monkeypatch):
     with pytest.raises(ValueError, match=f"{message}: pass all three"):
       distributed.initialize(*args)
   assert len(calls) == n
+  # jax reads the address from JAX_COORDINATOR_ADDRESS too: the count and index suffice then.
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+  distributed.initialize("", 2, 0)
+  assert calls[-1]["num_processes"] == 2 and len(calls) == n + 1
+  monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
   # No flags and no cluster jax can detect: jax's bare "coordinator_address should be defined."
   # becomes what to do.
   def no_cluster(**kw):
@@ -362,6 +367,10 @@ def test_a_tensor_axis_across_hosts_is_warned_of(monkeypatch):
   assert not mesh_lib.warn_tensor_across_hosts(grid(gpus, (1, 2, 2, 2)))
   assert mesh_lib.warn_tensor_across_hosts(grid(gpus, (1, 1, 1, 8)))
   assert mesh_lib.warn_tensor_across_hosts(grid(gpus, (1, 1, 1, 8)))  # logged once
-  assert len(warned) == 1 and "mesh.tensor=8 spans 2 processes (hosts)" in warned[0], warned
+  assert len(warned) == 1 and ("mesh.tensor=8: 1 of its 1 tensor groups span processes "
+                                "(hosts; up to 2 each)") in warned[0], warned
+  six = [dev(i, i // 6) for i in range(12)]  # 2 hosts of 6: tensor 4 does not divide 6
+  assert mesh_lib.warn_tensor_across_hosts(grid(six, (3, 1, 1, 4)))
+  assert "mesh.tensor=4: 1 of its 3 tensor groups span processes" in warned[-1], warned
   tpus = [dev(i, i // 4, "tpu") for i in range(8)]
   assert not mesh_lib.warn_tensor_across_hosts(grid(tpus, (1, 1, 1, 8)))

@@ -427,6 +427,11 @@ def test_a_plan_searched_for_other_devices_says_so(tmp_path):
   with pytest.raises(ValueError, match=r"config\.plan\.generation_tp=8: .*\(set by config\.plan"
                      r"\.file='[^']*', a plan searched for 256 devices\)"):
     tiny_config(**{"plan.file": bad})
+  # a hand-edited count that is not a number names no device count (it raised a TypeError)
+  odd = json.loads(open(bad).read())
+  odd["async"]["training_devices"] = "64"
+  from rlhfuse_jax.trainer.config import plan_devices
+  assert plan_devices(odd) is None and plan_devices(plan) == 256
   small = plan_json(tmp_path / "small.json", {},
                     training={"placement": "colocated", "devices": 16, "tp": 1, "actor_pp": 1,
                               "critic_pp": 1})

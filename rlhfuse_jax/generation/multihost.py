@@ -72,9 +72,12 @@ class PeerLostError(RuntimeError):
 
 # What the collectives' transport says when a peer process is gone (gloo over TCP; jax's
 # coordination service). jax 0.10 raises a gloo failure inside a jitted call as a ValueError
-# ("UNKNOWN: Gloo AllGather failed ... Connection reset by peer"), elsewhere as JaxRuntimeError.
+# ("UNKNOWN: Gloo AllGather failed ... Connection reset by peer"), elsewhere as JaxRuntimeError:
+# either way an XLA status ("UNKNOWN: ") leads the text, which no error of ours has.
+_RUNTIME_STATUSES = ("UNKNOWN: ", "UNAVAILABLE: ", "INTERNAL: ", "ABORTED: ", "CANCELLED: ",
+                     "DEADLINE_EXCEEDED: ", "FAILED_PRECONDITION: ")
 _TRANSPORT_FAILURES = ("Gloo", "Connection reset by peer", "Connection closed by peer",
-                       "Broken pipe", "UNAVAILABLE:")
+                       "Broken pipe", "heartbeat")
 
 
 def exit_if_peer_lost(e: BaseException) -> None:
@@ -96,10 +99,14 @@ def exit_if_peer_lost(e: BaseException) -> None:
 
 def transport_failure(e: BaseException) -> bool:
   """Whether `e`, raised by a cross-process collective, is its transport's report of a peer that
-  died or left (not this process's own error: an out-of-memory, a shape or compile error)."""
+  died or left: a runtime status naming the transport. Not this process's own error (an
+  out-of-memory, a shape or compile error), nor one of ours that quotes such words (a reward
+  function's error holds the model's response): blamed on a peer, it became exit 69, which a
+  requeue rule retries for ever."""
+  text = str(e)
   return (isinstance(e, (jax.errors.JaxRuntimeError, ValueError, OSError)) and
-          not str(e).startswith("RESOURCE_EXHAUSTED") and
-          any(t in str(e) for t in _TRANSPORT_FAILURES))
+          not getattr(e, "names_function", False) and text.startswith(_RUNTIME_STATUSES) and
+          any(t in text for t in _TRANSPORT_FAILURES))
 
 
 def process_of(devices: Sequence[jax.Device], what: str,

@@ -32,8 +32,10 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
   """
   if num_processes and num_processes < 1:
     raise ValueError(f"num_processes={num_processes}: expected >= 1")
-  named = {"coordinator_address": bool(coordinator_address), "num_processes": bool(num_processes),
-           "process_id": process_id is not None}
+  # jax reads the coordinator's address from JAX_COORDINATOR_ADDRESS too.
+  named = {"coordinator_address": bool(coordinator_address or
+                                       os.environ.get("JAX_COORDINATOR_ADDRESS")),
+           "num_processes": bool(num_processes), "process_id": process_id is not None}
   if any(named.values()) and not all(named.values()):
     # jax's own errors ("Number of processes must be defined", "coordinator_address should be
     # defined") name no flag, and a process_id alone was dropped without a word.
@@ -63,7 +65,7 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
   try:
     jax.distributed.initialize(**kwargs)
   except ValueError as e:
-    if coordinator_address:
+    if named["coordinator_address"]:
       raise
     raise ValueError(f"--distributed: jax found no cluster to join ({e}): it detects SLURM, TPU "
                      "pods and Open MPI; elsewhere give every process --coordinator_address="

@@ -105,11 +105,12 @@ def warn_tensor_across_hosts(arranged: np.ndarray) -> bool:
   key = ("tensor_across_hosts", arranged.shape)
   if key not in _warned:
     _warned.add(key)
+    split = [row for row in tensor.tolist() if len(set(row)) > 1]
     logging.warning(
-        "mesh.tensor=%d spans %d processes (hosts): each layer's tensor-parallel all-reduces "
-        "cross the network between them; keep tensor within one host's devices (usually "
-        "tensor <= the devices per host, with data or fsdp across hosts)", arranged.shape[-1],
-        len(set(tensor[0].tolist())))
+        "mesh.tensor=%d: %d of its %d tensor groups span processes (hosts; up to %d each): "
+        "each layer's tensor-parallel all-reduces cross the network there; keep every group "
+        "within one host (tensor a divisor of the devices per host, data or fsdp across "
+        "hosts)", arranged.shape[-1], len(split), len(tensor), max(len(set(r)) for r in split))
   return True
 
 

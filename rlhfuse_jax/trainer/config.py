@@ -760,10 +760,12 @@ def plan_devices(plan: Mapping[str, Any]) -> Optional[int]:
   asynchronous split's two groups, else training's devices); None when it does not say."""
   a = plan.get("async")
   if isinstance(a, Mapping) and not a.get("colocated", False):
-    n = a.get("generation_devices", 0) + a.get("training_devices", 0)
+    parts = (a.get("generation_devices"), a.get("training_devices"))
   else:
-    n = plan["training"].get("devices")
-  return n if isinstance(n, int) and n > 0 else None
+    parts = (plan["training"].get("devices"),)
+  if not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in parts):
+    return None  # a hand-edited file's odd value: the field checks name it
+  return sum(parts)
 
 
 def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, str], tuple]:
