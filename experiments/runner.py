@@ -174,8 +174,10 @@ def is_seed_field(key: str) -> bool:
 def seed_groups(rows: Sequence[dict], override_keys: Sequence[str]) -> list[tuple[dict, list]]:
   """The sweep's finished runs ("ok" status) that differ only in their seed fields
   (is_seed_field), grouped: (the group's values of the other overridden fields, its rows) for
-  each group of at least two runs, in the order of their first run. None of `override_keys`
-  a seed field: no groups."""
+  each group of at least two runs with different seeds, in the order of their first run. None
+  of `override_keys` a seed field: no groups. Runs that got the same seeds (the sweep's own
+  --config.seed overrides every entry's) are no group: their spread would be the runs'
+  nondeterminism, not the seeds'."""
   seeds = [k for k in override_keys if is_seed_field(k)]
   if not seeds:
     return []
@@ -185,7 +187,9 @@ def seed_groups(rows: Sequence[dict], override_keys: Sequence[str]) -> list[tupl
     if str(row.get("status", "")).startswith("ok"):
       key = json.dumps([row.get(k) for k in others], default=str)
       groups.setdefault(key, ({k: row[k] for k in others if k in row}, []))[1].append(row)
-  return [g for g in groups.values() if len(g[1]) >= 2]
+  distinct = lambda members: len({json.dumps([r.get(k) for k in seeds], default=str)
+                                  for r in members}) == len(members)
+  return [g for g in groups.values() if len(g[1]) >= 2 and distinct(g[1])]
 
 
 def across_seeds(rows: Sequence[dict], override_keys: Sequence[str]) -> list[dict]:

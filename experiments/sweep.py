@@ -255,8 +255,11 @@ def curve_lines(workdir: str, override_keys: Sequence[str] = ()
   differ = [k for k in dict.fromkeys(k for values, _ in groups for k in values)
             if len({json.dumps(values.get(k), default=str) for values, _ in groups}) > 1]
   for values, members in groups:  # labelled by the fields that tell the groups apart
-    label = ", ".join(f"{k}={values.get(k)}" for k in differ) or "all"
     members = [str(m["run"]) for m in members if str(m["run"]) in runs]
+    if len(members) < 2:  # one run with metrics: its own line
+      continue
+    label = (", ".join(f"{k}={values.get(k)}" for k in differ) or
+             ("+".join(members) if len(members) <= 3 else f"{members[0]}+{len(members) - 1}"))
     for name in members:
       group_of[name] = (f"{label} ({len(members)} seeds)", tuple(members))
   lines = list(dict.fromkeys(group_of.get(n, (n, (n,))) for n in runs))

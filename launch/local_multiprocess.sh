@@ -83,7 +83,11 @@ trap forward INT TERM
 show_failure() {  # process index, status
   local log="${WORKDIR%/}.proc$1.log" cause
   # The error line first: after a runtime abort the log's last lines are a C++ stack dump.
-  cause=$(tail -c +$((offsets[$1] + 1)) "$log" | grep -E '^E[0-9]{4} |Error: ' | tail -n 1 || true)
+  # The last fatal (F) line, else the last error (E) line or exception.
+  cause=$(tail -c +$((offsets[$1] + 1)) "$log" | grep -E '^F[0-9]{4} ' | tail -n 1 || true)
+  if [[ -z "$cause" ]]; then
+    cause=$(tail -c +$((offsets[$1] + 1)) "$log" | grep -E '^E[0-9]{4} |Error: ' | tail -n 1 || true)
+  fi
   echo "--- process $1 exited $2${cause:+; its last error: $cause}"
   echo "--- the end of $log:"
   tail -c +$((offsets[$1] + 1)) "$log" | tail -n 15 || true

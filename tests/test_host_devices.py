@@ -99,6 +99,15 @@ def test_the_launcher_exits_with_a_failure_rather_than_a_clean_stop(tmp_path):
                        timeout=60)
   assert ("--- process 1 exited 134; its last error: E1130 15:00:00.000 1 x.py:9] ValueError: "
           "the cause\n") in out.stdout, out.stdout
+  # A fatal line is the cause of an abort, even with an error line after it.
+  fake = _stand_in(tmp_path / "python", "case \"$*\" in\n  *--process_id=0*) exit 0;;\n"
+                   "  *) echo 'F1130 15:00:00.000 1 c.cc:9] Check failed: the cause'; "
+                   "echo 'E1130 15:00:01.000 1 c.cc:9] a consequence'; exit 134;;\nesac")
+  out = subprocess.run(["bash", launcher, "2", "1", str(tmp_path / "fatal")], cwd=REPO,
+                       env=dict(os.environ, PYTHON=str(fake)), capture_output=True, text=True,
+                       timeout=60)
+  assert "its last error: F1130 15:00:00.000 1 c.cc:9] Check failed: the cause\n" in out.stdout, (
+      out.stdout)
 
 
 @pytest.mark.parametrize("failing", [1, 0])

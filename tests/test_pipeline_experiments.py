@@ -554,7 +554,7 @@ def test_sweep_rows_errors_and_curves(tmp_path):
 # A sweep of 2 learning rates x 3 seeds whose runs are faked: each writes a result.json and a
 # metrics.jsonl from its own flags; lr=2 with seed 2 fails.
 _SEED_SWEEP = """
-import json, os, sys
+import json, os, shutil, sys
 from experiments import sweep
 work, cfg = sys.argv[1], sys.argv[2]
 
@@ -574,8 +574,25 @@ def fake_run(cmd, run_dir, name, env, started=None):
 sweep.run_streamed = fake_run
 rows, complete = sweep.run_sweep(cfg, "train_ppo", work, ["--config.steps=10"])
 lines, width = sweep.curve_lines(work, ["lr", "seed", "steps"])
-print(json.dumps({"lines": {m: [(l, s, list(a), list(lo), list(hi)) for l, s, a, lo, hi in v]
-                            for m, v in lines.items()}, "width": width}))
+out = {"lines": {m: [(l, s, list(a), list(lo), list(hi)) for l, s, a, lo, hi in v]
+                 for m, v in lines.items()}, "width": width}
+# One group beside a single run: the group is named by its runs (nothing tells groups apart).
+one = os.path.join(work, "one")
+os.makedirs(one)
+rows1 = [{"run": n, "status": "ok", "lr": lr, "seed": sd} for n, lr, sd in
+         (("a", 1.0, 0), ("b", 1.0, 1), ("c", 2.0, 0))]
+for r in rows1:
+  os.makedirs(os.path.join(one, r["run"]))
+  with open(os.path.join(one, r["run"], "metrics.jsonl"), "w") as f:
+    f.write(json.dumps({"step": 1, "reward/mean": 0.5}) + "\\n")
+with open(os.path.join(one, "summary.json"), "w") as f:
+  json.dump(rows1, f)
+out["one_group"] = [l[0] for l in sweep.curve_lines(one, ["lr", "seed"])[0]["reward/mean"]]
+# A summary that no longer has seed groups removes the earlier summary_seeds.json.
+shutil.copy(os.path.join(work, "summary_seeds.json"), os.path.join(one, "summary_seeds.json"))
+sweep.write_summary(one, rows1, ["lr"])
+out["stale_kept"] = os.path.exists(os.path.join(one, "summary_seeds.json"))
+print(json.dumps(out))
 """
 
 
@@ -621,3 +638,13 @@ def test_a_sweep_over_seeds_reports_each_settings_mean_and_spread(tmp_path):
   np.testing.assert_allclose(high, [2 * s + 1 for s in steps])
   with open(tmp_path / "sw" / "curves.png", "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  assert got["one_group"] == ["a+b (2 seeds)", "c"] and got["stale_kept"] is False
+  # Runs that all got the sweep's own --config.seed are no group (their spread is not the
+  # seeds'), and a finished run alone is none either.
+  from experiments import runner
+  same = [{"run": n, "status": "ok", "lr": 1.0, "seed": "3", "r": x} for n, x in
+          (("s0", 0.1), ("s1", 0.2))]
+  assert runner.seed_groups(same, ["lr", "seed"]) == []
+  assert runner.seed_groups(same[:1] + [{**same[1], "seed": "4", "status": "failed (exit 1)"}],
+                            ["lr", "seed"]) == []

@@ -50,12 +50,21 @@ def test_llama_parameter_counts(name, billions):
   assert shapes.get_shape(name).num_params() / 1e9 == pytest.approx(billions, rel=0.005)
 
 
-@pytest.mark.parametrize("flags", [(), ("qkv_bias",), ("o_bias",), ("qk_norm",),
-                                   ("tie_embeddings",), ("qkv_bias", "o_bias", "qk_norm")])
+def _bool_model_fields():
+  import dataclasses
+  from rlhfuse_jax.models import llama
+  return [f.name for f in dataclasses.fields(llama.ModelConfig) if isinstance(f.default, bool)]
+
+
+# Every boolean field of ModelConfig, each on its own (a new one is in the list by itself), and
+# the attention's extras together.
+@pytest.mark.parametrize("flags", [()] + [(f,) for f in _bool_model_fields()] +
+                         [("qkv_bias", "o_bias", "qk_norm")])
 def test_shape_agrees_with_model_config_and_the_built_parameters(flags):
-  """Every flag that adds parameters is counted alike by ModelConfig.num_params, the simulator's
-  ModelShape and the parameter tree the model builds, for both heads (the simulator's copy of
-  the formula missed o_proj's bias after ModelConfig's was fixed)."""
+  """Every flag is counted alike by ModelConfig.num_params, the simulator's ModelShape and the
+  parameter tree the model builds, for both heads (the simulator's copy of the formula missed
+  o_proj's bias after ModelConfig's was fixed; a new flag that adds parameters fails here until
+  both count it)."""
   import math
 
   import jax

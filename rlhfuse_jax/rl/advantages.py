@@ -114,8 +114,8 @@ def grpo_advantages(scores: jax.Array, mask: jax.Array, group_size: int, eps: fl
   """GRPO (Shao et al., 2024, DeepSeekMath): A_i = (s_i - mean_group) / (std_group + eps).
 
   The same advantage is given to every valid token of sample i. `normalize_std=False` gives the
-  Dr. GRPO variant (mean-centred only; `dr_grpo_advantages`, estimator "dr_grpo"). The std is the unbiased one (ddof=1), as in common
-  implementations, so `group_size` must be >= 2.
+  Dr. GRPO variant (mean-centred only; `dr_grpo_advantages`, estimator "dr_grpo"). The std is
+  the unbiased one (ddof=1), as in common implementations, so `group_size` must be >= 2.
 
   Args:
     scores: `[batch]` sequence rewards, batch = num_prompts * group_size.
