@@ -43,6 +43,14 @@ FLAGS="$("${PYTHON:-python}" -c 'import sys
 from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
 print(xla_flags_with_host_devices(int(sys.argv[1])))' "$D")"
 mkdir -p "$(dirname "${WORKDIR%/}")"
+# A run holding the workdir (its .lock, flock'd): refused here, before anything is appended to
+# that run's logs (the processes would refuse it too, after writing into them).
+if [[ -f "${WORKDIR%/}/.lock" ]] && command -v flock > /dev/null &&
+    ! flock -n "${WORKDIR%/}/.lock" true; then
+  echo "workdir $WORKDIR is in use by another run ($(head -c 200 "${WORKDIR%/}/.lock"));" \
+    "wait for it to finish or stop it, or use another workdir" >&2
+  exit 1
+fi
 echo "$N processes x $D CPU devices; logs (appended): ${WORKDIR%/}.proc<i>.log" \
   "(follow: tail -f ${WORKDIR%/}.proc0.log)"
 pids=()

@@ -122,21 +122,26 @@ def test_two_processes_match_one_process(tmp_path):
 
 def test_a_locked_workdir_stops_every_process_at_once(tmp_path):
   """Only process 0 takes the workdir lock; the others learn its refusal instead of waiting in
-  the run's first collective."""
+  the run's first collective. The local launcher refuses such a workdir itself, before it
+  appends anything to the running job's logs."""
   wd = str(tmp_path / "mp")
   holder = wdlib.WorkdirLock(wd)  # another run holds the workdir
-  env = subprocess_env(PYTHON=sys.executable)
   t0 = time.time()
   try:
-    out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "2", wd, *SMALL], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=300)
+    outs = _two_processes(tmp_path, [wd, wd])
+    launched = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "2", wd, *SMALL],
+                              cwd=REPO, env=subprocess_env(PYTHON=sys.executable),
+                              capture_output=True, text=True, timeout=300)
   finally:
     holder.release()
-  logs = [open(f"{wd}.proc{i}.log").read() for i in range(2)]
-  assert out.returncode != 0, logs
+  logs = [log for log, _ in outs]
+  assert [code for _, code in outs] == [1, 1], logs
   assert time.time() - t0 < 120, "a process waited for a run that was refused"
   assert f"workdir {wd} is in use by another run (pid {os.getpid()}" in logs[0], logs[0][-2000:]
   assert f"workdir {wd} could not be locked by process 0" in logs[1], logs[1][-2000:]
+  assert launched.returncode == 1, launched.stderr
+  assert f"workdir {wd} is in use by another run (pid {os.getpid()}" in launched.stderr
+  assert not os.path.exists(f"{wd}.proc0.log")
 
 
 def _two_processes(tmp_path, workdirs, per_process_args=((), ())):
