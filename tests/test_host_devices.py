@@ -90,24 +90,21 @@ def test_the_launcher_exits_with_a_failure_rather_than_a_clean_stop(tmp_path):
     failed_1 = f"--- process 1 exited {codes[1]}\n--- the end of {tmp_path}/run.proc1.log:"
     assert (failed_1 in out.stdout) == (codes[1] not in (0, 75)), out.stdout
     assert out.stdout.count("why 1 ended") == (codes[1] not in (0, 75)), out.stdout
-  # After a runtime abort the log ends in a stack dump: its last error line comes first.
-  fake = _stand_in(tmp_path / "python", "case \"$*\" in\n  *--process_id=0*) exit 0;;\n"
-                   "  *) echo 'E1130 15:00:00.000 1 x.py:9] ValueError: the cause'; "
-                   "for i in $(seq 30); do echo \"  frame $i\"; done; exit 134;;\nesac")
-  out = subprocess.run(["bash", launcher, "2", "1", str(tmp_path / "abort")], cwd=REPO,
-                       env=dict(os.environ, PYTHON=str(fake)), capture_output=True, text=True,
-                       timeout=60)
-  assert ("--- process 1 exited 134; its last error: E1130 15:00:00.000 1 x.py:9] ValueError: "
-          "the cause\n") in out.stdout, out.stdout
-  # A fatal line is the cause of an abort, even with an error line after it.
-  fake = _stand_in(tmp_path / "python", "case \"$*\" in\n  *--process_id=0*) exit 0;;\n"
-                   "  *) echo 'F1130 15:00:00.000 1 c.cc:9] Check failed: the cause'; "
-                   "echo 'E1130 15:00:01.000 1 c.cc:9] a consequence'; exit 134;;\nesac")
-  out = subprocess.run(["bash", launcher, "2", "1", str(tmp_path / "fatal")], cwd=REPO,
-                       env=dict(os.environ, PYTHON=str(fake)), capture_output=True, text=True,
-                       timeout=60)
-  assert "its last error: F1130 15:00:00.000 1 c.cc:9] Check failed: the cause\n" in out.stdout, (
-      out.stdout)
+  # After a runtime abort the log ends in a stack dump: its last error line comes first; a
+  # fatal (F) line is the cause, even with an error line after it.
+  for name, lines, cause in (
+      ("abort", "echo 'E1130 15:00:00.000 1 x.py:9] ValueError: the cause'; "
+                "for i in $(seq 30); do echo \"  frame $i\"; done",
+       "E1130 15:00:00.000 1 x.py:9] ValueError: the cause"),
+      ("fatal", "echo 'F1130 15:00:00.000 1 c.cc:9] Check failed: the cause'; "
+                "echo 'E1130 15:00:01.000 1 c.cc:9] a consequence'",
+       "F1130 15:00:00.000 1 c.cc:9] Check failed: the cause")):
+    fake = _stand_in(tmp_path / "python", "case \"$*\" in\n  *--process_id=0*) exit 0;;\n"
+                     f"  *) {lines}; exit 134;;\nesac")
+    out = subprocess.run(["bash", launcher, "2", "1", str(tmp_path / name)], cwd=REPO,
+                         env=dict(os.environ, PYTHON=str(fake)), capture_output=True, text=True,
+                         timeout=60)
+    assert f"--- process 1 exited 134; its last error: {cause}\n" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("failing", [1, 0])
