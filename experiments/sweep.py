@@ -127,6 +127,29 @@ def check_values(config_path: str, runs: Sequence[tuple[int, str, dict]],
       raise ValueError(f"{where}: {e}") from None
 
 
+def warn_shadowed(runs: Sequence[tuple[int, str, dict]], passthrough: Sequence[str]
+                  ) -> tuple[list, list]:
+  """Warns of each field that the sweep's own --config.* flag sets and the entries set too:
+  the flag wins in every run, so entries that differed only there are the same run (a seeds
+  sweep given --config.seed=5 ran each setting twice with seed 5). Returns (those fields, the
+  groups of runs that became one)."""
+  flags_set = {arg[len("--config."):].partition("=")[0] for arg in passthrough}
+  shadowed = sorted(flags_set & {k for _, _, e in runs for k in e if k != "name"})
+  twins: list = []
+  if shadowed:
+    same: dict = {}
+    for _, name, entry in runs:
+      rest = {k: v for k, v in entry.items() if k not in shadowed and k != "name"}
+      same.setdefault(json.dumps(rest, sort_keys=True, default=str), []).append(name)
+    twins = [names for names in same.values() if len(names) > 1]
+    logging.warning("the sweep's flag(s) %s replace the value every entry sets for %s%s",
+                    ", ".join(a for a in passthrough if a[len("--config."):].partition("=")[0]
+                              in shadowed), ", ".join(shadowed),
+                    f": runs {'; '.join(', '.join(t) for t in twins)} become the same run"
+                    if twins else "")
+  return shadowed, twins
+
+
 def run_row(name: str, overrides: dict, passthrough: Sequence[str]) -> dict:
   """A summary row's start: the run's name and the values its command sets, the sweep's own
   --config.* flags included and winning over the entry's, as on the command line (the row
@@ -291,11 +314,14 @@ def plot_curves(workdir: str, override_keys: Sequence[str] = ()) -> Optional[str
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig, axes = plt.subplots(1, len(lines), figsize=(5.5 * len(lines), 4.2), squeeze=False)
+  from matplotlib.ticker import MaxNLocator  # pylint: disable=import-outside-toplevel
   for ax, (metric, metric_lines) in zip(axes[0], lines.items()):
     for label, steps, mean, low, high in metric_lines:
-      line, = ax.plot(steps, mean, label=label)
-      if (low != high).any():
+      banded = bool((low != high).any())
+      line, = ax.plot(steps, mean, label=label + (", band: min-max" if banded else ""))
+      if banded:
         ax.fill_between(steps, low, high, alpha=0.2, color=line.get_color(), linewidth=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(metric)
     ax.set_xlabel("iteration")
     ax.set_ylabel(f"moving mean of {width}" if width > 1 else metric)
@@ -391,6 +417,7 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
                      (f"; did you mean {close[0]!r}?" if close else
                       f"; experiments/ has {binaries}"))
   check_overrides(module, variant, config, runs, passthrough)
+  warn_shadowed(runs, passthrough)
   lock = None
   if not dry_run:
     os.makedirs(workdir, exist_ok=True)

@@ -125,8 +125,8 @@ def check_same_run_everywhere(config: Any) -> None:
   distributed.check_same_over_processes(
       tuple(zlib.crc32(x.encode()) & 0x7FFFFFFF for x in (as_json, commit)),
       "the run (a checksum of the config as given, one of the git commit)",
-      ": every process must run the same command (config file and --config.* flags) on the "
-      "same checkout; each process's config.json would show its own, its log the commit")
+      f": every process must run the same command (config file and --config.* flags) on the "
+      f"same checkout; this process ran {runner.command_line()} at commit {commit or '?'}")
 
 
 def check_own_workdir(workdir: str) -> None:

@@ -91,11 +91,13 @@ trap forward INT TERM
 show_failure() {  # process index, status
   local log="${WORKDIR%/}.proc$1.log" cause
   # The error line first: after a runtime abort the log's last lines are a C++ stack dump.
-  # The last fatal (F) line, else the last error (E) line or exception.
-  cause=$(tail -c +$((offsets[$1] + 1)) "$log" | grep -E '^F[0-9]{4} ' | tail -n 1 || true)
-  if [[ -z "$cause" ]]; then
-    cause=$(tail -c +$((offsets[$1] + 1)) "$log" | grep -E '^E[0-9]{4} |Error: ' | tail -n 1 || true)
-  fi
+  # The run's own reason for exiting ("...; exiting (69)"), else the last fatal (F) line, else
+  # the last error (E) line or exception.
+  local pattern
+  for pattern in '^E[0-9]{4} .*exiting \([0-9]+\)$' '^F[0-9]{4} ' '^E[0-9]{4} |Error: '; do
+    cause=$(tail -c +$((offsets[$1] + 1)) "$log" | grep -E "$pattern" | tail -n 1 || true)
+    if [[ -n "$cause" ]]; then break; fi
+  done
   echo "--- process $1 exited $2${cause:+; its last error: $cause}"
   echo "--- the end of $log:"
   tail -c +$((offsets[$1] + 1)) "$log" | tail -n 15 || true

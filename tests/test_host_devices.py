@@ -91,14 +91,19 @@ def test_the_launcher_exits_with_a_failure_rather_than_a_clean_stop(tmp_path):
     assert (failed_1 in out.stdout) == (codes[1] not in (0, 75)), out.stdout
     assert out.stdout.count("why 1 ended") == (codes[1] not in (0, 75)), out.stdout
   # After a runtime abort the log ends in a stack dump: its last error line comes first; a
-  # fatal (F) line is the cause, even with an error line after it.
+  # fatal (F) line is the cause, even with an error line after it, unless the run logged its
+  # own reason for exiting.
   for name, lines, cause in (
       ("abort", "echo 'E1130 15:00:00.000 1 x.py:9] ValueError: the cause'; "
                 "for i in $(seq 30); do echo \"  frame $i\"; done",
        "E1130 15:00:00.000 1 x.py:9] ValueError: the cause"),
       ("fatal", "echo 'F1130 15:00:00.000 1 c.cc:9] Check failed: the cause'; "
                 "echo 'E1130 15:00:01.000 1 c.cc:9] a consequence'",
-       "F1130 15:00:00.000 1 c.cc:9] Check failed: the cause")):
+       "F1130 15:00:00.000 1 c.cc:9] Check failed: the cause"),
+      # the run's own reason (a lost peer) before the runtime's fatal line about it
+      ("peer", "echo 'E1130 15:00:00.000 1 m.py:9] process 1 of 2: a collective failed; "
+               "exiting (69)'; echo 'F1130 15:00:00.100 1 c.cc:9] Terminating process'",
+       "E1130 15:00:00.000 1 m.py:9] process 1 of 2: a collective failed; exiting (69)")):
     fake = _stand_in(tmp_path / "python", "case \"$*\" in\n  *--process_id=0*) exit 0;;\n"
                      f"  *) {lines}; exit 134;;\nesac")
     out = subprocess.run(["bash", launcher, "2", "1", str(tmp_path / name)], cwd=REPO,

@@ -144,19 +144,20 @@ def test_a_locked_workdir_stops_every_process_at_once(tmp_path):
   assert not os.path.exists(f"{wd}.proc0.log")
 
 
-def _two_processes(tmp_path, workdirs, per_process_args=((), ())):
-  """train_ppo on 2 processes x 2 CPU devices (--distributed on 127.0.0.1): their outputs."""
-  env = subprocess_env(2)
+def _two_processes(tmp_path, workdirs, per_process_args=((), ()), cwds=(REPO, REPO)):
+  """train_ppo on 2 processes x 2 CPU devices (--distributed on 127.0.0.1), each started in its
+  `cwds` entry: their outputs."""
+  env = subprocess_env(2, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   with socket.socket() as sock:
     sock.bind(("127.0.0.1", 0))
     port = str(sock.getsockname()[1])
   procs = [subprocess.Popen([sys.executable, "-m", "experiments.train_ppo",
-                             "--config=configs/ppo_tiny.py", f"--workdir={workdirs[i]}",
+                             f"--config={REPO}/configs/ppo_tiny.py", f"--workdir={workdirs[i]}",
                              "--distributed", f"--coordinator_address=127.0.0.1:{port}",
                              "--num_processes=2", f"--process_id={i}", *SMALL,
                              *per_process_args[i]],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True) for i in range(2)]
+                            cwd=cwds[i], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
   try:
     return [(p.communicate(timeout=300)[0], p.returncode) for p in procs]
   finally:
@@ -171,17 +172,28 @@ def test_processes_on_different_workdirs_or_runs_stop_at_once(tmp_path):
   save. Processes that run different configs (here another seed) stop too: they trained side
   by side on different batches, each logging its own rewards."""
   outs = _two_processes(tmp_path, [str(tmp_path / "a"), str(tmp_path / "b")])
+  for i, (log, code) in enumerate(outs):
+    assert code == 1, log[-3000:]
+    assert (f"the processes disagree on the --workdir path (a checksum; this process's: "
+            f"{tmp_path / 'ab'[i]})") in log, log[-3000:]
+    assert "every process must be given the same workdir" in log, log[-3000:]
+  # The same path naming another directory on each "host" (here: relative, from two
+  # directories): the token process 0 wrote to the workdir's .lock is not seen by process 1.
+  for d in ("host0", "host1"):
+    (tmp_path / d).mkdir()
+  outs = _two_processes(tmp_path, ["run", "run"], cwds=(tmp_path / "host0", tmp_path / "host1"))
   for log, code in outs:
     assert code == 1, log[-3000:]
-    assert (f"the processes disagree on the workdir {tmp_path / 'a'}" in log or
-            f"the processes disagree on the workdir {tmp_path / 'b'}" in log), log[-3000:]
+    assert "the processes disagree on the workdir run (the start token" in log, log[-3000:]
     assert "process 1: (-1,)" in log and "every host sees, at the same path" in log, log[-3000:]
   shared = str(tmp_path / "shared")
   outs = _two_processes(tmp_path, [shared, shared], (("--config.seed=0",), ("--config.seed=1",)))
-  for log, code in outs:
+  for i, (log, code) in enumerate(outs):
     assert code == 1, log[-3000:]
     assert "the processes disagree on the run (a checksum of the config as given" in log, (
         log[-3000:])
+    assert "this process ran python -m experiments.train_ppo" in log and (
+        f"--config.seed={i} at commit" in log), log[-3000:]
   assert not os.path.exists(shared)  # stopped before anything was written
 
 

@@ -588,6 +588,10 @@ for r in rows1:
 with open(os.path.join(one, "summary.json"), "w") as f:
   json.dump(rows1, f)
 out["one_group"] = [l[0] for l in sweep.curve_lines(one, ["lr", "seed"])[0]["reward/mean"]]
+# The sweep's own --config.seed replaces every entry's: runs of a setting become one run.
+runs = sweep.select(sweep.load_sweep(cfg), None)
+out["shadowed"] = sweep.warn_shadowed(runs, ["--config.seed=5"])
+out["not_shadowed"] = sweep.warn_shadowed(runs, ["--config.steps=10"])
 # A summary that no longer has seed groups removes the earlier summary_seeds.json.
 shutil.copy(os.path.join(work, "summary_seeds.json"), os.path.join(one, "summary_seeds.json"))
 sweep.write_summary(one, rows1, ["lr"])
@@ -640,11 +644,19 @@ def test_a_sweep_over_seeds_reports_each_settings_mean_and_spread(tmp_path):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   got = json.loads(out.stdout.strip().splitlines()[-1])
   assert got["one_group"] == ["a+b (2 seeds)", "c"] and got["stale_kept"] is False
+  assert got["shadowed"] == [["seed"], [["lr1.0_s0", "lr1.0_s1", "lr1.0_s2"],
+                                        ["lr2.0_s0", "lr2.0_s1", "lr2.0_s2"]]]
+  assert got["not_shadowed"] == [[], []]
   # Runs that all got the sweep's own --config.seed are no group (their spread is not the
   # seeds'), and a finished run alone is none either.
   from experiments import runner
   same = [{"run": n, "status": "ok", "lr": 1.0, "seed": "3", "r": x} for n, x in
           (("s0", 0.1), ("s1", 0.2))]
   assert runner.seed_groups(same, ["lr", "seed"]) == []
+  # wall_s is the time of the sweep's last start of a run (an --only re-run of a finished one
+  # takes a second), not a result: not summarised
+  two = [{**same[0], "seed": 0, "wall_s": 17.0}, {**same[1], "seed": 1, "wall_s": 1.4}]
+  assert [sorted(g) for g in runner.across_seeds(two, ["lr", "seed"])] == [
+      ["lr", "r/mean", "r/std", "runs", "seeds"]]
   assert runner.seed_groups(same[:1] + [{**same[1], "seed": "4", "status": "failed (exit 1)"}],
                             ["lr", "seed"]) == []

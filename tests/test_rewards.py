@@ -252,7 +252,7 @@ def test_user_function_by_import_path(tok):
     ("tests.no_such_module:f", r"cannot import module 'tests\.no_such_module' "
                                r"\(ModuleNotFoundError"),
     ("tests.test_rewards:missing", "module 'tests.test_rewards' has no attribute 'missing'"),
-    ("tests.test_rewards:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a callable"),
+    ("tests.test_rewards:NOT_CALLABLE", r"'NOT_CALLABLE' is not callable \(its type is int\)"),
     ("tests.test_rewards:", "expected 'package.module:function'"),
     # Called as fn(response, answer, record): a function that cannot take them is refused now
     # (it failed at the first reward, after set-up and the first generation).

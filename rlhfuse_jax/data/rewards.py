@@ -210,8 +210,8 @@ def import_function(spec: str) -> Callable:
                        f"{attr!r}")
     node = getattr(node, part)
   if not callable(node):
-    raise ValueError(f"reward function {spec!r}: {attr!r} is a {type(node).__name__}, not a "
-                     "callable")
+    raise ValueError(f"reward function {spec!r}: {attr!r} is not callable (its type is "
+                     f"{type(node).__name__})")
   return node
 
 

@@ -110,6 +110,10 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                  cfg.algo.gradient_sync)
   elif cfg.algo.microbatch_size:
     ppo.microbatch_count(cfg.algo, cfg.algo.minibatch_size, mult)  # the update's own check
+  if cfg.algo.estimator == "dr_grpo" and cfg.algo.loss_agg != "seq-mean-token-sum-norm":
+    logging.info("config.algo.estimator='dr_grpo' with algo.loss_agg=%r: Dr. GRPO's paper also "
+                 "replaces the per-sequence length mean by a constant normaliser, "
+                 "algo.loss_agg='seq-mean-token-sum-norm'", cfg.algo.loss_agg)
   if cfg.algo.estimator == "grpo" and cfg.algo.kl_in_reward and cfg.algo.kl_coef > 0:
     # Accepted (verl computes it so too), but rarely what a user who only switched the estimator
     # wants: the group's std rescales the penalty whatever its coefficient.
