@@ -38,6 +38,7 @@ from rlhfuse_jax import checkpointing
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation import multihost
 from rlhfuse_jax.parallel import distributed
+from rlhfuse_jax.trainer import build
 from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer import hooks
 from rlhfuse_jax.trainer.config import TrainConfig
@@ -145,6 +146,7 @@ def _start_and_train() -> tuple[TrainConfig, PPOTrainer]:
     check_same_run_everywhere(_CONFIG.value)
   cfg = TrainConfig.from_config_dict(_CONFIG.value)
   check_device_count(cfg, jax.device_count(), jax.default_backend(), jax.process_count())
+  build.check_reward_functions(cfg)  # an unknown or ill-fitting one: before the workdir is made
   workdir = _WORKDIR.value
   wd.check_local_path(workdir)
   check_own_workdir(workdir)

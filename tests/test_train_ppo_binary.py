@@ -245,15 +245,21 @@ def test_the_compilation_cache_lives_in_the_workdir_unless_the_caller_set_one(tm
   assert sorted(os.listdir(tmp_path / "a" / "cache")) == ["xla"]  # 'none' wrote no other
 
 
-def test_mesh_axes_that_do_not_multiply_to_the_devices_leave_no_workdir(tmp_path):
-  """config.mesh whose axes do not make the devices jax sees is refused before the workdir is
-  made (it was refused after, leaving a workdir with a traceback.txt), naming the field."""
+@pytest.mark.parametrize("flag, message", [
+    ("--config.mesh.data=3", "config.mesh: axes {'data': 3, 'fsdp': 1, 'stage': 1, 'tensor': 1} "
+                             "multiply to 3 devices but 8 are available"),
+    ("--config.reward.function=tests.test_rewards:two_args",
+     "config.reward.function='tests.test_rewards:two_args': reward function "
+     "'tests.test_rewards:two_args': its signature (response, answer) cannot take")])
+def test_a_bad_mesh_or_reward_function_leaves_no_workdir(tmp_path, flag, message):
+  """config.mesh whose axes do not make the devices jax sees, or a reward function that cannot
+  be called as it will be, is refused before the workdir is made (they were refused after,
+  leaving a workdir with a traceback.txt), naming the field."""
   wd = str(tmp_path / "run")
   env = subprocess_env(8)
   out = subprocess.run([sys.executable, "-m", "experiments.train_ppo",
-                        "--config=configs/ppo_tiny.py", f"--workdir={wd}", "--config.mesh.data=3"],
+                        "--config=configs/ppo_tiny.py", f"--workdir={wd}", flag],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1, out.stderr[-3000:]
-  assert ("config.mesh: axes {'data': 3, 'fsdp': 1, 'stage': 1, 'tensor': 1} multiply to 3 "
-          "devices but 8 are available") in out.stderr, out.stderr[-3000:]
+  assert message in out.stderr, out.stderr[-3000:]
   assert not os.path.exists(wd)
