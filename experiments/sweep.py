@@ -285,7 +285,12 @@ def curve_lines(workdir: str, override_keys: Sequence[str] = ()
              ("+".join(members) if len(members) <= 3 else f"{members[0]}+{len(members) - 1}"))
     for name in members:
       group_of[name] = (f"{label} ({len(members)} seeds)", tuple(members))
-  lines = list(dict.fromkeys(group_of.get(n, (n, (n,))) for n in runs))
+  # A run whose last start did not finish is drawn as far as it got, marked (its metrics may
+  # be an earlier start's)
+  status = {str(r["run"]): str(r.get("status", "")) for r in summary_rows}
+  single = lambda n: (n if status.get(n, "ok").startswith("ok") else
+                      f"{n} ({status[n].split(' (')[0]})", (n,))
+  lines = list(dict.fromkeys(group_of.get(n) or single(n) for n in runs))
   import numpy as np  # pylint: disable=import-outside-toplevel
   width = max(1, max(len(rows) for rows in runs.values()) // 20)
   out: dict[str, list[tuple]] = {}

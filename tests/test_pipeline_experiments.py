@@ -579,8 +579,8 @@ out = {"lines": {m: [(l, s, list(a), list(lo), list(hi)) for l, s, a, lo, hi in 
 # One group beside a single run: the group is named by its runs (nothing tells groups apart).
 one = os.path.join(work, "one")
 os.makedirs(one)
-rows1 = [{"run": n, "status": "ok", "lr": lr, "seed": sd} for n, lr, sd in
-         (("a", 1.0, 0), ("b", 1.0, 1), ("c", 2.0, 0))]
+rows1 = [{"run": n, "status": st, "lr": lr, "seed": sd} for n, lr, sd, st in
+         (("a", 1.0, 0, "ok"), ("b", 1.0, 1, "ok"), ("c", 2.0, 0, "failed (exit 1)"))]
 for r in rows1:
   os.makedirs(os.path.join(one, r["run"]))
   with open(os.path.join(one, r["run"], "metrics.jsonl"), "w") as f:
@@ -643,7 +643,8 @@ def test_a_sweep_over_seeds_reports_each_settings_mean_and_spread(tmp_path):
   with open(tmp_path / "sw" / "curves.png", "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   got = json.loads(out.stdout.strip().splitlines()[-1])
-  assert got["one_group"] == ["a+b (2 seeds)", "c"] and got["stale_kept"] is False
+  # (a run that failed this time is drawn as far as its metrics go, marked)
+  assert got["one_group"] == ["a+b (2 seeds)", "c (failed)"] and got["stale_kept"] is False
   assert got["shadowed"] == [["seed"], [["lr1.0_s0", "lr1.0_s1", "lr1.0_s2"],
                                         ["lr2.0_s0", "lr2.0_s1", "lr2.0_s2"]]]
   assert got["not_shadowed"] == [[], []]
