@@ -83,6 +83,12 @@ def _sweep_of(module: Any, variant: Optional[str], config_path: str) -> list[dic
   return sweep
 
 
+def flag_field(arg: str) -> tuple[str, str]:
+  """(field, value) of a `--config.FIELD=VALUE` flag (the sweep's own, passed to every run)."""
+  field, _, value = arg[len("--config."):].partition("=")
+  return field, value
+
+
 def check_overrides(module: Any, variant: Optional[str], config_path: str,
                     runs: Sequence[tuple[int, str, dict]], passthrough: Sequence[str]) -> None:
   """Every field the runs' entries (`select`'s triples) and the sweep's own --config.* flags
@@ -95,7 +101,7 @@ def check_overrides(module: Any, variant: Optional[str], config_path: str,
   config_files.check_variant(module, variant, config_path)
   config = config_files.call_with_variant(module.get_config, variant)
   keys = [(f"get_sweep()[{i}]", k) for i, _, entry in runs for k in entry if k != "name"]
-  keys += [("the sweep's flag", arg.split("=", 1)[0][len("--config."):]) for arg in passthrough]
+  keys += [("the sweep's flag", flag_field(arg)[0]) for arg in passthrough]
   for where, key in keys:
     problem = config_files.missing_field(config, key)
     if problem:
@@ -133,7 +139,7 @@ def warn_shadowed(runs: Sequence[tuple[int, str, dict]], passthrough: Sequence[s
   the flag wins in every run, so entries that differed only there are the same run (a seeds
   sweep given --config.seed=5 ran each setting twice with seed 5). Returns (those fields, the
   groups of runs that became one)."""
-  flags_set = {arg[len("--config."):].partition("=")[0] for arg in passthrough}
+  flags_set = {flag_field(arg)[0] for arg in passthrough}
   shadowed = sorted(flags_set & {k for _, _, e in runs for k in e if k != "name"})
   twins: list = []
   if shadowed:
@@ -143,8 +149,8 @@ def warn_shadowed(runs: Sequence[tuple[int, str, dict]], passthrough: Sequence[s
       same.setdefault(json.dumps(rest, sort_keys=True, default=str), []).append(name)
     twins = [names for names in same.values() if len(names) > 1]
     logging.warning("the sweep's flag(s) %s replace the value every entry sets for %s%s",
-                    ", ".join(a for a in passthrough if a[len("--config."):].partition("=")[0]
-                              in shadowed), ", ".join(shadowed),
+                    ", ".join(a for a in passthrough if flag_field(a)[0] in shadowed),
+                    ", ".join(shadowed),
                     f": runs {'; '.join(', '.join(t) for t in twins)} become the same run"
                     if twins else "")
   return shadowed, twins
@@ -157,7 +163,7 @@ def run_row(name: str, overrides: dict, passthrough: Sequence[str]) -> dict:
   flags)."""
   row = {"run": name, **{k: v for k, v in overrides.items() if k != "name"}}
   for arg in passthrough:
-    key, _, value = arg[len("--config."):].partition("=")
+    key, value = flag_field(arg)
     row[key] = value
   return row
 
@@ -318,8 +324,8 @@ def plot_curves(workdir: str, override_keys: Sequence[str] = ()) -> Optional[str
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, axes = plt.subplots(1, len(lines), figsize=(5.5 * len(lines), 4.2), squeeze=False)
   from matplotlib.ticker import MaxNLocator  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, len(lines), figsize=(5.5 * len(lines), 4.2), squeeze=False)
   for ax, (metric, metric_lines) in zip(axes[0], lines.items()):
     for label, steps, mean, low, high in metric_lines:
       banded = bool((low != high).any())
@@ -409,7 +415,7 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
   # the fields the runs' commands set (a seed among them groups runs in the summary)
   override_keys = list(dict.fromkeys(
       [k for entry in sweep for k in entry if k != "name"] +
-      [arg[len("--config."):].partition("=")[0] for arg in passthrough]))
+      [flag_field(arg)[0] for arg in passthrough]))
 
   def summary(rows_: list[dict]) -> None:
     write_summary(workdir, merge_rows(workdir, rows_, names) if only else rows_, override_keys)

@@ -89,18 +89,18 @@ trap forward INT TERM
 # others (they may wait for it in a collective until jax.distributed times out). Process 0's
 # output is already on screen while it is followed.
 show_failure() {  # process index, status
-  local log="${WORKDIR%/}.proc$1.log" cause
+  local log="${WORKDIR%/}.proc$1.log" out cause pattern
+  out=$(tail -c +$((offsets[$1] + 1)) "$log" || true)  # this start's output
   # The error line first: after a runtime abort the log's last lines are a C++ stack dump.
   # The run's own reason for exiting ("...; exiting (69)"), else the last fatal (F) line, else
   # the last error (E) line or exception.
-  local pattern
   for pattern in '^E[0-9]{4} .*exiting \([0-9]+\)$' '^F[0-9]{4} ' '^E[0-9]{4} |Error: '; do
-    cause=$(tail -c +$((offsets[$1] + 1)) "$log" | grep -E "$pattern" | tail -n 1 || true)
+    cause=$(grep -E "$pattern" <<< "$out" | tail -n 1 || true)
     if [[ -n "$cause" ]]; then break; fi
   done
   echo "--- process $1 exited $2${cause:+; its last error: $cause}"
   echo "--- the end of $log:"
-  tail -c +$((offsets[$1] + 1)) "$log" | tail -n 15 || true
+  tail -n 15 <<< "$out"
 }
 # Each process's status once it has ended ("" while it runs): bash reaps its children and
 # keeps their statuses for `wait`, so `kill -0` fails once a process has ended.

@@ -31,9 +31,10 @@ from rlhfuse_jax.sim.cost_model import Efficiency, decode_step_work
 from rlhfuse_jax.sim.hardware import Hardware
 from rlhfuse_jax.sim.shapes import ModelShape
 
-_MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "o_bias", "qk_norm",
-                 "max_seq_len")
+# What a bench_decode result's model (its ModelConfig's fields) gives the simulator's shape:
+# every ModelShape field but the two this module sets (a new one is read without a list to keep).
+_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelShape)
+                      if f.name not in ("name", "head"))
 _BOUNDS = ([0.0, 0.0, 1e-4], [1e-2, 1e-3, 1.0])  # step_s, layer_s (s), mfu
 _MFU_STARTS = (0.2, 0.1, 0.05, 0.02, 0.01, 0.005)
 

@@ -9,6 +9,7 @@ the model shapes from HF checkpoints' config.json) reading no weights, so that
 from __future__ import annotations
 
 import dataclasses
+import filecmp
 import functools
 import os
 from typing import Any, Optional
@@ -176,11 +177,8 @@ def warn_foreign_tokenizer(checkpoint: str, tokenizer_path: str) -> bool:
   given = tokenizer_lib.tokenizer_file(tokenizer_path) if tokenizer_path else ""
   if not given or not os.path.isfile(own) or not os.path.isfile(given):
     return False
-  if os.path.samefile(own, given):
+  if filecmp.cmp(own, given, shallow=False):  # the same file, or the same contents
     return False
-  with open(own, "rb") as a, open(given, "rb") as b:
-    if a.read() == b.read():
-      return False
   logging.warning("config.init.tokenizer=%r is not the tokenizer of config.init.actor_checkpoint="
                   "%r (%s differs): the run tokenises with the former and exports it beside the "
                   "trained weights; if you changed the model, set config.init.tokenizer=%r too",
