@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlhfuse_jax.inference.scoring import Rewards, Scorer, ScoringBatch
+from rlhfuse_jax.inference.scoring import RewardTerm, Rewards, Scorer, ScoringBatch
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
 
@@ -117,6 +117,39 @@ def test_reward_dispatch_model_and_function(models, batch, direct):
   with pytest.raises(ValueError, match="gave its reward-model weights away"):
     by_model.without_model_params()(batch)
   assert by_fn.without_model_params() is by_fn
+
+
+def test_reward_model_plus_weighted_terms(models, batch, direct):
+  """A reward model's score plus weighted function terms: the sum per sample, each term's
+  unweighted mean as reward/<label>_mean; the terms stay when the weights move."""
+  _, critic = models
+  _, _, score = direct
+  lens = batch.response_lens.astype(np.float32)
+  ones = RewardTerm(label="ones", fn=lambda r, t, l: np.ones(len(l)), name="ones", weight=2.0)
+  length = RewardTerm(label="length", fn=lambda r, t, l: l, name="len", weight=-0.25)
+  rewards = Rewards(model_cfg=CRITIC, model_params=critic, extra=[ones, length])
+  total, metrics = rewards.scored(batch)
+  np.testing.assert_allclose(total, score + 2.0 - 0.25 * lens, atol=1e-5)
+  assert metrics == pytest.approx({"reward/model_mean": float(np.mean(score)),
+                                   "reward/ones_mean": 1.0,
+                                   "reward/length_mean": float(np.mean(lens))}, abs=1e-5)
+  np.testing.assert_array_equal(rewards(batch), total)
+  moved = rewards.without_model_params()
+  assert moved.extra == rewards.extra
+  # The fused stage's path: scores computed elsewhere, the terms added.
+  t2, m2 = moved.combine(None, batch.response_tokens, batch.response_lens, score)
+  np.testing.assert_allclose(t2, total, atol=1e-6)
+  assert m2 == pytest.approx(metrics, abs=1e-6)
+  with pytest.raises(ValueError, match="model_scores must be given exactly when"):
+    moved.combine(None, batch.response_tokens, batch.response_lens)
+  bad = Rewards(model_cfg=CRITIC, model_params=critic, extra=[RewardTerm(
+      label="short", fn=lambda r, t, l: np.zeros(2), name="my_pkg:short")])
+  with pytest.raises(ValueError, match=r"'my_pkg:short' returned shape \(2,\)"):
+    bad(batch)
+  with pytest.raises(ValueError, match="distinct labels other than 'function' and 'model'"):
+    Rewards(fn=len, name="f", extra=[RewardTerm(label="function", fn=len)])
+  with pytest.raises(ValueError, match="distinct labels"):
+    Rewards(fn=len, name="f", extra=[ones, ones])
 
 
 def test_clear_errors(models, batch):

@@ -228,10 +228,16 @@ def test_config_combines_a_verifier_and_a_weighted_format_reward(tok):
   cfg = tiny_config(**{"reward.function": "gsm8k", "reward.format": "gsm8k_format",
                        "reward.format_weight": 0.25})
   rewards = build.build_rewards(cfg, None, tok, None, None)
-  assert rewards.name == "gsm8k + 0.25 * gsm8k_format"
+  assert (rewards.name, [(t.label, t.name, t.weight) for t in rewards.extra]) == (
+      "gsm8k", [("format", "gsm8k_format", 0.25)])
   ids, lens = _batch(tok, ["work\n#### 72", "72", "#### 5", "five"])
-  out = rewards.from_function([{"target": "#### 72"}] * 4, ids, lens)
+  out, metrics = rewards.combine([{"target": "#### 72"}] * 4, ids, lens)
   np.testing.assert_allclose(out, [1.25, 1.0, 0.25, 0.0])
+  # Each term's unweighted batch mean: 2 of 4 right, 2 of 4 in the format.
+  assert metrics == {"reward/function_mean": 0.5, "reward/format_mean": 0.5}
+  # One term alone: no per-term metrics (reward/mean is that term's).
+  alone = build.build_rewards(tiny_config(**{"reward.function": "gsm8k"}), None, tok, None, None)
+  assert alone.combine([{"target": "#### 72"}] * 4, ids, lens)[1] == {}
 
 
 def test_user_function_by_import_path(tok):
@@ -271,6 +277,11 @@ def test_bad_function_specs_fail_before_the_run(spec, expected):
     build.check_reward_functions(tiny_config(**{"reward.function": spec}))
   with pytest.raises(ValueError, match=rf"^config\.reward\.format='{re.escape(spec)}': "):
     build.check_reward_functions(tiny_config(**{"reward.format": spec}))
+  # Beside a reward model the format term is checked as well (reward.function is unused).
+  model = {"reward.kind": "model", "reward.model_checkpoint": "/x", "reward.function": spec}
+  build.check_reward_functions(tiny_config(**model))
+  with pytest.raises(ValueError, match=rf"^config\.reward\.format='{re.escape(spec)}': "):
+    build.check_reward_functions(tiny_config(**{**model, "reward.format": spec}))
 
 
 def test_an_unknown_task_names_the_field():
@@ -335,9 +346,12 @@ def test_batch_function_errors_are_named_by_the_resolver():
 
 
 def test_reward_config_checks():
-  with pytest.raises(ValueError, match=r"config\.reward\.format='boxed_format': expected '' "
-                                       r"with reward\.kind='model'"):
-    tiny_config(**{"reward.kind": "model", "reward.model_checkpoint": "/x",
-                   "reward.format": "boxed_format"})
+  # A reward model takes a second function too (a length penalty, a format reward).
+  model = {"reward.kind": "model", "reward.model_checkpoint": "/x"}
+  tiny_config(**model, **{"reward.format": "boxed_format"})
+  # Rows need an answer when a term reads it, beside a model too (reward.function is unused).
+  assert build._needs_answer(tiny_config(**model, **{"reward.format": "gsm8k"}))
+  assert not build._needs_answer(tiny_config(**model, **{"reward.function": "gsm8k"}))
+  assert not build._needs_answer(tiny_config(**model, **{"reward.format": "gsm8k_format"}))
   with pytest.raises(ValueError, match=r"config\.reward\.format_weight=inf"):
     tiny_config(**{"reward.format": "boxed_format", "reward.format_weight": float("inf")})

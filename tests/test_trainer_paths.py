@@ -204,10 +204,17 @@ def write_reward_checkpoint(out_dir, cfg=REWARD_CFG, seed=0):
   return params
 
 
+# A length penalty added to the reward model's score (reward.format): the response's length in
+# characters over 100, weighted -0.5.
+LENGTH_PENALTY, PENALTY_WEIGHT = "tests.test_rewards:answer_length", -0.5
+
+
 def _reward_run_config(prompts_file, ckpt, **overrides):
-  """'repeat' prompts from a file, a reward model, no critic (reinforce_pp): a small run."""
+  """'repeat' prompts from a file, a reward model plus a length penalty, no critic
+  (reinforce_pp): a small run."""
   return tiny_config(**{
       "num_iterations": 2, "reward.kind": "model", "reward.model_checkpoint": str(ckpt),
+      "reward.format": LENGTH_PENALTY, "reward.format_weight": PENALTY_WEIGHT,
       "data.prompts_file": str(prompts_file), "algo.estimator": "reinforce_pp",
       "rollout.prompts_per_iteration": 8, "algo.minibatch_size": 8, "algo.epochs": 1,
       "rollout.max_new_tokens": 6, "rollout.chunk_size": 2, "checkpoint.every": 100,
@@ -258,21 +265,34 @@ def _independent_scores(ckpt, out, pad_id):
   return scores, params
 
 
+def _penalty(out, prompts, tokenizer):
+  """The length penalty's unweighted values [B] for the rollout's responses."""
+  fn = rewards_lib.get_reward_function(LENGTH_PENALTY)
+  return np.asarray(fn(prompts.records, out.rollout.response_tokens, out.rollout.response_lens,
+                       tokenizer))
+
+
 def test_reward_model_scores_the_fused_rollout(reward_files, fused_run):
   """reward.kind="model" with fusion.inter_stage=True: the reward model is the checkpoint's
-  (shape from its config.json, weights as written), and each iteration's rewards and
-  reward/mean are its scalar at the last response token of the responses generated, as a
-  one-device Scorer computes them."""
+  (shape from its config.json, weights as written), and each iteration's rewards are its
+  scalar at the last response token of the responses generated, as a one-device Scorer
+  computes them, plus the weighted length penalty (reward.format); reward/model_mean and
+  reward/format_mean are the two terms' unweighted means, reward/mean their sum's."""
   f, r = reward_files, fused_run
   assert r["stage"].rewards.from_model
   assert r["stage"].rewards.model_cfg == hf_loader.load_hf_config(f["ckpt"]) == REWARD_CFG
   assert [h["step"] for h in r["history"]] == [1, 2]
   _finite(r["history"])
-  for (_, out), h in zip(r["seen"], r["history"], strict=True):
-    want, params = _independent_scores(f["ckpt"], out, r["trainer"].tokenizer.pad_id)
+  tok = r["trainer"].tokenizer
+  for (prompts, out), h in zip(r["seen"], r["history"], strict=True):
+    want, params = _independent_scores(f["ckpt"], out, tok.pad_id)
     _assert_tree_equal(params, f["params"])  # the checkpoint holds what was written
-    np.testing.assert_allclose(out.scores, want, atol=1e-5, rtol=0)
-    assert h["reward/mean"] == pytest.approx(float(np.mean(want)), abs=1e-6)
+    penalty = _penalty(out, prompts, tok)
+    assert np.std(penalty) > 0  # responses of different lengths: the penalty is seen
+    np.testing.assert_allclose(out.scores, want + PENALTY_WEIGHT * penalty, atol=1e-5, rtol=0)
+    assert h["reward/mean"] == pytest.approx(float(np.mean(out.scores)), abs=1e-6)
+    assert h["reward/model_mean"] == pytest.approx(float(np.mean(want)), abs=1e-6)
+    assert h["reward/format_mean"] == pytest.approx(float(np.mean(penalty)), abs=1e-6)
     assert np.std(want) > 0.05  # scores that tell responses apart: the check can fail
     assert h["gen/migrated_samples"] > 0  # some samples were scored after migrating
 
@@ -280,8 +300,8 @@ def test_reward_model_scores_the_fused_rollout(reward_files, fused_run):
 def test_reward_model_scores_the_serial_rollout_as_the_fused_one(reward_files, fused_run,
                                                                  tmp_path):
   """reward.kind="model", serial stage (fusion off): the same responses as the fused run's
-  first iteration and the same scores, which are the checkpoint's (one-device Scorer);
-  reward/mean equal to the fused run's."""
+  first iteration and the same scores, which are the checkpoint's (one-device Scorer) plus
+  the length penalty; reward/mean and the per-term means equal to the fused run's."""
   f = reward_files
   cfg = _reward_run_config(f["prompts"], f["ckpt"], num_iterations=1)
   trainer = PPOTrainer(cfg, str(tmp_path / "serial"), mesh=_mesh4())
@@ -294,11 +314,12 @@ def test_reward_model_scores_the_serial_rollout_as_the_fused_one(reward_files, f
   for field in ("response_tokens", "response_lens"):
     np.testing.assert_array_equal(getattr(serial.rollout, field), getattr(fused.rollout, field))
   want, _ = _independent_scores(f["ckpt"], serial, trainer.tokenizer.pad_id)
-  np.testing.assert_allclose(serial.scores, want, atol=1e-5, rtol=0)
+  penalty = _penalty(serial, seen[0][0], trainer.tokenizer)
+  np.testing.assert_allclose(serial.scores, want + PENALTY_WEIGHT * penalty, atol=1e-5, rtol=0)
   np.testing.assert_allclose(serial.scores, fused.scores, atol=1e-6, rtol=0)
-  assert history[0]["reward/mean"] == pytest.approx(float(np.mean(want)), abs=1e-6)
-  assert history[0]["reward/mean"] == pytest.approx(fused_run["history"][0]["reward/mean"],
-                                                    abs=1e-6)
+  for key in ("reward/mean", "reward/model_mean", "reward/format_mean"):
+    assert history[0][key] == pytest.approx(fused_run["history"][0][key], abs=1e-6), key
+  assert history[0]["reward/model_mean"] == pytest.approx(float(np.mean(want)), abs=1e-6)
 
 
 def test_prompts_file_is_what_the_trainer_generates_from(reward_files, fused_run):

@@ -231,17 +231,6 @@ def _check_arguments(fn: Callable, spec: str) -> None:
                      "one it does not need can be a `*_` or a default") from None
 
 
-def weighted_sum(terms: Sequence[tuple[float, RewardFn]]) -> RewardFn:
-  """sum_i w_i * fn_i(...): e.g. a verifier plus a weighted format reward."""
-  def total(records, response_ids, response_lengths, tokenizer) -> np.ndarray:
-    out = 0.0
-    for weight, fn in terms:
-      out = out + weight * np.asarray(fn(records, response_ids, response_lengths, tokenizer),
-                                      np.float32)
-    return np.asarray(out, np.float32)
-  return total
-
-
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "target_match": target_match,
     "length_match": length_match,

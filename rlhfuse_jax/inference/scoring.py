@@ -16,7 +16,7 @@ dispatched before any result is read, so JAX runs them back to back without host
 
 `Rewards` is the one reward resolver: a reward model, or any callable `(records,
 response_tokens [B, T], response_lens [B]) -> [B]` (data/rewards.py registers such functions by
-name; the trainer resolves config.reward).
+name; the trainer resolves config.reward), plus weighted function terms (`RewardTerm`).
 """
 from __future__ import annotations
 
@@ -179,18 +179,32 @@ def _check_head(cfg: ModelConfig, head: str, role: str) -> None:
     raise ValueError(f"the {role} needs model.head={head!r}, got {cfg.head!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class RewardTerm:
+  """A weighted function term added to a run's reward (config.reward.format): `label` names it
+  in the metrics (reward/<label>_mean), `name` (the config value) in errors."""
+  label: str
+  fn: RewardFn
+  name: str = ""
+  weight: float = 1.0
+
+
 class Rewards:
   """The one reward resolver of a run: sequence rewards [B] from a Python function of the
-  responses, or from a scalar-head reward model (read at sequences.score_positions).
+  responses or from a scalar-head reward model (read at sequences.score_positions), plus any
+  weighted function terms (`extra`: a format reward, a length penalty).
 
   `fn(records, response_tokens [B, T], response_lens [B]) -> [B]`; `name` (the config field's
-  value) appears in errors. The serial rollout calls it whole; the fused one (trainer/rollout.py)
-  scores with the model on freed instances and calls `from_function` only.
+  value) appears in errors. The reward is source + sum of weight * term, summed in float32 in
+  that order. With more than one term, `scored` also returns each term's unweighted batch mean
+  as reward/<label>_mean (labels: "function" or "model", then the extra terms' own). The serial
+  rollout calls it whole; the fused one (trainer/rollout.py) scores with the model on freed
+  instances and adds the function terms with `combine`.
   """
 
   def __init__(self, *, fn: Optional[RewardFn] = None, name: str = "",
                model_cfg: Optional[ModelConfig] = None, model_params: Any = None,
-               scorer: Optional[Scorer] = None):
+               scorer: Optional[Scorer] = None, extra: Sequence[RewardTerm] = ()):
     if (fn is None) == (model_cfg is None):
       raise ValueError("Rewards needs exactly one source: a reward function (fn) or a reward "
                        f"model (model_cfg); got fn={fn!r}, model_cfg={model_cfg!r}")
@@ -198,7 +212,14 @@ class Rewards:
       _check_head(model_cfg, "scalar", "reward model")
     elif not callable(fn):
       raise ValueError(f"reward function {name!r}: needs a callable, got {fn!r}")
-    self.fn, self.name = fn, name
+    labels = [t.label for t in extra]
+    if len(set(labels)) != len(labels) or {"function", "model"} & set(labels):
+      raise ValueError(f"reward terms need distinct labels other than 'function' and 'model'; "
+                       f"got {labels}")
+    for t in extra:
+      if not callable(t.fn):
+        raise ValueError(f"reward function {t.name!r}: needs a callable, got {t.fn!r}")
+    self.fn, self.name, self.extra = fn, name, tuple(extra)
     self.model_cfg, self.model_params = model_cfg, model_params
     self.scorer = scorer or Scorer()
 
@@ -210,34 +231,72 @@ class Rewards:
     """The same resolver without the reward model's weights (a caller that moved them)."""
     if not self.from_model:
       return self
-    return Rewards(model_cfg=self.model_cfg, model_params=None, scorer=self.scorer)
+    return self.with_model_params(None, self.scorer)
 
-  def from_function(self, records: Optional[Sequence[Mapping[str, Any]]],
-                    response_tokens: np.ndarray, response_lens: np.ndarray) -> np.ndarray:
-    """The function's rewards [B] float32, checked: one finite value per sample. An error the
+  def with_model_params(self, params: Any, scorer: Scorer) -> "Rewards":
+    """The same resolver with the reward model's weights `params` scored by `scorer` (a stage
+    that placed them on a mesh of its own)."""
+    return Rewards(model_cfg=self.model_cfg, model_params=params, name=self.name,
+                   scorer=scorer, extra=self.extra)
+
+  def _term(self, fn: RewardFn, name: str, records, response_tokens: np.ndarray,
+            response_lens: np.ndarray) -> np.ndarray:
+    """One function's rewards [B] float32, checked: one finite value per sample. An error the
     function raises names it here unless it already does (data/rewards.RewardFunctionError,
     which also names the sample)."""
     b = response_tokens.shape[0]
     try:
-      out = np.asarray(self.fn(records, response_tokens, response_lens), np.float32)
+      out = np.asarray(fn(records, response_tokens, response_lens), np.float32)
     except Exception as e:  # noqa: BLE001 re-raised naming the function
       if getattr(e, "names_function", False):
         raise
-      raise ValueError(f"reward function {self.name!r} failed on a batch of {b} samples: "
+      raise ValueError(f"reward function {name!r} failed on a batch of {b} samples: "
                        f"{type(e).__name__}: {e}") from e
     if out.shape != (b,):
-      raise ValueError(f"reward function {self.name!r} returned shape {out.shape}; "
+      raise ValueError(f"reward function {name!r} returned shape {out.shape}; "
                        f"expected ({b},)")
     if not np.isfinite(out).all():
-      raise ValueError(f"reward function {self.name!r} returned non-finite rewards")
+      raise ValueError(f"reward function {name!r} returned non-finite rewards")
     return out
 
-  def __call__(self, batch: ScoringBatch,
-               records: Optional[Sequence[Mapping[str, Any]]] = None) -> np.ndarray:
-    """Rewards [B] float32 for the batch (records: the B prompt records, for functions)."""
+  def combine(self, records: Optional[Sequence[Mapping[str, Any]]], response_tokens: np.ndarray,
+              response_lens: np.ndarray,
+              model_scores: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:
+    """(rewards [B] float32, reward/<label>_mean metrics): the source (the function, or the
+    reward model's `model_scores`) plus every weighted extra term."""
+    if self.from_model != (model_scores is not None):
+      raise ValueError(f"Rewards.combine: model_scores must be given exactly when the reward is "
+                       f"a model's (from_model={self.from_model})")
+    parts = [("model", 1.0, np.asarray(model_scores, np.float32)) if self.from_model else
+             ("function", 1.0, self._term(self.fn, self.name, records, response_tokens,
+                                          response_lens))]
+    parts += [(t.label, t.weight, self._term(t.fn, t.name, records, response_tokens,
+                                             response_lens)) for t in self.extra]
+    total = np.zeros(response_tokens.shape[0], np.float32)
+    for _, weight, values in parts:
+      total = total + weight * values
+    metrics = ({f"reward/{label}_mean": float(np.mean(values)) for label, _, values in parts}
+               if len(parts) > 1 else {})
+    return np.asarray(total, np.float32), metrics
+
+  def from_function(self, records: Optional[Sequence[Mapping[str, Any]]],
+                    response_tokens: np.ndarray, response_lens: np.ndarray) -> np.ndarray:
+    """The rewards [B] float32 of a function-sourced resolver (function plus extra terms)."""
+    return self.combine(records, response_tokens, response_lens)[0]
+
+  def scored(self, batch: ScoringBatch, records: Optional[Sequence[Mapping[str, Any]]] = None
+             ) -> tuple[np.ndarray, dict]:
+    """(rewards [B] float32, per-term metrics) for the batch (records: the B prompt records,
+    for functions)."""
+    scores = None
     if self.from_model:
       if self.model_params is None:
         raise ValueError("this Rewards gave its reward-model weights away "
                          "(without_model_params): score with their new holder")
-      return self.scorer.reward_scores(self.model_cfg, self.model_params, batch)
-    return self.from_function(records, batch.response_tokens, batch.response_lens)
+      scores = self.scorer.reward_scores(self.model_cfg, self.model_params, batch)
+    return self.combine(records, batch.response_tokens, batch.response_lens, scores)
+
+  def __call__(self, batch: ScoringBatch,
+               records: Optional[Sequence[Mapping[str, Any]]] = None) -> np.ndarray:
+    """Rewards [B] float32 for the batch (records: the B prompt records, for functions)."""
+    return self.scored(batch, records)[0]

@@ -71,9 +71,7 @@ def build_task_and_tokenizer(cfg: TrainConfig):
 def _needs_answer(cfg: TrainConfig) -> bool:
   """Whether the run's reward verifies against each record's answer (then every row needs
   one; a reward model or a user's function may do without)."""
-  if cfg.reward.kind != "function":
-    return False
-  names = {cfg.reward.function, cfg.reward.format}
+  names = {cfg.reward.format} | ({cfg.reward.function} if cfg.reward.kind == "function" else set())
   return "task" in names or bool(names & rewards_lib.NEEDS_ANSWER)
 
 
@@ -296,36 +294,39 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
 def build_rewards(cfg: TrainConfig, task, tokenizer: Tokenizer, models: Models,
                   mesh: jax.sharding.Mesh) -> scoring.Rewards:
   """config.reward resolved: the task's verifier, a registered function, a user's function by
-  import path, each plus an optional weighted format reward, or the reward model (scored on
-  `mesh`, where build_models placed it). Functions read the ids with the run's tokenizer
-  (init.tokenizer when set, not the task's own)."""
+  import path, or the reward model (scored on `mesh`, where build_models placed it), each plus
+  an optional weighted second function (reward.format: a format reward, a length penalty).
+  Functions read the ids with the run's tokenizer (init.tokenizer when set, not the task's
+  own)."""
   r = cfg.reward
+  extra = []
+  if r.format:
+    extra.append(scoring.RewardTerm(
+        label="format", name=r.format, weight=r.format_weight,
+        fn=functools.partial(_with_tokenizer, rewards_lib.get_reward_function(r.format),
+                             tokenizer)))
   if r.kind == "model":
     return scoring.Rewards(model_cfg=models.reward_cfg, model_params=models.reward_params,
-                           scorer=scoring.Scorer(mesh))
+                           scorer=scoring.Scorer(mesh), extra=extra)
   if r.function == "task":
     fn, name = (lambda records, ids, lens, tok: task.batch_rewards(records, ids, lens, tok),
                 f"task:{cfg.data.task}")
   else:
     fn, name = rewards_lib.get_reward_function(r.function), r.function
-  if r.format:
-    fn = rewards_lib.weighted_sum([(1.0, fn), (r.format_weight,
-                                               rewards_lib.get_reward_function(r.format))])
-    name = f"{name} + {r.format_weight:g} * {r.format}"
-  return scoring.Rewards(fn=functools.partial(_with_tokenizer, fn, tokenizer), name=name)
+  return scoring.Rewards(fn=functools.partial(_with_tokenizer, fn, tokenizer), name=name,
+                         extra=extra)
 
 
 def check_reward_functions(cfg: TrainConfig) -> None:
   """Resolves reward.function and reward.format now (an unknown name, a module that does not
   import), so that the error comes before any weight is read or program compiled."""
-  if cfg.reward.kind == "function":
-    for field in ("function", "format"):
-      spec = getattr(cfg.reward, field)
-      if spec and spec != "task":
-        try:
-          rewards_lib.get_reward_function(spec)
-        except ValueError as e:
-          raise ValueError(f"config.reward.{field}={spec!r}: {e}") from None
+  for field in ("function", "format") if cfg.reward.kind == "function" else ("format",):
+    spec = getattr(cfg.reward, field)
+    if spec and spec != "task":
+      try:
+        rewards_lib.get_reward_function(spec)
+      except ValueError as e:
+        raise ValueError(f"config.reward.{field}={spec!r}: {e}") from None
 
 
 def _with_tokenizer(fn, tokenizer, records, response_tokens, response_lens):

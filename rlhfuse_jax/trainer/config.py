@@ -262,8 +262,10 @@ class RewardConfig:
   # "target_match", ...); or a per-sample function by import path, "my_pkg.rewards:score",
   # called as score(response, answer, record) -> float.
   function: str = "task"
-  # A format reward added to the function's (same forms as `function`, e.g. "boxed_format");
-  # "": none. The reward is function + format_weight * format.
+  # A second function added to the function's or the reward model's reward (same forms as
+  # `function`: a format reward, "boxed_format"; a length penalty by import path); "": none.
+  # The reward is function (or model) + format_weight * format; with it, the metrics also hold
+  # each term's batch mean (reward/function_mean or reward/model_mean, reward/format_mean).
   format: str = ""
   format_weight: float = 1.0
   model_checkpoint: str = ""  # HF-style checkpoint dir of the reward model (kind="model")
@@ -272,8 +274,6 @@ class RewardConfig:
     _check(self.kind in ("function", "model"), "reward.kind", self.kind, "'function' or 'model'")
     _check(self.kind != "model" or bool(self.model_checkpoint), "reward.model_checkpoint",
            self.model_checkpoint, "a checkpoint directory when reward.kind='model'")
-    _check(self.kind != "model" or not self.format, "reward.format", self.format,
-           "'' with reward.kind='model' (a format reward adds to a reward function)")
     _check(self.format != "task", "reward.format", self.format,
            "a reward function name or import path (the task's verifier is reward.function)")
     _check(math.isfinite(self.format_weight), "reward.format_weight", self.format_weight,

@@ -132,8 +132,9 @@ def score_rollout(stage: Any, rollout: Any, params: WholeParams, prompts: Prompt
       critic = place_critic(critic, m)
     t0 += time.time() - t_fetch
     values = stage.scorer.values(stage.critic_cfg, critic, batch)
-  scores = stage.rewards(batch, prompts.records)
+  scores, reward_metrics = stage.rewards.scored(batch, prompts.records)
   m["timing_s/inference"] = time.time() - t0
+  m.update(reward_metrics)
   return StageOutputs(rollout=rollout, batch=batch, ref_logp=ref_logp, values=values,
                       scores=scores, metrics=m)
 
@@ -230,10 +231,11 @@ class FusedStage:
     rollout = out.rollout
     batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
     values = out.values if self.use_critic else np.zeros(rollout.logprobs.shape, np.float32)
-    scores = (out.rewards if self.rewards.from_model else
-              self.rewards.from_function(prompts.records, rollout.response_tokens,
-                                         rollout.response_lens))
-    metrics = dict(out.metrics)
+    # The reward model scored on the instances; the function terms are added here.
+    scores, reward_metrics = self.rewards.combine(
+        prompts.records, rollout.response_tokens, rollout.response_lens,
+        out.rewards if self.rewards.from_model else None)
+    metrics = {**out.metrics, **reward_metrics}
     if out.rt_choice is not None:
       metrics["fusion/rt_simulated_s"] = {str(k): v for k, v in out.rt_choice.simulated_s.items()}
     return StageOutputs(rollout=rollout, batch=batch, ref_logp=out.ref_logp, values=values,
@@ -408,10 +410,9 @@ class PlannedStage:
           mesh_lib.MeshConfig(data=-1, tensor=plan.inference_tp), devices)
       reference, _ = _reshard(reference, cfg.model, self.inf_mesh)
       if rewards.from_model:
-        rewards = scoring.Rewards(
-            model_cfg=rewards.model_cfg, name=rewards.name,
-            model_params=_reshard(rewards.model_params, rewards.model_cfg, self.inf_mesh)[0],
-            scorer=scoring.Scorer(self.inf_mesh))
+        rewards = rewards.with_model_params(
+            _reshard(rewards.model_params, rewards.model_cfg, self.inf_mesh)[0],
+            scoring.Scorer(self.inf_mesh))
     self.reference, self.rewards = reference, rewards
     self.scorer = scoring.Scorer(self.inf_mesh or mesh)
 

@@ -51,9 +51,9 @@ def _critic_free_unused(cfg: TrainConfig) -> list[str]:
 
 
 def _reward_unused(cfg: TrainConfig) -> list[str]:
-  """reward.function set with a reward model, which scores every sample alone (a config made
-  for a verifier, switched to reward.kind='model', kept it in its config.json silently; a
-  format reward there is an error, TrainConfig's check, since it would add to nothing)."""
+  """reward.function set with a reward model, which scores every sample in its place (a config
+  made for a verifier, switched to reward.kind='model', kept it in its config.json silently;
+  reward.format adds to the model's score)."""
   return set_fields(cfg, "reward", ["function"]) if cfg.reward.kind == "model" else []
 
 
