@@ -8,7 +8,9 @@
 #      > ~/run.log 2>&1 &"
 # (nohup: a dropped ssh session does not end the run.) Every worker needs the same checkout and
 # config: the run stops at set-up when their git commits or configs differ. Exit 75 (stopped
-# by a preemption's SIGTERM after saving): run the same command again to resume.
+# by a preemption's SIGTERM after saving): run the same command again to resume. A worker that
+# hangs alive keeps the others waiting: add --config.guard.iteration_timeout_s=SECONDS (a few
+# times the slowest iteration) and every worker exits 69 with its stacks instead.
 # BINARY picks experiments/BINARY.py: train_ppo (default; fused with
 # --config.fusion.inter_stage=True) or bench_generation (config: configs/bench_generation.py).
 set -euo pipefail

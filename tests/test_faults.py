@@ -223,6 +223,62 @@ def test_metrics_are_written_exactly_once_after_a_crash_before_the_first_checkpo
   assert _steps(str(tmp_path)) == [1, 2, 3]
 
 
+_HANG_SCRIPT = """
+import sys, time
+from rlhfuse_jax.trainer import hooks
+dog = hooks.HangWatchdog(1.0, num_iterations=5)
+dog.begin(0)
+for step in (1, 2, 3):  # 3 iterations of 0.4 s: 1.2 s in all, none over the timeout
+  time.sleep(0.4)
+  dog.after(step, {}, False)
+print("three iterations done", flush=True)
+def stuck_in_reward_function():
+  time.sleep(60)
+stuck_in_reward_function()
+"""
+
+
+def test_a_hung_iteration_ends_the_process_with_its_stacks(tmp_path):
+  """guard.iteration_timeout_s: iterations within the timeout pass however long the run;
+  one that hangs ends the process with 69 (a requeue resumes), naming what it waited for and
+  the timeout, with the stack of the thread that hangs."""
+  t0 = time.monotonic()
+  out = subprocess.run([sys.executable, "-c", _HANG_SCRIPT], cwd=REPO, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+  took = time.monotonic() - t0
+  assert out.returncode == 69, out.stderr[-3000:]
+  assert "three iterations done" in out.stdout
+  assert ("iteration 3's logging and checkpoint save, then iteration 4, did not finish within "
+          "config.guard.iteration_timeout_s=1s: this process hangs") in out.stderr
+  assert "in stuck_in_reward_function" in out.stderr  # faulthandler's stack of the main thread
+  assert took < 30  # not the 60 s sleep
+
+
+def test_the_loop_arms_the_watchdog_for_every_iteration(tmp_path, monkeypatch):
+  """The trainer's loop re-arms the watchdog after each iteration (a slow second iteration is
+  what it reports) and disarms it when the run ends (nothing fires afterwards)."""
+  fired = []
+  monkeypatch.setattr(hooks.HangWatchdog, "_expire", lambda self: fired.append(self.waiting_for))
+  cfg = tiny_config(**{"num_iterations": 2, "checkpoint.every": 100,
+                       "guard.iteration_timeout_s": 0.5})
+  trainer = PPOTrainer(cfg, str(tmp_path))
+  orig = trainer.iteration
+
+  def iteration(it):
+    if it == 1:
+      time.sleep(1.5)
+    return orig(it)
+  trainer.iteration = iteration
+  trainer.run()
+  assert "iteration 1's logging and checkpoint save, then iteration 2," in fired, fired
+  n = len(fired)
+  time.sleep(0.8)
+  assert len(fired) == n  # disarmed at the end
+  with pytest.raises(ValueError, match=r"config\.guard\.iteration_timeout_s=-1\.0: expected a "
+                                       r"number of seconds >= 0"):
+    tiny_config(**{"guard.iteration_timeout_s": -1})
+
+
 def test_a_second_run_on_the_same_workdir_is_refused(tmp_path):
   cfg = tiny_config(**{"num_iterations": 1})
   first = PPOTrainer(cfg, str(tmp_path))

@@ -480,15 +480,25 @@ class GuardConfig:
   parameters are checked every iteration. "stop": the run stops with an error naming the
   iteration and the quantity, before anything of that iteration is written or saved.
   "skip_update": an optimizer step whose gradients are not finite is skipped
-  (optax.apply_if_finite); after max_consecutive_skips in a row the run stops as with "stop"."""
+  (optax.apply_if_finite); after max_consecutive_skips in a row the run stops as with "stop".
+
+  iteration_timeout_s: a process whose iteration (with its validation pass and checkpoint
+  save) has not finished within this many seconds writes every thread's stack to stderr and
+  exits 69, as a lost peer does (trainer/hooks.HangWatchdog): a hung reward function, or a peer
+  process that hangs (alive, so jax's heartbeat never fails) while the others wait in a
+  collective. The first iteration compiles too. 0: never."""
   on_nonfinite: str = "stop"
   max_consecutive_skips: int = 10
+  iteration_timeout_s: float = 0.0
 
   def __post_init__(self):
     _check(self.on_nonfinite in GUARD_MODES, "guard.on_nonfinite", self.on_nonfinite,
            f"one of {GUARD_MODES}")
     _check(self.max_consecutive_skips >= 1, "guard.max_consecutive_skips",
            self.max_consecutive_skips, ">= 1")
+    t = self.iteration_timeout_s
+    _check(not isinstance(t, bool) and isinstance(t, (int, float)) and math.isfinite(t) and t >= 0,
+           "guard.iteration_timeout_s", t, "a number of seconds >= 0 (0: no timeout)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -643,7 +653,8 @@ RESUMABLE_FIELDS = frozenset({
     "checkpoint.fallback",
     "checkpoint.export_hf",  # written after the last iteration; the trajectory is the same
     "checkpoint.resume_changes",  # what it allows is checked field by field (hooks.py)
-    "guard.max_consecutive_skips", "pipeline.schedule_cache_dir", "compilation_cache_dir",
+    "guard.max_consecutive_skips", "guard.iteration_timeout_s", "pipeline.schedule_cache_dir",
+    "compilation_cache_dir",
     # The validation pass reads the policy and its own prompts; training never sees them.
     "eval_every", "data.val_file", "data.val_max_prompts",
     # The plan file's path: what it sets (plan.*, mesh.*, pipeline.critic_pp) is fingerprinted.

@@ -10,10 +10,12 @@ the questions asked before anything is built: where to resume, and whether this 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import shutil
 import signal
+import sys
 import threading
 from typing import Any, Callable, Optional
 
@@ -26,6 +28,7 @@ from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.data import chat as chat_lib
 from rlhfuse_jax.data import tokenizer as tokenizer_lib
 from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
+from rlhfuse_jax.generation import multihost
 from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -175,6 +178,62 @@ class StopFlag(Hook):
   def end(self, failing: bool) -> None:
     for sig, old in self._old.items():
       signal.signal(sig, old)
+
+
+class HangWatchdog(Hook):
+  """config.guard.iteration_timeout_s: ends this process when an iteration has not finished in
+  time. Armed at `begin` (so the first iteration's compile counts), re-armed after each
+  iteration, disarmed at the very end (the last save's wait included). When it fires it logs
+  what it waited for, writes every Python thread's stack to stderr (faulthandler: where the
+  process hangs, or which collective it waits in) and exits EXIT_PEER_LOST (69) with
+  os._exit: a thread blocked in a collective or a C call cannot be interrupted, and a requeue
+  rule treats a hang like a lost peer (resume from the last checkpoint). 0: does nothing."""
+
+  def __init__(self, timeout_s: float, num_iterations: int):
+    self.timeout_s, self.num_iterations = float(timeout_s), num_iterations
+    self._timer: Optional[threading.Timer] = None
+    self.waiting_for = ""  # what the armed timer waits for, in its message
+
+  def _arm(self, what: str) -> None:
+    self._disarm()
+    if self.timeout_s <= 0:
+      return
+    self.waiting_for = what
+    self._timer = threading.Timer(self.timeout_s, self._expire)
+    self._timer.daemon = True
+    self._timer.start()
+
+  def _disarm(self) -> None:
+    if self._timer is not None:
+      self._timer.cancel()
+      self._timer = None
+
+  def _expire(self) -> None:
+    procs = jax.process_count()
+    who = (f"process {jax.process_index()} of {procs}: " if procs > 1 else "")
+    msg = (f"{who}{self.waiting_for} did not finish within "
+           f"config.guard.iteration_timeout_s={self.timeout_s:g}s: this process hangs (a "
+           "reward function, a read that never returns)"
+           + (" or waits in a collective for another process that hangs" if procs > 1 else "")
+           + f"; every thread's stack follows on stderr; exiting ({multihost.EXIT_PEER_LOST}): "
+           "re-run to resume from the last checkpoint")
+    logging.error("%s", msg)
+    print(msg, file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(multihost.EXIT_PEER_LOST)
+
+  def begin(self, start: int) -> None:
+    self._arm(f"iteration {start + 1} (with its compiles)")
+
+  def after(self, step: int, metrics: dict, stopping: bool) -> None:
+    # Its after runs before the other hooks': their logging and save count towards the next.
+    last = stopping or step >= self.num_iterations
+    self._arm(f"iteration {step}'s logging and checkpoint save" if last else
+              f"iteration {step}'s logging and checkpoint save, then iteration {step + 1},")
+
+  def end(self, failing: bool) -> None:
+    self._disarm()
 
 
 class MetricsLog(Hook):

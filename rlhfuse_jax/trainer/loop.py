@@ -840,7 +840,10 @@ class PPOTrainer:
 
   def _loop(self, start: int, stop_after: Optional[int]) -> list[dict]:
     stop = hooks.StopFlag()
-    run_hooks = [stop,
+    # The watchdog first: it guards the others' begin (a collective) and, ending last, the last
+    # save's wait.
+    run_hooks = [hooks.HangWatchdog(self.cfg.guard.iteration_timeout_s,
+                                   self.cfg.num_iterations), stop,
                  hooks.MetricsLog(self.workdir, self.cfg, rollout_lib.progress_summary,
                                   self._built_at),
                  hooks.SamplesLog(self.workdir, self._take_samples),
