@@ -70,6 +70,33 @@ def _deterministic(rows):
   return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
 
 
+def _check_train_flops(cfg, seen, history):
+  """perf/train_flops_per_s counts each sample at its own lengths (docs/architecture.md §1):
+  per model 3 x forward, forward = S * (2 * layers * matmul weights per layer + 4 * layers *
+  heads * head_dim * (S + 1) / 2) + R * 2 * hidden * head width, for S = prompt + response and R
+  = response tokens; perf/train_useful_frac is that over the padded count. (No perf/mfu: a CPU
+  has no known peak.)"""
+  def forward(m, s, r):
+    hd = m.head_dim_
+    per_layer = (m.hidden_size * hd * (m.num_heads + 2 * m.num_kv_heads) +
+                 m.num_heads * hd * m.hidden_size + 3 * m.hidden_size * m.intermediate_size)
+    width = m.vocab_size if m.head == "lm" else 1
+    return (s * (2 * m.num_layers * per_layer + 4 * m.num_layers * m.num_heads * hd * (s + 1) / 2)
+            + r * 2 * m.hidden_size * width)
+  models = [cfg.model, dataclasses.replace(cfg.critic_model, vocab_size=cfg.model.vocab_size,
+                                           head="scalar")]
+  for (_, out), h in zip(seen, history, strict=True):
+    p, r = out.batch.prompt_lens.astype(float), out.rollout.response_lens.astype(float)
+    want = cfg.algo.epochs * sum(3 * float(np.sum(forward(m, p + r, r))) for m in models)
+    assert h["perf/train_flops_per_s"] * h["timing_s/train"] == pytest.approx(want, rel=1e-9)
+    big_r = cfg.rollout.max_new_tokens
+    big_p = out.batch.tokens.shape[1] - big_r
+    padded = cfg.algo.epochs * sum(3 * len(r) * forward(m, big_p + big_r, big_r) for m in models)
+    assert h["perf/train_useful_frac"] == pytest.approx(want / padded, rel=1e-9)
+    assert h["perf/train_useful_frac"] < 0.95  # the tiny task's responses leave padding
+    assert "perf/mfu" not in h
+
+
 def test_sharded_run_equals_single_device(tmp_path):
   cfg = tiny_config(num_iterations=2)
   single = PPOTrainer(cfg, str(tmp_path / "one"),
@@ -80,6 +107,7 @@ def test_sharded_run_equals_single_device(tmp_path):
                        mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4, fsdp=2)))
   out8 = record_rollouts(sharded)
   h8 = sharded.run()
+  _check_train_flops(single.cfg, out1, h1)
   # Same tokens sampled (per-sample RNG; the logits agree to float rounding) ...
   for (_, a), (_, b) in zip(out1, out8, strict=True):
     np.testing.assert_array_equal(a.rollout.response_tokens, b.rollout.response_tokens)

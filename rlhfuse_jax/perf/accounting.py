@@ -93,7 +93,9 @@ def forward_flops(cfg: Any, batch: int, seq_len: int, head_positions: int) -> fl
 
 def ppo_update_flops(actor_cfg: Any, critic_cfg: Optional[Any], batch: int, prompt_len: int,
                      response_len: int) -> float:
-  """Model FLOPs of one PPO update of the actor (and the critic, unless None)."""
+  """Model FLOPs of one PPO update of the actor (and the critic, unless None). The lengths may
+  be arrays of per-sample lengths with batch=1: the FLOPs of each sample (the trainer's
+  perf/train_flops_per_s sums them)."""
   s = prompt_len + response_len
   total = 3.0 * forward_flops(actor_cfg, batch, s, response_len)
   if critic_cfg is not None:

@@ -377,8 +377,8 @@ class PPOTrainer:
     """The current whole parameters of `model` where generation and inference run (timed in
     timing_s/weights_to_generation). copy=True: buffers of their own, which survive the next
     update (it donates the state's) and so stay the policy that generated an in-flight batch."""
+    whole = self.model_params(model)  # a pipelined state's gather: timing_s/reshard, not here
     t0 = time.perf_counter()
-    whole = self.model_params(model)
     if self.moves_weights:
       whole = mesh_lib.put(whole, self._generation_shardings(model))
     elif copy and not self.update.is_pipelined:  # a pipelined `whole` is a new array already
@@ -659,13 +659,12 @@ class PPOTrainer:
     if self.moves_weights or k:
       m["timing_s/weights_to_generation"] = self._weights_to_generation_s
     m.update(self._take_offload_metrics())
-    max_new = cfg.rollout.max_new_tokens
     # timing_s/gen_plus_inf: the loop's whole rollout phase (docs/architecture.md §1), replacing
     # the fused engine's own figure of that name (its generation and inference alone; with
     # async PPO this phase also holds the rescoring, not the generation of another iteration).
     m.update({"timing_s/train": t_train, "timing_s/gen_plus_inf": t_gen_inf,
               "timing_s/step": t_total, "perf/tokens_per_s": int(np.sum(token_counts)) / t_total,
-              **self._train_flops_metrics(t_train, gen.tokens.shape[1] - max_new, max_new),
+              **self._train_flops_metrics(t_train, gen),
               "perf/response_tokens": int(np.sum(gen.response_lens))})
     return m
 
@@ -736,16 +735,24 @@ class PPOTrainer:
         f"config.checkpoint.resume_changes (e.g. 'optim.actor_lr'), check the inputs, or "
         f"{advice}")
 
-  def _train_flops_metrics(self, t_train: float, prompt_len: int, max_new: int) -> dict:
-    """Training FLOP/s (padded shapes, as executed) and MFU where the device's peak is known."""
+  def _train_flops_metrics(self, t_train: float, gen: async_lib.Generated) -> dict:
+    """The update's model FLOPs per second, counted at each sample's own prompt and response
+    lengths (perf/accounting.py: the useful work; the program runs every row at the padded
+    max_prompt_len + max_new_tokens, so padding shows as a lower rate, never a higher one),
+    the useful share of the padded count, and MFU where the device's bf16 peak is known and
+    the model computes in a 16-bit type (a float32 model's matmuls have another peak)."""
     cfg = self.cfg
-    flops = cfg.algo.epochs * accounting.ppo_update_flops(
-        cfg.model, cfg.critic_model if self.use_critic else None, cfg.rollout.batch_size,
-        prompt_len, max_new)
-    out = {"perf/train_flops_per_s": flops / t_train}
+    critic = cfg.critic_model if self.use_critic else None
+    useful = cfg.algo.epochs * float(np.sum(accounting.ppo_update_flops(
+        cfg.model, critic, 1, gen.prompt_lens.astype(np.float64),
+        gen.response_lens.astype(np.float64))))
+    max_new = cfg.rollout.max_new_tokens
+    padded = cfg.algo.epochs * accounting.ppo_update_flops(
+        cfg.model, critic, len(gen.response_lens), gen.tokens.shape[1] - max_new, max_new)
+    out = {"perf/train_flops_per_s": useful / t_train, "perf/train_useful_frac": useful / padded}
     hw = hardware.hardware_for_device_kind(self.mesh.devices.flat[0].device_kind)
-    if hw is not None:
-      out["perf/mfu"] = flops / t_train / (hw.peak_flops * self.mesh.devices.size)
+    if hw is not None and cfg.model.dtype in ("bfloat16", "float16"):
+      out["perf/mfu"] = useful / t_train / (hw.peak_flops * self.mesh.devices.size)
     return out
 
   # ---------------------------------------------------------------- the loop
