@@ -1,7 +1,8 @@
 """Per-iteration metrics: `metrics.jsonl` (one JSON object per step) and TensorBoard events.
 
 TensorBoard events go through tensorboardX (a maintained writer without a TensorFlow dependency;
-clu's writer would pull TensorFlow in). Non-scalar values (curves, lists) go to JSONL only.
+clu's writer would pull TensorFlow in): its record writer and protos, written in the caller's
+thread (`_Events`). Non-scalar values (curves, lists) go to JSONL only.
 """
 from __future__ import annotations
 
@@ -11,6 +12,37 @@ import time
 from typing import Any, Mapping, Optional
 
 from rlhfuse_jax import workdir as wd
+
+
+class _Events:
+  """A TensorBoard event file written and flushed in the caller's thread, with tensorboardX's
+  own EventsWriter and protos (what its SummaryWriter writes, the same file name and purge
+  marker). Not SummaryWriter itself: it queues events to a thread that flushes every
+  flush_secs, and its flush() does not drain that queue, so the events of the last steps
+  before a kill -9 were lost although a checkpoint covered them (the resume does not run those
+  steps again)."""
+
+  def __init__(self, logdir: str, purge_step: Optional[int]):
+    from tensorboardX.event_file_writer import EventsWriter  # lazily: optional at library level
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    from tensorboardX.summary import scalar
+    self._event, self._scalar = Event, scalar
+    os.makedirs(logdir, exist_ok=True)
+    self._writer = EventsWriter(os.path.join(logdir, "events"))
+    if purge_step is not None:  # TensorBoard hides older events of steps >= purge_step
+      self._writer.write_event(Event(step=purge_step, file_version="brain.Event:2"))
+      self._writer.write_event(Event(step=purge_step,
+                                     session_log=SessionLog(status=SessionLog.START)))
+      self._writer.flush()
+
+  def scalars(self, step: int, values: Mapping[str, float]) -> None:
+    for tag, v in values.items():
+      self._writer.write_event(self._event(wall_time=time.time(), step=step,
+                                           summary=self._scalar(tag, v)))
+    self._writer.flush()
+
+  def close(self) -> None:
+    self._writer.close()
 
 
 class MetricWriter:
@@ -25,8 +57,7 @@ class MetricWriter:
     self.enabled = enabled
     self._tb = None
     if tensorboard and enabled:
-      from tensorboardX import SummaryWriter  # imported lazily: optional at library level
-      self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=10, purge_step=purge_step)
+      self._tb = _Events(os.path.join(workdir, "tb"), purge_step)
 
   def truncate_after(self, step: int) -> list[int]:
     """Drops lines with step > `step` (written after the checkpoint a resumed run starts from),
@@ -43,10 +74,9 @@ class MetricWriter:
       return
     record = {"step": int(step), **metrics}
     wd.append_jsonl(self.path, record)
-    if self._tb is not None:
-      for k, v in metrics.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-          self._tb.add_scalar(k, v, step)
+    if self._tb is not None:  # on disk with the JSONL row (_Events)
+      self._tb.scalars(step, {k: v for k, v in metrics.items() if isinstance(v, (int, float))
+                              and not isinstance(v, bool) and math.isfinite(v)})
 
   def close(self) -> None:
     if self._tb is not None:

@@ -1,6 +1,11 @@
-"""rlhfuse_jax/metrics.py's progress line: what elapsed counts from, and the ETA's pace."""
+"""rlhfuse_jax/metrics.py: the progress line (what elapsed counts from, the ETA's pace) and
+the writers' durability; the end hooks' errors."""
 import json
 import logging
+import os
+import struct
+
+import pytest
 
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax.trainer import hooks
@@ -65,3 +70,50 @@ def test_a_resume_over_a_torn_row_the_checkpoint_covers_warns_of_the_gap(tmp_pat
     log.begin(2)
     log.end(False)
   assert "has no row" not in caplog.text
+
+
+def test_tensorboard_events_are_on_disk_with_their_jsonl_row(tmp_path):
+  """A kill -9 after a checkpoint must not lose TensorBoard events the checkpoint covers (the
+  resume does not run those steps again): each write reaches the event file, not only the
+  writer's buffer (flushed every 10 s before)."""
+  writer = metrics_lib.MetricWriter(str(tmp_path))
+  writer.write(1, {"reward/mean": 0.5, "gen/response_lengths": [3, 4], "x/nan": float("nan")})
+  writer.write(2, {"reward/mean": 0.75})
+  got = [(e.step, v.tag, v.simple_value) for e in read_events(tmp_path / "tb")
+         for v in e.summary.value]
+  assert got == [(1, "reward/mean", 0.5), (2, "reward/mean", 0.75)]  # no lists, no NaN
+  writer.close()
+
+
+def test_an_end_hook_error_does_not_replace_the_error_leaving_the_run(caplog):
+  """hooks.run_hooks("end", failing): with an error already on its way out (a failed save: exit
+  3) a hook's own failure in end (the TensorBoard close on a full disk) is logged, not raised
+  in its place; without one it is the run's error."""
+  ended = []
+
+  class Full(hooks.Hook):
+    def end(self, failing):
+      raise OSError(28, "No space left on device")
+
+  class Other(hooks.Hook):
+    def end(self, failing):
+      ended.append(failing)
+  hooks.run_hooks([Other(), Full()], "end", True)  # logged
+  assert ended == [True]  # every hook ends
+  assert "No space left on device" in caplog.text
+  with pytest.raises(OSError, match="No space left"):
+    hooks.run_hooks([Other(), Full()], "end", False)
+
+
+def read_events(logdir):
+  """Every Event of the TFRecord event files in `logdir` (length, crc, data, crc per record)."""
+  from tensorboardX.proto.event_pb2 import Event
+  events = []
+  for name in sorted(os.listdir(logdir)):
+    data = (logdir / name).read_bytes()
+    i = 0
+    while i < len(data):
+      n, = struct.unpack("<Q", data[i:i + 8])
+      events.append(Event.FromString(data[i + 12:i + 12 + n]))
+      i += 12 + n + 4
+  return events

@@ -122,17 +122,9 @@ def test_a_disabled_writer_never_rewrites_metrics(tmp_path):
 def test_a_resumed_runs_tensorboard_hides_the_steps_after_its_checkpoint(tmp_path, monkeypatch):
   """MetricsLog.begin(start) opens TensorBoard with purge_step=start + 1 (events of a crashed
   trajectory past the checkpoint are hidden), as it truncates metrics.jsonl after `start`."""
-  import tensorboardX
+  from tensorboardX.proto.event_pb2 import SessionLog
   from rlhfuse_jax.trainer import hooks
-  opened = []
-
-  class Recorder:
-    def __init__(self, logdir, **kw):
-      opened.append((logdir, kw))
-
-    def close(self):
-      pass
-  monkeypatch.setattr(tensorboardX, "SummaryWriter", Recorder)
+  from tests.test_metrics import read_events
 
   class Cfg:
     num_iterations = 9
@@ -140,8 +132,12 @@ def test_a_resumed_runs_tensorboard_hides_the_steps_after_its_checkpoint(tmp_pat
   log = hooks.MetricsLog(str(tmp_path), Cfg(), lambda m: "")
   log.begin(4)
   log.end(failing=False)
-  assert opened == [(str(tmp_path / "tb"), {"flush_secs": 10, "purge_step": 5})]
+  # TensorBoard's purge marker: a session START at step 5 (what it hides from).
+  starts = [e.step for e in read_events(tmp_path / "tb")
+            if e.HasField("session_log") and e.session_log.status == SessionLog.START]
+  assert starts == [5]
   assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 4}\n'
+
 
 
 # parallel/distributed.py -------------------------------------------------------------------------

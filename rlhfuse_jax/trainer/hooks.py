@@ -648,7 +648,10 @@ def run_hooks(hooks: list, method: str, *args: Any) -> None:
   unwind: what began first ends last (the stop flag, first to begin, keeps its signal handlers
   until the last save has committed: a SIGTERM during that wait killed the run and lost the
   checkpoint). For "end" every hook runs even if one raises (a failed metrics close must not
-  skip the wait for the last save), then the first error is raised."""
+  skip the wait for the last save), then the first error is raised, unless the run is already
+  failing (`end(failing=True)`): then the error on its way out stays the one raised and the
+  hooks' are logged (a full disk failed the save, then the TensorBoard close; the close's
+  OSError replaced the SaveError, and the run exited 1 instead of 3)."""
   if method != "end":
     for h in hooks:
       getattr(h, method)(*args)
@@ -663,4 +666,8 @@ def run_hooks(hooks: list, method: str, *args: Any) -> None:
       else:
         logging.exception("another end hook failed too")
   if first is not None:
+    if args and args[0]:
+      logging.error("an end hook failed while the run was already failing (that error follows): "
+                    "%s: %s", type(first).__name__, first)
+      return
     raise first
