@@ -47,7 +47,7 @@ mkdir -p "$(dirname "${WORKDIR%/}")"
 # that run's logs (the processes would refuse it too, after writing into them).
 if [[ -f "${WORKDIR%/}/.lock" ]] && command -v flock > /dev/null &&
     ! flock -n "${WORKDIR%/}/.lock" true; then
-  echo "workdir $WORKDIR is in use by another run ($(head -c 200 "${WORKDIR%/}/.lock"));" \
+  echo "workdir $WORKDIR is in use by another run ($(head -n 1 "${WORKDIR%/}/.lock" | head -c 200));" \
     "wait for it to finish or stop it, or use another workdir" >&2
   exit 1
 fi

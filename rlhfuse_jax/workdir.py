@@ -253,7 +253,7 @@ class WorkdirLock:
         self._f = None
         return
       self._f.seek(0)
-      holder = self._f.read().strip() or "unknown"
+      holder = (self._f.read().strip().splitlines() or ["unknown"])[0]
       self._f.close()
       self._f = None
       raise WorkdirInUseError(f"workdir {workdir} is in use by another run ({holder}); wait for "
@@ -263,9 +263,22 @@ class WorkdirLock:
     self.token = random.SystemRandom().randrange(1, 2**31 - 1)
     self._f.seek(0)
     self._f.truncate()
-    self._f.write(f"pid {os.getpid()} on {socket.gethostname()} (start {self.token})\n")
+    self._f.write(f"pid {os.getpid()} on {socket.gethostname()} (start {self.token})\n"
+                  "# the lock of the run above while it lives (flock), free once it ends: do not "
+                  "delete this file\n")
     self._f.flush()
     os.fsync(self._f.fileno())
+
+  def held(self) -> bool:
+    """Whether `path` is still the file this run locked: one deleted or replaced (taken for a
+    stale pid file) lets another start lock a new one and write here beside this run."""
+    if self._f is None:
+      return True  # unlocked (no flock on this filesystem): nothing to lose
+    try:
+      now, ours = os.stat(self.path), os.fstat(self._f.fileno())
+    except FileNotFoundError:
+      return False
+    return (now.st_dev, now.st_ino) == (ours.st_dev, ours.st_ino)
 
   def release(self) -> None:
     if self._f is not None:

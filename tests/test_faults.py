@@ -279,10 +279,28 @@ def test_the_loop_arms_the_watchdog_for_every_iteration(tmp_path, monkeypatch):
     tiny_config(**{"guard.iteration_timeout_s": -1})
 
 
+def test_a_run_whose_lock_file_is_deleted_stops_before_writing(tmp_path):
+  """.lock taken for a stale pid file and deleted while the run lives: another start can lock a
+  new one and write beside it (metrics rows twice, colliding saves). The live run notices and
+  stops before its next iteration writes anything."""
+  cfg = tiny_config(**{"num_iterations": 2})
+  first = PPOTrainer(cfg, str(tmp_path / "wd"))
+  assert "do not delete this file" in (tmp_path / "wd" / ".lock").read_text()
+  os.remove(tmp_path / "wd" / ".lock")
+  second = wd.WorkdirLock(str(tmp_path / "wd"))  # what another start would take now
+  with pytest.raises(wd.WorkdirInUseError, match=r"\.lock was deleted or replaced while this run "
+                                                 r"held it .* stopping before iteration 1 writes"):
+    first.run()
+  assert not os.path.exists(tmp_path / "wd" / "metrics.jsonl") or _steps(
+      str(tmp_path / "wd")) == []
+  second.release()
+
+
 def test_a_second_run_on_the_same_workdir_is_refused(tmp_path):
   cfg = tiny_config(**{"num_iterations": 1})
   first = PPOTrainer(cfg, str(tmp_path))
-  with pytest.raises(RuntimeError, match=rf"in use by another run \(pid {os.getpid()} on"):
+  with pytest.raises(RuntimeError, match=rf"in use by another run \(pid {os.getpid()} on \S+ "
+                                         r"\(start \d+\)\); wait for it"):
     PPOTrainer(cfg, str(tmp_path))
   first.run()  # releases the lock when it ends
   # Once per trainer: a second call would restore the old resume point over the trained state

@@ -819,6 +819,17 @@ class PPOTrainer:
     samples, self._samples = self._samples, None
     return samples
 
+  def _check_lock(self, step: int) -> None:
+    """Stops every process before iteration `step` writes anything when the workdir's lock file
+    is no longer this run's (wd.WorkdirLock.held; process 0 holds it, all agree)."""
+    lost = self._lock is not None and not self._lock.held()
+    if distributed.max_over_processes(int(lost)):
+      raise wd.WorkdirInUseError(
+          f"{os.path.join(self.workdir, '.lock')} was deleted or replaced while this run held it "
+          f"(it is the live run's lock, not a stale pid file): another start may be writing in "
+          f"{self.workdir} now; stopping before iteration {step} writes its metrics or "
+          f"checkpoint. Check what else runs there; this run's checkpoints so far are kept")
+
   def release_lock(self) -> None:
     """Releases the workdir lock (idempotent; run() does it unless keep_lock)."""
     if self._lock is not None:
@@ -874,6 +885,7 @@ class PPOTrainer:
             m["timing_s/optimizer_offload"] += self._take_offload_metrics()[
                 "timing_s/optimizer_offload"]
         history.append({"step": step, **m})
+        self._check_lock(step)
         stopping = stop.agreed() or step == stop_after
         hooks.run_hooks(run_hooks, "after", step, m, stopping)
         if stopping:
