@@ -183,6 +183,35 @@ def test_several_processes_stop_together_when_a_signal_came_during_set_up(monkey
       _signal_self(signal.SIGTERM)
 
 
+def test_sighup_stops_like_sigterm_unless_ignored():
+  """A closed terminal or dropped ssh session (SIGHUP) stops the run cleanly, as SIGTERM does
+  (it killed the run without saving); under nohup (SIGHUP ignored) the run goes on."""
+  before = signal.getsignal(signal.SIGHUP)
+  try:
+    flag = hooks.StopFlag()
+    flag.begin(0)
+    try:
+      _signal_self(signal.SIGHUP)
+      assert flag.set and flag.signal == signal.SIGHUP
+    finally:
+      flag.end(failing=False)
+    assert signal.getsignal(signal.SIGHUP) == before
+    with hooks.stop_before_training():
+      with pytest.raises(hooks.StoppedBeforeTraining):
+        _signal_self(signal.SIGHUP)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup
+    assert signal.SIGHUP not in hooks.stop_signals()
+    flag = hooks.StopFlag()
+    flag.begin(0)
+    try:
+      _signal_self(signal.SIGHUP)
+      assert not flag.set
+    finally:
+      flag.end(failing=False)
+  finally:
+    signal.signal(signal.SIGHUP, before)
+
+
 def test_sigint_stops_like_sigterm_and_twice_interrupts_at_once():
   flag = hooks.StopFlag()
   before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -65,9 +65,19 @@ class StoppedBeforeTraining(BaseException):
 _LOOP = {"began": False, "pending": 0}
 
 
+def stop_signals() -> tuple:
+  """The signals that stop a run cleanly (finish the iteration, save, exit 75): SIGTERM,
+  SIGINT, and SIGHUP (a closed terminal, a dropped ssh session: it killed the run without
+  saving) unless it is ignored (nohup, or a launcher that ignores it: the run goes on, as
+  asked)."""
+  hup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+  return (signal.SIGTERM, signal.SIGINT) + hup
+
+
 @contextlib.contextmanager
 def stop_before_training():
-  """Within: SIGTERM/SIGINT raise StoppedBeforeTraining until the loop begins; then StopFlag's
+  """Within: SIGTERM/SIGINT (and SIGHUP: stop_signals) raise StoppedBeforeTraining until the
+  loop begins; then StopFlag's
   handlers take over (finish the iteration, save), and once they are given back (the run's
   last moments: result.json, a failed save's exit) a signal does what it did before (SIGINT:
   KeyboardInterrupt; SIGTERM: the default, death). Python runs the handler once the main
@@ -102,7 +112,7 @@ def stop_before_training():
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
-  old = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+  old = {sig: signal.signal(sig, handle) for sig in stop_signals()}
   try:
     yield
   finally:
@@ -124,8 +134,9 @@ def agree_setup_signal() -> None:
 
 
 class StopFlag(Hook):
-  """Set by SIGTERM/SIGINT; the loop checks it after each iteration, saves and exits cleanly.
-  A second SIGINT (Ctrl-C twice) interrupts at once, without saving."""
+  """Set by SIGTERM/SIGINT/SIGHUP (stop_signals); the loop checks it after each iteration,
+  saves and exits cleanly. A second SIGINT (Ctrl-C twice) interrupts at once, without
+  saving."""
 
   def __init__(self):
     self.set = False
@@ -140,7 +151,7 @@ class StopFlag(Hook):
       logging.warning("PPOTrainer.run() is not on the main thread: SIGTERM/SIGINT will not "
                       "save a checkpoint before exiting (checkpoint.every still does)")
       return
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in stop_signals():
       self._old[sig] = signal.signal(sig, self._handle)
     _LOOP["began"] = True  # after the handlers: no signal falls between the two
     # A signal that came during set-up on any process (stop_before_training) stops them all
