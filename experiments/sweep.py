@@ -351,24 +351,26 @@ STOPPED = 75  # a run stopped by a signal after saving (train_ppo's EXIT_STOPPED
 
 
 class _Signals:
-  """SIGTERM to the sweep (a scheduler's stop, a `kill`): passed on to the run in progress (a
-  run that got it already ignores the second: train_ppo saves once and exits 75), and no
-  further run starts. Without it the sweep died at once with no summary, its run went on
+  """SIGTERM to the sweep (a scheduler's stop, a `kill`), or SIGHUP (a dropped ssh session;
+  unless ignored, as under nohup): passed on to the run in progress (a run that got it already
+  ignores the second: train_ppo saves once and exits 75), and no further run starts. Without it the sweep died at once with no summary, its run went on
   alone, and SIGTERM to the sweep's process alone left the run holding its workdir."""
 
   def __init__(self):
     self.proc = None
     self.signum = 0
-    self._old = None
+    self._old = {}
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
-      self._old = signal.signal(signal.SIGTERM, self._handle)
+      hup = signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN
+      for sig in (signal.SIGTERM,) + ((signal.SIGHUP,) if hup else ()):
+        self._old[sig] = signal.signal(sig, self._handle)
     return self
 
   def __exit__(self, *exc):
-    if self._old is not None:
-      signal.signal(signal.SIGTERM, self._old)
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
 
   def started(self, proc) -> None:
     self.proc = proc
