@@ -4,6 +4,11 @@ A checkpoint holds the array state (actor/critic params and optimizer states, an
 puts in the pytree) and a small JSON side-car (iteration, data position, RNG seed, config
 fingerprint). Orbax writes each step into a temporary directory and renames it when complete, so a
 run killed mid-save keeps its previous checkpoint; `latest_step()` only sees finished ones.
+
+The side-car also holds a checksum of every array (`checksums`), checked after a restore: orbax's
+chunks have no checksum of their own, so a file damaged inside a compressed chunk could restore
+as other numbers without an error (a review's bit flips did: the run then failed on NaNs one
+update later and advised lowering the learning rate).
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import threading
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
@@ -25,6 +31,61 @@ def _layout(leaves) -> dict:
   compare."""
   return {jax.tree_util.keystr(path, simple=True, separator="/"):
           (tuple(x.shape), str(np.dtype(x.dtype))) for path, x in leaves}
+
+
+@jax.jit
+def _bit_sum(x: jax.Array) -> jax.Array:
+  """sum_i bits_i * (2 i + 1) mod 2**32 (uint32), bits_i the i-th element's bit pattern as an
+  unsigned integer (i in row-major order). The odd weight of each position keeps every single
+  flipped bit visible and makes flips that cancel in a plain sum (+2**k here, -2**k there)
+  count differently."""
+  if x.dtype == jnp.bool_:  # (bitcast refuses bool)
+    bits = x.astype(jnp.uint32)
+  else:
+    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    bits = bits.astype(jnp.uint32)
+  # The row-major index from one iota per axis, in x's own shape: partitioned like x (a flat
+  # iota reshaped could be built whole on every device).
+  index, stride = jnp.zeros(x.shape, jnp.uint32), 1
+  for axis in reversed(range(x.ndim)):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(
+        stride % 2**32)
+    stride *= x.shape[axis]
+  return jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)
+
+
+def checksums(state: Any) -> dict[str, int]:
+  """{array path: checksum} of a state pytree: each element's bits, weighted by position,
+  summed mod 2**32 (_bit_sum), one reduction per array on its own devices. Integer addition
+  mod 2**32 does not depend on the order, so the sum is the same however the array is sharded
+  (a restore onto other devices checks as well), and any one flipped bit changes it. Every process of a multi-host run must
+  call it (one collective program)."""
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  # One program per array, not one for the state: XLA on CPU materialises each weighted array
+  # before reducing it, which over the whole state at once doubled its memory (compiled on 8
+  # fake devices); one at a time it is at most the largest array's shard.
+  sums = [_bit_sum(jnp.asarray(x)) for _, x in flat]
+  return {jax.tree_util.keystr(path, simple=True, separator="/"):
+          int(np.asarray(s.addressable_data(0) if isinstance(s, jax.Array) else s))
+          for (path, _), s in zip(flat, sums)}
+
+
+class DamagedCheckpointError(ValueError):
+  """A checkpoint restored without an error but holds other bits than were saved."""
+
+
+def verify(step: int, state: Any, meta: dict) -> None:
+  """Raises DamagedCheckpointError when the restored `state` differs from the checksums its
+  side-car recorded at save time (checkpoints written before they existed are not checked)."""
+  saved = meta.get("checksums") if isinstance(meta, dict) else None
+  if not saved:
+    return
+  now = checksums(state)
+  bad = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+  if bad:
+    raise DamagedCheckpointError(
+        f"checkpoint {step}: {len(bad)} array(s) read back with other contents than were saved "
+        f"(checksum), e.g. {bad[0]}: the files are damaged")
 
 
 class _ClosedLoopCallbacks:

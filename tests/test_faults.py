@@ -373,6 +373,39 @@ def test_only_callbacks_onto_a_closed_event_loop_are_dropped(monkeypatch):
   assert chained == [1] and printed == ["once"]
 
 
+def test_checksums_see_any_flipped_bit_and_not_the_sharding():
+  """checkpointing.checksums: the same values give the same sums however they are sharded
+  (a restore onto other devices checks as well); one flipped bit in any dtype changes them."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  rng = np.random.default_rng(0)
+  state = {"w": rng.normal(size=(8, 6)).astype(np.float32),
+           "b": jnp.asarray(rng.normal(size=(16,)), jnp.bfloat16),
+           "step": np.int32(7), "mask": np.array([True, False, True])}
+  sums = checkpointing.checksums(state)
+  assert set(sums) == {"w", "b", "step", "mask"}
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
+  sharded = dict(state, w=jax.device_put(state["w"], NamedSharding(mesh, P("data"))),
+                 b=jax.device_put(state["b"], NamedSharding(mesh, P("data"))))
+  assert checkpointing.checksums(sharded) == sums
+  for key in ("w", "b"):
+    flipped = np.array(state[key]).copy()
+    bits = flipped.view(np.uint32 if key == "w" else np.uint16)
+    bits.flat[3] ^= 1 << 5
+    assert checkpointing.checksums(dict(state, **{key: flipped}))[key] != sums[key]
+  # Two flips of one bit that cancel in a plain sum (+32 in one element, -32 in another).
+  w = np.zeros((8, 6), np.float32)
+  w.view(np.uint32).flat[1] = 32
+  moved = np.zeros((8, 6), np.float32)
+  moved.view(np.uint32).flat[2] = 32
+  assert checkpointing.checksums({"w": w}) != checkpointing.checksums({"w": moved})
+  meta = {"checksums": sums}
+  checkpointing.verify(4, sharded, meta)
+  with pytest.raises(checkpointing.DamagedCheckpointError, match="checkpoint 4: 1 array"):
+    checkpointing.verify(4, dict(state, step=np.int32(8)), meta)
+  checkpointing.verify(4, {"anything": 1}, {})  # written before checksums: not checked
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
   """An uninterrupted tiny run of 6 iterations: (config, workdir, final params, metrics rows)."""
@@ -383,11 +416,14 @@ def straight(tmp_path_factory):
   return cfg, workdir, _params(trainer), wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
 
 
-@pytest.mark.parametrize("damage", ["arrays", "side-car"])
+@pytest.mark.parametrize("damage", ["arrays", "side-car", "bits"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, straight, damage,
                                                                   caplog, monkeypatch):
   """Also the in-process resume test: stopped at 4 (as by SIGTERM), resumed from 2 after the
-  damage, the run ends with the uninterrupted run's parameters bitwise and its metrics. The
+  damage, the run ends with the uninterrupted run's parameters bitwise and its metrics.
+  "bits": arrays that read without an error but hold other bits than were saved (damage inside
+  a compressed chunk), found by the side-car's checksums (here the recorded checksum of one
+  array changed instead: the same mismatch, made deterministic). The
   failed read's tensorstore callbacks onto orbax's closed event loop (18-130 unraisable
   tracebacks on stderr) are not printed."""
   import logging as py_logging
@@ -401,6 +437,13 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, stra
   latest = os.path.join(run, "checkpoints", "4")
   if damage == "arrays":
     _damage_arrays(latest)
+  elif damage == "bits":
+    side_car = os.path.join(latest, "meta", "metadata")
+    meta = wd.read_json_object(side_car)
+    path = sorted(meta["checksums"])[0]
+    meta["checksums"][path] = (meta["checksums"][path] + 1) % 2**32
+    with open(side_car, "w") as f:
+      json.dump(meta, f)
   else:
     with open(os.path.join(latest, "meta", "metadata"), "w") as f:
       f.write("{not json")
@@ -416,6 +459,9 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, stra
   assert wd.read_json_object(os.path.join(run, "config.2.json")) == {"start": "again"}
   assert not [r for r in caplog.records if "resuming checkpoint" in r.getMessage()]  # same devices
   assert os.path.isdir(os.path.join(run, "damaged_checkpoints", "4"))  # kept, not deleted
+  if damage == "bits":
+    assert (f"checkpoint 4: 1 array(s) read back with other contents than were saved (checksum)"
+            f", e.g. {path}") in caplog.text
   jax.tree_util.tree_map(np.testing.assert_array_equal, _params(again), want_params)
   rows = wd.read_jsonl(os.path.join(run, "metrics.jsonl"))
   assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # nothing lost or written twice

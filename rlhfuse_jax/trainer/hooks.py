@@ -397,6 +397,7 @@ class Checkpoints(Hook):
     while step is not None:
       try:
         state, meta = self.checkpointer.restore(step, template)
+        checkpointing.verify(step, state, meta)  # damage inside a chunk reads without an error
         logging.info("resumed from checkpoint at iteration %d", step)
         return step, state, meta
       except Exception as e:  # noqa: BLE001 orbax raises many types for damaged files
@@ -418,9 +419,10 @@ class Checkpoints(Hook):
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     if step % self.cfg.checkpoint.every == 0 or step == self.cfg.num_iterations or stopping:
+      state = self.state_fn()
       meta = {"iteration": step, "seed": self.cfg.seed, "config": self.fingerprint,
-              **self.meta_fn()}
-      self.checkpointer.save(step, self.state_fn(), meta)
+              **self.meta_fn(), "checksums": checkpointing.checksums(state)}
+      self.checkpointer.save(step, state, meta)
 
   def wait(self) -> None:
     """Blocks until the last save is on disk; raises checkpointing.SaveError if it failed."""
