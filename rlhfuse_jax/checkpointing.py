@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 import threading
 from typing import Any, Optional
 
@@ -63,11 +64,15 @@ def checksums(state: Any) -> dict[str, int]:
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
   # One program per array, not one for the state: XLA on CPU materialises each weighted array
   # before reducing it, which over the whole state at once doubled its memory (compiled on 8
-  # fake devices); one at a time it is at most the largest array's shard.
-  sums = [_bit_sum(jnp.asarray(x)) for _, x in flat]
-  return {jax.tree_util.keystr(path, simple=True, separator="/"):
-          int(np.asarray(s.addressable_data(0) if isinstance(s, jax.Array) else s))
-          for (path, _), s in zip(flat, sums)}
+  # fake devices); one at a time it is at most the largest array's shard. Each read before the
+  # next starts: on CPU, reductions of arrays on overlapping device groups (a pipelined state's
+  # stages) dispatched together deadlocked in their all-reduce rendezvous (XLA aborted).
+  out = {}
+  for path, x in flat:
+    s = _bit_sum(jnp.asarray(x))
+    out[jax.tree_util.keystr(path, simple=True, separator="/")] = int(np.asarray(
+        s.addressable_data(0)))
+  return out
 
 
 class DamagedCheckpointError(ValueError):
@@ -158,6 +163,20 @@ class Checkpointer:
     await_cleanup = getattr(self._mngr, "_maybe_await_cleanup_tmp_directory", None)
     if await_cleanup is not None:  # a private method: absent in another orbax, skip the wait
       await_cleanup()
+    self._probe_writable()
+
+  def _probe_writable(self) -> None:
+    """Creates and removes a file in the checkpoints directory: one that cannot be written
+    was found only at the first save, checkpoint.every iterations of work later, after
+    hundreds of lines of orbax's tracebacks (a permission check alone misses a read-only
+    mount, an immutable directory, or root's rights)."""
+    try:
+      with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write_probe_"):
+        pass
+    except OSError as e:
+      raise ValueError(f"the checkpoints directory {self.directory} is not writable "
+                       f"({type(e).__name__}: {e}); the run would lose its work at the first "
+                       "save: fix its permissions or use another --workdir") from None
 
   def latest_step(self) -> Optional[int]:
     return self._mngr.latest_step()

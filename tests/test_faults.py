@@ -373,6 +373,20 @@ def test_only_callbacks_onto_a_closed_event_loop_are_dropped(monkeypatch):
   assert chained == [1] and printed == ["once"]
 
 
+def test_an_unwritable_checkpoints_directory_stops_the_set_up(tmp_path, monkeypatch):
+  """Found at set-up, naming the directory, not at the first save checkpoint.every iterations
+  later. (The tests may run as root, whom permissions do not stop: the failed write is made.)"""
+  def refused(**kw):
+    raise PermissionError(1, "Operation not permitted", kw["dir"])
+  monkeypatch.setattr(checkpointing.tempfile, "NamedTemporaryFile", refused)
+  with pytest.raises(ValueError, match=r"the checkpoints directory .*/checkpoints is not "
+                                       r"writable \(PermissionError: .*Operation not permitted"):
+    checkpointing.Checkpointer(str(tmp_path))
+  monkeypatch.undo()
+  checkpointing.Checkpointer(str(tmp_path)).close()
+  assert os.listdir(tmp_path / "checkpoints") == []  # the probe leaves nothing
+
+
 def test_checksums_see_any_flipped_bit_and_not_the_sharding():
   """checkpointing.checksums: the same values give the same sums however they are sharded
   (a restore onto other devices checks as well); one flipped bit in any dtype changes them."""
