@@ -169,7 +169,10 @@ class Checkpointer:
     """Creates and removes a file in the checkpoints directory: one that cannot be written
     was found only at the first save, checkpoint.every iterations of work later, after
     hundreds of lines of orbax's tracebacks (a permission check alone misses a read-only
-    mount, an immutable directory, or root's rights)."""
+    mount, an immutable directory, or root's rights). Where the directory is not there yet
+    (orbax creates it from process 0 of a multi-host run) only process 0's probe counts."""
+    if not os.path.isdir(self.directory):
+      return
     try:
       with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write_probe_"):
         pass

@@ -452,12 +452,14 @@ def test_the_serial_rollout_scores_values_with_the_critic_and_ref_at_the_tempera
   stage = types.SimpleNamespace(
       actor_cfg="A", critic_cfg="C", use_critic=True, pad_id=0, reference="ref params",
       sampling=types.SimpleNamespace(logprob_temperature=0.7), scorer=scorer,
-      rewards=lambda batch, records: np.ones(b, np.float32))
+      rewards=types.SimpleNamespace(scored=lambda batch, records: (np.ones(b, np.float32),
+                                                                   {"reward/x_mean": 1.0})))
   prompts_ = types.SimpleNamespace(records=[{}, {}])
   out = rollout_lib.score_rollout(stage, rollout, lambda name: f"{name} params", prompts_, {})
   assert asked == [("ref", "ref params", 0.7), ("values", "critic params")]
   np.testing.assert_array_equal(out.values, 2.5)
   np.testing.assert_array_equal(out.ref_logp, -1.0)
+  assert out.metrics["reward/x_mean"] == 1.0  # the reward terms' metrics reach the stage's
 
 
 def test_async_overlap_is_the_intersection_of_the_two_intervals():
