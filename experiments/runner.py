@@ -6,6 +6,8 @@ binaries' reports (`fixed_or_sci`); what every result.json records about how it 
 from __future__ import annotations
 
 import json
+import logging as py_logging
+import logging.handlers
 import os
 import platform
 import shlex
@@ -56,6 +58,62 @@ def build_command(binary: str, config: str, run_dir: str, overrides: dict,
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Set in a run's environment by run_streamed: its parent keeps the run's whole output in the
+# run's log.txt, so the run does not write one of its own (RunLog).
+LOG_KEPT_ENV = "RLHFUSE_LOG_KEPT_BY_PARENT"
+
+
+class RunLog:
+  """A run's log in its workdir: log.txt (process i > 0 of a multi-host run: log.proc<i>.txt),
+  appended to under a header line per start, holding what the run logged (absl's and the
+  libraries' records, as on stderr) from the start of main, and the traceback of an error that
+  ended it (`exception`). Records before `keep_in` (the workdir lock held) are buffered: a
+  start refused for a workdir another run holds writes nothing there. Nothing at all when a
+  parent (sweep, bench_async: run_streamed) keeps the run's whole output in its log.txt."""
+
+  def __init__(self):
+    self.path: Optional[str] = None
+    self._started = time.strftime('%Y-%m-%d %H:%M:%S')
+    self._file: Optional[py_logging.Handler] = None
+    self._kept_by_parent = bool(os.environ.get(LOG_KEPT_ENV))
+    self._buffer = py_logging.handlers.MemoryHandler(capacity=100_000,
+                                                     flushLevel=py_logging.CRITICAL + 10)
+    if not self._kept_by_parent:
+      py_logging.getLogger().addHandler(self._buffer)
+
+  def keep_in(self, workdir: str, process_index: int = 0) -> Optional[str]:
+    """Starts writing to the workdir's log (the buffered records first); returns its path."""
+    if self._kept_by_parent or self._file is not None:
+      return self.path
+    from absl import logging as absl_logging  # the format of absl's stderr lines
+    name = "log.txt" if process_index == 0 else f"log.proc{process_index}.txt"
+    self.path = os.path.join(workdir, name)
+    self._file = py_logging.FileHandler(self.path, mode="a", encoding="utf-8")
+    self._file.setFormatter(absl_logging.PythonFormatter())
+    for f in absl_logging.get_absl_handler().filters:  # what stderr leaves out (libraries' INFO)
+      self._file.addFilter(f)
+    self._file.stream.write(f"=== {self._started}: {command_line()}\n")
+    root = py_logging.getLogger()
+    self._buffer.setTarget(self._file)
+    self._buffer.flush()
+    root.removeHandler(self._buffer)
+    root.addHandler(self._file)
+    return self.path
+
+  def exception(self, message: str) -> None:
+    """The exception being handled, with its traceback, into the log file only (stderr gets
+    Python's own print of it)."""
+    if self._file is not None:
+      record = py_logging.getLogger("absl").makeRecord(
+          "absl", py_logging.ERROR, __file__, 0, message, (), sys.exc_info())
+      self._file.handle(record)
+
+  def close(self) -> None:
+    root = py_logging.getLogger()
+    for handler in (self._buffer, self._file):
+      if handler is not None:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def repo_env(**extra: str) -> dict:
@@ -73,7 +131,7 @@ def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
   runs' logs); returns its exit status. `started` gets the process once it runs (a caller that
   passes signals on)."""
   proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          cwd=REPO_ROOT, env=env)
+                          cwd=REPO_ROOT, env={**env, LOG_KEPT_ENV: "1"})
   if started is not None:
     started(proc)
   os.makedirs(run_dir, exist_ok=True)

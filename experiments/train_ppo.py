@@ -138,9 +138,10 @@ def check_own_workdir(workdir: str) -> None:
   wd.refuse_foreign_result(workdir, "train_ppo", shown="train_ppo")
 
 
-def _start_and_train() -> tuple[TrainConfig, PPOTrainer]:
+def _start_and_train(run_log: runner.RunLog) -> tuple[TrainConfig, PPOTrainer]:
   """Joins the processes of a multi-host run, checks the config and the devices, and runs the
-  trainer (which keeps the workdir lock until the caller has written result.json)."""
+  trainer (which keeps the workdir lock until the caller has written result.json); the run's
+  log goes into the workdir once the lock is held."""
   if _DISTRIBUTED.value:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     check_same_run_everywhere(_CONFIG.value)
@@ -153,6 +154,7 @@ def _start_and_train() -> tuple[TrainConfig, PPOTrainer]:
   os.makedirs(workdir, exist_ok=True)
   hooks.enable_compilation_cache(cfg.compilation_cache_dir, workdir)  # before anything compiles
   trainer = PPOTrainer(cfg, workdir)  # checks the lock and any checkpoint against this config
+  logging.info("log: %s", run_log.keep_in(workdir, jax.process_index()) or "kept by the caller")
   try:
     # The lock stays held while result.json is written: another start on this workdir in
     # between could change metrics.jsonl while it is summarised.
@@ -176,11 +178,24 @@ def _start_and_train() -> tuple[TrainConfig, PPOTrainer]:
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
+  run_log = runner.RunLog()
+  try:
+    _main(run_log)
+  except SystemExit:
+    raise
+  except BaseException as e:  # into WORKDIR/log.txt too; stderr gets Python's print
+    run_log.exception(f"the run ended with {type(e).__name__}: {e}")
+    raise
+  finally:
+    run_log.close()
+
+
+def _main(run_log: runner.RunLog) -> None:
   try:
     # Until the loop installs its own handlers, SIGTERM (a preemption while a large model loads
     # or compiles) and Ctrl-C end the start with the stopped status too, not 143.
     with hooks.stop_before_training():
-      cfg, trainer = _start_and_train()
+      cfg, trainer = _start_and_train(run_log)
   except hooks.StoppedBeforeTraining as e:
     logging.warning("exit %d: signal %d came before training began (set-up, checkpoint restore "
                     "or the first compiles); no iteration ran since the last checkpoint, so "

@@ -272,3 +272,39 @@ def test_a_value_given_to_a_section_says_it_is_a_section():
   assert config_files.shorten(raw) == (
       "--config.actor=7b: config.actor is a section of fields in this config, not a value: set "
       "them as --config.actor.<field>=...")
+
+
+def test_the_run_log_keeps_what_was_logged_from_the_start_and_the_error(tmp_path, monkeypatch):
+  """runner.RunLog: records before keep_in (the workdir lock) are buffered and written first,
+  under a header naming the command; an error's traceback goes in; library INFO lines that
+  stderr leaves out stay out; a parent that keeps the output (run_streamed) means no file."""
+  from absl import logging as absl_logging
+  from experiments import runner
+  from rlhfuse_jax import metrics as metrics_lib
+  metrics_lib.quiet_library_logs()
+  monkeypatch.delenv(runner.LOG_KEPT_ENV, raising=False)
+  absl_logging.set_verbosity(absl_logging.INFO)
+  log = runner.RunLog()
+  try:
+    absl_logging.info("set-up line before the lock")
+    assert log.keep_in(str(tmp_path)) == str(tmp_path / "log.txt")
+    absl_logging.info("iter 1/2 reward/mean=0.5")
+    import logging as py_logging
+    py_logging.getLogger("orbax.checkpoint").info("a library's INFO line")
+    try:
+      raise ZeroDivisionError("in a reward function")
+    except ZeroDivisionError as e:
+      log.exception(f"the run ended with ZeroDivisionError: {e}")
+  finally:
+    log.close()
+  absl_logging.info("after close")
+  text = (tmp_path / "log.txt").read_text()
+  assert text.startswith("=== ") and runner.command_line() in text.splitlines()[0]
+  assert text.index("set-up line before the lock") < text.index("iter 1/2 reward/mean=0.5")
+  assert "Traceback (most recent call last)" in text and "ZeroDivisionError: in a reward" in text
+  assert "a library's INFO line" not in text and "after close" not in text
+  monkeypatch.setenv(runner.LOG_KEPT_ENV, "1")
+  kept = runner.RunLog()
+  assert kept.keep_in(str(tmp_path / "child")) is None
+  kept.close()
+  assert not (tmp_path / "child").exists()

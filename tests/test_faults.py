@@ -577,6 +577,11 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path):
   # The config of each start is kept: config.json (first) and config.<k>.json (the resume).
   starts = sorted(f for f in os.listdir(run) if f.startswith("config."))
   assert "config.json" in starts and len(starts) == 2, starts
+  # WORKDIR/log.txt: each start's log under its own header, the killed one's lines included.
+  log = open(os.path.join(run, "log.txt")).read()
+  assert log.count("\n=== ") + log.startswith("=== ") == 3, log[:2000]
+  for line in ("iter 3/6", "resumed from checkpoint at iteration", "nothing to train"):
+    assert line in log, line
   umask = os.umask(0)
   os.umask(umask)
   assert os.stat(os.path.join(run, "result.json")).st_mode & 0o777 == 0o666 & ~umask
