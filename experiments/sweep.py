@@ -353,8 +353,9 @@ STOPPED = 75  # a run stopped by a signal after saving (train_ppo's EXIT_STOPPED
 class _Signals:
   """SIGTERM to the sweep (a scheduler's stop, a `kill`), or SIGHUP (a dropped ssh session;
   unless ignored, as under nohup): passed on to the run in progress (a run that got it already
-  ignores the second: train_ppo saves once and exits 75), and no further run starts. Without it the sweep died at once with no summary, its run went on
-  alone, and SIGTERM to the sweep's process alone left the run holding its workdir."""
+  ignores the second: train_ppo saves once and exits 75), and no further run starts. Without
+  it the sweep died at once with no summary, its run went on alone, and SIGTERM to the sweep's
+  process alone left the run holding its workdir."""
 
   def __init__(self):
     self.proc = None

@@ -153,8 +153,10 @@ def _start_and_train(run_log: runner.RunLog) -> tuple[TrainConfig, PPOTrainer]:
   check_own_workdir(workdir)
   os.makedirs(workdir, exist_ok=True)
   hooks.enable_compilation_cache(cfg.compilation_cache_dir, workdir)  # before anything compiles
-  trainer = PPOTrainer(cfg, workdir)  # checks the lock and any checkpoint against this config
-  logging.info("log: %s", run_log.keep_in(workdir, jax.process_index()) or "kept by the caller")
+  # Checks the lock and any checkpoint against this config; the log goes into the workdir once
+  # it is this run's (a refused resume's error is in it too).
+  trainer = PPOTrainer(cfg, workdir, on_locked=lambda: logging.info(
+      "log: %s", run_log.keep_in(workdir, jax.process_index()) or "kept by the caller"))
   try:
     # The lock stays held while result.json is written: another start on this workdir in
     # between could change metrics.jsonl while it is summarised.

@@ -59,20 +59,23 @@ def checksums(state: Any) -> dict[str, int]:
   """{array path: checksum} of a state pytree: each element's bits, weighted by position,
   summed mod 2**32 (_bit_sum), one reduction per array on its own devices. Integer addition
   mod 2**32 does not depend on the order, so the sum is the same however the array is sharded
-  (a restore onto other devices checks as well), and any one flipped bit changes it. Every process of a multi-host run must
-  call it (one collective program)."""
+  (a restore onto other devices checks as well), and any one flipped bit changes it (of the
+  array as jax holds it: 32 bits wide at most, with 64-bit types off). Every process of a
+  multi-host run must call it (one collective program per array, in the same order)."""
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
   # One program per array, not one for the state: XLA on CPU materialises each weighted array
   # before reducing it, which over the whole state at once doubled its memory (compiled on 8
   # fake devices); one at a time it is at most the largest array's shard. Each read before the
   # next starts: on CPU, reductions of arrays on overlapping device groups (a pipelined state's
   # stages) dispatched together deadlocked in their all-reduce rendezvous (XLA aborted).
-  out = {}
-  for path, x in flat:
-    s = _bit_sum(jnp.asarray(x))
-    out[jax.tree_util.keystr(path, simple=True, separator="/")] = int(np.asarray(
-        s.addressable_data(0)))
-  return out
+  keys = [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in flat]
+  if jax.default_backend() == "cpu":
+    return {k: int(np.asarray(_bit_sum(jnp.asarray(x)).addressable_data(0)))
+            for k, (_, x) in zip(keys, flat)}
+  # Elsewhere all dispatched, then read at once: one host round trip, not one per array (a
+  # 65B actor and critic hold thousands). (XLA fuses the weighting into the reduction there.)
+  sums = [_bit_sum(jnp.asarray(x)) for _, x in flat]
+  return {k: int(v) for k, v in zip(keys, jax.device_get([s.addressable_data(0) for s in sums]))}
 
 
 class DamagedCheckpointError(ValueError):
@@ -163,7 +166,7 @@ class Checkpointer:
     await_cleanup = getattr(self._mngr, "_maybe_await_cleanup_tmp_directory", None)
     if await_cleanup is not None:  # a private method: absent in another orbax, skip the wait
       await_cleanup()
-    self._probe_writable()
+    self._probe_writable()  # its failure: raise_if_unwritable
 
   def _probe_writable(self) -> None:
     """Creates and removes a file in the checkpoints directory: one that cannot be written
@@ -171,15 +174,23 @@ class Checkpointer:
     hundreds of lines of orbax's tracebacks (a permission check alone misses a read-only
     mount, an immutable directory, or root's rights). Where the directory is not there yet
     (orbax creates it from process 0 of a multi-host run) only process 0's probe counts."""
+    self.unwritable: Optional[str] = None
     if not os.path.isdir(self.directory):
       return
     try:
       with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write_probe_"):
         pass
     except OSError as e:
-      raise ValueError(f"the checkpoints directory {self.directory} is not writable "
-                       f"({type(e).__name__}: {e}); the run would lose its work at the first "
-                       "save: fix its permissions or use another --workdir") from None
+      self.unwritable = (f"the checkpoints directory {self.directory} is not writable "
+                         f"({type(e).__name__}: {e}); the run would lose its work at the "
+                         "first save: fix its permissions or use another --workdir")
+
+  def raise_if_unwritable(self) -> None:
+    """The probe's failure as a ValueError (raised where the caller's processes agree: a
+    multi-host run's set-up compares every process's reading of the workdir, so one that
+    stops here does not leave the others waiting in a collective)."""
+    if self.unwritable:
+      raise ValueError(self.unwritable)
 
   def latest_step(self) -> Optional[int]:
     return self._mngr.latest_step()

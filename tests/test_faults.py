@@ -252,6 +252,24 @@ def test_a_hung_iteration_ends_the_process_with_its_stacks(tmp_path):
           "config.guard.iteration_timeout_s=1s: this process hangs") in out.stderr
   assert "in stuck_in_reward_function" in out.stderr  # faulthandler's stack of the main thread
   assert took < 30  # not the 60 s sleep
+  # A hang in C code that holds the GIL (a regular expression backtracking for ever) keeps the
+  # Python timer from running: faulthandler's C watchdog ends it grace_s later (status 1).
+  gil = """
+import re
+from rlhfuse_jax.trainer import hooks
+dog = hooks.HangWatchdog(1.0, num_iterations=5, grace_s=1.0)
+dog.begin(0)
+def stuck_in_a_regex():
+  return re.match(r"(a+)+$", "a" * 40 + "b")
+stuck_in_a_regex()
+print("the regex returned", flush=True)
+"""
+  t0 = time.monotonic()
+  out = subprocess.run([sys.executable, "-c", gil], cwd=REPO, env=_env(), capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 1 and "the regex returned" not in out.stdout, out.stderr[-2000:]
+  assert "Timeout (0:00:02)!" in out.stderr and "in stuck_in_a_regex" in out.stderr
+  assert time.monotonic() - t0 < 30
 
 
 def test_the_loop_arms_the_watchdog_for_every_iteration(tmp_path, monkeypatch):
@@ -381,7 +399,10 @@ def test_an_unwritable_checkpoints_directory_stops_the_set_up(tmp_path, monkeypa
   monkeypatch.setattr(checkpointing.tempfile, "NamedTemporaryFile", refused)
   with pytest.raises(ValueError, match=r"the checkpoints directory .*/checkpoints is not "
                                        r"writable \(PermissionError: .*Operation not permitted"):
-    checkpointing.Checkpointer(str(tmp_path))
+    checkpointing.Checkpointer(str(tmp_path)).raise_if_unwritable()
+  # The trainer stops at set-up, where its processes compare what they read of the workdir.
+  with pytest.raises(ValueError, match=r"the checkpoints directory .*/checkpoints is not "):
+    PPOTrainer(tiny_config(num_iterations=1), str(tmp_path / "run"))
   monkeypatch.undo()
   checkpointing.Checkpointer(str(tmp_path)).close()
   assert os.listdir(tmp_path / "checkpoints") == []  # the probe leaves nothing

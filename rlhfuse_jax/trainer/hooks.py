@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import threading
 from typing import Any, Callable, Optional
 
@@ -198,10 +197,16 @@ class HangWatchdog(Hook):
   what it waited for, writes every Python thread's stack to stderr (faulthandler: where the
   process hangs, or which collective it waits in) and exits EXIT_PEER_LOST (69) with
   os._exit: a thread blocked in a collective or a C call cannot be interrupted, and a requeue
-  rule treats a hang like a lost peer (resume from the last checkpoint). 0: does nothing."""
+  rule treats a hang like a lost peer (resume from the last checkpoint). 0: does nothing.
 
-  def __init__(self, timeout_s: float, num_iterations: int):
+  The timer is a Python thread, which needs the GIL: a hang in C code that holds it (a regular
+  expression backtracking for ever in an answer extractor) would keep it from running. So
+  faulthandler's own watchdog, a C thread, backs it up `grace_s` later: it writes the stacks
+  and ends the process with status 1."""
+
+  def __init__(self, timeout_s: float, num_iterations: int, grace_s: float = 30.0):
     self.timeout_s, self.num_iterations = float(timeout_s), num_iterations
+    self.grace_s = float(grace_s)
     self._timer: Optional[threading.Timer] = None
     self.waiting_for = ""  # what the armed timer waits for, in its message
 
@@ -213,11 +218,13 @@ class HangWatchdog(Hook):
     self._timer = threading.Timer(self.timeout_s, self._expire)
     self._timer.daemon = True
     self._timer.start()
+    faulthandler.dump_traceback_later(self.timeout_s + self.grace_s, exit=True)
 
   def _disarm(self) -> None:
     if self._timer is not None:
       self._timer.cancel()
       self._timer = None
+      faulthandler.cancel_dump_traceback_later()
 
   def _expire(self) -> None:
     procs = jax.process_count()
@@ -228,19 +235,21 @@ class HangWatchdog(Hook):
            + (" or waits in a collective for another process that hangs" if procs > 1 else "")
            + f"; every thread's stack follows on stderr; exiting ({multihost.EXIT_PEER_LOST}): "
            "re-run to resume from the last checkpoint")
-    logging.error("%s", msg)
-    print(msg, file=sys.stderr, flush=True)
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    sys.stderr.flush()
+    # Straight to file descriptor 2, not through logging or sys.stderr: the main thread may
+    # hang holding their locks (a write to a pipe nobody reads).
+    os.write(2, f"E {msg}\n".encode())
+    faulthandler.dump_traceback(file=2, all_threads=True)
     os._exit(multihost.EXIT_PEER_LOST)
 
   def begin(self, start: int) -> None:
-    self._arm(f"iteration {start + 1} (with its compiles)")
+    self._arm(f"iteration {start + 1} (with its compiles; with async PPO, the batches "
+              "generated ahead of it)")
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     # Its after runs before the other hooks': their logging and save count towards the next.
     last = stopping or step >= self.num_iterations
-    self._arm(f"iteration {step}'s logging and checkpoint save" if last else
+    self._arm(f"iteration {step}'s logging, checkpoint save and (checkpoint.export_hf) export"
+              if last else
               f"iteration {step}'s logging and checkpoint save, then iteration {step + 1},")
 
   def end(self, failing: bool) -> None:
@@ -681,6 +690,6 @@ def run_hooks(hooks: list, method: str, *args: Any) -> None:
   if first is not None:
     if args and args[0]:
       logging.error("an end hook failed while the run was already failing (that error follows): "
-                    "%s: %s", type(first).__name__, first)
+                    "%s: %s", type(first).__name__, first, exc_info=first)
       return
     raise first

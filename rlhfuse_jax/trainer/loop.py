@@ -117,7 +117,10 @@ def sample_rows(gen: async_lib.Generated, tokenizer: Any, k: int) -> list[dict]:
 class PPOTrainer:
   """One run in `workdir`: builds its parts from the config, then iterates (run)."""
 
-  def __init__(self, cfg: TrainConfig, workdir: str, mesh: Optional[jax.sharding.Mesh] = None):
+  def __init__(self, cfg: TrainConfig, workdir: str, mesh: Optional[jax.sharding.Mesh] = None,
+               on_locked: Optional[Callable[[], Any]] = None):
+    """on_locked: called once the workdir is this run's (locked, the same on every process),
+    before the set-up reads it (train_ppo starts WORKDIR/log.txt there)."""
     self._built_at = time.time()  # the progress line's elapsed counts from here (setup too)
     self._samples: Optional[list] = None  # config.log_samples: this iteration's, as text
     self.workdir = workdir
@@ -142,6 +145,8 @@ class PPOTrainer:
           (wd.lock_token(workdir),), f"the workdir {workdir} (the start token process 0 wrote "
           "to its .lock; -1: not there)", ": the workdir must be one directory every host "
           "sees, at the same path (a shared filesystem: NFS, Lustre, a mounted bucket)")
+      if on_locked is not None:
+        on_locked()
       self._setup(cfg, mesh)
     except BaseException:
       # A config error found after the checkpoint manager opened: close it here, or orbax's
@@ -194,6 +199,7 @@ class PPOTrainer:
     # compares what it read (or that it failed: -2) before anything else.
     failed = None
     try:
+      self.checkpoints.checkpointer.raise_if_unwritable()  # process 0's probe: all stop
       self._read_start(cfg)
     except Exception as e:  # pylint: disable=broad-except  raised below, after the comparison
       failed = e
