@@ -97,6 +97,30 @@ def _check_train_flops(cfg, seen, history):
     assert "perf/mfu" not in h
 
 
+def test_mfu_is_reported_for_16_bit_models_only(monkeypatch):
+  """perf/mfu divides by the device's dense bf16 peak: reported where that peak is known and
+  the actor computes in bfloat16/float16, not for a float32 model (another peak)."""
+  import types
+  from rlhfuse_jax.sim import hardware
+  from rlhfuse_jax.trainer import loop as loop_lib
+  monkeypatch.setattr(hardware, "hardware_for_device_kind",
+                      lambda kind: types.SimpleNamespace(peak_flops=1e12))
+  gen = types.SimpleNamespace(prompt_lens=np.array([3, 4]), response_lens=np.array([2, 5]),
+                              tokens=np.zeros((2, 8 + 6), np.int32))
+  base = tiny_config()
+  model = dataclasses.replace(base.model, vocab_size=16)
+  got = {}
+  for dtype in ("float32", "bfloat16"):
+    cfg = dataclasses.replace(base, model=dataclasses.replace(model, dtype=dtype),
+                              rollout=dataclasses.replace(base.rollout, max_new_tokens=6))
+    fake = types.SimpleNamespace(cfg=cfg, use_critic=False, mesh=types.SimpleNamespace(
+        devices=np.array([types.SimpleNamespace(device_kind="H100")] * 2)))
+    got[dtype] = loop_lib.PPOTrainer._train_flops_metrics(fake, 2.0, gen)
+  assert "perf/mfu" not in got["float32"]
+  m = got["bfloat16"]
+  assert m["perf/mfu"] == pytest.approx(m["perf/train_flops_per_s"] / (1e12 * 2))
+
+
 def test_sharded_run_equals_single_device(tmp_path):
   cfg = tiny_config(num_iterations=2)
   single = PPOTrainer(cfg, str(tmp_path / "one"),
