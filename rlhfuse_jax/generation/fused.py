@@ -521,6 +521,7 @@ class InferenceQueue:
     if i not in self.freed:
       self.freed.append(i)
     if self.gen.is_local(i) and i not in self.loads:
+      self.log.note(f"load_requested/{i}")  # the load's thread may start later on a busy host
       self.loads[i] = self.loader.submit(self._load, i)
 
   def _load(self, i: int) -> dict:
@@ -899,7 +900,7 @@ class _Run:
     tl = Timeline(num_instances=gen.config.num_instances, observed=tuple(gen.local),
                   segments=segments,
                   unfinished_curve=curve, consolidations=self.consolidations,
-                  gen_end_s=gen_end, gen_plus_inf_s=gen_plus_inf)
+                  gen_end_s=gen_end, gen_plus_inf_s=gen_plus_inf, tagged=dict(self.log.tagged))
     cons = self.consolidations
     metrics = {
         "gen/unfinished_curve": [[round(float(x), 5), int(u)] for x, u in curve],

@@ -56,6 +56,13 @@ class ActivityLog:
       raise ValueError(f"activity kind {kind!r}; expected one of {KINDS}")
     self._queues[instance].put((kind, self.now() if since is None else since, output, tag))
 
+  def note(self, tag: str) -> None:
+    """Files the moment now under `tag` (a zero-length span): when the host asked for
+    something, whenever a worker thread gets to it."""
+    t = self.now()
+    with self._lock:
+      self.tagged.setdefault(tag, []).append((t, t))
+
   def tag_span(self, tag: str) -> float:
     """From the first start to the last end of the segments filed under `tag` (0 if none);
     call after `close`."""
@@ -117,6 +124,9 @@ class Timeline:
   # per-instance metrics average over these only: another process's instances have no segments
   # here, and counting them as idle gave each of 2 processes at most 0.5 busy.
   observed: Optional[tuple] = None
+  # tag -> [(start, end)] the run's log filed under it (ActivityLog.tagged: same-host migrations,
+  # "load_requested/<i>" moments).
+  tagged: Optional[dict] = None
 
   @property
   def watched(self) -> tuple:
