@@ -7,6 +7,7 @@ intact one; a failed save or kill -9 loses nothing; bad inputs name the file and
 """
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -251,6 +252,8 @@ def test_a_hung_iteration_ends_the_process_with_its_stacks(tmp_path):
   assert ("iteration 3's logging and checkpoint save, then iteration 4, did not finish within "
           "config.guard.iteration_timeout_s=1s: this process hangs") in out.stderr
   assert "in stuck_in_reward_function" in out.stderr  # faulthandler's stack of the main thread
+  # An absl error line ending as the local launcher's first pattern expects (its "last error").
+  assert re.search(r"^E[0-9]{4} .*exiting \(69\)$", out.stderr, re.M), out.stderr[:2000]
   assert took < 30  # not the 60 s sleep
   # A hang in C code that holds the GIL (a regular expression backtracking for ever) keeps the
   # Python timer from running: faulthandler's C watchdog ends it grace_s later (status 1).

@@ -44,7 +44,9 @@ With one process every function here is the identity (no collective, no jax.expe
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
+import logging as py_logging
 import os
 import sys
 import threading
@@ -64,6 +66,20 @@ _WARM_UPS = [0]  # Exchange.warm_up calls in this process: each barrier's id (th
 # Exit code of a process whose collective timed out (Exchange.guard): EX_UNAVAILABLE, not
 # train_ppo's 75 (stopped by a signal after saving), so a requeue script can tell them apart.
 EXIT_PEER_LOST = 69
+
+
+def exit_now(message: str, stacks: bool = False) -> None:
+  """Ends this process at once with EXIT_PEER_LOST, from a watchdog thread: `message` (which
+  ends "exiting (69)", what the local launcher looks for) as an absl error line and, with
+  `stacks`, every thread's stack, written straight to file descriptor 2, not through logging or
+  sys.stderr, whose locks the stuck main thread may hold (a write to a pipe nobody reads); then
+  os._exit, since a thread blocked in a collective or a C call cannot be interrupted."""
+  record = logging.get_absl_logger().makeRecord("absl", py_logging.ERROR, __file__, 0, message,
+                                                (), None)
+  os.write(2, (logging.PythonFormatter().format(record) + "\n").encode())
+  if stacks:
+    faulthandler.dump_traceback(file=2, all_threads=True)
+  os._exit(EXIT_PEER_LOST)
 
 
 class PeerLostError(RuntimeError):
@@ -198,10 +214,7 @@ class Exchange:
       return
 
     def expire():
-      msg = f"{self._message(what)} within {self.timeout_s:g}s; exiting ({EXIT_PEER_LOST})"
-      logging.error("%s", msg)
-      print(msg, file=sys.stderr, flush=True)
-      os._exit(EXIT_PEER_LOST)
+      exit_now(f"{self._message(what)} within {self.timeout_s:g}s; exiting ({EXIT_PEER_LOST})")
     timer = threading.Timer(self.timeout_s, expire)
     timer.daemon = True
     timer.start()

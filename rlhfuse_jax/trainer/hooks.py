@@ -233,13 +233,9 @@ class HangWatchdog(Hook):
            f"config.guard.iteration_timeout_s={self.timeout_s:g}s: this process hangs (a "
            "reward function, a read that never returns)"
            + (" or waits in a collective for another process that hangs" if procs > 1 else "")
-           + f"; every thread's stack follows on stderr; exiting ({multihost.EXIT_PEER_LOST}): "
-           "re-run to resume from the last checkpoint")
-    # Straight to file descriptor 2, not through logging or sys.stderr: the main thread may
-    # hang holding their locks (a write to a pipe nobody reads).
-    os.write(2, f"E {msg}\n".encode())
-    faulthandler.dump_traceback(file=2, all_threads=True)
-    os._exit(multihost.EXIT_PEER_LOST)
+           + "; every thread's stack follows on stderr; re-run to resume from the last "
+           f"checkpoint; exiting ({multihost.EXIT_PEER_LOST})")
+    multihost.exit_now(msg, stacks=True)
 
   def begin(self, start: int) -> None:
     self._arm(f"iteration {start + 1} (with its compiles; with async PPO, the batches "
