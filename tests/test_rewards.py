@@ -248,7 +248,7 @@ def test_user_function_by_import_path(tok):
   # The trainer's resolver and the early check accept it too.
   cfg = tiny_config(**{"reward.function": "tests.test_rewards:answer_length"})
   build.check_reward_functions(cfg)
-  out = build.build_rewards(cfg, None, tok, None, None).from_function([{}] * 3, ids, lens)
+  out = build.build_rewards(cfg, None, tok, None, None).combine([{}] * 3, ids, lens)[0]
   np.testing.assert_allclose(out, [0.01, 0.07, 0.0])
 
 
@@ -301,7 +301,7 @@ def test_errors_name_the_function_and_the_sample(tok):
                      match=r"reward function 'tests\.test_rewards:broken' failed on sample 2 "
                            r"\(train\.jsonl:6\) \(answer 't2', response 'three'\): "
                            r"ZeroDivisionError"):
-    rewards.from_function(records, ids, lens)
+    rewards.combine(records, ids, lens)[0]
   bad = rewards_lib.get_reward_function("tests.test_rewards:not_a_number")
   with pytest.raises(ValueError, match=r"'tests\.test_rewards:not_a_number' returned 'high' for "
                                        r"sample 0 \(train\.jsonl:4\).*expected a finite number"):
@@ -342,7 +342,7 @@ def test_batch_function_errors_are_named_by_the_resolver():
   rewards = Rewards(fn=fails, name="my_batch_fn")
   with pytest.raises(ValueError, match=r"reward function 'my_batch_fn' failed on a batch of 2 "
                                        r"samples: KeyError: 'target'"):
-    rewards.from_function([{}, {}], np.zeros((2, 3), np.int32), np.ones(2, np.int32))
+    rewards.combine([{}, {}], np.zeros((2, 3), np.int32), np.ones(2, np.int32))
 
 
 def test_reward_config_checks():

@@ -428,7 +428,7 @@ def test_the_task_reward_reads_ids_with_the_runs_tokenizer():
   records = [{"prompt": "the quick", "target": "brown fox"}]
   ids = np.asarray([tok.encode("brown fox", add_bos=False) + [tok.eos_id]], np.int32)
   lens = np.asarray([ids.shape[1]], np.int32)
-  np.testing.assert_allclose(rewards.from_function(records, ids, lens), [1.0])
+  np.testing.assert_allclose(rewards.combine(records, ids, lens)[0], [1.0])
   np.testing.assert_allclose(rewards_lib.target_match(records, ids, lens, tok), [1.0])
 
 

@@ -279,11 +279,6 @@ class Rewards:
                if len(parts) > 1 else {})
     return np.asarray(total, np.float32), metrics
 
-  def from_function(self, records: Optional[Sequence[Mapping[str, Any]]],
-                    response_tokens: np.ndarray, response_lens: np.ndarray) -> np.ndarray:
-    """The rewards [B] float32 of a function-sourced resolver (function plus extra terms)."""
-    return self.combine(records, response_tokens, response_lens)[0]
-
   def scored(self, batch: ScoringBatch, records: Optional[Sequence[Mapping[str, Any]]] = None
              ) -> tuple[np.ndarray, dict]:
     """(rewards [B] float32, per-term metrics) for the batch (records: the B prompt records,
