@@ -80,7 +80,9 @@ def token_logprobs_and_entropy(logits, targets, temperature: float = 1.0):
   """
   logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
   logp = jnp.take_along_axis(logp_all, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  probs = jnp.exp(logp_all)
+  # an entry masked with -inf (probability 0) adds 0, not 0 * -inf = nan (value and gradient)
+  entropy = -jnp.sum(probs * jnp.where(probs > 0, logp_all, 0.0), axis=-1)
   return logp, entropy
 
 

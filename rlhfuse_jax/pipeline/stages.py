@@ -308,8 +308,12 @@ def vocab_parallel_logprobs(cfg: ModelConfig, head_params: Any, x: jax.Array,
     idx = jnp.clip(targets - start, 0, local - 1).astype(jnp.int32)
     hit = jnp.take_along_axis(logits, idx[..., None], axis=-1)[..., 0]
     logp = llama.tp_exit(jnp.where(mine, hit, 0.0)) - lse
-    mean_logit = llama.tp_exit(jnp.sum(e * logits, axis=-1)) / total  # sum_v p_v l_v
-  return logp, lse - mean_logit
+    # entropy = log(total) - sum_v p_v (l_v - top), on the shifted logits: as lse - sum_v p_v l_v
+    # it was a difference of two numbers of the logits' size (1e-5..1e-4 off at |l| ~ 100-1000,
+    # where the whole head's log_softmax is exact to 1e-7); a -inf entry adds 0, not nan
+    shifted = jnp.where(e > 0, e * (logits - top[..., None]), 0.0)
+    mean_shifted = llama.tp_exit(jnp.sum(shifted, axis=-1)) / total
+  return logp, jnp.log(total) - mean_shifted
 
 
 def _at_response(x: jax.Array, prompt_lens: jax.Array, num_response: int) -> jax.Array:

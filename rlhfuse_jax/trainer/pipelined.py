@@ -302,9 +302,9 @@ class PipelinedUpdate:
       critic = ModelState(optax.apply_updates(critic.params, updates), copt)
       # The executor's metrics are mini-batch values, logged as the plain update logs them.
       metrics = ppo.actor_metrics(self.executor.loss_cfg, m)
-      metrics["actor/grad_norm"] = optax.tree.norm(ag)
-      metrics.update({f"critic/{k}": m[k] for k in ("vf_loss", "vf_clipfrac")})
-      metrics["critic/grad_norm"] = optax.tree.norm(cg)
+      metrics["actor/grad_norm"] = ppo.grad_norm(ag)
+      metrics.update(ppo.critic_metrics(m))
+      metrics["critic/grad_norm"] = ppo.grad_norm(cg)
       return actor, critic, metrics
 
     return update
