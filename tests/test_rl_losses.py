@@ -4,10 +4,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from rlhfuse_jax.models import sequences
 from rlhfuse_jax.rl import losses
 
 LENGTHS = np.array([6, 2, 4, 1, 5])
-T = 6
+T = 7  # longer than the longest row: a horizon taken from the batch (6) differs from T
 AGGS = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -154,29 +155,35 @@ def test_unknown_loss_agg_lists_modes():
     losses.value_loss(logp, logp, logp, mask, 0.2, loss_agg="sum")
 
 
-def test_entropy_from_logits_stable():
+def _entropy(logits):
+  return sequences.token_logprobs_and_entropy(
+      logits, jnp.zeros(jnp.shape(logits)[:-1], jnp.int32))[1]
+
+
+def test_entropy_stable():
+  """models/sequences.token_logprobs_and_entropy's entropy (the one training logs and the
+  entropy bonus uses) against numpy: huge logits, -inf masked entries (value and gradient
+  finite), bfloat16 logits upcast."""
   rng = np.random.default_rng(5)
   logits = rng.normal(scale=3.0, size=(2, 3, 11))
   p = np.exp(logits - logits.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
   want = -(p * np.log(p)).sum(-1)
-  np.testing.assert_allclose(losses.entropy_from_logits(logits.astype(np.float32)), want,
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(_entropy(logits.astype(np.float32)), want, rtol=1e-5, atol=1e-6)
   # Huge logits (no overflow) and -inf masked entries (no nan); bf16 input upcasts.
   big = (logits * 1e4).astype(np.float32)
-  assert np.all(np.isfinite(losses.entropy_from_logits(big)))
+  assert np.all(np.isfinite(_entropy(big)))
   masked_logits = logits.copy()
   masked_logits[..., 5:] = -np.inf
   pm = np.exp(logits[..., :5] - logits[..., :5].max(-1, keepdims=True))
   pm /= pm.sum(-1, keepdims=True)
-  np.testing.assert_allclose(losses.entropy_from_logits(masked_logits.astype(np.float32)),
+  np.testing.assert_allclose(_entropy(masked_logits.astype(np.float32)),
                              -(pm * np.log(pm)).sum(-1), rtol=1e-5, atol=1e-6)
-  g = jax.grad(lambda z: jnp.sum(losses.entropy_from_logits(z)))(
-      jnp.asarray(masked_logits, jnp.float32))
+  g = jax.grad(lambda z: jnp.sum(_entropy(z)))(jnp.asarray(masked_logits, jnp.float32))
   assert np.all(np.isfinite(g))
-  h16 = losses.entropy_from_logits(jnp.asarray(logits, jnp.bfloat16))
+  h16 = _entropy(jnp.asarray(logits, jnp.bfloat16))
   assert h16.dtype == jnp.float32
-  uniform = losses.entropy_from_logits(jnp.zeros((1, 1, 11)))
+  uniform = _entropy(jnp.zeros((1, 1, 11)))
   np.testing.assert_allclose(uniform, np.log(11), rtol=1e-6)
 
 
@@ -196,9 +203,9 @@ def test_token_logprobs_matches_log_softmax_gather():
   logsm = z - z.max(-1, keepdims=True)
   logsm -= np.log(np.exp(logsm).sum(-1, keepdims=True))
   want = np.take_along_axis(logsm, tokens[..., None], -1)[..., 0]
-  out = losses.token_logprobs(logits, tokens)
+  out = sequences.token_logprobs_and_entropy(logits, tokens)[0]
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-  out16 = losses.token_logprobs(jnp.asarray(logits, jnp.bfloat16), tokens)
+  out16 = sequences.token_logprobs_and_entropy(jnp.asarray(logits, jnp.bfloat16), tokens)[0]
   assert out16.dtype == jnp.float32
   np.testing.assert_allclose(out16, want, atol=0.1)
 

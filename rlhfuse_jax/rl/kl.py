@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 
 # exp(20) ~ 5e8: far beyond any sane policy/reference ratio, yet finite in fp32, so a diverged
-# token cannot make the KL (and the loss built on it) inf.
-_MAX_LOG_RATIO = 20.0
+# token cannot make the KL (and the loss built on it) inf. The PPO ratio (rl/losses.py) and
+# asynchronous PPO's behaviour weights (trainer/async_ppo.py) clip with the same bound.
+MAX_LOG_RATIO = 20.0
 
 
 def _k1(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
@@ -37,7 +38,7 @@ def _k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
   # Clipped above only, where exp overflows: below, k3 = exp(r) - r - 1 is about -r - 1 and its
   # gradient is the policy's pull back to the reference (a two-sided clip zeroed it on the tokens
   # that had drifted furthest, log(pi / pi_ref) > 20).
-  log_ratio = jnp.minimum(ref_logp - logp, _MAX_LOG_RATIO)
+  log_ratio = jnp.minimum(ref_logp - logp, MAX_LOG_RATIO)
   # expm1 keeps precision when the ratio is ~1 (the common case), where exp(r) - 1 cancels.
   return jnp.expm1(log_ratio) - log_ratio
 

@@ -1,4 +1,5 @@
-"""PPO losses on per-token arrays: clipped policy loss, clipped value loss, entropy, KL loss.
+"""PPO losses on per-token arrays: clipped policy loss, clipped value loss, KL loss (the
+token log-probs and entropies they start from: models/sequences.py).
 
 Conventions: `[batch, resp_len]` arrays aligned to response tokens, `mask` 1.0 on real tokens.
 Padding contributes exactly nothing: per-token losses are selected with `jnp.where` before any
@@ -26,8 +27,6 @@ from rlhfuse_jax.rl import masked
 
 Metrics = Dict[str, jax.Array]
 
-# Bounds the log importance ratio so that exp() stays finite for a diverged token.
-_MAX_LOG_RATIO = 20.0
 
 
 def _token_mean(loss, mask, num_tokens, num_seqs, horizon):
@@ -104,7 +103,8 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
   mask = mask.astype(jnp.float32)
   adv = jnp.where(valid, advantages.astype(jnp.float32), 0.0)
   log_ratio = logp.astype(jnp.float32) - old_logp.astype(jnp.float32)  # [batch, resp_len]
-  log_ratio = jnp.where(valid, jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
+  bound = kl_lib.MAX_LOG_RATIO
+  log_ratio = jnp.where(valid, jnp.clip(log_ratio, -bound, bound), 0.0)
   ratio = jnp.exp(log_ratio)
 
   unclipped = -adv * ratio
@@ -161,32 +161,8 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mas
   return loss, {"vf_loss": loss, "vf_clipfrac": clipfrac}
 
 
-def entropy_from_logits(logits: jax.Array) -> jax.Array:
-  """Entropy of softmax(logits) over the vocab, in fp32: `[batch, seq, vocab]` -> `[batch, seq]`.
-
-  H = logsumexp(z) - sum(softmax(z) * z). Vocabulary entries masked with -inf (probability 0)
-  contribute 0 instead of 0 * -inf = nan.
-  """
-  logits = logits.astype(jnp.float32)
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  probs = jnp.exp(logp)
-  safe_logp = jnp.where(probs > 0, logp, 0.0)
-  return -jnp.sum(probs * safe_logp, axis=-1)
-
-
 def kl_loss(logp: jax.Array, ref_logp: jax.Array, mask: jax.Array, kind: str = "k3",
             loss_agg: str = "token-mean", **agg_kwargs) -> jax.Array:
   """KL-to-reference as a loss term (GRPO style) instead of a reward penalty."""
   kl = kl_lib.kl_estimate(logp, ref_logp, kind, mask=mask)  # [batch, resp_len]
   return aggregate_loss(kl, mask, loss_agg, **agg_kwargs)
-
-
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  """log softmax(logits)[token], in fp32: `[batch, seq, vocab]`, `[batch, seq]` -> `[batch, seq]`.
-
-  Computed as logit[token] - logsumexp(logits), which equals the gathered log_softmax without
-  materialising a second `[batch, seq, vocab]` array.
-  """
-  logits = logits.astype(jnp.float32)
-  picked = jnp.take_along_axis(logits, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  return picked - jax.nn.logsumexp(logits, axis=-1)

@@ -29,6 +29,7 @@ import numpy as np
 
 from rlhfuse_jax.inference import scoring
 from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.rl import kl as kl_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 
 
@@ -155,7 +156,8 @@ def behaviour_weights(prox_logp: np.ndarray, behaviour_logp: np.ndarray, mask: n
   response tokens: async/behaviour_weight_mean and _max (before the cap),
   async/behaviour_dropped_frac."""
   valid = mask > 0
-  log_w = np.clip(prox_logp.astype(np.float64) - behaviour_logp.astype(np.float64), -20, 20)
+  log_w = np.clip(prox_logp.astype(np.float64) - behaviour_logp.astype(np.float64),
+                  -kl_lib.MAX_LOG_RATIO, kl_lib.MAX_LOG_RATIO)
   w = np.where(valid, np.exp(log_w), 0.0)
   n = max(int(valid.sum()), 1)
   dropped = valid & (w > cap) if cap > 0 else np.zeros_like(valid)
