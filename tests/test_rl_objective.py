@@ -1,0 +1,59 @@
+"""rl/objective.py's contract with the updates that split a mini-batch (gradient accumulation,
+the pipeline executor): under the mini-batch's normalisers each micro-batch's loss and every
+metric are shares that add up to the whole mini-batch's. A metric added to the objective
+without its share (a fraction summed over 4 micro-batches reads up to 4) fails here in seconds,
+and reaches the run's log by itself (trainer/ppo.actor_metrics)."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlhfuse_jax.rl import objective
+from rlhfuse_jax.rl.objective import LossConfig
+from rlhfuse_jax.trainer import ppo
+
+B, T = 8, 7
+LENGTHS = np.array([7, 2, 5, 1, 6, 3, 4, 7])
+
+
+def _batch(seed=0):
+  rng = np.random.default_rng(seed)
+  mask = (np.arange(T)[None] < LENGTHS[:, None]).astype(np.float32)
+  old_logp = -rng.exponential(size=(B, T)).astype(np.float32)
+  f = lambda scale: rng.normal(scale=scale, size=(B, T)).astype(np.float32)
+  batch = {"mask": mask, "old_logp": old_logp, "advantages": f(1.0),
+           "ref_logp": old_logp + f(0.2), "old_values": f(1.0), "returns": f(1.0)}
+  return old_logp + f(0.4), rng.uniform(0.5, 3.0, (B, T)).astype(np.float32), batch
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                      "seq-mean-token-sum-norm"])
+def test_micro_batch_shares_add_up_to_the_mini_batch(loss_agg):
+  cfg = LossConfig(loss_agg=loss_agg, entropy_coef=0.01, kl_coef=0.1, kl_estimator="k3",
+                   clip_ratio_c=3.0, value_clip_eps=0.1)
+  logp, entropy, batch = _batch()
+  whole_a = objective.actor_objective(cfg, logp, entropy, batch)[1]
+  whole_c = objective.critic_objective(cfg, batch["old_values"] + 0.3, batch)[1]
+  num_tokens, num_seqs = jnp.sum(batch["mask"]), jnp.float32(B)
+  sums_a = dict.fromkeys(objective.ACTOR_METRICS, 0.0)
+  sums_c = dict.fromkeys(objective.CRITIC_METRICS, 0.0)
+  for rows in (slice(0, 3), slice(3, 4), slice(4, 8)):  # uneven micro-batches
+    part = {k: v[rows] for k, v in batch.items()}
+    _, ma = objective.actor_objective(cfg, logp[rows], entropy[rows], part, num_tokens, num_seqs)
+    _, mc = objective.critic_objective(cfg, part["old_values"] + 0.3, part, num_tokens)
+    for k in sums_a:
+      sums_a[k] += float(ma[k])
+    for k in sums_c:
+      sums_c[k] += float(mc[k])
+  assert set(whole_a) == set(objective.ACTOR_METRICS)
+  assert set(whole_c) == set(objective.CRITIC_METRICS)
+  for k in objective.ACTOR_METRICS:
+    assert sums_a[k] == pytest.approx(float(whole_a[k]), rel=1e-5, abs=1e-7), k
+  for k in objective.CRITIC_METRICS:
+    assert sums_c[k] == pytest.approx(float(whole_c[k]), rel=1e-5, abs=1e-7), k
+  # the clips bind somewhere, so the fractions' shares are tested, not zeros
+  assert 0 < float(whole_a["pg_clipfrac"]) < 1 and 0 < float(whole_c["vf_clipfrac"]) < 1
+  # every metric of the objective is logged (the totals are not: they are sums of the rest)
+  assert set(ppo.actor_metrics(cfg, whole_a)) == {
+      f"actor/{k}" for k in objective.ACTOR_METRICS if k != "actor_loss"}
+  assert "actor/kl_loss" not in ppo.actor_metrics(LossConfig(), whole_a)
+  assert set(ppo.critic_metrics(whole_c)) == {"critic/vf_loss", "critic/vf_clipfrac"}
