@@ -223,28 +223,40 @@ def test_lognormal_lengths_round_to_the_nearest_integer():
 # trainer/ ----------------------------------------------------------------------------------------
 
 def test_rollout_statistics_report_sequence_and_token_kl_and_the_token_reward():
-  """ppo.rollout_statistics' metrics, by hand for k1 (log pi_old - log pi_ref) on real tokens:
-  kl/ref_mean is the mean over samples of each sample's summed KL, kl/ref_token_mean the mean
-  over real tokens, reward/token_reward_mean the mean of score - kl_coef * summed KL."""
-  algo = AlgoConfig(estimator="reinforce_pp", kl_coef=0.1, kl_estimator="k1")
+  """ppo.rollout_statistics' metrics by hand, on real tokens: kl/ref_mean is the mean over
+  samples of each sample's summed k3 estimate of KL(pi_old || pi_ref) (d = log pi_ref -
+  log pi_old: e^d - d - 1), kl/ref_token_mean its mean over real tokens, whatever the penalty's
+  estimator; with k1 configured, kl/penalty_token_mean is k1's token mean (log pi_old -
+  log pi_ref) and reward/token_reward_mean the mean of score - kl_coef * summed k1."""
   rng = np.random.default_rng(0)
   lens = np.array([5, 2, 3, 1])
   mask = (np.arange(5)[None] < lens[:, None]).astype(np.float32)
   old, ref = (rng.normal(-2, 1, (4, 5)).astype(np.float32) for _ in range(2))
   scores = rng.normal(size=4).astype(np.float32)
-  _, _, m = ppo.rollout_statistics(algo, 1, jnp.asarray(scores), jnp.asarray(mask),
-                                   jnp.asarray(old), jnp.asarray(ref), jnp.zeros((4, 5)))
-  seq_kl = ((old.astype(np.float64) - ref) * mask).sum(1)
-  np.testing.assert_allclose(m["kl/ref_mean"], seq_kl.mean(), rtol=1e-5)
-  np.testing.assert_allclose(m["kl/ref_token_mean"], seq_kl.sum() / lens.sum(), rtol=1e-5)
-  np.testing.assert_allclose(m["reward/token_reward_mean"], (scores - 0.1 * seq_kl).mean(),
-                             rtol=1e-5, atol=1e-6)
+  d = ref.astype(np.float64) - old
+  seq_k3 = ((np.exp(d) - d - 1) * mask).sum(1)
+  seq_k1 = (-d * mask).sum(1)
+  for estimator in ("k1", "k3"):
+    algo = AlgoConfig(estimator="reinforce_pp", kl_coef=0.1, kl_estimator=estimator)
+    _, _, m = ppo.rollout_statistics(algo, 1, jnp.asarray(scores), jnp.asarray(mask),
+                                     jnp.asarray(old), jnp.asarray(ref), jnp.zeros((4, 5)))
+    np.testing.assert_allclose(m["kl/ref_mean"], seq_k3.mean(), rtol=1e-5)
+    np.testing.assert_allclose(m["kl/ref_token_mean"], seq_k3.sum() / lens.sum(), rtol=1e-5)
+    penalty = seq_k1 if estimator == "k1" else seq_k3
+    np.testing.assert_allclose(m["reward/token_reward_mean"], (scores - 0.1 * penalty).mean(),
+                               rtol=1e-5, atol=1e-6)
+    if estimator == "k1":
+      np.testing.assert_allclose(m["kl/penalty_token_mean"], seq_k1.sum() / lens.sum(),
+                                 rtol=1e-5)
+    else:
+      assert "kl/penalty_token_mean" not in m
 
 
 def test_the_loop_trains_on_the_behaviour_log_probs_against_the_reference():
   """PPOTrainer._advantages: the training data's old_logp are generation's behaviour log-probs
   (the PPO ratio's denominator), ref_logp the reference's, old_values the critic's; the KL
-  statistics are of log pi_behaviour - log pi_ref (k1), not the other way round."""
+  statistics are of KL(pi_behaviour || pi_ref) (k3 of d = log pi_ref - log pi_behaviour), not
+  the other way round."""
   rng = np.random.default_rng(1)
   b, p, t = 4, 3, 5
   lens = np.array([5, 1, 3, 4], np.int32)
@@ -265,7 +277,8 @@ def test_the_loop_trains_on_the_behaviour_log_probs_against_the_reference():
   np.testing.assert_array_equal(data["old_values"], gen.values)
   np.testing.assert_array_equal(data["mask"], np.arange(t)[None] < lens[:, None])
   mask = np.arange(t)[None] < lens[:, None]
-  kl = np.where(mask, gen.logprobs.astype(np.float64) - gen.ref_logp, 0.0).sum(1)
+  d = gen.ref_logp.astype(np.float64) - gen.logprobs
+  kl = np.where(mask, np.exp(d) - d - 1, 0.0).sum(1)
   np.testing.assert_allclose(stats["kl/ref_mean"], kl.mean(), rtol=1e-5)
 
 

@@ -326,17 +326,26 @@ def _param_shardings(state_sharding: Any) -> Any:
 @functools.partial(jax.jit, static_argnames=("algo", "group_size"))
 def rollout_statistics(algo: AlgoConfig, group_size: int, scores, mask, old_logp, ref_logp,
                        values):
-  """Advantages/returns for the whole rollout plus the iteration's reward/KL metrics."""
+  """Advantages/returns for the whole rollout plus the iteration's reward/KL metrics.
+
+  kl/ref_* estimate KL(behaviour policy || reference) with k3 whatever algo.kl_estimator is
+  (unbiased and >= 0; k1 is unbiased but a batch's mean can be negative, k2 and abs are not
+  estimates of the KL), so runs that differ in the estimator log the same quantity; the
+  configured estimator's own token mean, which the penalty or the loss weighs, is
+  kl/penalty_token_mean when it is not k3."""
   adv, ret, token_rewards, kl = advantages_and_returns(algo, group_size, scores, mask, old_logp,
                                                        ref_logp, values)
-  seq_kl = jnp.sum(kl, axis=1)  # [batch]
+  kl3 = (kl if algo.kl_estimator == "k3" else
+         kl_lib.kl_estimate(old_logp, ref_logp, "k3", mask=mask))
   metrics = {
-      "kl/ref_mean": jnp.mean(seq_kl),
-      "kl/ref_token_mean": masked.masked_mean(kl, mask),
+      "kl/ref_mean": jnp.mean(jnp.sum(kl3, axis=1)),
+      "kl/ref_token_mean": masked.masked_mean(kl3, mask),
       "reward/token_reward_mean": jnp.mean(jnp.sum(token_rewards, axis=1)),
       "advantages/mean": masked.masked_mean(adv, mask),
       "returns/mean": masked.masked_mean(ret, mask),
       "critic/vf_explained_var": masked.explained_variance(values, ret, mask),
       "critic/values_mean": masked.masked_mean(values, mask),
   }
+  if algo.kl_estimator != "k3":
+    metrics["kl/penalty_token_mean"] = masked.masked_mean(kl, mask)
   return adv, ret, metrics
