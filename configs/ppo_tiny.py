@@ -2,7 +2,8 @@ r"""Tiny PPO run on CPU: a 2-layer decoder learns the synthetic 'repeat' task fr
 
   python -m experiments.train_ppo --config=configs/ppo_tiny.py --workdir=/tmp/ppo_tiny
 
-Variants: `--config=configs/ppo_tiny.py:grpo` (critic-free GRPO). Sweep:
+Variants: `--config=configs/ppo_tiny.py:grpo` (critic-free GRPO), `configs/ppo_tiny.py:dr_grpo`
+(Dr. GRPO: mean-centred group scores and a constant-horizon loss). Sweep:
   python -m experiments.sweep --config=configs/ppo_tiny.py --binary=train_ppo --workdir=/tmp/sw
 
 `fused`: intra-stage fusion (docs/architecture.md §3) on a data=2 x stage=4 mesh: a 4-layer actor (4
@@ -54,12 +55,14 @@ def get_config(arg: str = "ppo"):
   c.optim.critic_lr = 3e-3
   c.optim.warmup_steps = 5
 
-  if arg == "grpo":
-    c.algo.estimator = "grpo"
+  if arg in ("grpo", "dr_grpo"):
+    c.algo.estimator = arg
     c.rollout.prompts_per_iteration = 16
     c.rollout.samples_per_prompt = 4
     c.algo.kl_in_reward = False  # GRPO puts the KL in the loss
     c.algo.kl_estimator = "k3"
+    if arg == "dr_grpo":  # Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): both of its changes
+      c.algo.loss_agg = "seq-mean-token-sum-norm"
   elif arg == "fused":
     c.mesh.stage = 4  # data = 8 / 4 = 2
     c.model.num_layers = 4  # one layer per actor stage
@@ -97,8 +100,8 @@ def get_config(arg: str = "ppo"):
     # docs/results.md, "main job".
     c.algo.epochs = 1
   elif arg != "ppo":
-    raise ValueError(f"configs/ppo_tiny.py: unknown variant {arg!r}; expected 'ppo', 'grpo' or "
-                     "'fused'")
+    raise ValueError(f"configs/ppo_tiny.py: unknown variant {arg!r}; expected 'ppo', 'grpo', "
+                     "'dr_grpo' or 'fused'")
   return c
 
 

@@ -118,7 +118,7 @@ def test_sweep_entries_override_existing_fields(name):
 
 
 def test_documented_variants_are_found():
-  assert _variants("ppo_tiny") == ["fused", "grpo"]
+  assert _variants("ppo_tiny") == ["dr_grpo", "fused", "grpo"]
   assert {"7b", "13b", "33b", "65b", "33b/13b", "65b/33b"} <= set(_variants("ppo_llama"))
   assert _binary("ppo_llama") == "train_ppo" and _binary("bench_decode") == "bench_decode"
 

@@ -369,3 +369,14 @@ def test_pyproject_lists_the_requirements():
       required.append(line.replace(" ", ""))
   assert sorted(declared) == sorted(required), (
       f"pyproject.toml [project] dependencies {declared} differ from requirements.txt {required}")
+
+
+def test_the_objective_row_names_every_registered_estimator_and_aggregation():
+  """usage.md's objective row lists the choices of algo.estimator, kl_estimator and loss_agg:
+  one added to its registry (rl/advantages, rl/kl, rl/losses) without the docs fails here."""
+  from rlhfuse_jax.rl import advantages, kl, losses
+  with open(os.path.join(ROOT, "docs", "usage.md"), encoding="utf-8") as f:
+    row = next(line for line in f if line.startswith("| objective |"))
+  for registry in (advantages.ADVANTAGE_ESTIMATORS, kl.KL_ESTIMATORS, losses.LOSS_AGGREGATIONS):
+    missing = [name for name in registry if f"`{name}`" not in row]
+    assert not missing, f"docs/usage.md's objective row does not name {missing}"

@@ -1,6 +1,7 @@
 """Advantage estimators against plain python/numpy loops, on variable-length batches."""
 import numpy as np
 import jax
+import jax.numpy as jnp
 import pytest
 
 from rlhfuse_jax.rl import advantages as adv_lib
@@ -182,3 +183,30 @@ def test_dr_grpo_centres_each_groups_scores_without_the_std():
   np.testing.assert_allclose(np.asarray(adv), want[:, None] * mask, atol=1e-6)
   np.testing.assert_array_equal(adv, ret)
   assert abs(float(adv[7, 0]) - 0.075) < 1e-5  # GRPO would give it ~1.5
+
+
+def test_an_input_with_a_default_is_optional_and_one_the_trainer_lacks_is_a_config_error(
+    monkeypatch):
+  """A registered estimator's input is optional when its parameter has a default (no
+  hand-kept list to extend), and one without a default that the trainer does not pass is an
+  error of algo.estimator when the config is built, not at the first iteration's trace."""
+  from rlhfuse_jax.trainer.config import AlgoConfig
+  reg = adv_lib.ADVANTAGE_ESTIMATORS
+
+  def centred(scores, mask, group_size, epsilon=0.0):
+    return adv_lib.dr_grpo_advantages(scores + epsilon, mask, group_size)
+
+  def by_length(scores, mask, lengths):
+    del lengths
+    return scores[:, None] * mask, scores[:, None] * mask
+  monkeypatch.setitem(reg, "centred", adv_lib.AdvantageEstimator(
+      centred, ("scores", "mask", "group_size", "epsilon"), False, "x"))
+  monkeypatch.setitem(reg, "by_length", adv_lib.AdvantageEstimator(
+      by_length, ("scores", "mask", "lengths"), False, "x"))
+  scores, mask = jnp.asarray([1.0, 3.0, 2.0, 2.0]), jnp.ones((4, 2))
+  adv, _ = adv_lib.compute_advantages("centred", scores=scores, mask=mask, group_size=2)
+  np.testing.assert_array_equal(adv[:, 0], [-1.0, 1.0, 0.0, 0.0])
+  assert adv_lib.required_inputs("centred") == ("scores", "mask", "group_size")
+  AlgoConfig(estimator="centred")
+  with pytest.raises(ValueError, match=r"algo\.estimator='by_length'.*needs \['lengths'\]"):
+    AlgoConfig(estimator="by_length")

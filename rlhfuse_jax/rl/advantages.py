@@ -17,6 +17,7 @@ groups of `group_size` samples of the same prompt (`[prompt0 x n, prompt1 x n, .
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Dict, Tuple
 
 import jax
@@ -175,11 +176,14 @@ def _gae_on_token_rewards(token_rewards: jax.Array, values: jax.Array, mask: jax
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageEstimator:
-  """A registered estimator: its function, which named inputs it takes, and if it needs a critic."""
+  """A registered estimator: its function, which named inputs it takes (an input whose
+  parameter has a default is optional), if it needs a critic, and if it divides each prompt's
+  group by the group's std (then a KL-in-reward penalty is rescaled with the scores)."""
   fn: Callable[..., Pair]
   inputs: Tuple[str, ...]
   needs_critic: bool
   description: str
+  group_std: bool = False
 
 
 ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {
@@ -189,7 +193,7 @@ ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {
         "GAE over per-token rewards with critic values"),
     "grpo": AdvantageEstimator(
         grpo_advantages, ("scores", "mask", "group_size", "eps", "normalize_std"), False,
-        "group-normalised sequence scores"),
+        "group-normalised sequence scores", group_std=True),
     "dr_grpo": AdvantageEstimator(
         dr_grpo_advantages, ("scores", "mask", "group_size"), False,
         "group mean-centred sequence scores (no std division)"),
@@ -202,9 +206,19 @@ ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {
 }
 
 # Inputs a caller may pass to any estimator; each estimator picks the ones it uses.
-_OPTIONAL = {"eps", "normalize_std"}
 KNOWN_INPUTS = frozenset(
     name for est in ADVANTAGE_ESTIMATORS.values() for name in est.inputs) | {"scores"}
+# What the trainer passes (trainer/ppo.advantages_and_returns), every iteration.
+TRAINER_INPUTS = frozenset(
+    {"scores", "token_rewards", "values", "mask", "gamma", "lam", "group_size"})
+
+
+def required_inputs(name: str) -> Tuple[str, ...]:
+  """The inputs estimator `name` takes whose parameters have no default."""
+  est = get_estimator(name)
+  params = inspect.signature(est.fn).parameters
+  return tuple(k for k in est.inputs
+               if k not in params or params[k].default is inspect.Parameter.empty)
 
 
 def get_estimator(name: str) -> AdvantageEstimator:
@@ -241,7 +255,7 @@ def compute_advantages(name: str, **inputs: Any) -> Pair:
   if unknown:
     raise ValueError(f"compute_advantages got unknown inputs {sorted(unknown)}; known inputs: "
                      f"{sorted(KNOWN_INPUTS)}")
-  missing = [k for k in est.inputs if k not in _OPTIONAL and inputs.get(k) is None]
+  missing = [k for k in required_inputs(name) if inputs.get(k) is None]
   if missing:
     raise ValueError(f"advantage estimator {name!r} needs inputs {missing} "
                      f"(it takes {list(est.inputs)})")

@@ -137,11 +137,11 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AlgoConfig:
-  estimator: str = "gae"  # gae | grpo | dr_grpo | rloo | reinforce_pp (rl/advantages.py)
+  estimator: str = "gae"  # a name in rl/advantages.ADVANTAGE_ESTIMATORS (usage.md lists them)
   gamma: float = 1.0
   lam: float = 0.95
   kl_coef: float = 0.02  # weight of the KL to the reference
-  kl_estimator: str = "k1"  # k1 | k2 | k3 | abs
+  kl_estimator: str = "k1"  # a name in rl/kl.KL_ESTIMATORS (usage.md lists them)
   kl_in_reward: bool = True  # True: token-level penalty folded into the reward; False: a loss term
   clip_eps: float = 0.2  # PPO ratio clip: the ratio is clipped to [1 - clip_eps, 1 + ...]
   # The upper clip, 1 + clip_eps_high; 0: clip_eps. Higher than clip_eps is DAPO's clip-higher
@@ -183,6 +183,11 @@ class AlgoConfig:
   def __post_init__(self):
     _check(self.estimator in adv_lib.ADVANTAGE_ESTIMATORS, "algo.estimator", self.estimator,
            f"one of {sorted(adv_lib.ADVANTAGE_ESTIMATORS)}")
+    lacking = sorted(set(adv_lib.required_inputs(self.estimator)) - adv_lib.TRAINER_INPUTS)
+    _check(not lacking, "algo.estimator", self.estimator,
+           f"an estimator whose inputs the trainer passes: it needs {lacking} without a "
+           f"default, and the trainer passes {sorted(adv_lib.TRAINER_INPUTS)} "
+           "(trainer/ppo.advantages_and_returns)")
     _check(self.kl_estimator in kl_lib.KL_ESTIMATORS, "algo.kl_estimator", self.kl_estimator,
            f"one of {sorted(kl_lib.KL_ESTIMATORS)}")
     _check(self.loss_agg in losses_lib.LOSS_AGGREGATIONS, "algo.loss_agg", self.loss_agg,

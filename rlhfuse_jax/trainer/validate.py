@@ -122,18 +122,20 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
   elif cfg.algo.microbatch_size:
     ppo.microbatch_count(cfg.algo, cfg.algo.minibatch_size, mult)  # the update's own check
   if cfg.algo.estimator == "dr_grpo" and cfg.algo.loss_agg != "seq-mean-token-sum-norm":
-    logging.info("config.algo.estimator='dr_grpo' with algo.loss_agg=%r: Dr. GRPO's paper also "
-                 "replaces the per-sequence length mean by a constant normaliser, "
-                 "algo.loss_agg='seq-mean-token-sum-norm'", cfg.algo.loss_agg)
-  if cfg.algo.estimator == "grpo" and cfg.algo.kl_in_reward and cfg.algo.kl_coef > 0:
+    logging.warning("config.algo.estimator='dr_grpo' with algo.loss_agg=%r is half of Dr. "
+                    "GRPO: its paper also replaces the per-sequence length mean by a constant "
+                    "normaliser, algo.loss_agg='seq-mean-token-sum-norm' (both set: "
+                    "configs/ppo_tiny.py:dr_grpo)", cfg.algo.loss_agg)
+  if (adv_lib.get_estimator(cfg.algo.estimator).group_std and cfg.algo.kl_in_reward and
+      cfg.algo.kl_coef > 0):
     # Accepted (verl computes it so too), but rarely what a user who only switched the estimator
     # wants: the group's std rescales the penalty whatever its coefficient.
-    logging.warning("config.algo.estimator='grpo' with the KL in the reward (algo.kl_in_reward="
-                    "True, kl_coef=%g): GRPO divides each group's scores by their std, so in a "
+    logging.warning("config.algo.estimator=%r with the KL in the reward (algo.kl_in_reward="
+                    "True, kl_coef=%g): it divides each group's scores by their std, so in a "
                     "group whose rewards tie the KL penalty alone becomes advantages of about "
                     "+-1, whatever kl_coef is. GRPO's own setting is algo.kl_in_reward=False "
                     "(the KL as a loss term, kl_estimator='k3'), as configs/ppo_tiny.py:grpo has",
-                    cfg.algo.kl_coef)
+                    cfg.algo.estimator, cfg.algo.kl_coef)
   for section, model, lr in _low_precision_trained(cfg):
     # AdamW moves a weight by about the learning rate per step; a 16-bit float keeps 8 (bf16)
     # or 11 (fp16) significant bits, so a step below half the weight's spacing rounds away.
