@@ -105,7 +105,7 @@ def measure(c) -> dict:
   mplens, rlens = jnp.full((mb,), p, jnp.int32), jnp.full((mb,), t, jnp.int32)
 
   def infer():
-    return (scoring.reference_logprobs(cfg, params, toks, mplens, t),
+    return (scoring.response_logprobs(cfg, params, toks, mplens, t),
             scoring.critic_values(critic_cfg, cparams, toks, mplens, t),
             scoring.reward_model_scores(critic_cfg, cparams, toks, mplens, rlens))
   inf_s = median_s(infer, c.repeats)

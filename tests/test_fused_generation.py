@@ -177,7 +177,7 @@ def test_streamed_inference_equals_inference_after_generation(one_device, runs):
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1])
   scorer = Scorer(mesh, micro_batch_size=4)  # an instance's micro-batch shape
   sb = ScoringBatch.from_rollout(early.rollout, pad_id=0)
-  np.testing.assert_allclose(early.ref_logp, scorer.ref_logprobs(CFG, params["reference"], sb),
+  np.testing.assert_allclose(early.ref_logp, scorer.logprobs(CFG, params["reference"], sb),
                              atol=1e-6)
   np.testing.assert_allclose(early.values, scorer.values(SCORE, params["critic"], sb), atol=1e-6)
   np.testing.assert_allclose(early.rewards, scorer.reward_scores(SCORE, params["reward"], sb),

@@ -69,7 +69,7 @@ def test_scores_equal_direct_forward(models, batch, direct):
   actor, critic = models
   ref, val, score = direct
   scorer = Scorer()
-  np.testing.assert_allclose(_masked(scorer.ref_logprobs(ACTOR, actor, batch, 0.8), batch),
+  np.testing.assert_allclose(_masked(scorer.logprobs(ACTOR, actor, batch, 0.8), batch),
                              _masked(ref, batch), atol=1e-5)
   np.testing.assert_allclose(_masked(scorer.values(CRITIC, critic, batch), batch),
                              _masked(val, batch), atol=1e-5)
@@ -85,7 +85,7 @@ def test_micro_batched_and_sharded_scores_equal_whole_batch(models, batch, direc
   critic_s = mesh_lib.shard_params(critic, llama.logical_specs(CRITIC), mesh)
   # 12 rows in micro-batches of 8: the second piece is padded, and both reuse one executable.
   scorer = Scorer(mesh, micro_batch_size=8)
-  out = scorer.ref_logprobs(ACTOR, actor_s, batch, 0.8)
+  out = scorer.logprobs(ACTOR, actor_s, batch, 0.8)
   assert out.shape == (B, T)
   np.testing.assert_allclose(_masked(out, batch), _masked(ref, batch), atol=1e-5)
   np.testing.assert_allclose(_masked(scorer.values(CRITIC, critic_s, batch), batch),
@@ -181,8 +181,8 @@ def test_static_arguments_may_be_passed_by_keyword(models, batch):
   from rlhfuse_jax.inference import scoring
   actor, _ = models
   t = batch.num_response
-  positional = scoring.reference_logprobs(ACTOR, actor, batch.tokens, batch.prompt_lens, t, 0.7)
-  keyword = scoring.reference_logprobs(cfg=ACTOR, params=actor, tokens=batch.tokens,
+  positional = scoring.response_logprobs(ACTOR, actor, batch.tokens, batch.prompt_lens, t, 0.7)
+  keyword = scoring.response_logprobs(cfg=ACTOR, params=actor, tokens=batch.tokens,
                                        prompt_lens=batch.prompt_lens, num_response=t,
                                        temperature=0.7, mesh=None)
   np.testing.assert_array_equal(np.asarray(keyword), np.asarray(positional))

@@ -395,7 +395,7 @@ def test_decoupled_async_ppo_weights_by_the_behaviour_log_probs():
           async_ppo=types.SimpleNamespace(objective="decoupled", behaviour_weight_cap=0.0),
           model="M", rollout=types.SimpleNamespace(temperature=0.7)),
       _rescore_params=lambda name: f"{name} now",
-      _rescorer=types.SimpleNamespace(ref_logprobs=ref_logprobs))
+      _rescorer=types.SimpleNamespace(logprobs=ref_logprobs))
   out, m = loop.PPOTrainer._off_policy(fake, 5, gen, data)  # pylint: disable=protected-access
   assert asked == [("M", "actor now", 0.7)]
   np.testing.assert_array_equal(out["old_logp"], prox)
@@ -458,7 +458,7 @@ def test_the_serial_rollout_scores_values_with_the_critic_and_ref_at_the_tempera
       logprobs=np.zeros((b, t), np.float32))
   asked = []
   scorer = types.SimpleNamespace(
-      ref_logprobs=lambda cfg, params, batch, temp: asked.append(("ref", params, temp)) or
+      logprobs=lambda cfg, params, batch, temp: asked.append(("ref", params, temp)) or
       np.full((b, t), -1.0, np.float32),
       values=lambda cfg, params, batch: asked.append(("values", params)) or
       np.full((b, t), 2.5, np.float32))

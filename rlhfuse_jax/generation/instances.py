@@ -358,7 +358,7 @@ class GenerationInstance:
       # The very jitted functions the serial Scorer runs, so the numbers are the same.
       mesh = self.mesh
       if name == "reference":
-        low = scoring.reference_logprobs.lower(mcfg, fp, seq, lens, t, float(fz.temperature),
+        low = scoring.response_logprobs.lower(mcfg, fp, seq, lens, t, float(fz.temperature),
                                                mesh=mesh)
       elif name == "critic":
         low = scoring.critic_values.lower(mcfg, fp, seq, lens, t, mesh=mesh)

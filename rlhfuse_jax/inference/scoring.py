@@ -98,8 +98,8 @@ class ScoringBatch:
 # Static by name only: given both static_argnums and static_argnames, jit does not map one to
 # the other, so a keyword call would trace a static value.
 @functools.partial(jax.jit, static_argnames=("cfg", "num_response", "temperature", "mesh"))
-def reference_logprobs(cfg: ModelConfig, params, tokens, prompt_lens, num_response: int,
-                       temperature: float = 1.0, *, mesh: Optional[Mesh] = None):
+def response_logprobs(cfg: ModelConfig, params, tokens, prompt_lens, num_response: int,
+                      temperature: float = 1.0, *, mesh: Optional[Mesh] = None):
   """[B, T] float32 log-probs of the response tokens under `params` (LM head)."""
   with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES):
     return sequences.response_logprobs_and_entropy(cfg, params, tokens, prompt_lens,
@@ -153,13 +153,15 @@ class Scorer:
     results = mesh_lib.to_host([o for _, o in outs])
     return np.concatenate([r[:sl.stop - sl.start] for (sl, _), r in zip(outs, results)], axis=0)
 
-  def ref_logprobs(self, cfg: ModelConfig, params, batch: ScoringBatch,
-                   temperature: float = 1.0) -> np.ndarray:
-    """Reference log-probs [B, T]; temperature must match the actor's (logprob_temperature)."""
+  def logprobs(self, cfg: ModelConfig, params, batch: ScoringBatch,
+               temperature: float = 1.0) -> np.ndarray:
+    """Log-probs [B, T] of the response tokens under `params`: the reference's, or in
+    asynchronous PPO the current actor's (the proximal policy); temperature must match the
+    actor's (logprob_temperature)."""
     _check_head(cfg, "lm", "reference")
     t, temp = batch.num_response, float(temperature)
-    return self._run(lambda x, p, _: reference_logprobs(cfg, params, x, p, t, temp,
-                                                        mesh=self.mesh), batch)
+    return self._run(lambda x, p, _: response_logprobs(cfg, params, x, p, t, temp,
+                                                       mesh=self.mesh), batch)
 
   def values(self, cfg: ModelConfig, params, batch: ScoringBatch) -> np.ndarray:
     """Critic values [B, T]."""

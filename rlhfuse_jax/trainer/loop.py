@@ -574,7 +574,7 @@ class PPOTrainer:
     its training data (trainer/async_ppo.py). One forward pass of the current actor (the
     proximal policy) gives both."""
     a = self.cfg.async_ppo
-    prox = self._rescorer.ref_logprobs(self.cfg.model, self._rescore_params("actor"),
+    prox = self._rescorer.logprobs(self.cfg.model, self._rescore_params("actor"),
                                        gen.scoring_batch(), self.cfg.rollout.temperature)
     weights, m = async_lib.behaviour_weights(prox, gen.logprobs, data["mask"],
                                              a.behaviour_weight_cap)

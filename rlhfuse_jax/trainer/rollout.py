@@ -122,7 +122,7 @@ def score_rollout(stage: Any, rollout: Any, params: WholeParams, prompts: Prompt
   use_critic, sampling, pad_id, reference, rewards and scorer."""
   t0 = time.time()
   batch = scoring.ScoringBatch.from_rollout(rollout, stage.pad_id)
-  ref_logp = stage.scorer.ref_logprobs(stage.actor_cfg, stage.reference, batch,
+  ref_logp = stage.scorer.logprobs(stage.actor_cfg, stage.reference, batch,
                                        stage.sampling.logprob_temperature)
   values = np.zeros(rollout.logprobs.shape, np.float32)
   if stage.use_critic:
