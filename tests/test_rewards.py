@@ -44,6 +44,25 @@ def with_defaults(response, answer=None, record=None, *, scale=1.0):
   return scale * len(response)
 
 
+CALLS = []
+
+
+def batch_lengths(responses, answers, records):
+  """A batched user reward ('tests.test_rewards:batch_lengths'): called once per batch."""
+  CALLS.append((list(responses), list(answers), [r.get("id") for r in records]))
+  return [len(r) / 100.0 if a != "bad" else float("nan") for r, a in zip(responses, answers)]
+
+
+batch_lengths.batched = True
+
+
+def batch_short(responses, answers, records):
+  return [0.0] * (len(responses) - 1)
+
+
+batch_short.batched = True
+
+
 # ------------------------------------------------------------ the verifiers, text in
 @pytest.mark.parametrize("response, score", [
     ("She sold 24 in May, 72 in all.", 1.0),  # the last number
@@ -250,6 +269,31 @@ def test_user_function_by_import_path(tok):
   build.check_reward_functions(cfg)
   out = build.build_rewards(cfg, None, tok, None, None).combine([{}] * 3, ids, lens)[0]
   np.testing.assert_allclose(out, [0.01, 0.07, 0.0])
+
+
+def test_a_batched_user_function_is_called_once_per_batch(tok):
+  """A user function with `batched = True` gets the batch's responses, answers and records in
+  one call (a verifier pool, a reward server); a result of another length or a non-finite
+  value names the function (and the first bad sample)."""
+  texts = ["a", "abc def", ""]
+  ids, lens = _batch(tok, texts)
+  records = [{"id": i, "target": f"t{i}"} for i in range(3)]
+  fn = rewards_lib.get_reward_function("tests.test_rewards:batch_lengths")
+  # the module as imported by path (pytest may have imported this file under another name)
+  calls = rewards_lib.import_function("tests.test_rewards:batch_lengths").__globals__["CALLS"]
+  calls.clear()
+  np.testing.assert_allclose(fn(records, ids, lens, tok), [0.01, 0.07, 0.0])
+  assert calls == [(texts, ["t0", "t1", "t2"], [0, 1, 2])]
+  records[1]["target"] = "bad"
+  with pytest.raises(rewards_lib.RewardFunctionError,
+                     match=r"'tests\.test_rewards:batch_lengths' \(batched\) returned nan for "
+                           r"sample 1 \(answer 'bad', response 'abc def'\) and 0 more"):
+    fn(records, ids, lens, tok)
+  with pytest.raises(rewards_lib.RewardFunctionError,
+                     match=r"returned shape \(2,\); expected one number per response, \(3,\)"):
+    rewards_lib.get_reward_function("tests.test_rewards:batch_short")(records, ids, lens, tok)
+  cfg = tiny_config(**{"reward.format": "tests.test_rewards:batch_lengths"})
+  build.check_reward_functions(cfg)
 
 
 @pytest.mark.parametrize("spec, expected", [

@@ -194,6 +194,43 @@ def per_sample(fn: TextRewardFn, name: str) -> RewardFn:
   return batch
 
 
+def per_batch(fn: Callable, name: str) -> RewardFn:
+  """A batch reward function that calls `fn(responses, answers, records)` once per batch (a
+  user function marked `fn.batched = True`: one that batches its own work, a verifier pool or
+  a reward server): lists of the decoded responses, each record's 'target' (None where a row
+  has none) and the records; it returns one finite number per response. An exception, a
+  result of another length or a non-finite value raises RewardFunctionError naming `name` (and
+  the first bad sample's index, file:line, answer and response)."""
+  def batch(records, response_ids, response_lengths, tokenizer) -> np.ndarray:
+    texts = decode_responses(response_ids, response_lengths, tokenizer)
+    recs = [records[b] if records is not None else {} for b in range(len(texts))]
+    answers = [r.get("target") for r in recs]
+    try:
+      values = fn(texts, answers, recs)
+    except Exception as e:  # noqa: BLE001 re-raised with the function named
+      raise RewardFunctionError(f"reward function {name!r} (batched) failed on a batch of "
+                                f"{len(texts)} responses: {type(e).__name__}: {e}") from e
+    try:
+      out = np.asarray(values, np.float64)
+    except (TypeError, ValueError) as e:
+      raise RewardFunctionError(f"reward function {name!r} (batched) returned {_short(values)!r}"
+                                f"; expected {len(texts)} numbers ({e})") from None
+    if out.shape != (len(texts),):
+      raise RewardFunctionError(f"reward function {name!r} (batched) returned shape "
+                                f"{out.shape}; expected one number per response, "
+                                f"({len(texts)},)")
+    bad = np.flatnonzero(~np.isfinite(out))
+    if bad.size:
+      b = int(bad[0])
+      raise RewardFunctionError(
+          f"reward function {name!r} (batched) returned {out[b]} for sample {b}"
+          f"{_where(recs[b])} (answer {_short(answers[b])!r}, response {_short(texts[b])!r}) "
+          f"and {bad.size - 1} more non-finite; expected finite numbers")
+    return out.astype(np.float32)
+  batch.__name__ = f"per_batch({name})"
+  return batch
+
+
 def import_function(spec: str) -> Callable:
   """The callable that `"package.module:attribute"` names (the attribute may be dotted)."""
   module_name, _, attr = spec.partition(":")
@@ -215,10 +252,11 @@ def import_function(spec: str) -> Callable:
   return node
 
 
-def _check_arguments(fn: Callable, spec: str) -> None:
-  """A ValueError now when `fn` cannot be called as fn(response, answer, record) (it failed at
-  the first reward, after the models were built and the first batch generated). A callable
-  whose signature Python cannot read (a C function) is left to that first call."""
+def _check_arguments(fn: Callable, spec: str, batched: bool = False) -> None:
+  """A ValueError now when `fn` cannot be called as fn(response, answer, record) (or, batched,
+  fn(responses, answers, records)): it failed at the first reward, after the models were built
+  and the first batch generated. A callable whose signature Python cannot read (a C function)
+  is left to that first call."""
   try:
     signature = inspect.signature(fn)
   except (TypeError, ValueError):
@@ -226,8 +264,9 @@ def _check_arguments(fn: Callable, spec: str) -> None:
   try:
     signature.bind("response", "answer", {"record": 1})
   except TypeError as e:
+    args = "(responses, answers, records)" if batched else "(response, answer, record)"
     raise ValueError(f"reward function {spec!r}: its signature {signature} cannot take the "
-                     f"three arguments it is called with, (response, answer, record) ({e}); "
+                     f"three arguments it is called with, {args} ({e}); "
                      "one it does not need can be a `*_` or a default") from None
 
 
@@ -243,14 +282,16 @@ NEEDS_ANSWER = frozenset({"target_match", "length_match", "exact_match"}) | veri
 
 
 def get_reward_function(name: str) -> RewardFn:
-  """The reward function registered as `name`, or a per-sample function by import path
-  ('package.module:function', see `per_sample`); the error lists the known names."""
+  """The reward function registered as `name`, or a user function by import path
+  ('package.module:function': per sample, see `per_sample`, or once per batch when the function
+  has `batched = True`, see `per_batch`); the error lists the known names."""
   if name in REWARD_FUNCTIONS:
     return REWARD_FUNCTIONS[name]
   if ":" in name:
     fn = import_function(name)
-    _check_arguments(fn, name)
-    return per_sample(fn, name)
+    batched = getattr(fn, "batched", False) is True
+    _check_arguments(fn, name, batched)
+    return per_batch(fn, name) if batched else per_sample(fn, name)
   module, _, attr = name.rpartition(".")
   hint = (f"; did you mean {module + ':' + attr!r} (a colon before the function)?"
           if module and attr else "")
