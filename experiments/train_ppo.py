@@ -160,7 +160,9 @@ def _start_and_train(run_log: runner.RunLog) -> tuple[TrainConfig, PPOTrainer]:
   try:
     # The lock stays held while result.json is written: another start on this workdir in
     # between could change metrics.jsonl while it is summarised.
-    trainer.run(keep_lock=True, config_record=config_lib.config_record(_CONFIG.value, cfg))
+    # result.json is summarised from metrics.jsonl: no per-iteration rows kept in memory
+    trainer.run(keep_lock=True, config_record=config_lib.config_record(_CONFIG.value, cfg),
+                keep_history=False)
   except (checkpointing.SaveError, multihost.PeerLostError) as e:
     # A failed save: orbax's threads would hold the process for minutes. A peer lost in fused
     # generation's exchange: the watchdog's status (a hung peer) for a dead one too, and no wait

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import ppo_tiny
+from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import build
@@ -305,7 +306,9 @@ def test_the_update_compiles_once(tmp_path, offload):
   cfg = tiny_config(num_iterations=2, **{"optim.offload_during_rollout": offload})
   trainer = PPOTrainer(cfg, str(tmp_path),
                        mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1]))
-  trainer.run()
+  # (train_ppo's form: no rows kept in memory, all of them in metrics.jsonl)
+  assert trainer.run(keep_history=False) == []
+  assert [r["step"] for r in wd.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2]
   assert trainer.update._fn.jitted(trainer.actor, trainer.critic)._cache_size() == 1
 
 

@@ -763,8 +763,10 @@ class PPOTrainer:
 
   # ---------------------------------------------------------------- the loop
   def run(self, stop_after: Optional[int] = None, keep_lock: bool = False,
-          config_record: Optional[Any] = None) -> list[dict]:
-    """Runs (or resumes) to cfg.num_iterations; returns this call's per-iteration metrics.
+          config_record: Optional[Any] = None, keep_history: bool = True) -> list[dict]:
+    """Runs (or resumes) to cfg.num_iterations; returns this call's per-iteration metrics
+    (keep_history=False: an empty list, and none kept in memory: a row is 2-4 kB with the
+    per-sample lengths, 200-400 MB over 100k iterations; metrics.jsonl has them all).
 
     config_record: when this start trains, recorded as workdir.write_config_history names it,
     by the iteration it really starts at (an older checkpoint than resume_step when the newest
@@ -813,7 +815,7 @@ class PPOTrainer:
                      start, self.cfg.num_iterations)
         out = []
       else:
-        out = self._loop(start, stop_after)
+        out = self._loop(start, stop_after, keep_history)
     except BaseException:
       self.release_lock()
       raise
@@ -862,7 +864,7 @@ class PPOTrainer:
     for j in missing:
       self.in_flight[j] = self._generate(j, params, version=start)
 
-  def _loop(self, start: int, stop_after: Optional[int]) -> list[dict]:
+  def _loop(self, start: int, stop_after: Optional[int], keep_history: bool) -> list[dict]:
     stop = hooks.StopFlag()
     # The watchdog first: it guards the others' begin (a collective) and, ending last, the last
     # save's wait.
@@ -890,7 +892,8 @@ class PPOTrainer:
           if self.cfg.optim.offload_during_rollout:  # the pass's moves join the step's time
             m["timing_s/optimizer_offload"] += self._take_offload_metrics()[
                 "timing_s/optimizer_offload"]
-        history.append({"step": step, **m})
+        if keep_history:
+          history.append({"step": step, **m})
         self._check_lock(step)
         stopping = stop.agreed() or step == stop_after
         hooks.run_hooks(run_hooks, "after", step, m, stopping)
