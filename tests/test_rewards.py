@@ -1,5 +1,6 @@
 """Math verifiers (GSM8K final number, MATH boxed answers through math-verify), format rewards,
 user functions by import path, and errors that name the function and the sample."""
+import concurrent.futures
 import os
 import re
 
@@ -61,6 +62,15 @@ def batch_short(responses, answers, records):
 
 
 batch_short.batched = True
+
+
+def batch_pool(responses, answers, records):
+  """What a verifier pool returns: concurrent.futures' Executor.map, an iterator."""
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    return pool.map(lambda r, a: float("nan") if a == 19 else len(r) / 100.0, responses, answers)
+
+
+batch_pool.batched = True
 
 
 # ------------------------------------------------------------ the verifiers, text in
@@ -292,6 +302,14 @@ def test_a_batched_user_function_is_called_once_per_batch(tok):
   with pytest.raises(rewards_lib.RewardFunctionError,
                      match=r"returned shape \(2,\); expected one number per response, \(3,\)"):
     rewards_lib.get_reward_function("tests.test_rewards:batch_short")(records, ids, lens, tok)
+  pool = rewards_lib.get_reward_function("tests.test_rewards:batch_pool")
+  np.testing.assert_allclose(pool(records, ids, lens, tok), [0.01, 0.07, 0.0])
+  # a number as the answer (a JSON column), and no records at all, in the error's sample
+  with pytest.raises(rewards_lib.RewardFunctionError, match=r"nan for sample 2 \(answer '19'"):
+    pool([{}, {}, {"target": 19}], ids, lens, tok)
+  with pytest.raises(rewards_lib.RewardFunctionError,
+                     match=r"returned shape \(2,\).*\(3,\)"):
+    rewards_lib.get_reward_function("tests.test_rewards:batch_short")(None, ids, lens, tok)
   cfg = tiny_config(**{"reward.format": "tests.test_rewards:batch_lengths"})
   build.check_reward_functions(cfg)
 

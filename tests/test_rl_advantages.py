@@ -1,4 +1,6 @@
 """Advantage estimators against plain python/numpy loops, on variable-length batches."""
+import dataclasses
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -210,3 +212,11 @@ def test_an_input_with_a_default_is_optional_and_one_the_trainer_lacks_is_a_conf
   AlgoConfig(estimator="centred")
   with pytest.raises(ValueError, match=r"algo\.estimator='by_length'.*needs \['lengths'\]"):
     AlgoConfig(estimator="by_length")
+  # A wrapper taking **kwargs (no functools.wraps): what its signature does not show is optional
+  monkeypatch.setitem(reg, "wrapped", dataclasses.replace(
+      reg["grpo"], fn=lambda **kw: adv_lib.grpo_advantages(**kw)))
+  assert adv_lib.required_inputs("wrapped") == ()
+  AlgoConfig(estimator="wrapped")
+  np.testing.assert_array_equal(
+      adv_lib.compute_advantages("wrapped", scores=scores, mask=mask, group_size=2)[0],
+      adv_lib.grpo_advantages(scores, mask, 2)[0])

@@ -22,6 +22,7 @@ error. `resolve_reward_function` maps config.reward.function to a batch function
 """
 from __future__ import annotations
 
+import collections.abc
 import importlib
 import inspect
 import numbers
@@ -156,7 +157,12 @@ def decode_responses(response_ids: np.ndarray, response_lengths: np.ndarray,
 TextRewardFn = Callable[[str, Optional[str], Mapping[str, Any]], Any]
 
 
-def _short(text: str, limit: int = 120) -> str:
+def _short(text: Any, limit: int = 120) -> Any:
+  """`text` cut to `limit` characters; None stays None and anything else is its str (an
+  answer column of numbers, a reward function's odd return value)."""
+  if text is None:
+    return None
+  text = text if isinstance(text, str) else str(text)
   return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -174,7 +180,7 @@ def per_sample(fn: TextRewardFn, name: str) -> RewardFn:
     for b, text in enumerate(texts):
       record = records[b] if records is not None else {}
       answer = record.get("target")
-      sample = (f"sample {b}{_where(record)} (answer {None if answer is None else _short(answer)!r}"
+      sample = (f"sample {b}{_where(record)} (answer {_short(answer)!r}"
                 f", response {_short(text)!r})")
       try:
         value = fn(text, answer, record)
@@ -207,6 +213,8 @@ def per_batch(fn: Callable, name: str) -> RewardFn:
     answers = [r.get("target") for r in recs]
     try:
       values = fn(texts, answers, recs)
+      if isinstance(values, collections.abc.Iterator):  # concurrent.futures' Executor.map
+        values = list(values)  # (it raises a worker's exception here)
     except Exception as e:  # noqa: BLE001 re-raised with the function named
       raise RewardFunctionError(f"reward function {name!r} (batched) failed on a batch of "
                                 f"{len(texts)} responses: {type(e).__name__}: {e}") from e

@@ -214,11 +214,19 @@ TRAINER_INPUTS = frozenset(
 
 
 def required_inputs(name: str) -> Tuple[str, ...]:
-  """The inputs estimator `name` takes whose parameters have no default."""
+  """The inputs estimator `name` takes whose parameters have no default. What a signature does
+  not show is optional: an input a **kwargs parameter takes, any input of a function whose
+  signature Python cannot read (a wrapper without functools.wraps, a C function); such an
+  estimator reports a missing input itself when called."""
   est = get_estimator(name)
-  params = inspect.signature(est.fn).parameters
+  try:
+    params = inspect.signature(est.fn).parameters
+  except (TypeError, ValueError):
+    return ()
   return tuple(k for k in est.inputs
-               if k not in params or params[k].default is inspect.Parameter.empty)
+               if k in params and params[k].default is inspect.Parameter.empty and
+               params[k].kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                      inspect.Parameter.VAR_KEYWORD))
 
 
 def get_estimator(name: str) -> AdvantageEstimator:
