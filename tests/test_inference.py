@@ -183,8 +183,8 @@ def test_static_arguments_may_be_passed_by_keyword(models, batch):
   t = batch.num_response
   positional = scoring.response_logprobs(ACTOR, actor, batch.tokens, batch.prompt_lens, t, 0.7)
   keyword = scoring.response_logprobs(cfg=ACTOR, params=actor, tokens=batch.tokens,
-                                       prompt_lens=batch.prompt_lens, num_response=t,
-                                       temperature=0.7, mesh=None)
+                                      prompt_lens=batch.prompt_lens, num_response=t,
+                                      temperature=0.7, mesh=None)
   np.testing.assert_array_equal(np.asarray(keyword), np.asarray(positional))
 
 

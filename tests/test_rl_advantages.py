@@ -220,3 +220,19 @@ def test_an_input_with_a_default_is_optional_and_one_the_trainer_lacks_is_a_conf
   np.testing.assert_array_equal(
       adv_lib.compute_advantages("wrapped", scores=scores, mask=mask, group_size=2)[0],
       adv_lib.grpo_advantages(scores, mask, 2)[0])
+
+
+def test_the_trainer_passes_what_trainer_inputs_says(monkeypatch):
+  """adv_lib.TRAINER_INPUTS (what the config check allows an estimator to need) is what
+  trainer/ppo.advantages_and_returns passes."""
+  from rlhfuse_jax.trainer import ppo
+  from rlhfuse_jax.trainer.config import AlgoConfig
+  seen = {}
+
+  def record(name, **inputs):
+    seen.update(inputs)
+    return inputs["mask"], inputs["mask"]
+  monkeypatch.setattr(adv_lib, "compute_advantages", record)
+  mask = jnp.ones((4, 3))
+  ppo.advantages_and_returns(AlgoConfig(), 2, jnp.ones(4), mask, -mask, -mask, mask)
+  assert set(seen) == adv_lib.TRAINER_INPUTS

@@ -516,6 +516,16 @@ def test_grpo_with_the_kl_in_the_reward_is_warned_about(caplog):
     with caplog.at_level(logging.WARNING):
       validate(build.resolve_config(cfg, tokenizer), mesh)
     assert ("divides each group's scores by their std" in caplog.text) == warned
+  # Keyed on the registry's group_std, not the name: dr_grpo (no std) is not warned about.
+  for estimator, agg, half in (("dr_grpo", "token-mean", True),
+                               ("dr_grpo", "seq-mean-token-sum-norm", False)):
+    cfg = tiny_config(**{**overrides, "algo.estimator": estimator, "algo.loss_agg": agg})
+    _, tokenizer = build.build_task_and_tokenizer(cfg)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      validate(build.resolve_config(cfg, tokenizer), mesh)
+    assert "divides each group's scores by their std" not in caplog.text
+    assert ("is half of Dr. GRPO" in caplog.text) == half, caplog.text
 
 
 def test_a_warmup_longer_than_the_schedule_is_warned_about(caplog):

@@ -359,7 +359,7 @@ class GenerationInstance:
       mesh = self.mesh
       if name == "reference":
         low = scoring.response_logprobs.lower(mcfg, fp, seq, lens, t, float(fz.temperature),
-                                               mesh=mesh)
+                                              mesh=mesh)
       elif name == "critic":
         low = scoring.critic_values.lower(mcfg, fp, seq, lens, t, mesh=mesh)
       else:

@@ -158,7 +158,7 @@ class Scorer:
     """Log-probs [B, T] of the response tokens under `params`: the reference's, or in
     asynchronous PPO the current actor's (the proximal policy); temperature must match the
     actor's (logprob_temperature)."""
-    _check_head(cfg, "lm", "reference")
+    _check_head(cfg, "lm", "model scored for log-probs")
     t, temp = batch.num_response, float(temperature)
     return self._run(lambda x, p, _: response_logprobs(cfg, params, x, p, t, temp,
                                                        mesh=self.mesh), batch)

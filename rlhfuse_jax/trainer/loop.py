@@ -575,7 +575,7 @@ class PPOTrainer:
     proximal policy) gives both."""
     a = self.cfg.async_ppo
     prox = self._rescorer.logprobs(self.cfg.model, self._rescore_params("actor"),
-                                       gen.scoring_batch(), self.cfg.rollout.temperature)
+                                   gen.scoring_batch(), self.cfg.rollout.temperature)
     weights, m = async_lib.behaviour_weights(prox, gen.logprobs, data["mask"],
                                              a.behaviour_weight_cap)
     m["async/staleness"] = iteration - gen.version
@@ -757,7 +757,7 @@ class PPOTrainer:
         cfg.model, critic, len(gen.response_lens), gen.tokens.shape[1] - max_new, max_new)
     out = {"perf/train_flops_per_s": useful / t_train, "perf/train_useful_frac": useful / padded}
     hw = hardware.hardware_for_device_kind(self.mesh.devices.flat[0].device_kind)
-    if hw is not None and cfg.model.dtype in ("bfloat16", "float16"):
+    if hw is not None and cfg.model.dtype == "bfloat16":  # (float16 training is refused)
       out["perf/mfu"] = useful / t_train / (hw.peak_flops * self.mesh.devices.size)
     return out
 

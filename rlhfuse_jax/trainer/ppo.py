@@ -331,8 +331,9 @@ def rollout_statistics(algo: AlgoConfig, group_size: int, scores, mask, old_logp
   kl/ref_* estimate KL(behaviour policy || reference) with k3 whatever algo.kl_estimator is
   (unbiased and >= 0; k1 is unbiased but a batch's mean can be negative, k2 and abs are not
   estimates of the KL), so runs that differ in the estimator log the same quantity; the
-  configured estimator's own token mean, which the penalty or the loss weighs, is
-  kl/penalty_token_mean when it is not k3."""
+  configured estimator's own token mean of the behaviour log-probs, which the reward's penalty
+  weighs (the KL loss takes the current ones), is kl/penalty_token_mean when it is not k3 and
+  kl_coef > 0."""
   adv, ret, token_rewards, kl = advantages_and_returns(algo, group_size, scores, mask, old_logp,
                                                        ref_logp, values)
   kl3 = (kl if algo.kl_estimator == "k3" else
@@ -346,6 +347,6 @@ def rollout_statistics(algo: AlgoConfig, group_size: int, scores, mask, old_logp
       "critic/vf_explained_var": masked.explained_variance(values, ret, mask),
       "critic/values_mean": masked.masked_mean(values, mask),
   }
-  if algo.kl_estimator != "k3":
+  if algo.kl_estimator != "k3" and algo.kl_coef > 0:
     metrics["kl/penalty_token_mean"] = masked.masked_mean(kl, mask)
   return adv, ret, metrics

@@ -123,7 +123,7 @@ def score_rollout(stage: Any, rollout: Any, params: WholeParams, prompts: Prompt
   t0 = time.time()
   batch = scoring.ScoringBatch.from_rollout(rollout, stage.pad_id)
   ref_logp = stage.scorer.logprobs(stage.actor_cfg, stage.reference, batch,
-                                       stage.sampling.logprob_temperature)
+                                   stage.sampling.logprob_temperature)
   values = np.zeros(rollout.logprobs.shape, np.float32)
   if stage.use_critic:
     t_fetch = time.time()
