@@ -314,6 +314,29 @@ def test_a_batched_user_function_is_called_once_per_batch(tok):
   build.check_reward_functions(cfg)
 
 
+def test_stats_are_measured_and_not_added_to_the_reward(tok):
+  """reward.stats: each function's batch mean is logged as stats/<function>_mean (a per-sample
+  and a batched one); the reward and its term metrics are those of the run without them. A bad
+  entry or two functions of one name fail before the run, naming the field."""
+  texts = ["a", "abc def", ""]
+  ids, lens = _batch(tok, texts)
+  records = [{"id": i, "target": f"t{i}"} for i in range(3)]
+  spec = "tests.test_rewards:answer_length, tests.test_rewards:batch_lengths"
+  cfg = tiny_config(**{"reward.function": "tests.test_rewards:with_defaults",
+                       "reward.stats": spec})
+  build.check_reward_functions(cfg)
+  alone = tiny_config(**{"reward.function": "tests.test_rewards:with_defaults"})
+  plain = build.build_rewards(alone, None, tok, None, None).combine(records, ids, lens)
+  got = build.build_rewards(cfg, None, tok, None, None).combine(records, ids, lens)
+  np.testing.assert_array_equal(got[0], plain[0])
+  assert got[1] == {**plain[1], "stats/answer_length_mean": pytest.approx(0.08 / 3),
+                    "stats/batch_lengths_mean": pytest.approx(0.08 / 3)}
+  with pytest.raises(ValueError, match=r"config\.reward\.stats='tests\.test_rewards:nope': "):
+    build.check_reward_functions(tiny_config(**{"reward.stats": "tests.test_rewards:nope"}))
+  with pytest.raises(ValueError, match=r"config\.reward\.stats=.*distinct function names"):
+    tiny_config(**{"reward.stats": "a.b:score,c.d:score"})
+
+
 @pytest.mark.parametrize("spec, expected", [
     ("nope", r"unknown reward function 'nope'; known: \[.*'gsm8k'.*'math'.*or a function by "
              r"import path"),

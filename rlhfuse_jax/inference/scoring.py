@@ -184,7 +184,8 @@ def _check_head(cfg: ModelConfig, head: str, role: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class RewardTerm:
   """A weighted function term added to a run's reward (config.reward.format): `label` names it
-  in the metrics (reward/<label>_mean), `name` (the config value) in errors."""
+  in the metrics (reward/<label>_mean), `name` (the config value) in errors. As one of
+  Rewards' `stats` (config.reward.stats) it is only measured: stats/<label>_mean, weight unused."""
   label: str
   fn: RewardFn
   name: str = ""
@@ -199,14 +200,16 @@ class Rewards:
   `fn(records, response_tokens [B, T], response_lens [B]) -> [B]`; `name` (the config field's
   value) appears in errors. The reward is source + sum of weight * term, summed in float32 in
   that order. With more than one term, `scored` also returns each term's unweighted batch mean
-  as reward/<label>_mean (labels: "function" or "model", then the extra terms' own). The serial
+  as reward/<label>_mean (labels: "function" or "model", then the extra terms' own); `stats`,
+  per-sample functions that are not rewards, add stats/<label>_mean and nothing else. The serial
   rollout calls it whole; the fused one (trainer/rollout.py) scores with the model on freed
   instances and adds the function terms with `combine`.
   """
 
   def __init__(self, *, fn: Optional[RewardFn] = None, name: str = "",
                model_cfg: Optional[ModelConfig] = None, model_params: Any = None,
-               scorer: Optional[Scorer] = None, extra: Sequence[RewardTerm] = ()):
+               scorer: Optional[Scorer] = None, extra: Sequence[RewardTerm] = (),
+               stats: Sequence[RewardTerm] = ()):
     if (fn is None) == (model_cfg is None):
       raise ValueError("Rewards needs exactly one source: a reward function (fn) or a reward "
                        f"model (model_cfg); got fn={fn!r}, model_cfg={model_cfg!r}")
@@ -218,10 +221,13 @@ class Rewards:
     if len(set(labels)) != len(labels) or {"function", "model"} & set(labels):
       raise ValueError(f"reward terms need distinct labels other than 'function' and 'model'; "
                        f"got {labels}")
-    for t in extra:
+    stat_labels = [t.label for t in stats]
+    if len(set(stat_labels)) != len(stat_labels):
+      raise ValueError(f"reward stats need distinct labels; got {stat_labels}")
+    for t in (*extra, *stats):
       if not callable(t.fn):
         raise ValueError(f"reward function {t.name!r}: needs a callable, got {t.fn!r}")
-    self.fn, self.name, self.extra = fn, name, tuple(extra)
+    self.fn, self.name, self.extra, self.stats = fn, name, tuple(extra), tuple(stats)
     self.model_cfg, self.model_params = model_cfg, model_params
     self.scorer = scorer or Scorer()
 
@@ -239,7 +245,7 @@ class Rewards:
     """The same resolver with the reward model's weights `params` scored by `scorer` (a stage
     that placed them on a mesh of its own)."""
     return Rewards(model_cfg=self.model_cfg, model_params=params, name=self.name,
-                   scorer=scorer, extra=self.extra)
+                   scorer=scorer, extra=self.extra, stats=self.stats)
 
   def _term(self, fn: RewardFn, name: str, records, response_tokens: np.ndarray,
             response_lens: np.ndarray) -> np.ndarray:
@@ -279,6 +285,9 @@ class Rewards:
       total = total + weight * values
     metrics = ({f"reward/{label}_mean": float(np.mean(values)) for label, _, values in parts}
                if len(parts) > 1 else {})
+    for t in self.stats:
+      metrics[f"stats/{t.label}_mean"] = float(np.mean(
+          self._term(t.fn, t.name, records, response_tokens, response_lens)))
     return np.asarray(total, np.float32), metrics
 
   def scored(self, batch: ScoringBatch, records: Optional[Sequence[Mapping[str, Any]]] = None

@@ -31,7 +31,7 @@ from rlhfuse_jax.models import hf_loader, llama
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.rl import advantages as adv_lib
-from rlhfuse_jax.trainer.config import TrainConfig
+from rlhfuse_jax.trainer.config import TrainConfig, stat_label
 
 
 def load_named(field: str, path: str, load, *args, **kwargs):
@@ -305,23 +305,29 @@ def build_rewards(cfg: TrainConfig, task, tokenizer: Tokenizer, models: Models,
         label="format", name=r.format, weight=r.format_weight,
         fn=functools.partial(_with_tokenizer, rewards_lib.get_reward_function(r.format),
                              tokenizer)))
+  stats = [scoring.RewardTerm(
+      label=stat_label(spec), name=spec,
+      fn=functools.partial(_with_tokenizer, rewards_lib.get_reward_function(spec), tokenizer))
+      for spec in r.stat_specs]
   if r.kind == "model":
     return scoring.Rewards(model_cfg=models.reward_cfg, model_params=models.reward_params,
-                           scorer=scoring.Scorer(mesh), extra=extra)
+                           scorer=scoring.Scorer(mesh), extra=extra, stats=stats)
   if r.function == "task":
     fn, name = (lambda records, ids, lens, tok: task.batch_rewards(records, ids, lens, tok),
                 f"task:{cfg.data.task}")
   else:
     fn, name = rewards_lib.get_reward_function(r.function), r.function
   return scoring.Rewards(fn=functools.partial(_with_tokenizer, fn, tokenizer), name=name,
-                         extra=extra)
+                         extra=extra, stats=stats)
 
 
 def check_reward_functions(cfg: TrainConfig) -> None:
   """Resolves reward.function and reward.format now (an unknown name, a module that does not
   import), so that the error comes before any weight is read or program compiled."""
-  for field in ("function", "format") if cfg.reward.kind == "function" else ("format",):
-    spec = getattr(cfg.reward, field)
+  fields = ("function", "format") if cfg.reward.kind == "function" else ("format",)
+  specs = [(f, getattr(cfg.reward, f)) for f in fields] + [
+      ("stats", s) for s in cfg.reward.stat_specs]
+  for field, spec in specs:
     if spec and spec != "task":
       try:
         rewards_lib.get_reward_function(spec)

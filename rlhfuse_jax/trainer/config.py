@@ -260,6 +260,11 @@ class OptimConfig:
            self.weight_decay, "a finite value >= 0")
 
 
+def stat_label(spec: str) -> str:
+  """The metric label of a reward.stats entry: the function's name (after ':' and the last '.')."""
+  return spec.rpartition(":")[2].rpartition(".")[2] or spec
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
   kind: str = "function"  # "function" (a Python verifier) or "model" (a scalar-head reward model)
@@ -273,6 +278,10 @@ class RewardConfig:
   # each term's batch mean (reward/function_mean or reward/model_mean, reward/format_mean).
   format: str = ""
   format_weight: float = 1.0
+  # Statistics of the responses that are not rewards: comma-separated functions of the same
+  # forms, each measured per sample and logged as its batch mean, stats/<function>_mean (the
+  # fraction that shows the work, a part's length); "": none.
+  stats: str = ""
   model_checkpoint: str = ""  # HF-style checkpoint dir of the reward model (kind="model")
 
   def __post_init__(self):
@@ -283,6 +292,14 @@ class RewardConfig:
            "a reward function name or import path (the task's verifier is reward.function)")
     _check(math.isfinite(self.format_weight), "reward.format_weight", self.format_weight,
            "a finite number")
+    labels = [stat_label(s) for s in self.stat_specs]
+    _check("task" not in self.stat_specs and len(set(labels)) == len(labels), "reward.stats",
+           self.stats, "comma-separated reward function names or import paths with distinct "
+           "function names (the task's verifier is reward.function)")
+
+  @property
+  def stat_specs(self) -> list[str]:
+    return [s.strip() for s in self.stats.split(",") if s.strip()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -662,6 +679,8 @@ RESUMABLE_FIELDS = frozenset({
     "compilation_cache_dir",
     # The validation pass reads the policy and its own prompts; training never sees them.
     "eval_every", "data.val_file", "data.val_max_prompts",
+    # Measured beside the reward, never added to it.
+    "reward.stats",
     # The plan file's path: what it sets (plan.*, mesh.*, pipeline.critic_pp) is fingerprinted.
     "plan.file",
     # When the device tests "all rows done?": the same tokens, only the decode's host syncs.
