@@ -166,6 +166,18 @@ def _short(text: Any, limit: int = 120) -> Any:
   return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _samples(records, texts: Sequence[str]) -> tuple[list, list]:
+  """(each response's record, {} without records; each record's answer, its 'target')."""
+  recs = [records[b] if records is not None else {} for b in range(len(texts))]
+  return recs, [r.get("target") for r in recs]
+
+
+def _sample(b: int, record: Mapping[str, Any], answer: Any, text: str) -> str:
+  """How an error names a sample: its index, its record's file:line, answer and response."""
+  return (f"sample {b}{_where(record)} (answer {_short(answer)!r}, response "
+          f"{_short(text)!r})")
+
+
 def per_sample(fn: TextRewardFn, name: str) -> RewardFn:
   """A batch reward function that calls `fn(response, answer, record)` per sample.
 
@@ -177,11 +189,8 @@ def per_sample(fn: TextRewardFn, name: str) -> RewardFn:
   def batch(records, response_ids, response_lengths, tokenizer) -> np.ndarray:
     texts = decode_responses(response_ids, response_lengths, tokenizer)
     out = np.zeros((len(texts),), np.float32)
-    for b, text in enumerate(texts):
-      record = records[b] if records is not None else {}
-      answer = record.get("target")
-      sample = (f"sample {b}{_where(record)} (answer {_short(answer)!r}"
-                f", response {_short(text)!r})")
+    for b, (text, record, answer) in enumerate(zip(texts, *_samples(records, texts))):
+      sample = _sample(b, record, answer, text)
       try:
         value = fn(text, answer, record)
       except Exception as e:  # noqa: BLE001 re-raised with the function and the sample named
@@ -209,8 +218,7 @@ def per_batch(fn: Callable, name: str) -> RewardFn:
   the first bad sample's index, file:line, answer and response)."""
   def batch(records, response_ids, response_lengths, tokenizer) -> np.ndarray:
     texts = decode_responses(response_ids, response_lengths, tokenizer)
-    recs = [records[b] if records is not None else {} for b in range(len(texts))]
-    answers = [r.get("target") for r in recs]
+    recs, answers = _samples(records, texts)
     try:
       values = fn(texts, answers, recs)
       if isinstance(values, collections.abc.Iterator):  # concurrent.futures' Executor.map
@@ -231,9 +239,9 @@ def per_batch(fn: Callable, name: str) -> RewardFn:
     if bad.size:
       b = int(bad[0])
       raise RewardFunctionError(
-          f"reward function {name!r} (batched) returned {out[b]} for sample {b}"
-          f"{_where(recs[b])} (answer {_short(answers[b])!r}, response {_short(texts[b])!r}) "
-          f"and {bad.size - 1} more non-finite; expected finite numbers")
+          f"reward function {name!r} (batched) returned {out[b]} for "
+          f"{_sample(b, recs[b], answers[b], texts[b])} and {bad.size - 1} more non-finite; "
+          "expected finite numbers")
     return out.astype(np.float32)
   batch.__name__ = f"per_batch({name})"
   return batch

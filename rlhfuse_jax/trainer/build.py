@@ -299,16 +299,12 @@ def build_rewards(cfg: TrainConfig, task, tokenizer: Tokenizer, models: Models,
   Functions read the ids with the run's tokenizer (init.tokenizer when set, not the task's
   own)."""
   r = cfg.reward
-  extra = []
-  if r.format:
-    extra.append(scoring.RewardTerm(
-        label="format", name=r.format, weight=r.format_weight,
-        fn=functools.partial(_with_tokenizer, rewards_lib.get_reward_function(r.format),
-                             tokenizer)))
-  stats = [scoring.RewardTerm(
-      label=stat_label(spec), name=spec,
-      fn=functools.partial(_with_tokenizer, rewards_lib.get_reward_function(spec), tokenizer))
-      for spec in r.stat_specs]
+
+  def term(label: str, spec: str, weight: float = 1.0) -> scoring.RewardTerm:
+    return scoring.RewardTerm(label=label, name=spec, weight=weight, fn=functools.partial(
+        _with_tokenizer, rewards_lib.get_reward_function(spec), tokenizer))
+  extra = [term("format", r.format, r.format_weight)] if r.format else []
+  stats = [term(stat_label(spec), spec) for spec in r.stat_specs]
   if r.kind == "model":
     return scoring.Rewards(model_cfg=models.reward_cfg, model_params=models.reward_params,
                            scorer=scoring.Scorer(mesh), extra=extra, stats=stats)
