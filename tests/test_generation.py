@@ -412,7 +412,8 @@ def test_state_is_donated_and_compiled_once(params, prompts, sampled):
 def test_clear_errors(params, prompts):
   with pytest.raises(ValueError, match="context too long.*max_seq_len=64"):
     instances.Generator(CFG, SamplingConfig(max_new_tokens=60), batch_size=B, prompt_len=P)
-  for kw, match in [({"temperature": 0.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+  for kw, match in [({"temperature": 0.0}, "temperature"), ({"temperature": 1e-38}, "temp"),
+                    ({"temperature": float("inf")}, "temperature"), ({"top_p": 0.0}, "top_p"),
                     ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
                     ({"max_new_tokens": 0}, "max_new_tokens"), ({"chunk_size": 0}, "chunk_size"),
                     ({"eos_id": -2}, "eos_id"), ({"pad_id": -1}, "pad_id")]:

@@ -166,7 +166,8 @@ def test_clear_errors(models, batch):
   with pytest.raises(ValueError, match=r"'f' returned shape \(3,\); expected \(12,\)"):
     bad(batch)
   nan = Rewards(fn=lambda r, t, l: np.full(len(l), np.nan), name="f")
-  with pytest.raises(ValueError, match="'f' returned non-finite rewards"):
+  with pytest.raises(ValueError,
+                     match="'f' returned a non-finite reward for sample 0 of the batch of 12"):
     nan(batch)
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
   with pytest.raises(ValueError, match="micro_batch_size=4 must be 0"):

@@ -10,7 +10,7 @@ import pytest
 from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.data import verifiers
 from rlhfuse_jax.data.tokenizer import HFTokenizer
-from rlhfuse_jax.inference.scoring import Rewards
+from rlhfuse_jax.inference.scoring import RewardTerm, Rewards
 from rlhfuse_jax.trainer import build
 from tests.test_trainer import tiny_config
 
@@ -43,6 +43,19 @@ def two_args(response, answer):
 
 def with_defaults(response, answer=None, record=None, *, scale=1.0):
   return scale * len(response)
+
+
+def half_missing(response, answer, record):
+  """A statistic with no value for some responses ('tests.test_rewards:half_missing')."""
+  return float("nan") if record.get("id") == 1 else len(response) / 100.0
+
+
+def overflows(response, answer, record):
+  return 1e39 if record.get("id") == 1 else 0.5
+
+
+def huge_int(response, answer, record):
+  return 10 ** 400
 
 
 CALLS = []
@@ -238,6 +251,22 @@ def test_a_response_ends_at_the_first_of_any_stop_id(tok):
   assert rlen.tolist() == [lens[0] - 2, lens[1]] and stopped.tolist() == [True, False]
 
 
+def test_a_target_reached_through_another_stop_id_scores_full_marks(tok):
+  """The targets end in eos_id; a response that stops on another of the tokenizer's stop ids
+  (Qwen's <|endoftext|> beside <|im_end|>) has reached its end as well: target_match gave the
+  right answer 2/3 where length_match and exact_match gave 1."""
+  end = tok.token_to_id("<|endoftext|>")
+  qwen = HFTokenizer(tok.backend, eos_id=tok.eos_id, pad_id=tok.pad_id, extra_eos_ids=[end])
+  ids, lens = _batch(tok, ["7 2", "7 2", "7"])
+  ids[1, lens[1] - 1] = end  # the same answer, stopped on the other id
+  records = [{"target": "7 2"}] * 3
+  for name in ("target_match", "length_match", "exact_match"):
+    got = rewards_lib.REWARD_FUNCTIONS[name](records, ids, lens, qwen)
+    assert got[0] == got[1] == 1 and got[2] < 1, (name, got)
+  # With one stop id the other is a token like any: no end, no full marks.
+  assert rewards_lib.target_match(records, ids, lens, tok)[1] < 1
+
+
 def test_registered_verifiers_score_token_batches(tok):
   texts = ["She sold 72 clips.", "#### 71", "The answer is \\boxed{72}", "no idea"]
   ids, lens = _batch(tok, texts)
@@ -331,6 +360,26 @@ def test_stats_are_measured_and_not_added_to_the_reward(tok):
   np.testing.assert_array_equal(got[0], plain[0])
   assert got[1] == {**plain[1], "stats/answer_length_mean": pytest.approx(0.08 / 3),
                     "stats/batch_lengths_mean": pytest.approx(0.08 / 3)}
+  # A statistic may have no value (NaN) for some responses: the mean is over the rest, NaN
+  # when none has one (it stopped the run as a reward's NaN does); infinity still stops it.
+  records[1]["target"] = "bad"  # batch_lengths' NaN
+  cfg = tiny_config(**{"reward.function": "tests.test_rewards:with_defaults",
+                       "reward.stats": "tests.test_rewards:half_missing,"
+                                       "tests.test_rewards:batch_lengths"})
+  got = build.build_rewards(cfg, None, tok, None, None).combine(records, ids, lens)[1]
+  assert got == {"stats/half_missing_mean": pytest.approx(0.01 / 2),
+                 "stats/batch_lengths_mean": pytest.approx(0.01 / 2)}
+  got = build.build_rewards(cfg, None, tok, None, None).combine(records[1:2], ids[1:2],
+                                                                 lens[1:2])[1]
+  assert np.isnan(got["stats/half_missing_mean"]) and np.isnan(got["stats/batch_lengths_mean"])
+  cfg = tiny_config(**{"reward.function": "tests.test_rewards:with_defaults",
+                       "reward.stats": "tests.test_rewards:overflows"})
+  with pytest.raises(ValueError, match=r"'tests\.test_rewards:overflows' returned 1e\+39 for "
+                                       r"sample 1"):
+    build.build_rewards(cfg, None, tok, None, None).combine(records, ids, lens)
+  # As a reward, the statistic's NaN is refused.
+  with pytest.raises(ValueError, match=r"'tests\.test_rewards:half_missing' returned nan"):
+    rewards_lib.get_reward_function("tests.test_rewards:half_missing")(records, ids, lens, tok)
   with pytest.raises(ValueError, match=r"config\.reward\.stats='tests\.test_rewards:nope': "):
     build.check_reward_functions(tiny_config(**{"reward.stats": "tests.test_rewards:nope"}))
   with pytest.raises(ValueError, match=r"config\.reward\.stats=.*distinct function names"):
@@ -394,6 +443,26 @@ def test_errors_name_the_function_and_the_sample(tok):
   nan = rewards_lib.per_sample(lambda r, a, rec: float("nan"), "nan_fn")
   with pytest.raises(ValueError, match=r"'nan_fn' returned nan for sample 0"):
     nan(records, ids, lens, tok)
+  # Finite for Python but not in float32, the rewards' type: named there (it became inf and
+  # was refused later without the sample; an int too large for a float raised OverflowError).
+  for spec, shown in (("overflows", r"1e\+39"), ("huge_int", "1000000000")):
+    with pytest.raises(rewards_lib.RewardFunctionError,
+                       match=rf"'tests\.test_rewards:{spec}' returned {shown}.* for sample "
+                             rf"\d .*expected a finite number \(float32: magnitude at most "
+                             rf"3\.4e\+38\)"):
+      rewards_lib.get_reward_function(f"tests.test_rewards:{spec}")(records, ids, lens, tok)
+  big = rewards_lib.per_batch(lambda texts, answers, recs: [0.0, 1e39, 0.0], "big_batch")
+  with pytest.raises(rewards_lib.RewardFunctionError,
+                     match=r"'big_batch' \(batched\) returned 1e\+39 for sample 1"):
+    big(records, ids, lens, tok)
+  # Terms finite alone whose weighted sum is not: refused naming them (it went on to the
+  # advantages as inf).
+  half = lambda r, i, l: np.full(3, 3e38, np.float32)
+  summed = Rewards(fn=half, name="half",
+                   extra=[RewardTerm(label="format", fn=half, name="half2", weight=2.0)])
+  with pytest.raises(ValueError, match=r"the reward of sample 0 of the batch overflows float32: "
+                                       r"function 1 \* 3e\+38, format 2 \* 3e\+38"):
+    summed.combine(records, ids, lens)
   # A registered verifier's error names it and the sample too.
   with pytest.raises(ValueError, match=r"reward function 'gsm8k' failed on sample 1 "
                                        r"\(train\.jsonl:5\).*holds no number"):

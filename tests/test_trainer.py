@@ -154,6 +154,10 @@ def test_sharded_run_equals_single_device(tmp_path):
     ({"fusion.migration_threshold": "sometimes"}, "fusion.migration_threshold"),
     ({"model.num_heads": 3}, "model.num_heads=3"),
     ({"rollout.temperature": 0.0}, "rollout.temperature"),
+    # Finite but small enough that logits / temperature overflow float32: the draw took the
+    # lowest positive logit's id, not the argmax, with a NaN log-prob.
+    ({"rollout.temperature": 1e-38}, r"rollout.temperature=1e-38: expected a finite value >= "
+                                     r"1e-06"),
     ({"data.length_dist": "zipf"}, "data.length_dist"),
     ({"rollout.chunk_size": 4, "rollout.steps_per_check": 3},
      "rollout.steps_per_check=3: expected a positive divisor of rollout.chunk_size=4"),

@@ -493,3 +493,19 @@ def test_a_tokenizer_that_cannot_spell_the_prompts_is_warned_of():
   assert build.warn_unspellable(records, lossy, "prompts.jsonl") == 2
   own = HFTokenizer.from_file(os.path.join(repo, "configs", "data", "tiny_llama3_chat"))
   assert build.warn_unspellable(records, own, "prompts.jsonl") == 0
+
+
+def test_a_response_budget_shorter_than_the_targets_is_warned_of():
+  """rollout.max_new_tokens below a target's length + EOS, with a reward that scores the whole
+  target: those responses are cut before they can earn full marks. A run with
+  max_new_tokens=1 on 'repeat' (targets up to 9 tokens) trained on without a word."""
+  cfg = tiny_config(**{"rollout.max_new_tokens": 4})
+  task, tok = build.build_task_and_tokenizer(cfg)
+  records = task.make_prompts(64, 0)
+  needed = [len(tok.encode(r["target"], add_bos=False)) + 1 for r in records]
+  assert build.warn_short_budget(cfg, records, tok) == sum(n > 4 for n in needed) > 0
+  assert build.warn_short_budget(tiny_config(**{"rollout.max_new_tokens": max(needed)}),
+                                 records, tok) == 0
+  # A reward that reads only part of the response (a final number): no warning.
+  cfg = tiny_config(**{"rollout.max_new_tokens": 4, "reward.function": "gsm8k"})
+  assert build.warn_short_budget(cfg, records, tok) == 0

@@ -80,8 +80,12 @@ def target_match(records, response_ids, response_lengths, tokenizer) -> np.ndarr
   early or runs on past the target is charged through the denominator. 1.0 exactly for the
   target; anything else scores less.
   """
-  ids = np.asarray(response_ids)  # [B, T]
-  rlen, _ = response_extent(ids, response_lengths, tokenizer.stop_ids)  # [B]
+  ids = np.array(response_ids)  # [B, T], a copy
+  rlen, stopped = response_extent(ids, response_lengths, tokenizer.stop_ids)  # [B]
+  # A response may stop on any stop id (Qwen's <|endoftext|> beside <|im_end|>); the target
+  # ends in eos_id, so the stop counts as that.
+  ends = np.flatnonzero(stopped)
+  ids[ends, rlen[ends] - 1] = tokenizer.eos_id
   tgt, tlen = _padded(target_ids(records, tokenizer))  # [B, M], [B]
   k = min(ids.shape[1], tgt.shape[1])
   cols = np.arange(k)[None, :]  # [1, K]
@@ -178,13 +182,27 @@ def _sample(b: int, record: Mapping[str, Any], answer: Any, text: str) -> str:
           f"{_short(text)!r})")
 
 
-def per_sample(fn: TextRewardFn, name: str) -> RewardFn:
+# Rewards are float32 on their way to the advantages: a finite float64 beyond this overflows.
+FLOAT32_RANGE = f"(float32: magnitude at most {float(np.finfo(np.float32).max):.3g})"
+
+
+def _as_float32(value: numbers.Real) -> np.float32:
+  """`value` as a float32; inf where it lies outside float32's range (an int too large for
+  any float included)."""
+  try:
+    with np.errstate(over="ignore"):
+      return np.float32(value)
+  except OverflowError:
+    return np.float32(np.inf if value > 0 else -np.inf)
+
+
+def per_sample(fn: TextRewardFn, name: str, nan_ok: bool = False) -> RewardFn:
   """A batch reward function that calls `fn(response, answer, record)` per sample.
 
   `answer` is record['target'] (the dataset's answer column; None when the row has none). An
   exception or a value that is not a finite real number raises RewardFunctionError naming
   `name`, the sample's index in the batch and its record's file:line, its answer and the start
-  of its response.
+  of its response. `nan_ok`: NaN passes (a statistic's "no value for this sample").
   """
   def batch(records, response_ids, response_lengths, tokenizer) -> np.ndarray:
     texts = decode_responses(response_ids, response_lengths, tokenizer)
@@ -200,22 +218,23 @@ def per_sample(fn: TextRewardFn, name: str) -> RewardFn:
       # returns) is its one number, as a Python bool, int or float.
       if hasattr(value, "__array__") and np.shape(value) == ():
         value = np.asarray(value).item()
-      if not isinstance(value, numbers.Real) or not np.isfinite(float(value)):
-        raise RewardFunctionError(f"reward function {name!r} returned {value!r} for {sample}; "
-                                  "expected a finite number")
-      out[b] = float(value)
+      if not isinstance(value, numbers.Real) or not (
+          np.isfinite(_as_float32(value)) or nan_ok and np.isnan(_as_float32(value))):
+        raise RewardFunctionError(f"reward function {name!r} returned {value!r:.200} for "
+                                  f"{sample}; expected a finite number {FLOAT32_RANGE}")
+      out[b] = _as_float32(value)
     return out
   batch.__name__ = f"per_sample({name})"
   return batch
 
 
-def per_batch(fn: Callable, name: str) -> RewardFn:
+def per_batch(fn: Callable, name: str, nan_ok: bool = False) -> RewardFn:
   """A batch reward function that calls `fn(responses, answers, records)` once per batch (a
   user function marked `fn.batched = True`: one that batches its own work, a verifier pool or
   a reward server): lists of the decoded responses, each record's 'target' (None where a row
   has none) and the records; it returns one finite number per response. An exception, a
   result of another length or a non-finite value raises RewardFunctionError naming `name` (and
-  the first bad sample's index, file:line, answer and response)."""
+  the first bad sample's index, file:line, answer and response); `nan_ok`: NaN passes."""
   def batch(records, response_ids, response_lengths, tokenizer) -> np.ndarray:
     texts = decode_responses(response_ids, response_lengths, tokenizer)
     recs, answers = _samples(records, texts)
@@ -227,22 +246,24 @@ def per_batch(fn: Callable, name: str) -> RewardFn:
       raise RewardFunctionError(f"reward function {name!r} (batched) failed on a batch of "
                                 f"{len(texts)} responses: {type(e).__name__}: {e}") from e
     try:
-      out = np.asarray(values, np.float64)
-    except (TypeError, ValueError) as e:
+      given = np.asarray(values, np.float64)
+    except (TypeError, ValueError, OverflowError) as e:
       raise RewardFunctionError(f"reward function {name!r} (batched) returned {_short(values)!r}"
                                 f"; expected {len(texts)} numbers ({e})") from None
-    if out.shape != (len(texts),):
+    if given.shape != (len(texts),):
       raise RewardFunctionError(f"reward function {name!r} (batched) returned shape "
-                                f"{out.shape}; expected one number per response, "
+                                f"{given.shape}; expected one number per response, "
                                 f"({len(texts)},)")
-    bad = np.flatnonzero(~np.isfinite(out))
+    with np.errstate(over="ignore"):
+      out = given.astype(np.float32)
+    bad = np.flatnonzero(np.isinf(out) if nan_ok else ~np.isfinite(out))
     if bad.size:
       b = int(bad[0])
       raise RewardFunctionError(
-          f"reward function {name!r} (batched) returned {out[b]} for "
+          f"reward function {name!r} (batched) returned {given[b]} for "
           f"{_sample(b, recs[b], answers[b], texts[b])} and {bad.size - 1} more non-finite; "
-          "expected finite numbers")
-    return out.astype(np.float32)
+          f"expected finite numbers {FLOAT32_RANGE}")
+    return out
   batch.__name__ = f"per_batch({name})"
   return batch
 
@@ -295,19 +316,23 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
 # Registered functions that read each record's answer ('target'): a dataset used with them must
 # have one in every row.
 NEEDS_ANSWER = frozenset({"target_match", "length_match", "exact_match"}) | verifiers.NEEDS_ANSWER
+# Those that score the response against the whole target, EOS included: full marks need
+# rollout.max_new_tokens >= the target's length + 1.
+WHOLE_TARGET = frozenset({"target_match", "length_match", "exact_match"})
 
 
-def get_reward_function(name: str) -> RewardFn:
+def get_reward_function(name: str, stat: bool = False) -> RewardFn:
   """The reward function registered as `name`, or a user function by import path
   ('package.module:function': per sample, see `per_sample`, or once per batch when the function
-  has `batched = True`, see `per_batch`); the error lists the known names."""
+  has `batched = True`, see `per_batch`); the error lists the known names. `stat`: a statistic
+  (config.reward.stats), which may return NaN for a sample it has no value for."""
   if name in REWARD_FUNCTIONS:
     return REWARD_FUNCTIONS[name]
   if ":" in name:
     fn = import_function(name)
     batched = getattr(fn, "batched", False) is True
     _check_arguments(fn, name, batched)
-    return per_batch(fn, name) if batched else per_sample(fn, name)
+    return per_batch(fn, name, stat) if batched else per_sample(fn, name, stat)
   module, _, attr = name.rpartition(".")
   hint = (f"; did you mean {module + ':' + attr!r} (a colon before the function)?"
           if module and attr else "")

@@ -23,15 +23,24 @@ truncated sampler assigned to the token.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
 
+# The smallest temperature sampled with: logits / temperature must stay finite in float32
+# (3.4e38) for every logit a model gives (|logit| < 1e32 here). Below it every positive logit
+# became +inf: the draw took the lowest such id, not the argmax, and its log-prob was NaN.
+# 1e-6 already samples the argmax but for logits within ~1e-5 of it; greedy=True is argmax.
+MIN_TEMPERATURE = 1e-6
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """How responses are drawn. Frozen and hashable: it is a static argument of the jitted code."""
-  temperature: float = 1.0  # logits are divided by it (> 0); ignored for sampling when greedy
+  # Logits are divided by it (>= MIN_TEMPERATURE); ignored for sampling when greedy.
+  temperature: float = 1.0
   top_k: int = 0  # keep the k most likely tokens; 0 disables
   top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p; 1 disables
   greedy: bool = False  # argmax decoding (no randomness)
@@ -49,9 +58,9 @@ class SamplingConfig:
   steps_per_check: int = 1
 
   def __post_init__(self):
-    if not self.temperature > 0:
-      raise ValueError(f"sampling.temperature={self.temperature}; expected > 0 "
-                       "(use greedy=True for argmax decoding)")
+    if not MIN_TEMPERATURE <= self.temperature < math.inf:
+      raise ValueError(f"sampling.temperature={self.temperature}; expected a finite value >= "
+                       f"{MIN_TEMPERATURE:g} (use greedy=True for argmax decoding)")
     if int(self.top_k) != self.top_k or self.top_k < 0:
       raise ValueError(f"sampling.top_k={self.top_k}; expected an integer >= 0 (0 disables)")
     if not 0 < self.top_p <= 1:

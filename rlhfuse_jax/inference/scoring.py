@@ -248,23 +248,28 @@ class Rewards:
                    scorer=scorer, extra=self.extra, stats=self.stats)
 
   def _term(self, fn: RewardFn, name: str, records, response_tokens: np.ndarray,
-            response_lens: np.ndarray) -> np.ndarray:
-    """One function's rewards [B] float32, checked: one finite value per sample. An error the
-    function raises names it here unless it already does (data/rewards.RewardFunctionError,
-    which also names the sample)."""
+            response_lens: np.ndarray, nan_ok: bool = False) -> np.ndarray:
+    """One function's rewards [B] float32, checked: one finite value per sample (`nan_ok`: or
+    NaN, a statistic's "no value"). An error the function raises names it here unless it
+    already does (data/rewards.RewardFunctionError, which also names the sample)."""
     b = response_tokens.shape[0]
     try:
-      out = np.asarray(fn(records, response_tokens, response_lens), np.float32)
+      given = np.asarray(fn(records, response_tokens, response_lens), np.float64)
     except Exception as e:  # noqa: BLE001 re-raised naming the function
       if getattr(e, "names_function", False):
         raise
       raise ValueError(f"reward function {name!r} failed on a batch of {b} samples: "
                        f"{type(e).__name__}: {e}") from e
-    if out.shape != (b,):
-      raise ValueError(f"reward function {name!r} returned shape {out.shape}; "
+    if given.shape != (b,):
+      raise ValueError(f"reward function {name!r} returned shape {given.shape}; "
                        f"expected ({b},)")
-    if not np.isfinite(out).all():
-      raise ValueError(f"reward function {name!r} returned non-finite rewards")
+    with np.errstate(over="ignore"):
+      out = given.astype(np.float32)
+    bad = np.flatnonzero(np.isinf(out) if nan_ok else ~np.isfinite(out))
+    if bad.size:
+      raise ValueError(f"reward function {name!r} returned a non-finite reward for sample "
+                       f"{bad[0]} of the batch of {b} ({bad.size} in all); expected finite "
+                       "numbers within float32's range")
     return out
 
   def combine(self, records: Optional[Sequence[Mapping[str, Any]]], response_tokens: np.ndarray,
@@ -281,14 +286,21 @@ class Rewards:
     parts += [(t.label, t.weight, self._term(t.fn, t.name, records, response_tokens,
                                              response_lens)) for t in self.extra]
     total = np.zeros(response_tokens.shape[0], np.float32)
-    for _, weight, values in parts:
-      total = total + weight * values
-    metrics = ({f"reward/{label}_mean": float(np.mean(values)) for label, _, values in parts}
-               if len(parts) > 1 else {})
-    for t in self.stats:
-      metrics[f"stats/{t.label}_mean"] = float(np.mean(
-          self._term(t.fn, t.name, records, response_tokens, response_lens)))
-    return np.asarray(total, np.float32), metrics
+    with np.errstate(over="ignore"):
+      for _, weight, values in parts:
+        total = total + np.float32(weight) * values
+    if not np.isfinite(total).all():
+      b = int(np.flatnonzero(~np.isfinite(total))[0])
+      terms = ", ".join(f"{label} {weight:g} * {values[b]:g}" for label, weight, values in parts)
+      raise ValueError(f"the reward of sample {b} of the batch overflows float32: {terms}; "
+                       "scale the terms (config.reward.format_weight) into float32's range")
+    metrics = ({f"reward/{label}_mean": float(np.mean(values, dtype=np.float64))
+                for label, _, values in parts} if len(parts) > 1 else {})
+    for t in self.stats:  # the mean over the samples the statistic has a value for
+      values = self._term(t.fn, t.name, records, response_tokens, response_lens, nan_ok=True)
+      known = values[~np.isnan(values)].astype(np.float64)
+      metrics[f"stats/{t.label}_mean"] = float(known.mean()) if known.size else float("nan")
+    return total, metrics
 
   def scored(self, batch: ScoringBatch, records: Optional[Sequence[Mapping[str, Any]]] = None
              ) -> tuple[np.ndarray, dict]:

@@ -127,6 +127,30 @@ def warn_unspellable(records: list, tokenizer: Tokenizer, where: str, sample: in
   return len(lost)
 
 
+def warn_short_budget(cfg: TrainConfig, records: list, tokenizer: Tokenizer,
+                      sample: int = 4096) -> int:
+  """Warns (and returns how many of the first `sample` records) when rollout.max_new_tokens
+  cannot hold a record's target and its EOS while the reward scores the whole target (the
+  task's verifier, target_match, length_match, exact_match): those responses are cut before
+  they can earn full marks. (A run may mean it, e.g. to train on truncation; so a warning.)"""
+  names = {cfg.reward.format} | ({cfg.reward.function} if cfg.reward.kind == "function" else set())
+  if not names & (rewards_lib.WHOLE_TARGET | {"task"}):
+    return 0
+  targets = [r["target"] for r in records[:sample] if isinstance(r.get("target"), str)]
+  if not targets:
+    return 0
+  needed = np.array([len(ids) + 1 for ids in tokenizer.encode_batch(targets, add_bos=False)])
+  over = int((needed > cfg.rollout.max_new_tokens).sum())
+  if over:
+    logging.warning("config.rollout.max_new_tokens=%d cannot hold the target and its EOS of %d "
+                    "of the first %d prompts (up to %d tokens): the reward scores the whole "
+                    "target, so those responses are cut before they can reach full marks; "
+                    "raise rollout.max_new_tokens%s", cfg.rollout.max_new_tokens, over,
+                    len(targets), int(needed.max()),
+                    "" if cfg.data.prompts_file else " (or lower data.length_max)")
+  return over
+
+
 def build_datasets(cfg: TrainConfig, task, tokenizer: Tokenizer
                    ) -> tuple[prompts_lib.PromptDataset, Optional[prompts_lib.PromptDataset]]:
   """The training prompt stream (its position is checkpointed) and the held-out prompts (None
@@ -136,6 +160,7 @@ def build_datasets(cfg: TrainConfig, task, tokenizer: Tokenizer
   train, held_out = load_prompt_records(cfg, task)
   if cfg.data.prompts_file:  # a task's prompts are its tokenizer's own words
     warn_unspellable(train, tokenizer, f"config.data.prompts_file={cfg.data.prompts_file!r}")
+  warn_short_budget(cfg, train, tokenizer)
   make = lambda records, shuffle: prompts_lib.PromptDataset(
       records_lib.render_prompts(records, template), tokenizer,
       batch_size=cfg.rollout.prompts_per_iteration, max_prompt_len=cfg.data.max_prompt_len,
@@ -300,11 +325,12 @@ def build_rewards(cfg: TrainConfig, task, tokenizer: Tokenizer, models: Models,
   own)."""
   r = cfg.reward
 
-  def term(label: str, spec: str, weight: float = 1.0) -> scoring.RewardTerm:
+  def term(label: str, spec: str, weight: float = 1.0, stat: bool = False
+           ) -> scoring.RewardTerm:
     return scoring.RewardTerm(label=label, name=spec, weight=weight, fn=functools.partial(
-        _with_tokenizer, rewards_lib.get_reward_function(spec), tokenizer))
+        _with_tokenizer, rewards_lib.get_reward_function(spec, stat), tokenizer))
   extra = [term("format", r.format, r.format_weight)] if r.format else []
-  stats = [term(stat_label(spec), spec) for spec in r.stat_specs]
+  stats = [term(stat_label(spec), spec, stat=True) for spec in r.stat_specs]
   if r.kind == "model":
     return scoring.Rewards(model_cfg=models.reward_cfg, model_params=models.reward_params,
                            scorer=scoring.Scorer(mesh), extra=extra, stats=stats)

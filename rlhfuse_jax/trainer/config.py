@@ -12,6 +12,7 @@ import math
 from typing import Any, Mapping, Optional
 
 from rlhfuse_jax.generation import fused as fused_lib
+from rlhfuse_jax.generation import sampling
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel.mesh import MeshConfig
 from rlhfuse_jax.rl import advantages as adv_lib
@@ -121,8 +122,9 @@ class RolloutConfig:
     _check(self.samples_per_prompt > 0, "rollout.samples_per_prompt", self.samples_per_prompt,
            "> 0")
     _check(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "> 0")
-    _check(math.isfinite(self.temperature) and self.temperature > 0, "rollout.temperature",
-           self.temperature, "a finite value > 0")
+    _check(math.isfinite(self.temperature) and self.temperature >= sampling.MIN_TEMPERATURE,
+           "rollout.temperature", self.temperature,
+           f"a finite value >= {sampling.MIN_TEMPERATURE:g} (smaller ones overflow float32)")
     _check(self.top_k >= 0, "rollout.top_k", self.top_k, ">= 0 (0 disables)")
     _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
     _check(self.chunk_size > 0, "rollout.chunk_size", self.chunk_size, "> 0")
@@ -280,7 +282,8 @@ class RewardConfig:
   format_weight: float = 1.0
   # Statistics of the responses that are not rewards: comma-separated functions of the same
   # forms, each measured per sample and logged as its batch mean, stats/<function>_mean (the
-  # fraction that shows the work, a part's length); "": none.
+  # fraction that shows the work, a part's length; NaN for a sample without a value, left out of
+  # the mean); "": none.
   stats: str = ""
   model_checkpoint: str = ""  # HF-style checkpoint dir of the reward model (kind="model")
 

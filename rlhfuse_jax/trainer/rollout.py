@@ -9,13 +9,17 @@ implementations return the same outputs:
   SerialStage  generation on the whole mesh, then reference / critic / reward inference
   FusedStage   inter-stage fusion (config.fusion.inter_stage): sample-level generation
                instances, long-tail consolidation, inference on the freed instances,
-               overlapped (generation/fused.py); bitwise the serial outputs when an instance's
+               overlapped (generation/fused.py); the serial outputs when an instance's
                shape matches a device's share of the serial batch (the defaults ensure it on
-               a data-parallel mesh; with mesh.tensor > 1 the serial stage splits each
-               matmul over tensor devices while a default instance is one device, so the
-               log-probs differ in the last bits and a sampled token may flip; the tests
-               check data-parallel meshes); with several processes each drives the
-               instances on its own devices
+               a data-parallel mesh): the responses and their log-probs bitwise; the frozen
+               models' outputs too where a row's result does not depend on its place in the
+               batch, since the inference micro-batches group samples in finishing order
+               (XLA:CPU, 9 rows a device: critic values 7e-9 apart, the rest bitwise; the
+               tests' 4 rows: all bitwise). With mesh.tensor > 1 the serial stage splits
+               each matmul over tensor devices while a default instance is one device, so
+               the log-probs differ in the last bits and a sampled token may flip; the tests
+               check data-parallel meshes. With several processes each drives the instances
+               on its own devices
 
 Both are built from configs, the frozen parameters (the reference, a reward model through
 `scoring.Rewards`) and devices, never from the trainer. A stage owns the frozen models from then
