@@ -106,9 +106,11 @@ def get_config(arg: str = "ppo"):
 
 
 def get_sweep(arg: str = ""):
-  """Seeds x estimators: the tiny run's sensitivity to the seed and the estimator. The fused
-  variant pipelines actor and critic together (fusion.intra_stage), which a critic-free
-  estimator has not: its sweep is over seeds alone (two of four runs failed on it)."""
-  estimators = ("gae",) if arg == "fused" else ("gae", "reinforce_pp")
+  """Seeds x estimators: the tiny run's sensitivity to the seed and the estimator. A variant's
+  sweep is over seeds alone, with the variant's own estimator: grpo and dr_grpo are theirs (a
+  sweep over estimators replaced it in every run), and the fused variant pipelines actor and
+  critic together (fusion.intra_stage), which a critic-free estimator has not."""
+  estimators = (("gae", "reinforce_pp") if arg in ("", "ppo") else
+                (get_config(arg).algo.estimator,))
   return [{"name": f"{est}_s{seed}", "seed": seed, "algo.estimator": est}
           for est in estimators for seed in (0, 1)]

@@ -11,6 +11,7 @@ import logging.handlers
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -124,14 +125,30 @@ def repo_env(**extra: str) -> dict:
   return env
 
 
+class RunInterrupted(KeyboardInterrupt):
+  """A KeyboardInterrupt that came while run_streamed's run went on; raised once the run has
+  ended, with its exit status."""
+
+  def __init__(self, returncode: int):
+    super().__init__(returncode)
+    self.returncode = returncode
+
+
 def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
-                 started: Optional[Callable[[subprocess.Popen], None]] = None) -> int:
+                 started: Optional[Callable[[subprocess.Popen], None]] = None,
+                 own_group: bool = False) -> int:
   """Runs `cmd` from the repository root, its output streamed with a [name] prefix and appended
   to run_dir/log.txt after a header line (a re-run, e.g. a resumed sweep, keeps the earlier
   runs' logs); returns its exit status. `started` gets the process once it runs (a caller that
-  passes signals on)."""
+  passes signals on). A KeyboardInterrupt (Ctrl-C) waits for the run to end, then raises
+  RunInterrupted with its status. `own_group`: the run gets a process group of its own, so
+  Ctrl-C at the terminal reaches this process alone, which passes each SIGINT on: a SIGINT to
+  this process alone (`kill -INT`, a supervisor) then reaches the run too (the sweep waited
+  for a run that never heard of it). Only from the main thread (bench_async's threads get no
+  KeyboardInterrupt: its runs share its group, where Ctrl-C reaches them directly)."""
   proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          cwd=REPO_ROOT, env={**env, LOG_KEPT_ENV: "1"})
+                          cwd=REPO_ROOT, env={**env, LOG_KEPT_ENV: "1"},
+                          process_group=0 if own_group else None)
   if started is not None:
     started(proc)
   os.makedirs(run_dir, exist_ok=True)
@@ -143,15 +160,21 @@ def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
       for line in proc.stdout:
         log_file.write(line)
         print(f"[{name}] {line}", end="", flush=True)
-    try:
-      copy_output()
-    except KeyboardInterrupt:
-      # Ctrl-C reached the run too: it finishes its iteration and saves; keep its last lines
-      # (a second Ctrl-C stops both at once).
-      copy_output()
-      proc.wait()
-      raise
-  return proc.wait()
+    interrupted = False
+    while True:
+      try:
+        copy_output()
+        rc = proc.wait()
+        break
+      except KeyboardInterrupt:
+        # The run gets the SIGINT too (from the terminal, or passed on here): it finishes its
+        # iteration and saves (a second one stops it at once); keep its last lines.
+        interrupted = True
+        if own_group and proc.poll() is None:
+          proc.send_signal(signal.SIGINT)
+  if interrupted:
+    raise RunInterrupted(rc)
+  return rc
 
 
 def merge_rows(workdir: str, rows: list[dict], names: Sequence[str]) -> list[dict]:

@@ -16,7 +16,9 @@ curves in DIR/curves.png (a setting's seeds as their mean in a band). A failed
 run is a row with its status, not the end of the sweep; the sweep then exits 1 naming the failed
 runs. A run stopped by a signal (exit 75), or SIGTERM to the sweep (passed on to the run in
 progress), ends the sweep after that run: the summary has the runs so far, and the sweep exits
-75, as train_ppo does (the same command runs it again; train_ppo runs resume). Each run starts
+75, as train_ppo does (the same command runs it again: train_ppo runs resume, and a one-shot
+binary's run that finished with the same config, its row ok in summary.json, its config.json
+and result.json in place, is kept, not run again, unless --rerun). Each run starts
 in the repository root; a relative --config file or --workdir is the caller's (made absolute).
 `--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant, if it
 takes an argument). Each run's output is appended to DIR/<run>/log.txt; --dry_run prints
@@ -43,8 +45,9 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import config_files
-from experiments.runner import (REPO_ROOT, across_seeds, build_command, format_value, merge_rows,
-                                repo_env, run_streamed, seed_groups, smooth)
+from experiments.runner import (REPO_ROOT, RunInterrupted, across_seeds, build_command,
+                                format_value, merge_rows, repo_env, run_streamed, seed_groups,
+                                smooth)
 from rlhfuse_jax import workdir as wd
 
 _CONFIG = flags.DEFINE_string("config", None, "config file defining get_sweep()", required=True)
@@ -53,6 +56,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "sweep output directory", requir
 _DRY = flags.DEFINE_bool("dry_run", False, "print the commands without running them")
 _ONLY = flags.DEFINE_list("only", None, "run only these entries of get_sweep(), by run name "
                           "(e.g. --only=e0,e7; --dry_run lists the names)")
+_RERUN = flags.DEFINE_bool("rerun", False, "run every entry again, also a one-shot binary's "
+                           "run that finished earlier with the same config (kept otherwise)")
 
 
 def load_sweep(config_path: str) -> list[dict]:
@@ -90,13 +95,16 @@ def flag_field(arg: str) -> tuple[str, str]:
 
 
 def check_overrides(module: Any, variant: Optional[str], config_path: str,
-                    runs: Sequence[tuple[int, str, dict]], passthrough: Sequence[str]) -> None:
+                    runs: Sequence[tuple[int, str, dict]], passthrough: Sequence[str]
+                    ) -> dict[str, dict]:
   """Every field the runs' entries (`select`'s triples) and the sweep's own --config.* flags
   override exists in the config (get_config() of the loaded file and variant), and takes the
   value (check_values); a ValueError naming the first that does not, before any run starts
-  (each run would otherwise start, import jax and fail on it)."""
+  (each run would otherwise start, import jax and fail on it). Warns of an entry's field that
+  the variant sets: every run then loses the variant's value (a sweep of ppo_tiny.py:grpo over
+  estimators ran no GRPO). Returns check_values' configs ({} without a get_config())."""
   if not hasattr(module, "get_config"):
-    return
+    return {}
   # every run's --config carries the variant: its get_config() must take it
   config_files.check_variant(module, variant, config_path)
   config = config_files.call_with_variant(module.get_config, variant)
@@ -106,31 +114,67 @@ def check_overrides(module: Any, variant: Optional[str], config_path: str,
     problem = config_files.missing_field(config, key)
     if problem:
       raise ValueError(f"{where}: --config.{key}: {config_path} {problem}")
-  check_values(config_path, runs, passthrough)
+  if variant is not None:
+    warn_variant_overridden(config, config_files.call_with_variant(module.get_config, None),
+                            config_path, runs)
+  return check_values(config_path, runs, passthrough)
+
+
+def _field(config: Any, key: str) -> Any:
+  """config's value at the dotted `key` (a field check_overrides found)."""
+  for part in key.split("."):
+    config = config[part]
+  return config
+
+
+def warn_variant_overridden(variant_config: Any, base_config: Any, config_path: str,
+                            runs: Sequence[tuple[int, str, dict]]) -> list[str]:
+  """Warns (and returns them) of the fields that the variant of `config_path` sets to another
+  value than the file's default get_config() and that an entry overrides with a third: the
+  entries' values replace the variant's in those runs."""
+  clash = []
+  for key in dict.fromkeys(k for _, _, entry in runs for k in entry if k != "name"):
+    try:
+      own = wd.as_json(_field(variant_config, key))
+      base = wd.as_json(_field(base_config, key))
+    except (KeyError, AttributeError, TypeError):  # a field only the variant has
+      continue
+    if own != base and any(key in e and wd.as_json(e[key]) != own for _, _, e in runs):
+      clash.append(key)
+  if clash:
+    logging.warning("get_sweep()'s entries set %s, which --config=%s sets itself: each run "
+                    "gets the entry's value, not the variant's (%s)", ", ".join(clash),
+                    config_path, ", ".join(f"{k}={_field(variant_config, k)!r}" for k in clash))
+  return clash
 
 
 def check_values(config_path: str, runs: Sequence[tuple[int, str, dict]],
-                 passthrough: Sequence[str]) -> None:
+                 passthrough: Sequence[str]) -> dict[str, dict]:
   """Every run's overrides (`select`'s triples, then the sweep's own --config.* flags) parse
   as its binary will parse them: ml_collections' own parsing of `--config.k=v` against the
   field's type, on a private FlagValues. A ValueError naming the run (or the sweep's flag) and
   the value before any run starts; a value of the wrong type (num_iterations='abc') failed
   each run after it had started. What a binary checks of a value beyond its type (ranges,
-  combinations) it still checks itself, at the run's start."""
+  combinations) it still checks itself, at the run's start. Returns each run's config as
+  its binary gets it, {run name: config as a dict}."""
   path, variant = config_files.split_config_path(config_path)
   config_arg = f"--config={os.path.abspath(path)}" + (f":{variant}" if variant is not None else "")
-  own = [(f"get_sweep()[{i}] ({name})",
+  own = [(name, f"get_sweep()[{i}] ({name})",
           [f"--config.{k}={format_value(v)}" for k, v in entry.items() if k != "name"])
          for i, name, entry in runs]
-  for where, args in [("the sweep's flag", [])] + own:
+  configs = {}
+  for name, where, args in [(None, "the sweep's flag", [])] + own:
     argv = ["sweep", config_arg, *args, *passthrough]
     values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", None, flag_values=values, sys_argv=argv)
     try:
       values(argv)
-      values["config"].value  # pylint: disable=pointless-statement  (applies the overrides)
+      config = values["config"].value  # (applies the overrides)
     except flags.Error as e:
       raise ValueError(f"{where}: {e}") from None
+    if name is not None:
+      configs[name] = config.to_dict() if hasattr(config, "to_dict") else config
+  return configs
 
 
 def warn_shadowed(runs: Sequence[tuple[int, str, dict]], passthrough: Sequence[str]
@@ -156,15 +200,20 @@ def warn_shadowed(runs: Sequence[tuple[int, str, dict]], passthrough: Sequence[s
   return shadowed, twins
 
 
-def run_row(name: str, overrides: dict, passthrough: Sequence[str]) -> dict:
+def run_row(name: str, overrides: dict, passthrough: Sequence[str],
+            config: Optional[dict] = None) -> dict:
   """A summary row's start: the run's name and the values its command sets, the sweep's own
   --config.* flags included and winning over the entry's, as on the command line (the row
   showed an entry's minibatch_size 5 for a run the sweep's flag gave 8, and never the sweep's
-  flags)."""
+  flags); a flag's value as the run's `config` (check_values') holds it, typed, else its
+  text."""
   row = {"run": name, **{k: v for k, v in overrides.items() if k != "name"}}
   for arg in passthrough:
     key, value = flag_field(arg)
-    row[key] = value
+    try:
+      row[key] = wd.as_json(_field(config, key)) if config is not None else value
+    except (KeyError, AttributeError, TypeError, ValueError):
+      row[key] = value
   return row
 
 
@@ -384,13 +433,32 @@ class _Signals:
 
 
 def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str],
-              dry_run: bool = False, only: Optional[Sequence[str]] = None
-              ) -> tuple[list[dict], bool]:
-  """(one row per run that ran, whether every run ran; see the module docstring). It ends
-  early, after writing the summary, when a run stops with exit 75 (stopped by a signal;
-  re-running resumes it) or the sweep gets SIGTERM. `only`: the run names to run (all: None)."""
+              dry_run: bool = False, only: Optional[Sequence[str]] = None,
+              rerun: bool = False) -> tuple[list[dict], bool]:
+  """(one row per run that ran or was kept, whether every run ran; see the module docstring).
+  It ends early, after writing the summary, when a run stops with exit 75 (stopped by a
+  signal; re-running resumes it) or the sweep gets SIGTERM. `only`: the run names to run (all:
+  None); `rerun`: run a one-shot binary's finished runs again."""
   with _Signals() as signals:
-    return _run_sweep(config, binary, workdir, passthrough, dry_run, signals, only)
+    return _run_sweep(config, binary, workdir, passthrough, dry_run, signals, only, rerun)
+
+
+def kept_row(run_dir: str, binary: str, earlier: Optional[dict], config: Optional[dict]
+             ) -> Optional[dict]:
+  """The earlier summary row of a one-shot binary's run (not train_ppo's: it resumes from its
+  checkpoints) that finished with this config: `earlier` ok, run_dir/result.json written by
+  `binary`, run_dir/config.json equal to `config` (the run's config as check_values resolved
+  it). None when any of that does not hold: the run runs."""
+  if (binary == "train_ppo" or not earlier or config is None or
+      not str(earlier.get("status", "")).startswith("ok") or
+      wd.workdir_writer(run_dir) != binary):
+    return None
+  try:
+    with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+      written = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return dict(earlier) if written == wd.as_json(config) else None
 
 
 def select(sweep: list[dict], only: Optional[Sequence[str]]) -> list[tuple[int, str, dict]]:
@@ -409,8 +477,8 @@ def select(sweep: list[dict], only: Optional[Sequence[str]]) -> list[tuple[int, 
 
 
 def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str],
-               dry_run: bool, signals: _Signals, only: Optional[Sequence[str]] = None
-               ) -> tuple[list[dict], bool]:
+               dry_run: bool, signals: _Signals, only: Optional[Sequence[str]] = None,
+               rerun: bool = False) -> tuple[list[dict], bool]:
   module, variant = config_files.load_module(config)  # executed once: entries and field check
   sweep = _sweep_of(module, variant, config)
   names = [name for _, name, _ in select(sweep, None)]
@@ -430,7 +498,7 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
     raise ValueError(f"--binary={binary!r}: no experiments/{binary}.py" +
                      (f"; did you mean {close[0]!r}?" if close else
                       f"; experiments/ has {binaries}"))
-  check_overrides(module, variant, config, runs, passthrough)
+  configs = check_overrides(module, variant, config, runs, passthrough)
   warn_shadowed(runs, passthrough)
   lock = None
   if not dry_run:
@@ -440,7 +508,7 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
     lock = wd.WorkdirLock(workdir)
   try:
     return _run_locked(binary, config, workdir, passthrough, dry_run, signals, runs, summary,
-                       override_keys)
+                       override_keys, configs, rerun)
   finally:
     if lock is not None:
       lock.release()
@@ -448,45 +516,40 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
 
 def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[str],
                 dry_run: bool, signals: _Signals, runs: list[tuple[int, str, dict]],
-                summary, override_keys: Sequence[str] = ()) -> tuple[list[dict], bool]:
-  """_run_sweep's runs, under the sweep's workdir lock."""
+                summary, override_keys: Sequence[str] = (), configs: Optional[dict] = None,
+                rerun: bool = False) -> tuple[list[dict], bool]:
+  """_run_sweep's runs, under the sweep's workdir lock. `configs`: {run name: its config}
+  (check_values'); `rerun`: run those that finished earlier too (else kept_row keeps them)."""
   rows = []
   env = repo_env()
+  earlier = {r["run"]: r for r in merge_rows(workdir, [], [name for _, name, _ in runs])}
   for i, (_, name, overrides) in enumerate(runs):
     run_dir = os.path.join(workdir, name)
     cmd = build_command(binary, config, run_dir, overrides, passthrough)
     # A command to paste (cmd[0] is this interpreter's full path).
     logging.info("[%d/%d] %s: %s", i + 1, len(runs), name, shlex.join(["python", *cmd[1:]]))
-    row = run_row(name, overrides, passthrough)
+    row = run_row(name, overrides, passthrough, (configs or {}).get(name))
     if dry_run:  # nothing runs, nothing is written (an earlier sweep's summary stays)
       rows.append(row)
       continue
     if signals.signum:
       break
+    kept = None if rerun else kept_row(run_dir, binary, earlier.get(name),
+                                       (configs or {}).get(name))
+    if kept is not None:
+      rows.append(kept)
+      logging.info("[%d/%d] %s: finished earlier with this config; kept (--rerun runs it "
+                   "again)", i + 1, len(runs), name)
+      continue
     t0 = time.time()
     try:
-      rc = run_streamed(cmd, run_dir, name, env, started=signals.started)
-    except KeyboardInterrupt:
-      rows.append({**row, "status": "interrupted", "wall_s": round(time.time() - t0, 2)})
+      rc = run_streamed(cmd, run_dir, name, env, started=signals.started, own_group=True)
+    except RunInterrupted as e:  # Ctrl-C: passed on to the run, which has ended since
+      rows.append(_ended(row, e.returncode, run_dir, time.time() - t0, signals.signum,
+                         interrupted=True))
       summary(rows)
       raise
-    # A run that died of the signal the sweep passed on (-15, or 143 from a binary that exits
-    # as SIGTERM's death) was stopped; one killed otherwise (-9: the OOM killer) failed.
-    signalled = bool(signals.signum) and rc in (-signals.signum, 128 + signals.signum)
-    row["status"] = ("ok" if rc == 0 else "stopped (exit 75; re-run to resume)"
-                     if rc == STOPPED else f"stopped (exit {rc}: signal {abs(rc) % 128})"
-                     if signalled else f"failed (exit {rc})")
-    row["wall_s"] = round(time.time() - t0, 2)
-    if row["status"].startswith("failed"):
-      row["error"] = failure_line(run_dir)
-    result = read_run_result(run_dir) if rc == 0 else None
-    if rc == 0 and result is None:
-      row["status"] = "ok (no result.json / metrics.jsonl)"
-    if result:
-      # A result's own "status" (train_ppo's done / stopped) must not replace the sweep's.
-      row.update({f"result/{k}" if k in row else k: v for k, v in flatten_scalars(
-          {k: v for k, v in result.items() if k != "provenance"}).items()})
-    rows.append(row)
+    rows.append(_ended(row, rc, run_dir, time.time() - t0, signals.signum))
     summary(rows)  # partial summaries survive an interrupted sweep
     logging.info("[%d/%d] %s: %s in %.1fs", i + 1, len(runs), name, row["status"], row["wall_s"])
     if rc == STOPPED or signals.signum:  # the job is being stopped: start nothing more
@@ -500,6 +563,30 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
   complete = not signals.signum and len(rows) == len(runs) and not any(
       r.get("status", "").startswith("stopped") for r in rows)
   return rows, complete
+
+
+def _ended(row: dict, rc: int, run_dir: str, wall_s: float, signum: int,
+           interrupted: bool = False) -> dict:
+  """`row` completed with how its run ended (exit status `rc`; `signum`: the signal the sweep
+  passed on, 0 for none; `interrupted`: a Ctrl-C came meanwhile) and its result's scalars."""
+  # A run that died of the signal the sweep passed on (-15, or 143 from a binary that exits
+  # as SIGTERM's death) was stopped; one killed otherwise (-9: the OOM killer) failed.
+  signalled = bool(signum) and rc in (-signum, 128 + signum)
+  row["status"] = ("ok" if rc == 0 else "stopped (exit 75; re-run to resume)"
+                   if rc == STOPPED else f"stopped (exit {rc}: signal {abs(rc) % 128})"
+                   if signalled else f"interrupted (exit {rc})" if interrupted
+                   else f"failed (exit {rc})")
+  row["wall_s"] = round(wall_s, 2)
+  if row["status"].startswith("failed"):
+    row["error"] = failure_line(run_dir)
+  result = read_run_result(run_dir) if rc == 0 else None
+  if rc == 0 and result is None:
+    row["status"] = "ok (no result.json / metrics.jsonl)"
+  if result:
+    # A result's own "status" (train_ppo's done / stopped) must not replace the sweep's.
+    row.update({f"result/{k}" if k in row else k: v for k, v in flatten_scalars(
+        {k: v for k, v in result.items() if k != "provenance"}).items()})
+  return row
 
 
 def split_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -518,10 +605,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     rows, complete = run_sweep(_CONFIG.value, _BINARY.value, _WORKDIR.value, _PASSTHROUGH,
-                               _DRY.value, _ONLY.value)
+                               _DRY.value, _ONLY.value, _RERUN.value)
   except KeyboardInterrupt:
     logging.error("interrupted: the summary has the runs so far; the same command re-runs "
-                  "the sweep (runs resume from their checkpoints where the binary does)")
+                  "the sweep (train_ppo runs resume from their checkpoints, and other "
+                  "binaries' finished runs are kept)")
     sys.exit(130)
   failed = [r["run"] for r in rows if str(r.get("status", "ok")).startswith("failed")]
   if failed:
@@ -531,7 +619,8 @@ def main(argv):
     # A scheduler's requeue rule acts on 75 as on train_ppo's: the same command resumes.
     logging.error("stopped after %d run(s): the summary has them; the same command runs the "
                   "sweep again (train_ppo runs resume from their checkpoints, and finished "
-                  "ones have nothing left to train)", len(rows))
+                  "ones have nothing left to train; other binaries' finished runs are kept)",
+                  len(rows))
     sys.exit(STOPPED)
   if failed:
     sys.exit(1)

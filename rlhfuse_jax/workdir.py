@@ -41,6 +41,12 @@ def _to_jsonable(x: Any) -> Any:
   return x
 
 
+def as_json(x: Any) -> Any:
+  """`x` as it reads back from the JSON these functions write (tuples as lists, numpy values
+  as Python ones): what to compare with a file written earlier."""
+  return json.loads(json.dumps(_to_jsonable(x)))
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
   """Writes `data` to `path` atomically (same-directory temp file + fsync + os.replace)."""
   directory = os.path.dirname(os.path.abspath(path))
@@ -169,9 +175,9 @@ def start_outputs(workdir: str, config: Any, outputs: tuple[str, ...],
   (its result.json's provenance names it): its reports and figures, which this binary does not
   move, stayed beside this run's result. Returns where the earlier outputs went, or None."""
   check_local_path(workdir)
-  for marker in ("checkpoints", ".lock"):
+  for marker, what in (("checkpoints", "a training run"), (".lock", "a training run or sweep")):
     if os.path.exists(os.path.join(workdir, marker)):
-      raise ForeignWorkdirError(f"--workdir={workdir!r} holds a training run ({marker}); give "
+      raise ForeignWorkdirError(f"--workdir={workdir!r} holds {what} ({marker}); give "
                                 "this binary a directory of its own")
   me = _running_binary()
   if me is not None:

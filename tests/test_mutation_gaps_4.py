@@ -88,7 +88,7 @@ def test_a_one_shot_binary_refuses_a_locked_workdir_and_moves_an_old_traceback(t
   train = tmp_path / "train"
   train.mkdir()
   (train / ".lock").write_text("pid 1 on host\n")
-  with pytest.raises(ValueError, match=r"holds a training run \(\.lock\)"):
+  with pytest.raises(ValueError, match=r"holds a training run or sweep \(\.lock\)"):
     wd.start_outputs(str(train), {}, ("result.json",))
   run = tmp_path / "run"
   run.mkdir()
@@ -506,7 +506,7 @@ import json, os, sys
 from experiments import sweep
 codes = {"a": 0, "b": 0, "c": 75, "d": 0}
 
-def fake_run(cmd, run_dir, name, env, started=None):
+def fake_run(cmd, run_dir, name, env, started=None, own_group=False):
   os.makedirs(run_dir, exist_ok=True)
   if name == "a":
     with open(os.path.join(run_dir, "result.json"), "w") as f:

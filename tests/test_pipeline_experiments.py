@@ -108,8 +108,8 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   assert [r["run"] for r in rows] == ["ok4", "run001"]
   assert rows[0]["status"] == "ok" and rows[0]["actor_pp"] == 4
   assert rows[0]["bubble/searched"] >= 0 and "peak_memory/budget" not in rows[0]
-  # The sweep's own flags are in every row, as the runs got them.
-  assert [r["time_budget_s"] for r in rows] == ["0.5", "0.5"]
+  # The sweep's own flags are in every row, as the runs got them (typed, as their configs).
+  assert [r["time_budget_s"] for r in rows] == [0.5, 0.5]
   assert rows[1]["status"].startswith("failed")
   assert "searched" not in rows[1]
   # The summary says why (it said only "failed (exit 1)"): the run's own error line.
@@ -121,6 +121,19 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   log = (tmp_path / "sw" / "run001" / "log.txt").read_text()
   assert "actor_pp=6 must be divisible by critic_pp=4" in log
   assert "[ok4]" in out.stdout
+  # The same command again keeps the finished run (it searched again, its outputs moved
+  # aside, and its time-bound figures could change) and runs the failed one; --rerun runs it.
+  again = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+                f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.5"])
+  assert again.returncode == 1 and "ok4: finished earlier with this config; kept" in again.stderr
+  assert "run001: failed" in again.stderr and "[ok4]" not in again.stdout, again.stderr[-3000:]
+  assert json.loads((tmp_path / "sw" / "summary.json").read_text())[0] == rows[0]
+  assert not (tmp_path / "sw" / "ok4" / "previous").exists()
+  rerun = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+                f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.5", "--rerun",
+                "--only=ok4"])
+  assert rerun.returncode == 0 and "[ok4]" in rerun.stdout, rerun.stderr[-3000:]
+  assert (tmp_path / "sw" / "ok4" / "previous" / "1" / "result.json").exists()
   summary = (tmp_path / "sw" / "summary.json").read_text()
   # A dry run prints the commands and writes nothing: the finished sweep's summary stays.
   dry = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
@@ -211,10 +224,13 @@ def test_sweep_paths_are_the_callers_and_run_names_are_unique(tmp_path):
   assert "get_sweep()[0] and [1] are both named 'a'" in out.stderr, out.stderr[-3000:]
 
 
-def test_sigterm_to_the_sweep_stops_its_run_and_the_sweep(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_to_the_sweep_stops_its_run_and_the_sweep(tmp_path, sig):
   """SIGTERM to the sweep's process alone (a `kill`): the run in progress gets it, the summary
   has that run, no further run starts, and the sweep exits 75 (the same command resumes). It
-  died at once, without a summary, and its run went on alone."""
+  died at once, without a summary, and its run went on alone. SIGINT (`kill -INT`, or Ctrl-C:
+  the run has a process group of its own, so the sweep passes it on): the same, exit 130; the
+  sweep waited for the whole run, then called it interrupted."""
   (tmp_path / "s.py").write_text(
       SCHEDULE_SEARCH_BASE +
       "get_config = _base.get_config\n"
@@ -230,15 +246,20 @@ def test_sigterm_to_the_sweep_stops_its_run_and_the_sweep(tmp_path):
       while not (log.exists() and "phase 1/2" in log.read_text()):  # searching
         assert sweep.poll() is None and time.time() < deadline
         time.sleep(0.1)
-      sweep.send_signal(signal.SIGTERM)
+      sweep.send_signal(sig)
       _, err = sweep.communicate(timeout=60)
     finally:
       sweep.kill()
-  assert sweep.returncode == 75, err[-3000:]
-  assert "stopped after 1 run(s)" in err
   rows = json.loads((tmp_path / "sw" / "summary.json").read_text())
   assert [r["run"] for r in rows] == ["long"]
-  assert rows[0]["status"] == "stopped (exit 143: signal 15)", rows
+  if sig == signal.SIGTERM:
+    assert sweep.returncode == 75, err[-3000:]
+    assert "stopped after 1 run(s)" in err
+    assert rows[0]["status"] == "stopped (exit 143: signal 15)", rows
+  else:  # schedule_search ends as Python does on a KeyboardInterrupt
+    assert sweep.returncode == 130, err[-3000:]
+    assert rows[0]["status"] == f"interrupted (exit {-signal.SIGINT})", rows
+    assert rows[0]["wall_s"] < 60
   assert not (tmp_path / "sw" / "never").exists()
   # schedule_search's worker processes ended with it (they held the output the sweep reads).
   assert "2 of 2 workers" not in (tmp_path / "sw" / "long" / "log.txt").read_text()
@@ -558,7 +579,7 @@ import json, os, shutil, sys
 from experiments import sweep
 work, cfg = sys.argv[1], sys.argv[2]
 
-def fake_run(cmd, run_dir, name, env, started=None):
+def fake_run(cmd, run_dir, name, env, started=None, own_group=False):
   flag = {a.split("=")[0][len("--config."):]: float(a.split("=")[1]) for a in cmd
           if a.startswith("--config.")}
   lr, seed = flag["lr"], flag["seed"]
@@ -624,7 +645,7 @@ def test_a_sweep_over_seeds_reports_each_settings_mean_and_spread(tmp_path):
     assert g["final_reward/std"] == pytest.approx(np.std(finals, ddof=1))
   # constant within every group (settings, not results): left to the per-run table
   assert not any(k.startswith(("iterations", "lr_seen")) for g in groups for k in g)
-  assert all(g["steps"] == "10" for g in groups)  # the sweep's own flag, as its runs got it
+  assert all(g["steps"] == 10 for g in groups)  # the sweep's own flag, as its runs got it
   md = (tmp_path / "sw" / "summary.md").read_text()
   head, _, *cells = md.split("Across seeds")[1].strip().splitlines()[2:]
   def split(line):

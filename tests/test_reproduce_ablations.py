@@ -69,5 +69,12 @@ def test_config_errors_name_the_field():
   c.minibatch = 60
   with pytest.raises(ValueError, match="global_batch=512 must be divisible by minibatch=60"):
     ablations.AblationConfig.from_config_dict(c)
+  # Rt candidates outside [0, 1] failed inside the simulation, named as an internal field.
+  for value in ("0.1,2", "0.1,x"):
+    c = cfg_mod.get_config()
+    c.sim.threshold_candidates = value
+    with pytest.raises(ValueError, match=rf"config\.sim\.threshold_candidates='{value}': "
+                                         r"expected comma-separated Rt values in \[0, 1\]"):
+      ablations.AblationConfig.from_config_dict(c)
   cfg = ablations.AblationConfig.from_config_dict(cfg_mod.get_config())
   assert len(cfg.settings()) == 12 and cfg.systems == iteration_sim.SYSTEMS

@@ -122,8 +122,16 @@ class AblationConfig:
       return out
 
     sim = dict(c.sim.to_dict())
-    sim["threshold_candidates"] = tuple(float(x) for x in _csv(sim["threshold_candidates"],
-                                                                "sim.threshold_candidates"))
+    items = _csv(sim["threshold_candidates"], "sim.threshold_candidates")
+    try:  # (checked now: a bad one failed inside the simulation, named as an internal field)
+      sim["threshold_candidates"] = tuple(float(x) for x in items)
+      ok = all(0 <= x <= 1 for x in sim["threshold_candidates"])
+    except ValueError:
+      ok = False
+    if not ok:
+      raise ValueError(f"config.sim.threshold_candidates={c.sim.threshold_candidates!r}: "
+                       "expected comma-separated Rt values in [0, 1] (0: stream, never "
+                       "migrate)")
     sim["gen_tps"] = _csv_ints(sim["gen_tps"], "sim.gen_tps")
     return cls(
         hardware=c.hardware, num_devices=c.num_devices, global_batch=c.global_batch,
