@@ -195,6 +195,22 @@ def test_sweep_takes_a_config_variant(tmp_path):
   assert out.returncode != 0 and "p.py's get_config() takes no variant (':b')" in out.stderr, (
       out.stderr[-2000:])
   assert "run_b: python" not in out.stderr
+  # An entry that replaces a value the variant sets is warned of: ppo_tiny.py:grpo's sweep over
+  # estimators ran GAE and REINFORCE++ with GRPO's batch, never GRPO. Its sweep is now seeds.
+  (tmp_path / "w.py").write_text(
+      "import ml_collections\ndef get_config(arg='a'):\n"
+      "  return ml_collections.ConfigDict({'x': 1 if arg == 'a' else 2, 'y': 0})\n"
+      "def get_sweep(arg='a'):\n  return [{'name': 'r', 'x': 3, 'y': 1}, {'name': 's', 'x': 2}]\n")
+  out = _run(["experiments.sweep", f"--config={tmp_path / 'w.py'}:b", "--binary=schedule_search",
+              f"--workdir={tmp_path / 'w'}", "--dry_run"])
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert (f"get_sweep()'s entries set x, which --config={tmp_path / 'w.py'}:b sets itself: each "
+          "run gets the entry's value, not the variant's (x=2)") in out.stderr, out.stderr
+  out = _run(["experiments.sweep", "--config=configs/ppo_tiny.py:grpo", "--binary=train_ppo",
+              f"--workdir={tmp_path / 'g'}", "--dry_run"])
+  assert out.returncode == 0 and "sets itself" not in out.stderr, out.stderr[-2000:]
+  commands = [line for line in out.stderr.splitlines() if "python -m experiments" in line]
+  assert len(commands) == 2 and all("--config.algo.estimator=grpo" in c for c in commands)
 
 
 def test_sweep_paths_are_the_callers_and_run_names_are_unique(tmp_path):
