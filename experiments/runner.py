@@ -229,6 +229,22 @@ def note_start() -> None:
   changed under it."""
   _START.clear()
   _START.update(started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), git_commit=git_commit())
+  _START_TIME[0] = time.time()
+
+
+_START_TIME = [0.0]
+
+
+def clear_earlier_traceback(workdir: str) -> None:
+  """Removes workdir/traceback.txt when an earlier start wrote it (a run that failed, was
+  corrected and has now finished or stopped): it sat beside the results as if this run had
+  failed. Nothing is lost: train_ppo's log.txt keeps every start's traceback."""
+  path = os.path.join(workdir, "traceback.txt")
+  try:
+    if os.path.getmtime(path) < _START_TIME[0]:
+      os.remove(path)
+  except OSError:
+    pass
 
 
 def start_record() -> dict:

@@ -500,6 +500,12 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
                       f"; experiments/ has {binaries}"))
   configs = check_overrides(module, variant, config, runs, passthrough)
   warn_shadowed(runs, passthrough)
+  # A training run's or a one-shot binary's workdir: the summary and run folders went in
+  # beside its outputs.
+  wd.refuse_foreign_result(workdir, "sweep")
+  if os.path.isdir(os.path.join(workdir, "checkpoints")):
+    raise wd.ForeignWorkdirError(f"--workdir={workdir!r} holds a training run (checkpoints); "
+                                 "give experiments.sweep a directory of its own")
   lock = None
   if not dry_run:
     os.makedirs(workdir, exist_ok=True)

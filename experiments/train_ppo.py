@@ -16,7 +16,8 @@ run is refused, listing the fields. One run per workdir (a lock names the holder
 
 Exit status: 0 done; 75 stopped by SIGTERM/SIGINT after saving a checkpoint (re-run to resume);
 1 an error (the message names the field, file or iteration); 3 a checkpoint save failed; 69 fused
-generation lost another process of a multi-process run (docs/usage.md).
+generation lost another process of a multi-process run (docs/usage.md); 130 a second Ctrl-C
+stopped it without saving (re-run to resume from the last checkpoint).
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer import hooks
 from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.loop import EXIT_STOPPED_BY_SIGNAL, PPOTrainer, TIMING_PREFIXES
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd process
 
 EXIT_SAVE_FAILED = 3
 
@@ -187,6 +190,21 @@ def main(argv):
     _main(run_log)
   except SystemExit:
     raise
+  except KeyboardInterrupt:  # a second Ctrl-C: stop now, without the save the first asked for
+    run_log.exception("the run ended with KeyboardInterrupt (a second Ctrl-C)")
+    logging.error("interrupted by a second Ctrl-C: stopped without saving this iteration; "
+                  "the checkpoints saved before it are intact (an unfinished save is cleared "
+                  "on the next start): re-run to resume from the latest (traceback: %s)",
+                  os.path.join(_WORKDIR.value, "log.txt"))
+    run_log.close()
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Now, not through the interpreter's shutdown: there an async checkpoint save still in
+    # flight failed in orbax's threads with ~80 lines of "cannot schedule new futures after
+    # shutdown". Its temporary directory is cleared on the next start; metrics.jsonl has
+    # every finished iteration (written as each ends).
+    os._exit(EXIT_INTERRUPTED)
   except BaseException as e:  # into WORKDIR/log.txt too; stderr gets Python's print
     run_log.exception(f"the run ended with {type(e).__name__}: {e}")
     raise
@@ -215,6 +233,7 @@ def _main(run_log: runner.RunLog) -> None:
     if cfg.checkpoint.export_hf and os.path.isdir(export):
       result["hf_export"] = export
     runner.write_result(workdir, result)
+    runner.clear_earlier_traceback(workdir)
     logging.info("%s: %s", "done" if result["status"] == "done" else
                  f"stopped at iteration {result['iterations']} of {cfg.num_iterations}",
                  os.path.join(workdir, "result.json"))

@@ -147,12 +147,18 @@ def workdir_writer(workdir: str) -> Optional[str]:
 
 def refuse_foreign_result(workdir: str, binary: str, shown: str = "") -> None:
   """ForeignWorkdirError when workdir/result.json was written by another experiments binary
-  than `binary` (its provenance), naming this one as `shown` (default experiments.<binary>):
-  train_ppo and the one-shot binaries each went on beside the other's outputs."""
+  than `binary` (its provenance), or workdir holds a sweep (its summary.json) and `binary` is
+  not experiments.sweep, naming this one as `shown` (default experiments.<binary>): train_ppo,
+  the sweep and the one-shot binaries each went on beside the other's outputs."""
   other = workdir_writer(workdir)
+  if other is None and binary != "sweep" and os.path.exists(
+      os.path.join(workdir, "summary.json")):
+    other, what = "sweep", "summary.json"
+  else:
+    what = "result.json"
   if other is not None and other != binary:
     raise ForeignWorkdirError(f"--workdir={workdir!r} holds the outputs of experiments.{other} "
-                              f"(its result.json); give {shown or 'experiments.' + binary} a "
+                              f"(its {what}); give {shown or 'experiments.' + binary} a "
                               "directory of its own")
 
 

@@ -122,12 +122,13 @@ def test_a_bad_value_ends_in_one_line_and_keeps_its_traceback_in_a_file(tmp_path
   proc = _run(tmp_path, "--config=cfg.py", "--config.lr=-1", f"--workdir={tmp_path / 'out'}")
   assert os.listdir(tmp_path / "out") == ["traceback.txt"]
   assert str(tmp_path / "out" / "traceback.txt") in proc.stderr
-  env_run = subprocess.run(
-      [sys.executable, "-c", _BINARY, "--config=cfg.py", "--config.lr=-1"], cwd=tmp_path,
-      env=dict(os.environ, RLHFUSE_TRACEBACK="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
-      capture_output=True, text=True, timeout=120)
-  assert env_run.returncode == 1 and "Traceback" in env_run.stderr
+  for value, printed in (("1", True), ("0", False)):  # 0 printed it too (any value did)
+    env_run = subprocess.run(
+        [sys.executable, "-c", _BINARY, "--config=cfg.py", "--config.lr=-1"], cwd=tmp_path,
+        env=dict(os.environ, RLHFUSE_TRACEBACK=value,
+                 PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
+        capture_output=True, text=True, timeout=120)
+    assert env_run.returncode == 1 and ("Traceback" in env_run.stderr) == printed, value
 
 
 def test_a_workdir_that_is_a_file_and_a_variant_of_a_config_without_any(tmp_path):

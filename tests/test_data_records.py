@@ -167,6 +167,30 @@ def test_file_level_errors(tmp_path):
   with pytest.raises(ValueError, match=r"torn\.json: starts like a JSON array but does not "
                      r"parse"):
     load_records(str(tmp_path / "torn.json"))
+  # A CSV is named as the wrong format, with the ones that read; JSON's own message is not
+  # run into ours ("Unterminated string starting at at column 12").
+  (tmp_path / "p.csv").write_text("prompt,target\nhi,1\n")
+  with pytest.raises(ValueError, match=r"p\.csv:1: invalid JSON \(Expecting value, column 1\); "
+                     r"expected one object per line \(JSONL; a JSON array of objects or a "
+                     r"parquet file also reads\)"):
+    load_records(str(tmp_path / "p.csv"))
+  with pytest.raises(ValueError, match=r"invalid JSON \(Unterminated string starting at, "
+                                       r"column 12\)"):
+    load_records(_jsonl(tmp_path / "d.jsonl", ['{"prompt": "a']))
+
+
+def test_an_answer_key_that_no_row_has_is_refused(tmp_path):
+  """A chosen answer_key that no row has is a misspelling: with a user's reward function (no
+  answer required) every answer it got was None, silently. The default key may be absent (a
+  reward model, a function without answers), and so may a chosen one on some rows."""
+  rows = [{"question": "a", "answer": "1"}, {"question": "b"}]
+  path = _jsonl(tmp_path / "d.jsonl", rows)
+  with pytest.raises(ValueError, match=r"d\.jsonl: no row has the answer field 'answr' \(the "
+                     r"first row's keys: \['answer', 'question'\]\); set config\.data\."
+                     r"answer_key"):
+    load_records(path, "question", "answr")
+  assert [r.get("target") for r in load_records(path, "question", "answer")] == ["1", None]
+  assert all("target" not in r for r in load_records(path, "question"))
 
 
 def test_json_arrays_and_unsuffixed_parquet_are_read(tmp_path):
@@ -324,3 +348,19 @@ def test_chat_prompts_get_no_second_bos(tmp_path):
   np.testing.assert_array_equal(ds.tokens[0, :ds.lengths[0]],
                                 GOLDENS["headers"]["conversations"]["user"]["ids"])
 
+
+
+def test_text_prompts_without_a_tokenizer_name_the_row_and_the_field(tmp_path):
+  """A prompts file of text with the synthetic task's word-level tokenizer (no
+  init.tokenizer): the error was the tokenizer library's "Missing [UNK] token", naming neither
+  the row nor the field to set."""
+  path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "3 #2 =", "target": "3 3"},
+                                       {"prompt": "How many cards?", "target": "2"}])
+  cfg = tiny_config(**{"data.prompts_file": path})
+  task, tok = build.build_task_and_tokenizer(cfg)
+  with pytest.raises(ValueError, match=r"d\.jsonl:2: the prompt 'How many cards\?' is not in "
+                     r"the 'repeat' task's word-level vocabulary .* set config\.init\.tokenizer"):
+    build.build_datasets(cfg, task, tok)
+  # the task's own words read
+  _jsonl(tmp_path / "d.jsonl", [{"prompt": "3 #2 =", "target": "3 3"}])
+  assert len(build.build_datasets(cfg, task, tok)[0]) == 1

@@ -11,6 +11,7 @@ import pytest
 
 from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
 from tests.test_train_ppo_binary import REPO
+from tests.xla_env import RESET_SIGINT
 
 COUNT = "--xla_force_host_platform_device_count"
 
@@ -145,8 +146,6 @@ esac""")
   assert f"(process:status): 0:{codes[0]} 1:{codes[1]}; exit status 3" in out, out
 
 
-RESET_SIGINT_AND_EXEC = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                         "os.execvp(sys.argv[1], sys.argv[1:])")
 
 
 def test_a_signal_to_the_launcher_stops_every_process(tmp_path):
@@ -167,7 +166,7 @@ def test_a_signal_to_the_launcher_stops_every_process(tmp_path):
     # SIGINT as a terminal's shell leaves it: pytest-xdist's workers ignore it, and bash can
     # neither trap nor reset a signal ignored when it starts. (An exec'ing interpreter, not
     # preexec_fn, which forks a multithreaded process.)
-    with subprocess.Popen([sys.executable, "-c", RESET_SIGINT_AND_EXEC, "bash",
+    with subprocess.Popen([*RESET_SIGINT, "bash",
                            "launch/local_multiprocess.sh", "2", "1", wd], cwd=REPO, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
                           ) as launcher:

@@ -42,10 +42,12 @@ def test_every_reward_function_that_reads_the_answer_requires_one():
 # data/records.py ---------------------------------------------------------------------------------
 
 def test_a_null_prompt_is_a_missing_prompt(tmp_path):
-  """A row whose prompt is null is reported as missing, with the hint to set prompt_key. (R6)"""
+  """A row whose prompt is null is refused, with the hint to set prompt_key (R6); named as null,
+  not as a missing field beside a key list that holds it (a review's 2026-12-01 finding)."""
   path = tmp_path / "d.jsonl"
   path.write_text(json.dumps({"prompt": None, "question": "q"}) + "\n")
-  with pytest.raises(ValueError, match=r"d.jsonl:1: missing prompt field 'prompt'.*prompt_key"):
+  with pytest.raises(ValueError, match=r"d.jsonl:1: prompt field 'prompt' is null on this row "
+                                       r"\(keys: \['prompt', 'question'\]\).*prompt_key"):
     records.load_records(str(path))
 
 

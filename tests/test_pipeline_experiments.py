@@ -10,6 +10,7 @@ import time
 import pytest
 
 from rlhfuse_jax import workdir as wdlib
+from tests.xla_env import RESET_SIGINT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -211,6 +212,12 @@ def test_sweep_takes_a_config_variant(tmp_path):
   assert out.returncode == 0 and "sets itself" not in out.stderr, out.stderr[-2000:]
   commands = [line for line in out.stderr.splitlines() if "python -m experiments" in line]
   assert len(commands) == 2 and all("--config.algo.estimator=grpo" in c for c in commands)
+  # A training run's workdir is not a sweep's (its summary and run folders went in beside).
+  (tmp_path / "train" / "checkpoints").mkdir(parents=True)
+  out = _run(["experiments.sweep", "--config=configs/ppo_tiny.py", "--binary=train_ppo",
+              f"--workdir={tmp_path / 'train'}", "--dry_run"])
+  assert out.returncode == 1 and "holds a training run (checkpoints); give experiments.sweep" \
+      in out.stderr, out.stderr[-2000:]
 
 
 def test_sweep_paths_are_the_callers_and_run_names_are_unique(tmp_path):
@@ -252,10 +259,10 @@ def test_sigterm_to_the_sweep_stops_its_run_and_the_sweep(tmp_path, sig):
       "get_config = _base.get_config\n"
       "def get_sweep():\n  return [{'name': 'long'}, {'name': 'never'}]\n")
   with subprocess.Popen(
-      [sys.executable, "-m", "experiments.sweep", f"--config={tmp_path / 's.py'}",
-       "--binary=schedule_search", f"--workdir={tmp_path / 'sw'}",
-       "--config.time_budget_s=120"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True) as sweep:
+      [*RESET_SIGINT, sys.executable, "-m", "experiments.sweep",
+       f"--config={tmp_path / 's.py'}", "--binary=schedule_search",
+       f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=120"], cwd=REPO, env=_env(),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as sweep:
     try:
       log = tmp_path / "sw" / "long" / "log.txt"
       deadline = time.time() + 120
@@ -336,6 +343,10 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
     (["experiments.plan_check", "--config=configs/plan_check.py:tiny",
       "--run_config=configs/ppo_tiny.py", "--run_config.algo.minibatch_size=5"],
      "--run_config (config.<field> is --run_config.<field> here): config.algo.minibatch_size=5"),
+    (["experiments.plan_check", "--config=configs/plan_check.py:tiny",
+      "--run_config=configs/ppo_hf.py:ppo_gpu", "--run_config.init.actor_checkpoint=/nonexistent"],
+     "FileNotFoundError: --run_config (config.<field> is --run_config.<field> here): "
+     "config.init.actor_checkpoint='/nonexistent': /nonexistent/config.json not found"),
     # below one forward of each model: refused before the search's kernels compile
     (["experiments.schedule_search", "--config=configs/schedule_search.py",
       "--config.memory_budget=1"],

@@ -374,7 +374,8 @@ def test_stats_are_measured_and_not_added_to_the_reward(tok):
   assert np.isnan(got["stats/half_missing_mean"]) and np.isnan(got["stats/batch_lengths_mean"])
   cfg = tiny_config(**{"reward.function": "tests.test_rewards:with_defaults",
                        "reward.stats": "tests.test_rewards:overflows"})
-  with pytest.raises(ValueError, match=r"'tests\.test_rewards:overflows' returned 1e\+39 for "
+  with pytest.raises(ValueError, match=r"^statistic 'tests\.test_rewards:overflows' returned "
+                                       r"1e\+39 for "
                                        r"sample 1"):
     build.build_rewards(cfg, None, tok, None, None).combine(records, ids, lens)
   # As a reward, the statistic's NaN is refused.
@@ -382,7 +383,8 @@ def test_stats_are_measured_and_not_added_to_the_reward(tok):
     rewards_lib.get_reward_function("tests.test_rewards:half_missing")(records, ids, lens, tok)
   with pytest.raises(ValueError, match=r"config\.reward\.stats='tests\.test_rewards:nope': "):
     build.check_reward_functions(tiny_config(**{"reward.stats": "tests.test_rewards:nope"}))
-  with pytest.raises(ValueError, match=r"config\.reward\.stats=.*distinct function names"):
+  with pytest.raises(ValueError, match=r"config\.reward\.stats=.*distinct function names.*; "
+                                       r"score named twice"):
     tiny_config(**{"reward.stats": "a.b:score,c.d:score"})
 
 
@@ -401,6 +403,10 @@ def test_stats_are_measured_and_not_added_to_the_reward(tok):
     # A dot where the colon goes is an unknown name, with the colon suggested.
     ("tests.test_rewards.answer_length", r"did you mean 'tests\.test_rewards:answer_length' \(a "
                                          r"colon before the function\)\?"),
+    ("gsm8kk", r"did you mean 'gsm8k'\?"),
+    ("tests/test_rewards.py:answer_length", r"'tests/test_rewards\.py' is a file path; name the "
+                                            r"module by import path, 'tests\.test_rewards:"
+                                            r"answer_length'"),
 ])
 def test_bad_function_specs_fail_before_the_run(spec, expected):
   rewards_lib.get_reward_function("tests.test_rewards:with_defaults")  # takes the three

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from rlhfuse_jax.trainer import hooks
-from tests.xla_env import subprocess_env
+from tests.xla_env import RESET_SIGINT, subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Same shapes as tests/test_trainer.tiny_config (test_multiprocess compares the two).
@@ -51,6 +51,12 @@ def test_sigterm_saves_and_exits_with_the_stopped_status(tmp_path):
   """The binary: SIGTERM (a scheduler's preemption) saves where it stops and exits 75. SIGINT
   takes the same handler (test_sigint_stops_like_sigterm_and_twice_interrupts_at_once)."""
   wd = str(tmp_path / "run")
+  # An earlier start's failure (corrected since): removed once this start finishes or stops,
+  # not left beside its results (log.txt keeps every start's traceback).
+  os.makedirs(wd)
+  with open(os.path.join(wd, "traceback.txt"), "w") as f:
+    f.write("ValueError: config.data.task='countdwn'")
+  os.utime(os.path.join(wd, "traceback.txt"), (time.time() - 60,) * 2)
   proc = subprocess.Popen(_cmd(wd, "--config.num_iterations=10000",
                                "--config.checkpoint.every=10000"),
                           cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -71,6 +77,35 @@ def test_sigterm_saves_and_exits_with_the_stopped_status(tmp_path):
   assert json.load(open(os.path.join(wd, "config.json")))["num_iterations"] == 10000
   result = json.load(open(os.path.join(wd, "result.json")))  # not mistaken for a finished run
   assert (result["status"], result["iterations"]) == ("stopped", last), result
+  assert not os.path.exists(os.path.join(wd, "traceback.txt"))
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
+  """Ctrl-C twice: the run stops without the save the first asked for, exit 130, and says so in
+  one line (it printed Python's ~40-line KeyboardInterrupt traceback, and with a save in flight
+  orbax's threads failed at the interpreter's shutdown, ~80 lines more); the traceback is kept
+  in log.txt, and the earlier checkpoints stay. (A second Ctrl-C that lands inside orbax's own
+  wait for a save still gets orbax's log of it.)"""
+  wd = str(tmp_path / "run")
+  proc = subprocess.Popen([*RESET_SIGINT, *_cmd(wd, "--config.num_iterations=10000")],
+                          cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  deadline = time.time() + 500
+  while not (os.path.exists(os.path.join(wd, "metrics.jsonl")) and len(_steps(wd)) >= 3):
+    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+    assert time.time() < deadline, "no iterations within the deadline"
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGINT)
+  time.sleep(0.02)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=300)
+  err = err.decode()
+  assert proc.returncode == 130, err[-3000:]
+  assert "interrupted by a second Ctrl-C: stopped without saving" in err, err[-3000:]
+  assert "cannot schedule new futures" not in err and "File \"" not in err.split(
+      "interrupted by a second Ctrl-C")[1], err[-3000:]
+  with open(os.path.join(wd, "log.txt")) as f:
+    assert "KeyboardInterrupt" in f.read()
+  assert 2 in [int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()]
 
 
 def test_a_signal_during_set_up_exits_with_the_stopped_status(tmp_path):

@@ -48,3 +48,23 @@ def test_a_linked_input_stays_and_a_training_workdir_is_refused(tmp_path):
   with pytest.raises(ValueError, match=r"holds a training run \(checkpoints\)"):
     wd.start_outputs(str(train), {}, OUTPUTS)
   assert (train / "result.json").read_text() == "a training run's"
+
+
+def test_a_sweep_and_the_other_binaries_refuse_each_others_workdirs(tmp_path):
+  """train_ppo went on in a finished sweep's directory (its config, metrics, checkpoints beside
+  the summary and run folders), and a sweep in a training run's: each is refused now, as the
+  one-shot binaries refuse a training workdir."""
+  sweep = tmp_path / "sweep"
+  sweep.mkdir()
+  (sweep / "summary.json").write_text("[]")
+  with pytest.raises(wd.ForeignWorkdirError, match=r"holds the outputs of experiments\.sweep "
+                                                   r"\(its summary\.json\); give train_ppo a"):
+    wd.refuse_foreign_result(str(sweep), "train_ppo", shown="train_ppo")
+  wd.refuse_foreign_result(str(sweep), "sweep")  # its own
+  train = tmp_path / "train"
+  train.mkdir()
+  (train / "result.json").write_text(json.dumps(
+      {"provenance": {"command": "python -m experiments.train_ppo --config=c.py"}}))
+  with pytest.raises(wd.ForeignWorkdirError, match=r"experiments\.train_ppo \(its result\.json\)"
+                                                   r"; give experiments\.sweep"):
+    wd.refuse_foreign_result(str(train), "sweep")

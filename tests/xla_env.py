@@ -52,3 +52,11 @@ def subprocess_env(devices: int | None = None, **extra: str) -> dict:
   flags = " ".join([*missing, flags]).strip()
   env.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)
   return env
+
+
+# A command prefix that starts the command after it with SIGINT at its default, as a terminal's
+# shell leaves it: a process that inherits SIGINT ignored keeps ignoring it (bash starts its
+# background jobs so), and a Ctrl-C test would test nothing. (Not Popen's preexec_fn: that forks
+# a multithreaded jax process, which jax warns of.)
+RESET_SIGINT = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, "
+                "signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"]

@@ -59,7 +59,7 @@ def jsonl_rows(path: str, example: str = "") -> Iterator[tuple[str, Any]]:
     try:
       yield where, json.loads(line)
     except json.JSONDecodeError as e:
-      raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); expected one "
+      raise ValueError(f"{where}: invalid JSON ({e.msg}, column {e.colno}); expected one "
                        f"object per line{example}") from e
 
 

@@ -87,7 +87,9 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
       for i, row in enumerate(rows):
         yield f"{path}:item {i}", row
       return
-  yield from jsonl_rows(path)
+  # A file of another format (a .csv, a .txt of prompts) is refused at its first line: say
+  # which formats are read.
+  yield from jsonl_rows(path, " (JSONL; a JSON array of objects or a parquet file also reads)")
 
 
 def lookup(row: Mapping[str, Any], key: str) -> Any:
@@ -170,9 +172,15 @@ def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSW
       raise ValueError(f"{where_}: expected an object with a prompt field '{prompt_key}', got "
                        f"{type(row).__name__}")
     prompt = lookup(row, prompt_key)
-    if prompt is _MISSING or prompt is None:
+    if prompt is None:
+      raise ValueError(f"{where_}: prompt field '{prompt_key}' is null on this row (keys: "
+                       f"{sorted(row)}); fill it in, drop the row, or set "
+                       "config.data.prompt_key to the field that holds the prompt")
+    if prompt is _MISSING:
       raise ValueError(f"{where_}: missing prompt field '{prompt_key}' (keys: {sorted(row)}); "
                        "set config.data.prompt_key to the field that holds the prompt")
+    if not records:
+      first_keys = sorted(row)
     record = dict(row)
     record[PROMPT_KEY] = check_prompt(prompt, where_, prompt_key)
     answer = lookup(row, answer_key)
@@ -192,6 +200,13 @@ def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSW
     records.append(record)
   if not records:
     raise ValueError(f"{path}: no prompts (the file is empty or blank)")
+  if answer_key != ANSWER_KEY and not any(ANSWER_KEY in r for r in records):
+    # A key the user chose that no row has is a misspelling: every answer a reward function
+    # got was None, silently (the default key may be absent: a reward model needs none).
+    raise ValueError(f"{path}: no row has the answer field '{answer_key}' (the first row's "
+                     f"keys: {first_keys}); set "
+                     f"config.data.answer_key to the field that holds the answer, or to "
+                     f"'{ANSWER_KEY}' (the default) for a file without answers")
   return records
 
 

@@ -23,6 +23,7 @@ error. `resolve_reward_function` maps config.reward.function to a batch function
 from __future__ import annotations
 
 import collections.abc
+import difflib
 import importlib
 import inspect
 import numbers
@@ -196,14 +197,17 @@ def _as_float32(value: numbers.Real) -> np.float32:
     return np.float32(np.inf if value > 0 else -np.inf)
 
 
-def per_sample(fn: TextRewardFn, name: str, nan_ok: bool = False) -> RewardFn:
+def per_sample(fn: TextRewardFn, name: str, stat: bool = False) -> RewardFn:
   """A batch reward function that calls `fn(response, answer, record)` per sample.
 
   `answer` is record['target'] (the dataset's answer column; None when the row has none). An
   exception or a value that is not a finite real number raises RewardFunctionError naming
   `name`, the sample's index in the batch and its record's file:line, its answer and the start
-  of its response. `nan_ok`: NaN passes (a statistic's "no value for this sample").
+  of its response. `stat`: a statistic (config.reward.stats), named so; NaN passes, its "no
+  value for this sample".
   """
+  what = "statistic" if stat else "reward function"
+
   def batch(records, response_ids, response_lengths, tokenizer) -> np.ndarray:
     texts = decode_responses(response_ids, response_lengths, tokenizer)
     out = np.zeros((len(texts),), np.float32)
@@ -212,15 +216,15 @@ def per_sample(fn: TextRewardFn, name: str, nan_ok: bool = False) -> RewardFn:
       try:
         value = fn(text, answer, record)
       except Exception as e:  # noqa: BLE001 re-raised with the function and the sample named
-        raise RewardFunctionError(f"reward function {name!r} failed on {sample}: "
+        raise RewardFunctionError(f"{what} {name!r} failed on {sample}: "
                                   f"{type(e).__name__}: {e}") from e
       # A 0-d array (np.array(0.5), a jnp scalar: what reward code computed with numpy or jax
       # returns) is its one number, as a Python bool, int or float.
       if hasattr(value, "__array__") and np.shape(value) == ():
         value = np.asarray(value).item()
       if not isinstance(value, numbers.Real) or not (
-          np.isfinite(_as_float32(value)) or nan_ok and np.isnan(_as_float32(value))):
-        raise RewardFunctionError(f"reward function {name!r} returned {value!r:.200} for "
+          np.isfinite(_as_float32(value)) or stat and np.isnan(_as_float32(value))):
+        raise RewardFunctionError(f"{what} {name!r} returned {value!r:.200} for "
                                   f"{sample}; expected a finite number {FLOAT32_RANGE}")
       out[b] = _as_float32(value)
     return out
@@ -228,13 +232,15 @@ def per_sample(fn: TextRewardFn, name: str, nan_ok: bool = False) -> RewardFn:
   return batch
 
 
-def per_batch(fn: Callable, name: str, nan_ok: bool = False) -> RewardFn:
+def per_batch(fn: Callable, name: str, stat: bool = False) -> RewardFn:
   """A batch reward function that calls `fn(responses, answers, records)` once per batch (a
   user function marked `fn.batched = True`: one that batches its own work, a verifier pool or
   a reward server): lists of the decoded responses, each record's 'target' (None where a row
   has none) and the records; it returns one finite number per response. An exception, a
   result of another length or a non-finite value raises RewardFunctionError naming `name` (and
-  the first bad sample's index, file:line, answer and response); `nan_ok`: NaN passes."""
+  the first bad sample's index, file:line, answer and response); `stat`: as per_sample's."""
+  what = "statistic" if stat else "reward function"
+
   def batch(records, response_ids, response_lengths, tokenizer) -> np.ndarray:
     texts = decode_responses(response_ids, response_lengths, tokenizer)
     recs, answers = _samples(records, texts)
@@ -243,24 +249,24 @@ def per_batch(fn: Callable, name: str, nan_ok: bool = False) -> RewardFn:
       if isinstance(values, collections.abc.Iterator):  # concurrent.futures' Executor.map
         values = list(values)  # (it raises a worker's exception here)
     except Exception as e:  # noqa: BLE001 re-raised with the function named
-      raise RewardFunctionError(f"reward function {name!r} (batched) failed on a batch of "
+      raise RewardFunctionError(f"{what} {name!r} (batched) failed on a batch of "
                                 f"{len(texts)} responses: {type(e).__name__}: {e}") from e
     try:
       given = np.asarray(values, np.float64)
     except (TypeError, ValueError, OverflowError) as e:
-      raise RewardFunctionError(f"reward function {name!r} (batched) returned {_short(values)!r}"
+      raise RewardFunctionError(f"{what} {name!r} (batched) returned {_short(values)!r}"
                                 f"; expected {len(texts)} numbers ({e})") from None
     if given.shape != (len(texts),):
-      raise RewardFunctionError(f"reward function {name!r} (batched) returned shape "
+      raise RewardFunctionError(f"{what} {name!r} (batched) returned shape "
                                 f"{given.shape}; expected one number per response, "
                                 f"({len(texts)},)")
     with np.errstate(over="ignore"):
       out = given.astype(np.float32)
-    bad = np.flatnonzero(np.isinf(out) if nan_ok else ~np.isfinite(out))
+    bad = np.flatnonzero(np.isinf(out) if stat else ~np.isfinite(out))
     if bad.size:
       b = int(bad[0])
       raise RewardFunctionError(
-          f"reward function {name!r} (batched) returned {given[b]} for "
+          f"{what} {name!r} (batched) returned {given[b]} for "
           f"{_sample(b, recs[b], answers[b], texts[b])} and {bad.size - 1} more non-finite; "
           f"expected finite numbers {FLOAT32_RANGE}")
     return out
@@ -273,6 +279,11 @@ def import_function(spec: str) -> Callable:
   module_name, _, attr = spec.partition(":")
   if not module_name or not attr:
     raise ValueError(f"reward function {spec!r}: expected 'package.module:function'")
+  if module_name.endswith(".py") or "/" in module_name:  # a file where the module goes
+    dotted = module_name[:-3] if module_name.endswith(".py") else module_name
+    raise ValueError(f"reward function {spec!r}: {module_name!r} is a file path; name the "
+                     f"module by import path, '{dotted.strip('./').replace('/', '.')}:{attr}', "
+                     "with the directory above it on PYTHONPATH")
   try:
     node = importlib.import_module(module_name)
   except Exception as e:  # noqa: BLE001 any import failure (missing module, its own error)
@@ -334,7 +345,8 @@ def get_reward_function(name: str, stat: bool = False) -> RewardFn:
     _check_arguments(fn, name, batched)
     return per_batch(fn, name, stat) if batched else per_sample(fn, name, stat)
   module, _, attr = name.rpartition(".")
+  close = difflib.get_close_matches(name, list(REWARD_FUNCTIONS), n=1)
   hint = (f"; did you mean {module + ':' + attr!r} (a colon before the function)?"
-          if module and attr else "")
+          if module and attr else f"; did you mean {close[0]!r}?" if close else "")
   raise ValueError(f"unknown reward function {name!r}; known: {sorted(REWARD_FUNCTIONS)}, or a "
                    f"function by import path 'package.module:function'{hint}")

@@ -248,26 +248,28 @@ class Rewards:
                    scorer=scorer, extra=self.extra, stats=self.stats)
 
   def _term(self, fn: RewardFn, name: str, records, response_tokens: np.ndarray,
-            response_lens: np.ndarray, nan_ok: bool = False) -> np.ndarray:
-    """One function's rewards [B] float32, checked: one finite value per sample (`nan_ok`: or
-    NaN, a statistic's "no value"). An error the function raises names it here unless it
-    already does (data/rewards.RewardFunctionError, which also names the sample)."""
+            response_lens: np.ndarray, stat: bool = False) -> np.ndarray:
+    """One function's rewards [B] float32, checked: one finite value per sample (`stat`: a
+    statistic, named so, which may give NaN, its "no value"). An error the function raises
+    names it here unless it already does (data/rewards.RewardFunctionError, which also names
+    the sample)."""
     b = response_tokens.shape[0]
+    what = "statistic" if stat else "reward function"
     try:
       given = np.asarray(fn(records, response_tokens, response_lens), np.float64)
     except Exception as e:  # noqa: BLE001 re-raised naming the function
       if getattr(e, "names_function", False):
         raise
-      raise ValueError(f"reward function {name!r} failed on a batch of {b} samples: "
+      raise ValueError(f"{what} {name!r} failed on a batch of {b} samples: "
                        f"{type(e).__name__}: {e}") from e
     if given.shape != (b,):
-      raise ValueError(f"reward function {name!r} returned shape {given.shape}; "
+      raise ValueError(f"{what} {name!r} returned shape {given.shape}; "
                        f"expected ({b},)")
     with np.errstate(over="ignore"):
       out = given.astype(np.float32)
-    bad = np.flatnonzero(np.isinf(out) if nan_ok else ~np.isfinite(out))
+    bad = np.flatnonzero(np.isinf(out) if stat else ~np.isfinite(out))
     if bad.size:
-      raise ValueError(f"reward function {name!r} returned a non-finite reward for sample "
+      raise ValueError(f"{what} {name!r} returned a non-finite reward for sample "
                        f"{bad[0]} of the batch of {b} ({bad.size} in all); expected finite "
                        "numbers within float32's range")
     return out
@@ -297,7 +299,7 @@ class Rewards:
     metrics = ({f"reward/{label}_mean": float(np.mean(values, dtype=np.float64))
                 for label, _, values in parts} if len(parts) > 1 else {})
     for t in self.stats:  # the mean over the samples the statistic has a value for
-      values = self._term(t.fn, t.name, records, response_tokens, response_lens, nan_ok=True)
+      values = self._term(t.fn, t.name, records, response_tokens, response_lens, stat=True)
       known = values[~np.isnan(values)].astype(np.float64)
       metrics[f"stats/{t.label}_mean"] = float(known.mean()) if known.size else float("nan")
     return total, metrics

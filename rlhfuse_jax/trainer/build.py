@@ -158,15 +158,38 @@ def build_datasets(cfg: TrainConfig, task, tokenizer: Tokenizer
   stops the run before anything is compiled."""
   template = chat_lib.ChatTemplate.load(cfg.data.chat_template, cfg.init.tokenizer)
   train, held_out = load_prompt_records(cfg, task)
-  if cfg.data.prompts_file:  # a task's prompts are its tokenizer's own words
-    warn_unspellable(train, tokenizer, f"config.data.prompts_file={cfg.data.prompts_file!r}")
-  warn_short_budget(cfg, train, tokenizer)
   make = lambda records, shuffle: prompts_lib.PromptDataset(
       records_lib.render_prompts(records, template), tokenizer,
       batch_size=cfg.rollout.prompts_per_iteration, max_prompt_len=cfg.data.max_prompt_len,
       seed=cfg.seed, shuffle=shuffle, padding="right", field=records_lib.PROMPT_TEXT_KEY,
       add_bos=False if template is not None else None)
-  return make(train, True), (make(held_out, False) if held_out else None)
+  try:
+    if cfg.data.prompts_file:  # a task's prompts are its tokenizer's own words
+      warn_unspellable(train, tokenizer, f"config.data.prompts_file={cfg.data.prompts_file!r}")
+    warn_short_budget(cfg, train, tokenizer)
+    return make(train, True), (make(held_out, False) if held_out else None)
+  except ValueError:
+    if cfg.data.prompts_file and not cfg.init.tokenizer:
+      _refuse_task_vocabulary(cfg, train + held_out, tokenizer)
+    raise
+
+
+def _refuse_task_vocabulary(cfg: TrainConfig, records: list, tokenizer: Tokenizer) -> None:
+  """A ValueError naming the first of `records` (a prompts file's) that the synthetic task's
+  word-level tokenizer cannot encode, and config.init.tokenizer: the error was the tokenizer
+  library's "Missing [UNK] token", naming neither the field nor the row. Nothing when every
+  record encodes (the caller's error was another)."""
+  for record in records:
+    text = _prompt_text(record.get(records_lib.PROMPT_KEY, ""))
+    try:
+      tokenizer.encode(text, add_bos=False)
+    except ValueError:
+      raise ValueError(
+          f"{record.get(prompts_lib.SOURCE_KEY, cfg.data.prompts_file)}: the prompt {text[:80]!r}"
+          f" is not in the {cfg.data.task!r} task's word-level vocabulary ({tokenizer.name}), "
+          "the tokenizer of a run without config.init.tokenizer; set config.init.tokenizer to "
+          "the tokenizer.json of the model the prompts are for (and config.init."
+          "actor_checkpoint to its weights)") from None
 
 
 def build_dataset(cfg: TrainConfig, task, tokenizer: Tokenizer) -> prompts_lib.PromptDataset:

@@ -296,9 +296,11 @@ class RewardConfig:
     _check(math.isfinite(self.format_weight), "reward.format_weight", self.format_weight,
            "a finite number")
     labels = [stat_label(s) for s in self.stat_specs]
-    _check("task" not in self.stat_specs and len(set(labels)) == len(labels), "reward.stats",
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    _check("task" not in self.stat_specs and not repeated, "reward.stats",
            self.stats, "comma-separated reward function names or import paths with distinct "
-           "function names (the task's verifier is reward.function)")
+           "function names (the task's verifier is reward.function)" +
+           (f"; {', '.join(repeated)} named twice" if repeated else ""))
 
   @property
   def stat_specs(self) -> list[str]:
