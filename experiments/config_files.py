@@ -295,7 +295,7 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
     try:
       return main(args)
     except USER_ERRORS as e:
-      if os.environ.get(TRACEBACK_ENV, "0") not in ("", "0"):  # 0 or unset: one line
+      if os.environ.get(TRACEBACK_ENV, "").lower() not in ("", "0", "false", "no", "off"):
         raise
       path = _save_traceback(traceback.format_exc(), in_workdir=traceback_in_workdir and not
                              isinstance(e, (wd.WorkdirInUseError, wd.ForeignWorkdirError)))

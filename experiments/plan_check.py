@@ -73,8 +73,8 @@ def main(argv):
       plan_config.apply_run(config, _RUN_CONFIG.value)
     except (ValueError, FileNotFoundError) as e:  # they say config.<field>: the user typed
       # --run_config (a checkpoint directory not there is a FileNotFoundError)
-      raise type(e)(f"--run_config (config.<field> is --run_config.<field> here): {e}"
-                    ) from None
+      kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
+      raise kind(f"--run_config (config.<field> is --run_config.<field> here): {e}") from None
   n = device_count(config)
   request_host_devices(n)
   from experiments import plan_programs  # imports jax: after the device count is set

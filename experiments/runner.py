@@ -5,13 +5,13 @@ binaries' reports (`fixed_or_sci`); what every result.json records about how it 
 (`provenance`, `write_result`). No absl flags are defined here, so binaries can share it."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging as py_logging
 import logging.handlers
 import os
 import platform
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -135,20 +135,17 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
-                 started: Optional[Callable[[subprocess.Popen], None]] = None,
-                 own_group: bool = False) -> int:
+                 started: Optional[Callable[[subprocess.Popen], None]] = None) -> int:
   """Runs `cmd` from the repository root, its output streamed with a [name] prefix and appended
   to run_dir/log.txt after a header line (a re-run, e.g. a resumed sweep, keeps the earlier
   runs' logs); returns its exit status. `started` gets the process once it runs (a caller that
-  passes signals on). A KeyboardInterrupt (Ctrl-C) waits for the run to end, then raises
-  RunInterrupted with its status. `own_group`: the run gets a process group of its own, so
-  Ctrl-C at the terminal reaches this process alone, which passes each SIGINT on: a SIGINT to
-  this process alone (`kill -INT`, a supervisor) then reaches the run too (the sweep waited
-  for a run that never heard of it). Only from the main thread (bench_async's threads get no
-  KeyboardInterrupt: its runs share its group, where Ctrl-C reaches them directly)."""
-  proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          cwd=REPO_ROOT, env={**env, LOG_KEPT_ENV: "1"},
-                          process_group=0 if own_group else None)
+  passes signals on). A KeyboardInterrupt (Ctrl-C, which reaches the run too: it shares this
+  process's group) waits for the run to end, then raises RunInterrupted with its exit status
+  (a caller called a run that had finished "interrupted"). The run's stdin is /dev/null: one
+  that read it (a leftover breakpoint()) waited forever for a terminal it could not read."""
+  proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+                          env={**env, LOG_KEPT_ENV: "1"})
   if started is not None:
     started(proc)
   os.makedirs(run_dir, exist_ok=True)
@@ -167,11 +164,15 @@ def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
         rc = proc.wait()
         break
       except KeyboardInterrupt:
-        # The run gets the SIGINT too (from the terminal, or passed on here): it finishes its
-        # iteration and saves (a second one stops it at once); keep its last lines.
+        # The run got the Ctrl-C too: it finishes its iteration and saves (a second one stops
+        # it at once); keep its last lines. (A SIGINT sent to this process alone does not
+        # reach the run: SIGTERM is the signal this process passes on, sweep._Signals.)
+        if not interrupted:
+          from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+          absl_logging.warning("interrupted: waiting for %s to end (the Ctrl-C reached it too; "
+                               "a SIGINT sent to this process alone did not: SIGTERM to this "
+                               "process stops the run)", name)
         interrupted = True
-        if own_group and proc.poll() is None:
-          proc.send_signal(signal.SIGINT)
   if interrupted:
     raise RunInterrupted(rc)
   return rc
@@ -220,6 +221,25 @@ def git_commit() -> Optional[str]:
   return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
 
 
+def git_changes() -> Optional[str]:
+  """A short hash of the uncommitted changes to tracked files (`git diff HEAD`), None for a
+  clean checkout or outside one: what tells two "-dirty" runs of one commit apart (a sweep
+  keeps a finished run only if its code is this checkout's)."""
+  try:
+    diff = subprocess.run(["git", "-C", REPO_ROOT, "diff", "HEAD", "--binary"],
+                          capture_output=True, timeout=30)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  if diff.returncode != 0 or not diff.stdout:
+    return None
+  return hashlib.sha1(diff.stdout).hexdigest()[:12]
+
+
+def code_state() -> tuple[Optional[str], Optional[str]]:
+  """(git_commit, git_changes) of this checkout, as provenance records them."""
+  return git_commit(), git_changes()
+
+
 _START: dict = {}  # the run's start, as note_start read it
 
 
@@ -228,7 +248,9 @@ def note_start() -> None:
   calls it): a long run's result records the code it started from, even if the checkout
   changed under it."""
   _START.clear()
-  _START.update(started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), git_commit=git_commit())
+  commit, changes = code_state()
+  _START.update(started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), git_commit=commit,
+                git_changes=changes)
   _START_TIME[0] = time.time()
 
 
@@ -334,13 +356,15 @@ def smooth(x, width: int):
 def provenance() -> dict:
   """When, from which code, by which command and on what a result was made: the date it was
   written and (through config_files.run) the run's start, the git commit at the start (`-dirty`
-  with uncommitted changes), the command line, the host (processor, cores, Python) and, when
+  with uncommitted changes, and then `git_changes`, a hash of them), the command line, the host (processor, cores, Python) and, when
   the binary used jax, its version and devices."""
-  out = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-         "git_commit": _START["git_commit"] if _START else git_commit(),
+  commit, changes = (_START["git_commit"], _START.get("git_changes")) if _START else code_state()
+  out = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": commit,
          "command": command_line(), "host": platform.node(),
          "host_cpu": host_cpu(), "host_cores": os.cpu_count(),
          "python": platform.python_version()}
+  if changes:
+    out["git_changes"] = changes
   if _START:
     out["started"] = _START["started"]
   jax = sys.modules.get("jax")

@@ -17,8 +17,9 @@ run is a row with its status, not the end of the sweep; the sweep then exits 1 n
 runs. A run stopped by a signal (exit 75), or SIGTERM to the sweep (passed on to the run in
 progress), ends the sweep after that run: the summary has the runs so far, and the sweep exits
 75, as train_ppo does (the same command runs it again: train_ppo runs resume, and a one-shot
-binary's run that finished with the same config, its row ok in summary.json, its config.json
-and result.json in place, is kept, not run again, unless --rerun). Each run starts
+binary's run that finished with the same config at the same clean commit, its row ok in
+summary.json, its config.json and result.json in place, is kept, not run again, unless
+--rerun). Each run starts
 in the repository root; a relative --config file or --workdir is the caller's (made absolute).
 `--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant, if it
 takes an argument). Each run's output is appended to DIR/<run>/log.txt; --dry_run prints
@@ -46,8 +47,8 @@ from ml_collections import config_flags
 
 from experiments import config_files
 from experiments.runner import (REPO_ROOT, RunInterrupted, across_seeds, build_command,
-                                format_value, merge_rows, repo_env, run_streamed, seed_groups,
-                                smooth)
+                                format_value, code_state, merge_rows, repo_env, run_streamed,
+                                seed_groups, smooth)
 from rlhfuse_jax import workdir as wd
 
 _CONFIG = flags.DEFINE_string("config", None, "config file defining get_sweep()", required=True)
@@ -443,22 +444,32 @@ def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str]
     return _run_sweep(config, binary, workdir, passthrough, dry_run, signals, only, rerun)
 
 
-def kept_row(run_dir: str, binary: str, earlier: Optional[dict], config: Optional[dict]
-             ) -> Optional[dict]:
-  """The earlier summary row of a one-shot binary's run (not train_ppo's: it resumes from its
-  checkpoints) that finished with this config: `earlier` ok, run_dir/result.json written by
-  `binary`, run_dir/config.json equal to `config` (the run's config as check_values resolved
-  it). None when any of that does not hold: the run runs."""
+def kept_row(run_dir: str, binary: str, earlier: Optional[dict], config: Optional[dict],
+             row: dict) -> Optional[dict]:
+  """`row` (the run's start, run_row's) completed from run_dir/result.json when a one-shot
+  binary's run (not train_ppo's: it resumes from its checkpoints) finished there with this
+  config from this code: `earlier` (its summary row) ok, the result written by `binary` at
+  the checkout's commit and uncommitted changes (provenance's git_commit, git_changes: another
+  commit or an edit may change what it computes), run_dir/config.json equal to `config` (the
+  run's config as check_values resolved it). None when any of that does not hold: the run
+  runs. (Inputs a config names by path, and the host, are not compared.)"""
   if (binary == "train_ppo" or not earlier or config is None or
       not str(earlier.get("status", "")).startswith("ok") or
       wd.workdir_writer(run_dir) != binary):
     return None
+  commit, changes = code_state()
   try:
     with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
       written = json.load(f)
+    result = read_run_result(run_dir)
   except (OSError, ValueError):
     return None
-  return dict(earlier) if written == wd.as_json(config) else None
+  made = (result or {}).get("provenance") or {}
+  if (written != wd.as_json(config) or not commit or made.get("git_commit") != commit or
+      made.get("git_changes") != changes):
+    return None
+  return _ended(dict(row), 0, run_dir, float(earlier.get("wall_s") or 0.0), 0,
+                kept=True)
 
 
 def select(sweep: list[dict], only: Optional[Sequence[str]]) -> list[tuple[int, str, dict]]:
@@ -503,7 +514,7 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
   # A training run's or a one-shot binary's workdir: the summary and run folders went in
   # beside its outputs.
   wd.refuse_foreign_result(workdir, "sweep")
-  if os.path.isdir(os.path.join(workdir, "checkpoints")):
+  if "checkpoints" not in names and os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise wd.ForeignWorkdirError(f"--workdir={workdir!r} holds a training run (checkpoints); "
                                  "give experiments.sweep a directory of its own")
   lock = None
@@ -541,16 +552,16 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
     if signals.signum:
       break
     kept = None if rerun else kept_row(run_dir, binary, earlier.get(name),
-                                       (configs or {}).get(name))
+                                       (configs or {}).get(name), row)
     if kept is not None:
       rows.append(kept)
-      logging.info("[%d/%d] %s: finished earlier with this config; kept (--rerun runs it "
-                   "again)", i + 1, len(runs), name)
+      logging.info("[%d/%d] %s: finished earlier with this config at this commit; kept "
+                   "(--rerun runs it again)", i + 1, len(runs), name)
       continue
     t0 = time.time()
     try:
-      rc = run_streamed(cmd, run_dir, name, env, started=signals.started, own_group=True)
-    except RunInterrupted as e:  # Ctrl-C: passed on to the run, which has ended since
+      rc = run_streamed(cmd, run_dir, name, env, started=signals.started)
+    except RunInterrupted as e:  # Ctrl-C: the run got it too, and has ended since
       rows.append(_ended(row, e.returncode, run_dir, time.time() - t0, signals.signum,
                          interrupted=True))
       summary(rows)
@@ -572,9 +583,10 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
 
 
 def _ended(row: dict, rc: int, run_dir: str, wall_s: float, signum: int,
-           interrupted: bool = False) -> dict:
+           interrupted: bool = False, kept: bool = False) -> dict:
   """`row` completed with how its run ended (exit status `rc`; `signum`: the signal the sweep
-  passed on, 0 for none; `interrupted`: a Ctrl-C came meanwhile) and its result's scalars."""
+  passed on, 0 for none; `interrupted`: a Ctrl-C came meanwhile; `kept`: an earlier start's
+  run, kept_row's) and its result's scalars."""
   # A run that died of the signal the sweep passed on (-15, or 143 from a binary that exits
   # as SIGTERM's death) was stopped; one killed otherwise (-9: the OOM killer) failed.
   signalled = bool(signum) and rc in (-signum, 128 + signum)
@@ -588,6 +600,8 @@ def _ended(row: dict, rc: int, run_dir: str, wall_s: float, signum: int,
   result = read_run_result(run_dir) if rc == 0 else None
   if rc == 0 and result is None:
     row["status"] = "ok (no result.json / metrics.jsonl)"
+  elif kept:
+    row["status"] = "ok (kept: finished earlier)"
   if result:
     # A result's own "status" (train_ppo's done / stopped) must not replace the sweep's.
     row.update({f"result/{k}" if k in row else k: v for k, v in flatten_scalars(

@@ -190,11 +190,12 @@ def main(argv):
     _main(run_log)
   except SystemExit:
     raise
-  except KeyboardInterrupt:  # a second Ctrl-C: stop now, without the save the first asked for
-    run_log.exception("the run ended with KeyboardInterrupt (a second Ctrl-C)")
-    logging.error("interrupted by a second Ctrl-C: stopped without saving this iteration; "
-                  "the checkpoints saved before it are intact (an unfinished save is cleared "
-                  "on the next start): re-run to resume from the latest (traceback: %s)",
+  except KeyboardInterrupt:  # a second Ctrl-C (or one once the loop has ended): stop now
+    run_log.exception("the run ended with KeyboardInterrupt")
+    logging.error("interrupted by Ctrl-C (a second one, or one after the last iteration): "
+                  "stopped at once without saving what was in progress; the checkpoints saved "
+                  "before are intact (an unfinished save is cleared on the next start): re-run "
+                  "to resume from the latest, or to write result.json (traceback: %s)",
                   os.path.join(_WORKDIR.value, "log.txt"))
     run_log.close()
     logging.flush()

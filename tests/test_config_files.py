@@ -122,7 +122,7 @@ def test_a_bad_value_ends_in_one_line_and_keeps_its_traceback_in_a_file(tmp_path
   proc = _run(tmp_path, "--config=cfg.py", "--config.lr=-1", f"--workdir={tmp_path / 'out'}")
   assert os.listdir(tmp_path / "out") == ["traceback.txt"]
   assert str(tmp_path / "out" / "traceback.txt") in proc.stderr
-  for value, printed in (("1", True), ("0", False)):  # 0 printed it too (any value did)
+  for value, printed in (("1", True), ("0", False), ("false", False)):  # any value printed it
     env_run = subprocess.run(
         [sys.executable, "-c", _BINARY, "--config=cfg.py", "--config.lr=-1"], cwd=tmp_path,
         env=dict(os.environ, RLHFUSE_TRACEBACK=value,

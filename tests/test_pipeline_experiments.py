@@ -126,15 +126,34 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   # aside, and its time-bound figures could change) and runs the failed one; --rerun runs it.
   again = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
                 f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.5"])
-  assert again.returncode == 1 and "ok4: finished earlier with this config; kept" in again.stderr
+  assert again.returncode == 1 and "ok4: finished earlier with this config at this commit; " \
+      "kept" in again.stderr, again.stderr[-3000:]
   assert "run001: failed" in again.stderr and "[ok4]" not in again.stdout, again.stderr[-3000:]
-  assert json.loads((tmp_path / "sw" / "summary.json").read_text())[0] == rows[0]
+  kept = json.loads((tmp_path / "sw" / "summary.json").read_text())[0]
+  assert kept == {**rows[0], "status": "ok (kept: finished earlier)"}
   assert not (tmp_path / "sw" / "ok4" / "previous").exists()
+  # The row is read from the result in the run's directory, not copied from the summary.
+  result_path = tmp_path / "sw" / "ok4" / "result.json"
+  result = json.loads(result_path.read_text())
+  result_path.write_text(json.dumps({**result, "searched": 74.0}))
+  again = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+                f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.5", "--only=ok4"])
+  assert json.loads((tmp_path / "sw" / "summary.json").read_text())[0]["searched"] == 74.0
+  # Made by other code (another commit, other uncommitted changes): run again; so is a run
+  # whose config differs (here the sweep's own flag).
+  result_path.write_text(json.dumps({**result, "provenance": {
+      **result["provenance"], "git_changes": "0123456789ab"}}))
+  again = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+                f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.5", "--only=ok4"])
+  assert "[ok4]" in again.stdout and (tmp_path / "sw" / "ok4" / "previous" / "1").exists()
+  changed = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+                  f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.4", "--only=ok4"])
+  assert changed.returncode == 0 and "[ok4]" in changed.stdout, changed.stderr[-3000:]
   rerun = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
-                f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.5", "--rerun",
+                f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.4", "--rerun",
                 "--only=ok4"])
   assert rerun.returncode == 0 and "[ok4]" in rerun.stdout, rerun.stderr[-3000:]
-  assert (tmp_path / "sw" / "ok4" / "previous" / "1" / "result.json").exists()
+  assert (tmp_path / "sw" / "ok4" / "previous" / "3" / "result.json").exists()
   summary = (tmp_path / "sw" / "summary.json").read_text()
   # A dry run prints the commands and writes nothing: the finished sweep's summary stays.
   dry = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
@@ -251,9 +270,9 @@ def test_sweep_paths_are_the_callers_and_run_names_are_unique(tmp_path):
 def test_sigterm_to_the_sweep_stops_its_run_and_the_sweep(tmp_path, sig):
   """SIGTERM to the sweep's process alone (a `kill`): the run in progress gets it, the summary
   has that run, no further run starts, and the sweep exits 75 (the same command resumes). It
-  died at once, without a summary, and its run went on alone. SIGINT (`kill -INT`, or Ctrl-C:
-  the run has a process group of its own, so the sweep passes it on): the same, exit 130; the
-  sweep waited for the whole run, then called it interrupted."""
+  died at once, without a summary, and its run went on alone. SIGINT to the process group (a
+  terminal's Ctrl-C): both get it, the sweep waits for its run to end and exits 130, the row
+  saying how the run ended (it said "interrupted" of any run, one that had finished too)."""
   (tmp_path / "s.py").write_text(
       SCHEDULE_SEARCH_BASE +
       "get_config = _base.get_config\n"
@@ -262,14 +281,18 @@ def test_sigterm_to_the_sweep_stops_its_run_and_the_sweep(tmp_path, sig):
       [*RESET_SIGINT, sys.executable, "-m", "experiments.sweep",
        f"--config={tmp_path / 's.py'}", "--binary=schedule_search",
        f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=120"], cwd=REPO, env=_env(),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as sweep:
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      start_new_session=True) as sweep:  # a group of its own, as a terminal's job
     try:
       log = tmp_path / "sw" / "long" / "log.txt"
       deadline = time.time() + 120
       while not (log.exists() and "phase 1/2" in log.read_text()):  # searching
         assert sweep.poll() is None and time.time() < deadline
         time.sleep(0.1)
-      sweep.send_signal(sig)
+      if sig == signal.SIGTERM:
+        sweep.send_signal(sig)  # to the sweep's process alone (a `kill`)
+      else:
+        os.killpg(sweep.pid, sig)  # to its group, as Ctrl-C at a terminal
       _, err = sweep.communicate(timeout=60)
     finally:
       sweep.kill()
@@ -606,7 +629,7 @@ import json, os, shutil, sys
 from experiments import sweep
 work, cfg = sys.argv[1], sys.argv[2]
 
-def fake_run(cmd, run_dir, name, env, started=None, own_group=False):
+def fake_run(cmd, run_dir, name, env, started=None):
   flag = {a.split("=")[0][len("--config."):]: float(a.split("=")[1]) for a in cmd
           if a.startswith("--config.")}
   lr, seed = flag["lr"], flag["seed"]

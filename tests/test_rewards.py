@@ -11,6 +11,7 @@ from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.data import verifiers
 from rlhfuse_jax.data.tokenizer import HFTokenizer
 from rlhfuse_jax.inference.scoring import RewardTerm, Rewards
+from rlhfuse_jax.models import llama
 from rlhfuse_jax.trainer import build
 from tests.test_trainer import tiny_config
 
@@ -469,6 +470,15 @@ def test_errors_name_the_function_and_the_sample(tok):
   with pytest.raises(ValueError, match=r"the reward of sample 0 of the batch overflows float32: "
                                        r"function 1 \* 3e\+38, format 2 \* 3e\+38"):
     summed.combine(records, ids, lens)
+  # A reward model's own non-finite score is not an overflow of the sum: it goes on to the
+  # trainer's guard (guard.on_nonfinite), as before.
+  model = Rewards(model_cfg=llama.ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8,
+                                              num_layers=1, num_heads=1, num_kv_heads=1,
+                                              head="scalar"), model_params={},
+                  extra=[RewardTerm(label="format", fn=lambda r, i, l: np.ones(3, np.float32),
+                                    name="one")])
+  got, _ = model.combine(records, ids, lens, np.array([0.5, np.nan, np.inf], np.float32))
+  assert got[0] == 1.5 and np.isnan(got[1]) and np.isinf(got[2])
   # A registered verifier's error names it and the sample too.
   with pytest.raises(ValueError, match=r"reward function 'gsm8k' failed on sample 1 "
                                        r"\(train\.jsonl:5\).*holds no number"):
@@ -515,3 +525,6 @@ def test_reward_config_checks():
   assert not build._needs_answer(tiny_config(**model, **{"reward.format": "gsm8k_format"}))
   with pytest.raises(ValueError, match=r"config\.reward\.format_weight=inf"):
     tiny_config(**{"reward.format": "boxed_format", "reward.format_weight": float("inf")})
+  # finite, but every reward it weighs overflows float32 (refused after the compiles)
+  with pytest.raises(ValueError, match=r"config\.reward\.format_weight=1e\+39: .*float32"):
+    tiny_config(**{"reward.format": "boxed_format", "reward.format_weight": 1e39})

@@ -155,11 +155,14 @@ def _answer_text(answer: Any, where_: str, key: str) -> str:
 
 
 def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSWER_KEY, *,
-                 require_answer: bool = False) -> list[dict[str, Any]]:
+                 require_answer: bool = False, check_answer_key: bool = True
+                 ) -> list[dict[str, Any]]:
   """The rows of a JSONL (any extension but .parquet) or parquet file as prompt records.
 
   require_answer: every row must have an answer (the run's reward verifies against it);
-  otherwise a row without one simply has no 'target'. Errors name the file and the row; a line
+  otherwise a row without one simply has no 'target'. check_answer_key: an answer_key other
+  than the default that no row has is refused (a misspelling; off for a held-out file, which
+  a run without verification may hold without answers). Errors name the file and the row; a line
   that is not JSON is reported before any row's missing field.
   """
   if not os.path.isfile(path):
@@ -200,7 +203,7 @@ def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSW
     records.append(record)
   if not records:
     raise ValueError(f"{path}: no prompts (the file is empty or blank)")
-  if answer_key != ANSWER_KEY and not any(ANSWER_KEY in r for r in records):
+  if check_answer_key and answer_key != ANSWER_KEY and not any(ANSWER_KEY in r for r in records):
     # A key the user chose that no row has is a misspelling: every answer a reward function
     # got was None, silently (the default key may be absent: a reward model needs none).
     raise ValueError(f"{path}: no row has the answer field '{answer_key}' (the first row's "

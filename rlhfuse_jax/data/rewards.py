@@ -27,6 +27,7 @@ import difflib
 import importlib
 import inspect
 import numbers
+import os
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -280,10 +281,11 @@ def import_function(spec: str) -> Callable:
   if not module_name or not attr:
     raise ValueError(f"reward function {spec!r}: expected 'package.module:function'")
   if module_name.endswith(".py") or "/" in module_name:  # a file where the module goes
-    dotted = module_name[:-3] if module_name.endswith(".py") else module_name
+    stem = module_name[:-3] if module_name.endswith(".py") else module_name
+    where, module = (os.path.split(stem) if os.path.isabs(stem) else
+                     ("the directory above it", stem.strip("./").replace("/", ".")))
     raise ValueError(f"reward function {spec!r}: {module_name!r} is a file path; name the "
-                     f"module by import path, '{dotted.strip('./').replace('/', '.')}:{attr}', "
-                     "with the directory above it on PYTHONPATH")
+                     f"module by import path, '{module}:{attr}', with {where} on PYTHONPATH")
   try:
     node = importlib.import_module(module_name)
   except Exception as e:  # noqa: BLE001 any import failure (missing module, its own error)

@@ -291,8 +291,11 @@ class Rewards:
     with np.errstate(over="ignore"):
       for _, weight, values in parts:
         total = total + np.float32(weight) * values
-    if not np.isfinite(total).all():
-      b = int(np.flatnonzero(~np.isfinite(total))[0])
+    # Terms finite alone whose sum is not (a reward model's own NaN or inf goes on as before, to
+    # the trainer's guard.on_nonfinite).
+    overflow = ~np.isfinite(total) & np.all([np.isfinite(v) for _, _, v in parts], axis=0)
+    if overflow.any():
+      b = int(np.flatnonzero(overflow)[0])
       terms = ", ".join(f"{label} {weight:g} * {values[b]:g}" for label, weight, values in parts)
       raise ValueError(f"the reward of sample {b} of the batch overflows float32: {terms}; "
                        "scale the terms (config.reward.format_weight) into float32's range")

@@ -293,8 +293,9 @@ class RewardConfig:
            self.model_checkpoint, "a checkpoint directory when reward.kind='model'")
     _check(self.format != "task", "reward.format", self.format,
            "a reward function name or import path (the task's verifier is reward.function)")
-    _check(math.isfinite(self.format_weight), "reward.format_weight", self.format_weight,
-           "a finite number")
+    _check(math.isfinite(self.format_weight) and abs(self.format_weight) <= 3.4e38,
+           "reward.format_weight", self.format_weight,
+           "a finite number in float32's range (magnitude at most 3.4e38)")
     labels = [stat_label(s) for s in self.stat_specs]
     repeated = sorted({label for label in labels if labels.count(label) > 1})
     _check("task" not in self.stat_specs and not repeated, "reward.stats",

@@ -253,8 +253,9 @@ class PPOTrainer:
       n, per = len(self.dataset.records), cfg.rollout.prompts_per_iteration
       logging.info("setup: %d training prompts%s, %d per iteration: %d iterations are %.3g "
                    "passes over them (each pass in a new seeded order)", n,
-                   f" ({len(held_out.records)} held-out ones validated)"
-                   if held_out is not None else "", per,
+                   f" ({len(held_out.records)} held-out ones validated" + (
+                       f" every {cfg.eval_every} iterations)" if cfg.eval_every else
+                       ": never, eval_every=0)") if held_out is not None else "", per,
                    cfg.num_iterations, cfg.num_iterations * per / n)
     self.held_out = (evaluation.HeldOutEval(held_out, cfg.rollout.batch_size, cfg.seed)
                      if held_out is not None and cfg.eval_every else None)
