@@ -17,9 +17,9 @@ run is a row with its status, not the end of the sweep; the sweep then exits 1 n
 runs. A run stopped by a signal (exit 75), or SIGTERM to the sweep (passed on to the run in
 progress), ends the sweep after that run: the summary has the runs so far, and the sweep exits
 75, as train_ppo does (the same command runs it again: train_ppo runs resume, and a one-shot
-binary's run that finished with the same config at the same clean commit, its row ok in
-summary.json, its config.json and result.json in place, is kept, not run again, unless
---rerun). Each run starts
+binary's run that finished with the same config from the same code (commit and uncommitted
+changes), its row ok in summary.json, its config.json and result.json in place, is kept, not
+run again, unless --rerun). Each run starts
 in the repository root; a relative --config file or --workdir is the caller's (made absolute).
 `--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant, if it
 takes an argument). Each run's output is appended to DIR/<run>/log.txt; --dry_run prints
