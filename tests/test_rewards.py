@@ -51,6 +51,11 @@ def half_missing(response, answer, record):
   return float("nan") if record.get("id") == 1 else len(response) / 100.0
 
 
+def none_missing(response, answer, record):
+  """half_missing with None for "no value"."""
+  return None if record.get("id") == 1 else len(response) / 100.0
+
+
 def overflows(response, answer, record):
   return 1e39 if record.get("id") == 1 else 0.5
 
@@ -366,13 +371,15 @@ def test_stats_are_measured_and_not_added_to_the_reward(tok):
   records[1]["target"] = "bad"  # batch_lengths' NaN
   cfg = tiny_config(**{"reward.function": "tests.test_rewards:with_defaults",
                        "reward.stats": "tests.test_rewards:half_missing,"
-                                       "tests.test_rewards:batch_lengths"})
+                                       "tests.test_rewards:batch_lengths,"
+                                       "tests.test_rewards:none_missing"})
   got = build.build_rewards(cfg, None, tok, None, None).combine(records, ids, lens)[1]
   assert got == {"stats/half_missing_mean": pytest.approx(0.01 / 2),
-                 "stats/batch_lengths_mean": pytest.approx(0.01 / 2)}
+                 "stats/batch_lengths_mean": pytest.approx(0.01 / 2),
+                 "stats/none_missing_mean": pytest.approx(0.01 / 2)}
   got = build.build_rewards(cfg, None, tok, None, None).combine(records[1:2], ids[1:2],
                                                                  lens[1:2])[1]
-  assert np.isnan(got["stats/half_missing_mean"]) and np.isnan(got["stats/batch_lengths_mean"])
+  assert all(np.isnan(v) for v in got.values()) and len(got) == 3
   cfg = tiny_config(**{"reward.function": "tests.test_rewards:with_defaults",
                        "reward.stats": "tests.test_rewards:overflows"})
   with pytest.raises(ValueError, match=r"^statistic 'tests\.test_rewards:overflows' returned "

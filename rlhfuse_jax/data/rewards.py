@@ -204,8 +204,8 @@ def per_sample(fn: TextRewardFn, name: str, stat: bool = False) -> RewardFn:
   `answer` is record['target'] (the dataset's answer column; None when the row has none). An
   exception or a value that is not a finite real number raises RewardFunctionError naming
   `name`, the sample's index in the batch and its record's file:line, its answer and the start
-  of its response. `stat`: a statistic (config.reward.stats), named so; NaN passes, its "no
-  value for this sample".
+  of its response. `stat`: a statistic (config.reward.stats), named so; NaN (or None) passes,
+  its "no value for this sample".
   """
   what = "statistic" if stat else "reward function"
 
@@ -223,6 +223,8 @@ def per_sample(fn: TextRewardFn, name: str, stat: bool = False) -> RewardFn:
       # returns) is its one number, as a Python bool, int or float.
       if hasattr(value, "__array__") and np.shape(value) == ():
         value = np.asarray(value).item()
+      if stat and value is None:  # a statistic's "no value", as a batched one's None reads
+        value = float("nan")
       if not isinstance(value, numbers.Real) or not (
           np.isfinite(_as_float32(value)) or stat and np.isnan(_as_float32(value))):
         raise RewardFunctionError(f"{what} {name!r} returned {value!r:.200} for "
