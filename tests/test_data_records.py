@@ -364,6 +364,11 @@ def test_text_prompts_without_a_tokenizer_name_the_row_and_the_field(tmp_path):
   with pytest.raises(ValueError, match=r"d\.jsonl:2: the prompt 'How many cards\?' is not in "
                      r"the 'repeat' task's word-level vocabulary .* set config\.init\.tokenizer"):
     build.build_datasets(cfg, task, tok)
+  # an answer outside it too (the task's verifier reads the answers with the same tokenizer)
+  _jsonl(tmp_path / "d.jsonl", [{"prompt": "3 #2 =", "target": "three three"}])
+  with pytest.raises(ValueError, match=r"d\.jsonl:1: the answer 'three three' is not in the "
+                     r"'repeat' task's word-level vocabulary"):
+    build.build_datasets(cfg, task, tok)
   # the task's own words read
   _jsonl(tmp_path / "d.jsonl", [{"prompt": "3 #2 =", "target": "3 3"}])
   assert len(build.build_datasets(cfg, task, tok)[0]) == 1

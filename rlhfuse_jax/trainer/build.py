@@ -176,21 +176,23 @@ def build_datasets(cfg: TrainConfig, task, tokenizer: Tokenizer
 
 
 def _refuse_task_vocabulary(cfg: TrainConfig, records: list, tokenizer: Tokenizer) -> None:
-  """A ValueError naming the first of `records` (a prompts file's) that the synthetic task's
-  word-level tokenizer cannot encode, and config.init.tokenizer: the error was the tokenizer
+  """A ValueError naming the first of `records` (a prompts file's) whose prompt or answer the
+  synthetic task's word-level tokenizer cannot encode, and config.init.tokenizer: the error was the tokenizer
   library's "Missing [UNK] token", naming neither the field nor the row. Nothing when every
   record encodes (the caller's error was another)."""
   for record in records:
-    text = _prompt_text(record.get(records_lib.PROMPT_KEY, ""))
-    try:
-      tokenizer.encode(text, add_bos=False)
-    except ValueError:
-      raise ValueError(
-          f"{record.get(prompts_lib.SOURCE_KEY, cfg.data.prompts_file)}: the prompt {text[:80]!r}"
-          f" is not in the {cfg.data.task!r} task's word-level vocabulary ({tokenizer.name}), "
-          "the tokenizer of a run without config.init.tokenizer; set config.init.tokenizer to "
-          "the tokenizer.json of the model the prompts are for (and config.init."
-          "actor_checkpoint to its weights)") from None
+    answer = record.get(records_lib.ANSWER_KEY)
+    for what, text in (("prompt", _prompt_text(record.get(records_lib.PROMPT_KEY, ""))),
+                       ("answer", answer if isinstance(answer, str) else "")):
+      try:
+        tokenizer.encode(text, add_bos=False)
+      except ValueError:
+        raise ValueError(
+            f"{record.get(prompts_lib.SOURCE_KEY, cfg.data.prompts_file)}: the {what} "
+            f"{text[:80]!r} is not in the {cfg.data.task!r} task's word-level vocabulary "
+            f"({tokenizer.name}), the tokenizer of a run without config.init.tokenizer; set "
+            "config.init.tokenizer to the tokenizer.json of the model the prompts are for (and "
+            "config.init.actor_checkpoint to its weights)") from None
 
 
 def build_dataset(cfg: TrainConfig, task, tokenizer: Tokenizer) -> prompts_lib.PromptDataset:
