@@ -250,11 +250,7 @@ def note_start() -> None:
   _START.clear()
   commit, changes = code_state()
   _START.update(started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), git_commit=commit,
-                git_changes=changes)
-  _START_TIME[0] = time.time()
-
-
-_START_TIME = [0.0]
+                git_changes=changes, start_time=time.time())
 
 
 def clear_earlier_traceback(workdir: str) -> None:
@@ -263,14 +259,15 @@ def clear_earlier_traceback(workdir: str) -> None:
   failed. Nothing is lost: train_ppo's log.txt keeps every start's traceback."""
   path = os.path.join(workdir, "traceback.txt")
   try:
-    if os.path.getmtime(path) < _START_TIME[0]:
+    if os.path.getmtime(path) < _START.get("start_time", 0.0):
       os.remove(path)
   except OSError:
     pass
 
 
 def start_record() -> dict:
-  """What note_start read at this run's start: {started, git_commit} (empty before it ran)."""
+  """What note_start read at this run's start: {started, git_commit, git_changes, start_time
+  (time.time())} (empty before it ran)."""
   return dict(_START)
 
 
@@ -356,8 +353,8 @@ def smooth(x, width: int):
 def provenance() -> dict:
   """When, from which code, by which command and on what a result was made: the date it was
   written and (through config_files.run) the run's start, the git commit at the start (`-dirty`
-  with uncommitted changes, and then `git_changes`, a hash of them), the command line, the host (processor, cores, Python) and, when
-  the binary used jax, its version and devices."""
+  with uncommitted changes, and then `git_changes`, a hash of them), the command line, the
+  host (processor, cores, Python) and, when the binary used jax, its version and devices."""
   commit, changes = (_START["git_commit"], _START.get("git_changes")) if _START else code_state()
   out = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": commit,
          "command": command_line(), "host": platform.node(),

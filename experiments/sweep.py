@@ -445,19 +445,20 @@ def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str]
 
 
 def kept_row(run_dir: str, binary: str, earlier: Optional[dict], config: Optional[dict],
-             row: dict) -> Optional[dict]:
+             row: dict, code: tuple[Optional[str], Optional[str]]) -> Optional[dict]:
   """`row` (the run's start, run_row's) completed from run_dir/result.json when a one-shot
   binary's run (not train_ppo's: it resumes from its checkpoints) finished there with this
   config from this code: `earlier` (its summary row) ok, the result written by `binary` at
   the checkout's commit and uncommitted changes (provenance's git_commit, git_changes: another
-  commit or an edit may change what it computes), run_dir/config.json equal to `config` (the
+  commit or an edit may change what it computes; `code`: runner.code_state() of this
+  checkout), run_dir/config.json equal to `config` (the
   run's config as check_values resolved it). None when any of that does not hold: the run
   runs. (Inputs a config names by path, and the host, are not compared.)"""
   if (binary == "train_ppo" or not earlier or config is None or
       not str(earlier.get("status", "")).startswith("ok") or
       wd.workdir_writer(run_dir) != binary):
     return None
-  commit, changes = code_state()
+  commit, changes = code
   try:
     with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
       written = json.load(f)
@@ -540,6 +541,7 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
   rows = []
   env = repo_env()
   earlier = {r["run"]: r for r in merge_rows(workdir, [], [name for _, name, _ in runs])}
+  code = code_state() if earlier and not rerun else (None, None)  # read once, for kept_row
   for i, (_, name, overrides) in enumerate(runs):
     run_dir = os.path.join(workdir, name)
     cmd = build_command(binary, config, run_dir, overrides, passthrough)
@@ -552,7 +554,7 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
     if signals.signum:
       break
     kept = None if rerun else kept_row(run_dir, binary, earlier.get(name),
-                                       (configs or {}).get(name), row)
+                                       (configs or {}).get(name), row, code)
     if kept is not None:
       rows.append(kept)
       logging.info("[%d/%d] %s: finished earlier with this config at this commit; kept "

@@ -100,8 +100,11 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
       "def get_sweep():\n"
       "  return [{'name': 'ok4', 'actor_pp': 4, 'critic_pp': 2},\n"
       "          {'actor_pp': 6, 'critic_pp': 4}]\n")
-  out = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
-              f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.5"])
+
+  def sweep(*flags, budget="0.5"):  # this sweep on tmp_path/sw, the search's budget its flag
+    return _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+                 f"--workdir={tmp_path / 'sw'}", f"--config.time_budget_s={budget}", *flags])
+  out = sweep()
   # Every run ran; the failed one makes the sweep's exit status non-zero, named in its log.
   assert out.returncode == 1, out.stderr[-3000:]
   assert "1 of 2 runs failed: run001" in out.stderr
@@ -124,8 +127,7 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   assert "[ok4]" in out.stdout
   # The same command again keeps the finished run (it searched again, its outputs moved
   # aside, and its time-bound figures could change) and runs the failed one; --rerun runs it.
-  again = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
-                f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.5"])
+  again = sweep()
   assert again.returncode == 1 and "ok4: finished earlier with this config at this commit; " \
       "kept" in again.stderr, again.stderr[-3000:]
   assert "run001: failed" in again.stderr and "[ok4]" not in again.stdout, again.stderr[-3000:]
@@ -136,22 +138,17 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   result_path = tmp_path / "sw" / "ok4" / "result.json"
   result = json.loads(result_path.read_text())
   result_path.write_text(json.dumps({**result, "searched": 74.0}))
-  again = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
-                f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.5", "--only=ok4"])
+  again = sweep("--only=ok4")
   assert json.loads((tmp_path / "sw" / "summary.json").read_text())[0]["searched"] == 74.0
   # Made by other code (another commit, other uncommitted changes): run again; so is a run
   # whose config differs (here the sweep's own flag).
   result_path.write_text(json.dumps({**result, "provenance": {
       **result["provenance"], "git_changes": "0123456789ab"}}))
-  again = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
-                f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.5", "--only=ok4"])
+  again = sweep("--only=ok4")
   assert "[ok4]" in again.stdout and (tmp_path / "sw" / "ok4" / "previous" / "1").exists()
-  changed = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
-                  f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.4", "--only=ok4"])
+  changed = sweep("--only=ok4", budget="0.4")
   assert changed.returncode == 0 and "[ok4]" in changed.stdout, changed.stderr[-3000:]
-  rerun = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
-                f"--workdir={tmp_path / 'sw'}", "--config.time_budget_s=0.4", "--rerun",
-                "--only=ok4"])
+  rerun = sweep("--rerun", "--only=ok4", budget="0.4")
   assert rerun.returncode == 0 and "[ok4]" in rerun.stdout, rerun.stderr[-3000:]
   assert (tmp_path / "sw" / "ok4" / "previous" / "3" / "result.json").exists()
   summary = (tmp_path / "sw" / "summary.json").read_text()

@@ -225,11 +225,11 @@ def per_sample(fn: TextRewardFn, name: str, stat: bool = False) -> RewardFn:
         value = np.asarray(value).item()
       if stat and value is None:  # a statistic's "no value", as a batched one's None reads
         value = float("nan")
-      if not isinstance(value, numbers.Real) or not (
-          np.isfinite(_as_float32(value)) or stat and np.isnan(_as_float32(value))):
+      number = _as_float32(value) if isinstance(value, numbers.Real) else None
+      if number is None or not (np.isfinite(number) or stat and np.isnan(number)):
         raise RewardFunctionError(f"{what} {name!r} returned {value!r:.200} for "
                                   f"{sample}; expected a finite number {FLOAT32_RANGE}")
-      out[b] = _as_float32(value)
+      out[b] = number
     return out
   batch.__name__ = f"per_sample({name})"
   return batch
@@ -328,12 +328,12 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     **{name: per_sample(fn, name) for name, fn in verifiers.VERIFIERS.items()},
 }
+# Registered functions that score the response against the whole target, EOS included: full
+# marks need rollout.max_new_tokens >= the target's length + 1.
+WHOLE_TARGET = frozenset({"target_match", "length_match", "exact_match"})
 # Registered functions that read each record's answer ('target'): a dataset used with them must
 # have one in every row.
-NEEDS_ANSWER = frozenset({"target_match", "length_match", "exact_match"}) | verifiers.NEEDS_ANSWER
-# Those that score the response against the whole target, EOS included: full marks need
-# rollout.max_new_tokens >= the target's length + 1.
-WHOLE_TARGET = frozenset({"target_match", "length_match", "exact_match"})
+NEEDS_ANSWER = WHOLE_TARGET | verifiers.NEEDS_ANSWER
 
 
 def get_reward_function(name: str, stat: bool = False) -> RewardFn:

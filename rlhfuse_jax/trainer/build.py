@@ -68,10 +68,16 @@ def build_task_and_tokenizer(cfg: TrainConfig):
   return task, tokenizer
 
 
+def _reward_names(cfg: TrainConfig) -> set[str]:
+  """The functions the run's reward adds up: reward.format, and reward.function unless a
+  reward model scores in its place."""
+  return {cfg.reward.format} | ({cfg.reward.function} if cfg.reward.kind == "function" else set())
+
+
 def _needs_answer(cfg: TrainConfig) -> bool:
   """Whether the run's reward verifies against each record's answer (then every row needs
   one; a reward model or a user's function may do without)."""
-  names = {cfg.reward.format} | ({cfg.reward.function} if cfg.reward.kind == "function" else set())
+  names = _reward_names(cfg)
   return "task" in names or bool(names & rewards_lib.NEEDS_ANSWER)
 
 
@@ -134,10 +140,10 @@ def warn_short_budget(cfg: TrainConfig, records: list, tokenizer: Tokenizer,
   cannot hold a record's target and its EOS while the reward scores the whole target (the
   task's verifier, target_match, length_match, exact_match): those responses are cut before
   they can earn full marks. (A run may mean it, e.g. to train on truncation; so a warning.)"""
-  names = {cfg.reward.format} | ({cfg.reward.function} if cfg.reward.kind == "function" else set())
-  if not names & (rewards_lib.WHOLE_TARGET | {"task"}):
+  if not _reward_names(cfg) & (rewards_lib.WHOLE_TARGET | {"task"}):
     return 0
-  targets = [r["target"] for r in records[:sample] if isinstance(r.get("target"), str)]
+  targets = [r[records_lib.ANSWER_KEY] for r in records[:sample]
+             if isinstance(r.get(records_lib.ANSWER_KEY), str)]
   if not targets:
     return 0
   needed = np.array([len(ids) + 1 for ids in tokenizer.encode_batch(targets, add_bos=False)])
@@ -177,9 +183,9 @@ def build_datasets(cfg: TrainConfig, task, tokenizer: Tokenizer
 
 def _refuse_task_vocabulary(cfg: TrainConfig, records: list, tokenizer: Tokenizer) -> None:
   """A ValueError naming the first of `records` (a prompts file's) whose prompt or answer the
-  synthetic task's word-level tokenizer cannot encode, and config.init.tokenizer: the error was the tokenizer
-  library's "Missing [UNK] token", naming neither the field nor the row. Nothing when every
-  record encodes (the caller's error was another)."""
+  synthetic task's word-level tokenizer cannot encode, and config.init.tokenizer: the error
+  was the tokenizer library's "Missing [UNK] token", naming neither the field nor the row.
+  Nothing when every record encodes (the caller's error was another)."""
   for record in records:
     answer = record.get(records_lib.ANSWER_KEY)
     for what, text in (("prompt", _prompt_text(record.get(records_lib.PROMPT_KEY, ""))),
