@@ -5,6 +5,7 @@ binaries' reports (`fixed_or_sci`); what every result.json records about how it 
 (`provenance`, `write_result`). No absl flags are defined here, so binaries can share it."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging as py_logging
@@ -64,18 +65,66 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_KEPT_ENV = "RLHFUSE_LOG_KEPT_BY_PARENT"
 
 
+# Libraries whose ERROR records come with tracebacks of their own threads: orbax logs one
+# (~35 lines) per thread of a failed checkpoint save (4-5 threads for one save on a full disk,
+# measured: ~320 lines above the run's one-line error naming the cause).
+LIBRARY_TRACEBACKS = ("orbax", "tensorstore")
+
+
+class _LogFile(py_logging.FileHandler):
+  """log.txt's handler. A write that fails (the workdir's disk is full: a checkpoint save
+  failing for it comes next) is said once on stderr and the file is left alone from then on;
+  logging's own handling printed a ~40-line "--- Logging error ---" traceback per record."""
+
+  failed: Optional[str] = None  # why the file is no longer written
+
+  def handleError(self, record: py_logging.LogRecord) -> None:
+    if self.failed is None:
+      self.failed = f"{type(sys.exc_info()[1]).__name__}: {sys.exc_info()[1]}"
+      sys.stderr.write(f"{self.baseFilename}: cannot write ({self.failed}); the rest of this "
+                       f"run's log is on stderr only\n")
+
+  def emit(self, record: py_logging.LogRecord) -> None:
+    if self.failed is None:
+      super().emit(record)
+
+
+class _LibraryTracebacksElsewhere(py_logging.Formatter):
+  """The stderr formatter of a run that keeps a log file: a library's record (LIBRARY_TRACEBACKS)
+  prints its message on stderr and its traceback only into the file. Formats a copy: the file's
+  handler formats the same record with its traceback."""
+
+  def __init__(self, inner: py_logging.Formatter, file: _LogFile):
+    super().__init__()
+    self.inner, self._file = inner, file
+    self._markers = tuple(f"/{p}/" for p in LIBRARY_TRACEBACKS)
+
+  def format(self, record: py_logging.LogRecord) -> str:
+    if (record.exc_info or record.exc_text) and any(m in record.pathname
+                                                    for m in self._markers):
+      where = (f"traceback: {self._file.baseFilename}" if self._file.failed is None else
+               "traceback not kept: the log file cannot be written")
+      record = copy.copy(record)
+      record.msg, record.args = f"{record.getMessage()} ({where})", ()
+      record.exc_info = record.exc_text = record.stack_info = None
+    return self.inner.format(record)
+
+
 class RunLog:
   """A run's log in its workdir: log.txt (process i > 0 of a multi-host run: log.proc<i>.txt),
   appended to under a header line per start, holding what the run logged (absl's and the
   libraries' records, as on stderr) from the start of main, and the traceback of an error that
   ended it (`exception`). Records before `keep_in` (the workdir lock held) are buffered: a
   start refused for a workdir another run holds writes nothing there. Nothing at all when a
-  parent (sweep, bench_async: run_streamed) keeps the run's whole output in its log.txt."""
+  parent (sweep, bench_async: run_streamed) keeps the run's whole output in its log.txt. Once
+  the file is written, orbax's and tensorstore's tracebacks go there alone (stderr gets their
+  message line)."""
 
   def __init__(self):
     self.path: Optional[str] = None
     self._started = time.strftime('%Y-%m-%d %H:%M:%S')
-    self._file: Optional[py_logging.Handler] = None
+    self._file: Optional[_LogFile] = None
+    self._stderr_formatter: Optional[py_logging.Formatter] = None  # absl's, while replaced
     self._kept_by_parent = bool(os.environ.get(LOG_KEPT_ENV))
     self._buffer = py_logging.handlers.MemoryHandler(capacity=100_000,
                                                      flushLevel=py_logging.CRITICAL + 10)
@@ -89,7 +138,7 @@ class RunLog:
     from absl import logging as absl_logging  # the format of absl's stderr lines
     name = "log.txt" if process_index == 0 else f"log.proc{process_index}.txt"
     self.path = os.path.join(workdir, name)
-    self._file = py_logging.FileHandler(self.path, mode="a", encoding="utf-8")
+    self._file = _LogFile(self.path, mode="a", encoding="utf-8")
     self._file.setFormatter(absl_logging.PythonFormatter())
     for f in absl_logging.get_absl_handler().filters:  # what stderr leaves out (libraries' INFO)
       self._file.addFilter(f)
@@ -99,6 +148,9 @@ class RunLog:
     self._buffer.flush()
     root.removeHandler(self._buffer)
     root.addHandler(self._file)
+    stderr = absl_logging.get_absl_handler().python_handler
+    self._stderr_formatter = stderr.formatter
+    stderr.setFormatter(_LibraryTracebacksElsewhere(stderr.formatter, self._file))
     return self.path
 
   def exception(self, message: str) -> None:
@@ -110,6 +162,10 @@ class RunLog:
       self._file.handle(record)
 
   def close(self) -> None:
+    if self._stderr_formatter is not None:
+      from absl import logging as absl_logging
+      absl_logging.get_absl_handler().python_handler.setFormatter(self._stderr_formatter)
+      self._stderr_formatter = None
     root = py_logging.getLogger()
     for handler in (self._buffer, self._file):
       if handler is not None:

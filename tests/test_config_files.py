@@ -309,3 +309,71 @@ def test_the_run_log_keeps_what_was_logged_from_the_start_and_the_error(tmp_path
   assert kept.keep_in(str(tmp_path / "child")) is None
   kept.close()
   assert not (tmp_path / "child").exists()
+
+
+def _orbax_error(text: str):
+  """An ERROR record with its traceback, as orbax's threads log a failed save."""
+  import logging as py_logging
+  try:
+    raise ValueError(text)
+  except ValueError:
+    import sys
+    return py_logging.getLogger("absl").makeRecord(
+        "absl", py_logging.ERROR, "/site-packages/orbax/checkpoint/_src/futures/future.py", 387,
+        "_SignalingThread.run() raised an exception: %s", (text,), sys.exc_info())
+
+
+def test_library_tracebacks_go_to_the_log_file_and_an_unwritable_one_is_said_once(
+    tmp_path, monkeypatch):
+  """Once the run log is kept, orbax's (and tensorstore's) records print their message on
+  stderr and their traceback in log.txt alone (a save failing on a full disk: ~80 of them,
+  test_faults.py); our own errors keep theirs. A log file that cannot be written (the same full
+  disk) is said in one line on stderr, not logging's ~40-line "--- Logging error ---" per
+  record, and the library records then say their traceback was not kept."""
+  import io
+  import logging as py_logging
+  from absl import logging as absl_logging
+  from experiments import runner
+  monkeypatch.delenv(runner.LOG_KEPT_ENV, raising=False)
+  stderr = io.StringIO()
+  monkeypatch.setattr(absl_logging.get_absl_handler().python_handler, "stream", stderr)
+  absl_logging.set_verbosity(absl_logging.INFO)
+  monkeypatch.setattr("sys.stderr", stderr)  # where the unwritable file is said
+  root = py_logging.getLogger()
+  absl_handler = absl_logging.get_absl_handler()  # on the root logger as app.run puts it
+  added = absl_handler not in root.handlers
+  if added:
+    root.addHandler(absl_handler)
+  log = runner.RunLog()
+  try:
+    path = log.keep_in(str(tmp_path))
+    root.handle(_orbax_error("disk full"))
+    try:
+      raise KeyError("ours")
+    except KeyError:
+      absl_logging.exception("our error")
+    log._file.flush()  # pylint: disable=protected-access
+    text = open(path).read()
+    assert text.count("Traceback (most recent call last)") == 2 and "ValueError: disk full" in text
+    out = stderr.getvalue()
+    assert f"raised an exception: disk full (traceback: {path})" in out
+    assert out.count("Traceback") == 1 and "KeyError: 'ours'" in out  # ours only
+
+    class Full(io.StringIO):
+      def write(self, s):
+        raise OSError(28, "No space left on device")
+    log._file.stream = Full()  # pylint: disable=protected-access
+    for _ in range(3):
+      absl_logging.info("iter k")
+      root.handle(_orbax_error("again"))
+  finally:
+    log.close()
+    if added:
+      root.removeHandler(absl_handler)
+  out = stderr.getvalue()
+  assert "Logging error" not in out
+  assert out.count(f"{path}: cannot write (OSError: [Errno 28] No space left on device)") == 1
+  assert out.count("traceback not kept: the log file cannot be written") == 3
+  # close() gives absl's handler its own formatter back
+  assert not isinstance(absl_logging.get_absl_handler().python_handler.formatter,
+                        runner._LibraryTracebacksElsewhere)  # pylint: disable=protected-access
