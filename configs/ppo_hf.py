@@ -94,7 +94,9 @@ def _gpu(c, grpo: bool) -> None:
   for section in (c.model, c.critic_model):
     section.param_dtype = "bfloat16"
     section.dtype = "bfloat16"
-    section.attention = "auto"  # cuDNN fused attention on GPU, blockwise elsewhere
+    # GPU: cuDNN fused attention for training and prefill, the Pallas decode kernel on the
+    # generation instances; blockwise elsewhere (models/attention.py)
+    section.attention = "auto"
     section.remat = "dots"  # keep projections, recompute the rest
     # One layer's gathered weights at a time under FSDP (plan_check hf_gpu/qwen2.5-1.5b: the
     # update unrolled with 8 samples per device at once, 153.5 GB per device; docs/results.md).

@@ -82,7 +82,9 @@ def _set_shape(section, name: str) -> None:
   section.max_seq_len = 4096  # Llama 2's context; covers prompt 512 + 2048 new tokens
   section.param_dtype = "bfloat16"
   section.dtype = "bfloat16"
-  section.attention = "auto"  # cuDNN fused attention on GPU, blockwise elsewhere
+  # GPU: cuDNN fused attention for training and prefill, the Pallas decode kernel on the
+  # generation instances; blockwise elsewhere (models/attention.py)
+  section.attention = "auto"
   section.remat = "dots"  # keep projections, recompute the rest: long sequences fit in memory
   # Layers stacked and run by one lax.scan: under FSDP each layer's weights are gathered inside
   # the loop, one layer at a time (unrolled, XLA is free to gather every layer up front: the 7B

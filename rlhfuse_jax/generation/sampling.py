@@ -1,4 +1,4 @@
-"""Token sampling with per-sample RNG streams (docs/architecture.md §2).
+"""Token sampling with per-sample RNG streams (docs/architecture.md §1; §2 relies on them).
 
 Every sample owns its random stream: the key for response token t of the sample with id `uid` is
 

@@ -1,7 +1,7 @@
 """The jitted math of one PPO iteration: advantages over the rollout, and one optimizer update.
 
-Inputs are device arrays laid out per docs/architecture.md §1, batch-major and sharded over the data
-axes:
+Inputs are device arrays, batch-major and sharded over the data axes (the stage outputs of
+docs/architecture.md §1):
 
   tokens        [batch, prompt_bucket + max_new]  contiguous prompt+response (models/sequences.py)
   prompt_lens   [batch]
