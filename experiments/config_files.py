@@ -279,6 +279,31 @@ def _save_traceback(text: str, in_workdir: bool = True) -> Optional[str]:
   return None
 
 
+def _exit_now_if_peers(print_first: str = "") -> None:
+  """Ends this process at once, status 1, when it is one of several of a multi-host run (after
+  printing `print_first`, a traceback). Through Python's exit, jax's atexit
+  jax.distributed.shutdown() waits in a barrier for every process, while the others wait for
+  this one in their next collective: an error raised on one process only (a reward function
+  failing on its own samples) held the run 5 minutes until the barrier's deadline aborted every
+  process (status 134, the error's line buried under the abort's). Exiting now closes this
+  process's connections: the others end at once (exit 69, a lost peer). What a run writes
+  is on disk when it is written (metrics rows, checkpoints, log.txt); what was not saved since
+  the last checkpoint is lost, as with any error."""
+  jax = sys.modules.get("jax")
+  try:
+    several = jax is not None and jax.distributed.is_initialized() and jax.process_count() > 1
+  except Exception:  # noqa: BLE001 a jax too broken to answer: leave the exit to Python
+    several = False
+  if not several:
+    return
+  if print_first:
+    sys.stderr.write(print_first)
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(1)
+
+
 def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
         traceback_in_workdir: bool = True) -> Any:
   """`app.run(main)` with `parse_flags`, and a USER_ERRORS exception that ends `main` (this
@@ -296,6 +321,7 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
       return main(args)
     except USER_ERRORS as e:
       if os.environ.get(TRACEBACK_ENV, "").lower() not in ("", "0", "false", "no", "off"):
+        _exit_now_if_peers(traceback.format_exc())
         raise
       path = _save_traceback(traceback.format_exc(), in_workdir=traceback_in_workdir and not
                              isinstance(e, (wd.WorkdirInUseError, wd.ForeignWorkdirError)))
@@ -303,7 +329,11 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
       logging.flush()
       sys.stderr.write(f"(where it was raised: {path or 'not saved'}; {TRACEBACK_ENV}=1 prints "
                        "it)\n")
+      _exit_now_if_peers()
       sys.exit(1)
+    except Exception:  # noqa: BLE001 printed, then as Python would (below: at once)
+      _exit_now_if_peers(traceback.format_exc())
+      raise
 
   return app.run(guarded, argv=argv, flags_parser=parse_flags)
 

@@ -223,6 +223,11 @@ def _main(run_log: runner.RunLog) -> None:
     logging.warning("exit %d: signal %d came before training began (set-up, checkpoint restore "
                     "or the first compiles); no iteration ran since the last checkpoint, so "
                     "nothing is lost; re-run to resume", EXIT_STOPPED_BY_SIGNAL, e.signum)
+    if e.alone:  # the others did not stop with it: jax's exit barrier would wait for them
+      logging.flush()
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(EXIT_STOPPED_BY_SIGNAL)
     sys.exit(EXIT_STOPPED_BY_SIGNAL)
   workdir = _WORKDIR.value
   main_process = distributed.is_main_process()

@@ -391,3 +391,71 @@ def test_a_tensor_axis_across_hosts_is_warned_of(monkeypatch):
   assert "mesh.tensor=4: 1 of its 3 tensor groups span processes" in warned[-1], warned
   tpus = [dev(i, i // 4, "tpu") for i in range(8)]
   assert not mesh_lib.warn_tensor_across_hosts(grid(tpus, (1, 1, 1, 8)))
+
+
+def _free_port() -> str:
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return str(sock.getsockname()[1])
+
+
+# Joins a cluster of int(argv[2]) processes on 127.0.0.1:argv[1] as process argv[3] through
+# distributed.initialize (as train_ppo --distributed does), inside config_files.run.
+_JOIN = """
+import os, signal, sys, time
+from absl import flags
+from experiments import config_files
+from rlhfuse_jax.parallel import distributed
+flags.DEFINE_string("what", "", "")
+def main(argv):
+  port, n, i = argv[1], int(argv[2]), int(argv[3])
+  got = []
+  if flags.FLAGS.what == "sigterm":
+    signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+  distributed.initialize(f"127.0.0.1:{port}", n, i)
+  if flags.FLAGS.what == "sigterm":
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    print("handled", got, flush=True)
+  elif flags.FLAGS.what == "fail" and i == 1:
+    raise ValueError("only on process 1")
+  elif flags.FLAGS.what == "fail":
+    time.sleep(120)  # as in a collective waiting for process 1
+config_files.run(main)
+"""
+
+
+def _join(*args, what: str):
+  return [sys.executable, "-c", _JOIN, f"--what={what}", *map(str, args)]
+
+
+def test_a_sigterm_after_joining_the_cluster_reaches_the_python_handler():
+  """jax.distributed.initialize starts jax's preemption notifier, which takes SIGTERM below
+  Python: a SIGTERM during a multi-host run's set-up was swallowed (the run trained to the end,
+  exit 0, instead of stopping with the stopped status 75). distributed.initialize gives it
+  back. (One process: the notifier starts all the same.)"""
+  out = subprocess.run(_join(_free_port(), 1, 0, what="sigterm"), cwd=REPO,
+                       env=subprocess_env(1), capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and "handled [15]" in out.stdout, out.stderr[-3000:]
+  assert "SIGTERM caught" not in out.stderr, out.stderr[-3000:]  # jax's notifier's line
+
+
+def test_an_error_on_one_process_ends_it_at_once():
+  """An error raised on one process only (a reward function failing on its own samples) ends
+  that process at once with status 1. Through Python's exit, jax's atexit shutdown waited in a
+  barrier for the other processes, which waited for it in a collective: the run hung 5 minutes
+  and every process aborted (134), the error's line buried under the abort's."""
+  port = _free_port()
+  env = subprocess_env(1)
+  procs = [subprocess.Popen(_join(port, 2, i, what="fail"), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  try:
+    _, err = procs[1].communicate(timeout=60)  # process 0 sleeps 120 s
+    assert procs[1].returncode == 1, err[-3000:]
+    assert "ValueError: only on process 1" in err, err[-3000:]
+    assert procs[0].poll() is None  # it ended on its own, not when process 0 did
+  finally:
+    for p in procs:
+      p.kill()
+      p.communicate()

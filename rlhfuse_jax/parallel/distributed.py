@@ -11,6 +11,8 @@ GPU/TPU cluster (see launch/local_multiprocess.sh).
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from typing import Callable, Mapping, Optional, TypeVar
 
 import jax
@@ -71,9 +73,24 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
                      "pods and Open MPI; elsewhere give every process --coordinator_address="
                      "HOST:PORT --num_processes=N --process_id=i (launch/local_multiprocess.sh "
                      "does on one machine)") from e
+  reclaim_sigterm()
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
+
+
+def reclaim_sigterm() -> None:
+  """Gives SIGTERM back to the handler Python has for it. jax.distributed.initialize starts
+  jax's preemption notifier, which takes SIGTERM over below Python (signal.getsignal still
+  names the Python handler, which is never called again): a SIGTERM during a multi-host run's
+  set-up (hooks.stop_before_training: exit 75 with the other processes) was swallowed and the
+  run trained on to the end, exit 0; with no handler of ours it no longer terminated the
+  process. The trainer's own handlers stop runs (hooks.StopFlag), not jax's notifier. On the
+  main thread only (where Python allows handlers)."""
+  if threading.current_thread() is not threading.main_thread():
+    return
+  handler = signal.getsignal(signal.SIGTERM)
+  signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
 
 
 def _int(environ: Mapping[str, str], *names: str, typed: bool = False) -> Optional[int]:

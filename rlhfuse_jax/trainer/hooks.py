@@ -51,10 +51,12 @@ class StoppedBeforeTraining(BaseException):
   the run set up, restored its checkpoint or compiled. No iteration ran since the last
   checkpoint, so there is nothing to save and nothing is lost; train_ppo exits 75 (re-run to
   resume), as a stop during training does. A BaseException, as KeyboardInterrupt is, so that
-  no `except Exception` on its way (a restore's fallback) takes it for an error of its own."""
+  no `except Exception` on its way (a restore's fallback) takes it for an error of its own.
+  `alone`: a second signal to one process of several, which stops without the others."""
 
-  def __init__(self, signum: int):
+  def __init__(self, signum: int, alone: bool = False):
     super().__init__(signum)
+    self.alone = alone
     self.signum = signum
 
 
@@ -105,7 +107,7 @@ def stop_before_training():
         logging.warning("signal %d during set-up: stopping with the other processes where "
                         "they next agree (again: stop this process now)", signum)
         return
-      raise StoppedBeforeTraining(signum)
+      raise StoppedBeforeTraining(signum, alone=not first and jax.distributed.is_initialized())
     if signum == signal.SIGINT:
       raise KeyboardInterrupt
     signal.signal(signum, signal.SIG_DFL)
