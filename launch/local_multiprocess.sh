@@ -88,8 +88,9 @@ trap forward INT TERM
 # A failed process's reason is at the end of its log: shown as soon as it ends, not after the
 # others (they may wait for it in a collective until jax.distributed times out). Process 0's
 # output is already on screen while it is followed.
-show_failure() {  # process index, status
-  local log="${WORKDIR%/}.proc$1.log" out cause pattern
+causes=()  # each failed process's error line without its time and thread: "" when none
+show_failure() {  # process index, status[, 1: only note its error (its output is on screen)]
+  local log="${WORKDIR%/}.proc$1.log" out cause pattern j
   out=$(tail -c +$((offsets[$1] + 1)) "$log" || true)  # this start's output
   # The error line first: after a runtime abort the log's last lines are a C++ stack dump.
   # The run's own reason for exiting ("...; exiting (69)"), else the last fatal (F) line, else
@@ -98,6 +99,14 @@ show_failure() {  # process index, status
     cause=$(grep -E "$pattern" <<< "$out" | tail -n 1 || true)
     if [[ -n "$cause" ]]; then break; fi
   done
+  causes[$1]=$(sed -E 's/^[EF][0-9]{4} [0-9:.]+ +[0-9]+ //' <<< "$cause")
+  if [[ "${3:-}" == 1 ]]; then return; fi
+  for j in "${!causes[@]}"; do  # every process failing on the same bad input: shown once
+    if ((j != $1)) && [[ -n "$cause" && "${causes[j]}" == "${causes[$1]}" ]]; then
+      echo "--- process $1 exited $2 with process $j's error"
+      return
+    fi
+  done
   echo "--- process $1 exited $2${cause:+; its last error: $cause}"
   echo "--- the end of $log:"
   tail -n 15 <<< "$out"
@@ -105,9 +114,11 @@ show_failure() {  # process index, status
 # Each process's status once it has ended ("" while it runs): bash reaps its children and
 # keeps their statuses for `wait`, so `kill -0` fails once a process has ended.
 rcs=()
+lost=()  # 1: the process ended because jax's coordination service lost another one
 running=$N
 failed_early=0
 while ((running > 0)); do
+  failed_now=""
   for i in "${!pids[@]}"; do
     if [[ -n "${rcs[i]:-}" ]] || kill -0 "${pids[i]}" 2>/dev/null; then continue; fi
     while :; do  # a trapped signal ends `wait` early (128 + signal): wait again for the status
@@ -117,31 +128,40 @@ while ((running > 0)); do
     done
     rcs[i]=$rc
     running=$((running - 1))
+    # jax aborts a process (134) whose peer stopped heartbeating: a consequence, like 69
+    if ((rc != 0 && rc != 75)) && tail -c +$((offsets[i] + 1)) "${WORKDIR%/}.proc$i.log" |
+        grep -q "JAX distributed service detected fatal errors"; then lost[i]=1; fi
     if ((rc != 0 && rc != 75)); then
       # (process 0's output is already on screen while it is followed)
-      if [[ $i != 0 || -z "$follower" ]]; then show_failure "$i" "$rc"; fi
-      if ((running > 0 && !failed_early)); then
-        failed_early=1
-        echo "--- $running process(es) still running after process $i exited $rc: they may" \
-          "wait for it in a collective (Ctrl-C stops them)"
-      fi
+      show_failure "$i" "$rc" "$([[ $i == 0 && -n "$follower" ]] && echo 1)"
+      failed_now=${failed_now:-"process $i exited $rc"}
     fi
   done
+  # (after the pass: processes that failed together are not said to wait for each other)
+  if [[ -n "$failed_now" ]] && ((running > 0 && !failed_early)); then
+    failed_early=1
+    echo "--- $running process(es) still running after $failed_now: they may wait for it" \
+      "in a collective (Ctrl-C stops them)"
+  fi
   if ((running > 0)); then sleep 0.2 || true; fi  # a Ctrl-C ends the sleep too
 done
 if [[ -n "$follower" ]]; then wait "$follower" 2>/dev/null || true; fi
-# The launcher's status: the first failure in process order that is neither 75 nor 69, else
-# 69 (a process saw a peer die or hang: rlhfuse_jax/generation/multihost.py), else 75 when a
-# process stopped on SIGTERM (saved; resumable: a caller may requeue), else 0. A failure beside
-# a clean stop must not read as "stopped, start again", and the process that failed, not the
-# ones that lost it (69, which a requeue rule may retry), gives the status.
+# The launcher's status: the first failure in process order that is neither 75 nor a lost
+# peer, else 69 or the lost peer's abort (a process saw a peer die or hang:
+# rlhfuse_jax/generation/multihost.py, or jax's heartbeat), else 75 when a process stopped on
+# SIGTERM (saved; resumable: a caller may requeue), else 0. A failure beside a clean stop must
+# not read as "stopped, start again", and the process that failed, not the ones that lost it
+# (69, which a requeue rule may retry), gives the status.
 status=0
+status_rank=0
 summary=""
 rank() { case $1 in 0) echo 0;; 75) echo 1;; 69) echo 2;; *) echo 3;; esac; }
 for i in "${!pids[@]}"; do
   rc=${rcs[i]}
   summary+=" $i:$rc"
-  if (($(rank "$rc") > $(rank "$status"))); then status=$rc; fi
+  r=$(rank "$rc")
+  if [[ -n "${lost[i]:-}" ]]; then r=2; fi
+  if ((r > status_rank)); then status=$rc; status_rank=$r; fi
 done
 echo "logs: ${WORKDIR%/}.proc*.log; exit status per process (process:status):$summary;" \
   "exit status $status"

@@ -1,6 +1,7 @@
 """Child processes keep the caller's XLA flags and get their own host-device count."""
 import os
 import pathlib
+import re
 import signal
 import stat
 import subprocess
@@ -111,6 +112,35 @@ def test_the_launcher_exits_with_a_failure_rather_than_a_clean_stop(tmp_path):
                          env=dict(os.environ, PYTHON=str(fake)), capture_output=True, text=True,
                          timeout=60)
     assert f"--- process 1 exited 134; its last error: {cause}\n" in out.stdout, out.stdout
+  # jax aborts a process whose peer stopped heartbeating (an error on that peer alone): the
+  # peer's failure gives the status, as a 69 would leave it, even when the abort is process 0's.
+  abort = ("echo 'F1201 06:29:31.977143 9714 client.h:80] Terminating process because the JAX "
+           "distributed service detected fatal errors. This most likely indicates that another "
+           "task died'; exit 134")
+  for codes, want in (((abort, "exit 1"), 1), (("exit 1", abort), 1), ((abort, "exit 0"), 134)):
+    fake = _stand_in(tmp_path / "python", "case \"$*\" in\n" + "".join(
+        f"  *--process_id={i}*) {c};;\n" for i, c in enumerate(codes)) + "esac")
+    out = subprocess.run(["bash", launcher, "2", "1", str(tmp_path / "lost")], cwd=REPO,
+                         env=dict(os.environ, PYTHON=str(fake)), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == want, (codes, out.stdout, out.stderr)
+
+
+def test_the_same_error_on_every_process_is_shown_once(tmp_path):
+  """Every process refusing the same bad input (a batch that does not divide over the data
+  axes): the error and its log's end are shown for the first to end, the others name it. (3
+  processes printed three 15-line tails; which ends first is up to the scheduler.)"""
+  fake = _stand_in(tmp_path / "python", 'for a in "$@"; do [[ $a == --process_id=* ]] && '
+                   'i=${a#--process_id=}; done\n'
+                   'echo "E1201 06:00:0$i.000 10$i validate.py:114] ValueError: config.batch=64 '
+                   'must be a multiple of 6"; for k in $(seq 20); do echo "  frame $k of $i"; '
+                   'done; exit 1')
+  out = subprocess.run(["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "3", "1",
+                        str(tmp_path / "run")], cwd=REPO, env=dict(os.environ, PYTHON=str(fake),
+                        FOLLOW="0"), capture_output=True, text=True, timeout=60)
+  assert out.returncode == 1, out.stdout + out.stderr
+  assert out.stdout.count("must be a multiple of 6") == 1, out.stdout
+  assert len(re.findall(r"--- process \d exited 1 with process \d's error", out.stdout)) == 2
 
 
 @pytest.mark.parametrize("failing", [1, 0])
