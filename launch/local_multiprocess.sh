@@ -129,8 +129,9 @@ while ((running > 0)); do
     rcs[i]=$rc
     running=$((running - 1))
     # jax aborts a process (134) whose peer stopped heartbeating: a consequence, like 69
-    if ((rc != 0 && rc != 75)) && tail -c +$((offsets[i] + 1)) "${WORKDIR%/}.proc$i.log" |
-        grep -q "JAX distributed service detected fatal errors"; then lost[i]=1; fi
+    # (grep -q on a process substitution: in a pipe, tail's SIGPIPE fails it under pipefail)
+    if ((rc != 0 && rc != 75)) && grep -q "JAX distributed service detected fatal errors" \
+        <(tail -c +$((offsets[i] + 1)) "${WORKDIR%/}.proc$i.log"); then lost[i]=1; fi
     if ((rc != 0 && rc != 75)); then
       # (process 0's output is already on screen while it is followed)
       show_failure "$i" "$rc" "$([[ $i == 0 && -n "$follower" ]] && echo 1)"

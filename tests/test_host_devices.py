@@ -116,7 +116,8 @@ def test_the_launcher_exits_with_a_failure_rather_than_a_clean_stop(tmp_path):
   # peer's failure gives the status, as a 69 would leave it, even when the abort is process 0's.
   abort = ("echo 'F1201 06:29:31.977143 9714 client.h:80] Terminating process because the JAX "
            "distributed service detected fatal errors. This most likely indicates that another "
-           "task died'; exit 134")
+           "task died'; for i in $(seq 40000); do echo \"  frame $i of the abort's stack\"; done; "
+           "exit 134")  # a log longer than a pipe's buffer: read whole, not through `| grep -q`
   for codes, want in (((abort, "exit 1"), 1), (("exit 1", abort), 1), ((abort, "exit 0"), 134)):
     fake = _stand_in(tmp_path / "python", "case \"$*\" in\n" + "".join(
         f"  *--process_id={i}*) {c};;\n" for i, c in enumerate(codes)) + "esac")
