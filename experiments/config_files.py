@@ -18,6 +18,7 @@ import re
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
@@ -279,6 +280,9 @@ def _save_traceback(text: str, in_workdir: bool = True) -> Optional[str]:
   return None
 
 
+PEER_GRACE_S = 10  # seconds process 0 waits before an error's exit ends the coordination service
+
+
 def _exit_now_if_peers(print_first: str = "") -> None:
   """Ends this process at once, status 1, when it is one of several of a multi-host run (after
   printing `print_first`, a traceback). Through Python's exit, jax's atexit
@@ -298,6 +302,13 @@ def _exit_now_if_peers(print_first: str = "") -> None:
     return
   if print_first:
     sys.stderr.write(print_first)
+  if jax.process_index() == 0:
+    # Process 0 hosts jax's coordination service: its exit aborts the others (134) before a
+    # slower one that fails on the same input (a config every process checks) has said why.
+    logging.error("process 0 exits in %d s (the others that fail too report their errors "
+                  "first)", PEER_GRACE_S)
+    logging.flush()
+    time.sleep(PEER_GRACE_S)
   logging.flush()
   sys.stdout.flush()
   sys.stderr.flush()

@@ -79,8 +79,12 @@ class _LogFile(py_logging.FileHandler):
   failed: Optional[str] = None  # why the file is no longer written
 
   def handleError(self, record: py_logging.LogRecord) -> None:
+    error = sys.exc_info()[1]
+    if not isinstance(error, OSError):  # a record that does not format: logging's own report
+      super().handleError(record)
+      return
     if self.failed is None:
-      self.failed = f"{type(sys.exc_info()[1]).__name__}: {sys.exc_info()[1]}"
+      self.failed = f"{type(error).__name__}: {error}"
       sys.stderr.write(f"{self.baseFilename}: cannot write ({self.failed}); the rest of this "
                        f"run's log is on stderr only\n")
 
@@ -91,8 +95,9 @@ class _LogFile(py_logging.FileHandler):
 
 class _LibraryTracebacksElsewhere(py_logging.Formatter):
   """The stderr formatter of a run that keeps a log file: a library's record (LIBRARY_TRACEBACKS)
-  prints its message on stderr and its traceback only into the file. Formats a copy: the file's
-  handler formats the same record with its traceback."""
+  prints its message on stderr and its traceback only into the file, which has written it
+  first (RunLog puts its handler ahead of absl's); once the file cannot be written, stderr
+  keeps the whole record. Formats a copy: the file's handler formatted the record itself."""
 
   def __init__(self, inner: py_logging.Formatter, file: _LogFile):
     super().__init__()
@@ -100,12 +105,11 @@ class _LibraryTracebacksElsewhere(py_logging.Formatter):
     self._markers = tuple(f"/{p}/" for p in LIBRARY_TRACEBACKS)
 
   def format(self, record: py_logging.LogRecord) -> str:
-    if (record.exc_info or record.exc_text) and any(m in record.pathname
-                                                    for m in self._markers):
-      where = (f"traceback: {self._file.baseFilename}" if self._file.failed is None else
-               "traceback not kept: the log file cannot be written")
+    if (self._file.failed is None and (record.exc_info or record.exc_text) and
+        any(m in record.pathname for m in self._markers)):
       record = copy.copy(record)
-      record.msg, record.args = f"{record.getMessage()} ({where})", ()
+      record.msg, record.args = (f"{record.getMessage()} (traceback: "
+                                 f"{self._file.baseFilename})"), ()
       record.exc_info = record.exc_text = record.stack_info = None
     return self.inner.format(record)
 
@@ -147,7 +151,7 @@ class RunLog:
     self._buffer.setTarget(self._file)
     self._buffer.flush()
     root.removeHandler(self._buffer)
-    root.addHandler(self._file)
+    root.handlers.insert(0, self._file)  # ahead of absl's stderr handler: written first
     stderr = absl_logging.get_absl_handler().python_handler
     self._stderr_formatter = stderr.formatter
     stderr.setFormatter(_LibraryTracebacksElsewhere(stderr.formatter, self._file))
@@ -170,7 +174,10 @@ class RunLog:
     for handler in (self._buffer, self._file):
       if handler is not None:
         root.removeHandler(handler)
-        handler.close()
+        try:
+          handler.close()
+        except OSError:  # its flush on a full disk (said once already): the run's exit goes on
+          pass
 
 
 def repo_env(**extra: str) -> dict:

@@ -329,7 +329,7 @@ def test_library_tracebacks_go_to_the_log_file_and_an_unwritable_one_is_said_onc
   stderr and their traceback in log.txt alone (a save failing on a full disk: ~80 of them,
   test_faults.py); our own errors keep theirs. A log file that cannot be written (the same full
   disk) is said in one line on stderr, not logging's ~40-line "--- Logging error ---" per
-  record, and the library records then say their traceback was not kept."""
+  record, and the library records then keep their traceback on stderr, the only copy."""
   import io
   import logging as py_logging
   from absl import logging as absl_logging
@@ -358,6 +358,12 @@ def test_library_tracebacks_go_to_the_log_file_and_an_unwritable_one_is_said_onc
     out = stderr.getvalue()
     assert f"raised an exception: disk full (traceback: {path})" in out
     assert out.count("Traceback") == 1 and "KeyError: 'ours'" in out  # ours only
+    # A record that does not format is logging's own report, not a file that cannot be written.
+    monkeypatch.setattr(py_logging, "raiseExceptions", False)
+    absl_logging.warning("x %d", "not a number")
+    absl_logging.info("a line after it")
+    log._file.flush()  # pylint: disable=protected-access
+    assert "a line after it" in open(path).read()
 
     class Full(io.StringIO):
       def write(self, s):
@@ -373,7 +379,7 @@ def test_library_tracebacks_go_to_the_log_file_and_an_unwritable_one_is_said_onc
   out = stderr.getvalue()
   assert "Logging error" not in out
   assert out.count(f"{path}: cannot write (OSError: [Errno 28] No space left on device)") == 1
-  assert out.count("traceback not kept: the log file cannot be written") == 3
+  assert out.count("ValueError: again") == 3  # whole on stderr, the only copy left
   # close() gives absl's handler its own formatter back
   assert not isinstance(absl_logging.get_absl_handler().python_handler.formatter,
                         runner._LibraryTracebacksElsewhere)  # pylint: disable=protected-access

@@ -417,6 +417,9 @@ def main(argv):
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.5)
     print("handled", got, flush=True)
+  elif flags.FLAGS.what == "both":  # the same error, process 1 3 s later
+    time.sleep(3 * i)
+    raise ValueError(f"the same error, on process {i}")
   elif flags.FLAGS.what == "fail" and i == 1:
     raise ValueError("only on process 1")
   elif flags.FLAGS.what == "fail":
@@ -459,3 +462,21 @@ def test_an_error_on_one_process_ends_it_at_once():
     for p in procs:
       p.kill()
       p.communicate()
+
+
+def test_the_same_error_on_every_process_is_reported_by_each():
+  """Process 0 hosts jax's coordination service: exiting at once, it aborted a process that
+  failed on the same input 3 s later (134) before it had logged why. It waits
+  config_files.PEER_GRACE_S first."""
+  port = _free_port()
+  procs = [subprocess.Popen(_join(port, 2, i, what="both"), cwd=REPO, env=subprocess_env(1),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  try:
+    for i, p in enumerate(procs):
+      _, err = p.communicate(timeout=120)
+      assert p.returncode == 1, err[-3000:]
+      assert f"ValueError: the same error, on process {i}" in err, err[-3000:]
+  finally:
+    for p in procs:
+      p.kill()
