@@ -88,7 +88,7 @@ trap forward INT TERM
 # A failed process's reason is at the end of its log: shown as soon as it ends, not after the
 # others (they may wait for it in a collective until jax.distributed times out). Process 0's
 # output is already on screen while it is followed.
-causes=()  # each failed process's error line without its time and thread: "" when none
+causes=()  # each failed process's status and error line without its time and thread
 show_failure() {  # process index, status[, 1: only note its error (its output is on screen)]
   local log="${WORKDIR%/}.proc$1.log" out cause pattern j
   out=$(tail -c +$((offsets[$1] + 1)) "$log" || true)  # this start's output
@@ -99,7 +99,7 @@ show_failure() {  # process index, status[, 1: only note its error (its output i
     cause=$(grep -E "$pattern" <<< "$out" | tail -n 1 || true)
     if [[ -n "$cause" ]]; then break; fi
   done
-  causes[$1]=$(sed -E 's/^[EF][0-9]{4} [0-9:.]+ +[0-9]+ //' <<< "$cause")
+  causes[$1]="$2 $(sed -E 's/^[EF][0-9]{4} [0-9:.]+ +[0-9]+ //' <<< "$cause")"  # status too
   if [[ "${3:-}" == 1 ]]; then return; fi
   for j in "${!causes[@]}"; do  # every process failing on the same bad input: shown once
     if ((j != $1)) && [[ -n "$cause" && "${causes[j]}" == "${causes[$1]}" ]]; then
