@@ -283,6 +283,16 @@ def _save_traceback(text: str, in_workdir: bool = True) -> Optional[str]:
 PEER_GRACE_S = 10  # seconds process 0 waits before an error's exit ends the coordination service
 
 
+def exit_now(status: int) -> None:
+  """Flushes the logs, stdout and stderr, then ends the process with `status` without
+  Python's shutdown (no atexit handlers: jax's distributed shutdown barrier, orbax's waits for
+  a save's threads)."""
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)
+
+
 def _exit_now_if_peers(print_first: str = "") -> None:
   """Ends this process at once, status 1, when it is one of several of a multi-host run (after
   printing `print_first`, a traceback). Through Python's exit, jax's atexit
@@ -309,10 +319,7 @@ def _exit_now_if_peers(print_first: str = "") -> None:
                   "first)", PEER_GRACE_S)
     logging.flush()
     time.sleep(PEER_GRACE_S)
-  logging.flush()
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(1)
+  exit_now(1)
 
 
 def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,

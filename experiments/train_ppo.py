@@ -171,11 +171,8 @@ def _start_and_train(run_log: runner.RunLog) -> tuple[TrainConfig, PPOTrainer]:
     # generation's exchange: the watchdog's status (a hung peer) for a dead one too, and no wait
     # at exit for a process that will not come. Stop now.
     logging.error("%s", e)
-    logging.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(EXIT_SAVE_FAILED if isinstance(e, checkpointing.SaveError)
-             else multihost.EXIT_PEER_LOST)
+    config_files.exit_now(EXIT_SAVE_FAILED if isinstance(e, checkpointing.SaveError)
+                          else multihost.EXIT_PEER_LOST)
   except (jax.errors.JaxRuntimeError, ValueError) as e:
     multihost.exit_if_peer_lost(e)  # a training collective whose peer died: 69, at once
     raise
@@ -198,14 +195,11 @@ def main(argv):
                   "to resume from the latest, or to write result.json (traceback: %s)",
                   os.path.join(_WORKDIR.value, "log.txt"))
     run_log.close()
-    logging.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
     # Now, not through the interpreter's shutdown: there an async checkpoint save still in
     # flight failed in orbax's threads with ~80 lines of "cannot schedule new futures after
     # shutdown". Its temporary directory is cleared on the next start; metrics.jsonl has
     # every finished iteration (written as each ends).
-    os._exit(EXIT_INTERRUPTED)
+    config_files.exit_now(EXIT_INTERRUPTED)
   except BaseException as e:  # into WORKDIR/log.txt too; stderr gets Python's print
     run_log.exception(f"the run ended with {type(e).__name__}: {e}")
     raise
@@ -224,10 +218,7 @@ def _main(run_log: runner.RunLog) -> None:
                     "or the first compiles); no iteration ran since the last checkpoint, so "
                     "nothing is lost; re-run to resume", EXIT_STOPPED_BY_SIGNAL, e.signum)
     if e.alone:  # the others did not stop with it: jax's exit barrier would wait for them
-      logging.flush()
-      sys.stdout.flush()
-      sys.stderr.flush()
-      os._exit(EXIT_STOPPED_BY_SIGNAL)
+      config_files.exit_now(EXIT_STOPPED_BY_SIGNAL)
     sys.exit(EXIT_STOPPED_BY_SIGNAL)
   workdir = _WORKDIR.value
   main_process = distributed.is_main_process()

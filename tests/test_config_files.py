@@ -317,7 +317,6 @@ def _orbax_error(text: str):
   try:
     raise ValueError(text)
   except ValueError:
-    import sys
     return py_logging.getLogger("absl").makeRecord(
         "absl", py_logging.ERROR, "/site-packages/orbax/checkpoint/_src/futures/future.py", 387,
         "_SignalingThread.run() raised an exception: %s", (text,), sys.exc_info())

@@ -4,7 +4,6 @@ devices, with consolidations that migrate KV rows between the processes (and wit
 process that dies or hangs (2 x 4 devices) stops the other with a clear error."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import numpy as np
 from rlhfuse_jax.generation.multihost import EXIT_PEER_LOST
 from tests import fused_mp_worker as worker
 from tests.test_train_ppo_binary import REPO
-from tests.xla_env import subprocess_env
+from tests.xla_env import free_port, subprocess_env
 
 TIMEOUT_S = 300
 
@@ -22,9 +21,7 @@ TIMEOUT_S = 300
 def launch(n: int, devices: int, out_dir: str, **env_vars) -> list:
   """The worker as n processes with `devices` CPU devices each; returns the Popen objects."""
   env = subprocess_env(devices, **env_vars)
-  with socket.socket() as sock:  # a free port for the coordinator
-    sock.bind(("127.0.0.1", 0))
-    port = str(sock.getsockname()[1])
+  port = free_port()  # the coordinator's
   return [subprocess.Popen([sys.executable, "-m", "tests.fused_mp_worker", str(i), str(n), port,
                             out_dir], cwd=REPO, env=env, stdout=open(f"{out_dir}/log{i}", "w"),
                            stderr=subprocess.STDOUT) for i in range(n)]

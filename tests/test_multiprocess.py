@@ -4,7 +4,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from tests.test_train_ppo_binary import REPO, SMALL
 from tests.test_trainer import tiny_config
-from tests.xla_env import subprocess_env
+from tests.xla_env import free_port, subprocess_env
 
 
 def _pid_of(workdir: str, process_id: int) -> int:
@@ -148,9 +147,7 @@ def _two_processes(tmp_path, workdirs, per_process_args=((), ()), cwds=(REPO, RE
   """train_ppo on 2 processes x 2 CPU devices (--distributed on 127.0.0.1), each started in its
   `cwds` entry: their outputs."""
   env = subprocess_env(2, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    port = str(sock.getsockname()[1])
+  port = free_port()
   procs = [subprocess.Popen([sys.executable, "-m", "experiments.train_ppo",
                              f"--config={REPO}/configs/ppo_tiny.py", f"--workdir={workdirs[i]}",
                              "--distributed", f"--coordinator_address=127.0.0.1:{port}",
@@ -255,9 +252,7 @@ def test_put_between_device_groups_stays_on_devices(tmp_path):
   (each process half in each): every shard where its sharding says, with to_host made to fail
   in the workers, so nothing went through host memory (tests/put_mp_worker.py)."""
   env = subprocess_env(4)
-  with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    port = str(sock.getsockname()[1])
+  port = free_port()
   procs = [subprocess.Popen([sys.executable, "-m", "tests.put_mp_worker", str(i), "2", port,
                              str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
@@ -393,12 +388,6 @@ def test_a_tensor_axis_across_hosts_is_warned_of(monkeypatch):
   assert not mesh_lib.warn_tensor_across_hosts(grid(tpus, (1, 1, 1, 8)))
 
 
-def _free_port() -> str:
-  with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    return str(sock.getsockname()[1])
-
-
 # Joins a cluster of int(argv[2]) processes on 127.0.0.1:argv[1] as process argv[3] through
 # distributed.initialize (as train_ppo --distributed does), inside config_files.run.
 _JOIN = """
@@ -437,7 +426,7 @@ def test_a_sigterm_after_joining_the_cluster_reaches_the_python_handler():
   Python: a SIGTERM during a multi-host run's set-up was swallowed (the run trained to the end,
   exit 0, instead of stopping with the stopped status 75). distributed.initialize gives it
   back. (One process: the notifier starts all the same.)"""
-  out = subprocess.run(_join(_free_port(), 1, 0, what="sigterm"), cwd=REPO,
+  out = subprocess.run(_join(free_port(), 1, 0, what="sigterm"), cwd=REPO,
                        env=subprocess_env(1), capture_output=True, text=True, timeout=120)
   assert out.returncode == 0 and "handled [15]" in out.stdout, out.stderr[-3000:]
   assert "SIGTERM caught" not in out.stderr, out.stderr[-3000:]  # jax's notifier's line
@@ -448,7 +437,7 @@ def test_an_error_on_one_process_ends_it_at_once():
   that process at once with status 1. Through Python's exit, jax's atexit shutdown waited in a
   barrier for the other processes, which waited for it in a collective: the run hung 5 minutes
   and every process aborted (134), the error's line buried under the abort's."""
-  port = _free_port()
+  port = free_port()
   env = subprocess_env(1)
   procs = [subprocess.Popen(_join(port, 2, i, what="fail"), cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -468,7 +457,7 @@ def test_the_same_error_on_every_process_is_reported_by_each():
   """Process 0 hosts jax's coordination service: exiting at once, it aborted a process that
   failed on the same input 3 s later (134) before it had logged why. It waits
   config_files.PEER_GRACE_S first."""
-  port = _free_port()
+  port = free_port()
   procs = [subprocess.Popen(_join(port, 2, i, what="both"), cwd=REPO, env=subprocess_env(1),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for i in range(2)]

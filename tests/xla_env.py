@@ -17,6 +17,7 @@ with the same flags: subprocesses get them through `subprocess_env`.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -60,3 +61,10 @@ def subprocess_env(devices: int | None = None, **extra: str) -> dict:
 # a multithreaded jax process, which jax warns of.)
 RESET_SIGINT = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, "
                 "signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"]
+
+
+def free_port() -> str:
+  """A TCP port free on 127.0.0.1 now (a coordinator's for jax.distributed)."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return str(sock.getsockname()[1])
