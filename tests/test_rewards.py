@@ -535,3 +535,5 @@ def test_reward_config_checks():
   # finite, but every reward it weighs overflows float32 (refused after the compiles)
   with pytest.raises(ValueError, match=r"config\.reward\.format_weight=1e\+39: .*float32"):
     tiny_config(**{"reward.format": "boxed_format", "reward.format_weight": 1e39})
+  # float32's largest value itself is in range (3.4e38 is a little below it)
+  tiny_config(**{"reward.format": "boxed_format", "reward.format_weight": 3.4028e38})

@@ -185,7 +185,8 @@ def _sample(b: int, record: Mapping[str, Any], answer: Any, text: str) -> str:
 
 
 # Rewards are float32 on their way to the advantages: a finite float64 beyond this overflows.
-FLOAT32_RANGE = f"(float32: magnitude at most {float(np.finfo(np.float32).max):.3g})"
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_RANGE = f"(float32: magnitude at most {FLOAT32_MAX:.3g})"
 
 
 def _as_float32(value: numbers.Real) -> np.float32:

@@ -11,6 +11,7 @@ import json
 import math
 from typing import Any, Mapping, Optional
 
+from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.generation import fused as fused_lib
 from rlhfuse_jax.generation import sampling
 from rlhfuse_jax.models.llama import ModelConfig
@@ -293,9 +294,10 @@ class RewardConfig:
            self.model_checkpoint, "a checkpoint directory when reward.kind='model'")
     _check(self.format != "task", "reward.format", self.format,
            "a reward function name or import path (the task's verifier is reward.function)")
-    _check(math.isfinite(self.format_weight) and abs(self.format_weight) <= 3.4e38,
+    _check(math.isfinite(self.format_weight)
+           and abs(self.format_weight) <= rewards_lib.FLOAT32_MAX,
            "reward.format_weight", self.format_weight,
-           "a finite number in float32's range (magnitude at most 3.4e38)")
+           f"a finite number {rewards_lib.FLOAT32_RANGE}")
     labels = [stat_label(s) for s in self.stat_specs]
     repeated = sorted({label for label in labels if labels.count(label) > 1})
     _check("task" not in self.stat_specs and not repeated, "reward.stats",
