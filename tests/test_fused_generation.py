@@ -414,6 +414,14 @@ def test_rt_choice_follows_the_costs():
   assert cheap.rt > 0 and cheap.simulated_s[cheap.rt] < cheap.simulated_s[0.0]
   # ... and nothing is worth a 100 s migration.
   assert dear.rt == 0.0
+  # Frozen models loaded from the host need the measured load: no H100 PCIe figure stands in.
+  offload = dataclasses.replace(setup, offload_frozen=True)
+  with pytest.raises(ValueError, match=r"lacks the measured ops \['weight_load'\]"):
+    rt_model.gen_plus_inf_model(cal(0.0), actor, (actor,), offload)
+  loads = cal(0.0)
+  loads["ops"]["weight_load"] = {"bytes_per_s": 1e9}
+  assert rt_model.gen_plus_inf_model(loads, actor, (actor,), offload)(
+      0.5, np.full(16, 6), np.full(16, 8)) > 0
 
 
 @pytest.mark.parametrize("kw, match", [

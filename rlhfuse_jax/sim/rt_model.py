@@ -7,8 +7,11 @@ simulator runs, with the shared consolidation policy) over the engine's layout.
 Cost model: the simulator's `CostModel` with a calibration measured on the engine's own
 executables (generation/measure.py): decode step time vs occupied slots, prefill and inference
 micro-batch time, migration time per moved sample and frozen-weight load bandwidth, and whether
-the devices share one processor (fake CPU devices). Every op the generation simulation uses is
-calibrated, so the hardware preset the CostModel is built with is never consulted.
+the devices share one processor (fake CPU devices). The ops every batch uses (decode, prefill,
+inference, and the weight load when frozen models come from the host) must be calibrated: a
+missing one is an error, never the hardware preset's figure. Migration is measured where this
+process holds two instances; one instance per process (a multi-host engine) leaves it to the
+preset's links (H100 NVLink + NCCL latencies), a cost that stays small beside a decode step.
 
 Plain numpy (no jax), like the rest of sim/.
 """
@@ -34,8 +37,14 @@ def gen_plus_inf_model(calibration: dict, actor: ModelShape, frozen: Sequence[Mo
   calibration: a calibration-file dict (policy/calibration.py); setup: the engine's layout (its
   threshold is replaced by each candidate, streaming on).
   """
-  cost = CostModel(get_hardware("h100_sxm"), calibration=cal_lib.from_dict(calibration,
-                                                                            "measured"))
+  cal = cal_lib.from_dict(calibration, "measured")
+  needed = ("decode_step", "prefill", "inference") + (
+      ("weight_load",) if setup.offload_frozen else ())
+  missing = [op for op in needed if getattr(cal, op) is None]
+  if missing:
+    raise ValueError(f"the Rt model's calibration ({cal.device!r}) lacks the measured ops "
+                     f"{missing}: the simulated batch needs them (no hardware preset applies)")
+  cost = CostModel(get_hardware("h100_sxm"), calibration=cal)
 
   def simulate(rt: float, prompt_lens: np.ndarray, response_lens: np.ndarray) -> float:
     s = dataclasses.replace(setup, threshold=float(rt), stream_inference=True)

@@ -25,7 +25,8 @@ def sim_setup(gen: FusedGenerator) -> tuple:
                    max_new_tokens=gen.sampling.max_new_tokens,
                    max_consolidations=max(cfg.max_consolidations, 1), stream_inference=True,
                    inference_microbatch=cfg.micro_batch, kv_capacity_tokens=gen.kv_capacity,
-                   offload_frozen=True, devices_share_compute=measure.shares_compute(gen))
+                   offload_frozen=any(n != "critic" for n in gen.models),
+                   devices_share_compute=measure.shares_compute(gen))
   return actor, frozen, setup
 
 
