@@ -34,6 +34,9 @@ def get_config(arg: str = "paper"):
                "rlhfuse,pipe_rlhf,rlhfuse_planned,pipe_rlhf_async")
   c.seed = 0  # seed of the sampled prompt/response lengths and of the schedule search
 
+  # Prompt lengths: an assumption too (no cited trace): log-normal, median 256, sigma 0.5,
+  # clipped to [16, 1024]. The cap sets the KV a generation slot must hold (prompt +
+  # max_new_tokens), so it decides which generation plans fit.
   c.prompt = ml_collections.ConfigDict()  # prompt-length distribution (sim/lengths.py)
   c.prompt.kind = "lognormal"
   c.prompt.median = 256.0
@@ -73,9 +76,11 @@ def get_config(arg: str = "paper"):
   c.sim = ml_collections.ConfigDict()  # simulated system knobs (iteration_sim.SimOptions)
   c.sim.threshold = -1.0  # consolidation Rt; < 0: chosen by simulation per setting
   c.sim.threshold_candidates = "0,0.05,0.1,0.2,0.3,0.5"  # Rt tried (0: stream, never migrate)
-  c.sim.chunk_steps = 16  # decode steps between host checks
-  c.sim.inference_microbatch = 8  # samples per inference micro-batch
-  c.sim.max_slots = 256  # slots per generation instance at most
+  # decode steps between host checks (an engine setting: ours checks every 8 by default, a
+  # vLLM-class engine every step; 16 charges the tail up to 15 steps of lateness)
+  c.sim.chunk_steps = 16
+  c.sim.inference_microbatch = 8  # samples per inference micro-batch (configs/ppo_llama.py's)
+  c.sim.max_slots = 256  # slots per generation instance at most (vLLM's max_num_seqs default)
   c.sim.gen_tps = "1,2,4,8"  # generation tensor-parallel degrees tried
   c.sim.offload_frozen = True  # reference/reward/critic weights loaded from host when used
   c.sim.search_time_s = 2.0  # fused-schedule search budget per distinct pipeline problem

@@ -32,8 +32,9 @@ parallel degree, FLOPs from shapes.py):
       write) over the device's parameter shard, at hbm_bw*decode_bw_eff.
 Memory (per device, bytes): weights bf16 (2/param); training adds grads bf16 (2) and Adam fp32
 master+m+v (12, divided by dp with ZeRO-1); activations 34*h bytes per token per layer / t
-(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2
-with sequence parallelism and flash attention, no recomputation); KV cache kv_bytes_per_token per
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+Table 2: tensor + sequence parallel + selective recomputation, i.e. the attention scores not
+kept, as flash attention does; nothing else recomputed); KV cache kv_bytes_per_token per
 token. A plan fits if its total is below hbm_bytes * memory_headroom.
 
 Measured figures (calibration.py) replace the formula of the op they measure; a fitted decode
@@ -63,16 +64,28 @@ GIB = 2 ** 30
 class Efficiency:
   """Achieved fractions of the datasheet peaks, and other non-datasheet constants.
 
-  Defaults and their sources (assumptions, not measurements of ours; a calibration file
-  replaces them):
-    train_mfu 0.45: Megatron-LM on 3072 A100s reached 44-52% of peak across GPT sizes
-      (Narayanan et al. SC'21, Table 1); MegaScale reports 55% on H800 for 175B (Jiang et al.
-      NSDI'24). The lower end is taken: RLHF sequences are short and micro-batches small.
-    prefill_mfu 0.45: same figure for forward-only passes (prefill, reference/reward/critic).
-    decode_bw_eff 0.7 / decode_mfu 0.45: decode kernels stream weights and KV at roughly 70% of
-      peak HBM bandwidth (the bandwidth-bound regime the vLLM paper analyses, Kwon et al.
-      SOSP'23); the compute side matters only for large batches.
-    net_eff 0.8: large NCCL collectives reach ~80% of link bandwidth (nccl-tests "busbw").
+  Defaults and their sources (a calibration file replaces them; which ones are assumptions
+  is said):
+    train_mfu 0.45: model-FLOP utilisation (our FLOP count: 3 x the forward, no recompute).
+      Published and measured MFUs around it: MegaScale 55.2 % for 175B on 12,288 GPUs (Jiang et
+      al. NSDI'24); ours on one H100, 1.1B, 16 x 512 tokens: 42.3 % and 44.3 % (experiments/
+      results/h100_decode_variants, h100_pallas_decode train.mfu). Megatron-LM's 43-52 %
+      (Narayanan et al. SC'21, Table 1) counts the recomputed forward too (their 96BslH^2 is 4
+      forwards), so about 33-39 % as MFU. An assumption inside that range, not a measurement at
+      the papers' scale.
+    prefill_mfu 0.45: forward-only passes (prefill, reference/reward/critic); the same figure,
+      an assumption; ours on one H100 (h100_pallas_decode prefill_mfu): 36 % at 16 prompts,
+      47 % at 128.
+    decode_bw_eff 0.7 / decode_mfu 0.45: an ASSUMPTION for a tuned engine at the papers' model
+      sizes: no cited source gives the achieved HBM fraction of decode (the vLLM paper, Kwon et
+      al. SOSP'23, analyses the bandwidth-bound regime but states no such figure). Ours on one
+      H100 at 1.1B reach 14-31 % (XLA) and 33-49 % (Pallas) of peak, where per-layer fixed costs
+      dominate (sim/decode_fit.py models them; the calibrated variant of configs/ablations.py
+      uses that). The same fraction times the byte side of prefill, inference and training
+      forwards and the optimizer step. The compute side matters only for large batches.
+    net_eff 0.8: NCCL's own model caps a ring's bus bandwidth at 370 GB/s on Hopper and
+      235 GB/s on Ampere (src/graph/tuning.cc, "Various model refinements"): 0.82 of H100's
+      450 GB/s NVLink, 0.78 of A100's 300. Taken for the network links too (an assumption there).
     collective_latency_s 10e-6: fixed cost per collective call, used only on hardware without
       per-protocol latencies (the TPU presets; NVIDIA presets use NCCL's constants,
       hardware.NCCL_RING). An assumption, not a cited TPU figure: small all-reduces take a
@@ -84,7 +97,9 @@ class Efficiency:
   decode_bw_eff: float = 0.7
   net_eff: float = 0.8
   collective_latency_s: float = 10e-6
-  memory_headroom: float = 0.9  # usable fraction of HBM (allocator, workspace, fragmentation)
+  # Usable fraction of HBM (allocator, workspace, fragmentation): vLLM's default
+  # gpu_memory_utilization, 0.90 (vllm/engine/arg_utils.py, EngineArgs).
+  memory_headroom: float = 0.9
   bwd_over_fwd: float = 2.0  # backward / forward time of a training micro-batch
   act_bytes_per_token_layer_per_h: float = 34.0  # activation bytes per token per layer, / h
   # Host time per decode step that the device waits for, as a fraction of the step's device
@@ -211,7 +226,7 @@ class CostModel:
         out = (fit.step_s + shape.num_layers * fit.layer_s +
                self.roofline_s(flops, nbytes, tp, fit.mfu, fit.bw_eff))
         out = out + self._tp_comm_s(shape, tp, batch, shape.num_layers)
-      else:  # literature efficiencies, plus the host time an engine does not hide
+      else:  # assumed efficiencies, plus the host time an engine does not hide
         out = (self.roofline_s(flops, nbytes, tp, self.eff.decode_mfu, self.eff.decode_bw_eff) +
                self._tp_comm_s(shape, tp, batch, shape.num_layers))
         out = out * (1.0 + self.eff.decode_host_overhead)

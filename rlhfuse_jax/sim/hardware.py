@@ -11,8 +11,13 @@ units (FLOP/s, bytes, bytes/s). Conventions, applied when converting:
 - A "node" is the domain of the fast link: an 8-GPU NVLink/NVSwitch board, or a TPU ICI slice.
   `inter_node_bw` is the per-device share of the scale-out network (GPU: one NIC per GPU on
   the DGX/HGX reference designs; TPU: data-center network per chip).
-- `host_to_device_bw`: PCIe per direction (None where the vendor page does not give it; the
-  simulator then refuses to model offloading frozen models to host memory).
+- `hbm_bytes`: the datasheet's figure as printed, in SI bytes: NVIDIA's "80 GB" is 80e9 here,
+  though an H100 80GB reports 81,559 MiB (about 85.5e9 bytes) to nvidia-smi; the 7 % between
+  them is left unused (a conservative fit; docs/usage.md says how to let a run use it). Google's
+  v5p page prints GiB and is taken as GiB.
+- `host_to_device_bw`: PCIe per direction; None where the vendor page does not give it (the
+  simulator then refuses to model offloading frozen models to host memory). The cost model
+  applies no efficiency to it, so host -> device copies are an optimistic bound.
 
 Anything here is an upper bound; achieved fractions are the cost model's efficiency parameters.
 

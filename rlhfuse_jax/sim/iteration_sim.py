@@ -204,7 +204,9 @@ def zero3_resident_bytes(wl: Workload) -> float:
   """Per device, what DeepSpeed-Chat keeps while its hybrid engine generates: the ZeRO-3 shards
   of the trained actor and critic (16 bytes a parameter: bf16 weights and gradients, fp32
   master weights and two Adam moments) and of the frozen reference and reward model (bf16
-  weights; DeepSpeed-Chat gives them ZeRO-3 too: DeepSpeedExamples step3 `ref_zero_stage`)."""
+  weights; DeepSpeed-Chat gives them ZeRO-3 too: DeepSpeedExamples step3's
+  rlhf_engine._init_ref takes the actor's ZeRO stage, "If actor is ZeRO-3 then we use it for
+  everything"; some versions read a reference_zero_stage argument instead)."""
   trained = wl.actor.num_params() + wl.critic.num_params()
   frozen = wl.actor.num_params() + wl.critic.num_params()
   return (16.0 * trained + 2.0 * frozen) / wl.num_devices

@@ -31,7 +31,9 @@ Calibration: validation_lines uses the given calibration for bench_generation an
 or, when none is given, each bench's own `<workdir>/calibration.json` (both benches write one).
 
 Reading a bench's workdir: config.json and result.json are searched (recursively) for the keys
-below, first alias wins; a missing key is reported by name, never guessed.
+below, first alias wins; a missing key is reported by name, never guessed, except the few with
+a default stated below (the benches' own defaults: tp 1, inference micro-batch 8,
+max_consolidations 1; a vocab_size of 0 reads as 256, the byte tokenizer's).
   generation: instances (num_instances | instances | num_gen_instances), slots (slots |
       slots_per_instance), devices per instance (tp | devices_per_instance | instance_devices,
       default 1), chunk (chunk_size | chunk_steps), Rt (migration_threshold | threshold),
