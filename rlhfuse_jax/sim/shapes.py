@@ -167,8 +167,9 @@ def _llama1(name: str, hidden: int, inter: int, layers: int, heads: int) -> Mode
 # LLaMA (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models", Table 2:
 # dimension / heads / layers for 6.7B, 13.0B, 32.5B, 65.2B; context 2048). Vocabulary 32000:
 # the released tokenizer's size (the LLaMA 2 paper, Touvron et al. 2023b §2.2: "the same
-# tokenizer as Llama 1 ... The total vocabulary size is 32k tokens"). FFN sizes from the released params.json: SwiGLU width 2/3 * 4d rounded up to a
-# multiple of 256 (11008, 13824, 17920, 22016). Full multi-head attention (kv_heads = heads).
+# tokenizer as Llama 1 ... The total vocabulary size is 32k tokens"). FFN sizes from the
+# released params.json: SwiGLU width 2/3 * 4d rounded up to a multiple of 256 (11008, 13824,
+# 17920, 22016). Full multi-head attention (kv_heads = heads).
 SHAPES: dict[str, ModelShape] = {
     "llama-7b": _llama1("llama-7b", 4096, 11008, 32, 32),
     "llama-13b": _llama1("llama-13b", 5120, 13824, 40, 40),
