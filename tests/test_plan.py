@@ -123,6 +123,34 @@ def test_a_bad_value_the_plan_file_set_in_async_ppo_names_the_file(tmp_path):
   assert "config.optim.actor_lr=-1.0" in str(e.value) and "set by" not in str(e.value)
 
 
+@pytest.mark.parametrize("entry, match", [
+    ([4, 4], r"async=\[4, 4\]; expected an object \{generation_devices, training_devices, "
+     r"staleness, colocated\}"),
+    ("4/4", r"async='4/4'; expected an object"),
+    ({"generation_devices": 0, "training_devices": 8, "staleness": 1, "colocated": False},
+     r"async\.generation_devices=0 with async\.colocated=false; expected an integer >= 1"),
+    ({"generation_devices": -2, "staleness": 1},
+     r"async\.generation_devices=-2 with async\.colocated=false; expected an integer >= 1"),
+    ({"generation_devices": 4, "staleness": 1, "colocated": "no"},
+     r"async\.colocated='no'; expected true or false"),
+], ids=["list", "string", "no_generation_group", "negative", "colocated_not_bool"])
+def test_a_hand_edited_async_entry_that_is_no_split_is_refused(tmp_path, entry, match):
+  """An "async" entry that is not an object was ignored (the run went synchronous), and a split
+  with no generation group was accepted: both are refused, naming the file and the field."""
+  path = plan_json(tmp_path / "plan.json", {})
+  plan = json.loads(open(path).read())
+  plan["async"] = entry
+  open(path, "w").write(json.dumps(plan))
+  with pytest.raises(ValueError, match=r"config\.plan\.file='[^']*plan\.json': " + match):
+    tiny_config(**{"plan.file": path})
+  # A synchronous plan (no entry, or null) and a split of 4 devices still load.
+  for ok, gen in ((None, 0), ({"generation_devices": 4, "training_devices": 4, "staleness": 1,
+                               "colocated": False}, 4)):
+    plan["async"] = ok
+    open(path, "w").write(json.dumps(plan))
+    assert tiny_config(**{"plan.file": path}).async_ppo.generation_devices == gen
+
+
 @pytest.mark.parametrize("overrides, match", [
     ({"plan.generation": "tpu"}, r"config\.plan\.generation='tpu': expected one of"),
     ({"plan.generation_pp": 2}, r"config\.plan\.generation_pp=2: expected its default 1 with "

@@ -864,11 +864,25 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
   out["optim", "zero1"] = (True, "training (its memory check assumes ZeRO-1)")
   # An asynchronous plan (plan_search with sim.staleness >= 1) splits the devices: generation
   # and inference on the first generation_devices, training (the layouts above) on the rest.
+  # A hand-edited entry that is not an object, or a split with no generation group, was
+  # ignored (the run went synchronous) or taken as a split of no devices.
   a = plan.get("async")
-  if isinstance(a, Mapping) and not a.get("colocated", False):
+  if a is None:
+    return out
+  if not isinstance(a, Mapping):
+    raise ValueError(f"{where}: async={a!r}; expected an object {{generation_devices, "
+                     "training_devices, staleness, colocated} (plan_search's asynchronous "
+                     "plan; a synchronous plan has no \"async\" entry)")
+  colocated, gen_devices = a.get("colocated", False), a.get("generation_devices", 0)
+  if not isinstance(colocated, bool):
+    raise ValueError(f"{where}: async.colocated={colocated!r}; expected true or false")
+  if not colocated and _is_int(gen_devices) and gen_devices < 1:
+    raise ValueError(f"{where}: async.generation_devices={gen_devices!r} with async.colocated="
+                     "false; expected an integer >= 1 (the devices of the split's generation "
+                     "group; a synchronous plan has no \"async\" entry)")
+  if not colocated:
     out["async_ppo", "staleness"] = (a.get("staleness", 1), "async.staleness")
-    out["async_ppo", "generation_devices"] = (a.get("generation_devices", 0),
-                                              "async.generation_devices")
+    out["async_ppo", "generation_devices"] = (gen_devices, "async.generation_devices")
   return out
 
 
