@@ -12,7 +12,10 @@ into the workdir:
                   times; the asynchronous plan where it beats the synchronous one, then with
                   "async": {generation_devices, training_devices, staleness, colocated} (the
                   generation and inference layouts on the generation group, training on the
-                  other devices), and the hardware's values ("hardware")
+                  other devices), the hardware's values ("hardware") and the workload
+                  searched for ("workload": actor and critic shapes, global_batch, minibatch,
+                  epochs, max_prompt_len, max_new_tokens, num_devices, train_config when given;
+                  train_ppo warns of a run whose workload differs)
   result.json     {"best", "top", "uniform", "async", "plan_json", "stages", "systems",
                   "search_s", "setting", "hardware"}; best.predicted_iteration_s (synchronous),
                   uniform.predicted_iteration_s and async.predicted_iteration_s (with
@@ -265,7 +268,10 @@ def main(argv):
   # The hardware's values, not only its name: a file of one's own (--config.hardware=FILE.json)
   # may change after the search.
   hardware = cost.hw.to_dict()
-  wd.write_json(os.path.join(workdir, "plan.json"), {**plan, "hardware": hardware})
+  # The workload it was searched for: train_ppo warns when a run's differs.
+  record = plan_search.workload_record(wl, _CONFIG.value.get("train_config", ""))
+  wd.write_json(os.path.join(workdir, "plan.json"),
+                {**plan, "hardware": hardware, "workload": record})
   runner.write_result(workdir, {
       "setting": setting, "hardware": hardware, "best": best, "top": res["top"], "uniform": uniform,
       "async": asynchronous, "plan_json": which, "stages": res["stages"],

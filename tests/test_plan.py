@@ -473,6 +473,48 @@ def test_a_plan_searched_for_other_devices_says_so(tmp_path):
           "predicted times and memory check are for 16") in out.stderr, out.stderr[-3000:]
 
 
+def test_a_plan_searched_for_another_workload_is_warned_of(tmp_path):
+  """plan.json records the workload it was searched for ("workload"), and train_ppo warns,
+  naming each field, of a run whose models or batch differ: a plan for an 8-layer, hidden-512
+  model at batch 128 ran ppo_tiny's 2-layer model at 64 without a word. The warning comes
+  before the trainer's checks (here a top_k refused by validate stops the run in seconds)."""
+  (tmp_path / "big.py").write_text(
+      "from configs import ppo_tiny\n\n\ndef get_config():\n"
+      "  c = ppo_tiny.get_config()\n"
+      "  c.model.num_layers, c.model.hidden_size = 8, 512\n"
+      "  c.rollout.prompts_per_iteration = 128\n  return c\n")
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
+       f"--config.train_config={tmp_path / 'big.py'}", f"--workdir={tmp_path / 'ps'}",
+       "--config.systems=pipe_rlhf"], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  path = str(tmp_path / "ps" / "plan.json")
+  w = json.loads(open(path).read())["workload"]
+  assert (w["actor"]["num_layers"], w["actor"]["hidden_size"], w["critic"]["num_layers"],
+          w["global_batch"], w["minibatch"], w["epochs"], w["max_prompt_len"],
+          w["max_new_tokens"], w["num_devices"]) == (8, 512, 2, 128, 32, 2, 8, 12, 8), w
+  assert w["train_config"] == str(tmp_path / "big.py")
+  out = subprocess.run([sys.executable, "-m", "experiments.train_ppo",
+                        "--config=configs/ppo_tiny.py", f"--config.plan.file={path}",
+                        f"--workdir={tmp_path / 'run'}", "--config.rollout.top_k=100000"],
+                       cwd=ROOT, env={**env, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1 and "config.rollout.top_k=100000" in out.stderr, out.stderr[-3000:]
+  assert (f"config.plan.file={path!r} was searched for actor num_layers=8 (this run has 2); "
+          "actor hidden_size=512 (this run has 64); global_batch=128 (this run's "
+          f"rollout.batch_size is 64) (plan_search's train_config={str(tmp_path / 'big.py')!r})"
+          ": its predicted times and memory check are for that workload") in out.stderr, \
+      out.stderr[-3000:]
+  # A plan file from before the entry loads, with a note; an unchanged workload says nothing.
+  from rlhfuse_jax.trainer.config import plan_workload_note
+  cfg = tiny_config(**{"plan.file": plan_json(tmp_path / "old.json", {})})
+  assert plan_workload_note(cfg.plan.file, cfg) == (False, (
+      f"config.plan.file={cfg.plan.file!r} records no workload (a plan.json written before "
+      "plan_search recorded one): not compared with this run's"))
+
+
 def test_the_set_up_log_names_what_the_plan_file_set(tmp_path):
   """A plan file's settings are applied under fields the user may not have written (zero1 among
   them, with no way back), so the trainer's set-up log names each one (the trainer logs
@@ -571,6 +613,11 @@ def test_plan_search_binary_for_a_train_config(tmp_path):
   c.plan.file = str(tmp_path / "plan.json")
   cfg = TrainConfig.from_config_dict(c)
   assert cfg.plan.generation == plan["generation"]["mode"]
+  # The workload it records is the run's: no warning.
+  from rlhfuse_jax.trainer.config import plan_workload_note
+  _, tokenizer = build.build_task_and_tokenizer(cfg)
+  assert plan["workload"]["train_config"] == "configs/ppo_tiny.py"
+  assert plan_workload_note(c.plan.file, build.resolve_config(cfg, tokenizer)) is None
   if res["plan_json"] == "asynchronous":
     assert cfg.async_ppo.generation_devices == plan["async"]["generation_devices"]
   assert "restricted to plans the trainer runs" in (tmp_path / "plan_search.md").read_text()

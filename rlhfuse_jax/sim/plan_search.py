@@ -486,6 +486,25 @@ def _plan_dict(gen: Candidate, inf: Candidate, train: Candidate) -> dict:
   }
 
 
+# The model fields plan.json's "workload" records of the actor and the critic (the trainer
+# compares them, and the run fields below, with its own: trainer/config.plan_workload_note).
+WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size")
+
+
+def workload_record(wl, train_config: str = "") -> dict:
+  """plan.json's "workload": what the plan was searched for (the models' shapes, the batch,
+  mini-batch, epochs, max prompt and generation lengths, the devices; the train_ppo config
+  when one was given), so that a run of another workload with it is warned of."""
+  out = {role: {"name": shape.name, **{f: getattr(shape, f) for f in WORKLOAD_MODEL_FIELDS}}
+         for role, shape in (("actor", wl.actor), ("critic", wl.critic))}
+  out.update(global_batch=wl.global_batch, minibatch=wl.minibatch, epochs=wl.epochs,
+             max_prompt_len=wl.prompt.max_len, max_new_tokens=wl.max_new_tokens,
+             num_devices=wl.num_devices)
+  if train_config:
+    out["train_config"] = train_config
+  return out
+
+
 def _describe_train(p: dict) -> str:
   if p["placement"] == "colocated":
     return f"colocated tp{p['tp']} Pa/Pc={p['actor_pp']}/{p['critic_pp']}"

@@ -886,6 +886,59 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
   return out
 
 
+# What plan.json's "workload" (experiments.plan_search since 2026-12-01) records beside the
+# models' shapes, and the field of a run's config each is compared with.
+PLAN_WORKLOAD_RUN_FIELDS = {"global_batch": "rollout.batch_size",
+                            "minibatch": "algo.minibatch_size", "epochs": "algo.epochs",
+                            "max_prompt_len": "data.max_prompt_len",
+                            "max_new_tokens": "rollout.max_new_tokens"}
+# The actor's and critic's fields it records (sim/plan_search.WORKLOAD_MODEL_FIELDS).
+PLAN_WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                              "vocab_size")
+
+
+def plan_workload_differences(plan: Mapping[str, Any], cfg: "TrainConfig"
+                              ) -> Optional[list[str]]:
+  """'actor num_layers=8 (this run has 2)' for each field of the workload the plan was searched
+  for that differs from the run's (`cfg` resolved: the tokenizer's vocabulary, a checkpoint's
+  shape); None when the file records no workload (written before it did)."""
+  w = plan.get("workload")
+  if not isinstance(w, Mapping):
+    return None
+  out = []
+  for role, model in (("actor", cfg.model), ("critic", cfg.critic_model)):
+    shape = w.get(role)
+    for f in PLAN_WORKLOAD_MODEL_FIELDS if isinstance(shape, Mapping) else ():
+      if f in shape and shape[f] != getattr(model, f):
+        out.append(f"{role} {f}={shape[f]!r} (this run has {getattr(model, f)!r})")
+  for key, field in PLAN_WORKLOAD_RUN_FIELDS.items():
+    sec, name = field.split(".")
+    now = getattr(getattr(cfg, sec), name)
+    if key in w and w[key] != now:
+      out.append(f"{key}={w[key]!r} (this run's {field} is {now!r})")
+  return out
+
+
+def plan_workload_note(path: str, cfg: "TrainConfig") -> Optional[tuple[bool, str]]:
+  """(a warning?, the line) on how the plan file's workload compares with the run's (`cfg`
+  resolved); None when they agree. A plan searched for another model or batch runs, but its
+  predicted times and memory check are not this run's."""
+  plan = load_plan_file(path)
+  diffs = plan_workload_differences(plan, cfg)
+  if diffs is None:
+    return False, (f"config.plan.file={path!r} records no workload (a plan.json written before "
+                   "plan_search recorded one): not compared with this run's")
+  if not diffs:
+    return None
+  spec = plan["workload"].get("train_config")
+  return True, (
+      f"config.plan.file={path!r} was searched for " + "; ".join(diffs) +
+      (f" (plan_search's train_config={spec!r})" if spec else "") +
+      ": its predicted times and memory check are for that workload (plan_search --config="
+      "configs/plan_search.py:train --config.train_config=<this run's config> searches for "
+      "this run's)")
+
+
 # What a plan file sets only where the config leaves the default: its micro-batching. A config
 # that chose its own keeps it (its memory is then not what the plan checked: plan_check says).
 PLAN_SOFT_FIELDS = frozenset({("pipeline", "actor_microbatches"),

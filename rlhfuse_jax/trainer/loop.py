@@ -232,6 +232,10 @@ class PPOTrainer:
       return
     self.task, self.tokenizer = build.build_task_and_tokenizer(cfg)
     self.cfg = cfg = build.resolve_config(cfg, self.tokenizer)
+    if cfg.plan.file:  # a plan searched for another model or batch: before any check stops it
+      note = config_lib.plan_workload_note(cfg.plan.file, cfg)
+      if note:
+        (logging.warning if note[0] else logging.info)("%s", note[1])
     self._make_meshes(cfg, mesh)
     validate(cfg, self.mesh, generation_devices=self.gen_mesh.devices.size)
     if cfg.optim.offload_during_rollout and not mesh_lib.has_host_memory(self.mesh):
