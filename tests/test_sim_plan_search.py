@@ -392,9 +392,15 @@ def test_binary_writes_plan_result_and_report(tmp_path):
   # plan.json: the faster plan, here the asynchronous one, with the synchronous plan's keys and
   # its split.
   assert res["plan_json"] == "asynchronous" and not a["colocated"]
-  assert plan == {**a["plan"], "hardware": res["hardware"]}  # and the hardware's values
+  # and the hardware's values, and the workload it was searched for (train_ppo compares it)
+  assert plan == {**a["plan"], "hardware": res["hardware"], "workload": plan["workload"]}
   assert set(plan) == {"generation", "inference", "training", "predicted", "summary", "async",
-                       "hardware"}
+                       "hardware", "workload"}
+  w = plan["workload"]
+  assert (w["actor"]["num_layers"], w["actor"]["hidden_size"], w["critic"]["vocab_size"]) == (
+      40, 5120, 32000) and "train_config" not in w
+  assert (w["global_batch"], w["minibatch"], w["epochs"], w["max_new_tokens"],
+          w["num_devices"]) == (64, 16, 1, 128, 32)
   assert plan["async"] == {"generation_devices": a["generation_devices"], "staleness": 1,
                            "training_devices": 32 - a["generation_devices"], "colocated": False}
   assert plan["predicted"]["iteration_s"] < res["best"]["predicted_iteration_s"]
