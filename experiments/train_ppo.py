@@ -107,9 +107,12 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
   try:  # the axes' product, before the workdir is made (a bad value leaves none behind)
     cfg.mesh.resolve(num_devices - gen)
   except ValueError as e:
+    # A plan file sets mesh.tensor and mesh.stage (and the split): the user never wrote them.
     raise ValueError(f"config.{e}" + (f" (the training group: the devices left by config."
                                       f"async_ppo.generation_devices={gen})" if gen else "")
-                     ) from None
+                     + (f" (its tensor and stage set by config.plan.file={cfg.plan.file!r}" + (
+                         f", a plan searched for {planned} devices" if planned else "") + ")"
+                        if cfg.plan.file else "")) from None
   if planned and planned != num_devices:  # it runs, but not as the search timed and sized it
     logging.warning("config.plan.file=%r was searched for %d devices and this run has %d: its "
                     "predicted times and memory check are for %d (plan_search --config."

@@ -441,6 +441,72 @@ def test_a_plan_for_more_devices_than_jax_sees_names_the_plan_file(tmp_path):
   assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in out.stderr, out.stderr[-3000:]
 
 
+def test_a_plan_mesh_that_cannot_split_the_devices_names_the_plan_file(tmp_path):
+  """A plan's training tp=3 on 8 devices: the error names config.mesh, which the user never
+  wrote; it now says the plan file set it."""
+  path = plan_json(tmp_path / "plan.json", {}, training={
+      "placement": "colocated", "devices": 8, "tp": 3, "actor_pp": 1, "critic_pp": 1})
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-m", "experiments.train_ppo",
+                        "--config=configs/ppo_tiny.py", f"--config.plan.file={path}",
+                        f"--workdir={tmp_path / 'run'}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert ("config.mesh: 8 devices cannot be split as {'data': -1, 'fsdp': 1, 'stage': 1, "
+          "'tensor': 3}: the fixed axes take 3 devices, which does not divide 8 (its tensor and "
+          f"stage set by config.plan.file={path!r}, a plan searched for 8 devices)"
+          ) in out.stderr, out.stderr[-3000:]
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_refused_for_a_changed_plan_file_names_the_file(tmp_path):
+  """Resuming after the plan file changed listed async_ppo.generation_devices, async_ppo.
+  staleness and plan.generation_slots, fields the user never set, without a word of the file:
+  the refusal says they come from config.plan.file, that its content differs from the one the
+  checkpoints were written with, and where the original is saved. A field the config itself
+  changed is not blamed on the file."""
+  import jax.numpy as jnp
+  from rlhfuse_jax.trainer import hooks
+  path = plan_json(tmp_path / "plan.json", {"slots": 8})
+  plan = json.loads(open(path).read())
+  plan["async"] = {"generation_devices": 4, "training_devices": 4, "staleness": 1,
+                   "colocated": False}
+  original = json.dumps(plan)
+  open(path, "w").write(original)
+  workdir = str(tmp_path / "run")
+  before = tiny_config(**{"plan.file": path})
+  ckpts = hooks.Checkpoints(workdir, before, before.fingerprint())
+  try:
+    ckpts.checkpointer.save(1, {"w": jnp.zeros((2,))}, {
+        "iteration": 1, "seed": before.seed, "data": {}, "config": before.fingerprint()})
+    ckpts.checkpointer.wait()
+  finally:
+    ckpts.checkpointer.close()
+
+  def resume(cfg):
+    c = hooks.Checkpoints(workdir, cfg, cfg.fingerprint())
+    try:
+      with pytest.raises(ValueError) as e:
+        c.resume_point()
+    finally:
+      c.checkpointer.close()
+    return str(e.value)
+
+  plan["generation"]["slots"] = 4
+  plan["async"].update(generation_devices=2, training_devices=6, staleness=2)
+  open(path, "w").write(json.dumps(plan))
+  msg = resume(tiny_config(**{"plan.file": path}))
+  assert ("async_ppo.generation_devices: 4 -> 2; async_ppo.staleness: 1 -> 2; "
+          "plan.generation_slots: 8 -> 4. async_ppo.generation_devices, async_ppo.staleness, "
+          f"plan.generation_slots are set by config.plan.file={path!r}, whose content differs "
+          "from the plan file the checkpoints were written with: that one is saved in "
+          f"{os.path.join(workdir, 'config.json')} under \"plan_file_content\"") in msg, msg
+  open(path, "w").write(original)
+  msg = resume(tiny_config(**{"plan.file": path, "optim.actor_lr": 1e-4}))
+  assert "optim.actor_lr: " in msg and "config.plan.file" not in msg, msg
+
+
 def test_a_plan_searched_for_other_devices_says_so(tmp_path):
   """A plan file searched for another device count: a field it set that the config refuses is
   named with the plan's device count (a 256-device plan run on 8 failed on plan.generation_tp

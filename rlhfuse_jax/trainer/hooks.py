@@ -316,7 +316,7 @@ class Checkpoints(Hook):
   run-specific entries (the prompt stream's position, the LR schedule's horizon)."""
 
   def __init__(self, workdir: str, cfg: TrainConfig, fingerprint: dict):
-    self.cfg, self.fingerprint = cfg, fingerprint
+    self.workdir, self.cfg, self.fingerprint = workdir, cfg, fingerprint
     self.checkpointer = checkpointing.Checkpointer(workdir, keep=cfg.checkpoint.keep)
     self._set_aside: list[int] = []  # checkpoints set aside as damaged in this start
     self.state_fn: Callable[[], dict] = dict
@@ -389,11 +389,35 @@ class Checkpoints(Hook):
       raise ValueError(
           f"this config differs from the one that wrote the checkpoints in "
           f"{self.checkpointer.directory} (iteration {meta.get('iteration')}) in fields that "
-          f"change the run: " + "; ".join(changes) + ". Resume with the original values, "
+          f"change the run: " + "; ".join(changes) + ". " + self._plan_file_note(changes) +
+          "Resume with the original values, "
           f"name the ones of {sorted(config_lib.RESUME_CHANGEABLE)} in "
           f"config.checkpoint.resume_changes to continue with the new values, or start a new "
           f"--workdir (fields a resume may change freely: "
           f"{', '.join(sorted(config_lib.RESUMABLE_FIELDS))})")
+
+  def _plan_file_note(self, changes: list[str]) -> str:
+    """What a refused resume adds when fields it lists are ones config.plan.file set (the user
+    never wrote async_ppo.generation_devices): the file changed since the checkpoints were
+    written, and where its original content is."""
+    path = getattr(getattr(self.cfg, "plan", None), "file", "")
+    if not path:
+      return ""
+    try:
+      settings = config_lib.plan_file_settings(config_lib.load_plan_file(path), path)
+    except ValueError:
+      return ""
+    names = [c.split(":")[0] for c in changes]
+    ours = [n for n in names if tuple(n.split(".", 1)) in settings
+            and self.fingerprint.get(n) == settings[tuple(n.split(".", 1))][0]]
+    if not ours:
+      return ""
+    saved = os.path.join(self.workdir, "config.json")
+    return (f"{', '.join(ours)} {'is' if len(ours) == 1 else 'are'} set by config.plan.file="
+            f"{path!r}, whose content differs from the plan file the checkpoints were written "
+            f"with: that one is saved in {saved} under \"plan_file_content\" (a later start's "
+            "in config.<iteration>.json); to resume, write it to a file and set config.plan.file "
+            "to it. ")
 
   # ------------------------------------------------------------ restore and save
   def restore(self, step: Optional[int], template: dict, layout: str
