@@ -8,10 +8,12 @@ calibration, simulated systems) is configs/ablations.py's, with one max generati
 Asynchronous PPO: `sim.staleness` k >= 1 (default 1) also searches the splits of the devices
 into a generation and a training group (in steps of `sim.async_split_unit` devices, 0: a node);
 `--config.sim.staleness=0` searches the synchronous plans only (with `systems` not naming
-pipe_rlhf_async).
+pipe_rlhf_async: e.g. `--config.systems=pipe_rlhf`, or `--config.systems=` for the plan search
+alone, no systems' comparison).
 Writes plan.json (the fastest plan; an asynchronous one carries "async": {generation_devices,
-training_devices, staleness}), result.json (best synchronous plan, top plans, best uniform
-layout, the async plan, the other systems, search_s) and plan_search.md.
+training_devices, staleness}; "workload": what it was searched for), result.json (best
+synchronous plan, top plans, best uniform layout, the async plan, the other systems, search_s)
+and plan_search.md.
 
 `train`: a plan for a run of the trainer, searched on that run's workload and restricted to
 plans the trainer runs, then run with it:
@@ -51,7 +53,8 @@ def get_config(arg: str = "65b/33b") -> ml_collections.ConfigDict:
   c.pairs = PAIRS.get(arg, PAIRS["65b/33b"])
   c.max_new_tokens = "1024"  # one setting: the max generation length
   c.top_k = 5  # plans listed in the report (the best combinations of each stage's best)
-  # the simulator's other systems on the same setting, for comparison ("" for none)
+  # the simulator's other systems on the same setting, for comparison ("" for none: the plan
+  # search alone)
   c.systems = "realhf_like,rlhfuse_base,rlhfuse,pipe_rlhf,rlhfuse_planned,pipe_rlhf_async"
   # a train_ppo config (PATH[:VARIANT]) whose workload is searched, restricted to plans the
   # trainer runs ("": the pair above, with this config's workload fields)

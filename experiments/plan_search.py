@@ -35,7 +35,8 @@ its task's targets) on `num_devices` devices of `hardware`, and only plans the t
 searched: sim.trainer_runnable (plan_search.trainer_refusal) and the trainer's own checks of the
 run's config with each plan as config.plan.file, on num_devices fake CPU devices (this binary
 asks jax for them; nothing is compiled). The systems' rows (`systems`) run the search with
-sim.trainer_runnable but without the trainer's checks. plan.json is then
+sim.trainer_runnable but without the trainer's checks; `systems` "" (--config.systems=) runs
+none, the plan search alone. plan.json is then
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.train_ppo \
     --config=configs/ppo_tiny.py --config.plan.file=DIR/plan.json --workdir=/tmp/ppo_plan
 and the workdir also holds lengths/ (prompt_lengths.txt, response_lengths.txt: what the
@@ -216,7 +217,8 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   check_unread_overrides(_CONFIG.value.get("train_config", ""),
                          config_flags.get_override_values(flags.FLAGS["config"]))
-  cfg = ablations.AblationConfig.from_config_dict(_CONFIG.value)
+  # `systems` "" (none): the plan search alone, without the systems' comparison.
+  cfg = ablations.AblationConfig.from_config_dict(_CONFIG.value, systems_optional=True)
   workdir = _WORKDIR.value
   wd.start_outputs(workdir, _CONFIG.value,
                    ("result.json", "plan.json", "plan_search.md", "lengths"))

@@ -375,6 +375,30 @@ def test_trainer_refusal_names_what_the_trainer_cannot_run():
   assert sum(res["refused"].values()) > 0 and free["refused"] == {}
 
 
+def test_binary_searches_alone_with_no_systems(tmp_path):
+  """`--config.systems=` (configs/plan_search.py: "" for none) was refused ("must list at least
+  one item"): the plan search runs alone, synchronous plans only with sim.staleness=0, and
+  the default systems with staleness 0 say how to get that."""
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  args = [sys.executable, "-m", "experiments.plan_search",
+          "--config=configs/plan_search.py:13b/13b", f"--workdir={tmp_path}",
+          "--config.num_devices=8", "--config.global_batch=16", "--config.minibatch=8",
+          "--config.max_new_tokens=64", "--config.sim.search_time_s=0.2",
+          "--config.sim.staleness=0"]
+  out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert ("config.sim.staleness=0: pipe_rlhf_async (in config.systems) needs a staleness >= 1 "
+          "(updates the generating policy lags behind); for a synchronous-only search leave it "
+          "out of config.systems (e.g. --config.systems=pipe_rlhf") in out.stderr, \
+      out.stderr[-3000:]
+  out = subprocess.run(args + ["--config.systems="], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  res = json.loads((tmp_path / "result.json").read_text())
+  assert res["systems"] == {} and res["async"] is None and res["plan_json"] == "synchronous"
+  assert "The simulator's systems" not in (tmp_path / "plan_search.md").read_text()
+
+
 def test_binary_writes_plan_result_and_report(tmp_path):
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
   out = subprocess.run(

@@ -76,8 +76,11 @@ class AblationConfig:
       raise ValueError(f"sim.staleness={self.sim.staleness} and sim.async_split_unit="
                        f"{self.sim.async_split_unit} must be >= 0")
     if "pipe_rlhf_async" in self.systems and self.sim.staleness < 1:
-      raise ValueError(f"sim.staleness={self.sim.staleness}: pipe_rlhf_async needs a staleness "
-                       ">= 1 (updates the generating policy lags behind)")
+      raise ValueError(f"config.sim.staleness={self.sim.staleness}: pipe_rlhf_async (in "
+                       "config.systems) needs a staleness >= 1 (updates the generating policy "
+                       "lags behind); for a synchronous-only search leave it out of "
+                       "config.systems (e.g. --config.systems=pipe_rlhf; plan_search also "
+                       "takes --config.systems= for no systems' comparison)")
     if any(m < 1 for m in self.max_new_tokens):
       raise ValueError(f"max_new_tokens={self.max_new_tokens} must all be >= 1")
     if self.global_batch % self.minibatch:
@@ -92,7 +95,9 @@ class AblationConfig:
     return get_shape(name, head, self.shapes)
 
   @classmethod
-  def from_config_dict(cls, c) -> "AblationConfig":
+  def from_config_dict(cls, c, systems_optional: bool = False) -> "AblationConfig":
+    """The typed config of ConfigDict `c`; with `systems_optional` (plan_search, whose systems
+    are a comparison beside the search) `systems` may be "" for none."""
     def pair(p: str) -> tuple[str, str]:
       parts = p.split("/")
       if len(parts) != 2:
@@ -140,7 +145,8 @@ class AblationConfig:
         shapes=tuple(own_shape(s.strip()) for s in str(c.get("shapes", "")).split(",")
                      if s.strip()),
         max_new_tokens=_csv_ints(c.max_new_tokens, "max_new_tokens"),
-        systems=_csv(c.systems, "systems"), seed=c.seed,
+        systems=(() if systems_optional and not str(c.systems).strip() else
+                 _csv(c.systems, "systems")), seed=c.seed,
         prompt=spec(c.prompt, "prompt"), response=spec(c.response, "response"),
         efficiency=Efficiency(**c.efficiency.to_dict()), sim=it.SimOptions(**sim),
         calibration=c.calibration, figure_setting=c.figure_setting,
