@@ -382,8 +382,8 @@ def across_seeds(rows: Sequence[dict], override_keys: Sequence[str]) -> list[dic
   def number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool)
   groups = seed_groups(rows, override_keys)
-  # wall_s: the time of the sweep's last start of the run (a re-run with --only times a
-  # finished run at a second or two), not a result of it
+  # wall_s: the time of the sweep's starts of the run (a training run's summed over its
+  # resumes; a one-shot run's last start), not a result of it
   skip = set(override_keys) | {"run", "status", "wall_s"}
   columns = list(dict.fromkeys(k for _, members in groups for r in members for k in r
                                if k not in skip))

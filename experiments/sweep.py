@@ -18,8 +18,10 @@ runs. A run stopped by a signal (exit 75), or SIGTERM to the sweep (passed on to
 progress), ends the sweep after that run: the summary has the runs so far, and the sweep exits
 75, as train_ppo does (the same command runs it again: train_ppo runs resume, and a one-shot
 binary's run that finished with the same config from the same code (commit and uncommitted
-changes), its row ok in summary.json, its config.json and result.json in place, is kept, not
-run again, unless --rerun). Each run starts
+changes) and the same files its config names by path (RUN/sweep_inputs.json), its row ok in
+summary.json, its config.json and result.json in place, is kept, not run again, unless
+--rerun). A workdir holds one sweep (DIR/sweep.json: config, variant, binary); another is
+refused. A training run's wall_s sums its starts. Each run starts
 in the repository root; a relative --config file or --workdir is the caller's (made absolute).
 `--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant, if it
 takes an argument). Each run's output is appended to DIR/<run>/log.txt; --dry_run prints
@@ -32,6 +34,7 @@ instead of failing every run; likewise a value its field's type does not take.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import os
 import re
@@ -85,6 +88,14 @@ def _sweep_of(module: Any, variant: Optional[str], config_path: str) -> list[dic
     if "/" in name or name.startswith(".") or os.sep in name:
       raise ValueError(f"get_sweep()[{i}]['name']={name!r}: expected a directory name (no "
                        "'/', not starting with '.')")
+    # A None reached the run as the text "None" (a prompts_file 'None' not found), and the
+    # summary showed it as an empty cell, as if the field kept its default.
+    nones = [k for k, v in entry.items() if v is None]
+    if nones:
+      raise ValueError(f"get_sweep()[{i}] ({name}): {', '.join(repr(k) for k in nones)} "
+                       "is None; a --config flag has no None: give a value of the field's "
+                       "type ('' for an empty text), or leave the field out to keep its "
+                       "default")
     seen[name] = i
   return sweep
 
@@ -201,6 +212,24 @@ def warn_shadowed(runs: Sequence[tuple[int, str, dict]], passthrough: Sequence[s
   return shadowed, twins
 
 
+def warn_twins(configs: dict[str, dict], shadowed_twins: Sequence[Sequence[str]] = ()
+               ) -> list[list[str]]:
+  """Warns of runs whose configs (check_values', as each binary gets it) are equal: the same
+  run twice (a seeds list with a seed repeated, an entry pasted twice). Twins that
+  warn_shadowed already named (the sweep's own flag made them equal) are not named again.
+  Returns the groups."""
+  same: dict[str, list[str]] = {}
+  for name, config in configs.items():
+    same.setdefault(json.dumps(wd.as_json(config), sort_keys=True, default=str),
+                    []).append(name)
+  named = {tuple(t) for t in shadowed_twins}
+  twins = [names for names in same.values() if len(names) > 1 and tuple(names) not in named]
+  if twins:
+    logging.warning("runs %s have the same config: each group runs one thing several times",
+                    "; ".join(", ".join(t) for t in twins))
+  return twins
+
+
 def run_row(name: str, overrides: dict, passthrough: Sequence[str],
             config: Optional[dict] = None) -> dict:
   """A summary row's start: the run's name and the values its command sets, the sweep's own
@@ -280,6 +309,25 @@ def _md_table(rows: list[dict]) -> list[str]:
           ["| " + " | ".join(_fmt_cell(row.get(c)) for c in columns) + " |" for row in rows])
 
 
+ALWAYS_SHOWN = ("run", "status")
+
+
+def _md_table_varying(rows: list[dict]) -> list[str]:
+  """_md_table of the columns that differ between the rows, then one line of those every row
+  has with the same value (a plan search's ~70 setting/ and hardware/ columns put its results
+  past 4,000 characters of header). One row: the whole table."""
+  if len(rows) < 2:
+    return _md_table(rows)
+  first = rows[0]
+  same = [k for k in first if k not in ALWAYS_SHOWN and all(
+      k in r and _fmt_cell(r[k]) == _fmt_cell(first[k]) for r in rows)]
+  table = _md_table([{k: v for k, v in r.items() if k not in same} for r in rows])
+  if not same:
+    return table
+  return table + ["", "The same in every run: " + ", ".join(
+      f"{k} = {_fmt_cell(first[k])}" for k in same) + "."]
+
+
 def write_summary(workdir: str, rows: list[dict], override_keys: Sequence[str] = ()) -> None:
   """summary.json and summary.md: a row per run. When the sweep's overridden fields
   (`override_keys`) include a seed field and two or more finished runs differ only in seeds,
@@ -287,7 +335,7 @@ def write_summary(workdir: str, rows: list[dict], override_keys: Sequence[str] =
   standard deviation over its seeds) and the same as a second table of summary.md, "mean ±
   std" per cell: a difference between settings reads against the seeds' own spread."""
   wd.write_json(os.path.join(workdir, "summary.json"), rows)
-  lines = _md_table(rows)
+  lines = _md_table_varying(rows)
   seeds_path = os.path.join(workdir, "summary_seeds.json")
   groups = across_seeds(rows, override_keys)
   if groups:
@@ -368,7 +416,10 @@ def plot_curves(workdir: str, override_keys: Sequence[str] = ()) -> Optional[str
   mean of several seeds: the comparison a summary of final values cannot show. None (nothing
   written) when no run has such metrics."""
   lines, width = curve_lines(workdir, override_keys)
+  path = os.path.join(workdir, "curves.png")
   if not lines:
+    if os.path.exists(path):  # an earlier start's, no longer true of these rows
+      os.remove(path)
     return None
   import io  # pylint: disable=import-outside-toplevel
   import matplotlib  # pylint: disable=import-outside-toplevel
@@ -392,7 +443,6 @@ def plot_curves(workdir: str, override_keys: Sequence[str] = ()) -> Optional[str
   buf = io.BytesIO()
   fig.savefig(buf, format="png", dpi=110)
   plt.close(fig)
-  path = os.path.join(workdir, "curves.png")
   wd.atomic_write_bytes(path, buf.getvalue())
   return path
 
@@ -444,6 +494,37 @@ def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str]
     return _run_sweep(config, binary, workdir, passthrough, dry_run, signals, only, rerun)
 
 
+INPUTS_FILE = "sweep_inputs.json"  # in a run's directory: the input files it ran with
+
+
+def input_files(config: Any) -> dict[str, str]:
+  """{path: sha256 of its bytes} of every file the run's config names by path (a text value
+  naming a file, FILE[:variant] included; relative ones from the repository root, where the
+  runs start): a plan search's train_config, a hardware JSON, a calibration, a prompts file.
+  Directories (checkpoints) are not read."""
+  found: dict[str, str] = {}
+
+  def visit(v: Any) -> None:
+    if isinstance(v, dict):
+      for x in v.values():
+        visit(x)
+    elif isinstance(v, (list, tuple)):
+      for x in v:
+        visit(x)
+    elif isinstance(v, str) and v and len(v) < 4096 and "\n" not in v:
+      for candidate in dict.fromkeys((v, config_files.split_config_path(v)[0])):
+        full = os.path.join(REPO_ROOT, candidate)  # (an absolute candidate stays itself)
+        if os.path.isfile(full):
+          h = hashlib.sha256()
+          with open(full, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+              h.update(block)
+          found[candidate] = h.hexdigest()
+          break
+  visit(wd.as_json(config))
+  return found
+
+
 def kept_row(run_dir: str, binary: str, earlier: Optional[dict], config: Optional[dict],
              row: dict, code: tuple[Optional[str], Optional[str]]) -> Optional[dict]:
   """`row` (the run's start, run_row's) completed from run_dir/result.json when a one-shot
@@ -452,8 +533,10 @@ def kept_row(run_dir: str, binary: str, earlier: Optional[dict], config: Optiona
   the checkout's commit and uncommitted changes (provenance's git_commit, git_changes: another
   commit or an edit may change what it computes; `code`: runner.code_state() of this
   checkout), run_dir/config.json equal to `config` (the
-  run's config as check_values resolved it). None when any of that does not hold: the run
-  runs. (Inputs a config names by path, and the host, are not compared.)"""
+  run's config as check_values resolved it), and the files the config names by path as they
+  were (input_files, recorded in run_dir/sweep_inputs.json when the run finished: an edited
+  train_config kept the plans of the model before the edit). None when any of that does not
+  hold: the run runs. (Directories a config names, and the host, are not compared.)"""
   if (binary == "train_ppo" or not earlier or config is None or
       not str(earlier.get("status", "")).startswith("ok") or
       wd.workdir_writer(run_dir) != binary):
@@ -468,6 +551,17 @@ def kept_row(run_dir: str, binary: str, earlier: Optional[dict], config: Optiona
   made = (result or {}).get("provenance") or {}
   if (written != wd.as_json(config) or not commit or made.get("git_commit") != commit or
       made.get("git_changes") != changes):
+    return None
+  try:
+    with open(os.path.join(run_dir, INPUTS_FILE), encoding="utf-8") as f:
+      recorded = json.load(f)
+  except (OSError, ValueError):
+    recorded = {}
+  now = input_files(config)
+  if recorded != now:
+    changed = sorted(k for k in set(recorded) | set(now) if recorded.get(k) != now.get(k))
+    logging.info("%s: %s changed since it finished: running it again", run_dir,
+                 ", ".join(changed))
     return None
   return _ended(dict(row), 0, run_dir, float(earlier.get("wall_s") or 0.0), 0,
                 kept=True)
@@ -486,6 +580,35 @@ def select(sweep: list[dict], only: Optional[Sequence[str]]) -> list[tuple[int, 
     raise ValueError(f"--only={','.join(only)}: no run named {missing} in this sweep; its runs "
                      f"are {names}")
   return [r for r in runs if r[1] in only]
+
+
+SWEEP_FILE = "sweep.json"  # which sweep a workdir holds: sweep_identity's
+
+
+def sweep_identity(config: str, binary: str) -> dict:
+  """{"config": FILE[:variant] (FILE relative to the repository when in it), "binary"}."""
+  path, variant = config_files.split_config_path(config)
+  full = os.path.abspath(path) if os.path.isfile(path) else os.path.join(REPO_ROOT, path)
+  rel = os.path.relpath(full, REPO_ROOT)
+  shown = full if rel.startswith("..") else rel
+  return {"config": shown + (f":{variant}" if variant is not None else ""), "binary": binary}
+
+
+def refuse_another_sweep(workdir: str, identity: dict) -> None:
+  """ForeignWorkdirError when workdir/sweep.json names another sweep (config file, variant or
+  binary): a second sweep there replaced the first one's summary without a word and left its
+  curves.png beside the new rows. (A sweep written before sweep.json existed is not known.)"""
+  try:
+    with open(os.path.join(workdir, SWEEP_FILE), encoding="utf-8") as f:
+      earlier = json.load(f)
+  except (OSError, ValueError):
+    return
+  if isinstance(earlier, dict) and {k: earlier.get(k) for k in identity} != identity:
+    raise wd.ForeignWorkdirError(
+        f"--workdir={workdir!r} holds a sweep of experiments.{earlier.get('binary')} over "
+        f"{earlier.get('config')} ({SWEEP_FILE}); this one runs experiments.{identity['binary']}"
+        f" over {identity['config']}: give it a directory of its own (the runs' folders and "
+        "the summary would mix)")
 
 
 def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str],
@@ -511,19 +634,22 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
                      (f"; did you mean {close[0]!r}?" if close else
                       f"; experiments/ has {binaries}"))
   configs = check_overrides(module, variant, config, runs, passthrough)
-  warn_shadowed(runs, passthrough)
+  warn_twins(configs, warn_shadowed(runs, passthrough)[1])
   # A training run's or a one-shot binary's workdir: the summary and run folders went in
   # beside its outputs.
   wd.refuse_foreign_result(workdir, "sweep")
   if "checkpoints" not in names and os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise wd.ForeignWorkdirError(f"--workdir={workdir!r} holds a training run (checkpoints); "
                                  "give experiments.sweep a directory of its own")
+  identity = sweep_identity(config, binary)
+  refuse_another_sweep(workdir, identity)
   lock = None
   if not dry_run:
     os.makedirs(workdir, exist_ok=True)
     # One sweep per workdir: two at once each found the other's run holding its directory,
     # called it failed (exit 1) and wrote a summary of runs "failed" that the other finished.
     lock = wd.WorkdirLock(workdir)
+    wd.write_json(os.path.join(workdir, SWEEP_FILE), identity)
   try:
     return _run_locked(binary, config, workdir, passthrough, dry_run, signals, runs, summary,
                        override_keys, configs, rerun)
@@ -560,7 +686,13 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
       logging.info("[%d/%d] %s: finished earlier with this config at this commit; kept "
                    "(--rerun runs it again)", i + 1, len(runs), name)
       continue
-    t0 = time.time()
+    # What a one-shot run reads, as it starts (kept_row compares it at the next start).
+    inputs = (input_files(configs[name]) if binary != "train_ppo" and configs and
+              name in configs else None)
+    # A training run resumes from its checkpoints: its wall_s is the sum over its starts (a
+    # run stopped after 24 s and resumed showed only the 2 s of the start that found it done).
+    t0 = time.time() - (float((earlier.get(name) or {}).get("wall_s") or 0.0) if (
+        binary == "train_ppo" and os.path.isdir(os.path.join(run_dir, "checkpoints"))) else 0.0)
     try:
       rc = run_streamed(cmd, run_dir, name, env, started=signals.started)
     except RunInterrupted as e:  # Ctrl-C: the run got it too, and has ended since
@@ -569,6 +701,8 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
       summary(rows)
       raise
     rows.append(_ended(row, rc, run_dir, time.time() - t0, signals.signum))
+    if rc == 0 and inputs is not None:  # for kept_row
+      wd.write_json(os.path.join(run_dir, INPUTS_FILE), inputs)
     summary(rows)  # partial summaries survive an interrupted sweep
     logging.info("[%d/%d] %s: %s in %.1fs", i + 1, len(runs), name, row["status"], row["wall_s"])
     if rc == STOPPED or signals.signum:  # the job is being stopped: start nothing more

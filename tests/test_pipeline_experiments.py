@@ -722,8 +722,7 @@ def test_a_sweep_over_seeds_reports_each_settings_mean_and_spread(tmp_path):
   same = [{"run": n, "status": "ok", "lr": 1.0, "seed": "3", "r": x} for n, x in
           (("s0", 0.1), ("s1", 0.2))]
   assert runner.seed_groups(same, ["lr", "seed"]) == []
-  # wall_s is the time of the sweep's last start of a run (an --only re-run of a finished one
-  # takes a second), not a result: not summarised
+  # wall_s is the time of the sweep's starts of a run, not a result: not summarised
   two = [{**same[0], "seed": 0, "wall_s": 17.0}, {**same[1], "seed": 1, "wall_s": 1.4}]
   assert [sorted(g) for g in runner.across_seeds(two, ["lr", "seed"])] == [
       ["lr", "r/mean", "r/std", "runs", "seeds"]]

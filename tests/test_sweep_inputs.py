@@ -1,0 +1,104 @@
+"""experiments/sweep.py on what a researcher's sweep directory holds: a finished one-shot run is
+kept only while the files its config names are unchanged, one directory holds one sweep, a
+training run's wall_s spans its starts, twin and None entries are named before anything runs,
+and summary.md leaves the columns every run shares out of its table. (The sweep's functions run
+in a subprocess: binaries define absl flags, which two of them cannot share in one process.)"""
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env():
+  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+
+
+def _run(args, timeout=240):
+  return subprocess.run([sys.executable, "-m"] + args, cwd=REPO, env=_env(),
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_kept_plan_search_runs_again_once_its_train_config_file_changed(tmp_path):
+  """The kept run's inputs: an edited (untracked) train_config kept the plans searched for the
+  model before the edit, "finished earlier with this config at this commit"."""
+  model = tmp_path / "model.py"
+  model.write_text((open(os.path.join(REPO, "configs", "ppo_tiny.py")).read()))
+  (tmp_path / "s.py").write_text(
+      "import importlib.util\n"
+      f"_spec = importlib.util.spec_from_file_location('b', {REPO!r} + '/configs/plan_search.py')\n"
+      "_base = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(_base)\n"
+      "def get_config(arg='train'):\n"
+      f"  c = _base.get_config(arg); c.train_config = {str(model)!r}; return c\n"
+      "def get_sweep(arg='train'):\n  return [{'name': 'n8', 'num_devices': 8}]\n")
+
+  def sweep(config=f"{tmp_path / 's.py'}:train"):
+    return _run(["experiments.sweep", f"--config={config}", "--binary=plan_search",
+                 f"--workdir={tmp_path / 'sw'}"])
+  first = sweep()
+  assert first.returncode == 0, first.stderr[-3000:]
+  recorded = json.loads((tmp_path / "sw" / "n8" / "sweep_inputs.json").read_text())
+  assert list(recorded) == [str(model)]
+  model.write_text(model.read_text() + "\n# another model\n")
+  again = sweep()
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"{model} changed since it finished: running it again" in again.stderr
+  assert "finished earlier with this config" not in again.stderr
+  # Another sweep (here: no variant) in this directory is refused before anything runs.
+  other = sweep(str(tmp_path / "s.py"))
+  assert other.returncode == 1 and "holds a sweep of experiments.plan_search over" in \
+      other.stderr and "give it a directory of its own" in other.stderr, other.stderr[-3000:]
+
+
+_CHECKS = """
+import json, os, sys, types
+from experiments import sweep
+work = sys.argv[1]
+out = {}
+# input_files: absolute, repository-relative and FILE:variant paths; directories not read
+os.makedirs(os.path.join(work, "ckpt"))
+with open(os.path.join(work, "f.json"), "w") as f:
+  f.write("{}")
+found = sweep.input_files({"a": os.path.join(work, "f.json"),
+                           "b": {"c": "configs/ppo_tiny.py:grpo"},
+                           "d": os.path.join(work, "ckpt"), "e": "auto", "n": 3})
+out["inputs"] = sorted(found)
+# the wall_s of a training run spans its starts (only while its checkpoints are there)
+sweep.wd.write_json(os.path.join(work, "summary.json"),
+                    [{"run": "t", "status": "stopped (exit 75; re-run to resume)", "wall_s": 20.0},
+                     {"run": "u", "status": "stopped (exit 75; re-run to resume)", "wall_s": 20.0}])
+os.makedirs(os.path.join(work, "t", "checkpoints"))
+sweep.run_streamed = lambda cmd, run_dir, name, env, started=None: 0
+rows, _ = sweep._run_locked("train_ppo", "c.py", work, [], False, sweep._Signals(),
+                            [(0, "t", {}), (1, "u", {})], lambda rows: None)
+out["wall_s"] = [r["wall_s"] for r in rows]
+# None entries refused, twins named
+mod = types.SimpleNamespace(get_sweep=lambda: [{"name": "a", "data.prompts_file": None}])
+try:
+  sweep._sweep_of(mod, None, "s.py")
+except ValueError as e:
+  out["none"] = str(e)
+out["twins"] = sweep.warn_twins({"a": {"seed": 0}, "b": {"seed": 0}, "c": {"seed": 1},
+                                 "d": {"seed": 1}}, [["c", "d"]])
+# summary.md: the columns every row shares go below the table
+sweep.write_summary(work, [{"run": "a", "status": "ok", "k": 1, "same": "x", "r": 0.5},
+                           {"run": "b", "status": "ok", "k": 2, "same": "x", "r": 0.7}])
+out["md"] = open(os.path.join(work, "summary.md")).read()
+print(json.dumps(out))
+"""
+
+
+def test_inputs_wall_time_twins_nones_and_shared_columns(tmp_path):
+  proc = subprocess.run([sys.executable, "-c", _CHECKS, str(tmp_path)], cwd=REPO, env=_env(),
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.splitlines()[-1])
+  assert out["inputs"] == sorted([str(tmp_path / "f.json"), "configs/ppo_tiny.py"])
+  t, u = out["wall_s"]
+  assert t >= 20.0 and u < 20.0  # u's checkpoints are gone: it started over
+  assert "get_sweep()[0] (a): 'data.prompts_file' is None" in out["none"]
+  assert out["twins"] == [["a", "b"]]  # c, d: already named (the sweep's own flag)
+  lines = out["md"].splitlines()
+  assert lines[0] == "| run | status | k | r |"
+  assert lines[-1] == "The same in every run: same = x."
