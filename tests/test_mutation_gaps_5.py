@@ -187,9 +187,11 @@ def test_the_hf_export_is_written_once_at_the_last_iteration(tmp_path, monkeypat
 
 def test_an_export_fills_null_special_ids_and_starts_from_an_empty_directory(tmp_path,
                                                                             monkeypatch):
-  """export_hf writes into a fresh WORKDIR/hf_export.tmp (a killed export's leftovers, e.g. the
-  shards of another family, are removed first, not renamed into the export), and
-  _fill_special_ids replaces a null id (as well as an absent one) with the run's tokenizer's."""
+  """export_hf writes into a fresh hidden directory of its own (a killed export's leftovers, e.g.
+  the shards of another family, are removed first, not renamed into the export; a user's
+  hf_export.old / hf_export.tmp, an export kept aside, are left alone: the export deleted them),
+  and _fill_special_ids replaces a null id (as well as an absent one) with the run's
+  tokenizer's."""
   from rlhfuse_jax.trainer import hooks
 
   def save(params, model, out, family=None):
@@ -202,12 +204,19 @@ def test_an_export_fills_null_special_ids_and_starts_from_an_empty_directory(tmp
   monkeypatch.setattr(hooks, "_resolved_family", lambda cfg: "llama")
   monkeypatch.setattr(hooks, "_copy_tokenizer", lambda cfg, tokenizer, out: None)
   out = tmp_path / "hf_export"
-  (tmp_path / "hf_export.tmp").mkdir()
-  (tmp_path / "hf_export.tmp" / "model-00002-of-00002.safetensors").write_text("stale")
+  writing, _ = hooks.export_work_dirs(str(out))
+  os.makedirs(writing)
+  with open(os.path.join(writing, "model-00002-of-00002.safetensors"), "w") as f:
+    f.write("stale")
+  for kept in ("hf_export.old", "hf_export.tmp"):
+    (tmp_path / kept).mkdir()
+    (tmp_path / kept / "notes.txt").write_text("mine")
   cfg = types.SimpleNamespace(model=None, init=types.SimpleNamespace(actor_checkpoint=""))
   tok = types.SimpleNamespace(bos_id=1, eos_id=2, pad_id=0, extra_eos_ids=(), stop_ids=(2,))
   hooks.export_hf({}, cfg, str(out), step=3, tokenizer=tok)
   assert sorted(os.listdir(out)) == ["config.json", hooks.EXPORT_MARKER]
+  assert sorted(os.listdir(tmp_path)) == ["hf_export", "hf_export.old", "hf_export.tmp"]
+  assert (tmp_path / "hf_export.old" / "notes.txt").read_text() == "mine"
   config = json.loads((out / "config.json").read_text())
   assert config == {"bos_token_id": 1, "pad_token_id": 5, "eos_token_id": 2}
 

@@ -627,6 +627,15 @@ def _resolved_family(cfg: TrainConfig) -> str:
   return export_family(cfg) or hf_loader.hf_family(cfg.model)
 
 
+def export_work_dirs(out_dir: str) -> tuple[str, str]:
+  """(where an export is written, where the one it replaces waits until it is whole): hidden
+  names of our own beside out_dir, which an export deletes first. (They were hf_export.tmp and
+  hf_export.old, names a user gave an export kept aside, and lost it.)"""
+  parent, name = os.path.split(os.path.normpath(out_dir))
+  return (os.path.join(parent, f".{name}.rlhfuse-writing"),
+          os.path.join(parent, f".{name}.rlhfuse-replaced"))
+
+
 def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] = None,
               tokenizer: Optional[Tokenizer] = None) -> Optional[str]:
   """Writes the actor `params` of the resolved config `cfg` as a HF checkpoint in `out_dir`
@@ -639,7 +648,7 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
   params = mesh_lib.to_host(params)
   if jax.process_index() != 0:
     return family
-  tmp = out_dir + ".tmp"
+  tmp, old = export_work_dirs(out_dir)
   shutil.rmtree(tmp, ignore_errors=True)
   hf_loader.save_hf_checkpoint(params, cfg.model, tmp, family=family)
   if step is not None:
@@ -657,7 +666,6 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
   # export: the old one under out_dir or beside it in .old, or the new one under out_dir or
   # still in .tmp (which the next export deletes first: the checkpoint exports it again, and
   # export_pending sees out_dir's marker missing or older).
-  old = out_dir + ".old"
   shutil.rmtree(old, ignore_errors=True)
   if os.path.exists(out_dir):
     os.replace(out_dir, old)
