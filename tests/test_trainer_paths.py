@@ -463,20 +463,30 @@ def test_a_checkpoints_architecture_keeps_the_runs_own_model_fields():
     assert m.num_layers == json.load(f)["num_hidden_layers"] != section.num_layers
 
 
-def test_a_tokenizer_other_than_the_actor_checkpoints_is_warned_of(tmp_path):
+def test_a_tokenizer_other_than_the_actor_checkpoints_is_refused_or_warned_of(tmp_path):
   """configs/ppo_hf.py names its example's tokenizer: a user who changed only
-  init.actor_checkpoint trained their model on the example's ids and exported that tokenizer
-  beside it, silently. Another tokenizer file than the checkpoint's own is now warned of; the
-  checkpoint's own, named as its file, its directory or a byte-identical copy, is not."""
+  init.actor_checkpoint trained their model on the example's ids (its prompts read as other
+  text) and exported that tokenizer beside it, with one warning line. A tokenizer that gives
+  the checkpoint's tokens other ids is now refused; one that extends it (its ids kept) is
+  warned of; the checkpoint's own, named as its file, its directory or a byte-identical copy,
+  is neither."""
+  import tokenizers
   copy = tmp_path / "copy.json"
   shutil.copy(os.path.join(LLAMA, "tokenizer.json"), copy)
   other = os.path.join(os.path.dirname(LLAMA), "tiny_chat")  # another vocabulary
-  assert build.warn_foreign_tokenizer(LLAMA, os.path.join(other, "tokenizer.json"))
-  assert build.warn_foreign_tokenizer(LLAMA, other)  # a directory names its tokenizer.json
+  for given in (os.path.join(other, "tokenizer.json"), other):  # a directory: its tokenizer.json
+    with pytest.raises(ValueError, match=r"config\.init\.tokenizer=.* is not the tokenizer of "
+                       r"config\.init\.actor_checkpoint=.*: of its 400 tokens, 51 are in the "
+                       r"checkpoint's .* and 48 of those have other ids \(e\.g\. "):
+      build.check_foreign_tokenizer(LLAMA, given)
+  extended = tokenizers.Tokenizer.from_file(os.path.join(LLAMA, "tokenizer.json"))
+  extended.add_tokens(["<tool_call>"])
+  extended.save(str(tmp_path / "extended.json"))
+  assert build.check_foreign_tokenizer(LLAMA, str(tmp_path / "extended.json"))
   # QWEN2's is a byte-identical copy of LLAMA's (the fixtures share one tokenizer).
   for same in (os.path.join(LLAMA, "tokenizer.json"), LLAMA, str(copy), QWEN2, ""):
-    assert not build.warn_foreign_tokenizer(LLAMA, same), same
-  assert not build.warn_foreign_tokenizer(str(tmp_path), other)  # no tokenizer of its own
+    assert not build.check_foreign_tokenizer(LLAMA, same), same
+  assert not build.check_foreign_tokenizer(str(tmp_path), other)  # no tokenizer of its own
 
 
 def test_a_tokenizer_that_cannot_spell_the_prompts_is_warned_of():

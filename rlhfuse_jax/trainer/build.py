@@ -221,23 +221,44 @@ def checkpoint_config(path: str, section: ModelConfig, field: str = "init.actor_
   return load_named(field, path, hf_loader.load_hf_config, **{**keep, **overrides})
 
 
-def warn_foreign_tokenizer(checkpoint: str, tokenizer_path: str) -> bool:
-  """Warns (and returns True) when the actor's checkpoint directory has a tokenizer.json other
-  than the run's (config.init.tokenizer): a config made for another model (configs/ppo_hf.py
-  names its example's tokenizer) with only init.actor_checkpoint changed trained the new model
-  on the old tokenizer's ids and exported that tokenizer beside it, silently, whenever the old
-  vocabulary was no larger than the new embedding. A warning, not an error: a run may mean to
-  use another tokenizer file (an extended one, say)."""
+def check_foreign_tokenizer(checkpoint: str, tokenizer_path: str) -> bool:
+  """Refuses the run's tokenizer (config.init.tokenizer) when it gives a token the actor's
+  checkpoint's own tokenizer.json has another id, or shares fewer than half its tokens with it:
+  a config made for another model (configs/ppo_hf.py names its example's tokenizer) with only
+  init.actor_checkpoint changed trained the new model on the old tokenizer's ids (its prompts
+  read as other text) and exported that tokenizer beside it, with one warning line. Another
+  file that keeps the checkpoint's ids (an extended tokenizer) is warned of, and True
+  returned; the same file or the same contents: False."""
   own = os.path.join(checkpoint, "tokenizer.json")
   given = tokenizer_lib.tokenizer_file(tokenizer_path) if tokenizer_path else ""
   if not given or not os.path.isfile(own) or not os.path.isfile(given):
     return False
   if filecmp.cmp(own, given, shallow=False):  # the same file, or the same contents
     return False
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  ids = {}
+  for name, path in (("own", own), ("given", given)):
+    try:
+      ids[name] = tokenizers.Tokenizer.from_file(path).get_vocab(with_added_tokens=True)
+    except Exception:  # pylint: disable=broad-except
+      ids[name] = None  # the tokenizer's own load reports a file it cannot read
+  if ids["own"] is not None and ids["given"] is not None:
+    shared = sorted(set(ids["own"]) & set(ids["given"]))
+    moved = [t for t in shared if ids["own"][t] != ids["given"][t]]
+    if moved or 2 * len(shared) < len(ids["given"]):
+      example = (f" (e.g. {moved[0]!r}: {ids['given'][moved[0]]} there, "
+                 f"{ids['own'][moved[0]]} in the checkpoint's)" if moved else "")
+      raise ValueError(
+          f"config.init.tokenizer={tokenizer_path!r} is not the tokenizer of config.init."
+          f"actor_checkpoint={checkpoint!r}: of its {len(ids['given'])} tokens, "
+          f"{len(shared)} are in the checkpoint's {own} and {len(moved)} of those have other "
+          f"ids{example}, so the model would read every prompt as other tokens; set "
+          f"config.init.tokenizer={own!r} (a tokenizer that extends the checkpoint's, keeping "
+          "its ids, is accepted)")
   logging.warning("config.init.tokenizer=%r is not the tokenizer of config.init.actor_checkpoint="
-                  "%r (%s differs): the run tokenises with the former and exports it beside the "
-                  "trained weights; if you changed the model, set config.init.tokenizer=%r too",
-                  tokenizer_path, checkpoint, own, own)
+                  "%r (%s differs; the tokens they share have the same ids): the run tokenises "
+                  "with the former and exports it beside the trained weights", tokenizer_path,
+                  checkpoint, own)
   return True
 
 
@@ -258,7 +279,7 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
           f"the tokenizer has {tokenizer.vocab_size} tokens but config.init.actor_checkpoint="
           f"{cfg.init.actor_checkpoint!r} embeds {model.vocab_size}: use the checkpoint's own "
           "tokenizer (config.init.tokenizer)")
-    warn_foreign_tokenizer(cfg.init.actor_checkpoint, cfg.init.tokenizer)
+    check_foreign_tokenizer(cfg.init.actor_checkpoint, cfg.init.tokenizer)
     # Without a checkpoint of its own the critic reads the actor's token ids: its vocabulary.
     cfg = dataclasses.replace(cfg, model=model, critic_model=cfg.critic_model.replace(
         vocab_size=model.vocab_size))
