@@ -519,3 +519,26 @@ def test_a_response_budget_shorter_than_the_targets_is_warned_of():
   # A reward that reads only part of the response (a final number): no warning.
   cfg = tiny_config(**{"rollout.max_new_tokens": 4, "reward.function": "gsm8k"})
   assert build.warn_short_budget(cfg, records, tok) == 0
+
+
+def test_the_models_built_are_logged_and_a_toy_critic_beside_a_real_actor_warned_of(caplog):
+  """A checkpoint's config.json replaces config.model's shape (a --config.model.num_layers
+  beside it is not the model trained): the log names each model's shape and source. A critic
+  built from config.critic_model's shape (ppo_hf.py's 2 x 64 toy) beside an actor of a
+  checkpoint 8 times its size trained silently."""
+  tok = HFTokenizer.from_file(LLAMA)
+  with caplog.at_level(logging.INFO):
+    build.resolve_config(tiny_config(**{
+        "init.actor_checkpoint": LLAMA, "init.tokenizer": LLAMA, "model.num_layers": 8,
+        "critic_model.hidden_size": 8, "critic_model.intermediate_size": 16,
+        "critic_model.num_heads": 2, "critic_model.num_kv_heads": 2}), tok)
+  assert "actor: 2 layers, hidden 64, 4/2 heads, vocab 128" in caplog.text  # not 8 layers
+  assert f"(config.init.actor_checkpoint={LLAMA!r})" in caplog.text
+  assert "critic: 1 layers, hidden 8" in caplog.text
+  assert "the critic is built from config.critic_model's shape" in caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    build.resolve_config(tiny_config(**{"init.actor_checkpoint": LLAMA, "init.tokenizer": LLAMA,
+                                        "init.critic_checkpoint": LLAMA}), tok)
+  assert "critic: 2 layers, hidden 64" in caplog.text
+  assert "the critic is built from" not in caplog.text

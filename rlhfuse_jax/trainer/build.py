@@ -286,7 +286,36 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
   if cfg.init.critic_checkpoint and adv_lib.needs_critic(cfg.algo.estimator):
     cfg = dataclasses.replace(cfg, critic_model=checkpoint_config(
         cfg.init.critic_checkpoint, cfg.critic_model, "init.critic_checkpoint", head="scalar"))
+  log_architectures(cfg)
   return cfg
+
+
+def _shape(m: ModelConfig) -> str:
+  return (f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads}/{m.num_kv_heads} "
+          f"heads, vocab {m.vocab_size}, {m.num_params() / 1e6:.3g}M parameters")
+
+
+def log_architectures(cfg: TrainConfig) -> None:
+  """Logs the models the run builds (a checkpoint's config.json replaces config.model's shape:
+  a --config.model.num_layers given beside a checkpoint is not the model trained, and
+  WORKDIR/config.json holds the config as given), and warns of a critic built from
+  config.critic_model's shape beside an actor 8 times its size from a checkpoint (ppo_hf.py's
+  toy critic, 2 layers 64 wide, beside a user's 1B actor when init.critic_checkpoint='')."""
+  actor_from = (f"config.init.actor_checkpoint={cfg.init.actor_checkpoint!r}"
+                if cfg.init.actor_checkpoint else "config.model")
+  logging.info("actor: %s (%s)", _shape(cfg.model), actor_from)
+  if not adv_lib.needs_critic(cfg.algo.estimator):
+    return
+  critic_from = (f"config.init.critic_checkpoint={cfg.init.critic_checkpoint!r}"
+                 if cfg.init.critic_checkpoint else "config.critic_model, randomly initialised")
+  logging.info("critic: %s (%s)", _shape(cfg.critic_model), critic_from)
+  if (cfg.init.actor_checkpoint and not cfg.init.critic_checkpoint and
+      8 * cfg.critic_model.num_params() < cfg.model.num_params()):
+    logging.warning("the critic is built from config.critic_model's shape (%s) beside an actor "
+                    "of %.3gM parameters from its checkpoint: set config.init.critic_checkpoint "
+                    "(the actor's directory gives a critic of its shape) or size "
+                    "config.critic_model", _shape(cfg.critic_model),
+                    cfg.model.num_params() / 1e6)
 
 
 def reward_model_config(cfg: TrainConfig) -> Optional[ModelConfig]:
