@@ -155,9 +155,12 @@ def test_generation_config_eos_ids_also_end_a_response(tmp_path):
   gen.write_text(json.dumps({"eos_token_id": ["</s>"]}))
   with pytest.raises(ValueError, match="generation_config.json: eos_token_id=.*expected a token"):
     HFTokenizer.from_file(path)
-  gen.write_text(json.dumps({"eos_token_id": [10 ** 6]}))
-  with pytest.raises(ValueError, match="extra_eos_ids has 1000000; expected token ids in"):
+  gen.write_text(json.dumps({"eos_token_id": [10 ** 6]}))  # named as that file's, not tokenizer's
+  with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id has \[1000000\], "
+                     r"outside the vocabulary of .*tokenizer.json \(\[0, "):
     HFTokenizer.from_file(path)
+  with pytest.raises(ValueError, match="extra_eos_ids has 1000000; expected token ids in"):
+    HFTokenizer.from_file(path, extra_eos_ids=(10 ** 6,))  # the argument's own check
 
 
 def test_missing_and_malformed_files_name_the_path(tmp_path):

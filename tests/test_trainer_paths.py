@@ -389,6 +389,15 @@ def test_vocabulary_and_context_mismatches_are_named_before_any_build(tmp_path, 
   with pytest.raises(ValueError, match=r"tokenizer has 1000 tokens but config\.init\."
                                        r"actor_checkpoint=.* embeds 128"):
     build.resolve_config(tiny_config(**{"init.actor_checkpoint": LLAMA}), BigTokenizer())
+  # The checkpoint's own tokenizer: its config.json is at fault, not the tokenizer named.
+  odd = tmp_path / "odd"
+  shutil.copytree(LLAMA, odd)
+  hf = json.loads((odd / "config.json").read_text())
+  (odd / "config.json").write_text(json.dumps({**hf, "vocab_size": 100}))
+  with pytest.raises(ValueError, match=r"odd': its config\.json has vocab_size=100 but its own "
+                                       r"tokenizer\.json has 128 tokens; one of the two"):
+    build.resolve_config(tiny_config(**{"init.actor_checkpoint": str(odd),
+                                        "init.tokenizer": str(odd)}), HFTokenizer.from_file(odd))
   prompts = tmp_path / "prompts.jsonl"
   _write_prompts(prompts, REPEAT_PROMPTS)
   write_reward_checkpoint(tmp_path / "rm16", REWARD_CFG.replace(vocab_size=16))

@@ -242,8 +242,13 @@ class HFTokenizer(Tokenizer):
     if add_bos is None and bos_id is not None:
       add_bos = _post_processor_adds(path, tok.id_to_token(bos_id))
     if extra_eos_ids is None:
-      extra_eos_ids = _generation_config_eos(
-          os.path.join(os.path.dirname(path), GENERATION_CONFIG))
+      generation = os.path.join(os.path.dirname(path), GENERATION_CONFIG)
+      extra_eos_ids = _generation_config_eos(generation)
+      size = int(tok.get_vocab_size(with_added_tokens=True))
+      outside = [i for i in extra_eos_ids if i >= size]
+      if outside:  # (named as the tokenizer's "extra_eos_ids" below, in the wrong file)
+        raise ValueError(f"{generation}: eos_token_id has {outside}, outside the vocabulary of "
+                         f"{path} ([0, {size}))")
     return cls(tok, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, add_bos=add_bos,
                extra_eos_ids=extra_eos_ids, name=path)
 

@@ -275,6 +275,16 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
           "*ForSequenceClassification (a scalar head, a reward model's or a critic's): the "
           "actor needs a language model, a *ForCausalLM checkpoint")
     if tokenizer.vocab_size > model.vocab_size:
+      own = os.path.join(cfg.init.actor_checkpoint, "tokenizer.json")
+      given = (tokenizer_lib.tokenizer_file(cfg.init.tokenizer) if cfg.init.tokenizer
+               else "")
+      if given and os.path.isfile(own) and os.path.isfile(given) and filecmp.cmp(
+          own, given, shallow=False):  # its own tokenizer: the checkpoint disagrees with itself
+        raise ValueError(
+            f"config.init.actor_checkpoint={cfg.init.actor_checkpoint!r}: its config.json "
+            f"has vocab_size={model.vocab_size} but its own tokenizer.json has "
+            f"{tokenizer.vocab_size} tokens; one of the two files is wrong (the embedding's "
+            "rows, model.embed_tokens.weight, say which)")
       raise ValueError(
           f"the tokenizer has {tokenizer.vocab_size} tokens but config.init.actor_checkpoint="
           f"{cfg.init.actor_checkpoint!r} embeds {model.vocab_size}: use the checkpoint's own "
