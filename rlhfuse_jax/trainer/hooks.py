@@ -32,6 +32,7 @@ from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import config as config_lib
+from rlhfuse_jax.trainer import inputs as inputs_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 
 
@@ -317,6 +318,9 @@ class Checkpoints(Hook):
 
   def __init__(self, workdir: str, cfg: TrainConfig, fingerprint: dict):
     self.workdir, self.cfg, self.fingerprint = workdir, cfg, fingerprint
+    # What the files the run reads by path hold as it starts (trainer/inputs.py): saved with
+    # every checkpoint, compared on resume.
+    self.inputs = inputs_lib.fingerprints(cfg)
     self.checkpointer = checkpointing.Checkpointer(workdir, keep=cfg.checkpoint.keep)
     self._set_aside: list[int] = []  # checkpoints set aside as damaged in this start
     self.state_fn: Callable[[], dict] = dict
@@ -379,7 +383,15 @@ class Checkpoints(Hook):
       logging.warning("checkpoint %s has no config fingerprint: resuming unchecked",
                       meta.get("iteration"))
       return
-    changes = config_lib.fingerprint_changes(saved, self.fingerprint)
+    changes, content = inputs_lib.resume_changes(
+        config_lib.fingerprint_changes(saved, self.fingerprint), meta.get("inputs"),
+        self.inputs, meta.get("iteration"))
+    if content:
+      raise ValueError(
+          f"files this run reads changed since the checkpoints in {self.checkpointer.directory} "
+          f"(iteration {meta.get('iteration')}) were written: " + "; ".join(content) + ". Put "
+          "the files the run started with back (another path to the same files is accepted), "
+          "or start a new --workdir (from these files: they are its config.init.* and data.*)")
     allowed = self.cfg.checkpoint.resume_changes_set
     for change in [c for c in changes if c.split(":")[0] in allowed]:
       logging.warning("resuming iteration %s with a changed %s (config.checkpoint."
@@ -452,7 +464,8 @@ class Checkpoints(Hook):
     if step % self.cfg.checkpoint.every == 0 or step == self.cfg.num_iterations or stopping:
       state = self.state_fn()
       meta = {"iteration": step, "seed": self.cfg.seed, "config": self.fingerprint,
-              **self.meta_fn(), "checksums": checkpointing.checksums(state)}
+              "inputs": self.inputs, **self.meta_fn(),
+              "checksums": checkpointing.checksums(state)}
       self.checkpointer.save(step, state, meta)
 
   def wait(self) -> None:
