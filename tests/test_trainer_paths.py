@@ -551,3 +551,23 @@ def test_the_models_built_are_logged_and_a_toy_critic_beside_a_real_actor_warned
                                         "init.critic_checkpoint": LLAMA}), tok)
   assert "critic: 2 layers, hidden 64" in caplog.text
   assert "the critic is built from" not in caplog.text
+
+
+def test_the_checkpoints_generation_config_stop_ids_hold_with_a_tokenizer_elsewhere(tmp_path):
+  """The tokenizer reads the generation_config.json beside its own file only: with
+  init.tokenizer in another directory the run generated past the checkpoint's stop ids, which
+  the export (copying the checkpoint's generation_config.json) tells transformers to stop on."""
+  model, tok_dir = tmp_path / "model", tmp_path / "tok"
+  shutil.copytree(LLAMA, model)
+  tok_dir.mkdir()
+  shutil.copy(os.path.join(LLAMA, "tokenizer.json"), tok_dir / "tokenizer.json")
+  cfg = tiny_config(**{"init.actor_checkpoint": str(model),
+                       "init.tokenizer": str(tok_dir / "tokenizer.json")})
+  _, plain = build.build_task_and_tokenizer(cfg)
+  (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, plain.eos_id]}))
+  _, tok = build.build_task_and_tokenizer(cfg)
+  assert 5 not in plain.stop_ids and tok.stop_ids == plain.stop_ids + (5,)
+  (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 4000}))
+  with pytest.raises(ValueError, match=r"model/generation_config.json: eos_token_id has \[4000\], "
+                     r"outside the vocabulary of config\.init\.tokenizer="):
+    build.build_task_and_tokenizer(cfg)

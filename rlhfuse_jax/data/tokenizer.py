@@ -253,6 +253,11 @@ class HFTokenizer(Tokenizer):
                extra_eos_ids=extra_eos_ids, name=path)
 
 
+def generation_config_eos(path: str) -> tuple[int, ...]:
+  """The eos_token_id of the generation_config.json at `path` (see _generation_config_eos)."""
+  return _generation_config_eos(path)
+
+
 def _generation_config_eos(path: str) -> tuple[int, ...]:
   """The eos_token_id of a generation_config.json (an int, a list of them, null or absent), as
   a tuple; () when the file is absent."""

@@ -65,7 +65,33 @@ def build_task_and_tokenizer(cfg: TrainConfig):
         f"{hint}")
   if cfg.init.tokenizer:
     tokenizer = load_named("init.tokenizer", cfg.init.tokenizer, HFTokenizer.from_file)
+    tokenizer = with_checkpoint_stop_ids(cfg, tokenizer)
   return task, tokenizer
+
+
+def with_checkpoint_stop_ids(cfg: TrainConfig, tokenizer: HFTokenizer) -> HFTokenizer:
+  """The tokenizer, also stopping on the eos_token_id of the actor checkpoint's
+  generation_config.json when init.tokenizer lives in another directory: the tokenizer reads
+  the one beside its own file only, so the run generated past ids that the export (which
+  copies the checkpoint's generation_config.json) told transformers to stop on."""
+  ckpt = cfg.init.actor_checkpoint
+  own = os.path.join(ckpt, tokenizer_lib.GENERATION_CONFIG) if ckpt else ""
+  path = tokenizer_lib.tokenizer_file(cfg.init.tokenizer)
+  if not own or not os.path.isfile(own) or os.path.samefile(
+      os.path.dirname(os.path.abspath(path)), ckpt):
+    return tokenizer
+  ids = tokenizer_lib.generation_config_eos(own)
+  outside = [i for i in ids if i >= tokenizer.vocab_size]
+  if outside:
+    raise ValueError(f"{own}: eos_token_id has {outside}, outside the vocabulary of "
+                     f"config.init.tokenizer={cfg.init.tokenizer!r} ([0, {tokenizer.vocab_size}))")
+  added = [i for i in ids if i not in tokenizer.stop_ids]
+  if not added:
+    return tokenizer
+  logging.info("responses also end on token ids %s: the eos_token_id of %s (config.init."
+               "actor_checkpoint's generation config)", added, own)
+  return load_named("init.tokenizer", path, functools.partial(
+      HFTokenizer.from_file, extra_eos_ids=tuple(tokenizer.extra_eos_ids) + tuple(added)))
 
 
 def _reward_names(cfg: TrainConfig) -> set[str]:
