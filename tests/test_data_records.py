@@ -131,7 +131,9 @@ def test_lookup_prefers_a_literal_dotted_key():
     ({"prompt": [{"role": "user", "content": "a"}, {"role": "user"}]},
      "field 'prompt' message 1 needs a string 'content', got NoneType"),
     ({"prompt": "x", "target": [1]}, "answer field 'target' must be a string or a number, got "
-                                     "list"),
+                                     r"list \(a reward function of your own reads any field of "
+                                     r"the record itself: leave config\.data\.answer_key unset "
+                                     r"and read record\['target'\] there\)"),
     ({"prompt": "x", "target": True}, "answer field 'target' must be a string or a number, got "
                                       "bool"),
 ])

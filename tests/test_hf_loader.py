@@ -270,6 +270,21 @@ def test_missing_tensor_is_named(tmp_path):
     hf_loader.load_hf_params(ckpt, hf_loader.load_hf_config(ckpt))
 
 
+def test_a_checkpoint_path_that_is_a_file_or_a_hub_id_says_what_is_expected(tmp_path,
+                                                                            monkeypatch):
+  """A weights file given for the checkpoint, or a hub id (nothing is downloaded), said only
+  '.../config.json not found'."""
+  with pytest.raises(FileNotFoundError, match=r"index\.json' is a file: expected the "
+                     "checkpoint's directory"):
+    hf_loader.load_hf_config(os.path.join(LLAMA, "model.safetensors.index.json"))
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(FileNotFoundError, match=r"expected a local checkpoint directory \(a hub id "
+                     r"is not downloaded: `hf download meta-llama/Llama-3\.2-1B --local-dir"):
+    hf_loader.load_hf_config("meta-llama/Llama-3.2-1B")
+  with pytest.raises(FileNotFoundError, match=r"nope/x/config\.json not found$"):
+    hf_loader.load_hf_config(str(tmp_path / "nope" / "x"))
+
+
 def test_wrong_shape_names_tensor_and_shapes(tmp_path):
   name = "model.layers.0.mlp.up_proj.weight"
   def shrink(t):

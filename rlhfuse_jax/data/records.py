@@ -151,7 +151,9 @@ def _answer_text(answer: Any, where_: str, key: str) -> str:
                        "(or none: a missing answer)")
     return format(answer.normalize(), "f")
   raise ValueError(f"{where_}: answer field '{key}' must be a string or a number, got "
-                   f"{type(answer).__name__}")
+                   f"{type(answer).__name__} (a reward function of your own reads any field "
+                   f"of the record itself: leave config.data.answer_key unset and read "
+                   f"record[{key!r}] there)")
 
 
 def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSWER_KEY, *,

@@ -76,7 +76,12 @@ _HARMLESS = (re.compile(r".*rotary_emb\.inv_freq$"),)
 
 def _read_json(path: str) -> dict[str, Any]:
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"{path} not found")
+    parent = os.path.dirname(path)
+    why = (f"; {parent!r} is a file: expected the checkpoint's directory" if os.path.isfile(
+        parent) else f"; expected a local checkpoint directory (a hub id is not downloaded: "
+                     f"`hf download {parent} --local-dir DIR`)" if not os.path.exists(parent)
+           and parent.count("/") == 1 and not parent.startswith((".", "/")) else "")
+    raise FileNotFoundError(f"{path} not found{why}")
   try:
     with open(path) as f:
       data = json.load(f)
