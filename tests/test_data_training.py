@@ -171,3 +171,38 @@ def test_validation_leaves_training_untouched(runs):
   for ha, hb in zip(a["history"], b["history"], strict=True):
     det = lambda h: {k: v for k, v in h.items() if not k.startswith(TIMING_PREFIXES + ("val/",))}
     assert det(ha) == det(hb)
+
+
+def test_overlong_prompts_stop_the_run_or_are_left_out(tmp_path, caplog):
+  """data.overlong_prompts: 'error' (the default) names the prompt, its row and the field to
+  change; 'skip' leaves it out of the training and validation pools (verl's
+  filter_overlong_prompts: a few long rows of a large dataset needed offline filtering), logging
+  how many; a pool with nothing left is an error."""
+  import logging
+  from rlhfuse_jax.trainer import build
+  rows = [{"question": f"What is {a} plus {a}?", "answer": 2 * a} for a in range(8)]
+  rows[5]["question"] = " ".join(["What is one plus one?"] * 12)
+  path = tmp_path / "p.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+  def datasets(**kw):
+    cfg = tiny_config(**{"init.tokenizer": os.path.join(CHAT, "chatml", "tokenizer.json"),
+                         "data.prompts_file": str(path), "data.prompt_key": "question",
+                         "data.answer_key": "answer", "data.chat_template": "auto",
+                         "data.val_fraction": 0.25, "data.max_prompt_len": 40,
+                         "reward.function": "tests.test_rewards:answer_length",
+                         "rollout.prompts_per_iteration": 4, "algo.minibatch_size": 4, **kw})
+    task, tok = build.build_task_and_tokenizer(cfg)
+    return build.build_datasets(cfg, task, tok)
+  with pytest.raises(ValueError, match=r"p\.jsonl:6\) has \d+ tokens, more than max_prompt_len=40 "
+                     r".*config\.data\.overlong_prompts='skip'"):
+    datasets()
+  with caplog.at_level(logging.WARNING):
+    train, val = datasets(**{"data.overlong_prompts": "skip"})
+  assert len(train.records) + len(val.records) == 7
+  assert "left out 1 of the" in caplog.text and "p.jsonl:6" in caplog.text
+  with pytest.raises(ValueError, match=r"every one of the \d training prompts is longer than "
+                     r"config\.data\.max_prompt_len=5 tokens"):
+    datasets(**{"data.overlong_prompts": "skip", "data.max_prompt_len": 5})
+  with pytest.raises(ValueError, match=r"config\.data\.overlong_prompts='drop'.*'error' or 'skip'"):
+    datasets(**{"data.overlong_prompts": "drop"})

@@ -159,7 +159,8 @@ def tokenize_prompts(records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
       text = records[i][field]
       raise ValueError(f"prompt {i}{where(records[i])} has {len(seq)} tokens, more than "
                        f"max_prompt_len={max_prompt_len} (text starts {text[:60]!r}); raise "
-                       "max_prompt_len or shorten the prompt")
+                       "max_prompt_len (config.data.max_prompt_len), shorten the prompt, or "
+                       "leave such prompts out (config.data.overlong_prompts='skip')")
   return pad_token_ids(ids, max_prompt_len, tokenizer.pad_id, padding)
 
 

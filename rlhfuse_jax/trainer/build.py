@@ -191,11 +191,17 @@ def build_datasets(cfg: TrainConfig, task, tokenizer: Tokenizer
   stops the run before anything is compiled."""
   template = chat_lib.ChatTemplate.load(cfg.data.chat_template, cfg.init.tokenizer)
   train, held_out = load_prompt_records(cfg, task)
-  make = lambda records, shuffle: prompts_lib.PromptDataset(
-      records_lib.render_prompts(records, template), tokenizer,
-      batch_size=cfg.rollout.prompts_per_iteration, max_prompt_len=cfg.data.max_prompt_len,
-      seed=cfg.seed, shuffle=shuffle, padding="right", field=records_lib.PROMPT_TEXT_KEY,
-      add_bos=False if template is not None else None)
+  add_bos = False if template is not None else None
+
+  def make(records: list, shuffle: bool) -> prompts_lib.PromptDataset:
+    rendered = records_lib.render_prompts(records, template)
+    if cfg.data.overlong_prompts == "skip":
+      rendered = skip_overlong(rendered, tokenizer, cfg.data.max_prompt_len, add_bos,
+                               "training" if shuffle else "validation")
+    return prompts_lib.PromptDataset(
+        rendered, tokenizer, batch_size=cfg.rollout.prompts_per_iteration,
+        max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed, shuffle=shuffle,
+        padding="right", field=records_lib.PROMPT_TEXT_KEY, add_bos=add_bos)
   try:
     if cfg.data.prompts_file:  # a task's prompts are its tokenizer's own words
       warn_unspellable(train, tokenizer, f"config.data.prompts_file={cfg.data.prompts_file!r}")
@@ -205,6 +211,31 @@ def build_datasets(cfg: TrainConfig, task, tokenizer: Tokenizer
     if cfg.data.prompts_file and not cfg.init.tokenizer:
       _refuse_task_vocabulary(cfg, train + held_out, tokenizer)
     raise
+
+
+def skip_overlong(records: list, tokenizer: Tokenizer, max_len: int, add_bos: Optional[bool],
+                  what: str) -> list:
+  """`records` (rendered) without those whose prompt is longer than `max_len` tokens
+  (config.data.overlong_prompts='skip'; verl's filter_overlong_prompts), logging how many and
+  the first; a ValueError when none is left. Records the tokenizer cannot encode are kept, for
+  the dataset's own error to name."""
+  try:
+    ids = tokenizer.encode_batch([r[records_lib.PROMPT_TEXT_KEY] for r in records],
+                                 add_bos=add_bos)
+  except Exception:  # pylint: disable=broad-except
+    return records
+  kept = [r for r, seq in zip(records, ids) if len(seq) <= max_len]
+  skipped = [(r, len(seq)) for r, seq in zip(records, ids) if len(seq) > max_len]
+  if skipped:
+    first, n = skipped[0]
+    logging.warning("left out %d of the %d %s prompts longer than config.data.max_prompt_len="
+                    "%d tokens (config.data.overlong_prompts='skip'); the first%s has %d",
+                    len(skipped), len(records), what, max_len, prompts_lib.where(first), n)
+  if not kept:
+    raise ValueError(f"every one of the {len(records)} {what} prompts is longer than "
+                     f"config.data.max_prompt_len={max_len} tokens: nothing is left to train on "
+                     "with config.data.overlong_prompts='skip'; raise max_prompt_len")
+  return kept
 
 
 def _refuse_task_vocabulary(cfg: TrainConfig, records: list, tokenizer: Tokenizer) -> None:

@@ -79,7 +79,10 @@ class DataConfig:
   length_max: int = 8
   length_mu: float = 1.0  # lognormal parameters of the target length
   length_sigma: float = 0.8
-  max_prompt_len: int = 8  # prompts are right-padded to this bucket; longer ones are an error
+  max_prompt_len: int = 8  # prompts are right-padded to this bucket; longer ones: below
+  # A prompt longer than max_prompt_len tokens (after rendering): "error" stops the run naming
+  # it; "skip" leaves it out of the pool (training and validation), logging how many.
+  overlong_prompts: str = "error"
 
   def __post_init__(self):
     _check(self.num_prompts > 0, "data.num_prompts", self.num_prompts, "> 0")
@@ -88,6 +91,8 @@ class DataConfig:
     _check(1 <= self.length_min <= self.length_max, "data.length_min/length_max",
            (self.length_min, self.length_max), "1 <= length_min <= length_max")
     _check(self.max_prompt_len > 0, "data.max_prompt_len", self.max_prompt_len, "> 0")
+    _check(self.overlong_prompts in ("error", "skip"), "data.overlong_prompts",
+           self.overlong_prompts, "'error' or 'skip'")
     for name in ("prompt_key", "answer_key", "chat_template"):
       _check(isinstance(getattr(self, name), str) and bool(getattr(self, name)), f"data.{name}",
              getattr(self, name), "a non-empty string")
