@@ -285,6 +285,13 @@ def test_a_checkpoint_path_that_is_a_file_or_a_hub_id_says_what_is_expected(tmp_
     hf_loader.load_hf_config(str(tmp_path / "nope" / "x"))
 
 
+def test_a_missing_lm_head_suggests_tied_embeddings(tmp_path):
+  ckpt = _copy(LLAMA, str(tmp_path / "c"), edit_tensors=lambda t: t.pop("lm_head.weight"))
+  with pytest.raises(ValueError, match=r"lacks tensor.*lm_head\.weight \(its config\.json says "
+                     r"tie_word_embeddings=false"):
+    hf_loader.load_hf_params(ckpt, hf_loader.load_hf_config(ckpt))
+
+
 def test_wrong_shape_names_tensor_and_shapes(tmp_path):
   name = "model.layers.0.mlp.up_proj.weight"
   def shrink(t):

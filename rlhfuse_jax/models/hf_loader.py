@@ -459,8 +459,11 @@ def _load(ckpt: _Checkpoint, cfg: llama.ModelConfig, np_dtype, rng) -> Any:
     optional.add("lm_head.weight")  # some exporters store the tied copy; checked equal below
   missing = sorted(set(table) - names)
   if missing:
+    hint = (" (its config.json says tie_word_embeddings=false: with no lm_head.weight of its "
+            "own the head is the embedding, tie_word_embeddings=true)"
+            if missing == ["lm_head.weight"] and not cfg.tie_embeddings else "")
     raise ValueError(f"{ckpt.dir}: checkpoint lacks tensor(s) the config needs: "
-                     f"{_short_list(missing)}")
+                     f"{_short_list(missing)}{hint}")
   unexpected = [n for n in names - set(table) - optional
                 if not any(p.match(n) for p in _HARMLESS)]
   if unexpected:
