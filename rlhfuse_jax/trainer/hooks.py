@@ -676,8 +676,8 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
   else:
     _fill_special_ids(tokenizer, os.path.join(tmp, "config.json"))
   # The earlier export is moved aside first and deleted last, so a crash leaves one whole
-  # export: the old one under out_dir or beside it in .old, or the new one under out_dir or
-  # still in .tmp (which the next export deletes first: the checkpoint exports it again, and
+  # export: the old one under out_dir or beside it in `old`, or the new one under out_dir or
+  # still in `tmp` (which the next export deletes first: the checkpoint exports it again, and
   # export_pending sees out_dir's marker missing or older).
   shutil.rmtree(old, ignore_errors=True)
   if os.path.exists(out_dir):
