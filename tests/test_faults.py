@@ -652,7 +652,9 @@ _FILE_SIZE_LIMIT = [sys.executable, "-c", "import os, resource, signal, sys; "
 
 def test_a_save_failing_in_the_writes_says_so_in_a_few_lines(tmp_path):
   """A save whose array writes fail (a full disk: here a file-size limit that the checkpoint's
-  data file (113 kB) passes and the run's log (31 kB), metrics and config do not) ends the run
+  arrays pass and the run's log (31 kB), metrics and config do not; the MLP's intermediate size
+  makes each of its weights 131 kB: ocdbt may split a save's small arrays over several data
+  files under load, each under the limit, and the save then succeeded) ends the run
   with exit 3 and the one-line error, and not with what orbax and tensorstore print on the way:
   tensorstore's callbacks onto orbax's closed event loop (152 unraisable tracebacks, measured
   before they were dropped) and orbax's per-thread tracebacks (80 in all, 791 stderr lines),
@@ -662,7 +664,8 @@ def test_a_save_failing_in_the_writes_says_so_in_a_few_lines(tmp_path):
   env.pop("JAX_COMPILATION_CACHE_DIR", None)  # its entries would pass the limit too
   out = subprocess.run(
       _FILE_SIZE_LIMIT + ["80000"] + _cmd(run, "--config.num_iterations=4",
-                                          "--config.compilation_cache_dir=none"),
+                                          "--config.compilation_cache_dir=none",
+                                          "--config.model.intermediate_size=1024"),
       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   err = out.stderr
   assert out.returncode == 3, err[-3000:]
