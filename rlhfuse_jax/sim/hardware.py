@@ -166,7 +166,8 @@ HARDWARE: dict[str, Hardware] = {
         source="NVIDIA A100 datasheet (80GB SXM), NVIDIA DGX A100 datasheet",
         collective_protocols=NCCL_RING),
     # Google Cloud TPU v5e documentation (cloud.google.com/tpu/docs/v5e): peak compute per chip
-    # (bf16) 197 TFLOPs; HBM2 16 GB at 819 GBps; bidirectional ICI 400 GBps per chip (-> 200 each
+    # (bf16) 197 TFLOPs; HBM2 16 GB at 819 GBps (a later version of the page prints
+    # 800 GiBps, about 859 GB/s: the lower figure is kept); bidirectional ICI 400 GBps per chip (-> 200 each
     # way); TPU Pod (one ICI domain, 2D torus) 256 chips; per-host NIC 2 x 100 Gbps with 8 chips
     # per host -> 25 GB/s per host = 3.125 GB/s per chip of data-center network.
     "tpu_v5e": Hardware(
