@@ -15,33 +15,50 @@ def _cfg(actor="", tokenizer="", prompts="", critic=""):
   return types.SimpleNamespace(
       init=types.SimpleNamespace(actor_checkpoint=actor, tokenizer=tokenizer,
                                  critic_checkpoint=critic),
-      reward=types.SimpleNamespace(model_checkpoint=""),
+      reward=types.SimpleNamespace(model_checkpoint="", kind="function"),
       data=types.SimpleNamespace(prompts_file=prompts))
 
 
-def test_a_fingerprint_sees_any_rewrite_and_ignores_the_path(tmp_path):
+def test_a_fingerprint_covers_what_is_read_and_ignores_the_path(tmp_path):
   model = tmp_path / "model"
   shutil.copytree(os.path.join(FIXTURES, "tiny_llama"), model)
-  before = inputs.content_fingerprint(str(model))
-  assert before == inputs.content_fingerprint(str(model) + "/")  # a trailing slash
+  fp = lambda field, path: inputs.content_fingerprint(field, str(path))
+  before = fp("init.actor_checkpoint", model)
+  assert sorted(before) == ["config.json", "generation_config.json",
+                            "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                            "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
+  assert before == fp("init.actor_checkpoint", str(model) + "/")  # a trailing slash
   moved = tmp_path / "scratch" / "model"
   shutil.copytree(model, moved)
-  assert inputs.content_fingerprint(str(moved)) == before  # same bytes elsewhere
-  # A byte in the middle of a file larger than the three samples' reach is missed by design;
-  # one inside a sample, a size change or another file is not.
-  big = tmp_path / "big.bin"
+  assert fp("init.actor_checkpoint", moved) == before  # same bytes elsewhere
+  (model / "README.md").write_text("# a model card")  # not read: nothing changes
+  assert fp("init.actor_checkpoint", model) == before
+  (model / "config.json").write_text((model / "config.json").read_text() + " ")
+  assert fp("init.actor_checkpoint", model) != before
+  # A tokenizer: its file (named, or by its directory) and the files read beside it.
+  tok = fp("init.tokenizer", model)
+  assert tok == fp("init.tokenizer", model / "tokenizer.json") and sorted(tok) == [
+      "generation_config.json", "tokenizer.json"]
+  (model / "tokenizer_config.json").write_text('{"eos_token": "<pad>"}')
+  assert sorted(fp("init.tokenizer", model)) == [
+      "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+  # Weight shards are sampled (a byte inside a sample counts); other files are read whole: a
+  # same-length edit 25 % into a 5 MiB prompts file counts.
+  big = tmp_path / "big.safetensors"
   data = np.random.default_rng(0).integers(0, 256, 5 * inputs.SAMPLE_BYTES, np.uint8)
   big.write_bytes(data.tobytes())
-  digest = inputs.content_fingerprint(str(big))
+  digest = fp("init.actor_checkpoint", big)
   data[len(data) // 2] ^= 1  # inside the middle sample
   big.write_bytes(data.tobytes())
-  assert inputs.content_fingerprint(str(big)) != digest
-  (model / "config.json").write_text((model / "config.json").read_text() + " ")
-  edited = inputs.content_fingerprint(str(model))
-  assert edited != before
-  (model / "generation_config.json").write_text("{}")  # a file more
-  assert inputs.content_fingerprint(str(model)) != edited
-  assert inputs.content_fingerprint(str(tmp_path / "nothing")) is None
+  assert fp("init.actor_checkpoint", big) != digest
+  prompts = tmp_path / "p.jsonl"
+  rows = "".join(f'{{"prompt": "q{i:07d}", "answer": "{i:07d}"}}\n' for i in range(120_000))
+  prompts.write_text(rows)
+  digest = fp("data.prompts_file", prompts)
+  at = len(rows) // 4
+  prompts.write_text(rows[:at] + ("1" if rows[at] != "1" else "2") + rows[at + 1:])
+  assert fp("data.prompts_file", prompts) != digest
+  assert fp("init.actor_checkpoint", tmp_path / "nothing") is None
 
 
 def test_resume_takes_a_new_path_to_the_same_content_and_refuses_new_content(tmp_path):
@@ -63,10 +80,19 @@ def test_resume_takes_a_new_path_to_the_same_content_and_refuses_new_content(tmp
   now = inputs.fingerprints(_cfg(str(model), str(model / "tokenizer.json"), str(prompts)))
   left, changed = inputs.resume_changes([], saved, now, 5)
   assert left == [] and changed == [
-      "init.actor_checkpoint: its files changed since the checkpoints were written (the KL "
+      "init.actor_checkpoint: config.json changed since the checkpoints were written (the KL "
       "reference is read from it at every start)",
-      "data.prompts_file: its files changed since the checkpoints were written (the prompts "
+      "data.prompts_file: p.jsonl changed since the checkpoints were written (the prompts "
       "are drawn from it)"]
+  # The tokenizer given by its directory or its file: the same files.
+  same_tok = inputs.fingerprints(_cfg(tokenizer=str(model)))
+  assert same_tok["init.tokenizer"] == saved["init.tokenizer"]
+  # A reward model a function-scored run does not read is not compared.
+  reward = _cfg(str(model))
+  reward.reward = types.SimpleNamespace(model_checkpoint=str(model), kind="function")
+  assert "reward.model_checkpoint" not in inputs.fingerprints(reward)
+  reward.reward.kind = "model"
+  assert "reward.model_checkpoint" in inputs.fingerprints(reward)
   # A new path to other content stays a config change; checkpoints without fingerprints
   # compare paths alone.
   assert inputs.resume_changes([change], saved, {}, 5)[0] == [change]
@@ -115,7 +141,12 @@ def test_checkpoints_compare_the_inputs_contents_on_resume(tmp_path):
   assert resume(config(scratch)) == 2
   (model / "config.json").write_text((model / "config.json").read_text() + " ")
   with pytest.raises(ValueError, match=r"files this run reads changed since the checkpoints in "
-                     r".* \(iteration 2\) were written: init\.actor_checkpoint: its files changed "
-                     r".*; init\.tokenizer: its files changed .*Put the files the run started "
-                     r"with back"):
+                     r".* \(iteration 2\) were written: init\.actor_checkpoint: config\.json "
+                     r"changed since the checkpoints were written \(the KL reference is read "
+                     r"from it at every start\)\. Put the files the run started with back"):
+    resume(config(model))
+  # The tokenizer's own files: tokenizer_config.json sets EOS, PAD and the chat template.
+  (model / "config.json").write_text((model / "config.json").read_text()[:-1])
+  (model / "tokenizer_config.json").write_text('{"eos_token": "<pad>"}')
+  with pytest.raises(ValueError, match=r"init\.tokenizer: tokenizer_config\.json changed"):
     resume(config(model))

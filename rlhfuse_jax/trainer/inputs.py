@@ -10,10 +10,14 @@ checkpoint now also stores a content fingerprint of each such input, taken as th
 and a resume compares contents: another path to the same content is accepted, other content
 at any path refused.
 
-A fingerprint reads, of every file (a directory: its files, not its subdirectories), its name,
-its size and three 1 MiB samples (start, middle, end), so a 130 GB checkpoint costs ~100 MB of
-reads: any re-export, re-download of another revision or edit of a JSON file changes it (a
-change that keeps every sampled byte and the size would pass; none of those do).
+A fingerprint is {file name: digest} over the files the loaders read: of a checkpoint
+directory its config.json, generation_config.json, safetensors shards and their index; of a
+tokenizer its tokenizer.json (a directory names its own) and the files read beside it
+(tokenizer_config.json, special_tokens_map.json, generation_config.json, chat_template.jinja);
+a prompts file whole. Weight shards are hashed by size and three 1 MiB samples (start, middle,
+end: a 130 GB checkpoint costs ~100 MB of reads, and any re-export or other revision changes
+them); every other file in full. Other files (a README, a model card) are not read, so adding
+one changes nothing, and a refusal names the files that changed.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ import os
 from typing import Any, Mapping, Optional
 
 from absl import logging
+
+from rlhfuse_jax.data import tokenizer as tokenizer_lib
 
 # The config fields that name files the run reads, and what each one's content decides.
 PATH_FIELDS = {
@@ -33,46 +39,67 @@ PATH_FIELDS = {
     "init.critic_checkpoint": "",
 }
 SAMPLE_BYTES = 1 << 20
+SAMPLED = (".safetensors", ".bin")  # weight shards: sampled; everything else hashed whole
+# What the loaders read of a checkpoint directory (models/hf_loader.py, the stop ids and the
+# export's copy of generation_config.json), and beside a tokenizer.json (data/tokenizer.py,
+# data/chat.py).
+CHECKPOINT_FILES = ("config.json", "generation_config.json")
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json",
+                        "generation_config.json", "chat_template.jinja")
 
 
-def _file_digest(path: str, h: Any) -> None:
+def _file_digest(path: str) -> str:
+  h = hashlib.sha256()
   size = os.path.getsize(path)
   h.update(f"{size}\0".encode())
   with open(path, "rb") as f:
-    if size <= 3 * SAMPLE_BYTES:
-      h.update(f.read())
-      return
-    for start in (0, (size - SAMPLE_BYTES) // 2, size - SAMPLE_BYTES):
-      f.seek(start)
-      h.update(f.read(SAMPLE_BYTES))
-
-
-def content_fingerprint(path: str) -> Optional[str]:
-  """The sampled digest of the file or directory at `path` (see the module docstring); None
-  when there is nothing there (the run's own checks name a missing input)."""
-  h = hashlib.sha256()
-  if os.path.isfile(path):
-    _file_digest(path, h)
-  elif os.path.isdir(path):
-    for name in sorted(os.listdir(path)):
-      full = os.path.join(path, name)
-      if not name.startswith(".") and os.path.isfile(full):
-        h.update(f"{name}\0".encode())
-        _file_digest(full, h)
-  else:
-    return None
+    if not path.endswith(SAMPLED) or size <= 3 * SAMPLE_BYTES:
+      for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
+    else:
+      for start in (0, (size - SAMPLE_BYTES) // 2, size - SAMPLE_BYTES):
+        f.seek(start)
+        h.update(f.read(SAMPLE_BYTES))
   return h.hexdigest()
 
 
-def fingerprints(cfg: Any) -> dict[str, str]:
+def _read_files(field: str, path: str) -> list[str]:
+  """The files of `path` (config.`field`) that the run reads; [] when there are none."""
+  if field == "init.tokenizer":
+    main = tokenizer_lib.tokenizer_file(path)
+    if not os.path.isfile(main):
+      return []
+    beside = os.path.dirname(main)
+    return [main] + [os.path.join(beside, n) for n in TOKENIZER_SIDE_FILES
+                     if os.path.isfile(os.path.join(beside, n))]
+  if os.path.isfile(path):
+    return [path]
+  if not os.path.isdir(path):
+    return []
+  return [os.path.join(path, n) for n in sorted(os.listdir(path))
+          if os.path.isfile(os.path.join(path, n)) and (
+              n in CHECKPOINT_FILES or n.endswith((".safetensors", ".safetensors.index.json")))]
+
+
+def content_fingerprint(field: str, path: str) -> Optional[dict[str, str]]:
+  """{file name: digest} of what config.`field`=`path` makes the run read (see the module
+  docstring); None when there is nothing there (the run's own checks name a missing input)."""
+  files = _read_files(field, path)
+  return {os.path.basename(f): _file_digest(f) for f in files} if files else None
+
+
+def fingerprints(cfg: Any) -> dict[str, dict[str, str]]:
   """{field: content fingerprint} of the PATH_FIELDS that the config `cfg` (a TrainConfig)
-  sets to an existing path."""
+  sets to an existing path and reads (a reward model's only with reward.kind='model')."""
   out = {}
   for field in PATH_FIELDS:
     section, name = field.split(".")
     path = getattr(getattr(cfg, section, None), name, "")
+    if field == "reward.model_checkpoint" and getattr(
+        getattr(cfg, "reward", None), "kind", "model") != "model":
+      continue
     if isinstance(path, str) and path:
-      digest = content_fingerprint(path)
+      digest = content_fingerprint(field, path)
       if digest is not None:
         out[field] = digest
   return out
@@ -104,6 +131,12 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
       logging.info("config.%s holds other files than when the run started: unused on resume "
                    "(the critic's weights are in the checkpoints)", field)
       continue
-    changed.append(f"{field}: its files changed since the checkpoints were written ({why})"
-                   if field in now else f"{field}: no longer there ({why})")
+    if field not in now:
+      changed.append(f"{field}: no longer there ({why})")
+      continue
+    was, is_ = saved[field], now[field]
+    files = sorted(n for n in set(was) | set(is_) if was.get(n) != is_.get(n)) if (
+        isinstance(was, dict)) else []
+    changed.append(f"{field}: " + (f"{', '.join(files)} changed" if files else "its files "
+                                   "changed") + f" since the checkpoints were written ({why})")
   return left, changed
