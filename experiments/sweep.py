@@ -588,8 +588,10 @@ SWEEP_FILE = "sweep.json"  # which sweep a workdir holds: sweep_identity's
 def sweep_identity(config: str, binary: str) -> dict:
   """{"config": FILE[:variant] (FILE relative to the repository when in it), "binary"}."""
   path, variant = config_files.split_config_path(config)
-  full = os.path.abspath(path) if os.path.isfile(path) else os.path.join(REPO_ROOT, path)
-  rel = os.path.relpath(full, REPO_ROOT)
+  # Links resolved: a file reached through a symbolic link (a home directory that is one) was
+  # another sweep than the same file named by its real path.
+  full = os.path.realpath(path if os.path.isfile(path) else os.path.join(REPO_ROOT, path))
+  rel = os.path.relpath(full, os.path.realpath(REPO_ROOT))
   shown = full if rel.startswith("..") else rel
   return {"config": shown + (f":{variant}" if variant is not None else ""), "binary": binary}
 

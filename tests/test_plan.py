@@ -502,6 +502,19 @@ def test_a_resume_refused_for_a_changed_plan_file_names_the_file(tmp_path):
           f"plan.generation_slots are set by config.plan.file={path!r}, whose content differs "
           "from the plan file the checkpoints were written with: that one is saved in "
           f"{os.path.join(workdir, 'config.json')} under \"plan_file_content\"") in msg, msg
+  # The workdir's config.json says which plan the checkpoints' start ran: none at all ...
+  record = os.path.join(workdir, "config.json")
+  open(record, "w").write(json.dumps({"seed": 0}))
+  msg = resume(tiny_config(**{"plan.file": path}))
+  assert (f"plan.generation_slots are set by config.plan.file={path!r}, and the checkpoints were "
+          f"written without a plan file ({record}): resume without it.") in msg, msg
+  # ... or a plan that set the same values as the file now: the file is not blamed (a flag of
+  # the first start's command line changed; config.3.json: a later start's record, read for
+  # checkpoints after iteration 3 only).
+  open(record, "w").write(json.dumps({"plan_file_content": plan}))
+  open(os.path.join(workdir, "config.3.json"), "w").write(json.dumps({"seed": 0}))
+  msg = resume(tiny_config(**{"plan.file": path}))
+  assert "plan.generation_slots: 8 -> 4" in msg and "config.plan.file" not in msg, msg
   open(path, "w").write(original)
   msg = resume(tiny_config(**{"plan.file": path, "optim.actor_lr": 1e-4}))
   assert "optim.actor_lr: " in msg and "config.plan.file" not in msg, msg

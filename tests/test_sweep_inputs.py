@@ -81,6 +81,14 @@ except ValueError as e:
   out["none"] = str(e)
 out["twins"] = sweep.warn_twins({"a": {"seed": 0}, "b": {"seed": 0}, "c": {"seed": 1},
                                  "d": {"seed": 1}}, [["c", "d"]])
+# the sweep's identity: the same file through a symbolic link is the same sweep
+os.makedirs(os.path.join(work, "real"))
+os.symlink(os.path.join(work, "real"), os.path.join(work, "linked"))
+with open(os.path.join(work, "real", "s.py"), "w") as f:
+  f.write("")
+out["ident"] = [sweep.sweep_identity(os.path.join(work, d, "s.py") + ":v", "b")
+                for d in ("real", "linked")]
+out["repo_ident"] = sweep.sweep_identity("configs/ppo_tiny.py", "train_ppo")
 # summary.md: the columns every row shares go below the table
 sweep.write_summary(work, [{"run": "a", "status": "ok", "k": 1, "same": "x", "r": 0.5},
                            {"run": "b", "status": "ok", "k": 2, "same": "x", "r": 0.7}])
@@ -99,6 +107,9 @@ def test_inputs_wall_time_twins_nones_and_shared_columns(tmp_path):
   assert t >= 20.0 and u < 20.0  # u's checkpoints are gone: it started over
   assert "get_sweep()[0] (a): 'data.prompts_file' is None" in out["none"]
   assert out["twins"] == [["a", "b"]]  # c, d: already named (the sweep's own flag)
+  a, b = out["ident"]
+  assert a == b and a["config"].endswith("s.py:v")
+  assert out["repo_ident"] == {"config": "configs/ppo_tiny.py", "binary": "train_ppo"}
   lines = out["md"].splitlines()
   assert lines[0] == "| run | status | k | r |"
   assert lines[-1] == "The same in every run: same = x."

@@ -472,7 +472,7 @@ def test_a_checkpoints_architecture_keeps_the_runs_own_model_fields():
     assert m.num_layers == json.load(f)["num_hidden_layers"] != section.num_layers
 
 
-def test_a_tokenizer_other_than_the_actor_checkpoints_is_refused_or_warned_of(tmp_path):
+def test_a_tokenizer_other_than_the_actor_checkpoints_is_refused_or_warned_of(tmp_path, caplog):
   """configs/ppo_hf.py names its example's tokenizer: a user who changed only
   init.actor_checkpoint trained their model on the example's ids (its prompts read as other
   text) and exported that tokenizer beside it, with one warning line. A tokenizer that gives
@@ -485,13 +485,26 @@ def test_a_tokenizer_other_than_the_actor_checkpoints_is_refused_or_warned_of(tm
   other = os.path.join(os.path.dirname(LLAMA), "tiny_chat")  # another vocabulary
   for given in (os.path.join(other, "tokenizer.json"), other):  # a directory: its tokenizer.json
     with pytest.raises(ValueError, match=r"config\.init\.tokenizer=.* is not the tokenizer of "
-                       r"config\.init\.actor_checkpoint=.*: of its 400 tokens, 51 are in the "
-                       r"checkpoint's .* and 48 of those have other ids \(e\.g\. "):
+                       r"config\.init\.actor_checkpoint=.*: of the 400 pieces of its "
+                       r"vocabulary, 51 are in the checkpoint's .* and 48 of those have other "
+                       r"ids \(e\.g\. "):
       build.check_foreign_tokenizer(LLAMA, given)
   extended = tokenizers.Tokenizer.from_file(os.path.join(LLAMA, "tokenizer.json"))
   extended.add_tokens(["<tool_call>"])
   extended.save(str(tmp_path / "extended.json"))
   assert build.check_foreign_tokenizer(LLAMA, str(tmp_path / "extended.json"))
+  # Special tokens alone at other ids (Llama 3.1 renamed 3.0's reserved ones; the text reads
+  # the same): warned of, naming one, not refused.
+  ckpt = tmp_path / "ckpt"
+  shutil.copytree(LLAMA, ckpt)
+  for order, path in ((["<|a|>", "<|b|>"], ckpt / "tokenizer.json"),
+                      (["<|b|>", "<|a|>"], tmp_path / "renamed.json")):
+    t = tokenizers.Tokenizer.from_file(os.path.join(LLAMA, "tokenizer.json"))
+    t.add_special_tokens(order)
+    t.save(str(path))
+  with caplog.at_level(logging.WARNING):
+    assert build.check_foreign_tokenizer(str(ckpt), str(tmp_path / "renamed.json"))
+  assert "gives 2 special token(s) other ids than" in caplog.text
   # QWEN2's is a byte-identical copy of LLAMA's (the fixtures share one tokenizer).
   for same in (os.path.join(LLAMA, "tokenizer.json"), LLAMA, str(copy), QWEN2, ""):
     assert not build.check_foreign_tokenizer(LLAMA, same), same
@@ -568,6 +581,7 @@ def test_the_checkpoints_generation_config_stop_ids_hold_with_a_tokenizer_elsewh
   _, tok = build.build_task_and_tokenizer(cfg)
   assert 5 not in plain.stop_ids and tok.stop_ids == plain.stop_ids + (5,)
   (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 4000}))
-  with pytest.raises(ValueError, match=r"model/generation_config.json: eos_token_id has \[4000\], "
-                     r"outside the vocabulary of config\.init\.tokenizer="):
+  with pytest.raises(ValueError, match=r"config\.init\.tokenizer=.* is not the tokenizer of "
+                     r"config\.init\.actor_checkpoint=.*: its 128 tokens lack the ids \[4000\] "
+                     r"that the checkpoint's generation_config\.json stops on"):
     build.build_task_and_tokenizer(cfg)

@@ -82,9 +82,12 @@ def with_checkpoint_stop_ids(cfg: TrainConfig, tokenizer: HFTokenizer) -> HFToke
     return tokenizer
   ids = tokenizer_lib.generation_config_eos(own)
   outside = [i for i in ids if i >= tokenizer.vocab_size]
-  if outside:
-    raise ValueError(f"{own}: eos_token_id has {outside}, outside the vocabulary of "
-                     f"config.init.tokenizer={cfg.init.tokenizer!r} ([0, {tokenizer.vocab_size}))")
+  if outside:  # the tokenizer is the one at fault (the example's, left from the config)
+    raise ValueError(
+        f"config.init.tokenizer={cfg.init.tokenizer!r} is not the tokenizer of config.init."
+        f"actor_checkpoint={ckpt!r}: its {tokenizer.vocab_size} tokens lack the ids "
+        f"{outside} that the checkpoint's {tokenizer_lib.GENERATION_CONFIG} stops on; set "
+        f"config.init.tokenizer to the checkpoint's own tokenizer.json")
   added = [i for i in ids if i not in tokenizer.stop_ids]
   if not added:
     return tokenizer
@@ -293,10 +296,14 @@ def check_foreign_tokenizer(checkpoint: str, tokenizer_path: str) -> bool:
   if filecmp.cmp(own, given, shallow=False):  # the same file, or the same contents
     return False
   import tokenizers  # pylint: disable=import-outside-toplevel
-  ids = {}
+  ids, added = {}, {}
   for name, path in (("own", own), ("given", given)):
     try:
-      ids[name] = tokenizers.Tokenizer.from_file(path).get_vocab(with_added_tokens=True)
+      tok = tokenizers.Tokenizer.from_file(path)
+      # The model's vocabulary (text pieces), apart from the added (special) tokens.
+      ids[name] = tok.get_vocab(with_added_tokens=False)
+      added[name] = {t: i for t, i in tok.get_vocab(with_added_tokens=True).items()
+                     if t not in ids[name]}
     except Exception:  # pylint: disable=broad-except
       ids[name] = None  # the tokenizer's own load reports a file it cannot read
   if ids["own"] is not None and ids["given"] is not None:
@@ -307,11 +314,20 @@ def check_foreign_tokenizer(checkpoint: str, tokenizer_path: str) -> bool:
                  f"{ids['own'][moved[0]]} in the checkpoint's)" if moved else "")
       raise ValueError(
           f"config.init.tokenizer={tokenizer_path!r} is not the tokenizer of config.init."
-          f"actor_checkpoint={checkpoint!r}: of its {len(ids['given'])} tokens, "
-          f"{len(shared)} are in the checkpoint's {own} and {len(moved)} of those have other "
-          f"ids{example}, so the model would read every prompt as other tokens; set "
-          f"config.init.tokenizer={own!r} (a tokenizer that extends the checkpoint's, keeping "
-          "its ids, is accepted)")
+          f"actor_checkpoint={checkpoint!r}: of the {len(ids['given'])} pieces of its "
+          f"vocabulary, {len(shared)} are in the checkpoint's {own} and {len(moved)} of those "
+          f"have other ids{example}, so the model would read every prompt as other tokens; "
+          f"set config.init.tokenizer={own!r} (a tokenizer that extends the checkpoint's, "
+          "keeping its ids, is accepted)")
+    # Special tokens that moved (Llama 3.1 renamed 3.0's reserved ones): the text reads the
+    # same, but a template or a stop id naming one of them would not.
+    specials = sorted(t for t in set(added["own"]) & set(added["given"])
+                      if added["own"][t] != added["given"][t])
+    if specials:
+      logging.warning("config.init.tokenizer=%r gives %d special token(s) other ids than "
+                      "config.init.actor_checkpoint's %s (e.g. %r: %d there, %d in the "
+                      "checkpoint's); the text vocabulary agrees", tokenizer_path, len(specials),
+                      own, specials[0], added["given"][specials[0]], added["own"][specials[0]])
   logging.warning("config.init.tokenizer=%r is not the tokenizer of config.init.actor_checkpoint="
                   "%r (%s differs; the tokens they share have the same ids): the run tokenises "
                   "with the former and exports it beside the trained weights", tokenizer_path,
@@ -319,7 +335,7 @@ def check_foreign_tokenizer(checkpoint: str, tokenizer_path: str) -> bool:
   return True
 
 
-def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
+def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer, log: bool = True) -> TrainConfig:
   """`cfg` with the tokenizer's vocabulary and the checkpoints' architectures (config.json
   only; no weights are read; the config's RUN_MODEL_FIELDS are kept): the config every later
   step sees. (The checkpoints' fingerprint is of the config as given, before this.)"""
@@ -353,7 +369,8 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer) -> TrainConfig:
   if cfg.init.critic_checkpoint and adv_lib.needs_critic(cfg.algo.estimator):
     cfg = dataclasses.replace(cfg, critic_model=checkpoint_config(
         cfg.init.critic_checkpoint, cfg.critic_model, "init.critic_checkpoint", head="scalar"))
-  log_architectures(cfg)
+  if log:  # (not for each plan a plan search checks)
+    log_architectures(cfg)
   return cfg
 
 

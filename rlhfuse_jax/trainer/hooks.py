@@ -13,6 +13,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -401,17 +402,19 @@ class Checkpoints(Hook):
       raise ValueError(
           f"this config differs from the one that wrote the checkpoints in "
           f"{self.checkpointer.directory} (iteration {meta.get('iteration')}) in fields that "
-          f"change the run: " + "; ".join(changes) + ". " + self._plan_file_note(changes) +
+          f"change the run: " + "; ".join(changes) + ". " +
+          self._plan_file_note(changes, meta.get("iteration")) +
           "Resume with the original values, "
           f"name the ones of {sorted(config_lib.RESUME_CHANGEABLE)} in "
           f"config.checkpoint.resume_changes to continue with the new values, or start a new "
           f"--workdir (fields a resume may change freely: "
           f"{', '.join(sorted(config_lib.RESUMABLE_FIELDS))})")
 
-  def _plan_file_note(self, changes: list[str]) -> str:
-    """What a refused resume adds when fields it lists are ones config.plan.file set (the user
-    never wrote async_ppo.generation_devices): the file changed since the checkpoints were
-    written, and where its original content is."""
+  def _plan_file_note(self, changes: list[str], iteration: Any = None) -> str:
+    """What a refused resume adds when fields it lists are ones config.plan.file sets (the user
+    never wrote async_ppo.generation_devices): that the checkpoints were written without a plan
+    file, or which of them the file's new content changed and where its content then is.
+    Fields the file sets alike then and now changed on the command line: not blamed on it."""
     path = getattr(getattr(self.cfg, "plan", None), "file", "")
     if not path:
       return ""
@@ -424,12 +427,46 @@ class Checkpoints(Hook):
             and self.fingerprint.get(n) == settings[tuple(n.split(".", 1))][0]]
     if not ours:
       return ""
-    saved = os.path.join(self.workdir, "config.json")
+    record, where = self._config_record(iteration)
+    if record is not None and "plan_file_content" not in record:
+      return (f"{', '.join(ours)} {'is' if len(ours) == 1 else 'are'} set by config.plan.file="
+              f"{path!r}, and the checkpoints were written without a plan file ({where}): "
+              "resume without it. ")
+    if record is not None:
+      try:
+        then = config_lib.plan_file_settings(record["plan_file_content"], path)
+      except (ValueError, KeyError, TypeError):
+        then = {}
+      ours = [n for n in ours if then.get(tuple(n.split(".", 1)), (None,))[0] !=
+              settings[tuple(n.split(".", 1))][0]]
+      if not ours:
+        return ""
+    saved = where or os.path.join(self.workdir, "config.json")
     return (f"{', '.join(ours)} {'is' if len(ours) == 1 else 'are'} set by config.plan.file="
             f"{path!r}, whose content differs from the plan file the checkpoints were written "
-            f"with: that one is saved in {saved} under \"plan_file_content\" (a later start's "
-            "in config.<iteration>.json); to resume, write it to a file and set config.plan.file "
-            "to it. ")
+            f"with: that one is saved in {saved} under \"plan_file_content\"; to resume, write "
+            "it to a file and set config.plan.file to it. ")
+
+  def _config_record(self, iteration: Any) -> tuple[Optional[dict], str]:
+    """(config.json of the start that wrote checkpoint `iteration`, its path): the newest
+    config.K.json (a start resumed at K) with K below it, else config.json; (None, '') when
+    none reads."""
+    found = []
+    for name in os.listdir(self.workdir) if os.path.isdir(self.workdir) else ():
+      m = re.fullmatch(r"config(?:\.(\d+)(?:\.\d+)?)?\.json", name)
+      if m and (m.group(1) is None or not isinstance(iteration, int) or
+                int(m.group(1)) < iteration):
+        found.append((int(m.group(1) or -1), name))
+    for _, name in sorted(found, reverse=True):
+      path = os.path.join(self.workdir, name)
+      try:
+        with open(path, encoding="utf-8") as f:
+          record = json.load(f)
+      except (OSError, ValueError):
+        continue
+      if isinstance(record, dict):
+        return record, path
+    return None, ""
 
   # ------------------------------------------------------------ restore and save
   def restore(self, step: Optional[int], template: dict, layout: str

@@ -94,7 +94,7 @@ class PlanCheck:
     d = {k: dict(v) if isinstance(v, dict) else v for k, v in self.config.items()}
     d["plan"] = {**d.get("plan", {}), "file": self.path}
     try:
-      cfg = build.resolve_config(TrainConfig.from_config_dict(d), self.tokenizer)
+      cfg = build.resolve_config(TrainConfig.from_config_dict(d), self.tokenizer, log=False)
       train_mesh, gen_mesh = async_lib.meshes(cfg, self.devices)
       validate(cfg, train_mesh, generation_devices=gen_mesh.devices.size)
     except ValueError as e:
