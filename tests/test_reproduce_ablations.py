@@ -78,3 +78,32 @@ def test_config_errors_name_the_field():
       ablations.AblationConfig.from_config_dict(c)
   cfg = ablations.AblationConfig.from_config_dict(cfg_mod.get_config())
   assert len(cfg.settings()) == 12 and cfg.systems == iteration_sim.SYSTEMS
+
+
+def test_a_calibration_of_another_model_or_machine_is_refused(tmp_path):
+  """config.calibration: calibrate_sim's file (a 0.1M-parameter model on 8 fake CPU devices)
+  timed a 13B/13B iteration on 64 H100s as 15.2 s instead of 6.2 s and reordered the systems,
+  silently. Ops measured on one model time that model only; fake CPU devices no accelerator."""
+  from configs import ablations as cfg_mod
+
+  def cost(cal):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"format": "rlhfuse_jax.sim.calibration/v1", "device": "test",
+                                **cal}))
+    c = cfg_mod.get_config()
+    c.pairs = "llama-13b/llama-13b"
+    c.calibration = str(path)
+    return ablations.cost_model(ablations.AblationConfig.from_config_dict(c))
+  step = {"decode_step": {"occupied_slots": [1, 4], "seconds": [0.01, 0.02]}}
+  with pytest.raises(ValueError, match=r"measured on devices that share one processor"):
+    cost({"devices_share_compute": True, "ops": step, "model_params": 106816})
+  with pytest.raises(ValueError, match=r"measured \['decode_step'\] on a model of 106,816 "
+                     r"parameters, and the simulated actors have 13,0"):
+    cost({"ops": step, "model_params": 106816})
+  with pytest.raises(ValueError, match=r"has measured \['decode_step'\] but no model_params"):
+    cost({"ops": step})
+  size = ablations.AblationConfig.from_config_dict(cfg_mod.get_config()).shape(
+      "llama-13b").num_params()
+  assert cost({"ops": step, "model_params": size}).cal.decode_step is not None
+  # Rates of bytes time any model.
+  assert cost({"ops": {"migration": {"bytes_per_s": 1e9}}}).cal.migration is not None

@@ -17,7 +17,7 @@ from rlhfuse_jax.sim import iteration_sim as it
 from rlhfuse_jax.sim import lengths as len_lib
 from rlhfuse_jax.sim import training_sim as train_lib
 from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
-from rlhfuse_jax.sim.hardware import get_hardware
+from rlhfuse_jax.sim.hardware import HARDWARE, get_hardware
 from rlhfuse_jax.sim.shapes import ModelShape, from_hf_config, get_shape
 
 
@@ -169,8 +169,42 @@ class AblationConfig:
     return out
 
 
+# Calibration ops measured on one model's executables: they time that model only. (decode_fit
+# is per layer and per FLOP, for any shape; migration and weight_load are rates of bytes.)
+MODEL_OPS = ("decode_step", "prefill", "inference", "train_stage")
+
+
+def check_calibration_fits(cal: cal_lib.Calibration, cfg: AblationConfig) -> None:
+  """A ValueError when config.calibration cannot time this simulation: it was measured on
+  devices that share one processor (fake CPU devices) while config.hardware is an accelerator,
+  or its model-specific ops (MODEL_OPS) come from a model of another size than every actor
+  simulated (more than 10 % apart). calibrate_sim's file (a 0.1M-parameter model on 8 fake CPU
+  devices) turned a 13B/13B iteration on 64 H100s from 6.2 s into 15.2 s and reordered the
+  systems, without a word."""
+  where = f"config.calibration={cfg.calibration!r} ({cal.device})"
+  if cal.devices_share_compute and cfg.hardware in HARDWARE:  # (a file may describe a host)
+    raise ValueError(f"{where} was measured on devices that share one processor (fake CPU "
+                     f"devices): it cannot time config.hardware={cfg.hardware!r}'s devices")
+  ops = [op for op in MODEL_OPS if getattr(cal, op) is not None]
+  if not ops:
+    return
+  sizes = sorted({cfg.shape(a).num_params() for a, _ in cfg.pairs})
+  if cal.model_params is None:
+    raise ValueError(f"{where} has measured {ops} but no model_params: those times are one "
+                     "model's; give the measured model's parameter count (model_params) so "
+                     "that it is compared with the simulated ones")
+  if not any(abs(cal.model_params / n - 1) <= 0.1 for n in sizes):
+    raise ValueError(
+        f"{where} measured {ops} on a model of {cal.model_params:,} parameters, and the "
+        f"simulated actors have {', '.join(f'{n:,}' for n in sizes)}: those times are that "
+        "model's own (a decode_fit, per layer and per FLOP, times any shape: "
+        "reproduce_ablations --config.validate.bench_decode_workdir=... writes one)")
+
+
 def cost_model(cfg: AblationConfig) -> CostModel:
   cal = cal_lib.load(cfg.calibration) if cfg.calibration else None
+  if cal is not None:
+    check_calibration_fits(cal, cfg)
   return CostModel(get_hardware(cfg.hardware), cfg.efficiency, cal)
 
 
