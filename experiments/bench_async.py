@@ -46,6 +46,7 @@ from experiments import config_files  # noqa: E402
 from experiments import runner  # noqa: E402
 from rlhfuse_jax import workdir as wd  # noqa: E402
 from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices  # noqa: E402
+from rlhfuse_jax.trainer import config as config_lib  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
@@ -72,6 +73,9 @@ def check_config(c) -> None:
   config_files.check_int("num_iterations", c.num_iterations, 0, "0: each run config's own")
   _check(0 <= c.generation_devices < c.host_devices, "generation_devices", c.generation_devices,
          f"0 or fewer than host_devices={c.host_devices}")
+  # (Each run refused it after starting jax: 18 launches of the default config.)
+  _check(c.objective in config_lib.ASYNC_OBJECTIVES, "objective", c.objective,
+         f"one of {config_lib.ASYNC_OBJECTIVES}")
 
 
 def run_name(config: str, staleness: int, seed: int) -> str:
@@ -205,6 +209,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   c, out = _CONFIG.value, _WORKDIR.value
   check_config(c)
+  # Another binary's outputs (a plan_check's config.json and result.json were replaced).
+  wd.refuse_foreign_result(out, "bench_async")
   os.makedirs(out, exist_ok=True)
   check_reuse(os.path.join(out, "config.json"), c.to_dict())
   iterations = {r: run_iterations(c.num_iterations, r) for r in c.runs}  # None: unreadable

@@ -140,6 +140,14 @@ def check_inputs(c) -> None:
     raise ValueError(f"config.lengths: {e}") from None
   if not c.generation.get("pipeline_stages"):
     fused_config(c, jax.device_count())  # e.g. generation.slots=0, named by its field
+  # The sampling settings (a temperature of -1 moved the earlier outputs aside, then failed)
+  # and the warm-up count (-1 ran none: the first timed batch compiled, its ratio 0.32 vs 0.81).
+  try:
+    SamplingConfig(temperature=g.temperature, max_new_tokens=g.max_new_tokens, eos_id=-1,
+                   pad_id=0, chunk_size=g.chunk_size)
+  except ValueError as e:
+    raise ValueError(f"config.generation: {e}") from None
+  config_files.check_int("warmup", c.warmup, 0)
 
 
 def summarize(out: fused_lib.FusedOutput, wall_s: float) -> dict:

@@ -53,12 +53,15 @@ def test_bad_batch_inputs_fail_before_the_earlier_results_move_or_anything_compi
             f"config.lengths: lengths file '{tmp_path / 'nope.jsonl'}' does not exist"),
            ({"lengths.kind": "empirical", "lengths.path": str(tmp_path / "bad.jsonl")},
             f"config.lengths: {tmp_path / 'bad.jsonl'}:2: malformed JSON line"),
-           ({"generation.slots": 0}, "config.generation.slots=0: expected an integer >= 1")]
+           ({"generation.slots": 0}, "config.generation.slots=0: expected an integer >= 1"),
+           # (these moved the earlier outputs aside, or ran no warm-up and timed the compiles)
+           ({"generation.temperature": -1.0}, "config.generation: sampling.temperature=-1.0"),
+           ({"warmup": -1}, "config.warmup=-1: expected an integer >= 0")]
   for overrides, message in cases:
     c = bench_config.get_config("tiny")
     for key, value in overrides.items():
-      section, field = key.split(".")
-      c[section][field] = value
+      *section, field = key.split(".")
+      (c[section[0]] if section else c)[field] = value
     try:
       bench_generation.run_and_write(c, str(tmp_path))
       raise AssertionError(f"{overrides}: no error")

@@ -328,6 +328,21 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
               f"--workdir={tmp_path / 'new'}", "--config.num_iterations=-5"])
   assert bad.returncode == 1 and "config.num_iterations=-5: expected an integer >= 0" in \
       bad.stderr, bad.stderr[-3000:]
+  # An objective every run would refuse after starting jax (18 launches), refused first.
+  bad = _run(["experiments.bench_async", "--config=configs/bench_async.py",
+              f"--workdir={tmp_path / 'new'}", "--config.objective=foo"])
+  assert bad.returncode == 1 and "config.objective='foo': expected one of" in bad.stderr, \
+      bad.stderr[-3000:]
+  # Another binary's workdir: its config.json and result.json were replaced without a word.
+  other = tmp_path / "plan"
+  other.mkdir()
+  (other / "result.json").write_text(json.dumps(
+      {"provenance": {"command": "python -m experiments.plan_check --config=x"}}))
+  bad = _run(["experiments.bench_async", "--config=configs/bench_async.py",
+              f"--workdir={other}"])
+  assert bad.returncode == 1 and "holds the outputs of experiments.plan_check" in bad.stderr, \
+      bad.stderr[-3000:]
+  assert set(os.listdir(other)) <= {"result.json", "traceback.txt"}  # nothing written over
   assert not (tmp_path / "new").exists()
 
 
