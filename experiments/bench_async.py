@@ -236,6 +236,9 @@ def main(argv):
     cmd = runner.build_command("train_ppo", config, run_dir, overrides, [])
     logging.info("%s: %s", name, " ".join(cmd[1:]))
     rc = runner.run_streamed(cmd, run_dir, name, env)
+    if rc == 75:  # stopped by a signal after saving: not a failure
+      logging.warning("%s stopped after saving (exit 75): the same command resumes it", name)
+      return None
     if rc != 0:  # the other runs go on; this config gets no figures (below)
       logging.error("%s failed (exit %d); its log: %s/log.txt", name, rc, run_dir)
       return None

@@ -16,8 +16,11 @@ import inspect
 import os
 import re
 import socket
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
@@ -322,6 +325,52 @@ def _exit_now_if_peers(print_first: str = "") -> None:
   exit_now(1)
 
 
+_SIGNALLED: list = []  # the runs the SIGTERM handler passed the signal on to
+
+
+class Terminated(BaseException):
+  """SIGTERM to a binary that has no handler of its own (the one-shot binaries): raised in the
+  main thread, so that `run` ends it with one line and status 143 (it died at once, silently,
+  its earlier outputs already moved aside)."""
+
+
+def _raise_on_sigterm() -> None:
+  """Installs the SIGTERM handler that raises Terminated, where SIGTERM has the default action
+  (a binary's own handler, installed later, replaces it)."""
+  if (threading.current_thread() is threading.main_thread() and
+      signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+    def handler(signum, frame):
+      del frame
+      # The runs this process has going first (bench_async's, in threads the Terminated below
+      # does not reach: leaving, it would wait for them to finish training).
+      for proc in runner.live_runs():
+        if proc.poll() is None:
+          proc.send_signal(signum)
+          _SIGNALLED.append(proc)
+      raise Terminated()
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _stop_runs(sig: Optional[int], timeout_s: float = 600.0) -> int:
+  """Passes `sig` (None: the Ctrl-C reached them already, they share the process group) on to
+  the runs runner.run_streamed has going and waits for them to save and end (a second Ctrl-C:
+  at once, killing them); returns how many there were."""
+  live = runner.live_runs()
+  if not live:
+    return 0
+  logging.warning("waiting for %d run(s) to save and end (Ctrl-C again: at once)", len(live))
+  try:
+    for proc in live:
+      if sig is not None and proc.poll() is None:
+        proc.send_signal(sig)
+    for proc in live:
+      proc.wait(timeout=timeout_s)
+  except (KeyboardInterrupt, Terminated, subprocess.TimeoutExpired):
+    for proc in live:
+      proc.kill()
+  return len(live)
+
+
 def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
         traceback_in_workdir: bool = True) -> Any:
   """`app.run(main)` with `parse_flags`, and a USER_ERRORS exception that ends `main` (this
@@ -335,8 +384,21 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
   def guarded(args):
     metrics_lib.quiet_library_logs()
     runner.note_start()  # when, from which commit and by which command: read before the run
+    _raise_on_sigterm()
     try:
       return main(args)
+    except (KeyboardInterrupt, Terminated) as e:
+      # One line, not a traceback through jax's compiler (once a segfault at exit, 139); a
+      # binary with handlers of its own (train_ppo, the sweep) ends its own way first.
+      term = isinstance(e, Terminated)
+      runs = _stop_runs(signal.SIGTERM if term else None) + len(_SIGNALLED)
+      moved = wd.MOVED_ASIDE[0] if wd.MOVED_ASIDE else ""
+      logging.error("%s: stopped before it finished; nothing more is written%s%s",
+                    "SIGTERM" if term else "interrupted",
+                    f"; its {runs} run(s) saved and ended (the same command resumes them)"
+                    if runs else "",
+                    f" (the earlier run's outputs are in {moved})" if moved else "")
+      exit_now(75 if runs and term else 143 if term else 130)
     except USER_ERRORS as e:
       if os.environ.get(TRACEBACK_ENV, "").lower() not in ("", "0", "false", "no", "off"):
         _exit_now_if_peers(traceback.format_exc())

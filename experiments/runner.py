@@ -15,6 +15,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -209,6 +210,29 @@ def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
   proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
                           env={**env, LOG_KEPT_ENV: "1"})
+  with _LIVE_LOCK:
+    LIVE.add(proc)
+  try:
+    return _stream(proc, cmd, run_dir, name, started)
+  finally:
+    with _LIVE_LOCK:
+      LIVE.discard(proc)
+
+
+# The runs run_streamed has going, from any thread (bench_async runs several at once): an
+# interrupted binary passes SIGTERM on to them and waits for them (config_files.run); they
+# were left running alone, unlogged, holding their workdirs.
+LIVE: set = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def live_runs() -> list:
+  with _LIVE_LOCK:
+    return list(LIVE)
+
+
+def _stream(proc, cmd: Sequence[str], run_dir: str, name: str,
+            started: Optional[Callable[[subprocess.Popen], None]]) -> int:
   if started is not None:
     started(proc)
   os.makedirs(run_dir, exist_ok=True)

@@ -13,7 +13,6 @@ Launch commands: see configs/schedule_search.py.
 from __future__ import annotations
 
 import os
-import signal
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -107,16 +106,11 @@ def summary(result: dict, workdir: str) -> str:
           f"wrote {workdir}")
 
 
-def _exit_on_sigterm(signum, frame):
-  # SIGTERM's default ends this process at once and leaves the search's worker processes
-  # (config.workers) running to the end of their budget, holding the output a sweep reads; as
-  # an exception, the search's `finally` terminates them first. The status is a SIGTERM death's.
-  raise SystemExit(128 + signum)
-
-
 def main(argv):
+  # SIGTERM (config_files.run's handler) ends the search as an exception: its `finally`
+  # terminates the worker processes (config.workers) first, which SIGTERM's default left
+  # running to the end of their budget, holding the output a sweep reads.
   del argv
-  signal.signal(signal.SIGTERM, _exit_on_sigterm)
   run(_CONFIG.value, _WORKDIR.value)
 
 

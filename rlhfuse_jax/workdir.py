@@ -208,8 +208,13 @@ def start_outputs(workdir: str, config: Any, outputs: tuple[str, ...],
         shutil.copy2(os.path.join(workdir, n), os.path.join(dest, n))
     logging.info("moved the earlier run's outputs in %s (%s) to %s", workdir,
                  ", ".join(names), dest)
+  MOVED_ASIDE[:] = [dest] if dest else []
   write_config(workdir, config)
   return dest
+
+
+# Where this process's start_outputs put the earlier outputs (said when the run is interrupted).
+MOVED_ASIDE: list[str] = []
 
 
 def set_aside_earlier_start(workdir: str) -> Optional[str]:

@@ -299,9 +299,11 @@ def test_sigterm_to_the_sweep_stops_its_run_and_the_sweep(tmp_path, sig):
     assert sweep.returncode == 75, err[-3000:]
     assert "stopped after 1 run(s)" in err
     assert rows[0]["status"] == "stopped (exit 143: signal 15)", rows
-  else:  # schedule_search ends as Python does on a KeyboardInterrupt
+  else:  # schedule_search ends with one line and 130 (config_files.run), not a traceback
     assert sweep.returncode == 130, err[-3000:]
-    assert rows[0]["status"] == f"interrupted (exit {-signal.SIGINT})", rows
+    assert rows[0]["status"] == "interrupted (exit 130)", rows
+    log = (tmp_path / "sw" / "long" / "log.txt").read_text()
+    assert "interrupted: stopped before it finished" in log and "Traceback" not in log, log
     assert rows[0]["wall_s"] < 60
   assert not (tmp_path / "sw" / "never").exists()
   # schedule_search's worker processes ended with it (they held the output the sweep reads).
@@ -743,3 +745,59 @@ def test_a_sweep_over_seeds_reports_each_settings_mean_and_spread(tmp_path):
       ["lr", "r/mean", "r/std", "runs", "seeds"]]
   assert runner.seed_groups(same[:1] + [{**same[1], "seed": "4", "status": "failed (exit 1)"}],
                             ["lr", "seed"]) == []
+
+
+def _wait_for(path, text, proc, timeout=180):
+  deadline = time.time() + timeout
+  while not (os.path.exists(path) and text in open(path, errors="replace").read()):
+    assert proc.poll() is None and time.time() < deadline, proc.poll()
+    time.sleep(0.2)
+
+
+def test_sigterm_ends_a_one_shot_binary_in_one_line_and_bench_async_passes_it_on(tmp_path):
+  """SIGTERM to a binary without handlers of its own killed it silently (143), its earlier
+  outputs already moved aside; bench_async died alone, its train_ppo run left training with
+  parent 1, unlogged, holding its workdir. Now: one line naming where the earlier outputs went;
+  bench_async passes SIGTERM on, waits for its runs to save and exits 75 (the same command
+  resumes them)."""
+  work = tmp_path / "ss"
+  work.mkdir()
+  (work / "result.json").write_text(json.dumps(
+      {"provenance": {"command": "python -m experiments.schedule_search"}}))
+  with subprocess.Popen([sys.executable, "-m", "experiments.schedule_search",
+                         "--config=configs/schedule_search.py", f"--workdir={work}",
+                         "--config.time_budget_s=120"], cwd=REPO, env=_env(),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    try:
+      lines = []
+      for line in proc.stdout:  # until the search runs
+        lines.append(line)
+        if "phase 1/2" in line:
+          break
+      proc.send_signal(signal.SIGTERM)
+      out = "".join(lines) + proc.communicate(timeout=60)[0]
+    finally:
+      proc.kill()
+  assert proc.returncode == 143, out[-3000:]
+  assert (f"SIGTERM: stopped before it finished; nothing more is written (the earlier run's "
+          f"outputs are in {work / 'previous' / '1'})") in out and "Traceback" not in out, out
+  run = tmp_path / "ba"
+  with subprocess.Popen([sys.executable, "-m", "experiments.bench_async",
+                         "--config=configs/bench_async.py", f"--workdir={run}",
+                         "--config.runs=configs/ppo_tiny.py", "--config.staleness=0,1",
+                         "--config.seeds=0,", "--config.num_iterations=400",
+                         "--config.parallel=1"], cwd=REPO, env=_env(),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    try:
+      _wait_for(run / "ppo_tiny_s0_seed0" / "log.txt", "iter ", proc)
+      proc.send_signal(signal.SIGTERM)
+      out = proc.communicate(timeout=120)[0]
+    finally:
+      proc.kill()
+  assert proc.returncode == 75, out[-3000:]
+  assert "its 1 run(s) saved and ended (the same command resumes them)" in out, out[-3000:]
+  assert "ppo_tiny_s0_seed0 stopped after saving (exit 75)" in out, out[-3000:]
+  # The run saved and ended with it: no process of it is left.
+  assert os.path.isdir(run / "ppo_tiny_s0_seed0" / "checkpoints")
+  ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+  assert str(run) not in ps, ps
