@@ -46,11 +46,23 @@ def parse_lengths(text: str) -> list[int]:
   return lengths
 
 
-def measure(c) -> dict:
+def check_config(c) -> tuple[list[int], llama.ModelConfig]:
+  """(the lengths, the model) of config `c`; a ValueError naming the field first (checked before
+  the earlier outputs move aside: a typo left the workdir holding only the failed run's config,
+  the good result in previous/<n>)."""
   config_files.check_ints(c, ("batch", "repeats"))
   config_files.check_ints(c, ("warmup",), minimum=0)
   lengths = parse_lengths(c.lengths)
-  cfg = llama.ModelConfig(**c.model.to_dict(), max_seq_len=max(lengths), attention="blockwise")
+  try:
+    cfg = llama.ModelConfig(**c.model.to_dict(), max_seq_len=max(lengths),
+                            attention="blockwise")
+  except ValueError as e:
+    raise ValueError(f"config.model: {e}") from None
+  return lengths, cfg
+
+
+def measure(c) -> dict:
+  lengths, cfg = check_config(c)
   params = jax.tree.map(jnp.asarray, llama.host_random_params(cfg, c.seed))
   rows = []
   for length in lengths:
@@ -101,6 +113,7 @@ def measure(c) -> dict:
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
+  check_config(_CONFIG.value)
   wd.start_outputs(_WORKDIR.value, _CONFIG.value, ("result.json",))
   result = measure(_CONFIG.value)
   runner.write_result(_WORKDIR.value, result)

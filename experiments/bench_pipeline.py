@@ -91,11 +91,12 @@ class BenchPipelineConfig:
     for name in ("actor_pp", "critic_pp", "data", "actor_microbatches", "critic_microbatches",
                  "minibatch_size", "prompt_len", "response_len", "repeats", "calib_ticks"):
       if getattr(self, name) < 1:
-        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        raise ValueError(f"config.{name}={getattr(self, name)} must be >= 1")
     if self.warmup < 0:
-      raise ValueError(f"warmup={self.warmup} must be >= 0")
-    if not self.bwd_ratio > 0 or not self.search_time_s > 0:
-      raise ValueError("bwd_ratio and search_time_s must be > 0")
+      raise ValueError(f"config.warmup={self.warmup} must be >= 0")
+    for name in ("bwd_ratio", "search_time_s"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"config.{name}={getattr(self, name)!r} must be > 0")
 
   @classmethod
   def from_config_dict(cls, c: Any) -> "BenchPipelineConfig":
@@ -441,10 +442,27 @@ def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
   return result
 
 
+def check_run(cfg: BenchPipelineConfig) -> None:
+  """What `run` needs of the config and the machine, checked before the earlier outputs move
+  aside (a critic_pp, device count, mini-batch or layer count it refused moved a 135 s result to
+  previous/<n> first, some 25 s in)."""
+  cfg.problem()
+  need, have = cfg.data * cfg.actor_pp, jax.device_count()
+  if need > have:
+    raise ValueError(f"config.data={cfg.data} x config.actor_pp={cfg.actor_pp} = {need} devices, "
+                     f"but jax sees {have} (bench_pipeline runs one pipeline per data replica)")
+  if cfg.minibatch_size % cfg.data:
+    raise ValueError(f"config.minibatch_size={cfg.minibatch_size} must be divisible by "
+                     f"config.data={cfg.data} (each replica takes an equal share)")
+  stages.check_split(cfg.actor, cfg.actor_pp, "config.actor")
+  stages.check_split(cfg.critic, cfg.critic_pp, "config.critic")
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   cfg = BenchPipelineConfig.from_config_dict(_CONFIG.value)
+  check_run(cfg)
   wd.start_outputs(_WORKDIR.value, _CONFIG.value,
                    ("result.json", "schedules.json", "calibration.json"))
   run(cfg, _WORKDIR.value)

@@ -127,6 +127,11 @@ def main(argv):
   cfg = ablations.AblationConfig.from_config_dict(_CONFIG.value)
   for name in ("bench_generation", "bench_pipeline", "bench_decode"):
     check_bench_workdir(name, getattr(cfg, f"{name}_workdir"))
+  # The calibration files read and checked before the earlier outputs move aside (a malformed
+  # one, or one of another model, left the workdir without its result).
+  ablations.cost_model(cfg)
+  if cfg.validation_calibration:
+    cal_lib.load(cfg.validation_calibration)
   workdir = _WORKDIR.value
   # schedule_cache.json is not an output: the searches it holds are reused on a re-run.
   wd.start_outputs(workdir, _CONFIG.value, (
