@@ -575,7 +575,8 @@ def run(cfg: BenchDecodeConfig, workdir: str) -> dict:
   runner.write_result(workdir, result)
   cal = calibration_file(result)
   calibration.from_dict(cal, "bench_decode")  # what we write must load
-  wd.write_json(os.path.join(workdir, "calibration.json"), cal)
+  wd.write_json(os.path.join(workdir, "calibration.json"),
+                {**cal, "provenance": runner.provenance()})
   plot(result, os.path.join(workdir, "bench_decode.png"))
   return result
 

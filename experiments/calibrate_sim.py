@@ -25,6 +25,7 @@ from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from experiments import config_files  # noqa: E402
+from experiments import runner  # noqa: E402
 from rlhfuse_jax import workdir as wd  # noqa: E402
 from rlhfuse_jax.generation import engine  # noqa: E402
 from rlhfuse_jax.generation.measure import median_s  # noqa: E402
@@ -141,7 +142,7 @@ def main(argv):
   cal = measure(c)
   calibration.from_dict(cal, "measured")  # what we write must load
   path = os.path.join(_WORKDIR.value, "calibration.json")
-  wd.write_json(path, cal)
+  wd.write_json(path, {**cal, "provenance": runner.provenance()})
   logging.info("wrote %s: %s", path, cal["ops"])
 
 

@@ -205,6 +205,10 @@ def test_calibrate_sim_writes_what_the_cost_model_reads(tmp_path):
   raw = json.loads((tmp_path / "calibration.json").read_text())
   cal = calibration.load(str(tmp_path / "calibration.json"))
   assert cal.devices_share_compute is True and "calibrate_sim" in cal.device
+  # Where and when (it said only "cpu x8", the fake devices): the writer's provenance.
+  measured = cal.describe()["measured"]
+  assert set(measured) == {"date", "git_commit", "host_cpu", "jax"}, measured
+  assert calibration.to_dict(cal)["provenance"] == raw["provenance"]
   ops = raw["ops"]
   assert ops["decode_step"]["occupied_slots"] == [1, 8]
   cost = CostModel(get_hardware("h100_sxm"), calibration=cal)

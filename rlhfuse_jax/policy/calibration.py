@@ -75,7 +75,7 @@ _RATE_OPS = {"prefill": ("tokens_per_s", "overhead_s"),
 _OPS = ("decode_step", "decode_fit", "train_stage", "pipeline_executor") + tuple(_RATE_OPS)
 _FIT_KEYS = ("step_s", "layer_s", "mfu", "bw_eff")
 _TOP = ("format", "device", "model_params", "instance_devices", "devices_share_compute",
-        "parallel_tasks", "ops", "notes")
+        "parallel_tasks", "ops", "notes", "provenance")
 _TRAIN_SCALARS = ("actor_fwd_s", "critic_fwd_s", "bwd_over_fwd", "actor_bwd_s", "critic_bwd_s")
 _TRAIN_LISTS = ("actor_fwd_per_stage_s", "actor_bwd_per_stage_s", "critic_fwd_per_stage_s",
                 "critic_bwd_per_stage_s")
@@ -170,10 +170,16 @@ class Calibration:
   inference: Optional[Rate] = None
   migration: Optional[Rate] = None
   weight_load: Optional[Rate] = None
+  # Where and when it was measured (the writing binary's result provenance: date, commit,
+  # command, host processor, jax and its devices); None in a hand-written or older file.
+  provenance: Optional[dict] = None
 
   def describe(self) -> dict:
     out = {"path": self.path, "device": self.device,
            "devices_share_compute": self.devices_share_compute}
+    if self.provenance:
+      out["measured"] = {k: self.provenance.get(k) for k in (
+          "date", "git_commit", "host_cpu", "jax") if self.provenance.get(k)}
     if self.parallel_tasks is not None:
       out["parallel_tasks"] = self.parallel_tasks
     for name in _OPS:
@@ -272,16 +278,19 @@ def from_dict(obj: dict, path: str = "<dict>") -> Calibration:
   idev = top.get("instance_devices")
   if idev is not None and not (isinstance(idev, int) and idev > 0):
     raise _err(path, f"instance_devices={idev!r} must be a positive int")
+  prov = top.get("provenance")
+  if prov is not None and not isinstance(prov, dict):
+    raise _err(path, f"provenance={prov!r} must be an object")
   return Calibration(device=str(top["device"]), path=path, model_params=mp,
                      instance_devices=idev, devices_share_compute=share,
-                     parallel_tasks=par, **kw)
+                     parallel_tasks=par, provenance=prov, **kw)
 
 
 def to_dict(cal: Calibration) -> dict:
   """The file form of a Calibration (from_dict(to_dict(c)) == c up to `path`)."""
   top: dict[str, Any] = {"format": FORMAT, "device": cal.device,
                          "devices_share_compute": cal.devices_share_compute}
-  for k in ("model_params", "instance_devices", "parallel_tasks"):
+  for k in ("model_params", "instance_devices", "parallel_tasks", "provenance"):
     if getattr(cal, k) is not None:
       top[k] = getattr(cal, k)
   ops: dict[str, Any] = {}
