@@ -223,7 +223,9 @@ def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
 # interrupted binary passes SIGTERM on to them and waits for them (config_files.run); they
 # were left running alone, unlogged, holding their workdirs.
 LIVE: set = set()
-_LIVE_LOCK = threading.Lock()
+# Re-entrant: the SIGTERM handler (config_files) reads LIVE in the main thread, which may hold
+# the lock when the signal comes (run_streamed called there).
+_LIVE_LOCK = threading.RLock()
 
 
 def live_runs() -> list:
