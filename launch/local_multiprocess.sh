@@ -22,6 +22,7 @@ fi
 BINARY=${BINARY:-train_ppo}
 if [[ "$BINARY" == train_ppo ]]; then DEFAULT_CONFIG=configs/ppo_tiny.py
 else DEFAULT_CONFIG="configs/$BINARY.py"; fi
+PORT_GIVEN=${PORT:-}
 PORT=${PORT:-$((20000 + RANDOM % 20000))}
 # Paths the caller gave relative to where it runs (the workdir, a config file, an interpreter
 # such as .venv/bin/python) made absolute before the cd below; a config that is not a file here
@@ -42,6 +43,22 @@ fi
 FLAGS="$("${PYTHON:-python}" -c 'import sys
 from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
 print(xla_flags_with_host_devices(int(sys.argv[1])))' "$D")"
+# The coordinator's port, free: a busy one failed process 0 with jax's "Failed to start RPC
+# server" (naming no port) while the others waited 5 minutes in jax.distributed.initialize, then
+# aborted. A random port is drawn again; a PORT the caller gave is refused at once.
+port_free() { "${PYTHON:-python}" -c 'import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("", int(sys.argv[1])))' "$1" 2>/dev/null; }
+for ((try = 0; try < 20; try++)); do
+  if port_free "$PORT"; then break; fi
+  if [[ -n "$PORT_GIVEN" ]]; then
+    echo "PORT=$PORT: the port is in use (another run's coordinator, or another program);" \
+      "give another PORT, or leave it unset for a random free one" >&2
+    exit 2
+  fi
+  PORT=$((20000 + RANDOM % 20000))
+done
 mkdir -p "$(dirname "${WORKDIR%/}")"
 # A run holding the workdir (its .lock, flock'd): refused here, before anything is appended to
 # that run's logs (the processes would refuse it too, after writing into them).

@@ -3,6 +3,7 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -47,6 +48,23 @@ def test_the_launcher_passes_the_callers_flags_to_every_process(tmp_path):
     log = pathlib.Path(f"{wd}.proc{i}.log").read_text()
     assert f"XLA_FLAGS=--xla_a=1 READM* {COUNT}=3 ARGS=-m experiments.train_ppo" in log, log
     assert f"--process_id={i}" in log, log
+
+
+def test_the_launcher_refuses_a_port_in_use_at_once(tmp_path):
+  """A PORT in use: process 0 failed with jax's "Failed to start RPC server" and the others
+  waited 5 minutes in jax.distributed.initialize, then aborted. Refused before any process
+  starts, naming the port."""
+  fake = _stand_in(tmp_path / "python", 'echo started')
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "1", str(tmp_path / "wd")],
+                         cwd=REPO, env=dict(os.environ, PYTHON=str(fake), PORT=str(port)),
+                         capture_output=True, text=True, timeout=60)
+  assert out.returncode == 2, (out.stdout, out.stderr)
+  assert f"PORT={port}: the port is in use" in out.stderr, out.stderr
+  assert not (tmp_path / "wd.proc0.log").exists()
 
 
 def test_the_launcher_reads_relative_paths_where_it_was_started(tmp_path):

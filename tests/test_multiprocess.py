@@ -334,6 +334,13 @@ def test_slurm_one_task_per_node_sees_every_gpu_of_its_node(monkeypatch):
                      r"coordinator_address should be defined\.\): .* give every process "
                      r"--coordinator_address=HOST:PORT --num_processes=N --process_id=i"):
     distributed.initialize()
+  # Process 0 on a port in use: jax's bare "Failed to start RPC server" names no port.
+  def busy(**kw):
+    raise jax.errors.JaxRuntimeError("UNKNOWN: Failed to start RPC server")
+  monkeypatch.setattr(jax.distributed, "initialize", busy)
+  with pytest.raises(ValueError, match=r"could not start jax's coordination service at "
+                     r"127\.0\.0\.1:29999 .*the port is most likely in use.*PORT="):
+    distributed.initialize("127.0.0.1:29999", 2, 0)
 
 
 def test_processes_that_read_different_checkpoints_stop_naming_each(monkeypatch):

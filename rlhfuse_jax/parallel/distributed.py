@@ -73,6 +73,16 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
                      "pods and Open MPI; elsewhere give every process --coordinator_address="
                      "HOST:PORT --num_processes=N --process_id=i (launch/local_multiprocess.sh "
                      "does on one machine)") from e
+  except jax.errors.JaxRuntimeError as e:
+    if "Failed to start RPC server" not in str(e):
+      raise
+    # Process 0 could not listen on the coordinator's port; the others then wait for it in this
+    # call until jax's initialization timeout (5 minutes) and abort.
+    address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or "?"
+    raise ValueError(f"--distributed: process 0 could not start jax's coordination service at "
+                     f"{address} ({e}): the port is most likely in use (another run's "
+                     "coordinator, or another program); choose another port for every process "
+                     "(--coordinator_address; PORT= for launch/local_multiprocess.sh)") from e
   reclaim_sigterm()
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
