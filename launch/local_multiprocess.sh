@@ -19,6 +19,18 @@ if ! [[ "$N" =~ ^[1-9][0-9]*$ && "$D" =~ ^[1-9][0-9]*$ ]]; then
   echo "N=$N D=$D: expected the number of processes and the devices per process, both >= 1" >&2
   exit 2
 fi
+# Flags the launcher sets itself: a second --config made absl fail every process with "The flag
+# 'config.num_iterations' is defined twice", naming neither --config nor CONFIG.
+for arg in "$@"; do
+  case "$arg" in
+    --config | --config=* | --workdir | --workdir=* | --distributed | --nodistributed | \
+    --coordinator_address* | --num_processes* | --process_id*)
+      echo "${arg%%=*}: the launcher sets it for every process: --config from CONFIG=..." \
+        "(e.g. CONFIG=configs/ppo_tiny.py:fused), --workdir from WORKDIR, --coordinator_address" \
+        "from PORT=..., --num_processes from N, and --distributed and --process_id" >&2
+      exit 2;;
+  esac
+done
 BINARY=${BINARY:-train_ppo}
 if [[ "$BINARY" == train_ppo ]]; then DEFAULT_CONFIG=configs/ppo_tiny.py
 else DEFAULT_CONFIG="configs/$BINARY.py"; fi

@@ -67,6 +67,26 @@ def test_the_launcher_refuses_a_port_in_use_at_once(tmp_path):
   assert not (tmp_path / "wd.proc0.log").exists()
 
 
+def test_the_launcher_refuses_the_flags_it_sets_itself(tmp_path):
+  """--config among the extra flags (as a plain run is given it) failed every process in absl
+  with "The flag 'config.num_iterations' is defined twice", naming neither flag nor CONFIG.
+  A --config.<field> override still passes."""
+  fake = _stand_in(tmp_path / "python", 'echo "ARGS=$*"')
+  env = dict(os.environ, PYTHON=str(fake))
+  wd = str(tmp_path / "wd")
+  for flag in ("--config=configs/ppo_tiny.py:fused", "--workdir=/tmp/x", "--process_id=1"):
+    out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "1", wd,
+                          "--config.num_iterations=3", flag], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, (flag, out.stdout, out.stderr)
+    assert f"{flag.split('=')[0]}: the launcher sets it for every process" in out.stderr
+    assert "CONFIG=..." in out.stderr and not os.path.exists(f"{wd}.proc0.log")
+  out = subprocess.run(["bash", "launch/local_multiprocess.sh", "1", "1", wd,
+                        "--config.num_iterations=3"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=60)
+  assert out.returncode == 0 and "--config.num_iterations=3" in open(f"{wd}.proc0.log").read()
+
+
 def test_the_launcher_reads_relative_paths_where_it_was_started(tmp_path):
   """A relative workdir, config file and interpreter are the caller's, not the repository's
   (the launcher runs from the repository root): the logs landed inside the repository, and a
