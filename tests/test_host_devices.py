@@ -168,12 +168,17 @@ def test_the_launcher_exits_with_a_failure_rather_than_a_clean_stop(tmp_path):
 def test_the_same_error_on_every_process_is_shown_once(tmp_path):
   """Every process refusing the same bad input (a batch that does not divide over the data
   axes): the error and its log's end are shown for the first to end, the others name it. (3
-  processes printed three 15-line tails; which ends first is up to the scheduler.)"""
+  processes printed three 15-line tails; which ends first is up to the scheduler. Process 0's
+  note that it exits in 10 s is not its cause.)"""
   fake = _stand_in(tmp_path / "python", 'for a in "$@"; do [[ $a == --process_id=* ]] && '
                    'i=${a#--process_id=}; done\n'
                    'echo "E1201 06:00:0$i.000 10$i validate.py:114] ValueError: config.batch=64 '
                    'must be a multiple of 6"; for k in $(seq 20); do echo "  frame $k of $i"; '
-                   'done; exit 1')
+                   'done\n'
+                   # process 0's last error line, after its own (config_files.exit_now): it was
+                   # taken for its cause, so the others' same error was shown again
+                   '[[ $i == 0 ]] && echo "E1201 06:00:09.000 100 config_files.py:321] process 0 '
+                   'exits in 10 s (the others that fail too report their errors first)"; exit 1')
   out = subprocess.run(["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "3", "1",
                         str(tmp_path / "run")], cwd=REPO, env=dict(os.environ, PYTHON=str(fake),
                         FOLLOW="0"), capture_output=True, text=True, timeout=60)
