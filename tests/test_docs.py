@@ -380,3 +380,17 @@ def test_the_objective_row_names_every_registered_estimator_and_aggregation():
   for registry in (advantages.ADVANTAGE_ESTIMATORS, kl.KL_ESTIMATORS, losses.LOSS_AGGREGATIONS):
     missing = [name for name in registry if f"`{name}`" not in row]
     assert not missing, f"docs/usage.md's objective row does not name {missing}"
+
+
+def test_the_package_layout_names_every_module():
+  """docs/architecture.md §7's package layout names each module of each package (a module added
+  without it, or a name that drifted from its file, `optimizer` for rl/optim.py, fails here)."""
+  text = _read("docs/architecture.md")
+  block = re.search(r"Package layout \(`rlhfuse_jax/`\):\n\n```\n(.*?)\n```", text, re.S).group(1)
+  words = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", block))
+  missing = []
+  for path in sorted(glob.glob(os.path.join(ROOT, "rlhfuse_jax", "**", "*.py"), recursive=True)):
+    name = os.path.splitext(os.path.basename(path))[0]
+    if name != "__init__" and name not in words:
+      missing.append(os.path.relpath(path, ROOT))
+  assert not missing, f"docs/architecture.md §7's package layout does not name {missing}"
