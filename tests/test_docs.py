@@ -394,3 +394,18 @@ def test_the_package_layout_names_every_module():
     if name != "__init__" and name not in words:
       missing.append(os.path.relpath(path, ROOT))
   assert not missing, f"docs/architecture.md §7's package layout does not name {missing}"
+
+
+def test_usage_names_every_registered_reward_and_task():
+  """usage.md's reward list ("**Rewards.**" of "Train on your own data and reward") names each
+  registered reward function and its data row each task: one added to data/rewards.
+  REWARD_FUNCTIONS (data/verifiers.VERIFIERS) or data/tasks.TASKS alone was usable but
+  documented nowhere."""
+  from rlhfuse_jax.data import rewards, tasks
+  text = _read("docs/usage.md")
+  listed = text[text.index("**Rewards.**"):text.index("**Validation.**")]
+  missing = [name for name in rewards.REWARD_FUNCTIONS if f"`{name}`" not in listed]
+  assert not missing, f"docs/usage.md's **Rewards.** list does not name {missing}"
+  row = next(line for line in text.splitlines() if line.startswith("| data |"))
+  missing = [name for name in tasks.TASKS if f"`{name}`" not in row]
+  assert not missing, f"docs/usage.md's data row does not name the tasks {missing}"
