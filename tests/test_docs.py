@@ -380,6 +380,12 @@ def test_the_objective_row_names_every_registered_estimator_and_aggregation():
   for registry in (advantages.ADVANTAGE_ESTIMATORS, kl.KL_ESTIMATORS, losses.LOSS_AGGREGATIONS):
     missing = [name for name in registry if f"`{name}`" not in row]
     assert not missing, f"docs/usage.md's objective row does not name {missing}"
+  # The batch row says which estimators need rollout.samples_per_prompt > 1.
+  batch = next(line for line in _read("docs/usage.md").splitlines()
+               if line.startswith("| batch |"))
+  groups = [n for n in advantages.ADVANTAGE_ESTIMATORS if advantages.compares_groups(n)]
+  missing = [name for name in groups if f"`{name}`" not in batch]
+  assert not missing, f"docs/usage.md's batch row does not name the group estimators {missing}"
 
 
 def test_the_package_layout_names_every_module():
