@@ -236,3 +236,28 @@ def test_the_trainer_passes_what_trainer_inputs_says(monkeypatch):
   mask = jnp.ones((4, 3))
   ppo.advantages_and_returns(AlgoConfig(), 2, jnp.ones(4), mask, -mask, -mask, mask)
   assert set(seen) == adv_lib.TRAINER_INPUTS
+
+
+def test_a_registry_entry_whose_inputs_miss_its_parameters_is_refused_when_made():
+  """An AdvantageEstimator whose `inputs` misspell a parameter, leave out one without a default,
+  or leave out one the trainer passes (group_size with a default: never passed, and the entry no
+  group estimator) is refused when it is made, naming the parameters; before, the first case
+  failed at the run's first iteration with a bare TypeError and the last trained silently with
+  the default."""
+  def centred(scores, mask, group_size):
+    return adv_lib.dr_grpo_advantages(scores, mask, group_size)
+
+  def with_default(scores, mask, group_size=4):
+    return adv_lib.dr_grpo_advantages(scores, mask, group_size)
+  with pytest.raises(ValueError, match=r"centred.*it takes no \['group_sise'\]; missing "
+                                       r"\['group_size'\]"):
+    adv_lib.AdvantageEstimator(centred, ("scores", "mask", "group_sise"), False, "x")
+  with pytest.raises(ValueError, match=r"centred.*missing \['group_size'\]"):
+    adv_lib.AdvantageEstimator(centred, ("scores", "mask"), False, "x")
+  with pytest.raises(ValueError, match=r"with_default.*missing \['group_size'\]"):
+    adv_lib.AdvantageEstimator(with_default, ("scores", "mask"), False, "x")
+  # A default parameter the trainer does not pass may stay out (a constant of the estimator).
+  def scaled(scores, mask, group_size, scale=2.0):
+    return adv_lib.dr_grpo_advantages(scores * scale, mask, group_size)
+  adv_lib.AdvantageEstimator(scaled, ("scores", "mask", "group_size"), False, "x")
+  adv_lib.AdvantageEstimator(lambda **kw: kw, ("scores", "anything"), False, "x")  # unchecked

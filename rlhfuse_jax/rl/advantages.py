@@ -174,16 +174,48 @@ def _gae_on_token_rewards(token_rewards: jax.Array, values: jax.Array, mask: jax
   return gae(token_rewards, values, mask, gamma, lam)
 
 
+# What the trainer passes (trainer/ppo.advantages_and_returns), every iteration.
+TRAINER_INPUTS = frozenset(
+    {"scores", "token_rewards", "values", "mask", "gamma", "lam", "group_size"})
+
+
 @dataclasses.dataclass(frozen=True)
 class AdvantageEstimator:
   """A registered estimator: its function, which named inputs it takes (an input whose
   parameter has a default is optional), if it needs a critic, and if it divides each prompt's
-  group by the group's std (then a KL-in-reward penalty is rescaled with the scores)."""
+  group by the group's std (then a KL-in-reward penalty is rescaled with the scores).
+
+  `inputs` must match the function's parameters (checked here, when the entry is made): every
+  input is a parameter, and every parameter without a default, or named as an input the trainer
+  passes, is an input. Unchecked, a misspelled input ('group_sise') built a run that failed at
+  its first iteration with a bare TypeError, and a `group_size` parameter with a default left
+  out of `inputs` was never passed: the estimator was not treated as a group estimator at all.
+  A function taking **kwargs, or whose signature Python cannot read, is not checked."""
   fn: Callable[..., Pair]
   inputs: Tuple[str, ...]
   needs_critic: bool
   description: str
   group_std: bool = False
+
+  def __post_init__(self):
+    try:
+      params = inspect.signature(self.fn).parameters
+    except (TypeError, ValueError):
+      return
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+      return
+    unknown = [k for k in self.inputs if k not in params]
+    unlisted = [k for k, p in params.items()
+                if k not in self.inputs and p.kind != inspect.Parameter.VAR_POSITIONAL and
+                (p.default is inspect.Parameter.empty or k in TRAINER_INPUTS)]
+    if unknown or unlisted:
+      fn = getattr(self.fn, "__qualname__", repr(self.fn))
+      raise ValueError(
+          f"advantage estimator {fn} ({self.description!r}): inputs={list(self.inputs)} must "
+          f"name its parameters {list(params)}" +
+          (f"; it takes no {unknown}" if unknown else "") +
+          (f"; missing {unlisted} (a parameter without a default, or one the trainer passes: "
+           f"{sorted(TRAINER_INPUTS)})" if unlisted else ""))
 
 
 ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {
@@ -208,9 +240,6 @@ ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {
 # Inputs a caller may pass to any estimator; each estimator picks the ones it uses.
 KNOWN_INPUTS = frozenset(
     name for est in ADVANTAGE_ESTIMATORS.values() for name in est.inputs) | {"scores"}
-# What the trainer passes (trainer/ppo.advantages_and_returns), every iteration.
-TRAINER_INPUTS = frozenset(
-    {"scores", "token_rewards", "values", "mask", "gamma", "lam", "group_size"})
 
 
 def required_inputs(name: str) -> Tuple[str, ...]:
