@@ -12,6 +12,12 @@ T = 7  # longer than the longest row: a horizon taken from the batch (6) differs
 AGGS = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
+def test_every_registered_aggregation_has_a_numpy_reference_here():
+  """AGGS (each with a numpy reference in _agg_np) is the registry: an aggregation added to
+  rl/losses.LOSS_AGGREGATIONS alone is not compared with anything until it is added here."""
+  assert sorted(AGGS) == sorted(losses.LOSS_AGGREGATIONS)
+
+
 def _batch(seed=0):
   rng = np.random.default_rng(seed)
   shape = (len(LENGTHS), T)

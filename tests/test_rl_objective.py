@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rlhfuse_jax.rl import losses
 from rlhfuse_jax.rl import objective
 from rlhfuse_jax.rl.objective import LossConfig
 from rlhfuse_jax.trainer import ppo
@@ -25,8 +26,8 @@ def _batch(seed=0):
   return old_logp + f(0.4), rng.uniform(0.5, 3.0, (B, T)).astype(np.float32), batch
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                      "seq-mean-token-sum-norm"])
+# Every registered aggregation: one added to rl/losses alone must split into shares too.
+@pytest.mark.parametrize("loss_agg", sorted(losses.LOSS_AGGREGATIONS))
 def test_micro_batch_shares_add_up_to_the_mini_batch(loss_agg):
   cfg = LossConfig(loss_agg=loss_agg, entropy_coef=0.01, kl_coef=0.1, kl_estimator="k3",
                    clip_ratio_c=3.0, value_clip_eps=0.1)
