@@ -282,16 +282,37 @@ def merge_rows(workdir: str, rows: list[dict], names: Sequence[str]) -> list[dic
   return [new.get(n) or old[n] for n in names if n in new or n in old]
 
 
-def host_cpu() -> str:
-  """The host processor's model name (Linux /proc/cpuinfo), else what `platform` knows."""
+# CPU features that change the machine code XLA:CPU emits for this host, and with it float
+# rounding (vector widths change reduction orders; FMA contracts multiply-adds): two hosts both
+# named "AMD EPYC" gave the same tiny PPO run 0.71 and 0.43 after 200 iterations, at the same
+# commit (docs/results.md), and the model name alone could not tell them apart.
+CODEGEN_CPU_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
+                     "avx512_vnni", "amx_bf16", "amx_tile", "asimd", "sve")
+
+
+def host_cpu(cpuinfo: str = "/proc/cpuinfo") -> str:
+  """The host processor: its model name, and on Linux its family/model/stepping and the
+  instruction sets that change XLA:CPU's code (CODEGEN_CPU_FLAGS), e.g. "AMD EPYC (family 25
+  model 1 stepping 1; avx avx2 fma)"; elsewhere what `platform` knows."""
+  fields: dict[str, str] = {}
   try:
-    with open("/proc/cpuinfo") as f:
-      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    if names:
-      return names[0]
+    with open(cpuinfo) as f:
+      for line in f:
+        if not line.strip():
+          break  # the first processor's block: every core of a host is the same model
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
   except OSError:
     pass
-  return platform.processor() or platform.machine()
+  name = fields.get("model name")
+  if not name:
+    return platform.processor() or platform.machine()
+  ident = " ".join(f"{k} {fields[k]}" for k in ("cpu family", "model", "stepping")
+                   if fields.get(k)).replace("cpu family", "family")
+  present = set(fields.get("flags", fields.get("Features", "")).split())
+  isa = " ".join(f for f in CODEGEN_CPU_FLAGS if f in present)
+  detail = "; ".join(x for x in (ident, isa) if x)
+  return f"{name} ({detail})" if detail else name
 
 
 def git_commit() -> Optional[str]:

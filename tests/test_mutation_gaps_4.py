@@ -501,6 +501,31 @@ def test_a_result_records_the_commit_the_run_started_from(monkeypatch):
   assert made["git_commit"] == "aaaaaaaaaaaa" and "started" in made
 
 
+
+def test_host_cpu_tells_apart_two_hosts_of_one_model_name(tmp_path):
+  """Two hosts both named "AMD EPYC" trained the same tiny PPO run to different rewards (XLA:CPU
+  emits other code for other instruction sets): the processor in a result's provenance names
+  family/model/stepping and the codegen-relevant instruction sets, so they differ; without a
+  model name it falls back to `platform`."""
+  from experiments import runner
+
+  def cpuinfo(name, family, model, flags):
+    block = (f"processor\t: 0\nmodel name\t: {name}\ncpu family\t: {family}\n"
+             f"model\t\t: {model}\nstepping\t: 1\nflags\t\t: {flags}\n")
+    path = tmp_path / f"cpuinfo_{family}_{model}"
+    path.write_text(block + "\n" + block.replace(": 0", ": 1"))
+    return runner.host_cpu(str(path))
+  zen3 = cpuinfo("AMD EPYC", 25, 1, "fpu sse2 avx avx2 fma")
+  zen4 = cpuinfo("AMD EPYC", 25, 17, "fpu sse2 avx avx2 fma avx512f avx512bw avx512_bf16")
+  assert zen3 == "AMD EPYC (family 25 model 1 stepping 1; avx avx2 fma)"
+  assert zen4.startswith("AMD EPYC (family 25 model 17 stepping 1; avx avx2 fma avx512f")
+  assert "avx512_bf16" in zen4 and zen3 != zen4
+  (tmp_path / "none").write_text("processor\t: 0\n")
+  assert runner.host_cpu(str(tmp_path / "none")) == (
+      runner.platform.processor() or runner.platform.machine())
+  assert runner.host_cpu(str(tmp_path / "missing")) == (
+      runner.platform.processor() or runner.platform.machine())
+
 _SWEEP_SCRIPT = """
 import json, os, sys
 from experiments import sweep
