@@ -42,22 +42,12 @@ import numpy as np
 
 AF, AB, CF, CB = 0, 1, 2, 3
 KIND_NAMES = ("AF", "AB", "CF", "CB")
-MODELS = ("actor", "critic")
 # memory_budget_mode values. PER_DEVICE is the dataclass default because a problem stored before
 # the mode existed (schedule.json, cache keys, certificates' configs) was made under it and must
 # keep its meaning when read back; the tools that build new problems (configs/schedule_search.py,
 # from_config) default to UNIFORM. EXPLICIT is what any problem with a `memory_budget` records.
 UNIFORM, PER_DEVICE, EXPLICIT = "uniform", "per_device", "explicit"
 BUDGET_MODES = (UNIFORM, PER_DEVICE)
-
-
-def kind_model(kind: int) -> str:
-  """'actor' for AF/AB, 'critic' for CF/CB."""
-  return MODELS[kind // 2]
-
-
-def kind_is_forward(kind: int) -> bool:
-  return kind % 2 == 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,6 @@ All return a per-device kind order, int8 [N, T] (graph.py), that evaluate.py tim
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import numba
 import numpy as np
 
@@ -325,17 +323,3 @@ def one_f_one_b_caps(problem: PipelineProblem) -> np.ndarray:
   return np.array([[min(problem.actor_pp - problem.actor_stage(d), problem.actor_microbatches),
                     min(problem.critic_pp - problem.critic_stage(d),
                         problem.critic_microbatches)] for d in range(n)], dtype=np.int64)
-
-
-SCHEDULES: dict[str, Callable[[PipelineProblem], np.ndarray]] = {
-    "serial": serial_order,
-    "greedy": greedy_order,
-    "actor_1f1b": lambda p: one_f_one_b_order(p, "actor"),
-    "critic_1f1b": lambda p: one_f_one_b_order(p, "critic"),
-}
-
-
-def get_schedule(name: str, problem: PipelineProblem) -> np.ndarray:
-  if name not in SCHEDULES:
-    raise ValueError(f"unknown schedule {name!r}; known: {sorted(SCHEDULES)}")
-  return SCHEDULES[name](problem)
