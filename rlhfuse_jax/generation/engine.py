@@ -44,7 +44,6 @@ from rlhfuse_jax.models.llama import KVCache, ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
 
 STOP_RUNNING, STOP_EOS, STOP_MAX_TOKENS = 0, 1, 2
-STOP_REASONS = {STOP_RUNNING: "running", STOP_EOS: "eos", STOP_MAX_TOKENS: "max_new_tokens"}
 
 
 @flax.struct.dataclass
@@ -203,11 +202,3 @@ class Rollout:
   @property
   def generate_s(self) -> float:
     return self.prefill_s + self.decode_s
-
-  @property
-  def num_response_tokens(self) -> int:
-    return int(self.response_lens.sum())
-
-  @property
-  def decode_steps_per_s(self) -> float:
-    return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
