@@ -362,10 +362,6 @@ def decode_step_work(shape: ModelShape, batch, context_tokens):
   return 2.0 * shape.matmul_params() * batch + attn, nbytes
 
 
-def ceil_div(a: int, b: int) -> int:
-  return -(-a // b)
-
-
 def same_node(a: int, b: int, devices_per_node: int) -> bool:
   """Whether devices a and b (consecutive numbering) sit in one node."""
   return a // devices_per_node == b // devices_per_node
