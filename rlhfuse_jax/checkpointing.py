@@ -148,7 +148,6 @@ class Checkpointer:
   def __init__(self, workdir: str, keep: int = 2):
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, "checkpoints")
-    self._keep = keep
     # Handlers named up front, so a checkpoint's metadata reads before anything was restored.
     # cleanup_tmp_directories: the partial directory of a save that was killed mid-way
     # (<step>.orbax-checkpoint-tmp-*) is never a checkpoint and would otherwise stay, one full
