@@ -31,7 +31,6 @@ import tokenizers
 from tokenizers import models, pre_tokenizers
 
 from rlhfuse_jax.data.lengths import LengthDistribution
-from rlhfuse_jax.data.rewards import REWARD_FUNCTIONS, get_reward_function  # noqa: F401
 from rlhfuse_jax.data.rewards import response_extent, target_match
 from rlhfuse_jax.data.tokenizer import HFTokenizer
 
