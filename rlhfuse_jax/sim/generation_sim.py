@@ -81,8 +81,6 @@ class GenResult:
   consolidations: list  # [{time_s, kept, released, moves, moved_bytes, migration_s, reason}]
   instance_busy_frac: float
   inference_overlap_frac: float  # inference busy time before gen_end / all inference time
-  decode_busy_s: float
-  inference_busy_s: float
 
   @property
   def inf_exposed_s(self) -> float:
@@ -128,7 +126,6 @@ class _Batch:
   done_gen_at: np.ndarray  # [G] when an instance stopped holding unfinished samples
   unfinished: int
   consolidations: list = dataclasses.field(default_factory=list)  # records of _consolidate
-  decode_busy: float = 0.0  # seconds of decode chunks, over instances
 
   @classmethod
   def dealt(cls, num_instances: int, slots: int, prompt_lens: np.ndarray, target: np.ndarray
@@ -267,7 +264,6 @@ def _decode_chunk(cost: CostModel, actor: ModelShape, setup: GenSetup, clock: _C
   left = batch.target[live_uids] - g0  # [r]
   n_steps, dur = _chunk_cost(cost, actor, setup, batch.prompt_lens[live_uids] + g0, left)
   end = clock.run(i, dur, "decode")
-  batch.decode_busy += dur
   batch.generated[live_uids] = g0 + np.minimum(left, n_steps)
   fin = live_uids[batch.generated[live_uids] >= batch.target[live_uids]]
   batch.finished(fin, end)
@@ -308,8 +304,7 @@ def _result(cost: CostModel, frozen: Sequence[ModelShape], setup: GenSetup, cloc
       gen_end_s=gen_end, gen_plus_inf_s=gpi, finish_s=batch.finish,
       unfinished_curve=curve, segments=clock.segments, consolidations=batch.consolidations,
       instance_busy_frac=busy / (g * gpi) if gpi > 0 else 0.0,
-      inference_overlap_frac=before / inf_busy if inf_busy > 0 else 0.0,
-      decode_busy_s=batch.decode_busy, inference_busy_s=inf_busy)
+      inference_overlap_frac=before / inf_busy if inf_busy > 0 else 0.0)
 
 
 def _consolidate(cost: CostModel, setup: GenSetup, clock: _Clock, batch: _Batch, kv_cap: int,
