@@ -75,13 +75,10 @@ from rlhfuse_jax.sim import training_sim as train_lib
 from rlhfuse_jax.sim.cost_model import GIB, CostModel, crossing_share
 from rlhfuse_jax.sim.shapes import ModelShape
 
-GEN_MODES = ("instances", "pipeline")
-PLACEMENTS = ("colocated", "disjoint")
-
 
 @dataclasses.dataclass(frozen=True)
 class GenerationPlan:
-  mode: str  # GEN_MODES
+  mode: str  # "instances" | "pipeline"
   tp: int
   pp: int = 1
   groups: int = 1  # pipeline: groups per replica (G)
