@@ -13,7 +13,7 @@ parallel degree, FLOPs from shapes.py):
               b*h*2 bytes over t devices (Megatron tensor parallel: after attention, after MLP))
               * (1 + decode_host_overhead)
   prefill / inference forward of sequences (lengths l_i):
-      flops = sum_i sequence_forward_flops(l_i) / t; time = roofline at prefill_mfu
+      flops = sum_i forward_flops(l_i, (l_i+1)/2) / t; time = roofline at prefill_mfu
               + 2L all-reduces of sum(l_i)*h*2 bytes
   training stage, one micro-batch of n tokens, pp stages: forward = roofline over L/pp layers at
       train_mfu + its tensor-parallel all-reduces; backward = bwd_over_fwd (2) x the forward's

@@ -96,10 +96,6 @@ class ModelShape:
     attn = 4.0 * self.num_layers * self.num_heads * self.head_dim_ * mean_context
     return tokens * (2.0 * self.matmul_params() + attn)
 
-  def sequence_forward_flops(self, length: float) -> float:
-    """Forward FLOPs of one causal sequence of `length` tokens (mean context (length+1)/2)."""
-    return self.forward_flops(length, (length + 1) / 2.0)
-
   def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
     return 2 * self.num_layers * self.num_kv_heads * self.head_dim_ * bytes_per_elem
 
