@@ -1,4 +1,4 @@
-"""Fused actor/critic pipeline schedule search (docs/architecture.md §3, intra-stage fusion).
+r"""Fused actor/critic pipeline schedule search (docs/architecture.md §3, intra-stage fusion).
 
 One instance:
   python -m experiments.schedule_search --config=configs/schedule_search.py --workdir=/tmp/ss_e0
