@@ -575,8 +575,7 @@ def run(cfg: BenchDecodeConfig, workdir: str) -> dict:
   runner.write_result(workdir, result)
   cal = calibration_file(result)
   calibration.from_dict(cal, "bench_decode")  # what we write must load
-  wd.write_json(os.path.join(workdir, "calibration.json"),
-                {**cal, "provenance": runner.provenance()})
+  runner.write_result(workdir, cal, "calibration.json")
   plot(result, os.path.join(workdir, "bench_decode.png"))
   return result
 

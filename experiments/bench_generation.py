@@ -263,8 +263,7 @@ def run(c, workdir: str) -> dict:
     gen.calibration = measure.measure_costs(gen, actor, host)
   main_process = distributed.is_main_process()
   if main_process:
-    wd.write_json(os.path.join(workdir, "calibration.json"),
-                  {**gen.calibration, "provenance": runner.provenance()})
+    runner.write_result(workdir, gen.calibration, "calibration.json")
   rt, choice = gen.choose_rt(plens)  # once for all timed runs: the histogram of the warm-up
   logging.info("Rt = %.3g (%s)", rt, choice.reason if choice else "fixed in the config")
 

@@ -401,8 +401,7 @@ def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
   cal, tick_check = measure_calibration(
       cfg, problem, [prog.build_program(problem, o, barrier=b) for o, b in orders.values()],
       mesh, params, batch)
-  wd.write_json(os.path.join(workdir, "calibration.json"),
-                {**cal, "provenance": runner.provenance()})
+  runner.write_result(workdir, cal, "calibration.json")
   tol = 1e-5
   errors = [r["grad_error"][m]["max_leaf_rel"] for r in results.values()
             for m in ("actor", "critic")]

@@ -10,8 +10,6 @@ all devices share the processor, which the file records (`devices_share_compute`
 """
 from __future__ import annotations
 
-import os
-
 from rlhfuse_jax.parallel.host_devices import request_host_devices
 
 request_host_devices(8)  # before the first jax import
@@ -141,8 +139,7 @@ def main(argv):
   wd.start_outputs(_WORKDIR.value, c, ("calibration.json",))
   cal = measure(c)
   calibration.from_dict(cal, "measured")  # what we write must load
-  path = os.path.join(_WORKDIR.value, "calibration.json")
-  wd.write_json(path, {**cal, "provenance": runner.provenance()})
+  path = runner.write_result(_WORKDIR.value, cal, "calibration.json")
   logging.info("wrote %s: %s", path, cal["ops"])
 
 
