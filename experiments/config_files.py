@@ -353,22 +353,22 @@ def _raise_on_sigterm() -> None:
 
 def _stop_runs(sig: Optional[int], timeout_s: float = 600.0) -> int:
   """Passes `sig` (None: the Ctrl-C reached them already, they share the process group) on to
-  the runs runner.run_streamed has going and waits for them to save and end (a second Ctrl-C:
-  at once, killing them); returns how many there were."""
+  the runs runner.run_streamed has going that the SIGTERM handler has not signalled already,
+  and waits for them to save and end (a second Ctrl-C: at once, killing them); returns how many
+  runs were stopped, those the handler signalled included, each once."""
   live = runner.live_runs()
-  if not live:
-    return 0
-  logging.warning("waiting for %d run(s) to save and end (Ctrl-C again: at once)", len(live))
-  try:
-    for proc in live:
-      if sig is not None and proc.poll() is None:
-        proc.send_signal(sig)
-    for proc in live:
-      proc.wait(timeout=timeout_s)
-  except (KeyboardInterrupt, Terminated, subprocess.TimeoutExpired):
-    for proc in live:
-      proc.kill()
-  return len(live)
+  if live:
+    logging.warning("waiting for %d run(s) to save and end (Ctrl-C again: at once)", len(live))
+    try:
+      for proc in live:
+        if sig is not None and proc.poll() is None and proc not in _SIGNALLED:
+          proc.send_signal(sig)
+      for proc in live:
+        proc.wait(timeout=timeout_s)
+    except (KeyboardInterrupt, Terminated, subprocess.TimeoutExpired):
+      for proc in live:
+        proc.kill()
+  return len(set(live) | set(_SIGNALLED))
 
 
 def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
@@ -391,7 +391,7 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
       # One line, not a traceback through jax's compiler (once a segfault at exit, 139); a
       # binary with handlers of its own (train_ppo, the sweep) ends its own way first.
       term = isinstance(e, Terminated)
-      runs = _stop_runs(signal.SIGTERM if term else None) + len(_SIGNALLED)
+      runs = _stop_runs(signal.SIGTERM if term else None)
       moved = wd.MOVED_ASIDE[0] if wd.MOVED_ASIDE else ""
       logging.error("%s: stopped before it finished; nothing more is written%s%s",
                     "SIGTERM" if term else "interrupted",
