@@ -167,9 +167,9 @@ HARDWARE: dict[str, Hardware] = {
         collective_protocols=NCCL_RING),
     # Google Cloud TPU v5e documentation (cloud.google.com/tpu/docs/v5e): peak compute per chip
     # (bf16) 197 TFLOPs; HBM2 16 GB at 819 GBps (a later version of the page prints
-    # 800 GiBps, about 859 GB/s: the lower figure is kept); bidirectional ICI 400 GBps per chip (-> 200 each
-    # way); TPU Pod (one ICI domain, 2D torus) 256 chips; per-host NIC 2 x 100 Gbps with 8 chips
-    # per host -> 25 GB/s per host = 3.125 GB/s per chip of data-center network.
+    # 800 GiBps, about 859 GB/s: the lower figure is kept); bidirectional ICI 400 GBps per chip
+    # (-> 200 each way); TPU Pod (one ICI domain, 2D torus) 256 chips; per-host NIC 2 x 100 Gbps
+    # with 8 chips per host -> 25 GB/s per host = 3.125 GB/s per chip of data-center network.
     "tpu_v5e": Hardware(
         name="tpu_v5e", peak_flops=197 * TFLOPS, hbm_bw=819 * GB, hbm_bytes=16 * GB,
         intra_node_bw=200 * GB, inter_node_bw=3.125 * GB, devices_per_node=256,
