@@ -80,6 +80,18 @@ def test_config_errors_name_the_field():
   assert len(cfg.settings()) == 12 and cfg.systems == iteration_sim.SYSTEMS
 
 
+@pytest.mark.parametrize("field", ["num_devices", "global_batch", "minibatch", "epochs",
+                                   "micro_batch"])
+def test_a_count_below_one_is_refused_by_name(field):
+  """minibatch=0 was a ZeroDivisionError traceback, and num_devices=0 in plan_search's train
+  variant a jax backend error (it asked for 0 fake CPU devices) naming no field."""
+  from configs import ablations as cfg_mod
+  c = cfg_mod.get_config()
+  c[field] = 0
+  with pytest.raises(ValueError, match=rf"^config\.{field}=0: expected an integer >= 1$"):
+    ablations.AblationConfig.from_config_dict(c)
+
+
 def test_a_calibration_of_another_model_or_machine_is_refused(tmp_path):
   """config.calibration: calibrate_sim's file (a 0.1M-parameter model on 8 fake CPU devices)
   timed a 13B/13B iteration on 64 H100s as 15.2 s instead of 6.2 s and reordered the systems,

@@ -65,6 +65,12 @@ class AblationConfig:
   validation_calibration: str = ""
 
   def __post_init__(self):
+    # The counts first: minibatch=0 was a ZeroDivisionError below, and plan_search's train
+    # variant asked jax for num_devices=0 fake CPU devices (a backend error naming no field).
+    for name in ("num_devices", "global_batch", "minibatch", "epochs", "micro_batch"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"config.{name}={v!r}: expected an integer >= 1")
     get_hardware(self.hardware)
     for a, c in self.pairs:
       self.shape(a)
