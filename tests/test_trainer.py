@@ -655,6 +655,31 @@ def test_a_missing_file_names_its_field(field, tmp_path):
     build.reward_model_config(cfg)
 
 
+@pytest.mark.parametrize("field, name, text", [
+    ("data.prompts_file", "empty.jsonl", ""),
+    ("data.prompts_file", "bad.jsonl", '{"prompt": "a", "target": "b"}\n{bad\n'),
+    ("data.val_file", "cols.jsonl", '{"question": "a", "target": "b"}\n'),
+    ("init.tokenizer", "tokenizer.json", "{not json"),
+    ("init.actor_checkpoint", "config.json", '{"model_type": "llama"'),
+])
+def test_a_file_that_cannot_be_read_names_its_field(field, name, text, tmp_path):
+  """A file that is there but empty, not JSON or without the expected column is named by the
+  field that gave it too: the error named the path alone ("bad.jsonl:2: invalid JSON"), and a
+  run reads several files."""
+  target = tmp_path / name
+  target.write_text(text)
+  path = str(tmp_path if field == "init.actor_checkpoint" else target)
+  extra = {"eval_every": 1} if field == "data.val_file" else {}
+  if field == "init.actor_checkpoint":
+    extra = {"init.tokenizer": os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                            "fixtures", "tiny_llama3", "tokenizer.json")}
+  cfg = tiny_config(**{field: path, **extra})
+  with pytest.raises(ValueError, match=rf"^config\.{field}='{path}': {tmp_path}"):
+    task, tokenizer = build.build_task_and_tokenizer(cfg)
+    build.load_prompt_records(cfg, task)
+    build.resolve_config(cfg, tokenizer)
+
+
 def test_samples_are_written_as_text_once_per_logged_iteration_across_a_resume(tmp_path):
   """config.log_samples=k: every log_every iterations and after the last, the batch's first k
   samples as text in samples.jsonl (a user had no way to see what the policy writes). A resume

@@ -35,11 +35,17 @@ from rlhfuse_jax.trainer.config import TrainConfig, stat_label
 
 
 def load_named(field: str, path: str, load, *args, **kwargs):
-  """`load(path, ...)`, a missing file named by the config field that gave it."""
+  """`load(path, ...)`, a missing file or one it cannot read named by the config field that
+  gave it. The loaders name the file only ("p.jsonl:2: invalid JSON", "not a valid
+  tokenizer.json"), which left the user of a run with several files (prompts, held-out prompts,
+  tokenizer, checkpoints) to match the path to a field. An error that names a field already,
+  or of another type (whose constructor may take other arguments), is raised as it is."""
   try:
     return load(path, *args, **kwargs)
-  except FileNotFoundError as e:
-    raise FileNotFoundError(f"config.{field}={path!r}: {e}") from None
+  except (FileNotFoundError, ValueError) as e:
+    if type(e) not in (FileNotFoundError, ValueError) or str(e).startswith("config."):
+      raise
+    raise type(e)(f"config.{field}={path!r}: {e}") from None
 
 
 def build_task_and_tokenizer(cfg: TrainConfig):
@@ -456,15 +462,17 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
   place = lambda params, model_cfg: mesh_lib.shard_params(params, llama.logical_specs(model_cfg),
                                                           mesh)
   if cfg.init.actor_checkpoint:
-    actor = hf_loader.load_hf_params(cfg.init.actor_checkpoint, cfg.model)
+    actor = load_named("init.actor_checkpoint", cfg.init.actor_checkpoint,
+                       hf_loader.load_hf_params, cfg.model)
   else:
     actor, _ = llama.init_params(cfg.model, jax.random.fold_in(key, 1))
   actor = place(actor, cfg.model)
   critic = None
   if adv_lib.needs_critic(cfg.algo.estimator):
     if cfg.init.critic_checkpoint:
-      critic = hf_loader.load_hf_params(cfg.init.critic_checkpoint, cfg.critic_model,
-                                        head="scalar", rng=jax.random.fold_in(key, 2))
+      critic = load_named("init.critic_checkpoint", cfg.init.critic_checkpoint,
+                          hf_loader.load_hf_params, cfg.critic_model, head="scalar",
+                          rng=jax.random.fold_in(key, 2))
     else:
       critic, _ = llama.init_params(cfg.critic_model, jax.random.fold_in(key, 2))
     critic = place(critic, cfg.critic_model)
@@ -472,8 +480,9 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
   if reward_cfg is not None:
     # No rng: a checkpoint without its score head is an error (reward_model_config), never a
     # random one.
-    reward_params = place(hf_loader.load_hf_params(cfg.reward.model_checkpoint, reward_cfg,
-                                                   head="scalar"), reward_cfg)
+    reward_params = place(load_named("reward.model_checkpoint", cfg.reward.model_checkpoint,
+                                     hf_loader.load_hf_params, reward_cfg, head="scalar"),
+                          reward_cfg)
     where = (f"at the last token that is not its pad_token_id {reward_cfg.score_pad_id}, as "
              "transformers' *ForSequenceClassification pools" if reward_cfg.score_pad_id >= 0
              else "at the last response token, EOS included (no pad_token_id in its config.json)")
