@@ -144,6 +144,19 @@ def check_own_workdir(workdir: str) -> None:
   wd.refuse_foreign_result(workdir, "train_ppo", shown="train_ppo")
 
 
+def check_compilation_cache_dir(setting: str) -> None:
+  """A ValueError naming config.compilation_cache_dir when jax cannot write its cache there (a
+  file, a path under a file, a read-only place): jax warned at every compile ("Error reading
+  persistent compilation cache entry ... File exists") and the run went on without a cache. A
+  cache the caller set (JAX_COMPILATION_CACHE_DIR) wins, and then the setting is not read."""
+  if setting in ("", "none") or jax.config.jax_compilation_cache_dir:
+    return
+  why = config_files.unwritable(setting)
+  if why:
+    raise ValueError(f"config.compilation_cache_dir={setting!r}: {why}; expected a directory "
+                     "this process can create and write, '' (WORKDIR/cache/xla) or 'none'")
+
+
 def _start_and_train(run_log: runner.RunLog) -> tuple[TrainConfig, PPOTrainer]:
   """Joins the processes of a multi-host run, checks the config and the devices, and runs the
   trainer (which keeps the workdir lock until the caller has written result.json); the run's
@@ -154,6 +167,7 @@ def _start_and_train(run_log: runner.RunLog) -> tuple[TrainConfig, PPOTrainer]:
   cfg = TrainConfig.from_config_dict(_CONFIG.value)
   check_device_count(cfg, jax.device_count(), jax.default_backend(), jax.process_count())
   build.check_reward_functions(cfg)  # an unknown or ill-fitting one: before the workdir is made
+  check_compilation_cache_dir(cfg.compilation_cache_dir)
   workdir = _WORKDIR.value
   wd.check_local_path(workdir)
   check_own_workdir(workdir)

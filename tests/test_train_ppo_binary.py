@@ -318,6 +318,23 @@ def test_the_compilation_cache_lives_in_the_workdir_unless_the_caller_set_one(tm
   assert sorted(os.listdir(tmp_path / "a" / "cache")) == ["xla"]  # 'none' wrote no other
 
 
+def test_a_compilation_cache_dir_that_is_a_file_is_refused_before_the_workdir(tmp_path):
+  """config.compilation_cache_dir naming a file (or a path under one) is refused by name before
+  the workdir is made: jax warned at every compile and the run went on without a cache."""
+  (tmp_path / "afile").write_text("mine")
+  env = {k: v for k, v in _env().items() if not k.startswith(("JAX_COMPILATION_CACHE",
+                                                             "JAX_PERSISTENT_CACHE"))}
+  for cache in (tmp_path / "afile", tmp_path / "afile" / "xla"):
+    wd = str(tmp_path / "run")
+    out = subprocess.run(_cmd(wd, f"--config.compilation_cache_dir={cache}"), cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert (f"ValueError: config.compilation_cache_dir='{cache}': {tmp_path / 'afile'} is a "
+            "file, not a directory; expected a directory") in out.stderr, out.stderr[-3000:]
+    assert not os.path.exists(wd)
+  assert (tmp_path / "afile").read_text() == "mine"
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--config.mesh.data=3", "config.mesh: axes {'data': 3, 'fsdp': 1, 'stage': 1, 'tensor': 1} "
                              "multiply to 3 devices but 8 are available"),
