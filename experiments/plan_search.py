@@ -219,6 +219,16 @@ def main(argv):
                          config_flags.get_override_values(flags.FLAGS["config"]))
   # `systems` "" (none): the plan search alone, without the systems' comparison.
   cfg = ablations.AblationConfig.from_config_dict(_CONFIG.value, systems_optional=True)
+  # The checks that need no search come before start_outputs: a refused value left the earlier
+  # run's outputs moved to previous/<n> and a config.json of a run that never ran.
+  top_k = _CONFIG.value.top_k
+  if not isinstance(top_k, int) or top_k < 1:
+    raise ValueError(f"config.top_k={top_k!r}: expected an integer >= 1 (plans to report)")
+  if _CONFIG.value.get("train_config", ""):
+    load_train_config(_CONFIG.value.train_config)  # a missing file or variant, named
+  elif len(cfg.settings()) != 1:
+    raise ValueError(f"plan search takes one setting; the config has {len(cfg.settings())} "
+                     "(one pair in `pairs`, one length in `max_new_tokens`)")
   workdir = _WORKDIR.value
   wd.start_outputs(workdir, _CONFIG.value,
                    ("result.json", "plan.json", "plan_search.md", "lengths"))
@@ -227,13 +237,7 @@ def main(argv):
     setting, wl, accept = trainer_setting(cfg, _CONFIG.value.train_config, workdir)
   else:
     setting = cfg.settings()[0]
-    if len(cfg.settings()) != 1:
-      raise ValueError(f"plan search takes one setting; the config has {len(cfg.settings())} "
-                       "(one pair in `pairs`, one length in `max_new_tokens`)")
     wl = ablations.workload(cfg, setting)
-  top_k = _CONFIG.value.top_k
-  if not isinstance(top_k, int) or top_k < 1:
-    raise ValueError(f"config.top_k={top_k!r}: expected an integer >= 1 (plans to report)")
   res = plan_search.search(cost, wl, cfg.sim, top_k=top_k, log=logging.info,
                            staleness=cfg.sim.staleness, split_unit=cfg.sim.async_split_unit,
                            accept=accept)

@@ -399,6 +399,26 @@ def test_binary_searches_alone_with_no_systems(tmp_path):
   assert "The simulator's systems" not in (tmp_path / "plan_search.md").read_text()
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--config=configs/plan_search.py", "--config.top_k=0"],
+     "config.top_k=0: expected an integer >= 1"),
+    (["--config=configs/plan_search.py:train", "--config.train_config=configs/nope.py"],
+     "config.train_config='configs/nope.py': no such file 'configs/nope.py'")])
+def test_a_refused_value_leaves_the_earlier_runs_outputs_in_place(tmp_path, flags, message):
+  """A value refused before the search leaves the workdir as it was: the earlier run's outputs
+  were moved to previous/<n>, and a config.json of a run that never ran took their place."""
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  earlier = {"config.json": '{"top_k": 5}', "result.json": '{"best": 1}', "plan.json": "{}"}
+  for name, text in earlier.items():
+    (tmp_path / name).write_text(text)
+  out = subprocess.run([sys.executable, "-m", "experiments.plan_search",
+                        f"--workdir={tmp_path}", *flags],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1 and message in out.stderr, out.stderr[-3000:]
+  assert sorted(os.listdir(tmp_path)) == sorted([*earlier, "traceback.txt"])
+  assert all((tmp_path / name).read_text() == text for name, text in earlier.items())
+
+
 def test_binary_writes_plan_result_and_report(tmp_path):
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
   out = subprocess.run(
