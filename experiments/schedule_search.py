@@ -31,9 +31,16 @@ flags.mark_flags_as_required(["config"])
 
 
 def run(c, workdir: str) -> dict:
-  problem = PipelineProblem.from_config(c)
-  cfg = search.SearchConfig(time_budget_s=float(c.time_budget_s), seed=int(c.seed),
-                            workers=int(c.workers))
+  try:
+    problem = PipelineProblem.from_config(c)
+    cfg = search.SearchConfig(time_budget_s=float(c.time_budget_s), seed=int(c.seed),
+                              workers=int(c.workers))
+  except ValueError as e:
+    # Their checks name the field as the config spells it, without the "config." of the
+    # command line (--config.critic_pp): "actor_pp=8 must be divisible by critic_pp=3".
+    if str(e).startswith("config."):
+      raise
+    raise ValueError(f"config.{e}") from None
   need = max(problem.actor_mem, problem.critic_mem)
   if c.memory_budget >= 0 and c.memory_budget < need:
     # (the search found it only after moving the earlier result aside and compiling its

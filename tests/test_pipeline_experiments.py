@@ -389,6 +389,11 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
     (["experiments.schedule_search", "--config=configs/schedule_search.py",
       "--config.memory_budget=1"],
      "config.memory_budget=1: expected at least max(actor_mem, critic_mem) = 5"),
+    # the problem's and the search's own checks, named as --config.<field> (without "config.")
+    (["experiments.schedule_search", "--config=configs/schedule_search.py",
+      "--config.critic_pp=3"], "ValueError: config.actor_pp=8 must be divisible by critic_pp=3"),
+    (["experiments.schedule_search", "--config=configs/schedule_search.py",
+      "--config.workers=0"], "ValueError: config.workers=0 must be an integer >= 1"),
 ])
 def test_binaries_name_the_bad_field(tmp_path, args, message):
   out = _run(args + [f"--workdir={tmp_path}"])
