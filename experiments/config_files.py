@@ -118,18 +118,36 @@ def missing_field(config: Any, key: str) -> Optional[str]:
   return None
 
 
-def _config_flags(argv: Sequence[str]) -> dict[str, str]:
-  """{flag name: its `FILE[:variant]`} of the config file flags (ml_collections'
-  DEFINE_config_file) given in `argv`."""
-  given = {}
+def _config_flag_values(argv: Sequence[str]) -> list[tuple[str, str]]:
+  """(flag name, its `FILE[:variant]`) of each config file flag (ml_collections'
+  DEFINE_config_file) given in `argv`, in order, a repeated one each time."""
+  given = []
   for i, arg in enumerate(argv):
     m = re.match(r"^--?(\w+)(?:=(.*))?$", arg)  # --config=FILE, or --config FILE
     value = m and (m.group(2) if m.group(2) is not None else
                    argv[i + 1] if i + 1 < len(argv) else None)
     if value is not None and m.group(1) in flags.FLAGS and \
         flags.FLAGS[m.group(1)].flag_type() == "config object":
-      given[m.group(1)] = value
+      given.append((m.group(1), value))
   return given
+
+
+def _config_flags(argv: Sequence[str]) -> dict[str, str]:
+  """{flag name: its `FILE[:variant]`} of the config file flags given in `argv` (the last of
+  a repeated one)."""
+  return dict(_config_flag_values(argv))
+
+
+def _repeated_config_flag(argv: Sequence[str]) -> Optional[str]:
+  """A config file flag given twice, with overrides: absl's error named an override instead
+  ("The flag 'config.num_iterations' is defined twice"), as if that field were the mistake."""
+  seen: dict[str, str] = {}
+  for name, value in _config_flag_values(argv):
+    if name in seen:
+      return (f"--{name} given twice ({seen[name]!r} and {value!r}); give it once (a variant "
+              f"follows the file after a colon: --{name}=FILE:VARIANT)")
+    seen[name] = value
+  return None
 
 
 def diagnose(argv: Sequence[str]) -> Optional[str]:
@@ -217,7 +235,7 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     args = flags.FLAGS(argv)
   except flags.Error as e:
-    _fatal(diagnose(argv[1:]) or shorten(str(e)))
+    _fatal(_repeated_config_flag(argv[1:]) or diagnose(argv[1:]) or shorten(str(e)))
   except (KeyError, AttributeError, OSError):
     message = diagnose(argv[1:])
     if message is None:

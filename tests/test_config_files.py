@@ -74,6 +74,17 @@ def test_a_misspelled_field_is_named_with_the_closest_one(tmp_path):
       "--config.optim.lr: cfg.py has no field 'optim'; its fields: extras, lr, model")
 
 
+def test_a_config_flag_given_twice_is_named_not_an_override(tmp_path):
+  """--config twice with an override was absl's "The flag 'config.lr' is defined twice", which
+  blamed the override; without one the last --config wins, as absl's flags do."""
+  assert _fatal_line(_run(tmp_path, "--config=cfg.py", "--config=cfg.py:big",
+                          "--config.lr=0.5")) == (
+      "--config given twice ('cfg.py' and 'cfg.py:big'); give it once (a variant follows the "
+      "file after a colon: --config=FILE:VARIANT)")
+  ok = _run(tmp_path, "--config=cfg.py", "--config=cfg.py:big")
+  assert ok.returncode == 0 and "parsed 64 0.1" in ok.stdout, ok.stderr
+
+
 def test_a_missing_config_file_is_named_at_once(tmp_path):
   # Without overrides ml_collections defers this error to the config's first use.
   for extra in ([], ["--config.lr=0.2"]):
