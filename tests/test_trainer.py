@@ -224,6 +224,24 @@ def test_fields_of_the_wrong_type_are_refused_by_name(path, value, expected):
     TrainConfig.from_config_dict(c)
 
 
+@pytest.mark.parametrize("path, value, message", [
+    ("mesh.data", -2, "config.mesh.data=-2; expected a positive size or -1"),
+    ("critic_model.num_heads", 3, "config.critic_model.num_heads=3 must be a multiple of "
+                                  "config.critic_model.num_kv_heads=2"),
+    ("model.hidden_size", 66, "config.model.hidden_size=66 must be divisible by "
+                              "config.model.num_heads=4 when config.model.head_dim is 0"),
+])
+def test_shared_classes_name_the_field_as_the_command_line_does(path, value, message):
+  """MeshConfig and ModelConfig, shared beyond the trainer, name their fields without
+  "config.", and a critic_model message named the actor's model.num_kv_heads."""
+  c = ppo_tiny.get_config().to_dict()
+  section, field = path.split(".")
+  c[section][field] = value
+  with pytest.raises(ValueError) as e:
+    TrainConfig.from_config_dict(c)
+  assert str(e.value).startswith(message), str(e.value)
+
+
 def test_unknown_field_is_rejected():
   c = ppo_tiny.get_config().to_dict()
   c["algo"]["clip_epsilon"] = 0.1

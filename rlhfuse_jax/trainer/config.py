@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Any, Mapping, Optional
 
 from rlhfuse_jax.data import rewards as rewards_lib
@@ -635,7 +636,14 @@ class TrainConfig:
     kwargs = {}
     for name, klass in SECTIONS.items():
       try:
-        kwargs[name] = _build(klass, d.pop(name, {}), name)
+        try:
+          kwargs[name] = _build(klass, d.pop(name, {}), name)
+        except ValueError as e:
+          if str(e).startswith("config"):
+            raise
+          # A class the trainer shares with other code (MeshConfig) names its field without
+          # "config.": "mesh.data=-2; expected a positive size or -1".
+          raise ValueError(f"config.{e}") from None
       except ValueError as e:
         plan_file = (cd_plan or {}).get("file", "")
         # Named when the field the error names is one the file set (plan.*, mesh.*,
@@ -784,7 +792,10 @@ def _build_model(section: Mapping[str, Any], prefix: str, head: str = "lm") -> M
   except ValueError as e:
     msg = str(e)  # ModelConfig's own checks say "model."; _build's name the prefix already
     if not msg.startswith(f"config.{prefix}"):
-      msg = msg.replace("model.", f"{prefix}.", 1)
+      # Every field it names, as the command line spells it: the critic's num_kv_heads was
+      # "model.num_kv_heads", the actor's, in "critic_model.num_heads=3 must be a multiple of
+      # model.num_kv_heads=2".
+      msg = re.sub(r"(?<![\w.])model\.", f"config.{prefix}.", msg)
     raise ValueError(msg) from None
 
 
