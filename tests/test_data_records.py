@@ -158,6 +158,10 @@ def test_file_level_errors(tmp_path):
     load_records(str(tmp_path / "bad.parquet"))
   with pytest.raises(FileNotFoundError, match="prompts file not found"):
     load_records(str(tmp_path / "missing.jsonl"))
+  # A directory is there: "not found" sent the user looking for it.
+  with pytest.raises(ValueError, match=f"^{tmp_path} is a directory; expected a JSONL or "
+                                       "parquet file of prompts$"):
+    load_records(str(tmp_path))
   # Invalid JSON anywhere is reported before a missing field on an earlier line.
   with pytest.raises(ValueError, match=r"d\.jsonl:3: invalid JSON"):
     load_records(_jsonl(tmp_path / "d.jsonl", ['{"q": "a"}', '{"prompt": "b"}', '{"prompt":']),

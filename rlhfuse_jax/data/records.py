@@ -167,6 +167,8 @@ def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSW
   a run without verification may hold without answers). Errors name the file and the row; a line
   that is not JSON is reported before any row's missing field.
   """
+  if os.path.isdir(path):  # "not found" sent the user looking for a path that is there
+    raise ValueError(f"{path} is a directory; expected a JSONL or parquet file of prompts")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"prompts file not found: {path}")
   records = []
