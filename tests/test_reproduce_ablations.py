@@ -59,15 +59,20 @@ def test_config_errors_name_the_field():
   from configs import ablations as cfg_mod
   c = cfg_mod.get_config()
   c.pairs = "llama-13b"
-  with pytest.raises(ValueError, match="pairs: 'llama-13b' must be 'actor/critic'"):
+  with pytest.raises(ValueError, match=r"^config\.pairs: 'llama-13b' must be 'actor/critic'"):
     ablations.AblationConfig.from_config_dict(c)
   c = cfg_mod.get_config()
   c.systems = "rlhfuse,verl"
-  with pytest.raises(ValueError, match="unknown \\['verl'\\]"):
+  with pytest.raises(ValueError, match="^config\\.systems: unknown \\['verl'\\]"):
     ablations.AblationConfig.from_config_dict(c)
   c = cfg_mod.get_config()
   c.minibatch = 60
-  with pytest.raises(ValueError, match="global_batch=512 must be divisible by minibatch=60"):
+  with pytest.raises(ValueError, match=r"^config\.global_batch=512 must be divisible by "
+                                       r"config\.minibatch=60"):
+    ablations.AblationConfig.from_config_dict(c)
+  c = cfg_mod.get_config()
+  c.pairs = "llama-99b/llama-13b"  # the message named the shape, not the field that gave it
+  with pytest.raises(ValueError, match=r"^config\.pairs: unknown model shape 'llama-99b'"):
     ablations.AblationConfig.from_config_dict(c)
   # Rt candidates outside [0, 1] failed inside the simulation, named as an internal field.
   for value in ("0.1,2", "0.1,x"):

@@ -73,14 +73,17 @@ class AblationConfig:
         raise ValueError(f"config.{name}={v!r}: expected an integer >= 1")
     get_hardware(self.hardware)
     for a, c in self.pairs:
-      self.shape(a)
-      self.shape(c)
+      try:
+        self.shape(a)
+        self.shape(c)
+      except ValueError as e:
+        raise ValueError(f"config.pairs: {e}") from None
     unknown = [s for s in self.systems if s not in it.SYSTEMS]
     if unknown:
-      raise ValueError(f"systems: unknown {unknown}; known: {list(it.SYSTEMS)}")
+      raise ValueError(f"config.systems: unknown {unknown}; known: {list(it.SYSTEMS)}")
     if self.sim.staleness < 0 or self.sim.async_split_unit < 0:
-      raise ValueError(f"sim.staleness={self.sim.staleness} and sim.async_split_unit="
-                       f"{self.sim.async_split_unit} must be >= 0")
+      raise ValueError(f"config.sim.staleness={self.sim.staleness} and config.sim."
+                       f"async_split_unit={self.sim.async_split_unit} must be >= 0")
     if "pipe_rlhf_async" in self.systems and self.sim.staleness < 1:
       raise ValueError(f"config.sim.staleness={self.sim.staleness}: pipe_rlhf_async (in "
                        "config.systems) needs a staleness >= 1 (updates the generating policy "
@@ -88,13 +91,14 @@ class AblationConfig:
                        "config.systems (e.g. --config.systems=pipe_rlhf; plan_search also "
                        "takes --config.systems= for no systems' comparison)")
     if any(m < 1 for m in self.max_new_tokens):
-      raise ValueError(f"max_new_tokens={self.max_new_tokens} must all be >= 1")
+      raise ValueError(f"config.max_new_tokens={self.max_new_tokens} must all be >= 1")
     if self.global_batch % self.minibatch:
-      raise ValueError(f"global_batch={self.global_batch} must be divisible by minibatch="
-                       f"{self.minibatch}")
+      raise ValueError(f"config.global_batch={self.global_batch} must be divisible by "
+                       f"config.minibatch={self.minibatch}")
     n = len(self.pairs) * len(self.max_new_tokens)
     if not -n <= self.figure_setting < n:
-      raise ValueError(f"figure_setting={self.figure_setting} must index one of the {n} settings")
+      raise ValueError(f"config.figure_setting={self.figure_setting} must index one of the {n} "
+                       "settings")
     object.__setattr__(self, "figure_setting", self.figure_setting % n)
 
   def shape(self, name: str, head: str = "lm") -> ModelShape:
@@ -107,7 +111,8 @@ class AblationConfig:
     def pair(p: str) -> tuple[str, str]:
       parts = p.split("/")
       if len(parts) != 2:
-        raise ValueError(f"pairs: {p!r} must be 'actor/critic', e.g. 'llama-13b/llama-13b'")
+        raise ValueError(f"config.pairs: {p!r} must be 'actor/critic', e.g. "
+                         "'llama-13b/llama-13b'")
       return parts[0].strip(), parts[1].strip()
 
     def own_shape(s: str) -> tuple:
