@@ -36,6 +36,7 @@ shows the executed tick table.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -138,8 +139,21 @@ def check_inputs(c) -> None:
     length_spec(c).sample(np.random.default_rng(0), 1)  # an empirical file is read here
   except (ValueError, FileNotFoundError) as e:
     raise ValueError(f"config.lengths: {e}") from None
+  try:
+    model = llama.ModelConfig(**c.model.to_dict())
+  except ValueError as e:
+    # Its checks say "model.<field>": every field they name, as the command line spells it.
+    raise ValueError(re.sub(r"(?<![\w.])model\.", "config.model.", str(e))) from None
+  need = g.prompt_len + g.max_new_tokens
+  if need > model.max_seq_len:
+    raise ValueError(f"config.generation.prompt_len + config.generation.max_new_tokens = {need} "
+                     f"exceeds config.model.max_seq_len={model.max_seq_len}: a prompt and its "
+                     "response must fit the model's context (raise the one or lower the others)")
   if not c.generation.get("pipeline_stages"):
-    fused_config(c, jax.device_count())  # e.g. generation.slots=0, named by its field
+    # e.g. generation.slots=0, or too few slots for the batch, named by its field (the second
+    # was found by the generator, after the earlier run's outputs had moved aside)
+    fused_lib.check_layout(fused_config(c, jax.device_count()), c.batch_size,
+                           jax.device_count())
   # The sampling settings (a temperature of -1 moved the earlier outputs aside, then failed)
   # and the warm-up count (-1 ran none: the first timed batch compiled, its ratio 0.32 vs 0.81).
   try:

@@ -56,7 +56,14 @@ def test_bad_batch_inputs_fail_before_the_earlier_results_move_or_anything_compi
            ({"generation.slots": 0}, "config.generation.slots=0: expected an integer >= 1"),
            # (these moved the earlier outputs aside, or ran no warm-up and timed the compiles)
            ({"generation.temperature": -1.0}, "config.generation: sampling.temperature=-1.0"),
-           ({"warmup": -1}, "config.warmup=-1: expected an integer >= 0")]
+           ({"warmup": -1}, "config.warmup=-1: expected an integer >= 0"),
+           # (found by the generator once the earlier outputs had moved aside)
+           ({"generation.slots": 3}, "config.generation.slots=3: 8 samples dealt to "
+            "num_instances=2 put 4 in one instance; expected slots >= 4"),
+           ({"model.max_seq_len": 20}, "config.generation.prompt_len + config.generation."
+            "max_new_tokens = 22 exceeds config.model.max_seq_len=20"),
+           ({"model.num_heads": 3}, "config.model.num_heads=3 must be a multiple of "
+            "config.model.num_kv_heads=2")]
   for overrides, message in cases:
     c = bench_config.get_config("tiny")
     for key, value in overrides.items():
