@@ -582,6 +582,34 @@ def test_pipeline_fields_on_an_unpipelined_mesh_are_warned_about(caplog):
             "mesh.stage=1" in caplog.text) == warned, caplog.text
 
 
+@pytest.mark.parametrize("overrides, warned", [
+    ({"fusion.num_instances": 4, "fusion.migration_threshold": "0.5"},
+     "config.fusion.num_instances=4, config.fusion.migration_threshold=0.5 not used: "
+     "config.fusion.inter_stage=False"),
+    ({"reward.model_checkpoint": "/models/rm"},
+     "config.reward.model_checkpoint='/models/rm' not used: reward.kind='function' loads no "
+     "reward model"),
+    ({"reward.format_weight": 3.0},
+     "config.reward.format_weight=3.0 not used: no reward.format to weigh"),
+    ({}, None),
+])
+def test_fusion_and_reward_fields_a_run_does_not_read_are_warned_about(caplog, overrides,
+                                                                        warned):
+  """Inter-stage fusion fields without fusion.inter_stage, a reward model's checkpoint without
+  reward.kind='model' and a format weight without a format were ignored without a word."""
+  from rlhfuse_jax.trainer.validate import validate
+  cfg = tiny_config(**overrides)
+  _, tokenizer = build.build_task_and_tokenizer(cfg)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    validate(build.resolve_config(cfg, tokenizer), mesh_lib.make_mesh(
+        mesh_lib.MeshConfig(data=8)))
+  if warned:
+    assert warned in caplog.text, caplog.text
+  else:
+    assert "not used" not in caplog.text, caplog.text
+
+
 def test_critic_settings_of_a_critic_free_run_are_warned_about(caplog):
   """A critic-free estimator ignores the critic's settings (and grpo/rloo the discount): a
   critic checkpoint or lambda set away from the defaults were ignored without a word. The

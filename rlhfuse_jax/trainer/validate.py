@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from rlhfuse_jax.generation import fused as fused_lib
 from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.rl import advantages as adv_lib
@@ -55,6 +56,16 @@ def _reward_unused(cfg: TrainConfig) -> list[str]:
   made for a verifier, switched to reward.kind='model', kept it in its config.json silently;
   reward.format adds to the model's score)."""
   return set_fields(cfg, "reward", ["function"]) if cfg.reward.kind == "model" else []
+
+
+def _fusion_unused(cfg: TrainConfig) -> list[str]:
+  """The inter-stage fusion fields (generation/fused.FusionFields: the instances, Rt, the
+  consolidations) that a run without fusion.inter_stage and without plan.generation=
+  'instances' ignores: --config.fusion.num_instances=4 alone generated serially without a
+  word."""
+  if cfg.fusion.inter_stage or cfg.plan.generation == "instances":
+    return []
+  return set_fields(cfg, "fusion", [f.name for f in dataclasses.fields(fused_lib.FusionFields)])
 
 
 def _async_unused(cfg: TrainConfig) -> None:
@@ -160,6 +171,15 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
               "critic and computes its advantages without them")
   _async_unused(cfg)
   warn_unused(_reward_unused(cfg), "reward.kind='model': the reward model scores every sample")
+  # A reward model's path without reward.kind='model', a weight without a format: ignored
+  # without a word, as the fusion fields below were.
+  if cfg.reward.kind != "model":
+    warn_unused(set_fields(cfg, "reward", ["model_checkpoint"]),
+                f"reward.kind={cfg.reward.kind!r} loads no reward model (reward.kind='model' does)")
+  if not cfg.reward.format:
+    warn_unused(set_fields(cfg, "reward", ["format_weight"]), "no reward.format to weigh")
+  warn_unused(_fusion_unused(cfg), "config.fusion.inter_stage=False (they lay out and steer "
+              "the fused generation instances)")
   if cfg.rollout.top_k > cfg.model.vocab_size:
     raise ValueError(f"config.rollout.top_k={cfg.rollout.top_k} exceeds the actor's vocabulary "
                      f"(model.vocab_size={cfg.model.vocab_size}); 0 samples from all of it")
