@@ -591,12 +591,14 @@ def test_pipeline_fields_on_an_unpipelined_mesh_are_warned_about(caplog):
      "reward model"),
     ({"reward.format_weight": 3.0},
      "config.reward.format_weight=3.0 not used: no reward.format to weigh"),
+    ({"data.val_max_prompts": 5}, "config.data.val_max_prompts=5 not used: no held-out prompts"),
     ({}, None),
 ])
 def test_fusion_and_reward_fields_a_run_does_not_read_are_warned_about(caplog, overrides,
                                                                         warned):
   """Inter-stage fusion fields without fusion.inter_stage, a reward model's checkpoint without
-  reward.kind='model' and a format weight without a format were ignored without a word."""
+  reward.kind='model', a format weight without a format and a cap on held-out prompts without
+  any were ignored without a word."""
   from rlhfuse_jax.trainer.validate import validate
   cfg = tiny_config(**overrides)
   _, tokenizer = build.build_task_and_tokenizer(cfg)

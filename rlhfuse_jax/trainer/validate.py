@@ -180,6 +180,9 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     warn_unused(set_fields(cfg, "reward", ["format_weight"]), "no reward.format to weigh")
   warn_unused(_fusion_unused(cfg), "config.fusion.inter_stage=False (they lay out and steer "
               "the fused generation instances)")
+  if not cfg.data.has_validation_set:
+    warn_unused(set_fields(cfg, "data", ["val_max_prompts"]), "no held-out prompts (set "
+                "data.val_file or data.val_fraction, and eval_every)")
   if cfg.rollout.top_k > cfg.model.vocab_size:
     raise ValueError(f"config.rollout.top_k={cfg.rollout.top_k} exceeds the actor's vocabulary "
                      f"(model.vocab_size={cfg.model.vocab_size}); 0 samples from all of it")
