@@ -245,6 +245,8 @@ def parse_flags(argv: list[str]) -> list[str]:
   if problem:
     _fatal(problem)
   workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None
+  if workdir is not None and not workdir.strip():  # --workdir= (an unset shell variable)
+    _fatal(f"--workdir={workdir!r}: expected a directory (new or a run's own)")
   if workdir and os.path.exists(workdir) and not os.path.isdir(workdir):
     _fatal(f"--workdir={workdir!r} is a file; expected a directory (new or a run's own)")
   problem = workdir and "://" not in workdir and unwritable(workdir)

@@ -153,6 +153,14 @@ def test_a_workdir_that_is_a_file_and_a_variant_of_a_config_without_any(tmp_path
       "--config='plain.py:e3': plain.py's get_config() takes no variant (':e3')")
 
 
+def test_an_empty_workdir_is_named_at_once(tmp_path):
+  """--workdir= (an unset shell variable: --workdir=$OUT) passed absl's required-flag check and
+  ended deep in the binary as "FileNotFoundError: [Errno 2] No such file or directory: ''"."""
+  for value in ("", " "):
+    assert _fatal_line(_run(tmp_path, "--config=cfg.py", f"--workdir={value}")) == (
+        f"--workdir={value!r}: expected a directory (new or a run's own)")
+
+
 def test_a_workdir_that_cannot_be_written_is_named_at_once(tmp_path, monkeypatch):
   """A workdir under a file or on a read-only place is one flag line naming the path, before the
   binary runs (it was an OSError traceback from os.makedirs deep in the binary, and for a
