@@ -117,7 +117,8 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   assert rows[1]["status"].startswith("failed")
   assert "searched" not in rows[1]
   # The summary says why (it said only "failed (exit 1)"): the run's own error line.
-  assert rows[1]["error"].startswith("ValueError: actor_pp=6 must be divisible by critic_pp=4")
+  assert rows[1]["error"].startswith("ValueError: config.actor_pp=6 must be divisible by "
+                                     "critic_pp=4")
   assert "error" not in rows[0]
   md = (tmp_path / "sw" / "summary.md").read_text()
   assert "| run |" in md and "failed" in md and "ok4" in md
