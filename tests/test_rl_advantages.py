@@ -130,6 +130,21 @@ def test_rloo_matches_leave_one_out_loop():
   np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6)
 
 
+def test_rloo_is_exact_for_scores_far_from_zero():
+  """Scores with a large common offset (a reward model's bias, rewards in large units): the
+  leave-one-out baselines match a float64 loop on the same float32 scores, and a tied group is
+  exactly 0. The float32 group sum was rounded to the offset's precision, which biased every
+  advantage of the group (for 3e5: by 0.03 against differences of 0.1)."""
+  for offset in (3e5, 1e6, 0.1):
+    spread = np.array([0.1, 0.0, 0.0, 0.1, 0.25, 0.0, 0.75, 0.5, 0.0, 0.0, 0.0, 0.0])
+    scores = np.float32(offset + spread)  # the last group ties
+    adv = np.asarray(adv_lib.rloo_advantages(scores, np.ones((12, 2), np.float32), 4)[0])[:, 0]
+    grouped = scores.astype(np.float64).reshape(3, 4)
+    want = grouped - (grouped.sum(1, keepdims=True) - grouped) / 3
+    np.testing.assert_allclose(adv, want.reshape(-1), rtol=1e-5, atol=1e-6, err_msg=offset)
+    np.testing.assert_array_equal(adv[8:], 0.0)
+
+
 def test_reinforce_pp_is_whitened_discounted_return():
   rewards, _, mask = _batch(6)
   gamma = 0.9

@@ -153,6 +153,10 @@ def rloo_advantages(scores: jax.Array, mask: jax.Array, group_size: int) -> Pair
   """
   _check_groups(scores.shape[0], group_size, 2)
   grouped = scores.astype(jnp.float32).reshape(-1, group_size)  # [num_prompts, group_size]
+  # Shifted by the group's first score, as in grpo_advantages (the estimator is shift-invariant):
+  # unshifted, the float32 sum of four scores near 3e5 is rounded to a multiple of 0.125, and
+  # the group [3e5 + 0.1, 3e5, 3e5, 3e5 + 0.1] got [0.03, -0.09, -0.09, 0.03] for +-0.0625.
+  grouped = grouped - grouped[:, :1]
   others_mean = (jnp.sum(grouped, axis=-1, keepdims=True) - grouped) / (group_size - 1)
   adv = jnp.where(mask > 0, (grouped - others_mean).reshape(-1)[:, None], 0.0)
   return adv, adv
