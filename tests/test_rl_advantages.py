@@ -117,6 +117,25 @@ def test_grpo_group_stats():
       assert np.abs(np.asarray(adv)[size:]).max() > 0.5
 
 
+def test_grpo_and_reinforce_pp_keep_their_signal_for_huge_scores():
+  """Scores within float32's range (which the reward check lets through) but beyond ~1.8e19
+  give the advantages a float64 reference does. The std's squares overflowed: the group's (or
+  the batch's) std was inf and every advantage 0, with nothing non-finite to stop the run."""
+  scores = np.float32([1e20, 0, 0, 0, 1e30, -1e30, 1e30, 1e30, 3e38, -3e38, 3e38, 3e38])
+  adv = np.asarray(adv_lib.grpo_advantages(scores, np.ones((12, 2), np.float32), 4)[0])[:, 0]
+  grouped = scores.astype(np.float64).reshape(3, 4)
+  want = (grouped - grouped.mean(1, keepdims=True)) / grouped.std(1, ddof=1, keepdims=True)
+  np.testing.assert_allclose(adv, want.reshape(-1), rtol=1e-5)
+  centred = np.asarray(adv_lib.dr_grpo_advantages(scores[:8], np.ones((8, 2)), 4)[0])[:, 0]
+  np.testing.assert_allclose(centred, (grouped - grouped.mean(1, keepdims=True))[:2].ravel(),
+                             rtol=1e-5)
+  mask = np.array([[1, 1, 0], [1, 0, 0]], np.float32)
+  rewards = np.float32([[0, 1e20, 0], [3e19, 0, 0]])
+  adv = np.asarray(adv_lib.reinforce_pp_advantages(rewards, mask, 1.0)[0])
+  v = np.array([1e20, 1e20, 3e19])
+  np.testing.assert_allclose(adv[mask > 0], (v - v.mean()) / v.std(ddof=1), rtol=1e-5)
+
+
 def test_rloo_matches_leave_one_out_loop():
   rng = np.random.default_rng(4)
   g = 3

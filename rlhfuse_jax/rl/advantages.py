@@ -126,6 +126,11 @@ def grpo_advantages(scores: jax.Array, mask: jax.Array, group_size: int, eps: fl
   """
   _check_groups(scores.shape[0], group_size, 2)
   grouped = scores.astype(jnp.float32).reshape(-1, group_size)  # [num_prompts, group_size]
+  # Divided by a power of two (exactly) that brings the group's largest score below 4: the
+  # squares of the std cannot overflow. Scores beyond ~1.8e19 had an infinite std, and every
+  # sample of the group got an advantage of 0.
+  scale = masked.power_of_two_scale(jnp.max(jnp.abs(grouped), axis=-1, keepdims=True))
+  grouped = grouped / scale
   # Shifted by the group's first score first: a group whose scores tie is then exactly zero.
   # Unshifted, the float32 mean of e.g. eight 0.1s is off by ~1e-8, its std is ~1e-8 too, and
   # eps does not hide it: every sample got the same advantage, up to about +-0.1.
@@ -133,7 +138,9 @@ def grpo_advantages(scores: jax.Array, mask: jax.Array, group_size: int, eps: fl
   centred = grouped - jnp.mean(grouped, axis=-1, keepdims=True)
   if normalize_std:
     std = jnp.std(grouped, axis=-1, keepdims=True, ddof=1)
-    centred = centred / (std + eps)
+    centred = centred / (std + eps / scale)
+  else:
+    centred = centred * scale
   adv = jnp.where(mask > 0, centred.reshape(-1)[:, None], 0.0)  # [batch, resp_len]
   return adv, adv
 

@@ -41,6 +41,18 @@ def masked_mean(x: jax.Array, mask: jax.Array, axis: Axis = None) -> jax.Array:
   return masked_sum(x, mask, axis=axis) / _safe_count(mask, axis)
 
 
+def power_of_two_scale(magnitude: jax.Array) -> jax.Array:
+  """The largest power of two <= `magnitude` where that is >= 1, else 1 (elementwise), at most
+  2**126 (its reciprocal, which XLA may divide by, is then still a normal float32).
+
+  Dividing by it is exact and brings values of that magnitude into [1, 4), so that their squares
+  (a variance, a std) cannot overflow float32 for values beyond ~1.8e19; the results are those
+  of the unscaled values with eps rescaled, as a variance's eps / scale**2."""
+  _, exponent = jnp.frexp(magnitude)
+  exponent = jnp.minimum(exponent - 1, 126)
+  return jnp.where(magnitude >= 1, jnp.ldexp(jnp.ones_like(magnitude), exponent), 1.0)
+
+
 def _pivot(x: jax.Array, mask: jax.Array, axis: Axis) -> jax.Array:
   """A valid value of `x` (the first) over `axis` (None or one axis; 0 for several axes or where
   nothing is valid), with the reduced axes kept: what the variance subtracts first."""
@@ -85,11 +97,17 @@ def masked_whiten(x: jax.Array, mask: jax.Array, shift_mean: bool = True,
   # out as up to +-0.36 for 768 returns of 123.456 each (+-0.005 for 0.3 each), all one sign.
   pivot = _pivot(x, mask, None)
   x = x - pivot
+  # Whitening does not change with the values' scale: a power of two brings their deviations
+  # below 2 (exactly), whose squares cannot overflow. Deviations beyond ~1.8e19 had an infinite
+  # variance, and every whitened value was 0.
+  valid = _valid(jnp.broadcast_to(mask, x.shape))
+  scale = power_of_two_scale(jnp.max(jnp.where(valid, jnp.abs(x), 0.0)))
+  x = x / scale
   mean = masked_mean(x, mask)
   var = masked_var(x, mask)
-  whitened = (x - mean) * jax.lax.rsqrt(var + eps)
+  whitened = (x - mean) * jax.lax.rsqrt(var + eps / scale / scale)
   if not shift_mean:
-    whitened = whitened + (mean + pivot)
+    whitened = whitened + (mean * scale + pivot)
   return jnp.where(_valid(jnp.broadcast_to(mask, x.shape)), whitened, 0.0)
 
 
