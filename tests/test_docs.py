@@ -415,3 +415,72 @@ def test_usage_names_every_registered_reward_and_task():
   row = next(line for line in text.splitlines() if line.startswith("| data |"))
   missing = [name for name in tasks.TASKS if f"`{name}`" not in row]
   assert not missing, f"docs/usage.md's data row does not name the tasks {missing}"
+
+
+# `field` (value ...: a default as usage.md's train_ppo table quotes it. The value is a number,
+# True/False, "" or a backticked word (`"auto"`, `uniform`); an optional one-letter symbol may
+# stand between the field and the parenthesis (`rollout.prompts_per_iteration` B (32)).
+_QUOTED_DEFAULT = re.compile(r"`([a-z_][a-z_0-9.]*)`(?:(?: [A-Za-z])? \("
+                             r"(-?[0-9][0-9.e+-]*|True|False|\"\"|`[^`]+`)[ ),;:])?")
+
+
+def _quoted_defaults(row: str) -> list[tuple[str, str]]:
+  """(field, quoted value) of each default in one table row; a field without a section is in the
+  section of the last dotted field before it (`rollout.max_new_tokens` (16), `temperature` (1.0)).
+  """
+  found, section = [], ""
+  for m in _QUOTED_DEFAULT.finditer(row):
+    name, quoted = m.groups()
+    if "." in name:  # any dotted field sets the section
+      section = name.split(".")[0]
+    elif section:
+      name = f"{section}.{name}"
+    if quoted:
+      found.append((name, quoted))
+  return found
+
+
+def test_usage_quotes_the_train_ppo_defaults_of_defaults():
+  """usage.md's table of the fields a run sets first quotes each default in parentheses; every
+  quoted value equals config.defaults()'s (a default changed in a dataclass without the table, or
+  a number mistyped there, fails here)."""
+  from rlhfuse_jax.trainer import config as config_lib
+  defaults = config_lib.defaults()
+  text = _read("docs/usage.md")
+  table = text[text.index("| what | fields (default) |"):]
+  table = table[:table.index("\n\n")]
+  checked, bad = 0, []
+  for row in table.splitlines()[2:]:
+    for name, quoted in _quoted_defaults(row):
+      value = defaults
+      for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+          bad.append(f"{name} (quoted {quoted}) is not a field of defaults()")
+          break
+        value = value[part]
+      else:
+        want = quoted.strip("`").strip('"') if quoted.startswith(("`", '"')) else quoted
+        if isinstance(value, bool) or isinstance(value, str):
+          same = str(value) == want
+        else:
+          same = float(want) == float(value)
+        checked += 1
+        if not same:
+          bad.append(f"{name}: the table quotes {quoted}, defaults() has {value!r}")
+  assert checked >= 30, f"only {checked} defaults found in the table: did its format change?"
+  assert not bad, "docs/usage.md's train_ppo defaults table: " + "; ".join(bad)
+
+
+def test_usage_lists_the_fields_a_resume_may_change():
+  """usage.md's "A resume may change ..." sentence (Faults and resuming) names exactly
+  config.RESUMABLE_FIELDS (`checkpoint.*` standing for that section's): a field added there and
+  not here is a resume users do not know they may make, one named here only is refused."""
+  from rlhfuse_jax.trainer import config as config_lib
+  text = _read("docs/usage.md")
+  start = text.index("A resume may change")
+  sentence = text[start:text.index("The LR schedule spans", start)]
+  named = set(re.findall(r"`([a-z_][a-z_0-9.*]*)`", sentence))
+  fields = {f for f in config_lib.RESUMABLE_FIELDS if not f.startswith("checkpoint.")}
+  named.discard("checkpoint.*")
+  assert named == fields, (f"docs/usage.md names {sorted(named - fields)} that a resume may not "
+                           f"change and leaves out {sorted(fields - named)}")
