@@ -440,35 +440,44 @@ def _quoted_defaults(row: str) -> list[tuple[str, str]]:
   return found
 
 
+def _table(text: str, header: str) -> list[str]:
+  """The body rows of the Markdown table whose header line starts with `header`."""
+  table = text[text.index(header):]
+  return table[:table.index("\n\n")].splitlines()[2:]
+
+
 def test_usage_quotes_the_train_ppo_defaults_of_defaults():
-  """usage.md's table of the fields a run sets first quotes each default in parentheses; every
-  quoted value equals config.defaults()'s (a default changed in a dataclass without the table, or
-  a number mistyped there, fails here)."""
+  """usage.md's table of the fields a run sets first quotes each default in parentheses, and
+  its own-data table has a default column; every quoted value equals config.defaults()'s (a
+  default changed in a dataclass without the tables, or a number mistyped there, fails here)."""
   from rlhfuse_jax.trainer import config as config_lib
   defaults = config_lib.defaults()
   text = _read("docs/usage.md")
-  table = text[text.index("| what | fields (default) |"):]
-  table = table[:table.index("\n\n")]
+  quoted_defaults = [q for row in _table(text, "| what | fields (default) |")
+                     for q in _quoted_defaults(row)]
+  for row in _table(text, "| field | default | what it does |"):
+    name, value = (cell.strip().strip("`") for cell in row.split("|")[1:3])
+    quoted_defaults.append((name, value if re.fullmatch(r"[-0-9.e]+|True|False|\"\"", value)
+                            else f"`{value}`"))
   checked, bad = 0, []
-  for row in table.splitlines()[2:]:
-    for name, quoted in _quoted_defaults(row):
-      value = defaults
-      for part in name.split("."):
-        if not isinstance(value, dict) or part not in value:
-          bad.append(f"{name} (quoted {quoted}) is not a field of defaults()")
-          break
-        value = value[part]
+  for name, quoted in quoted_defaults:
+    value = defaults
+    for part in name.split("."):
+      if not isinstance(value, dict) or part not in value:
+        bad.append(f"{name} (quoted {quoted}) is not a field of defaults()")
+        break
+      value = value[part]
+    else:
+      want = quoted.strip("`").strip('"') if quoted.startswith(("`", '"')) else quoted
+      if isinstance(value, bool) or isinstance(value, str):
+        same = str(value) == want
       else:
-        want = quoted.strip("`").strip('"') if quoted.startswith(("`", '"')) else quoted
-        if isinstance(value, bool) or isinstance(value, str):
-          same = str(value) == want
-        else:
-          same = float(want) == float(value)
-        checked += 1
-        if not same:
-          bad.append(f"{name}: the table quotes {quoted}, defaults() has {value!r}")
-  assert checked >= 30, f"only {checked} defaults found in the table: did its format change?"
-  assert not bad, "docs/usage.md's train_ppo defaults table: " + "; ".join(bad)
+        same = float(want) == float(value)
+      checked += 1
+      if not same:
+        bad.append(f"{name}: the table quotes {quoted}, defaults() has {value!r}")
+  assert checked >= 40, f"only {checked} defaults found in the tables: did their format change?"
+  assert not bad, "docs/usage.md's defaults: " + "; ".join(bad)
 
 
 def test_usage_lists_the_fields_a_resume_may_change():
