@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rlhfuse_jax.models import attention as attention_lib
+from rlhfuse_jax.models import param_count
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 HEADS = ("lm", "scalar")
@@ -170,19 +171,7 @@ class ModelConfig:
 
   def num_params(self) -> int:
     """Parameter count (used for FLOP estimates and the simulator)."""
-    e, f, d = self.hidden_size, self.intermediate_size, self.head_dim_
-    attn = e * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * e
-    if self.qkv_bias:
-      attn += d * (self.num_heads + 2 * self.num_kv_heads)
-    if self.o_bias:
-      attn += e
-    if self.qk_norm:
-      attn += 2 * d
-    layer = attn + 3 * e * f + 2 * e
-    embed = self.vocab_size * e
-    head = 0 if (self.tie_embeddings and self.head == "lm") else (
-        self.vocab_size * e if self.head == "lm" else e + 1)
-    return self.num_layers * layer + embed + head + e
+    return param_count.num_params(self)
 
 
 def cache_bits_dtype(dtype) -> jnp.dtype:

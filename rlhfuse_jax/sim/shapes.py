@@ -19,6 +19,8 @@ import json
 import os
 from typing import Any
 
+from rlhfuse_jax.models import param_count
+
 HEADS = ("lm", "scalar")
 
 
@@ -64,22 +66,8 @@ class ModelShape:
     return f"tp{tp} does not divide {self.name}'s {', '.join(bad)}" if bad else None
 
   def num_params(self) -> int:
-    """Same count as ModelConfig.num_params() (models/ may not import the simulator, nor the
-    simulator jax: tests/test_sim_presets.py checks both against the built parameter tree for
-    every flag that adds parameters)."""
-    e, f, d = self.hidden_size, self.intermediate_size, self.head_dim_
-    attn = e * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * e
-    if self.qkv_bias:
-      attn += d * (self.num_heads + 2 * self.num_kv_heads)
-    if self.o_bias:
-      attn += e
-    if self.qk_norm:
-      attn += 2 * d
-    layer = attn + 3 * e * f + 2 * e
-    embed = self.vocab_size * e
-    head = 0 if (self.tie_embeddings and self.head == "lm") else (
-        self.vocab_size * e if self.head == "lm" else e + 1)
-    return self.num_layers * layer + embed + head + e
+    """Same count as ModelConfig.num_params() (models/param_count.py, which imports no jax)."""
+    return param_count.num_params(self)
 
   def layer_matmul_params(self) -> int:
     """Weights of one decoder layer that take part in matrix products (no norms or biases)."""
