@@ -5,6 +5,7 @@ with a changed config is refused field by field; the LR schedule continues acros
 metrics are written exactly once; one run per workdir; a damaged checkpoint falls back to the
 intact one; a failed save or kill -9 loses nothing; bad inputs name the file and the field.
 """
+import dataclasses
 import json
 import os
 import re
@@ -87,6 +88,36 @@ def test_nonfinite_gradients_stop_or_are_skipped(tmp_path):
   assert float(lr(4 - 2)) != float(lr(4 - 1))  # warmup: the schedule moves every step
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(_params(skip)))
   assert all(np.isfinite(h["actor/pg_loss"]) for h in history)  # means over finite steps
+
+
+def test_a_nonfinite_rollout_stops_before_any_update_naming_what_and_the_sample(tmp_path):
+  """A reward model's NaN (here: poisoned scores of samples 3 and 5, and one critic value inside
+  sample 7's response) stops the run before any update trains on it, naming each part, its
+  count and first sample; the advice is to check the reward, not to lower the learning rate.
+  NaN values in a response's padding are not the run's: they pass."""
+  trainer = PPOTrainer(tiny_config(), str(tmp_path))
+  orig, updates = trainer._generate, []
+
+  def generate(iteration, params, version):
+    gen = orig(iteration, params, version)
+    scores, values = gen.scores.copy(), gen.values.copy()
+    scores[[3, 5]] = np.nan
+    values[7, 0] = np.inf
+    values[np.arange(len(values)), -1] = np.where(gen.response_lens < values.shape[1], np.nan,
+                                                  values[:, -1])  # padding only
+    return dataclasses.replace(gen, scores=scores, values=values)
+  trainer._generate = generate
+  orig_update = trainer.update._fn
+  trainer.update._fn = lambda *a: updates.append(1) or orig_update(*a)
+  with pytest.raises(loop.NonFiniteError) as e:
+    trainer.run()
+  msg = str(e.value)
+  assert ("iteration 1: non-finite values: the rollout's reward of 2 of 16 samples (first: "
+          "sample 3, nan); critic values of 1 of 16 samples (first: sample 7, inf), before any "
+          "update") in msg, msg
+  assert "check the reward" in msg and "Lower optim.actor_lr" not in msg, msg
+  assert updates == []
+  assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl")) or _steps(str(tmp_path)) == []
 
 
 def test_a_skipped_step_leaves_bfloat16_weights_and_their_float32_copy(tmp_path):

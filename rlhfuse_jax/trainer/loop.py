@@ -627,6 +627,7 @@ class PPOTrainer:
       self.checkpoints.wait()
     else:
       gen = self._current_values(self.in_flight.pop(iteration))
+    self._check_rollout_finite(iteration, gen)
     data, stats = self._advantages(gen)
     async_m: dict = {}
     if k:
@@ -731,7 +732,40 @@ class PPOTrainer:
       if not bool(_all_finite(st.params)):
         raise self._nonfinite(iteration, f"{name} parameters hold NaN/Inf after its updates")
 
-  def _nonfinite(self, iteration: int, what: str) -> NonFiniteError:
+  def _check_rollout_finite(self, iteration: int, gen: async_lib.Generated) -> None:
+    """config.guard "stop": the rollout's rewards, and its log-probs and values inside the
+    responses, before anything trains on them. A reward model's NaN (or an overflow in its
+    forward) was found only as NaN losses, with advice to lower the learning rate; this names
+    what is not finite and the first sample. ("skip_update" lets such a batch reach the update,
+    whose steps it then skips.)"""
+    if self.cfg.guard.on_nonfinite != "stop":
+      return
+    inside = np.asarray(sequences.response_mask(gen.response_lens,
+                                                self.cfg.rollout.max_new_tokens)) > 0
+    parts = [("reward", gen.scores, np.ones(gen.scores.shape, bool)),
+             ("behaviour log-probs", gen.logprobs, inside),
+             ("reference log-probs", gen.ref_logp, inside)]
+    if self.use_critic:
+      parts.append(("critic values", gen.values, inside))
+    bad = []
+    for name, values, where in parts:
+      wrong = ~np.isfinite(values) & where
+      samples = np.flatnonzero(wrong.reshape(len(wrong), -1).any(axis=-1))
+      if samples.size:
+        b = int(samples[0])
+        first = float(np.ravel(values[b])[np.ravel(wrong[b])][0])
+        bad.append(f"{name} of {samples.size} of {len(wrong)} samples (first: sample {b}, "
+                   f"{first})")
+    if bad:
+      source = (f"the reward model ({self.cfg.reward.model_checkpoint})"
+                if self.cfg.reward.kind == "model" else "the reward")
+      raise self._nonfinite(iteration, "the rollout's " + "; ".join(bad) + ", before any update",
+                            rollout_source=source)
+
+  def _nonfinite(self, iteration: int, what: str,
+                 rollout_source: Optional[str] = None) -> NonFiniteError:
+    """The guard's error; `rollout_source`: the rollout itself was not finite (its source
+    named), so the advice is to check the inputs, not to lower the learning rate."""
     last = self.checkpoints.latest_step()
     guard = self.cfg.guard
     advice = ("set guard.on_nonfinite='skip_update' to skip such optimizer steps (in a new "
@@ -739,10 +773,16 @@ class PPOTrainer:
               if guard.on_nonfinite != "skip_update" else
               f"raise guard.max_consecutive_skips={guard.max_consecutive_skips} (after that many "
               "skipped steps in a row the non-finite update is applied)")
+    kept = (f"iteration {iteration + 1}: non-finite values: {what}. Nothing of this iteration "
+            f"was written or saved; the last checkpoint ({'none' if last is None else last}) is "
+            "kept")
+    if rollout_source is not None:
+      return NonFiniteError(
+          f"{kept}. No update ran on it: check {rollout_source} and the models' dtypes "
+          "(model.dtype: a bfloat16 forward can overflow), or set "
+          "guard.on_nonfinite='skip_update' to skip the steps such a batch reaches")
     return NonFiniteError(
-        f"iteration {iteration + 1}: non-finite values: {what}. Nothing of this iteration was "
-        f"written or saved; the last checkpoint ({'none' if last is None else last}) is kept, "
-        f"but resuming it with this config repeats the same steps. Lower optim.actor_lr / "
+        f"{kept}, but resuming it with this config repeats the same steps. Lower optim.actor_lr / "
         f"optim.critic_lr or optim.grad_clip and resume naming them in "
         f"config.checkpoint.resume_changes (e.g. 'optim.actor_lr'), check the inputs, or "
         f"{advice}")
