@@ -67,6 +67,29 @@ def test_matches_numpy_adamw_with_clipping_and_decay_mask():
   assert not np.allclose(unclipped["w"], want["w"], atol=1e-4)  # clipping mattered
 
 
+def test_the_clip_takes_the_float32_norm_of_bfloat16_gradients():
+  """200 bfloat16 gradient leaves whose float32 norm is 3.62: optax's clip sums the squares in
+  bfloat16, sees 3.64 and scales the update to a norm of 3.57, not the limit 3.6 (on other
+  gradients it saw 3.547 for 3.620 and did not clip at all). On float32 gradients the clip is
+  optax's, bit for bit (same state too)."""
+  rng = np.random.default_rng(0)
+  leaves = [rng.normal(size=(16,)) for _ in range(200)]
+  scale = 3.62 / np.sqrt(sum(np.sum(np.square(x)) for x in leaves))
+  grads = {f"g{i}": jnp.asarray(x * scale, jnp.bfloat16) for i, x in enumerate(leaves)}
+  f32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+  assert float(optim.global_norm(grads)) == pytest.approx(3.62, rel=1e-2)
+  clip = optim.clip_by_global_norm(3.6)
+  clipped, _ = clip.update(grads, clip.init(grads))
+  assert jax.tree.leaves(clipped)[0].dtype == jnp.bfloat16
+  assert float(optim.global_norm(clipped)) == pytest.approx(3.6, rel=5e-3)
+  assert float(optim.global_norm(clipped)) < float(optim.global_norm(grads)) - 0.01
+  ours, theirs = clip.update(f32, clip.init(f32)), optax.clip_by_global_norm(3.6).update(
+      f32, optax.clip_by_global_norm(3.6).init(f32))
+  assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_errors_name_fields():
   with pytest.raises(ValueError, match="total_steps=5 must be > warmup_steps=5"):
     optim.make_optimizer(1e-3, 5, 5)

@@ -41,6 +41,31 @@ def _matrices_only(params: Any) -> Any:
   return mask
 
 
+def global_norm(tree) -> jax.Array:
+  """The global norm of `tree`, squared and summed in float32: optax.tree.norm does it in the
+  leaves' dtype, ~1 % off for bfloat16 gradients of a real model, 10 % with many leaves. The
+  logged actor/grad_norm and critic/grad_norm and the clip below all use it."""
+  return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), tree))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  """optax.clip_by_global_norm with `global_norm`'s float32 norm. optax's own takes the norm in
+  the gradients' dtype: with bfloat16 gradients (16-bit weights without optim.master_weights)
+  the clip compared a norm 1-2 % off the logged one, either way (3.547 or 3.641 for 3.620 over
+  200 leaves): it let an update over the limit through, or scaled it below the limit. On float32
+  gradients it runs optax's operations (same state, EmptyState: checkpoints are unchanged)."""
+
+  def update_fn(updates, state, params=None):
+    del params
+    g_norm = global_norm(updates)
+    trigger = g_norm < max_norm
+    return jax.tree.map(
+        lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm),
+        updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
 def make_optimizer(
     learning_rate: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1,
     weight_decay: float = 0.0, grad_clip: Optional[float] = 1.0, b1: float = 0.9,
@@ -64,7 +89,7 @@ def make_optimizer(
   schedule = lr_schedule(learning_rate, warmup_steps, total_steps, min_lr_ratio)
   parts = []
   if grad_clip:
-    parts.append(optax.clip_by_global_norm(grad_clip))
+    parts.append(clip_by_global_norm(grad_clip))
   parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                            mask=weight_decay_mask))
   tx = optax.chain(*parts)
