@@ -39,7 +39,8 @@ PATH_FIELDS = {
     "init.critic_checkpoint": "",
 }
 SAMPLE_BYTES = 1 << 20
-SAMPLED = (".safetensors", ".bin")  # weight shards: sampled; everything else hashed whole
+SAMPLED = (".safetensors",)  # weight shards (the only ones the loaders read): sampled; the rest
+# is hashed whole
 # What the loaders read of a checkpoint directory (models/hf_loader.py, the stop ids and the
 # export's copy of generation_config.json), and beside a tokenizer.json (data/tokenizer.py,
 # data/chat.py).
