@@ -582,6 +582,21 @@ def test_pipeline_fields_on_an_unpipelined_mesh_are_warned_about(caplog):
             "mesh.stage=1" in caplog.text) == warned, caplog.text
 
 
+@pytest.mark.parametrize("tensor, warned", [(8, True), (2, False)])
+def test_a_tensor_axis_that_does_not_divide_the_heads_is_warned_about(caplog, tensor, warned):
+  """mesh.tensor=8 with 4 query heads ran without a word (INFO only): the heads' weights stay
+  whole on every tensor device, which repeats the attention instead of splitting it."""
+  from rlhfuse_jax.trainer.validate import validate
+  cfg = tiny_config()
+  _, tokenizer = build.build_task_and_tokenizer(cfg)
+  with caplog.at_level(logging.WARNING):
+    validate(build.resolve_config(cfg, tokenizer), mesh_lib.make_mesh(
+        mesh_lib.MeshConfig(data=8 // tensor, tensor=tensor)))
+  assert ("config.mesh.tensor=8 does not divide config.model.num_heads=4: each of the 8 "
+          "tensor devices" in caplog.text) == warned, caplog.text
+  assert ("config.critic_model.num_heads=4" in caplog.text) == warned, caplog.text
+
+
 @pytest.mark.parametrize("overrides, warned", [
     ({"fusion.num_instances": 4, "fusion.migration_threshold": "0.5"},
      "config.fusion.num_instances=4, config.fusion.migration_threshold=0.5 not used: "

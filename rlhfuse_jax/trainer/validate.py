@@ -68,6 +68,26 @@ def _fusion_unused(cfg: TrainConfig) -> list[str]:
   return set_fields(cfg, "fusion", [f.name for f in dataclasses.fields(fused_lib.FusionFields)])
 
 
+def _uneven_tensor_split(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
+  """A mesh.tensor that does not divide a trained model's query heads or MLP width is said so:
+  the (unpipelined) update then keeps that dimension whole on every tensor device
+  (parallel/mesh.py replicates what its axis does not divide, logged at INFO only), so those
+  devices repeat the attention or MLP work the axis was meant to split. KV heads fewer than
+  the devices are GQA's usual copies, not warned of. (The pipelined update refuses all of it:
+  pipelined.check_config.)"""
+  tp = mesh.shape["tensor"]
+  if tp == 1 or mesh.shape["stage"] > 1:
+    return
+  for section, model, _ in _trained_models(cfg):
+    bad = [f"{f}={getattr(model, f)}" for f in ("num_heads", "intermediate_size")
+           if getattr(model, f) % tp]
+    if bad:
+      logging.warning("config.mesh.tensor=%d does not divide config.%s.%s: each of the %d "
+                      "tensor devices computes that part of every layer whole (the work is "
+                      "repeated, not split); use a tensor size that divides them", tp, section,
+                      f", config.{section}.".join(bad), tp)
+
+
 def _async_unused(cfg: TrainConfig) -> None:
   """async_ppo fields that change nothing in a synchronous run (staleness 0) are said so; a
   device split without staleness is a synchronous loop on split devices (what bench_async's
@@ -170,6 +190,7 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
   warn_unused(_critic_free_unused(cfg), f"algo.estimator={cfg.algo.estimator!r} trains no "
               "critic and computes its advantages without them")
   _async_unused(cfg)
+  _uneven_tensor_split(cfg, mesh)
   warn_unused(_reward_unused(cfg), "reward.kind='model': the reward model scores every sample")
   # A reward model's path without reward.kind='model', a weight without a format: ignored
   # without a word, as the fusion fields below were.
