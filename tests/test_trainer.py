@@ -566,35 +566,35 @@ def test_a_warmup_longer_than_the_schedule_is_warned_about(caplog):
         caplog.text)
 
 
+def _validate_warnings(caplog, overrides: dict, mesh_cfg=mesh_lib.MeshConfig(data=8)) -> str:
+  """The WARNING lines validate() logs for tiny_config(**overrides) on a mesh of `mesh_cfg`."""
+  from rlhfuse_jax.trainer.validate import validate
+  cfg = tiny_config(**overrides)
+  _, tokenizer = build.build_task_and_tokenizer(cfg)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    validate(build.resolve_config(cfg, tokenizer), mesh_lib.make_mesh(mesh_cfg))
+  return caplog.text
+
+
 def test_pipeline_fields_on_an_unpipelined_mesh_are_warned_about(caplog):
   """pipeline.* only applies with mesh.stage > 1: set on a one-stage mesh they were ignored
   without a word."""
-  from rlhfuse_jax.trainer.validate import validate
   for overrides, warned in (({"pipeline.critic_pp": 3, "pipeline.actor_microbatches": 2}, True),
                             ({}, False)):
-    cfg = tiny_config(**overrides)
-    _, tokenizer = build.build_task_and_tokenizer(cfg)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-      validate(build.resolve_config(cfg, tokenizer), mesh_lib.make_mesh(
-          mesh_lib.MeshConfig(data=8)))
+    text = _validate_warnings(caplog, overrides)
     assert ("config.pipeline.critic_pp=3, config.pipeline.actor_microbatches=2 not used: "
-            "mesh.stage=1" in caplog.text) == warned, caplog.text
+            "mesh.stage=1" in text) == warned, text
 
 
 @pytest.mark.parametrize("tensor, warned", [(8, True), (2, False)])
 def test_a_tensor_axis_that_does_not_divide_the_heads_is_warned_about(caplog, tensor, warned):
   """mesh.tensor=8 with 4 query heads ran without a word (INFO only): the heads' weights stay
   whole on every tensor device, which repeats the attention instead of splitting it."""
-  from rlhfuse_jax.trainer.validate import validate
-  cfg = tiny_config()
-  _, tokenizer = build.build_task_and_tokenizer(cfg)
-  with caplog.at_level(logging.WARNING):
-    validate(build.resolve_config(cfg, tokenizer), mesh_lib.make_mesh(
-        mesh_lib.MeshConfig(data=8 // tensor, tensor=tensor)))
+  text = _validate_warnings(caplog, {}, mesh_lib.MeshConfig(data=8 // tensor, tensor=tensor))
   assert ("config.mesh.tensor=8 does not divide config.model.num_heads=4: each of the 8 "
-          "tensor devices" in caplog.text) == warned, caplog.text
-  assert ("config.critic_model.num_heads=4" in caplog.text) == warned, caplog.text
+          "tensor devices" in text) == warned, text
+  assert ("config.critic_model.num_heads=4" in text) == warned, text
 
 
 @pytest.mark.parametrize("overrides, warned", [
@@ -614,17 +614,11 @@ def test_fusion_and_reward_fields_a_run_does_not_read_are_warned_about(caplog, o
   """Inter-stage fusion fields without fusion.inter_stage, a reward model's checkpoint without
   reward.kind='model', a format weight without a format and a cap on held-out prompts without
   any were ignored without a word."""
-  from rlhfuse_jax.trainer.validate import validate
-  cfg = tiny_config(**overrides)
-  _, tokenizer = build.build_task_and_tokenizer(cfg)
-  caplog.clear()
-  with caplog.at_level(logging.WARNING):
-    validate(build.resolve_config(cfg, tokenizer), mesh_lib.make_mesh(
-        mesh_lib.MeshConfig(data=8)))
+  text = _validate_warnings(caplog, overrides)
   if warned:
-    assert warned in caplog.text, caplog.text
+    assert warned in text, text
   else:
-    assert "not used" not in caplog.text, caplog.text
+    assert "not used" not in text, text
 
 
 def test_critic_settings_of_a_critic_free_run_are_warned_about(caplog):
