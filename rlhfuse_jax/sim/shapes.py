@@ -19,7 +19,8 @@ import json
 import os
 from typing import Any
 
-from rlhfuse_jax.models import param_count
+# The module alone (docs/architecture.md §7: sim may import models.param_count, no other models)
+from rlhfuse_jax.models.param_count import num_params as _num_params
 
 HEADS = ("lm", "scalar")
 
@@ -67,7 +68,7 @@ class ModelShape:
 
   def num_params(self) -> int:
     """Same count as ModelConfig.num_params() (models/param_count.py, which imports no jax)."""
-    return param_count.num_params(self)
+    return _num_params(self)
 
   def layer_matmul_params(self) -> int:
     """Weights of one decoder layer that take part in matrix products (no norms or biases)."""
