@@ -295,3 +295,15 @@ def test_a_registry_entry_whose_inputs_miss_its_parameters_is_refused_when_made(
     return adv_lib.dr_grpo_advantages(scores * scale, mask, group_size)
   adv_lib.AdvantageEstimator(scaled, ("scores", "mask", "group_size"), False, "x")
   adv_lib.AdvantageEstimator(lambda **kw: kw, ("scores", "anything"), False, "x")  # unchecked
+
+
+def test_grpo_gives_a_tied_group_of_huge_scores_zero_advantages():
+  """A group whose scores tie beyond ~1e32 (which the reward check lets through): its std is
+  exactly 0, and eps over the group's power-of-two scale (1e-6 / 2**106 and below) is subnormal,
+  which XLA flushes to 0: the group's advantages were 0 / 0, NaN. A group that does not tie
+  keeps the float64 reference's values."""
+  scores = np.float32([1e33, 1e33, 1e33, 1e33, 3e38, 3e38, 3e38, 3e38, -1e35, -1e35, 2e35, 2e35])
+  adv = np.asarray(adv_lib.grpo_advantages(scores, np.ones((12, 2), np.float32), 4)[0])[:, 0]
+  np.testing.assert_array_equal(adv[:8], 0.0)
+  g = scores[8:].astype(np.float64)
+  np.testing.assert_allclose(adv[8:], (g - g.mean()) / g.std(ddof=1), rtol=1e-5)

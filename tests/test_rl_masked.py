@@ -98,3 +98,38 @@ def test_whiten_and_var_are_exact_for_equal_values_and_values_far_from_zero():
   rows = [x[i, mask[i] > 0].astype(np.float64).var() for i in range(len(lengths))]
   np.testing.assert_allclose(masked.masked_var(x, mask, axis=-1, unbiased=False), rows,
                              rtol=1e-5, atol=1e-6)
+
+
+def test_whiten_of_values_near_float32s_limit_and_of_huge_equal_values():
+  """Values within float32's range whose differences are not (3e38 against -3e38) whiten as a
+  float64 reference does: they are scaled by a power of two before the shift by a valid value,
+  which overflowed to inf and gave NaN. Equal values of 1e30 (a scale of 2**99: eps = 1e-8 over
+  its square flushes to 0) whiten to exactly 0, not 0 * rsqrt(0)."""
+  x = np.float32([[3e38, -3e38, 0, 1], [2e38, 0, 0, 7]])
+  mask = np.float32([[1, 1, 1, 1], [1, 1, 1, 0]])
+  v = x[mask > 0].astype(np.float64)
+  want = (v - v.mean()) / v.std(ddof=1)
+  w = np.asarray(masked.masked_whiten(x, mask))
+  np.testing.assert_allclose(w[mask > 0], want, rtol=1e-5, atol=1e-6)
+  assert w[1, 3] == 0.0
+  shifted = np.asarray(masked.masked_whiten(x, mask, shift_mean=False))
+  np.testing.assert_allclose(shifted[mask > 0], want + v.mean(), rtol=1e-5)
+  equal = np.full((3, 4), 1e30, np.float32)
+  np.testing.assert_array_equal(masked.masked_whiten(equal, np.ones((3, 4))), 0.0)
+  np.testing.assert_array_equal(masked.masked_whiten(equal, np.ones((3, 4)), shift_mean=False),
+                                equal)
+  assert float(masked.power_of_two_scale(jnp.float32(np.inf))) == 1.0  # frexp's inf: 0.5
+
+
+def test_var_and_whiten_of_bfloat16_values_are_taken_in_float32():
+  """bfloat16 inputs: the deviations from the pivot are taken in float32, as the mean was before
+  the pivot. In bfloat16 they were rounded to 8 bits: a variance ~2e-4 off (4e-3 per row)."""
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.normal(0, 50, (64, 32)), jnp.bfloat16)
+  mask = np.ones((64, 32), np.float32)
+  v = np.asarray(x, np.float64)
+  np.testing.assert_allclose(masked.masked_var(x, mask), v.var(ddof=1), rtol=1e-6)
+  np.testing.assert_allclose(masked.masked_var(x, mask, axis=1), v.var(axis=1, ddof=1),
+                             rtol=2e-6)
+  np.testing.assert_allclose(masked.masked_whiten(x, mask), (v - v.mean()) / v.std(ddof=1),
+                             rtol=1e-5, atol=1e-5)

@@ -138,7 +138,7 @@ def grpo_advantages(scores: jax.Array, mask: jax.Array, group_size: int, eps: fl
   centred = grouped - jnp.mean(grouped, axis=-1, keepdims=True)
   if normalize_std:
     std = jnp.std(grouped, axis=-1, keepdims=True, ddof=1)
-    centred = centred / (std + eps / scale)
+    centred = centred / (std + masked.scaled_eps(eps, scale))  # 0 / 0 for a tie unfloored
   else:
     centred = centred * scale
   adv = jnp.where(mask > 0, centred.reshape(-1)[:, None], 0.0)  # [batch, resp_len]

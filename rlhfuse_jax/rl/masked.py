@@ -50,7 +50,18 @@ def power_of_two_scale(magnitude: jax.Array) -> jax.Array:
   of the unscaled values with eps rescaled, as a variance's eps / scale**2."""
   _, exponent = jnp.frexp(magnitude)
   exponent = jnp.minimum(exponent - 1, 126)
-  return jnp.where(magnitude >= 1, jnp.ldexp(jnp.ones_like(magnitude), exponent), 1.0)
+  # Not for inf (frexp gives it the exponent 0: a scale of 0.5) or NaN.
+  big = (magnitude >= 1) & jnp.isfinite(magnitude)
+  return jnp.where(big, jnp.ldexp(jnp.ones_like(magnitude), exponent), 1.0)
+
+
+def scaled_eps(eps: float, divisor: jax.Array) -> jax.Array:
+  """`eps / divisor` (a power_of_two_scale, or its square), at least float32's smallest normal
+  number where eps > 0. Past a scale of ~2**106 (eps = 1e-6; 2**50 for a variance's 1e-8 over
+  the scale squared) the quotient is subnormal, and XLA flushes subnormals to 0: a group or batch
+  of equal values then divided 0 by 0, NaN. The floor adds nothing measurable otherwise: a
+  nonzero std or variance of values scaled into [1, 4) is at least ~2**-24 (2**-48)."""
+  return jnp.maximum(eps / divisor, jnp.where(eps > 0, jnp.finfo(jnp.float32).tiny, 0.0))
 
 
 def _pivot(x: jax.Array, mask: jax.Array, axis: Axis) -> jax.Array:
@@ -70,7 +81,9 @@ def _pivot(x: jax.Array, mask: jax.Array, axis: Axis) -> jax.Array:
 def masked_var(x: jax.Array, mask: jax.Array, axis: Axis = None,
                unbiased: bool = True) -> jax.Array:
   """Variance of `x` over valid positions (Bessel-corrected by default, like torch.var)."""
-  mask = jnp.broadcast_to(mask, x.shape).astype(jnp.result_type(x, jnp.float32))
+  # In float32 at least: the deviations from the pivot below, in bfloat16, were rounded to 8 bits.
+  x = x.astype(jnp.result_type(x, jnp.float32))
+  mask = jnp.broadcast_to(mask, x.shape).astype(x.dtype)
   # Taken of the deviations from one valid value (the variance does not change): values far from
   # 0 then cancel exactly, and equal values have a variance of exactly 0. Unshifted, the float32
   # mean of equal values (123.456 each) is off by ~1e-5: a variance of ~1e-10, not 0.
@@ -92,22 +105,24 @@ def masked_whiten(x: jax.Array, mask: jax.Array, shift_mean: bool = True,
   Statistics are taken over the whole array (the batch), as in PPO advantage whitening.
   Padding positions of the result are exactly 0.
   """
+  x = x.astype(jnp.result_type(x, jnp.float32))  # as in masked_var
+  valid = _valid(jnp.broadcast_to(mask, x.shape))
+  # Whitening does not change with the values' scale: a power of two brings them below 4
+  # (exactly), so that neither their deviations below nor those deviations' squares overflow.
+  # Values beyond ~1.8e19 had an infinite variance, and every whitened value was 0; scaled after
+  # the shift below, 3e38 against -3e38 gave an infinite deviation and NaN.
+  scale = power_of_two_scale(jnp.max(jnp.where(valid, jnp.abs(x), 0.0)))
+  x = x / scale
   # Centred on a valid value first, as masked_var is: equal values whiten to exactly 0. The mean
   # of the raw values is off by about their float32 spacing, and with eps = 1e-8 that error came
   # out as up to +-0.36 for 768 returns of 123.456 each (+-0.005 for 0.3 each), all one sign.
   pivot = _pivot(x, mask, None)
   x = x - pivot
-  # Whitening does not change with the values' scale: a power of two brings their deviations
-  # below 2 (exactly), whose squares cannot overflow. Deviations beyond ~1.8e19 had an infinite
-  # variance, and every whitened value was 0.
-  valid = _valid(jnp.broadcast_to(mask, x.shape))
-  scale = power_of_two_scale(jnp.max(jnp.where(valid, jnp.abs(x), 0.0)))
-  x = x / scale
   mean = masked_mean(x, mask)
   var = masked_var(x, mask)
-  whitened = (x - mean) * jax.lax.rsqrt(var + eps / scale / scale)
+  whitened = (x - mean) * jax.lax.rsqrt(var + scaled_eps(eps, scale * scale))
   if not shift_mean:
-    whitened = whitened + (mean * scale + pivot)
+    whitened = whitened + (mean + pivot) * scale
   return jnp.where(_valid(jnp.broadcast_to(mask, x.shape)), whitened, 0.0)
 
 
