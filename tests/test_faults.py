@@ -120,6 +120,39 @@ def test_a_nonfinite_rollout_stops_before_any_update_naming_what_and_the_sample(
   assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl")) or _steps(str(tmp_path)) == []
 
 
+def test_an_async_rollout_with_nonfinite_reference_log_probs_stops_before_its_update(tmp_path):
+  """Async PPO (staleness 1): iteration 2 trains on the batch generated during iteration 1,
+  whose reference log-probs are NaN inside one response (a behaviour log-prob is inf on
+  padding, which passes). The run stops before iteration 2's first update, names the reference
+  model (not the reward), keeps the general advice's --workdir caveat, and says that the
+  checkpoint saved since may hold the batch in flight."""
+  trainer = PPOTrainer(tiny_config(**{"async_ppo.staleness": 1, "checkpoint.every": 1}),
+                       str(tmp_path))
+  orig, updates = trainer._generate, []
+
+  def generate(iteration, params, version):
+    gen = orig(iteration, params, version)
+    if iteration != 1:
+      return gen
+    ref, logp = gen.ref_logp.copy(), gen.logprobs.copy()
+    ref[4, 0] = np.nan
+    logp[np.arange(len(logp)), -1] = np.where(gen.response_lens < logp.shape[1], np.inf,
+                                              logp[:, -1])  # padding only
+    return dataclasses.replace(gen, ref_logp=ref, logprobs=logp)
+  trainer._generate = generate
+  orig_update = trainer.update._fn
+  trainer.update._fn = lambda *a: updates.append(1) or orig_update(*a)
+  with pytest.raises(loop.NonFiniteError) as e:
+    trainer.run()
+  msg = str(e.value)
+  assert ("iteration 2: non-finite values: the rollout's reference log-probs of 1 of 16 samples "
+          "(first: sample 4, nan), before any update") in msg, msg
+  assert "check the reference model and" in msg and "the reward" not in msg, msg
+  assert "in a new --workdir" in msg and "may hold this batch in flight" in msg, msg
+  assert len(updates) == 4  # iteration 1's 2 epochs x 2 mini-batches, none of iteration 2's
+  assert _steps(str(tmp_path)) == [1]
+
+
 def test_a_skipped_step_leaves_bfloat16_weights_and_their_float32_copy(tmp_path):
   """guard.on_nonfinite="skip_update" with optim.master_weights on bfloat16 weights (the GPU
   presets' optimizer): the skipped step leaves the weights and the copy as they were, and the

@@ -742,13 +742,16 @@ class PPOTrainer:
       return
     inside = np.asarray(sequences.response_mask(gen.response_lens,
                                                 self.cfg.rollout.max_new_tokens)) > 0
-    parts = [("reward", gen.scores, np.ones(gen.scores.shape, bool)),
-             ("behaviour log-probs", gen.logprobs, inside),
-             ("reference log-probs", gen.ref_logp, inside)]
+    reward = (f"the reward model ({self.cfg.reward.model_checkpoint})"
+              if self.cfg.reward.kind == "model" else "the reward")
+    # (what, values, where they count, what computed them: what the error says to check)
+    parts = [("reward", gen.scores, np.ones(gen.scores.shape, bool), reward),
+             ("behaviour log-probs", gen.logprobs, inside, "the actor (its sampling)"),
+             ("reference log-probs", gen.ref_logp, inside, "the reference model")]
     if self.use_critic:
-      parts.append(("critic values", gen.values, inside))
-    bad = []
-    for name, values, where in parts:
+      parts.append(("critic values", gen.values, inside, "the critic"))
+    bad, sources = [], []
+    for name, values, where, source in parts:
       wrong = ~np.isfinite(values) & where
       samples = np.flatnonzero(wrong.reshape(len(wrong), -1).any(axis=-1))
       if samples.size:
@@ -756,11 +759,10 @@ class PPOTrainer:
         first = float(np.ravel(values[b])[np.ravel(wrong[b])][0])
         bad.append(f"{name} of {samples.size} of {len(wrong)} samples (first: sample {b}, "
                    f"{first})")
+        sources.append(source)
     if bad:
-      source = (f"the reward model ({self.cfg.reward.model_checkpoint})"
-                if self.cfg.reward.kind == "model" else "the reward")
       raise self._nonfinite(iteration, "the rollout's " + "; ".join(bad) + ", before any update",
-                            rollout_source=source)
+                            rollout_source=", ".join(sources))
 
   def _nonfinite(self, iteration: int, what: str,
                  rollout_source: Optional[str] = None) -> NonFiniteError:
@@ -777,10 +779,13 @@ class PPOTrainer:
             f"was written or saved; the last checkpoint ({'none' if last is None else last}) is "
             "kept")
     if rollout_source is not None:
+      # Async PPO: the batch was generated an iteration or more ago, and a checkpoint saved
+      # since holds it in flight (trainer/async_ppo.py), to be trained on again when resumed.
+      replay = (" (async PPO: the last checkpoint may hold this batch in flight, and resuming "
+                "it trains on the batch again)" if self.cfg.async_ppo.staleness else "")
       return NonFiniteError(
-          f"{kept}. No update ran on it: check {rollout_source} and the models' dtypes "
-          "(model.dtype: a bfloat16 forward can overflow), or set "
-          "guard.on_nonfinite='skip_update' to skip the steps such a batch reaches")
+          f"{kept}{replay}. No update ran on it: check {rollout_source} and the models' dtypes "
+          f"(model.dtype: a bfloat16 forward can overflow), or {advice}")
     return NonFiniteError(
         f"{kept}, but resuming it with this config repeats the same steps. Lower optim.actor_lr / "
         f"optim.critic_lr or optim.grad_clip and resume naming them in "
