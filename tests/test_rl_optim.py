@@ -90,6 +90,24 @@ def test_the_clip_takes_the_float32_norm_of_bfloat16_gradients():
     np.testing.assert_array_equal(a, b)
 
 
+def test_the_clip_of_bfloat16_gradients_lands_on_the_limit():
+  """Clipped bfloat16 gradients have the limit's float32 norm within 0.1 %, for norms from the
+  limit to 10 % above it: the factor is applied in float32 and each value rounded once.
+  Dividing by the norm rounded to bfloat16 (8 bits), as optax does, missed by up to 0.4 %,
+  over the limit or under it."""
+  rng = np.random.default_rng(0)
+  leaves = [rng.normal(size=(16,)) for _ in range(200)]
+  clip = optim.clip_by_global_norm(3.6)
+  for target in np.linspace(3.6, 4.0, 41):
+    scale = target / np.sqrt(sum(np.sum(np.square(x)) for x in leaves))
+    grads = {f"g{i}": jnp.asarray(x * scale, jnp.bfloat16) for i, x in enumerate(leaves)}
+    if float(optim.global_norm(grads)) < 3.6:
+      continue
+    clipped, _ = clip.update(grads, clip.init(grads))
+    assert jax.tree.leaves(clipped)[0].dtype == jnp.bfloat16
+    assert float(optim.global_norm(clipped)) == pytest.approx(3.6, rel=1e-3), target
+
+
 def test_errors_name_fields():
   with pytest.raises(ValueError, match="total_steps=5 must be > warmup_steps=5"):
     optim.make_optimizer(1e-3, 5, 5)
