@@ -133,3 +133,25 @@ def test_var_and_whiten_of_bfloat16_values_are_taken_in_float32():
                              rtol=2e-6)
   np.testing.assert_allclose(masked.masked_whiten(x, mask), (v - v.mean()) / v.std(ddof=1),
                              rtol=1e-5, atol=1e-5)
+
+
+def test_var_and_whiten_run_on_a_mesh_of_explicit_axes():
+  """The pivot (the first valid value) is found by reductions: a gather of the flattened array,
+  as before, was refused under jit on inputs sharded over explicit mesh axes
+  (ShardingTypeError: the gather's output sharding needs collectives)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((4, 2), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  rng = np.random.default_rng(7)
+  x = rng.normal(3.0, 2.0, (16, 8)).astype(np.float32)
+  mask = (rng.random((16, 8)) > 0.3).astype(np.float32)
+  mask[0, :3] = 0  # the first valid value is not at index 0
+  fns = (lambda a, m: masked.masked_whiten(a, m), lambda a, m: masked.masked_var(a, m),
+         lambda a, m: masked.masked_var(a, m, axis=1))
+  want = [np.asarray(f(x, mask)) for f in fns]
+  sharding = NamedSharding(mesh, P("data", "model"))
+  xs, ms = jax.device_put(x, sharding), jax.device_put(mask, sharding)
+  with jax.set_mesh(mesh):
+    got = [np.asarray(jax.jit(f)(xs, ms)) for f in fns]
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

@@ -66,16 +66,22 @@ def scaled_eps(eps: float, divisor: jax.Array) -> jax.Array:
 
 def _pivot(x: jax.Array, mask: jax.Array, axis: Axis) -> jax.Array:
   """A valid value of `x` (the first) over `axis` (None or one axis; 0 for several axes or where
-  nothing is valid), with the reduced axes kept: what the variance subtracts first."""
+  nothing is valid), with the reduced axes kept: what the variance subtracts first.
+
+  Found with reductions alone (the smallest valid index, then a masked sum), not a gather of a
+  flattened array: that needs collectives on sharded inputs, which jit refuses to infer on a
+  mesh of explicit axes (jax.sharding.AxisType.Explicit)."""
   valid = _valid(jnp.broadcast_to(mask, x.shape))
   if axis is not None and not isinstance(axis, int):
     return jnp.zeros((), x.dtype)
-  flat = axis is None
-  xs, vs, ax = (x.reshape(-1), valid.reshape(-1), 0) if flat else (x, valid, axis)
-  first = jnp.expand_dims(jnp.argmax(vs, axis=ax), ax)
-  pivot = jnp.where(jnp.any(vs, axis=ax, keepdims=True),
-                    jnp.take_along_axis(xs, first, axis=ax), 0.0)
-  return pivot.reshape(()) if flat else pivot
+  if axis is None:
+    index = jnp.arange(x.size, dtype=jnp.int32).reshape(x.shape)  # row-major, as reshape(-1)
+  else:
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis % x.ndim)
+  keep = axis is not None
+  first = jnp.min(jnp.where(valid, index, x.size), axis=axis, keepdims=keep)
+  # Exactly the first valid value (every other term is 0); 0 where nothing is valid.
+  return jnp.sum(jnp.where(valid & (index == first), x, 0.0), axis=axis, keepdims=keep)
 
 
 def masked_var(x: jax.Array, mask: jax.Array, axis: Axis = None,
