@@ -435,6 +435,11 @@ def _quoted_defaults(row: str) -> list[tuple[str, str]]:
       section = name.split(".")[0]
     elif section:
       name = f"{section}.{name}"
+    # A list of choices, "(`k1`, `k2`)", quotes no default (it passed while the default came
+    # first): the table writes "(`k1`; or `k2`)", the default before a semicolon.
+    assert not (quoted and quoted.startswith("`") and row[m.end() - 1] == "," and
+                row[m.end():].lstrip().startswith("`")), (
+        f"`{name}` ({quoted}, ...: a list of choices; write the default first, then '; or'")
     if quoted:
       found.append((name, quoted))
   return found
