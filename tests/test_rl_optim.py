@@ -98,14 +98,15 @@ def test_the_clip_of_bfloat16_gradients_lands_on_the_limit():
   rng = np.random.default_rng(0)
   leaves = [rng.normal(size=(16,)) for _ in range(200)]
   clip = optim.clip_by_global_norm(3.6)
+  update, norm = jax.jit(clip.update), jax.jit(optim.global_norm)  # one compile, 41 calls
   for target in np.linspace(3.6, 4.0, 41):
     scale = target / np.sqrt(sum(np.sum(np.square(x)) for x in leaves))
     grads = {f"g{i}": jnp.asarray(x * scale, jnp.bfloat16) for i, x in enumerate(leaves)}
-    if float(optim.global_norm(grads)) < 3.6:
+    if float(norm(grads)) < 3.6:
       continue
-    clipped, _ = clip.update(grads, clip.init(grads))
+    clipped, _ = update(grads, clip.init(grads))
     assert jax.tree.leaves(clipped)[0].dtype == jnp.bfloat16
-    assert float(optim.global_norm(clipped)) == pytest.approx(3.6, rel=1e-3), target
+    assert float(norm(clipped)) == pytest.approx(3.6, rel=1e-3), target
 
 
 def test_errors_name_fields():
