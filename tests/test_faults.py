@@ -90,28 +90,33 @@ def test_nonfinite_gradients_stop_or_are_skipped(tmp_path):
   assert all(np.isfinite(h["actor/pg_loss"]) for h in history)  # means over finite steps
 
 
+def _stopped_by_rollout(trainer, poison) -> tuple[str, list]:
+  """Runs `trainer` with each generated batch passed through poison(iteration, gen); returns
+  the NonFiniteError's message and one entry per optimizer step that ran."""
+  orig, updates = trainer._generate, []
+  trainer._generate = lambda iteration, params, version: poison(
+      iteration, orig(iteration, params, version))
+  orig_update = trainer.update._fn
+  trainer.update._fn = lambda *a: updates.append(1) or orig_update(*a)
+  with pytest.raises(loop.NonFiniteError) as e:
+    trainer.run()
+  return str(e.value), updates
+
+
 def test_a_nonfinite_rollout_stops_before_any_update_naming_what_and_the_sample(tmp_path):
   """A reward model's NaN (here: poisoned scores of samples 3 and 5, and one critic value inside
   sample 7's response) stops the run before any update trains on it, naming each part, its
   count and first sample; the advice is to check the reward, not to lower the learning rate.
   NaN values in a response's padding are not the run's: they pass."""
-  trainer = PPOTrainer(tiny_config(), str(tmp_path))
-  orig, updates = trainer._generate, []
-
-  def generate(iteration, params, version):
-    gen = orig(iteration, params, version)
+  def poison(iteration, gen):
+    del iteration
     scores, values = gen.scores.copy(), gen.values.copy()
     scores[[3, 5]] = np.nan
     values[7, 0] = np.inf
     values[np.arange(len(values)), -1] = np.where(gen.response_lens < values.shape[1], np.nan,
                                                   values[:, -1])  # padding only
     return dataclasses.replace(gen, scores=scores, values=values)
-  trainer._generate = generate
-  orig_update = trainer.update._fn
-  trainer.update._fn = lambda *a: updates.append(1) or orig_update(*a)
-  with pytest.raises(loop.NonFiniteError) as e:
-    trainer.run()
-  msg = str(e.value)
+  msg, updates = _stopped_by_rollout(PPOTrainer(tiny_config(), str(tmp_path)), poison)
   assert ("iteration 1: non-finite values: the rollout's reward of 2 of 16 samples (first: "
           "sample 3, nan); critic values of 1 of 16 samples (first: sample 7, inf), before any "
           "update") in msg, msg
@@ -126,12 +131,7 @@ def test_an_async_rollout_with_nonfinite_reference_log_probs_stops_before_its_up
   padding, which passes). The run stops before iteration 2's first update, names the reference
   model (not the reward), keeps the general advice's --workdir caveat, and says that the
   checkpoint saved since may hold the batch in flight."""
-  trainer = PPOTrainer(tiny_config(**{"async_ppo.staleness": 1, "checkpoint.every": 1}),
-                       str(tmp_path))
-  orig, updates = trainer._generate, []
-
-  def generate(iteration, params, version):
-    gen = orig(iteration, params, version)
+  def poison(iteration, gen):
     if iteration != 1:
       return gen
     ref, logp = gen.ref_logp.copy(), gen.logprobs.copy()
@@ -139,12 +139,8 @@ def test_an_async_rollout_with_nonfinite_reference_log_probs_stops_before_its_up
     logp[np.arange(len(logp)), -1] = np.where(gen.response_lens < logp.shape[1], np.inf,
                                               logp[:, -1])  # padding only
     return dataclasses.replace(gen, ref_logp=ref, logprobs=logp)
-  trainer._generate = generate
-  orig_update = trainer.update._fn
-  trainer.update._fn = lambda *a: updates.append(1) or orig_update(*a)
-  with pytest.raises(loop.NonFiniteError) as e:
-    trainer.run()
-  msg = str(e.value)
+  msg, updates = _stopped_by_rollout(PPOTrainer(
+      tiny_config(**{"async_ppo.staleness": 1, "checkpoint.every": 1}), str(tmp_path)), poison)
   assert ("iteration 2: non-finite values: the rollout's reference log-probs of 1 of 16 samples "
           "(first: sample 4, nan), before any update") in msg, msg
   assert "check the reference model and" in msg and "the reward" not in msg, msg
