@@ -172,15 +172,15 @@ def cpu_devices(n: int) -> list:
   return devices[:n]
 
 
-def trainer_setting(cfg: ablations.AblationConfig, spec: str, workdir: str):
-  """(setting, workload, accept) of the train_ppo config `spec` on cfg.num_devices devices:
-  the run's workload (trainer/sim_plan.workload) and the trainer's check of a plan against the
-  run's config (trainer/sim_plan.PlanCheck on fake CPU devices)."""
+def trainer_setting(cfg: ablations.AblationConfig, spec: str, config_dict, workdir: str):
+  """(setting, workload, accept) of the train_ppo config `spec` (loaded once by main, before
+  the outputs start: `config_dict`) on cfg.num_devices devices: the run's workload
+  (trainer/sim_plan.workload) and the trainer's check of a plan against the run's config
+  (trainer/sim_plan.PlanCheck on fake CPU devices)."""
   devices = cpu_devices(cfg.num_devices)
   # The trainer imports jax: only here, so that the paper variants never start it.
   from rlhfuse_jax.trainer import build, sim_plan  # pylint: disable=import-outside-toplevel
   from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
-  config_dict = load_train_config(spec)
   train = TrainConfig.from_config_dict(config_dict)
   task, tokenizer = build.build_task_and_tokenizer(train)
   train = build.resolve_config(train, tokenizer)
@@ -224,17 +224,17 @@ def main(argv):
   top_k = _CONFIG.value.top_k
   if not isinstance(top_k, int) or top_k < 1:
     raise ValueError(f"config.top_k={top_k!r}: expected an integer >= 1 (plans to report)")
-  if _CONFIG.value.get("train_config", ""):
-    load_train_config(_CONFIG.value.train_config)  # a missing file or variant, named
-  elif len(cfg.settings()) != 1:
+  spec = _CONFIG.value.get("train_config", "")
+  train_dict = load_train_config(spec) if spec else None  # a missing file or variant, named
+  if not spec and len(cfg.settings()) != 1:
     raise ValueError(f"plan search takes one setting; the config has {len(cfg.settings())} "
                      "(one pair in `pairs`, one length in `max_new_tokens`)")
   workdir = _WORKDIR.value
   wd.start_outputs(workdir, _CONFIG.value,
                    ("result.json", "plan.json", "plan_search.md", "lengths"))
   cost, accept = ablations.cost_model(cfg), None
-  if _CONFIG.value.get("train_config", ""):
-    setting, wl, accept = trainer_setting(cfg, _CONFIG.value.train_config, workdir)
+  if spec:
+    setting, wl, accept = trainer_setting(cfg, spec, train_dict, workdir)
   else:
     setting = cfg.settings()[0]
     wl = ablations.workload(cfg, setting)
