@@ -36,7 +36,6 @@ shows the executed tick table.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -64,6 +63,7 @@ from rlhfuse_jax.models import llama  # noqa: E402
 from rlhfuse_jax.parallel import distributed  # noqa: E402
 from rlhfuse_jax.sim import lengths as lengths_lib  # noqa: E402
 from rlhfuse_jax.sim import plots  # noqa: E402
+from rlhfuse_jax.trainer import config as config_lib  # noqa: E402
 from rlhfuse_jax.trainer import rt_auto  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
@@ -143,7 +143,7 @@ def check_inputs(c) -> None:
     model = llama.ModelConfig(**c.model.to_dict())
   except ValueError as e:
     # Its checks say "model.<field>": every field they name, as the command line spells it.
-    raise ValueError(re.sub(r"(?<![\w.])model\.", "config.model.", str(e))) from None
+    raise ValueError(config_lib.model_fields_named(str(e), "model")) from None
   need = g.prompt_len + g.max_new_tokens
   if need > model.max_seq_len:
     raise ValueError(f"config.generation.prompt_len + config.generation.max_new_tokens = {need} "

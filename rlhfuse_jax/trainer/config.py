@@ -636,25 +636,21 @@ class TrainConfig:
     kwargs = {}
     for name, klass in SECTIONS.items():
       try:
-        try:
-          kwargs[name] = _build(klass, d.pop(name, {}), name)
-        except ValueError as e:
-          if str(e).startswith("config"):
-            raise
-          # A class the trainer shares with other code (MeshConfig) names its field without
-          # "config.": "mesh.data=-2; expected a positive size or -1".
-          raise ValueError(f"config.{e}") from None
+        kwargs[name] = _build(klass, d.pop(name, {}), name)
       except ValueError as e:
+        # A class the trainer shares with other code (MeshConfig) names its field without
+        # "config.": "mesh.data=-2; expected a positive size or -1".
+        msg = str(e) if str(e).startswith("config") else f"config.{e}"
         plan_file = (cd_plan or {}).get("file", "")
         # Named when the field the error names is one the file set (plan.*, mesh.*,
         # pipeline.critic_pp, optim.zero1, async_ppo.*): the user never wrote it.
         plan = load_plan_file(plan_file) if plan_file else None
-        if plan and any(f"config.{sec}.{field}=" in str(e)
+        if plan and any(f"config.{sec}.{field}=" in msg
                         for sec, field in plan_file_settings(plan, plan_file)):
           n = plan_devices(plan)
-          raise ValueError(f"{e} (set by config.plan.file={plan_file!r}" + (
-              f", a plan searched for {n} devices" if n else "") + ")") from None
-        raise
+          msg += f" (set by config.plan.file={plan_file!r}" + (
+              f", a plan searched for {n} devices" if n else "") + ")"
+        raise ValueError(msg) from None
     model, critic = d.pop("model", {}), d.pop("critic_model", {})
     kwargs["vocab_from_tokenizer"] = model.get("vocab_size", 0) == 0
     kwargs["model"] = _build_model(model, "model")
@@ -792,11 +788,16 @@ def _build_model(section: Mapping[str, Any], prefix: str, head: str = "lm") -> M
   except ValueError as e:
     msg = str(e)  # ModelConfig's own checks say "model."; _build's name the prefix already
     if not msg.startswith(f"config.{prefix}"):
-      # Every field it names, as the command line spells it: the critic's num_kv_heads was
-      # "model.num_kv_heads", the actor's, in "critic_model.num_heads=3 must be a multiple of
-      # model.num_kv_heads=2".
-      msg = re.sub(r"(?<![\w.])model\.", f"config.{prefix}.", msg)
+      msg = model_fields_named(msg, prefix)
     raise ValueError(msg) from None
+
+
+def model_fields_named(msg: str, prefix: str) -> str:
+  """ModelConfig's error `msg` with every field it names ("model.num_heads") spelled as the
+  command line does for the section `prefix` ("config.critic_model.num_heads"): the critic's
+  num_kv_heads was "model.num_kv_heads", the actor's, in "critic_model.num_heads=3 must be a
+  multiple of model.num_kv_heads=2"."""
+  return re.sub(r"(?<![\w.])model\.", f"config.{prefix}.", msg)
 
 
 def load_plan_file(path: str) -> dict:
