@@ -129,7 +129,7 @@ def masked_whiten(x: jax.Array, mask: jax.Array, shift_mean: bool = True,
   whitened = (x - mean) * jax.lax.rsqrt(var + scaled_eps(eps, scale * scale))
   if not shift_mean:
     whitened = whitened + (mean + pivot) * scale
-  return jnp.where(_valid(jnp.broadcast_to(mask, x.shape)), whitened, 0.0)
+  return jnp.where(valid, whitened, 0.0)
 
 
 def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array,
