@@ -142,10 +142,33 @@ class SaveError(RuntimeError):
   signal that never comes; train_ppo exits at once instead of waiting for them.)"""
 
 
+# Orbax's replica-parallel save splits each replicated array into one slice per replica, each
+# written by its own replica; every slice costs a slicing op (compiled per shape, on its first
+# use in a process) and a device-to-host transfer: 1.5 ms a slice on the 2-core CPU machine
+# with a warm compilation cache; a process's first save of 70 replicated float32 arrays of
+# distinct shapes (8-9 KB each) on 8 devices took 17.8 s, 0.25 s with this threshold
+# (2026-12-01), and a 4-iteration toy PPO run's two saves 2.1 s, 0.24 s. At a write
+# bandwidth of ~1 GB/s, 1.5 ms writes ~1.5 MB, so a slice under 1 MiB costs more than its
+# parallel write saves: such arrays are written whole by one replica, larger ones in parallel.
+MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL = 1 << 20
+
+
+def _use_array_handler() -> None:
+  """Registers (once per process, orbax's registry being global) an orbax ArrayHandler with
+  MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL; orbax's other defaults and the format are unchanged."""
+  handler = ocp.type_handlers.get_type_handler(jax.Array)
+  if getattr(handler, "_min_slice_bytes_for_replica_parallel", None) is None:
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(
+            min_slice_bytes_for_replica_parallel=MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL),
+        override=True)
+
+
 class Checkpointer:
   """Saves/restores (state pytree, metadata dict) under workdir/checkpoints/<step>."""
 
   def __init__(self, workdir: str, keep: int = 2):
+    _use_array_handler()
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, "checkpoints")
     # Handlers named up front, so a checkpoint's metadata reads before anything was restored.

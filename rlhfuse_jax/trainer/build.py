@@ -461,21 +461,24 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
   key = jax.random.key(cfg.seed)
   place = lambda params, model_cfg: mesh_lib.shard_params(params, llama.logical_specs(model_cfg),
                                                           mesh)
+  # Initialised in place: each device computes only its own shards.
+  init = lambda model_cfg, i: llama.init_params(model_cfg, jax.random.fold_in(key, i),
+                                                mesh_lib.param_shardings(
+                                                    llama.param_shapes(model_cfg),
+                                                    llama.logical_specs(model_cfg), mesh))[0]
   if cfg.init.actor_checkpoint:
-    actor = load_named("init.actor_checkpoint", cfg.init.actor_checkpoint,
-                       hf_loader.load_hf_params, cfg.model)
+    actor = place(load_named("init.actor_checkpoint", cfg.init.actor_checkpoint,
+                             hf_loader.load_hf_params, cfg.model), cfg.model)
   else:
-    actor, _ = llama.init_params(cfg.model, jax.random.fold_in(key, 1))
-  actor = place(actor, cfg.model)
+    actor = init(cfg.model, 1)
   critic = None
   if adv_lib.needs_critic(cfg.algo.estimator):
     if cfg.init.critic_checkpoint:
-      critic = load_named("init.critic_checkpoint", cfg.init.critic_checkpoint,
-                          hf_loader.load_hf_params, cfg.critic_model, head="scalar",
-                          rng=jax.random.fold_in(key, 2))
+      critic = place(load_named("init.critic_checkpoint", cfg.init.critic_checkpoint,
+                                hf_loader.load_hf_params, cfg.critic_model, head="scalar",
+                                rng=jax.random.fold_in(key, 2)), cfg.critic_model)
     else:
-      critic, _ = llama.init_params(cfg.critic_model, jax.random.fold_in(key, 2))
-    critic = place(critic, cfg.critic_model)
+      critic = init(cfg.critic_model, 2)
   reward_cfg, reward_params = reward_model_config(cfg), None
   if reward_cfg is not None:
     # No rng: a checkpoint without its score head is an error (reward_model_config), never a
