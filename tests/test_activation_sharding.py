@@ -219,3 +219,25 @@ def test_zero1_reduces_the_gradients_as_without_it():
   assert split["all-reduce"] == pytest.approx(plain["all-reduce"], rel=0.01), (plain, split)
   assert split["reduce-scatter"] == plain["reduce-scatter"]
   assert plain["all-gather"] < split["all-gather"] < 1.5 * plain["all-gather"], (plain, split)
+
+
+def test_init_makes_each_device_only_its_shards_and_the_unsharded_values():
+  """llama.init_params with shardings (the trainer's initialisation): every leaf lands with its
+  sharding, each device's compiled output is its shards (an eighth of the fsdp-split weights,
+  plus the replicated norm gains), and the values are the unsharded init's, bit for bit."""
+  mesh = _mesh(8)
+  shapes = llama.param_shapes(CFG)
+  shardings = mesh_lib.param_shardings(shapes, llama.logical_specs(CFG), mesh)
+  key = jax.random.key(3)
+  sharded, specs = llama.init_params(CFG, key, shardings)
+  whole, _ = llama.init_params(CFG, key)
+  assert specs == llama.logical_specs(CFG)
+  for x, s, y in zip(*map(jax.tree.leaves, (sharded, shardings, whole))):
+    assert x.sharding == s
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  pairs = list(zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)))
+  total = sum(x.size * x.dtype.itemsize for x, _ in pairs)
+  shard = sum(np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in pairs)
+  assert shard < total / 7
+  out = llama.init_program(CFG, shardings).lower(key).compile().memory_analysis()
+  assert out.output_size_in_bytes == shard + 8 * len(pairs)  # + the output tuple's pointers

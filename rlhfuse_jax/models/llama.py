@@ -795,8 +795,12 @@ def init_params(cfg: ModelConfig, rng: jax.Array, shardings: Any = None) -> tupl
   shardings matching the parameters, e.g. mesh.param_shardings of `param_shapes(cfg)`), each
   device computes only its own shards, so the whole model never sits on one device; the random
   bits do not depend on the shardings (jax's partitionable threefry)."""
-  params = jax.jit(functools.partial(_init_arrays, cfg), out_shardings=shardings)(rng)
-  return params, logical_specs(cfg)
+  return init_program(cfg, shardings)(rng), logical_specs(cfg)
+
+
+def init_program(cfg: ModelConfig, shardings: Any = None) -> Any:
+  """init_params' jitted rng -> params function (lower it to read what each device holds)."""
+  return jax.jit(functools.partial(_init_arrays, cfg), out_shardings=shardings)
 
 
 @functools.lru_cache(maxsize=16)
