@@ -4,8 +4,9 @@ On CPU (the default: a tiny bf16 model, but 151 s alone on 2 cores, 2026-12-01, 
 beside another run: its capacity scaling at 4,096 positions and its compiles of 22 and 44
 layers, scanned and unrolled, outlast the decode runs):
   python -m experiments.bench_decode --config=configs/bench_decode.py --workdir=/tmp/bench_decode
-The tests' shorter form (no scan compiles, smaller capacities; 111 s beside another run) adds
-`--config.scan_compile_layers= --config.capacities=256,2048`.
+The tests' shorter form (tests/test_bench_decode.py: no scan compiles, smaller capacities,
+fewer runs, the suite's codegen flags; 51 s alone) adds `--config.scan_compile_layers=
+--config.capacities=256,2048 --config.repeats=3 --config.capacity_live_len=64`.
 On an accelerator (a ~1.1B LLaMA-shaped bf16 model):
   python -m experiments.bench_decode --config=configs/bench_decode.py:1b --workdir=/tmp/bench_1b
 
