@@ -54,7 +54,7 @@ def test_two_processes_match_one_process(tmp_path):
   then resumes to the end."""
   wd = str(tmp_path / "mp")
   env = subprocess_env(PYTHON=sys.executable)  # this interpreter, whatever `python` on PATH is
-  cmd = ["bash", "launch/local_multiprocess.sh", "2", "4", wd, "--config.num_iterations=6",
+  cmd = ["bash", "launch/local_multiprocess.sh", "2", "4", wd, "--config.num_iterations=4",
          "--config.optim.offload_during_rollout=True", "--config.optim.zero1=True", *SMALL,
          *(f"--config.{k}={v}" for k, v in PIPELINED.items())]
   logs = lambda: "".join(open(f"{wd}.proc{i}.log").read()[-2000:] for i in range(2))
@@ -77,7 +77,7 @@ def test_two_processes_match_one_process(tmp_path):
             pass
         launcher.kill()
   stopped = len(wdlib.read_jsonl(metrics))
-  assert 1 <= stopped < 6, logs()
+  assert 1 <= stopped < 4, logs()
   text = logs()
   assert "signal 15 reached another process" in text, text
   # The resume runs while this process computes the one-process reference (the launched
@@ -85,7 +85,7 @@ def test_two_processes_match_one_process(tmp_path):
   with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL) as resume:
     try:
-      single = PPOTrainer(tiny_config(num_iterations=6, **PIPELINED), str(tmp_path / "sp"),
+      single = PPOTrainer(tiny_config(num_iterations=4, **PIPELINED), str(tmp_path / "sp"),
                           mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4, stage=2)))
       history = single.run()
       assert resume.wait(timeout=600) == 0, logs()
@@ -103,7 +103,7 @@ def test_two_processes_match_one_process(tmp_path):
   assert "fused schedule" in proc1 and "schedule (budget" not in proc1, proc1[-3000:]
   assert "pipeline: searched" not in proc1 and "cached at" not in proc1, proc1[-3000:]
 
-  assert [r["step"] for r in multi] == [1, 2, 3, 4, 5, 6]
+  assert [r["step"] for r in multi] == [1, 2, 3, 4]
   assert all(r["perf/optimizer_offload_bytes"] > 0 for r in multi)
   # zero1 split the state over data = 4: a device moves well under half of what a device of
   # the one-process run (no zero1) holds.
