@@ -99,10 +99,17 @@ def check_ints(config: Any, names: Sequence[str], minimum: int = 1) -> None:
     check_int(name, config[name], minimum)
 
 
+# Quantities a user may try to set that follow from other fields (the closest name by spelling
+# would point elsewhere: rollout.batch_size -> rollout.chunk_size).
+DERIVED = {"rollout.batch_size": "the rollout batch is rollout.prompts_per_iteration x "
+                                 "rollout.samples_per_prompt samples: set those"}
+
+
 def missing_field(config: Any, key: str) -> Optional[str]:
   """None when the dotted `key` names a field of `config`; else "has no field 'a.b'" with the
-  closest field's path as a hint (or the section's fields). A part under a value that is not
-  a config (a scalar, a list) is left to ml_collections."""
+  closest field's path as a hint (or the section's fields; or, for a DERIVED quantity, what
+  sets it). A part under a value that is not a config (a scalar, a list) is left to
+  ml_collections."""
   node, walked = config, []
   for part in key.split("."):
     if not hasattr(node, "keys"):
@@ -110,7 +117,9 @@ def missing_field(config: Any, key: str) -> Optional[str]:
     fields = [str(f) for f in node.keys()]
     if part not in fields:
       close = difflib.get_close_matches(part, fields, n=1)
-      hint = (f"; did you mean {'.'.join(walked + close)!r}?" if close else
+      derived = DERIVED.get(".".join(walked + [part]))
+      hint = (f"; {derived}" if derived else
+              f"; did you mean {'.'.join(walked + close)!r}?" if close else
               f"; its fields: {', '.join(sorted(fields))}")
       return f"has no field {'.'.join(walked + [part])!r}{hint}"
     node = node[part]

@@ -3,6 +3,7 @@ that reports a config-file mistake on one line naming the flag (ml_collections' 
 traceback ending in `AttributeError: "'clip_range'"`, or a deferred OSError); and the
 experiments/runner.py pieces the binaries share (the sweep's summary merge)."""
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -11,6 +12,7 @@ import textwrap
 import ml_collections
 import pytest
 
+from configs import ppo_tiny
 from experiments import config_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -215,6 +217,15 @@ def test_missing_field():
   assert config_files.missing_field(c, "a.b") == "has no field 'a.b'; did you mean 'a.bb'?"
   assert config_files.missing_field(c, "e.x") is None  # under a scalar: ml_collections' error
   assert config_files.missing_field(c, "zzz") == "has no field 'zzz'; its fields: a, d, e"
+  # A derived quantity names what sets it, not the field spelled most like it.
+  ppo = ppo_tiny.get_config()
+  assert config_files.missing_field(ppo, "rollout.batch_size") == (
+      "has no field 'rollout.batch_size'; the rollout batch is rollout.prompts_per_iteration x "
+      "rollout.samples_per_prompt samples: set those")
+  for key, text in config_files.DERIVED.items():  # each names fields that exist
+    assert config_files.missing_field(ppo, key) is not None
+    for field in re.findall(r"\b[a-z_]+\.[a-z_]+\b", text):
+      assert config_files.missing_field(ppo, field) is None, field
 
 
 def test_split_and_load(tmp_path):
