@@ -799,7 +799,18 @@ def init_params(cfg: ModelConfig, rng: jax.Array, shardings: Any = None) -> tupl
 
 
 def init_program(cfg: ModelConfig, shardings: Any = None) -> Any:
-  """init_params' jitted rng -> params function (lower it to read what each device holds)."""
+  """init_params' jitted rng -> params function (lower it to read what each device holds).
+  One per config and placement in a process (a second trainer of the same models neither
+  traces nor compiles it again)."""
+  if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+    return _init_program(cfg, shardings)
+  return _init_program(cfg, tuple(jax.tree.leaves(shardings)))
+
+
+@functools.lru_cache(maxsize=16)
+def _init_program(cfg: ModelConfig, shardings: Any) -> Any:
+  if isinstance(shardings, tuple):  # the leaves of a tree shaped as the parameters
+    shardings = jax.tree.unflatten(jax.tree.structure(param_shapes(cfg)), shardings)
   return jax.jit(functools.partial(_init_arrays, cfg), out_shardings=shardings)
 
 
