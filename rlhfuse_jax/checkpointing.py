@@ -154,14 +154,24 @@ MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL = 1 << 20
 
 
 def _use_array_handler() -> None:
-  """Registers (once per process, orbax's registry being global) an orbax ArrayHandler with
-  MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL; orbax's other defaults and the format are unchanged."""
+  """Registers (once per process, orbax's registry being global) orbax's ArrayHandler with
+  MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL in place of orbax's own, keeping that one's array
+  metadata store (its per-array metadata: a typed PRNG key restores as a key). Left as it is
+  where it is not orbax's plain handler (a user registered another) or is already ours, and on
+  an orbax without the threshold (0.11.0) or without that store: saves as before, only slower
+  for small arrays."""
   handler = ocp.type_handlers.get_type_handler(jax.Array)
-  if getattr(handler, "_min_slice_bytes_for_replica_parallel", None) is None:
-    ocp.type_handlers.register_type_handler(
-        jax.Array, ocp.type_handlers.ArrayHandler(
-            min_slice_bytes_for_replica_parallel=MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL),
-        override=True)
+  if (type(handler) is not ocp.type_handlers.ArrayHandler
+      or not hasattr(handler, "_array_metadata_store")
+      or getattr(handler, "_min_slice_bytes_for_replica_parallel", None) is not None):
+    return
+  try:
+    ours = ocp.type_handlers.ArrayHandler(
+        min_slice_bytes_for_replica_parallel=MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL,
+        array_metadata_store=handler._array_metadata_store)  # pylint: disable=protected-access
+  except TypeError:  # an orbax whose ArrayHandler has no such arguments
+    return
+  ocp.type_handlers.register_type_handler(jax.Array, ours, override=True)
 
 
 class Checkpointer:

@@ -471,6 +471,38 @@ def test_an_unwritable_checkpoints_directory_stops_the_set_up(tmp_path, monkeypa
   assert os.listdir(tmp_path / "checkpoints") == []  # the probe leaves nothing
 
 
+def test_small_replicated_arrays_are_saved_whole_with_orbaxs_array_metadata(tmp_path,
+                                                                            monkeypatch):
+  """checkpointing's ArrayHandler: an array replicated over 8 devices whose per-replica slices
+  would be under MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL is written by one replica, not sliced (a
+  compiled slicing op per slice); orbax's array metadata is still written, so a typed PRNG key
+  restores as a key."""
+  import orbax.checkpoint as ocp
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  slices = []
+  real_slice = jax.lax.slice_in_dim
+  monkeypatch.setattr(jax.lax, "slice_in_dim", lambda *a, **k: slices.append(1) or
+                      real_slice(*a, **k))
+  ckpt = checkpointing.Checkpointer(str(tmp_path))
+  handler = ocp.type_handlers.get_type_handler(jax.Array)
+  assert handler._min_slice_bytes_for_replica_parallel == (  # pylint: disable=protected-access
+      checkpointing.MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL)
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state = {"w": jax.device_put(np.arange(64 * 64, dtype=np.float32).reshape(64, 64), replicated),
+           "key": jax.random.key(1)}
+  ckpt.save(1, state, {"iteration": 1})
+  ckpt.wait()
+  assert not slices
+  assert os.path.exists(tmp_path / "checkpoints" / "1" / "state" / "array_metadatas" /
+                        "process_0")
+  out, _ = ckpt.restore(1, state)
+  assert jax.dtypes.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
+  np.testing.assert_array_equal(jax.random.key_data(out["key"]), jax.random.key_data(state["key"]))
+  np.testing.assert_array_equal(out["w"], state["w"])
+  ckpt.close()
+
+
 def test_checksums_see_any_flipped_bit_and_not_the_sharding():
   """checkpointing.checksums: the same values give the same sums however they are sharded
   (a restore onto other devices checks as well); one flipped bit in any dtype changes them."""
