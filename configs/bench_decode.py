@@ -5,8 +5,9 @@ beside another run: its capacity scaling at 4,096 positions and its compiles of 
 layers, scanned and unrolled, outlast the decode runs):
   python -m experiments.bench_decode --config=configs/bench_decode.py --workdir=/tmp/bench_decode
 The tests' shorter form (tests/test_bench_decode.py: no scan compiles, smaller capacities,
-fewer runs, the suite's codegen flags; 51 s alone) adds `--config.scan_compile_layers=
---config.capacities=256,2048 --config.repeats=3 --config.capacity_live_len=64`.
+fewer runs; 51 s alone with the suite's codegen XLA_FLAGS of tests/xla_env.py) adds
+`--config.scan_compile_layers= --config.capacities=256,2048 --config.repeats=3
+--config.capacity_live_len=64`.
 On an accelerator (a ~1.1B LLaMA-shaped bf16 model):
   python -m experiments.bench_decode --config=configs/bench_decode.py:1b --workdir=/tmp/bench_1b
 

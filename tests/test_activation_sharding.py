@@ -5,6 +5,7 @@ activations and all-reducing the product, so everything after the first projecti
 whole global batch on every device (docs/results.md "Scale checks"). At this tiny shape that
 doubles the per-device matmul FLOPs; with them each device does 1/8 of the work.
 """
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -241,3 +242,14 @@ def test_init_makes_each_device_only_its_shards_and_the_unsharded_values():
   assert shard < total / 7
   out = llama.init_program(CFG, shardings).lower(key).compile().memory_analysis()
   assert out.output_size_in_bytes == shard + 8 * len(pairs)  # + the output tuple's pointers
+  # Nor do the devices draw the whole model's random bits to keep their part (88 kB of
+  # temporaries here; 297 kB with jax_threefry_partitionable off, 2026-12-01).
+  assert out.temp_size_in_bytes < total / 3, (out.temp_size_in_bytes, total)
+  # The init traces a cheap forward (whole-cache attention, no remat): the same parameters as
+  # the model's own configuration would create.
+  real = CFG.replace(attention="blockwise", remat="full")
+  own = jax.jit(lambda k: nn.unbox(llama.Transformer(real).init(
+      k, jnp.zeros((1, 2), jnp.int32))["params"]))(key)
+  for x, y in zip(jax.tree.leaves(own), jax.tree.leaves(whole)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert jax.tree.structure(own) == jax.tree.structure(whole)
