@@ -310,7 +310,7 @@ def layer_splits(cfg: ModelConfig, fsdp: int, tensor: int) -> Any:
       dims.append(axis if ok else None)
     return LayerSplit(tuple(dims))
   return jax.tree.map(one, llama.logical_specs(cfg)["layers_0"],
-                      stages.param_shapes(cfg)["layers_0"], is_leaf=lambda x: isinstance(x, P))
+                      llama.param_shapes(cfg)["layers_0"], is_leaf=lambda x: isinstance(x, P))
 
 
 def shares_kv_heads(cfg: ModelConfig, tensor: int) -> bool:

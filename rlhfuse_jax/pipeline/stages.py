@@ -20,7 +20,6 @@ A batch is a dict of arrays with a leading batch dim (as in the trainer's mini-b
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -107,7 +106,7 @@ class StageLayout:
   def for_config(cls, cfg: ModelConfig, num_stages: int, name: str = "model",
                  reverse: bool = False) -> "StageLayout":
     """The layout of `cfg`'s parameters (shapes from jax.eval_shape: nothing is allocated)."""
-    return cls(cfg, param_shapes(cfg), num_stages, name, reverse)
+    return cls(cfg, llama.param_shapes(cfg), num_stages, name, reverse)
 
   def device_offset(self, key: str) -> int:
     """Offset of "layers" / "embed" / "head" in a device accumulator [device_size]."""
@@ -193,12 +192,6 @@ def staged_decay_mask(staged: Dict[str, Any]) -> Dict[str, Any]:
   mask = jax.tree.map(lambda x: x.ndim >= 2, staged)
   mask["layers"] = jax.tree.map(lambda x: x.ndim - 2 >= 2, staged["layers"])
   return mask
-
-
-@functools.lru_cache(maxsize=16)
-def param_shapes(cfg: ModelConfig) -> Any:
-  """ShapeDtypeStructs of llama.init_params(cfg)'s parameters."""
-  return jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0))[0])
 
 
 def _is_scanned(params: Any) -> bool:
