@@ -791,10 +791,11 @@ def init_params(cfg: ModelConfig, rng: jax.Array, shardings: Any = None) -> tupl
 
   The parameters are made by one compiled program. (Run eagerly, flax's init is about a
   thousand small ops, each compiled on its first use in a process: 3.1 s for a one-layer toy
-  model against 1.1 s compiled whole, 2026-12-01, 2-core CPU.) With `shardings` (a tree of
-  shardings matching the parameters, e.g. mesh.param_shardings of `param_shapes(cfg)`), each
-  device computes only its own shards, so the whole model never sits on one device; the random
-  bits do not depend on the shardings (jax's partitionable threefry)."""
+  model against 1.1 s compiled whole, 2026-12-01, 2-core CPU.) With `shardings` (one sharding
+  for all, or one per parameter leaf in the parameters' tree, e.g. mesh.param_shardings of
+  `param_shapes(cfg)`), each device holds only its own shards, so the whole model never sits on
+  one device. The values do not depend on the shardings; with jax's partitionable threefry (its
+  default) each device also draws only its own shards' random bits."""
   return init_program(cfg, shardings)(rng), logical_specs(cfg)
 
 
