@@ -821,8 +821,8 @@ def _abstract_boxed(cfg: ModelConfig) -> Any:
 
 
 def param_shapes(cfg: ModelConfig) -> Any:
-  """ShapeDtypeStructs of init_params(cfg)'s parameters (nothing is allocated or compiled).
-  Cached per config: treat the returned tree as read-only."""
+  """ShapeDtypeStructs of init_params(cfg)'s parameters (nothing is allocated or compiled; the
+  trace is cached per config, the returned tree is a new one each call)."""
   return nn.unbox(_abstract_boxed(cfg))
 
 
