@@ -12,6 +12,7 @@ update later and advised lowering the learning rate).
 """
 from __future__ import annotations
 
+import logging as py_logging
 import os
 import shutil
 import sys
@@ -171,7 +172,14 @@ def _use_array_handler() -> None:
         array_metadata_store=handler._array_metadata_store)  # pylint: disable=protected-access
   except TypeError:  # an orbax whose ArrayHandler has no such arguments
     return
-  ocp.type_handlers.register_type_handler(jax.Array, ours, override=True)
+  # Without orbax's warning that this very call overrides its handler, on every run's start.
+  quiet = lambda record: "overriding" not in record.getMessage()
+  absl_logger = py_logging.getLogger("absl")
+  absl_logger.addFilter(quiet)
+  try:
+    ocp.type_handlers.register_type_handler(jax.Array, ours, override=True)
+  finally:
+    absl_logger.removeFilter(quiet)
 
 
 class Checkpointer:

@@ -472,18 +472,27 @@ def test_an_unwritable_checkpoints_directory_stops_the_set_up(tmp_path, monkeypa
 
 
 def test_small_replicated_arrays_are_saved_whole_with_orbaxs_array_metadata(tmp_path,
-                                                                            monkeypatch):
+                                                                            monkeypatch, caplog):
   """checkpointing's ArrayHandler: an array replicated over 8 devices whose per-replica slices
   would be under MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL is written by one replica, not sliced (a
   compiled slicing op per slice); orbax's array metadata is still written, so a typed PRNG key
-  restores as a key."""
+  restores as a key; registering it prints no orbax warning."""
+  import logging as py_logging
   import orbax.checkpoint as ocp
   from rlhfuse_jax.parallel import mesh as mesh_lib
   slices = []
   real_slice = jax.lax.slice_in_dim
   monkeypatch.setattr(jax.lax, "slice_in_dim", lambda *a, **k: slices.append(1) or
                       real_slice(*a, **k))
+  # orbax's own handler, as in a fresh process (an earlier test may have registered ours)
+  handler = ocp.type_handlers.get_type_handler(jax.Array)
+  store = handler._array_metadata_store  # pylint: disable=protected-access
+  ocp.type_handlers.register_type_handler(
+      jax.Array, ocp.type_handlers.ArrayHandler(array_metadata_store=store), override=True)
+  caplog.set_level(py_logging.INFO)
+  caplog.clear()
   ckpt = checkpointing.Checkpointer(str(tmp_path))
+  assert "overriding" not in caplog.text, caplog.text
   handler = ocp.type_handlers.get_type_handler(jax.Array)
   assert handler._min_slice_bytes_for_replica_parallel == (  # pylint: disable=protected-access
       checkpointing.MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL)
