@@ -459,13 +459,12 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
   """Loads (init.*_checkpoint, reward.model_checkpoint) or initialises (from cfg.seed) the
   models of the resolved config `cfg`, each sharded over `mesh` by its logical axes."""
   key = jax.random.key(cfg.seed)
-  place = lambda params, model_cfg: mesh_lib.shard_params(params, llama.logical_specs(model_cfg),
-                                                          mesh)
+  shardings = lambda model_cfg: mesh_lib.param_shardings(
+      llama.param_shapes(model_cfg), llama.logical_specs(model_cfg), mesh)
+  place = lambda params, model_cfg: mesh_lib.put(params, shardings(model_cfg))
   # Initialised in place: each device computes only its own shards.
   init = lambda model_cfg, i: llama.init_params(model_cfg, jax.random.fold_in(key, i),
-                                                mesh_lib.param_shardings(
-                                                    llama.param_shapes(model_cfg),
-                                                    llama.logical_specs(model_cfg), mesh))[0]
+                                                shardings(model_cfg))[0]
   if cfg.init.actor_checkpoint:
     actor = place(load_named("init.actor_checkpoint", cfg.init.actor_checkpoint,
                              hf_loader.load_hf_params, cfg.model), cfg.model)
