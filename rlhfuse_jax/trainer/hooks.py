@@ -168,13 +168,19 @@ class StopFlag(Hook):
   def _handle(self, signum, frame):
     if self.set and signum == signal.SIGINT:
       raise KeyboardInterrupt
+    # Set before logging: a second signal can arrive while this handler logs (Ctrl-C twice,
+    # quickly), and Python runs its handler inside this one. Set after, it saw no first signal,
+    # logged again into the stream this one was writing (a reentrant write, which logging
+    # reported as a traceback) and never interrupted: the run went on to save.
+    if self.set:  # a SIGTERM/SIGHUP after the first signal: already stopping
+      return
+    self.signal, self.set = signum, True
     if self.ending:
       logging.warning("signal %d: the run is ending; waiting for its last checkpoint to be "
                       "saved (Ctrl-C again: stop now without it)", signum)
     else:
       logging.warning("signal %d: finishing this iteration, saving a checkpoint, then exiting "
                       "(Ctrl-C again: stop now without saving)", signum)
-    self.set, self.signal = True, signum
 
   def agreed(self) -> bool:
     """Whether to stop after this iteration, the same answer on every process: a signal that
