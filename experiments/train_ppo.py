@@ -25,6 +25,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import zlib
 from typing import Any
@@ -205,6 +206,9 @@ def main(argv):
   except SystemExit:
     raise
   except KeyboardInterrupt:  # a second Ctrl-C (or one once the loop has ended): stop now
+    # A third Ctrl-C (a user pressing it repeatedly) would interrupt this exit's own logging,
+    # with a traceback in place of the one line below: the process is ending, ignore it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     run_log.exception("the run ended with KeyboardInterrupt")
     logging.error("interrupted by Ctrl-C (a second one, or one after the last iteration): "
                   "stopped at once without saving what was in progress; the checkpoints saved "
