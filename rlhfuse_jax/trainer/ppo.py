@@ -92,32 +92,35 @@ grad_norm = optim.global_norm  # the gradients' global norm, summed in float32
 
 class StatePreservingJit:
   """jax.jit of update(actor, critic, mb) -> (actor, critic, metrics), built at the first call
-  (or lower), when the states' shardings are known: `make(shardings)` returns the update
-  (shardings: the (actor, critic) states' tree of shardings, None where a leaf has none; the
-  pipelined update constrains its gradients to them, the plain one its accumulated sums), and
-  out_shardings = those shardings, so the states come back placed exactly as they went in.
+  (or lower) with the states' shardings, when they are known: `make(shardings)` returns the
+  update (shardings: the (actor, critic) states' tree of shardings, None where a leaf has none;
+  the pipelined update constrains its gradients to them, the plain one its accumulated sums),
+  and out_shardings = those shardings, so the states come back placed exactly as they went in.
   Left to itself XLA names a trivially sharded output freely (P('tensor', 'fsdp') for
   P('fsdp', 'tensor') when those axes have size 1), and the next call, on those outputs,
-  misses the compile cache and compiles the update a second time."""
+  misses the compile cache and compiles the update a second time. States placed otherwise get
+  their own jitted update (one per placement: the plain update is shared by every trainer of
+  the same models and optimizer in a process, see trainer/update.py)."""
 
   def __init__(self, make: Callable[[Any], Callable], **jit_kwargs):
     self._make, self._jit_kwargs = make, jit_kwargs
-    self._jitted: Optional[Callable] = None
+    self._jitted: dict = {}  # the states' (tree structure, shardings) -> jitted update
 
   def jitted(self, actor, critic) -> Callable:
-    if self._jitted is None:
-      shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), (actor, critic))
-      leaves = jax.tree.leaves((actor, critic))
+    shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), (actor, critic))
+    leaves, treedef = jax.tree.flatten(shardings, is_leaf=lambda x: x is None)
+    key = (treedef, tuple(leaves))
+    if key not in self._jitted:
       kwargs = dict(self._jit_kwargs)
-      if all(isinstance(getattr(x, "sharding", None), jax.sharding.Sharding) for x in leaves):
-        first = leaves[0].sharding
+      if all(isinstance(x, jax.sharding.Sharding) for x in leaves):
+        first = leaves[0]
         # Metrics are scalars: replicated over the states' mesh (or on their one device).
         metrics = (jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
                    if isinstance(first, jax.sharding.NamedSharding) else first)
         kwargs["out_shardings"] = (*shardings, metrics)
       # else: host (numpy) states, nothing to preserve.
-      self._jitted = jax.jit(self._make(shardings), **kwargs)
-    return self._jitted
+      self._jitted[key] = jax.jit(self._make(shardings), **kwargs)
+    return self._jitted[key]
 
   def __call__(self, actor, critic, mb):
     return self.jitted(actor, critic)(actor, critic, mb)

@@ -10,6 +10,7 @@ of the stage-stacked state, whose time and bytes `take_reshard_metrics` reports)
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Optional
 
@@ -21,18 +22,18 @@ from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.pipeline import stages as stages_lib
 from rlhfuse_jax.rl import optim
 from rlhfuse_jax.trainer import pipelined, ppo
-from rlhfuse_jax.trainer.config import TrainConfig
+from rlhfuse_jax.trainer.config import GuardConfig, OptimConfig, TrainConfig
 from rlhfuse_jax.trainer.ppo import ModelState
 
 
-def guard_tx(cfg: TrainConfig, tx: optax.GradientTransformation
+def guard_tx(guard: GuardConfig, tx: optax.GradientTransformation
              ) -> optax.GradientTransformation:
   """guard.on_nonfinite="skip_update": an optimizer step with non-finite gradients leaves
   params and optimizer state as they were (optax.apply_if_finite); the count of such steps
   is in the state (guard/skipped_updates)."""
-  if cfg.guard.on_nonfinite != "skip_update":
+  if guard.on_nonfinite != "skip_update":
     return tx
-  return optax.apply_if_finite(tx, max_consecutive_errors=cfg.guard.max_consecutive_skips)
+  return optax.apply_if_finite(tx, max_consecutive_errors=guard.max_consecutive_skips)
 
 
 def skipped_updates(state: ModelState) -> jax.Array:
@@ -156,29 +157,56 @@ def make_update(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, use_critic: bool,
                     "and never decays; lower optim.warmup_steps or raise "
                     "optim.schedule_iterations", cfg.optim.warmup_steps, total,
                     schedule_iterations, updates_per_iter)
-  is_pipelined = mesh.shape["stage"] > 1
-  # A pipelined model is held stage-stacked: its weight-decay mask is that tree's.
-  decay_mask = ({"weight_decay_mask": stages_lib.staged_decay_mask} if is_pipelined else {})
   o = cfg.optim
-  master = optim.float32_master if o.master_weights else (lambda tx: tx)
-  actor_tx, actor_lr = optim.make_optimizer(o.actor_lr, warmup, total, o.min_lr_ratio,
-                                            o.weight_decay, o.grad_clip, return_schedule=True,
-                                            **decay_mask)
-  # The guard inside the float32 copy's step: its skipped step returns float32 zeros, as the
-  # copy's step does (outside, it returned zeros in the weights' 16-bit dtype: a jax.lax.cond
-  # whose branches differ in type).
-  txs = {"actor": master(guard_tx(cfg, actor_tx))}
-  if use_critic:
-    txs["critic"] = master(guard_tx(cfg, optim.make_optimizer(o.critic_lr, warmup, total,
-                                                              o.min_lr_ratio, o.weight_decay,
-                                                              o.grad_clip, **decay_mask)))
+  if mesh.shape["stage"] > 1:
+    # A pipelined model is held stage-stacked: its weight-decay mask is that tree's.
+    txs, actor_lr = _optimizers(o, cfg.guard, warmup, total, use_critic,
+                                stages_lib.staged_decay_mask)
+    inner = pipelined.make_pipelined_update_fn(*_update_args(cfg), txs["actor"],
+                                               txs.get("critic"), mesh=mesh, config=cfg,
+                                               workdir=workdir)
+    return Update(inner, txs=txs, actor_lr=actor_lr, pipelined_update=inner, zero1=o.zero1)
+  fn, txs, actor_lr = _plain_update(*_update_args(cfg), o, cfg.guard, warmup, total,
+                                    use_critic, mesh)
+  return Update(fn, txs=txs, actor_lr=actor_lr, zero1=o.zero1)
+
+
+def _update_args(cfg: TrainConfig) -> tuple:
   # Log-probs use the sampling temperature, as generation's behaviour log-probs do (rollouts
   # always sample: rollout.temperature > 0), both over the whole vocabulary (before top-k /
   # top-p), so the first epoch's PPO ratio is 1 up to the rounding between generation's
   # program and the update's (~1e-5 in float32, a few 1e-2 in bfloat16: far inside the clip).
-  args = (cfg.model, cfg.critic_model, cfg.algo, cfg.rollout.temperature, txs["actor"],
-          txs.get("critic"))
-  if is_pipelined:
-    inner = pipelined.make_pipelined_update_fn(*args, mesh=mesh, config=cfg, workdir=workdir)
-    return Update(inner, txs=txs, actor_lr=actor_lr, pipelined_update=inner, zero1=o.zero1)
-  return Update(ppo.make_update_fn(*args, mesh=mesh), txs=txs, actor_lr=actor_lr, zero1=o.zero1)
+  return cfg.model, cfg.critic_model, cfg.algo, cfg.rollout.temperature
+
+
+def _optimizers(o: OptimConfig, guard: GuardConfig, warmup: int, total: int, use_critic: bool,
+                decay_mask: Any = None) -> tuple[dict, Callable]:
+  """({"actor": tx[, "critic": tx]}, the actor's learning-rate schedule)."""
+  master = optim.float32_master if o.master_weights else (lambda tx: tx)
+  mask = {} if decay_mask is None else {"weight_decay_mask": decay_mask}
+  actor_tx, actor_lr = optim.make_optimizer(o.actor_lr, warmup, total, o.min_lr_ratio,
+                                            o.weight_decay, o.grad_clip, return_schedule=True,
+                                            **mask)
+  # The guard inside the float32 copy's step: its skipped step returns float32 zeros, as the
+  # copy's step does (outside, it returned zeros in the weights' 16-bit dtype: a jax.lax.cond
+  # whose branches differ in type).
+  txs = {"actor": master(guard_tx(guard, actor_tx))}
+  if use_critic:
+    txs["critic"] = master(guard_tx(guard, optim.make_optimizer(
+        o.critic_lr, warmup, total, o.min_lr_ratio, o.weight_decay, o.grad_clip, **mask)))
+  return txs, actor_lr
+
+
+@functools.lru_cache(maxsize=16)
+def _plain_update(actor_cfg, critic_cfg, algo, temperature: float, o: OptimConfig,
+                  guard: GuardConfig, warmup: int, total: int, use_critic: bool,
+                  mesh: jax.sharding.Mesh) -> tuple[ppo.StatePreservingJit, dict, Callable]:
+  """The plain update with its optimizers, one per models, algorithm, optimizer and mesh in a
+  process, as generation's programs are (generation/instances.py): a second trainer of the
+  same run (a resume, a test's reference run) neither traces nor lowers it again (~2 s of a
+  tiny model's CPU each; the persistent compilation cache only spares the compile). Like any
+  jitted function, it keeps what it traced: code patched later in the process is not seen."""
+  txs, actor_lr = _optimizers(o, guard, warmup, total, use_critic)
+  fn = ppo.make_update_fn(actor_cfg, critic_cfg, algo, temperature, txs["actor"],
+                          txs.get("critic"), mesh=mesh)
+  return fn, txs, actor_lr
