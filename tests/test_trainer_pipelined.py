@@ -23,6 +23,7 @@ from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.pipeline import executor as executor_lib
 from rlhfuse_jax.pipeline import program as prog
+from rlhfuse_jax.pipeline import search as search_lib
 from rlhfuse_jax.pipeline import schedules, stages
 from rlhfuse_jax.trainer import pipelined, ppo
 from rlhfuse_jax.trainer import update as update_lib
@@ -63,7 +64,7 @@ def runs(tmp_path_factory):
   """{name: (trainer, history)} for fused (intra_stage on), serial (off) and plain (stage=1)."""
   root = tmp_path_factory.mktemp("pipelined")
   calls = []
-  real_search = pipelined.search.search
+  real_search = search_lib.search
 
   def counting_search(*args, **kwargs):
     calls.append(args[0])
@@ -71,7 +72,7 @@ def runs(tmp_path_factory):
 
   out = {}
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(pipelined.search, "search", counting_search)
+    mp.setattr(search_lib, "search", counting_search)
     for name, over, devices in (("fused", {"fusion.intra_stage": True, **STAGED}, 8),
                                 ("serial", {"fusion.intra_stage": False, **STAGED}, 8),
                                 ("plain", {"mesh.stage": 1, "mesh.data": 2}, 2)):
@@ -405,7 +406,7 @@ def test_schedule_is_searched_once_then_loaded_from_disk(runs, monkeypatch):
   def no_search(*args, **kwargs):
     raise AssertionError("searched although the schedule is cached")
 
-  monkeypatch.setattr(pipelined.search, "search", no_search)
+  monkeypatch.setattr(search_lib, "search", no_search)
   again = PPOTrainer(fused.cfg, str(runs["cache_dir"].parent / "again"), mesh=fused.mesh)
   np.testing.assert_array_equal(again.update.executor.program.order,
                                 fused.update.executor.program.order)

@@ -30,7 +30,7 @@ import functools
 import hashlib
 import json
 import os
-from typing import Any, Callable, Dict, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Tuple
 
 import jax
 import numpy as np
@@ -44,14 +44,19 @@ from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.pipeline import program as prog
-from rlhfuse_jax.pipeline import schedule as schedule_lib
-from rlhfuse_jax.pipeline import schedules, search
 from rlhfuse_jax.pipeline.executor import PipelineExecutor
 from rlhfuse_jax.pipeline.graph import PipelineProblem
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.trainer import ppo
 from rlhfuse_jax.trainer.config import AlgoConfig, PipelineConfig, TrainConfig
 from rlhfuse_jax.trainer.ppo import ModelState
+
+if TYPE_CHECKING:
+  from rlhfuse_jax.pipeline import schedule as schedule_lib
+  from rlhfuse_jax.pipeline import search
+
+# The schedule modules (numba's kernels: ~0.5 s to import numba) are imported where a pipelined
+# update is built, not by every process that imports the trainer.
 
 SERIAL, FUSED = "serial_1f1b", "fused"
 _CACHE_VERSION = 1  # bump when the cached file's meaning changes
@@ -166,6 +171,8 @@ def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig, workdi
 
   Returns (schedule, path of its cache file).
   """
+  from rlhfuse_jax.pipeline import schedule as schedule_lib
+  from rlhfuse_jax.pipeline import search
   config = search.SearchConfig(time_budget_s=pipeline.search_time_s, seed=pipeline.search_seed)
   key = _cache_key(problem, config)
   digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
@@ -330,6 +337,7 @@ def fused_order(problem: PipelineProblem, pipeline: PipelineConfig, workdir: str
   the one every process runs and a resume runs it again; the others take it by broadcast. A
   failure there (the cache unwritable) stops every process, not process 0 alone while the
   others wait for it in the update's first collective."""
+  from rlhfuse_jax.pipeline import schedules
   if jax.process_count() == 1:
     return searched_schedule(problem, pipeline, workdir)[0].order()
   order = distributed.run_on_main_process(
@@ -352,6 +360,7 @@ def make_pipelined_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, al
   config = dataclasses.replace(config, pipeline=check_config(
       dataclasses.replace(config, model=actor_cfg, critic_model=critic_cfg), mesh))
   problem = pipeline_problem(mesh.shape["stage"], config.pipeline)
+  from rlhfuse_jax.pipeline import schedules
   if config.fusion.intra_stage:
     name, barrier = FUSED, False
     order = fused_order(problem, config.pipeline, workdir)
