@@ -149,6 +149,33 @@ def test_an_async_rollout_with_nonfinite_reference_log_probs_stops_before_its_up
   assert _steps(str(tmp_path)) == [1]
 
 
+def test_async_proximal_log_probs_that_are_not_finite_stop_before_the_update(tmp_path):
+  """Async PPO (staleness 1): the current actor's log-probs of the batch it trains on (the
+  proximal policy, which weighs every token of the update) are checked as the rollout is: NaN
+  inside one response of iteration 2's batch stops the run before that iteration's first
+  update, naming the actor's forward; NaN on padding passes (iteration 1)."""
+  trainer = PPOTrainer(tiny_config(**{"async_ppo.staleness": 1, "checkpoint.every": 1}),
+                       str(tmp_path))
+  rescorer, calls = trainer._rescorer, []
+  orig = rescorer.logprobs
+
+  def poisoned(cfg, params, batch, temperature):
+    prox = np.array(orig(cfg, params, batch, temperature), np.float32)
+    calls.append(1)
+    if len(calls) == 1:  # padding only: passes
+      prox[np.arange(len(prox)), -1] = np.where(batch.response_lens < prox.shape[1], np.nan,
+                                                prox[:, -1])
+    else:
+      prox[6, 0] = np.nan
+    return prox
+  rescorer.logprobs = poisoned
+  msg, updates = _stopped_by_rollout(trainer, lambda iteration, gen: gen)
+  assert ("iteration 2: non-finite values: the rollout's proximal log-probs (the current "
+          "actor's) of 1 of 16 samples (first: sample 6, nan), before any update") in msg, msg
+  assert "check the actor (its forward on the batch)" in msg, msg
+  assert len(updates) == 4 and _steps(str(tmp_path)) == [1]
+
+
 def test_a_skipped_step_leaves_bfloat16_weights_and_their_float32_copy(tmp_path):
   """guard.on_nonfinite="skip_update" with optim.master_weights on bfloat16 weights (the GPU
   presets' optimizer): the skipped step leaves the weights and the copy as they were, and the

@@ -582,6 +582,7 @@ class PPOTrainer:
     a = self.cfg.async_ppo
     prox = self._rescorer.logprobs(self.cfg.model, self._rescore_params("actor"),
                                    gen.scoring_batch(), self.cfg.rollout.temperature)
+    self._check_proximal_finite(iteration, gen, prox)
     weights, m = async_lib.behaviour_weights(prox, gen.logprobs, data["mask"],
                                              a.behaviour_weight_cap)
     m["async/staleness"] = iteration - gen.version
@@ -740,16 +741,32 @@ class PPOTrainer:
     whose steps it then skips.)"""
     if self.cfg.guard.on_nonfinite != "stop":
       return
-    inside = np.asarray(sequences.response_mask(gen.response_lens,
-                                                self.cfg.rollout.max_new_tokens)) > 0
+    inside = self._inside_responses(gen)
     reward = (f"the reward model ({self.cfg.reward.model_checkpoint})"
               if self.cfg.reward.kind == "model" else "the reward")
-    # (what, values, where they count, what computed them: what the error says to check)
     parts = [("reward", gen.scores, np.ones(gen.scores.shape, bool), reward),
              ("behaviour log-probs", gen.logprobs, inside, "the actor (its sampling)"),
              ("reference log-probs", gen.ref_logp, inside, "the reference model")]
     if self.use_critic:
       parts.append(("critic values", gen.values, inside, "the critic"))
+    self._raise_if_nonfinite(iteration, parts)
+
+  def _check_proximal_finite(self, iteration: int, gen: async_lib.Generated, prox) -> None:
+    """config.guard "stop", async PPO: the proximal policy's log-probs (the current actor's
+    forward on the batch), which weigh every token of the update, inside the responses."""
+    if self.cfg.guard.on_nonfinite == "stop":
+      self._raise_if_nonfinite(iteration, [(
+          "proximal log-probs (the current actor's)", np.asarray(prox),
+          self._inside_responses(gen), "the actor (its forward on the batch)")])
+
+  def _inside_responses(self, gen: async_lib.Generated) -> np.ndarray:
+    return np.asarray(sequences.response_mask(gen.response_lens,
+                                              self.cfg.rollout.max_new_tokens)) > 0
+
+  def _raise_if_nonfinite(self, iteration: int, parts: list) -> None:
+    """parts: (what, values, where they count, what computed them: what the error says to
+    check). Raises the guard's error naming each part that is not finite where it counts, with
+    its count and first sample."""
     bad, sources = [], []
     for name, values, where, source in parts:
       wrong = ~np.isfinite(values) & where
