@@ -34,9 +34,9 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
 
 def _poison_update(trainer, at_call: int, how: str):
-  """Wraps trainer.update's step function: at the at_call-th optimizer step (1-based) either the actor's new
-  params become NaN ("params") or the mini-batch's advantages do, so its gradients are NaN
-  ("grads")."""
+  """Wraps trainer.update's step function: at the at_call-th optimizer step (1-based) either the
+  actor's new params become NaN ("params") or the mini-batch's advantages do, so its gradients
+  are NaN ("grads")."""
   orig, calls = trainer.update._fn, [0]
 
   def update(actor, critic, mb):
