@@ -396,7 +396,7 @@ def test_decoupled_async_ppo_weights_by_the_behaviour_log_probs():
           model="M", rollout=types.SimpleNamespace(temperature=0.7)),
       _rescore_params=lambda name: f"{name} now",
       _rescorer=types.SimpleNamespace(logprobs=ref_logprobs),
-      _check_proximal_finite=lambda iteration, gen, prox: None)  # (test_faults.py checks it)
+      _check_proximal_finite=lambda iteration, prox, inside: None)  # (test_faults.py checks it)
   out, m = loop.PPOTrainer._off_policy(fake, 5, gen, data)  # pylint: disable=protected-access
   assert asked == [("M", "actor now", 0.7)]
   np.testing.assert_array_equal(out["old_logp"], prox)

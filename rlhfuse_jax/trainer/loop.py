@@ -64,6 +64,11 @@ TIMING_PREFIXES = ("timing_s/", "perf/")
 EXIT_STOPPED_BY_SIGNAL = 75
 
 
+def _response_mask(gen: async_lib.Generated, max_new_tokens: int) -> np.ndarray:
+  """[B, T] 1.0 on the rollout's response tokens (EOS included), 0.0 on padding."""
+  return np.asarray(sequences.response_mask(gen.response_lens, max_new_tokens))
+
+
 class NonFiniteError(FloatingPointError):
   """A loss, gradient norm, metric or parameter of an iteration was NaN or Inf (config.guard)."""
 
@@ -552,8 +557,7 @@ class PPOTrainer:
 
   def _advantages(self, gen: async_lib.Generated):
     """(training data, rollout statistics) of the rollout: advantages and returns on device."""
-    mask = np.asarray(sequences.response_mask(gen.response_lens,
-                                              self.cfg.rollout.max_new_tokens))  # [B, T]
+    mask = _response_mask(gen, self.cfg.rollout.max_new_tokens)  # [B, T]
     adv, ret, stats = ppo.rollout_statistics(
         self.cfg.algo, self.cfg.rollout.samples_per_prompt, *map(self._put, (
             gen.scores, mask, gen.logprobs, gen.ref_logp, gen.values)))
@@ -582,7 +586,7 @@ class PPOTrainer:
     a = self.cfg.async_ppo
     prox = self._rescorer.logprobs(self.cfg.model, self._rescore_params("actor"),
                                    gen.scoring_batch(), self.cfg.rollout.temperature)
-    self._check_proximal_finite(iteration, gen, prox)
+    self._check_proximal_finite(iteration, prox, data["mask"] > 0)
     weights, m = async_lib.behaviour_weights(prox, gen.logprobs, data["mask"],
                                              a.behaviour_weight_cap)
     m["async/staleness"] = iteration - gen.version
@@ -741,7 +745,7 @@ class PPOTrainer:
     whose steps it then skips.)"""
     if self.cfg.guard.on_nonfinite != "stop":
       return
-    inside = self._inside_responses(gen)
+    inside = _response_mask(gen, self.cfg.rollout.max_new_tokens) > 0
     reward = (f"the reward model ({self.cfg.reward.model_checkpoint})"
               if self.cfg.reward.kind == "model" else "the reward")
     parts = [("reward", gen.scores, np.ones(gen.scores.shape, bool), reward),
@@ -751,17 +755,13 @@ class PPOTrainer:
       parts.append(("critic values", gen.values, inside, "the critic"))
     self._raise_if_nonfinite(iteration, parts)
 
-  def _check_proximal_finite(self, iteration: int, gen: async_lib.Generated, prox) -> None:
+  def _check_proximal_finite(self, iteration: int, prox, inside: np.ndarray) -> None:
     """config.guard "stop", async PPO: the proximal policy's log-probs (the current actor's
-    forward on the batch), which weigh every token of the update, inside the responses."""
+    forward on the batch), which weigh every token of the update, `inside` the responses."""
     if self.cfg.guard.on_nonfinite == "stop":
       self._raise_if_nonfinite(iteration, [(
-          "proximal log-probs (the current actor's)", np.asarray(prox),
-          self._inside_responses(gen), "the actor (its forward on the batch)")])
-
-  def _inside_responses(self, gen: async_lib.Generated) -> np.ndarray:
-    return np.asarray(sequences.response_mask(gen.response_lens,
-                                              self.cfg.rollout.max_new_tokens)) > 0
+          "proximal log-probs (the current actor's)", np.asarray(prox), inside,
+          "the actor (its forward on the batch)")])
 
   def _raise_if_nonfinite(self, iteration: int, parts: list) -> None:
     """parts: (what, values, where they count, what computed them: what the error says to
