@@ -121,6 +121,23 @@ def test_whiten_of_values_near_float32s_limit_and_of_huge_equal_values():
   assert float(masked.power_of_two_scale(jnp.float32(np.inf))) == 1.0  # frexp's inf: 0.5
 
 
+def test_var_of_values_near_float32s_limit():
+  """A variance float32 holds is found even where the squared deviations' sum is not (2.25e38 of
+  +-1.5e19: it was inf), and one beyond float32's range is inf (3e38 against -3e38 gave NaN:
+  inf - inf). Per row as for the whole array; the values are scaled by a power of two first."""
+  x = np.float32([[1.5e19, -1.5e19, 0, 7], [3e38, -3e38, 0, 1]])
+  mask = np.float32([[1, 1, 0, 0], [1, 1, 1, 1]])
+  rows = np.asarray(masked.masked_var(x, mask, axis=1, unbiased=False))
+  np.testing.assert_allclose(rows[0], 2.25e38, rtol=1e-6)
+  assert rows[1] == np.inf
+  assert float(masked.masked_var(x, mask)) == np.inf
+  assert float(masked.masked_var(x[:1], mask[:1], unbiased=False)) == rows[0]
+  # The scale changes nothing where nothing overflows: the same bits as numpy's float64 rounded.
+  small = np.float32([[1e3, 1e3 + 0.5, 2e3, -7e2]])
+  np.testing.assert_allclose(masked.masked_var(small, np.ones_like(small)),
+                             small.astype(np.float64).var(ddof=1), rtol=1e-6)
+
+
 def test_var_and_whiten_of_bfloat16_values_are_taken_in_float32():
   """bfloat16 inputs: the deviations from the pivot are taken in float32, as the mean was before
   the pivot. In bfloat16 they were rounded to 8 bits: a variance ~2e-4 off (4e-3 per row)."""
