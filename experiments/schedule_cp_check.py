@@ -97,9 +97,9 @@ _SPLICE = flags.DEFINE_list("splice", [], "T1,T2,S with --hint_schedule: keep th
                             "restriction: INFEASIBLE says only that this repair does not exist)")
 _GROW = flags.DEFINE_list("grow", [], "T1,T2,SLOPE with --hint_schedule of the same instance "
                           "with fewer micro-batches: grow it into the config's instance "
-                          "(pipeline/exact/grow.py). The extra actor micro-batches go in as 1F1B pairs "
-                          "at the first cut that adds only their work (if none does, into the "
-                          "band); the extra critic ones go into the band "
+                          "(pipeline/exact/grow.py). The extra actor micro-batches go in as "
+                          "1F1B pairs at the first cut that adds only their work (if none "
+                          "does, into the band); the extra critic ones go into the band "
                           "[T1 + SLOPE*d, T2 + SLOPE*d) of that schedule (device d), re-solved "
                           "with the rest pinned, after the band moved later by the extra work; "
                           "target: the grown makespan (a restriction, like --splice)")

@@ -35,7 +35,8 @@ def prompts():
   return tokens, lens
 
 
-_apply = jax.jit(lambda prm, tokens, pos=None, cache=None: llama.apply(CFG, prm, tokens, pos, cache))
+_apply = jax.jit(
+    lambda prm, tokens, pos=None, cache=None: llama.apply(CFG, prm, tokens, pos, cache))
 
 
 def _full_logits(params, rollout):
@@ -169,9 +170,11 @@ def test_per_sample_stop_on_eos_or_max_new_tokens(params, prompts, greedy):
     want_len = hits[0] + 1 if hits.size else T
     assert r.response_lens[b] == want_len
     assert r.stop_reason[b] == (engine.STOP_EOS if hits.size else engine.STOP_MAX_TOKENS)
-    np.testing.assert_array_equal(r.response_tokens[b, :want_len], base.response_tokens[b, :want_len])
+    np.testing.assert_array_equal(r.response_tokens[b, :want_len],
+                                  base.response_tokens[b, :want_len])
     assert (r.response_tokens[b, want_len:] == 0).all() and (r.logprobs[b, want_len:] == 0).all()
-  assert (r.stop_reason == engine.STOP_EOS).any() and (r.stop_reason == engine.STOP_MAX_TOKENS).any()
+  assert (r.stop_reason == engine.STOP_EOS).any()
+  assert (r.stop_reason == engine.STOP_MAX_TOKENS).any()
   assert r.decode_steps == r.response_lens.max() - 1
   assert r.decode_chunks == -(-r.decode_steps // 3)
 
@@ -239,8 +242,9 @@ def _decode_whiles(gen, params) -> int:
 def test_gpu_decode_reads_the_whole_cache_with_static_shapes(params, prompts, greedy,
                                                             monkeypatch, caplog):
   """attention="cudnn" on a GPU backend (the opt-out: "auto" in a generation instance takes
-  the kernel there, test_auto_decodes_with_the_kernel_on_gpu): one-token decode takes the static whole-cache path (no
-  loop with a traced trip count, which XLA:GPU would sync on per key block and layer). Same
+  the kernel there, test_auto_decodes_with_the_kernel_on_gpu): one-token decode takes the static
+  whole-cache path (no loop with a traced trip count, which XLA:GPU would sync on per key block
+  and layer). Same
   tokens as the blockwise decode, log-probs to float32 rounding; "blockwise" there still loops,
   and says once that it is slow. The backend is faked: the dispatch reads
   jax.default_backend() while tracing, so no trace may come from (or stay in) jax's caches."""
@@ -286,8 +290,8 @@ def test_pallas_on_a_sharded_instance_runs_per_device(params, prompts, greedy):
   """On an instance of data 2 x tensor 2 the kernel runs inside a shard_map on each device's
   rows and KV head of its own cache shard: the blockwise engine's greedy tokens and log-probs,
   and the compiled decode chunk has exactly the blockwise engine's collectives (the kernel
-  moves no cache between devices; without the shard_map XLA gathers the KV shards). KV heads that do not split over
-  `tensor` are refused, naming the field."""
+  moves no cache between devices; without the shard_map XLA gathers the KV shards). KV heads
+  that do not split over `tensor` are refused, naming the field."""
   smp = SamplingConfig(greedy=True, max_new_tokens=T, chunk_size=4)
   cfg = CFG.replace(attention="pallas")
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, tensor=2), jax.devices()[:4])

@@ -1,4 +1,5 @@
-"""Task windows (pipeline/windows.py): redundant constraints that must never cut a valid schedule."""
+"""Task windows (pipeline/windows.py): redundant constraints that must never cut a valid
+schedule."""
 import numpy as np
 import pytest
 

@@ -304,6 +304,22 @@ def test_a_second_ctrl_c_while_the_first_is_logged_interrupts(monkeypatch):
     assert len(logged) == 1 and logged[0].startswith("signal 2: finishing this iteration")
 
 
+def test_a_signal_after_the_last_iteration_says_the_run_is_ending(monkeypatch):
+  """Once the loop's iterations are over (stop.ending, set as the loop's end hooks run: the last
+  checkpoint's save and wait) there is no iteration left to finish: the message says what the
+  run waits for, and Ctrl-C again still stops it at once."""
+  flag, logged = hooks.StopFlag(), []
+  monkeypatch.setattr(hooks.logging, "warning", lambda msg, *args: logged.append(msg % args))
+  flag.ending = True
+  flag._handle(signal.SIGTERM, None)
+  assert flag.set and flag.signal == signal.SIGTERM
+  assert logged == ["signal 15: the run is ending; waiting for its last checkpoint to be saved "
+                    "(Ctrl-C again: stop now without it)"]
+  with pytest.raises(KeyboardInterrupt):
+    flag._handle(signal.SIGINT, None)
+  assert len(logged) == 1
+
+
 def test_a_stop_flag_off_the_main_thread_installs_nothing():
   """Python installs signal handlers from the main thread only: a trainer driven from another
   thread runs without them instead of failing before its first iteration."""

@@ -166,7 +166,8 @@ def batch_size_multiple(mesh: Mesh) -> int:
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-  """Sharding of an array whose leading dim is the batch: split over (data, fsdp), rest replicated."""
+  """Sharding of an array whose leading dim is the batch: split over (data, fsdp), the rest
+  replicated."""
   return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 

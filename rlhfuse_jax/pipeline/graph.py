@@ -95,7 +95,8 @@ class PipelineProblem:
         raise ValueError(f"{name}={v!r} must be a positive finite number")
     # Defaults are resolved here so every consumer sees concrete numbers; None or a negative
     # value (the config files' sentinel) means "use the default".
-    for name, default in (("actor_bwd", 2.0 * self.actor_fwd), ("critic_bwd", 2.0 * self.critic_fwd),
+    for name, default in (("actor_bwd", 2.0 * self.actor_fwd),
+                          ("critic_bwd", 2.0 * self.critic_fwd),
                           ("actor_mem", float(self.actor_fwd)),
                           ("critic_mem", float(self.critic_fwd))):
       v = getattr(self, name)

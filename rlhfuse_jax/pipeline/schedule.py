@@ -107,7 +107,8 @@ def from_order(problem: PipelineProblem, order: np.ndarray) -> Schedule:
       cnt[k] += 1
     devices.append(tuple(tasks))
   return Schedule(problem=problem, devices=tuple(devices), makespan=ev.makespan,
-                  peaks=tuple(float(x) for x in ev.peaks), budget=tuple(float(x) for x in ev.budget))
+                  peaks=tuple(float(x) for x in ev.peaks),
+                  budget=tuple(float(x) for x in ev.budget))
 
 
 def from_dict(data: dict[str, Any]) -> Schedule:

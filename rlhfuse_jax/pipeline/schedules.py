@@ -189,8 +189,9 @@ def task_tails(problem: PipelineProblem) -> np.ndarray:
 def list_schedule_kernel(params, prio, caps, mem_cap, deltas, window, reserve, order):
   """Builds an order (written into `order` int8 [N, T]) by list scheduling; True if no stall.
 
-  prio: f8 [4, N, max(Ma, Mc)] priority of each task (kind, device, micro-batch); larger first. caps: i8 [N, 2] max in-flight
-  micro-batches per device for (actor, critic). mem_cap: f8 [N] cap on held memory.
+  prio: f8 [4, N, max(Ma, Mc)] priority of each task (kind, device, micro-batch); larger first.
+  caps: i8 [N, 2] max in-flight micro-batches per device for (actor, critic).
+  mem_cap: f8 [N] cap on held memory.
   window: a device may idle up to `window` time units to start a higher-priority task.
   reserve: admit a forward only if one forward of the other model still fits when that model
   holds nothing on the device (makes the combined memory cap deadlock-free).

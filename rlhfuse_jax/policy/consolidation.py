@@ -1,5 +1,5 @@
-"""Long-tail consolidation policy (docs/architecture.md §2): when to migrate the unfinished samples,
-and where.
+"""Long-tail consolidation policy (docs/architecture.md §2): when to migrate the unfinished
+samples, and where.
 
 One policy, two users: the real generation engine (issue 5) and the simulator (`rlhfuse_jax/sim/`)
 call the same `plan_consolidation`, so a simulated schedule is the one the engine would run.
