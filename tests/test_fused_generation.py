@@ -430,10 +430,36 @@ def test_rt_choice_follows_the_costs():
     ({"migration_threshold": "sometimes"}, "fusion.migration_threshold"),
     ({"num_instances": 0}, "fusion.num_instances"),
     ({"max_consolidations": -1}, "fusion.max_consolidations"),
+    # Accepted before, then a TypeError in choose_rt (0.0 <= 'auto') or an unnamed error there.
+    ({"rt_candidates": ("auto",)}, r"fusion.rt_candidates=\('auto',\): expected numbers"),
+    ({"rt_candidates": ()}, r"fusion.rt_candidates=\(\): expected at least one"),
 ])
 def test_bad_fusion_config(kw, match):
   with pytest.raises(ValueError, match=match):
     FusedGenConfig(**{"num_instances": 2, "slots": 4, **kw})
+
+
+def test_rt_candidates_are_stored_as_floats():
+  assert FusedGenConfig(num_instances=2, slots=4, rt_candidates=("0.3", 1)).rt_candidates == (
+      0.3, 1.0)
+
+
+def test_per_batch_auto_rt_without_a_model_is_refused(one_device):
+  """run(rt='auto') on a generator with a fixed Rt built without rt_model: the first batch
+  silently ran the prior Rt and the second failed in choose_rt with "'NoneType' object is not
+  callable"; now every batch refuses at once, naming what is missing."""
+  gen, actor, params = one_device
+  fixed = variant(gen, actor, params, migration_threshold=0.5)
+  assert fixed.rt_model is None
+  tokens, lens, budgets = batch(16, 0)
+  for _ in range(2):
+    with pytest.raises(ValueError, match=r"run\(rt='auto'\) needs a model to simulate Rt"):
+      fixed.run(actor, params, tokens, lens, KEY, budgets=budgets, rt="auto")
+  with pytest.raises(ValueError, match=r"needs a model to simulate it with"):
+    fixed.choose_rt(lens, auto=True)
+  # Unfused runs take no Rt: unaffected.
+  assert fixed.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=False,
+                   rt="auto").rt == 0.0
 
 
 def test_bad_layouts_fail_before_compiling():
@@ -454,6 +480,8 @@ def test_bad_layouts_fail_before_compiling():
     make(16, num_instances=4, slots=2)
   with pytest.raises(ValueError, match=r"migration_threshold='auto' needs a model"):
     make(8, num_instances=2, slots=4)  # "auto" without the simulator plugged in
+  with pytest.raises(ValueError, match=r"generation batch_size=0: expected an integer >= 1"):
+    make(0, num_instances=2, slots=4, migration_threshold=0.5)  # ran into numpy at run()
   with pytest.raises(ValueError, match="context too long"):
     FusedGenerator(CFG, SamplingConfig(max_new_tokens=60), FusedGenConfig(num_instances=1,
                                                                          slots=1),

@@ -165,8 +165,15 @@ class FusedGenConfig(FusionFields):
     self._check_int("compile_threads", 1, "an integer >= 1")
     self._check_int("inference_inflight", 0, "an integer >= 0 (0: no cap)")
     self._check_int("kv_capacity_tokens", 0, "an integer >= 0 (0: slots * max_len)")
-    for c in self.rt_candidates:
-      rt_choice.resolve_threshold(c, f"{self.section}.rt_candidates[]")
+    if not self.rt_candidates:
+      self._fail("rt_candidates", self.rt_candidates, "at least one Rt in [0, 1]")
+    # Stored as floats: 'auto' (which resolve_threshold accepts, as None) or a string such as
+    # "0.3" reached choose_rt as is and failed there with a TypeError comparing it with 0.0.
+    resolved = tuple(rt_choice.resolve_threshold(c, f"{self.section}.rt_candidates[]")
+                     for c in self.rt_candidates)
+    if None in resolved:
+      self._fail("rt_candidates", self.rt_candidates, "numbers in [0, 1] ('auto' is none)")
+    object.__setattr__(self, "rt_candidates", resolved)
 
   @classmethod
   def of(cls, fields: FusionFields, **kw) -> "FusedGenConfig":
@@ -198,6 +205,9 @@ def check_layout(config: FusedGenConfig, batch_size: int, num_devices: int) -> N
   """The instances fit the devices and a batch of `batch_size` dealt over them fits their
   slots: FusedGenerator's own check, also run by the trainer before it builds anything."""
   inst_lib.check_device_count(config.num_instances, config.instance_devices, num_devices)
+  if batch_size < 1:
+    # 0 built a generator whose every run failed in numpy ("zero-size array to reduction").
+    raise ValueError(f"generation batch_size={batch_size!r}: expected an integer >= 1")
   g, s = config.num_instances, config.slots
   per_inst = -(-batch_size // g)
   if per_inst > s:
@@ -318,6 +328,10 @@ class FusedGenerator:
     this at the same point (FusedGenerator.run does)."""
     if self.fixed_rt is not None and not auto:
       return self.fixed_rt, None
+    if self.rt_model is None:
+      raise ValueError("choosing Rt ('auto') needs a model to simulate it with: build the "
+                       "FusedGenerator with rt_model=rlhfuse_jax.trainer.rt_auto."
+                       "simulated_rt_model")
     rt, choice = self._choose_rt(prompt_lens)
     if self.exchange.multi:
       agreed = self.exchange.broadcast_float(rt)
@@ -373,12 +387,18 @@ class FusedGenerator:
     tokens, plens, uids, budgets = inst_lib.check_prompts(
         self.batch_size, self.prompt_len, self.sampling, prompt_tokens, prompt_lens, uids, budgets,
         self.cfg.vocab_size)
+    forced = None if rt is None else rt_choice.resolve_threshold(rt, "rt")  # None: 'auto'
+    if fuse and rt is not None and forced is None and self.rt_model is None:
+      # Checked before anything runs: the first batch took the prior Rt, and the second failed
+      # in choose_rt with "'NoneType' object is not callable".
+      raise ValueError("run(rt='auto') needs a model to simulate Rt with: build the "
+                       "FusedGenerator with rt_model=rlhfuse_jax.trainer.rt_auto."
+                       "simulated_rt_model (or pass a fixed rt in [0, 1])")
     t_place = time.perf_counter()
     actor_params = self.place_actor(actor_params)
     jax.block_until_ready(list(actor_params.values()))
     place_s = time.perf_counter() - t_place
     choice = None
-    forced = None if rt is None else rt_choice.resolve_threshold(rt, "rt")  # None: 'auto'
     if not fuse:
       rt = 0.0
     elif forced is not None:
