@@ -462,6 +462,25 @@ def test_per_batch_auto_rt_without_a_model_is_refused(one_device):
                    rt="auto").rt == 0.0
 
 
+def test_host_inputs_that_int32_would_change_are_refused():
+  """check_prompts cast the batch's host inputs to int32 as numpy does, silently: a budget of
+  2.7 became 2, and the uid 2**32 + 7 became 7 (that sample drew uid 7's random stream). Now
+  refused, naming the element; integral floats still pass."""
+  sampling = SamplingConfig(max_new_tokens=4)
+  tokens, lens = [[1, 2, 3], [4, 5, 6]], [3, 2]
+  ok = instances.check_prompts(2, 3, sampling, np.float32(tokens), [3.0, 2.0], budgets=[1.0, 4])
+  np.testing.assert_array_equal(ok[0][0], tokens[0])  # (row 1: pad_id behind its length)
+  assert ok[1].dtype == ok[3].dtype == np.int32
+  for kw, match in (({"uids": np.int64([0, 2**32 + 7])}, r"uids\[1\] = 4294967303"),
+                    ({"budgets": [2.7, 3]}, r"budgets\[0\] = 2.7: expected an integer")):
+    with pytest.raises(ValueError, match=match):
+      instances.check_prompts(2, 3, sampling, tokens, lens, **kw)
+  with pytest.raises(ValueError, match=r"prompt_tokens\[1, 2\] = nan"):
+    instances.check_prompts(2, 3, sampling, [[1, 2, 3], [4, 5, np.nan]], lens)
+  with pytest.raises(ValueError, match="prompt_lens has dtype <U1; expected integers"):
+    instances.check_prompts(2, 3, sampling, tokens, ["3", "2"])
+
+
 def test_bad_layouts_fail_before_compiling():
   sampling = SamplingConfig(max_new_tokens=T, eos_id=-1)
   frozen = FrozenModels(reference=CFG)

@@ -134,6 +134,23 @@ def check_model(cfg: ModelConfig, sampling: SamplingConfig, prompt_len: int) -> 
   return max_len
 
 
+def _int32(name: str, x) -> np.ndarray:
+  """`x` as int32, refused (naming the first bad element) where that would change a value:
+  numpy's cast truncated 2.7 to 2 and wrapped the uid 2**32 + 7 to 7 (that sample then drew
+  uid 7's random stream) without a word."""
+  a = np.asarray(x)
+  if a.dtype.kind not in "biuf":
+    raise ValueError(f"{name} has dtype {a.dtype}; expected integers")
+  with np.errstate(invalid="ignore"):  # NaN: cast to anything, and unequal below, as it should
+    out = a.astype(np.int32)
+    bad = out != a
+  if bad.any():
+    index = tuple(int(i[0]) for i in np.nonzero(bad))
+    where = "" if a.ndim == 0 else "[" + ", ".join(map(str, index)) + "]"
+    raise ValueError(f"{name}{where} = {a[index].item()!r}: expected an integer that fits int32")
+  return out
+
+
 def check_prompts(batch_size: int, prompt_len: int, sampling: SamplingConfig, prompt_tokens,
                   prompt_lens, uids=None, budgets=None, vocab_size: Optional[int] = None):
   """A batch's host inputs checked and completed: (tokens [B, P], pad_id behind each row's length
@@ -141,8 +158,8 @@ def check_prompts(batch_size: int, prompt_len: int, sampling: SamplingConfig, pr
   `vocab_size`: the prompts' tokens (before each row's length) must lie in [0, vocab_size); an
   id outside it embeds as NaN (jnp.take's fill) and its row would decode garbage silently."""
   b, p, t = batch_size, prompt_len, sampling.max_new_tokens
-  prompt_tokens = np.asarray(prompt_tokens, np.int32)
-  prompt_lens = np.asarray(prompt_lens, np.int32)
+  prompt_tokens = _int32("prompt_tokens", prompt_tokens)
+  prompt_lens = _int32("prompt_lens", prompt_lens)
   if prompt_tokens.ndim != 2 or prompt_tokens.shape[0] != b or prompt_tokens.shape[1] > p:
     raise ValueError(f"prompt_tokens has shape {prompt_tokens.shape}; this generator takes "
                      f"[{b}, <= {p}] (batch_size, prompt bucket)")
@@ -164,7 +181,7 @@ def check_prompts(batch_size: int, prompt_len: int, sampling: SamplingConfig, pr
   # masked attention's 0 x NaN spreads over the row.
   padded = np.full((b, p), sampling.pad_id, np.int32)
   padded[:, :prompt_tokens.shape[1]] = np.where(real, prompt_tokens, sampling.pad_id)
-  uids = np.arange(b, dtype=np.int32) if uids is None else np.asarray(uids, np.int32)
+  uids = np.arange(b, dtype=np.int32) if uids is None else _int32("uids", uids)
   if uids.shape != (b,):
     raise ValueError(f"uids has shape {uids.shape}; expected ({b},)")
   values, counts = np.unique(uids, return_counts=True)
@@ -174,7 +191,7 @@ def check_prompts(batch_size: int, prompt_len: int, sampling: SamplingConfig, pr
     raise ValueError(f"uids[{rows[0]}] = uids[{rows[1]}] = {int(values[i])}: a sample's uid seeds "
                      "its random stream, so two rows with one uid would draw the same tokens; "
                      "expected distinct uids")
-  budgets = np.full(b, t, np.int32) if budgets is None else np.asarray(budgets, np.int32)
+  budgets = np.full(b, t, np.int32) if budgets is None else _int32("budgets", budgets)
   if budgets.shape != (b,) or budgets.min() < 1 or budgets.max() > t:
     raise ValueError(f"budgets must be [{b}] in [1, max_new_tokens={t}]")
   return padded, prompt_lens, uids, budgets
