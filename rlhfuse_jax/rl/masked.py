@@ -90,15 +90,18 @@ def masked_var(x: jax.Array, mask: jax.Array, axis: Axis = None,
   # In float32 at least: the deviations from the pivot below, in bfloat16, were rounded to 8 bits.
   x = x.astype(jnp.result_type(x, jnp.float32))
   mask = jnp.broadcast_to(mask, x.shape).astype(x.dtype)
-  # Taken of values scaled by a power of two into [-4, 4) (exact, and the same bits as unscaled
-  # wherever nothing overflows), the scale's square multiplied back at the end: unscaled, the
-  # deviations of 3e38 against -3e38 overflowed to inf and inf - inf gave NaN, and the squares'
-  # sum overflowed for a variance float32 holds (2.25e38 of +-1.5e19). A variance beyond
-  # float32's range is now inf, as it should be.
-  valid = _valid(mask)
-  scale = power_of_two_scale(jnp.max(jnp.where(valid, jnp.abs(x), 0.0), axis=axis,
+  # Taken of values scaled by a power of two into [-4, 4) (exact), the scale's square multiplied
+  # back at the end: unscaled, the deviations of 3e38 against -3e38 overflowed to inf and
+  # inf - inf gave NaN, and the squares' sum overflowed for a variance float32 holds (2.25e38 of
+  # +-1.5e19). A variance beyond float32's range is now inf, as it should be.
+  scale = power_of_two_scale(jnp.max(jnp.where(_valid(mask), jnp.abs(x), 0.0), axis=axis,
                                      keepdims=True, initial=0.0))
-  x = x / scale
+  var = _shifted_var(x / scale, mask, axis, unbiased)
+  return var * jnp.square(jnp.squeeze(scale, axis=tuple(range(x.ndim)) if axis is None else axis))
+
+
+def _shifted_var(x: jax.Array, mask: jax.Array, axis: Axis, unbiased: bool) -> jax.Array:
+  """masked_var of float32 `x` whose deviations and squares cannot overflow (scaled)."""
   # Taken of the deviations from one valid value (the variance does not change): values far from
   # 0 then cancel exactly, and equal values have a variance of exactly 0. Unshifted, the float32
   # mean of equal values (123.456 each) is off by ~1e-5: a variance of ~1e-10, not 0.
@@ -110,8 +113,7 @@ def masked_var(x: jax.Array, mask: jax.Array, axis: Axis = None,
     n = jnp.sum(mask, axis=axis)
     # With a single valid element the unbiased variance is undefined; keep the biased one (0).
     var = var * jnp.where(n > 1, n / jnp.maximum(n - 1, 1.0), 1.0)
-  scale = jnp.squeeze(scale, axis=tuple(range(x.ndim)) if axis is None else axis)
-  return var * jnp.square(scale)
+  return var
 
 
 def masked_whiten(x: jax.Array, mask: jax.Array, shift_mean: bool = True,
@@ -135,7 +137,9 @@ def masked_whiten(x: jax.Array, mask: jax.Array, shift_mean: bool = True,
   pivot = _pivot(x, mask, None)
   x = x - pivot
   mean = masked_mean(x, mask)
-  var = masked_var(x, mask)
+  # (Scaled already: masked_var's own scale would change the reductions' fusion, and with it
+  # the last bit of some whitened values.)
+  var = _shifted_var(x, jnp.broadcast_to(mask, x.shape).astype(x.dtype), None, True)
   whitened = (x - mean) * jax.lax.rsqrt(var + scaled_eps(eps, scale * scale))
   if not shift_mean:
     whitened = whitened + (mean + pivot) * scale
