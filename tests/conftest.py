@@ -45,17 +45,18 @@ def pytest_unconfigure(config):
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
-# The files that take longest (seconds of one fresh-clone CI run, `--junitxml`, 2026-12-02), run
-# first. `--dist loadfile` hands each worker a whole file at a time in collection order; xdist's
-# own order (most tests first) started these last, so one worker still ran one of them minutes
-# after the other had finished. Longest first, the last files handed out are short ones (that
-# run: the two workers ended 34 s apart).
-HEAVY_FILES = ("test_multiprocess.py", "test_faults.py", "test_pipeline_experiments.py",
-               "test_bench_decode.py", "test_fused_multiprocess.py", "test_plan.py",
-               "test_plan_check.py", "test_activation_sharding.py", "test_trainer_pipelined.py",
-               "test_pipeline_executor.py", "test_attention.py", "test_generation.py",
-               "test_trainer.py", "test_async_ppo.py", "test_ppo_update_reference.py",
-               "test_trainer_paths.py", "test_train_ppo_binary.py")
+# The files that take longest (seconds of one CI run, `--durations=0`, 2026-11-29), run first.
+# `--dist loadfile` hands each worker a whole file at a time in collection order; xdist's own
+# order (most tests first) started these last, so one worker still ran one of them minutes
+# after the other had finished. Longest first, the last files handed out are short ones.
+# test_pipeline_experiments.py (third longest) stays out on purpose: its binaries start warm
+# from the numba and XLA caches the files before it fill. Moved third (2026-12-02), its tests
+# took 277 s instead of 168 s and the suite 19:58 instead of 18:47 (one fresh-clone CI each).
+HEAVY_FILES = ("test_multiprocess.py", "test_faults.py", "test_pipeline_executor.py",
+               "test_bench_decode.py", "test_fused_multiprocess.py", "test_attention.py",
+               "test_plan_check.py", "test_plan.py", "test_trainer_pipelined.py",
+               "test_generation.py", "test_activation_sharding.py", "test_async_ppo.py",
+               "test_ppo_update_reference.py", "test_trainer.py", "test_trainer_paths.py")
 
 
 def pytest_configure(config):
