@@ -455,7 +455,7 @@ def test_per_batch_auto_rt_without_a_model_is_refused(one_device):
   for _ in range(2):
     with pytest.raises(ValueError, match=r"run\(rt='auto'\) needs a model to simulate Rt"):
       fixed.run(actor, params, tokens, lens, KEY, budgets=budgets, rt="auto")
-  with pytest.raises(ValueError, match=r"needs a model to simulate it with"):
+  with pytest.raises(ValueError, match=r"choose_rt\(auto=True\) needs a model to simulate Rt"):
     fixed.choose_rt(lens, auto=True)
   # Unfused runs take no Rt: unaffected.
   assert fixed.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=False,

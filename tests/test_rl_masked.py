@@ -132,7 +132,7 @@ def test_var_of_values_near_float32s_limit():
   assert rows[1] == np.inf
   assert float(masked.masked_var(x, mask)) == np.inf
   assert float(masked.masked_var(x[:1], mask[:1], unbiased=False)) == rows[0]
-  # The scale changes nothing where nothing overflows: the same bits as numpy's float64 rounded.
+  # Where nothing overflows, numpy's float64 variance, to float32's rounding.
   small = np.float32([[1e3, 1e3 + 0.5, 2e3, -7e2]])
   np.testing.assert_allclose(masked.masked_var(small, np.ones_like(small)),
                              small.astype(np.float64).var(ddof=1), rtol=1e-6)

@@ -328,10 +328,7 @@ class FusedGenerator:
     this at the same point (FusedGenerator.run does)."""
     if self.fixed_rt is not None and not auto:
       return self.fixed_rt, None
-    if self.rt_model is None:
-      raise ValueError("choosing Rt ('auto') needs a model to simulate it with: build the "
-                       "FusedGenerator with rt_model=rlhfuse_jax.trainer.rt_auto."
-                       "simulated_rt_model")
+    self._require_rt_model("choose_rt(auto=True)")
     rt, choice = self._choose_rt(prompt_lens)
     if self.exchange.multi:
       agreed = self.exchange.broadcast_float(rt)
@@ -339,6 +336,14 @@ class FusedGenerator:
         choice = rt_choice.RtChoice(agreed, "process 0's choice (broadcast)", {})
       rt = agreed
     return rt, choice
+
+  def _require_rt_model(self, what: str) -> None:
+    """Raises, naming `what` asked for Rt 'auto', when this generator has no model to simulate
+    Rt with (it has a fixed Rt)."""
+    if self.rt_model is None:
+      raise ValueError(f"{what} needs a model to simulate Rt with: build the FusedGenerator "
+                       "with rt_model=rlhfuse_jax.trainer.rt_auto.simulated_rt_model (or pass "
+                       "a fixed rt in [0, 1])")
 
   def _choose_rt(self, prompt_lens) -> tuple[float, rt_choice.RtChoice]:
     if self.calibration is None or self.lengths.total == 0:
@@ -388,12 +393,11 @@ class FusedGenerator:
         self.batch_size, self.prompt_len, self.sampling, prompt_tokens, prompt_lens, uids, budgets,
         self.cfg.vocab_size)
     forced = None if rt is None else rt_choice.resolve_threshold(rt, "rt")  # None: 'auto'
-    if fuse and rt is not None and forced is None and self.rt_model is None:
-      # Checked before anything runs: the first batch took the prior Rt, and the second failed
-      # in choose_rt with "'NoneType' object is not callable".
-      raise ValueError("run(rt='auto') needs a model to simulate Rt with: build the "
-                       "FusedGenerator with rt_model=rlhfuse_jax.trainer.rt_auto."
-                       "simulated_rt_model (or pass a fixed rt in [0, 1])")
+    if fuse and rt is not None and forced is None:
+      # Checked before anything runs (choose_rt checks too, after the placement and the cost
+      # measurement): the first batch took the prior Rt, and the second failed in choose_rt
+      # with "'NoneType' object is not callable".
+      self._require_rt_model("run(rt='auto')")
     t_place = time.perf_counter()
     actor_params = self.place_actor(actor_params)
     jax.block_until_ready(list(actor_params.values()))
