@@ -200,10 +200,10 @@ class Exchange:
                          f"reached the start, but the first exchange over {how} failed: "
                          f"{e.__cause__}") from e
 
-  def _message(self, what: str) -> str:
+  def _message(self, what: str, within: str = "") -> str:
     return (f"fused generation, process {self.me} of {self.count}: the collective exchanging "
-            f"{what} did not complete: another process died, hung or left the run (see the "
-            "other processes' logs)")
+            f"{what} did not complete{within}: another process died, hung or left the run (see "
+            "the other processes' logs)")
 
   @contextlib.contextmanager
   def guard(self, what: str):
@@ -214,7 +214,8 @@ class Exchange:
       return
 
     def expire():
-      exit_now(f"{self._message(what)} within {self.timeout_s:g}s; exiting ({EXIT_PEER_LOST})")
+      exit_now(f"{self._message(what, f' within {self.timeout_s:g}s')}; exiting "
+               f"({EXIT_PEER_LOST})")
     timer = threading.Timer(self.timeout_s, expire)
     timer.daemon = True
     timer.start()
