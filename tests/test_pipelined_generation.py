@@ -138,6 +138,37 @@ def test_clear_errors():
     pipelined.check_pipeline(CFG.replace(num_layers=16), 16, 16, 16, 8)
 
 
+def test_params_stacked_for_another_pipeline_are_refused():
+  """Stage-stacked params are taken as they come (`is_staged`): a stack for 4 stages on a
+  2-stage generator was split 2 rows per device and each stage ran 1 of its 2 layers (log-probs
+  off by ~0.6, no error). Refused before anything compiles, naming the expected layout."""
+  gen = pipelined.PipelinedGenerator(CFG, SAMPLING, batch_size=B, prompt_len=P, stages=2,
+                                     groups=2)
+  tokens, lens, budgets, uids = _prompts()
+  staged = pipelined.stack_params(CFG, llama.host_random_params(CFG, 0), 4)
+  with pytest.raises(ValueError, match=r"stage-stacked params: layers\[.*\] has shape "
+                     r"\(4, 1, .*expected \[2, 2, \.\.\.\] for config\.generation\."
+                     r"pipeline_stages=2 and model\.num_layers=4"):
+    gen.generate(staged, tokens, lens, KEY, uids=uids, budgets=budgets)
+  with pytest.raises(ValueError, match=r"expected \[2, 2, \.\.\.\]"):
+    gen.compile(staged)
+  assert gen.num_compiles == 0
+
+
+def test_params_with_another_layer_count_are_refused():
+  """Unpipelined params of another depth: a scan_layers stack failed in numpy's reshape, and an
+  unrolled tree with extra layers_i had them dropped without a word."""
+  gen = pipelined.PipelinedGenerator(CFG, SAMPLING, batch_size=B, prompt_len=P, stages=2,
+                                     groups=2)
+  tokens, lens, budgets, uids = _prompts()
+  for cfg in (CFG.replace(num_layers=2), CFG.replace(num_layers=6, scan_layers=False)):
+    with pytest.raises(ValueError, match=f"params hold {cfg.num_layers} layers; expected "
+                       "model.num_layers=4"):
+      gen.generate(llama.host_random_params(cfg, 0), tokens, lens, KEY, uids=uids,
+                   budgets=budgets)
+  assert gen.num_compiles == 0
+
+
 def test_bench_pipelined_tiny(tmp_path):
   """The acceptance command's code path at its test size: bitwise identical outputs against the
   Generator, busy fraction counted from the executed table, ticks equal to the formula."""

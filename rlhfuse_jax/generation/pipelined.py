@@ -378,7 +378,27 @@ def stack_params(cfg: ModelConfig, params: Any, stages: int) -> dict:
   """Unpipelined params (unrolled or scan_layers) -> {"embed", "head", "layers": leaves
   [pp, L/pp, ...]}: row s = layers s*L/pp .. (s+1)*L/pp - 1, the training pipeline's layout
   (llama.stage_stack, which pipeline/stages.py's StageLayout.stack uses too)."""
+  if "layers_0" in params:
+    held = sum(1 for k in params if k.startswith("layers_"))
+  else:
+    held = jax.tree.leaves(params["layers"]["block"])[0].shape[0]
+  if held != cfg.num_layers:  # else: a numpy reshape error, or extra layers dropped silently
+    raise ValueError(f"params hold {held} layers; expected model.num_layers={cfg.num_layers}")
   return llama.stage_stack(params, cfg.num_layers, stages)
+
+
+def check_staged(cfg: ModelConfig, staged: dict, stages: int,
+                 field: str = PIPELINE_FIELDS[0]) -> None:
+  """Already stage-stacked params must be stacked for this pipeline: every layer leaf
+  [stages, L/stages, ...]. (A stack for another stage count was split over the stage axis as it
+  came and each stage ran the wrong layers: wrong log-probs, no error.)"""
+  want = (stages, cfg.num_layers // stages)
+  for path, x in jax.tree_util.tree_leaves_with_path(staged["layers"]):
+    if tuple(x.shape[:2]) != want:
+      raise ValueError(
+          f"stage-stacked params: layers{jax.tree_util.keystr(path)} has shape {tuple(x.shape)};"
+          f" expected [{want[0]}, {want[1]}, ...] for {field}={stages} and model.num_layers="
+          f"{cfg.num_layers}: pass unpipelined params, or `place` them with this generator")
 
 
 def is_staged(params: Any) -> bool:
@@ -419,6 +439,7 @@ class PipelinedGenerator:
                fields: tuple[str, str] = PIPELINE_FIELDS):
     devices = list(jax.devices() if devices is None else devices)
     self.bg = check_pipeline(cfg, batch_size, stages, groups, len(devices), fields)
+    self.fields = fields
     self.max_len = instances.check_model(cfg, sampling, prompt_len)
     # Each stage device runs its own layers inside the shard_map, so on GPU "auto" decodes with
     # the Pallas kernel there directly, as a one-device generation instance does.
@@ -469,6 +490,7 @@ class PipelinedGenerator:
 
   def compile(self, staged) -> None:
     """AOT-compiles prefill and the decode chunk for these stage-stacked params."""
+    check_staged(self.cfg, staged, self.stages, self.fields[0])
     prefill, decode = self._programs(staged)
     g, bg, p = self.groups, self.bg, self.prompt_len
     prm = mesh_lib.abstract(staged, self.param_shardings(staged))
@@ -491,7 +513,11 @@ class PipelinedGenerator:
     tokens, lens, uids, budgets = instances.check_prompts(
         self.batch_size, self.prompt_len, self.sampling, prompt_tokens, prompt_lens, uids,
         budgets, self.cfg.vocab_size)
-    staged = params if is_staged(params) else self.place(params)
+    if is_staged(params):
+      check_staged(self.cfg, params, self.stages, self.fields[0])
+      staged = params
+    else:
+      staged = self.place(params)
     if not self._exe:
       self.compile(staged)
     g, bg = self.groups, self.bg
