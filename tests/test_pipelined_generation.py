@@ -169,6 +169,23 @@ def test_params_with_another_layer_count_are_refused():
   assert gen.num_compiles == 0
 
 
+def test_pipeline_sizes_must_be_integers():
+  """A float stage count failed while building the mesh (a TypeError in slicing), a float
+  group count at the first generate (deep in jax); an integral float is the integer, as in
+  SamplingConfig, anything else is refused naming the field."""
+  gen = pipelined.PipelinedGenerator(CFG, SAMPLING, batch_size=float(B), prompt_len=P,
+                                     stages=2.0, groups=np.float64(4))
+  assert (gen.stages, gen.groups, gen.batch_size, gen.bg) == (2, 4, B, 2)
+  assert all(type(x) is int for x in (gen.stages, gen.groups, gen.batch_size, gen.chunk_ticks))
+  for kwargs, field in (({"groups": 2.5}, "config.generation.pipeline_groups=2.5"),
+                        ({"stages": None}, "config.generation.pipeline_stages=None"),
+                        ({"stages": True}, "config.generation.pipeline_stages=True"),
+                        ({"batch_size": 8.5}, "batch_size=8.5")):
+    args = {"batch_size": B, "stages": 2, "groups": 2, **kwargs}
+    with pytest.raises(ValueError, match=f"{field}; expected an integer"):
+      pipelined.PipelinedGenerator(CFG, SAMPLING, prompt_len=P, **args)
+
+
 def test_bench_pipelined_tiny(tmp_path):
   """The acceptance command's code path at its test size: bitwise identical outputs against the
   Generator, busy fraction counted from the executed table, ticks equal to the formula."""

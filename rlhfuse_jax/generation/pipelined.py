@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import time
 from typing import Any, Optional, Sequence
 
@@ -79,6 +80,13 @@ def check_pipeline(cfg: ModelConfig, batch_size: int, stages: int, groups: int,
   """Checks the pipeline's shape before anything compiles; returns the rows per group Bg.
   `fields`: the config fields that set `stages` and `groups`, named in errors."""
   pp, g = fields
+  for name, value in ((pp, stages), (g, groups), ("batch_size", batch_size)):
+    # An integral float (2.0) is the integer, as in SamplingConfig; anything else failed deep in
+    # jax (a float stage count while building the mesh, a float group count at the first call).
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or
+        not float(value).is_integer()):
+      raise ValueError(f"{name}={value!r}; expected an integer")
+  stages, groups, batch_size = int(stages), int(groups), int(batch_size)
   if stages < 1:
     raise ValueError(f"{pp}={stages}; expected >= 1")
   if cfg.num_layers % stages:
@@ -439,6 +447,7 @@ class PipelinedGenerator:
                fields: tuple[str, str] = PIPELINE_FIELDS):
     devices = list(jax.devices() if devices is None else devices)
     self.bg = check_pipeline(cfg, batch_size, stages, groups, len(devices), fields)
+    stages, groups, batch_size = int(stages), int(groups), int(batch_size)
     self.fields = fields
     self.max_len = instances.check_model(cfg, sampling, prompt_len)
     # Each stage device runs its own layers inside the shard_map, so on GPU "auto" decodes with
