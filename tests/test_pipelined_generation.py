@@ -64,10 +64,14 @@ def test_pipelined_equals_engine_bitwise(stages, groups):
   np.testing.assert_array_equal(out.response_tokens, ref.response_tokens)
   np.testing.assert_array_equal(out.response_lens, ref.response_lens)
   np.testing.assert_array_equal(out.stop_reason, ref.stop_reason)
-  # Bitwise with XLA:CPU's default emitters; under the suite's loop emitters (tests/xla_env.py)
-  # the 1-row-per-device programs of pp 4, G 8 round the last bit differently (11 of 96
-  # log-probs, <= 4.8e-7; the others stay bitwise). A position, cache or key error is far larger.
-  np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=0, atol=1e-6)
+  # Bitwise with two layers per stage (pp 2). pp 4 holds one layer per stage, which XLA compiles
+  # otherwise than the engine's loop body (module docstring): under the suite's loop emitters
+  # (tests/xla_env.py) pp 4, G 8 rounds the last bit of some log-probs differently (<= 4.8e-7;
+  # with 8 layers, 2 per stage, it is bitwise too). A position, cache or key error is far larger.
+  if CFG.num_layers // stages >= 2:
+    np.testing.assert_array_equal(out.logprobs, ref.logprobs)
+  else:
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=0, atol=1e-6)
   # The batch really is ragged: EOS and budgets both stop samples, one at its first token.
   assert {1, 2} <= set(out.stop_reason.tolist()) and out.response_lens.min() == 1
   assert len(set(out.response_lens.tolist())) >= 4
