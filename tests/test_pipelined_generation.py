@@ -7,6 +7,8 @@ lengths: every stage busy after the fill); clear errors."""
 import functools
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -91,6 +93,47 @@ def test_pipelined_equals_engine_bitwise(stages, groups):
   np.testing.assert_array_equal(out.prefill_table,
                                 pipelined.expected_tick_table([1] * groups, stages,
                                                               groups + stages - 1))
+
+
+# Run in a subprocess with XLA:CPU's default codegen: the suite's (tests/xla_env.py) compiled both
+# programs alike here even before the fix.
+_LONG_CACHE = """
+import jax, numpy as np
+from rlhfuse_jax.generation import instances, pipelined
+from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.models import attention, llama
+from rlhfuse_jax.parallel import mesh as mesh_lib
+cfg = llama.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=4,
+                        num_heads=4, num_kv_heads=2, max_seq_len=160, scan_layers=True)
+b, p, groups = 4, 120, 2
+sampling = SamplingConfig(max_new_tokens=12, chunk_size=4)
+tokens = np.random.default_rng(1).integers(1, 32, (b, p)).astype(np.int32)
+lens = np.array([120, 97, 110, 64], np.int32)
+gen = pipelined.PipelinedGenerator(cfg, sampling, batch_size=b, prompt_len=p, stages=2,
+                                   groups=groups)
+assert gen.max_len > attention.CACHE_BLOCK_K
+params = llama.host_random_params(cfg, 0)
+out = gen.generate(params, tokens, lens, jax.random.key(7))
+mesh = pipelined.reference_mesh(jax.devices(), b, groups)
+ref = instances.Generator(cfg, sampling, batch_size=b, prompt_len=p, mesh=mesh).generate(
+    jax.device_put(params, mesh_lib.replicated(mesh)), tokens, lens, jax.random.key(7))
+np.testing.assert_array_equal(out.response_tokens, ref.response_tokens)
+np.testing.assert_array_equal(out.logprobs, ref.logprobs)
+"""
+
+
+def test_a_cache_longer_than_one_key_block_is_bitwise_the_engine():
+  """Prompt bucket + max_new_tokens past attention.CACHE_BLOCK_K (128), two layers per stage:
+  the engine's prefill has the constant positions 0 .. P-1, and XLA compiles its attention's
+  key-block loop by the trip count they give. The pipeline's prefill passed them into the
+  stage's cond as an operand, opaque there: 27 of these 48 log-probs differed in their last
+  bits (<= 7.2e-7), the prefill's included; the tokens were equal."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _LONG_CACHE], cwd=repo, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_a_batch_that_ends_at_prefill_runs_no_decode_chunk():

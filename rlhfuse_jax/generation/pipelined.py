@@ -37,13 +37,12 @@ can round differently for another number of rows, so the tests and the benchmark
 Generator whose data-parallel mesh puts Bg rows on each device (`reference_mesh`); and the model
 must use scan_layers, whose engine runs each layer as its own loop body as the stages do (an
 unrolled engine lets XLA fuse across the layer boundaries the stages cut: log-probs then differ
-by ~5e-7, tokens matched in the tests); and each stage must hold at least two layers (L/pp >= 2).
-A stage of one layer scans a stack of one row, whose parameters XLA then reads as constants of
-the loop instead of slicing them per layer as the engine's loop body does, and compiles that
-layer differently: on XLA:CPU with qk_norm about half the log-probs differed (<= 6e-7) in every
-such configuration of a fuzz run; without qk_norm, 15 of 96 in the pp 4, G 8 test under the
-suite's loop emitters, and a few prefill log-probs with L = pp = 1 (the engine's stack has one
-row too). Tokens were equal in all of them; with L/pp >= 2 every log-prob was bitwise equal.
+by ~5e-7, tokens matched in the tests); and each stage must hold at least two layers (L/pp >= 2;
+L = pp = 1 is fine: the engine's stack has one row too). A stage of one layer scans a stack of
+one row, whose parameters XLA then reads as constants of the loop instead of slicing them per
+layer as the engine's loop body does, and compiles that layer differently: on XLA:CPU with
+qk_norm about half the log-probs differed (<= 6e-7) in every such configuration of a fuzz run,
+without it 15 of 96 in the pp 4, G 8 test under the suite's loop emitters; tokens were equal.
 
 Prefill runs through the same pipeline (G + pp - 1 ticks, each group's whole prompt per tick),
 so each stage writes its own layers' cache and no stage ever holds another stage's weights.
@@ -236,7 +235,18 @@ class _Stage:
     return x, view.k, view.v
 
   def run_layers(self, active, x, positions, k, v, group):
-    """`layers` when active, else nothing (an idle stage-tick costs no compute)."""
+    """`layers` when active, else nothing (an idle stage-tick costs no compute). positions None:
+    a prefill's, 0 .. len-1 on every row, built inside the branch, where XLA sees them as the
+    constants the engine's prefill has: its attention's key-block loop then has the engine's
+    known trip count. (Passed in as an operand of the cond they were opaque there: with a cache
+    longer than one key block, attention.CACHE_BLOCK_K, 40-60 % of the log-probs then differed
+    from the engine's in their last bits, the prefill's included.)"""
+    if positions is None:
+      def prefill(a):
+        x, k, v = a
+        pos = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+        return self.layers(x, pos, k, v, group)
+      return lax.cond(active, prefill, lambda a: a, (x, k, v))
     return lax.cond(active, lambda a: self.layers(*a, group), lambda a: (a[0], a[2], a[3]),
                     (x, positions, k, v))
 
@@ -286,7 +296,6 @@ def _prefill_body(cfg: ModelConfig, sampling: SamplingConfig, stages: int, group
       uid=uids.astype(jnp.int32), budget=jnp.minimum(budget.astype(jnp.int32), t_max),
       tokens=jnp.full((g, bg, t_max), sampling.pad_id, jnp.int32),
       logprobs=jnp.zeros((g, bg, t_max), jnp.float32))
-  positions = jnp.broadcast_to(jnp.arange(p_len, dtype=jnp.int32), (bg, p_len))
   inbox = (zeros, zeros, jnp.zeros((g,), bool))
   x0 = jnp.zeros((bg, p_len, cfg.hidden_size), cfg.jnp_dtype)
   ticks = g + pp - 1
@@ -297,7 +306,7 @@ def _prefill_body(cfg: ModelConfig, sampling: SamplingConfig, stages: int, group
     active = (grp >= 0) & (grp < g)
     gi = jnp.clip(grp, 0, g - 1)
     x_in = jnp.where(st.first, st.embed(tokens[gi]), msg)
-    x, k, v = st.run_layers(active, x_in, positions, k, v, gi)
+    x, k, v = st.run_layers(active, x_in, None, k, v, gi)  # positions 0 .. P-1 (run_layers)
 
     def sample(rows):
       r = _take(rows, gi)
