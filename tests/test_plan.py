@@ -305,9 +305,8 @@ def test_fused_preset_layout_trajectory_equals_the_default_mesh(tmp_path, defaul
 
 def test_pipeline_plan_trajectory_equals_the_default_mesh(tmp_path, default_run):
   # 2 layers over generation_pp=2 stages, G=4 groups of 4 rows: the serial Generator on data=4
-  # also runs 4 rows per device, and scan_layers runs each layer as its own loop body. One layer
-  # per stage is short of the docstring's bitwise conditions (generation/pipelined.py: XLA
-  # compiles such a stage otherwise); this model (no qk_norm) still gives the same bits.
+  # also runs 4 rows per device, and scan_layers runs each layer as its own loop body, the
+  # conditions under which generation/pipelined.py is bitwise the Generator (its docstring).
   _, seen_a, h_a = default_run
   stage, seen_b, h_b = _run(tiny_config(**BASE, **{
       "plan.generation": "pipeline", "plan.generation_pp": 2, "plan.generation_groups": 4}),

@@ -37,12 +37,10 @@ can round differently for another number of rows, so the tests and the benchmark
 Generator whose data-parallel mesh puts Bg rows on each device (`reference_mesh`); and the model
 must use scan_layers, whose engine runs each layer as its own loop body as the stages do (an
 unrolled engine lets XLA fuse across the layer boundaries the stages cut: log-probs then differ
-by ~5e-7, tokens matched in the tests); and each stage must hold at least two layers (L/pp >= 2;
-L = pp = 1 is fine: the engine's stack has one row too). A stage of one layer scans a stack of
-one row, whose parameters XLA then reads as constants of the loop instead of slicing them per
-layer as the engine's loop body does, and compiles that layer differently: on XLA:CPU with
-qk_norm about half the log-probs differed (<= 6e-7) in every such configuration of a fuzz run,
-without it 15 of 96 in the pp 4, G 8 test under the suite's loop emitters; tokens were equal.
+by ~5e-7, tokens matched in the tests). What XLA can see as a constant must match too, as it
+changes the compiled code: the prefill's positions (`_Stage.run_layers`) and the parameters of a
+stage that holds one layer (`_Stage.layers`: a one-row stack's are constants, the engine's
+loop body slices each layer out of L rows).
 
 Prefill runs through the same pipeline (G + pp - 1 ticks, each group's whole prompt per tick),
 so each stage writes its own layers' cache and no stage ever holds another stage's weights.
@@ -225,7 +223,22 @@ class _Stage:
       return (h, vw.replace(layer=vw.layer + 1)), None
 
     layers = self.params["layers"]
-    if cfg.scan_layers:
+    if cfg.scan_layers and self.per_stage == 1 < cfg.num_layers:
+      # One layer on this stage: scanned from its one-row stack, its parameters are constants
+      # to XLA, which then compiles the layer otherwise than the engine's loop body slicing
+      # each layer out of L rows (log-probs off in the last bits: with qk_norm about half of
+      # them). Run as that body: sliced out of two rows (the layer twice: a temporary copy) by
+      # the index of a loop whose one trip XLA cannot see.
+      two = jax.tree.map(lambda a: jnp.concatenate([a, a]), layers)
+      trips = lax.optimization_barrier(jnp.int32(1))
+
+      def step(carry):
+        i, h, vw = carry
+        p = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), two)
+        (h, vw), _ = body((h, vw), p)
+        return i + 1, h, vw
+      _, x, view = lax.while_loop(lambda c: c[0] < trips, step, (jnp.int32(0), x, view))
+    elif cfg.scan_layers:
       (x, view), _ = lax.scan(body, (x, view), layers)
     else:
       # The engine's unrolled layers, unrolled here too: XLA fuses across an unrolled layer
