@@ -202,7 +202,16 @@ def test_params_stacked_for_another_pipeline_are_refused():
     gen.generate(staged, tokens, lens, KEY, uids=uids, budgets=budgets)
   with pytest.raises(ValueError, match=r"expected \[2, 2, \.\.\.\]"):
     gen.compile(staged)
+  with pytest.raises(ValueError, match=r"expected \[2, 2, \.\.\.\]"):
+    gen.place(staged)
   assert gen.num_compiles == 0
+  # Params stacked for this pipeline are placed as they are (place of place: the same tree).
+  placed = gen.place(llama.host_random_params(CFG, 0))
+  again = gen.place(placed)
+  assert jax.tree.structure(again) == jax.tree.structure(placed)
+  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(placed)):
+    assert a.sharding == b.sharding
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_params_with_another_layer_count_are_refused():

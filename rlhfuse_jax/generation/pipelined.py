@@ -504,8 +504,13 @@ class PipelinedGenerator:
             "layers": jax.tree.map(lambda _: self.split, staged["layers"])}
 
   def place(self, params: Any) -> dict:
-    """Unpipelined params (host or devices) -> the stage-stacked tree on the stage mesh."""
-    staged = stack_params(self.cfg, params, self.stages)
+    """Unpipelined params (host or devices) -> the stage-stacked tree on the stage mesh; params
+    already stacked for this pipeline are placed as they are (for another one: refused)."""
+    if is_staged(params):
+      check_staged(self.cfg, params, self.stages, self.fields[0])
+      staged = params
+    else:
+      staged = stack_params(self.cfg, params, self.stages)
     return mesh_lib.put(staged, self.param_shardings(staged))
 
   def _programs(self, staged):
@@ -553,11 +558,8 @@ class PipelinedGenerator:
     tokens, lens, uids, budgets = instances.check_prompts(
         self.batch_size, self.prompt_len, self.sampling, prompt_tokens, prompt_lens, uids,
         budgets, self.cfg.vocab_size)
-    if is_staged(params):
-      check_staged(self.cfg, params, self.stages, self.fields[0])
-      staged = params
-    else:
-      staged = self.place(params)
+    staged = params if is_staged(params) else self.place(params)
+    check_staged(self.cfg, staged, self.stages, self.fields[0])
     if not self._exe:
       self.compile(staged)
     g, bg = self.groups, self.bg
