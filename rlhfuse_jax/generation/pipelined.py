@@ -558,8 +558,11 @@ class PipelinedGenerator:
     tokens, lens, uids, budgets = instances.check_prompts(
         self.batch_size, self.prompt_len, self.sampling, prompt_tokens, prompt_lens, uids,
         budgets, self.cfg.vocab_size)
-    staged = params if is_staged(params) else self.place(params)
-    check_staged(self.cfg, staged, self.stages, self.fields[0])
+    if is_staged(params):  # (place stacks and places the others: nothing to check there)
+      check_staged(self.cfg, params, self.stages, self.fields[0])
+      staged = params
+    else:
+      staged = self.place(params)
     if not self._exe:
       self.compile(staged)
     g, bg = self.groups, self.bg
