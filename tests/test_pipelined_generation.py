@@ -120,6 +120,9 @@ gen = check(cfg, 2, 4, 120, np.array([120, 97, 110, 64], np.int32),
 assert gen.max_len > attention.CACHE_BLOCK_K
 check(cfg.replace(num_layers=2, qk_norm=True, max_seq_len=64), 2, 8, 6,
       np.array([6, 1, 3, 5, 2, 6, 4, 3], np.int32), SamplingConfig(max_new_tokens=12, chunk_size=3))
+# Unrolled, 2 layers per stage: its prefill positions were opaque too (11 of 48 log-probs off).
+check(cfg.replace(scan_layers=False, max_seq_len=64), 2, 8, 6,
+      np.array([6, 1, 3, 5, 2, 6, 4, 3], np.int32), SamplingConfig(max_new_tokens=12, chunk_size=3))
 """
 
 
@@ -130,7 +133,8 @@ def test_bitwise_the_engine_under_default_codegen():
   as an operand, opaque there, so XLA compiled the attention's key-block loop without the trip
   count the engine's constant positions give (27 of 48 differed, the prefill's included); and
   one layer per stage with qk_norm, whose one-row parameter stack XLA saw as constants where
-  the engine's loop body slices each layer out of L rows (about half of them differed)."""
+  the engine's loop body slices each layer out of L rows (about half of them differed); and an
+  unrolled model, whose prefill had the same opaque positions."""
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu")
@@ -147,15 +151,15 @@ def test_a_batch_that_ends_at_prefill_runs_no_decode_chunk():
   assert (out.response_lens == 1).all() and out.decode_chunks == 0
 
 
-def test_unrolled_model_tokens_equal_engine():
-  """An unrolled model: the engine fuses across layer boundaries the stages cut, so log-probs
-  may round differently (seen: <= 5e-7); tokens still match here. (2 layers: a fast compile.)"""
+def test_unrolled_model_equals_engine_bitwise():
+  """An unrolled model: its stages run their layers unrolled, as the engine does; log-probs to
+  the last bit (the default-codegen case above covers the same). (2 layers: a fast compile.)"""
   cfg = CFG.replace(scan_layers=False, num_layers=2)
   _, out = _pipelined(cfg, 2, 2)
   ref = _reference(cfg, 2)
   np.testing.assert_array_equal(out.response_tokens, ref.response_tokens)
   np.testing.assert_array_equal(out.response_lens, ref.response_lens)
-  np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=0, atol=1e-6)
+  np.testing.assert_array_equal(out.logprobs, ref.logprobs)
 
 
 def test_pallas_decode_equals_engine(monkeypatch):
@@ -186,6 +190,10 @@ def test_clear_errors():
     make(groups=4, batch_size=6)
   with pytest.raises(ValueError, match="pipeline_stages=16 needs 16 devices"):
     pipelined.check_pipeline(CFG.replace(num_layers=16), 16, 16, 16, 8)
+  # The reference's mesh puts B/G rows on each device: it needs a batch G divides too.
+  with pytest.raises(ValueError, match="batch_size=6 is not a positive multiple of "
+                     "pipeline_groups=4"):
+    pipelined.reference_mesh(jax.devices(), 6, 4)
 
 
 def test_params_stacked_for_another_pipeline_are_refused():

@@ -34,13 +34,13 @@ llama.CacheView, the engine's stop rule `engine._record`, the per-sample keys of
 a sample's tokens depend on its prompt, uid, budget and the iteration key only. Bitwise equality
 of the log-probs with `instances.Generator` holds when the per-device rows match: XLA's matmuls
 can round differently for another number of rows, so the tests and the benchmark compare with a
-Generator whose data-parallel mesh puts Bg rows on each device (`reference_mesh`); and the model
-must use scan_layers, whose engine runs each layer as its own loop body as the stages do (an
-unrolled engine lets XLA fuse across the layer boundaries the stages cut: log-probs then differ
-by ~5e-7, tokens matched in the tests). What XLA can see as a constant must match too, as it
-changes the compiled code: the prefill's positions (`_Stage.run_layers`) and the parameters of a
-stage that holds one layer (`_Stage.layers`: a one-row stack's are constants, the engine's
-loop body slices each layer out of L rows). The price of the latter: such a stage writes a
+Generator whose data-parallel mesh puts Bg rows on each device (`reference_mesh`). A stage runs
+its layers as the engine does: scanned for a scan_layers model, unrolled for an unrolled one
+(the tests compare both bitwise; the cut between two stages' layers is one XLA could fuse across
+in the unrolled engine, which it has not been seen to do). What XLA can see as a constant must
+match too, as it changes the compiled code: the prefill's positions (`_Stage.run_layers`) and
+the parameters of a stage that holds one layer (`_Stage.layers`: a one-row stack's are
+constants, the engine's loop body slices each layer out of L rows). The price of the latter: such a stage writes a
 two-row copy of its layer's weights each tick it runs (to slice from), several times the weight
 traffic of its decode step; only a pipeline of one layer per stage pays it (a real model puts
 many layers on each stage).
@@ -454,7 +454,9 @@ def reference_mesh(devices: Sequence[jax.Device], batch_size: int, groups: int) 
   if len(devices) < groups:
     raise ValueError(f"the reference generator needs pipeline_groups={groups} devices, only "
                      f"{len(devices)} are available")
-  del batch_size
+  if batch_size < groups or batch_size % groups:  # else its Generator splits rows otherwise
+    raise ValueError(f"batch_size={batch_size} is not a positive multiple of "
+                     f"pipeline_groups={groups}")
   return mesh_lib.make_mesh(mesh_lib.MeshConfig(data=groups), list(devices)[:groups])
 
 
