@@ -515,11 +515,8 @@ def input_files(config: Any) -> dict[str, str]:
       for candidate in dict.fromkeys((v, config_files.split_config_path(v)[0])):
         full = os.path.join(REPO_ROOT, candidate)  # (an absolute candidate stays itself)
         if os.path.isfile(full):
-          h = hashlib.sha256()
           with open(full, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-              h.update(block)
-          found[candidate] = h.hexdigest()
+            found[candidate] = hashlib.file_digest(f, "sha256").hexdigest()
           break
   visit(wd.as_json(config))
   return found
