@@ -65,6 +65,9 @@ def test_train_plan_divisibility_errors():
   with pytest.raises(ValueError, match="global_batch=500 must be divisible by minibatch=64"):
     it.Workload(actor=get_shape("llama-7b"), critic=get_shape("llama-7b", "scalar"),
                 global_batch=500)
+  with pytest.raises(ValueError, match="workload.minibatch=0 must be >= 1"):
+    it.Workload(actor=get_shape("llama-7b"), critic=get_shape("llama-7b", "scalar"),
+                minibatch=0)
 
 
 def test_training_plans_split_whole_layers_per_stage():

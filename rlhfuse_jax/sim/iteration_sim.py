@@ -85,13 +85,14 @@ class Workload:
   seed: int = 0
 
   def __post_init__(self):
-    if self.global_batch % self.minibatch:
-      raise ValueError(f"global_batch={self.global_batch} must be divisible by minibatch="
-                       f"{self.minibatch}")
+    # The counts first: minibatch=0 was a ZeroDivisionError in the divisibility check below.
     for f in ("num_devices", "global_batch", "minibatch", "epochs", "micro_batch",
               "max_new_tokens"):
       if getattr(self, f) < 1:
         raise ValueError(f"workload.{f}={getattr(self, f)} must be >= 1")
+    if self.global_batch % self.minibatch:
+      raise ValueError(f"global_batch={self.global_batch} must be divisible by minibatch="
+                       f"{self.minibatch}")
     if self.critic.head != "scalar":
       raise ValueError(f"workload.critic {self.critic.name!r} must have head='scalar'")
 
