@@ -176,6 +176,16 @@ def test_search_finds_the_brute_force_optimum_on_a_small_cluster():
   assert "async" not in res  # staleness 0: the synchronous search only
 
 
+@pytest.mark.parametrize("field, value", [("chunk_steps", 0), ("inference_microbatch", -3),
+                                          ("inference_microbatch", 0), ("gen_tps", (0,))])
+def test_bad_sim_options_are_refused_by_name(field, value):
+  """A bad knob is an error naming it, not a silent plan: chunk_steps=0 made every instance
+  plan a refusal and the search returned a pipeline, inference_microbatch=-3 timed the
+  inference stage as nothing but the weight load."""
+  with pytest.raises(ValueError, match=f"sim.{field}="):
+    ps.search(COST, _small(), it.SimOptions(**{field: value}))
+
+
 def test_frozen_weights_kept_on_the_devices_bound_generation_and_training():
   """sim.offload_frozen=False: the frozen reference and reward model stay in the inference
   layout (a copy over each inference instance's tp devices) while generation and training run.

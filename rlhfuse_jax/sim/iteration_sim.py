@@ -125,6 +125,21 @@ class SimOptions:
   # simulated (plan_search.trainer_refusal)
   trainer_runnable: bool = False
 
+  def __post_init__(self):
+    # Checked here, not only where a system uses them: the plan search turned the GenSetup
+    # refusal of chunk_steps=0 into "no instance plan fits" and returned a pipelined plan, and
+    # timed inference_microbatch=-3 as no inference at all (range() with a negative step).
+    for f in ("chunk_steps", "inference_microbatch", "max_slots"):
+      v = getattr(self, f)
+      if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"sim.{f}={v!r} must be an integer >= 1")
+    if not self.gen_tps or any(not isinstance(t, (int, np.integer)) or t < 1
+                               for t in self.gen_tps):
+      raise ValueError(f"sim.gen_tps={self.gen_tps!r} must list tensor-parallel degrees >= 1")
+    if not self.threshold <= 1:
+      raise ValueError(f"sim.threshold={self.threshold} must be an Rt in [0, 1], or < 0 to "
+                       "choose it by simulation")
+
 
 @dataclasses.dataclass(frozen=True)
 class GenPlan:
