@@ -238,6 +238,18 @@ def test_decode_host_overhead_stretches_the_uncalibrated_step_only():
     Efficiency(decode_host_overhead=-0.1)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("collective_latency_s", float("nan")),
+    ("bwd_over_fwd", float("nan")), ("bwd_over_fwd", float("inf")),
+    ("act_bytes_per_token_layer_per_h", float("nan")),
+    ("act_bytes_per_token_layer_per_h", -34.0)])
+def test_efficiencies_that_are_not_numbers_are_refused_by_name(field, value):
+  """A NaN passed `x < 0` checks: NaN latencies and backwards surfaced as a pipeline problem's
+  actor_fwd=nan, and a NaN or negative activation size let every plan pass the memory check."""
+  with pytest.raises(ValueError, match=f"efficiency.{field}="):
+    Efficiency(**{field: value})
+
+
 def test_hops_across_nodes_follow_the_layout():
   """Which neighbour hops of a chain cross a node boundary (nodes of 8, consecutive numbering):
   stages 4 devices apart cross at every second hop, 8 apart at every hop, 2 apart at every

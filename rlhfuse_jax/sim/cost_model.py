@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -117,8 +118,14 @@ class Efficiency:
       v = getattr(self, f)
       if not 0 < v <= 1:
         raise ValueError(f"efficiency.{f}={v} must be in (0, 1]")
-    if self.collective_latency_s < 0 or self.bwd_over_fwd <= 0:
-      raise ValueError("efficiency.collective_latency_s must be >= 0 and bwd_over_fwd > 0")
+    # `not x >= 0` rather than `x < 0`: a NaN (or an infinity) slipped through, and a NaN
+    # activation size passed every memory check (NaN > usable is False).
+    for f, low in (("collective_latency_s", 0.0), ("bwd_over_fwd", None),
+                   ("act_bytes_per_token_layer_per_h", None)):
+      v = getattr(self, f)
+      if not (math.isfinite(v) and (v >= low if low is not None else v > 0)):
+        raise ValueError(f"efficiency.{f}={v} must be a finite number "
+                         + (f">= {low:g}" if low is not None else "> 0"))
     if not 0 <= self.decode_host_overhead < 10:
       raise ValueError(f"efficiency.decode_host_overhead={self.decode_host_overhead} must be a "
                        "fraction of the decode step's device time in [0, 10)")
