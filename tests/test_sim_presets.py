@@ -99,6 +99,14 @@ def test_tensor_parallel_degrees_must_divide_heads_kv_heads_and_mlp():
   assert s.tensor_parallel_error(8) == "tp8 does not divide 33b's num_heads=52, num_kv_heads=52"
 
 
+def test_a_negative_head_dim_is_refused_by_name():
+  """head_dim 0 means hidden_size // num_heads; a negative one was taken and made the KV
+  cache's bytes per token negative (every KV pool then fits)."""
+  with pytest.raises(ValueError, match="head_dim=-64 must be >= 0"):
+    shapes.ModelShape(name="x", vocab_size=1000, hidden_size=256, intermediate_size=512,
+                      num_layers=2, num_heads=4, num_kv_heads=4, head_dim=-64)
+
+
 def test_a_hardware_file_changes_fields_of_its_base_preset(tmp_path):
   """--config.hardware=FILE.json: the GPUs one rents (an A100 40 GB, 4 a node) as a preset
   with some fields replaced; only the presets could be named (reproduce_ablations, plan_search,

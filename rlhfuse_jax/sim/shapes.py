@@ -48,6 +48,9 @@ class ModelShape:
               "num_kv_heads", "max_seq_len"):
       if int(getattr(self, f)) <= 0:
         raise ValueError(f"shape {self.name!r}: {f}={getattr(self, f)} must be a positive int")
+    if int(self.head_dim) < 0:  # 0: hidden_size // num_heads; a negative one made KV bytes < 0
+      raise ValueError(f"shape {self.name!r}: head_dim={self.head_dim} must be >= 0 (0: "
+                       "hidden_size // num_heads)")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"shape {self.name!r}: num_heads={self.num_heads} must be a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
