@@ -120,3 +120,6 @@ def test_bad_settings():
     GenSetup(num_instances=1, slots=1, threshold=1.5)
   with pytest.raises(ValueError, match="kv_capacity_tokens"):
     run(cost, [10] * 4, [3] * 4, num_instances=1, slots=4, kv_capacity_tokens=20)
+  # A negative prompt was simulated (its KV rows read negative bytes), not refused.
+  with pytest.raises(ValueError, match="prompt lengths must be >= 0, got -500"):
+    run(cost, [-500, 3], [3, 3], num_instances=2, slots=1)

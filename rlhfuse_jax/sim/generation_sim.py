@@ -184,6 +184,8 @@ def _checked_lengths(setup: GenSetup, prompt_lens, response_lens
   if target.shape != (b,) or b == 0:
     raise ValueError(f"prompt_lens {prompt_lens.shape} and response_lens {target.shape} must be "
                      "the same non-empty [B]")
+  if prompt_lens.min() < 0:  # a negative prompt read negative KV bytes, silently
+    raise ValueError(f"prompt lengths must be >= 0, got {int(prompt_lens.min())}")
   if target.min() < 1 or target.max() > setup.max_new_tokens:
     raise ValueError(f"response lengths must be in [1, max_new_tokens={setup.max_new_tokens}]")
   g, s = setup.num_instances, setup.slots
