@@ -165,6 +165,10 @@ def test_lengths_seeded_clipped_and_described():
   assert x.min() >= 10 and np.mean(x >= 1000) > 0.001  # a real power-law tail
   with pytest.raises(ValueError, match="kind"):
     lengths.LengthSpec(kind="gamma")
+  # An infinite median was taken (its sigma was checked for finiteness, it was not): every
+  # sample then sat at max_len.
+  with pytest.raises(ValueError, match="finite median=inf"):
+    lengths.LengthSpec(kind="lognormal", median=float("inf"))
 
 
 def test_empirical_lengths_from_files(tmp_path):
