@@ -122,6 +122,14 @@ def test_a_hardware_file_changes_fields_of_its_base_preset(tmp_path):
                         ({"base": "h100_sxm", "hbm_gb": 40}, r"unknown fields \['hbm_gb'\]"),
                         ({"base": "h100_sxm", "hbm_bytes": -1}, r"hbm_bytes=-1 must be a "
                                                                 r"positive"),
+                        # wrong types: TypeErrors, or a bool taken as 1 byte, inf as free copies
+                        ({"base": ["h100_sxm"]}, r"whose \"base\" is a preset of"),
+                        ({"base": "h100_sxm", "host_to_device_bw": "fast"},
+                         r"host_to_device_bw='fast' must be a positive finite number or None"),
+                        ({"base": "h100_sxm", "host_to_device_bw": float("inf")},
+                         r"host_to_device_bw=inf must be"),
+                        ({"base": "h100_sxm", "hbm_bytes": True}, r"hbm_bytes=True must be a "
+                                                                  r"positive"),
                         # a node holds whole devices (4.5 was taken, and spans computed from it)
                         ({"base": "h100_sxm", "devices_per_node": 4.5},
                          r"devices_per_node=4\.5 must be an integer >= 1")):

@@ -89,14 +89,18 @@ class Hardware:
   def __post_init__(self):
     for f in ("peak_flops", "hbm_bw", "hbm_bytes", "intra_node_bw", "inter_node_bw"):
       v = getattr(self, f)
-      if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+      if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+              and v > 0):
         raise ValueError(f"hardware {self.name!r}: {f}={v!r} must be a positive finite number")
     if (not isinstance(self.devices_per_node, int) or isinstance(self.devices_per_node, bool)
         or self.devices_per_node < 1):
       raise ValueError(f"hardware {self.name!r}: devices_per_node={self.devices_per_node!r} "
                        "must be an integer >= 1")
-    if self.host_to_device_bw is not None and not self.host_to_device_bw > 0:
-      raise ValueError(f"hardware {self.name!r}: host_to_device_bw must be > 0 or None")
+    h2d = self.host_to_device_bw  # a hardware file's string was a TypeError, inf a free copy
+    if h2d is not None and not (isinstance(h2d, (int, float)) and not isinstance(h2d, bool)
+                                and math.isfinite(h2d) and h2d > 0):
+      raise ValueError(f"hardware {self.name!r}: host_to_device_bw={h2d!r} must be a positive "
+                       "finite number or None")
     for p in self.collective_protocols or ():
       if (min(p.base_s, p.intra_step_s, p.inter_step_s) < 0 or not 0 < p.bw_fraction <= 1
           or not 0 <= p.bw_fraction_in_node <= 1):
@@ -210,7 +214,8 @@ def hardware_file(path: str) -> Hardware:
       spec = json.load(f)
   except (OSError, ValueError) as e:
     raise ValueError(f"hardware {path!r}: cannot read it as JSON ({e})") from None
-  if not isinstance(spec, dict) or spec.get("base") not in HARDWARE:
+  if not isinstance(spec, dict) or not isinstance(spec.get("base"), str) or (
+      spec["base"] not in HARDWARE):  # (a list as base was a TypeError: unhashable)
     raise ValueError(f"hardware {path!r}: expected an object whose \"base\" is a preset of "
                      f"{sorted(HARDWARE)}")
   unknown = sorted(set(spec) - {"base", *FILE_FIELDS})
