@@ -70,6 +70,19 @@ def test_train_plan_divisibility_errors():
                 minibatch=0)
 
 
+def test_the_critics_gradient_sync_crosses_nodes_where_its_replicas_do():
+  """tp 4, dp 1, Pa 4, Pc 2 on 16 H100s: the critic's two replicas hold stage 0 on devices 0
+  and 8, two nodes, so its gradient all-reduce runs over one NIC each; it was priced as two
+  ranks inside one node (NVLink), 9x shorter."""
+  a, c = get_shape("llama-13b"), get_shape("llama-13b", "scalar")
+  plan = ts.TrainPlan(num_devices=16, minibatch=16, tp=4, actor_pp=4, critic_pp=2)
+  costs = ts.step_costs(H100, a, c, plan, 512.0, check_memory=False)
+  nbytes = c.num_params() * 2.0 / (4 * 2)
+  across = H100._allreduce_over(nbytes, 2, 2, 50e9)  # two ranks, two nodes, one NIC each
+  assert costs.grad_sync_s - H100.grad_sync_s(a, 4, 4, 1) == pytest.approx(across, rel=1e-12)
+  assert across > 8 * H100.allreduce_s(nbytes, 2)  # NVLink's, what it was
+
+
 def test_training_plans_split_whole_layers_per_stage():
   """13B's 40 layers: no plan puts 2.5 layers on each of 16 stages (a stage holds whole layers,
   as Megatron-LM and our executor require); every candidate tried has pp dividing the layers."""

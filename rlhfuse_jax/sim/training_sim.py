@@ -135,11 +135,25 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: Tra
       transfer_latency=round(lat * MS, 6))
   if check_memory:
     check_train_memory(cost, actor, critic, plan, mb_tokens, resident_bytes)
-  sync = (cost.grad_sync_s(actor, plan.tp, plan.actor_pp, plan.dp) +
-          cost.grad_sync_s(critic, plan.tp, plan.critic_pp, plan.dp * plan.critic_replicas))
+  sync = cost.grad_sync_s(actor, plan.tp, plan.actor_pp, plan.dp) + critic_grad_sync_s(
+      cost, critic, plan)
   opt = (cost.optimizer_step_s(actor, plan.tp * plan.actor_pp * plan.dp) +
          cost.optimizer_step_s(critic, plan.tp * plan.critic_pp * plan.dp * plan.critic_replicas))
   return StepCosts(problem=problem, grad_sync_s=float(sync), optimizer_s=float(opt))
+
+
+def critic_grad_sync_s(cost: CostModel, critic: ModelShape, plan: TrainPlan) -> float:
+  """The critic's data-parallel gradient all-reduce: dp ranks tp apart in each of its R
+  replicas, the replicas Pc * tp * dp devices apart along the pipeline axis (module docstring),
+  so the group spans nodes wherever its replicas do. (As grad_sync_s over dp * R ranks tp apart
+  it was priced inside one node whenever tp * dp * R fits one: tp 4, dp 1, Pa 4, Pc 2 on 16
+  H100s put the replicas on devices 0 and 8, two nodes, at NVLink's bandwidth, 9x short.)"""
+  if plan.critic_replicas == 1:
+    return cost.grad_sync_s(critic, plan.tp, plan.critic_pp, plan.dp)
+  members = [r * plan.critic_pp * plan.tp * plan.dp + d * plan.tp
+             for r in range(plan.critic_replicas) for d in range(plan.dp)]
+  return cost.group_collective_s("all-reduce",
+                                 critic.num_params() * 2.0 / (plan.tp * plan.critic_pp), members)
 
 
 def check_train_memory(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: TrainPlan,
