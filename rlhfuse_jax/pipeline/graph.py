@@ -318,6 +318,13 @@ def validate_order(problem: PipelineProblem, order: np.ndarray) -> np.ndarray:
   if order.shape != (n, t):
     raise ValueError(f"order has shape {order.shape}; expected (num_devices={n}, "
                      f"tasks_per_device={t})")
+  # Checked before any cast: astype truncates 0.5 to AF (a float order passed the count check
+  # as the order it truncates to) and bincount fails on a negative code with no hint.
+  if not (np.issubdtype(order.dtype, np.integer) or np.issubdtype(order.dtype, np.floating)) or (
+      order.size and not (np.all(order == np.round(order)) and order.min() >= 0
+                          and order.max() <= 3)):
+    raise ValueError(f"order must hold kind codes 0..3 ({', '.join(KIND_NAMES)}); got values "
+                     f"{np.unique(order)[:8].tolist()} of dtype {order.dtype}")
   counts = problem.kind_counts()
   for d in range(n):
     got = np.bincount(order[d].astype(np.int64), minlength=4)
