@@ -23,6 +23,11 @@ def test_placement_critic_reversed_and_replicated():
     (dict(actor_pp=0, critic_pp=1), "actor_pp=0 must be a positive integer"),
     (dict(actor_pp=4, critic_pp=2, actor_fwd=0.0), "actor_fwd=0.0 must be a positive"),
     (dict(actor_pp=4, critic_pp=2, memory_budget=(1.0, 2.0)), "memory_budget has 2 entries"),
+    # Not numbers: each refused naming its field (a comparison's TypeError before).
+    (dict(actor_pp=4, critic_pp=2, actor_bwd="2"), "actor_bwd='2' must be a number"),
+    (dict(actor_pp=4, critic_pp=2, critic_mem=True), "critic_mem=True must be a number"),
+    (dict(actor_pp=4, critic_pp=2, transfer_latency=None), "transfer_latency=None must be"),
+    (dict(actor_pp=4, critic_pp=2, memory_budget=5.0), "memory_budget=5.0 must be a sequence"),
 ])
 def test_impossible_problems_raise_clear_errors(kwargs, match):
   base = dict(actor_microbatches=2, critic_microbatches=2, actor_fwd=1.0, critic_fwd=1.0)

@@ -50,6 +50,12 @@ UNIFORM, PER_DEVICE, EXPLICIT = "uniform", "per_device", "explicit"
 BUDGET_MODES = (UNIFORM, PER_DEVICE)
 
 
+def _is_real(v) -> bool:
+  """A real number (bool excluded): what the time and memory fields accept. Checked first so
+  that a string or None is refused naming its field, not by a comparison's TypeError."""
+  return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineProblem:
   """One fused-schedule instance. Times and memory are in arbitrary consistent units.
@@ -100,6 +106,8 @@ class PipelineProblem:
                           ("actor_mem", float(self.actor_fwd)),
                           ("critic_mem", float(self.critic_fwd))):
       v = getattr(self, name)
+      if v is not None and not _is_real(v):
+        raise ValueError(f"{name}={v!r} must be a number (or None / negative for the default)")
       if v is None or v < 0:
         object.__setattr__(self, name, float(default))
         continue
@@ -110,10 +118,15 @@ class PipelineProblem:
       object.__setattr__(self, name, float(v))
     object.__setattr__(self, "actor_fwd", float(self.actor_fwd))
     object.__setattr__(self, "critic_fwd", float(self.critic_fwd))
-    if not (math.isfinite(self.transfer_latency) and self.transfer_latency >= 0):
+    if not (_is_real(self.transfer_latency) and math.isfinite(self.transfer_latency)
+            and self.transfer_latency >= 0):
       raise ValueError(f"transfer_latency={self.transfer_latency!r} must be a non-negative number")
     object.__setattr__(self, "transfer_latency", float(self.transfer_latency))
     if self.memory_budget is not None:
+      if not isinstance(self.memory_budget, (tuple, list, np.ndarray)) or not all(
+          _is_real(b) for b in self.memory_budget):
+        raise ValueError(f"memory_budget={self.memory_budget!r} must be a sequence of numbers "
+                         f"(1 entry, or num_devices={self.num_devices})")
       budget = tuple(float(b) for b in self.memory_budget)
       if len(budget) == 1:
         budget = budget * self.num_devices
