@@ -283,6 +283,20 @@ def test_parallel_workers_keep_the_best_of_their_independent_searches():
     search.SearchConfig(list_variants=-1)
 
 
+def test_search_counts_must_be_integers():
+  # Counts that are no integers were truncated (max_evaluations=1.5) or failed later without
+  # their name (seed=-1 in numpy, workers=2.0 in range()); an integral float is the integer.
+  for name, bad in (("max_evaluations", 1.5), ("seed", 0.5), ("workers", True),
+                    ("max_shift", "8"), ("run_iters", float("inf"))):
+    with pytest.raises(ValueError, match=f"{name}={bad!r} must be an integer"):
+      search.SearchConfig(**{name: bad})
+  with pytest.raises(ValueError, match="seed=-1 must be >= 0"):
+    search.SearchConfig(seed=-1)
+  cfg = search.SearchConfig(workers=2.0, max_evaluations=300.0)
+  assert (type(cfg.workers), type(cfg.max_evaluations)) == (int, int)
+  assert search._worker_config(cfg, 1).seed == 1
+
+
 def test_a_worker_at_the_bound_stops_the_others():
   """Step 6 by wall clock: a worker that ends within budget at the tight bound sets the shared
   Event, and a set Event reads as a spent budget on every worker's clock, so a 60 s search

@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import multiprocessing
+import numbers
 import time
 from typing import Callable, NamedTuple, Optional
 
@@ -316,7 +317,10 @@ class SearchConfig:
   time_budget_s: float = 20.0
   seed: int = 0
   list_variants: int = 1500         # list-scheduling variants in the start pool
-  pool_time_frac: float = 0.3       # at most this fraction of the budget for the pool
+  # At most this fraction of the wall-clock budget for the pool. With max_evaluations the pool
+  # is built whole (list_variants schedules, ~430 when there are fewer distinct ones) and its
+  # evaluations are counted once it is built, so a count below its size ends the search there.
+  pool_time_frac: float = 0.3
   chunk_iters: int = 20000          # annealing iterations per numba call (progress granularity)
   run_iters: int = 200000           # iterations of one annealing run (one cooling schedule)
   max_shift: int = 8                # a move reinserts a task at most this many slots away
@@ -365,6 +369,20 @@ class SearchConfig:
   workers: int = 1
 
   def __post_init__(self):
+    # Counts: an integral float (2.0) is the integer, as in SamplingConfig; anything else was
+    # truncated (max_evaluations=1.5) or failed later without its name (seed=-1 in numpy,
+    # workers=2.0 in range()).
+    for name in ("seed", "list_variants", "chunk_iters", "run_iters", "max_shift",
+                 "direction_rounds", "repair_iters", "repair_patience", "max_evaluations",
+                 "workers"):
+      v = getattr(self, name)
+      if v is None and name == "max_evaluations":
+        continue
+      if isinstance(v, bool) or not isinstance(v, numbers.Real) or not float(v).is_integer():
+        raise ValueError(f"{name}={v!r} must be an integer")
+      object.__setattr__(self, name, int(v))
+    if self.seed < 0:  # numpy's default_rng takes none
+      raise ValueError(f"seed={self.seed} must be >= 0")
     if not self.time_budget_s > 0:
       raise ValueError(f"time_budget_s={self.time_budget_s} must be > 0")
     if self.max_shift < 1:
@@ -391,7 +409,7 @@ class SearchConfig:
       raise ValueError(f"list_variants={self.list_variants} must be >= 0")
     if self.max_evaluations is not None and self.max_evaluations < 1:
       raise ValueError(f"max_evaluations={self.max_evaluations} must be >= 1 (or None)")
-    if int(self.workers) != self.workers or self.workers < 1:
+    if self.workers < 1:
       raise ValueError(f"workers={self.workers} must be an integer >= 1")
 
 
