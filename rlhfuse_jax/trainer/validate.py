@@ -91,8 +91,13 @@ def _uneven_tensor_split(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
 def _async_unused(cfg: TrainConfig) -> None:
   """async_ppo fields that change nothing in a synchronous run (staleness 0) are said so; a
   device split without staleness is a synchronous loop on split devices (what bench_async's
-  timing compares against), so it is only noted."""
+  timing compares against), so it is only noted. With staleness, the behaviour objective
+  drops no token, so a cap set beside it is said to do nothing too."""
   if cfg.async_ppo.staleness:
+    if cfg.async_ppo.objective == "behaviour":
+      warn_unused(set_fields(cfg, "async_ppo", ["behaviour_weight_cap"]),
+                  "async_ppo.objective='behaviour' drops no token (the cap applies to the "
+                  "'decoupled' objective's weights)")
     return
   warn_unused(set_fields(cfg, "async_ppo", ["objective", "behaviour_weight_cap"]),
               "no effect with config.async_ppo.staleness=0 (every batch comes from the current "
