@@ -469,6 +469,8 @@ def test_impossible_placements_give_clear_errors():
   with pytest.raises(ValueError, match="divisible by actor_microbatches=2 and by critic replicas "
                                        "x critic_microbatches=2x2"):
     ex.microbatch_sizes(6)
+  with pytest.raises(ValueError, match="mini-batch of 0 rows: each of the 1 data shards"):
+    ex.microbatch_sizes(0)  # was a ZeroDivisionError deep in the micro-batch reshapes
   with pytest.raises(KeyError, match="ref_logp"):
     make_executor(acfg, ccfg, stages.LossConfig(kl_coef=0.1), p, order(p), mesh4)._select(
         _batch(8))

@@ -220,6 +220,9 @@ class PipelineExecutor:
       raise ValueError(f"mini-batch of {batch_size} rows cannot be split over the data axes "
                        f"{self.spec.data_axes} of size {self.data_size}")
     local = batch_size // self.data_size
+    if local < 1:  # zero rows would reach the micro-batch reshapes as a division by zero
+      raise ValueError(f"mini-batch of {batch_size} rows: each of the {self.data_size} data "
+                       f"shards (axes {self.spec.data_axes}) needs at least one row")
     n_critic = problem.critic_replicas * problem.critic_microbatches
     if local % problem.actor_microbatches or local % n_critic:
       raise ValueError(
