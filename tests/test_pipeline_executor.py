@@ -478,3 +478,13 @@ def test_impossible_placements_give_clear_errors():
   with pytest.raises(ValueError, match="batch field 'advantages' has 4 rows, batch\\['tokens'\\] "
                                        "has 8"):
     ex(None, None, short)
+  # A per-token field one column wide broadcast silently over the response (wrong gradients),
+  # another width failed deep inside the traced losses.
+  for width in (1, 2):
+    narrow = dict(_batch(8), old_logp=_batch(8)["old_logp"][:, :width])
+    with pytest.raises(ValueError, match=rf"batch field 'old_logp' has shape \(8, {width}\), "
+                                         rf"batch\['mask'\] has \(8, {RESP}\)"):
+      ex(None, None, narrow)
+  with pytest.raises(ValueError, match=r"batch field 'prompt_lens' has shape \(8, 1\); "
+                                       r"expected \[rows\]"):
+    ex(None, None, dict(_batch(8), prompt_lens=_batch(8)["prompt_lens"][:, None]))

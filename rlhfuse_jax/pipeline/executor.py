@@ -241,6 +241,18 @@ class PipelineExecutor:
     if odd:  # micro-batches slice every field by row: a short field would misalign silently
       raise ValueError(f"batch field {odd[0]!r} has {rows[odd[0]]} rows, batch['tokens'] has "
                        f"{rows['tokens']}: every field needs one row per sample")
+    # Shapes as stages.py documents them: a per-token field [B, 1] broadcast silently in the
+    # losses (one value for every token of a row); other shapes failed deep inside the step.
+    want = {"tokens": "[rows, sequence length]", "prompt_lens": "[rows]",
+            "mask": "[rows, response length]"}
+    for k, ndim in (("tokens", 2), ("prompt_lens", 1), ("mask", 2)):
+      if np.ndim(batch[k]) != ndim:
+        raise ValueError(f"batch field {k!r} has shape {np.shape(batch[k])}; expected {want[k]}")
+    t = np.shape(batch["mask"])
+    odd = [k for k in keys if k not in want and np.shape(batch[k]) != t]
+    if odd:
+      raise ValueError(f"batch field {odd[0]!r} has shape {np.shape(batch[odd[0]])}, "
+                       f"batch['mask'] has {t}: per-token fields are [rows, response length]")
     return {k: batch[k] for k in keys}
 
 
