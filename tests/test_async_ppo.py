@@ -209,10 +209,10 @@ def test_a_weight_cap_beside_the_behaviour_objective_is_said_to_do_nothing(caplo
   """behaviour_weight_cap drops tokens of the decoupled objective only: set with staleness 1
   and objective 'behaviour' it changed nothing, without a word."""
   from rlhfuse_jax.trainer.validate import _async_unused
-  for objective, warned in (("behaviour", True), ("decoupled", False)):
+  for name, warned in (("behaviour", True), ("decoupled", False)):
     caplog.clear()
     with caplog.at_level("WARNING"):
-      _async_unused(tiny_config(**{"async_ppo.staleness": 1, "async_ppo.objective": objective,
+      _async_unused(tiny_config(**{"async_ppo.staleness": 1, "async_ppo.objective": name,
                                    "async_ppo.behaviour_weight_cap": 3.0}))
     assert ("config.async_ppo.behaviour_weight_cap=3.0 not used: "
             "async_ppo.objective='behaviour' drops no token" in caplog.text) == warned, caplog.text
