@@ -245,8 +245,8 @@ def test_a_plan_on_the_training_layout_pays_no_resharding_and_uniform_can_win():
   # it was the search's best per-stage plan, 0.14 % slower than pipe_rlhf's row.
   a = rows["pipe_rlhf_async"]
   assert a["iteration_s"] <= rows["pipe_rlhf"]["iteration_s"]
-  if a["details"]["async"]["colocated"]:
-    assert a["iteration_s"] == pytest.approx(u, rel=1e-12)
+  assert a["details"]["async"]["colocated"] and a["details"]["plan"]["uniform"]
+  assert a["iteration_s"] == pytest.approx(u, rel=1e-12)
 
 
 def _small_async():
