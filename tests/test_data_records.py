@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlhfuse_jax.data.prompts import load_jsonl_prompts
 from rlhfuse_jax.data.records import (PROMPT_TEXT_KEY, load_records, lookup, render_prompts,
                                       split_records)
 from rlhfuse_jax.data.tokenizer import HFTokenizer
@@ -184,6 +185,21 @@ def test_file_level_errors(tmp_path):
                                        r"column 12\)"):
     load_records(_jsonl(tmp_path / "d.jsonl", ['{"prompt": "a']))
 
+
+def test_json_that_python_cannot_hold_names_the_file_and_line(tmp_path):
+  """json.loads raises a plain ValueError for an int of over 4300 digits and RecursionError
+  for deep nesting, not JSONDecodeError: both escaped unnamed (no file, no line)."""
+  huge, deep = '{"prompt": "b", "target": ' + "9" * 5000 + "}", '{"x": ' + "[" * 10**5
+  for bad, error in ((huge, ValueError), (deep, RecursionError)):
+    path = _jsonl(tmp_path / "d.jsonl", ['{"prompt": "a"}', bad])
+    for load in (load_records, load_jsonl_prompts):
+      with pytest.raises(ValueError, match=rf"d\.jsonl:2: cannot read this JSON line "
+                                           rf"\({error.__name__}: "):
+        load(path)
+    (tmp_path / "a.json").write_text('[{"prompt": "a"}, ' + bad + "]")
+    with pytest.raises(ValueError, match=r"a\.json: starts like a JSON array but does not "
+                                         r"parse as one"):
+      load_records(str(tmp_path / "a.json"))
 
 def test_an_answer_key_that_no_row_has_is_refused(tmp_path):
   """A chosen answer_key that no row has is a misspelling: with a user's reward function (no

@@ -61,6 +61,8 @@ def jsonl_rows(path: str, example: str = "") -> Iterator[tuple[str, Any]]:
     except json.JSONDecodeError as e:
       raise ValueError(f"{where}: invalid JSON ({e.msg}, column {e.colno}); expected one "
                        f"object per line{example}") from e
+    except (ValueError, RecursionError) as e:  # an int over Python's 4300 digits, deep nesting
+      raise ValueError(f"{where}: cannot read this JSON line ({type(e).__name__}: {e})") from e
 
 
 def load_jsonl_prompts(path: str, field: str = "prompt") -> list[dict[str, Any]]:

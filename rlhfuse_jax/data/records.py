@@ -80,7 +80,8 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
       data = f.read()
     try:
       rows = json.loads(data.decode("utf-8-sig"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+      # and an int over Python's 4300 digits; RecursionError: deep nesting
       raise ValueError(f"{path}: starts like a JSON array but does not parse as one ({e}); "
                        "expected a JSON array of objects or one object per line (JSONL)") from e
     if isinstance(rows, list):  # else one JSONL line that is an array: refused row by row
