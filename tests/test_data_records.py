@@ -201,6 +201,22 @@ def test_json_that_python_cannot_hold_names_the_file_and_line(tmp_path):
                                          r"parse as one"):
       load_records(str(tmp_path / "a.json"))
 
+def test_a_lone_surrogate_is_refused_naming_the_row_and_field(tmp_path):
+  """JSON's "\ud800" escape without its pair loads as a str no tokenizer encodes: a target
+  holding one failed inside the reward (target_match tokenises targets), mid-run, unnamed."""
+  for row, field in (({"prompt": "a", "target": "4\ud800"}, "'target'"),
+                     ({"prompt": "a\udc00"}, "'prompt'"),
+                     ({"prompt": [{"role": "user", "content": "\ud800"}]},
+                      "'prompt' message 0 'content'")):
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "ok"}, row])
+    with pytest.raises(ValueError, match=rf"d\.jsonl:2: field {field} holds a lone surrogate"):
+      load_records(path)
+  with pytest.raises(ValueError, match=r"d\.jsonl:2: field 'prompt' holds a lone surrogate "
+                                       r"'\\udc00' at character 2"):
+    load_jsonl_prompts(_jsonl(tmp_path / "d.jsonl", [{"prompt": "ok"}, {"prompt": "a\udc00"}]))
+  path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "a\U0001F600", "target": "\u00e9"}])
+  assert load_records(path)[0]["prompt"] == "a\U0001F600"  # a pair is one character
+
 def test_an_answer_key_that_no_row_has_is_refused(tmp_path):
   """A chosen answer_key that no row has is a misspelling: with a user's reward function (no
   answer required) every answer it got was None, silently. The default key may be absent (a

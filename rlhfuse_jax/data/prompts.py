@@ -65,6 +65,19 @@ def jsonl_rows(path: str, example: str = "") -> Iterator[tuple[str, Any]]:
       raise ValueError(f"{where}: cannot read this JSON line ({type(e).__name__}: {e})") from e
 
 
+def check_unicode(text: str, where_: str, field: str) -> str:
+  """`text`, refused (naming `where_` and `field`) when it holds a lone surrogate: JSON's
+  "\\ud800" escape without its pair reads as a str that no tokenizer can encode, which failed
+  only when the text was tokenised (a target: inside the reward, mid-run, unnamed)."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ValueError(f"{where_}: field '{field}' holds a lone surrogate {text[e.start]!r} at "
+                     f"character {e.start + 1} (a \\u escape without its pair); expected "
+                     "Unicode text") from None
+  return text
+
+
 def load_jsonl_prompts(path: str, field: str = "prompt") -> list[dict[str, Any]]:
   """Reads one JSON object per line; each must hold a string under `field`.
 
@@ -85,6 +98,7 @@ def load_jsonl_prompts(path: str, field: str = "prompt") -> list[dict[str, Any]]
                        f"{type(record[field]).__name__}")
     if not record[field].strip():
       raise ValueError(f"{where}: field '{field}' is blank; expected the prompt's text")
+    check_unicode(record[field], where, field)
     record.setdefault(SOURCE_KEY, where)
     records.append(record)
   if not records:

@@ -27,7 +27,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import numpy as np
 
 from rlhfuse_jax.data.chat import ChatTemplate, ChatTemplateError
-from rlhfuse_jax.data.prompts import SOURCE_KEY, jsonl_rows, where
+from rlhfuse_jax.data.prompts import SOURCE_KEY, check_unicode, jsonl_rows, where
 
 PROMPT_KEY = "prompt"
 ANSWER_KEY = "target"
@@ -110,7 +110,7 @@ def check_prompt(prompt: Any, where_: str, key: str) -> Any:
   if isinstance(prompt, str):
     if not prompt:
       raise ValueError(f"{where_}: field '{key}' is an empty string; expected a prompt")
-    return prompt
+    return check_unicode(prompt, where_, key)
   if isinstance(prompt, (list, tuple)):
     if not prompt:
       raise ValueError(f"{where_}: field '{key}' is an empty list; expected at least one message")
@@ -122,6 +122,7 @@ def check_prompt(prompt: Any, where_: str, key: str) -> Any:
         if not isinstance(m.get(name), str):
           raise ValueError(f"{where_}: field '{key}' message {i} needs a string '{name}', got "
                            f"{type(m.get(name)).__name__}")
+        check_unicode(m[name], where_, f"{key}' message {i} '{name}")
     return [dict(m) for m in prompt]
   raise ValueError(f"{where_}: field '{key}' must be a string or a list of messages, got "
                    f"{type(prompt).__name__}")
@@ -133,7 +134,7 @@ def _is_nan(x: Any) -> bool:
 
 def _answer_text(answer: Any, where_: str, key: str) -> str:
   if isinstance(answer, str):
-    return answer
+    return check_unicode(answer, where_, key)
   if isinstance(answer, (int, np.integer)) and not isinstance(answer, bool):
     return str(int(answer))
   if isinstance(answer, (float, np.floating)):
