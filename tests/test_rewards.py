@@ -3,6 +3,7 @@ user functions by import path, and errors that name the function and the sample.
 import concurrent.futures
 import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -119,6 +120,18 @@ def test_the_sign_before_a_dollar_sign_is_kept(text, number):
 def test_gsm8k_format_takes_a_sign_before_the_dollar(response, score):
   assert verifiers.gsm8k_format(response, None, {}) == score
 
+
+@pytest.mark.parametrize("response", [
+    "1" + " " * 5000 + "x", "1" + "\n" * 5000, "####" + " " * 5000 + "x",
+    "#### 1" + " " * 5000 + "x", "-" + " " * 5000 + "x"],
+    ids=["spaces", "newlines", "hashes", "format", "minus"])
+def test_gsm8k_rewards_are_linear_in_a_whitespace_run(response):
+  """A degenerate policy emits long runs of spaces or newlines; two `\\s*` that met in the
+  number and format patterns (or one opening a match) re-scanned the run from each start:
+  ~1.5 s per 5000 spaces, 20 s per 16000, for every such sample of every batch."""
+  start = time.perf_counter()
+  verifiers.gsm8k(response, "1", {}), verifiers.gsm8k_format(response, None, {})
+  assert time.perf_counter() - start < 0.2
 
 @pytest.mark.parametrize("response, score", [
     ("2 plus 3 is 5.\n</think>\n\nThe answer is 5.", 1.0),

@@ -38,10 +38,13 @@ from rlhfuse_jax.data.records import PROMPT_TEXT_KEY
 # group of more than three digits is no thousands group: "1,2345" is the numbers 1 and 2345
 # (without the (?!\d), "1,234" matched and the 5 was lost: "1,234567" read as 1234).
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
-# A leading '$' may carry the sign before it ("-$15") or the number after it ("$-15").
-_CURRENCY = r"(-\s*\$|\$)?"
-_NUMBER_RE = re.compile(r"(?<![\w.])" + _CURRENCY + r"\s*(" + _NUMBER + r")")
-_GSM8K_FORMAT_RE = re.compile(r"####\s*" + _CURRENCY + r"\s*" + _NUMBER + r"\s*\.?\s*$")
+# A leading '$' may carry the sign before it ("-$15") or the number after it ("$-15"), with
+# spaces after it. No two `\s*` may meet (nor one open a match): on a long run of whitespace,
+# which a degenerate policy emits, each start re-scanned the run: quadratic, ~20 s per
+# 16k-space response.
+_CURRENCY = r"(?:(-\s*\$|\$)\s*)?"
+_NUMBER_RE = re.compile(r"(?<![\w.])" + _CURRENCY + r"(" + _NUMBER + r")")
+_GSM8K_FORMAT_RE = re.compile(r"####\s*" + _CURRENCY + _NUMBER + r"(?:\s*\.)?\s*$")
 _THINK_RE = re.compile(r"\s*<think>.*?</think>\s*\S.*", re.S)
 # The rest of a think block the prompt opened (R1-distill and QwQ chat templates end the
 # generation prompt with '<think>\n', so the response starts inside the block).
