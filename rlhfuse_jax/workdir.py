@@ -324,7 +324,7 @@ def read_json_object(path: str, error: type = ValueError, invalid: str = "not va
   try:
     with open(path, encoding="utf-8") as f:
       obj = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
+  except (OSError, ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, not UTF-8
     raise error(f"{path}: {invalid} ({e})") from e
   if not isinstance(obj, dict):
     raise error(f"{path}: expected a JSON object, got {type(obj).__name__}")

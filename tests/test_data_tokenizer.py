@@ -185,6 +185,11 @@ def test_missing_and_malformed_files_name_the_path(tmp_path):
   (good_dir / "tokenizer_config.json").write_text("{not json")
   with pytest.raises(ValueError, match=r"good/tokenizer_config\.json"):
     HFTokenizer.from_file(path)
+  # Not UTF-8 (a latin-1 export): the decoder's error named no file.
+  (good_dir / "tokenizer_config.json").write_bytes(b'{"eos_token": "\xe9"}')
+  with pytest.raises(ValueError, match=r"good/tokenizer_config\.json: not a valid "
+                                       r"tokenizer_config\.json \('utf-8' codec can't "):
+    HFTokenizer.from_file(path)
 
   _write_config(str(good_dir), eos_token="<nonexistent>")
   with pytest.raises(ValueError, match=r"eos_token='<nonexistent>'.*not in the vocabulary"):
