@@ -301,6 +301,19 @@ def test_wrong_shape_names_tensor_and_shapes(tmp_path):
     hf_loader.load_hf_params(ckpt, hf_loader.load_hf_config(ckpt))
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.bool_])
+def test_a_tensor_that_is_not_floating_point_is_refused(tmp_path, dtype):
+  """An int8 (quantized) or bool tensor of the right shape was cast to float and loaded: a
+  garbage model without a word. Its file, name and dtype are named."""
+  name = "model.layers.0.mlp.up_proj.weight"
+  def quantize(t):
+    t[name] = (t[name] * 100).astype(dtype)
+  ckpt = _copy(LLAMA, str(tmp_path / "c"), edit_tensors=quantize)
+  with pytest.raises(ValueError, match=rf"model.safetensors: tensor {name} has dtype "
+                     rf"{np.dtype(dtype).name}; expected one of"):
+    hf_loader.load_hf_params(ckpt, hf_loader.load_hf_config(ckpt))
+
+
 def test_unexpected_tensors_listed_but_inv_freq_is_harmless(tmp_path):
   def add(t):
     t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)

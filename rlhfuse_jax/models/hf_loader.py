@@ -70,6 +70,8 @@ _ROPE_KEYS = {
                "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
 }
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# Tensor dtypes a checkpoint may store (float64 converts exactly enough; cast to param_dtype).
+_TENSOR_DTYPES = tuple(np.dtype(t) for t in (*_NP_DTYPES.values(), np.float64))
 # Tensors that HF checkpoints may carry and that hold nothing we need.
 _HARMLESS = (re.compile(r".*rotary_emb\.inv_freq$"),)
 
@@ -370,11 +372,16 @@ class _Checkpoint:
     """The tensor, checked: a damaged file's garbage must not train (NaN/Inf are refused)."""
     with self._reading(name):
       x = self._handle(name).get_tensor(name)
-    if np.issubdtype(x.dtype, np.floating) or x.dtype == _NP_DTYPES["bfloat16"]:
-      bad = int(np.size(x) - np.count_nonzero(np.isfinite(x.astype(np.float32))))
-      if bad:
-        raise ValueError(f"{self.files[name]}: tensor {name} holds {bad} non-finite value(s) "
-                         f"(NaN/Inf) of {np.size(x)}: the file is damaged or the weights diverged")
+    # Only real weights: an integer (quantized), bool or fp8 tensor cast to float would load a
+    # garbage model without a word (its scales live in other tensors or in a quantization_config).
+    if x.dtype not in _TENSOR_DTYPES:
+      raise ValueError(f"{self.files[name]}: tensor {name} has dtype {x.dtype}; expected one of "
+                       f"{sorted(d.name for d in _TENSOR_DTYPES)} (quantized checkpoints are not "
+                       "supported)")
+    bad = int(np.size(x) - np.count_nonzero(np.isfinite(x.astype(np.float32))))
+    if bad:
+      raise ValueError(f"{self.files[name]}: tensor {name} holds {bad} non-finite value(s) "
+                       f"(NaN/Inf) of {np.size(x)}: the file is damaged or the weights diverged")
     return x
 
   @contextlib.contextmanager
