@@ -263,6 +263,23 @@ def test_sharded_index_is_used_and_missing_shard_is_named(tmp_path):
     hf_loader.load_hf_params(empty, hf_loader.load_hf_config(LLAMA))
 
 
+def test_a_shard_tensor_the_index_does_not_list_is_refused(tmp_path):
+  """A stale index (a shard rewritten with one more layer's tensor, the index not) loaded the
+  listed tensors and dropped the rest without a word; the loader reads only what the index
+  names, so the shards' own headers are checked against it."""
+  stale = str(tmp_path / "stale")
+  shutil.copytree(LLAMA, stale)
+  with open(os.path.join(stale, "model.safetensors.index.json")) as f:
+    shard = sorted(set(json.load(f)["weight_map"].values()))[0]
+  tensors = safetensors.numpy.load_file(os.path.join(stale, shard))
+  extra = "model.layers.9.mlp.up_proj.weight"
+  tensors[extra] = np.zeros((2, 2), np.float32)
+  safetensors.numpy.save_file(tensors, os.path.join(stale, shard), metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=rf"{shard}: holds tensor\(s\) that "
+                     rf"model.safetensors.index.json does not list: {extra}"):
+    hf_loader.load_hf_params(stale, hf_loader.load_hf_config(stale))
+
+
 def test_missing_tensor_is_named(tmp_path):
   name = "model.layers.1.self_attn.k_proj.bias"
   ckpt = _copy(QWEN2, str(tmp_path / "c"), edit_tensors=lambda t: t.pop(name))

@@ -351,10 +351,21 @@ class _Checkpoint:
       if not isinstance(weight_map, dict):
         raise ValueError(f"{index}: missing 'weight_map' object")
       self.files = {name: os.path.join(ckpt_dir, shard) for name, shard in weight_map.items()}
-      for shard in sorted(set(self.files.values())):
+      shards = sorted(set(self.files.values()))
+      for shard in shards:
         if not os.path.isfile(shard):
           raise FileNotFoundError(f"{index} names shard {os.path.basename(shard)}, which is "
                                   "missing")
+      # A tensor a shard holds but the index does not list (a stale index) would be dropped
+      # without a word: an extra layer, a bias. Headers only; nothing is read.
+      for shard in shards:
+        with _named(shard):
+          with safetensors.safe_open(shard, framework="numpy") as f:
+            unlisted = [n for n in f.keys() if n not in self.files
+                        and not any(p.match(n) for p in _HARMLESS)]
+        if unlisted:
+          raise ValueError(f"{shard}: holds tensor(s) that {INDEX_FILE} does not list: "
+                           f"{_short_list(unlisted)} (a stale index?)")
     else:
       present = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else "no such directory"
       raise FileNotFoundError(f"{ckpt_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found "
