@@ -403,6 +403,32 @@ def test_unsupported_config_names_the_field(tmp_path, edit, match):
     hf_loader.load_hf_config(str(ckpt))
 
 
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: c.update(tie_word_embeddings="false"),
+     r"tie_word_embeddings='false' \(str\); expected true or false"),
+    (lambda c: c.update(hidden_size=64.5), r"hidden_size=64.5 \(float\); expected an integer"),
+    (lambda c: c.update(num_hidden_layers=True), "num_hidden_layers=True"),
+    (lambda c: c.update(rms_norm_eps=None), "rms_norm_eps=null; expected a number"),
+    (lambda c: c.update(rope_theta=None, rope_parameters={"rope_type": "default",
+                                                          "rope_theta": None}),
+     "rope_theta=null and no rope_parameters.rope_theta"),
+    (lambda c: c.update(rope_parameters=dict(_LLAMA3_ROPE, factor="8")),
+     r"rope_parameters.factor='8' \(str\); expected a number"),
+    (lambda c: c.update(layer_types="full_attention"), "layer_types='full_attention'"),
+    (lambda c: c.update(num_key_value_heads=3), "model.num_heads=4 must be a multiple of "
+     "model.num_kv_heads=3"),
+], ids=["bool_string", "int_float", "int_bool", "null_eps", "null_theta", "rope_string",
+        "layer_types_string", "bad_heads"])
+def test_a_config_field_of_the_wrong_type_is_refused_naming_the_file(edit, match):
+  """bool("false") is True, int(64.5) is 64, float(None) raised a TypeError naming nothing, and
+  ModelConfig's own refusals did not say the value came from config.json."""
+  with open(os.path.join(LLAMA, "config.json")) as f:
+    config = json.load(f)
+  edit(config)
+  with pytest.raises(ValueError, match="^where/config.json: .*" + match):
+    hf_loader.config_from_hf(config, "where/config.json")
+
+
 def test_sliding_window_only_rejected_when_it_bites():
   with open(os.path.join(QWEN2, "config.json")) as f:
     hf = json.load(f)

@@ -108,6 +108,38 @@ def _architecture(hf: dict[str, Any], where: str) -> str:
   return _MODEL_TYPES[model_type]
 
 
+# The JSON type of every config.json number or flag read here: Python's conversions took a
+# string "false" as true, 16.7 as 16 and "abc" or null with an error naming neither the file nor
+# the field. Null reads as absent, except for fields whose absence means a default (_NOT_NULL).
+_FIELD_TYPES = {
+    "vocab_size": int, "hidden_size": int, "intermediate_size": int, "num_hidden_layers": int,
+    "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int,
+    "max_position_embeddings": int, "sliding_window": int, "max_window_layers": int,
+    "rms_norm_eps": float, "rope_theta": float, "partial_rotary_factor": float,
+    "tie_word_embeddings": bool, "attention_bias": bool, "mlp_bias": bool,
+    "use_sliding_window": bool,
+}
+_NOT_NULL = ("rms_norm_eps", "max_position_embeddings")  # (rope_theta: _rope_fields)
+_ROPE_FIELD_TYPES = {"rope_theta": float, "factor": float, "low_freq_factor": float,
+                     "high_freq_factor": float, "original_max_position_embeddings": int,
+                     "partial_rotary_factor": float}
+
+
+def _check_types(obj: dict[str, Any], types: dict[str, type], where: str, prefix: str = ""):
+  for key, kind in types.items():
+    value = obj.get(key)
+    if value is None:
+      if key in obj and key in _NOT_NULL and not prefix:
+        raise ValueError(f"{where}: {key}=null; expected a number (or leave it out)")
+      continue
+    ok = kind is bool if isinstance(value, bool) else (
+        kind is not bool and isinstance(value, int if kind is int else (int, float)))
+    if not ok:
+      what = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+      raise ValueError(f"{where}: {prefix}{key}={value!r} ({type(value).__name__}); expected "
+                       f"{what}")
+
+
 def _rope_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
   """ModelConfig's rope_* fields: unscaled ("default") RoPE or Llama 3.1's "llama3" scaling.
 
@@ -131,6 +163,7 @@ derives it from the legacy fields).
     if unknown:
       raise ValueError(f"{where}: {field} has key(s) {unknown} that rope_type={rope_type!r} "
                        f"does not use here (accepted: {sorted(_ROPE_KEYS[rope_type])})")
+    _check_types(params, _ROPE_FIELD_TYPES, where, f"{field}.")
     present.append((field, rope_type, params))
   if len({t for _, t, _ in present}) > 1:
     raise ValueError(f"{where}: rope_parameters and rope_scaling disagree on rope_type "
@@ -141,7 +174,11 @@ derives it from the legacy fields).
     if value is not None and float(value) != 1.0:
       raise ValueError(f"{where}: {name}={value}; only full rotary embeddings (1.0) are "
                        "implemented")
-  fields = dict(rope_theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))))
+  theta = params.get("rope_theta")
+  theta = hf.get("rope_theta", 10000.0) if theta is None else theta
+  if theta is None:
+    raise ValueError(f"{where}: rope_theta=null and no {field}.rope_theta; expected a number")
+  fields = dict(rope_theta=float(theta))
   if rope_type == "llama3":
     need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     absent = [k for k in need if params.get(k) is None]
@@ -200,6 +237,10 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
   absent = [k for k in required if hf.get(k) is None]
   if absent:
     raise ValueError(f"{where}: missing required field(s) {absent}")
+  _check_types(hf, _FIELD_TYPES, where)
+  if hf.get("layer_types") is not None and not (isinstance(hf["layer_types"], list) and all(
+      isinstance(t, str) for t in hf["layer_types"])):
+    raise ValueError(f"{where}: layer_types={hf['layer_types']!r}; expected a list of strings")
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise ValueError(f"{where}: hidden_act={act!r} is not supported; expected 'silu' (SwiGLU)")
@@ -249,7 +290,10 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
   if unknown:
     raise ValueError(f"unknown ModelConfig override(s) {unknown}; known fields: {sorted(known)}")
   fields.update(overrides)
-  cfg = llama.ModelConfig(**fields)
+  try:
+    cfg = llama.ModelConfig(**fields)
+  except ValueError as e:  # the values came from config.json (or the overrides): name it
+    raise ValueError(f"{where}: {e}") from e
   sliding = _sliding_layers(hf, family, cfg.num_layers)
   window = _window(hf, family)
   # A window at least as long as any sequence we run is plain causal attention: HF lets query
