@@ -540,6 +540,28 @@ def test_save_load_round_trip_is_exact(tmp_path, arch):
   np.testing.assert_array_equal(_forward(cfg, again, ids), _forward(cfg, params, ids))
 
 
+def test_a_failed_export_over_a_checkpoint_leaves_that_checkpoint(tmp_path, monkeypatch):
+  """A full disk while config.json was written (in place, after the new weights had replaced
+  the old) left a truncated config.json: neither the old checkpoint nor the new one loaded."""
+  cfg = llama.ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
+                          num_heads=2, num_kv_heads=1)
+  out = str(tmp_path / "ckpt")
+  old = llama.host_random_params(cfg, 0)
+  hf_loader.save_hf_checkpoint(old, cfg, out)
+
+  def full_disk(obj, f, **kwargs):
+    f.write('{"archi')
+    raise OSError(28, "No space left on device")
+  monkeypatch.setattr(hf_loader.json, "dump", full_disk)
+  with pytest.raises(OSError, match="No space left"):
+    hf_loader.save_hf_checkpoint(llama.host_random_params(cfg, 1), cfg, out)
+  monkeypatch.undo()
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+  assert hf_loader.load_hf_config(out) == cfg
+  again = hf_loader.load_hf_params(out, cfg)
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(again)))
+
+
 def test_export_family_defaults_and_refusals(tmp_path):
   """Without family= an export is named after what the config can tell: q/k norms -> Qwen3,
   q/k/v biases only -> Qwen2, else LLaMA (a Mistral without a binding window is one);

@@ -703,19 +703,23 @@ def save_hf_checkpoint(params: Any, cfg: llama.ModelConfig, out_dir: str,
   hf_config = hf_config_dict(cfg, dtype_name, family)
   os.makedirs(out_dir, exist_ok=True)
   # transformers refuses safetensors files without a known "format"; "pt" is what it writes.
-  # Written beside and moved into place (a reader never sees half a file), with a plain file's
-  # mode: safetensors creates 0600 files, which a serving job of another user cannot read.
-  path = os.path.join(out_dir, SINGLE_FILE)
-  tmp = os.path.join(out_dir, f".tmp_{SINGLE_FILE}")
+  # Both files are written beside and moved into place only once both are whole (a reader never
+  # sees half a file, and a failed write, a full disk, leaves the checkpoint that was there: the
+  # config.json written in place was left truncated over the old one), the weights with a plain
+  # file's mode: safetensors creates 0600 files, which a serving job of another user cannot read.
+  path, config_path = os.path.join(out_dir, SINGLE_FILE), os.path.join(out_dir, CONFIG_FILE)
+  tmp, config_tmp = (os.path.join(out_dir, f".tmp_{n}") for n in (SINGLE_FILE, CONFIG_FILE))
   try:
     safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"})
     os.chmod(tmp, wd.PLAIN_FILE_MODE)
+    with open(config_tmp, "w") as f:
+      json.dump(hf_config, f, indent=2, sort_keys=True)
     os.replace(tmp, path)
+    os.replace(config_tmp, config_path)
   finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-    json.dump(hf_config, f, indent=2, sort_keys=True)
+    for t in (tmp, config_tmp):
+      if os.path.exists(t):
+        os.remove(t)
 
 
 def load_hf_tokenizer(ckpt_dir: str, **kwargs) -> HFTokenizer:
