@@ -257,6 +257,13 @@ def test_sharded_index_is_used_and_missing_shard_is_named(tmp_path):
   with pytest.raises(ValueError, match=rf"{other}: cannot read tensor {name} .*"
                                        r"model\.safetensors\.index\.json may name the wrong"):
     hf_loader.load_hf_params(lying, hf_loader.load_hf_config(lying))
+  # A shard that is not a file name (it was os.path.join's TypeError, naming nothing).
+  table["weight_map"][name] = None
+  with open(index, "w") as f:
+    json.dump(table, f)
+  with pytest.raises(ValueError, match=rf"model.safetensors.index.json: weight_map names no "
+                                       rf"shard file for {name} .*None"):
+    hf_loader.load_hf_params(lying, hf_loader.load_hf_config(lying))
   empty = str(tmp_path / "empty")
   os.makedirs(empty)
   with pytest.raises(FileNotFoundError, match="model.safetensors.index.json"):

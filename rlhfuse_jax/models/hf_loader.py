@@ -394,6 +394,10 @@ class _Checkpoint:
       weight_map = _read_json(index).get("weight_map")
       if not isinstance(weight_map, dict):
         raise ValueError(f"{index}: missing 'weight_map' object")
+      odd = sorted(n for n, shard in weight_map.items() if not isinstance(shard, str))
+      if odd:
+        raise ValueError(f"{index}: weight_map names no shard file for {_short_list(odd)} "
+                         f"(e.g. {odd[0]}: {weight_map[odd[0]]!r}); expected file names")
       self.files = {name: os.path.join(ckpt_dir, shard) for name, shard in weight_map.items()}
       shards = sorted(set(self.files.values()))
       for shard in shards:
