@@ -358,6 +358,12 @@ def test_max_positions_defaults_like_the_config(tmp_path):
   hf.pop("max_position_embeddings", None)
   (tmp_path / "config.json").write_text(json.dumps(hf))
   assert hf_loader.max_positions(str(tmp_path)) == 2048 == hf_loader.config_from_hf(hf).max_seq_len
+  # A value that is not an integer is refused as config_from_hf refuses it, naming the file
+  # (null raised a bare TypeError, which the trainer's load_named does not name either).
+  for value, match in ((None, "null"), ("4096", "'4096' \\(str\\)")):
+    (tmp_path / "config.json").write_text(json.dumps(dict(hf, max_position_embeddings=value)))
+    with pytest.raises(ValueError, match=f"config.json: max_position_embeddings={match}"):
+      hf_loader.max_positions(str(tmp_path))
 
 
 def test_two_architectures_are_refused():

@@ -370,9 +370,13 @@ def _named(path: str):
 
 
 def max_positions(ckpt_dir: str) -> int:
-  """config.json's max_position_embeddings (2048 when absent, as config_from_hf reads it)."""
-  return int(_read_json(os.path.join(ckpt_dir, CONFIG_FILE)).get("max_position_embeddings",
-                                                                  2048))
+  """config.json's max_position_embeddings (2048 when absent, as config_from_hf reads it, and
+  refused as it refuses a value that is not an integer)."""
+  path = os.path.join(ckpt_dir, CONFIG_FILE)
+  hf = _read_json(path)
+  key = "max_position_embeddings"
+  _check_types(hf, {key: int}, path)
+  return hf.get(key, 2048)
 
 
 def tensor_names(ckpt_dir: str) -> set[str]:
