@@ -569,6 +569,28 @@ def test_a_failed_export_over_a_checkpoint_leaves_that_checkpoint(tmp_path, monk
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(again)))
 
 
+def test_an_export_of_weights_the_loader_refuses_writes_nothing(tmp_path):
+  """save_hf_checkpoint wrote NaN (diverged) or integer weights, which load_hf_params then
+  refused: an export over a good one replaced it with one that does not load."""
+  cfg = llama.ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
+                          num_heads=2, num_kv_heads=1)
+  out = str(tmp_path / "ckpt")
+  good = llama.host_random_params(cfg, 0)
+  hf_loader.save_hf_checkpoint(good, cfg, out)
+  name, kernel = "model.layers.0.mlp.up_proj.weight", ("layers_0", "mlp", "up_proj", "kernel")
+  for value, match in ((np.nan, "holds 1 non-finite value"), (None, "has dtype int32")):
+    bad = jax.tree.map(np.array, good)
+    w = bad[kernel[0]][kernel[1]][kernel[2]]
+    if value is None:
+      bad[kernel[0]][kernel[1]][kernel[2]] = {"kernel": w["kernel"].astype(np.int32)}
+    else:
+      w["kernel"][0, 0] = value
+    with pytest.raises(ValueError, match=f"tensor {name} {match}"):
+      hf_loader.save_hf_checkpoint(bad, cfg, out)
+  again = hf_loader.load_hf_params(out, cfg)
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(good), jax.tree.leaves(again)))
+
+
 def test_export_family_defaults_and_refusals(tmp_path):
   """Without family= an export is named after what the config can tell: q/k norms -> Qwen3,
   q/k/v biases only -> Qwen2, else LLaMA (a Mistral without a binding window is one);

@@ -704,6 +704,16 @@ def save_hf_checkpoint(params: Any, cfg: llama.ModelConfig, out_dir: str,
     bias = np.asarray(flat[("head", "value_bias")])
     if np.any(bias != 0):
       tensors["score.bias"] = np.ascontiguousarray(bias)
+  # What load_hf_params would refuse is not written: an export of diverged (NaN) weights
+  # replaced a good earlier export with one that no longer loads.
+  for name, w in tensors.items():
+    if w.dtype not in _TENSOR_DTYPES:
+      raise ValueError(f"tensor {name} has dtype {w.dtype}; expected one of "
+                       f"{sorted(d.name for d in _TENSOR_DTYPES)}")
+    bad = int(np.size(w) - np.count_nonzero(np.isfinite(w.astype(np.float32))))
+    if bad:
+      raise ValueError(f"tensor {name} holds {bad} non-finite value(s) (NaN/Inf) of "
+                       f"{np.size(w)}: the weights diverged; nothing was written")
   dtype_name = np.dtype(tensors["model.embed_tokens.weight"].dtype).name
   if dtype_name not in _NP_DTYPES:
     raise ValueError(f"embedding dtype {dtype_name} cannot be saved; expected one of "
