@@ -169,6 +169,15 @@ def test_bad_inputs_are_named():
   assert kv_tokens_from_bytes(1000, 64) == 15
 
 
+
+@pytest.mark.parametrize("rt", ["auto", None, True, float("nan")])
+def test_a_threshold_that_is_not_a_number_in_0_1_is_refused_naming_it(rt):
+  """'auto' is resolved by the caller (policy/rt.py); passed here it raised a bare TypeError
+  from a float comparison, and True passed as Rt = 1."""
+  insts = [inst(0, [(0, 0, 3, 0)]), inst(1, [(1, 0, 3, 0)])]
+  with pytest.raises(ValueError, match=r"threshold \(Rt\)=.* must be a number in \[0, 1\]"):
+    plan_consolidation(insts, rt, 2)
+
 # ------------------------------------------------------------------ exhaustive search
 def fits_exactly(kept, moving):
   """Whether the `moving` samples fit the kept instances' free slots, KV pools and slot

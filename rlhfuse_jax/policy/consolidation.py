@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import numbers
 from typing import Optional, Sequence
 
 
@@ -258,8 +259,12 @@ def plan_consolidation(instances: Sequence[InstanceState], threshold: float, tot
     bytes_per_token: KV bytes of one token of one sample (all layers, K and V), for moved_bytes.
     max_subsets: above this many m-subsets of a class, only the ranking's top m is tried.
   """
-  if not (0.0 <= threshold <= 1.0) or math.isnan(threshold):
-    raise ValueError(f"threshold (Rt)={threshold} must be in [0, 1]")
+  # A number only: "auto" (or None) compared with a float raised a bare TypeError that named
+  # neither the argument nor the fix; True passed as 1.0.
+  if (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or
+      not 0.0 <= threshold <= 1.0):
+    raise ValueError(f"threshold (Rt)={threshold!r} must be a number in [0, 1] (an 'auto' Rt is "
+                     "resolved to one first: policy/rt.py)")
   if total_samples < 1:
     raise ValueError(f"total_samples={total_samples} must be >= 1")
   if bytes_per_token < 0:
