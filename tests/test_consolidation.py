@@ -178,6 +178,15 @@ def test_a_threshold_that_is_not_a_number_in_0_1_is_refused_naming_it(rt):
   with pytest.raises(ValueError, match=r"threshold \(Rt\)=.* must be a number in \[0, 1\]"):
     plan_consolidation(insts, rt, 2)
 
+
+@pytest.mark.parametrize("bpt", [float("nan"), float("inf"), -1.0])
+def test_bytes_per_token_must_be_finite_and_non_negative(bpt):
+  """NaN passed the >= 0 check and failed only when a sample moved, as 'cannot convert float
+  NaN to integer' inside the packing."""
+  insts = [inst(0, [(0, 0, 3, 0)]), inst(1, [(1, 0, 3, 0)])]
+  with pytest.raises(ValueError, match="bytes_per_token=.* must be finite and >= 0"):
+    plan_consolidation(insts, 1.0, 2, bytes_per_token=bpt)
+
 # ------------------------------------------------------------------ exhaustive search
 def fits_exactly(kept, moving):
   """Whether the `moving` samples fit the kept instances' free slots, KV pools and slot

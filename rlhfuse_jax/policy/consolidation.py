@@ -267,8 +267,8 @@ def plan_consolidation(instances: Sequence[InstanceState], threshold: float, tot
                      "resolved to one first: policy/rt.py)")
   if total_samples < 1:
     raise ValueError(f"total_samples={total_samples} must be >= 1")
-  if bytes_per_token < 0:
-    raise ValueError(f"bytes_per_token={bytes_per_token} must be >= 0")
+  if not 0 <= bytes_per_token < math.inf:  # NaN failed later, in a Move's int(round(...))
+    raise ValueError(f"bytes_per_token={bytes_per_token} must be finite and >= 0")
   idx = [i.index for i in instances]
   if len(set(idx)) != len(idx):
     raise ValueError(f"instance indices {idx} must be unique")
