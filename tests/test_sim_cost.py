@@ -145,6 +145,9 @@ def test_calibration_replaces_formulas(tmp_path):
     (_cal(prefill={"tokens_per_s": -1}), "tokens_per_s"),
     (_cal(prefill={"tokens_per_second": 1}), "unknown keys"),
     ({"format": calibration.FORMAT, "ops": {}}, "missing keys.*device"),
+    # JSON true is a Python int: refused as parallel_tasks already was, not read as 1.
+    ({**_cal(), "model_params": True}, "model_params=True must be a positive int"),
+    ({**_cal(), "instance_devices": True}, "instance_devices=True must be a positive int"),
 ])
 def test_calibration_errors_are_clear(obj, msg):
   with pytest.raises(ValueError, match=msg):

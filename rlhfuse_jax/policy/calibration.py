@@ -270,13 +270,13 @@ def from_dict(obj: dict, path: str = "<dict>") -> Calibration:
   if not isinstance(share, bool):
     raise _err(path, f"devices_share_compute={share!r} must be true or false")
   mp = top.get("model_params")
-  if mp is not None and not (isinstance(mp, int) and mp > 0):
+  if mp is not None and not (isinstance(mp, int) and not isinstance(mp, bool) and mp > 0):
     raise _err(path, f"model_params={mp!r} must be a positive int")
   par = top.get("parallel_tasks")
   if par is not None and not (isinstance(par, int) and not isinstance(par, bool) and par > 0):
     raise _err(path, f"parallel_tasks={par!r} must be a positive int")
   idev = top.get("instance_devices")
-  if idev is not None and not (isinstance(idev, int) and idev > 0):
+  if idev is not None and not (isinstance(idev, int) and not isinstance(idev, bool) and idev > 0):
     raise _err(path, f"instance_devices={idev!r} must be a positive int")
   prov = top.get("provenance")
   if prov is not None and not isinstance(prov, dict):
