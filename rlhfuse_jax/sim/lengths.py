@@ -116,8 +116,8 @@ class LengthSpec:
       raise ValueError(f"lengths: need 1 <= min_len={self.min_len} <= max_len={self.max_len}")
     if self.kind == "lognormal" and not (self.median > 0 and math.isfinite(self.median) and
                                          self.sigma > 0 and math.isfinite(self.sigma)):
-      raise ValueError(f"lengths: lognormal needs a finite median={self.median} > 0 and "
-                       f"sigma={self.sigma} > 0")
+      raise ValueError(f"lengths: lognormal needs median={self.median} > 0 and sigma="
+                       f"{self.sigma} > 0, both finite")
     if self.kind == "pareto" and not self.alpha > 0:
       raise ValueError(f"lengths: pareto needs alpha={self.alpha} > 0")
     if self.kind == "constant" and not self.min_len <= self.value <= self.max_len:
