@@ -72,6 +72,23 @@ _ROPE_KEYS = {
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Tensor dtypes a checkpoint may store (float64 converts exactly enough; cast to param_dtype).
 _TENSOR_DTYPES = tuple(np.dtype(t) for t in (*_NP_DTYPES.values(), np.float64))
+
+
+def _check_weight(x: np.ndarray, what: str, dtype_hint: str, nonfinite_hint: str) -> None:
+  """Refuses `x` (named `what`) unless it is a weight the loader takes: the loader's check, and
+  the export's (which must not write what the loader then refuses). Only real weights: an
+  integer (quantized), bool or fp8 tensor cast to float would load a garbage model without a
+  word (its scales live in other tensors or in a quantization_config); NaN/Inf are a damaged
+  file or diverged weights."""
+  if x.dtype not in _TENSOR_DTYPES:
+    raise ValueError(f"{what} has dtype {x.dtype}; expected one of "
+                     f"{sorted(d.name for d in _TENSOR_DTYPES)}{dtype_hint}")
+  bad = int(np.size(x) - np.count_nonzero(np.isfinite(x.astype(np.float32))))
+  if bad:
+    raise ValueError(f"{what} holds {bad} non-finite value(s) (NaN/Inf) of "
+                     f"{np.size(x)}{nonfinite_hint}")
+
+
 # Tensors that HF checkpoints may carry and that hold nothing we need.
 _HARMLESS = (re.compile(r".*rotary_emb\.inv_freq$"),)
 
@@ -435,16 +452,9 @@ class _Checkpoint:
     """The tensor, checked: a damaged file's garbage must not train (NaN/Inf are refused)."""
     with self._reading(name):
       x = self._handle(name).get_tensor(name)
-    # Only real weights: an integer (quantized), bool or fp8 tensor cast to float would load a
-    # garbage model without a word (its scales live in other tensors or in a quantization_config).
-    if x.dtype not in _TENSOR_DTYPES:
-      raise ValueError(f"{self.files[name]}: tensor {name} has dtype {x.dtype}; expected one of "
-                       f"{sorted(d.name for d in _TENSOR_DTYPES)} (quantized checkpoints are not "
-                       "supported)")
-    bad = int(np.size(x) - np.count_nonzero(np.isfinite(x.astype(np.float32))))
-    if bad:
-      raise ValueError(f"{self.files[name]}: tensor {name} holds {bad} non-finite value(s) "
-                       f"(NaN/Inf) of {np.size(x)}: the file is damaged or the weights diverged")
+    _check_weight(x, f"{self.files[name]}: tensor {name}",
+                  " (quantized checkpoints are not supported)",
+                  ": the file is damaged or the weights diverged")
     return x
 
   @contextlib.contextmanager
@@ -707,13 +717,7 @@ def save_hf_checkpoint(params: Any, cfg: llama.ModelConfig, out_dir: str,
   # What load_hf_params would refuse is not written: an export of diverged (NaN) weights
   # replaced a good earlier export with one that no longer loads.
   for name, w in tensors.items():
-    if w.dtype not in _TENSOR_DTYPES:
-      raise ValueError(f"tensor {name} has dtype {w.dtype}; expected one of "
-                       f"{sorted(d.name for d in _TENSOR_DTYPES)}")
-    bad = int(np.size(w) - np.count_nonzero(np.isfinite(w.astype(np.float32))))
-    if bad:
-      raise ValueError(f"tensor {name} holds {bad} non-finite value(s) (NaN/Inf) of "
-                       f"{np.size(w)}: the weights diverged; nothing was written")
+    _check_weight(w, f"tensor {name}", "", ": the weights diverged; nothing was written")
   dtype_name = np.dtype(tensors["model.embed_tokens.weight"].dtype).name
   if dtype_name not in _NP_DTYPES:
     raise ValueError(f"embedding dtype {dtype_name} cannot be saved; expected one of "
