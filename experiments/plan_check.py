@@ -25,7 +25,8 @@ the compiled program, the analytic breakdown, replication, fits, compile_s) and 
 
 XLA reads the device count once, when jax initialises, so this binary imports nothing of jax at
 module level: main() sets `--xla_force_host_platform_device_count` to the plan's device count
-first (parallel/host_devices.py), then imports the programs module.
+first (parallel/host_devices.py; a count already in XLA_FLAGS is replaced, the other flags
+kept), then imports the programs module.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from ml_collections import config_flags
 
 from experiments import config_files
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.parallel.host_devices import request_host_devices
+from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Plan config.", lock_config=True)
 _RUN_CONFIG = config_flags.DEFINE_config_file(
@@ -76,7 +77,10 @@ def main(argv):
       kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
       raise kind(f"--run_config (config.<field> is --run_config.<field> here): {e}") from None
   n = device_count(config)
-  request_host_devices(n)
+  # The plan's count, not one the caller's XLA_FLAGS set (e.g. 8, exported for train_ppo as the
+  # docs' commands do): with fewer the run stopped in plan_programs.run, telling the user to run
+  # plan_check, which they were doing.
+  os.environ["XLA_FLAGS"] = xla_flags_with_host_devices(n)
   from experiments import plan_programs  # imports jax: after the device count is set
   cfg = plan_programs.PlanConfig.from_config_dict(config)
   wd.start_outputs(_WORKDIR.value, config, ("result.json",))
