@@ -25,12 +25,13 @@ the compiled program, the analytic breakdown, replication, fits, compile_s) and 
 
 XLA reads the device count once, when jax initialises, so this binary imports nothing of jax at
 module level: main() sets `--xla_force_host_platform_device_count` to the plan's device count
-first (parallel/host_devices.py; a count already in XLA_FLAGS is replaced, the other flags
-kept), then imports the programs module.
+first (parallel/host_devices.py; a count already in XLA_FLAGS or JAX_NUM_CPU_DEVICES is
+replaced, the other flags kept), then imports the programs module.
 """
 from __future__ import annotations
 
 import os
+import sys
 
 import ml_collections
 from absl import flags, logging
@@ -81,6 +82,10 @@ def main(argv):
   # docs' commands do): with fewer the run stopped in plan_programs.run, telling the user to run
   # plan_check, which they were doing.
   os.environ["XLA_FLAGS"] = xla_flags_with_host_devices(n)
+  if "JAX_NUM_CPU_DEVICES" in os.environ:  # jax's own count: it overrides the flag's
+    os.environ["JAX_NUM_CPU_DEVICES"] = str(n)
+    if "jax" in sys.modules:  # imported (--run_config's model code), its config read from env
+      sys.modules["jax"].config.update("jax_num_cpu_devices", n)
   from experiments import plan_programs  # imports jax: after the device count is set
   cfg = plan_programs.PlanConfig.from_config_dict(config)
   wd.start_outputs(_WORKDIR.value, config, ("result.json",))

@@ -507,9 +507,10 @@ def test_asynchronous_run_generates_on_its_own_group(tmp_path):
   assert (cfg.train_devices, cfg.gen_devices, cfg.gen_model_shards) == (1, 4, 1)
   # Through the binary, which sets the fake device count from the plan before jax starts: the
   # group (4) is larger than the training mesh (1), which it once did not count. The caller's
-  # XLA_FLAGS ask for 2 devices (a count exported for another command): the plan's count
-  # replaces it; it was kept, and the run stopped with "the plan needs 4 devices ... but jax
-  # has 2: run experiments/plan_check.py, which sets the count".
+  # XLA_FLAGS ask for 2 devices (a count exported for another command), and so does jax's own
+  # JAX_NUM_CPU_DEVICES (which overrides the flag): the plan's count replaces both; each was
+  # kept, and the run stopped with "the plan needs 4 devices ... but jax has 2: run
+  # experiments/plan_check.py, which sets the count".
   import subprocess
   import sys
   from tests.xla_env import subprocess_env
@@ -518,7 +519,8 @@ def test_asynchronous_run_generates_on_its_own_group(tmp_path):
       [sys.executable, "-m", "experiments.plan_check", "--config=configs/plan_check.py:tiny",
        "--run_config=configs/ppo_tiny.py", "--run_config.async_ppo.staleness=1",
        "--run_config.async_ppo.generation_devices=4", f"--workdir={tmp_path}"], cwd=repo,
-      env=subprocess_env(2), capture_output=True, text=True, timeout=600)
+      env=subprocess_env(2, JAX_NUM_CPU_DEVICES="2"), capture_output=True, text=True,
+      timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   with open(os.path.join(tmp_path, "result.json")) as f:
     result = json.load(f)
