@@ -6,6 +6,7 @@ thread (`_Events`). Non-scalar values (curves, lists) go to JSONL only.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -14,10 +15,13 @@ from typing import Any, Mapping, Optional
 from rlhfuse_jax import workdir as wd
 
 
+_EVENT_FILES = itertools.count(1)  # numbers this process's event files' names
+
+
 class _Events:
   """A TensorBoard event file written and flushed in the caller's thread, with tensorboardX's
-  own EventsWriter and protos (what its SummaryWriter writes, the same file name and purge
-  marker). Not SummaryWriter itself: it queues events to a thread that flushes every
+  own EventsWriter and protos (what its SummaryWriter writes, its file name with the pid and a
+  count added, and its purge marker). Not SummaryWriter itself: it queues events to a thread that flushes every
   flush_secs, and its flush() does not drain that queue, so the events of the last steps
   before a kill -9 were lost although a checkpoint covered them (the resume does not run those
   steps again)."""
@@ -28,7 +32,12 @@ class _Events:
     from tensorboardX.summary import scalar
     self._event, self._scalar = Event, scalar
     os.makedirs(logdir, exist_ok=True)
-    self._writer = EventsWriter(os.path.join(logdir, "events"))
+    # EventsWriter names its file by the whole second and the host, and opens it "wb": a second
+    # writer in the same second (a resume in the same process, the finished-run re-run's purge
+    # marker) truncated the first one's file, losing its events. The pid and a per-process
+    # count make the name unique, as TensorFlow's own writer does.
+    self._writer = EventsWriter(os.path.join(logdir, "events"),
+                                filename_suffix=f".{os.getpid()}.{next(_EVENT_FILES)}")
     if purge_step is not None:  # TensorBoard hides older events of steps >= purge_step
       self._writer.write_event(Event(step=purge_step, file_version="brain.Event:2"))
       self._writer.write_event(Event(step=purge_step,

@@ -117,3 +117,20 @@ def read_events(logdir):
       events.append(Event.FromString(data[i + 12:i + 12 + n]))
       i += 12 + n + 4
   return events
+
+
+def test_two_writers_in_the_same_second_keep_both_event_files(tmp_path, monkeypatch):
+  """tensorboardX names an event file by the whole second and the host and opens it "wb": a
+  second writer in the same second (a resume in the same process) truncated the first one's
+  file, and step 1's events were gone."""
+  from tensorboardX import event_file_writer
+  monkeypatch.setattr(event_file_writer.time, "time", lambda: 1_800_000_000.25)
+  first = metrics_lib.MetricWriter(str(tmp_path))
+  first.write(1, {"reward/mean": 0.5})
+  first.close()
+  second = metrics_lib.MetricWriter(str(tmp_path), purge_step=2)
+  second.write(2, {"reward/mean": 0.75})
+  second.close()
+  got = [(e.step, v.tag, v.simple_value) for e in read_events(tmp_path / "tb")
+         for v in e.summary.value]
+  assert sorted(got) == [(1, "reward/mean", 0.5), (2, "reward/mean", 0.75)]
