@@ -335,25 +335,38 @@ def keep_jsonl_through(path: str, step: int) -> list[dict]:
   """Rewrites the JSONL file at `path` (append_jsonl's, rows with a "step") without the rows of
   steps after `step`, atomically; returns the rows kept. A resumed run's logs (metrics.jsonl,
   samples.jsonl) so never repeat a step written after the checkpoint it resumed from."""
-  rows = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
+  rows = read_jsonl(path)
+  for r in rows:
+    # A step that is not a number (a hand-edited row) failed in the comparison below with a
+    # TypeError that named neither the file nor the row.
+    if not isinstance(r.get("step", 0), (int, float)) or isinstance(r.get("step"), bool):
+      raise ValueError(f"{path}: a row with step={r['step']!r}: expected an integer step "
+                       "(the iteration it was written after); fix or remove that row")
+  rows = [r for r in rows if r.get("step", 0) <= step]
   atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
   return rows
 
 
 def read_jsonl(path: str) -> list[dict]:
-  """Reads a JSONL file written by `append_jsonl`; a torn last line (crash mid-write) is dropped."""
+  """Reads a JSONL file written by `append_jsonl`; a torn last line (crash mid-write) is dropped.
+  Any other line that is not a JSON object (malformed, not UTF-8, an array or a number) is a
+  ValueError naming the file and the line: the callers read rows as objects."""
   if not os.path.exists(path):
     return []
   out = []
-  with open(path) as f:
-    lines = f.read().split("\n")
+  with open(path, "rb") as f:
+    lines = f.read().split(b"\n")
   for i, line in enumerate(lines):
     if not line.strip():
       continue
     try:
-      out.append(json.loads(line))
-    except json.JSONDecodeError:
+      row = json.loads(line.decode("utf-8"))
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
       if i >= len(lines) - 2:  # only the last line can be torn
         break
-      raise ValueError(f"{path}:{i + 1}: malformed JSON line")
+      raise ValueError(f"{path}:{i + 1}: malformed JSON line") from None
+    if not isinstance(row, dict):
+      raise ValueError(f"{path}:{i + 1}: expected a JSON object per line, got "
+                       f"{type(row).__name__}")
+    out.append(row)
   return out

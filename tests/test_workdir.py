@@ -68,3 +68,23 @@ def test_a_sweep_and_the_other_binaries_refuse_each_others_workdirs(tmp_path):
   with pytest.raises(wd.ForeignWorkdirError, match=r"experiments\.train_ppo \(its result\.json\)"
                                                    r"; give experiments\.sweep"):
     wd.refuse_foreign_result(str(train), "sweep")
+
+
+def test_a_resume_over_a_garbled_log_row_names_the_file_and_the_line(tmp_path):
+  """A metrics.jsonl row that is JSON but not an object (a hand edit, a concatenated file), or
+  whose step is not a number, stopped the resume with AttributeError ('list' object has no
+  attribute 'get') or TypeError, naming neither the file nor the row."""
+  path = tmp_path / "metrics.jsonl"
+  for line, match in (("[1, 2]", r"metrics\.jsonl:2: expected a JSON object per line, got list"),
+                      ("7", r"metrics\.jsonl:2: expected a JSON object per line, got int"),
+                      ('{"step": "3"}', r"metrics\.jsonl: a row with step='3': expected an "
+                       "integer step"),
+                      ('{"step": null}', r"metrics\.jsonl: a row with step=None"),
+                      (b'{"step": 2, "x": "\xff"}', r"metrics\.jsonl:2: malformed JSON line")):
+    body = line if isinstance(line, bytes) else line.encode()
+    path.write_bytes(b'{"step": 1}\n' + body + b'\n{"step": 4}\n')
+    with pytest.raises(ValueError, match=match):
+      wd.keep_jsonl_through(str(path), 3)
+    assert path.read_bytes().endswith(b'{"step": 4}\n')  # left as it was
+  path.write_text('{"step": 1}\n{"step": 2.0}\n{"note": "no step"}\n{"step": 4}\n{"st')
+  assert wd.keep_jsonl_through(str(path), 3) == [{"step": 1}, {"step": 2.0}, {"note": "no step"}]

@@ -870,8 +870,9 @@ class PPOTrainer:
         # metrics.jsonl and from TensorBoard (a purge marker, written only when such rows
         # exist: a finished run re-run leaves tb/ as it was).
         main = jax.process_index() == 0
-        later = main and any(r.get("step", 0) > start for r in wd.read_jsonl(
-            os.path.join(self.workdir, "metrics.jsonl")))
+        later = main and any(  # (a step that is no number: truncate_after names its row)
+            isinstance(r.get("step"), (int, float)) and r["step"] > start
+            for r in wd.read_jsonl(os.path.join(self.workdir, "metrics.jsonl")))
         writer = metrics_lib.MetricWriter(self.workdir, tensorboard=later, enabled=main,
                                           purge_step=start + 1)
         writer.truncate_after(start)
