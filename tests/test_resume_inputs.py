@@ -150,3 +150,38 @@ def test_checkpoints_compare_the_inputs_contents_on_resume(tmp_path):
   (model / "tokenizer_config.json").write_text('{"eos_token": "<pad>"}')
   with pytest.raises(ValueError, match=r"init\.tokenizer: tokenizer_config\.json changed"):
     resume(config(model))
+
+
+def test_a_chat_template_file_is_compared_by_content(tmp_path, monkeypatch):
+  """data.chat_template given as a path renders every prompt; the fingerprint held its path
+  alone, so a resume after the template was edited in place trained on other prompt text,
+  silently. Its content now counts like the tokenizer's ('none' and 'auto' name no file)."""
+  template = tmp_path / "chat.jinja"
+  template.write_text("{% for m in messages %}<{{ m.content }}>{% endfor %}")
+
+  def cfg(spec):
+    c = _cfg()
+    c.data.chat_template = str(spec)
+    return c
+  saved = inputs.fingerprints(cfg(template))
+  assert list(saved) == ["data.chat_template"]
+  moved = tmp_path / "copy" / "chat.jinja"
+  moved.parent.mkdir()
+  shutil.copy(template, moved)
+  change = f"data.chat_template: {str(template)!r} -> {str(moved)!r}"
+  assert inputs.resume_changes([change], saved, inputs.fingerprints(cfg(moved)), 5) == ([], [])
+  template.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+  assert inputs.resume_changes([], saved, inputs.fingerprints(cfg(template)), 5) == ([], [
+      "data.chat_template: chat.jinja changed since the checkpoints were written (every prompt "
+      "is rendered with it)"])
+  # A directory: its template and the special tokens read beside it.
+  (tmp_path / "tmpl").mkdir()
+  (tmp_path / "tmpl" / "chat_template.jinja").write_text("{{ messages[0].content }}")
+  (tmp_path / "tmpl" / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
+  (tmp_path / "tmpl" / "README.md").write_text("# not read")
+  assert sorted(inputs.fingerprints(cfg(tmp_path / "tmpl"))["data.chat_template"]) == [
+      "chat_template.jinja", "tokenizer_config.json"]
+  monkeypatch.chdir(tmp_path)  # files named like the keywords are not read for them
+  (tmp_path / "none").write_text("x")
+  (tmp_path / "auto").write_text("x")
+  assert inputs.fingerprints(cfg("none")) == {} and inputs.fingerprints(cfg("auto")) == {}

@@ -14,9 +14,10 @@ A fingerprint is {file name: digest} over the files the loaders read: of a check
 directory its config.json, generation_config.json, safetensors shards and their index; of a
 tokenizer its tokenizer.json (a directory names its own) and the files read beside it
 (tokenizer_config.json, special_tokens_map.json, generation_config.json, chat_template.jinja);
-a prompts file whole. Weight shards are hashed by size and three 1 MiB samples (start, middle,
-end: a 130 GB checkpoint costs ~100 MB of reads, and any re-export or other revision changes
-them); every other file in full. Other files (a README, a model card) are not read, so adding
+a prompts file whole; a data.chat_template path's template and the special tokens' files beside
+it (its content decides every prompt's text, as the tokenizer's does). Weight shards are hashed
+by size and three 1 MiB samples (start, middle, end: a 130 GB checkpoint costs ~100 MB of reads,
+and any re-export or other revision changes them); every other file in full. Other files (a README, a model card) are not read, so adding
 one changes nothing, and a refusal names the files that changed.
 """
 from __future__ import annotations
@@ -35,6 +36,8 @@ PATH_FIELDS = {
     "init.tokenizer": "every prompt and response is tokenised with it",
     "reward.model_checkpoint": "it scores every response",
     "data.prompts_file": "the prompts are drawn from it",
+    # A path only ('none' and 'auto' are no file: 'auto' reads the tokenizer's files, above).
+    "data.chat_template": "every prompt is rendered with it",
     # Read once, by the first start: the critic's weights are in the checkpoints since.
     "init.critic_checkpoint": "",
 }
@@ -47,6 +50,10 @@ SAMPLED = (".safetensors",)  # weight shards (the only ones the loaders read): s
 CHECKPOINT_FILES = ("config.json", "generation_config.json")
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json",
                         "generation_config.json", "chat_template.jinja")
+# What a data.chat_template path makes the run read (data/chat.py): a directory's template (its
+# chat_template.jinja, else its tokenizer_config.json's entry), and beside a template file the
+# special tokens' files, read when the tokenizer names none.
+TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _file_digest(path: str) -> str:
@@ -73,6 +80,13 @@ def _read_files(field: str, path: str) -> list[str]:
     beside = os.path.dirname(main)
     return [main] + [os.path.join(beside, n) for n in TOKENIZER_SIDE_FILES
                      if os.path.isfile(os.path.join(beside, n))]
+  if field == "data.chat_template":
+    if path in ("none", "auto"):
+      return []
+    beside = path if os.path.isdir(path) else os.path.dirname(path)
+    return ([path] if os.path.isfile(path) else []) + [
+        os.path.join(beside, n) for n in TEMPLATE_FILES
+        if os.path.isfile(os.path.join(beside, n)) and n != os.path.basename(path)]
   if os.path.isfile(path):
     return [path]
   if not os.path.isdir(path):
