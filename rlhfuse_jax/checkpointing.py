@@ -189,6 +189,10 @@ class Checkpointer:
     _use_array_handler()
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, "checkpoints")
+    if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
+      # orbax lists it at once: a NotADirectoryError traceback from its threads, no advice.
+      raise ValueError(f"{self.directory} is not a directory (a file, or a link to none): the "
+                       "run keeps its checkpoints there; move it away or use another --workdir")
     # Handlers named up front, so a checkpoint's metadata reads before anything was restored.
     # cleanup_tmp_directories: the partial directory of a save that was killed mid-way
     # (<step>.orbax-checkpoint-tmp-*) is never a checkpoint and would otherwise stay, one full

@@ -498,6 +498,21 @@ def test_an_unwritable_checkpoints_directory_stops_the_set_up(tmp_path, monkeypa
   assert os.listdir(tmp_path / "checkpoints") == []  # the probe leaves nothing
 
 
+def test_a_file_where_the_checkpoints_directory_goes_is_named(tmp_path):
+  """WORKDIR/checkpoints a file (or a dangling link): orbax's threads failed on it with a
+  NotADirectoryError traceback, which train_ppo reported as a crash; now a ValueError (bad
+  input, one line) naming it and what to do, and the file stays."""
+  (tmp_path / "checkpoints").write_text("notes")
+  with pytest.raises(ValueError, match=r"/checkpoints is not a directory \(a file, or a link to "
+                                       r"none\): the run keeps its checkpoints there; move it"):
+    checkpointing.Checkpointer(str(tmp_path))
+  assert (tmp_path / "checkpoints").read_text() == "notes"
+  (tmp_path / "checkpoints").unlink()
+  (tmp_path / "checkpoints").symlink_to(tmp_path / "gone")
+  with pytest.raises(ValueError, match=r"/checkpoints is not a directory"):
+    checkpointing.Checkpointer(str(tmp_path))
+
+
 def test_small_replicated_arrays_are_saved_whole_with_orbaxs_array_metadata(tmp_path,
                                                                             monkeypatch, caplog):
   """checkpointing's ArrayHandler: an array replicated over 8 devices whose per-replica slices
