@@ -8,10 +8,13 @@ run killed mid-save keeps its previous checkpoint; `latest_step()` only sees fin
 The side-car also holds a checksum of every array (`checksums`), checked after a restore: orbax's
 chunks have no checksum of their own, so a file damaged inside a compressed chunk could restore
 as other numbers without an error (a review's bit flips did: the run then failed on NaNs one
-update later and advised lowering the learning rate).
+update later and advised lowering the learning rate). And a digest of itself (`meta_checksum`),
+checked whenever it is read: a flipped bit in one of its numbers still parses.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging as py_logging
 import os
 import shutil
@@ -95,6 +98,27 @@ def verify(step: int, state: Any, meta: dict) -> None:
     raise DamagedCheckpointError(
         f"checkpoint {step}: {len(bad)} array(s) read back with other contents than were saved "
         f"(checksum), e.g. {bad[0]}: the files are damaged")
+
+
+# The side-car's own digest, under this key of it: the JSON file has no checksum either, and a
+# flipped bit inside a number still parses (a digit for another: the prompt stream's position,
+# the LR schedule's horizon), so a damaged side-car resumed another run, silently.
+META_CHECKSUM = "meta_checksum"
+
+
+def meta_checksum(meta: dict) -> str:
+  """sha256 of `meta` (but its META_CHECKSUM) as it reads back from JSON, keys sorted."""
+  plain = json.loads(json.dumps({k: v for k, v in meta.items() if k != META_CHECKSUM}))
+  return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
+
+
+def verify_meta(step: int, meta: Any) -> None:
+  """Raises DamagedCheckpointError when checkpoint `step`'s side-car `meta` differs from the
+  digest it was saved with (side-cars written before there was one are not checked)."""
+  saved = meta.get(META_CHECKSUM) if isinstance(meta, dict) else None
+  if saved is not None and saved != meta_checksum(meta):
+    raise DamagedCheckpointError(f"checkpoint {step}: its side-car (meta) reads back with other "
+                                 "contents than were saved (checksum): the file is damaged")
 
 
 class _ClosedLoopCallbacks:
@@ -264,6 +288,7 @@ class Checkpointer:
     if step in self._mngr.all_steps():
       return
     _CLOSED_LOOP_CALLBACKS.install()  # before: the callbacks come while a failed write unwinds
+    meta = {**meta, META_CHECKSUM: meta_checksum(meta)}
     self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                   meta=ocp.args.JsonSave(meta)))
     logging.info("checkpoint %d: saving to %s", step, self.directory)
@@ -283,6 +308,7 @@ class Checkpointer:
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
     out = self._mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    verify_meta(step, out["meta"])
     return out["state"], out["meta"]
 
   def layout_mismatch(self, step: int, like: Any) -> Optional[str]:
@@ -305,6 +331,7 @@ class Checkpointer:
   def restore_meta(self, step: int) -> dict:
     """The JSON side-car of checkpoint `step` alone: no array is read, nothing is built."""
     out = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    verify_meta(step, out["meta"])
     return out["meta"]
 
   def close(self) -> None:

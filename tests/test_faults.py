@@ -623,6 +623,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, stra
     meta = wd.read_json_object(side_car)
     path = sorted(meta["checksums"])[0]
     meta["checksums"][path] = (meta["checksums"][path] + 1) % 2**32
+    meta[checkpointing.META_CHECKSUM] = checkpointing.meta_checksum(meta)  # the side-car intact
     with open(side_car, "w") as f:
       json.dump(meta, f)
   else:
@@ -648,6 +649,45 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, stra
   assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # nothing lost or written twice
   assert _deterministic(rows) == _deterministic(want_rows)
   assert not unraisable, unraisable[:3]
+
+
+def test_a_side_car_with_a_flipped_bit_that_still_parses_is_damage(tmp_path):
+  """A flipped bit in a digit of the JSON side-car ('5' -> '7' in the prompt stream's
+  position) parses, and the arrays' checksums do not cover the side-car: the run resumed from
+  another data position (or LR horizon), silently. Its own digest now finds it: damage, set
+  aside with fallback as an unreadable side-car is."""
+  import jax.numpy as jnp
+  from rlhfuse_jax.trainer import hooks
+  ck = checkpointing.Checkpointer(str(tmp_path), keep=3)
+  try:
+    for step in (2, 4):
+      ck.save(step, {"w": jnp.zeros((2,))}, {"iteration": step, "seed": 0,
+                                             "data": {"position": 5 * step}})
+      ck.wait()
+    assert ck.restore_meta(4)["data"] == {"position": 20}
+  finally:
+    ck.close()
+  side_car = tmp_path / "checkpoints" / "4" / "meta" / "metadata"
+  text = side_car.read_text()
+  assert '"position": 20' in text
+  side_car.write_text(text.replace('"position": 20', '"position": 22'))  # '0' ^ 0b10
+  ck = checkpointing.Checkpointer(str(tmp_path), keep=3)
+  try:
+    with pytest.raises(checkpointing.DamagedCheckpointError,
+                       match=r"checkpoint 4: its side-car \(meta\) reads back with other "
+                             r"contents than were saved"):
+      ck.restore_meta(4)
+    with pytest.raises(checkpointing.DamagedCheckpointError, match="checkpoint 4: its side-car"):
+      ck.restore(4, {"w": jnp.zeros((2,))})
+  finally:
+    ck.close()
+  c = hooks.Checkpoints(str(tmp_path), tiny_config(), {})
+  try:
+    step, meta = c.resume_point()
+  finally:
+    c.checkpointer.close()
+  assert (step, meta["data"]) == (2, {"position": 10})
+  assert os.listdir(tmp_path / "damaged_checkpoints") == ["4"]
 
 
 def test_a_finished_run_builds_nothing_and_still_checks_the_config(straight, monkeypatch):
