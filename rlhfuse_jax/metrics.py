@@ -21,10 +21,10 @@ _EVENT_FILES = itertools.count(1)  # numbers this process's event files' names
 class _Events:
   """A TensorBoard event file written and flushed in the caller's thread, with tensorboardX's
   own EventsWriter and protos (what its SummaryWriter writes, its file name with the pid and a
-  count added, and its purge marker). Not SummaryWriter itself: it queues events to a thread that flushes every
-  flush_secs, and its flush() does not drain that queue, so the events of the last steps
-  before a kill -9 were lost although a checkpoint covered them (the resume does not run those
-  steps again)."""
+  count added, and its purge marker). Not SummaryWriter itself: it queues events to a thread
+  that flushes every flush_secs, and its flush() does not drain that queue, so the events of
+  the last steps before a kill -9 were lost although a checkpoint covered them (the resume
+  does not run those steps again)."""
 
   def __init__(self, logdir: str, purge_step: Optional[int]):
     from tensorboardX.event_file_writer import EventsWriter  # lazily: optional at library level

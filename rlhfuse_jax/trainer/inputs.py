@@ -17,8 +17,9 @@ tokenizer its tokenizer.json (a directory names its own) and the files read besi
 a prompts file whole; a data.chat_template path's template and the special tokens' files beside
 it (its content decides every prompt's text, as the tokenizer's does). Weight shards are hashed
 by size and three 1 MiB samples (start, middle, end: a 130 GB checkpoint costs ~100 MB of reads,
-and any re-export or other revision changes them); every other file in full. Other files (a README, a model card) are not read, so adding
-one changes nothing, and a refusal names the files that changed.
+and any re-export or other revision changes them); every other file in full. Other files (a
+README, a model card) are not read, so adding one changes nothing, and a refusal names the
+files that changed.
 """
 from __future__ import annotations
 
