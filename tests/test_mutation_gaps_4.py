@@ -199,6 +199,22 @@ def test_a_side_car_without_the_data_position_is_damage(tmp_path):
     ckpts.checkpointer.close()
 
 
+def test_a_checkpoint_put_back_under_another_number_is_refused(tmp_path):
+  """resume_point: a checkpoint directory whose side-car is another iteration's (put back from
+  damaged_checkpoints/ under a wrong number) is refused naming both numbers; it resumed at the
+  directory's number with the other iteration's data position, silently."""
+  import shutil
+  _checkpoints(tmp_path, [1]).checkpointer.close()
+  shutil.copytree(tmp_path / "checkpoints" / "1", tmp_path / "checkpoints" / "3")
+  ckpts = _checkpoints(tmp_path, [])  # a new start: it lists the directory put back
+  try:
+    with pytest.raises(ValueError, match="checkpoint 3 .* holds the side-car of iteration 1"):
+      ckpts.resume_point()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "3"]  # nothing moved
+  finally:
+    ckpts.checkpointer.close()
+
+
 @pytest.mark.parametrize("error", [MemoryError("host"),
                                    RuntimeError("RESOURCE_EXHAUSTED: out of memory")])
 def test_running_out_of_memory_in_a_restore_sets_nothing_aside(tmp_path, error):

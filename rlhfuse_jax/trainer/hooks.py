@@ -348,6 +348,14 @@ class Checkpoints(Hook):
       except Exception as e:  # noqa: BLE001 any damage: orbax, JSON, missing files
         self._damaged(step, e)
         continue
+      if meta["iteration"] != step:
+        # The run resumes at the directory's number with the side-car's data position and LR
+        # horizon: a checkpoint put back under another number (from damaged_checkpoints/, as
+        # the error that set it aside suggests) resumed another iteration's stream, silently.
+        raise ValueError(
+            f"checkpoint {step} in {self.checkpointer.directory} holds the side-car of "
+            f"iteration {meta['iteration']} (put back under another number?): rename its "
+            f"directory to {meta['iteration']}, or move it out of the checkpoints directory")
       self._check_resume(meta)
       return step, meta
     return None, None
