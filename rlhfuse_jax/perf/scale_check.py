@@ -10,8 +10,9 @@ is allocated) and compiled for the caller's mesh, e.g. 8 fake CPU devices
   flops       dot FLOPs with every loop iteration counted (perf/hlo_flops.py; blockwise
               attention is a lax.scan, which cost_analysis() counts once)
 
-`replication` divides the flops per device by those of one sequence compiled for one device:
-1.0 means each device does exactly its share of the work, nothing repeated across the batch axes.
+This module reports the figures; its callers (the scale-check tests, experiments/plan_programs.py)
+divide them into `replication`: the flops per device over those of one sequence compiled for one
+device (1.0: each device does exactly its share, nothing repeated across the batch axes).
 
 The caller supplies the placements (parallel/mesh.param_shardings and batch_sharding; perf does not
 import parallel, docs/architecture.md §7) and the logical rules that llama.shard_activations
