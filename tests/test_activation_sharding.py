@@ -132,12 +132,28 @@ def _ppo_states(mesh, tx, abstract, zero1=False):
   return states
 
 
-def test_accumulated_update_holds_one_micro_batch_and_repeats_no_work():
-  mesh = _ppo_mesh()
+@pytest.fixture(scope="module")
+def compiled_update():
+  """compiled_update(microbatch_size, gradient_sync, zero1): the update with the trainer's
+  AdamW on data 2 x fsdp 2 x tensor 2, compiled from shapes, once per module for each
+  combination (the tests below share two of them)."""
+  done = {}
+
+  def get(microbatch_size, gradient_sync="per_microbatch", zero1=False):
+    key = (microbatch_size, gradient_sync, zero1)
+    if key not in done:
+      mesh = _ppo_mesh()
+      tx, update = _ppo_update(mesh, microbatch_size, gradient_sync=gradient_sync)
+      done[key] = update.lower(*_ppo_states(mesh, tx, True, zero1),
+                               _ppo_batch(mesh, True)).compile()
+    return done[key]
+  return get
+
+
+def test_accumulated_update_holds_one_micro_batch_and_repeats_no_work(compiled_update):
   measured = {}
   for size in (0, 1):  # 0: 4 rows per shard at once; 1: 4 micro-batches of 1 row
-    tx, update = _ppo_update(mesh, size)
-    compiled = update.lower(*_ppo_states(mesh, tx, True), _ppo_batch(mesh, True)).compile()
+    compiled = compiled_update(size)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     measured[size] = (compiled.memory_analysis().temp_size_in_bytes, cost["flops"])
@@ -147,20 +163,33 @@ def test_accumulated_update_holds_one_micro_batch_and_repeats_no_work():
   assert micro_temp < 0.4 * whole_temp, (micro_temp, whole_temp)  # measured 2.3 vs 9.1 MB
 
 
-@pytest.mark.parametrize("sync", ["per_microbatch", "once"])
-def test_accumulated_update_equals_the_whole_mini_batch_on_a_mesh(sync):
+def _sgd_step(size, sync):
+  """(the parameters before, the updated states and metrics) of one update of micro-batches of
+  `size` rows (0: the whole shard) with plain SGD from the seeded states and batch. Plain SGD:
+  the parameters move by 100 x the gradients (Adam's first step divides by |g|, so a
+  rounding-level change of a tiny gradient would move its parameter by lr)."""
   import optax
   mesh = _ppo_mesh()
-  out, before = {}, None
-  for size in (0, 1):  # (k = 2 against the hand-written reference: test_ppo_update_reference)
-    # Plain SGD: the parameters move by 100 x the gradients (Adam's first step divides by
-    # |g|, so a rounding-level change of a tiny gradient would move its parameter by lr).
-    tx, update = _ppo_update(mesh, size, optax.sgd(100.0), gradient_sync=sync)
-    actor, critic = _ppo_states(mesh, tx, False)
-    before = jax.tree.map(np.asarray, (actor.params, critic.params))
-    out[size] = update(actor, critic, _ppo_batch(mesh, False))
-  (wa, wc, wm) = out[0]
-  ga, gc, gm = out[1]
+  tx, update = _ppo_update(mesh, size, optax.sgd(100.0), gradient_sync=sync)
+  actor, critic = _ppo_states(mesh, tx, False)
+  before = jax.tree.map(np.asarray, (actor.params, critic.params))
+  return before, update(actor, critic, _ppo_batch(mesh, False))
+
+
+@pytest.fixture(scope="module")
+def whole_sgd_step():
+  """_sgd_step of the whole shard at once (one micro-batch: algo.gradient_sync plays no part)."""
+  return _sgd_step(0, "per_microbatch")
+
+
+@pytest.mark.parametrize("sync", ["per_microbatch", "once"])
+def test_accumulated_update_equals_the_whole_mini_batch_on_a_mesh(sync, whole_sgd_step):
+  """4 micro-batches of one row per shard (algo.gradient_sync `sync`) step the parameters as the
+  whole shard at once does, placed alike, with the same metrics. (k = 2 against the
+  hand-written reference: test_ppo_update_reference.)"""
+  before, (wa, wc, wm) = whole_sgd_step
+  again, (ga, gc, gm) = _sgd_step(1, sync)
+  jax.tree.map(np.testing.assert_array_equal, again, before)  # the same start
   largest = 0.0
   for got, want, b in zip(jax.tree.leaves((ga.params, gc.params)),
                           jax.tree.leaves((wa.params, wc.params)), jax.tree.leaves(before)):
@@ -175,7 +204,7 @@ def test_accumulated_update_equals_the_whole_mini_batch_on_a_mesh(sync):
     np.testing.assert_allclose(gm[k], wm[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-def test_gradient_sync_once_gathers_and_reduces_once_per_step():
+def test_gradient_sync_once_gathers_and_reduces_once_per_step(compiled_update):
   """algo.gradient_sync="once" against "per_microbatch", 4 micro-batches of one row per shard
   on data 2 x fsdp 2 x tensor 2, compiled from shapes: the collectives over the batch axes (the
   fsdp weight gathers, the gradient reductions) run once per step instead of per micro-batch
@@ -190,8 +219,7 @@ def test_gradient_sync_once_gathers_and_reduces_once_per_step():
     return any(len({tuple(coords[d][batch_dims]) for d in g}) > 1 for g in c.groups)
   measured = {}
   for sync in ("per_microbatch", "once"):
-    tx, update = _ppo_update(mesh, 1, gradient_sync=sync)
-    compiled = update.lower(*_ppo_states(mesh, tx, True), _ppo_batch(mesh, True)).compile()
+    compiled = compiled_update(1, sync)
     costs = hlo_flops.analyze(compiled.as_text())
     assert costs.unread_groups == 0
     batch = sum(c.nbytes * n for c, n in costs.collectives.items() if over_batch_axes(c))
@@ -203,18 +231,16 @@ def test_gradient_sync_once_gathers_and_reduces_once_per_step():
   assert once_temp > each_temp
 
 
-def test_zero1_reduces_the_gradients_as_without_it():
+def test_zero1_reduces_the_gradients_as_without_it(compiled_update):
   """optim.zero1 on data 2 x fsdp 2 x tensor 2, the whole shard at once, compiled from shapes:
   the gradients are reduced to the parameters' placement as without the split (the same
   all-reduces, byte for byte), and the split costs only the gather of the stepped weights over
   data. (Unconstrained, XLA reduced them in the optimizer's float32 over other groups: 2.66 s of
   collectives against 0.81 for the 7B preset on 32 devices.)"""
   from rlhfuse_jax.perf import hlo_flops
-  mesh = _ppo_mesh()
   measured = {}
   for zero1 in (False, True):
-    tx, update = _ppo_update(mesh, 0)
-    compiled = update.lower(*_ppo_states(mesh, tx, True, zero1), _ppo_batch(mesh, True)).compile()
+    compiled = compiled_update(0, zero1=zero1)
     measured[zero1] = hlo_flops.analyze(compiled.as_text()).collective_bytes()
   plain, split = measured[False], measured[True]
   assert split["all-reduce"] == pytest.approx(plain["all-reduce"], rel=0.01), (plain, split)
