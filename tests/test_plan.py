@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import types
 
 import jax
@@ -224,12 +225,30 @@ def test_the_pipeline_plan_checks_name_the_plan_fields():
                              ("config.plan.generation_pp", "config.plan.generation_groups"))
 
 
-def _run(cfg, workdir, devices=4):
+def _run(cfg, workdir, devices=4, slow_moves=None):
   """(the trainer's rollout stage, its recorded rollouts, the metrics) of a run on a data-parallel
-  mesh of `devices` devices (4: fewer instances to compile, a fast test)."""
+  mesh of `devices` devices (4: fewer instances to compile, a fast test). With `slow_moves` (a
+  MonkeyPatch) every fetch of a whole model (trainer.model_params) and every reshard onto the
+  inference mesh (rollout._reshard) takes 0.5 s more, for test_stage_clocks_leave_out_the_weight_
+  fetches (the outputs are unchanged)."""
+  if slow_moves is not None:
+    real_reshard = rollout._reshard
+
+    def slow_reshard(*args):
+      time.sleep(0.5)
+      out, seconds = real_reshard(*args)
+      return out, seconds + 0.5  # the sleep is part of the reshard
+    slow_moves.setattr(rollout, "_reshard", slow_reshard)
   trainer = PPOTrainer(cfg, workdir, mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=devices),
                                                              jax.devices()[:devices]))
   stage = trainer.rollout
+  if slow_moves is not None:
+    fetch = trainer.model_params
+
+    def slow(model):
+      time.sleep(0.5)
+      return fetch(model)
+    trainer.model_params = slow
   seen = record_rollouts(trainer)
   return stage, seen, trainer.run()
 
@@ -240,10 +259,34 @@ BASE = {"num_iterations": 2, "checkpoint.every": 100, "model.num_layers": 2,
         "model.scan_layers": True}
 
 
+# plan.generation='pipeline': 2 layers over generation_pp=2 stages, G=4 groups of 4 rows.
+PIPELINE_PLAN = {"plan.generation": "pipeline", "plan.generation_pp": 2,
+                 "plan.generation_groups": 4}
+
+
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-  """The default plan (generation and inference on the training mesh), run once per module."""
-  return _run(tiny_config(**BASE), str(tmp_path_factory.mktemp("mesh")))
+  """The default plan (generation and inference on the training mesh), run once per module,
+  its weight moves made slow (_run)."""
+  with pytest.MonkeyPatch.context() as mp:
+    return _run(tiny_config(**BASE), str(tmp_path_factory.mktemp("mesh")), slow_moves=mp)
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory):
+  """PIPELINE_PLAN's run, its weight moves made slow (_run)."""
+  with pytest.MonkeyPatch.context() as mp:
+    return _run(tiny_config(**BASE, **PIPELINE_PLAN), str(tmp_path_factory.mktemp("pipeline")),
+                slow_moves=mp)
+
+
+@pytest.fixture(scope="module")
+def inference_run(tmp_path_factory):
+  """Scoring on a data=2 x tensor=2 mesh of its own (plan.inference_tp), its weight moves made
+  slow (_run)."""
+  with pytest.MonkeyPatch.context() as mp:
+    return _run(tiny_config(**BASE, **{"plan.inference_tp": 2}),
+                str(tmp_path_factory.mktemp("inference")), slow_moves=mp)
 
 
 def _deterministic(rows, keep=None):
@@ -303,14 +346,12 @@ def test_fused_preset_layout_trajectory_equals_the_default_mesh(tmp_path, defaul
              for h in h_b)
 
 
-def test_pipeline_plan_trajectory_equals_the_default_mesh(tmp_path, default_run):
+def test_pipeline_plan_trajectory_equals_the_default_mesh(default_run, pipeline_run):
   # 2 layers over generation_pp=2 stages, G=4 groups of 4 rows: the serial Generator on data=4
   # also runs 4 rows per device, and scan_layers runs each layer as its own loop body, the
   # conditions under which generation/pipelined.py is bitwise the Generator (its docstring).
   _, seen_a, h_a = default_run
-  stage, seen_b, h_b = _run(tiny_config(**BASE, **{
-      "plan.generation": "pipeline", "plan.generation_pp": 2, "plan.generation_groups": 4}),
-                              str(tmp_path / "pipeline"))
+  stage, seen_b, h_b = pipeline_run
   assert isinstance(stage, rollout.PlannedStage)
   assert stage.pipe.stages == 2 and stage.pipe.bg == 4
   for (_, a), (_, b) in zip(seen_a, seen_b, strict=True):
@@ -352,14 +393,13 @@ def test_planned_stages_split_the_batch_over_a_pipelined_training_mesh(tmp_path,
                                                         "tensor": 1}
 
 
-def test_inference_on_its_own_mesh(tmp_path, default_run):
+def test_inference_on_its_own_mesh(default_run, inference_run):
   # Scoring on data=2 x tensor=2 (the critic resharded there every iteration): the same
   # tokens in the first iteration (generation is untouched), inference numbers to float
   # rounding (the tensor-parallel reductions add in another order), so the trajectory is close,
   # not bitwise.
   _, seen_a, h_a = default_run
-  stage, seen_b, h_b = _run(tiny_config(**BASE, **{"plan.inference_tp": 2}),
-                              str(tmp_path / "inference"))
+  stage, seen_b, h_b = inference_run
   assert dict(stage.inf_mesh.shape) == {"data": 2, "fsdp": 1, "stage": 1, "tensor": 2}
   (_, a), (_, b) = seen_a[0], seen_b[0]
   np.testing.assert_array_equal(a.rollout.response_tokens, b.rollout.response_tokens)
@@ -373,38 +413,23 @@ def test_inference_on_its_own_mesh(tmp_path, default_run):
     assert h["timing_s/reshard_inference"] > 0
 
 
-@pytest.mark.parametrize("plan", [
-    {},
-    {"plan.inference_tp": 2},
-    {"plan.generation": "pipeline", "plan.generation_pp": 2, "plan.generation_groups": 4,
-     "model.num_layers": 2},
-], ids=["serial", "mesh", "pipeline"])
-def test_stage_clocks_leave_out_the_weight_fetches(tmp_path, plan, monkeypatch):
+@pytest.mark.parametrize("run", ["default_run", "inference_run", "pipeline_run"],
+                         ids=["serial", "mesh", "pipeline"])
+def test_stage_clocks_leave_out_the_weight_fetches(run, request):
   """The serial and planned stages' timing_s/generate, timing_s/inference and
   timing_s/reshard_generation time their work: fetching the whole actor and critic (a
   pipelined state's gather, timed as timing_s/reshard) is outside them, as in the fused stage.
   A fetch made 0.5 s slow shows in the step only; so does a reshard onto the inference mesh
-  made 0.5 s slow, which timing_s/reshard_inference times (it was in both)."""
-  import time as time_lib
-  real_reshard = rollout._reshard
-
-  def slow_reshard(*args):
-    time_lib.sleep(0.5)
-    out, seconds = real_reshard(*args)
-    return out, seconds + 0.5  # the sleep is part of the reshard
-  monkeypatch.setattr(rollout, "_reshard", slow_reshard)
-  trainer = PPOTrainer(tiny_config(num_iterations=2, **plan), str(tmp_path))
-  assert isinstance(trainer.rollout, rollout.PlannedStage if plan else rollout.SerialStage)
-  fetch = trainer.model_params
-
-  def slow(model):
-    time_lib.sleep(0.5)
-    return fetch(model)
-  trainer.model_params = slow
-  last = trainer.run()[-1]  # iteration 2: compiled
+  made 0.5 s slow, which timing_s/reshard_inference times (it was in both). Read from the
+  module's runs of the default plan, plan.inference_tp=2 and plan.generation='pipeline' (_run's
+  slow_moves)."""
+  stage, _, history = request.getfixturevalue(run)
+  assert isinstance(stage, rollout.SerialStage if run == "default_run" else rollout.PlannedStage)
+  last = history[-1]  # iteration 2: compiled
   for k in ("timing_s/generate", "timing_s/inference", "timing_s/reshard_generation"):
     assert last.get(k, 0.0) < 0.5, (k, last.get(k))
   assert last["timing_s/step"] > 1.0, last
+  assert ("timing_s/reshard_inference" in last) == (run == "inference_run"), last
   if "timing_s/reshard_inference" in last:
     assert last["timing_s/reshard_inference"] >= 0.5, last
 
