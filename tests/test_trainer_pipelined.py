@@ -290,15 +290,29 @@ def test_scanned_layers_pipeline_as_a_reshape_of_the_stack(tmp_path):
   assert scanned["bytes"] == unrolled["bytes"] and min(unrolled["bytes"]) > 0
 
 
-def test_pipelined_run_resumes_bitwise(runs, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def first_iteration(runs, tmp_path_factory):
+  """A workdir of the fused run stopped after its first iteration (run(stop_after=1): its
+  checkpoint 1), for the resume tests to copy."""
+  fused = runs["fused"][0]
+  workdir = tmp_path_factory.mktemp("first_iteration") / "wd"
+  PPOTrainer(fused.cfg, str(workdir), mesh=fused.mesh).run(stop_after=1)
+  return workdir
+
+
+def _resumable(first_iteration, tmp_path):
+  """A copy of first_iteration's workdir in tmp_path, for one test to resume in."""
+  return str(shutil.copytree(first_iteration, tmp_path / "wd"))
+
+
+def test_pipelined_run_resumes_bitwise(runs, first_iteration, tmp_path, monkeypatch):
   """... also with the optimizer states in host memory during the resumed iteration's rollout
   (optim.offload_during_rollout, a field a resume may change): the same values come back."""
   fused, history = runs["fused"]
-  first = PPOTrainer(fused.cfg, str(tmp_path / "wd"), mesh=fused.mesh)
-  first.run(stop_after=1)
+  workdir = _resumable(first_iteration, tmp_path)
   offload = dataclasses.replace(fused.cfg, optim=dataclasses.replace(
       fused.cfg.optim, offload_during_rollout=True))
-  second = PPOTrainer(offload, str(tmp_path / "wd"), mesh=fused.mesh)
+  second = PPOTrainer(offload, workdir, mesh=fused.mesh)
   # The device arrays the moments leave: none may stay alive (and so in device memory) while
   # the rollout runs, e.g. held by a local variable of the trainer.
   left, to_host = [], mesh_lib.to_host_memory
@@ -333,17 +347,18 @@ def test_pipelined_run_resumes_bitwise(runs, tmp_path, monkeypatch):
   assert _deterministic(resumed[0]) == {"step": 2, **_deterministic(history[1])}
 
 
-def test_zero1_splits_the_optimizer_state_over_the_model_copies(runs, tmp_path, caplog):
+def test_zero1_splits_the_optimizer_state_over_the_model_copies(runs, first_iteration, tmp_path,
+                                                                caplog):
   """optim.zero1 (a field a resume may change): resumed from the fused run's first iteration
   with the optimizer state split over data (2) and, for the critic, its 2 replicas, the second
   iteration gives the same weights and state as the run without it, up to float rounding (the
   gradient norm sums in another order); a device holds 1/2 of the actor's moments and 1/4 of
   the critic's layers' of what it held."""
   fused, history = runs["fused"]
-  PPOTrainer(fused.cfg, str(tmp_path / "wd"), mesh=fused.mesh).run(stop_after=1)
+  workdir = _resumable(first_iteration, tmp_path)
   cfg = dataclasses.replace(fused.cfg, optim=dataclasses.replace(fused.cfg.optim, zero1=True))
   with caplog.at_level(logging.INFO):
-    second = PPOTrainer(cfg, str(tmp_path / "wd"), mesh=fused.mesh)
+    second = PPOTrainer(cfg, workdir, mesh=fused.mesh)
   for name in ("actor", "critic"):  # the set-up log reads the split from the placement
     assert re.search(rf"setup: {name} on .*optimizer state .* GB \(split over data \(zero1\)\)",
                      caplog.text), caplog.text
