@@ -1,7 +1,7 @@
 """Inter-stage fusion over 2 processes x 2 CPU devices on 127.0.0.1 (jax.distributed): the same
 tokens, log-probs, reference log-probs, values and rewards, bitwise, as 1 process with the 4
 devices, with consolidations that migrate KV rows between the processes (and within one); a
-process that dies or hangs (2 x 4 devices) stops the other with a clear error."""
+process that dies or hangs stops the other with a clear error."""
 import json
 import os
 import re
@@ -134,14 +134,16 @@ def test_a_process_that_dies_or_hangs_fails_the_other_with_a_clear_error(tmp_pat
   1 of the dying run once came to a collective more than 30 s late, past gloo's own context
   deadline, so process 0 stopped before process 1 could die (EXIT_PEER_LOST, not 7). The dying
   run exchanges over the host mesh (exchange_on="host", the default: gloo's failure comes as
-  a ValueError there), the other over every device."""
+  a ValueError there), the other over every device. Both: 2 processes x 2 devices, INSTANCES
+  one-device instances (as above; 8 on 2 x 4 devices compiled twice as much)."""
   # The hanging run's watchdog may fire while process 1 is still on its way to round 3: that
   # ends it for the same reason (a peer that does not come), so 8 s is enough.
   for how, timeout in (("die", "120"), ("hang", "8")):
     out_dir = str(tmp_path / how)
     os.makedirs(out_dir)
     t0 = time.time()
-    procs = launch(2, 4, out_dir, FUSED_MP_FAIL=f"1:3:{how}", FUSED_MP_TIMEOUT_S=timeout,
+    procs = launch(2, INSTANCES // 2, out_dir, FUSED_MP_INSTANCES=str(INSTANCES),
+                   FUSED_MP_FAIL=f"1:3:{how}", FUSED_MP_TIMEOUT_S=timeout,
                    FUSED_MP_EXCHANGE="host" if how == "die" else "devices")
     try:
       code = procs[0].wait(timeout=TIMEOUT_S)
