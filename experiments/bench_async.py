@@ -34,19 +34,17 @@ import os
 import re
 import sys
 
-import matplotlib
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from experiments import config_files  # noqa: E402
-from experiments import runner  # noqa: E402
-from rlhfuse_jax import workdir as wd  # noqa: E402
-from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices  # noqa: E402
-from rlhfuse_jax.trainer import config as config_lib  # noqa: E402
+from experiments import config_files
+from experiments import runner
+from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
+# Not trainer.config, which imports jax (as matplotlib.pyplot, imported by `plot`, takes a
+# second): this process only starts train_ppo runs, and refuses a bad config or workdir first.
+from rlhfuse_jax.trainer.async_objectives import ASYNC_OBJECTIVES
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
@@ -74,8 +72,8 @@ def check_config(c) -> None:
   _check(0 <= c.generation_devices < c.host_devices, "generation_devices", c.generation_devices,
          f"0 or fewer than host_devices={c.host_devices}")
   # (Each run refused it after starting jax: 18 launches of the default config.)
-  _check(c.objective in config_lib.ASYNC_OBJECTIVES, "objective", c.objective,
-         f"one of {config_lib.ASYNC_OBJECTIVES}")
+  _check(c.objective in ASYNC_OBJECTIVES, "objective", c.objective,
+         f"one of {ASYNC_OBJECTIVES}")
 
 
 def run_name(config: str, staleness: int, seed: int) -> str:
@@ -131,6 +129,9 @@ def plot(curves: dict, path: str, width: int) -> None:
   """A column per run config, a curve per staleness: the reward (moving average) per iteration
   (top) and against the wall time the iterations took so far (bottom: what asynchrony is for;
   start-up not counted). curves[config][staleness]: {"reward": [...], "elapsed_s": [...]}."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig, axes = plt.subplots(2, len(curves), figsize=(5.5 * len(curves), 7.2), squeeze=False)
   for col, (config, by_k) in enumerate(curves.items()):
     top, bottom = axes[0, col], axes[1, col]

@@ -20,6 +20,8 @@ from rlhfuse_jax.parallel.mesh import MeshConfig
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import kl as kl_lib
 from rlhfuse_jax.rl import losses as losses_lib
+# (a module without jax: experiments/bench_async.py checks its config against them)
+from rlhfuse_jax.trainer.async_objectives import ASYNC_OBJECTIVES
 
 
 def _check(cond: bool, field: str, value: Any, expected: str) -> None:
@@ -429,9 +431,6 @@ class PlanConfig:
   @property
   def groups(self) -> int:
     return self.generation_groups or self.generation_pp
-
-
-ASYNC_OBJECTIVES = ("behaviour", "decoupled")
 
 
 @dataclasses.dataclass(frozen=True)
