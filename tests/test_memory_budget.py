@@ -167,7 +167,9 @@ def test_uniform_admits_a_strictly_better_searched_makespan():
 
 def test_schedule_search_reports_the_mode_and_the_budget_it_used(tmp_path):
   """The binary (run as a user runs it: a subprocess, its absl flags its own) writes the mode,
-  the budget it used and its peaks: uniform by default, per_device and explicit on request."""
+  the budget it used and its peaks: uniform by default, per_device and explicit on request
+  (an explicit budget below serial's and greedy's peaks: they are reported outside it, the
+  search's schedule within), in three runs."""
   from tests.test_pipeline_experiments import _run
   inst = ["experiments.schedule_search", "--config=configs/schedule_search.py",
           "--config.actor_pp=4", "--config.critic_pp=2", "--config.actor_microbatches=3",
@@ -190,10 +192,12 @@ def test_schedule_search_reports_the_mode_and_the_budget_it_used(tmp_path):
   assert per_device["peak_memory"]["budget"] == [7.0, 8.0, 5.0, 4.0]
   for r in (uniform, per_device):  # both modes hold serial 1F1B (and greedy)
     assert r["serial_within_budget"] and r["greedy_within_budget"], r
-  explicit = run("e", "--config.memory_budget_mode=per_device", "--config.memory_budget=6.0")
-  assert explicit["memory_budget_mode"] == EXPLICIT
-  # 4 is below serial's and greedy's peak of 6 on devices 0 and 1: result.json says so (the
-  # search keeps within it, so it may take longer than they do).
-  tight = run("e4", "--config.memory_budget=4.0")
+  # An explicit budget overrides the mode given with it (one run: an explicit budget under the
+  # default uniform mode is test_an_explicit_budget_overrides_the_mode_and_records_it's). 4 is
+  # below serial's and greedy's peak of 6 on devices 0 and 1: result.json says so (the search
+  # keeps within it, so it may take longer than they do).
+  tight = run("e4", "--config.memory_budget_mode=per_device", "--config.memory_budget=4.0")
+  assert tight["memory_budget_mode"] == EXPLICIT
+  assert tight["peak_memory"]["budget"] == [4.0] * 4 and tight["budget_max"] == 4.0, tight
   assert not tight["serial_within_budget"] and not tight["greedy_within_budget"], tight
   assert tight["within_budget"] and tight["peak_max"] <= 4.0, tight
