@@ -96,6 +96,8 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
       SCHEDULE_SEARCH_BASE +
       "def get_config():\n"
       "  c = _base.get_config(); c.actor_microbatches = 2; c.critic_microbatches = 2\n"
+      # One search process: each run spawned a second worker (~2.7 s CPU; 4 runs search).
+      "  c.workers = 1\n"
       "  return c\n"
       "def get_sweep():\n"
       "  return [{'name': 'ok4', 'actor_pp': 4, 'critic_pp': 2},\n"
@@ -579,9 +581,9 @@ def test_a_one_shot_binary_refuses_another_ones_workdir(tmp_path):
           "result.json); give experiments.schedule_search a directory of its own") in out.stderr
   assert sorted(os.listdir(other)) == before and "Traceback" not in out.stderr
   mine = tmp_path / "mine"
-  for _ in range(2):
+  for _ in range(2):  # (one search process: a second worker is not what this checks)
     out = _run(["experiments.schedule_search", "--config=configs/schedule_search.py",
-                f"--workdir={mine}", "--config.time_budget_s=0.2"])
+                f"--workdir={mine}", "--config.time_budget_s=0.2", "--config.workers=1"])
     assert out.returncode == 0, out.stderr[-2000:]
   assert (mine / "previous" / "1" / "result.json").exists()
 
