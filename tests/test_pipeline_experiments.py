@@ -798,7 +798,9 @@ def test_sigterm_ends_a_one_shot_binary_in_one_line_and_bench_async_passes_it_on
                          "--config.parallel=1"], cwd=REPO, env=_env(),
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
     try:
-      _wait_for(run / "ppo_tiny_s0_seed0" / "log.txt", "iter ", proc)
+      # Its first iteration done (a metrics.jsonl row): training. (It waited for the progress
+      # line, "iter ", which comes every tenth of the run: 40 iterations.)
+      _wait_for(run / "ppo_tiny_s0_seed0" / "metrics.jsonl", '"step": ', proc)
       proc.send_signal(signal.SIGTERM)
       out = proc.communicate(timeout=120)[0]
     finally:
