@@ -231,67 +231,75 @@ def test_truncated_safetensors_names_the_file(tmp_path):
 
 
 # ------------------------------------------------------------------------------ resume safety
-def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path):
-  PPOTrainer(tiny_config(**{"num_iterations": 2}), str(tmp_path)).run()
-  changed = tiny_config(**{"num_iterations": 4, "optim.actor_lr": 5e-4,
+def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path, straight):
+  """A resume of the uninterrupted run (a copy of `straight`'s 6 iterations) with changed
+  hyper-parameters is refused before anything is built, naming each field; more iterations and
+  another logging/checkpoint cadence are allowed, and a field named in
+  checkpoint.resume_changes may change (the LR then floors at the new peak's min_lr_ratio)."""
+  _, workdir, _, _ = straight
+  run = str(tmp_path / "run")
+  shutil.copytree(workdir, run)
+  changed = tiny_config(**{"num_iterations": 8, "optim.actor_lr": 5e-4,
                            "rollout.max_new_tokens": 5, "data.task": "copy"})
   t0 = time.time()
   with pytest.raises(ValueError) as e:
-    PPOTrainer(changed, str(tmp_path))
+    PPOTrainer(changed, run)
   assert time.time() - t0 < 5  # refused before building or compiling anything
   msg = str(e.value)
   for field in ("optim.actor_lr: 0.003 -> 0.0005", "rollout.max_new_tokens: 6 -> 5",
                 "data.task: 'repeat' -> 'copy'"):
     assert field in msg, msg
   # What a resume may change is allowed: more iterations, other logging/checkpoint cadence.
-  ok = PPOTrainer(tiny_config(**{"num_iterations": 3, "log_every": 2, "checkpoint.every": 3}),
-                  str(tmp_path))
-  assert [h["step"] for h in ok.run()] == [3]
+  ok = PPOTrainer(tiny_config(**{"num_iterations": 7, "log_every": 2, "checkpoint.every": 3}),
+                  run)
+  assert [h["step"] for h in ok.run()] == [7]
   # A hyper-parameter named in checkpoint.resume_changes may change (the NaN guard's advice:
   # continue with a lower learning rate); the others are still refused.
-  lower = {"num_iterations": 4, "optim.actor_lr": 5e-4}
+  lower = {"num_iterations": 8, "optim.actor_lr": 5e-4}
   with pytest.raises(ValueError, match=r"optim\.actor_lr: 0\.003 -> 0\.0005.*config\.checkpoint"
                                        r"\.resume_changes"):
-    PPOTrainer(tiny_config(**lower), str(tmp_path))
+    PPOTrainer(tiny_config(**lower), run)
   with pytest.raises(ValueError, match=r"config\.checkpoint\.resume_changes='model\.num_layers': "
                                        r"expected comma-separated fields of"):
     tiny_config(**{"checkpoint.resume_changes": "model.num_layers"})
   with pytest.raises(ValueError, match=r"rollout\.max_new_tokens: 6 -> 5"):
     PPOTrainer(tiny_config(**lower, **{"rollout.max_new_tokens": 5,
-                                       "checkpoint.resume_changes": "optim.actor_lr"}),
-               str(tmp_path))
+                                       "checkpoint.resume_changes": "optim.actor_lr"}), run)
   resumed = PPOTrainer(tiny_config(**lower, **{"checkpoint.resume_changes": "optim.actor_lr"}),
-                       str(tmp_path))
-  assert [h["step"] for h in resumed.run()] == [4]
-  rows = wd.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
-  # Past the first start's horizon (2 iterations x 4 updates) the LR sits on its floor:
+                       run)
+  assert [h["step"] for h in resumed.run()] == [8]
+  rows = wd.read_jsonl(os.path.join(run, "metrics.jsonl"))
+  # Past the first start's horizon (6 iterations x 4 updates) the LR sits on its floor:
   # min_lr_ratio (0.1) of the peak, now the new one.
-  assert [r["step"] for r in rows] == [1, 2, 3, 4]
-  assert rows[2]["actor/lr"] == pytest.approx(3e-3 * 0.1)
-  assert rows[3]["actor/lr"] == pytest.approx(5e-4 * 0.1)
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 8]
+  assert rows[6]["actor/lr"] == pytest.approx(3e-3 * 0.1)
+  assert rows[7]["actor/lr"] == pytest.approx(5e-4 * 0.1)
 
 
-def test_raising_num_iterations_continues_the_lr_schedule(tmp_path, caplog):
-  # The horizon is the first start's num_iterations (4 iterations x 4 updates): extended to 6,
-  # the LR stays on the cosine's floor instead of restarting the cosine, and the resume says so.
-  PPOTrainer(tiny_config(), str(tmp_path)).run()
+def test_raising_num_iterations_continues_the_lr_schedule(tmp_path, straight, caplog):
+  """The horizon is the first start's num_iterations (a copy of `straight`: 6 iterations x 4
+  updates): extended to 8, the LR stays on the cosine's floor instead of restarting the cosine,
+  and the resume says so; a longer optim.schedule_iterations, named in resume_changes, stretches
+  the cosine (refused unless named)."""
+  _, workdir, _, _ = straight
+  run = str(tmp_path / "run")
+  shutil.copytree(workdir, run)
   with caplog.at_level("WARNING"):
-    history = PPOTrainer(tiny_config(**{"num_iterations": 6}), str(tmp_path)).run()
-  assert "iterations 5-6 run at the LR schedule's floor" in caplog.text
-  rows = wd.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+    history = PPOTrainer(tiny_config(**{"num_iterations": 8}), run).run()
+  assert "iterations 7-8 run at the LR schedule's floor" in caplog.text
+  rows = wd.read_jsonl(os.path.join(run, "metrics.jsonl"))
   lrs = [r["actor/lr"] for r in rows]
-  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and len(history) == 2
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 8] and len(history) == 2
   floor = 3e-3 * 0.1  # optim.actor_lr * min_lr_ratio
-  assert lrs[3] >= lrs[4] and lrs[4] == pytest.approx(floor) and lrs[5] == pytest.approx(floor), lrs
+  assert lrs[5] >= lrs[6] and lrs[6] == pytest.approx(floor) and lrs[7] == pytest.approx(floor), lrs
   # What the warning advises: a longer horizon, named in resume_changes, stretches the cosine.
   with pytest.raises(ValueError, match="optim.schedule_iterations"):
-    PPOTrainer(tiny_config(**{"num_iterations": 7, "optim.schedule_iterations": 12}),
-               str(tmp_path))
-  PPOTrainer(tiny_config(**{"num_iterations": 7, "optim.schedule_iterations": 12,
+    PPOTrainer(tiny_config(**{"num_iterations": 9, "optim.schedule_iterations": 16}), run)
+  PPOTrainer(tiny_config(**{"num_iterations": 9, "optim.schedule_iterations": 16,
                             "checkpoint.resume_changes": "optim.schedule_iterations"}),
-             str(tmp_path)).run()
-  last = wd.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))[-1]
-  assert last["step"] == 7 and last["actor/lr"] > 2 * floor
+             run).run()
+  last = wd.read_jsonl(os.path.join(run, "metrics.jsonl"))[-1]
+  assert last["step"] == 9 and last["actor/lr"] > 2 * floor
 
 
 def test_metrics_are_written_exactly_once_after_a_crash_before_the_first_checkpoint(tmp_path):
