@@ -796,7 +796,8 @@ def test_sigterm_ends_a_one_shot_binary_in_one_line_and_bench_async_passes_it_on
                          "--config.runs=configs/ppo_tiny.py", "--config.staleness=0,1",
                          "--config.seeds=0,", "--config.num_iterations=400",
                          "--config.parallel=1"], cwd=REPO, env=_env(),
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        start_new_session=True) as proc:
     try:
       # Its first iteration done (a metrics.jsonl row): training. (It waited for the progress
       # line, "iter ", which comes every tenth of the run: 40 iterations.)
@@ -804,7 +805,10 @@ def test_sigterm_ends_a_one_shot_binary_in_one_line_and_bench_async_passes_it_on
       proc.send_signal(signal.SIGTERM)
       out = proc.communicate(timeout=120)[0]
     finally:
-      proc.kill()
+      try:  # its whole group: a failure before the signal left its train_ppo run training
+        os.killpg(proc.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
   assert proc.returncode == 75, out[-3000:]
   assert "its 1 run(s) saved and ended (the same command resumes them)" in out, out[-3000:]
   assert "ppo_tiny_s0_seed0 stopped after saving (exit 75)" in out, out[-3000:]
