@@ -7,7 +7,7 @@ layers, scanned and unrolled, outlast the decode runs):
 The tests' shorter form (tests/test_bench_decode.py: no scan compiles, smaller capacities,
 fewer runs; 51 s alone with the suite's codegen XLA_FLAGS of tests/xla_env.py) adds
 `--config.scan_compile_layers= --config.capacities=256,2048 --config.repeats=3
---config.capacity_live_len=64`.
+--config.capacity_live_len=64 --config.capacity_steps=8`.
 On an accelerator (a ~1.1B LLaMA-shaped bf16 model):
   python -m experiments.bench_decode --config=configs/bench_decode.py:1b --workdir=/tmp/bench_1b
 
