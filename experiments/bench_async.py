@@ -41,7 +41,7 @@ from ml_collections import config_flags
 from experiments import config_files
 from experiments import runner
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
+from rlhfuse_jax.parallel.host_devices import host_device_env
 # Not trainer.config, which imports jax (as matplotlib.pyplot, imported by `plot`, takes a
 # second): this process only starts train_ppo runs, and refuses a bad config or workdir first.
 from rlhfuse_jax.trainer.async_objectives import ASYNC_OBJECTIVES
@@ -217,7 +217,7 @@ def main(argv):
   iterations = {r: run_iterations(c.num_iterations, r) for r in c.runs}  # None: unreadable
   wd.write_json(os.path.join(out, "config.json"),
                 {**c.to_dict(), "resolved_num_iterations": iterations})
-  env = runner.repo_env(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags_with_host_devices(c.host_devices))
+  env = runner.repo_env(JAX_PLATFORMS="cpu", **host_device_env(c.host_devices))
   result = {"machine": {"host_devices": c.host_devices}, "runs": {}}  # and `provenance`
   jobs = [(config, k, seed) for config in c.runs for k in c.staleness for seed in c.seeds]
 

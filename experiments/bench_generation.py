@@ -39,7 +39,7 @@ import os
 import subprocess
 import sys
 
-from rlhfuse_jax.parallel.host_devices import request_host_devices, xla_flags_with_host_devices
+from rlhfuse_jax.parallel.host_devices import host_device_env, request_host_devices
 
 request_host_devices(8)  # before the first jax import
 
@@ -478,8 +478,7 @@ def single_process_reference(workdir: str) -> dict:
   devices), in workdir/single_process; returns its outputs.npz."""
   ref_dir = os.path.join(workdir, "single_process")
   args = [a for a in sys.argv[1:] if not a.split("=")[0] in _DISTRIBUTED_FLAGS]
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=xla_flags_with_host_devices(jax.device_count()))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **host_device_env(jax.device_count()))
   logging.info("single-process reference: %d devices, in %s ...", jax.device_count(), ref_dir)
   with open(os.path.join(workdir, "single_process.log"), "w") as log:
     subprocess.run([sys.executable, "-m", "experiments.bench_generation", *args,

@@ -39,7 +39,7 @@ from ml_collections import config_flags
 
 from experiments import config_files
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
+from rlhfuse_jax.parallel.host_devices import host_device_env
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Plan config.", lock_config=True)
 _RUN_CONFIG = config_flags.DEFINE_config_file(
@@ -81,11 +81,10 @@ def main(argv):
   # The plan's count, not one the caller's XLA_FLAGS set (e.g. 8, exported for train_ppo as the
   # docs' commands do): with fewer the run stopped in plan_programs.run, telling the user to run
   # plan_check, which they were doing.
-  os.environ["XLA_FLAGS"] = xla_flags_with_host_devices(n)
-  if "JAX_NUM_CPU_DEVICES" in os.environ:  # jax's own count: it overrides the flag's
-    os.environ["JAX_NUM_CPU_DEVICES"] = str(n)
-    if "jax" in sys.modules:  # imported (--run_config's model code), its config read from env
-      sys.modules["jax"].config.update("jax_num_cpu_devices", n)
+  os.environ.update(host_device_env(n))  # JAX_NUM_CPU_DEVICES too: jax's overrides the flag
+  if "JAX_NUM_CPU_DEVICES" in os.environ and "jax" in sys.modules:
+    # jax imported already (--run_config's model code): its config read the variable then
+    sys.modules["jax"].config.update("jax_num_cpu_devices", n)
   from experiments import plan_programs  # imports jax: after the device count is set
   cfg = plan_programs.PlanConfig.from_config_dict(config)
   wd.start_outputs(_WORKDIR.value, config, ("result.json",))

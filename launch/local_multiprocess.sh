@@ -55,6 +55,9 @@ fi
 FLAGS="$("${PYTHON:-python}" -c 'import sys
 from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
 print(xla_flags_with_host_devices(int(sys.argv[1])))' "$D")"
+# jax's own count overrides the flag's: a JAX_NUM_CPU_DEVICES the caller exported is set to D
+# too (parallel/host_devices.host_device_env), else every process had the caller's count.
+if [[ -n "${JAX_NUM_CPU_DEVICES+set}" ]]; then export JAX_NUM_CPU_DEVICES="$D"; fi
 # The coordinator's port, free: a busy one failed process 0 with jax's "Failed to start RPC
 # server" (naming no port) while the others waited 5 minutes in jax.distributed.initialize, then
 # aborted. A random port is drawn again; a PORT the caller gave is refused at once.

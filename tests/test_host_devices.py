@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
+from rlhfuse_jax.parallel.host_devices import host_device_env, xla_flags_with_host_devices
 from tests.test_train_ppo_binary import REPO
 from tests.xla_env import RESET_SIGINT
 
@@ -23,6 +23,22 @@ def test_the_count_is_replaced_and_every_other_flag_kept():
   assert xla_flags_with_host_devices(4, flags) == f"--xla_a=1 --xla_b {COUNT}=4"
   assert xla_flags_with_host_devices(2, "") == f"{COUNT}=2"
   assert xla_flags_with_host_devices(None, f"--xla_a\t{COUNT}=8") == "--xla_a"
+
+
+def test_a_child_env_sets_jax_num_cpu_devices_to_the_count_where_the_caller_has_it(monkeypatch):
+  """jax's JAX_NUM_CPU_DEVICES overrides the XLA flag: a user's exported value gave every
+  child its own count (plan_check, bench_async, bench_generation's reference, the launcher)."""
+  monkeypatch.setenv("XLA_FLAGS", f"--xla_a=1 {COUNT}=8")
+  monkeypatch.delenv("JAX_NUM_CPU_DEVICES", raising=False)
+  assert host_device_env(4) == {"XLA_FLAGS": f"--xla_a=1 {COUNT}=4"}  # not added
+  monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "2")
+  assert host_device_env(4) == {"XLA_FLAGS": f"--xla_a=1 {COUNT}=4", "JAX_NUM_CPU_DEVICES": "4"}
+  assert host_device_env(None) == {"XLA_FLAGS": "--xla_a=1", "JAX_NUM_CPU_DEVICES": "-1"}
+  monkeypatch.setenv("XLA_FLAGS", "")  # (XLA aborts on the made-up --xla_a)
+  out = subprocess.run([sys.executable, "-c", "import jax; print(jax.device_count())"],
+                       env=dict(os.environ, JAX_PLATFORMS="cpu", **host_device_env(3)),
+                       capture_output=True, text=True, timeout=120)
+  assert out.stdout.split()[-1] == "3", (out.stdout, out.stderr)
 
 
 def _stand_in(path, body: str, python: bool = True):
@@ -37,16 +53,20 @@ def _stand_in(path, body: str, python: bool = True):
 
 def test_the_launcher_passes_the_callers_flags_to_every_process(tmp_path):
   # Stands in for the interpreter: records what each process got.
-  fake = _stand_in(tmp_path / "python", 'echo "XLA_FLAGS=$XLA_FLAGS ARGS=$*"')
+  fake = _stand_in(tmp_path / "python",
+                   'echo "XLA_FLAGS=$XLA_FLAGS JAX_NUM_CPU_DEVICES=$JAX_NUM_CPU_DEVICES ARGS=$*"')
   # A tab between flags, and a value bash would glob against README.md (the launcher runs in
-  # the repository root) if it split the flags unquoted.
-  env = dict(os.environ, PYTHON=str(fake), XLA_FLAGS=f"--xla_a=1 {COUNT}=8\tREADM*")
+  # the repository root) if it split the flags unquoted. The caller's JAX_NUM_CPU_DEVICES,
+  # which jax takes over the flag, becomes the launcher's count too.
+  env = dict(os.environ, PYTHON=str(fake), XLA_FLAGS=f"--xla_a=1 {COUNT}=8\tREADM*",
+             JAX_NUM_CPU_DEVICES="8")
   wd = str(tmp_path / "run")
   subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "3", wd], cwd=REPO, env=env,
                  check=True, capture_output=True, timeout=60)
   for i in range(2):
     log = pathlib.Path(f"{wd}.proc{i}.log").read_text()
-    assert f"XLA_FLAGS=--xla_a=1 READM* {COUNT}=3 ARGS=-m experiments.train_ppo" in log, log
+    assert (f"XLA_FLAGS=--xla_a=1 READM* {COUNT}=3 JAX_NUM_CPU_DEVICES=3 "
+            "ARGS=-m experiments.train_ppo") in log, log
     assert f"--process_id={i}" in log, log
 
 

@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 
-from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
+from rlhfuse_jax.parallel.host_devices import host_device_env
 
 _LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
@@ -47,8 +47,8 @@ def subprocess_env(devices: int | None = None, **extra: str) -> dict:
   """This process's environment for a subprocess on the CPU: XLA_FLAGS keeps this process's flags
   (the suite's codegen flags and whatever the caller set) with `devices` fake CPU devices in place
   of its 8 (None: the one real device, as a user's plain run)."""
-  env = dict(os.environ)
-  flags = xla_flags_with_host_devices(devices)
+  env = dict(os.environ, **host_device_env(devices))  # JAX_NUM_CPU_DEVICES too, if set
+  flags = env["XLA_FLAGS"]
   missing = [f for f in CODEGEN_FLAGS.split() if f not in flags.split()]
   flags = " ".join([*missing, flags]).strip()
   env.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)

@@ -27,3 +27,16 @@ def xla_flags_with_host_devices(count: int | None, flags: str | None = None) -> 
   flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
   kept = re.sub(rf"{_FLAG}=\S*", "", flags).split()
   return " ".join(kept + ([f"{_FLAG}={count}"] if count is not None else []))
+
+
+def host_device_env(count: int | None) -> dict:
+  """The variables a child process with `count` host devices starts with (None: the one real
+  CPU device): XLA_FLAGS as xla_flags_with_host_devices gives it, and JAX_NUM_CPU_DEVICES, when
+  this process has it, set to the count too (removed for None). jax's own count overrides the
+  flag's: a JAX_NUM_CPU_DEVICES=2 the user exported gave every child 2 devices whatever count
+  it was started for. Update a copy of os.environ with it (for None the variable is -1, jax's
+  default: the flag decides)."""
+  env = {"XLA_FLAGS": xla_flags_with_host_devices(count)}
+  if "JAX_NUM_CPU_DEVICES" in os.environ:
+    env["JAX_NUM_CPU_DEVICES"] = str(-1 if count is None else count)
+  return env
