@@ -76,6 +76,28 @@ def test_generation_prediction_loads_the_bench_s_frozen_models(tmp_path):
     validation.predict_bench_generation(calibration.from_dict(lacking, "c.json"), spec)
 
 
+def test_a_bench_run_without_consolidation_is_predicted_without_one(tmp_path, monkeypatch):
+  """fusion.max_consolidations = 0 (the tail decodes where it is) is a setting, not a missing
+  key: it was read, and simulated, as the default 1."""
+  write_gen_bench(tmp_path / "gen")
+  cal = calibration.from_dict(CAL, "cal.json")
+  one, _ = validation.gen_bench_from_workdir(str(tmp_path / "gen"))
+  cfg = json.loads((tmp_path / "gen" / "config.json").read_text())
+  cfg["fusion"]["max_consolidations"] = 0
+  (tmp_path / "gen" / "config.json").write_text(json.dumps(cfg))
+  zero, _ = validation.gen_bench_from_workdir(str(tmp_path / "gen"))
+  assert (one.max_consolidations, zero.max_consolidations) == (1, 0)
+  simulated = []
+  real = validation.gen_lib.simulate_generation
+  monkeypatch.setattr(validation.gen_lib, "simulate_generation",
+                      lambda cost, shape, frozen, setup, *a: simulated.append(setup) or real(
+                          cost, shape, frozen, setup, *a))
+  validation.predict_bench_generation(cal, zero)
+  assert [s.max_consolidations for s in simulated] == [0, 0]
+  with pytest.raises(ValueError, match=r"generation.max_consolidations=-1 must be >= 0"):
+    validation.gen_lib.GenSetup(num_instances=1, slots=1, max_consolidations=-1)
+
+
 def test_missing_inputs_are_said_plainly(tmp_path):
   cal = calibration.from_dict(CAL, "cal.json")
   lines, rows, skipped = validation.validate(cal, str(tmp_path / "nope"), "")

@@ -65,6 +65,8 @@ class GenSetup:
               "inference_microbatch", "devices_per_node"):
       if getattr(self, f) < 1:
         raise ValueError(f"generation.{f}={getattr(self, f)} must be >= 1")
+    if self.max_consolidations < 0:
+      raise ValueError(f"generation.max_consolidations={self.max_consolidations} must be >= 0")
     if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
       raise ValueError(f"generation.threshold (Rt)={self.threshold} must be in [0, 1] or None")
     if self.kv_capacity_tokens < 0:

@@ -113,7 +113,7 @@ def predict_bench_generation(cal: Calibration, spec: GenBenchSpec) -> dict:
         chunk_steps=spec.chunk_steps, max_new_tokens=spec.max_new_tokens,
         threshold=spec.threshold if fused else None, stream_inference=fused,
         inference_microbatch=spec.inference_microbatch,
-        max_consolidations=max(spec.max_consolidations, 1), offload_frozen=spec.offload_frozen,
+        max_consolidations=spec.max_consolidations, offload_frozen=spec.offload_frozen,
         devices_share_compute=cal.devices_share_compute)
     res = gen_lib.simulate_generation(cost, spec.shape, spec.frozen or (spec.shape,), setup,
                                       np.array(spec.prompt_lens), np.array(spec.response_lens))
@@ -183,6 +183,10 @@ def _find(obj: Any, aliases: tuple) -> Any:
   return None
 
 
+def _int_or(value: Any, default: int) -> int:
+  return default if value is None else int(value)
+
+
 def _read(workdir: str, name: str) -> dict:
   path = os.path.join(workdir, name)
   if not os.path.exists(path):
@@ -230,7 +234,8 @@ def gen_bench_from_workdir(workdir: str) -> tuple[GenBenchSpec, dict]:
       response_lens=tuple(int(x) for x in got["response_lens"]),
       frozen=(shape,) + tuple(shape.as_critic() for key in ("critic", "reward_model")
                               if cfg.get(key, True) is not False),
-      max_consolidations=int(_find(both, ("max_consolidations",)) or 1))
+      # 0 is a setting (no consolidation: the tail decodes where it is), not a missing key.
+      max_consolidations=_int_or(_find(both, ("max_consolidations",)), 1))
   return spec, {"baseline": float(base), "fused": float(fused)}
 
 
