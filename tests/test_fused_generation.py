@@ -433,6 +433,11 @@ def test_rt_choice_follows_the_costs():
     # Accepted before, then a TypeError in choose_rt (0.0 <= 'auto') or an unnamed error there.
     ({"rt_candidates": ("auto",)}, r"fusion.rt_candidates=\('auto',\): expected numbers"),
     ({"rt_candidates": ()}, r"fusion.rt_candidates=\(\): expected at least one"),
+    # Accepted before: a multi-process run then failed at its start with an OverflowError
+    # (the barrier's milliseconds), and above threading.TIMEOUT_MAX no collective had a timeout.
+    ({"exchange_timeout_s": float("inf")}, r"fusion.exchange_timeout_s=inf: expected a number "
+     r"of seconds > 0 and <= \d+ \(Python.s longest timer\)"),
+    ({"exchange_timeout_s": 1e10}, r"fusion.exchange_timeout_s=10000000000.0: expected"),
 ])
 def test_bad_fusion_config(kw, match):
   with pytest.raises(ValueError, match=match):

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence, Union
@@ -137,8 +138,13 @@ class FusionFields:
     if self.exchange_on not in multihost.EXCHANGE_ON:
       self._fail("exchange_on", self.exchange_on, f"one of {multihost.EXCHANGE_ON}")
     t = self.exchange_timeout_s
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-      self._fail("exchange_timeout_s", t, "a number of seconds > 0")
+    # At most the longest wait Python's timers take: inf (meant as "never") was accepted, then
+    # a multi-process run failed at its start converting it to the barrier's milliseconds
+    # (OverflowError), and above TIMEOUT_MAX every collective's watchdog thread died.
+    if (isinstance(t, bool) or not isinstance(t, (int, float)) or
+        not 0 < t <= threading.TIMEOUT_MAX):
+      self._fail("exchange_timeout_s", t, f"a number of seconds > 0 and <= "
+                 f"{threading.TIMEOUT_MAX:.0f} (Python's longest timer)")
 
   def fusion_fields(self) -> dict:
     """{name: value} of the FusionFields fields (what FusedGenConfig.of copies)."""
