@@ -513,6 +513,16 @@ def test_bad_layouts_fail_before_compiling():
                    actor_params=shapes["reference"], frozen_params=shapes)
 
 
+def test_layout_errors_name_the_section_the_user_edits():
+  """bench_generation's instances are config.generation's fields: too many for the devices was
+  reported as fusion.num_instances, a section that binary does not have."""
+  config = FusedGenConfig(num_instances=16, slots=1, migration_threshold=0.5,
+                          section="generation")
+  with pytest.raises(ValueError, match=r"^generation\.num_instances=16 x generation\."
+                                       r"instance_devices=1 = 16 devices, but only 8"):
+    fused.check_layout(config, 16, 8)
+
+
 def test_every_process_refuses_a_layout_that_leaves_one_without_an_instance(monkeypatch):
   """2 instances on the first 2 of process 0's devices, 2 processes: process 0 refuses too (it
   used to compile on and wait in its first exchange for process 1, which had refused)."""

@@ -210,7 +210,8 @@ class FusedOutput:
 def check_layout(config: FusedGenConfig, batch_size: int, num_devices: int) -> None:
   """The instances fit the devices and a batch of `batch_size` dealt over them fits their
   slots: FusedGenerator's own check, also run by the trainer before it builds anything."""
-  inst_lib.check_device_count(config.num_instances, config.instance_devices, num_devices)
+  inst_lib.check_device_count(config.num_instances, config.instance_devices, num_devices,
+                              config.section)
   if batch_size < 1:
     # 0 built a generator whose every run failed in numpy ("zero-size array to reduction").
     raise ValueError(f"generation batch_size={batch_size!r}: expected an integer >= 1")

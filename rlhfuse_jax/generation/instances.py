@@ -106,14 +106,17 @@ def migration_buckets(slots: int) -> tuple[int, ...]:
   return tuple(out) + (slots,)
 
 
-def check_device_count(num_instances: int, devices_per_instance: int, available: int) -> None:
-  """The instances fit the devices (split_devices; checked before a run builds anything)."""
+def check_device_count(num_instances: int, devices_per_instance: int, available: int,
+                       section: str = "fusion") -> None:
+  """The instances fit the devices (split_devices; checked before a run builds anything).
+  `section`: the config section holding the two fields, named in errors (bench_generation's
+  is "generation")."""
   need = num_instances * devices_per_instance
   if num_instances < 1 or devices_per_instance < 1:
-    raise ValueError(f"fusion.num_instances={num_instances} and fusion.instance_devices="
+    raise ValueError(f"{section}.num_instances={num_instances} and {section}.instance_devices="
                      f"{devices_per_instance} must be >= 1")
   if need > available:
-    raise ValueError(f"fusion.num_instances={num_instances} x fusion.instance_devices="
+    raise ValueError(f"{section}.num_instances={num_instances} x {section}.instance_devices="
                      f"{devices_per_instance} = {need} devices, but only {available} are "
                      "available: fewer or smaller instances")
 
