@@ -229,8 +229,19 @@ def fused_config(c, num_devices: int) -> fused_lib.FusedGenConfig:
   """The fused generator's config of `c` on `num_devices` devices (its fields checked, named
   under config.generation)."""
   g = c.generation
+  num_instances = g.num_instances
+  if not num_instances:  # automatic: devices / instance_devices
+    # Checked here: 0 divided by zero, and one wider than the devices was reported as
+    # "config.generation.num_instances=0: expected an integer >= 1", its automatic value.
+    w = g.instance_devices
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+      raise ValueError(f"config.generation.instance_devices={w!r}: expected an integer >= 1")
+    num_instances = num_devices // w
+    if num_instances < 1:
+      raise ValueError(f"config.generation.instance_devices={w} exceeds the {num_devices} "
+                       "devices")
   return fused_lib.FusedGenConfig(
-      num_instances=g.num_instances or num_devices // g.instance_devices, slots=g.slots,
+      num_instances=num_instances, slots=g.slots,
       instance_devices=g.instance_devices, migration_threshold=g.migration_threshold,
       max_consolidations=g.max_consolidations, inference_micro_batch=g.inference_micro_batch,
       inference_inflight=g.inference_inflight, exchange_on=g.exchange_on,

@@ -54,6 +54,11 @@ def test_bad_batch_inputs_fail_before_the_earlier_results_move_or_anything_compi
            ({"lengths.kind": "empirical", "lengths.path": str(tmp_path / "bad.jsonl")},
             f"config.lengths: {tmp_path / 'bad.jsonl'}:2: malformed JSON line"),
            ({"generation.slots": 0}, "config.generation.slots=0: expected an integer >= 1"),
+           # (blamed the automatic num_instances=0, a documented value; 0: ZeroDivisionError)
+           ({"generation.num_instances": 0, "generation.instance_devices": 16},
+            "config.generation.instance_devices=16 exceeds the 8 devices"),
+           ({"generation.num_instances": 0, "generation.instance_devices": 0},
+            "config.generation.instance_devices=0: expected an integer >= 1"),
            # (these moved the earlier outputs aside, or ran no warm-up and timed the compiles)
            ({"generation.temperature": -1.0}, "config.generation: sampling.temperature=-1.0"),
            ({"warmup": -1}, "config.warmup=-1: expected an integer >= 0"),
