@@ -126,3 +126,20 @@ def test_instances_that_leave_devices_idle_are_warned_of(monkeypatch):
   assert seen == ["config.fusion: 2 instances of 3 device(s) use 6 of the 8 devices; the other 2 "
                   "stay idle while they generate (instance_devices does not divide the devices, "
                   "or num_instances is set lower)"]
+
+
+def test_an_async_generation_group_checks_its_own_share_of_each_process(monkeypatch):
+  """2 processes x 4 devices, async_ppo.generation_devices=4: each process gives 2 devices to
+  generation, so an instance of 4 would span both processes. Only all devices were checked
+  (4 divides 4): the engine then refused it once the models were built, telling the user to
+  divide each process's 4 devices."""
+  monkeypatch.setattr(rollout.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(rollout.jax, "device_count", lambda: 8)
+  monkeypatch.setattr(rollout.jax, "local_device_count", lambda: 4)
+  with pytest.raises(ValueError, match=r"config\.fusion\.instance_devices=4: expected a divisor "
+                                       r"of each process's 2 generation devices \(2 processes\)"):
+    rollout.check_instances_within_processes("fusion.instance_devices", 4, 4)
+  rollout.check_instances_within_processes("fusion.instance_devices", 2, 4)
+  rollout.check_instances_within_processes("fusion.instance_devices", 4, 8)  # all devices
+  with pytest.raises(ValueError, match=r"divisor of each process's 4 devices \(2 processes\)"):
+    rollout.check_instances_within_processes("fusion.instance_devices", 3, 8)

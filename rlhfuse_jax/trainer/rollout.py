@@ -174,16 +174,22 @@ def warn_idle_instance_devices(fc: fused_lib.FusedGenConfig, num_devices: int) -
 
 
 def check_instances_within_processes(field: str, width: int, num_devices: int) -> None:
-  """Generation instances of `width` consecutive devices over all of a multi-process run's
-  devices: each must lie in one process (generation/multihost.py), so `width` must divide
-  each process's device count. (A generation group of fewer devices is checked by the engine.)
-  Asks jax for its processes, which starts its backend: only for a run on a live mesh
-  (trainer/validate.py), never while a binary may still set the device count."""
-  if jax.process_count() > 1 and num_devices == jax.device_count():
-    local = jax.local_device_count()
+  """Generation instances of `width` consecutive devices over a multi-process run's
+  `num_devices` generation devices: each must lie in one process (generation/multihost.py), so
+  `width` must divide each process's share: its device count, or with fewer devices (an
+  asynchronous run's generation group) num_devices / P, what async_ppo.split_devices takes of
+  each process. Asks jax for its processes, which starts its backend: only for a run on a live
+  mesh (trainer/validate.py), never while a binary may still set the device count."""
+  procs = jax.process_count()
+  if procs > 1:
+    # (A generation group was left to the engine, which refused it only once the models were
+    # built, telling the user to divide each process's whole device count, which it did.)
+    group = num_devices != jax.device_count()
+    local = num_devices // procs if group else jax.local_device_count()
     if local % width:
-      _fail(field, width, f"a divisor of each process's {local} devices ({jax.process_count()} "
-            "processes): a generation instance must live in one process")
+      _fail(field, width, f"a divisor of each process's {local} "
+            f"{'generation ' if group else ''}devices ({procs} processes): a generation "
+            "instance must live in one process")
 
 
 class FusedStage:
