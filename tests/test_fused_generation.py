@@ -130,6 +130,9 @@ def test_metrics_and_timeline(one_device, runs):
     kinds = {k for _, _, _, k in tl.segments}
     assert {"prefill", "decode", "load", "inference"} <= kinds
   assert base.metrics["fusion/inference_overlap_frac"] == 0.0  # inference after generation
+  # The baseline too stops decoding an instance once its own samples have finished
+  # (docs/architecture.md §2 said it decoded on all instances until the last sample).
+  assert base.metrics["gen/instance_chunks"] < 4 * base.metrics["gen/decode_rounds"]
   assert "migrate" in {k for _, _, _, k in early.timeline.segments}
   c = early.consolidations[0]
   assert c["moved_bytes"] == early.metrics["gen/migrated_kv_bytes"] > 0
