@@ -395,6 +395,14 @@ def test_the_loop_arms_the_watchdog_for_every_iteration(tmp_path, monkeypatch):
     tiny_config(**{"guard.iteration_timeout_s": -1})
 
 
+def test_an_iteration_timeout_python_cannot_wait_for_is_refused():
+  """Accepted before: the watchdog's Timer and faulthandler raised OverflowError at the first
+  iteration, the first in the watchdog's own thread (so no timeout at all)."""
+  with pytest.raises(ValueError, match=r"config\.guard\.iteration_timeout_s=10000000000\.0: "
+                                       r"expected a number of seconds >= 0 and <= \d+ \(Python"):
+    tiny_config(**{"guard.iteration_timeout_s": 1e10})
+
+
 def test_a_run_whose_lock_file_is_deleted_stops_before_writing(tmp_path):
   """.lock taken for a stale pid file and deleted while the run lives: another start can lock a
   new one and write beside it (metrics rows twice, colliding saves). The live run notices and

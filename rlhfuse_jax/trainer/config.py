@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import re
+import threading
 from typing import Any, Mapping, Optional
 
 from rlhfuse_jax.data import rewards as rewards_lib
@@ -532,8 +533,12 @@ class GuardConfig:
     _check(self.max_consecutive_skips >= 1, "guard.max_consecutive_skips",
            self.max_consecutive_skips, ">= 1")
     t = self.iteration_timeout_s
-    _check(not isinstance(t, bool) and isinstance(t, (int, float)) and math.isfinite(t) and t >= 0,
-           "guard.iteration_timeout_s", t, "a number of seconds >= 0 (0: no timeout)")
+    # At most the longest wait Python's timers take: the watchdog's Timer and faulthandler's
+    # dump raised OverflowError (in the watchdog's thread: no timeout at all) above it.
+    _check(not isinstance(t, bool) and isinstance(t, (int, float)) and
+           0 <= t <= threading.TIMEOUT_MAX, "guard.iteration_timeout_s", t,
+           f"a number of seconds >= 0 and <= {threading.TIMEOUT_MAX:.0f} (Python's longest "
+           "timer; 0: no timeout)")
 
 
 @dataclasses.dataclass(frozen=True)
