@@ -46,8 +46,11 @@ if [[ -n "${CONFIG:-}" && -f "${CONFIG%%:*}" ]]; then
 fi
 if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(abspath "$PYTHON"); fi
 cd "$(dirname "$0")/.."
-if [[ ! -f "experiments/$BINARY.py" ]]; then
-  echo "BINARY=$BINARY: no experiments/$BINARY.py (expected train_ppo or bench_generation)" >&2
+# Only these two take --distributed: any other binary failed in every process on absl's
+# "Unknown command line flag 'distributed'", after the coordinator had started.
+if [[ "$BINARY" != train_ppo && "$BINARY" != bench_generation ]]; then
+  echo "BINARY=$BINARY: expected train_ppo or bench_generation (the binaries that run as" \
+    "several processes)" >&2
   exit 2
 fi
 # The caller's XLA flags stay, any device count replaced by D: the binaries' own rule

@@ -107,6 +107,20 @@ def test_the_launcher_refuses_the_flags_it_sets_itself(tmp_path):
   assert out.returncode == 0 and "--config.num_iterations=3" in open(f"{wd}.proc0.log").read()
 
 
+def test_the_launcher_refuses_a_binary_that_does_not_run_as_several_processes(tmp_path):
+  """BINARY=plan_search (a real binary without --distributed) started every process, and each
+  failed on absl's unknown flag 'distributed'."""
+  fake = _stand_in(tmp_path / "python", 'echo started')
+  wd = str(tmp_path / "wd")
+  for binary in ("plan_search", "nope"):
+    out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "1", wd], cwd=REPO,
+                         env=dict(os.environ, PYTHON=str(fake), BINARY=binary),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, (binary, out.stdout, out.stderr)
+    assert f"BINARY={binary}: expected train_ppo or bench_generation" in out.stderr
+    assert not os.path.exists(f"{wd}.proc0.log")
+
+
 def test_the_launcher_reads_relative_paths_where_it_was_started(tmp_path):
   """A relative workdir, config file and interpreter are the caller's, not the repository's
   (the launcher runs from the repository root): the logs landed inside the repository, and a
