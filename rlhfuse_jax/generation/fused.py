@@ -19,10 +19,11 @@ One batch, step by step (`FusedGenerator.run`):
      instance holding no unfinished sample (released, or its samples all done) loads the frozen
      models' weights from host memory (the critic's from its training devices) and runs full
      micro-batches of reference log-probs, critic values and reward-model scores while the tail
-     still decodes; what is left runs on all instances when generation ends.
+     still decodes; what is left runs when generation ends, one micro-batch per instance
+     (those freed first, then the least loaded), on as many instances as it has micro-batches.
 
 Baseline mode (`fuse=False`): the same instances and executables, no consolidation, and
-inference only after the last sample finished (on every instance). The two modes produce the
+inference only after the last sample finished (spread over the instances the same way). The two modes produce the
 same tokens bitwise: a sample's tokens depend only on (prompt, uid, iteration key) and all
 instances share one shape class.
 
