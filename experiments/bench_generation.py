@@ -352,10 +352,12 @@ def run_and_write(c, workdir: str, reference=None) -> dict:
   if pipelined and jax.process_count() > 1:
     raise ValueError(f"config.generation.pipeline_stages={c.generation.pipeline_stages}: the "
                      "pipelined variant runs in one process; drop --distributed")
-  if main_process:
-    wd.start_outputs(workdir, c, (
-        "result.json", "calibration.json", "outputs.npz", "timeline_*.png",
-        "schedule_pipelined.png", "single_process", "single_process.log"))
+  # Process 0 alone moves the earlier outputs aside; if that fails (another run's workdir, a
+  # full disk) every process stops here, not process 0 alone while the others compile on.
+  distributed.run_on_main_process(lambda: wd.start_outputs(workdir, c, (
+      "result.json", "calibration.json", "outputs.npz", "timeline_*.png",
+      "schedule_pipelined.png", "single_process", "single_process.log")),
+      f"process 0 could not prepare the workdir {workdir} (its log says why)")
   result = run_pipelined(c, workdir) if pipelined else run(c, workdir)
   if jax.process_count() > 1:
     jax.distributed.shutdown()  # the other processes are done: they exit now

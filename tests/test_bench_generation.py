@@ -3,6 +3,9 @@ timeline per mode, a calibration file the simulator loads and predicts the bench
 import json
 import os
 
+import jax
+import pytest
+
 from configs import bench_generation as bench_config
 from experiments import bench_generation
 from rlhfuse_jax.policy import calibration
@@ -80,3 +83,23 @@ def test_bad_batch_inputs_fail_before_the_earlier_results_move_or_anything_compi
     except ValueError as e:
       assert str(e).startswith(message), (overrides, str(e))
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "result.json"]
+
+
+@pytest.mark.parametrize("me", [0, 1])
+def test_a_workdir_process_0_cannot_prepare_stops_every_process(tmp_path, monkeypatch, me):
+  """Process 0 alone moves the earlier outputs aside; when that failed (another run's workdir,
+  a full disk) the other processes went on compiling and running until process 0's exit ended
+  the run. As process 0 and as process 1 of 2 (its verdict from process 0 faked)."""
+  def full(*args):
+    raise OSError(28, "No space left on device")
+
+  def ran(*args):
+    raise AssertionError("the benchmark ran")
+  monkeypatch.setattr(bench_generation.wd, "start_outputs", full)
+  monkeypatch.setattr(bench_generation, "run", ran)
+  if me:
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(bench_generation.distributed, "main_process_verdict", lambda ok: False)
+  with pytest.raises(OSError if me == 0 else RuntimeError,
+                     match="No space left" if me == 0 else "process 0 could not prepare"):
+    bench_generation.run_and_write(bench_config.get_config("tiny"), str(tmp_path))
