@@ -311,6 +311,22 @@ def test_timeline_metrics_average_over_the_watched_instances():
   assert everyone.instance_busy_frac == 0.5  # one process holding both: the other idles
 
 
+def test_migration_time_leaves_out_the_decoding_between_two_consolidations():
+  """gen/migration_s sums each consolidation's copies (first start to last end): consolidations
+  at 1 s (copies 1.0-1.5 and 1.2-2.0) and at 10 s (10.0-10.5), decoding in between, took 1.5 s
+  of migration, not the 9.5 s from the first copy to the last; same for a tag's spans."""
+  segments = [(2, 1.0, 1.5, "migrate"), (0, 1.2, 2.0, "migrate"), (0, 2.0, 9.0, "decode"),
+              (0, 10.0, 10.5, "migrate"), (0, 10.5, 12.0, "decode")]
+  tagged = {"same_host": [(1.0, 1.5), (1.2, 2.0), (10.0, 10.5)]}
+  two = Timeline(num_instances=4, segments=segments, unfinished_curve=[],
+                 consolidations=[{"time_s": 0.9}, {"time_s": 9.5}], gen_end_s=12.0,
+                 gen_plus_inf_s=12.0, tagged=tagged)
+  assert two.migration_s == 1.5
+  assert two.per_consolidation_span_s(tagged["same_host"]) == 1.5
+  one = dataclasses.replace(two, consolidations=[{"time_s": 0.9}])  # one window: the span
+  assert one.migration_s == one.span_s("migrate") == 9.5
+
+
 def test_two_consolidations_outputs_identical(one_device):
   """max_consolidations=2 on a batch built to need two: after prefill 8 samples are left, two
   on each of the 4 instances (Rt=0.5: 8 <= 0.5 x 16), which pack into 2 instances; after two
@@ -339,6 +355,11 @@ def test_two_consolidations_outputs_identical(one_device):
   assert [(c["step"], len(c["kept"])) for c in once.consolidations] == [(0, 2)]
   assert (once.metrics["gen/consolidated_to"], once.metrics["gen/migrated_samples"]) == (2, 4)
   assert m["gen/instance_chunks"] < once.metrics["gen/instance_chunks"]
+  # The migration time leaves out the decode rounds between the two consolidations.
+  tl = twice.timeline
+  assert 0 < m["gen/migration_s"] < tl.span_s("migrate")
+  assert 0 < m["gen/migration_same_host_s"] < tl.span_s("migrate")
+  assert once.metrics["gen/migration_s"] == once.timeline.span_s("migrate") > 0
   for out in (once, twice):
     assert_same_outputs(base, out)
 

@@ -909,10 +909,10 @@ class _Run:
     segments = log.close()
     load_bytes = self.infer.unload()
     return self._output(results, segments, curve, rounds, t_prefill, gen_end, gen_plus_inf,
-                        place_s, load_bytes, log.tag_span("same_host"))
+                        place_s, load_bytes)
 
   def _output(self, results, segments, curve, rounds, t_prefill, gen_end, gen_plus_inf,
-              place_s, load_bytes, same_host_s) -> FusedOutput:
+              place_s, load_bytes) -> FusedOutput:
     gen, table = self.gen, self.table
     b, t = gen.batch_size, gen.sampling.max_new_tokens
     out = {n: np.zeros((b, t) if n != "reward" else (b,), np.float32) for n in gen.models}
@@ -943,12 +943,13 @@ class _Run:
         "gen/migrated_samples": int(sum(c["moves"] for c in cons)),
         "gen/migrated_kv_bytes": int(sum(c["moved_bytes"] for c in cons)),
         "gen/migration_copied_bytes": int(sum(c["copied_bytes"] for c in cons)),
-        # From the first copy's start to the last copy's end (measured by the watchers).
-        "gen/migration_s": tl.span_s("migrate"),
-        # Same-process migrations' span (their copies, as this process's watchers saw them);
+        # Each consolidation's first copy's start to its last copy's end (measured by the
+        # watchers), summed: not the decode rounds between two consolidations.
+        "gen/migration_s": tl.migration_s,
+        # Same-process migrations' time, likewise (their copies, as this process's watchers saw);
         # the migrations between instances of different processes (one collective each),
         # their bytes (rows, padding included) and this process's wait for them.
-        "gen/migration_same_host_s": same_host_s,
+        "gen/migration_same_host_s": tl.per_consolidation_span_s(tl.tagged.get("same_host", [])),
         "gen/migrated_samples_cross_host": int(sum(c["cross_host_moves"] for c in cons)),
         "gen/migration_cross_host_bytes": int(sum(c["cross_host_copied_bytes"] for c in cons)),
         "gen/migration_cross_host_s": float(sum(c["cross_host_s"] for c in cons)),

@@ -19,6 +19,7 @@ overlap).
 from __future__ import annotations
 
 import dataclasses
+import math
 import queue
 import threading
 import time
@@ -162,3 +163,22 @@ class Timeline:
 
   def kind_s(self, kind: str) -> float:
     return sum(self.busy_s(i, (kind,)) for i in self.watched)
+
+  def per_consolidation_span_s(self, spans) -> float:
+    """Summed over the consolidations, from the first start to the last end of the `spans`
+    [(start, end)] that started during each (from its time_s to the next one's). One span over
+    all of them counted the decode rounds between two consolidations as migration time; with
+    at most one consolidation the two agree."""
+    cuts = [-math.inf] + [c["time_s"] for c in self.consolidations[1:]] + [math.inf]
+    total = 0.0
+    for lo, hi in zip(cuts, cuts[1:]):
+      mine = [(s, e) for s, e in spans if lo <= s < hi]
+      if mine:
+        total += max(e for _, e in mine) - min(s for s, _ in mine)
+    return total
+
+  @property
+  def migration_s(self) -> float:
+    """Each consolidation's first copy's start to its last copy's end, summed."""
+    return self.per_consolidation_span_s(
+        [(s, e) for _, s, e, k in self.segments if k == "migrate"])
