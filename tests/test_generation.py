@@ -447,6 +447,19 @@ def test_clear_errors(params, prompts):
     gen.generate(params, *prompts, KEY, uids=[0, 7, 2, 7, 4, 5, 6, 1])
 
 
+@pytest.mark.parametrize("kw", [{"eos_id": 2.5}, {"pad_id": 0.5}, {"eos_id": None},
+                                {"top_k": float("nan")}, {"max_new_tokens": float("inf")},
+                                {"chunk_size": None}, {"steps_per_check": float("nan")}])
+def test_sampling_ids_and_sizes_that_are_not_integers_are_refused_naming_them(kw):
+  # eos_id=2.5 was accepted and matched no token, so no response ended on it; pad_id=0.5 padded
+  # with 0; NaN, inf or None in a size raised int()'s bare error, naming no field.
+  (name, value), = kw.items()
+  with pytest.raises(ValueError, match=re.escape(f"sampling.{name}={value}; expected")):
+    SamplingConfig(**kw)
+  ids = SamplingConfig(eos_id=np.int64(3), pad_id=1.0)  # integral values are the integers
+  assert (ids.eos_id, ids.pad_id) == (3, 1) and type(ids.eos_id) is type(ids.pad_id) is int
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_sampling_frequencies_follow_the_tempered_softmax(temperature):
   # 40,000 draws from one row of fixed logits (one key per draw, as sample_keys gives each

@@ -36,6 +36,14 @@ import jax.numpy as jnp
 MIN_TEMPERATURE = 1e-6
 
 
+def _whole(x) -> bool:
+  """Whether `x` is an integer value (an int, or an integral float such as 2.0)."""
+  try:
+    return int(x) == x
+  except (TypeError, ValueError, OverflowError):  # None, a string, NaN, inf: refused, named
+    return False
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """How responses are drawn. Frozen and hashable: it is a static argument of the jitted code."""
@@ -61,26 +69,30 @@ class SamplingConfig:
     if not MIN_TEMPERATURE <= self.temperature < math.inf:
       raise ValueError(f"sampling.temperature={self.temperature}; expected a finite value >= "
                        f"{MIN_TEMPERATURE:g} (use greedy=True for argmax decoding)")
-    if int(self.top_k) != self.top_k or self.top_k < 0:
+    if not _whole(self.top_k) or self.top_k < 0:
       raise ValueError(f"sampling.top_k={self.top_k}; expected an integer >= 0 (0 disables)")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"sampling.top_p={self.top_p}; expected in (0, 1] (1 disables)")
-    if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
+    if not _whole(self.max_new_tokens) or self.max_new_tokens < 1:
       raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens}; expected an integer >= 1")
-    if int(self.chunk_size) != self.chunk_size or self.chunk_size < 1:
+    if not _whole(self.chunk_size) or self.chunk_size < 1:
       raise ValueError(f"sampling.chunk_size={self.chunk_size}; expected an integer >= 1")
     k = self.steps_per_check
-    if int(k) != k or k < 1 or self.chunk_size % k:
+    if not _whole(k) or k < 1 or self.chunk_size % k:
       raise ValueError(f"sampling.steps_per_check={k}; expected an integer >= 1 that divides "
                        f"sampling.chunk_size={self.chunk_size}")
     # An integral float (2.0) is taken as the integer: these size static shapes and loops,
     # where a float failed later, while tracing, without naming the field.
     for name in ("top_k", "max_new_tokens", "chunk_size", "steps_per_check"):
       object.__setattr__(self, name, int(getattr(self, name)))
-    if self.eos_id < -1:
+    # Token ids are integers: eos_id=2.5 matched no token (no response ever ended on it) and
+    # pad_id=0.5 padded with 0, both without a word.
+    if not _whole(self.eos_id) or self.eos_id < -1:
       raise ValueError(f"sampling.eos_id={self.eos_id}; expected a token id >= 0, or -1 for none")
-    if self.pad_id < 0:
+    if not _whole(self.pad_id) or self.pad_id < 0:
       raise ValueError(f"sampling.pad_id={self.pad_id}; expected a token id >= 0")
+    for name in ("eos_id", "pad_id"):
+      object.__setattr__(self, name, int(getattr(self, name)))
     extra = self.extra_eos_ids
     if isinstance(extra, (int, str)) or not all(
         isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra):
