@@ -4,6 +4,7 @@ source rows, capacity limits, streamed inference equals inference after generati
 choice, and clear errors."""
 import dataclasses
 import threading
+import types
 
 import jax
 import numpy as np
@@ -411,6 +412,45 @@ def test_length_histogram_round_trips_and_drops_lengths_past_a_smaller_budget():
   assert shorter.load_dict(hist.to_dict()) == 3 and shorter.counts.tolist() == [0, 1, 0, 2, 0]
   with pytest.raises(ValueError, match="bins and counts of one length"):
     shorter.load_dict({"bins": [1, 2], "counts": [1]})
+
+
+def test_the_rt_calibration_times_a_decode_step_on_a_chunk_that_decoded():
+  """measure_costs times one live row's decode step on prompts whose chunk runs its steps. A
+  draw whose row samples a stop token first ends at prefill, so its chunk decodes nothing; with
+  steps_per_check = chunk_size that chunk passed for a full one and the step was timed on a call
+  that decoded nothing (on a real 1-layer instance: 0.2 ms where a step takes 0.6 ms). The
+  instance is faked: the first prompts it sees end at prefill, any others decode."""
+  from rlhfuse_jax.generation import measure
+  s, seen, decoded = 2, [], []  # decoded: (live rows, tokens) of each decode call
+
+  class Inst:
+    devices = [types.SimpleNamespace(platform="cpu", device_kind="cpu")]
+    rep = None
+
+    def place(self, cfg, params):
+      return params
+
+    def prefill(self, params, tok, lens, uids, budget, key):
+      if tok.tobytes() not in seen:
+        seen.append(tok.tobytes())
+      st = types.SimpleNamespace(num_generated=np.ones(s, np.int32), budget=np.asarray(budget),
+                                 ended=tok.tobytes() == seen[0])
+      return st, None
+
+    def decode(self, params, st, key):
+      n = st.num_generated + np.where((st.budget > 0) & ~st.ended, 2, 0)
+      decoded.append((int((st.budget > 0).sum()), int(np.max(n - st.num_generated))))
+      return types.SimpleNamespace(num_generated=n), None
+
+  gen = types.SimpleNamespace(
+      instances=[Inst()], local=[0], prompt_len=3, models={},
+      cfg=types.SimpleNamespace(vocab_size=16, num_params=lambda: 1000),
+      config=types.SimpleNamespace(slots=s, instance_devices=1, micro_batch=s),
+      sampling=SamplingConfig(max_new_tokens=6, chunk_size=2, steps_per_check=2))
+  cal = measure.measure_costs(gen, {}, {}, repeats=2)
+  assert cal["ops"]["decode_step"]["occupied_slots"] == [1, 2]
+  one = [n for live, n in decoded if live == 1]
+  assert one[0] == 0 and all(n > 0 for n in one[-2:]), decoded  # the 2 timed chunks decoded
 
 
 def test_rt_choice_follows_the_costs():

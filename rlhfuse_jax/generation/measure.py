@@ -82,7 +82,11 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
       jax.block_until_ready(summary)
       elapsed = time.perf_counter() - t0
       longest = int(np.max(np.asarray(after.num_generated) - before))  # the last live row's
-      return elapsed, engine.chunk_steps(gen.sampling, longest)
+      # 0: every row ended at prefill (a stop token first) and the chunk ran no step, which
+      # chunk_steps counts as one group of steps_per_check: where a full chunk is one group
+      # (steps_per_check = chunk_size) it passed for a full one and timed a call that decoded
+      # nothing.
+      return elapsed, engine.chunk_steps(gen.sampling, longest) if longest else 0
 
     # A chunk stops once every row is done, so a sampled EOS (these prompts are random tokens)
     # can end it after a step or two: dividing by the full chunk's steps made the step several
@@ -99,7 +103,8 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
                       "within %d steps on %d prompt draws): decode_step is its time per step "
                       "run, which includes the chunk's fixed cost", occ, full_steps,
                       _PROMPT_DRAWS)
-    step_s.append(float(np.median([elapsed / ran for elapsed, ran in
+    # max(ran, 1): no draw decoded a step (warned above); the call's time is all there is.
+    step_s.append(float(np.median([elapsed / max(ran, 1) for elapsed, ran in
                                    (chunk(prompts) for _ in range(repeats))])))
   ops = {"decode_step": {"occupied_slots": occupancies, "seconds": step_s},
          "prefill": {"tokens_per_s": _NEGLIGIBLE_RATE, "overhead_s": prefill_s}}
