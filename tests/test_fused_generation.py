@@ -298,6 +298,11 @@ def test_prompt_ids_outside_the_vocabulary_are_refused(one_device):
     gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=False)
   tokens[3, 0], tokens[5, P - 1], lens[5] = 1, -1, P - 1  # padding is not checked
   gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=False)
+  # A model the generator scores with, missing: a bare KeyError after the batch had decoded.
+  with pytest.raises(ValueError, match=r"frozen_params lacks \['critic'\]: the generator "
+                                       r"scores with \['critic', 'reference', 'reward'\]"):
+    gen.run(actor, {k: v for k, v in params.items() if k != "critic"}, tokens, lens, KEY,
+            budgets=budgets, fuse=False)
 
 
 def test_timeline_metrics_average_over_the_watched_instances():

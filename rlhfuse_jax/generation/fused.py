@@ -400,6 +400,12 @@ class FusedGenerator:
     tokens, plens, uids, budgets = inst_lib.check_prompts(
         self.batch_size, self.prompt_len, self.sampling, prompt_tokens, prompt_lens, uids, budgets,
         self.cfg.vocab_size)
+    # Checked here too (the constructor checks the shapes it was given): a missing model was a
+    # bare KeyError from the loader thread, after the whole batch had decoded.
+    missing = sorted(set(self.models) - set(frozen_params))
+    if missing:
+      raise ValueError(f"frozen_params lacks {missing}: the generator scores with "
+                       f"{sorted(self.models)}")
     forced = None if rt is None else rt_choice.resolve_threshold(rt, "rt")  # None: 'auto'
     if fuse and rt is not None and forced is None:
       # Checked before anything runs (choose_rt checks too, after the placement and the cost
