@@ -172,18 +172,28 @@ def cpu_devices(n: int) -> list:
   return devices[:n]
 
 
-def trainer_setting(cfg: ablations.AblationConfig, spec: str, config_dict, workdir: str):
-  """(setting, workload, accept) of the train_ppo config `spec` (loaded once by main, before
-  the outputs start: `config_dict`) on cfg.num_devices devices: the run's workload
-  (trainer/sim_plan.workload) and the trainer's check of a plan against the run's config
-  (trainer/sim_plan.PlanCheck on fake CPU devices)."""
+def train_run(cfg: ablations.AblationConfig, config_dict) -> tuple:
+  """(devices, the resolved TrainConfig, task, tokenizer) of the train_ppo config `config_dict`
+  on cfg.num_devices fake CPU devices. main calls it before the outputs start: a config the
+  trainer refuses (a mini-batch that does not divide the batch) moved the earlier run's
+  plan.json, the file a train_ppo run's config.plan.file names, to previous/<n>."""
   devices = cpu_devices(cfg.num_devices)
   # The trainer imports jax: only here, so that the paper variants never start it.
-  from rlhfuse_jax.trainer import build, sim_plan  # pylint: disable=import-outside-toplevel
+  from rlhfuse_jax.trainer import build  # pylint: disable=import-outside-toplevel
   from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
   train = TrainConfig.from_config_dict(config_dict)
   task, tokenizer = build.build_task_and_tokenizer(train)
-  train = build.resolve_config(train, tokenizer)
+  return devices, build.resolve_config(train, tokenizer), task, tokenizer
+
+
+def trainer_setting(cfg: ablations.AblationConfig, spec: str, config_dict, workdir: str,
+                    run: tuple):
+  """(setting, workload, accept) of the train_ppo config `spec` (loaded once by main, before
+  the outputs start: `config_dict`, and `run`, train_run's) on cfg.num_devices devices: the
+  run's workload (trainer/sim_plan.workload) and the trainer's check of a plan against the
+  run's config (trainer/sim_plan.PlanCheck on fake CPU devices)."""
+  from rlhfuse_jax.trainer import sim_plan  # pylint: disable=import-outside-toplevel
+  devices, train, task, tokenizer = run
   name = os.path.splitext(os.path.basename(spec.partition(":")[0]))[0]
   wl, lengths = sim_plan.workload(train, task, tokenizer, cfg.num_devices,
                                   os.path.join(workdir, "lengths"), micro_batch=cfg.micro_batch,
@@ -229,12 +239,13 @@ def main(argv):
   if not spec and len(cfg.settings()) != 1:
     raise ValueError(f"plan search takes one setting; the config has {len(cfg.settings())} "
                      "(one pair in `pairs`, one length in `max_new_tokens`)")
+  run = train_run(cfg, train_dict) if spec else None  # the trainer's config checks
   workdir = _WORKDIR.value
   wd.start_outputs(workdir, _CONFIG.value,
                    ("result.json", "plan.json", "plan_search.md", "lengths"))
   cost, accept = ablations.cost_model(cfg), None
   if spec:
-    setting, wl, accept = trainer_setting(cfg, spec, train_dict, workdir)
+    setting, wl, accept = trainer_setting(cfg, spec, train_dict, workdir, run)
   else:
     setting = cfg.settings()[0]
     wl = ablations.workload(cfg, setting)

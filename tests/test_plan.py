@@ -619,6 +619,29 @@ def test_a_plan_searched_for_another_workload_is_warned_of(tmp_path):
       "plan_search recorded one): not compared with this run's"))
 
 
+def test_plan_search_refuses_a_train_config_before_moving_the_earlier_plan(tmp_path):
+  """A train_config the trainer refuses (a mini-batch that does not divide the batch) is refused
+  before the outputs start: it moved the earlier search's plan.json, the file a train_ppo run's
+  config.plan.file names, to previous/1 and wrote a config.json of a search that never ran.
+  (A subprocess: the binary defines absl flags.)"""
+  (tmp_path / "bad.py").write_text(
+      "from configs import ppo_tiny\n\n\ndef get_config():\n"
+      "  c = ppo_tiny.get_config()\n  c.algo.minibatch_size = 48\n  return c\n")
+  run = tmp_path / "ps"
+  run.mkdir()
+  (run / "plan.json").write_text('{"earlier": true}')
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
+       f"--config.train_config={tmp_path / 'bad.py'}", f"--workdir={run}"], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1 and ("config.algo.minibatch_size=48: expected a divisor of the "
+                                  "rollout batch") in out.stderr, out.stderr[-3000:]
+  # (traceback.txt: where the error was raised, as after any failed start)
+  assert not {"previous", "config.json"} & set(os.listdir(run)), os.listdir(run)
+  assert json.loads((run / "plan.json").read_text()) == {"earlier": True}
+
+
 def test_the_set_up_log_names_what_the_plan_file_set(tmp_path):
   """A plan file's settings are applied under fields the user may not have written (zero1 among
   them, with no way back), so the trainer's set-up log names each one (the trainer logs
