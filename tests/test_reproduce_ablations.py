@@ -97,6 +97,19 @@ def test_a_count_below_one_is_refused_by_name(field):
     ablations.AblationConfig.from_config_dict(c)
 
 
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_search_budget_that_is_not_a_positive_time_is_refused_by_name(value):
+  """sim.search_time_s=0 was accepted and failed in the first fused search, after
+  reproduce_ablations had moved the earlier outputs aside and compiled its kernels, as
+  "time_budget_s=0.0 must be > 0" (no field named)."""
+  from configs import ablations as cfg_mod
+  c = cfg_mod.get_config("quick")
+  c.sim.search_time_s = value
+  with pytest.raises(ValueError, match=rf"^sim\.search_time_s={value!r} must be a finite "
+                                       r"number of seconds > 0$"):
+    ablations.AblationConfig.from_config_dict(c)
+
+
 def test_a_calibration_of_another_model_or_machine_is_refused(tmp_path):
   """config.calibration: calibrate_sim's file (a 0.1M-parameter model on 8 fake CPU devices)
   timed a 13B/13B iteration on 64 H100s as 15.2 s instead of 6.2 s and reordered the systems,

@@ -139,6 +139,11 @@ class SimOptions:
     if not self.threshold <= 1:
       raise ValueError(f"sim.threshold={self.threshold} must be an Rt in [0, 1], or < 0 to "
                        "choose it by simulation")
+    # (0 or NaN failed in the first fused search, after reproduce_ablations had moved the
+    # earlier outputs aside, as "time_budget_s=0.0 must be > 0", naming no field)
+    t = self.search_time_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+      raise ValueError(f"sim.search_time_s={t!r} must be a finite number of seconds > 0")
 
 
 @dataclasses.dataclass(frozen=True)
