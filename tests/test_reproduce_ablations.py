@@ -110,6 +110,18 @@ def test_a_search_budget_that_is_not_a_positive_time_is_refused_by_name(value):
     ablations.AblationConfig.from_config_dict(c)
 
 
+def test_a_negative_seed_is_refused_by_name():
+  """seed=-1 was accepted and failed where the lengths were sampled, after the binary had
+  moved the earlier outputs aside, as numpy's "expected non-negative integer"."""
+  from configs import ablations as cfg_mod
+  c = cfg_mod.get_config("quick")
+  c.seed = -1
+  with pytest.raises(ValueError, match=r"^config\.seed=-1: expected an integer >= 0$"):
+    ablations.AblationConfig.from_config_dict(c)
+  c.seed = 0
+  ablations.AblationConfig.from_config_dict(c)
+
+
 def test_a_calibration_of_another_model_or_machine_is_refused(tmp_path):
   """config.calibration: calibrate_sim's file (a 0.1M-parameter model on 8 fake CPU devices)
   timed a 13B/13B iteration on 64 H100s as 15.2 s instead of 6.2 s and reordered the systems,

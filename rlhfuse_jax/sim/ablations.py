@@ -71,6 +71,10 @@ class AblationConfig:
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"config.{name}={v!r}: expected an integer >= 1")
+    # (-1, "any seed", failed in numpy's default_rng after the outputs had moved aside, as
+    # "expected non-negative integer")
+    if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+      raise ValueError(f"config.seed={self.seed!r}: expected an integer >= 0")
     get_hardware(self.hardware)
     for a, c in self.pairs:
       try:
