@@ -159,6 +159,9 @@ def test_sharded_run_equals_single_device(tmp_path):
     ({"rollout.temperature": 1e-38}, r"rollout.temperature=1e-38: expected a finite value >= "
                                      r"1e-06"),
     ({"data.length_dist": "zipf"}, "data.length_dist"),
+    # Refused when the task was built, after the workdir was locked, naming no field.
+    ({"data.length_sigma": -1.0}, "config.data.length_sigma=-1.0: expected a finite value > 0"),
+    ({"data.length_mu": float("nan")}, "config.data.length_mu=nan: expected a finite value"),
     ({"rollout.chunk_size": 4, "rollout.steps_per_check": 3},
      "rollout.steps_per_check=3: expected a positive divisor of rollout.chunk_size=4"),
     ({"algo.kl_in_reward": False, "algo.kl_estimator": "k1"},

@@ -94,6 +94,11 @@ class DataConfig:
            "'uniform' or 'lognormal'")
     _check(1 <= self.length_min <= self.length_max, "data.length_min/length_max",
            (self.length_min, self.length_max), "1 <= length_min <= length_max")
+    # (data/lengths.py refuses them too, but when the task is built: after the workdir is
+    # locked, as "sigma=-1.0: expected ...", naming no field of the config)
+    _check(math.isfinite(self.length_mu), "data.length_mu", self.length_mu, "a finite value")
+    _check(math.isfinite(self.length_sigma) and self.length_sigma > 0, "data.length_sigma",
+           self.length_sigma, "a finite value > 0")
     _check(self.max_prompt_len > 0, "data.max_prompt_len", self.max_prompt_len, "> 0")
     _check(self.overlong_prompts in ("error", "skip"), "data.overlong_prompts",
            self.overlong_prompts, "'error' or 'skip'")
