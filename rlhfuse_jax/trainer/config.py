@@ -593,8 +593,12 @@ class TrainConfig:
 
   def __post_init__(self):
     _check(self.num_iterations > 0, "num_iterations", self.num_iterations, "> 0")
-    _check(isinstance(self.seed, int) and self.seed >= 0, "seed", self.seed,
-           "an integer >= 0 (numpy seeds the prompt stream with it)")
+    # jax's random keys (the models' initialisation, sampling) keep a seed's low 32 bits only
+    # (x64 off): 2**32 + 5 drew seed 5's models and tokens beside other prompts, and a seed
+    # from 2**63 failed in set-up with an OverflowError.
+    _check(isinstance(self.seed, int) and 0 <= self.seed < 2**32, "seed", self.seed,
+           "an integer in [0, 2**32) (numpy seeds the prompt stream with it, jax's random keys "
+           "its low 32 bits)")
     _check(self.log_every > 0, "log_every", self.log_every, "> 0 (log every k iterations)")
     _check(self.log_samples >= 0, "log_samples", self.log_samples,
            ">= 0 (samples written as text every log_every iterations; 0: none)")
