@@ -68,6 +68,14 @@ def check_config(c) -> None:
   _check(0 < c.window <= 0.5, "window", c.window, "in (0, 0.5]")
   config_files.check_ints(c, ("host_devices", "parallel"))  # parallel: runs at once
   _check(len(c.seeds) >= 1, "seeds", c.seeds, "one or more seeds")
+  # A repeated entry (a seed typed twice, one config file named two ways) gave two jobs one
+  # train_ppo workdir: at once, the second was refused by the first's lock and its config lost
+  # its figures; one after the other, it read the first's finished run back as another seed.
+  for field, names in (("runs", [run_name(r, 0, 0)[:-len("_s0_seed0")] for r in c.runs]),
+                       ("staleness", list(c.staleness)), ("seeds", list(c.seeds))):
+    repeated = sorted({str(n) for n in names if names.count(n) > 1})
+    _check(not repeated, field, c[field], "distinct entries (each run gets a directory of its "
+           f"own, by config, staleness and seed): {', '.join(repeated)} repeated")
   config_files.check_int("num_iterations", c.num_iterations, 0, "0: each run config's own")
   _check(0 <= c.generation_devices < c.host_devices, "generation_devices", c.generation_devices,
          f"0 or fewer than host_devices={c.host_devices}")

@@ -506,6 +506,36 @@ for n in (400, 399):
   assert out.stdout.splitlines()[0].startswith("400 refused:"), out.stdout + out.stderr[-2000:]
 
 
+def test_bench_async_refuses_repeated_entries_that_would_share_a_run_directory():
+  """A repeated seed, staleness or run config (one file named two ways) made two jobs of one
+  train_ppo workdir: run at once, the second was refused by the first's lock; one after the
+  other, the first's run was read back as a second seed. (A subprocess: the binary defines
+  absl flags.)"""
+  code = """
+from configs import bench_async as cb
+from experiments import bench_async as b
+for field, value in (("seeds", (0, 1, 0)), ("staleness", (0, 1, 1)),
+                     ("runs", ("configs/ppo_tiny.py", "./configs/ppo_tiny.py")), ("seeds", (0, 1))):
+  c = cb.get_config()
+  c[field] = value
+  try:
+    b.check_config(c)
+    print("accepted")
+  except ValueError as e:
+    print(e)
+"""
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.splitlines()
+  expected = "expected distinct entries (each run gets a directory of its own"
+  assert lines[0].startswith("config.seeds=(0, 1, 0): " + expected), lines
+  assert lines[0].endswith(": 0 repeated"), lines
+  assert lines[1].startswith("config.staleness=(0, 1, 1): " + expected), lines
+  assert lines[2].startswith("config.runs=") and lines[2].endswith(": ppo_tiny repeated"), lines
+  assert lines[3] == "accepted", lines
+
+
 def test_bench_async_plots_reward_by_iteration_and_by_wall_time(tmp_path):
   """curves.png: the seeds' mean reward per iteration (top row) and against the summed wall
   time of the iterations (bottom row), a column per run config. (A subprocess: the binary
