@@ -67,7 +67,11 @@ def check_config(c) -> None:
          "staleness", c.staleness, "0 (the synchronous reference) first, then values >= 1")
   _check(0 < c.window <= 0.5, "window", c.window, "in (0, 0.5]")
   config_files.check_ints(c, ("host_devices", "parallel"))  # parallel: runs at once
-  _check(len(c.seeds) >= 1, "seeds", c.seeds, "one or more seeds")
+  # (Each run refused a seed train_ppo does not take after starting jax: 6 launches per
+  # seed of the default config.)
+  _check(len(c.seeds) >= 1 and all(isinstance(x, int) and not isinstance(x, bool) and
+                                   0 <= x < 2**32 for x in c.seeds), "seeds", c.seeds,
+         "one or more integers in [0, 2**32) (each run's config.seed)")
   # A repeated entry (a seed typed twice, one config file named two ways) gave two jobs one
   # train_ppo workdir: at once, the second was refused by the first's lock and its config lost
   # its figures; one after the other, it read the first's finished run back as another seed.

@@ -515,7 +515,8 @@ def test_bench_async_refuses_repeated_entries_that_would_share_a_run_directory()
 from configs import bench_async as cb
 from experiments import bench_async as b
 for field, value in (("seeds", (0, 1, 0)), ("staleness", (0, 1, 1)),
-                     ("runs", ("configs/ppo_tiny.py", "./configs/ppo_tiny.py")), ("seeds", (0, 1))):
+                     ("runs", ("configs/ppo_tiny.py", "./configs/ppo_tiny.py")), ("seeds", (0, 1)),
+                     ("seeds", (0, -1))):
   c = cb.get_config()
   c[field] = value
   try:
@@ -534,6 +535,9 @@ for field, value in (("seeds", (0, 1, 0)), ("staleness", (0, 1, 1)),
   assert lines[1].startswith("config.staleness=(0, 1, 1): " + expected), lines
   assert lines[2].startswith("config.runs=") and lines[2].endswith(": ppo_tiny repeated"), lines
   assert lines[3] == "accepted", lines
+  # A seed train_ppo refuses: each run given it started jax to say so (6 per seed here).
+  assert lines[4] == ("config.seeds=(0, -1): expected one or more integers in [0, 2**32) (each "
+                      "run's config.seed)"), lines
 
 
 def test_bench_async_plots_reward_by_iteration_and_by_wall_time(tmp_path):
