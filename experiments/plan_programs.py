@@ -270,6 +270,11 @@ class PlanConfig:
                            "0, pp 1 only: each data shard's rows at once")
     _check(isinstance(d.get("group_critic", False), bool), "group_critic", d.get("group_critic"),
            "True or False")
+    # (0 reached the trainer's PipelineConfig in make_update, after the earlier result had
+    # moved aside, as "config.pipeline.search_time_s=0.0", a field plan_check does not have)
+    t = d["search_time_s"]
+    _check(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf"),
+           "search_time_s", t, "a finite number of seconds > 0")
     seed = d.get("search_seed", 0)
     _check(isinstance(seed, int) and not isinstance(seed, bool), "search_seed", seed,
            "an integer")

@@ -372,6 +372,14 @@ def test_mesh_generation_config_errors_and_llama_presets():
     with pytest.raises(ValueError, match=rf"config\.{name}=True: expected an integer >= "
                                          rf"{minimum}{hint}"):
       plan_programs.PlanConfig.from_config_dict(d)
+  # search_time_s 0 was accepted and refused in the run, after the earlier result had moved
+  # aside, as the trainer's config.pipeline.search_time_s.
+  for value in (0.0, float("nan")):
+    c = plan_config.get_config("tiny")
+    c.search_time_s = value
+    with pytest.raises(ValueError, match=rf"^config\.search_time_s={value!r}: expected a finite "
+                                         r"number of seconds > 0$"):
+      plan_programs.PlanConfig.from_config_dict(c)
   # The presets' own layer counts are derived, not settable (accepted, then overwritten).
   d = plan_config.get_config("tiny").to_dict()
   d["actor_layers"] = 2
