@@ -153,6 +153,10 @@ def test_sharded_run_equals_single_device(tmp_path):
     ({"fusion.migration_threshold": "1.5"}, "fusion.migration_threshold"),
     ({"fusion.migration_threshold": "sometimes"}, "fusion.migration_threshold"),
     ({"model.num_heads": 3}, "model.num_heads=3"),
+    # RoPE's inverse frequencies inf or NaN, RMSNorm's rsqrt NaN: found only after compiling.
+    ({"model.rope_theta": 0.0}, "config.model.rope_theta=0.0: expected a finite value > 0"),
+    ({"critic_model.rms_norm_eps": -1e-06},
+     "config.critic_model.rms_norm_eps=-1e-06: expected a finite value >= 0"),
     ({"rollout.temperature": 0.0}, "rollout.temperature"),
     # Finite but small enough that logits / temperature overflow float32: the draw took the
     # lowest positive logit's id, not the argmax, with a NaN log-prob.

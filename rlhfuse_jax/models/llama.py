@@ -129,6 +129,13 @@ class ModelConfig:
                        f"model.num_heads={self.num_heads} when model.head_dim is 0")
     if self.head_dim_ % 2:
       raise ValueError(f"model.head_dim={self.head_dim_} must be even (RoPE rotates pairs)")
+    # (0, a negative or a NaN base made RoPE's inverse frequencies inf or NaN, and a negative
+    # epsilon RMSNorm's rsqrt NaN: the logits were NaN, seen only once a run had compiled)
+    if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+      raise ValueError(f"model.rope_theta={self.rope_theta}: expected a finite value > 0 "
+                       "(RoPE's base)")
+    if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+      raise ValueError(f"model.rms_norm_eps={self.rms_norm_eps}: expected a finite value >= 0")
     if self.rope_type not in ROPE_TYPES:
       raise ValueError(f"model.rope_type={self.rope_type!r}; expected one of {ROPE_TYPES}")
     if self.rope_type == "llama3":
