@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import importlib
 import os
 import time
 from typing import Any, Callable
@@ -617,10 +618,26 @@ def _log_scan_compile(sc: dict | None) -> None:
                  sc["unrolled_ratio"])
 
 
+def check_peer(cfg: BenchDecodeConfig) -> None:
+  """config.peer='hf' runs the peer whatever the platform: without torch or transformers the
+  run compiled and measured everything else, then ended on the ImportError (a traceback)
+  without writing result.json, the earlier one already moved aside. Checked before that."""
+  if cfg.peer != "hf" or cfg.compile_only:
+    return
+  try:
+    for name in ("torch", "transformers"):
+      importlib.import_module(name)
+  except ImportError as e:
+    raise ValueError(f"config.peer='hf': {e}; expected torch and transformers importable (the "
+                     "HF peer baseline), or config.peer='auto' (a GPU where they import) or "
+                     "'none'") from None
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   cfg = BenchDecodeConfig.from_config_dict(_CONFIG.value)
+  check_peer(cfg)
   wd.start_outputs(_WORKDIR.value, _CONFIG.value,
                    ("result.json", "calibration.json", "bench_decode.png"))
   if cfg.compile_only:

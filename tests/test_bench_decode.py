@@ -220,6 +220,33 @@ def test_compile_only_reports_memory_without_running(tmp_path):
   _check_scan_compile(result["scan_compile"])  # timed without the suite's persistent cache
 
 
+def test_an_hf_peer_without_torch_is_refused_before_the_outputs_start(tmp_path):
+  """config.peer='hf' runs the peer on any platform: without torch the run compiled and
+  measured everything, then ended on the ImportError without writing result.json, the earlier
+  run's moved aside. (torch blocked in the subprocess: the same on a machine that has it.)"""
+  (tmp_path / "result.json").write_text('{"earlier": true}')
+  argv = ["bench_decode", "--config=configs/bench_decode.py", "--config.peer=hf", *FAST,
+          "--config.batch_sizes=1", f"--workdir={tmp_path}"]
+  code = f"""
+import sys
+sys.modules["torch"] = None  # import torch: ImportError
+sys.argv = {argv!r}
+from absl import flags
+from experiments import bench_decode
+flags.FLAGS(sys.argv)
+try:
+  bench_decode.main([])
+except ValueError as e:
+  print(e)
+"""
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_bench_env(),
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert proc.stdout.startswith("config.peer='hf': import of torch halted"), proc.stdout
+  assert "expected torch and transformers importable" in proc.stdout, proc.stdout
+  assert sorted(os.listdir(tmp_path)) == ["result.json"], os.listdir(tmp_path)
+
+
 def test_train_step_is_consistent(bench):
   _, result, _ = bench
   tr = result["train"]
