@@ -51,7 +51,8 @@ def check_config(c) -> tuple[list[int], llama.ModelConfig]:
   the earlier outputs move aside: a typo left the workdir holding only the failed run's config,
   the good result in previous/<n>)."""
   config_files.check_ints(c, ("batch", "repeats"))
-  config_files.check_ints(c, ("warmup",), minimum=0)
+  # (a negative seed: numpy's default_rng refused it after the earlier outputs moved aside)
+  config_files.check_ints(c, ("warmup", "seed"), minimum=0)
   lengths = parse_lengths(c.lengths)
   try:
     cfg = llama.ModelConfig(**c.model.to_dict(), max_seq_len=max(lengths),

@@ -162,6 +162,7 @@ def check_inputs(c) -> None:
   except ValueError as e:
     raise ValueError(f"config.generation: {e}") from None
   config_files.check_int("warmup", c.warmup, 0)
+  config_files.check_int("seed", c.seed, 0)  # (numpy's default_rng refuses a negative one)
 
 
 def summarize(out: fused_lib.FusedOutput, wall_s: float) -> dict:

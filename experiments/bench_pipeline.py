@@ -94,6 +94,8 @@ class BenchPipelineConfig:
         raise ValueError(f"config.{name}={getattr(self, name)} must be >= 1")
     if self.warmup < 0:
       raise ValueError(f"config.warmup={self.warmup} must be >= 0")
+    if self.seed < 0:  # numpy's default_rng refused it after the earlier outputs moved aside
+      raise ValueError(f"config.seed={self.seed} must be >= 0")
     for name in ("bwd_ratio", "search_time_s"):
       if not getattr(self, name) > 0:
         raise ValueError(f"config.{name}={getattr(self, name)!r} must be > 0")

@@ -45,6 +45,7 @@ def check_config(c) -> tuple[llama.ModelConfig, object, list[int]]:
   cfg = llama.ModelConfig(**c.model.to_dict())
   config_files.check_ints(c, ("repeats", "slots", "chunk_size", "migrate_rows",
                              "inference_microbatch", "prompt_len", "max_new_tokens"))
+  config_files.check_int("seed", c.seed, 0)  # (numpy's default_rng refuses a negative one)
   max_len = c.prompt_len + c.max_new_tokens
   if max_len > cfg.max_seq_len:
     raise ValueError(f"config.prompt_len + config.max_new_tokens = {max_len}: expected at most "

@@ -65,6 +65,7 @@ def test_bad_batch_inputs_fail_before_the_earlier_results_move_or_anything_compi
            # (these moved the earlier outputs aside, or ran no warm-up and timed the compiles)
            ({"generation.temperature": -1.0}, "config.generation: sampling.temperature=-1.0"),
            ({"warmup": -1}, "config.warmup=-1: expected an integer >= 0"),
+           ({"seed": -1}, "config.seed=-1: expected an integer >= 0"),
            # (found by the generator once the earlier outputs had moved aside)
            ({"generation.slots": 3}, "config.generation.slots=3: 8 samples dealt to "
             "num_instances=2 put 4 in one instance; expected slots >= 4"),

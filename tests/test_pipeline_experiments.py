@@ -365,6 +365,13 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
     (["experiments.calibrate_sim", "--config=configs/calibrate_sim.py",
       "--config.occupancies=a"], "config.occupancies='a': expected comma-separated slot counts"),
     (["experiments.schedule_search"], "Flag --config must have a value other than None"),
+    # a negative seed: numpy's default_rng refused it after the earlier outputs moved aside
+    (["experiments.calibrate_sim", "--config=configs/calibrate_sim.py", "--config.seed=-1"],
+     "config.seed=-1: expected an integer >= 0"),
+    (["experiments.bench_attention", "--config=configs/bench_attention.py", "--config.seed=-1"],
+     "config.seed=-1: expected an integer >= 0"),
+    (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py", "--config.seed=-1"],
+     "config.seed=-1 must be >= 0"),
     (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
       "--config.validate.bench_generation_workdir=/nonexistent/bg"],
      "config.validate.bench_generation_workdir='/nonexistent/bg': no result.json there"),

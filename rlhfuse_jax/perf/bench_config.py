@@ -51,6 +51,8 @@ class BenchDecodeConfig:
     _check(self.max_new_tokens >= 2, "max_new_tokens", self.max_new_tokens,
            ">= 2 (the first token comes from prefill; decode makes the rest)")
     _check(self.warmup >= 0, "warmup", self.warmup, ">= 0")
+    # (numpy's default_rng refused -1 once the earlier outputs had moved aside)
+    _check(self.seed >= 0, "seed", self.seed, ">= 0")
     _check(self.steps_per_check > 0 and self.chunk_size % self.steps_per_check == 0,
            "steps_per_check", self.steps_per_check,
            f"a positive divisor of chunk_size={self.chunk_size}")
