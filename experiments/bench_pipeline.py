@@ -97,8 +97,9 @@ class BenchPipelineConfig:
     if self.seed < 0:  # numpy's default_rng refused it after the earlier outputs moved aside
       raise ValueError(f"config.seed={self.seed} must be >= 0")
     for name in ("bwd_ratio", "search_time_s"):
-      if not getattr(self, name) > 0:
-        raise ValueError(f"config.{name}={getattr(self, name)!r} must be > 0")
+      # (search_time_s inf: the schedule search never returned)
+      if not 0 < getattr(self, name) < float("inf"):
+        raise ValueError(f"config.{name}={getattr(self, name)!r} must be a finite number > 0")
 
   @classmethod
   def from_config_dict(cls, c: Any) -> "BenchPipelineConfig":

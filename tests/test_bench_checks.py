@@ -17,7 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("bench_pipeline", ["--config.critic_pp=3"], "critic_pp"),
     ("bench_pipeline", ["--config.data=4"], "config.data=4 x config.actor_pp=4 = 16 devices, but "
                                              "jax sees 8"),
-    ("bench_pipeline", ["--config.bwd_ratio=-1.0"], "config.bwd_ratio=-1.0 must be > 0"),
+    ("bench_pipeline", ["--config.bwd_ratio=-1.0"],
+     "config.bwd_ratio=-1.0 must be a finite number > 0"),
     ("reproduce_ablations", ["--config=configs/ablations.py", "--config.calibration=BAD"],
      "calibration"),
     ("bench_pipeline", ["--config.actor.num_layers=3"], "config.actor.num_layers=3 must be "

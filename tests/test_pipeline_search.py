@@ -283,6 +283,14 @@ def test_parallel_workers_keep_the_best_of_their_independent_searches():
     search.SearchConfig(list_variants=-1)
 
 
+def test_an_infinite_time_budget_is_refused():
+  """time_budget_s=inf passed (> 0): the share of the budget used stayed 0 and the search never
+  returned (a 4-stage problem still searching after 45 s; 2 s returned in 1 s)."""
+  for bad in (float("inf"), 0.0, float("nan")):
+    with pytest.raises(ValueError, match=f"time_budget_s={bad!r} must be a finite number > 0"):
+      search.SearchConfig(time_budget_s=bad)
+
+
 def test_search_counts_must_be_integers():
   # Counts that are no integers were truncated (max_evaluations=1.5) or failed later without
   # their name (seed=-1 in numpy, workers=2.0 in range()); an integral float is the integer.

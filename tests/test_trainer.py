@@ -181,6 +181,9 @@ def test_sharded_run_equals_single_device(tmp_path):
     ({"optim.weight_decay": -0.1}, "optim.weight_decay=-0.1: expected a finite value >= 0"),
     ({"rollout.temperature": float("nan")}, "rollout.temperature=nan"),
     ({"log_every": 0}, "config.log_every=0: expected > 0"),
+    # The schedule search never returned: the run hung before its first iteration.
+    ({"pipeline.search_time_s": float("inf")},
+     "config.pipeline.search_time_s=inf: expected a finite number of seconds > 0"),
     ({"seed": -1}, "config.seed=-1: expected an integer in "),
     # jax.random.key(2**32 + 5) is key(5): the models and samples of seed 5, silently.
     ({"seed": 2**32 + 5}, "config.seed=4294967301: expected an integer in "),

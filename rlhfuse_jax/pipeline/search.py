@@ -383,8 +383,9 @@ class SearchConfig:
       object.__setattr__(self, name, int(v))
     if self.seed < 0:  # numpy's default_rng takes none
       raise ValueError(f"seed={self.seed} must be >= 0")
-    if not self.time_budget_s > 0:
-      raise ValueError(f"time_budget_s={self.time_budget_s} must be > 0")
+    # (inf: the budget's share used stayed 0, and the search never returned)
+    if not 0 < self.time_budget_s < math.inf:
+      raise ValueError(f"time_budget_s={self.time_budget_s} must be a finite number > 0")
     if self.max_shift < 1:
       raise ValueError(f"max_shift={self.max_shift} must be >= 1")
     if not 0 <= self.pool_time_frac < 1 or not 0 <= self.mem_phase_frac < 1:

@@ -367,7 +367,9 @@ class PipelineConfig:
       _check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
              f"pipeline.{name}", getattr(self, name),
              "an integer >= 1, or 0 (one mini-batch row per micro-batch)")
-    _check(self.search_time_s > 0, "pipeline.search_time_s", self.search_time_s, "> 0")
+    # (inf: the search never returned, and the run never started training)
+    _check(0 < self.search_time_s < math.inf, "pipeline.search_time_s", self.search_time_s,
+           "a finite number of seconds > 0")
     _check(self.xla_opt_level >= -1, "pipeline.xla_opt_level", self.xla_opt_level,
            "-1 (XLA's default) or a level >= 0")
 
