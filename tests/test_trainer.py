@@ -153,6 +153,8 @@ def test_sharded_run_equals_single_device(tmp_path):
     ({"fusion.migration_threshold": "1.5"}, "fusion.migration_threshold"),
     ({"fusion.migration_threshold": "sometimes"}, "fusion.migration_threshold"),
     ({"model.num_heads": 3}, "model.num_heads=3"),
+    # (passed as even, then a TypeError traceback from the parameters' reshape in the set-up)
+    ({"critic_model.head_dim": -2}, "config.critic_model.head_dim=-2: expected 0"),
     # RoPE's inverse frequencies inf or NaN, RMSNorm's rsqrt NaN: found only after compiling.
     ({"model.rope_theta": 0.0}, "config.model.rope_theta=0.0: expected a finite value > 0"),
     ({"critic_model.rms_norm_eps": -1e-06},

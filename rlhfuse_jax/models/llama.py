@@ -124,6 +124,9 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
                        f"model.num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+    if int(self.head_dim) < 0:  # (-2 passed the evenness check below and failed in init)
+      raise ValueError(f"model.head_dim={self.head_dim}: expected 0 (hidden_size / num_heads) "
+                       "or a positive even size")
     if self.head_dim == 0 and self.hidden_size % self.num_heads:
       raise ValueError(f"model.hidden_size={self.hidden_size} must be divisible by "
                        f"model.num_heads={self.num_heads} when model.head_dim is 0")
