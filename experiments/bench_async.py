@@ -67,6 +67,9 @@ def check_config(c) -> None:
          "staleness", c.staleness, "0 (the synchronous reference) first, then values >= 1")
   _check(0 < c.window <= 0.5, "window", c.window, "in (0, 0.5]")
   config_files.check_ints(c, ("host_devices", "parallel"))  # parallel: runs at once
+  # (negative, summarize sliced rows[skip:-k] from the end: -3 timed the last 2 iterations, -1
+  # none, and the median fell back to every iteration, the compiles' included)
+  config_files.check_int("skip", c.skip, 0, "iterations left out of the median step time")
   # (Each run refused a seed train_ppo does not take after starting jax: 6 launches per
   # seed of the default config.)
   _check(len(c.seeds) >= 1 and all(isinstance(x, int) and not isinstance(x, bool) and

@@ -523,7 +523,7 @@ from configs import bench_async as cb
 from experiments import bench_async as b
 for field, value in (("seeds", (0, 1, 0)), ("staleness", (0, 1, 1)),
                      ("runs", ("configs/ppo_tiny.py", "./configs/ppo_tiny.py")), ("seeds", (0, 1)),
-                     ("seeds", (0, -1))):
+                     ("seeds", (0, -1)), ("skip", -1)):
   c = cb.get_config()
   c[field] = value
   try:
@@ -545,6 +545,9 @@ for field, value in (("seeds", (0, 1, 0)), ("staleness", (0, 1, 1)),
   # A seed train_ppo refuses: each run given it started jax to say so (6 per seed here).
   assert lines[4] == ("config.seeds=(0, -1): expected one or more integers in [0, 2**32) (each "
                       "run's config.seed)"), lines
+  # sliced from the end, after every run had trained: the last iterations' median, or all's
+  assert lines[5] == ("config.skip=-1: expected an integer >= 0 (iterations left out of the "
+                      "median step time)"), lines
 
 
 def test_bench_async_plots_reward_by_iteration_and_by_wall_time(tmp_path):
