@@ -276,8 +276,8 @@ class PlanConfig:
     _check(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf"),
            "search_time_s", t, "a finite number of seconds > 0")
     seed = d.get("search_seed", 0)
-    _check(isinstance(seed, int) and not isinstance(seed, bool), "search_seed", seed,
-           "an integer")
+    _check(isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0, "search_seed",
+           seed, "an integer >= 0")
     for name, zero in (("generation_devices", "generation on the training devices"),
                        ("critic_microbatch_size", "microbatch_size"),
                        ("layers", "the model's own")):

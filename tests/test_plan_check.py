@@ -374,6 +374,10 @@ def test_mesh_generation_config_errors_and_llama_presets():
       plan_programs.PlanConfig.from_config_dict(d)
   # search_time_s 0 was accepted and refused in the run, after the earlier result had moved
   # aside, as the trainer's config.pipeline.search_time_s.
+  c = plan_config.get_config("tiny")
+  c.search_seed = -1  # (refused by the search, after the earlier result had moved aside)
+  with pytest.raises(ValueError, match=r"^config\.search_seed=-1: expected an integer >= 0$"):
+    plan_programs.PlanConfig.from_config_dict(c)
   for value in (0.0, float("nan")):
     c = plan_config.get_config("tiny")
     c.search_time_s = value

@@ -183,6 +183,8 @@ def test_sharded_run_equals_single_device(tmp_path):
     ({"optim.weight_decay": -0.1}, "optim.weight_decay=-0.1: expected a finite value >= 0"),
     ({"rollout.temperature": float("nan")}, "rollout.temperature=nan"),
     ({"log_every": 0}, "config.log_every=0: expected > 0"),
+    # The fused schedule's search refused it in the set-up, as "seed=-1 must be >= 0".
+    ({"pipeline.search_seed": -1}, "config.pipeline.search_seed=-1: expected >= 0"),
     # The schedule search never returned: the run hung before its first iteration.
     ({"pipeline.search_time_s": float("inf")},
      "config.pipeline.search_time_s=inf: expected a finite number of seconds > 0"),

@@ -370,6 +370,9 @@ class PipelineConfig:
     # (inf: the search never returned, and the run never started training)
     _check(0 < self.search_time_s < math.inf, "pipeline.search_time_s", self.search_time_s,
            "a finite number of seconds > 0")
+    # (the search refused a negative one when the update was built, in the set-up after the
+    # workdir was locked, as "seed=-1 must be >= 0")
+    _check(self.search_seed >= 0, "pipeline.search_seed", self.search_seed, ">= 0")
     _check(self.xla_opt_level >= -1, "pipeline.xla_opt_level", self.xla_opt_level,
            "-1 (XLA's default) or a level >= 0")
 
