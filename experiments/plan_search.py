@@ -173,17 +173,19 @@ def cpu_devices(n: int) -> list:
 
 
 def train_run(cfg: ablations.AblationConfig, config_dict) -> tuple:
-  """(devices, the resolved TrainConfig, task, tokenizer) of the train_ppo config `config_dict`
-  on cfg.num_devices fake CPU devices. main calls it before the outputs start: a config the
-  trainer refuses (a mini-batch that does not divide the batch) moved the earlier run's
-  plan.json, the file a train_ppo run's config.plan.file names, to previous/<n>."""
+  """(devices, the resolved TrainConfig, task, tokenizer, its prompts: build.build_dataset) of
+  the train_ppo config `config_dict` on cfg.num_devices fake CPU devices. main calls it before
+  the outputs start: a config the trainer refuses (a mini-batch that does not divide the batch,
+  a prompts file with a bad row) moved the earlier run's plan.json, the file a train_ppo run's
+  config.plan.file names, to previous/<n>."""
   devices = cpu_devices(cfg.num_devices)
   # The trainer imports jax: only here, so that the paper variants never start it.
   from rlhfuse_jax.trainer import build  # pylint: disable=import-outside-toplevel
   from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
   train = TrainConfig.from_config_dict(config_dict)
   task, tokenizer = build.build_task_and_tokenizer(train)
-  return devices, build.resolve_config(train, tokenizer), task, tokenizer
+  train = build.resolve_config(train, tokenizer)
+  return devices, train, task, tokenizer, build.build_dataset(train, task, tokenizer)
 
 
 def trainer_setting(cfg: ablations.AblationConfig, spec: str, config_dict, workdir: str,
@@ -193,11 +195,11 @@ def trainer_setting(cfg: ablations.AblationConfig, spec: str, config_dict, workd
   run's workload (trainer/sim_plan.workload) and the trainer's check of a plan against the
   run's config (trainer/sim_plan.PlanCheck on fake CPU devices)."""
   from rlhfuse_jax.trainer import sim_plan  # pylint: disable=import-outside-toplevel
-  devices, train, task, tokenizer = run
+  devices, train, task, tokenizer, dataset = run
   name = os.path.splitext(os.path.basename(spec.partition(":")[0]))[0]
   wl, lengths = sim_plan.workload(train, task, tokenizer, cfg.num_devices,
                                   os.path.join(workdir, "lengths"), micro_batch=cfg.micro_batch,
-                                  seed=cfg.seed, name=name)
+                                  seed=cfg.seed, name=name, dataset=dataset)
   setting = {"label": spec, "train_config": spec, "hardware": cfg.hardware,
              "num_devices": cfg.num_devices, "global_batch": wl.global_batch,
              "minibatch": wl.minibatch, "epochs": wl.epochs, "max_new_tokens": wl.max_new_tokens,

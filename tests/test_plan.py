@@ -619,14 +619,23 @@ def test_a_plan_searched_for_another_workload_is_warned_of(tmp_path):
       "plan_search recorded one): not compared with this run's"))
 
 
-def test_plan_search_refuses_a_train_config_before_moving_the_earlier_plan(tmp_path):
-  """A train_config the trainer refuses (a mini-batch that does not divide the batch) is refused
-  before the outputs start: it moved the earlier search's plan.json, the file a train_ppo run's
-  config.plan.file names, to previous/1 and wrote a config.json of a search that never ran.
-  (A subprocess: the binary defines absl flags.)"""
+@pytest.mark.parametrize("setting, message", [
+    ("c.algo.minibatch_size = 48",
+     "config.algo.minibatch_size=48: expected a divisor of the rollout batch"),
+    # a prompts file with a bad row: read with the workload, after the outputs had started
+    ("c.data.prompts_file = PROMPTS", "bad.jsonl:2: invalid JSON"),
+])
+def test_plan_search_refuses_a_train_config_before_moving_the_earlier_plan(tmp_path, setting,
+                                                                             message):
+  """A train_config the trainer refuses (a mini-batch that does not divide the batch, a prompts
+  file with a bad row) is refused before the outputs start: it moved the earlier search's
+  plan.json, the file a train_ppo run's config.plan.file names, to previous/1 and wrote a
+  config.json of a search that never ran. (A subprocess: the binary defines absl flags.)"""
+  (tmp_path / "bad.jsonl").write_text('{"prompt": "#3 =", "target": "#2"}\n{"prompt": \n')
+  setting = setting.replace("PROMPTS", repr(str(tmp_path / "bad.jsonl")))
   (tmp_path / "bad.py").write_text(
       "from configs import ppo_tiny\n\n\ndef get_config():\n"
-      "  c = ppo_tiny.get_config()\n  c.algo.minibatch_size = 48\n  return c\n")
+      f"  c = ppo_tiny.get_config()\n  {setting}\n  return c\n")
   run = tmp_path / "ps"
   run.mkdir()
   (run / "plan.json").write_text('{"earlier": true}')
@@ -635,8 +644,7 @@ def test_plan_search_refuses_a_train_config_before_moving_the_earlier_plan(tmp_p
       [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
        f"--config.train_config={tmp_path / 'bad.py'}", f"--workdir={run}"], cwd=ROOT, env=env,
       capture_output=True, text=True, timeout=300)
-  assert out.returncode == 1 and ("config.algo.minibatch_size=48: expected a divisor of the "
-                                  "rollout batch") in out.stderr, out.stderr[-3000:]
+  assert out.returncode == 1 and message in out.stderr, out.stderr[-3000:]
   # (traceback.txt: where the error was raised, as after any failed start)
   assert not {"previous", "config.json"} & set(os.listdir(run)), os.listdir(run)
   assert json.loads((run / "plan.json").read_text()) == {"earlier": True}

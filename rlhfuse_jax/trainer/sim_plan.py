@@ -43,12 +43,14 @@ def _lengths_file(path: str, lengths: np.ndarray) -> str:
 
 
 def workload(cfg: TrainConfig, task: Any, tokenizer: Any, num_devices: int, lengths_dir: str,
-             micro_batch: int = 1, seed: int = 0, name: str = "run"
+             micro_batch: int = 1, seed: int = 0, name: str = "run", dataset: Any = None
              ) -> tuple[iteration_sim.Workload, dict]:
   """(the Workload of `cfg`, resolved (build.resolve_config), on `num_devices` devices; what its
   lengths are, for reports). The prompt and response length files are written into
-  `lengths_dir` (prompt_lengths.txt, response_lengths.txt)."""
-  dataset = build.build_dataset(cfg, task, tokenizer)
+  `lengths_dir` (prompt_lengths.txt, response_lengths.txt). `dataset`: the run's
+  build.build_dataset, when the caller has built it already (None: built here)."""
+  if dataset is None:
+    dataset = build.build_dataset(cfg, task, tokenizer)
   prompts = np.asarray(dataset.lengths, np.int64)
   prompt = LengthSpec(kind="empirical", min_len=1, max_len=cfg.data.max_prompt_len,
                       path=_lengths_file(os.path.join(lengths_dir, "prompt_lengths.txt"),
