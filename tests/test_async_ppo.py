@@ -220,3 +220,20 @@ def test_a_weight_cap_beside_the_behaviour_objective_is_said_to_do_nothing(caplo
   with caplog.at_level("WARNING"):  # the default cap is no choice of the user's
     _async_unused(tiny_config(**{"async_ppo.staleness": 1}))
   assert "not used" not in caplog.text
+
+
+def test_the_resume_warning_for_missing_in_flight_batches_counts_from_1(caplog):
+  """A run extended past its old num_iterations resumes from a checkpoint with no batch in
+  flight: the warning names the iteration it resumes at as every log line does, from 1 (it said
+  "resuming at iteration 3 ... for iteration(s) [4, 5]" when resuming at iteration 4)."""
+  import types
+  generated = []
+  stub = types.SimpleNamespace(
+      cfg=tiny_config(num_iterations=5, **{"async_ppo.staleness": 2}), in_flight={},
+      _generation_params=lambda: None,
+      _generate=lambda j, params, version: generated.append((j, version)) or j)
+  with caplog.at_level("WARNING"):
+    PPOTrainer._fill_in_flight(stub, 3)
+  assert generated == [(3, 3), (4, 3)]
+  assert ("resuming at iteration 4: the checkpoint holds no batch in flight for iteration(s) "
+          "[4, 5]" in caplog.text), caplog.text

@@ -926,7 +926,7 @@ class PPOTrainer:
           "resuming at iteration %d: the checkpoint holds no batch in flight for iteration(s) "
           "%s (it ended the run at a smaller num_iterations); generating them with the restored "
           "policy, so from here the run differs from one that had this num_iterations from the "
-          "start", start, [j + 1 for j in missing])
+          "start", start + 1, [j + 1 for j in missing])  # 1-based, as every line of the log
     logging.info("async PPO: generating the first %d batch(es) before training (staleness %d)",
                  len(missing), k)
     params = self._generation_params()
