@@ -338,6 +338,24 @@ def test_a_tensor_that_is_not_floating_point_is_refused(tmp_path, dtype):
     hf_loader.load_hf_params(ckpt, hf_loader.load_hf_config(ckpt))
 
 
+def test_a_quantized_checkpoint_is_refused_naming_its_quantization_config(tmp_path):
+  """A GPTQ checkpoint (qweight/scales in place of each projection's weight, as Qwen publishes
+  its -GPTQ-Int4 models) was refused for "lacking" model.layers.0.mlp.down_proj.weight, ...:
+  nothing said it was quantized. config.json's quantization_config says it first."""
+  def gptq(t):
+    for name in [n for n in t if n.endswith("proj.weight")]:
+      w = t.pop(name)
+      t[name[:-len("weight")] + "qweight"] = np.zeros((w.shape[1] // 8, w.shape[0]), np.int32)
+      t[name[:-len("weight")] + "scales"] = np.ones((1, w.shape[0]), np.float16)
+  ckpt = _copy(QWEN2, str(tmp_path / "c"), edit_tensors=gptq, edit_config=lambda c: c.update(
+      quantization_config={"quant_method": "gptq", "bits": 4}))
+  with pytest.raises(ValueError, match=r"c/config\.json: quantization_config is set "
+                     r"\(quant_method='gptq'\): quantized checkpoints are not supported"):
+    hf_loader.load_hf_config(ckpt)
+  with open(os.path.join(QWEN2, "config.json")) as f:  # null: no quantization
+    assert hf_loader.config_from_hf(dict(json.load(f), quantization_config=None)).qkv_bias
+
+
 def test_unexpected_tensors_listed_but_inv_freq_is_harmless(tmp_path):
   def add(t):
     t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)

@@ -15,8 +15,8 @@ buffers, and an LM head that a scalar-head model does not use, are skipped).
 
 Configs are strict too: a feature our model does not implement (RoPE scaling other than
 "llama3", partial rotary embeddings, sliding-window attention that is actually reached, biases on
-the MLP, another activation) raises an error that names the config.json field, rather than
-producing a model that quietly computes something else.
+the MLP, another activation, quantized weights) raises an error that names the config.json
+field, rather than producing a model that quietly computes something else.
 
 Export (`save_hf_checkpoint`) writes the family's config.json (transformers' legacy field names,
 `rope_theta` + `rope_scaling` + `torch_dtype`, as transformers 4.x writes them and 5.x still
@@ -263,6 +263,15 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
     raise ValueError(f"{where}: hidden_act={act!r} is not supported; expected 'silu' (SwiGLU)")
   if hf.get("mlp_bias"):
     raise ValueError(f"{where}: mlp_bias=true is not supported (our MLP has no biases)")
+  # A quantized checkpoint (GPTQ, AWQ, FP8, bitsandbytes) stores its projections under other
+  # names or with scale tensors: the tensor checks then reported "lacks tensor(s)" or "has
+  # tensor(s) this config does not use" without saying why.
+  quant = hf.get("quantization_config")
+  if quant is not None:
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    raise ValueError(f"{where}: quantization_config is set (quant_method={method!r}): "
+                     "quantized checkpoints are not supported; expected the unquantized model "
+                     "(float32, bfloat16 or float16 weights)")
   # transformers 5 writes "dtype", 4 "torch_dtype"; a null one does not hide the other.
   key = "dtype" if hf.get("dtype") is not None else "torch_dtype"
   dtype_name = hf.get(key) or "float32"
