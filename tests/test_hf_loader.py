@@ -338,6 +338,18 @@ def test_a_tensor_that_is_not_floating_point_is_refused(tmp_path, dtype):
     hf_loader.load_hf_params(ckpt, hf_loader.load_hf_config(ckpt))
 
 
+def test_an_fp8_tensor_is_refused_as_quantized_not_blamed_on_the_index(tmp_path):
+  """numpy holds no float8: reading one raised inside safetensors, and the error said the
+  single-file checkpoint's model.safetensors.index.json 'may name the wrong shard for it'."""
+  name = "model.layers.0.mlp.up_proj.weight"
+  def fp8(t):
+    t[name] = t[name].astype(ml_dtypes.float8_e4m3fn)
+  ckpt = _copy(LLAMA, str(tmp_path / "c"), edit_tensors=fp8)
+  with pytest.raises(ValueError, match=rf"model.safetensors: tensor {name} has dtype F8_E4M3; "
+                     r"expected one of .* \(quantized checkpoints are not supported\)$"):
+    hf_loader.load_hf_params(ckpt, hf_loader.load_hf_config(ckpt))
+
+
 def test_a_quantized_checkpoint_is_refused_naming_its_quantization_config(tmp_path):
   """A GPTQ checkpoint (qweight/scales in place of each projection's weight, as Qwen publishes
   its -GPTQ-Int4 models) was refused for "lacking" model.layers.0.mlp.down_proj.weight, ...:

@@ -72,6 +72,8 @@ _ROPE_KEYS = {
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Tensor dtypes a checkpoint may store (float64 converts exactly enough; cast to param_dtype).
 _TENSOR_DTYPES = tuple(np.dtype(t) for t in (*_NP_DTYPES.values(), np.float64))
+# The same dtypes as a safetensors header spells them.
+_HEADER_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
 def _check_weight(x: np.ndarray, what: str, dtype_hint: str, nonfinite_hint: str) -> None:
@@ -475,6 +477,16 @@ class _Checkpoint:
     except ValueError:
       raise  # _handle's own, naming the file already
     except Exception as e:  # noqa: BLE001 SafetensorError is not importable as a Python type
+      # The tensor is in the file but numpy cannot hold its dtype (FP8, FP4): a quantized
+      # checkpoint, which the index hint below sent looking for a wrong shard.
+      try:
+        kind = self._handle(name).get_slice(name).get_dtype()
+      except Exception:  # noqa: BLE001 not in this file: the index's fault
+        kind = None
+      if kind is not None and kind not in _HEADER_DTYPES:
+        raise ValueError(f"{self.files[name]}: tensor {name} has dtype {kind}; expected one of "
+                         f"{sorted(d.name for d in _TENSOR_DTYPES)} (quantized checkpoints are "
+                         "not supported)") from e
       raise ValueError(f"{self.files[name]}: cannot read tensor {name} ({e}); the checkpoint's "
                        f"{INDEX_FILE} may name the wrong shard for it") from e
 
