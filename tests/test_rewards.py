@@ -115,6 +115,18 @@ def test_the_sign_before_a_dollar_sign_is_kept(text, number):
   assert verifiers.final_number(text) == number
 
 
+@pytest.mark.parametrize("text, number", [
+    ("it fell to \u22125 degrees", -5), ("#### \u2212$1,000", -1000), ("$\u22122.5", -2.5),
+    ("10\u22123", 3)])
+def test_a_unicode_minus_sign_is_a_sign(text, number):
+  """U+2212, the minus sign of typeset text, read as no sign: '\u22125' was 5 and scored 1
+  against an answer of 5 (and 0 against -5)."""
+  assert verifiers.final_number(text) == number
+  assert verifiers.gsm8k("it fell to \u22125 degrees", "#### 5", {}) == 0.0
+  assert verifiers.gsm8k("it fell to \u22125 degrees", "#### -5", {}) == 1.0
+  assert verifiers.gsm8k_format("so #### \u22125", None, {}) == 1.0
+
+
 @pytest.mark.parametrize("response, score", [
     ("#### -$15", 1.0), ("#### $-15", 1.0), ("#### -15", 1.0), ("#### --15", 0.0)])
 def test_gsm8k_format_takes_a_sign_before_the_dollar(response, score):

@@ -8,8 +8,8 @@ name the function and the sample in every error.
   gsm8k          1.0 if the response's final number equals the answer's. The final number is
                  the first number after the last '####' when there is one (GSM8K's own answer
                  format), else the last number in the text; commas in thousands groups and a
-                 leading '$' are ignored (a sign before it kept: -$15 is -15), and numbers
-                 compare exactly as decimals (72 == 72.0).
+                 leading '$' are ignored (a sign before it kept: -$15 is -15), a minus is '-'
+                 or U+2212, and numbers compare exactly as decimals (72 == 72.0).
   math           1.0 if the response's last \\boxed{...} is mathematically equal to the answer,
                  as math-verify decides (sympy: 1/2 == 0.5 == \\dfrac12, x^2+1 == 1+x^2, sets,
                  intervals, equations x=2 vs 2). No \\boxed in the response: 0. The answer may be
@@ -34,15 +34,18 @@ from typing import Any, Mapping, Optional
 
 from rlhfuse_jax.data.records import PROMPT_TEXT_KEY
 
+# A minus sign: ASCII '-' or U+2212 MINUS SIGN, which typeset text and some models write: read
+# as no sign, U+2212 then 5 was the number 5, and scored right against an answer of 5.
+_MINUS = "-\u2212"
 # A number: thousands-grouped (1,234.5), plain (1234.5, -3) or a bare fraction part (.5). A
 # group of more than three digits is no thousands group: "1,2345" is the numbers 1 and 2345
 # (without the (?!\d), "1,234" matched and the 5 was lost: "1,234567" read as 1234).
-_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+_NUMBER = r"[" + _MINUS + r"]?(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
 # A leading '$' may carry the sign before it ("-$15") or the number after it ("$-15"), with
 # spaces after it. No two `\s*` may meet (nor one open a match): on a long run of whitespace,
 # which a degenerate policy emits, each start re-scanned the run: quadratic, ~20 s per
 # 16k-space response.
-_CURRENCY = r"(?:(-\s*\$|\$)\s*)?"
+_CURRENCY = r"(?:([" + _MINUS + r"]\s*\$|\$)\s*)?"
 _NUMBER_RE = re.compile(r"(?<![\w.])" + _CURRENCY + r"(" + _NUMBER + r")")
 _GSM8K_FORMAT_RE = re.compile(r"####\s*" + _CURRENCY + _NUMBER + r"(?:\s*\.)?\s*$")
 _THINK_RE = re.compile(r"\s*<think>.*?</think>\s*\S.*", re.S)
@@ -61,8 +64,8 @@ def final_number(text: str) -> Optional[decimal.Decimal]:
       pass
   if found is None:
     return None
-  value = decimal.Decimal(found.group(2).replace(",", ""))
-  return -value if (found.group(1) or "").startswith("-") else value
+  value = decimal.Decimal(found.group(2).replace(",", "").replace("\u2212", "-"))
+  return -value if (found.group(1) or "")[:1] in ("-", "\u2212") else value
 
 
 def gsm8k(response: str, answer: Optional[str], record: Mapping[str, Any]) -> float:
