@@ -3,6 +3,7 @@ file and the row, the seeded train/validation split, and build_datasets end to e
 template, held-out prompts, the tokens the trainer would generate from)."""
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -257,6 +258,18 @@ def test_an_empty_answer_is_named_as_empty_not_missing(tmp_path):
     load_records(path, "q", "label", require_answer=True)
   assert [r.get("target") for r in load_records(path, "q", "label")] == ["2", None]
 
+
+
+@pytest.mark.parametrize("blank", ["", "  \n"])
+def test_a_blank_answer_is_refused_when_the_reward_verifies(tmp_path, blank):
+  """A blank answer string passed the load and stopped the run mid-training, when the verifier
+  first met its row ("the answer '' holds no number"); it is named at the start, as null is."""
+  path = _jsonl(tmp_path / "d.jsonl", [{"q": "1+1?", "label": "2"}, {"q": "2+2?", "label": blank}])
+  with pytest.raises(ValueError, match=r"d\.jsonl:2: answer field 'label' is empty \(" +
+                     re.escape(repr(blank)) + r"\) on this row"):
+    load_records(path, "q", "label", require_answer=True)
+  # Without a verifier the row keeps its answer as it is (a user's function may read it).
+  assert [r["target"] for r in load_records(path, "q", "label")] == ["2", blank]
 
 def test_split_is_seeded_disjoint_and_ordered():
   records = [{"prompt": f"p{i}", "i": i} for i in range(20)]

@@ -193,7 +193,10 @@ def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSW
     record = dict(row)
     record[PROMPT_KEY] = check_prompt(prompt, where_, prompt_key)
     answer = lookup(row, answer_key)
-    if answer is _MISSING or answer is None or _is_nan(answer):  # NaN: pandas' missing value
+    # A blank answer verifies nothing either: it passed here and stopped the run mid-training,
+    # when its row was first drawn ("the answer '' holds no number").
+    blank = require_answer and isinstance(answer, str) and not answer.strip()
+    if answer is _MISSING or answer is None or _is_nan(answer) or blank:  # NaN: pandas' missing
       if require_answer and answer is not _MISSING:  # the field is there, without a value
         raise ValueError(f"{where_}: answer field '{answer_key}' is empty ({answer!r}) on this "
                          "row; every row needs an answer when the run's reward verifies "
