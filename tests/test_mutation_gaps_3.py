@@ -325,8 +325,8 @@ def test_a_task_reward_needs_an_answer_in_every_row():
   """build._needs_answer: reward.function='task' verifies against each record's target, so a
   prompts file without answers is refused when it is read, not at the first reward."""
   def cfg(function, fmt=""):
-    return types.SimpleNamespace(reward=types.SimpleNamespace(kind="function",
-                                                              function=function, format=fmt))
+    return types.SimpleNamespace(reward=types.SimpleNamespace(
+        kind="function", function=function, format=fmt, stat_specs=[]))
   assert build._needs_answer(cfg("task"))  # pylint: disable=protected-access
   assert build._needs_answer(cfg("exact_match"))  # pylint: disable=protected-access
   assert not build._needs_answer(cfg("my_pkg.rewards:score"))  # pylint: disable=protected-access

@@ -547,6 +547,19 @@ def test_batch_function_errors_are_named_by_the_resolver():
     rewards.combine([{}, {}], np.zeros((2, 3), np.int32), np.ones(2, np.int32))
 
 
+
+def test_a_statistic_that_verifies_needs_every_answer_at_the_start(tmp_path):
+  """reward.stats=gsm8k beside a reward that reads no answer: a row without one passed the load
+  and stopped the run once drawn, mid-training; it is named when the prompts load."""
+  path = tmp_path / "t.jsonl"
+  path.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?"}\n')
+  user = {"reward.function": "tests.test_rewards:with_defaults", "data.prompts_file": str(path),
+          "data.answer_key": "answer"}
+  build.load_prompt_records(tiny_config(**user), None)  # no verifier: the row may lack one
+  with pytest.raises(ValueError, match=r"t\.jsonl:2: missing answer field 'answer'"):
+    build.load_prompt_records(tiny_config(**user, **{"reward.stats": "gsm8k"}), None)
+  assert not build._needs_answer(tiny_config(**user, **{"reward.stats": "boxed_format"}))
+
 def test_reward_config_checks():
   # A reward model takes a second function too (a length penalty, a format reward).
   model = {"reward.kind": "model", "reward.model_checkpoint": "/x"}

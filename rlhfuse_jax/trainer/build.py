@@ -110,9 +110,11 @@ def _reward_names(cfg: TrainConfig) -> set[str]:
 
 
 def _needs_answer(cfg: TrainConfig) -> bool:
-  """Whether the run's reward verifies against each record's answer (then every row needs
-  one; a reward model or a user's function may do without)."""
-  names = _reward_names(cfg)
+  """Whether the run's reward or a statistic (reward.stats) verifies against each record's
+  answer (then every row needs one; a reward model or a user's function may do without). A
+  statistic's verifier stops the run on a row without one as a reward's does, but only once
+  the row is drawn: mid-training, where the load would have named it."""
+  names = _reward_names(cfg) | set(cfg.reward.stat_specs)
   return "task" in names or bool(names & rewards_lib.NEEDS_ANSWER)
 
 
