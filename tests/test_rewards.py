@@ -560,6 +560,18 @@ def test_a_statistic_that_verifies_needs_every_answer_at_the_start(tmp_path):
     build.load_prompt_records(tiny_config(**user, **{"reward.stats": "gsm8k"}), None)
   assert not build._needs_answer(tiny_config(**user, **{"reward.stats": "boxed_format"}))
 
+
+def test_a_registered_verifier_as_a_statistic_is_named_a_statistic(tok):
+  """reward.stats=gsm8k failed as "reward function 'gsm8k' failed ...", sending the user to
+  reward.function; it is the statistic that failed."""
+  ids, lens = _batch(tok, ["4"])
+  cfg = tiny_config(**{"reward.function": "tests.test_rewards:with_defaults",
+                       "reward.stats": "gsm8k"})
+  with pytest.raises(ValueError, match=r"^statistic 'gsm8k' failed on sample 0 \(answer 'many'"):
+    build.build_rewards(cfg, None, tok, None, None).combine([{"target": "many"}], ids, lens)
+  got = build.build_rewards(cfg, None, tok, None, None).combine([{"target": "4"}], ids, lens)
+  assert got[1]["stats/gsm8k_mean"] == 1.0
+
 def test_reward_config_checks():
   # A reward model takes a second function too (a length penalty, a format reward).
   model = {"reward.kind": "model", "reward.model_checkpoint": "/x"}

@@ -342,6 +342,8 @@ def get_reward_function(name: str, stat: bool = False) -> RewardFn:
   ('package.module:function': per sample, see `per_sample`, or once per batch when the function
   has `batched = True`, see `per_batch`); the error lists the known names. `stat`: a statistic
   (config.reward.stats), which may return NaN for a sample it has no value for."""
+  if stat and name in verifiers.VERIFIERS:  # its errors say "statistic", not "reward function"
+    return per_sample(verifiers.VERIFIERS[name], name, stat)
   if name in REWARD_FUNCTIONS:
     return REWARD_FUNCTIONS[name]
   if ":" in name:
