@@ -127,6 +127,7 @@ def test_lookup_prefers_a_literal_dotted_key():
 @pytest.mark.parametrize("row, expected", [
     ({"q": "x"}, r"missing prompt field 'prompt' \(keys: \['q'\]\); set config\.data\.prompt_key"),
     ({"prompt": ""}, "field 'prompt' is an empty string"),
+    ({"prompt": " \n\t"}, r"field 'prompt' is blank \(' \\n\\t'\); expected a prompt"),
     ({"prompt": []}, "field 'prompt' is an empty list"),
     ({"prompt": 3}, "field 'prompt' must be a string or a list of messages, got int"),
     ({"prompt": ["hi"]}, "field 'prompt' message 0 is a str; expected an object"),

@@ -106,10 +106,12 @@ def lookup(row: Mapping[str, Any], key: str) -> Any:
 
 
 def check_prompt(prompt: Any, where_: str, key: str) -> Any:
-  """A string, or a non-empty list of {'role': str, 'content': str} messages."""
+  """A string that is not blank, or a non-empty list of {'role': str, 'content': str}
+  messages."""
   if isinstance(prompt, str):
-    if not prompt:
-      raise ValueError(f"{where_}: field '{key}' is an empty string; expected a prompt")
+    if not prompt.strip():  # whitespace alone asks nothing either (it was trained on as is)
+      what = "an empty string" if not prompt else f"blank ({prompt!r:.40})"
+      raise ValueError(f"{where_}: field '{key}' is {what}; expected a prompt")
     return check_unicode(prompt, where_, key)
   if isinstance(prompt, (list, tuple)):
     if not prompt:
