@@ -116,6 +116,17 @@ def test_the_sign_before_a_dollar_sign_is_kept(text, number):
 
 
 @pytest.mark.parametrize("text, number", [
+    ("so $\\boxed{10,\\!000}$", 10000), ("#### 1,\\!234,\\!567.5", 1234567.5),
+    ("$1{,}250$ in all", 1250), ("-$2{,}000", -2000)])
+def test_latex_thousands_commas_are_commas(text, number):
+  """MATH-trained models write thousands as '10,\\!000' or '10{,}000': read as they were, the
+  final number was 000 (or 10 after '####'), and a right answer scored 0."""
+  assert verifiers.final_number(text) == number
+  assert verifiers.gsm8k("so the total is $10,\\!000$.", "#### 10,000", {}) == 1.0
+  assert verifiers.gsm8k_format("#### 10{,}000", None, {}) == 1.0
+
+
+@pytest.mark.parametrize("text, number", [
     ("it fell to \u22125 degrees", -5), ("#### \u2212$1,000", -1000), ("$\u22122.5", -2.5),
     ("10\u22123", 3)])
 def test_a_unicode_minus_sign_is_a_sign(text, number):

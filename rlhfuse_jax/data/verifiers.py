@@ -8,8 +8,9 @@ name the function and the sample in every error.
   gsm8k          1.0 if the response's final number equals the answer's. The final number is
                  the first number after the last '####' when there is one (GSM8K's own answer
                  format), else the last number in the text; commas in thousands groups and a
-                 leading '$' are ignored (a sign before it kept: -$15 is -15), a minus is '-'
-                 or U+2212, and numbers compare exactly as decimals (72 == 72.0).
+                 leading '$' are ignored (a sign before it kept: -$15 is -15; LaTeX's ',\\!'
+                 and '{,}' are commas), a minus is '-' or U+2212, and numbers compare exactly
+                 as decimals (72 == 72.0).
   math           1.0 if the response's last \\boxed{...} is mathematically equal to the answer,
                  as math-verify decides (sympy: 1/2 == 0.5 == \\dfrac12, x^2+1 == 1+x^2, sets,
                  intervals, equations x=2 vs 2). No \\boxed in the response: 0. The answer may be
@@ -54,8 +55,15 @@ _THINK_RE = re.compile(r"\s*<think>.*?</think>\s*\S.*", re.S)
 _THINK_OPENED_RE = re.compile(r".*?</think>\s*\S.*", re.S)
 
 
+def _latex_commas(text: str) -> str:
+  """`text` with LaTeX's spellings of a thousands comma, ',\\!' (MATH's: '10,\\!000') and '{,}',
+  as a plain ','. Read as they were, '10,\\!000' was the numbers 10 and 000, a right answer 0."""
+  return text.replace(",\\!", ",").replace("{,}", ",")
+
+
 def final_number(text: str) -> Optional[decimal.Decimal]:
   """The final number of a GSM8K-style text (see the module docstring); None if it has none."""
+  text = _latex_commas(text)
   if "####" in text:
     found = _NUMBER_RE.search(text.rsplit("####", 1)[1])
   else:
@@ -125,7 +133,7 @@ def boxed_format(response: str, answer: Optional[str], record: Mapping[str, Any]
 
 
 def gsm8k_format(response: str, answer: Optional[str], record: Mapping[str, Any]) -> float:
-  return float(_GSM8K_FORMAT_RE.search(response) is not None)
+  return float(_GSM8K_FORMAT_RE.search(_latex_commas(response)) is not None)
 
 
 def think_format(response: str, answer: Optional[str], record: Mapping[str, Any]) -> float:
