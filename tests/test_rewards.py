@@ -116,6 +116,17 @@ def test_the_sign_before_a_dollar_sign_is_kept(text, number):
 
 
 @pytest.mark.parametrize("text, number", [
+    ("所以她一共卖了72个。", 72), ("答案是 -5", -5), ("答えは１２です", 12), ("x72", None),
+    ("v1.5", None), ("10-3", 3)])
+def test_a_number_right_after_a_cjk_character_is_read(text, number):
+  """Chinese and Japanese write no space before a number: a lookbehind of `\\w` (every
+  script's letters) read no number in '共72个', so a right answer in Chinese scored 0. Inside an
+  ASCII word ('x72', 'v1.5') a number is still none, and a '-' after a digit a hyphen."""
+  assert verifiers.final_number(text) == number
+  assert verifiers.gsm8k("所以她一共卖了72个。", "#### 72", {}) == 1.0
+
+
+@pytest.mark.parametrize("text, number", [
     ("so $\\boxed{10,\\!000}$", 10000), ("#### 1,\\!234,\\!567.5", 1234567.5),
     ("$1{,}250$ in all", 1250), ("-$2{,}000", -2000)])
 def test_latex_thousands_commas_are_commas(text, number):

@@ -47,7 +47,10 @@ _NUMBER = r"[" + _MINUS + r"]?(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)
 # which a degenerate policy emits, each start re-scanned the run: quadratic, ~20 s per
 # 16k-space response.
 _CURRENCY = r"(?:([" + _MINUS + r"]\s*\$|\$)\s*)?"
-_NUMBER_RE = re.compile(r"(?<![\w.])" + _CURRENCY + r"(" + _NUMBER + r")")
+# Not inside a word ('x72', 'v1.5'): an ASCII letter, digit, '_' or '.' before it. Not `\w`,
+# which holds every script's letters: Chinese and Japanese write no space before a number, and
+# '共72个' read no number at all (a right answer scored 0).
+_NUMBER_RE = re.compile(r"(?<![A-Za-z0-9_.])" + _CURRENCY + r"(" + _NUMBER + r")")
 _GSM8K_FORMAT_RE = re.compile(r"####\s*" + _CURRENCY + _NUMBER + r"(?:\s*\.)?\s*$")
 _THINK_RE = re.compile(r"\s*<think>.*?</think>\s*\S.*", re.S)
 # The rest of a think block the prompt opened (R1-distill and QwQ chat templates end the
