@@ -1,6 +1,7 @@
 """Prompt datasets from JSONL and parquet: configurable prompt/answer fields, errors naming the
 file and the row, the seeded train/validation split, and build_datasets end to end (a chat
 template, held-out prompts, the tokens the trainer would generate from)."""
+import gzip
 import json
 import os
 import re
@@ -186,6 +187,12 @@ def test_file_level_errors(tmp_path):
   with pytest.raises(ValueError, match=r"invalid JSON \(Unterminated string starting at, "
                                        r"column 12\)"):
     load_records(_jsonl(tmp_path / "d.jsonl", ['{"prompt": "a']))
+  # A gzipped JSONL (as datasets often ship) was "not UTF-8 ... iconv -f latin1": wrong advice.
+  with gzip.open(tmp_path / "t.jsonl.gz", "wt") as f:
+    f.write('{"prompt": "a"}\n')
+  with pytest.raises(ValueError, match=r"t\.jsonl\.gz: a gzip-compressed file; expected JSONL, "
+                     r"a JSON array or parquet uncompressed \(gunzip it first\)"):
+    load_records(str(tmp_path / "t.jsonl.gz"))
 
 
 def test_json_that_python_cannot_hold_names_the_file_and_line(tmp_path):

@@ -75,6 +75,9 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
     for i, row in enumerate(rows):
       yield f"{path}:row {i}", row
     return
+  if head.startswith(b"\x1f\x8b"):  # read as text, it was "not UTF-8 ... iconv -f latin1"
+    raise ValueError(f"{path}: a gzip-compressed file; expected JSONL, a JSON array or parquet "
+                     "uncompressed (gunzip it first)")
   if head.lstrip(codecs.BOM_UTF8 + b" \t\r\n").startswith(b"["):
     with open(path, "rb") as f:
       data = f.read()
