@@ -23,9 +23,9 @@ One batch, step by step (`FusedGenerator.run`):
      (those freed first, then the least loaded), on as many instances as it has micro-batches.
 
 Baseline mode (`fuse=False`): the same instances and executables, no consolidation, and
-inference only after the last sample finished (spread over the instances the same way). The two modes produce the
-same tokens bitwise: a sample's tokens depend only on (prompt, uid, iteration key) and all
-instances share one shape class.
+inference only after the last sample finished (spread over the instances the same way). The
+two modes produce the same tokens bitwise: a sample's tokens depend only on (prompt, uid,
+iteration key) and all instances share one shape class.
 
 Rounds are synchronous on the host, so decisions (which chunk consolidates, what moves) depend
 only on the tokens, never on timing: with a fixed Rt the fusion metrics are deterministic too.
