@@ -66,6 +66,9 @@ def check_config(c) -> None:
   _check(len(s) >= 2 and s[0] == 0 and all(isinstance(k, int) and k >= 1 for k in s[1:]),
          "staleness", c.staleness, "0 (the synchronous reference) first, then values >= 1")
   _check(0 < c.window <= 0.5, "window", c.window, "in (0, 0.5]")
+  # (NaN: every run compared False against it, and the bench reported FAIL after all the runs)
+  _check(isinstance(c.min_gain_ratio, (int, float)) and 0 <= c.min_gain_ratio < float("inf"),
+         "min_gain_ratio", c.min_gain_ratio, "a finite number >= 0")
   config_files.check_ints(c, ("host_devices", "parallel"))  # parallel: runs at once
   # (negative, summarize sliced rows[skip:-k] from the end: -3 timed the last 2 iterations, -1
   # none, and the median fell back to every iteration, the compiles' included)

@@ -523,7 +523,7 @@ from configs import bench_async as cb
 from experiments import bench_async as b
 for field, value in (("seeds", (0, 1, 0)), ("staleness", (0, 1, 1)),
                      ("runs", ("configs/ppo_tiny.py", "./configs/ppo_tiny.py")), ("seeds", (0, 1)),
-                     ("seeds", (0, -1)), ("skip", -1)):
+                     ("seeds", (0, -1)), ("skip", -1), ("min_gain_ratio", float("nan"))):
   c = cb.get_config()
   c[field] = value
   try:
@@ -548,6 +548,8 @@ for field, value in (("seeds", (0, 1, 0)), ("staleness", (0, 1, 1)),
   # sliced from the end, after every run had trained: the last iterations' median, or all's
   assert lines[5] == ("config.skip=-1: expected an integer >= 0 (iterations left out of the "
                       "median step time)"), lines
+  # every run compared False against NaN: FAIL, after all of them had trained
+  assert lines[6] == "config.min_gain_ratio=nan: expected a finite number >= 0", lines
 
 
 def test_bench_async_plots_reward_by_iteration_and_by_wall_time(tmp_path):

@@ -58,3 +58,12 @@ def test_micro_batch_shares_add_up_to_the_mini_batch(loss_agg):
       f"actor/{k}" for k in objective.ACTOR_METRICS if k != "actor_loss"}
   assert "actor/kl_loss" not in ppo.actor_metrics(LossConfig(), whole_a)
   assert set(ppo.critic_metrics(whole_c)) == {"critic/vf_loss", "critic/vf_clipfrac"}
+
+
+def test_a_value_clip_that_is_not_positive_is_refused():
+  """bench_pipeline passed a negative config.value_clip_eps through (only 0 means unclipped
+  there): the clip's bounds crossed and the value loss came out wrong, silently."""
+  for eps in (-0.2, 0.0, float("nan")):
+    with pytest.raises(ValueError, match=r"loss.value_clip_eps=.* must be > 0 \(None: "):
+      LossConfig(value_clip_eps=eps)
+  assert LossConfig(value_clip_eps=None).value_clip_eps is None

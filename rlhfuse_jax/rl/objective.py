@@ -50,6 +50,11 @@ class LossConfig:
       raise ValueError(f"loss.clip_eps_high={self.clip_eps_high} must be > 0 (None: clip_eps)")
     if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
       raise ValueError(f"loss.clip_ratio_c={self.clip_ratio_c} must be > 1 (None: off)")
+    # (negative, jnp.clip's bounds crossed and every value change clipped to the one bound:
+    # a wrong value loss, silently)
+    if self.value_clip_eps is not None and not self.value_clip_eps > 0:
+      raise ValueError(f"loss.value_clip_eps={self.value_clip_eps} must be > 0 (None: "
+                       "unclipped)")
     if self.kl_coef < 0 or self.entropy_coef < 0 or self.vf_coef < 0:
       raise ValueError("loss.kl_coef, loss.entropy_coef and loss.vf_coef must be >= 0")
     if not self.temperature > 0:
