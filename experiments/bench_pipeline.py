@@ -103,6 +103,9 @@ class BenchPipelineConfig:
 
   @classmethod
   def from_config_dict(cls, c: Any) -> "BenchPipelineConfig":
+    for name in ("prompt_len", "response_len"):  # (else blamed on the models' max_seq_len)
+      if int(c[name]) < 1:
+        raise ValueError(f"config.{name}={c[name]} must be >= 1")
     seq = int(c.prompt_len) + int(c.response_len)
     def model(section, head):
       return llama.ModelConfig(**{f: int(section[f]) for f in _MODEL_FIELDS}, head=head,

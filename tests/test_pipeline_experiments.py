@@ -372,6 +372,9 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
      "config.seed=-1: expected an integer >= 0"),
     (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py", "--config.seed=-1"],
      "config.seed=-1 must be >= 0"),
+    # (was "model.max_seq_len=-12 must be a positive integer", a field it does not have)
+    (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
+      "--config.prompt_len=-20"], "config.prompt_len=-20 must be >= 1"),
     (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
       "--config.validate.bench_generation_workdir=/nonexistent/bg"],
      "config.validate.bench_generation_workdir='/nonexistent/bg': no result.json there"),
