@@ -768,6 +768,14 @@ def test_the_simulator_reads_a_config_json_as_the_loader_does(arch, tmp_path):
   want = shapes.from_model_config(hf_loader.config_from_hf(hf), arch)
   assert (got.qkv_bias, got.o_bias) == (want.qkv_bias, want.o_bias)
   assert got.num_params() == want.num_params()
+  # head_dim left out: transformers' default (Qwen3Config: 128, not hidden / heads; the
+  # others: hidden / heads), as the loader reads it.
+  hf.pop("head_dim", None)
+  (tmp_path / "biased" / "config.json").write_text(json.dumps(hf))
+  got = shapes.from_hf_config(str(tmp_path / "biased"), arch)
+  want = shapes.from_model_config(hf_loader.config_from_hf(hf), arch)
+  assert got.head_dim_ == want.head_dim_
+  assert got.num_params() == want.num_params()
   (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
   with pytest.raises(ValueError, match=r"shape 'x': .*config\.json has no integer \['vocab_size'"):
     shapes.from_hf_config(str(tmp_path), "x")

@@ -51,6 +51,7 @@ import safetensors.numpy
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.data.tokenizer import HFTokenizer
 from rlhfuse_jax.models import llama
+from rlhfuse_jax.models import param_count
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -234,10 +235,10 @@ def _sliding_layers(hf: dict[str, Any], family: str, num_layers: int) -> list[in
 
 # transformers' defaults for keys a config.json may omit, where they differ from "none":
 # MistralConfig(sliding_window=4096), Qwen2Config / Qwen3Config(sliding_window=4096,
-# max_window_layers=28), Qwen3Config(head_dim=128). (An explicit null window is kept.)
+# max_window_layers=28); Qwen3Config(head_dim=128) is param_count.QWEN3_DEFAULT_HEAD_DIM. (An
+# explicit null window is kept.)
 _DEFAULT_WINDOW = 4096
 _QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
-_QWEN3_DEFAULT_HEAD_DIM = 128
 
 
 def _window(hf: dict[str, Any], family: str) -> Optional[int]:
@@ -287,7 +288,7 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
     qkv_bias = o_bias = bool(hf.get("attention_bias", False))
   num_heads = int(hf["num_attention_heads"])
   if family == "qwen3" and "head_dim" not in hf:
-    head_dim = _QWEN3_DEFAULT_HEAD_DIM
+    head_dim = param_count.QWEN3_DEFAULT_HEAD_DIM
   else:
     head_dim = int(hf.get("head_dim") or 0)
   if head_dim * num_heads == int(hf["hidden_size"]):

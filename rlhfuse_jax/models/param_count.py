@@ -5,6 +5,11 @@ adds parameters is counted in one place. tests/test_sim_presets.py checks it aga
 parameter tree for every such flag."""
 from __future__ import annotations
 
+# transformers' Qwen3Config(head_dim=128): a Qwen3 config.json that omits head_dim means 128,
+# not hidden_size / num_attention_heads (Qwen3-0.6B: 1024 / 16 = 64). Read by the loader
+# (models/hf_loader.py) and by the simulator's shapes (sim/shapes.py), which imports no jax.
+QWEN3_DEFAULT_HEAD_DIM = 128
+
 
 def num_params(m) -> int:
   """`m`: a ModelConfig or a ModelShape (hidden_size, intermediate_size, head_dim_, num_heads,

@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 # The module alone (docs/architecture.md §7: sim may import models.param_count, no other models)
+from rlhfuse_jax.models.param_count import QWEN3_DEFAULT_HEAD_DIM
 from rlhfuse_jax.models.param_count import num_params as _num_params
 
 HEADS = ("lm", "scalar")
@@ -138,11 +139,14 @@ def from_hf_config(path: str, name: str) -> ModelShape:
   qkv_bias = o_bias = model_type != "mistral" and bool(hf.get("attention_bias"))
   if model_type == "qwen2":
     qkv_bias, o_bias = True, False
+  # As the loader reads it: Qwen3's head_dim defaults to 128, not hidden / heads.
+  head_dim = (QWEN3_DEFAULT_HEAD_DIM if model_type == "qwen3" and "head_dim" not in hf
+              else hf.get("head_dim") or 0)
   return ModelShape(
       name=name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
       intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-      head_dim=hf.get("head_dim") or 0, tie_embeddings=bool(hf.get("tie_word_embeddings")),
+      head_dim=head_dim, tie_embeddings=bool(hf.get("tie_word_embeddings")),
       qkv_bias=qkv_bias, o_bias=o_bias, max_seq_len=int(hf.get("max_position_embeddings") or 2048),
       qk_norm=model_type == "qwen3")
 
