@@ -136,14 +136,16 @@ def _llama_preset(c, variant: str) -> None:
 # config.json (meta-llama/Llama-3.2-1B-Instruct, Qwen/Qwen3-0.6B, Qwen/Qwen2.5-1.5B-Instruct):
 # vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
 # num_key_value_heads, head_dim; all three tie the LM head to the embedding; Qwen3 normalises
-# queries and keys.
+# queries and keys; Qwen2 has biases on q, k and v (models/hf_loader.py reads them whatever
+# attention_bias says).
 HF_MODELS = {
     "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                         num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64),
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                        num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, qk_norm=True),
     "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                         num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128),
+                         num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
+                         qkv_bias=True),
 }
 
 

@@ -419,6 +419,9 @@ def test_mesh_generation_config_errors_and_llama_presets():
   assert cfg.gradient_sync == run.algo.gradient_sync == "once"
   assert cfg.actor.qk_norm and cfg.actor.tie_embeddings and cfg.actor.head_dim == 128
   assert cfg.actor.scan_layers and cfg.critic.head == "scalar"
+  # Qwen2.5 carries q/k/v biases (the loader reads them from any qwen2 config.json).
+  qwen2 = plan_programs.PlanConfig.from_config_dict(plan_config.get_config("hf_gpu/qwen2.5-1.5b"))
+  assert qwen2.actor.qkv_bias and qwen2.critic.qkv_bias and not qwen2.actor.o_bias
   with pytest.raises(ValueError, match=r"unknown model 'gpt2' in 'hf_gpu/gpt2'"):
     plan_config.get_config("hf_gpu/gpt2")
 
