@@ -234,6 +234,19 @@ def write_pipe_bench(path, measured=(0.05, 0.04), with_schedules=True, with_cal=
     (path / "calibration.json").write_text(json.dumps(PIPE_CAL))
 
 
+def test_parallel_tasks_without_a_shared_processor_is_refused():
+  """parallel_tasks (the cores of one shared processor) is read only with
+  devices_share_compute: without it the simulators took the devices as dedicated and the cores
+  given were dropped, silently."""
+  with pytest.raises(ValueError, match="parallel_tasks=2 is read only with "
+                                       "devices_share_compute: true"):
+    calibration.from_dict({**PIPE_CAL, "devices_share_compute": False}, "bad.json")
+  no_share = {k: v for k, v in PIPE_CAL.items() if k != "devices_share_compute"}
+  with pytest.raises(ValueError, match="parallel_tasks=2 is read only"):
+    calibration.from_dict(no_share, "bad.json")
+  assert calibration.from_dict(PIPE_CAL, "ok.json").parallel_tasks == 2
+
+
 def test_bench_pipeline_writes_what_the_validator_reads(tmp_path):
   """The real writer against the reader (the test above uses a hand-written workdir, so the two
   could drift): a tiny bench_pipeline run (2 stages, 2 + 2 micro-batches, ~20 s) is read back by

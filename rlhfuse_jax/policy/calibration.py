@@ -12,7 +12,7 @@ run measured an operation, its figure wins. A calibration file is JSON:
         # all devices are one shared processor (fake CPU devices): work on different
         # instances then runs one after the other, never at the same time
     "parallel_tasks": 2,                                # optional (default 1), only with
-        # devices_share_compute: how many device tasks truly run at the same time on the
+        # devices_share_compute (refused without): how many device tasks truly run at once on the
         # shared processor (its cores). Used by the lockstep pipeline model (sim/lockstep.py);
         # the generation simulator still runs shared work one piece at a time
     "ops": {                                            # every op optional
@@ -275,6 +275,11 @@ def from_dict(obj: dict, path: str = "<dict>") -> Calibration:
   par = top.get("parallel_tasks")
   if par is not None and not (isinstance(par, int) and not isinstance(par, bool) and par > 0):
     raise _err(path, f"parallel_tasks={par!r} must be a positive int")
+  if par is not None and not share:
+    # (read only for a shared processor: the simulators took the devices as dedicated, every
+    # instance and stage at once, and the cores given were ignored, silently)
+    raise _err(path, f"parallel_tasks={par} is read only with devices_share_compute: true (the "
+               "cores of one shared processor); set that, or remove parallel_tasks")
   idev = top.get("instance_devices")
   if idev is not None and not (isinstance(idev, int) and not isinstance(idev, bool) and idev > 0):
     raise _err(path, f"instance_devices={idev!r} must be a positive int")
