@@ -3,7 +3,9 @@
 Too early a consolidation over-packs the kept instances and slows the tail; too late wastes the
 devices the tail holds. The engine keeps a histogram of the response lengths it has generated
 (across iterations, lengths.py) and, before a batch, simulates that batch with each candidate Rt
-and keeps the Rt with the smallest simulated generation+inference time.
+and keeps the Rt with the smallest simulated generation+inference time; the engine simulates
+again only once the histogram has grown by a quarter, and the batches in between keep the last
+choice (generation/fused.RESIMULATE_GROWTH).
 
 The simulation itself is a parameter, `simulate(rt, prompt_lens, response_lens) -> seconds`:
 this module decides, it does not model. The model the trainer plugs in is the simulator's
