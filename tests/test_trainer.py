@@ -623,13 +623,19 @@ def test_a_tensor_axis_that_does_not_divide_the_heads_is_warned_about(caplog, te
     ({"reward.format_weight": 3.0},
      "config.reward.format_weight=3.0 not used: no reward.format to weigh"),
     ({"data.val_max_prompts": 5}, "config.data.val_max_prompts=5 not used: no held-out prompts"),
+    ({"algo.gradient_sync": "once"},
+     "config.algo.gradient_sync='once' not used: it applies to accumulated gradients"),
+    ({"algo.gradient_sync": "once", "algo.microbatch_size": 8},
+     "config.algo.gradient_sync='once' not used: it applies to accumulated gradients"),
+    ({"algo.gradient_sync": "once", "algo.microbatch_size": 1, "algo.minibatch_size": 16}, None),
     ({}, None),
 ])
 def test_fusion_and_reward_fields_a_run_does_not_read_are_warned_about(caplog, overrides,
                                                                         warned):
   """Inter-stage fusion fields without fusion.inter_stage, a reward model's checkpoint without
-  reward.kind='model', a format weight without a format and a cap on held-out prompts without
-  any were ignored without a word."""
+  reward.kind='model', a format weight without a format, a cap on held-out prompts without
+  any and algo.gradient_sync='once' without micro-batches to accumulate were ignored without a
+  word."""
   text = _validate_warnings(caplog, overrides)
   if warned:
     assert warned in text, text

@@ -155,8 +155,12 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                  "pipelined update splits its mini-batch with config.pipeline."
                  "actor_microbatches / critic_microbatches", cfg.algo.microbatch_size,
                  cfg.algo.gradient_sync)
-  elif cfg.algo.microbatch_size:
-    ppo.microbatch_count(cfg.algo, cfg.algo.minibatch_size, mult)  # the update's own check
+  elif mesh.shape["stage"] == 1:
+    count = ppo.microbatch_count(cfg.algo, cfg.algo.minibatch_size, mult)  # the update's check
+    if count == 1:  # each shard's rows at once: nothing accumulates, so nothing to sync once
+      warn_unused(set_fields(cfg, "algo", ["gradient_sync"]), "it applies to accumulated "
+                  f"gradients, and algo.microbatch_size={cfg.algo.microbatch_size} takes each "
+                  f"data shard's {cfg.algo.minibatch_size // mult} mini-batch rows at once")
   if cfg.algo.estimator == "dr_grpo" and cfg.algo.loss_agg != "seq-mean-token-sum-norm":
     logging.warning("config.algo.estimator='dr_grpo' with algo.loss_agg=%r is half of Dr. "
                     "GRPO: its paper also replaces the per-sequence length mean by a constant "
