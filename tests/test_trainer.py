@@ -623,6 +623,10 @@ def test_a_tensor_axis_that_does_not_divide_the_heads_is_warned_about(caplog, te
     ({"reward.format_weight": 3.0},
      "config.reward.format_weight=3.0 not used: no reward.format to weigh"),
     ({"data.val_max_prompts": 5}, "config.data.val_max_prompts=5 not used: no held-out prompts"),
+    ({"data.val_fraction": 0.25, "data.val_max_prompts": 5},
+     "config.data.val_fraction=0.25, config.data.val_max_prompts=5 not used: eval_every=0 runs "
+     "no validation pass"),
+    ({"data.val_fraction": 0.25, "eval_every": 2}, None),
     ({"algo.gradient_sync": "once"},
      "config.algo.gradient_sync='once' not used: it applies to accumulated gradients"),
     ({"algo.gradient_sync": "once", "algo.microbatch_size": 8},
@@ -634,8 +638,8 @@ def test_fusion_and_reward_fields_a_run_does_not_read_are_warned_about(caplog, o
                                                                         warned):
   """Inter-stage fusion fields without fusion.inter_stage, a reward model's checkpoint without
   reward.kind='model', a format weight without a format, a cap on held-out prompts without
-  any and algo.gradient_sync='once' without micro-batches to accumulate were ignored without a
-  word."""
+  any, held-out prompts without a validation pass and algo.gradient_sync='once' without
+  micro-batches to accumulate were ignored without a word."""
   text = _validate_warnings(caplog, overrides)
   if warned:
     assert warned in text, text

@@ -213,6 +213,11 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
   if not cfg.data.has_validation_set:
     warn_unused(set_fields(cfg, "data", ["val_max_prompts"]), "no held-out prompts (set "
                 "data.val_file or data.val_fraction, and eval_every)")
+  elif not cfg.eval_every:
+    warn_unused(set_fields(cfg, "data", ["val_file", "val_fraction", "val_max_prompts"]),
+                "eval_every=0 runs no validation pass (a data.val_fraction still holds its "
+                "prompts out of training, so that a resume with eval_every > 0 validates on "
+                "them)")
   if cfg.rollout.top_k > cfg.model.vocab_size:
     raise ValueError(f"config.rollout.top_k={cfg.rollout.top_k} exceeds the actor's vocabulary "
                      f"(model.vocab_size={cfg.model.vocab_size}); 0 samples from all of it")
