@@ -67,3 +67,13 @@ def test_a_value_clip_that_is_not_positive_is_refused():
     with pytest.raises(ValueError, match=r"loss.value_clip_eps=.* must be > 0 \(None: "):
       LossConfig(value_clip_eps=eps)
   assert LossConfig(value_clip_eps=None).value_clip_eps is None
+
+
+@pytest.mark.parametrize("field", ["kl_coef", "entropy_coef", "vf_coef", "temperature"])
+def test_a_coefficient_that_is_nan_or_infinite_is_refused(field):
+  """bench_pipeline builds a LossConfig from its config's vf_coef and entropy_coef: NaN passed
+  the "< 0" test, and every loss and gradient came out NaN (inf: inf or NaN), silently."""
+  for value in (float("nan"), float("inf"), -1.0):
+    with pytest.raises(ValueError, match=rf"loss.{field}={value} must be finite and "):
+      LossConfig(**{field: value})
+  assert getattr(LossConfig(**{field: 0.5}), field) == 0.5

@@ -13,6 +13,7 @@ mask, old_logp, advantages, ref_logp (KL loss on), old_values, returns, each [B,
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, Optional, Tuple
 
 import jax
@@ -55,10 +56,12 @@ class LossConfig:
     if self.value_clip_eps is not None and not self.value_clip_eps > 0:
       raise ValueError(f"loss.value_clip_eps={self.value_clip_eps} must be > 0 (None: "
                        "unclipped)")
-    if self.kl_coef < 0 or self.entropy_coef < 0 or self.vf_coef < 0:
-      raise ValueError("loss.kl_coef, loss.entropy_coef and loss.vf_coef must be >= 0")
-    if not self.temperature > 0:
-      raise ValueError(f"loss.temperature={self.temperature} must be > 0")
+    # (NaN passed a "< 0" test: every loss and gradient NaN; inf made them inf or NaN)
+    for name in ("kl_coef", "entropy_coef", "vf_coef"):
+      if not 0 <= getattr(self, name) < math.inf:
+        raise ValueError(f"loss.{name}={getattr(self, name)} must be finite and >= 0")
+    if not 0 < self.temperature < math.inf:
+      raise ValueError(f"loss.temperature={self.temperature} must be finite and > 0")
     kl_lib.get_kl_estimator(self.kl_estimator)  # raises naming the known estimators
 
 
