@@ -240,6 +240,8 @@ class AlgoConfig:
 class OptimConfig:
   actor_lr: float = 1e-3
   critic_lr: float = 2e-3
+  # Linear warm-up, in optimizer steps (algo.epochs * rollout batch / algo.minibatch_size per
+  # iteration), not iterations: then the cosine to min_lr_ratio over schedule_iterations.
   warmup_steps: int = 10
   min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak
   weight_decay: float = 0.0
