@@ -402,3 +402,19 @@ def test_a_bad_mesh_or_reward_function_leaves_no_workdir(tmp_path, flag, message
   assert out.returncode == 1, out.stderr[-3000:]
   assert message in out.stderr, out.stderr[-3000:]
   assert not os.path.exists(wd)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--coordinator_address=127.0.0.1:1234", "--num_processes=2", "--process_id=1"],
+    ["--process_id=0"]])
+def test_multi_host_flags_without_distributed_are_refused(tmp_path, flags):
+  """--coordinator_address / --num_processes / --process_id are read only with --distributed:
+  without it each process of a launch trained a one-process run of its own (the first alone
+  held the workdir; the others were refused as "another run holds it")."""
+  wd = str(tmp_path / "run")
+  out = subprocess.run(_cmd(wd, *flags), cwd=REPO, env=_env(), capture_output=True, text=True,
+                       timeout=300)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert ("--coordinator_address, --num_processes and --process_id join the processes of one "
+          "multi-host run only with --distributed") in out.stderr, out.stderr[-3000:]
+  assert not os.path.exists(wd)
