@@ -60,15 +60,7 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", "",
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "0: auto-detect.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 flags.mark_flags_as_required(["config", "workdir"])
-# Read only with --distributed: without it each process trained a run of its own, the first
-# alone holding the workdir and the others refused as "another run holds it".
-flags.register_multi_flags_validator(
-    ["distributed", "coordinator_address", "num_processes", "process_id"],
-    lambda f: f["distributed"] or not (f["coordinator_address"] or f["num_processes"] or
-                                       f["process_id"] is not None),
-    message="--coordinator_address, --num_processes and --process_id join the processes of one "
-            "multi-host run only with --distributed: add it (or drop them for a one-process "
-            "run)")
+distributed.check_start_flags()
 
 
 def summarize(history: list[dict], num_iterations: int) -> dict:

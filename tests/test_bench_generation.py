@@ -2,6 +2,8 @@
 timeline per mode, a calibration file the simulator loads and predicts the bench with."""
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -10,6 +12,7 @@ from configs import bench_generation as bench_config
 from experiments import bench_generation
 from rlhfuse_jax.policy import calibration
 from rlhfuse_jax.sim import validation
+from tests.xla_env import subprocess_env
 
 
 def test_tiny_bench(tmp_path):
@@ -104,3 +107,19 @@ def test_a_workdir_process_0_cannot_prepare_stops_every_process(tmp_path, monkey
   with pytest.raises(OSError if me == 0 else RuntimeError,
                      match="No space left" if me == 0 else "process 0 could not prepare"):
     bench_generation.run_and_write(bench_config.get_config("tiny"), str(tmp_path))
+
+
+def test_multi_host_flags_without_distributed_are_refused(tmp_path):
+  """--coordinator_address / --num_processes / --process_id are read only with --distributed
+  (train_ppo's check, shared): without it every process of a launch benched alone, silently."""
+  wd = str(tmp_path / "run")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-m", "experiments.bench_generation",
+                        "--config=configs/bench_generation.py:tiny", f"--workdir={wd}",
+                        "--num_processes=2", "--process_id=1"],
+                       cwd=repo, env=subprocess_env(2), capture_output=True, text=True,
+                       timeout=300)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert ("--coordinator_address, --num_processes and --process_id join the processes of one "
+          "multi-host run only with --distributed") in out.stderr, out.stderr[-3000:]
+  assert not os.path.exists(wd)

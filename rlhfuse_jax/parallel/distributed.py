@@ -17,9 +17,24 @@ from typing import Callable, Mapping, Optional, TypeVar
 
 import jax
 import numpy as np
+from absl import flags
 from absl import logging
 
 T = TypeVar("T")
+
+
+def check_start_flags() -> None:
+  """Registers the check of a binary's start flags (train_ppo, bench_generation; defined by
+  the binary): --coordinator_address, --num_processes and --process_id are read only with
+  --distributed. Without it each process ran a one-process job of its own (train_ppo: the
+  first holding the workdir, the others refused as "another run holds it"), silently."""
+  flags.register_multi_flags_validator(
+      ["distributed", "coordinator_address", "num_processes", "process_id"],
+      lambda f: f["distributed"] or not (f["coordinator_address"] or f["num_processes"] or
+                                         f["process_id"] is not None),
+      message="--coordinator_address, --num_processes and --process_id join the processes of "
+              "one multi-host run only with --distributed: add it (or drop them for a "
+              "one-process run)")
 
 
 def initialize(coordinator_address: str = "", num_processes: int = 0,
