@@ -196,6 +196,23 @@ def test_empirical_lengths_from_files(tmp_path):
     lengths.load_lengths(str(tmp_path / "bad.json"))
 
 
+def test_empirical_lengths_files_with_bad_content_are_named(tmp_path):
+  """A .txt with a header line was "could not convert string to float" naming no file; a
+  histogram's fractional counts were cut to whole ones silently (2.5 -> 2: the lengths drawn
+  changed); a .jsonl line holding a bare number was a TypeError."""
+  (tmp_path / "l.txt").write_text("length\n12\n30\n")
+  with pytest.raises(ValueError, match=r"l.txt.*'length' is not a number"):
+    lengths.load_lengths(str(tmp_path / "l.txt"))
+  (tmp_path / "h.json").write_text(json.dumps({"bins": [10, 20], "counts": [2.5, 1]}))
+  with pytest.raises(ValueError, match="whole numbers of samples"):
+    lengths.load_lengths(str(tmp_path / "h.json"))
+  (tmp_path / "h2.json").write_text(json.dumps({"bins": [10, 20], "counts": [2.0, 1]}))
+  assert lengths.load_lengths(str(tmp_path / "h2.json")).tolist() == [10, 10, 20]
+  (tmp_path / "b.jsonl").write_text('5\n{"lengths": [3]}\n')
+  with pytest.raises(ValueError, match=r"b.jsonl:1: expected one JSON object per line"):
+    lengths.load_lengths(str(tmp_path / "b.jsonl"))
+
+
 def test_calibrate_sim_writes_what_the_cost_model_reads(tmp_path):
   """calibrate_sim's real output (a short run, ~15 s) loads as a calibration whose measured ops
   replace the cost model's formulas exactly: the decode table at each measured occupancy,

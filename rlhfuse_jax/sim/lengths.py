@@ -39,7 +39,13 @@ def load_lengths(path: str) -> np.ndarray:
     out = np.load(path)
   elif ext == ".txt":
     with open(path) as f:
-      out = np.array([float(x) for x in f.read().split()])
+      words = f.read().split()
+    try:  # (a header line was "could not convert string to float: 'length'", naming no file)
+      out = np.array([float(x) for x in words])
+    except ValueError:
+      bad = next(x for x in words if not _is_number(x))
+      raise ValueError(f"lengths file {path!r}: {bad[:40]!r} is not a number; expected one "
+                       "length per line") from None
   elif ext == ".json":
     with open(path) as f:
       obj = json.load(f)
@@ -57,16 +63,27 @@ def load_lengths(path: str) -> np.ndarray:
   return out.astype(np.int64)
 
 
+def _is_number(word: str) -> bool:
+  try:
+    float(word)
+  except ValueError:
+    return False
+  return True
+
+
 def _from_json_obj(obj, path: str) -> np.ndarray:
   if isinstance(obj, list):
     return np.asarray(obj)
   if isinstance(obj, dict):
     if "bins" in obj and "counts" in obj:
-      bins, counts = np.asarray(obj["bins"]), np.asarray(obj["counts"], dtype=np.int64)
-      if bins.shape != counts.shape or np.any(counts < 0):
+      # Counts read as numbers first: as int64 a fraction was cut silently (2.5 -> 2), and a
+      # normalised histogram (frequencies summing to 1) became all zeros, "holds no lengths".
+      bins, counts = np.asarray(obj["bins"]), np.asarray(obj["counts"], dtype=np.float64)
+      if (bins.shape != counts.shape or not np.all(np.isfinite(counts)) or np.any(counts < 0)
+          or np.any(counts != np.round(counts))):
         raise ValueError(f"{path}: histogram 'bins' and 'counts' must have equal length and "
-                         "counts >= 0")
-      return np.repeat(bins, counts)
+                         "counts must be whole numbers of samples >= 0 (not frequencies)")
+      return np.repeat(bins, counts.astype(np.int64))
     for k in PER_SAMPLE_KEYS:
       if k in obj:
         return np.asarray(obj[k])
@@ -84,6 +101,9 @@ def _from_jsonl(path: str) -> np.ndarray:
         rec = json.loads(line)
       except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{n}: malformed JSON line ({e.msg})") from None
+      if not isinstance(rec, dict):  # (a bare number or list was a TypeError, no line named)
+        raise ValueError(f"{path}:{n}: expected one JSON object per line, got "
+                         f"{type(rec).__name__}")
       key = next((k for k in PER_SAMPLE_KEYS if k in rec), None)
       if key is not None:
         lists.append(np.asarray(rec[key]))
