@@ -83,6 +83,21 @@ def test_the_critics_gradient_sync_crosses_nodes_where_its_replicas_do():
   assert across > 8 * H100.allreduce_s(nbytes, 2)  # NVLink's, what it was
 
 
+def test_disjoint_training_times_each_model_with_its_own_measured_stage():
+  """A calibration's train_stage is per model: the critic trained alone (disjoint splits) was
+  timed with the actor's measured forward and bwd_over_fwd x it, not its measured backward."""
+  from rlhfuse_jax.policy.calibration import Calibration, TrainStage
+  cal = Calibration(device="test", train_stage=TrainStage(
+      actor_fwd_s=0.02, critic_fwd_s=0.01, actor_bwd_s=0.05, critic_bwd_s=0.03))
+  cost = CostModel(get_hardware("h100_sxm"), calibration=cal)
+  for shape, f, b in ((get_shape("llama-7b", "scalar"), 0.01, 0.03),
+                      (get_shape("llama-7b"), 0.02, 0.05)):
+    step, plan = ts.single_model_plan(cost, shape, 8, 8, 1, 100.0)
+    assert (plan["tp"], plan["pp"], plan["dp"], plan["M"]) == (1, 1, 8, 1)
+    assert step == pytest.approx(pipeline_1f1b_makespan(1, 1, f, b) + cost.grad_sync_s(
+        shape, 1, 1, 8) + cost.optimizer_step_s(shape, 8))
+
+
 def test_training_plans_split_whole_layers_per_stage():
   """13B's 40 layers: no plan puts 2.5 layers on each of 16 stages (a stage holds whole layers,
   as Megatron-LM and our executor require); every candidate tried has pp dividing the layers."""

@@ -299,6 +299,9 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
   that fits beside `resident_bytes` per device, or None if nothing fits (ReaLHF-like disjoint
   training; plan_search)."""
   best = None
+  # The calibration's measured stage times are per model (a scalar head: the critic's); the
+  # critic alone was timed with the actor's measured forward and neither measured backward.
+  model = "critic" if shape.head == "scalar" else "actor"
   for tp in (1, 2, 4, 8):
     if shape.tensor_parallel_error(tp):
       continue
@@ -313,9 +316,9 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
       need = cost.train_memory_bytes(shape, tp, pp, dp, True, mb_tokens, min(pp, m))
       if need + resident_bytes > cost.usable_bytes:
         continue
-      f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2))
+      f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2, model))
       lat = cost.p2p_s(mb_tokens * shape.hidden_size * 2.0 / tp, True) if pp > 1 else 0.0
-      b = cost.bwd_from_fwd_s(f, cost.train_stage_comm_s(shape, tp, pp, mb_tokens))
+      b = cost.train_stage_bwd_s(f, model, cost.train_stage_comm_s(shape, tp, pp, mb_tokens))
       step = (pipeline_1f1b_makespan(pp, m, f, b) + 2 * (pp - 1) * lat +
               cost.grad_sync_s(shape, tp, pp, dp) + cost.optimizer_step_s(shape, tp * pp * dp))
       if best is None or step < best[0]:
