@@ -110,6 +110,24 @@ def test_a_search_budget_that_is_not_a_positive_time_is_refused_by_name(value):
     ablations.AblationConfig.from_config_dict(c)
 
 
+def test_responses_that_no_max_new_tokens_admits_are_refused_by_name():
+  """response.min_len (or a constant length) above a max_new_tokens, which clips the responses,
+  was accepted and failed where the lengths were drawn, after the binaries had moved the
+  earlier outputs aside, as "lengths: need 1 <= min_len=600 <= max_len=512"."""
+  from configs import ablations as cfg_mod
+  c = cfg_mod.get_config("quick")
+  c.response.min_len = 600
+  with pytest.raises(ValueError, match=r"^config\.response with max_len = config\."
+                                       r"max_new_tokens=512: lengths: need 1 <= min_len=600"):
+    ablations.AblationConfig.from_config_dict(c)
+  c = cfg_mod.get_config("quick")
+  c.response.kind, c.response.value = "constant", 600
+  with pytest.raises(ValueError, match=r"max_new_tokens=512: lengths: constant value=600"):
+    ablations.AblationConfig.from_config_dict(c)
+  c.max_new_tokens = "1024"
+  ablations.AblationConfig.from_config_dict(c)
+
+
 def test_a_negative_seed_is_refused_by_name():
   """seed=-1 was accepted and failed where the lengths were sampled, after the binary had
   moved the earlier outputs aside, as numpy's "expected non-negative integer"."""

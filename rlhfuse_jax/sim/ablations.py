@@ -96,6 +96,12 @@ class AblationConfig:
                        "takes --config.systems= for no systems' comparison)")
     if any(m < 1 for m in self.max_new_tokens):
       raise ValueError(f"config.max_new_tokens={self.max_new_tokens} must all be >= 1")
+    for m in self.max_new_tokens:  # (each clips the responses: refused where they were drawn,
+      try:                         # after the earlier outputs had moved aside, naming no field)
+        self.response.with_max_len(m)
+      except ValueError as e:
+        raise ValueError(f"config.response with max_len = config.max_new_tokens={m}: {e}"
+                         ) from None
     if self.global_batch % self.minibatch:
       raise ValueError(f"config.global_batch={self.global_batch} must be divisible by "
                        f"config.minibatch={self.minibatch}")
