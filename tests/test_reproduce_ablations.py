@@ -128,6 +128,20 @@ def test_responses_that_no_max_new_tokens_admits_are_refused_by_name():
   ablations.AblationConfig.from_config_dict(c)
 
 
+def test_an_empirical_lengths_file_is_read_with_the_config(tmp_path):
+  """A lengths file without lengths was accepted (only its existence was checked) and failed
+  where the lengths were drawn, after the binaries had moved the earlier outputs aside."""
+  from configs import ablations as cfg_mod
+  (tmp_path / "l.json").write_text("[]")
+  c = cfg_mod.get_config("quick")
+  c.response.kind, c.response.path = "empirical", str(tmp_path / "l.json")
+  with pytest.raises(ValueError, match=r"^config\.response\.path: lengths file .* holds no "
+                                       r"lengths"):
+    ablations.AblationConfig.from_config_dict(c)
+  (tmp_path / "l.json").write_text("[300, 700]")
+  ablations.AblationConfig.from_config_dict(c)
+
+
 def test_a_negative_seed_is_refused_by_name():
   """seed=-1 was accepted and failed where the lengths were sampled, after the binary had
   moved the earlier outputs aside, as numpy's "expected non-negative integer"."""

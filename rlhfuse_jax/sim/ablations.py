@@ -145,6 +145,11 @@ class AblationConfig:
       if out.kind == "empirical" and not os.path.isfile(out.path):
         raise ValueError(f"config.{field}.path={out.path!r}: no such file (kind 'empirical' "
                          "replays the per-sample lengths in it)")
+      if out.kind == "empirical":  # read now: a bad file failed where the lengths were drawn
+        try:
+          len_lib.load_lengths(out.path)
+        except ValueError as e:
+          raise ValueError(f"config.{field}.path: {e}") from None
       return out
 
     sim = dict(c.sim.to_dict())
