@@ -142,6 +142,19 @@ def test_an_empirical_lengths_file_is_read_with_the_config(tmp_path):
   ablations.AblationConfig.from_config_dict(c)
 
 
+def test_offloading_frozen_models_needs_a_host_link():
+  """A TPU preset (no host_to_device_bw) with sim.offload_frozen=True, the default, was accepted
+  and failed in the first simulated inference, after the outputs had moved aside."""
+  from configs import ablations as cfg_mod
+  c = cfg_mod.get_config("quick")
+  c.hardware = "tpu_v5p"
+  with pytest.raises(ValueError, match=r"^config\.sim\.offload_frozen=True: config\.hardware="
+                                       r"'tpu_v5p' has no host_to_device_bw"):
+    ablations.AblationConfig.from_config_dict(c)
+  c.sim.offload_frozen = False
+  ablations.AblationConfig.from_config_dict(c)
+
+
 def test_a_negative_seed_is_refused_by_name():
   """seed=-1 was accepted and failed where the lengths were sampled, after the binary had
   moved the earlier outputs aside, as numpy's "expected non-negative integer"."""

@@ -75,7 +75,13 @@ class AblationConfig:
     # "expected non-negative integer")
     if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
       raise ValueError(f"config.seed={self.seed!r}: expected an integer >= 0")
-    get_hardware(self.hardware)
+    hw = get_hardware(self.hardware)
+    # (refused in the first simulated inference, after the binaries had moved the earlier
+    # outputs aside; a calibration may time the loads instead: its weight_load)
+    if self.sim.offload_frozen and hw.host_to_device_bw is None and not self.calibration:
+      raise ValueError(f"config.sim.offload_frozen=True: config.hardware={self.hardware!r} has "
+                       "no host_to_device_bw to load the frozen models from host memory; set "
+                       "config.sim.offload_frozen=False (they stay on the devices)")
     for a, c in self.pairs:
       try:
         self.shape(a)
