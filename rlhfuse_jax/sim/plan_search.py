@@ -275,14 +275,15 @@ def reshard_s(cost: CostModel, wl, devices_per_copy: int, receivers: int = 0,
   generation group receives them) the senders' NICs bound it too: every node-level copy leaves
   through them. (Each receiver pulling its shard through its own NIC, as this was until
   2026-11-30, charged a copy smaller than a node up to 8x, DeepSpeed-Chat's tp-1 13B 0.65 s
-  for 0.08 s, and never the senders.)"""
+  for 0.08 s, and never the senders.) A cluster of one node never uses the network: the same
+  bytes move over its fast link (they crossed the NICs, 9x slower on H100, until 2026-12-03)."""
   w, dpn = wl.actor.weight_bytes(), cost.hw.devices_per_node
   spread = max(devices_per_copy, dpn)  # devices (NICs) one copy crosses the network through
   network = w / spread
   if receivers and senders:
     network = max(network, receivers / spread * w / senders)
   fan_out = cost.p2p_s(w / devices_per_copy, cross_node=False) if devices_per_copy < dpn else 0.0
-  return float(max(cost.p2p_s(network, cross_node=True), fan_out))
+  return float(max(cost.p2p_s(network, cross_node=wl.num_devices > dpn), fan_out))
 
 
 # Asynchronous PPO's inference on the generation group: the frozen models only (reference and
