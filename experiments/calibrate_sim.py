@@ -113,9 +113,14 @@ def measure(c) -> dict:
   if len(devs) < 2:
     raise ValueError("migration timing needs at least 2 devices")
   rows = jax.device_put(state.cache.k[:, :c.migrate_rows], devs[0])  # [L, rows, max_len, kv, d]
-  nbytes = 2 * rows.nbytes  # K and V
+  # K and V in the simulator's bytes (2 an element, bf16: ModelShape.kv_bytes_per_token), which
+  # the cost model divides by this rate, as generation/measure.py counts its loads: the cache's
+  # own bytes (float32 here, 4 an element) made every simulated migration twice too fast.
+  nbytes = 2 * int(rows.size) * 2
   mig_s = median_s(lambda: (jax.device_put(rows, devs[1]), jax.device_put(rows, devs[1])),
                    c.repeats)
+  logging.info("migration of %d KV rows: %d bytes (the simulator's: bf16) in %.3f ms",
+               c.migrate_rows, nbytes, 1e3 * mig_s)
   return {
       "format": calibration.FORMAT,
       "device": f"{jax.devices()[0].platform} x{len(devs)} ({jax.devices()[0].device_kind}), "

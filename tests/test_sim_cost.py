@@ -245,6 +245,11 @@ def test_calibrate_sim_writes_what_the_cost_model_reads(tmp_path):
       32 / ops["inference"]["tokens_per_s"])
   assert cost.kv_migration_s(1e6, 1, False) == pytest.approx(
       1e6 / ops["migration"]["bytes_per_s"])
+  # The rate is of the simulator's KV bytes (bf16), which kv_migration_s is given: 4 rows of
+  # max_len 32 of the config's model; the float32 cache's own bytes (twice that) were counted.
+  model = ModelShape(name="cal", vocab_size=256, hidden_size=64, intermediate_size=128,
+                     num_layers=2, num_heads=4, num_kv_heads=2)
+  assert f"migration of 4 KV rows: {4 * 32 * model.kv_bytes_per_token()} bytes" in out.stderr
 
 
 def test_decode_host_overhead_stretches_the_uncalibrated_step_only():
