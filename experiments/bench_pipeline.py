@@ -460,6 +460,18 @@ def check_run(cfg: BenchPipelineConfig) -> None:
   if cfg.minibatch_size % cfg.data:
     raise ValueError(f"config.minibatch_size={cfg.minibatch_size} must be divisible by "
                      f"config.data={cfg.data} (each replica takes an equal share)")
+  # (the executor refused these only when the first schedule compiled: after the earlier
+  # outputs moved aside, the reference step and both schedule searches, ~30 s in)
+  rows = cfg.minibatch_size // cfg.data
+  replicas = cfg.actor_pp // cfg.critic_pp
+  for name, parts, what in (
+      ("actor_microbatches", cfg.actor_microbatches, ""),
+      ("critic_microbatches", replicas * cfg.critic_microbatches,
+       f" x the critic's {replicas} replicas (config.actor_pp / config.critic_pp)")):
+    if rows % parts:
+      raise ValueError(f"config.{name}={getattr(cfg, name)}{what} must divide the "
+                       f"{rows} rows of a data replica (config.minibatch_size="
+                       f"{cfg.minibatch_size} / config.data={cfg.data})")
   stages.check_split(cfg.actor, cfg.actor_pp, "config.actor")
   stages.check_split(cfg.critic, cfg.critic_pp, "config.critic")
 

@@ -375,6 +375,13 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
     # (was "model.max_seq_len=-12 must be a positive integer", a field it does not have)
     (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
       "--config.prompt_len=-20"], "config.prompt_len=-20 must be >= 1"),
+    # (refused by the executor only at the first compile, ~30 s in, the earlier outputs moved)
+    (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
+      "--config.actor_microbatches=3"],
+     "config.actor_microbatches=3 must divide the 16 rows of a data replica"),
+    (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
+      "--config.critic_microbatches=3"],
+     "config.critic_microbatches=3 x the critic's 2 replicas"),
     (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
       "--config.validate.bench_generation_workdir=/nonexistent/bg"],
      "config.validate.bench_generation_workdir='/nonexistent/bg': no result.json there"),
