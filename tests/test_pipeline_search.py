@@ -1,6 +1,7 @@
 """Search, lower bounds and the schedule data structure."""
 import dataclasses
 import json
+import re
 import time
 
 import numpy as np
@@ -338,3 +339,23 @@ def test_a_timed_search_of_a_large_instance_keeps_its_budget():
   res = search.search(p, search.SearchConfig(time_budget_s=3.0, seed=0))
   assert evaluate(p, res.best).valid
   assert res.search_s < 4.5, res.search_s
+
+
+def test_a_penalty_ramp_from_zero_runs_and_degenerate_knobs_are_refused():
+  """lam0=0 is the kernel's linear ramp (_penalty_weight), but the run's chunks computed
+  lam1 / lam0 in Python: a ZeroDivisionError at the first penalty run. temp0_frac or
+  temp1_frac 0 failed the same way inside the annealing kernels."""
+  p = PipelineProblem(8, 4, 16, 8, 5.0, 4.0)  # e1: the start pool stops short of the bound
+  res = search.search(p, search.SearchConfig(max_evaluations=3000, lam0=0.0, feasible_frac=0.0,
+                                             reverse_frac=0.0))
+  assert evaluate(p, res.best).within_budget
+  for kw, message in (({"temp0_frac": 0.0}, "temp0_frac=0.0 must be a finite number > 0"),
+                      ({"temp1_frac": float("nan")}, "temp1_frac=nan must be a finite"),
+                      ({"lam0": 1.0, "lam1": 0.0}, "lam0=1.0, lam1=0.0: expected"),
+                      ({"lam0": -1.0}, "lam0=-1.0"),
+                      ({"eps": -1.0}, "eps=-1.0 must be a finite number >= 0"),
+                      ({"lateness_weight": float("nan")}, "lateness_weight=nan"),
+                      ({"crit_frac": 2.0}, "crit_frac=2.0 must be in [0, 1]"),
+                      ({"decoder_frac": -0.5}, "decoder_frac=-0.5 must be in [0, 1)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      search.SearchConfig(**kw)

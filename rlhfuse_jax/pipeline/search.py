@@ -392,6 +392,24 @@ class SearchConfig:
       raise ValueError("pool_time_frac and mem_phase_frac must be in [0, 1)")
     if not 0 <= self.feasible_frac <= 1:
       raise ValueError(f"feasible_frac={self.feasible_frac} must be in [0, 1]")
+    # Cooling is geometric and the acceptance divides by the temperature: 0 failed as a
+    # ZeroDivisionError in the first annealing run (nan never cooled).
+    for name in ("temp0_frac", "temp1_frac"):
+      if not 0 < getattr(self, name) < math.inf:
+        raise ValueError(f"{name}={getattr(self, name)} must be a finite number > 0")
+    # lam0 = 0: the penalty weight rises linearly from 0 (_penalty_weight); a geometric ramp
+    # needs lam1 > 0 as well.
+    if not (0 <= self.lam0 < math.inf and 0 <= self.lam1 < math.inf
+            and (self.lam0 == 0 or self.lam1 > 0)):
+      raise ValueError(f"lam0={self.lam0}, lam1={self.lam1}: expected finite weights >= 0 "
+                       "(lam1 > 0 when lam0 > 0)")
+    for name in ("eps", "lateness_weight"):
+      if not 0 <= getattr(self, name) < math.inf:
+        raise ValueError(f"{name}={getattr(self, name)} must be a finite number >= 0")
+    if not 0 <= self.crit_frac <= 1:
+      raise ValueError(f"crit_frac={self.crit_frac} must be in [0, 1]")
+    if not 0 <= self.decoder_frac < 1:
+      raise ValueError(f"decoder_frac={self.decoder_frac} must be in [0, 1)")
     if not self.device_lateness_weight >= 0:
       raise ValueError(f"device_lateness_weight={self.device_lateness_weight} must be >= 0")
     if self.lateness_tails not in ("window", "chain"):
@@ -896,8 +914,12 @@ class _Phase:
     """n_it moves of penalty annealing on `cur`, the penalty weight rising from where the run
     stands (f0) to f1 of its lam0 -> lam1 ramp; returns evaluations."""
     config = self.config
-    lam_a = config.lam0 * (config.lam1 / config.lam0) ** f0
-    lam_b = config.lam0 * (config.lam1 / config.lam0) ** f1
+
+    def lam(f):  # the run's ramp at f, as _penalty_weight has it (linear from 0 when lam0 = 0)
+      if config.lam0 > 0:
+        return config.lam0 * (config.lam1 / config.lam0) ** f
+      return config.lam1 * f
+    lam_a, lam_b = lam(f0), lam(f1)
     settings = anneal_settings(
         iters=n_it, temp0=temp_a, temp1=temp_b, lam0=lam_a, lam1=lam_b, eps=config.eps,
         max_shift=config.max_shift, mem_mode=MODE_PENALTY, mk_cap=0.0, seed=seed,
