@@ -268,6 +268,19 @@ def test_lp_check_scans_one_device_at_a_time_and_stops_at_the_first_certified(tm
   out = _run(["experiments.schedule_cp_check", *inst[:-2], "--devices=1,x",
               f"--workdir={tmp_path / 'd'}"])
   assert out.returncode != 0 and "--devices=1,x: expected device indices in 0..3" in out.stderr
+  out = _run(["experiments.schedule_cp_check", *inst[:-2], "--target=-5",
+              f"--workdir={tmp_path / 'e'}"])
+  assert out.returncode != 0 and "--target=-5: expected a makespan >= 0" in out.stderr
+  assert not (tmp_path / "e").exists()
+
+
+def test_cp_check_target_is_rounded_down():
+  # Integer durations: "makespan <= 372.6" is "<= 372"; round() asked "<= 373", a weaker
+  # question, and its FEASIBLE read as "the target is reachable".
+  from experiments.schedule_cp_check import check_target
+  assert [check_target(v, 372.0) for v in (-1, 372.6, 372.5, 373, 0)] == [372, 372, 372, 373, 0]
+  with pytest.raises(ValueError, match="--target=-2"):
+    check_target(-2, 372.0)
 
 
 @pytest.mark.parametrize("name", ["e8", "e9", "e10"])
