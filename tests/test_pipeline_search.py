@@ -168,6 +168,15 @@ def test_schedule_json_roundtrip_and_labels():
   data["devices"][1][0]["microbatch"] = 2
   with pytest.raises(ValueError, match="device 1"):
     schedule.from_dict(data)
+  # A mislabelled or incomplete task: a bare KeyError ('Actor', 'F') named neither.
+  for key, value in (("model", "Actor"), ("kind", "b"), ("stage", None)):
+    data = json.loads(sched.to_json())
+    if value is None:
+      del data["devices"][2][3][key]
+    else:
+      data["devices"][2][3][key] = value
+    with pytest.raises(ValueError, match="device 2, task 3: "):
+      schedule.from_dict(data)
 
 
 def test_splice_pins_keep_the_head_shift_the_tail_and_free_the_band(tmp_path):

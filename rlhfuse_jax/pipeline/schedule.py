@@ -117,6 +117,13 @@ def from_dict(data: dict[str, Any]) -> Schedule:
   devs = data["devices"]
   if len(devs) != problem.num_devices:
     raise ValueError(f"schedule has {len(devs)} devices; the problem has {problem.num_devices}")
+  for d, dev in enumerate(devs):  # a KeyError ('Actor', 'F') named neither device nor task
+    for q, t in enumerate(dev):
+      missing = [k for k in ("model", "kind", "replica", "stage", "microbatch")
+                 if not isinstance(t, dict) or k not in t]
+      if missing or (t["model"], t["kind"]) not in _KIND_OF:
+        raise ValueError(f"device {d}, task {q}: {t!r}; expected a dict with model in "
+                         "('actor', 'critic'), kind in ('F', 'B'), replica, stage, microbatch")
   order = np.array([[_KIND_OF[(t["model"], t["kind"])] for t in dev] for dev in devs],
                    dtype=np.int8)
   sched = from_order(problem, order)
