@@ -411,7 +411,7 @@ def main(argv):
     wd.atomic_write_text(sched_path, sched.to_json() + "\n")
     gantt.plot_gantt(sched, os.path.join(_WORKDIR.value, "gantt.png"),
                      title=f"CP-SAT schedule: makespan {ev.makespan:g}, tight LB {lb:g}, "
-                           f"peak/budget {np.max(ev.peaks / ev.budget):.2f}")
+                           f"peak/budget {ev.peak_over_budget:.2f}")
   result["verdict"] = verdict(status, _MINIMIZE.value, subset=bool(devices),
                               pinned=fixed is not None)
   found = ", ".join(f"{k} {result[k]:g}" for k in ("makespan", "proven_lower_bound")

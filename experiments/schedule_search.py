@@ -86,7 +86,7 @@ def run(c, workdir: str) -> dict:
       "peak_memory": {"serial": serial.peaks.tolist(), "searched": best.peaks.tolist(),
                       "budget": best.budget.tolist()},
       "unconstrained": {"makespan": unc.makespan, "peak_memory": unc.peaks.tolist(),
-                        "max_peak_over_budget": float(np.max(unc.peaks / best.budget))},
+                        "max_peak_over_budget": unc.peak_over_budget},
       "search_s": res.search_s,
       "evaluations": res.evaluations,
       "evaluations_per_s": res.evaluations / max(res.search_s, 1e-9),
@@ -98,7 +98,7 @@ def run(c, workdir: str) -> dict:
   gantt.plot_gantt(sched, os.path.join(workdir, "gantt.png"),
                    title=(f"fused schedule: makespan {best.makespan:g}, tight LB {lb:g}, serial "
                           f"{serial.makespan:g}, peak/budget "
-                          f"{np.max(best.peaks / best.budget):.2f} ({problem.memory_budget_mode})"))
+                          f"{best.peak_over_budget:.2f} ({problem.memory_budget_mode})"))
   logging.info("%s", summary(result, workdir))
   return result
 

@@ -142,3 +142,16 @@ def test_greedy_within_budget_and_between_bound_and_serial():
     serial = evaluate(p, schedules.serial_order(p), schedules.serial_release(p))
     assert greedy.valid and greedy.within_budget
     assert bounds.tight_lower_bound(p) <= greedy.makespan <= serial.makespan
+
+
+def test_peak_over_budget_with_no_activation_memory():
+  # actor_mem = critic_mem = 0 (a search without memory): every budget is 0, and schedule_search
+  # wrote peaks / budget = nan into result.json (null) and its gantt title ("peak/budget nan").
+  p = PipelineProblem(4, 2, 3, 2, 2.0, 1.0, actor_mem=0.0, critic_mem=0.0)
+  ev = evaluate(p, schedules.greedy_order(p))
+  assert ev.budget.tolist() == [0.0] * 4 and ev.peak_over_budget == 0.0
+  q = PipelineProblem(4, 2, 3, 2, 2.0, 1.0)
+  ev = evaluate(q, schedules.greedy_order(q))
+  assert ev.peak_over_budget == pytest.approx(float(np.max(ev.peaks / ev.budget)))
+  explicit = evaluate(q.with_budget([0.0, 10.0, 10.0, 10.0]), schedules.greedy_order(q))
+  assert explicit.peak_over_budget == float("inf")

@@ -181,6 +181,13 @@ class Evaluation:
     return bool(np.all(self.peaks <= self.budget + 1e-9))
 
   @property
+  def peak_over_budget(self) -> float:
+    """Largest per-device peak / budget. A device with budget 0 (activation memory 0, a search
+    without memory) counts 0 while it holds nothing: peaks / budget was nan there."""
+    held = np.where(self.peaks > 1e-9, np.inf, 0.0)
+    return float(np.divide(self.peaks, self.budget, out=held, where=self.budget > 0).max())
+
+  @property
   def bubble(self) -> float:
     """1 - N*W / (N*T): the idle fraction of device time (docs/architecture.md §3)."""
     return 1.0 - self.work / self.makespan if self.valid else float("nan")
