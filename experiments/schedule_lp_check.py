@@ -96,7 +96,10 @@ def main(argv):
   del argv
   problem = PipelineProblem.from_config(_CONFIG.value)
   lb = bounds.tight_lower_bound(problem)
-  target = lb if _TARGET.value < 0 else _TARGET.value
+  if _TARGET.value != -1 and _TARGET.value < 0:  # (it silently meant the tight bound)
+    raise ValueError(f"--target={_TARGET.value:g}: expected a makespan >= 0, or -1 for the "
+                     "tight lower bound")
+  target = lb if _TARGET.value == -1 else _TARGET.value
   devices = parse_devices(_DEVICES.value, problem.num_devices, allow_each=True)
   if devices == "each" and _VERIFY.value:
     raise ValueError("--verify needs the device list the certificate was made for, not 'each'")

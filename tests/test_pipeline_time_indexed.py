@@ -272,6 +272,10 @@ def test_lp_check_scans_one_device_at_a_time_and_stops_at_the_first_certified(tm
               f"--workdir={tmp_path / 'e'}"])
   assert out.returncode != 0 and "--target=-5: expected a makespan >= 0" in out.stderr
   assert not (tmp_path / "e").exists()
+  out = _run(["experiments.schedule_lp_check", *inst[:-1], "--target=-5",
+              f"--workdir={tmp_path / 'f'}"])
+  assert out.returncode != 0 and "--target=-5: expected a makespan >= 0" in out.stderr
+  assert not (tmp_path / "f").exists()
 
 
 def test_cp_check_target_is_rounded_down():
