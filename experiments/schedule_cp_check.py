@@ -322,6 +322,11 @@ def main(argv):
                      "CP-SAT model has no transfer latency between devices)")
   lb = bounds.tight_lower_bound(problem)
   check_target(_TARGET.value, lb)  # the flag's own check, before any search or solver
+  # (a hint search of 0 s was refused as "time_budget_s=0.0", after the kernels compiled; a
+  # time limit of 0 or less ran CP-SAT for nothing and reported UNKNOWN)
+  for flag, value in (("--time_limit_s", _TIME.value), ("--hint_search_s", _HINT_S.value)):
+    if not 0 < value < math.inf:
+      raise ValueError(f"{flag}={value:g}: expected a finite number of seconds > 0")
   devices = parse_devices(_DEVICES.value, problem.num_devices)
   hint, result = None, {}
   fixed, default_target = None, lb

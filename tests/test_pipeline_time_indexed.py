@@ -272,6 +272,10 @@ def test_lp_check_scans_one_device_at_a_time_and_stops_at_the_first_certified(tm
               f"--workdir={tmp_path / 'e'}"])
   assert out.returncode != 0 and "--target=-5: expected a makespan >= 0" in out.stderr
   assert not (tmp_path / "e").exists()
+  for bad in ("--hint_search_s=0", "--time_limit_s=-1"):
+    out = _run(["experiments.schedule_cp_check", *inst[:-2], "--minimize", bad,
+                f"--workdir={tmp_path / 'g'}"])
+    assert out.returncode != 0 and f"{bad}: expected a finite number of seconds" in out.stderr
   out = _run(["experiments.schedule_lp_check", *inst[:-1], "--target=-5",
               f"--workdir={tmp_path / 'f'}"])
   assert out.returncode != 0 and "--target=-5: expected a makespan >= 0" in out.stderr
