@@ -51,7 +51,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.seed = 0                     # search seed (worker i: seed + i)
   # Searches at once, one per core, the best kept (search.py step 6); the reference figures
   # ran 2 on a 2-core machine. More workers than cores split each one's time.
-  c.workers = min(2, os.cpu_count() or 1)
+  # (The cores this process may run on: a CPU-affinity limit, e.g. taskset or a container's
+  # cpuset, can give it fewer than the machine has.)
+  cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+           else os.cpu_count() or 1)
+  c.workers = min(2, cores)
   return c
 
 

@@ -247,3 +247,15 @@ def test_every_ppo_tiny_sweep_entry_is_a_valid_run_of_its_variant(variant):
       if key != "name":
         _override(c, key, value, f"get_sweep({variant!r})")
     TrainConfig.from_config_dict(c)
+
+
+def test_schedule_search_workers_count_the_cores_this_process_may_use(monkeypatch):
+  """configs/schedule_search.py runs one search worker per core, at most 2: the cores of this
+  process's CPU affinity (taskset, a container's cpuset), not the machine's. Two workers on one
+  allowed core split each one's wall-clock budget in half."""
+  from configs import schedule_search
+  monkeypatch.setattr(os, "cpu_count", lambda: 64)
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+  assert schedule_search.get_config().workers == 1
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+  assert schedule_search.get_config().workers == 2
