@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from rlhfuse_jax.pipeline import bounds, schedules
-from rlhfuse_jax.pipeline.evaluate import evaluate, peak_memory
+from rlhfuse_jax.pipeline.evaluate import evaluate, objective_key, peak_memory
 from rlhfuse_jax.pipeline.graph import (AB, AF, CB, CF, PipelineProblem, parse_devices,
                                         validate_order)
 
@@ -155,3 +155,22 @@ def test_peak_over_budget_with_no_activation_memory():
   assert ev.peak_over_budget == pytest.approx(float(np.max(ev.peaks / ev.budget)))
   explicit = evaluate(q.with_budget([0.0, 10.0, 10.0, 10.0]), schedules.greedy_order(q))
   assert explicit.peak_over_budget == float("inf")
+
+
+def test_objective_ranks_overflow_then_makespan_then_max_then_sum_of_peaks():
+  """The search keeps the schedule with the smallest objective, so its order is the contract of
+  docs/architecture.md §3: total overflow over devices first (a schedule within budget beats a
+  faster one that is not), then makespan, then the largest peak, then the sum of peaks."""
+  p = PipelineProblem(2, 1, 1, 1, 1.0, 1.0, memory_budget=(1.0,))
+  # The hand-computed order above: makespan 6, both devices hold 2 (1 over budget each).
+  fast = evaluate(p, np.array([[AF, CF, CB, AB], [CF, AF, AB, CB]]))
+  # One micro-batch in flight: dev1 AF 1-2, AB 2-4; dev0 AB 4-6, CF 6-7, CB 7-9.
+  slow = evaluate(p, schedules.sequential_order(p))
+  assert (fast.makespan, slow.makespan) == (6.0, 9.0)
+  assert fast.overflow == 2.0 and not fast.within_budget
+  assert slow.overflow == 0.0 and slow.within_budget
+  assert slow.objective() < fast.objective()
+  # Equal overflow and makespan: the smaller largest peak wins even with the larger sum.
+  even = objective_key(True, 0.0, 10.0, np.array([2.0, 2.0, 2.0]), 30.0)
+  skewed = objective_key(True, 0.0, 10.0, np.array([3.0, 1.0, 1.0]), 30.0)
+  assert even < skewed
