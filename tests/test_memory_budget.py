@@ -129,6 +129,26 @@ def test_from_config_defaults_to_uniform_and_a_config_without_the_field_to_per_d
     PipelineProblem.from_config(bad)
 
 
+def test_from_config_takes_zero_as_a_value_and_only_minus_one_as_the_default():
+  """-1 is the config files' "default" sentinel; 0 is a real setting (a search without
+  activation memory, or a budget of nothing) and must reach the problem as 0, not the default
+  (activation memory = forward time, the 1F1B budget)."""
+  c = ss_config.get_config()
+  c.actor_mem, c.critic_mem = 0.0, 0.0
+  p = PipelineProblem.from_config(c)
+  assert (p.actor_mem, p.critic_mem) == (0.0, 0.0)
+  assert p.budget().tolist() == [0.0] * p.num_devices
+  c = ss_config.get_config()
+  c.memory_budget = 0.0
+  p = PipelineProblem.from_config(c)
+  assert p.memory_budget_mode == EXPLICIT and p.budget().tolist() == [0.0] * p.num_devices
+  c.memory_budget, c.actor_mem = -1.0, -1.0
+  p = PipelineProblem.from_config(c)
+  assert p.actor_mem == p.actor_fwd and p.memory_budget_mode == c.memory_budget_mode
+  c.actor_mem = -2.0
+  with pytest.raises(ValueError, match="config.actor_mem=-2.0"):
+    PipelineProblem.from_config(c)
+
 def test_problem_keyed_caches_tell_the_modes_apart():
   # sim/training_sim.ScheduleCache keys on to_dict(), as trainer/pipelined's schedule cache does:
   # entries written before the mode existed (no key) are not hits for either mode (re-keyed).
