@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from rlhfuse_jax.pipeline import bounds, schedules
-from rlhfuse_jax.pipeline.evaluate import evaluate, objective_key, peak_memory
+from rlhfuse_jax.pipeline.evaluate import Evaluator, evaluate, objective_key, peak_memory
 from rlhfuse_jax.pipeline.graph import (AB, AF, CB, CF, PipelineProblem, parse_devices,
                                         validate_order)
 
@@ -174,3 +174,52 @@ def test_objective_ranks_overflow_then_makespan_then_max_then_sum_of_peaks():
   even = objective_key(True, 0.0, 10.0, np.array([2.0, 2.0, 2.0]), 30.0)
   skewed = objective_key(True, 0.0, 10.0, np.array([3.0, 1.0, 1.0]), 30.0)
   assert even < skewed
+
+
+@pytest.mark.parametrize("lat", [0.0, 0.5])
+def test_task_tails_are_the_remaining_chain_of_one_micro_batch(lat):
+  """task_tails (the list scheduler's and decoder's priorities) is the time from a task's start
+  to the end of its micro-batch's chain (forwards to the last stage, backwards to stage 0, a
+  latency per hop). With one micro-batch per model run alone that chain is the whole schedule,
+  so the evaluator's makespan minus each task's start must equal it."""
+  p = PipelineProblem(4, 2, 1, 1, 1.0, 2.0, actor_bwd=3.0, critic_bwd=5.0,
+                      transfer_latency=lat)
+  tails = schedules.task_tails(p)
+  inf = float("inf")
+  for model, release, kinds in (("actor", (0.0, inf), (AF, AB)),
+                                ("critic", (inf, 0.0), (CF, CB))):
+    ev = Evaluator(p)
+    ev.timing(schedules.one_f_one_b_order(p, model), release)
+    ends = ev.ends[:, :2]  # [N, 2]: the model's forward then its backward on each device
+    starts = ends - np.array([p.duration(k) for k in kinds])
+    np.testing.assert_allclose(tails[:, list(kinds)], ends.max() - starts)
+
+
+def test_one_f_one_b_caps_are_the_in_flight_counts_of_the_1f1b_orders():
+  """The list scheduler's per-model caps are the most micro-batches each device holds in flight
+  (forwards started, backwards not yet) in the two models' 1F1B orders."""
+  p = PipelineProblem(8, 4, 6, 2, 3.0, 2.0)
+  actor, critic = schedules.one_f_one_b_order(p, "actor"), schedules.one_f_one_b_order(
+      p, "critic")
+
+  def held(order, f, b):  # [N] most forwards started and not yet backed on each device
+    return np.cumsum((order == f).astype(int) - (order == b), axis=1).max(axis=1)
+  np.testing.assert_array_equal(schedules.one_f_one_b_caps(p),
+                                np.stack([held(actor, AF, AB), held(critic, CF, CB)], axis=1))
+
+
+def test_list_scheduling_with_the_reserve_never_stalls_under_the_budget():
+  """reserve=True admits a forward only if one forward of the other model still fits while that
+  model holds nothing on the device, which makes the combined memory cap deadlock-free: every
+  variant must come back (none None) and hold at most the cap."""
+  rng = np.random.default_rng(0)
+  for p in (PipelineProblem(4, 2, 4, 2, 1.0, 2.0, actor_mem=3.0, critic_mem=2.0),
+            PipelineProblem(4, 4, 3, 3, 2.0, 1.0)):
+    n = p.num_devices
+    cap = np.full(n, p.actor_mem + p.critic_mem)  # one micro-batch of each model at once
+    for _ in range(40):
+      order = schedules.list_schedule(p, rng.uniform(0, 10, size=(n, 4)), np.full((n, 2), 8),
+                                      cap, float(rng.uniform(0, 3)), reserve=True)
+      assert order is not None
+      ev = evaluate(p, order)
+      assert ev.valid and np.all(ev.peaks <= cap + 1e-9)
