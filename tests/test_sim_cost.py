@@ -315,3 +315,18 @@ def test_measured_backwards_reach_the_pipeline_problem():
     p = training_sim.step_costs(cost, a, c, plan, 512, check_memory=False).problem
     assert (p.actor_fwd, p.critic_fwd) == (20.0, 10.0)
     assert (p.actor_bwd, p.critic_bwd) == pytest.approx(expected, abs=1e-6)  # ms, 6 decimals
+
+
+def test_optimizer_step_and_activation_memory_by_hand():
+  """The two per-parameter and per-token constants of the module docstring, by hand on the toy:
+  Adam touches 28 bytes a parameter (fp32 master, m and v each read and written, the bf16
+  gradient read and the bf16 weight written) over the device's shard at hbm_bw x decode_bw_eff;
+  an in-flight micro-batch keeps 34 h bytes a token a layer (Korthikanti et al. 2022, Table 2:
+  tensor + sequence parallel, selective recomputation), split over the tp devices."""
+  cm = CostModel(TOY_HW, EFF)
+  touched = 3 * (4 + 4) + 2 + 2
+  assert cm.optimizer_step_s(TOY, 4) == pytest.approx(touched * TOY.num_params() / 4 / 0.5e9)
+  tp, pp, tokens = 2, 2, 8.0
+  held = [cm.train_memory_bytes(TOY, tp, pp, 1, False, tokens, k) for k in (0, 3)]
+  layers = TOY.num_layers / pp
+  assert held[1] - held[0] == pytest.approx(3 * 34 * 16 * tokens * layers / tp)
