@@ -98,6 +98,20 @@ def test_disjoint_training_times_each_model_with_its_own_measured_stage():
         shape, 1, 1, 8) + cost.optimizer_step_s(shape, 8))
 
 
+def test_disjoint_1f1b_exposes_the_latency_of_every_round_trip():
+  """One model's 1F1B with latency between stages (disjoint training, single_model_plan) must be
+  priced as the colocated plans are (the evaluator), not as (P+M-1)(f+b) + 2(P-1) latency,
+  which holds only for M <= P. By hand, P=2, M=4, f=1, b=2, latency 0.5 (ms): stage 1 runs
+  F0 1.5-2.5 B0 2.5-4.5 F1 4.5-5.5 B1 5.5-7.5 F2 8.5-9.5 B2 9.5-11.5 F3 11.5-12.5 B3 12.5-14.5;
+  stage 0 F0 0-1 F1 1-2 B0 5-7 F2 7-8 B1 8-10 F3 10-11 B2 12-14 B3 15-17: 17, not 16."""
+  ms = 1e-3
+  assert ts.one_f_one_b_s(2, 4, 1 * ms, 2 * ms, 0.5 * ms) == pytest.approx(17 * ms)
+  assert pipeline_1f1b_makespan(2, 4, 1, 2) + 2 * 0.5 == 16
+  # M <= P: the latency is paid on the first forward chain and the last backward chain only.
+  assert ts.one_f_one_b_s(4, 2, 1 * ms, 2 * ms, 0.5 * ms) == pytest.approx(
+      (pipeline_1f1b_makespan(4, 2, 1, 2) + 2 * 3 * 0.5) * ms)
+  assert ts.one_f_one_b_s(4, 8, 1 * ms, 2 * ms, 0.0) == pytest.approx(33 * ms)
+
 def test_training_plans_split_whole_layers_per_stage():
   """13B's 40 layers: no plan puts 2.5 layers on each of 16 stages (a stage holds whole layers,
   as Megatron-LM and our executor require); every candidate tried has pp dividing the layers."""
