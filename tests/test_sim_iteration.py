@@ -122,6 +122,26 @@ def test_training_plans_split_whole_layers_per_stage():
   assert any("pa8" in name for name in tried)
 
 
+@pytest.mark.parametrize("minibatch, held", [(8, (4, 2)), (2, (2, 1))])
+def test_training_memory_counts_the_1f1b_in_flight_micro_batches_of_stage_0(minibatch, held):
+  """Stage 0 of a P-stage 1F1B with M micro-batches holds min(P, M) of them (graph.py); a plan
+  is checked with both models' stage 0 at once, the critic's states sharded over its dp x R
+  copies. Pa=4, Pc=2 on 4 devices: minibatch 8 (Ma=8, Mc=4) holds 4 and 2, minibatch 2 (Ma=2,
+  Mc=1) 2 and 1. The check must pass with exactly that much usable memory, refuse a byte less."""
+  a, c = get_shape("llama-7b"), get_shape("llama-7b", "scalar")
+  plan = ts.TrainPlan(num_devices=4, minibatch=minibatch, tp=1, actor_pp=4, critic_pp=2)
+  tokens = 64.0
+  need = (H100.train_memory_bytes(a, 1, 4, 1, True, tokens, held[0]) +
+          H100.train_memory_bytes(c, 1, 2, 2, True, tokens, held[1]))
+  headroom = H100.eff.memory_headroom
+  for usable, fits in ((need * (1 + 1e-9), True), (need * (1 - 1e-9), False)):
+    hw = dataclasses.replace(H100.hw, hbm_bytes=usable / headroom)
+    if fits:
+      ts.check_train_memory(CostModel(hw), a, c, plan, tokens)
+    else:
+      with pytest.raises(ValueError, match="does not fit in memory"):
+        ts.check_train_memory(CostModel(hw), a, c, plan, tokens)
+
 def test_model_that_does_not_fit_is_named():
   a100 = CostModel(get_hardware("a100_80g_sxm"))
   a, c = get_shape("llama-65b"), get_shape("llama-65b", "scalar")
