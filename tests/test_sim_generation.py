@@ -123,3 +123,20 @@ def test_bad_settings():
   # A negative prompt was simulated (its KV rows read negative bytes), not refused.
   with pytest.raises(ValueError, match="prompt lengths must be >= 0, got -500"):
     run(cost, [-500, 3], [3, 3], num_instances=2, slots=1)
+
+
+def test_consolidation_provisions_every_sample_for_max_new_tokens():
+  """The host cannot know when a sample will stop, so the consolidation plan counts each one at
+  its KV length plus max_new_tokens - generated (module docstring), never its true response
+  length. Three instances of 216 KV tokens each keep one 30-token sample; after the prefill
+  and one 4-step chunk each holds 8 + 5 - 1 = 12 tokens and may grow by 100 - 5 = 95, 107 in
+  all: two fit on an instance (214), three do not (321), so the plan keeps 2 instances and
+  moves one sample of 12 tokens (a planner that knew the lengths would pack all three on one)."""
+  cost = measured_cost(migration=1e12)
+  res = run(cost, [8] * 6, [30, 30, 30, 2, 2, 2], num_instances=3, slots=4, threshold=0.5,
+            max_new_tokens=100, kv_capacity_tokens=216)
+  assert len(res.consolidations) == 1
+  c = res.consolidations[0]
+  assert (c["unfinished"], c["kept"], c["moves"]) == (3, 2, 1)
+  assert c["moved_bytes"] == 12 * SHAPE.kv_bytes_per_token()
+  assert np.all(np.isfinite(res.finish_s))
