@@ -140,3 +140,19 @@ def test_consolidation_provisions_every_sample_for_max_new_tokens():
   assert (c["unfinished"], c["kept"], c["moves"]) == (3, 2, 1)
   assert c["moved_bytes"] == 12 * SHAPE.kv_bytes_per_token()
   assert np.all(np.isfinite(res.finish_s))
+
+
+def test_migrations_to_different_instances_run_at_once():
+  """Each destination receives its rows over its own links, so a consolidation's migration
+  lasts as long as the slowest destination's, not the sum. Four instances of 216 KV tokens
+  each keep one 30-token sample (107 tokens provisioned, as above): two fit an instance, so
+  two of them each receive one 12-token sample (6291456 bytes at 1 GB/s: 6.29 ms), at once."""
+  cost = measured_cost(migration=1e9)
+  res = run(cost, [8] * 8, [30] * 4 + [2] * 4, num_instances=4, slots=4, threshold=0.5,
+            max_new_tokens=100, kv_capacity_tokens=216)
+  c = res.consolidations[0]
+  assert (c["kept"], c["moves"]) == (2, 2)
+  one = 12 * SHAPE.kv_bytes_per_token() / 1e9
+  assert c["migration_s"] == pytest.approx(one)
+  migrations = [(st, e) for _, st, e, k in res.segments if k == "migrate"]
+  assert migrations and all(e - st == pytest.approx(one) for st, e in migrations)
