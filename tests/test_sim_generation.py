@@ -65,6 +65,9 @@ def test_pure_tail_batch():
   assert base.gen_end_s == pytest.approx(gen_end) and fused.gen_end_s == pytest.approx(gen_end)
   # Baseline: all 8 samples (7 x 11 + 110 tokens) go through inference after the tail.
   assert base.gen_plus_inf_s == pytest.approx(gen_end + (7 * 11 + 110) / 500)
+  # Busy: 4 prefills, the tail's 99 steps and that one micro-batch, over 4 instances' time.
+  busy = 4 * 0.02 + 99 * 0.01 + (7 * 11 + 110) / 500
+  assert base.instance_busy_frac == pytest.approx(busy / (4 * base.gen_plus_inf_s))
   # Fused: the 7 short ones were scored on free instances during the tail; only the long one
   # remains (the policy moves nothing: one sample is already on the fewest instances).
   assert fused.consolidations == []
