@@ -330,3 +330,11 @@ def test_optimizer_step_and_activation_memory_by_hand():
   held = [cm.train_memory_bytes(TOY, tp, pp, 1, False, tokens, k) for k in (0, 3)]
   layers = TOY.num_layers / pp
   assert held[1] - held[0] == pytest.approx(3 * 34 * 16 * tokens * layers / tp)
+
+
+def test_a_group_that_spills_into_another_node_spans_both():
+  """nodes_spanned rounds up: 9 or 12 consecutive devices on nodes of 8 occupy two nodes (their
+  collectives pay NCCL's inter-node steps and ride the NICs), 17 three; a group never spans
+  fewer than one node."""
+  hw = get_hardware("h100_sxm")
+  assert [hw.nodes_spanned(g) for g in (0, 1, 8, 9, 12, 16, 17)] == [1, 1, 1, 2, 2, 2, 3]
