@@ -190,6 +190,25 @@ def test_stage_layout_stacks_scanned_layers_by_a_reshape():
     layout.stack(unrolled)
 
 
+def test_accumulator_segments_add_and_split_back_to_their_own_parts():
+  """A device's flat gradient accumulator is [its stage's layers | embed | head]: add() of each
+  part's gradients must land in that part's segment only, and split_accumulator must give each
+  part back (else the head's gradients would update the embedding, or overwrite each other)."""
+  cfg = llama.ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=4,
+                          num_heads=2, num_kv_heads=1)
+  layout = StageLayout.for_config(cfg, 2)
+  staged = layout.stack(llama.host_random_params(cfg, 0))
+  local = layout.local_tree({**staged, "layers": jax.tree.map(lambda x: x[:1],
+                                                              staged["layers"])})
+  acc = jnp.zeros(layout.device_size, jnp.float32)
+  # The layers twice: add accumulates (micro-batch after micro-batch), it does not overwrite.
+  for scale, key in ((1.0, "layers"), (5.0, "embed"), (3.0, "head"), (1.0, "layers")):
+    acc = layout.add(acc, key, jax.tree.map(lambda x, c=scale: np.full(x.shape, c), local[key]))
+  assert layout.device_size == layout.stage_size + layout.embed_size + layout.head_size
+  for part, scale in zip(layout.split_accumulator(acc), (2.0, 5.0, 3.0)):
+    for leaf in jax.tree.leaves(part):
+      np.testing.assert_array_equal(np.asarray(leaf), scale)
+
 # The executor -----------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
