@@ -322,3 +322,26 @@ def test_planned_fused_training_pays_the_resharding_its_layout_brings(fused_trai
     assert row["iteration_s"] == pytest.approx(moved + 2.5 + fused_train_s)
   else:  # 0.99 s + the move > 1.0 s: the uniform layout's own training stays
     assert row["reshard_s"] == 0.0 and row["train_s"] == 1.0 and "train" not in row["details"]
+
+
+def test_zero3_step_overlaps_three_parameter_gathers_with_the_compute():
+  """DeepSpeed-Chat-like ZeRO-3 by hand: each step all-gathers the bf16 parameters for the
+  forward and for the backward and reduce-scatters the gradients, 3 x (n-1)/n x the weight
+  bytes through every device's link, prefetched under the compute (3 x the forward's FLOPs at
+  train_mfu over n devices): the step is the larger of the two plus the optimizer step."""
+  from rlhfuse_jax.sim.cost_model import Efficiency
+  from rlhfuse_jax.sim.hardware import Hardware
+  from rlhfuse_jax.sim.shapes import ModelShape
+  hw = Hardware(name="toy", peak_flops=1e15, hbm_bw=1e9, hbm_bytes=1e10, intra_node_bw=1e8,
+                inter_node_bw=1e7, devices_per_node=4)
+  cost = CostModel(hw, Efficiency(train_mfu=0.5, decode_bw_eff=0.5, net_eff=0.5,
+                                  collective_latency_s=0.0))
+  shape = ModelShape(name="toy", vocab_size=100, hidden_size=16, intermediate_size=32,
+                     num_layers=2, num_heads=2, num_kv_heads=1)
+  gathers = 3 * (3 / 4) * 2 * shape.num_params() / (1e8 * 0.5)
+  opt = 28 * shape.num_params() / 4 / (1e9 * 0.5)
+  for tokens in (1e6, 1e9):
+    compute = 3 * shape.forward_flops(tokens, 100.5) / (4 * 1e15 * 0.5)
+    assert (compute < gathers) == (tokens == 1e6)
+    assert ts.zero3_train_s(cost, shape, 4, tokens, 200.0) == pytest.approx(
+        max(compute, gathers) + opt)
