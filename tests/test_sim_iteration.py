@@ -112,6 +112,20 @@ def test_disjoint_1f1b_exposes_the_latency_of_every_round_trip():
       (pipeline_1f1b_makespan(4, 2, 1, 2) + 2 * 3 * 0.5) * ms)
   assert ts.one_f_one_b_s(4, 8, 1 * ms, 2 * ms, 0.0) == pytest.approx(33 * ms)
 
+def test_disjoint_plans_time_their_pipelines_with_the_latency_of_every_round_trip(monkeypatch):
+  """single_model_plan prices every candidate's pipeline with one_f_one_b_s (checked by hand
+  above), latency included wherever the model has several stages, not with the closed form."""
+  calls = []
+
+  def spy(stages, microbatches, fwd_s, bwd_s, latency_s):
+    calls.append((stages, latency_s))
+    return ts.pipeline_1f1b_makespan(stages, microbatches, fwd_s, bwd_s) + 1.0  # a marker
+  monkeypatch.setattr(ts, "one_f_one_b_s", spy)
+  step, plan = ts.single_model_plan(H100, get_shape("llama-7b"), 16, 16, 1, 512.0)
+  assert any(pp > 1 for pp, _ in calls)
+  assert all((lat > 0) == (pp > 1) for pp, lat in calls)
+  assert step > 1.0  # the chosen plan's pipeline came from one_f_one_b_s
+
 def test_training_plans_split_whole_layers_per_stage():
   """13B's 40 layers: no plan puts 2.5 layers on each of 16 stages (a stage holds whole layers,
   as Megatron-LM and our executor require); every candidate tried has pp dividing the layers."""
