@@ -77,3 +77,23 @@ def test_a_coefficient_that_is_nan_or_infinite_is_refused(field):
     with pytest.raises(ValueError, match=rf"loss.{field}={value} must be finite and "):
       LossConfig(**{field: value})
   assert getattr(LossConfig(**{field: 0.5}), field) == 0.5
+
+
+@pytest.mark.parametrize("kl_loss_agg", ["token-mean", "seq-mean-token-sum"])
+def test_the_kl_term_is_aggregated_by_its_own_mode(kl_loss_agg):
+  """The KL-to-reference term is reduced by cfg.kl_loss_agg, whatever the policy loss's
+  loss_agg is (the trainer keeps it a token mean while the policy loss may be a per-sequence
+  sum): its k3 estimate against numpy, and the total loss as pg - entropy + kl_coef * kl. A KL
+  aggregated with the policy's mode weighed the penalty up by the response lengths, silently."""
+  cfg = LossConfig(loss_agg="seq-mean-token-sum-norm", kl_coef=0.1, kl_estimator="k3",
+                   kl_loss_agg=kl_loss_agg, entropy_coef=0.01)
+  logp, entropy, batch = _batch(seed=3)
+  loss, m = objective.actor_objective(cfg, logp, entropy, batch)
+  mask = batch["mask"].astype(np.float64)
+  r = batch["ref_logp"].astype(np.float64) - logp.astype(np.float64)
+  k3 = (np.exp(r) - r - 1) * mask
+  want = (k3.sum() / mask.sum() if kl_loss_agg == "token-mean" else k3.sum(-1).mean())
+  assert float(m["kl_loss"]) == pytest.approx(want, rel=1e-5)
+  ent = float(np.sum(entropy * mask) / mask.sum())
+  assert float(m["entropy"]) == pytest.approx(ent, rel=1e-5)
+  assert float(loss) == pytest.approx(float(m["pg_loss"]) - 0.01 * ent + 0.1 * want, rel=1e-5)
