@@ -341,3 +341,21 @@ def test_accumulated_update_sums_every_loss_aggregation(loss_agg, critic_free):
     assert not any(k.startswith("critic/") for k in wm) and wm["actor/kl_loss"] > 0
   for k in wm:
     np.testing.assert_allclose(gm[k], wm[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_micro_batches_keep_each_row_on_its_shard():
+  """ppo.micro_batches against hand-written row lists: micro-batch j takes the j-th run of rows
+  of every data shard's block, so under the batch's data-axis sharding (B / shards contiguous
+  rows a shard) each micro-batch's rows are on the devices that already hold them. Cut as
+  contiguous slices of the mini-batch instead (the same sums), every micro-batch lived on a
+  fraction of the shards and the rows moved between devices each step."""
+  rows = np.arange(8)
+  mb = {"x": rows, "y": np.stack([rows, -rows], 1)}
+  got = ppo.micro_batches(mb, shards=2, count=2)
+  np.testing.assert_array_equal(got["x"], [[0, 1, 4, 5], [2, 3, 6, 7]])
+  np.testing.assert_array_equal(got["y"][1], [[2, -2], [3, -3], [6, -6], [7, -7]])
+  np.testing.assert_array_equal(ppo.micro_batches(mb, 2, 4)["x"],
+                                [[0, 4], [1, 5], [2, 6], [3, 7]])
+  np.testing.assert_array_equal(ppo.micro_batches(mb, 4, 2)["x"],
+                                [[0, 2, 4, 6], [1, 3, 5, 7]])
+  np.testing.assert_array_equal(ppo.micro_batches(mb, 1, 2)["x"], [[0, 1, 2, 3], [4, 5, 6, 7]])
