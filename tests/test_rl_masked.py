@@ -29,6 +29,19 @@ def test_sum_mean_var_match_numpy():
                              rtol=1e-5, atol=1e-7)
 
 
+def test_sum_and_mean_weigh_each_position_by_its_mask():
+  """A mask of weights (not only 0/1) weighs each valid position: the sum is sum(w * x) over
+  w > 0 and the mean sum(w * x) / sum(w), by hand. (The mean divides by the weights' sum, so a
+  sum that ignored the weights made the mean of a constant differ from the constant.)"""
+  x = np.array([[1.0, 2.0, 4.0], [3.0, np.nan, 5.0]], np.float32)
+  w = np.array([[0.5, 2.0, 0.0], [1.0, 0.0, 0.25]], np.float32)
+  assert float(masked.masked_sum(x, w)) == pytest.approx(0.5 + 4.0 + 3.0 + 1.25)
+  assert float(masked.masked_mean(x, w)) == pytest.approx(8.75 / 3.75)
+  np.testing.assert_allclose(masked.masked_mean(x, w, axis=-1), [4.5 / 2.5, 4.25 / 1.25],
+                             rtol=1e-6)
+  assert float(masked.masked_mean(np.full_like(x, 7.0), w)) == pytest.approx(7.0)
+
+
 def test_padding_garbage_does_not_leak():
   x, mask = _data()
   dirty = np.where(mask > 0, x, np.nan).astype(np.float32)
