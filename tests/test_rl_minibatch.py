@@ -96,3 +96,14 @@ def test_minibatch_indices_errors_name_fields():
     minibatch.minibatch_indices(12, 6, rng, num_data_shards=4)
   with pytest.raises(ValueError, match=r"token_counts must have shape \(12,\)"):
     minibatch.minibatch_indices(12, 6, rng, token_counts=np.ones(11), num_data_shards=2)
+
+
+def test_balanced_partition_without_swaps_is_longest_first():
+  """max_swaps=0 leaves LPT's greedy result alone, hand-computed: the longest samples first,
+  each to the lightest part with room (10 -> A, 9 -> B, 8 -> B, then the 1s fill A, and B takes
+  the last). Shortest first instead ends with the two longest on one part (11 against 19): the
+  swaps repair most of that, so only this pins the order that gives LPT its balance."""
+  counts = np.array([1, 8, 1, 10, 9, 1])
+  parts = minibatch.balanced_partition(counts, 2, max_swaps=0)
+  np.testing.assert_array_equal(parts[0], [0, 2, 3])
+  np.testing.assert_array_equal(parts[1], [1, 4, 5])
