@@ -582,6 +582,49 @@ def test_a_warmup_longer_than_the_schedule_is_warned_about(caplog):
         caplog.text)
 
 
+def test_the_update_steps_each_model_at_its_own_rate_on_the_schedule():
+  """make_update's learning rates, by the documented formula: linear warm-up over
+  optim.warmup_steps optimizer steps, then a cosine to min_lr_ratio over schedule_iterations x
+  epochs x mini-batches steps (capped to end the warm-up at the last step); the critic's AdamW
+  at optim.critic_lr, the actor's at optim.actor_lr. A schedule over the wrong number of steps
+  or a critic stepped at the actor's rate trains on, silently."""
+  from rlhfuse_jax.trainer import update as update_lib
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
+
+  def make(warmup, iterations):  # iterations x 2 epochs x 2 mini-batches optimizer steps
+    cfg = tiny_config(**{"optim.warmup_steps": warmup, "algo.epochs": 2, "optim.actor_lr": 1e-3,
+                         "optim.critic_lr": 3e-3, "optim.min_lr_ratio": 0.1})
+    _, tokenizer = build.build_task_and_tokenizer(cfg)
+    return update_lib.make_update(build.resolve_config(cfg, tokenizer), mesh, use_critic=True,
+                                  schedule_iterations=iterations)
+  upd = make(4, 4)  # 16 steps: 4 of warm-up, a cosine over 12
+  peak, end = 1e-3, 1e-4
+  lrs = np.asarray(upd.actor_lr(jnp.arange(21)))  # one call: eager dispatch is slow here
+  for step, want in ((0, 0.0), (2, peak / 2), (4, peak), (10, (peak + end) / 2), (16, end),
+                     (20, end)):
+    assert lrs[step] == pytest.approx(want, rel=1e-5, abs=1e-12), step
+  # Adam's step t on a constant gradient is -lr(t) * sign(g) (a vector: not decayed), at each
+  # model's own peak and floor: 0, a quarter, the peak, halfway down, the floor.
+  g = {"b": jnp.array([1.0, -2.0, 3.0])}
+
+  @jax.jit  # one program for both models: eager dispatch and compiles are slow here
+  def steps(params):
+    def run(tx):
+      def one(state, _):
+        step, state = tx.update(g, state, params)
+        return state, step["b"]
+      return jax.lax.scan(one, tx.init(params), None, length=17)[1]
+    return {model: run(upd._txs[model]) for model in ("actor", "critic")}
+  got = steps({"b": jnp.zeros(3)})
+  for model, lr in (("actor", 1e-3), ("critic", 3e-3)):
+    for t, frac in ((0, 0.0), (1, 0.25), (4, 1.0), (10, 0.55), (16, 0.1)):
+      np.testing.assert_allclose(got[model][t], -lr * frac * np.sign(g["b"]), rtol=1e-5,
+                                 atol=1e-12, err_msg=f"{model} step {t}")
+  # A warm-up longer than the 8 steps ends at the last one: the peak there, the floor after.
+  upd = make(16, 2)
+  np.testing.assert_allclose(upd.actor_lr(jnp.arange(7, 9)), [peak, end], rtol=1e-5)
+
+
 def _validate_warnings(caplog, overrides: dict, mesh_cfg=mesh_lib.MeshConfig(data=8)) -> str:
   """The WARNING lines validate() logs for tiny_config(**overrides) on a mesh of `mesh_cfg`."""
   from rlhfuse_jax.trainer.validate import validate
