@@ -3,6 +3,7 @@ the pipeline executor): under the mini-batch's normalisers each micro-batch's lo
 metric are shares that add up to the whole mini-batch's. A metric added to the objective
 without its share (a fraction summed over 4 micro-batches reads up to 4) fails here in seconds,
 and reaches the run's log by itself (trainer/ppo.actor_metrics)."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,3 +98,19 @@ def test_the_kl_term_is_aggregated_by_its_own_mode(kl_loss_agg):
   ent = float(np.sum(entropy * mask) / mask.sum())
   assert float(m["entropy"]) == pytest.approx(ent, rel=1e-5)
   assert float(loss) == pytest.approx(float(m["pg_loss"]) - 0.01 * ent + 0.1 * want, rel=1e-5)
+
+
+def test_a_mini_batch_without_a_valid_token_gives_zeros_not_nan():
+  """Under normalisers of a mini-batch with no valid token (num_tokens = 0) the objective's
+  loss, its gradient and every metric are 0, as the token-mean of nothing is in rl/losses: a
+  share of 0 / 0 made them NaN, and a NaN loss stops the run (or skips its update)."""
+  cfg = LossConfig(loss_agg="token-mean", entropy_coef=0.01, kl_coef=0.1, kl_estimator="k3")
+  logp, entropy, batch = _batch(seed=5)
+  batch = {**batch, "mask": np.zeros_like(batch["mask"])}
+  zero, seqs = jnp.float32(0.0), jnp.float32(B)
+  grad, ma = jax.grad(lambda lp: objective.actor_objective(cfg, lp, entropy, batch, zero, seqs),
+                      has_aux=True)(jnp.asarray(logp))
+  _, mc = objective.critic_objective(cfg, batch["old_values"] + 0.3, batch, zero)
+  np.testing.assert_array_equal(grad, 0.0)
+  for k, v in {**ma, **mc}.items():
+    assert float(v) == 0.0, k
