@@ -359,3 +359,19 @@ def test_micro_batches_keep_each_row_on_its_shard():
   np.testing.assert_array_equal(ppo.micro_batches(mb, 4, 2)["x"],
                                 [[0, 2, 4, 6], [1, 3, 5, 7]])
   np.testing.assert_array_equal(ppo.micro_batches(mb, 1, 2)["x"], [[0, 1, 2, 3], [4, 5, 6, 7]])
+
+
+def test_microbatch_count_splits_each_data_shards_rows():
+  """algo.microbatch_size counts rows per data shard: 16 rows over 4 shards are 4 a shard, so
+  micro-batches of 2 rows make 2 of them (counted over the whole mini-batch, 8: more than a
+  shard has rows, which micro_batches cannot cut); 0, or a size of a whole shard or more, is
+  one micro-batch; a size that does not divide a shard's rows is refused."""
+  count = ppo.microbatch_count
+  assert count(AlgoConfig(microbatch_size=2), 16, 4) == 2
+  assert count(AlgoConfig(microbatch_size=1), 16, 4) == 4
+  assert count(AlgoConfig(microbatch_size=1), 16, 1) == 16
+  assert count(AlgoConfig(microbatch_size=0), 16, 4) == 1
+  assert count(AlgoConfig(microbatch_size=4), 16, 4) == 1
+  with pytest.raises(ValueError, match=r"microbatch_size=3 must divide the mini-batch rows per "
+                     r"data shard \(algo.minibatch_size=16 / mesh data\*fsdp=4 = 4\)"):
+    count(AlgoConfig(microbatch_size=3), 16, 4)
