@@ -338,3 +338,17 @@ def test_plan_against_exhaustive_search_when_the_kv_pool_decides():
     else:
       seen["m2+"] += 1
   assert seen["exact_m1"] >= 20 and seen["m2+"] >= 20, seen
+
+
+def test_a_moved_sample_takes_the_lowest_free_slot():
+  """Destination slot = the kept instance's lowest free slot (module docstring, step 4): with
+  slots 0 and 2 taken, the arriving samples fill 1 and then 3, never the end first. The engine
+  scatters the KV rows into exactly the slot the plan names."""
+  insts = [inst(0, [(0, 0, 50, 5), (1, 2, 40, 5)], slots=5),
+           inst(1, [(2, 0, 9, 5), (3, 1, 8, 5)], slots=5)]
+  plan = plan_consolidation(insts, threshold=1.0, total_samples=4)
+  assert plan.consolidate and plan.kept == (0,)
+  # Largest need first (uid 2: 14 tokens, uid 3: 13), each to the lowest slot still free.
+  assert [(m.uid, m.dst_instance, m.dst_slot) for m in plan.moves] == [(2, 0, 1), (3, 0, 3)]
+  check_invariants(insts, plan)
+
