@@ -352,3 +352,16 @@ def test_a_moved_sample_takes_the_lowest_free_slot():
   assert [(m.uid, m.dst_instance, m.dst_slot) for m in plan.moves] == [(2, 0, 1), (3, 0, 3)]
   check_invariants(insts, plan)
 
+
+@pytest.mark.parametrize("max_subsets", [1, 5000])
+def test_a_tie_in_kept_work_keeps_the_instance_with_more_samples(max_subsets):
+  """Equal KV tokens held: the tie goes to the instance holding more samples (module docstring,
+  step 3), in the greedy ranking (max_subsets=1: 2 subsets are too many) as in the exhaustive
+  order. Instance 1 holds two samples of 5 tokens, instance 0 one of 10: keeping instance 1
+  moves one sample, not two, for the same bytes."""
+  insts = [inst(0, [(0, 0, 10, 2)]), inst(1, [(1, 0, 5, 2), (2, 1, 5, 2)])]
+  plan = plan_consolidation(insts, threshold=1.0, total_samples=3, max_subsets=max_subsets)
+  assert plan.consolidate and plan.kept == (1,) and plan.released == (0,)
+  assert [(m.uid, m.dst_instance, m.dst_slot) for m in plan.moves] == [(0, 1, 2)]
+  check_invariants(insts, plan)
+
