@@ -365,3 +365,16 @@ def test_a_tie_in_kept_work_keeps_the_instance_with_more_samples(max_subsets):
   assert [(m.uid, m.dst_instance, m.dst_slot) for m in plan.moves] == [(0, 1, 2)]
   check_invariants(insts, plan)
 
+
+def test_max_subsets_is_the_largest_count_still_enumerated():
+  """Only MORE than max_subsets m-subsets fall back to the greedy choice (module docstring,
+  step 3). Here the ranking's top instance (0: most work) has no KV room for the other's
+  sample, while instance 1 has: with exactly max_subsets = C(2, 1) = 2 subsets both are tried
+  and instance 1 is kept; with max_subsets = 1 only the greedy choice is, and nothing fits."""
+  insts = [inst(0, [(0, 0, 10, 2)], cap=13), inst(1, [(1, 0, 5, 2)], cap=100)]
+  plan = plan_consolidation(insts, threshold=1.0, total_samples=2, max_subsets=2)
+  assert plan.consolidate and plan.kept == (1,)
+  assert [(m.uid, m.dst_instance, m.dst_slot) for m in plan.moves] == [(0, 1, 1)]
+  check_invariants(insts, plan)
+  greedy = plan_consolidation(insts, threshold=1.0, total_samples=2, max_subsets=1)
+  assert not greedy.consolidate and "do not fit" in greedy.reason
