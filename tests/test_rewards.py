@@ -275,6 +275,16 @@ def test_decode_responses_stops_at_eos_and_marks_foreign_ids(tok):
   assert verifiers.gsm8k(text, "72", {}) == 0.0
 
 
+def test_the_first_id_past_the_vocabulary_also_splits_the_text(tok):
+  """A model's embedding padded past the vocabulary can sample id vocab_size itself, the first
+  id decoding cannot read: it marks the text as any foreign id does ('7', foreign, '2' is not
+  72), while the last id of the vocabulary, vocab_size - 1, decodes as itself."""
+  ids, lens = _batch(tok, ["7"], stop=False)
+  ids[0, 1], ids[0, 2], lens[0] = tok.vocab_size, tok.encode("2", add_bos=False)[0], 3
+  assert rewards_lib.decode_responses(ids, lens, tok) == ["7\ufffd2"]
+  ids[0, 1] = tok.vocab_size - 1
+  assert "\ufffd" not in rewards_lib.decode_responses(ids, lens, tok)[0]
+
 def test_a_special_token_between_digits_does_not_join_them(tok):
   """decode(skip_special_tokens=True) drops special tokens the vocabulary knows (<|im_start|>)
   and joined the text around them: '7', <|im_start|>, '2' read as 72, a reward a policy could
