@@ -179,6 +179,25 @@ def test_per_sample_stop_on_eos_or_max_new_tokens(params, prompts, greedy):
   assert r.decode_chunks == -(-r.decode_steps // 3)
 
 
+def test_an_eos_sampled_as_the_last_budgeted_token_is_an_eos_stop():
+  """A row that emits EOS exactly at its token budget ended on its own: its stop reason is
+  STOP_EOS, not STOP_MAX_TOKENS (the trainer's clip ratio counts only the budget's cut-offs as
+  truncated, and so must the engine's result). One recorded step of three live rows, budget 4:
+  EOS as the 4th token, another token as the 4th, EOS as the 2nd."""
+  sc = SamplingConfig(max_new_tokens=4, eos_id=5)
+  zeros = jnp.zeros((3,), jnp.int32)
+  state = engine.DecodeState(
+      cache=None, last_token=zeros, position=zeros, prompt_len=zeros,
+      num_generated=jnp.array([3, 3, 1], jnp.int32), done=jnp.zeros((3,), bool),
+      stop_reason=zeros, uid=zeros, budget=jnp.full((3,), 4, jnp.int32),
+      tokens=jnp.zeros((3, 4), jnp.int32), logprobs=jnp.zeros((3, 4), jnp.float32))
+  out = engine._record(state, jnp.array([5, 7, 5], jnp.int32), jnp.zeros((3,)), sc)
+  np.testing.assert_array_equal(out.num_generated, [4, 4, 2])
+  np.testing.assert_array_equal(out.done, [True, True, True])
+  np.testing.assert_array_equal(out.stop_reason,
+                                [engine.STOP_EOS, engine.STOP_MAX_TOKENS, engine.STOP_EOS])
+  np.testing.assert_array_equal(out.tokens[:, 3], [5, 7, 0])
+
 def test_any_of_several_eos_ids_stops_a_row(params, prompts, greedy):
   """A chat model's generation_config lists several ids that end a turn: a row stops at the
   first of any of them, as with one EOS, and the stop is an EOS stop (not the token budget)."""
