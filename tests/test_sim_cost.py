@@ -154,6 +154,17 @@ def test_calibration_errors_are_clear(obj, msg):
     calibration.from_dict(obj, "cal.json")
 
 
+def test_an_unmeasured_backward_is_the_files_bwd_over_fwd_times_the_forward():
+  """Without a measured backward, a stage's backward is bwd_over_fwd x its forward with the
+  ratio the file gives (3.0 here: 0.5 s -> 1.5 s per stage), not the default 2.0; a measured
+  backward still wins. The pipeline simulators read every backward duration from here."""
+  ts = calibration.TrainStage(actor_fwd_s=0.5, critic_fwd_s=0.25, bwd_over_fwd=3.0,
+                              critic_bwd_s=0.4)
+  fwd, bwd = ts.stage_times("actor", 3)
+  np.testing.assert_allclose(fwd, [0.5, 0.5, 0.5])
+  np.testing.assert_allclose(bwd, [1.5, 1.5, 1.5])
+  np.testing.assert_allclose(ts.stage_times("critic", 2)[1], [0.4, 0.4])
+
 def test_lengths_seeded_clipped_and_described():
   spec = lengths.LengthSpec(kind="lognormal", median=100, sigma=1.0, max_len=300)
   a = spec.sample(np.random.default_rng(3), 2000)
