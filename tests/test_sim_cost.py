@@ -165,6 +165,15 @@ def test_an_unmeasured_backward_is_the_files_bwd_over_fwd_times_the_forward():
   np.testing.assert_allclose(bwd, [1.5, 1.5, 1.5])
   np.testing.assert_allclose(ts.stage_times("critic", 2)[1], [0.4, 0.4])
 
+def test_a_decode_fit_at_full_efficiency_loads_and_one_above_is_refused():
+  """mfu and bw_eff are fractions in (0, 1] (module docstring): exactly 1.0, a roofline-perfect
+  fit, is a legal file and loads as written; 1.01 is refused naming the key."""
+  fit = {"step_s": 0.0, "layer_s": 1e-5, "mfu": 1.0, "bw_eff": 1.0}
+  cal = calibration.from_dict(_cal(decode_fit=fit), "cal.json")
+  assert cal.decode_fit.mfu == 1.0 and cal.decode_fit.bw_eff == 1.0
+  with pytest.raises(ValueError, match=r"bw_eff=1.01 must be a fraction in \(0, 1\]"):
+    calibration.from_dict(_cal(decode_fit={**fit, "bw_eff": 1.01}), "cal.json")
+
 def test_lengths_seeded_clipped_and_described():
   spec = lengths.LengthSpec(kind="lognormal", median=100, sigma=1.0, max_len=300)
   a = spec.sample(np.random.default_rng(3), 2000)
