@@ -174,6 +174,15 @@ def test_a_decode_fit_at_full_efficiency_loads_and_one_above_is_refused():
   with pytest.raises(ValueError, match=r"bw_eff=1.01 must be a fraction in \(0, 1\]"):
     calibration.from_dict(_cal(decode_fit={**fit, "bw_eff": 1.01}), "cal.json")
 
+def test_the_executors_step_overhead_is_read_from_the_file():
+  """pipeline_executor's step_overhead_s (optional, default 0) is the file's figure once given:
+  the lockstep pipeline model adds it to every training step it simulates."""
+  cal = calibration.from_dict(_cal(pipeline_executor={"tick_overhead_s": 0.001,
+                                                      "step_overhead_s": 0.25}), "cal.json")
+  assert cal.pipeline_executor == calibration.ExecutorCost(0.001, 0.25)
+  bare = calibration.from_dict(_cal(pipeline_executor={"tick_overhead_s": 0.001}), "cal.json")
+  assert bare.pipeline_executor.step_overhead_s == 0.0
+
 def test_lengths_seeded_clipped_and_described():
   spec = lengths.LengthSpec(kind="lognormal", median=100, sigma=1.0, max_len=300)
   a = spec.sample(np.random.default_rng(3), 2000)
