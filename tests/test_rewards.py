@@ -100,6 +100,8 @@ batch_pool.batched = True
     ("#### 72", 1.0), ("so #### $72.", 1.0), ("#### 72 and then 5", 1.0),  # after the last ####
     ("The answer is 72.0", 1.0), ("-72", 0.0), ("720", 0.0), ("7,2", 0.0),
     ("no number at all", 0.0), ("", 0.0), ("x72", 0.0),
+    # Exact decimal equality, not closeness: a near miss scores 0, trailing zeros do not count.
+    ("#### 72.5", 0.0), ("#### 71.99", 0.0), ("#### 72.000", 1.0),
 ])
 def test_gsm8k_final_number(response, score):
   assert verifiers.gsm8k(response, GSM8K_SOLUTION, {}) == score
