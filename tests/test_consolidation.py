@@ -378,3 +378,13 @@ def test_max_subsets_is_the_largest_count_still_enumerated():
   check_invariants(insts, plan)
   greedy = plan_consolidation(insts, threshold=1.0, total_samples=2, max_subsets=1)
   assert not greedy.consolidate and "do not fit" in greedy.reason
+
+
+def test_an_idle_instance_passed_in_is_released_with_the_emptied_ones():
+  """`released` is every instance with no unfinished sample after the plan (module docstring),
+  an instance that was idle already included: the engine frees exactly those for inference.
+  Instance 2 holds nothing; instance 1's one sample moves to instance 0."""
+  insts = [inst(0, [(0, 0, 30, 5)]), inst(1, [(1, 0, 20, 5)]), inst(2, [])]
+  plan = plan_consolidation(insts, threshold=1.0, total_samples=4)
+  assert plan.consolidate and plan.kept == (0,) and plan.released == (1, 2)
+  check_invariants(insts, plan)
