@@ -776,6 +776,12 @@ def test_the_simulator_reads_a_config_json_as_the_loader_does(arch, tmp_path):
   want = shapes.from_model_config(hf_loader.config_from_hf(hf), arch)
   assert got.head_dim_ == want.head_dim_
   assert got.num_params() == want.num_params()
+  # A model the loader refuses is refused here too (its shape would be estimated silently).
+  (tmp_path / "biased" / "config.json").write_text(json.dumps({**hf, "mlp_bias": True}))
+  with pytest.raises(ValueError, match=r"mlp_bias=true, which is not supported"):
+    shapes.from_hf_config(str(tmp_path / "biased"), arch)
+  with pytest.raises(ValueError, match=r"mlp_bias=true is not supported"):
+    hf_loader.config_from_hf({**hf, "mlp_bias": True})
   (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
   with pytest.raises(ValueError, match=r"shape 'x': .*config\.json has no integer \['vocab_size'"):
     shapes.from_hf_config(str(tmp_path), "x")

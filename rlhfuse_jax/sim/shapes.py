@@ -132,6 +132,9 @@ def from_hf_config(path: str, name: str) -> ModelShape:
   if missing:
     raise ValueError(f"shape {name!r}: {file} has no integer {missing} (a decoder's "
                      "config.json: LLaMA, Mistral, Qwen)")
+  if hf.get("mlp_bias"):  # as models/hf_loader.config_from_hf: a model the trainer cannot load
+    raise ValueError(f"shape {name!r}: {file} has mlp_bias=true, which is not supported (our "
+                     "MLP has no biases; the loader refuses it too)")
   heads = hf["num_attention_heads"]
   model_type = str(hf.get("model_type", ""))
   # Biases as the loader reads them (models/hf_loader.config_from_hf): Qwen2 on q, k, v; Mistral
