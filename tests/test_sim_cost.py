@@ -367,3 +367,20 @@ def test_a_group_that_spills_into_another_node_spans_both():
   fewer than one node."""
   hw = get_hardware("h100_sxm")
   assert [hw.nodes_spanned(g) for g in (0, 1, 8, 9, 12, 16, 17)] == [1, 1, 1, 2, 2, 2, 3]
+
+
+def test_a_group_spread_unevenly_over_nodes_goes_at_its_emptiest_nodes_pace():
+  """12 consecutive H100s, nodes of 8: 8 members on one node, 4 on the other. Across nodes each
+  byte leaves every node through its members' NICs, so the node with 4 sets the pace: 4 x 50
+  GB/s, not 8 x 50 (Hardware.link_bw, which plans' collectives use, gave the fuller node's 8).
+  The same all-reduce priced by the analytic path and by a compiled program's member list
+  (CostModel.group_collective_s) must agree; power-of-two groups keep their figures."""
+  hw = get_hardware("h100_sxm")
+  assert hw.link_bw(12) == 4 * hw.inter_node_bw
+  assert hw.link_bw(16) == 8 * hw.inter_node_bw and hw.link_bw(8) == hw.intra_node_bw
+  assert hw.link_bw(8, stride=2) == 4 * hw.inter_node_bw  # 0, 2, .., 14: 4 per node
+  assert hw.link_bw(4, stride=8) == hw.inter_node_bw  # one per node
+  cost = CostModel(hw)
+  for group in (12, 16, 24):
+    assert cost.allreduce_s(1e9, group) == pytest.approx(
+        cost.group_collective_s("all-reduce", 1e9, range(group)), rel=1e-12)

@@ -33,6 +33,7 @@ have no cited per-hop figure here and keep the cost model's one `collective_late
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -117,12 +118,15 @@ class Hardware:
     nodes, min(fast link, k x inter_node_bw) with k the group's members per node. A ring over
     nodes runs one channel per NIC (NCCL: bus bandwidth = channels x per-channel network
     bandwidth, src/graph/tuning.cc), so each byte crosses the network once per node, through
-    the k members' k NICs, and the hops inside the node ride the fast link."""
+    the k members' k NICs, and the hops inside the node ride the fast link. k is the fewest
+    members any node holds (the group starting on a node's first device): that node's NICs set
+    the pace, as in CostModel.group_collective_s (12 devices on nodes of 8: 4, not 8)."""
     span = (group_size - 1) * stride + 1
     if span <= self.devices_per_node:
       return self.intra_node_bw
-    per_node = max(1, min(group_size, self.devices_per_node // stride))
-    return min(self.intra_node_bw, per_node * self.inter_node_bw)
+    per_node = collections.Counter(i * stride // self.devices_per_node
+                                   for i in range(group_size))
+    return min(self.intra_node_bw, min(per_node.values()) * self.inter_node_bw)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
