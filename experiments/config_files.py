@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import inspect
+import math
 import os
 import re
 import socket
@@ -103,6 +104,16 @@ def check_ints(config: Any, names: Sequence[str], minimum: int = 1) -> None:
 # would point elsewhere: rollout.batch_size -> rollout.chunk_size).
 DERIVED = {"rollout.batch_size": "the rollout batch is rollout.prompts_per_iteration x "
                                  "rollout.samples_per_prompt samples: set those"}
+
+
+def check_makespan_target(value: float, default: float) -> int:
+  """The makespan schedule_cp_check asks for: --target (-1: `default`), rounded down. Durations
+  are integers there, so every makespan is: "<= 372.6" is "<= 372" (as schedule_lp_check's
+  horizon has it), where rounding to 373 answered a weaker question than the one asked. (Here,
+  not in the binary: a test importing a binary defines its flags, twice with another's.)"""
+  if value != -1 and value < 0:
+    raise ValueError(f"--target={value:g}: expected a makespan >= 0, or -1 for the default")
+  return int(math.floor((default if value == -1 else value) + 1e-9))
 
 
 def missing_field(config: Any, key: str) -> Optional[str]:

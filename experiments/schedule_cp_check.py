@@ -273,15 +273,6 @@ def _numbers(flag: str, values: Sequence[str], form: str) -> tuple[float, ...]:
   return out
 
 
-def check_target(value: float, default: float) -> int:
-  """The makespan a check asks for: --target (-1: `default`), rounded down. Durations are
-  integers here, so every makespan is: "<= 372.6" is "<= 372" (as schedule_lp_check's horizon
-  has it), where rounding to 373 answered a weaker question than the one asked."""
-  if value != -1 and value < 0:
-    raise ValueError(f"--target={value:g}: expected a makespan >= 0, or -1 for the default")
-  return int(math.floor((default if value == -1 else value) + 1e-9))
-
-
 INSTALL = 'pip install -e ".[exact]" (ortools; the module docstring has a --target install)'
 
 
@@ -321,7 +312,8 @@ def main(argv):
     raise ValueError(f"config.transfer_latency={problem.transfer_latency}: expected 0 (the "
                      "CP-SAT model has no transfer latency between devices)")
   lb = bounds.tight_lower_bound(problem)
-  check_target(_TARGET.value, lb)  # the flag's own check, before any search or solver
+  # The flag's own check, before any search or solver.
+  config_files.check_makespan_target(_TARGET.value, lb)
   # (a hint search of 0 s was refused as "time_budget_s=0.0", after the kernels compiled; a
   # time limit of 0 or less ran CP-SAT for nothing and reported UNKNOWN)
   for flag, value in (("--time_limit_s", _TIME.value), ("--hint_search_s", _HINT_S.value)):
@@ -376,7 +368,7 @@ def main(argv):
                  f"{_HINT_S.value:g}s of search", ev.makespan)
     if _MINIMIZE.value or fixed is not None:
       default_target = ev.makespan - (shift if _SPLICE.value else 0)
-  target = check_target(_TARGET.value, default_target)
+  target = config_files.check_makespan_target(_TARGET.value, default_target)
   # After every check and the hint: a mistyped flag leaves the earlier run's files in place.
   wd.start_outputs(_WORKDIR.value, _CONFIG.value, ("result.json", "schedule.json", "gantt.png"),
                    inputs=(_HINT_SCHEDULE.value,))

@@ -285,7 +285,7 @@ def test_lp_check_scans_one_device_at_a_time_and_stops_at_the_first_certified(tm
 def test_cp_check_target_is_rounded_down():
   # Integer durations: "makespan <= 372.6" is "<= 372"; round() asked "<= 373", a weaker
   # question, and its FEASIBLE read as "the target is reachable".
-  from experiments.schedule_cp_check import check_target
+  from experiments.config_files import check_makespan_target as check_target
   assert [check_target(v, 372.0) for v in (-1, 372.6, 372.5, 373, 0)] == [372, 372, 372, 373, 0]
   with pytest.raises(ValueError, match="--target=-2"):
     check_target(-2, 372.0)
