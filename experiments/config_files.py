@@ -107,10 +107,11 @@ DERIVED = {"rollout.batch_size": "the rollout batch is rollout.prompts_per_itera
 
 
 def check_makespan_target(value: float, default: float) -> int:
-  """The makespan schedule_cp_check asks for: --target (-1: `default`), rounded down. Durations
-  are integers there, so every makespan is: "<= 372.6" is "<= 372" (as schedule_lp_check's
-  horizon has it), where rounding to 373 answered a weaker question than the one asked. (Here,
-  not in the binary: a test importing a binary defines its flags, twice with another's.)"""
+  """The makespan schedule_cp_check asks for: --target (-1: `default`), rounded down, and the
+  check of --target schedule_lp_check shares. Durations are integers there, so every makespan
+  is: "<= 372.6" is "<= 372" (as schedule_lp_check's horizon has it), where rounding to 373
+  answered a weaker question than the one asked. (Here, not in a binary: a test importing a
+  binary defines its flags, twice with another's.)"""
   if value != -1 and value < 0:
     raise ValueError(f"--target={value:g}: expected a makespan >= 0, or -1 for the default")
   return int(math.floor((default if value == -1 else value) + 1e-9))

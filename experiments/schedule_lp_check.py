@@ -96,9 +96,9 @@ def main(argv):
   del argv
   problem = PipelineProblem.from_config(_CONFIG.value)
   lb = bounds.tight_lower_bound(problem)
-  if _TARGET.value != -1 and _TARGET.value < 0:  # (it silently meant the tight bound)
-    raise ValueError(f"--target={_TARGET.value:g}: expected a makespan >= 0, or -1 for the "
-                     "tight lower bound")
+  # schedule_cp_check's check (a negative target silently meant the tight bound); the LP's
+  # horizon rounds the target down itself, so it is passed as given.
+  config_files.check_makespan_target(_TARGET.value, lb)
   target = lb if _TARGET.value == -1 else _TARGET.value
   devices = parse_devices(_DEVICES.value, problem.num_devices, allow_each=True)
   if devices == "each" and _VERIFY.value:
