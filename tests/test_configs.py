@@ -233,7 +233,6 @@ def test_llama_bad_variants():
       ppo_llama.get_config(bad)
 
 
-
 @pytest.mark.parametrize("variant", ["", "fused", "grpo"])
 def test_every_ppo_tiny_sweep_entry_is_a_valid_run_of_its_variant(variant):
   """sweep --config=configs/ppo_tiny.py:VARIANT gives get_sweep the variant: every entry must be

@@ -169,7 +169,6 @@ def test_bad_inputs_are_named():
   assert kv_tokens_from_bytes(1000, 64) == 15
 
 
-
 @pytest.mark.parametrize("rt", ["auto", None, True, float("nan")])
 def test_a_threshold_that_is_not_a_number_in_0_1_is_refused_naming_it(rt):
   """'auto' is resolved by the caller (policy/rt.py); passed here it raised a bare TypeError

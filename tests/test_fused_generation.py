@@ -429,6 +429,7 @@ def test_length_histogram_draws_the_observed_lengths_at_their_frequencies():
   assert set(draws.tolist()) == {2, 5}
   assert abs(np.mean(draws == 5) - 0.75) < 0.03
 
+
 def test_the_rt_calibration_times_a_decode_step_on_a_chunk_that_decoded():
   """measure_costs times one live row's decode step on prompts whose chunk runs its steps. A
   draw whose row samples a stop token first ends at prefill, so its chunk decodes nothing; with

@@ -198,6 +198,7 @@ def test_an_eos_sampled_as_the_last_budgeted_token_is_an_eos_stop():
                                 [engine.STOP_EOS, engine.STOP_MAX_TOKENS, engine.STOP_EOS])
   np.testing.assert_array_equal(out.tokens[:, 3], [5, 7, 0])
 
+
 def test_any_of_several_eos_ids_stops_a_row(params, prompts, greedy):
   """A chat model's generation_config lists several ids that end a turn: a row stops at the
   first of any of them, as with one EOS, and the stop is an EOS stop (not the token budget)."""

@@ -149,6 +149,7 @@ def test_from_config_takes_zero_as_a_value_and_only_minus_one_as_the_default():
   with pytest.raises(ValueError, match="config.actor_mem=-2.0"):
     PipelineProblem.from_config(c)
 
+
 def test_problem_keyed_caches_tell_the_modes_apart():
   # sim/training_sim.ScheduleCache keys on to_dict(), as trainer/pipelined's schedule cache does:
   # entries written before the mode existed (no key) are not hits for either mode (re-keyed).

@@ -44,7 +44,6 @@ def test_order_with_wrong_counts_is_rejected():
     validate_order(p, np.zeros((2, 3)))
 
 
-
 def test_order_with_codes_that_are_no_kinds_is_rejected_not_truncated():
   # A float order was cast to int8: 0.5 ran as AF, 1.5 as AB (a schedule nobody asked for, with
   # its makespan); a negative code failed inside np.bincount without naming the order.
@@ -54,6 +53,7 @@ def test_order_with_codes_that_are_no_kinds_is_rejected_not_truncated():
   for bad in (good + 0.5, np.where(good == AF, -1, good), np.where(good == AF, 4, good)):
     with pytest.raises(ValueError, match="kind codes 0..3"):
       evaluate(p, bad)
+
 
 def test_device_list_flag_is_parsed_or_refused_naming_the_flag():
   assert parse_devices([], 4) is None

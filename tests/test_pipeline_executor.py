@@ -160,6 +160,7 @@ def test_deadlocked_orders_are_rejected():
 
 # Stage-stacked trees (numpy only) ---------------------------------------------------------------
 
+
 def test_stage_layout_stacks_scanned_layers_by_a_reshape():
   """docs/architecture.md §3: under model.scan_layers the stage-stacked tree is the layer stack
   [L, ...] reshaped to [S, L/S, ...] (a reverse layout's rows flipped): row layout.row(s) holds
@@ -210,6 +211,7 @@ def test_accumulator_segments_add_and_split_back_to_their_own_parts():
       np.testing.assert_array_equal(np.asarray(leaf), scale)
 
 # The executor -----------------------------------------------------------------------------------
+
 
 @functools.lru_cache(maxsize=None)
 def _models(actor_layers, critic_layers, critic_hidden=32, tie=False, critic_kv_heads=1):

@@ -708,6 +708,7 @@ import json, os, shutil, sys
 from experiments import sweep
 work, cfg = sys.argv[1], sys.argv[2]
 
+
 def fake_run(cmd, run_dir, name, env, started=None):
   flag = {a.split("=")[0][len("--config."):]: float(a.split("=")[1]) for a in cmd
           if a.startswith("--config.")}

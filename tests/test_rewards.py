@@ -169,6 +169,7 @@ def test_gsm8k_rewards_are_linear_in_a_whitespace_run(response):
   verifiers.gsm8k(response, "1", {}), verifiers.gsm8k_format(response, None, {})
   assert time.perf_counter() - start < 0.2
 
+
 @pytest.mark.parametrize("response, score", [
     ("2 plus 3 is 5.\n</think>\n\nThe answer is 5.", 1.0),
     ("2 plus 3 is 5.\n</think>\n", 0.0),  # no answer after the block
@@ -286,6 +287,7 @@ def test_the_first_id_past_the_vocabulary_also_splits_the_text(tok):
   assert rewards_lib.decode_responses(ids, lens, tok) == ["7\ufffd2"]
   ids[0, 1] = tok.vocab_size - 1
   assert "\ufffd" not in rewards_lib.decode_responses(ids, lens, tok)[0]
+
 
 def test_a_special_token_between_digits_does_not_join_them(tok):
   """decode(skip_special_tokens=True) drops special tokens the vocabulary knows (<|im_start|>)
@@ -581,7 +583,6 @@ def test_batch_function_errors_are_named_by_the_resolver():
     rewards.combine([{}, {}], np.zeros((2, 3), np.int32), np.ones(2, np.int32))
 
 
-
 def test_a_statistic_that_verifies_needs_every_answer_at_the_start(tmp_path):
   """reward.stats=gsm8k beside a reward that reads no answer: a row without one passed the load
   and stopped the run once drawn, mid-training; it is named when the prompts load."""
@@ -605,6 +606,7 @@ def test_a_registered_verifier_as_a_statistic_is_named_a_statistic(tok):
     build.build_rewards(cfg, None, tok, None, None).combine([{"target": "many"}], ids, lens)
   got = build.build_rewards(cfg, None, tok, None, None).combine([{"target": "4"}], ids, lens)
   assert got[1]["stats/gsm8k_mean"] == 1.0
+
 
 def test_reward_config_checks():
   # A reward model takes a second function too (a length penalty, a format reward).

@@ -165,6 +165,7 @@ def test_an_unmeasured_backward_is_the_files_bwd_over_fwd_times_the_forward():
   np.testing.assert_allclose(bwd, [1.5, 1.5, 1.5])
   np.testing.assert_allclose(ts.stage_times("critic", 2)[1], [0.4, 0.4])
 
+
 def test_a_decode_fit_at_full_efficiency_loads_and_one_above_is_refused():
   """mfu and bw_eff are fractions in (0, 1] (module docstring): exactly 1.0, a roofline-perfect
   fit, is a legal file and loads as written; 1.01 is refused naming the key."""
@@ -174,6 +175,7 @@ def test_a_decode_fit_at_full_efficiency_loads_and_one_above_is_refused():
   with pytest.raises(ValueError, match=r"bw_eff=1.01 must be a fraction in \(0, 1\]"):
     calibration.from_dict(_cal(decode_fit={**fit, "bw_eff": 1.01}), "cal.json")
 
+
 def test_the_executors_step_overhead_is_read_from_the_file():
   """pipeline_executor's step_overhead_s (optional, default 0) is the file's figure once given:
   the lockstep pipeline model adds it to every training step it simulates."""
@@ -182,6 +184,7 @@ def test_the_executors_step_overhead_is_read_from_the_file():
   assert cal.pipeline_executor == calibration.ExecutorCost(0.001, 0.25)
   bare = calibration.from_dict(_cal(pipeline_executor={"tick_overhead_s": 0.001}), "cal.json")
   assert bare.pipeline_executor.step_overhead_s == 0.0
+
 
 def test_lengths_seeded_clipped_and_described():
   spec = lengths.LengthSpec(kind="lognormal", median=100, sigma=1.0, max_len=300)

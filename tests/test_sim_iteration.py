@@ -112,6 +112,7 @@ def test_disjoint_1f1b_exposes_the_latency_of_every_round_trip():
       (pipeline_1f1b_makespan(4, 2, 1, 2) + 2 * 3 * 0.5) * ms)
   assert ts.one_f_one_b_s(4, 8, 1 * ms, 2 * ms, 0.0) == pytest.approx(33 * ms)
 
+
 def test_disjoint_plans_time_their_pipelines_with_the_latency_of_every_round_trip(monkeypatch):
   """single_model_plan prices every candidate's pipeline with one_f_one_b_s (checked by hand
   above), latency included wherever the model has several stages, not with the closed form."""
@@ -125,6 +126,7 @@ def test_disjoint_plans_time_their_pipelines_with_the_latency_of_every_round_tri
   assert any(pp > 1 for pp, _ in calls)
   assert all((lat > 0) == (pp > 1) for pp, lat in calls)
   assert step > 1.0  # the chosen plan's pipeline came from one_f_one_b_s
+
 
 def test_training_plans_split_whole_layers_per_stage():
   """13B's 40 layers: no plan puts 2.5 layers on each of 16 stages (a stage holds whole layers,
@@ -155,6 +157,7 @@ def test_training_memory_counts_the_1f1b_in_flight_micro_batches_of_stage_0(mini
     else:
       with pytest.raises(ValueError, match="does not fit in memory"):
         ts.check_train_memory(CostModel(hw), a, c, plan, tokens)
+
 
 def test_model_that_does_not_fit_is_named():
   a100 = CostModel(get_hardware("a100_80g_sxm"))
