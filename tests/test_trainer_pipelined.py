@@ -5,6 +5,7 @@ One module fixture trains three tiny runs of 2 iterations (fused, serial 1F1B, p
 tests compare them; the executor compiles at XLA optimisation level 0 to keep the file fast.
 """
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -502,6 +503,15 @@ def test_cached_schedule_for_another_problem_is_not_used(tmp_path):
   os.replace(other_path, path)
   again, path2 = pipelined.searched_schedule(problem, cfg.pipeline)
   assert path2 == path and again.problem == problem
+  # This problem's key over another problem's schedule (a file edited or merged by hand): the
+  # key alone does not make it this problem's.
+  with open(path) as f:
+    stored = json.load(f)
+  stored["schedule"] = other_sched.to_dict()
+  with open(path, "w") as f:
+    json.dump(stored, f)
+  again, _ = pipelined.searched_schedule(problem, cfg.pipeline)
+  assert again.problem == problem
   with open(path, "w") as f:  # a damaged file is searched again too
     f.write("{not json")
   again, _ = pipelined.searched_schedule(problem, cfg.pipeline)

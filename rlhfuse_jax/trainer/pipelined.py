@@ -184,6 +184,8 @@ def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig, workdi
       if stored.get("key") != json.loads(json.dumps(key)):
         raise ValueError("it holds another problem's schedule")
       found = schedule_lib.from_dict(stored["schedule"])  # re-checked: valid, deadlock-free
+      if found.problem != problem:  # a key of this problem over another problem's schedule
+        raise ValueError("its schedule is of another problem than its key")
       logging.info("pipeline: using the cached fused schedule %s", path)
       return found, path
     except (ValueError, KeyError, TypeError) as e:
