@@ -316,6 +316,21 @@ def append_jsonl(path: str, record: Mapping[str, Any]) -> None:
     os.fsync(f.fileno())
 
 
+def _unique_keys(pairs: list) -> dict:
+  out = {}
+  for key, value in pairs:
+    if key in out:
+      raise ValueError(f"the key {key!r} appears twice in one object; keep one")
+    out[key] = value
+  return out
+
+
+def load_json(f: Any) -> Any:
+  """json.load, but an object with a key given twice is a ValueError naming the key: Python's
+  json keeps the last silently, so an edited file's first setting would be ignored."""
+  return json.load(f, object_pairs_hook=_unique_keys)
+
+
 def read_json_object(path: str, error: type = ValueError, invalid: str = "not valid JSON"
                      ) -> dict:
   """The JSON object in the file at `path`; `error` (a ValueError) naming the file otherwise:
@@ -323,7 +338,7 @@ def read_json_object(path: str, error: type = ValueError, invalid: str = "not va
   object, got {type}' when it holds something else."""
   try:
     with open(path, encoding="utf-8") as f:
-      obj = json.load(f)
+      obj = load_json(f)
   except (OSError, ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, not UTF-8
     raise error(f"{path}: {invalid} ({e})") from e
   if not isinstance(obj, dict):

@@ -136,3 +136,34 @@ def test_a_hardware_file_changes_fields_of_its_base_preset(tmp_path):
     path.write_text(json.dumps(spec))
     with pytest.raises(ValueError, match=message):
       hardware.get_hardware(str(path))
+
+
+def test_a_key_given_twice_in_a_json_input_is_refused_naming_it(tmp_path):
+  """Python's json keeps the last of two equal keys silently: an edited hardware file with
+  "hbm_bytes" twice ran with the second, the first ignored. Each JSON input a user writes by hand
+  (hardware file, lengths file, a checkpoint's config.json for the simulator and the loader,
+  tokenizer and side-car objects) names the key instead."""
+  from rlhfuse_jax import workdir as wd
+  from rlhfuse_jax.models import hf_loader
+  from rlhfuse_jax.sim import lengths
+  twice = '{"base": "h100_sxm", "hbm_bytes": 40e9, "hbm_bytes": 80e9}'
+  (tmp_path / "hw.json").write_text(twice)
+  with pytest.raises(ValueError, match=r"hw\.json.*the key 'hbm_bytes' appears twice"):
+    hardware.get_hardware(str(tmp_path / "hw.json"))
+  (tmp_path / "l.json").write_text('{"lengths": [1, 2], "lengths": [3]}')
+  with pytest.raises(ValueError, match=r"l\.json.*the key 'lengths' appears twice"):
+    lengths.load_lengths(str(tmp_path / "l.json"))
+  (tmp_path / "ckpt").mkdir()
+  (tmp_path / "ckpt" / "config.json").write_text('{"hidden_size": 8, "hidden_size": 16}')
+  with pytest.raises(ValueError, match=r"config\.json.*the key 'hidden_size' appears twice"):
+    shapes.from_hf_config(str(tmp_path / "ckpt"), "x")
+  with pytest.raises(ValueError, match=r"config\.json.*the key 'hidden_size' appears twice"):
+    hf_loader._read_json(str(tmp_path / "ckpt" / "config.json"))  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match=r"config\.json.*the key 'hidden_size' appears twice"):
+    wd.read_json_object(str(tmp_path / "ckpt" / "config.json"))
+  # Nested objects too; equal keys in different objects are fine.
+  (tmp_path / "ok.json").write_text('{"a": {"b": 1}, "c": {"b": 2}}')
+  assert wd.read_json_object(str(tmp_path / "ok.json")) == {"a": {"b": 1}, "c": {"b": 2}}
+  (tmp_path / "nested.json").write_text('{"a": {"b": 1, "b": 2}}')
+  with pytest.raises(ValueError, match=r"the key 'b' appears twice"):
+    wd.read_json_object(str(tmp_path / "nested.json"))

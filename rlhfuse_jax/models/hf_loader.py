@@ -106,8 +106,8 @@ def _read_json(path: str) -> dict[str, Any]:
     raise FileNotFoundError(f"{path} not found{why}")
   try:
     with open(path) as f:
-      data = json.load(f)
-  except json.JSONDecodeError as e:
+      data = wd.load_json(f)
+  except ValueError as e:  # JSONDecodeError, a key given twice
     raise ValueError(f"{path}: not valid JSON ({e})") from e
   if not isinstance(data, dict):
     raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")

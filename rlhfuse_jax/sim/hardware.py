@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import os
 import re
 from typing import Optional
+
+from rlhfuse_jax import workdir as wd
 
 GB = 1e9
 TB = 1e12
@@ -215,7 +216,7 @@ def hardware_file(path: str) -> Hardware:
   units, as the presets: FLOP/s, bytes/s, bytes). Its collective latencies stay the base's."""
   try:
     with open(path, encoding="utf-8") as f:
-      spec = json.load(f)
+      spec = wd.load_json(f)
   except (OSError, ValueError) as e:
     raise ValueError(f"hardware {path!r}: cannot read it as JSON ({e})") from None
   if not isinstance(spec, dict) or not isinstance(spec.get("base"), str) or (

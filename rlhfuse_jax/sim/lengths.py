@@ -24,6 +24,8 @@ from typing import Optional
 
 import numpy as np
 
+from rlhfuse_jax import workdir as wd
+
 KINDS = ("lognormal", "pareto", "uniform", "constant", "empirical")
 # Keys of a per-sample length list in a JSON / JSONL record, in the order they are tried.
 PER_SAMPLE_KEYS = ("response_lengths", "gen/response_lengths", "response_length/values",
@@ -47,8 +49,11 @@ def load_lengths(path: str) -> np.ndarray:
       raise ValueError(f"lengths file {path!r}: {bad[:40]!r} is not a number; expected one "
                        "length per line") from None
   elif ext == ".json":
-    with open(path) as f:
-      obj = json.load(f)
+    try:
+      with open(path, encoding="utf-8") as f:
+        obj = wd.load_json(f)
+    except ValueError as e:  # JSONDecodeError, not UTF-8, a key given twice
+      raise ValueError(f"lengths file {path!r}: not valid JSON ({e})") from None
     out = _from_json_obj(obj, path)
   elif ext == ".jsonl":
     out = _from_jsonl(path)

@@ -15,10 +15,10 @@ KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per elem
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
+from rlhfuse_jax import workdir as wd
 # The module alone (docs/architecture.md §7: sim may import models.param_count, no other models)
 from rlhfuse_jax.models.param_count import QWEN3_DEFAULT_HEAD_DIM
 from rlhfuse_jax.models.param_count import num_params as _num_params
@@ -123,7 +123,7 @@ def from_hf_config(path: str, name: str) -> ModelShape:
   file = os.path.join(path, "config.json") if os.path.isdir(path) else path
   try:
     with open(file, encoding="utf-8") as f:
-      hf = json.load(f)
+      hf = wd.load_json(f)
   except (OSError, ValueError) as e:
     raise ValueError(f"shape {name!r}: cannot read {file!r} as a config.json ({e})") from None
   need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
