@@ -154,6 +154,32 @@ def test_calibration_errors_are_clear(obj, msg):
     calibration.from_dict(obj, "cal.json")
 
 
+def test_a_measured_table_times_only_the_split_it_was_measured_at():
+  """A decode_step table is one instance's (instance_devices wide) and a train_stage one
+  stage's of the split measured (its per-stage lists' length): both timed every tp and pp a plan
+  search tried, as if 4 stages of a model took as long each as 2 stages did. Now the split is
+  checked where it is known; the measured split itself, and files that do not say, as before."""
+  s = get_shape("llama-13b")
+  cal = calibration.from_dict({**_cal(
+      decode_step={"occupied_slots": [1, 4], "seconds": [0.01, 0.02]},
+      train_stage={"actor_fwd_s": 0.2, "critic_fwd_s": 0.1,
+                   "actor_fwd_per_stage_s": [0.2, 0.2], "actor_bwd_per_stage_s": [0.4, 0.4]}),
+      "instance_devices": 2}, "cal.json")
+  cm = CostModel(get_hardware("h100_sxm"), calibration=cal)
+  assert cm.decode_step_s(s, 2, 1, 0) == pytest.approx(0.01)
+  with pytest.raises(ValueError, match=r"cal\.json.*instances of 2 device\(s\).*tp=4"):
+    cm.decode_step_s(s, 4, 1, 0)
+  assert cm.train_stage_fwd_s(s, 1, 2, 256, 128, "actor") == pytest.approx(0.2)
+  with pytest.raises(ValueError, match=r"cal\.json.*actor in 2 pipeline stages.*pp=4"):
+    cm.train_stage_fwd_s(s, 1, 4, 256, 128, "actor")
+  # The critic's split was not measured per stage: its scalar times any pp, as before.
+  assert cm.train_stage_fwd_s(s, 1, 4, 256, 128, "critic") == pytest.approx(0.1)
+  unsaid = calibration.from_dict(_cal(decode_step={"occupied_slots": [1], "seconds": [0.01]}),
+                                 "cal.json")
+  assert CostModel(get_hardware("h100_sxm"), calibration=unsaid).decode_step_s(
+      s, 8, 1, 0) == pytest.approx(0.01)
+
+
 def test_an_unmeasured_backward_is_the_files_bwd_over_fwd_times_the_forward():
   """Without a measured backward, a stage's backward is bwd_over_fwd x its forward with the
   ratio the file gives (3.0 here: 0.5 s -> 1.5 s per stage), not the default 2.0; a measured

@@ -36,7 +36,9 @@ run measured an operation, its figure wins. A calibration file is JSON:
 
 decode_step is interpolated linearly in the occupied slots (clamped at the measured ends; the
 engine's compiled step has a fixed batch shape, so its time may not depend on occupancy at all,
-and the measured table says so). It is the measured model's own table; decode_fit instead
+and the measured table says so). It is the measured model's own table, on an instance of
+`instance_devices` devices (the cost model refuses it for another width where that is given);
+decode_fit instead
 predicts any shape: step_s + layers x layer_s + max(FLOPs / (tp x peak x mfu), bytes / (tp x
 HBM bw x bw_eff)) + the tensor-parallel all-reduces (per-step host cost, per-layer fixed cost
 that every device of an instance pays, and the roofline split over its tp devices), fitted to
@@ -49,7 +51,7 @@ absent, a backward is bwd_over_fwd x forward. bwd_over_fwd (default 2.0) is also
 the paper-scale cost model uses. *_per_stage_s lists (first stage first) hold the same figures
 per stage, which differ (embedding on the first, head and loss on the last); a consumer that
 needs a stage's time uses the list when present (its length must equal that model's stages) and
-the scalar otherwise.
+the scalar otherwise; the cost model refuses a stage of another split than the lists measured.
 pipeline_executor: fixed costs of the lockstep executor (pipeline/executor.py) on the machine
 measured: tick_overhead_s per tick with every device idle (switch, two ppermutes, inbox filing;
 a tick with tasks lasts this plus its task time) and step_overhead_s per step outside the tick

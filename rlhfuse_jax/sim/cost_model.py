@@ -225,6 +225,13 @@ class CostModel:
     batch = np.asarray(batch, dtype=np.float64)
     context_tokens = np.asarray(context_tokens, dtype=np.float64)
     if self.cal is not None and self.cal.decode_step is not None:
+      measured_tp = self.cal.instance_devices
+      if measured_tp is not None and measured_tp != tp:  # the table times that instance only
+        raise ValueError(
+            f"calibration {self.cal.path or self.cal.device!r}: its decode_step table was "
+            f"measured on instances of {measured_tp} device(s) (instance_devices) and cannot "
+            f"time an instance of tp={tp}; measure at that width, or give a decode_fit "
+            "(per layer and per FLOP, any width) instead of the table")
       out = self.cal.decode_step.step_s(batch, context_tokens)
     else:
       fit = self.cal.decode_fit if self.cal is not None else None
@@ -291,6 +298,13 @@ class CostModel:
     """Forward of one micro-batch of `mb_tokens` tokens on one of `pp` pipeline stages."""
     if self.cal is not None and self.cal.train_stage is not None:
       ts = self.cal.train_stage
+      per_stage = getattr(ts, f"{model}_fwd_per_stage_s")
+      if per_stage is not None and len(per_stage) != pp:  # a stage of another split
+        raise ValueError(
+            f"calibration {self.cal.path or self.cal.device!r}: its train_stage was measured "
+            f"with the {model} in {len(per_stage)} pipeline stages and cannot time a stage of "
+            f"pp={pp} (another share of the layers); measure at that split, or leave "
+            "train_stage out so that the formulas time every split")
       return ts.actor_fwd_s if model == "actor" else ts.critic_fwd_s
     flops = shape.forward_flops(mb_tokens, mean_context) / pp
     nbytes = shape.weight_bytes() / pp
