@@ -80,7 +80,10 @@ def get_config(arg: str = "paper"):
   # vLLM-class engine every step; 16 charges the tail up to 15 steps of lateness)
   c.sim.chunk_steps = 16
   c.sim.inference_microbatch = 8  # samples per inference micro-batch (configs/ppo_llama.py's)
-  c.sim.max_slots = 256  # slots per generation instance at most (vLLM's max_num_seqs default)
+  # Slots per generation instance at most (vLLM's max_num_seqs default), and fewer where the
+  # KV cache holds fewer; but never fewer than the instance's share of the global batch, which
+  # the simulated engine decodes all at once (a smaller value is raised to that share).
+  c.sim.max_slots = 256
   c.sim.gen_tps = "1,2,4,8"  # generation tensor-parallel degrees tried
   c.sim.offload_frozen = True  # reference/reward/critic weights loaded from host when used
   c.sim.search_time_s = 2.0  # fused-schedule search budget per distinct pipeline problem

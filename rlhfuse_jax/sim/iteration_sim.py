@@ -115,7 +115,9 @@ class SimOptions:
   threshold_candidates: tuple = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)  # 0: stream, never migrate
   chunk_steps: int = 16  # decode steps between host checks
   inference_microbatch: int = 8  # samples per inference micro-batch
-  max_slots: int = 256  # slots per generation instance at most (memory may allow fewer)
+  # Slots per generation instance at most (memory may allow fewer); an instance's share of the
+  # global batch is decoded at once whatever this says (gen_plan: at least that share).
+  max_slots: int = 256
   gen_tps: tuple = (1, 2, 4, 8)  # tensor-parallel degrees tried for generation
   offload_frozen: bool = True  # reference/reward/critic weights in host memory until used
   search_time_s: float = 2.0  # fused-schedule search budget per distinct pipeline problem
