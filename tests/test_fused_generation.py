@@ -246,6 +246,33 @@ def test_auto_rt_outputs_identical_and_choice_recorded(one_device, runs):
   assert_same_outputs(base, forced)
 
 
+def test_auto_rt_without_consolidations_neither_measures_nor_simulates(one_device, runs,
+                                                                      monkeypatch):
+  """max_consolidations=0 consolidates nothing, whatever Rt: "auto" still measured the
+  instances' costs (seconds to minutes on a real model) and simulated every candidate on each
+  batch, for a threshold nothing read. Now neither runs; the outputs stay the unfused run's."""
+  gen, actor, params = one_device
+  (tokens, lens, budgets), base, _, _ = runs
+  ran = []
+  monkeypatch.setattr(fused.measure, "measure_costs", lambda *a: ran.append("measure"))
+  auto = variant(gen, actor, params, rt_model=lambda *a: ran.append("simulate"),
+                 migration_threshold="auto", max_consolidations=0)
+  for _ in range(2):
+    out = auto.run(actor, params, tokens, lens, KEY, budgets=budgets)
+    assert out.rt == out.rt_choice.rt == rt_choice.PRIOR_RT
+    assert "max_consolidations=0" in out.rt_choice.reason
+    assert out.metrics["gen/migrated_samples"] == 0
+    assert_same_outputs(base, out)
+  assert ran == [] and auto.calibration is None
+  # A fixed Rt is kept as given; a per-batch rt="auto" is not simulated either.
+  fixed = variant(gen, actor, params, rt_model=lambda *a: ran.append("simulate"),
+                  migration_threshold=0.5, max_consolidations=0)
+  assert fixed.run(actor, params, tokens, lens, KEY, budgets=budgets).rt == 0.5
+  assert fixed.run(actor, params, tokens, lens, KEY, budgets=budgets,
+                   rt="auto").rt == rt_choice.PRIOR_RT
+  assert ran == []
+
+
 def test_a_failed_batch_leaves_no_thread(one_device, runs, monkeypatch):
   """A batch that raises (here: in its consolidation) stops its activity watchers and the
   inference loader too: each failed batch used to leave one waiting thread per instance."""

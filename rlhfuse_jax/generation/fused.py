@@ -421,6 +421,15 @@ class FusedGenerator:
       rt = 0.0
     elif forced is not None:
       rt = forced
+    elif self.config.max_consolidations == 0:
+      # Nothing is consolidated, whatever Rt: "auto" would measure the instances' costs and
+      # simulate candidates for a threshold nothing reads (seconds to minutes on big models).
+      if self.fixed_rt is not None and rt is None:  # a fixed Rt, and no 'auto' for this batch
+        rt = self.fixed_rt
+      else:
+        choice = rt_choice.RtChoice(rt_choice.PRIOR_RT, "max_consolidations=0: nothing is "
+                                    "consolidated, so Rt was not simulated", {})
+        rt = choice.rt
     else:
       auto = rt is not None  # rt='auto' for this batch, whatever the config's Rt
       if (self.fixed_rt is None or auto) and self.calibration is None:
