@@ -2,7 +2,8 @@
 experiments/results/ still refers to things that exist. Nothing is run; the test takes seconds.
 
 A command is `python -m experiments.X ...` in a fenced block (continued over lines ending in a
-backslash) or in an inline code span (which may wrap). For each one:
+backslash) or in an inline code span (which may wrap), or in a script kept under
+experiments/results/ (a GPU session's prepared calls). For each one:
   - experiments/X.py exists;
   - `--config=configs/Y.py[:variant]` exists and `get_config(variant)` returns a ConfigDict
     (the sweep binary: `get_sweep()` exists and `--binary=NAME` names a binary);
@@ -44,7 +45,8 @@ ARCHITECTURE_SECTIONS = (
 # Flags absl defines for every binary.
 ABSL_FLAGS = {"help", "helpfull", "helpshort", "flagfile", "logtostderr", "alsologtostderr",
               "verbosity", "v", "log_dir", "stderrthreshold", "only_check_args"}
-_COMMAND = re.compile(r"python3? -m experiments\.(\w+)")
+# (a script may break the line after -m)
+_COMMAND = re.compile(r"python3? -m\s+(?:\\\n\s*)?experiments\.(\w+)")
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 _PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*([/.].*)?$")  # DIR, OUT, BG, DIR/schedule.json
 _CONFIG_FILE = re.compile(r"^configs/[\w/.-]+\.py(:.*)?$")
@@ -113,9 +115,16 @@ def find_commands(doc: str, text: str) -> list[Command]:
   return commands
 
 
+# Scripts kept for a later machine (a GPU session's prepared calls): their commands are checked
+# too, so that a flag renamed since does not cost that rare session a run.
+SCRIPT_GLOBS = ("experiments/results/*/*.sh",)
+
+
 def _all_commands() -> list[Command]:
   out = []
-  for doc in _doc_files():
+  scripts = [os.path.relpath(p, ROOT) for g in SCRIPT_GLOBS
+             for p in sorted(glob.glob(os.path.join(ROOT, g)))]
+  for doc in _doc_files() + scripts:
     out += find_commands(doc, _read(doc))
   return out
 
