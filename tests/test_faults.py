@@ -739,6 +739,20 @@ def test_a_finished_run_builds_nothing_and_still_checks_the_config(straight, mon
     PPOTrainer(tiny_config(num_iterations=6, seed=1), workdir)
 
 
+def test_a_finished_start_drops_the_sample_rows_after_its_checkpoint(tmp_path, straight):
+  """samples.jsonl is written exactly once, as metrics.jsonl: the rows of an extension that
+  died before its next save belong to no kept state, and a finished start drops them too (it
+  kept them: rows of iteration 7 beside a run finished at 6)."""
+  cfg, workdir, _, _ = straight
+  run = str(tmp_path / "run")
+  shutil.copytree(workdir, run)
+  path = os.path.join(run, "samples.jsonl")
+  for step in (6, 7):
+    wd.append_jsonl(path, {"step": step, "sample": 0, "prompt": "p", "response": "r"})
+  assert PPOTrainer(cfg, run).run() == []
+  assert [r["step"] for r in wd.read_jsonl(path)] == [6]
+
+
 def test_a_resume_on_other_devices_says_so(tmp_path, straight, caplog):
   """mesh.data=-1 takes every device: a preempted run may come back on fewer. It continues,
   with a warning that names both layouts, since it is not the uninterrupted trajectory."""

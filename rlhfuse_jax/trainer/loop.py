@@ -866,9 +866,10 @@ class PPOTrainer:
                         self.cfg.num_iterations, start)
       if start >= self.cfg.num_iterations:
         # Rows after the checkpoint (an extension that died before its next save) belong to
-        # no kept state: dropped, as every other start does (hooks.MetricsLog.begin), from
-        # metrics.jsonl and from TensorBoard (a purge marker, written only when such rows
-        # exist: a finished run re-run leaves tb/ as it was).
+        # no kept state: dropped, as every other start does (hooks.MetricsLog.begin and
+        # SamplesLog.begin), from metrics.jsonl, samples.jsonl and from TensorBoard (a purge
+        # marker, written only when such rows exist: a finished run re-run leaves tb/ as it
+        # was).
         main = jax.process_index() == 0
         later = main and any(  # (a step that is no number: truncate_after names its row)
             isinstance(r.get("step"), (int, float)) and r["step"] > start
@@ -877,6 +878,9 @@ class PPOTrainer:
                                           purge_step=start + 1)
         writer.truncate_after(start)
         writer.close()
+        samples = os.path.join(self.workdir, "samples.jsonl")  # as hooks.SamplesLog.begin
+        if main and os.path.exists(samples):
+          wd.keep_jsonl_through(samples, start)
         if self.export_only:
           hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
                          self.tokenizer).export(start)
