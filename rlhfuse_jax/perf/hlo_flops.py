@@ -20,10 +20,12 @@ too, so the two compare; elementwise work (norms, softmax, the optimizer) is lef
 Collectives (`collectives`): each all-gather, all-reduce, reduce-scatter, all-to-all and
 collective-permute (or its async `-start`; `-done` moves nothing new) with its per-device buffer
 in NCCL's sense (all-gather: the gathered output; reduce-scatter: the input, output x group;
-all-reduce, all-to-all, collective-permute: the operand), its device groups (explicit
-`{{0,1},{2,3}}`, iota `[G,N]<=[dims]T(perm)` or named-axis `mesh['a'=2,'b'=4] {'b'}` replica
-groups; partition ids, which are the mesh's devices in order) and how often it runs. A decode
-chunk's loop has no known trip count, so its collectives count once: one decode step's.
+all-reduce, all-to-all, collective-permute: the operands, every one of a combined
+collective; an in-place collective-permute, `slice_sizes=`: its first array, not the slices),
+its device groups (explicit `{{0,1},{2,3}}`, iota `[G,N]<=[dims]T(perm)` or named-axis
+`mesh['a'=2,'b'=4] {'b'}` replica groups; partition ids, which are the mesh's devices in order)
+and how often it runs. A decode chunk's loop has no known trip count, so its collectives count
+once: one decode step's.
 
 Widths: XLA:CPU widens 16-bit collectives to float32 after partitioning (its
 all-reduce-promotion and float-normalization-bf16 passes; a bf16 weight's all-gather becomes a
@@ -207,13 +209,39 @@ def _groups(rest: str, kind: str, partitions: int) -> tuple[tuple[int, ...], ...
   return ()
 
 
+def _tuple_elements(type_str: str) -> list[str]:
+  """The top-level elements of a tuple type "(a, (b, c), u32[])" -> ["a", "(b, c)", "u32[]"];
+  [] when the type is not a tuple."""
+  type_str = type_str.strip()
+  if not type_str.startswith("("):
+    return []
+  out, depth, begin = [], 0, 1
+  for i, ch in enumerate(type_str):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+      if depth == 0:
+        out.append(type_str[begin:i].strip())
+        break
+    elif ch == "," and depth == 1:
+      out.append(type_str[begin:i].strip())
+      begin = i + 1
+  return [e for e in out if e]
+
+
 def _collective(kind: str, start: bool, type_str: str, rest: str, partitions: int,
                 widths: Widths | None = None) -> Collective:
   arrays = _array_bytes(type_str, kind, widths)
   if start and kind == "all-gather":  # (operands..., outputs...)
     nbytes = sum(arrays[len(arrays) // 2:])
-  elif kind == "collective-permute":  # -start: (input, output, contexts...)
+  elif kind == "collective-permute" and "slice_sizes=" in rest:
+    # In-place (input, output, input/output start indices): counted as before, the first
+    # array (-start: the input; otherwise the output), not the slices it sends.
     nbytes = arrays[0] if arrays else 0
+  elif start and kind == "collective-permute":  # (inputs, outputs, contexts...)
+    inputs = (_tuple_elements(type_str) or [type_str])[0]
+    nbytes = sum(_array_bytes(inputs, kind, widths))
   else:
     nbytes = sum(arrays)
   groups = _groups(rest, kind, partitions)
