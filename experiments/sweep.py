@@ -15,8 +15,9 @@ standard deviation (DIR/summary_seeds.json, a second table of summary.md), and t
 curves in DIR/curves.png (a setting's seeds as their mean in a band). A failed
 run is a row with its status, not the end of the sweep; the sweep then exits 1 naming the failed
 runs. A run stopped by a signal (exit 75), or SIGTERM to the sweep (passed on to the run in
-progress), ends the sweep after that run: the summary has the runs so far, and the sweep exits
-75, as train_ppo does (the same command runs it again: train_ppo runs resume, and a one-shot
+progress), ends the sweep after that run: the summary has the runs so far (and the earlier
+rows of those it did not reach), and the sweep exits 75, as train_ppo does (the same command
+runs it again: train_ppo runs resume, and a one-shot
 binary's run that finished with the same config from the same code (commit and uncommitted
 changes) and the same files its config names by path (RUN/sweep_inputs.json), its row ok in
 summary.json, its config.json and result.json in place, is kept, not run again, unless
@@ -622,8 +623,12 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
       [k for entry in sweep for k in entry if k != "name"] +
       [flag_field(arg)[0] for arg in passthrough]))
 
+  # This start's rows and, for the runs it has not run (--only; or not reached yet, or not at
+  # all when stopped early), their rows of the earlier summary: a sweep stopped after its first
+  # run dropped the rows of runs that had finished before, and the next start ran those again
+  # (kept_row keeps a run only with its earlier row).
   def summary(rows_: list[dict]) -> None:
-    write_summary(workdir, merge_rows(workdir, rows_, names) if only else rows_, override_keys)
+    write_summary(workdir, merge_rows(workdir, rows_, names), override_keys)
 
   if not os.path.isfile(os.path.join(REPO_ROOT, "experiments", f"{binary}.py")):
     binaries = sorted(f[:-3] for f in os.listdir(os.path.join(REPO_ROOT, "experiments"))

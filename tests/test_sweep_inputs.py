@@ -113,3 +113,57 @@ def test_inputs_wall_time_twins_nones_and_shared_columns(tmp_path):
   lines = out["md"].splitlines()
   assert lines[0] == "| run | status | k | r |"
   assert lines[-1] == "The same in every run: same = x."
+
+
+_STOPPED_EARLY = """
+import json, os, sys
+from experiments import sweep
+from rlhfuse_jax import workdir as wd
+work, cfg = sys.argv[1], sys.argv[2]
+calls = []
+commit, changes = sweep.code_state()
+
+def fake_run(cmd, run_dir, name, env, started=None):  # a one-shot binary's run, finished
+  calls.append(name)
+  os.makedirs(run_dir, exist_ok=True)
+  x = int([a for a in cmd if a.startswith("--config.x=")][0].split("=")[1])
+  wd.write_json(os.path.join(run_dir, "config.json"), {"x": x})
+  wd.write_json(os.path.join(run_dir, "result.json"), {"value": 10 * x, "provenance": {
+      "command": "python -m experiments.plan_search", "git_commit": commit,
+      **({"git_changes": changes} if changes else {})}})
+  return 75 if name == "a" and len(calls) == 1 and os.path.exists(
+      os.path.join(work, "a", "stop")) else 0
+sweep.run_streamed = fake_run
+out = {}
+sweep.run_sweep(cfg, "plan_search", work, [])
+out["first"] = list(calls)
+calls.clear()
+open(os.path.join(work, "a", "stop"), "w").close()
+# Run again (--rerun), stopped after its first run (exit 75).
+out["second_complete"] = sweep.run_sweep(cfg, "plan_search", work, [], rerun=True)[1]
+out["after_stop"] = {r["run"]: r["status"] for r in json.load(
+    open(os.path.join(work, "summary.json")))}
+calls.clear()
+os.remove(os.path.join(work, "a", "stop"))
+sweep.run_sweep(cfg, "plan_search", work, [])
+out["third"] = list(calls)
+print(json.dumps(out))
+"""
+
+
+def test_a_sweep_stopped_early_keeps_the_rows_of_the_runs_it_did_not_reach(tmp_path):
+  """A start stopped after its first run (exit 75) wrote a summary of that run alone: the rows of
+  runs that had finished before were lost, and the next start ran them again."""
+  (tmp_path / "s.py").write_text(
+      "import ml_collections\n"
+      "def get_config():\n  c = ml_collections.ConfigDict(); c.x = 0; return c\n"
+      "def get_sweep():\n  return [{'name': n, 'x': i} for i, n in enumerate('abc')]\n")
+  proc = subprocess.run([sys.executable, "-c", _STOPPED_EARLY, str(tmp_path / "sw"),
+                         str(tmp_path / "s.py")], cwd=REPO, env=_env(), capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.splitlines()[-1])
+  assert out["first"] == ["a", "b", "c"] and out["second_complete"] is False
+  assert out["after_stop"] == {"a": "stopped (exit 75; re-run to resume)", "b": "ok",
+                               "c": "ok"}
+  assert out["third"] == ["a"]  # b and c are kept: they finished with this config and code
