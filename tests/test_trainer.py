@@ -670,6 +670,12 @@ def test_a_tensor_axis_that_does_not_divide_the_heads_is_warned_about(caplog, te
      "config.data.val_fraction=0.25, config.data.val_max_prompts=5 not used: eval_every=0 runs "
      "no validation pass"),
     ({"data.val_fraction": 0.25, "eval_every": 2}, None),
+    ({"data.prompts_file": "p.jsonl", "data.length_dist": "lognormal"},
+     "config.data.num_prompts=64, config.data.length_dist='lognormal' not used: "
+     "data.prompts_file='p.jsonl' gives the prompts"),
+    # Without init.tokenizer the task's vocabulary, the run's tokenizer, holds length_max counts
+    # (tiny_config's num_prompts=64 at the default here).
+    ({"data.prompts_file": "p.jsonl", "data.num_prompts": 4096, "data.length_max": 11}, None),
     ({"algo.gradient_sync": "once"},
      "config.algo.gradient_sync='once' not used: it applies to accumulated gradients"),
     ({"algo.gradient_sync": "once", "algo.microbatch_size": 8},
@@ -681,8 +687,9 @@ def test_fusion_and_reward_fields_a_run_does_not_read_are_warned_about(caplog, o
                                                                         warned):
   """Inter-stage fusion fields without fusion.inter_stage, a reward model's checkpoint without
   reward.kind='model', a format weight without a format, a cap on held-out prompts without
-  any, held-out prompts without a validation pass and algo.gradient_sync='once' without
-  micro-batches to accumulate were ignored without a word."""
+  any, held-out prompts without a validation pass, algo.gradient_sync='once' without
+  micro-batches to accumulate and the task's prompt count and lengths beside a prompts file
+  were ignored without a word."""
   text = _validate_warnings(caplog, overrides)
   if warned:
     assert warned in text, text

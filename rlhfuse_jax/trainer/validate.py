@@ -58,6 +58,18 @@ def _reward_unused(cfg: TrainConfig) -> list[str]:
   return set_fields(cfg, "reward", ["function"]) if cfg.reward.kind == "model" else []
 
 
+def _task_prompt_fields(cfg: TrainConfig) -> list[str]:
+  """The data fields that shape the task's generated prompts (their count and target lengths)
+  that this config sets away from their defaults beside data.prompts_file, which replaces those
+  prompts: --config.data.num_prompts=64 with a prompts file trained on the whole file without a
+  word. data.length_max also sizes the task's vocabulary, the run's tokenizer without
+  init.tokenizer: then it is used."""
+  names = ["num_prompts", "length_dist", "length_min", "length_mu", "length_sigma"]
+  if cfg.init.tokenizer:
+    names.append("length_max")
+  return set_fields(cfg, "data", names)
+
+
 def _fusion_unused(cfg: TrainConfig) -> list[str]:
   """The inter-stage fusion fields (generation/fused.FusionFields: the instances, Rt, the
   consolidations) that a run without fusion.inter_stage and without plan.generation=
@@ -210,6 +222,11 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     warn_unused(set_fields(cfg, "reward", ["format_weight"]), "no reward.format to weigh")
   warn_unused(_fusion_unused(cfg), "config.fusion.inter_stage=False (they lay out and steer "
               "the fused generation instances)")
+  if cfg.data.prompts_file:
+    # The task's prompt count and target lengths make the task's own prompts; length_max also
+    # sizes the task's vocabulary, the tokenizer of a run without init.tokenizer.
+    warn_unused(_task_prompt_fields(cfg), f"data.prompts_file={cfg.data.prompts_file!r} gives "
+                "the prompts (they shape the task's own prompts)")
   if not cfg.data.has_validation_set:
     warn_unused(set_fields(cfg, "data", ["val_max_prompts"]), "no held-out prompts (set "
                 "data.val_file or data.val_fraction, and eval_every)")
