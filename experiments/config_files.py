@@ -112,8 +112,11 @@ def check_makespan_target(value: float, default: float) -> int:
   is: "<= 372.6" is "<= 372" (as schedule_lp_check's horizon has it), where rounding to 373
   answered a weaker question than the one asked. (Here, not in a binary: a test importing a
   binary defines its flags, twice with another's.)"""
-  if value != -1 and value < 0:
-    raise ValueError(f"--target={value:g}: expected a makespan >= 0, or -1 for the default")
+  # (nan and inf passed: int() then raised "cannot convert float NaN to integer", naming no
+  # flag, or an OverflowError's traceback)
+  if value != -1 and not (math.isfinite(value) and value >= 0):
+    raise ValueError(f"--target={value:g}: expected a makespan >= 0 (finite), or -1 for the "
+                     "default")
   return int(math.floor((default if value == -1 else value) + 1e-9))
 
 
