@@ -269,8 +269,8 @@ def _stream(proc, cmd: Sequence[str], run_dir: str, name: str,
 
 def merge_rows(workdir: str, rows: list[dict], names: Sequence[str]) -> list[dict]:
   """This start's `rows` and, for the runs of the sweep (`names`, in its order) that it did not
-  run (`--only`), their rows of the earlier summary.json: re-running one entry keeps the
-  others' results in the summary."""
+  run (`--only`, or a start stopped before their turn), their rows of the earlier summary.json:
+  re-running one entry keeps the others' results in the summary."""
   try:
     with open(os.path.join(workdir, "summary.json")) as f:
       earlier = json.load(f)
