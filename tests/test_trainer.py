@@ -660,6 +660,13 @@ def test_a_tensor_axis_that_does_not_divide_the_heads_is_warned_about(caplog, te
     ({"fusion.num_instances": 4, "fusion.migration_threshold": "0.5"},
      "config.fusion.num_instances=4, config.fusion.migration_threshold=0.5 not used: "
      "config.fusion.inter_stage=False"),
+    # The baseline instances (plan.generation='instances' alone) never consolidate.
+    ({"plan.generation": "instances", "fusion.max_consolidations": 2,
+      "fusion.migration_threshold": "0.5", "fusion.inference_micro_batch": 2},
+     "config.fusion.migration_threshold=0.5, config.fusion.max_consolidations=2 not used: "
+     "plan.generation='instances' without fusion.inter_stage"),
+    ({"plan.generation": "instances", "fusion.inter_stage": True,
+      "fusion.max_consolidations": 2, "fusion.migration_threshold": "0.5"}, None),
     ({"reward.model_checkpoint": "/models/rm"},
      "config.reward.model_checkpoint='/models/rm' not used: reward.kind='function' loads no "
      "reward model"),

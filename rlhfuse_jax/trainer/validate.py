@@ -72,11 +72,16 @@ def _task_prompt_fields(cfg: TrainConfig) -> list[str]:
 
 def _fusion_unused(cfg: TrainConfig) -> list[str]:
   """The inter-stage fusion fields (generation/fused.FusionFields: the instances, Rt, the
-  consolidations) that a run without fusion.inter_stage and without plan.generation=
-  'instances' ignores: --config.fusion.num_instances=4 alone generated serially without a
-  word."""
-  if cfg.fusion.inter_stage or cfg.plan.generation == "instances":
+  consolidations) that a run without fusion.inter_stage ignores: --config.fusion.num_instances=4
+  alone generated serially without a word. With plan.generation='instances' (the instances
+  without fusion) only Rt and the consolidations' count."""
+  if cfg.fusion.inter_stage:
     return []
+  if cfg.plan.generation == "instances":
+    # The same instances without fusion: the baseline (FusedGenerator.run(fuse=False)) never
+    # consolidates, so Rt and the consolidations' count steer nothing (the layout fields are
+    # refused: rollout.plan_instances_config).
+    return set_fields(cfg, "fusion", ["migration_threshold", "max_consolidations"])
   return set_fields(cfg, "fusion", [f.name for f in dataclasses.fields(fused_lib.FusionFields)])
 
 
@@ -220,8 +225,10 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                 f"reward.kind={cfg.reward.kind!r} loads no reward model (reward.kind='model' does)")
   if not cfg.reward.format:
     warn_unused(set_fields(cfg, "reward", ["format_weight"]), "no reward.format to weigh")
-  warn_unused(_fusion_unused(cfg), "config.fusion.inter_stage=False (they lay out and steer "
-              "the fused generation instances)")
+  warn_unused(_fusion_unused(cfg), "plan.generation='instances' without fusion.inter_stage "
+              "never consolidates" if cfg.plan.generation == "instances" else
+              "config.fusion.inter_stage=False (they lay out and steer the fused generation "
+              "instances)")
   if cfg.data.prompts_file:
     # The task's prompt count and target lengths make the task's own prompts; length_max also
     # sizes the task's vocabulary, the tokenizer of a run without init.tokenizer.
