@@ -646,6 +646,20 @@ def test_pipeline_fields_on_an_unpipelined_mesh_are_warned_about(caplog):
             "mesh.stage=1" in text) == warned, text
 
 
+@pytest.mark.parametrize("intra_stage", [False, True])
+def test_schedule_search_fields_of_a_serial_pipeline_are_warned_about(caplog, intra_stage):
+  """On a pipelined mesh without fusion.intra_stage the update runs serial 1F1B: the fused
+  schedule's search budget, seed and cache were ignored without a word."""
+  text = _validate_warnings(caplog, {
+      "model.num_layers": 2, "critic_model.num_layers": 2, "pipeline.actor_microbatches": 2,
+      "pipeline.critic_microbatches": 2, "pipeline.search_time_s": 5.0,
+      "pipeline.search_seed": 3, "fusion.intra_stage": intra_stage, "mesh.data": 4,
+      "mesh.stage": 2},
+      mesh_lib.MeshConfig(data=4, stage=2))
+  assert ("config.pipeline.search_time_s=5.0, config.pipeline.search_seed=3 not used: "
+          "fusion.intra_stage=False runs serial 1F1B" in text) != intra_stage, text
+
+
 @pytest.mark.parametrize("tensor, warned", [(8, True), (2, False)])
 def test_a_tensor_axis_that_does_not_divide_the_heads_is_warned_about(caplog, tensor, warned):
   """mesh.tensor=8 with 4 query heads ran without a word (INFO only): the heads' weights stay

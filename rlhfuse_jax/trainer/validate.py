@@ -296,6 +296,11 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                        "its positions")
   if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
     pipelined.check_config(cfg, mesh)
+    if not cfg.fusion.intra_stage:
+      warn_unused(set_fields(cfg, "pipeline", ["search_time_s", "search_seed",
+                                               "schedule_cache_dir"]),
+                  "fusion.intra_stage=False runs serial 1F1B (they steer the fused schedule's "
+                  "search)")
   else:
     warn_unused(set_fields(cfg, "pipeline"), "mesh.stage=1 runs the plain (unpipelined) "
                 "update; the pipeline section applies with mesh.stage > 1")
