@@ -694,6 +694,9 @@ def test_a_tensor_axis_that_does_not_divide_the_heads_is_warned_about(caplog, te
     ({"data.prompts_file": "p.jsonl", "data.length_dist": "lognormal"},
      "config.data.num_prompts=64, config.data.length_dist='lognormal' not used: "
      "data.prompts_file='p.jsonl' gives the prompts"),
+    ({"data.prompt_key": "question"}, "config.data.prompt_key='question' not used: they name "
+     "the fields of a data.prompts_file or data.val_file's rows"),
+    ({"data.prompt_key": "question", "data.val_file": "v.jsonl", "eval_every": 2}, None),
     # Without init.tokenizer the task's vocabulary, the run's tokenizer, holds length_max counts
     # (tiny_config's num_prompts=64 at the default here).
     ({"data.prompts_file": "p.jsonl", "data.num_prompts": 4096, "data.length_max": 11}, None),

@@ -234,6 +234,10 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     # sizes the task's vocabulary, the tokenizer of a run without init.tokenizer.
     warn_unused(_task_prompt_fields(cfg), f"data.prompts_file={cfg.data.prompts_file!r} gives "
                 "the prompts (they shape the task's own prompts)")
+  elif not cfg.data.val_file:  # the task makes every prompt
+    warn_unused(set_fields(cfg, "data", ["prompt_key", "answer_key"]), "they name the fields "
+                "of a data.prompts_file or data.val_file's rows, and neither is set (the task "
+                "makes the prompts)")
   if not cfg.data.has_validation_set:
     warn_unused(set_fields(cfg, "data", ["val_max_prompts"]), "no held-out prompts (set "
                 "data.val_file or data.val_fraction, and eval_every)")
