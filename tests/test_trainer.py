@@ -694,6 +694,9 @@ def test_a_tensor_axis_that_does_not_divide_the_heads_is_warned_about(caplog, te
     ({"data.prompts_file": "p.jsonl", "data.length_dist": "lognormal"},
      "config.data.num_prompts=64, config.data.length_dist='lognormal' not used: "
      "data.prompts_file='p.jsonl' gives the prompts"),
+    ({"guard.max_consecutive_skips": 3},
+     "config.guard.max_consecutive_skips=3 not used: guard.on_nonfinite='stop' skips no step"),
+    ({"guard.max_consecutive_skips": 3, "guard.on_nonfinite": "skip_update"}, None),
     ({"data.prompt_key": "question"}, "config.data.prompt_key='question' not used: they name "
      "the fields of a data.prompts_file or data.val_file's rows"),
     ({"data.prompt_key": "question", "data.val_file": "v.jsonl", "eval_every": 2}, None),

@@ -225,6 +225,10 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                 f"reward.kind={cfg.reward.kind!r} loads no reward model (reward.kind='model' does)")
   if not cfg.reward.format:
     warn_unused(set_fields(cfg, "reward", ["format_weight"]), "no reward.format to weigh")
+  if cfg.guard.on_nonfinite != "skip_update":
+    warn_unused(set_fields(cfg, "guard", ["max_consecutive_skips"]), f"guard.on_nonfinite="
+                f"{cfg.guard.on_nonfinite!r} skips no step (it bounds the steps in a row that "
+                "guard.on_nonfinite='skip_update' skips)")
   warn_unused(_fusion_unused(cfg), "plan.generation='instances' without fusion.inter_stage "
               "never consolidates" if cfg.plan.generation == "instances" else
               "config.fusion.inter_stage=False (they lay out and steer the fused generation "
