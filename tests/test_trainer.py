@@ -265,6 +265,22 @@ def test_unknown_field_is_rejected():
     TrainConfig.from_config_dict(c)
 
 
+def test_a_field_without_a_default_that_the_config_lacks_is_named():
+  """seed, num_iterations and the models' shapes have no default: a config file without one
+  ended in the dataclass's TypeError traceback, naming no config section."""
+  c = ppo_tiny.get_config().to_dict()
+  del c["seed"]
+  with pytest.raises(ValueError, match=r"^config: missing fields \['seed'\]; expected a value "
+                     r"for each \(they have no default: set config\.seed\)"):
+    TrainConfig.from_config_dict(c)
+  c = ppo_tiny.get_config().to_dict()
+  del c["critic_model"]["num_layers"], c["critic_model"]["num_heads"]
+  with pytest.raises(ValueError, match=r"^config\.critic_model: missing fields \['num_layers', "
+                     r"'num_heads'\]; .*set config\.critic_model\.num_layers, "
+                     r"config\.critic_model\.num_heads\)"):
+    TrainConfig.from_config_dict(c)
+
+
 @pytest.mark.parametrize("overrides, mesh_cfg, message", [
     ({"rollout.prompts_per_iteration": 12, "algo.minibatch_size": 12}, {"data": 8},
      r"config\.rollout\.prompts_per_iteration\*samples_per_prompt=12 must be a multiple of the "

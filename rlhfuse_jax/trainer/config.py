@@ -680,6 +680,7 @@ class TrainConfig:
     unknown = set(d) - top
     if unknown:
       raise ValueError(f"config: unknown top-level fields {sorted(unknown)}; known: {sorted(top)}")
+    _check_required(cls, {**d, **kwargs}, "")
     _check_types(cls, d, "")
     return cls(**kwargs, **d)
 
@@ -787,12 +788,25 @@ def _field_defaults() -> dict[str, Any]:
           for k, v in fields.items()}
 
 
+def _check_required(klass, section: Mapping[str, Any], prefix: str) -> None:
+  """A ValueError naming the fields of `klass` without a default that `section` lacks: the
+  dataclass's own TypeError ("__init__() missing 1 required positional argument: 'seed'") named
+  no config section and ended the binary in a traceback."""
+  missing = [f.name for f in dataclasses.fields(klass) if f.name not in section and
+             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+  if missing:
+    where = f"config.{prefix}." if prefix else "config."
+    raise ValueError(f"{where[:-1]}: missing fields {missing}; expected a value for each (they "
+                     f"have no default: set {', '.join(where + m for m in missing)})")
+
+
 def _build(klass, section: Optional[Mapping[str, Any]], prefix: str):
   section = dict(section or {})
   known = {f.name for f in dataclasses.fields(klass)}
   unknown = set(section) - known
   if unknown:
     raise ValueError(f"config.{prefix}: unknown fields {sorted(unknown)}; known: {sorted(known)}")
+  _check_required(klass, section, prefix)
   _check_types(klass, section, prefix)
   return klass(**section)
 
