@@ -386,7 +386,7 @@ def test_bad_configs_name_the_field(overrides, match):
     BenchDecodeConfig.from_config_dict(_cd(**overrides))
 
 
-def test_unknown_fields_are_rejected():
+def test_unknown_and_missing_fields_are_rejected():
   c = bench_config_file.get_config().to_dict()
   c["batchsizes"] = "1"
   with pytest.raises(ValueError, match="unknown fields.*batchsizes"):
@@ -394,6 +394,10 @@ def test_unknown_fields_are_rejected():
   c = bench_config_file.get_config().to_dict()
   c["model"]["hidden"] = 3
   with pytest.raises(ValueError, match="config.model: unknown fields.*hidden"):
+    BenchDecodeConfig.from_config_dict(c)
+  c = bench_config_file.get_config().to_dict()
+  del c["model"]["num_layers"]  # (was ModelConfig's TypeError, naming no section)
+  with pytest.raises(ValueError, match=r"^config\.model: missing fields \['num_layers'\]"):
     BenchDecodeConfig.from_config_dict(c)
 
 

@@ -101,6 +101,13 @@ class BenchDecodeConfig:
     if unknown:
       raise ValueError(f"config.model: unknown fields {sorted(unknown)}; known: "
                        f"{sorted(known_model)}")
+    # (ModelConfig's own TypeError, "missing 1 required positional argument", named no section)
+    required = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "head" and
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing_model = [f for f in required if f not in model]
+    if missing_model:
+      raise ValueError(f"config.model: missing fields {missing_model}; expected a value for each "
+                       "(they have no default)")
     known = {f.name for f in dataclasses.fields(cls)} - {"model"}
     unknown = set(d) - known
     if unknown:
