@@ -160,20 +160,26 @@ def test_a_combined_collective_permute_counts_every_operand():
   """A collective-permute of several operands (a tuple; its -start: inputs, outputs, contexts)
   moves all of them; the in-place form (input, output, start indices, `slice_sizes`) still counts
   its first array alone. The lines are XLA's printed forms (its hlo_parser_test)."""
-  hlo = """HloModule m, num_partitions=4
-ENTRY %main (a: f32[128,32], b: bf16[64]) -> f32[128,32] {
-  %a = f32[128,32]{0,1} parameter(0)
-  %b = bf16[64]{0} parameter(1)
-  %s1 = ((f32[128,32]{0,1}, bf16[64]{0}), (f32[128,32]{0,1}, bf16[64]{0}), u32[], u32[]) collective-permute-start(%a, %b), channel_id=1, source_target_pairs={{0,1},{1,2}}
-  %d1 = (f32[128,32]{0,1}, bf16[64]{0}) collective-permute-done(%s1)
-  %s2 = ((f32[128,32]{0,1}, bf16[64]{0}), (f32[128,32]{0,1}, bf16[64]{0})) collective-permute-start(%a, %b), channel_id=2, source_target_pairs={{1,2}}
-  %d2 = (f32[128,32]{0,1}, bf16[64]{0}) collective-permute-done(%s2)
-  %cp = (f32[128,32]{0,1}, bf16[64]{0}) collective-permute(%a, %b), channel_id=3, source_target_pairs={{2,3}}
-  %s4 = (f32[128,32]{0,1}, f32[128,32]{0,1}, u32[], u32[]) collective-permute-start(%a), channel_id=5, source_target_pairs={{0,2}}
-  %s5 = (f32[128,32]{0,1}, f32[128,128]{0,1}, u32[], u32[]) collective-permute-start(%a, %o, %t1, %t2), channel_id=6, source_target_pairs={{0,3}}, slice_sizes={{64,32}}
-  ROOT %r = f32[128,32]{0,1} copy(%a)
-}
-"""
+  two = "(f32[128,32]{0,1}, bf16[64]{0})"  # a combined permute's operands (and its outputs)
+  one = "f32[128,32]{0,1}"
+  hlo = "\n".join([
+      "HloModule m, num_partitions=4",
+      "ENTRY %main (a: f32[128,32], b: bf16[64]) -> f32[128,32] {",
+      "  %a = f32[128,32]{0,1} parameter(0)",
+      "  %b = bf16[64]{0} parameter(1)",
+      f"  %s1 = ({two}, {two}, u32[], u32[]) collective-permute-start(%a, %b), channel_id=1, "
+      + "source_target_pairs={{0,1},{1,2}}",
+      f"  %d1 = {two} collective-permute-done(%s1)",
+      f"  %s2 = ({two}, {two}) collective-permute-start(%a, %b), channel_id=2, "
+      + "source_target_pairs={{1,2}}",
+      f"  %d2 = {two} collective-permute-done(%s2)",
+      f"  %cp = {two} collective-permute(%a, %b), channel_id=3, source_target_pairs={{{{2,3}}}}",
+      f"  %s4 = ({one}, {one}, u32[], u32[]) collective-permute-start(%a), channel_id=5, "
+      + "source_target_pairs={{0,2}}",
+      f"  %s5 = ({one}, f32[128,128]{{0,1}}, u32[], u32[]) collective-permute-start(%a, %o, %t1, "
+      + "%t2), channel_id=6, source_target_pairs={{0,3}}, slice_sizes={{64,32}}",
+      "  ROOT %r = f32[128,32]{0,1} copy(%a)",
+      "}", ""])
   costs = hlo_flops.analyze(hlo)
   got = {c.groups: c.nbytes for c in costs.collectives}
   both = 128 * 32 * 4 + 64 * 2
