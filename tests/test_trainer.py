@@ -281,6 +281,18 @@ def test_a_field_without_a_default_that_the_config_lacks_is_named():
     TrainConfig.from_config_dict(c)
 
 
+def test_a_critic_vocabulary_beside_the_tokenizers_is_refused():
+  """With model.vocab_size=0 (the tokenizer's) a critic_model.vocab_size of its own was
+  replaced by the tokenizer's without a word; equal to a set model.vocab_size it is kept."""
+  c = ppo_tiny.get_config().to_dict()
+  c["critic_model"]["vocab_size"] = 999
+  with pytest.raises(ValueError, match=r"^config\.critic_model\.vocab_size=999: expected 0 or "
+                     r"unset with model\.vocab_size=0"):
+    TrainConfig.from_config_dict(c)
+  c["model"]["vocab_size"] = c["critic_model"]["vocab_size"] = 64
+  assert TrainConfig.from_config_dict(c).with_vocab(40).critic_model.vocab_size == 64
+
+
 @pytest.mark.parametrize("overrides, mesh_cfg, message", [
     ({"rollout.prompts_per_iteration": 12, "algo.minibatch_size": 12}, {"data": 8},
      r"config\.rollout\.prompts_per_iteration\*samples_per_prompt=12 must be a multiple of the "

@@ -673,6 +673,12 @@ class TrainConfig:
         raise ValueError(msg) from None
     model, critic = d.pop("model", {}), d.pop("critic_model", {})
     kwargs["vocab_from_tokenizer"] = model.get("vocab_size", 0) == 0
+    # The critic reads the actor's token ids: with the actor's vocabulary from the tokenizer
+    # (with_vocab) a critic's own vocab_size was replaced by it without a word.
+    critic_vocab = (critic or {}).get("vocab_size", 0)
+    _check(not kwargs["vocab_from_tokenizer"] or critic_vocab == 0, "critic_model.vocab_size",
+           critic_vocab, "0 or unset with model.vocab_size=0 (the critic reads the actor's token "
+           "ids: it takes the tokenizer's vocabulary too)")
     kwargs["model"] = _build_model(model, "model")
     kwargs["critic_model"] = _build_model({"vocab_size": model.get("vocab_size", 0), **critic},
                                           "critic_model", head="scalar")
