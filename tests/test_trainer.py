@@ -512,6 +512,11 @@ def test_weights_trained_in_bfloat16_are_warned_about(caplog):
     assert [f for f in ("model", "critic_model")
             if f"config.{f}.param_dtype='bfloat16' trains the weights themselves" in caplog.text
             ] == fields, caplog.text
+    if fields:  # the smallest step the message names is the one that changes bf16(0.02)
+      t = float(re.search(r"magnitude 0\.02 only if lr > ([\d.e+-]+),", caplog.text).group(1))
+      w = float(jnp.bfloat16(0.02))
+      assert float(jnp.bfloat16(w + 0.98 * t)) == w and float(jnp.bfloat16(w - 0.98 * t)) == w
+      assert float(jnp.bfloat16(w + 1.02 * t)) != w and float(jnp.bfloat16(w - 1.02 * t)) != w
     # A float32 copy of float32 weights is only memory: said, naming the model.
     wasted = "config.optim.master_weights=True with config.model.param_dtype='float32'"
     assert (wasted in caplog.text) == (overrides.get("optim.master_weights", False) and

@@ -9,6 +9,7 @@ of defence; this is where a user's mistake is caught first.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional, Sequence
 
 import jax
@@ -140,6 +141,13 @@ def _low_precision_trained(cfg: TrainConfig) -> list[tuple[str, Any, float]]:
           if jnp.finfo(m.param_dtype).bits == 16]
 
 
+def _half_spacing(x: float, dtype: Any) -> float:
+  """Half the spacing of `dtype`'s values around `x` > 0: the smallest step that changes a
+  weight of magnitude `x` once rounded to `dtype` (for 0.02 in bfloat16, 2**-14 = 6.1e-5; x
+  times 2**-(nmant + 1), 7.8e-5, took the magnitude for the power of two below it)."""
+  return 2.0 ** (math.floor(math.log2(x)) - jnp.finfo(dtype).nmant - 1)
+
+
 def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
              generation_devices: Optional[int] = None) -> None:
   """Raises ValueError naming the config field for a run this mesh cannot do. `mesh` is the
@@ -205,7 +213,7 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
         "copy and float32 moments in the optimizer state; the weights stay 16-bit for "
         "generation and inference) or config.%s.param_dtype='float32' (computation still in "
         "dtype=%r)", section, model.param_dtype, lr,
-        0.02 * 2.0 ** -(jnp.finfo(model.param_dtype).nmant + 1), section, model.dtype)
+        _half_spacing(0.02, model.param_dtype), section, model.dtype)
   if cfg.optim.master_weights:
     wide = [f"config.{s}.param_dtype={m.param_dtype!r}" for s, m, _ in _trained_models(cfg)
             if jnp.finfo(m.param_dtype).bits > 16]
