@@ -540,6 +540,10 @@ def measure(lowered: Any, hardware: hw_lib.Hardware,
   if costs["unread_collective_groups"]:
     logging.warning("%d collectives have device groups in a form perf/hlo_flops.py does not "
                     "read: timed as pairs across nodes", costs["unread_collective_groups"])
+  if costs["uncounted_custom_calls"]:
+    logging.warning("flops_per_device and compute_s leave out the work of custom-calls "
+                    "perf/hlo_flops.py cannot count (target: times run): %s",
+                    costs["uncounted_custom_calls"])
   peak = (costs["argument_bytes"] + costs["output_bytes"] + costs["temp_bytes"]
           - costs["alias_bytes"])
   return {**{k: v for k, v in costs.items() if k != "flops"}, "peak_bytes": peak,

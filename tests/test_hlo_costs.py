@@ -220,3 +220,46 @@ def test_plan_check_reads_the_widths_from_the_partitioned_program():
   costs = scale_check.compiled_costs(compiled, None, hlo_flops.program_widths(program))
   assert costs["collective_bytes"]["all-reduce"] == 256 * 512 * 4
   assert costs["program_collective_bytes"]["all-reduce"] == 256 * 512 * 2
+
+
+def test_gemms_xla_gpu_hands_to_cublas_count_as_their_dots():
+  """XLA:GPU rewrites most dots into cuBLAS custom-calls (`__cublas$gemm`, cuBLASLt's
+  `__cublas$lt$matmul`), whose FLOPs were not counted: a GPU compile's `flops` (plan_check,
+  bench_attention) read near zero. They count as the dot they replace, from the backend
+  config's contracting dims and the first array of their (result, workspace) tuple, as the CPU's
+  own dot of the same shapes; any other custom-call (a cuDNN attention, a Pallas kernel) is
+  named in uncounted_calls, as often as it runs."""
+  def gemm(name, lhs, target, contracting):
+    return (f'  %{name} = (f32[16,32]{{1,0}}, s8[1028]{{0}}) custom-call({lhs}, %w), '
+            f'custom_call_target="{target}", backend_config={{"gemm_backend_config":'
+            '{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":'
+            f'[{contracting}],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],'
+            '"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}')
+  hlo = "\n".join([
+      "HloModule m, is_scheduled=true",
+      "",
+      "%body (p: (s32[], f32[16,64])) -> (s32[], f32[16,64]) {",
+      "  %p = (s32[], f32[16,64]{1,0}) parameter(0)",
+      "  %x = f32[16,64]{1,0} get-tuple-element(%p), index=1",
+      "  %w = f32[64,32]{1,0} constant({...})",
+      gemm("g1", "%x", "__cublas$gemm", '"1"'),
+      gemm("g2", "%x", "__cublas$lt$matmul", "1"),
+      '  %fa = (f32[16,64]{1,0}, u8[0]{0}) custom-call(%x), custom_call_target="__cudnn$fmha"',
+      "  ROOT %t = (s32[], f32[16,64]{1,0}) tuple(%x, %x)",
+      "}",
+      "",
+      "ENTRY %main (a: f32[16,64]) -> f32[16,64] {",
+      "  %a = f32[16,64]{1,0} parameter(0)",
+      "  %init = (s32[], f32[16,64]{1,0}) tuple(%a, %a)",
+      '  %loop = (s32[], f32[16,64]{1,0}) while(%init), condition=%c, body=%body, '
+      'backend_config={"known_trip_count":{"n":"3"}}',
+      "  ROOT %out = f32[16,64]{1,0} get-tuple-element(%loop), index=1",
+      "}",
+  ])
+  costs = hlo_flops.analyze(hlo)
+  one = 2.0 * 16 * 32 * 64  # [16, 64] @ [64, 32]
+  assert costs.flops == 3 * 2 * one
+  assert costs.uncounted_calls == {"__cudnn$fmha": 3.0}
+  compiled = jax.jit(lambda x, w: x @ w).lower(jnp.ones((16, 64)), jnp.ones((64, 32))).compile()
+  cpu = hlo_flops.analyze(compiled.as_text())
+  assert cpu.flops == one and cpu.uncounted_calls == {}

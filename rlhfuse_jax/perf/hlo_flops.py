@@ -8,6 +8,12 @@ reports the FLOPs of one). Our programs are loops: the pipeline executor's ticks
 HLO text (`compiled.as_text()`, one SPMD partition, so the counts are per device) and counts
 
   dot        2 * prod(output dims) * prod(lhs contracting dims)
+  GEMM custom-call  the same, for the dots XLA:GPU hands to cuBLAS / cuBLASLt (or rocBLAS):
+             `custom-call(...), custom_call_target="__cublas$gemm"` (or `$lt$matmul...`),
+             contracting dims from its backend config's dot_dimension_numbers, the result the
+             first array of its (result, workspace) tuple. Any other custom-call (a cuDNN
+             attention, a Pallas / Triton kernel) is opaque: counted in `uncounted_calls` by
+             target, its FLOPs not in `flops`
   while      body x known_trip_count (XLA's loop analysis puts it in the backend config); a loop
              without a known trip count (an early-exit `while_loop`) counts once and is reported
   conditional  its costliest branch (as XLA's cost analysis: a lockstep tick lasts as long as
@@ -50,6 +56,10 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRUE_FALSE = re.compile(r"(?:true_computation|false_computation)=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+# A GEMM custom-call's contracting dims: "lhs_contracting_dimensions":["1"] (or [1]).
+_GEMM_CONTRACT = re.compile(r'"lhs_contracting_dimensions":\[([\d",\s]*)\]')
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")  # (and $lt$matmul$f8)
 
 
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
@@ -82,6 +92,8 @@ class HloCosts:
   loops: int  # while loops seen (each counted as often as its callers run)
   collectives: dict[Collective, float]  # each collective -> times it runs (loops multiplied)
   unread_groups: int = 0  # collectives whose groups are in a form this does not read
+  # custom-call target -> times run, for custom-calls whose FLOPs are not counted (not GEMMs)
+  uncounted_calls: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def collective_bytes(self) -> dict[str, float]:
     """Per-device buffer bytes moved by each kind of collective, every execution counted."""
@@ -274,6 +286,18 @@ def _add_into(out: dict, b: dict, reps: float = 1.0) -> None:
     out[c] = out.get(c, 0.0) + n * reps
 
 
+def _dot_flops(inst: str, comp: str, shapes: dict, out: tuple[int, ...] | None, rest: str,
+               contracting: str | None) -> float:
+  """2 x prod(out) x prod(lhs contracting dims) of a dot (or GEMM custom-call) `inst` whose
+  first operand's shape is in `shapes`; `contracting`: the lhs contracting dims, "1,2"."""
+  operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+  lhs = shapes.get(operands[0]) if operands else None
+  if lhs is None or out is None or contracting is None:
+    raise ValueError(f"cannot read the shapes of dot {inst!r} in {comp!r}")
+  k = math.prod(lhs[int(d)] for d in contracting.split(",") if d.strip())
+  return 2.0 * math.prod(out) * k
+
+
 def analyze(hlo_text: str, widths: Widths | None = None) -> HloCosts:
   """Per-device dot FLOPs and collectives of an optimized HLO module's text (module
   docstring); with `widths` (program_widths), widened collectives at the program's width."""
@@ -283,12 +307,13 @@ def analyze(hlo_text: str, widths: Widths | None = None) -> HloCosts:
   memo: dict[str, tuple] = {}
   unread = [0]
 
-  def cost(name: str) -> tuple[float, int, int, dict]:
+  def cost(name: str) -> tuple[float, int, int, dict, dict]:
+    """(flops, loops without trip count, loops, collectives, uncounted custom-calls)."""
     if name in memo:
       return memo[name]
-    memo[name] = (0.0, 0, 0, {})  # guards against recursion
+    memo[name] = (0.0, 0, 0, {}, {})  # guards against recursion
     shapes: dict[str, tuple[int, ...] | None] = {}
-    flops, unknown, loops, colls = 0.0, 0, 0, {}
+    flops, unknown, loops, colls, opaque = 0.0, 0, 0, {}, {}
     for line in comps.get(name, []):
       m = _INSTR.match(line)
       if not m:
@@ -303,21 +328,27 @@ def analyze(hlo_text: str, widths: Widths | None = None) -> HloCosts:
       elif op.endswith("-done") or op.endswith("-update"):
         continue  # the -start (or async-start's computation) holds the work
       elif op == "dot":
-        operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
-        lhs = shapes.get(operands[0]) if operands else None
-        out = shapes[inst]
         contract = _CONTRACT.search(rest)
-        if lhs is None or out is None or contract is None:
-          raise ValueError(f"cannot read the shapes of dot {inst!r} in {name!r}")
-        k = math.prod(lhs[int(d)] for d in contract.group(1).split(",") if d)
-        flops += 2.0 * math.prod(out) * k
+        flops += _dot_flops(inst, name, shapes, shapes[inst], rest,
+                            contract.group(1) if contract else None)
+      elif op == "custom-call":
+        target = _TARGET.search(rest)
+        target = target.group(1) if target else "?"
+        if target.startswith(_GEMM_TARGETS):
+          result = _ARRAY.search(shape)  # the result: the first array of (result, workspace)
+          contract = _GEMM_CONTRACT.search(rest)
+          flops += _dot_flops(inst, name, shapes, _dims(result.group(0)) if result else None,
+                              rest, contract.group(1).replace('"', "") if contract else None)
+        else:
+          opaque[target] = opaque.get(target, 0.0) + 1.0
       elif op == "while":
         body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
         trip = _TRIP.search(rest)
-        f, u, n, c = cost(body)
+        f, u, n, c, o = cost(body)
         reps = int(trip.group(1)) if trip else 1
         flops += reps * f
         _add_into(colls, c, reps)
+        _add_into(opaque, o, reps)
         unknown += u + (0 if trip else 1)
         loops += n + 1
       elif op == "conditional":
@@ -331,14 +362,17 @@ def analyze(hlo_text: str, widths: Widths | None = None) -> HloCosts:
         loops += sum(x[2] for x in branch)
         _add_into(colls, max((x[3] for x in branch), key=lambda d: sum(
             c.nbytes * n for c, n in d.items())))
+        for target in {t for x in branch for t in x[4]}:  # as often as the branch calling most
+          opaque[target] = opaque.get(target, 0.0) + max(x[4].get(target, 0.0) for x in branch)
       else:
         for callee in _CALLS.findall(rest):
-          f, u, n, c = cost(callee)
+          f, u, n, c, o = cost(callee)
           flops, unknown, loops = flops + f, unknown + u, loops + n
           _add_into(colls, c)
-    memo[name] = (flops, unknown, loops, colls)
+          _add_into(opaque, o)
+    memo[name] = (flops, unknown, loops, colls, opaque)
     return memo[name]
 
-  f, u, n, c = cost(entry)
+  f, u, n, c, o = cost(entry)
   return HloCosts(flops=f, unknown_trip_loops=u, loops=n, collectives=c,
-                  unread_groups=unread[0])
+                  unread_groups=unread[0], uncounted_calls=o)

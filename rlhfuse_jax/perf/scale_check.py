@@ -55,7 +55,8 @@ def abstract_params(cfg: ModelConfig, param_shardings: Any) -> Any:
 def compiled_costs(compiled: Any, cost_model: Any = None,
                    widths: Optional[hlo_flops.Widths] = None) -> dict:
   """Per-device figures of a compiled program: memory_analysis()'s argument / output / temp /
-  alias bytes, dot FLOPs with loops counted (`flops`, perf/hlo_flops.py), cost_analysis()'s
+  alias bytes, dot FLOPs with loops counted (`flops`, perf/hlo_flops.py; the custom-calls it
+  cannot count in `uncounted_custom_calls`), cost_analysis()'s
   `xla_flops` (loop bodies once), the loops whose trip count hlo_flops could not read, and the
   bytes each kind of collective moves per device (`collective_bytes`, loops counted). With a
   sim CostModel (`cost_model`), `collective_s`: those collectives one after another on its
@@ -76,7 +77,10 @@ def compiled_costs(compiled: Any, cost_model: Any = None,
          "flops": counted.flops, "xla_flops": float(cost.get("flops", 0.0)),
          "loops_without_trip_count": counted.unknown_trip_loops,
          "collective_bytes": counted.collective_bytes(),
-         "unread_collective_groups": counted.unread_groups}
+         "unread_collective_groups": counted.unread_groups,
+         # custom-calls whose FLOPs `flops` leaves out (cuDNN attention, Pallas kernels), by
+         # target -> times run; cuBLAS GEMMs are counted
+         "uncounted_custom_calls": counted.uncounted_calls}
   if cost_model is not None:
     out["collective_s"] = collective_seconds(counted, cost_model)
   if widths is not None:
