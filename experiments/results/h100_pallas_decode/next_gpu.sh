@@ -19,6 +19,15 @@ trap 'tar czf $OUT/res.tgz -C $R .' EXIT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,memory.total \
   --format=csv > $R/nvidia_smi.txt 2>&1
 python3 -c "import jax; print(jax.devices()[0].memory_stats())" >> $R/nvidia_smi.txt 2>&1
+# 0. perf/hlo_flops.py on the GPU's HLO (written without one, 2026-12-03): a matmul's FLOPs,
+#    counted through cuBLAS's custom-call (or a Triton fusion's dot), should be 2*m*n*k exactly.
+python3 -c "
+import jax, jax.numpy as jnp
+from rlhfuse_jax.perf import hlo_flops
+x, w = jnp.ones((256, 512), jnp.bfloat16), jnp.ones((512, 1024), jnp.bfloat16)
+c = hlo_flops.analyze(jax.jit(lambda a, b: a @ b).lower(x, w).compile().as_text())
+print('GEMM_FLOPS counted', c.flops, 'expected', 2 * 256 * 512 * 1024, 'uncounted',
+      c.uncounted_calls)" >> $L 2>&1
 # 1. The bench as configured (attention "auto" = the kernel on one GPU, the update at 32
 #    sequences): the defaults' own figures for issue 26.
 [[ $STEPS == *1* ]] && date >> $L && timeout 240 python3 -m experiments.bench_decode \
@@ -79,5 +88,5 @@ python3 -c "import jax; print(jax.devices()[0].memory_stats())" >> $R/nvidia_smi
   experiments.plan_check --config=configs/plan_check.py:llama/fused/13b \
   --config.attention=auto --workdir=$R/plan_llama_fused13b_gpu32 >> $L 2>&1
 date >> $L
-grep -E "to_host_GBps|^DECODE|batch +[0-9]+:|ppo update:.*MFU|(train_step|decode|inference) +[0-9]|Error" $L |
+grep -E "GEMM_FLOPS|to_host_GBps|^DECODE|batch +[0-9]+:|ppo update:.*MFU|(train_step|decode|inference) +[0-9]|Error" $L |
   tail -30
