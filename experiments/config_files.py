@@ -227,9 +227,36 @@ def _load_error(argv: Sequence[str]) -> Optional[str]:
   return None
 
 
+# What ml_collections (through absl's parsers) says of a value its field's type does not take,
+# and what the field expects, said plainly: "('Non-boolean argument to boolean flag', 'yes')"
+# and "invalid literal for int() with base 10: '1.5'" named neither the type nor what it takes.
+_TYPE_ERRORS = (
+    (r"invalid literal for int\(\) with base 10: ", "expected an integer (the field is an int)"),
+    (r"could not convert string to float: ", "expected a number (the field is a float)"),
+    (r"\('Non-boolean argument to boolean flag', ",
+     "expected true or false (the field is a bool; also 1/0, t/f)"),
+)
+
+
+def wrong_type(message: str) -> Optional[str]:
+  """`--config.FIELD='VALUE': expected ...` for a flags.Error message that is ml_collections'
+  parse failure of a value against its field's type; None for any other message."""
+  m = re.match(r"flag (--[\w.]+)=(.*?): (.*)$", message, re.S)
+  if not m:
+    return None
+  for pattern, expected in _TYPE_ERRORS:
+    if re.match(pattern, m.group(3)):
+      return f"{m.group(1)}={m.group(2)!r}: {expected}"
+  return None
+
+
 def shorten(message: str) -> str:
   """A flags.Error message with an embedded traceback (ml_collections wraps an exception raised
-  in the config file so) cut to its header, the frame that raised and the exception line."""
+  in the config file so) cut to its header, the frame that raised and the exception line; a
+  value of the wrong type as `wrong_type` says it."""
+  typed = wrong_type(message)
+  if typed:
+    return typed
   section = re.match(r"flag (--[\w.]+)=(.*?): Failed to parse '.*' as a ConfigDict", message)
   if section:  # a value given to a section of fields (plan_check's actor on its tiny variant)
     return (f"{section.group(1)}={section.group(2)}: {section.group(1)[2:]} is a section of "

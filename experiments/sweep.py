@@ -184,7 +184,7 @@ def check_values(config_path: str, runs: Sequence[tuple[int, str, dict]],
       values(argv)
       config = values["config"].value  # (applies the overrides)
     except flags.Error as e:
-      raise ValueError(f"{where}: {e}") from None
+      raise ValueError(f"{where}: {config_files.shorten(str(e))}") from None
     if name is not None:
       configs[name] = config.to_dict() if hasattr(config, "to_dict") else config
   return configs
