@@ -463,6 +463,10 @@ def test_stats_are_measured_and_not_added_to_the_reward(tok):
     ("tests.no_such_module:f", r"cannot import module 'tests\.no_such_module' "
                                r"\(ModuleNotFoundError"),
     ("tests.test_rewards:missing", "module 'tests.test_rewards' has no attribute 'missing'"),
+    # A misspelled function is named with the closest one the module has.
+    ("tests.test_rewards:answer_lenght", r"module 'tests\.test_rewards' has no attribute "
+                                         r"'answer_lenght'; did you mean "
+                                         r"'tests\.test_rewards:answer_length'\?$"),
     ("tests.test_rewards:NOT_CALLABLE", r"'NOT_CALLABLE' is not callable \(its type is int\)"),
     ("tests.test_rewards:", "expected 'package.module:function'"),
     # Called as fn(response, answer, record): a function that cannot take them is refused now

@@ -294,11 +294,16 @@ def import_function(spec: str) -> Callable:
   except Exception as e:  # noqa: BLE001 any import failure (missing module, its own error)
     raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r} "
                      f"({type(e).__name__}: {e}); is its directory on PYTHONPATH?") from e
+  walked = []
   for part in attr.split("."):
     if not hasattr(node, part):
+      names = [n for n in dir(node) if not n.startswith("_") and callable(getattr(node, n))]
+      close = difflib.get_close_matches(part, names, n=1)
+      hint = f"; did you mean '{module_name}:{'.'.join(walked + close)}'?" if close else ""
       raise ValueError(f"reward function {spec!r}: module {module_name!r} has no attribute "
-                       f"{attr!r}")
+                       f"{attr!r}{hint}")
     node = getattr(node, part)
+    walked.append(part)
   if not callable(node):
     raise ValueError(f"reward function {spec!r}: {attr!r} is not callable (its type is "
                      f"{type(node).__name__})")
