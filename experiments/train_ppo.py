@@ -15,9 +15,11 @@ actor as a Hugging Face checkpoint). A resume whose config differs in a field th
 run is refused, listing the fields. One run per workdir (a lock names the holder).
 
 Exit status: 0 done; 75 stopped by SIGTERM/SIGINT after saving a checkpoint (re-run to resume);
-1 an error (the message names the field, file or iteration); 3 a checkpoint save failed; 69 fused
-generation lost another process of a multi-process run (docs/usage.md); 130 a second Ctrl-C
-stopped it without saving (re-run to resume from the last checkpoint).
+1 an error (the message names the field, file or iteration); 3 a checkpoint save failed; 69 the
+run cannot go on, nothing saved since the last checkpoint (re-run to resume): a collective lost
+another process of a multi-process run, or an iteration outlasted guard.iteration_timeout_s
+(docs/usage.md); 130 a second Ctrl-C stopped it without saving (re-run to resume from the last
+checkpoint).
 """
 from __future__ import annotations
 
