@@ -250,6 +250,32 @@ def wrong_type(message: str) -> Optional[str]:
   return None
 
 
+def _usage_example() -> Optional[str]:
+  """The first `python -m ...` command of the running binary's docstring (its usage line,
+  continuation lines joined), or None."""
+  lines = (getattr(sys.modules.get("__main__"), "__doc__", None) or "").splitlines()
+  for i, line in enumerate(lines):
+    if line.strip().startswith("python -m "):
+      command = line.strip()
+      while command.endswith("\\") and i + 1 < len(lines):
+        i += 1
+        command = f"{command[:-1].rstrip()} {lines[i].strip()}"
+      return " ".join(command.split())
+  return None
+
+
+def missing_required(message: str) -> Optional[str]:
+  """One line for absl's error on required flags left out ("flag --workdir=None: Flag --workdir
+  must have a value other than None.", one such line per flag), with the binary's usage line
+  as the example; None for any other message."""
+  names = re.findall(r"Flag (--\w+) must have a value other than None", message)
+  if not names:
+    return None
+  example = _usage_example()
+  return (f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'} required"
+          + (f"; e.g. {example}" if example else " (--help lists the flags)"))
+
+
 def shorten(message: str) -> str:
   """A flags.Error message with an embedded traceback (ml_collections wraps an exception raised
   in the config file so) cut to its header, the frame that raised and the exception line; a
@@ -286,7 +312,8 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     args = flags.FLAGS(argv)
   except flags.Error as e:
-    _fatal(_repeated_config_flag(argv[1:]) or diagnose(argv[1:]) or shorten(str(e)))
+    _fatal(_repeated_config_flag(argv[1:]) or missing_required(str(e)) or diagnose(argv[1:])
+           or shorten(str(e)))
   except (KeyError, AttributeError, OSError):
     message = diagnose(argv[1:])
     if message is None:

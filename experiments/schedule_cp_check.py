@@ -77,6 +77,7 @@ from rlhfuse_jax.pipeline.graph import PipelineProblem, parse_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory", required=True)
+flags.mark_flags_as_required(["config"])  # without it: an AttributeError on None in main
 _TARGET = flags.DEFINE_float("target", -1.0, "makespan to check; -1: the tight lower bound")
 _TIME = flags.DEFINE_float("time_limit_s", 120.0, "CP-SAT time limit")
 _WORKERS = flags.DEFINE_integer("workers", 2, "CP-SAT search workers")

@@ -42,6 +42,7 @@ from rlhfuse_jax.pipeline.graph import PipelineProblem, parse_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory", required=True)
+flags.mark_flags_as_required(["config"])  # without it: an AttributeError on None in main
 _TARGET = flags.DEFINE_float("target", -1.0, "makespan to check; -1: the tight lower bound")
 _SOLVER = flags.DEFINE_enum("solver", "pdlp", ["pdlp", "ipm", "simplex", "scipy"],
                             "LP solver: HiGHS via highspy (pdlp: first-order, for the million-"

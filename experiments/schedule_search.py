@@ -1,5 +1,7 @@
 """Searches a fused actor/critic pipeline schedule for one instance and reports it.
 
+  python -m experiments.schedule_search --config=configs/schedule_search.py --workdir=/tmp/ss_e0
+
 Writes into --workdir: config.json, result.json (serial 1F1B, greedy, searched, lower bounds, gap,
 bubbles, per-device peak memory against the budget, the best schedule without the budget),
 schedule.json (pipeline/schedule.py format) and gantt.png.

@@ -283,7 +283,36 @@ def test_every_binary_with_a_config_file_flag_runs_through_config_files():
     if "DEFINE_config_file(" in source:
       with_config.append(name)
       assert "config_files.run(main" in source, name
+      # Required: left out it was None, and schedule_cp_check / schedule_lp_check failed on it
+      # in main with an AttributeError traceback.
+      assert re.search(r'mark_flags_as_required\(\[[^]]*"config"|'
+                       r'DEFINE_\w+\("config",[^\n]*required=True', source), name
   assert "train_ppo.py" in with_config and len(with_config) >= 10, with_config
+
+
+@pytest.mark.parametrize("args, line", [
+    (["experiments.train_ppo"],
+     "--config and --workdir are required; e.g. python -m experiments.train_ppo "
+     "--config=configs/ppo_tiny.py --workdir=/tmp/ppo_tiny"),
+    (["experiments.sweep", "--config=configs/ppo_tiny.py"],
+     "--binary and --workdir are required; e.g. python -m experiments.sweep "
+     "--config=configs/X.py --binary=NAME --workdir=DIR [--config.field=value ...]"),
+    (["experiments.schedule_cp_check", "--workdir=/nonexistent/never_made"],
+     "--config is required; e.g. python -m experiments.schedule_cp_check "
+     "--config=configs/schedule_search.py --config.memory_budget_mode="),
+    (["experiments.schedule_lp_check", "--workdir=/nonexistent/never_made"],
+     "--config is required; e.g. python -m experiments.schedule_lp_check "
+     "--config=configs/schedule_search.py --config.memory_budget_mode="),
+])
+def test_a_required_flag_left_out_is_named_with_the_binarys_usage_line(args, line):
+  """absl said "flag --config=None: Flag --config must have a value other than None." (a line
+  per flag, the second without the FATAL prefix); schedule_cp_check and schedule_lp_check did not
+  require --config and ended in an AttributeError traceback."""
+  proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+  assert _fatal_line(proc).startswith(line), proc.stderr
+  assert len(proc.stderr.strip().splitlines()) == 2, proc.stderr  # + absl's --helpshort line
+  assert config_files.missing_required("flag --lr=2: value should be positive") is None
 
 
 def test_a_subset_rerun_keeps_the_other_runs_rows_in_the_summary(tmp_path):

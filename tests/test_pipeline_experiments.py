@@ -364,7 +364,8 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
      "--config.pairs: not read with config.train_config='configs/ppo_tiny.py'"),
     (["experiments.calibrate_sim", "--config=configs/calibrate_sim.py",
       "--config.occupancies=a"], "config.occupancies='a': expected comma-separated slot counts"),
-    (["experiments.schedule_search"], "Flag --config must have a value other than None"),
+    (["experiments.schedule_search"], "--config is required; e.g. python -m "
+                                      "experiments.schedule_search --config="),
     # a negative seed: numpy's default_rng refused it after the earlier outputs moved aside
     (["experiments.calibrate_sim", "--config=configs/calibrate_sim.py", "--config.seed=-1"],
      "config.seed=-1: expected an integer >= 0"),
