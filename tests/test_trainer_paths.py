@@ -511,6 +511,39 @@ def test_a_tokenizer_other_than_the_actor_checkpoints_is_refused_or_warned_of(tm
   assert not build.check_foreign_tokenizer(str(tmp_path), other)  # no tokenizer of its own
 
 
+def test_a_critic_or_reward_model_trained_with_another_tokenizer_is_refused():
+  """configs/ppo_hf.py's critic is its example's checkpoint: a PPO run that changed the actor
+  and init.tokenizer (as own_model.md's table says) but not init.critic_checkpoint trained that
+  critic on ids it never saw, with one info line naming it. The refusal names the checkpoint,
+  not the tokenizer; a critic or reward model with the run's own tokenizer passes."""
+  other = os.path.join(FIXTURES, "tiny_chat", "tokenizer.json")  # another vocabulary
+  tokenizer = HFTokenizer.from_file(other)
+  critic = r"config\.init\.critic_checkpoint='.*tiny_llama' was not trained with config\.init\."
+  with pytest.raises(ValueError, match=critic + r"tokenizer='.*tiny_chat/tokenizer\.json': of "
+                     r"the 400 pieces of that vocabulary, 51 are in the checkpoint's .* and 48 "
+                     r"of those have other ids \(e\.g\. .*; the critic would read every "
+                     r"sequence as other tokens; set config\.init\.critic_checkpoint"):
+    build.resolve_config(tiny_config(**{"init.critic_checkpoint": LLAMA,
+                                        "init.tokenizer": other}), tokenizer, log=False)
+  with pytest.raises(ValueError, match=r"config\.reward\.model_checkpoint='.*tiny_llama' was "
+                     r"not trained with .*; the reward model would score every sequence as "
+                     r"other tokens"):
+    build.reward_model_config(tiny_config(**{"reward.kind": "model",
+                                             "reward.model_checkpoint": LLAMA,
+                                             "init.tokenizer": other}))
+  # The checkpoint's own tokenizer (QWEN2's is a copy of LLAMA's): the critic loads its shape.
+  own = os.path.join(QWEN2, "tokenizer.json")
+  cfg = build.resolve_config(tiny_config(**{"init.critic_checkpoint": LLAMA,
+                                            "init.tokenizer": own}),
+                             HFTokenizer.from_file(own), log=False)
+  with open(os.path.join(LLAMA, "config.json")) as f:
+    assert cfg.critic_model.num_layers == json.load(f)["num_hidden_layers"]
+  # A critic-free estimator loads no critic: its checkpoint is not compared.
+  build.resolve_config(tiny_config(**{"init.critic_checkpoint": LLAMA, "init.tokenizer": other,
+                                      "algo.estimator": "grpo",
+                                      "rollout.samples_per_prompt": 2}), tokenizer, log=False)
+
+
 def test_a_tokenizer_that_cannot_spell_the_prompts_is_warned_of():
   """A tokenizer without byte fallback or an unknown token drops what its vocabulary lacks:
   tests/fixtures/tiny_mistral's read 'Ann has 14 cards' back as 'nn has  cards', so every

@@ -289,14 +289,32 @@ def checkpoint_config(path: str, section: ModelConfig, field: str = "init.actor_
   return load_named(field, path, hf_loader.load_hf_config, **{**keep, **overrides})
 
 
-def check_foreign_tokenizer(checkpoint: str, tokenizer_path: str) -> bool:
+# What to change when a checkpoint's own tokenizer.json gives the run's tokens other ids: the
+# actor's names the tokenizer at fault, a critic's or reward model's the checkpoint (it reads
+# the actor's token ids, so it must have been trained with the run's tokenizer).
+_FOREIGN_REMEDY = {
+    "init.critic_checkpoint": "the critic would read every sequence as other tokens; set "
+                              "config.init.critic_checkpoint to a model trained with the run's "
+                              "tokenizer (the actor's directory gives a critic of its shape), "
+                              "or '' for a critic of config.critic_model's shape",
+    "reward.model_checkpoint": "the reward model would score every sequence as other tokens; "
+                               "set config.reward.model_checkpoint to a reward model trained "
+                               "with the actor's tokenizer",
+}
+
+
+def check_foreign_tokenizer(checkpoint: str, tokenizer_path: str,
+                            field: str = "init.actor_checkpoint") -> bool:
   """Refuses the run's tokenizer (config.init.tokenizer) when it gives a token the actor's
   checkpoint's own tokenizer.json has another id, or shares fewer than half its tokens with it:
   a config made for another model (configs/ppo_hf.py names its example's tokenizer) with only
   init.actor_checkpoint changed trained the new model on the old tokenizer's ids (its prompts
   read as other text) and exported that tokenizer beside it, with one warning line. Another
   file that keeps the checkpoint's ids (an extended tokenizer) is warned of, and True
-  returned; the same file or the same contents: False."""
+  returned; the same file or the same contents: False. For `field` init.critic_checkpoint or
+  reward.model_checkpoint the same refusal names that checkpoint (configs/ppo_hf.py's critic
+  is its example's: a run that changed the actor and the tokenizer trained the example's
+  critic on ids it never saw, with one info line), and nothing is warned of."""
   own = os.path.join(checkpoint, "tokenizer.json")
   given = tokenizer_lib.tokenizer_file(tokenizer_path) if tokenizer_path else ""
   if not given or not os.path.isfile(own) or not os.path.isfile(given):
@@ -320,6 +338,12 @@ def check_foreign_tokenizer(checkpoint: str, tokenizer_path: str) -> bool:
     if moved or 2 * len(shared) < len(ids["given"]):
       example = (f" (e.g. {moved[0]!r}: {ids['given'][moved[0]]} there, "
                  f"{ids['own'][moved[0]]} in the checkpoint's)" if moved else "")
+      if field in _FOREIGN_REMEDY:
+        raise ValueError(
+            f"config.{field}={checkpoint!r} was not trained with config.init.tokenizer="
+            f"{tokenizer_path!r}: of the {len(ids['given'])} pieces of that vocabulary, "
+            f"{len(shared)} are in the checkpoint's {own} and {len(moved)} of those have other "
+            f"ids{example}; {_FOREIGN_REMEDY[field]}")
       raise ValueError(
           f"config.init.tokenizer={tokenizer_path!r} is not the tokenizer of config.init."
           f"actor_checkpoint={checkpoint!r}: of the {len(ids['given'])} pieces of its "
@@ -327,6 +351,8 @@ def check_foreign_tokenizer(checkpoint: str, tokenizer_path: str) -> bool:
           f"have other ids{example}, so the model would read every prompt as other tokens; "
           f"set config.init.tokenizer={own!r} (a tokenizer that extends the checkpoint's, "
           "keeping its ids, is accepted)")
+    if field in _FOREIGN_REMEDY:
+      return False
     # Special tokens that moved (Llama 3.1 renamed 3.0's reserved ones): the text reads the
     # same, but a template or a stop id naming one of them would not.
     specials = sorted(t for t in set(added["own"]) & set(added["given"])
@@ -375,6 +401,8 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer, log: bool = True) -> 
     cfg = dataclasses.replace(cfg, model=model, critic_model=cfg.critic_model.replace(
         vocab_size=model.vocab_size))
   if cfg.init.critic_checkpoint and adv_lib.needs_critic(cfg.algo.estimator):
+    check_foreign_tokenizer(cfg.init.critic_checkpoint, cfg.init.tokenizer,
+                            "init.critic_checkpoint")
     cfg = dataclasses.replace(cfg, critic_model=checkpoint_config(
         cfg.init.critic_checkpoint, cfg.critic_model, "init.critic_checkpoint", head="scalar"))
   if log:  # (not for each plan a plan search checks)
@@ -419,6 +447,7 @@ def reward_model_config(cfg: TrainConfig) -> Optional[ModelConfig]:
   if cfg.reward.kind != "model":
     return None
   path = cfg.reward.model_checkpoint
+  check_foreign_tokenizer(path, cfg.init.tokenizer, "reward.model_checkpoint")
   positions = load_named("reward.model_checkpoint", path, hf_loader.max_positions)
   model = checkpoint_config(path, cfg.model, "reward.model_checkpoint", head="scalar",
                             remat="none", max_seq_len=min(positions, cfg.model.max_seq_len))
