@@ -167,6 +167,17 @@ def test_bad_plan_fields_name_the_field(overrides, match):
     tiny_config(**overrides)
 
 
+def test_a_plan_search_workdir_given_as_the_plan_file_names_its_plan_json(tmp_path):
+  """It was "cannot read a plan: [Errno 21] Is a directory"."""
+  with pytest.raises(ValueError, match=r"config\.plan\.file='.*' is a directory; expected a "
+                                       r"plan\.json file$"):
+    tiny_config(**{"plan.file": str(tmp_path)})
+  (tmp_path / "plan.json").write_text("{}")
+  with pytest.raises(ValueError, match=r"is a directory; expected a plan\.json: its "
+                                       r"'.*/plan\.json'\?$"):
+    tiny_config(**{"plan.file": str(tmp_path)})
+
+
 @pytest.mark.parametrize("overrides, match", [
     ({"plan.generation": "instances", "plan.generation_tp": 3},
      r"config\.plan\.generation_tp=3: expected a divisor of the 8 devices"),

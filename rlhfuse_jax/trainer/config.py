@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import threading
 from typing import Any, Mapping, Optional
@@ -844,6 +845,10 @@ def load_plan_file(path: str) -> dict:
   """The plan.json of `python -m experiments.plan_search` (sim/plan_search.py `_plan_dict`):
   {"generation": {mode, tp, pp, groups, slots}, "inference": {tp, pp}, "training": {placement,
   ...}, "predicted": ..., "summary": ...}."""
+  if os.path.isdir(path):  # plan_search's workdir, named for the file it wrote there
+    inside = os.path.join(path, "plan.json")
+    raise ValueError(f"config.plan.file={path!r} is a directory; expected a plan.json" + (
+        f": its {inside!r}?" if os.path.isfile(inside) else " file"))
   try:
     with open(path) as f:
       plan = json.load(f)
