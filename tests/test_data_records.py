@@ -195,6 +195,26 @@ def test_file_level_errors(tmp_path):
     load_records(str(tmp_path / "t.jsonl.gz"))
 
 
+def test_a_column_oriented_json_object_is_named_as_such(tmp_path):
+  """{"question": [...], "answer": [...]} (json.dump(dataset.to_dict())) read as one row and
+  was refused on its prompt as a chat message list: "message 0 is a str; expected an object"."""
+  columns = tmp_path / "cols.json"
+  columns.write_text(json.dumps({"question": ["a", "b"], "answer": ["1", "2"]}))
+  with pytest.raises(ValueError, match=r"cols\.json: one JSON object whose fields \['answer', "
+                     r"'question'\] are lists of 2 values \(column-oriented\); expected one "
+                     r"object per prompt: JSONL, a JSON array of objects or parquet"):
+    load_records(str(columns), "question", "answer")
+  # A JSONL whose one row holds a list prompt (chat messages) and list fields still reads, and
+  # so does a file of several rows with list fields.
+  one = _jsonl(tmp_path / "one.jsonl", [json.dumps(
+      {"prompt": [{"role": "user", "content": "hi"}, {"role": "user", "content": "x"}],
+       "tags": ["a", "b"]})])
+  assert load_records(one)[0]["tags"] == ["a", "b"]
+  two = _jsonl(tmp_path / "two.jsonl", [json.dumps({"prompt": ["a", "b"]})] * 2)
+  with pytest.raises(ValueError, match=r"two\.jsonl:1: field 'prompt' message 0 is a str"):
+    load_records(two)
+
+
 def test_json_that_python_cannot_hold_names_the_file_and_line(tmp_path):
   """json.loads raises a plain ValueError for an int of over 4300 digits and RecursionError
   for deep nesting, not JSONDecodeError: both escaped unnamed (no file, no line)."""

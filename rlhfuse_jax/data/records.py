@@ -93,7 +93,31 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
       return
   # A file of another format (a .csv, a .txt of prompts) is refused at its first line: say
   # which formats are read.
-  yield from jsonl_rows(path, " (JSONL; a JSON array of objects or a parquet file also reads)")
+  rows = jsonl_rows(path, " (JSONL; a JSON array of objects or a parquet file also reads)")
+  first = next(rows, None)
+  if first is None:
+    return
+  columns = first[1]
+  if (isinstance(columns, dict) and columns and
+      all(isinstance(v, list) for v in columns.values()) and
+      len({len(v) for v in columns.values()}) == 1 and len(next(iter(columns.values()))) > 1
+      and not any(isinstance(x, dict) for v in columns.values() for x in v)):
+    second = next(rows, None)  # (only for such a row: else line 1 is checked before line 2)
+    if second is None:
+      # One object of equal-length lists (a dict of columns, as json.dump(dataset.to_dict())
+      # writes): read as one row, it was refused on its prompt, "message 0 is a str; expected
+      # an object {"role": ..., "content": ...}", as if a list of chat messages were at fault.
+      # (A list holding objects is a row's chat messages: that one row is read.)
+      raise ValueError(
+          f"{path}: one JSON object whose fields {sorted(columns)[:4]} are lists of "
+          f"{len(next(iter(columns.values())))} values (column-oriented); expected one object "
+          "per prompt: JSONL, a JSON array of objects or parquet (e.g. "
+          "pandas.DataFrame(columns).to_json(path, orient='records', lines=True))")
+    yield first
+    yield second
+  else:
+    yield first
+  yield from rows
 
 
 def lookup(row: Mapping[str, Any], key: str) -> Any:
