@@ -106,6 +106,10 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
     elif platform == "cpu":
       hint = (f"; on a CPU host add fake devices before jax starts: "
               f"XLA_FLAGS=--xla_force_host_platform_device_count={want}")
+      if -1 in sizes.values() and not gen and not planned:  # (ppo_tiny:fused runs on 8)
+        axis = next(k for k, v in sizes.items() if v == -1)
+        hint += (f", or a multiple of it (mesh.{axis}=-1 takes what the other axes leave: "
+                 f"{2 * need} devices give it 2)")
     raise ValueError(f"{what} needs at least {need} devices, but jax sees {num_devices} "
                      f"({platform}){hint}")
   try:  # the axes' product, before the workdir is made (a bad value leaves none behind)
