@@ -1,4 +1,5 @@
-r"""Tiny PPO run on CPU: a 2-layer decoder learns the synthetic 'repeat' task from scratch.
+r"""Tiny PPO runs on CPU. The default: a 2-layer decoder learns the synthetic 'repeat' task from
+scratch; `fused` (below) is the README's main job, both fusions on 8 fake devices.
 
   python -m experiments.train_ppo --config=configs/ppo_tiny.py --workdir=/tmp/ppo_tiny
 
