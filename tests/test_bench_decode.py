@@ -274,9 +274,12 @@ def test_calibration_file_loads_with_the_measured_step_times(bench):
   assert cal.prefill.per_s == pytest.approx(
       big["batch"] * result["decode"]["prompt_len"] / big["prefill_s"], rel=1e-9)
   tr = result["train"]
-  if cal.train_stage is not None:  # present whenever the update outlasts the two forwards
+  fwd = tr["actor_fwd_s"] + tr["critic_fwd_s"]
+  # present whenever the update outlasts the two forwards (a load that dropped it passed here)
+  assert (cal.train_stage is not None) == (tr["step_s"] > fwd), (tr, cal.train_stage)
+  if cal.train_stage is not None:
     assert cal.train_stage.actor_fwd_s == pytest.approx(tr["actor_fwd_s"])
-    fwd = tr["actor_fwd_s"] + tr["critic_fwd_s"]
+    assert cal.train_stage.critic_fwd_s == pytest.approx(tr["critic_fwd_s"])
     assert cal.train_stage.bwd_over_fwd == pytest.approx((tr["step_s"] - fwd) / fwd)
 
 
