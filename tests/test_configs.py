@@ -240,7 +240,13 @@ def test_every_ppo_tiny_sweep_entry_is_a_valid_run_of_its_variant(variant):
   entries were critic-free estimators, which its fused actor/critic pipeline refuses)."""
   from configs import ppo_tiny
   from rlhfuse_jax.trainer.config import TrainConfig
-  for entry in ppo_tiny.get_sweep(variant):
+  sweep = ppo_tiny.get_sweep(variant)
+  # Seeds x estimators; a variant's over seeds alone, with its own estimator (an empty sweep
+  # passed here).
+  own = (ppo_tiny.get_config(variant) if variant else ppo_tiny.get_config()).algo.estimator
+  assert sorted((e["algo.estimator"], e["seed"]) for e in sweep) == sorted(
+      (est, seed) for est in ({own} if variant else {"gae", "reinforce_pp"}) for seed in (0, 1))
+  for entry in sweep:
     c = ppo_tiny.get_config(variant) if variant else ppo_tiny.get_config()
     for key, value in entry.items():
       if key != "name":
