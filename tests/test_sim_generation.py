@@ -113,6 +113,12 @@ def test_choose_threshold_returns_the_best_simulated():
   best, times = choose_threshold(cost, SHAPE, [SHAPE], setup, np.full(64, 8), resp,
                                  (0.0, 0.2, 0.5))
   assert best in times and times[best] == min(times.values())
+  # Each time is that threshold's own simulation (one threshold's time for all passed above).
+  for rt in (0.0, 0.2, 0.5):
+    alone = run(cost, np.full(64, 8), resp, num_instances=8, slots=32, max_new_tokens=200,
+                threshold=rt, stream_inference=True)
+    assert times[rt] == alone.gen_plus_inf_s, (rt, times)
+  assert len(set(times.values())) == 3, times  # the threshold matters on these lengths
 
 
 def test_bad_settings():
