@@ -130,6 +130,7 @@ def test_shape_classes_never_mix():
 def test_many_random_states_keep_invariants():
   import numpy as np
   rng = np.random.default_rng(0)
+  consolidated = 0
   for trial in range(60):
     g = int(rng.integers(2, 9))
     insts, uid = [], 0
@@ -153,6 +154,10 @@ def test_many_random_states_keep_invariants():
     if plan.consolidate:
       assert len(plan.kept) < busy
       assert plan.moved_bytes == 2 * plan.moved_tokens
+      consolidated += 1
+  # The moves were checked: a planner that never consolidates keeps every invariant (39 of the
+  # 60 states consolidate).
+  assert consolidated >= 20, consolidated
 
 
 def test_bad_inputs_are_named():
