@@ -32,6 +32,8 @@ def test_one_sample_by_hand():
   # prefill 10 tokens (samples token 1) + 4 decode steps of 10 ms; inference of 15 tokens.
   assert res.gen_end_s == pytest.approx(0.01 + 0.04)
   assert res.gen_plus_inf_s == pytest.approx(0.05 + 15 / 500)
+  assert res.inf_exposed_s == pytest.approx(15 / 500)  # the inference after generation ends
+  assert res.summary()["inf_exposed_s"] == res.inf_exposed_s
   assert res.unfinished_curve == [(0.0, 1), (pytest.approx(0.05), 0)]
 
 
