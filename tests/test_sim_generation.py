@@ -167,3 +167,17 @@ def test_migrations_to_different_instances_run_at_once():
   assert c["migration_s"] == pytest.approx(one)
   migrations = [(st, e) for _, st, e, k in res.segments if k == "migrate"]
   assert migrations and all(e - st == pytest.approx(one) for st, e in migrations)
+
+
+def test_a_migration_between_nodes_runs_over_the_network():
+  """Formula costs: instance 1 (devices 4-7 at tp 4) moves its sample to instance 0 (devices
+  0-3) over the inter-node link when a node holds 4 devices, over NVLink when it holds 8. (The
+  instances' first devices decide: a mistake there priced every move as one inside a node.)"""
+  cost = CostModel(get_hardware("h100_sxm"))
+  for per_node, apart in ((4, True), (8, False)):
+    res = run(cost, [8] * 4, [30, 30, 2, 2], num_instances=2, slots=2, threshold=0.5, tp=4,
+              devices_per_node=per_node, max_new_tokens=100)
+    c, = res.consolidations
+    assert (c["kept_list"], c["moves"]) == ([0], 1)
+    assert c["migration_s"] == cost.kv_migration_s(c["moved_bytes"], 4, apart), per_node
+  assert cost.kv_migration_s(1e6, 4, True) > cost.kv_migration_s(1e6, 4, False)
