@@ -163,10 +163,17 @@ def test_many_random_states_keep_invariants():
 def test_bad_inputs_are_named():
   with pytest.raises(ValueError, match="threshold"):
     plan_consolidation([], threshold=1.5, total_samples=1)
-  with pytest.raises(ValueError, match="more than once"):
-    plan_consolidation([inst(0, [(1, 0, 5, 5)]), inst(1, [(1, 0, 5, 5)])], 1.0, 4)
+  with pytest.raises(ValueError, match=r"sample uids \[1\] appear more than once"):
+    plan_consolidation([inst(0, [(1, 0, 5, 5), (2, 1, 5, 5)]), inst(1, [(1, 0, 5, 5)])], 1.0, 4)
   with pytest.raises(ValueError, match="slots=2"):
     inst(0, [(0, 3, 5, 5)], slots=2)
+  # At the limits: slot == slots is refused; the last slot, capacities of 1 token, Rt 0 and 1
+  # are not (slot 3 of 2 alone let a check of slot > slots through).
+  with pytest.raises(ValueError, match=r"in slot 2, but the instance has slots=2"):
+    inst(0, [(0, 2, 5, 5)], slots=2)
+  one = inst(0, [(0, 1, 1, 0)], slots=2, cap=1, slot_cap=1)
+  for rt in (0.0, 1.0):
+    assert not plan_consolidation([one], rt, 1).consolidate
   with pytest.raises(ValueError, match="kv_capacity_tokens"):
     inst(0, [(0, 0, 600, 500)], cap=1000)
   with pytest.raises(ValueError, match="slot_capacity_tokens"):
