@@ -224,8 +224,21 @@ def test_lengths_seeded_clipped_and_described():
   p = lengths.LengthSpec(kind="pareto", alpha=1.2, min_len=10, max_len=1000)
   x = p.sample(np.random.default_rng(0), 5000)
   assert x.min() >= 10 and np.mean(x >= 1000) > 0.001  # a real power-law tail
+  # uniform: every length of [min_len, max_len], both ends included; one length, and a constant
+  # at max_len, are valid.
+  u = lengths.LengthSpec(kind="uniform", min_len=3, max_len=9).sample(
+      np.random.default_rng(0), 2000)
+  assert set(u.tolist()) == set(range(3, 10))
+  assert set(lengths.LengthSpec(kind="uniform", min_len=5, max_len=5).sample(
+      np.random.default_rng(0), 10).tolist()) == {5}
+  assert np.all(lengths.LengthSpec(kind="constant", value=9, min_len=9, max_len=9).sample(
+      np.random.default_rng(0), 3) == 9)
   with pytest.raises(ValueError, match="kind"):
     lengths.LengthSpec(kind="gamma")
+  for bad, match in (({"median": 0.0}, r"median=0\.0 > 0"), ({"sigma": 0.0}, r"sigma=0\.0 > 0"),
+                     ({"kind": "pareto", "alpha": 0.0}, r"alpha=0\.0 > 0")):
+    with pytest.raises(ValueError, match=match):
+      lengths.LengthSpec(**{"kind": "lognormal", **bad})
   # An infinite median was taken (its sigma was checked for finiteness, it was not): every
   # sample then sat at max_len.
   with pytest.raises(ValueError, match="median=inf > 0 and sigma=.* both finite"):
