@@ -32,6 +32,9 @@ def test_registries_reject_unknown_names():
   assert get_reward_function("target_match") is REWARD_FUNCTIONS["target_match"]
   with pytest.raises(ValueError, match="num_symbols=11"):
     TaskConfig(num_symbols=11)
+  with pytest.raises(ValueError, match=r"num_symbols=1: expected 2\.\.10"):
+    TaskConfig(num_symbols=1)
+  assert [TaskConfig(num_symbols=n).num_symbols for n in (2, 10)] == [2, 10]  # both ends valid
   with pytest.raises(ValueError, match="length_dist='zipf'"):
     TaskConfig(length_dist="zipf")
   with pytest.raises(ValueError, match="max_len=2 must be >= min_len=3"):
