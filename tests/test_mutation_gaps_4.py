@@ -363,6 +363,15 @@ def test_rt_choice_averages_every_draw_and_gives_each_candidate_the_same_draws()
   assert choice.rt == 0.3
   want = np.mean([sum(b) for b in seen[0.3]])
   assert choice.simulated_s[0.3] == pytest.approx(want)
+  # The candidates are fractions in [0, 1], both ends included; none is not a choice (refusing
+  # 0 or 1, or taking an empty tuple, passed the tests of choose_rt).
+  ends = rt_lib.choose_rt(hist, simulate, np.full(6, 4), 16, candidates=(0.0, 1.0), draws=1)
+  assert set(ends.simulated_s) == {0.0, 1.0}
+  for bad, match in (((0.2, 1.5), r"rt candidate 1\.5 must be in \[0, 1\]"),
+                     ((-0.1,), r"rt candidate -0\.1 must be in \[0, 1\]"),
+                     ((), "rt candidates must not be empty")):
+    with pytest.raises(ValueError, match=match):
+      rt_lib.choose_rt(hist, simulate, np.full(6, 4), 16, candidates=bad)
 
 
 def test_consolidation_packs_the_largest_samples_first():
