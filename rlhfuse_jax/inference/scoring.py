@@ -75,8 +75,8 @@ class ScoringBatch:
   @classmethod
   def from_rollout(cls, rollout: Any, pad_id: int) -> "ScoringBatch":
     """From anything with prompt_tokens, prompt_lens, response_tokens, response_lens (Rollout)."""
-    tokens = sequences.build_sequences(rollout.prompt_tokens, rollout.prompt_lens,
-                                       rollout.response_tokens, rollout.response_lens, pad_id)
+    tokens = _build_sequences(rollout.prompt_tokens, rollout.prompt_lens,
+                              rollout.response_tokens, rollout.response_lens, pad_id=pad_id)
     return cls(tokens=np.asarray(tokens), prompt_lens=np.asarray(rollout.prompt_lens, np.int32),
                response_tokens=np.asarray(rollout.response_tokens, np.int32),
                response_lens=np.asarray(rollout.response_lens, np.int32))
@@ -86,6 +86,11 @@ class ScoringBatch:
     rows = np.asarray(rows)
     return ScoringBatch(self.tokens[rows], self.prompt_lens[rows], self.response_tokens[rows],
                         self.response_lens[rows])
+
+
+# build_sequences as one program: run op by op it was 11 tiny programs, each traced, lowered and
+# loaded from the compilation cache on every launch. Integer ops only: the same tokens.
+_build_sequences = jax.jit(sequences.build_sequences, static_argnames=("pad_id",))
 
 
 # Jitted forward passes. cfg, T, temperature and the mesh are static (one executable per model
