@@ -37,7 +37,6 @@ from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference import scoring
-from rlhfuse_jax.models import sequences
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.perf import accounting
@@ -65,8 +64,11 @@ EXIT_STOPPED_BY_SIGNAL = 75
 
 
 def _response_mask(gen: async_lib.Generated, max_new_tokens: int) -> np.ndarray:
-  """[B, T] 1.0 on the rollout's response tokens (EOS included), 0.0 on padding."""
-  return np.asarray(sequences.response_mask(gen.response_lens, max_new_tokens))
+  """[B, T] 1.0 on the rollout's response tokens (EOS included), 0.0 on padding. The models'
+  sequences.response_mask in numpy: the same floats, without its 4 tiny device programs (each
+  traced, lowered and loaded from the compilation cache on every launch)."""
+  t = np.arange(max_new_tokens, dtype=np.int32)[None, :]
+  return (t < np.asarray(gen.response_lens, np.int32)[:, None]).astype(np.float32)
 
 
 class NonFiniteError(FloatingPointError):
