@@ -59,6 +59,20 @@ def _bit_sum(x: jax.Array) -> jax.Array:
   return jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)
 
 
+def _bit_sum_host(x: jax.Array) -> int:
+  """_bit_sum in numpy, of an array this process holds whole: the same uint32 arithmetic (the
+  products and the sum wrap mod 2**32 alike), so the same checksum."""
+  if x.size >= 2**32:  # (its index would wrap: the device program's uint32 arithmetic)
+    return int(np.asarray(_bit_sum(x).addressable_data(0)))
+  x = np.asarray(x)
+  if x.dtype == np.bool_:
+    bits = x.astype(np.uint32)
+  else:
+    bits = x.view(np.dtype(f"uint{8 * x.dtype.itemsize}")).astype(np.uint32)
+  index = np.arange(x.size, dtype=np.uint32).reshape(x.shape)  # row-major, as _bit_sum's
+  return int(np.sum(bits * (np.uint32(2) * index + np.uint32(1)), dtype=np.uint32))
+
+
 def checksums(state: Any) -> dict[str, int]:
   """{array path: checksum} of a state pytree: each element's bits, weighted by position,
   summed mod 2**32 (_bit_sum), one reduction per array on its own devices. Integer addition
@@ -73,6 +87,11 @@ def checksums(state: Any) -> dict[str, int]:
   # next starts: on CPU, reductions of arrays on overlapping device groups (a pipelined state's
   # stages) dispatched together deadlocked in their all-reduce rendezvous (XLA aborted).
   keys = [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in flat]
+  if jax.default_backend() == "cpu" and jax.process_count() == 1:
+    # One process on the CPU: the same sums in numpy, on the arrays' host views. The device
+    # programs were one per distinct shape and sharding (10 for the tiny run's state), each
+    # traced, lowered and loaded from the compilation cache at every save and restore.
+    return {k: _bit_sum_host(jnp.asarray(x)) for k, (_, x) in zip(keys, flat)}
   if jax.default_backend() == "cpu":
     return {k: int(np.asarray(_bit_sum(jnp.asarray(x)).addressable_data(0)))
             for k, (_, x) in zip(keys, flat)}
