@@ -15,6 +15,7 @@ import os
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -519,10 +520,7 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
              "transformers' *ForSequenceClassification pools" if reward_cfg.score_pad_id >= 0
              else "at the last response token, EOS included (no pad_token_id in its config.json)")
     logging.info("reward model %s scores each sequence %s", cfg.reward.model_checkpoint, where)
-  # The reference: a copy of the actor's arrays on their devices, device to device (jnp.copy
-  # compiled a program per distinct leaf shape).
-  reference = jax.tree.map(lambda x: jax.device_put(x, may_alias=False), actor)
-  return Models(actor=actor, critic=critic, reference=reference,
+  return Models(actor=actor, critic=critic, reference=jax.tree.map(jnp.copy, actor),
                 reward_cfg=reward_cfg, reward_params=reward_params)
 
 
