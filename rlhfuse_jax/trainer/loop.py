@@ -880,9 +880,7 @@ class PPOTrainer:
                                           purge_step=start + 1)
         writer.truncate_after(start)
         writer.close()
-        samples = os.path.join(self.workdir, "samples.jsonl")  # as hooks.SamplesLog.begin
-        if main and os.path.exists(samples):
-          wd.keep_jsonl_through(samples, start)
+        hooks.SamplesLog(self.workdir, lambda: None).begin(start)  # its rows after `start`
         if self.export_only:
           hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
                          self.tokenizer).export(start)
