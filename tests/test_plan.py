@@ -167,6 +167,16 @@ def test_bad_plan_fields_name_the_field(overrides, match):
     tiny_config(**overrides)
 
 
+def test_a_plan_file_with_a_key_given_twice_is_refused_naming_it(tmp_path):
+  """Python's json kept the last value: a hand-edited plan's first setting was ignored."""
+  path = tmp_path / "plan.json"
+  path.write_text('{"generation": {"mode": "instances", "tp": 2, "tp": 1}, "inference": {}, '
+                  '"training": {}}')
+  with pytest.raises(ValueError, match=r"config\.plan\.file='.*': cannot read a plan: the key "
+                                       r"'tp' appears twice in one object"):
+    tiny_config(**{"plan.file": str(path)})
+
+
 def test_a_plan_search_workdir_given_as_the_plan_file_names_its_plan_json(tmp_path):
   """It was "cannot read a plan: [Errno 21] Is a directory"."""
   with pytest.raises(ValueError, match=r"config\.plan\.file='.*' is a directory; expected a "

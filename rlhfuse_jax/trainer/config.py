@@ -14,6 +14,7 @@ import re
 import threading
 from typing import Any, Mapping, Optional
 
+from rlhfuse_jax import workdir
 from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.generation import fused as fused_lib
 from rlhfuse_jax.generation import sampling
@@ -851,7 +852,7 @@ def load_plan_file(path: str) -> dict:
         f": its {inside!r}?" if os.path.isfile(inside) else " file"))
   try:
     with open(path) as f:
-      plan = json.load(f)
+      plan = workdir.load_json(f)  # a key given twice is refused, not the last one kept
   except (OSError, ValueError) as e:
     raise ValueError(f"config.plan.file={path!r}: cannot read a plan: {e}") from None
   for key in ("generation", "inference", "training"):
