@@ -154,6 +154,16 @@ def test_calibration_errors_are_clear(obj, msg):
     calibration.from_dict(obj, "cal.json")
 
 
+def test_a_calibration_file_with_a_key_given_twice_is_refused_naming_it(tmp_path):
+  """json.load kept the last: a hand-edited file's first figure was silently ignored."""
+  path = tmp_path / "cal.json"
+  path.write_text(json.dumps(_cal(prefill={"tokens_per_s": 1000.0})).replace(
+      '"tokens_per_s": 1000.0', '"tokens_per_s": 1000.0, "tokens_per_s": 2000.0'))
+  with pytest.raises(ValueError, match=r"calibration .*cal\.json: the key 'tokens_per_s' "
+                                       r"appears twice"):
+    calibration.load(str(path))
+
+
 def test_a_measured_table_times_only_the_split_it_was_measured_at():
   """A decode_step table is one instance's (instance_devices wide) and a train_stage one
   stage's of the split measured (its per-stage lists' length): both timed every tp and pp a plan

@@ -69,6 +69,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from rlhfuse_jax import workdir
+
 FORMAT = "rlhfuse_jax.sim.calibration/v1"
 _RATE_OPS = {"prefill": ("tokens_per_s", "overhead_s"),
              "inference": ("tokens_per_s", "overhead_s"),
@@ -324,7 +326,9 @@ def load(path: str) -> Calibration:
     raise FileNotFoundError(f"calibration file {path!r} does not exist")
   with open(path) as f:
     try:
-      obj = json.load(f)
+      obj = workdir.load_json(f)  # a key given twice is refused, not the last one kept
     except json.JSONDecodeError as e:
       raise _err(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
+    except ValueError as e:  # workdir.load_json's key given twice
+      raise _err(path, str(e)) from None
   return from_dict(obj, path)
