@@ -736,6 +736,11 @@ def test_a_tensor_axis_that_does_not_divide_the_heads_is_warned_about(caplog, te
     # Without init.tokenizer the task's vocabulary, the run's tokenizer, holds length_max counts
     # (tiny_config's num_prompts=64 at the default here).
     ({"data.prompts_file": "p.jsonl", "data.num_prompts": 4096, "data.length_max": 11}, None),
+    # The pipelined engine tests for finished rows once per chunk, whatever steps_per_check.
+    ({"plan.generation": "pipeline", "rollout.steps_per_check": 3},
+     "config.rollout.steps_per_check=3 not used: plan.generation='pipeline' tests for finished "
+     "rows once per decode chunk"),
+    ({"rollout.steps_per_check": 3}, None),
     ({"algo.gradient_sync": "once"},
      "config.algo.gradient_sync='once' not used: it applies to accumulated gradients"),
     ({"algo.gradient_sync": "once", "algo.microbatch_size": 8},

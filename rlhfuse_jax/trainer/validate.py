@@ -241,6 +241,10 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
               "never consolidates" if cfg.plan.generation == "instances" else
               "config.fusion.inter_stage=False (they lay out and steer the fused generation "
               "instances)")
+  if cfg.plan.generation == "pipeline":
+    warn_unused(set_fields(cfg, "rollout", ["steps_per_check"]), "plan.generation='pipeline' "
+                "tests for finished rows once per decode chunk of rollout.chunk_size steps "
+                "(generation/pipelined.py)")
   if cfg.data.prompts_file:
     # The task's prompt count and target lengths make the task's own prompts; length_max also
     # sizes the task's vocabulary, the tokenizer of a run without init.tokenizer.
