@@ -53,6 +53,9 @@ def test_build_sequences_layout():
                                 [[1, 2, 3], [2, 3, 4]])
   np.testing.assert_array_equal(sequences.response_mask(np.array([3, 1]), 3),
                                 [[1, 1, 1], [1, 0, 0]])
+  host = sequences.response_mask([3, 1, 0], 3, xp=np)  # the trainer's host path
+  assert isinstance(host, np.ndarray) and host.dtype == np.float32
+  np.testing.assert_array_equal(host, [[1, 1, 1], [1, 0, 0], [0, 0, 0]])
 
 
 def test_forward_at_equals_full_forward(params):

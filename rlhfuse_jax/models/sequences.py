@@ -57,10 +57,12 @@ def last_token_positions(prompt_lens, response_lens):
   return jnp.asarray(prompt_lens, jnp.int32) + jnp.asarray(response_lens, jnp.int32) - 1
 
 
-def response_mask(response_lens, num_response: int):
-  """float32 [B, T]: 1.0 on real response tokens (EOS included), 0.0 on padding."""
-  t = jnp.arange(num_response, dtype=jnp.int32)[None, :]
-  return (t < jnp.asarray(response_lens, jnp.int32)[:, None]).astype(jnp.float32)
+def response_mask(response_lens, num_response: int, xp: Any = jnp):
+  """float32 [B, T]: 1.0 on real response tokens (EOS included), 0.0 on padding. `xp=numpy`
+  builds it on the host: the same floats without tracing, lowering and loading its tiny device
+  programs (the trainer's rollout bookkeeping, once per iteration and launch)."""
+  t = xp.arange(num_response, dtype=xp.int32)[None, :]
+  return (t < xp.asarray(response_lens, xp.int32)[:, None]).astype(xp.float32)
 
 
 def forward_at(cfg: ModelConfig, params: Any, tokens, at, positions=None,

@@ -44,6 +44,7 @@ from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import minibatch as mb_lib
 from rlhfuse_jax.sim import hardware
 from rlhfuse_jax.models import llama
+from rlhfuse_jax.models import sequences
 from rlhfuse_jax.trainer import async_ppo as async_lib
 from rlhfuse_jax.trainer import build, evaluation, hooks, ppo
 from rlhfuse_jax.trainer import config as config_lib
@@ -64,11 +65,8 @@ EXIT_STOPPED_BY_SIGNAL = 75
 
 
 def _response_mask(gen: async_lib.Generated, max_new_tokens: int) -> np.ndarray:
-  """[B, T] 1.0 on the rollout's response tokens (EOS included), 0.0 on padding. The models'
-  sequences.response_mask in numpy: the same floats, without its 4 tiny device programs (each
-  traced, lowered and loaded from the compilation cache on every launch)."""
-  t = np.arange(max_new_tokens, dtype=np.int32)[None, :]
-  return (t < np.asarray(gen.response_lens, np.int32)[:, None]).astype(np.float32)
+  """[B, T] 1.0 on the rollout's response tokens (EOS included), 0.0 on padding, on the host."""
+  return sequences.response_mask(gen.response_lens, max_new_tokens, xp=np)
 
 
 class NonFiniteError(FloatingPointError):
