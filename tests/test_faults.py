@@ -923,6 +923,27 @@ def test_a_sigterm_while_the_last_save_commits_keeps_it(tmp_path, monkeypatch, c
   assert checkpointing.Checkpointer(str(tmp_path)).latest_step() == 2
 
 
+
+def test_a_sigterm_during_the_last_iteration_completes_the_run(tmp_path, monkeypatch):
+  """A SIGTERM during iteration 1 of 2 stops the run after it (saved; stopped_by_signal is the
+  signal: train_ppo exits 75, "re-run to resume"); one during the last iteration stops nothing,
+  the run is complete (stopped_by_signal None: exit 0). Counted as stopped, a finished run
+  exited 75, and a scheduler re-ran it for nothing. (Mutation audit of trainer/, L19.)"""
+  iteration = PPOTrainer.iteration
+
+  def signalled(self, it):  # a preemption notice arrives while the iteration runs
+    os.kill(os.getpid(), signal.SIGTERM)
+    return iteration(self, it)
+  monkeypatch.setattr(PPOTrainer, "iteration", signalled)
+  cfg = tiny_config(**{"num_iterations": 2, "checkpoint.every": 5})
+  first = PPOTrainer(cfg, str(tmp_path))
+  assert [h["step"] for h in first.run()] == [1]
+  assert first.stopped_by_signal == signal.SIGTERM
+  last = PPOTrainer(cfg, str(tmp_path))
+  assert [h["step"] for h in last.run()] == [2]
+  assert last.stopped_by_signal is None
+  assert checkpointing.Checkpointer(str(tmp_path)).latest_step() == 2
+
 def test_the_binary_names_a_bad_value_and_records_nothing(tmp_path):
   """The binary's side of tests/test_trainer.py::test_bad_config_names_the_field (one process
   start: every value there is refused by the same TrainConfig check before the run records

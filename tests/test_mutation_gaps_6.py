@@ -816,3 +816,240 @@ def test_an_in_flight_batchs_side_car_is_plain_json():
   back = json.loads(json.dumps(g.side_car()))
   assert back == {"iteration": 3, "version": 2,
                   "metrics": {"t": 1.5, "n": 4, "h": [0, 1], "nested": {"x": [0.25]}}}
+
+
+# trainer/loop.py (an eighth audit, of trainer/: mutant ids Lnn) ----------------------------------
+
+def _fake_trainer(**fields):
+  """What a PPOTrainer method reads of the trainer, nothing built (a SimpleNamespace)."""
+  import types
+  return types.SimpleNamespace(**fields)
+
+
+def test_each_epoch_of_each_iteration_deals_the_rows_into_new_mini_batches():
+  """PPOTrainer._dispatch_training: every epoch hands each of the rollout's rows to exactly one
+  mini-batch, and every epoch of every iteration deals them anew (docs: mini-batch shuffles
+  derive from (seed, iteration) and the epoch). Seeded by (seed, iteration) alone, each later
+  epoch repeated the first one's mini-batches, in the same order. (L4)"""
+  import types
+  from rlhfuse_jax.trainer import loop
+  seen = []
+
+  def update(actor, critic, mb):
+    seen.append(frozenset(np.asarray(mb["row"]).tolist()))
+    return actor, critic, {}
+  epochs, rows, size = 3, 16, 4
+  fake = _fake_trainer(
+      cfg=types.SimpleNamespace(seed=5, algo=types.SimpleNamespace(
+          epochs=epochs, minibatch_size=size, balance_tokens=False)),
+      update=update, _put=np.asarray, actor=None, critic=None, _compiled_update=True)
+  partitions = []
+  for iteration in (0, 1):
+    seen.clear()
+    out = loop.PPOTrainer._dispatch_training(  # pylint: disable=protected-access
+        fake, iteration, {"row": np.arange(rows)}, np.full(rows, 7))
+    assert len(out) == epochs * rows // size
+    for e in range(epochs):
+      epoch = seen[e * rows // size:(e + 1) * rows // size]
+      assert sorted(r for mb in epoch for r in mb) == list(range(rows))  # each row once
+      partitions.append(frozenset(epoch))
+  # 6 dealings of 16 rows into 4 groups of 4: two equal by chance has odds ~4e-6.
+  assert len(set(partitions)) == len(partitions)
+
+
+def test_an_iterations_metrics_average_its_updates_and_count_its_steps():
+  """PPOTrainer._metrics by hand: a training metric is the mean over the iteration's updates
+  (the finite ones: a skipped step's NaN is left out), the rollout figures are those of its
+  scores and lengths, a critic-free run logs no critic/ metric, and actor/lr is the schedule at
+  the iteration's last optimizer step (updates x iterations so far, 0-based). Averaged over the
+  first update alone, the figures were that update's. (L13, L8, L9, L12)"""
+  import types
+  from rlhfuse_jax.trainer import async_ppo
+  from rlhfuse_jax.trainer import loop
+  t, eos = 4, 2
+  lens = np.array([4, 1, 4, 2], np.int32)
+  response = np.array([[5, 5, 5, 5], [eos, 0, 0, 0], [5, 5, 5, eos], [5, eos, 0, 0]], np.int32)
+  gen = async_ppo.Generated(
+      iteration=2, version=2, tokens=np.zeros((4, 3 + t), np.int32),
+      prompt_lens=np.full(4, 3, np.int32), response_tokens=response, response_lens=lens,
+      logprobs=np.zeros((4, t), np.float32), ref_logp=np.zeros((4, t), np.float32),
+      values=np.zeros((4, t), np.float32), scores=np.array([1.0, 0.0, 0.5, 0.5], np.float32),
+      metrics={})
+  fake = _fake_trainer(
+      cfg=types.SimpleNamespace(guard=types.SimpleNamespace(on_nonfinite="skip_update"),
+                                rollout=types.SimpleNamespace(max_new_tokens=t)),
+      update=types.SimpleNamespace(schedule_metrics={}, actor_lr=lambda step: 0.01 * step),
+      sampling=types.SimpleNamespace(is_stop=lambda ids: ids == eos),
+      _model_states=dict)
+  # pylint: disable=protected-access
+  fake._truncated = lambda g: loop.PPOTrainer._truncated(fake, g)
+  train = [{"actor/pg_loss": np.float32(v), "critic/vf_loss": np.float32(2 * v)}
+           for v in (1.0, np.nan, 5.0)]
+  for use_critic in (True, False):
+    fake.use_critic = use_critic
+    m = loop.PPOTrainer._metrics(fake, 2, gen, train, {"kl/ref_mean": np.float32(0.25)})
+    assert m["actor/pg_loss"] == 3.0 and m["kl/ref_mean"] == 0.25
+    assert ("critic/vf_loss" in m) == use_critic
+    if use_critic:
+      assert m["critic/vf_loss"] == 6.0
+    assert m["reward/mean"] == 0.5 and m["reward/std"] == pytest.approx(np.sqrt(0.125))
+    assert m["response_length/mean"] == 2.75 and m["response_length/max"] == 4
+    assert m["response_length/clip_ratio"] == 0.25  # row 0 only: row 2 ended on its EOS
+    assert m["gen/response_lengths"] == [4, 1, 4, 2]
+    # 3 updates in each of iterations 0, 1, 2: the last is optimizer step 8 (0-based).
+    assert m["actor/lr"] == pytest.approx(0.08)
+
+
+def test_the_validation_pass_keys_fold_the_training_iterations_key():
+  """PPOTrainer._generate samples iteration i with the key the validation pass after iteration
+  i folds VALIDATION_STREAM into (evaluation.py: the two streams meet only at the uid
+  0x7A11D of that one iteration). A generation key of another iteration's (i + 1) broke that
+  and repeated, at iteration i, the validation stream of iteration i - 1. (L3)"""
+  import types
+  import jax
+  from rlhfuse_jax.trainer import evaluation
+  from rlhfuse_jax.trainer import loop
+  keys = []
+  z = np.zeros((1, 1))
+
+  def rollout(params, prompts, key):
+    keys.append(key)
+    return types.SimpleNamespace(
+        batch=types.SimpleNamespace(tokens=z, prompt_lens=z[0], response_tokens=z),
+        rollout=types.SimpleNamespace(response_lens=z[0], logprobs=z), ref_logp=z, values=z,
+        scores=z[0], metrics={})
+  fake = _fake_trainer(cfg=types.SimpleNamespace(seed=11), rollout=rollout,
+                       _prompts=lambda iteration: None)
+  data = lambda k: np.asarray(jax.random.key_data(k))  # noqa: E731
+  for i in (0, 1, 4):
+    g = loop.PPOTrainer._generate(fake, i, None, version=i)  # pylint: disable=protected-access
+    assert g.iteration == i and g.version == i
+    np.testing.assert_array_equal(
+        data(jax.random.fold_in(keys[-1], evaluation.VALIDATION_STREAM)),
+        data(evaluation.validation_key(11, i)))
+
+
+def test_token_balancing_evens_out_each_data_shards_tokens():
+  """PPOTrainer._dispatch_training with algo.balance_tokens: each mini-batch's rows are ordered
+  so that its contiguous split over the mesh's 4 data shards gives every shard the least
+  possible most-tokens load (a brute force over the pairings); unbalanced, a shard often drew
+  two long rows while another drew two short ones. (L5)"""
+  import types
+  import jax
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  from rlhfuse_jax.trainer import loop
+  seen = []
+
+  def update(actor, critic, mb):
+    seen.append(np.asarray(mb["row"]))
+    return actor, critic, {}
+  counts = np.array([100] * 8 + [1] * 8)
+  fake = _fake_trainer(
+      cfg=types.SimpleNamespace(seed=0, algo=types.SimpleNamespace(
+          epochs=4, minibatch_size=8, balance_tokens=True)),
+      mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4), jax.devices()[:4]),
+      update=update, _put=np.asarray, actor=None, critic=None, _compiled_update=True)
+  loop.PPOTrainer._dispatch_training(  # pylint: disable=protected-access
+      fake, 0, {"row": np.arange(16)}, counts)
+
+  def pairings(rows):
+    if not rows:
+      yield []
+      return
+    for j in range(1, len(rows)):
+      rest = rows[1:j] + rows[j + 1:]
+      for p in pairings(rest):
+        yield [(rows[0], rows[j])] + p
+  assert len(seen) == 8
+  for rows in seen:
+    c = counts[rows]
+    best = min(max(c[a] + c[b] for a, b in p) for p in pairings(list(range(8))))
+    assert max(c[2 * s] + c[2 * s + 1] for s in range(4)) == best, c
+
+
+# trainer/evaluation.py (the trainer/ audit: mutant ids Enn) --------------------------------------
+
+def test_the_validation_pass_scores_each_held_out_prompt_once_in_pool_order():
+  """HeldOutEval: the pass's batches hold the pool's prompts in order, each prompt's tokens
+  beside its record, the last batch filled up from the pool's start; the metrics count each
+  prompt once (its score here: its index in the pool). Every batch starting at the pool's start
+  scored its first prompts again and again. (E1)"""
+  import types
+  from rlhfuse_jax.trainer.evaluation import HeldOutEval
+  from rlhfuse_jax.trainer.rollout import StageOutputs
+  batches = []
+
+  def stage(params, prompts, key):
+    index = np.array([r["i"] for r in prompts.records])
+    np.testing.assert_array_equal(prompts.tokens[:, 0], 10 + index)
+    np.testing.assert_array_equal(prompts.lens, 1 + index)
+    batches.append(index.tolist())
+    return StageOutputs(rollout=types.SimpleNamespace(response_lens=index + 1), batch=None,
+                        ref_logp=None, values=None, scores=index.astype(np.float32),
+                        metrics={})
+
+  class Pool:  # what HeldOutEval reads of a PromptDataset
+    records = [{"i": k} for k in range(5)]
+    tokens = 10 + np.arange(5, dtype=np.int32)[:, None] * np.ones((1, 3), np.int32)
+    lengths = 1 + np.arange(5, dtype=np.int32)
+
+    def __len__(self):
+      return 5
+
+  m = HeldOutEval(Pool(), rows=2, seed=0)(stage, lambda n: None, iteration=0)
+  assert batches == [[0, 1], [2, 3], [4, 0]]
+  assert m["val/prompts"] == 5 and m["val/reward_mean"] == 2.0
+  assert m["val/response_length_mean"] == 3.0
+
+
+# trainer/ppo.py (the trainer/ audit: mutant ids Pnn) ---------------------------------------------
+
+def test_rollout_statistics_report_the_advantages_returns_and_values_of_real_tokens():
+  """ppo.rollout_statistics by hand: with GAE at gamma = lam = 1 and no KL, a real token's
+  return is its sample's score and its advantage the score less the token's value, so
+  advantages/mean, returns/mean and critic/values_mean are those means over the real tokens
+  (the values on padding, here large, count in none of them). The advantages' mean taken of the
+  returns, or the values' of every position, went unnoticed. (P12, P13)"""
+  import jax.numpy as jnp
+  from rlhfuse_jax.trainer import ppo
+  from rlhfuse_jax.trainer.config import AlgoConfig
+  algo = AlgoConfig(estimator="gae", kl_coef=0.0, gamma=1.0, lam=1.0, whiten_advantages=False)
+  lens = np.array([3, 1, 2])
+  mask = (np.arange(3)[None] < lens[:, None]).astype(np.float32)
+  scores = np.array([1.0, -2.0, 0.5], np.float32)
+  values = np.array([[0.2, 0.9, 9.0], [-1.0, 3.0, 3.0], [1.5, 0.0, 7.0]], np.float32)
+  zeros = jnp.zeros((3, 3))
+  adv, _, m = ppo.rollout_statistics(algo, 1, jnp.asarray(scores), jnp.asarray(mask), zeros,
+                                     zeros, jnp.asarray(values))
+  real = mask > 0
+  ret = np.broadcast_to(scores[:, None], (3, 3))[real]  # 1, 1, 1, -2, .5, .5
+  np.testing.assert_allclose(np.asarray(adv)[real], ret - values[real], atol=1e-6)
+  np.testing.assert_allclose(m["advantages/mean"], np.mean(ret - values[real]), atol=1e-6)
+  np.testing.assert_allclose(m["returns/mean"], np.mean(ret), atol=1e-6)
+  np.testing.assert_allclose(m["critic/values_mean"], np.mean(values[real]), atol=1e-6)
+
+
+# trainer/update.py (the trainer/ audit: mutant ids Unn) ------------------------------------------
+
+def test_the_guard_skips_max_consecutive_skips_steps_in_a_row_then_applies_the_next():
+  """guard_tx under guard.on_nonfinite='skip_update' with max_consecutive_skips=2: two
+  non-finite steps in a row leave the parameters as they were (counted), the third is applied
+  (the run's guard then stops on its non-finite parameters); a finite step in between starts
+  the count again. One skip too many went unnoticed. (U3)"""
+  import jax.numpy as jnp
+  import optax
+  from rlhfuse_jax.trainer import update as update_lib
+  from rlhfuse_jax.trainer.config import GuardConfig
+  tx = update_lib.guard_tx(GuardConfig(on_nonfinite="skip_update", max_consecutive_skips=2),
+                           optax.sgd(1.0))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  bad, good = {"w": jnp.array([np.nan, 1.0])}, {"w": jnp.array([0.5, 0.5])}
+  for grads, want in ((bad, [1.0, 1.0]), (bad, [1.0, 1.0]), (good, [0.5, 0.5]),
+                      (bad, [0.5, 0.5]), (bad, [0.5, 0.5])):
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(params["w"], want)
+  updates, state = tx.update(bad, state, params)  # the third in a row: applied
+  assert np.isnan(np.asarray(optax.apply_updates(params, updates)["w"][0]))
+  assert int(state.total_notfinite) == 5

@@ -138,9 +138,12 @@ def reference():
     gc = jax.grad(lambda c: _reference_losses(a, c, mb)[1])(c)
     return ga, gc, _reference_losses(a, c, mb)[2]
   want_a, want_c, ma, mc, ref_m = actor, critic, None, None, None
+  norm = lambda g: np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64)))  # noqa: E731
+                               for x in jax.tree.leaves(g)))
   for t in (1, 2):
     ga, gc, m = grads_and_metrics(want_a, want_c)
-    ref_m = m if ref_m is None else ref_m  # the metrics at the parameters before the update
+    if ref_m is None:  # the metrics at the parameters before the update, each model's norm
+      ref_m = {**m, "actor/grad_norm": norm(ga), "critic/grad_norm": norm(gc)}
     want_a, ma = _adamw(want_a, ga, ma, t, lrs[t - 1])
     want_c, mc = _adamw(want_c, gc, mc, t, lrs[t - 1])
   return {"mb": mb, "ref_m": ref_m, "want": (want_a, want_c), "before": (actor, critic)}
@@ -180,6 +183,9 @@ def test_update_metrics_equal_the_reference(update_and_reference):
   r = update_and_reference
   for k in ("pg_loss", "entropy", "kl_loss"):
     np.testing.assert_allclose(r["metrics"][f"actor/{k}"], r["ref_m"][k], rtol=1e-5, atol=1e-6)
+  # Each model's gradient norm (before the clip) is of its own gradients.
+  for k in ("actor/grad_norm", "critic/grad_norm"):
+    np.testing.assert_allclose(r["metrics"][k], r["ref_m"][k], rtol=1e-4, err_msg=k)
 
 
 def test_first_minibatch_ratio_is_one():
