@@ -46,6 +46,9 @@ def test_versions_follow_the_schedule_and_split_devices_change_nothing(tmp_path)
   assert abs(h_shared[0]["async/behaviour_weight_mean"] - 1) < 1e-4
   assert all(abs(m["async/behaviour_weight_mean"] - 1) > 1e-4 for m in h_shared[2:])
   assert {"timing_s/async_overlap", "perf/async_overlap_frac"} <= set(h_split[0])
+  # No batch was generated for an iteration past the last (a wasted rollout, and a checkpoint
+  # side-car listing one more batch in flight than its state holds).
+  assert not shared.in_flight and not split.in_flight
 
 
 def _resume_config():

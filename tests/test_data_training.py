@@ -15,6 +15,7 @@ from tensorboardX.proto import event_pb2
 
 from rlhfuse_jax.data.tokenizer import HFTokenizer
 from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.trainer import evaluation
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 from tests.test_rewards import answer_length
 from tests.test_trainer import record_rollouts, tiny_config
@@ -73,9 +74,28 @@ def runs(tmp_path_factory):
     trainer = PPOTrainer(_config(path, every), str(tmp / f"every{every}"), mesh=mesh_lib.make_mesh(
         mesh_lib.MeshConfig(data=1), jax.devices()[:1]))
     seen = record_rollouts(trainer)
-    out[every] = dict(trainer=trainer, seen=seen, history=trainer.run(),
+    keys, recorded = [], trainer.rollout  # the key of each call, in order
+
+    def keyed(params, prompts, key, recorded=recorded, keys=keys):
+      keys.append(key)
+      return recorded(params, prompts, key)
+    trainer.rollout = keyed
+    out[every] = dict(trainer=trainer, seen=seen, keys=keys, history=trainer.run(),
                       workdir=str(tmp / f"every{every}"))
   return out
+
+
+def test_the_validation_pass_after_an_iteration_folds_that_iterations_key(runs):
+  """The pass after 0-based iteration i samples its batch b with fold_in(fold_in(k_i,
+  VALIDATION_STREAM), b), k_i the key iteration i generated with (trainer/evaluation.py): the
+  policy after iteration i, the stream of iteration i. The pass given the 1-based step drew the
+  stream of the next iteration's. (Mutation audit of trainer/, L18.)"""
+  data = lambda k: np.asarray(jax.random.key_data(k))  # noqa: E731
+  keys = runs[2]["keys"]  # train 1, train 2, validation, train 3, validation
+  assert len(keys) == 5
+  for train, val in ((keys[1], keys[2]), (keys[3], keys[4])):
+    want = jax.random.fold_in(jax.random.fold_in(train, evaluation.VALIDATION_STREAM), 0)
+    np.testing.assert_array_equal(data(val), data(want))
 
 
 def test_validation_pass_scores_the_held_out_prompts(runs):

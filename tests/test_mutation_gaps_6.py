@@ -967,6 +967,121 @@ def test_token_balancing_evens_out_each_data_shards_tokens():
     assert max(c[2 * s] + c[2 * s + 1] for s in range(4)) == best, c
 
 
+
+def test_each_epoch_counts_in_the_updates_flops():
+  """PPOTrainer._train_flops_metrics: algo.epochs passes over the rollout do epochs times the
+  useful work in the same time, and the padded count grows alike, so the useful share stays.
+  (The suite's runs have one epoch: the useful count without its epochs factor went
+  unnoticed, and its share fell with each epoch.) (L25)"""
+  import dataclasses
+  import types
+  from configs import ppo_tiny
+  from rlhfuse_jax.trainer import async_ppo
+  from rlhfuse_jax.trainer import loop
+  from rlhfuse_jax.trainer.config import TrainConfig
+  cfg = TrainConfig.from_config_dict(ppo_tiny.get_config())
+  t = cfg.rollout.max_new_tokens
+  gen = async_ppo.Generated(
+      iteration=0, version=0, tokens=np.zeros((2, 5 + t), np.int32),
+      prompt_lens=np.array([2, 5], np.int32), response_tokens=np.zeros((2, t), np.int32),
+      response_lens=np.array([1, t], np.int32), logprobs=None, ref_logp=None, values=None,
+      scores=None, metrics={})
+  out = {}
+  for epochs in (1, 3):
+    fake = _fake_trainer(
+        cfg=dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, epochs=epochs)),
+        use_critic=True, mesh=types.SimpleNamespace(devices=np.array(
+            [types.SimpleNamespace(device_kind="cpu")])))
+    out[epochs] = loop.PPOTrainer._train_flops_metrics(  # pylint: disable=protected-access
+        fake, 2.0, gen)
+  assert out[3]["perf/train_flops_per_s"] == pytest.approx(3 * out[1]["perf/train_flops_per_s"])
+  assert out[3]["perf/train_useful_frac"] == pytest.approx(out[1]["perf/train_useful_frac"])
+  assert 0 < out[1]["perf/train_useful_frac"] < 1
+
+
+def test_each_logged_sample_shows_its_own_prompt_and_reward():
+  """loop.sample_rows (config.log_samples): row b holds sample b's prompt (its own tokens, up
+  to its own prompt length), response, reward and length. The first sample's prompt length
+  cut every prompt, or its reward stood for every row, unnoticed. (L15, L16)"""
+  from rlhfuse_jax.trainer import async_ppo
+  from rlhfuse_jax.trainer import loop
+  tok = tasks.make_task("repeat").tokenizer
+  prompts, responses = ["1 #2 =", "3 #4 #5 #6 ="], ["7", "8 9"]
+  p_ids = [tok.encode(p) for p in prompts]
+  r_ids = [tok.encode(r, add_bos=False) + [tok.eos_id] for r in responses]
+  width, t = max(map(len, p_ids)), 4
+  tokens = np.full((2, width + t), tok.pad_id, np.int32)
+  response_tokens = np.full((2, t), tok.pad_id, np.int32)
+  for b in range(2):
+    tokens[b, :len(p_ids[b])] = p_ids[b]
+    tokens[b, len(p_ids[b]):len(p_ids[b]) + len(r_ids[b])] = r_ids[b]
+    response_tokens[b, :len(r_ids[b])] = r_ids[b]
+  lens = np.array([len(r) for r in r_ids], np.int32)
+  gen = async_ppo.Generated(
+      iteration=0, version=0, tokens=tokens, prompt_lens=np.array([len(p) for p in p_ids]),
+      response_tokens=response_tokens, response_lens=lens, logprobs=None, ref_logp=None,
+      values=None, scores=np.array([0.25, -1.0], np.float32), metrics={})
+  rows = loop.sample_rows(gen, tok, 5)
+  assert [r["sample"] for r in rows] == [0, 1]
+  assert [r["prompt"] for r in rows] == [tok.decode(p, skip_special_tokens=False)
+                                         for p in p_ids]
+  assert [r["response"] for r in rows] == responses
+  assert [r["reward"] for r in rows] == [0.25, -1.0]
+  assert [r["response_length"] for r in rows] == lens.tolist()
+
+
+def test_async_ppo_generates_no_batch_past_the_last_iteration():
+  """PPOTrainer._fill_in_flight (staleness 2): it generates the batches of the iterations
+  start, start + 1 that no checkpoint brought, by the policy it starts with, and none for an
+  iteration past num_iterations (a resume one iteration before the end, a run shorter than the
+  staleness): such a batch was generated for nothing, and the checkpoint listed it in flight.
+  (L20)"""
+  import types
+  from rlhfuse_jax.trainer import loop
+  for start, n, brought, want in ((0, 5, (), [0, 1]), (2, 3, (), [2]), (0, 1, (), [0]),
+                                  (3, 6, (3,), [4])):
+    made = []
+    fake = _fake_trainer(
+        cfg=types.SimpleNamespace(num_iterations=n,
+                                  async_ppo=types.SimpleNamespace(staleness=2)),
+        in_flight=dict.fromkeys(brought), _generation_params=lambda: "params",
+        _generate=lambda j, params, version: made.append((j, params, version)))
+    loop.PPOTrainer._fill_in_flight(fake, start)  # pylint: disable=protected-access
+    assert made == [(j, "params", start) for j in want], (start, n)
+    assert sorted(fake.in_flight) == sorted(set(want) | set(brought))
+
+
+def test_a_checkpoints_batches_in_flight_pair_their_arrays_with_their_side_cars():
+  """PPOTrainer._state and _meta (async PPO, staleness 2): slot i of the saved arrays and entry i
+  of the side-car are the same batch, so a restore (Generated.restore of the pair) gives each
+  iteration back its own batch, whatever order the batches were generated in. The suite's
+  resume runs have one batch in flight: slots in another order than the side-car's went
+  unnoticed, and a resumed run trained iteration 4 on iteration 5's batch. (L22)"""
+  import types
+  from rlhfuse_jax.trainer import async_ppo
+  from rlhfuse_jax.trainer import loop
+
+  def batch(i):
+    a = np.full((1, 2), i, np.int32)
+    return async_ppo.Generated(iteration=i, version=i - 2, tokens=a, prompt_lens=a[0],
+                               response_tokens=a, response_lens=a[0], logprobs=a * 0.5,
+                               ref_logp=a * 0.25, values=a * 2.0, scores=a[0] * 1.0,
+                               metrics={"i": i})
+  fake = _fake_trainer(
+      cfg=types.SimpleNamespace(async_ppo=types.SimpleNamespace(staleness=2),
+                                optim=types.SimpleNamespace(zero1=False)),
+      in_flight={5: batch(5), 4: batch(4)}, _model_states=dict, schedule_iterations=9,
+      dataset=types.SimpleNamespace(state_dict=dict), _devices=dict, rollout=None)
+  # pylint: disable=protected-access
+  state, meta = loop.PPOTrainer._state(fake), loop.PPOTrainer._meta(fake)
+  assert [s["iteration"] for s in meta["in_flight"]] == [4, 5]
+  for slot, side_car in enumerate(meta["in_flight"]):
+    back = async_ppo.Generated.restore(state["in_flight"][str(slot)], side_car)
+    want = fake.in_flight[back.iteration]
+    assert back.version == want.version and back.metrics == want.metrics
+    for k in async_ppo.ARRAYS:
+      np.testing.assert_array_equal(getattr(back, k), getattr(want, k), err_msg=k)
+
 # trainer/evaluation.py (the trainer/ audit: mutant ids Enn) --------------------------------------
 
 def test_the_validation_pass_scores_each_held_out_prompt_once_in_pool_order():
