@@ -1168,3 +1168,38 @@ def test_the_guard_skips_max_consecutive_skips_steps_in_a_row_then_applies_the_n
   updates, state = tx.update(bad, state, params)  # the third in a row: applied
   assert np.isnan(np.asarray(optax.apply_updates(params, updates)["w"][0]))
   assert int(state.total_notfinite) == 5
+
+
+# trainer/hooks.py (the trainer/ audit: mutant ids Hnn) -------------------------------------------
+
+def test_the_watchdog_after_the_last_iteration_waits_for_no_next_one():
+  """HangWatchdog.after: after the last iteration (or a stopping one) it waits for the logging,
+  save and export; after any other, for those and the next iteration. Told of stops only, its
+  timeout after the last iteration named an iteration the run does not have. (H7)"""
+  from rlhfuse_jax.trainer import hooks
+  dog = hooks.HangWatchdog(600.0, num_iterations=3)
+  try:
+    dog.after(2, {}, stopping=False)
+    assert "then iteration 3" in dog.waiting_for
+    dog.after(3, {}, stopping=False)
+    assert "iteration 4" not in dog.waiting_for and "export" in dog.waiting_for
+    dog.after(1, {}, stopping=True)
+    assert "iteration 2" not in dog.waiting_for and "export" in dog.waiting_for
+  finally:
+    dog.end(failing=False)
+
+
+# trainer/build.py (the trainer/ audit: mutant ids Bnn) -------------------------------------------
+
+def test_overlong_prompt_skipping_keeps_a_prompt_of_exactly_max_prompt_len():
+  """build.skip_overlong (data.overlong_prompts='skip') leaves out the prompts longer than
+  data.max_prompt_len tokens only: one of exactly that many tokens fits the prompt bucket and
+  is kept. Dropping it too went unnoticed. (B1)"""
+  from rlhfuse_jax.trainer import build
+  tok = tasks.make_task("repeat").tokenizer
+  texts = ["1 =", "1 #2 =", "1 #2 #3 =", "1 #2 #3 #4 ="]
+  lengths = [len(tok.encode(t)) for t in texts]
+  assert lengths == sorted(set(lengths))  # four different lengths
+  rows = [{records.PROMPT_TEXT_KEY: t} for t in texts]
+  kept = build.skip_overlong(rows, tok, lengths[2], None, "training")
+  assert [r[records.PROMPT_TEXT_KEY] for r in kept] == texts[:3]
