@@ -1,7 +1,9 @@
 """Cheap tests from a sixth mutation audit (data/, models/hf_loader.py, trainer/async_ppo.py,
 trainer/sim_plan.py, sim/plan_search.py: 176 hand-made mutants, 100 killed by the suite, 3
-equivalent): each test fails under the plausible bug named in its docstring (the audit's mutant
-id) that the rest of the suite let through, and passes on the code as it is."""
+equivalent) and from an audit of trainer/ (loop, ppo, update, hooks, build, evaluation: the
+sections so named, mutant ids Lnn, Pnn, Unn, Hnn, Bnn, Enn): each test fails under the plausible
+bug named in its docstring (the audit's mutant id) that the rest of the suite let through, and
+passes on the code as it is."""
 import json
 import os
 
