@@ -1191,6 +1191,27 @@ def test_the_watchdog_after_the_last_iteration_waits_for_no_next_one():
     dog.end(failing=False)
 
 
+
+def test_checkpoints_are_saved_every_n_iterations_at_the_last_and_when_stopping():
+  """Checkpoints.after with checkpoint.every=4 over 6 iterations: saves after iterations 4 and 6
+  (the last, which every=4 does not divide: without it the finished run kept iteration 4 and a
+  re-run trained 5 and 6 again), and after a stopping iteration (2), each side-car naming its
+  iteration. The suite's runs have every | num_iterations, so the last save went unchecked.
+  (H2, H1)"""
+  import types
+  from rlhfuse_jax.trainer import hooks
+  saved = []
+  ckpts = object.__new__(hooks.Checkpoints)  # no workdir: only after() and what it reads
+  ckpts.cfg = types.SimpleNamespace(seed=3, num_iterations=6,
+                                    checkpoint=types.SimpleNamespace(every=4))
+  ckpts.fingerprint, ckpts.inputs = {}, {}
+  ckpts.state_fn, ckpts.meta_fn = (lambda: {"w": np.zeros(2, np.float32)}), dict
+  ckpts.checkpointer = types.SimpleNamespace(
+      save=lambda step, state, meta: saved.append((step, meta["iteration"])))
+  for step in range(1, 7):
+    ckpts.after(step, {}, stopping=step == 2)
+  assert saved == [(2, 2), (4, 4), (6, 6)]
+
 # trainer/build.py (the trainer/ audit: mutant ids Bnn) -------------------------------------------
 
 def test_overlong_prompt_skipping_keeps_a_prompt_of_exactly_max_prompt_len():
