@@ -1084,6 +1084,21 @@ def test_a_checkpoints_batches_in_flight_pair_their_arrays_with_their_side_cars(
     for k in async_ppo.ARRAYS:
       np.testing.assert_array_equal(getattr(back, k), getattr(want, k), err_msg=k)
 
+
+def test_a_checkpoint_keeps_the_lr_schedules_horizon_of_the_first_start():
+  """PPOTrainer._meta saves the LR schedule's horizon the run started with (2 iterations), not
+  this start's num_iterations (4, an extension): saved as 4, a second extension's resume
+  stretched the cosine to 4 where the first resume had kept 2. (L32)"""
+  import types
+  from rlhfuse_jax.trainer import loop
+  fake = _fake_trainer(
+      cfg=types.SimpleNamespace(num_iterations=4, async_ppo=types.SimpleNamespace(staleness=0),
+                                optim=types.SimpleNamespace(zero1=False)),
+      schedule_iterations=2, dataset=types.SimpleNamespace(state_dict=lambda: {"epoch": 1}),
+      _devices=dict, rollout=None)
+  meta = loop.PPOTrainer._meta(fake)  # pylint: disable=protected-access
+  assert meta["schedule_iterations"] == 2 and meta["data"] == {"epoch": 1}
+
 # trainer/evaluation.py (the trainer/ audit: mutant ids Enn) --------------------------------------
 
 def test_the_validation_pass_scores_each_held_out_prompt_once_in_pool_order():
