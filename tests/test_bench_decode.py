@@ -301,6 +301,35 @@ def test_decode_bytes_match_the_real_params_and_cache(tied):
   assert got["total_bytes"] == got["weight_bytes"] + got["kv_bytes"]
 
 
+def test_kv_bytes_are_in_the_compute_dtype_not_the_parameter_dtype():
+  # float32 weights with a bfloat16 cache (the usual mixed-precision setting): the cache is
+  # what the compute dtype stores, so its bytes must follow cfg.dtype; with both dtypes equal
+  # (the tiny default) reading the parameter width instead went unseen.
+  cfg = TINY.model.replace(param_dtype="float32", dtype="bfloat16")
+  b, cache_len = 4, 24
+  cache = jax.eval_shape(lambda: llama.KVCache.zeros(cfg, b, cache_len))
+  got = accounting.decode_step_bytes(cfg, b, cache_len)
+  assert got["kv_bytes"] == _nbytes(cache)
+  per_row = cfg.num_layers * cache_len * cfg.num_kv_heads * cfg.head_dim_
+  assert got["kv_bytes"] == 2 * b * per_row * 2  # K and V, 2 bytes each
+
+
+@pytest.mark.parametrize("prompt_len,steps", [(0, 1), (5, 1), (7, 10), (3, 64)])
+def test_mean_live_len_is_the_mean_over_the_decode_steps(prompt_len, steps):
+  # Brute force: decode step i (1-based) after a p-token prompt attends over p + i positions.
+  assert accounting.mean_live_len(prompt_len, steps) == pytest.approx(
+      np.mean([prompt_len + i for i in range(1, steps + 1)]))
+
+
+def test_six_nd_counts_six_flops_per_parameter_of_each_model_per_token():
+  a, c = TINY.model, TINY.critic_model
+  count = lambda cfg: sum(int(np.prod(x.shape))
+                         for x in jax.tree_util.tree_leaves(llama.param_shapes(cfg)))
+  n_actor, n_critic = count(a), count(c)
+  assert n_actor != n_critic  # (the critic's scalar head: a swapped model would show)
+  assert accounting.six_nd_flops(a, c, 1000) == pytest.approx(6 * (n_actor + n_critic) * 1000)
+  assert accounting.six_nd_flops(a, None, 1000) == pytest.approx(6 * n_actor * 1000)
+
 def test_layer_matmul_params_are_the_layer_kernels():
   cfg = TINY.model
   layer = llama.param_shapes(cfg)["layers_0"]
