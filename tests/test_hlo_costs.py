@@ -57,6 +57,7 @@ ENTRY %main (w: f32[16]) -> f32[16] {
 def test_counts_bytes_groups_and_loops_of_hand_written_hlo():
   costs = hlo_flops.analyze(_HLO)
   assert costs.unknown_trip_loops == 1 and costs.unread_groups == 0
+  assert costs.loops == 2  # the two while loops of ENTRY
   kinds = sorted(c.kind for c in costs.collectives)
   # The larger branch's all-gather (4096 bytes), not the smaller's collective-permute.
   assert kinds == ["all-gather", "all-gather", "all-reduce", "all-reduce", "reduce-scatter"], kinds
@@ -263,3 +264,77 @@ def test_gemms_xla_gpu_hands_to_cublas_count_as_their_dots():
   compiled = jax.jit(lambda x, w: x @ w).lower(jnp.ones((16, 64)), jnp.ones((64, 32))).compile()
   cpu = hlo_flops.analyze(compiled.as_text())
   assert cpu.flops == one and cpu.uncounted_calls == {}
+
+
+def test_a_conditionals_custom_calls_count_as_its_busiest_branch():
+  """A conditional runs one branch: a custom-call both branches hold counts once (as often as
+  the branch calling it most), not once per branch, like its FLOPs (the costliest branch)."""
+  def call(name, arg, target, root=""):
+    return f'  {root}%{name} = f32[8]{{0}} custom-call(%{arg}), custom_call_target="{target}"'
+  hlo = "\n".join([
+      "HloModule m, is_scheduled=true",
+      "",
+      "%one (a: f32[8]) -> f32[8] {",
+      "  %a = f32[8]{0} parameter(0)",
+      call("k1", "a", "kernel"),
+      call("f1", "k1", "flash", root="ROOT "),
+      "}",
+      "",
+      "%two (b: f32[8]) -> f32[8] {",
+      "  %b = f32[8]{0} parameter(0)",
+      call("k2", "b", "kernel"),
+      call("k3", "k2", "kernel", root="ROOT "),
+      "}",
+      "",
+      "ENTRY %main (x: f32[8]) -> f32[8] {",
+      "  %x = f32[8]{0} parameter(0)",
+      "  %i = s32[] constant(0)",
+      "  ROOT %c = f32[8]{0} conditional(%i, %x, %x), branch_computations={%one, %two}",
+      "}",
+  ])
+  # Branch one: kernel once, flash once; branch two: kernel twice.
+  assert hlo_flops.analyze(hlo).uncounted_calls == {"kernel": 2.0, "flash": 1.0}
+
+
+def test_collectives_inside_called_computations_count_as_often_as_their_caller_runs():
+  """XLA:GPU wraps collectives in async computations (`async-start(...), calls=%wrapped`) and
+  fusions / calls hold others: they move their bytes each time the caller runs (here a loop of
+  3 trips), as if they were written in place."""
+  hlo = "\n".join([
+      "HloModule m, is_scheduled=true, num_partitions=4",
+      "",
+      "%wrapped (a: f32[64]) -> f32[16] {",
+      "  %a = f32[64]{0} parameter(0)",
+      "  ROOT %rs = f32[16]{0} reduce-scatter(%a), channel_id=1, "
+      "replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add",
+      "}",
+      "",
+      "%inner (b: f32[32]) -> f32[32] {",
+      "  %b = f32[32]{0} parameter(0)",
+      "  ROOT %ar = f32[32]{0} all-reduce(%b), channel_id=2, replica_groups={{0,1},{2,3}}, "
+      "to_apply=%add",
+      "}",
+      "",
+      "%body (p: (s32[], f32[64])) -> (s32[], f32[64]) {",
+      "  %p = (s32[], f32[64]{0}) parameter(0)",
+      "  %x = f32[64]{0} get-tuple-element(%p), index=1",
+      "  %as = ((f32[64]{0}), f32[16]{0}) async-start(%x), calls=%wrapped",
+      "  %ad = f32[16]{0} async-done(%as), calls=%wrapped",
+      "  %y = f32[32]{0} slice(%x), slice={[0:32]}",
+      "  %c = f32[32]{0} call(%y), to_apply=%inner",
+      "  ROOT %t = (s32[], f32[64]{0}) tuple(%x, %x)",
+      "}",
+      "",
+      "ENTRY %main (w: f32[64]) -> f32[64] {",
+      "  %w = f32[64]{0} parameter(0)",
+      "  %init = (s32[], f32[64]{0}) tuple(%w, %w)",
+      '  %l = (s32[], f32[64]{0}) while(%init), condition=%c, body=%body, '
+      'backend_config={"known_trip_count":{"n":"3"}}',
+      "  ROOT %o = f32[64]{0} get-tuple-element(%l), index=1",
+      "}",
+  ])
+  costs = hlo_flops.analyze(hlo)
+  assert costs.collective_bytes() == {
+      "all-gather": 0.0, "all-reduce": 3 * 32 * 4.0,
+      "reduce-scatter": 3 * 16 * 4 * 4.0,  # the input: output x the group of 4
+      "all-to-all": 0.0, "collective-permute": 0.0}

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import shutil
+import time
 import types
 
 import jax
@@ -551,6 +552,15 @@ def test_timed_warms_up_then_times_each_repeat():
   out = timing.timed(lambda: calls.append(1) or jnp.zeros(()), warmup=2, repeats=3)
   assert len(calls) == 5 and len(out) == 3
 
+
+def test_each_timing_covers_the_call_it_times():
+  """The clock starts before the call and stops after its result is ready: a step that takes
+  at least 20 ms (sleep's lower bound) is never timed shorter, in timed and time_in_rotation
+  alike (with the clock started after the call, each read ~0)."""
+  slow = lambda: time.sleep(0.02) or jnp.zeros(())
+  assert min(timing.timed(slow, warmup=0, repeats=3)) >= 0.02
+  runs = timing.time_in_rotation({"fast": lambda: jnp.zeros(()), "slow": slow}, repeats=2)
+  assert min(runs["slow"]) >= 0.02
 
 def test_time_in_rotation_alternates_the_order_every_other_round():
   """timing.time_in_rotation(alternate=True): round r runs the steps in order, round r + 1 in
