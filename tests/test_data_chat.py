@@ -7,6 +7,7 @@ our text and ids must equal it exactly, errors included.
 import json
 import os
 
+import numpy as np
 import pytest
 
 from rlhfuse_jax.data.chat import ChatTemplate, ChatTemplateError
@@ -58,6 +59,31 @@ def test_a_string_prompt_is_one_user_message():
   assert template.render(GOLDENS["conversations"]["user"], add_generation_prompt=False) == (
       want[:-len("<|start_header_id|>assistant<|end_header_id|>\n\n")])
 
+
+def test_a_special_token_given_as_none_is_left_undefined():
+  # As HF leaves an unset token out of the template's variables: `is defined` is false and
+  # it renders as nothing, never as the text 'None'.
+  t = ChatTemplate("{% if bos_token is defined %}[{{ bos_token }}]{% endif %}{{ eos_token }}"
+                   "{{ messages[0]['content'] }}",
+                   special_tokens={"bos_token": None, "eos_token": "</s>"})
+  assert t.render("hi") == "</s>hi"
+
+def test_an_empty_conversation_is_refused_not_rendered_as_a_bare_generation_prompt():
+  # A template given no messages still writes its generation prompt: the model would be asked
+  # to answer nothing.
+  t = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                   "{% if add_generation_prompt %}<assistant>{% endif %}")
+  assert t.render("hi") == "hi<assistant>"
+  with pytest.raises(ChatTemplateError, match="empty conversation"):
+    t.render([])
+
+def test_numpy_values_in_messages_reach_the_template_as_plain_numbers():
+  # Rows read from parquet may hold numpy scalars (float32 columns are kept as such): a
+  # template's tojson and `is number` must see numbers, not their text.
+  t = ChatTemplate("{% for m in messages %}{{ m['n'] | tojson }} {{ m['n'] is number }} "
+                   "{{ m['ok'] | tojson }}{% endfor %}")
+  msg = {"role": "user", "content": "x", "n": np.int64(7), "ok": np.bool_(True)}
+  assert t.render([msg]) == "7 True true"
 
 def test_path_forms_and_none(tmp_path):
   """A .jinja file, a tokenizer_config.json, a directory; special tokens from the tokenizer's

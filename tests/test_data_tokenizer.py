@@ -123,6 +123,9 @@ def test_bos_follows_the_post_processor_when_the_config_is_silent(tmp_path, proc
   tok = HFTokenizer.from_file(path)
   assert tok.add_bos == adds
   assert (tok.encode("the dog")[0] == bos) == adds
+  # The post-processor itself never runs: one BOS at most (ours), no EOS the template appends.
+  assert tok.encode("the dog").count(bos) == int(adds)
+  assert not {bos, eos} & set(tok.encode("the dog", add_bos=False))
   if processor is not None:  # what the library's own post-processor puts first
     assert (backend.encode("the dog").ids[0] == bos) == adds
 
@@ -159,6 +162,13 @@ def test_generation_config_eos_ids_also_end_a_response(tmp_path):
   with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id has \[1000000\], "
                      r"outside the vocabulary of .*tokenizer.json \(\[0, "):
     HFTokenizer.from_file(path)
+  size = tokenizers.Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
+  gen.write_text(json.dumps({"eos_token_id": [size]}))  # one past the last id
+  with pytest.raises(ValueError, match=rf"generation_config.json: eos_token_id has \[{size}\]"):
+    HFTokenizer.from_file(path)
+  gen.write_text(json.dumps({"eos_token_id": [size - 1]}))  # the last id is a token
+  assert HFTokenizer.from_file(path).stop_ids == (ids["<|eot|>"], size - 1)
+  gen.write_text(json.dumps({"eos_token_id": [10 ** 6]}))
   with pytest.raises(ValueError, match="extra_eos_ids has 1000000; expected token ids in"):
     HFTokenizer.from_file(path, extra_eos_ids=(10 ** 6,))  # the argument's own check
 
