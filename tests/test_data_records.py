@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlhfuse_jax.data.chat import ChatTemplate
 from rlhfuse_jax.data.prompts import load_jsonl_prompts
 from rlhfuse_jax.data.records import (PROMPT_TEXT_KEY, load_records, lookup, render_prompts,
                                       split_records)
@@ -451,3 +452,18 @@ def test_text_prompts_without_a_tokenizer_name_the_row_and_the_field(tmp_path):
   # the task's own words read
   _jsonl(tmp_path / "d.jsonl", [{"prompt": "3 #2 =", "target": "3 3"}])
   assert len(build.build_datasets(cfg, task, tok)[0]) == 1
+
+
+def test_the_rendered_text_replaces_a_rows_own_prompt_text_field(tmp_path):
+  """A row may already carry `_prompt_text` (records saved after rendering and loaded again,
+  or a file that happens to use the name): the text the run tokenises is this rendering's, as
+  the module docstring says of the fields it adds."""
+  path = tmp_path / "p.jsonl"
+  path.write_text(json.dumps({"prompt": "what is 2+2?", PROMPT_TEXT_KEY: "stale"}) + "\n")
+  records = load_records(str(path))
+  assert records[0][PROMPT_TEXT_KEY] == "stale"  # kept as a row field until rendering
+  out = render_prompts(records, None)
+  assert out[0][PROMPT_TEXT_KEY] == "what is 2+2?"
+  template = ChatTemplate("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                          "{% endfor %}")
+  assert render_prompts(records, template)[0][PROMPT_TEXT_KEY] == "<user>what is 2+2?"

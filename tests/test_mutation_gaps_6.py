@@ -188,6 +188,9 @@ def _word_level():
 @pytest.mark.parametrize("kw, match", [
     (dict(eos_id=-1), r"eos_id=-1 is outside the vocabulary"),
     (dict(eos_id=2, pad_id=-1), r"pad_id=-1 is outside the vocabulary"),
+    # One past the last of the 4 ids: the embedding has no such row.
+    (dict(eos_id=4), r"eos_id=4 is outside the vocabulary \[0, 4\)"),
+    (dict(eos_id=2, bos_id=4), r"bos_id=4 is outside the vocabulary \[0, 4\)"),
     (dict(eos_id=2, extra_eos_ids=(True,)), r"extra_eos_ids has True"),
     (dict(eos_id=2, add_bos=True), r"add_bos=True but the tokenizer has no bos_id"),
 ])
