@@ -15,6 +15,7 @@ from rlhfuse_jax.generation import engine
 from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.sim import hardware
 from rlhfuse_jax.trainer import ppo
 from rlhfuse_jax.trainer import update as update_lib
 
@@ -639,3 +640,102 @@ def test_a_layer_count_the_stages_do_not_divide_names_config_layers():
   with pytest.raises(ValueError, match=r"^config\.layers=4: expected a multiple of the actor's 8 "
                                        r"pipeline stages \(e\.g\. 8\)$"):
     plan_programs.PlanConfig.from_config_dict(c)
+
+
+def test_replication_is_the_compiled_flops_over_the_analytic():
+  """replication > 1: the compiled program does more dot work than the useful work (repeated
+  across devices); the loop-aware analytic count is the divisor where there is one."""
+  finish = plan_programs._finish  # pylint: disable=protected-access
+  measured = {"flops_per_device": 6.0, "peak_bytes": 1}
+  out = finish(measured, {"flops_per_device": 4.0, "lockstep_flops_per_device": 5.0})
+  assert out["replication"] == 1.5 and out["replication_lockstep"] == 1.2
+  out = finish(measured, {"flops_per_device": 4.0, "flops_counted_per_device": 2.0})
+  assert out["replication"] == 3.0 and "replication_lockstep" not in out
+
+
+def test_a_program_fits_when_its_whole_peak_does():
+  """fits compares the peak (arguments + outputs + temporaries - aliased) with the preset's
+  HBM, not one of its parts: a program whose 1 MiB argument alone exceeds the HBM does not fit."""
+  x = jax.ShapeDtypeStruct((512, 512), np.float32)
+  lowered = jax.jit(lambda a: (a @ a).sum()).lower(x)
+  hw = hardware.get_hardware("h100_sxm")
+  m = plan_programs.measure(lowered, hw)
+  assert m["argument_bytes"] == 512 * 512 * 4
+  assert m["peak_bytes"] == (m["argument_bytes"] + m["output_bytes"] + m["temp_bytes"] -
+                             m["alias_bytes"])
+  exact = plan_programs.measure(lowered, dataclasses.replace(hw, hbm_bytes=m["peak_bytes"]))
+  short = plan_programs.measure(lowered, dataclasses.replace(hw, hbm_bytes=m["peak_bytes"] - 1))
+  assert exact["fits"] is True and short["fits"] is False
+  small = dataclasses.replace(hw, hbm_bytes=m["argument_bytes"] - 1)
+  assert plan_programs.measure(lowered, small)["fits"] is False
+
+
+def test_decode_and_inference_fit_only_beside_the_training_state():
+  """beside_train_state, on hand-made figures (HBM 100 bytes): a decode peak of 50 fits alone but
+  not beside the train step's 60 bytes of arguments; it does once the 20 bytes of moments are
+  offloaded (50 + 40); a generation group holds the other model's weights (30) and the critic's
+  (15 or 25) instead of the training state."""
+  def programs():
+    return {"train_step": {"argument_bytes": 60, "optimizer_state_bytes": 20},
+            **{name: {"peak_bytes": 50, "fits": True, "analytic": {"params_bytes": 30}}
+               for name in ("decode", "inference")}}
+  p = programs()
+  plan_programs.beside_train_state(p, 100, offload_optimizer=False)
+  assert (p["decode"]["peak_with_train_state_bytes"], p["decode"]["fits"]) == (110, False)
+  assert p["decode"]["fits_alone"] is True and p["inference"]["fits"] is False
+  p = programs()
+  plan_programs.beside_train_state(p, 100, offload_optimizer=True)
+  assert (p["decode"]["peak_with_train_state_bytes"], p["decode"]["fits"]) == (90, True)
+  for critic, fits in ((15, True), (25, False)):
+    p = programs()
+    plan_programs.beside_train_state(p, 100, offload_optimizer=True, generation_group=True,
+                                     group_critic_bytes=critic)
+    assert p["decode"]["resident_train_bytes"] == 0
+    assert (p["decode"]["peak_with_train_state_bytes"], p["decode"]["fits"]) == (
+        50 + 30 + critic, fits)
+
+
+def test_decode_reads_its_shard_of_the_weights_and_cache_per_step():
+  """decode_analytic's bandwidth bound: per device, the actor's weights over the generation
+  model shards plus the K/V cache of every slot over the cache shards, counted by hand from the
+  parameter shapes and the cache's [layers, 2, slots, seq, kv_heads, head_dim] layout."""
+  cfg = plan_programs.PlanConfig.from_config_dict(_tiny_mesh_generation())
+  a = cfg.actor
+  assert cfg.gen_model_shards > 1 and cfg.gen_kv_shards > 1  # something to split
+  params = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(llama.param_shapes(a)))
+  kv = (a.num_layers * 2 * cfg.gen_slots * cfg.seq_len * a.num_kv_heads * a.head_dim_ *
+        np.dtype(a.dtype).itemsize)
+  out = plan_programs.decode_analytic(cfg)
+  assert out["params_bytes"] == params / cfg.gen_model_shards
+  assert out["kv_cache_bytes"] == kv / cfg.gen_kv_shards
+  total = params / cfg.gen_model_shards + kv / cfg.gen_kv_shards
+  assert out["total_bytes"] == total
+  assert out["hbm_s"] == pytest.approx(total / cfg.hardware.hbm_bw)
+  # Dot FLOPs of a step over the whole cache: the layers' kernels (2D leaves of one layer), the
+  # attention over seq_len keys and the LM head, for every slot, split over the devices.
+  layer = llama.param_shapes(a)["layers_0"]
+  kernels = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(layer) if len(x.shape) == 2)
+  per_row = (2 * a.num_layers * kernels + 4 * a.num_layers * a.num_heads * a.head_dim_ *
+             cfg.seq_len + 2 * a.hidden_size * a.vocab_size)
+  assert cfg.gen_devices > 1
+  assert out["flops_per_device"] == pytest.approx(cfg.gen_slots * per_row / cfg.gen_devices)
+
+
+def test_the_binary_sets_enough_devices_for_the_largest_group():
+  """plan_check.device_count, before jax starts: the training mesh (pp*tp*dp*fsdp), one
+  generation instance (gen_tp) or asynchronous PPO's generation group, whichever is largest.
+  In a child process: the binary defines absl flags at import."""
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  code = ("import ml_collections as m; from experiments import plan_check as p; "
+          "base = dict(pp=1, tp=1, dp=2, fsdp=1, gen_tp=1); "
+          "print([p.device_count(m.ConfigDict({**base, **x})) for x in ("
+          "{}, {'gen_tp': 4}, {'generation_devices': 6}, {'pp': 2, 'fsdp': 2, "
+          "'generation_devices': 0}, {'generation_devices': None}, "
+          "{'gen_tp': 3, 'generation_devices': 5}, {'gen_tp': 5, 'generation_devices': 3})])")
+  out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split("\n")[-2] == "[2, 4, 6, 8, 2, 5, 5]"
