@@ -418,6 +418,22 @@ def test_bad_configs_name_the_field(overrides, match):
     BenchDecodeConfig.from_config_dict(_cd(**overrides))
 
 
+def test_the_limits_bench_configs_accept_and_the_ones_just_past_them():
+  ok = lambda **kw: BenchDecodeConfig.from_config_dict(_cd(**kw))
+  assert ok(warmup=0).warmup == 0  # no untimed run: compilation is ahead of time
+  full = ok(prompt_len=48, max_new_tokens=16)  # 48 + 16 = model.max_seq_len = 64
+  assert full.cache_len == 64  # the cache holds the prompt and every generated token
+  assert ok(max_new_tokens=2).cache_len == 8 + 2
+  assert ok(capacities="128,256").capacities == (128, 256)  # the first at capacity_live_len
+  for kw, match in (({"prompt_len": 49, "max_new_tokens": 16}, "max_seq_len=64"),
+                    ({"max_new_tokens": 1}, "max_new_tokens"),
+                    ({"warmup": -1}, "warmup"),
+                    ({"batch_sizes": "1,16,16"}, "strictly increasing"),
+                    ({"capacities": "127,256"}, "capacities"),
+                    ({"chunk_size": 8, "steps_per_check": 16}, "steps_per_check")):
+    with pytest.raises(ValueError, match=match):
+      ok(**kw)
+
 def test_unknown_and_missing_fields_are_rejected():
   c = bench_config_file.get_config().to_dict()
   c["batchsizes"] = "1"

@@ -85,6 +85,18 @@ def test_tensorboard_events_are_on_disk_with_their_jsonl_row(tmp_path):
   writer.close()
 
 
+def test_booleans_stay_out_of_tensorboard(tmp_path):
+  """A flag among the metrics (True is an int to Python) is JSONL-only: a TensorBoard scalar
+  of it would plot as 1.0 / 0.0 under a name that is not a number."""
+  writer = metrics_lib.MetricWriter(str(tmp_path))
+  writer.write(3, {"fusion/applied": True, "skipped": False, "loss": 2, "kl": 0.25})
+  got = [(e.step, v.tag, v.simple_value) for e in read_events(tmp_path / "tb")
+         for v in e.summary.value]
+  assert got == [(3, "loss", 2.0), (3, "kl", 0.25)]
+  with open(tmp_path / "metrics.jsonl") as f:
+    assert json.loads(f.readline())["fusion/applied"] is True
+  writer.close()
+
 def test_an_end_hook_error_does_not_replace_the_error_leaving_the_run(caplog):
   """hooks.run_hooks("end", failing): with an error already on its way out (a failed save: exit
   3) a hook's own failure in end (the TensorBoard close on a full disk) is logged, not raised
