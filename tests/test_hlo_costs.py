@@ -99,6 +99,34 @@ def test_group_timing_follows_the_nodes_the_members_occupy():
   assert inside == pytest.approx(0.875e9 / (hw.intra_node_bw * eff), rel=0.1)
 
 
+def test_a_collective_lasts_as_long_as_its_slowest_group():
+  """collective_seconds: a collective runs on all its groups at once, so it lasts as long as
+  the slowest (one crossing nodes, 8 devices per node here); a collective-permute's pairs cross
+  the slow link when any pair does; each is counted as often as it runs."""
+  hw = hw_lib.HARDWARE["h100_sxm"]
+  cm = CostModel(hw)
+  nbytes = 1 << 24
+  near = cm.group_collective_s("all-reduce", nbytes, (0, 1))
+  far = cm.group_collective_s("all-reduce", nbytes, (2, 10))
+  assert far > 2 * near  # NVLink vs the NIC: the choice of group shows
+  ar = hlo_flops.Collective("all-reduce", nbytes, ((0, 1), (2, 10)))
+  costs = lambda colls: hlo_flops.HloCosts(flops=0.0, unknown_trip_loops=0, loops=0,
+                                           collectives=colls)
+  assert scale_check.collective_seconds(costs({ar: 3.0}), cm) == pytest.approx(3 * far)
+  inside = hlo_flops.Collective("collective-permute", nbytes, ((0, 1), (1, 0)))
+  across = hlo_flops.Collective("collective-permute", nbytes, ((0, 1), (1, 9)))
+  p_in, p_out = cm.p2p_s(nbytes, False), cm.p2p_s(nbytes, True)
+  assert p_out > 2 * p_in
+  assert scale_check.collective_seconds(costs({inside: 1.0}), cm) == pytest.approx(p_in)
+  assert scale_check.collective_seconds(costs({across: 2.0}), cm) == pytest.approx(2 * p_out)
+  # Groups it could not read: timed as a pair across two nodes (the slow link), not a fast one.
+  unread = hlo_flops.Collective("all-reduce", nbytes, ())
+  assert scale_check.collective_seconds(costs({unread: 1.0}), cm) == pytest.approx(
+      cm.group_collective_s("all-reduce", nbytes, (0, hw.devices_per_node)))
+  assert scale_check.collective_seconds(costs({unread: 1.0}), cm) > 2 * near
+  unread_p = hlo_flops.Collective("collective-permute", nbytes, ())
+  assert scale_check.collective_seconds(costs({unread_p: 1.0}), cm) == pytest.approx(p_out)
+
 def test_counts_a_compiled_shard_map_exactly():
   """Three trips of all_gather + psum in a fori_loop over a (2, 4) mesh: the bytes and groups
   XLA compiled are the ones written."""
@@ -338,3 +366,16 @@ def test_collectives_inside_called_computations_count_as_often_as_their_caller_r
       "all-gather": 0.0, "all-reduce": 3 * 32 * 4.0,
       "reduce-scatter": 3 * 16 * 4 * 4.0,  # the input: output x the group of 4
       "all-to-all": 0.0, "collective-permute": 0.0}
+
+
+def test_a_donated_argument_is_counted_once_in_the_peak():
+  """compiled_costs' memory figures: a donated argument the output reuses shows as alias bytes
+  (subtracted once from arguments + outputs in plan_check's peak), one that is not donated does
+  not: 256 x 256 float32 = 262144 bytes in and out."""
+  x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+  donated = scale_check.compiled_costs(
+      jax.jit(lambda a: a + 1, donate_argnums=0).lower(x).compile())
+  kept = scale_check.compiled_costs(jax.jit(lambda a: a + 1).lower(x).compile())
+  for costs in (donated, kept):
+    assert (costs["argument_bytes"], costs["output_bytes"]) == (262144, 262144)
+  assert (donated["alias_bytes"], kept["alias_bytes"]) == (262144, 0)
