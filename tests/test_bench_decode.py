@@ -301,6 +301,16 @@ def test_decode_bytes_match_the_real_params_and_cache(tied):
   assert got["total_bytes"] == got["weight_bytes"] + got["kv_bytes"]
 
 
+def test_a_scalar_head_model_reads_only_its_looked_up_embedding_rows():
+  # tie_embeddings only makes the table the LM head of an "lm" model; a scalar-head (critic)
+  # model with the flag set has no head over the vocabulary, so its step reads b rows of it.
+  cfg = TINY.model.replace(tie_embeddings=True, head="scalar")
+  b = 16
+  params = llama.param_shapes(cfg)
+  got = accounting.decode_step_bytes(cfg, b, 24)
+  table = params["embed"]["embedding"]
+  assert got["weight_bytes"] == _nbytes(params) - _nbytes(table) + b * cfg.hidden_size * 2
+
 def test_kv_bytes_are_in_the_compute_dtype_not_the_parameter_dtype():
   # float32 weights with a bfloat16 cache (the usual mixed-precision setting): the cache is
   # what the compute dtype stores, so its bytes must follow cfg.dtype; with both dtypes equal

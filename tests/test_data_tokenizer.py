@@ -155,6 +155,9 @@ def test_generation_config_eos_ids_also_end_a_response(tmp_path):
   gen.write_text(json.dumps({"eos_token_id": ids["</s>"]}))
   assert HFTokenizer.from_file(path).stop_ids == (ids["<|eot|>"], ids["</s>"])
   assert HFTokenizer.from_file(path, extra_eos_ids=()).stop_ids == (ids["<|eot|>"],)
+  gen.write_text(json.dumps({"eos_token_id": True}))  # JSON true is no token id (not id 1)
+  with pytest.raises(ValueError, match="generation_config.json: eos_token_id=True; expected"):
+    HFTokenizer.from_file(path)
   gen.write_text(json.dumps({"eos_token_id": ["</s>"]}))
   with pytest.raises(ValueError, match="generation_config.json: eos_token_id=.*expected a token"):
     HFTokenizer.from_file(path)
