@@ -379,3 +379,18 @@ def test_a_donated_argument_is_counted_once_in_the_peak():
   for costs in (donated, kept):
     assert (costs["argument_bytes"], costs["output_bytes"]) == (262144, 262144)
   assert (donated["alias_bytes"], kept["alias_bytes"]) == (262144, 0)
+
+
+def test_a_collective_without_replica_groups_spans_every_partition():
+  """No replica_groups attribute at all (as `{}`): one group of all num_partitions devices."""
+  hlo = "\n".join([
+      "HloModule m, is_scheduled=true, num_partitions=4",
+      "",
+      "ENTRY %main (w: f32[8]) -> f32[8] {",
+      "  %w = f32[8]{0} parameter(0)",
+      "  ROOT %ar = f32[8]{0} all-reduce(%w), channel_id=1, use_global_device_ids=true, "
+      "to_apply=%add",
+      "}",
+  ])
+  (c, n), = hlo_flops.analyze(hlo).collectives.items()
+  assert (c.kind, c.nbytes, c.groups, n) == ("all-reduce", 32, ((0, 1, 2, 3),), 1.0)
