@@ -311,6 +311,7 @@ def test_a_scalar_head_model_reads_only_its_looked_up_embedding_rows():
   table = params["embed"]["embedding"]
   assert got["weight_bytes"] == _nbytes(params) - _nbytes(table) + b * cfg.hidden_size * 2
 
+
 def test_kv_bytes_are_in_the_compute_dtype_not_the_parameter_dtype():
   # float32 weights with a bfloat16 cache (the usual mixed-precision setting): the cache is
   # what the compute dtype stores, so its bytes must follow cfg.dtype; with both dtypes equal
@@ -339,6 +340,7 @@ def test_six_nd_counts_six_flops_per_parameter_of_each_model_per_token():
   assert n_actor != n_critic  # (the critic's scalar head: a swapped model would show)
   assert accounting.six_nd_flops(a, c, 1000) == pytest.approx(6 * (n_actor + n_critic) * 1000)
   assert accounting.six_nd_flops(a, None, 1000) == pytest.approx(6 * n_actor * 1000)
+
 
 def test_layer_matmul_params_are_the_layer_kernels():
   cfg = TINY.model
@@ -443,6 +445,7 @@ def test_the_limits_bench_configs_accept_and_the_ones_just_past_them():
                     ({"chunk_size": 8, "steps_per_check": 16}, "steps_per_check")):
     with pytest.raises(ValueError, match=match):
       ok(**kw)
+
 
 def test_unknown_and_missing_fields_are_rejected():
   c = bench_config_file.get_config().to_dict()

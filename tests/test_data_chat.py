@@ -68,6 +68,7 @@ def test_a_special_token_given_as_none_is_left_undefined():
                    special_tokens={"bos_token": None, "eos_token": "</s>"})
   assert t.render("hi") == "</s>hi"
 
+
 def test_an_empty_conversation_is_refused_not_rendered_as_a_bare_generation_prompt():
   # A template given no messages still writes its generation prompt: the model would be asked
   # to answer nothing.
@@ -77,6 +78,7 @@ def test_an_empty_conversation_is_refused_not_rendered_as_a_bare_generation_prom
   with pytest.raises(ChatTemplateError, match="empty conversation"):
     t.render([])
 
+
 def test_numpy_values_in_messages_reach_the_template_as_plain_numbers():
   # Rows read from parquet may hold numpy scalars (float32 columns are kept as such): a
   # template's tojson and `is number` must see numbers, not their text.
@@ -84,6 +86,7 @@ def test_numpy_values_in_messages_reach_the_template_as_plain_numbers():
                    "{{ m['ok'] | tojson }}{% endfor %}")
   msg = {"role": "user", "content": "x", "n": np.int64(7), "ok": np.bool_(True)}
   assert t.render([msg]) == "7 True true"
+
 
 def test_path_forms_and_none(tmp_path):
   """A .jinja file, a tokenizer_config.json, a directory; special tokens from the tokenizer's

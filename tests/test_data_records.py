@@ -231,6 +231,7 @@ def test_json_that_python_cannot_hold_names_the_file_and_line(tmp_path):
                                          r"parse as one"):
       load_records(str(tmp_path / "a.json"))
 
+
 def test_a_lone_surrogate_is_refused_naming_the_row_and_field(tmp_path):
   """JSON's "\ud800" escape without its pair loads as a str no tokenizer encodes: a target
   holding one failed inside the reward (target_match tokenises targets), mid-run, unnamed."""
@@ -246,6 +247,7 @@ def test_a_lone_surrogate_is_refused_naming_the_row_and_field(tmp_path):
     load_jsonl_prompts(_jsonl(tmp_path / "d.jsonl", [{"prompt": "ok"}, {"prompt": "a\udc00"}]))
   path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "a\U0001F600", "target": "\u00e9"}])
   assert load_records(path)[0]["prompt"] == "a\U0001F600"  # a pair is one character
+
 
 def test_an_answer_key_that_no_row_has_is_refused(tmp_path):
   """A chosen answer_key that no row has is a misspelling: with a user's reward function (no
@@ -288,7 +290,6 @@ def test_an_empty_answer_is_named_as_empty_not_missing(tmp_path):
   assert [r.get("target") for r in load_records(path, "q", "label")] == ["2", None]
 
 
-
 @pytest.mark.parametrize("blank", ["", "  \n"])
 def test_a_blank_answer_is_refused_when_the_reward_verifies(tmp_path, blank):
   """A blank answer string passed the load and stopped the run mid-training, when the verifier
@@ -299,6 +300,7 @@ def test_a_blank_answer_is_refused_when_the_reward_verifies(tmp_path, blank):
     load_records(path, "q", "label", require_answer=True)
   # Without a verifier the row keeps its answer as it is (a user's function may read it).
   assert [r["target"] for r in load_records(path, "q", "label")] == ["2", blank]
+
 
 def test_split_is_seeded_disjoint_and_ordered():
   records = [{"prompt": f"p{i}", "i": i} for i in range(20)]
@@ -430,7 +432,6 @@ def test_chat_prompts_get_no_second_bos(tmp_path):
   ds = build.build_dataset(cfg, None, tok)
   np.testing.assert_array_equal(ds.tokens[0, :ds.lengths[0]],
                                 GOLDENS["headers"]["conversations"]["user"]["ids"])
-
 
 
 def test_text_prompts_without_a_tokenizer_name_the_row_and_the_field(tmp_path):

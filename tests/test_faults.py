@@ -923,7 +923,6 @@ def test_a_sigterm_while_the_last_save_commits_keeps_it(tmp_path, monkeypatch, c
   assert checkpointing.Checkpointer(str(tmp_path)).latest_step() == 2
 
 
-
 def test_a_sigterm_during_the_last_iteration_completes_the_run(tmp_path, monkeypatch):
   """A SIGTERM during iteration 1 of 2 stops the run after it (saved; stopped_by_signal is the
   signal: train_ppo exits 75, "re-run to resume"); one during the last iteration stops nothing,
@@ -943,6 +942,7 @@ def test_a_sigterm_during_the_last_iteration_completes_the_run(tmp_path, monkeyp
   assert [h["step"] for h in last.run()] == [2]
   assert last.stopped_by_signal is None
   assert checkpointing.Checkpointer(str(tmp_path)).latest_step() == 2
+
 
 def test_the_binary_names_a_bad_value_and_records_nothing(tmp_path):
   """The binary's side of tests/test_trainer.py::test_bad_config_names_the_field (one process

@@ -127,6 +127,7 @@ def test_a_collective_lasts_as_long_as_its_slowest_group():
   unread_p = hlo_flops.Collective("collective-permute", nbytes, ())
   assert scale_check.collective_seconds(costs({unread_p: 1.0}), cm) == pytest.approx(p_out)
 
+
 def test_counts_a_compiled_shard_map_exactly():
   """Three trips of all_gather + psum in a fori_loop over a (2, 4) mesh: the bytes and groups
   XLA compiled are the ones written."""

@@ -97,6 +97,7 @@ def test_booleans_stay_out_of_tensorboard(tmp_path):
     assert json.loads(f.readline())["fusion/applied"] is True
   writer.close()
 
+
 def test_an_end_hook_error_does_not_replace_the_error_leaving_the_run(caplog):
   """hooks.run_hooks("end", failing): with an error already on its way out (a failed save: exit
   3) a hook's own failure in end (the TensorBoard close on a full disk) is logged, not raised

@@ -171,7 +171,6 @@ def test_config_defaults_and_precedence_follow_transformers():
   assert hf_loader.config_from_hf(both).rope_theta == 123456.0
 
 
-
 # data/ -------------------------------------------------------------------------------------------
 
 def test_the_pool_fingerprint_separates_its_prompts():
@@ -561,6 +560,7 @@ def test_each_timing_covers_the_call_it_times():
   assert min(timing.timed(slow, warmup=0, repeats=3)) >= 0.02
   runs = timing.time_in_rotation({"fast": lambda: jnp.zeros(()), "slow": slow}, repeats=2)
   assert min(runs["slow"]) >= 0.02
+
 
 def test_time_in_rotation_alternates_the_order_every_other_round():
   """timing.time_in_rotation(alternate=True): round r runs the steps in order, round r + 1 in

@@ -972,7 +972,6 @@ def test_token_balancing_evens_out_each_data_shards_tokens():
     assert max(c[2 * s] + c[2 * s + 1] for s in range(4)) == best, c
 
 
-
 def test_each_epoch_counts_in_the_updates_flops():
   """PPOTrainer._train_flops_metrics: algo.epochs passes over the rollout do epochs times the
   useful work in the same time, and the padded count grows alike, so the useful share stays.
@@ -1102,6 +1101,7 @@ def test_a_checkpoint_keeps_the_lr_schedules_horizon_of_the_first_start():
   meta = loop.PPOTrainer._meta(fake)  # pylint: disable=protected-access
   assert meta["schedule_iterations"] == 2 and meta["data"] == {"epoch": 1}
 
+
 # trainer/evaluation.py (the trainer/ audit: mutant ids Enn) --------------------------------------
 
 def test_the_validation_pass_scores_each_held_out_prompt_once_in_pool_order():
@@ -1209,7 +1209,6 @@ def test_the_watchdog_after_the_last_iteration_waits_for_no_next_one():
     dog.end(failing=False)
 
 
-
 def test_checkpoints_are_saved_every_n_iterations_at_the_last_and_when_stopping():
   """Checkpoints.after with checkpoint.every=4 over 6 iterations: saves after iterations 4 and 6
   (the last, which every=4 does not divide: without it the finished run kept iteration 4 and a
@@ -1229,6 +1228,7 @@ def test_checkpoints_are_saved_every_n_iterations_at_the_last_and_when_stopping(
   for step in range(1, 7):
     ckpts.after(step, {}, stopping=step == 2)
   assert saved == [(2, 2), (4, 4), (6, 6)]
+
 
 # trainer/build.py (the trainer/ audit: mutant ids Bnn) -------------------------------------------
 
