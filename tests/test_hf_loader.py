@@ -233,6 +233,24 @@ def test_legacy_config_fields_map_the_same():
     hf_loader.config_from_hf(dict(hf, dtype="float8"))
 
 
+def test_absent_config_fields_take_transformers_defaults():
+  """A config.json may omit what its HF config class defaults (LlamaConfig, Qwen2Config,
+  MistralConfig and Qwen3Config all have rms_norm_eps=1e-6, rope_theta=10000.0,
+  tie_word_embeddings=False); the fixtures set every field, so a wrong default here would
+  load a model computing other logits without any test noticing. Where rope_parameters and a
+  stale top-level rope_theta both appear, rope_parameters' value is the one used."""
+  with open(os.path.join(LLAMA, "config.json")) as f:
+    hf = json.load(f)
+  for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"):
+    bare = {k: v for k, v in hf.items() if k not in (
+        "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "tie_word_embeddings")}
+    bare["architectures"] = [arch]
+    cfg = hf_loader.config_from_hf(bare)
+    assert (cfg.rms_norm_eps, cfg.rope_theta, cfg.tie_embeddings) == (1e-6, 10000.0, False)
+  both = dict(hf, rope_theta=10000.0)  # rope_parameters says 500000
+  assert hf_loader.config_from_hf(both).rope_theta == 500000.0
+
+
 def test_sharded_index_is_used_and_missing_shard_is_named(tmp_path):
   with open(os.path.join(LLAMA, "model.safetensors.index.json")) as f:
     shards = sorted(set(json.load(f)["weight_map"].values()))
@@ -681,7 +699,9 @@ def test_scalar_head_from_lm_checkpoint(tmp_path):
     hf_loader.load_hf_params(LLAMA, cfg)
   critic = hf_loader.load_hf_params(LLAMA, cfg, rng=jax.random.key(3))
   assert critic["head"]["value_head"].shape == (64, 1)
-  assert np.all(critic["head"]["value_bias"] == 0) and critic["head"]["value_head"].std() > 0
+  # drawn as llama.init_params draws it: N(0, 0.02), zero bias (64 draws: std within ~10 %)
+  assert np.all(critic["head"]["value_bias"] == 0)
+  assert 0.015 < critic["head"]["value_head"].std() < 0.025
   assert np.array_equal(critic["head"]["value_head"],
                         hf_loader.load_hf_params(LLAMA, cfg, rng=jax.random.key(3))["head"][
                             "value_head"])
@@ -701,16 +721,20 @@ def test_scalar_head_from_lm_checkpoint(tmp_path):
 
 
 def test_sequence_classification_score_is_the_value_head(tmp_path):
-  """With score.weight = row k of the (tied) LM head, values equal HF's logits[..., k]."""
-  k = 7
+  """With score.weight = row k of the (tied) LM head, values equal HF's logits[..., k], plus
+  score.bias where the checkpoint has one (our export writes a critic's value bias there: a
+  critic whose learned bias were dropped on reload or in the head would be off by a constant,
+  which shifts every advantage's bootstrap)."""
+  k, bias = 7, 0.75
   def add_score(t):
     t["score.weight"] = t["model.embed_tokens.weight"][k:k + 1].copy()  # [1, hidden]
+    t["score.bias"] = np.array([bias], np.float32)
   ckpt = _copy(QWEN2, str(tmp_path / "rm"), edit_tensors=add_score,
                edit_config=lambda c: c.update(architectures=["Qwen2ForSequenceClassification"]))
   cfg = hf_loader.load_hf_config(ckpt)
   assert cfg.head == "scalar"
   values = _forward(cfg, hf_loader.load_hf_params(ckpt, cfg), _golden(QWEN2)[0])
-  np.testing.assert_array_less(np.abs(values - _golden(QWEN2)[1][..., k]).max(), 1e-4)
+  np.testing.assert_array_less(np.abs(values - bias - _golden(QWEN2)[1][..., k]).max(), 1e-4)
 
 
 def test_bf16_checkpoint_close_to_fp32(tmp_path):
