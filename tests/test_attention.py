@@ -146,6 +146,20 @@ def test_dispatch(impl):
     attn.dot_product_attention(q, k, v, pos, pos, "flash")
 
 
+def test_reference_dispatch_runs_the_reference(monkeypatch):
+  """impl="reference" is the oracle the model-level tests compare the blockwise kernel with
+  (model.attention="reference" against the default): were it dispatched to the blockwise
+  kernel too, those comparisons would compare the kernel with itself and pass whatever it
+  computed."""
+  def no_kernel(*args, **kwargs):
+    raise AssertionError("blockwise_attention called for impl='reference'")
+  q, k, v = _qkv(2, 6, 6, 4, 2, seed=6)
+  pos = _arange(2, 6)
+  want = attn.reference_attention(q, k, v, pos, pos)
+  monkeypatch.setattr(attn, "blockwise_attention", no_kernel)
+  np.testing.assert_array_equal(attn.dot_product_attention(q, k, v, pos, pos, "reference"), want)
+
+
 # Whole model ---------------------------------------------------------------------------------
 
 CFG = llama.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -249,16 +263,20 @@ def _cache(b, s, kvh, d=8, layers=2, seed=0):
           jnp.asarray(rng.normal(size=shape), jnp.float32))
 
 
-@pytest.mark.parametrize("l,block_k", [(1, 4), (1, 5), (5, 4), (5, 64)])
-def test_cached_attention_matches_reference(l, block_k):
+@pytest.mark.parametrize("l,block_k,block_q", [(1, 4, None), (1, 5, None), (5, 4, None),
+                                               (5, 64, None), (5, 4, 2)])
+def test_cached_attention_matches_reference(l, block_k, block_q):
   # 18 slots in blocks of 4 or 5: the last block is clamped inside the cache and must not count
-  # the keys it re-reads twice. Rows sit at different offsets, one at the very end.
+  # the keys it re-reads twice. Rows sit at different offsets, one at the very end. block_q=2:
+  # a prefill longer than CACHE_BLOCK_Q (512) runs in passes of block_q queries, the last one
+  # partial; each pass must mask with its own queries' positions.
   b, s, h, kvh = 3, 18, 4, 2
   q, _, _ = _qkv(b, l, s, h, kvh, seed=1)
   kc, vc = _cache(b, s, kvh)
   q_pos = _arange(b, l, jnp.array([0, 7, s - l]))
   live = jnp.max(q_pos) + 1
-  got, kc2, vc2 = attn.cached_attention(q, kc, vc, 1, q_pos, live, block_k=block_k)
+  got, kc2, vc2 = attn.cached_attention(q, kc, vc, 1, q_pos, live, block_k=block_k,
+                                         block_q=block_q)
   k_pos = _arange(b, s)
   want = attn.reference_attention(q, kc[1], vc[1], q_pos, k_pos)
   np.testing.assert_allclose(got, want, **TOL)
