@@ -95,6 +95,10 @@ def test_micro_batched_and_sharded_scores_equal_whole_batch(models, batch, direc
   rows = np.array([3, 7, 10])
   np.testing.assert_allclose(scorer.reward_scores(CRITIC, critic_s, batch.take(rows)),
                              score[rows], atol=1e-5)
+  # Whole-batch scoring (no micro-batches) pads the 12 rows to 16, a multiple of the mesh's 8
+  # data-parallel devices, which a batch-sharded input needs.
+  np.testing.assert_allclose(Scorer(mesh).reward_scores(CRITIC, critic_s, batch), score,
+                             atol=1e-5)
 
 
 def test_reward_dispatch_model_and_function(models, batch, direct):
@@ -233,3 +237,33 @@ def test_a_reward_model_with_a_pad_id_scores_where_transformers_pools(models, ba
   np.testing.assert_allclose(got, want, atol=1e-5)
   assert np.abs(want - last).max() > 1e-3  # the two rules differ on these rows
   np.testing.assert_allclose(Scorer().reward_scores(CRITIC, critic, edited), last, atol=1e-5)
+
+
+def test_a_sequence_that_is_all_pad_id_is_scored_at_position_0():
+  """transformers' *ForSequenceClassification pools at argmax(index * (token != pad)): 0 for a
+  row with no other token. score_positions must read position 0 there too, not wrap to the
+  row's last column (padding past the response, another value entirely)."""
+  from rlhfuse_jax.models import sequences
+  pad = 3
+  tokens = np.array([[pad, pad, pad, pad, 9, 9], [5, pad, 7, pad, pad, 9]], np.int32)
+  plens, rlens = np.array([2, 2]), np.array([2, 3])  # scored spans: 4 and 5 tokens
+  got = np.asarray(sequences.score_positions(tokens, plens, rlens, pad))
+  np.testing.assert_array_equal(got, [0, 2])
+  np.testing.assert_array_equal(np.asarray(sequences.score_positions(tokens, plens, rlens, -1)),
+                                [3, 4])
+
+
+def test_a_statistic_may_have_no_value_but_not_an_infinite_one(batch):
+  """Rewards' stats: a sample's NaN means "no value" and is left out of the batch mean; an
+  infinite one is refused (it would make the logged mean inf), naming the statistic and the
+  sample, even for a function passed in directly rather than through data/rewards' per-sample
+  wrapper (which checks its own)."""
+  lens = batch.response_lens.astype(np.float64)
+  some = RewardTerm(label="some", name="some", fn=lambda r, t, l: np.where(l > 3, l, np.nan))
+  _, metrics = Rewards(fn=lambda r, t, l: np.zeros(len(l)), stats=[some]).scored(batch)
+  assert metrics["stats/some_mean"] == pytest.approx(lens[lens > 3].mean())
+  huge = RewardTerm(label="huge", name="huge",
+                    fn=lambda r, t, l: np.where(np.arange(len(l)) == 1, 1e39, 1.0))
+  with pytest.raises(ValueError, match="statistic 'huge' returned a non-finite reward for "
+                                       "sample 1 of"):
+    Rewards(fn=lambda r, t, l: np.zeros(len(l)), stats=[huge]).scored(batch)
