@@ -739,3 +739,63 @@ def test_the_binary_sets_enough_devices_for_the_largest_group():
                        timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.split("\n")[-2] == "[2, 4, 6, 8, 2, 5, 5]"
+
+
+def _analytic(c, ticks=0):
+  return plan_programs.train_analytic(plan_programs.PlanConfig.from_config_dict(c),
+                                      {"ticks": ticks})
+
+
+def test_train_analytic_splits_grads_and_optimizer_state_as_the_plan_does():
+  """Per device: gradients are the parameters' bytes (their dtype) over pp*tp*fsdp shards;
+  zero1 splits the optimizer state a further dp ways, and only with zero1."""
+  c = plan_config.get_config("tiny")  # pp 2, tp 1, fsdp 2, dp 2
+  n = sum(int(np.prod(x.shape)) for m in ("actor", "critic")
+          for x in jax.tree.leaves(llama.param_shapes(
+              getattr(plan_programs.PlanConfig.from_config_dict(c), m))))
+  off = _analytic(c)
+  assert off["grads_bytes"] == 4 * n / (2 * 1 * 2)  # float32 parameters
+  c.zero1 = True
+  on = _analytic(c)
+  assert on["optimizer_bytes"] * 2 == pytest.approx(off["optimizer_bytes"])
+  assert on["grads_bytes"] == off["grads_bytes"] and on["params_bytes"] == off["params_bytes"]
+  # Adam's two float32 moments per parameter (plus step counters) over the 4 shards.
+  assert off["optimizer_bytes"] >= 8 * n / 4
+
+
+def test_pipelined_activations_hold_one_micro_batch_per_stage_in_flight():
+  """1F1B keeps min(stages, micro-batches) micro-batches' activations per device, counted per
+  model: 34*h bytes per token and layer (the simulator's figure) times a stage's layers."""
+  c = plan_config.get_config("tiny")  # pp = critic_pp = 2, 2 rows per data shard
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  per_h = plan_programs.CostModel(cfg.hardware).eff.act_bytes_per_token_layer_per_h
+  one = lambda m, rows: per_h * m.hidden_size * rows * cfg.seq_len * m.num_layers / 2
+  # Actor: 2 micro-batches of 1 row, both in flight; critic: 1 micro-batch of 2 rows.
+  c.critic_microbatch_size = 2
+  out = _analytic(c)
+  assert out["activations_bytes"] == pytest.approx(2 * one(cfg.actor, 1) + one(cfg.critic, 2))
+  # 4 micro-batches per shard: still 2 in flight on 2 stages.
+  c.minibatch_size, c.critic_microbatch_size = 16, 0
+  out = _analytic(c)
+  assert out["activations_bytes"] == pytest.approx(2 * one(cfg.actor, 1) + 2 * one(cfg.critic, 1))
+
+
+def test_lockstep_flops_split_over_the_tensor_devices():
+  """A lockstep tick's task is split tp ways: doubling tp halves the lockstep FLOPs per device
+  for the same ticks; doubling the ticks doubles them."""
+  c = plan_config.get_config("tiny")
+  c.dp, c.tp = 1, 1
+  base = _analytic(c, ticks=6)["lockstep_flops_per_device"]
+  c.tp = 2
+  assert _analytic(c, ticks=6)["lockstep_flops_per_device"] * 2 == pytest.approx(base)
+  assert _analytic(c, ticks=12)["lockstep_flops_per_device"] == pytest.approx(base)
+
+
+def test_compute_s_is_the_compiled_dot_flops_at_peak():
+  """A 512x512 matmul is 2*512**3 dot FLOPs; compute_s is that at the preset's peak FLOP/s
+  (not its HBM bandwidth, nor the analytic count)."""
+  x = jax.ShapeDtypeStruct((512, 512), np.float32)
+  hw = hardware.get_hardware("h100_sxm")
+  m = plan_programs.measure(jax.jit(lambda a: a @ a).lower(x), hw)
+  assert m["flops_per_device"] == 2 * 512 ** 3
+  assert m["compute_s"] == pytest.approx(2 * 512 ** 3 / hw.peak_flops)
