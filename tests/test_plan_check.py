@@ -754,7 +754,7 @@ def test_train_analytic_splits_grads_and_optimizer_state_as_the_plan_does():
           for x in jax.tree.leaves(llama.param_shapes(
               getattr(plan_programs.PlanConfig.from_config_dict(c), m))))
   off = _analytic(c)
-  assert off["grads_bytes"] == 4 * n / (2 * 1 * 2)  # float32 parameters
+  assert off["params_bytes"] == off["grads_bytes"] == 4 * n / (2 * 1 * 2)  # float32 parameters
   c.zero1 = True
   on = _analytic(c)
   assert on["optimizer_bytes"] * 2 == pytest.approx(off["optimizer_bytes"])
@@ -799,3 +799,39 @@ def test_compute_s_is_the_compiled_dot_flops_at_peak():
   m = plan_programs.measure(jax.jit(lambda a: a @ a).lower(x), hw)
   assert m["flops_per_device"] == 2 * 512 ** 3
   assert m["compute_s"] == pytest.approx(2 * 512 ** 3 / hw.peak_flops)
+
+
+def test_zero1_splits_an_unpipelined_critic_over_its_stage_replicas_too():
+  """pp 2 with critic_pp 1: each critic weight has 2 (stage replicas) x dp 2 copies, so zero1
+  gives every device a quarter of the critic's state over its fsdp shards, as many bytes as
+  the 2-stage critic's quarter of its half; without zero1 the unstaged critic holds twice that."""
+  c = plan_config.get_config("tiny")
+  c.zero1 = True
+  staged = _analytic(c)["optimizer_bytes"]
+  c.critic_pp = 1
+  assert _analytic(c)["optimizer_bytes"] == pytest.approx(staged)
+  c.zero1 = False
+  plain = _analytic(c)["optimizer_bytes"]
+  c.critic_pp = 2
+  assert plain > _analytic(c)["optimizer_bytes"]
+
+
+def test_accumulated_gradients_and_mesh_inference_by_hand():
+  """Unpipelined, data 2 x fsdp 2 x tensor 2, 2 micro-batches: float32 gradient sums split like
+  the weights (over fsdp*tp = 4), or with gradient_sync="once" over tensor only beside the
+  weights gathered over fsdp. Mesh inference scores 8 rows over data*fsdp = 4 shards, 2 rows of
+  34*h bytes per token on one layer at a time, split over tensor 2; weights over fsdp*tp."""
+  c = _tiny_mesh_generation()
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  n = sum(int(np.prod(x.shape)) for m in (cfg.actor, cfg.critic)
+          for x in jax.tree.leaves(llama.param_shapes(m)))
+  assert _analytic(c)["grad_accumulator_bytes"] == 4 * n / 4
+  c.gradient_sync = "once"
+  once = _analytic(c)
+  assert once["grad_accumulator_bytes"] == once["gathered_params_bytes"] == 4 * n / 2
+  a = cfg.actor
+  per_h = plan_programs.CostModel(cfg.hardware).eff.act_bytes_per_token_layer_per_h
+  out = plan_programs.inference_analytic(cfg)
+  assert out["activations_bytes"] == pytest.approx(per_h * a.hidden_size * 2 * cfg.seq_len / 2)
+  actor = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(llama.param_shapes(a)))
+  assert out["params_bytes"] == 4 * actor / 4
