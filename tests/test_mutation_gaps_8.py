@@ -4,6 +4,7 @@ fast suite lets through (the audit report names the mutation each kills). They c
 module's pure functions on hand-sized problems; none trains."""
 import dataclasses
 import re
+import shutil
 import types
 
 import jax
@@ -79,6 +80,12 @@ def test_cached_schedule_is_reused_only_under_the_same_search_settings(tmp_path,
     paths.append(pipelined.searched_schedule(problem, dataclasses.replace(pipe, **other))[1])
   assert searched == [(0, 1.0), (1, 1.0), (0, 2.0)]
   assert paths[0] == paths[1] and len(set(paths)) == 3
+  # A file copied by hand under this key's name from a run with another seed (same problem,
+  # so only the stored key tells them apart) is not taken for this run's: it searches again.
+  other_seed = pipelined.searched_schedule(problem, dataclasses.replace(pipe, search_seed=1))[1]
+  shutil.copy(other_seed, paths[0])
+  assert pipelined.searched_schedule(problem, pipe)[0].problem == problem
+  assert searched[-1] == (0, 1.0) and len(searched) == 4
 
 
 @pytest.mark.parametrize("overrides, match", [
