@@ -37,6 +37,7 @@ from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference import scoring
+from rlhfuse_jax.models import sequences
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.perf import accounting
@@ -44,7 +45,6 @@ from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import minibatch as mb_lib
 from rlhfuse_jax.sim import hardware
 from rlhfuse_jax.models import llama
-from rlhfuse_jax.models import sequences
 from rlhfuse_jax.trainer import async_ppo as async_lib
 from rlhfuse_jax.trainer import build, evaluation, hooks, ppo
 from rlhfuse_jax.trainer import config as config_lib
