@@ -1,0 +1,118 @@
+"""Cheap tests proposed by a twelfth mutation audit, of the experiments binaries' computing
+helpers (bench_async, bench_decode, bench_generation, bench_pipeline, calibrate_sim,
+schedule_search, runner, sweep): each one fails under a plausible bug in a figure these binaries
+write into result.json or a summary table that the rest of the suite lets through (the audit
+report names the mutation each kills). They call the helpers on hand-made inputs with
+hand-computed answers; nothing trains and nothing is timed.
+
+A binary that defines absl flags (bench_async, bench_decode, bench_pipeline, schedule_search,
+sweep) is imported in a subprocess, as the other tests of experiments/ do: two of them in one
+process define --config twice. bench_generation and runner are imported here, as
+test_bench_generation.py and test_config_files.py do."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python(code: str, *args: str, timeout: int = 120) -> dict:
+  """Runs `code` in a fresh interpreter from the repository root; returns the JSON object its
+  last stdout line prints."""
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# experiments/bench_async.py -----------------------------------------------------------------------
+
+_ASYNC_SUMMARIZE = """
+import json
+from experiments import bench_async as b
+steps = [10.0, 9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 100.0, 200.0, 300.0]
+rows = [{"reward/mean": 0.1 * i, "timing_s/step": s, "async/behaviour_weight_mean": 0.5 + i}
+        for i, s in enumerate(steps)]
+rows[3]["perf/async_overlap_frac"] = 0.5
+rows[6]["perf/async_overlap_frac"] = 0.75
+print(json.dumps({str(k): b.summarize(rows, 0.28, 2, k) for k in (0, 2)}))
+"""
+
+
+def test_bench_async_summary_windows_rounds_and_drops_the_last_iterations():
+  """summarize on ten iterations (window 0.28: round(2.8) = 3 iterations each end; skip 2):
+  the gain is the last window's mean reward minus the first's; the median step time leaves out
+  the first `skip` iterations and the last max(1, staleness), which generate nothing ahead
+  (staleness 0 still drops one); the overlap is the mean over the iterations that logged it."""
+  got = _python(_ASYNC_SUMMARIZE)
+  for k, s in got.items():
+    assert s["iterations"] == 10
+    assert s["reward_first"] == pytest.approx(0.1) and s["reward_last"] == pytest.approx(0.8)
+    assert s["reward_gain"] == pytest.approx(0.7)
+    assert s["overlap_frac"] == pytest.approx(0.625)
+    assert s["behaviour_weight_mean"] == pytest.approx(5.0)  # mean of 0.5 + 0..9
+  # staleness 0: iterations 2..8 (1, 2, 3, 4, 5, 100, 200); staleness 2: 2..7
+  assert got["0"]["median_step_s"] == 4.0 and got["2"]["median_step_s"] == 3.5
+
+
+_ASYNC_MAIN = """
+import json, os, re, sys
+workdir, runs = sys.argv[1:3]
+# config_flags reads the --config.* overrides from sys.argv when the binary defines --config.
+sys.argv = ["bench_async", "--config=configs/bench_async.py", f"--workdir={workdir}",
+            "--config.staleness=(0,1)", "--config.seeds=(0,1)", "--config.window=0.25",
+            "--config.skip=0", "--config.min_gain_ratio=0.75", "--config.parallel=1",
+            "--config.num_iterations=4", f"--config.runs={runs}"]
+from absl import flags
+from experiments import bench_async as b
+# reward gain and step times of each run (config stem, staleness, seed): 4 iterations, window
+# 0.25 (one iteration each end), skip 0, so the median step is over the first three.
+plan = {("ppo_tiny", 0, 0): (0.25, [1.0, 2.0, 4.0]), ("ppo_tiny", 0, 1): (0.75, [2.0, 4.0, 8.0]),
+        ("ppo_tiny", 1, 0): (0.375, [1.0, 1.0, 1.0]), ("ppo_tiny", 1, 1): (0.375, [2.0, 2.0, 2.0]),
+        ("grpo_tiny", 0, 0): (0.0, [1.0, 1.0, 1.0]), ("grpo_tiny", 0, 1): (0.0, [1.0, 1.0, 1.0]),
+        ("grpo_tiny", 1, 0): (0.5, [1.0, 1.0, 1.0]), ("grpo_tiny", 1, 1): (0.5, [1.0, 1.0, 1.0])}
+
+def fake_run(cmd, run_dir, name, env, started=None):
+  stem, k, seed = re.fullmatch(r"(.*)_s(\\d+)_seed(\\d+)", name).groups()
+  gain, steps = plan[stem, int(k), int(seed)]
+  os.makedirs(run_dir, exist_ok=True)
+  with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+    for i, reward in enumerate([0.0, 0.0, 0.0, gain]):
+      f.write(json.dumps({"step": i + 1, "reward/mean": reward,
+                          "timing_s/step": (steps + [50.0])[i]}) + "\\n")
+  return 0
+
+b.runner.run_streamed = fake_run
+flags.FLAGS(sys.argv)
+rc = b.main(["bench_async"])
+with open(os.path.join(workdir, "result.json")) as f:
+  print(json.dumps({"rc": rc, "result": json.load(f)}))
+"""
+
+
+def test_bench_async_ratios_are_over_the_seeds_mean_synchronous_run(tmp_path):
+  """main's figures (its train_ppo runs faked): each staleness's figures are the seeds' means;
+  gain_ratio and step_time_ratio are the asynchronous run's over the synchronous one's; a gain
+  ratio equal to the bar passes; a synchronous run that did not learn gives no ratio and fails
+  the acceptance, whatever the asynchronous run gained."""
+  alone = _python(_ASYNC_MAIN, str(tmp_path / "ppo"), "('configs/ppo_tiny.py',)")
+  assert alone["result"]["all_gains_ok"] is True  # (the synchronous rows have no gain_ok)
+  got = _python(_ASYNC_MAIN, str(tmp_path / "both"),
+                "('configs/ppo_tiny.py','configs/grpo_tiny.py')")
+  assert got["rc"] == 0
+  runs = got["result"]["runs"]
+  sync, fast = runs["configs/ppo_tiny.py"]["s0"], runs["configs/ppo_tiny.py"]["s1"]
+  assert sync["reward_gain"] == 0.5 and sync["reward_gain_per_seed"] == [0.25, 0.75]
+  assert sync["median_step_s"] == 3.0  # medians 2 and 4
+  assert fast["reward_gain"] == 0.375 and fast["median_step_s"] == 1.5
+  assert fast["gain_ratio"] == 0.75 and fast["step_time_ratio"] == 0.5
+  assert fast["gain_ok"] is True  # at the bar, not above it
+  flat = runs["configs/grpo_tiny.py"]
+  assert flat["s0"]["reward_gain"] == 0.0 and flat["s1"]["reward_gain"] == 0.5
+  assert flat["s1"]["gain_ratio"] is None and flat["s1"]["gain_ok"] is False
+  assert got["result"]["failed_runs"] == [] and got["result"]["all_gains_ok"] is False
