@@ -116,3 +116,62 @@ def test_bench_async_ratios_are_over_the_seeds_mean_synchronous_run(tmp_path):
   assert flat["s0"]["reward_gain"] == 0.0 and flat["s1"]["reward_gain"] == 0.5
   assert flat["s1"]["gain_ratio"] is None and flat["s1"]["gain_ok"] is False
   assert got["result"]["failed_runs"] == [] and got["result"]["all_gains_ok"] is False
+
+
+# experiments/bench_decode.py ----------------------------------------------------------------------
+
+_DECODE_FIGURES = """
+import json, sys, types
+from experiments import bench_decode as bd
+
+def result(platform):
+  return {
+      "device": {"platform": platform, "device_kind": "X"},
+      "model": {"num_params": 1234},
+      "decode": {"prompt_len": 8, "cache_len": 24, "per_batch": [
+          {"batch": 1, "step_s": 0.5, "prefill_s": 2.0, "decode_s": 7.5, "prefill_flops": 8e3,
+           "achieved_bw_bytes_per_s": 300.0, "mean_live_len": 16.0, "decode_steps": 15},
+          {"batch": 4, "step_s": 1.0, "prefill_s": 4.0, "decode_s": 15.0, "prefill_flops": 32e3,
+           "achieved_bw_bytes_per_s": 600.0, "mean_live_len": 16.0, "decode_steps": 15}]},
+      "train": {"batch": 2, "prompt_len": 8, "response_len": 16, "step_s": 4.0,
+                "flops": 1200.0, "achieved_flops_per_s": 300.0, "flops_6nd": 1600.0,
+                "actor_fwd_s": 0.5, "critic_fwd_s": 0.5}}
+
+out = {}
+r = bd.add_fractions(result("tpu"), peak_flops=1000.0, peak_bw=1200.0)
+out["bw"] = [row["bw_fraction"] for row in r["decode"]["per_batch"]]
+out["prefill_mfu"] = [row["prefill_mfu"] for row in r["decode"]["per_batch"]]
+out["mfu"], out["mfu_6nd"] = r["train"]["mfu"], r["train"]["mfu_6nd"]
+out["tpu_cal"] = bd.calibration_file(r)
+even = result("cpu")
+even["train"]["step_s"] = 1.0  # the update no longer than its two forwards
+out["cpu_cal"] = bd.calibration_file(even)
+bd.measure_peer = lambda cfg, batch: {"batch": batch, "tokens_per_s": 50.0 * batch}
+sys.modules["torch"] = types.ModuleType("torch")
+sys.modules["transformers"] = types.ModuleType("transformers")
+rows = [{"batch": 1, "tokens_per_s": 100.0}, {"batch": 4, "tokens_per_s": 100.0}]
+out["peer"] = bd.peer_baselines(types.SimpleNamespace(peer="hf"), rows)
+print(json.dumps(out))
+"""
+
+
+def test_bench_decode_fractions_calibration_and_peer_ratio_of_a_made_up_result():
+  """bench_decode's figures on a made-up result with known peaks (the suite's CPU has none, so
+  the bench's own run reports every fraction as None): bandwidth over the HBM peak, prefill MFU
+  from the prefill's FLOPs and seconds, the update's MFU and its 6ND variant; the calibration
+  file's prefill rate from the largest batch, its share flag from the platform, no train stage
+  when the update took no longer than the forwards; ours over the HF peer's tokens/s."""
+  got = _python(_DECODE_FIGURES)
+  assert got["bw"] == pytest.approx([0.25, 0.5])
+  assert got["prefill_mfu"] == pytest.approx([4.0, 8.0])  # 8e3 / 2 / 1e3, 32e3 / 4 / 1e3
+  assert got["mfu"] == pytest.approx(0.3) and got["mfu_6nd"] == pytest.approx(0.4)
+  tpu, cpu = got["tpu_cal"], got["cpu_cal"]
+  assert tpu["ops"]["decode_step"] == {"occupied_slots": [1, 4], "seconds": [0.5, 1.0]}
+  assert tpu["ops"]["prefill"]["tokens_per_s"] == pytest.approx(4 * 8 / 4.0)
+  assert tpu["ops"]["train_stage"] == {"actor_fwd_s": 0.5, "critic_fwd_s": 0.5,
+                                       "bwd_over_fwd": pytest.approx(3.0)}
+  # Fake CPU devices share one processor; a TPU's chips do not.
+  assert tpu["devices_share_compute"] is False and cpu["devices_share_compute"] is True
+  assert tpu["model_params"] == 1234 and tpu["instance_devices"] == 1
+  assert "train_stage" not in cpu["ops"] and "train_stage omitted" in cpu["notes"]
+  assert [p["ours_over_peer"] for p in got["peer"]["per_batch"]] == [2.0, 0.5]
