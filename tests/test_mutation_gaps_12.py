@@ -175,3 +175,79 @@ def test_bench_decode_fractions_calibration_and_peer_ratio_of_a_made_up_result()
   assert tpu["model_params"] == 1234 and tpu["instance_devices"] == 1
   assert "train_stage" not in cpu["ops"] and "train_stage omitted" in cpu["notes"]
   assert [p["ours_over_peer"] for p in got["peer"]["per_batch"]] == [2.0, 0.5]
+
+
+# experiments/bench_generation.py ------------------------------------------------------------------
+
+def _outputs(**changes):
+  out = {"response_tokens": np.array([[5, 6, 0], [7, 0, 0]]), "response_lens": np.array([2, 1]),
+         "logprobs": np.array([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]]),
+         "ref_logp": np.array([[-1.5, -2.5, 0.0], [-1.0, 0.0, 0.0]]),
+         "rewards": np.array([0.25, -0.75])}
+  for name, value in changes.items():
+    out[name] = np.asarray(value)
+  return out
+
+
+def test_bench_generation_compare_keeps_the_largest_absolute_difference_and_the_lengths():
+  """compare: the worst |difference| of each output (a negative one counts by its size), one
+  exactly at LOGPROB_ATOL still identical, a larger one in any inference output not; a row
+  length that differs while the tokens agree (its padding) makes the outputs differ."""
+  from experiments import bench_generation as bg
+  base, atol = _outputs(), bg.LOGPROB_ATOL
+  same = bg.compare(base, _outputs())
+  assert same["identical"] and same["tokens_equal"]
+  assert set(same) == {"tokens_equal", "logprobs_max_abs_diff", "ref_logp_max_abs_diff",
+                       "rewards_max_abs_diff", "identical"}  # no values: none compared
+  higher = base["logprobs"].copy()
+  higher[1, 0] += 0.25  # above the first run's: first - second is negative
+  got = bg.compare(base, _outputs(logprobs=higher))
+  assert got["logprobs_max_abs_diff"] == pytest.approx(0.25) and not got["identical"]
+  edge = bg.compare({**base, "rewards": np.array([0.0, 0.0])},
+                    {**base, "rewards": np.array([atol, -atol])})
+  assert edge["rewards_max_abs_diff"] == atol and edge["identical"]
+  far = bg.compare(base, _outputs(rewards=[0.25, -0.75 + 4 * atol]))
+  assert far["rewards_max_abs_diff"] == pytest.approx(4 * atol) and not far["identical"]
+  assert far["tokens_equal"] and far["logprobs_max_abs_diff"] == 0.0
+  lens = bg.compare(base, _outputs(response_lens=[2, 2]))
+  assert not lens["tokens_equal"] and not lens["identical"]
+
+
+def test_bench_generation_summary_derives_exposed_inference_cpu_share_and_same_host_moves(
+    monkeypatch):
+  """summarize's derived figures: inference exposed after generation ended, the CPU share of
+  wall x cores, and the same-host migrations as all of them less the cross-host ones."""
+  import types
+  from experiments import bench_generation as bg
+  monkeypatch.setattr(bg.os, "cpu_count", lambda: 4)
+  keys = ("gen/consolidation_step", "gen/migrated_samples", "gen/migrated_kv_bytes",
+          "gen/migration_copied_bytes", "gen/migration_s", "gen/migrated_samples_cross_host",
+          "gen/migration_cross_host_bytes", "gen/migration_same_host_s",
+          "gen/migration_cross_host_s", "gen/migration_cross_host_compile_s",
+          "fusion/weight_load_s", "fusion/weight_load_bytes", "timing_s/actor_to_instances",
+          "gen/decode_rounds", "gen/instance_chunks", "gen/unfinished_curve")
+  metrics = {k: float(i) for i, k in enumerate(keys)}
+  metrics.update({"cpu_s": 6.0, "gen/migrated_samples": 10, "gen/migrated_samples_cross_host": 3,
+                  "gen/migration_copied_bytes": 1000, "gen/migration_cross_host_bytes": 400})
+  timeline = types.SimpleNamespace(gen_plus_inf_s=5.0, gen_end_s=3.5, instance_busy_frac=0.5,
+                                   inference_overlap_frac=0.25)
+  out = types.SimpleNamespace(metrics=metrics, timeline=timeline, rt=0.2, consolidations=[])
+  s = bg.summarize(out, wall_s=3.0)
+  assert s["gen_plus_inf_s"] == 5.0 and s["gen_s"] == 3.5 and s["wall_s"] == 3.0
+  assert s["inference_exposed_s"] == 1.5
+  assert s["cpu_util"] == pytest.approx(6.0 / (3.0 * 4))
+  assert s["same_host_migrated_samples"] == 7 and s["cross_host_migrated_samples"] == 3
+  assert s["same_host_migrated_bytes"] == 600 and s["cross_host_migrated_bytes"] == 400
+  for field, key in (("same_host_migration_s", "gen/migration_same_host_s"),
+                     ("cross_host_migration_s", "gen/migration_cross_host_s"),
+                     ("migrated_kv_bytes", "gen/migrated_kv_bytes"),
+                     ("weight_load_s", "fusion/weight_load_s"),
+                     ("actor_to_instances_s", "timing_s/actor_to_instances")):
+    assert s[field] == metrics[key], field
+
+
+def test_bench_generation_median_run_is_the_upper_median_by_wall_time():
+  from experiments import bench_generation as bg
+  runs = [("c", 3.0), ("a", 1.0), ("b", 2.0), ("d", 4.0)]
+  assert bg._median_run(runs) == ("c", 3.0)  # pylint: disable=protected-access
+  assert bg._median_run(runs[:3]) == ("b", 2.0)  # pylint: disable=protected-access
