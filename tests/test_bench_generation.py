@@ -35,6 +35,8 @@ def test_tiny_bench(tmp_path):
     assert key in stored["fused"]
   assert stored["ratio"] == stored["fused"]["gen_plus_inf_s"] / stored["baseline"][
       "gen_plus_inf_s"]
+  # One repeat: its paired ratio (fused over baseline of the same repeat) is the ratio itself.
+  assert stored["ratio_paired"] == {"median": stored["ratio"], "runs": [stored["ratio"]]}
   assert stored["migration_threshold"] == 0.75 and len(stored["response_lens"]) == 8
   cal = calibration.load(os.path.join(workdir, "calibration.json"))
   assert cal.devices_share_compute and cal.migration is not None

@@ -251,3 +251,19 @@ def test_bench_generation_median_run_is_the_upper_median_by_wall_time():
   runs = [("c", 3.0), ("a", 1.0), ("b", 2.0), ("d", 4.0)]
   assert bg._median_run(runs) == ("c", 3.0)  # pylint: disable=protected-access
   assert bg._median_run(runs[:3]) == ("b", 2.0)  # pylint: disable=protected-access
+
+
+def test_bench_generation_batch_is_right_padded_to_each_prompts_length_over_the_whole_range():
+  """make_batch (the default config: 64 prompts of 4..16 tokens): each prompt's tokens are
+  non-zero up to its length and the pad 0 after it; the lengths reach both ends of
+  [prompt_min_len, prompt_len]; the budgets lie in [lengths.min_len, max_new_tokens]."""
+  from configs import bench_generation as bench_config
+  from experiments import bench_generation as bg
+  c = bench_config.get_config()
+  tokens, plens, budgets, _ = bg.make_batch(c, 0)
+  g = c.generation
+  assert tokens.shape == (c.batch_size, g.prompt_len) and plens.shape == budgets.shape
+  real = np.arange(g.prompt_len)[None, :] < plens[:, None]
+  assert (tokens[real] > 0).all() and (tokens[~real] == 0).all()
+  assert plens.min() == g.prompt_min_len and plens.max() == g.prompt_len
+  assert budgets.min() >= c.lengths.min_len and budgets.max() <= g.max_new_tokens
