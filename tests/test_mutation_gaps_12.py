@@ -267,3 +267,272 @@ def test_bench_generation_batch_is_right_padded_to_each_prompts_length_over_the_
   assert (tokens[real] > 0).all() and (tokens[~real] == 0).all()
   assert plens.min() == g.prompt_min_len and plens.max() == g.prompt_len
   assert budgets.min() >= c.lengths.min_len and budgets.max() <= g.max_new_tokens
+
+
+# experiments/bench_pipeline.py --------------------------------------------------------------------
+
+_PIPELINE_CALIBRATION = """
+import json
+import numpy as np
+import jax
+from configs import bench_pipeline as config_file
+from experiments import bench_pipeline as bp
+from rlhfuse_jax.parallel.mesh import MeshConfig, make_mesh
+from rlhfuse_jax.pipeline import program as prog, schedules
+from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF
+
+c = config_file.get_config()  # actor_pp 4, critic_pp 2, data 2
+c.calib_ticks, c.repeats = 4, 3
+cfg = bp.BenchPipelineConfig.from_config_dict(c)
+problem = cfg.problem()
+STEP, TICK = 0.25, 0.01  # the fake executor's fixed costs per step and per tick
+COST = {AF: 1e-3, AB: 3e-3, CF: 5e-4, CB: 2e-3}  # per task, times (1 + its stage)
+
+def task_cost(row, device):
+  if row[prog.MODEL] == prog.IDLE:
+    return 0.0
+  actor = row[prog.MODEL] == prog.ACTOR
+  kind = (AB if row[prog.BACKWARD] else AF) if actor else (CB if row[prog.BACKWARD] else CF)
+  stage = device if actor else problem.critic_stage(device)
+  return COST[kind] * (1 + stage)
+
+def fake_stepper(cfg_, template, table, shape, mesh, params, batch):
+  # One core: every task of a tick runs after the other, on each data copy.
+  copies = mesh.shape["data"]
+  work = sum(task_cost(table[d, t], d) for d in range(table.shape[0])
+             for t in range(table.shape[1]))
+  seconds = STEP + table.shape[1] * TICK + copies * work
+  return lambda: seconds
+
+bp._stepper = fake_stepper
+mesh = make_mesh(MeshConfig(data=cfg.data, stage=cfg.actor_pp), jax.devices()[:8])
+programs = [prog.build_program(problem, schedules.serial_order(problem), barrier=True)]
+batch = {"tokens": np.zeros((cfg.minibatch_size, 4), np.int32)}
+cal, check = bp.measure_calibration(cfg, problem, programs, mesh, None, batch)
+print(json.dumps({"cal": cal, "check": check}))
+"""
+
+
+def test_bench_pipeline_calibration_recovers_a_fake_executors_costs():
+  """measure_calibration against a fake executor whose step takes 0.25 s + 10 ms per tick +
+  its tasks' costs (known per kind and stage, run one after the other): the tick and step
+  overheads come out of the two idle tables, each task's cost per stage out of the one-device
+  tables (the critic's stages on the devices that hold them), the train-stage means and
+  bwd_over_fwd from those, and the all-busy check adds the data copies' actor backwards."""
+  got = _python(_PIPELINE_CALIBRATION, timeout=240)
+  ops = got["cal"]["ops"]
+  assert ops["pipeline_executor"]["tick_overhead_s"] == pytest.approx(0.01)
+  assert ops["pipeline_executor"]["step_overhead_s"] == pytest.approx(0.25)
+  ts = ops["train_stage"]
+  assert ts["actor_fwd_per_stage_s"] == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3])
+  assert ts["actor_bwd_per_stage_s"] == pytest.approx([3e-3, 6e-3, 9e-3, 12e-3])
+  assert ts["critic_fwd_per_stage_s"] == pytest.approx([5e-4, 1e-3])
+  assert ts["critic_bwd_per_stage_s"] == pytest.approx([2e-3, 4e-3])
+  assert ts["actor_fwd_s"] == pytest.approx(2.5e-3) and ts["actor_bwd_s"] == pytest.approx(7.5e-3)
+  assert ts["critic_fwd_s"] == pytest.approx(7.5e-4) and ts["critic_bwd_s"] == pytest.approx(3e-3)
+  assert ts["bwd_over_fwd"] == pytest.approx((7.5e-3 + 3e-3) / (2.5e-3 + 7.5e-4))
+  check = got["check"]
+  work = 2 * (3e-3 + 6e-3 + 9e-3 + 12e-3)  # both data copies' actor backwards, every stage
+  assert check["task_work_per_tick_s"] == pytest.approx(work)
+  assert check["added_per_tick_s"] == pytest.approx(work)  # the fake runs them one at a time
+  assert check["effective_parallel_tasks"] == pytest.approx(1.0)
+  cores = check["host_cores"]
+  assert got["cal"]["parallel_tasks"] == cores and got["cal"]["devices_share_compute"] is True
+  assert check["predicted_added_per_tick_s"] == pytest.approx(max(12e-3, work / cores))
+
+
+_PIPELINE_HELPERS = """
+import json
+import numpy as np
+from experiments import bench_pipeline as bp
+from rlhfuse_jax.pipeline import program as prog
+from rlhfuse_jax.pipeline.graph import AB, CB, PipelineProblem
+
+out = {}
+got = [np.array([1.0, -3.0]), np.array([3.0]), np.zeros(2)]
+want = [np.array([1.0, -4.0]), np.array([2.0]), np.zeros(2)]
+out["grad"] = bp.grad_error(got, want)
+# actor_pp 4, critic_pp 2: device 3 holds critic stage 0 of replica 1 (reversed placement)
+problem = PipelineProblem(4, 2, 8, 4, 1.0, 1.0)
+shape = prog.ProgramShape(ticks=6, stash_sizes=(3, 2), inbox_sizes=(5, 5, 5, 4))
+for name, device, kind in (("critic", 3, CB), ("actor", 3, AB)):
+  table = bp._task_table(problem, 6, device, kind, shape)
+  out[name] = {"others_idle": bool((np.delete(table, device, axis=0) == 0).all()),
+               "rows": table[device].tolist()}
+out["idle"] = bool((bp._task_table(problem, 6, 0, None, shape) == 0).all())
+calls = iter([1.0, 1.5, 2.0, 2.25, 3.0, 3.75])
+a = lambda: next(calls)
+out["paired"] = bp._paired(a, a, 3)  # pairs (1, 1.5), (2, 2.25), (3, 3.75)
+print(json.dumps(out))
+"""
+
+
+def test_bench_pipeline_grad_error_task_tables_and_paired_medians():
+  """grad_error: the worst leaf's max |g - r| over its own max |r| (a zero leaf counts 0) and
+  the global relative L2 error; _task_table: the busy device's fields at every tick (its
+  model, direction, first/last stage, micro-batch of its replica, the model's stash ring and the
+  kind's inbox ring), every other device idle; _paired: the median of the pairs' differences
+  and of their first times."""
+  got = _python(_PIPELINE_HELPERS)
+  assert got["grad"]["max_leaf_rel"] == pytest.approx(0.5)  # 1/2 on the second leaf, 1/4 first
+  assert got["grad"]["global_rel_l2"] == pytest.approx((2 / 21) ** 0.5)
+  assert got["critic"]["others_idle"] and got["actor"]["others_idle"] and got["idle"]
+  # device 3, critic backward: critic stage 0 of 2 (first), replica 1: micro-batches 4 + t % 4
+  crit = [[2, 1, 1, 0, 4 + t % 4, t % 2, t % 4, 0, 0, 0, 0] for t in range(6)]
+  assert got["critic"]["rows"] == crit
+  # device 3, actor backward: actor stage 3 of 4 (last), micro-batches t % 8
+  act = [[1, 1, 0, 1, t % 8, t % 3, t % 5, 0, 0, 0, 0] for t in range(6)]
+  assert got["actor"]["rows"] == act
+  assert got["paired"] == [pytest.approx(0.5), pytest.approx(2.0)]
+
+
+# experiments/runner.py ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("x, decimals, significant, text", [
+    (1234.5678, 2, 1, "1234.57"), (0.05, 2, 1, "0.05"),
+    (0.01, 2, 1, "0.01"),  # exactly one significant digit at 2 decimals: still fixed
+    (0.0099, 2, 1, "9.90e-03"), (-0.005, 2, 1, "-5.00e-03"),
+    (0.0, 2, 1, "0.00"),  # zero has no significant digit to lose
+    (0.05, 2, 2, "5.00e-02"), (0.5, 2, 2, "0.50"), (0.0004, 3, 1, "4.00e-04")])
+def test_fixed_or_sci_switches_to_e_notation_below_the_significant_digits(x, decimals,
+                                                                          significant, text):
+  from experiments import runner
+  assert runner.fixed_or_sci(x, decimals, significant) == text
+
+
+def test_smooth_is_a_trailing_mean_over_at_most_width_points():
+  from experiments import runner
+  got = runner.smooth([1.0, 2.0, 3.0, 4.0, 6.0], 2)
+  assert got.tolist() == [1.0, 1.5, 2.5, 3.5, 5.0]
+  assert runner.smooth([4.0, 0.0, 2.0], 5).tolist() == [4.0, 2.0, 2.0]  # what there is
+  assert runner.smooth([4.0, 0.0, 2.0], 1).tolist() == [4.0, 0.0, 2.0]
+
+
+@pytest.mark.parametrize("key, seed", [
+    ("seed", True), ("pipeline.search_seed", True), ("data.seed", True), ("seeds", False),
+    ("reseed", False), ("seed_count", False), ("algo.seedless", False)])
+def test_is_seed_field_takes_seed_and_underscore_seed_names_only(key, seed):
+  from experiments import runner
+  assert runner.is_seed_field(key) is seed
+
+
+# experiments/schedule_search.py -------------------------------------------------------------------
+
+_SCHEDULE_SEARCH = """
+import json, sys, types
+from configs import schedule_search as config_file
+from experiments import schedule_search as ss
+from rlhfuse_jax.pipeline import schedules
+
+workdir, which, budget = sys.argv[1], sys.argv[2], float(sys.argv[3])
+c = config_file.get_config()
+c.actor_pp, c.critic_pp, c.actor_microbatches, c.critic_microbatches = 4, 2, 4, 4
+c.actor_fwd, c.critic_fwd, c.memory_budget, c.workers = 2.0, 1.0, budget, 1
+
+def fake_search(problem, cfg, log=None):  # the search "finds" a known order
+  order = getattr(schedules, f"{which}_order")(problem)
+  return types.SimpleNamespace(best=order, best_unconstrained=order, search_s=0.5,
+                               evaluations=100)
+
+ss.search.search, ss.search.warmup = fake_search, lambda: 0.0
+print(json.dumps(ss.run(c, workdir)))
+"""
+
+
+def test_schedule_search_result_figures_of_a_known_searched_order(tmp_path):
+  """run's figures with the search faked to return a known order: the greedy order on the
+  uniform budget reaches the tight bound (at_lower_bound, gap 0); the serial order without its
+  barrier, within an explicit budget of 8, is above it by searched / bound - 1, and its
+  devices at the budget are those whose peak equals it (one: the actor's first stage holds all
+  four micro-batches); evaluations per second over the search's seconds."""
+  at = _python(_SCHEDULE_SEARCH, str(tmp_path / "a"), "greedy", "-1")
+  assert at["searched"] == at["greedy"] == at["lower_bound"] == 42.0
+  assert at["at_lower_bound"] is True and at["gap_to_lower_bound"] == 0.0
+  assert at["memory_budget_mode"] == "uniform" and at["evaluations_per_s"] == 200.0
+  above = _python(_SCHEDULE_SEARCH, str(tmp_path / "b"), "serial", "8")
+  assert above["memory_budget_mode"] == "explicit" and above["budget_max"] == 8.0
+  assert above["searched"] > above["lower_bound"] == 42.0 and above["at_lower_bound"] is False
+  assert above["gap_to_lower_bound"] == pytest.approx(above["searched"] / 42.0 - 1.0)
+  peaks, budget = above["peak_memory"]["searched"], above["peak_memory"]["budget"]
+  assert peaks == [8.0, 6.0, 4.0, 2.0] and budget == [8.0] * 4
+  assert above["devices_at_budget"] == 1 and above["peak_max"] == 8.0
+  assert above["within_budget"] is True
+
+
+# experiments/plan_search.py -----------------------------------------------------------------------
+
+_PLAN_REPORT = """
+import json
+from experiments import plan_search as ps
+
+def plan(summary, iteration_s, **extra):
+  return {"summary": summary, "predicted": {"reshard_s": 0.5, "gen_s": 1.0, "inf_s": 0.25,
+                                             "train_s": 2.0, "iteration_s": iteration_s},
+          **extra}
+
+best = plan("best", 4.0)
+res = {"evaluated": 7, "rejected": [1, 2], "synchronous_search_s": 1.5, "search_s": 3.0,
+       "best": best, "top": [best, plan("second", 5.0)],
+       "uniform": {"layout": {"tp": 2, "pp": 1, "dp": 4}, **plan("u", 3.0)},
+       "stages": {"generation": [["g1", 1.0]]},
+       "refused": {"a": 1, "b": 7, "c": 3, "d": 2, "e": 5, "f": 4},
+       "async": {"staleness": 1, "search_s": 1.5,
+                 "top": [plan("async", 2.5, **{"async": {"colocated": True}})],
+                 "splits": [{"generation_devices": 4, "training_devices": 4, "iteration_s": 2.5,
+                             "bound": "train"},
+                            {"generation_devices": 6, "training_devices": 2}]}}
+setting = {"label": "x", "num_devices": 8, "hardware": "h100_sxm", "train_config": "cfg.py",
+           "global_batch": 8, "minibatch": 4, "epochs": 1, "max_new_tokens": 16,
+           "lengths": {"response_lengths_from": "targets"}}
+print(json.dumps(ps.report(res, {}, setting)))
+"""
+
+
+def test_plan_search_report_ranks_refusals_and_compares_the_uniform_layout():
+  """plan_search.md's computed lines: the refusals' total and the five most frequent, most
+  frequent first; the uniform layout's time over the best combination's when it is faster; a
+  colocated asynchronous plan on all devices; only the splits that fit, counted."""
+  lines = _python(_PLAN_REPORT)
+  text = "\n".join(lines)
+  assert "restricted to plans the trainer runs: 22 synchronous combinations refused" in text
+  refusals = [line for line in lines if line.startswith("- ") and " x " in line]
+  assert refusals == ["- 7 x b", "- 5 x e", "- 4 x f", "- 3 x c", "- 2 x d"]
+  assert "The uniform layout is predicted faster than every per-stage combination (0.750x the " \
+         "best's time)" in text
+  assert "| 1 | async | all / all (colocated, serial) |" in text
+  assert "Splits tried: 2, 1 fit" in text and "- 4 / 4: 2.50 (train)" in text
+  assert "6 / 2" not in text
+
+
+# experiments/calibrate_sim.py ---------------------------------------------------------------------
+
+_CALIBRATE = """
+import json
+import jax
+from configs import calibrate_sim as config_file
+from experiments import calibrate_sim as cs
+
+def half_second(fn, repeats):  # every timed op "takes" 0.5 s (run once: the code still runs)
+  jax.block_until_ready(fn())
+  return 0.5
+
+cs.median_s = half_second
+c = config_file.get_config()
+c.max_new_tokens, c.chunk_size, c.occupancies, c.repeats = 16, 32, "1,8", 1
+print(json.dumps(cs.measure(c)))
+"""
+
+
+def test_calibrate_sim_rates_count_the_work_of_each_timed_op():
+  """measure with every timed op taking 0.5 s (its timer faked): prefill is 8 slots x 16 prompt
+  tokens, inference 8 samples x (16 + 16) tokens, a decode step the chunk's time over the 15
+  steps it runs, a migration 4 rows x 32 positions of K and V at the simulator's 2 bytes per
+  element (2 layers x 2 KV heads x 16 dims): each rate the work over 0.5 s."""
+  got = _python(_CALIBRATE, timeout=240)
+  ops = got["ops"]
+  assert ops["prefill"]["tokens_per_s"] == pytest.approx(8 * 16 / 0.5)
+  assert ops["inference"]["tokens_per_s"] == pytest.approx(8 * 32 / 0.5)
+  assert ops["decode_step"] == {"occupied_slots": [1, 8],
+                                "seconds": [pytest.approx(0.5 / 15)] * 2}
+  assert ops["migration"]["bytes_per_s"] == pytest.approx(4 * 32 * (2 * 2 * 2 * 16 * 2) / 0.5)
+  assert got["devices_share_compute"] is True and got["instance_devices"] == 1
