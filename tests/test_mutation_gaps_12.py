@@ -536,3 +536,47 @@ def test_calibrate_sim_rates_count_the_work_of_each_timed_op():
                                 "seconds": [pytest.approx(0.5 / 15)] * 2}
   assert ops["migration"]["bytes_per_s"] == pytest.approx(4 * 32 * (2 * 2 * 2 * 16 * 2) / 0.5)
   assert got["devices_share_compute"] is True and got["instance_devices"] == 1
+
+
+# experiments/sweep.py -----------------------------------------------------------------------------
+
+_CURVES = """
+import json, os, sys
+from experiments import sweep
+from rlhfuse_jax import workdir as wdlib
+
+work = sys.argv[1]
+rows = [{"run": f"s{i}", "status": "ok", "lr": 1.0, "seed": i} for i in range(3)]
+rows.append({"run": "other", "status": "ok", "lr": 2.0, "seed": 0})
+with open(os.path.join(work, "summary.json"), "w") as f:
+  json.dump(rows, f)
+for i in range(3):  # seed i: reward (i + 1) * step; seed 2 did not log step 40
+  for step in range(1, 41 if i < 2 else 40):
+    wdlib.append_jsonl(os.path.join(work, f"s{i}", "metrics.jsonl"),
+                       {"step": step, "reward/mean": float((i + 1) * step)})
+for step in range(1, 41):
+  wdlib.append_jsonl(os.path.join(work, "other", "metrics.jsonl"),
+                     {"step": step, "reward/mean": 0.5})
+lines, width = sweep.curve_lines(work, ["lr", "seed"])
+print(json.dumps({"width": width, "lines": [[label, steps, list(mean), list(low), list(high)]
+                                            for label, steps, mean, low, high in
+                                            lines["reward/mean"]]}))
+"""
+
+
+def test_sweep_curves_are_the_seeds_mean_over_their_common_steps_smoothed_over_a_twentieth(
+    tmp_path):
+  """curve_lines: three seeds of one setting (reward (seed + 1) x step) are one line, their mean
+  at the steps all three logged (1..39: the third stopped early), low and high the extremes,
+  each run smoothed by a trailing mean over a twentieth of the longest run (40 steps: 2); the
+  other setting's single run is a line of its own."""
+  got = _python(_CURVES, str(tmp_path))
+  assert got["width"] == 2
+  (label, steps, mean, low, high), (other, other_steps, flat, _, _) = got["lines"]
+  assert label == "s0+s1+s2 (3 seeds)" and steps == list(range(1, 40))
+  # trailing mean of 2 of c * step: c * (step - 0.5) (the first step alone: c)
+  trail = np.array([1.0] + [s - 0.5 for s in range(2, 40)])
+  np.testing.assert_allclose(mean, 2 * trail)  # seeds' factors 1, 2, 3
+  np.testing.assert_allclose(low, trail)
+  np.testing.assert_allclose(high, 3 * trail)
+  assert other == "other" and other_steps == list(range(1, 41)) and flat == [0.5] * 40

@@ -272,6 +272,12 @@ def test_bench_pipeline_writes_what_the_validator_reads(tmp_path):
     assert ticks == res["schedules"][name]["ticks"], name
   assert bench.measured[bench.serial] == res["serial_step_s"] > 0
   assert bench.measured[bench.fused] == res["fused_step_s"] > 0
+  # One repeat: the paired ratio is that round's fused over serial step; a schedule's bubble is
+  # the idle share of a device's ticks.
+  assert res["paired_ratio_fused_over_serial"] == pytest.approx(
+      res["fused_step_s"] / res["serial_step_s"])
+  for name, r in res["schedules"].items():
+    assert r["bubble_ticks"] == pytest.approx(1 - bench.problem.tasks_per_device / r["ticks"])
   text = "\n".join(validation.validation_lines(None, "", str(wd)))
   assert f"calibration `{wd / 'calibration.json'}`" in text  # the bench's own calibration
   for name in (bench.serial, bench.fused):
