@@ -444,11 +444,15 @@ def test_schedule_search_result_figures_of_a_known_searched_order(tmp_path):
   uniform budget reaches the tight bound (at_lower_bound, gap 0); the serial order without its
   barrier, within an explicit budget of 8, is above it by searched / bound - 1, and its
   devices at the budget are those whose peak equals it (one: the actor's first stage holds all
-  four micro-batches); evaluations per second over the search's seconds."""
+  four micro-batches), a peak one below it not; evaluations per second over the search's
+  seconds."""
   at = _python(_SCHEDULE_SEARCH, str(tmp_path / "a"), "greedy", "-1")
   assert at["searched"] == at["greedy"] == at["lower_bound"] == 42.0
   assert at["at_lower_bound"] is True and at["gap_to_lower_bound"] == 0.0
   assert at["memory_budget_mode"] == "uniform" and at["evaluations_per_s"] == 200.0
+  # device 0 at the budget of 9; device 1's peak of 8, one below it, is not
+  assert at["peak_memory"]["searched"] == [9.0, 8.0, 5.0, 3.0] and at["budget_max"] == 9.0
+  assert at["devices_at_budget"] == 1 and at["peak_max"] == 9.0
   above = _python(_SCHEDULE_SEARCH, str(tmp_path / "b"), "serial", "8")
   assert above["memory_budget_mode"] == "explicit" and above["budget_max"] == 8.0
   assert above["searched"] > above["lower_bound"] == 42.0 and above["at_lower_bound"] is False
