@@ -523,6 +523,7 @@ def half_second(fn, repeats):  # every timed op "takes" 0.5 s (run once: the cod
 cs.median_s = half_second
 c = config_file.get_config()
 c.max_new_tokens, c.chunk_size, c.occupancies, c.repeats = 16, 32, "1,8", 1
+c.model.dtype = "bfloat16"  # a bf16 cache: its K rows alone are half the K + V bytes counted
 print(json.dumps(cs.measure(c)))
 """
 
@@ -531,7 +532,8 @@ def test_calibrate_sim_rates_count_the_work_of_each_timed_op():
   """measure with every timed op taking 0.5 s (its timer faked): prefill is 8 slots x 16 prompt
   tokens, inference 8 samples x (16 + 16) tokens, a decode step the chunk's time over the 15
   steps it runs, a migration 4 rows x 32 positions of K and V at the simulator's 2 bytes per
-  element (2 layers x 2 KV heads x 16 dims): each rate the work over 0.5 s."""
+  element (2 layers x 2 KV heads x 16 dims; the copied K rows of the bf16 cache, not their
+  own bytes): each rate the work over 0.5 s."""
   got = _python(_CALIBRATE, timeout=240)
   ops = got["ops"]
   assert ops["prefill"]["tokens_per_s"] == pytest.approx(8 * 16 / 0.5)
@@ -554,10 +556,10 @@ rows = [{"run": f"s{i}", "status": "ok", "lr": 1.0, "seed": i} for i in range(3)
 rows.append({"run": "other", "status": "ok", "lr": 2.0, "seed": 0})
 with open(os.path.join(work, "summary.json"), "w") as f:
   json.dump(rows, f)
-for i in range(3):  # seed i: reward (i + 1) * step; seed 2 did not log step 40
+for i, factor in enumerate((1, 2, 6)):  # reward factor x step; seed 2 did not log step 40
   for step in range(1, 41 if i < 2 else 40):
     wdlib.append_jsonl(os.path.join(work, f"s{i}", "metrics.jsonl"),
-                       {"step": step, "reward/mean": float((i + 1) * step)})
+                       {"step": step, "reward/mean": float(factor * step)})
 for step in range(1, 41):
   wdlib.append_jsonl(os.path.join(work, "other", "metrics.jsonl"),
                      {"step": step, "reward/mean": 0.5})
@@ -570,7 +572,7 @@ print(json.dumps({"width": width, "lines": [[label, steps, list(mean), list(low)
 
 def test_sweep_curves_are_the_seeds_mean_over_their_common_steps_smoothed_over_a_twentieth(
     tmp_path):
-  """curve_lines: three seeds of one setting (reward (seed + 1) x step) are one line, their mean
+  """curve_lines: three seeds of one setting (reward 1, 2 and 6 x step) are one line, their mean
   at the steps all three logged (1..39: the third stopped early), low and high the extremes,
   each run smoothed by a trailing mean over a twentieth of the longest run (40 steps: 2); the
   other setting's single run is a line of its own."""
@@ -580,7 +582,7 @@ def test_sweep_curves_are_the_seeds_mean_over_their_common_steps_smoothed_over_a
   assert label == "s0+s1+s2 (3 seeds)" and steps == list(range(1, 40))
   # trailing mean of 2 of c * step: c * (step - 0.5) (the first step alone: c)
   trail = np.array([1.0] + [s - 0.5 for s in range(2, 40)])
-  np.testing.assert_allclose(mean, 2 * trail)  # seeds' factors 1, 2, 3
+  np.testing.assert_allclose(mean, 3 * trail)  # the mean factor (the median's would be 2)
   np.testing.assert_allclose(low, trail)
-  np.testing.assert_allclose(high, 3 * trail)
+  np.testing.assert_allclose(high, 6 * trail)
   assert other == "other" and other_steps == list(range(1, 41)) and flat == [0.5] * 40
