@@ -1,14 +1,15 @@
 """Cheap tests proposed by a twelfth mutation audit, of the experiments binaries' computing
 helpers (bench_async, bench_decode, bench_generation, bench_pipeline, calibrate_sim,
-schedule_search, runner, sweep): each one fails under a plausible bug in a figure these binaries
-write into result.json or a summary table that the rest of the suite lets through (the audit
-report names the mutation each kills). They call the helpers on hand-made inputs with
-hand-computed answers; nothing trains and nothing is timed.
+schedule_search, plan_search, runner, sweep): each one fails under a plausible bug in a figure
+these binaries write into result.json or a summary table that the rest of the suite lets
+through (the audit report names the mutation each kills). They call the helpers on hand-made
+inputs with hand-computed answers (a timer or an executor faked where the helper times
+something); nothing trains.
 
-A binary that defines absl flags (bench_async, bench_decode, bench_pipeline, schedule_search,
-sweep) is imported in a subprocess, as the other tests of experiments/ do: two of them in one
-process define --config twice. bench_generation and runner are imported here, as
-test_bench_generation.py and test_config_files.py do."""
+A binary that defines absl flags (bench_async, bench_decode, bench_pipeline, calibrate_sim,
+schedule_search, plan_search, sweep) is imported in a subprocess, as the other tests of
+experiments/ do: two of them in one process define --config twice. bench_generation and runner
+are imported here, as test_bench_generation.py and test_config_files.py do."""
 import json
 import os
 import subprocess
