@@ -8,12 +8,15 @@ import dataclasses
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rlhfuse_jax.generation import engine, fused, instances
 from rlhfuse_jax.generation.fused import FusedGenerator
 from rlhfuse_jax.generation.instances import FrozenModels
+from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.models import llama
 from tests.test_fused_generation import CFG, KEY, P, T, batch, build
 
 MB = 4  # the generator's inference micro-batch (= slots)
@@ -152,6 +155,8 @@ def test_a_migration_copies_whole_rows_padded_to_their_bucket_and_none_across_ho
       actor, params, tokens, lens, KEY, budgets=budgets, fuse=True, rt=0.5)
   assert [c["moves"] for c in out.consolidations] == [4, 2]
   assert [c["copied_bytes"] for c in out.consolidations] == [8 * row, 4 * row]
+  # The unfinished samples each kept instance holds afterwards (the released ones hold none).
+  assert [c["occupancy"] for c in out.consolidations] == [{0: 4, 1: 4}, {0: 4}]
   m = out.metrics
   assert m["gen/migration_copied_bytes"] == 12 * row
   assert m["gen/consolidation_step"] == 0  # the first consolidation's, not the last one's
@@ -244,11 +249,81 @@ def test_the_rollout_counts_decode_steps_and_rounds(ref_only):
     # Chunks of 3 steps: the tail needs T - 1 = 15 steps, 5 rounds.
     assert r.decode_chunks == m["gen/decode_rounds"] == -(-(T - 1) // 3)
     assert r.generate_s == pytest.approx(m["timing_s/generate"])
+    # prefill_s ends at the first read of the summaries (the curve's second point), not at
+    # the last round's.
+    curve = out.timeline.unfinished_curve
+    assert 0 < r.prefill_s <= curve[1][0] < curve[2][0] and r.decode_s > 0
     assert m["timing_s/inference"] == pytest.approx(m["timing_s/gen_plus_inf"] -
                                                     m["timing_s/generate"])
     if not fuse:  # nothing consolidated: step -1 (step 0 is a consolidation right after prefill)
       assert (m["gen/consolidation_step"], m["gen/consolidated_from"],
               m["gen/consolidated_to"], m["gen/migrated_samples"]) == (-1, 0, 0, 0)
+
+
+# engine.decode_chunk -----------------------------------------------------------------------------
+
+_TINY = llama.ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1,
+                          num_heads=2, num_kv_heads=1, max_seq_len=32)
+
+
+@pytest.mark.parametrize("chunk_size, steps_per_check, budget, expected",
+                         [(8, 1, 3, 2), (2, 2, 4, 2)])
+def test_a_decode_chunk_runs_only_the_steps_its_rows_need(chunk_size, steps_per_check, budget,
+                                                          expected, monkeypatch):
+  """Row 0 is done at prefill (budget 1). Budget 3: row 1 needs 2 more steps, and a chunk of 8
+  single steps stops after them (it ran all 8 without the all-done exit: outputs unchanged,
+  decode time wasted). Budget 4 with a chunk of 2 steps in groups of 2: one group, 2 steps
+  (counting the loop by 1 per group ran a second group)."""
+  steps = []
+  real = engine.decode_step
+
+  def counting(*args):
+    jax.debug.callback(lambda: steps.append(1))
+    return real(*args)
+  monkeypatch.setattr(engine, "decode_step", counting)
+  sampling = SamplingConfig(max_new_tokens=4, chunk_size=chunk_size,
+                            steps_per_check=steps_per_check, greedy=True)
+  params = llama.host_random_params(_TINY, 0)
+  st = engine.prefill(_TINY, params, jnp.array([[3, 4], [5, 0]], jnp.int32),
+                      jnp.array([2, 1], jnp.int32), jnp.arange(2), jax.random.key(0), sampling,
+                      max_len=8, budget=jnp.array([1, budget], jnp.int32))
+  st = engine.decode_chunk(_TINY, params, st, jax.random.key(0), sampling)
+  jax.effects_barrier()
+  assert len(steps) == expected
+  np.testing.assert_array_equal(st.num_generated, [1, 1 + expected])
+
+
+# instances.check_model / check_prompts ----------------------------------------------------------
+
+def test_a_context_of_exactly_max_seq_len_fits_and_one_more_does_not():
+  sampling = SamplingConfig(max_new_tokens=T)
+  cfg = CFG.replace(max_seq_len=P + T)
+  assert instances.check_model(cfg, sampling, P) == P + T  # the KV cache's positions
+  with pytest.raises(ValueError, match="context too long"):
+    instances.check_model(cfg, sampling, P + 1)
+
+
+def test_a_prompt_length_past_the_tokens_given_is_refused_even_within_the_bucket():
+  """Tokens [1, 2] with length 3 in a bucket of 4: the third token does not exist (it would be
+  the pad id, read as a prompt token)."""
+  sampling = SamplingConfig(max_new_tokens=2)
+  with pytest.raises(ValueError, match=r"prompt_lens must be in \[1, 2\]"):
+    instances.check_prompts(1, 4, sampling, [[1, 2]], [3])
+  tokens = instances.check_prompts(1, 4, sampling, [[1, 2]], [2])[0]
+  np.testing.assert_array_equal(tokens, [[1, 2, sampling.pad_id, sampling.pad_id]])
+
+
+# GenerationInstance.bucket -----------------------------------------------------------------------
+
+def test_migrated_rows_pad_to_the_smallest_bucket_that_holds_them():
+  """1 row copies 1 row, 2-4 rows a bucket of 4, S = 16 rows the bucket of 16 (a full instance
+  moving, which `b > n` refused), and more than S is refused."""
+  inst = types.SimpleNamespace(buckets=instances.migration_buckets(16))
+  assert inst.buckets == (1, 4, 16)
+  assert [instances.GenerationInstance.bucket(inst, n) for n in (1, 2, 4, 5, 16)] == [
+      1, 4, 4, 16, 16]
+  with pytest.raises(ValueError, match="17 rows exceed the largest migration bucket 16"):
+    instances.GenerationInstance.bucket(inst, 17)
 
 
 # InferenceQueue ----------------------------------------------------------------------------------
