@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from rlhfuse_jax.pipeline import program as prog
-from rlhfuse_jax.pipeline import schedule, schedules, windows
+from rlhfuse_jax.pipeline import bounds, schedule, schedules, search, windows
+from rlhfuse_jax.pipeline.evaluate import evaluate
+from rlhfuse_jax.pipeline.exact import time_indexed
 from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem
 
 
@@ -83,3 +85,80 @@ def test_windows_charge_the_latency_on_every_hop_of_both_chains():
     assert (win.tails[bk][first, 0], win.tails[bk][last, 0]) == (2.0, 4.5)
     assert (win.tails[fk][last, 0], win.tails[fk][first, 0]) == (5.5, 7.0)
   assert win.bound() == 7.0
+
+
+# exact/time_indexed.py ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("optimum, status", [(0.25, "infeasible"), (0.0, "feasible")])
+def test_an_uncertified_positive_elastic_optimum_still_reads_infeasible(monkeypatch, optimum,
+                                                                      status):
+  """solve's status is the solver's verdict (elastic optimum > 0: the LP has no solution) and
+  `certified` whether an exact certificate backs it; schedule_lp_check words the two apart
+  ("infeasible, not certified" vs "the relaxation proves nothing"). A solver that returns no
+  duals stands in for one whose multipliers fail the exact check. Mutant: status infeasible
+  only when certified as well, so such a run read as a feasible LP."""
+  model = time_indexed.build(PipelineProblem(2, 1, 2, 2, 1.0, 1.0), 14.0)
+  assert model.infeasible_reason is None and model.num_vars > 0
+  monkeypatch.setattr(time_indexed, "_solve_scipy", lambda *a: (optimum, None, "stub"))
+  res = time_indexed.solve(model, solver="scipy")
+  assert res["status"] == status and not res["certified"]
+  assert res["certificate_bound"] is None and res["elastic_optimum"] == optimum
+
+
+def test_every_cross_device_precedence_of_the_lp_carries_the_transfer_latency():
+  """graph.py: a dependency between two devices adds transfer_latency. The LP's precedence rows
+  (time_indexed._edges) state start_b >= start_a + delta; every edge between devices must have
+  delta = duration(a) + latency, and there is one per hop and micro-batch of each chain (actor
+  (N-1) x Ma forward and backward; critic R x (Pc-1) x Mc each way). Mutant: the critic's
+  forward hop without the latency (its windows hide it with one micro-batch: a relaxation too
+  weak where the latency binds between tasks with slack)."""
+  p = PipelineProblem(4, 2, 2, 3, 2.0, 1.0, transfer_latency=0.5)
+  unit = time_indexed.time_unit(p)
+  dur_u = np.rint(p.durations() / unit).astype(np.int64)
+  lat_u = int(round(p.transfer_latency / unit))
+  tasks = [(k, d, j) for d in range(p.num_devices) for k in range(4)
+           for j in range(int(p.kind_counts()[k]))]
+  where = {t: i for i, t in enumerate(tasks)}
+  big = np.full((p.num_devices, 2), 1 << 30, dtype=np.int64)
+  edges = time_indexed._edges(  # pylint: disable=protected-access
+      p, lambda k, d, j: where.get((k, d, j)), dur_u, lat_u, np.zeros((p.num_devices, 2)), big,
+      range(p.num_devices))
+  hops = {}
+  for a, b, delta in edges:
+    (ka, da, _), (kb, db, _) = tasks[a], tasks[b]
+    if da != db:
+      assert ka == kb and delta == dur_u[ka] + lat_u, (tasks[a], tasks[b], delta)
+      hops[ka] = hops.get(ka, 0) + 1
+  reps, pc = p.critic_replicas, p.critic_pp
+  assert hops == {AF: 3 * 2, AB: 3 * 2, CF: reps * (pc - 1) * 3, CB: reps * (pc - 1) * 3}
+
+
+# search.py ---------------------------------------------------------------------------------------
+
+def test_the_unconstrained_result_of_a_two_direction_search_ignores_the_budget():
+  """search() keeps, over its forward and mirror phases, the best schedule by makespan alone
+  (best_unconstrained: what the budget costs is read against it). On this uniform-budget
+  instance (the repair test's) a short count-limited search finds schedules at the tight bound
+  180 only above the budget, and 190 within it. Mutant: the phases' unconstrained schedules
+  compared with the overflow first, so the within-budget 190 came back as the unconstrained
+  best too."""
+  p = PipelineProblem(4, 2, 8, 4, 5.0, 4.0, memory_budget_mode="uniform")
+  res = search.search(p, search.SearchConfig(max_evaluations=5000, seed=0, list_variants=50))
+  best, free = evaluate(p, res.best), evaluate(p, res.best_unconstrained)
+  assert best.valid and best.within_budget and best.makespan == 190.0
+  assert free.valid and not free.within_budget
+  assert free.makespan == bounds.tight_lower_bound(p) == 180.0
+
+
+def test_a_mirror_first_search_reports_its_start_as_an_order_of_the_problem():
+  """With reverse_first the first phase runs on the time-reversed mirror; the start it reports
+  must be mapped back (reverse_order) and is never worse than the greedy order it was seeded
+  with (both 36 here). Mutant: the mirror phase's own start reported as is, an order of the
+  mirror that times at 39 on the problem."""
+  p = PipelineProblem(4, 2, 3, 3, 2.0, 1.0)
+  res = search.search(p, search.SearchConfig(max_evaluations=3000, seed=0, list_variants=50,
+                                             reverse_first=True))
+  start, greedy = evaluate(p, res.start), evaluate(p, schedules.greedy_order(p))
+  assert start.valid and start.within_budget
+  assert start.objective() <= greedy.objective()
+  assert start.makespan == 36.0
