@@ -162,3 +162,23 @@ def test_a_mirror_first_search_reports_its_start_as_an_order_of_the_problem():
   assert start.valid and start.within_budget
   assert start.objective() <= greedy.objective()
   assert start.makespan == 36.0
+
+
+def test_an_in_budget_annealing_chunk_that_beats_the_unconstrained_best_replaces_it():
+  """_Phase._feasible_chunk: in-budget annealing improves best_feas only; when the result beats
+  best_any (makespan, then max peak) it becomes best_any too, so the unconstrained best is never
+  worse than the best within budget. Here best_feas starts at greedy (36) and best_any at serial
+  1F1B (47). Mutant: that hand-over dropped (the two-direction search() masks it, since it
+  also offers best_feas to its unconstrained pick; a one-direction search does not)."""
+  p = PipelineProblem(4, 2, 3, 3, 2.0, 1.0)
+  phase = search._Phase(p, search.SearchConfig(max_evaluations=1000, seed=0), None)
+  phase.lb = bounds.tight_lower_bound(p)
+  greedy, serial = schedules.greedy_order(p), schedules.serial_order(p)
+  phase.best_feas, phase.best_any = greedy.copy(), serial.copy()
+  phase.stats = np.concatenate([search._stats_of(search._key(phase.ev, o))
+                                for o in (greedy, serial)])
+  assert phase.stats[1] == 36.0 and phase.stats[6] == 47.0
+  phase._feasible_chunk(greedy.copy(), 50, 1, 0.5, 0.01, windows.chain_tails_per_task(p))
+  best, free = evaluate(p, phase.best_feas), evaluate(p, phase.best_any)
+  assert best.within_budget and best.makespan <= 36.0
+  assert free.makespan == best.makespan == phase.stats[6] == phase.stats[1]
