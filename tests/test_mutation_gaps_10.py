@@ -17,7 +17,7 @@ from rlhfuse_jax.sim import plan_search as ps
 from rlhfuse_jax.sim import report
 from rlhfuse_jax.sim import training_sim as ts
 from rlhfuse_jax.sim import validation
-from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
+from rlhfuse_jax.sim.cost_model import CostModel, Efficiency, crossing_share
 from rlhfuse_jax.sim.generation_sim import GenSetup, choose_threshold
 from rlhfuse_jax.sim.hardware import get_hardware
 from rlhfuse_jax.sim.shapes import get_shape
@@ -219,17 +219,42 @@ def test_zero3_memory_holds_the_shards_the_activations_and_one_gathered_layer():
 
 def test_a_model_alone_pays_its_pipeline_hops_of_a_tensor_shard_of_activations():
   """7B alone on 8 H100s, mini-batch 4 of 300 tokens: tp 2 x pp 4. Each hop carries one
-  micro-batch's activations split over tp (300 x 4096 x 2 / 2 bytes) across nodes; the step is
-  the 1F1B with that latency, the gradient all-reduce and the optimizer step."""
+  micro-batch's activations split over tp (300 x 4096 x 2 / 2 bytes), inside the one node (it
+  was priced across nodes, as no hop of these 8 devices is); the step is the 1F1B with that
+  latency, the gradient all-reduce and the optimizer step."""
   cm = CostModel(get_hardware("h100_sxm"))
   a = get_shape("llama-7b")
   step, plan = ts.single_model_plan(cm, a, 8, 4, 1, 300.0)
   assert (plan["tp"], plan["pp"], plan["dp"], plan["M"]) == (2, 4, 1, 4)
   f = cm.train_stage_fwd_s(a, 2, 4, 300, 150.5)
   b = cm.train_stage_bwd_s(f, "actor", cm.train_stage_comm_s(a, 2, 4, 300))
-  lat = cm.p2p_s(300 * 4096 * 2 / 2, True)
+  lat = cm.p2p_s(300 * 4096 * 2 / 2, False)
   assert step == pytest.approx(ts.one_f_one_b_s(4, 4, f, b, lat) + cm.grad_sync_s(a, 2, 4, 1)
                                + cm.optimizer_step_s(a, 8))
+
+
+def test_a_chain_starting_inside_a_node_counts_the_hops_its_own_devices_cross():
+  """Stages 2 devices apart, 4 stages, 8 devices a node: from device 0 (0-1, 2-3, 4-5, 6-7) no
+  hop leaves the node; from device 4 (the second model of a disjoint split: 4-5, 6-7, 8-9,
+  10-11) the middle hop crosses."""
+  assert crossing_share(2, 3, 8) == 0.0
+  assert crossing_share(2, 3, 8, first=4) == pytest.approx(1 / 3)
+  assert crossing_share(2, 3, 8, first=8) == 0.0
+
+
+def test_a_disjoint_split_places_the_critic_on_the_devices_after_the_actors(monkeypatch):
+  """disjoint_splits gives the actor devices 0..na-1 and the critic na..n-1: the critic's plan
+  is priced from device na, so its pipeline hops cross the nodes that group really spans."""
+  seen = []
+
+  def fake(cost, shape, n, *args, first=0, **kw):
+    seen.append((shape.head, n, first))
+    return 1.0, {}
+  monkeypatch.setattr(ts, "single_model_plan", fake)
+  a, c = get_shape("llama-7b"), get_shape("llama-13b", "scalar")
+  ts.disjoint_splits(CostModel(get_hardware("h100_sxm")), a, c, 16, 8, 1, 300.0,
+                     fractions=(0.25,))
+  assert seen == [("lm", 4, 0), ("scalar", 12, 4)]
 
 
 def test_a_model_alone_is_sized_for_the_micro_batches_its_first_stage_holds():

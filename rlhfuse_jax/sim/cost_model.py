@@ -388,14 +388,16 @@ def same_node(a: int, b: int, devices_per_node: int) -> bool:
   return a // devices_per_node == b // devices_per_node
 
 
-def crossing_share(stride: int, hops: int, devices_per_node: int) -> float:
+def crossing_share(stride: int, hops: int, devices_per_node: int, first: int = 0) -> float:
   """The share of the neighbour hops of a chain of `hops + 1` groups `stride` devices apart
   (group k's devices at k * stride + j, j < stride: pipeline stages, consecutive instances) that
   cross a node boundary. A hop's shards move in parallel and the next group waits for all of
-  them, so a hop crosses if any of its shards does."""
+  them, so a hop crosses if any of its shards does. `first`: the chain's first device (a model
+  trained on the devices after another's)."""
   if hops <= 0:
     return 0.0
   stride = max(stride, 1)
-  crossing = sum(any(not same_node(j + k * stride, j + (k + 1) * stride, devices_per_node)
+  crossing = sum(any(not same_node(first + j + k * stride, first + j + (k + 1) * stride,
+                                   devices_per_node)
                      for j in range(stride)) for k in range(hops))
   return crossing / hops

@@ -306,11 +306,11 @@ def one_f_one_b_s(stages: int, microbatches: int, fwd_s: float, bwd_s: float,
   return schedules.model_makespan(p, "actor") / MS
 
 def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int,
-                      micro_batch: int, mean_len: float,
-                      resident_bytes: float = 0.0) -> Optional[tuple[float, dict]]:
-  """(1F1B step seconds, plan) of one model alone on n devices (tp x pp x dp), the fastest
-  that fits beside `resident_bytes` per device, or None if nothing fits (ReaLHF-like disjoint
-  training; plan_search)."""
+                      micro_batch: int, mean_len: float, resident_bytes: float = 0.0,
+                      first: int = 0) -> Optional[tuple[float, dict]]:
+  """(1F1B step seconds, plan) of one model alone on n devices (tp x pp x dp) numbered from
+  `first`, the fastest that fits beside `resident_bytes` per device, or None if nothing fits
+  (ReaLHF-like disjoint training; plan_search)."""
   best = None
   # The calibration's measured stage times are per model (a scalar head: the critic's); the
   # critic alone was timed with the actor's measured forward and neither measured backward.
@@ -330,7 +330,11 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
       if need + resident_bytes > cost.usable_bytes:
         continue
       f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2, model))
-      lat = cost.p2p_s(mb_tokens * shape.hidden_size * 2.0 / tp, True) if pp > 1 else 0.0
+      # Stages tp x dp devices apart, as step_costs lays them out: a hop inside a node runs at
+      # NVLink speed (crossing_share), as the colocated plans' hops do.
+      lat = (cost.hop_s(mb_tokens * shape.hidden_size * 2.0 / tp,
+                        crossing_share(tp * dp, pp - 1, cost.hw.devices_per_node, first))
+             if pp > 1 else 0.0)
       b = cost.train_stage_bwd_s(f, model, cost.train_stage_comm_s(shape, tp, pp, mb_tokens))
       step = (one_f_one_b_s(pp, m, f, b, lat) +
               cost.grad_sync_s(shape, tp, pp, dp) + cost.optimizer_step_s(shape, tp * pp * dp))
@@ -354,7 +358,7 @@ def disjoint_splits(cost: CostModel, actor: ModelShape, critic: ModelShape, n: i
       continue
     a = single_model_plan(cost, actor, na, minibatch, micro_batch, mean_len, resident_bytes)
     c = single_model_plan(cost, critic, n - na, minibatch, micro_batch, mean_len,
-                          resident_bytes)
+                          resident_bytes, first=na)
     if a and c:
       out.append((max(a[0], c[0]), {"actor": a[1], "critic": c[1]}))
   return out
