@@ -293,6 +293,15 @@ def test_a_decode_chunk_runs_only_the_steps_its_rows_need(chunk_size, steps_per_
   np.testing.assert_array_equal(st.num_generated, [1, 1 + expected])
 
 
+@pytest.mark.parametrize("remaining, expected", [(-2, 2), (0, 2), (1, 2), (3, 4), (9, 6)])
+def test_a_chunk_runs_at_least_one_group_of_steps_and_at_most_chunk_size(remaining, expected):
+  """chunk_steps: the steps the longest row still needs, rounded up to whole groups of
+  steps_per_check, at most chunk_size, and never 0: a chunk asked for with nothing left to
+  decode still runs one group (the done test ends it), never a chunk that decodes nothing."""
+  sampling = SamplingConfig(max_new_tokens=16, chunk_size=6, steps_per_check=2)
+  assert engine.chunk_steps(sampling, remaining) == expected
+
+
 # instances.check_model / check_prompts ----------------------------------------------------------
 
 def test_a_context_of_exactly_max_seq_len_fits_and_one_more_does_not():
