@@ -15,7 +15,7 @@ import pytest
 from rlhfuse_jax.generation import engine, fused, instances
 from rlhfuse_jax.generation.fused import FusedGenerator
 from rlhfuse_jax.generation.instances import FrozenModels
-from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.generation.sampling import SamplingConfig, sample_keys, sample_token
 from rlhfuse_jax.models import llama
 from tests.test_fused_generation import CFG, KEY, P, T, batch, build
 
@@ -427,3 +427,66 @@ def test_drain_spreads_the_rest_over_freed_then_least_loaded_instances():
     assert _assigned(q) == [(2, [0, 1]), (1, [2, 3]), (3, [4])]
   finally:
     q.close()
+
+
+# ------------------------------------------------------------------ follow-up audit of the engine
+
+def test_prefill_draws_each_rows_first_token_from_its_own_uid_stream():
+  """The first response token of sample u is drawn with sample_keys(key, u, 0), as every later
+  token is with (u, t): rows with one prompt but distinct uids draw independently. Drawing all
+  first tokens from uid 0's stream would make them identical."""
+  cfg = CFG  # 1 layer, 32 ids
+  prm = jax.tree_util.tree_map(jnp.asarray, llama.host_random_params(cfg, 0))
+  sc = SamplingConfig(max_new_tokens=4)
+  s, key = 16, jax.random.key(3)
+  tokens = np.tile(np.array([[3, 5, 7]], np.int32), (s, 1))
+  lens, uids = np.full(s, 3, np.int32), np.arange(10, 10 + s, dtype=np.int32)
+  st = jax.jit(engine.prefill, static_argnums=(0, 6, 7))(cfg, prm, tokens, lens, uids, key,
+                                                         sc, 8)
+  logits = llama.apply(cfg, prm, jnp.asarray(tokens))[0][:, 2]  # every row: the same logits
+  keys = sample_keys(key, uids, np.zeros(s, np.int32))
+  want, _ = sample_token(logits, keys, sc)
+  first = np.asarray(st.tokens[:, 0])
+  np.testing.assert_array_equal(first, np.asarray(want))
+  assert len(set(first.tolist())) > 1, first
+
+
+def test_decode_state_splits_kv_heads_over_tensor_only_where_it_divides_them():
+  """2 KV heads over 4 tensor devices cannot be split evenly: the cache is replicated over
+  `tensor` there (as the attention weights are), and split over 2."""
+  cfg = dataclasses.replace(CFG, num_kv_heads=2)  # what CFG has; the test depends on it
+  for tp, kv_axis in ((4, None), (2, "tensor")):
+    mesh = instances.split_devices(jax.devices(), 1, tp)[0]
+    sh = engine.state_shardings(cfg, mesh)
+    assert tuple(sh.cache.k.spec)[3] == kv_axis and tuple(sh.cache.v.spec)[3] == kv_axis, tp
+
+
+def test_check_prompts_rejects_a_budget_past_max_new_tokens():
+  """A budget above max_new_tokens is an error, not silently clipped (prefill's clip would give
+  the sample fewer tokens than asked); max_new_tokens itself is accepted."""
+  sc = SamplingConfig(max_new_tokens=5)
+  tokens, lens = np.ones((2, 3), np.int32), np.array([3, 2], np.int32)
+  out = instances.check_prompts(2, 3, sc, tokens, lens, budgets=[5, 1])
+  np.testing.assert_array_equal(out[3], [5, 1])
+  with pytest.raises(ValueError, match="budgets"):
+    instances.check_prompts(2, 3, sc, tokens, lens, budgets=[6, 1])
+
+
+def test_the_slot_summary_carries_each_rows_own_stop_reason():
+  """The [3, S] summary the host reads after a chunk is (done, num_generated, stop_reason) of
+  every slot: the fused rollout's stop reasons are taken from its third row."""
+  st = types.SimpleNamespace(done=jnp.array([True, True, False]),
+                             num_generated=jnp.array([3, 5, 1], jnp.int32),
+                             stop_reason=jnp.array([engine.STOP_EOS, engine.STOP_MAX_TOKENS,
+                                                    engine.STOP_RUNNING], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(instances._summary(st)),
+                                [[1, 1, 0], [3, 5, 1], [1, 2, 0]])
+
+
+def test_check_prompts_overwrites_whatever_lies_behind_each_prompt_with_pad_id():
+  """Ids behind a row's length are never checked against the vocabulary: they must become
+  pad_id (written into the KV cache, an id outside the vocabulary would embed as NaN)."""
+  sc = SamplingConfig(max_new_tokens=4, pad_id=2)
+  tokens = np.array([[5, 99, -7], [6, 7, 8]], np.int32)
+  out = instances.check_prompts(2, 4, sc, tokens, [1, 3], vocab_size=32)[0]
+  np.testing.assert_array_equal(out, [[5, 2, 2, 2], [6, 7, 8, 2]])
