@@ -107,6 +107,16 @@ class StepCosts:
   optimizer_s: float
 
 
+def stage_hop_s(cost: CostModel, nbytes: float, stride: int, stages: int,
+                first: int = 0) -> float:
+  """Mean seconds of one hop of `nbytes` between pipeline neighbours `stride` devices apart
+  (tp x dp: the layout of every training plan here), the chain starting at device `first`; a
+  hop inside a node runs at NVLink speed (crossing_share). 0 without a pipeline."""
+  if stages <= 1:
+    return 0.0
+  return cost.hop_s(nbytes, crossing_share(stride, stages - 1, cost.hw.devices_per_node, first))
+
+
 def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: TrainPlan,
                mean_seq_len: float, check_memory: bool = True,
                resident_bytes: float = 0.0) -> StepCosts:
@@ -120,11 +130,8 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: Tra
       actor, plan.tp, plan.actor_pp, mb_tokens))
   bc = cost.train_stage_bwd_s(fc, "critic", cost.train_stage_comm_s(
       critic, plan.tp, plan.critic_pp, mb_tokens))
-  stride = plan.tp * plan.dp  # devices between pipeline neighbours
   act_bytes = mb_tokens * max(actor.hidden_size, critic.hidden_size) * 2.0 / plan.tp
-  lat = (cost.hop_s(act_bytes, crossing_share(stride, plan.actor_pp - 1,
-                                              cost.hw.devices_per_node))
-         if plan.actor_pp > 1 else 0.0)
+  lat = stage_hop_s(cost, act_bytes, plan.tp * plan.dp, plan.actor_pp)
   problem = PipelineProblem(
       actor_pp=plan.actor_pp, critic_pp=plan.critic_pp,
       actor_microbatches=plan.actor_microbatches, critic_microbatches=plan.critic_microbatches,
@@ -330,11 +337,7 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
       if need + resident_bytes > cost.usable_bytes:
         continue
       f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2, model))
-      # Stages tp x dp devices apart, as step_costs lays them out: a hop inside a node runs at
-      # NVLink speed (crossing_share), as the colocated plans' hops do.
-      lat = (cost.hop_s(mb_tokens * shape.hidden_size * 2.0 / tp,
-                        crossing_share(tp * dp, pp - 1, cost.hw.devices_per_node, first))
-             if pp > 1 else 0.0)
+      lat = stage_hop_s(cost, mb_tokens * shape.hidden_size * 2.0 / tp, tp * dp, pp, first)
       b = cost.train_stage_bwd_s(f, model, cost.train_stage_comm_s(shape, tp, pp, mb_tokens))
       step = (one_f_one_b_s(pp, m, f, b, lat) +
               cost.grad_sync_s(shape, tp, pp, dp) + cost.optimizer_step_s(shape, tp * pp * dp))
