@@ -344,7 +344,10 @@ class SearchConfig:
   # in four without (misses with it: e1 374, e6 620-622, e9 608, e10 319, e0 712-713 in two);
   # e9 with 2 seeds each: 608 either way.
   device_lateness_weight: float = 1000.0
-  max_evaluations: Optional[int] = None  # if set: count-based phases, deterministic per seed
+  # If set: count-based phases, deterministic per seed. A budget, not an exact cap: the start
+  # pool is counted whole once built (above), and each annealing call also counts the
+  # evaluation of its start, so a search can pass it by the pool and one per call.
+  max_evaluations: Optional[int] = None
   # Share of the budget spent on the time-reversed mirror of the problem (graph.time_reversed:
   # same instance, forward and backward swapped; every heuristic here builds schedules from the
   # start, so the mirror gets the drain as carefully as the warm-up). The two phases run one after
