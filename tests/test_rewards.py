@@ -463,6 +463,10 @@ def test_stats_are_measured_and_not_added_to_the_reward(tok):
     ("tests.no_such_module:f", r"cannot import module 'tests\.no_such_module' "
                                r"\(ModuleNotFoundError"),
     ("tests.test_rewards:missing", "module 'tests.test_rewards' has no attribute 'missing'"),
+    # A misspelled module of a package that imports is named with the closest module it has,
+    # not sent to PYTHONPATH.
+    ("tests.test_reward:answer_length", r"No module named 'tests\.test_reward'\); did you mean "
+                                        r"'tests\.test_rewards:answer_length'\?$"),
     # A misspelled function is named with the closest one the module has.
     ("tests.test_rewards:answer_lenght", r"module 'tests\.test_rewards' has no attribute "
                                          r"'answer_lenght'; did you mean "
@@ -495,6 +499,25 @@ def test_bad_function_specs_fail_before_the_run(spec, expected):
   build.check_reward_functions(tiny_config(**model))
   with pytest.raises(ValueError, match=rf"^config\.reward\.format='{re.escape(spec)}': "):
     build.check_reward_functions(tiny_config(**{**model, "reward.format": spec}))
+
+
+def test_a_module_that_fails_in_its_own_imports_is_not_sent_to_pythonpath(tmp_path,
+                                                                          monkeypatch):
+  """PYTHONPATH is the hint where the module's own package is not found; a module found on it
+  whose own import fails (a dependency missing) says so instead."""
+  (tmp_path / "walk_pkg").mkdir()
+  (tmp_path / "walk_pkg" / "__init__.py").write_text("")
+  (tmp_path / "walk_pkg" / "broken.py").write_text("import no_such_dependency_xyz\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  with pytest.raises(ValueError, match=r"No module named 'no_such_dependency_xyz'\); the module "
+                                       r"was found: the error is in its own code or imports$"):
+    rewards_lib.get_reward_function("walk_pkg.broken:score")
+  with pytest.raises(ValueError, match=r"No module named 'walk_pkgg'\); is its directory on "
+                                       r"PYTHONPATH\?$"):
+    rewards_lib.get_reward_function("walk_pkgg.broken:score")
+  with pytest.raises(ValueError, match=r"No module named 'walk_pkg\.zzz'\); package 'walk_pkg' "
+                                       r"has no module 'zzz'$"):
+    rewards_lib.get_reward_function("walk_pkg.zzz:score")
 
 
 def test_an_unknown_task_names_the_field():

@@ -28,6 +28,7 @@ import importlib
 import inspect
 import numbers
 import os
+import pkgutil
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -293,7 +294,7 @@ def import_function(spec: str) -> Callable:
     node = importlib.import_module(module_name)
   except Exception as e:  # noqa: BLE001 any import failure (missing module, its own error)
     raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r} "
-                     f"({type(e).__name__}: {e}); is its directory on PYTHONPATH?") from e
+                     f"({type(e).__name__}: {e}){_import_hint(e, module_name, attr)}") from e
   walked = []
   for part in attr.split("."):
     if not hasattr(node, part):
@@ -308,6 +309,31 @@ def import_function(spec: str) -> Callable:
     raise ValueError(f"reward function {spec!r}: {attr!r} is not callable (its type is "
                      f"{type(node).__name__})")
   return node
+
+
+def _import_hint(e: Exception, module_name: str, attr: str) -> str:
+  """What to fix when `module_name` did not import: a module the path names that is missing (a
+  typo in it, with the closest module its package has, or a directory off PYTHONPATH), or a
+  module that was found but failed in its own code (an import of its own: not PYTHONPATH)."""
+  missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+  parts = module_name.split(".")
+  if missing not in [".".join(parts[:i]) for i in range(1, len(parts) + 1)]:
+    return "; the module was found: the error is in its own code or imports"
+  if missing == parts[0]:
+    return "; is its directory on PYTHONPATH?"
+  parent = missing.rpartition(".")[0]
+  try:
+    package = importlib.import_module(parent)
+  except Exception:  # noqa: BLE001 no hint rather than a second error
+    return ""
+  if not hasattr(package, "__path__"):  # "'os' is not a package", as the error says
+    return ""
+  siblings = [m.name for m in pkgutil.iter_modules(package.__path__)]
+  close = difflib.get_close_matches(missing.rpartition(".")[2], siblings, n=1)
+  if not close:
+    return f"; package {parent!r} has no module {missing.rpartition('.')[2]!r}"
+  fixed = ".".join([parent, close[0]] + parts[len(missing.split(".")):])
+  return f"; did you mean '{fixed}:{attr}'?"
 
 
 def _check_arguments(fn: Callable, spec: str, batched: bool = False) -> None:
