@@ -54,6 +54,7 @@ from experiments import config_files
 from experiments import runner
 from experiments.runner import fixed_or_sci
 from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.pipeline import search as search_lib
 from rlhfuse_jax.sim import ablations, iteration_sim, plan_search, training_sim
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -257,7 +258,13 @@ def main(argv):
   systems = {}
   if cfg.systems:
     t0 = time.time()
-    cache = training_sim.ScheduleCache(time_budget_s=cfg.sim.search_time_s, seed=cfg.seed)
+    # Silent for minutes before on a first run (configs/plan_search.py:train, a fresh checkout:
+    # 150 s, the kernels' compile): say what runs, and log each search as reproduce_ablations.
+    logging.info("simulating %s for comparison (fused-schedule searches of sim.search_time_s="
+                 "%gs per distinct pipeline shape, %s; --config.systems= skips them) ...",
+                 ", ".join(cfg.systems), cfg.sim.search_time_s, search_lib.KERNELS_NOTE)
+    cache = training_sim.ScheduleCache(time_budget_s=cfg.sim.search_time_s, seed=cfg.seed,
+                                       log=logging.info)
     rows, _ = iteration_sim.simulate_iteration(cost, wl, cfg.sim, cfg.systems, cache)
     systems = {k: {f: float(r[f]) for f in ("gen_plus_inf_s", "train_s", "iteration_s")}
                for k, r in rows.items()}

@@ -69,6 +69,10 @@ def test_schedule_search_binary_writes_results(tmp_path):
   assert result["serial_1f1b"] == 7 * 6 + 5 * 3
   n = result["devices_at_budget"]
   assert f"({n} device{'' if n == 1 else 's'} at it)" in out.stderr, out.stderr[-2000:]
+  # The kernels' compile (minutes on a first run of a checkout) is announced before it starts.
+  announced = out.stderr.find("loading the search's numba kernels (a first run of a checkout "
+                              "compiles them, a minute or more, then caches them on disk) ...")
+  assert 0 <= announced < out.stderr.find("numba kernels ready in"), out.stderr[-2000:]
 
 
 def test_schedule_search_summary_says_device_or_devices():

@@ -460,6 +460,14 @@ def test_binary_writes_plan_result_and_report(tmp_path):
        "--config.systems=rlhfuse,pipe_rlhf,rlhfuse_planned,pipe_rlhf_async"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
+  # The systems' simulation (minutes of fused-schedule searches) is announced, then each search.
+  start = out.stderr.find("simulating rlhfuse, pipe_rlhf, rlhfuse_planned, pipe_rlhf_async for "
+                          "comparison (fused-schedule searches of sim.search_time_s=0.2s per "
+                          "distinct pipeline shape, a first run of a checkout compiles the "
+                          "search's numba kernels first, a minute or more, then caches them on "
+                          "disk; --config.systems= skips them) ...")
+  assert 0 <= start < out.stderr.find("fused schedule Pa/Pc=") < out.stderr.find("simulated "), \
+      out.stderr[-3000:]
   res = json.loads((tmp_path / "result.json").read_text())
   plan = json.loads((tmp_path / "plan.json").read_text())
   a = res["async"]

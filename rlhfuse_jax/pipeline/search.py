@@ -993,6 +993,13 @@ class _Phase:
       self.note_progress()
 
 
+# For the log line before a search or `warmup`: the compile is silent, minutes on a busy machine
+# (162 s for schedule_search's first run of a fresh checkout on the 2-core dev machine at load
+# 12; 0.2 s once cached).
+KERNELS_NOTE = ("a first run of a checkout compiles the search's numba kernels first, a minute "
+                "or more, then caches them on disk")
+
+
 def warmup() -> float:
   """Compiles (or loads from numba's cache) every kernel on a tiny instance; returns seconds.
 

@@ -190,8 +190,8 @@ def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig, workdi
       return found, path
     except (ValueError, KeyError, TypeError) as e:
       logging.warning("pipeline: ignoring the cached schedule %s (%s); searching again", path, e)
-  logging.info("pipeline: searching a fused schedule (budget %gs; cached afterwards in %s) ...",
-               config.time_budget_s, os.path.dirname(path))
+  logging.info("pipeline: searching a fused schedule (budget %gs, %s; cached afterwards in %s) "
+               "...", config.time_budget_s, search.KERNELS_NOTE, os.path.dirname(path))
   result = search.search(problem, config)
   found = schedule_lib.from_order(problem, result.best)
   wd.write_json(path, {"key": key, "schedule": found.to_dict(), "search_s": result.search_s,
