@@ -1,4 +1,4 @@
-"""Exact CP-SAT model of the fused schedule within budget: feasibility of a target, or minimisation.
+r"""Exact CP-SAT model of the fused schedule within budget: a target's feasibility, or minimisation.
 
 Check mode: is there a schedule of makespan <= target within budget?
 

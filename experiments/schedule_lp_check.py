@@ -1,4 +1,4 @@
-"""Proves a makespan unreachable within the memory budget with the time-indexed LP relaxation.
+r"""Proves a makespan unreachable within the memory budget with the time-indexed LP relaxation.
 
 The relaxation (rlhfuse_jax/pipeline/exact/time_indexed.py) holds every valid schedule within
 budget; when even its fractional version has no solution, the target is unreachable, and the

@@ -1,4 +1,4 @@
-"""Generic sweep runner: runs a binary once per override dict of a config's get_sweep().
+r"""Generic sweep runner: runs a binary once per override dict of a config's get_sweep().
 
   python -m experiments.sweep --config=configs/X.py --binary=NAME --workdir=DIR \
       [--config.field=value ...]

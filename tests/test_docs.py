@@ -19,6 +19,7 @@ lists requirements.txt's dependencies.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import glob
 import importlib.util
@@ -507,3 +508,21 @@ def test_usage_lists_the_fields_a_resume_may_change():
   named.discard("checkpoint.*")
   assert named == fields, (f"docs/usage.md names {sorted(named - fields)} that a resume may not "
                            f"change and leaves out {sorted(fields - named)}")
+
+
+def test_binary_and_config_docstrings_keep_their_lines():
+  """A module docstring is the binary's --help and the config file's launch command: in a
+  non-raw one a command continued with a backslash was joined into one line with runs of
+  spaces (sweep, schedule_cp_check, schedule_lp_check), so --help showed no line breaks and
+  nothing to paste as written."""
+  joined = []
+  for path in sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")) +
+                     glob.glob(os.path.join(ROOT, "configs", "*.py"))):
+    source = _read(os.path.relpath(path, ROOT))
+    tree = ast.parse(source)
+    doc = ast.get_docstring(tree, clean=False)
+    if doc is not None:
+      written = ast.get_source_segment(source, tree.body[0])
+      if written.count("\n") != doc.count("\n"):
+        joined.append(os.path.relpath(path, ROOT))
+  assert not joined, f"docstrings whose lines Python joins (make them r\"\"\"...): {joined}"
