@@ -47,7 +47,7 @@ def load_module(config_path: str, flag: str = "--config") -> tuple[Any, Optional
   when the file is missing or is not Python."""
   path, variant = split_config_path(config_path)
   if not os.path.isfile(path):
-    raise ValueError(f"{flag}={config_path!r}: no such file {path!r}")
+    raise ValueError(f"{flag}={config_path!r}: no such file {path!r}{_closest_file(path)}")
   spec = importlib.util.spec_from_file_location("_config_" + re.sub(r"\W", "_", path), path)
   if spec is None or spec.loader is None:
     raise ValueError(f"{flag}={config_path!r}: cannot load {path!r} as Python")
@@ -201,8 +201,20 @@ def _missing_file(argv: Sequence[str]) -> Optional[str]:
   for name, config_path in _config_flags(argv).items():
     path, _ = split_config_path(config_path)
     if not os.path.isfile(path):
-      return f"--{name}={config_path!r}: no such file {path!r}"
+      return f"--{name}={config_path!r}: no such file {path!r}{_closest_file(path)}"
   return None
+
+
+def _closest_file(path: str) -> str:
+  """'; did you mean ...?' with the closest Python file in the directory `path` names (a
+  misspelled configs/ppo_tny.py), or ''."""
+  folder, name = os.path.split(path)
+  try:
+    names = [n for n in os.listdir(folder or ".") if n.endswith(".py")]
+  except OSError:
+    return ""
+  close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+  return f"; did you mean {os.path.join(folder, close[0])!r}?" if close else ""
 
 
 def _load_message(name: str, config_path: str, error: BaseException) -> str:

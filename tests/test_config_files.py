@@ -92,6 +92,13 @@ def test_a_missing_config_file_is_named_at_once(tmp_path):
   for extra in ([], ["--config.lr=0.2"]):
     assert _fatal_line(_run(tmp_path, "--config=nope.py", *extra)) == (
         "--config='nope.py': no such file 'nope.py'")
+  # A misspelled one is named with the closest Python file beside it.
+  assert _fatal_line(_run(tmp_path, "--config=cgf.py:big")) == (
+      "--config='cgf.py:big': no such file 'cgf.py'; did you mean 'cfg.py'?")
+  typo = os.path.join(ROOT, "configs", "ppo_tny.py")
+  with pytest.raises(ValueError, match=rf"^--run='{re.escape(typo)}': no such file .*; did you "
+                                       rf"mean '{re.escape(typo[:-6])}tiny\.py'\?$"):
+    config_files.load_module(typo, "--run")
 
 
 def test_an_error_raised_in_the_config_file_is_cut_to_its_message_and_frame(tmp_path):
