@@ -62,9 +62,7 @@ def run(c, workdir: str) -> dict:
       d = int(np.argmax(ev.peaks - ev.budget))
       logging.warning("%s exceeds this memory budget (device %d: peak %g > %g): no baseline "
                       "the searched schedule must beat", name, d, ev.peaks[d], ev.budget[d])
-  # The first run of a checkout compiles them: minutes of silence on a busy 2-core machine.
-  logging.info("loading the search's numba kernels (a first run of a checkout compiles them, a "
-               "minute or more, then caches them on disk) ...")
+  logging.info("loading the search's numba kernels (%s) ...", search.KERNELS_NOTE)
   logging.info("numba kernels ready in %.1fs (compiled or loaded from cache)", search.warmup())
   res = search.search(problem, cfg, log=logging.info)
   best = evaluate(problem, res.best)

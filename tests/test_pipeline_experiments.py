@@ -10,6 +10,7 @@ import time
 import pytest
 
 from rlhfuse_jax import workdir as wdlib
+from rlhfuse_jax.pipeline import search
 from tests.xla_env import RESET_SIGINT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,8 +71,7 @@ def test_schedule_search_binary_writes_results(tmp_path):
   n = result["devices_at_budget"]
   assert f"({n} device{'' if n == 1 else 's'} at it)" in out.stderr, out.stderr[-2000:]
   # The kernels' compile (minutes on a first run of a checkout) is announced before it starts.
-  announced = out.stderr.find("loading the search's numba kernels (a first run of a checkout "
-                              "compiles them, a minute or more, then caches them on disk) ...")
+  announced = out.stderr.find(f"loading the search's numba kernels ({search.KERNELS_NOTE}) ...")
   assert 0 <= announced < out.stderr.find("numba kernels ready in"), out.stderr[-2000:]
 
 

@@ -183,6 +183,8 @@ def test_think_format_when_the_prompt_opened_the_block(response, score):
   assert verifiers.think_format(response, None, record) == score
   assert verifiers.think_format("<think>add</think> 5", None, {"_prompt_text": "Q: 2+3?"}) == 1.0
   assert verifiers.think_format(response, None, {"_prompt_text": "Q: 2+3?"}) == 0.0
+
+
 def test_gsm8k_numbers_commas_and_bad_answers():
   assert verifiers.final_number("in total $1,234,567.50 dollars") == verifiers.final_number(
       "1234567.5")
