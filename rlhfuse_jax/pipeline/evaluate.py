@@ -26,6 +26,7 @@ from typing import Optional
 import numba
 import numpy as np
 
+from rlhfuse_jax.pipeline import kernel_cache
 from rlhfuse_jax.pipeline.graph import PipelineProblem, validate_order
 
 # Index of each constant in PipelineProblem.params().
@@ -224,3 +225,6 @@ def peak_memory(problem: PipelineProblem, order: np.ndarray) -> np.ndarray:
   """Per-device peak activation memory of an order, [N]."""
   order = validate_order(problem, order)
   return peaks_kernel(order, problem.mem_deltas(), np.zeros(problem.num_devices))
+
+
+kernel_cache.tie(globals())  # before any kernel runs: the cache key covers every kernel file

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from rlhfuse_jax.pipeline import bounds, windows
+from rlhfuse_jax.pipeline import bounds, kernel_cache, windows
 from rlhfuse_jax.pipeline.evaluate import _BA, _BC, _FA, _FC, _MA, _MC, simulate_kernel
 
 
@@ -382,3 +382,6 @@ def feasible_anneal(problem, order: np.ndarray, iters: int, seed: int, target: f
   evals = feasible_anneal_kernel(order, problem.params(), problem.mem_deltas(), problem.budget(),
                                  tails, bounds.device_tails(problem), settings, best, stats)
   return best, stats, evals
+
+
+kernel_cache.tie(globals())  # before any kernel runs: the cache key covers every kernel file

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from rlhfuse_jax.pipeline import kernel_cache
 from rlhfuse_jax.pipeline.evaluate import Evaluator, evaluate
 from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, PipelineProblem
 
@@ -324,3 +325,6 @@ def one_f_one_b_caps(problem: PipelineProblem) -> np.ndarray:
   return np.array([[min(problem.actor_pp - problem.actor_stage(d), problem.actor_microbatches),
                     min(problem.critic_pp - problem.critic_stage(d),
                         problem.critic_microbatches)] for d in range(n)], dtype=np.int64)
+
+
+kernel_cache.tie(globals())  # before any kernel runs: the cache key covers every kernel file

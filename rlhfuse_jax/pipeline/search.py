@@ -67,7 +67,7 @@ from typing import Callable, NamedTuple, Optional
 import numba
 import numpy as np
 
-from rlhfuse_jax.pipeline import schedules, windows
+from rlhfuse_jax.pipeline import kernel_cache, schedules, windows
 from rlhfuse_jax.pipeline.bounds import tight_lower_bound
 from rlhfuse_jax.pipeline.evaluate import (_PC, Evaluator, objective_key, peaks_kernel,
                                            simulate_kernel)
@@ -1011,3 +1011,6 @@ def warmup() -> float:
   search(tiny, SearchConfig(time_budget_s=0.05, list_variants=2, chunk_iters=10, run_iters=10))
   feasible_anneal(tiny, schedules.greedy_order(tiny), 10, 0, tight_lower_bound(tiny), 1.0, 0.1)
   return time.time() - t0
+
+
+kernel_cache.tie(globals())  # before any kernel runs: the cache key covers every kernel file
