@@ -376,17 +376,25 @@ def test_a_fitted_step_is_the_fixed_costs_plus_the_slower_of_compute_and_memory(
     assert decode_fit.predict(fit, hw, p) == pytest.approx(want, rel=1e-12)
 
 
-def test_a_fit_may_find_any_mfu_up_to_one():
-  # A step that is compute-bound at a high utilisation (mfu 0.8, large batches): the bounds let
-  # the fit reach it rather than stop at some lower cap and misprice the batch.
-  truth = calibration.DecodeFit(step_s=1e-4, layer_s=5e-5, mfu=0.8, bw_eff=0.7)
-  hw = hardware.get_hardware("h100_sxm")
+def _synthetic_points(mfu, hw, full_batches, half_batches, live):
+  """Decode points of llama-7b at `full_batches` and of its 16-layer half at `half_batches`,
+  each row reading `live` positions, timed by a known fit (step 1e-4 s, layer 5e-5 s, the
+  given mfu, bw_eff 0.7)."""
+  truth = calibration.DecodeFit(step_s=1e-4, layer_s=5e-5, mfu=mfu, bw_eff=0.7)
   big = shapes.get_shape("llama-7b")
   half = dataclasses.replace(big, num_layers=16)
   pts = []
-  for shape, batch in ((big, 1), (big, 2048), (big, 4096), (half, 1), (half, 4096)):
-    p = decode_fit.DecodePoint("synthetic", shape, batch, batch * 8.0, 1.0)  # short contexts
+  for shape, batch in [(big, b) for b in full_batches] + [(half, b) for b in half_batches]:
+    p = decode_fit.DecodePoint("synthetic", shape, batch, batch * live, 1.0)
     pts.append(dataclasses.replace(p, measured_s=decode_fit.predict(truth, hw, p)))
+  return pts
+
+
+def test_a_fit_may_find_any_mfu_up_to_one():
+  # A step that is compute-bound at a high utilisation (mfu 0.8, large batches): the bounds let
+  # the fit reach it rather than stop at some lower cap and misprice the batch.
+  hw = hardware.get_hardware("h100_sxm")
+  pts = _synthetic_points(0.8, hw, (1, 2048, 4096), (1, 4096), 8.0)  # short contexts
   assert pts[2].work[0] / (hw.peak_flops * 0.8) > pts[2].work[1] / (hw.hbm_bw * 0.7)
   assert decode_fit.fit(pts, hw).mfu == pytest.approx(0.8, rel=1e-3)
 
@@ -395,14 +403,8 @@ def test_a_fit_that_no_step_binds_on_compute_keeps_the_assumed_mfu():
   # Batches 1-4 of a 7B model are far from compute-bound, so every mfu start fits them equally
   # well: the cost model's own assumption (tried first; a later start must be strictly better)
   # is kept, not the first of the lower starts.
-  truth = calibration.DecodeFit(step_s=1e-4, layer_s=5e-5, mfu=0.05, bw_eff=0.7)
   hw = hardware.get_hardware("h100_sxm")
-  big = shapes.get_shape("llama-7b")
-  half = dataclasses.replace(big, num_layers=16)
-  pts = []
-  for shape, batch in ((big, 1), (big, 2), (big, 4), (half, 1), (half, 4)):
-    p = decode_fit.DecodePoint("synthetic", shape, batch, batch * 300.0, 1.0)
-    pts.append(dataclasses.replace(p, measured_s=decode_fit.predict(truth, hw, p)))
+  pts = _synthetic_points(0.05, hw, (1, 2, 4), (1, 4), 300.0)
   for assumed in (0.45, 0.3):
     got = decode_fit.fit(pts, hw, cost_model_lib.Efficiency(decode_mfu=assumed))
     assert got.mfu == pytest.approx(assumed, abs=1e-6)
