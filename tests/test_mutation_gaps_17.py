@@ -9,6 +9,7 @@ import numpy as np
 
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import losses
+from rlhfuse_jax.rl import masked
 from rlhfuse_jax.rl import minibatch
 from rlhfuse_jax.rl import objective
 from rlhfuse_jax.rl import optim
@@ -116,6 +117,21 @@ def test_the_actor_objective_clips_the_ratio_above_at_clip_eps_high():
   loss, m = objective.actor_objective(cfg, jnp.log(ratio), np.zeros((1, 3), np.float32), batch)
   np.testing.assert_allclose(float(loss), (-1.25 - 1.28 + 0.8) / 3, rtol=1e-5)
   np.testing.assert_allclose(float(m["pg_clipfrac"]), 2 / 3, rtol=1e-6)
+
+
+# rl/masked.py -----------------------------------------------------------------------------------
+
+def test_explained_variance_of_constant_returns_is_finite():
+  # Constant returns (e.g. every sample got the same score) have a variance of exactly 0: eps
+  # keeps the logged value finite, 1 for an exact critic and about -Var[residual] / eps else.
+  returns = np.full((2, 3), 0.5, np.float32)
+  mask = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
+  values = np.array([[0.5, 0.6, 0.4], [0.5, 0.5, 9.0]], np.float32)
+  assert float(masked.explained_variance(returns, returns, mask)) == 1.0
+  resid = (returns - values)[mask > 0]
+  want = 1.0 - np.var(resid, ddof=1) / 1e-8
+  np.testing.assert_allclose(float(masked.explained_variance(values, returns, mask)), want,
+                             rtol=1e-3)
 
 
 # rl/minibatch.py ---------------------------------------------------------------------------------
