@@ -1,0 +1,185 @@
+"""Pins the survivors of a mutation audit of trainer/config.py and trainer/validate.py.
+
+Each test asserts one bound of a config check from both sides where it matters: the value just
+past the bound is refused with an error naming the field, and the value on the bound (often a
+documented setting, such as min_lr_ratio=0 or gamma=0) is accepted. A check loosened or
+tightened by one comparison, or dropped, fails here before a run starts with a config that
+should have stopped it (or stops one that should run).
+"""
+import dataclasses
+import math
+
+import pytest
+
+from configs import ppo_tiny
+from rlhfuse_jax.generation import sampling
+from rlhfuse_jax.trainer.config import (AlgoConfig, AsyncPPOConfig, DataConfig, GuardConfig,
+                                        OptimConfig, PipelineConfig, PlanConfig, RolloutConfig,
+                                        TrainConfig)
+
+
+def _config(**overrides) -> TrainConfig:
+  """configs/ppo_tiny.py's TrainConfig, with dotted overrides ("algo.kl_coef": 0.1) applied to
+  the plain dict, as a sweep's or a plan file's values reach from_config_dict."""
+  d = ppo_tiny.get_config().to_dict()
+  for dotted, value in overrides.items():
+    node = d
+    *path, leaf = dotted.split(".")
+    for part in path:
+      node = node.setdefault(part, {})
+    node[leaf] = value
+  return TrainConfig.from_config_dict(d)
+
+
+# DataConfig
+
+def test_equal_task_length_bounds_are_accepted_and_crossed_ones_refused():
+  """length_min == length_max is every target of one length (a fixed-length task)."""
+  assert DataConfig(length_min=3, length_max=3).length_max == 3
+  with pytest.raises(ValueError, match=r"config\.data\.length_min/length_max=\(4, 3\)"):
+    DataConfig(length_min=4, length_max=3)
+
+
+# RolloutConfig
+
+def test_top_p_of_zero_is_refused_and_one_accepted():
+  """top_p=0 keeps no token at all (nucleus of mass 0); 1.0 is the documented 'off'."""
+  assert RolloutConfig(top_p=1.0).top_p == 1.0
+  with pytest.raises(ValueError, match=r"config\.rollout\.top_p=0\.0: expected in \(0, 1\]"):
+    RolloutConfig(top_p=0.0)
+
+
+def test_steps_per_check_must_divide_the_chunk():
+  """The decode's fixed-trip loop runs steps_per_check steps between tests inside a chunk: one
+  that does not divide chunk_size would overrun the chunk."""
+  assert RolloutConfig(chunk_size=8, steps_per_check=4).steps_per_check == 4
+  with pytest.raises(ValueError, match=r"config\.rollout\.steps_per_check=3: expected a "
+                                       r"positive divisor of rollout\.chunk_size=8"):
+    RolloutConfig(chunk_size=8, steps_per_check=3)
+
+
+def test_temperature_below_the_float32_safe_minimum_is_refused():
+  """A temperature below sampling.MIN_TEMPERATURE overflows float32 logits / temperature; the
+  minimum itself is accepted."""
+  t = sampling.MIN_TEMPERATURE
+  assert RolloutConfig(temperature=t).temperature == t
+  with pytest.raises(ValueError, match=r"config\.rollout\.temperature="):
+    RolloutConfig(temperature=t / 2)
+
+
+# AlgoConfig
+
+def test_gamma_bounds_are_inclusive():
+  """gamma=0 (only the immediate reward) and gamma=1 (no discount) are both valid."""
+  assert AlgoConfig(gamma=0.0).gamma == 0.0
+  assert AlgoConfig(gamma=1.0).gamma == 1.0
+  with pytest.raises(ValueError, match=r"config\.algo\.gamma=1\.01"):
+    AlgoConfig(gamma=1.01)
+
+
+def test_clip_eps_of_one_is_refused():
+  """clip_eps=1 clips the ratio's lower side at 0: the clip no longer bounds a bad token."""
+  with pytest.raises(ValueError, match=r"config\.algo\.clip_eps=1\.0: expected in \(0, 1\)"):
+    AlgoConfig(clip_eps=1.0)
+
+
+def test_dual_clip_constant_of_one_is_refused():
+  """Dual clip's c must be > 1 (the paper's 3): c = 1 caps a negative advantage's loss at the
+  unclipped value of ratio 1, so every larger ratio contributes no gradient."""
+  assert AlgoConfig(clip_ratio_c=3.0).clip_ratio_c == 3.0
+  with pytest.raises(ValueError, match=r"config\.algo\.clip_ratio_c=1\.0"):
+    AlgoConfig(clip_ratio_c=1.0)
+
+
+def test_k1_as_a_loss_is_refused_only_with_a_nonzero_coefficient():
+  """k1 as a loss term adds noise, not a pull to the reference; with kl_coef=0 there is no KL
+  term at all, so the estimator is moot and the config runs."""
+  AlgoConfig(kl_in_reward=False, kl_coef=0.0, kl_estimator="k1")
+  with pytest.raises(ValueError, match=r"config\.algo\.kl_estimator='k1'"):
+    AlgoConfig(kl_in_reward=False, kl_coef=0.1, kl_estimator="k1")
+
+
+# OptimConfig
+
+def test_min_lr_ratio_of_zero_is_accepted():
+  """A cosine to 0 is the common schedule; a ratio above 1 would make the 'decay' a rise."""
+  assert OptimConfig(min_lr_ratio=0.0).min_lr_ratio == 0.0
+  with pytest.raises(ValueError, match=r"config\.optim\.min_lr_ratio=1\.5"):
+    OptimConfig(min_lr_ratio=1.5)
+
+
+# PipelineConfig, PlanConfig, AsyncPPOConfig, GuardConfig
+
+def test_an_infinite_schedule_search_budget_is_refused():
+  """search_time_s=inf: the search never returns and training never starts."""
+  with pytest.raises(ValueError, match=r"config\.pipeline\.search_time_s=inf"):
+    PipelineConfig(search_time_s=math.inf)
+
+
+def test_generation_groups_equal_to_the_stages_are_accepted_and_fewer_refused():
+  """G >= pp: G == pp (the default 0 resolves to it) is the smallest valid pipeline."""
+  plan = PlanConfig(generation="pipeline", generation_pp=2, generation_groups=2)
+  assert plan.groups == 2
+  with pytest.raises(ValueError, match=r"config\.plan\.generation_groups=1: expected >= "
+                                       r"plan\.generation_pp=2"):
+    PlanConfig(generation="pipeline", generation_pp=2, generation_groups=1)
+
+
+def test_generation_tp_on_the_training_mesh_is_refused():
+  """plan.generation_tp belongs to plan.generation='instances': with 'mesh' it would be ignored
+  (generation runs on the training mesh's own tensor axis)."""
+  assert PlanConfig(generation="instances", generation_tp=2).generation_tp == 2
+  with pytest.raises(ValueError, match=r"config\.plan\.generation_tp=2: expected its default 1 "
+                                       r"with plan\.generation='mesh'"):
+    PlanConfig(generation="mesh", generation_tp=2)
+
+
+def test_a_behaviour_weight_cap_of_one_is_refused():
+  """pi_prox / pi_behaviour is about 1 on average: a cap of 1 drops about half of the tokens."""
+  assert AsyncPPOConfig(behaviour_weight_cap=0.0).behaviour_weight_cap == 0.0
+  with pytest.raises(ValueError, match=r"config\.async_ppo\.behaviour_weight_cap=1\.0"):
+    AsyncPPOConfig(behaviour_weight_cap=1.0)
+
+
+def test_zero_consecutive_skips_is_refused():
+  """max_consecutive_skips=0 would make 'skip_update' stop at the first skip, as 'stop' does."""
+  assert GuardConfig(max_consecutive_skips=1).max_consecutive_skips == 1
+  with pytest.raises(ValueError, match=r"config\.guard\.max_consecutive_skips=0"):
+    GuardConfig(max_consecutive_skips=0)
+
+
+# TrainConfig: cross-field checks and types
+
+def test_a_seed_of_two_to_the_32_is_refused_and_the_largest_32_bit_one_accepted():
+  """jax's keys keep a seed's low 32 bits: 2**32 would draw seed 0's models."""
+  cfg = _config()
+  assert dataclasses.replace(cfg, seed=2**32 - 1).seed == 2**32 - 1
+  with pytest.raises(ValueError, match=r"config\.seed=4294967296"):
+    dataclasses.replace(cfg, seed=2**32)
+
+
+def test_offload_with_a_separate_generation_group_is_refused_even_without_staleness():
+  """A generation group (async_ppo.generation_devices > 0, staleness 0) holds no optimizer
+  state to offload: the offload is refused for either async setting alone."""
+  with pytest.raises(ValueError, match=r"config\.optim\.offload_during_rollout=True"):
+    _config(**{"optim.offload_during_rollout": True, "async_ppo.generation_devices": 2})
+  with pytest.raises(ValueError, match=r"config\.optim\.offload_during_rollout=True"):
+    _config(**{"optim.offload_during_rollout": True, "async_ppo.staleness": 1})
+  assert _config(**{"optim.offload_during_rollout": True}).optim.offload_during_rollout
+
+
+def test_a_model_vocabulary_equal_to_the_tokenizers_is_accepted():
+  """with_vocab: model.vocab_size >= the tokenizer's; equal is the usual case."""
+  cfg = _config(**{"model.vocab_size": 32})
+  assert cfg.with_vocab(32).model.vocab_size == 32
+  with pytest.raises(ValueError, match=r"config\.model\.vocab_size=32: expected >= the "
+                                       r"tokenizer's vocabulary \(33\)"):
+    cfg.with_vocab(33)
+
+
+def test_a_bool_for_a_float_field_is_refused_by_name():
+  """True for algo.kl_coef would be a coefficient of 1 (bool is an int in Python)."""
+  with pytest.raises(ValueError, match=r"config\.algo\.kl_coef=True: expected a number"):
+    _config(**{"algo.kl_coef": True})
+  assert _config(**{"algo.kl_coef": 1}).algo.kl_coef == 1
+
