@@ -183,3 +183,26 @@ def test_a_bool_for_a_float_field_is_refused_by_name():
     _config(**{"algo.kl_coef": True})
   assert _config(**{"algo.kl_coef": 1}).algo.kl_coef == 1
 
+
+
+# validate: checks against the mesh and the models
+
+def _validate(cfg: TrainConfig) -> None:
+  """validate() on `cfg` resolved against its task's tokenizer, on a data-parallel mesh of 8."""
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  from rlhfuse_jax.trainer import build
+  from rlhfuse_jax.trainer.validate import validate
+  _, tokenizer = build.build_task_and_tokenizer(cfg)
+  validate(build.resolve_config(cfg, tokenizer),
+           mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8)))
+
+
+def test_a_prompt_and_response_filling_the_context_exactly_are_accepted():
+  """max_prompt_len + max_new_tokens == max_seq_len fits (positions 0 .. max_seq_len - 1); one
+  token more is refused naming the models' max_seq_len."""
+  fits = {"data.max_prompt_len": 8, "rollout.max_new_tokens": 8, "model.max_seq_len": 16,
+          "critic_model.max_seq_len": 16}
+  _validate(_config(**fits))
+  with pytest.raises(ValueError, match=r"= 17 exceeds the max_seq_len=16 of config\.model and "
+                                       r"the max_seq_len=16 of config\.critic_model"):
+    _validate(_config(**{**fits, "rollout.max_new_tokens": 9}))
