@@ -206,3 +206,51 @@ def test_a_prompt_and_response_filling_the_context_exactly_are_accepted():
   with pytest.raises(ValueError, match=r"= 17 exceeds the max_seq_len=16 of config\.model and "
                                        r"the max_seq_len=16 of config\.critic_model"):
     _validate(_config(**{**fits, "rollout.max_new_tokens": 9}))
+
+
+def _resolved_with_init(tmp_path, positions: int, **overrides):
+  """(ppo_tiny resolved with `overrides`, a checkpoint directory whose config.json says it was
+  trained on `positions` positions): validate reads only that field of an init checkpoint."""
+  from rlhfuse_jax.trainer import build
+  ckpt = tmp_path / f"ckpt{positions}"
+  ckpt.mkdir()
+  (ckpt / "config.json").write_text(f'{{"max_position_embeddings": {positions}}}')
+  cfg = _config(**overrides)
+  _, tokenizer = build.build_task_and_tokenizer(cfg)
+  return build.resolve_config(cfg, tokenizer), str(ckpt)
+
+
+def _validate_resolved(cfg: TrainConfig) -> None:
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  from rlhfuse_jax.trainer.validate import validate
+  validate(cfg, mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8)))
+
+
+def test_an_actor_checkpoint_trained_on_exactly_the_runs_context_is_accepted(tmp_path):
+  """ppo_tiny's context is 8 + 12 = 20 positions: a checkpoint trained on 20 covers them all,
+  one trained on 19 is refused naming init.actor_checkpoint."""
+  for positions, ok in ((20, True), (19, False)):
+    cfg, ckpt = _resolved_with_init(tmp_path, positions)
+    cfg = dataclasses.replace(cfg, init=dataclasses.replace(cfg.init, actor_checkpoint=ckpt))
+    if ok:
+      _validate_resolved(cfg)
+    else:
+      with pytest.raises(ValueError, match=r"= 20 exceeds the max_position_embeddings=19 that "
+                                           r"config\.init\.actor_checkpoint="):
+        _validate_resolved(cfg)
+
+
+def test_a_short_critic_checkpoint_is_refused_only_when_the_estimator_trains_a_critic(tmp_path):
+  """A critic-free estimator (GRPO) never loads init.critic_checkpoint (validate warns that it
+  is unused), so its positions cannot stop the run; GAE loads it and is refused."""
+  for estimator, samples in (("grpo", 2), ("gae", 1)):
+    (tmp_path / estimator).mkdir()
+    cfg, ckpt = _resolved_with_init(tmp_path / estimator, 8, **{
+        "algo.estimator": estimator, "rollout.samples_per_prompt": samples})
+    cfg = dataclasses.replace(cfg, init=dataclasses.replace(cfg.init, critic_checkpoint=ckpt))
+    if estimator == "grpo":
+      _validate_resolved(cfg)
+    else:
+      with pytest.raises(ValueError, match=r"max_position_embeddings=8 that config\.init\."
+                                           r"critic_checkpoint="):
+        _validate_resolved(cfg)
