@@ -12,6 +12,7 @@ import math
 import pytest
 
 from configs import ppo_tiny
+from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.generation import sampling
 from rlhfuse_jax.trainer.config import (AlgoConfig, AsyncPPOConfig, DataConfig, GuardConfig,
                                         OptimConfig, PipelineConfig, PlanConfig, RolloutConfig,
@@ -84,8 +85,8 @@ def test_clip_eps_of_one_is_refused():
 
 
 def test_dual_clip_constant_of_one_is_refused():
-  """Dual clip's c must be > 1 (the paper's 3): c = 1 caps a negative advantage's loss at the
-  unclipped value of ratio 1, so every larger ratio contributes no gradient."""
+  """Dual clip's c must be > 1 (the paper's 3): c = 1 caps a negative advantage's loss at its
+  value at ratio 1, so no token whose ratio grew gets a gradient."""
   assert AlgoConfig(clip_ratio_c=3.0).clip_ratio_c == 3.0
   with pytest.raises(ValueError, match=r"config\.algo\.clip_ratio_c=1\.0"):
     AlgoConfig(clip_ratio_c=1.0)
@@ -135,7 +136,8 @@ def test_generation_tp_on_the_training_mesh_is_refused():
 
 
 def test_a_behaviour_weight_cap_of_one_is_refused():
-  """pi_prox / pi_behaviour is about 1 on average: a cap of 1 drops about half of the tokens."""
+  """pi_prox / pi_behaviour is about 1 on average: a cap of 1 drops every token the proximal
+  policy favours even slightly more than the behaviour policy did."""
   assert AsyncPPOConfig(behaviour_weight_cap=0.0).behaviour_weight_cap == 0.0
   with pytest.raises(ValueError, match=r"config\.async_ppo\.behaviour_weight_cap=1\.0"):
     AsyncPPOConfig(behaviour_weight_cap=1.0)
@@ -183,6 +185,50 @@ def test_a_bool_for_a_float_field_is_refused_by_name():
     _config(**{"algo.kl_coef": True})
   assert _config(**{"algo.kl_coef": 1}).algo.kl_coef == 1
 
+
+
+
+def test_a_lognormal_sigma_of_zero_is_refused():
+  """sigma=0 is no distribution (data/lengths.py divides by it); any sigma > 0 is one."""
+  assert DataConfig(length_sigma=0.1).length_sigma == 0.1
+  with pytest.raises(ValueError, match=r"config\.data\.length_sigma=0\.0: expected a finite "
+                                       r"value > 0"):
+    DataConfig(length_sigma=0.0)
+
+
+def test_gae_lambda_of_one_and_no_warmup_are_accepted():
+  """lam=1 (Monte-Carlo returns) and warmup_steps=0 (no warm-up) are the bounds of their
+  ranges, not past them."""
+  assert AlgoConfig(lam=1.0).lam == 1.0
+  with pytest.raises(ValueError, match=r"config\.algo\.lam=1\.5"):
+    AlgoConfig(lam=1.5)
+  assert OptimConfig(warmup_steps=0).warmup_steps == 0
+  with pytest.raises(ValueError, match=r"config\.optim\.warmup_steps=-1"):
+    OptimConfig(warmup_steps=-1)
+
+
+def test_keeping_no_checkpoint_is_refused():
+  """checkpoint.keep=0 would delete every checkpoint it writes: nothing to resume from."""
+  assert config_lib.CheckpointConfig(keep=1).keep == 1
+  with pytest.raises(ValueError, match=r"config\.checkpoint\.keep=0: expected > 0"):
+    config_lib.CheckpointConfig(keep=0)
+
+
+def test_a_minibatch_that_does_not_divide_the_rollout_batch_is_refused():
+  """ppo_tiny's rollout batch is 64 x 1: a mini-batch of 24 leaves 16 samples out of every
+  epoch; 16 divides it."""
+  assert _config(**{"algo.minibatch_size": 16}).algo.minibatch_size == 16
+  with pytest.raises(ValueError, match=r"config\.algo\.minibatch_size=24: expected a divisor "
+                                       r"of the rollout batch prompts_per_iteration\*"
+                                       r"samples_per_prompt=64"):
+    _config(**{"algo.minibatch_size": 24})
+
+
+def test_a_negative_log_samples_is_refused():
+  """log_samples counts samples written per log; 0 is none, a negative count is a typo."""
+  assert _config(log_samples=0).log_samples == 0
+  with pytest.raises(ValueError, match=r"config\.log_samples=-1: expected >= 0"):
+    _config(log_samples=-1)
 
 
 # validate: checks against the mesh and the models
