@@ -300,3 +300,22 @@ def test_a_short_critic_checkpoint_is_refused_only_when_the_estimator_trains_a_c
       with pytest.raises(ValueError, match=r"max_position_embeddings=8 that config\.init\."
                                            r"critic_checkpoint="):
         _validate_resolved(cfg)
+
+
+def test_a_minibatch_not_split_evenly_over_the_data_shards_is_refused():
+  """A mini-batch of 4 divides the rollout batch (64) but not the 8 data shards of the mesh:
+  refused naming algo.minibatch_size, as the rollout batch is for its own multiple."""
+  _validate(_config(**{"algo.minibatch_size": 8}))
+  with pytest.raises(ValueError, match=r"config\.algo\.minibatch_size=4 must be a multiple of "
+                                       r"the data-parallel size 8"):
+    _validate(_config(**{"algo.minibatch_size": 4}))
+
+
+def test_a_format_reward_beside_a_reward_model_is_not_called_unused():
+  """reward.format adds to the reward model's score (reward = model + format_weight * format):
+  only reward.function is replaced by the model."""
+  from rlhfuse_jax.trainer.validate import _reward_unused
+  model = {"reward.kind": "model", "reward.model_checkpoint": "rm"}
+  assert _reward_unused(_config(**model, **{"reward.format": "boxed_format"})) == []
+  assert _reward_unused(_config(**model, **{"reward.function": "math"})) == [
+      "reward.function='math'"]
