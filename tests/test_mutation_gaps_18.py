@@ -186,8 +186,6 @@ def test_a_bool_for_a_float_field_is_refused_by_name():
   assert _config(**{"algo.kl_coef": 1}).algo.kl_coef == 1
 
 
-
-
 def test_a_lognormal_sigma_of_zero_is_refused():
   """sigma=0 is no distribution (data/lengths.py divides by it); any sigma > 0 is one."""
   assert DataConfig(length_sigma=0.1).length_sigma == 0.1
