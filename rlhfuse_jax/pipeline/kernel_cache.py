@@ -45,13 +45,15 @@ def sources_hash() -> str:
 
 
 def tie(namespace: Mapping[str, Any], digest: str | None = None) -> int:
-  """Extends the cache stamp of every cached numba function in `namespace` (a module's
-  globals()) with `digest` (default: sources_hash()); returns how many it tied. Call it at the
-  end of a kernel module, before any kernel runs (numba reads the stamp at the first call)."""
+  """Extends the cache stamp of every cached numba function that the module of `namespace` (its
+  globals()) defines with `digest` (default: sources_hash()); returns how many it tied. Call it
+  at the end of a kernel module, before any kernel runs (numba reads the stamp at the first
+  call). Kernels the module imports are left to the module that defines them."""
   digest = sources_hash() if digest is None else digest
   n = 0
   for obj in list(namespace.values()):
-    if not isinstance(obj, numba.core.dispatcher.Dispatcher):
+    if (not isinstance(obj, numba.core.dispatcher.Dispatcher)
+        or obj.py_func.__module__ != namespace["__name__"]):
       continue
     cache = getattr(obj, "_cache", None)
     if cache is None or type(cache).__name__ == "NullCache":  # not cache=True
@@ -62,9 +64,6 @@ def tie(namespace: Mapping[str, Any], digest: str | None = None) -> int:
           f"numba {numba.__version__} keeps no _source_stamp on {obj.__name__}'s cache: "
           "rlhfuse_jax/pipeline/kernel_cache.py cannot tie the kernels' cache to their files "
           "(see its docstring); pin numba to a version where it can, or remove cache=True")
-    stamp = cache_file._source_stamp
-    if isinstance(stamp, tuple) and len(stamp) == 2 and stamp[0] == "rlhfuse_jax":
-      stamp = stamp[1][0]  # tied before (a module reloaded): re-tie the file's own stamp
-    cache_file._source_stamp = ("rlhfuse_jax", (stamp, digest))
+    cache_file._source_stamp = ("rlhfuse_jax", (cache_file._source_stamp, digest))
     n += 1
   return n
