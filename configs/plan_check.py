@@ -188,19 +188,21 @@ def _run_preset(c, spec: str) -> None:
   apply_run(c, get(variant) if variant else get())
 
 
-def apply_run(c, t) -> None:
+def apply_run(c, t, overrides=None) -> None:
   """Sets plan config `c` to training config `t` (a ConfigDict of train_ppo's --config) as its
   trainer would run it, on its smallest device count (data 1 unless `t` fixes mesh.data): the
   models are t's sections, or the architectures of init.actor_checkpoint /
   init.critic_checkpoint (their config.json, as the trainer reads them; no weights); a
   pipelined run (mesh.stage > 1) with its pipeline section's micro-batches and fused schedule.
   A critic-free estimator is checked with a critic (an upper bound). experiments/plan_check.py's
-  --run_config calls it with the flag's overrides."""
+  --run_config calls it with the flag's overrides (`overrides`, the command line's: one of a
+  checkpoint's architecture is refused, as train_ppo refuses it)."""
   import dataclasses  # pylint: disable=import-outside-toplevel
 
   from rlhfuse_jax.trainer import build  # pylint: disable=import-outside-toplevel
   from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
   run = TrainConfig.from_config_dict(t)
+  build.check_shape_overrides(run, overrides or {}, flag="--run_config")
   init = run.init
   actor = (build.checkpoint_config(init.actor_checkpoint, run.model)
            if init.actor_checkpoint else run.model)

@@ -72,7 +72,8 @@ def main(argv):
     fields.pop("actor"), fields.pop("critic")  # replaced by the run's (sections or presets)
     config = ml_collections.ConfigDict(fields)
     try:
-      plan_config.apply_run(config, _RUN_CONFIG.value)
+      plan_config.apply_run(config, _RUN_CONFIG.value,
+                            config_flags.get_override_values(flags.FLAGS["run_config"]))
     except (ValueError, FileNotFoundError) as e:  # they say config.<field>: the user typed
       # --run_config (a checkpoint directory not there is a FileNotFoundError)
       kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError

@@ -175,6 +175,7 @@ def _start_and_train(run_log: runner.RunLog) -> tuple[TrainConfig, PPOTrainer]:
   cfg = TrainConfig.from_config_dict(_CONFIG.value)
   check_device_count(cfg, jax.device_count(), jax.default_backend(), jax.process_count())
   build.check_reward_functions(cfg)  # an unknown or ill-fitting one: before the workdir is made
+  build.check_shape_overrides(cfg, config_flags.get_override_values(flags.FLAGS["config"]))
   check_compilation_cache_dir(cfg.compilation_cache_dir)
   workdir = _WORKDIR.value
   wd.check_local_path(workdir)

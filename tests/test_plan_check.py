@@ -835,3 +835,22 @@ def test_accumulated_gradients_and_mesh_inference_by_hand():
   assert out["activations_bytes"] == pytest.approx(per_h * a.hidden_size * 2 * cfg.seq_len / 2)
   actor = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(llama.param_shapes(a)))
   assert out["params_bytes"] == 4 * actor / 4
+
+
+def test_run_config_refuses_an_override_of_its_checkpoints_architecture(tmp_path):
+  """--run_config.model.num_layers beside the run's init.actor_checkpoint is refused, as
+  train_ppo refuses it: the plan was checked for the checkpoint's model, not the one asked."""
+  import subprocess
+  import sys
+  from tests.xla_env import subprocess_env
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_check", "--config=configs/plan_check.py",
+       "--run_config=configs/ppo_hf.py:ppo_gpu", "--run_config.model.num_layers=5",
+       f"--workdir={tmp_path / 'pc'}"], cwd=repo, env=subprocess_env(), capture_output=True,
+      text=True, timeout=600)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert ("--run_config.model.num_layers=5 cannot apply: config.init.actor_checkpoint="
+          "'configs/data/tiny_llama3_chat' sets the model's architecture from its "
+          "config.json, where num_layers is 2.") in out.stderr, out.stderr[-3000:]
+  assert not os.path.exists(tmp_path / "pc")

@@ -258,3 +258,34 @@ def test_export_family_and_refusals(tmp_path):
   with pytest.raises(ValueError, match=r"config.checkpoint.export_hf='gpt2': expected one of"):
     tiny_config(**{"checkpoint.export_hf": "gpt2"})
   assert set(hf_loader.FAMILIES) == set(EXPORT_HF_CHOICES) - {"", "auto"}
+
+
+def test_an_override_of_a_checkpoints_architecture_is_refused(monkeypatch):
+  """--config.model.num_layers=4 beside init.actor_checkpoint (whose config.json says 2) built
+  the checkpoint's 2 layers, said only in the `actor: ...` log line; now it is refused, naming
+  the override and the checkpoint's value. The checkpoint's own value, a field a run chooses
+  (remat), the config file's own shape fields (not overrides), a critic field for a run that
+  trains no critic, and an override with no checkpoint pass."""
+  monkeypatch.chdir(REPO)  # the config's paths are relative to the repository
+  ckpt = hf_loader.load_hf_config(ppo_hf.MODEL_DIR)
+  given = lambda **fields: with_overrides(ppo_hf.get_config(), **fields)
+  asked = given(**{"model.num_layers": ckpt.num_layers + 2})
+  with pytest.raises(ValueError, match=(
+      rf"--config\.model\.num_layers={ckpt.num_layers + 2} cannot apply: "
+      rf"config\.init\.actor_checkpoint='{ppo_hf.MODEL_DIR}' sets the model's architecture "
+      rf"from its config\.json, where num_layers is {ckpt.num_layers}\. Drop the override")):
+    build.check_shape_overrides(asked, {"model.num_layers": ckpt.num_layers + 2})
+  build.check_shape_overrides(asked, {})  # the same value from the file: not an override
+  same = given(**{"model.num_layers": ckpt.num_layers, "model.remat": "full"})
+  build.check_shape_overrides(same, {"model.num_layers": ckpt.num_layers, "model.remat": "full"})
+  wide = given(**{"critic_model.hidden_size": 2 * ckpt.hidden_size})
+  with pytest.raises(ValueError, match=r"--run_config\.critic_model\.hidden_size=.*config\.init\."
+                                       r"critic_checkpoint=.* where hidden_size is "
+                                       rf"{ckpt.hidden_size}\."):
+    build.check_shape_overrides(wide, {"critic_model.hidden_size": 2 * ckpt.hidden_size},
+                                flag="--run_config")
+  free = given(**{"critic_model.hidden_size": 2 * ckpt.hidden_size,
+                  "algo.estimator": "reinforce_pp"})
+  build.check_shape_overrides(free, {"critic_model.hidden_size": 2 * ckpt.hidden_size})
+  own = given(**{"model.num_layers": ckpt.num_layers + 2, "init.actor_checkpoint": ""})
+  build.check_shape_overrides(own, {"model.num_layers": ckpt.num_layers + 2})

@@ -418,3 +418,20 @@ def test_multi_host_flags_without_distributed_are_refused(tmp_path, flags):
   assert ("--coordinator_address, --num_processes and --process_id join the processes of one "
           "multi-host run only with --distributed") in out.stderr, out.stderr[-3000:]
   assert not os.path.exists(wd)
+
+
+def test_an_override_of_the_checkpoints_architecture_leaves_no_workdir(tmp_path):
+  """--config.model.num_layers beside init.actor_checkpoint (configs/ppo_hf.py's 2-layer
+  model) is refused before the workdir is made, naming the override and the checkpoint's
+  value: the run trained the checkpoint's 2 layers, said only in one log line."""
+  wd = str(tmp_path / "run")
+  out = subprocess.run([sys.executable, "-m", "experiments.train_ppo",
+                        "--config=configs/ppo_hf.py", f"--workdir={wd}",
+                        "--config.model.num_layers=5"],
+                       cwd=REPO, env=subprocess_env(8), capture_output=True, text=True,
+                       timeout=300)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert ("--config.model.num_layers=5 cannot apply: config.init.actor_checkpoint="
+          "'configs/data/tiny_llama3_chat' sets the model's architecture from its config.json, "
+          "where num_layers is 2.") in out.stderr, out.stderr[-3000:]
+  assert not os.path.exists(wd)

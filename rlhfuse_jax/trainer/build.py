@@ -12,7 +12,7 @@ import dataclasses
 import filecmp
 import functools
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -289,6 +289,40 @@ def checkpoint_config(path: str, section: ModelConfig, field: str = "init.actor_
   return load_named(field, path, hf_loader.load_hf_config, **{**keep, **overrides})
 
 
+def check_shape_overrides(cfg: TrainConfig, overrides: Mapping[str, Any],
+                          flag: str = "--config") -> None:
+  """Refuses a command-line override of a model's architecture beside the checkpoint whose
+  config.json sets it (`--config.model.num_layers=4` with init.actor_checkpoint, or a
+  critic_model field with init.critic_checkpoint when a critic trains): the run would build
+  the checkpoint's shape, not the one asked for, and said so only in its `actor: ...` log line.
+  `overrides`: the command line's {"model.num_layers": 4, ...} (ml_collections'
+  config_flags.get_override_values of `flag`). A value the checkpoint has too, and the fields a
+  run chooses itself (RUN_MODEL_FIELDS), pass; a config file's own model section is not an
+  override (a preset's example shape beside a user's checkpoint is expected). Reads config.json
+  only, as resolve_config does."""
+  sources = {"model": ("init.actor_checkpoint", cfg.init.actor_checkpoint, {})}
+  if adv_lib.needs_critic(cfg.algo.estimator):
+    sources["critic_model"] = ("init.critic_checkpoint", cfg.init.critic_checkpoint,
+                               {"head": "scalar"})
+  names = {f.name for f in dataclasses.fields(ModelConfig)} - set(RUN_MODEL_FIELDS)
+  read = {}
+  for key in sorted(overrides):
+    section, _, name = key.partition(".")
+    if section not in sources or name not in names or not sources[section][1]:
+      continue
+    field, path, fixed = sources[section]
+    if section not in read:
+      read[section] = checkpoint_config(path, getattr(cfg, section), field, **fixed)
+    given, own = getattr(getattr(cfg, section), name), getattr(read[section], name)
+    if given != own:
+      raise ValueError(
+          f"{flag}.{key}={given!r} cannot apply: config.{field}={path!r} sets the model's "
+          f"architecture from its config.json, where {name} is {own!r}. Drop the override "
+          f"(the run builds the checkpoint's model), or set {flag}.{field}='' to build "
+          f"config.{section}'s shape from scratch; of a model section, only "
+          f"{', '.join(RUN_MODEL_FIELDS)} apply beside a checkpoint")
+
+
 # What to change when a checkpoint's own tokenizer.json gives the run's tokens other ids: the
 # actor's names the tokenizer at fault, a critic's or reward model's the checkpoint (it reads
 # the actor's token ids, so it must have been trained with the run's tokenizer).
@@ -417,8 +451,9 @@ def _shape(m: ModelConfig) -> str:
 
 def log_architectures(cfg: TrainConfig) -> None:
   """Logs the models the run builds (a checkpoint's config.json replaces config.model's shape:
-  a --config.model.num_layers given beside a checkpoint is not the model trained, and
-  WORKDIR/config.json holds the config as given), and warns of a critic built from
+  the config file's shape fields beside a checkpoint are not the model trained (a command-line
+  override of one is refused: check_shape_overrides), and WORKDIR/config.json holds the config
+  as given), and warns of a critic built from
   config.critic_model's shape beside an actor 8 times its size from a checkpoint (ppo_hf.py's
   toy critic, 2 layers 64 wide, beside a user's 1B actor when init.critic_checkpoint='')."""
   actor_from = (f"config.init.actor_checkpoint={cfg.init.actor_checkpoint!r}"
