@@ -178,6 +178,12 @@ def test_clear_errors(models, batch):
     Scorer(mesh, micro_batch_size=4)
   with pytest.raises(ValueError, match="critic needs model.head='scalar'"):
     Scorer().values(ACTOR, actor, batch)
+  # An empty batch: Python's "range() arg 3 must not be zero" (whole batch) or numpy's "need
+  # at least one array to concatenate" (micro-batched) before.
+  empty = batch.take(np.arange(0))
+  for scorer in (Scorer(), Scorer(micro_batch_size=4)):
+    with pytest.raises(ValueError, match="Scorer: the batch to score has no rows"):
+      scorer.logprobs(ACTOR, actor, empty)
 
 
 def test_static_arguments_may_be_passed_by_keyword(models, batch):

@@ -142,6 +142,8 @@ class Scorer:
   def _pieces(self, batch: ScoringBatch):
     """Yields (row slice, padded host arrays) of fixed-size pieces covering the batch."""
     b = batch.batch_size
+    if b == 0:  # (the pieces would be none: range() of step 0, or nothing to concatenate)
+      raise ValueError("Scorer: the batch to score has no rows; expected at least one sequence")
     m = self.micro_batch_size or -(-b // self._multiple) * self._multiple
     for start in range(0, b, m):
       rows = np.arange(start, start + m)
