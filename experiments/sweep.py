@@ -22,7 +22,8 @@ binary's run that finished with the same config from the same code (commit and u
 changes) and the same files its config names by path (RUN/sweep_inputs.json), its row ok in
 summary.json, its config.json and result.json in place, is kept, not run again, unless
 --rerun). A workdir holds one sweep (DIR/sweep.json: config, variant, binary); another is
-refused. A training run's wall_s sums its starts. Each run starts
+refused. A training run's wall_s sums its starts (those that trained: a finished run started
+again, with nothing left to train, keeps its wall_s). Each run starts
 in the repository root; a relative --config file or --workdir is the caller's (made absolute).
 `--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant, if it
 takes an argument). Each run's output is appended to DIR/<run>/log.txt; --dry_run prints
@@ -695,8 +696,10 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
               name in configs else None)
     # A training run resumes from its checkpoints: its wall_s is the sum over its starts (a
     # run stopped after 24 s and resumed showed only the 2 s of the start that found it done).
-    t0 = time.time() - (float((earlier.get(name) or {}).get("wall_s") or 0.0) if (
-        binary == "train_ppo" and os.path.isdir(os.path.join(run_dir, "checkpoints"))) else 0.0)
+    before = earlier.get(name) or {}
+    resumes = binary == "train_ppo" and os.path.isdir(os.path.join(run_dir, "checkpoints"))
+    t0 = time.time() - (float(before.get("wall_s") or 0.0) if resumes else 0.0)
+    start = time.time()
     try:
       rc = run_streamed(cmd, run_dir, name, env, started=signals.started)
     except RunInterrupted as e:  # Ctrl-C: the run got it too, and has ended since
@@ -705,10 +708,16 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
       summary(rows)
       raise
     rows.append(_ended(row, rc, run_dir, time.time() - t0, signals.signum))
+    this_start = time.time() - start
+    if resumes and nothing_trained(before, row):
+      # A finished run re-started (the sweep run again to refresh its summary) found nothing to
+      # train: its wall_s stays its training's (it grew by a start's set-up on every re-run).
+      row["wall_s"] = before["wall_s"]
     if rc == 0 and inputs is not None:  # for kept_row
       wd.write_json(os.path.join(run_dir, INPUTS_FILE), inputs)
     summary(rows)  # partial summaries survive an interrupted sweep
-    logging.info("[%d/%d] %s: %s in %.1fs", i + 1, len(runs), name, row["status"], row["wall_s"])
+    logging.info("[%d/%d] %s: %s in %.1fs%s", i + 1, len(runs), name, row["status"], this_start,
+                 f" (wall_s {row['wall_s']:.1f} over its starts)" if resumes else "")
     if rc == STOPPED or signals.signum:  # the job is being stopped: start nothing more
       break
   if not dry_run:
@@ -720,6 +729,14 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
   complete = not signals.signum and len(rows) == len(runs) and not any(
       r.get("status", "").startswith("stopped") for r in rows)
   return rows, complete
+
+
+def nothing_trained(before: dict, row: dict) -> bool:
+  """Whether a training run's start (`row`, as _ended made it) trained no iteration beyond its
+  earlier row `before` of summary.json, which had finished: both ok at the same `iterations`."""
+  return (str(before.get("status", "")).startswith("ok") and str(row.get("status", "")) == "ok"
+          and before.get("wall_s") is not None and before.get("iterations") is not None
+          and row.get("iterations") == before.get("iterations"))
 
 
 def _ended(row: dict, rc: int, run_dir: str, wall_s: float, signum: int,

@@ -115,6 +115,43 @@ def test_inputs_wall_time_twins_nones_and_shared_columns(tmp_path):
   assert lines[-1] == "The same in every run: same = x."
 
 
+_RESTARTS = """
+import json, os, sys, time
+from absl import logging
+from experiments import sweep
+logging.set_verbosity(logging.INFO)
+work = sys.argv[1]
+earlier = [{"run": r, "status": "ok", "wall_s": 20.0, "iterations": 4} for r in ("done", "more")]
+sweep.wd.write_json(os.path.join(work, "summary.json"), earlier)
+for name, reached in (("done", 4), ("more", 6)):  # "more": re-run with num_iterations=6
+  os.makedirs(os.path.join(work, name, "checkpoints"))
+  sweep.wd.write_json(os.path.join(work, name, "result.json"),
+                      {"status": "done", "iterations": reached, "num_iterations": reached})
+
+def fake_run(cmd, run_dir, name, env, started=None):  # a start that takes 0.3 s
+  time.sleep(0.3)
+  return 0
+sweep.run_streamed = fake_run
+rows, _ = sweep._run_locked("train_ppo", "c.py", work, [], False, sweep._Signals(),
+                            [(0, "done", {}), (1, "more", {})], lambda rows: None)
+print(json.dumps([r["wall_s"] for r in rows]))
+"""
+
+
+def test_a_finished_training_run_started_again_keeps_its_wall_time(tmp_path):
+  """A sweep run again over finished train_ppo runs (to refresh its summary) restarts each, and
+  each finds nothing to train: their wall_s grew by a start's set-up on every re-run (15.1 s,
+  then 16.7 s, then 18.5 s for a run that trained once). A start that trains more adds its
+  time."""
+  proc = subprocess.run([sys.executable, "-c", _RESTARTS, str(tmp_path)], cwd=REPO, env=_env(),
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  done, more = json.loads(proc.stdout.splitlines()[-1])
+  assert done == 20.0
+  assert more >= 20.3
+  assert "(wall_s 20.0 over its starts)" in proc.stderr, proc.stderr[-3000:]
+
+
 _STOPPED_EARLY = """
 import json, os, sys
 from experiments import sweep
