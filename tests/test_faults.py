@@ -26,6 +26,7 @@ from rlhfuse_jax import checkpointing
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.trainer import build, hooks, loop
+from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from tests.test_train_ppo_binary import COMPILE_LOG, METRIC_NAMES, REPO, _cmd, _env, _steps
 from tests.test_trainer import _deterministic, _params, tiny_config
@@ -231,6 +232,22 @@ def test_truncated_safetensors_names_the_file(tmp_path):
 
 
 # ------------------------------------------------------------------------------ resume safety
+def test_a_refused_resume_says_which_fields_cannot_change_and_the_flag_for_the_others():
+  """The refusal listed every field checkpoint.resume_changes takes, for a changed
+  algo.estimator (which no resume may change) as for a changed algo.entropy_coef: now it names
+  the fixed ones, and the exact flag (with the fields already named) for the others."""
+  only = config_lib.resume_advice(["algo.entropy_coef: 0.0 -> 0.01"])
+  assert "add --config.checkpoint.resume_changes=algo.entropy_coef," in only
+  assert "No resume may change" not in only
+  mixed = config_lib.resume_advice(["algo.entropy_coef: 0.0 -> 0.01",
+                                    "algo.estimator: 'gae' -> 'rloo'"],
+                                   frozenset({"optim.actor_lr"}))
+  assert mixed.startswith("No resume may change algo.estimator (")
+  assert "resume_changes=algo.entropy_coef,optim.actor_lr," in mixed
+  fixed = config_lib.resume_advice(["model.num_layers: 2 -> 4"])
+  assert "model.num_layers" in fixed and "resume_changes" not in fixed
+
+
 def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path, straight):
   """A resume of the uninterrupted run (a copy of `straight`'s 6 iterations) with changed
   hyper-parameters is refused before anything is built, naming each field; more iterations and
@@ -247,7 +264,9 @@ def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path, str
   assert time.time() - t0 < 5  # refused before building or compiling anything
   msg = str(e.value)
   for field in ("optim.actor_lr: 0.003 -> 0.0005", "rollout.max_new_tokens: 6 -> 5",
-                "data.task: 'repeat' -> 'copy'"):
+                "data.task: 'repeat' -> 'copy'",
+                "No resume may change data.task, rollout.max_new_tokens",
+                "add --config.checkpoint.resume_changes=optim.actor_lr,"):
     assert field in msg, msg
   # What a resume may change is allowed: more iterations, other logging/checkpoint cadence.
   ok = PPOTrainer(tiny_config(**{"num_iterations": 7, "log_every": 2, "checkpoint.every": 3}),

@@ -12,7 +12,7 @@ import math
 import os
 import re
 import threading
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from rlhfuse_jax import workdir
 from rlhfuse_jax.data import rewards as rewards_lib
@@ -713,6 +713,28 @@ RESUME_CHANGEABLE = frozenset({
     # stretches the cosine from the restored step on (optax counts the steps, not the horizon).
     "optim.schedule_iterations",
 })
+
+def resume_advice(changes: Sequence[str], named: frozenset = frozenset()) -> str:
+  """What a refused resume tells the user to do about its changed fields (`changes`, each
+  "field: old -> new"; `named`: checkpoint.resume_changes's fields): which of them can never
+  change on a resume, and the exact flag that continues with the new values of the others. It
+  listed every field resume_changes takes for all of them alike, algo.estimator's change too."""
+  fields = sorted({c.split(":")[0] for c in changes})
+  fixed = [f for f in fields if f not in RESUME_CHANGEABLE]
+  may = [f for f in fields if f in RESUME_CHANGEABLE]
+  advice = []
+  if fixed:
+    advice.append(f"No resume may change {', '.join(fixed)} (the saved state's layout or what "
+                  f"the checkpoints mean): resume with the original value"
+                  f"{'s' if len(fixed) > 1 else ''} or start a new --workdir")
+  if may:
+    flag = ",".join(sorted(set(named) | set(may)))
+    advice.append(f"To continue with the new value{'s' if len(may) > 1 else ''} of "
+                  f"{', '.join(may)}{' (the others restored)' if fixed else ''}, add "
+                  f"--config.checkpoint.resume_changes={flag}, or resume with the original "
+                  f"value{'s' if len(may) > 1 else ''}")
+  return ". ".join(advice)
+
 
 # Fields that do not change what a resumed run computes: how long it runs, how often it logs
 # and saves, what it does when a checkpoint or a value goes bad.

@@ -418,11 +418,9 @@ class Checkpoints(Hook):
           f"{self.checkpointer.directory} (iteration {meta.get('iteration')}) in fields that "
           f"change the run: " + "; ".join(changes) + ". " +
           self._plan_file_note(changes, meta.get("iteration")) +
-          "Resume with the original values, "
-          f"name the ones of {sorted(config_lib.RESUME_CHANGEABLE)} in "
-          f"config.checkpoint.resume_changes to continue with the new values, or start a new "
-          f"--workdir (fields a resume may change freely: "
-          f"{', '.join(sorted(config_lib.RESUMABLE_FIELDS))})")
+          config_lib.resume_advice(changes, allowed) + " (fields a resume may change freely: "
+          f"{', '.join(sorted(config_lib.RESUMABLE_FIELDS))}; named in "
+          f"config.checkpoint.resume_changes: {', '.join(sorted(config_lib.RESUME_CHANGEABLE))})")
 
   def _plan_file_note(self, changes: list[str], iteration: Any = None) -> str:
     """What a refused resume adds when fields it lists are ones config.plan.file sets (the user
