@@ -176,6 +176,12 @@ def test_sharded_run_equals_single_device(tmp_path):
     ({"algo.clip_eps": 3.0}, r"algo.clip_eps=3.0: expected in \(0, 1\)"),
     ({"algo.clip_eps_high": -0.1}, r"algo.clip_eps_high=-0.1: expected 0 \(= algo.clip_eps\)"),
     ({"algo.clip_ratio_c": 0.5}, r"algo.clip_ratio_c=0.5: expected 0 \(dual clip off\) or"),
+    # A dual-clip cap inside the clip range stopped negative-advantage tokens' gradients there.
+    ({"algo.clip_ratio_c": 1.1}, r"algo.clip_ratio_c=1.1: expected 0 \(dual clip off\) or >= "
+                                 r"the PPO clip's upper bound 1.2 \(1 \+ algo.clip_eps\)"),
+    ({"algo.clip_ratio_c": 1.25, "algo.clip_eps_high": 0.28},
+     r"algo.clip_ratio_c=1.25: expected 0 \(dual clip off\) or >= the PPO clip's upper "
+     r"bound 1.28 \(1 \+ algo.clip_eps_high\)"),
     ({"algo.estimator": "gea"}, "algo.estimator='gea': expected one of"),
     ({"algo.kl_estimator": "k4"}, "algo.kl_estimator='k4': expected one of"),
     ({"algo.vf_coef": -1.0}, "algo.vf_coef=-1.0: expected a finite value >= 0"),
@@ -203,6 +209,15 @@ def test_sharded_run_equals_single_device(tmp_path):
 def test_bad_config_names_the_field(overrides, message):
   with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("*", r"\*")):
     tiny_config(**overrides)
+
+
+def test_a_dual_clip_cap_at_or_beyond_the_clip_range_is_accepted():
+  """The dual clip caps ratios beyond the PPO clip; a cap at its upper bound changes no token
+  the clip leaves in range, so it is accepted (below it is refused, above)."""
+  from rlhfuse_jax.trainer.config import AlgoConfig
+  assert AlgoConfig(clip_ratio_c=1.2).clip_ratio_c == 1.2
+  assert AlgoConfig(clip_ratio_c=1.28, clip_eps_high=0.28).clip_ratio_c == 1.28
+  assert AlgoConfig(clip_ratio_c=3.0, clip_eps_high=0.28).clip_ratio_c == 3.0
 
 
 def test_integer_fields_refuse_floats_and_bools():

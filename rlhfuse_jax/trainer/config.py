@@ -168,7 +168,7 @@ class AlgoConfig:
   clip_eps_high: float = 0.0
   # Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729): for negative advantages the loss is also
   # capped at -A * clip_ratio_c, so one huge ratio on a bad token cannot dominate the update;
-  # 0: off, else > 1 (the paper and verl use 3).
+  # 0: off, else >= the upper clip 1 + clip_eps_high (or clip_eps) (the paper and verl use 3).
   clip_ratio_c: float = 0.0
   value_clip_eps: float = 0.2  # clip of the value update around the old values; 0: unclipped
   vf_coef: float = 0.5
@@ -223,6 +223,15 @@ class AlgoConfig:
            "1 + clip_eps_high)")
     _check(self.clip_ratio_c == 0 or (math.isfinite(self.clip_ratio_c) and self.clip_ratio_c > 1),
            "algo.clip_ratio_c", self.clip_ratio_c, "0 (dual clip off) or a finite value > 1")
+    # The cap is for ratios beyond the clip (one huge ratio on a bad token): below its upper
+    # bound it also zeroes the gradient of negative-advantage tokens the clip leaves in
+    # range (c = 1.1 with clip_eps 0.2: every such token whose ratio rose past 1.1).
+    upper = 1 + (self.clip_eps_high or self.clip_eps)
+    _check(self.clip_ratio_c == 0 or self.clip_ratio_c >= upper, "algo.clip_ratio_c",
+           self.clip_ratio_c, f"0 (dual clip off) or >= the PPO clip's upper bound {upper:g} "
+           f"(1 + algo.{'clip_eps_high' if self.clip_eps_high else 'clip_eps'}): a lower cap "
+           "stops the gradient of negative-advantage tokens whose ratio is inside the clip "
+           "range (the paper's c is 3)")
     # As a loss, k1's gradient (that of logp) has zero expectation on the policy's own samples
     # whatever the reference: it would add noise, not pull toward the reference (rl/kl.py).
     _check(self.kl_in_reward or self.kl_coef == 0 or self.kl_estimator != "k1",
