@@ -229,6 +229,39 @@ def test_validation_pass_gives_each_batch_its_key_and_reports_population_std():
   assert metrics["val/reward_std"] == pytest.approx(np.std([0, 1, 2, 3, 4]))
 
 
+def test_a_long_validation_pass_logs_its_progress_between_batches(monkeypatch, caplog):
+  """Each batch of the pass is a rollout; over a whole test set the pass ran minutes after an
+  iteration without a line. It logs between batches once PROGRESS_S has passed (never after the
+  last: the iteration's own line follows)."""
+  import logging as py_logging
+  import types
+  from rlhfuse_jax.trainer import evaluation
+  from rlhfuse_jax.trainer.rollout import StageOutputs
+
+  def stage(params, prompts, key):
+    return StageOutputs(rollout=types.SimpleNamespace(response_lens=np.full(2, 4)), batch=None,
+                        ref_logp=None, values=None, scores=np.zeros(2, np.float32), metrics={})
+
+  class Pool:  # what HeldOutEval reads of a PromptDataset: 5 prompts, 3 batches of 2
+    records, tokens, lengths = [{}] * 5, np.ones((5, 3), np.int32), np.full(5, 3, np.int32)
+
+    def __len__(self):
+      return 5
+
+  monkeypatch.setattr(evaluation, "PROGRESS_S", 0.0)
+  with caplog.at_level(py_logging.INFO):
+    evaluation.HeldOutEval(Pool(), rows=2, seed=0)(stage, lambda n: None, iteration=6)
+  lines = [r.getMessage() for r in caplog.records if "validation after" in r.getMessage()]
+  assert [line.split(" in ")[0] for line in lines] == [
+      "validation after iteration 7: 1/3 batches of held-out prompts",
+      "validation after iteration 7: 2/3 batches of held-out prompts"], lines
+  caplog.clear()
+  monkeypatch.setattr(evaluation, "PROGRESS_S", 3600.0)  # a short pass says nothing
+  with caplog.at_level(py_logging.INFO):
+    evaluation.HeldOutEval(Pool(), rows=2, seed=0)(stage, lambda n: None, iteration=6)
+  assert not [r for r in caplog.records if "validation after" in r.getMessage()]
+
+
 # checkpointing.py, workdir.py --------------------------------------------------------------------
 
 def test_checkpointer_rotation_and_set_aside_never_overwrite(tmp_path):
