@@ -854,3 +854,30 @@ def test_run_config_refuses_an_override_of_its_checkpoints_architecture(tmp_path
           "'configs/data/tiny_llama3_chat' sets the model's architecture from its "
           "config.json, where num_layers is 2.") in out.stderr, out.stderr[-3000:]
   assert not os.path.exists(tmp_path / "pc")
+
+
+def test_run_config_beside_a_preset_variant_is_refused(tmp_path):
+  """--config=configs/plan_check.py:llama/13b --run_config=configs/ppo_hf.py checked ppo_hf's
+  tiny model (the variant's models and plan replaced by the run's) and said it fits, exit 0,
+  with nothing saying the 13B preset was not checked. Refused before anything compiles; the
+  default variant (`tiny`, named or not) still takes --run_config."""
+  import subprocess
+  import sys
+  from experiments import plan_check
+  from tests.xla_env import subprocess_env
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_check", "--config=configs/plan_check.py:llama/13b",
+       "--run_config=configs/ppo_hf.py", f"--workdir={tmp_path / 'pc'}"], cwd=repo,
+      env=subprocess_env(), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert ("--config=configs/plan_check.py:llama/13b with --run_config: the variant 'llama/13b' "
+          "sets the models and the plan, which --run_config sets too; give one") in out.stderr, (
+              out.stderr[-3000:])
+  assert not os.path.exists(tmp_path / "pc")
+  for arg in ("configs/plan_check.py", "configs/plan_check.py:tiny"):
+    plan_check.check_one_training_config(arg, run_config_given=True)
+  for arg in ("configs/plan_check.py:7b_host8", "configs/plan_check.py:run/configs/ppo_tiny.py"):
+    plan_check.check_one_training_config(arg, run_config_given=False)
+    with pytest.raises(ValueError, match="give one"):
+      plan_check.check_one_training_config(arg, run_config_given=True)
