@@ -368,7 +368,7 @@ TRACEBACK_ENV = "RLHFUSE_TRACEBACK"
 # What `run` reports as one line: bad input (ValueError), a file a field names that does not
 # exist (FileNotFoundError: the loaders' messages name the field or the file) and a workdir
 # another run holds. Anything else is a bug's traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, wd.WorkdirInUseError)
+USER_ERRORS = (ValueError, FileNotFoundError, wd.WorkdirInUseError, wd.MainProcessError)
 
 
 def _save_traceback(text: str, in_workdir: bool = True) -> Optional[str]:
@@ -514,7 +514,9 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
         _exit_now_if_peers(traceback.format_exc())
         raise
       path = _save_traceback(traceback.format_exc(), in_workdir=traceback_in_workdir and not
-                             isinstance(e, (wd.WorkdirInUseError, wd.ForeignWorkdirError)))
+                             isinstance(
+                                 e, (wd.WorkdirInUseError, wd.ForeignWorkdirError,
+                                     wd.MainProcessError)))
       logging.error("%s: %s", type(e).__name__, e)
       logging.flush()
       sys.stderr.write(f"(where it was raised: {path or 'not saved'}; {TRACEBACK_ENV}=1 prints "

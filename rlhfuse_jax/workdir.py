@@ -237,6 +237,14 @@ class WorkdirInUseError(RuntimeError):
   report it as one line, like bad input)."""
 
 
+class MainProcessError(RuntimeError):
+  """What process i > 0 of a multi-process run raises when process 0 failed a step only it
+  takes (parallel/distributed.run_on_main_process: the workdir lock, moving an earlier start's
+  outputs aside, a shared cache). The cause and its traceback are process 0's; the binaries
+  report this as one line naming process 0's log (it was a traceback on every other process,
+  ending in a RuntimeError, beside process 0's one-line error)."""
+
+
 def lock_token(workdir: str) -> int:
   """The start token of the run that holds (or last held) `workdir`'s lock (WorkdirLock), as
   this host reads it: -1 when there is none (no lock file, another format)."""

@@ -212,6 +212,12 @@ _FAILING_BINARY = textwrap.dedent("""
   def main(argv):
     if sys.argv[-1] == "missing":
       raise FileNotFoundError("config.data.prompts_file='p.jsonl': prompts file not found")
+    if sys.argv[-1] == "peer":  # process 1 of 2, told that process 0 could not lock
+      import jax
+      from rlhfuse_jax.parallel import distributed
+      jax.process_index = lambda: 1
+      distributed.main_process_verdict = lambda ok: False
+      distributed.run_on_main_process(lambda: None, "workdir w could not be locked by process 0")
     raise wd.WorkdirInUseError("workdir w is in use by another run (pid 1 on h)")
   config_files.run(main)
 """)
@@ -220,17 +226,24 @@ _FAILING_BINARY = textwrap.dedent("""
 @pytest.mark.parametrize("kind, message", [
     ("missing", "FileNotFoundError: config.data.prompts_file='p.jsonl': prompts file not found"),
     ("held", "WorkdirInUseError: workdir w is in use by another run (pid 1 on h)"),
+    ("peer", "MainProcessError: workdir w could not be locked by process 0"),
 ])
 def test_a_missing_input_file_and_a_held_workdir_end_in_one_line(tmp_path, kind, message):
   """A file a field names that does not exist (the loaders raise FileNotFoundError naming the
   field) and a workdir another run holds are reported like a bad value: one line, status 1, the
-  traceback in a file (they were a 30-line traceback ending in that line)."""
+  traceback in a file (they were a 30-line traceback ending in that line). So is process 0's
+  refusal as the other processes of a multi-process run learn it ("peer": each printed a
+  traceback ending in a RuntimeError, beside process 0's one line; a SLURM job's log had one per
+  node), its traceback not in the workdir (another run's, when the lock was refused)."""
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, "-c", _FAILING_BINARY, kind], cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=120)
+  held = tmp_path / "held"
+  held.mkdir()
+  proc = subprocess.run([sys.executable, "-c", _FAILING_BINARY, f"--workdir={held}", kind],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
   assert proc.stderr.splitlines()[-2].endswith(message), proc.stderr
   assert proc.stderr.splitlines()[-1].startswith("(where it was raised: ")
+  assert os.listdir(held) == (["traceback.txt"] if kind == "missing" else []), os.listdir(held)
 
 
 def test_missing_field():

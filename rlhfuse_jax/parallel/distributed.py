@@ -20,6 +20,8 @@ import numpy as np
 from absl import flags
 from absl import logging
 
+from rlhfuse_jax import workdir as wd
+
 T = TypeVar("T")
 
 
@@ -171,7 +173,8 @@ def main_process_verdict(ok: bool) -> bool:
 def run_on_main_process(fn: Callable[[], T], failure: str) -> Optional[T]:
   """`fn()` on process 0 alone, its success known to every process: process 0's result there,
   None on the others. Every process must call it at the same point. A failure raises on every
-  process at once (process 0: fn's own exception; the others: RuntimeError(`failure`)),
+  process at once (process 0: fn's own exception; the others: workdir.MainProcessError
+  (`failure`), a RuntimeError),
   instead of process 0 stopping alone while the others wait for it in the next collective.
   For what only process 0 may do: hold the workdir lock, move files, write a shared cache."""
   result, failed = None, None
@@ -183,7 +186,7 @@ def run_on_main_process(fn: Callable[[], T], failure: str) -> Optional[T]:
   if not main_process_verdict(failed is None):
     if failed is not None:
       raise failed
-    raise RuntimeError(failure)
+    raise wd.MainProcessError(failure)
   return result
 
 
