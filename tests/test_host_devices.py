@@ -323,3 +323,35 @@ def test_the_slurm_script_requeues_a_run_stopped_after_saving(tmp_path):
   with open(script) as f:
     text = f.read()
   assert "#SBATCH --signal=TERM@600" in text and "#SBATCH --open-mode=append" in text
+
+
+@pytest.mark.parametrize("script", ["slurm_gpu.sbatch", "tpu_pod.sh"])
+def test_the_cluster_scripts_refuse_a_binary_or_flag_they_cannot_run(tmp_path, script):
+  """launch/slurm_gpu.sbatch and launch/tpu_pod.sh, as the local launcher: a BINARY without
+  --distributed (every node failed on absl's "Unknown command line flag 'distributed'", after
+  the allocation) and the flags the script sets or jax detects (a second --config replaced
+  CONFIG without a word; a --process_id was every process's) are refused before any process
+  starts, naming what to change; train_ppo and bench_generation still start."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  _stand_in(bin_dir / "srun", f'echo "srun $*" >> {tmp_path}/calls', python=False)
+  fake = _stand_in(tmp_path / "python", f'echo "python $*" >> {tmp_path}/calls', python=False)
+  env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHON=str(fake))
+  env.pop("SLURM_JOB_ID", None)
+  run = lambda *extra, **more: subprocess.run(
+      ["bash", os.path.join(REPO, "launch", script), "configs/ppo_tiny.py", "/shared/wd",
+       *extra], cwd=REPO, env=dict(env, **more), capture_output=True, text=True, timeout=60)
+  refused = [(("--config=configs/ppo_tiny.py:fused",), {}, "--config: this script sets it"),
+             (("--process_id=1",), {}, "--process_id: this script sets it"),
+             (("--nodistributed",), {}, "--nodistributed: this script sets it"),
+             ((), {"BINARY": "plan_check"}, "BINARY=plan_check: expected train_ppo or "
+                                            "bench_generation")]
+  for extra, more, message in refused:
+    out = run(*extra, **more)
+    assert out.returncode == 2 and message in out.stderr, (extra, more, out.stderr)
+    assert not (tmp_path / "calls").exists(), (tmp_path / "calls").read_text()
+  for binary in ("train_ppo", "bench_generation"):
+    out = run("--config.seed=3", BINARY=binary)
+    assert out.returncode == 0, out.stderr
+    assert (f"-m experiments.{binary} --config=configs/ppo_tiny.py --workdir=/shared/wd "
+            "--distributed --config.seed=3") in (tmp_path / "calls").read_text()
