@@ -134,14 +134,32 @@ def check_same_run_everywhere(config: Any) -> None:
   one global batch from the config and the code, so two processes with another seed (or a
   worker of a TPU pod on another checkout) trained side by side on different batches, each
   logging its own rewards, without an error."""
-  as_json = json.dumps(config.to_dict() if hasattr(config, "to_dict") else dict(config),
-                       sort_keys=True, default=str)
+  as_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  as_json = json.dumps(as_dict, sort_keys=True, default=str)
   commit = runner.start_record().get("git_commit") or ""
-  distributed.check_same_over_processes(
-      tuple(zlib.crc32(x.encode()) & 0x7FFFFFFF for x in (as_json, commit)),
-      "the run (a checksum of the config as given, one of the git commit)",
-      f": every process must run the same command (config file and --config.* flags) on the "
-      f"same checkout; this process ran {runner.command_line()} at commit {commit or '?'}")
+  try:
+    distributed.check_same_over_processes(
+        tuple(_crc(x) for x in (as_json, commit)),
+        "the run (a checksum of the config as given, one of the git commit)",
+        f": every process must run the same command (config file and --config.* flags) on the "
+        f"same checkout; this process ran {runner.command_line()} at commit {commit or '?'}")
+  except ValueError as e:  # on every process alike: each names its own values of the fields
+    raise ValueError(f"{e}{distributed.differing_fields(_flat(as_dict))}") from None
+
+
+def _crc(text: str) -> int:
+  return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  """A nested config dict as {"section.field": value}."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict) and value:
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
 
 
 def check_own_workdir(workdir: str) -> None:

@@ -191,6 +191,8 @@ def test_processes_on_different_workdirs_or_runs_stop_at_once(tmp_path):
         log[-3000:])
     assert "this process ran python -m experiments.train_ppo" in log and (
         f"--config.seed={i} at commit" in log), log[-3000:]
+    assert f"the config fields that differ, as this process has them: config.seed={i}" in log, (
+        log[-3000:])
   assert not os.path.exists(shared)  # stopped before anything was written
 
 
@@ -476,3 +478,36 @@ def test_the_same_error_on_every_process_is_reported_by_each():
   finally:
     for p in procs:
       p.kill()
+
+
+def test_processes_with_different_configs_are_told_which_fields_differ(monkeypatch):
+  """train_ppo's refusal of processes that run different configs named only checksums and this
+  process's command line: under SLURM or on a TPU pod every process runs the same command, and
+  a config file that differs between the nodes' checkouts left nothing to compare.
+  differing_fields names each differing field with this process's value (the all-gather faked:
+  the other process's values given); fields of another config file are said to differ as a
+  set; agreeing values (the commits differ) add nothing."""
+  from jax.experimental import multihost_utils
+  other = {}
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "process_allgather",
+                      lambda x: np.stack([np.asarray(x), np.asarray(other["f"](x), np.int32)]))
+  mine = {"seed": 0, "algo.lr": 1e-3, "mesh.data": -1, "data.names": ["a", "b"]}
+  theirs = dict(mine, seed=1, **{"data.names": ["a"]})
+
+  def as_process_1(x):  # what process 1 contributes to the same gather
+    if len(x) == 2:  # the fields' count and names
+      keys = sorted(theirs)
+      return (len(keys), distributed._crc32(json.dumps(keys)))
+    return [distributed._crc32(json.dumps(theirs[k], sort_keys=True, default=str))
+            for k in sorted(theirs)]
+  other["f"] = as_process_1
+  assert distributed.differing_fields(mine) == (
+      "; the config fields that differ, as this process has them: config.data.names=['a', 'b'], "
+      "config.seed=0")
+  assert distributed.differing_fields(mine, most=1).endswith("config.data.names=['a', 'b'] "
+                                                             "and 1 more")
+  theirs = dict(mine)
+  assert distributed.differing_fields(mine) == ""
+  theirs = dict(mine, extra=1)
+  assert "their configs have different fields" in distributed.differing_fields(mine)

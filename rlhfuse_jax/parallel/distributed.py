@@ -10,9 +10,11 @@ GPU/TPU cluster (see launch/local_multiprocess.sh).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
+import zlib
 from typing import Callable, Mapping, Optional, TypeVar
 
 import jax
@@ -203,14 +205,23 @@ def check_same_over_processes(values: tuple, what: str, why: str = "",
     if failed is not None:
       raise failed
     return
-  from jax.experimental import multihost_utils  # multi-host only
-  mine = np.asarray(values, np.int32)
-  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
+  every = gather_ints(values)
   if failed is not None:
     raise failed
   if not (every == every[0]).all():
     seen = "; ".join(f"process {p}: {tuple(int(v) for v in row)}" for p, row in enumerate(every))
     raise ValueError(f"the processes disagree on {what} ({seen}){why}")
+
+
+def gather_ints(values) -> np.ndarray:
+  """Every process's integer `values` (int32; as many on every process), one row per process in
+  process order (one collective that every process must call at the same point; single
+  process: one row)."""
+  mine = np.asarray(values, np.int32).reshape(-1)
+  if jax.process_count() == 1:
+    return mine.reshape(1, -1)
+  from jax.experimental import multihost_utils  # multi-host only
+  return np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
 
 
 def max_over_processes(value: int) -> int:
@@ -221,3 +232,28 @@ def max_over_processes(value: int) -> int:
     return int(value)
   from jax.experimental import multihost_utils  # multi-host only
   return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+
+
+def _crc32(text: str) -> int:
+  return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def differing_fields(flat: dict, most: int = 8) -> str:
+  """The config fields (`flat`: {"section.field": value}) whose values differ between the
+  processes, each with this process's value (two collectives every process must call at the
+  same point): the end of train_ppo's error for processes that run different configs, which
+  named only checksums and this process's command line, under SLURM or on a TPU pod every
+  process's (a config file that differs between the nodes' checkouts, a variable it reads).
+  "" when the values agree (the git commits differ)."""
+  keys = sorted(flat)
+  every = gather_ints((len(keys), _crc32(json.dumps(keys))))
+  if not (every == every[0]).all():
+    return ("; their configs have different fields (another config file or variant, or "
+            "another version of it)")
+  every = gather_ints([_crc32(json.dumps(flat[k], sort_keys=True, default=str)) for k in keys])
+  diff = [k for i, k in enumerate(keys) if not (every[:, i] == every[0, i]).all()]
+  if not diff:
+    return ""
+  shown = ", ".join(f"config.{k}={flat[k]!r}" for k in diff[:most])
+  more = f" and {len(diff) - most} more" if len(diff) > most else ""
+  return f"; the config fields that differ, as this process has them: {shown}{more}"
