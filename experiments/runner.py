@@ -381,6 +381,14 @@ def start_record() -> dict:
   return dict(_START)
 
 
+def start_code() -> str:
+  """The code this run started from, as processes that must run the same code compare it: the
+  git commit ("?" outside a checkout) and a hash of its uncommitted changes, if any (two
+  checkouts of one commit, edited apart, both read "<commit>-dirty")."""
+  commit, changes = _START.get("git_commit") or "?", _START.get("git_changes")
+  return f"{commit} (uncommitted changes {changes})" if changes else commit
+
+
 def command_line() -> str:
   """This process's command line as a shell would take it back (quoted where needed), an
   experiments binary written as `python -m experiments.NAME`."""

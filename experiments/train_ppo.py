@@ -136,13 +136,14 @@ def check_same_run_everywhere(config: Any) -> None:
   logging its own rewards, without an error."""
   as_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   as_json = json.dumps(as_dict, sort_keys=True, default=str)
-  commit = runner.start_record().get("git_commit") or ""
+  code = runner.start_code()  # the commit, and the uncommitted changes' hash
   try:
     distributed.check_same_over_processes(
-        tuple(_crc(x) for x in (as_json, commit)),
-        "the run (a checksum of the config as given, one of the git commit)",
+        tuple(_crc(x) for x in (as_json, code)),
+        "the run (a checksum of the config as given, one of the git commit and uncommitted "
+        "changes)",
         f": every process must run the same command (config file and --config.* flags) on the "
-        f"same checkout; this process ran {runner.command_line()} at commit {commit or '?'}")
+        f"same checkout; this process ran {runner.command_line()} at commit {code}")
   except ValueError as e:  # on every process alike: each names its own values of the fields
     raise ValueError(f"{e}{distributed.differing_fields(_flat(as_dict))}") from None
 

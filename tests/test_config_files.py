@@ -477,3 +477,19 @@ def test_library_tracebacks_go_to_the_log_file_and_an_unwritable_one_is_said_onc
   # close() gives absl's handler its own formatter back
   assert not isinstance(absl_logging.get_absl_handler().python_handler.formatter,
                         runner._LibraryTracebacksElsewhere)  # pylint: disable=protected-access
+
+
+def test_the_code_processes_compare_includes_uncommitted_changes(monkeypatch):
+  """train_ppo's processes compare runner.start_code(): two checkouts of one commit with
+  different uncommitted changes (each "<commit>-dirty") computed their shares of a batch with
+  different code and trained on, as the commit alone compared equal."""
+  from experiments import runner
+  start = {"git_commit": "abc-dirty", "git_changes": "1111"}
+  monkeypatch.setattr(runner, "_START", start)
+  one = runner.start_code()
+  start["git_changes"] = "2222"
+  assert runner.start_code() != one and "abc-dirty" in one and "1111" in one
+  start.update(git_commit="abc", git_changes=None)
+  assert runner.start_code() == "abc"
+  start.clear()
+  assert runner.start_code() == "?"
