@@ -3,6 +3,7 @@
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -365,6 +366,31 @@ def test_the_compilation_cache_lives_in_the_workdir_unless_the_caller_set_one(tm
     if want is not None and caller is None:  # (the caller's keeps jax's 1 s threshold)
       assert os.listdir(want), f"nothing cached in {want}"
   assert sorted(os.listdir(tmp_path / "a" / "cache")) == ["xla"]  # 'none' wrote no other
+
+
+def test_a_restart_says_how_many_programs_it_loaded_from_the_compilation_cache(tmp_path):
+  """The first update's log line says what the compilation cache did (hooks.cache_note): a
+  restart that loaded its programs showed only in shorter times, nothing said the cache was
+  used, or that it was not (a cache directory each host sees apart). Two starts of the same
+  program on one cache: the first compiles and writes it, the second loads it; with the cache
+  off, nothing is said."""
+  code = ("import sys, jax, jax.numpy as jnp\n"
+          "from rlhfuse_jax.trainer import hooks\n"
+          "hooks.enable_compilation_cache(sys.argv[1], sys.argv[2])\n"
+          "jax.jit(lambda x: x * 3 + 1)(jnp.ones(5)).block_until_ready()\n"
+          "print(repr(hooks.cache_note()))\n")
+  env = {k: v for k, v in _env().items() if not k.startswith(("JAX_COMPILATION_CACHE",
+                                                             "JAX_PERSISTENT_CACHE"))}
+  notes = [subprocess.run([sys.executable, "-c", code, setting, str(tmp_path / "run")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+           for setting in ("", "", "none")]
+  assert all(n.returncode == 0 for n in notes), [n.stderr[-2000:] for n in notes]
+  note = re.compile(r"' \(compilation cache so far: (\d+) programs loaded, (\d+) compiled and "
+                    r"written\)'")
+  (loaded, written), again = (note.fullmatch(n.stdout.strip()).groups() for n in notes[:2])
+  assert loaded == "0" and int(written) >= 1, notes[0].stdout  # the jit and jnp.ones' programs
+  assert again == (written, "0"), notes[1].stdout
+  assert notes[2].stdout.strip() == "''"
 
 
 def test_a_compilation_cache_dir_that_is_a_file_is_refused_before_the_workdir(tmp_path):

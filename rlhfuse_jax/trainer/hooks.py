@@ -547,9 +547,11 @@ def enable_compilation_cache(setting: str, workdir: str) -> Optional[str]:
   current = jax.config.jax_compilation_cache_dir
   if current:
     logging.info("XLA compilation cache: %s (set by the caller)", current)
+    count_cache_events()
     return current
   if setting == "none":
     return None
+  count_cache_events()
   path = setting or os.path.join(workdir, "cache", "xla")
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -557,6 +559,38 @@ def enable_compilation_cache(setting: str, workdir: str) -> Optional[str]:
   logging.info("XLA compilation cache: %s (a restart loads the programs compiled before; "
                "config.compilation_cache_dir='none' turns it off)", path)
   return path
+
+
+# jax's events for a program loaded from the persistent cache and one compiled and written to it
+# (process 0 writes it; the others only load).
+_CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "loaded",
+                 "/jax/compilation_cache/cache_misses": "written"}
+_cache_counts = {"loaded": 0, "written": 0, "listening": False}
+
+
+def _count_cache_event(event: str, **kwargs) -> None:
+  del kwargs
+  name = _CACHE_EVENTS.get(event)
+  if name:
+    _cache_counts[name] += 1
+
+
+def count_cache_events() -> None:
+  """Counts, from now on, the programs this process loads from jax's persistent compilation
+  cache and those it compiles and writes there (once per process), for cache_note."""
+  if not _cache_counts["listening"]:
+    jax.monitoring.register_event_listener(_count_cache_event)
+    _cache_counts["listening"] = True
+
+
+def cache_note() -> str:
+  """What the compilation cache did so far, for the first update's log line: a restart that
+  loads its programs only showed in shorter times, nothing said the cache was used (or that
+  it was not, a cache directory on another filesystem per host). "" when not counting."""
+  if not _cache_counts["listening"]:
+    return ""
+  return (f" (compilation cache so far: {_cache_counts['loaded']} programs loaded, "
+          f"{_cache_counts['written']} compiled and written)")
 
 
 HF_EXPORT_DIR = "hf_export"

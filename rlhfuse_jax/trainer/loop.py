@@ -613,7 +613,8 @@ class PPOTrainer:
         if not self._compiled_update:
           jax.block_until_ready(m)
           self._compiled_update = True
-          logging.info("training: update compiled and run once in %.1fs", time.time() - t0)
+          logging.info("training: update compiled and run once in %.1fs%s", time.time() - t0,
+                       hooks.cache_note())
     return train_metrics
 
   def iteration(self, iteration: int) -> dict:
