@@ -151,7 +151,9 @@ show_failure() {  # process index, status[, 1: only note its error (its output i
 # Each process's status once it has ended ("" while it runs): bash reaps its children and
 # keeps their statuses for `wait`, so `kill -0` fails once a process has ended.
 rcs=()
-lost=()  # 1: the process ended because jax's coordination service lost another one
+lost=()  # 1: the process ended because jax's coordination service (or gloo) lost another one
+LOST_PEER="JAX distributed service detected fatal errors"
+LOST_PEER+="|terminate called after throwing an instance of 'gloo::"
 running=$N
 failed_early=0
 while ((running > 0)); do
@@ -165,9 +167,12 @@ while ((running > 0)); do
     done
     rcs[i]=$rc
     running=$((running - 1))
-    # jax aborts a process (134) whose peer stopped heartbeating: a consequence, like 69
+    # jax aborts a process (134) whose peer stopped heartbeating, and gloo (CPU collectives)
+    # one whose peer died mid-message ("terminate called after throwing an instance of
+    # 'gloo::EnforceNotMet' ... Received data size doesn't match expected size. Is there a
+    # distributed collective mismatch in your code?"): consequences, like 69
     # (grep -q on a process substitution: in a pipe, tail's SIGPIPE fails it under pipefail)
-    if ((rc != 0 && rc != 75)) && grep -q "JAX distributed service detected fatal errors" \
+    if ((rc != 0 && rc != 75)) && grep -qE "$LOST_PEER" \
         <(tail -c +$((offsets[i] + 1)) "${WORKDIR%/}.proc$i.log"); then lost[i]=1; fi
     if ((rc != 0 && rc != 75)); then
       # (process 0's output is already on screen while it is followed)

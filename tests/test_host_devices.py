@@ -146,7 +146,8 @@ def test_the_launcher_reads_relative_paths_where_it_was_started(tmp_path):
 def test_the_launcher_exits_with_a_failure_rather_than_a_clean_stop(tmp_path):
   """Process statuses (0 saved-and-stopped 75, 1 failed with 3): the launcher exits 3, not 75
   (a caller would requeue a failed run as resumable) and not the last process's status; a
-  process's own failure (1) beside one that lost it (69, peer lost) gives 1, not 69; each
+  process's own failure (1) beside one that lost it (69, peer lost; 134, jax's or gloo's abort
+  for a lost peer) gives 1, not 69; each
   process's status is in its last line. All stopped on SIGTERM: 75; all fine: 0. Process 0's
   output is shown as it runs, and the end of each failed process's log after."""
   launcher = os.path.join(REPO, "launch", "local_multiprocess.sh")
@@ -190,7 +191,15 @@ def test_the_launcher_exits_with_a_failure_rather_than_a_clean_stop(tmp_path):
            "distributed service detected fatal errors. This most likely indicates that another "
            "task died'; for i in $(seq 40000); do echo \"  frame $i of the abort's stack\"; done; "
            "exit 134")  # a log longer than a pipe's buffer: read whole, not through `| grep -q`
-  for codes, want in (((abort, "exit 1"), 1), (("exit 1", abort), 1), ((abort, "exit 0"), 134)):
+  # gloo (CPU collectives) aborts a process whose peer was killed mid-message, blaming "a
+  # distributed collective mismatch in your code": the killed peer's 137 gave the status (it
+  # was 134, the survivor's, as if it had failed on its own).
+  gloo = ("echo \"terminate called after throwing an instance of 'gloo::EnforceNotMet'\"; echo "
+          "\"  what():  [enforce fail at external/gloo/gloo/transport/tcp/pair.cc:459] "
+          "op.preamble.length <= op.nbytes. 8 vs 4. Received data size doesn't match expected "
+          "size. Is there a distributed collective mismatch in your code?\"; exit 134")
+  for codes, want in (((abort, "exit 1"), 1), (("exit 1", abort), 1), ((abort, "exit 0"), 134),
+                      ((gloo, "exit 137"), 137), (("exit 137", gloo), 137)):
     fake = _stand_in(tmp_path / "python", "case \"$*\" in\n" + "".join(
         f"  *--process_id={i}*) {c};;\n" for i, c in enumerate(codes)) + "esac")
     out = subprocess.run(["bash", launcher, "2", "1", str(tmp_path / "lost")], cwd=REPO,
