@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -511,3 +512,30 @@ def test_processes_with_different_configs_are_told_which_fields_differ(monkeypat
   assert distributed.differing_fields(mine) == ""
   theirs = dict(mine, extra=1)
   assert "their configs have different fields" in distributed.differing_fields(mine)
+
+
+def test_processes_with_different_device_counts_are_refused_when_they_join():
+  """Every process needs as many devices (meshes and jax's multi-host utilities lay them out
+  process by process): a host with a GPU missing or hidden, or another XLA_FLAGS device count,
+  failed at the first all-gather with numpy's "cannot reshape array of size 6 into shape
+  (2,2)". distributed.initialize refuses it on every process, naming each one's count (1 and 2
+  CPU devices here; process 1 is read, process 0 waits out its grace before exiting)."""
+  port = free_port()
+  procs = [subprocess.Popen(_join(port, 2, i, what="join"), cwd=REPO, env=subprocess_env(1 + i),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  try:
+    _, err = procs[1].communicate(timeout=120)
+    assert procs[1].returncode == 1, err[-3000:]
+    assert ("ValueError: the processes have different numbers of devices (process 0: 1, "
+            "process 1: 2; this is process 1): every process must have as many") in err, (
+                err[-3000:])
+  finally:
+    for p in procs:
+      p.kill()
+      p.communicate()
+  fake = lambda *owners: [types.SimpleNamespace(process_index=p) for p in owners]
+  distributed.check_same_local_devices(fake(0, 0, 1, 1), 0)  # 2 and 2: nothing
+  with pytest.raises(ValueError, match=r"\(process 0: 2, process 1: 2, process 2: 1; this is "
+                                       r"process 2\)"):
+    distributed.check_same_local_devices(fake(0, 0, 1, 1, 2), 2)

@@ -106,6 +106,25 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
+  check_same_local_devices(jax.devices(), jax.process_index())
+
+
+def check_same_local_devices(devices, me: int) -> None:
+  """A ValueError, on every process alike (read from the global device list, no collective),
+  unless every process has as many devices: the meshes and jax's multi-host utilities lay
+  devices out process by process, and the first all-gather failed with numpy's "cannot reshape
+  array of size 6 into shape (2,2)" (a host with a GPU missing or hidden, another
+  XLA_FLAGS device count)."""
+  counts: dict = {}
+  for d in devices:
+    counts[d.process_index] = counts.get(d.process_index, 0) + 1
+  if len(set(counts.values())) > 1:
+    seen = ", ".join(f"process {p}: {n}" for p, n in sorted(counts.items()))
+    raise ValueError(
+        f"the processes have different numbers of devices ({seen}; this is process {me}): every "
+        "process must have as many (a host with a device missing or hidden by "
+        "CUDA_VISIBLE_DEVICES or JAX_LOCAL_DEVICE_IDS; on CPU the same "
+        "--xla_force_host_platform_device_count in every process's XLA_FLAGS)")
 
 
 def reclaim_sigterm() -> None:
