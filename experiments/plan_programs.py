@@ -924,13 +924,28 @@ def verdict(result: dict) -> str:
   if not over:
     line = f"verdict: every program fits in {_gb(result['programs'][PROGRAMS[0]]['hbm_bytes'])} GB"
   else:
+    plan = result.get("plan", {})
+    split = ([] if plan.get("zero1") else ["zero1 (a run's optim.zero1)"]) + [
+        "fsdp", "more stages or tensor devices"]
+    offload = [] if plan.get("offload_optimizer") else [
+        "offload_optimizer (a run's optim.offload_during_rollout)"]
+    fixes = {"temporaries": ["smaller or more micro-batches", "remat"], "arguments": split,
+             "the training state beside it": offload + split, "the models beside it": []}
     hints = []
     for name in over:
       p = result["programs"][name]
-      temp = p["temp_bytes"] > p["argument_bytes"]
-      hints.append(f"{name} (peak {_gb(p['peak_bytes'])} of {_gb(p['hbm_bytes'])} GB; largest: "
-                   + ("temporaries: smaller or more micro-batches, remat" if temp else
-                      "arguments: zero1, fsdp, more stages or tensor devices") + ")")
+      # decode and inference: what decides is their peak beside what the trainer keeps on the
+      # same devices (their own peak alone was shown, below the HBM it exceeds)
+      beside = max(0.0, p.get("peak_with_train_state_bytes", 0.0) - p["peak_bytes"]) if (
+          name != PROGRAMS[0]) else 0.0
+      kept = ("the models beside it" if p.get("resident_model_bytes") else
+              "the training state beside it")
+      terms = {"temporaries": p["temp_bytes"], "arguments": p["argument_bytes"], kept: beside}
+      largest = max(terms, key=terms.get)
+      hints.append(f"{name} (peak {_gb(p['peak_bytes'] + beside)} of {_gb(p['hbm_bytes'])} GB"
+                   + (f" with {kept[:-len(' beside it')]}" if beside else "")
+                   + f"; largest: {largest}" + "".join(f": {', '.join(fixes[largest])}"
+                                                       for _ in fixes[largest][:1]) + ")")
     line = "verdict: DOES NOT FIT: " + "; ".join(hints)
   lc = result.get("layers_compiled", {})
   if lc.get("reduced"):

@@ -266,7 +266,34 @@ def test_the_table_ends_with_a_verdict_naming_what_does_not_fit():
                   "layers and 4 of 16 critic layers (config.layers): not a verdict on the whole "
                   "models")
   train.update(temp_bytes=1e9, argument_bytes=90e9)
-  assert "largest: arguments: zero1, fsdp" in plan_programs.verdict(result)
+  assert ("largest: arguments: zero1 (a run's optim.zero1), fsdp, more stages or tensor "
+          "devices)") in plan_programs.verdict(result)
+  result["plan"]["zero1"] = True  # already split: not proposed again
+  assert "largest: arguments: fsdp, more stages" in plan_programs.verdict(result)
+
+
+def test_a_decode_that_fits_only_alone_is_named_with_the_training_state_beside_it():
+  """Decode and inference fit beside the training state the trainer keeps on their devices:
+  one that did not said "decode (peak 27.13 of 80.00 GB; largest: arguments: ...)", a peak
+  below the HBM it exceeds and a fix for its own arguments. The verdict gives the peak with
+  the state and, when the state is the largest term, moving the optimizer state to host memory
+  (offload_optimizer) first, unless the plan does already."""
+  result = _scaled_result(1.0)
+  result["layers_compiled"] = {"reduced": False}
+  decode = result["programs"]["decode"]
+  decode.update(fits=False, fits_alone=True, peak_with_train_state_bytes=85.08e9,
+                resident_train_bytes=85.08e9 - 10.77e9)
+  assert plan_programs.verdict(result) == (
+      "verdict: DOES NOT FIT: decode (peak 85.08 of 80.00 GB with the training state; largest: "
+      "the training state beside it: offload_optimizer (a run's optim.offload_during_rollout), "
+      "zero1 (a run's optim.zero1), fsdp, more stages or tensor devices)")
+  result["plan"].update(offload_optimizer=True, zero1=True)
+  assert plan_programs.verdict(result).endswith(
+      "largest: the training state beside it: fsdp, more stages or tensor devices)")
+  decode.update(resident_train_bytes=0, resident_model_bytes=85.08e9 - 10.77e9)  # async group
+  assert plan_programs.verdict(result) == (
+      "verdict: DOES NOT FIT: decode (peak 85.08 of 80.00 GB with the models; largest: the "
+      "models beside it)")
 
 
 def test_table_reads_at_every_scale_in_the_same_units():
