@@ -213,6 +213,22 @@ def apply_run(c, t, overrides=None) -> None:
   _as_trained(c, t, dp=max(run.mesh.data, 1))
 
 
+def check_one_training_config(config_arg: str, run_config_given: bool) -> None:
+  """A ValueError when --run_config comes with a configs/plan_check.py variant other than the
+  default (`tiny`): every other variant (llama/<preset>, hf_gpu/<model>, run/<file>, a paper
+  pair, 7b_host8) sets the models and the plan, which --run_config replaces, so
+  `--config=configs/plan_check.py:llama/13b --run_config=configs/ppo_hf.py` checked ppo_hf's
+  tiny model and reported it fitting, with nothing saying the 13B preset was not checked."""
+  path, _, variant = config_arg.partition(":")
+  if (run_config_given and path.rsplit("/", 1)[-1] == "plan_check.py" and
+      variant not in ("", "tiny")):
+    raise ValueError(
+        f"--config={config_arg} with --run_config: the variant {variant!r} sets the models and "
+        f"the plan, which --run_config sets too; give one: the variant alone, or "
+        f"--config={path} (the hardware and the rest, e.g. --config.hardware=...) with "
+        f"--run_config")
+
+
 def get_config(arg: str = "tiny"):
   c = ml_collections.ConfigDict()
   # A preset of configs/ppo_llama.py SHAPES, or a full model section (see tiny).

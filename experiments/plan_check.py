@@ -62,30 +62,14 @@ def device_count(c) -> int:
   return max(sizes["pp"] * sizes["tp"] * sizes["dp"] * sizes["fsdp"], sizes["gen_tp"], group)
 
 
-def check_one_training_config(config_arg: str, run_config_given: bool) -> None:
-  """A ValueError when --run_config comes with a configs/plan_check.py variant other than the
-  default (`tiny`): every other variant (llama/<preset>, hf_gpu/<model>, run/<file>, a paper
-  pair, 7b_host8) sets the models and the plan, which --run_config replaces, so
-  `--config=configs/plan_check.py:llama/13b --run_config=configs/ppo_hf.py` checked ppo_hf's
-  tiny model and reported it fitting, with nothing saying the 13B preset was not checked."""
-  path, _, variant = config_arg.partition(":")
-  if (run_config_given and os.path.basename(path) == "plan_check.py" and
-      variant not in ("", "tiny")):
-    raise ValueError(
-        f"--config={config_arg} with --run_config: the variant {variant!r} sets the models and "
-        f"the plan, which --run_config sets too; give one: the variant alone, or "
-        f"--config={path} (the hardware and the rest, e.g. --config.hardware=...) with "
-        f"--run_config")
-
-
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   config = _CONFIG.value
-  check_one_training_config(config_flags.get_config_filename(flags.FLAGS["config"]),
-                            _RUN_CONFIG.value is not None)
+  from configs import plan_check as plan_config  # plain Python until a model is loaded
+  plan_config.check_one_training_config(config_flags.get_config_filename(flags.FLAGS["config"]),
+                                        _RUN_CONFIG.value is not None)
   if _RUN_CONFIG.value is not None:
-    from configs import plan_check as plan_config  # plain Python until a model is loaded
     fields = config.to_dict()
     fields.pop("actor"), fields.pop("critic")  # replaced by the run's (sections or presets)
     config = ml_collections.ConfigDict(fields)

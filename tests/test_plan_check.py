@@ -890,7 +890,6 @@ def test_run_config_beside_a_preset_variant_is_refused(tmp_path):
   default variant (`tiny`, named or not) still takes --run_config."""
   import subprocess
   import sys
-  from experiments import plan_check
   from tests.xla_env import subprocess_env
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = subprocess.run(
@@ -903,8 +902,8 @@ def test_run_config_beside_a_preset_variant_is_refused(tmp_path):
               out.stderr[-3000:])
   assert not os.path.exists(tmp_path / "pc")
   for arg in ("configs/plan_check.py", "configs/plan_check.py:tiny"):
-    plan_check.check_one_training_config(arg, run_config_given=True)
+    plan_config.check_one_training_config(arg, run_config_given=True)
   for arg in ("configs/plan_check.py:7b_host8", "configs/plan_check.py:run/configs/ppo_tiny.py"):
-    plan_check.check_one_training_config(arg, run_config_given=False)
+    plan_config.check_one_training_config(arg, run_config_given=False)
     with pytest.raises(ValueError, match="give one"):
-      plan_check.check_one_training_config(arg, run_config_given=True)
+      plan_config.check_one_training_config(arg, run_config_given=True)
