@@ -263,8 +263,6 @@ esac""")
   assert f"(process:status): 0:{codes[0]} 1:{codes[1]}; exit status 3" in out, out
 
 
-
-
 def test_a_signal_to_the_launcher_stops_every_process(tmp_path):
   """Ctrl-C / SIGTERM reach the launcher alone (its background processes ignore SIGINT): it
   passes SIGTERM to every process and waits for them (which save and exit 75); a second signal

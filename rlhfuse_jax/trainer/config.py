@@ -723,6 +723,7 @@ RESUME_CHANGEABLE = frozenset({
     "optim.schedule_iterations",
 })
 
+
 def resume_advice(changes: Sequence[str], named: frozenset = frozenset()) -> str:
   """What a refused resume tells the user to do about its changed fields (`changes`, each
   "field: old -> new"; `named`: checkpoint.resume_changes's fields): which of them can never

@@ -543,7 +543,8 @@ def enable_compilation_cache(setting: str, workdir: str) -> Optional[str]:
 
   A restart then loads what the earlier start compiled (the tiny fused main job on the 2-core
   CPU machine: 81.5 s to its third iteration, 25.0 s restarted). jax writes the cache from
-  process 0 only; every process reads it."""
+  process 0 only; every process reads it (on 2 CPU processes the other's programs had other
+  keys: at a restart only process 0's loaded, docs/usage.md "Faults and resuming")."""
   current = jax.config.jax_compilation_cache_dir
   if current:
     logging.info("XLA compilation cache: %s (set by the caller)", current)
