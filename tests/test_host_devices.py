@@ -300,8 +300,8 @@ def test_a_signal_to_the_launcher_stops_every_process(tmp_path):
 
 def test_the_slurm_script_requeues_a_run_stopped_after_saving(tmp_path):
   """launch/slurm_gpu.sbatch with stand-ins for srun and scontrol: exit 75 (SIGTERM before the
-  time limit, --signal=TERM@600: saved) requeues the job and keeps the status; another status
-  is returned as it is; submitted outside the repository it says so."""
+  time limit, --signal=TERM@600: saved) requeues the job and keeps the status, as does 69 up to
+  MAX_REQUEUES times; another status is returned as it is; submitted outside the repository it says so."""
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
   for name, body in (("srun", f'echo "srun $* cpus=${{SRUN_CPUS_PER_TASK:-unset}}" >> '
@@ -309,10 +309,13 @@ def test_the_slurm_script_requeues_a_run_stopped_after_saving(tmp_path):
                      ("scontrol", f'echo "scontrol $*" >> {tmp_path}/calls')):
     _stand_in(bin_dir / name, body, python=False)
   script = os.path.join(REPO, "launch", "slurm_gpu.sbatch")
-  for rc, requeued in ((75, True), (3, False)):
+  # 69 (a lost peer, a hung iteration: re-run to resume) requeues while SLURM_RESTART_COUNT
+  # is below MAX_REQUEUES (3), so a fault that comes back every start ends the job.
+  for rc, restarts, requeued in ((75, 0, True), (3, 0, False), (69, 0, True), (69, 2, True),
+                                 (69, 3, False), (75, 3, True)):
     (tmp_path / "calls").write_text("")
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_RC=str(rc),
-               SLURM_JOB_ID="4242", SLURM_CPUS_ON_NODE="96")
+               SLURM_JOB_ID="4242", SLURM_CPUS_ON_NODE="96", SLURM_RESTART_COUNT=str(restarts))
     env.pop("SRUN_CPUS_PER_TASK", None)
     env.pop("SLURM_CPUS_PER_TASK", None)
     out = subprocess.run(["bash", script, "configs/ppo_tiny.py", "/shared/wd", "--x=1"],
@@ -321,7 +324,10 @@ def test_the_slurm_script_requeues_a_run_stopped_after_saving(tmp_path):
     calls = (tmp_path / "calls").read_text()
     assert ("-m experiments.train_ppo --config=configs/ppo_tiny.py --workdir=/shared/wd "
             "--distributed --x=1") in calls, calls
-    assert ("scontrol requeue 4242" in calls) == requeued, calls
+    assert ("scontrol requeue 4242" in calls) == requeued, (rc, restarts, calls)
+    if rc == 69:
+      assert ("requeueing job 4242" if requeued else "exit 69 again after 3 requeues") in (
+          out.stderr), out.stderr
     # the node's CPUs for its one process (srun >= 22.05 gave it one)
     assert calls.splitlines()[0].endswith("cpus=96"), calls
   out = subprocess.run(["bash", script, "c.py", "/wd"], cwd=tmp_path, env=env,
