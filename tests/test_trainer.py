@@ -893,6 +893,25 @@ def test_a_file_that_cannot_be_read_names_its_field(field, name, text, tmp_path)
     build.resolve_config(cfg, tokenizer)
 
 
+@pytest.mark.parametrize("row, missing", [('{"question": "a", "answer": "#### 1"}', "prompt"),
+                                          ('{"prompt": "a", "answer": "#### 1"}', "answer")])
+def test_a_val_file_with_other_keys_says_to_rename_them_not_to_change_the_key(row, missing,
+                                                                              tmp_path):
+  """A held-out file is read with the training file's keys: its missing field said "set
+  config.data.prompt_key to the field that holds the prompt", which would break the training
+  file the run had just read with that key."""
+  train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+  train.write_text('{"prompt": "b", "gt": "#### 2"}\n')
+  val.write_text(row + "\n")
+  cfg = tiny_config(**{"data.prompts_file": str(train), "data.val_file": str(val),
+                       "data.answer_key": "gt", "reward.function": "gsm8k", "eval_every": 1})
+  task, _ = build.build_task_and_tokenizer(cfg)
+  with pytest.raises(ValueError, match=rf"val\.jsonl:1: missing {missing} field .*read with the "
+                     r"keys of config\.data\.prompts_file \(config\.data\.prompt_key='prompt', "
+                     r"config\.data\.answer_key='gt'\): give its rows the same field names") as e:
+    build.load_prompt_records(cfg, task)
+  assert "set config.data" not in str(e.value)
+
 def test_samples_are_written_as_text_once_per_logged_iteration_across_a_resume(tmp_path):
   """config.log_samples=k: every log_every iterations and after the last, the batch's first k
   samples as text in samples.jsonl (a user had no way to see what the policy writes). A resume

@@ -188,16 +188,25 @@ def _answer_text(answer: Any, where_: str, key: str) -> str:
 
 
 def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSWER_KEY, *,
-                 require_answer: bool = False, check_answer_key: bool = True
-                 ) -> list[dict[str, Any]]:
+                 require_answer: bool = False, check_answer_key: bool = True,
+                 keys_of: str = "") -> list[dict[str, Any]]:
   """The rows of a JSONL (any extension but .parquet) or parquet file as prompt records.
 
   require_answer: every row must have an answer (the run's reward verifies against it);
   otherwise a row without one simply has no 'target'. check_answer_key: an answer_key other
   than the default that no row has is refused (a misspelling; off for a held-out file, which
-  a run without verification may hold without answers). Errors name the file and the row; a line
-  that is not JSON is reported before any row's missing field.
+  a run without verification may hold without answers). keys_of: the file whose keys this one
+  shares (a held-out file is read with the training file's): a missing field then says to
+  rename it here, since changing the key would break that file. Errors name the file and the
+  row; a line that is not JSON is reported before any row's missing field.
   """
+  if keys_of:
+    fix_prompt = fix_answer = (
+        f"this file is read with the keys of {keys_of} (config.data.prompt_key={prompt_key!r}, "
+        f"config.data.answer_key={answer_key!r}): give its rows the same field names")
+  else:
+    fix_prompt = "set config.data.prompt_key to the field that holds the prompt"
+    fix_answer = "set config.data.answer_key to the field that holds the ground truth"
   if os.path.isdir(path):  # "not found" sent the user looking for a path that is there
     raise ValueError(f"{path} is a directory; expected a JSONL or parquet file of prompts")
   if not os.path.isfile(path):
@@ -212,11 +221,11 @@ def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSW
     prompt = lookup(row, prompt_key)
     if prompt is None:
       raise ValueError(f"{where_}: prompt field '{prompt_key}' is null on this row (keys: "
-                       f"{sorted(row)}); fill it in, drop the row, or set "
-                       "config.data.prompt_key to the field that holds the prompt")
+                       f"{sorted(row)}); fill it in or drop the row"
+                       f"{'' if keys_of else ', or ' + fix_prompt}")
     if prompt is _MISSING:
       raise ValueError(f"{where_}: missing prompt field '{prompt_key}' (keys: {sorted(row)}); "
-                       "set config.data.prompt_key to the field that holds the prompt")
+                       f"{fix_prompt}")
     if not records:
       first_keys = sorted(row)
     record = dict(row)
@@ -232,8 +241,7 @@ def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSW
                          "against it (fill it in or drop the row)")
       if require_answer:
         raise ValueError(f"{where_}: missing answer field '{answer_key}' (keys: {sorted(row)}), "
-                         "which the run's reward verifies against; set config.data.answer_key "
-                         "to the field that holds the ground truth")
+                         f"which the run's reward verifies against; {fix_answer}")
       record.pop(ANSWER_KEY, None)
     else:
       record[ANSWER_KEY] = _answer_text(answer, where_, answer_key)

@@ -122,7 +122,8 @@ def _load(cfg: TrainConfig, field: str) -> list[dict]:
   d = cfg.data
   return load_named(f"data.{field}", getattr(d, field), records_lib.load_records, d.prompt_key,
                     d.answer_key, require_answer=_needs_answer(cfg),
-                    check_answer_key=field == "prompts_file")
+                    check_answer_key=field == "prompts_file",
+                    keys_of="config.data.prompts_file" if field == "val_file" else "")
 
 
 def load_prompt_records(cfg: TrainConfig, task) -> tuple[list[dict], list[dict]]:
