@@ -618,3 +618,32 @@ def test_the_checkpoints_generation_config_stop_ids_hold_with_a_tokenizer_elsewh
                      r"config\.init\.actor_checkpoint=.*: its 128 tokens lack the ids \[4000\] "
                      r"that the checkpoint's generation_config\.json stops on"):
     build.build_task_and_tokenizer(cfg)
+
+
+def test_the_log_names_the_chat_template_and_the_prompt_lengths(tmp_path, caplog):
+  """The log said nothing of the prompts' rendering: which template 'auto' or a path found (or
+  none), and how long the rendered prompts are against data.max_prompt_len (to size it)."""
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(LLAMA)))
+  model = os.path.join(repo, "configs", "data", "tiny_llama3_chat")
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text("".join(json.dumps({"prompt": "1 2 3 " * n, "target": "1"}) + "\n"
+                             for n in (1, 2, 5)))
+  common = {"init.tokenizer": os.path.join(model, "tokenizer.json"),
+            "data.prompts_file": str(prompts), "data.max_prompt_len": 60}
+  lines = {}
+  for template in ("auto", "none"):
+    cfg = tiny_config(**common, **{"data.chat_template": template})
+    task, tok = build.build_task_and_tokenizer(cfg)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+      train, _ = build.build_datasets(cfg, task, tok)
+    lines[template] = [r.getMessage() for r in caplog.records
+                       if r.getMessage().startswith("prompts: rendered")]
+    lengths = np.sort(np.asarray(train.lengths))
+    how = (f"with the chat template of {model}/tokenizer_config.json "
+           "(config.data.chat_template='auto')" if template == "auto" else
+           "as plain text (config.data.chat_template='none')")
+    assert lines[template] == [
+        f"prompts: rendered {how}; tokens per prompt: training median {lengths[1]}, longest "
+        f"{lengths[2]} (config.data.max_prompt_len=60)"]
+  assert lines["auto"] != lines["none"]  # the template's tokens count

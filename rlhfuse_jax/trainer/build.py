@@ -218,11 +218,33 @@ def build_datasets(cfg: TrainConfig, task, tokenizer: Tokenizer
     if cfg.data.prompts_file:  # a task's prompts are its tokenizer's own words
       warn_unspellable(train, tokenizer, f"config.data.prompts_file={cfg.data.prompts_file!r}")
     warn_short_budget(cfg, train, tokenizer)
-    return make(train, True), (make(held_out, False) if held_out else None)
+    datasets = make(train, True), (make(held_out, False) if held_out else None)
   except ValueError:
     if cfg.data.prompts_file and not cfg.init.tokenizer:
       _refuse_task_vocabulary(cfg, train + held_out, tokenizer)
     raise
+  logging.info("%s", describe_prompts(cfg, template, *datasets))
+  return datasets
+
+
+def describe_prompts(cfg: TrainConfig, template: Optional[chat_lib.ChatTemplate],
+                     train: prompts_lib.PromptDataset,
+                     held_out: Optional[prompts_lib.PromptDataset]) -> str:
+  """The log's line on the prompts as the model reads them: which chat template rendered them
+  (the log said nothing of it: a template path or 'auto' that found another template than meant
+  went unnoticed) and their token lengths against data.max_prompt_len (to size it)."""
+  if template is None:
+    how = f"as plain text (config.data.chat_template={cfg.data.chat_template!r})"
+  else:
+    how = (f"with the chat template of {template.name} "
+           f"(config.data.chat_template={cfg.data.chat_template!r})")
+  parts = []
+  for what, ds in (("training", train), ("validation", held_out)):
+    if ds is not None and len(ds):
+      lengths = np.asarray(ds.lengths)
+      parts.append(f"{what} median {int(np.median(lengths))}, longest {int(lengths.max())}")
+  return (f"prompts: rendered {how}; tokens per prompt: {', '.join(parts)} "
+          f"(config.data.max_prompt_len={cfg.data.max_prompt_len})")
 
 
 def skip_overlong(records: list, tokenizer: Tokenizer, max_len: int, add_bos: Optional[bool],
