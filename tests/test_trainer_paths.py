@@ -406,8 +406,9 @@ def test_vocabulary_and_context_mismatches_are_named_before_any_build(tmp_path, 
                                        r"generates ids up to 21"):
     PPOTrainer(_reward_run_config(prompts, tmp_path / "rm16"), str(tmp_path / "a"))
   write_reward_checkpoint(tmp_path / "rm8", REWARD_CFG.replace(max_seq_len=8))
-  with pytest.raises(ValueError, match=r"= 14 exceeds the max_seq_len=8 of config\.reward\."
-                                       r"model_checkpoint="):
+  # (named by its config.json's field: the reward model has no max_seq_len of its own)
+  with pytest.raises(ValueError, match=r"= 14 exceeds the max_position_embeddings=8 in the "
+                                       r"config\.json of config\.reward\.model_checkpoint="):
     PPOTrainer(_reward_run_config(prompts, tmp_path / "rm8"), str(tmp_path / "b"))
   # An actor or critic checkpoint trained on fewer positions than a prompt and its response.
   short = tmp_path / "llama8"

@@ -296,9 +296,14 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     fix = (f"raise {' and '.join(raisable)} to at least {context}, or lower "
            "config.data.max_prompt_len / config.rollout.max_new_tokens" if raisable else
            "lower config.data.max_prompt_len / config.rollout.max_new_tokens")
+    def length(name, m):
+      # A reward model's context is its config.json's positions where they are fewer than the
+      # run's: "max_seq_len" sent the user looking for a field neither file has.
+      if name.startswith("config.reward") and m.max_seq_len < cfg.model.max_seq_len:
+        return f"max_position_embeddings={m.max_seq_len} in the config.json of {name}"
+      return f"max_seq_len={m.max_seq_len} of {name}"
     raise ValueError(f"config.data.max_prompt_len + config.rollout.max_new_tokens = {context} "
-                     "exceeds the " + " and the ".join(
-                         f"max_seq_len={m.max_seq_len} of {name}" for name, m in short) +
+                     "exceeds the " + " and the ".join(length(name, m) for name, m in short) +
                      f": a prompt and its response must fit every model's context; {fix}")
   # The actor's and critic's context is the config's (model.max_seq_len), but a checkpoint was
   # trained on its config.json's positions only: rotary positions past them are ones its weights
