@@ -597,7 +597,19 @@ def test_the_models_built_are_logged_and_a_toy_critic_beside_a_real_actor_warned
     build.resolve_config(tiny_config(**{"init.actor_checkpoint": LLAMA, "init.tokenizer": LLAMA,
                                         "init.critic_checkpoint": LLAMA}), tok)
   assert "critic: 2 layers, hidden 64" in caplog.text
+  assert f"critic_checkpoint={LLAMA!r}; value head drawn fresh)" in caplog.text
   assert "the critic is built from" not in caplog.text
+
+
+def test_the_log_says_whether_the_critic_value_head_is_a_reward_models_score_head(tmp_path,
+                                                                                  caplog):
+  """A critic from a reward model starts from its trained score head (hf_loader._value_head),
+  from a language model with a fresh one; the log said neither."""
+  write_reward_checkpoint(tmp_path / "rm")
+  cfg = tiny_config(**{"init.critic_checkpoint": str(tmp_path / "rm")})
+  with caplog.at_level(logging.INFO):
+    build.resolve_config(cfg, build.build_task_and_tokenizer(cfg)[1])
+  assert "; value head: its score.weight (a reward model's head))" in caplog.text
 
 
 def test_the_checkpoints_generation_config_stop_ids_hold_with_a_tokenizer_elsewhere(tmp_path):

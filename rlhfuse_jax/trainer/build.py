@@ -486,6 +486,11 @@ def log_architectures(cfg: TrainConfig) -> None:
     return
   critic_from = (f"config.init.critic_checkpoint={cfg.init.critic_checkpoint!r}"
                  if cfg.init.critic_checkpoint else "config.critic_model, randomly initialised")
+  if cfg.init.critic_checkpoint:  # a reward model's trained head or a fresh one: say which
+    names = load_named("init.critic_checkpoint", cfg.init.critic_checkpoint,
+                       hf_loader.tensor_names)
+    critic_from += ("; value head: its score.weight (a reward model's head)"
+                    if "score.weight" in names else "; value head drawn fresh")
   logging.info("critic: %s (%s)", _shape(cfg.critic_model), critic_from)
   if (cfg.init.actor_checkpoint and not cfg.init.critic_checkpoint and
       8 * cfg.critic_model.num_params() < cfg.model.num_params()):
