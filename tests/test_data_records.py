@@ -137,8 +137,8 @@ def test_lookup_prefers_a_literal_dotted_key():
      "field 'prompt' message 1 needs a string 'content', got NoneType"),
     ({"prompt": "x", "target": [1]}, "answer field 'target' must be a string or a number, got "
                                      r"list \(a reward function of your own reads any field of "
-                                     r"the record itself: leave config\.data\.answer_key unset "
-                                     r"and read record\['target'\] there\)"),
+                                     r"the record itself: rename the field in the file, which "
+                                     r"the default config\.data\.answer_key='target' reads"),
     ({"prompt": "x", "target": True}, "answer field 'target' must be a string or a number, got "
                                       "bool"),
 ])
@@ -151,6 +151,16 @@ def test_bad_rows_name_file_and_row(tmp_path, row, expected, fmt):
     path, where = _parquet(tmp_path / "d.parquet", [row]), r"d\.parquet:row 0"
   with pytest.raises(ValueError, match=rf"{where}: {expected}"):
     load_records(path)
+
+
+def test_a_list_answer_under_another_key_says_to_leave_answer_key_unset(tmp_path):
+  """Under a key of the user's, leaving answer_key unset is the fix; under the default key
+  it was the advice too, though the default reads the same field and fails the same way."""
+  path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "answers": ["1", "one"]}])
+  with pytest.raises(ValueError, match=r"leave config\.data\.answer_key unset and read "
+                                       r"record\['answers'\] there\)"):
+    load_records(path, answer_key="answers")
+  assert "target" not in load_records(path)[0]  # the fix works: the row loads without it
 
 
 def test_file_level_errors(tmp_path):

@@ -181,10 +181,14 @@ def _answer_text(answer: Any, where_: str, key: str) -> str:
       raise ValueError(f"{where_}: answer field '{key}' is {answer}; expected a finite number "
                        "(or none: a missing answer)")
     return format(answer.normalize(), "f")
+  # A field under the default key is read whatever answer_key says: "leave answer_key unset"
+  # left the run failing on it.
+  fix = (f"leave config.data.answer_key unset and read record[{key!r}] there" if key != ANSWER_KEY
+         else f"rename the field in the file, which the default config.data.answer_key={key!r} "
+         "reads, and read it from the record there")
   raise ValueError(f"{where_}: answer field '{key}' must be a string or a number, got "
                    f"{type(answer).__name__} (a reward function of your own reads any field "
-                   f"of the record itself: leave config.data.answer_key unset and read "
-                   f"record[{key!r}] there)")
+                   f"of the record itself: {fix})")
 
 
 def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSWER_KEY, *,
