@@ -59,7 +59,8 @@ def _figures(cfg, out: dict, workdir: str, systems) -> list[str]:
                                         (wl.actor, wl.critic, wl.critic), setup, prompts, resp)
       panels.append((f"with consolidation at the paper's Rt={PAPER_RT:g} (not chosen)", res))
   if panels:
-    plots.plot_generation_timelines(panels, os.path.join(workdir, "generation_timeline.png"))
+    plots.plot_generation_timelines(panels, os.path.join(workdir, "generation_timeline.png"),
+                                    setting=raw["setting"]["label"])
     names.append("generation_timeline.png")
   train = raw["train"]
   label = raw["setting"]["label"]

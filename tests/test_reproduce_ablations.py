@@ -194,3 +194,22 @@ def test_a_calibration_of_another_model_or_machine_is_refused(tmp_path):
   assert cost({"ops": step, "model_params": size}).cal.decode_step is not None
   # Rates of bytes time any model.
   assert cost({"ops": {"migration": {"bytes_per_s": 1e9}}}).cal.migration is not None
+
+
+def test_the_generation_timeline_names_the_setting_it_shows(monkeypatch, tmp_path):
+  # A run simulates 12 settings and draws one (config.figure_setting): each panel's title says
+  # which, as fused_gantt.png's does. Titles read before the figure is closed.
+  import matplotlib.figure
+  import types
+  from rlhfuse_jax.sim import plots
+  titles = []
+  monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **kw: titles.extend(
+      ax.get_title() for ax in fig.axes if ax.get_title()))
+  res = types.SimpleNamespace(
+      gen_end_s=1.0, gen_plus_inf_s=1.5, instance_busy_frac=1.0, consolidations=[],
+      segments=[(0, 0.0, 0.5, "prefill"), (0, 0.5, 1.0, "decode")],
+      unfinished_curve=[(0.0, 2), (1.0, 0)])
+  plots.plot_generation_timelines([("without consolidation", res), ("streaming", res)],
+                                  str(tmp_path / "t.png"), setting="65B/65B L=2048")
+  assert [t.split(":")[0] for t in titles] == [
+      "65B/65B L=2048, without consolidation", "65B/65B L=2048, streaming"]

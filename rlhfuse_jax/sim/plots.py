@@ -78,9 +78,10 @@ def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str
 
 
 def plot_generation_timelines(results: Sequence[tuple[str, object]], path: str,
-                              max_instances: int = 64) -> None:
+                              max_instances: int = 64, setting: str = "") -> None:
   """One panel per (title, GenResult): each instance's activity over time, and the number of
-  unfinished samples (right axis)."""
+  unfinished samples (right axis). `setting` (e.g. "65B/65B L=2048") heads each panel's title:
+  the figure shows one setting of a run of many."""
   fig, axes = plt.subplots(len(results), 1, figsize=(11, 3.6 * len(results)), squeeze=False)
   t_max = max(r.gen_plus_inf_s for _, r in results)
   for ax, (title, res) in zip(axes[:, 0], results):
@@ -102,7 +103,8 @@ def plot_generation_timelines(results: Sequence[tuple[str, object]], path: str,
     ax2.set_ylim(0, max(u) * 1.05)
     for c in res.consolidations:
       ax.axvline(c["time_s"], color=_KIND_COLORS["migrate"], linewidth=1.0)
-    ax.set_title(f"{title}: generation ends {res.gen_end_s:.2f}s (dashed), gen+inf "
+    head = f"{setting}, {title}" if setting else title
+    ax.set_title(f"{head}: generation ends {res.gen_end_s:.2f}s (dashed), gen+inf "
                  f"{res.gen_plus_inf_s:.2f}s, busy {res.instance_busy_frac:.0%}", fontsize=9)
   axes[-1, 0].set_xlabel("time (s)")
   handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _KIND_COLORS.values()]
