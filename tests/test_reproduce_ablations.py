@@ -213,3 +213,21 @@ def test_the_generation_timeline_names_the_setting_it_shows(monkeypatch, tmp_pat
                                   str(tmp_path / "t.png"), setting="65B/65B L=2048")
   assert [t.split(":")[0] for t in titles] == [
       "65B/65B L=2048, without consolidation", "65B/65B L=2048, streaming"]
+
+
+def test_the_report_names_where_each_model_shape_comes_from(tmp_path, monkeypatch):
+  # ablations.md credited every shape to LLaMA-1's paper, also a model of the user's own
+  # (config.shapes, read from its HF config.json).
+  from rlhfuse_jax.sim import report, shapes
+  mine = shapes.from_hf_config(os.path.join(ROOT, "tests", "fixtures", "tiny_llama"), "mine")
+  monkeypatch.setattr(ablations.it, "simulate_iteration", lambda cost, wl, opt, systems, cache,
+                      log=None: ({s: {**{f: 1.0 for f in ablations.ROW_FIELDS}, "details": {}}
+                                  for s in systems}, {}))
+  cfg = ablations.AblationConfig(num_devices=16, global_batch=64, minibatch=16, micro_batch=2,
+                                 pairs=(("mine", "llama-7b"),), max_new_tokens=(64,),
+                                 systems=("rlhfuse_base",), shapes=(("mine", mine),))
+  inputs = ablations.run_ablations(cfg, str(tmp_path), log=lambda m: None)["inputs"]
+  rows = {line.split(" | ")[0][2:]: line.split(" | ")[-1][:-2]
+          for line in report.inputs_section(inputs) if line.startswith(("| mine ", "| llama-"))}
+  assert rows == {"mine": "config.shapes (HF config.json)",
+                  "llama-7b": "LLaMA-1, Touvron et al. 2023, Table 2"}

@@ -18,7 +18,7 @@ from rlhfuse_jax.sim import lengths as len_lib
 from rlhfuse_jax.sim import training_sim as train_lib
 from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
 from rlhfuse_jax.sim.hardware import HARDWARE, get_hardware
-from rlhfuse_jax.sim.shapes import ModelShape, from_hf_config, get_shape
+from rlhfuse_jax.sim.shapes import PRESET_SOURCE, ModelShape, from_hf_config, get_shape
 
 
 def _csv(value: Any, field: str) -> tuple[str, ...]:
@@ -288,6 +288,10 @@ def run_ablations(cfg: AblationConfig, workdir: str,
       "efficiency": dataclasses.asdict(cfg.efficiency),
       "shapes": {name: cfg.shape(name).to_dict() for name in
                  sorted({p for pair in cfg.pairs for p in pair})},
+      # Where each shape comes from: a preset's paper, or the user's HF config.json.
+      "shape_sources": {name: ("config.shapes (HF config.json)" if name in dict(cfg.shapes)
+                               else PRESET_SOURCE)
+                        for name in sorted({p for pair in cfg.pairs for p in pair})},
       "prompt_lengths": cfg.prompt.describe(),
       "response_lengths": cfg.response.describe(),
       "lengths_sampled": lengths_info,

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from typing import Optional, Sequence
 
+from rlhfuse_jax.sim import shapes
+
 EXISTING = ("deepspeed_chat_like", "realhf_like")  # stand-ins for "existing systems"
 
 
@@ -155,13 +157,16 @@ def inputs_section(inputs: dict) -> list[str]:
             "`rlhfuse_jax/sim/cost_model.py`, `Efficiency`):", "", "| field | value |",
             "|---|---|"]
   lines += [f"| {k} | {v} |" for k, v in inputs["efficiency"].items()]
-  lines += ["", "**Model shapes** (LLaMA-1, Touvron et al. 2023, Table 2; critic and reward "
-            "model = same backbone with a scalar head):", "",
-            "| shape | layers | hidden | ffn | heads | params (lm head) |",
-            "|---|---|---|---|---|---|"]
+  # A result.json written before shape_sources existed held only the presets.
+  sources = inputs.get("shape_sources", {})
+  lines += ["", "**Model shapes** (critic and reward model = same backbone with a scalar "
+            "head):", "",
+            "| shape | layers | hidden | ffn | heads | params (lm head) | source |",
+            "|---|---|---|---|---|---|---|"]
   for name, s in inputs["shapes"].items():
     lines.append(f"| {name} | {s['num_layers']} | {s['hidden_size']} | "
-                 f"{s['intermediate_size']} | {s['num_heads']} | {s['num_params'] / 1e9:.2f}B |")
+                 f"{s['intermediate_size']} | {s['num_heads']} | {s['num_params'] / 1e9:.2f}B | "
+                 f"{sources.get(name, shapes.PRESET_SOURCE)} |")
   w = inputs["workload"]
   lines += ["", f"**Workload**: {w['num_devices']} devices, global batch {w['global_batch']} "
             f"prompts (1 sample each), mini-batch {w['minibatch']}, {w['epochs']} PPO epoch(s), "

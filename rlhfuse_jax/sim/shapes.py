@@ -165,6 +165,7 @@ def _llama1(name: str, hidden: int, inter: int, layers: int, heads: int) -> Mode
 # tokenizer as Llama 1 ... The total vocabulary size is 32k tokens"). FFN sizes from the
 # released params.json: SwiGLU width 2/3 * 4d rounded up to a multiple of 256 (11008, 13824,
 # 17920, 22016). Full multi-head attention (kv_heads = heads).
+PRESET_SOURCE = "LLaMA-1, Touvron et al. 2023, Table 2"  # of every preset below
 SHAPES: dict[str, ModelShape] = {
     "llama-7b": _llama1("llama-7b", 4096, 11008, 32, 32),
     "llama-13b": _llama1("llama-13b", 5120, 13824, 40, 40),
