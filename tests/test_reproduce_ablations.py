@@ -1,4 +1,5 @@
 """The ablation binary end to end on its quick variant (one setting, all six systems)."""
+import dataclasses
 import json
 import os
 import shlex
@@ -231,3 +232,32 @@ def test_the_report_names_where_each_model_shape_comes_from(tmp_path, monkeypatc
           for line in report.inputs_section(inputs) if line.startswith(("| mine ", "| llama-"))}
   assert rows == {"mine": "config.shapes (HF config.json)",
                   "llama-7b": "LLaMA-1, Touvron et al. 2023, Table 2"}
+
+
+@pytest.mark.parametrize("preset", ["h100_sxm", "tpu_v5e"])
+def test_the_report_gives_the_collective_latencies_the_run_priced_with(tmp_path, monkeypatch,
+                                                                       preset):
+  # The NVIDIA presets' α are NCCL's per-protocol constants, printed as a raw tuple of dicts
+  # without their source; the cost model's collective_latency_s, listed beside them, is
+  # unused there (it prices the TPU presets' collectives).
+  from rlhfuse_jax.sim import report
+  monkeypatch.setattr(ablations.it, "simulate_iteration", lambda cost, wl, opt, systems, cache,
+                      log=None: ({s: {**{f: 1.0 for f in ablations.ROW_FIELDS}, "details": {}}
+                                  for s in systems}, {}))
+  sim = dataclasses.replace(ablations.AblationConfig().sim, offload_frozen=preset != "tpu_v5e")
+  cfg = ablations.AblationConfig(hardware=preset, num_devices=16, global_batch=64, minibatch=16,
+                                 micro_batch=2, pairs=(("llama-7b", "llama-7b"),),
+                                 max_new_tokens=(64,), systems=("rlhfuse_base",), sim=sim)
+  inputs = ablations.run_ablations(cfg, str(tmp_path), log=lambda m: None)["inputs"]
+  rows = {line.split(" | ")[0][2:]: line.split(" | ")[1][:-2]
+          for line in report.inputs_section(inputs) if line.startswith("| collective")}
+  if preset == "tpu_v5e":
+    assert rows == {"collective_protocols": "None", "collective_latency_s": "1e-05"}
+    return
+  assert rows == {
+      "collective_protocols (NCCL's Ring constants, `src/graph/tuning.cc`; each collective "
+      "takes the cheaper)":
+      "LL: 6.6 µs a call + 0.6 µs a ring step on NVLink, 2.7 µs across nodes; bandwidth × 0.25 "
+      "(× 0.333 for other collectives in a node); Simple: 8.4 µs a call + 3.4 µs a ring step on "
+      "NVLink, 14 µs across nodes; bandwidth × 1",
+      "collective_latency_s": "1e-05 (unused: this hardware's collective_protocols give the α)"}

@@ -140,6 +140,15 @@ def setting_section(label: str, by: dict, systems: Sequence[str]) -> list[str]:
   return lines + [""]
 
 
+def _protocol(p: dict) -> str:
+  """One collective protocol of sim/hardware.py in words (microseconds)."""
+  in_node = p.get("bw_fraction_in_node") or 0.0
+  return (f"{p['name']}: {p['base_s'] * 1e6:g} µs a call + {p['intra_step_s'] * 1e6:g} µs a "
+          f"ring step on NVLink, {p['inter_step_s'] * 1e6:g} µs across nodes; bandwidth × "
+          f"{p['bw_fraction']:g}" + (f" (× {in_node:.3g} for other collectives in a node)"
+                                     if in_node else ""))
+
+
 def inputs_section(inputs: dict) -> list[str]:
   hw = inputs["hardware"]
   lines = ["## Inputs (every number above follows from these)", "",
@@ -148,15 +157,22 @@ def inputs_section(inputs: dict) -> list[str]:
   units = {"peak_flops": ("TFLOP/s", 1e12), "hbm_bw": ("GB/s", 1e9), "hbm_bytes": ("GB", 1e9),
            "intra_node_bw": ("GB/s", 1e9), "inter_node_bw": ("GB/s", 1e9),
            "host_to_device_bw": ("GB/s", 1e9)}
+  protocols = hw.get("collective_protocols")
   for k, v in hw.items():
     if k in units and v is not None:
       lines.append(f"| {k} | {v / units[k][1]:g} {units[k][0]} |")
+    elif k == "collective_protocols" and v:
+      # The α of every collective (docs/simulator.md, Cost model), readable and cited.
+      lines.append(f"| {k} (NCCL's Ring constants, `src/graph/tuning.cc`; each collective "
+                   "takes the cheaper) | " + "; ".join(_protocol(p) for p in v) + " |")
     elif k not in ("name", "source"):
       lines.append(f"| {k} | {v} |")
   lines += ["", "**Efficiency and other non-datasheet constants** (sources in "
             "`rlhfuse_jax/sim/cost_model.py`, `Efficiency`):", "", "| field | value |",
             "|---|---|"]
-  lines += [f"| {k} | {v} |" for k, v in inputs["efficiency"].items()]
+  lines += [f"| {k} | {v}" + (" (unused: this hardware's collective_protocols give the α)"
+                              if k == "collective_latency_s" and protocols else "") + " |"
+            for k, v in inputs["efficiency"].items()]
   # A result.json written before shape_sources existed held only the presets.
   sources = inputs.get("shape_sources", {})
   lines += ["", "**Model shapes** (critic and reward model = same backbone with a scalar "
