@@ -17,15 +17,17 @@ into the workdir:
                   epochs, max_prompt_len, max_new_tokens, num_devices, train_config when given;
                   train_ppo warns of a run whose workload differs)
   result.json     {"best", "top", "uniform", "async", "plan_json", "stages", "systems",
-                  "search_s", "setting", "hardware"}; best.predicted_iteration_s (synchronous),
-                  uniform.predicted_iteration_s and async.predicted_iteration_s (with
-                  async.generation_devices, training_devices, staleness, colocated) are the
-                  figures; plan_json says which plan plan.json holds ("synchronous" or
-                  "asynchronous"); "refused": {why: synchronous combinations} the trainer
-                  would not run (with sim.trainer_runnable or train_config)
+                  "search_s", "setting", "hardware", "efficiency"};
+                  best.predicted_iteration_s (synchronous), uniform.predicted_iteration_s
+                  and async.predicted_iteration_s (with async.generation_devices,
+                  training_devices, staleness, colocated) are the figures; plan_json says
+                  which plan plan.json holds ("synchronous" or "asynchronous"); "refused":
+                  {why: synchronous combinations} the trainer would not run (with
+                  sim.trainer_runnable or train_config)
   plan_search.md  the top plans with predicted stage times, the best uniform layout, the
-                  asynchronous plans and splits, and the simulator's other systems on the same
-                  setting
+                  asynchronous plans and splits, the simulator's other systems on the same
+                  setting, and the hardware's figures and assumed efficiencies (result.json's
+                  hardware and efficiency)
   config.json
 
 With `train_config` (a train_ppo config, PATH[:VARIANT]; the `train` variant: configs/
@@ -44,8 +46,10 @@ workload samples).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from typing import Optional
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -56,6 +60,7 @@ from experiments.runner import fixed_or_sci
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import search as search_lib
 from rlhfuse_jax.sim import ablations, iteration_sim, plan_search, training_sim
+from rlhfuse_jax.sim import report as sim_report
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
@@ -78,8 +83,10 @@ STAGE_TIMES = {"generation": "seconds, the actor's resharding into the layout in
                           "no resharding"}
 
 
-def report(res: dict, systems: dict, setting: dict) -> list[str]:
-  """plan_search.md: the top plans, the uniform layout, the other systems."""
+def report(res: dict, systems: dict, setting: dict,
+           constants: Optional[tuple[dict, dict]] = None) -> list[str]:
+  """plan_search.md: the top plans, the uniform layout, the other systems, and (`constants`:
+  the hardware's and the efficiencies' dicts) what the simulated times rest on."""
   # `evaluated` counts the plans that fit, `rejected` the others; the synchronous time is the
   # one the search logs ("plan search done in"), the asynchronous search's follows it.
   plans = (f"{res['evaluated']} feasible stage plans, {len(res['rejected'])} rejected for "
@@ -152,6 +159,9 @@ def report(res: dict, systems: dict, setting: dict) -> list[str]:
   for stage, opts in res["stages"].items():
     lines += ["", f"Best {stage} plans ({STAGE_TIMES.get(stage, 'seconds')}):", ""]
     lines += [f"- {name}: {_s(s, 3)}" for name, s in opts[:8]]
+  if constants is not None:
+    lines += ["", "## Inputs (every time above follows from these and the workload)", ""]
+    lines += sim_report.constants_section(*constants)
   return lines + [""]
 
 
@@ -294,6 +304,7 @@ def main(argv):
   # The hardware's values, not only its name: a file of one's own (--config.hardware=FILE.json)
   # may change after the search.
   hardware = cost.hw.to_dict()
+  efficiency = dataclasses.asdict(cost.eff)  # the assumed MFUs and bandwidth fractions
   # The workload it was searched for: train_ppo warns when a run's differs.
   record = plan_search.workload_record(wl, _CONFIG.value.get("train_config", ""))
   wd.write_json(os.path.join(workdir, "plan.json"),
@@ -302,9 +313,9 @@ def main(argv):
       "setting": setting, "hardware": hardware, "best": best, "top": res["top"], "uniform": uniform,
       "async": asynchronous, "plan_json": which, "stages": res["stages"],
       "rejected": res["rejected"], "refused": res["refused"], "systems": systems,
-      "search_s": res["search_s"]})
+      "search_s": res["search_s"], "efficiency": efficiency})
   with open(os.path.join(workdir, "plan_search.md"), "w") as f:
-    f.write("\n".join(report(res, systems, setting)))
+    f.write("\n".join(report(res, systems, setting, (hardware, efficiency))))
   logging.info("best %ss (%s); uniform %s; async %s; plan.json %s; searched in %.1fs in all "
                "-> %s",
                _s(best["predicted_iteration_s"]), res["best"]["summary"],

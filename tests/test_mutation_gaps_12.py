@@ -509,6 +509,24 @@ def test_plan_search_report_ranks_refusals_and_compares_the_uniform_layout():
   assert "6 / 2" not in text
 
 
+def test_plan_search_report_ends_with_the_constants_the_times_rest_on():
+  """plan_search.md named only the hardware preset: not its figures, nor the assumed MFU and
+  bandwidth efficiencies every predicted time scales with."""
+  code = _PLAN_REPORT.replace(
+      "print(json.dumps(ps.report(res, {}, setting)))",
+      "import dataclasses\n"
+      "from rlhfuse_jax.sim import cost_model, hardware\n"
+      "hw = hardware.get_hardware('h100_sxm').to_dict()\n"
+      "eff = dataclasses.asdict(cost_model.Efficiency(train_mfu=0.4))\n"
+      "print(json.dumps(ps.report(res, {}, setting, (hw, eff))))")
+  lines = _python(code)
+  head = lines.index("## Inputs (every time above follows from these and the workload)")
+  rows = [line for line in lines[head:] if line.startswith("| ")]
+  assert "| peak_flops | 989.4 TFLOP/s |" in rows and "| hbm_bw | 3350 GB/s |" in rows
+  assert "| train_mfu | 0.4 |" in rows and "| decode_bw_eff | 0.7 |" in rows
+  assert "## Inputs" not in "\n".join(_python(_PLAN_REPORT))  # without constants: none
+
+
 # experiments/calibrate_sim.py ---------------------------------------------------------------------
 
 _CALIBRATE = """

@@ -621,6 +621,10 @@ def test_a_plan_searched_for_another_workload_is_warned_of(tmp_path):
           w["global_batch"], w["minibatch"], w["epochs"], w["max_prompt_len"],
           w["max_new_tokens"], w["num_devices"]) == (8, 512, 2, 128, 32, 2, 8, 12, 8), w
   assert w["train_config"] == str(tmp_path / "big.py")
+  # The constants every predicted time rests on, in the result and the report.
+  assert json.loads((tmp_path / "ps" / "result.json").read_text())["efficiency"]["train_mfu"] \
+      == 0.45
+  assert "| train_mfu | 0.45 |" in (tmp_path / "ps" / "plan_search.md").read_text()
   out = subprocess.run([sys.executable, "-m", "experiments.train_ppo",
                         "--config=configs/ppo_tiny.py", f"--config.plan.file={path}",
                         f"--workdir={tmp_path / 'run'}", "--config.rollout.top_k=100000"],

@@ -149,10 +149,10 @@ def _protocol(p: dict) -> str:
                                      if in_node else ""))
 
 
-def inputs_section(inputs: dict) -> list[str]:
-  hw = inputs["hardware"]
-  lines = ["## Inputs (every number above follows from these)", "",
-           f"**Hardware preset `{hw['name']}`** ({hw['source']}; per device, per direction):", "",
+def constants_section(hw: dict, eff: dict) -> list[str]:
+  """The hardware's figures (each preset's cited in sim/hardware.py) and the cost model's
+  efficiencies: what every simulated time rests on (ablations.md, plan_search.md)."""
+  lines = [f"**Hardware preset `{hw['name']}`** ({hw['source']}; per device, per direction):", "",
            "| field | value |", "|---|---|"]
   units = {"peak_flops": ("TFLOP/s", 1e12), "hbm_bw": ("GB/s", 1e9), "hbm_bytes": ("GB", 1e9),
            "intra_node_bw": ("GB/s", 1e9), "inter_node_bw": ("GB/s", 1e9),
@@ -172,7 +172,13 @@ def inputs_section(inputs: dict) -> list[str]:
             "|---|---|"]
   lines += [f"| {k} | {v}" + (" (unused: this hardware's collective_protocols give the α)"
                               if k == "collective_latency_s" and protocols else "") + " |"
-            for k, v in inputs["efficiency"].items()]
+            for k, v in eff.items()]
+  return lines
+
+
+def inputs_section(inputs: dict) -> list[str]:
+  lines = ["## Inputs (every number above follows from these)", ""]
+  lines += constants_section(inputs["hardware"], inputs["efficiency"])
   # A result.json written before shape_sources existed held only the presets.
   sources = inputs.get("shape_sources", {})
   lines += ["", "**Model shapes** (critic and reward model = same backbone with a scalar "
