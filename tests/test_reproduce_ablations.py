@@ -197,23 +197,44 @@ def test_a_calibration_of_another_model_or_machine_is_refused(tmp_path):
   assert cost({"ops": {"migration": {"bytes_per_s": 1e9}}}).cal.migration is not None
 
 
+def _drawn_figure(monkeypatch) -> list:
+  """The figures the plots save (savefig skipped), read before they are closed."""
+  import matplotlib.figure
+  figs = []
+  monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **kw: figs.append(
+      (fig, [ax.get_title() for ax in fig.axes if ax.get_title()],
+       [ax for ax in fig.axes if ax.get_legend() is not None], len(fig.legends))))
+  return figs
+
+
 def test_the_generation_timeline_names_the_setting_it_shows(monkeypatch, tmp_path):
   # A run simulates 12 settings and draws one (config.figure_setting): each panel's title says
-  # which, as fused_gantt.png's does. Titles read before the figure is closed.
-  import matplotlib.figure
+  # which, as fused_gantt.png's does. Its legend sits under the panels, not on the first
+  # panel's bars (it hid the last instances' inference).
   import types
   from rlhfuse_jax.sim import plots
-  titles = []
-  monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **kw: titles.extend(
-      ax.get_title() for ax in fig.axes if ax.get_title()))
+  figs = _drawn_figure(monkeypatch)
   res = types.SimpleNamespace(
       gen_end_s=1.0, gen_plus_inf_s=1.5, instance_busy_frac=1.0, consolidations=[],
       segments=[(0, 0.0, 0.5, "prefill"), (0, 0.5, 1.0, "decode")],
       unfinished_curve=[(0.0, 2), (1.0, 0)])
   plots.plot_generation_timelines([("without consolidation", res), ("streaming", res)],
                                   str(tmp_path / "t.png"), setting="65B/65B L=2048")
+  (_, titles, axes_with_legend, fig_legends), = figs
   assert [t.split(":")[0] for t in titles] == [
       "65B/65B L=2048, without consolidation", "65B/65B L=2048, streaming"]
+  assert (axes_with_legend, fig_legends) == ([], 1)
+
+
+def test_the_gantt_legend_sits_under_the_panels(monkeypatch, tmp_path):
+  import types
+  from rlhfuse_jax.sim import plots
+  figs = _drawn_figure(monkeypatch)
+  task = types.SimpleNamespace(model="actor", kind="F", start=0.0, end=1.0)
+  sched = types.SimpleNamespace(makespan=1.0, devices=[[task], [task]])
+  plots.plot_schedules([("fused", sched), ("serial", sched)], str(tmp_path / "g.png"))
+  (_, titles, axes_with_legend, fig_legends), = figs
+  assert (titles, axes_with_legend, fig_legends) == (["fused", "serial"], [], 1)
 
 
 def test_the_report_names_where_each_model_shape_comes_from(tmp_path, monkeypatch):

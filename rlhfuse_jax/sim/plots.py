@@ -77,6 +77,13 @@ def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str
   plt.close(fig)
 
 
+def _legend_below(fig, handles, labels) -> None:
+  """One row of legend under the panels, outside every axes: inside the first panel it hid
+  the bars it sat on (an instance's inference, a device's last backward passes)."""
+  fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7, frameon=False)
+  fig.tight_layout(rect=(0, 0.3 / fig.get_figheight(), 1, 1))  # 0.3 in for the legend row
+
+
 def plot_generation_timelines(results: Sequence[tuple[str, object]], path: str,
                               max_instances: int = 64, setting: str = "") -> None:
   """One panel per (title, GenResult): each instance's activity over time, and the number of
@@ -108,8 +115,7 @@ def plot_generation_timelines(results: Sequence[tuple[str, object]], path: str,
                  f"{res.gen_plus_inf_s:.2f}s, busy {res.instance_busy_frac:.0%}", fontsize=9)
   axes[-1, 0].set_xlabel("time (s)")
   handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _KIND_COLORS.values()]
-  axes[0, 0].legend(handles, list(_KIND_COLORS), fontsize=7, loc="lower right", ncol=5)
-  fig.tight_layout()
+  _legend_below(fig, handles, list(_KIND_COLORS))
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
@@ -141,8 +147,6 @@ def plot_schedules(panels: Sequence[tuple[str, object]], path: str) -> None:
     ax.set_title(title, fontsize=9)
   axes[-1, 0].set_xlabel("time (ms)")
   handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _TASK_COLORS.values()]
-  axes[0, 0].legend(handles, [f"{m} {k}" for m, k in _TASK_COLORS], fontsize=7, ncol=4,
-                    loc="upper right")
-  fig.tight_layout()
+  _legend_below(fig, handles, [f"{m} {k}" for m, k in _TASK_COLORS])
   fig.savefig(path, dpi=110)
   plt.close(fig)
