@@ -3,8 +3,14 @@ r"""Measures this machine's operation costs into a simulator calibration file.
   python -m experiments.calibrate_sim --config=configs/calibrate_sim.py --workdir=/tmp/cal
 
 Writes calibration.json (format of rlhfuse_jax/policy/calibration.py) and config.json. Match the
-model and instance fields to the benchmark the simulator should predict (e.g. the model of
-configs/bench_generation.py) before comparing.
+model and instance fields to the benchmark the simulator should predict before comparing; e.g.
+bench_generation's default run (BG: its workdir), whose model is 128 wide:
+
+  python -m experiments.calibrate_sim --config=configs/calibrate_sim.py --workdir=/tmp/cal \
+    --config.model.hidden_size=128 --config.model.intermediate_size=256
+  python -m experiments.reproduce_ablations --config=configs/ablations.py:quick --workdir=DIR \
+    --config.validate.bench_generation_workdir=BG \
+    --config.validate.calibration=/tmp/cal/calibration.json
 """
 import ml_collections
 

@@ -1,5 +1,6 @@
-r"""Measures decode step time vs occupied slots, prefill and inference throughput and KV
-migration bandwidth on this machine, and writes them as a simulator calibration file.
+r"""Measures decode step time vs occupied slots, prefill and inference throughput, KV
+migration bandwidth and the frozen models' host -> device load on this machine, and writes them
+as a simulator calibration file.
 
   python -m experiments.calibrate_sim --config=configs/calibrate_sim.py --workdir=/tmp/cal
 
@@ -121,6 +122,15 @@ def measure(c) -> dict:
                    c.repeats)
   logging.info("migration of %d KV rows: %d bytes (the simulator's: bf16) in %.3f ms",
                c.migrate_rows, nbytes, 1e3 * mig_s)
+  # The frozen models an instance freed for inference loads from host memory (the reference:
+  # the actor's shape; the reward model: the critic's), in the simulator's bytes (bf16), as
+  # generation/measure.py times them. Without it the file could not predict bench_generation
+  # (sim/validation.py needs every op it times).
+  host = jax.device_get((params, cparams))
+  load_bytes = 2 * (cfg.num_params() + critic_cfg.num_params())
+  load_s = median_s(lambda: jax.device_put(host, devs[0]), c.repeats)
+  logging.info("frozen models host -> device: %d bytes (the simulator's: bf16) in %.3f ms",
+               load_bytes, 1e3 * load_s)
   return {
       "format": calibration.FORMAT,
       "device": f"{jax.devices()[0].platform} x{len(devs)} ({jax.devices()[0].device_kind}), "
@@ -132,6 +142,7 @@ def measure(c) -> dict:
           "prefill": {"tokens_per_s": s * p / prefill_s},
           "inference": {"tokens_per_s": mb * (p + t) / inf_s},
           "migration": {"bytes_per_s": nbytes / mig_s},
+          "weight_load": {"bytes_per_s": load_bytes / load_s},
       },
       "notes": f"slots={s}, prompt_len={p}, max_len={max_len}, chunk={c.chunk_size}",
   }

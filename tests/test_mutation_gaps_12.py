@@ -561,6 +561,14 @@ def test_calibrate_sim_rates_count_the_work_of_each_timed_op():
                                 "seconds": [pytest.approx(0.5 / 15)] * 2}
   assert ops["migration"]["bytes_per_s"] == pytest.approx(4 * 32 * (2 * 2 * 2 * 16 * 2) / 0.5)
   assert got["devices_share_compute"] is True and got["instance_devices"] == 1
+  # The reference (the actor's shape) and the reward model (the critic's) loaded from host, at
+  # 2 bytes a parameter: without weight_load the file could not predict bench_generation.
+  from configs import calibrate_sim as config_file
+  from rlhfuse_jax.models import llama
+  actor = llama.ModelConfig(**config_file.get_config().model.to_dict())
+  assert got["model_params"] == actor.num_params()
+  assert ops["weight_load"]["bytes_per_s"] == pytest.approx(
+      2 * (actor.num_params() + actor.replace(head="scalar").num_params()) / 0.5)
 
 
 # experiments/sweep.py -----------------------------------------------------------------------------
