@@ -135,18 +135,26 @@ def describe(s: dict, min_gain_ratio: float) -> str:
   return "; ".join(parts)
 
 
-def curve(runs: list[list[dict]]) -> dict:
+def curve(runs: list[list[dict]], skip: int = 0) -> dict:
   """The seeds' mean reward per iteration and mean wall time of the iterations so far (each
-  run's metrics.jsonl rows; the seeds ran the same number of iterations)."""
+  run's metrics.jsonl rows; the seeds ran the same number of iterations). The first `skip`
+  iterations (config.skip: their steps compile) count at the run's median step of the others:
+  iteration 1's compiles (8-10 s of a 40-iteration timing run's 13 s, more in the async run)
+  set the wall-time axis apart where the plot means to compare the steady state."""
+  def elapsed(run):
+    steps = np.array([r["timing_s/step"] for r in run], dtype=float)
+    if 0 < skip < len(steps):
+      steps[:skip] = np.median(steps[skip:])
+    return np.cumsum(steps)
   return {"reward": np.mean([[r["reward/mean"] for r in run] for run in runs], axis=0),
-          "elapsed_s": np.mean([np.cumsum([r["timing_s/step"] for r in run]) for run in runs],
-                               axis=0)}
+          "elapsed_s": np.mean([elapsed(run) for run in runs], axis=0)}
 
 
 def plot(curves: dict, path: str, width: int) -> None:
   """A column per run config, a curve per staleness: the reward (moving average) per iteration
   (top) and against the wall time the iterations took so far (bottom: what asynchrony is for;
-  start-up not counted). curves[config][staleness]: {"reward": [...], "elapsed_s": [...]}."""
+  start-up and compiles not counted: `curve`). curves[config][staleness]: {"reward": [...],
+  "elapsed_s": [...]}."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
@@ -286,7 +294,7 @@ def main(argv):
         s["step_time_ratio"] = s["median_step_s"] / base["median_step_s"]
         s["gain_ok"] = s["gain_ratio"] is not None and s["gain_ratio"] >= c.min_gain_ratio
       entry[f"s{k}"] = s
-      curves[config][k] = curve([rows[config, k, seed] for seed in c.seeds])
+      curves[config][k] = curve([rows[config, k, seed] for seed in c.seeds], c.skip)
       logging.info("%s staleness %d: %s", config, k, describe(s, c.min_gain_ratio))
     result["runs"][config] = entry
   result["failed_runs"] = failed

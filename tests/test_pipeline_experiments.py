@@ -577,12 +577,15 @@ row = lambda reward, step_s: {{"reward/mean": reward, "timing_s/step": step_s}}
 runs = [[row(0.1, 2.0), row(0.3, 1.0)], [row(0.3, 4.0), row(0.5, 1.0)]]
 c = b.curve(runs)
 print(c["reward"].tolist(), c["elapsed_s"].tolist())
+# The first iteration compiles (9 s): with skip=1 it counts at the median of the others.
+slow = [[row(0.1, 9.0), row(0.3, 1.0), row(0.5, 3.0)]]
+print(b.curve(slow, skip=1)["elapsed_s"].tolist())
 b.plot({{"a.py": {{0: c, 1: c}}, "b.py": {{0: c}}}}, {str(tmp_path / "curves.png")!r}, 1)
 """
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True,
                        text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-3000:]
-  assert out.stdout.split() == ["[0.2,", "0.4]", "[3.0,", "4.0]"]
+  assert out.stdout.split() == ["[0.2,", "0.4]", "[3.0,", "4.0]", "[2.0,", "3.0,", "6.0]"]
   import matplotlib.image
   height, width = matplotlib.image.imread(str(tmp_path / "curves.png")).shape[:2]
   assert (height, width) == (864, 1320)  # 2 rows x 2 columns of panels at 120 dpi
