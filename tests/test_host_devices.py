@@ -301,7 +301,8 @@ def test_a_signal_to_the_launcher_stops_every_process(tmp_path):
 def test_the_slurm_script_requeues_a_run_stopped_after_saving(tmp_path):
   """launch/slurm_gpu.sbatch with stand-ins for srun and scontrol: exit 75 (SIGTERM before the
   time limit, --signal=TERM@600: saved) requeues the job and keeps the status, as does 69 up to
-  MAX_REQUEUES times; another status is returned as it is; submitted outside the repository it says so."""
+  MAX_REQUEUES times; another status is returned as it is; submitted outside the repository it
+  says so."""
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
   for name, body in (("srun", f'echo "srun $* cpus=${{SRUN_CPUS_PER_TASK:-unset}}" >> '

@@ -689,7 +689,6 @@ def test_the_set_up_log_names_what_the_plan_file_set(tmp_path):
     assert setting in line, (setting, line)
 
 
-
 # ------------------------------------------------------------- searched plans the trainer runs
 H100 = CostModel(get_hardware("h100_sxm"))
 
