@@ -912,6 +912,7 @@ def test_a_val_file_with_other_keys_says_to_rename_them_not_to_change_the_key(ro
     build.load_prompt_records(cfg, task)
   assert "set config.data" not in str(e.value)
 
+
 def test_samples_are_written_as_text_once_per_logged_iteration_across_a_resume(tmp_path):
   """config.log_samples=k: every log_every iterations and after the last, the batch's first k
   samples as text in samples.jsonl (a user had no way to see what the policy writes). A resume
