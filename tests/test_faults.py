@@ -314,11 +314,33 @@ def test_raising_num_iterations_continues_the_lr_schedule(tmp_path, straight, ca
   # What the warning advises: a longer horizon, named in resume_changes, stretches the cosine.
   with pytest.raises(ValueError, match="optim.schedule_iterations"):
     PPOTrainer(tiny_config(**{"num_iterations": 9, "optim.schedule_iterations": 16}), run)
-  PPOTrainer(tiny_config(**{"num_iterations": 9, "optim.schedule_iterations": 16,
-                            "checkpoint.resume_changes": "optim.schedule_iterations"}),
-             run).run()
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    PPOTrainer(tiny_config(**{"num_iterations": 9, "optim.schedule_iterations": 16,
+                              "checkpoint.resume_changes": "optim.schedule_iterations"}),
+               run).run()
+  # (its 0 is the first start's horizon, which the log said nothing of)
+  assert ("a changed optim.schedule_iterations: 0 -> 16 (0 there: the first start's horizon, "
+          "6 iterations)") in caplog.text, caplog.text
   last = wd.read_jsonl(os.path.join(run, "metrics.jsonl"))[-1]
   assert last["step"] == 9 and last["actor/lr"] > 2 * floor
+
+
+def test_a_shorter_num_iterations_on_a_finished_run_says_where_the_run_stays(tmp_path, straight,
+                                                                              caplog):
+  """num_iterations below the iterations a workdir holds trains nothing and keeps them all:
+  the log says so, and that a shorter run needs a new workdir (it said only "nothing to
+  train", and result.json then read iterations 6 of num_iterations 4)."""
+  _, workdir, _, _ = straight
+  run = str(tmp_path / "run")
+  shutil.copytree(workdir, run)
+  with caplog.at_level("INFO"):
+    assert PPOTrainer(tiny_config(**{"num_iterations": 4}), run).run() == []
+  assert ("workdir already has 6 iterations (num_iterations=4): nothing to train; its "
+          "checkpoints and metrics stay at iteration 6 (a shorter run of this config needs a "
+          "new --workdir)") in caplog.text, caplog.text
+  assert [r["step"] for r in wd.read_jsonl(os.path.join(run, "metrics.jsonl"))] == [
+      1, 2, 3, 4, 5, 6]
 
 
 def test_metrics_are_written_exactly_once_after_a_crash_before_the_first_checkpoint(tmp_path):

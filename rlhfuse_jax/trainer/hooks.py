@@ -409,8 +409,13 @@ class Checkpoints(Hook):
           "or start a new --workdir (from these files: they are its config.init.* and data.*)")
     allowed = self.cfg.checkpoint.resume_changes_set
     for change in [c for c in changes if c.split(":")[0] in allowed]:
-      logging.warning("resuming iteration %s with a changed %s (config.checkpoint."
-                      "resume_changes)", meta.get("iteration"), change)
+      # schedule_iterations 0 means "the first start's num_iterations", which the checkpoints
+      # keep: say which ("0 -> 16" read as a schedule that had none)
+      horizon = (f" (0 there: the first start's horizon, {meta['schedule_iterations']} "
+                 "iterations)" if change.startswith("optim.schedule_iterations: 0 ->") and
+                 meta.get("schedule_iterations") else "")
+      logging.warning("resuming iteration %s with a changed %s%s (config.checkpoint."
+                      "resume_changes)", meta.get("iteration"), change, horizon)
     changes = [c for c in changes if c.split(":")[0] not in allowed]
     if changes:
       raise ValueError(

@@ -883,8 +883,11 @@ class PPOTrainer:
         if self.export_only:
           hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
                          self.tokenizer).export(start)
-        logging.info("workdir already has %d iterations (num_iterations=%d): nothing to train",
-                     start, self.cfg.num_iterations)
+        logging.info("workdir already has %d iterations (num_iterations=%d): nothing to train%s",
+                     start, self.cfg.num_iterations,
+                     "; its checkpoints and metrics stay at iteration %d (a shorter run of this "
+                     "config needs a new --workdir)" % start
+                     if start > self.cfg.num_iterations else "")
         out = []
       else:
         out = self._loop(start, stop_after, keep_history)
