@@ -29,7 +29,6 @@ import math
 import os
 import signal
 import sys
-import zlib
 from typing import Any
 
 import jax
@@ -139,17 +138,13 @@ def check_same_run_everywhere(config: Any) -> None:
   code = runner.start_code()  # the commit, and the uncommitted changes' hash
   try:
     distributed.check_same_over_processes(
-        tuple(_crc(x) for x in (as_json, code)),
+        tuple(distributed.checksum(x) for x in (as_json, code)),
         "the run (a checksum of the config as given, one of the git commit and uncommitted "
         "changes)",
         f": every process must run the same command (config file and --config.* flags) on the "
         f"same checkout; this process ran {runner.command_line()} at commit {code}")
   except ValueError as e:  # on every process alike: each names its own values of the fields
     raise ValueError(f"{e}{distributed.differing_fields(_flat(as_dict))}") from None
-
-
-def _crc(text: str) -> int:
-  return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

@@ -499,8 +499,8 @@ def test_processes_with_different_configs_are_told_which_fields_differ(monkeypat
   def as_process_1(x):  # what process 1 contributes to the same gather
     if len(x) == 2:  # the fields' count and names
       keys = sorted(theirs)
-      return (len(keys), distributed._crc32(json.dumps(keys)))
-    return [distributed._crc32(json.dumps(theirs[k], sort_keys=True, default=str))
+      return (len(keys), distributed.checksum(json.dumps(keys)))
+    return [distributed.checksum(json.dumps(theirs[k], sort_keys=True, default=str))
             for k in sorted(theirs)]
   other["f"] = as_process_1
   assert distributed.differing_fields(mine) == (

@@ -253,7 +253,10 @@ def max_over_processes(value: int) -> int:
   return int(np.max(multihost_utils.process_allgather(np.int32(value))))
 
 
-def _crc32(text: str) -> int:
+def checksum(text: str) -> int:
+  """A non-negative int32 checksum of `text`, what the processes compare of a string (a config,
+  a commit, a path) in check_same_over_processes (crc32, which int32 holds without its top
+  bit)."""
   return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
@@ -265,11 +268,11 @@ def differing_fields(flat: dict, most: int = 8) -> str:
   process's (a config file that differs between the nodes' checkouts, a variable it reads).
   "" when the values agree (the git commits differ)."""
   keys = sorted(flat)
-  every = gather_ints((len(keys), _crc32(json.dumps(keys))))
+  every = gather_ints((len(keys), checksum(json.dumps(keys))))
   if not (every == every[0]).all():
     return ("; their configs have different fields (another config file or variant, or "
             "another version of it)")
-  every = gather_ints([_crc32(json.dumps(flat[k], sort_keys=True, default=str)) for k in keys])
+  every = gather_ints([checksum(json.dumps(flat[k], sort_keys=True, default=str)) for k in keys])
   diff = [k for i, k in enumerate(keys) if not (every[:, i] == every[0, i]).all()]
   if not diff:
     return ""

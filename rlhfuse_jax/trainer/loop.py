@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import os
 import time
-import zlib
 from typing import Any, Callable, Optional
 
 import jax
@@ -144,7 +143,7 @@ class PPOTrainer:
       # one directory on every host (a node-local disk) trained, then hung for ever at the
       # first checkpoint save, where orbax waits for every host's part.
       distributed.check_same_over_processes(
-          (zlib.crc32(workdir.encode()) & 0x7FFFFFFF,), f"the --workdir path (a checksum; "
+          (distributed.checksum(workdir),), f"the --workdir path (a checksum; "
           f"this process's: {workdir})", ": every process must be given the same workdir")
       distributed.check_same_over_processes(
           (wd.lock_token(workdir),), f"the workdir {workdir} (the start token process 0 wrote "
