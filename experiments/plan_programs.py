@@ -938,14 +938,13 @@ def verdict(result: dict) -> str:
       # same devices (their own peak alone was shown, below the HBM it exceeds)
       beside = max(0.0, p.get("peak_with_train_state_bytes", 0.0) - p["peak_bytes"]) if (
           name != PROGRAMS[0]) else 0.0
-      kept = ("the models beside it" if p.get("resident_model_bytes") else
-              "the training state beside it")
-      terms = {"temporaries": p["temp_bytes"], "arguments": p["argument_bytes"], kept: beside}
+      kept = "the models" if p.get("resident_model_bytes") else "the training state"
+      terms = {"temporaries": p["temp_bytes"], "arguments": p["argument_bytes"],
+               f"{kept} beside it": beside}
       largest = max(terms, key=terms.get)
+      remedy = f": {', '.join(fixes[largest])}" if fixes[largest] else ""
       hints.append(f"{name} (peak {_gb(p['peak_bytes'] + beside)} of {_gb(p['hbm_bytes'])} GB"
-                   + (f" with {kept[:-len(' beside it')]}" if beside else "")
-                   + f"; largest: {largest}" + "".join(f": {', '.join(fixes[largest])}"
-                                                       for _ in fixes[largest][:1]) + ")")
+                   + (f" with {kept}" if beside else "") + f"; largest: {largest}{remedy})")
     line = "verdict: DOES NOT FIT: " + "; ".join(hints)
   lc = result.get("layers_compiled", {})
   if lc.get("reduced"):
