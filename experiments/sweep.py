@@ -698,17 +698,17 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
     # run stopped after 24 s and resumed showed only the 2 s of the start that found it done).
     before = earlier.get(name) or {}
     resumes = binary == "train_ppo" and os.path.isdir(os.path.join(run_dir, "checkpoints"))
-    t0 = time.time() - (float(before.get("wall_s") or 0.0) if resumes else 0.0)
+    earlier_s = float(before.get("wall_s") or 0.0) if resumes else 0.0
     start = time.time()
     try:
       rc = run_streamed(cmd, run_dir, name, env, started=signals.started)
     except RunInterrupted as e:  # Ctrl-C: the run got it too, and has ended since
-      rows.append(_ended(row, e.returncode, run_dir, time.time() - t0, signals.signum,
-                         interrupted=True))
+      rows.append(_ended(row, e.returncode, run_dir, earlier_s + time.time() - start,
+                         signals.signum, interrupted=True))
       summary(rows)
       raise
-    rows.append(_ended(row, rc, run_dir, time.time() - t0, signals.signum))
     this_start = time.time() - start
+    rows.append(_ended(row, rc, run_dir, earlier_s + this_start, signals.signum))
     if resumes and nothing_trained(before, row):
       # A finished run re-started (the sweep run again to refresh its summary) found nothing to
       # train: its wall_s stays its training's (it grew by a start's set-up on every re-run).
