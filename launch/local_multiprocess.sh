@@ -19,18 +19,10 @@ if ! [[ "$N" =~ ^[1-9][0-9]*$ && "$D" =~ ^[1-9][0-9]*$ ]]; then
   echo "N=$N D=$D: expected the number of processes and the devices per process, both >= 1" >&2
   exit 2
 fi
-# Flags the launcher sets itself: a second --config made absl fail every process with "The flag
-# 'config.num_iterations' is defined twice", naming neither --config nor CONFIG.
-for arg in "$@"; do
-  case "$arg" in
-    --config | --config=* | --workdir | --workdir=* | --distributed | --nodistributed | \
-    --coordinator_address* | --num_processes* | --process_id*)
-      echo "${arg%%=*}: the launcher sets it for every process: --config from CONFIG=..." \
-        "(e.g. CONFIG=configs/ppo_tiny.py:fused), --workdir from WORKDIR, --coordinator_address" \
-        "from PORT=..., --num_processes from N, and --distributed and --process_id" >&2
-      exit 2;;
-  esac
-done
+source "$(dirname "$0")/checks.sh"
+refuse_set_flags "the launcher sets it for every process: --config from CONFIG=... (e.g.\
+ CONFIG=configs/ppo_tiny.py:fused), --workdir from WORKDIR, --coordinator_address from\
+ PORT=..., --num_processes from N, and --distributed and --process_id" "$@"
 BINARY=${BINARY:-train_ppo}
 if [[ "$BINARY" == train_ppo ]]; then DEFAULT_CONFIG=configs/ppo_tiny.py
 else DEFAULT_CONFIG="configs/$BINARY.py"; fi
@@ -46,13 +38,7 @@ if [[ -n "${CONFIG:-}" && -f "${CONFIG%%:*}" ]]; then
 fi
 if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(abspath "$PYTHON"); fi
 cd "$(dirname "$0")/.."
-# Only these two take --distributed: any other binary failed in every process on absl's
-# "Unknown command line flag 'distributed'", after the coordinator had started.
-if [[ "$BINARY" != train_ppo && "$BINARY" != bench_generation ]]; then
-  echo "BINARY=$BINARY: expected train_ppo or bench_generation (the binaries that run as" \
-    "several processes)" >&2
-  exit 2
-fi
+check_binary "$BINARY"
 # The caller's XLA flags stay, any device count replaced by D: the binaries' own rule
 # (rlhfuse_jax/parallel/host_devices.py, which imports no jax).
 FLAGS="$("${PYTHON:-python}" -c 'import sys

@@ -15,23 +15,9 @@
 # --config.fusion.inter_stage=True) or bench_generation (config: configs/bench_generation.py).
 set -euo pipefail
 CONFIG=${1:?config}; WORKDIR=${2:?workdir (a path every worker sees: gcsfuse mount or NFS)}; shift 2
-# Only these two binaries take --distributed (any other failed on every node with absl's "Unknown
-# command line flag 'distributed'"), and the flags this script sets or jax detects are refused
-# among the extra ones (a second --config replaced CONFIG without a word; --process_id and the
-# like would give every process the same one).
-case "${BINARY:-train_ppo}" in
-  train_ppo | bench_generation) ;;
-  *) echo "BINARY=$BINARY: expected train_ppo or bench_generation (the binaries that run as" \
-       "several processes)" >&2; exit 2;;
-esac
-for arg in "$@"; do
-  case "$arg" in
-    --config | --config=* | --workdir | --workdir=* | --distributed | --nodistributed | \
-    --coordinator_address* | --num_processes* | --process_id*)
-      echo "${arg%%=*}: this script sets it for every process (the config and workdir are its" \
-        "first two arguments; jax.distributed detects the coordinator, process count and index)" >&2
-      exit 2;;
-  esac
-done
+source "$(dirname "${BASH_SOURCE[0]}")/checks.sh"
+check_binary "${BINARY:-train_ppo}"
+refuse_set_flags "this script sets it for every process (the config and workdir are its first two\
+ arguments; jax.distributed detects the coordinator, process count and index)" "$@"
 "${PYTHON:-python}" -m experiments."${BINARY:-train_ppo}" --config="$CONFIG" --workdir="$WORKDIR" \
   --distributed "$@"

@@ -1,0 +1,32 @@
+# What every launcher (local_multiprocess.sh, slurm_gpu.sbatch, tpu_pod.sh) refuses before a
+# process starts; sourced by them, not run.
+
+# check_binary NAME: only train_ppo and bench_generation take --distributed; any other binary
+# failed in every process on absl's "Unknown command line flag 'distributed'" (under SLURM after
+# the allocation, locally after the coordinator had started).
+check_binary() {
+  case "$1" in
+    train_ppo | bench_generation) ;;
+    *) echo "BINARY=$1: expected train_ppo or bench_generation (the binaries that run as" \
+         "several processes)" >&2
+       exit 2;;
+  esac
+}
+
+# refuse_set_flags WHY ARGS...: exits 2 on an extra flag among ARGS that the launcher sets for
+# every process (or jax.distributed detects), naming it, then WHY: a second --config replaced
+# CONFIG without a word (or made absl fail every process with "The flag
+# 'config.num_iterations' is defined twice", naming neither), and --process_id and the like
+# would give every process the same one.
+refuse_set_flags() {
+  local why=$1 arg
+  shift
+  for arg in "$@"; do
+    case "$arg" in
+      --config | --config=* | --workdir | --workdir=* | --distributed | --nodistributed | \
+      --coordinator_address* | --num_processes* | --process_id*)
+        echo "${arg%%=*}: $why" >&2
+        exit 2;;
+    esac
+  done
+}
