@@ -761,6 +761,11 @@ def test_a_tensor_axis_that_does_not_divide_the_heads_is_warned_about(caplog, te
     ({"algo.gradient_sync": "once", "algo.microbatch_size": 8},
      "config.algo.gradient_sync='once' not used: it applies to accumulated gradients"),
     ({"algo.gradient_sync": "once", "algo.microbatch_size": 1, "algo.minibatch_size": 16}, None),
+    # GRPO's KL switches beside kl_coef=0 (DAPO's setting) steered nothing, without a word.
+    ({"algo.kl_coef": 0.0, "algo.kl_in_reward": False, "algo.kl_estimator": "k3"},
+     "config.algo.kl_estimator='k3', config.algo.kl_in_reward=False not used: algo.kl_coef=0 "
+     "puts no KL to the reference in the reward or the loss"),
+    ({"algo.kl_in_reward": False, "algo.kl_estimator": "k3"}, None),
     ({}, None),
 ])
 def test_fusion_and_reward_fields_a_run_does_not_read_are_warned_about(caplog, overrides,
@@ -768,8 +773,8 @@ def test_fusion_and_reward_fields_a_run_does_not_read_are_warned_about(caplog, o
   """Inter-stage fusion fields without fusion.inter_stage, a reward model's checkpoint without
   reward.kind='model', a format weight without a format, a cap on held-out prompts without
   any, held-out prompts without a validation pass, algo.gradient_sync='once' without
-  micro-batches to accumulate and the task's prompt count and lengths beside a prompts file
-  were ignored without a word."""
+  micro-batches to accumulate, the task's prompt count and lengths beside a prompts file and
+  the KL's estimator and placement without a KL coefficient were ignored without a word."""
   text = _validate_warnings(caplog, overrides)
   if warned:
     assert warned in text, text

@@ -223,6 +223,9 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                       "for 16-bit weights", ", ".join(wide))
   warn_unused(_critic_free_unused(cfg), f"algo.estimator={cfg.algo.estimator!r} trains no "
               "critic and computes its advantages without them")
+  if cfg.algo.kl_coef == 0:  # kl/ref_* are k3 estimates whatever kl_estimator is (ppo.py)
+    warn_unused(set_fields(cfg, "algo", ["kl_estimator", "kl_in_reward"]), "algo.kl_coef=0 "
+                "puts no KL to the reference in the reward or the loss")
   _async_unused(cfg)
   _uneven_tensor_split(cfg, mesh)
   warn_unused(_reward_unused(cfg), "reward.kind='model': the reward model scores every sample")
