@@ -22,6 +22,9 @@ jax.ShapeDtypeStructs with shardings (no parameter is allocated), the programs t
 (--run_config: a training config, with train_ppo's overrides, checked as its trainer runs it)
 and writes result.json (per program: argument/output/temp/peak bytes and FLOPs per device from
 the compiled program, the analytic breakdown, replication, fits, compile_s) and config.json.
+Its exit status is 0 when every program fits, EXIT_DOES_NOT_FIT (4) when one does not (the
+table's verdict line says which and what would shrink it; result.json is written either way),
+and 1 for bad input, so a script or a CI job can gate a launch on it.
 
 XLA reads the device count once, when jax initialises, so this binary imports nothing of jax at
 module level: main() sets `--xla_force_host_platform_device_count` to the plan's device count
@@ -47,6 +50,9 @@ _RUN_CONFIG = config_flags.DEFINE_config_file(
     "--run_config.<field>=...) to check as its trainer runs it; it sets the plan's models, "
     "mesh, batches, lengths and generation (configs/plan_check.apply_run), --config the rest.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
+
+EXIT_DOES_NOT_FIT = 4  # a program's peak exceeds the hardware's HBM (1 is bad input)
+
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -95,6 +101,11 @@ def main(argv):
   for line in plan_programs.table(result):
     logging.info("%s", line)
   logging.info("wrote %s", os.path.join(_WORKDIR.value, "result.json"))
+  over = [name for name, p in result["programs"].items() if not p["fits"]]
+  if over:  # (it exited 0 beside "verdict: DOES NOT FIT": a script could not tell)
+    logging.error("exit status %d: %s not fitting (the verdict above says what would shrink "
+                  "it)", EXIT_DOES_NOT_FIT, ", ".join(over))
+    sys.exit(EXIT_DOES_NOT_FIT)
 
 
 if __name__ == "__main__":
