@@ -708,12 +708,13 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
       summary(rows)
       raise
     this_start = time.time() - start
-    rows.append(_ended(row, rc, run_dir, earlier_s + this_start, signals.signum))
+    rows.append(_ended(row, rc, run_dir, earlier_s + this_start, signals.signum,
+                       verdict=VERDICT_EXITS.get((binary, rc), "")))
     if resumes and nothing_trained(before, row):
       # A finished run re-started (the sweep run again to refresh its summary) found nothing to
       # train: its wall_s stays its training's (it grew by a start's set-up on every re-run).
       row["wall_s"] = before["wall_s"]
-    if rc == 0 and inputs is not None:  # for kept_row
+    if row["status"].startswith("ok") and inputs is not None:  # for kept_row
       wd.write_json(os.path.join(run_dir, INPUTS_FILE), inputs)
     summary(rows)  # partial summaries survive an interrupted sweep
     logging.info("[%d/%d] %s: %s in %.1fs%s", i + 1, len(runs), name, row["status"], this_start,
@@ -739,11 +740,20 @@ def nothing_trained(before: dict, row: dict) -> bool:
           and row.get("iterations") == before.get("iterations"))
 
 
+# A binary's exit status that is its finding, not a failure: the run finished and wrote its
+# result (plan_check's EXIT_DOES_NOT_FIT: a sweep over plans reported the plans that do not fit
+# as failed runs, without their figures, and exited 1).
+VERDICT_EXITS = {("plan_check", 4): "does not fit"}
+
+
 def _ended(row: dict, rc: int, run_dir: str, wall_s: float, signum: int,
-           interrupted: bool = False, kept: bool = False) -> dict:
+           interrupted: bool = False, kept: bool = False, verdict: str = "") -> dict:
   """`row` completed with how its run ended (exit status `rc`; `signum`: the signal the sweep
   passed on, 0 for none; `interrupted`: a Ctrl-C came meanwhile; `kept`: an earlier start's
-  run, kept_row's) and its result's scalars."""
+  run, kept_row's; `verdict`: VERDICT_EXITS' word for `rc`, a finished run) and its result's
+  scalars."""
+  if verdict:
+    rc = 0
   # A run that died of the signal the sweep passed on (-15, or 143 from a binary that exits
   # as SIGTERM's death) was stopped; one killed otherwise (-9: the OOM killer) failed.
   signalled = bool(signum) and rc in (-signum, 128 + signum)
@@ -759,6 +769,8 @@ def _ended(row: dict, rc: int, run_dir: str, wall_s: float, signum: int,
     row["status"] = "ok (no result.json / metrics.jsonl)"
   elif kept:
     row["status"] = "ok (kept: finished earlier)"
+  elif verdict:
+    row["status"] = f"ok ({verdict})"
   if result:
     # A result's own "status" (train_ppo's done / stopped) must not replace the sweep's.
     row.update({f"result/{k}" if k in row else k: v for k, v in flatten_scalars(

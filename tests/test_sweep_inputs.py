@@ -204,3 +204,35 @@ def test_a_sweep_stopped_early_keeps_the_rows_of_the_runs_it_did_not_reach(tmp_p
   assert out["after_stop"] == {"a": "stopped (exit 75; re-run to resume)", "b": "ok",
                                "c": "ok"}
   assert out["third"] == ["a"]  # b and c are kept: they finished with this config and code
+
+
+def test_a_plan_that_does_not_fit_is_a_finding_of_a_plan_check_sweep(tmp_path):
+  """plan_check exits 4 (EXIT_DOES_NOT_FIT) for a plan that does not fit, with result.json
+  written (it exited 0 beside "verdict: DOES NOT FIT": a script could not tell). A sweep over
+  plans takes that status as the run's finding (VERDICT_EXITS): the row is "ok (does not fit)"
+  with its figures, the sweep exits 0, and a re-run keeps it (a failed run, "failed (exit 4)"
+  without figures and a sweep exiting 1, would run again). The tiny plan on a 1 MB device."""
+  (tmp_path / "small.json").write_text(json.dumps({"base": "h100_sxm", "hbm_bytes": 1e6}))
+  (tmp_path / "s.py").write_text(
+      "import importlib.util\n"
+      f"_spec = importlib.util.spec_from_file_location('b', {REPO!r} + '/configs/plan_check.py')\n"
+      "_base = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(_base)\n"
+      "def get_config(arg='tiny'):\n  return _base.get_config(arg)\n"
+      "def get_sweep(arg='tiny'):\n"
+      f"  return [{{'name': 'small', 'hardware': {str(tmp_path / 'small.json')!r}}}]\n")
+
+  def sweep():
+    return _run(["experiments.sweep", f"--config={tmp_path / 's.py'}:tiny",
+                 "--binary=plan_check", f"--workdir={tmp_path / 'sw'}"])
+  first = sweep()
+  assert first.returncode == 0, first.stderr[-3000:]
+  log = (tmp_path / "sw" / "small" / "log.txt").read_text()
+  assert "verdict: DOES NOT FIT: train_step" in log, log[-3000:]
+  assert "exit status 4: train_step, decode, inference not fitting" in log, log[-3000:]
+  (row,) = json.loads((tmp_path / "sw" / "summary.json").read_text())
+  assert row["status"] == "ok (does not fit)", row
+  assert row["programs/train_step/fits"] is False and row["programs/train_step/peak_bytes"] > 1e6
+  again = sweep()
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "small: finished earlier with this config at this commit; kept" in again.stderr, (
+      again.stderr[-3000:])
