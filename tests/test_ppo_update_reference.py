@@ -242,10 +242,11 @@ def test_group_estimators_keep_the_kl_penalty_in_the_reward(estimator):
 
 def test_an_estimator_added_to_the_registry_alone_gets_its_kind_of_treatment(monkeypatch):
   """What the trainer does for a kind of estimator follows from its registry entry, not from a
-  list of names: a new group estimator (it takes group_size) gets the KL penalty folded into its
-  scores, a new critic estimator gets algo.whiten_advantages, and the config asks a group
-  estimator for samples_per_prompt > 1. (With hand-kept lists, a group estimator registered
-  alone trained with its KL penalty in neither the reward nor the loss.)"""
+  list of names: a new group estimator (it takes group_size), or any that takes the scores, gets
+  the KL penalty folded into its scores, a new critic estimator gets algo.whiten_advantages,
+  and the config asks a group estimator for samples_per_prompt > 1. (With hand-kept lists, a
+  group estimator registered alone trained with its KL penalty in neither the reward nor the
+  loss.)"""
   from rlhfuse_jax.rl import advantages as adv_lib
   from rlhfuse_jax.rl import masked
   reg = adv_lib.ADVANTAGE_ESTIMATORS
@@ -259,6 +260,17 @@ def test_an_estimator_added_to_the_registry_alone_gets_its_kind_of_treatment(mon
   penalised = scores - 0.5 * np.sum((old - ref) * mask, -1)
   np.testing.assert_allclose(adv, adv_lib.dr_grpo_advantages(penalised, mask, g)[0], rtol=1e-5,
                              atol=1e-5)
+  # A score estimator without groups (a batch-mean baseline) gets the penalised scores too: keyed
+  # on group_size, it trained on the bare scores, its KL in neither the reward nor the loss.
+  def batch_centred(scores, mask):
+    adv = jnp.where(mask > 0, (scores - jnp.mean(scores))[:, None], 0.0)
+    return adv, adv
+  monkeypatch.setitem(reg, "batch_centred", adv_lib.AdvantageEstimator(
+      batch_centred, ("scores", "mask"), False, "new"))
+  algo = AlgoConfig(estimator="batch_centred", kl_in_reward=True, kl_coef=0.5,
+                    kl_estimator="k1")
+  adv, _, _, _ = ppo.advantages_and_returns(algo, 1, scores, mask, old, ref, None)
+  np.testing.assert_allclose(adv, batch_centred(penalised, mask)[0], rtol=1e-5, atol=1e-5)
   values = rng.normal(0, 1, (n, T)).astype(np.float32)
   algo = AlgoConfig(estimator="gae2", kl_in_reward=True, kl_coef=0.5, kl_estimator="k1")
   adv, _, token_rewards, _ = ppo.advantages_and_returns(algo, g, scores, mask, old, ref, values)

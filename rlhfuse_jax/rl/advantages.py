@@ -278,11 +278,20 @@ def get_estimator(name: str) -> AdvantageEstimator:
 
 def compares_groups(name: str) -> bool:
   """True if estimator `name` compares one score per sample within each prompt's group (it takes
-  `group_size`): the trainer then folds a KL-in-reward penalty into that score, needs
-  rollout.samples_per_prompt > 1 and has no use for gamma. Read from the registry, so a new
-  group estimator gets all three (a hand-kept list of names missed one: its KL penalty was in
+  `group_size`): the trainer then needs rollout.samples_per_prompt > 1 and has no use for gamma
+  (the KL-in-reward penalty in its scores: `reads_scores`). Read from the registry, so a new
+  group estimator gets both (a hand-kept list of names missed one: its KL penalty was in
   neither the reward nor the loss)."""
   return "group_size" in get_estimator(name).inputs
+
+
+def reads_scores(name: str) -> bool:
+  """True if estimator `name` takes the sequence `scores`: with the KL in the reward the trainer
+  then passes each sample's score less its summed KL penalty (the sum of its token rewards), as
+  an estimator taking `token_rewards` gets the penalty per token. Keyed on `scores`, not on
+  `group_size`: a score estimator without groups (a batch-mean baseline) registered alone
+  otherwise trained on the bare scores, its KL penalty in neither the reward nor the loss."""
+  return "scores" in get_estimator(name).inputs
 
 
 def needs_critic(name: str) -> bool:

@@ -50,10 +50,11 @@ def advantages_and_returns(algo: AlgoConfig, group_size: int, scores, mask, old_
   kl = kl_lib.kl_estimate(old_logp, ref_logp, algo.kl_estimator, mask=mask)  # [batch, max_new]
   kl_coef = algo.kl_coef if algo.kl_in_reward else 0.0
   token_rewards = adv_lib.token_level_rewards(scores, kl, mask, kl_coef)
-  if kl_coef > 0 and adv_lib.compares_groups(algo.estimator):
-    # The group estimators compare one number per sample: with the KL in the reward that is the
-    # sum of the token rewards, score and KL penalty (verl's GRPO/RLOO on token_level_rewards).
-    # Comparing the bare scores would drop the KL, as the loss holds none here either.
+  if kl_coef > 0 and adv_lib.reads_scores(algo.estimator):
+    # An estimator of sequence scores (the group estimators) takes one number per sample: with
+    # the KL in the reward that is the sum of the token rewards, score and KL penalty (verl's
+    # GRPO/RLOO on token_level_rewards). The bare scores would drop the KL, as the loss holds
+    # none here either.
     scores = scores - kl_coef * jnp.sum(kl, axis=-1)
   adv, ret = adv_lib.compute_advantages(
       algo.estimator, scores=scores, token_rewards=token_rewards, values=values, mask=mask,
