@@ -42,7 +42,10 @@ def test_every_reward_function_that_reads_the_answer_requires_one():
       # str(None) failed with "holds no number").
       assert ("needs a string 'target'" in str(e) or
               "needs the sample's answer as a string" in str(e)), (name, str(e))
-    assert reads == (name in rewards.NEEDS_ANSWER), name
+    assert reads == (name in rewards.NEEDS_ANSWER), (
+        f"reward function {name!r} {'fails' if reads else 'does not fail'} without an answer "
+        f"but is {'not ' if reads else ''}in rewards.NEEDS_ANSWER: "
+        f"{'add' if reads else 'remove'} it there (a verifier: in verifiers.NEEDS_ANSWER)")
 
 
 # data/records.py ---------------------------------------------------------------------------------
