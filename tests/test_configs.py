@@ -118,7 +118,8 @@ def test_sweep_entries_override_existing_fields(name):
 
 
 def test_documented_variants_are_found():
-  assert _variants("ppo_tiny") == ["dr_grpo", "fused", "grpo"]
+  # A subset: a preset added to ppo_tiny's docstring is found too, and must not fail here.
+  assert {"dr_grpo", "fused", "grpo"} <= set(_variants("ppo_tiny"))
   assert {"7b", "13b", "33b", "65b", "33b/13b", "65b/33b"} <= set(_variants("ppo_llama"))
   assert _binary("ppo_llama") == "train_ppo" and _binary("bench_decode") == "bench_decode"
 

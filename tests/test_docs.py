@@ -461,6 +461,29 @@ def _table(text: str, header: str) -> list[str]:
   return table[:table.index("\n\n")].splitlines()[2:]
 
 
+def test_usage_lists_every_config_file_and_its_documented_variants():
+  """usage.md's table of configs has a row for each configs/*.py, and that row names each
+  variant its docstring documents (`configs/FILE.py:VARIANT`, what tests/test_configs.py builds;
+  a family such as `run/<config file>` covers its members). A preset added to a config file's
+  docstring and get_config() alone was built and tested, and listed nowhere a user looks."""
+  rows = {m.group(1): m.group(2) for m in re.finditer(
+      r"^\| `configs/(\w+)\.py` \|[^|\n]*\|([^|\n]*)\|", _read("docs/usage.md"), re.M)}
+  missing = []
+  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
+    name = os.path.basename(path)[:-3]
+    if name == "__init__":
+      continue
+    doc = ast.get_docstring(ast.parse(_read(os.path.relpath(path, ROOT)))) or ""
+    if name not in rows:
+      missing.append(f"a row for configs/{name}.py")
+      continue
+    for variant in sorted(set(re.findall(rf"configs/{name}\.py:([\w/.-]+)", doc))):
+      if f"`{variant}`" not in rows[name] and f"`{variant.split('/')[0]}/<" not in rows[name]:
+        missing.append(f"configs/{name}.py's variant `{variant}`")
+  assert not missing, ("docs/usage.md's table of configs (\"Configs and sweeps\") lacks " +
+                       "; ".join(missing))
+
+
 def test_usage_quotes_the_train_ppo_defaults_of_defaults():
   """usage.md's table of the fields a run sets first quotes each default in parentheses, and
   its own-data table has a default column; every quoted value equals config.defaults()'s (a
