@@ -48,10 +48,12 @@ def test_micro_batch_shares_add_up_to_the_mini_batch(loss_agg):
       sums_c[k] += float(mc[k])
   assert set(whole_a) == set(objective.ACTOR_METRICS)
   assert set(whole_c) == set(objective.CRITIC_METRICS)
+  share = ("the micro-batches' values must add up to the mini-batch's: return a mean or "
+           "fraction times `share` (rl/objective.py, as pg_clipfrac)")
   for k in objective.ACTOR_METRICS:
-    assert sums_a[k] == pytest.approx(float(whole_a[k]), rel=1e-5, abs=1e-7), k
+    assert sums_a[k] == pytest.approx(float(whole_a[k]), rel=1e-5, abs=1e-7), f"{k}: {share}"
   for k in objective.CRITIC_METRICS:
-    assert sums_c[k] == pytest.approx(float(whole_c[k]), rel=1e-5, abs=1e-7), k
+    assert sums_c[k] == pytest.approx(float(whole_c[k]), rel=1e-5, abs=1e-7), f"{k}: {share}"
   # the clips bind somewhere, so the fractions' shares are tested, not zeros
   assert 0 < float(whole_a["pg_clipfrac"]) < 1 and 0 < float(whole_c["vf_clipfrac"]) < 1
   # every metric of the objective is logged (the totals are not: they are sums of the rest)
