@@ -76,7 +76,11 @@ def test_shape_agrees_with_model_config_and_the_built_parameters(flags):
                             **{f: True for f in flags})
     built = sum(math.prod(x.shape) for x in jax.tree.leaves(llama.param_shapes(cfg)))
     shape = shapes.from_model_config(cfg)
-    assert built == cfg.num_params() == shape.num_params(), (flags, head)
+    assert built == cfg.num_params() == shape.num_params(), (
+        f"{flags}, head {head!r}: the model builds {built} parameters, "
+        f"models/param_count.num_params counts {cfg.num_params()} and the simulator's "
+        f"sim/shapes.ModelShape {shape.num_params()} (from_model_config): count the field in "
+        "param_count.num_params and carry it into ModelShape (docs/architecture.md §8)")
     # 4 heads x 16 = 64 query columns of a 32-wide model: q, k, v, o and the gated MLP
     assert accounting.layer_matmul_params(cfg) == shape.layer_matmul_params() == (
         32 * 16 * (4 + 2 * 2) + 4 * 16 * 32 + 3 * 32 * 64)
