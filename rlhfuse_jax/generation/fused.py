@@ -205,7 +205,7 @@ class FusedOutput:
   rt: float  # the Rt used
   rt_choice: Optional[rt_choice.RtChoice]  # how "auto" chose it
   no_migration: list  # why a due consolidation moved nothing (distinct reasons, in order)
-  metrics: dict  # docs/architecture.md §2 metrics (see FusedGenerator.run)
+  metrics: dict  # gen/*, fusion/*, timing_s/* of docs/architecture.md §2 (_Run._execute)
 
 
 def check_layout(config: FusedGenConfig, batch_size: int, num_devices: int) -> None:

@@ -6,9 +6,11 @@ docs/architecture.md §1):
   tokens        [batch, prompt_bucket + max_new]  contiguous prompt+response (models/sequences.py)
   prompt_lens   [batch]
   mask          [batch, max_new]  1.0 on real response tokens (EOS included)
-  old_logp      [batch, max_new]  behaviour log-probs recorded by generation
+  old_logp      [batch, max_new]  behaviour log-probs recorded by generation (async PPO's
+                                  decoupled objective: the proximal policy's, async_ppo.py)
   ref_logp      [batch, max_new]  reference-model log-probs
-  values        [batch, max_new]  critic values at generation time (zeros without a critic)
+  values        [batch, max_new]  critic values of the batch (zeros without a critic; async
+                                  PPO: the current critic's, rescored: loop._current_values)
   scores        [batch]           sequence rewards (verifier or reward model)
 
 Sharded and single-device runs execute the same programs; only the placement differs.
