@@ -19,7 +19,7 @@ implementations return the same outputs:
                each matmul over tensor devices while a default instance is one device, so
                the log-probs differ in the last bits and a sampled token may flip; the tests
                check data-parallel meshes. With several processes each drives the instances
-               on its own devices
+               on its own devices (generation/multihost.py).
 
 Both are built from configs, the frozen parameters (the reference, a reward model through
 `scoring.Rewards`) and devices, never from the trainer. A stage owns the frozen models from then
