@@ -10,7 +10,7 @@ docs/architecture.md §1):
                                   decoupled objective: the proximal policy's, async_ppo.py)
   ref_logp      [batch, max_new]  reference-model log-probs
   values        [batch, max_new]  critic values of the batch (zeros without a critic; async
-                                  PPO: the current critic's, rescored: loop._current_values)
+                                  PPO: the current critic's, PPOTrainer._current_values)
   scores        [batch]           sequence rewards (verifier or reward model)
 
 Sharded and single-device runs execute the same programs; only the placement differs.
