@@ -847,6 +847,21 @@ def test_every_model_field_is_exported_or_run_only():
       "(docs/architecture.md §8, \"A model field\")")
 
 
+def test_a_run_only_field_is_kept_beside_a_checkpoint():
+  """A field config.json does not hold is taken from the run's config when the model comes from
+  a checkpoint (trainer/build.RUN_MODEL_FIELDS): left out there, load_hf_config gave it its
+  default, so a preset's model.remat='full' beside init.actor_checkpoint trained with 'none',
+  silently (checked by taking remat out of the tuple)."""
+  from rlhfuse_jax.trainer import build
+  missing = sorted(RUN_ONLY_FIELDS - set(build.RUN_MODEL_FIELDS))
+  assert not missing, (f"run-only model fields {missing} are not in trainer/build."
+                       "RUN_MODEL_FIELDS: beside a checkpoint they would load as their defaults")
+  cfg = llama.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
+                          num_heads=4, num_kv_heads=2, remat="full", scan_layers=True)
+  back = build.checkpoint_config(CHECKPOINTS["llama"], cfg)
+  assert (back.remat, back.scan_layers) == ("full", True)
+
+
 @pytest.mark.parametrize("field", sorted(NON_DEFAULT))
 def test_every_model_field_survives_the_hf_export(field):
   """An exported config.json read back gives every ModelConfig field the model had: a field
