@@ -1,4 +1,4 @@
-"""Advantage estimators: GAE (with a critic) and critic-free GRPO, RLOO and REINFORCE++.
+"""Advantage estimators: GAE (with a critic) and critic-free GRPO, Dr. GRPO, RLOO, REINFORCE++.
 
 All inputs and outputs are per response token, `[batch, resp_len]`, with `mask` 1.0 on real
 response tokens (EOS included) and 0.0 on the padding after the end. Every estimator returns
@@ -11,8 +11,9 @@ it starts at 0 beyond the last position. So the value after a sequence's last va
 (the episode ended), sequences of different lengths in one batch are each handled correctly, and
 a mask with holes (e.g. tool-output tokens in a multi-turn response) skips the holes.
 
-Critic-free estimators compare the samples of one prompt: the batch is laid out as consecutive
-groups of `group_size` samples of the same prompt (`[prompt0 x n, prompt1 x n, ...]`).
+The group estimators (GRPO, Dr. GRPO, RLOO: those taking `group_size`) compare the samples of
+one prompt: the batch is laid out as consecutive groups of `group_size` samples of the same
+prompt (`[prompt0 x n, prompt1 x n, ...]`); REINFORCE++ whitens over the whole batch instead.
 """
 from __future__ import annotations
 
