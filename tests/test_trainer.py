@@ -782,6 +782,24 @@ def test_fusion_and_reward_fields_a_run_does_not_read_are_warned_about(caplog, o
     assert "not used" not in text, text
 
 
+def test_a_discount_an_estimator_does_not_take_is_warned_about(caplog, monkeypatch):
+  """algo.gamma beside an estimator that takes no gamma (read from its registry entry, not from
+  group_size: a batch-mean baseline on the scores alone, registered as docs/architecture.md §8
+  says, ignored a gamma of 0.5 without a word)."""
+  import jax.numpy as jnp
+  from rlhfuse_jax.rl import advantages as adv_lib
+
+  def batch_centred(scores, mask):
+    adv = jnp.where(mask > 0, (scores - jnp.mean(scores))[:, None], 0.0)
+    return adv, adv
+  monkeypatch.setitem(adv_lib.ADVANTAGE_ESTIMATORS, "batch_centred", adv_lib.AdvantageEstimator(
+      batch_centred, ("scores", "mask"), False, "new"))
+  text = _validate_warnings(caplog, {"algo.estimator": "batch_centred", "algo.gamma": 0.5})
+  assert "config.algo.gamma=0.5 not used: algo.estimator='batch_centred'" in text, text
+  text = _validate_warnings(caplog, {"algo.estimator": "reinforce_pp", "algo.gamma": 0.5})
+  assert "algo.gamma" not in text, text
+
+
 def test_critic_settings_of_a_critic_free_run_are_warned_about(caplog):
   """A critic-free estimator ignores the critic's settings (and grpo/rloo the discount): a
   critic checkpoint or lambda set away from the defaults were ignored without a word. The

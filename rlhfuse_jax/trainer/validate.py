@@ -47,7 +47,9 @@ def _critic_free_unused(cfg: TrainConfig) -> list[str]:
   if adv_lib.needs_critic(cfg.algo.estimator):
     return []
   algo = ["lam", "vf_coef", "value_clip_eps", "whiten_advantages"]
-  if adv_lib.compares_groups(cfg.algo.estimator):  # one score per sample: no discounting
+  # Read from the registry: a group estimator compares one score per sample (no discounting),
+  # and so does any estimator of the scores alone (a batch-mean baseline, found unwarned).
+  if "gamma" not in adv_lib.get_estimator(cfg.algo.estimator).inputs:
     algo.append("gamma")
   return set_fields(cfg, "algo", algo) + set_fields(cfg, "init", ["critic_checkpoint"])
 
