@@ -100,6 +100,19 @@ def test_progress_summary_is_one_phrase():
   assert rollout.progress_summary(m) == "gen: no consolidation (Rt=0), inference overlap 0%"
 
 
+def test_progress_summary_says_what_async_ppo_and_pipelined_generation_did():
+  """The progress line of an asynchronous or pipelined-generation run says so (it said nothing:
+  the staleness and the overlap were in metrics.jsonl alone)."""
+  m = {"async/staleness": 1, "async/policy_version": 2, "perf/async_overlap_frac": 0.614}
+  assert rollout.progress_summary(m) == "async: staleness 1 (policy 2), overlap 61%"
+  del m["perf/async_overlap_frac"]  # the last iteration generates nothing ahead
+  assert rollout.progress_summary(m) == "async: staleness 1 (policy 2)"
+  m = {"gen/pipeline_stage_busy_frac": 0.8333, "async/staleness": 0, "async/policy_version": 0}
+  assert rollout.progress_summary(m) == (
+      "gen pipeline: stages busy 83%; async: staleness 0 (policy 0)")
+  assert rollout.progress_summary({"reward/mean": 0.5}) == ""
+
+
 @pytest.mark.parametrize("overrides, match", [
     ({"fusion.instance_devices": 0}, r"config\.fusion\.instance_devices=0"),
     ({"fusion.slots": -1}, r"config\.fusion\.slots=-1"),

@@ -20,7 +20,7 @@ from rlhfuse_jax.sim import iteration_sim, plan_search
 from rlhfuse_jax.sim.cost_model import CostModel
 from rlhfuse_jax.sim.hardware import get_hardware
 from rlhfuse_jax.trainer import build, rollout, sim_plan, validate
-from rlhfuse_jax.trainer.config import TrainConfig, plan_file_summary
+from rlhfuse_jax.trainer.config import PlanConfig, TrainConfig, plan_file_summary
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 from tests.test_trainer import record_rollouts, tiny_config
 
@@ -780,3 +780,21 @@ def test_plan_search_binary_for_a_train_config(tmp_path):
   if res["plan_json"] == "asynchronous":
     assert cfg.async_ppo.generation_devices == plan["async"]["generation_devices"]
   assert "restricted to plans the trainer runs" in (tmp_path / "plan_search.md").read_text()
+
+
+def test_the_planned_layout_is_said_at_set_up():
+  """A plan set by its fields (no plan.file) ran a generation pipeline without a word in the
+  log; PlannedStage logs this phrase when it is built."""
+  plan = PlanConfig(generation="pipeline", generation_pp=4, generation_groups=8)
+  assert rollout.planned_layout(plan, 8) == (
+      "generation: one delayed inter-batch pipeline of 4 stages x 8 groups "
+      "(config.plan.generation_pp, generation_groups) on the first 4 of its 8 devices (the other "
+      "4 idle while it generates); inference on the training mesh")
+  plan = PlanConfig(generation="pipeline", generation_pp=4)  # groups 0: pp; all 4 devices
+  assert rollout.planned_layout(plan, 4) == (
+      "generation: one delayed inter-batch pipeline of 4 stages x 4 groups "
+      "(config.plan.generation_pp, generation_groups) on the first 4 of its 4 devices; "
+      "inference on the training mesh")
+  assert rollout.planned_layout(PlanConfig(inference_tp=2), 8) == (
+      "generation: on the training mesh (8 devices); inference on a data=4 x tensor=2 mesh "
+      "(config.plan.inference_tp)")

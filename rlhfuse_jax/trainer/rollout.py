@@ -388,6 +388,23 @@ class InstancesStage(FusedStage):
     return out
 
 
+def planned_layout(plan: Any, num_devices: int) -> str:
+  """PlannedStage's layouts in one phrase, for the set-up log (a plan set by its fields, not by
+  plan.file, was otherwise in config.json alone; the pipeline's idle devices nowhere)."""
+  if plan.generation == "pipeline":
+    pp = plan.generation_pp
+    gen = (f"generation: one delayed inter-batch pipeline of {pp} stages x {plan.groups} groups "
+           f"(config.plan.generation_pp, generation_groups) on the first {pp} of its "
+           f"{num_devices} devices")
+    if pp < num_devices:
+      gen += f" (the other {num_devices - pp} idle while it generates)"
+  else:
+    gen = f"generation: on the training mesh ({num_devices} devices)"
+  inf = (f"a data={num_devices // plan.inference_tp} x tensor={plan.inference_tp} mesh "
+         "(config.plan.inference_tp)" if plan.inference_tp else "the training mesh")
+  return f"{gen}; inference on {inf}"
+
+
 class PlannedStage:
   """config.plan with generation 'mesh' or 'pipeline' and inference on the training mesh or a
   mesh of its own (plan.inference_tp > 0: data = devices / tp, tensor = tp).
@@ -406,6 +423,7 @@ class PlannedStage:
     self.sampling, self.pad_id = sampling, pad_id
     self.pipe, self.generator = None, None
     b, p = cfg.rollout.batch_size, cfg.data.max_prompt_len
+    logging.info("%s", planned_layout(plan, len(devices)))
     if plan.generation == "pipeline":
       self.pipe = pipelined.PipelinedGenerator(
           cfg.model, sampling, batch_size=b, prompt_len=p, stages=plan.generation_pp,
@@ -466,17 +484,28 @@ def _fmt_bytes(n: float) -> str:
 
 
 def progress_summary(m: dict) -> str:
-  """What inter-stage fusion did in one iteration, for the progress line (from its metrics):
-  'gen: consolidated 8->2 instances at step 12 (Rt=0.2), migrated 5 samples (40 kB KV),
-  inference overlap 63%', or 'gen: no consolidation (Rt=0), inference overlap 0%'. Empty for
-  an iteration without the fusion metrics (fusion.inter_stage off)."""
-  if "gen/migrated_samples" not in m:
-    return ""
-  rt = f"Rt={m['fusion/rt']:.2g}"
-  if m["gen/migrated_samples"] > 0:
-    what = (f"consolidated {m['gen/consolidated_from']}->{m['gen/consolidated_to']} instances "
-            f"at step {m['gen/consolidation_step']} ({rt}), migrated "
-            f"{m['gen/migrated_samples']} samples ({_fmt_bytes(m['gen/migrated_kv_bytes'])} KV)")
-  else:
-    what = f"no consolidation ({rt})"
-  return f"gen: {what}, inference overlap {m['fusion/inference_overlap_frac']:.0%}"
+  """What the throughput features did in one iteration, for the progress line (from its
+  metrics), '; '-joined: inter-stage fusion, 'gen: consolidated 8->2 instances at step 12
+  (Rt=0.2), migrated 5 samples (40 kB KV), inference overlap 63%' or 'gen: no consolidation
+  (Rt=0), inference overlap 0%'; delayed inter-batch pipelined generation, 'gen pipeline: stages
+  busy 83%'; asynchronous PPO, 'async: staleness 1 (policy 2), overlap 61%' (the overlap only
+  where the iteration generated ahead). Empty for an iteration with none of them (a synchronous
+  run without fusion.inter_stage or a pipelined plan.generation)."""
+  parts = []
+  if "gen/migrated_samples" in m:
+    rt = f"Rt={m['fusion/rt']:.2g}"
+    if m["gen/migrated_samples"] > 0:
+      what = (f"consolidated {m['gen/consolidated_from']}->{m['gen/consolidated_to']} instances "
+              f"at step {m['gen/consolidation_step']} ({rt}), migrated "
+              f"{m['gen/migrated_samples']} samples ({_fmt_bytes(m['gen/migrated_kv_bytes'])} KV)")
+    else:
+      what = f"no consolidation ({rt})"
+    parts.append(f"gen: {what}, inference overlap {m['fusion/inference_overlap_frac']:.0%}")
+  if "gen/pipeline_stage_busy_frac" in m:
+    parts.append(f"gen pipeline: stages busy {m['gen/pipeline_stage_busy_frac']:.0%}")
+  if "async/staleness" in m:
+    what = f"async: staleness {m['async/staleness']} (policy {m['async/policy_version']})"
+    if "perf/async_overlap_frac" in m:
+      what += f", overlap {m['perf/async_overlap_frac']:.0%}"
+    parts.append(what)
+  return "; ".join(parts)
