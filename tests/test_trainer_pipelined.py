@@ -584,3 +584,77 @@ def test_binary_says_how_to_get_devices(tmp_path):
   # 4 is the least; the README runs this config on 8 (mesh.data=-1 takes the rest)
   assert "or a multiple of it (mesh.data=-1 takes what the other axes leave: 8 devices give " \
       "it 2)" in proc.stderr
+
+
+def _schedule_json(path, problem, order):
+  """A schedule.json as experiments.schedule_search writes it (schedule.to_json())."""
+  from rlhfuse_jax.pipeline import schedule as schedule_lib
+  path.write_text(schedule_lib.from_order(problem, order).to_json() + "\n")
+  return str(path)
+
+
+def test_a_schedule_file_of_schedule_search_is_run_as_given(tmp_path, monkeypatch):
+  """pipeline.schedule_file: a schedule_search result for the run's shape (its own durations
+  and budget mode) is run instead of a search; before, a searched schedule could reach
+  train_ppo only through a cache file named by a hash of the trainer's own problem."""
+  from rlhfuse_jax.pipeline.graph import PipelineProblem
+  pipe = PipelineConfig(critic_pp=2, actor_microbatches=4, critic_microbatches=2)
+  problem = pipelined.pipeline_problem(4, pipe)
+  searched_for = PipelineProblem(actor_pp=4, critic_pp=2, actor_microbatches=4,
+                                 critic_microbatches=2, actor_fwd=5.0, critic_fwd=4.0,
+                                 memory_budget_mode="uniform")
+  order = schedules.greedy_order(searched_for)
+  path = _schedule_json(tmp_path / "schedule.json", searched_for, order)
+  found = pipelined.file_schedule(problem, path)
+  assert found.problem == problem  # re-timed on unit durations: its makespan is ticks
+  np.testing.assert_array_equal(found.order(), order)
+
+  def no_search(*args, **kwargs):
+    raise AssertionError("searched although config.pipeline.schedule_file gives the schedule")
+
+  monkeypatch.setattr(search_lib, "search", no_search)
+  cache = tmp_path / "cache"
+  with_file = dataclasses.replace(pipe, schedule_file=path, schedule_cache_dir=str(cache))
+  np.testing.assert_array_equal(pipelined.fused_order(problem, with_file, ""), order)
+  assert not cache.exists()  # nothing searched, nothing cached
+  # A file of the cache ({"key", "schedule"}) is taken too.
+  cached = tmp_path / "cached.json"
+  cached.write_text(json.dumps({"key": {}, "schedule": json.loads(open(path).read())}))
+  np.testing.assert_array_equal(pipelined.file_schedule(problem, str(cached)).order(), order)
+
+
+def test_a_schedule_file_for_another_shape_is_refused_naming_both(tmp_path):
+  pipe = PipelineConfig(critic_pp=2, actor_microbatches=4, critic_microbatches=2)
+  problem = pipelined.pipeline_problem(4, pipe)
+  other = pipelined.pipeline_problem(4, dataclasses.replace(pipe, actor_microbatches=8))
+  path = _schedule_json(tmp_path / "schedule.json", other, schedules.serial_order(other))
+  with pytest.raises(ValueError, match=re.escape(
+      f"config.pipeline.schedule_file={path!r} is a schedule for actor_pp=4, critic_pp=2, "
+      "actor_microbatches=8, critic_microbatches=2; this run's pipeline is actor_pp=4, "
+      "critic_pp=2, actor_microbatches=4, critic_microbatches=2 (mesh.stage, ") + r".*"
+      + re.escape("--config.actor_pp=4 --config.critic_pp=2 --config.actor_microbatches=4 "
+                  "--config.critic_microbatches=2")):
+    pipelined.file_schedule(problem, path)
+  with pytest.raises(FileNotFoundError, match=r"config\.pipeline\.schedule_file='/nonexistent"
+                                              r"/schedule\.json': no such file"):
+    pipelined.file_schedule(problem, "/nonexistent/schedule.json")
+  bad = tmp_path / "bad.json"
+  bad.write_text("{not json")
+  with pytest.raises(ValueError, match=r"schedule_file=.*bad\.json': not JSON"):
+    pipelined.file_schedule(problem, str(bad))
+  bad.write_text('{"makespan": 3}')
+  with pytest.raises(ValueError, match=r"bad\.json': not a schedule \(KeyError"):
+    pipelined.file_schedule(problem, str(bad))
+
+
+def test_a_schedule_file_of_another_shape_stops_the_run_at_validation(tmp_path):
+  """The run's check (trainer/validate.py) reads the file before anything is built."""
+  from rlhfuse_jax.trainer import validate as validate_lib
+  cfg = _config(tmp_path, **STAGED, **{"fusion.intra_stage": True})
+  mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices())
+  other = pipelined.pipeline_problem(4, dataclasses.replace(cfg.pipeline, actor_microbatches=2))
+  path = _schedule_json(tmp_path / "schedule.json", other, schedules.serial_order(other))
+  cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule_file=path))
+  with pytest.raises(ValueError, match=r"is a schedule for actor_pp=4, critic_pp=2, "
+                                       r"actor_microbatches=2"):
+    validate_lib.validate(cfg, mesh)

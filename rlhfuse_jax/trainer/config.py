@@ -371,6 +371,10 @@ class PipelineConfig:
   search_time_s: float = 2.0  # fused-schedule search budget, once per shape (then cached)
   search_seed: int = 0  # seed of the fused-schedule search
   schedule_cache_dir: str = ""  # searched schedules; "": WORKDIR/cache/schedules
+  # A fused schedule to run instead of a search: a schedule.json of experiments.schedule_search
+  # (or a file of the cache) for this run's pipeline shape (mesh.stage, critic_pp, the
+  # micro-batch counts; its durations may be any); "": search (or the cache's)
+  schedule_file: str = ""
   xla_opt_level: int = -1  # XLA backend optimisation level of the pipelined update; -1: default
 
   def __post_init__(self):

@@ -164,6 +164,46 @@ def _cache_key(problem: PipelineProblem, config: search.SearchConfig) -> dict:
           "search": dataclasses.asdict(config)}
 
 
+def _shape(problem: PipelineProblem) -> str:
+  return (f"actor_pp={problem.actor_pp}, critic_pp={problem.critic_pp}, actor_microbatches="
+          f"{problem.actor_microbatches}, critic_microbatches={problem.critic_microbatches}")
+
+
+def file_schedule(problem: PipelineProblem, path: str) -> schedule_lib.Schedule:
+  """pipeline.schedule_file's schedule, re-timed on the run's `problem` (unit durations: its
+  makespan is the lockstep program's ticks). The file is a schedule.json of
+  experiments.schedule_search or a cache file of searched_schedule ({"key", "schedule"}); its
+  durations and memory budget may differ from the run's (the executor runs the order in
+  lockstep), its shape may not: an error names both shapes and the fields that set the run's."""
+  from rlhfuse_jax.pipeline import schedule as schedule_lib
+  field = f"config.pipeline.schedule_file={path!r}"
+  try:
+    with open(os.path.expanduser(path)) as f:
+      data = json.load(f)
+  except FileNotFoundError:
+    raise FileNotFoundError(f"{field}: no such file") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{field}: not JSON ({e}); expected a schedule.json of "
+                     "experiments.schedule_search") from None
+  if isinstance(data, dict) and "schedule" in data:
+    data = data["schedule"]  # a cache file
+  try:
+    found = schedule_lib.from_dict(data)
+  except (KeyError, TypeError) as e:
+    raise ValueError(f"{field}: not a schedule ({type(e).__name__}: {e}); expected a "
+                     "schedule.json of experiments.schedule_search") from None
+  except ValueError as e:
+    raise ValueError(f"{field}: {e}") from None
+  if _shape(found.problem) != _shape(problem):
+    raise ValueError(
+        f"{field} is a schedule for {_shape(found.problem)}; this run's pipeline is "
+        f"{_shape(problem)} (mesh.stage, pipeline.critic_pp, pipeline.actor_microbatches, "
+        f"pipeline.critic_microbatches): search one with python -m experiments.schedule_search "
+        f"--config=configs/schedule_search.py "
+        + " ".join(f"--config.{part}" for part in _shape(problem).split(", ")))
+  return schedule_lib.from_order(problem, found.order())
+
+
 def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig, workdir: str = ""
                       ) -> Tuple[schedule_lib.Schedule, str]:
   """The fused schedule of `problem`, from the disk cache or searched (then cached) in
@@ -333,17 +373,27 @@ def _held_layers(device: Any, layout: Any, box_map: Dict[Any, tuple]) -> Tuple[s
   return (slice(first + k0, stage_ids[-1] * layout.per_stage + k1),) + tuple(rest)
 
 
+def _fused_order_here(problem: PipelineProblem, pipeline: PipelineConfig, workdir: str
+                      ) -> np.ndarray:
+  if pipeline.schedule_file:
+    found = file_schedule(problem, pipeline.schedule_file)
+    logging.info("pipeline: the fused schedule of config.pipeline.schedule_file=%r (%d ticks "
+                 "here), no search", pipeline.schedule_file, found.makespan)
+    return found.order()
+  return searched_schedule(problem, pipeline, workdir)[0].order()
+
+
 def fused_order(problem: PipelineProblem, pipeline: PipelineConfig, workdir: str) -> np.ndarray:
-  """The searched fused schedule's per-device order, the same on every process: process 0
-  searches (on its own clock) or loads, and alone writes the cache, so the cached schedule is
-  the one every process runs and a resume runs it again; the others take it by broadcast. A
-  failure there (the cache unwritable) stops every process, not process 0 alone while the
-  others wait for it in the update's first collective."""
+  """The fused schedule's per-device order (pipeline.schedule_file's, else searched), the same
+  on every process: process 0 searches (on its own clock) or loads, and alone writes the cache,
+  so the cached schedule is the one every process runs and a resume runs it again; the others
+  take it by broadcast. A failure there (the cache unwritable) stops every process, not process
+  0 alone while the others wait for it in the update's first collective."""
   from rlhfuse_jax.pipeline import schedules
   if jax.process_count() == 1:
-    return searched_schedule(problem, pipeline, workdir)[0].order()
+    return _fused_order_here(problem, pipeline, workdir)
   order = distributed.run_on_main_process(
-      lambda: searched_schedule(problem, pipeline, workdir)[0].order(),
+      lambda: _fused_order_here(problem, pipeline, workdir),
       "process 0 failed to search or cache the fused pipeline schedule (its log has the error)")
   if order is None:  # the others: a placeholder of the order's shape and dtype
     order = schedules.serial_order(problem)

@@ -325,10 +325,15 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                        f"{field}={path!r} was trained on: a prompt and its response must fit "
                        "its positions")
   if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
-    pipelined.check_config(cfg, mesh)
+    pipe = pipelined.check_config(cfg, mesh)
+    if cfg.fusion.intra_stage and pipe.schedule_file:  # its shape, before anything compiles
+      pipelined.file_schedule(pipelined.pipeline_problem(mesh.shape["stage"], pipe),
+                              pipe.schedule_file)
+      warn_unused(set_fields(cfg, "pipeline", ["search_time_s", "search_seed"]),
+                  "config.pipeline.schedule_file gives the fused schedule (no search)")
     if not cfg.fusion.intra_stage:
       warn_unused(set_fields(cfg, "pipeline", ["search_time_s", "search_seed",
-                                               "schedule_cache_dir"]),
+                                               "schedule_cache_dir", "schedule_file"]),
                   "fusion.intra_stage=False runs serial 1F1B (they steer the fused schedule's "
                   "search)")
   else:
