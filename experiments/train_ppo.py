@@ -64,9 +64,20 @@ flags.mark_flags_as_required(["config", "workdir"])
 distributed.check_start_flags()
 
 
+def _median(values: list) -> float | None:
+  values = sorted(v for v in values if v is not None)
+  if not values:
+    return None
+  mid = len(values) // 2
+  return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 def summarize(history: list[dict], num_iterations: int) -> dict:
   """Whether the run is done or stopped early (a signal: re-run to resume), reward of the first
-  and last 10% of iterations, and the final iteration's scalar metrics (its timings and
+  and last 10% of iterations, the throughput (median over the iterations of timing_s/step and
+  perf/tokens_per_s: a start's first iteration, which compiles, falls outside the median of
+  three or more; a sweep's summary puts them beside the reward, where wall_s, compiles
+  included, was the only time) and the final iteration's scalar metrics (its timings and
   per-sample lists are in metrics.jsonl)."""
   if not history:
     return {"status": "stopped", "iterations": 0, "num_iterations": num_iterations}
@@ -77,6 +88,8 @@ def summarize(history: list[dict], num_iterations: int) -> dict:
   return {"status": "done" if step >= num_iterations else "stopped", "iterations": step,
           "num_iterations": num_iterations, "reward_first_10pct": first,
           "reward_last_10pct": last, "reward_gain": last - first,
+          "median_step_s": _median([h.get("timing_s/step") for h in history]),
+          "median_tokens_per_s": _median([h.get("perf/tokens_per_s") for h in history]),
           "final": {k: v for k, v in history[-1].items()
                     if not k.startswith(TIMING_PREFIXES) and not isinstance(v, list)}}
 
