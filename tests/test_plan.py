@@ -789,12 +789,12 @@ def test_the_planned_layout_is_said_at_set_up():
   assert rollout.planned_layout(plan, 8) == (
       "generation: one delayed inter-batch pipeline of 4 stages x 8 groups "
       "(config.plan.generation_pp, generation_groups) on the first 4 of its 8 devices (the other "
-      "4 idle while it generates); inference on the training mesh")
+      "4 idle while it generates); inference on the mesh of all of them")
   plan = PlanConfig(generation="pipeline", generation_pp=4)  # groups 0: pp; all 4 devices
   assert rollout.planned_layout(plan, 4) == (
       "generation: one delayed inter-batch pipeline of 4 stages x 4 groups "
       "(config.plan.generation_pp, generation_groups) on the first 4 of its 4 devices; "
-      "inference on the training mesh")
+      "inference on the mesh of all of them")
   assert rollout.planned_layout(PlanConfig(inference_tp=2), 8) == (
-      "generation: on the training mesh (8 devices); inference on a data=4 x tensor=2 mesh "
+      "generation: on the mesh of its 8 devices; inference on a data=4 x tensor=2 mesh of them "
       "(config.plan.inference_tp)")

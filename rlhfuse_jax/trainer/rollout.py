@@ -389,8 +389,10 @@ class InstancesStage(FusedStage):
 
 
 def planned_layout(plan: Any, num_devices: int) -> str:
-  """PlannedStage's layouts in one phrase, for the set-up log (a plan set by its fields, not by
-  plan.file, was otherwise in config.json alone; the pipeline's idle devices nowhere)."""
+  """PlannedStage's layouts over its `num_devices` devices (the training mesh's, or with
+  async_ppo.generation_devices the generation group's) in one phrase, for the set-up log (a
+  plan set by its fields, not by plan.file, was otherwise in config.json alone; the pipeline's
+  idle devices nowhere)."""
   if plan.generation == "pipeline":
     pp = plan.generation_pp
     gen = (f"generation: one delayed inter-batch pipeline of {pp} stages x {plan.groups} groups "
@@ -399,9 +401,9 @@ def planned_layout(plan: Any, num_devices: int) -> str:
     if pp < num_devices:
       gen += f" (the other {num_devices - pp} idle while it generates)"
   else:
-    gen = f"generation: on the training mesh ({num_devices} devices)"
-  inf = (f"a data={num_devices // plan.inference_tp} x tensor={plan.inference_tp} mesh "
-         "(config.plan.inference_tp)" if plan.inference_tp else "the training mesh")
+    gen = f"generation: on the mesh of its {num_devices} devices"
+  inf = (f"a data={num_devices // plan.inference_tp} x tensor={plan.inference_tp} mesh of them "
+         "(config.plan.inference_tp)" if plan.inference_tp else "the mesh of all of them")
   return f"{gen}; inference on {inf}"
 
 
