@@ -225,6 +225,18 @@ def test_a_weight_cap_beside_the_behaviour_objective_is_said_to_do_nothing(caplo
   assert "not used" not in caplog.text
 
 
+def test_a_staleness_of_the_whole_run_is_warned_of(caplog):
+  """staleness >= num_iterations: every batch is generated before the first update (the
+  initial policy's samples, no overlap); it ran without a word."""
+  from rlhfuse_jax.trainer.validate import _async_unused
+  for k, warned in ((2, True), (3, True), (1, False)):
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+      _async_unused(tiny_config(**{"async_ppo.staleness": k, "num_iterations": 2}))
+    assert (f"config.async_ppo.staleness={k} >= num_iterations=2: all 2 batches are generated "
+            "by the initial policy" in caplog.text) == warned, caplog.text
+
+
 def test_the_resume_warning_for_missing_in_flight_batches_counts_from_1(caplog):
   """A run extended past its old num_iterations resumes from a checkpoint with no batch in
   flight: the warning names the iteration it resumes at as every log line does, from 1 (it said
