@@ -141,6 +141,24 @@ def test_instances_that_leave_devices_idle_are_warned_of(monkeypatch):
                   "or num_instances is set lower)"]
 
 
+def test_inter_stage_fusion_with_one_instance_is_warned_of(monkeypatch):
+  """One instance (1 device, or instance_devices = all of them) has nothing to consolidate onto
+  and frees no instance for inference: the fusion changes nothing, which validation says; two
+  instances say nothing."""
+  seen = []
+  monkeypatch.setattr(rollout.logging, "warning", lambda msg, *a: seen.append(msg % a))
+  tokenizer = tasks.make_task("repeat").tokenizer
+  for devices, over in ((1, {}), (2, {"fusion.instance_devices": 2}), (2, {})):
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=devices), jax.devices()[:devices])
+    cfg = build.resolve_config(tiny(**{"fusion.inter_stage": True, **over}), tokenizer)
+    validate_lib.validate(cfg, mesh)
+  assert seen == [
+      f"config.fusion.inter_stage=True with one generation instance ({n} device(s), "
+      f"fusion.instance_devices={n}, num_instances=1): nothing to consolidate onto and no "
+      "instance freed for inference while the tail decodes, so the fusion changes nothing; it "
+      "needs several instances (more devices, a smaller fusion.instance_devices)" for n in (1, 2)]
+
+
 def test_an_async_generation_group_checks_its_own_share_of_each_process(monkeypatch):
   """2 processes x 4 devices, async_ppo.generation_devices=4: each process gives 2 devices to
   generation, so an instance of 4 would span both processes. Only all devices were checked

@@ -173,6 +173,19 @@ def warn_idle_instance_devices(fc: fused_lib.FusedGenConfig, num_devices: int) -
                     fc.instance_devices, used, num_devices, num_devices - used)
 
 
+def warn_single_instance(fc: fused_lib.FusedGenConfig, num_devices: int) -> None:
+  """fusion.inter_stage with one generation instance does nothing: no fewer instances to
+  consolidate onto, none freed for inference while the tail decodes (the default ppo_tiny run
+  on one device took it without a word, compiling the migration's programs)."""
+  if fc.num_instances == 1:
+    logging.warning("config.fusion.inter_stage=True with one generation instance (%d device(s), "
+                    "fusion.instance_devices=%d, num_instances=%d): nothing to consolidate onto "
+                    "and no instance freed for inference while the tail decodes, so the fusion "
+                    "changes nothing; it needs several instances (more devices, a smaller "
+                    "fusion.instance_devices)", num_devices, fc.instance_devices,
+                    fc.num_instances)
+
+
 def check_instances_within_processes(field: str, width: int, num_devices: int) -> None:
   """Generation instances of `width` consecutive devices over a multi-process run's
   `num_devices` generation devices: each must lie in one process (generation/multihost.py), so

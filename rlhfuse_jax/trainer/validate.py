@@ -349,6 +349,7 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     fused = rollout.check_fusion(cfg, n_gen)
     if fused is not None:
       rollout.warn_idle_instance_devices(fused, n_gen)
+      rollout.warn_single_instance(fused, n_gen)
     rollout.check_plan(cfg, n_gen)
     if cfg.plan.generation == "instances":
       rollout.check_instances_within_processes("plan.generation_tp", cfg.plan.generation_tp,
