@@ -117,6 +117,9 @@ def test_identical_outputs_with_and_without_consolidation(runs):
   # Fewer, fuller instances: fewer decode chunks in all (each chunk runs every slot).
   assert early.metrics["gen/instance_chunks"] < base.metrics["gen/instance_chunks"]
   assert late.metrics["gen/instance_chunks"] < base.metrics["gen/instance_chunks"]
+  # What consolidation saved: each run's chunks without it are the baseline's own.
+  for out in (base, early, late):
+    assert out.metrics["gen/instance_chunks_unfused"] == base.metrics["gen/instance_chunks"]
 
 
 def test_metrics_and_timeline(one_device, runs):

@@ -487,6 +487,7 @@ class SlotTable:
                pad_id: int):
     b, t = batch_size, max_new_tokens
     self.where = np.zeros((b, 2), np.int64)  # [B] (instance, slot) of each sample
+    self.dealt = np.full(b, -1, np.int64)  # [B] the instance each sample was dealt to
     self.slot_sample = np.full((num_instances, slots), -1, np.int64)  # [G, S] sample in each slot
     self.n_gen = np.zeros(b, np.int32)  # [B] response tokens so far
     self.finished = np.zeros(b, bool)  # [B]
@@ -498,6 +499,17 @@ class SlotTable:
     """Puts `samples` [n] into slots 0..n-1 of instance i."""
     self.slot_sample[i, :samples.size] = samples
     self.where[samples, 0], self.where[samples, 1] = i, np.arange(samples.size)
+    self.dealt[samples] = i
+
+  def unfused_chunks(self, chunk_size: int) -> int:
+    """The decode chunks summed over instances that the batch would have taken with nothing
+    consolidated (the baseline, fuse=False): each instance decodes until the longest of its
+    dealt samples ends, ceil((tokens - 1) / K) chunks after the prefill's first token."""
+    total = 0
+    for i in np.unique(self.dealt[self.dealt >= 0]):
+      longest = int(self.n_gen[self.dealt == i].max())
+      total += -(-max(longest - 1, 0) // chunk_size)
+    return total
 
   @property
   def unfinished(self) -> int:
@@ -979,6 +991,9 @@ class _Run:
         # Summed over instances: each chunk runs all S slots, live or not, so this counts the
         # decode work; consolidation lowers it (fewer, fuller instances).
         "gen/instance_chunks": self.chunks,
+        # The same without consolidation (what the baseline decodes; equal to instance_chunks
+        # in an iteration that did not consolidate): the decode work the migration saved.
+        "gen/instance_chunks_unfused": table.unfused_chunks(gen.sampling.chunk_size),
         "timing_s/generate": gen_end,
         "timing_s/inference": gen_plus_inf - gen_end,
         "timing_s/gen_plus_inf": gen_plus_inf,
