@@ -65,7 +65,8 @@ def test_two_processes_match_one_process_with_cross_host_migration(tmp_path):
     both = [json.loads(str(m[f"{name}/metrics"])) for m in multi]
     for m in both:  # the same decisions: plans, rounds, chunks, bytes
       for k in ("gen/migrated_samples", "gen/migrated_kv_bytes", "gen/migration_copied_bytes",
-                "gen/consolidation_step", "gen/decode_rounds", "gen/instance_chunks"):
+                "gen/consolidation_step", "gen/decode_rounds", "gen/instance_chunks",
+                "gen/instance_chunks_unfused"):
         assert m[k] == one[k], (name, k)
       for c, d in zip(m["consolidations"], one["consolidations"], strict=True):
         for k in ("step", "kept", "released", "moves", "copied_bytes"):
