@@ -20,7 +20,8 @@ run's WORKDIR/cache/schedules, so a resumed run reuses its own schedule and noth
 outside the workdir), keyed by a hash of the problem and the search settings, and later runs load
 it. The search has a wall-clock budget, so which optimal schedule it finds may vary between
 machines; the cached file fixes it. Point several runs' `schedule_cache_dir` at one directory to
-share searches between them.
+share searches between them. `pipeline.schedule_file` runs a given schedule instead (a
+schedule.json of experiments.schedule_search for the run's shape: `file_schedule`).
 """
 from __future__ import annotations
 
