@@ -647,8 +647,9 @@ def test_a_schedule_file_for_another_shape_is_refused_naming_both(tmp_path):
     pipelined.file_schedule(problem, str(bad))
 
 
-def test_a_schedule_file_of_another_shape_stops_the_run_at_validation(tmp_path):
-  """The run's check (trainer/validate.py) reads the file before anything is built."""
+def test_a_schedule_file_of_another_shape_stops_the_run_at_validation(tmp_path, monkeypatch):
+  """The run's check (trainer/validate.py) reads the file before anything is built; serial
+  1F1B (fusion.intra_stage=False) runs no file, which it says."""
   from rlhfuse_jax.trainer import validate as validate_lib
   cfg = _config(tmp_path, **STAGED, **{"fusion.intra_stage": True})
   mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices())
@@ -658,3 +659,11 @@ def test_a_schedule_file_of_another_shape_stops_the_run_at_validation(tmp_path):
   with pytest.raises(ValueError, match=r"is a schedule for actor_pp=4, critic_pp=2, "
                                        r"actor_microbatches=2"):
     validate_lib.validate(cfg, mesh)
+  seen = []
+  monkeypatch.setattr(validate_lib.logging, "warning", lambda msg, *a: seen.append(msg % a))
+  validate_lib.validate(dataclasses.replace(
+      cfg, fusion=dataclasses.replace(cfg.fusion, intra_stage=False)), mesh)
+  assert [w for w in seen if "schedule_file" in w] == [
+      f"config.pipeline.search_time_s=0.3, config.pipeline.schedule_cache_dir={str(tmp_path)!r}, "
+      f"config.pipeline.schedule_file={path!r} not used: fusion.intra_stage=False runs serial "
+      "1F1B (they give the fused schedule or steer its search)"], seen

@@ -340,8 +340,8 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     if not cfg.fusion.intra_stage:
       warn_unused(set_fields(cfg, "pipeline", ["search_time_s", "search_seed",
                                                "schedule_cache_dir", "schedule_file"]),
-                  "fusion.intra_stage=False runs serial 1F1B (they steer the fused schedule's "
-                  "search)")
+                  "fusion.intra_stage=False runs serial 1F1B (they give the fused schedule or "
+                  "steer its search)")
   else:
     warn_unused(set_fields(cfg, "pipeline"), "mesh.stage=1 runs the plain (unpipelined) "
                 "update; the pipeline section applies with mesh.stage > 1")
