@@ -123,7 +123,6 @@ def test_bad_fusion_fields_name_the_field(overrides, match):
     tiny(**overrides)
 
 
-
 def test_instances_that_leave_devices_idle_are_warned_of(monkeypatch):
   """fusion.instance_devices=3 on 8 devices lays out 2 instances on 6 of them: legal, but the
   other 2 would stay idle while the instances generate, so validation says so, naming the
