@@ -17,7 +17,11 @@ did in each iteration. It needs 8 devices; on a CPU host give jax 8 fake ones:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.train_ppo \
     --config=configs/ppo_tiny.py:fused --workdir=/tmp/ppo_tiny_fused
 Add --config.fusion.intra_stage=False for serial 1F1B through the same executor, and
---config.fusion.inter_stage=False for serial generation then inference.
+--config.fusion.inter_stage=False for serial generation then inference; the fusion ablation
+(all four, throughput side by side in summary.md) is its sweep:
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.sweep \
+    --config=configs/ppo_tiny.py:fused --binary=train_ppo --workdir=/tmp/fusion_ablation \
+    --config.num_iterations=40
 """
 import ml_collections
 
@@ -107,10 +111,15 @@ def get_config(arg: str = "ppo"):
 
 
 def get_sweep(arg: str = ""):
-  """Seeds x estimators: the tiny run's sensitivity to the seed and the estimator. A variant's
-  sweep is over seeds alone, with the variant's own estimator: grpo and dr_grpo are theirs (a
-  sweep over estimators replaced it in every run), and the fused variant pipelines actor and
-  critic together (fusion.intra_stage), which a critic-free estimator has not."""
+  """Seeds x estimators: the tiny run's sensitivity to the seed and the estimator. grpo's and
+  dr_grpo's sweeps are over seeds alone, with the variant's own estimator (a sweep over
+  estimators replaced it in every run). `fused`'s is the fusion ablation: both fusions, each
+  alone and neither, one seed (the four train the same trajectory: docs/architecture.md §2-3),
+  so the summary sets their throughput (median_tokens_per_s, median_step_s) side by side;
+  add --config.num_iterations=40 for a quick one."""
+  if arg == "fused":
+    return [{"name": f"inter{int(inter)}_intra{int(intra)}", "fusion.inter_stage": inter,
+             "fusion.intra_stage": intra} for inter in (True, False) for intra in (True, False)]
   estimators = (("gae", "reinforce_pp") if arg in ("", "ppo") else
                 (get_config(arg).algo.estimator,))
   return [{"name": f"{est}_s{seed}", "seed": seed, "algo.estimator": est}

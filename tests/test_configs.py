@@ -238,15 +238,21 @@ def test_llama_bad_variants():
 def test_every_ppo_tiny_sweep_entry_is_a_valid_run_of_its_variant(variant):
   """sweep --config=configs/ppo_tiny.py:VARIANT gives get_sweep the variant: every entry must be
   a run that variant's config accepts (for :fused, the README's main job, two of the four
-  entries were critic-free estimators, which its fused actor/critic pipeline refuses)."""
+  entries were critic-free estimators, which its fused actor/critic pipeline refuses; now its
+  four fusion on/off pairs)."""
   from configs import ppo_tiny
   from rlhfuse_jax.trainer.config import TrainConfig
   sweep = ppo_tiny.get_sweep(variant)
   # Seeds x estimators; a variant's over seeds alone, with its own estimator (an empty sweep
-  # passed here).
-  own = (ppo_tiny.get_config(variant) if variant else ppo_tiny.get_config()).algo.estimator
-  assert sorted((e["algo.estimator"], e["seed"]) for e in sweep) == sorted(
-      (est, seed) for est in ({own} if variant else {"gae", "reinforce_pp"}) for seed in (0, 1))
+  # passed here); fused's is the fusion ablation, its four on/off pairs.
+  if variant == "fused":
+    assert sorted((e["fusion.inter_stage"], e["fusion.intra_stage"]) for e in sweep) == sorted(
+        (a, b) for a in (False, True) for b in (False, True))
+    assert len({e["name"] for e in sweep}) == 4
+  else:
+    own = (ppo_tiny.get_config(variant) if variant else ppo_tiny.get_config()).algo.estimator
+    assert sorted((e["algo.estimator"], e["seed"]) for e in sweep) == sorted(
+        (est, seed) for est in ({own} if variant else {"gae", "reinforce_pp"}) for seed in (0, 1))
   for entry in sweep:
     c = ppo_tiny.get_config(variant) if variant else ppo_tiny.get_config()
     for key, value in entry.items():
