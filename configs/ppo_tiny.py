@@ -7,8 +7,8 @@ Variants: `--config=configs/ppo_tiny.py:grpo` (critic-free GRPO), `configs/ppo_t
 (Dr. GRPO: mean-centred group scores and a constant-horizon loss). Sweep:
   python -m experiments.sweep --config=configs/ppo_tiny.py --binary=train_ppo --workdir=/tmp/sw
 
-`fused`: intra-stage fusion (docs/architecture.md §3) on a data=2 x stage=4 mesh: a 4-layer actor (4
-stages) and a 2-layer critic (2 stages, 2 replicas) train through the pipeline executor with the
+`fused`: intra-stage fusion (docs/architecture.md §3) on a data=2 x stage=4 mesh: a 4-layer actor
+(4 stages) and a 2-layer critic (2 stages, 2 replicas) train through the pipeline executor with the
 searched fused schedule, and generation runs as sample-level instances with long-tail consolidation
 and streaming inference (inter-stage fusion, docs/architecture.md §2). Its task is 'countdown' with
 log-normal target lengths, so that responses are long-tailed and most iterations consolidate the
