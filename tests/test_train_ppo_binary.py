@@ -4,6 +4,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -391,6 +392,32 @@ def test_a_restart_says_how_many_programs_it_loaded_from_the_compilation_cache(t
   assert loaded == "0" and int(written) >= 1, notes[0].stdout  # the jit and jnp.ones' programs
   assert again == (written, "0"), notes[1].stdout
   assert notes[2].stdout.strip() == "''"
+
+
+def test_a_moved_workdir_loads_its_compilation_cache(tmp_path):
+  """A workdir moved (or copied to another path: a node's scratch) before its resume loads the
+  programs of its cache/xla: jax put the path of its GPU autotuning cache, under the cache
+  directory, into every key, so the moved copy compiled everything again (0 loaded)."""
+  code = ("import sys, jax, jax.numpy as jnp\n"
+          "from rlhfuse_jax.trainer import hooks\n"
+          "hooks.enable_compilation_cache('', sys.argv[1])\n"
+          "jax.jit(lambda x: x * 5 - 1)(jnp.ones(7)).block_until_ready()\n"
+          "print(repr(hooks.cache_note()))\n")
+  env = {k: v for k, v in _env().items() if not k.startswith(("JAX_COMPILATION_CACHE",
+                                                             "JAX_PERSISTENT_CACHE"))}
+  note = re.compile(r"' \(compilation cache so far: (\d+) programs loaded, (\d+) compiled and "
+                    r"written\)'")
+  counts = []
+  for run in ("run", "moved"):
+    if run == "moved":
+      shutil.move(str(tmp_path / "run"), str(tmp_path / "moved"))
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / run)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    counts.append(note.fullmatch(out.stdout.strip()).groups())
+  (loaded, written), moved = counts
+  assert loaded == "0" and int(written) >= 1, counts
+  assert moved == (written, "0"), counts  # every program loaded at the new path
 
 
 def test_a_compilation_cache_dir_that_is_a_file_is_refused_before_the_workdir(tmp_path):

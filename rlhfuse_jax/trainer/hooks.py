@@ -544,7 +544,9 @@ def enable_compilation_cache(setting: str, workdir: str) -> Optional[str]:
   WORKDIR/cache/xla, "none": off) unless the caller set one (JAX_COMPILATION_CACHE_DIR), and
   caches every program, however fast it compiled (jax's default skips those under 1 s: most of
   a small run's). Must run before the first compile: jax decides once per process whether it
-  uses a cache. Returns the directory in use, or None.
+  uses a cache. Returns the directory in use, or None. Off GPUs the cache's keys do not hold
+  its path, so a moved workdir (or a copy) loads its programs; on GPUs jax's autotuning cache
+  puts the path into them (docs/usage.md "Faults and resuming").
 
   A restart then loads what the earlier start compiled (the tiny fused main job on the 2-core
   CPU machine: 81.5 s to its third iteration, 25.0 s restarted). jax writes the cache from
@@ -562,6 +564,12 @@ def enable_compilation_cache(setting: str, workdir: str) -> Optional[str]:
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  if (jax.default_backend() != "gpu" and
+      "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES" not in os.environ):
+    # jax (0.10) points XLA's GPU autotuning cache at PATH/xla_gpu_per_fusion_autotune_cache_dir
+    # and that path enters every program's cache key: a workdir moved or copied elsewhere (a
+    # node's scratch) loaded none of its programs. On CPU and TPU that cache does nothing.
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
   logging.info("XLA compilation cache: %s (a restart loads the programs compiled before; "
                "config.compilation_cache_dir='none' turns it off)", path)
   return path
