@@ -812,6 +812,27 @@ def test_a_resume_on_other_devices_says_so(tmp_path, straight, caplog):
   assert len(warned) == 1 and "'data': 8" in warned[0] and "'data': 4" in warned[0], warned
 
 
+def test_a_resume_may_set_mesh_data_to_the_devices_it_has(tmp_path, straight, caplog):
+  """A run that set mesh.data explicitly (8) comes back on 4 devices: it resumes with
+  --config.mesh.data=4 (or -1) as one with mesh.data=-1 does, warning of the other layout.
+  It was refused as "No resume may change mesh.data (the saved state's layout ...)": start a
+  new --workdir, though the state is the same on any data axis."""
+  import logging as py_logging
+  import shutil
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  _, workdir, _, _ = straight
+  run = str(tmp_path / "run")
+  shutil.copytree(workdir, run)
+  cfg = tiny_config(**{"num_iterations": 7, "mesh.data": 4})
+  with caplog.at_level(py_logging.WARNING):
+    again = PPOTrainer(cfg, run, mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4]))
+    assert [h["step"] for h in again.run()] == [7]
+  warned = [r.getMessage() for r in caplog.records if "resuming checkpoint 6" in r.getMessage()]
+  assert len(warned) == 1 and "'data': 8" in warned[0] and "'data': 4" in warned[0], warned
+  changes = config_lib.fingerprint_changes(tiny_config().fingerprint(), cfg.fingerprint())
+  assert not [c for c in changes if c.startswith("mesh.")], changes
+
+
 # ------------------------------------------------------------------------------ processes
 def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path):
   """The binary end to end: what a run writes; kill -9 mid-run, the same command resumes and

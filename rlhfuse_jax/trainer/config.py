@@ -776,6 +776,10 @@ RESUMABLE_FIELDS = frozenset({
     # float rounding (the gradient norm sums in another order; tested allclose on the pipelined
     # update, test_trainer_pipelined.py); the resume says so in a warning.
     "optim.zero1",
+    # The data axis: mesh.data=-1 sizes it from the device count, so a resume on other devices
+    # is allowed (with a warning naming both layouts, trainer/loop.py); the same set explicitly
+    # (8 -> 4 on a job back on fewer devices) was refused as a change of the saved layout.
+    "mesh.data",
 })
 
 
