@@ -368,7 +368,10 @@ TRACEBACK_ENV = "RLHFUSE_TRACEBACK"
 # What `run` reports as one line: bad input (ValueError), a file a field names that does not
 # exist (FileNotFoundError: the loaders' messages name the field or the file) and a workdir
 # another run holds. Anything else is a bug's traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, wd.WorkdirInUseError, wd.MainProcessError)
+# FloatingPointError: train_ppo's NaN guard (trainer/loop.NonFiniteError), whose message names
+# the iteration, the quantity and what to change; it came as a 30-line traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, wd.WorkdirInUseError,
+               wd.MainProcessError)
 
 
 def _save_traceback(text: str, in_workdir: bool = True) -> Optional[str]:

@@ -502,8 +502,8 @@ print(json.dumps([train_ppo.summarize(rows, 4), train_ppo.summarize(rows[:3], 4)
 
 def test_result_json_holds_the_throughput_beside_the_reward():
   """result.json's median step time and tokens/s (a sweep of fusion on/off showed only wall_s,
-  compiles included: 17 s without inter-stage fusion, 55 s with, for the same iteration times
-  after them). The first iteration's compiles fall outside the median."""
+  compiles included: 17 s without inter-stage fusion, 55 s with, in a 4-iteration tiny
+  sweep). The first iteration's compiles fall outside the median."""
   out = subprocess.run([sys.executable, "-c", _SUMMARIZE], cwd=REPO, env=_env(),
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -513,3 +513,21 @@ def test_result_json_holds_the_throughput_beside_the_reward():
   assert (three["status"], three["iterations"]) == ("stopped", 3)
   assert (bare["median_step_s"], bare["median_tokens_per_s"]) == (None, None)
   assert "timing_s/step" not in four["final"]  # still in metrics.jsonl alone
+
+
+def test_the_nan_guards_stop_is_one_line_saying_what_to_change(tmp_path):
+  """A learning rate so large that iteration 1's losses are NaN: the guard's error (the
+  iteration, the step, the quantities) ends the run in one line, exit 1, as every input error
+  does (it came under a 30-line Python traceback); with no checkpoint yet it says that a re-run
+  starts over with the lower rate (it advised resuming with checkpoint.resume_changes)."""
+  wd = str(tmp_path / "run")
+  out = subprocess.run(_cmd(wd, "--config.num_iterations=2", "--config.optim.warmup_steps=0",
+                            "--config.optim.actor_lr=1e8", "--config.optim.critic_lr=1e8"),
+                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert "Traceback (most recent call last)" not in out.stderr, out.stderr[-3000:]
+  line = [x for x in out.stderr.splitlines() if "NonFiniteError: " in x]
+  assert len(line) == 1 and "iteration 1: non-finite values: update " in line[0], line
+  assert "no checkpoint came before it: re-run with a lower optim.actor_lr" in line[0], line
+  assert "resume_changes (e.g." not in line[0], line
+  assert "NonFiniteError" in open(os.path.join(wd, "traceback.txt")).read()

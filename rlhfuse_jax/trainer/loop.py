@@ -787,8 +787,10 @@ class PPOTrainer:
     named), so the advice is to check the inputs, not to lower the learning rate."""
     last = self.checkpoints.latest_step()
     guard = self.cfg.guard
-    advice = ("set guard.on_nonfinite='skip_update' to skip such optimizer steps (in a new "
-              "--workdir: it changes the saved optimizer state)"
+    # With no checkpoint a re-run starts over: skip_update needs no new --workdir then.
+    new_workdir = ("" if last is None else
+                   " (in a new --workdir: it changes the saved optimizer state)")
+    advice = (f"set guard.on_nonfinite='skip_update' to skip such optimizer steps{new_workdir}"
               if guard.on_nonfinite != "skip_update" else
               f"raise guard.max_consecutive_skips={guard.max_consecutive_skips} (after that many "
               "skipped steps in a row the non-finite update is applied)")
@@ -803,6 +805,12 @@ class PPOTrainer:
       return NonFiniteError(
           f"{kept}{replay}. No update ran on it: check {rollout_source} and the models' dtypes "
           f"(model.dtype: a bfloat16 forward can overflow), or {advice}")
+    if last is None:  # nothing to resume: a re-run starts over, with any values
+      return NonFiniteError(
+          f"iteration {iteration + 1}: non-finite values: {what}. Nothing of this iteration was "
+          f"written or saved and no checkpoint came before it: re-run with a lower "
+          f"optim.actor_lr / optim.critic_lr or optim.grad_clip (it starts over; no "
+          f"checkpoint.resume_changes needed), check the inputs, or {advice}")
     return NonFiniteError(
         f"{kept}, but resuming it with this config repeats the same steps. Lower optim.actor_lr / "
         f"optim.critic_lr or optim.grad_clip and resume naming them in "
