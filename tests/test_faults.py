@@ -231,6 +231,34 @@ def test_truncated_safetensors_names_the_file(tmp_path):
     hf_loader.load_hf_params(dst, hf_loader.load_hf_config(dst))
 
 
+_CALLS = [0]
+
+
+def nan_in_the_second_batch(response, answer, record):
+  """A reward function (config.reward.function) that returns NaN for the 20th sample it sees:
+  in iteration 2 of the tiny run (16 samples each)."""
+  del answer, record
+  _CALLS[0] += 1
+  return float("nan") if _CALLS[0] == 20 else float(len(response) % 3)
+
+
+def test_a_reward_functions_bad_value_names_the_iteration_and_what_is_kept(tmp_path):
+  """A reward function's NaN in iteration 2 stops the run naming the function and the sample,
+  and now also the iteration and the checkpoint a re-run resumes from (it said neither: in a
+  long run the progress line may be many iterations back). The re-run resumes there."""
+  _CALLS[0] = 0
+  cfg = tiny_config(**{"num_iterations": 3, "checkpoint.every": 1,
+                       "reward.function": "tests.test_faults:nan_in_the_second_batch"})
+  with pytest.raises(ValueError, match=r"^iteration 2: reward function 'tests\.test_faults:nan_in"
+                                       r"_the_second_batch' returned nan for sample 3 .*the last "
+                                       r"checkpoint \(1\) is kept: the same command resumes"):
+    PPOTrainer(cfg, str(tmp_path)).run()
+  assert _steps(str(tmp_path)) == [1]
+  again = PPOTrainer(cfg, str(tmp_path))
+  assert again.resume_step == 1
+  assert [h["step"] for h in again.run()] == [2, 3]  # the 20th call is behind it
+
+
 # ------------------------------------------------------------------------------ resume safety
 def test_a_refused_resume_says_which_fields_cannot_change_and_the_flag_for_the_others():
   """The refusal listed every field checkpoint.resume_changes takes, for a changed

@@ -551,7 +551,18 @@ class PPOTrainer:
     update `version` (`params`, where the rollout stage runs)."""
     prompts = self._prompts(iteration)
     key = jax.random.fold_in(jax.random.key(self.cfg.seed), iteration)
-    out = self.rollout(params, prompts, key)
+    try:
+      out = self.rollout(params, prompts, key)
+    except rewards_lib.RewardFunctionError as e:
+      # It named the function and the sample, not when: in a long run the iteration, and that
+      # nothing of it was kept, tell the user what a re-run will do.
+      last = self.checkpoints.latest_step()
+      e.args = (f"iteration {iteration + 1}: {e}. Nothing of this iteration was written or "
+                f"saved; " + ("no checkpoint came before it: the same command starts over"
+                              if last is None else
+                              f"the last checkpoint ({last}) is kept: the same command resumes "
+                              f"from it") + " once the function is fixed",) + e.args[1:]
+      raise
     return async_lib.Generated.from_stage(iteration, version, out)
 
   def _advantages(self, gen: async_lib.Generated):
