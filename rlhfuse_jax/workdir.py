@@ -305,6 +305,20 @@ class WorkdirLock:
       return False
     return (now.st_dev, now.st_ino) == (ours.st_dev, ours.st_ino)
 
+  def moved_to(self) -> Optional[str]:
+    """Where the locked file's directory is now when the workdir was moved or renamed while
+    the run held it (Linux: the open file's /proc entry follows a rename); None when it was
+    deleted, is unknown, or did not move."""
+    if self._f is None:
+      return None
+    try:
+      now = os.readlink(f"/proc/self/fd/{self._f.fileno()}")
+    except OSError:
+      return None
+    if now.endswith(" (deleted)") or now == os.path.abspath(self.path):
+      return None
+    return os.path.dirname(now)
+
   def release(self) -> None:
     if self._f is not None:
       fcntl.flock(self._f, fcntl.LOCK_UN)

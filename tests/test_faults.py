@@ -489,6 +489,21 @@ def test_a_run_whose_lock_file_is_deleted_stops_before_writing(tmp_path):
   second.release()
 
 
+def test_a_run_whose_workdir_is_moved_stops_naming_where_it_went(tmp_path):
+  """`mv WORKDIR NEW` while the run lives: it stops before its next iteration writes, and says
+  the workdir moved and which --workdir resumes it (it said the .lock was deleted and another
+  start may be writing there: check what else runs)."""
+  cfg = tiny_config(**{"num_iterations": 2})
+  first = PPOTrainer(cfg, str(tmp_path / "wd"))
+  os.rename(tmp_path / "wd", tmp_path / "moved")
+  with pytest.raises(wd.WorkdirInUseError, match=(
+      rf"the workdir {re.escape(str(tmp_path / 'wd'))} was moved to "
+      rf"{re.escape(str(tmp_path / 'moved'))} while this run wrote in it: stopping before "
+      rf"iteration 1 writes .* resume with --workdir={re.escape(str(tmp_path / 'moved'))} ")):
+    first.run()
+  assert _steps(str(tmp_path / "wd")) == []  # no iteration written at the old path
+
+
 def test_a_second_run_on_the_same_workdir_is_refused(tmp_path):
   cfg = tiny_config(**{"num_iterations": 1})
   first = PPOTrainer(cfg, str(tmp_path))

@@ -925,6 +925,15 @@ class PPOTrainer:
     is no longer this run's (wd.WorkdirLock.held; process 0 holds it, all agree)."""
     lost = self._lock is not None and not self._lock.held()
     if distributed.max_over_processes(int(lost)):
+      moved = self._lock.moved_to() if self._lock is not None else None
+      if moved or not os.path.isdir(self.workdir):  # the user moved it (or deleted it): say so
+        raise wd.WorkdirInUseError(
+            f"the workdir {self.workdir} was " + (f"moved to {moved}" if moved else
+                                                  "moved, renamed or deleted") +
+            f" while this run wrote in it: stopping before iteration {step} writes its metrics "
+            f"or checkpoint. Its checkpoints so far went with it: resume with --workdir=" +
+            (moved or "<its new path>") + " (the iterations after its last checkpoint run "
+            "again); to move a run, stop it first (Ctrl-C saves)")
       raise wd.WorkdirInUseError(
           f"{os.path.join(self.workdir, '.lock')} was deleted or replaced while this run held it "
           f"(it is the live run's lock, not a stale pid file): another start may be writing in "
