@@ -504,6 +504,30 @@ def test_a_run_whose_workdir_is_moved_stops_naming_where_it_went(tmp_path):
   assert _steps(str(tmp_path / "wd")) == []  # no iteration written at the old path
 
 
+def test_a_save_that_fails_as_its_workdir_moves_says_why_first(tmp_path):
+  """`mv WORKDIR NEW` during a checkpoint save: the save fails (orbax: NOT_FOUND on its temporary
+  directory, exit 3 in train_ppo) and the error now begins with the move and the --workdir that
+  resumes, before orbax's text (stood in for here: a save failing as the workdir moves)."""
+  cfg = tiny_config(**{"num_iterations": 3, "checkpoint.every": 1})
+  trainer = PPOTrainer(cfg, str(tmp_path / "wd"))
+  wait = trainer.checkpoints.wait
+
+  def moved_mid_save():
+    if trainer.checkpoints.latest_step() == 2:
+      os.rename(tmp_path / "wd", tmp_path / "moved")
+      raise checkpointing.SaveError("checkpoint save under .../checkpoints failed: ValueError: "
+                                    "NOT_FOUND: Error opening \"zarr\" driver")
+    wait()
+  trainer.checkpoints.wait = moved_mid_save
+  with pytest.raises(checkpointing.SaveError, match=(
+      rf"^the workdir {re.escape(str(tmp_path / 'wd'))} was moved to "
+      rf"{re.escape(str(tmp_path / 'moved'))} while this run wrote in it: the checkpoint save "
+      rf"in progress failed\. .*resume with --workdir={re.escape(str(tmp_path / 'moved'))} .*"
+      r"\(checkpoint save under \.\.\./checkpoints failed: ValueError: NOT_FOUND")):
+    trainer.run()
+  assert PPOTrainer(cfg, str(tmp_path / "moved")).resume_step >= 1
+
+
 def test_a_second_run_on_the_same_workdir_is_refused(tmp_path):
   cfg = tiny_config(**{"num_iterations": 1})
   first = PPOTrainer(cfg, str(tmp_path))

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from rlhfuse_jax import checkpointing
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.data import rewards as rewards_lib
@@ -909,7 +910,12 @@ class PPOTrainer:
         out = []
       else:
         out = self._loop(start, stop_after, keep_history)
-    except BaseException:
+    except BaseException as e:
+      # A save into a workdir moved away fails with orbax's long NOT_FOUND: say why, first.
+      moved = (self._moved("the checkpoint save in progress failed")
+               if isinstance(e, checkpointing.SaveError) else None)
+      if moved:
+        e.args = (f"{moved}. ({e})",)
       self.release_lock()
       raise
     if not keep_lock:
@@ -925,20 +931,29 @@ class PPOTrainer:
     is no longer this run's (wd.WorkdirLock.held; process 0 holds it, all agree)."""
     lost = self._lock is not None and not self._lock.held()
     if distributed.max_over_processes(int(lost)):
-      moved = self._lock.moved_to() if self._lock is not None else None
-      if moved or not os.path.isdir(self.workdir):  # the user moved it (or deleted it): say so
-        raise wd.WorkdirInUseError(
-            f"the workdir {self.workdir} was " + (f"moved to {moved}" if moved else
-                                                  "moved, renamed or deleted") +
-            f" while this run wrote in it: stopping before iteration {step} writes its metrics "
-            f"or checkpoint. Its checkpoints so far went with it: resume with --workdir=" +
-            (moved or "<its new path>") + " (the iterations after its last checkpoint run "
-            "again); to move a run, stop it first (Ctrl-C saves)")
+      moved = self._moved(f"stopping before iteration {step} writes its metrics or checkpoint")
+      if moved:
+        raise wd.WorkdirInUseError(moved)
       raise wd.WorkdirInUseError(
           f"{os.path.join(self.workdir, '.lock')} was deleted or replaced while this run held it "
           f"(it is the live run's lock, not a stale pid file): another start may be writing in "
           f"{self.workdir} now; stopping before iteration {step} writes its metrics or "
           f"checkpoint. Check what else runs there; this run's checkpoints so far are kept")
+
+  def _moved(self, doing: str) -> Optional[str]:
+    """What to tell the user when the workdir was moved (or deleted) while this run held it
+    (its lock is gone from the workdir's path and the workdir with it, or the lock file's
+    /proc entry is elsewhere); `doing`: what the run does about it. None: not moved."""
+    if self._lock is None or self._lock.held():
+      return None
+    moved = self._lock.moved_to()
+    if not moved and os.path.isdir(self.workdir):
+      return None  # only .lock was deleted or replaced
+    return (f"the workdir {self.workdir} was " +
+            (f"moved to {moved}" if moved else "moved, renamed or deleted") +
+            f" while this run wrote in it: {doing}. Its checkpoints so far went with it: resume "
+            f"with --workdir={moved or '<its new path>'} (the iterations after its last "
+            "checkpoint run again); to move a run, stop it first (Ctrl-C saves)")
 
   def release_lock(self) -> None:
     """Releases the workdir lock (idempotent; run() does it unless keep_lock)."""
