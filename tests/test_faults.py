@@ -879,25 +879,33 @@ def test_a_resume_on_other_devices_says_so(tmp_path, straight, caplog):
   assert len(warned) == 1 and "'data': 8" in warned[0] and "'data': 4" in warned[0], warned
 
 
-def test_a_resume_may_set_mesh_data_to_the_devices_it_has(tmp_path, straight, caplog):
-  """A run that set mesh.data explicitly (8) comes back on 4 devices: it resumes with
-  --config.mesh.data=4 (or -1) as one with mesh.data=-1 does, warning of the other layout.
-  It was refused as "No resume may change mesh.data (the saved state's layout ...)": start a
-  new --workdir, though the state is the same on any data axis."""
+@pytest.mark.parametrize("axes, now", [({"mesh.data": 4}, "'data': 4, 'fsdp': 1"),
+                                        ({"mesh.fsdp": 2, "mesh.tensor": 2},
+                                         "'data': 1, 'fsdp': 2, 'stage': 1, 'tensor': 2")])
+def test_a_resume_may_lay_the_state_out_on_the_devices_it_has(tmp_path, straight, caplog, axes,
+                                                              now):
+  """A run saved on data=8 comes back on 4 devices: it resumes with --config.mesh.data=4 (a run
+  that set it explicitly; -1 always resized), or with the state split over fsdp and tensor,
+  warning of the other layout (the state is restored into the new shardings, its shapes
+  checked). Both were refused as "No resume may change mesh.data (the saved state's layout
+  ...)": start a new --workdir. (mesh.stage changes the saved state's shapes: still refused.)"""
   import logging as py_logging
   import shutil
   from rlhfuse_jax.parallel import mesh as mesh_lib
   _, workdir, _, _ = straight
   run = str(tmp_path / "run")
   shutil.copytree(workdir, run)
-  cfg = tiny_config(**{"num_iterations": 7, "mesh.data": 4})
+  cfg = tiny_config(**{"num_iterations": 7, **axes})
   with caplog.at_level(py_logging.WARNING):
     again = PPOTrainer(cfg, run, mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4]))
     assert [h["step"] for h in again.run()] == [7]
   warned = [r.getMessage() for r in caplog.records if "resuming checkpoint 6" in r.getMessage()]
-  assert len(warned) == 1 and "'data': 8" in warned[0] and "'data': 4" in warned[0], warned
+  assert len(warned) == 1 and "'data': 8" in warned[0] and now in warned[0], warned
   changes = config_lib.fingerprint_changes(tiny_config().fingerprint(), cfg.fingerprint())
   assert not [c for c in changes if c.startswith("mesh.")], changes
+  assert config_lib.fingerprint_changes(tiny_config().fingerprint(),
+                                        tiny_config(**{"mesh.stage": 2}).fingerprint()) == [
+      "mesh.stage: 1 -> 2"]
 
 
 # ------------------------------------------------------------------------------ processes

@@ -778,8 +778,10 @@ RESUMABLE_FIELDS = frozenset({
     "optim.zero1",
     # The data axis: mesh.data=-1 sizes it from the device count, so a resume on other devices
     # is allowed (with a warning naming both layouts, trainer/loop.py); the same set explicitly
-    # (8 -> 4 on a job back on fewer devices) was refused as a change of the saved layout.
-    "mesh.data",
+    # (8 -> 4 on a job back on fewer devices) was refused as a change of the saved layout. fsdp
+    # and tensor split the same arrays: the state is restored into the new shardings (its
+    # shapes checked, checkpointing.layout_mismatch); mesh.stage stacks it per stage: refused.
+    "mesh.data", "mesh.fsdp", "mesh.tensor",
 })
 
 
