@@ -315,7 +315,7 @@ class WorkdirLock:
       now = os.readlink(f"/proc/self/fd/{self._f.fileno()}")
     except OSError:
       return None
-    if now.endswith(" (deleted)") or now == os.path.abspath(self.path):
+    if now.endswith(" (deleted)") or now == os.path.realpath(self.path):
       return None
     return os.path.dirname(now)
 

@@ -88,3 +88,17 @@ def test_a_resume_over_a_garbled_log_row_names_the_file_and_the_line(tmp_path):
     assert path.read_bytes().endswith(b'{"step": 4}\n')  # left as it was
   path.write_text('{"step": 1}\n{"step": 2.0}\n{"note": "no step"}\n{"step": 4}\n{"st')
   assert wd.keep_jsonl_through(str(path), 3) == [{"step": 1}, {"step": 2.0}, {"note": "no step"}]
+
+
+def test_a_lock_says_where_its_workdir_moved(tmp_path):
+  """WorkdirLock.moved_to: None for a workdir in place, also one reached through a symlink (its
+  open file's /proc entry is the real path: taken for a move, it would have told a user whose
+  .lock was deleted to resume in the symlink's target); the new directory after a rename."""
+  real = tmp_path / "real"
+  real.mkdir()
+  os.symlink(real, tmp_path / "link")
+  lock = wd.WorkdirLock(str(tmp_path / "link"))
+  assert lock.moved_to() is None
+  os.rename(real, tmp_path / "moved")
+  assert lock.moved_to() == os.path.realpath(tmp_path / "moved")
+  lock.release()
