@@ -259,6 +259,26 @@ def test_a_reward_functions_bad_value_names_the_iteration_and_what_is_kept(tmp_p
   assert [h["step"] for h in again.run()] == [2, 3]  # the 20th call is behind it
 
 
+def huge_reward(response, answer, record):
+  """A reward function with a finite value whose square overflows float32."""
+  del answer, record
+  return 1e30 if len(response) % 2 else -1e30
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_rewards_too_large_to_square_are_named_not_the_learning_rate(tmp_path, estimator):
+  """Rewards of +-1e30 are finite (accepted), but the critic's loss (PPO) or reward/std (GRPO)
+  overflows: the guard advised lowering the learning rate. It now names the rewards' scale."""
+  over = {"num_iterations": 1, "reward.function": "tests.test_faults:huge_reward"}
+  if estimator == "grpo":
+    over.update({"algo.estimator": "grpo", "rollout.samples_per_prompt": 4,
+                 "rollout.prompts_per_iteration": 4})
+  with pytest.raises(loop.NonFiniteError, match=(
+      r"^iteration 1: non-finite values: .*too large for float32 arithmetic: \d+ of 16 exceed "
+      r"1e\+18 in magnitude \(first: sample \d+, -?1e\+30\).*scale the reward")):
+    PPOTrainer(tiny_config(**over), str(tmp_path)).run()
+
+
 # ------------------------------------------------------------------------------ resume safety
 def test_a_refused_resume_says_which_fields_cannot_change_and_the_flag_for_the_others():
   """The refusal listed every field checkpoint.resume_changes takes, for a changed

@@ -69,6 +69,11 @@ def _response_mask(gen: async_lib.Generated, max_new_tokens: int) -> np.ndarray:
   return sequences.response_mask(gen.response_lens, max_new_tokens, xp=np)
 
 
+# A reward beyond this magnitude is finite, but its square, which the critic's loss and the
+# batch's reward/std take, is not in float32 (sqrt(3.4e38) = 1.8e19, with room for the sums).
+_REWARD_SQUARE_OVERFLOWS = 1e18
+
+
 class NonFiniteError(FloatingPointError):
   """A loss, gradient norm, metric or parameter of an iteration was NaN or Inf (config.guard)."""
 
@@ -645,6 +650,7 @@ class PPOTrainer:
     else:
       gen = self._current_values(self.in_flight.pop(iteration))
     self._check_rollout_finite(iteration, gen)
+    self._batch_scores = gen.scores  # the guard's advice reads their scale (_nonfinite)
     data, stats = self._advantages(gen)
     async_m: dict = {}
     if k:
@@ -807,8 +813,8 @@ class PPOTrainer:
               f"raise guard.max_consecutive_skips={guard.max_consecutive_skips} (after that many "
               "skipped steps in a row the non-finite update is applied)")
     kept = (f"iteration {iteration + 1}: non-finite values: {what}. Nothing of this iteration "
-            f"was written or saved; the last checkpoint ({'none' if last is None else last}) is "
-            "kept")
+            f"was written or saved; " + ("no checkpoint came before it" if last is None else
+                                         f"the last checkpoint ({last}) is kept"))
     if rollout_source is not None:
       # Async PPO: the batch was generated an iteration or more ago, and a checkpoint saved
       # since holds it in flight (trainer/async_ppo.py), to be trained on again when resumed.
@@ -817,12 +823,23 @@ class PPOTrainer:
       return NonFiniteError(
           f"{kept}{replay}. No update ran on it: check {rollout_source} and the models' dtypes "
           f"(model.dtype: a bfloat16 forward can overflow), or {advice}")
+    scores = getattr(self, "_batch_scores", None)
+    huge = (np.flatnonzero(np.abs(np.asarray(scores, np.float64)) > _REWARD_SQUARE_OVERFLOWS)
+            if scores is not None else [])
+    if len(huge):
+      # Finite rewards whose squares overflow float32 (the critic's loss, reward/std): the
+      # advice to lower the learning rate would not help.
+      i = int(huge[0])
+      return NonFiniteError(
+          f"{kept}. The batch's rewards are too large for float32 arithmetic: {len(huge)} of "
+          f"{len(scores)} exceed {_REWARD_SQUARE_OVERFLOWS:.0e} in magnitude (first: sample {i}, "
+          f"{float(scores[i]):.3g}), and their squares (the critic's loss, reward/std) "
+          f"overflow; scale the reward (config.reward.function / reward.format_weight) into a "
+          f"smaller range rather than the learning rate")
     if last is None:  # nothing to resume: a re-run starts over, with any values
       return NonFiniteError(
-          f"iteration {iteration + 1}: non-finite values: {what}. Nothing of this iteration was "
-          f"written or saved and no checkpoint came before it: re-run with a lower "
-          f"optim.actor_lr / optim.critic_lr or optim.grad_clip (it starts over; no "
-          f"checkpoint.resume_changes needed), check the inputs, or {advice}")
+          f"{kept}: re-run with a lower optim.actor_lr / optim.critic_lr or optim.grad_clip (it "
+          f"starts over; no checkpoint.resume_changes needed), check the inputs, or {advice}")
     return NonFiniteError(
         f"{kept}, but resuming it with this config repeats the same steps. Lower optim.actor_lr / "
         f"optim.critic_lr or optim.grad_clip and resume naming them in "
