@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging as py_logging
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -292,15 +293,26 @@ class Checkpointer:
     workdir/damaged_checkpoints/<step>[.n], never deleting it; returns where it went. Without
     this, the run would reach `step` again, find it present, keep the damaged one and lose
     the progress again on the next resume."""
-    src = os.path.join(self.directory, str(step))
-    dst_dir = os.path.join(self.workdir, "damaged_checkpoints")
-    os.makedirs(dst_dir, exist_ok=True)
-    dst, n = os.path.join(dst_dir, str(step)), 1
-    while os.path.exists(dst):
-      dst, n = os.path.join(dst_dir, f"{step}.{n}"), n + 1
+    src, dst = self._aside(step)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
     shutil.move(src, dst)
     self._mngr.reload()
     return dst
+
+  def _aside(self, step: int) -> tuple[str, str]:
+    """(checkpoint `step`'s directory, where set_aside moves it: a free name)."""
+    dst_dir = os.path.join(self.workdir, "damaged_checkpoints")
+    dst, n = os.path.join(dst_dir, str(step)), 1
+    while os.path.exists(dst):
+      dst, n = os.path.join(dst_dir, f"{step}.{n}"), n + 1
+    return os.path.join(self.directory, str(step)), dst
+
+  def set_aside_command(self, step: int) -> str:
+    """The shell command that sets checkpoint `step` aside as set_aside would (for a run that
+    does not do it itself: checkpoint.fallback=False, several processes)."""
+    src, dst = self._aside(step)
+    return f"mkdir -p {shlex.quote(os.path.dirname(dst))} && mv {shlex.quote(src)} " \
+           f"{shlex.quote(dst)}"
 
   def save(self, step: int, state: Any, meta: dict) -> None:
     """Starts an (asynchronous) save; `wait()` blocks until it is durable."""

@@ -741,6 +741,27 @@ def straight(tmp_path_factory):
   return cfg, workdir, _params(trainer), wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
 
 
+def test_a_damaged_checkpoint_a_run_does_not_set_aside_comes_with_the_command(tmp_path,
+                                                                             straight):
+  """checkpoint.fallback=False (and a multi-process run, the same message's other branch) stops
+  on a damaged latest checkpoint: the error now gives the command that sets it aside as a
+  single-process run would (it said: move that checkpoint out of the checkpoints directory);
+  that command, run as given, lets the same start resume from the one before."""
+  import shutil
+  _, workdir, _, _ = straight
+  run = str(tmp_path / "run dir")  # a space: the command quotes its paths
+  shutil.copytree(workdir, run)
+  os.remove(os.path.join(run, "checkpoints", "6", "meta", "metadata"))
+  cfg = tiny_config(**{"num_iterations": 6, "checkpoint.fallback": False})
+  with pytest.raises(ValueError, match=r"checkpoint 6 .* cannot be read .*fallback=False.* set "
+                                       r"it aside and re-run: mkdir -p .* && mv ") as e:
+    PPOTrainer(cfg, run)
+  command = str(e.value).split("re-run: ")[-1].rstrip(")")
+  subprocess.run(command, shell=True, check=True)
+  assert os.listdir(os.path.join(run, "damaged_checkpoints")) == ["6"]
+  assert PPOTrainer(cfg, run).resume_step == 4
+
+
 @pytest.mark.parametrize("damage", ["arrays", "side-car", "bits"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, straight, damage,
                                                                   caplog, monkeypatch):

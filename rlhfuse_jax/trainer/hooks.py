@@ -371,12 +371,14 @@ class Checkpoints(Hook):
            f"({type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]})"
     if isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error):
       raise error  # out of memory is not damage
+    aside = self.checkpointer.set_aside_command(step)
     if not self.cfg.checkpoint.fallback:
       raise ValueError(f"{what}; config.checkpoint.fallback=False, so the run stops (set it "
-                       "True to resume from the newest intact checkpoint)") from error
+                       "True to resume from the newest intact checkpoint, or set it aside and "
+                       f"re-run: {aside})") from error
     if jax.process_count() > 1:
-      raise ValueError(f"{what}; a multi-process run does not fall back by itself: move that "
-                       "checkpoint out of the checkpoints directory and re-run") from error
+      raise ValueError(f"{what}; a multi-process run does not fall back by itself: set it aside "
+                       f"(kept, as one process would) and re-run: {aside}") from error
     if self._set_aside:
       raise ValueError(f"{what}; checkpoint {self._set_aside[0]} was already set aside in this "
                        "start, and two unreadable checkpoints in a row look systematic (disk, "
