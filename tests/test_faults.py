@@ -920,6 +920,21 @@ def test_a_resume_on_other_devices_says_so(tmp_path, straight, caplog):
   assert len(warned) == 1 and "'data': 8" in warned[0] and "'data': 4" in warned[0], warned
 
 
+def test_a_device_count_the_batch_does_not_split_over_names_the_counts_that_do():
+  """A job back on 3 devices (a GPU lost) with mesh.data=-1: the batch of 16 does not split
+  over them. The error said only that it must be a multiple of 3; it now lists the
+  data-parallel sizes that split batch and mini-batch (a resume cannot change them) and how
+  to show jax that many devices."""
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  from rlhfuse_jax.trainer import validate
+  with pytest.raises(ValueError, match=(
+      r"config\.rollout\.prompts_per_iteration\*samples_per_prompt=16 must be a multiple of the "
+      r"data-parallel size 3 .*; sizes that split both the batch and the mini-batch: "
+      r"\[1, 2, 4, 8\] \(with mesh\.data=-1 the visible devices set it: CUDA_VISIBLE_DEVICES")):
+    validate.validate(tiny_config(), mesh_lib.make_mesh(mesh_lib.MeshConfig(data=3),
+                                                        jax.devices()[:3]))
+
+
 @pytest.mark.parametrize("axes, now", [({"mesh.data": 4}, "'data': 4, 'fsdp': 1"),
                                         ({"mesh.fsdp": 2, "mesh.tensor": 2},
                                          "'data': 1, 'fsdp': 2, 'stage': 1, 'tensor': 2")])

@@ -180,8 +180,15 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
   for name, value in (("rollout.prompts_per_iteration*samples_per_prompt",
                        cfg.rollout.batch_size), ("algo.minibatch_size", cfg.algo.minibatch_size)):
     if value % mult:
+      # A run (or a resume: the batch is the checkpoint's) on a device count the batch does not
+      # split over: say which data-parallel sizes would do.
+      sizes = [d for d in range(1, cfg.algo.minibatch_size + 1)
+               if not cfg.rollout.batch_size % d and not cfg.algo.minibatch_size % d]
       raise ValueError(f"config.{name}={value} must be a multiple of the data-parallel size "
-                       f"{mult} (mesh data*fsdp = {dict(mesh.shape)}{train_group})")
+                       f"{mult} (mesh data*fsdp = {dict(mesh.shape)}{train_group}); sizes that "
+                       f"split both the batch and the mini-batch: {sizes} (with mesh.data=-1 "
+                       f"the visible devices set it: CUDA_VISIBLE_DEVICES, or "
+                       f"--xla_force_host_platform_device_count on a CPU)")
   if cfg.algo.microbatch_size and mesh.shape["stage"] > 1:
     # A preset's setting stays valid under a pipelined plan file.
     logging.info("config.algo.microbatch_size=%d and algo.gradient_sync=%r are not used: the "
