@@ -343,6 +343,23 @@ def test_a_stop_flag_off_the_main_thread_installs_nothing():
   assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
+# One jitted program under hooks.enable_compilation_cache(argv[1], argv[2]) (the setting, the
+# workdir), printing hooks.cache_note(); _CACHE_NOTE reads its counts.
+_CACHED_JIT = ("import sys, jax, jax.numpy as jnp\n"
+               "from rlhfuse_jax.trainer import hooks\n"
+               "hooks.enable_compilation_cache(sys.argv[1], sys.argv[2])\n"
+               "jax.jit(lambda x: x * 3 + 1)(jnp.ones(5)).block_until_ready()\n"
+               "print(repr(hooks.cache_note()))\n")
+_CACHE_NOTE = re.compile(r"' \(compilation cache so far: (\d+) programs loaded, (\d+) compiled "
+                         r"and written\)'")
+
+
+def _no_cache_env():
+  """_env() without a compilation cache the caller set (it would win over the workdir's)."""
+  return {k: v for k, v in _env().items() if not k.startswith(("JAX_COMPILATION_CACHE",
+                                                              "JAX_PERSISTENT_CACHE"))}
+
+
 def test_the_compilation_cache_lives_in_the_workdir_unless_the_caller_set_one(tmp_path):
   """train_ppo's hooks.enable_compilation_cache: WORKDIR/cache/xla by default, and every program
   is written there (a small one too: jax's default skips those under 1 s); 'none' turns it off;
@@ -352,8 +369,7 @@ def test_the_compilation_cache_lives_in_the_workdir_unless_the_caller_set_one(tm
           "from rlhfuse_jax.trainer import hooks\n"
           "print(hooks.enable_compilation_cache(sys.argv[1], sys.argv[2]))\n"
           "jax.jit(lambda x: x * 2 + 1)(jnp.ones(3)).block_until_ready()\n")
-  env = {k: v for k, v in _env().items() if not k.startswith(("JAX_COMPILATION_CACHE",
-                                                             "JAX_PERSISTENT_CACHE"))}
+  env = _no_cache_env()
   for setting, caller, want in (("", None, tmp_path / "a" / "cache" / "xla"),
                                 (str(tmp_path / "mine"), None, tmp_path / "mine"),
                                 ("none", None, None),
@@ -375,20 +391,13 @@ def test_a_restart_says_how_many_programs_it_loaded_from_the_compilation_cache(t
   used, or that it was not (a cache directory each host sees apart). Two starts of the same
   program on one cache: the first compiles and writes it, the second loads it; with the cache
   off, nothing is said."""
-  code = ("import sys, jax, jax.numpy as jnp\n"
-          "from rlhfuse_jax.trainer import hooks\n"
-          "hooks.enable_compilation_cache(sys.argv[1], sys.argv[2])\n"
-          "jax.jit(lambda x: x * 3 + 1)(jnp.ones(5)).block_until_ready()\n"
-          "print(repr(hooks.cache_note()))\n")
-  env = {k: v for k, v in _env().items() if not k.startswith(("JAX_COMPILATION_CACHE",
-                                                             "JAX_PERSISTENT_CACHE"))}
-  notes = [subprocess.run([sys.executable, "-c", code, setting, str(tmp_path / "run")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  notes = [subprocess.run([sys.executable, "-c", _CACHED_JIT, setting, str(tmp_path / "run")],
+                          cwd=REPO, env=_no_cache_env(), capture_output=True, text=True,
+                          timeout=120)
            for setting in ("", "", "none")]
   assert all(n.returncode == 0 for n in notes), [n.stderr[-2000:] for n in notes]
-  note = re.compile(r"' \(compilation cache so far: (\d+) programs loaded, (\d+) compiled and "
-                    r"written\)'")
-  (loaded, written), again = (note.fullmatch(n.stdout.strip()).groups() for n in notes[:2])
+  (loaded, written), again = (_CACHE_NOTE.fullmatch(n.stdout.strip()).groups()
+                              for n in notes[:2])
   assert loaded == "0" and int(written) >= 1, notes[0].stdout  # the jit and jnp.ones' programs
   assert again == (written, "0"), notes[1].stdout
   assert notes[2].stdout.strip() == "''"
@@ -398,23 +407,15 @@ def test_a_moved_workdir_loads_its_compilation_cache(tmp_path):
   """A workdir moved (or copied to another path: a node's scratch) before its resume loads the
   programs of its cache/xla: jax put the path of its GPU autotuning cache, under the cache
   directory, into every key, so the moved copy compiled everything again (0 loaded)."""
-  code = ("import sys, jax, jax.numpy as jnp\n"
-          "from rlhfuse_jax.trainer import hooks\n"
-          "hooks.enable_compilation_cache('', sys.argv[1])\n"
-          "jax.jit(lambda x: x * 5 - 1)(jnp.ones(7)).block_until_ready()\n"
-          "print(repr(hooks.cache_note()))\n")
-  env = {k: v for k, v in _env().items() if not k.startswith(("JAX_COMPILATION_CACHE",
-                                                             "JAX_PERSISTENT_CACHE"))}
-  note = re.compile(r"' \(compilation cache so far: (\d+) programs loaded, (\d+) compiled and "
-                    r"written\)'")
   counts = []
   for run in ("run", "moved"):
     if run == "moved":
       shutil.move(str(tmp_path / "run"), str(tmp_path / "moved"))
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / run)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", _CACHED_JIT, "", str(tmp_path / run)],
+                         cwd=REPO, env=_no_cache_env(), capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    counts.append(note.fullmatch(out.stdout.strip()).groups())
+    counts.append(_CACHE_NOTE.fullmatch(out.stdout.strip()).groups())
   (loaded, written), moved = counts
   assert loaded == "0" and int(written) >= 1, counts
   assert moved == (written, "0"), counts  # every program loaded at the new path
@@ -424,8 +425,7 @@ def test_a_compilation_cache_dir_that_is_a_file_is_refused_before_the_workdir(tm
   """config.compilation_cache_dir naming a file (or a path under one) is refused by name before
   the workdir is made: jax warned at every compile and the run went on without a cache."""
   (tmp_path / "afile").write_text("mine")
-  env = {k: v for k, v in _env().items() if not k.startswith(("JAX_COMPILATION_CACHE",
-                                                             "JAX_PERSISTENT_CACHE"))}
+  env = _no_cache_env()
   for cache in (tmp_path / "afile", tmp_path / "afile" / "xla"):
     wd = str(tmp_path / "run")
     out = subprocess.run(_cmd(wd, f"--config.compilation_cache_dir={cache}"), cwd=REPO,
