@@ -118,12 +118,14 @@ def _async_unused(cfg: TrainConfig) -> None:
       warn_unused(set_fields(cfg, "async_ppo", ["behaviour_weight_cap"]),
                   "async_ppo.objective='behaviour' drops no token (the cap applies to the "
                   "'decoupled' objective's weights)")
-    if cfg.async_ppo.staleness >= cfg.num_iterations:  # (ran without a word)
+    k, n = cfg.async_ppo.staleness, cfg.num_iterations
+    if k >= n - 1:  # (ran without a word) batch i (from 0): the policy after max(0, i - k)
       logging.warning(
-          "config.async_ppo.staleness=%d >= num_iterations=%d: all %d batches are generated "
-          "by the initial policy before the first update, so generation overlaps no training "
-          "and nothing the run learns is sampled; lower async_ppo.staleness below "
-          "num_iterations", cfg.async_ppo.staleness, cfg.num_iterations, cfg.num_iterations)
+          "config.async_ppo.staleness=%d with num_iterations=%d: all %d batches are generated "
+          "by the initial policy (%s), so nothing the run learns is sampled; lower "
+          "async_ppo.staleness below num_iterations - 1", k, n, n,
+          "before the first update: generation overlaps no training" if k >= n else
+          "the last while the first update trains")
     return
   warn_unused(set_fields(cfg, "async_ppo", ["objective", "behaviour_weight_cap"]),
               "no effect with config.async_ppo.staleness=0 (every batch comes from the current "
