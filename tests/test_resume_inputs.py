@@ -185,3 +185,27 @@ def test_a_chat_template_file_is_compared_by_content(tmp_path, monkeypatch):
   (tmp_path / "none").write_text("x")
   (tmp_path / "auto").write_text("x")
   assert inputs.fingerprints(cfg("none")) == {} and inputs.fingerprints(cfg("auto")) == {}
+
+
+def test_a_schedule_file_is_compared_by_content(tmp_path):
+  """pipeline.schedule_file (the fused schedule a pipelined run executes): its path alone was
+  fingerprinted, so the same schedule copied elsewhere (a job's node-local scratch) was refused
+  as "No resume may change pipeline.schedule_file (the saved state's layout ...)", while another
+  schedule written over the same path resumed without a word."""
+  from rlhfuse_jax.trainer.config import fingerprint_changes
+  from test_trainer import tiny_config
+  schedule = tmp_path / "schedule.json"
+  schedule.write_text('{"problem": {}, "devices": []}\n')
+  copy = tmp_path / "scratch" / "schedule.json"
+  copy.parent.mkdir()
+  copy.write_text(schedule.read_text())
+  cfgs = [tiny_config(**{"pipeline.schedule_file": str(p)}) for p in (schedule, copy)]
+  saved, now = inputs.fingerprints(cfgs[0]), inputs.fingerprints(cfgs[1])
+  assert saved["pipeline.schedule_file"] == now["pipeline.schedule_file"]
+  changes = fingerprint_changes(cfgs[0].fingerprint(), cfgs[1].fingerprint())
+  assert changes == [f"pipeline.schedule_file: {str(schedule)!r} -> {str(copy)!r}"], changes
+  assert inputs.resume_changes(changes, saved, now, 4) == ([], [])
+  schedule.write_text('{"problem": {}, "devices": [[]]}\n')  # another schedule, same path
+  left, changed = inputs.resume_changes([], saved, inputs.fingerprints(cfgs[0]), 4)
+  assert left == [] and len(changed) == 1 and changed[0].startswith(
+      "pipeline.schedule_file: schedule.json changed since the checkpoints were written"), changed

@@ -408,7 +408,8 @@ class Checkpoints(Hook):
           f"files this run reads changed since the checkpoints in {self.checkpointer.directory} "
           f"(iteration {meta.get('iteration')}) were written: " + "; ".join(content) + ". Put "
           "the files the run started with back (another path to the same files is accepted), "
-          "or start a new --workdir (from these files: they are its config.init.* and data.*)")
+          "or start a new --workdir (from these files: they are its config.init.*, data.* and "
+          "pipeline.schedule_file)")
     allowed = self.cfg.checkpoint.resume_changes_set
     for change in [c for c in changes if c.split(":")[0] in allowed]:
       # schedule_iterations 0 means "the first start's num_iterations", which the checkpoints

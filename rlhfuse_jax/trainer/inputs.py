@@ -14,8 +14,9 @@ A fingerprint is {file name: digest} over the files the loaders read: of a check
 directory its config.json, generation_config.json, safetensors shards and their index; of a
 tokenizer its tokenizer.json (a directory names its own) and the files read beside it
 (tokenizer_config.json, special_tokens_map.json, generation_config.json, chat_template.jinja);
-a prompts file whole; a data.chat_template path's template and the special tokens' files beside
-it (its content decides every prompt's text, as the tokenizer's does). Weight shards are hashed
+a prompts file and a pipeline.schedule_file whole; a data.chat_template path's template and the
+special tokens' files beside it (its content decides every prompt's text, as the tokenizer's
+does). Weight shards are hashed
 by size and three 1 MiB samples (start, middle, end: a 130 GB checkpoint costs ~100 MB of reads,
 and any re-export or other revision changes them); every other file in full. Other files (a
 README, a model card) are not read, so adding one changes nothing, and a refusal names the
@@ -41,6 +42,9 @@ PATH_FIELDS = {
     "data.chat_template": "every prompt is rendered with it",
     # Read once, by the first start: the critic's weights are in the checkpoints since.
     "init.critic_checkpoint": "",
+    # The schedule a pipelined update executes (its path alone refused a copy elsewhere and
+    # took another schedule at the same path).
+    "pipeline.schedule_file": "the pipelined update executes its fused schedule",
 }
 SAMPLE_BYTES = 1 << 20
 SAMPLED = (".safetensors",)  # weight shards (the only ones the loaders read): sampled; the rest
