@@ -308,15 +308,16 @@ class WorkdirLock:
   def moved_to(self) -> Optional[str]:
     """Where the locked file's directory is now when the workdir was moved or renamed while
     the run held it (Linux: the open file's /proc entry follows a rename); None when it was
-    deleted, is unknown, or did not move."""
+    deleted, is unknown, or did not move (its lock file alone renamed)."""
     if self._f is None:
       return None
     try:
       now = os.readlink(f"/proc/self/fd/{self._f.fileno()}")
     except OSError:
       return None
-    if now.endswith(" (deleted)") or now == os.path.realpath(self.path):
-      return None
+    if (now.endswith(" (deleted)") or now == os.path.realpath(self.path) or
+        os.path.basename(now) != os.path.basename(self.path)):
+      return None  # (a .lock renamed inside the workdir: replaced, not moved)
     return os.path.dirname(now)
 
   def release(self) -> None:

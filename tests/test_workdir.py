@@ -102,3 +102,14 @@ def test_a_lock_says_where_its_workdir_moved(tmp_path):
   os.rename(real, tmp_path / "moved")
   assert lock.moved_to() == os.path.realpath(tmp_path / "moved")
   lock.release()
+
+
+def test_a_lock_renamed_inside_its_workdir_is_no_move(tmp_path):
+  """A .lock renamed in place (mv .lock .lock.old) leaves the workdir where it was: moved_to
+  read its new name's directory, the workdir itself, as where the workdir went, so the run
+  said "the workdir W was moved to W ... resume with --workdir=W" instead of that its lock was
+  replaced (trainer/loop.py _moved)."""
+  lock = wd.WorkdirLock(str(tmp_path))
+  os.rename(tmp_path / ".lock", tmp_path / ".lock.old")
+  assert not lock.held() and lock.moved_to() is None
+  lock.release()
