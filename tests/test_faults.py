@@ -957,6 +957,14 @@ def test_a_resume_may_lay_the_state_out_on_the_devices_it_has(tmp_path, straight
     assert [h["step"] for h in again.run()] == [7]
   warned = [r.getMessage() for r in caplog.records if "resuming checkpoint 6" in r.getMessage()]
   assert len(warned) == 1 and "'data': 8" in warned[0] and now in warned[0], warned
+  # The state restored into the new shardings is the saved one: iteration 7 on 4 devices ends
+  # where it ends on the 8 that saved it (up to the reductions' rounding).
+  same = str(tmp_path / "same")
+  shutil.copytree(workdir, same)
+  on_8 = PPOTrainer(tiny_config(**{"num_iterations": 7}), same)
+  on_8.run()
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               _params(again), _params(on_8))
   changes = config_lib.fingerprint_changes(tiny_config().fingerprint(), cfg.fingerprint())
   assert not [c for c in changes if c.startswith("mesh.")], changes
   assert config_lib.fingerprint_changes(tiny_config().fingerprint(),
