@@ -562,8 +562,11 @@ def kept_row(run_dir: str, binary: str, earlier: Optional[dict], config: Optiona
     logging.info("%s: %s changed since it finished: running it again", run_dir,
                  ", ".join(changed))
     return None
+  # Its finding (VERDICT_EXITS' word, as the earlier row says it) stays in the status.
+  verdict = next((v for v in VERDICT_EXITS.values()
+                  if str(earlier.get("status", "")).startswith(f"ok ({v}")), "")
   return _ended(dict(row), 0, run_dir, float(earlier.get("wall_s") or 0.0), 0,
-                kept=True)
+                kept=True, verdict=verdict)
 
 
 def select(sweep: list[dict], only: Optional[Sequence[str]]) -> list[tuple[int, str, dict]]:
@@ -768,7 +771,7 @@ def _ended(row: dict, rc: int, run_dir: str, wall_s: float, signum: int,
   if rc == 0 and result is None:
     row["status"] = "ok (no result.json / metrics.jsonl)"
   elif kept:
-    row["status"] = "ok (kept: finished earlier)"
+    row["status"] = f"ok ({verdict + '; ' if verdict else ''}kept: finished earlier)"
   elif verdict:
     row["status"] = f"ok ({verdict})"
   if result:

@@ -236,3 +236,7 @@ def test_a_plan_that_does_not_fit_is_a_finding_of_a_plan_check_sweep(tmp_path):
   assert again.returncode == 0, again.stderr[-3000:]
   assert "small: finished earlier with this config at this commit; kept" in again.stderr, (
       again.stderr[-3000:])
+  # The kept row still says what the plan's run found (it read "ok (kept: finished earlier)",
+  # like a plan that fits: the verdict was left to the programs/*/fits columns).
+  (row,) = json.loads((tmp_path / "sw" / "summary.json").read_text())
+  assert row["status"] == "ok (does not fit; kept: finished earlier)", row
