@@ -524,6 +524,25 @@ def test_a_run_whose_workdir_is_moved_stops_naming_where_it_went(tmp_path):
   assert _steps(str(tmp_path / "wd")) == []  # no iteration written at the old path
 
 
+def test_the_other_processes_of_a_run_whose_workdir_moved_say_so_too(tmp_path, monkeypatch):
+  """A multi-process run's workdir moved: the processes other than 0 (which hold no lock) said
+  ".lock was deleted or replaced ... another start may be writing there", while process 0 said
+  where the workdir went; they now say it moved (process 0's log names where). Stood in for:
+  this process without the lock, process 0's verdict that it is lost."""
+  from rlhfuse_jax.trainer import loop as loop_lib
+  cfg = tiny_config(**{"num_iterations": 2})
+  other = PPOTrainer(cfg, str(tmp_path / "wd"))
+  other.release_lock()  # as on a process other than 0: no lock of its own
+  os.rename(tmp_path / "wd", tmp_path / "moved")
+  monkeypatch.setattr(loop_lib.distributed, "max_over_processes", lambda value: 1)
+  monkeypatch.setattr(loop_lib.jax, "process_index", lambda: 1)
+  with pytest.raises(wd.WorkdirInUseError, match=(
+      rf"^the workdir {re.escape(str(tmp_path / 'wd'))} was moved, renamed or deleted "
+      r"\(process 0's log names where\) while this run wrote in it: stopping before iteration 1 "
+      r"writes")):
+    other._check_lock(1)
+
+
 def test_a_save_that_fails_as_its_workdir_moves_says_why_first(tmp_path):
   """`mv WORKDIR NEW` during a checkpoint save: the save fails (orbax: NOT_FOUND on its temporary
   directory, exit 3 in train_ppo) and the error now begins with the move and the --workdir that

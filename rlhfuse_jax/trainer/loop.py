@@ -960,16 +960,19 @@ class PPOTrainer:
   def _moved(self, doing: str) -> Optional[str]:
     """What to tell the user when the workdir was moved (or deleted) while this run held it
     (its lock is gone from the workdir's path and the workdir with it, or the lock file's
-    /proc entry is elsewhere); `doing`: what the run does about it. None: not moved."""
-    if self._lock is None or self._lock.held():
+    /proc entry is elsewhere); `doing`: what the run does about it. None: not moved. A process
+    without the lock (not process 0, which holds it) sees only that the workdir is gone."""
+    if self._lock is not None and self._lock.held():
       return None
-    moved = self._lock.moved_to()
+    moved = self._lock.moved_to() if self._lock is not None else None
     if not moved and os.path.isdir(self.workdir):
       return None  # only .lock was deleted or replaced
+    where = ("" if self._lock is not None or jax.process_index() == 0 else
+             " (process 0's log names where)")
     return (f"the workdir {self.workdir} was " +
             (f"moved to {moved}" if moved else "moved, renamed or deleted") +
-            f" while this run wrote in it: {doing}. Its checkpoints so far went with it: resume "
-            f"with --workdir={moved or '<its new path>'} (the iterations after its last "
+            f"{where} while this run wrote in it: {doing}. Its checkpoints so far went with it: "
+            f"resume with --workdir={moved or '<its new path>'} (the iterations after its last "
             "checkpoint run again); to move a run, stop it first (Ctrl-C saves)")
 
   def release_lock(self) -> None:
