@@ -155,7 +155,8 @@ def test_inter_stage_fusion_with_one_instance_is_warned_of(monkeypatch):
       f"config.fusion.inter_stage=True with one generation instance ({n} device(s), "
       f"fusion.instance_devices={n}, num_instances=1): nothing to consolidate onto and no "
       "instance freed for inference while the tail decodes, so the fusion changes nothing; it "
-      "needs several instances (more devices, a smaller fusion.instance_devices)" for n in (1, 2)]
+      "needs several instances (more devices, a smaller fusion.instance_devices, "
+      "fusion.num_instances > 1 or 0: devices / instance_devices)" for n in (1, 2)]
 
 
 def test_an_async_generation_group_checks_its_own_share_of_each_process(monkeypatch):

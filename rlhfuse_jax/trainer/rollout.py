@@ -182,7 +182,9 @@ def warn_single_instance(fc: fused_lib.FusedGenConfig, num_devices: int) -> None
                     "fusion.instance_devices=%d, num_instances=%d): nothing to consolidate onto "
                     "and no instance freed for inference while the tail decodes, so the fusion "
                     "changes nothing; it needs several instances (more devices, a smaller "
-                    "fusion.instance_devices)", num_devices, fc.instance_devices,
+                    "fusion.instance_devices, fusion.num_instances > 1 or 0: devices / "
+                    "instance_devices)",
+                    num_devices, fc.instance_devices,
                     fc.num_instances)
 
 
