@@ -207,14 +207,27 @@ def _missing_file(argv: Sequence[str]) -> Optional[str]:
 
 def _closest_file(path: str) -> str:
   """'; did you mean ...?' with the closest Python file in the directory `path` names (a
-  misspelled configs/ppo_tny.py), or ''."""
+  misspelled configs/ppo_tny.py), else _from_the_root's hint, or ''."""
   folder, name = os.path.split(path)
   try:
     names = [n for n in os.listdir(folder or ".") if n.endswith(".py")]
   except OSError:
-    return ""
+    return _from_the_root(path)
   close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
-  return f"; did you mean {os.path.join(folder, close[0])!r}?" if close else ""
+  if close:
+    return f"; did you mean {os.path.join(folder, close[0])!r}?"
+  return _from_the_root(path)
+
+
+def _from_the_root(path: str) -> str:
+  """'; ...' when `path` is relative, missing from the current directory and present in the
+  repository root (a binary started elsewhere with the repository on PYTHONPATH), or ''."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  there = os.path.join(root, path)
+  if os.path.isabs(path) or os.path.abspath(path) == there or not os.path.isfile(there):
+    return ""
+  return (f" in the current directory {os.getcwd()!r}; the binaries run from the repository "
+          f"root (docs/usage.md): cd {root} or pass {there!r}")
 
 
 def _load_message(name: str, config_path: str, error: BaseException) -> str:

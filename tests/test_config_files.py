@@ -101,6 +101,23 @@ def test_a_missing_config_file_is_named_at_once(tmp_path):
     config_files.load_module(typo, "--run")
 
 
+def test_a_repository_path_given_outside_the_root_names_the_root(tmp_path, monkeypatch):
+  # Started from another directory (the repository on PYTHONPATH), `configs/ppo_tiny.py` is not
+  # found; the error says where the binaries run and the path that exists.
+  monkeypatch.chdir(tmp_path)
+  there = os.path.join(ROOT, "configs", "ppo_tiny.py")
+  with pytest.raises(ValueError) as e:
+    config_files.load_module("configs/ppo_tiny.py:fused")
+  assert str(e.value) == (
+      f"--config='configs/ppo_tiny.py:fused': no such file 'configs/ppo_tiny.py' in the current "
+      f"directory {str(tmp_path)!r}; the binaries run from the repository root (docs/usage.md): "
+      f"cd {ROOT} or pass {there!r}")
+  # A file the repository lacks too keeps the plain message.
+  with pytest.raises(ValueError, match=r"^--config='configs/nope\.py': no such file "
+                                       r"'configs/nope\.py'$"):
+    config_files.load_module("configs/nope.py")
+
+
 def test_an_error_raised_in_the_config_file_is_cut_to_its_message_and_frame(tmp_path):
   line = _fatal_line(_run(tmp_path, "--config=cfg.py:huge"))
   assert line.startswith("flag --config=cfg.py:huge: ValueError: unknown variant 'huge'; "
