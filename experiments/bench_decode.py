@@ -32,6 +32,8 @@ The peak is looked up from `jax.devices()[0].device_kind` (config.hardware="auto
 device no preset matches, fractions are null and the result says "unknown peak". Only device 0
 is used. Writes result.json, calibration.json (rlhfuse_jax/policy/calibration.py format: decode step
 time vs batch, prefill rate, train-stage forward times), bench_decode.png and config.json.
+
+Docs: docs/results.md ("Decode throughput and MFU (H100)", "Decode speed: CPU proxies").
 """
 from __future__ import annotations
 

@@ -32,6 +32,8 @@ identical_outputs (tokens, lengths, stop reasons and log-probs bitwise equal to 
 Generator), `pipelined` (stage_busy_frac counted from the tick table the program executed, ticks
 next to the formula's, timings) and `reference` (the Generator's timings); schedule_pipelined.png
 shows the executed tick table.
+
+Docs: docs/results.md ("Inter-stage fusion"), docs/architecture.md §2.
 """
 from __future__ import annotations
 

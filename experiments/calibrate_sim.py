@@ -8,6 +8,8 @@ Each op is compiled first and timed `repeats` times (median), with the engine's 
 functions (generation.engine.prefill / decode_chunk, inference.scoring), on one device; a
 migration is a `jax.device_put` of KV rows from device 0 to device 1. On a CPU with fake devices
 all devices share the processor, which the file records (`devices_share_compute`).
+
+Docs: docs/simulator.md ("Calibration").
 """
 from __future__ import annotations
 

@@ -30,6 +30,8 @@ XLA reads the device count once, when jax initialises, so this binary imports no
 module level: main() sets `--xla_force_host_platform_device_count` to the plan's device count
 first (parallel/host_devices.py; a count already in XLA_FLAGS or JAX_NUM_CPU_DEVICES is
 replaced, the other flags kept), then imports the programs module.
+
+Docs: docs/results.md ("Plan check"), docs/usage.md ("GPU, TPU and many hosts").
 """
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ gen_s, inf_s, gen_plus_inf_s, train_s, samples_per_s, reshard_s, details}], "inp
 schedule above the serial 1F1B one), schedule_cache.json (fused searches, reused on re-runs),
 and, with --config.validate.bench_decode_workdir, decode_fit_calibration.json: the decode model
 fitted to that bench, which --config.calibration=<it> turns into the simulated engine.
+
+Docs: docs/simulator.md.
 """
 from __future__ import annotations
 

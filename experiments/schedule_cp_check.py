@@ -54,6 +54,8 @@ ortools` and put DIR on PYTHONPATH for this binary only.
       --config.critic_microbatches=32 --config.actor_fwd=2 --config.critic_fwd=2 \
       --hint_schedule=experiments/results/e7_cp_schedule/schedule.json --grow=120,200,0 \
       --workdir=/tmp/cp_e6_grow --time_limit_s=1200
+
+Docs: docs/schedules.md ("How the proofs work").
 """
 from __future__ import annotations
 

@@ -23,6 +23,8 @@ not be the one the tight bound comes from (e9: the bound comes from device 5, wh
 LP-feasible; device 13 alone is certified in 39 s, where the whole model does not converge in an
 hour). The certificate is saved with that device in result.json, so `--verify` with
 `--devices=D` re-checks it.
+
+Docs: docs/schedules.md ("How the proofs work").
 """
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ config.memory_budget gives one; result.json names the mode in force ("explicit" 
 budget) and the budget's and the searched schedule's largest per-device figures as scalars, so
 that a sweep's summary table shows them.
 Launch commands: see configs/schedule_search.py.
+
+Docs: docs/schedules.md.
 """
 from __future__ import annotations
 

@@ -32,6 +32,8 @@ directories of the whole sweep; the summary keeps the other runs' earlier rows).
 anything runs, every overridden field (the entries' and the sweep's own --config.* flags) must
 exist in the file's get_config(): a misspelled one is named once, with the closest field,
 instead of failing every run; likewise a value its field's type does not take.
+
+Docs: docs/usage.md ("Configs and sweeps").
 """
 from __future__ import annotations
 

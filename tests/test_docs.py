@@ -549,3 +549,19 @@ def test_binary_and_config_docstrings_keep_their_lines():
       if written.count("\n") != doc.count("\n"):
         joined.append(os.path.relpath(path, ROOT))
   assert not joined, f"docstrings whose lines Python joins (make them r\"\"\"...): {joined}"
+
+
+def test_every_binary_help_names_its_docs():
+  """A binary's docstring is its --help: it names the docs/*.md that describes the binary, and
+  that file exists (bench_decode, calibrate_sim, plan_check, the schedule checks and others
+  named none, so `--help` left a newcomer without the page README links)."""
+  missing = []
+  for path in sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py"))):
+    module = os.path.basename(path)[:-3]
+    doc = ast.get_docstring(ast.parse(_read(os.path.relpath(path, ROOT)))) or ""
+    if f"python -m experiments.{module}" not in doc:
+      continue  # not a binary (config_files, runner, plan_programs)
+    named = re.findall(r"docs/[\w-]+\.md", doc)
+    if not named or not all(os.path.isfile(os.path.join(ROOT, n)) for n in named):
+      missing.append(f"{module}: {named}")
+  assert not missing, f"binaries whose docstring names no existing docs/*.md: {missing}"
