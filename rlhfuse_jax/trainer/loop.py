@@ -650,7 +650,6 @@ class PPOTrainer:
     else:
       gen = self._current_values(self.in_flight.pop(iteration))
     self._check_rollout_finite(iteration, gen)
-    self._batch_scores = gen.scores  # the guard's advice reads their scale (_nonfinite)
     data, stats = self._advantages(gen)
     async_m: dict = {}
     if k:
@@ -683,7 +682,7 @@ class PPOTrainer:
       t_train = time.time() - t0
     if k and not overlapped:  # after the clock: the save's wait is not training time
       self.checkpoints.wait()
-    self._check_finite(iteration, train_metrics)
+    self._check_finite(iteration, train_metrics, gen.scores)
     m = self._metrics(iteration, gen, train_metrics, stats)
     step = iteration + 1
     if cfg.log_samples and (step % cfg.log_every == 0 or step == cfg.num_iterations):
@@ -739,21 +738,25 @@ class PPOTrainer:
     m["actor/lr"] = float(self.update.actor_lr(max(applied - 1, 0)))
     bad = [k for k, v in m.items() if isinstance(v, float) and not np.isfinite(v)]
     if guard == "stop" and bad:
-      raise self._nonfinite(iteration, f"metric(s) {', '.join(bad)} = {[m[k] for k in bad]}")
+      raise self._nonfinite(iteration, f"metric(s) {', '.join(bad)} = {[m[k] for k in bad]}",
+                            scores=scores)
     return m
 
-  def _check_finite(self, iteration: int, train_metrics: list[dict]) -> None:
+  def _check_finite(self, iteration: int, train_metrics: list[dict], scores) -> None:
     """config.guard: losses and gradient norms of every update ("stop" only: skipped steps are
     NaN by design under "skip_update"), then the parameters themselves (both modes), with one
-    on-device reduction per model."""
+    on-device reduction per model; `scores`: the batch's rewards (the error reads their
+    scale)."""
     if self.cfg.guard.on_nonfinite == "stop":
       for i, m in enumerate(train_metrics):
         bad = {k: float(v) for k, v in m.items() if not np.all(np.isfinite(v))}
         if bad:
-          raise self._nonfinite(iteration, f"update {i + 1}/{len(train_metrics)}: {bad}")
+          raise self._nonfinite(iteration, f"update {i + 1}/{len(train_metrics)}: {bad}",
+                                scores=scores)
     for name, st in self._model_states().items():
       if not bool(_all_finite(st.params)):
-        raise self._nonfinite(iteration, f"{name} parameters hold NaN/Inf after its updates")
+        raise self._nonfinite(iteration, f"{name} parameters hold NaN/Inf after its updates",
+                              scores=scores)
 
   def _check_rollout_finite(self, iteration: int, gen: async_lib.Generated) -> None:
     """config.guard "stop": the rollout's rewards, and its log-probs and values inside the
@@ -799,10 +802,11 @@ class PPOTrainer:
       raise self._nonfinite(iteration, "the rollout's " + "; ".join(bad) + ", before any update",
                             rollout_source=", ".join(sources))
 
-  def _nonfinite(self, iteration: int, what: str,
-                 rollout_source: Optional[str] = None) -> NonFiniteError:
+  def _nonfinite(self, iteration: int, what: str, rollout_source: Optional[str] = None,
+                 scores=None) -> NonFiniteError:
     """The guard's error; `rollout_source`: the rollout itself was not finite (its source
-    named), so the advice is to check the inputs, not to lower the learning rate."""
+    named), so the advice is to check the inputs, not to lower the learning rate; `scores`:
+    the batch's rewards, named instead of the learning rate when their squares overflow."""
     last = self.checkpoints.latest_step()
     guard = self.cfg.guard
     # With no checkpoint a re-run starts over: skip_update needs no new --workdir then.
@@ -823,7 +827,6 @@ class PPOTrainer:
       return NonFiniteError(
           f"{kept}{replay}. No update ran on it: check {rollout_source} and the models' dtypes "
           f"(model.dtype: a bfloat16 forward can overflow), or {advice}")
-    scores = getattr(self, "_batch_scores", None)
     huge = (np.flatnonzero(np.abs(np.asarray(scores, np.float64)) > _REWARD_SQUARE_OVERFLOWS)
             if scores is not None else [])
     if len(huge):
