@@ -28,6 +28,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import sys
 from typing import Any
 
@@ -65,11 +66,9 @@ distributed.check_start_flags()
 
 
 def _median(values: list) -> float | None:
-  values = sorted(v for v in values if v is not None)
-  if not values:
-    return None
-  mid = len(values) // 2
-  return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+  """statistics.median of the values that are not None; None when there are none."""
+  values = [v for v in values if v is not None]
+  return statistics.median(values) if values else None
 
 
 def summarize(history: list[dict], num_iterations: int) -> dict:
