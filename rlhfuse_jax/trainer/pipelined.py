@@ -165,9 +165,14 @@ def _cache_key(problem: PipelineProblem, config: search.SearchConfig) -> dict:
           "search": dataclasses.asdict(config)}
 
 
-def _shape(problem: PipelineProblem) -> str:
-  return (f"actor_pp={problem.actor_pp}, critic_pp={problem.critic_pp}, actor_microbatches="
-          f"{problem.actor_microbatches}, critic_microbatches={problem.critic_microbatches}")
+def _shape(problem: PipelineProblem) -> dict:
+  """What a schedule's order is for: the stages and micro-batches (schedule_search's fields)."""
+  return {f: getattr(problem, f) for f in ("actor_pp", "critic_pp", "actor_microbatches",
+                                           "critic_microbatches")}
+
+
+def _shape_text(shape: dict, prefix: str = "", sep: str = ", ") -> str:
+  return sep.join(f"{prefix}{k}={v}" for k, v in shape.items())
 
 
 def file_schedule(problem: PipelineProblem, path: str) -> schedule_lib.Schedule:
@@ -197,11 +202,11 @@ def file_schedule(problem: PipelineProblem, path: str) -> schedule_lib.Schedule:
     raise ValueError(f"{field}: {e}") from None
   if _shape(found.problem) != _shape(problem):
     raise ValueError(
-        f"{field} is a schedule for {_shape(found.problem)}; this run's pipeline is "
-        f"{_shape(problem)} (mesh.stage, pipeline.critic_pp, pipeline.actor_microbatches, "
-        f"pipeline.critic_microbatches): search one with python -m experiments.schedule_search "
-        f"--config=configs/schedule_search.py "
-        + " ".join(f"--config.{part}" for part in _shape(problem).split(", ")))
+        f"{field} is a schedule for {_shape_text(_shape(found.problem))}; this run's pipeline "
+        f"is {_shape_text(_shape(problem))} (mesh.stage, pipeline.critic_pp, "
+        f"pipeline.actor_microbatches, pipeline.critic_microbatches): search one with python -m "
+        f"experiments.schedule_search --config=configs/schedule_search.py "
+        + _shape_text(_shape(problem), "--config.", " "))
   return schedule_lib.from_order(problem, found.order())
 
 
