@@ -183,9 +183,7 @@ def warn_single_instance(fc: fused_lib.FusedGenConfig, num_devices: int) -> None
                     "and no instance freed for inference while the tail decodes, so the fusion "
                     "changes nothing; it needs several instances (more devices, a smaller "
                     "fusion.instance_devices, fusion.num_instances > 1 or 0: devices / "
-                    "instance_devices)",
-                    num_devices, fc.instance_devices,
-                    fc.num_instances)
+                    "instance_devices)", num_devices, fc.instance_devices, fc.num_instances)
 
 
 def check_instances_within_processes(field: str, width: int, num_devices: int) -> None:
