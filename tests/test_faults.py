@@ -275,8 +275,21 @@ def test_rewards_too_large_to_square_are_named_not_the_learning_rate(tmp_path, e
                  "rollout.prompts_per_iteration": 4})
   with pytest.raises(loop.NonFiniteError, match=(
       r"^iteration 1: non-finite values: .*too large for float32 arithmetic: \d+ of 16 exceed "
-      r"1e\+18 in magnitude \(first: sample \d+, -?1e\+30\).*scale the reward")):
+      r"1\.9e\+18 in magnitude \(first: sample \d+, -?1e\+30\).*scale the reward")):
     PPOTrainer(tiny_config(**over), str(tmp_path)).run()
+
+
+def test_the_reward_limit_is_where_the_batch_sum_of_squares_overflows():
+  """The limit was 1e18 whatever the batch: 1024 samples of 16 tokens at 5e17 overflow the
+  critic loss's float32 sum of squares but were not named. It now scales with the batch's
+  tokens: just below it the sum is finite, just above it is not."""
+  for n, t in ((16, 6), (1024, 16), (64, 256)):
+    limit = loop.reward_square_limit(n, t)
+    with np.errstate(over="ignore"):
+      below = np.sum(np.square(np.full(n * t, 0.99 * limit, np.float32)), dtype=np.float32)
+      above = np.sum(np.square(np.full(n * t, 1.01 * limit, np.float32)), dtype=np.float32)
+    assert np.isfinite(below) and not np.isfinite(above), (n, t, limit)
+  assert loop.reward_square_limit(1024, 16) < 5e17
 
 
 # ------------------------------------------------------------------------------ resume safety

@@ -69,9 +69,12 @@ def _response_mask(gen: async_lib.Generated, max_new_tokens: int) -> np.ndarray:
   return sequences.response_mask(gen.response_lens, max_new_tokens, xp=np)
 
 
-# A reward beyond this magnitude is finite, but its square, which the critic's loss and the
-# batch's reward/std take, is not in float32 (sqrt(3.4e38) = 1.8e19, with room for the sums).
-_REWARD_SQUARE_OVERFLOWS = 1e18
+def reward_square_limit(num_samples: int, max_new_tokens: int) -> float:
+  """The reward magnitude beyond which the float32 sum of squares the critic's loss takes (each
+  response token's return is about its sample's reward) can overflow: sqrt(3.4e38 / (samples x
+  tokens)), 1.9e18 for 16 samples of 6 tokens, 1.3e17 for 1024 of 16. GRPO's group std sums
+  fewer squares, so under this limit it is finite too."""
+  return float(np.sqrt(np.finfo(np.float32).max / max(num_samples * max_new_tokens, 1)))
 
 
 class NonFiniteError(FloatingPointError):
@@ -722,7 +725,10 @@ class PPOTrainer:
       m = {k: v for k, v in m.items() if not k.startswith("critic/")}
     scores, lens = gen.scores, gen.response_lens
     m.update({
-        "reward/mean": float(np.mean(scores)), "reward/std": float(np.std(scores)),
+        # The std in float64: a float32 square of a reward beyond 1.8e19 overflows (and numpy
+        # warns) where the rollout check names the rewards' scale instead.
+        "reward/mean": float(np.mean(scores)),
+        "reward/std": float(np.std(np.asarray(scores, np.float64))),
         "response_length/mean": float(np.mean(lens)), "response_length/max": int(np.max(lens)),
         "response_length/clip_ratio": float(np.mean(self._truncated(gen))),
         # Per-sample lengths (JSONL only): the simulator's empirical length distribution.
@@ -775,6 +781,12 @@ class PPOTrainer:
     if self.use_critic:
       parts.append(("critic values", gen.values, inside, "the critic"))
     self._raise_if_nonfinite(iteration, parts)
+    # Finite rewards too large to square: the critic's loss overflows, and GRPO's group std
+    # does too, which makes every advantage 0 (finite losses, nothing learnt): stop here.
+    limit = reward_square_limit(len(gen.scores), self.cfg.rollout.max_new_tokens)
+    if np.any(np.abs(np.asarray(gen.scores, np.float64)) > limit):
+      raise self._nonfinite(iteration, "the rollout's rewards overflow float32 once squared, "
+                            "before any update", scores=gen.scores)
 
   def _check_proximal_finite(self, iteration: int, prox, inside: np.ndarray) -> None:
     """config.guard "stop", async PPO: the proximal policy's log-probs (the current actor's
@@ -827,7 +839,9 @@ class PPOTrainer:
       return NonFiniteError(
           f"{kept}{replay}. No update ran on it: check {rollout_source} and the models' dtypes "
           f"(model.dtype: a bfloat16 forward can overflow), or {advice}")
-    huge = (np.flatnonzero(np.abs(np.asarray(scores, np.float64)) > _REWARD_SQUARE_OVERFLOWS)
+    limit = (reward_square_limit(len(scores), self.cfg.rollout.max_new_tokens)
+             if scores is not None else 0.0)
+    huge = (np.flatnonzero(np.abs(np.asarray(scores, np.float64)) > limit)
             if scores is not None else [])
     if len(huge):
       # Finite rewards whose squares overflow float32 (the critic's loss, reward/std): the
@@ -835,8 +849,8 @@ class PPOTrainer:
       i = int(huge[0])
       return NonFiniteError(
           f"{kept}. The batch's rewards are too large for float32 arithmetic: {len(huge)} of "
-          f"{len(scores)} exceed {_REWARD_SQUARE_OVERFLOWS:.0e} in magnitude (first: sample {i}, "
-          f"{float(scores[i]):.3g}), and their squares (the critic's loss, reward/std) "
+          f"{len(scores)} exceed {limit:.2g} in magnitude (first: sample {i}, "
+          f"{float(scores[i]):.3g}), and their squares (the critic's loss, GRPO's group std) "
           f"overflow; scale the reward (config.reward.function / reward.format_weight) into a "
           f"smaller range rather than the learning rate")
     if last is None:  # nothing to resume: a re-run starts over, with any values
