@@ -633,6 +633,16 @@ def test_layout_errors_name_the_section_the_user_edits():
     fused.check_layout(config, 16, 8)
 
 
+def test_an_inference_micro_batch_larger_than_the_batch_is_refused():
+  """fusion.inference_micro_batch=1000 for a batch of 16 was accepted: every micro-batch was
+  padded to 1000 rows, and none was scored while the tail decoded. The batch size is the most."""
+  config = FusedGenConfig(num_instances=4, slots=4, inference_micro_batch=17)
+  with pytest.raises(ValueError, match=r"^config\.fusion\.inference_micro_batch=17: expected "
+                                       r"at most the batch's 16 samples .*0: slots, 4\)$"):
+    fused.check_layout(config, 16, 8)
+  fused.check_layout(dataclasses.replace(config, inference_micro_batch=16), 16, 8)
+
+
 def test_every_process_refuses_a_layout_that_leaves_one_without_an_instance(monkeypatch):
   """2 instances on the first 2 of process 0's devices, 2 processes: process 0 refuses too (it
   used to compile on and wait in its first exchange for process 1, which had refused)."""

@@ -222,6 +222,15 @@ def check_layout(config: FusedGenConfig, batch_size: int, num_devices: int) -> N
     raise ValueError(f"config.{config.section}.slots={s}: {batch_size} samples dealt to "
                      f"num_instances={g} put {per_inst} in one instance; expected slots >= "
                      f"{per_inst}")
+  mb = config.inference_micro_batch
+  if mb > batch_size:
+    # Each micro-batch is padded to this size with copies of its last sample: 1000 for a batch
+    # of 16 ran every inference model on 1000 rows per micro-batch, and none started while the
+    # tail decoded (the stream waits for a full one), without a word.
+    raise ValueError(f"config.{config.section}.inference_micro_batch={mb}: expected at most "
+                     f"the batch's {batch_size} samples (a micro-batch is padded to this size, "
+                     f"and scoring starts while the tail decodes only once that many have "
+                     f"finished; 0: slots, {s})")
 
 
 class FusedGenerator:
