@@ -271,6 +271,16 @@ def test_an_estimator_added_to_the_registry_alone_gets_its_kind_of_treatment(mon
                     kl_estimator="k1")
   adv, _, _, _ = ppo.advantages_and_returns(algo, 1, scores, mask, old, ref, None)
   np.testing.assert_allclose(adv, batch_centred(penalised, mask)[0], rtol=1e-5, atol=1e-5)
+  # One taking both the scores and the token rewards gets the penalty once, in the token
+  # rewards: the scores it got were penalised as well, the KL counted twice.
+  def both(scores, token_rewards, mask):  # score + its summed token rewards (score - KL)
+    adv = jnp.where(mask > 0, (scores + jnp.sum(token_rewards, -1))[:, None], 0.0)
+    return adv, adv
+  monkeypatch.setitem(reg, "both", adv_lib.AdvantageEstimator(
+      both, ("scores", "token_rewards", "mask"), False, "new"))
+  algo = AlgoConfig(estimator="both", kl_in_reward=True, kl_coef=0.5, kl_estimator="k1")
+  adv, _, _, _ = ppo.advantages_and_returns(algo, 1, scores, mask, old, ref, None)
+  np.testing.assert_allclose(adv[:, 0], scores + penalised, rtol=1e-5, atol=1e-5)
   values = rng.normal(0, 1, (n, T)).astype(np.float32)
   algo = AlgoConfig(estimator="gae2", kl_in_reward=True, kl_coef=0.5, kl_estimator="k1")
   adv, _, token_rewards, _ = ppo.advantages_and_returns(algo, g, scores, mask, old, ref, values)

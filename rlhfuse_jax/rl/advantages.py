@@ -287,12 +287,15 @@ def compares_groups(name: str) -> bool:
 
 
 def reads_scores(name: str) -> bool:
-  """True if estimator `name` takes the sequence `scores`: with the KL in the reward the trainer
-  then passes each sample's score less its summed KL penalty (the sum of its token rewards), as
-  an estimator taking `token_rewards` gets the penalty per token. Keyed on `scores`, not on
-  `group_size`: a score estimator without groups (a batch-mean baseline) registered alone
-  otherwise trained on the bare scores, its KL penalty in neither the reward nor the loss."""
-  return "scores" in get_estimator(name).inputs
+  """True if estimator `name` takes the sequence `scores` and not `token_rewards`: with the KL
+  in the reward the trainer then passes each sample's score less its summed KL penalty (the
+  sum of its token rewards), as an estimator taking `token_rewards` gets the penalty per token.
+  Keyed on `scores`, not on `group_size`: a score estimator without groups (a batch-mean
+  baseline) registered alone otherwise trained on the bare scores, its KL penalty in neither
+  the reward nor the loss. One taking both gets the bare scores: the penalty is in its token
+  rewards already (penalised scores too counted it twice)."""
+  inputs = get_estimator(name).inputs
+  return "scores" in inputs and "token_rewards" not in inputs
 
 
 def needs_critic(name: str) -> bool:
