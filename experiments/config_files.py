@@ -382,9 +382,16 @@ TRACEBACK_ENV = "RLHFUSE_TRACEBACK"
 # exist (FileNotFoundError: the loaders' messages name the field or the file) and a workdir
 # another run holds. Anything else is a bug's traceback.
 # FloatingPointError: train_ppo's NaN guard (trainer/loop.NonFiniteError), whose message names
-# the iteration, the quantity and what to change; it came as a 30-line traceback.
+# the iteration, the quantity and what to change; it came as a 30-line traceback. Only its
+# subclasses (user_error): jax's own, under jax_debug_nans, is a bare FloatingPointError whose
+# traceback, where the NaN arose, is what its user asked for.
 USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, wd.WorkdirInUseError,
                wd.MainProcessError)
+
+
+def user_error(e: BaseException) -> bool:
+  """Whether `run` reports `e` as one line (USER_ERRORS), not as a traceback."""
+  return isinstance(e, USER_ERRORS) and type(e) is not FloatingPointError
 
 
 def _save_traceback(text: str, in_workdir: bool = True) -> Optional[str]:
@@ -525,8 +532,9 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
                     if runs else "",
                     f" (the earlier run's outputs are in {moved})" if moved else "")
       exit_now(75 if runs and term else 143 if term else 130)
-    except USER_ERRORS as e:
-      if os.environ.get(TRACEBACK_ENV, "").lower() not in ("", "0", "false", "no", "off"):
+    except Exception as e:  # noqa: BLE001 a user error in one line, any other re-raised
+      if not user_error(e) or os.environ.get(TRACEBACK_ENV, "").lower() not in (
+          "", "0", "false", "no", "off"):
         _exit_now_if_peers(traceback.format_exc())
         raise
       path = _save_traceback(traceback.format_exc(), in_workdir=traceback_in_workdir and not
@@ -539,9 +547,6 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
                        "it)\n")
       _exit_now_if_peers()
       sys.exit(1)
-    except Exception:  # noqa: BLE001 printed, then as Python would (below: at once)
-      _exit_now_if_peers(traceback.format_exc())
-      raise
 
   return app.run(guarded, argv=argv, flags_parser=parse_flags)
 

@@ -235,6 +235,12 @@ _FAILING_BINARY = textwrap.dedent("""
       jax.process_index = lambda: 1
       distributed.main_process_verdict = lambda ok: False
       distributed.run_on_main_process(lambda: None, "workdir w could not be locked by process 0")
+    if sys.argv[-1] == "debug_nans":  # jax's own, under jax_debug_nans
+      raise FloatingPointError("invalid value (nan) encountered in jit(update)")
+    if sys.argv[-1] == "guard":  # the NaN guard's (trainer/loop.NonFiniteError)
+      class NonFiniteError(FloatingPointError):
+        pass
+      raise NonFiniteError("iteration 3: non-finite values: ...; lower optim.actor_lr")
     raise wd.WorkdirInUseError("workdir w is in use by another run (pid 1 on h)")
   config_files.run(main)
 """)
@@ -244,6 +250,7 @@ _FAILING_BINARY = textwrap.dedent("""
     ("missing", "FileNotFoundError: config.data.prompts_file='p.jsonl': prompts file not found"),
     ("held", "WorkdirInUseError: workdir w is in use by another run (pid 1 on h)"),
     ("peer", "MainProcessError: workdir w could not be locked by process 0"),
+    ("guard", "NonFiniteError: iteration 3: non-finite values: ...; lower optim.actor_lr"),
 ])
 def test_a_missing_input_file_and_a_held_workdir_end_in_one_line(tmp_path, kind, message):
   """A file a field names that does not exist (the loaders raise FileNotFoundError naming the
@@ -260,7 +267,21 @@ def test_a_missing_input_file_and_a_held_workdir_end_in_one_line(tmp_path, kind,
   assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
   assert proc.stderr.splitlines()[-2].endswith(message), proc.stderr
   assert proc.stderr.splitlines()[-1].startswith("(where it was raised: ")
-  assert os.listdir(held) == (["traceback.txt"] if kind == "missing" else []), os.listdir(held)
+  assert os.listdir(held) == (["traceback.txt"] if kind in ("missing", "guard") else []), (
+      os.listdir(held))
+
+
+def test_jax_debug_nans_keeps_its_traceback(tmp_path):
+  """FloatingPointError was a user error for the NaN guard's sake, which turned jax's own
+  (jax_debug_nans, a debugging aid whose traceback is the point: where the NaN arose) into one
+  line too. Only subclasses (the guard's NonFiniteError, above) are one line now."""
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run([sys.executable, "-c", _FAILING_BINARY, f"--workdir={tmp_path}",
+                         "debug_nans"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr, proc.stderr
+  assert proc.stderr.rstrip().endswith(
+      "FloatingPointError: invalid value (nan) encountered in jit(update)"), proc.stderr
 
 
 def test_missing_field():
