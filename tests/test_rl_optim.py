@@ -24,6 +24,23 @@ def test_schedule_warmup_then_cosine_to_floor():
   assert float(optim.lr_schedule(lr, 0, 100)(0)) == pytest.approx(lr)  # no warm-up
 
 
+def test_no_warmup_is_the_same_schedule_without_optax_logging_a_constant_one(caplog):
+  """warmup_steps=0 (the default) made optax log at INFO that "a polynomial schedule ... results
+  in a constant schedule", about an empty warmup the user never set; the cosine alone is the
+  same schedule, value for value."""
+  import logging
+  with caplog.at_level(logging.INFO):
+    for lr, ratio in ((3e-3, 0.1), (1e-3, 0.0), (7e-4, 0.3)):
+      ours = optim.lr_schedule(lr, 0, 100, ratio)
+      theirs = optax.warmup_cosine_decay_schedule(0.0, lr, 0, 100, lr * ratio)
+      for step in (0, 1, 37, 99, 100, 150):
+        assert float(ours(step)) == float(theirs(step)), (lr, ratio, step)
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    optim.lr_schedule(1e-3, 0, 100)
+  assert not [r for r in caplog.records if "schedule" in r.getMessage()], caplog.records
+
+
 def _adamw_reference(params, grads_seq, sched, clip, wd, b1, b2, eps, decay):
   p = {k: v.astype(np.float64) for k, v in params.items()}
   m = {k: np.zeros_like(v) for k, v in p.items()}

@@ -28,6 +28,11 @@ def lr_schedule(learning_rate: float, warmup_steps: int, total_steps: int,
     raise ValueError(f"total_steps={total_steps} must be > warmup_steps={warmup_steps}")
   if not 0.0 <= min_lr_ratio <= 1.0:
     raise ValueError(f"min_lr_ratio={min_lr_ratio} must be in [0, 1]")
+  if warmup_steps == 0:
+    # The same schedule; optax's warmup one logs, at INFO, that its (empty) warmup is "a
+    # constant schedule", a line about nothing the user set.
+    return optax.cosine_decay_schedule(init_value=learning_rate, decay_steps=total_steps,
+                                       alpha=min_lr_ratio)
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,
       decay_steps=total_steps, end_value=learning_rate * min_lr_ratio)
