@@ -129,7 +129,12 @@ class ProgressReporter:
 
 
 def _fmt(seconds: float) -> str:
+  """0m05s, 59m59s, then 1h00m00s, 26h03m07s: a run of hours showed `elapsed=612m03s
+  ETA=1437m22s`, minutes the reader had to divide by 60."""
   seconds = int(seconds)
+  hours, rest = divmod(seconds, 3600)
+  if hours:
+    return f"{hours}h{rest // 60:02d}m{rest % 60:02d}s"
   return f"{seconds // 60}m{seconds % 60:02d}s"
 
 

@@ -24,6 +24,18 @@ def test_progress_line_counts_elapsed_from_t0_and_paces_the_eta_after_the_first(
   assert metrics_lib.ProgressReporter(10).line(1, {}).endswith("elapsed=0m00s ETA=?")
 
 
+def test_progress_line_shows_hours_past_an_hour(monkeypatch):
+  now = [0.0]
+  monkeypatch.setattr(metrics_lib.time, "time", lambda: now[0])
+  progress = metrics_lib.ProgressReporter(total=3000, start_step=0, t0=0.0)
+  now[0] = 30.0
+  progress.line(1, {})
+  now[0] = 30.0 + 999 * 12.5  # 12.5 s per iteration: 2000 x 12.5 s = 6h56m40s left
+  assert progress.line(1000, {}).endswith("elapsed=3h28m37s ETA=6h56m40s")
+  now[0] = 3599.9
+  assert "elapsed=59m59s" in metrics_lib.ProgressReporter(10, t0=0.0).line(1, {})
+
+
 def test_the_trainers_progress_counts_from_when_it_was_built(tmp_path):
   class Cfg:
     num_iterations = 4
