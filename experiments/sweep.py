@@ -12,7 +12,8 @@ one row per run with its overrides, its status, and the scalar fields of its res
 the last line of its metrics.jsonl), nested dicts flattened with '/' and lists skipped; runs
 that differ only in seed fields also as one row per setting with each result's mean and
 standard deviation (DIR/summary_seeds.json, a second table of summary.md), and training runs'
-curves in DIR/curves.png (a setting's seeds as their mean in a band). A failed
+curves in DIR/curves.png (a setting's seeds as their mean in a band). summary.md opens with a
+line on where the sweep stands (runs with a row of all, failed, not run yet, wall time). A failed
 run is a row with its status, not the end of the sweep; the sweep then exits 1 naming the failed
 runs. A run stopped by a signal (exit 75), or SIGTERM to the sweep (passed on to the run in
 progress), ends the sweep after that run: the summary has the runs so far (and the earlier
@@ -332,14 +333,52 @@ def _md_table_varying(rows: list[dict]) -> list[str]:
       f"{k} = {_fmt_cell(first[k])}" for k in same) + "."]
 
 
-def write_summary(workdir: str, rows: list[dict], override_keys: Sequence[str] = ()) -> None:
-  """summary.json and summary.md: a row per run. When the sweep's overridden fields
+def _duration(seconds: float) -> str:
+  """12s, 4m38s, 2h05m09s."""
+  seconds = int(round(seconds))
+  hours, rest = divmod(seconds, 3600)
+  if hours:
+    return f"{hours}h{rest // 60:02d}m{rest % 60:02d}s"
+  return f"{rest // 60}m{rest % 60:02d}s" if rest >= 60 else f"{rest}s"
+
+
+def sweep_status(rows: list[dict], names: Sequence[str]) -> str:
+  """One line on where the sweep stands: how many of its runs (`names`, the whole sweep's)
+  have a row, by how they ended, the failed ones and those with no row yet by name, and the
+  rows' wall_s summed. A sweep of 16 runs stopped after 11 showed a table of 11 rows and no
+  word of the 5 missing, nor of its total time."""
+  have = {str(r.get("run")) for r in rows}
+  ends: dict[str, int] = {}
+  for r in rows:
+    word = str(r.get("status", "")).split(" ")[0] or "?"
+    ends[word] = ends.get(word, 0) + 1
+  ended = ", ".join(f"{n} {w}" for w, n in ends.items())
+  parts = [f"{len(have & set(names))} of {len(names)} runs have a row ({ended})"
+           if rows else f"0 of {len(names)} runs have a row"]
+
+  def named(label: str, found: list[str]) -> None:
+    if found:
+      shown = ", ".join(found[:8]) + (f", ... ({len(found)})" if len(found) > 8 else "")
+      parts.append(f"{label}: {shown}")
+  named("failed", [str(r["run"]) for r in rows
+                   if str(r.get("status", "")).startswith("failed")])
+  named("not run yet", [n for n in names if n not in have])
+  walls = [float(r["wall_s"]) for r in rows if isinstance(r.get("wall_s"), (int, float))]
+  if walls:
+    parts.append(f"wall time {_duration(sum(walls))} (the rows' wall_s summed)")
+  return "; ".join(parts) + "."
+
+
+def write_summary(workdir: str, rows: list[dict], override_keys: Sequence[str] = (),
+                  names: Optional[Sequence[str]] = None) -> None:
+  """summary.json and summary.md: a row per run; with `names` (the sweep's runs, in order)
+  summary.md opens with sweep_status' line. When the sweep's overridden fields
   (`override_keys`) include a seed field and two or more finished runs differ only in seeds,
   also summary_seeds.json (runner.across_seeds: a row per group, each result column's mean and
   standard deviation over its seeds) and the same as a second table of summary.md, "mean ±
   std" per cell: a difference between settings reads against the seeds' own spread."""
   wd.write_json(os.path.join(workdir, "summary.json"), rows)
-  lines = _md_table_varying(rows)
+  lines = ([sweep_status(rows, names), ""] if names is not None else []) + _md_table_varying(rows)
   seeds_path = os.path.join(workdir, "summary_seeds.json")
   groups = across_seeds(rows, override_keys)
   if groups:
@@ -426,29 +465,58 @@ def plot_curves(workdir: str, override_keys: Sequence[str] = ()) -> Optional[str
       os.remove(path)
     return None
   import io  # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig = curves_figure(lines, width)
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+  plt.close(fig)
+  wd.atomic_write_bytes(path, buf.getvalue())
+  return path
+
+
+LEGEND_INSIDE = 4  # more lines than this: the legend goes below the panels
+
+
+def curves_figure(lines: dict[str, list[tuple]], width: int):
+  """curve_lines' lines as a matplotlib figure, a panel per metric. Each label keeps one color
+  and dash in every panel: the 10 colors of matplotlib's cycle, then again dashed, dotted,
+  dash-dotted (a sweep of 16 settings drew its 11th-16th lines in the 1st-6th's colors, and a
+  run missing from one panel shifted the colors of the others there)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   from matplotlib.ticker import MaxNLocator  # pylint: disable=import-outside-toplevel
+  labels = list(dict.fromkeys(label for ls in lines.values() for label, *_ in ls))
+  dashes = ("-", "--", ":", "-.")
+  style = {label: (f"C{k % 10}", dashes[(k // 10) % len(dashes)])
+           for k, label in enumerate(labels)}
   fig, axes = plt.subplots(1, len(lines), figsize=(5.5 * len(lines), 4.2), squeeze=False)
   for ax, (metric, metric_lines) in zip(axes[0], lines.items()):
     for label, steps, mean, low, high in metric_lines:
       banded = bool((low != high).any())
-      line, = ax.plot(steps, mean, label=label + (", band: min-max" if banded else ""))
+      color, dash = style[label]
+      ax.plot(steps, mean, color=color, linestyle=dash,
+              label=label + (", band: min-max" if banded else ""))
       if banded:
-        ax.fill_between(steps, low, high, alpha=0.2, color=line.get_color(), linewidth=0)
+        ax.fill_between(steps, low, high, alpha=0.2, color=color, linewidth=0)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(metric)
     ax.set_xlabel("iteration")
     ax.set_ylabel(f"moving mean of {width}" if width > 1 else metric)
     ax.grid(alpha=0.3)
-  axes[0][0].legend(fontsize=8)
   fig.tight_layout()
-  buf = io.BytesIO()
-  fig.savefig(buf, format="png", dpi=110)
-  plt.close(fig)
-  wd.atomic_write_bytes(path, buf.getvalue())
-  return path
+  if len(labels) <= LEGEND_INSIDE:
+    axes[0][0].legend(fontsize=8)
+  else:  # one legend of every label, below the panels, not over the first one's curves
+    handles = {}
+    for ax in axes[0]:
+      for line in ax.get_lines():
+        handles.setdefault(line.get_label().split(", band: ")[0], line)
+    fig.legend([handles[label] for label in labels if label in handles],
+               [handles[label].get_label() for label in labels if label in handles],
+               loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=8,
+               ncol=min(len(lines), 3), frameon=False)
+  return fig
 
 
 STOPPED = 75  # a run stopped by a signal after saving (train_ppo's EXIT_STOPPED_BY_SIGNAL)
@@ -633,8 +701,10 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
   # all when stopped early), their rows of the earlier summary: a sweep stopped after its first
   # run dropped the rows of runs that had finished before, and the next start ran those again
   # (kept_row keeps a run only with its earlier row).
-  def summary(rows_: list[dict]) -> None:
-    write_summary(workdir, merge_rows(workdir, rows_, names), override_keys)
+  def summary(rows_: list[dict]) -> str:  # sweep_status' line, for the console
+    merged = merge_rows(workdir, rows_, names)
+    write_summary(workdir, merged, override_keys, names)
+    return sweep_status(merged, names)
 
   if not os.path.isfile(os.path.join(REPO_ROOT, "experiments", f"{binary}.py")):
     binaries = sorted(f[:-3] for f in os.listdir(os.path.join(REPO_ROOT, "experiments"))
@@ -727,11 +797,13 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
     if rc == STOPPED or signals.signum:  # the job is being stopped: start nothing more
       break
   if not dry_run:
-    summary(rows)
+    status = summary(rows)
     ok = sum(str(r.get("status", "")).startswith("ok") for r in rows)
     curves = plot_curves(workdir, override_keys)
     logging.info("%d of %d run(s) ok; summary: %s%s", ok, len(rows),
                  os.path.join(workdir, "summary.md"), f", curves: {curves}" if curves else "")
+    if isinstance(status, str):  # the whole sweep's, earlier starts' rows included
+      logging.info("sweep: %s", status)
   complete = not signals.signum and len(rows) == len(runs) and not any(
       r.get("status", "").startswith("stopped") for r in rows)
   return rows, complete

@@ -240,3 +240,65 @@ def test_a_plan_that_does_not_fit_is_a_finding_of_a_plan_check_sweep(tmp_path):
   # like a plan that fits: the verdict was left to the programs/*/fits columns).
   (row,) = json.loads((tmp_path / "sw" / "summary.json").read_text())
   assert row["status"] == "ok (does not fit; kept: finished earlier)", row
+
+
+# A sweep of 12 entries, its runs faked: r2 fails, r5 is stopped by a signal (exit 75), which
+# ends the sweep there; then curves_figure of 12 single runs.
+_MANY = """
+import json, os, sys
+from experiments import sweep
+work, cfg = sys.argv[1], sys.argv[2]
+
+
+def fake_run(cmd, run_dir, name, env, started=None):
+  os.makedirs(run_dir, exist_ok=True)
+  if name == "r2":
+    return 1
+  if name == "r5":
+    return 75
+  with open(os.path.join(run_dir, "result.json"), "w") as f:
+    json.dump({"status": "done", "iterations": 3}, f)
+  with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+    for step in range(1, 4):
+      f.write(json.dumps({"step": step, "reward/mean": step * int(name[1:])}) + "\\n")
+  return 0
+sweep.run_streamed = fake_run
+rows, complete = sweep.run_sweep(cfg, "train_ppo", work, [])
+out = {"complete": complete, "md": open(os.path.join(work, "summary.md")).read()}
+import numpy as np
+lines = {m: [(f"run{k}", [1, 2, 3], np.arange(3.0) * k, np.arange(3.0) * k, np.arange(3.0) * k)
+             for k in range(12) if not (m == "kl/ref_mean" and k == 0)]
+         for m in ("reward/mean", "kl/ref_mean")}
+fig = sweep.curves_figure(lines, 1)
+out["styles"] = [{l.get_label(): [l.get_color(), l.get_linestyle()] for l in ax.get_lines()}
+                 for ax in fig.axes]
+out["legends"] = [len(fig.legends), [ax.get_legend() is not None for ax in fig.axes]]
+print(json.dumps(out))
+"""
+
+
+def test_a_long_sweep_says_how_far_it_got_and_draws_every_run_apart(tmp_path):
+  """summary.md of a sweep of 12 stopped after 6 opens with where it stands (6 of 12 have a
+  row, by how they ended, the failed one and the 6 not run yet by name, the summed wall time):
+  its table alone left the missing runs unsaid. curves.png keeps one color and dash per run
+  in every panel, none shared by two of 12 runs (matplotlib's cycle has 10 colors; a run
+  missing from a panel shifted the others' colors there), its legend below the panels."""
+  cfg = tmp_path / "many.py"
+  cfg.write_text("import ml_collections\n\n\ndef get_config():\n"
+                 "  return ml_collections.ConfigDict({'seed': 0, 'lr': 0.0})\n\n\n"
+                 "def get_sweep():\n"
+                 "  return [{'name': f'r{k}', 'lr': float(k)} for k in range(12)]\n")
+  proc = subprocess.run([sys.executable, "-c", _MANY, str(tmp_path / "sw"), str(cfg)],
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.splitlines()[-1])
+  assert not out["complete"]
+  first = out["md"].splitlines()[0]
+  assert first.startswith("6 of 12 runs have a row (4 ok, 1 failed, 1 stopped); failed: r2; "
+                          "not run yet: r6, r7, r8, r9, r10, r11; wall time "), first
+  assert first.endswith("s (the rows' wall_s summed)."), first
+  assert "| run |" in out["md"].splitlines()[2]
+  reward, kl = out["styles"]
+  assert len({tuple(s) for s in reward.values()}) == 12
+  assert all(kl[label] == reward[label] for label in kl) and len(kl) == 11
+  assert out["legends"] == [1, [False, False]]
