@@ -333,8 +333,10 @@ def _md_table_varying(rows: list[dict]) -> list[str]:
       f"{k} = {_fmt_cell(first[k])}" for k in same) + "."]
 
 
-def _duration(seconds: float) -> str:
-  """12s, 4m38s, 2h05m09s."""
+def _duration(seconds: float, tenths: bool = False) -> str:
+  """12s (`tenths`: 12.3s), 4m38s, 2h05m09s."""
+  if tenths and seconds < 59.95:
+    return f"{seconds:.1f}s"
   seconds = int(round(seconds))
   hours, rest = divmod(seconds, 3600)
   if hours:
@@ -792,8 +794,10 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
     if row["status"].startswith("ok") and inputs is not None:  # for kept_row
       wd.write_json(os.path.join(run_dir, INPUTS_FILE), inputs)
     summary(rows)  # partial summaries survive an interrupted sweep
-    logging.info("[%d/%d] %s: %s in %.1fs%s", i + 1, len(runs), name, row["status"], this_start,
-                 f" (wall_s {row['wall_s']:.1f} over its starts)" if resumes else "")
+    # In minutes and hours past a minute: a run of hours read "ok in 14523.7s".
+    logging.info("[%d/%d] %s: %s in %s%s", i + 1, len(runs), name, row["status"],
+                 _duration(this_start, tenths=True),
+                 f" ({_duration(row['wall_s'], tenths=True)} over its starts)" if resumes else "")
     if rc == STOPPED or signals.signum:  # the job is being stopped: start nothing more
       break
   if not dry_run:

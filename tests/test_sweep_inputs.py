@@ -302,3 +302,40 @@ def test_a_long_sweep_says_how_far_it_got_and_draws_every_run_apart(tmp_path):
   assert len({tuple(s) for s in reward.values()}) == 12
   assert all(kl[label] == reward[label] for label in kl) and len(kl) == 11
   assert out["legends"] == [1, [False, False]]
+
+
+_HOURS = """
+import os, sys
+from absl import logging
+from experiments import sweep
+logging.set_verbosity(logging.INFO)
+work, cfg = sys.argv[1], sys.argv[2]
+now = [1000.0]
+sweep.time.time = lambda: now[0]
+
+
+def fake_run(cmd, run_dir, name, env, started=None):
+  os.makedirs(run_dir, exist_ok=True)
+  now[0] += {"short": 12.34, "long": 3725.2}[name]
+  return 0
+sweep.run_streamed = fake_run
+sweep.run_sweep(cfg, "train_ppo", work, [])
+"""
+
+
+def test_a_sweep_logs_a_runs_time_in_hours_past_an_hour(tmp_path):
+  """The sweep's line after each run gives its time as 12.3s, or past a minute in minutes and
+  hours (a run of hours read "ok in 3725.2s"); summary.md's status line sums them."""
+  cfg = tmp_path / "two.py"
+  cfg.write_text("import ml_collections\n\n\ndef get_config():\n"
+                 "  return ml_collections.ConfigDict({'lr': 0.0})\n\n\n"
+                 "def get_sweep():\n"
+                 "  return [{'name': 'short', 'lr': 1.0}, {'name': 'long', 'lr': 2.0}]\n")
+  proc = subprocess.run([sys.executable, "-c", _HOURS, str(tmp_path / "sw"), str(cfg)],
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "[1/2] short: ok (no result.json / metrics.jsonl) in 12.3s" in proc.stderr
+  assert "[2/2] long: ok (no result.json / metrics.jsonl) in 1h02m05s" in proc.stderr
+  first = (tmp_path / "sw" / "summary.md").read_text().splitlines()[0]
+  assert first == ("2 of 2 runs have a row (2 ok); wall time 1h02m18s (the rows' wall_s "
+                   "summed)."), first
