@@ -797,7 +797,8 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
     # In minutes and hours past a minute: a run of hours read "ok in 14523.7s".
     logging.info("[%d/%d] %s: %s in %s%s", i + 1, len(runs), name, row["status"],
                  _duration(this_start, tenths=True),
-                 f" ({_duration(row['wall_s'], tenths=True)} over its starts)" if resumes else "")
+                 f" (wall_s {_duration(row['wall_s'], tenths=True)} over its starts)"
+                 if resumes else "")
     if rc == STOPPED or signals.signum:  # the job is being stopped: start nothing more
       break
   if not dry_run:

@@ -149,7 +149,7 @@ def test_a_finished_training_run_started_again_keeps_its_wall_time(tmp_path):
   done, more = json.loads(proc.stdout.splitlines()[-1])
   assert done == 20.0
   assert more >= 20.3
-  assert "(wall_s 20.0 over its starts)" in proc.stderr, proc.stderr[-3000:]
+  assert "(wall_s 20.0s over its starts)" in proc.stderr, proc.stderr[-3000:]
 
 
 _STOPPED_EARLY = """
