@@ -846,7 +846,9 @@ def _ended(row: dict, rc: int, run_dir: str, wall_s: float, signum: int,
   row["wall_s"] = round(wall_s, 2)
   if row["status"].startswith("failed"):
     row["error"] = failure_line(run_dir)
-  result = read_run_result(run_dir) if rc == 0 else None
+  # A run stopped after saving (75) wrote its result.json too (train_ppo: status stopped, the
+  # iterations reached, the rewards so far): its row says how far it got, where it was blank.
+  result = read_run_result(run_dir) if rc in (0, STOPPED) else None
   if rc == 0 and result is None:
     row["status"] = "ok (no result.json / metrics.jsonl)"
   elif kept:

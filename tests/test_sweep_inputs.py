@@ -254,7 +254,9 @@ def fake_run(cmd, run_dir, name, env, started=None):
   os.makedirs(run_dir, exist_ok=True)
   if name == "r2":
     return 1
-  if name == "r5":
+  if name == "r5":  # stopped after iteration 2 of 3, as train_ppo writes it
+    with open(os.path.join(run_dir, "result.json"), "w") as f:
+      json.dump({"status": "stopped", "iterations": 2, "num_iterations": 3}, f)
     return 75
   with open(os.path.join(run_dir, "result.json"), "w") as f:
     json.dump({"status": "done", "iterations": 3}, f)
@@ -264,7 +266,8 @@ def fake_run(cmd, run_dir, name, env, started=None):
   return 0
 sweep.run_streamed = fake_run
 rows, complete = sweep.run_sweep(cfg, "train_ppo", work, [])
-out = {"complete": complete, "md": open(os.path.join(work, "summary.md")).read()}
+out = {"complete": complete, "md": open(os.path.join(work, "summary.md")).read(),
+       "stopped": [r for r in rows if r["run"] == "r5"][0]}
 import numpy as np
 lines = {m: [(f"run{k}", [1, 2, 3], np.arange(3.0) * k, np.arange(3.0) * k, np.arange(3.0) * k)
              for k in range(12) if not (m == "kl/ref_mean" and k == 0)]
@@ -280,7 +283,8 @@ print(json.dumps(out))
 def test_a_long_sweep_says_how_far_it_got_and_draws_every_run_apart(tmp_path):
   """summary.md of a sweep of 12 stopped after 6 opens with where it stands (6 of 12 have a
   row, by how they ended, the failed one and the 6 not run yet by name, the summed wall time):
-  its table alone left the missing runs unsaid. curves.png keeps one color and dash per run
+  its table alone left the missing runs unsaid; the stopped run's row says how far it got (its
+  result.json's iterations; it was blank). curves.png keeps one color and dash per run
   in every panel, none shared by two of 12 runs (matplotlib's cycle has 10 colors; a run
   missing from a panel shifted the others' colors there), its legend below the panels."""
   cfg = tmp_path / "many.py"
@@ -298,6 +302,11 @@ def test_a_long_sweep_says_how_far_it_got_and_draws_every_run_apart(tmp_path):
                           "not run yet: r6, r7, r8, r9, r10, r11; wall time "), first
   assert first.endswith("s (the rows' wall_s summed)."), first
   assert "| run |" in out["md"].splitlines()[2]
+  # the stopped run's row: how far it got, from the result.json it wrote as it stopped
+  stopped = out["stopped"]
+  assert stopped["status"] == "stopped (exit 75; re-run to resume)"
+  assert (stopped["iterations"], stopped["num_iterations"]) == (2, 3)
+  assert stopped["result/status"] == "stopped"
   reward, kl = out["styles"]
   assert len({tuple(s) for s in reward.values()}) == 12
   assert all(kl[label] == reward[label] for label in kl) and len(kl) == 11
