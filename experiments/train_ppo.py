@@ -93,6 +93,15 @@ def summarize(history: list[dict], num_iterations: int) -> dict:
                     if not k.startswith(TIMING_PREFIXES) and not isinstance(v, list)}}
 
 
+def _resolves(mesh: Any, num_devices: int) -> bool:
+  """Whether config.mesh splits `num_devices` devices."""
+  try:
+    mesh.resolve(num_devices)
+  except ValueError:
+    return False
+  return True
+
+
 def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
                        processes: int = 1) -> None:
   """A clear error when the mesh (and an asynchronous run's generation group) needs more devices
@@ -123,12 +132,26 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
                  f"{2 * need} devices give it 2)")
     raise ValueError(f"{what} needs at least {need} devices, but jax sees {num_devices} "
                      f"({platform}){hint}")
+  fitting = ""
+  if gen:  # the values of generation_devices this run could take instead, for the errors below
+    fits = [g for g in range(processes, num_devices, processes)
+            if _resolves(cfg.mesh, num_devices - g)]
+    each = f", multiples of the {processes} processes" if processes > 1 else ""
+    fitting = (f"; values of generation_devices whose training group (of {num_devices} "
+               f"devices) config.mesh splits{each}: {fits}" if fits else
+               f"; no generation_devices leaves a training group (of {num_devices} devices) "
+               "that config.mesh splits: change config.mesh, or set 0")
+  if gen and gen % processes:  # (split_devices refuses it too, after the compiles of set-up)
+    raise ValueError(f"config.async_ppo.generation_devices={gen}: expected a multiple of the "
+                     f"{processes} processes (each gives g / {processes} of its own "
+                     f"devices){fitting}")
   try:  # the axes' product, before the workdir is made (a bad value leaves none behind)
     cfg.mesh.resolve(num_devices - gen)
   except ValueError as e:
     # A plan file sets mesh.tensor and mesh.stage (and the split): the user never wrote them.
     raise ValueError(f"config.{e}" + (f" (the training group: the devices left by config."
-                                      f"async_ppo.generation_devices={gen})" if gen else "")
+                                      f"async_ppo.generation_devices={gen}{fitting})"
+                                      if gen else "")
                      + (f" (its tensor and stage set by config.plan.file={cfg.plan.file!r}" + (
                          f", a plan searched for {planned} devices" if planned else "") + ")"
                         if cfg.plan.file else "")) from None

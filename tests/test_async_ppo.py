@@ -258,3 +258,50 @@ def test_the_resume_warning_for_missing_in_flight_batches_counts_from_1(caplog):
   assert generated == [(3, 3), (4, 3)]
   assert ("resuming at iteration 4: the checkpoint holds no batch in flight for iteration(s) "
           "[4, 5]" in caplog.text), caplog.text
+
+
+# experiments/train_ppo.check_device_count (a binary: run in a subprocess) on ppo_tiny:fused
+# (mesh stage 4, data -1) over 8 devices with a generation group of g.
+_DEVICE_CHECK = """
+import importlib.util, json
+from experiments import train_ppo
+from rlhfuse_jax.trainer.config import TrainConfig
+spec = importlib.util.spec_from_file_location("ppo_tiny", "configs/ppo_tiny.py")
+tiny = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tiny)
+out = {}
+for g, procs in ((3, 2), (2, 2), (3, 1), (4, 2)):
+  c = tiny.get_config("fused")
+  c.async_ppo.staleness, c.async_ppo.generation_devices = 1, g
+  try:
+    train_ppo.check_device_count(TrainConfig.from_config_dict(c), 8, "cpu", procs)
+    out[f"{g}/{procs}"] = "ok"
+  except ValueError as e:
+    out[f"{g}/{procs}"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_a_generation_group_the_training_mesh_cannot_take_names_the_values_that_fit():
+  """The binary's device check, before anything compiles: generation_devices=3 on 2 processes
+  is named as not a multiple of them (it was named as a mesh that 5 devices cannot split, the
+  process count unsaid), and every refusal lists the generation_devices that would run (2
+  processes x 4 devices with the fused config's 4 stages: only 4; the user tried 3, then 2)."""
+  import os
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-c", _DEVICE_CHECK], cwd=repo,
+                        env=dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu"),
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.splitlines()[-1])
+  assert out["3/2"].startswith("config.async_ppo.generation_devices=3: expected a multiple of "
+                               "the 2 processes"), out["3/2"]
+  fits = ("values of generation_devices whose training group (of 8 devices) config.mesh "
+          "splits")
+  assert out["3/2"].endswith(f"{fits}, multiples of the 2 processes: [4]"), out["3/2"]
+  assert out["2/2"].startswith("config.mesh: 6 devices cannot be split"), out["2/2"]
+  assert out["2/2"].endswith(f"{fits}, multiples of the 2 processes: [4])"), out["2/2"]
+  assert out["3/1"].endswith(f"generation_devices=3; {fits}: [4])"), out["3/1"]
+  assert out["4/2"] == "ok"
