@@ -58,6 +58,7 @@ from experiments.runner import (REPO_ROOT, RunInterrupted, across_seeds, build_c
                                 format_value, code_state, merge_rows, repo_env, run_streamed,
                                 seed_groups, smooth)
 from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.metrics import duration
 
 _CONFIG = flags.DEFINE_string("config", None, "config file defining get_sweep()", required=True)
 _BINARY = flags.DEFINE_string("binary", None, "module name under experiments/", required=True)
@@ -333,17 +334,6 @@ def _md_table_varying(rows: list[dict]) -> list[str]:
       f"{k} = {_fmt_cell(first[k])}" for k in same) + "."]
 
 
-def _duration(seconds: float, tenths: bool = False) -> str:
-  """12s (`tenths`: 12.3s), 4m38s, 2h05m09s."""
-  if tenths and seconds < 59.95:
-    return f"{seconds:.1f}s"
-  seconds = int(round(seconds))
-  hours, rest = divmod(seconds, 3600)
-  if hours:
-    return f"{hours}h{rest // 60:02d}m{rest % 60:02d}s"
-  return f"{rest // 60}m{rest % 60:02d}s" if rest >= 60 else f"{rest}s"
-
-
 def sweep_status(rows: list[dict], names: Sequence[str]) -> str:
   """One line on where the sweep stands: how many of its runs (`names`, the whole sweep's)
   have a row, by how they ended, the failed ones and those with no row yet by name, and the
@@ -367,7 +357,7 @@ def sweep_status(rows: list[dict], names: Sequence[str]) -> str:
   named("not run yet", [n for n in names if n not in have])
   walls = [float(r["wall_s"]) for r in rows if isinstance(r.get("wall_s"), (int, float))]
   if walls:
-    parts.append(f"wall time {_duration(sum(walls))} (the rows' wall_s summed)")
+    parts.append(f"wall time {duration(sum(walls), short=True)} (the rows' wall_s summed)")
   return "; ".join(parts) + "."
 
 
@@ -796,8 +786,8 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
     summary(rows)  # partial summaries survive an interrupted sweep
     # In minutes and hours past a minute: a run of hours read "ok in 14523.7s".
     logging.info("[%d/%d] %s: %s in %s%s", i + 1, len(runs), name, row["status"],
-                 _duration(this_start, tenths=True),
-                 f" (wall_s {_duration(row['wall_s'], tenths=True)} over its starts)"
+                 duration(this_start, short=True),
+                 f" (wall_s {duration(row['wall_s'], short=True)} over its starts)"
                  if resumes else "")
     if rc == STOPPED or signals.signum:  # the job is being stopped: start nothing more
       break

@@ -122,16 +122,18 @@ class ProgressReporter:
     tps: Optional[float] = metrics.get("perf/tokens_per_s")
     if tps is not None:
       parts.append(f"tok/s={tps:.0f}")
-    parts.append(f"elapsed={_fmt(now - self.t0)} ETA={'?' if eta is None else _fmt(eta)}")
+    parts.append(f"elapsed={duration(now - self.t0)} ETA={'?' if eta is None else duration(eta)}")
     if extra:
       parts.append(extra)
     return " ".join(parts)
 
 
-def _fmt(seconds: float) -> str:
+def duration(seconds: float, short: bool = False) -> str:
   """0m05s, 59m59s, then 1h00m00s, 26h03m07s: a run of hours showed `elapsed=612m03s
-  ETA=1437m22s`, minutes the reader had to divide by 60."""
-  seconds = int(seconds)
+  ETA=1437m22s`, minutes the reader had to divide by 60. `short`: under a minute as 12.3s."""
+  if short and seconds < 59.95:
+    return f"{seconds:.1f}s"
+  seconds = int(round(seconds) if short else seconds)
   hours, rest = divmod(seconds, 3600)
   if hours:
     return f"{hours}h{rest // 60:02d}m{rest % 60:02d}s"
