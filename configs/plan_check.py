@@ -54,9 +54,11 @@ def _tiny_model(layers: int) -> ml_collections.ConfigDict:
   return m
 
 
-def _as_trained(c, t, dp: int) -> None:
+def _as_trained(c, t, dp: int, models=None) -> None:
   """The plan of training config `t` (a ConfigDict of train_ppo's --config) with `dp` data
-  replicas: its mesh, mini- and micro-batches (a pipelined run's pipeline.actor_microbatches /
+  replicas (`models`: the (actor, critic) ModelConfigs its checkpoints' config.json give, which
+  the trainer's checks below see in place of t's own sections, as trainer/build.resolve_config
+  replaces them before trainer/validate runs): its mesh, mini- and micro-batches (a pipelined run's pipeline.actor_microbatches /
   critic_microbatches as rows per micro-batch), fused schedule, lengths, remat and scan, and
   where its rollout stage generates (trainer/rollout.stage_kind): on the training mesh with the
   whole rollout batch (stage folded into data when pipelined, as the trainer does), on its
@@ -66,11 +68,14 @@ def _as_trained(c, t, dp: int) -> None:
   asynchronous PPO's async_ppo.generation_devices, on that group (its data-only mesh, or the
   instances over its devices) instead of the training devices."""
   # pylint: disable=import-outside-toplevel
+  import dataclasses
   import types
 
   from rlhfuse_jax.trainer import pipelined, rollout
   from rlhfuse_jax.trainer.config import TrainConfig
   run = TrainConfig.from_config_dict(t)
+  if models is not None:
+    run = dataclasses.replace(run, model=models[0], critic_model=models[1])
   stages = run.mesh.stage
   # An unpipelined run ignores pipeline.critic_pp, as its trainer does.
   c.pp, c.critic_pp = stages, (run.pipeline.critic_pp or stages) if stages > 1 else 1
@@ -210,7 +215,7 @@ def apply_run(c, t, overrides=None) -> None:
             if init.critic_checkpoint else run.critic_model.replace(vocab_size=actor.vocab_size))
   c.actor = ml_collections.ConfigDict(dataclasses.asdict(actor))
   c.critic = ml_collections.ConfigDict(dataclasses.asdict(critic))
-  _as_trained(c, t, dp=max(run.mesh.data, 1))
+  _as_trained(c, t, dp=max(run.mesh.data, 1), models=(actor, critic))
 
 
 def check_one_training_config(config_arg: str, run_config_given: bool) -> None:

@@ -908,3 +908,29 @@ def test_run_config_beside_a_preset_variant_is_refused(tmp_path):
     with pytest.raises(ValueError, match="give one"):
       plan_config.check_one_training_config(arg, run_config_given=True)
 
+
+
+def test_a_pipelined_run_is_checked_with_its_checkpoints_layers(tmp_path, monkeypatch):
+  """The trainer checks a pipelined run's layer split and tensor split on the checkpoint's
+  architecture (trainer/build.resolve_config before trainer/validate); apply_run checked them
+  on the config file's own model section (ppo_hf's 2 layers, 4 heads) and refused a
+  checkpoint of 8 layers and 8 heads on 4 stages of 2 tensor devices ("config.model.num_layers
+  =2 must be divisible by its pipeline stages 4"), the checkpoint a plan.json was searched for."""
+  monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from configs import ppo_hf
+  with open("configs/data/tiny_llama3_chat/config.json", encoding="utf-8") as f:
+    spec = json.load(f)
+  spec.update(num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, head_dim=8)
+  (tmp_path / "config.json").write_text(json.dumps(spec))
+  run = ppo_hf.get_config("ppo")
+  run.init.actor_checkpoint = run.init.critic_checkpoint = str(tmp_path)
+  run.mesh.stage, run.mesh.tensor, run.mesh.data = 4, 2, 1
+  run.pipeline.critic_pp = 2
+  c = plan_config.get_config("tiny")
+  plan_config.apply_run(c, run)
+  assert (c.actor.num_layers, c.actor.num_heads, c.pp, c.critic_pp, c.tp) == (8, 8, 4, 2, 2)
+  spec["num_hidden_layers"] = 6  # the trainer's refusal, on the checkpoint's layers
+  (tmp_path / "config.json").write_text(json.dumps(spec))
+  with pytest.raises(ValueError, match=r"config\.model\.num_layers=6 must be divisible by its "
+                                       r"pipeline stages 4"):
+    plan_config.apply_run(plan_config.get_config("tiny"), run)
