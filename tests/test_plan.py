@@ -92,6 +92,26 @@ def test_plan_file_round_trip(tmp_path):
     tiny_config(**{"plan.file": path, "mesh.stage": 4})
 
 
+def test_a_config_fsdp_that_outgrows_the_plans_devices_is_refused_by_name(tmp_path):
+  """configs/ppo_hf.py:ppo_gpu's mesh.fsdp=8 with a plan of 16 stages on 32 devices needed 128
+  devices a replica: train_ppo asked for 144 fake devices, plan_check named the plan's 64
+  micro-batches. Refused naming mesh.fsdp; an fsdp the plan's devices hold still runs."""
+  path = plan_json(tmp_path / "plan.json", {}, training={
+      "placement": "colocated", "devices": 8, "tp": 1, "actor_pp": 2, "critic_pp": 1})
+  with pytest.raises(ValueError, match=(
+      r"config\.mesh\.fsdp=8 with config\.plan\.file=.*plan\.json': one model replica then "
+      r"spans mesh\.tensor=1 x mesh\.stage=2 x mesh\.fsdp=8 = 16 devices, more than the 8 the "
+      r"plan trains on \(its data parallelism is mesh\.data, 4 there\); set "
+      r"config\.mesh\.fsdp=1, or a divisor of that")):
+    tiny_config(**{"plan.file": path, "mesh.fsdp": 8})
+  assert tiny_config(**{"plan.file": path, "mesh.fsdp": 4}).mesh.fsdp == 4
+  plan = json.loads(open(path).read())  # an asynchronous split trains on its training group
+  plan["async"] = {"generation_devices": 4, "training_devices": 4, "staleness": 1}
+  open(path, "w").write(json.dumps(plan))
+  with pytest.raises(ValueError, match=r"more than the 4 the plan trains on"):
+    tiny_config(**{"plan.file": path, "mesh.fsdp": 4})
+
+
 @pytest.mark.parametrize("plan, match", [
     ({"training": {"placement": "disjoint", "actor": {}, "critic": {}}},
      r"training\.placement='disjoint'; expected 'colocated'"),

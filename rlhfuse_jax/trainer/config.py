@@ -1077,7 +1077,30 @@ def apply_plan_file(d: dict) -> dict:
       raise ValueError(f"config.{sec}.{name}={now!r} conflicts with config.plan.file={path!r}, "
                        f"whose {key}={value!r} sets it: remove one of the two")
     section[name] = value
+  _check_plan_fsdp(d, path)
   return d
+
+
+def _check_plan_fsdp(d: dict, path: str) -> None:
+  """A plan file trains on tensor x stage devices per model replica, its data parallelism on
+  mesh.data; a config's own mesh.fsdp (configs/ppo_hf.py:ppo_gpu's 8) multiplies that replica.
+  Where the replica then outgrows the devices the plan trains on, the run cannot take the plan
+  on its cluster: refused naming mesh.fsdp (the errors that followed named the plan's
+  micro-batches, or asked for 144 fake devices for a plan of 32)."""
+  plan = load_plan_file(path)
+  fsdp = (d.get("mesh") or {}).get("fsdp", 1)
+  devices = plan_devices(plan)
+  a = plan.get("async")
+  if devices and isinstance(a, Mapping) and not a.get("colocated", False):
+    devices = a["training_devices"]
+  tensor, stage = d["mesh"]["tensor"], d["mesh"]["stage"]
+  if not (_is_int(fsdp) and fsdp > 1 and devices and tensor * stage * fsdp > devices):
+    return
+  raise ValueError(
+      f"config.mesh.fsdp={fsdp} with config.plan.file={path!r}: one model replica then spans "
+      f"mesh.tensor={tensor} x mesh.stage={stage} x mesh.fsdp={fsdp} = {tensor * stage * fsdp} "
+      f"devices, more than the {devices} the plan trains on (its data parallelism is mesh.data, "
+      f"{devices // (tensor * stage)} there); set config.mesh.fsdp=1, or a divisor of that")
 
 
 def config_record(config_dict: Any, cfg: TrainConfig) -> dict:
