@@ -58,15 +58,16 @@ def _as_trained(c, t, dp: int, models=None) -> None:
   """The plan of training config `t` (a ConfigDict of train_ppo's --config) with `dp` data
   replicas (`models`: the (actor, critic) ModelConfigs its checkpoints' config.json give, which
   the trainer's checks below see in place of t's own sections, as trainer/build.resolve_config
-  replaces them before trainer/validate runs): its mesh, mini- and micro-batches (a pipelined run's pipeline.actor_microbatches /
-  critic_microbatches as rows per micro-batch), fused schedule, lengths, remat and scan, and
-  where its rollout stage generates (trainer/rollout.stage_kind): on the training mesh with the
-  whole rollout batch (stage folded into data when pipelined, as the trainer does), on its
-  plan.generation instances (generation_tp devices, the batch dealt over devices /
-  generation_tp of them, inference micro-batches of fusion.inference_micro_batch), or on the
-  fused stage's instances (config.fusion.inter_stage: fusion.instance_devices each); with
-  asynchronous PPO's async_ppo.generation_devices, on that group (its data-only mesh, or the
-  instances over its devices) instead of the training devices."""
+  replaces them before trainer/validate runs): its mesh, mini- and micro-batches (a pipelined
+  run's pipeline.actor_microbatches / critic_microbatches as rows per micro-batch), fused
+  schedule, lengths, remat and scan, and where its rollout stage generates
+  (trainer/rollout.stage_kind): on the training mesh with the whole rollout batch (stage folded
+  into data when pipelined, as the trainer does), on its plan.generation instances (generation_tp
+  devices, the batch dealt over devices / generation_tp of them, inference micro-batches of
+  fusion.inference_micro_batch), or on the fused stage's instances (config.fusion.inter_stage:
+  fusion.instance_devices each); with asynchronous PPO's async_ppo.generation_devices, on that
+  group (its data-only mesh, or the instances over its devices) instead of the training
+  devices."""
   # pylint: disable=import-outside-toplevel
   import dataclasses
   import types
@@ -193,7 +194,7 @@ def _run_preset(c, spec: str) -> None:
   apply_run(c, get(variant) if variant else get())
 
 
-def apply_run(c, t, overrides=None) -> None:
+def apply_run(c, t, overrides=None):
   """Sets plan config `c` to training config `t` (a ConfigDict of train_ppo's --config) as its
   trainer would run it, on its smallest device count (data 1 unless `t` fixes mesh.data): the
   models are t's sections, or the architectures of init.actor_checkpoint /
@@ -201,7 +202,8 @@ def apply_run(c, t, overrides=None) -> None:
   pipelined run (mesh.stage > 1) with its pipeline section's micro-batches and fused schedule.
   A critic-free estimator is checked with a critic (an upper bound). experiments/plan_check.py's
   --run_config calls it with the flag's overrides (`overrides`, the command line's: one of a
-  checkpoint's architecture is refused, as train_ppo refuses it)."""
+  checkpoint's architecture is refused, as train_ppo refuses it). Returns the run's TrainConfig
+  with those architectures (for the comparison with a plan.file's workload)."""
   import dataclasses  # pylint: disable=import-outside-toplevel
 
   from rlhfuse_jax.trainer import build  # pylint: disable=import-outside-toplevel
@@ -216,6 +218,7 @@ def apply_run(c, t, overrides=None) -> None:
   c.actor = ml_collections.ConfigDict(dataclasses.asdict(actor))
   c.critic = ml_collections.ConfigDict(dataclasses.asdict(critic))
   _as_trained(c, t, dp=max(run.mesh.data, 1), models=(actor, critic))
+  return dataclasses.replace(run, model=actor, critic_model=critic)
 
 
 def check_one_training_config(config_arg: str, run_config_given: bool) -> None:

@@ -82,12 +82,19 @@ def main(argv):
     fields.pop("actor"), fields.pop("critic")  # replaced by the run's (sections or presets)
     config = ml_collections.ConfigDict(fields)
     try:
-      plan_config.apply_run(config, _RUN_CONFIG.value,
-                            config_flags.get_override_values(flags.FLAGS["run_config"]))
+      run = plan_config.apply_run(config, _RUN_CONFIG.value,
+                                  config_flags.get_override_values(flags.FLAGS["run_config"]))
     except (ValueError, FileNotFoundError) as e:  # they say config.<field>: the user typed
       # --run_config (a checkpoint directory not there is a FileNotFoundError)
       kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
       raise kind(f"--run_config (config.<field> is --run_config.<field> here): {e}") from None
+    if run.plan.file:  # a plan searched for another workload: its memory check is not this
+      # run's, which train_ppo warns of at set-up (checked here with the checkpoints' shapes)
+      # pylint: disable=import-outside-toplevel
+      from rlhfuse_jax.trainer import config as config_lib
+      note = config_lib.plan_workload_note(run.plan.file, run)
+      if note:
+        (logging.warning if note[0] else logging.info)("--run_config: %s", note[1])
   n = device_count(config)
   # The plan's count, not one the caller's XLA_FLAGS set (e.g. 8, exported for train_ppo as the
   # docs' commands do): with fewer the run stopped in plan_programs.run, telling the user to run

@@ -934,3 +934,37 @@ def test_a_pipelined_run_is_checked_with_its_checkpoints_layers(tmp_path, monkey
   with pytest.raises(ValueError, match=r"config\.model\.num_layers=6 must be divisible by its "
                                        r"pipeline stages 4"):
     plan_config.apply_run(plan_config.get_config("tiny"), run)
+
+
+def test_run_config_with_a_plan_file_for_another_workload_says_so(tmp_path):
+  """--run_config's plan.file searched for another model and batch: train_ppo warns of it at
+  set-up, plan_check checked the plan on the run's workload without a word (a 48-layer plan on
+  ppo_gpu's 512-token prompts). Stopped right after by an unknown hardware, to stay cheap."""
+  import subprocess
+  import sys
+  from tests.xla_env import subprocess_env
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  layer = {"num_layers": 48, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2,
+           "vocab_size": 128}
+  plan = {"generation": {"mode": "instances", "tp": 1, "pp": 1, "groups": 1, "slots": 0},
+          "inference": {"tp": 1, "pp": 1},
+          "training": {"placement": "colocated", "devices": 8, "tp": 1, "actor_pp": 1,
+                       "critic_pp": 1},
+          "predicted": {"iteration_s": 1.0}, "summary": "test plan",
+          "workload": {"actor": layer, "critic": layer, "global_batch": 512, "minibatch": 64,
+                       "epochs": 1, "max_prompt_len": 1024, "max_new_tokens": 1024,
+                       "num_devices": 8}}
+  (tmp_path / "plan.json").write_text(json.dumps(plan))
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_check", "--config=configs/plan_check.py",
+       "--config.hardware=no_such_gpu", "--run_config=configs/ppo_hf.py:ppo_gpu",
+       f"--run_config.plan.file={tmp_path / 'plan.json'}", f"--workdir={tmp_path / 'pc'}"],
+      cwd=repo, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert (f"--run_config: config.plan.file='{tmp_path / 'plan.json'}' was searched for actor "
+          "num_layers=48 (this run has 2); critic num_layers=48 (this run has 2); global_batch="
+          "512 (this run's rollout.batch_size is 128); max_prompt_len=1024 (this run's data."
+          "max_prompt_len is 512): its predicted times and memory check are for that workload"
+          ) in out.stderr, \
+      out.stderr[-3000:]
+  assert "unknown hardware 'no_such_gpu'" in out.stderr, out.stderr[-3000:]
