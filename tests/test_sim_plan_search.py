@@ -225,6 +225,36 @@ def test_frozen_weights_kept_on_the_devices_bound_generation_and_training():
   assert any("sim.offload_frozen=False" in v for v in refused.values())
 
 
+def test_no_feasible_plan_names_each_stage_its_closest_plan_and_what_makes_room():
+  """13B/13B on 16 devices of 16 GB: generation fits, no training plan does. The refusal
+  printed the whole dict of rejections on one line (21 kB for a 14B pair on 4 GB devices), and
+  the colocated training plans as one string; it names each stage without a plan, its count,
+  the plan closest to fitting and what makes room, and logs every rejection on a line."""
+  hw = dataclasses.replace(get_hardware("h100_sxm"), name="h100_16g", hbm_bytes=16e9)
+  lines = []
+  with pytest.raises(ValueError) as e:
+    ps.search(CostModel(hw), _small(), it.SimOptions(gen_tps=(1, 2, 4, 8)), log=lines.append)
+  msg = str(e.value)
+  assert msg.startswith("plan search: no feasible plan of llama-13b + llama-13b-critic on 16 "
+                        "x h100_16g (16 GB per device): no training plan fits ("), msg
+  assert "no generation plan" not in msg and "no inference plan" not in msg
+  train = re.search(r"no training plan fits \((\d+) rejected; the closest: training (\S+): "
+                    r"training .* needs ([0-9.]+) GiB per device .*; room: more devices "
+                    r"\(config\.num_devices\) for more stages and tensor devices\)", msg)
+  assert train, msg
+  rejected = [m for m in lines if m.startswith("rejected training tp")]
+  assert len(rejected) > 10  # each colocated plan on its own line, and the disjoint splits
+  assert int(train.group(1)) == len(rejected) + 1
+  assert any(m.startswith("rejected training disjoint: ") for m in lines)
+  needs = [float(re.search(r"needs ([0-9.]+) GiB", m).group(1)) for m in rejected
+           if "needs" in m]
+  assert float(train.group(3)) == min(needs)
+  assert f"rejected training {train.group(2)}: " in "\n".join(lines)
+  assert "{" not in msg and len(msg) < 2000, msg
+  assert msg.endswith(f"each of the {sum(m.startswith('rejected ') for m in lines)} rejected "
+                      "plans and why: the 'rejected' lines above"), msg
+
+
 def small_workload():
   """A 1024-wide, 8-layer model pair on 8 GPUs (64 samples, responses of ~32 tokens)."""
   from rlhfuse_jax.sim.shapes import ModelShape

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import time
 from typing import Callable, Optional
 
@@ -376,9 +377,10 @@ def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict,
     _, tried = train_lib.best_plan(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
                                    wl.micro_batch, mean_len, wl.num_minibatches,
                                    resident_bytes=resident_bytes)
-  except ValueError as e:
-    rejected["training colocated"] = str(e)
-    tried = {}
+  except train_lib.NoTrainingPlan as e:  # each candidate's reason, named as below
+    tried = e.tried
+    if not tried:
+      rejected["training colocated"] = str(e)
   for name, t in tried.items():
     if isinstance(t, str):
       rejected[f"training {name}"] = t
@@ -711,6 +713,43 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
           "search_s": time.time() - t0}
 
 
+_NEEDS = re.compile(r"needs ([0-9.]+) GiB per device")
+# What else makes room for a stage's plans (no_plan_message).
+_ROOM = {"inference": "a smaller config.sim.inference_microbatch (tp stops at 8 and the node)",
+         "gen": "more devices (config.num_devices: fewer samples per instance)",
+         "training": "more devices (config.num_devices) for more stages and tensor devices"}
+
+
+def no_plan_message(cost: CostModel, wl, rejected: dict, infs: list, groups: dict,
+                    kept_at: dict, log: Optional[Callable[[str], None]]) -> str:
+  """search's refusal when no combination fits: the stages with no plan, each with its count of
+  rejected plans and the closest to fitting (the smallest per-device need), and what would make
+  room. Each rejection goes to `log` (the error printed the whole dict on one line: 21 kB for a
+  14B pair on 4 GB devices)."""
+  for name, why in rejected.items() if log else ():
+    log(f"rejected {name}: {why}")
+  if not infs:
+    empty = ["inference"]
+  else:
+    gens, trains = groups[min(kept_at.values())]  # the inference plan that leaves most room
+    empty = [stage for stage, got in (("gen", gens), ("training", trains)) if not got]
+  parts = []
+  for stage in empty:
+    mine = {k: v for k, v in rejected.items() if k.split()[0] == stage}
+    need = {k: float(m.group(1)) for k, v in mine.items() if (m := _NEEDS.search(v))}
+    closest = min(need, key=need.get) if need else next(iter(mine), None)
+    parts.append(f"no {'generation' if stage == 'gen' else stage} plan fits ({len(mine)} "
+                 "rejected" + (f"; the closest: {closest}: {mine[closest]}" if closest else "")
+                 + f"; room: {_ROOM[stage]})")
+  return (f"plan search: no feasible plan of {wl.actor.name} + {wl.critic.name} on "
+          f"{wl.num_devices} x {cost.hw.name} ({cost.hw.hbm_bytes / 1e9:g} GB per device): "
+          + "; ".join(parts) + ". Each also fits with more memory per device (the hardware's "
+          "hbm_bytes) or shorter prompts and responses (config.prompt.max_len, config."
+          "max_new_tokens)" + (
+              f"; each of the {len(rejected)} rejected plans and why: the 'rejected' lines above"
+              if log else ""))
+
+
 def search(cost: CostModel, wl, opt, top_k: int = 5,
            log: Optional[Callable[[str], None]] = None, staleness: int = 0,
            split_unit: int = 0,
@@ -747,8 +786,7 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   every = [(gen, inf, train) for inf in infs
            for gen, train in itertools.product(*groups[kept_at[inf.plan.tp]])]
   if not every:
-    raise ValueError(f"plan search: no feasible plan for a stage of {wl.actor.name} + "
-                     f"{wl.critic.name} on {wl.num_devices} x {cost.hw.name}: {rejected}")
+    raise ValueError(no_plan_message(cost, wl, rejected, infs, groups, kept_at, log))
   refused: dict = {}
   if opt.trainer_runnable or accept is not None:
     combos = sorted(every, key=_combo_s)

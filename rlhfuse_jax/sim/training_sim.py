@@ -294,9 +294,19 @@ def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_device
         if t < best_t:
           best, best_t = plan, t
   if best is None:
-    raise ValueError(f"no training plan fits: {actor.name} + {critic.name} on {num_devices} "
-                     f"x {cost.hw.name}, minibatch={minibatch}; tried {tried}")
+    raise NoTrainingPlan(f"no training plan fits: {actor.name} + {critic.name} on "
+                         f"{num_devices} x {cost.hw.name}, minibatch={minibatch}; tried {tried}",
+                         tried)
   return best, tried
+
+
+class NoTrainingPlan(ValueError):
+  """best_plan found no plan that fits; `tried` holds each candidate's reason (plan_search
+  lists them one by one rather than as one string)."""
+
+  def __init__(self, message: str, tried: dict):
+    super().__init__(message)
+    self.tried = tried
 
 
 def one_f_one_b_s(stages: int, microbatches: int, fwd_s: float, bwd_s: float,
