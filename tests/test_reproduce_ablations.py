@@ -273,7 +273,8 @@ def test_the_report_gives_the_collective_latencies_the_run_priced_with(tmp_path,
   rows = {line.split(" | ")[0][2:]: line.split(" | ")[1][:-2]
           for line in report.inputs_section(inputs) if line.startswith("| collective")}
   if preset == "tpu_v5e":
-    assert rows == {"collective_protocols": "None", "collective_latency_s": "1e-05"}
+    assert rows == {"collective_protocols": "none: efficiency.collective_latency_s per call",
+                    "collective_latency_s": "1e-05"}
     return
   assert rows == {
       "collective_protocols (NCCL's Ring constants, `src/graph/tuning.cc`; each collective "

@@ -1,5 +1,7 @@
 """Hardware presets and model shapes: positive, in sane units, consistent with ModelConfig."""
+import dataclasses
 import json
+import re
 
 import pytest
 
@@ -140,6 +142,63 @@ def test_a_hardware_file_changes_fields_of_its_base_preset(tmp_path):
     path.write_text(json.dumps(spec))
     with pytest.raises(ValueError, match=message):
       hardware.get_hardware(str(path))
+
+
+def test_a_hardware_file_sets_its_collective_latencies_and_says_which_figures_are_its(tmp_path):
+  """A node without NVLink (PCIe L40S-class GPUs) kept its base preset's NCCL NVLink hop
+  latencies, which no file field could change, and the reports printed the file's figures
+  under the base preset's citation. collective_protocols: null (one collective_latency_s per
+  call) or the file's own list; the source names the file's fields and the base's citation."""
+  from rlhfuse_jax.sim import report
+  from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
+  path = tmp_path / "l40s.json"
+  spec = {"base": "a100_80g_sxm", "hbm_bytes": 48e9, "intra_node_bw": 32e9,
+          "collective_protocols": None}
+  path.write_text(json.dumps(spec))
+  hw = hardware.get_hardware(str(path))
+  assert hw.collective_protocols is None
+  assert hw.source == (f"{path}: collective_protocols, hbm_bytes, intra_node_bw; the rest from "
+                       "preset a100_80g_sxm (NVIDIA A100 datasheet (80GB SXM), NVIDIA DGX A100 "
+                       "datasheet)")
+  eff = Efficiency(collective_latency_s=7e-6)
+  assert CostModel(hw, eff)._ring_s(32e9, 7, 0, 32e9) == pytest.approx(1.0 + 7e-6)
+  lines = "\n".join(report.constants_section(hw.to_dict(), dataclasses.asdict(eff)))
+  assert "| collective_protocols | none: efficiency.collective_latency_s per call |" in lines
+  assert "| collective_latency_s | 7e-06 |" in lines  # used, not marked unused
+  own = {"name": "PCIe", "base_s": 20e-6, "intra_step_s": 5e-6, "inter_step_s": 15e-6,
+         "bw_fraction": 1.0}
+  path.write_text(json.dumps(dict(spec, collective_protocols=[own], source="my datasheet")))
+  hw = hardware.get_hardware(str(path))
+  assert hw.collective_protocols == (hardware.CollectiveProtocol(**own),)
+  assert hw.source.startswith(f"my datasheet; {path}: collective_protocols, hbm_bytes")
+  assert CostModel(hw)._ring_s(0.0, 7, 0, 32e9) == pytest.approx(20e-6 + 7 * 5e-6)
+  lines = "\n".join(report.constants_section(hw.to_dict(), {}))
+  assert ("collective_protocols (the hardware file's; each collective takes the cheaper) | PCIe: "
+          "20 µs a call + 5 µs a ring step inside a node, 15 µs across nodes") in lines
+  assert "NCCL" not in lines
+  nccl = "\n".join(report.constants_section(hardware.HARDWARE["h100_sxm"].to_dict(), {}))
+  assert "NCCL's Ring constants" in nccl and "ring step on NVLink" in nccl
+  for value, message in (([dict(own, latency=1)], r"collective_protocols=.*expected null"),
+                         ([], r"collective_protocols=\[\]; expected null"),
+                         ([dict(own, base_s="fast")], r"'PCIe': base_s='fast' must be a finite"),
+                         ([dict(own, bw_fraction=2.0)], r"bw_fraction in \(0, 1\]")):
+    path.write_text(json.dumps(dict(spec, collective_protocols=value)))
+    with pytest.raises(ValueError, match=message):
+      hardware.get_hardware(str(path))
+
+
+def test_a_bad_hardware_file_is_named_with_its_flag(tmp_path):
+  """plan_search / reproduce_ablations named a bad hardware file's field as "hardware 'neg':
+  inter_node_bw=-5e9 ...", without the flag that gave the file."""
+  from configs import ablations as ablation_config
+  from rlhfuse_jax.sim.ablations import AblationConfig
+  path = tmp_path / "neg.json"
+  path.write_text(json.dumps({"base": "h100_sxm", "inter_node_bw": -5e9}))
+  c = ablation_config.get_config()
+  c.hardware = str(path)
+  with pytest.raises(ValueError, match=(f"^config\\.hardware='{re.escape(str(path))}': hardware "
+                                        r"'neg': inter_node_bw=-5000000000\.0 must be a positive")):
+    AblationConfig.from_config_dict(c)
 
 
 def test_a_key_given_twice_in_a_json_input_is_refused_naming_it(tmp_path):

@@ -75,7 +75,10 @@ class AblationConfig:
     # "expected non-negative integer")
     if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
       raise ValueError(f"config.seed={self.seed!r}: expected an integer >= 0")
-    hw = get_hardware(self.hardware)
+    try:  # (a bad hardware file's field was named without the flag that gave the file)
+      hw = get_hardware(self.hardware)
+    except ValueError as e:
+      raise ValueError(f"config.hardware={self.hardware!r}: {e}") from None
     # (refused in the first simulated inference, after the binaries had moved the earlier
     # outputs aside; a calibration may time the loads instead: its weight_load)
     if self.sim.offload_frozen and hw.host_to_device_bw is None and not self.calibration:

@@ -194,9 +194,13 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 
-# The fields a hardware file may change of its base preset.
+# The fields a hardware file may change of its base preset. collective_protocols: a list of
+# {name, base_s, intra_step_s, inter_step_s, bw_fraction[, bw_fraction_in_node]} (seconds; the
+# cheaper per collective, as NCCL's Ring LL and Simple above), or null for the cost model's one
+# efficiency.collective_latency_s per call (as the TPU presets): NCCL's NVLink hop latencies do
+# not hold for a node without NVLink.
 FILE_FIELDS = ("name", "peak_flops", "hbm_bw", "hbm_bytes", "intra_node_bw", "inter_node_bw",
-               "devices_per_node", "host_to_device_bw", "source")
+               "devices_per_node", "host_to_device_bw", "source", "collective_protocols")
 
 
 def get_hardware(name: str) -> Hardware:
@@ -229,7 +233,39 @@ def hardware_file(path: str) -> Hardware:
                      f"{list(FILE_FIELDS)}")
   fields = {k: v for k, v in spec.items() if k != "base"}
   fields.setdefault("name", os.path.splitext(os.path.basename(path))[0])
-  return dataclasses.replace(HARDWARE[spec["base"]], **fields)
+  if "collective_protocols" in fields:
+    fields["collective_protocols"] = _file_protocols(path, fields["collective_protocols"])
+  base = HARDWARE[spec["base"]]
+  # Which figures are the file's and which the base preset's (with its citation): the reports
+  # print this source beside every figure.
+  changed = sorted(set(fields) - {"name", "source"})
+  fields["source"] = (f"{fields['source']}; " if fields.get("source") else "") + (
+      f"{path}: {', '.join(changed) or 'no figure'}; the rest from preset {base.name} "
+      f"({base.source})")
+  return dataclasses.replace(base, **fields)
+
+
+def _file_protocols(path: str, value) -> Optional[tuple[CollectiveProtocol, ...]]:
+  """A hardware file's collective_protocols (FILE_FIELDS): None, or CollectiveProtocols; a
+  ValueError naming the file and what was expected."""
+  if value is None:
+    return None
+  keys = {f.name for f in dataclasses.fields(CollectiveProtocol)}
+  need = keys - {"bw_fraction_in_node"}
+  if not isinstance(value, list) or not value or not all(
+      isinstance(p, dict) and need <= set(p) <= keys for p in value):
+    raise ValueError(f"hardware {path!r}: collective_protocols={value!r}; expected null (one "
+                     "efficiency.collective_latency_s per call) or a non-empty list of objects "
+                     f"with {sorted(need)} and optionally bw_fraction_in_node (seconds)")
+  out = []
+  for p in value:
+    for k, v in p.items():
+      if k != "name" and (not isinstance(v, (int, float)) or isinstance(v, bool)
+                          or not math.isfinite(v)):
+        raise ValueError(f"hardware {path!r}: collective_protocols {p.get('name')!r}: {k}={v!r} "
+                         "must be a finite number")
+    out.append(CollectiveProtocol(**p))
+  return tuple(out)
 
 
 # How `jax.Device.device_kind` names the devices of a preset: the CUDA device name on GPUs

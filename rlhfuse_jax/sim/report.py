@@ -1,10 +1,11 @@
 """`ablations.md`: per-setting tables, speedups, every input of the numbers, and validation."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Optional, Sequence
 
-from rlhfuse_jax.sim import shapes
+from rlhfuse_jax.sim import hardware, shapes
 
 EXISTING = ("deepspeed_chat_like", "realhf_like")  # stand-ins for "existing systems"
 
@@ -140,11 +141,11 @@ def setting_section(label: str, by: dict, systems: Sequence[str]) -> list[str]:
   return lines + [""]
 
 
-def _protocol(p: dict) -> str:
+def _protocol(p: dict, link: str = "on NVLink") -> str:
   """One collective protocol of sim/hardware.py in words (microseconds)."""
   in_node = p.get("bw_fraction_in_node") or 0.0
   return (f"{p['name']}: {p['base_s'] * 1e6:g} µs a call + {p['intra_step_s'] * 1e6:g} µs a "
-          f"ring step on NVLink, {p['inter_step_s'] * 1e6:g} µs across nodes; bandwidth × "
+          f"ring step {link}, {p['inter_step_s'] * 1e6:g} µs across nodes; bandwidth × "
           f"{p['bw_fraction']:g}" + (f" (× {in_node:.3g} for other collectives in a node)"
                                      if in_node else ""))
 
@@ -162,9 +163,15 @@ def constants_section(hw: dict, eff: dict) -> list[str]:
     if k in units and v is not None:
       lines.append(f"| {k} | {v / units[k][1]:g} {units[k][0]} |")
     elif k == "collective_protocols" and v:
-      # The α of every collective (docs/simulator.md, Cost model), readable and cited.
-      lines.append(f"| {k} (NCCL's Ring constants, `src/graph/tuning.cc`; each collective "
-                   "takes the cheaper) | " + "; ".join(_protocol(p) for p in v) + " |")
+      # The α of every collective (docs/simulator.md, Cost model), readable and cited (a
+      # hardware file's own are its, not NCCL's).
+      nccl = list(v) == [dataclasses.asdict(p) for p in hardware.NCCL_RING]
+      lines.append(f"| {k} (" + ("NCCL's Ring constants, `src/graph/tuning.cc`" if nccl else
+                                 "the hardware file's") + "; each collective takes the cheaper) | "
+                   + "; ".join(_protocol(p, "on NVLink" if nccl else "inside a node")
+                               for p in v) + " |")
+    elif k == "collective_protocols":
+      lines.append(f"| {k} | none: efficiency.collective_latency_s per call |")
     elif k not in ("name", "source"):
       lines.append(f"| {k} | {v} |")
   lines += ["", "**Efficiency and other non-datasheet constants** (sources in "
