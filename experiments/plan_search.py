@@ -86,7 +86,8 @@ STAGE_TIMES = {"generation": "seconds, the actor's resharding into the layout in
 def report(res: dict, systems: dict, setting: dict,
            constants: Optional[tuple[dict, dict]] = None) -> list[str]:
   """plan_search.md: the top plans, the uniform layout, the other systems, and (`constants`:
-  the hardware's and the efficiencies' dicts) what the simulated times rest on."""
+  the hardware's and the efficiencies' dicts, and the calibration's describe() or None) what
+  the simulated times rest on."""
   # `evaluated` counts the plans that fit, `rejected` the others; the synchronous time is the
   # one the search logs ("plan search done in"), the asynchronous search's follows it.
   plans = (f"{res['evaluated']} feasible stage plans, {len(res['rejected'])} rejected for "
@@ -305,6 +306,8 @@ def main(argv):
   # may change after the search.
   hardware = cost.hw.to_dict()
   efficiency = dataclasses.asdict(cost.eff)  # the assumed MFUs and bandwidth fractions
+  # what a calibration file measured (its ops replace the formulas), None without one
+  calibration = cost.cal.describe() if cost.cal is not None else None
   # The workload it was searched for: train_ppo warns when a run's differs.
   record = plan_search.workload_record(wl, _CONFIG.value.get("train_config", ""))
   wd.write_json(os.path.join(workdir, "plan.json"),
@@ -313,9 +316,9 @@ def main(argv):
       "setting": setting, "hardware": hardware, "best": best, "top": res["top"], "uniform": uniform,
       "async": asynchronous, "plan_json": which, "stages": res["stages"],
       "rejected": res["rejected"], "refused": res["refused"], "systems": systems,
-      "search_s": res["search_s"], "efficiency": efficiency})
+      "search_s": res["search_s"], "efficiency": efficiency, "calibration": calibration})
   with open(os.path.join(workdir, "plan_search.md"), "w") as f:
-    f.write("\n".join(report(res, systems, setting, (hardware, efficiency))))
+    f.write("\n".join(report(res, systems, setting, (hardware, efficiency, calibration))))
   logging.info("best %ss (%s); uniform %s; async %s; plan.json %s; searched in %.1fs in all "
                "-> %s",
                _s(best["predicted_iteration_s"]), res["best"]["summary"],

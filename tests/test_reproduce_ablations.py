@@ -270,7 +270,7 @@ def test_the_report_gives_the_collective_latencies_the_run_priced_with(tmp_path,
                                  micro_batch=2, pairs=(("llama-7b", "llama-7b"),),
                                  max_new_tokens=(64,), systems=("rlhfuse_base",), sim=sim)
   inputs = ablations.run_ablations(cfg, str(tmp_path), log=lambda m: None)["inputs"]
-  rows = {line.split(" | ")[0][2:]: line.split(" | ")[1][:-2]
+  rows = {line.split(" | ")[0][2:]: line.split(" | ")[1].removesuffix(" |")
           for line in report.inputs_section(inputs) if line.startswith("| collective")}
   if preset == "tpu_v5e":
     assert rows == {"collective_protocols": "none: efficiency.collective_latency_s per call",

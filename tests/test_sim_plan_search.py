@@ -568,3 +568,45 @@ def test_resharding_by_hand():
       3 * w / (64 * nic), rel=0.01)
   assert ps.reshard_s(cost, wl, 64, receivers=64, senders=192) == pytest.approx(
       w / (64 * nic), rel=0.01)
+
+
+def test_the_report_says_what_a_calibration_measured_and_where_each_default_comes_from(
+    tmp_path):
+  """calibrate_sim's file for "your machine" fed to plan_search: plan_search.md and result.json
+  said nothing of it (which costs it measured, which still come from the formulas), and the
+  efficiencies were bare numbers, a changed one indistinguishable from a default."""
+  model = tmp_path / "model"
+  model.mkdir()
+  (model / "config.json").write_text(json.dumps({
+      "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "vocab_size": 256, "max_position_embeddings": 256}))
+  (tmp_path / "host.json").write_text(json.dumps({
+      "base": "h100_sxm", "name": "host", "peak_flops": 1e11, "hbm_bw": 2e10, "hbm_bytes": 3e9,
+      "collective_protocols": None}))
+  cal = {"format": "rlhfuse_jax.sim.calibration/v1", "device": "cpu x8 (test)",
+         "model_params": 106816, "instance_devices": 1, "devices_share_compute": True,
+         "ops": {"decode_step": {"occupied_slots": [1, 8], "seconds": [3e-4, 3e-4]},
+                 "prefill": {"tokens_per_s": 1e5}, "weight_load": {"bytes_per_s": 6e8}}}
+  (tmp_path / "cal.json").write_text(json.dumps(cal))
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  wd = tmp_path / "ps"
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py",
+       f"--workdir={wd}", f"--config.shapes=m={model}", "--config.pairs=m/m",
+       "--config.num_devices=8", "--config.global_batch=64", "--config.minibatch=16",
+       "--config.max_new_tokens=64", "--config.prompt.max_len=16", "--config.systems=",
+       f"--config.hardware={tmp_path / 'host.json'}", f"--config.calibration={tmp_path}/cal.json",
+       "--config.efficiency.train_mfu=0.3"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  md = (wd / "plan_search.md").read_text()
+  assert (f"**Calibration** `{tmp_path}/cal.json` (cpu x8 (test)): measured, in place of the "
+          "formulas: decode_step, prefill, weight_load; not measured, from the formulas with the "
+          "figures and efficiencies above: train_stage, pipeline_executor, inference, "
+          "migration") in md, md
+  assert "| train_mfu | 0.3 | config | assumption inside published MFUs" in md
+  assert "| memory_headroom | 0.9 | default | vLLM's default gpu_memory_utilization |" in md
+  res = json.loads((wd / "result.json").read_text())
+  assert res["calibration"]["path"] == f"{tmp_path}/cal.json"
+  assert res["calibration"]["prefill"]["per_s"] == 1e5 and "train_stage" not in res["calibration"]

@@ -77,6 +77,7 @@ _RATE_OPS = {"prefill": ("tokens_per_s", "overhead_s"),
              "migration": ("bytes_per_s", "latency_s"),
              "weight_load": ("bytes_per_s", "latency_s")}
 _OPS = ("decode_step", "decode_fit", "train_stage", "pipeline_executor") + tuple(_RATE_OPS)
+OPS = _OPS  # every op a file may measure (the reports list which it did)
 _FIT_KEYS = ("step_s", "layer_s", "mfu", "bw_eff")
 _TOP = ("format", "device", "model_params", "instance_devices", "devices_share_compute",
         "parallel_tasks", "ops", "notes", "provenance")

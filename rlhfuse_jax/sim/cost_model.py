@@ -131,6 +131,25 @@ class Efficiency:
                        "fraction of the decode step's device time in [0, 10)")
 
 
+# Each Efficiency default's source in a line, for the reports' tables (the docstring above
+# has the detail).
+EFFICIENCY_SOURCES = {
+    "train_mfu": "assumption inside published MFUs (MegaScale 55 %; Megatron-LM SC'21 about "
+                 "33-39 %; ours 42-44 % on one H100)",
+    "prefill_mfu": "assumption: train_mfu's figure (ours 36-47 % on one H100)",
+    "decode_mfu": "assumption: train_mfu's figure (the compute side of large decode batches)",
+    "decode_bw_eff": "assumption for a tuned engine, no published figure (ours 14-49 % at 1.1B)",
+    "net_eff": "NCCL's cap on a ring's bus bandwidth (src/graph/tuning.cc: 370 of 450 GB/s)",
+    "collective_latency_s": "assumption; used only without the hardware's collective_protocols",
+    "memory_headroom": "vLLM's default gpu_memory_utilization",
+    "bwd_over_fwd": "backward = 2 x the forward's FLOPs (Narayanan et al. SC'21)",
+    "act_bytes_per_token_layer_per_h": "Korthikanti et al. 2022: 34 s*b*h bytes a layer, no "
+                                       "recomputation",
+    "decode_host_overhead": "0: overlapped (vLLM v0.6+); configs/ablations.py:vllm_sync sets "
+                            "29/38 (vLLM blog, 2024-09-05)",
+}
+
+
 class CostModel:
   """Costs of RLHF operations on one hardware preset (formulas in the module docstring)."""
 

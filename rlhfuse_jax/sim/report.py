@@ -5,7 +5,8 @@ import dataclasses
 import json
 from typing import Optional, Sequence
 
-from rlhfuse_jax.sim import hardware, shapes
+from rlhfuse_jax.policy import calibration
+from rlhfuse_jax.sim import cost_model, hardware, shapes
 
 EXISTING = ("deepspeed_chat_like", "realhf_like")  # stand-ins for "existing systems"
 
@@ -150,9 +151,11 @@ def _protocol(p: dict, link: str = "on NVLink") -> str:
                                      if in_node else ""))
 
 
-def constants_section(hw: dict, eff: dict) -> list[str]:
+def constants_section(hw: dict, eff: dict, cal=False) -> list[str]:
   """The hardware's figures (each preset's cited in sim/hardware.py) and the cost model's
-  efficiencies: what every simulated time rests on (ablations.md, plan_search.md)."""
+  efficiencies, each with its default's source and whether the config set it: what every
+  simulated time rests on (ablations.md, plan_search.md); with `cal` (a Calibration.describe()
+  or None: none given) which costs a calibration measured (calibration_line)."""
   lines = [f"**Hardware preset `{hw['name']}`** ({hw['source']}; per device, per direction):", "",
            "| field | value |", "|---|---|"]
   units = {"peak_flops": ("TFLOP/s", 1e12), "hbm_bw": ("GB/s", 1e9), "hbm_bytes": ("GB", 1e9),
@@ -174,13 +177,36 @@ def constants_section(hw: dict, eff: dict) -> list[str]:
       lines.append(f"| {k} | none: efficiency.collective_latency_s per call |")
     elif k not in ("name", "source"):
       lines.append(f"| {k} | {v} |")
-  lines += ["", "**Efficiency and other non-datasheet constants** (sources in "
-            "`rlhfuse_jax/sim/cost_model.py`, `Efficiency`):", "", "| field | value |",
-            "|---|---|"]
+  defaults = dataclasses.asdict(cost_model.Efficiency())
+  lines += ["", "**Efficiency and other non-datasheet constants** (details in "
+            "`rlhfuse_jax/sim/cost_model.py`, `Efficiency`; `config`: set away from the "
+            "default):", "", "| field | value | set by | source of the default |",
+            "|---|---|---|---|"]
   lines += [f"| {k} | {v}" + (" (unused: this hardware's collective_protocols give the α)"
-                              if k == "collective_latency_s" and protocols else "") + " |"
-            for k, v in eff.items()]
+                              if k == "collective_latency_s" and protocols else "")
+            + f" | {'default' if v == defaults.get(k) else 'config'} | "
+            f"{cost_model.EFFICIENCY_SOURCES.get(k, '')} |" for k, v in eff.items()]
+  if cal is not False:
+    lines += ["", calibration_line(cal)]
   return lines
+
+
+def calibration_line(cal: Optional[dict]) -> str:
+  """Which costs a calibration file measured (Calibration.describe()) and which come from the
+  formulas with the constants above."""
+  if cal is None:
+    return ("**Calibration**: none: every time from the formulas of "
+            "`rlhfuse_jax/sim/cost_model.py` with the figures and efficiencies above.")
+  measured = [op for op in calibration.OPS if op in cal]
+  # a decode_step table or a decode_fit times decode: the other is not missed
+  ops = [op for op in calibration.OPS if op in measured or not (
+      op in ("decode_step", "decode_fit") and {"decode_step", "decode_fit"} & set(measured))]
+  when = ", ".join(f"{k} {v}" for k, v in (cal.get("measured") or {}).items())
+  return (f"**Calibration** `{cal['path']}` ({cal['device']}" + (f"; {when}" if when else "")
+          + f"): measured, in place of the formulas: {', '.join(measured) or 'nothing'}; not "
+          f"measured, from the formulas with the figures and efficiencies above: "
+          f"{', '.join(op for op in ops if op not in measured) or 'nothing'} "
+          "(rlhfuse_jax/policy/calibration.py says what each op times).")
 
 
 def inputs_section(inputs: dict) -> list[str]:
