@@ -2,7 +2,8 @@ r"""Measures this machine's operation costs into a simulator calibration file.
 
   python -m experiments.calibrate_sim --config=configs/calibrate_sim.py --workdir=/tmp/cal
 
-Writes calibration.json (format of rlhfuse_jax/policy/calibration.py) and config.json. Match the
+Writes calibration.json (format of rlhfuse_jax/policy/calibration.py), model/config.json (the
+measured model's shape, which the simulator's --config.shapes takes) and config.json. Match the
 model and instance fields to the benchmark the simulator should predict before comparing; e.g.
 bench_generation's default run (BG: its workdir), whose model is 128 wide:
 
@@ -11,6 +12,12 @@ bench_generation's default run (BG: its workdir), whose model is 128 wide:
   python -m experiments.reproduce_ablations --config=configs/ablations.py:quick --workdir=DIR \
     --config.validate.bench_generation_workdir=BG \
     --config.validate.calibration=/tmp/cal/calibration.json
+
+Plans on the machine measured (a hardware file of it: docs/simulator.md, Inputs):
+
+  python -m experiments.plan_search --config=configs/plan_search.py --workdir=/tmp/ps_cal \
+    --config.calibration=/tmp/cal/calibration.json --config.hardware=MY_HOST.json \
+    --config.shapes=mine=/tmp/cal/model --config.pairs=mine/mine
 """
 import ml_collections
 

@@ -18,6 +18,7 @@ from rlhfuse_jax.parallel.host_devices import request_host_devices
 request_host_devices(8)  # before the first jax import
 
 import functools  # noqa: E402
+import os  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -32,7 +33,7 @@ from rlhfuse_jax.generation import engine  # noqa: E402
 from rlhfuse_jax.generation.measure import median_s  # noqa: E402
 from rlhfuse_jax.generation.sampling import SamplingConfig  # noqa: E402
 from rlhfuse_jax.inference import scoring  # noqa: E402
-from rlhfuse_jax.models import llama  # noqa: E402
+from rlhfuse_jax.models import hf_loader, llama  # noqa: E402
 from rlhfuse_jax.policy import calibration  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Calibration config.",
@@ -155,11 +156,21 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   c = _CONFIG.value
   check_config(c)  # before the earlier calibration.json moves aside
-  wd.start_outputs(_WORKDIR.value, c, ("calibration.json",))
+  wd.start_outputs(_WORKDIR.value, c, ("calibration.json", "model"))
   cal = measure(c)
   calibration.from_dict(cal, "measured")  # what we write must load
   path = runner.write_result(_WORKDIR.value, cal, "calibration.json")
   logging.info("wrote %s: %s", path, cal["ops"])
+  # The measured model as an HF config.json: the shape its decode_step, prefill and inference
+  # time, which the simulator accepts only for a model of that size (--config.shapes=NAME=DIR).
+  model_dir = os.path.join(_WORKDIR.value, "model")
+  os.makedirs(model_dir, exist_ok=True)
+  wd.write_json(os.path.join(model_dir, "config.json"),
+                hf_loader.hf_config_dict(llama.ModelConfig(**c.model.to_dict())))
+  logging.info("wrote %s/config.json, the measured model's shape: plan_search / "
+               "reproduce_ablations --config.shapes=mine=%s --config.pairs=mine/mine "
+               "--config.calibration=%s --config.hardware=<a hardware file of this machine> "
+               "(docs/simulator.md, Calibration)", model_dir, model_dir, path)
 
 
 if __name__ == "__main__":

@@ -437,6 +437,44 @@ def test_a_bad_calibrate_sim_value_leaves_the_earlier_calibration_in_place(tmp_p
   assert not (tmp_path / "previous").exists()
 
 
+def test_calibrate_sim_feeds_plan_search_on_the_machine_it_measured(tmp_path):
+  """docs/simulator.md's chain for "your machine": calibrate_sim, then plan_search with its
+  calibration. Its model had no config.json (the simulator accepts a calibration only for the
+  model it timed, and a user had to write one by hand), and the refusals said what was wrong,
+  not what to give instead. calibrate_sim writes model/config.json; plan_search takes it."""
+  cal = tmp_path / "cal"
+  out = _run(["experiments.calibrate_sim", "--config=configs/calibrate_sim.py",
+              f"--workdir={cal}", "--config.repeats=1", "--config.occupancies=1,8"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  spec = json.loads((cal / "model" / "config.json").read_text())
+  assert (spec["hidden_size"], spec["num_hidden_layers"], spec["vocab_size"]) == (64, 2, 256)
+  assert f"--config.shapes=mine={cal}/model" in out.stderr
+  host = tmp_path / "host.json"
+  host.write_text(json.dumps({"base": "h100_sxm", "name": "host", "peak_flops": 1e11,
+                              "hbm_bw": 2e10, "hbm_bytes": 3e9, "collective_protocols": None}))
+  search = ["experiments.plan_search", "--config=configs/plan_search.py",
+            f"--config.calibration={cal}/calibration.json", "--config.num_devices=8",
+            "--config.global_batch=64", "--config.minibatch=16", "--config.max_new_tokens=64",
+            "--config.prompt.max_len=16", "--config.systems="]
+  out = _run(search + [f"--workdir={tmp_path / 'h100'}"])  # the preset: refused, and how
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert ("it cannot time config.hardware='h100_sxm''s devices; to simulate the machine it "
+          "measured, describe that machine in a hardware file (--config.hardware=FILE.json"
+          ) in out.stderr, out.stderr[-3000:]
+  out = _run(search + [f"--workdir={tmp_path / 'big'}", f"--config.hardware={host}"])
+  assert out.returncode == 1, out.stderr[-3000:]  # LLaMA-1 65B/33B: not the model it timed
+  assert (f"simulate that model (calibrate_sim writes its config.json to <its workdir>/model: "
+          "--config.shapes=NAME=<its workdir>/model") in out.stderr, out.stderr[-3000:]
+  out = _run(search + [f"--workdir={tmp_path / 'ps'}", f"--config.hardware={host}",
+                       f"--config.shapes=mine={cal}/model", "--config.pairs=mine/mine"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  md = (tmp_path / "ps" / "plan_search.md").read_text()
+  assert (f"**Calibration** `{cal}/calibration.json` (cpu x8 (cpu), measured by experiments/"
+          "calibrate_sim.py") in md
+  assert ("measured, in place of the formulas: decode_step, prefill, inference, migration, "
+          "weight_load; not measured") in md
+
+
 def test_train_ppo_refuses_another_binarys_workdir_and_refusals_leave_its_files(tmp_path):
   """train_ppo on a workdir holding another binary's outputs is refused (it moved their
   config.json and result.json to previous/1 and trained beside the rest), as a one-shot binary

@@ -219,7 +219,10 @@ def check_calibration_fits(cal: cal_lib.Calibration, cfg: AblationConfig) -> Non
   where = f"config.calibration={cfg.calibration!r} ({cal.device})"
   if cal.devices_share_compute and cfg.hardware in HARDWARE:  # (a file may describe a host)
     raise ValueError(f"{where} was measured on devices that share one processor (fake CPU "
-                     f"devices): it cannot time config.hardware={cfg.hardware!r}'s devices")
+                     f"devices): it cannot time config.hardware={cfg.hardware!r}'s devices; "
+                     "to simulate the machine it measured, describe that machine in a hardware "
+                     "file (--config.hardware=FILE.json, docs/simulator.md), or leave "
+                     "config.calibration empty")
   ops = [op for op in MODEL_OPS if getattr(cal, op) is not None]
   if not ops:
     return
@@ -232,7 +235,9 @@ def check_calibration_fits(cal: cal_lib.Calibration, cfg: AblationConfig) -> Non
     raise ValueError(
         f"{where} measured {ops} on a model of {cal.model_params:,} parameters, and the "
         f"simulated actors have {', '.join(f'{n:,}' for n in sizes)}: those times are that "
-        "model's own (a decode_fit, per layer and per FLOP, times any shape: "
+        "model's own: simulate that model (calibrate_sim writes its config.json to "
+        "<its workdir>/model: --config.shapes=NAME=<its workdir>/model --config.pairs=NAME/NAME"
+        "), or use a decode_fit, per layer and per FLOP, which times any shape ("
         "reproduce_ablations --config.validate.bench_decode_workdir=... writes one)")
 
 
