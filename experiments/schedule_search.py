@@ -111,11 +111,15 @@ def run(c, workdir: str) -> dict:
 def summary(result: dict, workdir: str) -> str:
   """The closing log line, from result.json's fields."""
   n = result["devices_at_budget"]
-  return (f"searched {result['searched']:g} (LB {result['lower_bound']:g}, gap "
-          f"{100 * result['gap_to_lower_bound']:.2f}%), peak {result['peak_max']:g} of a "
+  serial = result.get("serial_1f1b")  # (the time units are actor_fwd's and critic_fwd's)
+  return (f"searched {result['searched']:g} time units (LB {result['lower_bound']:g}, gap "
+          f"{100 * result['gap_to_lower_bound']:.2f}%"
+          + (f"; serial 1F1B {serial:g}, {serial / result['searched']:.2f}x the searched"
+             if serial else "") + f"), peak {result['peak_max']:g} of a "
           f"{result['memory_budget_mode']} budget {result['budget_max']:g} ({n} "
           f"device{'' if n == 1 else 's'} at it), within budget: {result['within_budget']}; "
-          f"wrote {workdir}")
+          f"wrote {workdir} (a run of this shape trains it: train_ppo "
+          f"--config.pipeline.schedule_file={os.path.join(workdir, 'schedule.json')})")
 
 
 def main(argv):

@@ -76,22 +76,25 @@ def test_schedule_search_binary_writes_results(tmp_path):
 
 
 def test_schedule_search_summary_says_device_or_devices():
-  """The closing log line (it said '1 devices at it'). In a subprocess: importing the binary
-  defines its absl flags, which bench_generation's (imported by other tests) would collide
-  with."""
+  """The closing log line (it said '1 devices at it'; and it gave neither the serial 1F1B
+  makespan the search is measured against nor how train_ppo runs the schedule). In a
+  subprocess: importing the binary defines its absl flags, which bench_generation's (imported
+  by other tests) would collide with."""
   code = ("from experiments.schedule_search import summary\n"
           "r = dict(searched=44.0, lower_bound=42.0, gap_to_lower_bound=44 / 42 - 1,\n"
           "         peak_max=44.0, memory_budget_mode='uniform', budget_max=44.0,\n"
-          "         within_budget=True)\n"
+          "         within_budget=True, serial_1f1b=55.0)\n"
           "for n in (1, 3):\n"
           "  print(summary({**r, 'devices_at_budget': n}, '/tmp/w'))\n")
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True,
                        text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-3000:]
-  start = "searched 44 (LB 42, gap 4.76%), peak 44 of a uniform budget 44 "
-  assert out.stdout.splitlines() == [
-      start + "(1 device at it), within budget: True; wrote /tmp/w",
-      start + "(3 devices at it), within budget: True; wrote /tmp/w"]
+  start = ("searched 44 time units (LB 42, gap 4.76%; serial 1F1B 55, 1.25x the searched), "
+           "peak 44 of a uniform budget 44 ")
+  end = (", within budget: True; wrote /tmp/w (a run of this shape trains it: train_ppo "
+         "--config.pipeline.schedule_file=/tmp/w/schedule.json)")
+  assert out.stdout.splitlines() == [start + "(1 device at it)" + end,
+                                     start + "(3 devices at it)" + end]
 
 
 def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
