@@ -929,8 +929,20 @@ def verdict(result: dict) -> str:
         "fsdp", "more stages or tensor devices"]
     offload = [] if plan.get("offload_optimizer") else [
         "offload_optimizer (a run's optim.offload_during_rollout)"]
-    fixes = {"temporaries": ["smaller or more micro-batches", "remat"], "arguments": split,
-             "the training state beside it": offload + split, "the models beside it": []}
+    fixes = {"arguments": split, "the training state beside it": offload + split,
+             "the models beside it": []}
+    # Temporaries: each program's own knob, with the run's field (plan_check --run_config
+    # says config.<field> of the run; "smaller or more micro-batches" named neither).
+    temporaries = {
+        "train_step": [("more micro-batches (microbatch_size, the rows of one: a run's "
+                        "pipeline.actor_microbatches / critic_microbatches)")
+                       if plan.get("pp", 1) > 1 else
+                       "smaller micro-batches (microbatch_size: a run's algo.microbatch_size)",
+                       "remat (a run's model.remat)"],
+        "decode": ["fewer slots per instance (gen_slots: a run's plan.generation_slots, "
+                   "fusion.slots or rollout batch)"],
+        "inference": ["smaller micro-batches (inference_microbatch: a run's "
+                      "fusion.inference_micro_batch, 0 = the slots)"]}
     hints = []
     for name in over:
       p = result["programs"][name]
@@ -942,7 +954,8 @@ def verdict(result: dict) -> str:
       terms = {"temporaries": p["temp_bytes"], "arguments": p["argument_bytes"],
                f"{kept} beside it": beside}
       largest = max(terms, key=terms.get)
-      remedy = f": {', '.join(fixes[largest])}" if fixes[largest] else ""
+      fix = temporaries[name] if largest == "temporaries" else fixes[largest]
+      remedy = f": {', '.join(fix)}" if fix else ""
       hints.append(f"{name} (peak {_gb(p['peak_bytes'] + beside)} of {_gb(p['hbm_bytes'])} GB"
                    + (f" with {kept}" if beside else "") + f"; largest: {largest}{remedy})")
     line = "verdict: DOES NOT FIT: " + "; ".join(hints)

@@ -261,10 +261,22 @@ def test_the_table_ends_with_a_verdict_naming_what_does_not_fit():
   result["layers_compiled"] = {"actor": 8, "actor_full": 32, "critic": 4, "critic_full": 16,
                                "reduced": True}
   last = plan_programs.table(result)[-1]
+  assert result["plan"]["pp"] > 1
   assert last == ("verdict: DOES NOT FIT: train_step (peak 133.66 of 80.00 GB; largest: "
-                  "temporaries: smaller or more micro-batches, remat) -- for 8 of 32 actor "
-                  "layers and 4 of 16 critic layers (config.layers): not a verdict on the whole "
-                  "models")
+                  "temporaries: more micro-batches (microbatch_size, the rows of one: a run's "
+                  "pipeline.actor_microbatches / critic_microbatches), remat (a run's "
+                  "model.remat)) -- for 8 of 32 actor layers and 4 of 16 critic layers "
+                  "(config.layers): not a verdict on the whole models")
+  # each program's own knob, with the run's field (it was "smaller or more micro-batches")
+  inference = result["programs"]["inference"]
+  inference.update(fits=False, temp_bytes=100e9, peak_with_train_state_bytes=0.0)
+  assert ("largest: temporaries: smaller micro-batches (inference_microbatch: a run's "
+          "fusion.inference_micro_batch, 0 = the slots))") in plan_programs.verdict(result)
+  inference.update(fits=True)
+  result["plan"]["pp"] = 1
+  assert ("largest: temporaries: smaller micro-batches (microbatch_size: a run's "
+          "algo.microbatch_size), remat (a run's model.remat))") in plan_programs.verdict(result)
+  result["plan"]["pp"] = 8
   train.update(temp_bytes=1e9, argument_bytes=90e9)
   assert ("largest: arguments: zero1 (a run's optim.zero1), fsdp, more stages or tensor "
           "devices)") in plan_programs.verdict(result)
