@@ -251,8 +251,20 @@ def test_no_feasible_plan_names_each_stage_its_closest_plan_and_what_makes_room(
   assert float(train.group(3)) == min(needs)
   assert f"rejected training {train.group(2)}: " in "\n".join(lines)
   assert "{" not in msg and len(msg) < 2000, msg
-  assert msg.endswith(f"each of the {sum(m.startswith('rejected ') for m in lines)} rejected "
-                      "plans and why: the 'rejected' lines above"), msg
+  assert msg.endswith(f"Each of the {sum(m.startswith('rejected ') for m in lines)} rejected "
+                      "plans and why: the 'rejected' lines above."), msg
+  # A tensor degree the heads refuse was skipped in silence: "no generation plan fits (0
+  # rejected; ...)" for sim.gen_tps=8 and a 28-head actor. Named, without memory advice.
+  from rlhfuse_jax.sim.shapes import ModelShape
+  q7 = ModelShape("q7", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                  num_layers=28, num_heads=28, num_kv_heads=4)
+  wl = dataclasses.replace(_small(), actor=q7, critic=q7.as_critic())
+  with pytest.raises(ValueError) as e:
+    ps.search(COST, wl, it.SimOptions(gen_tps=(8,)))
+  assert str(e.value) == (
+      "plan search: no feasible plan of q7 + q7-critic on 16 x h100_sxm (80 GB per device): no "
+      "generation plan fits (1 rejected; gen tp8: tp8 does not divide q7's num_heads=28, "
+      "num_kv_heads=4 (config.sim.gen_tps)).")
 
 
 def small_workload():

@@ -237,7 +237,12 @@ def generation_candidates(cost: CostModel, wl, opt, prompts, resp, rejected: dic
   `resident_bytes` per device of frozen weights (search)."""
   out = []
   for tp in opt.gen_tps:
-    if tp > cost.hw.devices_per_node or wl.actor.tensor_parallel_error(tp):
+    # named, not skipped in silence: with sim.gen_tps=8 and a 28-head actor the search said no
+    # generation plan fits, 0 rejected
+    why = (f"tp{tp} is more than a node's {cost.hw.devices_per_node} devices"
+           if tp > cost.hw.devices_per_node else wl.actor.tensor_parallel_error(tp))
+    if why:
+      rejected[f"gen tp{tp}"] = f"{why} (config.sim.gen_tps)"
       continue
     g = _fits(lambda: instance_generation(cost, wl, opt, tp, prompts, resp, resident_bytes),
               rejected, f"gen instances tp{tp}")
@@ -340,7 +345,11 @@ def inference_candidates(cost: CostModel, wl, opt, prompt_lens, seq_lens, reject
   frozen = tuple(wl.actor if m == "reference" else wl.critic for m in models)
   out = []
   for tp in (1, 2, 4, 8):
-    if tp > cost.hw.devices_per_node or any(s.tensor_parallel_error(tp) for s in frozen):
+    why = (f"tp{tp} is more than a node's {cost.hw.devices_per_node} devices"
+           if tp > cost.hw.devices_per_node else
+           next(filter(None, (s.tensor_parallel_error(tp) for s in frozen)), None))
+    if why:
+      rejected[f"inference tp{tp}"] = why
       continue
     t = _fits(lambda: (it.check_inference_memory(cost, wl, tp, opt.inference_microbatch,
                                                  prompt_lens, frozen, " + ".join(models)),
@@ -672,7 +681,8 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
       pairs = [(gen, inf) for inf in infs for gen in groups[kept_at[inf.plan.tp]][0]]
     if not (trains and pairs):
       stage = "training" if not trains else "generation" if not any_gen else "inference"
-      why = next((v for k, v in rejected.items() if k.startswith(stage)), "nothing fits")
+      mine = [v for k, v in rejected.items() if k.startswith(stage)]  # a memory reason first
+      why = next((v for v in mine if _NEEDS.search(v)), mine[0] if mine else "nothing fits")
       splits.append({"generation_devices": g, "training_devices": n - g,
                      "rejected": f"no {stage} plan on {n - g if stage == 'training' else g} "
                                  f"devices: {why.split('; tried')[0][:300]}"})
@@ -733,20 +743,25 @@ def no_plan_message(cost: CostModel, wl, rejected: dict, infs: list, groups: dic
   else:
     gens, trains = groups[min(kept_at.values())]  # the inference plan that leaves most room
     empty = [stage for stage, got in (("gen", gens), ("training", trains)) if not got]
-  parts = []
+  parts, memory = [], False
   for stage in empty:
     mine = {k: v for k, v in rejected.items() if k.split()[0] == stage}
     need = {k: float(m.group(1)) for k, v in mine.items() if (m := _NEEDS.search(v))}
-    closest = min(need, key=need.get) if need else next(iter(mine), None)
+    memory = memory or bool(need)
+    if need:  # memory refusals: the nearest to fitting, and what else makes room
+      closest = min(need, key=need.get)
+      why = f"; the closest: {closest}: {mine[closest]}; room: {_ROOM[stage]}"
+    else:  # none tried for its memory (a tensor degree the heads refuse): each says why
+      why = "".join(f"; {k}: {v}" for k, v in list(mine.items())[:4])
     parts.append(f"no {'generation' if stage == 'gen' else stage} plan fits ({len(mine)} "
-                 "rejected" + (f"; the closest: {closest}: {mine[closest]}" if closest else "")
-                 + f"; room: {_ROOM[stage]})")
+                 f"rejected{why})")
   return (f"plan search: no feasible plan of {wl.actor.name} + {wl.critic.name} on "
           f"{wl.num_devices} x {cost.hw.name} ({cost.hw.hbm_bytes / 1e9:g} GB per device): "
-          + "; ".join(parts) + ". Each also fits with more memory per device (the hardware's "
-          "hbm_bytes) or shorter prompts and responses (config.prompt.max_len, config."
-          "max_new_tokens)" + (
-              f"; each of the {len(rejected)} rejected plans and why: the 'rejected' lines above"
+          + "; ".join(parts) + "." + (
+              " Each also fits with more memory per device (the hardware's hbm_bytes) or "
+              "shorter prompts and responses (config.prompt.max_len, config.max_new_tokens)."
+              if memory else "") + (
+              f" Each of the {len(rejected)} rejected plans and why: the 'rejected' lines above."
               if log else ""))
 
 
