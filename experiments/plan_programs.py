@@ -339,6 +339,18 @@ class PlanConfig:
                     (f"{field}.num_layers", f"divisible by its {n_stages} pipeline stages (set "
                      "config.layers to compile fewer)"))
       _check(model.num_layers % n_stages == 0, name, model.num_layers, want)
+    if self.pp > 1:  # the pipelined update's tensor split (trainer/pipelined.check_config),
+      # named by plan_check's fields: it was "config.model.num_heads=32 must be divisible by
+      # mesh.tensor=3", after jax had started, fields plan_check does not have
+      for field, model in (("actor", self.actor), ("critic", self.critic)):
+        bad = [f"{name}={getattr(model, name)}" for name in ("num_heads", "intermediate_size")
+               if getattr(model, name) % self.tp]
+        kv = model.num_kv_heads
+        if kv % self.tp and self.tp % kv:
+          bad.append(f"num_kv_heads={kv} (or a multiple of it)")
+        _check(not bad, "tp", self.tp,
+               f"a divisor of the {field}'s {', '.join(bad)} (config.{field}): the pipelined "
+               "update (pp > 1) splits heads and MLP width over the tensor devices")
     shards = self.dp * self.fsdp
     _check(self.microbatch_size > 0 or self.pp == 1, "microbatch_size", self.microbatch_size,
            f">= 1 with pp={self.pp} (0, each data shard's rows at once, is the unpipelined "

@@ -980,3 +980,18 @@ def test_run_config_with_a_plan_file_for_another_workload_says_so(tmp_path):
           ) in out.stderr, \
       out.stderr[-3000:]
   assert "unknown hardware 'no_such_gpu'" in out.stderr, out.stderr[-3000:]
+
+
+def test_a_tensor_degree_the_heads_refuse_names_plan_checks_own_fields():
+  """configs/plan_check.py:7b_host8 with --config.tp=3 stopped after jax started with the
+  trainer's "config.model.num_heads=32 must be divisible by mesh.tensor=3", fields plan_check
+  has not; it names config.tp and the model's dimensions before anything compiles."""
+  c = plan_config.get_config("7b_host8")
+  c.tp = 3
+  with pytest.raises(ValueError, match=(
+      r"^config\.tp=3: expected a divisor of the actor's num_heads=32, intermediate_size=11008, "
+      r"num_kv_heads=32 \(or a multiple of it\) \(config\.actor\): the pipelined update")):
+    plan_programs.PlanConfig.from_config_dict(c)
+  c = plan_config.get_config("tiny")  # 4 heads, 2 KV heads (fewer than tp: kept whole)
+  c.tp, c.dp, c.fsdp = 4, 1, 1
+  assert plan_programs.PlanConfig.from_config_dict(c).tp == 4
