@@ -230,3 +230,18 @@ def test_a_key_given_twice_in_a_json_input_is_refused_naming_it(tmp_path):
   (tmp_path / "nested.json").write_text('{"a": {"b": 1, "b": 2}}')
   with pytest.raises(ValueError, match=r"the key 'b' appears twice"):
     wd.read_json_object(str(tmp_path / "nested.json"))
+
+
+def test_a_shape_of_ones_own_keeps_its_name_in_the_setting_label(tmp_path):
+  """plan_search.md's title and the ablations' setting labels upper-cased every shape name: a
+  user's "q14" read "Q14" ("llama3-8b": "LLAMA3-8B"); the LLaMA-1 presets keep the paper's 13B."""
+  from configs import ablations as ablation_config
+  from rlhfuse_jax.sim.ablations import AblationConfig
+  (tmp_path / "config.json").write_text(json.dumps({
+      "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "vocab_size": 256}))
+  c = ablation_config.get_config()
+  c.shapes, c.pairs, c.max_new_tokens = f"q14={tmp_path}", "q14/llama-13b", "512"
+  assert [s["label"] for s in AblationConfig.from_config_dict(c).settings()] == [
+      "q14/13B L=512"]

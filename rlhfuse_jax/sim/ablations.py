@@ -196,7 +196,9 @@ class AblationConfig:
     out = []
     for a, c in self.pairs:
       for m in self.max_new_tokens:
-        short = lambda s: s.replace("llama-", "").upper()
+        # the LLaMA-1 presets as the paper names them (13B); a shape of the user's own
+        # (config.shapes) as they named it (it read "Q14" for "q14", "LLAMA3-8B")
+        short = lambda s: s[len("llama-"):].upper() if s.startswith("llama-") else s
         out.append({"actor": a, "critic": c, "max_new_tokens": m,
                     "label": f"{short(a)}/{short(c)} L={m}", "hardware": self.hardware,
                     "num_devices": self.num_devices, "global_batch": self.global_batch,
