@@ -160,6 +160,17 @@ def report(res: dict, systems: dict, setting: dict,
   for stage, opts in res["stages"].items():
     lines += ["", f"Best {stage} plans ({STAGE_TIMES.get(stage, 'seconds')}):", ""]
     lines += [f"- {name}: {_s(s, 3)}" for name, s in opts[:8]]
+  if res["rejected"]:  # what did not fit, and the nearest miss: how far each stage is from
+    # a larger layout or smaller devices (result.json "rejected" holds every one and why)
+    lines += ["", f"Rejected stage plans ({len(res['rejected'])}; every one with why: "
+              "result.json `rejected`), the nearest to fitting in memory per stage:", ""]
+    for stage in ("gen", "inference", "training", "uniform"):
+      mine, closest = plan_search.closest_rejection(res["rejected"], stage)
+      if mine:
+        lines.append(f"- {'generation' if stage == 'gen' else stage}: {len(mine)} rejected"
+                     + (f"; nearest: {closest}: {mine[closest]}" if closest else
+                        f" (none for memory; e.g. {next(iter(mine))}: "
+                        f"{next(iter(mine.values()))})"))
   if constants is not None:
     lines += ["", "## Inputs (every time above follows from these and the workload)", ""]
     lines += sim_report.constants_section(*constants)

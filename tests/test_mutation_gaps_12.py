@@ -476,7 +476,8 @@ def plan(summary, iteration_s, **extra):
           **extra}
 
 best = plan("best", 4.0)
-res = {"evaluated": 7, "rejected": [1, 2], "synchronous_search_s": 1.5, "search_s": 3.0,
+res = {"evaluated": 7, "rejected": {"gen tp8": "why", "inference tp8": "why"},
+       "synchronous_search_s": 1.5, "search_s": 3.0,
        "best": best, "top": [best, plan("second", 5.0)],
        "uniform": {"layout": {"tp": 2, "pp": 1, "dp": 4}, **plan("u", 3.0)},
        "stages": {"generation": [["g1", 1.0]]},

@@ -619,6 +619,12 @@ def test_the_report_says_what_a_calibration_measured_and_where_each_default_come
           "migration") in md, md
   assert "| train_mfu | 0.3 | config | assumption inside published MFUs" in md
   assert "| memory_headroom | 0.9 | default | vLLM's default gpu_memory_utilization |" in md
+  # What did not fit, per stage (the report gave a count only)
+  res = json.loads((wd / "result.json").read_text())
+  assert (f"Rejected stage plans ({len(res['rejected'])}; every one with why: result.json "
+          "`rejected`), the nearest to fitting in memory per stage:") in md
+  assert "- inference: 2 rejected (none for memory; e.g. inference tp4: tp4 does not divide m's" \
+      in md, md
   res = json.loads((wd / "result.json").read_text())
   assert res["calibration"]["path"] == f"{tmp_path}/cal.json"
   assert res["calibration"]["prefill"]["per_s"] == 1e5 and "train_stage" not in res["calibration"]

@@ -730,6 +730,14 @@ _ROOM = {"inference": "a smaller config.sim.inference_microbatch (tp stops at 8 
          "training": "more devices (config.num_devices) for more stages and tensor devices"}
 
 
+def closest_rejection(rejected: dict, stage: str) -> tuple[dict, Optional[str]]:
+  """({name: why} of the rejected plans of `stage` ('inference', 'gen', 'training',
+  'uniform'), the name of the memory refusal nearest to fitting, or None: none was one)."""
+  mine = {k: v for k, v in rejected.items() if k.split()[0] == stage}
+  need = {k: float(m.group(1)) for k, v in mine.items() if (m := _NEEDS.search(v))}
+  return mine, (min(need, key=need.get) if need else None)
+
+
 def no_plan_message(cost: CostModel, wl, rejected: dict, infs: list, groups: dict,
                     kept_at: dict, log: Optional[Callable[[str], None]]) -> str:
   """search's refusal when no combination fits: the stages with no plan, each with its count of
@@ -745,11 +753,9 @@ def no_plan_message(cost: CostModel, wl, rejected: dict, infs: list, groups: dic
     empty = [stage for stage, got in (("gen", gens), ("training", trains)) if not got]
   parts, memory = [], False
   for stage in empty:
-    mine = {k: v for k, v in rejected.items() if k.split()[0] == stage}
-    need = {k: float(m.group(1)) for k, v in mine.items() if (m := _NEEDS.search(v))}
-    memory = memory or bool(need)
-    if need:  # memory refusals: the nearest to fitting, and what else makes room
-      closest = min(need, key=need.get)
+    mine, closest = closest_rejection(rejected, stage)
+    memory = memory or closest is not None
+    if closest:  # memory refusals: the nearest to fitting, and what else makes room
       why = f"; the closest: {closest}: {mine[closest]}; room: {_ROOM[stage]}"
     else:  # none tried for its memory (a tensor degree the heads refuse): each says why
       why = "".join(f"; {k}: {v}" for k, v in list(mine.items())[:4])
