@@ -64,8 +64,10 @@ class ModelShape:
 
   def tensor_parallel_error(self, tp: int):
     """Why Megatron tensor parallelism of degree tp cannot split this model (None if it can):
-    heads, KV heads and MLP width must each divide by tp (our pipelined update requires it,
-    trainer/pipelined.check_config, as Megatron-LM does)."""
+    heads, KV heads and MLP width must each divide by tp (our pipelined update requires it of
+    the heads and MLP width, trainer/pipelined.check_config, as Megatron-LM does; it also runs
+    a tp that is a multiple of the KV heads, each kept whole, whose replicated KV cache the
+    cost model does not price: refused here, docs/simulator.md)."""
     bad = [f"{f}={getattr(self, f)}" for f in ("num_heads", "num_kv_heads", "intermediate_size")
            if getattr(self, f) % tp]
     return f"tp{tp} does not divide {self.name}'s {', '.join(bad)}" if bad else None
