@@ -628,3 +628,21 @@ def test_the_report_says_what_a_calibration_measured_and_where_each_default_come
   res = json.loads((wd / "result.json").read_text())
   assert res["calibration"]["path"] == f"{tmp_path}/cal.json"
   assert res["calibration"]["prefill"]["per_s"] == 1e5 and "train_stage" not in res["calibration"]
+
+
+def test_no_plan_the_trainer_runs_lists_each_reason_with_its_count():
+  """Every combination refused by the trainer's rules or checks: the error printed the dict of
+  reasons on one line ("refused: {'disjoint training ...': 12, ...}"); each reason now comes
+  with its count, the most frequent first."""
+  wl = _small()
+  reasons = iter(["first", "second", "second"] * 1000)
+  with pytest.raises(ValueError) as e:
+    ps.search(COST, wl, it.SimOptions(gen_tps=(1, 2, 4, 8)), accept=lambda p: next(reasons))
+  msg = str(e.value)
+  head = (f"plan search: no plan of {wl.actor.name} + {wl.critic.name} on 16 devices that the "
+          "trainer runs (")
+  assert msg.startswith(head) and "{" not in msg, msg
+  got = re.fullmatch(r".*combinations refused\): (\d+) x (\w+); (\d+) x (\w+)", msg)
+  assert got and got.group(2, 4) == ("second", "first"), msg
+  assert int(got.group(1)) >= int(got.group(3)) and (
+      f"({int(got.group(1)) + int(got.group(3))} combinations refused)" in msg)

@@ -813,8 +813,12 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
     combos = sorted(every, key=_combo_s)
     top = _runnable(wl, opt, (_plan_dict(*c) for c in combos), accept, top_k, refused)
     if not top:
-      raise ValueError(f"plan search: no plan of {wl.actor.name} + {wl.critic.name} on "
-                       f"{wl.num_devices} devices that the trainer runs; refused: {refused}")
+      # each reason on its own, the most frequent first (a dict's repr on one line, before)
+      raise ValueError(
+          f"plan search: no plan of {wl.actor.name} + {wl.critic.name} on {wl.num_devices} "
+          f"devices that the trainer runs ({sum(refused.values())} combinations refused): "
+          + "; ".join(f"{n} x {why}" for why, n in sorted(refused.items(),
+                                                            key=lambda x: -x[1])))
   else:
     # Every generation and training plan: a pair of the same layout pays no resharding, so
     # plans outside their stage's top k may still make the best combination.
