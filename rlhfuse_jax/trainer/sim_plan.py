@@ -99,8 +99,9 @@ class PlanCheck:
       cfg = build.resolve_config(TrainConfig.from_config_dict(d), self.tokenizer, log=False)
       train_mesh, gen_mesh = async_lib.meshes(cfg, self.devices)
       validate(cfg, train_mesh, generation_devices=gen_mesh.devices.size)
-    except ValueError as e:
-      return str(e)
+    except ValueError as e:  # the file is this check's, not one the user wrote
+      return str(e).replace(f"config.plan.file={self.path!r}",
+                            "config.plan.file=<the searched plan>")
     finally:
       os.remove(self.path)
     return None
