@@ -466,7 +466,7 @@ def test_calibrate_sim_feeds_plan_search_on_the_machine_it_measured(tmp_path):
           ) in out.stderr, out.stderr[-3000:]
   out = _run(search + [f"--workdir={tmp_path / 'big'}", f"--config.hardware={host}"])
   assert out.returncode == 1, out.stderr[-3000:]  # LLaMA-1 65B/33B: not the model it timed
-  assert (f"simulate that model (calibrate_sim writes its config.json to <its workdir>/model: "
+  assert ("simulate that model (calibrate_sim writes its config.json to <its workdir>/model: "
           "--config.shapes=NAME=<its workdir>/model") in out.stderr, out.stderr[-3000:]
   out = _run(search + [f"--workdir={tmp_path / 'ps'}", f"--config.hardware={host}",
                        f"--config.shapes=mine={cal}/model", "--config.pairs=mine/mine"])
