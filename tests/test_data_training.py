@@ -37,7 +37,7 @@ def _rows():
   return rows
 
 
-def _config(path, workdir_eval_every):
+def _config(path, workdir_eval_every, **extra):
   return tiny_config(**{
       "num_iterations": 3, "eval_every": workdir_eval_every,
       "init.tokenizer": os.path.join(CHAT, "chatml", "tokenizer.json"),
@@ -45,7 +45,7 @@ def _config(path, workdir_eval_every):
       "data.chat_template": "auto", "data.val_fraction": VAL / 12, "data.max_prompt_len": 40,
       "reward.function": "tests.test_rewards:answer_length",
       "rollout.prompts_per_iteration": 4, "algo.minibatch_size": 4, "algo.epochs": 1,
-      "rollout.max_new_tokens": 6, "rollout.chunk_size": 3, "checkpoint.every": 100})
+      "rollout.max_new_tokens": 6, "rollout.chunk_size": 3, "checkpoint.every": 100, **extra})
 
 
 def _tb_scalars(workdir):
@@ -177,6 +177,34 @@ def test_prompts_are_the_chat_rendered_rows(runs):
   # With seed 0 the split holds out rows 0, 1 and 8: both golden conversations are validated.
   assert goldens == {"user", "system_user"}
   assert not any(rec["golden"] for rec in train)
+
+
+def test_the_validation_pass_reports_each_reward_terms_mean(tmp_path):
+  """With reward.format the pass also logs each term's unweighted mean over the held-out
+  prompts, val/function_mean and val/format_mean (the held-out accuracy of a verifier without
+  the format bonus), its filler rows dropped, through the trainer's own rollout stage. Here
+  the format term is 100 x the function's (characters against characters / 100), so a swap
+  of the two or a filler row counted shows."""
+  path = str(tmp_path / "train.parquet")
+  pq.write_table(pa.Table.from_pylist(_rows()), path)
+  cfg = _config(path, 1, **{"num_iterations": 1, "reward.format_weight": 0.5,
+                            "reward.format": "tests.test_rewards:with_defaults"})
+  trainer = PPOTrainer(cfg, str(tmp_path / "run"), mesh=mesh_lib.make_mesh(
+      mesh_lib.MeshConfig(data=1), jax.devices()[:1]))
+  seen = record_rollouts(trainer)
+  row = trainer.run()[-1]
+  (out,) = [o for p, o in seen
+            if p.records[0]["_source"] == trainer.held_out.dataset.records[0]["_source"]]
+  tok = HFTokenizer.from_file(os.path.join(CHAT, "chatml"))
+  scores = [answer_length(_text(tok, out.rollout.response_tokens[i, :n]), None, {})
+            for i, n in enumerate(out.rollout.response_lens)]
+  want = np.mean(scores[:VAL])
+  assert row["val/function_mean"] == pytest.approx(want, abs=1e-6)
+  assert row["val/format_mean"] == pytest.approx(100 * want, abs=1e-4)
+  assert row["val/reward_mean"] == pytest.approx(want + 50 * want, abs=1e-4)
+  # The filler row (the first held-out prompt again) answered otherwise: counting it would
+  # change the means.
+  assert len(scores) == VAL + 1 and np.mean(scores) != pytest.approx(want, abs=1e-4)
 
 
 def test_validation_leaves_training_untouched(runs):

@@ -25,13 +25,17 @@ def tiny(**overrides):
 
 def test_fused_trajectory_equals_serial(tmp_path):
   # 4 devices: 4 instances of 4 slots; a random policy ends ~4 % of its samples per step (EOS),
-  # so by the tail 3 instances can hold the rest and Rt = 1 consolidates at once.
+  # so by the tail 3 instances can hold the rest and Rt = 1 consolidates at once. A format term
+  # beside the task's reward: both stages hand its per-sample values on (the validation pass's
+  # val/<term>_mean).
+  fmt = {"reward.format": "length_match", "reward.format_weight": 0.5}
   mesh = lambda: mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4), jax.devices()[:4])
-  serial = PPOTrainer(tiny(), str(tmp_path / "serial"), mesh=mesh())
+  serial = PPOTrainer(tiny(**fmt), str(tmp_path / "serial"), mesh=mesh())
   assert isinstance(serial.rollout, rollout.SerialStage)
   serial_out = record_rollouts(serial)
   h_serial = serial.run()
-  fused = PPOTrainer(tiny(**{"fusion.inter_stage": True, "fusion.migration_threshold": "1.0"}),
+  fused = PPOTrainer(tiny(**fmt, **{"fusion.inter_stage": True,
+                                     "fusion.migration_threshold": "1.0"}),
                      str(tmp_path / "fused"), mesh=mesh())
   assert isinstance(fused.rollout, rollout.FusedStage)
   fused_out = record_rollouts(fused)
@@ -41,6 +45,11 @@ def test_fused_trajectory_equals_serial(tmp_path):
       np.testing.assert_array_equal(getattr(a.rollout, field), getattr(b.rollout, field))
     for field in ("ref_logp", "values", "scores"):
       np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+    assert set(a.reward_terms) == set(b.reward_terms) == {"function", "format"}
+    for label, values in a.reward_terms.items():
+      np.testing.assert_array_equal(values, b.reward_terms[label])
+    np.testing.assert_allclose(a.scores, a.reward_terms["function"] +
+                               0.5 * a.reward_terms["format"], rtol=1e-6)
   for a, b in zip(h_serial, h_fused):
     det_a = {k: v for k, v in a.items() if not k.startswith(TIMING_PREFIXES)}
     det_b = {k: v for k, v in b.items() if not k.startswith(TIMING_PREFIXES) and k in det_a}

@@ -286,6 +286,15 @@ class Rewards:
               model_scores: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:
     """(rewards [B] float32, reward/<label>_mean metrics): the source (the function, or the
     reward model's `model_scores`) plus every weighted extra term."""
+    return self.combine_terms(records, response_tokens, response_lens, model_scores)[:2]
+
+  def combine_terms(self, records: Optional[Sequence[Mapping[str, Any]]],
+                    response_tokens: np.ndarray, response_lens: np.ndarray,
+                    model_scores: Optional[np.ndarray] = None
+                    ) -> tuple[np.ndarray, dict, dict]:
+    """combine's (rewards, metrics) and {label: the term's unweighted values [B] float32} when
+    there are several terms ({} for one): the validation pass averages them over its real rows
+    (val/function_mean, val/format_mean), where a batch mean would count its filler rows."""
     if self.from_model != (model_scores is not None):
       raise ValueError(f"Rewards.combine: model_scores must be given exactly when the reward is "
                        f"a model's (from_model={self.from_model})")
@@ -306,25 +315,32 @@ class Rewards:
       terms = ", ".join(f"{label} {weight:g} * {values[b]:g}" for label, weight, values in parts)
       raise ValueError(f"the reward of sample {b} of the batch overflows float32: {terms}; "
                        "scale the terms (config.reward.format_weight) into float32's range")
-    metrics = ({f"reward/{label}_mean": float(np.mean(values, dtype=np.float64))
-                for label, _, values in parts} if len(parts) > 1 else {})
+    terms = {label: values for label, _, values in parts} if len(parts) > 1 else {}
+    metrics = {f"reward/{label}_mean": float(np.mean(values, dtype=np.float64))
+               for label, values in terms.items()}
     for t in self.stats:  # the mean over the samples the statistic has a value for
       values = self._term(t.fn, t.name, records, response_tokens, response_lens, stat=True)
       known = values[~np.isnan(values)].astype(np.float64)
       metrics[f"stats/{t.label}_mean"] = float(known.mean()) if known.size else float("nan")
-    return total, metrics
+    return total, metrics, terms
 
   def scored(self, batch: ScoringBatch, records: Optional[Sequence[Mapping[str, Any]]] = None
              ) -> tuple[np.ndarray, dict]:
     """(rewards [B] float32, per-term metrics) for the batch (records: the B prompt records,
     for functions)."""
+    return self.scored_terms(batch, records)[:2]
+
+  def scored_terms(self, batch: ScoringBatch,
+                   records: Optional[Sequence[Mapping[str, Any]]] = None
+                   ) -> tuple[np.ndarray, dict, dict]:
+    """scored's (rewards, metrics) and combine_terms' per-sample terms."""
     scores = None
     if self.from_model:
       if self.model_params is None:
         raise ValueError("this Rewards gave its reward-model weights away "
                          "(without_model_params): score with their new holder")
       scores = self.scorer.reward_scores(self.model_cfg, self.model_params, batch)
-    return self.combine(records, batch.response_tokens, batch.response_lens, scores)
+    return self.combine_terms(records, batch.response_tokens, batch.response_lens, scores)
 
   def __call__(self, batch: ScoringBatch,
                records: Optional[Sequence[Mapping[str, Any]]] = None) -> np.ndarray:

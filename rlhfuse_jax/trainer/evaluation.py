@@ -65,7 +65,7 @@ class HeldOutEval:
     """val/* metrics of the policy after 0-based `iteration`."""
     t0 = last = time.time()
     key = validation_key(self.seed, iteration)
-    scores, lengths = [], []
+    scores, lengths, terms = [], [], {}
     num_batches = -(-len(self.dataset) // self.rows)
     # A fused stage's Rt histogram learns from training batches only.
     generator = rollout_lib.fused_generator(stage)
@@ -74,11 +74,17 @@ class HeldOutEval:
         out = stage(params, prompts, jax.random.fold_in(key, b))
         scores.append(np.asarray(out.scores[:real], np.float64))
         lengths.append(np.asarray(out.rollout.response_lens[:real]))
+        for label, values in out.reward_terms.items():
+          terms.setdefault(label, []).append(np.asarray(values[:real], np.float64))
         if b + 1 < num_batches and time.time() - last >= PROGRESS_S:
           last = time.time()
           logging.info("validation after iteration %d: %d/%d batches of held-out prompts in "
                        "%.0fs", iteration + 1, b + 1, num_batches, last - t0)
     s, lens = np.concatenate(scores), np.concatenate(lengths)
-    return {"val/reward_mean": float(s.mean()), "val/reward_std": float(s.std()),
+    # With reward.format, each term's unweighted mean too: val/function_mean is the held-out
+    # accuracy of a 0/1 verifier, without the format bonus that val/reward_mean adds.
+    term_means = {f"val/{label}_mean": float(np.concatenate(v).mean())
+                  for label, v in terms.items()}
+    return {"val/reward_mean": float(s.mean()), "val/reward_std": float(s.std()), **term_means,
             "val/response_length_mean": float(lens.mean()), "val/prompts": int(s.size),
             "timing_s/validation": time.time() - t0}

@@ -69,6 +69,9 @@ class StageOutputs:
   values: np.ndarray  # [B, T] critic values (zeros without a critic)
   scores: np.ndarray  # [B] sequence rewards
   metrics: dict  # timings (timing_s/generate, timing_s/inference) and stage-specific metrics
+  # {label: [B] unweighted values} of each reward term when there are several
+  # (Rewards.combine_terms: "function" or "model", "format"); {} for one
+  reward_terms: dict = dataclasses.field(default_factory=dict)
 
 
 # params("actor") / params("critic"): a model's whole parameters, placed as generation and
@@ -136,11 +139,11 @@ def score_rollout(stage: Any, rollout: Any, params: WholeParams, prompts: Prompt
       critic = place_critic(critic, m)
     t0 += time.time() - t_fetch
     values = stage.scorer.values(stage.critic_cfg, critic, batch)
-  scores, reward_metrics = stage.rewards.scored(batch, prompts.records)
+  scores, reward_metrics, terms = stage.rewards.scored_terms(batch, prompts.records)
   m["timing_s/inference"] = time.time() - t0
   m.update(reward_metrics)
   return StageOutputs(rollout=rollout, batch=batch, ref_logp=ref_logp, values=values,
-                      scores=scores, metrics=m)
+                      scores=scores, metrics=m, reward_terms=terms)
 
 
 def fused_config(fusion, batch_size: int, num_devices: int) -> fused_lib.FusedGenConfig:
@@ -255,14 +258,14 @@ class FusedStage:
     batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
     values = out.values if self.use_critic else np.zeros(rollout.logprobs.shape, np.float32)
     # The reward model scored on the instances; the function terms are added here.
-    scores, reward_metrics = self.rewards.combine(
+    scores, reward_metrics, terms = self.rewards.combine_terms(
         prompts.records, rollout.response_tokens, rollout.response_lens,
         out.rewards if self.rewards.from_model else None)
     metrics = {**out.metrics, **reward_metrics}
     if out.rt_choice is not None:
       metrics["fusion/rt_simulated_s"] = {str(k): v for k, v in out.rt_choice.simulated_s.items()}
     return StageOutputs(rollout=rollout, batch=batch, ref_logp=out.ref_logp, values=values,
-                        scores=scores, metrics=metrics)
+                        scores=scores, metrics=metrics, reward_terms=terms)
 
   @staticmethod
   def _instance_ready(params: Any) -> Any:
