@@ -57,7 +57,9 @@ def test_a_path_change_is_judged_as_a_change_unless_its_content_was_fingerprinte
   """resume_changes takes a path change off the changes only when the saved fingerprint of that
   field exists and equals this start's. A field neither start fingerprinted (its path held no
   file) stays a config change, even though both sides are 'missing'; and a moved input with
-  other content is left to the config-change check alone, not also reported as changed files."""
+  other content is reported once, as other files at the new path (it was left to the
+  config-change check, whose 'no resume may change' contradicted the accepted move of the
+  same files), not also as a config change."""
   fp = {"config.json": "a"}
   saved = {"init.actor_checkpoint": fp}
   change = "init.tokenizer: '/a' -> '/b'"
@@ -65,7 +67,9 @@ def test_a_path_change_is_judged_as_a_change_unless_its_content_was_fingerprinte
       [change], [])
   moved = "init.actor_checkpoint: '/m' -> '/n'"
   assert inputs.resume_changes([moved], saved, {"init.actor_checkpoint": {"config.json": "b"}},
-                               3) == ([moved], [])
+                               3) == ([], [f"{moved} holds other files than the run started "
+                                           "with (config.json changed; the KL reference is "
+                                           "read from it at every start)"])
 
 
 def test_a_saved_fingerprint_without_file_names_says_its_files_changed():
@@ -228,7 +232,8 @@ def test_the_inference_clock_leaves_out_the_critics_fetch(monkeypatch):
   stage = types.SimpleNamespace(
       actor_cfg=None, critic_cfg=None, use_critic=True, pad_id=0, reference=None,
       sampling=types.SimpleNamespace(logprob_temperature=1.0), scorer=scorer,
-      rewards=types.SimpleNamespace(scored=lambda batch, records: (np.ones(b, np.float32), {})))
+      rewards=types.SimpleNamespace(
+          scored_terms=lambda batch, records: (np.ones(b, np.float32), {}, {})))
   out = rollout.score_rollout(stage, roll, lambda name: name, types.SimpleNamespace(records=[{}]),
                               {})
   assert out.metrics["timing_s/inference"] == 3.0

@@ -466,8 +466,8 @@ def test_the_serial_rollout_scores_values_with_the_critic_and_ref_at_the_tempera
   stage = types.SimpleNamespace(
       actor_cfg="A", critic_cfg="C", use_critic=True, pad_id=0, reference="ref params",
       sampling=types.SimpleNamespace(logprob_temperature=0.7), scorer=scorer,
-      rewards=types.SimpleNamespace(scored=lambda batch, records: (np.ones(b, np.float32),
-                                                                   {"reward/x_mean": 1.0})))
+      rewards=types.SimpleNamespace(scored_terms=lambda batch, records: (
+          np.ones(b, np.float32), {"reward/x_mean": 1.0}, {})))
   prompts_ = types.SimpleNamespace(records=[{}, {}])
   out = rollout_lib.score_rollout(stage, rollout, lambda name: f"{name} params", prompts_, {})
   assert asked == [("ref", "ref params", 0.7), ("values", "critic params")]
