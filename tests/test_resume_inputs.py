@@ -104,6 +104,31 @@ def test_resume_takes_a_new_path_to_the_same_content_and_refuses_new_content(tmp
                                5) == ([], [])
 
 
+def test_a_new_path_to_other_files_is_named_as_other_files(tmp_path):
+  """A resume from a new path whose files differ from the run's (another revision of the model
+  downloaded to scratch) names the field, the path change and the files that differ, for the
+  'put the files back' error (another path to the same files is accepted). It was left a
+  config change, refused as a field no resume may ever change."""
+  model, scratch = tmp_path / "model", tmp_path / "scratch"
+  shutil.copytree(os.path.join(FIXTURES, "tiny_llama"), model)
+  shutil.copytree(model, scratch)
+  (scratch / "config.json").write_text((scratch / "config.json").read_text() + " ")
+  saved = inputs.fingerprints(_cfg(str(model), str(model / "tokenizer.json")))
+  now = inputs.fingerprints(_cfg(str(scratch), str(scratch / "tokenizer.json")))
+  actor = f"init.actor_checkpoint: {str(model)!r} -> {str(scratch)!r}"
+  tok = (f"init.tokenizer: {str(model / 'tokenizer.json')!r} -> "
+         f"{str(scratch / 'tokenizer.json')!r}")
+  left, changed = inputs.resume_changes([actor, tok, "seed: 0 -> 1"], saved, now, 5)
+  assert left == ["seed: 0 -> 1"]  # the tokenizer's files are the same: its move is taken
+  assert changed == [f"{actor} holds other files than the run started with (config.json "
+                     "changed; the KL reference is read from it at every start)"]
+  # The critic's checkpoint, read by the first start only, stays as it was.
+  critic = f"init.critic_checkpoint: {str(model)!r} -> {str(scratch)!r}"
+  assert inputs.resume_changes([critic], inputs.fingerprints(_cfg(critic=str(model))),
+                               inputs.fingerprints(_cfg(critic=str(scratch))), 5) == ([critic],
+                                                                                       [])
+
+
 def test_checkpoints_compare_the_inputs_contents_on_resume(tmp_path):
   """hooks.Checkpoints saves the inputs' fingerprints with each checkpoint: a resume from the
   same model at a new path starts (it was refused: the path differed), one whose model

@@ -132,7 +132,9 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
   paths alone are compared) with this start's `now`. A path change to the same content is
   taken off `changes` (logged); other content at an input read on every start is returned as a
   line naming the field and why it matters (the critic's checkpoint, read only by the first
-  start, is logged)."""
+  start, is logged); so is a new path to other content at such an input (it was left a config
+  change, refused as a field no resume may change, where another path to the same files is
+  accepted)."""
   if not saved:
     return changes, []
   left, changed = [], []
@@ -142,6 +144,10 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
     if field in PATH_FIELDS and saved.get(field) and saved.get(field) == now.get(field):
       logging.info("resuming iteration %s with %s: the same content at the new path", iteration,
                    c)
+      continue
+    if PATH_FIELDS.get(field) and saved.get(field) and now.get(field):
+      changed.append(f"{c} holds other files than the run started with ("
+                     f"{_changed_files(saved[field], now[field])}; {PATH_FIELDS[field]})")
       continue
     left.append(c)
   for field, why in PATH_FIELDS.items():
@@ -154,9 +160,14 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
     if field not in now:
       changed.append(f"{field}: no longer there ({why})")
       continue
-    was, is_ = saved[field], now[field]
-    files = sorted(n for n in set(was) | set(is_) if was.get(n) != is_.get(n)) if (
-        isinstance(was, dict)) else []
-    changed.append(f"{field}: " + (f"{', '.join(files)} changed" if files else "its files "
-                                   "changed") + f" since the checkpoints were written ({why})")
+    changed.append(f"{field}: {_changed_files(saved[field], now[field])} since the checkpoints "
+                   f"were written ({why})")
   return left, changed
+
+
+def _changed_files(was: Any, is_: Any) -> str:
+  """'a.json, b.safetensors changed' between two fingerprints of an input ({file: digest}), or
+  'its files changed' when they do not say which."""
+  files = sorted(n for n in set(was) | set(is_) if was.get(n) != is_.get(n)) if (
+      isinstance(was, dict) and isinstance(is_, dict)) else []
+  return f"{', '.join(files)} changed" if files else "its files changed"
