@@ -307,3 +307,26 @@ def test_grpo_gives_a_tied_group_of_huge_scores_zero_advantages():
   np.testing.assert_array_equal(adv[:8], 0.0)
   g = scores[8:].astype(np.float64)
   np.testing.assert_allclose(adv[8:], (g - g.mean()) / g.std(ddof=1), rtol=1e-5)
+
+
+def test_the_share_of_groups_whose_rewards_tie_is_logged():
+  """reward/tied_group_frac: the prompts whose samples' rewards all tie (GRPO gives them
+  advantages of 0: DAPO's dynamic sampling would replace them), on the rewards before any KL
+  penalty; only with groups (samples_per_prompt > 1)."""
+  from rlhfuse_jax.trainer import ppo
+  from rlhfuse_jax.trainer.config import AlgoConfig
+  # 4 groups of 3: [0 0 0] ties, [1 0 1] not, [1 1 1] ties, [0.5 0.5 0.25] not.
+  scores = jnp.asarray([0, 0, 0, 1, 0, 1, 1, 1, 1, 0.5, 0.5, 0.25], jnp.float32)
+  mask = jnp.ones((12, 4), jnp.float32)
+  rng = np.random.default_rng(0)
+  old, ref = (jnp.asarray(rng.normal(-2, 1, (12, 4)), jnp.float32) for _ in range(2))
+  for kl_in_reward in (True, False):  # a KL penalty in the reward does not untie them
+    algo = AlgoConfig(estimator="grpo", kl_coef=0.1, kl_in_reward=kl_in_reward,
+                      kl_estimator="k3")
+    adv, _, m = ppo.rollout_statistics(algo, 3, scores, mask, old, ref, jnp.zeros((12, 4)))
+    assert float(m["reward/tied_group_frac"]) == 0.5
+    if not kl_in_reward:  # the tied groups' advantages
+      np.testing.assert_array_equal(np.asarray(adv)[[0, 1, 2, 6, 7, 8]], 0.0)
+  _, _, m = ppo.rollout_statistics(AlgoConfig(estimator="reinforce_pp"), 1, scores, mask, old,
+                                   ref, jnp.zeros((12, 4)))
+  assert "reward/tied_group_frac" not in m
