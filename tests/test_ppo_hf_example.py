@@ -94,6 +94,10 @@ def test_example_config_trains_validates_and_exports(tmp_path, monkeypatch):
     assert h["response_length/mean"] > 0
   assert "val/reward_mean" not in history[0]
   assert history[1]["val/prompts"] == 16 and 0.0 <= history[1]["val/reward_mean"] <= 1.1
+  # The held-out verifier accuracy and format share apart (reward = function + 0.1 x format).
+  val = {k: history[1][f"val/{k}_mean"] for k in ("reward", "function", "format")}
+  assert 0.0 <= val["function"] <= 1.0 and 0.0 <= val["format"] <= 1.0
+  assert val["reward"] == pytest.approx(val["function"] + 0.1 * val["format"], abs=1e-6)
 
   out = os.path.join(wd, hooks.HF_EXPORT_DIR)
   assert sorted(os.listdir(out)) == ["config.json", "generation_config.json",
