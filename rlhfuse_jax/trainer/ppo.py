@@ -353,8 +353,8 @@ def rollout_statistics(algo: AlgoConfig, group_size: int, scores, mask, old_logp
   if algo.kl_estimator != "k3" and algo.kl_coef > 0:
     metrics["kl/penalty_token_mean"] = masked.masked_mean(kl, mask)
   if group_size > 1:
-    # The share of prompts whose n samples' rewards all tie: the group estimators give them
-    # advantages of 0 (no reward signal, only the KL and entropy terms; their tokens still count
+    # The share of prompts whose n samples' rewards all tie: no reward signal (the group
+    # estimators give them advantages of 0 with the KL as a loss term; their tokens still count
     # in a token-mean), what DAPO's dynamic sampling would replace (not implemented here).
     grouped = scores.reshape(-1, group_size)
     metrics["reward/tied_group_frac"] = jnp.mean(
