@@ -7,9 +7,11 @@ For each entry of get_sweep() (a dict of dotted config paths -> values; an optio
 names the run and is not passed on), runs, one after the other,
   python -m experiments.NAME --config=configs/X.py --workdir=DIR/<run> --config.k=v ...
 with the sweep's own --config.* flags appended to every run (so they override the sweep's
-values). Output is streamed with a run prefix. Then writes DIR/summary.json and DIR/summary.md:
-one row per run with its overrides, its status, and the scalar fields of its result.json (or of
-the last line of its metrics.jsonl), nested dicts flattened with '/' and lists skipped; runs
+values). Output is streamed with a run prefix. Then writes DIR/summary.json, DIR/summary.csv
+and DIR/summary.md: one row per run with its overrides, its status, and the scalar fields of
+its result.json (or of the last line of its metrics.jsonl), nested dicts flattened with '/' and
+lists skipped (summary.md's table: for train_ppo the headline results alone, HEADLINE_COLUMNS,
+the others named below it); runs
 that differ only in seed fields also as one row per setting with each result's mean and
 standard deviation (DIR/summary_seeds.json, a second table of summary.md), and training runs'
 curves in DIR/curves.png (a setting's seeds as their mean in a band). summary.md opens with a
@@ -38,8 +40,10 @@ Docs: docs/usage.md ("Configs and sweeps").
 """
 from __future__ import annotations
 
+import csv
 import difflib
 import hashlib
+import io
 import json
 import os
 import re
@@ -361,31 +365,91 @@ def sweep_status(rows: list[dict], names: Sequence[str]) -> str:
   return "; ".join(parts) + "."
 
 
+# The columns of summary.md's table for a sweep of a binary, after the run's name, the fields
+# its command set and its status: what a person compares first. The other results are in
+# summary.json and summary.csv, named below the table (a sweep of train_ppo showed ~38 columns,
+# 24 of them final/*). A binary not named here: every column.
+HEADLINE_COLUMNS = {
+    "train_ppo": ("iterations", "reward_last_10pct", "reward_gain", "final/reward/mean",
+                  "final/kl/ref_mean", "final/response_length/mean", "median_tokens_per_s",
+                  "median_step_s", "wall_s", "error"),
+}
+
+
+def _columns(rows: Sequence[dict]) -> list[str]:
+  """Every key of `rows`, in the order of their first appearance."""
+  return list(dict.fromkeys(k for row in rows for k in row))
+
+
+def main_columns(rows: Sequence[dict], override_keys: Sequence[str],
+                 headline: Optional[Sequence[str]]) -> list[str]:
+  """summary.md's table's columns: with `headline` (HEADLINE_COLUMNS'), the run, its
+  overridden fields (`override_keys`), its status and the headline columns the rows have, in
+  that order; without, every column of the rows."""
+  present = _columns(rows)
+  if headline is None:
+    return present
+  wanted = ["run", *override_keys, "status", *headline]
+  return [k for k in dict.fromkeys(wanted) if k in present]
+
+
+def write_csv(path: str, rows: Sequence[dict]) -> None:
+  """`rows` as a CSV file with a column per key (_columns' order; an empty cell for a row
+  without it): the whole summary, for a spreadsheet or pandas."""
+  buf = io.StringIO()
+  writer = csv.writer(buf, lineterminator="\n")
+  columns = _columns(rows)
+  writer.writerow(columns)
+  for row in rows:
+    writer.writerow(["" if row.get(c) is None else row[c] for c in columns])
+  wd.atomic_write_text(path, buf.getvalue())
+
+
+def _rest_line(rest: Sequence[str], label: str) -> list[str]:
+  """The line below a table that names the columns it leaves out (`label`: which they are and
+  where they are)."""
+  if not rest:
+    return []
+  return ["", f"{label} ({len(rest)}): " + ", ".join(rest) + "."]
+
+
 def write_summary(workdir: str, rows: list[dict], override_keys: Sequence[str] = (),
-                  names: Optional[Sequence[str]] = None) -> None:
-  """summary.json and summary.md: a row per run; with `names` (the sweep's runs, in order)
-  summary.md opens with sweep_status' line. When the sweep's overridden fields
+                  names: Optional[Sequence[str]] = None,
+                  headline: Optional[Sequence[str]] = None) -> None:
+  """summary.json and summary.csv (every column), and summary.md: a row per run; with `names`
+  (the sweep's runs, in order) summary.md opens with sweep_status' line. With `headline` (the
+  binary's HEADLINE_COLUMNS) summary.md's table has main_columns' columns and a line naming
+  the others (in summary.json and summary.csv). When the sweep's overridden fields
   (`override_keys`) include a seed field and two or more finished runs differ only in seeds,
   also summary_seeds.json (runner.across_seeds: a row per group, each result column's mean and
   standard deviation over its seeds) and the same as a second table of summary.md, "mean ±
-  std" per cell: a difference between settings reads against the seeds' own spread."""
+  std" per cell (with `headline`, of its columns alone; the others named below it): a
+  difference between settings reads against the seeds' own spread."""
   wd.write_json(os.path.join(workdir, "summary.json"), rows)
-  lines = ([sweep_status(rows, names), ""] if names is not None else []) + _md_table_varying(rows)
+  write_csv(os.path.join(workdir, "summary.csv"), rows)
+  shown = main_columns(rows, override_keys, headline)
+  rest = [k for k in _columns(rows) if k not in shown]
+  lines = ([sweep_status(rows, names), ""] if names is not None else []) + _md_table_varying(
+      [{k: r[k] for k in shown if k in r} for r in rows]) + _rest_line(
+          rest, "Further columns, in summary.json and summary.csv")
   seeds_path = os.path.join(workdir, "summary_seeds.json")
   groups = across_seeds(rows, override_keys)
   if groups:
     wd.write_json(seeds_path, groups)
+    results = [k[:-len("/mean")] for k in _columns(groups) if k.endswith("/mean")]
+    shown_results = results if headline is None else [c for c in headline if c in results]
     table = []
     for g in groups:
       cells = {k: v for k, v in g.items() if not k.endswith(("/mean", "/std"))}
-      for k, v in g.items():
-        if k.endswith("/mean"):
-          col = k[:-len("/mean")]
-          cells[col] = f"{_fmt_cell(v)} ± {_fmt_cell(g[col + '/std'])}"
+      for col in shown_results:
+        if col + "/mean" in g:
+          cells[col] = f"{_fmt_cell(g[col + '/mean'])} ± {_fmt_cell(g[col + '/std'])}"
       table.append(cells)
     lines += ["", "Across seeds (runs that differ only in their seed fields; mean ± sample "
               "standard deviation of each result that varies; summary_seeds.json):", ""]
-    lines += _md_table(table)
+    lines += _md_table(table) + _rest_line(
+        [c for c in results if c not in shown_results],
+        "Further results, as COLUMN/mean and COLUMN/std in summary_seeds.json")
   elif os.path.exists(seeds_path):  # an earlier sweep's, no longer true of these rows
     os.remove(seeds_path)
   wd.atomic_write_text(os.path.join(workdir, "summary.md"), "\n".join(lines) + "\n")
@@ -456,7 +520,6 @@ def plot_curves(workdir: str, override_keys: Sequence[str] = ()) -> Optional[str
     if os.path.exists(path):  # an earlier start's, no longer true of these rows
       os.remove(path)
     return None
-  import io  # pylint: disable=import-outside-toplevel
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig = curves_figure(lines, width)
   buf = io.BytesIO()
@@ -695,7 +758,7 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
   # (kept_row keeps a run only with its earlier row).
   def summary(rows_: list[dict]) -> str:  # sweep_status' line, for the console
     merged = merge_rows(workdir, rows_, names)
-    write_summary(workdir, merged, override_keys, names)
+    write_summary(workdir, merged, override_keys, names, HEADLINE_COLUMNS.get(binary))
     return sweep_status(merged, names)
 
   if not os.path.isfile(os.path.join(REPO_ROOT, "experiments", f"{binary}.py")):

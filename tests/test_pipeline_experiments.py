@@ -766,7 +766,7 @@ def fake_run(cmd, run_dir, name, env, started=None):
     return 1
   os.makedirs(run_dir, exist_ok=True)
   with open(os.path.join(run_dir, "result.json"), "w") as f:
-    json.dump({"final_reward": lr * 10 + seed / 10, "iterations": 10, "lr_seen": lr}, f)
+    json.dump({"reward_last_10pct": lr * 10 + seed / 10, "iterations": 10, "lr_seen": lr}, f)
   with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
     for step in range(1, 11):
       f.write(json.dumps({"step": step, "reward/mean": lr * step + seed}) + "\\n")
@@ -820,8 +820,8 @@ def test_a_sweep_over_seeds_reports_each_settings_mean_and_spread(tmp_path):
   assert [(g["lr"], g["seeds"], g["runs"]) for g in groups] == [
       (1.0, 3, "lr1.0_s0,lr1.0_s1,lr1.0_s2"), (2.0, 2, "lr2.0_s0,lr2.0_s1")]
   for g, finals in zip(groups, ([10.0, 10.1, 10.2], [20.0, 20.1])):
-    assert g["final_reward/mean"] == pytest.approx(np.mean(finals))
-    assert g["final_reward/std"] == pytest.approx(np.std(finals, ddof=1))
+    assert g["reward_last_10pct/mean"] == pytest.approx(np.mean(finals))
+    assert g["reward_last_10pct/std"] == pytest.approx(np.std(finals, ddof=1))
   # constant within every group (settings, not results): left to the per-run table
   assert not any(k.startswith(("iterations", "lr_seen")) for g in groups for k in g)
   assert all(g["steps"] == 10 for g in groups)  # the sweep's own flag, as its runs got it
@@ -830,7 +830,7 @@ def test_a_sweep_over_seeds_reports_each_settings_mean_and_spread(tmp_path):
   def split(line):
     return [c.strip() for c in line.strip("|").split("|")]
   table = [dict(zip(split(head), split(row))) for row in cells]
-  assert [(r["lr"], r["seeds"], r["final_reward"]) for r in table] == [
+  assert [(r["lr"], r["seeds"], r["reward_last_10pct"]) for r in table] == [
       ("1", "3", "10.1 ± 0.1"), ("2", "2", "20.05 ± 0.07071")]
   lines = json.loads(out.stdout.strip().splitlines()[-1])["lines"]["reward/mean"]
   # labelled by what tells the settings apart (not the sweep's flag that all runs got)

@@ -348,3 +348,84 @@ def test_a_sweep_logs_a_runs_time_in_hours_past_an_hour(tmp_path):
   first = (tmp_path / "sw" / "summary.md").read_text().splitlines()[0]
   assert first == ("2 of 2 runs have a row (2 ok); wall time 1h02m18s (the rows' wall_s "
                    "summed)."), first
+
+
+# A train_ppo sweep of 2 learning rates x 2 seeds, its runs faked: each writes a result.json of
+# train_ppo's keys, with its last iteration's metrics under final/; lr 2 with seed 1 fails.
+_WIDE = """
+import json, os, sys
+from experiments import sweep
+work, cfg = sys.argv[1], sys.argv[2]
+now = [1000.0]
+sweep.time.time = lambda: now[0]
+FINAL = ["actor/entropy", "actor/grad_norm", "actor/pg_loss", "critic/vf_loss", "kl/ref_mean",
+         "reward/mean", "reward/std", "response_length/mean", "returns/mean"]
+
+
+def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
+  flag = {a.split("=")[0][len("--config."):]: float(a.split("=")[1]) for a in cmd
+          if a.startswith("--config.")}
+  lr, seed = flag["lr"], flag["seed"]
+  os.makedirs(run_dir, exist_ok=True)
+  if (lr, seed) == (2, 1):
+    with open(os.path.join(run_dir, "log.txt"), "w") as f:
+      f.write("ValueError: config.lr=2.0 diverged\\n")
+    return 1
+  x = lr + seed / 10
+  now[0] += 10 * x  # its wall_s
+  with open(os.path.join(run_dir, "result.json"), "w") as f:
+    json.dump({"status": "done", "iterations": 3, "num_iterations": 3,
+               "reward_first_10pct": 0.0, "reward_last_10pct": x, "reward_gain": x,
+               "median_step_s": 0.1 * x, "median_tokens_per_s": 100 * x,
+               "final": {"step": 3, **{k: x + i for i, k in enumerate(FINAL)}}}, f)
+  return 0
+sweep.run_streamed = fake_run
+sweep.run_sweep(cfg, "train_ppo", work, [])
+"""
+
+
+def test_a_training_sweeps_summary_shows_its_headline_and_names_the_rest(tmp_path):
+  """summary.md of a train_ppo sweep: its table is the run, the fields its command set, its
+  status and the headline results (reward, KL, response length, throughput, wall time; a
+  failed run's error), and a line below names the other columns; summary.json and summary.csv
+  have them all. The seeds table shows the same results' mean ± std. (A 16-run sweep's table
+  had ~38 columns, 24 of them final/*: unreadable.)"""
+  import csv
+  cfg = tmp_path / "wide.py"
+  cfg.write_text("import ml_collections\n\n\ndef get_config():\n"
+                 "  return ml_collections.ConfigDict({'lr': 0.0, 'seed': 0})\n\n\n"
+                 "def get_sweep():\n"
+                 "  return [{'name': f'lr{lr}_s{s}', 'lr': lr, 'seed': s}\n"
+                 "          for lr in (1.0, 2.0) for s in (0, 1)]\n")
+  proc = subprocess.run([sys.executable, "-c", _WIDE, str(tmp_path / "sw"), str(cfg)],
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  md = (tmp_path / "sw" / "summary.md").read_text()
+  lines = md.splitlines()
+  assert lines[2] == ("| run | lr | seed | status | iterations | reward_last_10pct | "
+                      "reward_gain | final/reward/mean | final/kl/ref_mean | "
+                      "final/response_length/mean | median_tokens_per_s | median_step_s | "
+                      "wall_s | error |"), lines[2]
+  assert lines[4] == ("| lr1.0_s0 | 1 | 0 | ok | 3 | 1 | 1 | 6 | 5 | 8 | 100 | 0.1 | 10 |  |")
+  assert lines[7] == ("| lr2.0_s1 | 2 | 1 | failed (exit 1) |  |  |  |  |  |  |  |  | 0 | "
+                      "ValueError: config.lr=2.0 diverged |"), lines[7]
+  rows = json.loads((tmp_path / "sw" / "summary.json").read_text())
+  shown = set(lines[2].strip("| ").split(" | "))
+  rest = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in shown]
+  assert "final/actor/entropy" in rest and "reward_first_10pct" in rest
+  assert f"Further columns, in summary.json and summary.csv ({len(rest)}): " + ", ".join(
+      rest) + "." in lines
+  with open(tmp_path / "sw" / "summary.csv", newline="") as f:
+    table = list(csv.DictReader(f))
+  assert [r["run"] for r in table] == [r["run"] for r in rows]
+  for got, want in zip(table, rows):
+    assert set(got) >= set(want)
+    assert all(got[k] == str(v) for k, v in want.items()), (got, want)
+  seeds = md.split("Across seeds")[1].splitlines()
+  head = next(s for s in seeds if s.startswith("| "))
+  assert head == ("| lr | seeds | runs | reward_last_10pct | reward_gain | final/reward/mean | "
+                  "final/kl/ref_mean | final/response_length/mean | median_tokens_per_s | "
+                  "median_step_s |"), head
+  assert "| 1 | 2 | lr1.0_s0,lr1.0_s1 | 1.05 ± 0.07071 |" in md
+  assert any(s.startswith("Further results, as COLUMN/mean and COLUMN/std in "
+                          "summary_seeds.json (") and "final/actor/entropy" in s for s in seeds)
