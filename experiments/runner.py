@@ -199,21 +199,24 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
-                 started: Optional[Callable[[subprocess.Popen], None]] = None) -> int:
-  """Runs `cmd` from the repository root, its output streamed with a [name] prefix and appended
-  to run_dir/log.txt after a header line (a re-run, e.g. a resumed sweep, keeps the earlier
-  runs' logs); returns its exit status. `started` gets the process once it runs (a caller that
-  passes signals on). A KeyboardInterrupt (Ctrl-C, which reaches the run too: it shares this
-  process's group) waits for the run to end, then raises RunInterrupted with its exit status
-  (a caller called a run that had finished "interrupted"). The run's stdin is /dev/null: one
-  that read it (a leftover breakpoint()) waited forever for a terminal it could not read."""
+                 started: Optional[Callable[[subprocess.Popen], None]] = None,
+                 prefix: Optional[str] = None) -> int:
+  """Runs `cmd` from the repository root, its output streamed with a [name] prefix ([prefix]
+  when given: the sweep's "3/16 e2", its place in the sweep as its own lines say it) and
+  appended to run_dir/log.txt after a header line (a re-run, e.g. a resumed sweep, keeps the
+  earlier runs' logs); returns its exit status. `started` gets the process once it runs (a
+  caller that passes signals on). A KeyboardInterrupt (Ctrl-C, which reaches the run too: it
+  shares this process's group) waits for the run to end, then raises RunInterrupted with its
+  exit status (a caller called a run that had finished "interrupted"). The run's stdin is
+  /dev/null: one that read it (a leftover breakpoint()) waited forever for a terminal it could
+  not read."""
   proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
                           env={**env, LOG_KEPT_ENV: "1"})
   with _LIVE_LOCK:
     LIVE.add(proc)
   try:
-    return _stream(proc, cmd, run_dir, name, started)
+    return _stream(proc, cmd, run_dir, name, started, prefix or name)
   finally:
     with _LIVE_LOCK:
       LIVE.discard(proc)
@@ -234,7 +237,7 @@ def live_runs() -> list:
 
 
 def _stream(proc, cmd: Sequence[str], run_dir: str, name: str,
-            started: Optional[Callable[[subprocess.Popen], None]]) -> int:
+            started: Optional[Callable[[subprocess.Popen], None]], prefix: str) -> int:
   if started is not None:
     started(proc)
   os.makedirs(run_dir, exist_ok=True)
@@ -245,7 +248,7 @@ def _stream(proc, cmd: Sequence[str], run_dir: str, name: str,
     def copy_output():
       for line in proc.stdout:
         log_file.write(line)
-        print(f"[{name}] {line}", end="", flush=True)
+        print(f"[{prefix}] {line}", end="", flush=True)
     interrupted = False
     while True:
       try:

@@ -7,14 +7,14 @@ For each entry of get_sweep() (a dict of dotted config paths -> values; an optio
 names the run and is not passed on), runs, one after the other,
   python -m experiments.NAME --config=configs/X.py --workdir=DIR/<run> --config.k=v ...
 with the sweep's own --config.* flags appended to every run (so they override the sweep's
-values). Output is streamed with a run prefix. Then writes DIR/summary.json, DIR/summary.csv
-and DIR/summary.md: one row per run with its overrides, its status, and the scalar fields of
-its result.json (or of the last line of its metrics.jsonl), nested dicts flattened with '/' and
-lists skipped (summary.md's table: for train_ppo the headline results alone, HEADLINE_COLUMNS,
-the others named below it); runs
-that differ only in seed fields also as one row per setting with each result's mean and
-standard deviation (DIR/summary_seeds.json, a second table of summary.md), and training runs'
-curves in DIR/curves.png (a setting's seeds as their mean in a band). summary.md opens with a
+values). Output is streamed with a prefix, [i/N run]. Then writes DIR/summary.json,
+DIR/summary.csv and DIR/summary.md: one row per run with its overrides, its status, and the
+scalar fields of its result.json (or of the last line of its metrics.jsonl), nested dicts
+flattened with '/' and lists skipped (summary.md's table: for train_ppo the headline results
+alone, HEADLINE_COLUMNS, the others named below it); runs that differ only in seed fields
+also as one row per setting with each result's mean and standard deviation
+(DIR/summary_seeds.json, a second table of summary.md), and training runs' curves in
+DIR/curves.png (a setting's seeds as their mean in a band). summary.md opens with a
 line on where the sweep stands (runs with a row of all, failed, not run yet, wall time). A failed
 run is a row with its status, not the end of the sweep; the sweep then exits 1 naming the failed
 runs. A run stopped by a signal (exit 75), or SIGTERM to the sweep (passed on to the run in
@@ -831,7 +831,11 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
     earlier_s = float(before.get("wall_s") or 0.0) if resumes else 0.0
     start = time.time()
     try:
-      rc = run_streamed(cmd, run_dir, name, env, started=signals.started)
+      # Its lines say which run of the sweep said them ([3/16 e2] ...), as the sweep's own do:
+      # interleaved in a log (runs of two sweeps, a grep's output), a bare name did not say
+      # how far the sweep was.
+      rc = run_streamed(cmd, run_dir, name, env, started=signals.started,
+                        prefix=f"{i + 1}/{len(runs)} {name}")
     except RunInterrupted as e:  # Ctrl-C: the run got it too, and has ended since
       rows.append(_ended(row, e.returncode, run_dir, earlier_s + time.time() - start,
                          signals.signum, interrupted=True))

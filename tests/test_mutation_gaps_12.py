@@ -78,7 +78,7 @@ plan = {("ppo_tiny", 0, 0): (0.25, [1.0, 2.0, 4.0]), ("ppo_tiny", 0, 1): (0.75, 
         ("grpo_tiny", 0, 0): (0.0, [1.0, 1.0, 1.0]), ("grpo_tiny", 0, 1): (0.0, [1.0, 1.0, 1.0]),
         ("grpo_tiny", 1, 0): (0.5, [1.0, 1.0, 1.0]), ("grpo_tiny", 1, 1): (0.5, [1.0, 1.0, 1.0])}
 
-def fake_run(cmd, run_dir, name, env, started=None):
+def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
   stem, k, seed = re.fullmatch(r"(.*)_s(\\d+)_seed(\\d+)", name).groups()
   gain, steps = plan[stem, int(k), int(seed)]
   os.makedirs(run_dir, exist_ok=True)

@@ -556,7 +556,7 @@ import json, os, sys
 from experiments import sweep
 codes = {"a": 0, "b": 0, "c": 75, "d": 0}
 
-def fake_run(cmd, run_dir, name, env, started=None):
+def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
   os.makedirs(run_dir, exist_ok=True)
   if name == "a":
     with open(os.path.join(run_dir, "result.json"), "w") as f:

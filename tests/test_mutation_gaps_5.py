@@ -279,7 +279,7 @@ out = {"flat": sweep.flatten_scalars({"a": None, "b": {"c": 1, "d": None}, "curv
 sweep.write_summary(work, [{"run": "a", "x": 1}, {"run": "b", "y": 2, "error": "E"}])
 ran = []
 
-def fake_run(cmd, run_dir, name, env, started=None):
+def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
   ran.append(name)
   os.makedirs(run_dir, exist_ok=True)
   with open(os.path.join(run_dir, "result.json"), "w") as f:

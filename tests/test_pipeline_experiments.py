@@ -134,13 +134,13 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   # The failing run's error names the fields (logged in its run directory).
   log = (tmp_path / "sw" / "run001" / "log.txt").read_text()
   assert "actor_pp=6 must be divisible by critic_pp=4" in log
-  assert "[ok4]" in out.stdout
+  assert "[1/2 ok4] " in out.stdout  # its place in the sweep and its name
   # The same command again keeps the finished run (it searched again, its outputs moved
   # aside, and its time-bound figures could change) and runs the failed one; --rerun runs it.
   again = sweep()
   assert again.returncode == 1 and "ok4: finished earlier with this config at this commit; " \
       "kept" in again.stderr, again.stderr[-3000:]
-  assert "run001: failed" in again.stderr and "[ok4]" not in again.stdout, again.stderr[-3000:]
+  assert "run001: failed" in again.stderr and "ok4] " not in again.stdout, again.stderr[-3000:]
   kept = json.loads((tmp_path / "sw" / "summary.json").read_text())[0]
   assert kept == {**rows[0], "status": "ok (kept: finished earlier)"}
   assert not (tmp_path / "sw" / "ok4" / "previous").exists()
@@ -155,11 +155,11 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   result_path.write_text(json.dumps({**result, "provenance": {
       **result["provenance"], "git_changes": "0123456789ab"}}))
   again = sweep("--only=ok4")
-  assert "[ok4]" in again.stdout and (tmp_path / "sw" / "ok4" / "previous" / "1").exists()
+  assert "[1/1 ok4] " in again.stdout and (tmp_path / "sw" / "ok4" / "previous" / "1").exists()
   changed = sweep("--only=ok4", budget="0.4")
-  assert changed.returncode == 0 and "[ok4]" in changed.stdout, changed.stderr[-3000:]
+  assert changed.returncode == 0 and "[1/1 ok4] " in changed.stdout, changed.stderr[-3000:]
   rerun = sweep("--rerun", "--only=ok4", budget="0.4")
-  assert rerun.returncode == 0 and "[ok4]" in rerun.stdout, rerun.stderr[-3000:]
+  assert rerun.returncode == 0 and "[1/1 ok4] " in rerun.stdout, rerun.stderr[-3000:]
   assert (tmp_path / "sw" / "ok4" / "previous" / "3" / "result.json").exists()
   summary = (tmp_path / "sw" / "summary.json").read_text()
   # A dry run prints the commands and writes nothing: the finished sweep's summary stays.
@@ -758,7 +758,7 @@ from experiments import sweep
 work, cfg = sys.argv[1], sys.argv[2]
 
 
-def fake_run(cmd, run_dir, name, env, started=None):
+def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
   flag = {a.split("=")[0][len("--config."):]: float(a.split("=")[1]) for a in cmd
           if a.startswith("--config.")}
   lr, seed = flag["lr"], flag["seed"]

@@ -69,7 +69,7 @@ sweep.wd.write_json(os.path.join(work, "summary.json"),
                     [{"run": "t", "status": "stopped (exit 75; re-run to resume)", "wall_s": 20.0},
                      {"run": "u", "status": "stopped (exit 75; re-run to resume)", "wall_s": 20.0}])
 os.makedirs(os.path.join(work, "t", "checkpoints"))
-sweep.run_streamed = lambda cmd, run_dir, name, env, started=None: 0
+sweep.run_streamed = lambda cmd, run_dir, name, env, started=None, prefix=None: 0
 rows, _ = sweep._run_locked("train_ppo", "c.py", work, [], False, sweep._Signals(),
                             [(0, "t", {}), (1, "u", {})], lambda rows: None)
 out["wall_s"] = [r["wall_s"] for r in rows]
@@ -128,7 +128,7 @@ for name, reached in (("done", 4), ("more", 6)):  # "more": re-run with num_iter
   sweep.wd.write_json(os.path.join(work, name, "result.json"),
                       {"status": "done", "iterations": reached, "num_iterations": reached})
 
-def fake_run(cmd, run_dir, name, env, started=None):  # a start that takes 0.3 s
+def fake_run(cmd, run_dir, name, env, started=None, prefix=None):  # a start that takes 0.3 s
   time.sleep(0.3)
   return 0
 sweep.run_streamed = fake_run
@@ -160,7 +160,8 @@ work, cfg = sys.argv[1], sys.argv[2]
 calls = []
 commit, changes = sweep.code_state()
 
-def fake_run(cmd, run_dir, name, env, started=None):  # a one-shot binary's run, finished
+# a one-shot binary's run, finished
+def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
   calls.append(name)
   os.makedirs(run_dir, exist_ok=True)
   x = int([a for a in cmd if a.startswith("--config.x=")][0].split("=")[1])
@@ -250,7 +251,7 @@ from experiments import sweep
 work, cfg = sys.argv[1], sys.argv[2]
 
 
-def fake_run(cmd, run_dir, name, env, started=None):
+def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
   os.makedirs(run_dir, exist_ok=True)
   if name == "r2":
     return 1
@@ -323,7 +324,7 @@ now = [1000.0]
 sweep.time.time = lambda: now[0]
 
 
-def fake_run(cmd, run_dir, name, env, started=None):
+def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
   os.makedirs(run_dir, exist_ok=True)
   now[0] += {"short": 12.34, "long": 3725.2}[name]
   return 0
@@ -429,3 +430,31 @@ def test_a_training_sweeps_summary_shows_its_headline_and_names_the_rest(tmp_pat
   assert "| 1 | 2 | lr1.0_s0,lr1.0_s1 | 1.05 ± 0.07071 |" in md
   assert any(s.startswith("Further results, as COLUMN/mean and COLUMN/std in "
                           "summary_seeds.json (") and "final/actor/entropy" in s for s in seeds)
+
+
+# A sweep of two runs whose commands print a line (the real run_streamed streams them).
+_PREFIXED = """
+import sys
+from experiments import sweep
+work, cfg = sys.argv[1], sys.argv[2]
+sweep.build_command = lambda binary, config, run_dir, overrides, passthrough: [
+    sys.executable, "-c", f"print('lr is {overrides['lr']}')"]
+sweep.run_sweep(cfg, "schedule_search", work, [])
+"""
+
+
+def test_a_sweeps_console_says_which_run_of_it_said_each_line(tmp_path):
+  """Each line a run prints reaches the sweep's console as [i/N run] LINE, as the sweep's own
+  lines name it ([i/N] run: ...): runs interleaved in a log (two sweeps', a grep's) said whose
+  line it was and how far their sweep had got. log.txt keeps the run's lines as they were."""
+  cfg = tmp_path / "two.py"
+  cfg.write_text("import ml_collections\n\n\ndef get_config():\n"
+                 "  return ml_collections.ConfigDict({'lr': 0.0})\n\n\n"
+                 "def get_sweep():\n"
+                 "  return [{'name': 'lo', 'lr': 1.0}, {'name': 'hi', 'lr': 2.0}]\n")
+  proc = subprocess.run([sys.executable, "-c", _PREFIXED, str(tmp_path / "sw"), str(cfg)],
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.splitlines() == ["[1/2 lo] lr is 1.0", "[2/2 hi] lr is 2.0"], proc.stdout
+  log = (tmp_path / "sw" / "hi" / "log.txt").read_text().splitlines()
+  assert log[1:] == ["lr is 2.0"], log
