@@ -25,8 +25,11 @@ binary's run that finished with the same config from the same code (commit and u
 changes) and the same files its config names by path (RUN/sweep_inputs.json), its row ok in
 summary.json, its config.json and result.json in place, is kept, not run again, unless
 --rerun). A workdir holds one sweep (DIR/sweep.json: config, variant, binary); another is
-refused. A training run's wall_s sums its starts (those that trained: a finished run started
-again, with nothing left to train, keeps its wall_s). Each run starts
+refused. Ctrl-C ends the sweep with 130 once the run in progress (which gets it too) has
+ended: the summary has the runs so far, and the sweep logs its line on where it stands (as at
+its end) and the command that continues it. A training run's wall_s sums its starts (those
+that trained: a finished run started again, with nothing left to train, keeps its wall_s).
+Each run starts
 in the repository root; a relative --config file or --workdir is the caller's (made absolute).
 `--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant, if it
 takes an argument). Each run's output is appended to DIR/<run>/log.txt; --dry_run prints
@@ -59,8 +62,8 @@ from ml_collections import config_flags
 
 from experiments import config_files
 from experiments.runner import (REPO_ROOT, RunInterrupted, across_seeds, build_command,
-                                format_value, code_state, merge_rows, repo_env, run_streamed,
-                                seed_groups, smooth)
+                                command_line, format_value, code_state, merge_rows, repo_env,
+                                run_streamed, seed_groups, smooth)
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.metrics import duration
 
@@ -803,61 +806,67 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
   env = repo_env()
   earlier = {r["run"]: r for r in merge_rows(workdir, [], [name for _, name, _ in runs])}
   code = code_state() if earlier and not rerun else (None, None)  # read once, for kept_row
-  for i, (_, name, overrides) in enumerate(runs):
-    run_dir = os.path.join(workdir, name)
-    cmd = build_command(binary, config, run_dir, overrides, passthrough)
-    # A command to paste (cmd[0] is this interpreter's full path).
-    logging.info("[%d/%d] %s: %s", i + 1, len(runs), name, shlex.join(["python", *cmd[1:]]))
-    row = run_row(name, overrides, passthrough, (configs or {}).get(name))
-    if dry_run:  # nothing runs, nothing is written (an earlier sweep's summary stays)
-      rows.append(row)
-      continue
-    if signals.signum:
-      break
-    kept = None if rerun else kept_row(run_dir, binary, earlier.get(name),
-                                       (configs or {}).get(name), row, code)
-    if kept is not None:
-      rows.append(kept)
-      logging.info("[%d/%d] %s: finished earlier with this config at this commit; kept "
-                   "(--rerun runs it again)", i + 1, len(runs), name)
-      continue
-    # What a one-shot run reads, as it starts (kept_row compares it at the next start).
-    inputs = (input_files(configs[name]) if binary != "train_ppo" and configs and
-              name in configs else None)
-    # A training run resumes from its checkpoints: its wall_s is the sum over its starts (a
-    # run stopped after 24 s and resumed showed only the 2 s of the start that found it done).
-    before = earlier.get(name) or {}
-    resumes = binary == "train_ppo" and os.path.isdir(os.path.join(run_dir, "checkpoints"))
-    earlier_s = float(before.get("wall_s") or 0.0) if resumes else 0.0
-    start = time.time()
-    try:
-      # Its lines say which run of the sweep said them ([3/16 e2] ...), as the sweep's own do:
-      # interleaved in a log (runs of two sweeps, a grep's output), a bare name did not say
-      # how far the sweep was.
-      rc = run_streamed(cmd, run_dir, name, env, started=signals.started,
-                        prefix=f"{i + 1}/{len(runs)} {name}")
-    except RunInterrupted as e:  # Ctrl-C: the run got it too, and has ended since
-      rows.append(_ended(row, e.returncode, run_dir, earlier_s + time.time() - start,
-                         signals.signum, interrupted=True))
-      summary(rows)
-      raise
-    this_start = time.time() - start
-    rows.append(_ended(row, rc, run_dir, earlier_s + this_start, signals.signum,
-                       verdict=VERDICT_EXITS.get((binary, rc), "")))
-    if resumes and nothing_trained(before, row):
-      # A finished run re-started (the sweep run again to refresh its summary) found nothing to
-      # train: its wall_s stays its training's (it grew by a start's set-up on every re-run).
-      row["wall_s"] = before["wall_s"]
-    if row["status"].startswith("ok") and inputs is not None:  # for kept_row
-      wd.write_json(os.path.join(run_dir, INPUTS_FILE), inputs)
-    summary(rows)  # partial summaries survive an interrupted sweep
-    # In minutes and hours past a minute: a run of hours read "ok in 14523.7s".
-    logging.info("[%d/%d] %s: %s in %s%s", i + 1, len(runs), name, row["status"],
-                 duration(this_start, short=True),
-                 f" (wall_s {duration(row['wall_s'], short=True)} over its starts)"
-                 if resumes else "")
-    if rc == STOPPED or signals.signum:  # the job is being stopped: start nothing more
-      break
+  try:
+    for i, (_, name, overrides) in enumerate(runs):
+      run_dir = os.path.join(workdir, name)
+      cmd = build_command(binary, config, run_dir, overrides, passthrough)
+      # A command to paste (cmd[0] is this interpreter's full path).
+      logging.info("[%d/%d] %s: %s", i + 1, len(runs), name, shlex.join(["python", *cmd[1:]]))
+      row = run_row(name, overrides, passthrough, (configs or {}).get(name))
+      if dry_run:  # nothing runs, nothing is written (an earlier sweep's summary stays)
+        rows.append(row)
+        continue
+      if signals.signum:
+        break
+      kept = None if rerun else kept_row(run_dir, binary, earlier.get(name),
+                                         (configs or {}).get(name), row, code)
+      if kept is not None:
+        rows.append(kept)
+        logging.info("[%d/%d] %s: finished earlier with this config at this commit; kept "
+                     "(--rerun runs it again)", i + 1, len(runs), name)
+        continue
+      # What a one-shot run reads, as it starts (kept_row compares it at the next start).
+      inputs = (input_files(configs[name]) if binary != "train_ppo" and configs and
+                name in configs else None)
+      # A training run resumes from its checkpoints: its wall_s is the sum over its starts (a
+      # run stopped after 24 s and resumed showed only the 2 s of the start that found it done).
+      before = earlier.get(name) or {}
+      resumes = binary == "train_ppo" and os.path.isdir(os.path.join(run_dir, "checkpoints"))
+      earlier_s = float(before.get("wall_s") or 0.0) if resumes else 0.0
+      start = time.time()
+      try:
+        # Its lines say which run of the sweep said them ([3/16 e2] ...), as the sweep's own do:
+        # interleaved in a log (runs of two sweeps, a grep's output), a bare name did not say
+        # how far the sweep was.
+        rc = run_streamed(cmd, run_dir, name, env, started=signals.started,
+                          prefix=f"{i + 1}/{len(runs)} {name}")
+      except RunInterrupted as e:  # Ctrl-C: the run got it too, and has ended since
+        rows.append(_ended(row, e.returncode, run_dir, earlier_s + time.time() - start,
+                           signals.signum, interrupted=True))
+        raise  # (the summary: below)
+      this_start = time.time() - start
+      rows.append(_ended(row, rc, run_dir, earlier_s + this_start, signals.signum,
+                         verdict=VERDICT_EXITS.get((binary, rc), "")))
+      if resumes and nothing_trained(before, row):
+        # A finished run re-started (the sweep run again to refresh its summary) found nothing to
+        # train: its wall_s stays its training's (it grew by a start's set-up on every re-run).
+        row["wall_s"] = before["wall_s"]
+      if row["status"].startswith("ok") and inputs is not None:  # for kept_row
+        wd.write_json(os.path.join(run_dir, INPUTS_FILE), inputs)
+      summary(rows)  # partial summaries survive an interrupted sweep
+      # In minutes and hours past a minute: a run of hours read "ok in 14523.7s".
+      logging.info("[%d/%d] %s: %s in %s%s", i + 1, len(runs), name, row["status"],
+                   duration(this_start, short=True),
+                   f" (wall_s {duration(row['wall_s'], short=True)} over its starts)"
+                   if resumes else "")
+      if rc == STOPPED or signals.signum:  # the job is being stopped: start nothing more
+        break
+  except KeyboardInterrupt:  # Ctrl-C (RunInterrupted: during a run, which has ended since)
+    # The summary, and the line on where the sweep stands that its end logs: a sweep stopped
+    # by Ctrl-C (exit 130) ended on main's note alone, with no word of what it had done.
+    if not dry_run:
+      logging.warning("sweep: %s", summary(rows))
+    raise
   if not dry_run:
     status = summary(rows)
     ok = sum(str(r.get("status", "")).startswith("ok") for r in rows)
@@ -937,9 +946,11 @@ def main(argv):
     rows, complete = run_sweep(_CONFIG.value, _BINARY.value, _WORKDIR.value, _PASSTHROUGH,
                                _DRY.value, _ONLY.value, _RERUN.value)
   except KeyboardInterrupt:
-    logging.error("interrupted: the summary has the runs so far; the same command re-runs "
-                  "the sweep (train_ppo runs resume from their checkpoints, and other "
-                  "binaries' finished runs are kept)")
+    # (the line on where the sweep stands came before: _run_locked's)
+    logging.error("interrupted: %s has the runs so far; to continue, run the same command "
+                  "again (train_ppo runs resume from their checkpoints, and other binaries' "
+                  "finished runs are kept): %s",
+                  os.path.join(_WORKDIR.value, "summary.md"), command_line())
     sys.exit(130)
   failed = [r["run"] for r in rows if str(r.get("status", "ok")).startswith("failed")]
   if failed:

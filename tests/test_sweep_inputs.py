@@ -458,3 +458,51 @@ def test_a_sweeps_console_says_which_run_of_it_said_each_line(tmp_path):
   assert proc.stdout.splitlines() == ["[1/2 lo] lr is 1.0", "[2/2 hi] lr is 2.0"], proc.stdout
   log = (tmp_path / "sw" / "hi" / "log.txt").read_text().splitlines()
   assert log[1:] == ["lr is 2.0"], log
+
+
+# A sweep of three runs, faked: the second is stopped by a Ctrl-C (it saved: exit 75); main
+# then exits 130.
+_CTRL_C = """
+import os, sys
+from absl import flags, logging
+from experiments import runner, sweep
+logging.set_verbosity(logging.INFO)
+work, cfg = sys.argv[1], sys.argv[2]
+
+
+def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
+  os.makedirs(run_dir, exist_ok=True)
+  if name == "b":
+    raise runner.RunInterrupted(75)
+  return 0
+sweep.run_streamed = fake_run
+sys.argv = [os.path.join(runner.REPO_ROOT, "experiments", "sweep.py"), f"--config={cfg}",
+            "--binary=train_ppo", f"--workdir={work}"]
+flags.FLAGS(sys.argv)
+try:
+  sweep.main(["sweep"])
+except SystemExit as e:
+  print("exit", e.code)
+"""
+
+
+def test_a_sweep_stopped_by_ctrl_c_says_where_it_stands_and_how_to_continue(tmp_path):
+  """Ctrl-C (exit 130) logs the line on where the sweep stands that its end logs (it ended on
+  a note alone: no word of how many runs had a row, nor which were left), and the command that
+  continues it."""
+  cfg = tmp_path / "three.py"
+  cfg.write_text("import ml_collections\n\n\ndef get_config():\n"
+                 "  return ml_collections.ConfigDict({'lr': 0.0})\n\n\n"
+                 "def get_sweep():\n"
+                 "  return [{'name': n, 'lr': float(k)} for k, n in enumerate('abc')]\n")
+  work = tmp_path / "sw"
+  proc = subprocess.run([sys.executable, "-c", _CTRL_C, str(work), str(cfg)],
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+  assert proc.stdout.splitlines()[-1:] == ["exit 130"], proc.stdout + proc.stderr[-3000:]
+  status = "2 of 3 runs have a row (1 ok, 1 stopped); not run yet: c; wall time "
+  assert f"sweep: {status}" in proc.stderr, proc.stderr[-3000:]
+  assert (work / "summary.md").read_text().startswith(status)
+  assert (f"interrupted: {work}/summary.md has the runs so far; to continue, run the same "
+          "command again (train_ppo runs resume from their checkpoints, and other binaries' "
+          f"finished runs are kept): python -m experiments.sweep --config={cfg} "
+          f"--binary=train_ppo --workdir={work}\n") in proc.stderr, proc.stderr[-3000:]
