@@ -93,10 +93,15 @@ if [[ "${FOLLOW:-1}" != 0 ]] && tail --pid=$$ -n 0 /dev/null 2>/dev/null; then
   tail --pid="${pids[0]}" -s 0.2 -c +$((offsets[0] + 1)) -f "${WORKDIR%/}.proc0.log" &
   follower=$!
 fi
-# Background processes of a script ignore SIGINT (bash without job control), so a Ctrl-C or a
-# SIGTERM reaches the launcher alone: it passes SIGTERM on (each process saves after its
-# iteration and exits 75, or ends at once if it has not started training) and keeps waiting;
-# a second signal kills them.
+# A Ctrl-C reaches the launcher and every process: they are in the terminal's process group
+# too. bash (without job control) starts them with SIGINT ignored, but train_ppo installs a
+# SIGINT handler of its own (trainer/hooks.py), which ends that; a binary that keeps the ignore
+# (bench_generation) gets no Ctrl-C itself. A SIGTERM (`kill` of the launcher's pid) reaches the
+# launcher alone. Either way the launcher passes SIGTERM on (each process saves after its
+# iteration and exits 75, or ends at once if it has not started training; train_ppo, stopping
+# on the Ctrl-C already, takes it as the same stop in training, and during a multi-process
+# set-up as a second signal: each process stops then, 75) and keeps waiting; a second signal
+# kills them.
 signalled=0
 interrupted=0
 forward() {

@@ -264,9 +264,10 @@ esac""")
 
 
 def test_a_signal_to_the_launcher_stops_every_process(tmp_path):
-  """Ctrl-C / SIGTERM reach the launcher alone (its background processes ignore SIGINT): it
-  passes SIGTERM to every process and waits for them (which save and exit 75); a second signal
-  kills them. Before, the launcher died and its processes trained on, holding the workdir."""
+  """A SIGINT or SIGTERM to the launcher (its pid alone: `kill`): it passes SIGTERM to every
+  process and waits for them (which save and exit 75); a second signal kills them. Before, the
+  launcher died and its processes trained on, holding the workdir. (A terminal's Ctrl-C, to
+  the whole process group: the next test.)"""
   # Stands in for train_ppo: exits 75 on SIGTERM, as the trainer does after saving.
   fake = _stand_in(
       tmp_path / "python",
@@ -369,3 +370,42 @@ def test_the_cluster_scripts_refuse_a_binary_or_flag_they_cannot_run(tmp_path, s
     assert out.returncode == 0, out.stderr
     assert (f"-m experiments.{binary} --config=configs/ppo_tiny.py --workdir=/shared/wd "
             "--distributed --config.seed=3") in (tmp_path / "calls").read_text()
+
+
+def test_a_ctrl_c_reaches_the_launcher_and_every_process_that_handles_sigint(tmp_path):
+  """A terminal's Ctrl-C goes to its whole foreground process group, the launcher's background
+  processes included: they start with SIGINT ignored (bash without job control), but one that
+  installs a SIGINT handler, as train_ppo does (trainer/hooks.stop_signals), gets the Ctrl-C
+  itself and then the launcher's SIGTERM; one that keeps the ignore gets the SIGTERM alone. All
+  exit 75 and so does the launcher. (The launcher's comment said a Ctrl-C "reaches the launcher
+  alone".)"""
+  fake = _stand_in(
+      tmp_path / "python",
+      f'exec {sys.executable} -c "import os, signal, sys, time\n'
+      'print(\'ignored at start\', signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n'
+      'if os.environ[\'HANDLE\'] == \'1\':\n'
+      '  signal.signal(signal.SIGINT, lambda s, f: print(\'got\', s, flush=True))\n'
+      'signal.signal(signal.SIGTERM, lambda s, f: (print(\'got\', s, flush=True), sys.exit(75)))\n'
+      'print(\'ready\', flush=True)\n'
+      'time.sleep(30)" "$@"')
+  for handle, got in (("1", ["got 2", "got 15"]), ("0", ["got 15"])):
+    wd = str(tmp_path / f"run{handle}")
+    logs = [pathlib.Path(f"{wd}.proc{i}.log") for i in range(2)]
+    # In a session of its own, as a terminal's foreground job; SIGINT not ignored (RESET_SIGINT)
+    with subprocess.Popen([*RESET_SIGINT, "bash", "launch/local_multiprocess.sh", "2", "1", wd],
+                          cwd=REPO, env=dict(os.environ, PYTHON=str(fake), HANDLE=handle,
+                                             FOLLOW="0"),
+                          start_new_session=True, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True) as launcher:
+      try:
+        deadline = time.time() + 30
+        while not all(p.exists() and "ready" in p.read_text() for p in logs):
+          assert time.time() < deadline and launcher.poll() is None
+          time.sleep(0.05)
+        os.killpg(launcher.pid, signal.SIGINT)  # the terminal's Ctrl-C
+        assert launcher.wait(timeout=30) == 75, launcher.stderr.read()
+      finally:
+        launcher.kill()
+    for log in logs:
+      lines = log.read_text().splitlines()
+      assert lines[1:3] == ["ignored at start True", "ready"] and lines[3:] == got, lines
