@@ -99,9 +99,8 @@ fi
 # (bench_generation) gets no Ctrl-C itself. A SIGTERM (`kill` of the launcher's pid) reaches the
 # launcher alone. Either way the launcher passes SIGTERM on (each process saves after its
 # iteration and exits 75, or ends at once if it has not started training; train_ppo, stopping
-# on the Ctrl-C already, takes it as the same stop in training, and during a multi-process
-# set-up as a second signal: each process stops then, 75) and keeps waiting; a second signal
-# kills them.
+# on the Ctrl-C already, takes it as the same stop, in training and in set-up, trainer/hooks.py)
+# and keeps waiting; a second signal kills them.
 signalled=0
 interrupted=0
 forward() {

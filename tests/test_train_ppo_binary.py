@@ -238,6 +238,22 @@ def test_several_processes_stop_together_when_a_signal_came_during_set_up(monkey
     assert not stopped.value.alone
 
 
+def test_a_launchers_sigterm_after_a_ctrl_c_in_set_up_is_the_same_stop(monkeypatch):
+  """Several processes: a Ctrl-C reaches every process and the launcher, which passes SIGTERM
+  on (launch/local_multiprocess.sh). That SIGTERM is the same stop, not a second signal: it
+  stopped each process alone (raised inside jax's gc callback, a dropped traceback). A second
+  Ctrl-C still stops this process at once."""
+  import jax
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  with hooks.stop_before_training():
+    _signal_self(signal.SIGINT)  # recorded
+    _signal_self(signal.SIGTERM)  # the launcher's: nothing more
+    assert hooks._LOOP["pending"] == signal.SIGINT
+    with pytest.raises(hooks.StoppedBeforeTraining) as stopped:
+      _signal_self(signal.SIGINT)  # Ctrl-C again
+    assert stopped.value.alone
+
+
 def test_sighup_stops_like_sigterm_unless_ignored():
   """A closed terminal or dropped ssh session (SIGHUP) stops the run cleanly, as SIGTERM does
   (it killed the run without saving); under nohup (SIGHUP ignored) the run goes on."""

@@ -91,7 +91,8 @@ def stop_before_training():
   process that left alone would leave the others waiting in a collective for it (a signal
   reaches the processes at different points of their set-up), so all go on to the next point
   where they agree (agree_setup_signal) and stop there together, each with the stopped
-  status. A second signal stops this process at once."""
+  status. A second signal stops this process at once, but for a SIGTERM or SIGHUP after a
+  SIGINT: a launcher passing on the Ctrl-C its processes got too."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
@@ -100,6 +101,12 @@ def stop_before_training():
   def handle(signum, frame):
     if not _LOOP["began"]:
       first = not _LOOP["pending"]
+      if (not first and _LOOP["pending"] == signal.SIGINT and signum != signal.SIGINT
+          and jax.distributed.is_initialized()):
+        # The SIGTERM a launcher passes on after a Ctrl-C that reached every process too
+        # (launch/local_multiprocess.sh): the same stop, not a second signal. It stopped each
+        # process alone, or, raised inside jax's gc callback, printed a dropped traceback.
+        return
       # Recorded before raising too: Python may run this handler inside a gc callback or a
       # __del__ (jax frees arrays there), where the raised exception is printed and dropped;
       # the next agreement point (agree_setup_signal) then stops the run. (A SIGTERM right
