@@ -646,3 +646,50 @@ def test_no_plan_the_trainer_runs_lists_each_reason_with_its_count():
   assert got and got.group(2, 4) == ("second", "first"), msg
   assert int(got.group(1)) >= int(got.group(3)) and (
       f"({int(got.group(1)) + int(got.group(3))} combinations refused)" in msg)
+
+
+def test_training_memory_is_sized_at_the_padded_rows_the_trainer_allocates():
+  """The trainer runs every training row padded to max prompt + max new tokens (Workload.
+  padded_len), so each plan's activations are sized at that length, not at the mean the stage
+  times use: a plan whose memory fits at the mean but not padded is rejected, naming the padded
+  need, and the pipeline problem's per-micro-batch stash is the padded one. At the mean, the
+  search chose plans that plan_check then measured at 85.7 GB on 48 GB devices."""
+  a = get_shape("llama-7b")
+  c = a.as_critic()
+  wl = it.Workload(actor=a, critic=c, num_devices=8, global_batch=16, minibatch=16, micro_batch=2,
+                   max_new_tokens=2048, prompt=LengthSpec(kind="constant", value=16, max_len=2048),
+                   response=LengthSpec(kind="constant", value=16))
+  prompts, resp = wl.sample_lengths()
+  mean_len = float(np.mean(prompts + resp))
+  assert wl.padded_len == 4096 and mean_len == 32.0
+  plan = train_lib.TrainPlan(8, 16, tp=1, actor_pp=1, critic_pp=1, micro_batch=2)
+
+  def need(tokens):  # both models' states (ZeRO-1 over dp 8) and one micro-batch in flight
+    states = sum(s.num_params() * (4.0 + 12.0 / 8) for s in (a, c))
+    acts = sum(34.0 * s.hidden_size * 2 * tokens * s.num_layers for s in (a, c))
+    return states + acts
+
+  padded, mean = need(wl.padded_len), need(mean_len)
+  assert mean < 0.95 * padded
+  hw = dataclasses.replace(COST.hw, hbm_bytes=(mean + padded) / 2 / COST.eff.memory_headroom)
+  cost = CostModel(hw)
+  rejected: dict = {}
+  got = ps.training_candidates(cost, wl, mean_len, rejected)
+  assert not [x for x in got if x.plan.get("tp") == 1 and x.plan.get("actor_pp") == 1
+              and x.plan.get("critic_pp") == 1]
+  assert f"needs {padded / 2**30:.1f} GiB" in rejected["training tp1/pa1/pc1"]
+  with pytest.raises(ValueError, match=rf"needs {padded / 2**30:.1f} GiB per device"):
+    train_lib.step_costs(cost, a, c, plan, mean_len, padded_len=wl.padded_len)
+  # With room for the padded rows it fits, and its stash per micro-batch is the padded one.
+  roomy = CostModel(dataclasses.replace(hw, hbm_bytes=padded * 1.001 / COST.eff.memory_headroom))
+  problem = train_lib.step_costs(roomy, a, c, plan, mean_len, padded_len=wl.padded_len).problem
+  assert problem.actor_mem == pytest.approx(2.0 * 2 * 4096 * a.hidden_size * a.num_layers / 1e6,
+                                            rel=1e-6)
+  # The disjoint placement (each model alone; on one device its one plan) is sized the same way.
+  alone = [a.num_params() * 16.0 + 34.0 * a.hidden_size * 2 * n * a.num_layers
+           for n in (mean_len, wl.padded_len)]
+  one = CostModel(dataclasses.replace(hw, hbm_bytes=sum(alone) / 2 / COST.eff.memory_headroom))
+  assert train_lib.single_model_plan(one, a, 1, 2, 2, mean_len) is not None
+  assert train_lib.single_model_plan(one, a, 1, 2, 2, mean_len, padded_len=4096) is None
+  with pytest.raises(ValueError, match="padded_len=16 .* below the mean sample length 32"):
+    train_lib.step_costs(cost, a, c, plan, mean_len, padded_len=16)

@@ -100,6 +100,14 @@ class Workload:
   def num_minibatches(self) -> int:
     return self.epochs * self.global_batch // self.minibatch
 
+  @property
+  def padded_len(self) -> int:
+    """Tokens a training row holds: the trainer's update runs every sample right-padded to
+    data.max_prompt_len + rollout.max_new_tokens (trainer/ppo.py's `tokens` [batch, prompt_bucket
+    + max_new]; plan_check's train_step seq_len), so the training activations are sized at it,
+    not at the mean length the stage times are counted at (training_sim.step_costs)."""
+    return self.prompt.max_len + self.max_new_tokens
+
   def sample_lengths(self) -> tuple[np.ndarray, np.ndarray]:
     """(prompt_lens [B], response_lens [B]) of this workload, fixed by its seed."""
     rng = np.random.default_rng([self.seed, 1])
@@ -301,7 +309,9 @@ def _zero3_stage(cost: CostModel, wl: Workload, prompts: np.ndarray, resp: np.nd
         n * cost.hw.peak_flops * cost.eff.prefill_mfu)
     inf += max(compute, cost.allgather_s(s.weight_bytes(), n))
   mb_tokens = tokens / wl.global_batch * wl.minibatch
-  train_lib.check_zero3_memory(cost, (wl.actor, wl.critic), n, mb_tokens / n)
+  # Sized as allocated: every row padded to the max prompt + max new tokens (Workload.padded_len;
+  # DeepSpeed-Chat pads to max_prompt_seq_len + max_answer_seq_len too); timed at the mean.
+  train_lib.check_zero3_memory(cost, (wl.actor, wl.critic), n, wl.minibatch * wl.padded_len / n)
   step = (train_lib.zero3_train_s(cost, wl.actor, n, mb_tokens, mean_len) +
           train_lib.zero3_train_s(cost, wl.critic, n, mb_tokens, mean_len))
   return {"inf_s": inf, "train_s": wl.num_minibatches * step, "step_s": step}
@@ -420,9 +430,9 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
     if (fused, kept) not in train_cache:
       plan, _ = train_lib.best_plan(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
                                     wl.micro_batch, mean_len, wl.num_minibatches,
-                                    resident_bytes=kept)
+                                    resident_bytes=kept, padded_len=wl.padded_len)
       costs = train_lib.step_costs(cost, wl.actor, wl.critic, plan, mean_len,
-                                   resident_bytes=kept)
+                                   resident_bytes=kept, padded_len=wl.padded_len)
       res = train_lib.pipeline_train_s(costs, wl.num_minibatches, fused, cache)
       res["plan"] = plan.to_dict()
       res["problem"] = costs.problem.to_dict()
@@ -470,7 +480,8 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
         colocated = train(False, kept(g))
         split = min(train_lib.disjoint_splits(cost, wl.actor, wl.critic, wl.num_devices,
                                               wl.minibatch, wl.micro_batch, mean_len,
-                                              resident_bytes=kept(g)),
+                                              resident_bytes=kept(g),
+                                              padded_len=wl.padded_len),
                     key=lambda x: x[0], default=None)
         if split is not None and split[0] * wl.num_minibatches < colocated["train_s"]:
           row["train_s"] = split[0] * wl.num_minibatches

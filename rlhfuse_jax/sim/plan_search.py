@@ -378,14 +378,15 @@ def micro_batching(wl, tp: int, actor_pp: int, critic_pp: int) -> dict:
 
 def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict,
                         resident_bytes: float = 0.0) -> list[Candidate]:
-  """Colocated pipeline plans (serial 1F1B time; training_sim.best_plan's grid) and disjoint
-  splits (each model alone on 1/4, 1/2 or 3/4 of the devices, at once), beside
-  `resident_bytes` per device of frozen weights (search)."""
+  """Colocated pipeline plans (serial 1F1B time at `mean_len`; training_sim.best_plan's grid)
+  and disjoint splits (each model alone on 1/4, 1/2 or 3/4 of the devices, at once), their
+  memory at the trainer's padded rows (wl.padded_len), beside `resident_bytes` per device of
+  frozen weights (search)."""
   out = []
   try:
     _, tried = train_lib.best_plan(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
                                    wl.micro_batch, mean_len, wl.num_minibatches,
-                                   resident_bytes=resident_bytes)
+                                   resident_bytes=resident_bytes, padded_len=wl.padded_len)
   except train_lib.NoTrainingPlan as e:  # each candidate's reason, named as below
     tried = e.tried
     if not tried:
@@ -399,7 +400,8 @@ def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict,
                           "actor_pp": pa, "critic_pp": pc,
                           **micro_batching(wl, tp, pa, pc)}, float(t), {"train_s": float(t)}))
   splits = train_lib.disjoint_splits(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
-                                     wl.micro_batch, mean_len, resident_bytes=resident_bytes)
+                                     wl.micro_batch, mean_len, resident_bytes=resident_bytes,
+                                     padded_len=wl.padded_len)
   if not splits:
     rejected["training disjoint"] = "no split of the devices fits both models"
   for step, plans in splits:
@@ -456,7 +458,7 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
                               opt.inference_microbatch, opt.offload_frozen)
       plan = train_lib.TrainPlan(wl.num_devices, wl.minibatch, tp, pp, pp, wl.micro_batch)
       costs = train_lib.step_costs(cost, wl.actor, wl.critic, plan, mean_len,
-                                   resident_bytes=kept)
+                                   resident_bytes=kept, padded_len=wl.padded_len)
       train = train_lib.pipeline_train_s(costs, wl.num_minibatches, fused=False)["train_s"]
     except ValueError as e:
       rejected[name] = str(e)

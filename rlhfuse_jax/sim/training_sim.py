@@ -10,7 +10,14 @@ Per mini-batch: the pipeline makespan (schedule code of `rlhfuse_jax.pipeline`: 
 order = actor 1F1B then critic 1F1B, or the fused schedule found by `pipeline.search`), then the
 data-parallel gradient all-reduce of both models and the optimizer steps (not overlapped).
 Stage durations come from the cost model (per micro-batch of mean tokens: the pipeline code has
-one duration per task kind), in milliseconds inside the PipelineProblem.
+one duration per task kind), in milliseconds inside the PipelineProblem. Memory (the states, the
+activations each in-flight micro-batch keeps) is sized at `padded_len` tokens a sample, the
+length the trainer allocates every row (Workload.padded_len: max prompt + max new tokens); until
+2026-12-04 it was the mean length too, and a plan_search plan that fit here took 85.7 GB of 48
+in plan_check's compile of its train_step. The times stay token-count based (the papers'
+systems' work); our trainer computes the padded tokens too (its update's FLOPs are those of
+[batch, max_prompt_len + max_new_tokens] rows: trainer/loop.py perf/train_useful_frac), so its
+update takes up to padded_len / mean length longer than simulated here.
 
 `ScheduleCache` keeps fused searches per problem (in memory and optionally in a JSON file), so a
 grid of settings searches each distinct shape once. `zero3_train_s` is the DeepSpeed-Chat-like
@@ -117,12 +124,25 @@ def stage_hop_s(cost: CostModel, nbytes: float, stride: int, stages: int,
   return cost.hop_s(nbytes, crossing_share(stride, stages - 1, cost.hw.devices_per_node, first))
 
 
+def memory_len(mean_seq_len: float, padded_len: Optional[float]) -> float:
+  """Tokens a sample's activations are sized at: `padded_len` (module docstring), or the mean
+  length where a caller gives none (samples all of one length)."""
+  if padded_len is None:
+    return mean_seq_len
+  if padded_len < mean_seq_len:
+    raise ValueError(f"training: padded_len={padded_len} (max prompt + max new tokens) is below "
+                     f"the mean sample length {mean_seq_len:g}; expected >= it")
+  return padded_len
+
+
 def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: TrainPlan,
                mean_seq_len: float, check_memory: bool = True,
-               resident_bytes: float = 0.0) -> StepCosts:
-  """Stage durations, transfer latency and the per-step extras of a plan (`resident_bytes`:
+               resident_bytes: float = 0.0, padded_len: Optional[float] = None) -> StepCosts:
+  """Stage durations (at `mean_seq_len` tokens a sample), transfer latency and the per-step
+  extras of a plan; its memory at `padded_len` tokens a sample (memory_len; `resident_bytes`:
   check_train_memory's)."""
   mb_tokens = plan.micro_batch * mean_seq_len
+  mem_tokens = plan.micro_batch * memory_len(mean_seq_len, padded_len)
   ctx = (mean_seq_len + 1) / 2.0
   fa = float(cost.train_stage_fwd_s(actor, plan.tp, plan.actor_pp, mb_tokens, ctx, "actor"))
   fc = float(cost.train_stage_fwd_s(critic, plan.tp, plan.critic_pp, mb_tokens, ctx, "critic"))
@@ -137,11 +157,11 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: Tra
       actor_microbatches=plan.actor_microbatches, critic_microbatches=plan.critic_microbatches,
       actor_fwd=round(fa * MS, 6), critic_fwd=round(fc * MS, 6),
       actor_bwd=round(ba * MS, 6), critic_bwd=round(bc * MS, 6),
-      actor_mem=round(stash_bytes(actor, plan.actor_pp, plan.tp, mb_tokens) / MB, 6),
-      critic_mem=round(stash_bytes(critic, plan.critic_pp, plan.tp, mb_tokens) / MB, 6),
+      actor_mem=round(stash_bytes(actor, plan.actor_pp, plan.tp, mem_tokens) / MB, 6),
+      critic_mem=round(stash_bytes(critic, plan.critic_pp, plan.tp, mem_tokens) / MB, 6),
       transfer_latency=round(lat * MS, 6))
   if check_memory:
-    check_train_memory(cost, actor, critic, plan, mb_tokens, resident_bytes)
+    check_train_memory(cost, actor, critic, plan, mem_tokens, resident_bytes)
   sync = cost.grad_sync_s(actor, plan.tp, plan.actor_pp, plan.dp) + critic_grad_sync_s(
       cost, critic, plan)
   opt = (cost.optimizer_step_s(actor, plan.tp * plan.actor_pp * plan.dp) +
@@ -166,9 +186,10 @@ def critic_grad_sync_s(cost: CostModel, critic: ModelShape, plan: TrainPlan) -> 
 def check_train_memory(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: TrainPlan,
                        mb_tokens: float, resident_bytes: float = 0.0) -> None:
   """Both models' states and their 1F1B activation peaks on the busiest device (stage 0 of
-  each) must fit, beside `resident_bytes` per device that other stages keep there (the frozen
-  models' weights with sim.offload_frozen=False: frozen_note); the fused schedule's budget is
-  the sum of the two models' (docs/architecture.md §3)."""
+  each; `mb_tokens`: a micro-batch's tokens as the trainer allocates them) must fit, beside
+  `resident_bytes` per device that other stages keep there (the frozen models' weights with
+  sim.offload_frozen=False: frozen_note); the fused schedule's budget is the sum of the two
+  models' (docs/architecture.md §3)."""
   ma, mc = plan.actor_microbatches, plan.critic_microbatches
   need = (cost.train_memory_bytes(actor, plan.tp, plan.actor_pp, plan.dp, True, mb_tokens,
                                   min(plan.actor_pp, ma)) +
@@ -264,10 +285,11 @@ def pipeline_train_s(costs: StepCosts, num_minibatches: int, fused: bool,
 def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_devices: int,
               minibatch: int, micro_batch: int, mean_seq_len: float, num_minibatches: int,
               tps=(1, 2, 4, 8), pps=(1, 2, 4, 8, 16),
-              resident_bytes: float = 0.0) -> tuple[TrainPlan, dict]:
+              resident_bytes: float = 0.0,
+              padded_len: Optional[float] = None) -> tuple[TrainPlan, dict]:
   """The plan with the smallest serial (1F1B) training time among those that fit in memory
-  (beside `resident_bytes` per device: check_train_memory). Returns (plan, {candidate
-  description: train_s or the reason it was rejected})."""
+  (at `padded_len` tokens a sample, beside `resident_bytes` per device: step_costs). Returns
+  (plan, {candidate description: train_s or the reason it was rejected})."""
   tried, best, best_t = {}, None, float("inf")
   for tp in tps:
     if tp > cost.hw.devices_per_node:
@@ -285,7 +307,7 @@ def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_device
         try:
           plan = TrainPlan(num_devices, minibatch, tp, pa, pc, micro_batch)
           costs = step_costs(cost, actor, critic, plan, mean_seq_len,
-                             resident_bytes=resident_bytes)
+                             resident_bytes=resident_bytes, padded_len=padded_len)
         except ValueError as e:
           tried[name] = str(e)
           continue
@@ -322,12 +344,16 @@ def one_f_one_b_s(stages: int, microbatches: int, fwd_s: float, bwd_s: float,
                       actor_bwd=bwd_s * MS, critic_bwd=bwd_s * MS, transfer_latency=latency_s * MS)
   return schedules.model_makespan(p, "actor") / MS
 
+
 def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int,
                       micro_batch: int, mean_len: float, resident_bytes: float = 0.0,
-                      first: int = 0) -> Optional[tuple[float, dict]]:
+                      first: int = 0,
+                      padded_len: Optional[float] = None) -> Optional[tuple[float, dict]]:
   """(1F1B step seconds, plan) of one model alone on n devices (tp x pp x dp) numbered from
-  `first`, the fastest that fits beside `resident_bytes` per device, or None if nothing fits
-  (ReaLHF-like disjoint training; plan_search)."""
+  `first`, the fastest that fits (at `padded_len` tokens a sample: step_costs) beside
+  `resident_bytes` per device, or None if nothing fits (ReaLHF-like disjoint training;
+  plan_search)."""
+  mem_len = memory_len(mean_len, padded_len)
   best = None
   # The calibration's measured stage times are per model (a scalar head: the critic's); the
   # critic alone was timed with the actor's measured forward and neither measured backward.
@@ -343,7 +369,8 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
         continue
       m = minibatch // (dp * micro_batch)
       mb_tokens = micro_batch * mean_len
-      need = cost.train_memory_bytes(shape, tp, pp, dp, True, mb_tokens, min(pp, m))
+      need = cost.train_memory_bytes(shape, tp, pp, dp, True, micro_batch * mem_len,
+                                     min(pp, m))
       if need + resident_bytes > cost.usable_bytes:
         continue
       f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2, model))
@@ -358,20 +385,21 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
 
 def disjoint_splits(cost: CostModel, actor: ModelShape, critic: ModelShape, n: int,
                     minibatch: int, micro_batch: int, mean_len: float,
-                    fractions=(0.25, 0.5, 0.75),
-                    resident_bytes: float = 0.0) -> list[tuple[float, dict]]:
+                    fractions=(0.25, 0.5, 0.75), resident_bytes: float = 0.0,
+                    padded_len: Optional[float] = None) -> list[tuple[float, dict]]:
   """Actor and critic trained at once on disjoint device groups (the actor on each fraction of
   the n devices, the critic on the rest): [(step seconds, {"actor": plan, "critic": plan})]
-  for the splits where both fit (beside `resident_bytes` per device); a step lasts as long as
-  the slower model's."""
+  for the splits where both fit (at `padded_len` tokens a sample, beside `resident_bytes` per
+  device); a step lasts as long as the slower model's."""
   out = []
   for frac in fractions:
     na = int(n * frac)
     if not 0 < na < n:  # too few devices to give each model some
       continue
-    a = single_model_plan(cost, actor, na, minibatch, micro_batch, mean_len, resident_bytes)
+    a = single_model_plan(cost, actor, na, minibatch, micro_batch, mean_len, resident_bytes,
+                          padded_len=padded_len)
     c = single_model_plan(cost, critic, n - na, minibatch, micro_batch, mean_len,
-                          resident_bytes, first=na)
+                          resident_bytes, first=na, padded_len=padded_len)
     if a and c:
       out.append((max(a[0], c[0]), {"actor": a[1], "critic": c[1]}))
   return out
