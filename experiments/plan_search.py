@@ -17,7 +17,7 @@ into the workdir:
                   epochs, max_prompt_len, max_new_tokens, num_devices, train_config when given;
                   train_ppo warns of a run whose workload differs)
   result.json     {"best", "top", "uniform", "async", "plan_json", "stages", "systems",
-                  "search_s", "setting", "hardware", "efficiency"};
+                  "search_s", "setting", "hardware", "efficiency", "plan_memory"};
                   best.predicted_iteration_s (synchronous), uniform.predicted_iteration_s
                   and async.predicted_iteration_s (with async.generation_devices,
                   training_devices, staleness, colocated) are the figures; plan_json says
@@ -25,6 +25,9 @@ into the workdir:
                   {why: synchronous combinations} the trainer would not run (with
                   sim.trainer_runnable or train_config)
   plan_search.md  the top plans with predicted stage times, the best uniform layout, the
+                  memory per device of each stage of plan.json's plan (weights, gradients,
+                  optimizer state, activations or KV cache, frozen weights kept, against the
+                  usable HBM; result.json "plan_memory"), the
                   asynchronous plans and splits, the simulator's other systems on the same
                   setting, and the hardware's figures and assumed efficiencies (result.json's
                   hardware and efficiency)
@@ -83,11 +86,33 @@ STAGE_TIMES = {"generation": "seconds, the actor's resharding into the layout in
                           "no resharding"}
 
 
+def memory_lines(memory: list[dict], which: str, hbm_bytes: float) -> list[str]:
+  """plan_search.md's memory per device of plan.json's plan (`which`: synchronous or
+  asynchronous), each stage's parts (plan_search.plan_memory) against the usable HBM."""
+  gib = lambda x: _s(x / training_sim.GIB)
+  usable = memory[0]["usable"]
+  lines = ["", f"Memory per device of plan.json's ({which}) plan, GiB, by the formulas of the "
+           f"search's memory checks (training at the trainer's padded rows), against "
+           f"{gib(usable)} GiB usable of the device's {gib(hbm_bytes)} GiB HBM:", "",
+           "| stage | layout | per device | total | of usable |", "|---|---|---|---|---|"]
+  for r in memory:
+    parts = " + ".join(f"{k} {gib(v)}" for k, v in r["parts"].items())
+    share = 100.0 * r["total"] / r["usable"]
+    lines.append(f"| {r['stage']} | {r['layout']} | {parts} | {gib(r['total'])} | "
+                 f"{share:.0f} %{' (does not fit)' if share > 100 else ''} |"
+                 if share >= 1 else
+                 f"| {r['stage']} | {r['layout']} | {parts} | {gib(r['total'])} | "
+                 f"{share:.2g} % |")
+  return lines
+
+
 def report(res: dict, systems: dict, setting: dict,
-           constants: Optional[tuple[dict, dict]] = None) -> list[str]:
-  """plan_search.md: the top plans, the uniform layout, the other systems, and (`constants`:
-  the hardware's and the efficiencies' dicts, and the calibration's describe() or None) what
-  the simulated times rest on."""
+           constants: Optional[tuple[dict, dict]] = None,
+           memory: Optional[tuple[list, str, float]] = None) -> list[str]:
+  """plan_search.md: the top plans, the uniform layout, the other systems, (`memory`:
+  memory_lines' arguments) plan.json's plan's memory per device of each stage, and
+  (`constants`: the hardware's and the efficiencies' dicts, and the calibration's describe() or
+  None) what the simulated times rest on."""
   # `evaluated` counts the plans that fit, `rejected` the others; the synchronous time is the
   # one the search logs ("plan search done in"), the asynchronous search's follows it.
   plans = (f"{res['evaluated']} feasible stage plans, {len(res['rejected'])} rejected for "
@@ -128,6 +153,8 @@ def report(res: dict, systems: dict, setting: dict,
                 "time): no per-stage combination expresses its generation and inference on the "
                 "training layout. plan.json holds the best combination; the simulated systems' "
                 "pipe_rlhf row takes the uniform layout."]
+  if memory is not None:
+    lines += memory_lines(*memory)
   if a is not None:
     lines += ["", f"Asynchronous PPO (staleness k={a['staleness']}: the generation group "
               "generates and scores the batch k iterations ahead while the training group "
@@ -321,15 +348,18 @@ def main(argv):
   calibration = cost.cal.describe() if cost.cal is not None else None
   # The workload it was searched for: train_ppo warns when a run's differs.
   record = plan_search.workload_record(wl, _CONFIG.value.get("train_config", ""))
+  memory = plan_search.plan_memory(cost, wl, cfg.sim, plan)
   wd.write_json(os.path.join(workdir, "plan.json"),
                 {**plan, "hardware": hardware, "workload": record})
   runner.write_result(workdir, {
       "setting": setting, "hardware": hardware, "best": best, "top": res["top"], "uniform": uniform,
       "async": asynchronous, "plan_json": which, "stages": res["stages"],
       "rejected": res["rejected"], "refused": res["refused"], "systems": systems,
-      "search_s": res["search_s"], "efficiency": efficiency, "calibration": calibration})
+      "search_s": res["search_s"], "efficiency": efficiency, "calibration": calibration,
+      "plan_memory": memory})
   with open(os.path.join(workdir, "plan_search.md"), "w") as f:
-    f.write("\n".join(report(res, systems, setting, (hardware, efficiency, calibration))))
+    f.write("\n".join(report(res, systems, setting, (hardware, efficiency, calibration),
+                              (memory, which, cost.hw.hbm_bytes))))
   logging.info("best %ss (%s); uniform %s; async %s; plan.json %s; searched in %.1fs in all "
                "-> %s",
                _s(best["predicted_iteration_s"]), res["best"]["summary"],

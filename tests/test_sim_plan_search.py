@@ -539,6 +539,18 @@ def test_binary_writes_plan_result_and_report(tmp_path):
   assert sys_rows["pipe_rlhf_async"]["iteration_s"] == pytest.approx(a["predicted_iteration_s"])
   md = (tmp_path / "plan_search.md").read_text()
   assert "| uniform | one layout" in md and "| rlhfuse_planned |" in md
+  # plan.json's plan's memory per device of each stage, against the usable HBM (result.json's
+  # plan_memory, one row a stage, in GiB with each part named)
+  mem = res["plan_memory"]
+  assert [r["stage"] for r in mem] == (
+      ["generation", "inference", "training (actor)", "training (critic)"]
+      if plan["training"]["placement"] == "disjoint" else
+      ["generation", "inference", "training"])
+  assert "Memory per device of plan.json's (asynchronous) plan, GiB" in md
+  for r in mem:
+    row = next(line for line in md.splitlines() if line.startswith(f"| {r['stage']} | "))
+    assert f"| {r['total'] / 2**30:.2f} | {100 * r['total'] / r['usable']:.0f} % |" in row, row
+  assert "weights" in md and "KV cache" in md and "optimizer" in md
   assert "Asynchronous PPO (staleness k=1" in md and "| pipe_rlhf_async |" in md
   # The counts say which plans fit ("45 stage plans evaluated, 44 rejected" read as 45 tried),
   # and the log's times are the report's: the synchronous search's, the asynchronous one's and
@@ -693,3 +705,43 @@ def test_training_memory_is_sized_at_the_padded_rows_the_trainer_allocates():
   assert train_lib.single_model_plan(one, a, 1, 2, 2, mean_len, padded_len=4096) is None
   with pytest.raises(ValueError, match="padded_len=16 .* below the mean sample length 32"):
     train_lib.step_costs(cost, a, c, plan, mean_len, padded_len=16)
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_plan_memory_is_what_each_stage_check_allows(offload):
+  """plan_memory's per-device totals of the chosen plan are the needs the search's memory checks
+  compare with the usable HBM: each stage's check passes with exactly that much usable memory
+  and refuses a byte less (training at the padded rows, beside the frozen weights kept with
+  sim.offload_frozen=False)."""
+  a = get_shape("llama-7b")
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=16, global_batch=32, minibatch=16,
+                   max_new_tokens=512, prompt=LengthSpec(kind="constant", value=64, max_len=256),
+                   response=LengthSpec(kind="constant", value=100))
+  opt = it.SimOptions(offload_frozen=offload, trainer_runnable=True)
+  plan = ps.search(COST, wl, opt, top_k=1)["best"]
+  rows = {r["stage"]: r for r in ps.plan_memory(COST, wl, opt, plan)}
+  assert set(rows) == {"generation", "inference", "training"}
+  assert ("frozen weights kept" in rows["training"]["parts"]) == (not offload)
+  prompts, _ = wl.sample_lengths()
+  gen, inf, train = plan["generation"], plan["inference"], plan["training"]
+  kept = it.kept_frozen_bytes(wl, inf["tp"], opt)
+  tplan = train_lib.TrainPlan(16, 16, train["tp"], train["actor_pp"], train["critic_pp"])
+  checks = {
+      "generation": lambda c: it.gen_plan(c, wl, gen["tp"], prompts, opt.max_slots, kept),
+      "inference": lambda c: it.check_inference_memory(c, wl, inf["tp"],
+                                                       opt.inference_microbatch, prompts),
+      "training": lambda c: train_lib.step_costs(c, wl.actor, wl.critic, tplan, 164.0,
+                                                 resident_bytes=kept,
+                                                 padded_len=wl.padded_len)}
+  assert gen["mode"] == "instances" and train["placement"] == "colocated"
+  for stage, check in checks.items():
+    need = rows[stage]["total"]
+    assert rows[stage]["usable"] == COST.usable_bytes
+    for scale, fits in ((1 + 1e-9, True), (1 - 1e-9, False)):
+      cost = CostModel(dataclasses.replace(COST.hw, hbm_bytes=need * scale /
+                                           COST.eff.memory_headroom))
+      if fits:
+        check(cost)
+      else:
+        with pytest.raises(ValueError, match="does not fit in memory"):
+          check(cost)

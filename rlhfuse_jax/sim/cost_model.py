@@ -386,12 +386,20 @@ class CostModel:
           f"{self.usable_bytes / GIB:.1f} GiB usable on {self.hw.name} "
           f"({self.eff.memory_headroom:.0%} of {self.hw.hbm_bytes / GIB:.1f} GiB); {detail}")
 
+  def train_memory_parts(self, shape: ModelShape, tp: int, pp: int, dp: int, zero1: bool,
+                         mb_tokens: float, inflight: int) -> dict:
+    """Per device of a tp x pp x dp training layout of one model, bytes: {"weights" (bf16),
+    "grads" (bf16), "optimizer" (Adam's fp32 master, m, v; over dp with ZeRO-1),
+    "activations" (`inflight` micro-batches of `mb_tokens` tokens)}."""
+    shard = shape.num_params() / (tp * pp)
+    return {"weights": 2.0 * shard, "grads": 2.0 * shard,
+            "optimizer": 12.0 * shard / (dp if zero1 else 1),
+            "activations": inflight * self.activation_bytes(shape, tp, mb_tokens,
+                                                            shape.num_layers / pp)}
+
   def train_memory_bytes(self, shape: ModelShape, tp: int, pp: int, dp: int, zero1: bool,
                          mb_tokens: float, inflight: int) -> float:
-    shard = shape.num_params() / (tp * pp)
-    states = shard * (4.0 + 12.0 / (dp if zero1 else 1))
-    acts = inflight * self.activation_bytes(shape, tp, mb_tokens, shape.num_layers / pp)
-    return states + acts
+    return sum(self.train_memory_parts(shape, tp, pp, dp, zero1, mb_tokens, inflight).values())
 
 
 def decode_step_work(shape: ModelShape, batch, context_tokens):

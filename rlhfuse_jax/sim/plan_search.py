@@ -497,6 +497,70 @@ def _plan_dict(gen: Candidate, inf: Candidate, train: Candidate) -> dict:
   }
 
 
+def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
+  """Per device, what each stage of `plan` (plan.json's form: _plan_dict, _async_plan) holds,
+  by the formulas its memory checks use: [{"stage", "layout", "parts": {name: bytes},
+  "total", "usable"}], `usable` the HBM the checks allow (memory_headroom of hbm_bytes).
+  Generation: the actor's weights and the KV cache of its share of the batch at the longest
+  prompt + max_new_tokens (iteration_sim.gen_plan, pipelined_generation); inference: the frozen
+  weights and one micro-batch's activations of a layer (iteration_sim.check_inference_memory);
+  training: each model's weights, gradients, optimizer state and in-flight activations at the
+  trainer's padded rows (cost_model.train_memory_parts, training_sim.check_train_memory). With
+  sim.offload_frozen=False each row also holds the frozen weights kept on its devices."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  n, b = wl.num_devices, wl.global_batch
+  split = plan.get("async") or {}
+  g = n if split.get("colocated", True) else split["generation_devices"]
+  t = n if g == n else n - g
+  gen, inf, train = plan["generation"], plan["inference"], plan["training"]
+  prompts, _ = wl.sample_lengths()
+  slot_cap = int(prompts.max()) + wl.max_new_tokens
+  models = ASYNC_GENERATION_FROZEN if g < n else ("reference", "critic", "reward")
+  frozen = tuple(wl.actor if m == "reference" else wl.critic for m in models)
+  kept = it.kept_frozen_bytes(wl, inf["tp"], opt)
+  kept_parts = {"frozen weights kept": kept} if kept else {}
+  a = wl.actor
+  if gen["mode"] == "instances":
+    per = -(-b // (g // gen["tp"]))
+    copy = gen["tp"]
+  else:
+    per = -(-b // (g // (gen["tp"] * gen["pp"])))
+    copy = gen["tp"] * gen["pp"]
+  rows = [{"stage": "generation", "layout": GenerationPlan(**gen).describe(),
+           "parts": {"weights": a.weight_bytes() / copy,
+                     "KV cache": per * slot_cap * a.kv_bytes_per_token() / copy,
+                     **kept_parts}}]
+  tokens = opt.inference_microbatch * slot_cap
+  rows.append({"stage": "inference", "layout": InferencePlan(**inf).describe(),
+               "parts": {"weights": sum(s.weight_bytes() for s in frozen) / inf["tp"],
+                         "activations": max(cost.activation_bytes(s, inf["tp"], tokens, 1)
+                                            for s in frozen)}})
+  tokens = wl.micro_batch * wl.padded_len
+  # The training group keeps no frozen weights when generation has its own devices.
+  kept_train = kept_parts if g == n else {}
+  if train["placement"] == "colocated":
+    tp, pa, pc = train["tp"], train["actor_pp"], train["critic_pp"]
+    tplan = train_lib.TrainPlan(t, wl.minibatch, tp, pa, pc, wl.micro_batch)
+    parts = [cost.train_memory_parts(a, tp, pa, tplan.dp, True, tokens,
+                                     min(pa, tplan.actor_microbatches)),
+             cost.train_memory_parts(wl.critic, tp, pc, tplan.dp * tplan.critic_replicas, True,
+                                     tokens, min(pc, tplan.critic_microbatches))]
+    rows.append({"stage": "training", "layout": _describe_train(train),
+                 "parts": {**{k: parts[0][k] + parts[1][k] for k in parts[0]}, **kept_train}})
+  else:
+    for role, shape in (("actor", a), ("critic", wl.critic)):
+      q = train[role]
+      rows.append({"stage": f"training ({role})",
+                   "layout": f"{q['devices']} dev tp{q['tp']} pp{q['pp']} dp{q['dp']}",
+                   "parts": {**cost.train_memory_parts(shape, q["tp"], q["pp"], q["dp"], True,
+                                                       tokens, min(q["pp"], q["M"])),
+                             **kept_train}})
+  for r in rows:
+    r["total"] = sum(r["parts"].values())
+    r["usable"] = cost.usable_bytes
+  return rows
+
+
 # The model fields plan.json's "workload" records of the actor and the critic (the trainer
 # compares them, and the run fields below, with its own: trainer/config.plan_workload_note).
 WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size")
