@@ -356,8 +356,25 @@ def test_decode_host_overhead_stretches_the_uncalibrated_step_only():
 def test_efficiencies_that_are_not_numbers_are_refused_by_name(field, value):
   """A NaN passed `x < 0` checks: NaN latencies and backwards surfaced as a pipeline problem's
   actor_fwd=nan, and a NaN or negative activation size let every plan pass the memory check."""
-  with pytest.raises(ValueError, match=f"efficiency.{field}="):
+  with pytest.raises(ValueError, match=rf"^config\.efficiency\.{field}="):
     Efficiency(**{field: value})
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("train_mfu=2", "config.efficiency.train_mfu=2.0 must be in (0, 1]"),
+    ("decode_host_overhead=-1", "config.efficiency.decode_host_overhead=-1.0 must be a fraction"),
+    ("bwd_over_fwd=0", "config.efficiency.bwd_over_fwd=0.0 must be a finite number > 0")])
+def test_efficiency_errors_name_the_field_as_the_user_types_it(flag, message):
+  """--config.efficiency.X=... was refused as "efficiency.X=...": the field the user types is
+  config.efficiency.X (reproduce_ablations, plan_search)."""
+  from configs import ablations as ablation_config
+  from rlhfuse_jax.sim.ablations import AblationConfig
+  c = ablation_config.get_config()
+  field, value = flag.split("=")
+  c.efficiency[field] = float(value)
+  with pytest.raises(ValueError) as e:
+    AblationConfig.from_config_dict(c)
+  assert str(e.value).startswith(message), str(e.value)
 
 
 def test_hops_across_nodes_follow_the_layout():

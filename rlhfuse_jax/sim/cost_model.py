@@ -117,18 +117,18 @@ class Efficiency:
               "memory_headroom"):
       v = getattr(self, f)
       if not 0 < v <= 1:
-        raise ValueError(f"efficiency.{f}={v} must be in (0, 1]")
+        raise ValueError(f"config.efficiency.{f}={v} must be in (0, 1]")
     # `not x >= 0` rather than `x < 0`: a NaN (or an infinity) slipped through, and a NaN
     # activation size passed every memory check (NaN > usable is False).
     for f, low in (("collective_latency_s", 0.0), ("bwd_over_fwd", None),
                    ("act_bytes_per_token_layer_per_h", None)):
       v = getattr(self, f)
       if not (math.isfinite(v) and (v >= low if low is not None else v > 0)):
-        raise ValueError(f"efficiency.{f}={v} must be a finite number "
+        raise ValueError(f"config.efficiency.{f}={v} must be a finite number "
                          + (f">= {low:g}" if low is not None else "> 0"))
     if not 0 <= self.decode_host_overhead < 10:
-      raise ValueError(f"efficiency.decode_host_overhead={self.decode_host_overhead} must be a "
-                       "fraction of the decode step's device time in [0, 10)")
+      raise ValueError(f"config.efficiency.decode_host_overhead={self.decode_host_overhead} must "
+                       "be a fraction of the decode step's device time in [0, 10)")
 
 
 # Each Efficiency default's source in a line, for the reports' tables (the docstring above

@@ -255,8 +255,8 @@ def _file_protocols(path: str, value) -> Optional[tuple[CollectiveProtocol, ...]
   if not isinstance(value, list) or not value or not all(
       isinstance(p, dict) and need <= set(p) <= keys for p in value):
     raise ValueError(f"hardware {path!r}: collective_protocols={value!r}; expected null (one "
-                     "efficiency.collective_latency_s per call) or a non-empty list of objects "
-                     f"with {sorted(need)} and optionally bw_fraction_in_node (seconds)")
+                     "config.efficiency.collective_latency_s per call) or a non-empty list of "
+                     f"objects with {sorted(need)} and optionally bw_fraction_in_node (seconds)")
   out = []
   for p in value:
     for k, v in p.items():
