@@ -24,8 +24,10 @@ plans the trainer runs, then run with it:
 
 `train_config` (a train_ppo config, PATH[:VARIANT]; default configs/ppo_tiny.py) gives the
 models, rollout batch, mini-batch, epochs, max_new_tokens and lengths (experiments/
-plan_search.py); `pairs`, `max_new_tokens`, `global_batch`, `minibatch`, `epochs`, `prompt` and
-`response` are then not read (overridden on the command line, refused). The hardware is
+plan_search.py); the binary's --run_config=PATH[:VARIANT] replaces it and takes train_ppo's
+overrides as --run_config.<field>=... (as plan_check's --run_config); `pairs`,
+`max_new_tokens`, `global_batch`, `minibatch`, `epochs`, `prompt` and `response` are then not
+read (overridden on the command line, refused). The hardware is
 configs/ablations.py's (h100_sxm, 8 a node; `--config.hardware` picks another preset): the
 plan is what the search picks for this workload on `num_devices` = 8 of them; the trainer then
 runs it on whatever devices it has (8 fake CPU devices here, which share the host's cores, so

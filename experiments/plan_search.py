@@ -45,7 +45,11 @@ none, the plan search alone. plan.json is then
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.train_ppo \
     --config=configs/ppo_tiny.py --config.plan.file=DIR/plan.json --workdir=/tmp/ppo_plan
 and the workdir also holds lengths/ (prompt_lengths.txt, response_lengths.txt: what the
-workload samples).
+workload samples). A run with overrides is searched as train_ppo would run it with --run_config
+(the config file) and --run_config.<field>=... (train_ppo's --config.<field> overrides), as
+plan_check takes them; plan.json's workload records both:
+  python -m experiments.plan_search --config=configs/plan_search.py:train \
+    --run_config=configs/ppo_tiny.py --run_config.rollout.max_new_tokens=16 --workdir=DIR
 """
 from __future__ import annotations
 
@@ -69,6 +73,11 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Plan search config.",
                                           lock_config=True)
+_RUN_CONFIG = config_flags.DEFINE_config_file(
+    "run_config", None, "Optional, with a search for a training run (config.train_config set: the "
+    "`train` variant): the train_ppo config whose workload is searched, in place of "
+    "config.train_config, with train_ppo's overrides as --run_config.<field>=... (as "
+    "plan_check's --run_config).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -246,7 +255,7 @@ def trainer_setting(cfg: ablations.AblationConfig, spec: str, config_dict, workd
   run's config (trainer/sim_plan.PlanCheck on fake CPU devices)."""
   from rlhfuse_jax.trainer import sim_plan  # pylint: disable=import-outside-toplevel
   devices, train, task, tokenizer, dataset = run
-  name = os.path.splitext(os.path.basename(spec.partition(":")[0]))[0]
+  name = os.path.splitext(os.path.basename(spec.split(" ")[0].partition(":")[0]))[0]
   wl, lengths = sim_plan.workload(train, task, tokenizer, cfg.num_devices,
                                   os.path.join(workdir, "lengths"), micro_batch=cfg.micro_batch,
                                   seed=cfg.seed, name=name, dataset=dataset)
@@ -260,6 +269,19 @@ def trainer_setting(cfg: ablations.AblationConfig, spec: str, config_dict, workd
 # The workload fields a train_ppo config (config.train_config) replaces with its run's own.
 TRAIN_CONFIG_REPLACES = ("pairs", "max_new_tokens", "global_batch", "minibatch", "epochs",
                          "prompt", "response")
+
+
+def run_config_spec(train_config: str) -> str:
+  """What --run_config names, as the reports and plan.json's workload record it: its
+  PATH[:VARIANT] followed by its overrides as typed (--run_config.<field>=value). A ValueError
+  without a search for a training run (config.train_config empty: the pair variants)."""
+  if not train_config:
+    raise ValueError("--run_config: searches a training run's workload with "
+                     "--config=configs/plan_search.py:train (config.train_config is empty here: "
+                     "the paper pairs' variants take no run)")
+  overrides = config_flags.get_override_values(flags.FLAGS["run_config"])
+  return config_flags.get_config_filename(flags.FLAGS["run_config"]) + "".join(
+      f" --run_config.{k}={v}" for k, v in sorted(overrides.items()))
 
 
 def check_unread_overrides(train_config: str, overrides: dict) -> None:
@@ -287,11 +309,21 @@ def main(argv):
   if not isinstance(top_k, int) or top_k < 1:
     raise ValueError(f"config.top_k={top_k!r}: expected an integer >= 1 (plans to report)")
   spec = _CONFIG.value.get("train_config", "")
-  train_dict = load_train_config(spec) if spec else None  # a missing file or variant, named
+  if _RUN_CONFIG.value is not None:
+    spec, train_dict = run_config_spec(spec), _RUN_CONFIG.value
+  else:
+    train_dict = load_train_config(spec) if spec else None  # a missing file or variant, named
   if not spec and len(cfg.settings()) != 1:
     raise ValueError(f"plan search takes one setting; the config has {len(cfg.settings())} "
                      "(one pair in `pairs`, one length in `max_new_tokens`)")
-  run = train_run(cfg, train_dict) if spec else None  # the trainer's config checks
+  try:
+    run = train_run(cfg, train_dict) if spec else None  # the trainer's config checks
+  except (ValueError, FileNotFoundError) as e:
+    if _RUN_CONFIG.value is None:
+      raise
+    # they name config.<field>: the user typed --run_config.<field>
+    kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
+    raise kind(f"--run_config (config.<field> is --run_config.<field> here): {e}") from None
   workdir = _WORKDIR.value
   wd.start_outputs(workdir, _CONFIG.value,
                    ("result.json", "plan.json", "plan_search.md", "lengths"))
@@ -347,7 +379,7 @@ def main(argv):
   # what a calibration file measured (its ops replace the formulas), None without one
   calibration = cost.cal.describe() if cost.cal is not None else None
   # The workload it was searched for: train_ppo warns when a run's differs.
-  record = plan_search.workload_record(wl, _CONFIG.value.get("train_config", ""))
+  record = plan_search.workload_record(wl, spec)
   memory = plan_search.plan_memory(cost, wl, cfg.sim, plan)
   wd.write_json(os.path.join(workdir, "plan.json"),
                 {**plan, "hardware": hardware, "workload": record})

@@ -695,6 +695,40 @@ def test_plan_search_refuses_a_train_config_before_moving_the_earlier_plan(tmp_p
   assert json.loads((run / "plan.json").read_text()) == {"earlier": True}
 
 
+def test_plan_search_takes_a_run_config_with_train_ppos_overrides(tmp_path):
+  """plan_search:train searched a train_ppo config file as written: a run with overrides
+  (--config.rollout.max_new_tokens=...) needed a config file of its own. --run_config takes
+  the file and its overrides as plan_check's does; the workload, plan.json's record and the
+  report are the overridden run's, the trainer's refusals name --run_config.<field>, and a
+  search of a paper pair (no run) refuses it."""
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  cmd = [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
+         "--run_config=configs/ppo_tiny.py", "--config.systems=", f"--workdir={tmp_path / 'ps'}"]
+  out = subprocess.run(cmd + ["--run_config.rollout.max_new_tokens=16",
+                              "--run_config.model.num_layers=4"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  w = json.loads((tmp_path / "ps" / "plan.json").read_text())["workload"]
+  spec = ("configs/ppo_tiny.py --run_config.model.num_layers=4 "
+          "--run_config.rollout.max_new_tokens=16")
+  assert (w["actor"]["num_layers"], w["critic"]["num_layers"], w["max_new_tokens"],
+          w["train_config"]) == (4, 2, 16, spec), w
+  md = (tmp_path / "ps" / "plan_search.md").read_text()
+  assert f"# Plan search: {spec} on 8 x h100_sxm" in md
+  out = subprocess.run(cmd + ["--run_config.algo.minibatch_size=48"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1 and ("--run_config (config.<field> is --run_config.<field> here): "
+                                  "config.algo.minibatch_size=48: expected a divisor") \
+      in out.stderr, out.stderr[-3000:]
+  out = subprocess.run([sys.executable, "-m", "experiments.plan_search",
+                        "--config=configs/plan_search.py:13b/13b",
+                        "--run_config=configs/ppo_tiny.py", f"--workdir={tmp_path / 'pair'}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1 and "--run_config: searches a training run's workload with " \
+      "--config=configs/plan_search.py:train" in out.stderr, out.stderr[-3000:]
+  assert not (tmp_path / "pair").exists()
+
+
 def test_the_set_up_log_names_what_the_plan_file_set(tmp_path):
   """A plan file's settings are applied under fields the user may not have written (zero1 among
   them, with no way back), so the trainer's set-up log names each one (the trainer logs
