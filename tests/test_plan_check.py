@@ -995,3 +995,43 @@ def test_a_tensor_degree_the_heads_refuse_names_plan_checks_own_fields():
   c = plan_config.get_config("tiny")  # 4 heads, 2 KV heads (fewer than tp: kept whole)
   c.tp, c.dp, c.fsdp = 4, 1, 1
   assert plan_programs.PlanConfig.from_config_dict(c).tp == 4
+
+
+def test_the_simulators_training_memory_is_plan_checks_at_the_padded_rows():
+  """The simulator sized a plan's training activations at the mean sample length while the
+  trainer, and plan_check's train_step, run every row at seq_len = max prompt + max new tokens:
+  plan_search chose a plan that plan_check then measured at 85.7 GB on 48 GB devices. The
+  search's memory check of a pipelined plan now allows exactly plan_check's analytic bytes of
+  the same plan (params, grads, ZeRO-1 optimizer state, 1F1B activations at the padded rows),
+  with samples 16 tokens long on average: the plan fits with that much usable memory and is
+  refused with 0.1 % less."""
+  from rlhfuse_jax.sim import iteration_sim, plan_search, shapes
+  from rlhfuse_jax.sim.cost_model import CostModel
+  from rlhfuse_jax.sim.lengths import LengthSpec
+  c = plan_config.get_config("tiny")
+  for m in (c.actor, c.critic):
+    m.num_layers, m.hidden_size, m.intermediate_size, m.max_seq_len = 4, 256, 512, 512
+    m.dtype = m.param_dtype = "bfloat16"
+  c.pp, c.critic_pp, c.tp, c.dp, c.fsdp = 2, 2, 1, 4, 1
+  c.minibatch_size, c.microbatch_size = 32, 1
+  c.seq_len, c.response_len = 512, 384
+  c.master_weights = c.zero1 = True
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  analytic = plan_programs.train_analytic(cfg, {"ticks": 1})  # (ticks: FLOPs only)
+  need = sum(analytic[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
+                                   "activations_bytes"))
+  wl = iteration_sim.Workload(
+      actor=shapes.from_model_config(cfg.actor, "actor"),
+      critic=shapes.from_model_config(cfg.critic, "critic").as_critic(), num_devices=8,
+      global_batch=32, minibatch=32, max_new_tokens=384,
+      prompt=LengthSpec(kind="constant", value=8, max_len=128),
+      response=LengthSpec(kind="constant", value=8))
+  assert wl.padded_len == cfg.seq_len
+  base = hardware.get_hardware("h100_sxm")
+  for scale, fits in ((1.001, True), (0.999, False)):
+    cost = CostModel(dataclasses.replace(base, hbm_bytes=need * scale / 0.9))
+    assert cost.eff.memory_headroom == 0.9
+    rejected: dict = {}
+    plans = plan_search.training_candidates(cost, wl, 16.0, rejected)
+    assert any(p.plan.get("actor_pp") == 2 and p.plan.get("critic_pp") == 2 and
+               p.plan.get("tp") == 1 for p in plans) == fits, rejected.get("training tp1/pa2/pc2")
