@@ -734,6 +734,22 @@ def test_plan_memory_is_what_each_stage_check_allows(offload):
                                                  resident_bytes=kept,
                                                  padded_len=wl.padded_len)}
   assert gen["mode"] == "instances" and train["placement"] == "colocated"
+  # A pipelined generation layout and a disjoint training placement, by hand.
+  other = {**plan, "generation": {"mode": "pipeline", "tp": 2, "pp": 4, "groups": 4, "slots": 16},
+           "training": {"placement": "disjoint",
+                        "actor": {"devices": 8, "tp": 2, "pp": 2, "dp": 2, "M": 4},
+                        "critic": {"devices": 8, "tp": 1, "pp": 4, "dp": 2, "M": 8}}}
+  more = {r["stage"]: r for r in ps.plan_memory(COST, wl, opt, other)}
+  assert set(more) == {"generation", "inference", "training (actor)", "training (critic)"}
+  rows["pipeline"] = more["generation"]
+  checks["pipeline"] = lambda c: ps.pipelined_generation(c, a, 16, 2, 4, 4, prompts,
+                                                         np.full(32, 100), 512, kept)
+  for role, shape in (("actor", wl.actor), ("critic", wl.critic)):
+    q = other["training"][role]
+    want = COST.train_memory_parts(shape, q["tp"], q["pp"], q["dp"], True, wl.padded_len,
+                                   min(q["pp"], q["M"]))
+    assert more[f"training ({role})"]["parts"] == (
+        {**want, "frozen weights kept": kept} if kept else want)
   for stage, check in checks.items():
     need = rows[stage]["total"]
     assert rows[stage]["usable"] == COST.usable_bytes
