@@ -270,7 +270,6 @@ def test_a_runs_environment_imports_this_repository_first(monkeypatch):
   assert env["JAX_PLATFORMS"] == "cpu"
 
 
-
 _SWEEP_CHECKS = """
 import json, os, sys
 from experiments import sweep
