@@ -200,7 +200,8 @@ def apply_run(c, t, overrides=None):
   models are t's sections, or the architectures of init.actor_checkpoint /
   init.critic_checkpoint (their config.json, as the trainer reads them; no weights); a
   pipelined run (mesh.stage > 1) with its pipeline section's micro-batches and fused schedule.
-  A critic-free estimator is checked with a critic (an upper bound). experiments/plan_check.py's
+  A critic-free estimator is checked with a critic (an upper bound); model.vocab_size=0 is the
+  run's tokenizer's vocabulary. experiments/plan_check.py's
   --run_config calls it with the flag's overrides (`overrides`, the command line's: one of a
   checkpoint's architecture is refused, as train_ppo refuses it). Returns the run's TrainConfig
   with those architectures (for the comparison with a plan.file's workload)."""
@@ -210,6 +211,9 @@ def apply_run(c, t, overrides=None):
   from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
   run = TrainConfig.from_config_dict(t)
   build.check_shape_overrides(run, overrides or {}, flag="--run_config")
+  if run.vocab_from_tokenizer:  # model.vocab_size=0: the tokenizer's, as the trainer takes it
+    # (it compiled a vocabulary of 1 for ppo_tiny's 22 tokens)
+    run = run.with_vocab(build.build_task_and_tokenizer(run)[1].vocab_size)
   init = run.init
   actor = (build.checkpoint_config(init.actor_checkpoint, run.model)
            if init.actor_checkpoint else run.model)

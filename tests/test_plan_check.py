@@ -524,6 +524,18 @@ def test_run_variant_maps_a_training_config_file(monkeypatch, tmp_path):
   assert (c.pp, c.critic_pp) == (1, 1)
 
 
+def test_a_run_taking_its_vocabulary_from_the_tokenizer_is_checked_with_it():
+  """model.vocab_size=0 (ppo_tiny's: the task tokenizer's 22 tokens) is compiled at the
+  tokenizer's vocabulary, as the trainer resolves it; it was compiled as a vocabulary of 1 (and
+  plan_check warned that a plan searched for vocab 22 did not match)."""
+  from configs import ppo_tiny
+  run = ppo_tiny.get_config()
+  assert run.model.vocab_size == 0
+  c = plan_config.get_config("tiny")
+  resolved = plan_config.apply_run(c, run)
+  assert c.actor.vocab_size == c.critic.vocab_size == resolved.model.vocab_size == 22
+
+
 def test_pipelined_training_config_compiles_as_its_trainer_runs_it(tmp_path, monkeypatch):
   """run/configs/ppo_tiny.py:fused with serial generation: the pipelined update of the run's
   micro-batch counts with its searched fused schedule, and generation on the training mesh with
