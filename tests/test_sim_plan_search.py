@@ -412,6 +412,24 @@ def test_colocated_groups_gain_nothing():
     ps.async_search(COST, wl, opt, 0, res["best"])
 
 
+def test_an_async_split_without_a_generation_plan_says_why():
+  """A split whose generation group has no plan read "no generation plan on 8 devices: nothing
+  fits": its rejections are keyed "gen ..." and the reason was looked up under "generation".
+  With sim.gen_tps=8 and a 28-head actor it names the tensor degree the heads refuse."""
+  from rlhfuse_jax.sim.shapes import ModelShape
+  q7 = ModelShape("q7", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                  num_layers=28, num_heads=28, num_kv_heads=4)
+  wl = dataclasses.replace(_small(), actor=q7, critic=q7.as_critic(), global_batch=64)
+  sync_best = {"predicted": {"gen_s": 5.0, "inf_s": 0.0, "reshard_s": 0.0, "train_s": 5.0,
+                             "iteration_s": 10.0}}
+  res = ps.async_search(COST, wl, it.SimOptions(gen_tps=(8,)), 1, sync_best, split_unit=4)
+  gen = [s["rejected"] for s in res["splits"] if "no generation plan" in s["rejected"]]
+  assert gen, res["splits"]
+  for why in gen:
+    assert re.fullmatch(r"no generation plan on \d+ devices: tp8 does not divide q7's "
+                        r"num_heads=28, num_kv_heads=4 \(config\.sim\.gen_tps\)", why), why
+
+
 def test_trainer_refusal_names_what_the_trainer_cannot_run():
   """sim.trainer_runnable's rules on hand-made plans of 13B models on 16 devices (batch 32,
   mini-batch 16), and the restricted search: only plans they let through, the fastest first,

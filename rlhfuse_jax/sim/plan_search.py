@@ -747,8 +747,10 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
       pairs = [(gen, inf) for inf in infs for gen in groups[kept_at[inf.plan.tp]][0]]
     if not (trains and pairs):
       stage = "training" if not trains else "generation" if not any_gen else "inference"
-      mine = [v for k, v in rejected.items() if k.startswith(stage)]  # a memory reason first
-      why = next((v for v in mine if _NEEDS.search(v)), mine[0] if mine else "nothing fits")
+      # Generation's rejections are keyed "gen ...": looked up as "generation" none was found
+      # ("nothing fits"). The memory refusal nearest to fitting first, else the first reason.
+      mine, closest = closest_rejection(rejected, "gen" if stage == "generation" else stage)
+      why = mine[closest] if closest else next(iter(mine.values()), "nothing fits")
       splits.append({"generation_devices": g, "training_devices": n - g,
                      "rejected": f"no {stage} plan on {n - g if stage == 'training' else g} "
                                  f"devices: {why.split('; tried')[0][:300]}"})
