@@ -35,6 +35,7 @@ Docs: docs/results.md ("Plan check"), docs/usage.md ("GPU, TPU and many hosts").
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -92,6 +93,10 @@ def main(argv):
       # run's, which train_ppo warns of at set-up (checked here with the checkpoints' shapes)
       # pylint: disable=import-outside-toplevel
       from rlhfuse_jax.trainer import config as config_lib
+      # checked on the plan's devices (train_ppo checks it on the run's own)
+      why = config_lib.plan_fsdp_error(dataclasses.asdict(run.mesh), run.plan.file)
+      if why:
+        raise ValueError(f"--run_config (config.<field> is --run_config.<field> here): {why}")
       note = config_lib.plan_workload_note(run.plan.file, run)
       if note:
         (logging.warning if note[0] else logging.info)("--run_config: %s", note[1])

@@ -112,6 +112,10 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
   need = math.prod(v for v in sizes.values() if v != -1) + gen
   planned = config_lib.plan_devices(config_lib.load_plan_file(cfg.plan.file)) if (
       cfg.plan.file) else None
+  if cfg.plan.file:  # a config's own fsdp that outgrows both the plan's and this run's devices
+    why = config_lib.plan_fsdp_error(sizes, cfg.plan.file, num_devices - gen)
+    if why:
+      raise ValueError(why)
   if need > num_devices:
     what = f"config.mesh={sizes}" + (f" + config.async_ppo.generation_devices={gen}" if gen
                                      else "")

@@ -4,6 +4,7 @@ it runs (sim_plan, plan_search.py:train)."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from rlhfuse_jax.sim import iteration_sim, plan_search
 from rlhfuse_jax.sim.cost_model import CostModel
 from rlhfuse_jax.sim.hardware import get_hardware
 from rlhfuse_jax.trainer import build, rollout, sim_plan, validate
+from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer.config import PlanConfig, TrainConfig, plan_file_summary
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 from tests.test_trainer import record_rollouts, tiny_config
@@ -92,24 +94,54 @@ def test_plan_file_round_trip(tmp_path):
     tiny_config(**{"plan.file": path, "mesh.stage": 4})
 
 
+# experiments/train_ppo.check_device_count (a binary: run in a subprocess) on tiny_config with a
+# plan file (argv[1]) and config.mesh.fsdp = 8, over 8 and 16 devices.
+_FSDP_CHECK = """
+import json, sys
+from experiments import train_ppo
+from tests.test_trainer import tiny_config
+cfg = tiny_config(**{"plan.file": sys.argv[1], "mesh.fsdp": 8})
+out = {}
+for n in (8, 16):
+  try:
+    train_ppo.check_device_count(cfg, n, "cpu")
+    out[n] = "ok"
+  except ValueError as e:
+    out[n] = str(e)
+print(json.dumps(out))
+"""
+
+
 def test_a_config_fsdp_that_outgrows_the_plans_devices_is_refused_by_name(tmp_path):
   """configs/ppo_hf.py:ppo_gpu's mesh.fsdp=8 with a plan of 16 stages on 32 devices needed 128
   devices a replica: train_ppo asked for 144 fake devices, plan_check named the plan's 64
-  micro-batches. Refused naming mesh.fsdp; an fsdp the plan's devices hold still runs."""
+  micro-batches. Refused naming mesh.fsdp where the run's devices are too few as well; on more
+  devices than the plan was searched for it runs (refused as the config was read, it was
+  refused there too, where the trainer runs any plan on another count with a warning)."""
   path = plan_json(tmp_path / "plan.json", {}, training={
       "placement": "colocated", "devices": 8, "tp": 1, "actor_pp": 2, "critic_pp": 1})
-  with pytest.raises(ValueError, match=(
-      r"config\.mesh\.fsdp=8 with config\.plan\.file=.*plan\.json': one model replica then "
-      r"spans mesh\.tensor=1 x mesh\.stage=2 x mesh\.fsdp=8 = 16 devices, more than the 8 the "
-      r"plan trains on \(its data parallelism is mesh\.data, 4 there\); set "
-      r"config\.mesh\.fsdp=1, or a divisor of that")):
-    tiny_config(**{"plan.file": path, "mesh.fsdp": 8})
-  assert tiny_config(**{"plan.file": path, "mesh.fsdp": 4}).mesh.fsdp == 4
+  assert tiny_config(**{"plan.file": path, "mesh.fsdp": 8}).mesh.fsdp == 8
+  assert config_lib.plan_fsdp_error({"fsdp": 4, "tensor": 1, "stage": 2}, path) is None
+  why = (r"config\.mesh\.fsdp=8 with config\.plan\.file=.*plan\.json': one model replica then "
+         r"spans mesh\.tensor=1 x mesh\.stage=2 x mesh\.fsdp=8 = 16 devices, more than the 8 the "
+         r"plan trains on \(its data parallelism is mesh\.data, 4 there\)")
+  assert re.fullmatch(why + r"; set config\.mesh\.fsdp=1, or a divisor of that",
+                      config_lib.plan_fsdp_error({"fsdp": 8, "tensor": 1, "stage": 2}, path))
+  assert config_lib.plan_fsdp_error({"fsdp": 8, "tensor": 1, "stage": 2}, path, 16) is None
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-c", _FSDP_CHECK, path], cwd=repo,
+                        env=dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu"),
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.splitlines()[-1])
+  assert re.fullmatch(why + r" and the 8 this run trains on; set config\.mesh\.fsdp=1, or a "
+                      r"divisor of that", out["8"]), out
+  assert out["16"] == "ok", out
   plan = json.loads(open(path).read())  # an asynchronous split trains on its training group
   plan["async"] = {"generation_devices": 4, "training_devices": 4, "staleness": 1}
   open(path, "w").write(json.dumps(plan))
-  with pytest.raises(ValueError, match=r"more than the 4 the plan trains on"):
-    tiny_config(**{"plan.file": path, "mesh.fsdp": 4})
+  assert "more than the 4 the plan trains on" in config_lib.plan_fsdp_error(
+      {"fsdp": 4, "tensor": 1, "stage": 2}, path)
 
 
 @pytest.mark.parametrize("plan, match", [

@@ -1077,30 +1077,35 @@ def apply_plan_file(d: dict) -> dict:
       raise ValueError(f"config.{sec}.{name}={now!r} conflicts with config.plan.file={path!r}, "
                        f"whose {key}={value!r} sets it: remove one of the two")
     section[name] = value
-  _check_plan_fsdp(d, path)
   return d
 
 
-def _check_plan_fsdp(d: dict, path: str) -> None:
-  """A plan file trains on tensor x stage devices per model replica, its data parallelism on
-  mesh.data; a config's own mesh.fsdp (configs/ppo_hf.py:ppo_gpu's 8) multiplies that replica.
-  Where the replica then outgrows the devices the plan trains on, the run cannot take the plan
-  on its cluster: refused naming mesh.fsdp (the errors that followed named the plan's
-  micro-batches, or asked for 144 fake devices for a plan of 32)."""
+def plan_fsdp_error(mesh: Mapping[str, Any], path: str,
+                    available: Optional[int] = None) -> Optional[str]:
+  """Why a config's own mesh.fsdp (configs/ppo_hf.py:ppo_gpu's 8) cannot take the plan file at
+  `path`, or None. A plan trains on tensor x stage devices per model replica, its data
+  parallelism on mesh.data; fsdp multiplies that replica. Refused where the replica outgrows
+  the devices the plan trains on and `available`, the devices this run trains on when known
+  (train_ppo's training group): the errors that followed named the plan's micro-batches, or
+  asked for 144 fake devices for a plan of 32. Checked where the device count is known
+  (train_ppo, plan_check, plan_search's trainer check), not as the config is read, where it
+  also refused a run on more devices than its plan was searched for, which the trainer runs
+  (warning that the plan's times and memory check are for its own count)."""
   plan = load_plan_file(path)
-  fsdp = (d.get("mesh") or {}).get("fsdp", 1)
+  fsdp, tensor, stage = (mesh.get(k, 1) for k in ("fsdp", "tensor", "stage"))
   devices = plan_devices(plan)
   a = plan.get("async")
   if devices and isinstance(a, Mapping) and not a.get("colocated", False):
     devices = a["training_devices"]
-  tensor, stage = d["mesh"]["tensor"], d["mesh"]["stage"]
-  if not (_is_int(fsdp) and fsdp > 1 and devices and tensor * stage * fsdp > devices):
-    return
-  raise ValueError(
-      f"config.mesh.fsdp={fsdp} with config.plan.file={path!r}: one model replica then spans "
-      f"mesh.tensor={tensor} x mesh.stage={stage} x mesh.fsdp={fsdp} = {tensor * stage * fsdp} "
-      f"devices, more than the {devices} the plan trains on (its data parallelism is mesh.data, "
-      f"{devices // (tensor * stage)} there); set config.mesh.fsdp=1, or a divisor of that")
+  replica = tensor * stage * fsdp if all(_is_int(x) for x in (fsdp, tensor, stage)) else 0
+  if not (replica and fsdp > 1 and devices and replica > max(devices, available or 0)):
+    return None
+  return (f"config.mesh.fsdp={fsdp} with config.plan.file={path!r}: one model replica then "
+          f"spans mesh.tensor={tensor} x mesh.stage={stage} x mesh.fsdp={fsdp} = {replica} "
+          f"devices, more than the {devices} the plan trains on (its data parallelism is "
+          f"mesh.data, {devices // (tensor * stage)} there)"
+          + (f" and the {available} this run trains on" if available else "")
+          + "; set config.mesh.fsdp=1, or a divisor of that")
 
 
 def config_record(config_dict: Any, cfg: TrainConfig) -> dict:

@@ -20,6 +20,7 @@ config.mesh over the training devices, validate.validate). Nothing is allocated 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Optional, Sequence
@@ -31,6 +32,7 @@ from rlhfuse_jax.sim.lengths import LengthSpec
 from rlhfuse_jax.sim.shapes import from_model_config
 from rlhfuse_jax.trainer import async_ppo as async_lib
 from rlhfuse_jax.trainer import build
+from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.validate import validate
 
@@ -97,6 +99,10 @@ class PlanCheck:
     d["plan"] = {**d.get("plan", {}), "file": self.path}
     try:
       cfg = build.resolve_config(TrainConfig.from_config_dict(d), self.tokenizer, log=False)
+      # a config's own fsdp that outgrows the plan's devices, named as train_ppo names it
+      why = config_lib.plan_fsdp_error(dataclasses.asdict(cfg.mesh), self.path)
+      if why:
+        raise ValueError(why)
       train_mesh, gen_mesh = async_lib.meshes(cfg, self.devices)
       validate(cfg, train_mesh, generation_devices=gen_mesh.devices.size)
     except ValueError as e:  # the file is this check's, not one the user wrote
