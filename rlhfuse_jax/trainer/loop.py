@@ -72,8 +72,11 @@ def _response_mask(gen: async_lib.Generated, max_new_tokens: int) -> np.ndarray:
 def reward_square_limit(num_samples: int, max_new_tokens: int) -> float:
   """The reward magnitude beyond which the float32 sum of squares the critic's loss takes (each
   response token's return is about its sample's reward) can overflow: sqrt(3.4e38 / (samples x
-  tokens)), 1.9e18 for 16 samples of 6 tokens, 1.3e17 for 1024 of 16. GRPO's group std sums
-  fewer squares, so under this limit it is finite too."""
+  tokens)), 1.9e18 for 16 samples of 6 tokens, 1.3e17 for 1024 of 16. The critic-free
+  estimators that do not normalise (Dr. GRPO, RLOO) pass advantages of the rewards' size to
+  the policy gradient, whose norm's sum of squares overflows alike; GRPO and REINFORCE++
+  normalise (scaled, finite at 1e30), and are held to the same limit: a reward that large is
+  a reward function's mistake, not a scale to train at."""
   return float(np.sqrt(np.finfo(np.float32).max / max(num_samples * max_new_tokens, 1)))
 
 
@@ -781,8 +784,8 @@ class PPOTrainer:
     if self.use_critic:
       parts.append(("critic values", gen.values, inside, "the critic"))
     self._raise_if_nonfinite(iteration, parts)
-    # Finite rewards too large to square: the critic's loss overflows, and GRPO's group std
-    # does too, which makes every advantage 0 (finite losses, nothing learnt): stop here.
+    # Finite rewards too large to square: the critic's loss overflows, or the gradient norm of
+    # an estimator that does not normalise (reward_square_limit): stop here, before any update.
     limit = reward_square_limit(len(gen.scores), self.cfg.rollout.max_new_tokens)
     if np.any(np.abs(np.asarray(gen.scores, np.float64)) > limit):
       raise self._nonfinite(iteration, "the rollout's rewards overflow float32 once squared, "
@@ -844,14 +847,14 @@ class PPOTrainer:
     huge = (np.flatnonzero(np.abs(np.asarray(scores, np.float64)) > limit)
             if scores is not None else [])
     if len(huge):
-      # Finite rewards whose squares overflow float32 (the critic's loss, reward/std): the
-      # advice to lower the learning rate would not help.
+      # Finite rewards whose squares overflow float32 (reward_square_limit): the advice to
+      # lower the learning rate would not help.
       i = int(huge[0])
       return NonFiniteError(
           f"{kept}. The batch's rewards are too large for float32 arithmetic: {len(huge)} of "
           f"{len(scores)} exceed {limit:.2g} in magnitude (first: sample {i}, "
-          f"{float(scores[i]):.3g}), and their squares (the critic's loss, GRPO's group std) "
-          f"overflow; scale the reward (config.reward.function / reward.format_weight) into a "
+          f"{float(scores[i]):.3g}), and their squares (the critic's loss, the gradient norm "
+          f"of an estimator that does not normalise) overflow; scale the reward (config.reward.function / reward.format_weight) into a "
           f"smaller range rather than the learning rate")
     if last is None:  # nothing to resume: a re-run starts over, with any values
       return NonFiniteError(
