@@ -638,9 +638,13 @@ def test_an_inference_micro_batch_larger_than_the_batch_is_refused():
   padded to 1000 rows, and none was scored while the tail decoded. The batch size is the most."""
   config = FusedGenConfig(num_instances=4, slots=4, inference_micro_batch=17)
   with pytest.raises(ValueError, match=r"^config\.fusion\.inference_micro_batch=17: expected "
-                                       r"at most the batch's 16 samples .*0: slots, 4\)$"):
+                                       r"at most the batch's 16 samples .*0 takes the slots, "
+                                       r"4\)$"):
     fused.check_layout(config, 16, 8)
   fused.check_layout(dataclasses.replace(config, inference_micro_batch=16), 16, 8)
+  # Slots beyond the batch: 0 is not offered as the remedy it is not.
+  with pytest.raises(ValueError, match=r"0 takes the slots, 32, more than the batch too\)$"):
+    fused.check_layout(dataclasses.replace(config, num_instances=1, slots=32), 16, 8)
 
 
 def test_every_process_refuses_a_layout_that_leaves_one_without_an_instance(monkeypatch):

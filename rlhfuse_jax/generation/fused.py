@@ -230,7 +230,8 @@ def check_layout(config: FusedGenConfig, batch_size: int, num_devices: int) -> N
     raise ValueError(f"config.{config.section}.inference_micro_batch={mb}: expected at most "
                      f"the batch's {batch_size} samples (a micro-batch is padded to this size, "
                      f"and scoring starts while the tail decodes only once that many have "
-                     f"finished; 0: slots, {s})")
+                     f"finished; 0 takes the slots, {s}" + (")" if s <= batch_size else
+                                                             ", more than the batch too)"))
 
 
 class FusedGenerator:
