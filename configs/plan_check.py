@@ -196,7 +196,8 @@ def _run_preset(c, spec: str) -> None:
 
 def apply_run(c, t, overrides=None):
   """Sets plan config `c` to training config `t` (a ConfigDict of train_ppo's --config) as its
-  trainer would run it, on its smallest device count (data 1 unless `t` fixes mesh.data): the
+  trainer would run it, on its smallest device count (data 1 unless `t` fixes mesh.data; with
+  a plan.file, on the devices it was searched for: _run_data): the
   models are t's sections, or the architectures of init.actor_checkpoint /
   init.critic_checkpoint (their config.json, as the trainer reads them; no weights); a
   pipelined run (mesh.stage > 1) with its pipeline section's micro-batches and fused schedule.
@@ -221,8 +222,28 @@ def apply_run(c, t, overrides=None):
             if init.critic_checkpoint else run.critic_model.replace(vocab_size=actor.vocab_size))
   c.actor = ml_collections.ConfigDict(dataclasses.asdict(actor))
   c.critic = ml_collections.ConfigDict(dataclasses.asdict(critic))
-  _as_trained(c, t, dp=max(run.mesh.data, 1), models=(actor, critic))
+  _as_trained(c, t, dp=_run_data(run), models=(actor, critic))
   return dataclasses.replace(run, model=actor, critic_model=critic)
+
+
+def _run_data(run) -> int:
+  """The data replicas apply_run checks `run` (a TrainConfig) on: its mesh.data, or for
+  mesh.data=-1 one replica, or with a plan.file the replicas of the devices that plan was
+  searched for, as train_ppo resolves them there (its training group with an asynchronous
+  split). With one replica a plan of generation_tp=4 was refused as "a divisor of the 2
+  devices", unless --run_config.mesh.data was spelled out."""
+  from rlhfuse_jax.trainer import config as config_lib  # pylint: disable=import-outside-toplevel
+  if run.mesh.data > 0:
+    return run.mesh.data
+  devices = (config_lib.plan_devices(config_lib.load_plan_file(run.plan.file))
+             if run.plan.file else None)
+  if not devices:
+    return 1
+  try:
+    return run.mesh.resolve(devices - run.async_ppo.generation_devices)["data"]
+  except ValueError as e:
+    raise ValueError(f"config.{e} (the {devices} devices config.plan.file={run.plan.file!r} "
+                     "was searched for)") from None
 
 
 def check_one_training_config(config_arg: str, run_config_given: bool) -> None:

@@ -536,6 +536,29 @@ def test_a_run_taking_its_vocabulary_from_the_tokenizer_is_checked_with_it():
   assert c.actor.vocab_size == c.critic.vocab_size == resolved.model.vocab_size == 22
 
 
+def test_a_run_with_a_plan_file_is_checked_on_the_devices_the_plan_was_searched_for(tmp_path):
+  """mesh.data=-1 beside a plan.file searched for 8 devices (tensor 2, generation instances of
+  4 devices): checked on those 8, data 4, as train_ppo resolves it there. It was checked on
+  one replica (2 devices) and refused the plan's generation_tp=4 unless
+  --run_config.mesh.data was spelled out."""
+  from configs import ppo_tiny
+  plan = {"generation": {"mode": "instances", "tp": 4, "pp": 1, "groups": 2, "slots": 0},
+          "inference": {"tp": 1, "pp": 1},
+          "training": {"placement": "colocated", "tp": 2, "actor_pp": 1, "critic_pp": 1,
+                       "devices": 8},
+          "predicted": {"iteration_s": 1.0}, "summary": "test plan"}
+  path = tmp_path / "plan.json"
+  path.write_text(json.dumps(plan))
+  run = ppo_tiny.get_config()
+  run.plan.file = str(path)
+  c = plan_config.get_config("tiny")
+  plan_config.apply_run(c, run)
+  assert (c.dp, c.tp, c.gen_tp) == (4, 2, 4)
+  run.mesh.data = 2  # the user's own count stays theirs
+  plan_config.apply_run(c, run)
+  assert c.dp == 2
+
+
 def test_pipelined_training_config_compiles_as_its_trainer_runs_it(tmp_path, monkeypatch):
   """run/configs/ppo_tiny.py:fused with serial generation: the pipelined update of the run's
   micro-batch counts with its searched fused schedule, and generation on the training mesh with
