@@ -915,6 +915,10 @@ def _ended(row: dict, rc: int, run_dir: str, wall_s: float, signum: int,
   # A run stopped after saving (75) wrote its result.json too (train_ppo: status stopped, the
   # iterations reached, the rewards so far): its row says how far it got, where it was blank.
   result = read_run_result(run_dir) if rc in (0, STOPPED) else None
+  if rc == STOPPED and result is not None and result.get("status") != "stopped":
+    # Stopped in its set-up, before writing one: the result.json there is an earlier start's
+    # (a finished run's "done", re-run with more iterations), not how far this one got.
+    result = None
   if rc == 0 and result is None:
     row["status"] = "ok (no result.json / metrics.jsonl)"
   elif kept:

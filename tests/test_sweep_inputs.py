@@ -506,3 +506,29 @@ def test_a_sweep_stopped_by_ctrl_c_says_where_it_stands_and_how_to_continue(tmp_
           "command again (train_ppo runs resume from their checkpoints, and other binaries' "
           f"finished runs are kept): python -m experiments.sweep --config={cfg} "
           f"--binary=train_ppo --workdir={work}\n") in proc.stderr, proc.stderr[-3000:]
+
+
+_STOPPED_IN_SET_UP = """
+import json, os, sys
+from experiments import sweep
+run_dir = sys.argv[1]
+os.makedirs(run_dir)
+with open(os.path.join(run_dir, "result.json"), "w") as f:  # the finished first start's
+  json.dump({"status": "done", "iterations": 3, "num_iterations": 3}, f)
+set_up = sweep._ended({"run": "r"}, 75, run_dir, 1.0, 0)
+with open(os.path.join(run_dir, "result.json"), "w") as f:  # a stop in training writes its own
+  json.dump({"status": "stopped", "iterations": 5, "num_iterations": 9}, f)
+print(json.dumps([set_up, sweep._ended({"run": "r"}, 75, run_dir, 1.0, 0)]))
+"""
+
+
+def test_a_run_stopped_in_its_set_up_does_not_take_an_earlier_starts_result(tmp_path):
+  """A finished run re-run with more iterations and stopped (exit 75) before training wrote no
+  result.json: its row took the first start's ("done", 3 iterations) beside "stopped". Only a
+  result.json of a stop ("stopped") says how far the run got."""
+  proc = subprocess.run([sys.executable, "-c", _STOPPED_IN_SET_UP, str(tmp_path / "r")],
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  set_up, in_training = json.loads(proc.stdout.splitlines()[-1])
+  assert set_up["status"].startswith("stopped (exit 75") and "iterations" not in set_up, set_up
+  assert (in_training["iterations"], in_training["result/status"]) == (5, "stopped")
