@@ -65,7 +65,7 @@ from experiments.runner import (REPO_ROOT, RunInterrupted, across_seeds, build_c
                                 command_line, format_value, code_state, merge_rows, repo_env,
                                 run_streamed, seed_groups, smooth)
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.metrics import duration
+from rlhfuse_jax import metrics
 
 _CONFIG = flags.DEFINE_string("config", None, "config file defining get_sweep()", required=True)
 _BINARY = flags.DEFINE_string("binary", None, "module name under experiments/", required=True)
@@ -364,7 +364,7 @@ def sweep_status(rows: list[dict], names: Sequence[str]) -> str:
   named("not run yet", [n for n in names if n not in have])
   walls = [float(r["wall_s"]) for r in rows if isinstance(r.get("wall_s"), (int, float))]
   if walls:
-    parts.append(f"wall time {duration(sum(walls), short=True)} (the rows' wall_s summed)")
+    parts.append(f"wall time {metrics.duration(sum(walls), short=True)} (the rows' wall_s summed)")
   return "; ".join(parts) + "."
 
 
@@ -856,8 +856,8 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
       summary(rows)  # partial summaries survive an interrupted sweep
       # In minutes and hours past a minute: a run of hours read "ok in 14523.7s".
       logging.info("[%d/%d] %s: %s in %s%s", i + 1, len(runs), name, row["status"],
-                   duration(this_start, short=True),
-                   f" (wall_s {duration(row['wall_s'], short=True)} over its starts)"
+                   metrics.duration(this_start, short=True),
+                   f" (wall_s {metrics.duration(row['wall_s'], short=True)} over its starts)"
                    if resumes else "")
       if rc == STOPPED or signals.signum:  # the job is being stopped: start nothing more
         break
