@@ -14,7 +14,7 @@ function), so a misreading we share with our own references still fails here:
   "dr_grpo"), trl/trainer/utils.py (nanstd: Bessel-corrected).
 - OpenRLHF: OpenRLHF/OpenRLHF, openrlhf/models/utils.py (compute_approx_kl, compute_reward).
 
-Where we differ on purpose (docs/usage.md, "The objectives against verl, TRL and OpenRLHF") the
+Where we differ on purpose (docs/usage.md "The objectives against verl, TRL and OpenRLHF") the
 test pins our side of the difference.
 """
 import numpy as np
