@@ -17,6 +17,8 @@ function), so a misreading we share with our own references still fails here:
 Where we differ on purpose (docs/usage.md "The objectives against verl, TRL and OpenRLHF") the
 test pins our side of the difference.
 """
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -286,3 +288,38 @@ def test_k3_is_not_capped_at_10_as_verls_low_var_kl_is():
   _close(ours, np.exp(ref_logp - logp) - (ref_logp - logp) - 1, tol=1e-5)
   assert ours.min() > 7 and ours.max() > 2900
   assert _verl_kl_penalty(logp, ref_logp, "k3").max() == 10
+
+
+# Which KL a KL loss term's gradient minimises --------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_loss_gradient_directions(kind):
+  """The expected gradient of a token's KL loss term on the policy's own samples,
+  sum_a pi(a) grad kl_estimate(log pi(a), log ref(a)), computed exactly on a categorical:
+  k1's is zero (config refuses it as a loss), k2's is that of the reverse KL(pi || ref) the
+  reward's penalty estimates, k3's (GRPO's loss, DeepSeekMath eq. 4) that of the forward
+  KL(ref || pi) (Tang & Munos 2025, arXiv 2506.09477, "On a few pitfalls in KL divergence
+  gradient estimation for RL"; docs/usage.md "The objectives against verl, TRL and OpenRLHF")."""
+  rng = np.random.default_rng(9)
+  theta = jnp.asarray(rng.normal(size=6), jnp.float32)
+  log_ref = jax.nn.log_softmax(jnp.asarray(rng.normal(size=6) * 1.5, jnp.float32))
+
+  def surrogate(t):  # the loss term over every token a, weighted by its (fixed) probability
+    log_pi = jax.nn.log_softmax(t)
+    return jnp.sum(jax.lax.stop_gradient(jnp.exp(log_pi)) *
+                   kl_lib.kl_estimate(log_pi, log_ref, kind))
+
+  def reverse_kl(t):
+    log_pi = jax.nn.log_softmax(t)
+    return jnp.sum(jnp.exp(log_pi) * (log_pi - log_ref))
+
+  def forward_kl(t):
+    return jnp.sum(jnp.exp(log_ref) * (log_ref - jax.nn.log_softmax(t)))
+
+  ours = np.asarray(jax.grad(surrogate)(theta))
+  expected = {"k1": np.zeros(6), "k2": np.asarray(jax.grad(reverse_kl)(theta)),
+              "k3": np.asarray(jax.grad(forward_kl)(theta))}[kind]
+  _close(ours, expected, tol=1e-5)
+  if kind != "k1":  # and the two directions do differ here
+    other = jax.grad(forward_kl if kind == "k2" else reverse_kl)(theta)
+    assert np.abs(ours - np.asarray(other)).max() > 1e-2

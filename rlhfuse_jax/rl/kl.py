@@ -6,10 +6,17 @@ and `ref_logp` (reference), with r = ref_logp - logp (the log of p_ref / p_polic
 - 'k1':  -r = logp - ref_logp. Unbiased for KL, high variance, can be negative per token.
          For the reward only: as a loss its gradient is that of logp, whose expectation on
          the policy's own samples is zero whatever the reference (config refuses it there).
-- 'k2':  0.5 * r^2. Biased, nonnegative; its gradient is that of the true KL to first order.
+- 'k2':  0.5 * r^2. Biased, nonnegative. As a loss its expected gradient on the policy's own
+         samples is exactly that of the reverse KL(policy || reference).
 - 'k3':  exp(r) - r - 1. Unbiased for KL (E[exp(r)] = 1), nonnegative, low variance
-         (Schulman, "Approximating KL divergence", 2020). Used by GRPO as a loss.
-- 'abs': |logp - ref_logp|.
+         (Schulman, "Approximating KL divergence", 2020). Used by GRPO as a loss (DeepSeekMath
+         eq. 4), where its expected gradient is that of the FORWARD KL(reference || policy)
+         (Tang & Munos 2025, arXiv 2506.09477): E[(1 - exp(r)) grad logp] = -E_ref[grad logp].
+- 'abs': |logp - ref_logp|. As a loss, the sign of the gap times grad logp: no KL's gradient.
+
+(Per token, given the prefix: a token's loss term leaves out its effect on later tokens' KL,
+as in every token-level implementation. tests/test_rl_public_reference.py checks the
+directions.)
 
 Estimates are per token, `[batch, resp_len]`; pass `mask` to zero padding exactly.
 """
