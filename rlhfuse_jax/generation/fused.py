@@ -582,11 +582,14 @@ class InferenceQueue:
     self.dispatched = np.zeros(gen.config.num_instances, np.int64)  # micro-batches per instance
 
   def add(self, samples: list[int]) -> None:
-    self.waiting.extend(samples)
+    if self.gen.models:  # no model to run (no reference, critic or reward model): none waits
+      self.waiting.extend(samples)
 
   def free(self, i: int) -> None:
     """Instance i serves inference from now on: its weights start loading (once, on the
-    process that drives it)."""
+    process that drives it). Nothing to load without inference models."""
+    if not self.gen.models:
+      return
     if i not in self.freed:
       self.freed.append(i)
     if self.gen.is_local(i) and i not in self.loads:

@@ -225,7 +225,7 @@ def split_devices(devices: Sequence[jax.Device], num_instances: int,
 @dataclasses.dataclass(frozen=True)
 class FrozenModels:
   """Shapes of the inference models (params are given per run): None = not used."""
-  reference: ModelConfig  # LM head: reference log-probs
+  reference: Optional[ModelConfig]  # LM head: reference log-probs (None: not used)
   critic: Optional[ModelConfig] = None  # scalar head: values
   reward: Optional[ModelConfig] = None  # scalar head: reward-model scores
   temperature: float = 1.0  # of the reference log-probs (the actor's logprob_temperature)

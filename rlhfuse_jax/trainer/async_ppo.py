@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
@@ -89,7 +89,7 @@ class Generated:
   response_tokens: np.ndarray  # [B, T] int32
   response_lens: np.ndarray  # [B] int32, EOS included
   logprobs: np.ndarray  # [B, T] float32 behaviour log-probs
-  ref_logp: np.ndarray  # [B, T] float32
+  ref_logp: Optional[np.ndarray]  # [B, T] float32; None without a reference (algo.kl_coef=0)
   values: np.ndarray  # [B, T] float32 (zeros without a critic)
   scores: np.ndarray  # [B] float32
   metrics: dict  # the stage's metrics (timings, fusion figures)
@@ -102,7 +102,8 @@ class Generated:
                response_tokens=np.asarray(out.batch.response_tokens),
                response_lens=np.asarray(out.rollout.response_lens),
                logprobs=np.asarray(out.rollout.logprobs, np.float32),
-               ref_logp=np.asarray(out.ref_logp, np.float32),
+               ref_logp=(None if out.ref_logp is None else
+                         np.asarray(out.ref_logp, np.float32)),
                values=np.asarray(out.values, np.float32),
                scores=np.asarray(out.scores, np.float32), metrics=dict(out.metrics))
 
@@ -111,18 +112,24 @@ class Generated:
                                 self.response_lens)
 
   # A checkpoint holds the arrays in its state (orbax) and the rest in its JSON side-car.
+  # (A batch without reference log-probs saves zeros in their place, its side-car saying so.)
   def arrays(self) -> dict:
-    return {k: getattr(self, k) for k in ARRAYS}
+    out = {k: getattr(self, k) for k in ARRAYS}
+    if self.ref_logp is None:
+      out["ref_logp"] = np.zeros(self.logprobs.shape, np.float32)
+    return out
 
   def side_car(self) -> dict:
     return {"iteration": self.iteration, "version": self.version,
-            "metrics": _json_safe(self.metrics)}
+            "metrics": _json_safe(self.metrics), "ref_logp": self.ref_logp is not None}
 
   @classmethod
   def restore(cls, arrays: dict, side_car: dict) -> "Generated":
-    return cls(iteration=int(side_car["iteration"]), version=int(side_car["version"]),
-               metrics=dict(side_car["metrics"]),
-               **{k: np.asarray(arrays[k]) for k in ARRAYS})
+    g = cls(iteration=int(side_car["iteration"]), version=int(side_car["version"]),
+            metrics=dict(side_car["metrics"]), **{k: np.asarray(arrays[k]) for k in ARRAYS})
+    if not side_car.get("ref_logp", True):  # (checkpoints before this key always held them)
+      g.ref_logp = None
+    return g
 
 
 def template(cfg: TrainConfig) -> dict:

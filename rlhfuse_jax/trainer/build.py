@@ -529,7 +529,9 @@ class Models:
   """The run's models, whole and placed on the mesh (the trainer's update may restack them)."""
   actor: Any
   critic: Optional[Any]  # None: the estimator trains no critic
-  reference: Any  # the frozen initial actor (a copy: the actor's buffers are donated)
+  # The frozen initial actor (a copy: the actor's buffers are donated); None when nothing reads
+  # its log-probs (algo.kl_coef=0: AlgoConfig.uses_reference).
+  reference: Optional[Any]
   reward_cfg: Optional[ModelConfig]
   reward_params: Optional[Any]
 
@@ -543,7 +545,9 @@ class Models:
   def frozen_to_mesh(self, cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
     """Moves the frozen models onto `mesh` (the generation group of async_ppo.generation_devices,
     where the serial stage scores), by their logical axes."""
-    self.reference = mesh_lib.shard_params(self.reference, llama.logical_specs(cfg.model), mesh)
+    if self.reference is not None:
+      self.reference = mesh_lib.shard_params(self.reference, llama.logical_specs(cfg.model),
+                                             mesh)
     if self.reward_params is not None:
       self.reward_params = mesh_lib.shard_params(self.reward_params,
                                                  llama.logical_specs(self.reward_cfg), mesh)
@@ -583,7 +587,8 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
              "transformers' *ForSequenceClassification pools" if reward_cfg.score_pad_id >= 0
              else "at the last response token, EOS included (no pad_token_id in its config.json)")
     logging.info("reward model %s scores each sequence %s", cfg.reward.model_checkpoint, where)
-  return Models(actor=actor, critic=critic, reference=jax.tree.map(jnp.copy, actor),
+  reference = jax.tree.map(jnp.copy, actor) if cfg.algo.uses_reference else None
+  return Models(actor=actor, critic=critic, reference=reference,
                 reward_cfg=reward_cfg, reward_params=reward_params)
 
 

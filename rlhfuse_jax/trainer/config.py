@@ -246,6 +246,13 @@ class AlgoConfig:
     _check(self.gradient_sync in GRADIENT_SYNC_MODES, "algo.gradient_sync", self.gradient_sync,
            f"one of {list(GRADIENT_SYNC_MODES)}")
 
+  @property
+  def uses_reference(self) -> bool:
+    """Whether anything reads the reference model's log-probs: the KL penalty in the reward or
+    the KL loss term, both weighted by kl_coef. With kl_coef=0 (DAPO's setting) the reference is
+    neither built nor run, and the kl/ref_* metrics are not logged (docs/usage.md)."""
+    return self.kl_coef > 0
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:

@@ -538,10 +538,29 @@ class PPOTrainer:
       for i, side_car in enumerate(meta.get("in_flight", [])):
         g = async_lib.Generated.restore(state["in_flight"][str(i)], side_car)
         self.in_flight[g.iteration] = g
+      self._match_reference(start)
       generator = rollout_lib.fused_generator(self.rollout)
       if "rt" in meta and generator is not None:
         generator.load_rt_state(meta["rt"])
     return start
+
+  def _match_reference(self, start: int) -> None:
+    """Async PPO resumed with another algo.kl_coef (checkpoint.resume_changes): batches in flight
+    generated with kl_coef=0 hold no reference log-probs, which a kl_coef > 0 reads (refused:
+    nothing here scores them afterwards); batches that hold them lose them under kl_coef=0, so
+    every iteration of the run logs the same metrics (no kl/*)."""
+    uses = self.cfg.algo.uses_reference
+    lacking = sorted(j + 1 for j, g in self.in_flight.items() if g.ref_logp is None)
+    if uses and lacking:
+      raise ValueError(
+          f"resuming checkpoint {start} with config.algo.kl_coef={self.cfg.algo.kl_coef:g}: its "
+          f"batch(es) in flight for iteration(s) {lacking} (config.async_ppo.staleness="
+          f"{self.cfg.async_ppo.staleness}) were generated with algo.kl_coef=0, without the "
+          "reference's log-probs that a KL term reads. Resume with algo.kl_coef=0, or from a "
+          "checkpoint saved with kl_coef > 0, or start a new --workdir")
+    if not uses:
+      for g in self.in_flight.values():
+        g.ref_logp = None
 
   # ---------------------------------------------------------------- one iteration
   def _prompts(self, iteration: int) -> rollout_lib.Prompts:
@@ -580,13 +599,16 @@ class PPOTrainer:
   def _advantages(self, gen: async_lib.Generated):
     """(training data, rollout statistics) of the rollout: advantages and returns on device."""
     mask = _response_mask(gen, self.cfg.rollout.max_new_tokens)  # [B, T]
+    # No reference log-probs (algo.kl_coef=0): the statistics leave out kl/*, the update its KL.
+    ref_logp = None if gen.ref_logp is None else self._put(gen.ref_logp)
     adv, ret, stats = ppo.rollout_statistics(
-        self.cfg.algo, self.cfg.rollout.samples_per_prompt, *map(self._put, (
-            gen.scores, mask, gen.logprobs, gen.ref_logp, gen.values)))
+        self.cfg.algo, self.cfg.rollout.samples_per_prompt, self._put(gen.scores),
+        self._put(mask), self._put(gen.logprobs), ref_logp, self._put(gen.values))
     data = {"tokens": gen.tokens, "prompt_lens": gen.prompt_lens, "mask": mask,
-            "old_logp": gen.logprobs, "ref_logp": gen.ref_logp,
-            "advantages": mesh_lib.to_host(adv), "returns": mesh_lib.to_host(ret),
-            "old_values": gen.values}
+            "old_logp": gen.logprobs, "advantages": mesh_lib.to_host(adv),
+            "returns": mesh_lib.to_host(ret), "old_values": gen.values}
+    if gen.ref_logp is not None:
+      data["ref_logp"] = gen.ref_logp
     return data, mesh_lib.to_host(stats)
 
   def _current_values(self, gen: async_lib.Generated) -> async_lib.Generated:
@@ -779,8 +801,9 @@ class PPOTrainer:
     reward = (f"the reward model ({self.cfg.reward.model_checkpoint})"
               if self.cfg.reward.kind == "model" else "the reward")
     parts = [("reward", gen.scores, np.ones(gen.scores.shape, bool), reward),
-             ("behaviour log-probs", gen.logprobs, inside, "the actor (its sampling)"),
-             ("reference log-probs", gen.ref_logp, inside, "the reference model")]
+             ("behaviour log-probs", gen.logprobs, inside, "the actor (its sampling)")]
+    if gen.ref_logp is not None:
+      parts.append(("reference log-probs", gen.ref_logp, inside, "the reference model"))
     if self.use_critic:
       parts.append(("critic values", gen.values, inside, "the critic"))
     self._raise_if_nonfinite(iteration, parts)

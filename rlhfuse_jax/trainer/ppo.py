@@ -8,7 +8,8 @@ docs/architecture.md §1):
   mask          [batch, max_new]  1.0 on real response tokens (EOS included)
   old_logp      [batch, max_new]  behaviour log-probs recorded by generation (async PPO's
                                   decoupled objective: the proximal policy's, async_ppo.py)
-  ref_logp      [batch, max_new]  reference-model log-probs
+  ref_logp      [batch, max_new]  reference-model log-probs (None when algo.kl_coef=0: nothing
+                                  reads them, AlgoConfig.uses_reference)
   values        [batch, max_new]  critic values of the batch (zeros without a critic; async
                                   PPO: the current critic's, PPOTrainer._current_values)
   scores        [batch]           sequence rewards (verifier or reward model)
@@ -46,10 +47,14 @@ class ModelState:
 
 def advantages_and_returns(algo: AlgoConfig, group_size: int, scores, mask, old_logp, ref_logp,
                            values):
-  """Returns (advantages, returns, token_rewards, kl) each [batch, max_new] (float32)."""
-  # mask= selects (jnp.where): a product would let a non-finite log-prob on padding through as
-  # nan * 0 = nan, into the summed KL and every advantage of its group.
-  kl = kl_lib.kl_estimate(old_logp, ref_logp, algo.kl_estimator, mask=mask)  # [batch, max_new]
+  """Returns (advantages, returns, token_rewards, kl) each [batch, max_new] (float32); kl is
+  zeros without reference log-probs (ref_logp None: algo.kl_coef=0, which weighs it by 0)."""
+  if ref_logp is None:
+    kl = jnp.zeros(mask.shape, jnp.float32)
+  else:
+    # mask= selects (jnp.where): a product would let a non-finite log-prob on padding through
+    # as nan * 0 = nan, into the summed KL and every advantage of its group.
+    kl = kl_lib.kl_estimate(old_logp, ref_logp, algo.kl_estimator, mask=mask)  # [batch, max_new]
   kl_coef = algo.kl_coef if algo.kl_in_reward else 0.0
   token_rewards = adv_lib.token_level_rewards(scores, kl, mask, kl_coef)
   if kl_coef > 0 and adv_lib.reads_scores(algo.estimator):
@@ -336,20 +341,23 @@ def rollout_statistics(algo: AlgoConfig, group_size: int, scores, mask, old_logp
   estimates of the KL), so runs that differ in the estimator log the same quantity; the
   configured estimator's own token mean of the behaviour log-probs, which the reward's penalty
   weighs (the KL loss takes the current ones), is kl/penalty_token_mean when it is not k3 and
-  kl_coef > 0."""
+  kl_coef > 0. Without reference log-probs (ref_logp None: kl_coef=0, the reference not run)
+  no kl/* metric is logged."""
   adv, ret, token_rewards, kl = advantages_and_returns(algo, group_size, scores, mask, old_logp,
                                                        ref_logp, values)
-  kl3 = (kl if algo.kl_estimator == "k3" else
-         kl_lib.kl_estimate(old_logp, ref_logp, "k3", mask=mask))
-  metrics = {
-      "kl/ref_mean": jnp.mean(jnp.sum(kl3, axis=1)),
-      "kl/ref_token_mean": masked.masked_mean(kl3, mask),
+  metrics = {}
+  if ref_logp is not None:
+    kl3 = (kl if algo.kl_estimator == "k3" else
+           kl_lib.kl_estimate(old_logp, ref_logp, "k3", mask=mask))
+    metrics["kl/ref_mean"] = jnp.mean(jnp.sum(kl3, axis=1))
+    metrics["kl/ref_token_mean"] = masked.masked_mean(kl3, mask)
+  metrics.update({
       "reward/token_reward_mean": jnp.mean(jnp.sum(token_rewards, axis=1)),
       "advantages/mean": masked.masked_mean(adv, mask),
       "returns/mean": masked.masked_mean(ret, mask),
       "critic/vf_explained_var": masked.explained_variance(values, ret, mask),
       "critic/values_mean": masked.masked_mean(values, mask),
-  }
+  })
   if algo.kl_estimator != "k3" and algo.kl_coef > 0:
     metrics["kl/penalty_token_mean"] = masked.masked_mean(kl, mask)
   if group_size > 1:

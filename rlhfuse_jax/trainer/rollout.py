@@ -65,7 +65,9 @@ class StageOutputs:
   """What generation + inference hand to training (host numpy arrays)."""
   rollout: engine.Rollout
   batch: scoring.ScoringBatch  # tokens [B, P+T] etc.
-  ref_logp: np.ndarray  # [B, T] reference log-probs
+  # [B, T] reference log-probs; None when nothing reads them (algo.kl_coef=0: the stage holds
+  # no reference and runs no forward of it)
+  ref_logp: Optional[np.ndarray]
   values: np.ndarray  # [B, T] critic values (zeros without a critic)
   scores: np.ndarray  # [B] sequence rewards
   metrics: dict  # timings (timing_s/generate, timing_s/inference) and stage-specific metrics
@@ -122,15 +124,17 @@ class SerialStage:
 
 def score_rollout(stage: Any, rollout: Any, params: WholeParams, prompts: Prompts, m: dict,
                   place_critic: Optional[Callable[[Any, dict], Any]] = None) -> StageOutputs:
-  """The inference half of the serial and planned stages: reference log-probs, values (the
-  critic fetched after the reference's pass, not both whole at once; `place_critic(critic, m)`
-  moves it where the stage scores and records its own timing), rewards. timing_s/inference
-  leaves out the fetch and the placement (timed apart). `stage` holds actor_cfg, critic_cfg,
-  use_critic, sampling, pad_id, reference, rewards and scorer."""
+  """The inference half of the serial and planned stages: reference log-probs (None without a
+  reference), values (the critic fetched after the reference's pass, not both whole at once;
+  `place_critic(critic, m)` moves it where the stage scores and records its own timing),
+  rewards. timing_s/inference leaves out the fetch and the placement (timed apart). `stage` holds
+  actor_cfg, critic_cfg, use_critic, sampling, pad_id, reference, rewards and scorer."""
   t0 = time.time()
   batch = scoring.ScoringBatch.from_rollout(rollout, stage.pad_id)
-  ref_logp = stage.scorer.logprobs(stage.actor_cfg, stage.reference, batch,
-                                   stage.sampling.logprob_temperature)
+  ref_logp = None  # no reference (algo.kl_coef=0): nothing reads its log-probs
+  if stage.reference is not None:
+    ref_logp = stage.scorer.logprobs(stage.actor_cfg, stage.reference, batch,
+                                     stage.sampling.logprob_temperature)
   values = np.zeros(rollout.logprobs.shape, np.float32)
   if stage.use_critic:
     t_fetch = time.time()
@@ -227,13 +231,14 @@ class FusedStage:
     self.config = config or check_fusion(cfg, len(devices))
     self.fuse = fuse
     self.pad_id, self.use_critic = pad_id, critic_shapes is not None
-    frozen = FrozenModels(reference=cfg.model,
+    # reference None (algo.kl_coef=0): no instance loads, compiles or runs it.
+    frozen = FrozenModels(reference=cfg.model if reference is not None else None,
                           critic=cfg.critic_model if self.use_critic else None,
                           reward=rewards.model_cfg,
                           temperature=sampling.logprob_temperature)
     # The host copies this stage owns: an instance loads them when it is freed for inference.
     # (to_host: with several processes a model sharded over them is all-gathered first.)
-    self.host = {"reference": mesh_lib.to_host(reference)}
+    self.host = {} if reference is None else {"reference": mesh_lib.to_host(reference)}
     if rewards.from_model:
       self.host["reward"] = mesh_lib.to_host(rewards.model_params)
     self.rewards = rewards.without_model_params()
@@ -454,7 +459,8 @@ class PlannedStage:
     if plan.inference_tp:
       self.inf_mesh = mesh_lib.make_mesh(
           mesh_lib.MeshConfig(data=-1, tensor=plan.inference_tp), devices)
-      reference, _ = _reshard(reference, cfg.model, self.inf_mesh)
+      if reference is not None:
+        reference, _ = _reshard(reference, cfg.model, self.inf_mesh)
       if rewards.from_model:
         rewards = rewards.with_model_params(
             _reshard(rewards.model_params, rewards.model_cfg, self.inf_mesh)[0],

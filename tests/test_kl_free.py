@@ -1,0 +1,77 @@
+"""algo.kl_coef=0 (DAPO's setting): no reference is built or run, no kl/* metric is logged, and the
+trajectory is the one a run that scores the reference for nothing takes."""
+import jax
+import numpy as np
+import pytest
+
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.trainer import config as config_lib
+from rlhfuse_jax.trainer import rollout
+from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
+from tests.test_trainer import record_rollouts, tiny_config
+
+GRPO = {"num_iterations": 2, "algo.estimator": "grpo", "rollout.samples_per_prompt": 2,
+        "rollout.prompts_per_iteration": 8, "algo.kl_coef": 0.0}
+
+
+def _mesh():
+  return mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4), jax.devices()[:4])
+
+
+def _deterministic(history):
+  return [{k: v for k, v in h.items() if not k.startswith(TIMING_PREFIXES) and
+           not k.startswith(("gen/", "fusion/"))} for h in history]
+
+
+def _actor(trainer):
+  return jax.device_get(trainer.actor.params)
+
+
+def test_kl_coef_0_runs_no_reference_and_trains_as_if_it_had(tmp_path, monkeypatch):
+  serial = PPOTrainer(tiny_config(**GRPO), str(tmp_path / "serial"), mesh=_mesh())
+  assert isinstance(serial.rollout, rollout.SerialStage) and serial.rollout.reference is None
+  seen_serial = record_rollouts(serial)
+  h_serial = serial.run()
+  fused = PPOTrainer(tiny_config(**GRPO, **{"fusion.inter_stage": True,
+                                            "fusion.migration_threshold": "1.0"}),
+                     str(tmp_path / "fused"), mesh=_mesh())
+  generator = rollout.fused_generator(fused.rollout)
+  # No instance loads, compiles or runs a reference (nor anything else: no critic, no RM).
+  assert "reference" not in fused.rollout.host and generator.models == {}
+  seen_fused = record_rollouts(fused)
+  h_fused = fused.run()
+  for (_, a), (_, b) in zip(seen_serial, seen_fused, strict=True):
+    assert a.ref_logp is None and b.ref_logp is None
+    np.testing.assert_array_equal(a.rollout.response_tokens, b.rollout.response_tokens)
+    np.testing.assert_array_equal(a.scores, b.scores)
+  for h in h_serial + h_fused:
+    assert not [k for k in h if k.startswith("kl/")], sorted(h)
+    assert "actor/kl_loss" not in h
+  for h in h_fused:  # nothing loaded onto the freed instances
+    assert h["fusion/weight_load_bytes"] == 0
+  assert _deterministic(h_serial) == _deterministic(h_fused)
+  jax.tree.map(np.testing.assert_array_equal, _actor(serial), _actor(fused))
+  # The reference scored for nothing (the behaviour before): the same updates, plus kl/*.
+  monkeypatch.setattr(config_lib.AlgoConfig, "uses_reference", property(lambda self: True))
+  wasted = PPOTrainer(tiny_config(**GRPO), str(tmp_path / "wasted"), mesh=_mesh())
+  assert wasted.rollout.reference is not None
+  h_wasted = wasted.run()
+  assert all("kl/ref_mean" in h for h in h_wasted)
+  strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("kl/")} for r in rows]
+  assert strip(_deterministic(h_wasted)) == _deterministic(h_serial)
+  jax.tree.map(np.testing.assert_array_equal, _actor(serial), _actor(wasted))
+
+
+def test_async_resume_with_kl_needs_batches_that_hold_reference_log_probs(tmp_path):
+  """Batches in flight generated with kl_coef=0 hold no reference log-probs: a resume that turns
+  the KL on is refused naming the field; one that keeps kl_coef=0 goes on without kl/*."""
+  run = dict(GRPO, num_iterations=3, **{"async_ppo.staleness": 1, "checkpoint.every": 1})
+  PPOTrainer(tiny_config(**run), str(tmp_path)).run(stop_after=1)
+  with pytest.raises(ValueError, match=r"config\.algo\.kl_coef=0\.1: its batch\(es\) in flight "
+                     r"for iteration\(s\) \[2\] .* generated with algo\.kl_coef=0"):
+    PPOTrainer(tiny_config(**{**run, "algo.kl_coef": 0.1,
+                              "checkpoint.resume_changes": "algo.kl_coef"}),
+               str(tmp_path)).run()
+  history = PPOTrainer(tiny_config(**run), str(tmp_path)).run()
+  assert [h["step"] for h in history] == [2, 3]
+  assert not [k for h in history for k in h if k.startswith("kl/")]
