@@ -823,7 +823,8 @@ def test_an_in_flight_batchs_side_car_is_plain_json():
                                    "nested": {"x": [np.float64(0.25)]}})
   back = json.loads(json.dumps(g.side_car()))
   assert back == {"iteration": 3, "version": 2,
-                  "metrics": {"t": 1.5, "n": 4, "h": [0, 1], "nested": {"x": [0.25]}}}
+                  "metrics": {"t": 1.5, "n": 4, "h": [0, 1], "nested": {"x": [0.25]}},
+                  "ref_logp": True, "targets": None, "reward_terms": {}}
 
 
 # trainer/loop.py (an eighth audit, of trainer/: mutant ids Lnn) ----------------------------------
@@ -927,7 +928,7 @@ def test_the_validation_pass_keys_fold_the_training_iterations_key():
         rollout=types.SimpleNamespace(response_lens=z[0], logprobs=z), ref_logp=z, values=z,
         scores=z[0], metrics={})
   fake = _fake_trainer(cfg=types.SimpleNamespace(seed=11), rollout=rollout,
-                       _prompts=lambda iteration: None)
+                       _prompts=lambda iteration: types.SimpleNamespace(records=None))
   data = lambda k: np.asarray(jax.random.key_data(k))  # noqa: E731
   for i in (0, 1, 4):
     g = loop.PPOTrainer._generate(fake, i, None, version=i)  # pylint: disable=protected-access

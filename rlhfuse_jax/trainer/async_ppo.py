@@ -93,10 +93,17 @@ class Generated:
   values: np.ndarray  # [B, T] float32 (zeros without a critic)
   scores: np.ndarray  # [B] float32
   metrics: dict  # the stage's metrics (timings, fusion figures)
+  # What samples.jsonl shows of each sample (config.log_samples): its record's ground truth
+  # ('target', None where the record has none) and the reward's unweighted terms
+  # ({label: [B]}, StageOutputs.reward_terms: {} for a reward of one term).
+  targets: Optional[list] = None
+  reward_terms: dict = dataclasses.field(default_factory=dict)
 
   @classmethod
-  def from_stage(cls, iteration: int, version: int, out: Any) -> "Generated":
-    """From a rollout stage's StageOutputs (trainer/rollout.py)."""
+  def from_stage(cls, iteration: int, version: int, out: Any,
+                 records: Optional[Sequence[dict]] = None) -> "Generated":
+    """From a rollout stage's StageOutputs (trainer/rollout.py) and the batch's prompt records
+    (their 'target', the ground truth, is kept)."""
     return cls(iteration=iteration, version=version, tokens=np.asarray(out.batch.tokens),
                prompt_lens=np.asarray(out.batch.prompt_lens),
                response_tokens=np.asarray(out.batch.response_tokens),
@@ -105,7 +112,10 @@ class Generated:
                ref_logp=(None if out.ref_logp is None else
                          np.asarray(out.ref_logp, np.float32)),
                values=np.asarray(out.values, np.float32),
-               scores=np.asarray(out.scores, np.float32), metrics=dict(out.metrics))
+               scores=np.asarray(out.scores, np.float32), metrics=dict(out.metrics),
+               targets=None if records is None else [_target(r) for r in records],
+               reward_terms={k: np.asarray(v, np.float32)
+                             for k, v in getattr(out, "reward_terms", {}).items()})
 
   def scoring_batch(self) -> scoring.ScoringBatch:
     return scoring.ScoringBatch(self.tokens, self.prompt_lens, self.response_tokens,
@@ -121,15 +131,25 @@ class Generated:
 
   def side_car(self) -> dict:
     return {"iteration": self.iteration, "version": self.version,
-            "metrics": _json_safe(self.metrics), "ref_logp": self.ref_logp is not None}
+            "metrics": _json_safe(self.metrics), "ref_logp": self.ref_logp is not None,
+            "targets": self.targets, "reward_terms": _json_safe(self.reward_terms)}
 
   @classmethod
   def restore(cls, arrays: dict, side_car: dict) -> "Generated":
     g = cls(iteration=int(side_car["iteration"]), version=int(side_car["version"]),
-            metrics=dict(side_car["metrics"]), **{k: np.asarray(arrays[k]) for k in ARRAYS})
+            metrics=dict(side_car["metrics"]), targets=side_car.get("targets"),
+            reward_terms={k: np.asarray(v, np.float32)
+                          for k, v in side_car.get("reward_terms", {}).items()},
+            **{k: np.asarray(arrays[k]) for k in ARRAYS})
     if not side_car.get("ref_logp", True):  # (checkpoints before this key always held them)
       g.ref_logp = None
     return g
+
+
+def _target(record: Any) -> Optional[str]:
+  """A prompt record's ground truth (data/records.py's 'target'), None where it has none."""
+  target = record.get("target") if isinstance(record, dict) else None
+  return target if isinstance(target, str) else None
 
 
 def template(cfg: TrainConfig) -> dict:

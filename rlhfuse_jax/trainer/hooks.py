@@ -306,7 +306,8 @@ class MetricsLog(Hook):
 
 class SamplesLog(Hook):
   """WORKDIR/samples.jsonl (process 0, config.log_samples): one row per sample that `take()`
-  hands over after an iteration ({step, sample, prompt, response, reward, response_length}).
+  hands over after an iteration ({step, sample, prompt, target (the ground truth, where the
+  prompt's record has one), response, reward, reward_terms, response_length}: loop.sample_rows).
   Exactly once, as MetricsLog: at begin, rows after the restored step are dropped."""
 
   def __init__(self, workdir: str, take: Callable[[], Optional[list]]):

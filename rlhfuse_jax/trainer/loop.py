@@ -116,18 +116,29 @@ def _zero1_label(state: Any) -> str:
   return "zero1: no data copies or replicas to split over"
 
 
-def sample_rows(gen: async_lib.Generated, tokenizer: Any, k: int) -> list[dict]:
+def sample_rows(gen: async_lib.Generated, tokenizer: Any, k: int,
+                reward_label: str = "function") -> list[dict]:
   """The batch's first `k` samples as text (config.log_samples): each prompt as its tokens
-  decode, special tokens shown (the chat template as the model read it), each response as the
-  reward functions read it (up to its EOS, rewards_lib.decode_responses), its reward and its
-  length in tokens (EOS included)."""
+  decode, special tokens shown (the chat template as the model read it), its ground truth
+  ('target', where its record has one), each response as the reward functions read it (up to
+  its EOS, rewards_lib.decode_responses), its reward, the reward's unweighted terms
+  ('reward_terms': {"function" or "model", "format"}; a reward of one term, `reward_label`
+  (config.reward.kind), holds the reward itself) and its length in tokens (EOS included)."""
   k = min(k, len(gen.scores))
   responses = rewards_lib.decode_responses(gen.response_tokens[:k], gen.response_lens[:k],
                                            tokenizer)
-  return [{"sample": b, "prompt": tokenizer.decode(gen.tokens[b, :gen.prompt_lens[b]].tolist(),
-                                                   skip_special_tokens=False),
-           "response": responses[b], "reward": float(gen.scores[b]),
-           "response_length": int(gen.response_lens[b])} for b in range(k)]
+  rows = []
+  for b in range(k):
+    row = {"sample": b, "prompt": tokenizer.decode(gen.tokens[b, :gen.prompt_lens[b]].tolist(),
+                                                   skip_special_tokens=False)}
+    if gen.targets is not None and gen.targets[b] is not None:
+      row["target"] = gen.targets[b]
+    terms = ({label: float(v[b]) for label, v in gen.reward_terms.items()} if gen.reward_terms
+             else {reward_label: float(gen.scores[b])})
+    row.update({"response": responses[b], "reward": float(gen.scores[b]),
+                "reward_terms": terms, "response_length": int(gen.response_lens[b])})
+    rows.append(row)
+  return rows
 
 
 class PPOTrainer:
@@ -594,7 +605,7 @@ class PPOTrainer:
                               f"the last checkpoint ({last}) is kept: the same command resumes "
                               f"from it") + " once the function is fixed",) + e.args[1:]
       raise
-    return async_lib.Generated.from_stage(iteration, version, out)
+    return async_lib.Generated.from_stage(iteration, version, out, prompts.records)
 
   def _advantages(self, gen: async_lib.Generated):
     """(training data, rollout statistics) of the rollout: advantages and returns on device."""
@@ -714,7 +725,7 @@ class PPOTrainer:
     m = self._metrics(iteration, gen, train_metrics, stats)
     step = iteration + 1
     if cfg.log_samples and (step % cfg.log_every == 0 or step == cfg.num_iterations):
-      self._samples = sample_rows(gen, self.tokenizer, cfg.log_samples)
+      self._samples = sample_rows(gen, self.tokenizer, cfg.log_samples, cfg.reward.kind)
     t_total = time.time() - t_step
     m.update(gen.metrics)
     m.update(async_m)
