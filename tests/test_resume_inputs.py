@@ -234,3 +234,57 @@ def test_a_schedule_file_is_compared_by_content(tmp_path):
   left, changed = inputs.resume_changes([], saved, inputs.fingerprints(cfgs[0]), 4)
   assert left == [] and len(changed) == 1 and changed[0].startswith(
       "pipeline.schedule_file: schedule.json changed since the checkpoints were written"), changed
+
+
+def test_a_resume_with_other_validation_settings_says_so_naming_the_field(tmp_path, caplog):
+  """The validation pass's eval_every, data.val_file (its path and its content) and
+  val_max_prompts may change on a resume (docs/usage.md): each change is a warning naming the
+  field, since val/* before and after it average other prompts (it resumed without a word); a
+  copy of the same file elsewhere is no change."""
+  import logging
+  import jax.numpy as jnp
+  from rlhfuse_jax.trainer import hooks
+  from tests.test_trainer import tiny_config
+  val = tmp_path / "val.jsonl"
+  val.write_text('{"prompt": "1 #2 =", "target": "1 1"}\n')
+  workdir = str(tmp_path / "run")
+
+  def config(path, **kw):
+    return tiny_config(**{"data.val_file": str(path), "eval_every": 2, **kw})
+
+  first = config(val)
+  ckpts = hooks.Checkpoints(workdir, first, first.fingerprint())
+  try:
+    ckpts.state_fn = lambda: {"w": jnp.zeros((2,))}
+    ckpts.meta_fn = lambda: {"data": {}}
+    ckpts.after(2, {}, stopping=True)
+    ckpts.wait()
+  finally:
+    ckpts.checkpointer.close()
+
+  def warnings(cfg):
+    caplog.clear()
+    c = hooks.Checkpoints(workdir, cfg, cfg.fingerprint())
+    try:
+      with caplog.at_level(logging.WARNING):
+        assert c.resume_point()[0] == 2
+    finally:
+      c.checkpointer.close()
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert warnings(config(val)) == []
+  copy = tmp_path / "copy" / "val.jsonl"
+  copy.parent.mkdir()
+  shutil.copy(val, copy)
+  assert warnings(config(copy)) == []  # the same prompts at another path
+  said = warnings(config(val, **{"eval_every": 1, "data.val_max_prompts": 4}))
+  assert len(said) == 2
+  assert said[0].startswith("resuming iteration 2 with a changed config.eval_every: 2 -> 1 (")
+  assert "config.data.val_max_prompts: 0 -> 4" in said[1] and "val/*" in said[1]
+  other = tmp_path / "other.jsonl"
+  other.write_text('{"prompt": "3 #1 =", "target": "3"}\n')
+  said = warnings(config(other))
+  assert len(said) == 1 and f"config.data.val_file: {str(val)!r} -> {str(other)!r}" in said[0]
+  val.write_text('{"prompt": "3 #1 =", "target": "3"}\n')  # other prompts at the same path
+  said = warnings(config(val))
+  assert len(said) == 1 and (f"config.data.val_file={str(val)!r}: other content than when the "
+                             "checkpoints were written") in said[0]

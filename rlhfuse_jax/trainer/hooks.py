@@ -336,6 +336,7 @@ class Checkpoints(Hook):
     # What the files the run reads by path hold as it starts (trainer/inputs.py): saved with
     # every checkpoint, compared on resume.
     self.inputs = inputs_lib.fingerprints(cfg)
+    self.eval = inputs_lib.eval_settings(cfg)  # the validation pass's (a resume says changes)
     self.checkpointer = checkpointing.Checkpointer(workdir, keep=cfg.checkpoint.keep)
     self._set_aside: list[int] = []  # checkpoints set aside as damaged in this start
     self.state_fn: Callable[[], dict] = dict
@@ -408,6 +409,8 @@ class Checkpoints(Hook):
       logging.warning("checkpoint %s has no config fingerprint: resuming unchecked",
                       meta.get("iteration"))
       return
+    inputs_lib.warn_eval_changes(meta.get("eval"), inputs_lib.eval_settings(self.cfg),
+                                 meta.get("iteration"))
     changes, content = inputs_lib.resume_changes(
         config_lib.fingerprint_changes(saved, self.fingerprint), meta.get("inputs"),
         self.inputs, meta.get("iteration"))
@@ -529,7 +532,7 @@ class Checkpoints(Hook):
     if step % self.cfg.checkpoint.every == 0 or step == self.cfg.num_iterations or stopping:
       state = self.state_fn()
       meta = {"iteration": step, "seed": self.cfg.seed, "config": self.fingerprint,
-              "inputs": self.inputs, **self.meta_fn(),
+              "inputs": self.inputs, "eval": self.eval, **self.meta_fn(),
               "checksums": checkpointing.checksums(state)}
       self.checkpointer.save(step, state, meta)
 

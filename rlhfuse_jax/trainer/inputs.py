@@ -171,3 +171,48 @@ def _changed_files(was: Any, is_: Any) -> str:
   files = sorted(n for n in set(was) | set(is_) if was.get(n) != is_.get(n)) if (
       isinstance(was, dict) and isinstance(is_, dict)) else []
   return f"{', '.join(files)} changed" if files else "its files changed"
+
+
+# The validation pass's settings: a resume may change them (config.RESUMABLE_FIELDS), so they
+# are left out of the config fingerprint; each checkpoint keeps them apart, with the held-out
+# file's content, so that a resume says what changed (val/* before and after it then average
+# other prompts, or at other iterations).
+EVAL_FIELDS = ("eval_every", "data.val_file", "data.val_max_prompts")
+
+
+def eval_settings(cfg: Any) -> dict[str, Any]:
+  """{field: value} of EVAL_FIELDS of the TrainConfig `cfg`, and under "data.val_file content"
+  the file's fingerprint (None: no file there, or a directory)."""
+  out = {"eval_every": cfg.eval_every, "data.val_file": cfg.data.val_file,
+         "data.val_max_prompts": cfg.data.val_max_prompts}
+  path = cfg.data.val_file
+  out["data.val_file content"] = (content_fingerprint("data.val_file", path)
+                                  if path and os.path.isfile(path) else None)
+  return out
+
+
+def warn_eval_changes(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any],
+                      iteration: Any) -> list[str]:
+  """Logs a warning naming each validation setting that differs from the checkpoint's `saved`
+  ones (None: written before they were kept; nothing to compare), and another content in
+  data.val_file (at the same path or a new one); returns the warnings' texts."""
+  if not saved:
+    return []
+  said = []
+  was, is_ = saved.get("data.val_file content"), now.get("data.val_file content")
+  for field in EVAL_FIELDS:
+    if field not in saved or saved[field] == now[field]:
+      continue
+    if field == "data.val_file" and was and is_ and sorted(was.values()) == sorted(is_.values()):
+      logging.info("resuming iteration %s with config.data.val_file: %r -> %r: the same content "
+                   "at the new path", iteration, saved[field], now[field])
+      continue
+    said.append(f"config.{field}: {saved[field]!r} -> {now[field]!r}")
+  if saved.get("data.val_file") == now["data.val_file"] and was and is_ and was != is_:
+    said.append(f"config.data.val_file={now['data.val_file']!r}: other content than when the "
+                "checkpoints were written")
+  for what in said:
+    logging.warning("resuming iteration %s with a changed %s (a resume may change the validation "
+                    "pass's settings: the val/* metrics from here on are not comparable with "
+                    "those before)", iteration, what)
+  return said
