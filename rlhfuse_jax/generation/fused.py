@@ -582,14 +582,11 @@ class InferenceQueue:
     self.dispatched = np.zeros(gen.config.num_instances, np.int64)  # micro-batches per instance
 
   def add(self, samples: list[int]) -> None:
-    if self.gen.models:  # no model to run (no reference, critic or reward model): none waits
-      self.waiting.extend(samples)
+    self.waiting.extend(samples)
 
   def free(self, i: int) -> None:
     """Instance i serves inference from now on: its weights start loading (once, on the
-    process that drives it). Nothing to load without inference models."""
-    if not self.gen.models:
-      return
+    process that drives it)."""
     if i not in self.freed:
       self.freed.append(i)
     if self.gen.is_local(i) and i not in self.loads:
@@ -756,7 +753,9 @@ class _Run:
       rows = self._exchange_rows(newly, rows)
     for i in sorted(newly):
       finished, stop = newly[i]
-      self.infer.add(table.finish(finished, stop, *rows[i]))
+      done = table.finish(finished, stop, *rows[i])
+      if gen.models:  # none to run (no reference, critic or reward model): nothing waits
+        self.infer.add(done)
 
   def _exchange_rows(self, newly: dict, rows: dict) -> dict:
     """{instance: (tokens [S, T], logprobs [S, T])} of every instance in `newly`, from each
@@ -936,7 +935,7 @@ class _Run:
       rounds += 1
       for i in idle:
         params.pop(i, None)  # decodes no more
-      if self.fuse:
+      if self.fuse and gen.models:  # (without inference models no instance loads any)
         # After the decode dispatch, so that loading weights never delays the tail.
         for i in idle:
           self.infer.free(i)
