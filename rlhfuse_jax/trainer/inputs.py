@@ -183,9 +183,10 @@ EVAL_FIELDS = ("eval_every", "data.val_file", "data.val_max_prompts")
 def eval_settings(cfg: Any) -> dict[str, Any]:
   """{field: value} of EVAL_FIELDS of the TrainConfig `cfg`, and under "data.val_file content"
   the file's fingerprint (None: no file there, or a directory)."""
-  out = {"eval_every": cfg.eval_every, "data.val_file": cfg.data.val_file,
-         "data.val_max_prompts": cfg.data.val_max_prompts}
-  path = cfg.data.val_file
+  data = getattr(cfg, "data", None)  # (as `fingerprints`: a partial config reads as unset)
+  path = getattr(data, "val_file", "")
+  out = {"eval_every": getattr(cfg, "eval_every", 0), "data.val_file": path,
+         "data.val_max_prompts": getattr(data, "val_max_prompts", 0)}
   out["data.val_file content"] = (content_fingerprint("data.val_file", path)
                                   if path and os.path.isfile(path) else None)
   return out
