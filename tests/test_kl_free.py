@@ -1,5 +1,7 @@
 """algo.kl_coef=0 (DAPO's setting): no reference is built or run, no kl/* metric is logged, and the
 trajectory is the one a run that scores the reference for nothing takes."""
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -27,8 +29,11 @@ def _actor(trainer):
   return jax.device_get(trainer.actor.params)
 
 
-def test_kl_coef_0_runs_no_reference_and_trains_as_if_it_had(tmp_path, monkeypatch):
-  serial = PPOTrainer(tiny_config(**GRPO), str(tmp_path / "serial"), mesh=_mesh())
+def test_kl_coef_0_runs_no_reference_and_trains_as_if_it_had(tmp_path, monkeypatch, caplog):
+  with caplog.at_level(logging.INFO):
+    serial = PPOTrainer(tiny_config(**GRPO), str(tmp_path / "serial"), mesh=_mesh())
+  assert ("algo.kl_coef=0: no reference model is kept or run (no KL term reads its log-probs), "
+          "so no kl/* metric is logged") in caplog.text
   assert isinstance(serial.rollout, rollout.SerialStage) and serial.rollout.reference is None
   seen_serial = record_rollouts(serial)
   h_serial = serial.run()

@@ -588,6 +588,9 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
              else "at the last response token, EOS included (no pad_token_id in its config.json)")
     logging.info("reward model %s scores each sequence %s", cfg.reward.model_checkpoint, where)
   reference = jax.tree.map(jnp.copy, actor) if cfg.algo.uses_reference else None
+  if reference is None:  # said once: the metrics it drops are otherwise missed silently
+    logging.info("algo.kl_coef=0: no reference model is kept or run (no KL term reads its "
+                 "log-probs), so no kl/* metric is logged")
   return Models(actor=actor, critic=critic, reference=reference,
                 reward_cfg=reward_cfg, reward_params=reward_params)
 
