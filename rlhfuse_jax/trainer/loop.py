@@ -888,8 +888,9 @@ class PPOTrainer:
           f"{kept}. The batch's rewards are too large for float32 arithmetic: {len(huge)} of "
           f"{len(scores)} exceed {limit:.2g} in magnitude (first: sample {i}, "
           f"{float(scores[i]):.3g}), and their squares (the critic's loss, the gradient norm "
-          f"of an estimator that does not normalise) overflow; scale the reward (config.reward.function / reward.format_weight) into a "
-          f"smaller range rather than the learning rate")
+          f"of an estimator that does not normalise) overflow; scale the reward "
+          f"(config.reward.function / reward.format_weight) into a smaller range rather than "
+          f"the learning rate")
     if last is None:  # nothing to resume: a re-run starts over, with any values
       return NonFiniteError(
           f"{kept}: re-run with a lower optim.actor_lr / optim.critic_lr or optim.grad_clip (it "
