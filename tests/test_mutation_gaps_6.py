@@ -1225,7 +1225,7 @@ def test_checkpoints_are_saved_every_n_iterations_at_the_last_and_when_stopping(
   ckpts = object.__new__(hooks.Checkpoints)  # no workdir: only after() and what it reads
   ckpts.cfg = types.SimpleNamespace(seed=3, num_iterations=6,
                                     checkpoint=types.SimpleNamespace(every=4))
-  ckpts.fingerprint, ckpts.inputs = {}, {}
+  ckpts.fingerprint, ckpts.inputs, ckpts.eval = {}, {}, {}
   ckpts.state_fn, ckpts.meta_fn = (lambda: {"w": np.zeros(2, np.float32)}), dict
   ckpts.checkpointer = types.SimpleNamespace(
       save=lambda step, state, meta: saved.append((step, meta["iteration"])))
