@@ -719,7 +719,7 @@ def inference_analytic(cfg: PlanConfig) -> dict:
   else:  # one micro-batch on the instance's tensor devices
     rows = cfg.inference_microbatch
     tokens = rows * cfg.seq_len
-  # One layer's activations live at a time (sim/iteration_sim.check_inference_memory).
+  # One layer's activations live at a time (sim/iteration_sim.inference_memory_parts).
   acts = CostModel(cfg.hardware).activation_bytes(sim_shapes.from_model_config(a),
                                                   cfg.gen_tensor, tokens, 1)
   flops = accounting.forward_flops(a, rows, cfg.seq_len, cfg.response_len)

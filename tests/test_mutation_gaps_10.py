@@ -493,15 +493,16 @@ def test_the_generation_degree_is_chosen_by_generation_plus_inference():
 
 def test_inference_memory_holds_one_micro_batch_of_the_largest_model():
   """The frozen models' weights over tp, plus one micro-batch's activations of the largest
-  one (they run one after the other), padded to the longest prompt + max_new_tokens."""
+  one (they run one after the other), padded as the trainer pads its rows: the prompt's
+  max_len (1024, the default LengthSpec's) + max_new_tokens."""
   cm = CostModel(get_hardware("h100_sxm"))
   wl = it.Workload(actor=get_shape("llama-7b"), critic=get_shape("llama-13b", "scalar"),
                    num_devices=8, global_batch=64, minibatch=16, max_new_tokens=50)
   seen = []
   cm.check_fits = lambda what, need, detail: seen.append(need)
-  it.check_inference_memory(cm, wl, 2, 4, np.array([30, 70]))
+  it.check_inference_memory(cm, wl, 2, 4)
   weights = (wl.actor.weight_bytes() + 2 * wl.critic.weight_bytes()) / 2
-  assert seen == [pytest.approx(weights + 34 * 5120 * 4 * 120 / 2)]
+  assert seen == [pytest.approx(weights + 34 * 5120 * 4 * 1074 / 2)]
 
 
 def test_deepspeed_chat_scores_with_four_forwards_under_zero3():

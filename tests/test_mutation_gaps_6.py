@@ -595,7 +595,10 @@ def test_runnable_stops_at_top_k():
   from rlhfuse_jax.sim import plan_search as ps
   wl, ok = _refusal_case()
   opt = dataclasses.replace(it.SimOptions(), trainer_runnable=True)
-  got = ps._runnable(wl, opt, [ok] * 5, None, 2, {})  # pylint: disable=protected-access
+  from rlhfuse_jax.sim.cost_model import CostModel
+  from rlhfuse_jax.sim.hardware import get_hardware
+  cost = CostModel(get_hardware("h100_sxm"))
+  got = ps._runnable(cost, wl, opt, [ok] * 5, None, 2, {})  # pylint: disable=protected-access
   assert len(got) == 2
 
 

@@ -1070,3 +1070,69 @@ def test_the_simulators_training_memory_is_plan_checks_at_the_padded_rows():
     plans = plan_search.training_candidates(cost, wl, 16.0, rejected)
     assert any(p.plan.get("actor_pp") == 2 and p.plan.get("critic_pp") == 2 and
                p.plan.get("tp") == 1 for p in plans) == fits, rejected.get("training tp1/pa2/pc2")
+
+
+def _small_case(generation: str):
+  """The brief's small case as the simulator sees it and as plan_check compiles it: a 1024-wide,
+  4-layer bf16 actor and critic, 4-token prompts padded to max_prompt_len 512, 1536 new
+  tokens, a batch of 64 on 8 devices; inference tp2 on instances of tp2 with 16 slots, or
+  (8 layers) after a pipeline of 8 one-device stages, the Scorer over data 2 x tensor 4."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  from rlhfuse_jax.sim.lengths import LengthSpec
+  from rlhfuse_jax.sim.shapes import ModelShape
+  layers, tp = (4, 2) if generation == "instances" else (8, 4)
+  a = ModelShape("actor", num_layers=layers, hidden_size=1024, intermediate_size=2048, num_heads=8,
+                 num_kv_heads=8, vocab_size=22)
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=8, global_batch=64, minibatch=32,
+                   epochs=2, max_new_tokens=1536,
+                   prompt=LengthSpec(kind="constant", value=4, max_len=512),
+                   response=LengthSpec(kind="constant", value=8))
+  c = plan_config.get_config("tiny")
+  for m in ("actor", "critic"):
+    c[m].update(hidden_size=1024, intermediate_size=2048, num_layers=layers, num_heads=8,
+                num_kv_heads=8, vocab_size=22, max_seq_len=2048, param_dtype="bfloat16",
+                dtype="bfloat16")
+  c.pp = c.critic_pp = 1
+  c.tp, c.dp, c.fsdp, c.minibatch_size = tp, 8 // tp, 1, 32
+  c.seq_len, c.response_len = 2048, 1536
+  if generation == "instances":
+    gen = {"mode": "instances", "tp": 2, "pp": 1, "groups": 1, "slots": 16}
+    c.gen_tp, c.gen_slots, c.inference_microbatch = 2, 16, 16  # fusion's 0: the slots
+  else:
+    gen = {"mode": "pipeline", "tp": 1, "pp": 8, "groups": 8, "slots": 8}
+    c.generation, c.gen_slots = "mesh", 64  # the Scorer: the whole batch over data x tensor
+  plan = {"generation": gen, "inference": {"tp": tp, "pp": 1},
+          "training": {"placement": "colocated", "devices": 8, "tp": tp, "actor_pp": 1,
+                       "critic_pp": 1, "micro_batch": 1}}
+  return wl, plan, plan_programs.PlanConfig.from_config_dict(c)
+
+
+@pytest.mark.parametrize("generation", ["instances", "pipeline"])
+def test_simulated_inference_activations_are_plan_checks_analytic_ones(generation):
+  """The search's inference memory of a plan the trainer runs (sim.trainer_runnable) holds the
+  activations plan_check's analytic figures count for the program the trainer compiles: the
+  rows it scores at once (an instance's slots; the Scorer's batch share) at the padded length
+  (max_prompt_len + max_new_tokens). It sized 8 rows (sim.inference_microbatch) at the longest
+  sampled prompt + max_new_tokens: 0.20 GiB against 0.53 on instances."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  from rlhfuse_jax.sim import plan_search as ps
+  from rlhfuse_jax.sim.cost_model import CostModel
+  wl, plan, cfg = _small_case(generation)
+  cost = CostModel(hardware.get_hardware("h100_sxm"))
+  opt = it.SimOptions(trainer_runnable=True)
+  want = plan_programs.inference_analytic(cfg)["activations_bytes"]
+  rows = 16 if generation == "instances" else 32
+  assert ps.trainer_refusal(wl, plan) is None
+  assert ps.inference_rows(wl, opt, plan) == rows
+  assert ps.inference_memory(cost, wl, opt, plan)["activations"] == pytest.approx(want)
+  inf = next(r for r in ps.plan_memory(cost, wl, opt, plan) if r["stage"] == "inference")
+  assert inf["parts"]["activations"] == pytest.approx(want)
+  # Where it does not fit at the trainer's rows the search refuses the combination, naming them.
+  need = inf["total"]
+  small = CostModel(dataclasses.replace(cost.hw, hbm_bytes=need * 0.99 /
+                                        cost.eff.memory_headroom))
+  refused: dict = {}
+  # pylint: disable-next=protected-access
+  assert ps._runnable(small, wl, opt, [plan], None, 1, refused) == []
+  assert list(refused) == [f"inference tp{plan['inference']['tp']} scoring the trainer's {rows} "
+                           "samples at once does not fit in memory"]

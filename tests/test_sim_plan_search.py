@@ -120,7 +120,7 @@ def _brute_force_stages(wl, opt, frozen=None, rescore=False, kept=0.0):
     if any(m.tensor_parallel_error(tp) for m in frozen):
       continue
     try:
-      it.check_inference_memory(COST, wl, tp, opt.inference_microbatch, prompts, frozen)
+      it.check_inference_memory(COST, wl, tp, opt.inference_microbatch, frozen)
       infs.append((ps.inference_stage_s(COST, frozen, n, tp, 1, seq, opt.inference_microbatch,
                                         opt.offload_frozen), tp))
     except ValueError:
@@ -747,7 +747,7 @@ def test_plan_memory_is_what_each_stage_check_allows(offload):
   checks = {
       "generation": lambda c: it.gen_plan(c, wl, gen["tp"], prompts, opt.max_slots, kept),
       "inference": lambda c: it.check_inference_memory(c, wl, inf["tp"],
-                                                       opt.inference_microbatch, prompts),
+                                                       ps.inference_rows(wl, opt, plan)),
       "training": lambda c: train_lib.step_costs(c, wl.actor, wl.critic, tplan, 164.0,
                                                  resident_bytes=kept,
                                                  padded_len=wl.padded_len)}

@@ -190,17 +190,28 @@ def gen_plan(cost: CostModel, wl: Workload, tp: int, prompt_lens: np.ndarray, ma
   return GenPlan(tp=tp, num_instances=g, slots=slots, kv_capacity_tokens=pool)
 
 
-def check_inference_memory(cost: CostModel, wl: Workload, tp: int, microbatch: int,
-                           prompt_lens: np.ndarray, frozen: Optional[tuple] = None,
-                           what: str = "reference + reward + critic") -> None:
-  """The frozen models' weights (default reference, critic and reward model) split over tp,
-  and one micro-batch's activations of the largest, padded to the longest prompt + the
-  response budget."""
+def inference_memory_parts(cost: CostModel, wl: Workload, tp: int, rows: int,
+                           frozen: Optional[tuple] = None) -> dict:
+  """Per device of an inference copy of tp devices, bytes: {"weights" (the frozen models',
+  default reference, critic and reward model, bf16 over tp), "activations" (one layer's of the
+  largest, they run one after the other, for `rows` samples at once at wl.padded_len tokens:
+  the trainer's scoring programs take their rows right-padded to data.max_prompt_len +
+  rollout.max_new_tokens, plan_check's inference seq_len; until 2026-12-04 the longest sampled
+  prompt + max_new_tokens, which on ppo_tiny's 4-token prompts and max_prompt_len 512 was 1540
+  of the 2048 tokens)}."""
   frozen = frozen or (wl.actor, wl.critic, wl.critic)
-  tokens = microbatch * (int(prompt_lens.max()) + wl.max_new_tokens)
-  need = sum(s.weight_bytes() for s in frozen) / tp + max(
-      cost.activation_bytes(s, tp, tokens, 1) for s in frozen)
-  cost.check_fits(f"inference ({what})", need, f"tp={tp}")
+  tokens = rows * wl.padded_len
+  return {"weights": sum(s.weight_bytes() for s in frozen) / tp,
+          "activations": max(cost.activation_bytes(s, tp, tokens, 1) for s in frozen)}
+
+
+def check_inference_memory(cost: CostModel, wl: Workload, tp: int, microbatch: int,
+                           frozen: Optional[tuple] = None,
+                           what: str = "reference + reward + critic") -> None:
+  """inference_memory_parts of one micro-batch of `microbatch` samples against the usable
+  HBM."""
+  need = sum(inference_memory_parts(cost, wl, tp, microbatch, frozen).values())
+  cost.check_fits(f"inference ({what})", need, f"tp={tp}, {microbatch} samples at once")
 
 
 def gen_setup(plan: GenPlan, wl: Workload, opt: SimOptions, cost: CostModel, fused: bool,
@@ -269,7 +280,7 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
         plan = gen_plan(cost, wl, tp, prompts, opt.max_slots,
                         frozen_resident_bytes(frozen, tp, opt),
                         "the frozen models' weights (sim.offload_frozen=False)")
-        check_inference_memory(cost, wl, tp, opt.inference_microbatch, prompts)
+        check_inference_memory(cost, wl, tp, opt.inference_microbatch)
     except ValueError as e:
       rejected[tp] = str(e)
       continue

@@ -336,11 +336,13 @@ def async_splits(cost: CostModel, num_devices: int, split_unit: int = 0) -> list
   return list(range(unit, num_devices, unit))
 
 
-def inference_candidates(cost: CostModel, wl, opt, prompt_lens, seq_lens, rejected: dict,
+def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict,
                          models: tuple = ("reference", "critic", "reward")) -> list[Candidate]:
   """Inference plans (tp) for the forwards of `models` (reference: the actor's shape; critic
-  and reward model: the critic's) over the batch: `prompt_lens` (the memory check pads to the
-  longest) and `seq_lens`, prompt + response (the time)."""
+  and reward model: the critic's) over the batch: `seq_lens`, prompt + response (the time);
+  the memory check scores sim.inference_microbatch samples at once at wl.padded_len tokens
+  (iteration_sim.inference_memory_parts; with sim.trainer_runnable the trainer's rows are
+  checked per plan: _trainer_inference_refusal)."""
   from rlhfuse_jax.sim import iteration_sim as it
   frozen = tuple(wl.actor if m == "reference" else wl.critic for m in models)
   out = []
@@ -352,7 +354,7 @@ def inference_candidates(cost: CostModel, wl, opt, prompt_lens, seq_lens, reject
       rejected[f"inference tp{tp}"] = why
       continue
     t = _fits(lambda: (it.check_inference_memory(cost, wl, tp, opt.inference_microbatch,
-                                                 prompt_lens, frozen, " + ".join(models)),
+                                                 frozen, " + ".join(models)),
                        inference_stage_s(cost, frozen, wl.num_devices, tp, 1, seq_lens,
                                          opt.inference_microbatch, opt.offload_frozen))[1],
               rejected, f"inference tp{tp}")
@@ -497,13 +499,42 @@ def _plan_dict(gen: Candidate, inf: Candidate, train: Candidate) -> dict:
   }
 
 
+def inference_rows(wl, opt, plan: dict) -> int:
+  """Samples the inference of `plan` (plan.json's form) scores at once: sim.inference_microbatch;
+  with sim.trainer_runnable the trainer's, whose programs plan_check compiles: on generation
+  instances a micro-batch of the instance's slots (fusion.inference_micro_batch=0, the default:
+  trainer/rollout.plan_instances_config), after a generation pipeline the Scorer's whole
+  rollout batch split over the inference mesh's data = g / tp (trainer/rollout.PlannedStage)."""
+  if not opt.trainer_runnable:
+    return opt.inference_microbatch
+  split = plan.get("async") or {}
+  g = wl.num_devices if split.get("colocated", True) else split["generation_devices"]
+  gen, tp = plan["generation"], plan["inference"]["tp"]
+  if gen["mode"] == "instances":
+    return gen["slots"]
+  return -(-wl.global_batch // (g // tp))
+
+
+def inference_memory(cost: CostModel, wl, opt, plan: dict) -> dict:
+  """Per device of `plan`'s inference: the frozen models it scores with (ASYNC_GENERATION_FROZEN
+  on an asynchronous generation group, else reference, critic and reward model) over its tp,
+  and one layer's activations of inference_rows samples (iteration_sim.inference_memory_parts)."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  split = plan.get("async") or {}
+  models = (("reference", "critic", "reward") if split.get("colocated", True)
+            else ASYNC_GENERATION_FROZEN)
+  frozen = tuple(wl.actor if m == "reference" else wl.critic for m in models)
+  return it.inference_memory_parts(cost, wl, plan["inference"]["tp"],
+                                   inference_rows(wl, opt, plan), frozen)
+
+
 def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   """Per device, what each stage of `plan` (plan.json's form: _plan_dict, _async_plan) holds,
   by the formulas its memory checks use: [{"stage", "layout", "parts": {name: bytes},
   "total", "usable"}], `usable` the HBM the checks allow (memory_headroom of hbm_bytes).
   Generation: the actor's weights and the KV cache of its share of the batch at the longest
   prompt + max_new_tokens (iteration_sim.gen_plan, pipelined_generation); inference: the frozen
-  weights and one micro-batch's activations of a layer (iteration_sim.check_inference_memory);
+  weights and one layer's activations of the rows it scores at once (inference_memory);
   training: each model's weights, gradients, optimizer state and in-flight activations at the
   trainer's padded rows (cost_model.train_memory_parts, training_sim.check_train_memory). With
   sim.offload_frozen=False each row also holds the frozen weights kept on its devices."""
@@ -515,8 +546,6 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   gen, inf, train = plan["generation"], plan["inference"], plan["training"]
   prompts, _ = wl.sample_lengths()
   slot_cap = int(prompts.max()) + wl.max_new_tokens
-  models = ASYNC_GENERATION_FROZEN if g < n else ("reference", "critic", "reward")
-  frozen = tuple(wl.actor if m == "reference" else wl.critic for m in models)
   kept = it.kept_frozen_bytes(wl, inf["tp"], opt)
   kept_parts = {"frozen weights kept": kept} if kept else {}
   a = wl.actor
@@ -530,11 +559,8 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
            "parts": {"weights": a.weight_bytes() / copy,
                      "KV cache": per * slot_cap * a.kv_bytes_per_token() / copy,
                      **kept_parts}}]
-  tokens = opt.inference_microbatch * slot_cap
   rows.append({"stage": "inference", "layout": InferencePlan(**inf).describe(),
-               "parts": {"weights": sum(s.weight_bytes() for s in frozen) / inf["tp"],
-                         "activations": max(cost.activation_bytes(s, inf["tp"], tokens, 1)
-                                            for s in frozen)}})
+               "parts": inference_memory(cost, wl, opt, plan)})
   tokens = wl.micro_batch * wl.padded_len
   # The training group keeps no frozen weights when generation has its own devices.
   kept_train = kept_parts if g == n else {}
@@ -657,14 +683,27 @@ def trainer_refusal(wl, plan: dict) -> Optional[str]:
   return None
 
 
-def _runnable(wl, opt, plans, accept: Optional[Callable[[dict], Optional[str]]], top_k: int,
-              refused: dict) -> list[dict]:
+def _trainer_inference_refusal(cost: CostModel, wl, opt, plan: dict) -> Optional[str]:
+  """Why the inference of `plan` does not fit at the rows the trainer scores at once
+  (inference_rows: the search's inference candidates are checked at sim.inference_microbatch,
+  before the generation plan that decides them is known), or None."""
+  need = sum(inference_memory(cost, wl, opt, plan).values())
+  if need <= cost.usable_bytes:
+    return None
+  return (f"inference tp{plan['inference']['tp']} scoring the trainer's "
+          f"{inference_rows(wl, opt, plan)} samples at once does not fit in memory")
+
+
+def _runnable(cost: CostModel, wl, opt, plans, accept: Optional[Callable[[dict], Optional[str]]],
+              top_k: int, refused: dict) -> list[dict]:
   """The first `top_k` of `plans` (an iterable of plan dicts, fastest first) that
-  trainer_refusal (with opt.trainer_runnable) and `accept` let through; the others counted in
-  `refused` {reason: plans}."""
+  trainer_refusal and _trainer_inference_refusal (with opt.trainer_runnable) and `accept` let
+  through; the others counted in `refused` {reason: plans}."""
   out = []
   for plan in plans:
     why = trainer_refusal(wl, plan) if opt.trainer_runnable else None
+    if why is None and opt.trainer_runnable:
+      why = _trainer_inference_refusal(cost, wl, opt, plan)
     if why is None and accept is not None:
       why = accept(plan)
     if why is not None:
@@ -738,7 +777,7 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
     pairs, any_gen = [], False  # (generation, inference) candidates of the generation group
     if trains:
       wg = dataclasses.replace(wl, num_devices=g)
-      infs = inference_candidates(cost, wg, opt, prompts, seq, rejected,
+      infs = inference_candidates(cost, wg, opt, seq, rejected,
                                   ASYNC_GENERATION_FROZEN)
       # The frozen models live on the generation group only (beside its generation).
       groups, kept_at = beside_frozen(cost, wg, opt, infs, prompts, resp, mean_len, rejected,
@@ -759,7 +798,7 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
     scored = [(c, rescore_s(cost, wl, c.plan, seq, opt)) for c in trains]
     if restricted:
       refused: dict = {}
-      found = _runnable(wl, opt, sorted(
+      found = _runnable(cost, wl, opt, sorted(
           (_async_plan(cost, wl, g, staleness, gen, inf, train, rescore)
            for (gen, inf), (train, rescore) in itertools.product(pairs, scored)),
           key=lambda p: p["predicted"]["iteration_s"]), accept, 1, refused)
@@ -859,7 +898,7 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   mean_len = float(seq.mean())
   rejected: dict = {}
   say = log or (lambda m: None)
-  infs = sorted(inference_candidates(cost, wl, opt, prompts, seq, rejected),
+  infs = sorted(inference_candidates(cost, wl, opt, seq, rejected),
                 key=lambda c: c.seconds)
   groups, kept_at = beside_frozen(cost, wl, opt, infs, prompts, resp, mean_len, rejected)
   gens, trains = groups[kept_at[infs[0].plan.tp]] if infs else next(iter(groups.values()))
@@ -879,7 +918,7 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   refused: dict = {}
   if opt.trainer_runnable or accept is not None:
     combos = sorted(every, key=_combo_s)
-    top = _runnable(wl, opt, (_plan_dict(*c) for c in combos), accept, top_k, refused)
+    top = _runnable(cost, wl, opt, (_plan_dict(*c) for c in combos), accept, top_k, refused)
     if not top:
       # each reason on its own, the most frequent first (a dict's repr on one line, before)
       raise ValueError(
