@@ -1136,3 +1136,39 @@ def test_simulated_inference_activations_are_plan_checks_analytic_ones(generatio
   assert ps._runnable(small, wl, opt, [plan], None, 1, refused) == []
   assert list(refused) == [f"inference tp{plan['inference']['tp']} scoring the trainer's {rows} "
                            "samples at once does not fit in memory"]
+
+
+def test_simulated_training_memory_counts_plan_checks_gradient_accumulator():
+  """The unpipelined update over several micro-batches a data shard keeps float32 sums of both
+  models' gradients (trainer/ppo._accumulated): plan_check's analytic figures count them, and so
+  do the search's training check and plan_memory (they did not: 0.16 GiB a device short on the
+  small case). Pipelined, or one micro-batch a shard, neither counts them."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  from rlhfuse_jax.sim import plan_search as ps
+  from rlhfuse_jax.sim import training_sim as train_lib
+  from rlhfuse_jax.sim.cost_model import CostModel
+  wl, plan, cfg = _small_case("instances")
+  cost = CostModel(hardware.get_hardware("h100_sxm"))
+  opt = it.SimOptions(trainer_runnable=True)
+  analytic = plan_programs.train_analytic(cfg, {})
+  assert cfg.actor_microbatches == 8  # 32 rows over data 4, one at a time
+  train = next(r for r in ps.plan_memory(cost, wl, opt, plan) if r["stage"] == "training")
+  assert train["parts"]["grad accumulator"] == pytest.approx(
+      analytic["grad_accumulator_bytes"], rel=1e-3)
+  # The search's check allows exactly plan_memory's total (accumulator included).
+  tplan = train_lib.TrainPlan(8, 32, 2, 1, 1, 1)
+  for scale, fits in ((1 + 1e-9, True), (1 - 1e-9, False)):
+    c = CostModel(dataclasses.replace(cost.hw, hbm_bytes=train["total"] * scale /
+                                      cost.eff.memory_headroom))
+    if fits:
+      train_lib.step_costs(c, wl.actor, wl.critic, tplan, 12.0, padded_len=wl.padded_len)
+    else:
+      with pytest.raises(ValueError, match="does not fit in memory"):
+        train_lib.step_costs(c, wl.actor, wl.critic, tplan, 12.0, padded_len=wl.padded_len)
+  # 8 rows a micro-batch: the whole shard at once, no sums; pipelined: not counted either.
+  whole = dataclasses.replace(wl, micro_batch=8)
+  rows = ps.plan_memory(cost, whole, opt, {**plan, "training": {**plan["training"],
+                                                                "micro_batch": 8}})
+  assert "grad accumulator" not in next(r for r in rows if r["stage"] == "training")["parts"]
+  assert not train_lib.TrainPlan(8, 32, 2, 1, 1, 8).accumulates
+  assert not train_lib.TrainPlan(8, 32, 2, 2, 1, 1).accumulates

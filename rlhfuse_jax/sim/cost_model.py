@@ -387,19 +387,26 @@ class CostModel:
           f"({self.eff.memory_headroom:.0%} of {self.hw.hbm_bytes / GIB:.1f} GiB); {detail}")
 
   def train_memory_parts(self, shape: ModelShape, tp: int, pp: int, dp: int, zero1: bool,
-                         mb_tokens: float, inflight: int) -> dict:
+                         mb_tokens: float, inflight: int, accumulate: bool = False) -> dict:
     """Per device of a tp x pp x dp training layout of one model, bytes: {"weights" (bf16),
     "grads" (bf16), "optimizer" (Adam's fp32 master, m, v; over dp with ZeRO-1),
-    "activations" (`inflight` micro-batches of `mb_tokens` tokens)}."""
+    "activations" (`inflight` micro-batches of `mb_tokens` tokens)}, and with `accumulate`
+    "grad accumulator": the float32 sums of the micro-batches' gradients, split like the
+    weights (the trainer's unpipelined update over several micro-batches:
+    training_sim.TrainPlan.accumulates)."""
     shard = shape.num_params() / (tp * pp)
-    return {"weights": 2.0 * shard, "grads": 2.0 * shard,
-            "optimizer": 12.0 * shard / (dp if zero1 else 1),
-            "activations": inflight * self.activation_bytes(shape, tp, mb_tokens,
-                                                            shape.num_layers / pp)}
+    out = {"weights": 2.0 * shard, "grads": 2.0 * shard,
+           "optimizer": 12.0 * shard / (dp if zero1 else 1),
+           "activations": inflight * self.activation_bytes(shape, tp, mb_tokens,
+                                                           shape.num_layers / pp)}
+    if accumulate:
+      out["grad accumulator"] = 4.0 * shard
+    return out
 
   def train_memory_bytes(self, shape: ModelShape, tp: int, pp: int, dp: int, zero1: bool,
-                         mb_tokens: float, inflight: int) -> float:
-    return sum(self.train_memory_parts(shape, tp, pp, dp, zero1, mb_tokens, inflight).values())
+                         mb_tokens: float, inflight: int, accumulate: bool = False) -> float:
+    return sum(self.train_memory_parts(shape, tp, pp, dp, zero1, mb_tokens, inflight,
+                                       accumulate).values())
 
 
 def decode_step_work(shape: ModelShape, batch, context_tokens):

@@ -568,9 +568,10 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
     tp, pa, pc = train["tp"], train["actor_pp"], train["critic_pp"]
     tplan = train_lib.TrainPlan(t, wl.minibatch, tp, pa, pc, wl.micro_batch)
     parts = [cost.train_memory_parts(a, tp, pa, tplan.dp, True, tokens,
-                                     min(pa, tplan.actor_microbatches)),
+                                     min(pa, tplan.actor_microbatches), tplan.accumulates),
              cost.train_memory_parts(wl.critic, tp, pc, tplan.dp * tplan.critic_replicas, True,
-                                     tokens, min(pc, tplan.critic_microbatches))]
+                                     tokens, min(pc, tplan.critic_microbatches),
+                                     tplan.accumulates)]
     rows.append({"stage": "training", "layout": _describe_train(train),
                  "parts": {**{k: parts[0][k] + parts[1][k] for k in parts[0]}, **kept_train}})
   else:

@@ -88,6 +88,14 @@ class TrainPlan:
   def critic_microbatches(self) -> int:
     return self.actor_microbatches // self.critic_replicas
 
+  @property
+  def accumulates(self) -> bool:
+    """Whether the trainer's update of this plan keeps float32 sums of the gradients: unpipelined
+    (actor_pp 1) over several micro-batches a data shard (algo.microbatch_size below the rows
+    per shard: trainer/ppo._accumulated, both models); the pipelined executor's sums are not
+    counted (nor in plan_check's analytic figures)."""
+    return self.actor_pp == 1 and self.actor_microbatches > 1
+
   def to_dict(self) -> dict:
     return {**dataclasses.asdict(self), "dp": self.dp, "Ma": self.actor_microbatches,
             "Mc": self.critic_microbatches}
@@ -192,9 +200,9 @@ def check_train_memory(cost: CostModel, actor: ModelShape, critic: ModelShape, p
   models' (docs/architecture.md §3)."""
   ma, mc = plan.actor_microbatches, plan.critic_microbatches
   need = (cost.train_memory_bytes(actor, plan.tp, plan.actor_pp, plan.dp, True, mb_tokens,
-                                  min(plan.actor_pp, ma)) +
+                                  min(plan.actor_pp, ma), plan.accumulates) +
           cost.train_memory_bytes(critic, plan.tp, plan.critic_pp, plan.dp * plan.critic_replicas,
-                                  True, mb_tokens, min(plan.critic_pp, mc)) +
+                                  True, mb_tokens, min(plan.critic_pp, mc), plan.accumulates) +
           resident_bytes)
   cost.check_fits(f"training {actor.name} + {critic.name}", need,
                   f"plan tp={plan.tp} actor_pp={plan.actor_pp} critic_pp={plan.critic_pp} "
