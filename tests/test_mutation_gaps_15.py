@@ -534,7 +534,7 @@ def test_config_dict_parsing_keeps_rt_zero_extra_decode_results_and_optional_sys
   assert cfg.bench_decode_extra == ("a/result.json", "b/result.json")
   c.systems = ""
   assert ablations.AblationConfig.from_config_dict(c, systems_optional=True).systems == ()
-  with pytest.raises(ValueError, match=r"systems='' must list at least one item"):
+  with pytest.raises(ValueError, match=r"^config\.systems='' must list at least one item"):
     ablations.AblationConfig.from_config_dict(c)
 
 

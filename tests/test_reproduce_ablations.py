@@ -106,8 +106,8 @@ def test_a_search_budget_that_is_not_a_positive_time_is_refused_by_name(value):
   from configs import ablations as cfg_mod
   c = cfg_mod.get_config("quick")
   c.sim.search_time_s = value
-  with pytest.raises(ValueError, match=rf"^sim\.search_time_s={value!r} must be a finite "
-                                       r"number of seconds > 0$"):
+  with pytest.raises(ValueError, match=rf"^config\.sim\.search_time_s={value!r} must be a "
+                                       r"finite number of seconds > 0$"):
     ablations.AblationConfig.from_config_dict(c)
 
 

@@ -62,10 +62,12 @@ def test_train_plan_divisibility_errors():
     ts.TrainPlan(num_devices=24, minibatch=24, tp=2, actor_pp=4, critic_pp=3)
   with pytest.raises(ValueError, match="num_devices=100"):
     ts.TrainPlan(num_devices=100, minibatch=64, tp=8, actor_pp=1, critic_pp=1)
-  with pytest.raises(ValueError, match="global_batch=500 must be divisible by minibatch=64"):
+  # Named as the user types them (config.minibatch; "workload.minibatch" named no field).
+  with pytest.raises(ValueError, match=r"^config\.global_batch=500 must be divisible by "
+                                       r"config\.minibatch=64$"):
     it.Workload(actor=get_shape("llama-7b"), critic=get_shape("llama-7b", "scalar"),
                 global_batch=500)
-  with pytest.raises(ValueError, match="workload.minibatch=0 must be >= 1"):
+  with pytest.raises(ValueError, match=r"^config\.minibatch=0 must be >= 1$"):
     it.Workload(actor=get_shape("llama-7b"), critic=get_shape("llama-7b", "scalar"),
                 minibatch=0)
 
@@ -200,7 +202,7 @@ def test_six_systems_on_one_small_setting():
   # groups timed serially, the colocated option won and the overlap above went unchecked).
   assert not rows["pipe_rlhf_async"]["details"]["async"]["colocated"]
   assert rows["pipe_rlhf_async"]["iteration_s"] < rows["pipe_rlhf"]["iteration_s"]
-  with pytest.raises(ValueError, match="sim.staleness=0: pipe_rlhf_async needs"):
+  with pytest.raises(ValueError, match=r"^config\.sim\.staleness=0: pipe_rlhf_async needs"):
     it.simulate_iteration(H100, small_workload(), dataclasses.replace(opt, staleness=0),
                           systems=("pipe_rlhf_async",))
   base, inter, intra, full = (rows[s] for s in ("rlhfuse_base", "inter_stage", "intra_stage",

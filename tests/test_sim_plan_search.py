@@ -196,7 +196,7 @@ def test_bad_sim_options_are_refused_by_name(field, value):
   """A bad knob is an error naming it, not a silent plan: chunk_steps=0 made every instance
   plan a refusal and the search returned a pipeline, inference_microbatch=-3 timed the
   inference stage as nothing but the weight load."""
-  with pytest.raises(ValueError, match=f"sim.{field}="):
+  with pytest.raises(ValueError, match=rf"^config\.sim\.{field}="):
     ps.search(COST, _small(), it.SimOptions(**{field: value}))
 
 

@@ -24,7 +24,7 @@ from rlhfuse_jax.sim.shapes import PRESET_SOURCE, ModelShape, from_hf_config, ge
 def _csv(value: Any, field: str) -> tuple[str, ...]:
   items = tuple(x.strip() for x in str(value).split(",") if x.strip())
   if not items:
-    raise ValueError(f"{field}={value!r} must list at least one item")
+    raise ValueError(f"config.{field}={value!r} must list at least one item")
   return items
 
 

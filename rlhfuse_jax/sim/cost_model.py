@@ -308,7 +308,7 @@ class CostModel:
       return self.cal.weight_load.seconds(nbytes_per_device)
     if self.hw.host_to_device_bw is None:
       raise ValueError(f"hardware {self.hw.name!r} has no host_to_device_bw: set "
-                       "sim.offload_frozen=False (frozen models stay on the devices)")
+                       "config.sim.offload_frozen=False (frozen models stay on the devices)")
     return nbytes_per_device / self.hw.host_to_device_bw
 
   # --------------------------------------------------------------------- training

@@ -86,13 +86,16 @@ class Workload:
 
   def __post_init__(self):
     # The counts first: minibatch=0 was a ZeroDivisionError in the divisibility check below.
+    # Named as the user types them: the simulator's configs (configs/ablations.py,
+    # configs/plan_search.py) set these fields at their top level, config.minibatch (a
+    # training run's own are checked, under their own names, before its workload is built).
     for f in ("num_devices", "global_batch", "minibatch", "epochs", "micro_batch",
               "max_new_tokens"):
       if getattr(self, f) < 1:
-        raise ValueError(f"workload.{f}={getattr(self, f)} must be >= 1")
+        raise ValueError(f"config.{f}={getattr(self, f)} must be >= 1")
     if self.global_batch % self.minibatch:
-      raise ValueError(f"global_batch={self.global_batch} must be divisible by minibatch="
-                       f"{self.minibatch}")
+      raise ValueError(f"config.global_batch={self.global_batch} must be divisible by "
+                       f"config.minibatch={self.minibatch}")
     if self.critic.head != "scalar":
       raise ValueError(f"workload.critic {self.critic.name!r} must have head='scalar'")
 
@@ -142,18 +145,19 @@ class SimOptions:
     for f in ("chunk_steps", "inference_microbatch", "max_slots"):
       v = getattr(self, f)
       if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"sim.{f}={v!r} must be an integer >= 1")
+        raise ValueError(f"config.sim.{f}={v!r} must be an integer >= 1")
     if not self.gen_tps or any(not isinstance(t, (int, np.integer)) or t < 1
                                for t in self.gen_tps):
-      raise ValueError(f"sim.gen_tps={self.gen_tps!r} must list tensor-parallel degrees >= 1")
+      raise ValueError(f"config.sim.gen_tps={self.gen_tps!r} must list tensor-parallel "
+                       "degrees >= 1")
     if not self.threshold <= 1:
-      raise ValueError(f"sim.threshold={self.threshold} must be an Rt in [0, 1], or < 0 to "
+      raise ValueError(f"config.sim.threshold={self.threshold} must be an Rt in [0, 1], or < 0 to "
                        "choose it by simulation")
     # (0 or NaN failed in the first fused search, after reproduce_ablations had moved the
     # earlier outputs aside, as "time_budget_s=0.0 must be > 0", naming no field)
     t = self.search_time_s
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-      raise ValueError(f"sim.search_time_s={t!r} must be a finite number of seconds > 0")
+      raise ValueError(f"config.sim.search_time_s={t!r} must be a finite number of seconds > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,8 +423,8 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
   if unknown:
     raise ValueError(f"unknown systems {unknown}; known: {list(SYSTEMS)}")
   if "pipe_rlhf_async" in systems and opt.staleness < 1:
-    raise ValueError(f"sim.staleness={opt.staleness}: pipe_rlhf_async needs a staleness >= 1 "
-                     "(updates the generating policy lags behind)")
+    raise ValueError(f"config.sim.staleness={opt.staleness}: pipe_rlhf_async needs a "
+                     "staleness >= 1 (updates the generating policy lags behind)")
   cache = cache or train_lib.ScheduleCache(time_budget_s=opt.search_time_s, log=log)
   prompts, resp = wl.sample_lengths()
   mean_len = float(np.mean(prompts + resp))
