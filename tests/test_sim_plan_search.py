@@ -779,3 +779,26 @@ def test_plan_memory_is_what_each_stage_check_allows(offload):
       else:
         with pytest.raises(ValueError, match="does not fit in memory"):
           check(cost)
+
+
+def test_no_plan_message_counts_each_rejected_plan_once():
+  """With sim.offload_frozen=False each training plan is tried beside each inference plan's
+  frozen weights; the refusal counted it once per inference degree (82 training plans rejected
+  for 41 distinct on 13B/13B, 16 devices of 36 GB): it counts distinct plans and says where each
+  was tried."""
+  a = get_shape("llama-13b")
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=16, global_batch=64, minibatch=16)
+  cost = CostModel(dataclasses.replace(COST.hw, hbm_bytes=36e9))
+  lines = []
+  with pytest.raises(ValueError) as e:
+    ps.search(cost, wl, it.SimOptions(offload_frozen=False), log=lines.append)
+  tried = [m.group(1) for m in map(re.compile(r"^rejected (training .*?): ").match, lines) if m]
+  plans = {re.sub(r" beside \S+ GiB of frozen weights$", "", t) for t in tried}
+  assert len(tried) == 2 * len(plans) > 0  # each beside the two inference plans' weights
+  assert (f"no training plan fits ({len(plans)} rejected, each beside the frozen weights of 2 "
+          "inference plans; the closest: ") in str(e.value)
+  rejected = [line.split(": ")[0] for line in lines if line.startswith("rejected ")]
+  every = {re.sub(r" beside \S+ GiB of frozen weights$", "", r) for r in rejected}
+  assert (f"Each of the {len(every)} rejected plans and why: the 'rejected' lines above "
+          f"({len(rejected)}, one for each inference plan's frozen weights it was tried "
+          "beside).") in str(e.value)

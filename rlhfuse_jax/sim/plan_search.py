@@ -846,12 +846,23 @@ def closest_rejection(rejected: dict, stage: str) -> tuple[dict, Optional[str]]:
   return mine, (min(need, key=need.get) if need else None)
 
 
+_BESIDE = re.compile(r" beside [0-9.]+ GiB of frozen weights$")
+
+
+def plan_name(rejection: str) -> str:
+  """The plan a `rejected` key names, without where it was tried: beside_frozen tries each
+  generation and training plan once per inference plan's share of frozen weights and keys its
+  refusals "<plan> beside X GiB of frozen weights"."""
+  return _BESIDE.sub("", rejection)
+
+
 def no_plan_message(cost: CostModel, wl, rejected: dict, infs: list, groups: dict,
                     kept_at: dict, log: Optional[Callable[[str], None]]) -> str:
   """search's refusal when no combination fits: the stages with no plan, each with its count of
-  rejected plans and the closest to fitting (the smallest per-device need), and what would make
-  room. Each rejection goes to `log` (the error printed the whole dict on one line: 21 kB for a
-  14B pair on 4 GB devices)."""
+  distinct rejected plans (plan_name: one tried beside each inference plan's frozen weights
+  counts once; it counted once per inference degree) and the closest to fitting (the smallest
+  per-device need), and what would make room. Each rejection goes to `log` (the error printed
+  the whole dict on one line: 21 kB for a 14B pair on 4 GB devices)."""
   for name, why in rejected.items() if log else ():
     log(f"rejected {name}: {why}")
   if not infs:
@@ -859,6 +870,9 @@ def no_plan_message(cost: CostModel, wl, rejected: dict, infs: list, groups: dic
   else:
     gens, trains = groups[min(kept_at.values())]  # the inference plan that leaves most room
     empty = [stage for stage, got in (("gen", gens), ("training", trains)) if not got]
+  names = {plan_name(k) for k in rejected}
+  beside = (f", each beside the frozen weights of {len(groups)} inference plans"
+            if len(groups) > 1 else "")
   parts, memory = [], False
   for stage in empty:
     mine, closest = closest_rejection(rejected, stage)
@@ -866,17 +880,22 @@ def no_plan_message(cost: CostModel, wl, rejected: dict, infs: list, groups: dic
     if closest:  # memory refusals: the nearest to fitting, and what else makes room
       why = f"; the closest: {closest}: {mine[closest]}; room: {_ROOM[stage]}"
     else:  # none tried for its memory (a tensor degree the heads refuse): each says why
-      why = "".join(f"; {k}: {v}" for k, v in list(mine.items())[:4])
-    parts.append(f"no {'generation' if stage == 'gen' else stage} plan fits ({len(mine)} "
-                 f"rejected{why})")
+      first = {}
+      for k, v in mine.items():
+        first.setdefault(plan_name(k), v)
+      why = "".join(f"; {k}: {v}" for k, v in list(first.items())[:4])
+    distinct = len({plan_name(k) for k in mine})
+    parts.append(f"no {'generation' if stage == 'gen' else stage} plan fits ({distinct} "
+                 f"rejected{beside if stage != 'inference' else ''}{why})")
   return (f"plan search: no feasible plan of {wl.actor.name} + {wl.critic.name} on "
           f"{wl.num_devices} x {cost.hw.name} ({cost.hw.hbm_bytes / 1e9:g} GB per device): "
           + "; ".join(parts) + "." + (
               " Each also fits with more memory per device (the hardware's hbm_bytes) or "
               "shorter prompts and responses (config.prompt.max_len, config.max_new_tokens)."
               if memory else "") + (
-              f" Each of the {len(rejected)} rejected plans and why: the 'rejected' lines above."
-              if log else ""))
+              f" Each of the {len(names)} rejected plans and why: the 'rejected' lines above"
+              + (f" ({len(rejected)}, one for each inference plan's frozen weights it was tried "
+                 "beside)" if len(names) < len(rejected) else "") + "." if log else ""))
 
 
 def search(cost: CostModel, wl, opt, top_k: int = 5,
