@@ -956,7 +956,6 @@ def test_run_config_beside_a_preset_variant_is_refused(tmp_path):
       plan_config.check_one_training_config(arg, run_config_given=True)
 
 
-
 def test_a_pipelined_run_is_checked_with_its_checkpoints_layers(tmp_path, monkeypatch):
   """The trainer checks a pipelined run's layer split and tensor split on the checkpoint's
   architecture (trainer/build.resolve_config before trainer/validate); apply_run checked them
