@@ -129,12 +129,26 @@ def test_a_new_path_to_other_files_is_named_as_other_files(tmp_path):
                                                                                        [])
 
 
+def save_a_checkpoint(workdir: str, cfg, step: int = 2) -> None:
+  """A checkpoint of `cfg` (a TrainConfig) at `step` in `workdir`, as a stopped run saves it,
+  with a stand-in state: what a resume compares is its side-car."""
+  import jax.numpy as jnp
+  from rlhfuse_jax.trainer import hooks
+  ckpts = hooks.Checkpoints(workdir, cfg, cfg.fingerprint())
+  try:
+    ckpts.state_fn = lambda: {"w": jnp.zeros((2,))}
+    ckpts.meta_fn = lambda: {"data": {}}
+    ckpts.after(step, {}, stopping=True)
+    ckpts.wait()
+  finally:
+    ckpts.checkpointer.close()
+
+
 def test_checkpoints_compare_the_inputs_contents_on_resume(tmp_path):
   """hooks.Checkpoints saves the inputs' fingerprints with each checkpoint: a resume from the
   same model at a new path starts (it was refused: the path differed), one whose model
   changed at the same path is refused, naming the field (it resumed against a new reference,
   silently)."""
-  import jax.numpy as jnp
   import pytest
   from rlhfuse_jax.trainer import hooks
   from tests.test_trainer import tiny_config
@@ -146,14 +160,7 @@ def test_checkpoints_compare_the_inputs_contents_on_resume(tmp_path):
     return tiny_config(**{"init.actor_checkpoint": str(path), "init.tokenizer": str(path)})
 
   first = config(model)
-  ckpts = hooks.Checkpoints(workdir, first, first.fingerprint())
-  try:
-    ckpts.state_fn = lambda: {"w": jnp.zeros((2,))}
-    ckpts.meta_fn = lambda: {"data": {}}
-    ckpts.after(2, {}, stopping=True)
-    ckpts.wait()
-  finally:
-    ckpts.checkpointer.close()
+  save_a_checkpoint(workdir, first)
 
   def resume(cfg):
     c = hooks.Checkpoints(workdir, cfg, cfg.fingerprint())
@@ -242,7 +249,6 @@ def test_a_resume_with_other_validation_settings_says_so_naming_the_field(tmp_pa
   field, since val/* before and after it average other prompts (it resumed without a word); a
   copy of the same file elsewhere is no change."""
   import logging
-  import jax.numpy as jnp
   from rlhfuse_jax.trainer import hooks
   from tests.test_trainer import tiny_config
   val = tmp_path / "val.jsonl"
@@ -253,14 +259,7 @@ def test_a_resume_with_other_validation_settings_says_so_naming_the_field(tmp_pa
     return tiny_config(**{"data.val_file": str(path), "eval_every": 2, **kw})
 
   first = config(val)
-  ckpts = hooks.Checkpoints(workdir, first, first.fingerprint())
-  try:
-    ckpts.state_fn = lambda: {"w": jnp.zeros((2,))}
-    ckpts.meta_fn = lambda: {"data": {}}
-    ckpts.after(2, {}, stopping=True)
-    ckpts.wait()
-  finally:
-    ckpts.checkpointer.close()
+  save_a_checkpoint(workdir, first)
 
   def warnings(cfg):
     caplog.clear()
