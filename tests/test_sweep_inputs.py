@@ -15,6 +15,15 @@ def _env():
   return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
 
 
+def _sweep_config(path, defaults: str, entries: str):
+  """A sweep config file at `path`: get_config() returns ConfigDict(`defaults`), get_sweep()
+  the list `entries` (each Python source)."""
+  path.write_text("import ml_collections\n\n\ndef get_config():\n"
+                  f"  return ml_collections.ConfigDict({defaults})\n\n\n"
+                  f"def get_sweep():\n  return {entries}\n")
+  return path
+
+
 def _run(args, timeout=240):
   return subprocess.run([sys.executable, "-m"] + args, cwd=REPO, env=_env(),
                         capture_output=True, text=True, timeout=timeout)
@@ -288,11 +297,8 @@ def test_a_long_sweep_says_how_far_it_got_and_draws_every_run_apart(tmp_path):
   result.json's iterations; it was blank). curves.png keeps one color and dash per run
   in every panel, none shared by two of 12 runs (matplotlib's cycle has 10 colors; a run
   missing from a panel shifted the others' colors there), its legend below the panels."""
-  cfg = tmp_path / "many.py"
-  cfg.write_text("import ml_collections\n\n\ndef get_config():\n"
-                 "  return ml_collections.ConfigDict({'seed': 0, 'lr': 0.0})\n\n\n"
-                 "def get_sweep():\n"
-                 "  return [{'name': f'r{k}', 'lr': float(k)} for k in range(12)]\n")
+  cfg = _sweep_config(tmp_path / "many.py", "{'seed': 0, 'lr': 0.0}",
+                      "[{'name': f'r{k}', 'lr': float(k)} for k in range(12)]")
   proc = subprocess.run([sys.executable, "-c", _MANY, str(tmp_path / "sw"), str(cfg)],
                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -336,11 +342,8 @@ sweep.run_sweep(cfg, "train_ppo", work, [])
 def test_a_sweep_logs_a_runs_time_in_hours_past_an_hour(tmp_path):
   """The sweep's line after each run gives its time as 12.3s, or past a minute in minutes and
   hours (a run of hours read "ok in 3725.2s"); summary.md's status line sums them."""
-  cfg = tmp_path / "two.py"
-  cfg.write_text("import ml_collections\n\n\ndef get_config():\n"
-                 "  return ml_collections.ConfigDict({'lr': 0.0})\n\n\n"
-                 "def get_sweep():\n"
-                 "  return [{'name': 'short', 'lr': 1.0}, {'name': 'long', 'lr': 2.0}]\n")
+  cfg = _sweep_config(tmp_path / "two.py", "{'lr': 0.0}",
+                      "[{'name': 'short', 'lr': 1.0}, {'name': 'long', 'lr': 2.0}]")
   proc = subprocess.run([sys.executable, "-c", _HOURS, str(tmp_path / "sw"), str(cfg)],
                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -392,12 +395,9 @@ def test_a_training_sweeps_summary_shows_its_headline_and_names_the_rest(tmp_pat
   have them all. The seeds table shows the same results' mean ± std. (A 16-run sweep's table
   had ~38 columns, 24 of them final/*: unreadable.)"""
   import csv
-  cfg = tmp_path / "wide.py"
-  cfg.write_text("import ml_collections\n\n\ndef get_config():\n"
-                 "  return ml_collections.ConfigDict({'lr': 0.0, 'seed': 0})\n\n\n"
-                 "def get_sweep():\n"
-                 "  return [{'name': f'lr{lr}_s{s}', 'lr': lr, 'seed': s}\n"
-                 "          for lr in (1.0, 2.0) for s in (0, 1)]\n")
+  cfg = _sweep_config(tmp_path / "wide.py", "{'lr': 0.0, 'seed': 0}",
+                      "[{'name': f'lr{lr}_s{s}', 'lr': lr, 'seed': s}"
+                      " for lr in (1.0, 2.0) for s in (0, 1)]")
   proc = subprocess.run([sys.executable, "-c", _WIDE, str(tmp_path / "sw"), str(cfg)],
                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -447,11 +447,8 @@ def test_a_sweeps_console_says_which_run_of_it_said_each_line(tmp_path):
   """Each line a run prints reaches the sweep's console as [i/N run] LINE, as the sweep's own
   lines name it ([i/N] run: ...): runs interleaved in a log (two sweeps', a grep's) said whose
   line it was and how far their sweep had got. log.txt keeps the run's lines as they were."""
-  cfg = tmp_path / "two.py"
-  cfg.write_text("import ml_collections\n\n\ndef get_config():\n"
-                 "  return ml_collections.ConfigDict({'lr': 0.0})\n\n\n"
-                 "def get_sweep():\n"
-                 "  return [{'name': 'lo', 'lr': 1.0}, {'name': 'hi', 'lr': 2.0}]\n")
+  cfg = _sweep_config(tmp_path / "two.py", "{'lr': 0.0}",
+                      "[{'name': 'lo', 'lr': 1.0}, {'name': 'hi', 'lr': 2.0}]")
   proc = subprocess.run([sys.executable, "-c", _PREFIXED, str(tmp_path / "sw"), str(cfg)],
                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -490,11 +487,8 @@ def test_a_sweep_stopped_by_ctrl_c_says_where_it_stands_and_how_to_continue(tmp_
   """Ctrl-C (exit 130) logs the line on where the sweep stands that its end logs (it ended on
   a note alone: no word of how many runs had a row, nor which were left), and the command that
   continues it."""
-  cfg = tmp_path / "three.py"
-  cfg.write_text("import ml_collections\n\n\ndef get_config():\n"
-                 "  return ml_collections.ConfigDict({'lr': 0.0})\n\n\n"
-                 "def get_sweep():\n"
-                 "  return [{'name': n, 'lr': float(k)} for k, n in enumerate('abc')]\n")
+  cfg = _sweep_config(tmp_path / "three.py", "{'lr': 0.0}",
+                      "[{'name': n, 'lr': float(k)} for k, n in enumerate('abc')]")
   work = tmp_path / "sw"
   proc = subprocess.run([sys.executable, "-c", _CTRL_C, str(work), str(cfg)],
                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
