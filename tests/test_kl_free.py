@@ -80,3 +80,33 @@ def test_async_resume_with_kl_needs_batches_that_hold_reference_log_probs(tmp_pa
   history = PPOTrainer(tiny_config(**run), str(tmp_path)).run()
   assert [h["step"] for h in history] == [2, 3]
   assert not [k for h in history for k in h if k.startswith("kl/")]
+
+
+def test_a_resume_that_changes_kl_coef_keeps_the_initial_policy_as_its_reference(tmp_path):
+  """Either direction of checkpoint.resume_changes=algo.kl_coef. Turned on: the reference
+  built at the resume is the initial policy (the seed's), not the restored actor. Turned off
+  (async PPO): the batch in flight restored with its reference log-probs drops them, so the
+  resumed iterations log no kl/* (and its checkpoints then hold none: a KL is refused after)."""
+  allow = {"checkpoint.resume_changes": "algo.kl_coef"}
+  run = dict(GRPO, num_iterations=3, **{"checkpoint.every": 1})
+  PPOTrainer(tiny_config(**run), str(tmp_path / "on")).run(stop_after=1)
+  resumed = PPOTrainer(tiny_config(**{**run, **allow, "algo.kl_coef": 0.1}),
+                       str(tmp_path / "on"))
+  resumed.run(stop_after=2)
+  initial = PPOTrainer(tiny_config(**{**run, "algo.kl_coef": 0.1}), str(tmp_path / "fresh"))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.rollout.reference),
+               jax.device_get(initial.rollout.reference))
+  trained = zip(jax.tree.leaves(jax.device_get(resumed.rollout.reference)),
+                jax.tree.leaves(_actor(resumed)), strict=True)
+  assert not all(np.array_equal(a, b) for a, b in trained)  # (the restored actor moved on)
+  run = dict(run, **{"async_ppo.staleness": 1, "algo.kl_coef": 0.1})
+  PPOTrainer(tiny_config(**run), str(tmp_path / "off")).run(stop_after=1)
+  off = PPOTrainer(tiny_config(**{**run, **allow, "algo.kl_coef": 0.0}), str(tmp_path / "off"))
+  restored = []
+  match = off._match_reference
+  off._match_reference = lambda start: (restored.extend(
+      g.ref_logp is not None for g in off.in_flight.values()), match(start))
+  history = off.run()
+  assert restored == [True]  # the batch in flight came back with reference log-probs
+  assert [h["step"] for h in history] == [2, 3]
+  assert not [k for h in history for k in h if k.startswith("kl/")], history
