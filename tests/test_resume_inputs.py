@@ -245,9 +245,11 @@ def test_a_schedule_file_is_compared_by_content(tmp_path):
 
 def test_a_resume_with_other_validation_settings_says_so_naming_the_field(tmp_path, caplog):
   """The validation pass's eval_every, data.val_file (its path and its content) and
-  val_max_prompts may change on a resume (docs/usage.md): each change is a warning naming the
-  field, since val/* before and after it average other prompts (it resumed without a word); a
-  copy of the same file elsewhere is no change."""
+  val_max_prompts may change on a resume (docs/usage.md): a change of the prompts is a warning
+  naming the field, since val/* before and after it average other prompts (it resumed without
+  a word); a copy of the same file elsewhere is no change, nor is eval_every, which only moves
+  the iterations validated (an info line: the pass after an iteration is the same whatever it
+  is; it was warned of as making val/* incomparable)."""
   import logging
   from rlhfuse_jax.trainer import hooks
   from tests.test_trainer import tiny_config
@@ -265,7 +267,7 @@ def test_a_resume_with_other_validation_settings_says_so_naming_the_field(tmp_pa
     caplog.clear()
     c = hooks.Checkpoints(workdir, cfg, cfg.fingerprint())
     try:
-      with caplog.at_level(logging.WARNING):
+      with caplog.at_level(logging.INFO):  # (the warnings below; info lines in caplog.text)
         assert c.resume_point()[0] == 2
     finally:
       c.checkpointer.close()
@@ -276,9 +278,11 @@ def test_a_resume_with_other_validation_settings_says_so_naming_the_field(tmp_pa
   shutil.copy(val, copy)
   assert warnings(config(copy)) == []  # the same prompts at another path
   said = warnings(config(val, **{"eval_every": 1, "data.val_max_prompts": 4}))
-  assert len(said) == 2
-  assert said[0].startswith("resuming iteration 2 with a changed config.eval_every: 2 -> 1 (")
-  assert "config.data.val_max_prompts: 0 -> 4" in said[1] and "val/*" in said[1]
+  assert "with config.eval_every: 2 -> 1: the validation pass runs at other iterations" in (
+      caplog.text)
+  assert len(said) == 1
+  assert said[0].startswith("resuming iteration 2 with a changed config.data.val_max_prompts: "
+                            "0 -> 4 (") and "val/*" in said[0]
   other = tmp_path / "other.jsonl"
   other.write_text('{"prompt": "3 #1 =", "target": "3"}\n')
   said = warnings(config(other))

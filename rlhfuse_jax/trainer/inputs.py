@@ -176,7 +176,9 @@ def _changed_files(was: Any, is_: Any) -> str:
 # The validation pass's settings: a resume may change them (config.RESUMABLE_FIELDS), so they
 # are left out of the config fingerprint; each checkpoint keeps them apart, with the held-out
 # file's content, so that a resume says what changed (val/* before and after it then average
-# other prompts, or at other iterations).
+# other prompts). eval_every only moves the iterations validated: the pass after an iteration
+# is the same whatever it is (its keys are the iteration's, evaluation.validation_key), so its
+# change is an info line, not the warning that val/* are no longer comparable.
 EVAL_FIELDS = ("eval_every", "data.val_file", "data.val_max_prompts")
 
 
@@ -196,13 +198,19 @@ def warn_eval_changes(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any]
                       iteration: Any) -> list[str]:
   """Logs a warning naming each validation setting that differs from the checkpoint's `saved`
   ones (None: written before they were kept; nothing to compare), and another content in
-  data.val_file (at the same path or a new one); returns the warnings' texts."""
+  data.val_file (at the same path or a new one); returns the warnings' texts. A changed
+  eval_every is an info line: val/* stay comparable, logged at other iterations."""
   if not saved:
     return []
   said = []
   was, is_ = saved.get("data.val_file content"), now.get("data.val_file content")
   for field in EVAL_FIELDS:
     if field not in saved or saved[field] == now[field]:
+      continue
+    if field == "eval_every":
+      logging.info("resuming iteration %s with config.eval_every: %r -> %r: the validation pass "
+                   "runs at other iterations (the same prompts and keys: val/* stay comparable)",
+                   iteration, saved[field], now[field])
       continue
     if field == "data.val_file" and was and is_ and sorted(was.values()) == sorted(is_.values()):
       logging.info("resuming iteration %s with config.data.val_file: %r -> %r: the same content "
