@@ -380,7 +380,9 @@ def main(argv):
   calibration = cost.cal.describe() if cost.cal is not None else None
   # The workload it was searched for: train_ppo warns when a run's differs.
   record = plan_search.workload_record(wl, spec)
-  memory = plan_search.plan_memory(cost, wl, cfg.sim, plan)
+  # A run's plan: its KV cache as the trainer allocates it (as the search sized it: accept).
+  memory = plan_search.plan_memory(cost, plan_search.trainer_workload(wl) if spec else wl,
+                                   cfg.sim, plan)
   wd.write_json(os.path.join(workdir, "plan.json"),
                 {**plan, "hardware": hardware, "workload": record})
   runner.write_result(workdir, {

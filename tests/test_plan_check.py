@@ -1137,6 +1137,35 @@ def test_simulated_inference_activations_are_plan_checks_analytic_ones(generatio
                            "samples at once does not fit in memory"]
 
 
+def test_simulated_kv_cache_is_plan_checks_decode_cache():
+  """The search's KV cache of a plan the trainer runs (sim.trainer_runnable) is the cache
+  plan_check's decode program allocates: every slot at max_prompt_len + max_new_tokens (2048
+  here). It sized the slots at the longest sampled prompt + max_new_tokens: 1540 of the 2048
+  tokens, 64 MiB a device short. Without trainer_runnable (the papers' paged caches) it
+  stays at the sampled prompts."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  from rlhfuse_jax.sim import plan_search as ps
+  from rlhfuse_jax.sim.cost_model import CostModel
+  wl, plan, cfg = _small_case("instances")
+  cost = CostModel(hardware.get_hardware("h100_sxm"))
+  want = plan_programs.decode_analytic(cfg)["kv_cache_bytes"]
+  got = {r["stage"]: r for r in ps.plan_memory(cost, wl, it.SimOptions(trainer_runnable=True),
+                                               plan)}["generation"]["parts"]["KV cache"]
+  assert got == pytest.approx(want)
+  paged = {r["stage"]: r for r in ps.plan_memory(cost, wl, it.SimOptions(), plan)}
+  assert paged["generation"]["parts"]["KV cache"] == pytest.approx(want * (4 + 1536) / 2048)
+  # The search's generation check allows exactly that cache: on devices with room for the
+  # sampled prompts' cache but not the trainer's, no trainer plan of instances of tp2 fits.
+  gen = {r["stage"]: r for r in ps.plan_memory(cost, wl, it.SimOptions(trainer_runnable=True),
+                                               plan)}["generation"]
+  small = CostModel(dataclasses.replace(cost.hw, hbm_bytes=gen["total"] * 0.99 /
+                                        cost.eff.memory_headroom))
+  prompts, _ = wl.sample_lengths()
+  it.gen_plan(small, wl, 2, prompts, 16)  # the paper engines' cache fits
+  with pytest.raises(ValueError, match="16 samples x 2048 tokens"):
+    it.gen_plan(small, ps.trainer_workload(wl), 2, prompts, 16)
+
+
 def test_simulated_training_memory_counts_plan_checks_gradient_accumulator():
   """The unpipelined update over several micro-batches a data shard keeps float32 sums of both
   models' gradients (trainer/ppo._accumulated): plan_check's analytic figures count them, and so

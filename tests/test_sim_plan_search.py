@@ -745,7 +745,9 @@ def test_plan_memory_is_what_each_stage_check_allows(offload):
   kept = it.kept_frozen_bytes(wl, inf["tp"], opt)
   tplan = train_lib.TrainPlan(16, 16, train["tp"], train["actor_pp"], train["critic_pp"])
   checks = {
-      "generation": lambda c: it.gen_plan(c, wl, gen["tp"], prompts, opt.max_slots, kept),
+      # (the trainer's KV slots: trainer_runnable sizes them at max_prompt_len + max_new_tokens)
+      "generation": lambda c: it.gen_plan(c, ps.trainer_workload(wl), gen["tp"], prompts,
+                                          opt.max_slots, kept),
       "inference": lambda c: it.check_inference_memory(c, wl, inf["tp"],
                                                        ps.inference_rows(wl, opt, plan)),
       "training": lambda c: train_lib.step_costs(c, wl.actor, wl.critic, tplan, 164.0,
@@ -761,7 +763,8 @@ def test_plan_memory_is_what_each_stage_check_allows(offload):
   assert set(more) == {"generation", "inference", "training (actor)", "training (critic)"}
   rows["pipeline"] = more["generation"]
   checks["pipeline"] = lambda c: ps.pipelined_generation(c, a, 16, 2, 4, 4, prompts,
-                                                         np.full(32, 100), 512, kept)
+                                                         np.full(32, 100), 512, kept,
+                                                         wl.padded_len)
   for role, shape in (("actor", wl.actor), ("critic", wl.critic)):
     q = other["training"][role]
     want = COST.train_memory_parts(shape, q["tp"], q["pp"], q["dp"], True, wl.padded_len,

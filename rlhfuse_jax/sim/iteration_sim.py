@@ -83,6 +83,11 @@ class Workload:
                                   max_len=1024)
   response: LengthSpec = LengthSpec(kind="lognormal", median=256, sigma=0.8)
   seed: int = 0
+  # The trainer's generation (generation/instances.Generator, pipelined.PipelinedGenerator)
+  # allocates every KV slot at data.max_prompt_len + rollout.max_new_tokens: kv_slot_len.
+  # plan_search sets it for the plans the trainer runs (sim.trainer_runnable, a train_config
+  # search); the papers' systems size it at the longest sampled prompt (paged KV caches).
+  kv_at_max_prompt: bool = False
 
   def __post_init__(self):
     # The counts first: minibatch=0 was a ZeroDivisionError in the divisibility check below.
@@ -110,6 +115,14 @@ class Workload:
     + max_new]; plan_check's train_step seq_len), so the training activations are sized at it,
     not at the mean length the stage times are counted at (training_sim.step_costs)."""
     return self.prompt.max_len + self.max_new_tokens
+
+  def kv_slot_len(self, prompt_lens: np.ndarray) -> int:
+    """KV tokens a generation slot is allocated: padded_len with kv_at_max_prompt (the
+    trainer's), else the longest of `prompt_lens` + max_new_tokens (until 2026-12-04 for every
+    plan: ppo_tiny's 4-token prompts sized its slots at 516 of the trainer's 1024 tokens)."""
+    if self.kv_at_max_prompt:
+      return self.padded_len
+    return int(prompt_lens.max()) + self.max_new_tokens
 
   def sample_lengths(self) -> tuple[np.ndarray, np.ndarray]:
     """(prompt_lens [B], response_lens [B]) of this workload, fixed by its seed."""
@@ -181,7 +194,7 @@ def gen_plan(cost: CostModel, wl: Workload, tp: int, prompt_lens: np.ndarray, ma
   kv_tok_bytes = wl.actor.kv_bytes_per_token() / tp  # per device
   free = cost.usable_bytes - wl.actor.weight_bytes() / tp - resident_bytes
   pool = int(free // kv_tok_bytes) if free > 0 else 0
-  slot_cap = int(prompt_lens.max()) + wl.max_new_tokens
+  slot_cap = wl.kv_slot_len(prompt_lens)
   need = wl.actor.weight_bytes() / tp + per_inst * slot_cap * kv_tok_bytes + resident_bytes
   # An instance holds its whole share of the batch at the longest length at once (no waves,
   # no KV paged by the lengths reached): a cluster too small for that is refused.

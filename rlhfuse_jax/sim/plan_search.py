@@ -113,9 +113,11 @@ def stage_shape(shape: ModelShape, pp: int) -> ModelShape:
 # ----------------------------------------------------------------------------- generation
 def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, tp: int, pp: int,
                          groups: int, prompts: np.ndarray, resp: np.ndarray,
-                         max_new_tokens: int, resident_bytes: float = 0.0) -> dict:
+                         max_new_tokens: int, resident_bytes: float = 0.0,
+                         slot_len: int = 0) -> dict:
   """Delayed inter-batch pipelined generation of one batch (module docstring), beside
-  `resident_bytes` per device of frozen weights (frozen_note). Returns {gen_s, prefill_s,
+  `resident_bytes` per device of frozen weights (frozen_note), its KV slots `slot_len` tokens
+  (0: the longest prompt + max_new_tokens; Workload.kv_slot_len). Returns {gen_s, prefill_s,
   decode_s, ticks, stage_busy_frac, replicas, samples_per_replica}."""
   if num_devices % (tp * pp):
     raise ValueError(f"pipelined generation: tp*pp={tp}*{pp} must divide {num_devices} devices")
@@ -125,7 +127,7 @@ def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, t
   reps = num_devices // (tp * pp)
   b = prompts.size
   per_rep = -(-b // reps)
-  slot_cap = int(prompts.max()) + max_new_tokens
+  slot_cap = slot_len or int(prompts.max()) + max_new_tokens
   need = ((actor.weight_bytes() + per_rep * slot_cap * actor.kv_bytes_per_token()) / (tp * pp)
           + resident_bytes)
   cost.check_fits(f"pipelined generation of {actor.name}", need,
@@ -259,7 +261,8 @@ def generation_candidates(cost: CostModel, wl, opt, prompts, resp, rejected: dic
       for groups in (pp, 2 * pp):
         p = _fits(lambda: pipelined_generation(cost, wl.actor, wl.num_devices, tp, pp, groups,
                                                prompts, resp, wl.max_new_tokens,
-                                               resident_bytes), rejected,
+                                               resident_bytes, wl.kv_slot_len(prompts)),
+                  rejected,
                   f"gen pipeline pp{pp} tp{tp} G{groups}")
         if p is not None:
           plan = GenerationPlan("pipeline", tp, pp, groups, p["samples_per_replica"])
@@ -455,7 +458,7 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
         gen = instance_generation(cost, wl, opt, tp, prompts, resp, kept)["gen_s"]
       else:
         gen = pipelined_generation(cost, wl.actor, wl.num_devices, tp, pp, 1, prompts, resp,
-                                   wl.max_new_tokens, kept)["gen_s"]
+                                   wl.max_new_tokens, kept, wl.kv_slot_len(prompts))["gen_s"]
       inf = inference_stage_s(cost, frozen, wl.num_devices, tp, pp, seq,
                               opt.inference_microbatch, opt.offload_frozen)
       plan = train_lib.TrainPlan(wl.num_devices, wl.minibatch, tp, pp, pp, wl.micro_batch)
@@ -532,20 +535,23 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   """Per device, what each stage of `plan` (plan.json's form: _plan_dict, _async_plan) holds,
   by the formulas its memory checks use: [{"stage", "layout", "parts": {name: bytes},
   "total", "usable"}], `usable` the HBM the checks allow (memory_headroom of hbm_bytes).
-  Generation: the actor's weights and the KV cache of its share of the batch at the longest
-  prompt + max_new_tokens (iteration_sim.gen_plan, pipelined_generation); inference: the frozen
+  Generation: the actor's weights and the KV cache of its share of the batch at
+  Workload.kv_slot_len tokens a slot (iteration_sim.gen_plan, pipelined_generation; with
+  sim.trainer_runnable the trainer's, trainer_workload); inference: the frozen
   weights and one layer's activations of the rows it scores at once (inference_memory);
   training: each model's weights, gradients, optimizer state and in-flight activations at the
   trainer's padded rows (cost_model.train_memory_parts, training_sim.check_train_memory). With
   sim.offload_frozen=False each row also holds the frozen weights kept on its devices."""
   from rlhfuse_jax.sim import iteration_sim as it
+  if opt.trainer_runnable:
+    wl = trainer_workload(wl)
   n, b = wl.num_devices, wl.global_batch
   split = plan.get("async") or {}
   g = n if split.get("colocated", True) else split["generation_devices"]
   t = n if g == n else n - g
   gen, inf, train = plan["generation"], plan["inference"], plan["training"]
   prompts, _ = wl.sample_lengths()
-  slot_cap = int(prompts.max()) + wl.max_new_tokens
+  slot_cap = wl.kv_slot_len(prompts)
   kept = it.kept_frozen_bytes(wl, inf["tp"], opt)
   kept_parts = {"frozen weights kept": kept} if kept else {}
   a = wl.actor
@@ -605,6 +611,13 @@ def workload_record(wl, train_config: str = "") -> dict:
   if train_config:
     out["train_config"] = train_config
   return out
+
+
+def trainer_workload(wl):
+  """`wl` as the trainer allocates it: every generation slot's KV cache at
+  data.max_prompt_len + rollout.max_new_tokens (Workload.kv_at_max_prompt), for the plans it
+  runs (search with sim.trainer_runnable or `accept`, plan_memory)."""
+  return dataclasses.replace(wl, kv_at_max_prompt=True)
 
 
 def _describe_train(p: dict) -> str:
@@ -911,8 +924,11 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   then covers both searches, synchronous_search_s the first.
   With opt.trainer_runnable (trainer_refusal) or `accept` (a plan dict -> why a caller refuses
   it, or None) the top plans are the fastest combinations both let through, synchronous and
-  asynchronous; "refused" counts the others by reason."""
+  asynchronous; "refused" counts the others by reason, and every generation plan's KV cache
+  is sized as the trainer allocates it (trainer_workload)."""
   t0 = time.time()
+  if opt.trainer_runnable or accept is not None:
+    wl = trainer_workload(wl)
   prompts, resp = wl.sample_lengths()
   seq = (prompts + resp).astype(np.float64)
   mean_len = float(seq.mean())
