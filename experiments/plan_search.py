@@ -138,7 +138,10 @@ def report(res: dict, systems: dict, setting: dict,
     refused = res["refused"]
     lines += [f"The workload of `{setting['train_config']}` (batch {setting['global_batch']}, "
               f"mini-batch {setting['minibatch']}, {setting['epochs']} epochs, "
-              f"max_new_tokens {setting['max_new_tokens']}; response lengths: "
+              f"max_new_tokens {setting['max_new_tokens']}"
+              + ("" if setting.get("reference", True) else
+                 "; no reference model (algo.kl_coef=0): none of its weights or forwards")
+              + "; response lengths: "
               f"{setting['lengths']['response_lengths_from']}), restricted to plans the "
               f"trainer runs: {sum(refused.values())} synchronous combinations refused, the "
               "most often for:", ""]
@@ -262,6 +265,7 @@ def trainer_setting(cfg: ablations.AblationConfig, spec: str, config_dict, workd
   setting = {"label": spec, "train_config": spec, "hardware": cfg.hardware,
              "num_devices": cfg.num_devices, "global_batch": wl.global_batch,
              "minibatch": wl.minibatch, "epochs": wl.epochs, "max_new_tokens": wl.max_new_tokens,
+             "reference": wl.reference,
              "actor": wl.actor.to_dict(), "critic": wl.critic.to_dict(), "lengths": lengths}
   return setting, wl, sim_plan.PlanCheck(config_dict, devices, tokenizer, workdir)
 
@@ -346,7 +350,9 @@ def main(argv):
                  ", ".join(cfg.systems), cfg.sim.search_time_s, search_lib.KERNELS_NOTE)
     cache = training_sim.ScheduleCache(time_budget_s=cfg.sim.search_time_s, seed=cfg.seed,
                                        log=logging.info)
-    rows, _ = iteration_sim.simulate_iteration(cost, wl, cfg.sim, cfg.systems, cache)
+    # The papers' systems run a reference model whatever the run's algo.kl_coef.
+    rows, _ = iteration_sim.simulate_iteration(cost, dataclasses.replace(wl, reference=True),
+                                               cfg.sim, cfg.systems, cache)
     systems = {k: {f: float(r[f]) for f in ("gen_plus_inf_s", "train_s", "iteration_s")}
                for k, r in rows.items()}
     logging.info("simulated %s in %.1fs", ", ".join(cfg.systems), time.time() - t0)

@@ -823,6 +823,41 @@ def test_searched_plans_for_ppo_tiny_pass_the_trainer_checks(tmp_path):
   assert any(check(p) for p in free["async"]["top"])
 
 
+def test_a_run_without_a_reference_is_searched_without_one(tmp_path):
+  """algo.kl_coef=0: the trainer builds and runs no reference model (AlgoConfig.uses_reference).
+  The run's workload says so, plan.json's workload record carries it (a run with a reference is
+  warned of), and the search charges neither the reference's forwards nor its weights, which it
+  did: the same inference times and memory as with one."""
+  c = ppo_tiny.get_config()
+  c.algo.kl_coef = 0.0
+  raw = TrainConfig.from_config_dict(c)
+  task, tokenizer = build.build_task_and_tokenizer(raw)
+  cfg = build.resolve_config(raw, tokenizer)
+  wl = sim_plan.workload(cfg, task, tokenizer, 8, str(tmp_path / "lengths"))[0]
+  assert wl.reference is False
+  ref = dataclasses.replace(wl, reference=True)
+  record = plan_search.workload_record(wl)
+  assert record["reference"] is False
+  with_ref = build.resolve_config(TrainConfig.from_config_dict(ppo_tiny.get_config()), tokenizer)
+  assert config_lib.plan_workload_differences({"workload": record}, with_ref) == [
+      "reference=False (this run's algo.uses_reference is True)"]
+  assert config_lib.plan_workload_differences({"workload": record}, cfg) == []
+  opt = iteration_sim.SimOptions(trainer_runnable=True, offload_frozen=False)
+  got = {k: plan_search.search(H100, w, opt, top_k=1) for k, w in (("none", wl), ("ref", ref))}
+  inf = {k: dict(r["stages"]["inference"]) for k, r in got.items()}
+  assert inf["none"].keys() == inf["ref"].keys()
+  assert all(inf["none"][k] < inf["ref"][k] for k in inf["ref"])
+  plan = got["ref"]["best"]
+  mem = {k: {r["stage"]: r["parts"] for r in plan_search.plan_memory(H100, w, opt, plan)}
+         for k, w in (("none", wl), ("ref", ref))}
+  tp = plan["inference"]["tp"]
+  actor = wl.actor.weight_bytes() / tp
+  assert mem["ref"]["inference"]["weights"] - mem["none"]["inference"]["weights"] == (
+      pytest.approx(actor))
+  assert mem["ref"]["generation"]["frozen weights kept"] - (
+      mem["none"]["generation"]["frozen weights kept"]) == pytest.approx(actor)
+
+
 def test_the_trainer_check_restricts_what_the_config_pins(tmp_path):
   """ppo_tiny:fused sets mesh.stage=4 and pipeline.critic_pp=2 and fuses generation with
   inference on instances: the search's own rules let other plans through, which the trainer's

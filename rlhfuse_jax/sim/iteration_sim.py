@@ -88,6 +88,11 @@ class Workload:
   # plan_search sets it for the plans the trainer runs (sim.trainer_runnable, a train_config
   # search); the papers' systems size it at the longest sampled prompt (paged KV caches).
   kv_at_max_prompt: bool = False
+  # Whether the run scores with a frozen reference model: a train_ppo config with
+  # algo.kl_coef=0 builds and runs none (AlgoConfig.uses_reference; trainer/sim_plan.workload).
+  # plan_search drops its weights and forwards then (plan_search.frozen_models); the papers'
+  # systems always run one.
+  reference: bool = True
 
   def __post_init__(self):
     # The counts first: minibatch=0 was a ZeroDivisionError in the divisibility check below.
@@ -254,9 +259,11 @@ def kept_frozen_bytes(wl: Workload, devices_per_copy: int, opt: SimOptions) -> f
   """Per device, what the frozen reference and reward model keep on the devices through every
   stage, training included, with sim.offload_frozen=False (no host memory to wait in): their
   bf16 weights split over the `devices_per_copy` devices of the layout that scores with them.
-  0 when they are offloaded. (The critic's scoring copy is rebuilt from its training state;
-  generation, which scores beside decoding, charges it too: frozen_resident_bytes.)"""
-  return frozen_resident_bytes((wl.actor, wl.critic), devices_per_copy, opt)
+  0 when they are offloaded; the reward model's alone without a reference (Workload.reference).
+  (The critic's scoring copy is rebuilt from its training state; generation, which scores beside
+  decoding, charges it too: frozen_resident_bytes.)"""
+  return frozen_resident_bytes((wl.actor, wl.critic) if wl.reference else (wl.critic,),
+                               devices_per_copy, opt)
 
 
 def zero3_resident_bytes(wl: Workload) -> float:

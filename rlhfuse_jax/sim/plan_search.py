@@ -181,13 +181,22 @@ def instance_generation(cost: CostModel, wl, opt, tp: int, prompts: np.ndarray,
   from rlhfuse_jax.sim import iteration_sim as it  # iteration_sim imports this module
   plan = it.gen_plan(cost, wl, tp, prompts, opt.max_slots, resident_bytes,
                      "the frozen reference and reward weights (sim.offload_frozen=False)")
-  res = gen_lib.simulate_generation(cost, wl.actor, (wl.actor, wl.critic, wl.critic),
+  res = gen_lib.simulate_generation(cost, wl.actor, frozen_models(wl)[1],
                                     it.gen_setup(plan, wl, opt, cost, False, None), prompts,
                                     resp)
   return {"gen_s": res.gen_end_s, "plan": plan}
 
 
 # ----------------------------------------------------------------------------- inference
+def frozen_models(wl, models: tuple = ("reference", "critic", "reward")) -> tuple:
+  """(names, shapes) of the frozen `models` the run scores with: the reference has the actor's
+  shape, the critic and the reward model the critic's; the reference left out when the run
+  has none (Workload.reference: a train_config with algo.kl_coef=0, which until 2026-12-04
+  was charged its weights and forwards here)."""
+  names = tuple(m for m in models if m != "reference" or wl.reference)
+  return names, tuple(wl.actor if m == "reference" else wl.critic for m in names)
+
+
 def inference_stage_s(cost: CostModel, frozen, num_devices: int, tp: int, pp: int,
                       seq_lens: np.ndarray, microbatch: int, offload: bool) -> float:
   """Reference / reward / critic forwards of the whole batch on R = N / (tp * pp) replicas of
@@ -347,7 +356,7 @@ def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict,
   (iteration_sim.inference_memory_parts; with sim.trainer_runnable the trainer's rows are
   checked per plan: _trainer_inference_refusal)."""
   from rlhfuse_jax.sim import iteration_sim as it
-  frozen = tuple(wl.actor if m == "reference" else wl.critic for m in models)
+  models, frozen = frozen_models(wl, models)
   out = []
   for tp in (1, 2, 4, 8):
     why = (f"tp{tp} is more than a node's {cost.hw.devices_per_node} devices"
@@ -444,12 +453,12 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
   sim.offload_frozen=False the frozen reference and reward model stay in that layout through
   generation and training."""
   from rlhfuse_jax.sim import iteration_sim as it
-  frozen = (wl.actor, wl.critic, wl.critic)
+  frozen = frozen_models(wl)[1]
   seq = (prompts + resp).astype(np.float64)
   out = []
   for tp, pp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16)):
     if (tp > cost.hw.devices_per_node or wl.num_devices % (tp * pp) or
-        any(s.tensor_parallel_error(tp) or s.num_layers % pp for s in frozen)):
+        any(s.tensor_parallel_error(tp) or s.num_layers % pp for s in (wl.actor, wl.critic))):
       continue
     name = f"uniform tp{tp} pp{pp}"
     kept = it.kept_frozen_bytes(wl, tp * pp, opt)
@@ -526,7 +535,7 @@ def inference_memory(cost: CostModel, wl, opt, plan: dict) -> dict:
   split = plan.get("async") or {}
   models = (("reference", "critic", "reward") if split.get("colocated", True)
             else ASYNC_GENERATION_FROZEN)
-  frozen = tuple(wl.actor if m == "reference" else wl.critic for m in models)
+  frozen = frozen_models(wl, models)[1]
   return it.inference_memory_parts(cost, wl, plan["inference"]["tp"],
                                    inference_rows(wl, opt, plan), frozen)
 
@@ -601,13 +610,14 @@ WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads
 
 def workload_record(wl, train_config: str = "") -> dict:
   """plan.json's "workload": what the plan was searched for (the models' shapes, the batch,
-  mini-batch, epochs, max prompt and generation lengths, the devices; the train_ppo config
+  mini-batch, epochs, max prompt and generation lengths, the devices, whether it runs a
+  reference model (Workload.reference); the train_ppo config
   when one was given), so that a run of another workload with it is warned of."""
   out = {role: {"name": shape.name, **{f: getattr(shape, f) for f in WORKLOAD_MODEL_FIELDS}}
          for role, shape in (("actor", wl.actor), ("critic", wl.critic))}
   out.update(global_batch=wl.global_batch, minibatch=wl.minibatch, epochs=wl.epochs,
              max_prompt_len=wl.prompt.max_len, max_new_tokens=wl.max_new_tokens,
-             num_devices=wl.num_devices)
+             num_devices=wl.num_devices, reference=wl.reference)
   if train_config:
     out["train_config"] = train_config
   return out

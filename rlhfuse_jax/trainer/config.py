@@ -1004,7 +1004,8 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
 PLAN_WORKLOAD_RUN_FIELDS = {"global_batch": "rollout.batch_size",
                             "minibatch": "algo.minibatch_size", "epochs": "algo.epochs",
                             "max_prompt_len": "data.max_prompt_len",
-                            "max_new_tokens": "rollout.max_new_tokens"}
+                            "max_new_tokens": "rollout.max_new_tokens",
+                            "reference": "algo.uses_reference"}
 # The actor's and critic's fields it records (sim/plan_search.WORKLOAD_MODEL_FIELDS).
 PLAN_WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                               "vocab_size")
