@@ -122,9 +122,12 @@ def report(res: dict, systems: dict, setting: dict,
   memory_lines' arguments) plan.json's plan's memory per device of each stage, and
   (`constants`: the hardware's and the efficiencies' dicts, and the calibration's describe() or
   None) what the simulated times rest on."""
-  # `evaluated` counts the plans that fit, `rejected` the others; the synchronous time is the
-  # one the search logs ("plan search done in"), the asynchronous search's follows it.
-  plans = (f"{res['evaluated']} feasible stage plans, {len(res['rejected'])} rejected for "
+  # `evaluated` counts the distinct plans that fit, `rejected_plans` the others (each once,
+  # however many inference plans' frozen weights it was tried beside; a result.json from before
+  # has only the `rejected` dict); the synchronous time is the one the search logs ("plan
+  # search done in"), the asynchronous search's follows it.
+  rejected = res.get("rejected_plans", len(res["rejected"]))
+  plans = (f"{res['evaluated']} feasible stage plans, {rejected} rejected for "
            "memory or divisibility")
   a = res.get("async")
   searched = (f"Searched in {res['synchronous_search_s']:.1f} s: {plans}." if a is None else

@@ -510,6 +510,17 @@ def test_plan_search_report_ranks_refusals_and_compares_the_uniform_layout():
   assert "6 / 2" not in text
 
 
+def test_plan_search_report_counts_distinct_rejected_plans():
+  """The headline's rejected count is the search's distinct plans (rejected_plans), not the
+  `rejected` dict's keys (one per inference plan's frozen weights a plan was tried beside); a
+  result without it (from before) counts the keys."""
+  code = _PLAN_REPORT.replace("print(", "res['rejected_plans'] = 1\nprint(")
+  assert "(7 feasible stage plans, 1 rejected for memory or divisibility)" in "\n".join(
+      _python(code))
+  assert "(7 feasible stage plans, 2 rejected for memory or divisibility)" in "\n".join(
+      _python(_PLAN_REPORT))
+
+
 def test_plan_search_report_ends_with_the_constants_the_times_rest_on():
   """plan_search.md named only the hardware preset: not its figures, nor the assumed MFU and
   bandwidth efficiencies every predicted time scales with."""

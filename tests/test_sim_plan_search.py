@@ -784,6 +784,34 @@ def test_plan_memory_is_what_each_stage_check_allows(offload):
           check(cost)
 
 
+def test_search_counts_each_stage_plan_once():
+  """With sim.offload_frozen=False each generation and training plan is tried beside each
+  inference plan's frozen weights: plan_search.md's headline counted it once per group (on
+  13B/13B, 16 H100s: 117 feasible and 89 rejected for 49 and 38 distinct plans), as
+  no_plan_message no longer does.
+  `evaluated` and `rejected_plans` count distinct plans."""
+  a = get_shape("llama-13b")
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=16, global_batch=64, minibatch=16)
+  opt = it.SimOptions(offload_frozen=False)
+  res = ps.search(COST, wl, opt, top_k=1)
+  names = {re.sub(r" beside \S+ GiB of frozen weights$", "", k) for k in res["rejected"]}
+  assert res["rejected_plans"] == len(names) < len(res["rejected"])
+  prompts, resp = wl.sample_lengths()
+  seq = (prompts + resp).astype(np.float64)
+  infs = ps.inference_candidates(COST, wl, opt, seq, {})
+  levels = {it.kept_frozen_bytes(wl, c.plan.tp, opt) for c in infs}
+  assert len(levels) > 1
+  gens, trains, tried = set(), set(), 0
+  for kept in levels:
+    g = ps.generation_candidates(COST, wl, opt, prompts, resp, {}, resident_bytes=kept)
+    t = ps.training_candidates(COST, wl, float(seq.mean()), {}, kept)
+    gens |= {(c.plan.mode, c.plan.tp, c.plan.pp, c.plan.groups) for c in g}
+    trains |= {json.dumps(c.plan, sort_keys=True) for c in t}
+    tried += len(g) + len(t)
+  assert len(gens) + len(trains) < tried
+  assert res["evaluated"] == len(infs) + len(res["stages"]["uniform"]) + len(gens) + len(trains)
+
+
 def test_no_plan_message_counts_each_rejected_plan_once():
   """With sim.offload_frozen=False each training plan is tried beside each inference plan's
   frozen weights; the refusal counted it once per inference degree (82 training plans rejected

@@ -879,6 +879,16 @@ def plan_name(rejection: str) -> str:
   return _BESIDE.sub("", rejection)
 
 
+def distinct_stage_plans(groups: dict) -> int:
+  """Generation and training plans that fit beside some inference plan's frozen weights
+  (beside_frozen's groups), each counted once however many groups it fits in (an instance
+  plan's slots may differ between groups: it is the same layout)."""
+  gens = {(c.plan.mode, c.plan.tp, c.plan.pp, c.plan.groups)
+          for g, _ in groups.values() for c in g}
+  trains = {repr(sorted(c.plan.items())) for _, t in groups.values() for c in t}
+  return len(gens) + len(trains)
+
+
 def no_plan_message(cost: CostModel, wl, rejected: dict, infs: list, groups: dict,
                     kept_at: dict, log: Optional[Callable[[str], None]]) -> str:
   """search's refusal when no combination fits: the stages with no plan, each with its count of
@@ -928,8 +938,10 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   """The hierarchical search (module docstring): {best, top, uniform, stages, rejected,
   search_s, synchronous_search_s, evaluated}. `best` and each of `top` hold generation /
   inference / training plans and their predicted stage times; `uniform` the best single layout;
-  `evaluated` counts the stage plans (and uniform layouts) that fit, `rejected` the others by
-  name, with why. With `staleness` k >= 1 also "async": async_search's result (asynchronous PPO,
+  `evaluated` counts the distinct stage plans (and uniform layouts) that fit, `rejected` the
+  others by name, with why (one key for each inference plan's frozen weights a plan was tried
+  beside), `rejected_plans` the distinct plans among them (plan_name: it was len(rejected),
+  and `evaluated` counted a plan once per frozen-weights group too). With `staleness` k >= 1 also "async": async_search's result (asynchronous PPO,
   devices split into a generation and a training group in multiples of `split_unit`); search_s
   then covers both searches, synchronous_search_s the first.
   With opt.trainer_runnable (trainer_refusal) or `accept` (a plan dict -> why a caller refuses
@@ -997,7 +1009,8 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
                                 for c in unif]},
          "rejected": rejected, "refused": refused, "search_s": sync_s,
          "synchronous_search_s": sync_s,
-         "evaluated": len(infs) + len(unif) + sum(len(g) + len(t) for g, t in groups.values())}
+         "evaluated": len(infs) + len(unif) + distinct_stage_plans(groups),
+         "rejected_plans": len({plan_name(k) for k in rejected})}
   if staleness:
     out["async"] = async_search(cost, wl, opt, staleness, top[0], top_k, split_unit, log,
                                 accept)
