@@ -936,14 +936,15 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
            split_unit: int = 0,
            accept: Optional[Callable[[dict], Optional[str]]] = None) -> dict:
   """The hierarchical search (module docstring): {best, top, uniform, stages, rejected,
-  search_s, synchronous_search_s, evaluated}. `best` and each of `top` hold generation /
-  inference / training plans and their predicted stage times; `uniform` the best single layout;
-  `evaluated` counts the distinct stage plans (and uniform layouts) that fit, `rejected` the
-  others by name, with why (one key for each inference plan's frozen weights a plan was tried
-  beside), `rejected_plans` the distinct plans among them (plan_name: it was len(rejected),
-  and `evaluated` counted a plan once per frozen-weights group too). With `staleness` k >= 1 also "async": async_search's result (asynchronous PPO,
-  devices split into a generation and a training group in multiples of `split_unit`); search_s
-  then covers both searches, synchronous_search_s the first.
+  search_s, synchronous_search_s, evaluated, rejected_plans}. `best` and each of `top` hold
+  generation / inference / training plans and their predicted stage times; `uniform` the best
+  single layout; `evaluated` counts the distinct stage plans (and uniform layouts) that fit,
+  `rejected` the others by name, with why (one key for each inference plan's frozen weights a
+  plan was tried beside), `rejected_plans` the distinct plans among them (plan_name: it was
+  len(rejected), and `evaluated` counted a plan once per frozen-weights group too). With
+  `staleness` k >= 1 also "async": async_search's result (asynchronous PPO, devices split into a
+  generation and a training group in multiples of `split_unit`); search_s then covers both
+  searches, synchronous_search_s the first.
   With opt.trainer_runnable (trainer_refusal) or `accept` (a plan dict -> why a caller refuses
   it, or None) the top plans are the fastest combinations both let through, synchronous and
   asynchronous; "refused" counts the others by reason, and every generation plan's KV cache
