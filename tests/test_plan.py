@@ -840,7 +840,7 @@ def test_a_run_without_a_reference_is_searched_without_one(tmp_path):
   assert record["reference"] is False
   with_ref = build.resolve_config(TrainConfig.from_config_dict(ppo_tiny.get_config()), tokenizer)
   assert config_lib.plan_workload_differences({"workload": record}, with_ref) == [
-      "reference=False (this run's algo.uses_reference is True)"]
+      "reference=False (this run's algo.kl_coef=0.01: a reference model)"]
   assert config_lib.plan_workload_differences({"workload": record}, cfg) == []
   opt = iteration_sim.SimOptions(trainer_runnable=True, offload_frozen=False)
   got = {k: plan_search.search(H100, w, opt, top_k=1) for k, w in (("none", wl), ("ref", ref))}

@@ -1029,7 +1029,9 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: "TrainConfig"
     sec, name = field.split(".")
     now = getattr(getattr(cfg, sec), name)
     if key in w and w[key] != now:
-      out.append(f"{key}={w[key]!r} (this run's {field} is {now!r})")
+      out.append(f"reference={w[key]!r} (this run's algo.kl_coef={cfg.algo.kl_coef:g}: "
+                 f"{'a' if now else 'no'} reference model)" if key == "reference" else
+                 f"{key}={w[key]!r} (this run's {field} is {now!r})")
   return out
 
 
