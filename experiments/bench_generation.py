@@ -316,8 +316,7 @@ def run(c, workdir: str) -> dict:
                          "logprob_atol": LOGPROB_ATOL, **worst}}
   for mode, rs in runs.items():
     times = [o.timeline.gen_plus_inf_s for o, _ in rs]
-    med = int(np.argsort(times)[len(times) // 2])  # the median run (upper median)
-    out, wall = rs[med]
+    out, wall = _median_run(rs, key=lambda run: run[0].timeline.gen_plus_inf_s)
     result[mode] = summarize(out, wall)
     result[mode]["runs_gen_plus_inf_s"] = times
     if main_process:  # process 0's instances (several processes: each sees its own)
@@ -376,9 +375,10 @@ def run_and_write(c, workdir: str, reference=None) -> dict:
 
 # Delayed inter-batch pipelined generation (docs/architecture.md §4) ------------------------------
 
-def _median_run(runs):
-  """The (rollout, wall seconds) of the median run by wall time (upper median)."""
-  return runs[int(np.argsort([w for _, w in runs])[len(runs) // 2])]
+def _median_run(runs, key=lambda run: run[1]):
+  """The (rollout, wall seconds) of the median run (upper median) by `key` of each run: its
+  wall time by default."""
+  return runs[int(np.argsort([key(run) for run in runs], kind="stable")[len(runs) // 2])]
 
 
 def plot_tick_table(table: np.ndarray, groups: int, path: str) -> None:
