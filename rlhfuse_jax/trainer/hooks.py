@@ -326,6 +326,28 @@ class SamplesLog(Hook):
         wd.append_jsonl(self.path, {"step": step, **row})
 
 
+def config_record_of(workdir: str, iteration: Any) -> tuple[Optional[dict], str]:
+  """(config.json of the start that wrote checkpoint `iteration`, its path): the newest
+  config.K.json (a start resumed at K) with K below it, else config.json; (None, '') when
+  none reads."""
+  found = []
+  for name in os.listdir(workdir) if os.path.isdir(workdir) else ():
+    m = re.fullmatch(r"config(?:\.(\d+)(?:\.\d+)?)?\.json", name)
+    if m and (m.group(1) is None or not isinstance(iteration, int) or
+              int(m.group(1)) < iteration):
+      found.append((int(m.group(1) or -1), name))
+  for _, name in sorted(found, reverse=True):
+    path = os.path.join(workdir, name)
+    try:
+      with open(path, encoding="utf-8") as f:
+        record = json.load(f)
+    except (OSError, ValueError):
+      continue
+    if isinstance(record, dict):
+      return record, path
+  return None, ""
+
+
 class Checkpoints(Hook):
   """Resume point, restore with fallback, and saves every checkpoint.every iterations (and at
   the end, and when stopping). `state_fn()` gives the state to save, `meta_fn()` the side-car's
@@ -479,25 +501,7 @@ class Checkpoints(Hook):
             "it to a file and set config.plan.file to it. ")
 
   def _config_record(self, iteration: Any) -> tuple[Optional[dict], str]:
-    """(config.json of the start that wrote checkpoint `iteration`, its path): the newest
-    config.K.json (a start resumed at K) with K below it, else config.json; (None, '') when
-    none reads."""
-    found = []
-    for name in os.listdir(self.workdir) if os.path.isdir(self.workdir) else ():
-      m = re.fullmatch(r"config(?:\.(\d+)(?:\.\d+)?)?\.json", name)
-      if m and (m.group(1) is None or not isinstance(iteration, int) or
-                int(m.group(1)) < iteration):
-        found.append((int(m.group(1) or -1), name))
-    for _, name in sorted(found, reverse=True):
-      path = os.path.join(self.workdir, name)
-      try:
-        with open(path, encoding="utf-8") as f:
-          record = json.load(f)
-      except (OSError, ValueError):
-        continue
-      if isinstance(record, dict):
-        return record, path
-    return None, ""
+    return config_record_of(self.workdir, iteration)
 
   # ------------------------------------------------------------ restore and save
   def restore(self, step: Optional[int], template: dict, layout: str
@@ -527,6 +531,23 @@ class Checkpoints(Hook):
         self._damaged(step, e)
         step, _ = self.resume_point()
     return 0, None, None
+
+  def read_exactly(self, step: int, template: dict, layout: str) -> tuple[dict, dict]:
+    """(state, side-car) of checkpoint `step` itself, checked (its checksums): no fallback to an
+    older one, nothing set aside; a ValueError says what failed (another layout, or damage)."""
+    try:
+      state, meta = self.checkpointer.restore(step, template)
+      checkpointing.verify(step, state, meta)
+      return state, meta
+    except Exception as e:  # noqa: BLE001 orbax raises many types for damaged files
+      try:
+        mismatch = self.checkpointer.layout_mismatch(step, template)
+      except Exception:  # noqa: BLE001 the metadata is damaged too
+        mismatch = None
+      what = (f"does not fit this run's state ({layout}; {mismatch})" if mismatch else
+              "cannot be read (damaged?)")
+      raise ValueError(f"checkpoint {step} in {self.checkpointer.directory} {what}: "
+                       f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}") from e
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     if step % self.cfg.checkpoint.every == 0 or step == self.cfg.num_iterations or stopping:

@@ -145,9 +145,13 @@ class PPOTrainer:
   """One run in `workdir`: builds its parts from the config, then iterates (run)."""
 
   def __init__(self, cfg: TrainConfig, workdir: str, mesh: Optional[jax.sharding.Mesh] = None,
-               on_locked: Optional[Callable[[], Any]] = None):
+               on_locked: Optional[Callable[[], Any]] = None,
+               export_step: Optional[int] = None):
     """on_locked: called once the workdir is this run's (locked, the same on every process),
-    before the set-up reads it (train_ppo starts WORKDIR/log.txt there)."""
+    before the set-up reads it (train_ppo starts WORKDIR/log.txt there). export_step: build the
+    run to export its kept checkpoint of that iteration (export_checkpoint), not to train: no
+    resume point is read or checked, nothing of the run is written."""
+    self._export_step = export_step
     self._built_at = time.time()  # the progress line's elapsed counts from here (setup too)
     self._samples: Optional[list] = None  # config.log_samples: this iteration's, as text
     self.workdir = workdir
@@ -192,6 +196,13 @@ class PPOTrainer:
     """What to resume, checked before anything is built or compiled: the newest readable
     checkpoint's side-car, its seed and its config fingerprint against this config; whether
     the run is finished, and whether its HF export is still to be written."""
+    if self._export_step is not None:  # that checkpoint's side-car alone, set aside nothing
+      self.resume_step, meta = self._export_step, self.checkpoints.checkpointer.restore_meta(
+          self._export_step)
+      self.schedule_iterations = (cfg.optim.schedule_iterations or
+                                  meta.get("schedule_iterations") or cfg.num_iterations)
+      self.finished_at, self.export_only = None, False
+      return
     self.resume_step, meta = self.checkpoints.resume_point()
     # The LR schedule's horizon is fixed by the first start and kept in the checkpoints.
     self.schedule_iterations = (cfg.optim.schedule_iterations or (meta or {}).get(
@@ -519,12 +530,16 @@ class PPOTrainer:
             "generation_devices": int(self.gen_mesh.devices.size),
             "processes": jax.process_count()}
 
+  def _layout(self) -> str:
+    """The state's layout, for the error of a checkpoint written for another one."""
+    return ("stage-stacked for mesh.stage=%d, pipeline.critic_pp=%d" % (
+        self.mesh.shape["stage"], self.update.executor.program.problem.critic_pp)
+            if self.update.is_pipelined else "whole models (mesh.stage=1)")
+
   def _restore(self) -> int:
     """Restores the newest intact checkpoint; returns the iteration to start at (0: none)."""
-    layout = ("stage-stacked for mesh.stage=%d, pipeline.critic_pp=%d" % (
-        self.mesh.shape["stage"], self.update.executor.program.problem.critic_pp)
-              if self.update.is_pipelined else "whole models (mesh.stage=1)")
-    start, state, meta = self.checkpoints.restore(self.resume_step, self._state(), layout)
+    start, state, meta = self.checkpoints.restore(self.resume_step, self._state(),
+                                                  self._layout())
     saved, now = (meta or {}).get("devices"), self._devices()
     if saved is not None and saved != now:
       # Allowed (a preempted job may come back on other machines), but not the uninterrupted
@@ -554,6 +569,19 @@ class PPOTrainer:
       if "rt" in meta and generator is not None:
         generator.load_rt_state(meta["rt"])
     return start
+
+  def export_checkpoint(self, out_dir: str) -> str:
+    """The actor of checkpoint `export_step` (the constructor's) as a HF checkpoint in
+    `out_dir` (hooks.export_hf: written beside it, renamed into place whole), in the family
+    config.checkpoint.export_hf names. The checkpoint is read and checked (its checksums), never
+    set aside: one that cannot be read is an error. Returns the family written."""
+    step = self._export_step
+    state, _ = self.checkpoints.read_exactly(step, self._state(), self._layout())
+    params = self.update.whole("actor", state["actor"])
+    family = hooks.export_hf(params, self.cfg, out_dir, step, self.tokenizer)
+    logging.info("exported the actor of iteration %d as a HF %s checkpoint: %s", step, family,
+                 out_dir)
+    return family
 
   def _match_reference(self, start: int) -> None:
     """Async PPO resumed with another algo.kl_coef (checkpoint.resume_changes): batches in flight
