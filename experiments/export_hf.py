@@ -1,0 +1,56 @@
+r"""Exports a kept checkpoint of a train_ppo run as a Hugging Face checkpoint, after the run.
+
+  python -m experiments.export_hf --workdir=/tmp/ppo_hf --step=best:val/reward_mean
+  python -m experiments.export_hf --workdir=/tmp/ppo_hf --step=50 --out=/tmp/ppo_hf_50
+
+--step: an iteration with a kept checkpoint (`ls WORKDIR/checkpoints`; config.checkpoint.keep
+decides how many stay), `latest` (the default), or `best:METRIC` (`best:min:METRIC` for a loss):
+the kept iteration whose METRIC in metrics.jsonl is highest (lowest), ties to the later one.
+The run is rebuilt from its own config.json (or the config.K.json of the start that wrote the
+checkpoint: no --config to repeat), on the devices its mesh needs, the checkpoint restored and
+checked, and the actor written to --out (default WORKDIR/hf_export_<step>) as
+checkpoint.export_hf writes it (the tokenizer and chat template the run read, the family of
+--family, else the run's checkpoint.export_hf, else `auto`), beside it first and renamed into
+place whole. Nothing is trained, and the run's checkpoints, metrics, config records, result.json
+and hf_export/ stay as they are; the export's rlhfuse_export.json says which iteration it holds.
+The chosen iteration (and, for best:..., the metric's value) is logged and printed as one JSON
+line on stdout. A run still training in the workdir holds its lock: the export is refused.
+Single-process (no --distributed).
+
+Docs: docs/usage.md ("Real checkpoints and tokenizers"), docs/own_model.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import flags, logging
+
+from experiments import config_files
+from rlhfuse_jax.trainer import export as export_lib
+from rlhfuse_jax.trainer.config import EXPORT_HF_CHOICES
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "The train_ppo run's workdir.", required=True)
+_STEP = flags.DEFINE_string(
+    "step", "latest", "A kept checkpoint's iteration, 'latest', or 'best:METRIC' / "
+    "'best:min:METRIC' (the kept iteration whose logged METRIC is highest / lowest).")
+_OUT = flags.DEFINE_string("out", "", "Where to write the export; empty: "
+                           "WORKDIR/hf_export_<step>. An earlier export there is replaced.")
+_FAMILY = flags.DEFINE_enum("family", "", list(EXPORT_HF_CHOICES),
+                            "HF family; empty: the run's checkpoint.export_hf, else auto.")
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  workdir = os.path.normpath(_WORKDIR.value)
+  result = export_lib.export(workdir, _STEP.value, _OUT.value, _FAMILY.value)
+  logging.info("exported the actor of %s as a HF %s checkpoint: %s (the run's config: %s)",
+               result["chosen"], result["family"], result["out"], result["config"])
+  sys.stdout.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+  # Its errors' tracebacks go to the temp directory: nothing is written into the run's workdir.
+  config_files.run(main, traceback_in_workdir=False)

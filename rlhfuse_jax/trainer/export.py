@@ -1,0 +1,196 @@
+"""Exporting any kept checkpoint of a train_ppo run as a Hugging Face checkpoint, after the run
+(experiments/export_hf.py): the step asked for, the latest, or the one whose logged metric is
+best (`best:val/reward_mean`, `best:min:critic/loss`).
+
+The run is rebuilt from its own recorded config (config.json, or the config.K.json of the start
+that wrote the checkpoint), its checkpoint restored and checked, and the actor written through
+hooks.export_hf (beside the destination, renamed into place whole). Nothing of the run is
+written: no metrics, result.json, config record or checkpoint; its lock is held meanwhile, so a
+run still training in the workdir is refused rather than raced.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from typing import Any, Optional
+
+import jax
+
+from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.trainer import hooks
+from rlhfuse_jax.trainer.config import EXPORT_HF_CHOICES, TrainConfig
+from rlhfuse_jax.trainer.loop import PPOTrainer
+
+BEST = "best:"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The checkpoint an export takes, and why: `metric` and `value` for best:...; `kept`, the
+  workdir's kept steps (oldest first)."""
+  step: int
+  kept: tuple[int, ...]
+  metric: str = ""
+  value: Optional[float] = None
+  mode: str = ""
+
+  def describe(self) -> str:
+    if not self.metric:
+      return f"iteration {self.step} (kept: {list(self.kept)})"
+    return (f"iteration {self.step} ({self.metric} = {self.value:.6g}, the "
+            f"{'lowest' if self.mode == 'min' else 'highest'} logged at a kept checkpoint; "
+            f"kept: {list(self.kept)})")
+
+
+def check_run(workdir: str) -> None:
+  """A ValueError unless `workdir` is a train_ppo run with checkpoints."""
+  if not os.path.isdir(workdir):
+    raise ValueError(f"--workdir={workdir!r}: no such directory")
+  writer = wd.workdir_writer(workdir)
+  if writer is not None and writer != "train_ppo":
+    raise ValueError(f"--workdir={workdir!r} holds the outputs of {writer}, not of a train_ppo "
+                     "run: expected the workdir of a training run")
+  missing = [n for n in ("config.json", "checkpoints")
+             if not os.path.exists(os.path.join(workdir, n))]
+  if missing:
+    raise ValueError(f"--workdir={workdir!r} is not a train_ppo run: it has no "
+                     f"{' and no '.join(missing)} (a run writes both at its first start)")
+
+
+def kept_steps(workdir: str) -> list[int]:
+  """The iterations of the finished checkpoints in WORKDIR/checkpoints, oldest first (a save
+  killed mid-way leaves a <step>.orbax-checkpoint-tmp-* directory, not a checkpoint)."""
+  directory = os.path.join(workdir, "checkpoints")
+  return sorted(int(n) for n in os.listdir(directory)
+                if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
+def _not_kept(step: int, kept: list[int]) -> str:
+  return (f"iteration {step} has no kept checkpoint; kept: {kept} (config.checkpoint.keep "
+          "decides how many stay, the newest ones, saved every config.checkpoint.every "
+          "iterations and at the end)")
+
+
+def choose_step(workdir: str, spec: str) -> Choice:
+  """The kept checkpoint `spec` names: an iteration, 'latest', or 'best:[min:|max:]METRIC', the
+  kept iteration whose METRIC in metrics.jsonl is highest (max, the default) or lowest (min);
+  ties go to the later iteration. A ValueError names --step and what is there."""
+  kept = kept_steps(workdir)
+  if not kept:
+    raise ValueError(f"--workdir={workdir!r} keeps no checkpoint (checkpoints/ is empty): the "
+                     "run saved none yet, nothing to export")
+  if spec == "latest":
+    return Choice(kept[-1], tuple(kept))
+  if not spec.startswith(BEST):
+    try:
+      step = int(spec)
+    except ValueError:
+      raise ValueError(f"--step={spec!r}: expected an iteration, 'latest', or 'best:METRIC' "
+                       "(best:min:METRIC for the lowest)") from None
+    if step not in kept:
+      raise ValueError(f"--step={spec}: {_not_kept(step, kept)}")
+    return Choice(step, tuple(kept))
+  name, mode = spec[len(BEST):], "max"
+  for prefix in ("min:", "max:"):
+    if name.startswith(prefix):
+      name, mode = name[len(prefix):], prefix[:-1]
+  if not name:
+    raise ValueError(f"--step={spec!r}: expected a metric after 'best:' (best:val/reward_mean)")
+  rows = wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  logged: dict[int, Any] = {}  # step: value, the last row of a step winning
+  names = set()
+  for row in rows:
+    names.update(k for k, v in row.items() if isinstance(v, (int, float)))
+    if name in row and isinstance(row.get("step"), int):
+      logged[row["step"]] = row[name]
+  if not logged:
+    close = difflib.get_close_matches(name, sorted(names), n=5, cutoff=0.4)
+    raise ValueError(f"--step={spec!r}: {name!r} was never logged in metrics.jsonl" + (
+        f"; nearest names: {', '.join(close)}" if close else
+        f"; logged: {', '.join(sorted(names)[:20])}" if names else " (no metrics)"))
+  values = {s: float(v) for s, v in logged.items() if s in kept and
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+  if not values:
+    at = sorted(logged)
+    raise ValueError(
+        f"--step={spec!r}: {name!r} is logged at iterations {_short(at)} but at no kept "
+        f"checkpoint (kept: {kept}), or not as a finite number there: validation runs every "
+        "config.eval_every iterations, checkpoints every config.checkpoint.every, and "
+        "config.checkpoint.keep decides how many stay; pick an iteration with --step=K")
+  sign = 1 if mode == "max" else -1
+  step = max(values, key=lambda s: (sign * values[s], s))
+  return Choice(step, tuple(kept), name, values[step], mode)
+
+
+def _short(steps: list[int]) -> str:
+  return str(steps) if len(steps) <= 12 else f"[{', '.join(map(str, steps[:10]))}, ...]"
+
+
+def run_config(workdir: str, step: int) -> tuple[dict, str]:
+  """(the config as recorded by the start that wrote checkpoint `step`, its file): the newest
+  config.K.json with K below `step` (a start that resumed at K), else config.json."""
+  record, path = hooks.config_record_of(workdir, step)
+  if record is None:
+    raise ValueError(f"--workdir={workdir!r}: its config.json does not read as a JSON object")
+  record = dict(record)
+  record.pop("plan_file_content", None)
+  return record, path
+
+
+def export_config(record: dict, family: str) -> TrainConfig:
+  """The run's TrainConfig with checkpoint.export_hf set to `family` ('': the run's own, or
+  'auto' when the run exported nothing)."""
+  cfg = TrainConfig.from_config_dict(record)
+  family = family or cfg.checkpoint.export_hf or "auto"
+  if family not in EXPORT_HF_CHOICES or not family:
+    raise ValueError(f"--family={family!r}: expected one of "
+                     f"{[c for c in EXPORT_HF_CHOICES if c]}")
+  return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
+                                                                 export_hf=family))
+
+
+def check_out_dir(out_dir: str, workdir: str) -> None:
+  """A ValueError when `out_dir` exists and is not an earlier export (its marker): an export
+  replaces the whole directory, and would delete whatever else is there; or when it is one
+  of the run's own directories."""
+  real, run = os.path.realpath(out_dir), os.path.realpath(workdir)
+  own = [run, os.path.join(run, "checkpoints"), os.path.join(run, hooks.HF_EXPORT_DIR)]
+  if real in own or real.startswith(own[1] + os.sep):
+    raise ValueError(f"--out={out_dir!r} is the run's own directory (the workdir, its "
+                     f"checkpoints, or the {hooks.HF_EXPORT_DIR}/ that checkpoint.export_hf "
+                     "writes and result.json names): expected a directory of its own (default "
+                     "WORKDIR/hf_export_K)")
+  if os.path.lexists(out_dir) and hooks.exported_step(out_dir) is None:
+    raise ValueError(f"--out={out_dir!r} exists and is not an export (no "
+                     f"{hooks.EXPORT_MARKER}): an export replaces the whole directory; give a "
+                     "new path or remove it")
+
+
+def default_out(workdir: str, step: int) -> str:
+  return os.path.join(workdir, f"{hooks.HF_EXPORT_DIR}_{step}")
+
+
+def export(workdir: str, spec: str = "latest", out_dir: str = "", family: str = "",
+           mesh: Optional[jax.sharding.Mesh] = None) -> dict:
+  """Exports the kept checkpoint `spec` names (choose_step) of the run in `workdir` to `out_dir`
+  (default WORKDIR/hf_export_<step>). Returns {step, out, family, config, and metric and value
+  for best:...}."""
+  check_run(workdir)
+  choice = choose_step(workdir, spec)
+  out_dir = out_dir or default_out(workdir, choice.step)
+  check_out_dir(out_dir, workdir)
+  record, config_path = run_config(workdir, choice.step)
+  cfg = export_config(record, family)
+  trainer = PPOTrainer(cfg, workdir, mesh=mesh, export_step=choice.step)
+  try:
+    written = trainer.export_checkpoint(out_dir)
+  finally:
+    trainer.checkpoints.checkpointer.close()
+    trainer.release_lock()
+  out = {"step": choice.step, "out": out_dir, "family": written, "config": config_path,
+         "kept": list(choice.kept), "chosen": choice.describe()}
+  if choice.metric:
+    out.update(metric=choice.metric, mode=choice.mode, value=choice.value)
+  return out

@@ -1,0 +1,232 @@
+"""experiments/export_hf.py and rlhfuse_jax/trainer/export.py: any kept checkpoint of a finished
+run exported as a HF checkpoint after the fact (its weights bit for bit those the checkpoint
+holds), best:METRIC picking among the kept iterations, the errors, and that the run's own files
+stay as they were."""
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import traverse_util
+
+from configs import ppo_hf
+from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.models import hf_loader
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.trainer import config as config_lib
+from rlhfuse_jax.trainer import export as export_lib
+from rlhfuse_jax.trainer import hooks
+from rlhfuse_jax.trainer.loop import PPOTrainer
+from tests.test_trainer import with_overrides
+from tests.xla_env import subprocess_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METRIC = "kl/ref_mean"  # ~0 at iteration 1 (the actor is the reference), then grows
+
+
+def _one_device(cfg):
+  return mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """A finished 3-iteration run of configs/ppo_hf.py saving every iteration, keeping 2
+  (checkpoints 2 and 3), validating every iteration, without an export of its own; its
+  config.json as train_ppo records it."""
+  workdir = str(tmp_path_factory.mktemp("export") / "run")
+  c = ppo_hf.get_config()
+  cwd = os.getcwd()
+  os.chdir(REPO)  # the config's paths are relative to the repository, as runs start
+  try:
+    cfg = with_overrides(c, num_iterations=3, eval_every=1, log_samples=0, **{
+        "checkpoint.every": 1, "checkpoint.keep": 2, "checkpoint.export_hf": "",
+        "data.val_max_prompts": 8})
+    PPOTrainer(cfg, workdir, mesh=_one_device(cfg)).run(
+        config_record=config_lib.config_record(c, cfg))
+  finally:
+    os.chdir(cwd)
+  assert export_lib.kept_steps(workdir) == [2, 3]
+  return workdir
+
+
+def _checkpoint_actor(workdir, step):
+  """Checkpoint `step`'s actor parameters as orbax reads them back without any template."""
+  state = ocp.StandardCheckpointer().restore(os.path.join(workdir, "checkpoints", str(step),
+                                                          "state"))
+  return traverse_util.flatten_dict(state["actor"]["params"])
+
+
+def _exported(out):
+  cfg = hf_loader.load_hf_config(out, max_seq_len=128)
+  return traverse_util.flatten_dict(hf_loader.load_hf_params(out, cfg))
+
+
+def _same(a, b):
+  return sorted(a) == sorted(b) and all(
+      np.asarray(a[k]).dtype == np.asarray(b[k]).dtype and
+      np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
+
+
+def _digests(workdir, skip=()):
+  """{path: sha256} of every file of the run but its lock and the given directories."""
+  out = {}
+  for root, dirs, files in os.walk(workdir):
+    dirs[:] = [d for d in dirs if os.path.join(root, d) not in skip]
+    for name in files:
+      path = os.path.join(root, name)
+      if name != ".lock":
+        with open(path, "rb") as f:
+          out[os.path.relpath(path, workdir)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+def _logged(workdir, name):
+  return {r["step"]: r[name] for r in wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+          if name in r}
+
+
+def test_an_earlier_kept_step_exports_its_own_weights_and_leaves_the_run_alone(
+    run, tmp_path, monkeypatch):
+  """Checkpoint 2 of a run that ended at 3: the export reloads to checkpoint 2's actor bit for
+  bit (not 3's), is marked 2, and nothing of the run changed. A second export that fails
+  midway leaves the first one whole at its path."""
+  monkeypatch.chdir(REPO)
+  before = _digests(run)
+  out = str(tmp_path / "step2")
+  cfg = export_lib.export_config(export_lib.run_config(run, 2)[0], "")
+  result = export_lib.export(run, "2", out, mesh=_one_device(cfg))
+  assert result["step"] == 2 and result["family"] == "llama" and result["out"] == out
+  assert hooks.exported_step(out) == 2
+  params = _exported(out)
+  assert _same(params, _checkpoint_actor(run, 2))
+  assert not _same(params, _checkpoint_actor(run, 3))  # the iterations differ: 2 is 2
+  assert _digests(run) == before
+
+  # The next export there fails while writing (its tokenizer): the one before stays whole.
+  def broken(*args):
+    raise OSError("disk full")
+  monkeypatch.setattr(hooks, "_copy_tokenizer", broken)
+  with pytest.raises(OSError, match="disk full"):
+    export_lib.export(run, "3", out, mesh=_one_device(cfg))
+  assert hooks.exported_step(out) == 2 and _same(_exported(out), params)
+  assert _digests(run) == before
+
+
+def test_the_binary_exports_the_best_kept_step(run):
+  """`--step=best:min:kl/ref_mean`: the kept iteration with the lowest KL (iteration 1's is
+  lower still, but its checkpoint is gone), in WORKDIR/hf_export_<step>, said on stdout; the
+  run's files unchanged but for that directory."""
+  logged = _logged(run, METRIC)
+  kept = {s: v for s, v in logged.items() if s in (2, 3)}
+  lowest = min(kept, key=kept.get)
+  assert min(logged, key=logged.get) == 1 != lowest  # the filter to kept steps matters
+  before = _digests(run)
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.export_hf", f"--workdir={run}",
+       f"--step=best:min:{METRIC}"], cwd=REPO, env=subprocess_env(), capture_output=True,
+      text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  out = os.path.join(run, f"hf_export_{lowest}")
+  assert result["step"] == lowest and result["out"] == out
+  assert result["metric"] == METRIC and result["value"] == kept[lowest]
+  assert f"iteration {lowest} ({METRIC} = " in proc.stderr and "the lowest" in proc.stderr
+  assert hooks.exported_step(out) == lowest
+  assert _same(_exported(out), _checkpoint_actor(run, lowest))
+  assert _digests(run, skip=(out,)) == before
+
+  # A step not kept: the kept ones and the field that decides, exit status 1, nothing written.
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.export_hf", f"--workdir={run}", "--step=1"],
+      cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1
+  assert "--step=1: iteration 1 has no kept checkpoint; kept: [2, 3]" in proc.stderr
+  assert "config.checkpoint.keep" in proc.stderr
+  assert not os.path.exists(os.path.join(run, "hf_export_1"))
+
+
+def _fake_run(tmp_path, kept, rows):
+  """A workdir with checkpoints/<k> directories and metrics.jsonl rows, as choose_step reads."""
+  workdir = tmp_path / "fake"
+  for k in kept:
+    (workdir / "checkpoints" / str(k)).mkdir(parents=True)
+  (workdir / "checkpoints" / "7.orbax-checkpoint-tmp-1").mkdir(parents=True)  # killed save
+  (workdir / "config.json").write_text("{}")
+  with open(workdir / "metrics.jsonl", "w") as f:
+    for r in rows:
+      f.write(json.dumps(r) + "\n")
+  return str(workdir)
+
+
+def test_choose_step(tmp_path):
+  """best: max by default, min: for the lowest, max: spelled out; only kept iterations, only
+  finite numbers; a tie goes to the later iteration; latest and plain iterations."""
+  rows = [{"step": 1, "val/reward_mean": 0.9, "loss": 0.1},
+          {"step": 2, "val/reward_mean": 0.5, "loss": 0.4},
+          {"step": 4, "val/reward_mean": 0.7, "loss": math.nan},
+          {"step": 6, "val/reward_mean": 0.7, "loss": 0.3},
+          {"step": 7, "val/reward_mean": 0.99, "loss": 0.0}]
+  workdir = _fake_run(tmp_path, [2, 4, 6], rows)
+  pick = lambda spec: export_lib.choose_step(workdir, spec)
+  assert pick("best:val/reward_mean").step == 6  # 4 and 6 tie at 0.7; 1 and 7 are not kept
+  assert pick("best:max:val/reward_mean").step == 6
+  best = pick("best:min:val/reward_mean")
+  assert (best.step, best.value, best.mode, best.kept) == (2, 0.5, "min", (2, 4, 6))
+  assert pick("best:min:loss").step == 6  # 4's NaN is no candidate
+  assert pick("best:loss").step == 2
+  assert pick("latest").step == 6 and pick("4").step == 4
+  assert "val/reward_mean = 0.5, the lowest logged at a kept checkpoint" in best.describe()
+
+
+def test_choose_step_errors(tmp_path):
+  rows = [{"step": 1, "val/reward_mean": 0.9, "reward/mean": 0.1},
+          {"step": 2, "reward/mean": 0.2}, {"step": 3, "reward/mean": 0.3}]
+  workdir = _fake_run(tmp_path, [2, 3], rows)
+  with pytest.raises(ValueError, match=r"--step=5: iteration 5 has no kept checkpoint; kept: "
+                     r"\[2, 3\] \(config.checkpoint.keep decides how many stay"):
+    export_lib.choose_step(workdir, "5")
+  with pytest.raises(ValueError, match=r"'val/reward_man' was never logged in metrics.jsonl; "
+                     r"nearest names: val/reward_mean, reward/mean"):
+    export_lib.choose_step(workdir, "best:val/reward_man")
+  with pytest.raises(ValueError, match=r"'val/reward_mean' is logged at iterations \[1\] but at "
+                     r"no kept checkpoint \(kept: \[2, 3\]\).*config.eval_every"):
+    export_lib.choose_step(workdir, "best:val/reward_mean")
+  with pytest.raises(ValueError, match=r"--step='best:min:': expected a metric after"):
+    export_lib.choose_step(workdir, "best:min:")
+  with pytest.raises(ValueError, match=r"--step='last': expected an iteration, 'latest', or "):
+    export_lib.choose_step(workdir, "last")
+  empty = _fake_run(tmp_path / "none", [], [])
+  with pytest.raises(ValueError, match="keeps no checkpoint"):
+    export_lib.choose_step(empty, "latest")
+
+
+def test_not_a_run_and_out_dirs(tmp_path):
+  """A workdir that is not a train_ppo run, one of another binary, a destination that is the
+  run's own or a directory that is not an export: refused, naming the flag."""
+  with pytest.raises(ValueError, match="no such directory"):
+    export_lib.check_run(str(tmp_path / "missing"))
+  (tmp_path / "plain").mkdir()
+  with pytest.raises(ValueError, match=r"is not a train_ppo run: it has no config.json and no "
+                     r"checkpoints"):
+    export_lib.check_run(str(tmp_path / "plain"))
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "result.json").write_text(json.dumps(
+      {"provenance": {"command": "python -m experiments.plan_search --workdir=x"}}))
+  with pytest.raises(ValueError, match="holds the outputs of plan_search, not of a train_ppo"):
+    export_lib.check_run(str(other))
+  run = tmp_path / "run"
+  (run / "checkpoints").mkdir(parents=True)
+  for own in (run, run / "checkpoints", run / "checkpoints" / "3", run / "hf_export"):
+    with pytest.raises(ValueError, match="is the run's own directory"):
+      export_lib.check_out_dir(str(own), str(run))
+  (tmp_path / "mine").mkdir()
+  with pytest.raises(ValueError, match=r"exists and is not an export \(no rlhfuse_export.json\)"):
+    export_lib.check_out_dir(str(tmp_path / "mine"), str(run))
+  export_lib.check_out_dir(str(tmp_path / "new"), str(run))  # a new path is fine
