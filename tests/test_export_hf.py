@@ -21,7 +21,7 @@ from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer import export as export_lib
-from rlhfuse_jax.trainer import hooks
+from rlhfuse_jax.trainer import hooks, loop
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from tests.test_trainer import with_overrides
 from tests.xla_env import subprocess_env
@@ -99,6 +99,10 @@ def test_an_earlier_kept_step_exports_its_own_weights_and_leaves_the_run_alone(
   monkeypatch.chdir(REPO)
   before = _digests(run)
   out = str(tmp_path / "step2")
+  # Nothing generates: no rollout stage (a fused run's compiles its instances for a minute).
+  def no_rollout(*args, **kwargs):
+    raise AssertionError("the export built a rollout stage")
+  monkeypatch.setattr(loop.rollout_lib, "make_rollout_stage", no_rollout)
   cfg = export_lib.export_config(export_lib.run_config(run, 2)[0], "")
   result = export_lib.export(run, "2", out, mesh=_one_device(cfg))
   assert result["step"] == 2 and result["family"] == "llama" and result["out"] == out

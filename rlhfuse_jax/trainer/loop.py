@@ -311,6 +311,12 @@ class PPOTrainer:
                    if self.use_critic else None)
     models.actor = models.critic = None  # the update's states hold them now (staged: a copy)
     self._log_state_bytes(cfg)
+    if self._export_step is not None:
+      # All an export restores into (_state: the models, async PPO's empty batch slots): no
+      # rollout stage, whose generation instances a fused run compiles for a minute.
+      self.in_flight = {}
+      logging.info("setup: models and update ready in %.1fs", time.time() - t0)
+      return
     self._offload = {"timing_s/optimizer_offload": 0.0, "perf/optimizer_offload_bytes": 0}
     # The fused stage (and plan.generation='instances', its machinery) keeps the frozen models
     # in host memory (§2).
