@@ -122,6 +122,19 @@ def test_an_earlier_kept_step_exports_its_own_weights_and_leaves_the_run_alone(
   assert _digests(run) == before
 
 
+def test_a_run_still_training_there_is_not_raced(run, tmp_path):
+  """The workdir's lock held (a run training): refused before anything is built or written,
+  with advice for an export."""
+  lock = wd.WorkdirLock(run)
+  try:
+    with pytest.raises(wd.WorkdirInUseError, match=r"is in use by another run \(pid .*\); "
+                       r"export once it has finished or stopped"):
+      export_lib.export(run, "3", str(tmp_path / "out"))
+  finally:
+    lock.release()
+  assert not os.path.exists(tmp_path / "out")
+
+
 def test_the_binary_exports_the_best_kept_step(run):
   """`--step=best:min:kl/ref_mean`: the kept iteration with the lowest KL (iteration 1's is
   lower still, but its checkpoint is gone), in WORKDIR/hf_export_<step>, said on stdout; the

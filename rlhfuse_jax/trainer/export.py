@@ -183,7 +183,13 @@ def export(workdir: str, spec: str = "latest", out_dir: str = "", family: str = 
   check_out_dir(out_dir, workdir)
   record, config_path = run_config(workdir, choice.step)
   cfg = export_config(record, family)
-  trainer = PPOTrainer(cfg, workdir, mesh=mesh, export_step=choice.step)
+  try:
+    trainer = PPOTrainer(cfg, workdir, mesh=mesh, export_step=choice.step)
+  except wd.WorkdirInUseError as e:  # its advice was a training run's (another --workdir)
+    raise wd.WorkdirInUseError(
+        f"{str(e).split(';')[0]}; export once it has finished or stopped (SIGTERM saves a "
+        "checkpoint first): while it trains, its checkpoint rotation could delete the one the "
+        "export reads") from None
   try:
     written = trainer.export_checkpoint(out_dir)
   finally:
