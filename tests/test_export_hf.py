@@ -135,6 +135,17 @@ def test_a_run_still_training_there_is_not_raced(run, tmp_path):
   assert not os.path.exists(tmp_path / "out")
 
 
+def test_relative_paths_are_the_run_s_own(run, tmp_path, monkeypatch):
+  """Started elsewhere than the run was, its config's relative paths are missing: the error
+  says they are read from the current directory, and where to start instead."""
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(FileNotFoundError, match=r"config.init.tokenizer=.*not found.*read from "
+                     r"the run's config .*config.json: its relative paths are taken from the "
+                     r"current directory"):
+    export_lib.export(run, "3", str(tmp_path / "out"))
+  assert not os.path.exists(tmp_path / "out")
+
+
 def test_the_binary_exports_the_best_kept_step(run):
   """`--step=best:min:kl/ref_mean`: the kept iteration with the lowest KL (iteration 1's is
   lower still, but its checkpoint is gone), in WORKDIR/hf_export_<step>, said on stdout; the

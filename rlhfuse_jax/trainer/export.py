@@ -185,6 +185,11 @@ def export(workdir: str, spec: str = "latest", out_dir: str = "", family: str = 
   cfg = export_config(record, family)
   try:
     trainer = PPOTrainer(cfg, workdir, mesh=mesh, export_step=choice.step)
+  except FileNotFoundError as e:  # a path of the run's config, relative to where it started
+    raise FileNotFoundError(
+        f"{e} (read from the run's config {config_path}: its relative paths are taken from the "
+        f"current directory, {os.getcwd()}, as the run took them from where it started; run "
+        "export_hf from there)") from None
   except wd.WorkdirInUseError as e:  # its advice was a training run's (another --workdir)
     raise wd.WorkdirInUseError(
         f"{str(e).split(';')[0]}; export once it has finished or stopped (SIGTERM saves a "
