@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -133,6 +134,29 @@ def test_a_run_still_training_there_is_not_raced(run, tmp_path):
   finally:
     lock.release()
   assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_damaged_checkpoint_is_an_error_and_stays(run, tmp_path, monkeypatch):
+  """A flipped bit in checkpoint 3's arrays (a copy of the run): an error naming it, no
+  export, and the checkpoint neither set aside nor replaced by an older one, as a resume's
+  fallback would."""
+  monkeypatch.chdir(REPO)
+  copy = str(tmp_path / "run")
+  shutil.copytree(run, copy)
+  data = os.path.join(copy, "checkpoints", "3", "state", "ocdbt.process_0", "d")
+  biggest = max((os.path.join(data, n) for n in os.listdir(data)), key=os.path.getsize)
+  with open(biggest, "r+b") as f:
+    f.seek(os.path.getsize(biggest) // 2)
+    byte = f.read(1)
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte[0] ^ 0x10]))
+  before = _digests(copy)
+  cfg = export_lib.export_config(export_lib.run_config(copy, 3)[0], "")
+  with pytest.raises(ValueError, match=r"checkpoint 3 in .* cannot be read \(damaged\?\)"):
+    export_lib.export(copy, "3", str(tmp_path / "out"), mesh=_one_device(cfg))
+  assert not os.path.exists(tmp_path / "out")
+  assert _digests(copy) == before and export_lib.kept_steps(copy) == [2, 3]
+  assert not os.path.exists(os.path.join(copy, "damaged_checkpoints"))
 
 
 def test_relative_paths_are_the_run_s_own(run, tmp_path, monkeypatch):
