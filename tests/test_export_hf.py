@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import traverse_util
 
-from configs import ppo_hf
+from configs import ppo_hf, ppo_tiny
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -24,6 +24,7 @@ from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer import export as export_lib
 from rlhfuse_jax.trainer import hooks, loop
 from rlhfuse_jax.trainer.loop import PPOTrainer
+from tests.test_plan import plan_json
 from tests.test_trainer import with_overrides
 from tests.xla_env import subprocess_env
 
@@ -201,6 +202,26 @@ def test_the_binary_exports_the_best_kept_step(run):
   assert "--step=1: iteration 1 has no kept checkpoint; kept: [2, 3]" in proc.stderr
   assert "config.checkpoint.keep" in proc.stderr
   assert not os.path.exists(os.path.join(run, "hf_export_1"))
+
+
+def test_the_plan_file_as_the_run_read_it(tmp_path):
+  """A run with config.plan.file: the export's config takes the plan file's content recorded
+  in config.json (the layout the checkpoints were saved in), not the file as it is now."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  c = ppo_tiny.get_config()
+  c.plan.file = plan_json(tmp_path / "plan.json", {"mode": "instances", "tp": 2, "slots": 8},
+                          training={"placement": "colocated", "tp": 2, "actor_pp": 1,
+                                    "critic_pp": 1})
+  then = config_lib.TrainConfig.from_config_dict(c)
+  wd.write_json(str(workdir / "config.json"), config_lib.config_record(c, then))
+  plan_json(tmp_path / "plan.json", {"mode": "instances", "tp": 1, "slots": 4})  # edited since
+  assert config_lib.TrainConfig.from_config_dict(c).mesh.tensor == 1
+  record, path = export_lib.run_config(str(workdir), 3)
+  assert path == str(workdir / "config.json")
+  cfg = export_lib.export_config(record, "", str(tmp_path))
+  assert (cfg.mesh, cfg.plan.generation_tp, cfg.plan.generation_slots) == (then.mesh, 2, 8)
+  assert cfg.mesh.tensor == 2 and cfg.checkpoint.export_hf == "auto"
 
 
 def _fake_run(tmp_path, kept, rows):

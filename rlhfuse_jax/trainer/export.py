@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import math
 import os
+import tempfile
 from typing import Any, Optional
 
 import jax
@@ -130,18 +131,25 @@ def _short(steps: list[int]) -> str:
 
 def run_config(workdir: str, step: int) -> tuple[dict, str]:
   """(the config as recorded by the start that wrote checkpoint `step`, its file): the newest
-  config.K.json with K below `step` (a start that resumed at K), else config.json."""
+  config.K.json with K below `step` (a start that resumed at K), else config.json. With
+  config.plan.file, the plan file's content as it was then stays under "plan_file_content"."""
   record, path = hooks.config_record_of(workdir, step)
   if record is None:
     raise ValueError(f"--workdir={workdir!r}: its config.json does not read as a JSON object")
-  record = dict(record)
-  record.pop("plan_file_content", None)
-  return record, path
+  return dict(record), path
 
 
-def export_config(record: dict, family: str) -> TrainConfig:
+def export_config(record: dict, family: str, scratch: str = "") -> TrainConfig:
   """The run's TrainConfig with checkpoint.export_hf set to `family` ('': the run's own, or
-  'auto' when the run exported nothing)."""
+  'auto' when the run exported nothing). A plan file's recorded content is written to
+  `scratch`/plan.json and read from there: the layout the checkpoint was saved in, even if the
+  file at config.plan.file changed or is gone since."""
+  record = dict(record)
+  plan = record.pop("plan_file_content", None)
+  if plan is not None and scratch:
+    path = os.path.join(scratch, "plan.json")
+    wd.write_json(path, plan)
+    record["plan"] = {**record.get("plan", {}), "file": path}
   cfg = TrainConfig.from_config_dict(record)
   family = family or cfg.checkpoint.export_hf or "auto"
   if family not in EXPORT_HF_CHOICES or not family:
@@ -182,7 +190,13 @@ def export(workdir: str, spec: str = "latest", out_dir: str = "", family: str = 
   out_dir = out_dir or default_out(workdir, choice.step)
   check_out_dir(out_dir, workdir)
   record, config_path = run_config(workdir, choice.step)
-  cfg = export_config(record, family)
+  with tempfile.TemporaryDirectory(prefix="rlhfuse_export_") as scratch:
+    return _export(workdir, choice, out_dir, export_config(record, family, scratch),
+                   config_path, mesh)
+
+
+def _export(workdir: str, choice: Choice, out_dir: str, cfg: TrainConfig, config_path: str,
+            mesh: Optional[jax.sharding.Mesh]) -> dict:
   try:
     trainer = PPOTrainer(cfg, workdir, mesh=mesh, export_step=choice.step)
   except FileNotFoundError as e:  # a path of the run's config, relative to where it started
