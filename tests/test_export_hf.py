@@ -160,6 +160,18 @@ def test_a_damaged_checkpoint_is_an_error_and_stays(run, tmp_path, monkeypatch):
   assert not os.path.exists(os.path.join(copy, "damaged_checkpoints"))
 
 
+def test_a_checkpoint_under_another_number_is_refused(run, tmp_path, monkeypatch):
+  """Checkpoint 3 renamed 5 (put back by hand): the export of '5' would hold iteration 3's
+  actor and be marked 5; refused, naming the iteration it holds."""
+  monkeypatch.chdir(REPO)
+  copy = tmp_path / "run"
+  shutil.copytree(run, copy)
+  os.rename(copy / "checkpoints" / "3", copy / "checkpoints" / "5")
+  with pytest.raises(ValueError, match=r"checkpoint 5 in .* holds iteration 3 \(put back"):
+    export_lib.export(str(copy), "5", str(tmp_path / "out"))
+  assert not os.path.exists(tmp_path / "out")
+
+
 def test_relative_paths_are_the_run_s_own(run, tmp_path, monkeypatch):
   """Started elsewhere than the run was, its config's relative paths are missing: the error
   says they are read from the current directory, and where to start instead."""

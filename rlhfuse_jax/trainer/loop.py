@@ -199,6 +199,11 @@ class PPOTrainer:
     if self._export_step is not None:  # that checkpoint's side-car alone, set aside nothing
       self.resume_step, meta = self._export_step, self.checkpoints.checkpointer.restore_meta(
           self._export_step)
+      if meta.get("iteration") != self._export_step:  # the export would be marked with it
+        raise ValueError(
+            f"checkpoint {self._export_step} in {self.checkpoints.checkpointer.directory} holds "
+            f"iteration {meta.get('iteration')} (put back under another number?): rename its "
+            f"directory to {meta.get('iteration')}")
       self.schedule_iterations = (cfg.optim.schedule_iterations or
                                   meta.get("schedule_iterations") or cfg.num_iterations)
       self.finished_at, self.export_only = None, False
