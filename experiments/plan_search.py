@@ -253,15 +253,18 @@ def train_run(cfg: ablations.AblationConfig, config_dict) -> tuple:
   return devices, train, task, tokenizer, build.build_dataset(train, task, tokenizer)
 
 
-def trainer_setting(cfg: ablations.AblationConfig, spec: str, config_dict, workdir: str,
-                    run: tuple):
-  """(setting, workload, accept) of the train_ppo config `spec` (loaded once by main, before
-  the outputs start: `config_dict`, and `run`, train_run's) on cfg.num_devices devices: the
-  run's workload (trainer/sim_plan.workload) and the trainer's check of a plan against the
-  run's config (trainer/sim_plan.PlanCheck on fake CPU devices)."""
+def trainer_setting(cfg: ablations.AblationConfig, path: str, overrides: str, config_dict,
+                    workdir: str, run: tuple):
+  """(setting, workload, accept) of the train_ppo config `path` (PATH[:VARIANT]) with
+  `overrides` (run_config_spec's, "" without) (loaded once by main, before the outputs start:
+  `config_dict`, and `run`, train_run's) on cfg.num_devices devices: the run's workload
+  (trainer/sim_plan.workload, named after PATH's file) and the trainer's check of a plan
+  against the run's config (trainer/sim_plan.PlanCheck on fake CPU devices)."""
   from rlhfuse_jax.trainer import sim_plan  # pylint: disable=import-outside-toplevel
   devices, train, task, tokenizer, dataset = run
-  name = os.path.splitext(os.path.basename(spec.split(" ")[0].partition(":")[0]))[0]
+  spec = path + overrides
+  # PATH itself, not the spec cut at its first space: a path may hold one.
+  name = os.path.splitext(os.path.basename(path.partition(":")[0]))[0]
   wl, lengths = sim_plan.workload(train, task, tokenizer, cfg.num_devices,
                                   os.path.join(workdir, "lengths"), micro_batch=cfg.micro_batch,
                                   seed=cfg.seed, name=name, dataset=dataset)
@@ -278,16 +281,17 @@ TRAIN_CONFIG_REPLACES = ("pairs", "max_new_tokens", "global_batch", "minibatch",
                          "prompt", "response")
 
 
-def run_config_spec(train_config: str) -> str:
-  """What --run_config names, as the reports and plan.json's workload record it: its
-  PATH[:VARIANT] followed by its overrides as typed (--run_config.<field>=value). A ValueError
-  without a search for a training run (config.train_config empty: the pair variants)."""
+def run_config_spec(train_config: str) -> tuple[str, str]:
+  """What --run_config names: its PATH[:VARIANT] and its overrides as typed, each
+  " --run_config.<field>=value" (the reports and plan.json's workload record PATH followed by
+  them). A ValueError without a search for a training run (config.train_config empty: the pair
+  variants)."""
   if not train_config:
     raise ValueError("--run_config: searches a training run's workload with "
                      "--config=configs/plan_search.py:train (config.train_config is empty here: "
                      "the paper pairs' variants take no run)")
   overrides = config_flags.get_override_values(flags.FLAGS["run_config"])
-  return config_flags.get_config_filename(flags.FLAGS["run_config"]) + "".join(
+  return config_flags.get_config_filename(flags.FLAGS["run_config"]), "".join(
       f" --run_config.{k}={v}" for k, v in sorted(overrides.items()))
 
 
@@ -315,9 +319,11 @@ def main(argv):
   top_k = _CONFIG.value.top_k
   if not isinstance(top_k, int) or top_k < 1:
     raise ValueError(f"config.top_k={top_k!r}: expected an integer >= 1 (plans to report)")
-  spec = _CONFIG.value.get("train_config", "")
+  spec = path = _CONFIG.value.get("train_config", "")
+  overrides = ""
   if _RUN_CONFIG.value is not None:
-    spec, train_dict = run_config_spec(spec), _RUN_CONFIG.value
+    (path, overrides), train_dict = run_config_spec(spec), _RUN_CONFIG.value
+    spec = path + overrides
   else:
     train_dict = load_train_config(spec) if spec else None  # a missing file or variant, named
   if not spec and len(cfg.settings()) != 1:
@@ -336,7 +342,7 @@ def main(argv):
                    ("result.json", "plan.json", "plan_search.md", "lengths"))
   cost, accept = ablations.cost_model(cfg), None
   if spec:
-    setting, wl, accept = trainer_setting(cfg, spec, train_dict, workdir, run)
+    setting, wl, accept = trainer_setting(cfg, path, overrides, train_dict, workdir, run)
   else:
     setting = cfg.settings()[0]
     wl = ablations.workload(cfg, setting)

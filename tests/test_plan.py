@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -922,3 +923,28 @@ def test_the_planned_layout_is_said_at_set_up():
   assert rollout.planned_layout(PlanConfig(inference_tp=2), 8) == (
       "generation: on the mesh of its 8 devices; inference on a data=4 x tensor=2 mesh of them "
       "(config.plan.inference_tp)")
+
+
+def test_plan_search_names_a_run_config_whose_path_holds_a_space(tmp_path):
+  """plan_search joined --run_config's PATH and its overrides into one string and cut it at
+  its first space for the workload's name: a config at 'my runs/long_run.py' was searched as
+  'my'. The path travels beside the overrides: the models are named after the file, and
+  plan.json and the report record the whole path followed by the overrides. The same for
+  config.train_config (no overrides)."""
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  (tmp_path / "my runs").mkdir()
+  path = str(tmp_path / "my runs" / "long_run.py")
+  shutil.copy(os.path.join(ROOT, "configs", "ppo_tiny.py"), path)
+  base = [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
+          "--config.systems="]
+  for args, spec in (([f"--run_config={path}", "--run_config.rollout.max_new_tokens=16"],
+                      f"{path} --run_config.rollout.max_new_tokens=16"),
+                     ([f"--config.train_config={path}"], path)):
+    work = tmp_path / f"ps{len(args)}"
+    out = subprocess.run(base + args + [f"--workdir={work}"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    w = json.loads((work / "plan.json").read_text())["workload"]
+    assert (w["actor"]["name"], w["critic"]["name"], w["train_config"]) == (
+        "long_run actor", "long_run critic", spec), w
+    assert f"# Plan search: {spec} on 8 x h100_sxm" in (work / "plan_search.md").read_text()
