@@ -14,7 +14,8 @@ into the workdir:
                   generation and inference layouts on the generation group, training on the
                   other devices), the hardware's values ("hardware") and the workload
                   searched for ("workload": actor and critic shapes, global_batch, minibatch,
-                  epochs, max_prompt_len, max_new_tokens, num_devices, train_config when given;
+                  epochs, max_prompt_len, max_new_tokens, num_devices, reference;
+                  train_config and its fusion.inference_micro_batch when given;
                   train_ppo warns of a run whose workload differs)
   result.json     {"best", "top", "uniform", "async", "plan_json", "stages", "systems",
                   "search_s", "setting", "hardware", "efficiency", "plan_memory"};

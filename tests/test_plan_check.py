@@ -1137,6 +1137,44 @@ def test_simulated_inference_activations_are_plan_checks_analytic_ones(generatio
                            "samples at once does not fit in memory"]
 
 
+def test_simulated_inference_takes_the_runs_inference_micro_batch(tmp_path):
+  """A train_config with fusion.inference_micro_batch=8 scores 8 samples at once on its
+  generation instances (FusedGenConfig.micro_batch); the search sized the inference
+  activations at the instance's 16 slots (the default 0's) whatever the run set. The run's
+  value travels in its workload (sim_plan.workload, plan.json's record, compared by train_ppo)
+  and the activations are plan_check's for 8 rows."""
+  from configs import ppo_tiny
+  from rlhfuse_jax.sim import iteration_sim as it
+  from rlhfuse_jax.sim import plan_search as ps
+  from rlhfuse_jax.sim.cost_model import CostModel
+  from rlhfuse_jax.trainer import build, sim_plan
+  from rlhfuse_jax.trainer import config as config_lib
+  wl, plan, cfg = _small_case("instances")
+  wl = dataclasses.replace(wl, inference_micro_batch=8)
+  cfg = dataclasses.replace(cfg, inference_microbatch=8)
+  cost = CostModel(hardware.get_hardware("h100_sxm"))
+  opt = it.SimOptions(trainer_runnable=True)
+  want = plan_programs.inference_analytic(cfg)["activations_bytes"]
+  assert ps.inference_rows(wl, opt, plan) == 8
+  assert ps.inference_memory(cost, wl, opt, plan)["activations"] == pytest.approx(want)
+  # the run's value, from its config to plan.json's workload and back to train_ppo's check
+  c = ppo_tiny.get_config()
+  c.fusion.inference_micro_batch = 4
+  run = config_lib.TrainConfig.from_config_dict(c)
+  task, tok = build.build_task_and_tokenizer(run)
+  run = build.resolve_config(run, tok)
+  wl = sim_plan.workload(run, task, tok, 8, str(tmp_path))[0]
+  assert wl.inference_micro_batch == 4
+  record = ps.workload_record(wl, "configs/ppo_tiny.py")
+  assert record["inference_micro_batch"] == 4
+  assert "inference_micro_batch" not in ps.workload_record(wl)  # a pair's search: no run's
+  other = dataclasses.replace(run, fusion=dataclasses.replace(run.fusion,
+                                                              inference_micro_batch=0))
+  assert config_lib.plan_workload_differences({"workload": record}, run) == []
+  assert config_lib.plan_workload_differences({"workload": record}, other) == [
+      "inference_micro_batch=4 (this run's fusion.inference_micro_batch is 0)"]
+
+
 def test_simulated_kv_cache_is_plan_checks_decode_cache():
   """The search's KV cache of a plan the trainer runs (sim.trainer_runnable) is the cache
   plan_check's decode program allocates: every slot at max_prompt_len + max_new_tokens (2048

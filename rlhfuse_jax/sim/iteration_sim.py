@@ -93,6 +93,11 @@ class Workload:
   # plan_search drops its weights and forwards then (plan_search.frozen_models); the papers'
   # systems always run one.
   reference: bool = True
+  # A train_ppo run's fusion.inference_micro_batch (trainer/sim_plan.workload): the samples its
+  # inference on generation instances scores at once, 0 (the default) the instance's slots
+  # (trainer/rollout.plan_instances_config, FusedGenConfig.micro_batch); plan_search's
+  # inference_rows for the plans the trainer runs.
+  inference_micro_batch: int = 0
 
   def __post_init__(self):
     # The counts first: minibatch=0 was a ZeroDivisionError in the divisibility check below.

@@ -514,16 +514,17 @@ def _plan_dict(gen: Candidate, inf: Candidate, train: Candidate) -> dict:
 def inference_rows(wl, opt, plan: dict) -> int:
   """Samples the inference of `plan` (plan.json's form) scores at once: sim.inference_microbatch;
   with sim.trainer_runnable the trainer's, whose programs plan_check compiles: on generation
-  instances a micro-batch of the instance's slots (fusion.inference_micro_batch=0, the default:
-  trainer/rollout.plan_instances_config), after a generation pipeline the Scorer's whole
-  rollout batch split over the inference mesh's data = g / tp (trainer/rollout.PlannedStage)."""
+  instances the run's fusion.inference_micro_batch (Workload.inference_micro_batch), 0 (the
+  default) a micro-batch of the instance's slots (trainer/rollout.plan_instances_config,
+  FusedGenConfig.micro_batch), after a generation pipeline the Scorer's whole rollout batch
+  split over the inference mesh's data = g / tp (trainer/rollout.PlannedStage)."""
   if not opt.trainer_runnable:
     return opt.inference_microbatch
   split = plan.get("async") or {}
   g = wl.num_devices if split.get("colocated", True) else split["generation_devices"]
   gen, tp = plan["generation"], plan["inference"]["tp"]
   if gen["mode"] == "instances":
-    return gen["slots"]
+    return wl.inference_micro_batch or gen["slots"]
   return -(-wl.global_batch // (g // tp))
 
 
@@ -611,15 +612,15 @@ WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads
 def workload_record(wl, train_config: str = "") -> dict:
   """plan.json's "workload": what the plan was searched for (the models' shapes, the batch,
   mini-batch, epochs, max prompt and generation lengths, the devices, whether it runs a
-  reference model (Workload.reference); the train_ppo config
-  when one was given), so that a run of another workload with it is warned of."""
+  reference model (Workload.reference); the train_ppo config and its
+  fusion.inference_micro_batch when one was given), so that a run of another workload with it is warned of."""
   out = {role: {"name": shape.name, **{f: getattr(shape, f) for f in WORKLOAD_MODEL_FIELDS}}
          for role, shape in (("actor", wl.actor), ("critic", wl.critic))}
   out.update(global_batch=wl.global_batch, minibatch=wl.minibatch, epochs=wl.epochs,
              max_prompt_len=wl.prompt.max_len, max_new_tokens=wl.max_new_tokens,
              num_devices=wl.num_devices, reference=wl.reference)
-  if train_config:
-    out["train_config"] = train_config
+  if train_config:  # and the run's inference micro-batch, which sized its inference memory
+    out.update(train_config=train_config, inference_micro_batch=wl.inference_micro_batch)
   return out
 
 

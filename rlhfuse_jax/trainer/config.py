@@ -1005,7 +1005,9 @@ PLAN_WORKLOAD_RUN_FIELDS = {"global_batch": "rollout.batch_size",
                             "minibatch": "algo.minibatch_size", "epochs": "algo.epochs",
                             "max_prompt_len": "data.max_prompt_len",
                             "max_new_tokens": "rollout.max_new_tokens",
-                            "reference": "algo.uses_reference"}
+                            "reference": "algo.uses_reference",
+                            # recorded for a run's plan (train_config) only
+                            "inference_micro_batch": "fusion.inference_micro_batch"}
 # The actor's and critic's fields it records (sim/plan_search.WORKLOAD_MODEL_FIELDS).
 PLAN_WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                               "vocab_size")

@@ -73,7 +73,8 @@ def workload(cfg: TrainConfig, task: Any, tokenizer: Any, num_devices: int, leng
       critic=from_model_config(cfg.critic_model, f"{name} critic"), num_devices=num_devices,
       global_batch=cfg.rollout.batch_size, minibatch=cfg.algo.minibatch_size,
       epochs=cfg.algo.epochs, micro_batch=micro_batch, max_new_tokens=t, prompt=prompt,
-      response=response, seed=seed, reference=cfg.algo.uses_reference)
+      response=response, seed=seed, reference=cfg.algo.uses_reference,
+      inference_micro_batch=cfg.fusion.inference_micro_batch)
   summary = lambda x: None if x is None else {"mean": float(np.mean(x)), "min": int(np.min(x)),
                                               "max": int(np.max(x))}
   info = {"prompt_lengths": summary(prompts), "response_lengths": summary(resp),
