@@ -1204,6 +1204,45 @@ def test_simulated_kv_cache_is_plan_checks_decode_cache():
     it.gen_plan(small, ps.trainer_workload(wl), 2, prompts, 16)
 
 
+def test_simulated_weights_and_kv_cache_take_a_float32_runs_dtype(tmp_path):
+  """A train_config's models at float32 (ppo_tiny's): the search sized the KV cache and the
+  weights at bf16, half of plan_check's decode program's cache and parameters. The run's
+  shapes (sim_plan.workload: from_model_config with dtypes) carry its dtypes, and the
+  generation stage's memory is plan_check's; the papers' presets stay bf16."""
+  from configs import ppo_tiny
+  from rlhfuse_jax.sim import iteration_sim as it
+  from rlhfuse_jax.sim import plan_search as ps
+  from rlhfuse_jax.sim import shapes
+  from rlhfuse_jax.sim.cost_model import CostModel
+  from rlhfuse_jax.trainer import build, sim_plan
+  from rlhfuse_jax.trainer.config import TrainConfig
+  wl, plan, cfg = _small_case("instances")
+  f32 = {m: getattr(cfg, m).replace(param_dtype="float32", dtype="float32")
+         for m in ("actor", "critic")}
+  cfg = dataclasses.replace(cfg, **f32)
+  wl = dataclasses.replace(wl, actor=shapes.from_model_config(f32["actor"], "a", dtypes=True),
+                           critic=shapes.from_model_config(f32["critic"], "c", dtypes=True))
+  cost = CostModel(hardware.get_hardware("h100_sxm"))
+  want = plan_programs.decode_analytic(cfg)
+  got = {r["stage"]: r for r in ps.plan_memory(cost, wl, it.SimOptions(trainer_runnable=True),
+                                               plan)}["generation"]["parts"]
+  assert got["KV cache"] == pytest.approx(want["kv_cache_bytes"])
+  assert got["weights"] == pytest.approx(want["params_bytes"])
+  # float32 weights: their gradients float32 too, and no master copy beside Adam's m and v
+  train = cost.train_memory_parts(wl.actor, 2, 1, 4, True, 1.0, 1)
+  n = wl.actor.num_params() / 2
+  assert (train["weights"], train["grads"], train["optimizer"]) == pytest.approx(
+      (4 * n, 4 * n, 8 * n / 4))
+  assert shapes.get_shape("llama-13b").kv_itemsize == 2  # the papers' presets: bf16
+  c = ppo_tiny.get_config()
+  run = TrainConfig.from_config_dict(c)
+  task, tok = build.build_task_and_tokenizer(run)
+  run = build.resolve_config(run, tok)
+  wl = sim_plan.workload(run, task, tok, 8, str(tmp_path))[0]
+  assert (run.model.param_dtype, run.model.dtype) == ("float32", "float32")
+  assert (wl.actor.weight_itemsize, wl.actor.kv_itemsize, wl.critic.weight_itemsize) == (4, 4, 4)
+
+
 def test_simulated_training_memory_counts_plan_checks_gradient_accumulator():
   """The unpipelined update over several micro-batches a data shard keeps float32 sums of both
   models' gradients (trainer/ppo._accumulated): plan_check's analytic figures count them, and so

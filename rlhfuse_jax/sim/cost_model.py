@@ -30,8 +30,9 @@ parallel degree, FLOPs from shapes.py):
       crosses nodes where the layout puts its ends in two (same_node, crossing_share).
   optimizer step: 28 bytes/param touched (fp32 master, m, v read+write, bf16 grad read and weight
       write) over the device's parameter shard, at hbm_bw*decode_bw_eff.
-Memory (per device, bytes): weights bf16 (2/param); training adds grads bf16 (2) and Adam fp32
-master+m+v (12, divided by dp with ZeRO-1); activations 34*h bytes per token per layer / t
+Memory (per device, bytes): weights bf16 (2/param; a train_config's models at their
+param_dtype: ModelShape.weight_itemsize); training adds grads of the weights' dtype and Adam fp32
+master+m+v (12, divided by dp with ZeRO-1; m+v, 8, for fp32 weights: no master copy); activations 34*h bytes per token per layer / t
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 Table 2: tensor + sequence parallel + selective recomputation, i.e. the attention scores not
 kept, as flash attention does; nothing else recomputed); KV cache kv_bytes_per_token per
@@ -361,9 +362,9 @@ class CostModel:
     return self.eff.bwd_over_fwd
 
   def grad_sync_s(self, shape: ModelShape, tp: int, pp: int, dp: int) -> float:
-    """Data-parallel all-reduce of one device's bf16 gradient shard (layout: tp innermost,
-    then dp, so the dp group spans tp*dp consecutive devices)."""
-    nbytes = shape.num_params() * 2.0 / (tp * pp)
+    """Data-parallel all-reduce of one device's gradient shard (bf16, or shape.weight_itemsize)
+    (layout: tp innermost, then dp, so the dp group spans tp*dp consecutive devices)."""
+    nbytes = shape.weight_bytes() / (tp * pp)
     nodes = min(dp, self.hw.nodes_spanned(tp * dp))  # dp ranks tp apart
     return self._allreduce_over(nbytes, dp, nodes, self.hw.link_bw(dp, stride=tp))
 
@@ -388,15 +389,17 @@ class CostModel:
 
   def train_memory_parts(self, shape: ModelShape, tp: int, pp: int, dp: int, zero1: bool,
                          mb_tokens: float, inflight: int, accumulate: bool = False) -> dict:
-    """Per device of a tp x pp x dp training layout of one model, bytes: {"weights" (bf16),
-    "grads" (bf16), "optimizer" (Adam's fp32 master, m, v; over dp with ZeRO-1),
+    """Per device of a tp x pp x dp training layout of one model, bytes: {"weights" and
+    "grads" (shape.weight_itemsize: bf16, or a run's param_dtype), "optimizer" (Adam's fp32 m,
+    v, and for 16-bit weights an fp32 master copy; over dp with ZeRO-1),
     "activations" (`inflight` micro-batches of `mb_tokens` tokens)}, and with `accumulate`
     "grad accumulator": the float32 sums of the micro-batches' gradients, split like the
     weights (the trainer's unpipelined update over several micro-batches:
     training_sim.TrainPlan.accumulates)."""
     shard = shape.num_params() / (tp * pp)
-    out = {"weights": 2.0 * shard, "grads": 2.0 * shard,
-           "optimizer": 12.0 * shard / (dp if zero1 else 1),
+    item = shape.weight_itemsize
+    out = {"weights": item * shard, "grads": item * shard,
+           "optimizer": (8.0 + (4.0 if item < 4 else 0.0)) * shard / (dp if zero1 else 1),
            "activations": inflight * self.activation_bytes(shape, tp, mb_tokens,
                                                            shape.num_layers / pp)}
     if accumulate:

@@ -11,6 +11,10 @@ FLOP accounting (per token, forward):
                  where `context` is the number of keys the token attends to.
 Training (forward + backward) is 3x the forward FLOPs (backward = 2x forward).
 KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per element.
+Bytes per element: `weight_itemsize` for the weights (and the gradients), `kv_itemsize` for the
+KV cache; 2 (bf16) for the papers' presets, a train_ppo config's model.param_dtype and
+model.dtype in `from_model_config(..., dtypes=True)` (trainer/sim_plan.workload: a train_config
+search, whose plans the trainer runs; ppo_tiny's models are float32).
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ from rlhfuse_jax.models.param_count import QWEN3_DEFAULT_HEAD_DIM
 from rlhfuse_jax.models.param_count import num_params as _num_params
 
 HEADS = ("lm", "scalar")
+ITEMSIZES = (2, 4)
+# Bytes per element of the dtypes a ModelConfig names (models/llama._DTYPES).
+DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +50,18 @@ class ModelShape:
   o_bias: bool = False  # a bias on the attention's output projection (LLaMA's attention_bias)
   max_seq_len: int = 2048
   qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm gains: 2 * head_dim params a layer
+  weight_itemsize: int = 2  # bytes per weight (and gradient) element: bf16, or param_dtype's
+  kv_itemsize: int = 2  # bytes per KV cache element: bf16, or the compute dtype's (model.dtype)
 
   def __post_init__(self):
     for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
               "num_kv_heads", "max_seq_len"):
       if int(getattr(self, f)) <= 0:
         raise ValueError(f"shape {self.name!r}: {f}={getattr(self, f)} must be a positive int")
+    if self.weight_itemsize not in ITEMSIZES or self.kv_itemsize not in ITEMSIZES:
+      raise ValueError(f"shape {self.name!r}: weight_itemsize={self.weight_itemsize}, "
+                       f"kv_itemsize={self.kv_itemsize}: expected bytes per element in "
+                       f"{ITEMSIZES}")
     if int(self.head_dim) < 0:  # 0: hidden_size // num_heads; a negative one made KV bytes < 0
       raise ValueError(f"shape {self.name!r}: head_dim={self.head_dim} must be >= 0 (0: "
                        "hidden_size // num_heads)")
@@ -91,11 +104,11 @@ class ModelShape:
     attn = 4.0 * self.num_layers * self.num_heads * self.head_dim_ * mean_context
     return tokens * (2.0 * self.matmul_params() + attn)
 
-  def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
-    return 2 * self.num_layers * self.num_kv_heads * self.head_dim_ * bytes_per_elem
+  def kv_bytes_per_token(self) -> int:
+    return 2 * self.num_layers * self.num_kv_heads * self.head_dim_ * self.kv_itemsize
 
-  def weight_bytes(self, bytes_per_elem: int = 2) -> float:
-    return float(self.num_params() * bytes_per_elem)
+  def weight_bytes(self) -> float:
+    return float(self.num_params() * self.weight_itemsize)
 
   def as_critic(self) -> "ModelShape":
     """The same backbone with a scalar head (critic / reward model)."""
@@ -106,10 +119,20 @@ class ModelShape:
     return {**dataclasses.asdict(self), "num_params": self.num_params()}
 
 
-def from_model_config(cfg: Any, name: str = "custom") -> ModelShape:
+def from_model_config(cfg: Any, name: str = "custom", dtypes: bool = False) -> ModelShape:
   """A ModelShape from a `rlhfuse_jax.models.llama.ModelConfig` (read by attribute name, so the
-  simulator does not import jax)."""
-  return ModelShape(name=name, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+  simulator does not import jax); with `dtypes` its weights and KV cache at the config's
+  param_dtype and dtype (DTYPE_ITEMSIZE), else bf16 (a shape timed as the papers' engines run
+  it)."""
+  sizes = {}
+  if dtypes:
+    for field, name_ in (("weight_itemsize", "param_dtype"), ("kv_itemsize", "dtype")):
+      dtype = getattr(cfg, name_)
+      if dtype not in DTYPE_ITEMSIZE:
+        raise ValueError(f"model.{name_}={dtype!r}: expected one of "
+                         f"{sorted(DTYPE_ITEMSIZE)}")
+      sizes[field] = DTYPE_ITEMSIZE[dtype]
+  return ModelShape(**sizes, name=name, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                     intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
                     num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                     head_dim=cfg.head_dim, head=cfg.head, tie_embeddings=cfg.tie_embeddings,

@@ -188,7 +188,7 @@ def critic_grad_sync_s(cost: CostModel, critic: ModelShape, plan: TrainPlan) -> 
   members = [r * plan.critic_pp * plan.tp * plan.dp + d * plan.tp
              for r in range(plan.critic_replicas) for d in range(plan.dp)]
   return cost.group_collective_s("all-reduce",
-                                 critic.num_params() * 2.0 / (plan.tp * plan.critic_pp), members)
+                                 critic.weight_bytes() / (plan.tp * plan.critic_pp), members)
 
 
 def check_train_memory(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: TrainPlan,
