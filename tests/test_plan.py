@@ -681,7 +681,10 @@ def test_a_plan_searched_for_another_workload_is_warned_of(tmp_path):
   out = subprocess.run([sys.executable, "-m", "experiments.train_ppo",
                         "--config=configs/ppo_tiny.py", f"--config.plan.file={path}",
                         f"--workdir={tmp_path / 'run'}", "--config.rollout.top_k=100000"],
-                       cwd=ROOT, env={**env, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
+                       cwd=ROOT, env={**env, "JAX_PLATFORMS": "cpu",
+                                      # the plan's devices (it may pipeline: stage 2 since
+                                      # the models' float32 bytes are counted)
+                                      "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 1 and "config.rollout.top_k=100000" in out.stderr, out.stderr[-3000:]
   assert (f"config.plan.file={path!r} was searched for actor num_layers=8 (this run has 2); "
