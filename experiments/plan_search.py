@@ -14,7 +14,8 @@ into the workdir:
                   generation and inference layouts on the generation group, training on the
                   other devices), the hardware's values ("hardware") and the workload
                   searched for ("workload": actor and critic shapes, global_batch, minibatch,
-                  epochs, max_prompt_len, max_new_tokens, num_devices, reference;
+                  epochs, max_prompt_len, max_new_tokens, num_devices, reference,
+                  reward_model;
                   train_config and its fusion.inference_micro_batch when given;
                   train_ppo warns of a run whose workload differs)
   result.json     {"best", "top", "uniform", "async", "plan_json", "stages", "systems",
@@ -145,6 +146,8 @@ def report(res: dict, systems: dict, setting: dict,
               f"max_new_tokens {setting['max_new_tokens']}"
               + ("" if setting.get("reference", True) else
                  "; no reference model (algo.kl_coef=0): none of its weights or forwards")
+              + ("" if setting.get("reward_model", True) else
+                 "; no reward model (reward.kind='function'): none of its weights or forwards")
               + "; response lengths: "
               f"{setting['lengths']['response_lengths_from']}), restricted to plans the "
               f"trainer runs: {sum(refused.values())} synchronous combinations refused, the "
@@ -272,7 +275,7 @@ def trainer_setting(cfg: ablations.AblationConfig, path: str, overrides: str, co
   setting = {"label": spec, "train_config": spec, "hardware": cfg.hardware,
              "num_devices": cfg.num_devices, "global_batch": wl.global_batch,
              "minibatch": wl.minibatch, "epochs": wl.epochs, "max_new_tokens": wl.max_new_tokens,
-             "reference": wl.reference,
+             "reference": wl.reference, "reward_model": wl.reward_model,
              "actor": wl.actor.to_dict(), "critic": wl.critic.to_dict(), "lengths": lengths}
   return setting, wl, sim_plan.PlanCheck(config_dict, devices, tokenizer, workdir)
 
@@ -360,9 +363,11 @@ def main(argv):
                  ", ".join(cfg.systems), cfg.sim.search_time_s, search_lib.KERNELS_NOTE)
     cache = training_sim.ScheduleCache(time_budget_s=cfg.sim.search_time_s, seed=cfg.seed,
                                        log=logging.info)
-    # The papers' systems run a reference model whatever the run's algo.kl_coef.
-    rows, _ = iteration_sim.simulate_iteration(cost, dataclasses.replace(wl, reference=True),
-                                               cfg.sim, cfg.systems, cache)
+    # The papers' systems run a reference and a reward model whatever the run's algo.kl_coef
+    # and reward.kind.
+    rows, _ = iteration_sim.simulate_iteration(
+        cost, dataclasses.replace(wl, reference=True, reward_model=True), cfg.sim, cfg.systems,
+        cache)
     systems = {k: {f: float(r[f]) for f in ("gen_plus_inf_s", "train_s", "iteration_s")}
                for k, r in rows.items()}
     logging.info("simulated %s in %.1fs", ", ".join(cfg.systems), time.time() - t0)

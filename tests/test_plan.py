@@ -827,6 +827,43 @@ def test_searched_plans_for_ppo_tiny_pass_the_trainer_checks(tmp_path):
   assert any(check(p) for p in free["async"]["top"])
 
 
+def test_a_run_whose_reward_is_a_function_is_searched_without_a_reward_model(tmp_path):
+  """reward.kind='function' (ppo_tiny's): the trainer builds and runs no reward model
+  (build.reward_model_config), yet the search charged a critic-shaped one's weights and
+  forwards. The run's workload says it has none (RewardConfig.uses_model), plan.json's record
+  carries it (a run with a reward model is warned of), and the search's inference times and
+  memory drop its forwards and weights."""
+  raw = TrainConfig.from_config_dict(ppo_tiny.get_config())
+  task, tokenizer = build.build_task_and_tokenizer(raw)
+  cfg = build.resolve_config(raw, tokenizer)
+  assert cfg.reward.kind == "function"
+  wl = sim_plan.workload(cfg, task, tokenizer, 8, str(tmp_path / "lengths"))[0]
+  assert wl.reward_model is False
+  rm = dataclasses.replace(wl, reward_model=True)
+  assert plan_search.frozen_models(wl)[0] == ("reference", "critic")
+  assert plan_search.frozen_models(rm)[0] == ("reference", "critic", "reward")
+  record = plan_search.workload_record(wl)
+  assert record["reward_model"] is False and plan_search.workload_record(rm)["reward_model"]
+  with_rm = dataclasses.replace(cfg, reward=dataclasses.replace(
+      cfg.reward, kind="model", model_checkpoint="/ckpt"))
+  assert config_lib.plan_workload_differences({"workload": record}, with_rm) == [
+      "reward_model=False (this run's reward.kind='model': a reward model)"]
+  assert config_lib.plan_workload_differences({"workload": record}, cfg) == []
+  opt = iteration_sim.SimOptions(trainer_runnable=True, offload_frozen=False)
+  got = {k: plan_search.search(H100, w, opt, top_k=1) for k, w in (("none", wl), ("rm", rm))}
+  inf = {k: dict(r["stages"]["inference"]) for k, r in got.items()}
+  assert inf["none"].keys() == inf["rm"].keys()
+  assert all(inf["none"][k] < inf["rm"][k] for k in inf["rm"])
+  plan = got["rm"]["best"]
+  mem = {k: {r["stage"]: r["parts"] for r in plan_search.plan_memory(H100, w, opt, plan)}
+         for k, w in (("none", wl), ("rm", rm))}
+  critic = wl.critic.weight_bytes() / plan["inference"]["tp"]
+  assert mem["rm"]["inference"]["weights"] - mem["none"]["inference"]["weights"] == (
+      pytest.approx(critic))
+  assert mem["rm"]["generation"]["frozen weights kept"] - (
+      mem["none"]["generation"]["frozen weights kept"]) == pytest.approx(critic)
+
+
 def test_a_run_without_a_reference_is_searched_without_one(tmp_path):
   """algo.kl_coef=0: the trainer builds and runs no reference model (AlgoConfig.uses_reference).
   The run's workload says so, plan.json's workload record carries it (a run with a reference is
@@ -858,8 +895,9 @@ def test_a_run_without_a_reference_is_searched_without_one(tmp_path):
   actor = wl.actor.weight_bytes() / tp
   assert mem["ref"]["inference"]["weights"] - mem["none"]["inference"]["weights"] == (
       pytest.approx(actor))
+  # (none kept without a reference: ppo_tiny's reward is a function, no reward model either)
   assert mem["ref"]["generation"]["frozen weights kept"] - (
-      mem["none"]["generation"]["frozen weights kept"]) == pytest.approx(actor)
+      mem["none"]["generation"].get("frozen weights kept", 0.0)) == pytest.approx(actor)
 
 
 def test_the_trainer_check_restricts_what_the_config_pins(tmp_path):

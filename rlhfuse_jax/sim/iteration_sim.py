@@ -93,6 +93,11 @@ class Workload:
   # plan_search drops its weights and forwards then (plan_search.frozen_models); the papers'
   # systems always run one.
   reference: bool = True
+  # Whether the run scores with a reward model (of the critic's shape): a train_ppo config whose
+  # reward is a function (reward.kind='function', RewardConfig.uses_model) builds and runs none;
+  # plan_search drops its weights and forwards then, as the reference's; the papers' systems
+  # always run one.
+  reward_model: bool = True
   # A train_ppo run's fusion.inference_micro_batch (trainer/sim_plan.workload): the samples its
   # inference on generation instances scores at once, 0 (the default) the instance's slots
   # (trainer/rollout.plan_instances_config, FusedGenConfig.micro_batch); plan_search's
@@ -264,11 +269,11 @@ def kept_frozen_bytes(wl: Workload, devices_per_copy: int, opt: SimOptions) -> f
   """Per device, what the frozen reference and reward model keep on the devices through every
   stage, training included, with sim.offload_frozen=False (no host memory to wait in): their
   bf16 weights split over the `devices_per_copy` devices of the layout that scores with them.
-  0 when they are offloaded; the reward model's alone without a reference (Workload.reference).
+  0 when they are offloaded; only those the run has (Workload.reference, reward_model).
   (The critic's scoring copy is rebuilt from its training state; generation, which scores beside
   decoding, charges it too: frozen_resident_bytes.)"""
-  return frozen_resident_bytes((wl.actor, wl.critic) if wl.reference else (wl.critic,),
-                               devices_per_copy, opt)
+  frozen = (wl.actor,) * wl.reference + (wl.critic,) * wl.reward_model
+  return frozen_resident_bytes(frozen, devices_per_copy, opt)
 
 
 def zero3_resident_bytes(wl: Workload) -> float:

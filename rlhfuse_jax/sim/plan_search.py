@@ -192,8 +192,10 @@ def frozen_models(wl, models: tuple = ("reference", "critic", "reward")) -> tupl
   """(names, shapes) of the frozen `models` the run scores with: the reference has the actor's
   shape, the critic and the reward model the critic's; the reference left out when the run
   has none (Workload.reference: a train_config with algo.kl_coef=0, which until 2026-12-04
-  was charged its weights and forwards here)."""
-  names = tuple(m for m in models if m != "reference" or wl.reference)
+  was charged its weights and forwards here), the reward model when its reward is a function
+  (Workload.reward_model, charged until 2026-12-04 too)."""
+  has = {"reference": wl.reference, "reward": wl.reward_model}
+  names = tuple(m for m in models if has.get(m, True))
   return names, tuple(wl.actor if m == "reference" else wl.critic for m in names)
 
 
@@ -612,13 +614,13 @@ WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads
 def workload_record(wl, train_config: str = "") -> dict:
   """plan.json's "workload": what the plan was searched for (the models' shapes, the batch,
   mini-batch, epochs, max prompt and generation lengths, the devices, whether it runs a
-  reference model (Workload.reference); the train_ppo config and its
+  reference model (Workload.reference) and a reward model (Workload.reward_model); the train_ppo config and its
   fusion.inference_micro_batch when one was given), so that a run of another workload with it is warned of."""
   out = {role: {"name": shape.name, **{f: getattr(shape, f) for f in WORKLOAD_MODEL_FIELDS}}
          for role, shape in (("actor", wl.actor), ("critic", wl.critic))}
   out.update(global_batch=wl.global_batch, minibatch=wl.minibatch, epochs=wl.epochs,
              max_prompt_len=wl.prompt.max_len, max_new_tokens=wl.max_new_tokens,
-             num_devices=wl.num_devices, reference=wl.reference)
+             num_devices=wl.num_devices, reference=wl.reference, reward_model=wl.reward_model)
   if train_config:  # and the run's inference micro-batch, which sized its inference memory
     out.update(train_config=train_config, inference_micro_batch=wl.inference_micro_batch)
   return out

@@ -322,6 +322,12 @@ class RewardConfig:
   stats: str = ""
   model_checkpoint: str = ""  # HF-style checkpoint dir of the reward model (kind="model")
 
+  @property
+  def uses_model(self) -> bool:
+    """Whether a reward model scores (kind='model'); a function's reward builds and runs none
+    (trainer/build.reward_model_config)."""
+    return self.kind == "model"
+
   def __post_init__(self):
     _check(self.kind in ("function", "model"), "reward.kind", self.kind, "'function' or 'model'")
     _check(self.kind != "model" or bool(self.model_checkpoint), "reward.model_checkpoint",
@@ -1006,6 +1012,7 @@ PLAN_WORKLOAD_RUN_FIELDS = {"global_batch": "rollout.batch_size",
                             "max_prompt_len": "data.max_prompt_len",
                             "max_new_tokens": "rollout.max_new_tokens",
                             "reference": "algo.uses_reference",
+                            "reward_model": "reward.uses_model",
                             # recorded for a run's plan (train_config) only
                             "inference_micro_batch": "fusion.inference_micro_batch"}
 # The actor's and critic's fields it records (sim/plan_search.WORKLOAD_MODEL_FIELDS).
@@ -1033,6 +1040,8 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: "TrainConfig"
     if key in w and w[key] != now:
       out.append(f"reference={w[key]!r} (this run's algo.kl_coef={cfg.algo.kl_coef:g}: "
                  f"{'a' if now else 'no'} reference model)" if key == "reference" else
+                 f"reward_model={w[key]!r} (this run's reward.kind={cfg.reward.kind!r}: "
+                 f"{'a' if now else 'no'} reward model)" if key == "reward_model" else
                  f"{key}={w[key]!r} (this run's {field} is {now!r})")
   return out
 

@@ -75,6 +75,7 @@ def workload(cfg: TrainConfig, task: Any, tokenizer: Any, num_devices: int, leng
       global_batch=cfg.rollout.batch_size, minibatch=cfg.algo.minibatch_size,
       epochs=cfg.algo.epochs, micro_batch=micro_batch, max_new_tokens=t, prompt=prompt,
       response=response, seed=seed, reference=cfg.algo.uses_reference,
+      reward_model=cfg.reward.uses_model,
       inference_micro_batch=cfg.fusion.inference_micro_batch)
   summary = lambda x: None if x is None else {"mean": float(np.mean(x)), "min": int(np.min(x)),
                                               "max": int(np.max(x))}
