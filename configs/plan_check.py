@@ -111,6 +111,8 @@ def _as_trained(c, t, dp: int, models=None) -> None:
   # Synchronous on a separate group: the critic's values are scored there too (trainer/loop.py
   # stage_critic; a critic-free estimator is checked with a critic, an upper bound).
   c.group_critic = bool(c.generation_devices and not run.async_ppo.staleness)
+  # algo.kl_coef=0: the trainer builds and runs no reference (AlgoConfig.uses_reference)
+  c.reference = run.algo.uses_reference
   devices = c.generation_devices or stages * run.mesh.tensor * run.mesh.fsdp * dp
   kind = rollout.stage_kind(run)
   if kind == "serial":
@@ -287,6 +289,12 @@ def get_config(arg: str = "tiny"):
   # state; 0: on the training devices
   c.generation_devices = 0
   c.group_critic = False  # the group also holds the critic (async_ppo.staleness 0)
+  # The run builds a reference model (the trainer's algo.kl_coef > 0): the inference program is
+  # its log-prob forward and an asynchronous generation group holds it beside the actor; False
+  # (algo.kl_coef=0): no reference anywhere, the inference program is the critic's value
+  # forward (an upper bound where the instance scores nothing). A run's (run/, --run_config)
+  # is its algo.kl_coef's.
+  c.reference = True
   # pp == 1 with micro-batches: the trainer's algo.gradient_sync, "per_microbatch" (weights
   # gathered and gradients reduced per micro-batch) or "once" (per optimizer step); pipelined
   # plans ignore it, as the trainer does

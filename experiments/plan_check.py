@@ -17,7 +17,8 @@ jax.ShapeDtypeStructs with shardings (no parameter is allocated), the programs t
   decode      a generation instance's decode chunk (generation/instances.py) on gen_tp devices,
               or with generation="mesh" the Generator's on the training mesh
   inference   the instance's reference log-prob forward (inference/scoring.py; "mesh": the
-              Scorer's, on the whole rollout batch)
+              Scorer's, on the whole rollout batch); with config.reference False (a run's
+              algo.kl_coef=0: no reference) the critic's value forward
 
 (--run_config: a training config, with train_ppo's overrides, checked as its trainer runs it)
 and writes result.json (per program: argument/output/temp/peak bytes and FLOPs per device from

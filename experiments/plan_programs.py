@@ -19,7 +19,9 @@ Every program is the codebase's own, reached through the function its caller jit
               = the rollout batch split over data x fsdp (x stage), the parameters placed as the
               trainer places the whole models (fsdp x tensor)
   inference   the same instance's reference log-prob forward (inference/scoring.py) on one
-              inference micro-batch (generation="mesh": the Scorer's, the whole rollout batch)
+              inference micro-batch (generation="mesh": the Scorer's, the whole rollout batch);
+              without a reference (config.reference False: algo.kl_coef=0) the critic's value
+              forward
 
 Arguments are jax.ShapeDtypeStructs with NamedShardings: nothing is allocated.
 
@@ -176,6 +178,11 @@ class PlanConfig:
   # values there: async_ppo.staleness 0), whole beside the actor and the reference.
   group_critic: bool = False
   search_seed: int = 0  # the fused-schedule search's seed (the trainer's pipeline.search_seed)
+  # Whether the run builds a reference model (the trainer's algo.kl_coef > 0: AlgoConfig.
+  # uses_reference): the inference program is its log-prob forward; without one the critic's
+  # value forward (what an instance still scores; an upper bound where it scores nothing), and
+  # an asynchronous generation group holds no reference beside the actor.
+  reference: bool = True
 
   @property
   def train_devices(self) -> int:
@@ -268,8 +275,9 @@ class PlanConfig:
                                 "inference_microbatch"))
     config_files.check_int("microbatch_size", d["microbatch_size"], 0,
                            "0, pp 1 only: each data shard's rows at once")
-    _check(isinstance(d.get("group_critic", False), bool), "group_critic", d.get("group_critic"),
-           "True or False")
+    for name in ("group_critic", "reference"):
+      _check(isinstance(d.get(name, name == "reference"), bool), name, d.get(name),
+             "True or False")
     # (0 reached the trainer's PipelineConfig in make_update, after the earlier result had
     # moved aside, as "config.pipeline.search_time_s=0.0", a field plan_check does not have)
     t = d["search_time_s"]
@@ -315,7 +323,7 @@ class PlanConfig:
         critic_microbatch_size=d.get("critic_microbatch_size", 0),
         generation_devices=d.get("generation_devices", 0),
         group_critic=d.get("group_critic", False),
-        search_seed=d.get("search_seed", 0))
+        search_seed=d.get("search_seed", 0), reference=d.get("reference", True))
     cfg.validate()
     return cfg
 
@@ -465,7 +473,8 @@ def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
   parameters by the same logical rules as training (as the trainer's Generator keeps them), and
   scores the whole rollout batch at once (the Scorer's default micro-batch)."""
   sampling = SamplingConfig(max_new_tokens=cfg.response_len, chunk_size=cfg.chunk_size)
-  frozen = inst_lib.FrozenModels(reference=cfg.actor.replace(head="lm"))
+  frozen = (inst_lib.FrozenModels(reference=cfg.actor.replace(head="lm")) if cfg.reference else
+            inst_lib.FrozenModels(reference=None, critic=cfg.critic))
   if cfg.generation == "mesh" and cfg.generation_devices:  # async PPO's data-only group mesh
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=cfg.generation_devices),
                               jax.devices()[:cfg.generation_devices])
@@ -573,7 +582,8 @@ def per_layer_upcast(cfg: PlanConfig) -> bool:
 
 
 def instance_programs(cfg: PlanConfig) -> dict:
-  """A generation instance's decode chunk and reference forward, measured.
+  """A generation instance's decode chunk and reference forward (cfg.reference; else the
+  critic's value forward: scoring_model), measured.
 
   Under `per_layer_upcast` each program is compiled twice: scanned with the hoisting off, and as
   the config has it (`cpu_upcast.as_compiled`); the smaller temp is reported (`cpu_upcast.used`).
@@ -583,16 +593,18 @@ def instance_programs(cfg: PlanConfig) -> dict:
   """
   per_layer = per_layer_upcast(cfg)
   lowered = {}
+  kind = "reference" if cfg.reference else "critic"
   for scan in {cfg.actor.scan_layers, True} if per_layer else {cfg.actor.scan_layers}:
     actor = cfg.actor.replace(scan_layers=scan)
-    inst = make_instance(dataclasses.replace(cfg, actor=actor))
-    shapes = llama.param_shapes(actor)
-    lowered[scan] = dict(inst.lower_all(shapes, {"reference": shapes},
-                                        only=("decode", "reference")))
+    scan_cfg = dataclasses.replace(cfg, actor=actor, critic=cfg.critic.replace(scan_layers=scan))
+    inst = make_instance(scan_cfg)
+    lowered[scan] = dict(inst.lower_all(llama.param_shapes(actor),
+                                        {kind: llama.param_shapes(scoring_model(scan_cfg))},
+                                        only=("decode", kind)))
   figures = lambda r: {k: r[k] for k in ("temp_bytes", "peak_bytes", "fits", "compile_s")}
   out = {}
   for name, key, analytic in (("decode", "decode", decode_analytic(cfg)),
-                              ("inference", "reference", inference_analytic(cfg))):
+                              ("inference", kind, inference_analytic(cfg))):
     m = measure(lowered[cfg.actor.scan_layers][key], cfg.hardware)
     record = {"scan_layers": cfg.actor.scan_layers}
     if per_layer:
@@ -710,8 +722,14 @@ def decode_analytic(cfg: PlanConfig) -> dict:
           "hbm_s": total / cfg.hardware.hbm_bw}
 
 
+def scoring_model(cfg: PlanConfig) -> ModelConfig:
+  """The model of the inference program: the reference (the actor's shape, an LM head), or
+  without one (cfg.reference False: algo.kl_coef=0) the critic."""
+  return cfg.actor if cfg.reference else cfg.critic
+
+
 def inference_analytic(cfg: PlanConfig) -> dict:
-  a, n = cfg.actor, cfg.gen_devices
+  a, n = scoring_model(cfg), cfg.gen_devices
   params = _nbytes(llama.param_shapes(a))
   if cfg.generation == "mesh":  # the whole rollout batch, split over the data axes
     rows = cfg.gen_slots
@@ -771,7 +789,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   programs.update(instance_programs(cfg))
   critic = (_nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_model_shards
             if cfg.generation_devices and cfg.group_critic else 0.0)
-  beside_train_state(programs, hbm, cfg.offload_optimizer, bool(cfg.generation_devices), critic)
+  beside_train_state(programs, hbm, cfg.offload_optimizer, bool(cfg.generation_devices), critic,
+                     cfg.reference)
   return {
       "plan": {"pp": cfg.pp, "critic_pp": cfg.critic_pp, "tp": cfg.tp, "dp": cfg.dp,
                "fsdp": cfg.fsdp, "minibatch_size": cfg.minibatch_size,
@@ -787,7 +806,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "gradient_sync": cfg.gradient_sync,
                "critic_microbatch_size": cfg.critic_microbatch_size,
                "generation_devices": cfg.generation_devices, "group_critic": cfg.group_critic,
-               "search_seed": cfg.search_seed},
+               "search_seed": cfg.search_seed, "reference": cfg.reference},
       "devices": cfg.num_devices, "train_devices": cfg.train_devices,
       "models": {"actor": {**dataclasses.asdict(cfg.actor), "num_params": cfg.actor.num_params()},
                  "critic": {**dataclasses.asdict(cfg.critic),
@@ -837,7 +856,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
 
 
 def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
-                       generation_group: bool = False, group_critic_bytes: float = 0.0) -> None:
+                       generation_group: bool = False, group_critic_bytes: float = 0.0,
+                       reference: bool = True) -> None:
   """Decode's and inference's fit on top of the training state. The trainer keeps the actor's
   and critic's training state (stage shards of parameters and AdamW moments: the train step's
   arguments) on every device for the whole run, and the generation instances and the freed
@@ -848,7 +868,9 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
   are the same size.) `generation_group`: asynchronous PPO's generation devices, which keep no
   training state but the actor and the reference whole beside each other: each program's peak
   plus the other model's weights (the same size as its own), plus `group_critic_bytes` (the
-  critic's weights per device) where the group also holds the critic."""
+  critic's weights per device) where the group also holds the critic. Without a `reference`
+  (algo.kl_coef=0) the group holds none: decode has the critic's copy beside it (if any), and
+  the inference program, the critic's forward, the actor's weights."""
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
   for name in ("decode", "inference"):
@@ -856,8 +878,13 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     p.setdefault("fits_alone", p["fits"])
     p["offloaded_optimizer_bytes"] = 0 if generation_group else offloaded
     p["resident_train_bytes"] = 0 if generation_group else train["argument_bytes"] - offloaded
-    p["resident_model_bytes"] = (p["analytic"]["params_bytes"] + group_critic_bytes
-                                 if generation_group else 0)
+    if not generation_group:
+      p["resident_model_bytes"] = 0
+    elif reference:  # the other of actor and reference (the same size), and the critic
+      p["resident_model_bytes"] = p["analytic"]["params_bytes"] + group_critic_bytes
+    else:  # decode: the critic's copy; the critic's forward: the actor
+      p["resident_model_bytes"] = (group_critic_bytes if name == "decode" else
+                                   programs["decode"]["analytic"]["params_bytes"])
     p["peak_with_train_state_bytes"] = (p["peak_bytes"] + p["resident_train_bytes"] +
                                         p["resident_model_bytes"])
     p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)

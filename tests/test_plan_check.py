@@ -639,6 +639,49 @@ def test_asynchronous_run_generates_on_its_own_group(tmp_path):
     plan_programs.PlanConfig.from_config_dict(c)
 
 
+def test_a_run_without_a_reference_is_checked_without_one(tmp_path):
+  """--run_config with algo.kl_coef=0: the trainer builds no reference (AlgoConfig.
+  uses_reference), yet plan_check compiled a reference forward and counted a reference
+  resident beside the actor on an asynchronous generation group. The plan follows the run
+  (config.reference, False), the inference program is the critic's value forward, and the
+  group holds no reference: decode has nothing beside it, the critic's forward the actor."""
+  import subprocess
+  import sys
+  from configs import ppo_tiny
+  from tests.xla_env import subprocess_env
+  run = ppo_tiny.get_config()
+  run.algo.kl_coef = 0.0
+  c = plan_config.get_config("tiny")
+  assert c.reference is True  # the presets' default: a reference
+  plan_config.apply_run(c, run)
+  assert c.reference is False
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_check", "--config=configs/plan_check.py:tiny",
+       "--run_config=configs/ppo_tiny.py", "--run_config.algo.kl_coef=0",
+       "--run_config.async_ppo.staleness=1", "--run_config.async_ppo.generation_devices=4",
+       f"--workdir={tmp_path}"], cwd=repo, env=subprocess_env(4), capture_output=True,
+      text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(os.path.join(tmp_path, "result.json")) as f:
+    result = json.load(f)
+  assert result["plan"]["reference"] is False
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  decode, inference = result["programs"]["decode"], result["programs"]["inference"]
+  critic = plan_programs._nbytes(llama.param_shapes(cfg.critic))  # one device's, data-only mesh
+  actor = plan_programs._nbytes(llama.param_shapes(cfg.actor))
+  assert critic != actor
+  assert inference["analytic"]["params_bytes"] == critic
+  assert decode["analytic"]["params_bytes"] == actor
+  assert decode["resident_model_bytes"] == 0
+  assert inference["resident_model_bytes"] == actor
+  # Synchronous on the group (staleness 0): the critic's copy sits beside decode.
+  programs = {k: dict(v) for k, v in result["programs"].items()}
+  plan_programs.beside_train_state(programs, 80e9, False, True, critic, reference=False)
+  assert (programs["decode"]["resident_model_bytes"],
+          programs["inference"]["resident_model_bytes"]) == (critic, actor)
+
+
 def test_binary_takes_a_training_config_with_its_overrides(tmp_path):
   """experiments/plan_check.py --run_config=<train_ppo's --config> with an override of it: the
   plan follows the run as overridden (its response length), the models come from the run's
