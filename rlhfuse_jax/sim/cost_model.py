@@ -32,7 +32,8 @@ parallel degree, FLOPs from shapes.py):
       write) over the device's parameter shard, at hbm_bw*decode_bw_eff.
 Memory (per device, bytes): weights bf16 (2/param; a train_config's models at their
 param_dtype: ModelShape.weight_itemsize); training adds grads of the weights' dtype and Adam fp32
-master+m+v (12, divided by dp with ZeRO-1; m+v, 8, for fp32 weights: no master copy); activations 34*h bytes per token per layer / t
+master+m+v (12, divided by dp with ZeRO-1; m+v, 8, for fp32 weights: no master copy);
+activations 34*h bytes per token per layer / t
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 Table 2: tensor + sequence parallel + selective recomputation, i.e. the attention scores not
 kept, as flash attention does; nothing else recomputed); KV cache kv_bytes_per_token per

@@ -614,8 +614,9 @@ WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads
 def workload_record(wl, train_config: str = "") -> dict:
   """plan.json's "workload": what the plan was searched for (the models' shapes, the batch,
   mini-batch, epochs, max prompt and generation lengths, the devices, whether it runs a
-  reference model (Workload.reference) and a reward model (Workload.reward_model); the train_ppo config and its
-  fusion.inference_micro_batch when one was given), so that a run of another workload with it is warned of."""
+  reference model (Workload.reference) and a reward model (Workload.reward_model); the
+  train_ppo config and its fusion.inference_micro_batch when one was given), so that a run of
+  another workload with it is warned of."""
   out = {role: {"name": shape.name, **{f: getattr(shape, f) for f in WORKLOAD_MODEL_FIELDS}}
          for role, shape in (("actor", wl.actor), ("critic", wl.critic))}
   out.update(global_batch=wl.global_batch, minibatch=wl.minibatch, epochs=wl.epochs,

@@ -71,7 +71,8 @@ def workload(cfg: TrainConfig, task: Any, tokenizer: Any, num_devices: int, leng
   wl = iteration_sim.Workload(
       # the run's dtypes: its weights and KV cache as the trainer holds them
       actor=from_model_config(cfg.model, f"{name} actor", dtypes=True),
-      critic=from_model_config(cfg.critic_model, f"{name} critic", dtypes=True), num_devices=num_devices,
+      critic=from_model_config(cfg.critic_model, f"{name} critic", dtypes=True),
+      num_devices=num_devices,
       global_batch=cfg.rollout.batch_size, minibatch=cfg.algo.minibatch_size,
       epochs=cfg.algo.epochs, micro_batch=micro_batch, max_new_tokens=t, prompt=prompt,
       response=response, seed=seed, reference=cfg.algo.uses_reference,
