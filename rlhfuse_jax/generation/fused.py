@@ -396,7 +396,7 @@ class FusedGenerator:
 
   def run(self, actor_params: Any, frozen_params: dict, prompt_tokens, prompt_lens,
           iteration_key, uids=None, budgets=None, fuse: bool = True,
-          rt: Optional[float] = None) -> FusedOutput:
+          rt: Optional[float] = None, models: Optional[Sequence[str]] = None) -> FusedOutput:
     """Generates and scores one batch.
 
     actor_params: on any devices (copied onto every instance, timed separately);
@@ -405,17 +405,24 @@ class FusedGenerator:
       freed for inference; prompt_tokens [B, <=P] right-padded, prompt_lens [B], uids [B]
       (default 0..B-1), budgets [B] per-sample response budgets (default max_new_tokens);
     fuse: False runs the baseline (no consolidation, inference after generation);
-    rt: force this Rt for this batch (default: config.migration_threshold, "auto" simulated).
+    rt: force this Rt for this batch (default: config.migration_threshold, "auto" simulated);
+    models: the inference models to run on this batch, of those in FrozenModels (default: all;
+      a validation pass needs the reward model's scores alone): the others are neither loaded
+      nor run, their outputs None, and frozen_params may leave them out.
     """
     tokens, plens, uids, budgets = inst_lib.check_prompts(
         self.batch_size, self.prompt_len, self.sampling, prompt_tokens, prompt_lens, uids, budgets,
         self.cfg.vocab_size)
     # Checked here too (the constructor checks the shapes it was given): a missing model was a
     # bare KeyError from the loader thread, after the whole batch had decoded.
-    missing = sorted(set(self.models) - set(frozen_params))
+    if models is not None and not set(models) <= set(self.models):
+      raise ValueError(f"models={sorted(models)}: expected some of {sorted(self.models)} (the "
+                       "inference models this generator was built with)")
+    run_models = {n: c for n, c in self.models.items() if models is None or n in models}
+    missing = sorted(set(run_models) - set(frozen_params))
     if missing:
       raise ValueError(f"frozen_params lacks {missing}: the generator scores with "
-                       f"{sorted(self.models)}")
+                       f"{sorted(run_models)}")
     forced = None if rt is None else rt_choice.resolve_threshold(rt, "rt")  # None: 'auto'
     if fuse and rt is not None and forced is None:
       # Checked before anything runs (choose_rt checks too, after the placement and the cost
@@ -443,6 +450,10 @@ class FusedGenerator:
     else:
       auto = rt is not None  # rt='auto' for this batch, whatever the config's Rt
       if (self.fixed_rt is None or auto) and self.calibration is None:
+        if set(self.models) - set(frozen_params):
+          raise ValueError("measuring the instances' costs for migration_threshold='auto' "
+                           f"needs every inference model's params ({sorted(self.models)}); "
+                           f"frozen_params has {sorted(frozen_params)}")
         # "auto" simulates with this engine's measured costs: measured once, before timing.
         t0 = time.perf_counter()
         logging.info("generation: measuring the instances' costs for migration_threshold="
@@ -451,7 +462,7 @@ class FusedGenerator:
         logging.info("generation: costs measured in %.1fs", time.perf_counter() - t0)
       rt, choice = self.choose_rt(plens, auto=auto)
     run = _Run(self, actor_params, frozen_params, tokens, plens, uids, budgets,
-               sampling_lib.as_typed_key(iteration_key), fuse, rt, place_s)
+               sampling_lib.as_typed_key(iteration_key), fuse, rt, place_s, run_models)
     del actor_params  # the run holds the instances' copies, and lets each go when it is done
     out = run.execute()
     out.rt_choice = choice
@@ -568,8 +579,11 @@ class InferenceQueue:
   assignment must then not depend on timing (`stream`)."""
 
   def __init__(self, gen: "FusedGenerator", frozen_params: dict, table: SlotTable,
-               prompts: np.ndarray, prompt_lens: np.ndarray, log: ActivityLog):
+               prompts: np.ndarray, prompt_lens: np.ndarray, log: ActivityLog,
+               models: Optional[dict] = None):
     self.gen, self.frozen_params, self.table, self.log = gen, frozen_params, table, log
+    # {name: ModelConfig} of the models this batch runs (FusedGenerator.run's `models`)
+    self.models = gen.models if models is None else models
     self.prompts, self.plens = prompts, prompt_lens  # [B, P], [B]
     self.waiting: list[int] = []  # finished samples not yet dispatched, in finishing order
     # [instance, samples, {model: device array} or None] per micro-batch, in assignment order;
@@ -596,7 +610,7 @@ class InferenceQueue:
   def _load(self, i: int) -> dict:
     """Frozen models from host memory, the critic from its training devices."""
     t0, inst = self.log.now(), self.gen.instances[i]
-    placed = {n: inst.place(c, self.frozen_params[n]) for n, c in self.gen.models.items()}
+    placed = {n: inst.place(c, self.frozen_params[n]) for n, c in self.models.items()}
     self.log.record(i, "load", jax.tree.leaves(placed), since=t0)
     return placed
 
@@ -632,7 +646,7 @@ class InferenceQueue:
     inst = self.gen.instances[i]
     placed = self.loads[i].result()
     outs = {n: inst.score(n, placed[n], seq, self.plens[rows], table.n_gen[rows])
-            for n in self.gen.models}
+            for n in self.models}
     self.log.record(i, "inference", list(outs.values()))
     return outs
 
@@ -711,8 +725,10 @@ class _Run:
   instances only."""
 
   def __init__(self, gen: FusedGenerator, actor_params, frozen_params, tokens, plens, uids,
-               budgets, key, fuse: bool, rt: float, place_s: float):
+               budgets, key, fuse: bool, rt: float, place_s: float,
+               models: Optional[dict] = None):
     self.gen, self.fuse, self.rt, self.key = gen, fuse, rt, key
+    self.models = gen.models if models is None else models  # the ones this batch runs
     self.frozen_params = frozen_params
     self.tokens, self.plens, self.uids, self.budgets = tokens, plens, uids, budgets
     self.table = SlotTable(gen.config.num_instances, gen.config.slots, gen.batch_size,
@@ -754,7 +770,7 @@ class _Run:
     for i in sorted(newly):
       finished, stop = newly[i]
       done = table.finish(finished, stop, *rows[i])
-      if gen.models:  # none to run (no reference, critic or reward model): nothing waits
+      if self.models:  # none to run (no reference, critic or reward model): nothing waits
         self.infer.add(done)
 
   def _exchange_rows(self, newly: dict, rows: dict) -> dict:
@@ -897,7 +913,8 @@ class _Run:
     keys = {i: jax.device_put(self.key, inst.rep) for i, inst in mine.items()}
     place_s = self.place_s
     self.log = log = ActivityLog(cfg.num_instances)
-    self.infer = InferenceQueue(gen, self.frozen_params, table, self.tokens, self.plens, log)
+    self.infer = InferenceQueue(gen, self.frozen_params, table, self.tokens, self.plens, log,
+                                self.models)
     summaries = {}
     for i, (rows, tok, lens, uid, bud) in enumerate(gen._deal(self.tokens, self.plens,
                                                               self.uids, self.budgets)):
@@ -935,7 +952,7 @@ class _Run:
       rounds += 1
       for i in idle:
         params.pop(i, None)  # decodes no more
-      if self.fuse and gen.models:  # (without inference models no instance loads any)
+      if self.fuse and self.models:  # (without inference models no instance loads any)
         # After the decode dispatch, so that loading weights never delays the tail.
         for i in idle:
           self.infer.free(i)
@@ -954,7 +971,7 @@ class _Run:
               place_s, load_bytes) -> FusedOutput:
     gen, table = self.gen, self.table
     b, t = gen.batch_size, gen.sampling.max_new_tokens
-    out = {n: np.zeros((b, t) if n != "reward" else (b,), np.float32) for n in gen.models}
+    out = {n: np.zeros((b, t) if n != "reward" else (b,), np.float32) for n in self.models}
     for _, take, res in results:
       for n, arr in res.items():
         out[n][np.asarray(take)] = np.asarray(arr)[:len(take)]

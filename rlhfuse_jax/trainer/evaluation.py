@@ -2,11 +2,12 @@
 
 It runs through the run's own rollout stage (trainer/rollout.py) in batches of the rollout's
 shape, so it compiles nothing new and scores exactly as training does (the same reward function
-or model, the same sampling temperature). The held-out prompts go in pool order, each once per
-pass; the last batch is filled up with prompts from the start of the pool, whose results are
-dropped. Its keys derive from (seed, iteration), so the pass is reproducible, a resumed run
-validates exactly as an uninterrupted one, and training never sees it (no prompt-stream
-position, no state).
+or model, the same sampling temperature), without the reference's and the critic's forwards,
+which only training reads (rollout.validation_stage). The held-out prompts go in pool order,
+each once per pass; the last batch is filled up with prompts from the start of the pool, whose
+results are dropped. Its keys derive from (seed, iteration), so the pass is reproducible, a
+resumed run validates exactly as an uninterrupted one, and training never sees it (no
+prompt-stream position, no state).
 """
 from __future__ import annotations
 
@@ -69,9 +70,12 @@ class HeldOutEval:
     num_batches = -(-len(self.dataset) // self.rows)
     # A fused stage's Rt histogram learns from training batches only.
     generator = rollout_lib.fused_generator(stage)
+    # The responses and their rewards alone: no reference or critic forward (nothing here reads
+    # their outputs; the responses and scores are the same).
+    run = rollout_lib.validation_stage(stage)
     with generator.history_kept() if generator else contextlib.nullcontext():
       for b, (prompts, real) in enumerate(self.batches()):
-        out = stage(params, prompts, jax.random.fold_in(key, b))
+        out = run(params, prompts, jax.random.fold_in(key, b))
         scores.append(np.asarray(out.scores[:real], np.float64))
         lengths.append(np.asarray(out.rollout.response_lens[:real]))
         for label, values in out.reward_terms.items():

@@ -30,6 +30,7 @@ already on the host, build.Models.frozen_to_host, so no device copy outlives set
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -82,8 +83,21 @@ WholeParams = Callable[[str], Any]
 
 
 class RolloutStage(Protocol):
-  def __call__(self, params: WholeParams, prompts: Prompts, key: jax.Array) -> StageOutputs:
-    """The critic is asked for only in a run with one (otherwise values are zeros)."""
+  def __call__(self, params: WholeParams, prompts: Prompts, key: jax.Array, *,
+               rewards_only: bool = False) -> StageOutputs:
+    """The critic is asked for only in a run with one (otherwise values are zeros).
+    rewards_only: the responses and their rewards alone (a validation pass): no reference or
+    critic forward (ref_logp None, values zeros); the same responses and scores."""
+
+
+def validation_stage(stage: Any) -> Callable[[WholeParams, Prompts, jax.Array], StageOutputs]:
+  """The call of `stage` for a validation pass, which reads the responses and their rewards
+  alone: a stage of this module skips the reference's and the critic's forwards there
+  (rewards_only; with algo.kl_coef > 0 and a critic they were two of its three inference
+  passes); any other callable (a test's stand-in or wrapper) is called as it is."""
+  if isinstance(stage, (SerialStage, FusedStage, PlannedStage)):
+    return functools.partial(stage, rewards_only=True)
+  return stage
 
 
 def fused_generator(stage: Any) -> Optional[fused_lib.FusedGenerator]:
@@ -109,7 +123,8 @@ class SerialStage:
                                          prompt_len=cfg.data.max_prompt_len, mesh=mesh,
                                          params=actor_shapes)
 
-  def __call__(self, params: WholeParams, prompts: Prompts, key) -> StageOutputs:
+  def __call__(self, params: WholeParams, prompts: Prompts, key, *,
+               rewards_only: bool = False) -> StageOutputs:
     # The whole actor lives only while generating, the whole critic only while scoring. Their
     # fetches (a pipelined state's gather, timing_s/reshard) stay outside the stage clocks, as
     # in the planned and fused stages.
@@ -119,24 +134,27 @@ class SerialStage:
                                       uids=prompts.uids)
     t_gen = time.time() - t0
     del actor
-    return score_rollout(self, rollout, params, prompts, {"timing_s/generate": t_gen})
+    return score_rollout(self, rollout, params, prompts, {"timing_s/generate": t_gen},
+                         rewards_only=rewards_only)
 
 
 def score_rollout(stage: Any, rollout: Any, params: WholeParams, prompts: Prompts, m: dict,
-                  place_critic: Optional[Callable[[Any, dict], Any]] = None) -> StageOutputs:
+                  place_critic: Optional[Callable[[Any, dict], Any]] = None,
+                  rewards_only: bool = False) -> StageOutputs:
   """The inference half of the serial and planned stages: reference log-probs (None without a
   reference), values (the critic fetched after the reference's pass, not both whole at once;
   `place_critic(critic, m)` moves it where the stage scores and records its own timing),
   rewards. timing_s/inference leaves out the fetch and the placement (timed apart). `stage` holds
-  actor_cfg, critic_cfg, use_critic, sampling, pad_id, reference, rewards and scorer."""
+  actor_cfg, critic_cfg, use_critic, sampling, pad_id, reference, rewards and scorer.
+  rewards_only: the rewards alone (no reference log-probs, values zeros, no critic fetched)."""
   t0 = time.time()
   batch = scoring.ScoringBatch.from_rollout(rollout, stage.pad_id)
   ref_logp = None  # no reference (algo.kl_coef=0): nothing reads its log-probs
-  if stage.reference is not None:
+  if stage.reference is not None and not rewards_only:
     ref_logp = stage.scorer.logprobs(stage.actor_cfg, stage.reference, batch,
                                      stage.sampling.logprob_temperature)
   values = np.zeros(rollout.logprobs.shape, np.float32)
-  if stage.use_critic:
+  if stage.use_critic and not rewards_only:
     t_fetch = time.time()
     critic = params("critic")
     if place_critic is not None:
@@ -250,18 +268,22 @@ class FusedStage:
         prompt_len=cfg.data.max_prompt_len, frozen=frozen, actor_params=actor_shapes,
         frozen_params=shapes, devices=list(devices), rt_model=rt_auto.simulated_rt_model)
 
-  def __call__(self, params: WholeParams, prompts: Prompts, key) -> StageOutputs:
+  def __call__(self, params: WholeParams, prompts: Prompts, key, *,
+               rewards_only: bool = False) -> StageOutputs:
     # Both at once: the critic scores finished samples while the tail still decodes.
     frozen = dict(self.host)
-    if self.use_critic:
+    use_critic = self.use_critic and not rewards_only
+    if use_critic:
       frozen["critic"] = self._instance_ready(params("critic"))
+    # rewards_only: the reward model alone (if any) is loaded onto the freed instances and run.
+    models = (["reward"] if self.rewards.from_model else []) if rewards_only else None
     # The actor as placed for training: the generator reshards it onto its instances on the
     # devices, also across processes (FusedGenerator.place_actor).
     out = self.generator.run(params("actor"), frozen, prompts.tokens, prompts.lens, key,
-                             uids=prompts.uids, fuse=self.fuse)
+                             uids=prompts.uids, fuse=self.fuse, models=models)
     rollout = out.rollout
     batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
-    values = out.values if self.use_critic else np.zeros(rollout.logprobs.shape, np.float32)
+    values = out.values if use_critic else np.zeros(rollout.logprobs.shape, np.float32)
     # The reward model scored on the instances; the function terms are added here.
     scores, reward_metrics, terms = self.rewards.combine_terms(
         prompts.records, rollout.response_tokens, rollout.response_lens,
@@ -403,8 +425,9 @@ class InstancesStage(FusedStage):
     super().__init__(cfg, sampling, devices, config=plan_instances_config(cfg, len(devices)),
                      fuse=cfg.fusion.inter_stage, **kw)
 
-  def __call__(self, params: WholeParams, prompts: Prompts, key) -> StageOutputs:
-    out = super().__call__(params, prompts, key)
+  def __call__(self, params: WholeParams, prompts: Prompts, key, *,
+               rewards_only: bool = False) -> StageOutputs:
+    out = super().__call__(params, prompts, key, rewards_only=rewards_only)
     out.metrics["timing_s/reshard_generation"] = out.metrics["timing_s/actor_to_instances"]
     return out
 
@@ -468,7 +491,8 @@ class PlannedStage:
     self.reference, self.rewards = reference, rewards
     self.scorer = scoring.Scorer(self.inf_mesh or mesh)
 
-  def __call__(self, params: WholeParams, prompts: Prompts, key) -> StageOutputs:
+  def __call__(self, params: WholeParams, prompts: Prompts, key, *,
+               rewards_only: bool = False) -> StageOutputs:
     m: dict = {}
     # The whole actor's fetch (a pipelined state's gather, timing_s/reshard) stays outside the
     # stage clocks.
@@ -497,7 +521,7 @@ class PlannedStage:
         return critic
       critic, m["timing_s/reshard_inference"] = _reshard(critic, self.critic_cfg, self.inf_mesh)
       return critic
-    return score_rollout(self, rollout, params, prompts, m, place_critic)
+    return score_rollout(self, rollout, params, prompts, m, place_critic, rewards_only)
 
 
 def _fmt_bytes(n: float) -> str:

@@ -1,0 +1,57 @@
+"""The validation pass (trainer/evaluation.py) runs the reward alone: no reference or critic
+forward (with algo.kl_coef > 0 and a critic they were two of its three inference passes), and
+the val/* metrics are those of the whole stage's outputs."""
+import jax
+import pytest
+
+from rlhfuse_jax.generation import instances
+from rlhfuse_jax.inference import scoring
+from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.trainer import rollout
+from rlhfuse_jax.trainer.loop import PPOTrainer
+from tests.test_trainer import tiny_config
+
+
+def _spy(monkeypatch, cls, name, calls):
+  """Records each call of cls.name (the model's name for GenerationInstance.score)."""
+  original = getattr(cls, name)
+
+  def spied(self, *args, **kwargs):
+    calls.append(args[0] if name == "score" else name)
+    return original(self, *args, **kwargs)
+  monkeypatch.setattr(cls, name, spied)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_validation_pass_skips_the_reference_and_critic_with_the_same_metrics(
+    tmp_path, monkeypatch, fused):
+  extra = {"fusion.inter_stage": True, "fusion.migration_threshold": "1.0"} if fused else {}
+  cfg = tiny_config(**{"num_iterations": 1, "eval_every": 1, "data.val_fraction": 0.4,
+                       "checkpoint.every": 100, **extra})
+  assert cfg.algo.kl_coef > 0 and cfg.algo.estimator == "gae"  # a reference and a critic
+  trainer = PPOTrainer(cfg, str(tmp_path), mesh=mesh_lib.make_mesh(
+      mesh_lib.MeshConfig(data=4), jax.devices()[:4]))
+  stage = trainer.rollout
+  assert isinstance(stage, rollout.FusedStage if fused else rollout.SerialStage)
+  calls, asked = [], []
+  for cls, name in ((scoring.Scorer, "logprobs"), (scoring.Scorer, "values"),
+                    (instances.GenerationInstance, "score")):
+    _spy(monkeypatch, cls, name, calls)
+  params = trainer._generation_params()
+
+  def recorded(model):
+    asked.append(model)
+    return params(model)
+  val = trainer.held_out(stage, recorded, 0)
+  assert val["val/prompts"] == len(trainer.held_out) > stage_rows(cfg)  # several batches
+  assert calls == [] and asked == ["actor"] * -(-len(trainer.held_out) // stage_rows(cfg))
+  # The whole stage (a wrapper is called as it is): reference and critic run, same val/*.
+  full = trainer.held_out(lambda p, prompts, key: stage(p, prompts, key), recorded, 0)
+  assert set(calls) >= ({"reference", "critic"} if fused else {"logprobs", "values"})
+  assert "critic" in asked
+  metrics = lambda m: {k: v for k, v in m.items() if k != "timing_s/validation"}  # noqa: E731
+  assert metrics(val) == metrics(full)
+
+
+def stage_rows(cfg):
+  return cfg.rollout.batch_size
