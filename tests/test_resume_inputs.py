@@ -291,3 +291,55 @@ def test_a_resume_with_other_validation_settings_says_so_naming_the_field(tmp_pa
   said = warnings(config(val))
   assert len(said) == 1 and (f"config.data.val_file={str(val)!r}: other content than when the "
                              "checkpoints were written") in said[0]
+
+
+def test_val_max_prompts_raised_past_the_pool_on_resume_is_no_change(tmp_path, caplog):
+  """A resume judges data.val_max_prompts by the prompts it selects, min(pool, k): raised past
+  the held-out pool's size (or to 0, the whole pool) it selects the same ones, an info line
+  (it was warned of as a change making val/* incomparable); lowered below the pool, or raised
+  while it capped the pool, other prompts: the warning."""
+  import logging
+  import jax
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  from rlhfuse_jax.trainer import hooks
+  from rlhfuse_jax.trainer.loop import PPOTrainer
+  from tests.test_trainer import tiny_config
+  val = tmp_path / "val.jsonl"
+  val.write_text("".join(f'{{"prompt": "{d} #2 =", "target": "{d} {d}"}}\n' for d in (1, 2, 3)))
+  workdir = str(tmp_path / "run")
+
+  def config(k, **kw):
+    return tiny_config(**{"data.val_file": str(val), "eval_every": 1, "num_iterations": 1,
+                          "data.val_max_prompts": k, **kw})
+  trainer = PPOTrainer(config(5), workdir, mesh=mesh_lib.make_mesh(
+      mesh_lib.MeshConfig(data=1), jax.devices()[:1]))
+  assert trainer.run()[-1]["val/prompts"] == 3  # the pool's 3 of the 5 allowed
+
+  def warnings(cfg):
+    caplog.clear()
+    c = hooks.Checkpoints(workdir, cfg, cfg.fingerprint())
+    try:
+      with caplog.at_level(logging.INFO):
+        assert c.resume_point()[0] == 1
+    finally:
+      c.checkpointer.close()
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  for k in (10, 0, 3):
+    assert warnings(config(k)) == [], k
+    assert (f"config.data.val_max_prompts: 5 -> {k}: the same 3 held-out prompts (the pool "
+            "holds 3") in caplog.text
+  said = warnings(config(2))
+  assert len(said) == 1 and "config.data.val_max_prompts: 5 -> 2 (" in said[0]
+  # Written with a cap below the pool: raising it selects more prompts.
+  second = str(tmp_path / "capped")
+  ckpts = hooks.Checkpoints(second, config(2), config(2).fingerprint())
+  try:
+    ckpts.set_val_pool(3)
+    ckpts.state_fn, ckpts.meta_fn = (lambda: {"w": jax.numpy.zeros((2,))}), (lambda: {"data": {}})
+    ckpts.after(1, {}, stopping=True)
+    ckpts.wait()
+  finally:
+    ckpts.checkpointer.close()
+  workdir = second
+  said = warnings(config(3, **{"eval_every": 2}))
+  assert len(said) == 1 and "config.data.val_max_prompts: 2 -> 3 (" in said[0]

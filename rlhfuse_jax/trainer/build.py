@@ -126,9 +126,11 @@ def _load(cfg: TrainConfig, field: str) -> list[dict]:
                     keys_of="config.data.prompts_file" if field == "val_file" else "")
 
 
-def load_prompt_records(cfg: TrainConfig, task) -> tuple[list[dict], list[dict]]:
+def load_prompt_records(cfg: TrainConfig, task, cap: bool = True
+                        ) -> tuple[list[dict], list[dict]]:
   """(training, held-out) prompt records: data.prompts_file or the task's prompts, and
-  data.val_file or a data.val_fraction split of them (held-out: [] without either)."""
+  data.val_file or a data.val_fraction split of them (held-out: [] without either), the
+  held-out ones capped at data.val_max_prompts (`cap` False: the whole held-out pool)."""
   if cfg.data.prompts_file:
     records = _load(cfg, "prompts_file")
   else:
@@ -138,7 +140,7 @@ def load_prompt_records(cfg: TrainConfig, task) -> tuple[list[dict], list[dict]]
     records, held_out = records_lib.split_records(records, cfg.data.val_fraction, cfg.seed)
   elif cfg.data.val_file:
     held_out = _load(cfg, "val_file")
-  if cfg.data.val_max_prompts:
+  if cfg.data.val_max_prompts and cap:
     held_out = held_out[:cfg.data.val_max_prompts]
   return records, held_out
 
@@ -201,8 +203,20 @@ def build_datasets(cfg: TrainConfig, task, tokenizer: Tokenizer
   """The training prompt stream (its position is checkpointed) and the held-out prompts (None
   without any), both rendered through data.chat_template and tokenised now, so that a bad row
   stops the run before anything is compiled."""
+  return build_datasets_and_pool(cfg, task, tokenizer)[:2]
+
+
+def build_datasets_and_pool(cfg: TrainConfig, task, tokenizer: Tokenizer
+                            ) -> tuple[prompts_lib.PromptDataset,
+                                       Optional[prompts_lib.PromptDataset], int]:
+  """build_datasets's two, and the size of the held-out pool before data.val_max_prompts caps
+  it (0 without one): a resume that changes val_max_prompts validates on the same prompts when
+  min(pool, val_max_prompts) is the same (trainer/inputs.py, warn_eval_changes)."""
   template = chat_lib.ChatTemplate.load(cfg.data.chat_template, cfg.init.tokenizer)
-  train, held_out = load_prompt_records(cfg, task)
+  train, held_out = load_prompt_records(cfg, task, cap=False)
+  pool = len(held_out)
+  if cfg.data.val_max_prompts:
+    held_out = held_out[:cfg.data.val_max_prompts]
   add_bos = False if template is not None else None
 
   def make(records: list, shuffle: bool) -> prompts_lib.PromptDataset:
@@ -224,7 +238,7 @@ def build_datasets(cfg: TrainConfig, task, tokenizer: Tokenizer
       _refuse_task_vocabulary(cfg, train + held_out, tokenizer)
     raise
   logging.info("%s", describe_prompts(cfg, template, *datasets))
-  return datasets
+  return (*datasets, pool)
 
 
 def describe_prompts(cfg: TrainConfig, template: Optional[chat_lib.ChatTemplate],

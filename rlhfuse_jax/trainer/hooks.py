@@ -364,6 +364,11 @@ class Checkpoints(Hook):
     self.state_fn: Callable[[], dict] = dict
     self.meta_fn: Callable[[], dict] = dict
 
+  def set_val_pool(self, size: int) -> None:
+    """The held-out pool's size before data.val_max_prompts (known once the prompts are
+    loaded), saved with the validation settings from the next checkpoint on."""
+    self.eval[inputs_lib.VAL_POOL] = int(size)
+
   # ------------------------------------------------------------ before anything is built
   def resume_point(self) -> tuple[Optional[int], Optional[dict]]:
     """(step, side-car) of the newest checkpoint whose side-car reads, or (None, None). An

@@ -180,6 +180,10 @@ def _changed_files(was: Any, is_: Any) -> str:
 # is the same whatever it is (its keys are the iteration's, evaluation.validation_key), so its
 # change is an info line, not the warning that val/* are no longer comparable.
 EVAL_FIELDS = ("eval_every", "data.val_file", "data.val_max_prompts")
+# Beside them, the held-out pool's size before data.val_max_prompts caps it (set once the
+# prompts are loaded: hooks.Checkpoints.set_val_pool): a changed val_max_prompts selects the
+# same prompts when min(pool, val_max_prompts) is the same (e.g. raised past the pool's size).
+VAL_POOL = "data.val_pool"
 
 
 def eval_settings(cfg: Any) -> dict[str, Any]:
@@ -194,12 +198,29 @@ def eval_settings(cfg: Any) -> dict[str, Any]:
   return out
 
 
+def _same_val_prompts(saved: Mapping[str, Any], now: Mapping[str, Any]) -> Optional[int]:
+  """How many held-out prompts both data.val_max_prompts values select, min(pool, k) with k = 0
+  the whole pool, when they select the same ones from a pool that did not change (the same
+  data.val_file, or the same content at another path; a val_fraction split is fixed by fields
+  no resume changes); None when they differ or the checkpoints do not say the pool's size."""
+  pool = saved.get(VAL_POOL)
+  if not isinstance(pool, int):
+    return None
+  was, is_ = saved.get("data.val_file content"), now.get("data.val_file content")
+  same_pool = (was == is_ if saved.get("data.val_file") == now.get("data.val_file") else
+               bool(was and is_ and sorted(was.values()) == sorted(is_.values())))
+  used = [min(pool, k) if k else pool for k in (saved.get("data.val_max_prompts", 0),
+                                                 now.get("data.val_max_prompts", 0))]
+  return used[0] if same_pool and used[0] == used[1] else None
+
+
 def warn_eval_changes(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any],
                       iteration: Any) -> list[str]:
   """Logs a warning naming each validation setting that differs from the checkpoint's `saved`
   ones (None: written before they were kept; nothing to compare), and another content in
   data.val_file (at the same path or a new one); returns the warnings' texts. A changed
-  eval_every is an info line: val/* stay comparable, logged at other iterations."""
+  eval_every is an info line: val/* stay comparable, logged at other iterations; so is a
+  data.val_max_prompts that selects the same prompts of the same pool (_same_val_prompts)."""
   if not saved:
     return []
   said = []
@@ -215,6 +236,12 @@ def warn_eval_changes(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any]
     if field == "data.val_file" and was and is_ and sorted(was.values()) == sorted(is_.values()):
       logging.info("resuming iteration %s with config.data.val_file: %r -> %r: the same content "
                    "at the new path", iteration, saved[field], now[field])
+      continue
+    used = _same_val_prompts(saved, now)
+    if field == "data.val_max_prompts" and used is not None:
+      logging.info("resuming iteration %s with config.data.val_max_prompts: %r -> %r: the same "
+                   "%d held-out prompts (the pool holds %d; val/* stay comparable)", iteration,
+                   saved[field], now[field], used, saved[VAL_POOL])
       continue
     said.append(f"config.{field}: {saved[field]!r} -> {now[field]!r}")
   if saved.get("data.val_file") == now["data.val_file"] and was and is_ and was != is_:

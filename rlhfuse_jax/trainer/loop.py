@@ -295,7 +295,10 @@ class PPOTrainer:
                  f"task {cfg.data.task!r}", dict(self.mesh.shape), (
                      f" (training group), generation group of {self.gen_mesh.devices.size} "
                      f"devices" if self.disjoint else ""))
-    self.dataset, held_out = build.build_datasets(cfg, self.task, self.tokenizer)
+    self.dataset, held_out, pool = build.build_datasets_and_pool(cfg, self.task, self.tokenizer)
+    # Saved with the validation settings: a resume judges a changed data.val_max_prompts by the
+    # prompts it selects, min(pool, val_max_prompts) (trainer/inputs.py, warn_eval_changes).
+    self.checkpoints.set_val_pool(pool)
     if cfg.data.prompts_file:  # how far num_iterations takes the run through the data
       n, per = len(self.dataset.records), cfg.rollout.prompts_per_iteration
       logging.info("setup: %d training prompts%s, %d per iteration: %d iterations are %.3g "
