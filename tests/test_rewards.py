@@ -65,6 +65,19 @@ def huge_int(response, answer, record):
   return 10 ** 400
 
 
+def overlong(response, answer, record, num_tokens, max_tokens=8, cache=4):
+  """DAPO's overlong penalty (a reward.format term): 0 up to max_tokens - cache tokens, then
+  falling linearly to -1 at max_tokens, -1 beyond ('tests.test_rewards:overlong')."""
+  return max(-1.0, min(0.0, (max_tokens - cache - num_tokens) / cache))
+
+
+def batch_tokens(responses, answers, records, *, num_tokens):
+  """A batched function of the token counts ('tests.test_rewards:batch_tokens')."""
+  return [float(n) for n in num_tokens]
+
+
+batch_tokens.batched = True
+
 CALLS = []
 
 
@@ -652,3 +665,33 @@ def test_reward_config_checks():
     tiny_config(**{"reward.format": "boxed_format", "reward.format_weight": 1e39})
   # float32's largest value itself is in range (3.4e38 is a little below it)
   tiny_config(**{"reward.format": "boxed_format", "reward.format_weight": 3.4028e38})
+
+
+def test_a_user_function_naming_num_tokens_gets_each_responses_token_count(tok):
+  """A length penalty (DAPO's overlong shaping) needs the response's length in tokens, which
+  the text alone does not give. A function that names a parameter `num_tokens` gets it: the
+  generated ids through the first EOS, the EOS counted (ids after it are not the response);
+  per sample an int, batched a list. The three-argument functions are called as before."""
+  ids, lens = _batch(tok, ["a", "abc def ghi jkl mno", ""])
+  want = lens.tolist()  # the text's tokens + EOS
+  lens_after = lens.copy()
+  lens_after[0] += 3  # ids generated after the EOS: not counted
+  penalties = [max(-1.0, min(0.0, (4 - n) / 4)) for n in want]  # max_tokens 8, cache 4
+  assert penalties[1] < 0 == penalties[0]  # one penalised, one not
+  fn = rewards_lib.get_reward_function("tests.test_rewards:overlong")  # the early check passes
+  np.testing.assert_allclose(fn([{}] * 3, ids, lens_after, tok), penalties)
+  assert rewards_lib.takes_num_tokens(overlong)
+  batched = rewards_lib.get_reward_function("tests.test_rewards:batch_tokens")
+  np.testing.assert_array_equal(batched([{}] * 3, ids, lens_after, tok), want)
+  # Not passed to a function that does not name it (**kwargs included).
+  seen = []
+  rewards_lib.per_sample(lambda r, a, rec, **kw: seen.append(kw) or 0.0, "kw")(
+      [{}] * 3, ids, lens, tok)
+  assert seen == [{}] * 3 and not rewards_lib.takes_num_tokens(answer_length)
+  # As a reward.format term beside the task's reward (what a run configures).
+  cfg = tiny_config(**{"reward.function": "tests.test_rewards:answer_length",
+                       "reward.format": "tests.test_rewards:overlong",
+                       "reward.format_weight": 1.0})
+  build.check_reward_functions(cfg)
+  _, metrics = build.build_rewards(cfg, None, tok, None, None).combine([{}] * 3, ids, lens)
+  np.testing.assert_allclose(metrics["reward/format_mean"], np.mean(penalties), rtol=1e-6)

@@ -18,7 +18,10 @@ Per-sample text rewards `fn(response: str, answer: str | None, record) -> float`
 verifiers and format rewards of data/verifiers.py, or a user's function named by import path,
 `"my_pkg.rewards:score"`) become batch functions through `per_sample`, which decodes each
 response up to its EOS and names the function and the sample (index and `file:line`) in any
-error. `resolve_reward_function` maps config.reward.function to a batch function.
+error. A text function that names a parameter `num_tokens` also gets the response's length in
+tokens (NUM_TOKENS: a length penalty such as DAPO's overlong shaping); the others are called
+with the three arguments alone. `resolve_reward_function` maps config.reward.function to a batch
+function.
 """
 from __future__ import annotations
 
@@ -163,6 +166,23 @@ def decode_responses(response_ids: np.ndarray, response_lengths: np.ndarray,
 
 TextRewardFn = Callable[[str, Optional[str], Mapping[str, Any]], Any]
 
+# The optional keyword a text reward function may take: the response's length in tokens, its
+# generated ids through the first EOS, the EOS counted (what response_extent gives; the text
+# the function reads stops before the EOS). Passed only to a function whose signature names it
+# (a parameter, not **kwargs), so the three-argument functions are called as before.
+NUM_TOKENS = "num_tokens"
+
+
+def takes_num_tokens(fn: Callable) -> bool:
+  """Whether `fn` names a parameter NUM_TOKENS that a keyword can fill (False for a callable
+  whose signature Python cannot read)."""
+  try:
+    param = inspect.signature(fn).parameters.get(NUM_TOKENS)
+  except (TypeError, ValueError):
+    return False
+  return param is not None and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                              inspect.Parameter.KEYWORD_ONLY)
+
 
 def _short(text: Any, limit: int = 120) -> Any:
   """`text` cut to `limit` characters; None stays None and anything else is its str (an
@@ -200,24 +220,35 @@ def _as_float32(value: numbers.Real) -> np.float32:
     return np.float32(np.inf if value > 0 else -np.inf)
 
 
+def _token_counts(response_ids: np.ndarray, response_lengths: np.ndarray,
+                  tokenizer: Tokenizer) -> list[int]:
+  """Each response's length in tokens (NUM_TOKENS): through its first EOS, the EOS counted."""
+  return [int(n) for n in response_extent(response_ids, response_lengths, tokenizer.stop_ids)[0]]
+
+
 def per_sample(fn: TextRewardFn, name: str, stat: bool = False) -> RewardFn:
   """A batch reward function that calls `fn(response, answer, record)` per sample.
 
-  `answer` is record['target'] (the dataset's answer column; None when the row has none). An
-  exception or a value that is not a finite real number raises RewardFunctionError naming
+  `answer` is record['target'] (the dataset's answer column; None when the row has none); a
+  function that names a parameter `num_tokens` gets the response's length in tokens there
+  (NUM_TOKENS, an int). An exception or a value that is not a finite real number raises
+  RewardFunctionError naming
   `name`, the sample's index in the batch and its record's file:line, its answer and the start
   of its response. `stat`: a statistic (config.reward.stats), named so; NaN (or None) passes,
   its "no value for this sample".
   """
   what = "statistic" if stat else "reward function"
+  with_tokens = takes_num_tokens(fn)
 
   def batch(records, response_ids, response_lengths, tokenizer) -> np.ndarray:
     texts = decode_responses(response_ids, response_lengths, tokenizer)
+    counts = _token_counts(response_ids, response_lengths, tokenizer) if with_tokens else None
     out = np.zeros((len(texts),), np.float32)
     for b, (text, record, answer) in enumerate(zip(texts, *_samples(records, texts))):
       sample = _sample(b, record, answer, text)
       try:
-        value = fn(text, answer, record)
+        value = (fn(text, answer, record, **{NUM_TOKENS: counts[b]}) if with_tokens else
+                 fn(text, answer, record))
       except Exception as e:  # noqa: BLE001 re-raised with the function and the sample named
         raise RewardFunctionError(f"{what} {name!r} failed on {sample}: "
                                   f"{type(e).__name__}: {e}") from e
@@ -241,16 +272,21 @@ def per_batch(fn: Callable, name: str, stat: bool = False) -> RewardFn:
   """A batch reward function that calls `fn(responses, answers, records)` once per batch (a
   user function marked `fn.batched = True`: one that batches its own work, a verifier pool or
   a reward server): lists of the decoded responses, each record's 'target' (None where a row
-  has none) and the records; it returns one finite number per response. An exception, a
+  has none) and the records (and, to a function that names a parameter `num_tokens`, the
+  list of the responses' lengths in tokens, NUM_TOKENS); it returns one finite number per
+  response. An exception, a
   result of another length or a non-finite value raises RewardFunctionError naming `name` (and
   the first bad sample's index, file:line, answer and response); `stat`: as per_sample's."""
   what = "statistic" if stat else "reward function"
+  with_tokens = takes_num_tokens(fn)
 
   def batch(records, response_ids, response_lengths, tokenizer) -> np.ndarray:
     texts = decode_responses(response_ids, response_lengths, tokenizer)
     recs, answers = _samples(records, texts)
     try:
-      values = fn(texts, answers, recs)
+      values = (fn(texts, answers, recs, **{NUM_TOKENS: _token_counts(
+          response_ids, response_lengths, tokenizer)}) if with_tokens else
+                fn(texts, answers, recs))
       if isinstance(values, collections.abc.Iterator):  # concurrent.futures' Executor.map
         values = list(values)  # (it raises a worker's exception here)
     except Exception as e:  # noqa: BLE001 re-raised with the function named
@@ -346,7 +382,8 @@ def _check_arguments(fn: Callable, spec: str, batched: bool = False) -> None:
   except (TypeError, ValueError):
     return
   try:
-    signature.bind("response", "answer", {"record": 1})
+    signature.bind("response", "answer", {"record": 1},
+                   **({NUM_TOKENS: 1} if takes_num_tokens(fn) else {}))
   except TypeError as e:
     args = "(responses, answers, records)" if batched else "(response, answer, record)"
     raise ValueError(f"reward function {spec!r}: its signature {signature} cannot take the "
