@@ -293,3 +293,30 @@ def test_an_override_of_a_checkpoints_architecture_is_refused(monkeypatch):
   build.check_shape_overrides(free, {"critic_model.hidden_size": 2 * ckpt.hidden_size})
   own = given(**{"model.num_layers": ckpt.num_layers + 2, "init.actor_checkpoint": ""})
   build.check_shape_overrides(own, {"model.num_layers": ckpt.num_layers + 2})
+
+
+def test_a_from_scratch_learning_rate_on_a_pretrained_actor_is_warned_of(monkeypatch, caplog):
+  """init.actor_checkpoint with optim.actor_lr above 1e-4 (ppo_tiny's from-scratch 3e-3 left in
+  place): one warning naming the field, its value and the usual fine-tuning range; not an
+  error. The shipped configs (the toy run's 1e-4, ppo_gpu's 1e-6) and a run without a
+  checkpoint say nothing."""
+  import logging
+  monkeypatch.chdir(REPO)
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
+
+  def warned(cfg):
+    caplog.clear()
+    tok = HFTokenizer.from_file(os.path.join(DATA, "tiny_llama3_chat"))
+    with caplog.at_level(logging.WARNING):
+      validate(build.resolve_config(cfg, tok), mesh)
+    return [r.getMessage() for r in caplog.records if "optim.actor_lr" in r.getMessage()]
+  said = warned(_example_config(**{"optim.actor_lr": 3e-3}))
+  assert len(said) == 1 and said[0].startswith(
+      "config.optim.actor_lr=0.003 fine-tunes the pretrained actor of config.init."
+      "actor_checkpoint='configs/data/tiny_llama3_chat'") and "1e-6 .. 1e-5" in said[0]
+  assert warned(_example_config()) == []  # 1e-4: the toy run's rate
+  # (ppo_gpu's context does not fit the tiny model it points at: its rate alone.)
+  from rlhfuse_jax.trainer.validate import warn_fine_tune_lr
+  assert warn_fine_tune_lr(with_overrides(ppo_hf.get_config("ppo_gpu"))) is None
+  assert warned(_example_config(**{"optim.actor_lr": 3e-3, "init.actor_checkpoint": "",
+                                   "init.critic_checkpoint": ""})) == []

@@ -158,6 +158,33 @@ def _half_spacing(x: float, dtype: Any) -> float:
   return 2.0 ** (math.floor(math.log2(x)) - jnp.finfo(dtype).nmant - 1)
 
 
+# The learning rates PPO/GRPO fine-tuning of a pretrained LLM uses: the public trainers'
+# defaults for the policy are 1e-6 (TRL GRPOConfig.learning_rate; OpenRLHF
+# --actor_learning_rate; verl actor_rollout_ref.actor.optim.lr), their critics' 9e-6 (OpenRLHF)
+# and 1e-5 (verl), and this repository's fine-tuning presets use 1e-6 (configs/ppo_hf.py
+# :ppo_gpu). An actor loaded from a checkpoint and stepped at more than FINE_TUNE_LR_MAX (the
+# toy ppo_hf run's 1e-4 on a random model is the most this repository uses) is most likely a
+# from-scratch rate left in place (ppo_tiny's 3e-3): a warning, not an error (a user may mean it).
+FINE_TUNE_LR_MAX = 1e-4
+FINE_TUNE_LR_RANGE = "1e-6 .. 1e-5"
+
+
+def warn_fine_tune_lr(cfg: TrainConfig) -> Optional[str]:
+  """Logs (and returns) one warning when the actor starts from init.actor_checkpoint and
+  optim.actor_lr exceeds FINE_TUNE_LR_MAX, naming the field, its value and the usual range."""
+  lr = cfg.optim.actor_lr
+  if not cfg.init.actor_checkpoint or lr <= FINE_TUNE_LR_MAX:
+    return None
+  text = (f"config.optim.actor_lr={lr:g} fine-tunes the pretrained actor of "
+          f"config.init.actor_checkpoint={cfg.init.actor_checkpoint!r} at a from-scratch rate: "
+          f"PPO/GRPO fine-tuning usually runs at {FINE_TUNE_LR_RANGE} (TRL, OpenRLHF and verl "
+          f"default to 1e-6; configs/ppo_hf.py:ppo_gpu uses 1e-6): at 1e-3 even the toy "
+          "configs/ppo_hf.py run drifted to a KL of ~6 from its reference within 20 iterations. "
+          "Lower it unless you mean it")
+  logging.warning("%s", text)
+  return text
+
+
 def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
              generation_devices: Optional[int] = None) -> None:
   """Raises ValueError naming the config field for a run this mesh cannot do. `mesh` is the
@@ -218,6 +245,7 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                     "+-1, whatever kl_coef is. GRPO's own setting is algo.kl_in_reward=False "
                     "(the KL as a loss term, kl_estimator='k3'), as configs/ppo_tiny.py:grpo has",
                     cfg.algo.estimator, cfg.algo.kl_coef)
+  warn_fine_tune_lr(cfg)
   for section, model, lr in _low_precision_trained(cfg):
     # AdamW moves a weight by about the learning rate per step; bfloat16 keeps 8 significant
     # bits, so a step below half the weight's spacing rounds away (float16 is refused above).
