@@ -582,8 +582,7 @@ class InferenceQueue:
                prompts: np.ndarray, prompt_lens: np.ndarray, log: ActivityLog,
                models: Optional[dict] = None):
     self.gen, self.frozen_params, self.table, self.log = gen, frozen_params, table, log
-    # {name: ModelConfig} of the models this batch runs (FusedGenerator.run's `models`)
-    self.models = gen.models if models is None else models
+    self._models = models  # FusedGenerator.run's `models`; None: all of the generator's
     self.prompts, self.plens = prompts, prompt_lens  # [B, P], [B]
     self.waiting: list[int] = []  # finished samples not yet dispatched, in finishing order
     # [instance, samples, {model: device array} or None] per micro-batch, in assignment order;
@@ -594,6 +593,11 @@ class InferenceQueue:
     self.loads: dict = {}  # this process's instance -> Future of {model: params on it}
     self.loader = ThreadPoolExecutor(max_workers=1)
     self.dispatched = np.zeros(gen.config.num_instances, np.int64)  # micro-batches per instance
+
+  @property
+  def models(self) -> dict:
+    """{name: ModelConfig} of the inference models this batch runs."""
+    return self.gen.models if self._models is None else self._models
 
   def add(self, samples: list[int]) -> None:
     self.waiting.extend(samples)
