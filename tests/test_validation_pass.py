@@ -22,17 +22,24 @@ def _spy(monkeypatch, cls, name, calls):
   monkeypatch.setattr(cls, name, spied)
 
 
-@pytest.mark.parametrize("fused", [False, True])
+STAGES = {"serial": ({}, rollout.SerialStage),
+          "fused": ({"fusion.inter_stage": True, "fusion.migration_threshold": "1.0"},
+                    rollout.FusedStage),
+          "planned": ({"plan.inference_tp": 2}, rollout.PlannedStage)}
+
+
+@pytest.mark.parametrize("kind", sorted(STAGES))
 def test_validation_pass_skips_the_reference_and_critic_with_the_same_metrics(
-    tmp_path, monkeypatch, fused):
-  extra = {"fusion.inter_stage": True, "fusion.migration_threshold": "1.0"} if fused else {}
+    tmp_path, monkeypatch, kind):
+  extra, stage_class = STAGES[kind]
+  fused = kind == "fused"
   cfg = tiny_config(**{"num_iterations": 1, "eval_every": 1, "data.val_fraction": 0.4,
                        "checkpoint.every": 100, **extra})
   assert cfg.algo.kl_coef > 0 and cfg.algo.estimator == "gae"  # a reference and a critic
   trainer = PPOTrainer(cfg, str(tmp_path), mesh=mesh_lib.make_mesh(
       mesh_lib.MeshConfig(data=4), jax.devices()[:4]))
   stage = trainer.rollout
-  assert isinstance(stage, rollout.FusedStage if fused else rollout.SerialStage)
+  assert type(stage) is stage_class
   calls, asked = [], []
   for cls, name in ((scoring.Scorer, "logprobs"), (scoring.Scorer, "values"),
                     (instances.GenerationInstance, "score")):
