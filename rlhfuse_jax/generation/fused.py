@@ -333,7 +333,6 @@ class FusedGenerator:
     """Whether this process drives instance i."""
     return int(self.owner[i]) == self.exchange.me
 
-
   # ------------------------------------------------------------------ Rt
   def choose_rt(self, prompt_lens, auto: bool = False
                 ) -> tuple[float, Optional[rt_choice.RtChoice]]:
