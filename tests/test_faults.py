@@ -307,6 +307,10 @@ def test_a_refused_resume_says_which_fields_cannot_change_and_the_flag_for_the_o
   assert "resume_changes=algo.entropy_coef,optim.actor_lr," in mixed
   fixed = config_lib.resume_advice(["model.num_layers: 2 -> 4"])
   assert "model.num_layers" in fixed and "resume_changes" not in fixed
+  # The inference micro-batch moves rounding, not the saved state: a run started with one
+  # larger than the batch (refused since) resumes with 0 through the flag.
+  micro = config_lib.resume_advice(["fusion.inference_micro_batch: 1000 -> 0"])
+  assert "add --config.checkpoint.resume_changes=fusion.inference_micro_batch," in micro
 
 
 def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path, straight):
@@ -345,8 +349,10 @@ def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path, str
   with pytest.raises(ValueError, match=r"rollout\.max_new_tokens: 6 -> 5"):
     PPOTrainer(tiny_config(**lower, **{"rollout.max_new_tokens": 5,
                                        "checkpoint.resume_changes": "optim.actor_lr"}), run)
-  resumed = PPOTrainer(tiny_config(**lower, **{"checkpoint.resume_changes": "optim.actor_lr"}),
-                       run)
+  # fusion.inference_micro_batch moves the inference's rounding only: it may change too.
+  resumed = PPOTrainer(tiny_config(**lower, **{
+      "fusion.inference_micro_batch": 2,
+      "checkpoint.resume_changes": "optim.actor_lr,fusion.inference_micro_batch"}), run)
   assert [h["step"] for h in resumed.run()] == [8]
   rows = wd.read_jsonl(os.path.join(run, "metrics.jsonl"))
   # Past the first start's horizon (6 iterations x 4 updates) the LR sits on its floor:
