@@ -442,25 +442,9 @@ stuck_in_reward_function()
 """
 
 
-def test_a_hung_iteration_ends_the_process_with_its_stacks(tmp_path):
-  """guard.iteration_timeout_s: iterations within the timeout pass however long the run;
-  one that hangs ends the process with 69 (a requeue resumes), naming what it waited for and
-  the timeout, with the stack of the thread that hangs."""
-  t0 = time.monotonic()
-  out = subprocess.run([sys.executable, "-c", _HANG_SCRIPT], cwd=REPO, env=_env(),
-                       capture_output=True, text=True, timeout=120)
-  took = time.monotonic() - t0
-  assert out.returncode == 69, out.stderr[-3000:]
-  assert "three iterations done" in out.stdout
-  assert ("iteration 3's logging and checkpoint save, then iteration 4, did not finish within "
-          "config.guard.iteration_timeout_s=1s: this process hangs") in out.stderr
-  assert "in stuck_in_reward_function" in out.stderr  # faulthandler's stack of the main thread
-  # An absl error line ending as the local launcher's first pattern expects (its "last error").
-  assert re.search(r"^E[0-9]{4} .*exiting \(69\)$", out.stderr, re.M), out.stderr[:2000]
-  assert took < 30  # not the 60 s sleep
-  # A hang in C code that holds the GIL (a regular expression backtracking for ever) keeps the
-  # Python timer from running: faulthandler's C watchdog ends it grace_s later (status 1).
-  gil = """
+# A hang in C code that holds the GIL (a regular expression backtracking for ever) keeps the
+# Python timer from running: faulthandler's C watchdog ends it grace_s later (status 1).
+_GIL_HANG_SCRIPT = """
 import re
 from rlhfuse_jax.trainer import hooks
 dog = hooks.HangWatchdog(1.0, num_iterations=5, grace_s=1.0)
@@ -470,12 +454,41 @@ def stuck_in_a_regex():
 stuck_in_a_regex()
 print("the regex returned", flush=True)
 """
+
+
+def test_a_hung_iteration_ends_the_process_with_its_stacks(tmp_path):
+  """guard.iteration_timeout_s: iterations within the timeout pass however long the run;
+  one that hangs ends the process with 69 (a requeue resumes), naming what it waited for and
+  the timeout, with the stack of the thread that hangs. (Both processes start at once: each
+  mostly imports and waits out its timeouts.)"""
   t0 = time.monotonic()
-  out = subprocess.run([sys.executable, "-c", gil], cwd=REPO, env=_env(), capture_output=True,
-                       text=True, timeout=120)
+  procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for script in (_HANG_SCRIPT, _GIL_HANG_SCRIPT)]
+  outs, took = [], []
+  try:
+    for proc in procs:
+      stdout, stderr = proc.communicate(timeout=120)
+      outs.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+      took.append(time.monotonic() - t0)
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  out = outs[0]
+  assert out.returncode == 69, out.stderr[-3000:]
+  assert "three iterations done" in out.stdout
+  assert ("iteration 3's logging and checkpoint save, then iteration 4, did not finish within "
+          "config.guard.iteration_timeout_s=1s: this process hangs") in out.stderr
+  assert "in stuck_in_reward_function" in out.stderr  # faulthandler's stack of the main thread
+  # An absl error line ending as the local launcher's first pattern expects (its "last error").
+  assert re.search(r"^E[0-9]{4} .*exiting \(69\)$", out.stderr, re.M), out.stderr[:2000]
+  assert took[0] < 30  # not the 60 s sleep
+  out = outs[1]  # the regex
   assert out.returncode == 1 and "the regex returned" not in out.stdout, out.stderr[-2000:]
   assert "Timeout (0:00:02)!" in out.stderr and "in stuck_in_a_regex" in out.stderr
-  assert time.monotonic() - t0 < 30
+  assert took[1] < 30
 
 
 def test_the_loop_arms_the_watchdog_for_every_iteration(tmp_path, monkeypatch):
