@@ -110,7 +110,7 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
       "  return [{'name': 'ok4', 'actor_pp': 4, 'critic_pp': 2},\n"
       "          {'actor_pp': 6, 'critic_pp': 4}]\n")
 
-  def sweep(*flags, budget="0.5"):  # this sweep on tmp_path/sw, the search's budget its flag
+  def sweep(*flags, budget="0.2"):  # this sweep on tmp_path/sw, the search's budget its flag
     return _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
                  f"--workdir={tmp_path / 'sw'}", f"--config.time_budget_s={budget}", *flags])
   out = sweep()
@@ -122,7 +122,7 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
   assert rows[0]["status"] == "ok" and rows[0]["actor_pp"] == 4
   assert rows[0]["bubble/searched"] >= 0 and "peak_memory/budget" not in rows[0]
   # The sweep's own flags are in every row, as the runs got them (typed, as their configs).
-  assert [r["time_budget_s"] for r in rows] == [0.5, 0.5]
+  assert [r["time_budget_s"] for r in rows] == [0.2, 0.2]
   assert rows[1]["status"].startswith("failed")
   assert "searched" not in rows[1]
   # The summary says why (it said only "failed (exit 1)"): the run's own error line.
@@ -156,9 +156,9 @@ def test_sweep_runs_each_entry_and_reports_failures(tmp_path):
       **result["provenance"], "git_changes": "0123456789ab"}}))
   again = sweep("--only=ok4")
   assert "[1/1 ok4] " in again.stdout and (tmp_path / "sw" / "ok4" / "previous" / "1").exists()
-  changed = sweep("--only=ok4", budget="0.4")
+  changed = sweep("--only=ok4", budget="0.1")
   assert changed.returncode == 0 and "[1/1 ok4] " in changed.stdout, changed.stderr[-3000:]
-  rerun = sweep("--rerun", "--only=ok4", budget="0.4")
+  rerun = sweep("--rerun", "--only=ok4", budget="0.1")
   assert rerun.returncode == 0 and "[1/1 ok4] " in rerun.stdout, rerun.stderr[-3000:]
   assert (tmp_path / "sw" / "ok4" / "previous" / "3" / "result.json").exists()
   summary = (tmp_path / "sw" / "summary.json").read_text()
