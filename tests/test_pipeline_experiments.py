@@ -897,9 +897,23 @@ def test_sigterm_ends_a_one_shot_binary_in_one_line_and_bench_async_passes_it_on
   assert (f"SIGTERM: stopped before it finished; nothing more is written (the earlier run's "
           f"outputs are in {work / 'previous' / '1'})") in out and "Traceback" not in out, out
   run = tmp_path / "ba"
+  # Its run: ppo_tiny at tests/test_trainer.tiny_config's shapes (its first iteration, which
+  # the signal waits for, compiles and runs sooner), under ppo_tiny's name.
+  (tmp_path / "ppo_tiny.py").write_text(
+      "import importlib.util\n"
+      f"_spec = importlib.util.spec_from_file_location('base', {REPO!r} + '/configs/ppo_tiny.py')\n"
+      "_base = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(_base)\n"
+      "def get_config(arg='ppo'):\n"
+      "  c = _base.get_config(arg)\n"
+      "  c.model.num_layers = c.critic_model.num_layers = 1\n"
+      "  c.model.hidden_size = c.critic_model.hidden_size = 32\n"
+      "  c.model.intermediate_size = c.critic_model.intermediate_size = 64\n"
+      "  c.rollout.prompts_per_iteration = 16; c.rollout.max_new_tokens = 6\n"
+      "  c.rollout.chunk_size = 3; c.algo.minibatch_size = 8; c.data.num_prompts = 64\n"
+      "  return c\n")
   with subprocess.Popen([sys.executable, "-m", "experiments.bench_async",
                          "--config=configs/bench_async.py", f"--workdir={run}",
-                         "--config.runs=configs/ppo_tiny.py", "--config.staleness=0,1",
+                         f"--config.runs={tmp_path / 'ppo_tiny.py'}", "--config.staleness=0,1",
                          "--config.seeds=0,", "--config.num_iterations=400",
                          "--config.parallel=1"], cwd=REPO, env=_env(),
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
