@@ -503,7 +503,7 @@ def test_the_loop_arms_the_watchdog_for_every_iteration(tmp_path, monkeypatch):
 
   def iteration(it):
     if it == 1:
-      time.sleep(1.5)
+      time.sleep(1.0)
     return orig(it)
   trainer.iteration = iteration
   trainer.run()
