@@ -62,3 +62,25 @@ def test_validation_pass_skips_the_reference_and_critic_with_the_same_metrics(
 
 def stage_rows(cfg):
   return cfg.rollout.batch_size
+
+
+def test_validation_pass_before_any_training_batch_with_auto_rt_and_a_critic(tmp_path):
+  """fusion.migration_threshold='auto' measures the instances' costs on the generator's first
+  batch, with every inference model's params. A validation pass called on a new stage (the
+  trainer's loop always generates a training batch first; async runs hold no critic on the
+  stage) is that first batch: it left out the critic and failed with 'measuring the
+  instances' costs ... needs every inference model's params'."""
+  cfg = tiny_config(**{"num_iterations": 1, "eval_every": 1, "data.val_fraction": 0.4,
+                       "checkpoint.every": 100, "fusion.inter_stage": True,
+                       "fusion.migration_threshold": "auto"})
+  trainer = PPOTrainer(cfg, str(tmp_path), mesh=mesh_lib.make_mesh(
+      mesh_lib.MeshConfig(data=4), jax.devices()[:4]))
+  stage = trainer.rollout
+  assert type(stage) is rollout.FusedStage and stage.use_critic
+  assert stage.generator.calibration is None
+  params = trainer._generation_params()
+  val = trainer.held_out(stage, params, 0)
+  assert stage.generator.calibration is not None  # measured once, as a training batch does
+  full = trainer.held_out(lambda p, prompts, key: stage(p, prompts, key), params, 0)
+  metrics = lambda m: {k: v for k, v in m.items() if k != "timing_s/validation"}  # noqa: E731
+  assert metrics(val) == metrics(full)

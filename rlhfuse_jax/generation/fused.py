@@ -334,6 +334,13 @@ class FusedGenerator:
     return int(self.owner[i]) == self.exchange.me
 
   # ------------------------------------------------------------------ Rt
+  def measures_costs(self, fuse: bool = True) -> bool:
+    """Whether the next run(fuse=fuse) (rt unset) measures the instances' costs first (Rt
+    'auto', not yet measured): that needs every inference model's params in frozen_params,
+    whatever its `models`."""
+    return (fuse and self.config.max_consolidations != 0 and self.fixed_rt is None
+            and self.calibration is None)
+
   def choose_rt(self, prompt_lens, auto: bool = False
                 ) -> tuple[float, Optional[rt_choice.RtChoice]]:
     """The fixed Rt (unless `auto`), or the simulated choice. The simulation (~0.1-1 s) reruns

@@ -273,7 +273,9 @@ class FusedStage:
     # Both at once: the critic scores finished samples while the tail still decodes.
     frozen = dict(self.host)
     use_critic = self.use_critic and not rewards_only
-    if use_critic:
+    # A pass that measures the costs for Rt 'auto' (the generator's first batch: a validation
+    # pass run before any training batch, HeldOutEval called on a new stage) needs the critic.
+    if self.use_critic and (use_critic or self.generator.measures_costs(self.fuse)):
       frozen["critic"] = self._instance_ready(params("critic"))
     # rewards_only: the reward model alone (if any) is loaded onto the freed instances and run.
     models = (["reward"] if self.rewards.from_model else []) if rewards_only else None
