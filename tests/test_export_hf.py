@@ -315,3 +315,16 @@ def test_not_a_run_and_out_dirs(tmp_path):
   with pytest.raises(ValueError, match=r"exists and is not an export \(no rlhfuse_export.json\)"):
     export_lib.check_out_dir(str(tmp_path / "mine"), str(run))
   export_lib.check_out_dir(str(tmp_path / "new"), str(run))  # a new path is fine
+
+
+def test_the_config_of_the_newest_start_at_a_resume_point(tmp_path):
+  """Two starts resumed at the same iteration write config.K.json, then config.K.1.json, ...:
+  a checkpoint after K was written by the newest of them (the earlier ones saved none). It read
+  config.K.json (by name, 'config.K.json' sorted after 'config.K.1.json'), and config.K.9.json
+  before config.K.10.json."""
+  workdir = str(tmp_path)
+  for start in range(13):  # the first start at 0, then twelve resumed at 2
+    wd.write_config_history(workdir, {"start": start}, 0 if start == 0 else 2)
+  record, path = export_lib.run_config(workdir, 4)
+  assert (record, os.path.basename(path)) == ({"start": 12}, "config.2.11.json")
+  assert export_lib.run_config(workdir, 2)[0] == {"start": 0}  # written by the first start

@@ -329,14 +329,15 @@ class SamplesLog(Hook):
 def config_record_of(workdir: str, iteration: Any) -> tuple[Optional[dict], str]:
   """(config.json of the start that wrote checkpoint `iteration`, its path): the newest
   config.K.json (a start resumed at K) with K below it, else config.json; (None, '') when
-  none reads."""
+  none reads. Of several starts at one K (config.K.json, then config.K.1.json, ... as
+  workdir.write_config_history names them), the last."""
   found = []
   for name in os.listdir(workdir) if os.path.isdir(workdir) else ():
-    m = re.fullmatch(r"config(?:\.(\d+)(?:\.\d+)?)?\.json", name)
+    m = re.fullmatch(r"config(?:\.(\d+)(?:\.(\d+))?)?\.json", name)
     if m and (m.group(1) is None or not isinstance(iteration, int) or
               int(m.group(1)) < iteration):
-      found.append((int(m.group(1) or -1), name))
-  for _, name in sorted(found, reverse=True):
+      found.append((int(m.group(1) or -1), int(m.group(2) or 0), name))
+  for _, _, name in sorted(found, reverse=True):
     path = os.path.join(workdir, name)
     try:
       with open(path, encoding="utf-8") as f:
