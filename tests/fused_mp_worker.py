@@ -70,6 +70,13 @@ def run_case(g: int = G, seed: int = 0) -> dict:
                                                    "cross_host_copied_bytes", "cross_host_s")}
                               for c in res.consolidations]
     out[f"{name}/metrics"] = np.asarray(json.dumps(keep))
+  # A validation pass's call (trainer/rollout.validation_stage): the reward model alone, the
+  # critic's params left out; every process skips the same models.
+  res = gen.run(actor, {n: params[n] for n in ("reference", "reward")}, tokens, lens,
+                jax.random.key(3), budgets=budgets, rt=0.5, models=["reward"])
+  assert res.ref_logp is None and res.values is None, "models=['reward'] ran the others"
+  out["rewards_only/rewards"] = res.rewards
+  out["rewards_only/response_tokens"] = res.rollout.response_tokens
   return out
 
 

@@ -60,6 +60,10 @@ def test_two_processes_match_one_process_with_cross_host_migration(tmp_path):
         np.testing.assert_array_equal(multi[i][k], single[k], err_msg=f"process {i}: {k}")
       # ... and the fused runs are the baseline's (consolidation changes nothing).
       np.testing.assert_array_equal(single[k], single[f"baseline/{f}"], err_msg=k)
+  for k in ("rewards_only/rewards", "rewards_only/response_tokens"):  # a validation pass's
+    for i in range(2):
+      np.testing.assert_array_equal(multi[i][k], single[k], err_msg=f"process {i}: {k}")
+  np.testing.assert_array_equal(single["rewards_only/rewards"], single["late/rewards"])
   for name, _, _ in worker.RUNS:
     one = json.loads(str(single[f"{name}/metrics"]))
     both = [json.loads(str(m[f"{name}/metrics"])) for m in multi]
