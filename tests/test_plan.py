@@ -989,3 +989,24 @@ def test_plan_search_names_a_run_config_whose_path_holds_a_space(tmp_path):
     assert (w["actor"]["name"], w["critic"]["name"], w["train_config"]) == (
         "long_run actor", "long_run critic", spec), w
     assert f"# Plan search: {spec} on 8 x h100_sxm" in (work / "plan_search.md").read_text()
+
+
+def test_a_plan_sized_at_other_dtypes_is_warned_of(tmp_path):
+  """The simulator sizes a run's weights and KV cache at its models' param_dtype and dtype
+  (sim/shapes.from_model_config): a plan searched for bfloat16 models and run with float32
+  ones (twice the weights and cache its memory check counted) was not warned of, the dtypes
+  not being in the workload plan.json records."""
+  from rlhfuse_jax.sim import plan_search as ps
+  from rlhfuse_jax.sim import shapes
+  from rlhfuse_jax.trainer.config import plan_workload_differences
+  cfg = tiny_config()
+  assert (cfg.model.param_dtype, cfg.model.dtype) == ("float32", "float32")
+  plan = {"workload": {
+      role: {"name": role, **{f: getattr(shapes.from_model_config(
+          model, role, dtypes=True), f) for f in ps.WORKLOAD_MODEL_FIELDS}}
+      for role, model in (("actor", cfg.model), ("critic", cfg.critic_model))}}
+  assert plan_workload_differences(plan, cfg) == []
+  plan["workload"]["actor"].update(weight_itemsize=2, kv_itemsize=2)
+  assert plan_workload_differences(plan, cfg) == [
+      "actor weight_itemsize=2 bytes (this run's model.param_dtype='float32': 4)",
+      "actor kv_itemsize=2 bytes (this run's model.dtype='float32': 4)"]

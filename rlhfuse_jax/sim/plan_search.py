@@ -608,7 +608,10 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
 
 # The model fields plan.json's "workload" records of the actor and the critic (the trainer
 # compares them, and the run fields below, with its own: trainer/config.plan_workload_note).
-WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size")
+# weight_itemsize and kv_itemsize: the bytes its weights and KV cache were sized at (a run's
+# model.param_dtype and model.dtype, shapes.from_model_config).
+WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size",
+                         "weight_itemsize", "kv_itemsize")
 
 
 def workload_record(wl, train_config: str = "") -> dict:

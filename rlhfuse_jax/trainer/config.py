@@ -23,6 +23,7 @@ from rlhfuse_jax.parallel.mesh import MeshConfig
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import kl as kl_lib
 from rlhfuse_jax.rl import losses as losses_lib
+from rlhfuse_jax.sim.shapes import DTYPE_ITEMSIZE
 # (a module without jax: experiments/bench_async.py checks its config against them)
 from rlhfuse_jax.trainer.async_objectives import ASYNC_OBJECTIVES
 
@@ -1022,6 +1023,9 @@ PLAN_WORKLOAD_RUN_FIELDS = {"global_batch": "rollout.batch_size",
 # The actor's and critic's fields it records (sim/plan_search.WORKLOAD_MODEL_FIELDS).
 PLAN_WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                               "vocab_size")
+# ... and the bytes per element it sized the weights and the KV cache at, with the run's field
+# each stands for (sim/shapes.from_model_config: param_dtype and dtype).
+PLAN_WORKLOAD_ITEMSIZES = {"weight_itemsize": "param_dtype", "kv_itemsize": "dtype"}
 
 
 def plan_workload_differences(plan: Mapping[str, Any], cfg: "TrainConfig"
@@ -1038,6 +1042,12 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: "TrainConfig"
     for f in PLAN_WORKLOAD_MODEL_FIELDS if isinstance(shape, Mapping) else ():
       if f in shape and shape[f] != getattr(model, f):
         out.append(f"{role} {f}={shape[f]!r} (this run has {getattr(model, f)!r})")
+    for f, dtype in PLAN_WORKLOAD_ITEMSIZES.items() if isinstance(shape, Mapping) else ():
+      now = DTYPE_ITEMSIZE.get(getattr(model, dtype))
+      if f in shape and now is not None and shape[f] != now:
+        section = "model" if role == "actor" else "critic_model"
+        out.append(f"{role} {f}={shape[f]!r} bytes (this run's {section}.{dtype}="
+                   f"{getattr(model, dtype)!r}: {now})")
   for key, field in PLAN_WORKLOAD_RUN_FIELDS.items():
     sec, name = field.split(".")
     now = getattr(getattr(cfg, sec), name)
