@@ -1320,3 +1320,47 @@ def test_simulated_training_memory_counts_plan_checks_gradient_accumulator():
   assert "grad accumulator" not in next(r for r in rows if r["stage"] == "training")["parts"]
   assert not train_lib.TrainPlan(8, 32, 2, 1, 1, 8).accumulates
   assert not train_lib.TrainPlan(8, 32, 2, 2, 1, 1).accumulates
+
+
+def test_simulated_optimizer_state_takes_the_runs_master_weights(tmp_path):
+  """AdamW's state as the trainer holds it (rl/optim.float32_master with optim.master_weights;
+  optax's moments in the weights' dtype without): the simulator counted the papers' float32
+  moments and master copy (12 bytes a bf16 parameter) for a bf16 run without master weights,
+  which holds 4 (plan_check's analytic figure: the optimizer's own init, eval_shape'd)."""
+  import jax.numpy as jnp
+  from configs import ppo_tiny
+  from rlhfuse_jax.sim import shapes
+  from rlhfuse_jax.sim.cost_model import CostModel
+  from rlhfuse_jax.trainer import build, sim_plan
+  from rlhfuse_jax.trainer import config as config_lib
+  from rlhfuse_jax.trainer.config import TrainConfig
+  cost = CostModel(hardware.get_hardware("h100_sxm"))
+  base = shapes.get_shape("llama-7b")
+  n = base.num_params() / 2
+  for item, master, per_param in ((2, None, 12), (2, True, 12), (2, False, 4), (4, None, 8),
+                                  (4, True, 12), (4, False, 8)):
+    shape = dataclasses.replace(base, weight_itemsize=item, master_weights=master)
+    got = cost.train_memory_parts(shape, 2, 1, 4, False, 1.0, 1)["optimizer"]
+    assert got == pytest.approx(per_param * n), (item, master)
+  # What the trainer's optimizer holds for bf16 weights, both ways (eval_shape: no arrays).
+  params = {"w": jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)}
+  for master in (False, True):
+    tx = plan_programs.make_optimizer(staged=False, master_weights=master)
+    state = jax.eval_shape(tx.init, params)
+    held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if x.ndim)
+    want = dataclasses.replace(base, master_weights=master).optimizer_bytes_per_param()
+    assert held == want * 64 * 32, (master, held)
+  run = TrainConfig.from_config_dict(ppo_tiny.get_config())
+  task, tok = build.build_task_and_tokenizer(run)
+  for master in (False, True):
+    cfg = build.resolve_config(dataclasses.replace(run, optim=dataclasses.replace(
+        run.optim, master_weights=master)), tok)
+    wl = sim_plan.workload(cfg, task, tok, 8, str(tmp_path / str(master)))[0]
+    assert (wl.actor.master_weights, wl.critic.master_weights) == (master, master)
+    from rlhfuse_jax.sim import plan_search as ps
+    record = ps.workload_record(wl, "configs/ppo_tiny.py")
+    assert record["master_weights"] is master
+    # A plan searched for the other setting is warned of, naming the field.
+    other = dict(record, master_weights=not master)
+    assert config_lib.plan_workload_differences({"workload": other}, cfg) == [
+        f"master_weights={not master!r} (this run's optim.master_weights is {master!r})"]

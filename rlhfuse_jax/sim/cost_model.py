@@ -391,8 +391,8 @@ class CostModel:
   def train_memory_parts(self, shape: ModelShape, tp: int, pp: int, dp: int, zero1: bool,
                          mb_tokens: float, inflight: int, accumulate: bool = False) -> dict:
     """Per device of a tp x pp x dp training layout of one model, bytes: {"weights" and
-    "grads" (shape.weight_itemsize: bf16, or a run's param_dtype), "optimizer" (Adam's fp32 m,
-    v, and for 16-bit weights an fp32 master copy; over dp with ZeRO-1),
+    "grads" (shape.weight_itemsize: bf16, or a run's param_dtype), "optimizer" (Adam's m and
+    v, and any fp32 master copy: ModelShape.optimizer_bytes_per_param; over dp with ZeRO-1),
     "activations" (`inflight` micro-batches of `mb_tokens` tokens)}, and with `accumulate`
     "grad accumulator": the float32 sums of the micro-batches' gradients, split like the
     weights (the trainer's unpipelined update over several micro-batches:
@@ -400,7 +400,7 @@ class CostModel:
     shard = shape.num_params() / (tp * pp)
     item = shape.weight_itemsize
     out = {"weights": item * shard, "grads": item * shard,
-           "optimizer": (8.0 + (4.0 if item < 4 else 0.0)) * shard / (dp if zero1 else 1),
+           "optimizer": shape.optimizer_bytes_per_param() * shard / (dp if zero1 else 1),
            "activations": inflight * self.activation_bytes(shape, tp, mb_tokens,
                                                            shape.num_layers / pp)}
     if accumulate:

@@ -625,8 +625,10 @@ def workload_record(wl, train_config: str = "") -> dict:
   out.update(global_batch=wl.global_batch, minibatch=wl.minibatch, epochs=wl.epochs,
              max_prompt_len=wl.prompt.max_len, max_new_tokens=wl.max_new_tokens,
              num_devices=wl.num_devices, reference=wl.reference, reward_model=wl.reward_model)
-  if train_config:  # and the run's inference micro-batch, which sized its inference memory
-    out.update(train_config=train_config, inference_micro_batch=wl.inference_micro_batch)
+  if train_config:  # and the run's inference micro-batch and optimizer state, which sized
+    # its inference and training memory
+    out.update(train_config=train_config, inference_micro_batch=wl.inference_micro_batch,
+               master_weights=wl.actor.master_weights)
   return out
 
 

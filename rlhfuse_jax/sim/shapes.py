@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Optional
 
 from rlhfuse_jax import workdir as wd
 # The module alone (docs/architecture.md §7: sim may import models.param_count, no other models)
@@ -52,6 +52,11 @@ class ModelShape:
   qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm gains: 2 * head_dim params a layer
   weight_itemsize: int = 2  # bytes per weight (and gradient) element: bf16, or param_dtype's
   kv_itemsize: int = 2  # bytes per KV cache element: bf16, or the compute dtype's (model.dtype)
+  # A run's optim.master_weights (rl/optim.float32_master): True, AdamW steps a float32 copy
+  # of the weights with float32 moments; False, the moments take the weights' dtype (optax's
+  # default). None: the papers' engines' mixed precision (float32 moments, and a float32 master
+  # copy of 16-bit weights).
+  master_weights: Optional[bool] = None
 
   def __post_init__(self):
     for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -84,6 +89,12 @@ class ModelShape:
     bad = [f"{f}={getattr(self, f)}" for f in ("num_heads", "num_kv_heads", "intermediate_size")
            if getattr(self, f) % tp]
     return f"tp{tp} does not divide {self.name}'s {', '.join(bad)}" if bad else None
+
+  def optimizer_bytes_per_param(self) -> float:
+    """Bytes of AdamW state per parameter (master_weights): m and v, and any float32 copy."""
+    if self.master_weights is None:
+      return 8.0 + (4.0 if self.weight_itemsize < 4 else 0.0)
+    return 12.0 if self.master_weights else 2.0 * self.weight_itemsize
 
   def num_params(self) -> int:
     """Same count as ModelConfig.num_params() (models/param_count.py, which imports no jax)."""
@@ -119,12 +130,13 @@ class ModelShape:
     return {**dataclasses.asdict(self), "num_params": self.num_params()}
 
 
-def from_model_config(cfg: Any, name: str = "custom", dtypes: bool = False) -> ModelShape:
+def from_model_config(cfg: Any, name: str = "custom", dtypes: bool = False,
+                      master_weights: Optional[bool] = None) -> ModelShape:
   """A ModelShape from a `rlhfuse_jax.models.llama.ModelConfig` (read by attribute name, so the
   simulator does not import jax); with `dtypes` its weights and KV cache at the config's
   param_dtype and dtype (DTYPE_ITEMSIZE), else bf16 (a shape timed as the papers' engines run
-  it)."""
-  sizes = {}
+  it); `master_weights`: the run's optim.master_weights (ModelShape.master_weights)."""
+  sizes = {"master_weights": master_weights}
   if dtypes:
     for field, name_ in (("weight_itemsize", "param_dtype"), ("kv_itemsize", "dtype")):
       dtype = getattr(cfg, name_)

@@ -69,9 +69,12 @@ def workload(cfg: TrainConfig, task: Any, tokenizer: Any, num_devices: int, leng
                                              resp))
     source = f"the task's targets + EOS ({cfg.data.task}, {cfg.data.length_dist} lengths)"
   wl = iteration_sim.Workload(
-      # the run's dtypes: its weights and KV cache as the trainer holds them
-      actor=from_model_config(cfg.model, f"{name} actor", dtypes=True),
-      critic=from_model_config(cfg.critic_model, f"{name} critic", dtypes=True),
+      # the run's dtypes and optimizer state: its weights, AdamW state and KV cache as the
+      # trainer holds them
+      actor=from_model_config(cfg.model, f"{name} actor", dtypes=True,
+                              master_weights=cfg.optim.master_weights),
+      critic=from_model_config(cfg.critic_model, f"{name} critic", dtypes=True,
+                               master_weights=cfg.optim.master_weights),
       num_devices=num_devices,
       global_batch=cfg.rollout.batch_size, minibatch=cfg.algo.minibatch_size,
       epochs=cfg.algo.epochs, micro_batch=micro_batch, max_new_tokens=t, prompt=prompt,
