@@ -90,7 +90,7 @@ class Workload:
   kv_at_max_prompt: bool = False
   # Whether the run scores with a frozen reference model: a train_ppo config with
   # algo.kl_coef=0 builds and runs none (AlgoConfig.uses_reference; trainer/sim_plan.workload).
-  # plan_search drops its weights and forwards then (plan_search.frozen_models); the papers'
+  # plan_search drops its weights and forwards then (Workload.frozen_models); the papers'
   # systems always run one.
   reference: bool = True
   # Whether the run scores with a reward model (of the critic's shape): a train_ppo config whose
@@ -130,6 +130,16 @@ class Workload:
     + max_new]; plan_check's train_step seq_len), so the training activations are sized at it,
     not at the mean length the stage times are counted at (training_sim.step_costs)."""
     return self.prompt.max_len + self.max_new_tokens
+
+  def frozen_models(self, models: tuple = ("reference", "critic", "reward")) -> tuple:
+    """(names, shapes) of the frozen `models` the run scores with: the reference has the
+    actor's shape, the critic and the reward model the critic's; the reference left out when
+    the run has none (reference: a train_config with algo.kl_coef=0, which until 2026-12-04
+    was charged its weights and forwards), the reward model when its reward is a function
+    (reward_model, charged until 2026-12-04 too)."""
+    has = {"reference": self.reference, "reward": self.reward_model}
+    names = tuple(m for m in models if has.get(m, True))
+    return names, tuple(self.actor if m == "reference" else self.critic for m in names)
 
   def kv_slot_len(self, prompt_lens: np.ndarray) -> int:
     """KV tokens a generation slot is allocated: padded_len with kv_at_max_prompt (the
@@ -272,8 +282,8 @@ def kept_frozen_bytes(wl: Workload, devices_per_copy: int, opt: SimOptions) -> f
   0 when they are offloaded; only those the run has (Workload.reference, reward_model).
   (The critic's scoring copy is rebuilt from its training state; generation, which scores beside
   decoding, charges it too: frozen_resident_bytes.)"""
-  frozen = (wl.actor,) * wl.reference + (wl.critic,) * wl.reward_model
-  return frozen_resident_bytes(frozen, devices_per_copy, opt)
+  return frozen_resident_bytes(wl.frozen_models(("reference", "reward"))[1], devices_per_copy,
+                               opt)
 
 
 def zero3_resident_bytes(wl: Workload) -> float:

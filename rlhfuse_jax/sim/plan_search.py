@@ -181,24 +181,13 @@ def instance_generation(cost: CostModel, wl, opt, tp: int, prompts: np.ndarray,
   from rlhfuse_jax.sim import iteration_sim as it  # iteration_sim imports this module
   plan = it.gen_plan(cost, wl, tp, prompts, opt.max_slots, resident_bytes,
                      "the frozen reference and reward weights (sim.offload_frozen=False)")
-  res = gen_lib.simulate_generation(cost, wl.actor, frozen_models(wl)[1],
+  res = gen_lib.simulate_generation(cost, wl.actor, wl.frozen_models()[1],
                                     it.gen_setup(plan, wl, opt, cost, False, None), prompts,
                                     resp)
   return {"gen_s": res.gen_end_s, "plan": plan}
 
 
 # ----------------------------------------------------------------------------- inference
-def frozen_models(wl, models: tuple = ("reference", "critic", "reward")) -> tuple:
-  """(names, shapes) of the frozen `models` the run scores with: the reference has the actor's
-  shape, the critic and the reward model the critic's; the reference left out when the run
-  has none (Workload.reference: a train_config with algo.kl_coef=0, which until 2026-12-04
-  was charged its weights and forwards here), the reward model when its reward is a function
-  (Workload.reward_model, charged until 2026-12-04 too)."""
-  has = {"reference": wl.reference, "reward": wl.reward_model}
-  names = tuple(m for m in models if has.get(m, True))
-  return names, tuple(wl.actor if m == "reference" else wl.critic for m in names)
-
-
 def inference_stage_s(cost: CostModel, frozen, num_devices: int, tp: int, pp: int,
                       seq_lens: np.ndarray, microbatch: int, offload: bool) -> float:
   """Reference / reward / critic forwards of the whole batch on R = N / (tp * pp) replicas of
@@ -358,7 +347,7 @@ def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict,
   (iteration_sim.inference_memory_parts; with sim.trainer_runnable the trainer's rows are
   checked per plan: _trainer_inference_refusal)."""
   from rlhfuse_jax.sim import iteration_sim as it
-  models, frozen = frozen_models(wl, models)
+  models, frozen = wl.frozen_models(models)
   out = []
   for tp in (1, 2, 4, 8):
     why = (f"tp{tp} is more than a node's {cost.hw.devices_per_node} devices"
@@ -455,7 +444,7 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
   sim.offload_frozen=False the frozen reference and reward model stay in that layout through
   generation and training."""
   from rlhfuse_jax.sim import iteration_sim as it
-  frozen = frozen_models(wl)[1]
+  frozen = wl.frozen_models()[1]
   seq = (prompts + resp).astype(np.float64)
   out = []
   for tp, pp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16)):
@@ -538,7 +527,7 @@ def inference_memory(cost: CostModel, wl, opt, plan: dict) -> dict:
   split = plan.get("async") or {}
   models = (("reference", "critic", "reward") if split.get("colocated", True)
             else ASYNC_GENERATION_FROZEN)
-  frozen = frozen_models(wl, models)[1]
+  frozen = wl.frozen_models(models)[1]
   return it.inference_memory_parts(cost, wl, plan["inference"]["tp"],
                                    inference_rows(wl, opt, plan), frozen)
 
