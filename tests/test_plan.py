@@ -840,8 +840,8 @@ def test_a_run_whose_reward_is_a_function_is_searched_without_a_reward_model(tmp
   wl = sim_plan.workload(cfg, task, tokenizer, 8, str(tmp_path / "lengths"))[0]
   assert wl.reward_model is False
   rm = dataclasses.replace(wl, reward_model=True)
-  assert plan_search.frozen_models(wl)[0] == ("reference", "critic")
-  assert plan_search.frozen_models(rm)[0] == ("reference", "critic", "reward")
+  assert wl.frozen_models()[0] == ("reference", "critic")
+  assert rm.frozen_models()[0] == ("reference", "critic", "reward")
   record = plan_search.workload_record(wl)
   assert record["reward_model"] is False and plan_search.workload_record(rm)["reward_model"]
   with_rm = dataclasses.replace(cfg, reward=dataclasses.replace(
@@ -849,19 +849,27 @@ def test_a_run_whose_reward_is_a_function_is_searched_without_a_reward_model(tmp
   assert config_lib.plan_workload_differences({"workload": record}, with_rm) == [
       "reward_model=False (this run's reward.kind='model': a reward model)"]
   assert config_lib.plan_workload_differences({"workload": record}, cfg) == []
-  opt = iteration_sim.SimOptions(trainer_runnable=True, offload_frozen=False)
-  got = {k: plan_search.search(H100, w, opt, top_k=1) for k, w in (("none", wl), ("rm", rm))}
-  inf = {k: dict(r["stages"]["inference"]) for k, r in got.items()}
-  assert inf["none"].keys() == inf["rm"].keys()
-  assert all(inf["none"][k] < inf["rm"][k] for k in inf["rm"])
-  plan = got["rm"]["best"]
-  mem = {k: {r["stage"]: r["parts"] for r in plan_search.plan_memory(H100, w, opt, plan)}
-         for k, w in (("none", wl), ("rm", rm))}
+  plan, mem = _searched_without_and_with(wl, rm)
   critic = wl.critic.weight_bytes() / plan["inference"]["tp"]
-  assert mem["rm"]["inference"]["weights"] - mem["none"]["inference"]["weights"] == (
+  assert mem["with"]["inference"]["weights"] - mem["without"]["inference"]["weights"] == (
       pytest.approx(critic))
-  assert mem["rm"]["generation"]["frozen weights kept"] - (
-      mem["none"]["generation"]["frozen weights kept"]) == pytest.approx(critic)
+  assert mem["with"]["generation"]["frozen weights kept"] - (
+      mem["without"]["generation"]["frozen weights kept"]) == pytest.approx(critic)
+
+
+def _searched_without_and_with(wl, other):
+  """Searches of the run's workload `wl` and of `other`, the same with one more frozen model:
+  each stage's inference time is lower without it (asserted here); (`other`'s best plan, each
+  workload's per-stage memory parts under that plan: {"without": ..., "with": ...})."""
+  opt = iteration_sim.SimOptions(trainer_runnable=True, offload_frozen=False)
+  pair = {"without": wl, "with": other}
+  got = {k: plan_search.search(H100, w, opt, top_k=1) for k, w in pair.items()}
+  inf = {k: dict(r["stages"]["inference"]) for k, r in got.items()}
+  assert inf["without"].keys() == inf["with"].keys()
+  assert all(inf["without"][k] < inf["with"][k] for k in inf["with"])
+  plan = got["with"]["best"]
+  return plan, {k: {r["stage"]: r["parts"] for r in plan_search.plan_memory(H100, w, opt, plan)}
+                for k, w in pair.items()}
 
 
 def test_a_run_without_a_reference_is_searched_without_one(tmp_path):
@@ -883,21 +891,14 @@ def test_a_run_without_a_reference_is_searched_without_one(tmp_path):
   assert config_lib.plan_workload_differences({"workload": record}, with_ref) == [
       "reference=False (this run's algo.kl_coef=0.01: a reference model)"]
   assert config_lib.plan_workload_differences({"workload": record}, cfg) == []
-  opt = iteration_sim.SimOptions(trainer_runnable=True, offload_frozen=False)
-  got = {k: plan_search.search(H100, w, opt, top_k=1) for k, w in (("none", wl), ("ref", ref))}
-  inf = {k: dict(r["stages"]["inference"]) for k, r in got.items()}
-  assert inf["none"].keys() == inf["ref"].keys()
-  assert all(inf["none"][k] < inf["ref"][k] for k in inf["ref"])
-  plan = got["ref"]["best"]
-  mem = {k: {r["stage"]: r["parts"] for r in plan_search.plan_memory(H100, w, opt, plan)}
-         for k, w in (("none", wl), ("ref", ref))}
+  plan, mem = _searched_without_and_with(wl, ref)
   tp = plan["inference"]["tp"]
   actor = wl.actor.weight_bytes() / tp
-  assert mem["ref"]["inference"]["weights"] - mem["none"]["inference"]["weights"] == (
+  assert mem["with"]["inference"]["weights"] - mem["without"]["inference"]["weights"] == (
       pytest.approx(actor))
   # (none kept without a reference: ppo_tiny's reward is a function, no reward model either)
-  assert mem["ref"]["generation"]["frozen weights kept"] - (
-      mem["none"]["generation"].get("frozen weights kept", 0.0)) == pytest.approx(actor)
+  assert mem["with"]["generation"]["frozen weights kept"] - (
+      mem["without"]["generation"].get("frozen weights kept", 0.0)) == pytest.approx(actor)
 
 
 def test_the_trainer_check_restricts_what_the_config_pins(tmp_path):
