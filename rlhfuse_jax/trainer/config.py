@@ -1052,12 +1052,15 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: "TrainConfig"
   for key, field in PLAN_WORKLOAD_RUN_FIELDS.items():
     sec, name = field.split(".")
     now = getattr(getattr(cfg, sec), name)
-    if key in w and w[key] != now:
-      out.append(f"reference={w[key]!r} (this run's algo.kl_coef={cfg.algo.kl_coef:g}: "
-                 f"{'a' if now else 'no'} reference model)" if key == "reference" else
-                 f"reward_model={w[key]!r} (this run's reward.kind={cfg.reward.kind!r}: "
-                 f"{'a' if now else 'no'} reward model)" if key == "reward_model" else
-                 f"{key}={w[key]!r} (this run's {field} is {now!r})")
+    if key not in w or w[key] == now:
+      continue
+    if key == "reference":  # said by the field a user sets, not the property
+      has = f"algo.kl_coef={cfg.algo.kl_coef:g}: {'a' if now else 'no'} reference model"
+    elif key == "reward_model":
+      has = f"reward.kind={cfg.reward.kind!r}: {'a' if now else 'no'} reward model"
+    else:
+      has = f"{field} is {now!r}"
+    out.append(f"{key}={w[key]!r} (this run's {has})")
   return out
 
 
