@@ -140,9 +140,12 @@ def load_prompt_records(cfg: TrainConfig, task, cap: bool = True
     records, held_out = records_lib.split_records(records, cfg.data.val_fraction, cfg.seed)
   elif cfg.data.val_file:
     held_out = _load(cfg, "val_file")
-  if cfg.data.val_max_prompts and cap:
-    held_out = held_out[:cfg.data.val_max_prompts]
-  return records, held_out
+  return records, (_cap_held_out(cfg, held_out) if cap else held_out)
+
+
+def _cap_held_out(cfg: TrainConfig, held_out: list) -> list:
+  """The held-out records validation uses: the first data.val_max_prompts (0: all)."""
+  return held_out[:cfg.data.val_max_prompts or None]
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -215,8 +218,7 @@ def build_datasets_and_pool(cfg: TrainConfig, task, tokenizer: Tokenizer
   template = chat_lib.ChatTemplate.load(cfg.data.chat_template, cfg.init.tokenizer)
   train, held_out = load_prompt_records(cfg, task, cap=False)
   pool = len(held_out)
-  if cfg.data.val_max_prompts:
-    held_out = held_out[:cfg.data.val_max_prompts]
+  held_out = _cap_held_out(cfg, held_out)
   add_bos = False if template is not None else None
 
   def make(records: list, shuffle: bool) -> prompts_lib.PromptDataset:
