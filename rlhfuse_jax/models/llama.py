@@ -44,7 +44,7 @@ from rlhfuse_jax.models import attention as attention_lib
 from rlhfuse_jax.models import param_count
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-HEADS = ("lm", "scalar")
+HEADS = param_count.HEADS
 # How RoPE's frequencies are derived from rope_theta: "default" (theta ** (-2i/d)) or "llama3"
 # (Llama 3.1+ long-context scaling, `rope_frequencies`).
 ROPE_TYPES = ("default", "llama3")

@@ -9,6 +9,10 @@ from __future__ import annotations
 # not hidden_size / num_attention_heads (Qwen3-0.6B: 1024 / 16 = 64). Read by the loader
 # (models/hf_loader.py) and by the simulator's shapes (sim/shapes.py), which imports no jax.
 QWEN3_DEFAULT_HEAD_DIM = 128
+# The model's heads: "lm" (the actor's vocabulary logits) or "scalar" (the critic's and a reward
+# model's value); num_params counts each. ModelConfig (models/llama.py) and the simulator's
+# ModelShape (sim/shapes.py) accept these alone.
+HEADS = ("lm", "scalar")
 
 
 def num_params(m) -> int:

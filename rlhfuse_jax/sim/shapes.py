@@ -24,10 +24,9 @@ from typing import Any, Optional
 
 from rlhfuse_jax import workdir as wd
 # The module alone (docs/architecture.md §7: sim may import models.param_count, no other models)
-from rlhfuse_jax.models.param_count import QWEN3_DEFAULT_HEAD_DIM
+from rlhfuse_jax.models.param_count import HEADS, QWEN3_DEFAULT_HEAD_DIM
 from rlhfuse_jax.models.param_count import num_params as _num_params
 
-HEADS = ("lm", "scalar")
 ITEMSIZES = (2, 4)
 # Bytes per element of the dtypes a ModelConfig names (models/llama._DTYPES).
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
