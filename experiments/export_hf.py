@@ -11,10 +11,11 @@ checkpoint: no --config to repeat), on the devices its mesh needs, the checkpoin
 checked, and the actor written to --out (default WORKDIR/hf_export_<step>) as
 checkpoint.export_hf writes it (the tokenizer and chat template the run read, the family of
 --family, else the run's checkpoint.export_hf, else `auto`), beside it first and renamed into
-place whole. Nothing is trained, and the run's checkpoints, metrics, config records, result.json
-and hf_export/ stay as they are; the export's rlhfuse_export.json says which iteration it holds.
-The chosen iteration (and, for best:..., the metric's value) is logged and printed as one JSON
-line on stdout. A run still training in the workdir holds its lock: the export is refused.
+place whole. Nothing is trained, no prompt is read (its prompt files may be gone), and the run's
+checkpoints, metrics, config records, result.json and hf_export/ stay as they are; the export's
+rlhfuse_export.json says which iteration it holds. The chosen iteration (and, for best:..., the
+metric's value) is logged and printed as one JSON line on stdout. A run still training in the
+workdir holds its lock: the export is refused.
 Single-process (no --distributed).
 
 Docs: docs/usage.md ("Real checkpoints and tokenizers"), docs/own_model.md.

@@ -96,15 +96,21 @@ def _logged(workdir, name):
 def test_an_earlier_kept_step_exports_its_own_weights_and_leaves_the_run_alone(
     run, tmp_path, monkeypatch):
   """Checkpoint 2 of a run that ended at 3: the export reloads to checkpoint 2's actor bit for
-  bit (not 3's), is marked 2, and nothing of the run changed. A second export that fails
-  midway leaves the first one whole at its path."""
+  bit (not 3's), is marked 2, and nothing of the run changed; it builds neither a rollout stage
+  nor the prompt datasets. A second export that fails midway leaves the first one whole at its
+  path."""
   monkeypatch.chdir(REPO)
   before = _digests(run)
   out = str(tmp_path / "step2")
-  # Nothing generates: no rollout stage (a fused run's compiles its instances for a minute).
+  # Nothing generates: no rollout stage (a fused run's compiles its instances for a minute),
+  # and no prompt is read or tokenised (a large prompts_file took its time for nothing).
   def no_rollout(*args, **kwargs):
     raise AssertionError("the export built a rollout stage")
   monkeypatch.setattr(loop.rollout_lib, "make_rollout_stage", no_rollout)
+
+  def no_prompts(*args, **kwargs):
+    raise AssertionError("the export built the prompt datasets")
+  monkeypatch.setattr(loop.build, "build_datasets_and_pool", no_prompts)
   cfg = export_lib.export_config(export_lib.run_config(run, 2)[0], "")
   result = export_lib.export(run, "2", out, mesh=_one_device(cfg))
   assert result["step"] == 2 and result["family"] == "llama" and result["out"] == out

@@ -150,7 +150,8 @@ class PPOTrainer:
     """on_locked: called once the workdir is this run's (locked, the same on every process),
     before the set-up reads it (train_ppo starts WORKDIR/log.txt there). export_step: build the
     run to export its kept checkpoint of that iteration (export_checkpoint), not to train: no
-    resume point is read or checked, nothing of the run is written."""
+    resume point is read or checked, no prompt is loaded or tokenised, nothing of the run is
+    written."""
     self._export_step = export_step
     self._built_at = time.time()  # the progress line's elapsed counts from here (setup too)
     self._samples: Optional[list] = None  # config.log_samples: this iteration's, as text
@@ -295,20 +296,10 @@ class PPOTrainer:
                  f"task {cfg.data.task!r}", dict(self.mesh.shape), (
                      f" (training group), generation group of {self.gen_mesh.devices.size} "
                      f"devices" if self.disjoint else ""))
-    self.dataset, held_out, pool = build.build_datasets_and_pool(cfg, self.task, self.tokenizer)
-    # Saved with the validation settings: a resume judges a changed data.val_max_prompts by the
-    # prompts it selects, min(pool, val_max_prompts) (trainer/inputs.py, warn_eval_changes).
-    self.checkpoints.set_val_pool(pool)
-    if cfg.data.prompts_file:  # how far num_iterations takes the run through the data
-      n, per = len(self.dataset.records), cfg.rollout.prompts_per_iteration
-      logging.info("setup: %d training prompts%s, %d per iteration: %d iterations are %.3g "
-                   "passes over them (each pass in a new seeded order)", n,
-                   f" ({len(held_out.records)} held-out ones validated" + (
-                       f" every {cfg.eval_every} iterations)" if cfg.eval_every else
-                       ": never, eval_every=0)") if held_out is not None else "", per,
-                   cfg.num_iterations, cfg.num_iterations * per / n)
-    self.held_out = (evaluation.HeldOutEval(held_out, cfg.rollout.batch_size, cfg.seed)
-                     if held_out is not None and cfg.eval_every else None)
+    if self._export_step is None:
+      self._build_prompts(cfg)
+    else:  # an export restores the models alone: no prompt is read, rendered or tokenised
+      self.dataset = self.held_out = None
     self.use_critic = adv_lib.needs_critic(cfg.algo.estimator)
     models = build.build_models(cfg, self.mesh)
     self.update = update_lib.make_update(cfg, self.mesh, use_critic=self.use_critic,
@@ -367,6 +358,24 @@ class PPOTrainer:
     self.checkpoints.state_fn = self._state
     self.checkpoints.meta_fn = self._meta
     self._compiled_update = False  # the first update call (compiles) is timed and logged
+
+  def _build_prompts(self, cfg: TrainConfig) -> None:
+    """The training prompt stream and the held-out evaluation (None without held-out prompts
+    or with eval_every=0), every prompt rendered and tokenised (build.build_datasets)."""
+    self.dataset, held_out, pool = build.build_datasets_and_pool(cfg, self.task, self.tokenizer)
+    # Saved with the validation settings: a resume judges a changed data.val_max_prompts by the
+    # prompts it selects, min(pool, val_max_prompts) (trainer/inputs.py, warn_eval_changes).
+    self.checkpoints.set_val_pool(pool)
+    if cfg.data.prompts_file:  # how far num_iterations takes the run through the data
+      n, per = len(self.dataset.records), cfg.rollout.prompts_per_iteration
+      logging.info("setup: %d training prompts%s, %d per iteration: %d iterations are %.3g "
+                   "passes over them (each pass in a new seeded order)", n,
+                   f" ({len(held_out.records)} held-out ones validated" + (
+                       f" every {cfg.eval_every} iterations)" if cfg.eval_every else
+                       ": never, eval_every=0)") if held_out is not None else "", per,
+                   cfg.num_iterations, cfg.num_iterations * per / n)
+    self.held_out = (evaluation.HeldOutEval(held_out, cfg.rollout.batch_size, cfg.seed)
+                     if held_out is not None and cfg.eval_every else None)
 
   def _log_state_bytes(self, cfg: TrainConfig) -> None:
     """Logs what one device holds of each trained model: weights and optimizer state (the
