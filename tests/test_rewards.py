@@ -1,6 +1,7 @@
 """Math verifiers (GSM8K final number, MATH boxed answers through math-verify), format rewards,
 user functions by import path, and errors that name the function and the sample."""
 import concurrent.futures
+import functools
 import os
 import re
 import time
@@ -695,3 +696,31 @@ def test_a_user_function_naming_num_tokens_gets_each_responses_token_count(tok):
   build.check_reward_functions(cfg)
   _, metrics = build.build_rewards(cfg, None, tok, None, None).combine([{}] * 3, ids, lens)
   np.testing.assert_allclose(metrics["reward/format_mean"], np.mean(penalties), rtol=1e-6)
+
+
+def test_a_num_tokens_the_user_bound_is_not_passed_again(tok):
+  """functools.partial(fn, num_tokens=K) binds the keyword: the function is scored with K (a
+  partial's signature still names num_tokens, with K as its default, and the token counts
+  passed as a keyword replaced the user's value). A partial binding another keyword still gets
+  the counts; the early check passes either way."""
+  ids, lens = _batch(tok, ["a", "abc def ghi jkl mno", ""])
+  want = lens.tolist()
+  assert 5 not in want  # the counts differ from the bound 5 (else the test could not fail)
+  bound = functools.partial(overlong, num_tokens=5)
+  rewards_lib._check_arguments(bound, "bound")
+  np.testing.assert_allclose(rewards_lib.per_sample(bound, "bound")([{}] * 3, ids, lens, tok),
+                             [max(-1.0, min(0.0, (4 - 5) / 4))] * 3)
+  batched = functools.partial(batch_tokens, num_tokens=[7, 8, 9])
+  np.testing.assert_array_equal(rewards_lib.per_batch(batched, "b")([{}] * 3, ids, lens, tok),
+                                [7, 8, 9])
+  assert not rewards_lib.takes_num_tokens(bound) and not rewards_lib.takes_num_tokens(batched)
+
+  @functools.wraps(bound)  # a decorator's wrapper: inspect.signature reads the partial's
+  def decorated(*args, **kwargs):
+    return bound(*args, **kwargs)
+  assert not rewards_lib.takes_num_tokens(decorated)
+  # Another keyword bound: num_tokens is still the function's to receive.
+  other = functools.partial(overlong, max_tokens=16, cache=8)
+  assert rewards_lib.takes_num_tokens(other)
+  np.testing.assert_allclose(rewards_lib.per_sample(other, "other")([{}] * 3, ids, lens, tok),
+                             [max(-1.0, min(0.0, (8 - n) / 8)) for n in want])

@@ -19,14 +19,15 @@ verifiers and format rewards of data/verifiers.py, or a user's function named by
 `"my_pkg.rewards:score"`) become batch functions through `per_sample`, which decodes each
 response up to its EOS and names the function and the sample (index and `file:line`) in any
 error. A text function that names a parameter `num_tokens` also gets the response's length in
-tokens (NUM_TOKENS: a length penalty such as DAPO's overlong shaping); the others are called
-with the three arguments alone. `resolve_reward_function` maps config.reward.function to a batch
-function.
+tokens (NUM_TOKENS: a length penalty such as DAPO's overlong shaping) unless a functools.partial
+bound it; the others are called with the three arguments alone. `resolve_reward_function` maps
+config.reward.function to a batch function.
 """
 from __future__ import annotations
 
 import collections.abc
 import difflib
+import functools
 import importlib
 import inspect
 import numbers
@@ -169,19 +170,34 @@ TextRewardFn = Callable[[str, Optional[str], Mapping[str, Any]], Any]
 # The optional keyword a text reward function may take: the response's length in tokens, its
 # generated ids through the first EOS, the EOS counted (what response_extent gives; the text
 # the function reads stops before the EOS). Passed only to a function whose signature names it
-# (a parameter, not **kwargs), so the three-argument functions are called as before.
+# (a parameter, not **kwargs), so the three-argument functions are called as before; not to a
+# functools.partial that binds it (the user's value stays).
 NUM_TOKENS = "num_tokens"
 
 
 def takes_num_tokens(fn: Callable) -> bool:
-  """Whether `fn` names a parameter NUM_TOKENS that a keyword can fill (False for a callable
-  whose signature Python cannot read)."""
+  """Whether `fn` names a parameter NUM_TOKENS that a keyword can fill and that its user has
+  not bound (False for a callable whose signature Python cannot read). A
+  functools.partial(fn, num_tokens=...) keeps the value bound there: it is not passed again."""
   try:
     param = inspect.signature(fn).parameters.get(NUM_TOKENS)
   except (TypeError, ValueError):
     return False
-  return param is not None and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                              inspect.Parameter.KEYWORD_ONLY)
+  return (param is not None and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                               inspect.Parameter.KEYWORD_ONLY)
+          and not _binds_num_tokens(fn))
+
+
+def _binds_num_tokens(fn: Callable) -> bool:
+  """Whether a functools.partial in `fn` (through decorators' __wrapped__, as
+  inspect.signature reads them) binds NUM_TOKENS: its signature still names the keyword, with
+  the bound value as its default, and a call's keyword would replace that value."""
+  fn = inspect.unwrap(fn)
+  while isinstance(fn, functools.partial):
+    if NUM_TOKENS in fn.keywords:
+      return True
+    fn = inspect.unwrap(fn.func)
+  return False
 
 
 def _short(text: Any, limit: int = 120) -> Any:
