@@ -107,6 +107,15 @@ def batch_pool(responses, answers, records):
 batch_pool.batched = True
 
 
+def batch_scaled(responses, answers, records, scale=1.0):
+  """A batched function whose keyword a user binds ('tests.test_rewards:batch_half')."""
+  return [scale * len(r) for r in responses]
+
+
+batch_scaled.batched = True
+batch_half = functools.partial(batch_scaled, scale=0.5)  # no `batched` of its own
+
+
 # ------------------------------------------------------------ the verifiers, text in
 @pytest.mark.parametrize("response, score", [
     ("She sold 24 in May, 72 in all.", 1.0),  # the last number
@@ -696,6 +705,20 @@ def test_a_user_function_naming_num_tokens_gets_each_responses_token_count(tok):
   build.check_reward_functions(cfg)
   _, metrics = build.build_rewards(cfg, None, tok, None, None).combine([{}] * 3, ids, lens)
   np.testing.assert_allclose(metrics["reward/format_mean"], np.mean(penalties), rtol=1e-6)
+
+
+def test_a_partial_of_a_batched_function_is_called_once_per_batch(tok):
+  """functools.partial(batched_fn, ...) has none of batched_fn's attributes: it was called per
+  sample, each response's characters read as the batch, and failed. The mark is read through
+  the partial; one set on the partial itself wins."""
+  ids, lens = _batch(tok, ["ab", "abcd", "x"])
+  fn = rewards_lib.get_reward_function("tests.test_rewards:batch_half")
+  np.testing.assert_allclose(fn([{}] * 3, ids, lens, tok), [1.0, 2.0, 0.5])
+  assert rewards_lib.marked_batched(batch_half)
+  per_text = functools.partial(batch_scaled, scale=2.0)
+  per_text.batched = False
+  assert not rewards_lib.marked_batched(per_text)
+  assert not rewards_lib.marked_batched(functools.partial(overlong, max_tokens=8))
 
 
 def test_a_num_tokens_the_user_bound_is_not_passed_again(tok):

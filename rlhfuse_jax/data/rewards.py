@@ -421,6 +421,17 @@ WHOLE_TARGET = frozenset({"target_match", "length_match", "exact_match"})
 NEEDS_ANSWER = WHOLE_TARGET | verifiers.NEEDS_ANSWER
 
 
+def marked_batched(fn: Callable) -> bool:
+  """Whether `fn` is marked `batched = True`: on itself, else on the function a
+  functools.partial wraps (a partial has no attributes of its function: a batched function's
+  partial would be called per sample, each response's characters read as the batch)."""
+  while True:
+    marked = getattr(fn, "batched", None)
+    if marked is not None or not isinstance(fn, functools.partial):
+      return marked is True
+    fn = fn.func
+
+
 def get_reward_function(name: str, stat: bool = False) -> RewardFn:
   """The reward function registered as `name`, or a user function by import path
   ('package.module:function': per sample, see `per_sample`, or once per batch when the function
@@ -432,7 +443,7 @@ def get_reward_function(name: str, stat: bool = False) -> RewardFn:
     return REWARD_FUNCTIONS[name]
   if ":" in name:
     fn = import_function(name)
-    batched = getattr(fn, "batched", False) is True
+    batched = marked_batched(fn)
     _check_arguments(fn, name, batched)
     return per_batch(fn, name, stat) if batched else per_sample(fn, name, stat)
   module, _, attr = name.rpartition(".")
