@@ -23,7 +23,7 @@ from rlhfuse_jax.policy.lengths import LengthHistogram
 from rlhfuse_jax.sim import rt_model
 from rlhfuse_jax.sim.generation_sim import GenSetup
 from rlhfuse_jax.sim.shapes import from_model_config
-from rlhfuse_jax.trainer.rt_auto import simulated_rt_model
+from rlhfuse_jax.trainer.rt_auto import sim_setup, simulated_rt_model
 
 CFG = llama.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
                         num_heads=4, num_kv_heads=2, max_seq_len=64)
@@ -497,6 +497,28 @@ def test_the_rt_calibration_times_a_decode_step_on_a_chunk_that_decoded():
   assert cal["ops"]["decode_step"]["occupied_slots"] == [1, 2]
   one = [n for live, n in decoded if live == 1]
   assert one[0] == 0 and all(n > 0 for n in one[-2:]), decoded  # the 2 timed chunks decoded
+
+
+def test_auto_rt_simulates_the_engine_at_its_dtypes():
+  """rt_auto describes the engine to the simulator at its models' dtypes: the KV rows a
+  migration moves at model.dtype, the frozen weights an instance loads at their param_dtype. It
+  sized both at bf16, so a float32 run (ppo_tiny) chose Rt on half the bytes it moves."""
+  for dtype in ("float32", "bfloat16"):
+    cfg = CFG.replace(dtype=dtype, param_dtype=dtype)
+    reward = cfg.replace(head="scalar", num_layers=2, hidden_size=64)
+    gen = types.SimpleNamespace(
+        cfg=cfg, models={"reference": cfg, "reward": reward}, kv_capacity=64,
+        config=FusedGenConfig(num_instances=2, slots=4, migration_threshold="auto"),
+        sampling=SamplingConfig(max_new_tokens=T, chunk_size=3),
+        instances=[types.SimpleNamespace(devices=jax.devices()[:1])])
+    actor, frozen, setup = sim_setup(gen)
+    item = np.dtype(cfg.jnp_dtype).itemsize  # what the engine's KVCache holds (engine.py)
+    assert actor.kv_bytes_per_token() == 2 * cfg.num_layers * cfg.num_kv_heads * (
+        cfg.hidden_size // cfg.num_heads) * item, dtype
+    # the frozen models (the reward model at its own shape) as the instances load them
+    assert [s.weight_bytes() for s in frozen] == [
+        c.num_params() * np.dtype(c.jnp_param_dtype).itemsize for c in (cfg, reward)], dtype
+    assert setup.offload_frozen and setup.kv_capacity_tokens == 64
 
 
 def test_rt_choice_follows_the_costs():

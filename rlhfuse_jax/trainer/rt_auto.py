@@ -16,10 +16,14 @@ from rlhfuse_jax.sim.generation_sim import GenSetup
 
 
 def sim_setup(gen: FusedGenerator) -> tuple:
-  """(actor shape, inference model shapes, GenSetup) describing the engine to the simulator."""
+  """(actor shape, inference model shapes, GenSetup) describing the engine to the simulator.
+  The shapes at the models' own dtypes (from_model_config's dtypes: param_dtype for the weights
+  a frozen model loads, dtype for the KV rows a migration moves), as the engine holds them:
+  until 2026-12-04 bf16 whatever the run's, so a float32 run (ppo_tiny) chose Rt on half its
+  migrated and loaded bytes."""
   cfg = gen.config
-  actor = shapes_lib.from_model_config(gen.cfg, "actor")
-  frozen = tuple(shapes_lib.from_model_config(c, n) for n, c in gen.models.items())
+  actor = shapes_lib.from_model_config(gen.cfg, "actor", dtypes=True)
+  frozen = tuple(shapes_lib.from_model_config(c, n, dtypes=True) for n, c in gen.models.items())
   setup = GenSetup(num_instances=cfg.num_instances, slots=cfg.slots, tp=cfg.instance_devices,
                    chunk_steps=gen.sampling.chunk_size,
                    max_new_tokens=gen.sampling.max_new_tokens,
