@@ -148,6 +148,9 @@ def report(res: dict, systems: dict, setting: dict,
                  "; no reference model (algo.kl_coef=0): none of its weights or forwards")
               + ("" if setting.get("reward_model", True) else
                  "; no reward model (reward.kind='function'): none of its weights or forwards")
+              + ("" if "reward" not in setting else
+                 f"; the reward model at its checkpoint's shape "
+                 f"({setting['reward']['num_params'] / 1e6:.3g}M parameters)")
               + "; response lengths: "
               f"{setting['lengths']['response_lengths_from']}), restricted to plans the "
               f"trainer runs: {sum(refused.values())} synchronous combinations refused, the "
@@ -276,7 +279,8 @@ def trainer_setting(cfg: ablations.AblationConfig, path: str, overrides: str, co
              "num_devices": cfg.num_devices, "global_batch": wl.global_batch,
              "minibatch": wl.minibatch, "epochs": wl.epochs, "max_new_tokens": wl.max_new_tokens,
              "reference": wl.reference, "reward_model": wl.reward_model,
-             "actor": wl.actor.to_dict(), "critic": wl.critic.to_dict(), "lengths": lengths}
+             "actor": wl.actor.to_dict(), "critic": wl.critic.to_dict(), "lengths": lengths,
+             **({} if wl.reward is None else {"reward": wl.reward.to_dict()})}
   return setting, wl, sim_plan.PlanCheck(config_dict, devices, tokenizer, workdir)
 
 

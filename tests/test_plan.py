@@ -17,6 +17,7 @@ import pytest
 
 from configs import ppo_tiny
 from rlhfuse_jax.generation import multihost, pipelined
+from rlhfuse_jax.models import hf_loader, llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.sim import iteration_sim, plan_search
 from rlhfuse_jax.sim.cost_model import CostModel
@@ -855,6 +856,36 @@ def test_a_run_whose_reward_is_a_function_is_searched_without_a_reward_model(tmp
       pytest.approx(critic))
   assert mem["with"]["generation"]["frozen weights kept"] - (
       mem["without"]["generation"]["frozen weights kept"]) == pytest.approx(critic)
+
+
+def test_a_run_with_a_reward_model_is_searched_at_its_shape(tmp_path):
+  """reward.kind='model': the trainer loads the reward model at its checkpoint's shape
+  (build.reward_model_config), which need not be the critic's; the search sized and timed it
+  as the critic. The run's workload carries the checkpoint's shape at the run's dtypes
+  (Workload.reward), plan.json's record names it, and the search's inference memory holds its
+  weights, not a critic's."""
+  raw = TrainConfig.from_config_dict(ppo_tiny.get_config())
+  task, tokenizer = build.build_task_and_tokenizer(raw)
+  rm_cfg = raw.model.replace(vocab_size=tokenizer.vocab_size, head="scalar", hidden_size=128,
+                             intermediate_size=256, num_layers=4)
+  hf_loader.save_hf_checkpoint(llama.host_random_params(rm_cfg, 0), rm_cfg,
+                               str(tmp_path / "rm"))
+  cfg = build.resolve_config(dataclasses.replace(raw, reward=dataclasses.replace(
+      raw.reward, kind="model", model_checkpoint=str(tmp_path / "rm"))), tokenizer)
+  wl = sim_plan.workload(cfg, task, tokenizer, 8, str(tmp_path / "lengths"))[0]
+  assert (wl.reward.num_layers, wl.reward.hidden_size) == (4, 128) != (
+      wl.critic.num_layers, wl.critic.hidden_size)
+  assert wl.reward.weight_itemsize == wl.reward.kv_itemsize == 4  # ppo_tiny's float32
+  assert wl.frozen_models() == (("reference", "critic", "reward"),
+                                (wl.actor, wl.critic, wl.reward))
+  assert plan_search.workload_record(wl)["reward"]["num_layers"] == 4
+  with pytest.raises(ValueError, match=r"workload\.reward .* must have head='scalar'"):
+    dataclasses.replace(wl, reward=wl.actor)
+  plan, mem = _searched_without_and_with(dataclasses.replace(wl, reward_model=False), wl)
+  # The reward model's weights over the inference tp: its own, 4x the critic's here.
+  assert mem["with"]["inference"]["weights"] - mem["without"]["inference"]["weights"] == (
+      pytest.approx(wl.reward.weight_bytes() / plan["inference"]["tp"]))
+  assert wl.reward.weight_bytes() > 3 * wl.critic.weight_bytes()
 
 
 def _searched_without_and_with(wl, other):

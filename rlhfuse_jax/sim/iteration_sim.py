@@ -72,7 +72,7 @@ _INTRA = {"intra_stage", "rlhfuse"}
 class Workload:
   """What one iteration processes, on which models and how many devices."""
   actor: ModelShape
-  critic: ModelShape  # scalar head; the reward model has the critic's shape
+  critic: ModelShape  # scalar head; the reward model has its shape unless `reward` is set
   num_devices: int = 256
   global_batch: int = 512
   minibatch: int = 64
@@ -98,6 +98,10 @@ class Workload:
   # plan_search drops its weights and forwards then, as the reference's; the papers' systems
   # always run one.
   reward_model: bool = True
+  # The reward model's own shape (scalar head): a train_ppo run's reward.model_checkpoint
+  # (trainer/sim_plan.workload), which need not be the critic's; None: the critic's, as the
+  # papers' presets assume (Workload.reward_shape). Until 2026-12-04 always the critic's.
+  reward: Optional[ModelShape] = None
   # A train_ppo run's fusion.inference_micro_batch (trainer/sim_plan.workload): the samples its
   # inference on generation instances scores at once, 0 (the default) the instance's slots
   # (trainer/rollout.plan_instances_config, FusedGenConfig.micro_batch); plan_search's
@@ -116,8 +120,15 @@ class Workload:
     if self.global_batch % self.minibatch:
       raise ValueError(f"config.global_batch={self.global_batch} must be divisible by "
                        f"config.minibatch={self.minibatch}")
-    if self.critic.head != "scalar":
-      raise ValueError(f"workload.critic {self.critic.name!r} must have head='scalar'")
+    for role in ("critic", "reward"):
+      shape = getattr(self, role)
+      if shape is not None and shape.head != "scalar":
+        raise ValueError(f"workload.{role} {shape.name!r} must have head='scalar'")
+
+  @property
+  def reward_shape(self) -> ModelShape:
+    """The reward model's shape: `reward`, else the critic's (the papers' presets)."""
+    return self.critic if self.reward is None else self.reward
 
   @property
   def num_minibatches(self) -> int:
@@ -133,13 +144,14 @@ class Workload:
 
   def frozen_models(self, models: tuple = ("reference", "critic", "reward")) -> tuple:
     """(names, shapes) of the frozen `models` the run scores with: the reference has the
-    actor's shape, the critic and the reward model the critic's; the reference left out when
+    actor's shape, the critic its own, the reward model reward_shape; the reference left out when
     the run has none (reference: a train_config with algo.kl_coef=0, which until 2026-12-04
     was charged its weights and forwards), the reward model when its reward is a function
     (reward_model, charged until 2026-12-04 too)."""
     has = {"reference": self.reference, "reward": self.reward_model}
     names = tuple(m for m in models if has.get(m, True))
-    return names, tuple(self.actor if m == "reference" else self.critic for m in names)
+    shape = {"reference": self.actor, "critic": self.critic, "reward": self.reward_shape}
+    return names, tuple(shape[m] for m in names)
 
   def kv_slot_len(self, prompt_lens: np.ndarray) -> int:
     """KV tokens a generation slot is allocated: padded_len with kv_at_max_prompt (the
@@ -235,13 +247,13 @@ def gen_plan(cost: CostModel, wl: Workload, tp: int, prompt_lens: np.ndarray, ma
 def inference_memory_parts(cost: CostModel, wl: Workload, tp: int, rows: int,
                            frozen: Optional[tuple] = None) -> dict:
   """Per device of an inference copy of tp devices, bytes: {"weights" (the frozen models',
-  default reference, critic and reward model, bf16 over tp), "activations" (one layer's of the
+  default reference, critic and reward model, over tp), "activations" (one layer's of the
   largest, they run one after the other, for `rows` samples at once at wl.padded_len tokens:
   the trainer's scoring programs take their rows right-padded to data.max_prompt_len +
   rollout.max_new_tokens, plan_check's inference seq_len; until 2026-12-04 the longest sampled
   prompt + max_new_tokens, which on ppo_tiny's 4-token prompts and max_prompt_len 512 was 1540
   of the 2048 tokens)}."""
-  frozen = frozen or (wl.actor, wl.critic, wl.critic)
+  frozen = frozen or (wl.actor, wl.critic, wl.reward_shape)
   tokens = rows * wl.padded_len
   return {"weights": sum(s.weight_bytes() for s in frozen) / tp,
           "activations": max(cost.activation_bytes(s, tp, tokens, 1) for s in frozen)}
@@ -270,7 +282,7 @@ def gen_setup(plan: GenPlan, wl: Workload, opt: SimOptions, cost: CostModel, fus
 
 def frozen_resident_bytes(frozen: tuple, tp: int, opt: SimOptions) -> float:
   """Per device of a tp-device generation instance, the frozen models' weights that stay there
-  while it generates: none when they wait in host memory (`offload_frozen`), else their bf16
+  while it generates: none when they wait in host memory (`offload_frozen`), else their
   weights split over tp (the instance scores with them)."""
   return 0.0 if opt.offload_frozen else sum(s.weight_bytes() for s in frozen) / tp
 
@@ -278,7 +290,7 @@ def frozen_resident_bytes(frozen: tuple, tp: int, opt: SimOptions) -> float:
 def kept_frozen_bytes(wl: Workload, devices_per_copy: int, opt: SimOptions) -> float:
   """Per device, what the frozen reference and reward model keep on the devices through every
   stage, training included, with sim.offload_frozen=False (no host memory to wait in): their
-  bf16 weights split over the `devices_per_copy` devices of the layout that scores with them.
+  weights split over the `devices_per_copy` devices of the layout that scores with them.
   0 when they are offloaded; only those the run has (Workload.reference, reward_model).
   (The critic's scoring copy is rebuilt from its training state; generation, which scores beside
   decoding, charges it too: frozen_resident_bytes.)"""
@@ -294,7 +306,7 @@ def zero3_resident_bytes(wl: Workload) -> float:
   rlhf_engine._init_ref takes the actor's ZeRO stage, "If actor is ZeRO-3 then we use it for
   everything"; some versions read a reference_zero_stage argument instead)."""
   trained = wl.actor.num_params() + wl.critic.num_params()
-  frozen = wl.actor.num_params() + wl.critic.num_params()
+  frozen = wl.actor.num_params() + wl.reward_shape.num_params()
   return (16.0 * trained + 2.0 * frozen) / wl.num_devices
 
 
@@ -306,12 +318,12 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
   _zero3_stage), not on the instances, so neither their inference memory nor the critic's
   heads limit the degree (both did until 2026-11-28: 65B generated at tp 8 where tp 4 fits)."""
   prompts, resp = wl.sample_lengths()
-  frozen = (wl.actor, wl.critic, wl.critic)
+  frozen = (wl.actor, wl.critic, wl.reward_shape)
   rejected, best = {}, None
   # Smallest first: "the smallest degree that fits" must not depend on how gen_tps is listed.
   for tp in (sorted(opt.gen_tps) if smallest_tp else opt.gen_tps):
     split = next((e for e in (m.tensor_parallel_error(tp) for m in
-                              ((wl.actor,) if smallest_tp else (wl.actor, wl.critic))) if e),
+                              ((wl.actor,) if smallest_tp else (wl.actor,) + frozen)) if e),
                  None)
     if split:
       rejected[tp] = split
@@ -359,7 +371,7 @@ def _zero3_stage(cost: CostModel, wl: Workload, prompts: np.ndarray, resp: np.nd
   inf = 0.0
   # DeepSpeed-Chat's generate_experience runs four forwards: the actor (the old log-probs), the
   # reference, the critic and the reward model (until 2026-11-29 the actor's was missing here).
-  for s in (wl.actor, wl.actor, wl.critic, wl.critic):
+  for s in (wl.actor, wl.actor, wl.critic, wl.reward_shape):
     compute = float(np.sum(s.forward_flops(seq, (seq + 1) / 2.0))) / (
         n * cost.hw.peak_flops * cost.eff.prefill_mfu)
     inf += max(compute, cost.allgather_s(s.weight_bytes(), n))

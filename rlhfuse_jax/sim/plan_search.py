@@ -342,10 +342,10 @@ def async_splits(cost: CostModel, num_devices: int, split_unit: int = 0) -> list
 def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict,
                          models: tuple = ("reference", "critic", "reward")) -> list[Candidate]:
   """Inference plans (tp) for the forwards of `models` (reference: the actor's shape; critic
-  and reward model: the critic's) over the batch: `seq_lens`, prompt + response (the time);
-  the memory check scores sim.inference_microbatch samples at once at wl.padded_len tokens
-  (iteration_sim.inference_memory_parts; with sim.trainer_runnable the trainer's rows are
-  checked per plan: _trainer_inference_refusal)."""
+  its own; reward model: Workload.reward_shape) over the batch: `seq_lens`, prompt + response
+  (the time); the memory check scores sim.inference_microbatch samples at once at
+  wl.padded_len tokens (iteration_sim.inference_memory_parts; with sim.trainer_runnable the
+  trainer's rows are checked per plan: _trainer_inference_refusal)."""
   from rlhfuse_jax.sim import iteration_sim as it
   models, frozen = wl.frozen_models(models)
   out = []
@@ -449,7 +449,8 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
   out = []
   for tp, pp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16)):
     if (tp > cost.hw.devices_per_node or wl.num_devices % (tp * pp) or
-        any(s.tensor_parallel_error(tp) or s.num_layers % pp for s in (wl.actor, wl.critic))):
+        any(s.tensor_parallel_error(tp) or s.num_layers % pp
+            for s in (wl.actor, wl.critic) + frozen)):
       continue
     name = f"uniform tp{tp} pp{pp}"
     kept = it.kept_frozen_bytes(wl, tp * pp, opt)
@@ -604,13 +605,16 @@ WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads
 
 
 def workload_record(wl, train_config: str = "") -> dict:
-  """plan.json's "workload": what the plan was searched for (the models' shapes, the batch,
+  """plan.json's "workload": what the plan was searched for (the models' shapes, the reward
+  model's when it has its own (Workload.reward), the batch,
   mini-batch, epochs, max prompt and generation lengths, the devices, whether it runs a
   reference model (Workload.reference) and a reward model (Workload.reward_model); the
   train_ppo config and its fusion.inference_micro_batch when one was given), so that a run of
   another workload with it is warned of."""
+  roles = (("actor", wl.actor), ("critic", wl.critic)) + (
+      (("reward", wl.reward),) if wl.reward_model and wl.reward is not None else ())
   out = {role: {"name": shape.name, **{f: getattr(shape, f) for f in WORKLOAD_MODEL_FIELDS}}
-         for role, shape in (("actor", wl.actor), ("critic", wl.critic))}
+         for role, shape in roles}
   out.update(global_batch=wl.global_batch, minibatch=wl.minibatch, epochs=wl.epochs,
              max_prompt_len=wl.prompt.max_len, max_new_tokens=wl.max_new_tokens,
              num_devices=wl.num_devices, reference=wl.reference, reward_model=wl.reward_model)

@@ -9,9 +9,10 @@ training pool's tokenised prompts (at most data.max_prompt_len). Response length
 task's target lengths plus the EOS (what a policy that solves the task generates; an untrained
 one runs to rollout.max_new_tokens more often) for the task's own prompts, and uniform in
 1..rollout.max_new_tokens for data.prompts_file, whose lengths are not known. Both are written
-as length files and sampled (with replacement) by the workload's seed. The reward model is
-simulated with the critic's shape, as the simulator does for every system (ppo_tiny's reward is
-a function: no model).
+as length files and sampled (with replacement) by the workload's seed. The reward model
+(reward.kind='model') is simulated at its own shape and dtypes, its checkpoint's config.json as
+the trainer reads it (build.reward_model_config: Workload.reward; until 2026-12-04 the
+critic's shape, which the papers' presets keep); ppo_tiny's reward is a function: no model.
 
 `PlanCheck` asks the trainer itself whether it runs a plan: the plan written as plan.json and
 set as config.plan.file, then what PPOTrainer does before it builds anything
@@ -68,6 +69,9 @@ def workload(cfg: TrainConfig, task: Any, tokenizer: Any, num_devices: int, leng
                           path=_lengths_file(os.path.join(lengths_dir, "response_lengths.txt"),
                                              resp))
     source = f"the task's targets + EOS ({cfg.data.task}, {cfg.data.length_dist} lengths)"
+  reward_cfg = build.reward_model_config(cfg)  # None: reward.kind='function'
+  reward = (None if reward_cfg is None else
+            from_model_config(reward_cfg, f"{name} reward model", dtypes=True))
   wl = iteration_sim.Workload(
       # the run's dtypes and optimizer state: its weights, AdamW state and KV cache as the
       # trainer holds them
@@ -79,7 +83,7 @@ def workload(cfg: TrainConfig, task: Any, tokenizer: Any, num_devices: int, leng
       global_batch=cfg.rollout.batch_size, minibatch=cfg.algo.minibatch_size,
       epochs=cfg.algo.epochs, micro_batch=micro_batch, max_new_tokens=t, prompt=prompt,
       response=response, seed=seed, reference=cfg.algo.uses_reference,
-      reward_model=cfg.reward.uses_model,
+      reward_model=cfg.reward.uses_model, reward=reward,
       inference_micro_batch=cfg.fusion.inference_micro_batch)
   summary = lambda x: None if x is None else {"mean": float(np.mean(x)), "min": int(np.min(x)),
                                               "max": int(np.max(x))}
