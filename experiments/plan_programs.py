@@ -33,7 +33,8 @@ Measured per program, per device (SPMD: XLA compiles one program per device):
              costliest branch, and counts elementwise work
   flops_per_device  dot FLOPs with every loop iteration counted (perf/hlo_flops.py)
   analytic   params, grads, optimizer state, activations (the simulator's 34*h bytes per token
-             and layer, sim/cost_model.py), KV cache, and FLOPs per device if the plan split the
+             and layer of 16-bit ones, at the model's dtype: twice for float32; sim/
+             cost_model.py), KV cache, and FLOPs per device if the plan split the
              work perfectly (perf/accounting.py formulas)
   replication  flops_per_device / analytic useful FLOPs per device (1.0: no repeated work)
   fits       peak_bytes <= the hardware preset's HBM bytes
@@ -675,7 +676,7 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
     micro = cfg.actor_microbatches if model is cfg.actor else cfg.critic_microbatches
     inflight = min(n_stages, micro) if cfg.pp > 1 else 1
     out["activations_bytes"] += inflight * cost.activation_bytes(
-        sim_shapes.from_model_config(model), cfg.tp, rows * cfg.seq_len,
+        sim_shapes.from_model_config(model, dtypes=True), cfg.tp, rows * cfg.seq_len,
         model.num_layers / n_stages)
   out["total_bytes"] = sum(out.values())
   useful = accounting.ppo_update_flops(cfg.actor, cfg.critic, cfg.minibatch_size,
@@ -738,7 +739,7 @@ def inference_analytic(cfg: PlanConfig) -> dict:
     rows = cfg.inference_microbatch
     tokens = rows * cfg.seq_len
   # One layer's activations live at a time (sim/iteration_sim.inference_memory_parts).
-  acts = CostModel(cfg.hardware).activation_bytes(sim_shapes.from_model_config(a),
+  acts = CostModel(cfg.hardware).activation_bytes(sim_shapes.from_model_config(a, dtypes=True),
                                                   cfg.gen_tensor, tokens, 1)
   flops = accounting.forward_flops(a, rows, cfg.seq_len, cfg.response_len)
   shards = cfg.gen_model_shards
@@ -826,7 +827,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                               "cost_analysis()['flops'] (loop bodies once, elementwise "
                               "included)",
           "analytic": "the plan's perfect split; activations: the simulator's 34*h bytes per "
-                      "token and layer (no remat), in-flight micro-batches min(stages, M); "
+                      "token and layer at 16 bits (x2 for float32 models; no remat), "
+                      "in-flight micro-batches min(stages, M); "
                       "gradients in the parameters' dtype, split like them (the pipelined "
                       "executor accumulates float32 over its stage plus the whole embedding "
                       "and head, and splits embedding, head and norms over the stage devices "

@@ -882,10 +882,12 @@ def test_train_analytic_splits_grads_and_optimizer_state_as_the_plan_does():
 
 def test_pipelined_activations_hold_one_micro_batch_per_stage_in_flight():
   """1F1B keeps min(stages, micro-batches) micro-batches' activations per device, counted per
-  model: 34*h bytes per token and layer (the simulator's figure) times a stage's layers."""
+  model: 34*h bytes per token and layer (the simulator's figure) times a stage's layers, at the
+  models' dtype (tiny's float32: twice the 16-bit figure)."""
   c = plan_config.get_config("tiny")  # pp = critic_pp = 2, 2 rows per data shard
   cfg = plan_programs.PlanConfig.from_config_dict(c)
-  per_h = plan_programs.CostModel(cfg.hardware).eff.act_bytes_per_token_layer_per_h
+  assert cfg.actor.dtype == cfg.critic.dtype == "float32"
+  per_h = plan_programs.CostModel(cfg.hardware).eff.act_bytes_per_token_layer_per_h * 4 / 2
   one = lambda m, rows: per_h * m.hidden_size * rows * cfg.seq_len * m.num_layers / 2
   # Actor: 2 micro-batches of 1 row, both in flight; critic: 1 micro-batch of 2 rows.
   c.critic_microbatch_size = 2
@@ -947,7 +949,8 @@ def test_accumulated_gradients_and_mesh_inference_by_hand():
   once = _analytic(c)
   assert once["grad_accumulator_bytes"] == once["gathered_params_bytes"] == 4 * n / 2
   a = cfg.actor
-  per_h = plan_programs.CostModel(cfg.hardware).eff.act_bytes_per_token_layer_per_h
+  assert a.dtype == "float32"  # its activations at 4 bytes: twice the 16-bit 34*h
+  per_h = plan_programs.CostModel(cfg.hardware).eff.act_bytes_per_token_layer_per_h * 4 / 2
   out = plan_programs.inference_analytic(cfg)
   assert out["activations_bytes"] == pytest.approx(per_h * a.hidden_size * 2 * cfg.seq_len / 2)
   actor = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(llama.param_shapes(a)))
@@ -1245,6 +1248,43 @@ def test_simulated_kv_cache_is_plan_checks_decode_cache():
   it.gen_plan(small, wl, 2, prompts, 16)  # the paper engines' cache fits
   with pytest.raises(ValueError, match="16 samples x 2048 tokens"):
     it.gen_plan(small, ps.trainer_workload(wl), 2, prompts, 16)
+
+
+def test_simulated_activations_take_a_float32_runs_dtype():
+  """A float32 run's activations are float32: the search (a train_config's shapes carry
+  model.dtype, ModelShape.act_itemsize) and plan_check's analytic figure sized them at the 34*h
+  bytes of 16-bit ones, half: 272 MiB against the 499 MiB the compiled float32 reference
+  forward of this case allocates (temp_bytes; 544 MiB now). The papers' presets stay 16-bit."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  from rlhfuse_jax.sim import plan_search as ps
+  from rlhfuse_jax.sim import shapes
+  from rlhfuse_jax.sim.cost_model import CostModel
+  from rlhfuse_jax.sim.lengths import LengthSpec
+  c = plan_config.get_config("tiny")
+  for m in ("actor", "critic"):
+    c[m].update(hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=8,
+                num_kv_heads=8, vocab_size=22, max_seq_len=2048, param_dtype="float32",
+                dtype="float32")
+  c.pp = c.critic_pp = 1
+  c.tp, c.dp, c.fsdp, c.minibatch_size = 2, 4, 1, 32
+  c.seq_len, c.response_len = 2048, 1536
+  c.gen_tp, c.gen_slots, c.inference_microbatch = 2, 16, 16
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  a = shapes.from_model_config(cfg.actor, "actor", dtypes=True)
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=8, global_batch=64, minibatch=32,
+                   max_new_tokens=1536, prompt=LengthSpec(kind="constant", value=4, max_len=512),
+                   response=LengthSpec(kind="constant", value=8))
+  plan = {"generation": {"mode": "instances", "tp": 2, "pp": 1, "groups": 1, "slots": 16},
+          "inference": {"tp": 2, "pp": 1}}
+  cost = CostModel(hardware.get_hardware("h100_sxm"))
+  got = ps.inference_memory(cost, wl, it.SimOptions(trainer_runnable=True), plan)["activations"]
+  assert got == pytest.approx(plan_programs.inference_analytic(cfg)["activations_bytes"])
+  measured = plan_programs.instance_programs(cfg)["inference"]["temp_bytes"]
+  assert 0.8 < got / measured < 1.25, (got / 2**20, measured / 2**20)
+  bf16 = shapes.get_shape("llama-7b")  # a preset: 16-bit, the 34*h bytes as before
+  assert cost.activation_bytes(bf16, 2, 100.0, 3) == 34.0 * bf16.hidden_size * 100 * 3 / 2
+  assert cost.activation_bytes(dataclasses.replace(bf16, kv_itemsize=4), 2, 100.0, 3) == (
+      2 * cost.activation_bytes(bf16, 2, 100.0, 3))
 
 
 def test_simulated_weights_and_kv_cache_take_a_float32_runs_dtype(tmp_path):

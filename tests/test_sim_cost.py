@@ -1,11 +1,12 @@
 """Cost model formulas, length distributions and calibration files."""
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 from rlhfuse_jax.policy import calibration
-from rlhfuse_jax.sim import lengths
+from rlhfuse_jax.sim import lengths, training_sim
 from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
 from rlhfuse_jax.sim.hardware import Hardware, get_hardware
 from rlhfuse_jax.sim.shapes import ModelShape, get_shape
@@ -453,3 +454,24 @@ def test_a_group_spread_unevenly_over_nodes_goes_at_its_emptiest_nodes_pace():
   for group in (12, 16, 24):
     assert cost.allreduce_s(1e9, group) == pytest.approx(
         cost.group_collective_s("all-reduce", 1e9, range(group)), rel=1e-12)
+
+
+def test_activations_moved_and_kept_take_the_compute_dtype():
+  """A float32 run's activations are 4 bytes an element where they are kept (a pipeline
+  stage's stash, training_sim.stash_bytes) and where they move (tensor-parallel all-reduces of
+  a forward, a pipelined decode's stage hops); they were 2 whatever the dtype. The papers'
+  presets (16-bit) are timed and sized as before."""
+  cm = CostModel(get_hardware("h100_sxm"))
+  bf16 = get_shape("llama-7b")
+  f32 = dataclasses.replace(bf16, kv_itemsize=4)
+  assert training_sim.stash_bytes(bf16, 4, 2, 1000.0) == 2.0 * 1000 * 4096 * 8 / 2
+  assert training_sim.stash_bytes(f32, 4, 2, 1000.0) == 2 * training_sim.stash_bytes(
+      bf16, 4, 2, 1000.0)
+  # One forward of 4096 tokens on tp 8: the same FLOPs and weight bytes, twice the all-reduced
+  # bytes (their time is the difference).
+  lens = np.full(4, 1024.0)
+  comm = lambda s: cm._forward_s(s, 8, lens, 0.5) - cm.roofline_s(
+      float(np.sum(s.forward_flops(lens, (lens + 1) / 2))), s.weight_bytes(), 8, 0.5,
+      cm.eff.decode_bw_eff)
+  want = lambda b: 2.0 * 32 * cm.allreduce_s(4096 * 4096 * b, 8)
+  assert comm(bf16) == pytest.approx(want(2)) and comm(f32) == pytest.approx(want(4))

@@ -10,11 +10,12 @@ parallel degree, FLOPs from shapes.py):
       bytes = weight_bytes/t + C * kv_bytes_per_token/t
       flops = (2 * matmul_params * b + 4 * L * heads * head_dim * C) / t
       time  = (max(flops/(peak*decode_mfu), bytes/(hbm_bw*decode_bw_eff)) + 2L all-reduces of
-              b*h*2 bytes over t devices (Megatron tensor parallel: after attention, after MLP))
+              b*h*a bytes over t devices (Megatron tensor parallel: after attention, after MLP;
+              a = act_itemsize, 2 bytes, 4 for a float32 run's))
               * (1 + decode_host_overhead)
   prefill / inference forward of sequences (lengths l_i):
       flops = sum_i forward_flops(l_i, (l_i+1)/2) / t; time = roofline at prefill_mfu
-              + 2L all-reduces of sum(l_i)*h*2 bytes
+              + 2L all-reduces of sum(l_i)*h*a bytes
   training stage, one micro-batch of n tokens, pp stages: forward = roofline over L/pp layers at
       train_mfu + its tensor-parallel all-reduces; backward = bwd_over_fwd (2) x the forward's
       compute + the same all-reduces once (no recomputation timed)
@@ -33,7 +34,8 @@ parallel degree, FLOPs from shapes.py):
 Memory (per device, bytes): weights bf16 (2/param; a train_config's models at their
 param_dtype: ModelShape.weight_itemsize); training adds grads of the weights' dtype and Adam fp32
 master+m+v (12, divided by dp with ZeRO-1; m+v, 8, for fp32 weights: no master copy);
-activations 34*h bytes per token per layer / t
+activations 34*h bytes per token per layer / t at 16 bits, x a/2 at the shape's compute dtype
+(ModelShape.act_itemsize: a float32 run's twice; 16-bit for every shape until 2026-12-04)
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 Table 2: tensor + sequence parallel + selective recomputation, i.e. the attention scores not
 kept, as flash attention does; nothing else recomputed); KV cache kv_bytes_per_token per
@@ -237,7 +239,7 @@ class CostModel:
     return crossing * self.p2p_s(nbytes, True) + (1 - crossing) * self.p2p_s(nbytes, False)
 
   def _tp_comm_s(self, shape: ModelShape, tp: int, tokens: float, layers: float) -> float:
-    return 2.0 * layers * self.allreduce_s(tokens * shape.hidden_size * 2.0, tp)
+    return 2.0 * layers * self.allreduce_s(tokens * shape.hidden_size * shape.act_itemsize, tp)
 
   # --------------------------------------------------------------------- generation
   def decode_step_s(self, shape: ModelShape, tp: int, batch, context_tokens):
@@ -378,7 +380,11 @@ class CostModel:
     return self.hw.hbm_bytes * self.eff.memory_headroom
 
   def activation_bytes(self, shape: ModelShape, tp: int, tokens: float, layers: float) -> float:
-    return self.eff.act_bytes_per_token_layer_per_h * shape.hidden_size * tokens * layers / tp
+    """34*h bytes per token and layer of 16-bit activations, scaled to the shape's compute dtype
+    (ModelShape.act_itemsize: a float32 run's twice; until 2026-12-04 16-bit whatever the
+    dtype, half of a float32 program's)."""
+    return (self.eff.act_bytes_per_token_layer_per_h * shape.act_itemsize / 2.0
+            * shape.hidden_size * tokens * layers / tp)
 
   def check_fits(self, what: str, need_bytes: float, detail: str) -> None:
     """Raises a ValueError naming the plan when `need_bytes` exceeds the usable HBM."""

@@ -147,7 +147,7 @@ def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, t
 
   def ticks_s(rows, ctx):
     """Per-tick seconds of one stage on `rows` live rows reading `ctx` KV tokens."""
-    act = cost.hop_s(rows * actor.hidden_size * 2.0 / tp, hop) if pp > 1 else 0.0
+    act = cost.hop_s(rows * actor.hidden_size * actor.act_itemsize / tp, hop) if pp > 1 else 0.0
     return np.where(rows > 0, cost.decode_step_s(st, tp, rows, ctx) + act, 0.0)
 
   # Prefill: each group's prompts through the pp stages, the groups one stage apart.

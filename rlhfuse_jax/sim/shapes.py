@@ -12,9 +12,10 @@ FLOP accounting (per token, forward):
 Training (forward + backward) is 3x the forward FLOPs (backward = 2x forward).
 KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per element.
 Bytes per element: `weight_itemsize` for the weights (and the gradients), `kv_itemsize` for the
-KV cache; 2 (bf16) for the papers' presets, a train_ppo config's model.param_dtype and
-model.dtype in `from_model_config(..., dtypes=True)` (trainer/sim_plan.workload: a train_config
-search, whose plans the trainer runs; ppo_tiny's models are float32).
+KV cache and the activations (`act_itemsize`); 2 (bf16) for the papers' presets, a train_ppo
+config's model.param_dtype and model.dtype in `from_model_config(..., dtypes=True)`
+(trainer/sim_plan.workload: a train_config search, whose plans the trainer runs; ppo_tiny's
+models are float32).
 """
 from __future__ import annotations
 
@@ -74,6 +75,12 @@ class ModelShape:
                        f"num_kv_heads={self.num_kv_heads}")
     if self.head not in HEADS:
       raise ValueError(f"shape {self.name!r}: head={self.head!r}; expected one of {HEADS}")
+
+  @property
+  def act_itemsize(self) -> int:
+    """Bytes per activation element: the compute dtype's (model.dtype), which the KV cache takes
+    too (kv_itemsize): 2 for the papers' presets, 4 for a float32 run's (ppo_tiny)."""
+    return self.kv_itemsize
 
   @property
   def head_dim_(self) -> int:

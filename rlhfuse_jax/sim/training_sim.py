@@ -108,10 +108,12 @@ def stash_bytes(shape: ModelShape, stages: int, tp: int, mb_tokens: float) -> fl
   """Activation bytes one device keeps per in-flight micro-batch of its stage, from the model's
   shape: with full recomputation each layer keeps only its input, 2 s b h bytes in 16-bit
   (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-  Table 2), split over the tensor devices by sequence parallelism; times the stage's layers.
+  Table 2; act_itemsize s b h at the shape's compute dtype, 4 for a float32 run's), split
+  over the tensor devices by sequence parallelism; times the stage's layers.
   This models the papers' Megatron-style systems; our executor keeps only each stage's input
   (whole on every tensor device) and recomputes the stage (pipeline/executor.py)."""
-  return 2.0 * mb_tokens * shape.hidden_size * (shape.num_layers / stages) / tp
+  return (shape.act_itemsize * mb_tokens * shape.hidden_size * (shape.num_layers / stages)
+          / tp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +160,7 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: Tra
       actor, plan.tp, plan.actor_pp, mb_tokens))
   bc = cost.train_stage_bwd_s(fc, "critic", cost.train_stage_comm_s(
       critic, plan.tp, plan.critic_pp, mb_tokens))
-  act_bytes = mb_tokens * max(actor.hidden_size, critic.hidden_size) * 2.0 / plan.tp
+  act_bytes = mb_tokens * max(s.hidden_size * s.act_itemsize for s in (actor, critic)) / plan.tp
   lat = stage_hop_s(cost, act_bytes, plan.tp * plan.dp, plan.actor_pp)
   problem = PipelineProblem(
       actor_pp=plan.actor_pp, critic_pp=plan.critic_pp,
@@ -382,7 +384,8 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
       if need + resident_bytes > cost.usable_bytes:
         continue
       f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2, model))
-      lat = stage_hop_s(cost, mb_tokens * shape.hidden_size * 2.0 / tp, tp * dp, pp, first)
+      lat = stage_hop_s(cost, mb_tokens * shape.hidden_size * shape.act_itemsize / tp, tp * dp,
+                        pp, first)
       b = cost.train_stage_bwd_s(f, model, cost.train_stage_comm_s(shape, tp, pp, mb_tokens))
       step = (one_f_one_b_s(pp, m, f, b, lat) +
               cost.grad_sync_s(shape, tp, pp, dp) + cost.optimizer_step_s(shape, tp * pp * dp))
