@@ -98,7 +98,8 @@ def main(argv):
       why = config_lib.plan_fsdp_error(dataclasses.asdict(run.mesh), run.plan.file)
       if why:
         raise ValueError(f"--run_config (config.<field> is --run_config.<field> here): {why}")
-      note = config_lib.plan_workload_note(run.plan.file, run)
+      from rlhfuse_jax.trainer import build
+      note = config_lib.plan_workload_note(run.plan.file, run, build.reward_model_config(run))
       if note:
         (logging.warning if note[0] else logging.info)("--run_config: %s", note[1])
   n = device_count(config)

@@ -862,8 +862,8 @@ def test_a_run_with_a_reward_model_is_searched_at_its_shape(tmp_path):
   """reward.kind='model': the trainer loads the reward model at its checkpoint's shape
   (build.reward_model_config), which need not be the critic's; the search sized and timed it
   as the critic. The run's workload carries the checkpoint's shape at the run's dtypes
-  (Workload.reward), plan.json's record names it, and the search's inference memory holds its
-  weights, not a critic's."""
+  (Workload.reward), plan.json's record names it (and the trainer compares it with its own),
+  and the search's inference memory holds its weights, not a critic's."""
   raw = TrainConfig.from_config_dict(ppo_tiny.get_config())
   task, tokenizer = build.build_task_and_tokenizer(raw)
   rm_cfg = raw.model.replace(vocab_size=tokenizer.vocab_size, head="scalar", hidden_size=128,
@@ -878,7 +878,15 @@ def test_a_run_with_a_reward_model_is_searched_at_its_shape(tmp_path):
   assert wl.reward.weight_itemsize == wl.reward.kv_itemsize == 4  # ppo_tiny's float32
   assert wl.frozen_models() == (("reference", "critic", "reward"),
                                 (wl.actor, wl.critic, wl.reward))
-  assert plan_search.workload_record(wl)["reward"]["num_layers"] == 4
+  record = plan_search.workload_record(wl)
+  assert record["reward"]["num_layers"] == 4
+  # The trainer warns of a plan searched for another reward model (plan_workload_note).
+  rm = build.reward_model_config(cfg)
+  assert config_lib.plan_workload_differences({"workload": record}, cfg, rm) == []
+  assert config_lib.plan_workload_differences({"workload": record}, cfg, rm.replace(
+      num_layers=2, dtype="bfloat16")) == [
+          "reward num_layers=4 (this run has 2)",
+          "reward kv_itemsize=4 bytes (this run's model.dtype='bfloat16': 2)"]
   with pytest.raises(ValueError, match=r"workload\.reward .* must have head='scalar'"):
     dataclasses.replace(wl, reward=wl.actor)
   plan, mem = _searched_without_and_with(dataclasses.replace(wl, reward_model=False), wl)

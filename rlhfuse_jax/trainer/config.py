@@ -1029,16 +1029,21 @@ PLAN_WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_
 PLAN_WORKLOAD_ITEMSIZES = {"weight_itemsize": "param_dtype", "kv_itemsize": "dtype"}
 
 
-def plan_workload_differences(plan: Mapping[str, Any], cfg: "TrainConfig"
+def plan_workload_differences(plan: Mapping[str, Any], cfg: "TrainConfig",
+                              reward_model: Optional[ModelConfig] = None
                               ) -> Optional[list[str]]:
   """'actor num_layers=8 (this run has 2)' for each field of the workload the plan was searched
   for that differs from the run's (`cfg` resolved: the tokenizer's vocabulary, a checkpoint's
-  shape); None when the file records no workload (written before it did)."""
+  shape; `reward_model`: the run's reward model, build.reward_model_config, compared with the
+  plan's "reward" where it records one); None when the file records no workload (written
+  before it did)."""
   w = plan.get("workload")
   if not isinstance(w, Mapping):
     return None
   out = []
-  for role, model in (("actor", cfg.model), ("critic", cfg.critic_model)):
+  roles = (("actor", cfg.model), ("critic", cfg.critic_model)) + (
+      (("reward", reward_model),) if reward_model is not None else ())
+  for role, model in roles:
     shape = w.get(role)
     for f in PLAN_WORKLOAD_MODEL_FIELDS if isinstance(shape, Mapping) else ():
       if f in shape and shape[f] != getattr(model, f):
@@ -1046,7 +1051,8 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: "TrainConfig"
     for f, dtype in PLAN_WORKLOAD_ITEMSIZES.items() if isinstance(shape, Mapping) else ():
       now = DTYPE_ITEMSIZE.get(getattr(model, dtype))
       if f in shape and now is not None and shape[f] != now:
-        section = "model" if role == "actor" else "critic_model"
+        # (a reward model takes the run's numerics: config.model's)
+        section = "critic_model" if role == "critic" else "model"
         out.append(f"{role} {f}={shape[f]!r} bytes (this run's {section}.{dtype}="
                    f"{getattr(model, dtype)!r}: {now})")
   for key, field in PLAN_WORKLOAD_RUN_FIELDS.items():
@@ -1064,12 +1070,15 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: "TrainConfig"
   return out
 
 
-def plan_workload_note(path: str, cfg: "TrainConfig") -> Optional[tuple[bool, str]]:
+def plan_workload_note(path: str, cfg: "TrainConfig",
+                       reward_model: Optional[ModelConfig] = None
+                       ) -> Optional[tuple[bool, str]]:
   """(a warning?, the line) on how the plan file's workload compares with the run's (`cfg`
-  resolved); None when they agree. A plan searched for another model or batch runs, but its
-  predicted times and memory check are not this run's."""
+  resolved; `reward_model` as plan_workload_differences); None when they agree. A plan searched
+  for another model or batch runs, but its predicted times and memory check are not this
+  run's."""
   plan = load_plan_file(path)
-  diffs = plan_workload_differences(plan, cfg)
+  diffs = plan_workload_differences(plan, cfg, reward_model)
   if diffs is None:
     return False, (f"config.plan.file={path!r} records no workload (a plan.json written before "
                    "plan_search recorded one): not compared with this run's")

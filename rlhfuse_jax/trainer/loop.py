@@ -277,7 +277,7 @@ class PPOTrainer:
     self.task, self.tokenizer = build.build_task_and_tokenizer(cfg)
     self.cfg = cfg = build.resolve_config(cfg, self.tokenizer)
     if cfg.plan.file:  # a plan searched for another model or batch: before any check stops it
-      note = config_lib.plan_workload_note(cfg.plan.file, cfg)
+      note = config_lib.plan_workload_note(cfg.plan.file, cfg, build.reward_model_config(cfg))
       if note:
         (logging.warning if note[0] else logging.info)("%s", note[1])
     self._make_meshes(cfg, mesh)
