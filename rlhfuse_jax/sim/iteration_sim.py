@@ -93,7 +93,7 @@ class Workload:
   # plan_search drops its weights and forwards then (Workload.frozen_models); the papers'
   # systems always run one.
   reference: bool = True
-  # Whether the run scores with a reward model (of the critic's shape): a train_ppo config whose
+  # Whether the run scores with a reward model (of reward_shape): a train_ppo config whose
   # reward is a function (reward.kind='function', RewardConfig.uses_model) builds and runs none;
   # plan_search drops its weights and forwards then, as the reference's; the papers' systems
   # always run one.
