@@ -4,9 +4,9 @@
 
 `workload` turns a resolved TrainConfig into the simulator's Workload (sim/iteration_sim.py):
 the actor's, the critic's and a reward model's shapes (sim/shapes.from_model_config), the
-rollout batch, the mini-batch, the epochs and the max generation length of the run. Prompt lengths are the
-training pool's tokenised prompts (at most data.max_prompt_len). Response lengths are the
-task's target lengths plus the EOS (what a policy that solves the task generates; an untrained
+rollout batch, the mini-batch, the epochs and the max generation length of the run. Prompt
+lengths are the training pool's tokenised prompts (at most data.max_prompt_len). Response
+lengths are the task's target lengths plus the EOS (what a policy that solves the task generates; an untrained
 one runs to rollout.max_new_tokens more often) for the task's own prompts, and uniform in
 1..rollout.max_new_tokens for data.prompts_file, whose lengths are not known. Both are written
 as length files and sampled (with replacement) by the workload's seed. The reward model
