@@ -6,13 +6,14 @@
 the actor's, the critic's and a reward model's shapes (sim/shapes.from_model_config), the
 rollout batch, the mini-batch, the epochs and the max generation length of the run. Prompt
 lengths are the training pool's tokenised prompts (at most data.max_prompt_len). Response
-lengths are the task's target lengths plus the EOS (what a policy that solves the task generates; an untrained
-one runs to rollout.max_new_tokens more often) for the task's own prompts, and uniform in
-1..rollout.max_new_tokens for data.prompts_file, whose lengths are not known. Both are written
-as length files and sampled (with replacement) by the workload's seed. The reward model
-(reward.kind='model') is simulated at its own shape and dtypes, its checkpoint's config.json as
-the trainer reads it (build.reward_model_config: Workload.reward; until 2026-12-04 the
-critic's shape, which the papers' presets keep); ppo_tiny's reward is a function: no model.
+lengths are the task's target lengths plus the EOS (what a policy that solves the task
+generates; an untrained one runs to rollout.max_new_tokens more often) for the task's own
+prompts, and uniform in 1..rollout.max_new_tokens for data.prompts_file, whose lengths are not
+known. Both are written as length files and sampled (with replacement) by the workload's seed.
+The reward model (reward.kind='model') is simulated at its own shape and dtypes, its
+checkpoint's config.json as the trainer reads it (build.reward_model_config: Workload.reward;
+until 2026-12-04 the critic's shape, which the papers' presets keep); ppo_tiny's reward is a
+function: no model.
 
 `PlanCheck` asks the trainer itself whether it runs a plan: the plan written as plan.json and
 set as config.plan.file, then what PPOTrainer does before it builds anything
