@@ -40,10 +40,10 @@ its layers as the engine does: scanned for a scan_layers model, unrolled for an 
 in the unrolled engine, which it has not been seen to do). What XLA can see as a constant must
 match too, as it changes the compiled code: the prefill's positions (`_Stage.run_layers`) and
 the parameters of a stage that holds one layer (`_Stage.layers`: a one-row stack's are
-constants, the engine's loop body slices each layer out of L rows). The price of the latter: such a stage writes a
-two-row copy of its layer's weights each tick it runs (to slice from), several times the weight
-traffic of its decode step; only a pipeline of one layer per stage pays it (a real model puts
-many layers on each stage).
+constants, the engine's loop body slices each layer out of L rows). The price of the latter:
+such a stage writes a two-row copy of its layer's weights each tick it runs (to slice from),
+several times the weight traffic of its decode step; only a pipeline of one layer per stage pays
+it (a real model puts many layers on each stage).
 
 Prefill runs through the same pipeline (G + pp - 1 ticks, each group's whole prompt per tick),
 so each stage writes its own layers' cache and no stage ever holds another stage's weights.
