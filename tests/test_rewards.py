@@ -707,6 +707,19 @@ def test_a_user_function_naming_num_tokens_gets_each_responses_token_count(tok):
   np.testing.assert_allclose(metrics["reward/format_mean"], np.mean(penalties), rtol=1e-6)
 
 
+def test_a_per_sample_function_gets_each_responses_exact_token_count(tok):
+  """Per sample, num_tokens is the exact count (ids through the first EOS, the EOS counted;
+  every id of a response that emitted none): the test above reads it through overlong's clip
+  to [-1, 0], where a count off by one (the EOS left out) scored the same."""
+  ids, lens = _batch(tok, ["a", "abc def ghi jkl mno", ""])
+  lens_after = lens.copy()
+  lens_after[0] += 3  # ids generated after the EOS: not counted
+  count = rewards_lib.per_sample(lambda response, answer, record, num_tokens: num_tokens, "n")
+  np.testing.assert_array_equal(count([{}] * 3, ids, lens_after, tok), lens)
+  no_eos, n = _batch(tok, ["abc", "a b"], stop=False)
+  np.testing.assert_array_equal(count([{}] * 2, no_eos, n, tok), n)
+
+
 def test_a_partial_of_a_batched_function_is_called_once_per_batch(tok):
   """functools.partial(batched_fn, ...) has none of batched_fn's attributes: it was called per
   sample, each response's characters read as the batch, and failed. The mark is read through
