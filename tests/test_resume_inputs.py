@@ -343,3 +343,18 @@ def test_val_max_prompts_raised_past_the_pool_on_resume_is_no_change(tmp_path, c
   workdir = second
   said = warnings(config(3, **{"eval_every": 2}))
   assert len(said) == 1 and "config.data.val_max_prompts: 2 -> 3 (" in said[0]
+
+
+def test_the_held_out_pool_is_counted_before_val_max_prompts_caps_it(tmp_path):
+  """build_datasets_and_pool: the pool's size saved for the resume check (data.val_pool) is
+  taken before data.val_max_prompts caps it. Counted after the cap, a run validating on 2 of 3
+  prompts saved 2, and a resume raising the cap to 3 (all 3 prompts) was told 'the same 2
+  held-out prompts' in an info line, not warned that val/* average other prompts."""
+  from rlhfuse_jax.trainer import build
+  from tests.test_trainer import tiny_config
+  val = tmp_path / "val.jsonl"
+  val.write_text("".join(f'{{"prompt": "{d} #2 =", "target": "{d} {d}"}}\n' for d in (1, 2, 3)))
+  cfg = tiny_config(**{"data.val_file": str(val), "eval_every": 1, "data.val_max_prompts": 2})
+  task, tokenizer = build.build_task_and_tokenizer(cfg)
+  _, held_out, pool = build.build_datasets_and_pool(cfg, task, tokenizer)
+  assert len(held_out.records) == 2 and pool == 3
