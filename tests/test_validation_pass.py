@@ -84,3 +84,31 @@ def test_validation_pass_before_any_training_batch_with_auto_rt_and_a_critic(tmp
   full = trainer.held_out(lambda p, prompts, key: stage(p, prompts, key), params, 0)
   metrics = lambda m: {k: v for k, v in m.items() if k != "timing_s/validation"}  # noqa: E731
   assert metrics(val) == metrics(full)
+
+
+def test_a_fused_validation_pass_still_scores_with_the_reward_model(tmp_path, monkeypatch):
+  """reward.kind='model' on a fused stage: the validation pass leaves out the reference (and
+  any critic) but runs the reward model on the freed instances (rewards_only asks the generator
+  for models=['reward']); val/* equal to the whole stage's. The tests above use a reward
+  function, with which a pass that asked for no model at all passed too."""
+  from tests.test_trainer_paths import (REPEAT_PROMPTS, _reward_run_config, _write_prompts,
+                                        write_reward_checkpoint)
+  write_reward_checkpoint(tmp_path / "rm")
+  _write_prompts(tmp_path / "prompts.jsonl", REPEAT_PROMPTS)
+  cfg = _reward_run_config(tmp_path / "prompts.jsonl", tmp_path / "rm", **{
+      "num_iterations": 1, "eval_every": 1, "data.val_file": str(tmp_path / "prompts.jsonl"),
+      "fusion.inter_stage": True, "fusion.migration_threshold": "1.0"})
+  trainer = PPOTrainer(cfg, str(tmp_path / "run"), mesh=mesh_lib.make_mesh(
+      mesh_lib.MeshConfig(data=4), jax.devices()[:4]))
+  stage = trainer.rollout
+  assert type(stage) is rollout.FusedStage and stage.rewards.from_model
+  calls = []
+  _spy(monkeypatch, instances.GenerationInstance, "score", calls)
+  params = trainer._generation_params()
+  val = trainer.held_out(stage, params, 0)
+  assert set(calls) == {"reward"}
+  calls.clear()
+  full = trainer.held_out(lambda p, prompts, key: stage(p, prompts, key), params, 0)
+  assert set(calls) == {"reference", "reward"}
+  metrics = lambda m: {k: v for k, v in m.items() if k != "timing_s/validation"}  # noqa: E731
+  assert metrics(val) == metrics(full)
