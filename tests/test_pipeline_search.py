@@ -130,6 +130,20 @@ def test_count_limited_search_strictly_beats_its_start(idx, pool, optimum):
     assert bounds.tight_lower_bound(p) == optimum == best.makespan
 
 
+def test_one_phase_returns_its_best_not_its_start():
+  """reverse_frac=0: one forward phase (search._Phase.run) on SMALL[2] from the fixed starts
+  (best 23.5) returns the bound 21 within budget. The tests above search both directions,
+  where a phase that returned its start as its best went unnoticed: its unconstrained
+  incumbent (within budget here) seeded the next phase, which still beat the start."""
+  p = SMALL[2]
+  cfg = search.SearchConfig(max_evaluations=4000, seed=0, chunk_iters=500, run_iters=2000,
+                            reverse_frac=0.0, **FIXED_STARTS)
+  res = search.search(p, cfg)
+  best, start = evaluate(p, res.best), evaluate(p, res.start)
+  assert best.valid and best.within_budget and start.makespan == 23.5
+  assert best.makespan == bounds.tight_lower_bound(p) == 21.0
+
+
 def test_search_respects_a_custom_budget_and_rejects_an_impossible_one():
   p = PipelineProblem(4, 2, 4, 4, 2.0, 1.0)
   tight = p.with_budget([1.5] * 4)  # the last actor stage alone must hold 2.0
