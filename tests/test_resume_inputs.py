@@ -358,3 +358,25 @@ def test_the_held_out_pool_is_counted_before_val_max_prompts_caps_it(tmp_path):
   task, tokenizer = build.build_task_and_tokenizer(cfg)
   _, held_out, pool = build.build_datasets_and_pool(cfg, task, tokenizer)
   assert len(held_out.records) == 2 and pool == 3
+
+
+def test_a_val_max_prompts_change_on_another_pool_is_warned_of(caplog):
+  """min(pool, val_max_prompts) equal before and after says the same prompts only of the same
+  pool: with other content in data.val_file (at its path or a new one) the cap's change is
+  warned of too, not logged as 'the same 3 held-out prompts' of a pool that is no longer
+  there."""
+  import logging
+  saved = {"eval_every": 1, "data.val_file": "/data/val.jsonl", "data.val_max_prompts": 5,
+           "data.val_file content": {"sha256": "aa"}, inputs.VAL_POOL: 3}
+  other = {**saved, "data.val_max_prompts": 10, "data.val_file content": {"sha256": "bb"}}
+  for now in (other, {**other, "data.val_file": "/data/val2.jsonl"}):
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+      said = inputs.warn_eval_changes(saved, now, 4)
+    assert "config.data.val_max_prompts: 5 -> 10" in said and len(said) == 2, said
+    assert "the same 3 held-out prompts" not in caplog.text
+  # The same content: the same 3 prompts, an info line.
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    assert inputs.warn_eval_changes(saved, {**saved, "data.val_max_prompts": 10}, 4) == []
+  assert "the same 3 held-out prompts" in caplog.text
