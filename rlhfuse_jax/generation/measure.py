@@ -17,7 +17,9 @@ Measured on this process's first instance (and its second for migration), each t
   inference    one micro-batch of every inference model, as `overhead_s` (fixed shape too).
   migration    gather + device_put + scatter of one sample between two instances, as
                `latency_s` per moved sample (rows are copied whole: max_len, not the length).
-  weight_load  host -> instance copy of the frozen models, in the simulator's bytes (bf16).
+  weight_load  host -> instance copy of the frozen models, in the simulator's bytes (bf16,
+               WEIGHT_LOAD_ITEMSIZE a parameter whatever the models' dtype: rt_auto and
+               sim/validation describe the frozen models at it).
   devices_share_compute: true on the CPU platform (fake devices are one processor).
 """
 from __future__ import annotations
@@ -34,6 +36,9 @@ from rlhfuse_jax.policy import calibration as cal_lib
 
 # Prompt draws tried for a decode chunk that no EOS ends early (measure_costs).
 _PROMPT_DRAWS = 8
+# The bytes per parameter weight_load's rate counts (the simulator's bf16), whatever the frozen
+# models' param_dtype: a model of its calibration must size the weights at it (rt_auto.sim_setup)
+WEIGHT_LOAD_ITEMSIZE = 2
 # A rate high enough that `amount / rate` vanishes next to a measured per-call overhead.
 _NEGLIGIBLE_RATE = 1e15
 
@@ -113,7 +118,8 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   if host:
     load_s = median_s(lambda: {n: inst.place(gen.models[n], host[n]) for n in host}, repeats)
     # In the simulator's bytes: bf16 weights (2 bytes a parameter), split over the instance.
-    sim_bytes = sum(2 * gen.models[n].num_params() for n in host) / gen.config.instance_devices
+    sim_bytes = sum(WEIGHT_LOAD_ITEMSIZE * gen.models[n].num_params()
+                    for n in host) / gen.config.instance_devices
     ops["weight_load"] = {"bytes_per_s": sim_bytes / load_s}
   placed = {n: inst.place(c, frozen_params[n]) for n, c in gen.models.items()}
   mb = gen.config.micro_batch

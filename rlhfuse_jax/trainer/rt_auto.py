@@ -7,6 +7,8 @@ imports the other.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from rlhfuse_jax.generation import measure
 from rlhfuse_jax.generation.fused import FusedGenerator
 from rlhfuse_jax.policy.rt import Simulate
@@ -17,13 +19,16 @@ from rlhfuse_jax.sim.generation_sim import GenSetup
 
 def sim_setup(gen: FusedGenerator) -> tuple:
   """(actor shape, inference model shapes, GenSetup) describing the engine to the simulator.
-  The shapes at the models' own dtypes (from_model_config's dtypes: param_dtype for the weights
-  a frozen model loads, dtype for the KV rows a migration moves), as the engine holds them:
-  until 2026-12-04 bf16 whatever the run's, so a float32 run (ppo_tiny) chose Rt on half its
-  migrated and loaded bytes."""
+  The shapes at the models' own dtypes (from_model_config's dtypes: dtype for the KV rows a
+  migration moves), but the frozen models' weights in the unit the engine's measured
+  weight_load rate counts (measure.WEIGHT_LOAD_ITEMSIZE, bf16 bytes whatever their
+  param_dtype): at a float32 run's 4 bytes a parameter each instance's load was simulated at
+  twice its measured time (briefly on 2026-12-04)."""
   cfg = gen.config
   actor = shapes_lib.from_model_config(gen.cfg, "actor", dtypes=True)
-  frozen = tuple(shapes_lib.from_model_config(c, n, dtypes=True) for n, c in gen.models.items())
+  frozen = tuple(dataclasses.replace(shapes_lib.from_model_config(c, n, dtypes=True),
+                                     weight_itemsize=measure.WEIGHT_LOAD_ITEMSIZE)
+                 for n, c in gen.models.items())
   setup = GenSetup(num_instances=cfg.num_instances, slots=cfg.slots, tp=cfg.instance_devices,
                    chunk_steps=gen.sampling.chunk_size,
                    max_new_tokens=gen.sampling.max_new_tokens,
