@@ -99,7 +99,12 @@ def main(argv):
       if why:
         raise ValueError(f"--run_config (config.<field> is --run_config.<field> here): {why}")
       from rlhfuse_jax.trainer import build
-      note = config_lib.plan_workload_note(run.plan.file, run, build.reward_model_config(run))
+      try:  # the reward model the plan was searched for, against the run's
+        reward = build.reward_model_config(run)
+      except (ValueError, FileNotFoundError) as e:  # as apply_run's: config.<field> in it
+        kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
+        raise kind(f"--run_config (config.<field> is --run_config.<field> here): {e}") from None
+      note = config_lib.plan_workload_note(run.plan.file, run, reward)
       if note:
         (logging.warning if note[0] else logging.info)("--run_config: %s", note[1])
   n = device_count(config)

@@ -248,8 +248,8 @@ def train_run(cfg: ablations.AblationConfig, config_dict) -> tuple:
   """(devices, the resolved TrainConfig, task, tokenizer, its prompts: build.build_dataset) of
   the train_ppo config `config_dict` on cfg.num_devices fake CPU devices. main calls it before
   the outputs start: a config the trainer refuses (a mini-batch that does not divide the batch,
-  a prompts file with a bad row) moved the earlier run's plan.json, the file a train_ppo run's
-  config.plan.file names, to previous/<n>."""
+  a prompts file with a bad row, a reward model's checkpoint it cannot read) moved the earlier
+  run's plan.json, the file a train_ppo run's config.plan.file names, to previous/<n>."""
   devices = cpu_devices(cfg.num_devices)
   # The trainer imports jax: only here, so that the paper variants never start it.
   from rlhfuse_jax.trainer import build  # pylint: disable=import-outside-toplevel
@@ -257,6 +257,10 @@ def train_run(cfg: ablations.AblationConfig, config_dict) -> tuple:
   train = TrainConfig.from_config_dict(config_dict)
   task, tokenizer = build.build_task_and_tokenizer(train)
   train = build.resolve_config(train, tokenizer)
+  # The reward model's checkpoint (reward.kind='model'), whose shape the workload takes
+  # (trainer/sim_plan.workload): read there, after the outputs had started, a missing one moved
+  # the earlier plan.json and named config.<field> where the user typed --run_config.<field>.
+  build.reward_model_config(train)
   return devices, train, task, tokenizer, build.build_dataset(train, task, tokenizer)
 
 

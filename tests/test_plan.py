@@ -706,6 +706,9 @@ def test_a_plan_searched_for_another_workload_is_warned_of(tmp_path):
      "config.algo.minibatch_size=48: expected a divisor of the rollout batch"),
     # a prompts file with a bad row: read with the workload, after the outputs had started
     ("c.data.prompts_file = PROMPTS", "bad.jsonl:2: invalid JSON"),
+    # a reward model's checkpoint that is not there: read with the workload (its shape) too
+    ("c.reward.kind = 'model'\n  c.reward.model_checkpoint = MISSING",
+     "no_rm/config.json not found"),
 ])
 def test_plan_search_refuses_a_train_config_before_moving_the_earlier_plan(tmp_path, setting,
                                                                              message):
@@ -714,7 +717,8 @@ def test_plan_search_refuses_a_train_config_before_moving_the_earlier_plan(tmp_p
   plan.json, the file a train_ppo run's config.plan.file names, to previous/1 and wrote a
   config.json of a search that never ran. (A subprocess: the binary defines absl flags.)"""
   (tmp_path / "bad.jsonl").write_text('{"prompt": "#3 =", "target": "#2"}\n{"prompt": \n')
-  setting = setting.replace("PROMPTS", repr(str(tmp_path / "bad.jsonl")))
+  setting = setting.replace("PROMPTS", repr(str(tmp_path / "bad.jsonl"))).replace(
+      "MISSING", repr(str(tmp_path / "no_rm")))
   (tmp_path / "bad.py").write_text(
       "from configs import ppo_tiny\n\n\ndef get_config():\n"
       f"  c = ppo_tiny.get_config()\n  {setting}\n  return c\n")
@@ -730,6 +734,27 @@ def test_plan_search_refuses_a_train_config_before_moving_the_earlier_plan(tmp_p
   # (traceback.txt: where the error was raised, as after any failed start)
   assert not {"previous", "config.json"} & set(os.listdir(run)), os.listdir(run)
   assert json.loads((run / "plan.json").read_text()) == {"earlier": True}
+
+
+def test_a_run_configs_unreadable_reward_model_is_named_as_the_user_typed_it(tmp_path):
+  """--run_config.reward.model_checkpoint that cannot be read: plan_search (which sizes the
+  reward model at its checkpoint's shape) and plan_check with a plan file (which compares the
+  plan's reward model with the run's) said config.reward.model_checkpoint, a flag the user did
+  not type; every other refusal of the run names --run_config.<field>."""
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  run = ["--run_config=configs/ppo_tiny.py", "--run_config.reward.kind=model",
+         f"--run_config.reward.model_checkpoint={tmp_path / 'no_rm'}"]
+  want = ("--run_config (config.<field> is --run_config.<field> here): "
+          f"config.reward.model_checkpoint={str(tmp_path / 'no_rm')!r}")
+  for binary, config, extra in (
+      ("plan_search", "plan_search.py:train", []),
+      ("plan_check", "plan_check.py",
+       [f"--run_config.plan.file={plan_json(tmp_path / 'plan.json', {})}"])):
+    out = subprocess.run([sys.executable, "-m", f"experiments.{binary}",
+                          f"--config=configs/{config}", *run, *extra,
+                          f"--workdir={tmp_path / binary}"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and want in out.stderr, (binary, out.stderr[-3000:])
 
 
 def test_plan_search_takes_a_run_config_with_train_ppos_overrides(tmp_path):
