@@ -565,6 +565,57 @@ def test_auto_rt_loads_the_frozen_weights_in_the_calibrations_time(monkeypatch):
     assert load_s == pytest.approx(0.5), dtype
 
 
+def test_auto_rt_charges_the_critics_copy_onto_a_freed_instance(monkeypatch):
+  """A freed instance loads every inference model before its first micro-batch
+  (InferenceQueue._load, the critic from its training devices), so the Rt model charges that
+  whole load as measure_costs timed it. measure_costs timed the frozen models alone while the
+  simulator charged the critic's bytes at their rate too (reference + critic: 0.5 s (1 +
+  critic/reference params) for a measured 1.0 s), and a critic alone (no reference, a reward
+  function) was charged nothing (no weight_load op, offload_frozen False)."""
+  from rlhfuse_jax.policy import calibration as cal_lib
+  from rlhfuse_jax.sim.cost_model import CostModel
+  from rlhfuse_jax.sim.hardware import get_hardware
+  placed = []
+
+  class Inst:
+    devices = [types.SimpleNamespace(platform="cpu", device_kind="cpu")]
+    rep = None
+
+    def place(self, cfg, params):
+      placed.append(cfg)
+      return params
+
+    def prefill(self, params, tok, lens, uids, budget, key):
+      n = len(budget)
+      return types.SimpleNamespace(num_generated=np.ones(n, np.int32),
+                                   budget=np.asarray(budget)), None
+
+    def decode(self, params, st, key):
+      return types.SimpleNamespace(num_generated=st.num_generated + 2 * (st.budget > 0)), None
+
+    def score(self, *args):
+      return None
+
+  def median_s(fn, repeats):  # 0.5 s for each model an instance copies in
+    placed.clear()
+    fn()
+    return 0.5 * max(len(placed), 1)
+
+  monkeypatch.setattr(measure, "median_s", median_s)
+  critic = CFG.replace(head="scalar", num_layers=3)  # not the reference's size
+  for models in ({"reference": CFG, "critic": critic}, {"critic": critic}):
+    gen = types.SimpleNamespace(
+        instances=[Inst()], local=[0], prompt_len=3, cfg=CFG, models=models, kv_capacity=64,
+        config=FusedGenConfig(num_instances=2, slots=2, migration_threshold="auto"),
+        sampling=SamplingConfig(max_new_tokens=6, chunk_size=2, steps_per_check=2))
+    cal = measure.measure_costs(gen, {}, {n: {} for n in models}, repeats=1)
+    _, frozen, setup = sim_setup(gen)
+    assert setup.offload_frozen, models
+    cost = CostModel(get_hardware("h100_sxm"), calibration=cal_lib.from_dict(cal, "measured"))
+    load_s = cost.weight_load_s(sum(s.weight_bytes() for s in frozen) / setup.tp)
+    assert load_s == pytest.approx(0.5 * len(models)), sorted(models)
+
+
 def test_rt_choice_follows_the_costs():
   actor = from_model_config(CFG)
   hist = LengthHistogram(64)

@@ -384,7 +384,8 @@ def test_a_measured_time_is_the_median_after_an_untimed_warm_up(monkeypatch):
 def test_measured_costs_use_exactly_the_occupied_slots_and_per_device_bytes(monkeypatch):
   """measure_costs (its instance faked) times the decode step with exactly 1 and exactly S live
   rows (budget 0 for the others), and weight_load in the simulator's bytes: bf16 weights of the
-  frozen models the instance loads (not the critic), split over its instance_devices."""
+  models a freed instance loads (the critic too: fused.InferenceQueue._load copies it in before
+  the first micro-batch), split over its instance_devices."""
   import itertools
   from rlhfuse_jax.generation import measure
   from rlhfuse_jax.generation.sampling import SamplingConfig
@@ -421,7 +422,7 @@ def test_measured_costs_use_exactly_the_occupied_slots_and_per_device_bytes(monk
   cal = measure.measure_costs(gen, {}, {"ref": {}, "reward": {}, "critic": {}}, repeats=1)
   assert sorted(set(live)) == [1, 4]
   assert cal["ops"]["decode_step"]["occupied_slots"] == [1, 4]
-  assert cal["ops"]["weight_load"]["bytes_per_s"] == 2 * (300 + 100) / 2 / 0.5
+  assert cal["ops"]["weight_load"]["bytes_per_s"] == 2 * (300 + 100 + 50) / 2 / 0.5
 
 
 # generation/fused.py -----------------------------------------------------------------------------

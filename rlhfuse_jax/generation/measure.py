@@ -17,9 +17,11 @@ Measured on this process's first instance (and its second for migration), each t
   inference    one micro-batch of every inference model, as `overhead_s` (fixed shape too).
   migration    gather + device_put + scatter of one sample between two instances, as
                `latency_s` per moved sample (rows are copied whole: max_len, not the length).
-  weight_load  host -> instance copy of the frozen models, in the simulator's bytes (bf16,
+  weight_load  the copy of every inference model onto an instance freed for inference, as the
+               engine loads them (the frozen ones from host memory, the critic from where the
+               caller holds it: the trainer's training devices), in the simulator's bytes (bf16,
                WEIGHT_LOAD_ITEMSIZE a parameter whatever the models' dtype: rt_auto and
-               sim/validation describe the frozen models at it).
+               sim/validation describe the models at it).
   devices_share_compute: true on the CPU platform (fake devices are one processor).
 """
 from __future__ import annotations
@@ -114,12 +116,17 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   ops = {"decode_step": {"occupied_slots": occupancies, "seconds": step_s},
          "prefill": {"tokens_per_s": _NEGLIGIBLE_RATE, "overhead_s": prefill_s}}
 
-  host = {n: frozen_params[n] for n in gen.models if n != "critic"}  # critic: training devices
-  if host:
-    load_s = median_s(lambda: {n: inst.place(gen.models[n], host[n]) for n in host}, repeats)
+  if gen.models:
+    # The load of a freed instance (fused.InferenceQueue._load): every inference model from
+    # where the caller holds it, the critic included (the trainer's: its training devices in one
+    # process, a host copy with several; bench_generation's: host memory). Its first micro-batch
+    # waits for all of them, so the critic's copy is charged too: it was left out of the timing
+    # but its bytes charged at the frozen models' rate, and not at all without one of them.
+    load_s = median_s(lambda: {n: inst.place(c, frozen_params[n])
+                               for n, c in gen.models.items()}, repeats)
     # In the simulator's bytes: bf16 weights (2 bytes a parameter), split over the instance.
-    sim_bytes = sum(WEIGHT_LOAD_ITEMSIZE * gen.models[n].num_params()
-                    for n in host) / gen.config.instance_devices
+    sim_bytes = sum(WEIGHT_LOAD_ITEMSIZE * c.num_params()
+                    for c in gen.models.values()) / gen.config.instance_devices
     ops["weight_load"] = {"bytes_per_s": sim_bytes / load_s}
   placed = {n: inst.place(c, frozen_params[n]) for n, c in gen.models.items()}
   mb = gen.config.micro_batch

@@ -23,7 +23,8 @@ def sim_setup(gen: FusedGenerator) -> tuple:
   migration moves), but the frozen models' weights in the unit the engine's measured
   weight_load rate counts (measure.WEIGHT_LOAD_ITEMSIZE, bf16 bytes whatever their
   param_dtype): at a float32 run's 4 bytes a parameter each instance's load was simulated at
-  twice its measured time (briefly on 2026-12-04)."""
+  twice its measured time (briefly on 2026-12-04). Every inference model is in the load a
+  freed instance waits for, the critic included (measure_costs times it from where it is held)."""
   cfg = gen.config
   actor = shapes_lib.from_model_config(gen.cfg, "actor", dtypes=True)
   frozen = tuple(dataclasses.replace(shapes_lib.from_model_config(c, n, dtypes=True),
@@ -34,7 +35,9 @@ def sim_setup(gen: FusedGenerator) -> tuple:
                    max_new_tokens=gen.sampling.max_new_tokens,
                    max_consolidations=max(cfg.max_consolidations, 1), stream_inference=True,
                    inference_microbatch=cfg.micro_batch, kv_capacity_tokens=gen.kv_capacity,
-                   offload_frozen=any(n != "critic" for n in gen.models),
+                   # every inference model is copied onto a freed instance (the critic too,
+                   # from its training devices; measure_costs times that load)
+                   offload_frozen=bool(gen.models),
                    devices_share_compute=measure.shares_compute(gen))
   return actor, frozen, setup
 
