@@ -117,25 +117,26 @@ def measure(c) -> dict:
   if len(devs) < 2:
     raise ValueError("migration timing needs at least 2 devices")
   rows = jax.device_put(state.cache.k[:, :c.migrate_rows], devs[0])  # [L, rows, max_len, kv, d]
-  # K and V in the simulator's bytes (2 an element, bf16: ModelShape.kv_bytes_per_token), which
-  # the cost model divides by this rate, as generation/measure.py counts its loads: the cache's
-  # own bytes (float32 here, 4 an element) made every simulated migration twice too fast.
-  nbytes = 2 * int(rows.size) * 2
+  # K and V (the K rows copied twice) in the bytes copied, at the cache's dtype (the file's
+  # byte_unit "stored"): the cost model converts a shape's KV bytes into it
+  # (Calibration.rate_bytes). Counted at bf16's 2 an element (until 2026-12-04) a float32 reader
+  # (plan_search:train) was charged twice the measured time.
+  nbytes = 2 * int(rows.nbytes)
   mig_s = median_s(lambda: (jax.device_put(rows, devs[1]), jax.device_put(rows, devs[1])),
                    c.repeats)
-  logging.info("migration of %d KV rows: %d bytes (the simulator's: bf16) in %.3f ms",
+  logging.info("migration of %d KV rows: %d bytes in %.3f ms",
                c.migrate_rows, nbytes, 1e3 * mig_s)
   # The frozen models an instance freed for inference loads from host memory (the reference:
-  # the actor's shape; the reward model: the critic's), in the simulator's bytes (bf16), as
+  # the actor's shape; the reward model: the critic's), in the bytes copied, as
   # generation/measure.py times them. Without it the file could not predict bench_generation
   # (sim/validation.py needs every op it times).
   host = jax.device_get((params, cparams))
-  load_bytes = 2 * (cfg.num_params() + critic_cfg.num_params())
+  load_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(host))
   load_s = median_s(lambda: jax.device_put(host, devs[0]), c.repeats)
-  logging.info("frozen models host -> device: %d bytes (the simulator's: bf16) in %.3f ms",
+  logging.info("frozen models host -> device: %d bytes in %.3f ms",
                load_bytes, 1e3 * load_s)
   return {
-      "format": calibration.FORMAT,
+      "format": calibration.FORMAT, "byte_unit": "stored",
       "device": f"{jax.devices()[0].platform} x{len(devs)} ({jax.devices()[0].device_kind}), "
                 f"measured by experiments/calibrate_sim.py",
       "model_params": int(cfg.num_params()), "instance_devices": 1,

@@ -502,8 +502,8 @@ def test_the_rt_calibration_times_a_decode_step_on_a_chunk_that_decoded():
 def test_auto_rt_simulates_the_engine_at_its_dtypes():
   """rt_auto describes the engine to the simulator at its models' dtypes: the KV rows a
   migration moves at model.dtype (it sized them at bf16, half a float32 run's); the frozen
-  weights an instance loads in the bytes its measured weight_load rate counts (bf16:
-  test_auto_rt_loads_the_frozen_weights_in_the_calibrations_time)."""
+  weights an instance loads at their param_dtype, the bytes measure_costs' weight_load counts
+  (byte_unit "stored": test_auto_rt_loads_the_frozen_weights_in_the_calibrations_time)."""
   for dtype in ("float32", "bfloat16"):
     cfg = CFG.replace(dtype=dtype, param_dtype=dtype)
     reward = cfg.replace(head="scalar", num_layers=2, hidden_size=64)
@@ -516,17 +516,19 @@ def test_auto_rt_simulates_the_engine_at_its_dtypes():
     item = np.dtype(cfg.jnp_dtype).itemsize  # what the engine's KVCache holds (engine.py)
     assert actor.kv_bytes_per_token() == 2 * cfg.num_layers * cfg.num_kv_heads * (
         cfg.hidden_size // cfg.num_heads) * item, dtype
-    # the frozen models (the reward model at its own shape) in measure_costs' weight_load unit
+    # the frozen models (the reward model at its own shape) as the instances load them
     assert [s.weight_bytes() for s in frozen] == [
-        c.num_params() * measure.WEIGHT_LOAD_ITEMSIZE for c in (cfg, reward)], dtype
+        c.num_params() * np.dtype(c.jnp_param_dtype).itemsize for c in (cfg, reward)], dtype
     assert setup.offload_frozen and setup.kv_capacity_tokens == 64
 
 
 def test_auto_rt_loads_the_frozen_weights_in_the_calibrations_time(monkeypatch):
   """The Rt model times loading the frozen weights with the engine's measured weight_load,
-  whose rate measure_costs records in the simulator's bf16 bytes (2 a parameter, whatever the
-  models' dtype). rt_auto described a float32 engine's frozen models at 4 bytes a parameter,
-  so each instance's load was simulated at twice what was measured (1.0 s for 0.5 s here)."""
+  whose rate measure_costs records in the bytes it copied (byte_unit "stored") and rt_auto
+  sizes the models at their param_dtype. measure_costs counted 2 bytes a parameter whatever
+  the dtype while rt_auto described a float32 engine's frozen models at 4 (briefly on
+  2026-12-04), so each instance's load was simulated at twice what was measured (1.0 s for
+  0.5 s here)."""
   from rlhfuse_jax.policy import calibration as cal_lib
   from rlhfuse_jax.sim.cost_model import CostModel
   from rlhfuse_jax.sim.hardware import get_hardware
@@ -558,11 +560,11 @@ def test_auto_rt_loads_the_frozen_weights_in_the_calibrations_time(monkeypatch):
         config=FusedGenConfig(num_instances=2, slots=2,
                               migration_threshold="auto"),
         sampling=SamplingConfig(max_new_tokens=6, chunk_size=2, steps_per_check=2))
-    cal = measure.measure_costs(gen, {}, {n: {} for n in models}, repeats=1)
+    held = {n: np.zeros(c.num_params(), c.jnp_param_dtype) for n, c in models.items()}
+    cal = measure.measure_costs(gen, {}, held, repeats=1)
     _, frozen, setup = sim_setup(gen)
     cost = CostModel(get_hardware("h100_sxm"), calibration=cal_lib.from_dict(cal, "measured"))
-    load_s = cost.weight_load_s(sum(s.weight_bytes() for s in frozen) / setup.tp)
-    assert load_s == pytest.approx(0.5), dtype
+    assert cost.weight_load_s(frozen, setup.tp) == pytest.approx(0.5), dtype
 
 
 def test_auto_rt_charges_the_critics_copy_onto_a_freed_instance(monkeypatch):
@@ -608,11 +610,12 @@ def test_auto_rt_charges_the_critics_copy_onto_a_freed_instance(monkeypatch):
         instances=[Inst()], local=[0], prompt_len=3, cfg=CFG, models=models, kv_capacity=64,
         config=FusedGenConfig(num_instances=2, slots=2, migration_threshold="auto"),
         sampling=SamplingConfig(max_new_tokens=6, chunk_size=2, steps_per_check=2))
-    cal = measure.measure_costs(gen, {}, {n: {} for n in models}, repeats=1)
+    held = {n: np.zeros(c.num_params(), np.float32) for n, c in models.items()}
+    cal = measure.measure_costs(gen, {}, held, repeats=1)
     _, frozen, setup = sim_setup(gen)
     assert setup.offload_frozen, models
     cost = CostModel(get_hardware("h100_sxm"), calibration=cal_lib.from_dict(cal, "measured"))
-    load_s = cost.weight_load_s(sum(s.weight_bytes() for s in frozen) / setup.tp)
+    load_s = cost.weight_load_s(frozen, setup.tp)
     assert load_s == pytest.approx(0.5 * len(models)), sorted(models)
 
 

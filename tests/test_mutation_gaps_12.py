@@ -10,6 +10,7 @@ A binary that defines absl flags (bench_async, bench_decode, bench_pipeline, cal
 schedule_search, plan_search, sweep) is imported in a subprocess, as the other tests of
 experiments/ do: two of them in one process define --config twice. bench_generation and runner
 are imported here, as test_bench_generation.py and test_config_files.py do."""
+import functools
 import json
 import os
 import subprocess
@@ -555,33 +556,78 @@ def half_second(fn, repeats):  # every timed op "takes" 0.5 s (run once: the cod
 cs.median_s = half_second
 c = config_file.get_config()
 c.max_new_tokens, c.chunk_size, c.occupancies, c.repeats = 16, 32, "1,8", 1
-c.model.dtype = "bfloat16"  # a bf16 cache: its K rows alone are half the K + V bytes counted
 print(json.dumps(cs.measure(c)))
 """
 
 
+@functools.lru_cache(maxsize=None)
+def _calibrated() -> dict:
+  """calibrate_sim's measure (_CALIBRATE), run once for the tests below (not to be mutated)."""
+  return _python(_CALIBRATE, timeout=240)
+
+
 def test_calibrate_sim_rates_count_the_work_of_each_timed_op():
-  """measure with every timed op taking 0.5 s (its timer faked): prefill is 8 slots x 16 prompt
-  tokens, inference 8 samples x (16 + 16) tokens, a decode step the chunk's time over the 15
-  steps it runs, a migration 4 rows x 32 positions of K and V at the simulator's 2 bytes per
-  element (2 layers x 2 KV heads x 16 dims; the copied K rows of the bf16 cache, not their
-  own bytes): each rate the work over 0.5 s."""
-  got = _python(_CALIBRATE, timeout=240)
+  """measure with every timed op taking 0.5 s (its timer faked), on the config's float32
+  model: prefill is 8 slots x 16 prompt tokens, inference 8 samples x (16 + 16) tokens, a
+  decode step the chunk's time over the 15 steps it runs, a migration 4 rows x 32 positions of
+  K and V (2 layers x 2 KV heads x 16 dims; the K rows copied twice, not once) at the float32
+  cache's 4 bytes, the weight_load the two models' float32 bytes: each rate the work over
+  0.5 s, in the bytes copied (byte_unit "stored")."""
+  got = _calibrated()
   ops = got["ops"]
+  assert got["byte_unit"] == "stored"
   assert ops["prefill"]["tokens_per_s"] == pytest.approx(8 * 16 / 0.5)
   assert ops["inference"]["tokens_per_s"] == pytest.approx(8 * 32 / 0.5)
   assert ops["decode_step"] == {"occupied_slots": [1, 8],
                                 "seconds": [pytest.approx(0.5 / 15)] * 2}
-  assert ops["migration"]["bytes_per_s"] == pytest.approx(4 * 32 * (2 * 2 * 2 * 16 * 2) / 0.5)
+  assert ops["migration"]["bytes_per_s"] == pytest.approx(4 * 32 * (2 * 2 * 2 * 16 * 4) / 0.5)
   assert got["devices_share_compute"] is True and got["instance_devices"] == 1
-  # The reference (the actor's shape) and the reward model (the critic's) loaded from host, at
-  # 2 bytes a parameter: without weight_load the file could not predict bench_generation.
+  # The reference (the actor's shape) and the reward model (the critic's) loaded from host:
+  # without weight_load the file could not predict bench_generation.
   from configs import calibrate_sim as config_file
   from rlhfuse_jax.models import llama
   actor = llama.ModelConfig(**config_file.get_config().model.to_dict())
+  critic = actor.replace(head="scalar")
   assert got["model_params"] == actor.num_params()
   assert ops["weight_load"]["bytes_per_s"] == pytest.approx(
-      2 * (actor.num_params() + actor.replace(head="scalar").num_params()) / 0.5)
+      4 * (actor.num_params() + critic.num_params()) / 0.5)
+
+
+def test_a_float32_reader_of_calibrate_sims_file_charges_the_measured_time():
+  """plan_search:train sizes a float32 run's models at their own bytes (sim_plan.workload:
+  from_model_config dtypes=True, 4 a parameter and KV element); simulated so, calibrate_sim's
+  file (its float32 models) times each instance's load of the two models at the measured
+  0.5 s, and a migration at 0.5 s per 4 x 32 KV positions. Its rates counted bf16's 2 bytes an
+  element, so both were charged twice that. A file without byte_unit (every earlier one) still
+  counts 2 bytes a parameter or KV element, whatever the reader's dtype."""
+  from configs import calibrate_sim as config_file
+  from rlhfuse_jax.models import llama
+  from rlhfuse_jax.policy import calibration
+  from rlhfuse_jax.sim.cost_model import CostModel
+  from rlhfuse_jax.sim.generation_sim import GenSetup, simulate_generation
+  from rlhfuse_jax.sim.hardware import get_hardware
+  from rlhfuse_jax.sim.shapes import from_model_config
+  got = _calibrated()
+  actor = llama.ModelConfig(**config_file.get_config().model.to_dict())
+  models = (actor, actor.replace(head="scalar"))
+  old = {k: v for k, v in got.items() if k != "byte_unit"}  # as written until 2026-12-04
+  old["ops"] = {**got["ops"],
+                "weight_load": {"bytes_per_s": 2 * sum(m.num_params() for m in models) / 0.5},
+                "migration": {"bytes_per_s": 4 * 32 * (2 * 2 * 2 * 16 * 2) / 0.5}}
+  setup = GenSetup(num_instances=2, slots=2, chunk_steps=4, max_new_tokens=30, threshold=0.5,
+                   stream_inference=True, offload_frozen=True)
+  for cal, dtypes in ((got, (True,)), (old, (True, False))):
+    cost = CostModel(get_hardware("h100_sxm"), calibration=calibration.from_dict(cal))
+    for d in dtypes:
+      shapes = [from_model_config(m, dtypes=d) for m in models]
+      res = simulate_generation(cost, shapes[0], shapes, setup, np.array([8] * 4),
+                                np.array([30, 30, 2, 2]))
+      where = (cal.get("byte_unit"), d)
+      loads = [e - s for _, s, e, kind in res.segments if kind == "load"]
+      assert loads and loads == pytest.approx([0.5] * len(loads)), where
+      c, = res.consolidations
+      positions = c["moved_bytes"] / shapes[0].kv_bytes_per_token()
+      assert c["migration_s"] == pytest.approx(0.5 * positions / (4 * 32)), where
 
 
 # experiments/sweep.py -----------------------------------------------------------------------------

@@ -383,9 +383,10 @@ def test_a_measured_time_is_the_median_after_an_untimed_warm_up(monkeypatch):
 
 def test_measured_costs_use_exactly_the_occupied_slots_and_per_device_bytes(monkeypatch):
   """measure_costs (its instance faked) times the decode step with exactly 1 and exactly S live
-  rows (budget 0 for the others), and weight_load in the simulator's bytes: bf16 weights of the
-  models a freed instance loads (the critic too: fused.InferenceQueue._load copies it in before
-  the first micro-batch), split over its instance_devices."""
+  rows (budget 0 for the others), and weight_load in the bytes copied (byte_unit "stored": the
+  float32 arrays' 4 a parameter here) of the models a freed instance loads (the critic too:
+  fused.InferenceQueue._load copies it in before the first micro-batch), split over its
+  instance_devices."""
   import itertools
   from rlhfuse_jax.generation import measure
   from rlhfuse_jax.generation.sampling import SamplingConfig
@@ -419,10 +420,12 @@ def test_measured_costs_use_exactly_the_occupied_slots_and_per_device_bytes(monk
   monkeypatch.setattr(measure, "median_s", lambda fn, repeats: (fn(), 0.5)[1])
   monkeypatch.setattr(measure, "time",
                       types.SimpleNamespace(perf_counter=itertools.count().__next__))
-  cal = measure.measure_costs(gen, {}, {"ref": {}, "reward": {}, "critic": {}}, repeats=1)
+  held = {n: np.zeros(k, np.float32) for n, k in (("ref", 300), ("reward", 100), ("critic", 50))}
+  cal = measure.measure_costs(gen, {}, held, repeats=1)
   assert sorted(set(live)) == [1, 4]
   assert cal["ops"]["decode_step"]["occupied_slots"] == [1, 4]
-  assert cal["ops"]["weight_load"]["bytes_per_s"] == 2 * (300 + 100 + 50) / 2 / 0.5
+  assert cal["byte_unit"] == "stored"
+  assert cal["ops"]["weight_load"]["bytes_per_s"] == 4 * (300 + 100 + 50) / 2 / 0.5
 
 
 # generation/fused.py -----------------------------------------------------------------------------

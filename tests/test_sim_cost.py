@@ -70,7 +70,7 @@ def test_collectives_by_bandwidth():
   assert cm.allreduce_s(1e6, 4) == pytest.approx(2 * 3 / 4 * 1e6 / 0.5e8)  # intra-node
   # Spans 2 nodes of 4: the ring's 4 channels leave each node through its 4 NICs.
   assert cm.allreduce_s(1e6, 8) == pytest.approx(2 * 7 / 8 * 1e6 / (4 * 0.5e7))
-  assert cm.kv_migration_s(4e6, 2, cross_node=True) == pytest.approx(2e6 / 0.5e7)
+  assert cm.kv_migration_s(4e6, 2, cross_node=True, itemsize=2) == pytest.approx(2e6 / 0.5e7)
 
 
 def test_collectives_follow_nccls_alpha_beta_model():
@@ -133,7 +133,7 @@ def test_calibration_replaces_formulas(tmp_path):
   assert cm.decode_step_s(s, 8, 2.5, 0) == pytest.approx(0.015)  # linear in occupied slots
   assert cm.decode_step_s(s, 8, 10, 0) == pytest.approx(0.02)  # clamped at the measured end
   assert cm.prefill_s(s, 8, [100, 100]) == pytest.approx(0.7)
-  assert cm.kv_migration_s(2e6, 8, True) == pytest.approx(2.0)
+  assert cm.kv_migration_s(2e6, 8, True, 2) == pytest.approx(2.0)
   # Ops the file does not measure keep their formula.
   assert cm.inference_s([s], 8, [100]) == CostModel(get_hardware("h100_sxm")).inference_s(
       [s], 8, [100])
@@ -325,12 +325,13 @@ def test_calibrate_sim_writes_what_the_cost_model_reads(tmp_path):
       32 / ops["prefill"]["tokens_per_s"])
   assert cost.inference_s([shape], 1, [32]) == pytest.approx(
       32 / ops["inference"]["tokens_per_s"])
-  assert cost.kv_migration_s(1e6, 1, False) == pytest.approx(
+  assert cal.byte_unit == "stored"
+  assert cost.kv_migration_s(1e6, 1, False, 4) == pytest.approx(
       1e6 / ops["migration"]["bytes_per_s"])
-  # The rate is of the simulator's KV bytes (bf16), which kv_migration_s is given: 4 rows of
-  # max_len 32 of the config's model; the float32 cache's own bytes (twice that) were counted.
+  # The rate is of the bytes copied (byte_unit "stored"): 4 rows of max_len 32 of the config's
+  # model, K and V at its float32 cache's 4 bytes an element (bf16's 2 until 2026-12-04).
   model = ModelShape(name="cal", vocab_size=256, hidden_size=64, intermediate_size=128,
-                     num_layers=2, num_heads=4, num_kv_heads=2)
+                     num_layers=2, num_heads=4, num_kv_heads=2, kv_itemsize=4)
   assert f"migration of 4 KV rows: {4 * 32 * model.kv_bytes_per_token()} bytes" in out.stderr
 
 

@@ -179,5 +179,5 @@ def test_a_migration_between_nodes_runs_over_the_network():
               devices_per_node=per_node, max_new_tokens=100)
     c, = res.consolidations
     assert (c["kept_list"], c["moves"]) == ([0], 1)
-    assert c["migration_s"] == cost.kv_migration_s(c["moved_bytes"], 4, apart), per_node
-  assert cost.kv_migration_s(1e6, 4, True) > cost.kv_migration_s(1e6, 4, False)
+    assert c["migration_s"] == cost.kv_migration_s(c["moved_bytes"], 4, apart, 2), per_node
+  assert cost.kv_migration_s(1e6, 4, True, 2) > cost.kv_migration_s(1e6, 4, False, 2)

@@ -68,12 +68,39 @@ def test_generation_prediction_loads_the_bench_s_frozen_models(tmp_path):
   slow = {**CAL, "ops": {**CAL["ops"], "weight_load": {"bytes_per_s": 1e5}}}
   fast, slow = (validation.predict_bench_generation(calibration.from_dict(c, "c.json"), spec)
                 for c in (CAL, slow))
-  weights = sum(f.weight_bytes() for f in spec.frozen)  # bf16, one device per instance
+  # in CAL's unit (no byte_unit: bf16, 2 bytes a parameter), one device per instance
+  weights = sum(2 * f.num_params() for f in spec.frozen)
   assert (slow["baseline"]["gen_plus_inf_s"] - fast["baseline"]["gen_plus_inf_s"]
           >= weights / 1e5 - weights / 1e9 - 1e-9)
   lacking = {**CAL, "ops": {k: v for k, v in CAL["ops"].items() if k != "weight_load"}}
   with pytest.raises(ValueError, match=r"lacks measured ops \['weight_load'\]"):
     validation.predict_bench_generation(calibration.from_dict(lacking, "c.json"), spec)
+
+
+def test_generation_prediction_reads_a_calibration_in_either_byte_unit(tmp_path):
+  """A bench of float32 models (config.json's model dtypes; ModelConfig's default where absent)
+  is predicted alike from a calibration counting the bytes its copies moved (byte_unit
+  "stored": 4 a parameter and KV element, what measure_costs and calibrate_sim write) and from
+  the same measurement counted at bf16's 2 (a file without byte_unit, every earlier one): the
+  bench's shapes are sized at the dtypes it ran, the bf16 file's sizes converted."""
+  for model, item in ((MODEL, 4), ({**MODEL, "dtype": "bfloat16", "param_dtype": "bfloat16"},
+                                   2)):
+    write_gen_bench(tmp_path / "gen")
+    cfg = json.loads((tmp_path / "gen" / "config.json").read_text())
+    (tmp_path / "gen" / "config.json").write_text(json.dumps({**cfg, "model": model}))
+    spec, _ = validation.gen_bench_from_workdir(str(tmp_path / "gen"))
+    assert (spec.shape.weight_itemsize, spec.shape.kv_itemsize) == (item, item)
+    bf16 = {**CAL, "ops": {**CAL["ops"], "weight_load": {"bytes_per_s": 2e5},
+                           "migration": {"bytes_per_s": 2e4}}}
+    stored = {**CAL, "byte_unit": "stored",
+              "ops": {**CAL["ops"], "weight_load": {"bytes_per_s": item / 2 * 2e5},
+                      "migration": {"bytes_per_s": item / 2 * 2e4}}}
+    a, b = (validation.predict_bench_generation(calibration.from_dict(c, "c.json"), spec)
+            for c in (bf16, stored))
+    for mode in ("baseline", "fused"):
+      assert a[mode]["gen_plus_inf_s"] == pytest.approx(b[mode]["gen_plus_inf_s"]), model
+    assert b["fused"]["gen_plus_inf_s"] > validation.predict_bench_generation(
+        calibration.from_dict(CAL, "c.json"), spec)["fused"]["gen_plus_inf_s"]  # charged
 
 
 def test_a_bench_run_without_consolidation_is_predicted_without_one(tmp_path, monkeypatch):

@@ -19,9 +19,9 @@ Measured on this process's first instance (and its second for migration), each t
                `latency_s` per moved sample (rows are copied whole: max_len, not the length).
   weight_load  the copy of every inference model onto an instance freed for inference, as the
                engine loads them (the frozen ones from host memory, the critic from where the
-               caller holds it: the trainer's training devices), in the simulator's bytes (bf16,
-               WEIGHT_LOAD_ITEMSIZE a parameter whatever the models' dtype: rt_auto and
-               sim/validation describe the models at it).
+               caller holds it: the trainer's training devices), in the bytes copied (the
+               models' own dtypes: the file's byte_unit "stored", policy/calibration.py; bf16,
+               2 a parameter whatever the dtype, until 2026-12-04).
   devices_share_compute: true on the CPU platform (fake devices are one processor).
 """
 from __future__ import annotations
@@ -38,9 +38,6 @@ from rlhfuse_jax.policy import calibration as cal_lib
 
 # Prompt draws tried for a decode chunk that no EOS ends early (measure_costs).
 _PROMPT_DRAWS = 8
-# The bytes per parameter weight_load's rate counts (the simulator's bf16), whatever the frozen
-# models' param_dtype: a model of its calibration must size the weights at it (rt_auto.sim_setup)
-WEIGHT_LOAD_ITEMSIZE = 2
 # A rate high enough that `amount / rate` vanishes next to a measured per-call overhead.
 _NEGLIGIBLE_RATE = 1e15
 
@@ -124,10 +121,11 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
     # but its bytes charged at the frozen models' rate, and not at all without one of them.
     load_s = median_s(lambda: {n: inst.place(c, frozen_params[n])
                                for n, c in gen.models.items()}, repeats)
-    # In the simulator's bytes: bf16 weights (2 bytes a parameter), split over the instance.
-    sim_bytes = sum(WEIGHT_LOAD_ITEMSIZE * c.num_params()
-                    for c in gen.models.values()) / gen.config.instance_devices
-    ops["weight_load"] = {"bytes_per_s": sim_bytes / load_s}
+    # The bytes copied (byte_unit "stored"), split over the instance: a float32 model's 4 a
+    # parameter. (Counted at bf16's 2 whatever the dtype, a reader sizing a float32 model at its
+    # own bytes, as plan_search:train does, charged it twice the measured time.)
+    copied = sum(x.nbytes for n in gen.models for x in jax.tree.leaves(frozen_params[n]))
+    ops["weight_load"] = {"bytes_per_s": copied / gen.config.instance_devices / load_s}
   placed = {n: inst.place(c, frozen_params[n]) for n, c in gen.models.items()}
   mb = gen.config.micro_batch
   seq = rng.integers(1, gen.cfg.vocab_size, (mb, p + t)).astype(np.int32)  # [mb, P+T]
@@ -148,7 +146,7 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
     ops["migration"] = {"bytes_per_s": _NEGLIGIBLE_RATE,
                         "latency_s": median_s(migrate, repeats)}
   dev = inst.devices[0]
-  cal = {"format": cal_lib.FORMAT,
+  cal = {"format": cal_lib.FORMAT, "byte_unit": "stored",
          "device": f"{dev.platform} ({dev.device_kind}), {len(inst.devices)} device(s) per "
                    "instance, measured by rlhfuse_jax/generation/measure.py",
          "model_params": int(gen.cfg.num_params()), "instance_devices": len(inst.devices),

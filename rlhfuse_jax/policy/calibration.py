@@ -8,6 +8,8 @@ run measured an operation, its figure wins. A calibration file is JSON:
     "device": "free text: what was measured on",        # required
     "model_params": 123456,                             # optional: params of the measured actor
     "instance_devices": 1,                              # optional: devices per gen instance
+    "byte_unit": "stored",                              # optional (default "bf16"): what the
+        # bytes of migration and weight_load count (below)
     "devices_share_compute": false,                     # optional (default false): true when
         # all devices are one shared processor (fake CPU devices): work on different
         # instances then runs one after the other, never at the same time
@@ -44,6 +46,14 @@ HBM bw x bw_eff)) + the tensor-parallel all-reduces (per-step host cost, per-lay
 that every device of an instance pays, and the roofline split over its tp devices), fitted to
 measured steps of one device (tp 1) by sim/decode_fit.py. A table, where present, wins.
 Rates: seconds = overhead_s + amount / rate.
+byte_unit: what the bytes of the migration and weight_load rates count. "stored": the bytes the
+timed copy moved, at the models' own dtypes (4 a float32 parameter or KV element), what
+generation/measure.py and experiments/calibrate_sim.py write since 2026-12-04. "bf16" (a file
+without the key: every earlier one, e.g. experiments/results/bench_generation_cpu/): 2 bytes a
+parameter or KV element whatever the dtype that was copied. The cost model converts the sizes it
+charges into the file's unit (`Calibration.rate_bytes`), so a file measured on float32 models
+times a float32 workload's loads (plan_search:train, the Rt model) at their measured time; a bf16
+file read for float32 shapes charges their parameters at 2 bytes, as the file counted them.
 train_stage: one pipeline stage and one micro-batch. actor_fwd_s / critic_fwd_s are the forward
 (mean over stages where per-stage lists exist); actor_bwd_s / critic_bwd_s the measured backward
 (the pipeline executor's backward: forward recompute + vjp, and head + loss on the last stage);
@@ -80,7 +90,11 @@ _OPS = ("decode_step", "decode_fit", "train_stage", "pipeline_executor") + tuple
 OPS = _OPS  # every op a file may measure (the reports list which it did)
 _FIT_KEYS = ("step_s", "layer_s", "mfu", "bw_eff")
 _TOP = ("format", "device", "model_params", "instance_devices", "devices_share_compute",
-        "parallel_tasks", "ops", "notes", "provenance")
+        "parallel_tasks", "byte_unit", "ops", "notes", "provenance")
+# What the bytes of the migration and weight_load rates count (module docstring); the first is
+# what a file without the key means.
+BYTE_UNITS = ("bf16", "stored")
+_BF16_ITEMSIZE = 2
 _TRAIN_SCALARS = ("actor_fwd_s", "critic_fwd_s", "bwd_over_fwd", "actor_bwd_s", "critic_bwd_s")
 _TRAIN_LISTS = ("actor_fwd_per_stage_s", "actor_bwd_per_stage_s", "critic_fwd_per_stage_s",
                 "critic_bwd_per_stage_s")
@@ -175,13 +189,19 @@ class Calibration:
   inference: Optional[Rate] = None
   migration: Optional[Rate] = None
   weight_load: Optional[Rate] = None
+  byte_unit: str = "bf16"  # BYTE_UNITS: what the migration and weight_load rates' bytes count
   # Where and when it was measured (the writing binary's result provenance: date, commit,
   # command, host processor, jax and its devices); None in a hand-written or older file.
   provenance: Optional[dict] = None
 
+  def rate_bytes(self, nbytes: float, itemsize: int) -> float:
+    """`nbytes` of elements of `itemsize` bytes each (a shape's weight_itemsize or kv_itemsize)
+    in the unit this file's migration and weight_load rates count (byte_unit)."""
+    return nbytes if self.byte_unit == "stored" else nbytes * _BF16_ITEMSIZE / itemsize
+
   def describe(self) -> dict:
     out = {"path": self.path, "device": self.device,
-           "devices_share_compute": self.devices_share_compute}
+           "devices_share_compute": self.devices_share_compute, "byte_unit": self.byte_unit}
     if self.provenance:
       out["measured"] = {k: self.provenance.get(k) for k in (
           "date", "git_commit", "host_cpu", "jax") if self.provenance.get(k)}
@@ -271,6 +291,10 @@ def from_dict(obj: dict, path: str = "<dict>") -> Calibration:
       d = _keys(w, ops[name], (rate_key, over_key), (rate_key,))
       kw[name] = Rate(_pos(w, rate_key, d[rate_key]),
                       _pos(w, over_key, d.get(over_key, 0.0), allow_zero=True))
+  unit = top.get("byte_unit", BYTE_UNITS[0])
+  if unit not in BYTE_UNITS:
+    raise _err(path, f"byte_unit={unit!r}: expected one of {list(BYTE_UNITS)} (what the "
+               "migration and weight_load bytes count; absent: 'bf16')")
   share = top.get("devices_share_compute", False)
   if not isinstance(share, bool):
     raise _err(path, f"devices_share_compute={share!r} must be true or false")
@@ -293,13 +317,14 @@ def from_dict(obj: dict, path: str = "<dict>") -> Calibration:
     raise _err(path, f"provenance={prov!r} must be an object")
   return Calibration(device=str(top["device"]), path=path, model_params=mp,
                      instance_devices=idev, devices_share_compute=share,
-                     parallel_tasks=par, provenance=prov, **kw)
+                     parallel_tasks=par, provenance=prov, byte_unit=unit, **kw)
 
 
 def to_dict(cal: Calibration) -> dict:
   """The file form of a Calibration (from_dict(to_dict(c)) == c up to `path`)."""
   top: dict[str, Any] = {"format": FORMAT, "device": cal.device,
-                         "devices_share_compute": cal.devices_share_compute}
+                         "devices_share_compute": cal.devices_share_compute,
+                         "byte_unit": cal.byte_unit}
   for k in ("model_params", "instance_devices", "parallel_tasks", "provenance"):
     if getattr(cal, k) is not None:
       top[k] = getattr(cal, k)

@@ -297,23 +297,27 @@ class CostModel:
       return self.cal.inference.seconds(float(lengths.sum()))
     return sum(self._forward_s(s, tp, lengths, self.eff.prefill_mfu) for s in shapes)
 
-  def kv_migration_s(self, nbytes: float, tp: int, cross_node: bool) -> float:
-    """KV rows of `nbytes` (all tensor-parallel shards together) between two instances; the t
-    shard pairs move in parallel."""
+  def kv_migration_s(self, nbytes: float, tp: int, cross_node: bool, itemsize: int) -> float:
+    """KV rows of `nbytes` (all tensor-parallel shards together; `itemsize` bytes an element,
+    the shape's kv_itemsize) between two instances; the t shard pairs move in parallel. A
+    calibration's rate counts its own byte unit (Calibration.rate_bytes)."""
     if nbytes <= 0:
       return 0.0
     if self.cal is not None and self.cal.migration is not None:
-      return self.cal.migration.seconds(nbytes)
+      return self.cal.migration.seconds(self.cal.rate_bytes(nbytes, itemsize))
     return self.p2p_s(nbytes / tp, cross_node)
 
-  def weight_load_s(self, nbytes_per_device: float) -> float:
-    """Host -> device copy of frozen weights (offloaded reference / reward models)."""
+  def weight_load_s(self, shapes: Sequence[ModelShape], devices: int) -> float:
+    """Host -> device copy of the weights of `shapes` (offloaded frozen models), each device
+    of `devices` its share, at each shape's weight_itemsize (a calibration's rate counts its own
+    byte unit: Calibration.rate_bytes)."""
     if self.cal is not None and self.cal.weight_load is not None:
-      return self.cal.weight_load.seconds(nbytes_per_device)
+      return self.cal.weight_load.seconds(sum(
+          self.cal.rate_bytes(s.weight_bytes(), s.weight_itemsize) for s in shapes) / devices)
     if self.hw.host_to_device_bw is None:
       raise ValueError(f"hardware {self.hw.name!r} has no host_to_device_bw: set "
                        "config.sim.offload_frozen=False (frozen models stay on the devices)")
-    return nbytes_per_device / self.hw.host_to_device_bw
+    return sum(s.weight_bytes() for s in shapes) / devices / self.hw.host_to_device_bw
 
   # --------------------------------------------------------------------- training
   def train_stage_fwd_s(self, shape: ModelShape, tp: int, pp: int, mb_tokens: float,

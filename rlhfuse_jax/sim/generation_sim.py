@@ -230,7 +230,8 @@ def _generate(cost: CostModel, actor: ModelShape, setup: GenSetup, clock: _Clock
       continue  # stale entry (instance released, or its clock moved by a migration)
     if due is not None and t_now >= due:
       heapq.heappush(heap, (t_now, i))
-      rec = _consolidate(cost, setup, clock, batch, kv_cap, slot_cap, kv_bpt, due)
+      rec = _consolidate(cost, setup, clock, batch, kv_cap, slot_cap, kv_bpt, due,
+                         actor.kv_itemsize)
       due = None
       for kept in ([] if rec is None else rec["kept_list"]):
         heapq.heappush(heap, (clock.t[kept], kept))
@@ -312,7 +313,8 @@ def _result(cost: CostModel, frozen: Sequence[ModelShape], setup: GenSetup, cloc
 
 
 def _consolidate(cost: CostModel, setup: GenSetup, clock: _Clock, batch: _Batch, kv_cap: int,
-                 slot_cap: int, kv_bpt: float, t_decide: float) -> Optional[dict]:
+                 slot_cap: int, kv_bpt: float, t_decide: float,
+                 kv_itemsize: int) -> Optional[dict]:
   """Plans with the shared policy and, if it moves samples, applies the moves and their costs,
   releases the emptied instances and records the consolidation (also returned)."""
   slot_uid, generated, target = batch.slot_uid, batch.generated, batch.target
@@ -341,7 +343,7 @@ def _consolidate(cost: CostModel, setup: GenSetup, clock: _Clock, batch: _Batch,
                                        clock.t[m.src_instance], t_decide)
     apart = not same_node(m.src_instance * per_inst, m.dst_instance * per_inst,
                           setup.devices_per_node)
-    secs = cost.kv_migration_s(m.bytes, setup.tp, apart)
+    secs = cost.kv_migration_s(m.bytes, setup.tp, apart, kv_itemsize)
     secs_by_dst[m.dst_instance] = secs_by_dst.get(m.dst_instance, 0.0) + secs
     bytes_by_dst[m.dst_instance] = bytes_by_dst.get(m.dst_instance, 0) + m.bytes
   src_done: dict = {}
@@ -377,8 +379,7 @@ def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_a
   order = np.argsort(finish, kind="stable")  # samples by readiness
   ready_t = finish[order]
   nxt = 0
-  w_bytes = sum(s.weight_bytes() for s in frozen) / setup.tp
-  load_s = cost.weight_load_s(w_bytes) if setup.offload_frozen else 0.0
+  load_s = cost.weight_load_s(frozen, setup.tp) if setup.offload_frozen else 0.0
   loaded = np.zeros(g, dtype=bool)
   # Keyed by when the instance could start computing (after loading the frozen weights), so an
   # instance that still has to load does not grab work a loaded one would finish sooner.

@@ -211,7 +211,7 @@ def inference_stage_s(cost: CostModel, frozen, num_devices: int, tp: int, pp: in
     r = int(np.argmin(load))
     load[r] += t
     longest[r] = max(longest[r], t)
-  w = cost.weight_load_s(sum(s.weight_bytes() for s in frozen) / (tp * pp)) if offload else 0.0
+  w = cost.weight_load_s(frozen, tp * pp) if offload else 0.0
   return float(np.max(load + (pp - 1) * longest) + w)
 
 

@@ -69,7 +69,7 @@ from rlhfuse_jax.sim import lockstep
 from rlhfuse_jax.policy.calibration import Calibration
 from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
 from rlhfuse_jax.sim.hardware import get_hardware
-from rlhfuse_jax.sim.shapes import ModelShape
+from rlhfuse_jax.sim.shapes import DTYPE_ITEMSIZE, ModelShape
 
 _GEN_OPS = ("decode_step", "prefill", "inference", "migration", "weight_load")
 
@@ -218,11 +218,21 @@ def gen_bench_from_workdir(workdir: str) -> tuple[GenBenchSpec, dict]:
     missing.append("baseline.gen_plus_inf_s / fused.gen_plus_inf_s in result.json")
   if missing:
     raise ValueError(f"{workdir}: cannot rebuild the bench for prediction; missing {missing}")
+  # At the dtypes the bench ran (ModelConfig's float32 where config.json names none): the bytes
+  # its migrations and loads copied, which a calibration's "stored" byte_unit counts (a bf16
+  # one's, converted by the cost model, whatever the itemsize: Calibration.rate_bytes).
+  sizes = {}
+  for field, key in (("weight_itemsize", "param_dtype"), ("kv_itemsize", "dtype")):
+    dtype = _find(cfg.get("model", cfg), (key,)) or "float32"
+    if dtype not in DTYPE_ITEMSIZE:
+      raise ValueError(f"{workdir}/config.json: model.{key}={dtype!r}; expected one of "
+                       f"{sorted(DTYPE_ITEMSIZE)}")
+    sizes[field] = DTYPE_ITEMSIZE[dtype]
   shape = ModelShape(name="bench", vocab_size=int(got["vocab_size"]) or 256,
                      hidden_size=int(got["hidden_size"]),
                      intermediate_size=int(got["intermediate_size"]),
                      num_layers=int(got["num_layers"]), num_heads=int(got["num_heads"]),
-                     num_kv_heads=int(got["num_kv_heads"]))
+                     num_kv_heads=int(got["num_kv_heads"]), **sizes)
   spec = GenBenchSpec(
       shape=shape, num_instances=int(got["num_instances"]), slots=int(got["slots"]),
       tp=int(_find(both, ("tp", "devices_per_instance", "instance_devices")) or 1),

@@ -7,8 +7,6 @@ imports the other.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from rlhfuse_jax.generation import measure
 from rlhfuse_jax.generation.fused import FusedGenerator
 from rlhfuse_jax.policy.rt import Simulate
@@ -20,16 +18,13 @@ from rlhfuse_jax.sim.generation_sim import GenSetup
 def sim_setup(gen: FusedGenerator) -> tuple:
   """(actor shape, inference model shapes, GenSetup) describing the engine to the simulator.
   The shapes at the models' own dtypes (from_model_config's dtypes: dtype for the KV rows a
-  migration moves), but the frozen models' weights in the unit the engine's measured
-  weight_load rate counts (measure.WEIGHT_LOAD_ITEMSIZE, bf16 bytes whatever their
-  param_dtype): at a float32 run's 4 bytes a parameter each instance's load was simulated at
-  twice its measured time (briefly on 2026-12-04). Every inference model is in the load a
-  freed instance waits for, the critic included (measure_costs times it from where it is held)."""
+  migration moves, param_dtype for the weights a freed instance loads), as measure_costs counts
+  the bytes it copied (its calibration's byte_unit "stored"; the cost model converts a bf16-unit
+  file). Every inference model is in the load a freed instance waits for, the critic included
+  (measure_costs times it from where it is held)."""
   cfg = gen.config
   actor = shapes_lib.from_model_config(gen.cfg, "actor", dtypes=True)
-  frozen = tuple(dataclasses.replace(shapes_lib.from_model_config(c, n, dtypes=True),
-                                     weight_itemsize=measure.WEIGHT_LOAD_ITEMSIZE)
-                 for n, c in gen.models.items())
+  frozen = tuple(shapes_lib.from_model_config(c, n, dtypes=True) for n, c in gen.models.items())
   setup = GenSetup(num_instances=cfg.num_instances, slots=cfg.slots, tp=cfg.instance_devices,
                    chunk_steps=gen.sampling.chunk_size,
                    max_new_tokens=gen.sampling.max_new_tokens,
