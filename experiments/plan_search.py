@@ -70,6 +70,7 @@ from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import search as search_lib
 from rlhfuse_jax.sim import ablations, iteration_sim, plan_search, training_sim
 from rlhfuse_jax.sim import report as sim_report
+from rlhfuse_jax.sim import shapes
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
@@ -349,10 +350,14 @@ def main(argv):
     # they name config.<field>: the user typed --run_config.<field>
     kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
     raise kind(f"--run_config (config.<field> is --run_config.<field> here): {e}") from None
+  # config.calibration checked before the outputs start, against the actor simulated: the run's
+  # (train_run's resolved config: a checkpoint's shape) or the preset pairs'
+  actor_params = None if run is None else [shapes.from_model_config(run[1].model,
+                                                                    "actor").num_params()]
+  cost, accept = ablations.cost_model(cfg, actor_params), None
   workdir = _WORKDIR.value
   wd.start_outputs(workdir, _CONFIG.value,
                    ("result.json", "plan.json", "plan_search.md", "lengths"))
-  cost, accept = ablations.cost_model(cfg), None
   if spec:
     setting, wl, accept = trainer_setting(cfg, path, overrides, train_dict, workdir, run)
   else:

@@ -757,6 +757,37 @@ def test_a_run_configs_unreadable_reward_model_is_named_as_the_user_typed_it(tmp
     assert out.returncode == 1 and want in out.stderr, (binary, out.stderr[-3000:])
 
 
+def test_plan_search_checks_a_calibration_against_the_runs_actor(tmp_path):
+  """plan_search:train simulates the run's actor, but config.calibration's measured decode step
+  was compared with the preset pairs' actors (65B): a calibration of the run's very model was
+  refused, and after the outputs had started. Now the run's actor is the one compared, and a
+  calibration of another model is refused before anything moves."""
+  from rlhfuse_jax.policy import calibration
+  from rlhfuse_jax.sim import shapes
+  cfg = TrainConfig.from_config_dict(ppo_tiny.get_config())
+  _, tokenizer = build.build_task_and_tokenizer(cfg)
+  n = shapes.from_model_config(build.resolve_config(cfg, tokenizer, log=False).model,
+                               "actor").num_params()
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  for params, ok in ((n, True), (3 * n, False)):
+    cal = tmp_path / f"cal_{params}.json"
+    cal.write_text(json.dumps({
+        "format": calibration.FORMAT, "device": "test", "model_params": params,
+        "ops": {"decode_step": {"occupied_slots": [1, 8], "seconds": [1e-3, 2e-3]}}}))
+    run = tmp_path / f"ps_{params}"
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
+         "--config.systems=", f"--config.calibration={cal}", f"--workdir={run}"], cwd=ROOT,
+        env=env, capture_output=True, text=True, timeout=300)
+    if ok:
+      assert out.returncode == 0, out.stderr[-3000:]
+      assert json.loads((run / "result.json").read_text())["best"], out.stderr[-2000:]
+    else:
+      assert out.returncode == 1 and (f"on a model of {3 * n:,} parameters, and the simulated "
+                                      f"actors have {n:,}") in out.stderr, out.stderr[-3000:]
+      assert not run.exists() or not {"config.json", "result.json"} & set(os.listdir(run))
+
+
 def test_plan_search_takes_a_run_config_with_train_ppos_overrides(tmp_path):
   """plan_search:train searched a train_ppo config file as written: a run with overrides
   (--config.rollout.max_new_tokens=...) needed a config file of its own. --run_config takes

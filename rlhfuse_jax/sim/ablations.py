@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 from rlhfuse_jax.policy import calibration as cal_lib
 from rlhfuse_jax.sim import iteration_sim as it
@@ -211,13 +211,16 @@ class AblationConfig:
 MODEL_OPS = ("decode_step", "prefill", "inference", "train_stage")
 
 
-def check_calibration_fits(cal: cal_lib.Calibration, cfg: AblationConfig) -> None:
+def check_calibration_fits(cal: cal_lib.Calibration, cfg: AblationConfig,
+                           actor_params: Optional[Sequence[int]] = None) -> None:
   """A ValueError when config.calibration cannot time this simulation: it was measured on
   devices that share one processor (fake CPU devices) while config.hardware is an accelerator,
   or its model-specific ops (MODEL_OPS) come from a model of another size than every actor
   simulated (more than 10 % apart). calibrate_sim's file (a 0.1M-parameter model on 8 fake CPU
   devices) turned a 13B/13B iteration on 64 H100s from 6.2 s into 15.2 s and reordered the
-  systems, without a word."""
+  systems, without a word. `actor_params`: the simulated actors' sizes when they are not
+  cfg.pairs' (plan_search of a train_config simulates the run's actor: compared with the preset
+  pairs, a calibration of that very model was refused)."""
   where = f"config.calibration={cfg.calibration!r} ({cal.device})"
   if cal.devices_share_compute and cfg.hardware in HARDWARE:  # (a file may describe a host)
     raise ValueError(f"{where} was measured on devices that share one processor (fake CPU "
@@ -228,7 +231,8 @@ def check_calibration_fits(cal: cal_lib.Calibration, cfg: AblationConfig) -> Non
   ops = [op for op in MODEL_OPS if getattr(cal, op) is not None]
   if not ops:
     return
-  sizes = sorted({cfg.shape(a).num_params() for a, _ in cfg.pairs})
+  sizes = sorted(set(actor_params) if actor_params is not None else
+                 {cfg.shape(a).num_params() for a, _ in cfg.pairs})
   if cal.model_params is None:
     raise ValueError(f"{where} has measured {ops} but no model_params: those times are one "
                      "model's; give the measured model's parameter count (model_params) so "
@@ -243,10 +247,12 @@ def check_calibration_fits(cal: cal_lib.Calibration, cfg: AblationConfig) -> Non
         "reproduce_ablations --config.validate.bench_decode_workdir=... writes one)")
 
 
-def cost_model(cfg: AblationConfig) -> CostModel:
+def cost_model(cfg: AblationConfig, actor_params: Optional[Sequence[int]] = None) -> CostModel:
+  """The cost model of config.hardware, .efficiency and .calibration (checked against the
+  simulated actors: check_calibration_fits, `actor_params` as there)."""
   cal = cal_lib.load(cfg.calibration) if cfg.calibration else None
   if cal is not None:
-    check_calibration_fits(cal, cfg)
+    check_calibration_fits(cal, cfg, actor_params)
   return CostModel(get_hardware(cfg.hardware), cfg.efficiency, cal)
 
 
