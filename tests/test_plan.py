@@ -784,7 +784,10 @@ def test_plan_search_checks_a_calibration_against_the_runs_actor(tmp_path):
       assert json.loads((run / "result.json").read_text())["best"], out.stderr[-2000:]
     else:
       assert out.returncode == 1 and (f"on a model of {3 * n:,} parameters, and the simulated "
-                                      f"actors have {n:,}") in out.stderr, out.stderr[-3000:]
+                                      f"actors have {n:,}: those times are that model's own: "
+                                      "measure the run's own actor") in out.stderr, \
+          out.stderr[-3000:]
+      assert "--config.pairs" not in out.stderr  # (the paper pairs' advice: no pairs here)
       assert not run.exists() or not {"config.json", "result.json"} & set(os.listdir(run))
 
 

@@ -238,13 +238,15 @@ def check_calibration_fits(cal: cal_lib.Calibration, cfg: AblationConfig,
                      "model's; give the measured model's parameter count (model_params) so "
                      "that it is compared with the simulated ones")
   if not any(abs(cal.model_params / n - 1) <= 0.1 for n in sizes):
+    simulate = ("measure the run's own actor (a calibration of a model within 10 % of its "
+                "size)" if actor_params is not None else
+                "simulate that model (calibrate_sim writes its config.json to <its workdir>/"
+                "model: --config.shapes=NAME=<its workdir>/model --config.pairs=NAME/NAME)")
     raise ValueError(
         f"{where} measured {ops} on a model of {cal.model_params:,} parameters, and the "
         f"simulated actors have {', '.join(f'{n:,}' for n in sizes)}: those times are that "
-        "model's own: simulate that model (calibrate_sim writes its config.json to "
-        "<its workdir>/model: --config.shapes=NAME=<its workdir>/model --config.pairs=NAME/NAME"
-        "), or use a decode_fit, per layer and per FLOP, which times any shape ("
-        "reproduce_ablations --config.validate.bench_decode_workdir=... writes one)")
+        f"model's own: {simulate}, or use a decode_fit, per layer and per FLOP, which times "
+        "any shape (reproduce_ablations --config.validate.bench_decode_workdir=... writes one)")
 
 
 def cost_model(cfg: AblationConfig, actor_params: Optional[Sequence[int]] = None) -> CostModel:
