@@ -522,6 +522,48 @@ def test_auto_rt_simulates_the_engine_at_its_dtypes():
     assert setup.offload_frozen and setup.kv_capacity_tokens == 64
 
 
+class _LoadingInstance:
+  """A generation instance faked for measure_costs: each decode call generates 2 tokens in the
+  rows with budget left; `placed` lists the configs of the models placed on it."""
+  devices = [types.SimpleNamespace(platform="cpu", device_kind="cpu")]
+  rep = None
+
+  def __init__(self):
+    self.placed = []
+
+  def place(self, cfg, params):
+    self.placed.append(cfg)
+    return params
+
+  def prefill(self, params, tok, lens, uids, budget, key):
+    n = len(budget)
+    return types.SimpleNamespace(num_generated=np.ones(n, np.int32),
+                                 budget=np.asarray(budget)), None
+
+  def decode(self, params, st, key):
+    return types.SimpleNamespace(num_generated=st.num_generated + 2 * (st.budget > 0)), None
+
+  def score(self, *args):
+    return None
+
+
+def _simulated_load_s(inst: _LoadingInstance, cfg, models: dict, held: dict) -> tuple:
+  """(the seconds the Rt model charges a freed instance's load, its GenSetup): measure_costs on
+  `inst` holding `held` ({name: params}), then rt_auto.sim_setup and a cost model of that
+  calibration."""
+  from rlhfuse_jax.policy import calibration as cal_lib
+  from rlhfuse_jax.sim.cost_model import CostModel
+  from rlhfuse_jax.sim.hardware import get_hardware
+  gen = types.SimpleNamespace(
+      instances=[inst], local=[0], prompt_len=3, cfg=cfg, models=models, kv_capacity=64,
+      config=FusedGenConfig(num_instances=2, slots=2, migration_threshold="auto"),
+      sampling=SamplingConfig(max_new_tokens=6, chunk_size=2, steps_per_check=2))
+  cal = measure.measure_costs(gen, {}, held, repeats=1)
+  _, frozen, setup = sim_setup(gen)
+  cost = CostModel(get_hardware("h100_sxm"), calibration=cal_lib.from_dict(cal, "measured"))
+  return cost.weight_load_s(frozen, setup.tp), setup
+
+
 def test_auto_rt_loads_the_frozen_weights_in_the_calibrations_time(monkeypatch):
   """The Rt model times loading the frozen weights with the engine's measured weight_load,
   whose rate measure_costs records in the bytes it copied (byte_unit "stored") and rt_auto
@@ -529,42 +571,13 @@ def test_auto_rt_loads_the_frozen_weights_in_the_calibrations_time(monkeypatch):
   the dtype while rt_auto described a float32 engine's frozen models at 4 (briefly on
   2026-12-04), so each instance's load was simulated at twice what was measured (1.0 s for
   0.5 s here)."""
-  from rlhfuse_jax.policy import calibration as cal_lib
-  from rlhfuse_jax.sim.cost_model import CostModel
-  from rlhfuse_jax.sim.hardware import get_hardware
-
-  class Inst:
-    devices = [types.SimpleNamespace(platform="cpu", device_kind="cpu")]
-    rep = None
-
-    def place(self, cfg, params):
-      return params
-
-    def prefill(self, params, tok, lens, uids, budget, key):
-      n = len(budget)
-      return types.SimpleNamespace(num_generated=np.ones(n, np.int32),
-                                   budget=np.asarray(budget)), None
-
-    def decode(self, params, st, key):
-      return types.SimpleNamespace(num_generated=st.num_generated + 2 * (st.budget > 0)), None
-
-    def score(self, *args):
-      return None
-
   monkeypatch.setattr(measure, "median_s", lambda fn, repeats: (fn(), 0.5)[1])
   for dtype in ("float32", "bfloat16"):
     cfg = CFG.replace(dtype=dtype, param_dtype=dtype)
     models = {"reference": cfg, "reward": cfg.replace(head="scalar", num_layers=2)}
-    gen = types.SimpleNamespace(
-        instances=[Inst()], local=[0], prompt_len=3, cfg=cfg, models=models, kv_capacity=64,
-        config=FusedGenConfig(num_instances=2, slots=2,
-                              migration_threshold="auto"),
-        sampling=SamplingConfig(max_new_tokens=6, chunk_size=2, steps_per_check=2))
     held = {n: np.zeros(c.num_params(), c.jnp_param_dtype) for n, c in models.items()}
-    cal = measure.measure_costs(gen, {}, held, repeats=1)
-    _, frozen, setup = sim_setup(gen)
-    cost = CostModel(get_hardware("h100_sxm"), calibration=cal_lib.from_dict(cal, "measured"))
-    assert cost.weight_load_s(frozen, setup.tp) == pytest.approx(0.5), dtype
+    load_s, _ = _simulated_load_s(_LoadingInstance(), cfg, models, held)
+    assert load_s == pytest.approx(0.5), dtype
 
 
 def test_auto_rt_charges_the_critics_copy_onto_a_freed_instance(monkeypatch):
@@ -574,48 +587,19 @@ def test_auto_rt_charges_the_critics_copy_onto_a_freed_instance(monkeypatch):
   simulator charged the critic's bytes at their rate too (reference + critic: 0.5 s (1 +
   critic/reference params) for a measured 1.0 s), and a critic alone (no reference, a reward
   function) was charged nothing (no weight_load op, offload_frozen False)."""
-  from rlhfuse_jax.policy import calibration as cal_lib
-  from rlhfuse_jax.sim.cost_model import CostModel
-  from rlhfuse_jax.sim.hardware import get_hardware
-  placed = []
-
-  class Inst:
-    devices = [types.SimpleNamespace(platform="cpu", device_kind="cpu")]
-    rep = None
-
-    def place(self, cfg, params):
-      placed.append(cfg)
-      return params
-
-    def prefill(self, params, tok, lens, uids, budget, key):
-      n = len(budget)
-      return types.SimpleNamespace(num_generated=np.ones(n, np.int32),
-                                   budget=np.asarray(budget)), None
-
-    def decode(self, params, st, key):
-      return types.SimpleNamespace(num_generated=st.num_generated + 2 * (st.budget > 0)), None
-
-    def score(self, *args):
-      return None
+  inst = _LoadingInstance()
 
   def median_s(fn, repeats):  # 0.5 s for each model an instance copies in
-    placed.clear()
+    inst.placed.clear()
     fn()
-    return 0.5 * max(len(placed), 1)
+    return 0.5 * max(len(inst.placed), 1)
 
   monkeypatch.setattr(measure, "median_s", median_s)
   critic = CFG.replace(head="scalar", num_layers=3)  # not the reference's size
   for models in ({"reference": CFG, "critic": critic}, {"critic": critic}):
-    gen = types.SimpleNamespace(
-        instances=[Inst()], local=[0], prompt_len=3, cfg=CFG, models=models, kv_capacity=64,
-        config=FusedGenConfig(num_instances=2, slots=2, migration_threshold="auto"),
-        sampling=SamplingConfig(max_new_tokens=6, chunk_size=2, steps_per_check=2))
     held = {n: np.zeros(c.num_params(), np.float32) for n, c in models.items()}
-    cal = measure.measure_costs(gen, {}, held, repeats=1)
-    _, frozen, setup = sim_setup(gen)
+    load_s, setup = _simulated_load_s(inst, CFG, models, held)
     assert setup.offload_frozen, models
-    cost = CostModel(get_hardware("h100_sxm"), calibration=cal_lib.from_dict(cal, "measured"))
-    load_s = cost.weight_load_s(frozen, setup.tp)
     assert load_s == pytest.approx(0.5 * len(models)), sorted(models)
 
 
