@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from rlhfuse_jax import workdir as wd
 # The module alone (docs/architecture.md §7: sim may import models.param_count, no other models)
@@ -31,6 +31,23 @@ from rlhfuse_jax.models.param_count import num_params as _num_params
 ITEMSIZES = (2, 4)
 # Bytes per element of the dtypes a ModelConfig names (models/llama._DTYPES).
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The ModelShape fields sized by a ModelConfig's dtype fields: the weights (and gradients) by
+# param_dtype, the KV cache and activations by dtype.
+ITEMSIZE_DTYPES = {"weight_itemsize": "param_dtype", "kv_itemsize": "dtype"}
+
+
+def dtype_itemsizes(dtypes: Mapping[str, Any], where: str = "") -> dict:
+  """{weight_itemsize, kv_itemsize} (ModelShape's fields) of a model's {param_dtype, dtype}
+  (ITEMSIZE_DTYPES); a ValueError names `where` + model.<field> for a dtype not in
+  DTYPE_ITEMSIZE."""
+  out = {}
+  for field, key in ITEMSIZE_DTYPES.items():
+    dtype = dtypes[key]
+    if dtype not in DTYPE_ITEMSIZE:
+      raise ValueError(f"{where}model.{key}={dtype!r}: expected one of "
+                       f"{sorted(DTYPE_ITEMSIZE)}")
+    out[field] = DTYPE_ITEMSIZE[dtype]
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,12 +161,7 @@ def from_model_config(cfg: Any, name: str = "custom", dtypes: bool = False,
   it); `master_weights`: the run's optim.master_weights (ModelShape.master_weights)."""
   sizes = {"master_weights": master_weights}
   if dtypes:
-    for field, name_ in (("weight_itemsize", "param_dtype"), ("kv_itemsize", "dtype")):
-      dtype = getattr(cfg, name_)
-      if dtype not in DTYPE_ITEMSIZE:
-        raise ValueError(f"model.{name_}={dtype!r}: expected one of "
-                         f"{sorted(DTYPE_ITEMSIZE)}")
-      sizes[field] = DTYPE_ITEMSIZE[dtype]
+    sizes.update(dtype_itemsizes({k: getattr(cfg, k) for k in ITEMSIZE_DTYPES.values()}))
   return ModelShape(**sizes, name=name, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                     intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
                     num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,

@@ -66,10 +66,11 @@ from rlhfuse_jax.policy import calibration as cal_lib
 from rlhfuse_jax.sim import decode_fit
 from rlhfuse_jax.sim import generation_sim as gen_lib
 from rlhfuse_jax.sim import lockstep
+from rlhfuse_jax.sim import shapes as shapes_lib
 from rlhfuse_jax.policy.calibration import Calibration
 from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
 from rlhfuse_jax.sim.hardware import get_hardware
-from rlhfuse_jax.sim.shapes import DTYPE_ITEMSIZE, ModelShape
+from rlhfuse_jax.sim.shapes import ModelShape
 
 _GEN_OPS = ("decode_step", "prefill", "inference", "migration", "weight_load")
 
@@ -221,13 +222,10 @@ def gen_bench_from_workdir(workdir: str) -> tuple[GenBenchSpec, dict]:
   # At the dtypes the bench ran (ModelConfig's float32 where config.json names none): the bytes
   # its migrations and loads copied, which a calibration's "stored" byte_unit counts (a bf16
   # one's, converted by the cost model, whatever the itemsize: Calibration.rate_bytes).
-  sizes = {}
-  for field, key in (("weight_itemsize", "param_dtype"), ("kv_itemsize", "dtype")):
-    dtype = _find(cfg.get("model", cfg), (key,)) or "float32"
-    if dtype not in DTYPE_ITEMSIZE:
-      raise ValueError(f"{workdir}/config.json: model.{key}={dtype!r}; expected one of "
-                       f"{sorted(DTYPE_ITEMSIZE)}")
-    sizes[field] = DTYPE_ITEMSIZE[dtype]
+  model = cfg.get("model", cfg)
+  sizes = shapes_lib.dtype_itemsizes({k: _find(model, (k,)) or "float32"
+                                      for k in shapes_lib.ITEMSIZE_DTYPES.values()},
+                                     f"{workdir}/config.json: ")
   shape = ModelShape(name="bench", vocab_size=int(got["vocab_size"]) or 256,
                      hidden_size=int(got["hidden_size"]),
                      intermediate_size=int(got["intermediate_size"]),

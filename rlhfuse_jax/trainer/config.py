@@ -23,7 +23,7 @@ from rlhfuse_jax.parallel.mesh import MeshConfig
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import kl as kl_lib
 from rlhfuse_jax.rl import losses as losses_lib
-from rlhfuse_jax.sim.shapes import DTYPE_ITEMSIZE
+from rlhfuse_jax.sim.shapes import DTYPE_ITEMSIZE, ITEMSIZE_DTYPES
 # (a module without jax: experiments/bench_async.py checks its config against them)
 from rlhfuse_jax.trainer.async_objectives import ASYNC_OBJECTIVES
 
@@ -1026,7 +1026,7 @@ PLAN_WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_
                               "vocab_size")
 # ... and the bytes per element it sized the weights and the KV cache at, with the run's field
 # each stands for (sim/shapes.from_model_config: param_dtype and dtype).
-PLAN_WORKLOAD_ITEMSIZES = {"weight_itemsize": "param_dtype", "kv_itemsize": "dtype"}
+PLAN_WORKLOAD_ITEMSIZES = ITEMSIZE_DTYPES
 
 
 def plan_workload_differences(plan: Mapping[str, Any], cfg: "TrainConfig",
