@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import importlib
 import os
 import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import jaxlib
 import numpy as np
 from absl import flags, logging
@@ -349,28 +351,24 @@ def _train_batch(cfg: BenchDecodeConfig) -> dict:
 
 
 def random_params(cfgs: list, key: jax.Array) -> list:
-  """Random N(0, 0.02) weights (norm scales 1 + noise) for each model config, in one small
-  compiled program: one flat draw per model, sliced into the parameter tree. Timing does not
-  depend on the values, and this compiles in about half the time of flax's initialisers."""
-  trees = []
-  for c in cfgs:
-    shapes = llama.param_shapes(c)
-    trees.append(jax.tree_util.tree_flatten_with_path(shapes))
+  """Random N(0, 0.02) weights (norm scales 1 + noise) for each model config, a leaf at a time:
+  one small compiled draw per distinct leaf shape (a few), each leaf from its own folded key.
+  Timing does not depend on the values. (One flat draw sliced into the ~200 leaves of the 1.1B
+  model compiled in 2 min 51 s on an H200 with jax 0.11.2, 2026-12-04.)"""
+  @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+  def draw(k, shape, dtype, is_scale):
+    x = 0.02 * jax.random.normal(k, shape, dtype)
+    return x + 1 if is_scale else x
 
-  def draw(k):
-    out = []
-    for i, (leaves, treedef) in enumerate(trees):
-      sizes = [int(np.prod(s.shape)) for _, s in leaves]
-      dtype = leaves[0][1].dtype
-      flat = 0.02 * jax.random.normal(jax.random.fold_in(k, i), (sum(sizes),), dtype)
-      arrays, off = [], 0
-      for (path, s), n in zip(leaves, sizes):
-        x = flat[off:off + n].reshape(s.shape)
-        off += n
-        arrays.append((x + 1 if "scale" in jax.tree_util.keystr(path) else x).astype(s.dtype))
-      out.append(jax.tree_util.tree_unflatten(treedef, arrays))
-    return out
-  return jax.jit(draw)(key)
+  trees = []
+  for i, c in enumerate(cfgs):
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(llama.param_shapes(c))
+    k = jax.random.fold_in(key, i)
+    arrays = [draw(jax.random.fold_in(k, j), tuple(s.shape), jnp.dtype(s.dtype),
+                   "scale" in jax.tree_util.keystr(path))
+              for j, (path, s) in enumerate(leaves)]
+    trees.append(jax.tree_util.tree_unflatten(treedef, arrays))
+  return trees
 
 
 @dataclasses.dataclass

@@ -33,11 +33,15 @@ from experiments import bench_decode as bd  # noqa: E402
 from rlhfuse_jax.generation import instances  # noqa: E402
 from rlhfuse_jax.generation.sampling import SamplingConfig  # noqa: E402
 from rlhfuse_jax.perf.bench_config import BenchDecodeConfig  # noqa: E402
+from rlhfuse_jax.sim import hardware  # noqa: E402
 
 OUT = os.environ["OUT"]
 CFG = BenchDecodeConfig.from_config_dict(bdc.get_config("1b"))
 CFG = dataclasses.replace(CFG, warmup=1, repeats=int(os.environ.get("REPEATS", "2")))
-PEAK_BW = 3.35e12  # h100_sxm preset (sim/hardware.py); the result keeps the raw bytes and times
+# The preset matching this device (sim/hardware.py; the H100 SXM's 3.35 TB/s when none matches,
+# as in 2026-11-26's runs); the result keeps the raw bytes and times and names the peak used.
+_HW = hardware.hardware_for_device_kind(jax.devices()[0].device_kind)
+PEAK_BW = _HW.hbm_bw if _HW is not None else 3.35e12
 
 
 def hlo_counts(txt: str) -> dict:
@@ -52,7 +56,7 @@ def decode(tag: str) -> None:
   batches = [int(b) for b in os.environ.get("BATCHES", "1,16,128").split(",")]
   params, = bd.random_params([CFG.model], jax.random.key(0))
   out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-         "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": []}
+         "xla_flags": os.environ.get("XLA_FLAGS", ""), "peak_hbm_bw": PEAK_BW, "rows": []}
   path = os.path.join(OUT, f"decode_{tag}.json")
   points = [(v, b) for v in variants for b in batches]
 
