@@ -509,3 +509,50 @@ def test_impossible_placements_give_clear_errors():
   with pytest.raises(ValueError, match=r"batch field 'prompt_lens' has shape \(8, 1\); "
                                        r"expected \[rows\]"):
     ex(None, None, dict(_batch(8), prompt_lens=_batch(8)["prompt_lens"][:, None]))
+
+
+def test_the_step_lowers_on_one_mesh_with_a_primitive_that_needs_devices(monkeypatch):
+  """A program holding a primitive that needs devices while lowering (cuDNN's fused attention
+  on GPU) lowers only when every NamedSharding in it shares one mesh. On an H200 (2026-12-04)
+  the pipelined step with cuDNN attention failed so: the actor and the batch on the trainer's
+  mesh, the shard_map and the critic on stage_mesh. Here jnp.exp stands in for the cuDNN call
+  (jax's own list of such primitives, extended for this test): inputs placed on the trainer's
+  mesh are moved onto the program's mesh (executor.on_program_mesh), the executor's and the
+  trainer's forms both lower."""
+  from jax._src import dispatch
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import optax
+  from rlhfuse_jax.pipeline import executor as executor_lib
+  from rlhfuse_jax.trainer import pipelined, ppo
+  from rlhfuse_jax.trainer.config import AlgoConfig
+  monkeypatch.setattr(dispatch, "prim_requires_devices_during_lowering",
+                      dispatch.prim_requires_devices_during_lowering | {jax.lax.exp_p})
+  mesh = make_mesh(MeshConfig(data=2, stage=4), jax.devices()[:8])
+  split = executor_lib.stage_mesh(mesh, 2)
+  # The check this test relies on: two meshes in one program with exp in it are refused.
+  with pytest.raises(ValueError, match="mesh should be the same"):
+    jax.jit(lambda x, y: jnp.exp(x) + y).lower(
+        jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, P("stage"))),
+        jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(split, P())))
+  problem = PipelineProblem(4, 2, 4, 2, 1.0, 1.0)
+  acfg, ccfg, ap, cp = _models(4, 2)
+  program = prog.build_program(problem, schedules.serial_order(problem), barrier=True)
+  loss_cfg = stages.LossConfig()
+  ex = PipelineExecutor(acfg, ccfg, loss_cfg, program, mesh, FAST)
+  ap, cp = jax.device_put((ap, cp), NamedSharding(mesh, P()))
+  batch = jax.device_put(_batch(16), NamedSharding(mesh, P("data")))
+  ex.lower(ap, cp, batch)
+  # The placement is the same blocks on the same devices: only the mesh's name for them moved.
+  moved = ex.on_program_mesh(batch)["tokens"]
+  assert moved.sharding.mesh == ex.program_mesh
+  assert moved.sharding.devices_indices_map(moved.shape) == (
+      batch["tokens"].sharding.devices_indices_map(moved.shape))
+  staged = {m: ex.on_program_mesh(ex.stack(m, p)) for m, p in (("actor", ap), ("critic", cp))}
+  assert all(s.mesh == ex.program_mesh for s in jax.tree.leaves(ex.staged_shardings("actor")))
+  tx = optax.adam(1e-3)
+  # The optimizer state on the trainer's mesh, as a zero1 placement or a restore leaves it.
+  states = [ppo.ModelState(staged[m], jax.tree.map(
+      lambda x: jax.device_put(x, NamedSharding(mesh, P())), tx.init(staged[m])))
+      for m in ("actor", "critic")]
+  update = pipelined.PipelinedUpdate(ex, "serial_1f1b", AlgoConfig(), tx, tx, FAST)
+  update.lower(*states, batch)

@@ -160,7 +160,8 @@ class PipelineExecutor:
     self.layouts = layouts_for(actor_cfg, critic_cfg, problem.actor_pp, problem.critic_pp)
 
   def __call__(self, actor_params: Any, critic_params: Any, batch: Dict[str, jax.Array]):
-    batch = self._select(batch)
+    actor_params, critic_params, batch = self.on_program_mesh(
+        (actor_params, critic_params, self._select(batch)))
     return _jitted_step(self.spec)(self.table, actor_params, critic_params, batch,
                                    self.microbatch_sizes(batch["tokens"].shape[0]))
 
@@ -186,23 +187,51 @@ class PipelineExecutor:
   def unstack(self, model: str, staged: Dict[str, Any]) -> Dict[str, Any]:
     return self.layouts[model].unstack(staged)
 
+  @property
+  def program_mesh(self) -> Mesh:
+    """The one mesh of the step's program (stage_mesh): its shard_map's, both models' staged
+    placements' and, through `on_program_mesh`, its inputs'."""
+    return stage_mesh(self.mesh, self.program.problem.critic_pp)
+
+  def on_program_mesh(self, tree: Any) -> Any:
+    """`tree` with every leaf placed on `mesh` moved onto program_mesh, the same devices holding
+    the same blocks (`program_spec`): arrays by device_put, jax.ShapeDtypeStructs by their
+    sharding; other leaves as they are.
+
+    jax lowers a program that holds a primitive needing devices while lowering (cuDNN's fused
+    attention on GPU, a callback) only when all its NamedShardings share one mesh ("mesh should be
+    the same across the entire program"): the pipelined step with cuDNN attention failed so on
+    an H200 (2026-12-04) with the actor and the batch on `mesh` and the shard_map and the critic
+    on stage_mesh."""
+    target = self.program_mesh
+
+    def move(x):
+      s = getattr(x, "sharding", None)
+      if not isinstance(s, jax.sharding.NamedSharding) or s.mesh == target:
+        return x
+      if s.mesh != self.mesh:
+        raise ValueError(f"an input placed on the mesh {dict(s.mesh.shape)}; the pipelined step "
+                         f"runs on {dict(self.mesh.shape)}")
+      moved = jax.sharding.NamedSharding(target, program_spec(s.spec), memory_kind=s.memory_kind)
+      if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=moved)
+      return jax.device_put(x, moved)
+    return jax.tree.map(move, tree)
+
   def staged_shardings(self, model: str) -> Dict[str, Any]:
-    """NamedShardings of `model`'s stage-stacked tree: layer rows one per stage device
-    (critic: one per critic stage, replicated over its replicas), embedding and head leaves
-    split over all stage devices (tail_dim)."""
-    if model == "actor":
-      mesh, layers, tail = self.mesh, STAGE_AXIS, STAGE_AXIS
-    else:
-      mesh = stage_mesh(self.mesh, self.program.problem.critic_pp)
-      layers, tail = CRITIC_STAGE_AXIS, STAGE_AXES
-    specs = _staged_specs(self.layouts[model], layers, tail, self.spec.num_devices,
+    """NamedShardings of `model`'s stage-stacked tree, on program_mesh: layer rows one per
+    stage device (critic: one per critic stage, replicated over its replicas), embedding and
+    head leaves split over all stage devices (tail_dim)."""
+    layers = STAGE_AXES if model == "actor" else CRITIC_STAGE_AXIS
+    specs = _staged_specs(self.layouts[model], layers, STAGE_AXES, self.spec.num_devices,
                           _splits(self.spec)[model])
-    return jax.tree.map(lambda p: jax.sharding.NamedSharding(mesh, p), specs,
+    return jax.tree.map(lambda p: jax.sharding.NamedSharding(self.program_mesh, p), specs,
                         is_leaf=lambda x: isinstance(x, P))
 
   def lower(self, actor_params: Any, critic_params: Any, batch: Dict[str, jax.Array]):
     """jax.jit(...).lower for ahead-of-time compilation (and compile-time measurement)."""
-    batch = self._select(batch)
+    actor_params, critic_params, batch = self.on_program_mesh(
+        (actor_params, critic_params, self._select(batch)))
     return _jitted_step(self.spec).lower(self.table, actor_params, critic_params, batch,
                                          self.microbatch_sizes(batch["tokens"].shape[0]))
 
@@ -211,7 +240,7 @@ class PipelineExecutor:
     """Ahead-of-time compiled step: returns f(actor_params, critic_params, batch) -> outputs."""
     compiled = self.lower(actor_params, critic_params, batch).compile()
     table = jnp.asarray(self.table)
-    return lambda ap, cp, b: compiled(table, ap, cp, self._select(b))
+    return lambda ap, cp, b: compiled(table, *self.on_program_mesh((ap, cp, self._select(b))))
 
   def microbatch_sizes(self, batch_size: int) -> Tuple[int, int]:
     """(actor, critic) rows per micro-batch for a mini-batch of `batch_size` rows."""
@@ -269,6 +298,19 @@ def stage_mesh(mesh: Mesh, critic_pp: int) -> Mesh:
   names[i:i + 1] = [REPLICA_AXIS, CRITIC_STAGE_AXIS]
   return Mesh(mesh.devices.reshape(shape), tuple(names),
               axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def program_spec(spec: P) -> P:
+  """A PartitionSpec of `mesh` as the same placement on stage_mesh(mesh, ...): the stage axis
+  becomes (critic_replica, critic_stage), whose devices, major to minor, are the stage axis's
+  in its order."""
+  def entry(e):
+    if e == STAGE_AXIS:
+      return STAGE_AXES
+    if isinstance(e, tuple) and STAGE_AXIS in e:
+      return tuple(a for x in e for a in (STAGE_AXES if x == STAGE_AXIS else (x,)))
+    return e
+  return P(*(entry(e) for e in spec))
 
 
 def _splits(spec: _Spec) -> Dict[str, Any]:

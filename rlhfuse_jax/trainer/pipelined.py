@@ -276,7 +276,9 @@ class PipelinedUpdate:
     }
 
   def __call__(self, actor: ModelState, critic: ModelState, mb: Dict[str, jax.Array]):
-    return self._step(actor, critic, mb)
+    # One mesh for the whole program (executor.on_program_mesh): the batch each call, states
+    # placed on the trainer's mesh (zero1 moments, a restore) once; the states come back on it.
+    return self._step(*self.executor.on_program_mesh((actor, critic, mb)))
 
   # The states' parameters are stage-stacked (executor.stack): each stage device holds its own
   # layers, their gradients and their optimizer moments, nothing of the other stages.
@@ -339,7 +341,7 @@ class PipelinedUpdate:
   def lower(self, actor: ModelState, critic: ModelState, mb: Dict[str, Any]):
     """The jitted update lowered for states and batch given as arrays or as
     jax.ShapeDtypeStructs with shardings (ahead-of-time memory checks: nothing is allocated)."""
-    return self._step.lower(actor, critic, mb)
+    return self._step.lower(*self.executor.on_program_mesh((actor, critic, mb)))
 
   def _make(self, shardings) -> Callable:
     """The update for states placed by `shardings` ((actor, critic) ModelStates of shardings)."""
