@@ -115,6 +115,12 @@ def main(argv):
   if "JAX_NUM_CPU_DEVICES" in os.environ and "jax" in sys.modules:
     # jax imported already (--run_config's model code): its config read the variable then
     sys.modules["jax"].config.update("jax_num_cpu_devices", n)
+  mock = os.environ.get("JAX_MOCK_GPU_TOPOLOGY")
+  if mock:
+    # jax 0.11.2 with its CUDA 13 plugin on an H200 (2026-12-04) gave 1 device with the variable
+    # alone and the mocked N with the config set before the backend starts: set it here.
+    import jax
+    jax.config.update("jax_mock_gpu_topology", mock)
   from experiments import plan_programs  # imports jax: after the device count is set
   cfg = plan_programs.PlanConfig.from_config_dict(config)
   wd.start_outputs(_WORKDIR.value, config, ("result.json",))
