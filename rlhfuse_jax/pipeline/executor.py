@@ -215,7 +215,7 @@ class PipelineExecutor:
       moved = jax.sharding.NamedSharding(target, program_spec(s.spec), memory_kind=s.memory_kind)
       if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=moved)
-      return jax.device_put(x, moved)
+      return jax.device_put(x, moved)  # an equivalent sharding: the same buffers, no copy
     return jax.tree.map(move, tree)
 
   def staged_shardings(self, model: str) -> Dict[str, Any]:
