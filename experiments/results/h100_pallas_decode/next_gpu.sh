@@ -1,4 +1,6 @@
 #!/bin/bash
+# 2026-12-04 (bd): steps 0-2 and 5 ran on an H200; 6, 8 and 9 are ../h200_2026-12-04/run_gpu.sh
+# now, with the fixes step 6 needed (its README: "For the next GPU session"); 3, 4 and 7 not yet.
 # Prepared for the next session that is lent a GPU (one call of at most ~10 min), from the
 # repository root with `wheels/` (the ml-collections wheel) carried:
 #   bash experiments/results/h100_pallas_decode/next_gpu.sh

@@ -1,0 +1,84 @@
+#!/bin/bash
+# Session (bd), 2026-12-04: the session's one H200, 15 device-minutes in all. From the repository
+# root with `wheels/` (the ml-collections wheel) and `gpu_prep/` (the fused schedules this
+# machine's CPU searched for steps 6 and 9, so that the GPU compiles the very programs the CPU
+# figures are of) carried:
+#   STEPS=0156 bash experiments/results/h200_2026-12-04/run_gpu.sh    # call 1
+#   STEPS=289  bash experiments/results/h200_2026-12-04/run_gpu.sh    # call 2, with the time left
+# Step numbers as in ../h100_pallas_decode/next_gpu.sh. Every file lands straight in $OUT (no
+# archive at exit), so a call cut at its limit still brings back what it finished.
+# Changed after the runs, for the next session (README.md): `timeout -k 10` (a SIGTERM waits
+# for Python, which an XLA compile holds), steps 8 and 9 given 330 / 500 s; plan_check itself
+# now sets jax's mock topology from JAX_MOCK_GPU_TOPOLOGY (call 4 used a wrapper for that).
+# Next session: STEPS=69 (<= 600 s), then STEPS=8.
+set -u
+STEPS=${STEPS:-0156}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  wheels/*.whl || exit 1
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
+D=experiments/results/h100_decode_variants
+R=$OUT; L=$OUT/log.txt
+echo "STEPS=$STEPS $(git rev-parse HEAD 2>/dev/null)" >> $L
+seed_schedules() {  # $1: workdir; the CPU's searched schedule for it
+  mkdir -p $1/cache/schedules && cp gpu_prep/$2/*.json $1/cache/schedules/
+}
+if [[ $STEPS == *0* ]]; then
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,memory.total \
+    --format=csv > $R/nvidia_smi.txt 2>&1
+  python3 -c "import jax; print(jax.__version__, jax.devices()[0].device_kind, jax.devices()[0].memory_stats())" \
+    >> $R/nvidia_smi.txt 2>&1
+  # perf/hlo_flops.py on the GPU's HLO: a matmul through cuBLAS (or a Triton fusion's dot)
+  # should count 2*m*n*k exactly.
+  python3 -c "
+import jax, jax.numpy as jnp
+from rlhfuse_jax.perf import hlo_flops
+x, w = jnp.ones((256, 512), jnp.bfloat16), jnp.ones((512, 1024), jnp.bfloat16)
+c = hlo_flops.analyze(jax.jit(lambda a, b: a @ b).lower(x, w).compile().as_text())
+print('GEMM_FLOPS counted', c.flops, 'expected', 2 * 256 * 512 * 1024, 'uncounted',
+      c.uncounted_calls)" >> $L 2>&1
+fi
+# m. Call 1's step 6 saw 1 device under JAX_MOCK_GPU_TOPOLOGY=1x8x1 (jax 0.11.2, CUDA 13):
+#    what does each way of asking for the mock give?
+if [[ $STEPS == *m* ]]; then
+  for v in "JAX_MOCK_GPU_TOPOLOGY=1x8x1" "JAX_MOCK_GPU_TOPOLOGY=1x1x8" "JAX_MOCK_NUM_GPU_PROCESSES=8" \
+      "MOCK_NUM_GPU_PROCESSES=8"; do
+    env $v timeout -k 10 40 python3 -c "
+import jax
+from jax._src import xla_bridge as xb
+print('MOCK $v', jax.device_count(), jax.local_device_count(), jax.process_count(),
+      [n for n in dir(xb) if 'MOCK' in n.upper()], getattr(jax.config, 'jax_mock_gpu_topology', None))" 2>&1 |
+      grep -v "^W\|^I" | tail -2 >> $L
+  done
+fi
+# 1. The bench as configured (attention "auto": the Pallas kernel on one GPU; the update at 32
+#    sequences of 512, not yet run through the bench on a GPU): issue 26's figures on an H200.
+[[ $STEPS == *1* ]] && date >> $L && timeout -k 10 210 python3 -m experiments.bench_decode \
+  --config=configs/bench_decode.py:1b --config.scan_compile_layers=2,4 \
+  --config.capacities=512,1024 --config.peer=none --workdir=$R/bench >> $L 2>&1
+# 5. Issue 25: the 1-device 7B plan (2 layers per model), compiled here as on the CPU.
+[[ $STEPS == *5* ]] && date >> $L && timeout -k 10 90 python3 -m experiments.plan_check \
+  --config=configs/plan_check.py:7b_host8 --config.pp=1 --config.critic_pp=1 --config.gen_tp=1 \
+  --config.gen_slots=16 --config.layers=2 --config.minibatch_size=1 --config.attention=auto \
+  --workdir=$R/plan_gpu >> $L 2>&1
+# 6. Issue 25: the 7B-on-8-GPUs plan (pp 8, 8 layers per model) compiled for 8 H200s through
+#    jax's mock topology (this process is host 0 of 8 one-GPU hosts; NCCL mocked; nothing runs).
+[[ $STEPS == *6* ]] && date >> $L && seed_schedules $R/plan_gpu8 plan_gpu8 &&
+  JAX_MOCK_GPU_TOPOLOGY=1x8x1 timeout -k 10 150 python3 -m experiments.plan_check \
+  --config=configs/plan_check.py:7b_host8 --config.attention=auto --config.layers=8 \
+  --workdir=$R/plan_gpu8 >> $L 2>&1
+# 2. Batch 1 streamed the weights at 1.09 TB/s against 1.64 at batch 16 on the H100: XLA:GPU
+#    runs half of the batch-1 matmuls as Triton reduction fusions. Do cuBLAS GEMMs do better?
+[[ $STEPS == *2* ]] && date >> $L && OUT=$R TAG=cublas VARIANTS=auto:c BATCHES=1,16,128 \
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout -k 10 100 python3 $D/diag.py decode >> $L 2>&1
+# 8. The ppo_llama 7B preset as its trainer runs it, compiled for 8 H200s (mock topology).
+[[ $STEPS == *8* ]] && date >> $L && JAX_MOCK_GPU_TOPOLOGY=1x8x1 timeout -k 10 330 python3 -m \
+  experiments.plan_check --config=configs/plan_check.py:llama/7b --config.attention=auto \
+  --workdir=$R/plan_llama7b_gpu8 >> $L 2>&1
+# 9. The fused 13B preset (8 stages x tensor 4, the searched fused schedule) for 32 H200s.
+[[ $STEPS == *9* ]] && date >> $L && seed_schedules $R/plan_llama_fused13b_gpu32 fused13b &&
+  JAX_MOCK_GPU_TOPOLOGY=1x32x1 timeout -k 10 500 python3 -m experiments.plan_check \
+  --config=configs/plan_check.py:llama/fused/13b --config.attention=auto \
+  --workdir=$R/plan_llama_fused13b_gpu32 >> $L 2>&1
+date >> $L
+grep -E "GEMM_FLOPS|batch +[0-9]+:|ppo update:.*MFU|(train_step|decode|inference) +[0-9]|Error|rror:" $L |
+  tail -40
