@@ -547,6 +547,8 @@ def test_the_step_lowers_on_one_mesh_with_a_primitive_that_needs_devices(monkeyp
   assert moved.sharding.mesh == ex.program_mesh
   assert moved.sharding.devices_indices_map(moved.shape) == (
       batch["tokens"].sharding.devices_indices_map(moved.shape))
+  pointers = lambda x: [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]  # noqa: E731
+  assert pointers(moved) == pointers(batch["tokens"])  # nothing copied
   staged = {m: ex.on_program_mesh(ex.stack(m, p)) for m, p in (("actor", ap), ("critic", cp))}
   assert all(s.mesh == ex.program_mesh for s in jax.tree.leaves(ex.staged_shardings("actor")))
   tx = optax.adam(1e-3)
