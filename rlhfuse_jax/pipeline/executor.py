@@ -207,14 +207,12 @@ class PipelineExecutor:
 
     def move(x):
       s = getattr(x, "sharding", None)
-      if not isinstance(s, jax.sharding.NamedSharding) or s.mesh == target:
+      # Leaves on another mesh (or one device) are jax's to place, as before.
+      if not isinstance(s, jax.sharding.NamedSharding) or s.mesh != self.mesh:
         return x
-      if s.mesh != self.mesh:
-        raise ValueError(f"an input placed on the mesh {dict(s.mesh.shape)}; the pipelined step "
-                         f"runs on {dict(self.mesh.shape)}")
       moved = jax.sharding.NamedSharding(target, program_spec(s.spec), memory_kind=s.memory_kind)
       if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=moved)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=moved, weak_type=x.weak_type)
       return jax.device_put(x, moved)  # an equivalent sharding: the same buffers, no copy
     return jax.tree.map(move, tree)
 
