@@ -195,8 +195,8 @@ class PipelineExecutor:
 
   def on_program_mesh(self, tree: Any) -> Any:
     """`tree` with every leaf placed on `mesh` moved onto program_mesh, the same devices holding
-    the same blocks (`program_spec`): arrays by device_put, jax.ShapeDtypeStructs by their
-    sharding; other leaves as they are.
+    the same blocks (`program_spec`): arrays rewrapped shard by shard (nothing is copied),
+    jax.ShapeDtypeStructs by their sharding; other leaves as they are.
 
     jax lowers a program that holds a primitive needing devices while lowering (cuDNN's fused
     attention on GPU, a callback) only when all its NamedShardings share one mesh ("mesh should be
@@ -213,7 +213,11 @@ class PipelineExecutor:
       moved = jax.sharding.NamedSharding(target, program_spec(s.spec), memory_kind=s.memory_kind)
       if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=moved, weak_type=x.weak_type)
-      return jax.device_put(x, moved)  # an equivalent sharding: the same buffers, no copy
+      # The same shards under the equivalent sharding: no copy, no program. (device_put shares
+      # the buffers in one process only; across processes it ran a resharding program that
+      # copied every call's batch, seen with 2 processes of 4 CPU devices.)
+      return jax.make_array_from_single_device_arrays(
+          x.shape, moved, [shard.data for shard in x.addressable_shards])
     return jax.tree.map(move, tree)
 
   def staged_shardings(self, model: str) -> Dict[str, Any]:

@@ -276,8 +276,9 @@ class PipelinedUpdate:
     }
 
   def __call__(self, actor: ModelState, critic: ModelState, mb: Dict[str, jax.Array]):
-    # One mesh for the whole program (executor.on_program_mesh): the batch each call, states
-    # placed on the trainer's mesh (zero1 moments, a restore) once; the states come back on it.
+    # One mesh for the whole program (executor.on_program_mesh): the batch each call, the
+    # state's leaves still on the trainer's mesh (the optimizer's step counts) once; the states
+    # come back on the program's mesh.
     return self._step(*self.executor.on_program_mesh((actor, critic, mb)))
 
   # The states' parameters are stage-stacked (executor.stack): each stage device holds its own
