@@ -113,20 +113,25 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   ops = {"decode_step": {"occupied_slots": occupancies, "seconds": step_s},
          "prefill": {"tokens_per_s": _NEGLIGIBLE_RATE, "overhead_s": prefill_s}}
 
+  placed: dict = {}  # the last load's copies: the inference below scores with them
+
+  def place_all():
+    placed.clear()  # the previous copies freed first, as each timed load starts without them
+    placed.update({n: inst.place(c, frozen_params[n]) for n, c in gen.models.items()})
+    return placed
+
   if gen.models:
     # The load of a freed instance (fused.InferenceQueue._load): every inference model from
     # where the caller holds it, the critic included (the trainer's: its training devices in one
     # process, a host copy with several; bench_generation's: host memory). Its first micro-batch
     # waits for all of them, so the critic's copy is charged too: it was left out of the timing
     # but its bytes charged at the frozen models' rate, and not at all without one of them.
-    load_s = median_s(lambda: {n: inst.place(c, frozen_params[n])
-                               for n, c in gen.models.items()}, repeats)
+    load_s = median_s(place_all, repeats)
     # The bytes copied (byte_unit "stored"), split over the instance: a float32 model's 4 a
     # parameter. (Counted at bf16's 2 whatever the dtype, a reader sizing a float32 model at its
     # own bytes, as plan_search:train does, charged it twice the measured time.)
     copied = sum(x.nbytes for n in gen.models for x in jax.tree.leaves(frozen_params[n]))
     ops["weight_load"] = {"bytes_per_s": copied / gen.config.instance_devices / load_s}
-  placed = {n: inst.place(c, frozen_params[n]) for n, c in gen.models.items()}
   mb = gen.config.micro_batch
   seq = rng.integers(1, gen.cfg.vocab_size, (mb, p + t)).astype(np.int32)  # [mb, P+T]
   plens, rlens = np.full(mb, p, np.int32), np.full(mb, t, np.int32)

@@ -158,6 +158,9 @@ class PipelineExecutor:
                       compiler_options=tuple(sorted((compiler_options or {}).items())))
     self.table = np.asarray(program.table)  # [N, ticks, FIELDS]
     self.layouts = layouts_for(actor_cfg, critic_cfg, problem.actor_pp, problem.critic_pp)
+    # The one mesh of the step's program (stage_mesh): its shard_map's, both models' staged
+    # placements' and, through `on_program_mesh`, its inputs'.
+    self.program_mesh = stage_mesh(mesh, problem.critic_pp)
 
   def __call__(self, actor_params: Any, critic_params: Any, batch: Dict[str, jax.Array]):
     actor_params, critic_params, batch = self.on_program_mesh(
@@ -186,12 +189,6 @@ class PipelineExecutor:
 
   def unstack(self, model: str, staged: Dict[str, Any]) -> Dict[str, Any]:
     return self.layouts[model].unstack(staged)
-
-  @property
-  def program_mesh(self) -> Mesh:
-    """The one mesh of the step's program (stage_mesh): its shard_map's, both models' staged
-    placements' and, through `on_program_mesh`, its inputs'."""
-    return stage_mesh(self.mesh, self.program.problem.critic_pp)
 
   def on_program_mesh(self, tree: Any) -> Any:
     """`tree` with every leaf placed on `mesh` moved onto program_mesh, the same devices holding

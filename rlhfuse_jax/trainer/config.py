@@ -1024,9 +1024,6 @@ PLAN_WORKLOAD_RUN_FIELDS = {"global_batch": "rollout.batch_size",
 # The actor's and critic's fields it records (sim/plan_search.WORKLOAD_MODEL_FIELDS).
 PLAN_WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                               "vocab_size")
-# ... and the bytes per element it sized the weights and the KV cache at, with the run's field
-# each stands for (sim/shapes.from_model_config: param_dtype and dtype).
-PLAN_WORKLOAD_ITEMSIZES = ITEMSIZE_DTYPES
 
 
 def plan_workload_differences(plan: Mapping[str, Any], cfg: "TrainConfig",
@@ -1048,7 +1045,9 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: "TrainConfig",
     for f in PLAN_WORKLOAD_MODEL_FIELDS if isinstance(shape, Mapping) else ():
       if f in shape and shape[f] != getattr(model, f):
         out.append(f"{role} {f}={shape[f]!r} (this run has {getattr(model, f)!r})")
-    for f, dtype in PLAN_WORKLOAD_ITEMSIZES.items() if isinstance(shape, Mapping) else ():
+    # the bytes per element it sized the weights and the KV cache at, with the run's field each
+    # stands for (sim/shapes.ITEMSIZE_DTYPES: param_dtype and dtype)
+    for f, dtype in ITEMSIZE_DTYPES.items() if isinstance(shape, Mapping) else ():
       now = DTYPE_ITEMSIZE.get(getattr(model, dtype))
       if f in shape and now is not None and shape[f] != now:
         # (a reward model takes the run's numerics: config.model's)
