@@ -64,13 +64,20 @@ for ((try = 0; try < 20; try++)); do
   PORT=$((20000 + RANDOM % 20000))
 done
 mkdir -p "$(dirname "${WORKDIR%/}")"
-# A run holding the workdir (its .lock, flock'd): refused here, before anything is appended to
-# that run's logs (the processes would refuse it too, after writing into them).
+# A run on this host holding the workdir (its .lock, flock'd): refused here, before anything is
+# appended to that run's logs (the processes would refuse it too, after writing into them). A
+# holder on another host goes on to process 0, which waits for it up to config.lock_wait_s
+# (a crashed node's lock lasts on a shared filesystem until the server's lease ends).
 if [[ -f "${WORKDIR%/}/.lock" ]] && command -v flock > /dev/null &&
     ! flock -n "${WORKDIR%/}/.lock" true; then
-  echo "workdir $WORKDIR is in use by another run ($(head -n 1 "${WORKDIR%/}/.lock" | head -c 200));" \
-    "wait for it to finish or stop it, or use another workdir" >&2
-  exit 1
+  HOLDER=$(head -n 1 "${WORKDIR%/}/.lock" | head -c 200)
+  # (uname -n: the name Python's socket.gethostname() gives, which the run wrote there)
+  if ! [[ "$HOLDER" =~ ^pid\ [0-9]+\ on\ ([^ ]+)\ \(start &&
+          "${BASH_REMATCH[1]}" != "$(uname -n)" ]]; then
+    echo "workdir $WORKDIR is in use by another run ($HOLDER);" \
+      "wait for it to finish or stop it, or use another workdir" >&2
+    exit 1
+  fi
 fi
 echo "$N processes x $D CPU devices; logs (appended): ${WORKDIR%/}.proc<i>.log" \
   "(follow: tail -f ${WORKDIR%/}.proc0.log)"

@@ -17,6 +17,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -256,33 +257,69 @@ def lock_token(workdir: str) -> int:
   return int(m.group(1)) if m else -1
 
 
+# NFSv4's default lease: a Linux NFS server drops a client's locks one lease after the client
+# last renewed it (nfsd's nfsd4_lease, 90 s; its laundromat runs once a lease, so it can take up
+# to about two leases).
+NFS_LEASE_S = 90
+_LOCK_HOLDER = re.compile(r"^pid (\d+) on (\S+) \(start \d+\)")
+
+
+def lock_holder_host(holder: str) -> Optional[str]:
+  """The host a `.lock` line ("pid N on HOST (start T)", WorkdirLock's) names; None for any
+  other text."""
+  m = _LOCK_HOLDER.match(holder)
+  return m.group(2) if m else None
+
+
 class WorkdirLock:
   """An exclusive lock on a workdir for the life of a run (fcntl.flock on workdir/.lock, which
   holds the holder's pid and host). A second run on the same workdir fails at once, naming the
   holder, instead of interleaving its metrics and checkpoints with the first. The kernel drops
-  the lock when the holder exits, however it exits (kill -9 included)."""
+  the lock when the holder exits, however it exits (kill -9 included).
 
-  def __init__(self, workdir: str):
+  A holder on another host can be a dead one: on a shared filesystem the lock of a host that
+  crashed lasts until the server's lease on that host ends (NFS_LEASE_S), and a job requeued
+  onto another node right after the crash found its workdir "in use" and ended. `wait_s`: how
+  long to wait for a holder on another host (polling, a log line every 30 s); a holder on this
+  host is alive (its kernel would have dropped the lock) and fails at once. `wait_field`: the
+  config field that sets wait_s, named in the refusal."""
+
+  def __init__(self, workdir: str, wait_s: float = 0.0, wait_field: Optional[str] = None):
     self._f: Optional[Any] = None  # set first: __del__ runs even when open() below fails
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, ".lock")
     self._f = open(self.path, "a+")
-    try:
-      fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-        # A filesystem without flock (some network mounts): run unlocked rather than never.
-        logging.warning("cannot lock %s (%s): running without the one-run-per-workdir lock",
-                        self.path, e)
-        self._f.close()
-        self._f = None
-        return
+    start, logged = time.monotonic(), None
+    while True:
+      try:
+        fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        break
+      except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+          # A filesystem without flock (some network mounts): run unlocked rather than never.
+          logging.warning("cannot lock %s (%s): running without the one-run-per-workdir lock",
+                          self.path, e)
+          self._f.close()
+          self._f = None
+          return
       self._f.seek(0)
       holder = (self._f.read().strip().splitlines() or ["unknown"])[0]
-      self._f.close()
-      self._f = None
-      raise WorkdirInUseError(f"workdir {workdir} is in use by another run ({holder}); wait for "
-                              "it to finish or stop it, or use another --workdir") from None
+      host = lock_holder_host(holder)
+      waited = time.monotonic() - start
+      if host is None or host == socket.gethostname() or waited >= wait_s:
+        self._f.close()
+        self._f = None
+        raise WorkdirInUseError(self._refusal(workdir, holder, host, waited, wait_s,
+                                              wait_field)) from None
+      if logged is None or waited - logged >= 30:
+        logged = waited
+        logging.warning("workdir %s is locked by %s, on another host; waiting up to %.0f s more "
+                        "for it (a crashed host's lock lasts until the shared filesystem's lease "
+                        "on it ends)", workdir, holder, wait_s - waited)
+      time.sleep(min(2.0, max(wait_s - waited, 0.0)))
+    if logged is not None:
+      logging.info("workdir %s: locked after waiting %.0f s for the run on another host",
+                   workdir, time.monotonic() - start)
     # A random token beside the holder: the processes of a multi-host run each read it back
     # (lock_token) to find a workdir that is not one directory on every host.
     self.token = random.SystemRandom().randrange(1, 2**31 - 1)
@@ -293,6 +330,19 @@ class WorkdirLock:
                   "delete this file\n")
     self._f.flush()
     os.fsync(self._f.fileno())
+
+  @staticmethod
+  def _refusal(workdir: str, holder: str, host: Optional[str], waited: float, wait_s: float,
+               wait_field: Optional[str]) -> str:
+    msg = (f"workdir {workdir} is in use by another run ({holder}); wait for it to finish or "
+           "stop it, or use another --workdir")
+    if host is not None and host != socket.gethostname():
+      msg += (f". If {host} is down (a crashed node), a shared filesystem keeps its lock until "
+              f"the server's lease on it ends (NFSv4: {NFS_LEASE_S} s by default)")
+      msg += (f"; waited {waited:.0f} s" if wait_s > 0 else "")
+      if wait_field:
+        msg += f" ({wait_field}={wait_s:g}: how long a start waits for that)"
+    return msg
 
   def held(self) -> bool:
     """Whether `path` is still the file this run locked: one deleted or replaced (taken for a

@@ -6,6 +6,7 @@ metrics are written exactly once; one run per workdir; a damaged checkpoint fall
 intact one; a failed save or kill -9 loses nothing; bad inputs name the file and the field.
 """
 import dataclasses
+import fcntl
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -514,6 +516,32 @@ def test_the_loop_arms_the_watchdog_for_every_iteration(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match=r"config\.guard\.iteration_timeout_s=-1\.0: expected a "
                                        r"number of seconds >= 0"):
     tiny_config(**{"guard.iteration_timeout_s": -1})
+
+
+def test_a_run_waits_for_a_lock_another_host_holds_until_lock_wait_s(tmp_path):
+  """config.lock_wait_s reaches the workdir lock: a trainer waits for a holder on another host
+  (a crashed node's lock on a shared filesystem, tests/test_workdir.py), refuses after the
+  wait, naming the field; bad values are refused by name."""
+  holder = open(os.path.join(tmp_path, ".lock"), "a+")
+  fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  holder.write("pid 7 on node-that-crashed (start 11)\n")
+  holder.flush()
+  with pytest.raises(RuntimeError, match=r"waited 1 s \(config\.lock_wait_s=1: how long"):
+    PPOTrainer(tiny_config(lock_wait_s=1), str(tmp_path))
+  threading.Timer(1.0, holder.close).start()
+
+  class Locked(Exception):
+    pass
+
+  def on_locked():  # the workdir is this run's: stop before the set-up builds anything
+    raise Locked()
+  with pytest.raises(Locked):
+    PPOTrainer(tiny_config(lock_wait_s=60), str(tmp_path), on_locked=on_locked)
+  wd.WorkdirLock(str(tmp_path)).release()  # and released on the way out
+  for bad in (-1, float("inf")):
+    with pytest.raises(ValueError, match=r"config\.lock_wait_s=.*: expected a finite number of "
+                                         r"seconds >= 0"):
+      tiny_config(lock_wait_s=bad)
 
 
 def test_an_iteration_timeout_python_cannot_wait_for_is_refused():

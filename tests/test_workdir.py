@@ -1,6 +1,10 @@
 """rlhfuse_jax/workdir.py's start of a one-shot binary: an earlier run's outputs move aside."""
+import fcntl
 import json
 import os
+import socket
+import threading
+import time
 
 import pytest
 
@@ -113,3 +117,63 @@ def test_a_lock_renamed_inside_its_workdir_is_no_move(tmp_path):
   os.rename(tmp_path / ".lock", tmp_path / ".lock.old")
   assert not lock.held() and lock.moved_to() is None
   lock.release()
+
+
+def _hold_as(path, line):
+  """Locks `path`'s .lock through a file description of its own (flock locks conflict between
+  descriptions, also within one process) and writes a holder's line: a run that looks alive."""
+  f = open(os.path.join(path, ".lock"), "a+")
+  fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  f.seek(0)
+  f.truncate()
+  f.write(line + "\n")
+  f.flush()
+  return f
+
+
+def test_a_lock_held_from_another_host_is_waited_for_until_it_frees(tmp_path):
+  """A job requeued onto another node right after its node crashed meets the dead node's lock
+  on the shared filesystem until the server's lease on that node ends (NFS): it waits for a
+  holder on another host (wait_s), took the lock once freed and wrote its own line; it
+  refused at once before, and the requeued job ended."""
+  holder = _hold_as(str(tmp_path), "pid 7 on node-that-crashed (start 11)")
+  threading.Timer(1.5, holder.close).start()  # the lease ends: the server drops the lock
+  t0 = time.monotonic()
+  lock = wd.WorkdirLock(str(tmp_path), wait_s=60)
+  assert 1.4 <= time.monotonic() - t0 < 30
+  assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on "
+                                                     f"{socket.gethostname()} (start ")
+  lock.release()
+
+
+@pytest.mark.parametrize("line,refused_after", [
+    # this host's holder is alive (its kernel drops the lock when it exits): no wait
+    (f"pid 7 on {socket.gethostname()} (start 11)", 0.0),
+    # a line of no known form: nothing to say the holder is elsewhere
+    ("something else", 0.0),
+    # another host's, held past the wait: refused after it, saying why it may be stale
+    ("pid 7 on node-that-crashed (start 11)", 1.0)])
+def test_a_lock_that_stays_held_is_refused_naming_the_holder(tmp_path, line, refused_after):
+  holder = _hold_as(str(tmp_path), line)
+  t0 = time.monotonic()
+  with pytest.raises(wd.WorkdirInUseError) as e:
+    wd.WorkdirLock(str(tmp_path), wait_s=1.0, wait_field="config.lock_wait_s")
+  assert refused_after <= time.monotonic() - t0 < refused_after + 1.0
+  msg = str(e.value)
+  assert f"is in use by another run ({line})" in msg
+  stale = ("If node-that-crashed is down (a crashed node), a shared filesystem keeps its lock "
+           "until the server's lease on it ends (NFSv4: 90 s by default); waited 1 s "
+           "(config.lock_wait_s=1: how long a start waits for that)")
+  assert (stale in msg) == ("node-that-crashed" in line), msg
+  holder.close()
+  wd.WorkdirLock(str(tmp_path)).release()  # free again: nothing of the refusal kept it
+
+
+def test_no_wait_refuses_another_hosts_lock_at_once_and_says_it_may_be_stale(tmp_path):
+  holder = _hold_as(str(tmp_path), "pid 7 on node-that-crashed (start 11)")
+  t0 = time.monotonic()
+  with pytest.raises(wd.WorkdirInUseError, match=r"If node-that-crashed is down .* \(NFSv4: 90 "
+                     r"s by default\)$"):
+    wd.WorkdirLock(str(tmp_path))
+  assert time.monotonic() - t0 < 1.0
+  holder.close()

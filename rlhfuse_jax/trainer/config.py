@@ -613,6 +613,11 @@ class TrainConfig:
   # requeued job) loads the programs the earlier start compiled instead of compiling them again.
   # "": WORKDIR/cache/xla; "none": off. A JAX_COMPILATION_CACHE_DIR the caller set wins.
   compilation_cache_dir: str = ""
+  # How long a start waits for the workdir's lock when another host holds it (workdir.
+  # WorkdirLock): a job requeued onto another node right after its node crashed finds the dead
+  # node's lock on the shared filesystem until the server's lease on that node ends (NFSv4:
+  # 90 s, up to about twice that). A holder on this host is alive and refuses at once. 0: never.
+  lock_wait_s: float = 240.0
   vocab_from_tokenizer: bool = False  # set when model.vocab_size was 0 in the ConfigDict
 
   def with_vocab(self, vocab_size: int) -> "TrainConfig":
@@ -640,6 +645,10 @@ class TrainConfig:
     _check(self.log_samples >= 0, "log_samples", self.log_samples,
            ">= 0 (samples written as text every log_every iterations; 0: none)")
     _check(self.eval_every >= 0, "eval_every", self.eval_every, ">= 0 (0: no validation pass)")
+    _check(not isinstance(self.lock_wait_s, bool) and isinstance(self.lock_wait_s, (int, float))
+           and 0 <= self.lock_wait_s < float("inf"), "lock_wait_s", self.lock_wait_s,
+           "a finite number of seconds >= 0 (0: a workdir locked from another host is refused "
+           "at once)")
     _check(isinstance(self.compilation_cache_dir, str), "compilation_cache_dir",
            self.compilation_cache_dir, "a directory, '' (WORKDIR/cache/xla) or 'none'")
     _check(self.eval_every == 0 or self.data.has_validation_set, "eval_every", self.eval_every,
@@ -777,7 +786,7 @@ RESUMABLE_FIELDS = frozenset({
     "checkpoint.export_hf",  # written after the last iteration; the trajectory is the same
     "checkpoint.resume_changes",  # what it allows is checked field by field (hooks.py)
     "guard.max_consecutive_skips", "guard.iteration_timeout_s", "pipeline.schedule_cache_dir",
-    "compilation_cache_dir",
+    "compilation_cache_dir", "lock_wait_s",
     # The validation pass reads the policy and its own prompts; training never sees them.
     "eval_every", "data.val_file", "data.val_max_prompts",
     # Measured beside the reward, never added to it.

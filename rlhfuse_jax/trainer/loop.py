@@ -164,7 +164,7 @@ class PPOTrainer:
     self._lock, self._ran = None, False
     try:
       self._lock = distributed.run_on_main_process(
-          lambda: wd.WorkdirLock(workdir),
+          lambda: wd.WorkdirLock(workdir, cfg.lock_wait_s, "config.lock_wait_s"),
           f"workdir {workdir} could not be locked by process 0 (another run holds it, or the "
           "lock file cannot be written: process 0's log says which); use another --workdir")
       # Every process reads back the token process 0 just wrote there: a workdir that is not
