@@ -257,9 +257,29 @@ def test_deepspeed_chat_generates_at_the_smallest_degree_beside_its_zero3_shards
   free = cost.usable_bytes - wl.actor.weight_bytes() / 4 - resident
   assert g["plan"].kv_capacity_tokens == int(free // (wl.actor.kv_bytes_per_token() / 4))
   # The instances' own inference (RLHFuse's generation stage) needs the larger degree.
-  with pytest.raises(ValueError, match=r"inference \(reference \+ reward \+ critic\) does "
+  with pytest.raises(ValueError, match=r"inference \(reference \+ critic \+ reward\) does "
                                        r"not fit .*tp=4"):
     it.simulate_gen_stage(cost, wl, it.SimOptions(gen_tps=(4,)), False)
+
+
+def test_the_generation_stage_charges_only_the_frozen_models_the_run_has():
+  """A train_config run with a reward function has no reward model (Workload.reward_model):
+  RLHFuse's generation stage (rlhfuse, rlhfuse_planned beside plan_search's plans) neither
+  keeps its weights beside the KV cache (sim.offload_frozen=False) nor runs its forward.
+  Until 2026-12-04 it charged both, where plan_search's own plans did not."""
+  cost = CostModel(get_hardware("h100_sxm"))
+  wl = it.Workload(actor=get_shape("llama-13b"), critic=get_shape("llama-13b", "scalar"),
+                   max_new_tokens=1024)
+  opt = it.SimOptions(gen_tps=(4,), offload_frozen=False)  # their weights beside the KV cache
+  full = it.simulate_gen_stage(cost, wl, opt, True)
+  fn = it.simulate_gen_stage(cost, dataclasses.replace(wl, reward_model=False), opt, True)
+  kv_tok = wl.actor.kv_bytes_per_token() / 4
+  freed = (fn["plan"].kv_capacity_tokens - full["plan"].kv_capacity_tokens) * kv_tok
+  assert abs(freed - wl.reward_shape.weight_bytes() / 4) <= kv_tok  # one model's weights / tp
+  busy = lambda g: sum(e - b for _, b, e, kind in g["result"].segments if kind == "inference")
+  assert busy(fn) < 0.8 * busy(full)  # two forwards a sample instead of three
+  with pytest.raises(ValueError, match=r"inference \(reference \+ critic\) does not fit"):
+    it.check_inference_memory(cost, dataclasses.replace(wl, reward_model=False), 1, 4096)
 
 
 def test_frozen_models_kept_on_the_devices_shrink_the_kv_pool():

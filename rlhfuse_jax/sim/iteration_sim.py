@@ -246,14 +246,14 @@ def gen_plan(cost: CostModel, wl: Workload, tp: int, prompt_lens: np.ndarray, ma
 
 def inference_memory_parts(cost: CostModel, wl: Workload, tp: int, rows: int,
                            frozen: Optional[tuple] = None) -> dict:
-  """Per device of an inference copy of tp devices, bytes: {"weights" (the frozen models',
-  default reference, critic and reward model, over tp), "activations" (one layer's of the
-  largest, they run one after the other, for `rows` samples at once at wl.padded_len tokens:
-  the trainer's scoring programs take their rows right-padded to data.max_prompt_len +
-  rollout.max_new_tokens, plan_check's inference seq_len; until 2026-12-04 the longest sampled
-  prompt + max_new_tokens, which on ppo_tiny's 4-token prompts and max_prompt_len 512 was 1540
-  of the 2048 tokens)}."""
-  frozen = frozen or (wl.actor, wl.critic, wl.reward_shape)
+  """Per device of an inference copy of tp devices, bytes: {"weights" (the frozen models,
+  default those the run scores with, Workload.frozen_models, over tp), "activations" (one
+  layer's of the largest, they run one after the other, for `rows` samples at once at
+  wl.padded_len tokens: the trainer's scoring programs take their rows right-padded to
+  data.max_prompt_len + rollout.max_new_tokens, plan_check's inference seq_len; until
+  2026-12-04 the longest sampled prompt + max_new_tokens, which on ppo_tiny's 4-token prompts
+  and max_prompt_len 512 was 1540 of the 2048 tokens)}."""
+  frozen = frozen or wl.frozen_models()[1]
   tokens = rows * wl.padded_len
   return {"weights": sum(s.weight_bytes() for s in frozen) / tp,
           "activations": max(cost.activation_bytes(s, tp, tokens, 1) for s in frozen)}
@@ -261,9 +261,10 @@ def inference_memory_parts(cost: CostModel, wl: Workload, tp: int, rows: int,
 
 def check_inference_memory(cost: CostModel, wl: Workload, tp: int, microbatch: int,
                            frozen: Optional[tuple] = None,
-                           what: str = "reference + reward + critic") -> None:
+                           what: Optional[str] = None) -> None:
   """inference_memory_parts of one micro-batch of `microbatch` samples against the usable
-  HBM."""
+  HBM; `what` names the models in the error (default: the run's, Workload.frozen_models)."""
+  what = what or " + ".join(wl.frozen_models()[0])
   need = sum(inference_memory_parts(cost, wl, tp, microbatch, frozen).values())
   cost.check_fits(f"inference ({what})", need, f"tp={tp}, {microbatch} samples at once")
 
@@ -316,9 +317,13 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
   Chat's hybrid engine, the smallest degree whose generation fits beside the ZeRO-3 shards every
   device keeps (`zero3_resident_bytes`). Its inference runs under ZeRO-3 (iteration_sim's
   _zero3_stage), not on the instances, so neither their inference memory nor the critic's
-  heads limit the degree (both did until 2026-11-28: 65B generated at tp 8 where tp 4 fits)."""
+  heads limit the degree (both did until 2026-11-28: 65B generated at tp 8 where tp 4 fits).
+  The frozen models are those the run scores with (Workload.frozen_models; until 2026-12-04
+  always the reference and the reward model, which charged a train_config run with a reward
+  function, or without a KL reference, for a model it does not have, where plan_search's own
+  plans did not)."""
   prompts, resp = wl.sample_lengths()
-  frozen = (wl.actor, wl.critic, wl.reward_shape)
+  frozen = wl.frozen_models()[1]
   rejected, best = {}, None
   # Smallest first: "the smallest degree that fits" must not depend on how gen_tps is listed.
   for tp in (sorted(opt.gen_tps) if smallest_tp else opt.gen_tps):
@@ -370,8 +375,9 @@ def _zero3_stage(cost: CostModel, wl: Workload, prompts: np.ndarray, resp: np.nd
   tokens, mean_len = float(seq.sum()), float(seq.mean())
   inf = 0.0
   # DeepSpeed-Chat's generate_experience runs four forwards: the actor (the old log-probs), the
-  # reference, the critic and the reward model (until 2026-11-29 the actor's was missing here).
-  for s in (wl.actor, wl.actor, wl.critic, wl.reward_shape):
+  # reference, the critic and the reward model (until 2026-11-29 the actor's was missing here);
+  # of the frozen ones, those the run has (Workload.frozen_models).
+  for s in (wl.actor,) + wl.frozen_models()[1]:
     compute = float(np.sum(s.forward_flops(seq, (seq + 1) / 2.0))) / (
         n * cost.hw.peak_flops * cost.eff.prefill_mfu)
     inf += max(compute, cost.allgather_s(s.weight_bytes(), n))
