@@ -799,7 +799,8 @@ def test_plan_search_takes_a_run_config_with_train_ppos_overrides(tmp_path):
   search of a paper pair (no run) refuses it."""
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
   cmd = [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
-         "--run_config=configs/ppo_tiny.py", "--config.systems=", f"--workdir={tmp_path / 'ps'}"]
+         "--run_config=configs/ppo_tiny.py", "--config.systems=realhf_like",
+         f"--workdir={tmp_path / 'ps'}"]
   out = subprocess.run(cmd + ["--run_config.rollout.max_new_tokens=16",
                               "--run_config.model.num_layers=4"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -811,6 +812,12 @@ def test_plan_search_takes_a_run_config_with_train_ppos_overrides(tmp_path):
           w["train_config"]) == (4, 2, 16, spec), w
   md = (tmp_path / "ps" / "plan_search.md").read_text()
   assert f"# Plan search: {spec} on 8 x h100_sxm" in md
+  # A system faster than the plans the trainer runs is explained, not left beside them bare.
+  res = json.loads((tmp_path / "ps" / "result.json").read_text())
+  assert res["systems"]["realhf_like"]["iteration_s"] < min(
+      res["best"]["predicted_iteration_s"], res["async"]["predicted_iteration_s"])
+  assert "Faster than the plans above: realhf_like. The systems are simulated as their papers " \
+      "run them, not only as the trainer runs" in md, md
   out = subprocess.run(cmd + ["--run_config.algo.minibatch_size=48"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 1 and ("--run_config (config.<field> is --run_config.<field> here): "
