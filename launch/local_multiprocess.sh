@@ -78,6 +78,8 @@ if [[ -f "${WORKDIR%/}/.lock" ]] && command -v flock > /dev/null &&
       "wait for it to finish or stop it, or use another workdir" >&2
     exit 1
   fi
+  echo "workdir $WORKDIR is locked by $HOLDER, on another host: process 0 waits for it" \
+    "(config.lock_wait_s)" >&2
 fi
 echo "$N processes x $D CPU devices; logs (appended): ${WORKDIR%/}.proc<i>.log" \
   "(follow: tail -f ${WORKDIR%/}.proc0.log)"

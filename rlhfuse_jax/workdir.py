@@ -295,7 +295,8 @@ class WorkdirLock:
         fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         break
       except OSError as e:
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        # (after a holder was seen, any error is that holder's: never go on unlocked beside it)
+        if logged is None and e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
           # A filesystem without flock (some network mounts): run unlocked rather than never.
           logging.warning("cannot lock %s (%s): running without the one-run-per-workdir lock",
                           self.path, e)
@@ -342,6 +343,9 @@ class WorkdirLock:
       msg += (f"; waited {waited:.0f} s" if wait_s > 0 else "")
       if wait_field:
         msg += f" ({wait_field}={wait_s:g}: how long a start waits for that)"
+      if waited >= 2 * NFS_LEASE_S:
+        msg += (f". That is longer than such a lease: the run on {host} is most likely alive; "
+                "check it, or wait longer if your server's lease is longer")
     return msg
 
   def held(self) -> bool:

@@ -526,17 +526,20 @@ def test_a_run_waits_for_a_lock_another_host_holds_until_lock_wait_s(tmp_path):
   fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
   holder.write("pid 7 on node-that-crashed (start 11)\n")
   holder.flush()
-  with pytest.raises(RuntimeError, match=r"waited 1 s \(config\.lock_wait_s=1: how long"):
+  with pytest.raises(RuntimeError, match=r"waited [12] s \(config\.lock_wait_s=1: how long"):
     PPOTrainer(tiny_config(lock_wait_s=1), str(tmp_path))
-  threading.Timer(1.0, holder.close).start()
+  cfg = tiny_config(lock_wait_s=60)
 
   class Locked(Exception):
     pass
 
   def on_locked():  # the workdir is this run's: stop before the set-up builds anything
     raise Locked()
+  threading.Timer(1.0, holder.close).start()
+  t0 = time.monotonic()
   with pytest.raises(Locked):
-    PPOTrainer(tiny_config(lock_wait_s=60), str(tmp_path), on_locked=on_locked)
+    PPOTrainer(cfg, str(tmp_path), on_locked=on_locked)
+  assert time.monotonic() - t0 >= 0.9  # it waited for the holder
   wd.WorkdirLock(str(tmp_path)).release()  # and released on the way out
   for bad in (-1, float("inf")):
     with pytest.raises(ValueError, match=r"config\.lock_wait_s=.*: expected a finite number of "
