@@ -213,9 +213,9 @@ def report(res: dict, systems: dict, setting: dict,
     if faster and "train_config" in setting:
       # A user read realhf_like at 1.00e-04 s beside plan.json's 1.59e-04 s with no word why.
       lines += ["", f"Faster than the plans above: {', '.join(faster)}. The systems are "
-                "simulated as their papers run them, not only as the trainer runs (e.g. "
-                "realhf_like's actor and critic trained at once on disjoint devices, which "
-                "train_ppo does not do)."]
+                "simulated as their papers run them, not only as the trainer runs"
+                + (" (realhf_like's actor and critic trained at once on disjoint devices, "
+                   "which train_ppo does not do)" if "realhf_like" in faster else "") + "."]
   for stage, opts in res["stages"].items():
     lines += ["", f"Best {stage} plans ({STAGE_TIMES.get(stage, 'seconds')}):", ""]
     lines += [f"- {name}: {_s(s, 3)}" for name, s in opts[:8]]

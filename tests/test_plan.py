@@ -817,7 +817,7 @@ def test_plan_search_takes_a_run_config_with_train_ppos_overrides(tmp_path):
   assert res["systems"]["realhf_like"]["iteration_s"] < min(
       res["best"]["predicted_iteration_s"], res["async"]["predicted_iteration_s"])
   assert "Faster than the plans above: realhf_like. The systems are simulated as their papers " \
-      "run them, not only as the trainer runs" in md, md
+      "run them, not only as the trainer runs (realhf_like's actor and critic" in md, md
   out = subprocess.run(cmd + ["--run_config.algo.minibatch_size=48"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 1 and ("--run_config (config.<field> is --run_config.<field> here): "

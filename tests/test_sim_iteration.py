@@ -263,10 +263,11 @@ def test_deepspeed_chat_generates_at_the_smallest_degree_beside_its_zero3_shards
 
 
 def test_the_generation_stage_charges_only_the_frozen_models_the_run_has():
-  """A train_config run with a reward function has no reward model (Workload.reward_model):
-  RLHFuse's generation stage (rlhfuse, rlhfuse_planned beside plan_search's plans) neither
-  keeps its weights beside the KV cache (sim.offload_frozen=False) nor runs its forward.
-  Until 2026-12-04 it charged both, where plan_search's own plans did not."""
+  """A workload without a reward model (Workload.reward_model, a run with a reward function):
+  RLHFuse's generation stage neither keeps its weights beside the KV cache
+  (sim.offload_frozen=False) nor runs its forward, as plan_search's inference plans do not
+  (Workload.frozen_models); a group that holds no frozen model needs no inference memory.
+  Until 2026-12-04 it charged both, and an empty set of models was charged the default ones."""
   cost = CostModel(get_hardware("h100_sxm"))
   wl = it.Workload(actor=get_shape("llama-13b"), critic=get_shape("llama-13b", "scalar"),
                    max_new_tokens=1024)
@@ -280,6 +281,8 @@ def test_the_generation_stage_charges_only_the_frozen_models_the_run_has():
   assert busy(fn) < 0.8 * busy(full)  # two forwards a sample instead of three
   with pytest.raises(ValueError, match=r"inference \(reference \+ critic\) does not fit"):
     it.check_inference_memory(cost, dataclasses.replace(wl, reward_model=False), 1, 4096)
+  none = dataclasses.replace(wl, reference=False, reward_model=False)
+  assert it.inference_memory_parts(cost, none, 1, 8, ()) == {"weights": 0, "activations": 0}
 
 
 def test_frozen_models_kept_on_the_devices_shrink_the_kv_pool():

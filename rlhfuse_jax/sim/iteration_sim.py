@@ -253,10 +253,13 @@ def inference_memory_parts(cost: CostModel, wl: Workload, tp: int, rows: int,
   data.max_prompt_len + rollout.max_new_tokens, plan_check's inference seq_len; until
   2026-12-04 the longest sampled prompt + max_new_tokens, which on ppo_tiny's 4-token prompts
   and max_prompt_len 512 was 1540 of the 2048 tokens)}."""
-  frozen = frozen or wl.frozen_models()[1]
+  # (`is None`: an empty `frozen`, the asynchronous generation group of a run with neither a
+  # reference nor a reward model, holds nothing; `or` charged it the default models)
+  frozen = wl.frozen_models()[1] if frozen is None else frozen
   tokens = rows * wl.padded_len
   return {"weights": sum(s.weight_bytes() for s in frozen) / tp,
-          "activations": max(cost.activation_bytes(s, tp, tokens, 1) for s in frozen)}
+          "activations": max((cost.activation_bytes(s, tp, tokens, 1) for s in frozen),
+                             default=0.0)}
 
 
 def check_inference_memory(cost: CostModel, wl: Workload, tp: int, microbatch: int,
@@ -264,7 +267,7 @@ def check_inference_memory(cost: CostModel, wl: Workload, tp: int, microbatch: i
                            what: Optional[str] = None) -> None:
   """inference_memory_parts of one micro-batch of `microbatch` samples against the usable
   HBM; `what` names the models in the error (default: the run's, Workload.frozen_models)."""
-  what = what or " + ".join(wl.frozen_models()[0])
+  what = " + ".join(wl.frozen_models()[0]) if what is None else what
   need = sum(inference_memory_parts(cost, wl, tp, microbatch, frozen).values())
   cost.check_fits(f"inference ({what})", need, f"tp={tp}, {microbatch} samples at once")
 
@@ -305,9 +308,10 @@ def zero3_resident_bytes(wl: Workload) -> float:
   master weights and two Adam moments) and of the frozen reference and reward model (bf16
   weights; DeepSpeed-Chat gives them ZeRO-3 too: DeepSpeedExamples step3's
   rlhf_engine._init_ref takes the actor's ZeRO stage, "If actor is ZeRO-3 then we use it for
-  everything"; some versions read a reference_zero_stage argument instead)."""
+  everything"; some versions read a reference_zero_stage argument instead); those the workload
+  has (Workload.frozen_models), as the four forwards of _zero3_stage."""
   trained = wl.actor.num_params() + wl.critic.num_params()
-  frozen = wl.actor.num_params() + wl.reward_shape.num_params()
+  frozen = sum(s.num_params() for s in wl.frozen_models(("reference", "reward"))[1])
   return (16.0 * trained + 2.0 * frozen) / wl.num_devices
 
 
@@ -318,10 +322,8 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
   device keeps (`zero3_resident_bytes`). Its inference runs under ZeRO-3 (iteration_sim's
   _zero3_stage), not on the instances, so neither their inference memory nor the critic's
   heads limit the degree (both did until 2026-11-28: 65B generated at tp 8 where tp 4 fits).
-  The frozen models are those the run scores with (Workload.frozen_models; until 2026-12-04
-  always the reference and the reward model, which charged a train_config run with a reward
-  function, or without a KL reference, for a model it does not have, where plan_search's own
-  plans did not)."""
+  The frozen models are those of the workload (Workload.frozen_models; the papers' systems
+  always have a reference and a reward model, and plan_search simulates them so)."""
   prompts, resp = wl.sample_lengths()
   frozen = wl.frozen_models()[1]
   rejected, best = {}, None
