@@ -37,6 +37,10 @@ def _is_int(v: Any) -> bool:
   return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_number(v: Any) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 # Field type -> (accepts the value?, what was expected). A bool field given the string "False"
 # would be true; an integer field given 2.0 (a JSON plan) or 0.5 (a sweep) fails far from the
 # config (range(2.0), a shape of 0.5); a float given "0.9" fails in a comparison that names no
@@ -45,7 +49,7 @@ def _is_int(v: Any) -> bool:
 _TYPE_CHECKS = {
     "int": (_is_int, "an integer"),
     "bool": (lambda v: isinstance(v, bool), "True or False"),
-    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "float": (_is_number, "a number"),
 }
 
 
@@ -577,8 +581,7 @@ class GuardConfig:
     t = self.iteration_timeout_s
     # At most the longest wait Python's timers take: the watchdog's Timer and faulthandler's
     # dump raised OverflowError (in the watchdog's thread: no timeout at all) above it.
-    _check(not isinstance(t, bool) and isinstance(t, (int, float)) and
-           0 <= t <= threading.TIMEOUT_MAX, "guard.iteration_timeout_s", t,
+    _check(_is_number(t) and 0 <= t <= threading.TIMEOUT_MAX, "guard.iteration_timeout_s", t,
            f"a number of seconds >= 0 and <= {threading.TIMEOUT_MAX:.0f} (Python's longest "
            "timer; 0: no timeout)")
 
@@ -645,8 +648,8 @@ class TrainConfig:
     _check(self.log_samples >= 0, "log_samples", self.log_samples,
            ">= 0 (samples written as text every log_every iterations; 0: none)")
     _check(self.eval_every >= 0, "eval_every", self.eval_every, ">= 0 (0: no validation pass)")
-    _check(not isinstance(self.lock_wait_s, bool) and isinstance(self.lock_wait_s, (int, float))
-           and 0 <= self.lock_wait_s < float("inf"), "lock_wait_s", self.lock_wait_s,
+    _check(_is_number(self.lock_wait_s) and 0 <= self.lock_wait_s < float("inf"), "lock_wait_s",
+           self.lock_wait_s,
            "a finite number of seconds >= 0 (0: a workdir locked from another host is refused "
            "at once)")
     _check(isinstance(self.compilation_cache_dir, str), "compilation_cache_dir",
