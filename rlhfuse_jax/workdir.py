@@ -344,7 +344,7 @@ class WorkdirLock:
       if wait_field:
         msg += f" ({wait_field}={wait_s:g}: how long a start waits for that)"
       if waited >= 2 * NFS_LEASE_S:
-        msg += (f". That is longer than such a lease: the run on {host} is most likely alive; "
+        msg += (f". That is longer than two such leases: the run on {host} is most likely alive; "
                 "check it, or wait longer if your server's lease is longer")
     return msg
 

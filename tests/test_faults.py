@@ -6,7 +6,6 @@ metrics are written exactly once; one run per workdir; a damaged checkpoint fall
 intact one; a failed save or kill -9 loses nothing; bad inputs name the file and the field.
 """
 import dataclasses
-import fcntl
 import json
 import os
 import re
@@ -32,6 +31,7 @@ from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from tests.test_train_ppo_binary import COMPILE_LOG, METRIC_NAMES, REPO, _cmd, _env, _steps
 from tests.test_trainer import _deterministic, _params, tiny_config
+from tests.test_workdir import _hold_as
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
@@ -522,10 +522,7 @@ def test_a_run_waits_for_a_lock_another_host_holds_until_lock_wait_s(tmp_path):
   """config.lock_wait_s reaches the workdir lock: a trainer waits for a holder on another host
   (a crashed node's lock on a shared filesystem, tests/test_workdir.py), refuses after the
   wait, naming the field; bad values are refused by name."""
-  holder = open(os.path.join(tmp_path, ".lock"), "a+")
-  fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  holder.write("pid 7 on node-that-crashed (start 11)\n")
-  holder.flush()
+  holder = _hold_as(str(tmp_path), "pid 7 on node-that-crashed (start 11)")
   with pytest.raises(RuntimeError, match=r"waited [12] s \(config\.lock_wait_s=1: how long"):
     PPOTrainer(tiny_config(lock_wait_s=1), str(tmp_path))
   cfg = tiny_config(lock_wait_s=60)
