@@ -75,6 +75,11 @@ _ONLY = flags.DEFINE_list("only", None, "run only these entries of get_sweep(), 
                           "(e.g. --only=e0,e7; --dry_run lists the names)")
 _RERUN = flags.DEFINE_bool("rerun", False, "run every entry again, also a one-shot binary's "
                            "run that finished earlier with the same config (kept otherwise)")
+# As train_ppo's config.lock_wait_s: a sweep requeued (exit 75) onto another node right after
+# its node crashed meets the dead node's lock on a shared filesystem until the lease ends.
+_LOCK_WAIT = flags.DEFINE_float("lock_wait_s", 240.0, "seconds to wait for the workdir's lock "
+                                "when a sweep on another host holds it (0: refuse at once)",
+                                lower_bound=0.0)
 
 
 def load_sweep(config_path: str) -> list[dict]:
@@ -615,13 +620,15 @@ class _Signals:
 
 def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str],
               dry_run: bool = False, only: Optional[Sequence[str]] = None,
-              rerun: bool = False) -> tuple[list[dict], bool]:
+              rerun: bool = False, lock_wait_s: float = 0.0) -> tuple[list[dict], bool]:
   """(one row per run that ran or was kept, whether every run ran; see the module docstring).
   It ends early, after writing the summary, when a run stops with exit 75 (stopped by a
   signal; re-running resumes it) or the sweep gets SIGTERM. `only`: the run names to run (all:
-  None); `rerun`: run a one-shot binary's finished runs again."""
+  None); `rerun`: run a one-shot binary's finished runs again; `lock_wait_s`: how long to wait
+  for the workdir's lock held by a sweep on another host (workdir.WorkdirLock)."""
   with _Signals() as signals:
-    return _run_sweep(config, binary, workdir, passthrough, dry_run, signals, only, rerun)
+    return _run_sweep(config, binary, workdir, passthrough, dry_run, signals, only, rerun,
+                      lock_wait_s)
 
 
 INPUTS_FILE = "sweep_inputs.json"  # in a run's directory: the input files it ran with
@@ -745,7 +752,7 @@ def refuse_another_sweep(workdir: str, identity: dict) -> None:
 
 def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str],
                dry_run: bool, signals: _Signals, only: Optional[Sequence[str]] = None,
-               rerun: bool = False) -> tuple[list[dict], bool]:
+               rerun: bool = False, lock_wait_s: float = 0.0) -> tuple[list[dict], bool]:
   module, variant = config_files.load_module(config)  # executed once: entries and field check
   sweep = _sweep_of(module, variant, config)
   names = [name for _, name, _ in select(sweep, None)]
@@ -786,7 +793,7 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
     os.makedirs(workdir, exist_ok=True)
     # One sweep per workdir: two at once each found the other's run holding its directory,
     # called it failed (exit 1) and wrote a summary of runs "failed" that the other finished.
-    lock = wd.WorkdirLock(workdir)
+    lock = wd.WorkdirLock(workdir, wait_s=lock_wait_s, wait_field="--lock_wait_s")
     wd.write_json(os.path.join(workdir, SWEEP_FILE), identity)
   try:
     return _run_locked(binary, config, workdir, passthrough, dry_run, signals, runs, summary,
@@ -948,7 +955,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
     rows, complete = run_sweep(_CONFIG.value, _BINARY.value, _WORKDIR.value, _PASSTHROUGH,
-                               _DRY.value, _ONLY.value, _RERUN.value)
+                               _DRY.value, _ONLY.value, _RERUN.value, _LOCK_WAIT.value)
   except KeyboardInterrupt:
     # (the line on where the sweep stands came before: _run_locked's)
     logging.error("interrupted: %s has the runs so far; to continue, run the same command "

@@ -1,6 +1,7 @@
 """Smoke tests of the experiments binaries: schedule_search, sweep, bench_async's workdir
 check, and the errors that name a bad config field."""
 import json
+import re
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 
 from rlhfuse_jax import workdir as wdlib
 from rlhfuse_jax.pipeline import search
+from tests.test_workdir import _hold_as
 from tests.xla_env import RESET_SIGINT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -200,6 +202,21 @@ def test_a_second_sweep_on_a_workdir_in_use_is_refused_before_any_run(tmp_path):
   # No run started, no summary; the refusal's traceback went to the temp directory, not into
   # the workdir of the sweep that holds it.
   assert sorted(os.listdir(tmp_path / "sw")) == [".lock"]
+  # A sweep on another host (or a crashed node's lock on a shared filesystem, which a sweep
+  # requeued after exit 75 meets): waited for up to --lock_wait_s, then refused with the flag.
+  (tmp_path / "sw2").mkdir()
+  other = _hold_as(str(tmp_path / "sw2"), "pid 7 on node-that-crashed (start 11)")
+  try:
+    out = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+                f"--workdir={tmp_path / 'sw2'}", "--config.time_budget_s=0.5",
+                "--lock_wait_s=1"])
+  finally:
+    other.close()
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert re.search(r"is in use by another run \(pid 7 on node-that-crashed \(start 11\)\).*"
+                   r"; waited [12] s \(--lock_wait_s=1: how long a start waits", out.stderr), (
+                       out.stderr[-3000:])
+  assert sorted(os.listdir(tmp_path / "sw2")) == [".lock"]
 
 
 def test_sweep_takes_a_config_variant(tmp_path):
