@@ -204,7 +204,8 @@ def apply_run(c, t, overrides=None):
   init.critic_checkpoint (their config.json, as the trainer reads them; no weights); a
   pipelined run (mesh.stage > 1) with its pipeline section's micro-batches and fused schedule.
   A critic-free estimator is checked with a critic (an upper bound); model.vocab_size=0 is the
-  run's tokenizer's vocabulary. experiments/plan_check.py's
+  run's tokenizer's vocabulary; a reward model (reward.kind='model') is its checkpoint's
+  architecture (config.reward_model: the `reward` program). experiments/plan_check.py's
   --run_config calls it with the flag's overrides (`overrides`, the command line's: one of a
   checkpoint's architecture is refused, as train_ppo refuses it). Returns the run's TrainConfig
   with those architectures (for the comparison with a plan.file's workload)."""
@@ -224,6 +225,13 @@ def apply_run(c, t, overrides=None):
             if init.critic_checkpoint else run.critic_model.replace(vocab_size=actor.vocab_size))
   c.actor = ml_collections.ConfigDict(dataclasses.asdict(actor))
   c.critic = ml_collections.ConfigDict(dataclasses.asdict(critic))
+  # reward.kind='model': its checkpoint's architecture, as the trainer builds it (a section in
+  # place of the field's string: the field is deleted first, which an unlocked config allows)
+  reward = build.reward_model_config(run)
+  if "reward_model" in c:
+    del c["reward_model"]
+  c.reward_model = ("" if reward is None else
+                    ml_collections.ConfigDict(dataclasses.asdict(reward)))
   _as_trained(c, t, dp=_run_data(run), models=(actor, critic))
   return dataclasses.replace(run, model=actor, critic_model=critic)
 
@@ -295,6 +303,11 @@ def get_config(arg: str = "tiny"):
   # forward (an upper bound where the instance scores nothing). A run's (run/, --run_config)
   # is its algo.kl_coef's.
   c.reference = True
+  # The reward model the instances score with beside the reference (a run's reward.kind=
+  # 'model'): the `reward` program, its scalar forward on one inference micro-batch. '' : a
+  # reward function (no program); a preset of configs/ppo_llama.py SHAPES ('33b'); set by a
+  # run (run/, --run_config) to its checkpoint's architecture. (Set below, after the variants:
+  # a run's sets a section in place of the string.)
   # pp == 1 with micro-batches: the trainer's algo.gradient_sync, "per_microbatch" (weights
   # gathered and gradients reduced per micro-batch) or "once" (per optimizer step); pipelined
   # plans ignore it, as the trainer does
@@ -369,4 +382,6 @@ def get_config(arg: str = "tiny"):
                      f"'7b_host8', 'llama/<a configs/ppo_llama.py variant>', "
                      f"'hf_gpu/<one of {list(HF_MODELS)}>', 'run/<config file>[:<variant>]' "
                      f"or one of {list(PAPER_PAIRS)}")
+  if "reward_model" not in c:
+    c.reward_model = ""
   return c

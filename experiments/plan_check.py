@@ -19,6 +19,8 @@ jax.ShapeDtypeStructs with shardings (no parameter is allocated), the programs t
   inference   the instance's reference log-prob forward (inference/scoring.py; "mesh": the
               Scorer's, on the whole rollout batch); with config.reference False (a run's
               algo.kl_coef=0: no reference) the critic's value forward
+  reward      with config.reward_model (a run's reward.kind='model': its checkpoint's
+              architecture), the reward model's scalar forward on the same devices and rows
 
 (--run_config: a training config, with train_ppo's overrides, checked as its trainer runs it)
 and writes result.json (per program: argument/output/temp/peak bytes and FLOPs per device from
@@ -81,7 +83,8 @@ def main(argv):
                                         _RUN_CONFIG.value is not None)
   if _RUN_CONFIG.value is not None:
     fields = config.to_dict()
-    fields.pop("actor"), fields.pop("critic")  # replaced by the run's (sections or presets)
+    # replaced by the run's (sections or presets; its reward model's architecture or none)
+    fields.pop("actor"), fields.pop("critic"), fields.pop("reward_model")
     config = ml_collections.ConfigDict(fields)
     try:
       run = plan_config.apply_run(config, _RUN_CONFIG.value,

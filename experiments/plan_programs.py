@@ -22,6 +22,10 @@ Every program is the codebase's own, reached through the function its caller jit
               inference micro-batch (generation="mesh": the Scorer's, the whole rollout batch);
               without a reference (config.reference False: algo.kl_coef=0) the critic's value
               forward
+  reward      with a reward model (config.reward_model: a run's reward.kind='model'), its
+              scalar forward (inference/scoring.reward_model_scores) on the same instance and
+              micro-batch: a reward model larger than the actor (13B actor, 33B reward model)
+              can be the instance's largest program, which the other three do not show
 
 Arguments are jax.ShapeDtypeStructs with NamedShardings: nothing is allocated.
 
@@ -103,7 +107,8 @@ from rlhfuse_jax.trainer import config as tc
 from rlhfuse_jax.trainer import pipelined, ppo
 from rlhfuse_jax.trainer import update as update_lib
 
-PROGRAMS = ("train_step", "decode", "inference")
+PROGRAMS = ("train_step", "decode", "inference")  # always compiled
+OPTIONAL_PROGRAMS = ("reward",)  # compiled when the plan has a reward model
 CPU_UPCAST_MODES = ("per_layer", "as_compiled")
 GENERATION_MODES = ("instances", "mesh")
 # XLA's name of the pass that hoists a loop-invariant float32 copy of the weights out of a loop.
@@ -113,6 +118,11 @@ PER_LAYER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion
 def _check(cond: bool, field: str, value: Any, expected: str) -> None:
   if not cond:
     raise ValueError(f"config.{field}={value!r}: expected {expected}")
+
+
+def program_names(result: dict) -> list[str]:
+  """The programs a result holds, in the table's order (PROGRAMS, then the optional ones)."""
+  return [n for n in PROGRAMS + OPTIONAL_PROGRAMS if n in result["programs"]]
 
 
 def _model(section: Any, field: str, head: str, layers: int, remat: str, attention: str,
@@ -184,6 +194,10 @@ class PlanConfig:
   # value forward (what an instance still scores; an upper bound where it scores nothing), and
   # an asynchronous generation group holds no reference beside the actor.
   reference: bool = True
+  # The reward model (a run's reward.kind='model': its checkpoint's architecture), scored on
+  # the instances beside the reference: the `reward` program; None: a reward function.
+  reward: ModelConfig | None = None
+  reward_layers: int = 0  # its own layer count (the compiled one is in reward)
 
   @property
   def train_devices(self) -> int:
@@ -266,8 +280,9 @@ class PlanConfig:
     # actor_layers / critic_layers are derived (the presets' own counts): set, they were
     # accepted and overwritten without a word; config.layers is the field to set.
     known = {"actor", "critic", "layers", "remat", "attention", "hardware", "generation",
-             "scan_layers", "gradient_sync"} | {
-        f.name for f in dataclasses.fields(cls)} - {"actor_layers", "critic_layers"}
+             "scan_layers", "gradient_sync", "reward_model"} | {
+        f.name for f in dataclasses.fields(cls)} - {
+            "actor_layers", "critic_layers", "reward", "reward_layers"}
     unknown = set(d) - known
     if unknown:
       raise ValueError(f"config: unknown fields {sorted(unknown)}; known: {sorted(known)}")
@@ -313,6 +328,16 @@ class PlanConfig:
                              d["seq_len"], d.get("scan_layers", False))
       models[f"{field}_layers"] = _model(d[field], field, head, 0, d["remat"], d["attention"],
                                          d["seq_len"]).num_layers
+    # "" or an empty section: a reward function (no model); forward only, so no remat, as the
+    # trainer builds it (trainer/build.reward_model_config)
+    reward = d.get("reward_model") or None
+    _check(reward is None or isinstance(reward, (str, dict)), "reward_model", reward,
+           f"'' (no reward model), one of {list(ppo_llama.SHAPES)} or a model section")
+    if reward is not None:
+      models["reward"] = _model(reward, "reward_model", "scalar", d["layers"], "none",
+                                d["attention"], d["seq_len"], d.get("scan_layers", False))
+      models["reward_layers"] = _model(reward, "reward_model", "scalar", 0, "none",
+                                       d["attention"], d["seq_len"]).num_layers
     cfg = cls(**models, **{k: d[k] for k in (
         "pp", "critic_pp", "tp", "dp", "fsdp", "minibatch_size", "microbatch_size", "seq_len",
         "response_len", "intra_stage", "search_time_s", "gen_tp", "gen_slots", "chunk_size",
@@ -474,8 +499,9 @@ def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
   parameters by the same logical rules as training (as the trainer's Generator keeps them), and
   scores the whole rollout batch at once (the Scorer's default micro-batch)."""
   sampling = SamplingConfig(max_new_tokens=cfg.response_len, chunk_size=cfg.chunk_size)
-  frozen = (inst_lib.FrozenModels(reference=cfg.actor.replace(head="lm")) if cfg.reference else
-            inst_lib.FrozenModels(reference=None, critic=cfg.critic))
+  frozen = (inst_lib.FrozenModels(reference=cfg.actor.replace(head="lm"), reward=cfg.reward)
+            if cfg.reference else
+            inst_lib.FrozenModels(reference=None, critic=cfg.critic, reward=cfg.reward))
   if cfg.generation == "mesh" and cfg.generation_devices:  # async PPO's data-only group mesh
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=cfg.generation_devices),
                               jax.devices()[:cfg.generation_devices])
@@ -584,7 +610,7 @@ def per_layer_upcast(cfg: PlanConfig) -> bool:
 
 def instance_programs(cfg: PlanConfig) -> dict:
   """A generation instance's decode chunk and reference forward (cfg.reference; else the
-  critic's value forward: scoring_model), measured.
+  critic's value forward: scoring_model), and the reward model's forward (cfg.reward), measured.
 
   Under `per_layer_upcast` each program is compiled twice: scanned with the hoisting off, and as
   the config has it (`cpu_upcast.as_compiled`); the smaller temp is reported (`cpu_upcast.used`).
@@ -597,15 +623,22 @@ def instance_programs(cfg: PlanConfig) -> dict:
   kind = "reference" if cfg.reference else "critic"
   for scan in {cfg.actor.scan_layers, True} if per_layer else {cfg.actor.scan_layers}:
     actor = cfg.actor.replace(scan_layers=scan)
-    scan_cfg = dataclasses.replace(cfg, actor=actor, critic=cfg.critic.replace(scan_layers=scan))
+    reward = None if cfg.reward is None else cfg.reward.replace(scan_layers=scan)
+    scan_cfg = dataclasses.replace(cfg, actor=actor, critic=cfg.critic.replace(scan_layers=scan),
+                                   reward=reward)
     inst = make_instance(scan_cfg)
-    lowered[scan] = dict(inst.lower_all(llama.param_shapes(actor),
-                                        {kind: llama.param_shapes(scoring_model(scan_cfg))},
-                                        only=("decode", kind)))
+    frozen = {kind: llama.param_shapes(scoring_model(scan_cfg))}
+    if reward is not None:
+      frozen["reward"] = llama.param_shapes(reward)
+    lowered[scan] = dict(inst.lower_all(llama.param_shapes(actor), frozen,
+                                        only=("decode", kind, *frozen)))
   figures = lambda r: {k: r[k] for k in ("temp_bytes", "peak_bytes", "fits", "compile_s")}
   out = {}
-  for name, key, analytic in (("decode", "decode", decode_analytic(cfg)),
-                              ("inference", kind, inference_analytic(cfg))):
+  wanted = [("decode", "decode", decode_analytic(cfg)),
+            ("inference", kind, inference_analytic(cfg))]
+  if cfg.reward is not None:
+    wanted.append(("reward", "reward", inference_analytic(cfg, cfg.reward, head_positions=1)))
+  for name, key, analytic in wanted:
     m = measure(lowered[cfg.actor.scan_layers][key], cfg.hardware)
     record = {"scan_layers": cfg.actor.scan_layers}
     if per_layer:
@@ -729,8 +762,12 @@ def scoring_model(cfg: PlanConfig) -> ModelConfig:
   return cfg.actor if cfg.reference else cfg.critic
 
 
-def inference_analytic(cfg: PlanConfig) -> dict:
-  a, n = scoring_model(cfg), cfg.gen_devices
+def inference_analytic(cfg: PlanConfig, model: ModelConfig | None = None,
+                       head_positions: int | None = None) -> dict:
+  """The perfect split of a scoring forward: `model`'s (the inference program's, scoring_model,
+  when None) with its head at `head_positions` per row (the response's when None; a reward
+  model's: 1, the last token)."""
+  a, n = model or scoring_model(cfg), cfg.gen_devices
   params = _nbytes(llama.param_shapes(a))
   if cfg.generation == "mesh":  # the whole rollout batch, split over the data axes
     rows = cfg.gen_slots
@@ -741,7 +778,8 @@ def inference_analytic(cfg: PlanConfig) -> dict:
   # One layer's activations live at a time (sim/iteration_sim.inference_memory_parts).
   acts = CostModel(cfg.hardware).activation_bytes(sim_shapes.from_model_config(a, dtypes=True),
                                                   cfg.gen_tensor, tokens, 1)
-  flops = accounting.forward_flops(a, rows, cfg.seq_len, cfg.response_len)
+  flops = accounting.forward_flops(a, rows, cfg.seq_len, (cfg.response_len if head_positions
+                                                          is None else head_positions))
   shards = cfg.gen_model_shards
   return {"params_bytes": params / shards, "activations_bytes": acts,
           "total_bytes": params / shards + acts, "flops_per_device": flops / n}
@@ -758,7 +796,8 @@ def _finish(measured: dict, analytic: dict) -> dict:
 
 
 def run(cfg: PlanConfig, workdir: str) -> dict:
-  """Lowers, compiles and measures the three programs; returns the result dict."""
+  """Lowers, compiles and measures the programs (three, four with a reward model); returns
+  the result dict."""
   if jax.device_count() < cfg.num_devices:
     raise ValueError(f"the plan needs {cfg.num_devices} devices (pp*tp*dp*fsdp="
                      f"{cfg.train_devices}, gen_tp={cfg.gen_tp}) but jax has "
@@ -768,9 +807,11 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   programs = {}
   mesh = train_mesh(cfg)
   tx = make_optimizer(staged=cfg.pp > 1, master_weights=cfg.master_weights)
-  logging.info("plan: mesh %s, %d devices; actor %d layers (of %d), critic %d (of %d); "
+  logging.info("plan: mesh %s, %d devices; actor %d layers (of %d), critic %d (of %d)%s; "
                "compiling on %s", dict(mesh.shape), cfg.num_devices, cfg.actor.num_layers,
-               cfg.actor_layers, cfg.critic.num_layers, cfg.critic_layers, backend())
+               cfg.actor_layers, cfg.critic.num_layers, cfg.critic_layers,
+               "" if cfg.reward is None else
+               f", reward model {cfg.reward.num_layers} (of {cfg.reward_layers})", backend())
   if jax.default_backend() != "cpu":
     logging.warning("on %s, library calls hold most dots and are not counted: FLOPs and "
                     "replication undercount (memory figures are the compiler's)",
@@ -792,6 +833,10 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
             if cfg.generation_devices and cfg.group_critic else 0.0)
   beside_train_state(programs, hbm, cfg.offload_optimizer, bool(cfg.generation_devices), critic,
                      cfg.reference)
+  models = {"actor": cfg.actor, "critic": cfg.critic}
+  full = {"actor": cfg.actor_layers, "critic": cfg.critic_layers}
+  if cfg.reward is not None:
+    models["reward"], full["reward"] = cfg.reward, cfg.reward_layers
   return {
       "plan": {"pp": cfg.pp, "critic_pp": cfg.critic_pp, "tp": cfg.tp, "dp": cfg.dp,
                "fsdp": cfg.fsdp, "minibatch_size": cfg.minibatch_size,
@@ -807,15 +852,15 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "gradient_sync": cfg.gradient_sync,
                "critic_microbatch_size": cfg.critic_microbatch_size,
                "generation_devices": cfg.generation_devices, "group_critic": cfg.group_critic,
-               "search_seed": cfg.search_seed, "reference": cfg.reference},
+               "search_seed": cfg.search_seed, "reference": cfg.reference,
+               "reward_model": cfg.reward is not None},
       "devices": cfg.num_devices, "train_devices": cfg.train_devices,
-      "models": {"actor": {**dataclasses.asdict(cfg.actor), "num_params": cfg.actor.num_params()},
-                 "critic": {**dataclasses.asdict(cfg.critic),
-                            "num_params": cfg.critic.num_params()}},
-      "layers_compiled": {"actor": cfg.actor.num_layers, "critic": cfg.critic.num_layers,
-                          "actor_full": cfg.actor_layers, "critic_full": cfg.critic_layers,
-                          "reduced": (cfg.actor.num_layers != cfg.actor_layers or
-                                      cfg.critic.num_layers != cfg.critic_layers)},
+      "models": {name: {**dataclasses.asdict(m), "num_params": m.num_params()}
+                 for name, m in models.items()},
+      "layers_compiled": {**{name: m.num_layers for name, m in models.items()},
+                          **{f"{name}_full": full[name] for name in models},
+                          "reduced": any(m.num_layers != full[name]
+                                         for name, m in models.items())},
       "programs": programs,
       "notes": {
           "per_device": "memory_analysis and the HLO are one SPMD partition: every byte and "
@@ -838,13 +883,14 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
           "layers_compiled": "with reduced=true every number is of the compiled layer counts "
                              "(config.layers), not of the full models",
           "cpu": "XLA:CPU buffer assignment: temp_bytes estimate XLA:GPU's",
-          "fits": "train_step: its peak <= hbm_bytes; decode and inference: their peak plus "
-                  "resident_train_bytes (the training state that stays on the same devices: "
+          "fits": "train_step: its peak <= hbm_bytes; decode, inference and reward: their peak "
+                  "plus resident_train_bytes (the training state that stays on the same devices: "
                   "train_step's argument bytes, minus offloaded_optimizer_bytes when "
                   "offload_optimizer) <= hbm_bytes (fits_alone: the program by itself); on "
                   "an asynchronous PPO generation group (generation_devices > 0) their peak "
-                  "plus resident_model_bytes instead (the other of actor and reference, kept "
-                  "whole beside it on the group's mesh; an upper bound on instances, which "
+                  "plus resident_model_bytes instead (the other of actor and reference, "
+                  "both for reward, kept whole beside it on the group's mesh; an upper bound "
+                  "on instances, which "
                   "load the reference from host memory); no headroom (the simulator plans "
                   "with 90 % of HBM)",
           "gpu_flops": "on a GPU backend library calls (cuBLAS / cuDNN custom-calls) hold most "
@@ -872,21 +918,28 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
   plus the other model's weights (the same size as its own), plus `group_critic_bytes` (the
   critic's weights per device) where the group also holds the critic. Without a `reference`
   (algo.kl_coef=0) the group holds none: decode has the critic's copy beside it (if any), and
-  the inference program, the critic's forward, the actor's weights."""
+  the inference program, the critic's forward, the actor's weights. A reward model's forward
+  (`reward`, when measured) has the actor's weights beside it there, and the reference's (the
+  same size) with a reference: an upper bound where the group loads the models it scores with
+  one at a time."""
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
-  for name in ("decode", "inference"):
+  actor = programs["decode"]["analytic"]["params_bytes"]
+  for name in ("decode", "inference", "reward"):
+    if name not in programs:
+      continue
     p = programs[name]
     p.setdefault("fits_alone", p["fits"])
     p["offloaded_optimizer_bytes"] = 0 if generation_group else offloaded
     p["resident_train_bytes"] = 0 if generation_group else train["argument_bytes"] - offloaded
     if not generation_group:
       p["resident_model_bytes"] = 0
+    elif name == "reward":  # the actor, the reference (if any) and the critic
+      p["resident_model_bytes"] = actor * (2 if reference else 1) + group_critic_bytes
     elif reference:  # the other of actor and reference (the same size), and the critic
       p["resident_model_bytes"] = p["analytic"]["params_bytes"] + group_critic_bytes
     else:  # decode: the critic's copy; the critic's forward: the actor
-      p["resident_model_bytes"] = (group_critic_bytes if name == "decode" else
-                                   programs["decode"]["analytic"]["params_bytes"])
+      p["resident_model_bytes"] = group_critic_bytes if name == "decode" else actor
     p["peak_with_train_state_bytes"] = (p["peak_bytes"] + p["resident_train_bytes"] +
                                         p["resident_model_bytes"])
     p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)
@@ -925,7 +978,7 @@ def table(result: dict) -> list[str]:
   lines = [f"{'program':<11} {'arg GB':>8} {'out GB':>8} {'temp GB':>8} {'peak GB':>8} "
            f"{'+state GB':>9} {'HBM GB':>7} {'fits':>5} {'analytic GB':>11} {'TFLOP/dev':>10} "
            f"{'repl':>6} {'compile s':>9}"]
-  for name in PROGRAMS:
+  for name in program_names(result):
     p = result["programs"][name]
     with_state = p.get("peak_with_train_state_bytes")
     lines.append(f"{name:<11} {_gb(p['argument_bytes']):>8} {_gb(p['output_bytes']):>8} "
@@ -941,7 +994,7 @@ def table(result: dict) -> list[str]:
                "reads of the perfect split (decode)")
   lines.append(f"{'program':<11} {'coll GB':>8} {'coll s':>9} {'16b GB':>8} {'16b s':>9} "
                f"{'dots s':>9} {'HBM s':>9}")
-  for name in PROGRAMS:
+  for name in program_names(result):
     p = result["programs"][name]
     if "collective_s" not in p:  # a result.json written before collectives were counted
       continue
@@ -961,7 +1014,7 @@ def verdict(result: dict) -> str:
   """The table's last line: whether every program fits, the ones that do not with what would
   shrink their largest term, and, when fewer layers were compiled (config.layers), that the
   figures are of those layers, not of the model."""
-  over = [name for name in PROGRAMS if not result["programs"][name]["fits"]]
+  over = [name for name in program_names(result) if not result["programs"][name]["fits"]]
   if not over:
     line = f"verdict: every program fits in {_gb(result['programs'][PROGRAMS[0]]['hbm_bytes'])} GB"
   else:
@@ -984,6 +1037,7 @@ def verdict(result: dict) -> str:
                    "fusion.slots or rollout batch)"],
         "inference": ["smaller micro-batches (inference_microbatch: a run's "
                       "fusion.inference_micro_batch, 0 = the slots)"]}
+    temporaries["reward"] = temporaries["inference"]
     hints = []
     for name in over:
       p = result["programs"][name]
@@ -1002,9 +1056,11 @@ def verdict(result: dict) -> str:
     line = "verdict: DOES NOT FIT: " + "; ".join(hints)
   lc = result.get("layers_compiled", {})
   if lc.get("reduced"):
-    line += (f" -- for {lc['actor']} of {lc['actor_full']} actor layers and {lc['critic']} of "
-             f"{lc['critic_full']} critic layers (config.layers): not a verdict on the whole "
-             "models")
+    reward = (f", {lc['reward']} of {lc['reward_full']} reward model layers" if "reward" in lc
+              else "")
+    line += (f" -- for {lc['actor']} of {lc['actor_full']} actor layers{reward} and "
+             f"{lc['critic']} of {lc['critic_full']} critic layers (config.layers): not a "
+             "verdict on the whole models")
   return line
 
 
@@ -1017,7 +1073,7 @@ LINK_BOUND_RATIO = 2.0
 # scoring forward run a few times an iteration, which takes seconds at any real scale; a decode
 # step runs once per generated token, hundreds of times, hence its lower floor (a 1B actor decoding
 # on a mesh of 8 H100s that splits its weights gathers their 2 GB in ~5 ms a step: above it).
-LINK_BOUND_MIN_S = {"train_step": 0.01, "decode": 0.001, "inference": 0.01}
+LINK_BOUND_MIN_S = {"train_step": 0.01, "decode": 0.001, "inference": 0.01, "reward": 0.01}
 
 
 def link_bound_notes(result: dict, min_s: dict | None = None) -> list[str]:
@@ -1026,7 +1082,7 @@ def link_bound_notes(result: dict, min_s: dict | None = None) -> list[str]:
   addresses the cause this plan has (docs/usage.md "Communication at scale")."""
   floors = LINK_BOUND_MIN_S if min_s is None else min_s
   plan, lines = result["plan"], []
-  for name in PROGRAMS:
+  for name in program_names(result):
     p = result["programs"][name]
     if "collective_s" not in p:
       continue

@@ -6,6 +6,7 @@ import logging as std_logging
 import os
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -1404,3 +1405,71 @@ def test_simulated_optimizer_state_takes_the_runs_master_weights(tmp_path):
     other = dict(record, master_weights=not master)
     assert config_lib.plan_workload_differences({"workload": other}, cfg) == [
         f"master_weights={not master!r} (this run's optim.master_weights is {master!r})"]
+
+
+def test_a_run_with_a_reward_model_is_checked_with_its_forward(tmp_path):
+  """A run with reward.kind='model' scores with its reward model on the instances, beside the
+  reference; plan_check compiled no forward of it, so a reward model larger than the actor
+  (a 13B actor with a 33B reward model) went unchecked where it can be the instance's largest
+  program. apply_run takes the checkpoint's architecture (config.reward_model), and the
+  `reward` program is its scalar forward on the instance's devices and micro-batch: its weights
+  are its arguments, it fits beside the training state or the verdict names it; a plan
+  without a reward model compiles no such program."""
+  from configs import ppo_tiny
+  from tests.test_trainer_paths import write_reward_checkpoint
+  reward_cfg = llama.ModelConfig(vocab_size=22, hidden_size=64, intermediate_size=128,
+                                 num_layers=3, num_heads=4, num_kv_heads=2, max_seq_len=64,
+                                 head="scalar")
+  write_reward_checkpoint(tmp_path / "rm", reward_cfg)
+  run = ppo_tiny.get_config()
+  run.reward.kind, run.reward.model_checkpoint = "model", str(tmp_path / "rm")
+  c = plan_config.get_config("tiny")
+  assert c.reward_model == ""  # the presets' default: a reward function
+  plan_config.apply_run(c, run)
+  assert (c.reward_model.hidden_size, c.reward_model.num_layers) == (64, 3)
+  cfg = dataclasses.replace(plan_programs.PlanConfig.from_config_dict(c),
+                            cpu_upcast="as_compiled")
+  assert cfg.reward.head == "scalar" and cfg.reward_layers == 3
+  programs = plan_programs.instance_programs(cfg)
+  assert set(programs) == {"decode", "inference", "reward"}
+  reward, inference = programs["reward"], programs["inference"]
+  weights = plan_programs._nbytes(llama.param_shapes(cfg.reward)) / cfg.gen_model_shards
+  assert reward["analytic"]["params_bytes"] == weights
+  # Its arguments: its weights as the instance places them (this device's share) and the
+  # micro-batch's tokens and lengths.
+  inst = plan_programs.make_instance(cfg)
+  shapes = llama.param_shapes(cfg.reward)
+  placed = plan_programs._device_bytes(
+      mesh_lib.abstract(shapes, inst.param_shardings(cfg.reward, shapes)))
+  rows = inst.micro_batch  # (ppo_tiny generates on the training mesh: its whole batch)
+  assert reward["argument_bytes"] == placed + rows * cfg.seq_len * 4 + 2 * rows * 4
+  assert reward["argument_bytes"] > inference["argument_bytes"]  # larger than the reference
+  # The head reads one position per row: the analytic FLOPs are the backbone's and that.
+  assert reward["analytic"]["flops_per_device"] == pytest.approx(
+      plan_programs.accounting.forward_flops(cfg.reward, rows, cfg.seq_len, 1) / cfg.gen_devices)
+  assert 0.9 < reward["replication"] < 1.5
+  # Beside the training state, as decode and inference; an HBM between inference's and the
+  # reward model's peaks with that state fails the reward program alone, and the verdict names
+  # it with the micro-batch knob.
+  programs["train_step"] = {"argument_bytes": 1000, "optimizer_state_bytes": 0, "fits": True,
+                            "peak_bytes": 1000, "hbm_bytes": 0}
+  hbm = (inference["peak_bytes"] + reward["peak_bytes"]) / 2 + 1000
+  plan_programs.beside_train_state(programs, hbm, offload_optimizer=False)
+  assert reward["peak_with_train_state_bytes"] == reward["peak_bytes"] + 1000
+  assert (inference["fits"], reward["fits"]) == (True, False)
+  for p in programs.values():
+    p["hbm_bytes"] = hbm
+  programs["decode"]["fits"] = True
+  line = plan_programs.verdict({"programs": programs, "plan": {}})
+  assert line.startswith("verdict: DOES NOT FIT: reward (peak ") and (
+      "inference_microbatch" in line), line
+  result = {"programs": programs}
+  assert plan_programs.program_names(result) == ["train_step", "decode", "inference", "reward"]
+  del programs["reward"]
+  assert plan_programs.program_names(result) == ["train_step", "decode", "inference"]
+  # A plan without one: no reward program.
+  c.reward_model = ml_collections.ConfigDict()
+  assert plan_programs.PlanConfig.from_config_dict(c).reward is None
+  with pytest.raises(ValueError, match=r"config\.reward_model=3: expected '' \(no reward "
+                                       r"model\), one of \['7b'"):
+    plan_programs.PlanConfig.from_config_dict(dict(c.to_dict(), reward_model=3))
