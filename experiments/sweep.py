@@ -25,16 +25,18 @@ binary's run that finished with the same config from the same code (commit and u
 changes) and the same files its config names by path (RUN/sweep_inputs.json), its row ok in
 summary.json, its config.json and result.json in place, is kept, not run again, unless
 --rerun). A workdir holds one sweep (DIR/sweep.json: config, variant, binary); another is
-refused. Ctrl-C ends the sweep with 130 once the run in progress (which gets it too) has
-ended: the summary has the runs so far, and the sweep logs its line on where it stands (as at
-its end) and the command that continues it. A training run's wall_s sums its starts (those
-that trained: a finished run started again, with nothing left to train, keeps its wall_s).
-Each run starts
-in the repository root; a relative --config file or --workdir is the caller's (made absolute).
-`--config=configs/X.py:variant` gives every run that variant (and get_sweep the variant, if it
-takes an argument). Each run's output is appended to DIR/<run>/log.txt; --dry_run prints
-the commands and writes nothing; --only=NAME,... runs those entries alone (in their
-directories of the whole sweep; the summary keeps the other runs' earlier rows). Before
+refused, at once on this host, after up to --lock_wait_s (240 s) for one whose DIR/.lock names
+another host (a crashed node's lock on a shared filesystem lasts until the server's lease on
+it ends; a SIGTERM meanwhile ends the wait with exit 75). Ctrl-C ends the sweep with 130 once
+the run in progress (which gets it too) has ended: the summary has the runs so far, and the
+sweep logs its line on where it stands (as at its end) and the command that continues it. A
+training run's wall_s sums its starts (those that trained: a finished run started again, with
+nothing left to train, keeps its wall_s). Each run starts in the repository root; a relative
+--config file or --workdir is the caller's (made absolute). `--config=configs/X.py:variant`
+gives every run that variant (and get_sweep the variant, if it takes an argument). Each run's
+output is appended to DIR/<run>/log.txt; --dry_run prints the commands and writes nothing;
+--only=NAME,... runs those entries alone (in their directories of the whole sweep; the summary
+keeps the other runs' earlier rows). Before
 anything runs, every overridden field (the entries' and the sweep's own --config.* flags) must
 exist in the file's get_config(): a misspelled one is named once, with the closest field,
 instead of failing every run; likewise a value its field's type does not take.
@@ -48,6 +50,7 @@ import difflib
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import shlex
@@ -80,6 +83,8 @@ _RERUN = flags.DEFINE_bool("rerun", False, "run every entry again, also a one-sh
 _LOCK_WAIT = flags.DEFINE_float("lock_wait_s", 240.0, "seconds to wait for the workdir's lock "
                                 "when a sweep on another host holds it (0: refuse at once)",
                                 lower_bound=0.0)
+flags.register_validator("lock_wait_s", math.isfinite,  # nan passes the bound, then waited for ever
+                         message="expected a finite number of seconds >= 0")
 
 
 def load_sweep(config_path: str) -> list[dict]:
@@ -793,7 +798,9 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
     os.makedirs(workdir, exist_ok=True)
     # One sweep per workdir: two at once each found the other's run holding its directory,
     # called it failed (exit 1) and wrote a summary of runs "failed" that the other finished.
-    lock = wd.WorkdirLock(workdir, wait_s=lock_wait_s, wait_field="--lock_wait_s")
+    # A SIGTERM while it waits ends the wait (exit 75 in main; _Signals only records it).
+    lock = wd.WorkdirLock(workdir, wait_s=lock_wait_s, wait_field="--lock_wait_s",
+                          stop=lambda: bool(signals.signum))
     wd.write_json(os.path.join(workdir, SWEEP_FILE), identity)
   try:
     return _run_locked(binary, config, workdir, passthrough, dry_run, signals, runs, summary,
@@ -956,6 +963,9 @@ def main(argv):
   try:
     rows, complete = run_sweep(_CONFIG.value, _BINARY.value, _WORKDIR.value, _PASSTHROUGH,
                                _DRY.value, _ONLY.value, _RERUN.value, _LOCK_WAIT.value)
+  except wd.LockWaitStopped as e:
+    logging.error("%s: nothing ran; the same command starts the sweep again", e)
+    sys.exit(STOPPED)
   except KeyboardInterrupt:
     # (the line on where the sweep stands came before: _run_locked's)
     logging.error("interrupted: %s has the runs so far; to continue, run the same command "

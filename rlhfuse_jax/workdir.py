@@ -18,7 +18,7 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 from absl import logging
@@ -238,6 +238,11 @@ class WorkdirInUseError(RuntimeError):
   report it as one line, like bad input)."""
 
 
+class LockWaitStopped(Exception):
+  """WorkdirLock's wait for a holder on another host ended by its `stop` callback (a signal
+  to stop came meanwhile): nothing was locked or written."""
+
+
 class MainProcessError(RuntimeError):
   """What process i > 0 of a multi-process run raises when process 0 failed a step only it
   takes (parallel/distributed.run_on_main_process: the workdir lock, moving an earlier start's
@@ -282,10 +287,17 @@ class WorkdirLock:
   onto another node right after the crash found its workdir "in use" and ended. `wait_s`: how
   long to wait for a holder on another host (polling, a log line every 30 s); a holder on this
   host is alive (its kernel would have dropped the lock) and fails at once. `wait_field`: the
-  config field that sets wait_s, named in the refusal."""
+  config field that sets wait_s, named in the refusal. `stop`: asked at every poll of the wait;
+  True ends it with LockWaitStopped (a caller whose signal handler only records a SIGTERM kept
+  waiting the whole wait_s, and its scheduler's SIGKILL came first)."""
 
-  def __init__(self, workdir: str, wait_s: float = 0.0, wait_field: Optional[str] = None):
+  def __init__(self, workdir: str, wait_s: float = 0.0, wait_field: Optional[str] = None,
+               stop: Optional[Callable[[], bool]] = None):
     self._f: Optional[Any] = None  # set first: __del__ runs even when open() below fails
+    if not (isinstance(wait_s, (int, float)) and 0 <= wait_s < float("inf")):
+      # (nan waited for ever: `waited >= nan` is never true)
+      raise ValueError(f"{wait_field or 'wait_s'}={wait_s!r}: expected a finite number of "
+                       "seconds >= 0")
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, ".lock")
     self._f = open(self.path, "a+")
@@ -312,6 +324,11 @@ class WorkdirLock:
         self._f = None
         raise WorkdirInUseError(self._refusal(workdir, holder, host, waited, wait_s,
                                               wait_field)) from None
+      if stop is not None and stop():
+        self._f.close()
+        self._f = None
+        raise LockWaitStopped(f"stopped after waiting {waited:.0f} s for the lock of "
+                              f"{workdir}, held by {holder}")
       if logged is None or waited - logged >= 30:
         logged = waited
         logging.warning("workdir %s is locked by %s, on another host; waiting up to %.0f s more "

@@ -217,6 +217,37 @@ def test_a_second_sweep_on_a_workdir_in_use_is_refused_before_any_run(tmp_path):
                    r"; waited [12] s \(--lock_wait_s=1: how long a start waits", out.stderr), (
                        out.stderr[-3000:])
   assert sorted(os.listdir(tmp_path / "sw2")) == [".lock"]
+  # A SIGTERM during the wait (a scheduler's stop) ends it at once with exit 75, which a
+  # requeue rule acts on: the handler that records it for the run in progress kept the sweep
+  # waiting out --lock_wait_s, then exiting 1.
+  other = _hold_as(str(tmp_path / "sw2"), "pid 7 on node-that-crashed (start 11)")
+  log = tmp_path / "sweep_wait.log"
+  try:
+    with open(log, "w") as err:
+      proc = subprocess.Popen(
+          [sys.executable, "-m", "experiments.sweep", f"--config={cfg}",
+           "--binary=schedule_search", f"--workdir={tmp_path / 'sw2'}", "--lock_wait_s=120"],
+          cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.time() + 120
+    while "waiting up to" not in log.read_text():
+      assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+      time.sleep(0.2)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 75, log.read_text()[-3000:]
+    assert time.time() - t0 < 15
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    other.close()
+  text = log.read_text()
+  assert re.search(r"stopped after waiting [0-9]+ s for the lock of .*: nothing ran; the same "
+                   r"command starts the sweep again", text), text[-3000:]
+  assert sorted(os.listdir(tmp_path / "sw2")) == [".lock"]
+  nan = _run(["experiments.sweep", f"--config={cfg}", "--binary=schedule_search",
+              f"--workdir={tmp_path / 'sw3'}", "--lock_wait_s=nan"])
+  assert nan.returncode != 0 and "expected a finite number of seconds >= 0" in nan.stderr, (
+      nan.stderr[-3000:])
 
 
 def test_sweep_takes_a_config_variant(tmp_path):

@@ -181,3 +181,22 @@ def test_no_wait_refuses_another_hosts_lock_at_once_and_says_it_may_be_stale(tmp
     wd.WorkdirLock(str(tmp_path))
   assert time.monotonic() - t0 < 1.0
   holder.close()
+
+
+def test_a_stop_asked_during_the_wait_ends_it_and_a_wait_must_be_finite(tmp_path):
+  """`stop` is asked at every poll of the wait: a sweep's SIGTERM handler only records the
+  signal, and the sweep waited out the whole --lock_wait_s before exiting 1 (a scheduler's
+  SIGKILL usually came first). A wait of nan waited for ever (`waited >= nan` is never true)."""
+  holder = _hold_as(str(tmp_path), "pid 7 on node-that-crashed (start 11)")
+  asked = []
+  t0 = time.monotonic()
+  with pytest.raises(wd.LockWaitStopped, match=r"^stopped after waiting [0-9]+ s for the lock "
+                     r"of .* held by pid 7 on node-that-crashed \(start 11\)$"):
+    wd.WorkdirLock(str(tmp_path), wait_s=60, stop=lambda: asked.append(1) or len(asked) >= 2)
+  assert len(asked) == 2 and time.monotonic() - t0 < 10  # the second poll, about 2 s in
+  holder.close()
+  wd.WorkdirLock(str(tmp_path)).release()  # nothing of the stopped wait kept the lock
+  for bad in (float("nan"), float("inf"), -1.0):
+    with pytest.raises(ValueError, match=r"^--lock_wait_s=.*: expected a finite number of "
+                                         r"seconds >= 0$"):
+      wd.WorkdirLock(str(tmp_path), wait_s=bad, wait_field="--lock_wait_s")
