@@ -333,7 +333,8 @@ def get_config(arg: str = "tiny"):
   # as_compiled keeps the plain compile's figures.
   c.cpu_upcast = "per_layer"
   # True: the trainer's optim.offload_during_rollout (the optimizer state in host memory while the
-  # instances generate and score): decode's and inference's fit counts the parameters only.
+  # instances generate and score): decode's and the scoring programs' fit counts the parameters
+  # only.
   c.offload_optimizer = False
   # The trainer's optim.master_weights: AdamW steps a float32 copy of the 16-bit weights, with
   # float32 moments (2 + 4 + 4 + 4 bytes of state per parameter, not 2 + 2 + 2): mixed
@@ -343,7 +344,8 @@ def get_config(arg: str = "tiny"):
   # The trainer's optim.zero1: the optimizer state split over the model's copies (the data axis,
   # a pipelined critic's replicas), as the simulator's plans assume (sim/cost_model.py ZeRO-1).
   c.zero1 = not section
-  # instances: decode and inference on one instance of gen_tp devices (gen_slots slots);
+  # instances: decode and scoring (inference, reward) on one instance of gen_tp devices
+  # (gen_slots slots);
   # mesh: the trainer's default plan.generation, on the training mesh (pp 1), gen_slots = the
   # rollout batch, scored whole.
   c.generation = "instances"

@@ -84,7 +84,7 @@ def main(argv):
   if _RUN_CONFIG.value is not None:
     fields = config.to_dict()
     # replaced by the run's (sections or presets; its reward model's architecture or none)
-    fields.pop("actor"), fields.pop("critic"), fields.pop("reward_model")
+    fields.pop("actor"), fields.pop("critic"), fields.pop("reward_model", None)
     config = ml_collections.ConfigDict(fields)
     try:
       run = plan_config.apply_run(config, _RUN_CONFIG.value,

@@ -63,7 +63,7 @@ One CPU artefact is corrected by default (`cpu_upcast="per_layer"`): XLA:CPU run
 in float32 and, compiled as is, hoists the float32 copy of every weight out of the decode loop
 (while-loop-invariant code motion), a copy as large as twice the weights that XLA:GPU, with
 native bfloat16 dots, never makes (checked on one H100: docs/results.md). With 16-bit weights on
-a CPU backend the instance's two programs are therefore compiled with the layers scanned and that
+a CPU backend the instance's programs are therefore compiled with the layers scanned and that
 pass off (`compiler_options`, this compile only), so the copy is made one layer at a time inside
 the layer loop: their temp_bytes then over-count a GPU's by about one layer's float32 weights
 and the LM head's (outside the layer loop, still converted whole). Each program is also compiled
@@ -338,6 +338,11 @@ class PlanConfig:
                                 d["attention"], d["seq_len"], d.get("scan_layers", False))
       models["reward_layers"] = _model(reward, "reward_model", "scalar", 0, "none",
                                        d["attention"], d["seq_len"]).num_layers
+      if isinstance(reward, str):  # a preset: the actor's numerics and vocabulary, as the
+        # trainer gives a reward model (build.reward_model_config; it shares the tokenizer)
+        actor = models["actor"]
+        models["reward"] = models["reward"].replace(
+            dtype=actor.dtype, param_dtype=actor.param_dtype, vocab_size=actor.vocab_size)
     cfg = cls(**models, **{k: d[k] for k in (
         "pp", "critic_pp", "tp", "dp", "fsdp", "minibatch_size", "microbatch_size", "seq_len",
         "response_len", "intra_stage", "search_time_s", "gen_tp", "gen_slots", "chunk_size",
@@ -603,9 +608,11 @@ def measure(lowered: Any, hardware: hw_lib.Hardware,
 
 def per_layer_upcast(cfg: PlanConfig) -> bool:
   """Whether the instance's programs are compiled per layer (module docstring): cpu_upcast is
-  per_layer, the backend is XLA:CPU and the actor's weights are 16-bit."""
+  per_layer, the backend is XLA:CPU and the actor's or the reward model's weights are 16-bit
+  (each program then reports the smaller of its two compiles)."""
+  models = [cfg.actor] + ([] if cfg.reward is None else [cfg.reward])
   return (cfg.cpu_upcast == "per_layer" and jax.default_backend() == "cpu" and
-          jnp.dtype(cfg.actor.param_dtype).itemsize == 2)
+          any(jnp.dtype(m.param_dtype).itemsize == 2 for m in models))
 
 
 def instance_programs(cfg: PlanConfig) -> dict:
@@ -829,10 +836,11 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   del lowered
   logging.info("train_step: compiled in %.1fs", programs["train_step"]["compile_s"])
   programs.update(instance_programs(cfg))
-  critic = (_nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_model_shards
-            if cfg.generation_devices and cfg.group_critic else 0.0)
-  beside_train_state(programs, hbm, cfg.offload_optimizer, bool(cfg.generation_devices), critic,
-                     cfg.reference)
+  critic = _nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_model_shards
+  group = bool(cfg.generation_devices)
+  beside_train_state(programs, hbm, cfg.offload_optimizer, group,
+                     critic if group and cfg.group_critic else 0.0, cfg.reference,
+                     cfg.generation, critic_copy_bytes=0.0 if group else critic)
   models = {"actor": cfg.actor, "critic": cfg.critic}
   full = {"actor": cfg.actor_layers, "critic": cfg.critic_layers}
   if cfg.reward is not None:
@@ -905,26 +913,56 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
 
 def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
                        generation_group: bool = False, group_critic_bytes: float = 0.0,
-                       reference: bool = True) -> None:
-  """Decode's and inference's fit on top of the training state. The trainer keeps the actor's
-  and critic's training state (stage shards of parameters and AdamW moments: the train step's
-  arguments) on every device for the whole run, and the generation instances and the freed
-  instances' inference run on those same devices: what decides whether they fit is their peak
-  on top of that state, less the moments when the trainer moves them to host memory during the
-  rollout (optim.offload_during_rollout). (On the training mesh decode reads the state's own
-  actor, counted twice here, and the reference kept there beside it is not counted: the two
-  are the same size.) `generation_group`: asynchronous PPO's generation devices, which keep no
-  training state but the actor and the reference whole beside each other: each program's peak
-  plus the other model's weights (the same size as its own), plus `group_critic_bytes` (the
-  critic's weights per device) where the group also holds the critic. Without a `reference`
-  (algo.kl_coef=0) the group holds none: decode has the critic's copy beside it (if any), and
-  the inference program, the critic's forward, the actor's weights. A reward model's forward
-  (`reward`, when measured) has the actor's weights beside it there, and the reference's (the
-  same size) with a reference: an upper bound where the group loads the models it scores with
-  one at a time."""
+                       reference: bool = True, generation: str = "instances",
+                       critic_copy_bytes: float = 0.0) -> None:
+  """What stays on a program's devices beside it, and whether the program fits with that.
+
+  The training state: the trainer keeps the actor's and critic's (stage shards of parameters
+  and AdamW moments: the train step's arguments) on every training device for the whole run,
+  and the generation instances, the freed instances' inference and the serial stage run on
+  those same devices: decode and the scoring programs fit when their peak on top of that state
+  does, less the moments when the trainer moves them to host memory during the rollout
+  (optim.offload_during_rollout).
+
+  The models, per device of the generation layout (each program's analytic params_bytes: the
+  actor's for decode, the reference's (the actor's size), the reward model's):
+  - asynchronous PPO's generation group (`generation_group`) keeps no training state but the
+    actor, the reference (with a `reference`; none at algo.kl_coef=0), the reward model and,
+    where the group also scores values (`group_critic_bytes`: the critic's weights per device),
+    the critic whole beside each other (build.Models.frozen_to_mesh): each program has those
+    other than its own beside it (an upper bound on the group's instances, which load the
+    scoring models from host memory when freed);
+  - instances on the training devices (`generation`="instances"): the frozen models wait in
+    host memory and an instance freed for inference loads all its scoring models at once
+    (generation/fused.InferenceQueue._load): the reference, the critic's copy
+    (`critic_copy_bytes`: plan_check checks with a critic) and the reward model; each scoring
+    program has the others beside it, decode none;
+  - the serial stage on the training mesh (`generation`="mesh"): the reference and the reward
+    model stay on the mesh for the whole run, the train step included (its
+    peak_with_train_state_bytes here is its peak plus them); decode reads the state's own
+    actor, counted twice in its figures, which stands for the reference (the same size), so
+    decode has the reward model beside it."""
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
   actor = programs["decode"]["analytic"]["params_bytes"]
+  frozen = {"reference": actor if reference else 0.0,
+            "reward": programs["reward"]["analytic"]["params_bytes"] if "reward" in programs
+            else 0.0}
+  own = {"decode": "actor", "inference": "reference" if reference else "critic",
+         "reward": "reward"}
+  serial = generation == "mesh" and not generation_group
+  if generation_group:
+    kept = {"actor": actor, "critic": group_critic_bytes, **frozen}
+  elif serial:
+    kept = frozen
+    own["decode"] = "reference"  # its second count of the actor
+  else:
+    kept = {"critic": critic_copy_bytes, **frozen}
+  if serial:
+    train.setdefault("fits_alone", train["fits"])
+    train["resident_model_bytes"] = sum(kept.values())
+    train["peak_with_train_state_bytes"] = train["peak_bytes"] + train["resident_model_bytes"]
+    train["fits"] = bool(train["peak_with_train_state_bytes"] <= hbm)
   for name in ("decode", "inference", "reward"):
     if name not in programs:
       continue
@@ -932,14 +970,9 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     p.setdefault("fits_alone", p["fits"])
     p["offloaded_optimizer_bytes"] = 0 if generation_group else offloaded
     p["resident_train_bytes"] = 0 if generation_group else train["argument_bytes"] - offloaded
-    if not generation_group:
-      p["resident_model_bytes"] = 0
-    elif name == "reward":  # the actor, the reference (if any) and the critic
-      p["resident_model_bytes"] = actor * (2 if reference else 1) + group_critic_bytes
-    elif reference:  # the other of actor and reference (the same size), and the critic
-      p["resident_model_bytes"] = p["analytic"]["params_bytes"] + group_critic_bytes
-    else:  # decode: the critic's copy; the critic's forward: the actor
-      p["resident_model_bytes"] = group_critic_bytes if name == "decode" else actor
+    idle = name == "decode" and not (generation_group or serial)  # nothing loaded yet
+    p["resident_model_bytes"] = 0.0 if idle else sum(
+        v for k, v in kept.items() if k != own[name])
     p["peak_with_train_state_bytes"] = (p["peak_bytes"] + p["resident_train_bytes"] +
                                         p["resident_model_bytes"])
     p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)
@@ -1041,11 +1074,12 @@ def verdict(result: dict) -> str:
     hints = []
     for name in over:
       p = result["programs"][name]
-      # decode and inference: what decides is their peak beside what the trainer keeps on the
-      # same devices (their own peak alone was shown, below the HBM it exceeds)
-      beside = max(0.0, p.get("peak_with_train_state_bytes", 0.0) - p["peak_bytes"]) if (
-          name != PROGRAMS[0]) else 0.0
-      kept = "the models" if p.get("resident_model_bytes") else "the training state"
+      # What decides is the peak beside what stays on the same devices (beside_train_state;
+      # the program's own peak alone was shown, below the HBM it exceeds): the larger of the
+      # training state and the models kept there names it.
+      beside = max(0.0, p.get("peak_with_train_state_bytes", 0.0) - p["peak_bytes"])
+      kept = ("the models" if p.get("resident_model_bytes", 0) > p.get("resident_train_bytes", 0)
+              else "the training state")
       terms = {"temporaries": p["temp_bytes"], "arguments": p["argument_bytes"],
                f"{kept} beside it": beside}
       largest = max(terms, key=terms.get)

@@ -68,12 +68,16 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
     assert p["peak_bytes"] == (p["argument_bytes"] + p["output_bytes"] + p["temp_bytes"] -
                                p["alias_bytes"])
     assert p["fits"] is True and p["flops_per_device"] > 0
-  # Generation and inference run on devices that keep the training state (its arguments).
+  # Generation and inference run on devices that keep the training state (its arguments); a
+  # freed instance loads the critic's copy beside the reference (generation/fused.py
+  # InferenceQueue._load places every scoring model at once), decode has no model beside it.
   state = stored["programs"]["train_step"]["argument_bytes"]
-  for name in ("decode", "inference"):
+  critic = plan_programs._nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_tp
+  for name, beside in (("decode", 0), ("inference", critic)):
     p = stored["programs"][name]
     assert p["resident_train_bytes"] == state > 0
-    assert p["peak_with_train_state_bytes"] == p["peak_bytes"] + state
+    assert p["resident_model_bytes"] == beside
+    assert p["peak_with_train_state_bytes"] == p["peak_bytes"] + state + beside
     assert p["fits"] == (p["peak_with_train_state_bytes"] <= p["hbm_bytes"])
     assert p["offloaded_optimizer_bytes"] == 0  # the tiny plan keeps its moments on device
   # The decode step's dot FLOPs are exactly the analytic count (no repeated work at gen_tp 1..).
@@ -112,7 +116,8 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
   for name in ("decode", "inference"):
     p = programs[name]
     assert p["resident_train_bytes"] == train["argument_bytes"] - moments
-    assert p["peak_with_train_state_bytes"] == p["peak_bytes"] + p["resident_train_bytes"]
+    assert p["peak_with_train_state_bytes"] == (p["peak_bytes"] + p["resident_train_bytes"] +
+                                                p["resident_model_bytes"])
     assert p["fits"] is False and p["fits_alone"] is True  # judged against the 1-byte HBM
 
 
@@ -1448,18 +1453,20 @@ def test_a_run_with_a_reward_model_is_checked_with_its_forward(tmp_path):
   assert reward["analytic"]["flops_per_device"] == pytest.approx(
       plan_programs.accounting.forward_flops(cfg.reward, rows, cfg.seq_len, 1) / cfg.gen_devices)
   assert 0.9 < reward["replication"] < 1.5
-  # Beside the training state, as decode and inference; an HBM between inference's and the
-  # reward model's peaks with that state fails the reward program alone, and the verdict names
-  # it with the micro-batch knob.
+  # Beside the training state, as decode and inference (beside_train_state's other cases:
+  # test_what_stays_beside_each_program_follows_where_the_run_scores); the verdict names a
+  # reward program that does not fit with its micro-batch knob.
   programs["train_step"] = {"argument_bytes": 1000, "optimizer_state_bytes": 0, "fits": True,
                             "peak_bytes": 1000, "hbm_bytes": 0}
-  hbm = (inference["peak_bytes"] + reward["peak_bytes"]) / 2 + 1000
-  plan_programs.beside_train_state(programs, hbm, offload_optimizer=False)
-  assert reward["peak_with_train_state_bytes"] == reward["peak_bytes"] + 1000
-  assert (inference["fits"], reward["fits"]) == (True, False)
+  plan_programs.beside_train_state(programs, 1e12, offload_optimizer=False, generation="mesh")
+  # The serial stage keeps the reference on the mesh beside the reward model's forward.
+  assert reward["resident_model_bytes"] == programs["decode"]["analytic"]["params_bytes"]
+  assert reward["peak_with_train_state_bytes"] == (reward["peak_bytes"] + 1000 +
+                                                   reward["resident_model_bytes"])
+  hbm = reward["peak_with_train_state_bytes"] - 1
   for p in programs.values():
-    p["hbm_bytes"] = hbm
-  programs["decode"]["fits"] = True
+    p["hbm_bytes"], p["fits"] = hbm, True
+  reward["fits"] = False
   line = plan_programs.verdict({"programs": programs, "plan": {}})
   assert line.startswith("verdict: DOES NOT FIT: reward (peak ") and (
       "inference_microbatch" in line), line
@@ -1473,3 +1480,56 @@ def test_a_run_with_a_reward_model_is_checked_with_its_forward(tmp_path):
   with pytest.raises(ValueError, match=r"config\.reward_model=3: expected '' \(no reward "
                                        r"model\), one of \['7b'"):
     plan_programs.PlanConfig.from_config_dict(dict(c.to_dict(), reward_model=3))
+
+
+def test_what_stays_beside_each_program_follows_where_the_run_scores():
+  """beside_train_state on hand-made figures (per device: the actor and so the reference 30,
+  the reward model 20, the critic 10; training state 100): what each program has beside it
+  where the run scores. The serial stage keeps the reference and the reward model on the
+  training mesh for the whole run, the train step included (decode's own figures count the
+  actor twice, standing for the reference); instances load every scoring model at once when
+  freed (the critic's copy too) and nothing while they decode; an asynchronous generation
+  group keeps them all whole beside each other."""
+  def programs(reward=True):
+    out = {"train_step": {"argument_bytes": 100, "optimizer_state_bytes": 40, "peak_bytes": 150,
+                          "fits": True},
+           "decode": {"peak_bytes": 50, "fits": True, "analytic": {"params_bytes": 30}},
+           "inference": {"peak_bytes": 40, "fits": True, "analytic": {"params_bytes": 30}}}
+    if reward:
+      out["reward"] = {"peak_bytes": 35, "fits": True, "analytic": {"params_bytes": 20}}
+    return out
+
+  def beside(**kw):
+    p = programs(kw.pop("reward", True))
+    plan_programs.beside_train_state(p, 1000, False, **kw)
+    return {k: v.get("resident_model_bytes") for k, v in p.items()}, p
+
+  got, p = beside(generation="mesh")
+  assert got == {"train_step": 50, "decode": 20, "inference": 20, "reward": 30}
+  assert p["train_step"]["peak_with_train_state_bytes"] == 200
+  assert p["reward"]["peak_with_train_state_bytes"] == 35 + 100 + 30
+  got, _ = beside(generation="mesh", reference=False)  # the critic's forward, no reference
+  assert got == {"train_step": 20, "decode": 20, "inference": 20, "reward": 0}
+  got, _ = beside(generation="mesh", reward=False)  # as before the reward program
+  assert got == {"train_step": 30, "decode": 0, "inference": 0}
+  got, p = beside(critic_copy_bytes=10)  # instances
+  assert got == {"train_step": None, "decode": 0, "inference": 30, "reward": 40}
+  assert "peak_with_train_state_bytes" not in p["train_step"]
+  got, _ = beside(critic_copy_bytes=10, reference=False)
+  assert got == {"train_step": None, "decode": 0, "inference": 20, "reward": 10}
+  got, p = beside(generation_group=True, group_critic_bytes=10)
+  assert got == {"train_step": None, "decode": 60, "inference": 60, "reward": 70}
+  assert p["reward"]["resident_train_bytes"] == 0
+  got, _ = beside(generation_group=True, reference=False)
+  assert got == {"train_step": None, "decode": 20, "inference": 50, "reward": 30}
+  # The train step fits only with the frozen models beside it, and the verdict says so.
+  p = programs()
+  plan_programs.beside_train_state(p, 180, False, generation="mesh")
+  assert (p["train_step"]["fits"], p["train_step"]["fits_alone"]) == (False, True)
+  for v in p.values():
+    v.update(hbm_bytes=180, temp_bytes=10, argument_bytes=v.get("argument_bytes", 10))
+  for name in ("decode", "inference", "reward"):
+    p[name]["fits"] = True
+  line = plan_programs.verdict({"programs": p, "plan": {}})
+  assert line.startswith("verdict: DOES NOT FIT: train_step (peak 2.00e-07 of 1.80e-07 GB with "
+                         "the models; largest: arguments"), line
