@@ -1192,7 +1192,7 @@ def test_a_sigterm_while_the_last_save_commits_keeps_it(tmp_path, monkeypatch, c
 
   def signalled_end(self, failing):  # a preemption notice arrives while the last save commits
     sent.append(True)
-    os.kill(os.getpid(), signal.SIGTERM)
+    signal.raise_signal(signal.SIGTERM)
     return end(self, failing)
   monkeypatch.setattr(hooks.Checkpoints, "end", signalled_end)
   cfg = tiny_config(**{"num_iterations": 2, "checkpoint.every": 1})
@@ -1211,7 +1211,7 @@ def test_a_sigterm_during_the_last_iteration_completes_the_run(tmp_path, monkeyp
   iteration = PPOTrainer.iteration
 
   def signalled(self, it):  # a preemption notice arrives while the iteration runs
-    os.kill(os.getpid(), signal.SIGTERM)
+    signal.raise_signal(signal.SIGTERM)
     return iteration(self, it)
   monkeypatch.setattr(PPOTrainer, "iteration", signalled)
   cfg = tiny_config(**{"num_iterations": 2, "checkpoint.every": 5})

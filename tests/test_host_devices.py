@@ -383,9 +383,13 @@ def test_a_ctrl_c_reaches_the_launcher_and_every_process_that_handles_sigint(tmp
       tmp_path / "python",
       f'exec {sys.executable} -c "import os, signal, sys, time\n'
       'print(\'ignored at start\', signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n'
+      # One write per line (os.write): the launcher's SIGTERM can come while the SIGINT
+      # handler prints, and print's separate writes of 'got', ' 2' and the newline, cut by the
+      # SIGTERM handler's exit, left 'gotgot 15' on a loaded machine.
+      'say = lambda s: os.write(1, (\'got %d\\\\n\' % s).encode())\n'
       'if os.environ[\'HANDLE\'] == \'1\':\n'
-      '  signal.signal(signal.SIGINT, lambda s, f: print(\'got\', s, flush=True))\n'
-      'signal.signal(signal.SIGTERM, lambda s, f: (print(\'got\', s, flush=True), sys.exit(75)))\n'
+      '  signal.signal(signal.SIGINT, lambda s, f: say(s))\n'
+      'signal.signal(signal.SIGTERM, lambda s, f: (say(s), sys.exit(75)))\n'
       'print(\'ready\', flush=True)\n'
       'time.sleep(30)" "$@"')
   for handle, got in (("1", ["got 2", "got 15"]), ("0", ["got 15"])):

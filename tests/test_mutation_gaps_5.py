@@ -158,7 +158,7 @@ def test_a_set_up_signal_that_stops_the_loop_gives_the_handlers_back(monkeypatch
     was = gc.isenabled()
     gc.disable()  # the handler must not run inside jax's gc callback (test_train_ppo_binary)
     try:
-      os.kill(os.getpid(), signal.SIGTERM)  # recorded for the next agreement, not raised
+      signal.raise_signal(signal.SIGTERM)  # recorded for the next agreement, not raised
     finally:
       if was:
         gc.enable()

@@ -144,14 +144,16 @@ def test_a_signal_during_set_up_exits_with_the_stopped_status(tmp_path):
 
 
 def _signal_self(sig):
-  """os.kill(own pid, sig) with automatic garbage collection off until the handler has run.
-  Python runs a handler at its next bytecode boundary; a collection there would run it inside
-  jax's gc callback, where its exception is swallowed ("Exception ignored in _xla_gc_callback")
-  instead of reaching the test."""
+  """`sig` to this thread (raise(3): its C handler has run when it returns; os.kill to the
+  process may deliver it to another of jax's or xdist's threads later, and an assert right after
+  it failed on a loaded machine), with automatic garbage collection off until the handler has
+  run. Python runs a handler at its next bytecode boundary; a collection there would run it
+  inside jax's gc callback, where its exception is swallowed ("Exception ignored in
+  _xla_gc_callback") instead of reaching the test."""
   was = gc.isenabled()
   gc.disable()
   try:
-    os.kill(os.getpid(), sig)
+    signal.raise_signal(sig)
   finally:
     if was:
       gc.enable()
