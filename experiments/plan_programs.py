@@ -840,7 +840,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   group = bool(cfg.generation_devices)
   beside_train_state(programs, hbm, cfg.offload_optimizer, group,
                      critic if group and cfg.group_critic else 0.0, cfg.reference,
-                     cfg.generation, critic_copy_bytes=0.0 if group else critic)
+                     cfg.generation, critic_copy_bytes=0.0 if group else critic,
+                     pipelined=cfg.pp > 1)
   models = {"actor": cfg.actor, "critic": cfg.critic}
   full = {"actor": cfg.actor_layers, "critic": cfg.critic_layers}
   if cfg.reward is not None:
@@ -914,7 +915,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
 def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
                        generation_group: bool = False, group_critic_bytes: float = 0.0,
                        reference: bool = True, generation: str = "instances",
-                       critic_copy_bytes: float = 0.0) -> None:
+                       critic_copy_bytes: float = 0.0, pipelined: bool = False) -> None:
   """What stays on a program's devices beside it, and whether the program fits with that.
 
   The training state: the trainer keeps the actor's and critic's (stage shards of parameters
@@ -939,9 +940,11 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     program has the others beside it, decode none;
   - the serial stage on the training mesh (`generation`="mesh"): the reference and the reward
     model stay on the mesh for the whole run, the train step included (its
-    peak_with_train_state_bytes here is its peak plus them); decode reads the state's own
-    actor, counted twice in its figures, which stands for the reference (the same size), so
-    decode has the reward model beside it."""
+    peak_with_train_state_bytes here is its peak plus them); unpipelined, decode reads the
+    state's own actor, counted twice in its figures, which stands for the reference (the same
+    size: an over-count without one), so decode has the reward model beside it; `pipelined`
+    (pp > 1), its actor is a gathered copy beside the stage shards of the state, and the
+    reference is beside it too."""
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
   actor = programs["decode"]["analytic"]["params_bytes"]
@@ -955,7 +958,8 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     kept = {"actor": actor, "critic": group_critic_bytes, **frozen}
   elif serial:
     kept = frozen
-    own["decode"] = "reference"  # its second count of the actor
+    if not pipelined:
+      own["decode"] = "reference"  # its second count of the actor
   else:
     kept = {"critic": critic_copy_bytes, **frozen}
   if serial:
@@ -1056,8 +1060,18 @@ def verdict(result: dict) -> str:
         "fsdp", "more stages or tensor devices"]
     offload = [] if plan.get("offload_optimizer") else [
         "offload_optimizer (a run's optim.offload_during_rollout)"]
+    # The models kept beside: where the run keeps them (beside_train_state).
+    if plan.get("generation_devices"):
+      models = ["more generation devices (generation_devices: a run's "
+                "async_ppo.generation_devices)"]
+    elif plan.get("generation") == "mesh":
+      models = ["generation on instances (a run's plan.generation='instances' or "
+                "fusion.inter_stage: the frozen models wait in host memory)"]
+    else:
+      models = ["more devices per instance (gen_tp: a run's fusion.instance_devices or "
+                "plan.generation_tp)"]
     fixes = {"arguments": split, "the training state beside it": offload + split,
-             "the models beside it": []}
+             "the models beside it": models}
     # Temporaries: each program's own knob, with the run's field (plan_check --run_config
     # says config.<field> of the run; "smaller or more micro-batches" named neither).
     temporaries = {
@@ -1075,18 +1089,19 @@ def verdict(result: dict) -> str:
     for name in over:
       p = result["programs"][name]
       # What decides is the peak beside what stays on the same devices (beside_train_state;
-      # the program's own peak alone was shown, below the HBM it exceeds): the larger of the
-      # training state and the models kept there names it.
-      beside = max(0.0, p.get("peak_with_train_state_bytes", 0.0) - p["peak_bytes"])
-      kept = ("the models" if p.get("resident_model_bytes", 0) > p.get("resident_train_bytes", 0)
-              else "the training state")
+      # the program's own peak alone was shown, below the HBM it exceeds): the training state
+      # and the models kept there, each a term of its own with its own remedy.
+      beside = {"the training state": p.get("resident_train_bytes", 0),
+                "the models": p.get("resident_model_bytes", 0)}
       terms = {"temporaries": p["temp_bytes"], "arguments": p["argument_bytes"],
-               f"{kept} beside it": beside}
+               **{f"{kept} beside it": b for kept, b in beside.items()}}
       largest = max(terms, key=terms.get)
       fix = temporaries[name] if largest == "temporaries" else fixes[largest]
       remedy = f": {', '.join(fix)}" if fix else ""
-      hints.append(f"{name} (peak {_gb(p['peak_bytes'] + beside)} of {_gb(p['hbm_bytes'])} GB"
-                   + (f" with {kept}" if beside else "") + f"; largest: {largest}{remedy})")
+      kept = " and ".join(k for k, b in beside.items() if b)
+      hints.append(f"{name} (peak {_gb(p['peak_bytes'] + sum(beside.values()))} of "
+                   f"{_gb(p['hbm_bytes'])} GB" + (f" with {kept}" if kept else "") +
+                   f"; largest: {largest}{remedy})")
     line = "verdict: DOES NOT FIT: " + "; ".join(hints)
   lc = result.get("layers_compiled", {})
   if lc.get("reduced"):

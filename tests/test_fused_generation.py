@@ -5,6 +5,7 @@ choice, and clear errors."""
 import dataclasses
 import threading
 import types
+import weakref
 
 import jax
 import numpy as np
@@ -120,6 +121,31 @@ def test_identical_outputs_with_and_without_consolidation(runs):
   # What consolidation saved: each run's chunks without it are the baseline's own.
   for out in (base, early, late):
     assert out.metrics["gen/instance_chunks_unfused"] == base.metrics["gen/instance_chunks"]
+
+
+def test_an_actor_given_as_a_callable_is_made_once_and_freed_once_placed(one_device, runs,
+                                                                         monkeypatch):
+  """run() takes the actor as a callable too (the trainer's FusedStage passes one): it is
+  called once, as the actor is placed, and the copy it made is freed once placed. A pipelined
+  trainer's gathered whole actor, passed as an argument, lived until run() returned: a second
+  actor on every training device through the whole generation. Same samples as the arrays."""
+  gen, actor, params = one_device
+  (tokens, lens, budgets), base, _, _ = runs
+  made, alive_at_inference = [], []
+
+  def make():  # a copy for this call, on a device no instance uses (placing copies it)
+    copy = jax.device_put(actor, jax.devices()[7])
+    made.append(weakref.ref(jax.tree.leaves(copy)[0]))
+    return copy
+  load = fused.InferenceQueue._load
+
+  def loading(self, i):  # an instance freed for inference: the generation has run
+    alive_at_inference.append(made[-1]() is not None)
+    return load(self, i)
+  monkeypatch.setattr(fused.InferenceQueue, "_load", loading)
+  out = gen.run(make, params, tokens, lens, KEY, budgets=budgets, fuse=False)
+  assert len(made) == 1 and alive_at_inference and not any(alive_at_inference)
+  assert_same_samples(out, base)
 
 
 def test_metrics_and_timeline(one_device, runs):

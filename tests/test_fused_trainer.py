@@ -183,3 +183,44 @@ def test_an_async_generation_group_checks_its_own_share_of_each_process(monkeypa
   rollout.check_instances_within_processes("fusion.instance_devices", 4, 8)  # all devices
   with pytest.raises(ValueError, match=r"divisor of each process's 4 devices \(2 processes\)"):
     rollout.check_instances_within_processes("fusion.instance_devices", 3, 8)
+
+
+def test_both_fusions_train_and_hand_the_instances_no_gathered_copy(tmp_path, monkeypatch):
+  """Inter-stage fusion beside a pipelined update (the README's main job, ppo_tiny:fused, on a
+  smaller model): it trains, and the rollout stage hands the generator the actor as a callable
+  (its gathered copy freed once placed) and the critic as a host copy (not a second critic on
+  every training device through the generation)."""
+  seen = []
+  real = rollout.fused_lib.FusedGenerator.run
+
+  def run(self, actor_params, frozen_params, *args, **kwargs):
+    seen.append((callable(actor_params), {n: type(jax.tree.leaves(p)[0]).__module__
+                                          for n, p in frozen_params.items()}))
+    return real(self, actor_params, frozen_params, *args, **kwargs)
+  monkeypatch.setattr(rollout.fused_lib.FusedGenerator, "run", run)
+  cfg = tiny(**{"num_iterations": 2, "mesh.stage": 2, "mesh.data": 4,
+                "fusion.inter_stage": True, "fusion.intra_stage": True,
+                "model.num_layers": 2, "critic_model.num_layers": 2,
+                "pipeline.actor_microbatches": 2, "pipeline.critic_microbatches": 2,
+                "pipeline.search_time_s": 0.3, "pipeline.xla_opt_level": 0})
+  trainer = PPOTrainer(cfg, str(tmp_path), mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()))
+  assert isinstance(trainer.rollout, rollout.FusedStage) and trainer.rollout.gathered
+  history = trainer.run()
+  assert [h["step"] for h in history] == [1, 2]
+  assert all(np.isfinite(h["actor/pg_loss"]) and np.isfinite(h["critic/vf_loss"]) and
+             h["pipeline/schedule"] == "fused" for h in history)
+  assert len(seen) == 2 and all(actor for actor, _ in seen), seen
+  for _, frozen in seen:  # host copies: the reference (frozen) and now the critic
+    assert frozen == {"reference": "numpy", "critic": "numpy"}, frozen
+
+
+def test_a_pipelined_runs_critic_waits_in_host_memory_for_the_instances():
+  """A pipelined update's params("critic") is a gathered copy of the whole critic on every
+  training device, which FusedStage kept there from before the generation to its end, beside
+  the instances: it now hands the instances a host copy, as the frozen models wait (an instance
+  freed for inference copies it onto its devices). A plain update's are the training state's
+  own arrays, handed on as they are (no copy)."""
+  x = {"w": jax.device_put(np.arange(4, dtype=np.float32))}
+  host = rollout.FusedStage._instance_ready(x, gathered=True)
+  assert isinstance(host["w"], np.ndarray) and host["w"].tolist() == [0, 1, 2, 3]
+  assert rollout.FusedStage._instance_ready(x, gathered=False)["w"] is x["w"]

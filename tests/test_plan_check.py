@@ -309,9 +309,29 @@ def test_a_decode_that_fits_only_alone_is_named_with_the_training_state_beside_i
   assert plan_programs.verdict(result).endswith(
       "largest: the training state beside it: fsdp, more stages or tensor devices)")
   decode.update(resident_train_bytes=0, resident_model_bytes=85.08e9 - 10.77e9)  # async group
+  result["plan"]["generation_devices"] = 4
   assert plan_programs.verdict(result) == (
       "verdict: DOES NOT FIT: decode (peak 85.08 of 80.00 GB with the models; largest: the "
-      "models beside it)")
+      "models beside it: more generation devices (generation_devices: a run's "
+      "async_ppo.generation_devices))")
+  # Both beside it: the peak counts both, each is a term with its own remedy (the models, a
+  # little larger, hid the training state's before); where the run keeps the models says
+  # what frees them.
+  decode.update(resident_train_bytes=30e9, resident_model_bytes=44.31e9)
+  result["plan"].update(generation_devices=0, generation="mesh")
+  assert plan_programs.verdict(result) == (
+      "verdict: DOES NOT FIT: decode (peak 85.08 of 80.00 GB with the training state and the "
+      "models; largest: the models beside it: generation on instances (a run's "
+      "plan.generation='instances' or fusion.inter_stage: the frozen models wait in host "
+      "memory))")
+  decode.update(resident_train_bytes=44.31e9, resident_model_bytes=30e9)
+  result["plan"]["generation"] = "instances"
+  assert plan_programs.verdict(result).endswith(
+      "largest: the training state beside it: fsdp, more stages or tensor devices)")
+  decode.update(resident_train_bytes=30e9, resident_model_bytes=44.31e9)
+  assert plan_programs.verdict(result).endswith(
+      "largest: the models beside it: more devices per instance (gen_tp: a run's "
+      "fusion.instance_devices or plan.generation_tp))")
 
 
 def test_table_reads_at_every_scale_in_the_same_units():
@@ -1508,6 +1528,10 @@ def test_what_stays_beside_each_program_follows_where_the_run_scores():
   assert got == {"train_step": 50, "decode": 20, "inference": 20, "reward": 30}
   assert p["train_step"]["peak_with_train_state_bytes"] == 200
   assert p["reward"]["peak_with_train_state_bytes"] == 35 + 100 + 30
+  # Pipelined, decode's actor is a gathered copy beside the state's stage shards: the
+  # reference does not hide in it.
+  got, _ = beside(generation="mesh", pipelined=True)
+  assert got == {"train_step": 50, "decode": 50, "inference": 20, "reward": 30}
   got, _ = beside(generation="mesh", reference=False)  # the critic's forward, no reference
   assert got == {"train_step": 20, "decode": 20, "inference": 20, "reward": 0}
   got, _ = beside(generation="mesh", reward=False)  # as before the reward program

@@ -405,7 +405,9 @@ class FusedGenerator:
           rt: Optional[float] = None, models: Optional[Sequence[str]] = None) -> FusedOutput:
     """Generates and scores one batch.
 
-    actor_params: on any devices (copied onto every instance, timed separately);
+    actor_params: on any devices (copied onto every instance, timed separately), or a callable
+      that returns them, called once as they are placed (a copy made for this call, such as a
+      pipelined trainer's gathered actor, is then freed once placed, not held to the end);
     frozen_params: {'reference'|'critic'|'reward': params} for the models in FrozenModels,
       kept where the caller holds them (host memory for frozen models) until an instance is
       freed for inference; prompt_tokens [B, <=P] right-padded, prompt_lens [B], uids [B]
@@ -436,7 +438,7 @@ class FusedGenerator:
       # with "'NoneType' object is not callable".
       self._require_rt_model("run(rt='auto')")
     t_place = time.perf_counter()
-    actor_params = self.place_actor(actor_params)
+    actor_params = self.place_actor(actor_params() if callable(actor_params) else actor_params)
     jax.block_until_ready(list(actor_params.values()))
     place_s = time.perf_counter() - t_place
     choice = None

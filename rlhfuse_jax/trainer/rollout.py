@@ -161,6 +161,7 @@ def score_rollout(stage: Any, rollout: Any, params: WholeParams, prompts: Prompt
       critic = place_critic(critic, m)
     t0 += time.time() - t_fetch
     values = stage.scorer.values(stage.critic_cfg, critic, batch)
+    del critic  # a pipelined update's gathered copy: not beside the reward model's pass
   scores, reward_metrics, terms = stage.rewards.scored_terms(batch, prompts.records)
   m["timing_s/inference"] = time.time() - t0
   m.update(reward_metrics)
@@ -248,6 +249,7 @@ class FusedStage:
     # config/fuse: InstancesStage's (config.plan.generation='instances'); else config.fusion.
     self.config = config or check_fusion(cfg, len(devices))
     self.fuse = fuse
+    self.gathered = cfg.mesh.stage > 1  # params(model) gathers a copy (update.Update.whole)
     self.pad_id, self.use_critic = pad_id, critic_shapes is not None
     # reference None (algo.kl_coef=0): no instance loads, compiles or runs it.
     frozen = FrozenModels(reference=cfg.model if reference is not None else None,
@@ -276,13 +278,16 @@ class FusedStage:
     # A pass that measures the costs for Rt 'auto' (the generator's first batch: a validation
     # pass run before any training batch, HeldOutEval called on a new stage) needs the critic.
     if self.use_critic and (use_critic or self.generator.measures_costs(self.fuse)):
-      frozen["critic"] = self._instance_ready(params("critic"))
+      frozen["critic"] = self._instance_ready(params("critic"), self.gathered)
     # rewards_only: the reward model alone (if any) is loaded onto the freed instances and run.
     models = (["reward"] if self.rewards.from_model else []) if rewards_only else None
     # The actor as placed for training: the generator reshards it onto its instances on the
-    # devices, also across processes (FusedGenerator.place_actor).
-    out = self.generator.run(params("actor"), frozen, prompts.tokens, prompts.lens, key,
-                             uids=prompts.uids, fuse=self.fuse, models=models)
+    # devices, also across processes (FusedGenerator.place_actor). Passed as a callable, which
+    # the generator calls as it places it: a pipelined update's gathered whole actor (a copy on
+    # every training device) is then dropped once placed; an argument lives until the call
+    # returns, and that copy sat beside the instances through the whole generation.
+    out = self.generator.run(functools.partial(params, "actor"), frozen, prompts.tokens,
+                             prompts.lens, key, uids=prompts.uids, fuse=self.fuse, models=models)
     rollout = out.rollout
     batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
     values = out.values if use_critic else np.zeros(rollout.logprobs.shape, np.float32)
@@ -297,11 +302,13 @@ class FusedStage:
                         scores=scores, metrics=metrics, reward_terms=terms)
 
   @staticmethod
-  def _instance_ready(params: Any) -> Any:
+  def _instance_ready(params: Any, gathered: bool) -> Any:
     """Params an instance freed for inference can copy onto its devices: as they are in one
     process; with several, host copies (the critic: any instance may be freed, so every process
-    keeps it whole)."""
-    if jax.process_count() == 1:
+    keeps it whole); host copies too when `gathered` (a pipelined update's whole critic is a
+    gathered copy on every training device, which sat beside the instances through the whole
+    generation: now only the frozen models' way, host memory, until an instance loads it)."""
+    if jax.process_count() == 1 and not gathered:
       return params
     return mesh_lib.to_host(params)
 
