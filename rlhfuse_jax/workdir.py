@@ -294,7 +294,8 @@ class WorkdirLock:
   def __init__(self, workdir: str, wait_s: float = 0.0, wait_field: Optional[str] = None,
                stop: Optional[Callable[[], bool]] = None):
     self._f: Optional[Any] = None  # set first: __del__ runs even when open() below fails
-    if not (isinstance(wait_s, (int, float)) and 0 <= wait_s < float("inf")):
+    if not (isinstance(wait_s, (int, float)) and not isinstance(wait_s, bool) and
+            0 <= wait_s < float("inf")):
       # (nan waited for ever: `waited >= nan` is never true)
       raise ValueError(f"{wait_field or 'wait_s'}={wait_s!r}: expected a finite number of "
                        "seconds >= 0")
@@ -319,16 +320,23 @@ class WorkdirLock:
       holder = (self._f.read().strip().splitlines() or ["unknown"])[0]
       host = lock_holder_host(holder)
       waited = time.monotonic() - start
-      if host is None or host == socket.gethostname() or waited >= wait_s:
+      elsewhere = host is not None and host != socket.gethostname()
+      try:  # asked before the refusal: a signal in the last poll's interval is a stop too
+        stopped = elsewhere and wait_s > 0 and stop is not None and stop()
+      except BaseException:
         self._f.close()
         self._f = None
-        raise WorkdirInUseError(self._refusal(workdir, holder, host, waited, wait_s,
-                                              wait_field)) from None
-      if stop is not None and stop():
+        raise
+      if stopped:
         self._f.close()
         self._f = None
         raise LockWaitStopped(f"stopped after waiting {waited:.0f} s for the lock of "
                               f"{workdir}, held by {holder}")
+      if not elsewhere or waited >= wait_s:
+        self._f.close()
+        self._f = None
+        raise WorkdirInUseError(self._refusal(workdir, holder, host, waited, wait_s,
+                                              wait_field)) from None
       if logged is None or waited - logged >= 30:
         logged = waited
         logging.warning("workdir %s is locked by %s, on another host; waiting up to %.0f s more "

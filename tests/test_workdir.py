@@ -196,7 +196,14 @@ def test_a_stop_asked_during_the_wait_ends_it_and_a_wait_must_be_finite(tmp_path
   assert len(asked) == 2 and time.monotonic() - t0 < 10  # the second poll, about 2 s in
   holder.close()
   wd.WorkdirLock(str(tmp_path)).release()  # nothing of the stopped wait kept the lock
-  for bad in (float("nan"), float("inf"), -1.0):
+  # A stop that comes in the wait's last poll interval is a stop (exit 75 for a sweep), not
+  # the refusal at its end (exit 1).
+  holder = _hold_as(str(tmp_path), "pid 7 on node-that-crashed (start 11)")
+  t0 = time.monotonic()
+  with pytest.raises(wd.LockWaitStopped):
+    wd.WorkdirLock(str(tmp_path), wait_s=1, stop=lambda: time.monotonic() - t0 >= 0.9)
+  holder.close()
+  for bad in (float("nan"), float("inf"), -1.0, True):
     with pytest.raises(ValueError, match=r"^--lock_wait_s=.*: expected a finite number of "
                                          r"seconds >= 0$"):
       wd.WorkdirLock(str(tmp_path), wait_s=bad, wait_field="--lock_wait_s")
