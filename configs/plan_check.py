@@ -293,8 +293,8 @@ def get_config(arg: str = "tiny"):
   # pp / critic_pp replicas share each data shard's rows
   c.critic_microbatch_size = 0
   # Asynchronous PPO (the trainer's async_ppo.generation_devices): generation and inference on
-  # that many devices of their own, holding the actor and the reference whole and no training
-  # state; 0: on the training devices
+  # that many devices of their own, holding the actor, the reference and the reward model
+  # whole (the critic too with group_critic) and no training state; 0: on the training devices
   c.generation_devices = 0
   c.group_critic = False  # the group also holds the critic (async_ppo.staleness 0)
   # The run builds a reference model (the trainer's algo.kl_coef > 0): the inference program is
@@ -304,7 +304,8 @@ def get_config(arg: str = "tiny"):
   # is its algo.kl_coef's.
   c.reference = True
   # The reward model the instances score with beside the reference (a run's reward.kind=
-  # 'model'): the `reward` program, its scalar forward on one inference micro-batch. '' : a
+  # 'model'): the `reward` program, its scalar forward on one inference micro-batch (mesh:
+  # the whole rollout batch). '' : a
   # reward function (no program); a preset of configs/ppo_llama.py SHAPES ('33b'); set by a
   # run (run/, --run_config) to its checkpoint's architecture. (Set below, after the variants:
   # a run's sets a section in place of the string.)
@@ -345,9 +346,8 @@ def get_config(arg: str = "tiny"):
   # a pipelined critic's replicas), as the simulator's plans assume (sim/cost_model.py ZeRO-1).
   c.zero1 = not section
   # instances: decode and scoring (inference, reward) on one instance of gen_tp devices
-  # (gen_slots slots);
-  # mesh: the trainer's default plan.generation, on the training mesh (pp 1), gen_slots = the
-  # rollout batch, scored whole.
+  # (gen_slots slots); mesh: the trainer's default plan.generation, on the training mesh
+  # (pp > 1: stage folded into data), gen_slots = the rollout batch, scored whole.
   c.generation = "instances"
 
   if arg == "tiny":

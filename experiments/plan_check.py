@@ -34,7 +34,8 @@ module level: main() sets `--xla_force_host_platform_device_count` to the plan's
 first (parallel/host_devices.py; a count already in XLA_FLAGS or JAX_NUM_CPU_DEVICES is
 replaced, the other flags kept), then imports the programs module.
 
-Docs: docs/results.md ("Plan check"), docs/usage.md ("GPU, TPU and many hosts").
+Docs: docs/results.md ("Plan check"), docs/usage.md ("Memory at scale", "GPU, TPU and many
+hosts").
 """
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ Measured per program, per device (SPMD: XLA compiles one program per device):
              cost_model.py), KV cache, and FLOPs per device if the plan split the
              work perfectly (perf/accounting.py formulas)
   replication  flops_per_device / analytic useful FLOPs per device (1.0: no repeated work)
-  fits       peak_bytes <= the hardware preset's HBM bytes
+  fits       the peak plus what stays on its devices beside it (beside_train_state) <= the
+             hardware preset's HBM bytes; fits_alone: the peak alone
   collective_bytes  per kind, the buffer bytes each device's collectives move, loops counted
              (perf/hlo_flops.py; a decode chunk's loop counts once: one step)
   collective_s  those collectives one after another on the hardware preset (the simulator's
@@ -892,16 +893,16 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
           "layers_compiled": "with reduced=true every number is of the compiled layer counts "
                              "(config.layers), not of the full models",
           "cpu": "XLA:CPU buffer assignment: temp_bytes estimate XLA:GPU's",
-          "fits": "train_step: its peak <= hbm_bytes; decode, inference and reward: their peak "
-                  "plus resident_train_bytes (the training state that stays on the same devices: "
+          "fits": "peak_with_train_state_bytes <= hbm_bytes (fits_alone: the program's peak "
+                  "by itself): for decode, inference and reward their peak plus "
+                  "resident_train_bytes (the training state that stays on the same devices: "
                   "train_step's argument bytes, minus offloaded_optimizer_bytes when "
-                  "offload_optimizer) <= hbm_bytes (fits_alone: the program by itself); on "
-                  "an asynchronous PPO generation group (generation_devices > 0) their peak "
-                  "plus resident_model_bytes instead (the other of actor and reference, "
-                  "both for reward, kept whole beside it on the group's mesh; an upper bound "
-                  "on instances, which "
-                  "load the reference from host memory); no headroom (the simulator plans "
-                  "with 90 % of HBM)",
+                  "offload_optimizer; 0 on an asynchronous PPO generation group) plus "
+                  "resident_model_bytes (the models kept beside it where the run keeps them: "
+                  "a freed instance's other scoring models, the serial stage's reference and "
+                  "reward model, the group's other models); for train_step its peak, plus "
+                  "on the serial stage the reference and reward model kept on the mesh; no "
+                  "headroom (the simulator plans with 90 % of HBM)",
           "gpu_flops": "on a GPU backend library calls (cuBLAS / cuDNN custom-calls) hold most "
                        "dots, which hlo_flops does not count: flops_per_device and replication "
                        "undercount there",

@@ -24,10 +24,11 @@ runs it again: train_ppo runs resume, and a one-shot
 binary's run that finished with the same config from the same code (commit and uncommitted
 changes) and the same files its config names by path (RUN/sweep_inputs.json), its row ok in
 summary.json, its config.json and result.json in place, is kept, not run again, unless
---rerun). A workdir holds one sweep (DIR/sweep.json: config, variant, binary); another is
-refused, at once on this host, after up to --lock_wait_s (240 s) for one whose DIR/.lock names
-another host (a crashed node's lock on a shared filesystem lasts until the server's lease on
-it ends; a SIGTERM meanwhile ends the wait with exit 75). Ctrl-C ends the sweep with 130 once
+--rerun). A workdir holds one sweep (DIR/sweep.json: config, variant, binary; another is
+refused). A second start while one runs is refused (DIR/.lock): at once when the holder is on
+this host, after up to --lock_wait_s (240 s) when it names another host (a crashed node's lock
+on a shared filesystem lasts until the server's lease on it ends; a SIGTERM or SIGHUP
+meanwhile ends the wait with exit 75). Ctrl-C ends the sweep with 130 once
 the run in progress (which gets it too) has ended: the summary has the runs so far, and the
 sweep logs its line on where it stands (as at its end) and the command that continues it. A
 training run's wall_s sums its starts (those that trained: a finished run started again, with
@@ -630,7 +631,8 @@ def run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str]
   It ends early, after writing the summary, when a run stops with exit 75 (stopped by a
   signal; re-running resumes it) or the sweep gets SIGTERM. `only`: the run names to run (all:
   None); `rerun`: run a one-shot binary's finished runs again; `lock_wait_s`: how long to wait
-  for the workdir's lock held by a sweep on another host (workdir.WorkdirLock)."""
+  for the workdir's lock held by a sweep on another host (workdir.WorkdirLock; a signal during
+  that wait raises workdir.LockWaitStopped, nothing written)."""
   with _Signals() as signals:
     return _run_sweep(config, binary, workdir, passthrough, dry_run, signals, only, rerun,
                       lock_wait_s)

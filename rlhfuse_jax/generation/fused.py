@@ -17,7 +17,8 @@ One batch, step by step (`FusedGenerator.run`):
      fits, nothing moves and the reason is logged.
   4. Streaming inference (fused mode): a finished sample joins the inference queue at once. An
      instance holding no unfinished sample (released, or its samples all done) loads the frozen
-     models' weights from host memory (the critic's from its training devices) and runs full
+     models' weights from host memory (the critic's from its training devices, or a host copy:
+     trainer/rollout.FusedStage._instance_ready) and runs full
      micro-batches of reference log-probs, critic values and reward-model scores while the tail
      still decodes; what is left runs when generation ends, one micro-batch per instance
      (those freed first, then the least loaded), on as many instances as it has micro-batches.
@@ -406,8 +407,9 @@ class FusedGenerator:
     """Generates and scores one batch.
 
     actor_params: on any devices (copied onto every instance, timed separately), or a callable
-      that returns them, called once as they are placed (a copy made for this call, such as a
-      pipelined trainer's gathered actor, is then freed once placed, not held to the end);
+      that returns them, called once just before they are placed (a copy made for this call,
+      such as a pipelined trainer's gathered actor, is then freed once placed, not held to the
+      end);
     frozen_params: {'reference'|'critic'|'reward': params} for the models in FrozenModels,
       kept where the caller holds them (host memory for frozen models) until an instance is
       freed for inference; prompt_tokens [B, <=P] right-padded, prompt_lens [B], uids [B]
@@ -437,8 +439,12 @@ class FusedGenerator:
       # measurement): the first batch took the prior Rt, and the second failed in choose_rt
       # with "'NoneType' object is not callable".
       self._require_rt_model("run(rt='auto')")
+    # A callable's copy made before the placement's clock (the trainer times its gather apart:
+    # timing_s/reshard) and dropped once placed.
+    whole = actor_params() if callable(actor_params) else actor_params
     t_place = time.perf_counter()
-    actor_params = self.place_actor(actor_params() if callable(actor_params) else actor_params)
+    actor_params = self.place_actor(whole)
+    del whole
     jax.block_until_ready(list(actor_params.values()))
     place_s = time.perf_counter() - t_place
     choice = None
@@ -620,7 +626,8 @@ class InferenceQueue:
       self.loads[i] = self.loader.submit(self._load, i)
 
   def _load(self, i: int) -> dict:
-    """Frozen models from host memory, the critic from its training devices."""
+    """Frozen models from host memory, the critic from its training devices (a host copy with
+    several processes or a pipelined update: trainer/rollout.FusedStage._instance_ready)."""
     t0, inst = self.log.now(), self.gen.instances[i]
     placed = {n: inst.place(c, self.frozen_params[n]) for n, c in self.models.items()}
     self.log.record(i, "load", jax.tree.leaves(placed), since=t0)

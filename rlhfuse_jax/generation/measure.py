@@ -19,9 +19,9 @@ Measured on this process's first instance (and its second for migration), each t
                `latency_s` per moved sample (rows are copied whole: max_len, not the length).
   weight_load  the copy of every inference model onto an instance freed for inference, as the
                engine loads them (the frozen ones from host memory, the critic from where the
-               caller holds it: the trainer's training devices), in the bytes copied (the
-               models' own dtypes: the file's byte_unit "stored", policy/calibration.py; bf16,
-               2 a parameter whatever the dtype, until 2026-12-04).
+               caller holds it: the trainer's training devices, or host memory), in the bytes
+               copied (the models' own dtypes: the file's byte_unit "stored",
+               policy/calibration.py; bf16, 2 a parameter whatever the dtype, until 2026-12-04).
   devices_share_compute: true on the CPU platform (fake devices are one processor).
 """
 from __future__ import annotations
@@ -123,7 +123,8 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   if gen.models:
     # The load of a freed instance (fused.InferenceQueue._load): every inference model from
     # where the caller holds it, the critic included (the trainer's: its training devices in one
-    # process, a host copy with several; bench_generation's: host memory). Its first micro-batch
+    # process, a host copy with several or with a pipelined update; bench_generation's: host
+    # memory). Its first micro-batch
     # waits for all of them, so the critic's copy is charged too: it was left out of the timing
     # but its bytes charged at the frozen models' rate, and not at all without one of them.
     load_s = median_s(place_all, repeats)

@@ -31,7 +31,7 @@ def sim_setup(gen: FusedGenerator) -> tuple:
                    max_consolidations=max(cfg.max_consolidations, 1), stream_inference=True,
                    inference_microbatch=cfg.micro_batch, kv_capacity_tokens=gen.kv_capacity,
                    # every inference model is copied onto a freed instance (the critic too,
-                   # from its training devices; measure_costs times that load)
+                   # from its training devices or host memory; measure_costs times that load)
                    offload_frozen=bool(gen.models),
                    devices_share_compute=measure.shares_compute(gen))
   return actor, frozen, setup
