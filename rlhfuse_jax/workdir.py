@@ -303,46 +303,43 @@ class WorkdirLock:
     self.path = os.path.join(workdir, ".lock")
     self._f = open(self.path, "a+")
     start, logged = time.monotonic(), None
-    while True:
-      try:
-        fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        break
-      except OSError as e:
-        # (after a holder was seen, any error is that holder's: never go on unlocked beside it)
-        if logged is None and e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-          # A filesystem without flock (some network mounts): run unlocked rather than never.
-          logging.warning("cannot lock %s (%s): running without the one-run-per-workdir lock",
-                          self.path, e)
-          self._f.close()
-          self._f = None
-          return
-      self._f.seek(0)
-      holder = (self._f.read().strip().splitlines() or ["unknown"])[0]
-      host = lock_holder_host(holder)
-      waited = time.monotonic() - start
-      elsewhere = host is not None and host != socket.gethostname()
-      try:  # asked before the refusal: a signal in the last poll's interval is a stop too
-        stopped = elsewhere and wait_s > 0 and stop is not None and stop()
-      except BaseException:
-        self._f.close()
-        self._f = None
-        raise
-      if stopped:
-        self._f.close()
-        self._f = None
-        raise LockWaitStopped(f"stopped after waiting {waited:.0f} s for the lock of "
-                              f"{workdir}, held by {holder}")
-      if not elsewhere or waited >= wait_s:
-        self._f.close()
-        self._f = None
-        raise WorkdirInUseError(self._refusal(workdir, holder, host, waited, wait_s,
-                                              wait_field)) from None
-      if logged is None or waited - logged >= 30:
-        logged = waited
-        logging.warning("workdir %s is locked by %s, on another host; waiting up to %.0f s more "
-                        "for it (a crashed host's lock lasts until the shared filesystem's lease "
-                        "on it ends)", workdir, holder, wait_s - waited)
-      time.sleep(min(2.0, max(wait_s - waited, 0.0)))
+    try:
+      while True:
+        try:
+          fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+          break
+        except OSError as e:
+          # (after a holder was seen, any error is that holder's: never go on unlocked beside it)
+          if logged is None and e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            # A filesystem without flock (some network mounts): run unlocked rather than never.
+            logging.warning("cannot lock %s (%s): running without the one-run-per-workdir lock",
+                            self.path, e)
+            self._f.close()
+            self._f = None
+            return
+        self._f.seek(0)
+        holder = (self._f.read().strip().splitlines() or ["unknown"])[0]
+        host = lock_holder_host(holder)
+        waited = time.monotonic() - start
+        elsewhere = host is not None and host != socket.gethostname()
+        # (asked before the refusal: a signal in the last poll's interval is a stop too)
+        if elsewhere and wait_s > 0 and stop is not None and stop():
+          raise LockWaitStopped(f"stopped after waiting {waited:.0f} s for the lock of "
+                                f"{workdir}, held by {holder}")
+        if not elsewhere or waited >= wait_s:
+          raise WorkdirInUseError(self._refusal(workdir, holder, host, waited, wait_s,
+                                                wait_field)) from None
+        if logged is None or waited - logged >= 30:
+          logged = waited
+          logging.warning("workdir %s is locked by %s, on another host; waiting up to %.0f s "
+                          "more for it (a crashed host's lock lasts until the shared "
+                          "filesystem's lease on it ends)", workdir, holder, wait_s - waited)
+        time.sleep(min(2.0, max(wait_s - waited, 0.0)))
+    except BaseException:
+      # Nothing locked: no open file behind a refusal, a stop, or an error in `stop` or the wait.
+      self._f.close()
+      self._f = None
+      raise
     if logged is not None:
       logging.info("workdir %s: locked after waiting %.0f s for the run on another host",
                    workdir, time.monotonic() - start)
