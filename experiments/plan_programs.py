@@ -968,7 +968,7 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     train["resident_model_bytes"] = sum(kept.values())
     train["peak_with_train_state_bytes"] = train["peak_bytes"] + train["resident_model_bytes"]
     train["fits"] = bool(train["peak_with_train_state_bytes"] <= hbm)
-  for name in ("decode", "inference", "reward"):
+  for name in PROGRAMS[1:] + OPTIONAL_PROGRAMS:  # the generation devices' programs
     if name not in programs:
       continue
     p = programs[name]
