@@ -19,6 +19,7 @@ from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from tests.test_train_ppo_binary import REPO, SMALL
 from tests.test_trainer import tiny_config
+from tests.test_workdir import _hold_as
 from tests.xla_env import free_port, subprocess_env
 
 
@@ -123,7 +124,8 @@ def test_two_processes_match_one_process(tmp_path):
 def test_a_locked_workdir_stops_every_process_at_once(tmp_path):
   """Only process 0 takes the workdir lock; the others learn its refusal instead of waiting in
   the run's first collective. The local launcher refuses such a workdir itself, before it
-  appends anything to the running job's logs."""
+  appends anything to the running job's logs. A stop signal during process 0's wait for a
+  holder on another host stops every process at once."""
   wd = str(tmp_path / "mp")
   holder = wdlib.WorkdirLock(wd)  # another run holds the workdir
   t0 = time.time()
@@ -143,19 +145,59 @@ def test_a_locked_workdir_stops_every_process_at_once(tmp_path):
   assert f"workdir {wd} is in use by another run (pid {os.getpid()}" in launched.stderr
   assert not os.path.exists(f"{wd}.proc0.log")
 
+  # A holder on another host (a crashed node's lock on a shared filesystem): process 0 waits
+  # for it (config.lock_wait_s, 240 s). A scheduler's SIGTERM to every process stops them all
+  # within a poll or two, with the stopped status (requeue): the first signal of a
+  # multi-process set-up is only recorded, and the wait went on for all of its 240 s.
+  other = _hold_as(wd, "pid 7 on node-that-crashed (start 11)")
+  logs = [tmp_path / f"wait{i}.log" for i in range(2)]
+  files = [open(log, "w") for log in logs]
+  try:
+    procs = _start_two([wd, wd], outs=files)
+    deadline = time.time() + 120
+    while "waiting up to" not in logs[0].read_text():
+      assert all(p.poll() is None for p in procs) and time.time() < deadline, (
+          logs[0].read_text()[-3000:])
+      time.sleep(0.2)
+    t0 = time.time()
+    for p in procs:
+      p.send_signal(signal.SIGTERM)
+    codes = [p.wait(timeout=60) for p in procs]
+    took = time.time() - t0
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+    for f in files:
+      f.close()
+    other.close()
+  text = logs[0].read_text()
+  assert codes == [75, 75], text[-3000:]
+  assert took < 20, took
+  assert "stopped after waiting" in text and "came before training began" in text, text[-3000:]
+  assert sorted(os.listdir(wd)) == [".lock"]  # nothing of a run written
+
+
+def _start_two(workdirs, per_process_args=((), ()), cwds=(REPO, REPO), outs=(None, None)):
+  """train_ppo started on 2 processes x 2 CPU devices (--distributed on 127.0.0.1), each in its
+  `cwds` entry, writing to its `outs` file (None: a pipe): the two Popens."""
+  env = subprocess_env(2, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  port = free_port()
+  return [subprocess.Popen([sys.executable, "-m", "experiments.train_ppo",
+                            f"--config={REPO}/configs/ppo_tiny.py", f"--workdir={workdirs[i]}",
+                            "--distributed", f"--coordinator_address=127.0.0.1:{port}",
+                            "--num_processes=2", f"--process_id={i}", *SMALL,
+                            *per_process_args[i]], cwd=cwds[i], env=env,
+                           stdout=outs[i] or subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+          for i in range(2)]
+
 
 def _two_processes(tmp_path, workdirs, per_process_args=((), ()), cwds=(REPO, REPO)):
   """train_ppo on 2 processes x 2 CPU devices (--distributed on 127.0.0.1), each started in its
   `cwds` entry: their outputs."""
-  env = subprocess_env(2, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  port = free_port()
-  procs = [subprocess.Popen([sys.executable, "-m", "experiments.train_ppo",
-                             f"--config={REPO}/configs/ppo_tiny.py", f"--workdir={workdirs[i]}",
-                             "--distributed", f"--coordinator_address=127.0.0.1:{port}",
-                             "--num_processes=2", f"--process_id={i}", *SMALL,
-                             *per_process_args[i]],
-                            cwd=cwds[i], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  del tmp_path
+  procs = _start_two(workdirs, per_process_args, cwds)
   try:
     return [(p.communicate(timeout=300)[0], p.returncode) for p in procs]
   finally:

@@ -204,8 +204,11 @@ def test_several_processes_stop_together_when_a_signal_came_during_set_up(monkey
   monkeypatch.setattr(distributed, "max_over_processes", lambda v: max(v, others))
   before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
   with hooks.stop_before_training():
+    assert not hooks.setup_signal_pending()
     if mine:
       _signal_self(mine)  # recorded, not raised: the set-up goes on
+    # (what ends process 0's wait for the workdir lock: trainer/loop.py)
+    assert hooks.setup_signal_pending() == bool(mine)
     flag = hooks.StopFlag()
     if mine or others:
       with pytest.raises(hooks.StoppedBeforeTraining) as stopped:
@@ -215,8 +218,8 @@ def test_several_processes_stop_together_when_a_signal_came_during_set_up(monkey
       flag.begin(0)
       flag.end(failing=False)
   assert {sig: signal.getsignal(sig) for sig in before} == before
-  # The set-up's other points of agreement (trainer/loop.py: after reading the checkpoints,
-  # around the restore) stop as soon as one is reached; the signal is then used up.
+  # The set-up's other points of agreement (trainer/loop.py: after the workdir lock, after
+  # reading the checkpoints, around the restore) stop as soon as one is reached; the signal is then used up.
   with hooks.stop_before_training():
     if mine:
       _signal_self(mine)

@@ -131,11 +131,19 @@ def stop_before_training():
     _LOOP["pending"] = 0  # a later run's StopFlag has no set-up signal of this one's
 
 
+def setup_signal_pending() -> bool:
+  """Whether a stop signal came during set-up and waits, only recorded, for the next agreement
+  point (agree_setup_signal; several processes only: one process's first signal raises at
+  once). For a wait that would hold the set-up long before reaching one (the workdir lock's
+  wait for a holder on another host, WorkdirLock's `stop`)."""
+  return bool(_LOOP["pending"]) and not _LOOP["began"]
+
+
 def agree_setup_signal() -> None:
   """Raises StoppedBeforeTraining on every process when a signal came during set-up on any of
   them (recorded by stop_before_training): one tiny collective, at points of the set-up every
-  process reaches in the same order (after reading the checkpoints, around the restore, when
-  the loop begins), so a preempted run stops soon after the signal, all processes alike."""
+  process reaches in the same order (after the workdir lock, after reading the checkpoints,
+  around the restore, when the loop begins), so a preempted run stops soon after the signal, all processes alike."""
   signum = (distributed.max_over_processes(_LOOP["pending"]) if jax.process_count() > 1 else
             _LOOP["pending"])
   _LOOP["pending"] = 0

@@ -164,9 +164,13 @@ class PPOTrainer:
     self._lock, self._ran = None, False
     try:
       self._lock = distributed.run_on_main_process(
-          lambda: wd.WorkdirLock(workdir, cfg.lock_wait_s, "config.lock_wait_s"),
+          lambda: self._lock_workdir(workdir, cfg.lock_wait_s),
           f"workdir {workdir} could not be locked by process 0 (another run holds it, or the "
           "lock file cannot be written: process 0's log says which); use another --workdir")
+      # A stop that ended process 0's wait for the lock (its _lock None) stops every process
+      # here, together (hooks.StoppedBeforeTraining: exit 75, nothing written).
+      hooks.agree_setup_signal()
+      assert self._lock is not None or jax.process_index() != 0
       # Every process reads back the token process 0 just wrote there: a workdir that is not
       # one directory on every host (a node-local disk) trained, then hung for ever at the
       # first checkpoint save, where orbax waits for every host's part.
@@ -192,6 +196,20 @@ class PPOTrainer:
       if self._lock is not None:
         self._lock.release()
       raise
+
+  @staticmethod
+  def _lock_workdir(workdir: str, wait_s: float) -> Optional[wd.WorkdirLock]:
+    """The workdir's lock (process 0 alone takes it), waiting up to `wait_s` for a holder on
+    another host; None when a stop signal ended that wait. With several processes the first
+    signal during set-up is only recorded (hooks.stop_before_training), and the wait went on
+    for all of lock_wait_s (240 s) after a scheduler's SIGTERM, whose SIGKILL came first; one
+    process alone raises at once from its signal handler."""
+    try:
+      return wd.WorkdirLock(workdir, wait_s, "config.lock_wait_s",
+                            stop=hooks.setup_signal_pending)
+    except wd.LockWaitStopped as e:
+      logging.warning("%s", e)
+      return None
 
   def _read_start(self, cfg: TrainConfig) -> None:
     """What to resume, checked before anything is built or compiled: the newest readable
