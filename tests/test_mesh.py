@@ -3,6 +3,7 @@
 import dataclasses
 import itertools
 import logging
+import threading
 
 import jax
 import numpy as np
@@ -114,3 +115,56 @@ def test_make_mesh_keeps_the_order_given_unless_asked_to_arrange_by_topology():
   assert [d.id for d in arranged.devices.flat] == [
       d.id for d in mesh_lib.device_array((2, 1, 1, 4), devices).flat]
   assert [d.id for d in arranged.devices.flat] != [d.id for d in devices]
+
+
+def _read_through_host(monkeypatch) -> list:
+  """(thread, shape) of each multi-device array read into host memory from here on: jax.device_put
+  reads the whole array (ArrayImpl._value) when it cannot copy the shards a target layout
+  needs device to device, then puts it back piece by piece."""
+  from jax._src import array  # pylint: disable=import-outside-toplevel
+  read, real = [], array.ArrayImpl._value
+
+  def value(self):
+    if self.sharding.num_devices > 1:
+      read.append((threading.get_ident(), self.shape))
+    return real.fget(self)
+  monkeypatch.setattr(array.ArrayImpl, "_value", property(value))
+  return read
+
+
+def test_put_moves_any_layout_to_any_other_device_to_device(monkeypatch):
+  """mesh.put between layouts and device sets (a training layout to a generation instance's,
+  within one process): the values, the target's placement, and not one multi-device array
+  read into host memory. jax.device_put read the whole array into host memory and put it
+  back whenever a target shard matched no source shard exactly: a pipelined or fsdp-split
+  actor placed onto instances of gen_tp > 1 went device -> host -> device every iteration
+  (the first case below is jax.device_put's own, asserted so that the test shows the path
+  it replaces)."""
+  d = jax.devices()
+  mesh = lambda devs, shape, names: jax.sharding.Mesh(np.array(devs).reshape(shape), names)
+  P = jax.sharding.PartitionSpec
+  named = jax.sharding.NamedSharding
+  value = np.arange(8 * 12 * 16, dtype=np.float32).reshape(8, 12, 16)
+  sources = [named(mesh(d, (2, 4), ("stage", "data")), P()),
+             named(mesh(d, (2, 4), ("stage", "data")), P("stage")),
+             named(mesh(d, (2, 4), ("stage", "fsdp")), P(None, "fsdp", "stage")),
+             named(mesh(d[::-1], (2, 4), ("a", "b")), P(None, None, "b")),
+             named(mesh(d[4:], (4,), ("a",)), P(None, None, "a")),
+             named(mesh(d[3:4], (1,), ("a",)), P())]
+  targets = [named(mesh(d[2:4], (2,), ("tensor",)), P(None, None, "tensor")),  # an instance
+             named(mesh(d[6:], (2,), ("tensor",)), P()),
+             named(mesh(d[:4], (4,), ("tensor",)), P("tensor")),
+             named(mesh(d, (8,), ("tensor",)), P(None, None, "tensor")),
+             named(mesh(d, (4, 2), ("x", "y")), P("y", "x")),
+             named(mesh(d[::-1], (4, 2), ("x", "y")), P(None, "x")),
+             named(mesh(d[5:6], (1,), ("t",)), P())]
+  read = _read_through_host(monkeypatch)
+  jax.device_put(jax.device_put(value, sources[0]), targets[0]).block_until_ready()
+  assert [shape for _, shape in read] == [value.shape]  # what jax.device_put does
+  read.clear()
+  for source, target in itertools.product(sources, targets):
+    x = jax.device_put(value, source)
+    y = mesh_lib.put(x, target)
+    assert y.sharding == target and not read, (source, target, read)
+    for shard in y.addressable_shards:  # each device holds its own box of the values
+      np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])

@@ -324,11 +324,13 @@ class GenerationInstance:
     return mesh_lib.param_shardings(params, _logical_specs(cfg), self.mesh)
 
   def place(self, cfg: ModelConfig, params) -> Any:
-    """Copies params (host or any devices) onto this instance (no copy if already there); a
+    """Copies params (host or any devices of this process) onto this instance (no copy if
+    already there), device to device from devices (mesh_lib.put: jax.device_put went through
+    host memory whenever the instance splits a weight other than its source does); a
     PlacedOnInstances gives this instance's own copy."""
     if isinstance(params, PlacedOnInstances):
       return params[self.index]
-    return jax.device_put(params, self.param_shardings(cfg, params))
+    return mesh_lib.put(params, self.param_shardings(cfg, params))
 
   # ------------------------------------------------------------------ ahead-of-time compile
   def lower_all(self, actor_params, frozen_params: dict,

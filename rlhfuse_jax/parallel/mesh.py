@@ -175,7 +175,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-
 def _mesh_spec(logical: P, shape: Sequence[int], mesh: Mesh, where: str) -> P:
   out = []
   for dim, name in zip(shape, tuple(logical) + (None,) * (len(shape) - len(logical))):
@@ -242,6 +241,81 @@ def _same_placement(x: Any, sharding: Any) -> bool:
           and x.sharding.devices_indices_map(x.shape) == sharding.devices_indices_map(x.shape))
 
 
+def _identity(x: Any) -> Any:
+  return x
+
+
+def _box(index: tuple, shape: tuple) -> tuple:
+  """A shard's index (a tuple of slices) as ((start, stop), ...) per dimension."""
+  return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+
+
+def _inside(inner: tuple, outer: tuple) -> bool:
+  return all(a <= c and d <= b for (c, d), (a, b) in zip(inner, outer))
+
+
+def _device_order(sharding: Any) -> list:
+  """The devices of `sharding` in its own order (a jitted reshard's output must keep it)."""
+  if isinstance(sharding, NamedSharding):
+    return list(sharding.mesh.devices.flat)
+  return sorted(sharding.device_set, key=lambda d: d.id)
+
+
+def _nesting_sharding(x: jax.Array, boxes: list) -> NamedSharding:
+  """A layout of `x` over its own devices in which every one of `boxes` lies inside one device's
+  shard: each dimension split into a divisor of the parts the boxes split it into (as many as
+  the devices allow, the first dimensions first), replicated over the devices left."""
+  devices, left, names, spec = _device_order(x.sharding), len(x.sharding.device_set), [], []
+  for k, n in enumerate(x.shape):
+    parts = len({b[k] for b in boxes})
+    r = math.gcd(parts, left) if n % max(parts, 1) == 0 else 1
+    spec.append(f"_d{k}" if r > 1 else None)
+    if r > 1:
+      names.append((f"_d{k}", r))
+      left //= r
+  shape = [r for _, r in names] + [left]
+  mesh = Mesh(np.array(devices).reshape(shape), tuple(a for a, _ in names) + ("_rest",))
+  return NamedSharding(mesh, P(*spec))
+
+
+def _pieces(x: jax.Array, targets: dict) -> list:
+  """x's shard for each of `targets` ({device: index}, every device this process's), as one
+  single-device array each, copied device to device from a shard of x that holds it (x first
+  resharded on its own devices, one jitted program, where no shard does).
+
+  jax.device_put to a layout on other devices (or to another layout of the same devices in the
+  same order) copies only shards whose index matches a target's exactly, and otherwise reads
+  the whole array into host memory and puts it back, shard by shard: a GPU run's actor went
+  through host memory each iteration on its way to generation instances that split it another
+  way than training (gen_tp > 1 from a replicated or fsdp-split actor)."""
+  want = {d: _box(i, x.shape) for d, i in targets.items()}
+
+  def held(arr):
+    return [(s, _box(s.index, x.shape)) for s in arr.addressable_shards]
+  shards = held(x)
+  if not all(any(_inside(w, b) for _, b in shards) for w in want.values()):
+    x = jax.jit(_identity, out_shardings=_nesting_sharding(x, list(want.values())))(x)
+    shards = held(x)
+  out = []
+  for device, w in want.items():
+    holders = [(s, b) for s, b in shards if _inside(w, b)]
+    s, b = next(((s, b) for s, b in holders if s.device == device), holders[0])
+    piece = s.data if w == b else s.data[tuple(slice(c - a, d - a)
+                                               for (c, d), (a, _) in zip(w, b))]
+    out.append(piece if s.device == device else jax.device_put(piece, device))
+  return out
+
+
+def _moved(x: jax.Array, sharding: Any) -> jax.Array:
+  """`x` (every shard this process's) placed by `sharding` (every device this process's),
+  device to device (_pieces: never through host memory)."""
+  if (x.sharding.device_set == sharding.device_set and
+      _device_order(x.sharding) == _device_order(sharding)):
+    return jax.jit(_identity, out_shardings=sharding)(x)  # one program: XLA's collectives
+  return jax.make_array_from_single_device_arrays(
+      x.shape, sharding, _pieces(x, sharding.addressable_devices_indices_map(x.shape)))
+
+
 def _put_leaf(x: Any, sharding: NamedSharding) -> jax.Array:
   if isinstance(x, jax.Array) and x.sharding == sharding:
     return x
@@ -250,6 +324,9 @@ def _put_leaf(x: Any, sharding: NamedSharding) -> jax.Array:
     # differs, and across processes the path below would gather the whole array to each host.
     return jax.make_array_from_single_device_arrays(
         x.shape, sharding, [s.data for s in x.addressable_shards])
+  if (isinstance(x, jax.Array) and x.is_fully_addressable and sharding.is_fully_addressable
+      and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)):
+    return _moved(x, sharding)
   if jax.process_count() == 1 or sharding.is_fully_addressable:
     return jax.device_put(x, sharding)
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -309,14 +386,8 @@ def _put_via_own_devices(x: jax.Array, sharding: NamedSharding, grid: np.ndarray
       shards = {s.device: s.data for s in staged.addressable_shards}
       local = jax.make_array_from_single_device_arrays(
           x.shape, NamedSharding(Mesh(own, ("_local",)), spec), [shards[d] for d in own])
-  pieces = [jax.device_put(local if _covers(idx, x.shape) else local[idx], d)
-            for d, idx in targets.items()]
+  pieces = _pieces(local, targets) if targets else []
   return jax.make_array_from_single_device_arrays(x.shape, sharding, pieces)
-
-
-def _covers(index: tuple, shape: tuple) -> bool:
-  """Whether a shard's index (a tuple of slices) is the whole array."""
-  return all(s.indices(n) == (0, n, 1) for s, n in zip(index, shape))
 
 
 def put(tree: Any, shardings: Any) -> Any:
