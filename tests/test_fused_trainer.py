@@ -1,13 +1,17 @@
 """train_ppo with inter-stage fusion on and off: the same trajectory (timings aside)."""
+import threading
+
 import jax
 import numpy as np
 import pytest
 
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.data import tasks
+from rlhfuse_jax.generation import instances
 from rlhfuse_jax.trainer import build, rollout
 from rlhfuse_jax.trainer import validate as validate_lib
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
+from tests.test_mesh import _read_through_host
 from tests.test_trainer import record_rollouts, tiny_config
 
 # Fusion metrics that measure time (the others are decided from tokens and are deterministic).
@@ -187,29 +191,48 @@ def test_an_async_generation_group_checks_its_own_share_of_each_process(monkeypa
 
 def test_both_fusions_train_and_hand_the_instances_no_gathered_copy(tmp_path, monkeypatch):
   """Inter-stage fusion beside a pipelined update (the README's main job, ppo_tiny:fused, on a
-  smaller model): it trains, and the rollout stage hands the generator the actor as a callable
-  (its gathered copy freed once placed) and the critic as a host copy (not a second critic on
+  smaller model with scanned layers, as the large presets): it trains, and the rollout stage
+  hands the generator the actor as a callable (its copy freed once placed) whose layer stacks
+  stay split over the stages (Update.whole's `moving`: before, a gathered whole actor on
+  every training device), placed onto the 2-device instances device to device (before,
+  through host memory: test_mesh.py), and the critic as a host copy (not a second critic on
   every training device through the generation)."""
-  seen = []
-  real = rollout.fused_lib.FusedGenerator.run
+  seen, split, read = [], [], _read_through_host(monkeypatch)
+  real, real_place = rollout.fused_lib.FusedGenerator.run, instances.GenerationInstance.place
 
   def run(self, actor_params, frozen_params, *args, **kwargs):
     seen.append((callable(actor_params), {n: type(jax.tree.leaves(p)[0]).__module__
                                           for n, p in frozen_params.items()}))
-    return real(self, actor_params, frozen_params, *args, **kwargs)
+
+    def actor():
+      whole = actor_params()
+      split.append({x.sharding.spec[0] for x in jax.tree.leaves(whole["layers"]["block"])})
+      return whole
+    return real(self, actor, frozen_params, *args, **kwargs)
+
+  def place(self, cfg, params):  # (also on the instances' loader thread: its own reads only)
+    before = len(read)
+    placed = real_place(self, cfg, params)
+    here = [shape for thread, shape in read[before:] if thread == threading.get_ident()]
+    assert not here, here  # nothing placed went through host memory
+    return placed
   monkeypatch.setattr(rollout.fused_lib.FusedGenerator, "run", run)
+  monkeypatch.setattr(instances.GenerationInstance, "place", place)
   cfg = tiny(**{"num_iterations": 2, "mesh.stage": 2, "mesh.data": 4,
                 "fusion.inter_stage": True, "fusion.intra_stage": True,
+                "fusion.instance_devices": 2,
                 "model.num_layers": 2, "critic_model.num_layers": 2,
+                "model.scan_layers": True, "critic_model.scan_layers": True,
                 "pipeline.actor_microbatches": 2, "pipeline.critic_microbatches": 2,
                 "pipeline.search_time_s": 0.3, "pipeline.xla_opt_level": 0})
   trainer = PPOTrainer(cfg, str(tmp_path), mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()))
-  assert isinstance(trainer.rollout, rollout.FusedStage) and trainer.rollout.gathered
+  assert isinstance(trainer.rollout, rollout.FusedStage) and trainer.rollout.pipelined
   history = trainer.run()
   assert [h["step"] for h in history] == [1, 2]
   assert all(np.isfinite(h["actor/pg_loss"]) and np.isfinite(h["critic/vf_loss"]) and
              h["pipeline/schedule"] == "fused" for h in history)
   assert len(seen) == 2 and all(actor for actor, _ in seen), seen
+  assert split == [{"stage"}, {"stage"}], split
   for _, frozen in seen:  # host copies: the reference (frozen) and now the critic
     assert frozen == {"reference": "numpy", "critic": "numpy"}, frozen
 
@@ -221,6 +244,6 @@ def test_a_pipelined_runs_critic_waits_in_host_memory_for_the_instances():
   freed for inference copies it onto its devices). A plain update's are the training state's
   own arrays, handed on as they are (no copy)."""
   x = {"w": jax.device_put(np.arange(4, dtype=np.float32))}
-  host = rollout.FusedStage._instance_ready(x, gathered=True)
+  host = rollout.FusedStage._instance_ready(x, pipelined=True)
   assert isinstance(host["w"], np.ndarray) and host["w"].tolist() == [0, 1, 2, 3]
-  assert rollout.FusedStage._instance_ready(x, gathered=False)["w"] is x["w"]
+  assert rollout.FusedStage._instance_ready(x, pipelined=False)["w"] is x["w"]

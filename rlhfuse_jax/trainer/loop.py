@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Callable, Optional
@@ -468,7 +469,8 @@ class PPOTrainer:
     """The current whole parameters of `model` where generation and inference run (timed in
     timing_s/weights_to_generation). copy=True: buffers of their own, which survive the next
     update (it donates the state's) and so stay the policy that generated an in-flight batch."""
-    whole = self.model_params(model)  # a pipelined state's gather: timing_s/reshard, not here
+    # (a pipelined state's reshard: timing_s/reshard, not here)
+    whole = self.model_params(model, moving=self.moves_weights)
     t0 = time.perf_counter()
     if self.moves_weights:
       whole = mesh_lib.put(whole, self._generation_shardings(model))
@@ -481,18 +483,25 @@ class PPOTrainer:
 
   def _generation_params(self) -> Callable[[str], Any]:
     """params(model) for the rollout stage, each model placed when the stage asks for it (a
-    serial stage never holds the whole actor and critic at once)."""
-    return self._to_generation if self.moves_weights else self.model_params
+    serial stage never holds the whole actor and critic at once). A stage that moves them onto
+    instances of its own (FusedStage.moves_params) takes them as Update.whole's `moving`."""
+    if self.moves_weights:
+      return self._to_generation
+    if getattr(self.rollout, "moves_params", False):
+      return functools.partial(self.model_params, moving=True)
+    return self.model_params
 
   def _snapshot(self) -> Callable[[str], Any]:
     """The current policy (and critic) copied for generation now, before the next update."""
     names = ("actor", "critic") if self.stage_critic else ("actor",)
     return {name: self._to_generation(name, copy=True) for name in names}.get
 
-  def model_params(self, model: str):
+  def model_params(self, model: str, moving: bool = False):
     """The whole parameters of "actor" / "critic", placed as generation and inference take
-    them (a pipelined run's stage-stacked state resharded; trainer/update.py)."""
-    return self.update.whole(model, self.actor if model == "actor" else self.critic)
+    them (a pipelined run's stage-stacked state resharded; trainer/update.py); `moving`: for a
+    caller that moves them on at once (Update.whole: a pipelined model's layers not gathered
+    first)."""
+    return self.update.whole(model, self.actor if model == "actor" else self.critic, moving)
 
   @contextlib.contextmanager
   def _optimizer_offloaded(self):

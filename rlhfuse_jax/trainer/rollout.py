@@ -78,7 +78,9 @@ class StageOutputs:
 
 
 # params("actor") / params("critic"): a model's whole parameters, placed as generation and
-# inference take them (for a pipelined run, gathered from the stage-stacked state on each call).
+# inference take them (for a pipelined run, resharded from the stage-stacked state on each call:
+# gathered for a stage that runs them on the training mesh, the layers left split over the
+# stages for one that moves them on, FusedStage.moves_params).
 WholeParams = Callable[[str], Any]
 
 
@@ -242,6 +244,10 @@ class FusedStage:
   the trajectory).
   """
 
+  # params(model) are moved at once onto instances (or host memory): the trainer hands a
+  # pipelined model over without gathering its layers first (Update.whole's `moving`).
+  moves_params = True
+
   def __init__(self, cfg: TrainConfig, sampling: SamplingConfig, devices: Sequence[Any], *,
                reference: Any, rewards: scoring.Rewards, pad_id: int, actor_shapes: Any,
                critic_shapes: Optional[Any] = None,
@@ -249,7 +255,7 @@ class FusedStage:
     # config/fuse: InstancesStage's (config.plan.generation='instances'); else config.fusion.
     self.config = config or check_fusion(cfg, len(devices))
     self.fuse = fuse
-    self.gathered = cfg.mesh.stage > 1  # params(model) gathers a copy (update.Update.whole)
+    self.pipelined = cfg.mesh.stage > 1  # params(model) makes a copy (update.Update.whole)
     self.pad_id, self.use_critic = pad_id, critic_shapes is not None
     # reference None (algo.kl_coef=0): no instance loads, compiles or runs it.
     frozen = FrozenModels(reference=cfg.model if reference is not None else None,
@@ -278,14 +284,15 @@ class FusedStage:
     # A pass that measures the costs for Rt 'auto' (the generator's first batch: a validation
     # pass run before any training batch, HeldOutEval called on a new stage) needs the critic.
     if self.use_critic and (use_critic or self.generator.measures_costs(self.fuse)):
-      frozen["critic"] = self._instance_ready(params("critic"), self.gathered)
+      frozen["critic"] = self._instance_ready(params("critic"), self.pipelined)
     # rewards_only: the reward model alone (if any) is loaded onto the freed instances and run.
     models = (["reward"] if self.rewards.from_model else []) if rewards_only else None
     # The actor as placed for training: the generator reshards it onto its instances on the
     # devices, also across processes (FusedGenerator.place_actor). Passed as a callable, which
-    # the generator calls as it places it: a pipelined update's gathered whole actor (a copy on
-    # every training device) is then dropped once placed; an argument lives until the call
-    # returns, and that copy sat beside the instances through the whole generation.
+    # the generator calls as it places it: a pipelined update's copy of the actor (its layers
+    # split over the stages: Update.whole's `moving`) is then dropped once placed; an argument
+    # lives until the call returns, and that copy sat beside the instances through the whole
+    # generation.
     out = self.generator.run(functools.partial(params, "actor"), frozen, prompts.tokens,
                              prompts.lens, key, uids=prompts.uids, fuse=self.fuse, models=models)
     rollout = out.rollout
@@ -302,13 +309,14 @@ class FusedStage:
                         scores=scores, metrics=metrics, reward_terms=terms)
 
   @staticmethod
-  def _instance_ready(params: Any, gathered: bool) -> Any:
+  def _instance_ready(params: Any, pipelined: bool) -> Any:
     """Params an instance freed for inference can copy onto its devices: as they are in one
     process; with several, host copies (the critic: any instance may be freed, so every process
-    keeps it whole); host copies too when `gathered` (a pipelined update's whole critic is a
-    gathered copy on every training device, which sat beside the instances through the whole
-    generation: now only the frozen models' way, host memory, until an instance loads it)."""
-    if jax.process_count() == 1 and not gathered:
+    keeps it whole); host copies too when `pipelined` (a pipelined update's critic is a copy
+    made for this call, its layers split over the stages: the frozen models' way, host memory,
+    until an instance loads it, rather than beside the instances through the whole generation;
+    gathered, as it was before, a whole critic on every training device)."""
+    if jax.process_count() == 1 and not pipelined:
       return params
     return mesh_lib.to_host(params)
 

@@ -119,13 +119,24 @@ class Update:
     """ShapeDtypeStructs of `whole(model, ...)`, placed: what compiling generation needs."""
     return self._whole_shapes[model]
 
-  def whole(self, model: str, state: ModelState) -> Any:
+  def whole(self, model: str, state: ModelState, moving: bool = False) -> Any:
     """The whole parameters of "actor" / "critic", placed as generation and inference take
     them. A pipelined state is resharded (each stage's layers gathered; docs/architecture.md
-    §3); the state's own arrays are left untouched."""
+    §3); the state's own arrays are left untouched.
+
+    `moving`: for a caller that moves them on at once (onto generation instances, another
+    device group, host memory): the layer stack of a scanned model then stays split over the
+    stages, [L, ...] with each stage device holding its own stage's layers (a reshape, no
+    gather), and the move reshards from there (mesh_lib.put). Gathered, the whole actor or
+    critic (/ fsdp x tensor) sat on every training device beside the training state until the
+    move was done: 13.5 GB per device for a 7B actor on 8 stages (configs/plan_check.py
+    7b_host8)."""
     if self._pipelined is None:
       return state.params
     shardings = jax.tree.map(lambda x: x.sharding, self._whole_shapes[model])
+    if moving and "block" in shardings.get("layers", {}):  # scan_layers: leaves [L, ...]
+      shardings = {**shardings, "layers": {"block": jax.tree.map(
+          _split_over_stages, self._whole_shapes[model]["layers"]["block"])}}
     convert = self._pipelined.whole_fn(model, state.params, shardings)
     t0 = time.time()  # the transfer alone: the conversion was compiled ahead of time
     whole = convert(state.params)
@@ -140,6 +151,18 @@ class Update:
     a plain update, which never reshards."""
     out, self._reshard = self._reshard, dict(_NO_RESHARD)
     return out if self._pipelined is not None else {}
+
+
+def _split_over_stages(leaf: jax.ShapeDtypeStruct) -> jax.sharding.NamedSharding:
+  """A whole layer stack's sharding (leaf [L, ...], placed) with its layer dimension split over
+  `stage`: each stage device keeps the layers of its own stage, where the stage-stacked state
+  holds them (a forward layout: a reshape, nothing moves). Left whole where the stages do not
+  split L evenly (a critic of critic_pp < pp stages whose layers pp does not divide)."""
+  sharding, spec = leaf.sharding, tuple(leaf.sharding.spec)
+  if (spec and spec[0] is not None) or leaf.shape[0] % sharding.mesh.shape["stage"]:
+    return sharding
+  return jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec("stage", *spec[1:]))
 
 
 def make_update(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, use_critic: bool,
