@@ -168,3 +168,20 @@ def test_put_moves_any_layout_to_any_other_device_to_device(monkeypatch):
     assert y.sharding == target and not read, (source, target, read)
     for shard in y.addressable_shards:  # each device holds its own box of the values
       np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])
+
+
+def test_pieces_of_a_subset_of_targets_whose_boxes_even_halves_would_cut():
+  """What one process of several asks of mesh._pieces (its own targets only, in
+  _put_via_own_devices): rows 2-4 and 4-6 of a 6-row array split 3 ways, from 2 devices that
+  hold halves 0-3 and 3-6. The layout it reshards through must not cut a box (halves cut rows
+  2-4: no shard held it, an IndexError)."""
+  d = jax.devices()
+  P, named = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+  value = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+  local = jax.device_put(value, named(jax.sharding.Mesh(np.array(d[:2]), ("a",)), P("a")))
+  target = named(jax.sharding.Mesh(np.array(d[2:5]), ("t",)), P("t"))
+  mine = dict(list(target.devices_indices_map(value.shape).items())[1:])
+  pieces = mesh_lib._pieces(local, mine)  # pylint: disable=protected-access
+  assert [p.devices() for p in pieces] == [{dev} for dev in mine]
+  for piece, index in zip(pieces, mine.values()):
+    np.testing.assert_array_equal(np.asarray(piece), value[index])

@@ -244,8 +244,8 @@ def test_a_mesh_config_that_does_not_factor_is_refused_by_name():
 
 def test_missing_bytes_counts_only_what_a_device_does_not_already_hold():
   """mesh.missing_bytes: per device, the bytes of its shard less the overlap with what it holds
-  (a disjoint box overlaps nothing, not a negative amount); _covers tells a whole box from a
-  shard's."""
+  (a disjoint box overlaps nothing, not a negative amount); _box / _inside compare shards'
+  boxes."""
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
   from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -258,9 +258,11 @@ def test_missing_bytes_counts_only_what_a_device_does_not_already_hold():
           devices[3]: (slice(0, 2), whole)}  # none of its rows 6-7
   got = mesh_lib.missing_bytes(dst, held.get)
   assert got == {devices[0]: 0, devices[1]: 16, devices[2]: 32, devices[3]: 32}
-  # _covers (multi-host puts): a box is the whole array only if every slice spans its axis.
-  assert mesh_lib._covers((whole, slice(0, 4)), (8, 4))
-  assert not mesh_lib._covers((slice(0, 4), whole), (8, 4))
+  # _box / _inside (the puts' pieces): a box lies in another only if it does on every axis.
+  box = mesh_lib._box((whole, slice(0, 2)), (8, 4))
+  assert box == ((0, 8), (0, 2))
+  assert mesh_lib._inside(box, mesh_lib._box((whole, whole), (8, 4)))
+  assert not mesh_lib._inside(box, mesh_lib._box((slice(0, 4), whole), (8, 4)))
 
 
 def test_an_unknown_logical_axis_is_refused_and_zero1_keeps_the_memory_kind():

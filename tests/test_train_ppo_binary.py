@@ -219,7 +219,8 @@ def test_several_processes_stop_together_when_a_signal_came_during_set_up(monkey
       flag.end(failing=False)
   assert {sig: signal.getsignal(sig) for sig in before} == before
   # The set-up's other points of agreement (trainer/loop.py: after the workdir lock, after
-  # reading the checkpoints, around the restore) stop as soon as one is reached; the signal is then used up.
+  # reading the checkpoints, around the restore) stop as soon as one is reached; the signal is
+  # then used up.
   with hooks.stop_before_training():
     if mine:
       _signal_self(mine)

@@ -484,16 +484,23 @@ class FusedGenerator:
     return out
 
   def place_actor(self, params: Any) -> inst_lib.PlacedOnInstances:
-    """The actor on each of this process's instances. From host memory or arrays this process
-    holds, a device_put per instance. From arrays spread over several processes (a multi-host
-    training mesh) one collective reshard, called by every process, onto a layout over all
-    instances' devices (data = instances x tensor = instance_devices, each instance holding its
-    tensor shards whole), whose local shards each process then takes as its instances' arrays:
-    the weights move device to device, never through host memory."""
+    """The actor on each of this process's instances. From host memory or arrays on other
+    devices, a put per instance (mesh_lib.put: device to device from devices). From arrays on
+    the instances' own devices (the training mesh they were cut from), also spread over
+    several processes (a multi-host training mesh), one reshard (collective: called by every
+    process) onto a layout over all instances' devices (data = instances x tensor =
+    instance_devices, each instance holding its tensor shards whole), whose local shards each
+    process then takes as its instances' arrays: the weights move device to device, never
+    through host memory."""
     mine = {i: self.instances[i] for i in self.local}
-    spread = any(isinstance(x, jax.Array) and not x.is_fully_addressable
-                 for x in jax.tree.leaves(params))
-    if not spread:
+    leaves = jax.tree.leaves(params)
+    spread = any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)
+    # On the instances' own devices (the training mesh they were cut from): one reshard of each
+    # weight onto all of them too, not one per instance over every device (each redid the same
+    # intermediate layout and copied half of it across).
+    theirs = {d for inst in self.instances for d in inst.devices}
+    on_them = all(isinstance(x, jax.Array) and x.sharding.device_set == theirs for x in leaves)
+    if not (spread or on_them):
       return inst_lib.PlacedOnInstances(
           {i: inst.place(self.cfg, params) for i, inst in mine.items()})
     grid = mesh_lib.make_mesh(

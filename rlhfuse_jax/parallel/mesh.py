@@ -258,17 +258,18 @@ def _device_order(sharding: Any) -> list:
   """The devices of `sharding` in its own order (a jitted reshard's output must keep it)."""
   if isinstance(sharding, NamedSharding):
     return list(sharding.mesh.devices.flat)
-  return sorted(sharding.device_set, key=lambda d: d.id)
+  return list(sharding._device_assignment)  # pylint: disable=protected-access  (jit's order)
 
 
 def _nesting_sharding(x: jax.Array, boxes: list) -> NamedSharding:
   """A layout of `x` over its own devices in which every one of `boxes` lies inside one device's
-  shard: each dimension split into a divisor of the parts the boxes split it into (as many as
-  the devices allow, the first dimensions first), replicated over the devices left."""
+  shard: each dimension split into the most even chunks (as many as the devices allow, the
+  first dimensions first) of which none cuts a box, replicated over the devices left."""
   devices, left, names, spec = _device_order(x.sharding), len(x.sharding.device_set), [], []
   for k, n in enumerate(x.shape):
-    parts = len({b[k] for b in boxes})
-    r = math.gcd(parts, left) if n % max(parts, 1) == 0 else 1
+    spans = {b[k] for b in boxes if b[k][1] > b[k][0]}
+    r = max((r for r in range(1, left + 1) if left % r == 0 and n % r == 0 and
+             all(c // (n // r) == (d - 1) // (n // r) for c, d in spans)), default=1)
     spec.append(f"_d{k}" if r > 1 else None)
     if r > 1:
       names.append((f"_d{k}", r))
@@ -309,9 +310,11 @@ def _pieces(x: jax.Array, targets: dict) -> list:
 def _moved(x: jax.Array, sharding: Any) -> jax.Array:
   """`x` (every shard this process's) placed by `sharding` (every device this process's),
   device to device (_pieces: never through host memory)."""
-  if (x.sharding.device_set == sharding.device_set and
-      _device_order(x.sharding) == _device_order(sharding)):
-    return jax.jit(_identity, out_shardings=sharding)(x)  # one program: XLA's collectives
+  if x.sharding.device_set == sharding.device_set:
+    if _device_order(x.sharding) == _device_order(sharding):
+      return jax.jit(_identity, out_shardings=sharding)(x)  # one program: XLA's collectives
+    if isinstance(x.sharding, NamedSharding) and isinstance(sharding, NamedSharding):
+      return jax.device_put(x, sharding)  # jax's own reshard of another device order: one jit
   return jax.make_array_from_single_device_arrays(
       x.shape, sharding, _pieces(x, sharding.addressable_devices_indices_map(x.shape)))
 
@@ -325,8 +328,8 @@ def _put_leaf(x: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_single_device_arrays(
         x.shape, sharding, [s.data for s in x.addressable_shards])
   if (isinstance(x, jax.Array) and x.is_fully_addressable and sharding.is_fully_addressable
-      and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)):
-    return _moved(x, sharding)
+      and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) and not x.weak_type):
+    return _moved(x, sharding)  # (a weak-typed scalar as jax.device_put keeps it: weak)
   if jax.process_count() == 1 or sharding.is_fully_addressable:
     return jax.device_put(x, sharding)
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):

@@ -143,7 +143,8 @@ def agree_setup_signal() -> None:
   """Raises StoppedBeforeTraining on every process when a signal came during set-up on any of
   them (recorded by stop_before_training): one tiny collective, at points of the set-up every
   process reaches in the same order (after the workdir lock, after reading the checkpoints,
-  around the restore, when the loop begins), so a preempted run stops soon after the signal, all processes alike."""
+  around the restore, when the loop begins), so a preempted run stops soon after the signal,
+  all processes alike."""
   signum = (distributed.max_over_processes(_LOOP["pending"]) if jax.process_count() > 1 else
             _LOOP["pending"])
   _LOOP["pending"] = 0

@@ -469,8 +469,10 @@ class PPOTrainer:
     """The current whole parameters of `model` where generation and inference run (timed in
     timing_s/weights_to_generation). copy=True: buffers of their own, which survive the next
     update (it donates the state's) and so stay the policy that generated an in-flight batch."""
-    # (a pipelined state's reshard: timing_s/reshard, not here)
-    whole = self.model_params(model, moving=self.moves_weights)
+    # (a pipelined state's reshard: timing_s/reshard, not here). Onto another device group
+    # (async PPO's) the layers are not gathered first; onto the training devices folded, the
+    # gathered layout is the folded one's (relabelled below, nothing moves).
+    whole = self.model_params(model, moving=self.moves_weights and not self.folded)
     t0 = time.perf_counter()
     if self.moves_weights:
       whole = mesh_lib.put(whole, self._generation_shardings(model))

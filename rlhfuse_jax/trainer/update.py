@@ -155,9 +155,11 @@ class Update:
 
 def _split_over_stages(leaf: jax.ShapeDtypeStruct) -> jax.sharding.NamedSharding:
   """A whole layer stack's sharding (leaf [L, ...], placed) with its layer dimension split over
-  `stage`: each stage device keeps the layers of its own stage, where the stage-stacked state
-  holds them (a forward layout: a reshape, nothing moves). Left whole where the stages do not
-  split L evenly (a critic of critic_pp < pp stages whose layers pp does not divide)."""
+  `stage`: each stage device keeps the layers of stage-axis position s (the actor's: a
+  reshape of what its state holds there, nothing moves; the critic's rows are stored in
+  reverse, or over critic_pp < pp stages, so its layers move between the stage devices, 1/pp
+  of them each, no gather). Left whole where the stages do not split L evenly (a critic whose
+  layers pp does not divide)."""
   sharding, spec = leaf.sharding, tuple(leaf.sharding.spec)
   if (spec and spec[0] is not None) or leaf.shape[0] % sharding.mesh.shape["stage"]:
     return sharding

@@ -22,7 +22,8 @@ if gather:
   update_lib.Update.whole = lambda self, m, s, moving=False: real_whole(self, m, s, False)
 dev0 = jax.devices()[0]
 def live0():
-  return sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards if s.device == dev0)
+  return sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards
+             if s.device == dev0)
 peaks = []
 real_run = rollout.fused_lib.FusedGenerator.run
 def run(self, actor_params, frozen, *a, **k):
