@@ -198,7 +198,7 @@ def test_both_fusions_train_and_hand_the_instances_no_gathered_copy(tmp_path, mo
   through host memory: test_mesh.py), and the critic as a host copy (not a second critic on
   every training device through the generation)."""
   seen, split, read = [], [], _read_through_host(monkeypatch)
-  real, real_place = rollout.fused_lib.FusedGenerator.run, instances.GenerationInstance.place
+  real = rollout.fused_lib.FusedGenerator.run
 
   def run(self, actor_params, frozen_params, *args, **kwargs):
     seen.append((callable(actor_params), {n: type(jax.tree.leaves(p)[0]).__module__
@@ -210,14 +210,20 @@ def test_both_fusions_train_and_hand_the_instances_no_gathered_copy(tmp_path, mo
       return whole
     return real(self, actor, frozen_params, *args, **kwargs)
 
-  def place(self, cfg, params):  # (also on the instances' loader thread: its own reads only)
-    before = len(read)
-    placed = real_place(self, cfg, params)
-    here = [shape for thread, shape in read[before:] if thread == threading.get_ident()]
-    assert not here, here  # nothing placed went through host memory
-    return placed
+  def device_to_device(place):  # (also on the instances' loader thread: its own reads only)
+    def placing(*args):
+      before = len(read)
+      placed = place(*args)
+      here = [shape for thread, shape in read[before:] if thread == threading.get_ident()]
+      assert not here, here  # nothing placed went through host memory
+      return placed
+    return placing
   monkeypatch.setattr(rollout.fused_lib.FusedGenerator, "run", run)
-  monkeypatch.setattr(instances.GenerationInstance, "place", place)
+  # The actor onto all instances at once (place_actor), the scoring models onto a freed one.
+  monkeypatch.setattr(rollout.fused_lib.FusedGenerator, "place_actor",
+                      device_to_device(rollout.fused_lib.FusedGenerator.place_actor))
+  monkeypatch.setattr(instances.GenerationInstance, "place",
+                      device_to_device(instances.GenerationInstance.place))
   cfg = tiny(**{"num_iterations": 2, "mesh.stage": 2, "mesh.data": 4,
                 "fusion.inter_stage": True, "fusion.intra_stage": True,
                 "fusion.instance_devices": 2,

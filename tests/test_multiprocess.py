@@ -130,7 +130,7 @@ def test_a_locked_workdir_stops_every_process_at_once(tmp_path):
   holder = wdlib.WorkdirLock(wd)  # another run holds the workdir
   t0 = time.time()
   try:
-    outs = _two_processes(tmp_path, [wd, wd])
+    outs = _two_processes([wd, wd])
     launched = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "2", wd, *SMALL],
                               cwd=REPO, env=subprocess_env(PYTHON=sys.executable),
                               capture_output=True, text=True, timeout=300)
@@ -193,10 +193,9 @@ def _start_two(workdirs, per_process_args=((), ()), cwds=(REPO, REPO), outs=(Non
           for i in range(2)]
 
 
-def _two_processes(tmp_path, workdirs, per_process_args=((), ()), cwds=(REPO, REPO)):
+def _two_processes(workdirs, per_process_args=((), ()), cwds=(REPO, REPO)):
   """train_ppo on 2 processes x 2 CPU devices (--distributed on 127.0.0.1), each started in its
   `cwds` entry: their outputs."""
-  del tmp_path
   procs = _start_two(workdirs, per_process_args, cwds)
   try:
     return [(p.communicate(timeout=300)[0], p.returncode) for p in procs]
@@ -211,7 +210,7 @@ def test_processes_on_different_workdirs_or_runs_stop_at_once(tmp_path):
   path) stops every process at set-up: it trained, then hung for ever at the first checkpoint
   save. Processes that run different configs (here another seed) stop too: they trained side
   by side on different batches, each logging its own rewards."""
-  outs = _two_processes(tmp_path, [str(tmp_path / "a"), str(tmp_path / "b")])
+  outs = _two_processes([str(tmp_path / "a"), str(tmp_path / "b")])
   for i, (log, code) in enumerate(outs):
     assert code == 1, log[-3000:]
     assert (f"the processes disagree on the --workdir path (a checksum; this process's: "
@@ -221,13 +220,13 @@ def test_processes_on_different_workdirs_or_runs_stop_at_once(tmp_path):
   # directories): the token process 0 wrote to the workdir's .lock is not seen by process 1.
   for d in ("host0", "host1"):
     (tmp_path / d).mkdir()
-  outs = _two_processes(tmp_path, ["run", "run"], cwds=(tmp_path / "host0", tmp_path / "host1"))
+  outs = _two_processes(["run", "run"], cwds=(tmp_path / "host0", tmp_path / "host1"))
   for log, code in outs:
     assert code == 1, log[-3000:]
     assert "the processes disagree on the workdir run (the start token" in log, log[-3000:]
     assert "process 1: (-1,)" in log and "every host sees, at the same path" in log, log[-3000:]
   shared = str(tmp_path / "shared")
-  outs = _two_processes(tmp_path, [shared, shared], (("--config.seed=0",), ("--config.seed=1",)))
+  outs = _two_processes([shared, shared], (("--config.seed=0",), ("--config.seed=1",)))
   for i, (log, code) in enumerate(outs):
     assert code == 1, log[-3000:]
     assert "the processes disagree on the run (a checksum of the config as given" in log, (
