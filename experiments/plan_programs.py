@@ -26,6 +26,13 @@ Every program is the codebase's own, reached through the function its caller jit
               scalar forward (inference/scoring.reward_model_scores) on the same instance and
               micro-batch: a reward model larger than the actor (13B actor, 33B reward model)
               can be the instance's largest program, which the other three do not show
+  placement   with generation on instances over the training devices, the actor's hand-over
+              to them each iteration (placement_programs): pp > 1, Update.whole's conversion of
+              the stage-stacked actor and critic into the copy handed over (a scanned layer
+              stack stays split over the stages; unrolled layers are gathered), then the one
+              reshard of the actor onto all instances (FusedGenerator.place_actor); its
+              figures are the reshard's, its fit the largest any part adds to the training
+              state, its collectives all parts' together
 
 Arguments are jax.ShapeDtypeStructs with NamedShardings: nothing is allocated.
 
@@ -75,6 +82,7 @@ correction. `cpu_upcast="as_compiled"` compiles only the program as the config h
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import logging as std_logging
 import math
@@ -109,7 +117,9 @@ from rlhfuse_jax.trainer import pipelined, ppo
 from rlhfuse_jax.trainer import update as update_lib
 
 PROGRAMS = ("train_step", "decode", "inference")  # always compiled
-OPTIONAL_PROGRAMS = ("reward",)  # compiled when the plan has a reward model
+# reward: compiled when the plan has a reward model; placement: when the instances are on the
+# training devices (placement_programs)
+OPTIONAL_PROGRAMS = ("reward", "placement")
 CPU_UPCAST_MODES = ("per_layer", "as_compiled")
 GENERATION_MODES = ("instances", "mesh")
 # XLA's name of the pass that hoists a loop-invariant float32 copy of the weights out of a loop.
@@ -668,6 +678,80 @@ def instance_programs(cfg: PlanConfig) -> dict:
   return out
 
 
+_BITS_NOTE = ("16-bit float weights moved as uint16 of the same bits: XLA:CPU widens a 16-bit "
+              "float collective to float32 (a bfloat16 all-gather's temp was twice the bytes "
+              "gathered), a GPU moves them as they are; a move is the same bytes either way")
+
+
+def _as_bits(tree: Any) -> Any:
+  """Placed structs with 16-bit float leaves as uint16 (_BITS_NOTE), the rest as they are."""
+  def one(x):
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2:
+      return jax.ShapeDtypeStruct(x.shape, jnp.uint16, sharding=x.sharding)
+    return x
+  return jax.tree.map(one, tree)
+
+
+def placement_programs(cfg: PlanConfig, mesh, update) -> dict:
+  """The actor's hand-over to generation instances on the training devices, measured: with
+  pp > 1 Update.whole's conversion of the stage-stacked actor (and critic) into the layout
+  handed over (trainer/update.moving_shardings: a scanned layer stack stays split over the
+  stages), then the one reshard of that copy (pp == 1: of the state's own actor) onto every
+  instance's devices (generation/fused.FusedGenerator.place_actor: a grid of data = instances x
+  tensor = gen_tp over the training mesh's devices in its order, each instance's weights split
+  by its own logical rules). {} where the run would not hand it over so: generation on the
+  mesh or a separate group, or gen_tp not dividing the training devices.
+
+  {"placement": the reshard's figures, with "parts": each compiled program's
+   (unstack_actor, unstack_critic, reshard) and "over_state_bytes": what each adds to the
+   training state at its peak (a conversion: its output and temporaries, its argument being
+   the state's own parameters; the reshard: its whole peak, its argument being the copy
+   handed over, or with pp == 1 its peak less the state's own actor)}."""
+  if cfg.generation != "instances" or cfg.train_devices % cfg.gen_tp:
+    return {}
+  shapes = {"actor": abstract_params(cfg.actor, mesh), "critic": abstract_params(cfg.critic, mesh)}
+  parts, over = {}, {}
+  if cfg.pp > 1:
+    ex = update.executor
+    for model in ("actor", "critic"):
+      staged = _as_bits(mesh_lib.abstract(ex.layouts[model].staged_shapes(),
+                                          ex.staged_shardings(model)))
+      moving = update_lib.moving_shardings(shapes[model])
+      lowered = jax.jit(functools.partial(ex.unstack, model), out_shardings=moving).lower(staged)
+      parts[f"unstack_{model}"] = m = measure(lowered, cfg.hardware)
+      over[f"unstack_{model}"] = m["peak_bytes"] - m["argument_bytes"]
+      shapes[model] = mesh_lib.abstract(shapes[model], moving)
+  n = cfg.train_devices // cfg.gen_tp
+  grid = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=n, tensor=cfg.gen_tp),
+                            list(mesh.devices.flat))
+  own = make_instance(cfg).param_shardings(cfg.actor, llama.param_shapes(cfg.actor))
+  target = jax.tree.map(lambda sh: jax.sharding.NamedSharding(grid, sh.spec), own)
+  lowered = jax.jit(lambda x: x, out_shardings=target).lower(_as_bits(shapes["actor"]))
+  parts["reshard"] = m = measure(lowered, cfg.hardware)
+  over["reshard"] = m["peak_bytes"] - (m["argument_bytes"] if cfg.pp == 1 else 0)
+  params = _nbytes(llama.param_shapes(cfg.actor))
+  handed = _device_bytes(shapes["actor"]) if cfg.pp > 1 else 0
+  analytic = {"params_bytes": params / cfg.gen_tp, "handed_over_bytes": handed,
+              "total_bytes": params / cfg.gen_tp + handed, "flops_per_device": 0.0}
+  figures = lambda r: {k: r[k] for k in ("argument_bytes", "output_bytes", "temp_bytes",
+                                         "alias_bytes", "peak_bytes", "compile_s")}
+  out = _finish(m, analytic)
+  # The hand-over's communication is all its parts': their collectives one after another.
+  for key in ("collective", "program_collective"):
+    if all(f"{key}_bytes" in q and f"{key}_s" in q for q in parts.values()):
+      out[f"{key}_bytes"] = {kind: sum(q[f"{key}_bytes"][kind] for q in parts.values())
+                             for kind in m[f"{key}_bytes"]}
+      out[f"{key}_s"] = sum(q[f"{key}_s"] for q in parts.values())
+    else:  # (no part's, rather than the reshard's alone)
+      out.pop(f"{key}_bytes", None)
+      out.pop(f"{key}_s", None)
+  out.update(parts={k: figures(v) for k, v in parts.items()}, over_state_bytes=over,
+             instances=n, compiled_as=_BITS_NOTE)
+  logging.info("placement: compiled in %.1fs (%s)", sum(p["compile_s"] for p in parts.values()),
+               ", ".join(parts))
+  return {"placement": out}
+
+
 def _device_bytes(tree: Any) -> int:
   """Bytes one device holds of placed ShapeDtypeStructs (its shard of each; the shardings here
   split evenly, so every device holds as much)."""
@@ -794,9 +878,11 @@ def inference_analytic(cfg: PlanConfig, model: ModelConfig | None = None,
 
 
 def _finish(measured: dict, analytic: dict) -> dict:
+  """The measured figures beside the analytic ones; replication None for a program that should
+  compute nothing (placement: a reshard)."""
   out = {**measured, "analytic": analytic}
-  out["replication"] = measured["flops_per_device"] / analytic.get(
-      "flops_counted_per_device", analytic["flops_per_device"])
+  useful = analytic.get("flops_counted_per_device", analytic["flops_per_device"])
+  out["replication"] = measured["flops_per_device"] / useful if useful else None
   if "lockstep_flops_per_device" in analytic:
     out["replication_lockstep"] = (measured["flops_per_device"] /
                                    analytic["lockstep_flops_per_device"])
@@ -837,6 +923,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   del lowered
   logging.info("train_step: compiled in %.1fs", programs["train_step"]["compile_s"])
   programs.update(instance_programs(cfg))
+  programs.update(placement_programs(cfg, mesh, update))
   critic = _nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_model_shards
   group = bool(cfg.generation_devices)
   beside_train_state(programs, hbm, cfg.offload_optimizer, group,
@@ -901,7 +988,9 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                   "resident_model_bytes (the models kept beside it where the run keeps them: "
                   "a freed instance's other scoring models, the serial stage's reference and "
                   "reward model, the group's other models); for train_step its peak, plus "
-                  "on the serial stage the reference and reward model kept on the mesh; no "
+                  "on the serial stage the reference and reward model kept on the mesh; for "
+                  "placement the training state plus the most any of its parts adds to it "
+                  "(over_state_bytes); no "
                   "headroom (the simulator plans with 90 % of HBM)",
           "gpu_flops": "on a GPU backend library calls (cuBLAS / cuDNN custom-calls) hold most "
                        "dots, which hlo_flops does not count: flops_per_device and replication "
@@ -945,7 +1034,11 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     state's own actor, counted twice in its figures, which stands for the reference (the same
     size: an over-count without one), so decode has the reward model beside it; `pipelined`
     (pp > 1), its actor is a gathered copy beside the stage shards of the state, and the
-    reference is beside it too."""
+    reference is beside it too.
+
+  placement (the hand-over to instances on the training devices) has the training state
+  beside it and adds the most any of its parts adds (over_state_bytes); the frozen models wait
+  in host memory then."""
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
   actor = programs["decode"]["analytic"]["params_bytes"]
@@ -975,6 +1068,12 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     p.setdefault("fits_alone", p["fits"])
     p["offloaded_optimizer_bytes"] = 0 if generation_group else offloaded
     p["resident_train_bytes"] = 0 if generation_group else train["argument_bytes"] - offloaded
+    if name == "placement":  # beside the state: its parts' own additions (placement_programs)
+      p["resident_model_bytes"] = 0.0  # the frozen models wait in host memory
+      p["peak_with_train_state_bytes"] = (p["resident_train_bytes"] +
+                                          max(p["over_state_bytes"].values()))
+      p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)
+      continue
     idle = name == "decode" and not (generation_group or serial)  # nothing loaded yet
     p["resident_model_bytes"] = 0.0 if idle else sum(
         v for k, v in kept.items() if k != own[name])
@@ -1024,7 +1123,8 @@ def table(result: dict) -> list[str]:
                  f"{_gb(with_state) if with_state is not None else '-':>9} "
                  f"{_gb(p['hbm_bytes']):>7} {str(p['fits']):>5} "
                  f"{_gb(p['analytic']['total_bytes']):>11} "
-                 f"{_fixed(p['flops_per_device'] / 1e12, 3):>10} {p['replication']:>6.2f} "
+                 f"{_fixed(p['flops_per_device'] / 1e12, 3):>10} "
+                 f"{'-' if p['replication'] is None else format(p['replication'], '.2f'):>6} "
                  f"{p['compile_s']:>9.1f}")
   lines.append(f"time bounds on {result['plan']['hardware']} (s; one decode step): "
                "collectives one after another (as compiled; and at the widths the program asks "
@@ -1086,6 +1186,12 @@ def verdict(result: dict) -> str:
         "inference": ["smaller micro-batches (inference_microbatch: a run's "
                       "fusion.inference_micro_batch, 0 = the slots)"]}
     temporaries["reward"] = temporaries["inference"]
+    # The hand-over's copy (its argument) and temporaries: a gathered pipelined actor, or the
+    # instances' shares of it.
+    temporaries["placement"] = (
+        ["scanned layers (scan_layers: a run's model.scan_layers; a pipelined actor is then "
+         "handed over split over the stages, not gathered)"]
+        if plan.get("pp", 1) > 1 and not plan.get("scan_layers") else models)
     hints = []
     for name in over:
       p = result["programs"][name]
@@ -1096,11 +1202,19 @@ def verdict(result: dict) -> str:
                 "the models": p.get("resident_model_bytes", 0)}
       terms = {"temporaries": p["temp_bytes"], "arguments": p["argument_bytes"],
                **{f"{kept} beside it": b for kept, b in beside.items()}}
+      peak = p["peak_bytes"] + sum(beside.values())
+      if name == "placement":  # its part that adds the most: the copies it holds, its temp
+        part = max(p["over_state_bytes"], key=p["over_state_bytes"].get)
+        q = p["parts"][part]
+        terms.update(temporaries=q["temp_bytes"],
+                     arguments=p["over_state_bytes"][part] - q["temp_bytes"])
+        peak = p["peak_with_train_state_bytes"]
       largest = max(terms, key=terms.get)
-      fix = temporaries[name] if largest == "temporaries" else fixes[largest]
+      own = largest == "temporaries" or (name == "placement" and largest == "arguments")
+      fix = temporaries[name] if own else fixes[largest]
       remedy = f": {', '.join(fix)}" if fix else ""
       kept = " and ".join(k for k, b in beside.items() if b)
-      hints.append(f"{name} (peak {_gb(p['peak_bytes'] + sum(beside.values()))} of "
+      hints.append(f"{name} (peak {_gb(peak)} of "
                    f"{_gb(p['hbm_bytes'])} GB" + (f" with {kept}" if kept else "") +
                    f"; largest: {largest}{remedy})")
     line = "verdict: DOES NOT FIT: " + "; ".join(hints)
@@ -1134,7 +1248,7 @@ def link_bound_notes(result: dict, min_s: dict | None = None) -> list[str]:
   plan, lines = result["plan"], []
   for name in program_names(result):
     p = result["programs"][name]
-    if "collective_s" not in p:
+    if "collective_s" not in p or name == "placement":  # (a reshard: nothing but collectives)
       continue
     other = max(p["compute_s"], p["analytic"].get("hbm_s") or 0.0)
     # At the program's widths where known: XLA:CPU's float32 copies of 16-bit collectives

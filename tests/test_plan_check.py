@@ -111,6 +111,38 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
     for p, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state.master)):
       shard = lambda x: x.addressable_shards[0].data.size
       assert shard(m) * cfg.dp <= shard(p) or p.size == 1, (p.shape, m.sharding)
+
+  # The actor's hand-over to the instances on the training devices, made for real as the
+  # trainer makes it: Update.whole's copy (moving: each stage's layers where they are; these
+  # unrolled layers are gathered), then FusedGenerator.place_actor's one reshard onto the grid
+  # of all instances. The compiled reshard's argument is that copy, its output an instance's
+  # share, and what it adds to the state at its peak holds both.
+  placement = stored["programs"]["placement"]
+  assert set(placement["parts"]) == {"unstack_actor", "unstack_critic", "reshard"}
+  trainer_update = update_lib.Update(None, txs={"actor": tx}, actor_lr=None,
+                                     pipelined_update=update)
+  whole = mesh_lib.shard_params(llama.host_random_params(cfg.actor, 0),
+                                llama.logical_specs(cfg.actor), mesh)
+  copy = trainer_update.whole("actor", trainer_update.init_state("actor", whole, mesh),
+                              moving=True)
+  reshard = placement["parts"]["reshard"]
+  assert _device0_bytes(copy) == reshard["argument_bytes"] == placement["argument_bytes"]
+  # (the conversion's output: the same, and its tuple's table of 8-byte pointers)
+  unstacked = placement["parts"]["unstack_actor"]["output_bytes"] - reshard["argument_bytes"]
+  assert unstacked == 8 * len(jax.tree.leaves(copy)), unstacked
+  grid = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=placement["instances"], tensor=cfg.gen_tp),
+                            list(mesh.devices.flat))
+  own = plan_programs.make_instance(cfg).param_shardings(cfg.actor, copy)  # an instance's rule
+  placed = mesh_lib.put(copy, jax.tree.map(lambda sh: jax.sharding.NamedSharding(grid, sh.spec),
+                                           own))
+  table = 8 * len(jax.tree.leaves(copy))
+  assert _device0_bytes(placed) == reshard["output_bytes"] - table
+  over = placement["over_state_bytes"]
+  assert over["reshard"] >= _device0_bytes(copy) + _device0_bytes(placed)
+  assert placement["peak_with_train_state_bytes"] == (train["argument_bytes"] +
+                                                     max(over.values()))
+  assert placement["replication"] is None and placement["fits"] is True
+
   programs = result["programs"]
   plan_programs.beside_train_state(programs, 1.0, offload_optimizer=True)
   for name in ("decode", "inference"):
@@ -288,6 +320,34 @@ def test_the_table_ends_with_a_verdict_naming_what_does_not_fit():
           "devices)") in plan_programs.verdict(result)
   result["plan"]["zero1"] = True  # already split: not proposed again
   assert "largest: arguments: fsdp, more stages" in plan_programs.verdict(result)
+
+
+def test_a_hand_over_that_does_not_fit_names_the_part_that_adds_the_most():
+  """placement's verdict: its peak is the training state plus its costliest part (here the
+  gathered copy of a pipelined actor with unrolled layers), the remedy scanned layers; with
+  scanned layers, larger instances."""
+  result = _scaled_result(1.0)
+  result["layers_compiled"] = {"reduced": False}
+  result["plan"].update(generation="instances", pp=8, scan_layers=False)
+  parts = {"unstack_actor": {"argument_bytes": 1e9, "output_bytes": 50e9, "temp_bytes": 11.5e9},
+           "reshard": {"argument_bytes": 50e9, "output_bytes": 2e9, "temp_bytes": 0.0}}
+  result["programs"]["placement"] = {
+      **result["programs"]["decode"], "parts": parts, "fits": False, "resident_train_bytes": 20e9,
+      "resident_model_bytes": 0.0, "over_state_bytes": {"unstack_actor": 61.5e9,
+                                                        "reshard": 52e9},
+      "peak_with_train_state_bytes": 81.5e9, "replication": None}
+  assert plan_programs.verdict(result) == (
+      "verdict: DOES NOT FIT: placement (peak 81.50 of 80.00 GB with the training state; "
+      "largest: arguments: scanned layers (scan_layers: a run's model.scan_layers; a pipelined "
+      "actor is then handed over split over the stages, not gathered))")
+  result["plan"]["scan_layers"] = True
+  assert plan_programs.verdict(result).endswith(
+      "largest: arguments: more devices per instance (gen_tp: a run's "
+      "fusion.instance_devices or plan.generation_tp))")
+  line = next(x for x in plan_programs.table(result) if x.startswith("placement"))
+  assert line.split()[10] == "-"  # replication: a reshard computes nothing
+  assert not any(n.startswith("placement") for n in plan_programs.link_bound_notes(
+      result, min_s={}))
 
 
 def test_a_decode_that_fits_only_alone_is_named_with_the_training_state_beside_it():
@@ -794,6 +854,30 @@ def test_replication_is_the_compiled_flops_over_the_analytic():
   assert out["replication"] == 1.5 and out["replication_lockstep"] == 1.2
   out = finish(measured, {"flops_per_device": 4.0, "flops_counted_per_device": 2.0})
   assert out["replication"] == 3.0 and "replication_lockstep" not in out
+
+
+def test_a_16_bit_hand_over_measures_half_the_float32_one():
+  """The placement reshard moves bits: a bfloat16 actor's measures half a float32 one's, its
+  temporaries included (XLA:CPU widens a bfloat16 collective to float32, which a GPU does not:
+  compiled as bfloat16 the temp was twice the bytes gathered), and in a plan that generates on
+  the mesh, or on instances that do not cover the training devices, there is none."""
+  c = plan_config.get_config("tiny")
+  c.update(pp=1, critic_pp=1, fsdp=4, dp=2, gen_tp=2, microbatch_size=0)
+  figures = {}
+  for dtype in ("float32", "bfloat16"):
+    c.actor.param_dtype = c.critic.param_dtype = dtype
+    cfg = plan_programs.PlanConfig.from_config_dict(c)
+    out = plan_programs.placement_programs(cfg, plan_programs.train_mesh(cfg), None)
+    assert set(out["placement"]["parts"]) == {"reshard"}  # pp == 1: the state's own actor
+    figures[dtype] = out["placement"]["parts"]["reshard"]
+  table = 8 * len(jax.tree.leaves(llama.param_shapes(cfg.actor)))  # the outputs' pointers
+  half, full = figures["bfloat16"], figures["float32"]
+  assert 2 * half["argument_bytes"] == full["argument_bytes"]
+  assert 2 * (half["output_bytes"] - table) == full["output_bytes"] - table
+  # (the same buffers at half the width; XLA aligns each to a few bytes)
+  assert full["temp_bytes"] > 0 and abs(2 * half["temp_bytes"] - full["temp_bytes"]) <= 64
+  for other in ({"generation": "mesh"}, {"gen_tp": 3}):
+    assert plan_programs.placement_programs(dataclasses.replace(cfg, **other), None, None) == {}
 
 
 def test_a_program_fits_when_its_whole_peak_does():

@@ -133,10 +133,9 @@ class Update:
     7b_host8)."""
     if self._pipelined is None:
       return state.params
-    shardings = jax.tree.map(lambda x: x.sharding, self._whole_shapes[model])
-    if moving and "block" in shardings.get("layers", {}):  # scan_layers: leaves [L, ...]
-      shardings = {**shardings, "layers": {"block": jax.tree.map(
-          _split_over_stages, self._whole_shapes[model]["layers"]["block"])}}
+    shapes = self._whole_shapes[model]
+    shardings = (moving_shardings(shapes) if moving
+                 else jax.tree.map(lambda x: x.sharding, shapes))
     convert = self._pipelined.whole_fn(model, state.params, shardings)
     t0 = time.time()  # the transfer alone: the conversion was compiled ahead of time
     whole = convert(state.params)
@@ -151,6 +150,17 @@ class Update:
     a plain update, which never reshards."""
     out, self._reshard = self._reshard, dict(_NO_RESHARD)
     return out if self._pipelined is not None else {}
+
+
+def moving_shardings(whole: Any) -> Any:
+  """Update.whole's shardings with `moving`, for `whole` (whole_shapes: placed structs): a
+  scanned model's layer stacks split over `stage` (_split_over_stages), the rest as placed.
+  experiments/plan_programs.py compiles the same hand-over from them."""
+  shardings = jax.tree.map(lambda x: x.sharding, whole)
+  if "block" in shardings.get("layers", {}):  # scan_layers: leaves [L, ...]
+    shardings = {**shardings, "layers": {"block": jax.tree.map(
+        _split_over_stages, whole["layers"]["block"])}}
+  return shardings
 
 
 def _split_over_stages(leaf: jax.ShapeDtypeStruct) -> jax.sharding.NamedSharding:
