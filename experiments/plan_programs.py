@@ -707,7 +707,7 @@ def placement_programs(cfg: PlanConfig, mesh, update) -> dict:
    training state at its peak (a conversion: its output and temporaries, its argument being
    the state's own parameters; the reshard: its whole peak, its argument being the copy
    handed over, or with pp == 1 its peak less the state's own actor)}."""
-  if cfg.generation != "instances" or cfg.train_devices % cfg.gen_tp:
+  if cfg.generation != "instances" or cfg.generation_devices or cfg.train_devices % cfg.gen_tp:
     return {}
   shapes = {"actor": abstract_params(cfg.actor, mesh), "critic": abstract_params(cfg.critic, mesh)}
   parts, over = {}, {}
@@ -746,9 +746,9 @@ def placement_programs(cfg: PlanConfig, mesh, update) -> dict:
       out.pop(f"{key}_bytes", None)
       out.pop(f"{key}_s", None)
   out.update(parts={k: figures(v) for k, v in parts.items()}, over_state_bytes=over,
-             instances=n, compiled_as=_BITS_NOTE)
-  logging.info("placement: compiled in %.1fs (%s)", sum(p["compile_s"] for p in parts.values()),
-               ", ".join(parts))
+             instances=n, compiled_as=_BITS_NOTE,
+             compile_s=sum(q["compile_s"] for q in parts.values()))
+  logging.info("placement: compiled in %.1fs (%s)", out["compile_s"], ", ".join(parts))
   return {"placement": out}
 
 

@@ -860,7 +860,8 @@ def test_a_16_bit_hand_over_measures_half_the_float32_one():
   """The placement reshard moves bits: a bfloat16 actor's measures half a float32 one's, its
   temporaries included (XLA:CPU widens a bfloat16 collective to float32, which a GPU does not:
   compiled as bfloat16 the temp was twice the bytes gathered), and in a plan that generates on
-  the mesh, or on instances that do not cover the training devices, there is none."""
+  the mesh, or on instances that do not cover the training devices (or on asynchronous PPO's
+  generation group), there is none."""
   c = plan_config.get_config("tiny")
   c.update(pp=1, critic_pp=1, fsdp=4, dp=2, gen_tp=2, microbatch_size=0)
   figures = {}
@@ -876,7 +877,7 @@ def test_a_16_bit_hand_over_measures_half_the_float32_one():
   assert 2 * (half["output_bytes"] - table) == full["output_bytes"] - table
   # (the same buffers at half the width; XLA aligns each to a few bytes)
   assert full["temp_bytes"] > 0 and abs(2 * half["temp_bytes"] - full["temp_bytes"]) <= 64
-  for other in ({"generation": "mesh"}, {"gen_tp": 3}):
+  for other in ({"generation": "mesh"}, {"gen_tp": 3}, {"generation_devices": 4}):
     assert plan_programs.placement_programs(dataclasses.replace(cfg, **other), None, None) == {}
 
 
