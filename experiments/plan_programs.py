@@ -26,13 +26,13 @@ Every program is the codebase's own, reached through the function its caller jit
               scalar forward (inference/scoring.reward_model_scores) on the same instance and
               micro-batch: a reward model larger than the actor (13B actor, 33B reward model)
               can be the instance's largest program, which the other three do not show
-  placement   with generation on instances over the training devices, the actor's hand-over
-              to them each iteration (placement_programs): pp > 1, Update.whole's conversion of
-              the stage-stacked actor and critic into the copy handed over (a scanned layer
-              stack stays split over the stages; unrolled layers are gathered), then the one
-              reshard of the actor onto all instances (FusedGenerator.place_actor); its
-              figures are the reshard's, its fit the largest any part adds to the training
-              state, its collectives all parts' together
+  placement   the actor's hand-over to generation each iteration, on the training devices
+              (placement_programs): pp > 1, Update.whole's conversion of the stage-stacked
+              actor (and critic) into the copy handed over (a scanned layer stack stays split
+              over the stages; unrolled layers are gathered), then, for instances over the
+              training devices, the one reshard of the actor onto all of them
+              (FusedGenerator.place_actor); its figures are its costliest part's, its fit the
+              most any part adds to the training state, its collectives all parts' together
 
 Arguments are jax.ShapeDtypeStructs with NamedShardings: nothing is allocated.
 
@@ -693,60 +693,86 @@ def _as_bits(tree: Any) -> Any:
 
 
 def placement_programs(cfg: PlanConfig, mesh, update) -> dict:
-  """The actor's hand-over to generation instances on the training devices, measured: with
-  pp > 1 Update.whole's conversion of the stage-stacked actor (and critic) into the layout
-  handed over (trainer/update.moving_shardings: a scanned layer stack stays split over the
-  stages), then the one reshard of that copy (pp == 1: of the state's own actor) onto every
-  instance's devices (generation/fused.FusedGenerator.place_actor: a grid of data = instances x
-  tensor = gen_tp over the training mesh's devices in its order, each instance's weights split
-  by its own logical rules). {} where the run would not hand it over so: generation on the
-  mesh or a separate group, or gen_tp not dividing the training devices.
+  """The actor's hand-over to generation each iteration, measured on the training devices.
 
-  {"placement": the reshard's figures, with "parts": each compiled program's
-   (unstack_actor, unstack_critic, reshard) and "over_state_bytes": what each adds to the
-   training state at its peak (a conversion: its output and temporaries, its argument being
-   the state's own parameters; the reshard: its whole peak, its argument being the copy
-   handed over, or with pp == 1 its peak less the state's own actor)}."""
-  if cfg.generation != "instances" or cfg.generation_devices or cfg.train_devices % cfg.gen_tp:
+  With pp > 1 and generation elsewhere than on the training mesh itself (instances, or
+  asynchronous PPO's group): Update.whole's conversion of the stage-stacked actor (and of the
+  critic where the instances or the group score with it) into the copy handed over
+  (trainer/update.moving_shardings: a scanned layer stack stays split over the stages,
+  unrolled layers are gathered). With instances that cover the training devices: the one
+  reshard of that copy (pp == 1: of the state's own actor) onto all of them
+  (generation/fused.FusedGenerator.place_actor: a grid of data = instances x tensor = gen_tp
+  over the training mesh's devices in its order, as the trainer cuts its instances off TPU,
+  each instance's weights split by its own logical rules), leaving out the leaves already
+  where an instance wants them (mesh_lib.put relabels those, nothing moves). {} where nothing
+  of that runs. Not counted: with several processes the critic's host copy
+  (FusedStage._instance_ready gathers it to every process first).
+
+  {"placement": the figures of the part that adds the most to the training state, with
+   "parts": each compiled program's (unstack_actor, unstack_critic, reshard), and
+   "over_state_bytes": what each adds at its peak (a conversion: its output and temporaries,
+   its argument being the state's own parameters; the reshard: its whole peak and the copy's
+   leaves it leaves in place, or with pp == 1 its peak less the state's own actor)}."""
+  group = bool(cfg.generation_devices)
+  grid_reshard = (cfg.generation == "instances" and not group and
+                  cfg.train_devices % cfg.gen_tp == 0)
+  converted = cfg.pp > 1 and (cfg.generation == "instances" or group)
+  if not (grid_reshard or converted):
     return {}
-  shapes = {"actor": abstract_params(cfg.actor, mesh), "critic": abstract_params(cfg.critic, mesh)}
+  shapes = {"actor": abstract_params(cfg.actor, mesh)}
   parts, over = {}, {}
-  if cfg.pp > 1:
+  if converted:
     ex = update.executor
-    for model in ("actor", "critic"):
+    # The critic is handed over where it scores: on the instances, or the group's with
+    # group_critic (the trainer's stage_critic).
+    for model in ("actor", "critic") if not group or cfg.group_critic else ("actor",):
+      whole = abstract_params(getattr(cfg, model), mesh)
       staged = _as_bits(mesh_lib.abstract(ex.layouts[model].staged_shapes(),
                                           ex.staged_shardings(model)))
-      moving = update_lib.moving_shardings(shapes[model])
+      moving = update_lib.moving_shardings(whole)
       lowered = jax.jit(functools.partial(ex.unstack, model), out_shardings=moving).lower(staged)
       parts[f"unstack_{model}"] = m = measure(lowered, cfg.hardware)
       over[f"unstack_{model}"] = m["peak_bytes"] - m["argument_bytes"]
-      shapes[model] = mesh_lib.abstract(shapes[model], moving)
+      shapes[model] = mesh_lib.abstract(whole, moving)
   n = cfg.train_devices // cfg.gen_tp
-  grid = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=n, tensor=cfg.gen_tp),
-                            list(mesh.devices.flat))
-  own = make_instance(cfg).param_shardings(cfg.actor, llama.param_shapes(cfg.actor))
-  target = jax.tree.map(lambda sh: jax.sharding.NamedSharding(grid, sh.spec), own)
-  lowered = jax.jit(lambda x: x, out_shardings=target).lower(_as_bits(shapes["actor"]))
-  parts["reshard"] = m = measure(lowered, cfg.hardware)
-  over["reshard"] = m["peak_bytes"] - (m["argument_bytes"] if cfg.pp == 1 else 0)
+  if grid_reshard:
+    grid = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=n, tensor=cfg.gen_tp),
+                              list(mesh.devices.flat))
+    own = make_instance(cfg).param_shardings(cfg.actor, llama.param_shapes(cfg.actor))
+    leaves, _ = jax.tree.flatten(_as_bits(shapes["actor"]))
+    targets = [jax.sharding.NamedSharding(grid, sh.spec) for sh in jax.tree.leaves(own)]
+    in_place = [x.sharding.devices_indices_map(x.shape) == t.devices_indices_map(x.shape)
+                for x, t in zip(leaves, targets)]
+    moved = [(x, t) for x, t, kept in zip(leaves, targets, in_place) if not kept]
+    if moved:
+      lowered = jax.jit(lambda xs: xs, out_shardings=[t for _, t in moved]).lower(
+          [x for x, _ in moved])
+      parts["reshard"] = m = measure(lowered, cfg.hardware)
+      kept = _device_bytes([x for x, k in zip(leaves, in_place) if k])
+      over["reshard"] = m["peak_bytes"] - m["argument_bytes"] if cfg.pp == 1 else (
+          m["peak_bytes"] + kept)
+  if not parts:
+    return {}
   params = _nbytes(llama.param_shapes(cfg.actor))
-  handed = _device_bytes(shapes["actor"]) if cfg.pp > 1 else 0
-  analytic = {"params_bytes": params / cfg.gen_tp, "handed_over_bytes": handed,
-              "total_bytes": params / cfg.gen_tp + handed, "flops_per_device": 0.0}
+  handed = _device_bytes(shapes["actor"]) if converted else 0
+  share = params / cfg.gen_tp if grid_reshard else 0.0
+  analytic = {"params_bytes": share, "handed_over_bytes": handed,
+              "total_bytes": share + handed, "flops_per_device": 0.0}
   figures = lambda r: {k: r[k] for k in ("argument_bytes", "output_bytes", "temp_bytes",
                                          "alias_bytes", "peak_bytes", "compile_s")}
-  out = _finish(m, analytic)
+  costliest = max(over, key=over.get)
+  out = _finish(parts[costliest], analytic)
   # The hand-over's communication is all its parts': their collectives one after another.
   for key in ("collective", "program_collective"):
     if all(f"{key}_bytes" in q and f"{key}_s" in q for q in parts.values()):
       out[f"{key}_bytes"] = {kind: sum(q[f"{key}_bytes"][kind] for q in parts.values())
-                             for kind in m[f"{key}_bytes"]}
+                             for kind in out[f"{key}_bytes"]}
       out[f"{key}_s"] = sum(q[f"{key}_s"] for q in parts.values())
-    else:  # (no part's, rather than the reshard's alone)
+    else:  # (no part's, rather than one part's alone)
       out.pop(f"{key}_bytes", None)
       out.pop(f"{key}_s", None)
   out.update(parts={k: figures(v) for k, v in parts.items()}, over_state_bytes=over,
-             instances=n, compiled_as=_BITS_NOTE,
+             costliest=costliest, instances=n if grid_reshard else 0, compiled_as=_BITS_NOTE,
              compile_s=sum(q["compile_s"] for q in parts.values()))
   logging.info("placement: compiled in %.1fs (%s)", out["compile_s"], ", ".join(parts))
   return {"placement": out}
@@ -1036,9 +1062,10 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     (pp > 1), its actor is a gathered copy beside the stage shards of the state, and the
     reference is beside it too.
 
-  placement (the hand-over to instances on the training devices) has the training state
-  beside it and adds the most any of its parts adds (over_state_bytes); the frozen models wait
-  in host memory then."""
+  placement (the hand-over of the actor, on the training devices) has the training state
+  beside it, also with a generation group (less the optimizer state where the rollout has
+  moved it out: not an asynchronous group's), and adds the most any of its parts adds
+  (over_state_bytes); the frozen models wait in host memory then."""
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
   actor = programs["decode"]["analytic"]["params_bytes"]
@@ -1069,6 +1096,13 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     p["offloaded_optimizer_bytes"] = 0 if generation_group else offloaded
     p["resident_train_bytes"] = 0 if generation_group else train["argument_bytes"] - offloaded
     if name == "placement":  # beside the state: its parts' own additions (placement_programs)
+      # On the training devices, also for a generation group; the optimizer state is in host
+      # memory then where the rollout moves it (synchronous; asynchronous PPO converts the
+      # weights for the next batch after the update, outside the offload: staleness > 0, no
+      # group critic).
+      moved_out = offloaded if not generation_group or group_critic_bytes else 0
+      p["offloaded_optimizer_bytes"] = moved_out
+      p["resident_train_bytes"] = train["argument_bytes"] - moved_out
       p["resident_model_bytes"] = 0.0  # the frozen models wait in host memory
       p["peak_with_train_state_bytes"] = (p["resident_train_bytes"] +
                                           max(p["over_state_bytes"].values()))
@@ -1186,12 +1220,14 @@ def verdict(result: dict) -> str:
         "inference": ["smaller micro-batches (inference_microbatch: a run's "
                       "fusion.inference_micro_batch, 0 = the slots)"]}
     temporaries["reward"] = temporaries["inference"]
-    # The hand-over's copy (its argument) and temporaries: a gathered pipelined actor, or the
-    # instances' shares of it.
-    temporaries["placement"] = (
-        ["scanned layers (scan_layers: a run's model.scan_layers; a pipelined actor is then "
-         "handed over split over the stages, not gathered)"]
-        if plan.get("pp", 1) > 1 and not plan.get("scan_layers") else models)
+    # The hand-over's copies and temporaries, by its part that adds the most: a pipelined
+    # model's conversion (gathered with unrolled layers; else one stage's layers), or the
+    # reshard onto the instances (their shares, and a gathered copy it reads).
+    gathered = plan.get("pp", 1) > 1 and not plan.get("scan_layers")
+    scan = ["scanned layers (scan_layers: a run's model.scan_layers; a pipelined model is "
+            "then handed over split over the stages, not gathered)"]
+    handover = {"unstack": scan if gathered else ["fsdp", "more stages or tensor devices"],
+                "reshard": (scan if gathered else []) + models}
     hints = []
     for name in over:
       p = result["programs"][name]
@@ -1209,6 +1245,7 @@ def verdict(result: dict) -> str:
         terms.update(temporaries=q["temp_bytes"],
                      arguments=p["over_state_bytes"][part] - q["temp_bytes"])
         peak = p["peak_with_train_state_bytes"]
+        temporaries[name] = handover[part.split("_")[0]]
       largest = max(terms, key=terms.get)
       own = largest == "temporaries" or (name == "placement" and largest == "arguments")
       fix = temporaries[name] if own else fixes[largest]

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging as std_logging
 import os
+import types
 
 import jax
 import ml_collections
@@ -13,6 +14,7 @@ import pytest
 from configs import plan_check as plan_config
 from experiments import plan_programs
 from rlhfuse_jax.generation import engine
+from rlhfuse_jax.generation import fused
 from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -114,9 +116,9 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
 
   # The actor's hand-over to the instances on the training devices, made for real as the
   # trainer makes it: Update.whole's copy (moving: each stage's layers where they are; these
-  # unrolled layers are gathered), then FusedGenerator.place_actor's one reshard onto the grid
-  # of all instances. The compiled reshard's argument is that copy, its output an instance's
-  # share, and what it adds to the state at its peak holds both.
+  # unrolled layers are gathered), then FusedGenerator.place_actor onto instances cut from the
+  # training mesh's devices as the trainer cuts them. The compiled reshard reads that copy and
+  # writes what device 0 then holds of its instance.
   placement = stored["programs"]["placement"]
   assert set(placement["parts"]) == {"unstack_actor", "unstack_critic", "reshard"}
   trainer_update = update_lib.Update(None, txs={"actor": tx}, actor_lr=None,
@@ -126,22 +128,29 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
   copy = trainer_update.whole("actor", trainer_update.init_state("actor", whole, mesh),
                               moving=True)
   reshard = placement["parts"]["reshard"]
-  assert _device0_bytes(copy) == reshard["argument_bytes"] == placement["argument_bytes"]
-  # (the conversion's output: the same, and its tuple's table of 8-byte pointers)
-  unstacked = placement["parts"]["unstack_actor"]["output_bytes"] - reshard["argument_bytes"]
-  assert unstacked == 8 * len(jax.tree.leaves(copy)), unstacked
-  grid = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=placement["instances"], tensor=cfg.gen_tp),
-                            list(mesh.devices.flat))
-  own = plan_programs.make_instance(cfg).param_shardings(cfg.actor, copy)  # an instance's rule
-  placed = mesh_lib.put(copy, jax.tree.map(lambda sh: jax.sharding.NamedSharding(grid, sh.spec),
-                                           own))
-  table = 8 * len(jax.tree.leaves(copy))
-  assert _device0_bytes(placed) == reshard["output_bytes"] - table
-  over = placement["over_state_bytes"]
-  assert over["reshard"] >= _device0_bytes(copy) + _device0_bytes(placed)
-  assert placement["peak_with_train_state_bytes"] == (train["argument_bytes"] +
-                                                     max(over.values()))
-  assert placement["replication"] is None and placement["fits"] is True
+  # (an output tuple's 8-byte pointers)
+  assert (placement["parts"]["unstack_actor"]["output_bytes"] - 8 * len(jax.tree.leaves(copy))
+          == _device0_bytes(copy))
+  devices = list(mesh.devices.flat)
+  n = placement["instances"]
+  instances = [inst_lib.GenerationInstance(i, m, cfg.actor, plan_programs.make_instance(cfg)
+                                           .sampling, slots=cfg.gen_slots,
+                                           prompt_len=cfg.prompt_len)
+               for i, m in enumerate(inst_lib.split_devices(devices, n, cfg.gen_tp))]
+  generator = types.SimpleNamespace(instances=instances, local=list(range(n)), cfg=cfg.actor,
+                                    config=types.SimpleNamespace(instance_devices=cfg.gen_tp))
+  placed = fused.FusedGenerator.place_actor(generator, copy)
+  assert devices[0] in instances[0].devices
+
+  def on_device0(x):
+    return next(s.data for s in x.addressable_shards if s.device == devices[0])
+  # The leaves place_actor left where they were (the same buffers: the replicated norms) are
+  # not in the compiled reshard; the others are its argument and output.
+  moved = [(x, y) for x, y in zip(jax.tree.leaves(copy), jax.tree.leaves(placed[0]))
+           if on_device0(x).unsafe_buffer_pointer() != on_device0(y).unsafe_buffer_pointer()]
+  assert 0 < len(moved) < len(jax.tree.leaves(copy))
+  assert _device0_bytes([x for x, _ in moved]) == reshard["argument_bytes"]
+  assert _device0_bytes([y for _, y in moved]) == reshard["output_bytes"] - 8 * len(moved) > 0
 
   programs = result["programs"]
   plan_programs.beside_train_state(programs, 1.0, offload_optimizer=True)
@@ -323,24 +332,29 @@ def test_the_table_ends_with_a_verdict_naming_what_does_not_fit():
 
 
 def test_a_hand_over_that_does_not_fit_names_the_part_that_adds_the_most():
-  """placement's verdict: its peak is the training state plus its costliest part (here the
-  gathered copy of a pipelined actor with unrolled layers), the remedy scanned layers; with
-  scanned layers, larger instances."""
+  """placement's verdict: its peak is the training state plus its costliest part, and the
+  remedy that part's: a pipelined actor's conversion gathers unrolled layers (scanned layers),
+  or holds one stage's layers (more splitting); the reshard onto the instances holds their
+  shares (larger instances)."""
   result = _scaled_result(1.0)
   result["layers_compiled"] = {"reduced": False}
   result["plan"].update(generation="instances", pp=8, scan_layers=False)
   parts = {"unstack_actor": {"argument_bytes": 1e9, "output_bytes": 50e9, "temp_bytes": 11.5e9},
            "reshard": {"argument_bytes": 50e9, "output_bytes": 2e9, "temp_bytes": 0.0}}
+  over = {"unstack_actor": 61.5e9, "reshard": 52e9}
   result["programs"]["placement"] = {
       **result["programs"]["decode"], "parts": parts, "fits": False, "resident_train_bytes": 20e9,
-      "resident_model_bytes": 0.0, "over_state_bytes": {"unstack_actor": 61.5e9,
-                                                        "reshard": 52e9},
+      "resident_model_bytes": 0.0, "over_state_bytes": over,
       "peak_with_train_state_bytes": 81.5e9, "replication": None}
+  scan = ("scanned layers (scan_layers: a run's model.scan_layers; a pipelined model is then "
+          "handed over split over the stages, not gathered)")
   assert plan_programs.verdict(result) == (
       "verdict: DOES NOT FIT: placement (peak 81.50 of 80.00 GB with the training state; "
-      "largest: arguments: scanned layers (scan_layers: a run's model.scan_layers; a pipelined "
-      "actor is then handed over split over the stages, not gathered))")
+      f"largest: arguments: {scan})")
   result["plan"]["scan_layers"] = True
+  assert plan_programs.verdict(result).endswith(
+      "largest: arguments: fsdp, more stages or tensor devices)")
+  over.update(reshard=70e9)  # the instances' shares now
   assert plan_programs.verdict(result).endswith(
       "largest: arguments: more devices per instance (gen_tp: a run's "
       "fusion.instance_devices or plan.generation_tp))")
@@ -348,6 +362,26 @@ def test_a_hand_over_that_does_not_fit_names_the_part_that_adds_the_most():
   assert line.split()[10] == "-"  # replication: a reshard computes nothing
   assert not any(n.startswith("placement") for n in plan_programs.link_bound_notes(
       result, min_s={}))
+
+
+def test_the_hand_over_has_the_training_state_beside_it_also_for_a_generation_group():
+  """The conversion of a pipelined actor runs on the training devices wherever the copy goes:
+  beside the whole training state, less the optimizer state only where the rollout has moved
+  it to host memory (synchronous; an asynchronous run converts after its update)."""
+  def programs():
+    return {"train_step": {"argument_bytes": 10.0, "optimizer_state_bytes": 4.0,
+                           "peak_bytes": 20.0, "fits": True},
+            "decode": {"analytic": {"params_bytes": 3.0}, "peak_bytes": 5.0, "fits": True},
+            "inference": {"analytic": {"params_bytes": 3.0}, "peak_bytes": 5.0, "fits": True},
+            "placement": {"over_state_bytes": {"unstack_actor": 7.0, "reshard": 2.0},
+                          "peak_bytes": 9.0, "fits": True}}
+  for group, group_critic, resident in ((False, 0.0, 6.0), (True, 0.0, 10.0), (True, 1.0, 6.0)):
+    out = programs()
+    plan_programs.beside_train_state(out, 16.5, True, group, group_critic)
+    p = out["placement"]
+    assert (p["resident_train_bytes"], p["resident_model_bytes"]) == (resident, 0.0)
+    assert p["peak_with_train_state_bytes"] == resident + 7.0
+    assert p["fits"] == (resident + 7.0 <= 16.5) and p["fits_alone"] is True
 
 
 def test_a_decode_that_fits_only_alone_is_named_with_the_training_state_beside_it():
@@ -861,7 +895,8 @@ def test_a_16_bit_hand_over_measures_half_the_float32_one():
   temporaries included (XLA:CPU widens a bfloat16 collective to float32, which a GPU does not:
   compiled as bfloat16 the temp was twice the bytes gathered), and in a plan that generates on
   the mesh, or on instances that do not cover the training devices (or on asynchronous PPO's
-  generation group), there is none."""
+  generation group) without a pipelined copy to make, or on instances that split the weights
+  as training does, there is none."""
   c = plan_config.get_config("tiny")
   c.update(pp=1, critic_pp=1, fsdp=4, dp=2, gen_tp=2, microbatch_size=0)
   figures = {}
@@ -871,14 +906,19 @@ def test_a_16_bit_hand_over_measures_half_the_float32_one():
     out = plan_programs.placement_programs(cfg, plan_programs.train_mesh(cfg), None)
     assert set(out["placement"]["parts"]) == {"reshard"}  # pp == 1: the state's own actor
     figures[dtype] = out["placement"]["parts"]["reshard"]
-  table = 8 * len(jax.tree.leaves(llama.param_shapes(cfg.actor)))  # the outputs' pointers
   half, full = figures["bfloat16"], figures["float32"]
   assert 2 * half["argument_bytes"] == full["argument_bytes"]
-  assert 2 * (half["output_bytes"] - table) == full["output_bytes"] - table
+  # Outputs: the same leaves at half the width, and the output tuple's 8-byte pointers.
+  table = 2 * half["output_bytes"] - full["output_bytes"]
+  assert 0 < table <= 8 * len(jax.tree.leaves(llama.param_shapes(cfg.actor))) and table % 8 == 0
   # (the same buffers at half the width; XLA aligns each to a few bytes)
   assert full["temp_bytes"] > 0 and abs(2 * half["temp_bytes"] - full["temp_bytes"]) <= 64
   for other in ({"generation": "mesh"}, {"gen_tp": 3}, {"generation_devices": 4}):
     assert plan_programs.placement_programs(dataclasses.replace(cfg, **other), None, None) == {}
+  # Instances split like training (tensor 2 both): every weight is where an instance wants it
+  # already, nothing moves (mesh_lib.put relabels it), nothing is counted.
+  same = dataclasses.replace(cfg, fsdp=1, dp=4, tp=2)
+  assert plan_programs.placement_programs(same, plan_programs.train_mesh(same), None) == {}
 
 
 def test_a_program_fits_when_its_whole_peak_does():
