@@ -151,6 +151,14 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
   assert 0 < len(moved) < len(jax.tree.leaves(copy))
   assert _device0_bytes([x for x, _ in moved]) == reshard["argument_bytes"]
   assert _device0_bytes([y for _, y in moved]) == reshard["output_bytes"] - 8 * len(moved) > 0
+  # Onto an asynchronous run's generation group the same copy is made on these devices (and
+  # put onto the group's): the conversion alone is counted, the actor's (the group scores no
+  # values asynchronously).
+  group = dataclasses.replace(cfg, generation="mesh", generation_devices=4, group_critic=False)
+  alone = plan_programs.placement_programs(group, mesh, update)["placement"]
+  assert set(alone["parts"]) == {"unstack_actor"} and alone["instances"] == 0
+  assert alone["parts"]["unstack_actor"] == placement["parts"]["unstack_actor"] | {
+      "compile_s": alone["parts"]["unstack_actor"]["compile_s"]}
 
   programs = result["programs"]
   plan_programs.beside_train_state(programs, 1.0, offload_optimizer=True)
