@@ -706,7 +706,11 @@ def placement_programs(cfg: PlanConfig, mesh, update) -> dict:
   each instance's weights split by its own logical rules), leaving out the leaves already
   where an instance wants them (mesh_lib.put relabels those, nothing moves). {} where nothing
   of that runs. Not counted: with several processes the critic's host copy
-  (FusedStage._instance_ready gathers it to every process first).
+  (FusedStage._instance_ready gathers it to every process first); asynchronous PPO on the
+  training devices (staleness > 0, no generation group), whose copy of the actor for the next
+  batch is gathered and kept through the generation and beside the update
+  (configs/plan_check.py warns); a fused stage with fewer instances than the devices allow,
+  placed one instance at a time (counted as the grid's one reshard).
 
   {"placement": the figures of the part that adds the most to the training state, with
    "parts": each compiled program's (unstack_actor, unstack_critic, reshard), and
@@ -1064,7 +1068,7 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
 
   placement (the hand-over of the actor, on the training devices) has the training state
   beside it, also with a generation group (less the optimizer state where the rollout has
-  moved it out: not an asynchronous group's), and adds the most any of its parts adds
+  moved it out: never beside a group), and adds the most any of its parts adds
   (over_state_bytes); the frozen models wait in host memory then."""
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
@@ -1097,10 +1101,9 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     p["resident_train_bytes"] = 0 if generation_group else train["argument_bytes"] - offloaded
     if name == "placement":  # beside the state: its parts' own additions (placement_programs)
       # On the training devices, also for a generation group; the optimizer state is in host
-      # memory then where the rollout moves it (synchronous; asynchronous PPO converts the
-      # weights for the next batch after the update, outside the offload: staleness > 0, no
-      # group critic).
-      moved_out = offloaded if not generation_group or group_critic_bytes else 0
+      # memory then where the rollout moves it (on the training devices; the trainer refuses
+      # optim.offload_during_rollout beside a generation group).
+      moved_out = 0 if generation_group else offloaded
       p["offloaded_optimizer_bytes"] = moved_out
       p["resident_train_bytes"] = train["argument_bytes"] - moved_out
       p["resident_model_bytes"] = 0.0  # the frozen models wait in host memory
@@ -1246,6 +1249,8 @@ def verdict(result: dict) -> str:
                      arguments=p["over_state_bytes"][part] - q["temp_bytes"])
         peak = p["peak_with_train_state_bytes"]
         temporaries[name] = handover[part.split("_")[0]]
+        if plan.get("generation_devices"):  # (the trainer refuses the offload beside a group)
+          fixes = {**fixes, "the training state beside it": split}
       largest = max(terms, key=terms.get)
       own = largest == "temporaries" or (name == "placement" and largest == "arguments")
       fix = temporaries[name] if own else fixes[largest]

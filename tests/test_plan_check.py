@@ -375,7 +375,7 @@ def test_a_hand_over_that_does_not_fit_names_the_part_that_adds_the_most():
 def test_the_hand_over_has_the_training_state_beside_it_also_for_a_generation_group():
   """The conversion of a pipelined actor runs on the training devices wherever the copy goes:
   beside the whole training state, less the optimizer state only where the rollout has moved
-  it to host memory (synchronous; an asynchronous run converts after its update)."""
+  it to host memory (never beside a generation group: the trainer refuses that offload)."""
   def programs():
     return {"train_step": {"argument_bytes": 10.0, "optimizer_state_bytes": 4.0,
                            "peak_bytes": 20.0, "fits": True},
@@ -383,7 +383,7 @@ def test_the_hand_over_has_the_training_state_beside_it_also_for_a_generation_gr
             "inference": {"analytic": {"params_bytes": 3.0}, "peak_bytes": 5.0, "fits": True},
             "placement": {"over_state_bytes": {"unstack_actor": 7.0, "reshard": 2.0},
                           "peak_bytes": 9.0, "fits": True}}
-  for group, group_critic, resident in ((False, 0.0, 6.0), (True, 0.0, 10.0), (True, 1.0, 6.0)):
+  for group, group_critic, resident in ((False, 0.0, 6.0), (True, 0.0, 10.0), (True, 1.0, 10.0)):
     out = programs()
     plan_programs.beside_train_state(out, 16.5, True, group, group_critic)
     p = out["placement"]
@@ -765,6 +765,23 @@ def test_asynchronous_run_generates_on_its_own_group(tmp_path):
                                        r"generation_devices=4"):
     c.gen_slots = 6
     plan_programs.PlanConfig.from_config_dict(c)
+
+
+def test_an_asynchronous_run_on_the_training_devices_is_warned_of_its_uncounted_copy(caplog):
+  """async_ppo.staleness > 0 without a generation group keeps a gathered copy of the actor for
+  the next batch on the training devices, which no program counts: plan_check says so."""
+  from configs import ppo_tiny
+  run = ppo_tiny.get_config()
+  run.async_ppo.staleness = 1
+  c = plan_config.get_config("tiny")
+  with caplog.at_level(std_logging.WARNING):
+    plan_config.apply_run(c, run)
+  assert "async_ppo.staleness=1 on the training devices" in caplog.text
+  caplog.clear()
+  run.async_ppo.generation_devices = 4  # on its own group: counted there
+  with caplog.at_level(std_logging.WARNING):
+    plan_config.apply_run(plan_config.get_config("tiny"), run)
+  assert "staleness" not in caplog.text
 
 
 def test_a_run_without_a_reference_is_checked_without_one(tmp_path):
