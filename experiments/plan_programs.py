@@ -117,8 +117,9 @@ from rlhfuse_jax.trainer import pipelined, ppo
 from rlhfuse_jax.trainer import update as update_lib
 
 PROGRAMS = ("train_step", "decode", "inference")  # always compiled
-# reward: compiled when the plan has a reward model; placement: when the instances are on the
-# training devices (placement_programs)
+# reward: compiled when the plan has a reward model; placement: when the actor is handed over
+# from the training devices to instances on them or, pipelined, to another group
+# (placement_programs)
 OPTIONAL_PROGRAMS = ("reward", "placement")
 CPU_UPCAST_MODES = ("per_layer", "as_compiled")
 GENERATION_MODES = ("instances", "mesh")
@@ -710,7 +711,9 @@ def placement_programs(cfg: PlanConfig, mesh, update) -> dict:
   training devices (staleness > 0, no generation group), whose copy of the actor for the next
   batch is gathered and kept through the generation and beside the update
   (configs/plan_check.py warns); a fused stage with fewer instances than the devices allow,
-  placed one instance at a time (counted as the grid's one reshard).
+  placed one instance at a time (counted as the grid's one reshard); onto a group, what the
+  move from the copy may lay out on the training devices first (mesh_lib._pieces' nesting
+  layout, where no shard of the copy holds a group device's box).
 
   {"placement": the figures of the part that adds the most to the training state, with
    "parts": each compiled program's (unstack_actor, unstack_critic, reshard), and
