@@ -726,8 +726,7 @@ def placement_programs(cfg: PlanConfig, mesh, update) -> dict:
   converted = cfg.pp > 1 and (cfg.generation == "instances" or group)
   if not (grid_reshard or converted):
     return {}
-  shapes = {"actor": abstract_params(cfg.actor, mesh)}
-  parts, over = {}, {}
+  shapes, parts, over = {}, {}, {}
   if converted:
     ex = update.executor
     # The critic is handed over where it scores: on the instances, or the group's with
@@ -741,15 +740,15 @@ def placement_programs(cfg: PlanConfig, mesh, update) -> dict:
       parts[f"unstack_{model}"] = m = measure(lowered, cfg.hardware)
       over[f"unstack_{model}"] = m["peak_bytes"] - m["argument_bytes"]
       shapes[model] = mesh_lib.abstract(whole, moving)
+  actor = shapes["actor"] if converted else abstract_params(cfg.actor, mesh)
   n = cfg.train_devices // cfg.gen_tp
   if grid_reshard:
     grid = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=n, tensor=cfg.gen_tp),
                               list(mesh.devices.flat))
     own = make_instance(cfg).param_shardings(cfg.actor, llama.param_shapes(cfg.actor))
-    leaves, _ = jax.tree.flatten(_as_bits(shapes["actor"]))
+    leaves = jax.tree.leaves(_as_bits(actor))
     targets = [jax.sharding.NamedSharding(grid, sh.spec) for sh in jax.tree.leaves(own)]
-    in_place = [x.sharding.devices_indices_map(x.shape) == t.devices_indices_map(x.shape)
-                for x, t in zip(leaves, targets)]
+    in_place = [mesh_lib.places_alike(x, t) for x, t in zip(leaves, targets)]
     moved = [(x, t) for x, t, kept in zip(leaves, targets, in_place) if not kept]
     if moved:
       lowered = jax.jit(lambda xs: xs, out_shardings=[t for _, t in moved]).lower(
@@ -761,7 +760,7 @@ def placement_programs(cfg: PlanConfig, mesh, update) -> dict:
   if not parts:
     return {}
   params = _nbytes(llama.param_shapes(cfg.actor))
-  handed = _device_bytes(shapes["actor"]) if converted else 0
+  handed = _device_bytes(actor) if converted else 0
   share = params / cfg.gen_tp if grid_reshard else 0.0
   analytic = {"params_bytes": share, "handed_over_bytes": handed,
               "total_bytes": share + handed, "flops_per_device": 0.0}
@@ -1252,11 +1251,11 @@ def verdict(result: dict) -> str:
                      arguments=p["over_state_bytes"][part] - q["temp_bytes"])
         peak = p["peak_with_train_state_bytes"]
         temporaries[name] = handover[part.split("_")[0]]
-        if plan.get("generation_devices"):  # (the trainer refuses the offload beside a group)
-          fixes = {**fixes, "the training state beside it": split}
       largest = max(terms, key=terms.get)
       own = largest == "temporaries" or (name == "placement" and largest == "arguments")
       fix = temporaries[name] if own else fixes[largest]
+      if name == "placement" and plan.get("generation_devices") and not own:
+        fix = [f for f in fix if f not in offload]  # (the trainer refuses it beside a group)
       remedy = f": {', '.join(fix)}" if fix else ""
       kept = " and ".join(k for k, b in beside.items() if b)
       hints.append(f"{name} (peak {_gb(peak)} of "

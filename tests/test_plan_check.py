@@ -366,6 +366,17 @@ def test_a_hand_over_that_does_not_fit_names_the_part_that_adds_the_most():
   assert plan_programs.verdict(result).endswith(
       "largest: arguments: more devices per instance (gen_tp: a run's "
       "fusion.instance_devices or plan.generation_tp))")
+  # The training state the largest term: offload first, but never beside a generation group
+  # (the trainer refuses optim.offload_during_rollout there).
+  result["programs"]["placement"]["resident_train_bytes"] = 75e9
+  assert plan_programs.verdict(result).endswith(
+      "largest: the training state beside it: offload_optimizer (a run's "
+      "optim.offload_during_rollout), zero1 (a run's optim.zero1), fsdp, more stages or tensor "
+      "devices)")
+  result["plan"]["generation_devices"] = 4
+  assert plan_programs.verdict(result).endswith(
+      "largest: the training state beside it: zero1 (a run's optim.zero1), fsdp, more stages "
+      "or tensor devices)")
   line = next(x for x in plan_programs.table(result) if x.startswith("placement"))
   assert line.split()[10] == "-"  # replication: a reshard computes nothing
   assert not any(n.startswith("placement") for n in plan_programs.link_bound_notes(

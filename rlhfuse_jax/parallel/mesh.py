@@ -233,12 +233,18 @@ def zero1_sharding(sharding: NamedSharding, shape: Sequence[int]) -> NamedShardi
   return NamedSharding(mesh, P(*spec), memory_kind=sharding.memory_kind)
 
 
-def _same_placement(x: Any, sharding: Any) -> bool:
-  """Whether every device already holds exactly the shard of `x` that `sharding` gives it (e.g.
-  a NamedSharding of fold_stage's mesh for an array on the training mesh)."""
-  return (isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-          and x.sharding.device_set == sharding.device_set
+def places_alike(x: Any, sharding: Any) -> bool:
+  """Whether every device already holds exactly the shard of `x` (an array or a placed
+  jax.ShapeDtypeStruct) that `sharding` gives it (e.g. a NamedSharding of fold_stage's mesh for
+  an array on the training mesh): `put` relabels such an array, nothing moves (and
+  experiments/plan_programs.py counts no move for it)."""
+  return (x.sharding.device_set == sharding.device_set
           and x.sharding.devices_indices_map(x.shape) == sharding.devices_indices_map(x.shape))
+
+
+def _same_placement(x: Any, sharding: Any) -> bool:
+  return (isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+          and places_alike(x, sharding))
 
 
 def _identity(x: Any) -> Any:
