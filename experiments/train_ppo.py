@@ -71,9 +71,18 @@ def _median(values: list) -> float | None:
   return statistics.median(values) if values else None
 
 
+def _finite_mean(values: list) -> float | None:
+  """The mean of the values that are finite numbers (a non-finite metric is null in
+  metrics.jsonl); None when there are none."""
+  values = [v for v in values if v is not None and math.isfinite(v)]
+  return sum(values) / len(values) if values else None
+
+
 def summarize(history: list[dict], num_iterations: int) -> dict:
   """Whether the run is done or stopped early (a signal: re-run to resume), reward of the first
-  and last 10% of iterations, the throughput (median over the iterations of timing_s/step and
+  and last 10% of iterations (the mean of their finite rewards: an iteration whose reward was
+  NaN, its updates skipped under guard.on_nonfinite='skip_update', is left out and counted in
+  reward_nonfinite_iterations), the throughput (median over the iterations of timing_s/step and
   perf/tokens_per_s: a start's first iteration, which compiles, falls outside the median of
   three or more; a sweep's summary puts them beside the reward, where wall_s, compiles
   included, was the only time) and the final iteration's scalar metrics (its timings and
@@ -81,12 +90,15 @@ def summarize(history: list[dict], num_iterations: int) -> dict:
   if not history:
     return {"status": "stopped", "iterations": 0, "num_iterations": num_iterations}
   k = max(1, len(history) // 10)
-  first = sum(h["reward/mean"] for h in history[:k]) / k
-  last = sum(h["reward/mean"] for h in history[-k:]) / k
+  first = _finite_mean([h.get("reward/mean") for h in history[:k]])
+  last = _finite_mean([h.get("reward/mean") for h in history[-k:]])
+  nonfinite = sum(1 for h in history if _finite_mean([h.get("reward/mean")]) is None)
   step = history[-1]["step"]
   return {"status": "done" if step >= num_iterations else "stopped", "iterations": step,
           "num_iterations": num_iterations, "reward_first_10pct": first,
-          "reward_last_10pct": last, "reward_gain": last - first,
+          "reward_last_10pct": last,
+          "reward_gain": None if first is None or last is None else last - first,
+          **({"reward_nonfinite_iterations": nonfinite} if nonfinite else {}),
           "median_step_s": _median([h.get("timing_s/step") for h in history]),
           "median_tokens_per_s": _median([h.get("perf/tokens_per_s") for h in history]),
           "final": {k: v for k, v in history[-1].items()

@@ -521,24 +521,37 @@ import json
 from experiments import train_ppo
 rows = [{"step": i + 1, "reward/mean": 0.1 * i, "timing_s/step": s, "perf/tokens_per_s": t}
         for i, (s, t) in enumerate([(9.0, 10.0), (0.2, 500.0), (0.4, 300.0), (0.3, 400.0)])]
+# A reward model's NaN whose updates guard.on_nonfinite='skip_update' skipped: metrics.jsonl
+# holds null for it (workdir._to_jsonable).
+skipped = [{"step": i + 1, "reward/mean": None if i in (0, 19) else 0.5 + (i > 9)}
+           for i in range(20)]
 print(json.dumps([train_ppo.summarize(rows, 4), train_ppo.summarize(rows[:3], 4),
-                  train_ppo.summarize([{"step": 1, "reward/mean": 0.0}], 4)]))
+                  train_ppo.summarize([{"step": 1, "reward/mean": 0.0}], 4),
+                  train_ppo.summarize(skipped, 20), train_ppo.summarize(skipped[:1], 20)]))
 """
 
 
 def test_result_json_holds_the_throughput_beside_the_reward():
   """result.json's median step time and tokens/s (a sweep of fusion on/off showed only wall_s,
   compiles included: 17 s without inter-stage fusion, 55 s with, in a 4-iteration tiny
-  sweep). The first iteration's compiles fall outside the median."""
+  sweep). The first iteration's compiles fall outside the median. A reward that was not finite
+  is left out of the reward means and counted."""
   out = subprocess.run([sys.executable, "-c", _SUMMARIZE], cwd=REPO, env=_env(),
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-3000:]
-  four, three, bare = json.loads(out.stdout.strip().splitlines()[-1])
+  four, three, bare, skipped, none = json.loads(out.stdout.strip().splitlines()[-1])
   assert (four["median_step_s"], four["median_tokens_per_s"]) == (pytest.approx(0.35), 350.0)
   assert (three["median_step_s"], three["median_tokens_per_s"]) == (0.4, 300.0)
   assert (three["status"], three["iterations"]) == ("stopped", 3)
   assert (bare["median_step_s"], bare["median_tokens_per_s"]) == (None, None)
   assert "timing_s/step" not in four["final"]  # still in metrics.jsonl alone
+  assert "reward_nonfinite_iterations" not in four
+  # Iterations whose reward was not finite are left out of the means and counted (a run with
+  # one ended in a TypeError and no result.json, the same on every re-run).
+  assert (skipped["reward_first_10pct"], skipped["reward_last_10pct"]) == (0.5, 1.5)
+  assert (skipped["reward_gain"], skipped["reward_nonfinite_iterations"]) == (1.0, 2)
+  assert (none["reward_first_10pct"], none["reward_gain"], none["status"]) == (None, None,
+                                                                                "stopped")
 
 
 def test_the_nan_guards_stop_is_one_line_saying_what_to_change(tmp_path):
