@@ -33,7 +33,7 @@ device no preset matches, fractions are null and the result says "unknown peak".
 is used. Writes result.json, calibration.json (rlhfuse_jax/policy/calibration.py format: decode step
 time vs batch, prefill rate, train-stage forward times), bench_decode.png and config.json.
 
-Docs: docs/results.md ("Decode throughput and MFU (H100)", "Decode speed: CPU proxies").
+Docs: docs/results.md ("Decode throughput and MFU (H200, H100)", "Decode speed: CPU proxies").
 """
 from __future__ import annotations
 

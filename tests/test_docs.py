@@ -344,7 +344,8 @@ def test_architecture_sections_that_code_cites_exist():
 def test_named_doc_sections_that_code_cites_exist():
   """`docs/X.md "Heading"` names a heading of X (its start: the dates after it may change), and
   `docs/architecture.md §n, "Name"` a heading or a bold bullet in section n. A renamed or moved
-  section leaves the citation pointing at nothing (found by a docs review: five did)."""
+  section leaves the citation pointing at nothing (found by a docs review: five did; another
+  review, one in the binaries' `Docs: docs/X.md ("A", "B")` lines, which went unchecked)."""
   def headings(doc):
     return [re.sub(r"^#+ ", "", line) for line in _read(doc).splitlines()
             if re.match(r"#{2,4} ", line)]
@@ -355,7 +356,9 @@ def test_named_doc_sections_that_code_cites_exist():
     with open(path, encoding="utf-8") as f:
       text = re.sub(r"\n\s*#\s*", " ", f.read())  # a citation wrapped over comment lines
     where = os.path.relpath(path, ROOT)
-    for doc, names in re.findall(r'(docs/[a-z_]+\.md) ("[^"]+"(?: and "[^"]+")*)', text):
+    # `docs/X.md "A"`, `docs/X.md "A" and "B"`, and a binary's `Docs: docs/X.md ("A", "B")`.
+    for doc, names in re.findall(r'(docs/[a-z_]+\.md) \(?("[^"]+"(?:(?:, | and )"[^"]+")*)',
+                                 text):
       for name in re.findall(r'"([^"]+)"', names):
         name = " ".join(name.split())  # wrapped in a docstring
         if not any(h.startswith(name) for h in headings(doc)):
