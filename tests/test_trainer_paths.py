@@ -375,6 +375,58 @@ def test_a_checkpoint_sets_the_architecture_and_keeps_the_runs_own_fields():
   assert (m.remat, m.attention, m.scan_layers, m.max_seq_len, m.dtype) == (
       "full", "reference", True, 48, "bfloat16")
   assert build.resolve_config(cfg, tok).critic_model.vocab_size == hf.vocab_size != 22
+  # A config file's vocabulary beside a checkpoint is replaced, not checked against the
+  # tokenizer (8 < its 128 tokens was refused, though the model built embeds 128).
+  small = tiny_config(**{"init.actor_checkpoint": LLAMA, "model.vocab_size": 8,
+                         "critic_model.vocab_size": 8})
+  assert build.resolve_config(small, tok, log=False).critic_model.vocab_size == hf.vocab_size
+
+
+def test_a_tokenizer_much_smaller_than_a_checkpoint_without_its_own_is_warned_of(tmp_path,
+                                                                                  caplog):
+  """A checkpoint folder without tokenizer.json leaves nothing to compare the run's tokenizer
+  with: one far smaller than the embedding (a config's example tokenizer kept beside a user's
+  model) is warned of; the checkpoint's own size, or an embedding padded by a few rows, not."""
+  bare = tmp_path / "bare"
+  shutil.copytree(LLAMA, bare)
+  os.remove(bare / "tokenizer.json")
+  cfg = tiny_config(**{"init.actor_checkpoint": str(bare), "init.tokenizer": "example.json"})
+
+  class Tokenizer:
+    def __init__(self, n):
+      self.vocab_size = n
+  for size, warned in ((22, True), (115, True), (116, False), (128, False)):  # 0.9 x 128 = 115.2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      build.resolve_config(cfg, Tokenizer(size), log=False)
+    line = (f"the tokenizer (config.init.tokenizer='example.json') has {size} tokens, "
+            f"{100 * size / 128:.0f}% of the 128 that config.init.actor_checkpoint=")
+    assert (line in caplog.text) == warned, (size, caplog.text)
+  with caplog.at_level(logging.WARNING):  # its own tokenizer beside it: compared instead
+    build.resolve_config(tiny_config(**{"init.actor_checkpoint": LLAMA}), Tokenizer(22),
+                         log=False)
+  assert "tokenizer.json to compare it with" not in caplog.text
+
+
+def test_plain_prompts_that_begin_with_bos_are_warned_of(tmp_path, caplog):
+  """data.chat_template='none' with text that already starts with the BOS token (data rendered
+  by another tool): the tokenizer adds its own, as transformers' tokenizer(text) does, and the
+  model reads two; the run warns, counting them. Text without it, or a chat template, not."""
+  tok = os.path.join(LLAMA, "tokenizer.json")  # BOS '<s>', id 1, added to plain text
+  for prompts, said in ((["<s>hello world", "the lazy dog", "<s>small"], "2 of 3 prompts"),
+                        (["hello world", "the lazy dog"], None)):
+    path = tmp_path / "prompts.jsonl"
+    _write_prompts(path, [(p, "x") for p in prompts])
+    cfg = tiny_config(**{"init.tokenizer": tok, "data.prompts_file": str(path),
+                         "data.max_prompt_len": 8})
+    task, tokenizer = build.build_task_and_tokenizer(cfg)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      train, _, _ = build.build_datasets_and_pool(cfg, task, tokenizer)
+    twice = int(np.sum((train.tokens[:, 0] == 1) & (train.tokens[:, 1] == 1)))
+    assert twice == (2 if said else 0)  # what the tokenizer really made
+    line = "begin with two BOS tokens (id 1): their text already starts with '<s>'"
+    assert (f"{said} {line}" in caplog.text) if said else line not in caplog.text, caplog.text
 
 
 def test_vocabulary_and_context_mismatches_are_named_before_any_build(tmp_path, monkeypatch):

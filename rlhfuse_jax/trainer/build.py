@@ -239,8 +239,33 @@ def build_datasets_and_pool(cfg: TrainConfig, task, tokenizer: Tokenizer
     if cfg.data.prompts_file and not cfg.init.tokenizer:
       _refuse_task_vocabulary(cfg, train + held_out, tokenizer)
     raise
+  if template is None:
+    warn_double_bos(cfg, tokenizer, *datasets)
   logging.info("%s", describe_prompts(cfg, template, *datasets))
   return (*datasets, pool)
+
+
+def warn_double_bos(cfg: TrainConfig, tokenizer: Tokenizer,
+                    *datasets: Optional[prompts_lib.PromptDataset]) -> None:
+  """Warns of plain-text prompts (data.chat_template='none') that already begin with the BOS
+  token, to which the tokenizer adds its own (as transformers' tokenizer(text) does): data
+  rendered by another tool (OpenRLHF tokenises it with add_special_tokens=False) is then read
+  with two BOS tokens, a prompt the model never saw in training."""
+  bos = getattr(tokenizer, "bos_id", None)
+  if bos is None or not getattr(tokenizer, "add_bos", False):
+    return
+  tokens = [ds.tokens for ds in datasets if ds is not None and len(ds)]
+  if not tokens:
+    return
+  both = np.concatenate(tokens)
+  twice = int(np.sum((both[:, 0] == bos) & (both[:, 1] == bos))) if both.shape[1] > 1 else 0
+  if twice:
+    logging.warning(
+        "%d of %d prompts begin with two BOS tokens (id %d): their text already starts with "
+        "%r and the tokenizer adds its own; take it out of the prompts' text, or leave the "
+        "rendering to a chat template (config.data.chat_template), which writes it once",
+        twice, len(both), bos,
+        tokenizer.id_to_token(bos) if hasattr(tokenizer, "id_to_token") else bos)
 
 
 def describe_prompts(cfg: TrainConfig, template: Optional[chat_lib.ChatTemplate],
@@ -442,12 +467,21 @@ def check_foreign_tokenizer(checkpoint: str, tokenizer_path: str,
   return True
 
 
+# A checkpoint's embedding has at most a few percent more rows than its tokenizer has tokens
+# (padding to a multiple of 64 or 128: Qwen2.5 151936 rows for 151665 tokens, GPT-NeoX 50432
+# for 50277); a tokenizer under 90 % of the rows is likely another model's.
+_VOCAB_SHARE = 0.9
+
+
 def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer, log: bool = True) -> TrainConfig:
   """`cfg` with the tokenizer's vocabulary and the checkpoints' architectures (config.json
   only; no weights are read; the config's RUN_MODEL_FIELDS are kept): the config every later
   step sees. (The checkpoints' fingerprint is of the config as given, before this.)"""
-  cfg = cfg.with_vocab(tokenizer.vocab_size)
-  if cfg.init.actor_checkpoint:
+  if not cfg.init.actor_checkpoint:
+    cfg = cfg.with_vocab(tokenizer.vocab_size)
+  else:  # The checkpoint's config.json sets the vocabulary below, checked against the tokenizer
+    # there; a config file's model.vocab_size beside it is not the model built.
+    cfg = dataclasses.replace(cfg, vocab_from_tokenizer=False)
     model = checkpoint_config(cfg.init.actor_checkpoint, cfg.model)
     if model.head != "lm":
       raise ValueError(
@@ -470,6 +504,15 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer, log: bool = True) -> 
           f"{cfg.init.actor_checkpoint!r} embeds {model.vocab_size}: use the checkpoint's own "
           "tokenizer (config.init.tokenizer)")
     check_foreign_tokenizer(cfg.init.actor_checkpoint, cfg.init.tokenizer)
+    if tokenizer.vocab_size < _VOCAB_SHARE * model.vocab_size and not os.path.isfile(
+        os.path.join(cfg.init.actor_checkpoint, "tokenizer.json")):  # nothing to compare with
+      logging.warning(
+          "the tokenizer (config.init.tokenizer=%r) has %d tokens, %.0f%% of the %d that "
+          "config.init.actor_checkpoint=%r embeds, and the checkpoint has no tokenizer.json "
+          "to compare it with: if that is not the tokenizer it was trained with, the model "
+          "reads every prompt as other tokens", cfg.init.tokenizer, tokenizer.vocab_size,
+          100 * tokenizer.vocab_size / model.vocab_size, model.vocab_size,
+          cfg.init.actor_checkpoint)
     # Without a checkpoint of its own the critic reads the actor's token ids: its vocabulary.
     cfg = dataclasses.replace(cfg, model=model, critic_model=cfg.critic_model.replace(
         vocab_size=model.vocab_size))
