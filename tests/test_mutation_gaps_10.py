@@ -203,6 +203,25 @@ def test_a_model_alone_takes_a_plan_that_splits_its_mini_batch_evenly():
     assert plan["tp"] * plan["pp"] * plan["dp"] == 8
 
 
+def test_a_model_alone_over_several_micro_batches_holds_the_float32_gradient_sums():
+  """One device, a mini-batch of 2 samples of 1 (tp 1, pp 1, M 2): the unpipelined update keeps
+  float32 sums of the gradients, 4 bytes a parameter, as a colocated plan is charged
+  (TrainPlan.accumulates). With HBM between the need without them and with them, nothing fits
+  (it was planned); with room for them it is, and a one-micro-batch mini-batch needs none."""
+  a = get_shape("llama-7b")
+  base = CostModel(get_hardware("h100_sxm"))
+  without = base.train_memory_bytes(a, 1, 1, 1, True, 300.0, 1)
+  assert base.train_memory_bytes(a, 1, 1, 1, True, 300.0, 1, True) == pytest.approx(
+      without + 4 * a.num_params())
+  for extra, minibatch, fits in ((2, 2, False), (5, 2, True), (2, 1, True)):
+    hbm = (without + extra * a.num_params()) / base.eff.memory_headroom
+    cm = CostModel(dataclasses.replace(get_hardware("h100_sxm"), hbm_bytes=hbm))
+    got = ts.single_model_plan(cm, a, 1, minibatch, 1, 300.0)
+    assert (got is not None) == fits, (extra, minibatch)
+    if got is not None:
+      assert (got[1]["tp"], got[1]["pp"], got[1]["M"]) == (1, 1, minibatch)
+
+
 def test_zero3_memory_holds_the_shards_the_activations_and_one_gathered_layer():
   """Per device and trained model: 16 bytes a parameter over all devices, the activations of
   its tokens (34 h bytes a token a layer), and one whole layer's bf16 weights gathered."""
@@ -263,9 +282,9 @@ def test_a_model_alone_is_sized_for_the_micro_batches_its_first_stage_holds():
   cm = CostModel(get_hardware("h100_sxm"))
   calls, measure = [], cm.train_memory_bytes
 
-  def spy(shape, tp, pp, dp, zero1, mb_tokens, inflight):
+  def spy(shape, tp, pp, dp, zero1, mb_tokens, inflight, accumulate):
     calls.append((pp, dp, inflight))
-    return measure(shape, tp, pp, dp, zero1, mb_tokens, inflight)
+    return measure(shape, tp, pp, dp, zero1, mb_tokens, inflight, accumulate)
   cm.train_memory_bytes = spy
   assert ts.single_model_plan(cm, get_shape("llama-7b"), 8, 2, 1, 300.0) is not None
   assert (4, 1, 2) in calls

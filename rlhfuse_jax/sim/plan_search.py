@@ -588,7 +588,8 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
       rows.append({"stage": f"training ({role})",
                    "layout": f"{q['devices']} dev tp{q['tp']} pp{q['pp']} dp{q['dp']}",
                    "parts": {**cost.train_memory_parts(shape, q["tp"], q["pp"], q["dp"], True,
-                                                       tokens, min(q["pp"], q["M"])),
+                                                       tokens, min(q["pp"], q["M"]),
+                                                       q["pp"] == 1 and q["M"] > 1),
                              **kept_train}})
   for r in rows:
     r["total"] = sum(r["parts"].values())

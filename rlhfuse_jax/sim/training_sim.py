@@ -379,8 +379,10 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
         continue
       m = minibatch // (dp * micro_batch)
       mb_tokens = micro_batch * mean_len
+      # (float32 gradient sums unpipelined over several micro-batches, as a colocated plan's
+      # TrainPlan.accumulates counts them)
       need = cost.train_memory_bytes(shape, tp, pp, dp, True, micro_batch * mem_len,
-                                     min(pp, m))
+                                     min(pp, m), pp == 1 and m > 1)
       if need + resident_bytes > cost.usable_bytes:
         continue
       f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2, model))
