@@ -71,6 +71,7 @@ def test_cached_schedule_is_reused_only_under_the_same_search_settings(tmp_path,
     return types.SimpleNamespace(best=schedules.serial_order(problem), search_s=0.0,
                                  evaluations=1)
   monkeypatch.setattr(search_lib, "search", fake_search)
+  monkeypatch.setattr(search_lib, "warmup", lambda: 0.0)  # (its tiny search is not the run's)
   pipe = PipelineConfig(critic_pp=2, actor_microbatches=2, critic_microbatches=1,
                         search_seed=0, search_time_s=1.0, schedule_cache_dir=str(tmp_path))
   problem = pipelined.pipeline_problem(4, pipe)

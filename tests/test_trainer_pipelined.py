@@ -68,7 +68,8 @@ def runs(tmp_path_factory):
   real_search = search_lib.search
 
   def counting_search(*args, **kwargs):
-    calls.append(args[0])
+    if sys._getframe(1).f_code.co_name != "warmup":  # the kernels' tiny search, not the run's
+      calls.append(args[0])
     return real_search(*args, **kwargs)
 
   out = {}
