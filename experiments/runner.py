@@ -30,12 +30,17 @@ def fixed_or_sci(x: float, decimals: int, significant: int = 1) -> str:
   return f"{x:.2e}" if small else f"{x:.{decimals}f}"
 
 
-def format_value(v: Any) -> str:
-  """A value as ml_collections parses it on the command line."""
+def format_value(v: Any, element: bool = False) -> str:
+  """A value as ml_collections parses it on the command line: a field's own string or bool
+  as is, a tuple as a Python literal (ml_collections reads it with ast.literal_eval: its
+  strings quoted, its bools True/False; unquoted, ('a.py', 'b.py') reached the run as the
+  one string '(a.py,b.py)')."""
+  if isinstance(v, (list, tuple)):
+    return "(" + ",".join(format_value(x, True) for x in v) + ("," if len(v) == 1 else "") + ")"
+  if element and isinstance(v, (str, bool)):
+    return repr(v)
   if isinstance(v, bool):
     return "true" if v else "false"
-  if isinstance(v, (list, tuple)):
-    return "(" + ",".join(format_value(x) for x in v) + ("," if len(v) == 1 else "") + ")"
   return str(v)
 
 

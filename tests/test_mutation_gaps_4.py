@@ -514,6 +514,29 @@ def test_a_one_element_tuple_override_stays_a_tuple():
   assert runner.format_value(True) == "true" and runner.format_value(0.5) == "0.5"
 
 
+def test_a_sweeps_tuple_override_reaches_the_run_as_the_sweep_wrote_it():
+  """Each override as ml_collections parses the command line a sweep starts a run with:
+  tuples of strings (a comma or a quote inside one) and of bools, numbers, a field's own string
+  and bool. Unquoted, ('configs/ppo_tiny.py', 'configs/grpo_tiny.py') reached bench_async as
+  the one string '(configs/ppo_tiny.py,configs/grpo_tiny.py)', and summary.md showed the tuple
+  meant (found by a review)."""
+  import ml_collections
+  from absl import flags
+  from ml_collections import config_flags
+  from experiments import runner
+  values = {"runs": ("configs/ppo_tiny.py", "x,y", "it's"), "one": ("a.py",),
+            "bools": (True, False), "ints": (3, 4), "floats": (1e-3, 2.5), "name": "a b",
+            "flag": False, "lr": 1e-5, "nested": ((1, "b"),)}
+  defaults = {"runs": ("",), "one": ("",), "bools": (False,), "ints": (0,), "floats": (0.0,),
+              "name": "", "flag": True, "lr": 0.0, "nested": ((0, ""),)}
+  argv = ["prog", *(f"--config.{k}={runner.format_value(v)}" for k, v in values.items())]
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_dict("config", ml_collections.ConfigDict(defaults),
+                                  flag_values=fv, sys_argv=argv)
+  fv(argv)
+  assert fv.config.to_dict() == values
+
+
 def test_a_result_records_the_commit_the_run_started_from(monkeypatch):
   """provenance() takes the git commit that note_start read at the start of the run, not the
   checkout's commit when the result is written (a long run's tree may change under it)."""
