@@ -434,9 +434,9 @@ def main(argv):
       "rejected": res["rejected"], "refused": res["refused"], "systems": systems,
       "search_s": res["search_s"], "efficiency": efficiency, "calibration": calibration,
       "plan_memory": memory})
-  with open(os.path.join(workdir, "plan_search.md"), "w") as f:
-    f.write("\n".join(report(res, systems, setting, (hardware, efficiency, calibration),
-                              (memory, which, cost.hw.hbm_bytes))))
+  wd.atomic_write_text(os.path.join(workdir, "plan_search.md"), "\n".join(
+      report(res, systems, setting, (hardware, efficiency, calibration),
+             (memory, which, cost.hw.hbm_bytes))))
   logging.info("best %ss (%s); uniform %s; async %s; plan.json %s; searched in %.1fs in all "
                "-> %s",
                _s(best["predicted_iteration_s"]), res["best"]["summary"],

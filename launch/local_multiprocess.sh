@@ -27,6 +27,12 @@ BINARY=${BINARY:-train_ppo}
 if [[ "$BINARY" == train_ppo ]]; then DEFAULT_CONFIG=configs/ppo_tiny.py
 else DEFAULT_CONFIG="configs/$BINARY.py"; fi
 PORT_GIVEN=${PORT:-}
+if [[ -n "$PORT_GIVEN" ]] && ! [[ "$PORT_GIVEN" =~ ^[1-9][0-9]{0,4}$ && $PORT_GIVEN -le 65535 ]]
+then
+  echo "PORT=$PORT_GIVEN: expected a TCP port number, 1-65535 (or leave it unset for a random" \
+    "free one)" >&2
+  exit 2
+fi
 PORT=${PORT:-$((20000 + RANDOM % 20000))}
 # Paths the caller gave relative to where it runs (the workdir, a config file, an interpreter
 # such as .venv/bin/python) made absolute before the cd below; a config that is not a file here

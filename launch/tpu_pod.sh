@@ -16,6 +16,14 @@
 set -euo pipefail
 CONFIG=${1:?config}; WORKDIR=${2:?workdir (a path every worker sees: gcsfuse mount or NFS)}; shift 2
 source "$(dirname "${BASH_SOURCE[0]}")/checks.sh"
+# Paths relative to where it was started made absolute, then the repository root (python -m
+# experiments.X finds the package there: started elsewhere, every worker failed with "No module
+# named 'experiments'"); a config that is not a file here stays as given (configs/X.py[:variant]).
+abspath() { [[ "$1" == /* || "$1" == *://* ]] && echo "$1" || echo "$PWD/$1"; }
+WORKDIR=$(abspath "$WORKDIR")
+if [[ -f "${CONFIG%%:*}" ]]; then CONFIG="$(abspath "${CONFIG%%:*}")${CONFIG#"${CONFIG%%:*}"}"; fi
+if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(abspath "$PYTHON"); fi
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 check_binary "${BINARY:-train_ppo}"
 refuse_set_flags "this script sets it for every process (the config and workdir are its first two\
  arguments; jax.distributed detects the coordinator, process count and index)" "$@"

@@ -85,6 +85,34 @@ def test_the_launcher_refuses_a_port_in_use_at_once(tmp_path):
   assert out.returncode == 2, (out.stdout, out.stderr)
   assert f"PORT={port}: the port is in use" in out.stderr, out.stderr
   assert not (tmp_path / "wd.proc0.log").exists()
+  # Not a port number: said so (it was "in use" too).
+  for bad in ("abc", "70000", "0", "80 81"):
+    out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "1", str(tmp_path / "wd")],
+                         cwd=REPO, env=dict(os.environ, PYTHON=str(fake), PORT=bad),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and (f"PORT={bad}: expected a TCP port number, 1-65535"
+                                    in out.stderr), (bad, out.stderr)
+  assert not (tmp_path / "wd.proc0.log").exists()
+
+
+def test_the_tpu_script_runs_from_the_repository_root_wherever_it_is_started(tmp_path):
+  """launch/tpu_pod.sh started outside the checkout: every worker failed with "No module named
+  'experiments'". It runs the binary in the repository root, with a relative workdir or config
+  file made absolute against where it was started; configs/X.py (not a file there) and a URI
+  (refused by the binary, naming it) stay as given."""
+  fake = _stand_in(tmp_path / "python", f'echo "$PWD python $*" >> {tmp_path}/calls',
+                   python=False)
+  (tmp_path / "mine.py").write_text("")
+  for config, workdir, want in (
+      ("configs/ppo_tiny.py:fused", "runs/wd",
+       f"--config=configs/ppo_tiny.py:fused --workdir={tmp_path}/runs/wd"),
+      ("mine.py:x", "gs://bucket/wd", f"--config={tmp_path}/mine.py:x --workdir=gs://bucket/wd")):
+    out = subprocess.run(["bash", os.path.join(REPO, "launch", "tpu_pod.sh"), config, workdir],
+                         cwd=tmp_path, env=dict(os.environ, PYTHON=str(fake)),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    last = (tmp_path / "calls").read_text().splitlines()[-1]
+    assert last == f"{REPO} python -m experiments.train_ppo {want} --distributed", last
 
 
 def test_the_launcher_refuses_the_flags_it_sets_itself(tmp_path):
@@ -368,7 +396,9 @@ def test_the_cluster_scripts_refuse_a_binary_or_flag_they_cannot_run(tmp_path, s
   for binary in ("train_ppo", "bench_generation"):
     out = run("--config.seed=3", BINARY=binary)
     assert out.returncode == 0, out.stderr
-    assert (f"-m experiments.{binary} --config=configs/ppo_tiny.py --workdir=/shared/wd "
+    # (tpu_pod.sh makes a config file it finds absolute: it runs in the repository root)
+    config = ("" if script == "slurm_gpu.sbatch" else f"{REPO}/") + "configs/ppo_tiny.py"
+    assert (f"-m experiments.{binary} --config={config} --workdir=/shared/wd "
             "--distributed --config.seed=3") in (tmp_path / "calls").read_text()
 
 
