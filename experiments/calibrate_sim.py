@@ -157,11 +157,17 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   c = _CONFIG.value
   check_config(c)  # before the earlier calibration.json moves aside
-  wd.start_outputs(_WORKDIR.value, c, ("calibration.json", "model"))
+  wd.start_outputs(_WORKDIR.value, c, ("calibration.json", "result.json", "model"))
   cal = measure(c)
   calibration.from_dict(cal, "measured")  # what we write must load
   path = runner.write_result(_WORKDIR.value, cal, "calibration.json")
   logging.info("wrote %s: %s", path, cal["ops"])
+  # result.json, as every binary's: the workdir's owner (workdir.workdir_writer) and what a
+  # sweep reads (its summary row, a finished run kept on a re-run: without one it measured
+  # again on every start and its rows had no figures).
+  runner.write_result(_WORKDIR.value, {"calibration": os.path.basename(path),
+                                       **{k: cal[k] for k in ("device", "model_params")},
+                                       "ops": cal["ops"]})
   # The measured model as an HF config.json: the shape its decode_step, prefill and inference
   # time, which the simulator accepts only for a model of that size (--config.shapes=NAME=DIR).
   model_dir = os.path.join(_WORKDIR.value, "model")

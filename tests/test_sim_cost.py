@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.policy import calibration
 from rlhfuse_jax.sim import lengths, training_sim
 from rlhfuse_jax.sim.cost_model import CostModel, Efficiency
@@ -315,6 +316,11 @@ def test_calibrate_sim_writes_what_the_cost_model_reads(tmp_path):
   measured = cal.describe()["measured"]
   assert set(measured) == {"date", "git_commit", "host_cpu", "jax"}, measured
   assert calibration.to_dict(cal)["provenance"] == raw["provenance"]
+  # result.json too, as every binary's (a sweep read none: no figures, measured again on every
+  # re-run), holding the measured ops and naming the file.
+  result = json.loads((tmp_path / "result.json").read_text())
+  assert result["ops"] == raw["ops"] and result["calibration"] == "calibration.json"
+  assert wd.workdir_writer(str(tmp_path)) == "calibrate_sim"
   ops = raw["ops"]
   assert ops["decode_step"]["occupied_slots"] == [1, 8]
   cost = CostModel(get_hardware("h100_sxm"), calibration=cal)
