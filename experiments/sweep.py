@@ -949,10 +949,22 @@ def _ended(row: dict, rc: int, run_dir: str, wall_s: float, signum: int,
 
 
 def split_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-  """Separates --config.* overrides (passed to every run) from the sweep's own flags."""
+  """Separates --config.* overrides (passed to every run) from the sweep's own flags, each
+  written --config.FIELD=VALUE as the runs and the summary read it: absl's other forms, which
+  a binary takes, too (`--noconfig.FIELD`, a bool's false, ended in "Unknown command line flag";
+  `--config.FIELD VALUE` printed the usage and "unexpected arguments: ['VALUE']")."""
   own, passthrough = [], []
-  for arg in argv:
-    (passthrough if arg.startswith("--config.") else own).append(arg)
+  args = list(argv)
+  while args:
+    arg = args.pop(0)
+    if arg.startswith("--noconfig.") and "=" not in arg:
+      passthrough.append(f"--config.{arg[len('--noconfig.'):]}=false")
+    elif arg.startswith("--config."):
+      if "=" not in arg and args and not args[0].startswith("--"):
+        arg = f"{arg}={args.pop(0)}"
+      passthrough.append(arg)
+    else:
+      own.append(arg)
   return own, passthrough
 
 

@@ -281,6 +281,18 @@ def test_sweep_takes_a_config_variant(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   assert (f"get_sweep()'s entries set x, which --config={tmp_path / 'w.py'}:b sets itself: each "
           "run gets the entry's value, not the variant's (x=2)") in out.stderr, out.stderr
+  # absl's other forms of an override, which every binary takes, reach each run as
+  # --config.FIELD=VALUE: --noconfig.FIELD ended in "Unknown command line flag", and
+  # "--config.FIELD VALUE" in "unexpected arguments".
+  (tmp_path / "f.py").write_text(
+      "import ml_collections\ndef get_config():\n"
+      "  return ml_collections.ConfigDict({'flag': True, 'seed': 0, 'lr': 0.0})\n"
+      "def get_sweep():\n  return [{'name': 'r'}]\n")
+  out = _run(["experiments.sweep", f"--config={tmp_path / 'f.py'}", "--binary=schedule_search",
+              f"--workdir={tmp_path / 'f'}", "--dry_run", "--noconfig.flag", "--config.seed",
+              "5", "--config.lr", "-1e-3"])
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "--config.flag=false --config.seed=5 --config.lr=-1e-3" in out.stderr, out.stderr
   out = _run(["experiments.sweep", "--config=configs/ppo_tiny.py:grpo", "--binary=train_ppo",
               f"--workdir={tmp_path / 'g'}", "--dry_run"])
   assert out.returncode == 0 and "sets itself" not in out.stderr, out.stderr[-2000:]
