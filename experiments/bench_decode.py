@@ -465,8 +465,10 @@ def calibration_file(result: dict) -> dict:
            f"mean length. prefill: "
            f"{largest['batch']} x {dec['prompt_len']} tokens, first token sampled included. ")
   if bwd_over_fwd > 0:
+    seq_len = tr["prompt_len"] + tr["response_len"]
     ops["train_stage"] = {"actor_fwd_s": tr["actor_fwd_s"], "critic_fwd_s": tr["critic_fwd_s"],
-                          "bwd_over_fwd": bwd_over_fwd}
+                          "bwd_over_fwd": bwd_over_fwd, "tokens": tr["batch"] * seq_len,
+                          "seq_len": seq_len}
     notes += (f"train_stage: one micro-batch of {tr['batch']} x {tr['prompt_len']} + "
               f"{tr['response_len']} tokens on one stage (no pipeline); bwd_over_fwd = (update "
               f"- forwards) / forwards, so it includes the AdamW step.")

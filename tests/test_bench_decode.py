@@ -281,6 +281,9 @@ def test_calibration_file_loads_with_the_measured_step_times(bench):
     assert cal.train_stage.actor_fwd_s == pytest.approx(tr["actor_fwd_s"])
     assert cal.train_stage.critic_fwd_s == pytest.approx(tr["critic_fwd_s"])
     assert cal.train_stage.bwd_over_fwd == pytest.approx((tr["step_s"] - fwd) / fwd)
+    # The timed micro-batch, which scales the times to other layouts (cost_model).
+    seq = tr["prompt_len"] + tr["response_len"]
+    assert (cal.train_stage.tokens, cal.train_stage.seq_len) == (tr["batch"] * seq, seq)
 
 
 # ------------------------------------------------------------------------------ accounting

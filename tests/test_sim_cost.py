@@ -192,6 +192,84 @@ def test_a_measured_table_times_only_the_split_it_was_measured_at():
       s, 8, 1, 0) == pytest.approx(0.01)
 
 
+def test_a_measured_training_stage_times_other_layouts_by_the_formulas_ratio():
+  """train_stage with the timed micro-batch (tokens, seq_len; bench_decode writes them): at the
+  measured layout (1 device, 1 stage, 8 x 512 tokens) the measured forward and backward; at
+  another the measured times x the formulas' ratio of the two layouts, the backward by the same
+  factor as its forward. Taken as they were, a 1-sample micro-batch on a quarter of the model
+  cost as much as the 8 x 512 measured, and a plan search preferred tp 1, pp 1. A file without
+  the micro-batch keeps its times for every layout, as before."""
+  s = get_shape("llama-7b")
+  hw = get_hardware("h100_sxm")
+  f = CostModel(hw)
+  cal = calibration.from_dict({**_cal(train_stage={
+      "actor_fwd_s": 0.3, "critic_fwd_s": 0.2, "actor_bwd_s": 0.7, "bwd_over_fwd": 2.5,
+      "tokens": 4096, "seq_len": 512}), "instance_devices": 1}, "cal.json")
+  cm = CostModel(hw, calibration=cal)
+  ctx = (512 + 1) / 2
+  assert cm.train_stage_fwd_s(s, 1, 1, 4096, ctx, "actor") == pytest.approx(0.3)
+  assert cm.train_stage_bwd_s(0.3, "actor") == pytest.approx(0.7)
+  for tp, pp, tokens in ((2, 2, 512), (1, 1, 512), (8, 4, 4096)):
+    ratio = (f.train_stage_fwd_s(s, tp, pp, tokens, ctx) /
+             f.train_stage_fwd_s(s, 1, 1, 4096, ctx))
+    assert 0 < ratio < 0.5, (tp, pp, tokens)
+    for model, measured in (("actor", 0.3), ("critic", 0.2)):
+      fwd = cm.train_stage_fwd_s(s, tp, pp, tokens, ctx, model)
+      assert fwd == pytest.approx(measured * ratio), (tp, pp, tokens, model)
+    assert cm.train_stage_bwd_s(cm.train_stage_fwd_s(s, tp, pp, tokens, ctx), "actor") == \
+        pytest.approx(0.7 * ratio)
+    # No measured critic backward: the file's ratio times the scaled forward.
+    assert cm.train_stage_bwd_s(0.2 * ratio, "critic") == pytest.approx(2.5 * 0.2 * ratio)
+  old = calibration.from_dict(_cal(train_stage={"actor_fwd_s": 0.3, "critic_fwd_s": 0.2}),
+                              "cal.json")
+  assert CostModel(hw, calibration=old).train_stage_fwd_s(s, 2, 2, 512, ctx) == 0.3
+  with pytest.raises(ValueError, match=r"cal\.json ops\.train_stage.*tokens and seq_len come "
+                                       r"together"):
+    calibration.from_dict(_cal(train_stage={"actor_fwd_s": 0.3, "critic_fwd_s": 0.2,
+                                            "tokens": 4096}), "cal.json")
+
+
+def test_a_pipeline_stage_pays_its_share_of_the_measured_whole_models_times():
+  """A calibration's decode step, prefill and inference are the measured model's, whole: a
+  pp-stage pipeline's stage (plan_search.stage_shape) was charged all of it, so pipelined
+  generation at pp 2 cost twice the instances'. plan_search.stage_cost scales them by the
+  formulas' stage share; ops the file does not measure (formulas, a decode_fit) are the stage's
+  own already; pipelined generation and the inference stage time their stages through it."""
+  from rlhfuse_jax.sim import plan_search
+  hw = get_hardware("h100_sxm")
+  a, c = get_shape("llama-7b"), get_shape("llama-7b", "scalar")
+  cal = calibration.from_dict(_cal(decode_step={"occupied_slots": [1, 64],
+                                                "seconds": [0.01, 0.02]},
+                                   prefill={"tokens_per_s": 1e5},
+                                   inference={"tokens_per_s": 2e5}), "cal.json")
+  cm, f = CostModel(hw, calibration=cal), CostModel(hw)
+  st = plan_search.stage_shape(a, 4)
+  rows, ctx = np.array([0.0, 1.0, 64.0]), np.array([0.0, 100.0, 6400.0])
+  got = plan_search.stage_cost(cm, "decode_step_s", st, a, 2, rows, ctx)
+  share = f.decode_step_s(st, 2, rows[1:], ctx[1:]) / f.decode_step_s(a, 2, rows[1:], ctx[1:])
+  assert np.all((share > 0.2) & (share < 0.5)), share  # about a quarter of the layers
+  np.testing.assert_allclose(got, [0.0, *(cm.decode_step_s(a, 2, rows[1:], ctx[1:]) * share)])
+  lens = np.array([300.0, 500.0])
+  assert plan_search.stage_cost(cm, "prefill_s", st, a, 2, lens) == pytest.approx(
+      cm.prefill_s(a, 2, lens) * f.prefill_s(st, 2, lens) / f.prefill_s(a, 2, lens))
+  stages = [plan_search.stage_shape(m, 4) for m in (a, c)]
+  assert plan_search.stage_cost(cm, "inference_s", stages, [a, c], 2, lens) == pytest.approx(
+      cm.inference_s([a, c], 2, lens) * f.inference_s(stages, 2, lens)
+      / f.inference_s([a, c], 2, lens))
+  # Not measured: the formulas, the stage's own.
+  assert plan_search.stage_cost(f, "prefill_s", st, a, 2, lens) == f.prefill_s(st, 2, lens)
+  seen = []
+  real = plan_search.stage_cost
+  try:
+    plan_search.stage_cost = lambda cost, op, *rest: seen.append(op) or real(cost, op, *rest)
+    plan_search.pipelined_generation(cm, a, 8, 2, 2, 2, np.array([100, 120, 90, 80]),
+                                     np.array([30, 5, 12, 7]), 32)
+    plan_search.inference_stage_s(cm, (a, c), 8, 2, 2, lens, 1, False)
+  finally:
+    plan_search.stage_cost = real
+  assert {"decode_step_s", "prefill_s", "inference_s"} <= set(seen), seen
+
+
 def test_an_unmeasured_backward_is_the_files_bwd_over_fwd_times_the_forward():
   """Without a measured backward, a stage's backward is bwd_over_fwd x its forward with the
   ratio the file gives (3.0 here: 0.5 s -> 1.5 s per stage), not the default 2.0; a measured

@@ -26,6 +26,7 @@ run measured an operation, its figure wins. A calibration file is JSON:
       "prefill":     {"tokens_per_s": 5000.0, "overhead_s": 0.0},
       "inference":   {"tokens_per_s": 8000.0, "overhead_s": 0.0},  # ref + reward + critic
       "train_stage": {"actor_fwd_s": 0.02, "critic_fwd_s": 0.01, "bwd_over_fwd": 2.0,
+                      "tokens": 4096, "seq_len": 512,              # optional (see below)
                       "actor_bwd_s": 0.05, "critic_bwd_s": 0.02,   # optional (see below)
                       "actor_fwd_per_stage_s": [0.02, 0.02],       # optional, one per stage
                       "actor_bwd_per_stage_s": [0.04, 0.06],
@@ -58,8 +59,13 @@ train_stage: one pipeline stage and one micro-batch. actor_fwd_s / critic_fwd_s 
 (mean over stages where per-stage lists exist); actor_bwd_s / critic_bwd_s the measured backward
 (the pipeline executor's backward: forward recompute + vjp, and head + loss on the last stage);
 absent, a backward is bwd_over_fwd x forward. bwd_over_fwd (default 2.0) is also the single ratio
-the paper-scale cost model uses. *_per_stage_s lists (first stage first) hold the same figures
-per stage, which differ (embedding on the first, head and loss on the last); a consumer that
+the paper-scale cost model uses. tokens / seq_len (optional, together): the timed micro-batch's
+tokens and tokens per sequence, on a stage of `instance_devices` devices (default 1) and of the
+per-stage lists' length (default 1 stage). With them the cost model times another layout of the
+measured model (tensor devices, stages, micro-batch) as the measured time x its formulas' ratio
+of that layout to the measured one, the backward too; without them (files written before
+2026-12-05) the measured times stand for every layout. *_per_stage_s lists (first stage first)
+hold the same figures per stage, which differ (embedding on the first, head and loss on the last); a consumer that
 needs a stage's time uses the list when present (its length must equal that model's stages) and
 the scalar otherwise; the cost model refuses a stage of another split than the lists measured.
 pipeline_executor: fixed costs of the lockstep executor (pipeline/executor.py) on the machine
@@ -95,7 +101,8 @@ _TOP = ("format", "device", "model_params", "instance_devices", "devices_share_c
 # what a file without the key means.
 BYTE_UNITS = ("bf16", "stored")
 _BF16_ITEMSIZE = 2
-_TRAIN_SCALARS = ("actor_fwd_s", "critic_fwd_s", "bwd_over_fwd", "actor_bwd_s", "critic_bwd_s")
+_TRAIN_SCALARS = ("actor_fwd_s", "critic_fwd_s", "bwd_over_fwd", "actor_bwd_s", "critic_bwd_s",
+                  "tokens", "seq_len")
 _TRAIN_LISTS = ("actor_fwd_per_stage_s", "actor_bwd_per_stage_s", "critic_fwd_per_stage_s",
                 "critic_bwd_per_stage_s")
 
@@ -143,6 +150,10 @@ class TrainStage:
   actor_bwd_per_stage_s: Optional[tuple[float, ...]] = None
   critic_fwd_per_stage_s: Optional[tuple[float, ...]] = None
   critic_bwd_per_stage_s: Optional[tuple[float, ...]] = None
+  # The timed micro-batch: its tokens and tokens per sequence (module docstring); None in files
+  # written before 2026-12-05.
+  tokens: Optional[float] = None
+  seq_len: Optional[float] = None
 
   def stage_times(self, model: str, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
     """(forward [num_stages], backward [num_stages]) seconds of `model` ('actor' | 'critic')
@@ -277,6 +288,9 @@ def from_dict(obj: dict, path: str = "<dict>") -> Calibration:
         if not (isinstance(d[k], list) and d[k]):
           raise _err(w, f"{k}={d[k]!r} must be a non-empty list (one entry per stage)")
         ts[k] = tuple(_pos(w, f"{k}[]", x) for x in d[k])
+    if ("tokens" in ts) != ("seq_len" in ts):
+      raise _err(w, "tokens and seq_len come together (the timed micro-batch's tokens and "
+                    "tokens per sequence): give both or neither")
     kw["train_stage"] = TrainStage(**ts)
   if "pipeline_executor" in ops:
     w = f"{path} ops.pipeline_executor"

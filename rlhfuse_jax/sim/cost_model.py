@@ -160,6 +160,26 @@ class CostModel:
   def __init__(self, hw: Hardware, eff: Efficiency = Efficiency(),
                calibration: Optional[Calibration] = None):
     self.hw, self.eff, self.cal = hw, eff, calibration
+    self._formulas: Optional["CostModel"] = None
+
+  def formulas(self) -> "CostModel":
+    """This hardware and these efficiencies without the calibration: what scales a measured
+    time from the layout it was measured at to another (train_stage_fwd_s;
+    plan_search.stage_cost)."""
+    if self.cal is None:
+      return self
+    if self._formulas is None:
+      self._formulas = CostModel(self.hw, self.eff)
+    return self._formulas
+
+  def measures(self, op: str) -> bool:
+    """Whether the calibration's measured times of the whole measured model replace the
+    formulas of `op` (decode_step_s: its decode_step table; prefill_s, inference_s: their
+    rates): the times of that model only, which a pipeline stage of it scales
+    (plan_search.stage_cost)."""
+    field = {"decode_step_s": "decode_step", "prefill_s": "prefill",
+             "inference_s": "inference"}[op]
+    return self.cal is not None and getattr(self.cal, field) is not None
 
   # --------------------------------------------------------------------- building blocks
   def roofline_s(self, flops: float, nbytes: float, devices: int, mfu: float,
@@ -322,7 +342,12 @@ class CostModel:
   # --------------------------------------------------------------------- training
   def train_stage_fwd_s(self, shape: ModelShape, tp: int, pp: int, mb_tokens: float,
                         mean_context: float, model: str = "actor") -> float:
-    """Forward of one micro-batch of `mb_tokens` tokens on one of `pp` pipeline stages."""
+    """Forward of one micro-batch of `mb_tokens` tokens on one of `pp` pipeline stages. A
+    calibration's measured forward, at another layout than it was measured at (its tokens and
+    seq_len, on instance_devices devices, one stage or its per-stage lists' count) scaled by
+    the formulas' ratio of the two layouts: taken as it is, a 1.1B model's forward measured on
+    8 x 512 tokens timed a 1-sample micro-batch and a quarter of the model (tp 2 x pp 2) alike,
+    and a plan search with the file preferred tp 1, pp 1 (2026-12-05 review)."""
     if self.cal is not None and self.cal.train_stage is not None:
       ts = self.cal.train_stage
       per_stage = getattr(ts, f"{model}_fwd_per_stage_s")
@@ -332,7 +357,14 @@ class CostModel:
             f"with the {model} in {len(per_stage)} pipeline stages and cannot time a stage of "
             f"pp={pp} (another share of the layers); measure at that split, or leave "
             "train_stage out so that the formulas time every split")
-      return ts.actor_fwd_s if model == "actor" else ts.critic_fwd_s
+      measured = ts.actor_fwd_s if model == "actor" else ts.critic_fwd_s
+      if ts.tokens is None:  # (a file before the layout was recorded: every layout alike)
+        return measured
+      f = self.formulas()
+      at = f.train_stage_fwd_s(shape, self.cal.instance_devices or 1,
+                               len(per_stage) if per_stage is not None else 1, ts.tokens,
+                               (ts.seq_len + 1) / 2.0)
+      return measured * f.train_stage_fwd_s(shape, tp, pp, mb_tokens, mean_context) / at
     flops = shape.forward_flops(mb_tokens, mean_context) / pp
     nbytes = shape.weight_bytes() / pp
     return (self.roofline_s(flops, nbytes, tp, self.eff.train_mfu, self.eff.decode_bw_eff) +
@@ -355,7 +387,10 @@ class CostModel:
     ts = self.cal.train_stage if self.cal is not None else None
     measured = getattr(ts, f"{model}_bwd_s", None) if ts is not None else None
     if measured is not None:
-      return float(measured)
+      if ts.tokens is None:
+        return float(measured)
+      # At the forward's layout: scaled as train_stage_fwd_s scaled the measured forward.
+      return float(measured) * fwd_s / getattr(ts, f"{model}_fwd_s")
     return self.bwd_from_fwd_s(fwd_s, comm_s)
 
   def bwd_from_fwd_s(self, fwd_s: float, comm_s: float = 0.0) -> float:

@@ -110,6 +110,24 @@ def stage_shape(shape: ModelShape, pp: int) -> ModelShape:
                              vocab_size=max(1, shape.vocab_size // pp))
 
 
+def stage_cost(cost: CostModel, op: str, stage, whole, *args):
+  """cost.<op>(stage, *args) of a pipeline stage (`whole`: the model or models it is a stage
+  of, in `stage`'s form). Where a calibration's measured times of the whole model replace op's
+  formulas (CostModel.measures), they are scaled by the formulas' ratio of the stage to the
+  whole model: taken as they are, each of a pp-stage pipeline's stages was charged the whole
+  model's decode step, prefill and inference (pipelined generation at pp 2 cost twice the
+  instances', 2026-12-05 review)."""
+  t = getattr(cost, op)(stage, *args)
+  if not cost.measures(op):
+    return t
+  f = cost.formulas()
+  part = np.asarray(getattr(f, op)(stage, *args), dtype=np.float64)
+  full = np.asarray(getattr(f, op)(whole, *args), dtype=np.float64)
+  scaled = np.asarray(t, dtype=np.float64) * np.divide(part, full, out=np.zeros_like(part),
+                                                        where=full > 0)
+  return float(scaled) if np.ndim(scaled) == 0 else scaled
+
+
 # ----------------------------------------------------------------------------- generation
 def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, tp: int, pp: int,
                          groups: int, prompts: np.ndarray, resp: np.ndarray,
@@ -148,11 +166,13 @@ def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, t
   def ticks_s(rows, ctx):
     """Per-tick seconds of one stage on `rows` live rows reading `ctx` KV tokens."""
     act = cost.hop_s(rows * actor.hidden_size * actor.act_itemsize / tp, hop) if pp > 1 else 0.0
-    return np.where(rows > 0, cost.decode_step_s(st, tp, rows, ctx) + act, 0.0)
+    return np.where(rows > 0, stage_cost(cost, "decode_step_s", st, actor, tp, rows, ctx) + act,
+                    0.0)
 
   # Prefill: each group's prompts through the pp stages, the groups one stage apart.
-  pre = np.stack([[cost.prefill_s(st, tp, plen[r, g][valid[r, g]]) if valid[r, g].any() else 0.0
-                   for g in range(groups)] for r in range(reps)])  # [R, G]
+  pre = np.stack([[stage_cost(cost, "prefill_s", st, actor, tp, plen[r, g][valid[r, g]])
+                   if valid[r, g].any() else 0.0 for g in range(groups)]
+                  for r in range(reps)])  # [R, G]
   prefill = pre.sum(1) + (pp - 1) * pre.max(1)  # [R]
   # Decode step k (k = 1 .. max-1; prefill sampled token 0): rows with rlen > k.
   kmax = int(rlen.max())
@@ -204,7 +224,8 @@ def inference_stage_s(cost: CostModel, frozen, num_devices: int, tp: int, pp: in
   stages = [stage_shape(s, pp) for s in frozen]
   lens = np.sort(np.asarray(seq_lens, dtype=np.float64), kind="stable")
   mbs = [lens[i:i + microbatch] for i in range(0, lens.size, microbatch)]
-  t_mb = np.array([float(cost.inference_s(stages, tp, m)) for m in mbs])
+  t_mb = np.array([float(stage_cost(cost, "inference_s", stages, list(frozen), tp, m))
+                   for m in mbs])
   load = np.zeros(reps)
   longest = np.zeros(reps)
   for t in t_mb:  # list scheduling in finish order
