@@ -1,6 +1,8 @@
 """One process of tests/test_multiprocess.py's device-to-device test of `mesh.put` between two
 disjoint device groups spread over the processes (async PPO's training and generation groups):
-every value arrives where its sharding says, and nothing goes through host memory.
+every value arrives where its sharding says, and nothing goes through host memory. Then the
+frozen models' move to host memory (build.Models.frozen_to_host) of arrays spanning both
+processes.
 
 Usage: python -m tests.put_mp_worker PROCESS_ID NUM_PROCESSES PORT OUT_DIR
 """
@@ -22,7 +24,7 @@ def main(argv):
 
   def no_host(tree):
     raise AssertionError("mesh.put went through host memory")
-  mesh_lib.to_host = no_host
+  to_host, mesh_lib.to_host = mesh_lib.to_host, no_host
 
   # As async_ppo.split_devices: the first half of each process's devices generate.
   per = len(jax.local_devices()) // 2
@@ -58,6 +60,18 @@ def main(argv):
   assert {s.device for s in moved.addressable_shards} == set(gen) & set(jax.local_devices())
   for s in moved.addressable_shards:
     np.testing.assert_array_equal(np.asarray(s.data), key_data)
+  # The frozen models of a model copy split over both processes' devices (the 13B-65B presets'
+  # fsdp x tensor over several hosts) to host memory, as a fused run's set-up does: jax refused
+  # jax.device_get of such an array, which ended those runs at set-up.
+  mesh_lib.to_host = to_host
+  from rlhfuse_jax.trainer import build
+  models = build.Models(actor=None, critic=None, reference={"w": xs[0], "b": xs[3]},
+                        reward_cfg=None, reward_params={"w": xs[1]})
+  models.frozen_to_host()
+  for got, (v, _, _) in ((models.reference["w"], cases[0]), (models.reference["b"], cases[3]),
+                         (models.reward_params["w"], cases[1])):
+    assert isinstance(got, np.ndarray), type(got)
+    np.testing.assert_array_equal(got, np.asarray(v))
   open(os.path.join(out_dir, f"ok{pid}"), "w").close()
 
 

@@ -294,7 +294,9 @@ def test_fused_async_two_processes_match_one_process(tmp_path):
 def test_put_between_device_groups_stays_on_devices(tmp_path):
   """mesh.put from the training group to the generation group and back on 2 processes x 4 devices
   (each process half in each): every shard where its sharding says, with to_host made to fail
-  in the workers, so nothing went through host memory (tests/put_mp_worker.py)."""
+  in the workers, so nothing went through host memory (tests/put_mp_worker.py). Then the frozen
+  models' move to host memory of arrays split over both processes (a fused multi-host run of
+  the 13B-65B presets stopped at set-up on jax's refusal to read them)."""
   env = subprocess_env(4)
   port = free_port()
   procs = [subprocess.Popen([sys.executable, "-m", "tests.put_mp_worker", str(i), "2", port,

@@ -596,10 +596,13 @@ class Models:
 
   def frozen_to_host(self) -> None:
     """Moves the frozen models (reference, reward model) to host memory, dropping these device
-    copies: a fused rollout stage keeps them on the host (docs/architecture.md §2)."""
-    self.reference = jax.device_get(self.reference)
+    copies: a fused rollout stage keeps them on the host (docs/architecture.md §2). A copy
+    split over devices of several processes is gathered first (mesh_lib.to_host): jax refuses
+    to read such an array, and a multi-host run of the 13B-65B presets (one model copy over
+    fsdp x tensor devices of several hosts) stopped here at set-up."""
+    self.reference = mesh_lib.to_host(self.reference)
     if self.reward_params is not None:
-      self.reward_params = jax.device_get(self.reward_params)
+      self.reward_params = mesh_lib.to_host(self.reward_params)
 
   def frozen_to_mesh(self, cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
     """Moves the frozen models onto `mesh` (the generation group of async_ppo.generation_devices,
