@@ -370,6 +370,10 @@ def test_slurm_one_task_per_node_sees_every_gpu_of_its_node(monkeypatch):
   monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
   distributed.initialize("", 2, 0)
   assert calls[-1]["num_processes"] == 2 and len(calls) == n + 1
+  # ... and alone it leaves the count and index to jax's cluster detection (it was refused as
+  # "coordinator_address given without num_processes and process_id").
+  distributed.initialize()
+  assert "num_processes" not in calls[-1] and len(calls) == n + 2
   monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
   # No flags and no cluster jax can detect: jax's bare "coordinator_address should be defined."
   # becomes what to do.

@@ -53,10 +53,13 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
   """
   if num_processes and num_processes < 1:
     raise ValueError(f"num_processes={num_processes}: expected >= 1")
-  # jax reads the coordinator's address from JAX_COORDINATOR_ADDRESS too.
-  named = {"coordinator_address": bool(coordinator_address or
-                                       os.environ.get("JAX_COORDINATOR_ADDRESS")),
+  named = {"coordinator_address": bool(coordinator_address),
            "num_processes": bool(num_processes), "process_id": process_id is not None}
+  if named["num_processes"] or named["process_id"]:
+    # jax reads the coordinator's address from JAX_COORDINATOR_ADDRESS too: with the count
+    # and index given, it completes them. Alone (no flags) it leaves the count and index to
+    # jax's cluster detection (SLURM, Open MPI, TPU pods), which it was refused.
+    named["coordinator_address"] |= bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
   if any(named.values()) and not all(named.values()):
     # jax's own errors ("Number of processes must be defined", "coordinator_address should be
     # defined") name no flag, and a process_id alone was dropped without a word.
