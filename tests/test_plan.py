@@ -155,6 +155,13 @@ def test_a_config_fsdp_that_outgrows_the_plans_devices_is_refused_by_name(tmp_pa
     ({"inference": {"tp": 1, "pp": 2}}, r"config\.plan\.inference_pp=2: expected 1 .*pipelined "
      r"inference is not implemented"),
     ({"generation": {"mode": "speculative"}}, r"generation\.mode='speculative'"),
+    # A hand-edited layout: a string or null was compared with 1 first (a TypeError).
+    ({"training": {"placement": "colocated", "tp": 1, "actor_pp": "2", "critic_pp": 1}},
+     r"plan\.json.*: training\.actor_pp='2'; expected an integer >= 1"),
+    ({"training": {"placement": "colocated", "tp": 1, "actor_pp": 2, "critic_pp": None}},
+     r"training\.critic_pp=None; expected an integer >= 1"),
+    ({"training": {"placement": "colocated", "tp": 0, "actor_pp": 1, "critic_pp": 1}},
+     r"training\.tp=0; expected an integer >= 1"),
 ])
 def test_plan_file_refusals(tmp_path, plan, match):
   path = plan_json(tmp_path / "plan.json", plan.get("generation", {}), plan.get("inference"),

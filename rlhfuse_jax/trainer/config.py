@@ -976,6 +976,10 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
         "share of the devices at once, is simulated by plan_search but not implemented in the "
         "trainer)")
   tp, actor_pp, critic_pp = (train.get(k, 1) for k in ("tp", "actor_pp", "critic_pp"))
+  for key, value in (("tp", tp), ("actor_pp", actor_pp), ("critic_pp", critic_pp)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      # (compared below before any field's own check: "2" or null ended in a TypeError)
+      raise ValueError(f"{where}: training.{key}={value!r}; expected an integer >= 1")
   out["mesh", "tensor"] = (tp, "training.tp")
   out["mesh", "stage"] = (actor_pp, "training.actor_pp")
   if actor_pp > 1:
