@@ -710,11 +710,11 @@ def test_schedule_search_fields_of_a_serial_pipeline_are_warned_about(caplog, in
 
 @pytest.mark.parametrize("tensor, warned", [(8, True), (2, False)])
 def test_a_tensor_axis_that_does_not_divide_the_heads_is_warned_about(caplog, tensor, warned):
-  """mesh.tensor=8 with 4 query heads ran without a word (INFO only): the heads' weights stay
-  whole on every tensor device, which repeats the attention instead of splitting it."""
+  """mesh.tensor=8 with 4 query heads ran without a word (INFO only): the devices cannot each
+  take whole heads, so part of the attention is repeated or resharded instead of split."""
   text = _validate_warnings(caplog, {}, mesh_lib.MeshConfig(data=8 // tensor, tensor=tensor))
-  assert ("config.mesh.tensor=8 does not divide config.model.num_heads=4: each of the 8 "
-          "tensor devices" in text) == warned, text
+  assert ("config.mesh.tensor=8 does not divide config.model.num_heads=4: the 8 tensor "
+          "devices cannot each take whole heads" in text) == warned, text
   assert ("config.critic_model.num_heads=4" in text) == warned, text
 
 

@@ -5,8 +5,10 @@ sharded along `embed`), `stage` (pipeline), `tensor` (Megatron-style tensor para
 built from a `MeshConfig`; -1 in one field takes the remaining devices.
 
 Parameters carry logical names (see models/llama.py); `LOGICAL_RULES` maps each onto mesh axes.
-A dimension that the mapped mesh axis does not divide (e.g. 2 KV heads on tensor=4) is replicated
-instead of failing, and the fallback is logged once: correctness never depends on the sharding.
+A dimension that the mapped mesh axis does not divide is replicated instead of failing, and the
+fallback is logged once: correctness never depends on the sharding. The attention projections'
+head axes are their heads x head_dim columns, so the test is on that product: 2 KV heads of 64
+on tensor=4 split mid-head (128 columns, 32 a device), not replicated.
 (The pipelined update's manual Megatron split is stricter: it needs heads and MLP width divisible
 by `tensor`, and KV heads divisible by it or dividing it; trainer/pipelined.check_config says so.)
 """

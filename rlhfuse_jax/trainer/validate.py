@@ -89,11 +89,13 @@ def _fusion_unused(cfg: TrainConfig) -> list[str]:
 
 
 def _uneven_tensor_split(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
-  """A mesh.tensor that does not divide a trained model's query heads or MLP width is said so:
-  the (unpipelined) update then keeps that dimension whole on every tensor device
-  (parallel/mesh.py replicates what its axis does not divide, logged at INFO only), so those
-  devices repeat the attention or MLP work the axis was meant to split. KV heads fewer than
-  the devices are GQA's usual copies, not warned of. (The pipelined update refuses all of it:
+  """A mesh.tensor that does not divide a trained model's query heads or MLP width is said so.
+  An MLP width it does not divide stays whole on every tensor device (parallel/mesh.py
+  replicates what its axis does not divide, logged at INFO only): the devices repeat that
+  work. Query heads it does not divide are split mid-head where it divides heads x head_dim
+  (the projections' columns), and the attention between the projections cannot give each
+  device whole heads: XLA reshards or repeats part of it. KV heads fewer than the devices are
+  GQA's usual copies, not warned of. (The pipelined update refuses all of it:
   pipelined.check_config.)"""
   tp = mesh.shape["tensor"]
   if tp == 1 or mesh.shape["stage"] > 1:
@@ -102,9 +104,10 @@ def _uneven_tensor_split(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
     bad = [f"{f}={getattr(model, f)}" for f in ("num_heads", "intermediate_size")
            if getattr(model, f) % tp]
     if bad:
-      logging.warning("config.mesh.tensor=%d does not divide config.%s.%s: each of the %d "
-                      "tensor devices computes that part of every layer whole (the work is "
-                      "repeated, not split); use a tensor size that divides them", tp, section,
+      logging.warning("config.mesh.tensor=%d does not divide config.%s.%s: the %d tensor "
+                      "devices cannot each take whole heads or an even share of the MLP, so "
+                      "part of every layer's work is repeated or resharded instead of split; "
+                      "use a tensor size that divides them", tp, section,
                       f", config.{section}.".join(bad), tp)
 
 
