@@ -118,6 +118,18 @@ def test_cached_decode_logits_equal_full_forward(params, sampled):
     pos = pos + 1
 
 
+def test_more_tokens_than_the_cache_holds_are_refused(params):
+  """A prefill longer than the KV cache wrote out of bounds and gave wrong logits without an
+  error (found by a review: 8 tokens into a cache of 5, logits 0.41 off); the engine sizes its
+  caches, a direct caller of llama.apply is told."""
+  tokens = jnp.ones((1, 8), jnp.int32)
+  cache = llama.KVCache.zeros(CFG, 1, 5)
+  with pytest.raises(ValueError, match=r"8 tokens written at once into a KV cache of 5 "
+                                       r"positions"):
+    llama.apply(CFG, params, tokens, jnp.arange(8)[None], cache)
+  llama.apply(CFG, params, tokens[:, :5], jnp.arange(5)[None], cache)  # fits: no error
+
+
 def test_behaviour_logprobs_equal_trainer_recomputation(params, sampled):
   gen, r = sampled
   tokens = sequences.build_sequences(r.prompt_tokens, r.prompt_lens, r.response_tokens,

@@ -548,6 +548,10 @@ class Attention(nn.Module):
       # [batch, len, heads, dim]; O(len) memory unless cfg.attention == "reference".
       out = attention_lib.dot_product_attention(q, k, v, positions, positions, cfg.attention)
     else:
+      if l > cache.k.shape[2]:  # (static shapes; a position past the end is the caller's)
+        raise ValueError(f"{l} tokens written at once into a KV cache of {cache.k.shape[2]} "
+                         "positions: they would land out of bounds and give wrong logits "
+                         "without an error; size the cache for prompt + new tokens")
       kc = write_cache(cache.k, cache.layer, cache_bits(k.astype(cache.dtype)), positions[:, 0])
       vc = write_cache(cache.v, cache.layer, cache_bits(v.astype(cache.dtype)), positions[:, 0])
       # attention.cache_attention_path: the Pallas kernel (live blocks, looped on the device),
