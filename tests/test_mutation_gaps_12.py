@@ -170,8 +170,10 @@ def test_bench_decode_fractions_calibration_and_peer_ratio_of_a_made_up_result()
   tpu, cpu = got["tpu_cal"], got["cpu_cal"]
   assert tpu["ops"]["decode_step"] == {"occupied_slots": [1, 4], "seconds": [0.5, 1.0]}
   assert tpu["ops"]["prefill"]["tokens_per_s"] == pytest.approx(4 * 8 / 4.0)
+  # (and the timed micro-batch: 2 rows of 8 + 16 tokens, which scales the times to others)
   assert tpu["ops"]["train_stage"] == {"actor_fwd_s": 0.5, "critic_fwd_s": 0.5,
-                                       "bwd_over_fwd": pytest.approx(3.0)}
+                                       "bwd_over_fwd": pytest.approx(3.0), "tokens": 48,
+                                       "seq_len": 24}
   # Fake CPU devices share one processor; a TPU's chips do not.
   assert tpu["devices_share_compute"] is False and cpu["devices_share_compute"] is True
   assert tpu["model_params"] == 1234 and tpu["instance_devices"] == 1

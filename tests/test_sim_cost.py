@@ -220,6 +220,19 @@ def test_a_measured_training_stage_times_other_layouts_by_the_formulas_ratio():
         pytest.approx(0.7 * ratio)
     # No measured critic backward: the file's ratio times the scaled forward.
     assert cm.train_stage_bwd_s(0.2 * ratio, "critic") == pytest.approx(2.5 * 0.2 * ratio)
+  # The measured side of the ratio: its context ((seq_len + 1) / 2, not the one asked) and
+  # its instance width (instance_devices).
+  for asked_ctx in (100.0, 1000.0):
+    want = 0.3 * (f.train_stage_fwd_s(s, 2, 1, 2048, asked_ctx) /
+                  f.train_stage_fwd_s(s, 1, 1, 4096, ctx))
+    assert cm.train_stage_fwd_s(s, 2, 1, 2048, asked_ctx) == pytest.approx(want)
+  wide = calibration.from_dict({**_cal(train_stage={
+      "actor_fwd_s": 0.3, "critic_fwd_s": 0.2, "tokens": 4096, "seq_len": 512}),
+      "instance_devices": 4}, "cal.json")
+  cw = CostModel(hw, calibration=wide)
+  assert cw.train_stage_fwd_s(s, 4, 1, 4096, ctx) == pytest.approx(0.3)
+  assert cw.train_stage_fwd_s(s, 1, 1, 4096, ctx) == pytest.approx(
+      0.3 * f.train_stage_fwd_s(s, 1, 1, 4096, ctx) / f.train_stage_fwd_s(s, 4, 1, 4096, ctx))
   old = calibration.from_dict(_cal(train_stage={"actor_fwd_s": 0.3, "critic_fwd_s": 0.2}),
                               "cal.json")
   assert CostModel(hw, calibration=old).train_stage_fwd_s(s, 2, 2, 512, ctx) == 0.3
