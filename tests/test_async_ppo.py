@@ -99,21 +99,21 @@ def test_resume_with_batches_in_flight_equals_the_straight_run(tmp_path, straigh
 def test_the_train_clock_leaves_out_the_checkpoint_wait(tmp_path):
   """timing_s/train (and the perf/ figures made from it) is the training's time: the wait for
   the previous checkpoint's save is not in it, also in the last iterations, which generate
-  nothing ahead. A save made 2 s slow shows in the step only (0.5 s was too close: a loaded CI
-  machine once trained 1.4 s)."""
+  nothing ahead. A save made 3 s slow shows in the step only (0.5 s was too close: a loaded CI
+  machine once trained 1.4 s; 2 s left a thin margin)."""
   import time as time_lib
   trainer = PPOTrainer(tiny_config(num_iterations=3, **{"async_ppo.staleness": 1,
                                                         "checkpoint.every": 1}), str(tmp_path))
   wait = trainer.checkpoints.wait
 
   def slow():
-    time_lib.sleep(2.0)
+    time_lib.sleep(3.0)
     wait()
   trainer.checkpoints.wait = slow
   h = trainer.run()
-  assert all(m["timing_s/train"] < 2.0 for m in h[1:]), [m["timing_s/train"] for m in h]
+  assert all(m["timing_s/train"] < 3.0 for m in h[1:]), [m["timing_s/train"] for m in h]
   # The step holds the training and the wait one after the other.
-  assert all(m["timing_s/step"] - m["timing_s/train"] >= 2.0 for m in h[1:]), h[1:]
+  assert all(m["timing_s/step"] - m["timing_s/train"] >= 3.0 for m in h[1:]), h[1:]
 
 
 def test_grpo_with_inter_stage_fusion_on_the_generation_group(tmp_path):

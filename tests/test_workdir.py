@@ -159,7 +159,8 @@ def test_a_lock_that_stays_held_is_refused_naming_the_holder(tmp_path, line, ref
   t0 = time.monotonic()
   with pytest.raises(wd.WorkdirInUseError) as e:
     wd.WorkdirLock(str(tmp_path), wait_s=1.0, wait_field="config.lock_wait_s")
-  assert refused_after <= time.monotonic() - t0 < refused_after + 1.0
+  # (no wait: well under the 1 s wait_s; the wait: 1 s, more on a loaded machine)
+  assert refused_after <= time.monotonic() - t0 < (1.0 if refused_after == 0 else 10.0)
   msg = str(e.value)
   assert f"is in use by another run ({line})" in msg
   stale = ("If node-that-crashed is down (a crashed node), a shared filesystem keeps its lock "
