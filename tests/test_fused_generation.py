@@ -590,6 +590,22 @@ def _simulated_load_s(inst: _LoadingInstance, cfg, models: dict, held: dict) -> 
   return cost.weight_load_s(frozen, setup.tp), setup
 
 
+def test_median_s_makes_each_calls_input_outside_the_clock():
+  """median_s(fn, n, setup): each call gets its own setup() (a fresh state for a call that
+  donates it: calibrate_sim's decode chunk, which had timed a copy of the whole KV cache with
+  every step), made before the clock starts."""
+  import time
+  made = []
+
+  def setup():
+    time.sleep(0.2)
+    made.append(len(made))
+    return made[-1]
+  seen = []
+  took = measure.median_s(lambda x: seen.append(x), 3, setup=setup)
+  assert seen == [0, 1, 2, 3] and took < 0.1, (seen, took)  # a warm-up and 3 timed calls
+
+
 def test_auto_rt_loads_the_frozen_weights_in_the_calibrations_time(monkeypatch):
   """The Rt model times loading the frozen weights with the engine's measured weight_load,
   whose rate measure_costs records in the bytes it copied (byte_unit "stored") and rt_auto

@@ -27,7 +27,7 @@ Measured on this process's first instance (and its second for migration), each t
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import numpy as np
@@ -42,13 +42,19 @@ _PROMPT_DRAWS = 8
 _NEGLIGIBLE_RATE = 1e15
 
 
-def median_s(fn: Callable[[], object], repeats: int) -> float:
-  """Median wall seconds of `fn()` over `repeats` calls, after one untimed call (compile)."""
-  jax.block_until_ready(fn())  # warm-up
+def median_s(fn: Callable[..., object], repeats: int,
+             setup: Optional[Callable[[], object]] = None) -> float:
+  """Median wall seconds of `fn()` over `repeats` calls, after one untimed call (compile).
+  With `setup`, each call is `fn(setup())`, setup's result made before the clock starts (a
+  fresh input for a call that donates it)."""
+  def args() -> tuple:
+    return () if setup is None else (setup(),)
+  jax.block_until_ready(fn(*args()))  # warm-up
   times = []
   for _ in range(repeats):
+    a = args()
     t0 = time.perf_counter()
-    jax.block_until_ready(fn())
+    jax.block_until_ready(fn(*a))
     times.append(time.perf_counter() - t0)
   return float(np.median(times))
 
