@@ -244,7 +244,11 @@ def main(argv):
   wd.write_json(os.path.join(out, "config.json"),
                 {**c.to_dict(), "resolved_num_iterations": iterations})
   env = runner.repo_env(JAX_PLATFORMS="cpu", **host_device_env(c.host_devices))
-  result = {"machine": {"host_devices": c.host_devices}, "runs": {}}  # and `provenance`
+  # `parallel`: the runs at once on this machine, which its step times (median_step_s,
+  # step_time_ratio, curves.png's wall-time axis) were measured beside (config.json alone
+  # said so); 1 for step times of a run alone.
+  result = {"machine": {"host_devices": c.host_devices, "parallel": c.parallel},
+            "runs": {}}  # and `provenance`
   jobs = [(config, k, seed) for config in c.runs for k in c.staleness for seed in c.seeds]
 
   def run(job) -> list[dict]:

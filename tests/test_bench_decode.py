@@ -261,6 +261,9 @@ def test_train_step_is_consistent(bench):
   n = TINY.model.num_params() + TINY.critic_model.num_params()
   assert tr["flops_6nd"] == pytest.approx(6 * n * tr["tokens"], rel=1e-12)
   assert tr["actor_fwd_s"] > 0 and tr["critic_fwd_s"] > 0
+  # The attention the update ran: "auto" said nothing of it (on this CPU, blockwise; on a GPU
+  # "cudnn" where cuDNN's fused attention is in the program).
+  assert TINY.model.attention == "auto" and tr["attention"] == "blockwise", tr["attention"]
 
 
 def test_calibration_file_loads_with_the_measured_step_times(bench):

@@ -153,6 +153,11 @@ sys.modules["torch"] = types.ModuleType("torch")
 sys.modules["transformers"] = types.ModuleType("transformers")
 rows = [{"batch": 1, "tokens_per_s": 100.0}, {"batch": 4, "tokens_per_s": 100.0}]
 out["peer"] = bd.peer_baselines(types.SimpleNamespace(peer="hf"), rows)
+fmha = 'stablehlo.custom_call @__cudnn$fmhaSoftmax(%q, %k, %v)'
+out["attention"] = [bd.attention_in(text, configured) for text, configured in (
+    (fmha, "auto"), ("stablehlo.dot_general", "auto"), ("stablehlo.dot_general", "cudnn"),
+    ("stablehlo.dot_general", "pallas"), ("stablehlo.dot_general", "reference"),
+    ("stablehlo.dot_general", "blockwise"))]
 print(json.dumps(out))
 """
 
@@ -179,6 +184,10 @@ def test_bench_decode_fractions_calibration_and_peer_ratio_of_a_made_up_result()
   assert tpu["model_params"] == 1234 and tpu["instance_devices"] == 1
   assert "train_stage" not in cpu["ops"] and "train_stage omitted" in cpu["notes"]
   assert [p["ours_over_peer"] for p in got["peer"]["per_batch"]] == [2.0, 0.5]
+  # The attention an update's program holds (result.json said only "auto"): cuDNN's fused
+  # attention where its custom call is in the program, else the fallback of what was asked.
+  assert got["attention"] == ["cudnn", "blockwise", "blockwise", "blockwise", "reference",
+                              "blockwise"]
 
 
 # experiments/bench_generation.py ------------------------------------------------------------------
