@@ -111,7 +111,7 @@ from rlhfuse_jax.pipeline import stages
 from rlhfuse_jax.rl import optim
 from rlhfuse_jax.sim import hardware as hw_lib
 from rlhfuse_jax.sim import shapes as sim_shapes
-from rlhfuse_jax.sim.cost_model import CostModel
+from rlhfuse_jax.sim.cost_model import LOGITS_COPIES_SCORING, CostModel
 from rlhfuse_jax.trainer import config as tc
 from rlhfuse_jax.trainer import pipelined, ppo
 from rlhfuse_jax.trainer import update as update_lib
@@ -832,9 +832,14 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
     # unpipelined update holds one micro-batch (the whole shard's rows without accumulation).
     micro = cfg.actor_microbatches if model is cfg.actor else cfg.critic_microbatches
     inflight = min(n_stages, micro) if cfg.pp > 1 else 1
+    shape = sim_shapes.from_model_config(model, dtypes=True)
     out["activations_bytes"] += inflight * cost.activation_bytes(
-        sim_shapes.from_model_config(model, dtypes=True), cfg.tp, rows * cfg.seq_len,
-        model.num_layers / n_stages)
+        shape, cfg.tp, rows * cfg.seq_len, model.num_layers / n_stages)
+    # The actor's update logits (the simulator's cost_model.train_memory_parts "logits").
+    logits = cost.train_memory_parts(shape, cfg.tp, n_stages, 1, False, rows * cfg.seq_len,
+                                     inflight, False, rows, cfg.response_len).get("logits")
+    if logits:
+      out["logits_bytes"] = logits
   out["total_bytes"] = sum(out.values())
   useful = accounting.ppo_update_flops(cfg.actor, cfg.critic, cfg.minibatch_size,
                                        cfg.prompt_len, cfg.response_len) / cfg.train_devices
@@ -899,14 +904,18 @@ def inference_analytic(cfg: PlanConfig, model: ModelConfig | None = None,
   else:  # one micro-batch on the instance's tensor devices
     rows = cfg.inference_microbatch
     tokens = rows * cfg.seq_len
-  # One layer's activations live at a time (sim/iteration_sim.inference_memory_parts).
-  acts = CostModel(cfg.hardware).activation_bytes(sim_shapes.from_model_config(a, dtypes=True),
-                                                  cfg.gen_tensor, tokens, 1)
-  flops = accounting.forward_flops(a, rows, cfg.seq_len, (cfg.response_len if head_positions
-                                                          is None else head_positions))
+  # One layer's activations live at a time (sim/iteration_sim.inference_memory_parts), and an
+  # LM head's float32 logits at its positions (cost_model.LOGITS_COPIES_SCORING).
+  cost = CostModel(cfg.hardware)
+  shape = sim_shapes.from_model_config(a, dtypes=True)
+  positions = cfg.response_len if head_positions is None else head_positions
+  acts = cost.activation_bytes(shape, cfg.gen_tensor, tokens, 1)
+  logits = cost.logits_bytes(shape, cfg.gen_tensor, tokens / cfg.seq_len, positions,
+                             LOGITS_COPIES_SCORING)
+  flops = accounting.forward_flops(a, rows, cfg.seq_len, positions)
   shards = cfg.gen_model_shards
-  return {"params_bytes": params / shards, "activations_bytes": acts,
-          "total_bytes": params / shards + acts, "flops_per_device": flops / n}
+  return {"params_bytes": params / shards, "activations_bytes": acts, "logits_bytes": logits,
+          "total_bytes": params / shards + acts + logits, "flops_per_device": flops / n}
 
 
 def _finish(measured: dict, analytic: dict) -> dict:

@@ -282,9 +282,9 @@ def test_a_model_alone_is_sized_for_the_micro_batches_its_first_stage_holds():
   cm = CostModel(get_hardware("h100_sxm"))
   calls, measure = [], cm.train_memory_bytes
 
-  def spy(shape, tp, pp, dp, zero1, mb_tokens, inflight, accumulate):
+  def spy(shape, tp, pp, dp, zero1, mb_tokens, inflight, accumulate, *head):
     calls.append((pp, dp, inflight))
-    return measure(shape, tp, pp, dp, zero1, mb_tokens, inflight, accumulate)
+    return measure(shape, tp, pp, dp, zero1, mb_tokens, inflight, accumulate, *head)
   cm.train_memory_bytes = spy
   assert ts.single_model_plan(cm, get_shape("llama-7b"), 8, 2, 1, 300.0) is not None
   assert (4, 1, 2) in calls
@@ -513,7 +513,8 @@ def test_the_generation_degree_is_chosen_by_generation_plus_inference():
 def test_inference_memory_holds_one_micro_batch_of_the_largest_model():
   """The frozen models' weights over tp, plus one micro-batch's activations of the largest
   one (they run one after the other), padded as the trainer pads its rows: the prompt's
-  max_len (1024, the default LengthSpec's) + max_new_tokens."""
+  max_len (1024, the default LengthSpec's) + max_new_tokens; and the reference's float32
+  logits of the micro-batch at the response positions, the vocabulary over tp."""
   cm = CostModel(get_hardware("h100_sxm"))
   wl = it.Workload(actor=get_shape("llama-7b"), critic=get_shape("llama-13b", "scalar"),
                    num_devices=8, global_batch=64, minibatch=16, max_new_tokens=50)
@@ -521,7 +522,8 @@ def test_inference_memory_holds_one_micro_batch_of_the_largest_model():
   cm.check_fits = lambda what, need, detail: seen.append(need)
   it.check_inference_memory(cm, wl, 2, 4)
   weights = (wl.actor.weight_bytes() + 2 * wl.critic.weight_bytes()) / 2
-  assert seen == [pytest.approx(weights + 34 * 5120 * 4 * 1074 / 2)]
+  logits = 4.0 * 4 * 50 * 32000 / 2
+  assert seen == [pytest.approx(weights + 34 * 5120 * 4 * 1074 / 2 + logits)]
 
 
 def test_deepspeed_chat_scores_with_four_forwards_under_zero3():

@@ -1357,6 +1357,10 @@ def test_simulated_inference_activations_are_plan_checks_analytic_ones(generatio
   assert ps.trainer_refusal(wl, plan) is None
   assert ps.inference_rows(wl, opt, plan) == rows
   assert ps.inference_memory(cost, wl, opt, plan)["activations"] == pytest.approx(want)
+  # And the reference's float32 logits of those rows, as plan_check's analytic figure.
+  logits = plan_programs.inference_analytic(cfg)["logits_bytes"]
+  assert logits > 0 and ps.inference_memory(cost, wl, opt, plan)["logits"] == pytest.approx(
+      logits)
   inf = next(r for r in ps.plan_memory(cost, wl, opt, plan) if r["stage"] == "inference")
   assert inf["parts"]["activations"] == pytest.approx(want)
   # Where it does not fit at the trainer's rows the search refuses the combination, naming them.
@@ -1530,16 +1534,20 @@ def test_simulated_training_memory_counts_plan_checks_gradient_accumulator():
   train = next(r for r in ps.plan_memory(cost, wl, opt, plan) if r["stage"] == "training")
   assert train["parts"]["grad accumulator"] == pytest.approx(
       analytic["grad_accumulator_bytes"], rel=1e-3)
+  # (and the actor's update logits, the same figure in both)
+  assert train["parts"]["logits"] == pytest.approx(analytic["logits_bytes"], rel=1e-3)
   # The search's check allows exactly plan_memory's total (accumulator included).
   tplan = train_lib.TrainPlan(8, 32, 2, 1, 1, 1)
   for scale, fits in ((1 + 1e-9, True), (1 - 1e-9, False)):
     c = CostModel(dataclasses.replace(cost.hw, hbm_bytes=train["total"] * scale /
                                       cost.eff.memory_headroom))
     if fits:
-      train_lib.step_costs(c, wl.actor, wl.critic, tplan, 12.0, padded_len=wl.padded_len)
+      train_lib.step_costs(c, wl.actor, wl.critic, tplan, 12.0, padded_len=wl.padded_len,
+                           head_positions=wl.max_new_tokens)
     else:
       with pytest.raises(ValueError, match="does not fit in memory"):
-        train_lib.step_costs(c, wl.actor, wl.critic, tplan, 12.0, padded_len=wl.padded_len)
+        train_lib.step_costs(c, wl.actor, wl.critic, tplan, 12.0, padded_len=wl.padded_len,
+                             head_positions=wl.max_new_tokens)
   # 8 rows a micro-batch: the whole shard at once, no sums; pipelined: not counted either.
   whole = dataclasses.replace(wl, micro_batch=8)
   rows = ps.plan_memory(cost, whole, opt, {**plan, "training": {**plan["training"],

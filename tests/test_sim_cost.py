@@ -573,3 +573,47 @@ def test_activations_moved_and_kept_take_the_compute_dtype():
       cm.eff.decode_bw_eff)
   want = lambda b: 2.0 * 32 * cm.allreduce_s(4096 * 4096 * b, 8)
   assert comm(bf16) == pytest.approx(want(2)) and comm(f32) == pytest.approx(want(4))
+
+
+def test_the_lm_heads_logits_copies_are_what_the_compiled_programs_hold():
+  """cost_model.LOGITS_COPIES_SCORING / _UPDATE against XLA's memory_analysis of the programs
+  they stand for, compiled here: the scoring forward's temporaries are one float32 copy of the
+  logits [rows, response, vocab], the gradient of log-probs and entropy four (within 10 %, a
+  1-layer model 64 wide whose own buffers are small beside a 32000-token head). The training
+  memory adds them to the update's busiest device: the last stage's one micro-batch, beyond
+  what the first stage's in-flight ones hold."""
+  import jax
+  import jax.numpy as jnp
+  from rlhfuse_jax.inference import scoring
+  from rlhfuse_jax.models import llama, sequences
+  from rlhfuse_jax.sim import cost_model
+  b, p, t, v = 4, 8, 64, 32000
+  cfg = llama.ModelConfig(vocab_size=v, hidden_size=64, intermediate_size=128, num_layers=1,
+                          num_heads=2, num_kv_heads=2, max_seq_len=128)
+  params = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.PRNGKey(0))[0])
+  tokens = jax.ShapeDtypeStruct((b, p + t), jnp.int32)
+  lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+  one = 4.0 * b * t * v
+
+  def loss(prm, x, n):
+    logp, ent = sequences.response_logprobs_and_entropy(cfg, prm, x, n, t)
+    return logp.sum() + 0.01 * ent.sum()
+  for program, copies in (
+      (scoring.response_logprobs.lower(cfg, params, tokens, lens, num_response=t),
+       cost_model.LOGITS_COPIES_SCORING),
+      (jax.jit(jax.grad(loss)).lower(params, tokens, lens), cost_model.LOGITS_COPIES_UPDATE)):
+    temp = program.compile().memory_analysis().temp_size_in_bytes
+    assert temp == pytest.approx(copies * one, rel=0.1), (temp / one, copies)
+  # In the training memory: the whole update logits at pp 1; beyond the first stage's extra
+  # micro-batches at pp > 1; none for a scalar head.
+  cm = CostModel(get_hardware("h100_sxm"))
+  a = get_shape("llama-7b")
+  logits = cost_model.LOGITS_COPIES_UPDATE * 4.0 * 2 * 512 * a.vocab_size / 2
+  assert cm.train_memory_parts(a, 2, 1, 4, True, 2048, 1, False, 2, 512)["logits"] == (
+      pytest.approx(logits))
+  per_mb = cm.activation_bytes(a, 2, 256, a.num_layers / 4)
+  staged = cm.train_memory_parts(a, 2, 4, 4, True, 256, 2, False, 2, 512)
+  assert 0 < staged["logits"] == pytest.approx(logits - per_mb)
+  assert "logits" not in cm.train_memory_parts(a, 2, 4, 4, True, 256, 4, False, 2, 512)
+  assert "logits" not in cm.train_memory_parts(a.as_critic(), 2, 1, 4, True, 2048, 1, False,
+                                               2, 512)

@@ -707,7 +707,10 @@ def test_training_memory_is_sized_at_the_padded_rows_the_trainer_allocates():
   got = ps.training_candidates(cost, wl, mean_len, rejected)
   assert not [x for x in got if x.plan.get("tp") == 1 and x.plan.get("actor_pp") == 1
               and x.plan.get("critic_pp") == 1]
-  assert f"needs {padded / 2**30:.1f} GiB" in rejected["training tp1/pa1/pc1"]
+  # (the search also counts the actor's update logits: 4 float32 copies of 2 rows x 2048
+  # response positions x the vocabulary, cost_model.LOGITS_COPIES_UPDATE)
+  logits = 4 * 4.0 * 2 * wl.max_new_tokens * a.vocab_size
+  assert f"needs {(padded + logits) / 2**30:.1f} GiB" in rejected["training tp1/pa1/pc1"]
   with pytest.raises(ValueError, match=rf"needs {padded / 2**30:.1f} GiB per device"):
     train_lib.step_costs(cost, a, c, plan, mean_len, padded_len=wl.padded_len)
   # With room for the padded rows it fits, and its stash per micro-batch is the padded one.
@@ -752,7 +755,8 @@ def test_plan_memory_is_what_each_stage_check_allows(offload):
                                                        ps.inference_rows(wl, opt, plan)),
       "training": lambda c: train_lib.step_costs(c, wl.actor, wl.critic, tplan, 164.0,
                                                  resident_bytes=kept,
-                                                 padded_len=wl.padded_len)}
+                                                 padded_len=wl.padded_len,
+                                                 head_positions=wl.max_new_tokens)}
   assert gen["mode"] == "instances" and train["placement"] == "colocated"
   # A pipelined generation layout and a disjoint training placement, by hand.
   other = {**plan, "generation": {"mode": "pipeline", "tp": 2, "pp": 4, "groups": 4, "slots": 16},
@@ -768,7 +772,8 @@ def test_plan_memory_is_what_each_stage_check_allows(offload):
   for role, shape in (("actor", wl.actor), ("critic", wl.critic)):
     q = other["training"][role]
     want = COST.train_memory_parts(shape, q["tp"], q["pp"], q["dp"], True, wl.padded_len,
-                                   min(q["pp"], q["M"]))
+                                   min(q["pp"], q["M"]), False, wl.micro_batch,
+                                   wl.max_new_tokens)
     assert more[f"training ({role})"]["parts"] == (
         {**want, "frozen weights kept": kept} if kept else want)
   for stage, check in checks.items():

@@ -64,6 +64,17 @@ from rlhfuse_jax.sim.shapes import ModelShape
 
 GIB = 2 ** 30
 
+# Float32 copies of an LM head's logits [rows, response positions, vocab] a program holds at
+# once, measured from XLA's memory_analysis of the compiled programs (XLA:CPU, jax 0.10.2,
+# 2026-12-05; tests/test_sim_cost.py compiles both and checks these on every CI run): the
+# scoring forward's log-probs (inference/scoring.response_logprobs) 1.0 (its temporaries were
+# 1.002x one copy at vocab 32000-64000); the update's gradient of the log-probs and the entropy
+# bonus (models/sequences.response_logprobs_and_entropy) 4.0 (4.04-4.08x: the logits, the
+# log-softmax, the probabilities and the logits' gradient). The vocabulary splits over the
+# tensor devices (parallel/mesh.LOGICAL_RULES).
+LOGITS_COPIES_SCORING = 1.0
+LOGITS_COPIES_UPDATE = 4.0
+
 
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
@@ -433,29 +444,50 @@ class CostModel:
           f"{self.usable_bytes / GIB:.1f} GiB usable on {self.hw.name} "
           f"({self.eff.memory_headroom:.0%} of {self.hw.hbm_bytes / GIB:.1f} GiB); {detail}")
 
+  def logits_bytes(self, shape: ModelShape, tp: int, rows: float, positions: float,
+                   copies: float) -> float:
+    """Per device, `copies` float32 copies of an LM head's logits for `rows` rows of
+    `positions` head positions each, the vocabulary over `tp` devices (LOGITS_COPIES_*); 0 for
+    a scalar head (critic, reward model)."""
+    if shape.head != "lm":
+      return 0.0
+    return copies * 4.0 * rows * positions * shape.vocab_size / tp
+
   def train_memory_parts(self, shape: ModelShape, tp: int, pp: int, dp: int, zero1: bool,
-                         mb_tokens: float, inflight: int, accumulate: bool = False) -> dict:
+                         mb_tokens: float, inflight: int, accumulate: bool = False,
+                         head_rows: float = 0.0, head_positions: float = 0.0) -> dict:
     """Per device of a tp x pp x dp training layout of one model, bytes: {"weights" and
     "grads" (shape.weight_itemsize: bf16, or a run's param_dtype), "optimizer" (Adam's m and
     v, and any fp32 master copy: ModelShape.optimizer_bytes_per_param; over dp with ZeRO-1),
-    "activations" (`inflight` micro-batches of `mb_tokens` tokens)}, and with `accumulate`
+    "activations" (`inflight` micro-batches of `mb_tokens` tokens)}, with `accumulate`
     "grad accumulator": the float32 sums of the micro-batches' gradients, split like the
     weights (the trainer's unpipelined update over several micro-batches:
-    training_sim.TrainPlan.accumulates)."""
+    training_sim.TrainPlan.accumulates), and for an LM head with `head_rows` "logits": its
+    update's float32 logits of a micro-batch of that many rows at `head_positions` (the
+    response's) positions, LOGITS_COPIES_UPDATE of them. They are the last stage's, which
+    holds one micro-batch in flight: counted beyond what the first stage's `inflight` ones
+    already add (until 2026-12-05 left out: at a 128k vocabulary, GBs)."""
     shard = shape.num_params() / (tp * pp)
     item = shape.weight_itemsize
+    per_mb = self.activation_bytes(shape, tp, mb_tokens, shape.num_layers / pp)
     out = {"weights": item * shard, "grads": item * shard,
            "optimizer": shape.optimizer_bytes_per_param() * shard / (dp if zero1 else 1),
-           "activations": inflight * self.activation_bytes(shape, tp, mb_tokens,
-                                                           shape.num_layers / pp)}
+           "activations": inflight * per_mb}
     if accumulate:
       out["grad accumulator"] = 4.0 * shard
+    # The busiest device: the first stage's inflight micro-batches, or the last stage's one
+    # with the logits beside it.
+    logits = max(0.0, self.logits_bytes(shape, tp, head_rows, head_positions,
+                                        LOGITS_COPIES_UPDATE) - (inflight - 1) * per_mb)
+    if logits:
+      out["logits"] = logits
     return out
 
   def train_memory_bytes(self, shape: ModelShape, tp: int, pp: int, dp: int, zero1: bool,
-                         mb_tokens: float, inflight: int, accumulate: bool = False) -> float:
+                         mb_tokens: float, inflight: int, accumulate: bool = False,
+                         head_rows: float = 0.0, head_positions: float = 0.0) -> float:
     return sum(self.train_memory_parts(shape, tp, pp, dp, zero1, mb_tokens, inflight,
-                                       accumulate).values())
+                                       accumulate, head_rows, head_positions).values())
 
 
 def decode_step_work(shape: ModelShape, batch, context_tokens):

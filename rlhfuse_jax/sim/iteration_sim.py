@@ -58,7 +58,7 @@ import numpy as np
 from rlhfuse_jax.sim import generation_sim as gen_lib
 from rlhfuse_jax.sim import plan_search as plan_lib
 from rlhfuse_jax.sim import training_sim as train_lib
-from rlhfuse_jax.sim.cost_model import CostModel
+from rlhfuse_jax.sim.cost_model import LOGITS_COPIES_SCORING, CostModel
 from rlhfuse_jax.sim.lengths import LengthSpec
 from rlhfuse_jax.sim.shapes import ModelShape
 
@@ -252,14 +252,22 @@ def inference_memory_parts(cost: CostModel, wl: Workload, tp: int, rows: int,
   wl.padded_len tokens: the trainer's scoring programs take their rows right-padded to
   data.max_prompt_len + rollout.max_new_tokens, plan_check's inference seq_len; until
   2026-12-04 the longest sampled prompt + max_new_tokens, which on ppo_tiny's 4-token prompts
-  and max_prompt_len 512 was 1540 of the 2048 tokens)}."""
+  and max_prompt_len 512 was 1540 of the 2048 tokens)}, and with an LM head among them (the
+  reference) "logits": its float32 logits of those rows at the response positions."""
   # (`is None`: an empty `frozen`, the asynchronous generation group of a run with neither a
   # reference nor a reward model, holds nothing; `or` charged it the default models)
   frozen = wl.frozen_models()[1] if frozen is None else frozen
   tokens = rows * wl.padded_len
-  return {"weights": sum(s.weight_bytes() for s in frozen) / tp,
-          "activations": max((cost.activation_bytes(s, tp, tokens, 1) for s in frozen),
-                             default=0.0)}
+  out = {"weights": sum(s.weight_bytes() for s in frozen) / tp,
+         "activations": max((cost.activation_bytes(s, tp, tokens, 1) for s in frozen),
+                            default=0.0)}
+  # The reference's log-probs: its float32 logits at the response positions (cost_model
+  # LOGITS_COPIES_SCORING), beside the last layer's activations at most.
+  logits = max((cost.logits_bytes(s, tp, rows, wl.max_new_tokens, LOGITS_COPIES_SCORING)
+                for s in frozen), default=0.0)
+  if logits:
+    out["logits"] = logits
+  return out
 
 
 def check_inference_memory(cost: CostModel, wl: Workload, tp: int, microbatch: int,
@@ -505,9 +513,11 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
     if (fused, kept) not in train_cache:
       plan, _ = train_lib.best_plan(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
                                     wl.micro_batch, mean_len, wl.num_minibatches,
-                                    resident_bytes=kept, padded_len=wl.padded_len)
+                                    resident_bytes=kept, padded_len=wl.padded_len,
+                                    head_positions=wl.max_new_tokens)
       costs = train_lib.step_costs(cost, wl.actor, wl.critic, plan, mean_len,
-                                   resident_bytes=kept, padded_len=wl.padded_len)
+                                   resident_bytes=kept, padded_len=wl.padded_len,
+                                   head_positions=wl.max_new_tokens)
       res = train_lib.pipeline_train_s(costs, wl.num_minibatches, fused, cache)
       res["plan"] = plan.to_dict()
       res["problem"] = costs.problem.to_dict()
@@ -556,7 +566,8 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
         split = min(train_lib.disjoint_splits(cost, wl.actor, wl.critic, wl.num_devices,
                                               wl.minibatch, wl.micro_batch, mean_len,
                                               resident_bytes=kept(g),
-                                              padded_len=wl.padded_len),
+                                              padded_len=wl.padded_len,
+                                              head_positions=wl.max_new_tokens),
                     key=lambda x: x[0], default=None)
         if split is not None and split[0] * wl.num_minibatches < colocated["train_s"]:
           row["train_s"] = split[0] * wl.num_minibatches

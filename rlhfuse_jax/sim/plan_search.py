@@ -412,7 +412,8 @@ def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict,
   try:
     _, tried = train_lib.best_plan(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
                                    wl.micro_batch, mean_len, wl.num_minibatches,
-                                   resident_bytes=resident_bytes, padded_len=wl.padded_len)
+                                   resident_bytes=resident_bytes, padded_len=wl.padded_len,
+                                   head_positions=wl.max_new_tokens)
   except train_lib.NoTrainingPlan as e:  # each candidate's reason, named as below
     tried = e.tried
     if not tried:
@@ -427,7 +428,8 @@ def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict,
                           **micro_batching(wl, tp, pa, pc)}, float(t), {"train_s": float(t)}))
   splits = train_lib.disjoint_splits(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
                                      wl.micro_batch, mean_len, resident_bytes=resident_bytes,
-                                     padded_len=wl.padded_len)
+                                     padded_len=wl.padded_len,
+                                     head_positions=wl.max_new_tokens)
   if not splits:
     rejected["training disjoint"] = "no split of the devices fits both models"
   for step, plans in splits:
@@ -485,7 +487,8 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
                               opt.inference_microbatch, opt.offload_frozen)
       plan = train_lib.TrainPlan(wl.num_devices, wl.minibatch, tp, pp, pp, wl.micro_batch)
       costs = train_lib.step_costs(cost, wl.actor, wl.critic, plan, mean_len,
-                                   resident_bytes=kept, padded_len=wl.padded_len)
+                                   resident_bytes=kept, padded_len=wl.padded_len,
+                                   head_positions=wl.max_new_tokens)
       train = train_lib.pipeline_train_s(costs, wl.num_minibatches, fused=False)["train_s"]
     except ValueError as e:
       rejected[name] = str(e)
@@ -597,12 +600,15 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
     tp, pa, pc = train["tp"], train["actor_pp"], train["critic_pp"]
     tplan = train_lib.TrainPlan(t, wl.minibatch, tp, pa, pc, wl.micro_batch)
     parts = [cost.train_memory_parts(a, tp, pa, tplan.dp, True, tokens,
-                                     min(pa, tplan.actor_microbatches), tplan.accumulates),
+                                     min(pa, tplan.actor_microbatches), tplan.accumulates,
+                                     wl.micro_batch, wl.max_new_tokens),
              cost.train_memory_parts(wl.critic, tp, pc, tplan.dp * tplan.critic_replicas, True,
                                      tokens, min(pc, tplan.critic_microbatches),
                                      tplan.accumulates)]
+    both = {k: parts[0].get(k, 0.0) + parts[1].get(k, 0.0)
+            for k in dict.fromkeys([*parts[0], *parts[1]])}  # (the actor's logits alone)
     rows.append({"stage": "training", "layout": _describe_train(train),
-                 "parts": {**{k: parts[0][k] + parts[1][k] for k in parts[0]}, **kept_train}})
+                 "parts": {**both, **kept_train}})
   else:
     for role, shape in (("actor", a), ("critic", wl.critic)):
       q = train[role]
@@ -610,7 +616,8 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
                    "layout": f"{q['devices']} dev tp{q['tp']} pp{q['pp']} dp{q['dp']}",
                    "parts": {**cost.train_memory_parts(shape, q["tp"], q["pp"], q["dp"], True,
                                                        tokens, min(q["pp"], q["M"]),
-                                                       q["pp"] == 1 and q["M"] > 1),
+                                                       q["pp"] == 1 and q["M"] > 1,
+                                                       wl.micro_batch, wl.max_new_tokens),
                              **kept_train}})
   for r in rows:
     r["total"] = sum(r["parts"].values())

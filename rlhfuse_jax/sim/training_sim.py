@@ -147,10 +147,11 @@ def memory_len(mean_seq_len: float, padded_len: Optional[float]) -> float:
 
 def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: TrainPlan,
                mean_seq_len: float, check_memory: bool = True,
-               resident_bytes: float = 0.0, padded_len: Optional[float] = None) -> StepCosts:
+               resident_bytes: float = 0.0, padded_len: Optional[float] = None,
+               head_positions: float = 0.0) -> StepCosts:
   """Stage durations (at `mean_seq_len` tokens a sample), transfer latency and the per-step
-  extras of a plan; its memory at `padded_len` tokens a sample (memory_len; `resident_bytes`:
-  check_train_memory's)."""
+  extras of a plan; its memory at `padded_len` tokens a sample (memory_len; `resident_bytes`,
+  `head_positions`: check_train_memory's)."""
   mb_tokens = plan.micro_batch * mean_seq_len
   mem_tokens = plan.micro_batch * memory_len(mean_seq_len, padded_len)
   ctx = (mean_seq_len + 1) / 2.0
@@ -171,7 +172,7 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: Tra
       critic_mem=round(stash_bytes(critic, plan.critic_pp, plan.tp, mem_tokens) / MB, 6),
       transfer_latency=round(lat * MS, 6))
   if check_memory:
-    check_train_memory(cost, actor, critic, plan, mem_tokens, resident_bytes)
+    check_train_memory(cost, actor, critic, plan, mem_tokens, resident_bytes, head_positions)
   sync = cost.grad_sync_s(actor, plan.tp, plan.actor_pp, plan.dp) + critic_grad_sync_s(
       cost, critic, plan)
   opt = (cost.optimizer_step_s(actor, plan.tp * plan.actor_pp * plan.dp) +
@@ -194,15 +195,18 @@ def critic_grad_sync_s(cost: CostModel, critic: ModelShape, plan: TrainPlan) -> 
 
 
 def check_train_memory(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: TrainPlan,
-                       mb_tokens: float, resident_bytes: float = 0.0) -> None:
+                       mb_tokens: float, resident_bytes: float = 0.0,
+                       head_positions: float = 0.0) -> None:
   """Both models' states and their 1F1B activation peaks on the busiest device (stage 0 of
-  each; `mb_tokens`: a micro-batch's tokens as the trainer allocates them) must fit, beside
-  `resident_bytes` per device that other stages keep there (the frozen models' weights with
-  sim.offload_frozen=False: frozen_note); the fused schedule's budget is the sum of the two
-  models' (docs/architecture.md §3)."""
+  each; `mb_tokens`: a micro-batch's tokens as the trainer allocates them; the actor's head
+  logits at `head_positions` positions a row, the response's: cost_model.train_memory_parts)
+  must fit, beside `resident_bytes` per device that other stages keep there (the frozen
+  models' weights with sim.offload_frozen=False: frozen_note); the fused schedule's budget is
+  the sum of the two models' (docs/architecture.md §3)."""
   ma, mc = plan.actor_microbatches, plan.critic_microbatches
   need = (cost.train_memory_bytes(actor, plan.tp, plan.actor_pp, plan.dp, True, mb_tokens,
-                                  min(plan.actor_pp, ma), plan.accumulates) +
+                                  min(plan.actor_pp, ma), plan.accumulates, plan.micro_batch,
+                                  head_positions) +
           cost.train_memory_bytes(critic, plan.tp, plan.critic_pp, plan.dp * plan.critic_replicas,
                                   True, mb_tokens, min(plan.critic_pp, mc), plan.accumulates) +
           resident_bytes)
@@ -296,7 +300,8 @@ def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_device
               minibatch: int, micro_batch: int, mean_seq_len: float, num_minibatches: int,
               tps=(1, 2, 4, 8), pps=(1, 2, 4, 8, 16),
               resident_bytes: float = 0.0,
-              padded_len: Optional[float] = None) -> tuple[TrainPlan, dict]:
+              padded_len: Optional[float] = None,
+              head_positions: float = 0.0) -> tuple[TrainPlan, dict]:
   """The plan with the smallest serial (1F1B) training time among those that fit in memory
   (at `padded_len` tokens a sample, beside `resident_bytes` per device: step_costs). Returns
   (plan, {candidate description: train_s or the reason it was rejected})."""
@@ -317,7 +322,8 @@ def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_device
         try:
           plan = TrainPlan(num_devices, minibatch, tp, pa, pc, micro_batch)
           costs = step_costs(cost, actor, critic, plan, mean_seq_len,
-                             resident_bytes=resident_bytes, padded_len=padded_len)
+                             resident_bytes=resident_bytes, padded_len=padded_len,
+                             head_positions=head_positions)
         except ValueError as e:
           tried[name] = str(e)
           continue
@@ -358,7 +364,8 @@ def one_f_one_b_s(stages: int, microbatches: int, fwd_s: float, bwd_s: float,
 def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int,
                       micro_batch: int, mean_len: float, resident_bytes: float = 0.0,
                       first: int = 0,
-                      padded_len: Optional[float] = None) -> Optional[tuple[float, dict]]:
+                      padded_len: Optional[float] = None,
+                      head_positions: float = 0.0) -> Optional[tuple[float, dict]]:
   """(1F1B step seconds, plan) of one model alone on n devices (tp x pp x dp) numbered from
   `first`, the fastest that fits (at `padded_len` tokens a sample: step_costs) beside
   `resident_bytes` per device, or None if nothing fits (ReaLHF-like disjoint training;
@@ -382,7 +389,7 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
       # (float32 gradient sums unpipelined over several micro-batches, as a colocated plan's
       # TrainPlan.accumulates counts them)
       need = cost.train_memory_bytes(shape, tp, pp, dp, True, micro_batch * mem_len,
-                                     min(pp, m), pp == 1 and m > 1)
+                                     min(pp, m), pp == 1 and m > 1, micro_batch, head_positions)
       if need + resident_bytes > cost.usable_bytes:
         continue
       f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2, model))
@@ -399,7 +406,8 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
 def disjoint_splits(cost: CostModel, actor: ModelShape, critic: ModelShape, n: int,
                     minibatch: int, micro_batch: int, mean_len: float,
                     fractions=(0.25, 0.5, 0.75), resident_bytes: float = 0.0,
-                    padded_len: Optional[float] = None) -> list[tuple[float, dict]]:
+                    padded_len: Optional[float] = None,
+                    head_positions: float = 0.0) -> list[tuple[float, dict]]:
   """Actor and critic trained at once on disjoint device groups (the actor on each fraction of
   the n devices, the critic on the rest): [(step seconds, {"actor": plan, "critic": plan})]
   for the splits where both fit (at `padded_len` tokens a sample, beside `resident_bytes` per
@@ -410,9 +418,10 @@ def disjoint_splits(cost: CostModel, actor: ModelShape, critic: ModelShape, n: i
     if not 0 < na < n:  # too few devices to give each model some
       continue
     a = single_model_plan(cost, actor, na, minibatch, micro_batch, mean_len, resident_bytes,
-                          padded_len=padded_len)
+                          padded_len=padded_len, head_positions=head_positions)
     c = single_model_plan(cost, critic, n - na, minibatch, micro_batch, mean_len,
-                          resident_bytes, first=na, padded_len=padded_len)
+                          resident_bytes, first=na, padded_len=padded_len,
+                          head_positions=head_positions)
     if a and c:
       out.append((max(a[0], c[0]), {"actor": a[1], "critic": c[1]}))
   return out
