@@ -117,10 +117,12 @@ from rlhfuse_jax.trainer import pipelined, ppo
 from rlhfuse_jax.trainer import update as update_lib
 
 PROGRAMS = ("train_step", "decode", "inference")  # always compiled
-# reward: compiled when the plan has a reward model; placement: when the actor is handed over
-# from the training devices to instances on them or, pipelined, to another group
+# prefill: compiled since 2026-12-05 (results before lack it; a review found it the largest
+# program of an instance: it writes the whole new KV cache beside the activations of every
+# slot's prompt); reward: compiled when the plan has a reward model; placement: when the actor
+# is handed over from the training devices to instances on them or, pipelined, to another group
 # (placement_programs)
-OPTIONAL_PROGRAMS = ("reward", "placement")
+OPTIONAL_PROGRAMS = ("prefill", "reward", "placement")
 CPU_UPCAST_MODES = ("per_layer", "as_compiled")
 GENERATION_MODES = ("instances", "mesh")
 # XLA's name of the pass that hoists a loop-invariant float32 copy of the weights out of a loop.
@@ -650,10 +652,11 @@ def instance_programs(cfg: PlanConfig) -> dict:
     if reward is not None:
       frozen["reward"] = llama.param_shapes(reward)
     lowered[scan] = dict(inst.lower_all(llama.param_shapes(actor), frozen,
-                                        only=("decode", kind, *frozen)))
+                                        only=("prefill", "decode", kind, *frozen)))
   figures = lambda r: {k: r[k] for k in ("temp_bytes", "peak_bytes", "fits", "compile_s")}
   out = {}
   wanted = [("decode", "decode", decode_analytic(cfg)),
+            ("prefill", "prefill", prefill_analytic(cfg)),
             ("inference", kind, inference_analytic(cfg))]
   if cfg.reward is not None:
     wanted.append(("reward", "reward", inference_analytic(cfg, cfg.reward, head_positions=1)))
@@ -885,6 +888,28 @@ def decode_analytic(cfg: PlanConfig) -> dict:
           "hbm_s": total / cfg.hardware.hbm_bw}
 
 
+def prefill_analytic(cfg: PlanConfig) -> dict:
+  """The prefill of gen_slots rows of prompt_len tokens, split over the generation devices:
+  the weights, the new KV cache it writes whole (its output, [gen_slots, seq_len] positions),
+  one layer's activations of every prompt token (sim/iteration_sim's 34*h bytes a token and
+  layer), and the head's float32 logits at each row's last prompt position (the first token
+  sampled)."""
+  a, n = cfg.actor, cfg.gen_devices
+  params = _nbytes(llama.param_shapes(a))
+  kv = accounting.decode_step_bytes(a, cfg.gen_slots, cfg.seq_len)["kv_bytes"]
+  cost = CostModel(cfg.hardware)
+  shape = sim_shapes.from_model_config(a, dtypes=True)
+  rows = cfg.gen_slots // cfg.gen_batch_shards if cfg.generation == "mesh" else cfg.gen_slots
+  acts = cost.activation_bytes(shape, cfg.gen_tensor, rows * cfg.prompt_len, 1)
+  logits = cost.logits_bytes(shape, cfg.gen_tensor, rows, 1, LOGITS_COPIES_SCORING)
+  shards = cfg.gen_model_shards
+  flops = accounting.forward_flops(a, cfg.gen_slots, cfg.prompt_len, 1)
+  return {"params_bytes": params / shards, "kv_cache_bytes": kv / cfg.gen_kv_shards,
+          "activations_bytes": acts, "logits_bytes": logits,
+          "total_bytes": params / shards + kv / cfg.gen_kv_shards + acts + logits,
+          "flops_per_device": flops / n}
+
+
 def scoring_model(cfg: PlanConfig) -> ModelConfig:
   """The model of the inference program: the reference (the actor's shape, an LM head), or
   without one (cfg.reference False: algo.kl_coef=0) the critic."""
@@ -1087,15 +1112,15 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
   frozen = {"reference": actor if reference else 0.0,
             "reward": programs["reward"]["analytic"]["params_bytes"] if "reward" in programs
             else 0.0}
-  own = {"decode": "actor", "inference": "reference" if reference else "critic",
-         "reward": "reward"}
+  own = {"decode": "actor", "prefill": "actor",
+         "inference": "reference" if reference else "critic", "reward": "reward"}
   serial = generation == "mesh" and not generation_group
   if generation_group:
     kept = {"actor": actor, "critic": group_critic_bytes, **frozen}
   elif serial:
     kept = frozen
     if not pipelined:
-      own["decode"] = "reference"  # its second count of the actor
+      own["decode"] = own["prefill"] = "reference"  # its second count of the actor
   else:
     kept = {"critic": critic_copy_bytes, **frozen}
   if serial:
@@ -1122,7 +1147,8 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
                                           max(p["over_state_bytes"].values()))
       p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)
       continue
-    idle = name == "decode" and not (generation_group or serial)  # nothing loaded yet
+    # Generation on instances: nothing loaded yet beside prefill and decode.
+    idle = name in ("prefill", "decode") and not (generation_group or serial)
     p["resident_model_bytes"] = 0.0 if idle else sum(
         v for k, v in kept.items() if k != own[name])
     p["peak_with_train_state_bytes"] = (p["peak_bytes"] + p["resident_train_bytes"] +
@@ -1231,6 +1257,9 @@ def verdict(result: dict) -> str:
                        "remat (a run's model.remat)"],
         "decode": ["fewer slots per instance (gen_slots: a run's plan.generation_slots, "
                    "fusion.slots or rollout batch)"],
+        "prefill": ["fewer slots per instance (gen_slots: a run's plan.generation_slots, "
+                    "fusion.slots or rollout batch)",
+                    "shorter prompts (prompt_len: a run's data.max_prompt_len)"],
         "inference": ["smaller micro-batches (inference_microbatch: a run's "
                       "fusion.inference_micro_batch, 0 = the slots)"]}
     temporaries["reward"] = temporaries["inference"]
@@ -1290,7 +1319,8 @@ LINK_BOUND_RATIO = 2.0
 # scoring forward run a few times an iteration, which takes seconds at any real scale; a decode
 # step runs once per generated token, hundreds of times, hence its lower floor (a 1B actor decoding
 # on a mesh of 8 H100s that splits its weights gathers their 2 GB in ~5 ms a step: above it).
-LINK_BOUND_MIN_S = {"train_step": 0.01, "decode": 0.001, "inference": 0.01, "reward": 0.01}
+LINK_BOUND_MIN_S = {"train_step": 0.01, "decode": 0.001, "prefill": 0.01, "inference": 0.01,
+                    "reward": 0.01}
 
 
 def link_bound_notes(result: dict, min_s: dict | None = None) -> list[str]:

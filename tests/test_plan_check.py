@@ -27,7 +27,9 @@ KEYS = ("argument_bytes", "output_bytes", "temp_bytes", "peak_bytes", "flops_per
 ANALYTIC = {"train_step": ("params_bytes", "grads_bytes", "optimizer_bytes",
                            "activations_bytes", "flops_per_device"),
             "decode": ("params_bytes", "kv_cache_bytes", "flops_per_device"),
-            "inference": ("params_bytes", "activations_bytes", "flops_per_device")}
+            "inference": ("params_bytes", "activations_bytes", "flops_per_device"),
+            "prefill": ("params_bytes", "kv_cache_bytes", "activations_bytes", "logits_bytes",
+                        "flops_per_device")}
 
 
 def _real_args(cfg, mesh, tx, update):
@@ -61,7 +63,7 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
   result = plan_programs.run_and_write(cfg, str(tmp_path))
   with open(os.path.join(tmp_path, "result.json")) as f:
     stored = json.load(f)
-  for name in plan_programs.PROGRAMS:
+  for name in (*plan_programs.PROGRAMS, "prefill"):
     p = stored["programs"][name]
     for key in KEYS:
       assert key in p, (name, key)
@@ -75,7 +77,7 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
   # InferenceQueue._load places every scoring model at once), decode has no model beside it.
   state = stored["programs"]["train_step"]["argument_bytes"]
   critic = plan_programs._nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_tp
-  for name, beside in (("decode", 0), ("inference", critic)):
+  for name, beside in (("decode", 0), ("prefill", 0), ("inference", critic)):
     p = stored["programs"][name]
     assert p["resident_train_bytes"] == state > 0
     assert p["resident_model_bytes"] == beside
@@ -84,6 +86,11 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
     assert p["offloaded_optimizer_bytes"] == 0  # the tiny plan keeps its moments on device
   # The decode step's dot FLOPs are exactly the analytic count (no repeated work at gen_tp 1..).
   assert abs(stored["programs"]["decode"]["replication"] - 1.0) < 1e-6
+  # Prefill (compiled since a review found it the largest program of an instance): its output
+  # is the whole new KV cache, which decode takes as an argument.
+  prefill, decode = stored["programs"]["prefill"], stored["programs"]["decode"]
+  assert prefill["output_bytes"] >= prefill["analytic"]["kv_cache_bytes"]
+  assert prefill["analytic"]["kv_cache_bytes"] == decode["analytic"]["kv_cache_bytes"]
   assert stored["layers_compiled"]["reduced"] is False
   assert stored["backend"] == {"platform": "cpu", "device_kind": "cpu", "device_count": 8,
                                "local_device_count": 8, "process_count": 1,
@@ -261,26 +268,29 @@ def test_mesh_generation_and_accumulated_update_split_the_work(tmp_path):
   assert any(line.startswith("time bounds on h100_sxm") for line in lines)
   # Every figure of the KB-sized programs reads as itself in its column's unit (GB, s), not as
   # 0.00 (the table printed nothing else here).
-  for line, name in zip(lines[1:4], plan_programs.PROGRAMS):
+  names = plan_programs.program_names(result)
+  k = len(names)
+  assert names == ["train_step", "decode", "inference", "prefill"], names
+  for line, name in zip(lines[1:1 + k], names):
     p = result["programs"][name]
     cells = line.split()
     assert cells[0] == name
     for cell, x in zip(cells[1:5], (p["argument_bytes"], p["output_bytes"], p["temp_bytes"],
                                     p["peak_bytes"])):
       assert float(cell) == pytest.approx(x / 1e9, rel=0.01), (name, line)
-  for line, name in zip(lines[6:9], plan_programs.PROGRAMS):
+  for line, name in zip(lines[k + 3:2 * k + 3], names):
     p = result["programs"][name]
     coll_gb, coll_s = (float(c) for c in line.split()[1:3])
     assert coll_gb == pytest.approx(sum(p["collective_bytes"].values()) / 1e9, rel=0.05), line
     assert coll_s == pytest.approx(p["collective_s"], rel=0.05), line
   # The tiny models' dots take next to nothing, so every program here outlasts them on its links
   # thousands of times over, but for milliseconds at most: no note (LINK_BOUND_MIN_S).
-  assert plan_programs.link_bound_notes(result) == [] and lines[-2].startswith("inference")
+  assert plan_programs.link_bound_notes(result) == [] and lines[-2].startswith("prefill")
   assert lines[-1].startswith("verdict: every program fits in"), lines[-1]
   # Without the floor every program is bound by its links, and the notes name this plan's
   # causes: mesh generation and per-micro-batch accumulation.
   notes = plan_programs.link_bound_notes(result, min_s={})
-  assert len(notes) == 3
+  assert len(notes) == k
   assert "algo.gradient_sync='once'" in notes[0] and notes[0].startswith("train_step:")
   assert "configs/ppo_llama.py:fused/<pair>" in notes[0]  # fsdp 2: a pipeline gathers nothing
   assert all("plan.generation='instances'" in n for n in notes[1:])
@@ -1625,7 +1635,7 @@ def test_a_run_with_a_reward_model_is_checked_with_its_forward(tmp_path):
                             cpu_upcast="as_compiled")
   assert cfg.reward.head == "scalar" and cfg.reward_layers == 3
   programs = plan_programs.instance_programs(cfg)
-  assert set(programs) == {"decode", "inference", "reward"}
+  assert set(programs) == {"decode", "prefill", "inference", "reward"}
   reward, inference = programs["reward"], programs["inference"]
   weights = plan_programs._nbytes(llama.param_shapes(cfg.reward)) / cfg.gen_model_shards
   assert reward["analytic"]["params_bytes"] == weights
@@ -1660,9 +1670,11 @@ def test_a_run_with_a_reward_model_is_checked_with_its_forward(tmp_path):
   assert line.startswith("verdict: DOES NOT FIT: reward (peak ") and (
       "inference_microbatch" in line), line
   result = {"programs": programs}
-  assert plan_programs.program_names(result) == ["train_step", "decode", "inference", "reward"]
+  assert plan_programs.program_names(result) == ["train_step", "decode", "inference",
+                                                 "prefill", "reward"]
   del programs["reward"]
-  assert plan_programs.program_names(result) == ["train_step", "decode", "inference"]
+  assert plan_programs.program_names(result) == ["train_step", "decode", "inference",
+                                                 "prefill"]
   # A plan without one: no reward program.
   c.reward_model = ml_collections.ConfigDict()
   assert plan_programs.PlanConfig.from_config_dict(c).reward is None
