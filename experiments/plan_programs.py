@@ -1246,7 +1246,14 @@ def verdict(result: dict) -> str:
       models = ["more devices per instance (gen_tp: a run's fusion.instance_devices or "
                 "plan.generation_tp)"]
     fixes = {"arguments": split, "the training state beside it": offload + split,
-             "the models beside it": models}
+             "the models beside it": models,
+             # a KV cache written whole (prefill): its rows and their length
+             "outputs": ["fewer slots per instance (gen_slots: a run's plan.generation_slots, "
+                         "fusion.slots or rollout batch)",
+                         "shorter sequences (seq_len: a run's data.max_prompt_len + "
+                         "rollout.max_new_tokens)"] + (
+                             [] if plan.get("generation_devices") or
+                             plan.get("generation") == "mesh" else models)}
     # Temporaries: each program's own knob, with the run's field (plan_check --run_config
     # says config.<field> of the run; "smaller or more micro-batches" named neither).
     temporaries = {
@@ -1279,13 +1286,16 @@ def verdict(result: dict) -> str:
       # and the models kept there, each a term of its own with its own remedy.
       beside = {"the training state": p.get("resident_train_bytes", 0),
                 "the models": p.get("resident_model_bytes", 0)}
+      # Outputs not written into a donated argument: prefill's new KV cache, the largest term
+      # of an instance's prefill (its arguments are the weights alone).
       terms = {"temporaries": p["temp_bytes"], "arguments": p["argument_bytes"],
+               "outputs": p["output_bytes"] - p.get("alias_bytes", 0),
                **{f"{kept} beside it": b for kept, b in beside.items()}}
       peak = p["peak_bytes"] + sum(beside.values())
       if name == "placement":  # its part that adds the most: the copies it holds, its temp
         part = max(p["over_state_bytes"], key=p["over_state_bytes"].get)
         q = p["parts"][part]
-        terms.update(temporaries=q["temp_bytes"],
+        terms.update(temporaries=q["temp_bytes"], outputs=0,
                      arguments=p["over_state_bytes"][part] - q["temp_bytes"])
         peak = p["peak_with_train_state_bytes"]
         temporaries[name] = handover[part.split("_")[0]]
