@@ -1289,7 +1289,7 @@ def verdict(result: dict) -> str:
       # Outputs not written into a donated argument: prefill's new KV cache, the largest term
       # of an instance's prefill (its arguments are the weights alone).
       terms = {"temporaries": p["temp_bytes"], "arguments": p["argument_bytes"],
-               "outputs": p["output_bytes"] - p.get("alias_bytes", 0),
+               "outputs": p.get("output_bytes", 0) - p.get("alias_bytes", 0),
                **{f"{kept} beside it": b for kept, b in beside.items()}}
       peak = p["peak_bytes"] + sum(beside.values())
       if name == "placement":  # its part that adds the most: the copies it holds, its temp

@@ -560,8 +560,8 @@ import jax
 from configs import calibrate_sim as config_file
 from experiments import calibrate_sim as cs
 
-def half_second(fn, repeats):  # every timed op "takes" 0.5 s (run once: the code still runs)
-  jax.block_until_ready(fn())
+def half_second(fn, repeats, setup=None):  # every timed op "takes" 0.5 s (run once: the code
+  jax.block_until_ready(fn() if setup is None else fn(setup()))  # still runs)
   return 0.5
 
 cs.median_s = half_second

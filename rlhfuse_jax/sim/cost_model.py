@@ -477,8 +477,8 @@ class CostModel:
       out["grad accumulator"] = 4.0 * shard
     # The busiest device: the first stage's inflight micro-batches, or the last stage's one
     # with the logits beside it.
-    logits = max(0.0, self.logits_bytes(shape, tp, head_rows, head_positions,
-                                        LOGITS_COPIES_UPDATE) - (inflight - 1) * per_mb)
+    head = self.logits_bytes(shape, tp, head_rows, head_positions, LOGITS_COPIES_UPDATE)
+    logits = max(0.0, head - (max(inflight, 1) - 1) * per_mb) if head else 0.0
     if logits:
       out["logits"] = logits
     return out
