@@ -95,6 +95,14 @@ def fit(points: Sequence[DecodePoint], hw: Hardware,
   if len(points) < 3:
     raise ValueError(f"a decode fit needs at least 3 measured steps (3 parameters), got "
                      f"{len(points)}")
+  depths = sorted({p.layers for p in points})
+  if len(depths) < 2:
+    # At one depth step_s and L x layer_s are the same constant: the split the solver returns
+    # is arbitrary, and prices other depths 14-21 % apart (a review, 2026-12-05).
+    raise ValueError(f"a decode fit needs steps of at least two model depths, to tell the "
+                     f"per-step cost from the per-layer one; got {depths[0]} layers only "
+                     "(run bench_decode again with half the layers, "
+                     "config.validate.bench_decode_extra)")
   bw_eff = efficiency.decode_bw_eff
 
   def residuals(x):
@@ -114,9 +122,13 @@ def fit(points: Sequence[DecodePoint], hw: Hardware,
 
 def leave_one_out(points: Sequence[DecodePoint], hw: Hardware,
                   efficiency: Efficiency = Efficiency()) -> list[Optional[float]]:
-  """Each point's prediction by a fit to all the others (module docstring); None for every
-  point when the others are too few to fit (3 parameters)."""
-  if len(points) - 1 < 3:
-    return [None] * len(points)
-  return [predict(fit([q for j, q in enumerate(points) if j != i], hw, efficiency), hw, p)
-          for i, p in enumerate(points)]
+  """Each point's prediction by a fit to all the others (module docstring); None where the
+  others are too few to fit (3 parameters) or all of one depth (fit)."""
+  out = []
+  for i, p in enumerate(points):
+    rest = [q for j, q in enumerate(points) if j != i]
+    if len(rest) < 3 or len({q.layers for q in rest}) < 2:
+      out.append(None)
+    else:
+      out.append(predict(fit(rest, hw, efficiency), hw, p))
+  return out

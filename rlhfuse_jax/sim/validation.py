@@ -400,8 +400,9 @@ def _decode_fit_rows(workdir: str, result: dict, efficiency: Efficiency,
            f"{fitted.layer_s:.3g} s per layer, mfu {fitted.mfu:.3g}, bw_eff {fitted.bw_eff} "
            "(the cost model's, not fitted). Leave-one-out: each step predicted by a fit to "
            "the others; a step that alone decides a parameter shows the assumption it falls "
-           "back to" + ("." if loo[0] is not None else
-                        " (not computed: the others would be fewer than 3 steps).")]
+           "back to" + ("." if all(lo is not None for lo in loo) else
+                        " ('-' where the others would be fewer than 3 steps, or all of one "
+                        "depth).")]
   return rows, notes
 
 
