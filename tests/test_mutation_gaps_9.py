@@ -95,6 +95,22 @@ def test_a_restored_length_histogram_drops_the_cached_rt_choice():
   assert FusedGenerator.rt_state(gen) == {"lengths": {"bins": [3, 9], "counts": [2, 1]}}
 
 
+def test_a_restored_run_keeps_the_rt_choice_it_had_cached():
+  """The cached choice and the histogram total it was made at go into the checkpoint (through
+  JSON), so a resumed run re-simulates Rt when the uninterrupted one would, not at once."""
+  import json
+  from rlhfuse_jax.policy.rt import RtChoice
+  gen = types.SimpleNamespace(lengths=fused.LengthHistogram(T), _rt_cache=None)
+  gen.lengths.add([3, 3, 9, 5])
+  choice = RtChoice(0.2, "simulated", {0.0: 1.5, 0.2: 1.25})
+  gen._rt_cache = (4, choice)
+  state = json.loads(json.dumps(FusedGenerator.rt_state(gen)))
+  back = types.SimpleNamespace(lengths=fused.LengthHistogram(T), _rt_cache=None)
+  FusedGenerator.load_rt_state(back, state)
+  assert back._rt_cache == (4, choice)
+  np.testing.assert_array_equal(back.lengths.counts, gen.lengths.counts)
+
+
 # SlotTable ---------------------------------------------------------------------------------------
 
 def test_each_finished_sample_takes_the_stop_reason_of_its_own_slot():

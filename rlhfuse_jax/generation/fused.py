@@ -319,16 +319,28 @@ class FusedGenerator:
 
   def rt_state(self) -> dict:
     """What "auto" Rt has learnt that a checkpoint keeps: the training batches' length
-    histogram (the measured costs are measured again on the devices of the next start)."""
-    return {"lengths": self.lengths.to_dict()}
+    histogram and the cached choice with the histogram total it was made at (the measured
+    costs are measured again on the devices of the next start)."""
+    out = {"lengths": self.lengths.to_dict()}
+    if self._rt_cache is not None:
+      total, choice = self._rt_cache
+      out["choice"] = {"total": int(total), "rt": float(choice.rt), "reason": choice.reason,
+                       "simulated_s": [[float(k), float(v)]
+                                       for k, v in choice.simulated_s.items()]}
+    return out
 
   def load_rt_state(self, state: dict) -> None:
-    """Restores `rt_state()`'s output: a resumed run chooses Rt from the lengths it has seen."""
+    """Restores `rt_state()`'s output: a resumed run chooses Rt from the lengths it has seen,
+    and keeps the choice the run had cached until the histogram grows by RESIMULATE_GROWTH
+    past it, as the run would have without the restart (until 2026-12-05 it simulated again
+    at once). A state without a choice (or one from before it was kept) drops any cached one."""
     dropped = self.lengths.load_dict(state["lengths"])
     if dropped:
       logging.warning("Rt length histogram: %d lengths above max_new_tokens=%d dropped",
                       dropped, self.lengths.max_len)
-    self._rt_cache = None
+    c = state.get("choice")
+    self._rt_cache = None if c is None else (int(c["total"]), rt_choice.RtChoice(
+        float(c["rt"]), str(c["reason"]), {float(k): float(v) for k, v in c["simulated_s"]}))
 
   def is_local(self, i: int) -> bool:
     """Whether this process drives instance i."""
