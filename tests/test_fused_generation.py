@@ -424,6 +424,19 @@ def test_two_consolidations_outputs_identical(one_device):
   assert once.metrics["gen/migration_s"] == once.timeline.span_s("migrate") > 0
   for out in (once, twice):
     assert_same_outputs(base, out)
+  # One row a migration at most (fusion.migration_rows=1): the pair's two rows move in two
+  # parts, to the same slots; the same plans and outputs.
+  single = variant(gen, actor, params, max_consolidations=2, migration_rows=1)
+  assert all(inst.buckets == (1,) for inst in single.instances)
+  gathers = []
+  for inst in single.instances:
+    inst.gather = (lambda f: lambda st, slots: gathers.append(len(slots)) or f(st, slots))(
+        inst.gather)
+  parts = single.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=True, rt=0.5)
+  assert [(c["step"], c["kept"], c["moves"]) for c in parts.consolidations] == [
+      (c["step"], c["kept"], c["moves"]) for c in twice.consolidations]
+  assert gathers == [1] * 6  # the 6 migrated rows, one a part
+  assert_same_outputs(base, parts)
 
 
 def test_two_device_instances_identical_with_and_without_consolidation():
@@ -816,6 +829,14 @@ def test_instances_split_the_devices():
                                                     for i in range(4)]
   assert instances.migration_buckets(8) == (1, 4, 8)
   assert instances.migration_buckets(1) == (1,)
+  # At most migration_rows (fusion.migration_rows; 0: the slots), more rows move in parts.
+  assert instances.migration_buckets(64, 8) == (1, 4, 8)
+  assert instances.migration_buckets(64, 16) == (1, 4, 16)
+  assert instances.migration_buckets(4, 8) == (1, 4)
+  assert instances.migration_buckets(64, 0) == (1, 4, 16, 64)
+  with pytest.raises(ValueError, match=r"config\.fusion\.migration_rows=-1: expected an "
+                                       r"integer >= 0 \(0: up to the slots\)"):
+    FusedGenConfig(num_instances=2, slots=4, migration_threshold=0.5, migration_rows=-1)
   assert fused.INFERENCE_MODELS == ("reference", "critic", "reward")
 
 

@@ -98,6 +98,11 @@ class FusionFields:
   migration_threshold: Union[float, str] = "auto"  # Rt in [0, 1], or "auto" (simulated)
   max_consolidations: int = 1  # long-tail consolidations per batch (the simulator's default too)
   inference_micro_batch: int = 0  # samples per inference micro-batch on freed instances; 0: slots
+  # Rows a migration moves at once, more in parts (instances.migration_buckets): the gathered
+  # rows are a copy of that many slots' KV cache beside the cache on both instances, so this
+  # bounds what a consolidation adds to an instance's memory (plan_check's `migrate`); 0: up to
+  # the slots, which may double the cache.
+  migration_rows: int = 8
   # Several processes (generation/multihost.py): where the per-round host exchanges run,
   # "host" (a CPU device of each process, so an exchange never waits for work queued on the
   # accelerators: the scoring on freed instances, an asynchronous update) or "devices" (every
@@ -128,6 +133,7 @@ class FusionFields:
     self._check_int("instance_devices", 1, "an integer >= 1")
     self._check_int("max_consolidations", 0, "an integer >= 0")
     self._check_int("inference_micro_batch", 0, "an integer >= 0 (0: slots)")
+    self._check_int("migration_rows", 0, "an integer >= 0 (0: up to the slots)")
     rt = self.migration_threshold
     if isinstance(rt, str) and rt != "auto":
       # A ConfigDict field holding "auto" is a string field, so
@@ -257,7 +263,8 @@ class FusedGenerator:
                        f"{config.section}.kv_capacity_tokens={config.kv_capacity_tokens}")
     meshes = inst_lib.split_devices(devices, g, config.instance_devices)
     self.instances = [GenerationInstance(i, m, cfg, sampling, slots=s, prompt_len=prompt_len,
-                                         frozen=frozen, micro_batch=config.micro_batch)
+                                         frozen=frozen, micro_batch=config.micro_batch,
+                                         migration_rows=config.migration_rows)
                       for i, m in enumerate(meshes)]
     self.models = {n: c for n, c in zip(INFERENCE_MODELS, (frozen.reference, frozen.critic,
                                                            frozen.reward)) if c is not None}

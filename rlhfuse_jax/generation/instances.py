@@ -29,8 +29,9 @@ rule is exactly the baseline generator's.
 Migration moves the rows of every field between two instances of the same shape class (tp,
 slots, max_len, dtype; JAX_NOTES: across classes a sampled token can flip): gather on the source,
 `jax.device_put` onto the target's shardings (arrays of two sub-meshes cannot meet in one jitted
-call), scatter on the target. Row counts are padded to a few buckets (1, 4, 16, ..., S) so each
-instance compiles a handful of gather/scatter programs, not one per migration size.
+call), scatter on the target. Row counts are padded to a few buckets (1, 4, 16, ..., S, or up to
+`migration_rows` where that is smaller: more rows move in parts) so each instance compiles a
+handful of gather/scatter programs, not one per migration size.
 """
 from __future__ import annotations
 
@@ -97,13 +98,17 @@ def scatter_rows(st: DecodeState, slots, rows: DecodeState):
   return jax.tree_util.tree_map_with_path(put, st, rows)
 
 
-def migration_buckets(slots: int) -> tuple[int, ...]:
-  """Row counts a migration is padded to: 1, 4, 16, ... below S, and S."""
+def migration_buckets(slots: int, max_rows: int = 0) -> tuple[int, ...]:
+  """Row counts a migration is padded to: 1, 4, 16, ... below the largest, and the largest, S
+  or `max_rows` where smaller (0: S). A migration of more rows moves in parts of the largest
+  (FusedGenerator's consolidate): the gathered rows are a copy beside the cache, on the source
+  and on the target, and S rows would double it (fusion.migration_rows)."""
+  top = min(slots, max_rows) if max_rows else slots
   out, b = [], 1
-  while b < slots:
+  while b < top:
     out.append(b)
     b *= 4
-  return tuple(out) + (slots,)
+  return tuple(out) + (top,)
 
 
 def check_device_count(num_instances: int, devices_per_instance: int, available: int,
@@ -276,7 +281,7 @@ class GenerationInstance:
 
   def __init__(self, index: int, mesh: Mesh, cfg: ModelConfig, sampling: SamplingConfig, *,
                slots: int, prompt_len: int, frozen: Optional[FrozenModels] = None,
-               micro_batch: int = 0):
+               micro_batch: int = 0, migration_rows: int = 0):
     self.max_len = check_model(cfg, sampling, prompt_len)
     tp = mesh.shape.get("tensor", 1)
     impl = attention.instance_attention(cfg.attention, cfg.num_kv_heads, tp)
@@ -304,7 +309,7 @@ class GenerationInstance:
     self.slots, self.prompt_len, self.micro_batch = slots, prompt_len, micro_batch
     self.frozen = frozen
     self.devices = tuple(mesh.devices.flat)
-    self.buckets = migration_buckets(slots)
+    self.buckets = migration_buckets(slots, migration_rows)
     self.row1 = mesh_lib.batch_sharding(mesh, 1)
     self.row2 = mesh_lib.batch_sharding(mesh, 2)
     self.rep = mesh_lib.replicated(mesh)

@@ -800,6 +800,8 @@ RESUMABLE_FIELDS = frozenset({
     "rollout.steps_per_check",
     # Where the fused loop's host exchanges run and how long one may wait: the same values.
     "fusion.exchange_on", "fusion.exchange_timeout_s",
+    # How many rows a migration moves at once: the same rows reach the same slots, in parts.
+    "fusion.migration_rows",
     # Where the moments wait during the rollout: the same values come back (tested bitwise).
     "optim.offload_during_rollout",
     # Where the optimizer state lives: restored into the new placement, the same values up to
