@@ -86,6 +86,9 @@ def get_config(arg: str = "paper"):
   c.sim.max_slots = 256
   c.sim.gen_tps = "1,2,4,8"  # generation tensor-parallel degrees tried
   c.sim.offload_frozen = True  # reference/reward/critic weights loaded from host when used
+  # The AdamW state in host memory while the instances generate (the trainer's
+  # optim.offload_during_rollout); False: the whole training state stays beside generation
+  c.sim.offload_optimizer = False
   c.sim.search_time_s = 2.0  # fused-schedule search budget per distinct pipeline problem
   # asynchronous PPO (pipe_rlhf_async, plan_search's async plan): updates the generating policy
   # lags behind; it sets the lag, not the simulated time (docs/simulator.md)

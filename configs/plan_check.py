@@ -7,8 +7,8 @@ Variants: `tiny` (seconds; the test's), `7b_host8` (the 7B pair on one 8-GPU hos
 RLHFuse paper's pairs `7b/7b`, `13b/13b`, `33b/13b`, `65b/33b` on the plan the simulator picks
 for them on 256 H100s (sim/training_sim.best_plan, whole layers per stage: tp 4; 7B and 13B 8
 stages, dp 8; 33B/13B 4 stages, dp 16; 65B/33B 16 actor and 4 critic stages, dp 4; micro-batch
-1; generation tp 8 with the slots of sim/iteration_sim.gen_plan, tp 4 for 33B, whose 52 heads
-do not split 8 ways; 33B/13B and 65B/33B with `offload_optimizer`). Those compile a 256-device
+1; generation tp 8 with the slots of sim/iteration_sim.gen_plan for the trainer's engine beside
+the training state, tp 4 for 33B, whose 52 heads do not split 8 ways). Those compile a 256-device
 program; `--config.layers=N` compiles N layers per model instead (result.json says so in
 `layers_compiled`). `llama/<variant>` (`llama/13b`, `llama/65b/33b`, ... any variant of
 configs/ppo_llama.py) checks that preset as its trainer runs it, on its smallest device count
@@ -24,18 +24,20 @@ Writes result.json and config.json; logs a table.
 import ml_collections
 
 # Plans of sim/training_sim.best_plan and sim/iteration_sim.gen_plan (h100_sxm, 256 devices,
-# mini-batch 64, micro-batch 1, prompts up to 1024 + 1024 new tokens), read 2026-11-25.
-# gen_slots: the slots gen_plan gives at gen_tp (90 % of HBM less the actor's weights, in KV
-# cache of prompt 1024 + 1024 tokens), at most 256; 33B generates at tp 4 (52 heads), where its
-# weights take twice the memory per device: 68 slots, not half of tp 8's 156 (re-read 2026-11-26).
+# mini-batch 64, micro-batch 1, prompts up to 1024 + 1024 new tokens), re-read 2026-12-05.
+# gen_slots: the slots gen_plan gives at gen_tp for the trainer's engine, which prefills every
+# slot at the longest prompt (Workload.kv_at_max_prompt), beside the training state the
+# colocated plan keeps on the devices (iteration_sim.train_state_bytes): 90 % of HBM less the
+# actor's weights, that state and room for a migration's copy of 8 slots (migration_rows), over
+# a slot's KV cache of 1024 + 1024 tokens and its prompt's prefill activations; at most 256.
+# 33B generates at tp 4 (52 heads), where its weights take twice the memory per device. Until
+# 2026-12-05 the slots filled the KV budget alone (68 and 82, with the optimizer state moved to
+# host memory): their prefill did not fit beside the state (docs/results.md "Plan check").
 PAPER_PAIRS = {
     "7b/7b": {"gen_tp": 8, "gen_slots": 256},
     "13b/13b": {"gen_tp": 8, "gen_slots": 256},
-    # gen_plan gives the KV cache 90 % of HBM less the actor's weights; beside the training
-    # state these two pairs' slots fit only with the optimizer state in host memory while the
-    # instances run (the trainer's optim.offload_during_rollout; docs/results.md "Plan check").
-    "33b/13b": {"gen_tp": 4, "gen_slots": 68, "offload_optimizer": True},
-    "65b/33b": {"gen_tp": 8, "gen_slots": 82, "offload_optimizer": True},
+    "33b/13b": {"gen_tp": 4, "gen_slots": 50},
+    "65b/33b": {"gen_tp": 8, "gen_slots": 59},
 }
 
 
@@ -129,6 +131,7 @@ def _as_trained(c, t, dp: int, models=None) -> None:
           rollout.check_fusion(run, devices))
     c.generation, c.gen_tp, c.gen_slots = "instances", fc.instance_devices, fc.slots
     c.inference_microbatch = fc.micro_batch
+    c.migration_rows = run.fusion.migration_rows
   else:
     raise ValueError(f"configs/plan_check.py: the run's rollout stage {kind!r} (plan.generation"
                      f"={run.plan.generation!r}, plan.inference_tp={run.plan.inference_tp}) has "
@@ -332,6 +335,9 @@ def get_config(arg: str = "tiny"):
   c.gen_slots = 54  # batch slots of one generation instance
   c.chunk_size = 64  # decode steps per jitted decode call
   c.inference_microbatch = 8  # samples per inference micro-batch on an instance
+  # Rows a consolidation's migration moves at once (the trainer's fusion.migration_rows; 0: up
+  # to gen_slots): its copy of them sits beside the cache (the `migrate` program)
+  c.migration_rows = 8
   c.hardware = "h100_sxm"  # preset of rlhfuse_jax/sim/hardware.py: its HBM is the budget
   # XLA:CPU runs bfloat16 dots in float32 and hoists a float32 copy of every weight out of the
   # decode loop, which no GPU makes: per_layer compiles the instance's programs with scanned
@@ -377,11 +383,11 @@ def get_config(arg: str = "tiny"):
     _run_preset(c, arg[len("run/"):])
   elif arg in PAPER_PAIRS:
     c.actor, c.critic = arg.split("/")
-    # sim/training_sim.best_plan at 2048 tokens per sample (re-read 2026-11-26 (h), after
-    # collectives across nodes got one NIC per member and stages whole layers): tp 4 for every
-    # pair; 7B and 13B 8 stages (dp 8), 33B/13B 4 (60 layers), 65B/33B 16 for the actor and 4
-    # for the 33B critic (4 replicas over the 16).
-    c.pp, c.critic_pp, c.tp, c.dp = {"7b/7b": (8, 8, 4, 8), "13b/13b": (8, 8, 4, 8),
+    # sim/training_sim.best_plan at 2048 tokens per sample (re-read 2026-12-05 (bj); a test
+    # keeps them equal): tp 4 for every pair; 7B 16 stages (dp 4; 8 stages, dp 8, until the
+    # re-read: 5 % slower in today's cost model), 13B 8 (dp 8), 33B/13B 4 (60 layers),
+    # 65B/33B 16 for the actor and 4 for the 33B critic (4 replicas over the 16).
+    c.pp, c.critic_pp, c.tp, c.dp = {"7b/7b": (16, 16, 4, 4), "13b/13b": (8, 8, 4, 8),
                                      "33b/13b": (4, 4, 4, 16), "65b/33b": (16, 4, 4, 4)}[arg]
     c.gen_tp, c.gen_slots = PAPER_PAIRS[arg]["gen_tp"], PAPER_PAIRS[arg]["gen_slots"]
     c.offload_optimizer = PAPER_PAIRS[arg].get("offload_optimizer", False)

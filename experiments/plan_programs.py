@@ -22,6 +22,12 @@ Every program is the codebase's own, reached through the function its caller jit
               inference micro-batch (generation="mesh": the Scorer's, the whole rollout batch);
               without a reference (config.reference False: algo.kl_coef=0) the critic's value
               forward
+  prefill     the same instance's prefill of every slot's prompt: it writes the whole new KV
+              cache (its output) beside one layer's activations of those prompts
+  migrate     generation="instances": a consolidation's migration at the instance's largest
+              bucket (gen_slots, or migration_rows where smaller: migrate_program), the
+              source's gather (a copy of those rows beside its cache) or the target's scatter
+              into its donated cache, whichever peaks higher; the instance's weights beside it
   reward      with a reward model (config.reward_model: a run's reward.kind='model'), its
               scalar forward (inference/scoring.reward_model_scores) on the same instance and
               micro-batch: a reward model larger than the actor (13B actor, 33B reward model)
@@ -121,8 +127,9 @@ PROGRAMS = ("train_step", "decode", "inference")  # always compiled
 # program of an instance: it writes the whole new KV cache beside the activations of every
 # slot's prompt); reward: compiled when the plan has a reward model; placement: when the actor
 # is handed over from the training devices to instances on them or, pipelined, to another group
-# (placement_programs)
-OPTIONAL_PROGRAMS = ("prefill", "reward", "placement")
+# (placement_programs); migrate: on instances, since 2026-12-05 (a consolidation's largest
+# migration bucket: its gathered rows are a copy beside the cache, migrate_program)
+OPTIONAL_PROGRAMS = ("prefill", "migrate", "reward", "placement")
 CPU_UPCAST_MODES = ("per_layer", "as_compiled")
 GENERATION_MODES = ("instances", "mesh")
 # XLA's name of the pass that hoists a loop-invariant float32 copy of the weights out of a loop.
@@ -188,6 +195,8 @@ class PlanConfig:
   inference_microbatch: int
   hardware: hw_lib.Hardware
   offload_optimizer: bool = False  # the trainer's optim.offload_during_rollout
+  # The trainer's fusion.migration_rows: rows a migration moves at once (0: up to gen_slots)
+  migration_rows: int = 8
   # The trainer's optim.master_weights: a float32 copy of the weights and float32 moments in
   # the optimizer state (rl/optim.float32_master)
   master_weights: bool = False
@@ -318,7 +327,7 @@ class PlanConfig:
            seed, "an integer >= 0")
     for name, zero in (("generation_devices", "generation on the training devices"),
                        ("critic_microbatch_size", "microbatch_size"),
-                       ("layers", "the model's own")):
+                       ("layers", "the model's own"), ("migration_rows", "up to gen_slots")):
       config_files.check_int(name, d.get(name, 0), 0, f"0: {zero}")
     try:
       hardware = hw_lib.get_hardware(str(d["hardware"]))
@@ -368,7 +377,8 @@ class PlanConfig:
         critic_microbatch_size=d.get("critic_microbatch_size", 0),
         generation_devices=d.get("generation_devices", 0),
         group_critic=d.get("group_critic", False),
-        search_seed=d.get("search_seed", 0), reference=d.get("reference", True))
+        search_seed=d.get("search_seed", 0), reference=d.get("reference", True),
+        migration_rows=d.get("migration_rows", 8))
     cfg.validate()
     return cfg
 
@@ -530,7 +540,8 @@ def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
   else:
     mesh, micro = inst_lib.split_devices(jax.devices(), 1, cfg.gen_tp)[0], cfg.inference_microbatch
   return inst_lib.GenerationInstance(0, mesh, cfg.actor, sampling, slots=cfg.gen_slots,
-                                     prompt_len=cfg.prompt_len, frozen=frozen, micro_batch=micro)
+                                     prompt_len=cfg.prompt_len, frozen=frozen, micro_batch=micro,
+                                     migration_rows=cfg.migration_rows)
 
 
 # Measuring --------------------------------------------------------------------------------------
@@ -679,6 +690,34 @@ def instance_programs(cfg: PlanConfig) -> dict:
     m["cpu_upcast"] = record
     out[name] = _finish(m, analytic)
     logging.info("%s: compiled in %.1fs", name, out[name]["compile_s"])
+  if cfg.generation == "instances":
+    out["migrate"] = migrate_program(cfg)
+  return out
+
+
+def migrate_program(cfg: PlanConfig) -> dict:
+  """A consolidation's migration at the instance's largest bucket (gen_slots, or migration_rows
+  where smaller: instances.migration_buckets): the source's gather, whose output is a copy of
+  that many slots' rows beside its cache, and the target's scatter of them into its donated
+  cache; the figures of the one with the larger peak, both under `parts`. Neither reads the
+  weights, which stay on the instance beside them (beside_train_state). No FLOPs: replication
+  None."""
+  inst = make_instance(cfg)
+  rows = inst.buckets[-1]
+  lowered = dict(inst.lower_all(llama.param_shapes(cfg.actor), {}, only=("gather", "scatter")))
+  parts = {k: measure(lowered[(k, rows)], cfg.hardware) for k in ("gather", "scatter")}
+  worst = max(parts, key=lambda k: parts[k]["peak_bytes"])
+  a = cfg.actor
+  kv = accounting.decode_step_bytes(a, cfg.gen_slots, cfg.seq_len)["kv_bytes"] / cfg.gen_kv_shards
+  analytic = {"params_bytes": _nbytes(llama.param_shapes(a)) / cfg.gen_model_shards,
+              "kv_cache_bytes": kv, "rows_bytes": kv * rows / cfg.gen_slots,
+              "total_bytes": kv * (1 + rows / cfg.gen_slots), "flops_per_device": 0.0}
+  figures = ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "peak_bytes",
+             "compile_s")
+  out = _finish(parts[worst], analytic)
+  out.update(rows=rows, largest=worst, compile_s=sum(q["compile_s"] for q in parts.values()),
+             parts={k: {f: q[f] for f in figures} for k, q in parts.items()})
+  logging.info("migrate: %d rows, compiled in %.1fs", rows, out["compile_s"])
   return out
 
 
@@ -1010,6 +1049,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "gen_tp": cfg.gen_tp, "gen_slots": cfg.gen_slots, "chunk_size": cfg.chunk_size,
                "inference_microbatch": cfg.inference_microbatch, "hardware": cfg.hardware.name,
                "offload_optimizer": cfg.offload_optimizer,
+               "migration_rows": cfg.migration_rows,
                "master_weights": cfg.master_weights, "zero1": cfg.zero1,
                "generation": cfg.generation,
                "gradient_sync": cfg.gradient_sync,
@@ -1147,10 +1187,13 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
                                           max(p["over_state_bytes"].values()))
       p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)
       continue
-    # Generation on instances: nothing loaded yet beside prefill and decode.
-    idle = name in ("prefill", "decode") and not (generation_group or serial)
+    # Generation on instances: nothing loaded yet beside prefill, decode and a migration;
+    # a migration reads no weights, but the instance's own stay beside it.
+    idle = name in ("prefill", "decode", "migrate") and not (generation_group or serial)
     p["resident_model_bytes"] = 0.0 if idle else sum(
         v for k, v in kept.items() if k != own[name])
+    if name == "migrate":
+      p["resident_model_bytes"] += actor
     p["peak_with_train_state_bytes"] = (p["peak_bytes"] + p["resident_train_bytes"] +
                                         p["resident_model_bytes"])
     p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)
@@ -1270,6 +1313,10 @@ def verdict(result: dict) -> str:
         "inference": ["smaller micro-batches (inference_microbatch: a run's "
                       "fusion.inference_micro_batch, 0 = the slots)"]}
     temporaries["reward"] = temporaries["inference"]
+    # A migration's copy of its rows: its output (gather), an argument (scatter) or temp.
+    rows = ["fewer rows a migration moves at once (migration_rows: a run's "
+            "fusion.migration_rows)"]
+    temporaries["migrate"] = rows + temporaries["decode"]
     # The hand-over's copies and temporaries, by its part that adds the most: a pipelined
     # model's conversion (gathered with unrolled layers; else one stage's layers), or the
     # reshard onto the instances (their shares, and a gathered copy it reads).
@@ -1300,7 +1347,8 @@ def verdict(result: dict) -> str:
         peak = p["peak_with_train_state_bytes"]
         temporaries[name] = handover[part.split("_")[0]]
       largest = max(terms, key=terms.get)
-      own = largest == "temporaries" or (name == "placement" and largest == "arguments")
+      own = (largest == "temporaries" or (name == "placement" and largest == "arguments")
+             or (name == "migrate" and largest in ("outputs", "arguments")))
       fix = temporaries[name] if own else fixes[largest]
       if name == "placement" and plan.get("generation_devices") and not own:
         fix = [f for f in fix if f not in offload]  # (the trainer refuses it beside a group)

@@ -415,9 +415,12 @@ def test_a_pipeline_stage_all_reduces_only_its_own_layers():
 
 def test_a_pipelined_generation_stage_holds_its_share_of_weights_and_kv():
   """pp 4 x tp 2 on 8 H100s: each device holds 1/8 of the weights and of the KV of the
-  replica's 8 samples at 100 + 16 tokens; it fits with exactly that much memory, not less."""
+  replica's 8 samples at 100 + 16 tokens, and one layer's activations of a group's prefill (4
+  groups: 2 prompts of 100 tokens, 34*h bytes a token, over tp 2); it fits with exactly that
+  much memory, not less."""
   a = get_shape("llama-13b")
-  need = (a.weight_bytes() + 8 * 116 * a.kv_bytes_per_token()) / 8
+  need = ((a.weight_bytes() + 8 * 116 * a.kv_bytes_per_token()) / 8
+          + 2 * 100 * 34 * a.hidden_size / 2)
 
   def generate(scale):
     hw = dataclasses.replace(get_hardware("h100_sxm"), hbm_bytes=need * scale / 0.9)

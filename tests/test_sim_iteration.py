@@ -254,7 +254,12 @@ def test_deepspeed_chat_generates_at_the_smallest_degree_beside_its_zero3_shards
   assert "ZeRO-3 shards" in g["rejected_tps"][2]
   resident = it.zero3_resident_bytes(wl)
   assert resident == pytest.approx(18 * 2 * wl.actor.num_params() / 256, rel=0.01)
-  free = cost.usable_bytes - wl.actor.weight_bytes() / 4 - resident
+  # The pool: what is left after the weights, the shards and the prefill's activations of the
+  # instance's share of the batch (its longest prompt each).
+  prompt = int(wl.sample_lengths()[0].max())
+  share = 512 // 64
+  prefill = share * 34 * 8192 * prompt / 4
+  free = cost.usable_bytes - wl.actor.weight_bytes() / 4 - resident - prefill
   assert g["plan"].kv_capacity_tokens == int(free // (wl.actor.kv_bytes_per_token() / 4))
   # The instances' own inference (RLHFuse's generation stage) needs the larger degree.
   with pytest.raises(ValueError, match=r"inference \(reference \+ critic \+ reward\) does "
@@ -298,14 +303,21 @@ def test_frozen_models_kept_on_the_devices_shrink_the_kv_pool():
   kv_tok = wl.actor.kv_bytes_per_token() / 4
   frozen = (wl.actor.weight_bytes() + 2 * wl.critic.weight_bytes()) / 4  # bf16, per device
   assert frozen == pytest.approx(2 * 39e9 / 4, rel=0.05)  # three 13B models
-  free = cost.usable_bytes - wl.actor.weight_bytes() / 4
+  # Besides: the training state (the same plan either way: 13B/13B fits the fastest beside
+  # them) and the prefill's activations of the instance's share of the batch.
+  state = it.train_state_bytes(cost, wl, it.SimOptions(), 4)
+  assert state == it.train_state_bytes(cost, wl, it.SimOptions(offload_frozen=False), 4) > 0
+  prompt = int(wl.sample_lengths()[0].max())
+  free = (cost.usable_bytes - wl.actor.weight_bytes() / 4 - state
+          - (512 // 64) * 34 * wl.actor.hidden_size * prompt / 4)
   assert off["plan"].kv_capacity_tokens == int(free // kv_tok)
   assert on["plan"].kv_capacity_tokens == int((free - frozen) // kv_tok)
   # 65B: three frozen 65B-class models fill tp 4 instances (about 98 GB a device).
   wl = it.Workload(actor=get_shape("llama-65b"), critic=get_shape("llama-65b", "scalar"),
                    max_new_tokens=1024)
-  with pytest.raises(ValueError, match=r"tp=4: weights \+ KV cache .* \+ the frozen models' "
-                                       r"weights \(sim\.offload_frozen=False\)"):
+  with pytest.raises(ValueError, match=r"tp=4: weights \+ KV cache .* \+ the training state "
+                                       r"and the frozen models' weights "
+                                       r"\(sim\.offload_frozen=False\)"):
     it.simulate_gen_stage(cost, wl, it.SimOptions(gen_tps=(4,), offload_frozen=False), False)
 
 
@@ -319,10 +331,16 @@ def test_frozen_models_kept_on_the_devices_bound_the_training_plan_too():
                    num_devices=16, global_batch=64, minibatch=32, max_new_tokens=256,
                    prompt=LengthSpec(kind="uniform", min_len=8, max_len=64),
                    response=LengthSpec(kind="uniform", min_len=1, max_len=256))
+  # (The optimizer state in host memory while the instances generate: beside the whole
+  # training state and the frozen models no generation fits on 16 devices.)
   on, off = (it.simulate_iteration(H100, wl, it.SimOptions(gen_tps=(1, 2, 4, 8),
-                                                           offload_frozen=o),
+                                                           offload_frozen=o,
+                                                           offload_optimizer=True),
                                    systems=("rlhfuse_base",))[0]["rlhfuse_base"]
              for o in (False, True))
+  with pytest.raises(ValueError, match=r"tp=4: .* \+ the training state and the frozen"):
+    it.simulate_iteration(H100, wl, it.SimOptions(gen_tps=(4,), offload_frozen=False),
+                          systems=("rlhfuse_base",))
   gen_tp = on["details"]["gen_plan"]["tp"]
   kept = (wl.actor.weight_bytes() + wl.critic.weight_bytes()) / gen_tp
   assert it.kept_frozen_bytes(wl, gen_tp, it.SimOptions(offload_frozen=False)) == kept

@@ -107,6 +107,11 @@ class Workload:
   # (trainer/rollout.plan_instances_config, FusedGenConfig.micro_batch); plan_search's
   # inference_rows for the plans the trainer runs.
   inference_micro_batch: int = 0
+  # A train_ppo run's fusion.migration_rows (trainer/sim_plan.workload): the rows the trainer's
+  # engine moves at once in a consolidation, whose gathered copy sits beside the cache; gen_plan
+  # keeps room for it with kv_at_max_prompt (the papers' paged engines move blocks into the
+  # pool itself). 0: up to the slots.
+  migration_rows: int = 8
 
   def __post_init__(self):
     # The counts first: minibatch=0 was a ZeroDivisionError in the divisibility check below.
@@ -181,6 +186,10 @@ class SimOptions:
   max_slots: int = 256
   gen_tps: tuple = (1, 2, 4, 8)  # tensor-parallel degrees tried for generation
   offload_frozen: bool = True  # reference/reward/critic weights in host memory until used
+  # The trainer's optim.offload_during_rollout: the AdamW state waits in host memory while the
+  # instances generate (train_state_bytes; its copy out and back, ~2x its bytes over
+  # hardware.host_to_device_bw an iteration, is not timed).
+  offload_optimizer: bool = False
   search_time_s: float = 2.0  # fused-schedule search budget per distinct pipeline problem
   staleness: int = 1  # pipe_rlhf_async: updates the generating policy lags behind (k >= 1)
   async_split_unit: int = 0  # pipe_rlhf_async: generation-group sizes step (0: a node)
@@ -221,26 +230,57 @@ class GenPlan:
 def gen_plan(cost: CostModel, wl: Workload, tp: int, prompt_lens: np.ndarray, max_slots: int,
              resident_bytes: float = 0.0, resident: str = "") -> GenPlan:
   """Instances of `tp` devices; slots and KV pool from the memory left after the actor's
-  weights (and `resident_bytes` per device that stay there, named `resident`). Raises if the
-  batch's share of an instance cannot fit."""
+  weights, `resident_bytes` per device that stay there (named `resident`) and the prefill's
+  activations. Raises if the batch's share of an instance cannot fit.
+
+  Prefill runs an instance's prompts through the model at once (generation_sim._prefill; the
+  trainer's engine, generation/instances.Generator, every slot's row, empty ones included, at
+  the longest prompt: kv_at_max_prompt), and its peak holds the whole new KV cache beside one
+  layer's activations of those prompt tokens (cost_model.activation_bytes). Until 2026-12-05
+  those activations were left out: the slots filled the KV budget, and plan_check's compiled
+  prefill of the 33B/13B and 65B/33B pairs did not fit beside the training state. The trainer's
+  engine (kv_at_max_prompt) also keeps room for a migration's copy of migration_rows slots
+  (plan_check's `migrate`), at other times than the prefill's activations."""
   n = wl.num_devices
   if n % tp:
     raise ValueError(f"generation tp={tp} must divide num_devices={n}")
   g = n // tp
   per_inst = -(-wl.global_batch // g)
   kv_tok_bytes = wl.actor.kv_bytes_per_token() / tp  # per device
-  free = cost.usable_bytes - wl.actor.weight_bytes() / tp - resident_bytes
-  pool = int(free // kv_tok_bytes) if free > 0 else 0
   slot_cap = wl.kv_slot_len(prompt_lens)
-  need = wl.actor.weight_bytes() / tp + per_inst * slot_cap * kv_tok_bytes + resident_bytes
+  prompt_cap = slot_cap - wl.max_new_tokens  # a prefill row's tokens
+  row_act = plan_lib.prefill_activation_bytes(cost, wl.actor, tp, 1, prompt_cap)  # a row's
+  weights = wl.actor.weight_bytes() / tp
+  free = cost.usable_bytes - weights - resident_bytes
+  need = weights + per_inst * (slot_cap * kv_tok_bytes + row_act) + resident_bytes
+  if wl.kv_at_max_prompt:  # and a migration's copy (below), beside the prefill's or instead
+    need += max(0.0, min(per_inst, wl.migration_rows or per_inst) * slot_cap * kv_tok_bytes
+                - per_inst * row_act)
   # An instance holds its whole share of the batch at the longest length at once (no waves,
   # no KV paged by the lengths reached): a cluster too small for that is refused.
   cost.check_fits(f"generation of {wl.actor.name}", need,
-                  f"tp={tp}: weights + KV cache for {per_inst} samples x {slot_cap} tokens"
+                  f"tp={tp}: weights + KV cache for {per_inst} samples x {slot_cap} tokens "
+                  f"+ their prefill's activations"
+                  + (" (or a migration's rows)" if wl.kv_at_max_prompt else "")
                   + (f" + {resident}" if resident and resident_bytes else "")
                   + "; the simulated engine holds an instance's whole share of the batch at the "
                   "longest length at once: more devices or a smaller global_batch fit")
-  slots = max(per_inst, min(max_slots, pool // slot_cap))
+  if wl.kv_at_max_prompt:
+    # Every slot is prefilled (each costs its prompt's activations then), and a migration
+    # later copies up to migration_rows slots' rows beside the cache: the larger of the two.
+    slot_kv = slot_cap * kv_tok_bytes
+
+    def extra(s: int) -> float:
+      return max(s * row_act, min(s, wl.migration_rows or s) * slot_kv)
+    s = int(free // (slot_kv + row_act)) if free > 0 else 0
+    while s > 0 and s * slot_kv + extra(s) > free:
+      s -= 1
+    slots = max(per_inst, min(max_slots, s))
+    pool = slots * slot_cap
+  else:  # the share is prefilled; the rest of the pool takes migrated caches
+    rest = free - per_inst * row_act
+    pool = int(rest // kv_tok_bytes) if rest > 0 else 0
+    slots = max(per_inst, min(max_slots, pool // slot_cap))
   return GenPlan(tp=tp, num_instances=g, slots=slots, kv_capacity_tokens=pool)
 
 
@@ -310,6 +350,33 @@ def kept_frozen_bytes(wl: Workload, devices_per_copy: int, opt: SimOptions) -> f
                                opt)
 
 
+def train_state_bytes(cost: CostModel, wl: Workload, opt: SimOptions, tp: int) -> float:
+  """Per device, the training state that stays on the devices while instances of `tp` devices
+  generate: the actor's and critic's weights and AdamW state (ZeRO-1 over data, as
+  training_sim.check_train_memory sizes them) on the training plan the colocated systems take
+  there (training_sim.best_plan beside kept_frozen_bytes at tp), the AdamW state left out with
+  sim.offload_optimizer. The trainer keeps them on the
+  training devices for the whole run, and the instances run on those devices (plan_check's
+  resident_train_bytes); gradients and activations live only within a step. 0 where no
+  training plan fits: the training stage refuses that itself, naming its plan.
+  Until 2026-12-05 generation was sized as if the devices held nothing else."""
+  prompts, resp = wl.sample_lengths()
+  try:
+    plan, _ = train_lib.best_plan(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
+                                  wl.micro_batch, float(np.mean(prompts + resp)),
+                                  wl.num_minibatches,
+                                  resident_bytes=kept_frozen_bytes(wl, tp, opt),
+                                  padded_len=wl.padded_len, head_positions=wl.max_new_tokens)
+  except ValueError:
+    return 0.0
+  total = 0.0
+  for shape, pp, dp in ((wl.actor, plan.actor_pp, plan.dp),
+                        (wl.critic, plan.critic_pp, plan.dp * plan.critic_replicas)):
+    parts = cost.train_memory_parts(shape, plan.tp, pp, dp, True, 0.0, 0)
+    total += parts["weights"] + (0.0 if opt.offload_optimizer else parts["optimizer"])
+  return total
+
+
 def zero3_resident_bytes(wl: Workload) -> float:
   """Per device, what DeepSpeed-Chat keeps while its hybrid engine generates: the ZeRO-3 shards
   of the trained actor and critic (16 bytes a parameter: bf16 weights and gradients, fp32
@@ -348,9 +415,11 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
         plan = gen_plan(cost, wl, tp, prompts, opt.max_slots, zero3_resident_bytes(wl),
                         "the ZeRO-3 shards of the four models")
       else:
-        plan = gen_plan(cost, wl, tp, prompts, opt.max_slots,
-                        frozen_resident_bytes(frozen, tp, opt),
-                        "the frozen models' weights (sim.offload_frozen=False)")
+        state = train_state_bytes(cost, wl, opt, tp)
+        kept = frozen_resident_bytes(frozen, tp, opt)
+        plan = gen_plan(cost, wl, tp, prompts, opt.max_slots, kept + state,
+                        "the training state" + (" and the frozen models' weights "
+                                                "(sim.offload_frozen=False)" if kept else ""))
         check_inference_memory(cost, wl, tp, opt.inference_microbatch)
     except ValueError as e:
       rejected[tp] = str(e)

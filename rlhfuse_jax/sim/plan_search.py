@@ -129,6 +129,14 @@ def stage_cost(cost: CostModel, op: str, stage, whole, *args):
 
 
 # ----------------------------------------------------------------------------- generation
+def prefill_activation_bytes(cost: CostModel, actor: ModelShape, tp: int, rows: float,
+                             prompt_len: float) -> float:
+  """Per device, one layer's activations of a prefill of `rows` prompts of `prompt_len` tokens
+  over tp devices: what a generation's prefill holds beside its KV cache (iteration_sim.gen_plan,
+  pipelined_generation, plan_memory)."""
+  return cost.activation_bytes(actor, tp, rows * prompt_len, 1)
+
+
 def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, tp: int, pp: int,
                          groups: int, prompts: np.ndarray, resp: np.ndarray,
                          max_new_tokens: int, resident_bytes: float = 0.0,
@@ -146,13 +154,16 @@ def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, t
   b = prompts.size
   per_rep = -(-b // reps)
   slot_cap = slot_len or int(prompts.max()) + max_new_tokens
+  per_group = -(-per_rep // groups)
+  # A stage prefills one group's prompts at a time (the groups one stage apart): one layer's
+  # activations of them beside the cache (iteration_sim.gen_plan's prefill term).
   need = ((actor.weight_bytes() + per_rep * slot_cap * actor.kv_bytes_per_token()) / (tp * pp)
+          + prefill_activation_bytes(cost, actor, tp, per_group, slot_cap - max_new_tokens)
           + resident_bytes)
   cost.check_fits(f"pipelined generation of {actor.name}", need,
-                  f"pp={pp} tp={tp}: a stage's weights + KV for {per_rep} samples"
-                  + train_lib.frozen_note(resident_bytes))
+                  f"pp={pp} tp={tp}: a stage's weights + KV for {per_rep} samples + a group's "
+                  "prefill activations" + train_lib.frozen_note(resident_bytes))
   # [R, G, S]: sample of each (replica, group, position), -1 where empty.
-  per_group = -(-per_rep // groups)
   idx = np.full((reps * groups * per_group,), -1, dtype=np.int64)
   # Round-robin to replicas, then within a replica round-robin to groups.
   rep_of, pos = np.arange(b) % reps, np.arange(b) // reps
@@ -561,8 +572,9 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   """Per device, what each stage of `plan` (plan.json's form: _plan_dict, _async_plan) holds,
   by the formulas its memory checks use: [{"stage", "layout", "parts": {name: bytes},
   "total", "usable"}], `usable` the HBM the checks allow (memory_headroom of hbm_bytes).
-  Generation: the actor's weights and the KV cache of its share of the batch at
-  Workload.kv_slot_len tokens a slot (iteration_sim.gen_plan, pipelined_generation; with
+  Generation: the actor's weights, the KV cache of its share of the batch at
+  Workload.kv_slot_len tokens a slot and the prefill's activations of the prompts it prefills at
+  once (iteration_sim.gen_plan, pipelined_generation; with
   sim.trainer_runnable the trainer's, trainer_workload); inference: the frozen
   weights and one layer's activations of the rows it scores at once (inference_memory);
   training: each model's weights, gradients, optimizer state and in-flight activations at the
@@ -584,13 +596,22 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   if gen["mode"] == "instances":
     per = -(-b // (g // gen["tp"]))
     copy = gen["tp"]
+    prefilled = per  # the share at once (gen_plan's check)
   else:
     per = -(-b // (g // (gen["tp"] * gen["pp"])))
     copy = gen["tp"] * gen["pp"]
+    prefilled = -(-per // gen.get("groups", 1))  # a group at a time
+  slot_kv = slot_cap * a.kv_bytes_per_token() / copy
+  transient = {"prefill activations": prefill_activation_bytes(
+      cost, a, gen["tp"], prefilled, slot_cap - wl.max_new_tokens)}
+  if gen["mode"] == "instances" and wl.kv_at_max_prompt:  # the trainer's engine: or, at
+    # another time, a migration's copy of its rows (iteration_sim.gen_plan)
+    moved = min(per, wl.migration_rows or per) * slot_kv
+    transient = {"prefill activations or a migration's rows":
+                 max(transient["prefill activations"], moved)}
   rows = [{"stage": "generation", "layout": GenerationPlan(**gen).describe(),
-           "parts": {"weights": a.weight_bytes() / copy,
-                     "KV cache": per * slot_cap * a.kv_bytes_per_token() / copy,
-                     **kept_parts}}]
+           "parts": {"weights": a.weight_bytes() / copy, "KV cache": per * slot_kv,
+                     **transient, **kept_parts}}]
   rows.append({"stage": "inference", "layout": InferencePlan(**inf).describe(),
                "parts": inference_memory(cost, wl, opt, plan)})
   tokens = wl.micro_batch * wl.padded_len

@@ -85,7 +85,8 @@ def workload(cfg: TrainConfig, task: Any, tokenizer: Any, num_devices: int, leng
       epochs=cfg.algo.epochs, micro_batch=micro_batch, max_new_tokens=t, prompt=prompt,
       response=response, seed=seed, reference=cfg.algo.uses_reference,
       reward_model=cfg.reward.uses_model, reward=reward,
-      inference_micro_batch=cfg.fusion.inference_micro_batch)
+      inference_micro_batch=cfg.fusion.inference_micro_batch,
+      migration_rows=cfg.fusion.migration_rows)
   summary = lambda x: None if x is None else {"mean": float(np.mean(x)), "min": int(np.min(x)),
                                               "max": int(np.max(x))}
   info = {"prompt_lengths": summary(prompts), "response_lengths": summary(resp),
