@@ -1288,11 +1288,12 @@ def verdict(result: dict) -> str:
     else:
       models = ["more devices per instance (gen_tp: a run's fusion.instance_devices or "
                 "plan.generation_tp)"]
+    slots = ("fewer slots per instance (gen_slots: a run's plan.generation_slots, "
+             "fusion.slots or rollout batch)")
     fixes = {"arguments": split, "the training state beside it": offload + split,
              "the models beside it": models,
              # a KV cache written whole (prefill): its rows and their length
-             "outputs": ["fewer slots per instance (gen_slots: a run's plan.generation_slots, "
-                         "fusion.slots or rollout batch)",
+             "outputs": [slots,
                          "shorter sequences (seq_len: a run's data.max_prompt_len + "
                          "rollout.max_new_tokens)"] + (
                              [] if plan.get("generation_devices") or
@@ -1305,11 +1306,8 @@ def verdict(result: dict) -> str:
                        if plan.get("pp", 1) > 1 else
                        "smaller micro-batches (microbatch_size: a run's algo.microbatch_size)",
                        "remat (a run's model.remat)"],
-        "decode": ["fewer slots per instance (gen_slots: a run's plan.generation_slots, "
-                   "fusion.slots or rollout batch)"],
-        "prefill": ["fewer slots per instance (gen_slots: a run's plan.generation_slots, "
-                    "fusion.slots or rollout batch)",
-                    "shorter prompts (prompt_len: a run's data.max_prompt_len)"],
+        "decode": [slots],
+        "prefill": [slots, "shorter prompts (prompt_len: a run's data.max_prompt_len)"],
         "inference": ["smaller micro-batches (inference_microbatch: a run's "
                       "fusion.inference_micro_batch, 0 = the slots)"]}
     temporaries["reward"] = temporaries["inference"]

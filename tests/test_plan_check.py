@@ -483,6 +483,26 @@ def test_a_prefill_that_does_not_fit_names_the_cache_it_writes():
   assert decode["output_bytes"] - decode.get("alias_bytes", 0) <= decode["argument_bytes"]
 
 
+def test_a_migration_that_does_not_fit_names_the_rows_it_copies():
+  """A consolidation's migration (the `migrate` program): its cache as an argument, the copy
+  of the rows it moves as its output, the instance's weights beside it. Over the HBM with the
+  cache the largest term, the remedy is fewer rows at once (fusion.migration_rows) or fewer
+  slots, not the arguments' fsdp or stages (which do not split an instance's cache)."""
+  result = _scaled_result(1.0)
+  result["layers_compiled"] = {"reduced": False}
+  result["plan"]["generation"] = "instances"
+  result["programs"]["migrate"] = {
+      **result["programs"]["decode"], "argument_bytes": 47.4e9, "output_bytes": 40.9e9,
+      "alias_bytes": 40.9e9, "temp_bytes": 10.5e9, "peak_bytes": 58.0e9, "fits": False,
+      "fits_alone": True, "resident_train_bytes": 8.0e9, "resident_model_bytes": 16.3e9,
+      "peak_with_train_state_bytes": 82.3e9}
+  line = plan_programs.verdict(result)
+  assert line.startswith(
+      "verdict: DOES NOT FIT: migrate (peak 82.30 of 80.00 GB with the training state and the "
+      "models; largest: arguments: fewer rows a migration moves at once (migration_rows: a "
+      "run's fusion.migration_rows), fewer slots per instance"), line
+
+
 def test_a_decode_that_fits_only_alone_is_named_with_the_training_state_beside_it():
   """Decode and inference fit beside the training state the trainer keeps on their devices:
   one that did not said "decode (peak 27.13 of 80.00 GB; largest: arguments: ...)", a peak
