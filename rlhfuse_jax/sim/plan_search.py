@@ -637,7 +637,7 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
                    "layout": f"{q['devices']} dev tp{q['tp']} pp{q['pp']} dp{q['dp']}",
                    "parts": {**cost.train_memory_parts(shape, q["tp"], q["pp"], q["dp"], True,
                                                        tokens, min(q["pp"], q["M"]),
-                                                       q["pp"] == 1 and q["M"] > 1,
+                                                       train_lib.accumulates(q["pp"], q["M"]),
                                                        wl.micro_batch, wl.max_new_tokens),
                              **kept_train}})
   for r in rows:

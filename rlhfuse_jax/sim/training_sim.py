@@ -44,6 +44,15 @@ from rlhfuse_jax.sim.shapes import ModelShape
 MS = 1e3  # PipelineProblem times are in milliseconds
 
 
+def accumulates(pp: int, microbatches: int) -> bool:
+  """Whether the trainer's update of a model on `pp` stages keeps float32 sums of its
+  gradients: unpipelined (pp 1) over several micro-batches a data shard (algo.microbatch_size
+  below the rows per shard: trainer/ppo._accumulated); the pipelined executor's sums are not
+  counted (nor in plan_check's analytic figures). TrainPlan.accumulates, single_model_plan and
+  plan_search.plan_memory's disjoint plans ask this one rule."""
+  return pp == 1 and microbatches > 1
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainPlan:
   """A training layout on `num_devices` devices (see module docstring)."""
@@ -90,11 +99,9 @@ class TrainPlan:
 
   @property
   def accumulates(self) -> bool:
-    """Whether the trainer's update of this plan keeps float32 sums of the gradients: unpipelined
-    (actor_pp 1) over several micro-batches a data shard (algo.microbatch_size below the rows
-    per shard: trainer/ppo._accumulated, both models); the pipelined executor's sums are not
-    counted (nor in plan_check's analytic figures)."""
-    return self.actor_pp == 1 and self.actor_microbatches > 1
+    """Whether the trainer's update of this plan keeps float32 sums of the gradients
+    (accumulates)."""
+    return accumulates(self.actor_pp, self.actor_microbatches)
 
   def to_dict(self) -> dict:
     return {**dataclasses.asdict(self), "dp": self.dp, "Ma": self.actor_microbatches,
@@ -386,10 +393,9 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
         continue
       m = minibatch // (dp * micro_batch)
       mb_tokens = micro_batch * mean_len
-      # (float32 gradient sums unpipelined over several micro-batches, as a colocated plan's
-      # TrainPlan.accumulates counts them)
       need = cost.train_memory_bytes(shape, tp, pp, dp, True, micro_batch * mem_len,
-                                     min(pp, m), pp == 1 and m > 1, micro_batch, head_positions)
+                                     min(pp, m), accumulates(pp, m), micro_batch,
+                                     head_positions)
       if need + resident_bytes > cost.usable_bytes:
         continue
       f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2, model))
