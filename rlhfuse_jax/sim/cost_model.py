@@ -278,7 +278,7 @@ class CostModel:
     `context_tokens` KV tokens in total. Scalars or equal-shape arrays (one entry per step)."""
     batch = np.asarray(batch, dtype=np.float64)
     context_tokens = np.asarray(context_tokens, dtype=np.float64)
-    if self.cal is not None and self.cal.decode_step is not None:
+    if self.measures("decode_step_s"):
       measured_tp = self.cal.instance_devices
       if measured_tp is not None and measured_tp != tp:  # the table times that instance only
         raise ValueError(
@@ -305,7 +305,7 @@ class CostModel:
     lengths = np.asarray(lengths, dtype=np.float64)
     if lengths.size == 0:
       return 0.0
-    if self.cal is not None and self.cal.prefill is not None:
+    if self.measures("prefill_s"):
       return self.cal.prefill.seconds(float(lengths.sum()))
     return self._forward_s(shape, tp, lengths, self.eff.prefill_mfu)
 
@@ -324,7 +324,7 @@ class CostModel:
     lengths = np.asarray(lengths, dtype=np.float64)
     if lengths.size == 0:
       return 0.0
-    if self.cal is not None and self.cal.inference is not None:
+    if self.measures("inference_s"):
       return self.cal.inference.seconds(float(lengths.sum()))
     return sum(self._forward_s(s, tp, lengths, self.eff.prefill_mfu) for s in shapes)
 
