@@ -355,10 +355,10 @@ def train_state_bytes(cost: CostModel, wl: Workload, opt: SimOptions, tp: int) -
   generate: the actor's and critic's weights and AdamW state (ZeRO-1 over data, as
   training_sim.check_train_memory sizes them) on the training plan the colocated systems take
   there (training_sim.best_plan beside kept_frozen_bytes at tp), the AdamW state left out with
-  sim.offload_optimizer. The trainer keeps them on the
-  training devices for the whole run, and the instances run on those devices (plan_check's
-  resident_train_bytes); gradients and activations live only within a step. 0 where no
-  training plan fits: the training stage refuses that itself, naming its plan.
+  sim.offload_optimizer. The trainer keeps them on the training devices for the whole run, and
+  the instances run on those devices (plan_check's resident_train_bytes); gradients and
+  activations live only within a step. 0 where no training plan fits: the training stage
+  refuses that itself, naming its plan.
   Until 2026-12-05 generation was sized as if the devices held nothing else."""
   prompts, resp = wl.sample_lengths()
   try:
