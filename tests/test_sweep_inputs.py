@@ -238,7 +238,8 @@ def test_a_plan_that_does_not_fit_is_a_finding_of_a_plan_check_sweep(tmp_path):
   assert first.returncode == 0, first.stderr[-3000:]
   log = (tmp_path / "sw" / "small" / "log.txt").read_text()
   assert "verdict: DOES NOT FIT: train_step" in log, log[-3000:]
-  assert "exit status 4: train_step, decode, prefill, inference, placement not fitting" in log, log[-3000:]
+  assert ("exit status 4: train_step, decode, prefill, inference, migrate, placement not "
+          "fitting") in log, log[-3000:]
   (row,) = json.loads((tmp_path / "sw" / "summary.json").read_text())
   assert row["status"] == "ok (does not fit)", row
   assert row["programs/train_step/fits"] is False and row["programs/train_step/peak_bytes"] > 1e6
