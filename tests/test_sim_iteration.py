@@ -1,6 +1,7 @@
 """Training and iteration simulation: 1F1B formula, fusion bounds, plans, bad settings."""
 import dataclasses
 
+import numpy as np
 import pytest
 
 from rlhfuse_jax.pipeline.bounds import pipeline_1f1b_makespan, tight_lower_bound
@@ -319,6 +320,31 @@ def test_frozen_models_kept_on_the_devices_shrink_the_kv_pool():
                                        r"and the frozen models' weights "
                                        r"\(sim\.offload_frozen=False\)"):
     it.simulate_gen_stage(cost, wl, it.SimOptions(gen_tps=(4,), offload_frozen=False), False)
+
+
+def test_the_training_state_beside_generation_is_both_models_weights_and_zero1_adamw():
+  """What stays on the generation devices: the actor's and critic's weights split over their
+  stages and tensor devices, and their AdamW state split over data too (ZeRO-1), on the plan
+  the colocated systems train with; sim.offload_optimizer leaves the AdamW state out. More
+  state, fewer slots for the trainer's engine."""
+  cost = CostModel(get_hardware("h100_sxm"))
+  wl = it.Workload(actor=get_shape("llama-33b"), critic=get_shape("llama-13b", "scalar"),
+                   max_new_tokens=1024, kv_at_max_prompt=True)
+  prompts, resp = wl.sample_lengths()
+  plan, _ = ts.best_plan(cost, wl.actor, wl.critic, 256, wl.minibatch, 1,
+                         float(np.mean(prompts + resp)), wl.num_minibatches,
+                         padded_len=wl.padded_len, head_positions=1024)
+  weights = opt = 0.0
+  for shape, pp, dp in ((wl.actor, plan.actor_pp, plan.dp),
+                        (wl.critic, plan.critic_pp, plan.dp * plan.critic_replicas)):
+    weights += 2 * shape.num_params() / (plan.tp * pp)
+    opt += shape.optimizer_bytes_per_param() * shape.num_params() / (plan.tp * pp * dp)
+  full = it.train_state_bytes(cost, wl, it.SimOptions(), 4)
+  assert full == pytest.approx(weights + opt, rel=1e-9)
+  assert it.train_state_bytes(cost, wl, it.SimOptions(offload_optimizer=True), 4) == (
+      pytest.approx(weights, rel=1e-9))
+  slots = [it.gen_plan(cost, wl, 4, prompts, 256, b).slots for b in (0.0, full)]
+  assert slots[0] > slots[1] >= wl.global_batch // 64
 
 
 def test_frozen_models_kept_on_the_devices_bound_the_training_plan_too():
