@@ -707,9 +707,9 @@ def migrate_program(cfg: PlanConfig) -> dict:
   lowered = dict(inst.lower_all(llama.param_shapes(cfg.actor), {}, only=("gather", "scatter")))
   parts = {k: measure(lowered[(k, rows)], cfg.hardware) for k in ("gather", "scatter")}
   worst = max(parts, key=lambda k: parts[k]["peak_bytes"])
-  a = cfg.actor
-  kv = accounting.decode_step_bytes(a, cfg.gen_slots, cfg.seq_len)["kv_bytes"] / cfg.gen_kv_shards
-  analytic = {"params_bytes": _nbytes(llama.param_shapes(a)) / cfg.gen_model_shards,
+  decode = decode_analytic(cfg)  # the same weights and cache
+  kv = decode["kv_cache_bytes"]
+  analytic = {"params_bytes": decode["params_bytes"],
               "kv_cache_bytes": kv, "rows_bytes": kv * rows / cfg.gen_slots,
               "total_bytes": kv * (1 + rows / cfg.gen_slots), "flops_per_device": 0.0}
   figures = ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "peak_bytes",

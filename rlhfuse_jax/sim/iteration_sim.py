@@ -252,10 +252,9 @@ def gen_plan(cost: CostModel, wl: Workload, tp: int, prompt_lens: np.ndarray, ma
   row_act = plan_lib.prefill_activation_bytes(cost, wl.actor, tp, 1, prompt_cap)  # a row's
   weights = wl.actor.weight_bytes() / tp
   free = cost.usable_bytes - weights - resident_bytes
-  need = weights + per_inst * (slot_cap * kv_tok_bytes + row_act) + resident_bytes
-  if wl.kv_at_max_prompt:  # and a migration's copy (below), beside the prefill's or instead
-    need += max(0.0, min(per_inst, wl.migration_rows or per_inst) * slot_cap * kv_tok_bytes
-                - per_inst * row_act)
+  slot_kv = slot_cap * kv_tok_bytes
+  need = (weights + per_inst * slot_kv + transient_bytes(wl, per_inst, row_act, slot_kv)
+          + resident_bytes)
   # An instance holds its whole share of the batch at the longest length at once (no waves,
   # no KV paged by the lengths reached): a cluster too small for that is refused.
   cost.check_fits(f"generation of {wl.actor.name}", need,
@@ -265,15 +264,9 @@ def gen_plan(cost: CostModel, wl: Workload, tp: int, prompt_lens: np.ndarray, ma
                   + (f" + {resident}" if resident and resident_bytes else "")
                   + "; the simulated engine holds an instance's whole share of the batch at the "
                   "longest length at once: more devices or a smaller global_batch fit")
-  if wl.kv_at_max_prompt:
-    # Every slot is prefilled (each costs its prompt's activations then), and a migration
-    # later copies up to migration_rows slots' rows beside the cache: the larger of the two.
-    slot_kv = slot_cap * kv_tok_bytes
-
-    def extra(s: int) -> float:
-      return max(s * row_act, min(s, wl.migration_rows or s) * slot_kv)
+  if wl.kv_at_max_prompt:  # every slot is prefilled, and takes a migration's rows
     s = int(free // (slot_kv + row_act)) if free > 0 else 0
-    while s > 0 and s * slot_kv + extra(s) > free:
+    while s > 0 and s * slot_kv + transient_bytes(wl, s, row_act, slot_kv) > free:
       s -= 1
     slots = max(per_inst, min(max_slots, s))
     pool = slots * slot_cap
@@ -282,6 +275,17 @@ def gen_plan(cost: CostModel, wl: Workload, tp: int, prompt_lens: np.ndarray, ma
     pool = int(rest // kv_tok_bytes) if rest > 0 else 0
     slots = max(per_inst, min(max_slots, pool // slot_cap))
   return GenPlan(tp=tp, num_instances=g, slots=slots, kv_capacity_tokens=pool)
+
+
+def transient_bytes(wl: Workload, rows: int, row_act: float, slot_kv: float) -> float:
+  """Per device, what an instance of `rows` slots holds beside its KV cache at some moment
+  (gen_plan, plan_search.plan_memory): the prefill's activations of its rows (`row_act` each)
+  and, for the trainer's engine (kv_at_max_prompt), at another moment a migration's copy of up
+  to migration_rows slots' cache (`slot_kv` each): the larger of the two."""
+  prefill = rows * row_act
+  if not wl.kv_at_max_prompt:
+    return prefill
+  return max(prefill, min(rows, wl.migration_rows or rows) * slot_kv)
 
 
 def inference_memory_parts(cost: CostModel, wl: Workload, tp: int, rows: int,

@@ -602,13 +602,13 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
     copy = gen["tp"] * gen["pp"]
     prefilled = -(-per // gen.get("groups", 1))  # a group at a time
   slot_kv = slot_cap * a.kv_bytes_per_token() / copy
-  transient = {"prefill activations": prefill_activation_bytes(
-      cost, a, gen["tp"], prefilled, slot_cap - wl.max_new_tokens)}
+  row_act = prefill_activation_bytes(cost, a, gen["tp"], 1, slot_cap - wl.max_new_tokens)
   if gen["mode"] == "instances" and wl.kv_at_max_prompt:  # the trainer's engine: or, at
     # another time, a migration's copy of its rows (iteration_sim.gen_plan)
-    moved = min(per, wl.migration_rows or per) * slot_kv
     transient = {"prefill activations or a migration's rows":
-                 max(transient["prefill activations"], moved)}
+                 it.transient_bytes(wl, per, row_act, slot_kv)}
+  else:
+    transient = {"prefill activations": prefilled * row_act}
   rows = [{"stage": "generation", "layout": GenerationPlan(**gen).describe(),
            "parts": {"weights": a.weight_bytes() / copy, "KV cache": per * slot_kv,
                      **transient, **kept_parts}}]
