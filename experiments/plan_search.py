@@ -369,6 +369,11 @@ def main(argv):
                    ("result.json", "plan.json", "plan_search.md", "lengths"))
   if spec:
     setting, wl, accept = trainer_setting(cfg, path, overrides, train_dict, workdir, run)
+    from rlhfuse_jax.trainer import sim_plan  # pylint: disable=import-outside-toplevel
+    cfg = dataclasses.replace(cfg, sim=sim_plan.sim_options(cfg.sim, run[1]))
+    if cfg.sim.offload_optimizer:
+      logging.info("the run's optim.offload_during_rollout=True: generation and inference are "
+                   "searched beside the trained models' weights, not their AdamW state")
   else:
     setting = cfg.settings()[0]
     wl = ablations.workload(cfg, setting)

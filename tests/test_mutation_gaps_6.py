@@ -598,6 +598,11 @@ def test_runnable_stops_at_top_k():
   from rlhfuse_jax.sim.cost_model import CostModel
   from rlhfuse_jax.sim.hardware import get_hardware
   cost = CostModel(get_hardware("h100_sxm"))
+  # (instances of tp4: at tp2 the three frozen 13B models do not fit beside the training state)
+  ok = {**ok, "generation": {**ok["generation"], "tp": 4, "slots": 8},
+        "inference": {"tp": 4, "pp": 1}}
+  assert ps.trainer_refusal(wl, ok) is None
+  assert ps._memory_refusal(cost, wl, opt, ok) is None  # pylint: disable=protected-access
   got = ps._runnable(cost, wl, opt, [ok] * 5, None, 2, {})  # pylint: disable=protected-access
   assert len(got) == 2
 

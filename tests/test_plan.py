@@ -1123,3 +1123,17 @@ def test_a_plan_sized_at_other_dtypes_is_warned_of(tmp_path):
   assert plan_workload_differences(plan, cfg) == [
       "actor weight_itemsize=2 bytes (this run's model.param_dtype='float32': 4)",
       "actor kv_itemsize=2 bytes (this run's model.dtype='float32': 4)"]
+
+
+def test_a_runs_offloaded_optimizer_state_is_not_kept_beside_generation():
+  """A run with optim.offload_during_rollout keeps its AdamW state in host memory while the
+  instances generate and score: the search of its plan (experiments/plan_search with a
+  train_config) keeps only the weights beside them (sim.offload_optimizer), the run's value
+  replacing the config's either way."""
+  c = ppo_tiny.get_config()
+  on = iteration_sim.SimOptions(offload_optimizer=True)
+  assert not sim_plan.sim_options(on, TrainConfig.from_config_dict(c)).offload_optimizer
+  c.optim.offload_during_rollout = True
+  got = sim_plan.sim_options(iteration_sim.SimOptions(), TrainConfig.from_config_dict(c))
+  assert got.offload_optimizer and got == dataclasses.replace(iteration_sim.SimOptions(),
+                                                             offload_optimizer=True)

@@ -1463,15 +1463,23 @@ def test_simulated_inference_activations_are_plan_checks_analytic_ones(generatio
       logits)
   inf = next(r for r in ps.plan_memory(cost, wl, opt, plan) if r["stage"] == "inference")
   assert inf["parts"]["activations"] == pytest.approx(want)
-  # Where it does not fit at the trainer's rows the search refuses the combination, naming them.
+  # Where it does not fit at the trainer's rows the search refuses the combination, naming them
+  # (the pipeline's prefill in 2 pp groups: with pp, its generation needs a little more than the
+  # inference, and is refused first).
+  if generation == "pipeline":
+    plan = {**plan, "generation": {**plan["generation"], "groups": 2 * plan["generation"]["pp"]}}
   need = inf["total"]
+  assert next(r for r in ps.plan_memory(cost, wl, opt, plan) if r["stage"] == "generation")[
+      "total"] < 0.99 * need
   small = CostModel(dataclasses.replace(cost.hw, hbm_bytes=need * 0.99 /
                                         cost.eff.memory_headroom))
   refused: dict = {}
   # pylint: disable-next=protected-access
   assert ps._runnable(small, wl, opt, [plan], None, 1, refused) == []
+  state = inf["parts"]["training state kept"]  # (the trainer keeps it beside its inference)
   assert list(refused) == [f"inference tp{plan['inference']['tp']} scoring the trainer's {rows} "
-                           "samples at once does not fit in memory"]
+                           f"samples at once beside {state / 2**30:.1f} GiB of training state "
+                           f"({ps._describe_train(plan['training'])}) does not fit in memory"]
 
 
 def test_simulated_inference_takes_the_runs_inference_micro_batch(tmp_path):
@@ -1497,19 +1505,22 @@ def test_simulated_inference_takes_the_runs_inference_micro_batch(tmp_path):
   # the run's value, from its config to plan.json's workload and back to train_ppo's check
   c = ppo_tiny.get_config()
   c.fusion.inference_micro_batch = 4
+  c.fusion.migration_rows = 3
   run = config_lib.TrainConfig.from_config_dict(c)
   task, tok = build.build_task_and_tokenizer(run)
   run = build.resolve_config(run, tok)
   wl = sim_plan.workload(run, task, tok, 8, str(tmp_path))[0]
   assert wl.inference_micro_batch == 4
   record = ps.workload_record(wl, "configs/ppo_tiny.py")
-  assert record["inference_micro_batch"] == 4
+  assert record["inference_micro_batch"] == 4 and record["migration_rows"] == 3
   assert "inference_micro_batch" not in ps.workload_record(wl)  # a pair's search: no run's
-  other = dataclasses.replace(run, fusion=dataclasses.replace(run.fusion,
-                                                              inference_micro_batch=0))
+  assert "migration_rows" not in ps.workload_record(wl)
+  other = dataclasses.replace(run, fusion=dataclasses.replace(
+      run.fusion, inference_micro_batch=0, migration_rows=8))
   assert config_lib.plan_workload_differences({"workload": record}, run) == []
   assert config_lib.plan_workload_differences({"workload": record}, other) == [
-      "inference_micro_batch=4 (this run's fusion.inference_micro_batch is 0)"]
+      "inference_micro_batch=4 (this run's fusion.inference_micro_batch is 0)",
+      "migration_rows=3 (this run's fusion.migration_rows is 8)"]
 
 
 def test_simulated_kv_cache_is_plan_checks_decode_cache():
@@ -1536,9 +1547,10 @@ def test_simulated_kv_cache_is_plan_checks_decode_cache():
   small = CostModel(dataclasses.replace(cost.hw, hbm_bytes=gen["total"] * 0.99 /
                                         cost.eff.memory_headroom))
   prompts, _ = wl.sample_lengths()
-  it.gen_plan(small, wl, 2, prompts, 16)  # the paper engines' cache fits
+  state = gen["parts"]["training state kept"]  # (beside it in both)
+  it.gen_plan(small, wl, 2, prompts, 16, state)  # the paper engines' cache fits
   with pytest.raises(ValueError, match="16 samples x 2048 tokens"):
-    it.gen_plan(small, ps.trainer_workload(wl), 2, prompts, 16)
+    it.gen_plan(small, ps.trainer_workload(wl), 2, prompts, 16, state)
 
 
 def test_simulated_activations_take_a_float32_runs_dtype():

@@ -14,7 +14,7 @@ import pytest
 from rlhfuse_jax.sim import iteration_sim as it
 from rlhfuse_jax.sim import plan_search as ps
 from rlhfuse_jax.sim import training_sim as train_lib
-from rlhfuse_jax.sim.cost_model import CostModel
+from rlhfuse_jax.sim.cost_model import GIB, CostModel
 from rlhfuse_jax.sim.hardware import get_hardware
 from rlhfuse_jax.sim.lengths import LengthSpec
 from rlhfuse_jax.sim.shapes import get_shape
@@ -663,7 +663,8 @@ def test_the_report_says_what_a_calibration_measured_and_where_each_default_come
 def test_no_plan_the_trainer_runs_lists_each_reason_with_its_count():
   """Every combination refused by the trainer's rules or checks: the error printed the dict of
   reasons on one line ("refused: {'disjoint training ...': 12, ...}"); each reason now comes
-  with its count, the most frequent first."""
+  with its count, the most frequent first (here also the combinations whose inference does not
+  fit beside their training plan's state, _memory_refusal, refused before `accept` sees them)."""
   wl = _small()
   reasons = iter(["first", "second", "second"] * 1000)
   with pytest.raises(ValueError) as e:
@@ -672,10 +673,15 @@ def test_no_plan_the_trainer_runs_lists_each_reason_with_its_count():
   head = (f"plan search: no plan of {wl.actor.name} + {wl.critic.name} on 16 devices that the "
           "trainer runs (")
   assert msg.startswith(head) and "{" not in msg, msg
-  got = re.fullmatch(r".*combinations refused\): (\d+) x (\w+); (\d+) x (\w+)", msg)
-  assert got and got.group(2, 4) == ("second", "first"), msg
-  assert int(got.group(1)) >= int(got.group(3)) and (
-      f"({int(got.group(1)) + int(got.group(3))} combinations refused)" in msg)
+  total, body = re.fullmatch(r".*\((\d+) combinations refused\): (.*)", msg).groups()
+  listed = [(int(n), why) for n, why in re.findall(r"(\d+) x ([^;]+)", body)]
+  assert [why for _, why in listed[:2]] == ["second", "first"], msg
+  counts = [n for n, _ in listed]
+  assert counts == sorted(counts, reverse=True) and counts[0] > counts[1], msg
+  assert sum(counts) == int(total), msg  # (fewer than 9 reasons: each listed)
+  assert all(re.fullmatch(r"inference tp\d .*beside [0-9.]+ GiB of training state \(colocated "
+                          r"tp\d Pa/Pc=\d+/\d+\) does not fit in memory", why)
+             for _, why in listed[2:]), msg
 
 
 def test_training_memory_is_sized_at_the_padded_rows_the_trainer_allocates():
@@ -747,12 +753,25 @@ def test_plan_memory_is_what_each_stage_check_allows(offload):
   gen, inf, train = plan["generation"], plan["inference"], plan["training"]
   kept = it.kept_frozen_bytes(wl, inf["tp"], opt)
   tplan = train_lib.TrainPlan(16, 16, train["tp"], train["actor_pp"], train["critic_pp"])
+  # Beside generation and inference, the training state: both models' bf16 weights and
+  # AdamW state (a float32 master copy and two moments, 12 bytes a parameter, ZeRO-1 over
+  # their data degree), as counted by hand.
+  assert a.optimizer_bytes_per_param() == 12.0
+  state = sum(shape.num_params() / (train["tp"] * pp) * (2 + 12 / dp)
+              for shape, pp, dp in ((a, train["actor_pp"], tplan.dp),
+                                    (wl.critic, train["critic_pp"],
+                                     tplan.dp * tplan.critic_replicas)))
+  assert rows["generation"]["parts"]["training state kept"] == pytest.approx(state)
+  assert rows["inference"]["parts"]["training state kept"] == pytest.approx(state)
   checks = {
       # (the trainer's KV slots: trainer_runnable sizes them at max_prompt_len + max_new_tokens)
       "generation": lambda c: it.gen_plan(c, ps.trainer_workload(wl), gen["tp"], prompts,
-                                          opt.max_slots, kept),
-      "inference": lambda c: it.check_inference_memory(c, wl, inf["tp"],
-                                                       ps.inference_rows(wl, opt, plan)),
+                                          opt.max_slots, kept + state),
+      # (the trainer's inference beside the state: its check on what the state leaves)
+      "inference": lambda c: it.check_inference_memory(
+          CostModel(dataclasses.replace(c.hw, hbm_bytes=c.hw.hbm_bytes -
+                                        state / c.eff.memory_headroom)),
+          wl, inf["tp"], ps.inference_rows(wl, opt, plan)),
       "training": lambda c: train_lib.step_costs(c, wl.actor, wl.critic, tplan, 164.0,
                                                  resident_bytes=kept,
                                                  padded_len=wl.padded_len,
@@ -766,9 +785,12 @@ def test_plan_memory_is_what_each_stage_check_allows(offload):
   more = {r["stage"]: r for r in ps.plan_memory(COST, wl, opt, other)}
   assert set(more) == {"generation", "inference", "training (actor)", "training (critic)"}
   rows["pipeline"] = more["generation"]
+  # (the disjoint placement's larger state: the actor's on its 8 devices, tp2 pp2 dp2)
+  disjoint = a.num_params() / 4 * (2 + 12 / 2)
+  assert more["generation"]["parts"]["training state kept"] == pytest.approx(disjoint)
   checks["pipeline"] = lambda c: ps.pipelined_generation(c, a, 16, 2, 4, 4, prompts,
-                                                         np.full(32, 100), 512, kept,
-                                                         wl.padded_len)
+                                                         np.full(32, 100), 512,
+                                                         kept + disjoint, wl.padded_len)
   for role, shape in (("actor", wl.actor), ("critic", wl.critic)):
     q = other["training"][role]
     want = COST.train_memory_parts(shape, q["tp"], q["pp"], q["dp"], True, wl.padded_len,
@@ -838,3 +860,51 @@ def test_no_plan_message_counts_each_rejected_plan_once():
   assert (f"Each of the {len(every)} rejected plans and why: the 'rejected' lines above "
           f"({len(rejected)}, one for each inference plan's frozen weights it was tried "
           "beside).") in str(e.value)
+
+
+def test_search_keeps_generation_and_inference_beside_the_training_state():
+  """The stages' candidates are searched beside the frozen weights only; the combination's
+  training plan also keeps both models' weights and AdamW state on the same devices between
+  steps (the trainer does, and so do the colocated systems: iteration_sim.train_state_bytes).
+  Until 2026-12-05 the search left it out and plan.json's generation and inference could need
+  more than the HBM. 13B models on 16 devices, the search held to inference at tp2 (39 GiB of
+  frozen weights a device) and two colocated training plans (`accept`): beside the 31.6 GiB of
+  state that tp2 Pa/Pc=8/1 keeps (the critic unpipelined on 8 replicas) it does not fit, and the
+  search skips those combinations for tp8 Pa/Pc=2/1's, which keep less; every stage of every
+  plan it returns fits with the state counted, and with sim.offload_optimizer (the moments in
+  host memory while the other stages run) the state kept is the weights."""
+  wl, opt = _small(), it.SimOptions(gen_tps=(1, 2, 4, 8))
+  layout = lambda t: (t.get("tp"), t.get("actor_pp"), t.get("critic_pp"))
+  res = ps.search(COST, wl, opt, top_k=3, accept=lambda p: None if (
+      p["inference"]["tp"] == 2 and layout(p["training"]) in ((2, 8, 1), (8, 2, 1)))
+                  else "other")
+  memory = {w: n for w, n in res["refused"].items() if w != "other"}
+  # (each refused before `accept` sees it: other layouts' too)
+  assert ("inference tp2 beside 31.6 GiB of training state (colocated tp2 Pa/Pc=8/1) does not "
+          "fit in memory") in memory, res["refused"]
+  assert all(re.fullmatch(r"inference tp2 beside [0-9.]+ GiB of training state \(colocated "
+                          r"tp\d Pa/Pc=\d/\d\) does not fit in memory", w) for w in memory)
+  trainer = ps.trainer_workload(wl)  # (as `accept` makes the search size it)
+  for plan in res["top"]:
+    assert plan["inference"]["tp"] == 2 and layout(plan["training"]) == (8, 2, 1)
+    rows = ps.plan_memory(COST, trainer, opt, plan)
+    assert all(r["total"] <= r["usable"] for r in rows), rows
+    state = rows[0]["parts"]["training state kept"]
+    assert state > 10 * GIB and rows[1]["parts"]["training state kept"] == state
+    # The papers' systems: beside their generation, not (as iteration_sim) their inference.
+    papers = ps.plan_memory(COST, wl, opt, plan)
+    assert papers[0]["parts"]["training state kept"] == state
+    assert "training state kept" not in papers[1]["parts"]
+    lean = ps.plan_memory(COST, trainer, dataclasses.replace(opt, offload_optimizer=True), plan)
+    t = plan["training"]
+    assert t["placement"] == "colocated"
+    weights = sum(s.num_params() * 2 / (t["tp"] * pp)
+                  for s, pp in ((wl.actor, t["actor_pp"]), (wl.critic, t["critic_pp"])))
+    assert lean[0]["parts"]["training state kept"] == pytest.approx(weights)
+  # An asynchronous split's generation group keeps no training state.
+  split = {**res["best"], "async": {"generation_devices": 8, "training_devices": 8,
+                                    "staleness": 1, "colocated": False},
+           "generation": {"mode": "instances", "tp": 4, "pp": 1, "groups": 1, "slots": 16},
+           "training": {"placement": "colocated", "devices": 8, "tp": 1, "actor_pp": 8,
+                        "critic_pp": 8}}
+  assert "training state kept" not in ps.plan_memory(COST, wl, opt, split)[0]["parts"]

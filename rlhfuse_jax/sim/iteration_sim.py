@@ -373,12 +373,16 @@ def train_state_bytes(cost: CostModel, wl: Workload, opt: SimOptions, tp: int) -
                                   padded_len=wl.padded_len, head_positions=wl.max_new_tokens)
   except ValueError:
     return 0.0
-  total = 0.0
-  for shape, pp, dp in ((wl.actor, plan.actor_pp, plan.dp),
-                        (wl.critic, plan.critic_pp, plan.dp * plan.critic_replicas)):
-    parts = cost.train_memory_parts(shape, plan.tp, pp, dp, True, 0.0, 0)
-    total += parts["weights"] + (0.0 if opt.offload_optimizer else parts["optimizer"])
-  return total
+  return sum(kept_state_bytes(cost.train_memory_parts(shape, plan.tp, pp, dp, True, 0.0, 0), opt)
+             for shape, pp, dp in ((wl.actor, plan.actor_pp, plan.dp),
+                                   (wl.critic, plan.critic_pp, plan.dp * plan.critic_replicas)))
+
+
+def kept_state_bytes(parts: dict, opt: SimOptions) -> float:
+  """Of one model's training memory (cost_model.train_memory_parts), what stays on its devices
+  between steps (train_state_bytes, plan_search.plan_memory): its weights and, unless
+  sim.offload_optimizer, its AdamW state (with any float32 master copy)."""
+  return parts["weights"] + (0.0 if opt.offload_optimizer else parts["optimizer"])
 
 
 def zero3_resident_bytes(wl: Workload) -> float:
@@ -424,6 +428,10 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
         plan = gen_plan(cost, wl, tp, prompts, opt.max_slots, kept + state,
                         "the training state" + (" and the frozen models' weights "
                                                 "(sim.offload_frozen=False)" if kept else ""))
+        # Not beside the training state (a known limit, docs/simulator.md): with it, 65B/33B's
+        # instances of tp4 (the 33B models' 52 heads rule out tp8) hold the three frozen
+        # models' 65 GB and 71.3 of the 67.1 GiB usable; the papers' systems give the frozen
+        # models layouts of their own, which these instances do not model.
         check_inference_memory(cost, wl, tp, opt.inference_microbatch)
     except ValueError as e:
       rejected[tp] = str(e)

@@ -18,7 +18,10 @@ the search is hierarchical: the outer level picks the training placement (coloca
 device split) and the generation mode, and with asynchronous PPO also the split of the devices
 into a generation and a training group (below); the inner level the degrees of each stage, each
 stage searched on its own (iteration time = reshard + generation + inference + training), and
-the top plans are the best combinations.
+the top plans are the best combinations that fit: their generation (and for the trainer's
+plans inference) beside the state their training plan keeps on the same devices between steps
+(both models' weights and AdamW state, the latter not with sim.offload_optimizer: plan_memory,
+_memory_refusal).
 
 The `uniform` plan is what one layout for every stage gives: a (tp, pp) grid whose generation is
 a plain pipeline (G = 1: each token passes all pp stages before the next starts), whose
@@ -377,7 +380,7 @@ def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict,
   its own; reward model: Workload.reward_shape) over the batch: `seq_lens`, prompt + response
   (the time); the memory check scores sim.inference_microbatch samples at once at
   wl.padded_len tokens (iteration_sim.inference_memory_parts; with sim.trainer_runnable the
-  trainer's rows are checked per plan: _trainer_inference_refusal)."""
+  trainer's rows are checked per plan: _memory_refusal)."""
   from rlhfuse_jax.sim import iteration_sim as it
   models, frozen = wl.frozen_models(models)
   out = []
@@ -579,7 +582,11 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   weights and one layer's activations of the rows it scores at once (inference_memory);
   training: each model's weights, gradients, optimizer state and in-flight activations at the
   trainer's padded rows (cost_model.train_memory_parts, training_sim.check_train_memory). With
-  sim.offload_frozen=False each row also holds the frozen weights kept on its devices."""
+  sim.offload_frozen=False each row also holds the frozen weights kept on its devices, and
+  generation (and for the trainer's plans, Workload.kv_at_max_prompt, inference), where
+  training shares their devices, the training state: both models' weights and AdamW state
+  (iteration_sim.kept_state_bytes; a disjoint placement's larger one), the search's
+  _memory_refusal."""
   from rlhfuse_jax.sim import iteration_sim as it
   if opt.trainer_runnable:
     wl = trainer_workload(wl)
@@ -609,11 +616,6 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
                  it.transient_bytes(wl, per, row_act, slot_kv)}
   else:
     transient = {"prefill activations": prefilled * row_act}
-  rows = [{"stage": "generation", "layout": GenerationPlan(**gen).describe(),
-           "parts": {"weights": a.weight_bytes() / copy, "KV cache": per * slot_kv,
-                     **transient, **kept_parts}}]
-  rows.append({"stage": "inference", "layout": InferencePlan(**inf).describe(),
-               "parts": inference_memory(cost, wl, opt, plan)})
   tokens = wl.micro_batch * wl.padded_len
   # The training group keeps no frozen weights when generation has its own devices.
   kept_train = kept_parts if g == n else {}
@@ -628,18 +630,33 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
                                      tplan.accumulates)]
     both = {k: parts[0].get(k, 0.0) + parts[1].get(k, 0.0)
             for k in dict.fromkeys([*parts[0], *parts[1]])}  # (the actor's logits alone)
-    rows.append({"stage": "training", "layout": _describe_train(train),
-                 "parts": {**both, **kept_train}})
+    trains = [{"stage": "training", "layout": _describe_train(train),
+               "parts": {**both, **kept_train}}]
+    state = sum(it.kept_state_bytes(p, opt) for p in parts)
   else:
+    trains, state = [], 0.0
     for role, shape in (("actor", a), ("critic", wl.critic)):
       q = train[role]
-      rows.append({"stage": f"training ({role})",
-                   "layout": f"{q['devices']} dev tp{q['tp']} pp{q['pp']} dp{q['dp']}",
-                   "parts": {**cost.train_memory_parts(shape, q["tp"], q["pp"], q["dp"], True,
-                                                       tokens, min(q["pp"], q["M"]),
-                                                       train_lib.accumulates(q["pp"], q["M"]),
-                                                       wl.micro_batch, wl.max_new_tokens),
-                             **kept_train}})
+      p = cost.train_memory_parts(shape, q["tp"], q["pp"], q["dp"], True, tokens,
+                                  min(q["pp"], q["M"]), train_lib.accumulates(q["pp"], q["M"]),
+                                  wl.micro_batch, wl.max_new_tokens)
+      trains.append({"stage": f"training ({role})",
+                     "layout": f"{q['devices']} dev tp{q['tp']} pp{q['pp']} dp{q['dp']}",
+                     "parts": {**p, **kept_train}})
+      state = max(state, it.kept_state_bytes(p, opt))  # each model on its own devices
+  # What training keeps between its steps stays on the devices while the other stages run
+  # there (iteration_sim.train_state_bytes): not on an asynchronous split's generation group.
+  # Beside the inference only for the trainer's plans (wl.kv_at_max_prompt: sim.trainer_runnable
+  # or a run's search), which keep it there; the papers' systems are checked as iteration_sim
+  # checks them, their inference without it (a known limit: docs/simulator.md).
+  # Until 2026-12-05 left out here: the search's combinations did not charge it.
+  kept_state = {"training state kept": state} if g == n and state else {}
+  rows = [{"stage": "generation", "layout": GenerationPlan(**gen).describe(),
+           "parts": {"weights": a.weight_bytes() / copy, "KV cache": per * slot_kv,
+                     **transient, **kept_parts, **kept_state}},
+          {"stage": "inference", "layout": InferencePlan(**inf).describe(),
+           "parts": {**inference_memory(cost, wl, opt, plan),
+                     **(kept_state if wl.kv_at_max_prompt else {})}}] + trains
   for r in rows:
     r["total"] = sum(r["parts"].values())
     r["usable"] = cost.usable_bytes
@@ -659,8 +676,9 @@ def workload_record(wl, train_config: str = "") -> dict:
   model's when it has its own (Workload.reward), the batch,
   mini-batch, epochs, max prompt and generation lengths, the devices, whether it runs a
   reference model (Workload.reference) and a reward model (Workload.reward_model); the
-  train_ppo config and its fusion.inference_micro_batch when one was given), so that a run of
-  another workload with it is warned of."""
+  train_ppo config, its fusion.inference_micro_batch and fusion.migration_rows when one was
+  given: they sized the inference's activations and the room a migration's rows take beside the
+  KV cache), so that a run of another workload with it is warned of."""
   roles = (("actor", wl.actor), ("critic", wl.critic)) + (
       (("reward", wl.reward),) if wl.reward_model and wl.reward is not None else ())
   out = {role: {"name": shape.name, **{f: getattr(shape, f) for f in WORKLOAD_MODEL_FIELDS}}
@@ -671,7 +689,7 @@ def workload_record(wl, train_config: str = "") -> dict:
   if train_config:  # and the run's inference micro-batch and optimizer state, which sized
     # its inference and training memory
     out.update(train_config=train_config, inference_micro_batch=wl.inference_micro_batch,
-               master_weights=wl.actor.master_weights)
+               migration_rows=wl.migration_rows, master_weights=wl.actor.master_weights)
   return out
 
 
@@ -759,27 +777,36 @@ def trainer_refusal(wl, plan: dict) -> Optional[str]:
   return None
 
 
-def _trainer_inference_refusal(cost: CostModel, wl, opt, plan: dict) -> Optional[str]:
-  """Why the inference of `plan` does not fit at the rows the trainer scores at once
-  (inference_rows: the search's inference candidates are checked at sim.inference_microbatch,
+def _memory_refusal(cost: CostModel, wl, opt, plan: dict) -> Optional[str]:
+  """Why the generation or inference of `plan` does not fit beside what the combination keeps
+  on their devices (plan_memory: the training state of its training plan, which the stages'
+  candidates are searched without, and with opt.trainer_runnable the rows the trainer scores at
+  once, inference_rows: the inference candidates are checked at sim.inference_microbatch,
   before the generation plan that decides them is known), or None."""
-  need = sum(inference_memory(cost, wl, opt, plan).values())
-  if need <= cost.usable_bytes:
-    return None
-  return (f"inference tp{plan['inference']['tp']} scoring the trainer's "
-          f"{inference_rows(wl, opt, plan)} samples at once does not fit in memory")
+  for row in plan_memory(cost, wl, opt, plan)[:2]:
+    if row["total"] <= row["usable"]:
+      continue
+    state = row["parts"].get("training state kept", 0.0)
+    what = f"{row['stage']} {row['layout']}"
+    if row["stage"] == "inference" and opt.trainer_runnable:
+      what += f" scoring the trainer's {inference_rows(wl, opt, plan)} samples at once"
+    return (what
+            + (f" beside {state / GIB:.1f} GiB of training state "
+               f"({_describe_train(plan['training'])})"
+               if state else "") + " does not fit in memory")
+  return None
 
 
 def _runnable(cost: CostModel, wl, opt, plans, accept: Optional[Callable[[dict], Optional[str]]],
               top_k: int, refused: dict) -> list[dict]:
   """The first `top_k` of `plans` (an iterable of plan dicts, fastest first) that
-  trainer_refusal and _trainer_inference_refusal (with opt.trainer_runnable) and `accept` let
-  through; the others counted in `refused` {reason: plans}."""
+  trainer_refusal (with opt.trainer_runnable), _memory_refusal and `accept` let through; the
+  others counted in `refused` {reason: plans}."""
   out = []
   for plan in plans:
     why = trainer_refusal(wl, plan) if opt.trainer_runnable else None
-    if why is None and opt.trainer_runnable:
-      why = _trainer_inference_refusal(cost, wl, opt, plan)
+    if why is None:
+      why = _memory_refusal(cost, wl, opt, plan)
     if why is None and accept is not None:
       why = accept(plan)
     if why is not None:
@@ -1027,21 +1054,21 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   if not every:
     raise ValueError(no_plan_message(cost, wl, rejected, infs, groups, kept_at, log))
   refused: dict = {}
-  if opt.trainer_runnable or accept is not None:
-    combos = sorted(every, key=_combo_s)
-    top = _runnable(cost, wl, opt, (_plan_dict(*c) for c in combos), accept, top_k, refused)
-    if not top:
-      # each reason on its own, the most frequent first (a dict's repr on one line, before)
-      raise ValueError(
-          f"plan search: no plan of {wl.actor.name} + {wl.critic.name} on {wl.num_devices} "
-          f"devices that the trainer runs ({sum(refused.values())} combinations refused): "
-          + "; ".join(f"{n} x {why}" for why, n in sorted(refused.items(),
-                                                            key=lambda x: -x[1])))
-  else:
-    # Every generation and training plan: a pair of the same layout pays no resharding, so
-    # plans outside their stage's top k may still make the best combination.
-    combos = sorted(every, key=_combo_s)[:top_k]
-    top = [_plan_dict(*c) for c in combos]
+  # Every generation and training plan: a pair of the same layout pays no resharding, so plans
+  # outside their stage's top k may still make the best combination. The fastest that fit
+  # beside the training plan's state (_memory_refusal) and, with opt.trainer_runnable or
+  # `accept`, that the trainer runs.
+  top = _runnable(cost, wl, opt, (_plan_dict(*c) for c in sorted(every, key=_combo_s)),
+                  accept, top_k, refused)
+  if not top:
+    # each reason on its own, the most frequent first (a dict's repr on one line, before)
+    whys = sorted(refused.items(), key=lambda x: -x[1])
+    raise ValueError(
+        f"plan search: no plan of {wl.actor.name} + {wl.critic.name} on {wl.num_devices} "
+        f"devices" + (" that the trainer runs" if opt.trainer_runnable or accept else "")
+        + f" ({sum(refused.values())} combinations refused): "
+        + "; ".join(f"{n} x {why}" for why, n in whys[:8])
+        + (f"; and {len(whys) - 8} other reasons" if len(whys) > 8 else ""))
   # The stage lists shown: those beside the best plan's inference.
   gens, trains = groups[kept_at[top[0]["inference"]["tp"]]]
   uniform = None

@@ -94,6 +94,14 @@ def workload(cfg: TrainConfig, task: Any, tokenizer: Any, num_devices: int, leng
   return wl, info
 
 
+def sim_options(opt: iteration_sim.SimOptions, cfg: TrainConfig) -> iteration_sim.SimOptions:
+  """The search's options `opt` for the run `cfg`: its optim.offload_during_rollout (the AdamW
+  state in host memory while generation and inference run) as sim.offload_optimizer, so that
+  only the weights are kept beside them (plan_search.plan_memory); the run's own value
+  replaces the config's, as its batches and lengths do."""
+  return dataclasses.replace(opt, offload_optimizer=bool(cfg.optim.offload_during_rollout))
+
+
 class PlanCheck:
   """plan dict -> why the trainer refuses to run `config_dict` with it as config.plan.file on
   `devices` (the message of its ValueError), or None: a plan_search `accept`. The plan is
