@@ -16,7 +16,9 @@ into the workdir:
                   searched for ("workload": actor and critic shapes, global_batch, minibatch,
                   epochs, max_prompt_len, max_new_tokens, num_devices, reference,
                   reward_model;
-                  train_config and its fusion.inference_micro_batch when given;
+                  train_config and its fusion.inference_micro_batch,
+                  fusion.migration_rows, optim.master_weights and
+                  optim.offload_during_rollout (offload_optimizer) when given;
                   train_ppo warns of a run whose workload differs)
   result.json     {"best", "top", "uniform", "async", "plan_json", "stages", "systems",
                   "search_s", "setting", "hardware", "efficiency", "plan_memory"};
@@ -24,11 +26,14 @@ into the workdir:
                   and async.predicted_iteration_s (with async.generation_devices,
                   training_devices, staleness, colocated) are the figures; plan_json says
                   which plan plan.json holds ("synchronous" or "asynchronous"); "refused":
-                  {why: synchronous combinations} the trainer would not run (with
-                  sim.trainer_runnable or train_config)
+                  {why: synchronous combinations} tried and skipped: a generation (or the
+                  trainer's inference) that does not fit beside its training plan's state,
+                  or one the trainer would not run (with sim.trainer_runnable or
+                  train_config)
   plan_search.md  the top plans with predicted stage times, the best uniform layout, the
                   memory per device of each stage of plan.json's plan (weights, gradients,
-                  optimizer state, activations or KV cache, frozen weights kept, against the
+                  optimizer state, activations or KV cache, frozen weights kept, the
+                  training state kept beside generation and inference, against the
                   usable HBM; result.json "plan_memory"), the
                   asynchronous plans and splits, the simulator's other systems on the same
                   setting, and the hardware's figures and assumed efficiencies (result.json's
@@ -154,8 +159,12 @@ def report(res: dict, systems: dict, setting: dict,
                  f"({setting['reward']['num_params'] / 1e6:.3g}M parameters)")
               + "; response lengths: "
               f"{setting['lengths']['response_lengths_from']}), restricted to plans the "
-              f"trainer runs: {sum(refused.values())} synchronous combinations refused, the "
-              "most often for:", ""]
+              f"trainer runs.", ""]
+  if res["refused"]:
+    refused = res["refused"]
+    lines += [f"{sum(refused.values())} synchronous combinations skipped (the trainer would "
+              "not run them, or a stage does not fit beside the training state), the most "
+              "often for:", ""]
     lines += [f"- {n} x {why}" for why, n in sorted(refused.items(), key=lambda x: -x[1])[:5]]
     lines += [""]
   lines += ["| rank | plan | reshard s | gen s | inference s | train s | iteration s |",
@@ -370,10 +379,14 @@ def main(argv):
   if spec:
     setting, wl, accept = trainer_setting(cfg, path, overrides, train_dict, workdir, run)
     from rlhfuse_jax.trainer import sim_plan  # pylint: disable=import-outside-toplevel
+    given = cfg.sim.offload_optimizer
     cfg = dataclasses.replace(cfg, sim=sim_plan.sim_options(cfg.sim, run[1]))
-    if cfg.sim.offload_optimizer:
-      logging.info("the run's optim.offload_during_rollout=True: generation and inference are "
-                   "searched beside the trained models' weights, not their AdamW state")
+    if cfg.sim.offload_optimizer != given or cfg.sim.offload_optimizer:
+      logging.info("sim.offload_optimizer=%s, the run's optim.offload_during_rollout%s: "
+                   "generation and inference are searched beside the trained models' weights%s",
+                   cfg.sim.offload_optimizer,
+                   "" if cfg.sim.offload_optimizer == given else f" (the config said {given})",
+                   "" if cfg.sim.offload_optimizer else " and AdamW state")
   else:
     setting = cfg.settings()[0]
     wl = ablations.workload(cfg, setting)
@@ -427,7 +440,7 @@ def main(argv):
   # what a calibration file measured (its ops replace the formulas), None without one
   calibration = cost.cal.describe() if cost.cal is not None else None
   # The workload it was searched for: train_ppo warns when a run's differs.
-  record = plan_search.workload_record(wl, spec)
+  record = plan_search.workload_record(wl, spec, cfg.sim)
   # A run's plan: its KV cache as the trainer allocates it (as the search sized it: accept).
   memory = plan_search.plan_memory(cost, plan_search.trainer_workload(wl) if spec else wl,
                                    cfg.sim, plan)

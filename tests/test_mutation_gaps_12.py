@@ -512,7 +512,9 @@ def test_plan_search_report_ranks_refusals_and_compares_the_uniform_layout():
   colocated asynchronous plan on all devices; only the splits that fit, counted."""
   lines = _python(_PLAN_REPORT)
   text = "\n".join(lines)
-  assert "restricted to plans the trainer runs: 22 synchronous combinations refused" in text
+  assert "restricted to plans the trainer runs." in text
+  assert "22 synchronous combinations skipped (the trainer would not run them, or a stage does " \
+      "not fit beside the training state), the most often for:" in text
   refusals = [line for line in lines if line.startswith("- ") and " x " in line]
   assert refusals == ["- 7 x b", "- 5 x e", "- 4 x f", "- 3 x c", "- 2 x d"]
   assert "The uniform layout is predicted faster than every per-stage combination (0.750x the " \

@@ -143,9 +143,10 @@ def prefill_activation_bytes(cost: CostModel, actor: ModelShape, tp: int, rows: 
 def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, tp: int, pp: int,
                          groups: int, prompts: np.ndarray, resp: np.ndarray,
                          max_new_tokens: int, resident_bytes: float = 0.0,
-                         slot_len: int = 0) -> dict:
+                         slot_len: int = 0, resident: str = "") -> dict:
   """Delayed inter-batch pipelined generation of one batch (module docstring), beside
-  `resident_bytes` per device of frozen weights (frozen_note), its KV slots `slot_len` tokens
+  `resident_bytes` per device of frozen weights (frozen_note; or of what `resident` names),
+  its KV slots `slot_len` tokens
   (0: the longest prompt + max_new_tokens; Workload.kv_slot_len). Returns {gen_s, prefill_s,
   decode_s, ticks, stage_busy_frac, replicas, samples_per_replica}."""
   if num_devices % (tp * pp):
@@ -165,7 +166,9 @@ def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, t
           + resident_bytes)
   cost.check_fits(f"pipelined generation of {actor.name}", need,
                   f"pp={pp} tp={tp}: a stage's weights + KV for {per_rep} samples + a group's "
-                  "prefill activations" + train_lib.frozen_note(resident_bytes))
+                  "prefill activations"
+                  + (f", beside {resident_bytes / GIB:.1f} GiB of {resident}"
+                     if resident and resident_bytes else train_lib.frozen_note(resident_bytes)))
   # [R, G, S]: sample of each (replica, group, position), -1 where empty.
   idx = np.full((reps * groups * per_group,), -1, dtype=np.int64)
   # Round-robin to replicas, then within a replica round-robin to groups.
@@ -209,12 +212,14 @@ def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, t
 
 
 def instance_generation(cost: CostModel, wl, opt, tp: int, prompts: np.ndarray,
-                        resp: np.ndarray, resident_bytes: float = 0.0) -> dict:
+                        resp: np.ndarray, resident_bytes: float = 0.0,
+                        resident: str = "the frozen reference and reward weights "
+                                        "(sim.offload_frozen=False)") -> dict:
   """Generation alone on instances of tp devices (no consolidation; inference is its own
-  stage here), beside `resident_bytes` per device of frozen weights: {gen_s, plan}."""
+  stage here), beside `resident_bytes` per device of frozen weights (or of what `resident`
+  names): {gen_s, plan}."""
   from rlhfuse_jax.sim import iteration_sim as it  # iteration_sim imports this module
-  plan = it.gen_plan(cost, wl, tp, prompts, opt.max_slots, resident_bytes,
-                     "the frozen reference and reward weights (sim.offload_frozen=False)")
+  plan = it.gen_plan(cost, wl, tp, prompts, opt.max_slots, resident_bytes, resident)
   res = gen_lib.simulate_generation(cost, wl.actor, wl.frozen_models()[1],
                                     it.gen_setup(plan, wl, opt, cost, False, None), prompts,
                                     resp)
@@ -479,7 +484,8 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
                        rejected: dict) -> list[Candidate]:
   """One (tp, pp) layout for every stage (module docstring); no resharding. With
   sim.offload_frozen=False the frozen reference and reward model stay in that layout through
-  generation and training."""
+  generation and training; generation fits beside the training state of that layout's
+  training plan too (until 2026-12-05 it did not count it)."""
   from rlhfuse_jax.sim import iteration_sim as it
   frozen = wl.frozen_models()[1]
   seq = (prompts + resp).astype(np.float64)
@@ -492,14 +498,21 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
     name = f"uniform tp{tp} pp{pp}"
     kept = it.kept_frozen_bytes(wl, tp * pp, opt)
     try:
+      plan = train_lib.TrainPlan(wl.num_devices, wl.minibatch, tp, pp, pp, wl.micro_batch)
+      # generation beside the training state too (plan_memory's "training state kept")
+      state = sum(it.kept_state_bytes(cost.train_memory_parts(s, tp, pp, dp, True, 0.0, 0), opt)
+                  for s, dp in ((wl.actor, plan.dp), (wl.critic, plan.dp * plan.critic_replicas)))
+      beside = "the training state" + (" and the frozen models' weights "
+                                         "(sim.offload_frozen=False)" if kept else "")
       if pp == 1:
-        gen = instance_generation(cost, wl, opt, tp, prompts, resp, kept)["gen_s"]
+        gen = instance_generation(cost, wl, opt, tp, prompts, resp, kept + state,
+                                  beside)["gen_s"]
       else:
         gen = pipelined_generation(cost, wl.actor, wl.num_devices, tp, pp, 1, prompts, resp,
-                                   wl.max_new_tokens, kept, wl.kv_slot_len(prompts))["gen_s"]
+                                   wl.max_new_tokens, kept + state, wl.kv_slot_len(prompts),
+                                   beside)["gen_s"]
       inf = inference_stage_s(cost, frozen, wl.num_devices, tp, pp, seq,
                               opt.inference_microbatch, opt.offload_frozen)
-      plan = train_lib.TrainPlan(wl.num_devices, wl.minibatch, tp, pp, pp, wl.micro_batch)
       costs = train_lib.step_costs(cost, wl.actor, wl.critic, plan, mean_len,
                                    resident_bytes=kept, padded_len=wl.padded_len,
                                    head_positions=wl.max_new_tokens)
@@ -671,14 +684,16 @@ WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads
                          "weight_itemsize", "kv_itemsize")
 
 
-def workload_record(wl, train_config: str = "") -> dict:
+def workload_record(wl, train_config: str = "", opt=None) -> dict:
   """plan.json's "workload": what the plan was searched for (the models' shapes, the reward
   model's when it has its own (Workload.reward), the batch,
   mini-batch, epochs, max prompt and generation lengths, the devices, whether it runs a
   reference model (Workload.reference) and a reward model (Workload.reward_model); the
   train_ppo config, its fusion.inference_micro_batch and fusion.migration_rows when one was
   given: they sized the inference's activations and the room a migration's rows take beside the
-  KV cache), so that a run of another workload with it is warned of."""
+  KV cache; with the search's options `opt`, offload_optimizer: the run's
+  optim.offload_during_rollout, which sized the training state kept beside generation), so
+  that a run of another workload with it is warned of."""
   roles = (("actor", wl.actor), ("critic", wl.critic)) + (
       (("reward", wl.reward),) if wl.reward_model and wl.reward is not None else ())
   out = {role: {"name": shape.name, **{f: getattr(shape, f) for f in WORKLOAD_MODEL_FIELDS}}
@@ -690,6 +705,8 @@ def workload_record(wl, train_config: str = "") -> dict:
     # its inference and training memory
     out.update(train_config=train_config, inference_micro_batch=wl.inference_micro_batch,
                migration_rows=wl.migration_rows, master_weights=wl.actor.master_weights)
+    if opt is not None:
+      out["offload_optimizer"] = bool(opt.offload_optimizer)
   return out
 
 
@@ -782,18 +799,20 @@ def _memory_refusal(cost: CostModel, wl, opt, plan: dict) -> Optional[str]:
   on their devices (plan_memory: the training state of its training plan, which the stages'
   candidates are searched without, and with opt.trainer_runnable the rows the trainer scores at
   once, inference_rows: the inference candidates are checked at sim.inference_microbatch,
-  before the generation plan that decides them is known), or None."""
+  before the generation plan that decides them is known), or None. The reason names the stage's
+  layout, not the training plan's, so that search's `refused` counts the combinations of one
+  stage plan together; it blames the state only where the stage fits without it."""
   for row in plan_memory(cost, wl, opt, plan)[:2]:
     if row["total"] <= row["usable"]:
       continue
-    state = row["parts"].get("training state kept", 0.0)
     what = f"{row['stage']} {row['layout']}"
     if row["stage"] == "inference" and opt.trainer_runnable:
       what += f" scoring the trainer's {inference_rows(wl, opt, plan)} samples at once"
-    return (what
-            + (f" beside {state / GIB:.1f} GiB of training state "
-               f"({_describe_train(plan['training'])})"
-               if state else "") + " does not fit in memory")
+    state = row["parts"].get("training state kept", 0.0)
+    if state and row["total"] - state <= row["usable"]:
+      return (f"{what} does not fit in memory beside its training plan's state (both models' "
+              "weights and AdamW state)")
+    return f"{what} does not fit in memory"
   return None
 
 
@@ -1015,7 +1034,7 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
            split_unit: int = 0,
            accept: Optional[Callable[[dict], Optional[str]]] = None) -> dict:
   """The hierarchical search (module docstring): {best, top, uniform, stages, rejected,
-  search_s, synchronous_search_s, evaluated, rejected_plans}. `best` and each of `top` hold
+  refused, search_s, synchronous_search_s, evaluated, rejected_plans}. `best` and each of `top` hold
   generation / inference / training plans and their predicted stage times; `uniform` the best
   single layout; `evaluated` counts the distinct stage plans (and uniform layouts) that fit,
   `rejected` the others by name, with why (one key for each inference plan's frozen weights a
@@ -1024,10 +1043,11 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   `staleness` k >= 1 also "async": async_search's result (asynchronous PPO, devices split into a
   generation and a training group in multiples of `split_unit`); search_s then covers both
   searches, synchronous_search_s the first.
-  With opt.trainer_runnable (trainer_refusal) or `accept` (a plan dict -> why a caller refuses
-  it, or None) the top plans are the fastest combinations both let through, synchronous and
-  asynchronous; "refused" counts the others by reason, and every generation plan's KV cache
-  is sized as the trainer allocates it (trainer_workload)."""
+  The top plans are the fastest combinations that fit beside their training plan's state
+  (_memory_refusal) and, with opt.trainer_runnable (trainer_refusal) or `accept` (a plan dict
+  -> why a caller refuses it, or None), that both let through, synchronous and asynchronous;
+  "refused" counts the other combinations tried by reason; with either, every generation
+  plan's KV cache is sized as the trainer allocates it (trainer_workload)."""
   t0 = time.time()
   if opt.trainer_runnable or accept is not None:
     wl = trainer_workload(wl)
@@ -1068,7 +1088,8 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
         f"devices" + (" that the trainer runs" if opt.trainer_runnable or accept else "")
         + f" ({sum(refused.values())} combinations refused): "
         + "; ".join(f"{n} x {why}" for why, n in whys[:8])
-        + (f"; and {len(whys) - 8} other reasons" if len(whys) > 8 else ""))
+        + (f"; and {len(whys) - 8} other reasons ({sum(n for _, n in whys[8:])} combinations)"
+           if len(whys) > 8 else ""))
   # The stage lists shown: those beside the best plan's inference.
   gens, trains = groups[kept_at[top[0]["inference"]["tp"]]]
   uniform = None

@@ -1039,6 +1039,7 @@ PLAN_WORKLOAD_RUN_FIELDS = {"global_batch": "rollout.batch_size",
                             # recorded for a run's plan (train_config) only
                             "inference_micro_batch": "fusion.inference_micro_batch",
                             "migration_rows": "fusion.migration_rows",
+                            "offload_optimizer": "optim.offload_during_rollout",
                             "master_weights": "optim.master_weights"}
 # The actor's and critic's fields it records (sim/plan_search.WORKLOAD_MODEL_FIELDS).
 PLAN_WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
