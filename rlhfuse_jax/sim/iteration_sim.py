@@ -373,6 +373,13 @@ def train_state_bytes(cost: CostModel, wl: Workload, opt: SimOptions, tp: int) -
                                   padded_len=wl.padded_len, head_positions=wl.max_new_tokens)
   except ValueError:
     return 0.0
+  return colocated_state_bytes(cost, wl, opt, plan)
+
+
+def colocated_state_bytes(cost: CostModel, wl: Workload, opt: SimOptions,
+                          plan: train_lib.TrainPlan) -> float:
+  """Per device, the actor's and critic's kept_state_bytes on the colocated training plan
+  `plan` (train_state_bytes, plan_search.uniform_candidates)."""
   return sum(kept_state_bytes(cost.train_memory_parts(shape, plan.tp, pp, dp, True, 0.0, 0), opt)
              for shape, pp, dp in ((wl.actor, plan.actor_pp, plan.dp),
                                    (wl.critic, plan.critic_pp, plan.dp * plan.critic_replicas)))

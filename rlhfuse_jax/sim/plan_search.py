@@ -500,8 +500,7 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
     try:
       plan = train_lib.TrainPlan(wl.num_devices, wl.minibatch, tp, pp, pp, wl.micro_batch)
       # generation beside the training state too (plan_memory's "training state kept")
-      state = sum(it.kept_state_bytes(cost.train_memory_parts(s, tp, pp, dp, True, 0.0, 0), opt)
-                  for s, dp in ((wl.actor, plan.dp), (wl.critic, plan.dp * plan.critic_replicas)))
+      state = it.colocated_state_bytes(cost, wl, opt, plan)
       beside = "the training state" + (" and the frozen models' weights "
                                          "(sim.offload_frozen=False)" if kept else "")
       if pp == 1:
