@@ -32,43 +32,45 @@ from tests.test_sim_validation import CAL, write_gen_bench
 
 def test_a_migration_waits_for_its_sources_chunk_and_holds_the_source_until_it_ends():
   """Two instances (10 ms decode steps, prefill 1000 tok/s, 1 GB/s migration, chunks of 4):
-  instance 0 prefills 101 tokens, instance 1 120, so instance 1's first chunk ends later
-  (0.16 s) than instance 0's (0.141 s, where Rt = 1 makes the host decide). Instance 0 keeps
-  the longer KV; instance 1's sample (60 + 4 KV tokens) moves once its chunk ended, and
+  instance 0 prefills 101 tokens, instance 1 120, so instance 1's prefill ends later (0.12 s)
+  than instance 0's (0.101 s, where Rt = 1 makes the host decide: as the engine, it checks
+  after the prefill too). Instance 0 keeps the longer KV; instance 1's sample (its 60 prompt
+  tokens: the next step writes the first response token's) moves once its prefill ended, and
   instance 1 scores nothing before its rows have left."""
   kv = get_shape("llama-7b").kv_bytes_per_token()
-  mig = 64 * kv / 1e9
+  mig = 60 * kv / 1e9
   res = run_generation(measured_cost(migration=1e9), [100, 60, 1, 60], [20, 20, 1, 1],
                        num_instances=2, slots=2, threshold=1.0, stream_inference=True)
   (c,) = res.consolidations
-  assert c["time_s"] == pytest.approx(0.141)
-  assert (c["kept_list"], c["released"], c["moved_bytes"]) == ([0], [1], 64 * kv)
+  assert c["time_s"] == pytest.approx(0.101)
+  assert (c["kept_list"], c["released"], c["moved_bytes"]) == ([0], [1], 60 * kv)
   segs = {(i, k): [] for i in (0, 1) for k in ("migrate", "inference")}
   for i, st, e, k in res.segments:
     if k in ("migrate", "inference"):
       segs[(i, k)].append((st, e))
   for i in (0, 1):
-    assert segs[(i, "migrate")] == [(pytest.approx(0.16), pytest.approx(0.16 + mig))]
+    assert segs[(i, "migrate")] == [(pytest.approx(0.12), pytest.approx(0.12 + mig))]
   # The released instance scores the two samples done at prefill (2 + 61 tokens at 500 tok/s)
   # once the migration is over, then the last two (120 + 80 tokens) after the tail.
-  gen_end = 0.16 + mig + 15 * 0.01  # 15 tokens left of 20 after the prefill and 4 steps
+  gen_end = 0.12 + mig + 19 * 0.01  # 19 tokens left of 20 after the prefill
   assert res.gen_end_s == pytest.approx(gen_end)
   assert segs[(1, "inference")] == [
-      (pytest.approx(0.16 + mig), pytest.approx(0.16 + mig + 63 / 500)),
+      (pytest.approx(0.12 + mig), pytest.approx(0.12 + mig + 63 / 500)),
       (pytest.approx(gen_end), pytest.approx(gen_end + 200 / 500))]
   assert segs[(0, "inference")] == []
 
 
 def test_two_samples_moving_to_one_instance_migrate_one_after_the_other():
-  """Instance 1 hands both its unfinished samples (30 + 4 KV tokens each) to instance 0: one
-  destination receives them in turn, so its migration takes the sum of the two moves."""
+  """Instance 1 hands both its unfinished samples (30 KV tokens each, after the prefill) to
+  instance 0: one destination receives them in turn, so its migration takes the sum of the two
+  moves."""
   kv = get_shape("llama-7b").kv_bytes_per_token()
-  mig = 68 * kv / 1e9
+  mig = 60 * kv / 1e9
   res = run_generation(measured_cost(migration=1e9), [100, 30, 1, 30, 1, 1],
                        [20, 20, 1, 20, 1, 1], num_instances=2, slots=3, threshold=1.0,
                        stream_inference=True)
   (c,) = res.consolidations
-  assert (c["moves"], c["moved_bytes"]) == (2, 68 * kv)
+  assert (c["moves"], c["moved_bytes"]) == (2, 60 * kv)
   assert c["migration_s"] == pytest.approx(mig)
   # Instance 0 (prefill of 102 tokens) receives them, then decodes uid 0's 19 tokens left.
   assert [(st, e) for i, st, e, k in res.segments if (i, k) == (0, "migrate")] == [

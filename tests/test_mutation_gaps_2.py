@@ -293,16 +293,17 @@ def test_a_decode_chunk_charges_each_step_for_its_live_rows_only():
 
 
 def test_simulated_migration_moves_the_kv_of_prompt_and_response():
-  # Round measured costs; samples 0, 1 finish at prefill, 2 and 3 sit on instances 0 and 1,
-  # so the consolidation after the first 4-step chunk moves one sample holding 100 prompt
-  # tokens and 5 response tokens (the engine's KV holds all but the newest: 104 positions).
+  # Round measured costs; sample 0 finishes at prefill and sample 1 in the first 4-step chunk,
+  # 2 and 3 sit on instances 0 and 1, so the consolidation after that chunk (not after the
+  # prefill: 3 unfinished > 0.5 * 4) moves one sample holding 100 prompt tokens and 5
+  # response tokens (the engine's KV holds all but the newest: 104 positions).
   cal = calibration.from_dict({
       "format": calibration.FORMAT, "device": "test", "devices_share_compute": False,
       "ops": {"decode_step": {"occupied_slots": [1, 64], "seconds": [0.01, 0.01]},
               "prefill": {"tokens_per_s": 1000.0}, "inference": {"tokens_per_s": 500.0},
               "migration": {"bytes_per_s": 1e12}}})
   cost = CostModel(get_hardware("h100_sxm"), calibration=cal)
-  res = _sim(cost, [100] * 4, [1, 1, 30, 30], num_instances=2, slots=2, threshold=0.5,
+  res = _sim(cost, [100] * 4, [1, 5, 30, 30], num_instances=2, slots=2, threshold=0.5,
              stream_inference=True)
   (c,) = res.consolidations
   assert c["moves"] == 1 and c["time_s"] == pytest.approx(0.2 + 4 * 0.01)

@@ -733,7 +733,7 @@ def test_every_plan_costs_the_sum_of_its_stages():
   from rlhfuse_jax.sim.hardware import get_hardware
   from tests.test_sim_plan_search import small_workload
   wl = small_workload()
-  res = ps.search(CostModel(get_hardware("h100_sxm")), wl, it.SimOptions(), top_k=200)
+  res = ps.search(CostModel(get_hardware("h100_sxm")), wl, it.SimOptions(), top_k=2000)
   assert any(p["predicted"]["reshard_s"] == 0.0 for p in res["top"])
   for p in res["top"]:
     q = p["predicted"]

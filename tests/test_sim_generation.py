@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 
 from rlhfuse_jax.policy import calibration
-from rlhfuse_jax.sim.cost_model import CostModel
+from rlhfuse_jax.sim.cost_model import CostModel, stage_cost
 from rlhfuse_jax.sim.generation_sim import GenSetup, choose_threshold, simulate_generation
 from rlhfuse_jax.sim.hardware import get_hardware
-from rlhfuse_jax.sim.shapes import get_shape
+from rlhfuse_jax.sim.shapes import get_shape, stage_shape
 
 SHAPE = get_shape("llama-7b")
 
@@ -75,6 +75,52 @@ def test_pure_tail_batch():
   assert fused.consolidations == []
   assert fused.gen_plus_inf_s == pytest.approx(gen_end + 110 / 500)
   assert fused.inference_overlap_frac > 0.4
+
+
+def test_a_tail_left_by_the_prefill_is_consolidated_before_any_decode():
+  # 8 samples on 4 instances (uid % 4); uids 0 and 1 need 40 tokens, the rest finish at
+  # prefill. Two unfinished <= 0.5 * 8 once the prefills end, so the host consolidates then, as
+  # the engine does at step 0, not after the first chunk.
+  cost = measured_cost(migration=1e12)
+  prompts, resp = [10] * 8, [40, 40] + [1] * 6
+  fused = run(cost, prompts, resp, num_instances=4, slots=2, threshold=0.5,
+              stream_inference=True)
+  [c] = fused.consolidations
+  assert c["time_s"] == pytest.approx(2 * 10 / 1000)  # every instance's prefill: 20 tokens
+  assert c["unfinished"] == 2 and c["kept"] == 1 and c["moves"] == 1
+  # Only the kept instance ever decodes: the other's sample moved before its first chunk.
+  decodes = {i for i, _, _, kind in fused.segments if kind == "decode"}
+  assert decodes == set(c["kept_list"])
+  # Rt = 1: the host consolidates at the first prefill end, with nothing finished there.
+  every = run(cost, [10] * 4, [40] * 4, num_instances=4, slots=2, threshold=1.0,
+              stream_inference=True)
+  [c] = every.consolidations
+  assert c["time_s"] == pytest.approx(10 / 1000) and c["unfinished"] == 4 and c["kept"] == 2
+
+
+def test_inference_on_a_pipeline_of_two_instances_by_hand():
+  """inference_pp=2: both instances form one unit, stage k of each micro-batch on instance k
+  after stage k-1, the next micro-batch entering stage 0 as soon as it is free."""
+  cost = measured_cost()
+  prompts, resp = [10] * 4, [1] * 4  # every sample finishes at prefill (20 tokens an instance)
+  res = run(cost, prompts, resp, num_instances=2, slots=2, inference_microbatch=2,
+            inference_pp=2)
+  stages = [stage_shape(SHAPE, 2)]
+  s = float(stage_cost(cost, "inference_s", stages, [SHAPE], 1, np.array([11, 11])))
+  # The measured 500 tok/s of the whole model, scaled by the formulas' stage share (one half:
+  # half the layers and half the vocabulary).
+  assert s == pytest.approx(22 / 500 / 2, rel=1e-6)
+  t0 = 2 * 10 / 1000
+  inf = sorted((i, b, e) for i, b, e, kind in res.segments if kind == "inference")
+  assert inf == pytest.approx([(0, t0, t0 + s), (0, t0 + s, t0 + 2 * s),
+                               (1, t0 + s, t0 + 2 * s), (1, t0 + 2 * s, t0 + 3 * s)])
+  assert res.gen_plus_inf_s == pytest.approx(t0 + 3 * s)
+  # One instance each (pp 1): the same work in two micro-batches side by side.
+  one = run(cost, prompts, resp, num_instances=2, slots=2, inference_microbatch=2)
+  assert one.gen_plus_inf_s == pytest.approx(t0 + 22 / 500)
+  with pytest.raises(ValueError, match=r"generation.inference_pp=3 must divide "
+                                       r"num_instances=2"):
+    run(cost, prompts, resp, num_instances=2, slots=2, inference_pp=3)
 
 
 def test_consolidation_moves_samples_and_frees_instances():

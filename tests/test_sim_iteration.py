@@ -262,10 +262,50 @@ def test_deepspeed_chat_generates_at_the_smallest_degree_beside_its_zero3_shards
   prefill = share * 34 * 8192 * prompt / 4
   free = cost.usable_bytes - wl.actor.weight_bytes() / 4 - resident - prefill
   assert g["plan"].kv_capacity_tokens == int(free // (wl.actor.kv_bytes_per_token() / 4))
-  # The instances' own inference (RLHFuse's generation stage) needs the larger degree.
+  # The instances' own inference (RLHFuse's generation stage) does not fit on one tp4
+  # instance beside the training state: at tp4 it runs on pipelines of several instances.
   with pytest.raises(ValueError, match=r"inference \(reference \+ critic \+ reward\) does "
                                        r"not fit .*tp=4"):
-    it.simulate_gen_stage(cost, wl, it.SimOptions(gen_tps=(4,)), False)
+    it.check_inference_memory(cost, wl, 4, 8)
+  assert it.simulate_gen_stage(cost, wl, it.SimOptions(gen_tps=(4,)), False)[
+      "plan"].inference_pp > 1
+
+
+def test_the_instances_inference_fits_beside_the_training_state_on_pipelines_of_them():
+  """65B/33B on 256 H100s: the 33B models' 52 heads rule out tp8, and a tp4 instance cannot
+  hold the reference, critic and reward model (65 GB) beside the training state that stays on
+  its devices. The papers' systems give the frozen models layouts of their own; the simulated
+  freed instances run inference as pipelines of the fewest instances whose stages fit (here
+  2), each instance loading its stage's share. Until 2026-12-05 (bl) this inference was not
+  checked beside the training state and ran on single tp4 instances that could not hold it."""
+  cost = CostModel(get_hardware("h100_sxm"))
+  wl = it.Workload(actor=get_shape("llama-65b"), critic=get_shape("llama-33b", "scalar"),
+                   max_new_tokens=1024)
+  opt = it.SimOptions()
+  g = it.simulate_gen_stage(cost, wl, opt, True)
+  assert (g["plan"].tp, g["plan"].inference_pp) == (4, 2)
+  state = it.train_state_bytes(cost, wl, opt, 4)
+  frozen = wl.frozen_models()[1]
+  weights = sum(s.weight_bytes() for s in frozen)
+  assert weights == pytest.approx(2 * (65.3e9 + 2 * 32.5e9), rel=0.02)  # bf16
+  with pytest.raises(ValueError, match=r"inference .* tp=4, 8 samples at once, beside "
+                                       r"[0-9.]+ GiB of the training state"):
+    it.check_inference_memory(cost, wl, 4, 8, resident_bytes=state, resident="the training state")
+  two = it.inference_memory_parts(cost, wl, 4, 8, pp=2)
+  assert two["weights"] == pytest.approx(weights / 8, rel=1e-3)  # over tp 4 x 2 stages
+  # The last stage still makes the whole LM head's logits.
+  assert two["logits"] == it.inference_memory_parts(cost, wl, 4, 8)["logits"]
+  assert sum(two.values()) + state <= cost.usable_bytes
+  assert it.inference_pp(cost, wl, 4, 64, opt, state, "the training state") == 2
+  # Each unit's two instances both run inference, one stage each.
+  res = g["result"]
+  inf = {i for i, _, _, kind in res.segments if kind == "inference"}
+  assert inf and all(i ^ 1 in inf for i in inf)
+  # Frozen models kept on the instances (sim.offload_frozen=False) are not split: one
+  # instance must hold them whole, and no unit is formed.
+  with pytest.raises(ValueError, match=r"beside [0-9.]+ GiB of the training state"):
+    it.inference_pp(cost, wl, 4, 64, dataclasses.replace(opt, offload_frozen=False), state,
+                    "the training state")
 
 
 def test_the_generation_stage_charges_only_the_frozen_models_the_run_has():

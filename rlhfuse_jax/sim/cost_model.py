@@ -176,7 +176,7 @@ class CostModel:
   def formulas(self) -> "CostModel":
     """This hardware and these efficiencies without the calibration: what scales a measured
     time from the layout it was measured at to another (train_stage_fwd_s;
-    plan_search.stage_cost)."""
+    stage_cost)."""
     if self.cal is None:
       return self
     if self._formulas is None:
@@ -187,7 +187,7 @@ class CostModel:
     """Whether the calibration's measured times of the whole measured model replace the
     formulas of `op` (decode_step_s: its decode_step table; prefill_s, inference_s: their
     rates): the times of that model only, which a pipeline stage of it scales
-    (plan_search.stage_cost)."""
+    (stage_cost)."""
     field = {"decode_step_s": "decode_step", "prefill_s": "prefill",
              "inference_s": "inference"}[op]
     return self.cal is not None and getattr(self.cal, field) is not None
@@ -488,6 +488,24 @@ class CostModel:
                          head_rows: float = 0.0, head_positions: float = 0.0) -> float:
     return sum(self.train_memory_parts(shape, tp, pp, dp, zero1, mb_tokens, inflight,
                                        accumulate, head_rows, head_positions).values())
+
+
+def stage_cost(cost: CostModel, op: str, stage, whole, *args):
+  """cost.<op>(stage, *args) of a pipeline stage (`whole`: the model or models it is a stage
+  of, in `stage`'s form). Where a calibration's measured times of the whole model replace op's
+  formulas (CostModel.measures), they are scaled by the formulas' ratio of the stage to the
+  whole model: taken as they are, each of a pp-stage pipeline's stages was charged the whole
+  model's decode step, prefill and inference (pipelined generation at pp 2 cost twice the
+  instances', 2026-12-05 review)."""
+  t = getattr(cost, op)(stage, *args)
+  if not cost.measures(op):
+    return t
+  f = cost.formulas()
+  part = np.asarray(getattr(f, op)(stage, *args), dtype=np.float64)
+  full = np.asarray(getattr(f, op)(whole, *args), dtype=np.float64)
+  scaled = np.asarray(t, dtype=np.float64) * np.divide(part, full, out=np.zeros_like(part),
+                                                        where=full > 0)
+  return float(scaled) if np.ndim(scaled) == 0 else scaled
 
 
 def decode_step_work(shape: ModelShape, batch, context_tokens):

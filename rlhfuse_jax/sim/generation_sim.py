@@ -7,11 +7,12 @@ a prefill (which samples the first token), then decode chunks of up to K steps; 
 sample finish only at the end of the chunk in which it finished. A decode step costs
 `CostModel.decode_step_s(rows still live, KV tokens they read)`.
 
-With consolidation (`threshold` = Rt not None): after every chunk the host calls the shared
-policy `rlhfuse_jax.policy.consolidation.plan_consolidation` on the instances' states (each
-unfinished sample counted at its current length plus `max_new_tokens - generated`); when it
-returns moves, each destination waits for its in-flight chunk and its sources' chunks, then
-receives the KV rows (`CostModel.kv_migration_s`), and the released instances leave generation.
+With consolidation (`threshold` = Rt not None): after the prefill and after every chunk the host
+calls the shared policy `rlhfuse_jax.policy.consolidation.plan_consolidation` on the instances'
+states (each unfinished sample counted at its current length plus `max_new_tokens -
+generated`); when it returns moves, each destination waits for its in-flight chunk and its
+sources' chunks, then receives the KV rows (`CostModel.kv_migration_s`), and the released
+instances leave generation.
 At most `max_consolidations` plans are executed.
 
 Inference (reference log-probs, reward, critic values) runs per micro-batch of finished samples.
@@ -37,8 +38,8 @@ import numpy as np
 
 from rlhfuse_jax.policy.consolidation import (InstanceState, SampleState, plan_consolidation,
                                               within_threshold)
-from rlhfuse_jax.sim.cost_model import CostModel, same_node
-from rlhfuse_jax.sim.shapes import ModelShape
+from rlhfuse_jax.sim.cost_model import CostModel, same_node, stage_cost
+from rlhfuse_jax.sim.shapes import ModelShape, stage_shape
 
 KINDS = ("prefill", "decode", "migrate", "load", "inference")
 
@@ -59,12 +60,20 @@ class GenSetup:
   offload_frozen: bool = False
   devices_share_compute: bool = False
   devices_per_node: int = 8  # for whether a migration crosses nodes
+  # Inference runs on units of this many consecutive instances, a forward pipeline of as many
+  # stages (each instance 1/inference_pp of the frozen models' layers): where the frozen
+  # models do not fit on one instance beside what stays there (iteration_sim.inference_pp).
+  inference_pp: int = 1
 
   def __post_init__(self):
     for f in ("num_instances", "slots", "tp", "chunk_steps", "max_new_tokens",
-              "inference_microbatch", "devices_per_node"):
+              "inference_microbatch", "devices_per_node", "inference_pp"):
       if getattr(self, f) < 1:
         raise ValueError(f"generation.{f}={getattr(self, f)} must be >= 1")
+    if self.num_instances % self.inference_pp:
+      raise ValueError(f"generation.inference_pp={self.inference_pp} must divide "
+                       f"num_instances={self.num_instances} (a unit of that many instances "
+                       "runs one inference pipeline)")
     if self.max_consolidations < 0:
       raise ValueError(f"generation.max_consolidations={self.max_consolidations} must be >= 0")
     if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
@@ -223,7 +232,7 @@ def _generate(cost: CostModel, actor: ModelShape, setup: GenSetup, clock: _Clock
   kv_bpt = actor.kv_bytes_per_token()
   heap = [(clock.t[i], i) for i in range(setup.num_instances)]
   heapq.heapify(heap)
-  due = None
+  due = _due_after_prefill(setup, clock, batch)
   while heap:
     t_now, i = heapq.heappop(heap)
     if not batch.active[i] or t_now != clock.t[i]:
@@ -243,6 +252,25 @@ def _generate(cost: CostModel, actor: ModelShape, setup: GenSetup, clock: _Clock
       heapq.heappush(heap, (end, i))
     if due is None and _consolidation_due(setup, batch):
       due = end
+
+
+def _due_after_prefill(setup: GenSetup, clock: _Clock, batch: _Batch) -> Optional[float]:
+  """When the host first plans a consolidation on seeing the prefills end, or None.
+
+  The engine's host checks the threshold after the prefill too, before any decode step
+  (generation/fused.py `_execute`, step 0): samples whose response is one token finish there,
+  and with Rt = 1 it consolidates then whatever finished. The host sees each instance's prefill
+  end as it happens (as it sees chunks end), so the decision falls at the first prefill end
+  after which at most Rt * B samples are unfinished; the last prefill end is one, as the count
+  only falls."""
+  if not _consolidation_due(setup, batch):
+    return None
+  ends = np.sort(clock.t)  # each instance's prefill end
+  for t in ends[:-1]:
+    if within_threshold(batch.size - int(np.sum(batch.finish <= t)), setup.threshold,
+                        batch.size):
+      return float(t)
+  return float(ends[-1])
 
 
 def _consolidation_due(setup: GenSetup, batch: _Batch) -> bool:
@@ -372,34 +400,47 @@ def _consolidate(cost: CostModel, setup: GenSetup, clock: _Clock, batch: _Batch,
 
 def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_at, gen_end
                         ) -> float:
-  """Greedy list scheduling of inference micro-batches; returns total inference busy time."""
-  g = setup.num_instances
+  """Greedy list scheduling of inference micro-batches on units of `inference_pp` instances;
+  returns total inference busy time (summed over the instances).
+
+  A unit starts when all its instances have left generation. With inference_pp > 1 it is a
+  forward pipeline: instance k of the unit runs stage k (shapes.stage_shape) of each
+  micro-batch after instance k-1 has, so consecutive micro-batches overlap and the unit takes
+  the next one once its first stage is free. The activations handed between stages (one
+  hidden vector a token) are not timed."""
+  g, pp = setup.num_instances, setup.inference_pp
+  units = [list(range(u * pp, (u + 1) * pp)) for u in range(g // pp)]
   avail = np.array([done_gen_at[i] if setup.stream_inference else gen_end for i in range(g)])
   avail = np.maximum(avail, clock.t)  # an instance's own work (e.g. a migration) ends first
   order = np.argsort(finish, kind="stable")  # samples by readiness
   ready_t = finish[order]
   nxt = 0
-  load_s = cost.weight_load_s(frozen, setup.tp) if setup.offload_frozen else 0.0
-  loaded = np.zeros(g, dtype=bool)
-  # Keyed by when the instance could start computing (after loading the frozen weights), so an
-  # instance that still has to load does not grab work a loaded one would finish sooner.
-  heap = [(avail[i] + load_s, i) for i in range(g)]
+  stages = list(frozen) if pp == 1 else [stage_shape(s, pp) for s in frozen]
+  # Each instance of a unit loads its stage's share: the weights over tp * pp devices.
+  load_s = cost.weight_load_s(frozen, setup.tp * pp) if setup.offload_frozen else 0.0
+  loaded = np.zeros(len(units), dtype=bool)
+  # Keyed by when the unit could start computing (after loading the frozen weights), so a
+  # unit that still has to load does not grab work a loaded one would finish sooner.
+  heap = [(max(avail[m] for m in unit) + load_s, u) for u, unit in enumerate(units)]
   heapq.heapify(heap)
   busy = 0.0
   while nxt < order.size:
-    t, i = heapq.heappop(heap)
-    if setup.offload_frozen and not loaded[i]:
-      t = clock.run(i, load_s, "load", not_before=t - load_s)
-      loaded[i] = True
+    t, u = heapq.heappop(heap)
+    if setup.offload_frozen and not loaded[u]:
+      t = max(clock.run(m, load_s, "load", not_before=t - load_s) for m in units[u])
+      loaded[u] = True
     t = max(t, ready_t[nxt])
     # Take every sample ready by t, up to a micro-batch.
     hi = int(np.searchsorted(ready_t, t, side="right"))
     take = order[nxt:min(hi, nxt + setup.inference_microbatch)]
     nxt += take.size
-    dur = float(cost.inference_s(frozen, setup.tp, seq_lens[take]))
-    end = clock.run(i, dur, "inference", not_before=t)
-    busy += dur
-    heapq.heappush(heap, (end, i))
+    dur = float(stage_cost(cost, "inference_s", stages, list(frozen), setup.tp, seq_lens[take]))
+    start, first_free = t, None
+    for m in units[u]:  # stage k after stage k-1
+      start = clock.run(m, dur, "inference", not_before=start)
+      first_free = start if first_free is None else first_free
+    busy += dur * pp
+    heapq.heappush(heap, (first_free, u))
   return busy
 
 

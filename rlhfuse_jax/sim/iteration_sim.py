@@ -58,9 +58,9 @@ import numpy as np
 from rlhfuse_jax.sim import generation_sim as gen_lib
 from rlhfuse_jax.sim import plan_search as plan_lib
 from rlhfuse_jax.sim import training_sim as train_lib
-from rlhfuse_jax.sim.cost_model import LOGITS_COPIES_SCORING, CostModel
+from rlhfuse_jax.sim.cost_model import GIB, LOGITS_COPIES_SCORING, CostModel
 from rlhfuse_jax.sim.lengths import LengthSpec
-from rlhfuse_jax.sim.shapes import ModelShape
+from rlhfuse_jax.sim.shapes import ModelShape, stage_shape
 
 SYSTEMS = ("deepspeed_chat_like", "realhf_like", "rlhfuse_base", "inter_stage", "intra_stage",
            "rlhfuse", "pipe_rlhf", "rlhfuse_planned", "pipe_rlhf_async")
@@ -225,6 +225,7 @@ class GenPlan:
   num_instances: int
   slots: int
   kv_capacity_tokens: int
+  inference_pp: int = 1  # instances a freed unit's inference pipeline spans (inference_pp)
 
 
 def gen_plan(cost: CostModel, wl: Workload, tp: int, prompt_lens: np.ndarray, max_slots: int,
@@ -289,8 +290,10 @@ def transient_bytes(wl: Workload, rows: int, row_act: float, slot_kv: float) -> 
 
 
 def inference_memory_parts(cost: CostModel, wl: Workload, tp: int, rows: int,
-                           frozen: Optional[tuple] = None) -> dict:
-  """Per device of an inference copy of tp devices, bytes: {"weights" (the frozen models,
+                           frozen: Optional[tuple] = None, pp: int = 1) -> dict:
+  """Per device of an inference copy of tp devices (with `pp` > 1, of each of its pipeline
+  stages: shapes.stage_shape's share of the weights, beside the whole LM head's logits the
+  last stage makes), bytes: {"weights" (the frozen models,
   default those the run scores with, Workload.frozen_models, over tp), "activations" (one
   layer's of the largest, they run one after the other, for `rows` samples at once at
   wl.padded_len tokens: the trainer's scoring programs take their rows right-padded to
@@ -301,9 +304,10 @@ def inference_memory_parts(cost: CostModel, wl: Workload, tp: int, rows: int,
   # (`is None`: an empty `frozen`, the asynchronous generation group of a run with neither a
   # reference nor a reward model, holds nothing; `or` charged it the default models)
   frozen = wl.frozen_models()[1] if frozen is None else frozen
+  stages = frozen if pp == 1 else tuple(stage_shape(s, pp) for s in frozen)
   tokens = rows * wl.padded_len
-  out = {"weights": sum(s.weight_bytes() for s in frozen) / tp,
-         "activations": max((cost.activation_bytes(s, tp, tokens, 1) for s in frozen),
+  out = {"weights": sum(s.weight_bytes() for s in stages) / tp,
+         "activations": max((cost.activation_bytes(s, tp, tokens, 1) for s in stages),
                             default=0.0)}
   # The reference's log-probs: its float32 logits at the response positions (cost_model
   # LOGITS_COPIES_SCORING), beside the last layer's activations at most.
@@ -316,12 +320,43 @@ def inference_memory_parts(cost: CostModel, wl: Workload, tp: int, rows: int,
 
 def check_inference_memory(cost: CostModel, wl: Workload, tp: int, microbatch: int,
                            frozen: Optional[tuple] = None,
-                           what: Optional[str] = None) -> None:
-  """inference_memory_parts of one micro-batch of `microbatch` samples against the usable
-  HBM; `what` names the models in the error (default: the run's, Workload.frozen_models)."""
+                           what: Optional[str] = None, pp: int = 1,
+                           resident_bytes: float = 0.0, resident: str = "") -> None:
+  """inference_memory_parts of one micro-batch of `microbatch` samples (on `pp` pipeline
+  stages), beside `resident_bytes` per device that stay there (named `resident`), against the
+  usable HBM; `what` names the models in the error (default: the run's,
+  Workload.frozen_models)."""
   what = " + ".join(wl.frozen_models()[0]) if what is None else what
-  need = sum(inference_memory_parts(cost, wl, tp, microbatch, frozen).values())
-  cost.check_fits(f"inference ({what})", need, f"tp={tp}, {microbatch} samples at once")
+  need = sum(inference_memory_parts(cost, wl, tp, microbatch, frozen, pp).values())
+  cost.check_fits(f"inference ({what})", need + resident_bytes,
+                  f"tp={tp}" + (f" x pp{pp}" if pp > 1 else "") +
+                  f", {microbatch} samples at once" +
+                  (f", beside {resident_bytes / GIB:.1f} GiB of {resident}"
+                   if resident and resident_bytes else ""))
+
+
+def inference_pp(cost: CostModel, wl: Workload, tp: int, num_instances: int, opt: "SimOptions",
+                 resident_bytes: float, resident: str) -> int:
+  """The fewest instances of `tp` devices a freed unit's inference pipeline spans (1, 2, 4 or
+  8; generation_sim.GenSetup.inference_pp) for the frozen models to fit beside
+  `resident_bytes` per device (the training state the colocated systems keep there): instances
+  of tp4 cannot hold 65B/33B's reference, reward model and critic (65 GB) beside it, and the
+  papers' systems give the frozen models layouts of their own (ReaLHF's per-model plans,
+  RLHFuse's per-stage parallel strategies). Only offloaded frozen models (sim.offload_frozen)
+  are split so, as they are loaded stage by stage onto the freed instances; resident ones stay
+  whole on each instance (frozen_resident_bytes). A ValueError names the largest tried."""
+  frozen = wl.frozen_models()[1]
+  err = None
+  for pp in ((1, 2, 4, 8) if opt.offload_frozen else (1,)):
+    if num_instances % pp or any(s.num_layers % pp for s in frozen):
+      continue
+    try:
+      check_inference_memory(cost, wl, tp, opt.inference_microbatch, pp=pp,
+                             resident_bytes=resident_bytes, resident=resident)
+      return pp
+    except ValueError as e:
+      err = e
+  raise err
 
 
 def gen_setup(plan: GenPlan, wl: Workload, opt: SimOptions, cost: CostModel, fused: bool,
@@ -331,7 +366,7 @@ def gen_setup(plan: GenPlan, wl: Workload, opt: SimOptions, cost: CostModel, fus
       chunk_steps=opt.chunk_steps, max_new_tokens=wl.max_new_tokens,
       threshold=threshold if fused else None, stream_inference=fused,
       inference_microbatch=opt.inference_microbatch, kv_capacity_tokens=plan.kv_capacity_tokens,
-      offload_frozen=opt.offload_frozen,
+      offload_frozen=opt.offload_frozen, inference_pp=plan.inference_pp,
       devices_share_compute=bool(cost.cal is not None and cost.cal.devices_share_compute),
       devices_per_node=cost.hw.devices_per_node)
 
@@ -435,11 +470,11 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
         plan = gen_plan(cost, wl, tp, prompts, opt.max_slots, kept + state,
                         "the training state" + (" and the frozen models' weights "
                                                 "(sim.offload_frozen=False)" if kept else ""))
-        # Not beside the training state (a known limit, docs/simulator.md): with it, 65B/33B's
-        # instances of tp4 (the 33B models' 52 heads rule out tp8) hold the three frozen
-        # models' 65 GB and 71.3 of the 67.1 GiB usable; the papers' systems give the frozen
-        # models layouts of their own, which these instances do not model.
-        check_inference_memory(cost, wl, tp, opt.inference_microbatch)
+        # Beside the training state (since 2026-12-05 (bl)): 65B/33B's instances of tp4 (the
+        # 33B models' 52 heads rule out tp8) cannot hold the three frozen models' 65 GB beside
+        # it, so their inference runs on pipelines of several instances.
+        plan = dataclasses.replace(plan, inference_pp=inference_pp(
+            cost, wl, tp, plan.num_instances, opt, state, "the training state"))
     except ValueError as e:
       rejected[tp] = str(e)
       continue

@@ -76,8 +76,8 @@ import numpy as np
 
 from rlhfuse_jax.sim import generation_sim as gen_lib
 from rlhfuse_jax.sim import training_sim as train_lib
-from rlhfuse_jax.sim.cost_model import GIB, CostModel, crossing_share
-from rlhfuse_jax.sim.shapes import ModelShape
+from rlhfuse_jax.sim.cost_model import GIB, CostModel, crossing_share, stage_cost
+from rlhfuse_jax.sim.shapes import ModelShape, stage_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,34 +101,6 @@ class InferencePlan:
 
   def describe(self) -> str:
     return f"tp{self.tp}" + (f" x pp{self.pp}" if self.pp > 1 else "")
-
-
-def stage_shape(shape: ModelShape, pp: int) -> ModelShape:
-  """One of pp equal pipeline stages of `shape`: L/pp layers, the embedding and head spread
-  evenly (vocab / pp), so pp stages hold the whole model's weights."""
-  if shape.num_layers % pp:
-    raise ValueError(f"pp={pp} must divide {shape.name}'s {shape.num_layers} layers")
-  return dataclasses.replace(shape, name=f"{shape.name}/pp{pp}",
-                             num_layers=shape.num_layers // pp,
-                             vocab_size=max(1, shape.vocab_size // pp))
-
-
-def stage_cost(cost: CostModel, op: str, stage, whole, *args):
-  """cost.<op>(stage, *args) of a pipeline stage (`whole`: the model or models it is a stage
-  of, in `stage`'s form). Where a calibration's measured times of the whole model replace op's
-  formulas (CostModel.measures), they are scaled by the formulas' ratio of the stage to the
-  whole model: taken as they are, each of a pp-stage pipeline's stages was charged the whole
-  model's decode step, prefill and inference (pipelined generation at pp 2 cost twice the
-  instances', 2026-12-05 review)."""
-  t = getattr(cost, op)(stage, *args)
-  if not cost.measures(op):
-    return t
-  f = cost.formulas()
-  part = np.asarray(getattr(f, op)(stage, *args), dtype=np.float64)
-  full = np.asarray(getattr(f, op)(whole, *args), dtype=np.float64)
-  scaled = np.asarray(t, dtype=np.float64) * np.divide(part, full, out=np.zeros_like(part),
-                                                        where=full > 0)
-  return float(scaled) if np.ndim(scaled) == 0 else scaled
 
 
 # ----------------------------------------------------------------------------- generation
@@ -381,28 +353,41 @@ def async_splits(cost: CostModel, num_devices: int, split_unit: int = 0) -> list
 
 def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict,
                          models: tuple = ("reference", "critic", "reward")) -> list[Candidate]:
-  """Inference plans (tp) for the forwards of `models` (reference: the actor's shape; critic
-  its own; reward model: Workload.reward_shape) over the batch: `seq_lens`, prompt + response
-  (the time); the memory check scores sim.inference_microbatch samples at once at
-  wl.padded_len tokens (iteration_sim.inference_memory_parts; with sim.trainer_runnable the
-  trainer's rows are checked per plan: _memory_refusal)."""
+  """Inference plans (tp, and pp: a forward pipeline of pp stages, shapes.stage_shape) for the
+  forwards of `models` (reference: the actor's shape; critic its own; reward model:
+  Workload.reward_shape) over the batch: `seq_lens`, prompt + response (the time); the memory
+  check scores sim.inference_microbatch samples at once at wl.padded_len tokens
+  (iteration_sim.inference_memory_parts; beside the training state, and with
+  sim.trainer_runnable at the trainer's rows, per plan: _memory_refusal). Pipelines (pp 2, 4)
+  only for offloaded frozen models (sim.offload_frozen; kept ones stay whole on their tp
+  devices: iteration_sim.kept_frozen_bytes) and not for the trainer's plans (it scores on the
+  generation instances: trainer_refusal); the papers' systems lay the frozen models out so
+  where they do not fit otherwise (since 2026-12-05 (bl): 65B/33B's three frozen models, 65 GB,
+  do not fit on 4 devices beside the training state, and 52 heads rule out tp8)."""
   from rlhfuse_jax.sim import iteration_sim as it
   models, frozen = wl.frozen_models(models)
+  trainer = opt.trainer_runnable or wl.kv_at_max_prompt  # (trainer_workload: a run's search)
+  pps = (1, 2, 4) if opt.offload_frozen and not trainer else (1,)
   out = []
-  for tp in (1, 2, 4, 8):
+  for tp, pp in itertools.product((1, 2, 4, 8), pps):
+    name = f"inference {InferencePlan(tp, pp).describe()}"
     why = (f"tp{tp} is more than a node's {cost.hw.devices_per_node} devices"
            if tp > cost.hw.devices_per_node else
            next(filter(None, (s.tensor_parallel_error(tp) for s in frozen)), None))
+    if why is None and pp > 1:
+      why = next((f"pp{pp} does not divide {s.name}'s {s.num_layers} layers" for s in frozen
+                  if s.num_layers % pp), None)
     if why:
-      rejected[f"inference tp{tp}"] = why
+      if pp == 1 or not why.startswith("tp"):  # (a tp reason once, not once per pp)
+        rejected[name] = why
       continue
     t = _fits(lambda: (it.check_inference_memory(cost, wl, tp, opt.inference_microbatch,
-                                                 frozen, " + ".join(models)),
-                       inference_stage_s(cost, frozen, wl.num_devices, tp, 1, seq_lens,
+                                                 frozen, " + ".join(models), pp),
+                       inference_stage_s(cost, frozen, wl.num_devices, tp, pp, seq_lens,
                                          opt.inference_microbatch, opt.offload_frozen))[1],
-              rejected, f"inference tp{tp}")
+              rejected, name)
     if t is not None:
-      out.append(Candidate(InferencePlan(tp), t, {"inf_s": t}))
+      out.append(Candidate(InferencePlan(tp, pp), t, {"inf_s": t}))
   return out
 
 
@@ -580,7 +565,8 @@ def inference_memory(cost: CostModel, wl, opt, plan: dict) -> dict:
             else ASYNC_GENERATION_FROZEN)
   frozen = wl.frozen_models(models)[1]
   return it.inference_memory_parts(cost, wl, plan["inference"]["tp"],
-                                   inference_rows(wl, opt, plan), frozen)
+                                   inference_rows(wl, opt, plan), frozen,
+                                   plan["inference"].get("pp", 1))
 
 
 def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
@@ -595,10 +581,9 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   training: each model's weights, gradients, optimizer state and in-flight activations at the
   trainer's padded rows (cost_model.train_memory_parts, training_sim.check_train_memory). With
   sim.offload_frozen=False each row also holds the frozen weights kept on its devices, and
-  generation (and for the trainer's plans, Workload.kv_at_max_prompt, inference), where
-  training shares their devices, the training state: both models' weights and AdamW state
-  (iteration_sim.kept_state_bytes; a disjoint placement's larger one), the search's
-  _memory_refusal."""
+  generation and inference, where training shares their devices, the training state: both
+  models' weights and AdamW state (iteration_sim.kept_state_bytes; a disjoint placement's
+  larger one), the search's _memory_refusal."""
   from rlhfuse_jax.sim import iteration_sim as it
   if opt.trainer_runnable:
     wl = trainer_workload(wl)
@@ -658,17 +643,14 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
       state = max(state, it.kept_state_bytes(p, opt))  # each model on its own devices
   # What training keeps between its steps stays on the devices while the other stages run
   # there (iteration_sim.train_state_bytes): not on an asynchronous split's generation group.
-  # Beside the inference only for the trainer's plans (wl.kv_at_max_prompt: sim.trainer_runnable
-  # or a run's search), which keep it there; the papers' systems are checked as iteration_sim
-  # checks them, their inference without it (a known limit: docs/simulator.md).
-  # Until 2026-12-05 left out here: the search's combinations did not charge it.
+  # Until 2026-12-05 left out here: the search's combinations did not charge it; until
+  # 2026-12-05 (bl) the inference was charged it only for the trainer's plans.
   kept_state = {"training state kept": state} if g == n and state else {}
   rows = [{"stage": "generation", "layout": GenerationPlan(**gen).describe(),
            "parts": {"weights": a.weight_bytes() / copy, "KV cache": per * slot_kv,
                      **transient, **kept_parts, **kept_state}},
           {"stage": "inference", "layout": InferencePlan(**inf).describe(),
-           "parts": {**inference_memory(cost, wl, opt, plan),
-                     **(kept_state if wl.kv_at_max_prompt else {})}}] + trains
+           "parts": {**inference_memory(cost, wl, opt, plan), **kept_state}}] + trains
   for r in rows:
     r["total"] = sum(r["parts"].values())
     r["usable"] = cost.usable_bytes

@@ -87,6 +87,9 @@ def setting_section(label: str, by: dict, systems: Sequence[str]) -> list[str]:
       gp = d["gen_plan"]
       bits.append(f"generation tp={gp['tp']} x {gp['num_instances']} instances, "
                   f"{gp['slots']} slots")
+      if gp.get("inference_pp", 1) > 1:
+        bits.append(f"inference on pipelines of {gp['inference_pp']} instances (the frozen "
+                    "models do not fit on one beside the training state)")
     if d.get("gen_tp"):
       bits.append(f"generation tp={d['gen_tp']} (smallest that fits)")
     if d.get("threshold") is not None:

@@ -153,6 +153,16 @@ class ModelShape:
     return {**dataclasses.asdict(self), "num_params": self.num_params()}
 
 
+def stage_shape(shape: ModelShape, pp: int) -> ModelShape:
+  """One of pp equal pipeline stages of `shape`: L/pp layers, the embedding and head spread
+  evenly (vocab / pp), so pp stages hold the whole model's weights."""
+  if shape.num_layers % pp:
+    raise ValueError(f"pp={pp} must divide {shape.name}'s {shape.num_layers} layers")
+  return dataclasses.replace(shape, name=f"{shape.name}/pp{pp}",
+                             num_layers=shape.num_layers // pp,
+                             vocab_size=max(1, shape.vocab_size // pp))
+
+
 def from_model_config(cfg: Any, name: str = "custom", dtypes: bool = False,
                       master_weights: Optional[bool] = None) -> ModelShape:
   """A ModelShape from a `rlhfuse_jax.models.llama.ModelConfig` (read by attribute name, so the
