@@ -26,8 +26,8 @@ into the workdir:
                   and async.predicted_iteration_s (with async.generation_devices,
                   training_devices, staleness, colocated) are the figures; plan_json says
                   which plan plan.json holds ("synchronous" or "asynchronous"); "refused":
-                  {why: synchronous combinations} tried and skipped: a generation (or the
-                  trainer's inference) that does not fit beside its training plan's state,
+                  {why: synchronous combinations} tried and skipped: a generation or
+                  inference that does not fit beside its training plan's state,
                   or one the trainer would not run (with sim.trainer_runnable or
                   train_config)
   plan_search.md  the top plans with predicted stage times, the best uniform layout, the

@@ -98,6 +98,68 @@ def test_a_tail_left_by_the_prefill_is_consolidated_before_any_decode():
   assert c["time_s"] == pytest.approx(10 / 1000) and c["unfinished"] == 4 and c["kept"] == 2
 
 
+def test_the_host_decides_at_the_first_prefill_or_chunk_end_within_rt():
+  """Prefills that end apart (20, 60 and 100 prompt tokens an instance at 1000 tok/s): the
+  count is within Rt * B = 3 once the second prefill has ended (uids 0, 3 and 4 done), not only
+  after the last one. And a chunk that ends before a later prefill can bring it there first:
+  the host decides then, not at that prefill's end."""
+  cost = measured_cost(migration=1e12)
+  res = run(cost, [10, 30, 50, 10, 30, 50], [1, 40, 40, 1, 1, 1], num_instances=3, slots=2,
+            threshold=0.5, stream_inference=True)
+  [c] = res.consolidations
+  assert c["time_s"] == pytest.approx(0.06) and c["moves"] == 1
+  # Two samples of 300 prompt tokens prefill until 0.6 s; the 3-token responses on instances 1
+  # and 2 finish in their first chunk, at 0.02 + 4 * 0.01 s, which leaves 5 = Rt * B unfinished.
+  res = run(cost, [10, 10, 10, 300, 10, 10, 10, 300], [200, 200, 200, 1, 1, 3, 3, 1],
+            num_instances=4, slots=2, threshold=5 / 8, stream_inference=True)
+  assert res.consolidations[0]["time_s"] == pytest.approx(0.06)
+
+
+def _loads_and_inference(res):
+  return sorted((kind, i, float(b), float(e)) for i, b, e, kind in res.segments
+                if kind in ("load", "inference"))
+
+
+def test_inference_units_form_as_instances_are_freed_and_load_their_stage():
+  """inference_pp=2 with offloaded frozen weights: the instances pair up in the order they
+  leave generation (0 and 1 first, whatever their numbers), each loads half the weights (over
+  tp * pp devices) as soon as it is free itself, and a unit computes once both have loaded."""
+  cost = CostModel(get_hardware("h100_sxm"), calibration=calibration.from_dict({
+      "format": calibration.FORMAT, "device": "test", "devices_share_compute": False,
+      "ops": {"decode_step": {"occupied_slots": [1, 64], "seconds": [0.01, 0.01]},
+              "prefill": {"tokens_per_s": 1000.0}, "inference": {"tokens_per_s": 500.0},
+              "weight_load": {"bytes_per_s": 1e12}}}))
+  load = cost.weight_load_s([SHAPE], 2)
+  assert load == pytest.approx(cost.weight_load_s([SHAPE], 1) / 2)
+  stage = lambda lens: float(stage_cost(cost, "inference_s", [stage_shape(SHAPE, 2)], [SHAPE],
+                                        1, np.array(lens)))
+  # Instance 1's sample decodes 16 steps (until 0.17 s); instances 0, 2 and 3 are free at
+  # 0.01 s, so 0 and 2 form the first unit and 3 waits for 1.
+  res = run(cost, [10] * 4, [1, 17, 1, 1], num_instances=4, slots=1, inference_microbatch=8,
+            inference_pp=2, stream_inference=True, offload_frozen=True)
+  s1, s2 = stage([11, 11, 11]), stage([27])
+  t0 = 0.01 + load
+  assert _loads_and_inference(res) == [
+      ("inference", 0, pytest.approx(t0), pytest.approx(t0 + s1)),
+      ("inference", 0, pytest.approx(0.17), pytest.approx(0.17 + s2)),
+      ("inference", 2, pytest.approx(t0 + s1), pytest.approx(t0 + 2 * s1)),
+      ("inference", 2, pytest.approx(0.17 + s2), pytest.approx(0.17 + 2 * s2)),
+      ("load", 0, pytest.approx(0.01), pytest.approx(t0)),
+      ("load", 2, pytest.approx(0.01), pytest.approx(t0))]
+  # Half of the inference work ran during the tail.
+  assert res.inference_overlap_frac == pytest.approx(2 * s1 / (2 * s1 + 2 * s2))
+  # A unit whose instances are free at different times: each loads when it is free, and the
+  # unit computes after the later load.
+  res = run(cost, [10] * 2, [1, 9], num_instances=2, slots=1, inference_pp=2,
+            stream_inference=True, offload_frozen=True)
+  s = stage([11, 19])
+  assert _loads_and_inference(res) == [
+      ("inference", 0, pytest.approx(0.09 + load), pytest.approx(0.09 + load + s)),
+      ("inference", 1, pytest.approx(0.09 + load + s), pytest.approx(0.09 + load + 2 * s)),
+      ("load", 0, pytest.approx(0.01), pytest.approx(0.01 + load)),
+      ("load", 1, pytest.approx(0.09), pytest.approx(0.09 + load))]
+
+
 def test_inference_on_a_pipeline_of_two_instances_by_hand():
   """inference_pp=2: both instances form one unit, stage k of each micro-batch on instance k
   after stage k-1, the next micro-batch entering stage 0 as soon as it is free."""

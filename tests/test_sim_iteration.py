@@ -297,10 +297,14 @@ def test_the_instances_inference_fits_beside_the_training_state_on_pipelines_of_
   assert two["logits"] == it.inference_memory_parts(cost, wl, 4, 8)["logits"]
   assert sum(two.values()) + state <= cost.usable_bytes
   assert it.inference_pp(cost, wl, 4, 64, opt, state, "the training state") == 2
-  # Each unit's two instances both run inference, one stage each.
+  # The instances of a unit both run inference, one stage each, after loading half the
+  # offloaded weights a device.
   res = g["result"]
   inf = {i for i, _, _, kind in res.segments if kind == "inference"}
-  assert inf and all(i ^ 1 in inf for i in inf)
+  assert inf and len(inf) % 2 == 0
+  loads = [(i, e - b) for i, b, e, kind in res.segments if kind == "load"]
+  assert {i for i, _ in loads} == inf
+  assert all(d == pytest.approx(cost.weight_load_s(frozen, 8)) for _, d in loads)
   # Frozen models kept on the instances (sim.offload_frozen=False) are not split: one
   # instance must hold them whole, and no unit is formed.
   with pytest.raises(ValueError, match=r"beside [0-9.]+ GiB of the training state"):

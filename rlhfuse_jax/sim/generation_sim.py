@@ -250,7 +250,9 @@ def _generate(cost: CostModel, actor: ModelShape, setup: GenSetup, clock: _Clock
       continue
     if batch.active[i]:
       heapq.heappush(heap, (end, i))
-    if due is None and _consolidation_due(setup, batch):
+    # (A chunk may bring the count within Rt before a later prefill end the host would
+    # otherwise have waited for: _due_after_prefill.)
+    if _consolidation_due(setup, batch) and (due is None or end < due):
       due = end
 
 
@@ -258,11 +260,12 @@ def _due_after_prefill(setup: GenSetup, clock: _Clock, batch: _Batch) -> Optiona
   """When the host first plans a consolidation on seeing the prefills end, or None.
 
   The engine's host checks the threshold after the prefill too, before any decode step
-  (generation/fused.py `_execute`, step 0): samples whose response is one token finish there,
-  and with Rt = 1 it consolidates then whatever finished. The host sees each instance's prefill
-  end as it happens (as it sees chunks end), so the decision falls at the first prefill end
-  after which at most Rt * B samples are unfinished; the last prefill end is one, as the count
-  only falls."""
+  (generation/fused.py `_execute`, step 0, once it has read every instance's prefill):
+  samples whose response is one token finish there, and with Rt = 1 it consolidates then
+  whatever finished. The simulated host sees each instance's prefill end as it happens, as it
+  sees each chunk end (the engine's instances run in lockstep; the simulated ones do not), so
+  the decision falls at the first prefill end after which at most Rt * B samples are
+  unfinished; the last prefill end is one, as the count only falls."""
   if not _consolidation_due(setup, batch):
     return None
   ends = np.sort(clock.t)  # each instance's prefill end
@@ -403,15 +406,19 @@ def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_a
   """Greedy list scheduling of inference micro-batches on units of `inference_pp` instances;
   returns total inference busy time (summed over the instances).
 
-  A unit starts when all its instances have left generation. With inference_pp > 1 it is a
-  forward pipeline: instance k of the unit runs stage k (shapes.stage_shape) of each
-  micro-batch after instance k-1 has, so consecutive micro-batches overlap and the unit takes
-  the next one once its first stage is free. The activations handed between stages (one
-  hidden vector a token) are not timed."""
+  With inference_pp > 1 a unit is a forward pipeline: instance k of the unit runs stage k
+  (shapes.stage_shape) of each micro-batch after instance k-1 has, so consecutive micro-batches
+  overlap and the unit takes the next one once its first stage is free. Units are formed in
+  the order the instances become free (the first pp, the next pp, ...; fixed pairs of
+  neighbours kept a pair idle beside each instance a consolidation kept), each instance loads
+  its stage's weights as soon as it is free itself, and a unit computes once all its
+  instances have. The activations handed between stages (one hidden vector a token) are not
+  timed."""
   g, pp = setup.num_instances, setup.inference_pp
-  units = [list(range(u * pp, (u + 1) * pp)) for u in range(g // pp)]
   avail = np.array([done_gen_at[i] if setup.stream_inference else gen_end for i in range(g)])
   avail = np.maximum(avail, clock.t)  # an instance's own work (e.g. a migration) ends first
+  free_order = np.argsort(avail, kind="stable") if pp > 1 else np.arange(g)
+  units = [[int(i) for i in free_order[u * pp:(u + 1) * pp]] for u in range(g // pp)]
   order = np.argsort(finish, kind="stable")  # samples by readiness
   ready_t = finish[order]
   nxt = 0
@@ -427,7 +434,7 @@ def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_a
   while nxt < order.size:
     t, u = heapq.heappop(heap)
     if setup.offload_frozen and not loaded[u]:
-      t = max(clock.run(m, load_s, "load", not_before=t - load_s) for m in units[u])
+      t = max(clock.run(m, load_s, "load", not_before=avail[m]) for m in units[u])
       loaded[u] = True
     t = max(t, ready_t[nxt])
     # Take every sample ready by t, up to a micro-batch.

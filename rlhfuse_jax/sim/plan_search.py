@@ -470,7 +470,8 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
   """One (tp, pp) layout for every stage (module docstring); no resharding. With
   sim.offload_frozen=False the frozen reference and reward model stay in that layout through
   generation and training; generation fits beside the training state of that layout's
-  training plan too (until 2026-12-05 it did not count it)."""
+  training plan too (until 2026-12-05 it did not count it), and so does its inference (its
+  pp stages; until 2026-12-05 (bl) not checked)."""
   from rlhfuse_jax.sim import iteration_sim as it
   frozen = wl.frozen_models()[1]
   seq = (prompts + resp).astype(np.float64)
@@ -495,6 +496,8 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
         gen = pipelined_generation(cost, wl.actor, wl.num_devices, tp, pp, 1, prompts, resp,
                                    wl.max_new_tokens, kept + state, wl.kv_slot_len(prompts),
                                    beside)["gen_s"]
+      it.check_inference_memory(cost, wl, tp, opt.inference_microbatch, pp=pp,
+                                resident_bytes=state, resident="the training state")
       inf = inference_stage_s(cost, frozen, wl.num_devices, tp, pp, seq,
                               opt.inference_microbatch, opt.offload_frozen)
       costs = train_lib.step_costs(cost, wl.actor, wl.critic, plan, mean_len,
