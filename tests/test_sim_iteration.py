@@ -292,7 +292,12 @@ def test_the_instances_inference_fits_beside_the_training_state_on_pipelines_of_
                                        r"[0-9.]+ GiB of the training state"):
     it.check_inference_memory(cost, wl, 4, 8, resident_bytes=state, resident="the training state")
   two = it.inference_memory_parts(cost, wl, 4, 8, pp=2)
-  assert two["weights"] == pytest.approx(weights / 8, rel=1e-3)  # over tp 4 x 2 stages
+  # The heaviest stage is the first: half of every model's layers and all three embeddings
+  # (the last holds the reference's LM head beside its half), over tp 4.
+  embeds = sum(2 * s.vocab_size * s.hidden_size for s in frozen)
+  lm_head = 2 * wl.actor.vocab_size * wl.actor.hidden_size
+  assert two["weights"] == pytest.approx(((weights - embeds - lm_head) / 2 + embeds) / 4)
+  assert two["weights"] > weights / 8
   # The last stage still makes the whole LM head's logits.
   assert two["logits"] == it.inference_memory_parts(cost, wl, 4, 8)["logits"]
   assert sum(two.values()) + state <= cost.usable_bytes
@@ -310,6 +315,24 @@ def test_the_instances_inference_fits_beside_the_training_state_on_pipelines_of_
   with pytest.raises(ValueError, match=r"beside [0-9.]+ GiB of the training state"):
     it.inference_pp(cost, wl, 4, 64, dataclasses.replace(opt, offload_frozen=False), state,
                     "the training state")
+
+
+def test_the_heaviest_pipeline_stage_holds_the_embeddings_or_the_lm_head():
+  """shapes.heaviest_stage_weight_bytes: each stage holds 1/pp of the layers; the first the
+  embedding, the last the LM head, and with tied embeddings a copy of its own."""
+  from rlhfuse_jax.sim.shapes import heaviest_stage_weight_bytes
+  lm = get_shape("llama-7b")
+  e = 2 * lm.vocab_size * lm.hidden_size  # bf16
+  assert heaviest_stage_weight_bytes([lm], 2) == pytest.approx((lm.weight_bytes() - 2 * e) / 2
+                                                               + e)
+  tied = dataclasses.replace(lm, tie_embeddings=True)
+  assert heaviest_stage_weight_bytes([tied], 4) == pytest.approx(
+      (tied.weight_bytes() - e) / 4 + e)
+  critic = lm.as_critic()  # the first stage, with the embedding, is the heavier
+  assert heaviest_stage_weight_bytes([critic], 2) == pytest.approx(
+      (critic.weight_bytes() - e) / 2 + e)
+  assert heaviest_stage_weight_bytes([lm, critic], 2) == pytest.approx(
+      (lm.weight_bytes() + critic.weight_bytes() - 3 * e) / 2 + 2 * e)
 
 
 def test_the_generation_stage_charges_only_the_frozen_models_the_run_has():

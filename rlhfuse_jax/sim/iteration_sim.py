@@ -60,7 +60,7 @@ from rlhfuse_jax.sim import plan_search as plan_lib
 from rlhfuse_jax.sim import training_sim as train_lib
 from rlhfuse_jax.sim.cost_model import GIB, LOGITS_COPIES_SCORING, CostModel
 from rlhfuse_jax.sim.lengths import LengthSpec
-from rlhfuse_jax.sim.shapes import ModelShape, stage_shape
+from rlhfuse_jax.sim.shapes import ModelShape, heaviest_stage_weight_bytes, stage_shape
 
 SYSTEMS = ("deepspeed_chat_like", "realhf_like", "rlhfuse_base", "inter_stage", "intra_stage",
            "rlhfuse", "pipe_rlhf", "rlhfuse_planned", "pipe_rlhf_async")
@@ -291,9 +291,9 @@ def transient_bytes(wl: Workload, rows: int, row_act: float, slot_kv: float) -> 
 
 def inference_memory_parts(cost: CostModel, wl: Workload, tp: int, rows: int,
                            frozen: Optional[tuple] = None, pp: int = 1) -> dict:
-  """Per device of an inference copy of tp devices (with `pp` > 1, of each of its pipeline
-  stages: shapes.stage_shape's share of the weights, beside the whole LM head's logits the
-  last stage makes), bytes: {"weights" (the frozen models,
+  """Per device of an inference copy of tp devices (with `pp` > 1, of the heaviest of its
+  pipeline stages: shapes.heaviest_stage_weight_bytes, one stage's activations, and the whole
+  LM head's logits the last stage makes), bytes: {"weights" (the frozen models,
   default those the run scores with, Workload.frozen_models, over tp), "activations" (one
   layer's of the largest, they run one after the other, for `rows` samples at once at
   wl.padded_len tokens: the trainer's scoring programs take their rows right-padded to
@@ -306,7 +306,8 @@ def inference_memory_parts(cost: CostModel, wl: Workload, tp: int, rows: int,
   frozen = wl.frozen_models()[1] if frozen is None else frozen
   stages = frozen if pp == 1 else tuple(stage_shape(s, pp) for s in frozen)
   tokens = rows * wl.padded_len
-  out = {"weights": sum(s.weight_bytes() for s in stages) / tp,
+  out = {"weights": (sum(s.weight_bytes() for s in frozen) if pp == 1 else
+                     heaviest_stage_weight_bytes(frozen, pp)) / tp,
          "activations": max((cost.activation_bytes(s, tp, tokens, 1) for s in stages),
                             default=0.0)}
   # The reference's log-probs: its float32 logits at the response positions (cost_model

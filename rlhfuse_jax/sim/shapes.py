@@ -163,6 +163,23 @@ def stage_shape(shape: ModelShape, pp: int) -> ModelShape:
                              vocab_size=max(1, shape.vocab_size // pp))
 
 
+def heaviest_stage_weight_bytes(shapes, pp: int) -> float:
+  """Bytes of weights on the heaviest of pp pipeline stages that run `shapes` one after the
+  other (the inference's frozen models): each stage holds 1/pp of every model's layers; the
+  first also every model's whole embedding, the last every LM head (an embedding tied to it
+  too: the last stage needs its own copy) and the final norms and scalar heads. stage_shape
+  spreads the embedding and head evenly, which under-counts these two stages."""
+  first = last = 0.0
+  for s in shapes:
+    embed = s.vocab_size * s.hidden_size
+    lm = s.vocab_size * s.hidden_size if s.head == "lm" else 0
+    untied = 0 if (s.tie_embeddings and s.head == "lm") else lm
+    body = s.num_params() - embed - untied  # layers, final norm, a scalar head
+    first += (body / pp + embed) * s.weight_itemsize
+    last += (body / pp + lm) * s.weight_itemsize
+  return float(max(first, last))
+
+
 def from_model_config(cfg: Any, name: str = "custom", dtypes: bool = False,
                       master_weights: Optional[bool] = None) -> ModelShape:
   """A ModelShape from a `rlhfuse_jax.models.llama.ModelConfig` (read by attribute name, so the
