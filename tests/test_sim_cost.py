@@ -370,6 +370,25 @@ def test_empirical_lengths_from_files(tmp_path):
     lengths.load_lengths(str(tmp_path / "bad.json"))
 
 
+def test_a_lengths_file_is_read_once_per_version(tmp_path, monkeypatch):
+  """A plan search samples the workload's lengths for every combination it checks: the file
+  is parsed once, and again only once it has changed; the array is shared, so read-only."""
+  path = tmp_path / "m.jsonl"
+  path.write_text(json.dumps({"gen/response_lengths": [4, 9]}) + "\n")
+  parsed = []
+  real = lengths._from_jsonl
+  monkeypatch.setattr(lengths, "_from_jsonl", lambda p: parsed.append(p) or real(p))
+  spec = lengths.LengthSpec(kind="empirical", path=str(path), max_len=16)
+  for seed in range(3):
+    assert set(spec.sample(np.random.default_rng(seed), 20).tolist()) <= {4, 9}
+  assert len(parsed) == 1
+  out = lengths.load_lengths(str(path))
+  with pytest.raises(ValueError, match="read-only"):
+    out[0] = 1
+  path.write_text(json.dumps({"gen/response_lengths": [5, 6, 7]}) + "\n")  # another size
+  assert lengths.load_lengths(str(path)).tolist() == [5, 6, 7] and len(parsed) == 2
+
+
 def test_empirical_lengths_files_with_bad_content_are_named(tmp_path):
   """A .txt with a header line was "could not convert string to float" naming no file; a
   histogram's fractional counts were cut to whole ones silently (2.5 -> 2: the lengths drawn
