@@ -60,9 +60,10 @@ class GenSetup:
   offload_frozen: bool = False
   devices_share_compute: bool = False
   devices_per_node: int = 8  # for whether a migration crosses nodes
-  # Inference runs on units of this many consecutive instances, a forward pipeline of as many
-  # stages (each instance 1/inference_pp of the frozen models' layers): where the frozen
-  # models do not fit on one instance beside what stays there (iteration_sim.inference_pp).
+  # Inference runs on units of this many instances (paired as they leave generation), a
+  # forward pipeline of as many stages (each instance 1/inference_pp of the frozen models'
+  # layers): where the frozen models do not fit on one instance beside what stays there
+  # (iteration_sim.inference_pp).
   inference_pp: int = 1
 
   def __post_init__(self):
