@@ -113,6 +113,21 @@ def test_the_host_decides_at_the_first_prefill_or_chunk_end_within_rt():
   res = run(cost, [10, 10, 10, 300, 10, 10, 10, 300], [200, 200, 200, 1, 1, 3, 3, 1],
             num_instances=4, slots=2, threshold=5 / 8, stream_inference=True)
   assert res.consolidations[0]["time_s"] == pytest.approx(0.06)
+  # A chunk that finishes nothing does not make the host decide early: here only the 300-token
+  # prefills' one-token samples (done at 0.6 s) bring the count to Rt * B = 6.
+  res = run(cost, [10, 10, 10, 300, 10, 10, 10, 300], [200, 200, 200, 1, 200, 200, 200, 1],
+            num_instances=4, slots=4, threshold=6 / 8, stream_inference=True)
+  assert res.consolidations[0]["time_s"] == pytest.approx(0.6)
+  # A second consolidation (Rt = 1: the count is within from the start) is decided at a chunk
+  # end after the first, once the short samples have finished and the two long ones fit on one
+  # instance, never back at a time before the first.
+  res = run(cost, [10] * 8, [40, 40, 5, 5, 5, 5, 5, 5], num_instances=4, slots=4,
+            threshold=1.0, max_consolidations=2, stream_inference=True)
+  first, second = res.consolidations
+  assert first["time_s"] == pytest.approx(0.02) and first["kept"] == 2
+  assert second["unfinished"] == 2 and second["kept"] == 1
+  chunk_ends = {e for _, _, e, kind in res.segments if kind == "decode"}
+  assert second["time_s"] > first["time_s"] and second["time_s"] in chunk_ends
 
 
 def _loads_and_inference(res):

@@ -331,6 +331,7 @@ def test_the_heaviest_pipeline_stage_holds_the_embeddings_or_the_lm_head():
   critic = lm.as_critic()  # the first stage, with the embedding, is the heavier
   assert heaviest_stage_weight_bytes([critic], 2) == pytest.approx(
       (critic.weight_bytes() - e) / 2 + e)
+  assert heaviest_stage_weight_bytes([lm, critic], 1) == lm.weight_bytes() + critic.weight_bytes()
   assert heaviest_stage_weight_bytes([lm, critic], 2) == pytest.approx(
       (lm.weight_bytes() + critic.weight_bytes() - 3 * e) / 2 + 2 * e)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -234,6 +235,7 @@ def _generate(cost: CostModel, actor: ModelShape, setup: GenSetup, clock: _Clock
   heap = [(clock.t[i], i) for i in range(setup.num_instances)]
   heapq.heapify(heap)
   due = _due_after_prefill(setup, clock, batch)
+  decided = -np.inf  # when the host last planned a consolidation
   while heap:
     t_now, i = heapq.heappop(heap)
     if not batch.active[i] or t_now != clock.t[i]:
@@ -242,7 +244,7 @@ def _generate(cost: CostModel, actor: ModelShape, setup: GenSetup, clock: _Clock
       heapq.heappush(heap, (t_now, i))
       rec = _consolidate(cost, setup, clock, batch, kv_cap, slot_cap, kv_bpt, due,
                          actor.kv_itemsize)
-      due = None
+      decided, due = due, None
       for kept in ([] if rec is None else rec["kept_list"]):
         heapq.heappush(heap, (clock.t[kept], kept))
       continue
@@ -251,10 +253,22 @@ def _generate(cost: CostModel, actor: ModelShape, setup: GenSetup, clock: _Clock
       continue
     if batch.active[i]:
       heapq.heappush(heap, (end, i))
-    # (A chunk may bring the count within Rt before a later prefill end the host would
-    # otherwise have waited for: _due_after_prefill.)
-    if _consolidation_due(setup, batch) and (due is None or end < due):
-      due = end
+    # The host decides when it has seen the count within Rt: at the finish (a chunk's or a
+    # prefill's end) that brought it there, which may come before a prefill end or a chunk end
+    # already due (chunks are processed in order of their starts, not their ends), and never
+    # before. Once it has decided, the count stays within: the next chunk end.
+    if _consolidation_due(setup, batch):
+      seen = _seen_within_at(setup, batch)
+      cand = seen if seen > decided else end
+      due = cand if due is None else min(due, cand)
+
+
+def _seen_within_at(setup: GenSetup, batch: _Batch) -> float:
+  """The earliest finish time by which at most Rt * B samples are left unfinished (-inf: at
+  any time, e.g. Rt = 1; within_threshold's rounding of Rt * B)."""
+  fin = np.sort(batch.finish[np.isfinite(batch.finish)])
+  need = math.ceil(batch.size - round(setup.threshold * batch.size, 9))  # finishes needed
+  return float(fin[need - 1]) if 1 <= need <= fin.size else -np.inf
 
 
 def _due_after_prefill(setup: GenSetup, clock: _Clock, batch: _Batch) -> Optional[float]:

@@ -38,7 +38,7 @@ def load_lengths(path: str) -> np.ndarray:
 
   Read once per version of the file (its path, inode, size and modification time): a plan
   search samples a workload's lengths for every combination it checks, and parsing a run's
-  metrics.jsonl of 20k lengths took about 12 ms each time."""
+  metrics.jsonl of 20k lengths took 2-12 ms each time."""
   if not os.path.exists(path):
     raise FileNotFoundError(f"lengths file {path!r} does not exist")
   st = os.stat(path)

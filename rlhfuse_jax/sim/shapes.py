@@ -167,8 +167,11 @@ def heaviest_stage_weight_bytes(shapes, pp: int) -> float:
   """Bytes of weights on the heaviest of pp pipeline stages that run `shapes` one after the
   other (the inference's frozen models): each stage holds 1/pp of every model's layers; the
   first also every model's whole embedding, the last every LM head (an embedding tied to it
-  too: the last stage needs its own copy) and the final norms and scalar heads. stage_shape
-  spreads the embedding and head evenly, which under-counts these two stages."""
+  too: the last stage needs its own copy); the final norms and scalar heads (a few kB) are
+  counted with the layers. stage_shape spreads the embedding and head evenly, which
+  under-counts these two stages. pp = 1: every weight."""
+  if pp == 1:
+    return float(sum(s.weight_bytes() for s in shapes))
   first = last = 0.0
   for s in shapes:
     embed = s.vocab_size * s.hidden_size
