@@ -36,19 +36,19 @@ PER_SAMPLE_KEYS = ("response_lengths", "gen/response_lengths", "response_length/
 def load_lengths(path: str) -> np.ndarray:
   """Per-sample lengths from a file (formats in the module docstring). int64 [n], read-only.
 
-  Read once per version of the file (its path, inode, size and modification time): a plan
-  search samples a workload's lengths for every combination it checks, and parsing a run's
-  metrics.jsonl of 20k lengths took 2-12 ms each time."""
+  Read once per version of the file (its path, device and inode, size, and modification and
+  change times): a plan search samples a workload's lengths for every combination it checks,
+  and parsing a run's metrics.jsonl of 20k lengths took 2-12 ms each time."""
   if not os.path.exists(path):
     raise FileNotFoundError(f"lengths file {path!r} does not exist")
   st = os.stat(path)
-  return _load_lengths(path, st.st_ino, st.st_size, st.st_mtime_ns)
+  return _load_lengths(path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
 
 
 @functools.lru_cache(maxsize=32)
-def _load_lengths(path: str, inode: int, size: int, mtime_ns: int) -> np.ndarray:
-  """load_lengths of one version of the file (the last three arguments: the cache's key)."""
-  del inode, size, mtime_ns
+def _load_lengths(path: str, version: tuple) -> np.ndarray:
+  """load_lengths of one version of the file (`version`: the cache's key, from os.stat)."""
+  del version
   ext = os.path.splitext(path)[1].lower()
   if ext == ".npy":
     out = np.load(path)
