@@ -369,25 +369,27 @@ def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict,
   trainer = opt.trainer_runnable or wl.kv_at_max_prompt  # (trainer_workload: a run's search)
   pps = (1, 2, 4) if opt.offload_frozen and not trainer else (1,)
   out = []
-  for tp, pp in itertools.product((1, 2, 4, 8), pps):
-    name = f"inference {InferencePlan(tp, pp).describe()}"
+  for tp in (1, 2, 4, 8):
     why = (f"tp{tp} is more than a node's {cost.hw.devices_per_node} devices"
            if tp > cost.hw.devices_per_node else
            next(filter(None, (s.tensor_parallel_error(tp) for s in frozen)), None))
-    if why is None and pp > 1:
+    if why:  # (once for the degree, not once per pipeline depth)
+      rejected[f"inference {InferencePlan(tp).describe()}"] = why
+      continue
+    for pp in pps:
+      name = f"inference {InferencePlan(tp, pp).describe()}"
       why = next((f"pp{pp} does not divide {s.name}'s {s.num_layers} layers" for s in frozen
                   if s.num_layers % pp), None)
-    if why:
-      if pp == 1 or not why.startswith("tp"):  # (a tp reason once, not once per pp)
+      if why:
         rejected[name] = why
-      continue
-    t = _fits(lambda: (it.check_inference_memory(cost, wl, tp, opt.inference_microbatch,
-                                                 frozen, " + ".join(models), pp),
-                       inference_stage_s(cost, frozen, wl.num_devices, tp, pp, seq_lens,
-                                         opt.inference_microbatch, opt.offload_frozen))[1],
-              rejected, name)
-    if t is not None:
-      out.append(Candidate(InferencePlan(tp, pp), t, {"inf_s": t}))
+        continue
+      t = _fits(lambda: (it.check_inference_memory(cost, wl, tp, opt.inference_microbatch,
+                                                   frozen, " + ".join(models), pp),
+                         inference_stage_s(cost, frozen, wl.num_devices, tp, pp, seq_lens,
+                                           opt.inference_microbatch, opt.offload_frozen))[1],
+                rejected, name)
+      if t is not None:
+        out.append(Candidate(InferencePlan(tp, pp), t, {"inf_s": t}))
   return out
 
 
