@@ -280,15 +280,11 @@ def _due_after_prefill(setup: GenSetup, clock: _Clock, batch: _Batch) -> Optiona
   whatever finished. The simulated host sees each instance's prefill end as it happens, as it
   sees each chunk end (the engine's instances run in lockstep; the simulated ones do not), so
   the decision falls at the first prefill end after which at most Rt * B samples are
-  unfinished; the last prefill end is one, as the count only falls."""
+  unfinished: the finish that brought the count there (_seen_within_at; every finish so far is
+  a prefill's end), or with Rt = 1 the first prefill end."""
   if not _consolidation_due(setup, batch):
     return None
-  ends = np.sort(clock.t)  # each instance's prefill end
-  for t in ends[:-1]:
-    if within_threshold(batch.size - int(np.sum(batch.finish <= t)), setup.threshold,
-                        batch.size):
-      return float(t)
-  return float(ends[-1])
+  return max(_seen_within_at(setup, batch), float(clock.t.min()))
 
 
 def _consolidation_due(setup: GenSetup, batch: _Batch) -> bool:
