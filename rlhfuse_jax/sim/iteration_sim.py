@@ -306,8 +306,7 @@ def inference_memory_parts(cost: CostModel, wl: Workload, tp: int, rows: int,
   frozen = wl.frozen_models()[1] if frozen is None else frozen
   stages = frozen if pp == 1 else tuple(stage_shape(s, pp) for s in frozen)
   tokens = rows * wl.padded_len
-  out = {"weights": (sum(s.weight_bytes() for s in frozen) if pp == 1 else
-                     heaviest_stage_weight_bytes(frozen, pp)) / tp,
+  out = {"weights": heaviest_stage_weight_bytes(frozen, pp) / tp,
          "activations": max((cost.activation_bytes(s, tp, tokens, 1) for s in stages),
                             default=0.0)}
   # The reference's log-probs: its float32 logits at the response positions (cost_model
