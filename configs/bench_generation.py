@@ -52,6 +52,9 @@ def get_config(arg: str = "default"):
   c.generation.max_consolidations = 1  # consolidations per batch
   c.generation.inference_micro_batch = 8  # samples per inference micro-batch
   c.generation.inference_inflight = 0  # cap on micro-batches at once during the tail; 0: none
+  # instances one inference micro-batch runs through (> 1: pipelines of freed instances, each
+  # holding 1/inference_pp of every inference model's layers; docs/architecture.md §2)
+  c.generation.inference_pp = 1
   c.generation.migration_rows = 8  # rows a migration moves at once (more: in parts); 0: slots
   # Several processes (--distributed): where the per-round exchanges run, "host" (one CPU
   # device per process) or "devices" (every device); a collective's timeout (exit 69).

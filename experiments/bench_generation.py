@@ -249,6 +249,7 @@ def fused_config(c, num_devices: int) -> fused_lib.FusedGenConfig:
       instance_devices=g.instance_devices, migration_threshold=g.migration_threshold,
       max_consolidations=g.max_consolidations, inference_micro_batch=g.inference_micro_batch,
       inference_inflight=g.inference_inflight, migration_rows=g.get("migration_rows", 8),
+      inference_pp=g.get("inference_pp", 1),
       exchange_on=g.exchange_on,
       exchange_timeout_s=g.exchange_timeout_s, section="generation")
 

@@ -530,7 +530,7 @@ def test_the_rt_calibration_times_a_decode_step_on_a_chunk_that_decoded():
   gen = types.SimpleNamespace(
       instances=[Inst()], local=[0], prompt_len=3, models={},
       cfg=types.SimpleNamespace(vocab_size=16, num_params=lambda: 1000),
-      config=types.SimpleNamespace(slots=s, instance_devices=1, micro_batch=s),
+      config=types.SimpleNamespace(slots=s, instance_devices=1, micro_batch=s, inference_pp=1),
       sampling=SamplingConfig(max_new_tokens=6, chunk_size=2, steps_per_check=2))
   cal = measure.measure_costs(gen, {}, {}, repeats=2)
   assert cal["ops"]["decode_step"]["occupied_slots"] == [1, 2]

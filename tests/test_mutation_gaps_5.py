@@ -414,7 +414,7 @@ def test_measured_costs_use_exactly_the_occupied_slots_and_per_device_bytes(monk
     return types.SimpleNamespace(vocab_size=16, num_params=lambda: n)
   gen = types.SimpleNamespace(
       instances=[Inst()], local=[0], prompt_len=3, cfg=model(1000),
-      config=types.SimpleNamespace(slots=s, instance_devices=2, micro_batch=2),
+      config=types.SimpleNamespace(slots=s, instance_devices=2, micro_batch=2, inference_pp=1),
       sampling=SamplingConfig(max_new_tokens=5, chunk_size=2),
       models={"ref": model(300), "reward": model(100), "critic": model(50)})
   monkeypatch.setattr(measure, "median_s", lambda fn, repeats: (fn(), 0.5)[1])

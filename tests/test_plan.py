@@ -152,8 +152,11 @@ def test_a_config_fsdp_that_outgrows_the_plans_devices_is_refused_by_name(tmp_pa
     ({"generation": {"mode": "pipeline", "tp": 2, "pp": 2, "groups": 2}},
      r"config\.plan\.generation_tp=2: expected 1 with plan\.generation='pipeline'.*tensor "
      r"parallelism inside a stage is not implemented.*\(set by config\.plan\.file="),
-    ({"inference": {"tp": 1, "pp": 2}}, r"config\.plan\.inference_pp=2: expected 1 .*pipelined "
-     r"inference is not implemented"),
+    # Pipelines of instances score on the generation instances only.
+    ({"generation": {"mode": "pipeline", "tp": 1, "pp": 2, "groups": 2},
+      "inference": {"tp": 1, "pp": 2}},
+     r"config\.plan\.inference_pp=2: expected 1 with plan\.generation='pipeline' \(inference on "
+     r"pipelines of instances runs on the generation instances"),
     ({"generation": {"mode": "speculative"}}, r"generation\.mode='speculative'"),
     # A hand-edited layout: a string or null was compared with 1 first (a TypeError).
     ({"training": {"placement": "colocated", "tp": 1, "actor_pp": "2", "critic_pp": 1}},

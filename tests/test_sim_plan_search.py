@@ -678,7 +678,7 @@ def test_no_plan_the_trainer_runs_lists_each_reason_with_its_count():
   with its count, the most frequent first (here also the combinations whose inference does not
   fit beside their training plan's state, _memory_refusal, refused before `accept` sees them)."""
   wl = _small()
-  reasons = iter(["first", "second", "second"] * 1000)
+  reasons = itertools.cycle(["first", "second", "second"])
   with pytest.raises(ValueError) as e:
     ps.search(COST, wl, it.SimOptions(gen_tps=(1, 2, 4, 8)), accept=lambda p: next(reasons))
   msg = str(e.value)
@@ -691,7 +691,8 @@ def test_no_plan_the_trainer_runs_lists_each_reason_with_its_count():
   counts = [n for n, _ in listed]
   assert counts == sorted(counts, reverse=True) and counts[0] > counts[1], msg
   assert sum(counts) == int(total), msg  # (fewer than 9 reasons: each listed)
-  assert all(re.fullmatch(r"inference tp\d does not fit in memory beside its training plan's "
+  assert all(re.fullmatch(r"inference tp\d( x pp\d)? does not fit in memory beside its training "
+                          r"plan's "
                           r"state \(both models' weights and AdamW state\)", why)
              for _, why in listed[2:]), msg
 
@@ -783,7 +784,7 @@ def test_plan_memory_is_what_each_stage_check_allows(offload):
       "inference": lambda c: it.check_inference_memory(
           CostModel(dataclasses.replace(c.hw, hbm_bytes=c.hw.hbm_bytes -
                                         state / c.eff.memory_headroom)),
-          wl, inf["tp"], ps.inference_rows(wl, opt, plan)),
+          wl, inf["tp"], ps.inference_rows(wl, opt, plan), pp=inf.get("pp", 1)),
       "training": lambda c: train_lib.step_costs(c, wl.actor, wl.critic, tplan, 164.0,
                                                  resident_bytes=kept,
                                                  padded_len=wl.padded_len,
@@ -888,8 +889,8 @@ def test_search_keeps_generation_and_inference_beside_the_training_state():
   wl, opt = _small(), it.SimOptions(gen_tps=(1, 2, 4, 8))
   layout = lambda t: (t.get("tp"), t.get("actor_pp"), t.get("critic_pp"))
   res = ps.search(COST, wl, opt, top_k=3, accept=lambda p: None if (
-      p["inference"]["tp"] == 2 and layout(p["training"]) in ((2, 8, 1), (8, 2, 1)))
-                  else "other")
+      (p["inference"]["tp"], p["inference"]["pp"]) == (2, 1) and
+      layout(p["training"]) in ((2, 8, 1), (8, 2, 1))) else "other")
   memory = {w: n for w, n in res["refused"].items() if w != "other"}
   # (each refused before `accept` sees it, other training plans' too: one reason, counted)
   assert list(memory) == ["inference tp2 does not fit in memory beside its training plan's "

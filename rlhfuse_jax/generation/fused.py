@@ -68,6 +68,7 @@ from rlhfuse_jax.generation import sampling as sampling_lib
 from rlhfuse_jax.generation.instances import FrozenModels, GenerationInstance
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.generation.timeline import ActivityLog, Timeline
+from rlhfuse_jax.inference import stages as inf_stages
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.policy import rt as rt_choice
@@ -98,6 +99,11 @@ class FusionFields:
   migration_threshold: Union[float, str] = "auto"  # Rt in [0, 1], or "auto" (simulated)
   max_consolidations: int = 1  # long-tail consolidations per batch (the simulator's default too)
   inference_micro_batch: int = 0  # samples per inference micro-batch on freed instances; 0: slots
+  # Instances one inference micro-batch runs through: > 1 splits every inference model into
+  # that many stages of whole layers, each held by one instance of a unit formed as instances
+  # are freed (InferenceQueue), for models too large for one instance beside what its devices
+  # keep (the plan's inference pp; the simulator's GenSetup.inference_pp). One process only.
+  inference_pp: int = 1
   # Rows a migration moves at once, more in parts (instances.migration_buckets): the gathered
   # rows are a copy of that many slots' KV cache beside the cache on both instances, so this
   # bounds what a consolidation adds to an instance's memory (plan_check's `migrate`); 0: up to
@@ -133,6 +139,7 @@ class FusionFields:
     self._check_int("instance_devices", 1, "an integer >= 1")
     self._check_int("max_consolidations", 0, "an integer >= 0")
     self._check_int("inference_micro_batch", 0, "an integer >= 0 (0: slots)")
+    self._check_int("inference_pp", 1, "an integer >= 1 (1: each instance scores alone)")
     self._check_int("migration_rows", 0, "an integer >= 0 (0: up to the slots)")
     rt = self.migration_threshold
     if isinstance(rt, str) and rt != "auto":
@@ -229,6 +236,10 @@ def check_layout(config: FusedGenConfig, batch_size: int, num_devices: int) -> N
     raise ValueError(f"config.{config.section}.slots={s}: {batch_size} samples dealt to "
                      f"num_instances={g} put {per_inst} in one instance; expected slots >= "
                      f"{per_inst}")
+  pp = config.inference_pp
+  if g % pp:
+    raise ValueError(f"config.{config.section}.inference_pp={pp}: must divide num_instances={g} "
+                     "(the freed instances score in units of that many)")
   mb = config.inference_micro_batch
   if mb > batch_size:
     # Each micro-batch is padded to this size with copies of its last sample: 1000 for a batch
@@ -264,10 +275,13 @@ class FusedGenerator:
     meshes = inst_lib.split_devices(devices, g, config.instance_devices)
     self.instances = [GenerationInstance(i, m, cfg, sampling, slots=s, prompt_len=prompt_len,
                                          frozen=frozen, micro_batch=config.micro_batch,
-                                         migration_rows=config.migration_rows)
+                                         migration_rows=config.migration_rows,
+                                         inference_pp=config.inference_pp)
                       for i, m in enumerate(meshes)]
     self.models = {n: c for n, c in zip(INFERENCE_MODELS, (frozen.reference, frozen.critic,
                                                            frozen.reward)) if c is not None}
+    for n, c in self.models.items():
+      inf_stages.check_split(c, config.inference_pp, f"config.{config.section}.inference_pp", n)
     missing = sorted(set(self.models) - set(frozen_params))
     if missing:
       raise ValueError(f"frozen_params lacks {missing} (shapes of the inference models)")
@@ -292,6 +306,11 @@ class FusedGenerator:
                        f"{config.instance_devices} leaves process(es) {idle} of "
                        f"{self.exchange.count} without an instance: every process must drive "
                        "at least one")
+    if self.exchange.multi and config.inference_pp > 1:
+      # A unit's instances hand hidden states to each other device to device, which only one
+      # process's instances can (cross-host copies run as collectives: multihost.py).
+      raise ValueError(f"config.{config.section}.inference_pp={config.inference_pp} runs in "
+                       f"one process; expected 1 with {self.exchange.count} processes")
     if self.exchange.multi and config.inference_inflight:
       raise ValueError(f"config.{config.section}.inference_inflight={config.inference_inflight}"
                        " caps running micro-batches, which a process cannot see on another "
@@ -607,6 +626,12 @@ class SlotTable:
       self.where[m.uid] = (m.dst_instance, m.dst_slot)
 
 
+def _units(freed: Sequence[int], pp: int) -> list[tuple]:
+  """Units of `pp` instances of the instances `freed`, in freeing order (a last partial one
+  left out)."""
+  return [tuple(freed[k:k + pp]) for k in range(0, len(freed) - pp + 1, pp)]
+
+
 class InferenceQueue:
   """Streaming inference of one batch (docs/architecture.md §2): the finished samples waiting
   for reference / critic / reward inference, the instances freed for it, micro-batching of the
@@ -616,7 +641,15 @@ class InferenceQueue:
 
   With several processes every process keeps the whole queue (the waiting samples, the freed
   instances, which micro-batch goes where) and runs the micro-batches of its own instances; the
-  assignment must then not depend on timing (`stream`)."""
+  assignment must then not depend on timing (`stream`).
+
+  Micro-batches go to units: one freed instance each, or with config.inference_pp = pp > 1
+  pipelines of pp instances (docs/architecture.md §2, "Inference on pipelines of instances"):
+  the k-th instance freed of each group of pp holds stage k of every inference model and loads
+  it as soon as it is freed; the unit scores once all its instances have loaded, each
+  micro-batch passing through them in stage order (JAX runs the next micro-batch's first stage
+  while the last stage is still busy: they are different devices). A unit is named by its
+  first instance (`batches`, `dispatched`)."""
 
   def __init__(self, gen: "FusedGenerator", frozen_params: dict, table: SlotTable,
                prompts: np.ndarray, prompt_lens: np.ndarray, log: ActivityLog,
@@ -630,6 +663,7 @@ class InferenceQueue:
     self.batches: list = []
     self.pending: list[int] = []  # indices into batches of this process's undispatched ones
     self.freed: list[int] = []  # instances freed for inference, in order (all processes')
+    self.pp = gen.config.inference_pp
     self.loads: dict = {}  # this process's instance -> Future of {model: params on it}
     self.loader = ThreadPoolExecutor(max_workers=1)
     self.dispatched = np.zeros(gen.config.num_instances, np.int64)  # micro-batches per instance
@@ -655,12 +689,33 @@ class InferenceQueue:
     """Frozen models from host memory, the critic from its training devices (a host copy with
     several processes or a pipelined update: trainer/rollout.FusedStage._instance_ready)."""
     t0, inst = self.log.now(), self.gen.instances[i]
-    placed = {n: inst.place(c, self.frozen_params[n]) for n, c in self.models.items()}
+    if self.pp > 1:  # this instance's stage of each (inference/stages.py)
+      placed = {n: inst.place_stage(c, self.frozen_params[n], self.stage(i))
+                for n, c in self.models.items()}
+    else:
+      placed = {n: inst.place(c, self.frozen_params[n]) for n, c in self.models.items()}
     self.log.record(i, "load", jax.tree.leaves(placed), since=t0)
     return placed
 
+  @property
+  def units(self) -> list[tuple]:
+    """The complete units: each pp consecutive freed instances, in the order they were freed."""
+    return _units(self.freed, self.pp)
+
+  def stage(self, i: int) -> int:
+    """The stage freed instance i holds (0 with pp = 1): its place in its unit."""
+    return self.freed.index(i) % self.pp
+
+  def _unit(self, u: int) -> tuple:
+    """The instances of the unit named `u` (its first instance), in stage order."""
+    return next(unit for unit in self.units if unit[0] == u)
+
+  def _ready(self, u: int) -> bool:
+    return all(self.loads[m].done() for m in self._unit(u))
+
   def loaded(self) -> list[int]:
-    return [i for i, f in self.loads.items() if f.done()]
+    """This process's units whose instances all have their weights."""
+    return [unit[0] for unit in self.units if self.gen.is_local(unit[0]) and self._ready(unit[0])]
 
   def _assign(self, i: int, take: list[int]) -> None:
     """One micro-batch of samples `take` to instance i (run by `pump` on i's process)."""
@@ -670,12 +725,12 @@ class InferenceQueue:
     self.batches.append([i, take, None])
 
   def pump(self, block: bool) -> None:
-    """Dispatches this process's assigned micro-batches, in order, whose instance has its
+    """Dispatches this process's assigned micro-batches, in order, whose unit has its
     weights (all of them when `block`: waits for the loads)."""
     left = []
     for n in self.pending:
       i, take, _ = self.batches[n]
-      if block or self.loads[i].done():
+      if block or self._ready(i):
         self.batches[n][2] = self._score(i, take)
       else:
         left.append(n)
@@ -688,24 +743,38 @@ class InferenceQueue:
     rows = np.asarray(take + [take[-1]] * (mb - len(take)))
     seq = _sequences(self.prompts[rows], self.plens[rows], table.resp[rows], table.n_gen[rows],
                      self.gen.sampling.pad_id)  # [mb, P+T]
+    plens, rlens = self.plens[rows], table.n_gen[rows]
+    if self.pp > 1:
+      return self._score_stages(i, seq, plens, rlens)
     inst = self.gen.instances[i]
     placed = self.loads[i].result()
-    outs = {n: inst.score(n, placed[n], seq, self.plens[rows], table.n_gen[rows])
-            for n in self.models}
+    outs = {n: inst.score(n, placed[n], seq, plens, rlens) for n in self.models}
     self.log.record(i, "inference", list(outs.values()))
     return outs
+
+  def _score_stages(self, u: int, seq, plens, rlens) -> dict:
+    """One micro-batch through unit u's instances, stage by stage (each stage's hidden states
+    copied to the next instance), every inference model; dispatched without waiting."""
+    x = {n: None for n in self.models}
+    for m in self._unit(u):
+      inst, placed, s = self.gen.instances[m], self.loads[m].result(), self.stage(m)
+      prev = list(x.values()) if s else None
+      x = {n: inst.score_stage(n, s, placed[n], x[n], seq, plens, rlens) for n in self.models}
+      self.log.record(m, "inference", list(x.values()), after=prev)
+    return x
 
   def stream(self) -> None:
     """While the tail decodes: full micro-batches of the waiting samples onto free instances.
 
-    One process: each free instance with its weights holds at most PER_INSTANCE_QUEUE of them
-    (pulled as it completes them, so the instance loaded first does not take the whole queue),
-    and at most `gen.inflight` run at once overall when that cap is set.
+    One process: each free unit with its weights holds at most PER_INSTANCE_QUEUE of them, one
+    more per stage past the first (pulled as it completes them, so the unit loaded first does
+    not take the whole queue), and at most `gen.inflight` run at once overall when that cap
+    is set.
     Several processes: which instance has loaded or completed what differs between processes,
     so the rule reads only global state: each round every free instance is assigned at most one
     micro-batch, least assigned first; a process runs its own once their weights are in."""
     mb = self.gen.config.micro_batch
-    if self.gen.exchange.multi:
+    if self.gen.exchange.multi:  # (units of one instance: inference_pp is 1 here)
       for i in sorted(self.freed, key=lambda j: (self.dispatched[j], j)):
         if len(self.waiting) < mb:
           break
@@ -713,14 +782,15 @@ class InferenceQueue:
         self._assign(i, take)
       self.pump(block=False)
       return
-    running = {i: 0 for i in self.loaded()}
+    running = {u: 0 for u in self.loaded()}
     for i, _, outs in self.batches:
       if i in running and not all(x.is_ready() for x in outs.values()):
         running[i] += 1
     room = (self.gen.inflight - sum(running.values()) if self.gen.inflight
             else len(self.waiting))
     while room > 0 and len(self.waiting) >= mb:
-      open_ = [i for i, n in running.items() if n < PER_INSTANCE_QUEUE]
+      # (a unit of pp instances one more per further stage: each stage holds one of them)
+      open_ = [i for i, n in running.items() if n < PER_INSTANCE_QUEUE + self.pp - 1]
       if not open_:
         break
       i = min(open_, key=lambda j: (running[j], self.dispatched[j], j))
@@ -730,18 +800,22 @@ class InferenceQueue:
       self.pump(block=True)  # i has its weights: dispatched at once
 
   def drain(self) -> None:
-    """After generation: every waiting sample over every instance, those freed first, then
-    least loaded; the remaining loads run in order in the loader thread, so inference starts
-    after one load, not after all of them."""
-    mb = self.gen.config.micro_batch
-    order = sorted(range(self.gen.config.num_instances),
-                   key=lambda j: (j not in self.freed, self.dispatched[j], j))
+    """After generation: every waiting sample over the units, those freed first, then least
+    loaded. Instances are freed (those freed before first, then least loaded) until there are
+    as many units as micro-batches, or all are; the remaining loads run in order in the loader
+    thread, so inference starts after one unit's loads, not after all of them."""
+    mb, g = self.gen.config.micro_batch, self.gen.config.num_instances
+    before = list(self.freed)
+    key = lambda j: (j not in before, self.dispatched[j], j)  # noqa: E731
     chunks = [self.waiting[k:k + mb] for k in range(0, len(self.waiting), mb)]
     self.waiting = []
-    for i in order[:len(chunks)]:
+    new = [j for j in sorted(range(g), key=key) if j not in before]
+    new = new[:max(0, min(g, len(chunks) * self.pp) - len(before))]
+    for i in new:
       self.free(i)
+    heads = sorted((unit[0] for unit in _units(before + new, self.pp)), key=key)
     for n, take in enumerate(chunks):
-      self._assign(order[n % len(order)], take)
+      self._assign(heads[n % len(heads)], take)
     self.pump(block=True)
 
   def collect(self) -> list[tuple[int, list[int], dict]]:

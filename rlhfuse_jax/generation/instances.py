@@ -11,6 +11,10 @@ the middle of generation):
   gather[R](DecodeState, slots [R]) -> rows                    R rows of every field (KV too)
   scatter[R](DecodeState, slots [R], rows) -> DecodeState      donated; slot index S is dropped
   ref / critic / reward (params, tokens [mb, P+T], ...)        the inference forward passes
+  ref / critic / reward [k] (stage k's params, tokens or hidden)  with inference_pp > 1 in
+                                                               their place: stage k of a
+                                                               pipeline of instances
+                                                               (inference/stages.py)
 
 The instance state is the engine's own `DecodeState` and `decode` is `engine.decode_chunk`, the
 one decode loop (docs/architecture.md §2).
@@ -52,6 +56,7 @@ from rlhfuse_jax.generation import sampling as sampling_lib
 from rlhfuse_jax.generation.engine import DecodeState
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference import scoring
+from rlhfuse_jax.inference import stages as inf_stages
 from rlhfuse_jax.models import attention
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.models.llama import ModelConfig
@@ -281,7 +286,7 @@ class GenerationInstance:
 
   def __init__(self, index: int, mesh: Mesh, cfg: ModelConfig, sampling: SamplingConfig, *,
                slots: int, prompt_len: int, frozen: Optional[FrozenModels] = None,
-               micro_batch: int = 0, migration_rows: int = 0):
+               micro_batch: int = 0, migration_rows: int = 0, inference_pp: int = 1):
     self.max_len = check_model(cfg, sampling, prompt_len)
     tp = mesh.shape.get("tensor", 1)
     impl = attention.instance_attention(cfg.attention, cfg.num_kv_heads, tp)
@@ -308,10 +313,15 @@ class GenerationInstance:
     self.index, self.mesh, self.cfg, self.sampling = index, mesh, cfg, sampling
     self.slots, self.prompt_len, self.micro_batch = slots, prompt_len, micro_batch
     self.frozen = frozen
+    # > 1: this instance scores as one stage of a pipeline of that many instances (any stage:
+    # a unit is formed of instances in the order they are freed), so it compiles every stage's
+    # program of every inference model (inference/stages.py) instead of the whole model's.
+    self.inference_pp = inference_pp
     self.devices = tuple(mesh.devices.flat)
     self.buckets = migration_buckets(slots, migration_rows)
     self.row1 = mesh_lib.batch_sharding(mesh, 1)
     self.row2 = mesh_lib.batch_sharding(mesh, 2)
+    self.row3 = mesh_lib.batch_sharding(mesh, 3)  # hidden states handed between stages
     self.rep = mesh_lib.replicated(mesh)
     self.state_sharding = engine.state_shardings(cfg, mesh)
     self._exe: dict = {}
@@ -336,6 +346,13 @@ class GenerationInstance:
     if isinstance(params, PlacedOnInstances):
       return params[self.index]
     return mesh_lib.put(params, self.param_shardings(cfg, params))
+
+  def place_stage(self, cfg: ModelConfig, params, stage: int) -> Any:
+    """Copies stage `stage` of the unpipelined params (host or devices of this process) onto
+    this instance: only that stage's layers are sliced and copied (inference/stages.py)."""
+    part = inf_stages.stage_params(cfg, params, self.inference_pp, stage)
+    return mesh_lib.put(part, inf_stages.stage_shardings(cfg, part, self.inference_pp, stage,
+                                                         self.mesh))
 
   # ------------------------------------------------------------------ ahead-of-time compile
   def lower_all(self, actor_params, frozen_params: dict,
@@ -381,6 +398,9 @@ class GenerationInstance:
     for name, mcfg in models:
       if mcfg is None or not want(name):
         continue
+      if self.inference_pp > 1:
+        out.extend(self._lower_stages(name, mcfg, frozen_params[name], seq, lens))
+        continue
       fp = mesh_lib.abstract(frozen_params[name], self.param_shardings(mcfg, frozen_params[name]))
       # The very jitted functions the serial Scorer runs, so the numbers are the same.
       mesh = self.mesh
@@ -392,6 +412,24 @@ class GenerationInstance:
       else:
         low = scoring.reward_model_scores.lower(mcfg, fp, seq, lens, lens, mesh=mesh)
       out.append((name, low))
+    return out
+
+  def _lower_stages(self, name: str, mcfg: ModelConfig, params, seq, lens) -> list:
+    """((name, stage), Lowered) of every stage of inference model `name` (inference_pp > 1)."""
+    pp, t, mesh = self.inference_pp, self.sampling.max_new_tokens, self.mesh
+    x = jax.ShapeDtypeStruct(seq.shape + (mcfg.hidden_size,), mcfg.jnp_dtype, sharding=self.row3)
+    temperature = float(self.frozen.temperature) if name == "reference" else 1.0
+    out = []
+    for s in range(pp):
+      part = jax.eval_shape(lambda p, s=s: inf_stages.stage_params(mcfg, p, pp, s), params)
+      part = mesh_lib.abstract(part, inf_stages.stage_shardings(mcfg, part, pp, s, mesh))
+      if s < pp - 1:
+        low = inf_stages.hidden.lower(mcfg, part, seq if s == 0 else x, pp=pp, first=s == 0,
+                                      mesh=mesh)
+      else:
+        low = inf_stages.scores.lower(mcfg, part, x, seq, lens, lens, kind=name, pp=pp,
+                                      num_response=t, temperature=temperature, mesh=mesh)
+      out.append(((name, s), low))
     return out
 
   def _prefill_args(self, actor_params) -> tuple:
@@ -457,6 +495,20 @@ class GenerationInstance:
     if name == "reward":
       args = args + (put(response_lens, self.row1),)
     return self._exe[name](*args)
+
+  def score_stage(self, name: str, stage: int, params, x, tokens, prompt_lens, response_lens):
+    """Stage `stage` of one inference micro-batch (inference_pp > 1): from the tokens
+    [mb, P+T] (stage 0) or the previous stage's hidden states `x` (on another instance:
+    copied here device to device), to hidden states, or at the last stage to the scores.
+    Returns a device array (not waited on)."""
+    put, exe = mesh_lib.put, self._exe[(name, stage)]
+    if stage == 0:
+      return exe(params, put(tokens, self.row2))
+    x = jax.device_put(x, self.row3)
+    if stage < self.inference_pp - 1:
+      return exe(params, x)
+    return exe(params, x, put(tokens, self.row2), put(prompt_lens, self.row1),
+               put(response_lens, self.row1))
 
 
 def _exe_name(name) -> str:

@@ -14,7 +14,8 @@ Measured on this process's first instance (and its second for migration), each t
                instances still stepping that costs, not how full they are.
   prefill      one instance's prefill call, as `overhead_s` (a fixed [S, P] shape: the same
                cost for any prompt lengths; the token rate is set so high that it adds nothing).
-  inference    one micro-batch of every inference model, as `overhead_s` (fixed shape too).
+  inference    one micro-batch of every inference model, as `overhead_s` (fixed shape too;
+               with fusion.inference_pp > 1 each stage in turn on the one instance, summed).
   migration    gather + device_put + scatter of one sample between two instances, as
                `latency_s` per moved sample (rows are copied whole: max_len, not the length).
   weight_load  the copy of every inference model onto an instance freed for inference, as the
@@ -119,31 +120,53 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
   ops = {"decode_step": {"occupied_slots": occupancies, "seconds": step_s},
          "prefill": {"tokens_per_s": _NEGLIGIBLE_RATE, "overhead_s": prefill_s}}
 
-  placed: dict = {}  # the last load's copies: the inference below scores with them
-
-  def place_all():
-    placed.clear()  # the previous copies freed first, as each timed load starts without them
-    placed.update({n: inst.place(c, frozen_params[n]) for n, c in gen.models.items()})
-    return placed
-
-  if gen.models:
-    # The load of a freed instance (fused.InferenceQueue._load): every inference model from
-    # where the caller holds it, the critic included (the trainer's: its training devices in one
-    # process, a host copy with several or with a pipelined update; bench_generation's: host
-    # memory). Its first micro-batch
-    # waits for all of them, so the critic's copy is charged too: it was left out of the timing
-    # but its bytes charged at the frozen models' rate, and not at all without one of them.
-    load_s = median_s(place_all, repeats)
-    # The bytes copied (byte_unit "stored"), split over the instance: a float32 model's 4 a
-    # parameter. (Counted at bf16's 2 whatever the dtype, a reader sizing a float32 model at its
-    # own bytes, as plan_search:train does, charged it twice the measured time.)
-    copied = sum(x.nbytes for n in gen.models for x in jax.tree.leaves(frozen_params[n]))
-    ops["weight_load"] = {"bytes_per_s": copied / gen.config.instance_devices / load_s}
   mb = gen.config.micro_batch
   seq = rng.integers(1, gen.cfg.vocab_size, (mb, p + t)).astype(np.int32)  # [mb, P+T]
   plens, rlens = np.full(mb, p, np.int32), np.full(mb, t, np.int32)
-  inf_s = median_s(lambda: [inst.score(n, placed[n], seq, plens, rlens) for n in placed],
-                   repeats)
+  placed: dict = {}  # the last load's copies: the inference below scores with them
+
+  def place(stage: Optional[int]) -> Callable[[], dict]:
+    def run():
+      placed.clear()  # the previous copies freed first, as each timed load starts without them
+      placed.update({n: inst.place(c, frozen_params[n]) if stage is None else
+                     inst.place_stage(c, frozen_params[n], stage)
+                     for n, c in gen.models.items()})
+      return placed
+    return run
+
+  # The load of a freed instance (fused.InferenceQueue._load): every inference model from
+  # where the caller holds it, the critic included (the trainer's: its training devices in one
+  # process, a host copy with several or with a pipelined update; bench_generation's: host
+  # memory). Its first micro-batch waits for all of them, so the critic's copy is charged too:
+  # it was left out of the timing but its bytes charged at the frozen models' rate, and not at
+  # all without one of them.
+  pp = gen.config.inference_pp
+  if pp == 1 or not gen.models:
+    load_s = median_s(place(None), repeats) if gen.models else 0.0
+    inf_s = median_s(lambda: [inst.score(n, placed[n], seq, plens, rlens) for n in placed],
+                     repeats)
+  else:
+    # Scoring on pipelines of pp instances: here every stage in turn on this one instance, one
+    # stage's weights at a time (as each instance of a pipeline holds them), each stage fed
+    # the previous one's output. The sums are the whole model's load and forward, which the
+    # simulator splits into stages (GenSetup.inference_pp, cost_model.stage_cost).
+    load_s = inf_s = 0.0
+    x = dict.fromkeys(gen.models)
+    for stage in range(pp):
+      load_s += median_s(place(stage), repeats)
+
+      def run(stage=stage, x=x):
+        return {n: inst.score_stage(n, stage, placed[n], x[n], seq, plens, rlens)
+                for n in placed}
+      inf_s += median_s(run, repeats)
+      x = run()  # the next stage's input
+    placed.clear()
+  if gen.models:
+    # The bytes copied (byte_unit "stored"), split over the instance: a float32 model's 4 a
+    # parameter. (Counted at bf16's 2 whatever the dtype, a reader sizing a float32 model at its
+    # own bytes, as plan_search:train does, charged it twice the measured time.)
+    copied = sum(a.nbytes for n in gen.models for a in jax.tree.leaves(frozen_params[n]))
+    ops["weight_load"] = {"bytes_per_s": copied / gen.config.instance_devices / load_s}
   ops["inference"] = {"tokens_per_s": _NEGLIGIBLE_RATE, "overhead_s": inf_s}
   if len(gen.local) > 1:
     dst = gen.instances[gen.local[1]]

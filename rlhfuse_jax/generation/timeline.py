@@ -49,13 +49,16 @@ class ActivityLog:
     return time.perf_counter() - self.t0
 
   def record(self, instance: int, kind: str, output: Any, since: Optional[float] = None,
-             tag: Optional[str] = None) -> None:
+             tag: Optional[str] = None, after: Any = None) -> None:
     """`output`: arrays produced by the dispatched work that stay alive (not donated);
     `since`: when the work was issued, if before now (e.g. a copy the caller waited on);
-    `tag`: also file the segment under this tag (e.g. same-host migrations: `tag_span`)."""
+    `tag`: also file the segment under this tag (e.g. same-host migrations: `tag_span`);
+    `after`: arrays of another instance's work this one waits for (a pipeline's previous
+    stage): the segment starts no earlier than the watcher sees them ready."""
     if kind not in KINDS:
       raise ValueError(f"activity kind {kind!r}; expected one of {KINDS}")
-    self._queues[instance].put((kind, self.now() if since is None else since, output, tag))
+    self._queues[instance].put((kind, self.now() if since is None else since, output, tag,
+                                after))
 
   def note(self, tag: str) -> None:
     """Files the moment now under `tag` (a zero-length span): when the host asked for
@@ -75,7 +78,10 @@ class ActivityLog:
       item = self._queues[i].get()
       if item is None:
         return
-      kind, t_dispatch, output, tag = item
+      kind, t_dispatch, output, tag, after = item
+      if after is not None:
+        jax.block_until_ready(after)
+        t_dispatch = max(t_dispatch, self.now())
       jax.block_until_ready(output)
       end = self.now()
       with self._lock:

@@ -31,7 +31,7 @@ import contextvars
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import flax
 import flax.linen as nn
@@ -669,6 +669,49 @@ def unstack_layers(params: Any) -> Any:
   for i in range(n):
     out[f"layers_{i}"] = jax.tree.map(lambda x: x[i], block)
   return out
+
+
+# Stage computations: parts of the forward pass that a pipeline stage runs (pipeline/stages.py,
+# inference/stages.py); Transformer, defined below, is looked up when they run.
+def embed_tokens(cfg: ModelConfig, embed_params: Any, tokens: jax.Array) -> jax.Array:
+  """tokens [mb, L] -> hidden [mb, L, H]."""
+  return Transformer(cfg).apply({"params": {"embed": embed_params}}, tokens,
+                                method=lambda m, t: m.embed(t))
+
+
+def run_layers(cfg: ModelConfig, layers: Any, x: jax.Array,
+               gather: Optional[Callable[[Any], Any]] = None,
+               select: Optional[Callable[[Any], Any]] = None) -> jax.Array:
+  """Runs the stacked layers [layers_per_stage, ...] of one stage: [mb, L, H] -> [mb, L, H].
+
+  `gather` (inside a shard_map) turns one layer's parameter shards into the whole layer just
+  before it runs (FSDP inside a stage). The gather and the layer are then rematerialised
+  together: a vjp keeps only each layer's shards and input, and its backward gathers the layer
+  again, so one layer is whole at a time (otherwise every gathered layer of the stage would be
+  kept for the backward). `select` (also inside the shard_map) then picks what this device
+  runs of the whole layer (the executor's shared KV head), without rematerialising."""
+  positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+
+  def layer(h, p):
+    p = p if select is None else select(p)
+    with attention_lib.positions_are_indices():  # they are: skip the tiles above the diagonal
+      return block_class(cfg)(cfg).apply({"params": p}, h, positions)[0]
+
+  if gather is None:
+    body = lambda h, p: (layer(h, p), None)
+  else:
+    gathered = jax.checkpoint(lambda h, p: layer(h, gather(p)),
+                              policy=jax.checkpoint_policies.nothing_saveable)
+    body = lambda h, p: (gathered(h, p), None)
+
+  return jax.lax.scan(body, x, layers)[0]
+
+
+def run_head(cfg: ModelConfig, embed_params: Any, head_params: Any, x: jax.Array) -> jax.Array:
+  """Final norm + head on hidden [mb, n, H]: logits [mb, n, V] or values [mb, n] (float32)."""
+  return Transformer(cfg).apply(
+      {"params": {"embed": embed_params, "head": head_params}}, x,
+      method=lambda m, h: m.head(h, m.embed))
 
 
 @jax.custom_vjp

@@ -21,13 +21,12 @@ A batch is a dict of arrays with a leading batch dim (as in the trainer's mini-b
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from rlhfuse_jax.models import attention as attention_lib
 from rlhfuse_jax.models import llama, sequences
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.rl import objective
@@ -218,45 +217,11 @@ def _unravel(vec: jax.Array, shapes: list, treedef: Any) -> Any:
 
 # Stage computations -----------------------------------------------------------------------------
 
-def embed(cfg: ModelConfig, embed_params: Any, tokens: jax.Array) -> jax.Array:
-  """tokens [mb, L] -> hidden [mb, L, H]."""
-  return llama.Transformer(cfg).apply({"params": {"embed": embed_params}}, tokens,
-                                      method=lambda m, t: m.embed(t))
-
-
-def blocks(cfg: ModelConfig, layers: Any, x: jax.Array,
-           gather: Optional[Callable[[Any], Any]] = None,
-           select: Optional[Callable[[Any], Any]] = None) -> jax.Array:
-  """Runs the stacked layers [layers_per_stage, ...] of one stage: [mb, L, H] -> [mb, L, H].
-
-  `gather` (inside a shard_map) turns one layer's parameter shards into the whole layer just
-  before it runs (FSDP inside a stage). The gather and the layer are then rematerialised
-  together: a vjp keeps only each layer's shards and input, and its backward gathers the layer
-  again, so one layer is whole at a time (otherwise every gathered layer of the stage would be
-  kept for the backward). `select` (also inside the shard_map) then picks what this device
-  runs of the whole layer (the executor's shared KV head), without rematerialising."""
-  positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
-
-  def layer(h, p):
-    p = p if select is None else select(p)
-    with attention_lib.positions_are_indices():  # they are: skip the tiles above the diagonal
-      return llama.block_class(cfg)(cfg).apply({"params": p}, h, positions)[0]
-
-  if gather is None:
-    body = lambda h, p: (layer(h, p), None)
-  else:
-    gathered = jax.checkpoint(lambda h, p: layer(h, gather(p)),
-                              policy=jax.checkpoint_policies.nothing_saveable)
-    body = lambda h, p: (gathered(h, p), None)
-
-  return lax.scan(body, x, layers)[0]
-
-
-def head(cfg: ModelConfig, embed_params: Any, head_params: Any, x: jax.Array) -> jax.Array:
-  """Final norm + head on hidden [mb, n, H]: logits [mb, n, V] or values [mb, n] (float32)."""
-  return llama.Transformer(cfg).apply(
-      {"params": {"embed": embed_params, "head": head_params}}, x,
-      method=lambda m, h: m.head(h, m.embed))
+# The stage computations are the model's own (models/llama.py: also the pipelined scoring's,
+# inference/stages.py); named here as the executor and the tests call them.
+embed = llama.embed_tokens
+blocks = llama.run_layers
+head = llama.run_head
 
 
 VocabAxis = Optional[Tuple[str, int]]  # (mesh axis, its size) the LM head's vocabulary splits over

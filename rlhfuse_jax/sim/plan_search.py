@@ -360,14 +360,13 @@ def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict,
   (iteration_sim.inference_memory_parts; beside the training state, and with
   sim.trainer_runnable at the trainer's rows, per plan: _memory_refusal). Pipelines (pp 2, 4)
   only for offloaded frozen models (sim.offload_frozen; kept ones stay whole on their tp
-  devices: iteration_sim.kept_frozen_bytes) and not for the trainer's plans (it scores on the
-  generation instances: trainer_refusal); the papers' systems lay the frozen models out so
+  devices: iteration_sim.kept_frozen_bytes); the papers' systems lay the frozen models out so
   where they do not fit otherwise (since 2026-12-05 (bl): 65B/33B's three frozen models, 65 GB,
-  do not fit on 4 devices beside the training state, and 52 heads rule out tp8)."""
+  do not fit on 4 devices beside the training state, and 52 heads rule out tp8), and the
+  trainer runs them on its generation instances (plan.inference_pp; trainer_refusal)."""
   from rlhfuse_jax.sim import iteration_sim as it
   models, frozen = wl.frozen_models(models)
-  trainer = opt.trainer_runnable or wl.kv_at_max_prompt  # (trainer_workload: a run's search)
-  pps = (1, 2, 4) if opt.offload_frozen and not trainer else (1,)
+  pps = (1, 2, 4) if opt.offload_frozen else (1,)
   out = []
   for tp in (1, 2, 4, 8):
     why = (f"tp{tp} is more than a node's {cost.hw.devices_per_node} devices"
@@ -723,10 +722,11 @@ def trainer_refusal(wl, plan: dict) -> Optional[str]:
   critic's layers and actor_pp; the training devices' data-parallel size divides the
   mini-batch (and so the rollout batch). Generation: instances of tp devices, tp dividing the
   generation devices and the actor's heads and KV heads, at least the batch's share of slots
-  each, and inference on those instances (inference tp = generation tp); or one pipeline of
+  each, and inference on those instances (inference tp = generation tp; pp 1, or pipelines of
+  pp instances, pp dividing the instances and every frozen model's layers); or one pipeline of
   tp 1 over all the generation devices (the trainer's engine runs one pipeline: a plan of
   several replicas would generate on a fraction of the devices), pp dividing the actor's
-  layers, its G >= pp groups dividing the batch. Inference: pp 1, tp dividing the generation
+  layers, its G >= pp groups dividing the batch, and inference pp 1, tp dividing the generation
   devices. Asynchronous split ("async", not colocated): generation on g devices that divide
   the rollout batch, training on the others. What a run's config pins (micro-batch counts, the
   fusions, fields set away from their defaults) is not known here: `accept` of `search`."""
@@ -755,7 +755,7 @@ def trainer_refusal(wl, plan: dict) -> Optional[str]:
   if t % (tp * pa) or wl.minibatch % (t // (tp * pa)):
     return (f"training tp{tp} x Pa{pa} on {t} devices: the data-parallel size does not divide "
             f"the mini-batch of {wl.minibatch}")
-  gtp, itp = gen["tp"], inf["tp"]
+  gtp, itp, ipp = gen["tp"], inf["tp"], inf.get("pp", 1)
   if gen["mode"] == "instances":
     if g % gtp or a.num_heads % gtp or a.num_kv_heads % gtp:
       return (f"generation instances of tp{gtp} on {g} devices ({a.name}: {a.num_heads} heads, "
@@ -765,6 +765,13 @@ def trainer_refusal(wl, plan: dict) -> Optional[str]:
               "generation instances)")
     if gen["slots"] < -(-b // (g // gtp)):
       return f"{gen['slots']} slots per instance for a batch of {b} on {g // gtp} instances"
+    models = ("reference", "critic", "reward") if g == n else ASYNC_GENERATION_FROZEN
+    bad = [s.name for s in wl.frozen_models(models)[1] if s.num_layers % ipp]
+    if (g // gtp) % ipp or bad:
+      return (f"inference pipelines of pp{ipp} on {g // gtp} instances (pp must divide the "
+              "instances and every frozen model's layers" +
+              (f": not {', '.join(bad)}'s)" if bad else ")"))
+    return None
   else:
     pp, groups = gen["pp"], gen["groups"]
     if gtp != 1:

@@ -444,7 +444,10 @@ class PlanConfig:
   # (data = devices / k) x (tensor = k) over the same devices. With generation="instances" it
   # runs on the instances (k must be 0 or generation_tp).
   inference_tp: int = 0
-  inference_pp: int = 1  # only 1: the trainer has no pipelined inference
+  # instances: > 1 scores on pipelines of that many freed instances, each holding one stage
+  # of every inference model (the engine's fusion.inference_pp, generation/fused.py); 1 only
+  # with the other modes.
+  inference_pp: int = 1
 
   def __post_init__(self):
     _check(self.generation in PLAN_GENERATION_MODES, "plan.generation", self.generation,
@@ -454,9 +457,10 @@ class PlanConfig:
       v = getattr(self, name)
       _check(isinstance(v, int) and not isinstance(v, bool) and v >= low, f"plan.{name}", v,
              f"an integer >= {low}")
-    _check(self.inference_pp == 1, "plan.inference_pp", self.inference_pp,
-           "1 (the trainer scores on a data x tensor mesh; pipelined inference is not "
-           "implemented)")
+    _check(self.inference_pp == 1 or self.generation == "instances", "plan.inference_pp",
+           self.inference_pp, f"1 with plan.generation={self.generation!r} (inference on "
+           "pipelines of instances runs on the generation instances: plan.generation="
+           "'instances')")
     defaults = {f.name: f.default for f in dataclasses.fields(self)}
     owners = {"generation_pp": "pipeline", "generation_groups": "pipeline",
               "generation_slots": "instances"}
@@ -756,6 +760,9 @@ RESUME_CHANGEABLE = frozenset({
     # moves (measured: reference log-probs within 2.4e-7 of micro-batch 0's), no state. A run
     # started before a micro-batch larger than the batch was refused could resume no other way.
     "fusion.inference_micro_batch",
+    # Scoring on pipelines of instances: the same forward split into stages, run as a scan over
+    # each stage's layers (inference/stages.py): float rounding only (tested to 1e-5).
+    "fusion.inference_pp", "plan.inference_pp",
 })
 
 

@@ -365,18 +365,20 @@ def plan_instances_config(cfg: TrainConfig, num_devices: int) -> fused_lib.Fused
   if num_devices % tp:
     _fail("plan.generation_tp", tp, f"a divisor of the {num_devices} devices (G = devices / tp "
           "instances)")
-  for name, default in (("instance_devices", 1), ("num_instances", 0), ("slots", 0)):
+  for name, default in (("instance_devices", 1), ("num_instances", 0), ("slots", 0),
+                        ("inference_pp", 1)):
     if getattr(fusion, name) != default:
       _fail(f"fusion.{name}", getattr(fusion, name),
             f"its default {default} with config.plan.generation='instances' (the plan's "
-            "generation_tp and generation_slots lay out the instances)")
+            "generation_tp, generation_slots and inference_pp lay out the instances)")
   g = num_devices // tp
   need = -(-b // g)
   if plan.generation_slots and plan.generation_slots < need:
     _fail("plan.generation_slots", plan.generation_slots,
           f">= {need} ({b} samples dealt to {g} instances of generation_tp={tp}), or 0")
   return fused_lib.FusedGenConfig.of(fusion, instance_devices=tp, num_instances=g,
-                                     slots=plan.generation_slots or need)
+                                     slots=plan.generation_slots or need,
+                                     inference_pp=plan.inference_pp)
 
 
 def check_plan(cfg: TrainConfig, num_devices: int) -> None:

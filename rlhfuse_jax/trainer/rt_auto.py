@@ -32,7 +32,7 @@ def sim_setup(gen: FusedGenerator) -> tuple:
                    inference_microbatch=cfg.micro_batch, kv_capacity_tokens=gen.kv_capacity,
                    # every inference model is copied onto a freed instance (the critic too,
                    # from its training devices or host memory; measure_costs times that load)
-                   offload_frozen=bool(gen.models),
+                   offload_frozen=bool(gen.models), inference_pp=cfg.inference_pp,
                    devices_share_compute=measure.shares_compute(gen))
   return actor, frozen, setup
 

@@ -1,0 +1,168 @@
+"""The fused engine scoring on pipelines of freed instances (fusion.inference_pp = 2,
+generation/fused.InferenceQueue): the same samples as single-instance scoring and the same
+scores to float rounding, each instance loading only its stage (the weights loaded are half of
+scoring on single instances), every instance of a unit busy, units formed in the order
+instances are freed; clear errors for layouts it cannot split."""
+import jax
+import numpy as np
+import pytest
+
+from rlhfuse_jax.generation.fused import FusedGenConfig, FusedGenerator
+from rlhfuse_jax.generation.instances import FrozenModels
+from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.models import llama
+
+CFG = llama.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, max_seq_len=64)
+SCORE = CFG.replace(head="scalar", num_layers=4)
+FROZEN = FrozenModels(reference=CFG, critic=SCORE, reward=SCORE)
+P, T, G, S = 6, 16, 4, 4
+KEY = jax.random.key(5)
+
+
+def _params():
+  return {"reference": llama.host_random_params(CFG, 0),
+          "critic": llama.host_random_params(SCORE, 1),
+          "reward": llama.host_random_params(SCORE, 2)}
+
+
+def _build(pp, **kw):
+  params = _params()
+  sampling = SamplingConfig(temperature=1.0, max_new_tokens=T, chunk_size=3, eos_id=-1)
+  config = FusedGenConfig(num_instances=G, slots=S, migration_threshold=0.5, inference_pp=pp,
+                          inference_micro_batch=2, **kw)
+  gen = FusedGenerator(CFG, sampling, config, batch_size=G * S, prompt_len=P, frozen=FROZEN,
+                       actor_params=params["reference"], frozen_params=params)
+  return gen, params
+
+
+def _batch():
+  rng = np.random.default_rng(1)
+  lens = rng.integers(1, P + 1, G * S).astype(np.int32)
+  tokens = rng.integers(1, CFG.vocab_size, (G * S, P)).astype(np.int32)
+  tokens[np.arange(P)[None] >= lens[:, None]] = 0
+  budgets = np.clip(np.rint(rng.lognormal(np.log(3), 0.8, G * S)), 1, T).astype(np.int32)
+  budgets[[0, 5]] = T  # a tail on two instances: the others are freed while it decodes
+  return tokens, lens, budgets
+
+
+@pytest.fixture(scope="module")
+def outputs():
+  tokens, lens, budgets = _batch()
+  out = {}
+  for pp in (1, 2):
+    gen, params = _build(pp)
+    out[pp] = [gen.run(params["reference"], params, tokens, lens, KEY, budgets=budgets,
+                       fuse=fuse) for fuse in (True, False)]
+  return out, budgets
+
+
+def test_pipelined_scores_equal_single_instance_scores(outputs):
+  out, budgets = outputs
+  for one, two in zip(out[1], out[2]):
+    for f in ("response_tokens", "response_lens", "logprobs"):
+      np.testing.assert_array_equal(getattr(one.rollout, f), getattr(two.rollout, f))
+    np.testing.assert_array_equal(two.rollout.response_lens, budgets)
+    for name in ("ref_logp", "values", "rewards"):
+      np.testing.assert_allclose(getattr(two, name), getattr(one, name), rtol=1e-5, atol=1e-5,
+                                 err_msg=name)
+      assert np.ptp(getattr(two, name)) > 0
+
+
+def test_each_instance_loads_its_stage_and_every_stage_runs(outputs):
+  out, _ = outputs
+  whole = sum(x.nbytes for p in _params().values() for x in jax.tree.leaves(p))
+  fused1, fused2 = out[1][0], out[2][0]
+  # every instance is freed in the end: 4 single-instance copies against 2 pipelines' copies
+  assert fused1.metrics["fusion/weight_load_bytes"] == G * whole
+  assert fused2.metrics["fusion/weight_load_bytes"] == G // 2 * whole
+  assert fused2.consolidations and fused2.metrics["gen/migrated_samples"] > 0
+  for res in (fused2, out[2][1]):
+    busy = {i for i, _, _, kind in res.timeline.segments if kind == "inference"}
+    assert busy == set(range(G))  # both stages of both units scored
+
+
+def test_units_are_formed_in_the_order_instances_are_freed():
+  from rlhfuse_jax.generation import fused as fused_lib
+  gen, params = _build(2)
+  q = fused_lib.InferenceQueue(gen, params, table=None, prompts=None, prompt_lens=None,
+                               log=None)
+  q.gen = type("G", (), {"is_local": staticmethod(lambda i: False), "config": gen.config})()
+  for i in (3, 0, 2):
+    q.free(i)
+  assert q.units == [(3, 0)] and [q.stage(i) for i in (3, 0, 2)] == [0, 1, 0]
+  q.free(1)
+  assert q.units == [(3, 0), (2, 1)] and q.stage(1) == 1
+  q.close()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(pp=3), r"fusion.inference_pp=3: must divide num_instances=4"),
+    (dict(pp=4, critic=8), r"inference_pp=4: must divide the 2 layers of the reference"),
+    (dict(pp=0), r"fusion.inference_pp=0: expected an integer >= 1"),
+])
+def test_layouts_the_pipelines_cannot_split_are_refused(kw, match):
+  pp = kw["pp"]
+  with pytest.raises(ValueError, match=match):
+    config = FusedGenConfig(num_instances=G, slots=S, migration_threshold=0.5, inference_pp=pp)
+    FusedGenerator(CFG, SamplingConfig(max_new_tokens=T), config, batch_size=G * S,
+                   prompt_len=P, frozen=FROZEN, actor_params=_params()["reference"],
+                   frozen_params=_params())
+
+
+def test_the_trainer_scores_on_pipelines_of_instances(tmp_path):
+  """train_ppo with fusion.inference_pp=2 on 4 instances: the first iteration's samples are
+  the serial stage's and its reference log-probs, values and rewards equal them to float
+  rounding; the run trains on (finite losses). The same field through a plan file is checked
+  in tests/test_plan.py."""
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  from rlhfuse_jax.trainer import rollout
+  from rlhfuse_jax.trainer.loop import PPOTrainer
+  from tests.test_fused_trainer import tiny
+  from tests.test_trainer import record_rollouts
+
+  two = {"model.num_layers": 2, "critic_model.num_layers": 2, "num_iterations": 2}
+  mesh = lambda: mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4), jax.devices()[:4])  # noqa
+  serial = PPOTrainer(tiny(**two), str(tmp_path / "serial"), mesh=mesh())
+  want = record_rollouts(serial)
+  serial.run()
+  piped = PPOTrainer(tiny(**two, **{"fusion.inter_stage": True, "fusion.inference_pp": 2,
+                                    "fusion.migration_threshold": "1.0"}),
+                     str(tmp_path / "piped"), mesh=mesh())
+  assert isinstance(piped.rollout, rollout.FusedStage)
+  got = record_rollouts(piped)
+  hist = piped.run()
+  a, b = want[0][1], got[0][1]
+  for field in ("response_tokens", "response_lens", "logprobs"):
+    np.testing.assert_array_equal(getattr(a.rollout, field), getattr(b.rollout, field))
+  for field in ("ref_logp", "values", "scores"):
+    np.testing.assert_allclose(getattr(b, field), getattr(a, field), rtol=1e-5, atol=1e-6)
+  assert all(np.isfinite(h["actor/pg_loss"]) and np.isfinite(h["critic/vf_loss"]) for h in hist)
+  assert hist[0]["fusion/weight_load_bytes"] > 0
+
+
+def test_drain_completes_the_units_it_needs_in_freeing_order():
+  """After generation with pp = 2: instance 3, freed alone while the tail decoded, pairs with
+  the least dispatched instance; a second micro-batch needs a second unit, so every instance
+  is freed; the units keep the freeing order (the instance freed first holds stage 0) and only
+  units get micro-batches, least dispatched first."""
+  import types
+  from rlhfuse_jax.generation import fused as fused_lib
+  for chunks, want_freed, want in (
+      (1, [3, 1], [(3, [0, 1])]),
+      (3, [3, 1, 2, 0], [(3, [0, 1]), (2, [2, 3]), (3, [4, 5])])):
+    gen = types.SimpleNamespace(
+        config=types.SimpleNamespace(num_instances=4, micro_batch=2, inference_pp=2),
+        exchange=types.SimpleNamespace(multi=False), inflight=0, is_local=lambda i: False)
+    q = fused_lib.InferenceQueue(gen, {}, None, None, None, None)
+    try:
+      q.free(3)
+      q.dispatched[:] = [2, 0, 1, 0]
+      q.pump = lambda block: None
+      q.add(list(range(2 * chunks)))
+      q.drain()
+      assert q.freed == want_freed and q.units == [tuple(want_freed[k:k + 2]) for k in
+                                                   range(0, len(want_freed) - 1, 2)]
+      assert [(i, list(take)) for i, take, _ in q.batches] == want
+    finally:
+      q.close()
