@@ -131,6 +131,7 @@ def _as_trained(c, t, dp: int, models=None) -> None:
           rollout.check_fusion(run, devices))
     c.generation, c.gen_tp, c.gen_slots = "instances", fc.instance_devices, fc.slots
     c.inference_microbatch = fc.micro_batch
+    c.inference_pp = fc.inference_pp
     c.migration_rows = run.fusion.migration_rows
   else:
     raise ValueError(f"configs/plan_check.py: the run's rollout stage {kind!r} (plan.generation"
@@ -335,6 +336,9 @@ def get_config(arg: str = "tiny"):
   c.gen_slots = 54  # batch slots of one generation instance
   c.chunk_size = 64  # decode steps per jitted decode call
   c.inference_microbatch = 8  # samples per inference micro-batch on an instance
+  # instances: > 1 scores on pipelines of that many instances (the trainer's fusion.inference_pp
+  # or plan.inference_pp): the scoring programs are each stage's, and the heaviest is reported
+  c.inference_pp = 1
   # Rows a consolidation's migration moves at once (the trainer's fusion.migration_rows; 0: up
   # to gen_slots): its copy of them sits beside the cache (the `migrate` program)
   c.migration_rows = 8

@@ -109,6 +109,7 @@ from experiments import config_files, runner
 from experiments.runner import fixed_or_sci
 from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.inference import stages as inf_stages
 from rlhfuse_jax.models import attention, llama
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -194,6 +195,10 @@ class PlanConfig:
   chunk_size: int
   inference_microbatch: int
   hardware: hw_lib.Hardware
+  # Instances scoring on pipelines of this many instances (the trainer's fusion.inference_pp,
+  # plan.inference_pp): each scoring program is a stage's (inference/stages.py), and the
+  # heaviest stage's is reported
+  inference_pp: int = 1
   offload_optimizer: bool = False  # the trainer's optim.offload_during_rollout
   # The trainer's fusion.migration_rows: rows a migration moves at once (0: up to gen_slots)
   migration_rows: int = 8
@@ -329,6 +334,8 @@ class PlanConfig:
                        ("critic_microbatch_size", "microbatch_size"),
                        ("layers", "the model's own"), ("migration_rows", "up to gen_slots")):
       config_files.check_int(name, d.get(name, 0), 0, f"0: {zero}")
+    config_files.check_int("inference_pp", d.get("inference_pp", 1), 1,
+                           "1: each instance scores alone")
     try:
       hardware = hw_lib.get_hardware(str(d["hardware"]))
     except ValueError as e:
@@ -378,6 +385,7 @@ class PlanConfig:
         generation_devices=d.get("generation_devices", 0),
         group_critic=d.get("group_critic", False),
         search_seed=d.get("search_seed", 0), reference=d.get("reference", True),
+        inference_pp=d.get("inference_pp", 1),
         migration_rows=d.get("migration_rows", 8))
     cfg.validate()
     return cfg
@@ -402,6 +410,14 @@ class PlanConfig:
                     (f"{field}.num_layers", f"divisible by its {n_stages} pipeline stages (set "
                      "config.layers to compile fewer)"))
       _check(model.num_layers % n_stages == 0, name, model.num_layers, want)
+    ipp = self.inference_pp
+    _check(ipp == 1 or self.generation == "instances", "inference_pp", ipp,
+           "1 with generation='mesh' (pipelines of instances score on generation instances)")
+    for field, model in (("actor", self.actor), ("critic", self.critic),
+                         ("reward_model", self.reward)):
+      _check(model is None or model.num_layers % ipp == 0, "inference_pp", ipp,
+             f"a divisor of the {model.num_layers if model else 0} layers compiled of the "
+             f"{field} (each stage holds whole layers; config.layers sets the count compiled)")
     if self.pp > 1:  # the pipelined update's tensor split (trainer/pipelined.check_config),
       # named by plan_check's fields: it was "config.model.num_heads=32 must be divisible by
       # mesh.tensor=3", after jax had started, fields plan_check does not have
@@ -541,7 +557,8 @@ def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
     mesh, micro = inst_lib.split_devices(jax.devices(), 1, cfg.gen_tp)[0], cfg.inference_microbatch
   return inst_lib.GenerationInstance(0, mesh, cfg.actor, sampling, slots=cfg.gen_slots,
                                      prompt_len=cfg.prompt_len, frozen=frozen, micro_batch=micro,
-                                     migration_rows=cfg.migration_rows)
+                                     migration_rows=cfg.migration_rows,
+                                     inference_pp=cfg.inference_pp)
 
 
 # Measuring --------------------------------------------------------------------------------------
@@ -664,34 +681,57 @@ def instance_programs(cfg: PlanConfig) -> dict:
       frozen["reward"] = llama.param_shapes(reward)
     lowered[scan] = dict(inst.lower_all(llama.param_shapes(actor), frozen,
                                         only=("prefill", "decode", kind, *frozen)))
-  figures = lambda r: {k: r[k] for k in ("temp_bytes", "peak_bytes", "fits", "compile_s")}
   out = {}
   wanted = [("decode", "decode", decode_analytic(cfg)),
-            ("prefill", "prefill", prefill_analytic(cfg)),
-            ("inference", kind, inference_analytic(cfg))]
-  if cfg.reward is not None:
-    wanted.append(("reward", "reward", inference_analytic(cfg, cfg.reward, head_positions=1)))
+            ("prefill", "prefill", prefill_analytic(cfg))]
+  pp = cfg.inference_pp
+  for name, model, key, heads in (("inference", None, kind, None),
+                                  ("reward", cfg.reward, "reward", 1)):
+    if name == "reward" and model is None:
+      continue
+    if pp == 1:
+      wanted.append((name, key, inference_analytic(cfg, model, heads)))
+    else:  # every stage's program (each instance of a pipeline may hold any stage)
+      wanted += [((name, s), (key, s), inference_analytic(cfg, model, heads, stage=s))
+                 for s in range(pp)]
   for name, key, analytic in wanted:
-    m = measure(lowered[cfg.actor.scan_layers][key], cfg.hardware)
-    record = {"scan_layers": cfg.actor.scan_layers}
-    if per_layer:
-      scanned = measure(lowered[True][key], cfg.hardware, PER_LAYER_OPTIONS)
-      used = "per_layer" if scanned["temp_bytes"] <= m["temp_bytes"] else "as_compiled"
-      logging.info("%s: temp %.2f GB with the float32 weights converted per layer, %.2f GB as "
-                   "compiled; reporting %s", name, scanned["temp_bytes"] / 1e9,
-                   m["temp_bytes"] / 1e9, used)
-      record = {"mode": "per_layer", "used": used,
-                "per_layer": {**figures(scanned), "scan_layers": True,
-                              "compiler_options": PER_LAYER_OPTIONS},
-                "as_compiled": {**figures(m), **record}}
-      m = scanned if used == "per_layer" else m
-    else:
-      record = {"mode": "as_compiled", **record}
-    m["cpu_upcast"] = record
-    out[name] = _finish(m, analytic)
-    logging.info("%s: compiled in %.1fs", name, out[name]["compile_s"])
+    out[name] = _instance_program(cfg, name, lowered, key, analytic, per_layer)
+  for name in ("inference", "reward"):
+    stages = [out.pop((name, s)) for s in range(pp)] if pp > 1 and (name, 0) in out else None
+    if stages:  # the heaviest stage is the program; every stage's peak beside it
+      s = max(range(pp), key=lambda k: stages[k]["peak_bytes"])
+      out[name] = {**stages[s], "stage": s, "stages": pp,
+                   "stage_peak_bytes": [x["peak_bytes"] for x in stages]}
+      logging.info("%s: stage %d of %d is the heaviest (peaks %s GB)", name, s, pp,
+                   ", ".join(f"{x['peak_bytes'] / 1e9:.3g}" for x in stages))
   if cfg.generation == "instances":
     out["migrate"] = migrate_program(cfg)
+  return out
+
+
+def _instance_program(cfg: PlanConfig, name, lowered: dict, key, analytic: dict,
+                      per_layer: bool) -> dict:
+  """Instance program `key` of `lowered` ({scan_layers: {key: Lowered}}) measured beside its
+  `analytic` figures; under `per_layer` the smaller of its two compiles (instance_programs)."""
+  figures = lambda r: {k: r[k] for k in ("temp_bytes", "peak_bytes", "fits", "compile_s")}
+  m = measure(lowered[cfg.actor.scan_layers][key], cfg.hardware)
+  record = {"scan_layers": cfg.actor.scan_layers}
+  if per_layer:
+    scanned = measure(lowered[True][key], cfg.hardware, PER_LAYER_OPTIONS)
+    used = "per_layer" if scanned["temp_bytes"] <= m["temp_bytes"] else "as_compiled"
+    logging.info("%s: temp %.2f GB with the float32 weights converted per layer, %.2f GB as "
+                 "compiled; reporting %s", name, scanned["temp_bytes"] / 1e9,
+                 m["temp_bytes"] / 1e9, used)
+    record = {"mode": "per_layer", "used": used,
+              "per_layer": {**figures(scanned), "scan_layers": True,
+                            "compiler_options": PER_LAYER_OPTIONS},
+              "as_compiled": {**figures(m), **record}}
+    m = scanned if used == "per_layer" else m
+  else:
+    record = {"mode": "as_compiled", **record}
+  m["cpu_upcast"] = record
+  out = _finish(m, analytic)
+  logging.info("%s: compiled in %.1fs", name, out["compile_s"])
   return out
 
 
@@ -956,12 +996,17 @@ def scoring_model(cfg: PlanConfig) -> ModelConfig:
 
 
 def inference_analytic(cfg: PlanConfig, model: ModelConfig | None = None,
-                       head_positions: int | None = None) -> dict:
+                       head_positions: int | None = None, stage: int | None = None) -> dict:
   """The perfect split of a scoring forward: `model`'s (the inference program's, scoring_model,
   when None) with its head at `head_positions` per row (the response's when None; a reward
-  model's: 1, the last token)."""
+  model's: 1, the last token); with `stage` (cfg.inference_pp > 1) that stage's: its weights
+  (inference/stages.py), its layers' FLOPs, and the head's and its logits on the last."""
   a, n = model or scoring_model(cfg), cfg.gen_devices
-  params = _nbytes(llama.param_shapes(a))
+  shapes = llama.param_shapes(a)
+  params = _nbytes(shapes)
+  last = stage is None or stage == cfg.inference_pp - 1
+  if stage is not None:
+    params = inf_stages.stage_nbytes(a, shapes, cfg.inference_pp, stage)
   if cfg.generation == "mesh":  # the whole rollout batch, split over the data axes
     rows = cfg.gen_slots
     tokens = rows // cfg.gen_batch_shards * cfg.seq_len
@@ -973,10 +1018,12 @@ def inference_analytic(cfg: PlanConfig, model: ModelConfig | None = None,
   cost = CostModel(cfg.hardware)
   shape = sim_shapes.from_model_config(a, dtypes=True)
   positions = cfg.response_len if head_positions is None else head_positions
+  positions = positions if last else 0  # (a stage before the last runs no head)
   acts = cost.activation_bytes(shape, cfg.gen_tensor, tokens, 1)
   logits = cost.logits_bytes(shape, cfg.gen_tensor, tokens / cfg.seq_len, positions,
                              LOGITS_COPIES_SCORING)
-  flops = accounting.forward_flops(a, rows, cfg.seq_len, positions)
+  layers = a if stage is None else a.replace(num_layers=a.num_layers // cfg.inference_pp)
+  flops = accounting.forward_flops(layers, rows, cfg.seq_len, positions)
   shards = cfg.gen_model_shards
   return {"params_bytes": params / shards, "activations_bytes": acts, "logits_bytes": logits,
           "total_bytes": params / shards + acts + logits, "flops_per_device": flops / n}
@@ -1030,6 +1077,10 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   programs.update(instance_programs(cfg))
   programs.update(placement_programs(cfg, mesh, update))
   critic = _nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_model_shards
+  if cfg.inference_pp > 1:  # a pipeline's instance holds one stage of the critic's copy
+    critic = max(inf_stages.stage_nbytes(cfg.critic, llama.param_shapes(cfg.critic),
+                                         cfg.inference_pp, s)
+                 for s in range(cfg.inference_pp)) / cfg.gen_model_shards
   group = bool(cfg.generation_devices)
   beside_train_state(programs, hbm, cfg.offload_optimizer, group,
                      critic if group and cfg.group_critic else 0.0, cfg.reference,

@@ -77,6 +77,25 @@ def run_case(g: int = G, seed: int = 0) -> dict:
   assert res.ref_logp is None and res.values is None, "models=['reward'] ran the others"
   out["rewards_only/rewards"] = res.rewards
   out["rewards_only/response_tokens"] = res.rollout.response_tokens
+  # Scoring on pipelines of 2 instances (fusion.inference_pp): 2-layer models, each process's
+  # instances forming its own units.
+  cfg2 = cfg.replace(num_layers=2)
+  score2 = cfg2.replace(head="scalar")
+  actor2 = llama.host_random_params(cfg2, 0)
+  params2 = {"reference": actor2, "critic": llama.host_random_params(score2, 1),
+             "reward": llama.host_random_params(score2, 2)}
+  import dataclasses
+  gen2 = FusedGenerator(cfg2, sampling, dataclasses.replace(config, inference_pp=2),
+                        batch_size=2 * g, prompt_len=P,
+                        frozen=FrozenModels(reference=cfg2, critic=score2, reward=score2),
+                        actor_params=actor2, frozen_params=params2)
+  res = gen2.run(actor2, params2, tokens, lens, jax.random.key(3), budgets=budgets, fuse=True,
+                 rt=0.5)
+  for f in FIELDS:
+    out[f"piped/{f}"] = getattr(res.rollout, f)
+  for m in MODELS:
+    out[f"piped/{m}"] = getattr(res, m)
+  out["piped/load_bytes"] = np.asarray(res.metrics["fusion/weight_load_bytes"])
   return out
 
 

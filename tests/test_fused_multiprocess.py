@@ -9,9 +9,11 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 
 from rlhfuse_jax.generation.multihost import EXIT_PEER_LOST
+from rlhfuse_jax.models import llama
 from tests import fused_mp_worker as worker
 from tests.test_train_ppo_binary import REPO
 from tests.xla_env import free_port, subprocess_env
@@ -64,6 +66,20 @@ def test_two_processes_match_one_process_with_cross_host_migration(tmp_path):
     for i in range(2):
       np.testing.assert_array_equal(multi[i][k], single[k], err_msg=f"process {i}: {k}")
   np.testing.assert_array_equal(single["rewards_only/rewards"], single["late/rewards"])
+  # Pipelines of 2 instances (fusion.inference_pp=2), each process's own: the same samples and
+  # scores as one process, whose units may pair instances the processes could not.
+  for f in worker.FIELDS + worker.MODELS:
+    for i in range(2):
+      np.testing.assert_allclose(multi[i][f"piped/{f}"], single[f"piped/{f}"], rtol=1e-5,
+                                 atol=1e-6, err_msg=f"process {i}: piped/{f}")
+  cfg2 = llama.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
+                          num_heads=4, num_kv_heads=2, max_seq_len=64)
+  whole = sum(x.nbytes for c in (cfg2, cfg2.replace(head="scalar"), cfg2.replace(head="scalar"))
+              for x in jax.tree.leaves(llama.host_random_params(c, 0)))
+  # each process's 2 instances form one unit: at most one copy of the models between them
+  # (scoring on single instances, each freed instance loads all of them)
+  for m in multi:
+    assert 0 < m["piped/load_bytes"] <= whole
   for name, _, _ in worker.RUNS:
     one = json.loads(str(single[f"{name}/metrics"]))
     both = [json.loads(str(m[f"{name}/metrics"])) for m in multi]

@@ -87,7 +87,8 @@ def test_units_are_formed_in_the_order_instances_are_freed():
   gen, params = _build(2)
   q = fused_lib.InferenceQueue(gen, params, table=None, prompts=None, prompt_lens=None,
                                log=None)
-  q.gen = type("G", (), {"is_local": staticmethod(lambda i: False), "config": gen.config})()
+  q.gen = type("G", (), {"is_local": staticmethod(lambda i: False), "config": gen.config,
+                         "owner": gen.owner})()
   for i in (3, 0, 2):
     q.free(i)
   assert q.units == [(3, 0)] and [q.stage(i) for i in (3, 0, 2)] == [0, 1, 0]
@@ -153,7 +154,8 @@ def test_drain_completes_the_units_it_needs_in_freeing_order():
       (3, [3, 1, 2, 0], [(3, [0, 1]), (2, [2, 3]), (3, [4, 5])])):
     gen = types.SimpleNamespace(
         config=types.SimpleNamespace(num_instances=4, micro_batch=2, inference_pp=2),
-        exchange=types.SimpleNamespace(multi=False), inflight=0, is_local=lambda i: False)
+        exchange=types.SimpleNamespace(multi=False), inflight=0, is_local=lambda i: False,
+        owner=np.zeros(4, np.int64))
     q = fused_lib.InferenceQueue(gen, {}, None, None, None, None)
     try:
       q.free(3)
@@ -166,3 +168,87 @@ def test_drain_completes_the_units_it_needs_in_freeing_order():
       assert [(i, list(take)) for i, take, _ in q.batches] == want
     finally:
       q.close()
+
+
+def test_a_unit_runs_at_most_its_stages_and_one_more_micro_batches():
+  """Each micro-batch in flight holds hidden states on the unit's instances: a unit that
+  already runs pp + 1 waits for its oldest before it takes another (drain dispatches all the
+  rest at once)."""
+  import concurrent.futures
+  import types
+  from rlhfuse_jax.generation import fused as fused_lib
+
+  class Out:
+    def __init__(self, name):
+      self.name, self.waited = name, False
+
+    def is_ready(self):
+      return self.waited
+
+    def block_until_ready(self):
+      self.waited = True
+      return self
+
+  class Inst:
+    def score_stage(self, n, s, placed, x, seq, plens, rlens):
+      return Out(f"{n}{s}")
+
+  gen = types.SimpleNamespace(
+      config=types.SimpleNamespace(num_instances=2, micro_batch=1, inference_pp=2),
+      exchange=types.SimpleNamespace(multi=False), inflight=0, is_local=lambda i: True,
+      owner=np.zeros(2, np.int64), instances=[Inst(), Inst()], models={"reference": CFG})
+  log = types.SimpleNamespace(record=lambda *a, **k: None)
+  q = fused_lib.InferenceQueue(gen, {}, None, None, None, log)
+  try:
+    q.freed = [0, 1]
+    for i in (0, 1):
+      f = concurrent.futures.Future()
+      f.set_result({"reference": None})
+      q.loads[i] = f
+    old = [{"reference": Out(f"old{k}")} for k in range(3)]
+    q.batches = [[0, [k], outs] for k, outs in enumerate(old)]
+    q._score_stages(0, None, None, None)
+    assert [o["reference"].waited for o in old] == [True, False, False]  # the oldest only
+    q.batches = [[0, [k], outs] for k, outs in enumerate(old[1:])]
+    q._score_stages(0, None, None, None)  # 2 running: room for a third
+    assert not old[1]["reference"].waited
+  finally:
+    q.close()
+
+
+def test_the_trainer_refuses_pipelines_it_cannot_form_before_building_anything(monkeypatch):
+  """Checked by trainer/validate.py (rollout.check_fusion, check_plan,
+  check_instances_within_processes) before the models are built: pp must divide the
+  instances, each process's instances and the reference's and critic's layers."""
+  from rlhfuse_jax.trainer import rollout
+  from tests.test_fused_trainer import tiny
+  two = {"model.num_layers": 2, "critic_model.num_layers": 2}
+  cases = [
+      ({"fusion.inter_stage": True, "fusion.inference_pp": 2},  # 1-layer models
+       r"config\.fusion\.inference_pp=2: must divide the 1 layers of the reference"),
+      ({**two, "critic_model.num_layers": 3, "fusion.inter_stage": True,
+        "fusion.inference_pp": 2},
+       r"config\.fusion\.inference_pp=2: must divide the 3 layers of the critic"),
+      ({**two, "fusion.inter_stage": True, "fusion.inference_pp": 3},
+       r"config\.fusion\.inference_pp=3: must divide num_instances=4"),
+      ({**two, "plan.generation": "instances", "plan.inference_pp": 3},
+       r"config\.plan\.inference_pp=3: expected a divisor of the 4 instances"),
+      ({"plan.generation": "instances", "plan.inference_pp": 2},
+       r"config\.plan\.inference_pp=2: must divide the 1 layers of the reference"),
+  ]
+  for overrides, match in cases:
+    cfg = tiny(**overrides)
+    with pytest.raises(ValueError, match=match):
+      rollout.check_fusion(cfg, 4)
+      rollout.check_plan(cfg, 4)
+  cfg = tiny(**two, **{"fusion.inter_stage": True, "fusion.inference_pp": 2})
+  assert rollout.check_fusion(cfg, 4).inference_pp == 2
+  monkeypatch.setattr(rollout.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(rollout.jax, "device_count", lambda: 6)
+  monkeypatch.setattr(rollout.jax, "local_device_count", lambda: 3)
+  with pytest.raises(ValueError, match=r"config\.fusion\.inference_pp=2: expected a divisor of "
+                                       r"each process's 3 generation instances \(2 processes\)"):
+    rollout.check_instances_within_processes("fusion.instance_devices", 1, 6, 2,
+                                             "fusion.inference_pp")
+  rollout.check_instances_within_processes("fusion.instance_devices", 1, 6, 3,
+                                           "fusion.inference_pp")

@@ -565,7 +565,8 @@ def _refusal_case():
 def test_trainer_refusal_rules_at_their_edges():
   """trainer_refusal's rules where the existing hand-made cases do not reach: a colocated plan
   needs no batch split over the devices (Q19); Pc must divide Pa (Q20); G >= pp (Q23);
-  inference pp must be 1 (Q24); slots are the rounded-up share of a batch that does not
+  inference pp must divide the instances (Q24; it had to be 1 until the trainer scored on
+  pipelines of instances); slots are the rounded-up share of a batch that does not
   divide over the instances (Q22); a critic with fewer KV heads than tp devices trains
   (Megatron-style split, Q21)."""
   import dataclasses
@@ -580,10 +581,19 @@ def test_trainer_refusal_rules_at_their_edges():
   for change, match in [
       ({"training": {**ok["training"], "critic_pp": 4}}, "Pa/Pc=2/4"),
       ({"generation": pipe, "async": split}, "pp8, G=4"),
-      ({"inference": {"tp": 2, "pp": 2}}, "inference tp2 x pp2"),
+      # (pipelines of instances since 2026-12-05 (bm): pp must divide the 8 instances)
+      ({"inference": {"tp": 2, "pp": 3}}, "inference pipelines of pp3 on 8 instances"),
   ]:
     why = ps.trainer_refusal(wl, {**ok, **change})
     assert why is not None and match in why, (change, why)
+  assert ps.trainer_refusal(wl, {**ok, "inference": {"tp": 2, "pp": 2}}) is None
+  # on nodes of 4 devices: 2 tp2 instances a node (process), which pp 4 cannot pair up
+  why = ps.trainer_refusal(wl, {**ok, "inference": {"tp": 2, "pp": 4}}, devices_per_node=4)
+  assert why is not None and "nodes of 2 tp2 instances" in why, why
+  assert ps.trainer_refusal(wl, {**ok, "inference": {"tp": 2, "pp": 2}}, devices_per_node=4) is None
+  odd = dataclasses.replace(wl, critic=dataclasses.replace(wl.critic, num_layers=30))
+  why = ps.trainer_refusal(odd, {**ok, "inference": {"tp": 2, "pp": 4}})
+  assert why is not None and why.endswith(f": not {odd.critic.name}'s)"), why
   why = ps.trainer_refusal(dataclasses.replace(wl, global_batch=36, minibatch=12), ok)
   assert why is not None and "4 slots per instance for a batch of 36 on 8 instances" in why
 

@@ -366,7 +366,8 @@ def _queue(num_instances, loaded, inflight=0, mb=2):
   `_score` returns a result still running."""
   gen = types.SimpleNamespace(
       config=types.SimpleNamespace(num_instances=num_instances, micro_batch=mb, inference_pp=1),
-      exchange=types.SimpleNamespace(multi=False), inflight=inflight, is_local=lambda i: True)
+      exchange=types.SimpleNamespace(multi=False), inflight=inflight, is_local=lambda i: True,
+      owner=np.zeros(num_instances, np.int64))
   q = fused.InferenceQueue(gen, {}, None, None, None, None)
   q.freed = list(loaded)  # (the engine frees an instance before it loads)
   for i in loaded:

@@ -1845,3 +1845,51 @@ def test_what_stays_beside_each_program_follows_where_the_run_scores():
   line = plan_programs.verdict({"programs": p, "plan": {}})
   assert line.startswith("verdict: DOES NOT FIT: train_step (peak 2.00e-07 of 1.80e-07 GB with "
                          "the models; largest: arguments"), line
+
+
+def test_inference_on_pipelines_of_instances_compiles_each_stage():
+  """inference_pp = 2 (a run's fusion.inference_pp or plan.inference_pp): every stage's scoring
+  program is compiled and the heaviest reported; its arguments are its stage's weights (half
+  the layers, the embedding or the head), well below the whole model's, and its analytic
+  figures are the stage's. The run's field reaches plan_check; bad values name the field."""
+  c = plan_config.get_config("tiny")
+  c.inference_pp = 2
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  out = plan_programs.instance_programs(cfg)
+  p = out["inference"]
+  assert p["stages"] == 2 and len(p["stage_peak_bytes"]) == 2
+  assert p["peak_bytes"] == max(p["stage_peak_bytes"]) and p["stage"] in (0, 1)
+  from rlhfuse_jax.inference import stages as inf_stages
+  shapes = llama.param_shapes(cfg.actor)
+  stage = inf_stages.stage_nbytes(cfg.actor, shapes, 2, p["stage"]) / cfg.gen_tp
+  whole = plan_programs._nbytes(shapes) / cfg.gen_tp
+  assert p["analytic"]["params_bytes"] == stage < 0.75 * whole
+  assert stage <= p["argument_bytes"] < stage + 0.1 * whole  # its weights and a micro-batch
+  assert 0.9 < p["replication"] < 1.1
+  for field, value, match in (
+      ("inference_pp", 3, r"config\.inference_pp=3: expected a divisor of the 4 layers compiled "
+                          r"of the actor"),
+      ("inference_pp", 4, r"config\.inference_pp=4: expected a divisor of the 2 layers compiled "
+                          r"of the critic"),
+      ("inference_pp", 0, r"config\.inference_pp=0: expected an integer >= 1")):
+    bad = plan_config.get_config("tiny")
+    bad[field] = value
+    with pytest.raises(ValueError, match=match):
+      plan_programs.PlanConfig.from_config_dict(bad)
+  bad = _tiny_mesh_generation()
+  bad.inference_pp = 2
+  with pytest.raises(ValueError, match=r"config\.inference_pp=2: expected 1 with "
+                                       r"generation='mesh'"):
+    plan_programs.PlanConfig.from_config_dict(bad)
+
+
+def test_a_runs_inference_pipelines_reach_plan_check(monkeypatch, tmp_path):
+  """run/<file>: a training config's fusion.inference_pp is plan_check's inference_pp."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  monkeypatch.chdir(repo)
+  path = tmp_path / "piped.py"
+  path.write_text("from configs import ppo_tiny\n\n\ndef get_config():\n"
+                  "  c = ppo_tiny.get_config('fused')\n  c.fusion.inference_pp = 2\n  return c\n")
+  plan = plan_config.get_config(f"run/{path}")
+  assert plan.inference_pp == 2 and plan.generation == "instances"
+  assert plan_config.get_config("run/configs/ppo_tiny.py:fused").inference_pp == 1

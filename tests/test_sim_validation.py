@@ -125,6 +125,26 @@ def test_a_bench_run_without_consolidation_is_predicted_without_one(tmp_path, mo
     validation.gen_lib.GenSetup(num_instances=1, slots=1, max_consolidations=-1)
 
 
+def test_a_bench_scoring_on_pipelines_of_instances_is_predicted_with_them(tmp_path,
+                                                                          monkeypatch):
+  """bench_generation's generation.inference_pp reaches the simulation (GenSetup.inference_pp):
+  a bench that scored on pipelines of 2 instances was predicted as if each freed instance
+  loaded and ran the whole models."""
+  write_gen_bench(tmp_path / "gen")
+  cfg = json.loads((tmp_path / "gen" / "config.json").read_text())
+  cfg["fusion"]["inference_pp"] = 2
+  (tmp_path / "gen" / "config.json").write_text(json.dumps(cfg))
+  spec, _ = validation.gen_bench_from_workdir(str(tmp_path / "gen"))
+  assert spec.inference_pp == 2
+  simulated = []
+  real = validation.gen_lib.simulate_generation
+  monkeypatch.setattr(validation.gen_lib, "simulate_generation",
+                      lambda cost, shape, frozen, setup, *a: simulated.append(setup) or real(
+                          cost, shape, frozen, setup, *a))
+  validation.predict_bench_generation(calibration.from_dict(CAL, "cal.json"), spec)
+  assert [s.inference_pp for s in simulated] == [2, 2]
+
+
 def test_missing_inputs_are_said_plainly(tmp_path):
   cal = calibration.from_dict(CAL, "cal.json")
   lines, rows, skipped = validation.validate(cal, str(tmp_path / "nope"), "")

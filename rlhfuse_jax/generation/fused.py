@@ -102,7 +102,8 @@ class FusionFields:
   # Instances one inference micro-batch runs through: > 1 splits every inference model into
   # that many stages of whole layers, each held by one instance of a unit formed as instances
   # are freed (InferenceQueue), for models too large for one instance beside what its devices
-  # keep (the plan's inference pp; the simulator's GenSetup.inference_pp). One process only.
+  # keep (the plan's inference pp; the simulator's GenSetup.inference_pp). With several
+  # processes a unit's instances are one process's (each process's instances divide by it).
   inference_pp: int = 1
   # Rows a migration moves at once, more in parts (instances.migration_buckets): the gathered
   # rows are a copy of that many slots' KV cache beside the cache on both instances, so this
@@ -306,11 +307,14 @@ class FusedGenerator:
                        f"{config.instance_devices} leaves process(es) {idle} of "
                        f"{self.exchange.count} without an instance: every process must drive "
                        "at least one")
-    if self.exchange.multi and config.inference_pp > 1:
-      # A unit's instances hand hidden states to each other device to device, which only one
-      # process's instances can (cross-host copies run as collectives: multihost.py).
-      raise ValueError(f"config.{config.section}.inference_pp={config.inference_pp} runs in "
-                       f"one process; expected 1 with {self.exchange.count} processes")
+    per_process = np.bincount(self.owner, minlength=self.exchange.count)
+    if (per_process % config.inference_pp).any():
+      # A unit's instances hand hidden states to each other device to device, so they are one
+      # process's (cross-host copies run as collectives: multihost.py); each process's
+      # instances must then form whole units.
+      raise ValueError(f"config.{config.section}.inference_pp={config.inference_pp}: must "
+                       f"divide each process's instances ({per_process.tolist()}): a unit's "
+                       "instances are one process's")
     if self.exchange.multi and config.inference_inflight:
       raise ValueError(f"config.{config.section}.inference_inflight={config.inference_inflight}"
                        " caps running micro-batches, which a process cannot see on another "
@@ -626,10 +630,15 @@ class SlotTable:
       self.where[m.uid] = (m.dst_instance, m.dst_slot)
 
 
-def _units(freed: Sequence[int], pp: int) -> list[tuple]:
-  """Units of `pp` instances of the instances `freed`, in freeing order (a last partial one
-  left out)."""
-  return [tuple(freed[k:k + pp]) for k in range(0, len(freed) - pp + 1, pp)]
+def _units(freed: Sequence[int], pp: int, owner: np.ndarray) -> list[tuple]:
+  """Units of `pp` instances of the instances `freed`: each process's (`owner`: [G] the
+  process of each instance) in the order they were freed, a partial one left out; the units
+  ordered by their first instance's place in `freed`."""
+  units = []
+  for proc in dict.fromkeys(owner[i] for i in freed):
+    mine = [i for i in freed if owner[i] == proc]
+    units += [tuple(mine[k:k + pp]) for k in range(0, len(mine) - pp + 1, pp)]
+  return sorted(units, key=lambda u: freed.index(u[0]))
 
 
 class InferenceQueue:
@@ -700,11 +709,12 @@ class InferenceQueue:
   @property
   def units(self) -> list[tuple]:
     """The complete units: each pp consecutive freed instances, in the order they were freed."""
-    return _units(self.freed, self.pp)
+    return _units(self.freed, self.pp, self.gen.owner)
 
   def stage(self, i: int) -> int:
     """The stage freed instance i holds (0 with pp = 1): its place in its unit."""
-    return self.freed.index(i) % self.pp
+    mine = [j for j in self.freed if self.gen.owner[j] == self.gen.owner[i]]
+    return mine.index(i) % self.pp
 
   def _unit(self, u: int) -> tuple:
     """The instances of the unit named `u` (its first instance), in stage order."""
@@ -754,7 +764,14 @@ class InferenceQueue:
 
   def _score_stages(self, u: int, seq, plens, rlens) -> dict:
     """One micro-batch through unit u's instances, stage by stage (each stage's hidden states
-    copied to the next instance), every inference model; dispatched without waiting."""
+    copied to the next instance), every inference model; dispatched without waiting, but for
+    the unit's oldest micro-batch when it already runs as many as it has stages and one more:
+    each holds hidden states [mb, P+T, H] on its instances until it completes, and `drain`
+    dispatches every remaining micro-batch at once (`stream` stays within that count)."""
+    running = [outs for i, _, outs in self.batches
+               if i == u and outs is not None and not all(x.is_ready() for x in outs.values())]
+    if len(running) >= PER_INSTANCE_QUEUE + self.pp - 1:
+      jax.block_until_ready(running[0])
     x = {n: None for n in self.models}
     for m in self._unit(u):
       inst, placed, s = self.gen.instances[m], self.loads[m].result(), self.stage(m)
@@ -774,8 +791,8 @@ class InferenceQueue:
     so the rule reads only global state: each round every free instance is assigned at most one
     micro-batch, least assigned first; a process runs its own once their weights are in."""
     mb = self.gen.config.micro_batch
-    if self.gen.exchange.multi:  # (units of one instance: inference_pp is 1 here)
-      for i in sorted(self.freed, key=lambda j: (self.dispatched[j], j)):
+    if self.gen.exchange.multi:
+      for i in sorted((u[0] for u in self.units), key=lambda j: (self.dispatched[j], j)):
         if len(self.waiting) < mb:
           break
         take, self.waiting = self.waiting[:mb], self.waiting[mb:]
@@ -809,11 +826,15 @@ class InferenceQueue:
     key = lambda j: (j not in before, self.dispatched[j], j)  # noqa: E731
     chunks = [self.waiting[k:k + mb] for k in range(0, len(self.waiting), mb)]
     self.waiting = []
-    new = [j for j in sorted(range(g), key=key) if j not in before]
-    new = new[:max(0, min(g, len(chunks) * self.pp) - len(before))]
+    new = []  # freed (least loaded first) until there are units enough, or all are
+    for j in sorted(range(g), key=key):
+      if len(_units(before + new, self.pp, self.gen.owner)) >= len(chunks):
+        break
+      if j not in before:
+        new.append(j)
     for i in new:
       self.free(i)
-    heads = sorted((unit[0] for unit in _units(before + new, self.pp)), key=key)
+    heads = sorted((unit[0] for unit in _units(before + new, self.pp, self.gen.owner)), key=key)
     for n, take in enumerate(chunks):
       self._assign(heads[n % len(heads)], take)
     self.pump(block=True)

@@ -93,6 +93,9 @@ class GenBenchSpec:
   frozen: tuple = ()
   offload_frozen: bool = True
   max_consolidations: int = 1
+  # The bench's generation.inference_pp: freed instances scoring on pipelines of that many
+  # (GenSetup.inference_pp)
+  inference_pp: int = 1
 
 
 def _calibrated_cost(cal: Calibration, needed: tuple) -> CostModel:
@@ -115,7 +118,7 @@ def predict_bench_generation(cal: Calibration, spec: GenBenchSpec) -> dict:
         threshold=spec.threshold if fused else None, stream_inference=fused,
         inference_microbatch=spec.inference_microbatch,
         max_consolidations=spec.max_consolidations, offload_frozen=spec.offload_frozen,
-        devices_share_compute=cal.devices_share_compute)
+        devices_share_compute=cal.devices_share_compute, inference_pp=spec.inference_pp)
     res = gen_lib.simulate_generation(cost, spec.shape, spec.frozen or (spec.shape,), setup,
                                       np.array(spec.prompt_lens), np.array(spec.response_lens))
     out[mode] = {"gen_plus_inf_s": res.gen_plus_inf_s, "gen_s": res.gen_end_s,
@@ -243,7 +246,8 @@ def gen_bench_from_workdir(workdir: str) -> tuple[GenBenchSpec, dict]:
       frozen=(shape,) + tuple(shape.as_critic() for key in ("critic", "reward_model")
                               if cfg.get(key, True) is not False),
       # 0 is a setting (no consolidation: the tail decodes where it is), not a missing key.
-      max_consolidations=_int_or(_find(both, ("max_consolidations",)), 1))
+      max_consolidations=_int_or(_find(both, ("max_consolidations",)), 1),
+      inference_pp=_int_or(_find(both, ("inference_pp",)), 1))
   return spec, {"baseline": float(base), "fused": float(fused)}
 
 

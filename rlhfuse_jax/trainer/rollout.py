@@ -45,8 +45,10 @@ from rlhfuse_jax.generation import pipelined
 from rlhfuse_jax.generation.instances import FrozenModels
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference import scoring
+from rlhfuse_jax.inference import stages as inf_stages
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.trainer import rt_auto
 from rlhfuse_jax.trainer.config import TrainConfig
 
@@ -188,7 +190,21 @@ def check_fusion(cfg: TrainConfig, num_devices: int) -> Optional[fused_lib.Fused
     return None
   fc = fused_config(cfg.fusion, cfg.rollout.batch_size, num_devices)
   fused_lib.check_layout(fc, cfg.rollout.batch_size, num_devices)  # the engine's own check
+  check_inference_pp(cfg, fc.inference_pp, "fusion.inference_pp")
   return fc
+
+
+def check_inference_pp(cfg: TrainConfig, pp: int, field: str) -> None:
+  """The engine's checks of inference on pipelines of instances (generation/fused.py), before
+  the models are built: pp divides the layers of the reference (a run with one) and the critic
+  (a run with one; the reward model's, read from its checkpoint, is checked when it is built)."""
+  if pp == 1:
+    return
+  models = [("reference", cfg.model)] if cfg.algo.uses_reference else []
+  if adv_lib.needs_critic(cfg.algo.estimator):
+    models.append(("critic", cfg.critic_model))
+  for name, model in models:
+    inf_stages.check_split(model, pp, f"config.{field}", name)
 
 
 def warn_idle_instance_devices(fc: fused_lib.FusedGenConfig, num_devices: int) -> None:
@@ -214,7 +230,8 @@ def warn_single_instance(fc: fused_lib.FusedGenConfig, num_devices: int) -> None
                     "instance_devices)", num_devices, fc.instance_devices, fc.num_instances)
 
 
-def check_instances_within_processes(field: str, width: int, num_devices: int) -> None:
+def check_instances_within_processes(field: str, width: int, num_devices: int,
+                                     pp: int = 1, pp_field: str = "") -> None:
   """Generation instances of `width` consecutive devices over a multi-process run's
   `num_devices` generation devices: each must lie in one process (generation/multihost.py), so
   `width` must divide each process's share: its device count, or with fewer devices (an
@@ -231,6 +248,9 @@ def check_instances_within_processes(field: str, width: int, num_devices: int) -
       _fail(field, width, f"a divisor of each process's {local} "
             f"{'generation ' if group else ''}devices ({procs} processes): a generation "
             "instance must live in one process")
+    if (local // width) % pp:  # (generation/fused.py: a pipeline's instances are one process's)
+      _fail(pp_field, pp, f"a divisor of each process's {local // width} generation instances "
+            f"({procs} processes): the instances of an inference pipeline are one process's")
 
 
 class FusedStage:
@@ -376,9 +396,14 @@ def plan_instances_config(cfg: TrainConfig, num_devices: int) -> fused_lib.Fused
   if plan.generation_slots and plan.generation_slots < need:
     _fail("plan.generation_slots", plan.generation_slots,
           f">= {need} ({b} samples dealt to {g} instances of generation_tp={tp}), or 0")
-  return fused_lib.FusedGenConfig.of(fusion, instance_devices=tp, num_instances=g,
-                                     slots=plan.generation_slots or need,
-                                     inference_pp=plan.inference_pp)
+  fc = fused_lib.FusedGenConfig.of(fusion, instance_devices=tp, num_instances=g,
+                                   slots=plan.generation_slots or need,
+                                   inference_pp=plan.inference_pp)
+  if g % plan.inference_pp:
+    _fail("plan.inference_pp", plan.inference_pp, f"a divisor of the {g} instances "
+          f"(devices / plan.generation_tp={tp}): the freed instances score in units of that many")
+  check_inference_pp(cfg, plan.inference_pp, "plan.inference_pp")
+  return fc
 
 
 def check_plan(cfg: TrainConfig, num_devices: int) -> None:

@@ -393,10 +393,11 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     rollout.check_plan(cfg, n_gen)
     if cfg.plan.generation == "instances":
       rollout.check_instances_within_processes("plan.generation_tp", cfg.plan.generation_tp,
-                                               n_gen)
+                                               n_gen, cfg.plan.inference_pp, "plan.inference_pp")
     elif cfg.fusion.inter_stage:
       rollout.check_instances_within_processes("fusion.instance_devices",
-                                               cfg.fusion.instance_devices, n_gen)
+                                               cfg.fusion.instance_devices, n_gen,
+                                               cfg.fusion.inference_pp, "fusion.inference_pp")
   except ValueError as e:
     if not g:
       raise
