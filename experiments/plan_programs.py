@@ -1173,7 +1173,8 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
   (optim.offload_during_rollout).
 
   The models, per device of the generation layout (each program's analytic params_bytes: the
-  actor's for decode, the reference's (the actor's size), the reward model's):
+  actor's for decode, the reference's (the actor's size; a stage of it on pipelines of
+  instances, inference_pp), the reward model's):
   - asynchronous PPO's generation group (`generation_group`) keeps no training state but the
     actor, the reference (with a `reference`; none at algo.kl_coef=0), the reward model and,
     where the group also scores values (`group_critic_bytes`: the critic's weights per device),
@@ -1200,7 +1201,8 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
   actor = programs["decode"]["analytic"]["params_bytes"]
-  frozen = {"reference": actor if reference else 0.0,
+  # (the reference's: the inference program's weights, a stage's on pipelines of instances)
+  frozen = {"reference": programs["inference"]["analytic"]["params_bytes"] if reference else 0.0,
             "reward": programs["reward"]["analytic"]["params_bytes"] if "reward" in programs
             else 0.0}
   own = {"decode": "actor", "prefill": "actor",
