@@ -1025,8 +1025,11 @@ def inference_analytic(cfg: PlanConfig, model: ModelConfig | None = None,
   layers = a if stage is None else a.replace(num_layers=a.num_layers // cfg.inference_pp)
   flops = accounting.forward_flops(layers, rows, cfg.seq_len, positions)
   shards = cfg.gen_model_shards
-  return {"params_bytes": params / shards, "activations_bytes": acts, "logits_bytes": logits,
-          "total_bytes": params / shards + acts + logits, "flops_per_device": flops / n}
+  out = {"params_bytes": params / shards, "activations_bytes": acts, "logits_bytes": logits,
+         "total_bytes": params / shards + acts + logits, "flops_per_device": flops / n}
+  if stage is not None:  # (the whole model, as a generation group keeps it: beside_train_state)
+    out["model_params_bytes"] = _nbytes(shapes) / shards
+  return out
 
 
 def _finish(measured: dict, analytic: dict) -> dict:
@@ -1077,14 +1080,16 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   programs.update(instance_programs(cfg))
   programs.update(placement_programs(cfg, mesh, update))
   critic = _nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_model_shards
-  if cfg.inference_pp > 1:  # a pipeline's instance holds one stage of the critic's copy
-    critic = max(inf_stages.stage_nbytes(cfg.critic, llama.param_shapes(cfg.critic),
-                                         cfg.inference_pp, s)
-                 for s in range(cfg.inference_pp)) / cfg.gen_model_shards
+  copy = critic  # what a freed instance loads of the critic: a stage of it in a pipeline
+  if cfg.inference_pp > 1:
+    copy = max(inf_stages.stage_nbytes(cfg.critic, llama.param_shapes(cfg.critic),
+                                       cfg.inference_pp, s)
+               for s in range(cfg.inference_pp)) / cfg.gen_model_shards
   group = bool(cfg.generation_devices)
+  # (a generation group that scores values holds the critic whole: trainer/loop.py)
   beside_train_state(programs, hbm, cfg.offload_optimizer, group,
                      critic if group and cfg.group_critic else 0.0, cfg.reference,
-                     cfg.generation, critic_copy_bytes=0.0 if group else critic,
+                     cfg.generation, critic_copy_bytes=0.0 if group else copy,
                      pipelined=cfg.pp > 1)
   models = {"actor": cfg.actor, "critic": cfg.critic}
   full = {"actor": cfg.actor_layers, "critic": cfg.critic_layers}
@@ -1201,11 +1206,15 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
   actor = programs["decode"]["analytic"]["params_bytes"]
-  # (the reference's: the inference program's weights, a stage's on pipelines of instances)
-  frozen = {"reference": programs["inference"]["analytic"]["params_bytes"] if reference else 0.0,
-            "reward": programs["reward"]["analytic"]["params_bytes"] if "reward" in programs
-            else 0.0}
-  own = {"decode": "actor", "prefill": "actor",
+  # The reference's: the inference program's weights, a stage's on pipelines of instances,
+  # whole on a generation group, which keeps the frozen models on its mesh.
+  size = lambda name: (programs[name]["analytic"].get("model_params_bytes") if  # noqa: E731
+                       generation_group else None) or programs[name]["analytic"]["params_bytes"]
+  frozen = {"reference": size("inference") if reference else 0.0,
+            "reward": size("reward") if "reward" in programs else 0.0}
+  # (a migration reads no weights: the instance's actor is beside it, added below; on a
+  # generation group's instances this was a KeyError)
+  own = {"decode": "actor", "prefill": "actor", "migrate": "actor",
          "inference": "reference" if reference else "critic", "reward": "reward"}
   serial = generation == "mesh" and not generation_group
   if generation_group:

@@ -428,7 +428,7 @@ def main(argv):
                     "(%ss), which is the best per-stage combination (plan_search.md)",
                     uniform["layout"], _s(uniform["predicted_iteration_s"]), which,
                     _s(plan["predicted"]["iteration_s"]))
-  refusal = plan_search.trainer_refusal(wl, plan, cost.hw.devices_per_node)
+  refusal = plan_search.trainer_refusal(wl, plan, cost.hw.host_devices)
   if refusal:
     logging.warning("plan.json (%s) is not one train_ppo runs: %s; "
                     "--config.sim.trainer_runnable=True keeps the search to plans it runs",

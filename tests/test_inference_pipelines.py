@@ -214,6 +214,29 @@ def test_a_unit_runs_at_most_its_stages_and_one_more_micro_batches():
     assert not old[1]["reference"].waited
   finally:
     q.close()
+  # Several processes: `stream` assigns a micro-batch to every unit each round, and a full
+  # unit's waits in `pending` for a later round instead of blocking the decode loop.
+  gen.exchange.multi = True
+  q = fused_lib.InferenceQueue(gen, {}, None, None, None, log)
+  try:
+    q.freed = [0, 1]
+    for i in (0, 1):
+      f = concurrent.futures.Future()
+      f.set_result({"reference": None})
+      q.loads[i] = f
+    old = [{"reference": Out(f"old{k}")} for k in range(3)]
+    q.batches = [[0, [k], outs] for k, outs in enumerate(old)]
+    q.dispatched[0] = 3
+    q._score = lambda i, take: q._score_stages(i, None, None, None)  # (no samples to build)
+    q.add([7])
+    q.stream()
+    assert q.batches[-1][:2] == [0, [7]] and q.batches[-1][2] is None and q.pending == [3]
+    assert not any(o["reference"].waited for o in old)
+    old[0]["reference"].waited = True  # the oldest completes: the next round dispatches it
+    q.stream()
+    assert q.pending == [] and q.batches[-1][2] is not None
+  finally:
+    q.close()
 
 
 def test_the_trainer_refuses_pipelines_it_cannot_form_before_building_anything(monkeypatch):
@@ -252,3 +275,29 @@ def test_the_trainer_refuses_pipelines_it_cannot_form_before_building_anything(m
                                              "fusion.inference_pp")
   rollout.check_instances_within_processes("fusion.instance_devices", 1, 6, 3,
                                            "fusion.inference_pp")
+
+
+def test_validation_checks_the_reward_models_layers_and_skips_a_critic_never_scored(tmp_path):
+  """A reward model's shape is its checkpoint's: validate checks its layers against
+  inference_pp before anything is built. Asynchronous PPO scores no critic on the instances
+  (trainer/loop.py stage_critic), so its layers do not matter there."""
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  from rlhfuse_jax.trainer import rollout
+  from rlhfuse_jax.trainer import validate as validate_lib
+  from tests.test_fused_trainer import tiny
+  from tests.test_trainer_paths import REWARD_CFG, write_reward_checkpoint
+  write_reward_checkpoint(tmp_path / "rm", REWARD_CFG.replace(num_layers=3))
+  cfg = tiny(**{"model.num_layers": 2, "critic_model.num_layers": 2, "reward.kind": "model",
+                "reward.model_checkpoint": str(tmp_path / "rm"), "fusion.inter_stage": True,
+                "fusion.inference_pp": 2})
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4), jax.devices()[:4])
+  with pytest.raises(ValueError, match=r"config\.fusion\.inference_pp=2: must divide the 3 "
+                                       r"layers of the reward model"):
+    validate_lib.validate(cfg, mesh)
+  staleness = tiny(**{"model.num_layers": 2, "critic_model.num_layers": 3,
+                      "fusion.inter_stage": True, "fusion.inference_pp": 2,
+                      "async_ppo.staleness": 1})
+  assert rollout.check_fusion(staleness, 4).inference_pp == 2
+  with pytest.raises(ValueError, match=r"must divide the 3 layers of the critic"):
+    rollout.check_fusion(tiny(**{"model.num_layers": 2, "critic_model.num_layers": 3,
+                                 "fusion.inter_stage": True, "fusion.inference_pp": 2}), 4)

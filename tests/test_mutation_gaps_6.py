@@ -587,10 +587,17 @@ def test_trainer_refusal_rules_at_their_edges():
     why = ps.trainer_refusal(wl, {**ok, **change})
     assert why is not None and match in why, (change, why)
   assert ps.trainer_refusal(wl, {**ok, "inference": {"tp": 2, "pp": 2}}) is None
-  # on nodes of 4 devices: 2 tp2 instances a node (process), which pp 4 cannot pair up
-  why = ps.trainer_refusal(wl, {**ok, "inference": {"tp": 2, "pp": 4}}, devices_per_node=4)
-  assert why is not None and "nodes of 2 tp2 instances" in why, why
-  assert ps.trainer_refusal(wl, {**ok, "inference": {"tp": 2, "pp": 2}}, devices_per_node=4) is None
+  # on hosts of 4 devices: 2 tp2 instances a host (process), which pp 4 cannot pair up
+  why = ps.trainer_refusal(wl, {**ok, "inference": {"tp": 2, "pp": 4}}, host_devices=4)
+  assert why is not None and "pp4 on 4 generation devices a process (4 hosts of 4" in why, why
+  assert ps.trainer_refusal(wl, {**ok, "inference": {"tp": 2, "pp": 2}}, host_devices=4) is None
+  # an asynchronous group of 8 of the 16 devices on 2 hosts of 8: 4 devices, 2 tp2 instances a
+  # process (trainer/async_ppo.split_devices), which pp 4 cannot pair up either
+  split8 = {"generation_devices": 8, "training_devices": 8, "staleness": 1, "colocated": False}
+  group = {**ok, "async": split8, "generation": {**ok["generation"], "slots": 8}}
+  assert ps.trainer_refusal(wl, {**group, "inference": {"tp": 2, "pp": 2}}, 8) is None
+  why = ps.trainer_refusal(wl, {**group, "inference": {"tp": 2, "pp": 4}}, 8)
+  assert why is not None and "pp4 on 4 generation devices a process (2 hosts" in why, why
   odd = dataclasses.replace(wl, critic=dataclasses.replace(wl.critic, num_layers=30))
   why = ps.trainer_refusal(odd, {**ok, "inference": {"tp": 2, "pp": 4}})
   assert why is not None and why.endswith(f": not {odd.critic.name}'s)"), why

@@ -1893,3 +1893,30 @@ def test_a_runs_inference_pipelines_reach_plan_check(monkeypatch, tmp_path):
   plan = plan_config.get_config(f"run/{path}")
   assert plan.inference_pp == 2 and plan.generation == "instances"
   assert plan_config.get_config("run/configs/ppo_tiny.py:fused").inference_pp == 1
+
+
+def test_a_generation_groups_instances_keep_the_critic_whole(tmp_path, monkeypatch):
+  """An asynchronous PPO generation group (generation_devices) of instances that also scores
+  values (group_critic) keeps the critic whole on its mesh, also when its instances score on
+  pipelines (inference_pp 2: a stage of the critic is what a freed instance of the training
+  devices would load). A group's instances had no row for their migration (a KeyError)."""
+  c = plan_config.get_config("tiny")
+  c.pp = c.critic_pp = 1
+  c.generation_devices, c.group_critic, c.inference_pp = 2, True, 2
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  seen = {}
+  real = plan_programs.beside_train_state
+
+  def spy(programs, hbm, offload, group, group_critic_bytes=0.0, *args, **kw):
+    seen.update(group=group, critic=group_critic_bytes, copy=kw.get("critic_copy_bytes"))
+    return real(programs, hbm, offload, group, group_critic_bytes, *args, **kw)
+  monkeypatch.setattr(plan_programs, "beside_train_state", spy)
+  result = plan_programs.run(cfg, str(tmp_path))
+  whole = plan_programs._nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_model_shards
+  assert seen == {"group": True, "critic": whole, "copy": 0.0}
+  programs = result["programs"]
+  assert programs["migrate"]["resident_model_bytes"] > 0
+  inference = programs["inference"]
+  # beside the reference's stage: the actor and the critic, whole on the group
+  actor = plan_programs._nbytes(llama.param_shapes(cfg.actor)) / cfg.gen_model_shards
+  assert inference["resident_model_bytes"] == pytest.approx(actor + whole)

@@ -736,11 +736,11 @@ class InferenceQueue:
 
   def pump(self, block: bool) -> None:
     """Dispatches this process's assigned micro-batches, in order, whose unit has its
-    weights (all of them when `block`: waits for the loads)."""
+    weights and room (`_full`; all of them when `block`: waits for the loads and the room)."""
     left = []
     for n in self.pending:
       i, take, _ = self.batches[n]
-      if block or self._ready(i):
+      if block or (self._ready(i) and not self._full(i)):
         self.batches[n][2] = self._score(i, take)
       else:
         left.append(n)
@@ -762,16 +762,24 @@ class InferenceQueue:
     self.log.record(i, "inference", list(outs.values()))
     return outs
 
+  def _running(self, u: int) -> list:
+    """Unit u's dispatched micro-batches not complete yet, oldest first."""
+    return [outs for i, _, outs in self.batches
+            if i == u and outs is not None and not all(x.is_ready() for x in outs.values())]
+
+  def _full(self, u: int) -> bool:
+    """Unit u (pp > 1) runs as many micro-batches as it has stages and one more."""
+    return self.pp > 1 and len(self._running(u)) >= PER_INSTANCE_QUEUE + self.pp - 1
+
   def _score_stages(self, u: int, seq, plens, rlens) -> dict:
     """One micro-batch through unit u's instances, stage by stage (each stage's hidden states
     copied to the next instance), every inference model; dispatched without waiting, but for
     the unit's oldest micro-batch when it already runs as many as it has stages and one more:
     each holds hidden states [mb, P+T, H] on its instances until it completes, and `drain`
-    dispatches every remaining micro-batch at once (`stream` stays within that count)."""
-    running = [outs for i, _, outs in self.batches
-               if i == u and outs is not None and not all(x.is_ready() for x in outs.values())]
-    if len(running) >= PER_INSTANCE_QUEUE + self.pp - 1:
-      jax.block_until_ready(running[0])
+    dispatches every remaining micro-batch at once (`stream` stays within that count; with
+    several processes `pump` leaves a full unit's micro-batch for a later round)."""
+    if self._full(u):
+      jax.block_until_ready(self._running(u)[0])
     x = {n: None for n in self.models}
     for m in self._unit(u):
       inst, placed, s = self.gen.instances[m], self.loads[m].result(), self.stage(m)

@@ -87,6 +87,10 @@ class Hardware:
   source: str = ""  # where the numbers come from
   # alpha of the collectives (module docstring); None: the cost model's collective_latency_s
   collective_protocols: Optional[tuple[CollectiveProtocol, ...]] = None
+  # Devices one host drives (one process of a multi-host run: what the trainer's generation
+  # instances and inference pipelines must fit in); 0: devices_per_node (a GPU node is a host,
+  # a TPU pod's ICI domain spans many)
+  devices_per_host: int = 0
 
   def __post_init__(self):
     for f in ("peak_flops", "hbm_bw", "hbm_bytes", "intra_node_bw", "inter_node_bw"):
@@ -98,6 +102,10 @@ class Hardware:
         or self.devices_per_node < 1):
       raise ValueError(f"hardware {self.name!r}: devices_per_node={self.devices_per_node!r} "
                        "must be an integer >= 1")
+    if (not isinstance(self.devices_per_host, int) or isinstance(self.devices_per_host, bool)
+        or self.devices_per_host < 0):
+      raise ValueError(f"hardware {self.name!r}: devices_per_host={self.devices_per_host!r} "
+                       "must be an integer >= 0 (0: devices_per_node)")
     h2d = self.host_to_device_bw  # a hardware file's string was a TypeError, inf a free copy
     if h2d is not None and not (isinstance(h2d, (int, float)) and not isinstance(h2d, bool)
                                 and math.isfinite(h2d) and h2d > 0):
@@ -108,6 +116,11 @@ class Hardware:
           or not 0 <= p.bw_fraction_in_node <= 1):
         raise ValueError(f"hardware {self.name!r}: collective protocol {p.name!r} needs "
                          f"latencies >= 0 and bw_fraction in (0, 1], got {p}")
+
+  @property
+  def host_devices(self) -> int:
+    """Devices of one host (one process): devices_per_host, or devices_per_node if 0."""
+    return self.devices_per_host or self.devices_per_node
 
   def nodes_spanned(self, devices: int) -> int:
     """Nodes that `devices` consecutive devices occupy (at least 1)."""
@@ -178,19 +191,23 @@ HARDWARE: dict[str, Hardware] = {
     # (bf16) 197 TFLOPs; HBM2 16 GB at 819 GBps (a later version of the page prints
     # 800 GiBps, about 859 GB/s: the lower figure is kept); bidirectional ICI 400 GBps per chip
     # (-> 200 each way); TPU Pod (one ICI domain, 2D torus) 256 chips; per-host NIC 2 x 100 Gbps
-    # with 8 chips per host -> 25 GB/s per host = 3.125 GB/s per chip of data-center network.
+    # with 8 chips per host -> 25 GB/s per host = 3.125 GB/s per chip of data-center network
+    # (its slice table: 16 chips on 2 hosts, 256 on 32).
     "tpu_v5e": Hardware(
         name="tpu_v5e", peak_flops=197 * TFLOPS, hbm_bw=819 * GB, hbm_bytes=16 * GB,
         intra_node_bw=200 * GB, inter_node_bw=3.125 * GB, devices_per_node=256,
-        host_to_device_bw=None, source="Google Cloud TPU v5e system architecture page"),
+        host_to_device_bw=None, source="Google Cloud TPU v5e system architecture page",
+        devices_per_host=8),
     # Google Cloud TPU v5p documentation (cloud.google.com/tpu/docs/v5p): peak compute per chip
     # (BF16) 459 TFLOPs; HBM 95 GiB at 2765 GBps; bidirectional ICI 1200 GBps per chip (-> 600
     # each way); 8960 chips per pod (one ICI domain, 3D torus); data-center network 50 Gbps per
-    # chip -> 6.25 GB/s.
+    # chip -> 6.25 GB/s; 4 chips per host (its slice table: 2x2x1, 4 chips, on 1 host; 2x2x2,
+    # 8 chips, on 2).
     "tpu_v5p": Hardware(
         name="tpu_v5p", peak_flops=459 * TFLOPS, hbm_bw=2765 * GB, hbm_bytes=95 * GIB,
         intra_node_bw=600 * GB, inter_node_bw=6.25 * GB, devices_per_node=8960,
-        host_to_device_bw=None, source="Google Cloud TPU v5p system architecture page"),
+        host_to_device_bw=None, source="Google Cloud TPU v5p system architecture page",
+        devices_per_host=4),
 }
 
 
@@ -200,7 +217,8 @@ HARDWARE: dict[str, Hardware] = {
 # efficiency.collective_latency_s per call (as the TPU presets): NCCL's NVLink hop latencies do
 # not hold for a node without NVLink.
 FILE_FIELDS = ("name", "peak_flops", "hbm_bw", "hbm_bytes", "intra_node_bw", "inter_node_bw",
-               "devices_per_node", "host_to_device_bw", "source", "collective_protocols")
+               "devices_per_node", "host_to_device_bw", "source", "collective_protocols",
+               "devices_per_host")
 
 
 def get_hardware(name: str) -> Hardware:

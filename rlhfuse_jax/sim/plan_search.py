@@ -711,7 +711,7 @@ def _describe_train(p: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- the trainer
-def trainer_refusal(wl, plan: dict, devices_per_node: Optional[int] = None) -> Optional[str]:
+def trainer_refusal(wl, plan: dict, host_devices: Optional[int] = None) -> Optional[str]:
   """Why the trainer (rlhfuse_jax/trainer: config.plan_file_settings, rollout.check_plan,
   validate.validate, pipelined.check_config) would refuse `plan` (plan.json's form: _plan_dict,
   _async_plan) for `wl`, or run it otherwise than simulated; None if it runs it.
@@ -723,9 +723,11 @@ def trainer_refusal(wl, plan: dict, devices_per_node: Optional[int] = None) -> O
   mini-batch (and so the rollout batch). Generation: instances of tp devices, tp dividing the
   generation devices and the actor's heads and KV heads, at least the batch's share of slots
   each, and inference on those instances (inference tp = generation tp; pp 1, or pipelines of
-  pp instances, pp dividing the instances and every frozen model's layers, and on several
-  nodes of `devices_per_node` devices (one process each) each node's instances: a pipeline's
-  instances are one process's); or one pipeline of
+  pp instances, pp dividing the instances and every frozen model it scores there's layers,
+  and on several hosts of `host_devices` devices (Hardware.host_devices: one process each)
+  each process's share of the instances: a pipeline's instances are one process's; an
+  asynchronous split's generation group takes an equal share of every process's devices,
+  trainer/async_ppo.split_devices); or one pipeline of
   tp 1 over all the generation devices (the trainer's engine runs one pipeline: a plan of
   several replicas would generate on a fraction of the devices), pp dividing the actor's
   layers, its G >= pp groups dividing the batch, and inference pp 1, tp dividing the generation
@@ -767,15 +769,19 @@ def trainer_refusal(wl, plan: dict, devices_per_node: Optional[int] = None) -> O
               "generation instances)")
     if gen["slots"] < -(-b // (g // gtp)):
       return f"{gen['slots']} slots per instance for a batch of {b} on {g // gtp} instances"
-    models = ("reference", "critic", "reward") if g == n else ASYNC_GENERATION_FROZEN
+    # (asynchronous: the critic is not scored on the instances, trainer/loop.py stage_critic)
+    models = ASYNC_GENERATION_FROZEN if split else ("reference", "critic", "reward")
     bad = list(dict.fromkeys(s.name for s in wl.frozen_models(models)[1] if s.num_layers % ipp))
     if (g // gtp) % ipp or bad:
       return (f"inference pipelines of pp{ipp} on {g // gtp} instances (pp must divide the "
               "instances and every frozen model's layers" +
               (f": not {', '.join(bad)}'s)" if bad else ")"))
-    if devices_per_node and g > devices_per_node and (devices_per_node // gtp) % ipp:
-      return (f"inference pipelines of pp{ipp} on nodes of {devices_per_node // gtp} tp{gtp} "
-              "instances (a pipeline's instances are one process's: pp must divide them)")
+    procs = n // host_devices if host_devices and n > host_devices else 1
+    share = g // procs  # each process's generation devices
+    if procs > 1 and (share % gtp or (share // gtp) % ipp):
+      return (f"inference pipelines of pp{ipp} on {share} generation devices a process "
+              f"({procs} hosts of {host_devices}; tp{gtp} instances and a pipeline's instances "
+              "are one process's)")
     return None
   else:
     pp, groups = gen["pp"], gen["groups"]
@@ -821,7 +827,7 @@ def _runnable(cost: CostModel, wl, opt, plans, accept: Optional[Callable[[dict],
   others counted in `refused` {reason: plans}."""
   out = []
   for plan in plans:
-    why = (trainer_refusal(wl, plan, cost.hw.devices_per_node) if opt.trainer_runnable
+    why = (trainer_refusal(wl, plan, cost.hw.host_devices) if opt.trainer_runnable
            else None)
     if why is None:
       why = _memory_refusal(cost, wl, opt, plan)

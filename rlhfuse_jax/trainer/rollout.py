@@ -197,11 +197,12 @@ def check_fusion(cfg: TrainConfig, num_devices: int) -> Optional[fused_lib.Fused
 def check_inference_pp(cfg: TrainConfig, pp: int, field: str) -> None:
   """The engine's checks of inference on pipelines of instances (generation/fused.py), before
   the models are built: pp divides the layers of the reference (a run with one) and the critic
-  (a run with one; the reward model's, read from its checkpoint, is checked when it is built)."""
+  (a run that scores one on the instances: not asynchronous PPO's, trainer/loop.py
+  stage_critic); the reward model's, read from its checkpoint, trainer/validate.py checks."""
   if pp == 1:
     return
   models = [("reference", cfg.model)] if cfg.algo.uses_reference else []
-  if adv_lib.needs_critic(cfg.algo.estimator):
+  if adv_lib.needs_critic(cfg.algo.estimator) and not cfg.async_ppo.staleness:
     models.append(("critic", cfg.critic_model))
   for name, model in models:
     inf_stages.check_split(model, pp, f"config.{field}", name)

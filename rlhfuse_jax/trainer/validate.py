@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from absl import logging
 
 from rlhfuse_jax.generation import fused as fused_lib
+from rlhfuse_jax.inference import stages as inf_stages
 from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.rl import advantages as adv_lib
@@ -329,6 +330,12 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
   if reward_cfg is not None:
     rm = f"config.reward.model_checkpoint={cfg.reward.model_checkpoint!r}"
     models.append((rm, rm, reward_cfg))
+    # (the reference's and critic's: rollout.check_inference_pp; the reward model's shape is
+    # its checkpoint's, known here)
+    pp, field = ((cfg.plan.inference_pp, "plan.inference_pp") if cfg.plan.generation ==
+                 "instances" else (cfg.fusion.inference_pp, "fusion.inference_pp"))
+    if cfg.plan.generation == "instances" or cfg.fusion.inter_stage:
+      inf_stages.check_split(reward_cfg, pp, f"config.{field}", f"reward model ({rm})")
   for vocab_name, context_name, model in models:
     if model.vocab_size < cfg.model.vocab_size:
       fix = ("; point it at a checkpoint of the actor's vocabulary (e.g. the actor's own "
