@@ -550,7 +550,8 @@ def test_auto_rt_simulates_the_engine_at_its_dtypes():
         cfg=cfg, models={"reference": cfg, "reward": reward}, kv_capacity=64,
         config=FusedGenConfig(num_instances=2, slots=4, migration_threshold="auto"),
         sampling=SamplingConfig(max_new_tokens=T, chunk_size=3),
-        instances=[types.SimpleNamespace(devices=jax.devices()[:1])])
+        instances=[types.SimpleNamespace(devices=jax.devices()[:1])],
+        exchange=types.SimpleNamespace(multi=False))
     actor, frozen, setup = sim_setup(gen)
     item = np.dtype(cfg.jnp_dtype).itemsize  # what the engine's KVCache holds (engine.py)
     assert actor.kv_bytes_per_token() == 2 * cfg.num_layers * cfg.num_kv_heads * (
@@ -596,7 +597,8 @@ def _simulated_load_s(inst: _LoadingInstance, cfg, models: dict, held: dict) -> 
   gen = types.SimpleNamespace(
       instances=[inst], local=[0], prompt_len=3, cfg=cfg, models=models, kv_capacity=64,
       config=FusedGenConfig(num_instances=2, slots=2, migration_threshold="auto"),
-      sampling=SamplingConfig(max_new_tokens=6, chunk_size=2, steps_per_check=2))
+      sampling=SamplingConfig(max_new_tokens=6, chunk_size=2, steps_per_check=2),
+      exchange=types.SimpleNamespace(multi=False))
   cal = measure.measure_costs(gen, {}, held, repeats=1)
   _, frozen, setup = sim_setup(gen)
   cost = CostModel(get_hardware("h100_sxm"), calibration=cal_lib.from_dict(cal, "measured"))

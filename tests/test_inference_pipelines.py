@@ -47,11 +47,16 @@ def _batch():
 
 
 @pytest.fixture(scope="module")
-def outputs():
+def built():
+  """{pp: (generator, params)} for pp 1 and 2."""
+  return {pp: _build(pp) for pp in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def outputs(built):
   tokens, lens, budgets = _batch()
   out = {}
-  for pp in (1, 2):
-    gen, params = _build(pp)
+  for pp, (gen, params) in built.items():
     out[pp] = [gen.run(params["reference"], params, tokens, lens, KEY, budgets=budgets,
                        fuse=fuse) for fuse in (True, False)]
   return out, budgets
@@ -82,9 +87,9 @@ def test_each_instance_loads_its_stage_and_every_stage_runs(outputs):
     assert busy == set(range(G))  # both stages of both units scored
 
 
-def test_units_are_formed_in_the_order_instances_are_freed():
+def test_units_are_formed_in_the_order_instances_are_freed(built):
   from rlhfuse_jax.generation import fused as fused_lib
-  gen, params = _build(2)
+  gen, params = built[2]
   q = fused_lib.InferenceQueue(gen, params, table=None, prompts=None, prompt_lens=None,
                                log=None)
   q.gen = type("G", (), {"is_local": staticmethod(lambda i: False), "config": gen.config,
@@ -301,3 +306,17 @@ def test_validation_checks_the_reward_models_layers_and_skips_a_critic_never_sco
   with pytest.raises(ValueError, match=r"must divide the 3 layers of the critic"):
     rollout.check_fusion(tiny(**{"model.num_layers": 2, "critic_model.num_layers": 3,
                                  "fusion.inter_stage": True, "fusion.inference_pp": 2}), 4)
+
+
+def test_auto_rt_simulates_units_within_the_processes(built):
+  """trainer/rt_auto describes the engine's units to the simulator: with several processes
+  each instance's process (GenSetup.instance_groups), in one process none."""
+  import types
+  from rlhfuse_jax.trainer.rt_auto import sim_setup
+  gen, _ = built[2]
+  _, _, setup = sim_setup(gen)
+  assert (setup.inference_pp, setup.instance_groups) == (2, ())
+  multi = types.SimpleNamespace(**{**vars(gen), "exchange": types.SimpleNamespace(multi=True),
+                                   "owner": np.array([0, 0, 1, 1])})
+  _, _, setup = sim_setup(multi)
+  assert (setup.inference_pp, setup.instance_groups) == (2, (0, 0, 1, 1))

@@ -175,6 +175,28 @@ def test_inference_units_form_as_instances_are_freed_and_load_their_stage():
       ("load", 1, pytest.approx(0.09), pytest.approx(0.09 + load))]
 
 
+def test_inference_units_stay_within_the_engines_processes():
+  """instance_groups (the engine's process of each instance, trainer/rt_auto.py): a unit's
+  instances are one group's. The case above with instances 0-1 on one process and 2-3 on
+  another: 2 and 3 pair up at once and score everything (0 and 1 are a unit only once 1 is
+  free); without groups 0 and 2 pair up (across the processes)."""
+  cost = CostModel(get_hardware("h100_sxm"), calibration=calibration.from_dict({
+      "format": calibration.FORMAT, "device": "test", "devices_share_compute": False,
+      "ops": {"decode_step": {"occupied_slots": [1, 64], "seconds": [0.01, 0.01]},
+              "prefill": {"tokens_per_s": 1000.0}, "inference": {"tokens_per_s": 500.0},
+              "weight_load": {"bytes_per_s": 1e12}}}))
+  kw = dict(num_instances=4, slots=1, inference_microbatch=8, inference_pp=2,
+            stream_inference=True, offload_frozen=True)
+  res = run(cost, [10] * 4, [1, 17, 1, 1], instance_groups=(0, 0, 1, 1), **kw)
+  assert {i for i, _, _, kind in res.segments if kind == "inference"} == {2, 3}
+  whole = run(cost, [10] * 4, [1, 17, 1, 1], **kw)
+  assert {i for i, _, _, kind in whole.segments if kind == "inference"} == {0, 2}
+  with pytest.raises(ValueError, match=r"instance_groups=\(0, 0, 0, 1\): expected a group "
+                                       r"for each of the 4 instances, each group's count "
+                                       r"divisible by inference_pp=2"):
+    run(cost, [10] * 4, [1, 17, 1, 1], instance_groups=(0, 0, 0, 1), **kw)
+
+
 def test_inference_on_a_pipeline_of_two_instances_by_hand():
   """inference_pp=2: both instances form one unit, stage k of each micro-batch on instance k
   after stage k-1, the next micro-batch entering stage 0 as soon as it is free."""

@@ -30,6 +30,7 @@ Times are seconds from the start of generation. The result holds per-instance ti
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import math
@@ -66,6 +67,9 @@ class GenSetup:
   # layers): where the frozen models do not fit on one instance beside what stays there
   # (iteration_sim.inference_pp).
   inference_pp: int = 1
+  # The group of each instance whose units stay within it (the engine's: the process that
+  # drives it, generation/fused.py; trainer/rt_auto.py); () for one group (any instances)
+  instance_groups: tuple = ()
 
   def __post_init__(self):
     for f in ("num_instances", "slots", "tp", "chunk_steps", "max_new_tokens",
@@ -76,6 +80,12 @@ class GenSetup:
       raise ValueError(f"generation.inference_pp={self.inference_pp} must divide "
                        f"num_instances={self.num_instances} (a unit of that many instances "
                        "runs one inference pipeline)")
+    groups = self.instance_groups
+    if groups and (len(groups) != self.num_instances or any(
+        n % self.inference_pp for n in collections.Counter(groups).values())):
+      raise ValueError(f"generation.instance_groups={groups}: expected a group for each of the "
+                       f"{self.num_instances} instances, each group's count divisible by "
+                       f"inference_pp={self.inference_pp}")
     if self.max_consolidations < 0:
       raise ValueError(f"generation.max_consolidations={self.max_consolidations} must be >= 0")
     if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
@@ -421,7 +431,8 @@ def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_a
   (shapes.stage_shape) of each micro-batch after instance k-1 has, so consecutive micro-batches
   overlap and the unit takes the next one once its first stage is free. Units are formed in
   the order the instances become free (the first pp, the next pp, ...; fixed pairs of
-  neighbours kept a pair idle beside each instance a consolidation kept), each instance loads
+  neighbours kept a pair idle beside each instance a consolidation kept; within each of
+  setup.instance_groups, the engine's processes, where given), each instance loads
   its stage's weights as soon as it is free itself, and a unit computes once all its
   instances have. The activations handed between stages (one hidden vector a token) are not
   timed."""
@@ -429,7 +440,13 @@ def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_a
   avail = np.array([done_gen_at[i] if setup.stream_inference else gen_end for i in range(g)])
   avail = np.maximum(avail, clock.t)  # an instance's own work (e.g. a migration) ends first
   free_order = np.argsort(avail, kind="stable") if pp > 1 else np.arange(g)
-  units = [[int(i) for i in free_order[u * pp:(u + 1) * pp]] for u in range(g // pp)]
+  groups = setup.instance_groups or (0,) * g
+  units = []  # within each group, in freeing order; ordered by their first instance's
+  for grp in dict.fromkeys(groups[i] for i in free_order):
+    mine = [int(i) for i in free_order if groups[i] == grp]
+    units += [mine[k:k + pp] for k in range(0, len(mine), pp)]
+  rank = {int(i): r for r, i in enumerate(free_order)}
+  units.sort(key=lambda unit: rank[unit[0]])
   order = np.argsort(finish, kind="stable")  # samples by readiness
   ready_t = finish[order]
   nxt = 0

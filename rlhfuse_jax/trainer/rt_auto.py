@@ -33,6 +33,9 @@ def sim_setup(gen: FusedGenerator) -> tuple:
                    # every inference model is copied onto a freed instance (the critic too,
                    # from its training devices or host memory; measure_costs times that load)
                    offload_frozen=bool(gen.models), inference_pp=cfg.inference_pp,
+                   # a pipeline's instances are one process's (generation/fused.py)
+                   instance_groups=(tuple(int(o) for o in gen.owner) if gen.exchange.multi
+                                    else ()),
                    devices_share_compute=measure.shares_compute(gen))
   return actor, frozen, setup
 
