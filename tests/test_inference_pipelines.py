@@ -173,6 +173,22 @@ def test_drain_completes_the_units_it_needs_in_freeing_order():
       assert [(i, list(take)) for i, take, _ in q.batches] == want
     finally:
       q.close()
+  # Two processes (0-1, 2-3): instance 2 freed alone pairs with 3, its own process's, not with
+  # the least dispatched 0 (which would free 0 and 1 as well: two loads more).
+  gen = types.SimpleNamespace(
+      config=types.SimpleNamespace(num_instances=4, micro_batch=2, inference_pp=2),
+      exchange=types.SimpleNamespace(multi=True), inflight=0, is_local=lambda i: False,
+      owner=np.array([0, 0, 1, 1]))
+  q = fused_lib.InferenceQueue(gen, {}, None, None, None, None)
+  try:
+    q.free(2)
+    q.dispatched[:] = [0, 0, 1, 1]
+    q.pump = lambda block: None
+    q.add([0, 1])
+    q.drain()
+    assert q.freed == [2, 3] and [(i, list(take)) for i, take, _ in q.batches] == [(2, [0, 1])]
+  finally:
+    q.close()
 
 
 def test_a_unit_runs_at_most_its_stages_and_one_more_micro_batches():

@@ -47,6 +47,7 @@ FusionConfig) and the engine's `FusedGenConfig` share, with their one validation
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
@@ -826,20 +827,25 @@ class InferenceQueue:
 
   def drain(self) -> None:
     """After generation: every waiting sample over the units, those freed first, then least
-    loaded. Instances are freed (those freed before first, then least loaded) until there are
-    as many units as micro-batches, or all are; the remaining loads run in order in the loader
-    thread, so inference starts after one unit's loads, not after all of them."""
+    loaded. Instances are freed (one that completes a process's partial unit first, then the
+    least loaded) until there are as many units as micro-batches, or all are; the remaining
+    loads run in order in the loader thread, so inference starts after one unit's loads, not
+    after all of them."""
     mb, g = self.gen.config.micro_batch, self.gen.config.num_instances
     before = list(self.freed)
     key = lambda j: (j not in before, self.dispatched[j], j)  # noqa: E731
     chunks = [self.waiting[k:k + mb] for k in range(0, len(self.waiting), mb)]
     self.waiting = []
-    new = []  # freed (least loaded first) until there are units enough, or all are
-    for j in sorted(range(g), key=key):
-      if len(_units(before + new, self.pp, self.gen.owner)) >= len(chunks):
-        break
-      if j not in before:
-        new.append(j)
+    # Freed until there are units enough, or all are: first an instance that completes its
+    # process's partial unit (whose other instances already load), then the least loaded.
+    new, owner = [], self.gen.owner
+    rest = sorted((j for j in range(g) if j not in before), key=key)
+    while rest and len(_units(before + new, self.pp, owner)) < len(chunks):
+      partial = {p for p, n in collections.Counter(owner[i] for i in before + new).items()
+                 if n % self.pp}
+      j = next((j for j in rest if owner[j] in partial), rest[0])
+      rest.remove(j)
+      new.append(j)
     for i in new:
       self.free(i)
     heads = sorted((unit[0] for unit in _units(before + new, self.pp, self.gen.owner)), key=key)
