@@ -336,3 +336,21 @@ def test_auto_rt_simulates_units_within_the_processes(built):
                                    "owner": np.array([0, 0, 1, 1])})
   _, _, setup = sim_setup(multi)
   assert (setup.inference_pp, setup.instance_groups) == (2, (0, 0, 1, 1))
+
+
+def test_the_rt_calibration_times_every_stage_on_one_instance(built, monkeypatch):
+  """measure_costs with pp 2 (fusion.migration_threshold='auto'): each stage loaded and run in
+  turn on one instance, one stage's weights at a time, each fed the previous stage's output;
+  the calibration loads (policy/calibration.py)."""
+  from rlhfuse_jax.generation import measure
+  gen, params = built[2]
+  inst = gen.instances[gen.local[0]]
+  placed, scored = [], []
+  real_place, real_score = inst.place_stage, inst.score_stage
+  monkeypatch.setattr(inst, "place_stage", lambda c, p, s: placed.append(s) or real_place(c, p, s))
+  monkeypatch.setattr(inst, "score_stage", lambda n, s, p, x, *a: scored.append(
+      (n, s, x is None)) or real_score(n, s, p, x, *a))
+  cal = measure.measure_costs(gen, params["reference"], params, repeats=1)
+  assert cal["ops"]["inference"]["overhead_s"] > 0 and cal["ops"]["weight_load"]["bytes_per_s"] > 0
+  assert sorted(set(placed)) == [0, 1] and placed == sorted(placed)  # stage 0's loads first
+  assert all(first == (s == 0) for _, s, first in scored)  # stage 1 fed stage 0's output

@@ -655,7 +655,8 @@ class InferenceQueue:
 
   Micro-batches go to units: one freed instance each, or with config.inference_pp = pp > 1
   pipelines of pp instances (docs/architecture.md §2, "Inference on pipelines of instances"):
-  the k-th instance freed of each group of pp holds stage k of every inference model and loads
+  the k-th instance freed of each group of pp, a process's own, holds stage k of every
+  inference model and loads
   it as soon as it is freed; the unit scores once all its instances have loaded, each
   micro-batch passing through them in stage order (JAX runs the next micro-batch's first stage
   while the last stage is still busy: they are different devices). A unit is named by its
@@ -709,7 +710,8 @@ class InferenceQueue:
 
   @property
   def units(self) -> list[tuple]:
-    """The complete units: each pp consecutive freed instances, in the order they were freed."""
+    """The complete units: each process's freed instances, pp at a time in the order they were
+    freed (`_units`)."""
     return _units(self.freed, self.pp, self.gen.owner)
 
   def stage(self, i: int) -> int:
@@ -797,8 +799,9 @@ class InferenceQueue:
     not take the whole queue), and at most `gen.inflight` run at once overall when that cap
     is set.
     Several processes: which instance has loaded or completed what differs between processes,
-    so the rule reads only global state: each round every free instance is assigned at most one
-    micro-batch, least assigned first; a process runs its own once their weights are in."""
+    so the rule reads only global state: each round every unit is assigned at most one
+    micro-batch, least assigned first; a process runs its own once their weights are in (and,
+    pp > 1, the unit has room: `_full`)."""
     mb = self.gen.config.micro_batch
     if self.gen.exchange.multi:
       for i in sorted((u[0] for u in self.units), key=lambda j: (self.dispatched[j], j)):

@@ -723,8 +723,8 @@ def trainer_refusal(wl, plan: dict, host_devices: Optional[int] = None) -> Optio
   mini-batch (and so the rollout batch). Generation: instances of tp devices, tp dividing the
   generation devices and the actor's heads and KV heads, at least the batch's share of slots
   each, and inference on those instances (inference tp = generation tp; pp 1, or pipelines of
-  pp instances, pp dividing the instances and every frozen model it scores there's layers,
-  and on several hosts of `host_devices` devices (Hardware.host_devices: one process each)
+  pp instances, pp dividing the instances and the layers of every frozen model scored there,
+  and, on several hosts of `host_devices` devices (Hardware.host_devices: one process each),
   each process's share of the instances: a pipeline's instances are one process's; an
   asynchronous split's generation group takes an equal share of every process's devices,
   trainer/async_ppo.split_devices); or one pipeline of
