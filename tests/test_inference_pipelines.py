@@ -219,8 +219,10 @@ def test_a_unit_runs_at_most_its_stages_and_one_more_micro_batches():
       exchange=types.SimpleNamespace(multi=False), inflight=0, is_local=lambda i: True,
       owner=np.zeros(2, np.int64), instances=[Inst(), Inst()], models={"reference": CFG})
   log = types.SimpleNamespace(record=lambda *a, **k: None)
-  q = fused_lib.InferenceQueue(gen, {}, None, None, None, log)
-  try:
+
+  def queue():
+    """Unit (0, 1) loaded and running 3 micro-batches."""
+    q = fused_lib.InferenceQueue(gen, {}, None, None, None, log)
     q.freed = [0, 1]
     for i in (0, 1):
       f = concurrent.futures.Future()
@@ -228,6 +230,10 @@ def test_a_unit_runs_at_most_its_stages_and_one_more_micro_batches():
       q.loads[i] = f
     old = [{"reference": Out(f"old{k}")} for k in range(3)]
     q.batches = [[0, [k], outs] for k, outs in enumerate(old)]
+    return q, old
+
+  q, old = queue()
+  try:
     q._score_stages(0, None, None, None)
     assert [o["reference"].waited for o in old] == [True, False, False]  # the oldest only
     q.batches = [[0, [k], outs] for k, outs in enumerate(old[1:])]
@@ -238,15 +244,8 @@ def test_a_unit_runs_at_most_its_stages_and_one_more_micro_batches():
   # Several processes: `stream` assigns a micro-batch to every unit each round, and a full
   # unit's waits in `pending` for a later round instead of blocking the decode loop.
   gen.exchange.multi = True
-  q = fused_lib.InferenceQueue(gen, {}, None, None, None, log)
+  q, old = queue()
   try:
-    q.freed = [0, 1]
-    for i in (0, 1):
-      f = concurrent.futures.Future()
-      f.set_result({"reference": None})
-      q.loads[i] = f
-    old = [{"reference": Out(f"old{k}")} for k in range(3)]
-    q.batches = [[0, [k], outs] for k, outs in enumerate(old)]
     q.dispatched[0] = 3
     q._score = lambda i, take: q._score_stages(i, None, None, None)  # (no samples to build)
     q.add([7])
