@@ -214,9 +214,11 @@ def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
   shares this process's group) waits for the run to end, then raises RunInterrupted with its
   exit status (a caller called a run that had finished "interrupted"). The run's stdin is
   /dev/null: one that read it (a leftover breakpoint()) waited forever for a terminal it could
-  not read."""
+  not read. An error writing log.txt (a full disk) is raised once the run has ended; the run's
+  output is drained meanwhile, so that it neither blocks nor dies of a broken pipe."""
   proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+                          stderr=subprocess.STDOUT, text=True, errors="replace",
+                          cwd=REPO_ROOT,
                           env={**env, LOG_KEPT_ENV: "1"})
   with _LIVE_LOCK:
     LIVE.add(proc)
@@ -247,29 +249,58 @@ def _stream(proc, cmd: Sequence[str], run_dir: str, name: str,
     started(proc)
   os.makedirs(run_dir, exist_ok=True)
   # Line-buffered: `tail -f log.txt` follows the run as it goes (it saw nothing until the end).
-  with open(os.path.join(run_dir, "log.txt"), "a", buffering=1) as log_file:
-    log_file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd[1:])}\n")
+  # Closed by copy_output, once the run's output ends: a SIGTERM raising Terminated here does
+  # not cut the log short of the run's last lines while the run saves.
+  log_file = open(os.path.join(run_dir, "log.txt"), "a", buffering=1)
+  header = f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd[1:])}\n"
 
-    def copy_output():
-      for line in proc.stdout:
-        log_file.write(line)
-        print(f"[{prefix}] {line}", end="", flush=True)
-    interrupted = False
-    while True:
-      try:
-        copy_output()
-        rc = proc.wait()
-        break
-      except KeyboardInterrupt:
-        # The run got the Ctrl-C too: it finishes its iteration and saves (a second one stops
-        # it at once); keep its last lines. (A SIGINT sent to this process alone does not
-        # reach the run: SIGTERM is the signal this process passes on, sweep._Signals.)
-        if not interrupted:
-          from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
-          absl_logging.warning("interrupted: waiting for %s to end (the Ctrl-C reached it too; "
-                               "a SIGINT sent to this process alone did not: SIGTERM to this "
-                               "process stops the run)", name)
-        interrupted = True
+  def copy_output():
+    echo = True
+    try:
+      with log_file:
+        log_file.write(header)
+        for line in proc.stdout:
+          log_file.write(line)
+          if echo:
+            try:
+              print(f"[{prefix}] {line}", end="", flush=True)
+            except (OSError, ValueError):  # this process's stdout gone: log.txt keeps the lines
+              echo = False
+    except BaseException as e:  # noqa: BLE001 re-raised by the main thread below
+      failed.append(e)
+      try:  # drained, so that the run neither blocks on a full pipe nor dies of a broken one
+        for _ in proc.stdout:
+          pass
+      except (OSError, ValueError):
+        pass
+
+  # In a thread of its own: the KeyboardInterrupt of a Ctrl-C comes in the main thread, and
+  # there it could come between reading a line and writing it, losing the line. When the
+  # signal reached another of this process's threads, the main thread's read went on, and the
+  # interrupt came with the next line: the run's own "interrupted: stopped before it
+  # finished", lost from its log.txt (a flaky CI failure, 2026-12-05).
+  failed: list = []
+  copier = threading.Thread(target=copy_output, name=f"output of {name}", daemon=True)
+  copier.start()
+  interrupted = False
+  while True:
+    try:
+      while copier.is_alive():
+        copier.join(0.2)  # a bounded wait: a Ctrl-C is seen within it, whichever thread got it
+      rc = proc.wait()
+      break
+    except KeyboardInterrupt:
+      # The run got the Ctrl-C too: it finishes its iteration and saves (a second one stops
+      # it at once); keep its last lines. (A SIGINT sent to this process alone does not
+      # reach the run: SIGTERM is the signal this process passes on, sweep._Signals.)
+      if not interrupted:
+        from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+        absl_logging.warning("interrupted: waiting for %s to end (the Ctrl-C reached it too; "
+                             "a SIGINT sent to this process alone did not: SIGTERM to this "
+                             "process stops the run)", name)
+      interrupted = True
+  if failed:
+    raise failed[0]
   if interrupted:
     raise RunInterrupted(rc)
   return rc
