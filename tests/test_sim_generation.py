@@ -4,7 +4,8 @@ import pytest
 
 from rlhfuse_jax.policy import calibration
 from rlhfuse_jax.sim.cost_model import CostModel, stage_cost
-from rlhfuse_jax.sim.generation_sim import GenSetup, choose_threshold, simulate_generation
+from rlhfuse_jax.sim.generation_sim import (GenSetup, choose_threshold, handoff_s,
+                                            simulate_generation)
 from rlhfuse_jax.sim.hardware import get_hardware
 from rlhfuse_jax.sim.shapes import get_shape, stage_shape
 
@@ -20,6 +21,12 @@ def measured_cost(share=False, step=0.01, migration=1e9):
               "inference": {"tokens_per_s": 500.0},
               "migration": {"bytes_per_s": migration}}})
   return CostModel(get_hardware("h100_sxm"), calibration=cal)
+
+
+def hand(cost, src, dst, width, **kw):
+  """handoff_s of SHAPE's hidden states from instance src to dst, kw GenSetup's fields."""
+  return handoff_s(cost, [SHAPE], GenSetup(**{"num_instances": 4, "slots": 1, **kw}), src, dst,
+                   width)
 
 
 def run(cost, prompts, resp, **kw):
@@ -153,12 +160,15 @@ def test_inference_units_form_as_instances_are_freed_and_load_their_stage():
   res = run(cost, [10] * 4, [1, 17, 1, 1], num_instances=4, slots=1, inference_microbatch=8,
             inference_pp=2, stream_inference=True, offload_frozen=True)
   s1, s2 = stage([11, 11, 11]), stage([27])
+  # Stage 1 waits for stage 0's hidden states: 8 rows x (10 + 17) tokens x 4096 x 2 bytes.
+  h = hand(cost, 0, 2, 27, inference_microbatch=8)
+  assert h == pytest.approx(cost.p2p_s(8 * 27 * 4096 * 2, cross_node=False))
   t0 = 0.01 + load
   assert _loads_and_inference(res) == [
       ("inference", 0, pytest.approx(t0), pytest.approx(t0 + s1)),
       ("inference", 0, pytest.approx(0.17), pytest.approx(0.17 + s2)),
-      ("inference", 2, pytest.approx(t0 + s1), pytest.approx(t0 + 2 * s1)),
-      ("inference", 2, pytest.approx(0.17 + s2), pytest.approx(0.17 + 2 * s2)),
+      ("inference", 2, pytest.approx(t0 + s1 + h), pytest.approx(t0 + 2 * s1 + h)),
+      ("inference", 2, pytest.approx(0.17 + s2 + h), pytest.approx(0.17 + 2 * s2 + h)),
       ("load", 0, pytest.approx(0.01), pytest.approx(t0)),
       ("load", 2, pytest.approx(0.01), pytest.approx(t0))]
   # Half of the inference work ran during the tail.
@@ -168,9 +178,11 @@ def test_inference_units_form_as_instances_are_freed_and_load_their_stage():
   res = run(cost, [10] * 2, [1, 9], num_instances=2, slots=1, inference_pp=2,
             stream_inference=True, offload_frozen=True)
   s = stage([11, 19])
+  h = hand(cost, 0, 1, 19)
   assert _loads_and_inference(res) == [
       ("inference", 0, pytest.approx(0.09 + load), pytest.approx(0.09 + load + s)),
-      ("inference", 1, pytest.approx(0.09 + load + s), pytest.approx(0.09 + load + 2 * s)),
+      ("inference", 1, pytest.approx(0.09 + load + s + h),
+       pytest.approx(0.09 + load + 2 * s + h)),
       ("load", 0, pytest.approx(0.01), pytest.approx(0.01 + load)),
       ("load", 1, pytest.approx(0.09), pytest.approx(0.09 + load))]
 
@@ -210,16 +222,45 @@ def test_inference_on_a_pipeline_of_two_instances_by_hand():
   # half the layers and half the vocabulary).
   assert s == pytest.approx(22 / 500 / 2, rel=1e-6)
   t0 = 2 * 10 / 1000
+  h = hand(cost, 0, 1, 11, inference_microbatch=2)  # to stage 1
   inf = sorted((i, b, e) for i, b, e, kind in res.segments if kind == "inference")
   assert inf == pytest.approx([(0, t0, t0 + s), (0, t0 + s, t0 + 2 * s),
-                               (1, t0 + s, t0 + 2 * s), (1, t0 + 2 * s, t0 + 3 * s)])
-  assert res.gen_plus_inf_s == pytest.approx(t0 + 3 * s)
+                               (1, t0 + s + h, t0 + 2 * s + h),
+                               (1, t0 + 2 * s + h, t0 + 3 * s + h)])
+  assert res.gen_plus_inf_s == pytest.approx(t0 + 3 * s + h)
   # One instance each (pp 1): the same work in two micro-batches side by side.
   one = run(cost, prompts, resp, num_instances=2, slots=2, inference_microbatch=2)
   assert one.gen_plus_inf_s == pytest.approx(t0 + 22 / 500)
   with pytest.raises(ValueError, match=r"generation.inference_pp=3 must divide "
                                        r"num_instances=2"):
     run(cost, prompts, resp, num_instances=2, slots=2, inference_pp=3)
+
+
+def test_a_pipelines_stages_wait_for_the_hidden_states():
+  """handoff_s: [micro-batch, width, hidden] of every frozen model at its act_itemsize, one
+  point-to-point copy (each device of an instance holds them whole), across nodes where the
+  two instances' first devices are in different nodes; the delay moves stage 1 and keeps no
+  instance busy."""
+  cost = CostModel(get_hardware("h100_sxm"))
+  critic = get_shape("llama-13b")
+  setup = GenSetup(num_instances=4, slots=1, tp=4, inference_microbatch=8, devices_per_node=8)
+  nbytes = 8 * 1536 * (4096 + 5120) * 2
+  assert handoff_s(cost, [SHAPE, critic], setup, 0, 1, 1536) == pytest.approx(
+      cost.p2p_s(nbytes, cross_node=False))  # devices 0-3 and 4-7: one node
+  assert handoff_s(cost, [SHAPE, critic], setup, 1, 2, 1536) == pytest.approx(
+      cost.p2p_s(nbytes, cross_node=True))  # devices 4-7 and 8-11
+  assert cost.p2p_s(nbytes, True) > 5 * cost.p2p_s(nbytes, False) > 0
+  # In the simulation: two instances a node each, so stage 1's hidden states cross nodes.
+  kw = dict(num_instances=2, slots=2, inference_microbatch=2, inference_pp=2)
+  inf = lambda r: sorted((i, b, e) for i, b, e, kind in r.segments if kind == "inference")
+  for dpn in (1, 8):
+    segs = inf(run(cost, [10] * 4, [1] * 4, devices_per_node=dpn, **kw))
+    h = hand(cost, 0, 1, 11, inference_microbatch=2, devices_per_node=dpn)
+    assert h == pytest.approx(cost.p2p_s(2 * 11 * 4096 * 2, cross_node=dpn == 1))
+    # stage 1 of the first micro-batch: after stage 0's end and the copy
+    assert segs[2][0] == 1 and segs[2][1] == pytest.approx(segs[0][2] + h)
+    # a delay, not work: every segment as long as its stage
+    assert [e - b for _, b, e in segs] == pytest.approx([segs[0][2] - segs[0][1]] * 4)
 
 
 def test_consolidation_moves_samples_and_frees_instances():

@@ -351,8 +351,11 @@ def _result(cost: CostModel, frozen: Sequence[ModelShape], setup: GenSetup, cloc
   gen_end = float(batch.finish.max())
   t_fin, counts = np.unique(batch.finish, return_counts=True)
   curve = [(0.0, b)] + [(float(t), int(b - c)) for t, c in zip(t_fin, np.cumsum(counts))]
+  # The engine's inference micro-batch: [micro-batch, longest prompt + max_new_tokens]
+  # (GenerationInstance's compiled shape), the width of the hidden states handed between stages.
+  width = int(batch.prompt_lens.max(initial=0)) + setup.max_new_tokens
   inf_busy = _simulate_inference(cost, frozen, setup, clock, batch.prompt_lens + batch.target,
-                                 batch.finish, batch.done_gen_at, gen_end)
+                                 batch.finish, batch.done_gen_at, gen_end, width)
   gpi = float(max(clock.t.max(), gen_end))
   busy = sum(e - st for _, st, e, _ in clock.segments)
   before = sum(max(0.0, min(e, gen_end) - st) for _, st, e, kd in clock.segments
@@ -422,8 +425,8 @@ def _consolidate(cost: CostModel, setup: GenSetup, clock: _Clock, batch: _Batch,
   return rec
 
 
-def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_at, gen_end
-                        ) -> float:
+def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_at, gen_end,
+                        width: int = 0) -> float:
   """Greedy list scheduling of inference micro-batches on units of `inference_pp` instances;
   returns total inference busy time (summed over the instances).
 
@@ -434,8 +437,9 @@ def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_a
   neighbours kept a pair idle beside each instance a consolidation kept; within each of
   setup.instance_groups, the engine's processes, where given), each instance loads
   its stage's weights as soon as it is free itself, and a unit computes once all its
-  instances have. The activations handed between stages (one hidden vector a token) are not
-  timed."""
+  instances have. Stage k starts once stage k-1's hidden states have reached it
+  (handoff_s: [micro-batch, `width`] tokens a frozen model, one hidden vector a token); the
+  copy delays the stage but occupies neither instance's compute."""
   g, pp = setup.num_instances, setup.inference_pp
   avail = np.array([done_gen_at[i] if setup.stream_inference else gen_end for i in range(g)])
   avail = np.maximum(avail, clock.t)  # an instance's own work (e.g. a migration) ends first
@@ -470,13 +474,32 @@ def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_a
     take = order[nxt:min(hi, nxt + setup.inference_microbatch)]
     nxt += take.size
     dur = float(stage_cost(cost, "inference_s", stages, list(frozen), setup.tp, seq_lens[take]))
-    start, first_free = t, None
-    for m in units[u]:  # stage k after stage k-1
+    start, first_free, prev = t, None, None
+    for m in units[u]:  # stage k after stage k-1, once its hidden states are here
+      if prev is not None:
+        start += handoff_s(cost, frozen, setup, prev, m, width)
       start = clock.run(m, dur, "inference", not_before=start)
       first_free = start if first_free is None else first_free
+      prev = m
     busy += dur * pp
     heapq.heappush(heap, (first_free, u))
   return busy
+
+
+def handoff_s(cost: CostModel, frozen: Sequence[ModelShape], setup: GenSetup, src: int,
+              dst: int, width: int) -> float:
+  """Seconds to hand one inference micro-batch's hidden states from instance `src`'s stage to
+  instance `dst`'s: for every frozen model, [inference_microbatch, width, hidden] at its
+  act_itemsize. An instance's devices each hold them whole (GenerationInstance.row3: split over
+  the data axes only, replicated over tensor), so its tp devices receive a copy each, in
+  parallel: one point-to-point copy of the whole, across nodes where the two instances'
+  first devices are in different nodes (instance i on devices i*tp ...)."""
+  nbytes = sum(setup.inference_microbatch * width * s.hidden_size * s.act_itemsize
+               for s in frozen)
+  if nbytes <= 0:
+    return 0.0
+  apart = not same_node(src * setup.tp, dst * setup.tp, setup.devices_per_node)
+  return cost.p2p_s(nbytes, apart)
 
 
 def choose_threshold(cost: CostModel, actor: ModelShape, frozen: Sequence[ModelShape],
