@@ -466,6 +466,9 @@ def test_clear_errors(params, prompts):
              for f in ("top_k", "max_new_tokens", "chunk_size", "steps_per_check"))
   with pytest.raises(ValueError, match="sampling.eos_id=40 is outside the vocabulary"):
     instances.Generator(CFG, SamplingConfig(eos_id=40), batch_size=B, prompt_len=P)
+  # (padded positions are embedded like any token: the id must be one of the model's)
+  with pytest.raises(ValueError, match="sampling.pad_id=32 is outside the vocabulary"):
+    instances.Generator(CFG, SamplingConfig(pad_id=32), batch_size=B, prompt_len=P)
   with pytest.raises(ValueError, match="sampling.top_k=33 exceeds"):
     instances.Generator(CFG, SamplingConfig(top_k=33), batch_size=B, prompt_len=P)
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
