@@ -3,6 +3,8 @@ generation/fused.InferenceQueue): the same samples as single-instance scoring an
 scores to float rounding, each instance loading only its stage (the weights loaded are half of
 scoring on single instances), every instance of a unit busy, units formed in the order
 instances are freed; clear errors for layouts it cannot split."""
+import weakref
+
 import jax
 import numpy as np
 import pytest
@@ -344,9 +346,23 @@ def test_the_rt_calibration_times_every_stage_on_one_instance(built, monkeypatch
   from rlhfuse_jax.generation import measure
   gen, params = built[2]
   inst = gen.instances[gen.local[0]]
-  placed, scored = [], []
+  placed, scored, actor = [], [], []
   real_place, real_score = inst.place_stage, inst.score_stage
-  monkeypatch.setattr(inst, "place_stage", lambda c, p, s: placed.append(s) or real_place(c, p, s))
+  real_whole = inst.place
+
+  def place_whole(c, p):  # the actor's copy (the only whole model placed at pp 2), watched
+    out = real_whole(c, p)
+    actor.extend(weakref.ref(a) for a in jax.tree.leaves(out))
+    return out
+
+  def place_stage(c, p, s):
+    # the actor's copy is gone before any inference model loads, as in a run (_Run's
+    # params.pop): a model that fits the run beside no actor copy fits the calibration too
+    assert actor and all(r() is None for r in actor), "the actor copy is still held"
+    placed.append(s)
+    return real_place(c, p, s)
+  monkeypatch.setattr(inst, "place", place_whole)
+  monkeypatch.setattr(inst, "place_stage", place_stage)
   monkeypatch.setattr(inst, "score_stage", lambda n, s, p, x, *a: scored.append(
       (n, s, x is None)) or real_score(n, s, p, x, *a))
   cal = measure.measure_costs(gen, params["reference"], params, repeats=1)
