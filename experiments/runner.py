@@ -273,20 +273,25 @@ def _stream(proc, cmd: Sequence[str], run_dir: str, name: str,
           pass
       except (OSError, ValueError):
         pass
+    finally:
+      copied.set()
 
   # In a thread of its own: the KeyboardInterrupt of a Ctrl-C comes in the main thread, and
   # there it could come between reading a line and writing it, losing the line. When the
   # signal reached another of this process's threads, the main thread's read went on, and the
   # interrupt came with the next line: the run's own "interrupted: stopped before it
   # finished", lost from its log.txt (a flaky CI failure, 2026-12-05).
+  # Its end is an Event's, not the thread's: a KeyboardInterrupt inside Thread.join marks the
+  # thread stopped while it still runs (CPython 3.11's _wait_for_tstate_lock), and the caller
+  # went on to exit before the run's last line was written.
   failed: list = []
-  copier = threading.Thread(target=copy_output, name=f"output of {name}", daemon=True)
-  copier.start()
+  copied = threading.Event()
+  threading.Thread(target=copy_output, name=f"output of {name}", daemon=True).start()
   interrupted = False
   while True:
     try:
-      while copier.is_alive():
-        copier.join(0.2)  # a bounded wait: a Ctrl-C is seen within it, whichever thread got it
+      while not copied.wait(0.2):  # bounded: a Ctrl-C is seen within it, whichever thread got it
+        pass
       rc = proc.wait()
       break
     except KeyboardInterrupt:

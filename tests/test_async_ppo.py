@@ -111,8 +111,9 @@ def test_the_train_clock_leaves_out_the_checkpoint_wait(tmp_path):
     wait()
   trainer.checkpoints.wait = slow
   h = trainer.run()
-  assert all(m["timing_s/train"] < 3.0 for m in h[1:]), [m["timing_s/train"] for m in h]
-  # The step holds the training and the wait one after the other.
+  # The step holds the training and the wait one after the other: a train clock that counted
+  # the wait would leave less than 3 s between them. (No bound on timing_s/train itself: a
+  # loaded CI machine once trained 1.4 s of the 0.07 s it takes here.)
   assert all(m["timing_s/step"] - m["timing_s/train"] >= 3.0 for m in h[1:]), h[1:]
 
 

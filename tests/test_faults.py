@@ -432,9 +432,11 @@ def test_metrics_are_written_exactly_once_after_a_crash_before_the_first_checkpo
 _HANG_SCRIPT = """
 import sys, time
 from rlhfuse_jax.trainer import hooks
-dog = hooks.HangWatchdog(1.0, num_iterations=5)
+dog = hooks.HangWatchdog(2.0, num_iterations=5)
 dog.begin(0)
-for step in (1, 2, 3):  # 3 iterations of 0.4 s: 1.2 s in all, none over the timeout
+# 3 iterations of 0.4 s: 1.2 s in all, none over the timeout (1.6 s of slack each: at 1 s, a
+# loaded machine's 0.6 s stall would have ended an iteration that did not hang)
+for step in (1, 2, 3):
   time.sleep(0.4)
   dog.after(step, {}, False)
 print("three iterations done", flush=True)
@@ -482,7 +484,7 @@ def test_a_hung_iteration_ends_the_process_with_its_stacks(tmp_path):
   assert out.returncode == 69, out.stderr[-3000:]
   assert "three iterations done" in out.stdout
   assert ("iteration 3's logging and checkpoint save, then iteration 4, did not finish within "
-          "config.guard.iteration_timeout_s=1s: this process hangs") in out.stderr
+          "config.guard.iteration_timeout_s=2s: this process hangs") in out.stderr
   assert "in stuck_in_reward_function" in out.stderr  # faulthandler's stack of the main thread
   # An absl error line ending as the local launcher's first pattern expects (its "last error").
   assert re.search(r"^E[0-9]{4} .*exiting \(69\)$", out.stderr, re.M), out.stderr[:2000]

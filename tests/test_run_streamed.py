@@ -27,6 +27,29 @@ hold = threading.Event()
 other = threading.Thread(target=hold.wait, daemon=True)
 other.start()
 
+
+class SlowLog:
+  # log.txt, its write of the run's closing line 0.5 s late (a loaded machine's scheduling):
+  # the caller must still have it in the file when run_streamed returns.
+
+  def __init__(self, f):
+    self.f = f
+
+  def write(self, text):
+    if "closing" in text:
+      time.sleep(0.5)
+    return self.f.write(text)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.f.close()
+
+
+real_open = open
+runner.open = lambda *a, **k: SlowLog(real_open(*a, **k))
+
 def started(proc):
   def interrupt():
     log = os.path.join(work, "log.txt")
@@ -53,7 +76,9 @@ def test_a_ctrl_c_on_another_thread_keeps_the_runs_closing_line(tmp_path):
   run's output; the KeyboardInterrupt then came with the next line (the run's own closing
   "interrupted: stopped before it finished"), and that line was missing from log.txt (a flaky
   CI failure of test_sigterm_to_the_sweep_stops_its_run_and_the_sweep, reproduced 4 times in 6
-  this way). The output is copied by a thread of its own now."""
+  this way). The output is copied by a thread of its own now, and run_streamed returns once
+  that thread has written the last line, however late (here 0.5 s): waited for with
+  Thread.join, a Ctrl-C inside the join marked the thread stopped and the caller left early."""
   proc = subprocess.run([*RESET_SIGINT, sys.executable, "-c", _PARENT, str(tmp_path)],
                         cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
                         text=True, timeout=120)

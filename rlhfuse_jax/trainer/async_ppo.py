@@ -214,18 +214,21 @@ class TrainingClock:
   def __init__(self, outputs: Any, start: float):
     """outputs: what the dispatched work returns; start: perf_counter() at its dispatch."""
     self.start, self.end = start, None
-    self._thread = threading.Thread(target=self._wait, args=(outputs,), daemon=True)
-    self._thread.start()
+    # (an Event, not Thread.join: a KeyboardInterrupt inside join marks the thread stopped
+    # while it still waits, CPython 3.11, and a later join returned before `end` was set)
+    self._done = threading.Event()
+    threading.Thread(target=self._wait, args=(outputs,), daemon=True).start()
 
   def _wait(self, outputs: Any) -> None:
     try:
       jax.block_until_ready(outputs)
     finally:  # an error surfaces in the loop's own wait; the time is then moot
       self.end = time.perf_counter()
+      self._done.set()
 
   def join(self) -> float:
     """Seconds from dispatch to the end of the training."""
-    self._thread.join()
+    self._done.wait()
     return self.end - self.start
 
 
