@@ -340,32 +340,53 @@ def test_auto_rt_simulates_units_within_the_processes(built):
 
 
 def test_the_rt_calibration_times_every_stage_on_one_instance(built, monkeypatch):
-  """measure_costs with pp 2 (fusion.migration_threshold='auto'): each stage loaded and run in
-  turn on one instance, one stage's weights at a time, each fed the previous stage's output;
-  the calibration loads (policy/calibration.py)."""
+  """measure_costs with pp 2 (fusion.migration_threshold='auto', run by the engine's first
+  run(rt='auto')): each stage loaded and run in turn on one instance, one stage's weights at a
+  time, each fed the previous stage's output; the calibration loads (policy/calibration.py).
+  The instance's actor copy is gone before the first stage loads, as in a run (_Run's
+  params.pop): it was measured after place_actor, beside every instance's copy, so a model
+  that fits a run could fail the measurement out of memory."""
   from rlhfuse_jax.generation import measure
   gen, params = built[2]
   inst = gen.instances[gen.local[0]]
-  placed, scored, actor = [], [], []
+  placed, scored, actor, cals = [], [], [], []
   real_place, real_score = inst.place_stage, inst.score_stage
-  real_whole = inst.place
+  real_whole, real_measure = inst.place, measure.measure_costs
 
-  def place_whole(c, p):  # the actor's copy (the only whole model placed at pp 2), watched
+  def measure_costs(*args, **kw):  # the calls below watched only while it runs
+    cals.append(None)
+    cals[-1] = real_measure(*args, **kw)
+    return cals[-1]
+
+  def measuring():
+    return cals and cals[-1] is None
+
+  def place_whole(c, p):  # the actor's copy (the only whole model placed at pp 2)
     out = real_whole(c, p)
-    actor.extend(weakref.ref(a) for a in jax.tree.leaves(out))
+    if measuring():
+      actor.extend(weakref.ref(a) for a in jax.tree.leaves(out))
     return out
 
   def place_stage(c, p, s):
-    # the actor's copy is gone before any inference model loads, as in a run (_Run's
-    # params.pop): a model that fits the run beside no actor copy fits the calibration too
-    assert actor and all(r() is None for r in actor), "the actor copy is still held"
-    placed.append(s)
+    if measuring():
+      assert actor and all(r() is None for r in actor), "the actor copy is still held"
+      placed.append(s)
     return real_place(c, p, s)
+
+  def score_stage(n, s, p, x, *a):
+    if measuring():
+      scored.append((n, s, x is None))
+    return real_score(n, s, p, x, *a)
+  monkeypatch.setattr(measure, "measure_costs", measure_costs)
   monkeypatch.setattr(inst, "place", place_whole)
   monkeypatch.setattr(inst, "place_stage", place_stage)
-  monkeypatch.setattr(inst, "score_stage", lambda n, s, p, x, *a: scored.append(
-      (n, s, x is None)) or real_score(n, s, p, x, *a))
-  cal = measure.measure_costs(gen, params["reference"], params, repeats=1)
+  monkeypatch.setattr(inst, "score_stage", score_stage)
+  monkeypatch.setattr(gen, "calibration", None)
+  monkeypatch.setattr(gen, "rt_model", lambda *a: None)  # (a model; choose_rt's below)
+  monkeypatch.setattr(gen, "choose_rt", lambda plens, auto: (0.5, None))
+  tokens, lens, budgets = _batch()
+  gen.run(params["reference"], params, tokens, lens, KEY, budgets=budgets, rt="auto")
+  (cal,) = cals
   assert cal["ops"]["inference"]["overhead_s"] > 0 and cal["ops"]["weight_load"]["bytes_per_s"] > 0
   assert sorted(set(placed)) == [0, 1] and placed == sorted(placed)  # stage 0's loads first
   assert all(first == (s == 0) for _, s, first in scored)  # stage 1 fed stage 0's output

@@ -485,11 +485,31 @@ class FusedGenerator:
     # A callable's copy made before the placement's clock (the trainer times its gather apart:
     # timing_s/reshard) and dropped once placed.
     whole = actor_params() if callable(actor_params) else actor_params
+    auto = rt is not None  # rt='auto' for this batch, whatever the config's Rt
+    # "auto" simulates with this engine's measured costs: measured once, before timing.
+    measure_now = (fuse and forced is None and self.config.max_consolidations != 0 and
+                   (self.fixed_rt is None or auto) and self.calibration is None)
+    if measure_now and set(self.models) - set(frozen_params):
+      raise ValueError("measuring the instances' costs for migration_threshold='auto' "
+                       f"needs every inference model's params ({sorted(self.models)}); "
+                       f"frozen_params has {sorted(frozen_params)}")
+    # Measured before the actor is placed: the measurement places its own copy on one instance
+    # and drops it before it times the inference loads, as a run's freed instance does (placed
+    # first, every instance's copy stayed while it timed them: a model that fits a run could
+    # fail there, out of memory). An actor spread over several processes (a multi-host training
+    # mesh) reaches the instances only by place_actor's collective reshard: measured after it,
+    # beside the instance's copy.
+    spread = any(isinstance(x, jax.Array) and not x.is_fully_addressable
+                 for x in jax.tree.leaves(whole))
+    if measure_now and not spread:
+      self._measure(whole, frozen_params)
     t_place = time.perf_counter()
     actor_params = self.place_actor(whole)
     del whole
     jax.block_until_ready(list(actor_params.values()))
     place_s = time.perf_counter() - t_place
+    if measure_now and spread:
+      self._measure(actor_params, frozen_params)
     choice = None
     if not fuse:
       rt = 0.0
@@ -504,19 +524,7 @@ class FusedGenerator:
         choice = rt_choice.RtChoice(rt_choice.PRIOR_RT, "max_consolidations=0: nothing is "
                                     "consolidated, so Rt was not simulated", {})
         rt = choice.rt
-    else:
-      auto = rt is not None  # rt='auto' for this batch, whatever the config's Rt
-      if (self.fixed_rt is None or auto) and self.calibration is None:
-        if set(self.models) - set(frozen_params):
-          raise ValueError("measuring the instances' costs for migration_threshold='auto' "
-                           f"needs every inference model's params ({sorted(self.models)}); "
-                           f"frozen_params has {sorted(frozen_params)}")
-        # "auto" simulates with this engine's measured costs: measured once, before timing.
-        t0 = time.perf_counter()
-        logging.info("generation: measuring the instances' costs for migration_threshold="
-                     "'auto' (once) ...")
-        self.calibration = measure.measure_costs(self, actor_params, frozen_params)
-        logging.info("generation: costs measured in %.1fs", time.perf_counter() - t0)
+    else:  # measured above where it had to be
       rt, choice = self.choose_rt(plens, auto=auto)
     run = _Run(self, actor_params, frozen_params, tokens, plens, uids, budgets,
                sampling_lib.as_typed_key(iteration_key), fuse, rt, place_s, run_models)
@@ -525,6 +533,14 @@ class FusedGenerator:
     out.rt_choice = choice
     self.lengths.add(out.rollout.response_lens)
     return out
+
+  def _measure(self, actor_params: Any, frozen_params: dict) -> None:
+    """self.calibration from measure.measure_costs, with progress lines."""
+    t0 = time.perf_counter()
+    logging.info("generation: measuring the instances' costs for migration_threshold='auto' "
+                 "(once) ...")
+    self.calibration = measure.measure_costs(self, actor_params, frozen_params)
+    logging.info("generation: costs measured in %.1fs", time.perf_counter() - t0)
 
   def place_actor(self, params: Any) -> inst_lib.PlacedOnInstances:
     """The actor on each of this process's instances. From host memory or arrays on other
