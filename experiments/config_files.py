@@ -498,6 +498,8 @@ def _stop_runs(sig: Optional[int], timeout_s: float = 600.0) -> int:
           proc.send_signal(sig)
       for proc in live:
         proc.wait(timeout=timeout_s)
+      for proc in live:  # and for their last lines in their log.txt (exit_now ends the copy)
+        runner.wait_output(proc, 10.0)
     except (KeyboardInterrupt, Terminated, subprocess.TimeoutExpired):
       for proc in live:
         proc.kill()

@@ -210,29 +210,35 @@ def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
   when given: the sweep's "3/16 e2", its place in the sweep as its own lines say it) and
   appended to run_dir/log.txt after a header line (a re-run, e.g. a resumed sweep, keeps the
   earlier runs' logs); returns its exit status. `started` gets the process once it runs (a
-  caller that passes signals on). A KeyboardInterrupt (Ctrl-C, which reaches the run too: it
-  shares this process's group) waits for the run to end, then raises RunInterrupted with its
-  exit status (a caller called a run that had finished "interrupted"). The run's stdin is
-  /dev/null: one that read it (a leftover breakpoint()) waited forever for a terminal it could
-  not read. An error writing log.txt (a full disk) is raised once the run has ended; the run's
-  output is drained meanwhile, so that it neither blocks nor dies of a broken pipe."""
+  caller that passes signals on; called again if a Ctrl-C cut it short, so it must be
+  idempotent). A KeyboardInterrupt (Ctrl-C, which reaches the run too: it shares this
+  process's group) waits for the run to end and its output to be copied, then raises
+  RunInterrupted with its exit status (a caller called a run that had finished
+  "interrupted"). The run's stdin is /dev/null: one that read it (a leftover breakpoint())
+  waited forever for a terminal it could not read. An error writing log.txt (a full disk) is
+  raised once the run has ended (logged, where a Ctrl-C came too); the run's output is drained
+  meanwhile, so that it neither blocks nor dies of a broken pipe."""
   proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, errors="replace",
                           cwd=REPO_ROOT,
                           env={**env, LOG_KEPT_ENV: "1"})
+  copied = threading.Event()
   with _LIVE_LOCK:
-    LIVE.add(proc)
+    LIVE[proc] = copied
   try:
-    return _stream(proc, cmd, run_dir, name, started, prefix or name)
+    return _stream(proc, cmd, run_dir, name, started, prefix or name, copied)
   finally:
-    with _LIVE_LOCK:
-      LIVE.discard(proc)
+    if proc.poll() is not None:  # one still going (an error here): config_files waits for it
+      with _LIVE_LOCK:
+        LIVE.pop(proc, None)
 
 
-# The runs run_streamed has going, from any thread (bench_async runs several at once): an
-# interrupted binary passes SIGTERM on to them and waits for them (config_files.run); they
-# were left running alone, unlogged, holding their workdirs.
-LIVE: set = set()
+# The runs run_streamed has going, from any thread (bench_async runs several at once), each
+# with the Event its output's copy sets when done: an interrupted binary passes SIGTERM on to
+# them and waits for them and their output (config_files.run); they were left running alone,
+# unlogged, holding their workdirs, and a run's last lines were lost when the binary exited
+# as the run did.
+LIVE: dict = {}
 # Re-entrant: the SIGTERM handler (config_files) reads LIVE in the main thread, which may hold
 # the lock when the signal comes (run_streamed called there).
 _LIVE_LOCK = threading.RLock()
@@ -243,21 +249,27 @@ def live_runs() -> list:
     return list(LIVE)
 
 
+def wait_output(proc, timeout_s: float) -> bool:
+  """Waits up to timeout_s for run_streamed's copy of `proc`'s output to log.txt to end (a run
+  that has exited: its last lines); whether it has."""
+  with _LIVE_LOCK:
+    copied = LIVE.get(proc)
+  return copied is None or copied.wait(timeout_s)
+
+
 def _stream(proc, cmd: Sequence[str], run_dir: str, name: str,
-            started: Optional[Callable[[subprocess.Popen], None]], prefix: str) -> int:
-  if started is not None:
-    started(proc)
-  os.makedirs(run_dir, exist_ok=True)
-  # Line-buffered: `tail -f log.txt` follows the run as it goes (it saw nothing until the end).
-  # Closed by copy_output, once the run's output ends: a SIGTERM raising Terminated here does
-  # not cut the log short of the run's last lines while the run saves.
-  log_file = open(os.path.join(run_dir, "log.txt"), "a", buffering=1)
+            started: Optional[Callable[[subprocess.Popen], None]], prefix: str,
+            copied: threading.Event) -> int:
   header = f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd[1:])}\n"
+  failed: list = []
 
   def copy_output():
     echo = True
     try:
-      with log_file:
+      os.makedirs(run_dir, exist_ok=True)
+      # Line-buffered: `tail -f log.txt` follows the run as it goes (it saw nothing until the
+      # end).
+      with open(os.path.join(run_dir, "log.txt"), "a", buffering=1) as log_file:
         log_file.write(header)
         for line in proc.stdout:
           log_file.write(line)
@@ -276,18 +288,39 @@ def _stream(proc, cmd: Sequence[str], run_dir: str, name: str,
     finally:
       copied.set()
 
-  # In a thread of its own: the KeyboardInterrupt of a Ctrl-C comes in the main thread, and
-  # there it could come between reading a line and writing it, losing the line. When the
-  # signal reached another of this process's threads, the main thread's read went on, and the
-  # interrupt came with the next line: the run's own "interrupted: stopped before it
-  # finished", lost from its log.txt (a flaky CI failure, 2026-12-05).
-  # Its end is an Event's, not the thread's: a KeyboardInterrupt inside Thread.join marks the
-  # thread stopped while it still runs (CPython 3.11's _wait_for_tstate_lock), and the caller
-  # went on to exit before the run's last line was written.
-  failed: list = []
-  copied = threading.Event()
-  threading.Thread(target=copy_output, name=f"output of {name}", daemon=True).start()
-  interrupted = False
+  interrupted = []
+
+  def note_interrupt():
+    # The run got the Ctrl-C too: it finishes its iteration and saves (a second one stops it
+    # at once); keep its last lines. (A SIGINT sent to this process alone does not reach the
+    # run: SIGTERM is the signal this process passes on, sweep._Signals.)
+    if not interrupted:
+      from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+      absl_logging.warning("interrupted: waiting for %s to end (the Ctrl-C reached it too; a "
+                           "SIGINT sent to this process alone did not: SIGTERM to this "
+                           "process stops the run)", name)
+    interrupted.append(True)
+
+  # The output is copied (and log.txt opened) by a thread of its own: the KeyboardInterrupt
+  # of a Ctrl-C comes in the main thread, and there it could come between reading a line and
+  # writing it, losing the line. When the signal reached another of this process's threads,
+  # the main thread's read went on, and the interrupt came with the next line: the run's own
+  # "interrupted: stopped before it finished", lost from its log.txt (a flaky CI failure,
+  # 2026-12-05). Its end is an Event's, not the thread's: a KeyboardInterrupt inside
+  # Thread.join marks the thread stopped while it still runs (CPython 3.11's
+  # _wait_for_tstate_lock), and the caller went on to exit before the last line was written.
+  copier = threading.Thread(target=copy_output, name=f"output of {name}", daemon=True)
+  while True:  # a Ctrl-C here too: the run is not left unread and unwaited for
+    try:
+      if started is not None:
+        started(proc)
+      break
+    except KeyboardInterrupt:
+      note_interrupt()
+  try:
+    copier.start()
+  except KeyboardInterrupt:  # (start's wait for the thread to run, which it does)
+    note_interrupt()
   while True:
     try:
       while not copied.wait(0.2):  # bounded: a Ctrl-C is seen within it, whichever thread got it
@@ -295,19 +328,15 @@ def _stream(proc, cmd: Sequence[str], run_dir: str, name: str,
       rc = proc.wait()
       break
     except KeyboardInterrupt:
-      # The run got the Ctrl-C too: it finishes its iteration and saves (a second one stops
-      # it at once); keep its last lines. (A SIGINT sent to this process alone does not
-      # reach the run: SIGTERM is the signal this process passes on, sweep._Signals.)
-      if not interrupted:
-        from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
-        absl_logging.warning("interrupted: waiting for %s to end (the Ctrl-C reached it too; "
-                             "a SIGINT sent to this process alone did not: SIGTERM to this "
-                             "process stops the run)", name)
-      interrupted = True
+      note_interrupt()
+  if interrupted:
+    if failed:  # the Ctrl-C's way out (the caller's summary and 130), the error said first
+      from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+      absl_logging.error("%s: writing %s failed: %s", name, os.path.join(run_dir, "log.txt"),
+                         failed[0])
+    raise RunInterrupted(rc)
   if failed:
     raise failed[0]
-  if interrupted:
-    raise RunInterrupted(rc)
   return rc
 
 

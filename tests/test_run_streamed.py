@@ -9,29 +9,27 @@ from tests.xla_env import RESET_SIGINT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The parent: a second thread that the SIGINT reaches (as the kernel may pick any thread of a
-# process for a Ctrl-C), then the run's own SIGINT; the run says its closing line 0.3 s later.
-_PARENT = r"""
+# What each parent below starts with: the run (it says "ready", then on SIGINT its closing
+# line 0.3 s later and exits 130); log.txt's write of that line made 0.5 s late (a loaded
+# machine's scheduling: the caller must still find it in the file once run_streamed or
+# _stop_runs returns); `when_ready(fn)`: fn called in a thread once log.txt has "ready".
+_COMMON = r"""
 import json, os, signal, sys, threading, time
 from experiments import runner
 work = sys.argv[1]
+# (its words split in its source, which log.txt's header line repeats)
 CHILD = ("import sys, time\n"
-         "print('ready', flush=True)\n"
+         "print('rea' 'dy', flush=True)\n"
          "try:\n"
          "  time.sleep(60)\n"
          "except KeyboardInterrupt:\n"
          "  time.sleep(0.3)\n"
-         "  print('closing line', flush=True)\n"
+         "  print('clos' 'ing line', flush=True)\n"
          "  sys.exit(130)\n")
-hold = threading.Event()
-other = threading.Thread(target=hold.wait, daemon=True)
-other.start()
+assert "ready" not in CHILD and "closing" not in CHILD
 
 
 class SlowLog:
-  # log.txt, its write of the run's closing line 0.5 s late (a loaded machine's scheduling):
-  # the caller must still have it in the file when run_streamed returns.
-
   def __init__(self, f):
     self.f = f
 
@@ -50,25 +48,79 @@ class SlowLog:
 real_open = open
 runner.open = lambda *a, **k: SlowLog(real_open(*a, **k))
 
-def started(proc):
-  def interrupt():
+
+def when_ready(fn):
+  def wait():
     log = os.path.join(work, "log.txt")
     deadline = time.time() + 60
-    while not (os.path.exists(log) and "ready" in open(log).read()):
+    while not (os.path.exists(log) and "\nready\n" in real_open(log).read()):
       assert time.time() < deadline
       time.sleep(0.05)
+    fn()
+  threading.Thread(target=wait, daemon=True).start()
+
+
+def streamed(started=None):
+  out = {}
+  try:
+    out["rc"] = runner.run_streamed([sys.executable, "-c", CHILD], work, "r",
+                                    runner.repo_env(), started=started)
+  except runner.RunInterrupted as e:
+    out["interrupted"] = e.returncode
+  return out
+"""
+
+# A second thread that the SIGINT reaches (as the kernel may pick any thread of a process for
+# a Ctrl-C), then the run's own SIGINT.
+_OTHER_THREAD = _COMMON + r"""
+hold = threading.Event()
+other = threading.Thread(target=hold.wait, daemon=True)
+other.start()
+
+
+def started(proc):
+  def interrupt():
     signal.pthread_kill(other.ident, signal.SIGINT)  # this process's Ctrl-C, on another thread
     proc.send_signal(signal.SIGINT)  # the run's
-  threading.Thread(target=interrupt, daemon=True).start()
+  when_ready(interrupt)
+print(json.dumps(streamed(started)))
+"""
 
-out = {}
-try:
-  runner.run_streamed([sys.executable, "-c", CHILD], work, "r", runner.repo_env(),
-                      started=started)
-except runner.RunInterrupted as e:
-  out["interrupted"] = e.returncode
+# The Ctrl-C comes while `started` runs (before the output's copy has begun): `started` is
+# called again, and the run is waited for and its output copied all the same.
+_IN_STARTED = _COMMON + r"""
+calls = []
+
+
+def started(proc):
+  calls.append(1)
+  if len(calls) == 1:
+    when_ready(lambda: proc.send_signal(signal.SIGINT))
+    raise KeyboardInterrupt
+out = streamed(started)
+out["started_calls"] = len(calls)
 print(json.dumps(out))
 """
+
+# config_files._stop_runs (an interrupted binary's way out, then exit_now) waits for a run
+# that run_streamed copies in a worker thread (bench_async's): for its exit and its last line.
+_STOP_RUNS = _COMMON + r"""
+from experiments import config_files
+ready = threading.Event()
+worker = threading.Thread(target=streamed, daemon=True)
+worker.start()
+when_ready(ready.set)
+ready.wait(60)
+config_files._stop_runs(signal.SIGINT)
+log = real_open(os.path.join(work, "log.txt")).read()
+print(json.dumps({"log_has_it": log.endswith("\nready\nclosing line\n")}))
+"""
+
+
+def _parent(script, work, **kw):
+  return subprocess.run([*RESET_SIGINT, sys.executable, "-c", script, str(work)], cwd=REPO,
+                        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                        timeout=120, **kw)
 
 
 def test_a_ctrl_c_on_another_thread_keeps_the_runs_closing_line(tmp_path):
@@ -79,15 +131,47 @@ def test_a_ctrl_c_on_another_thread_keeps_the_runs_closing_line(tmp_path):
   this way). The output is copied by a thread of its own now, and run_streamed returns once
   that thread has written the last line, however late (here 0.5 s): waited for with
   Thread.join, a Ctrl-C inside the join marked the thread stopped and the caller left early."""
-  proc = subprocess.run([*RESET_SIGINT, sys.executable, "-c", _PARENT, str(tmp_path)],
-                        cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
-                        text=True, timeout=120)
+  proc = _parent(_OTHER_THREAD, tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert json.loads(proc.stdout.splitlines()[-1]) == {"interrupted": 130}
   log = (tmp_path / "log.txt").read_text()
   assert log.endswith("\nready\nclosing line\n"), log[-300:]
   assert "[r] closing line" in proc.stdout
   assert "interrupted: waiting for r to end" in proc.stderr
+
+
+def test_a_ctrl_c_while_the_run_starts_still_waits_for_it_and_its_output(tmp_path):
+  """A Ctrl-C before the wait began (here in `started`, the sweep's hook) escaped as a bare
+  KeyboardInterrupt: the run was dropped from runner.LIVE while it went on, its output unread
+  and its log.txt unwritten. Now `started` is called again, and the run is waited for and
+  logged as after any Ctrl-C."""
+  proc = _parent(_IN_STARTED, tmp_path)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.splitlines()[-1]) == {"interrupted": 130, "started_calls": 2}
+  log = (tmp_path / "log.txt").read_text()
+  assert log.endswith("\nready\nclosing line\n"), log[-300:]
+
+
+def test_a_failed_log_and_a_ctrl_c_end_as_the_ctrl_c(tmp_path):
+  """log.txt unwritable (a full disk) and a Ctrl-C: RunInterrupted (the sweep's row and its
+  exit 130), the write error logged; the OSError came out instead, and the sweep had no row,
+  no summary and a traceback."""
+  (tmp_path / "log.txt").symlink_to("/dev/full")
+  script = _IN_STARTED.replace("when_ready(lambda: proc.send_signal(signal.SIGINT))",
+                               "threading.Timer(3.0, proc.send_signal, (signal.SIGINT,)).start()")
+  proc = _parent(script, tmp_path)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.splitlines()[-1]) == {"interrupted": 130, "started_calls": 2}
+  assert "r: writing " in proc.stderr and "No space left on device" in proc.stderr
+
+
+def test_stop_runs_waits_for_a_runs_last_line(tmp_path):
+  """config_files._stop_runs, an interrupted binary's last step before exit_now, waited for its
+  runs to exit but not for their output's copy: exit_now then cut log.txt short of the run's
+  last line (bench_async's runs, copied in worker threads)."""
+  proc = _parent(_STOP_RUNS, tmp_path)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.splitlines()[-1]) == {"log_has_it": True}
 
 
 def test_a_log_that_cannot_be_written_fails_after_the_run_ends(tmp_path):
