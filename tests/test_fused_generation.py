@@ -550,7 +550,7 @@ def test_auto_rt_simulates_the_engine_at_its_dtypes():
         cfg=cfg, models={"reference": cfg, "reward": reward}, kv_capacity=64,
         config=FusedGenConfig(num_instances=2, slots=4, migration_threshold="auto"),
         sampling=SamplingConfig(max_new_tokens=T, chunk_size=3),
-        instances=[types.SimpleNamespace(devices=jax.devices()[:1])],
+        instances=[types.SimpleNamespace(devices=jax.devices()[:1])], prompt_len=P,
         exchange=types.SimpleNamespace(multi=False))
     actor, frozen, setup = sim_setup(gen)
     item = np.dtype(cfg.jnp_dtype).itemsize  # what the engine's KVCache holds (engine.py)

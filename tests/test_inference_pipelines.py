@@ -333,6 +333,7 @@ def test_auto_rt_simulates_units_within_the_processes(built):
   gen, _ = built[2]
   _, _, setup = sim_setup(gen)
   assert (setup.inference_pp, setup.instance_groups) == (2, ())
+  assert setup.prompt_len == P  # the width of the hidden states it hands on: [mb, P + T]
   multi = types.SimpleNamespace(**{**vars(gen), "exchange": types.SimpleNamespace(multi=True),
                                    "owner": np.array([0, 0, 1, 1])})
   _, _, setup = sim_setup(multi)

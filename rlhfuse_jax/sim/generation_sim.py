@@ -70,6 +70,10 @@ class GenSetup:
   # The group of each instance whose units stay within it (the engine's: the process that
   # drives it, generation/fused.py; trainer/rt_auto.py); () for one group (any instances)
   instance_groups: tuple = ()
+  # The engine's prompt bucket P (GenerationInstance.prompt_len): its inference micro-batches
+  # are [micro-batch, P + max_new_tokens], the width of the hidden states a pipeline hands
+  # between stages (handoff_s); 0: the batch's longest prompt
+  prompt_len: int = 0
 
   def __post_init__(self):
     for f in ("num_instances", "slots", "tp", "chunk_steps", "max_new_tokens",
@@ -90,6 +94,9 @@ class GenSetup:
       raise ValueError(f"generation.max_consolidations={self.max_consolidations} must be >= 0")
     if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
       raise ValueError(f"generation.threshold (Rt)={self.threshold} must be in [0, 1] or None")
+    if self.prompt_len < 0:
+      raise ValueError(f"generation.prompt_len={self.prompt_len} must be >= 0 (0: the batch's "
+                       "longest prompt)")
     if self.kv_capacity_tokens < 0:
       raise ValueError(f"generation.kv_capacity_tokens={self.kv_capacity_tokens} must be >= 0")
 
@@ -351,9 +358,9 @@ def _result(cost: CostModel, frozen: Sequence[ModelShape], setup: GenSetup, cloc
   gen_end = float(batch.finish.max())
   t_fin, counts = np.unique(batch.finish, return_counts=True)
   curve = [(0.0, b)] + [(float(t), int(b - c)) for t, c in zip(t_fin, np.cumsum(counts))]
-  # The engine's inference micro-batch: [micro-batch, longest prompt + max_new_tokens]
-  # (GenerationInstance's compiled shape), the width of the hidden states handed between stages.
-  width = int(batch.prompt_lens.max(initial=0)) + setup.max_new_tokens
+  # The engine's inference micro-batch: [micro-batch, P + max_new_tokens] (GenerationInstance's
+  # compiled shape), the width of the hidden states handed between stages.
+  width = (setup.prompt_len or int(batch.prompt_lens.max(initial=0))) + setup.max_new_tokens
   inf_busy = _simulate_inference(cost, frozen, setup, clock, batch.prompt_lens + batch.target,
                                  batch.finish, batch.done_gen_at, gen_end, width)
   gpi = float(max(clock.t.max(), gen_end))
@@ -437,9 +444,13 @@ def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_a
   neighbours kept a pair idle beside each instance a consolidation kept; within each of
   setup.instance_groups, the engine's processes, where given), each instance loads
   its stage's weights as soon as it is free itself, and a unit computes once all its
-  instances have. Stage k starts once stage k-1's hidden states have reached it
-  (handoff_s: [micro-batch, `width`] tokens a frozen model, one hidden vector a token); the
-  copy delays the stage but occupies neither instance's compute."""
+  instances have. Each frozen model's stage k starts once its stage k-1 output has reached the
+  instance (handoff_s: [micro-batch, `width`] tokens, one hidden vector a token), as the engine
+  dispatches it (fused.InferenceQueue._score_stages: model by model, each copy overlapping the
+  next models' compute); the copies delay a stage but occupy neither instance's compute. With
+  stage k-1 running its models back to back from S, stage k's run of them back to back can
+  start at S + max_j (d_j + h_j) (d_j: model j's share of the stage, h_j its copy): one model
+  waits for the whole stage and its copy, several overlap them."""
   g, pp = setup.num_instances, setup.inference_pp
   avail = np.array([done_gen_at[i] if setup.stream_inference else gen_end for i in range(g)])
   avail = np.maximum(avail, clock.t)  # an instance's own work (e.g. a migration) ends first
@@ -477,29 +488,42 @@ def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_a
     start, first_free, prev = t, None, None
     for m in units[u]:  # stage k after stage k-1, once its hidden states are here
       if prev is not None:
-        start += handoff_s(cost, frozen, setup, prev, m, width)
-      start = clock.run(m, dur, "inference", not_before=start)
-      first_free = start if first_free is None else first_free
+        start += max(d + h for d, h in zip(_model_shares(cost, stages, setup.tp, seq_lens[take],
+                                                         dur),
+                                           handoff_s(cost, frozen, setup, prev, m, width)))
+      end = clock.run(m, dur, "inference", not_before=start)
+      start = end - dur  # this stage's start (the clock's, which waits for the instance)
+      first_free = end if first_free is None else first_free
       prev = m
     busy += dur * pp
     heapq.heappush(heap, (first_free, u))
   return busy
 
 
+def _model_shares(cost: CostModel, stages: Sequence[ModelShape], tp: int, lens: np.ndarray,
+                  dur: float) -> list[float]:
+  """Each frozen model's part of a stage that takes `dur` in all: split as the formulas split
+  it (a calibration measures the models together)."""
+  f = cost.formulas()
+  parts = [float(f.inference_s([st], tp, lens)) for st in stages]
+  total = sum(parts)
+  return [dur * x / total if total > 0 else dur / len(parts) for x in parts]
+
+
 def handoff_s(cost: CostModel, frozen: Sequence[ModelShape], setup: GenSetup, src: int,
-              dst: int, width: int) -> float:
+              dst: int, width: int) -> list[float]:
   """Seconds to hand one inference micro-batch's hidden states from instance `src`'s stage to
-  instance `dst`'s: for every frozen model, [inference_microbatch, width, hidden] at its
+  instance `dst`'s, one per frozen model: [inference_microbatch, width, hidden] at its
   act_itemsize. An instance's devices each hold them whole (GenerationInstance.row3: split over
   the data axes only, replicated over tensor), so its tp devices receive a copy each, in
-  parallel: one point-to-point copy of the whole, across nodes where the two instances'
-  first devices are in different nodes (instance i on devices i*tp ...)."""
-  nbytes = sum(setup.inference_microbatch * width * s.hidden_size * s.act_itemsize
-               for s in frozen)
-  if nbytes <= 0:
-    return 0.0
+  parallel: the copy an instance-to-instance device copy of tp x those bytes (cost_model's
+  kv_migration_s: a calibration's measured migration where it has one, else one point-to-point
+  copy of the whole), across nodes where the two instances' first devices are in different
+  nodes (instance i on devices i*tp ...)."""
   apart = not same_node(src * setup.tp, dst * setup.tp, setup.devices_per_node)
-  return cost.p2p_s(nbytes, apart)
+  return [cost.kv_migration_s(setup.inference_microbatch * width * s.hidden_size *
+                              s.act_itemsize * setup.tp, setup.tp, apart, s.act_itemsize)
+          for s in frozen]
 
 
 def choose_threshold(cost: CostModel, actor: ModelShape, frozen: Sequence[ModelShape],

@@ -36,6 +36,8 @@ def sim_setup(gen: FusedGenerator) -> tuple:
                    # a pipeline's instances are one process's (generation/fused.py)
                    instance_groups=(tuple(int(o) for o in gen.owner) if gen.exchange.multi
                                     else ()),
+                   # its inference micro-batches' width, [mb, P + T] (a pipeline's hand-offs)
+                   prompt_len=gen.prompt_len,
                    devices_share_compute=measure.shares_compute(gen))
   return actor, frozen, setup
 
