@@ -12,14 +12,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What each parent below starts with: the run (it says "ready", then on SIGINT its closing
 # line 0.3 s later and exits 130); log.txt's write of that line made 0.5 s late (a loaded
 # machine's scheduling: the caller must still find it in the file once run_streamed or
-# _stop_runs returns); `when_ready(fn)`: fn called in a thread once log.txt has "ready".
+# _stop_runs returns); `when_ready(fn)`: fn called in a thread once the run has said "ready"
+# (a file it makes then: log.txt may be unwritable).
 _COMMON = r"""
 import json, os, signal, sys, threading, time
 from experiments import runner
 work = sys.argv[1]
 # (its words split in its source, which log.txt's header line repeats)
-CHILD = ("import sys, time\n"
+CHILD = ("import os, sys, time\n"
          "print('rea' 'dy', flush=True)\n"
+         "open(os.environ['RUN_UP'], 'w').close()\n"
          "try:\n"
          "  time.sleep(60)\n"
          "except KeyboardInterrupt:\n"
@@ -49,11 +51,13 @@ real_open = open
 runner.open = lambda *a, **k: SlowLog(real_open(*a, **k))
 
 
+os.environ["RUN_UP"] = os.path.join(work, "run_up")  # the run's sign (runner.repo_env passes it)
+
+
 def when_ready(fn):
   def wait():
-    log = os.path.join(work, "log.txt")
     deadline = time.time() + 60
-    while not (os.path.exists(log) and "\nready\n" in real_open(log).read()):
+    while not os.path.exists(os.environ["RUN_UP"]):  # (made just before its try: block)
       assert time.time() < deadline
       time.sleep(0.05)
     fn()
@@ -157,9 +161,7 @@ def test_a_failed_log_and_a_ctrl_c_end_as_the_ctrl_c(tmp_path):
   exit 130), the write error logged; the OSError came out instead, and the sweep had no row,
   no summary and a traceback."""
   (tmp_path / "log.txt").symlink_to("/dev/full")
-  script = _IN_STARTED.replace("when_ready(lambda: proc.send_signal(signal.SIGINT))",
-                               "threading.Timer(3.0, proc.send_signal, (signal.SIGINT,)).start()")
-  proc = _parent(script, tmp_path)
+  proc = _parent(_IN_STARTED, tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert json.loads(proc.stdout.splitlines()[-1]) == {"interrupted": 130, "started_calls": 2}
   assert "r: writing " in proc.stderr and "No space left on device" in proc.stderr
