@@ -132,5 +132,5 @@ def scores(cfg: ModelConfig, params, x, tokens, prompt_lens, response_lens, *, k
       return out[:, 0]
     if kind == "critic":
       return out
-    targets = jnp.take_along_axis(tokens, at + 1, axis=1)  # [mb, T]
+    targets = sequences.response_targets(tokens, at)  # [mb, T]
     return sequences.token_logprobs_and_entropy(out, targets, temperature)[0]

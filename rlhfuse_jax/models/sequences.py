@@ -52,6 +52,12 @@ def response_positions(prompt_lens, num_response: int):
   return p - 1 + jnp.arange(num_response, dtype=jnp.int32)[None, :]
 
 
+def response_targets(tokens, positions):
+  """[B, T] the token each of `positions` ([B, T], response_positions) predicts: the next one
+  of `tokens` [B, L] (the log-probabilities' targets)."""
+  return jnp.take_along_axis(tokens, positions + 1, axis=1)
+
+
 def last_token_positions(prompt_lens, response_lens):
   """[B] position of the last response token (p+r-1)."""
   return jnp.asarray(prompt_lens, jnp.int32) + jnp.asarray(response_lens, jnp.int32) - 1
@@ -100,7 +106,7 @@ def response_logprobs_and_entropy(cfg: ModelConfig, params: Any, tokens, prompt_
     raise ValueError(f"response_logprobs_and_entropy needs model.head='lm', got {cfg.head!r}")
   pos = response_positions(prompt_lens, num_response)  # [B, T]
   logits, _ = forward_at(cfg, params, tokens, pos)  # [B, T, V]
-  targets = jnp.take_along_axis(tokens, pos + 1, axis=1)  # [B, T]
+  targets = response_targets(tokens, pos)  # [B, T]
   return token_logprobs_and_entropy(logits, targets, temperature)
 
 

@@ -293,7 +293,7 @@ def actor_head_loss(cfg: ModelConfig, loss_cfg: LossConfig, embed_params: Any, h
   t = mb["mask"].shape[1]
   h = _at_response(x, mb["prompt_lens"], t)
   pos = sequences.response_positions(mb["prompt_lens"], t)
-  targets = jnp.take_along_axis(mb["tokens"], pos + 1, axis=1)  # [mb, T]
+  targets = sequences.response_targets(mb["tokens"], pos)  # [mb, T]
   if vocab is not None:
     logp, entropy = vocab_parallel_logprobs(cfg, head_params, h, targets, loss_cfg.temperature,
                                             vocab)
