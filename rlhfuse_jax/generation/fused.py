@@ -804,8 +804,8 @@ class InferenceQueue:
     if self._full(u):
       jax.block_until_ready(self._running(u)[0])
     x = {n: None for n in self.models}
-    for m in self._unit(u):
-      inst, placed, s = self.gen.instances[m], self.loads[m].result(), self.stage(m)
+    for s, m in enumerate(self._unit(u)):  # (a unit lists its instances in stage order)
+      inst, placed = self.gen.instances[m], self.loads[m].result()
       prev = list(x.values()) if s else None
       x = {n: inst.score_stage(n, s, placed[n], x[n], seq, plens, rlens) for n in self.models}
       self.log.record(m, "inference", list(x.values()), after=prev)
