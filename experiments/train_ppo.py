@@ -213,8 +213,11 @@ def check_own_workdir(workdir: str) -> None:
   """A ValueError when `workdir` holds another binary's outputs (its result.json's provenance
   names experiments.<other>): the run moved that binary's config.json and result.json to
   previous/<n> and trained beside the rest of them (a schedule_search's schedule.json and
-  gantt.png). The one-shot binaries refuse a training workdir the same way."""
+  gantt.png). The one-shot binaries refuse a training workdir the same way. A model's
+  directory (its config.json: a Hugging Face checkpoint, maybe the run's own) is refused too,
+  before the run writes anything there (wd.refuse_foreign_configs)."""
   wd.refuse_foreign_result(workdir, "train_ppo", shown="train_ppo")
+  wd.refuse_foreign_configs(workdir)
 
 
 def check_compilation_cache_dir(setting: str) -> None:

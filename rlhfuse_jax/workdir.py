@@ -221,11 +221,48 @@ MOVED_ASIDE: list[str] = []
 def set_aside_earlier_start(workdir: str) -> Optional[str]:
   """Moves the outputs of an earlier start that left no checkpoint (RUN_OUTPUTS and its
   config*.json) into workdir/previous/<n>/, so a fresh start neither truncates them nor leaves
-  the earlier config.json describing it. Returns that directory, or None if there was nothing."""
-  names = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(workdir, n))]
-  names += sorted(n for n in os.listdir(workdir) if n.startswith("config") and
-                  n.endswith(".json")) if os.path.isdir(workdir) else []
+  the earlier config.json describing it. Returns that directory, or None if there was nothing.
+  A config*.json that no run wrote (a model's: the workdir is a Hugging Face model directory,
+  maybe the run's own checkpoint) is ForeignWorkdirError, before anything moves: until
+  2026-12-06 it moved aside like a run's, and the model directory lost its config.json."""
+  configs = refuse_foreign_configs(workdir)
+  names = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(workdir, n))] + configs
   return _move_to_previous(workdir, names) if names else None
+
+
+def refuse_foreign_configs(workdir: str) -> list[str]:
+  """The names of workdir's config*.json files (sorted; none if workdir is not a directory);
+  ForeignWorkdirError when one of them no run wrote (_not_a_run_config): the workdir is then
+  a model's directory, not a run's (train_ppo checks this before it writes anything there)."""
+  configs = sorted(n for n in os.listdir(workdir) if n.startswith("config") and
+                   n.endswith(".json")) if os.path.isdir(workdir) else []
+  for name in configs:
+    what = _not_a_run_config(os.path.join(workdir, name))
+    if what:
+      raise ForeignWorkdirError(
+          f"--workdir={workdir!r} holds {name}, {what}: not a run's workdir (a run writes its "
+          "own config.json there); give the run a directory of its own (nothing in this one "
+          "was changed)")
+  return configs
+
+
+# Keys every Hugging Face model's config.json has (transformers' PretrainedConfig.to_dict writes
+# model_type; save_pretrained adds architectures); a run's config (write_config) has the
+# config's sections instead.
+HF_CONFIG_KEYS = ("model_type", "architectures")
+
+
+def _not_a_run_config(path: str) -> Optional[str]:
+  """What the config*.json at `path` is when no run wrote it (the runs write JSON objects,
+  atomically): 'a model's config (model_type ...)' or 'not a JSON object'; None otherwise."""
+  try:
+    obj = read_json_object(path)
+  except ValueError:
+    return "not a JSON object"
+  keys = [k for k in HF_CONFIG_KEYS if k in obj]
+  if keys:
+    return f"a model's config ({keys[0]} {obj[keys[0]]!r})"
+  return None
 
 
 class ForeignWorkdirError(ValueError):

@@ -531,3 +531,15 @@ def test_the_code_processes_compare_includes_uncommitted_changes(monkeypatch):
   assert runner.start_code() == "abc"
   start.clear()
   assert runner.start_code() == "?"
+
+
+def test_a_tilde_after_the_equals_sign_is_the_home_directory(monkeypatch):
+  """The shell expands `~` only at a word's start: `--workdir=~/runs/a` reached the binaries as
+  typed and made a directory named `~` in the current one. parse_flags expands `--name=~` and
+  `--name=~/...` (a config field's path too), not a `~` inside a value or after `--`."""
+  monkeypatch.setenv("HOME", "/home/u")
+  argv = ["prog", "--workdir=~/runs/a", "--config.data.prompts_file=~", "--x=a~/b",
+          "--y=~user_unknown_zz/c", "-v=~/d", "--", "--z=~/e"]
+  assert config_files.home_expanded(argv) == [
+      "prog", "--workdir=/home/u/runs/a", "--config.data.prompts_file=/home/u", "--x=a~/b",
+      "--y=~user_unknown_zz/c", "-v=~/d", "--", "--z=~/e"]

@@ -563,6 +563,30 @@ def test_train_ppo_refuses_another_binarys_workdir_and_refusals_leave_its_files(
   assert (train / "traceback.txt").read_text() == "mine"
 
 
+def test_train_ppo_expands_a_tilde_and_refuses_a_model_directory_as_its_workdir(tmp_path):
+  """`--workdir=~/model` reaches the binary as typed (the shell expands `~` only at a word's
+  start): the run went into a directory named `~` under the current one. A Hugging Face model's
+  directory given as the workdir lost its config.json (moved to previous/1 as an earlier
+  start's, the training config written in its place: the directory no longer loaded as a
+  model). Now `~` is the home directory, and the model's directory is refused untouched."""
+  import shutil
+  model = tmp_path / "model"
+  shutil.copytree(os.path.join(REPO, "configs", "data", "tiny_llama3_chat"), model)
+  before = {n: (model / n).read_bytes() for n in os.listdir(model)}
+  cwd = tmp_path / "cwd"
+  cwd.mkdir()
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.train_ppo", f"--config={REPO}/configs/ppo_tiny.py",
+       "--workdir=~/model", "--config.num_iterations=1"],
+      cwd=cwd, env=dict(_env(), HOME=str(tmp_path)), capture_output=True, text=True,
+      timeout=240)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert (f"--workdir='{model}' holds config.json, a model's config (model_type 'llama'): not a "
+          "run's workdir") in out.stderr, out.stderr[-3000:]
+  assert {n: (model / n).read_bytes() for n in os.listdir(model)} == before
+  assert os.listdir(cwd) == []
+
+
 def test_a_validation_workdir_of_another_binary_is_refused_before_the_simulation(tmp_path):
   """reproduce_ablations' validate.<bench>_workdir must hold that bench's result.json: another
   binary's (a train_ppo run's) was taken for it and, after the whole simulation, skipped with a

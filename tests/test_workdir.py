@@ -208,3 +208,23 @@ def test_a_stop_asked_during_the_wait_ends_it_and_a_wait_must_be_finite(tmp_path
     with pytest.raises(ValueError, match=r"^--lock_wait_s=.*: expected a finite number of "
                                          r"seconds >= 0$"):
       wd.WorkdirLock(str(tmp_path), wait_s=bad, wait_field="--lock_wait_s")
+
+
+def test_a_model_directory_is_not_set_aside_as_an_earlier_start(tmp_path):
+  """set_aside_earlier_start moved every config*.json, a Hugging Face model's too (the workdir
+  was the model's directory): refused now, before anything moves; a run's config (a JSON
+  object without the model keys) still moves."""
+  model = tmp_path / "model"
+  model.mkdir()
+  (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+  (model / "metrics.jsonl").write_text("{}\n")
+  with pytest.raises(wd.ForeignWorkdirError, match=r"holds config\.json, a model's config "
+                                                   r"\(architectures \['LlamaForCausalLM'\]\)"):
+    wd.set_aside_earlier_start(str(model))
+  assert sorted(os.listdir(model)) == ["config.json", "metrics.jsonl"]
+  (model / "config.json").write_text("[1, 2]")
+  with pytest.raises(wd.ForeignWorkdirError, match=r"config\.json, not a JSON object"):
+    wd.refuse_foreign_configs(str(model))
+  (model / "config.json").write_text(json.dumps({"model": {"model_types": 1}, "seed": 0}))
+  assert wd.set_aside_earlier_start(str(model)) == str(model / "previous" / "1")
+  assert sorted(os.listdir(model / "previous" / "1")) == ["config.json", "metrics.jsonl"]
