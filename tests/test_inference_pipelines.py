@@ -3,6 +3,7 @@ generation/fused.InferenceQueue): the same samples as single-instance scoring an
 scores to float rounding, each instance loading only its stage (the weights loaded are half of
 scoring on single instances), every instance of a unit busy, units formed in the order
 instances are freed; clear errors for layouts it cannot split."""
+import collections
 import weakref
 
 import jax
@@ -391,3 +392,6 @@ def test_the_rt_calibration_times_every_stage_on_one_instance(built, monkeypatch
   assert cal["ops"]["inference"]["overhead_s"] > 0 and cal["ops"]["weight_load"]["bytes_per_s"] > 0
   assert sorted(set(placed)) == [0, 1] and placed == sorted(placed)  # stage 0's loads first
   assert all(first == (s == 0) for _, s, first in scored)  # stage 1 fed stage 0's output
+  # One warm-up and 3 timed calls a stage and model; the next stage's input is the last timed
+  # call's output (it ran every stage a fifth time to get it).
+  assert collections.Counter(scored) == {k: 4 for k in scored}, scored

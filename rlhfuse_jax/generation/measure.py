@@ -171,14 +171,16 @@ def measure_costs(gen, actor_params, frozen_params: dict, repeats: int = 3) -> d
     # simulator splits into stages (GenSetup.inference_pp, cost_model.stage_cost).
     load_s = inf_s = 0.0
     x = dict.fromkeys(gen.models)
+    out: dict = {}  # the last timed call's outputs: the next stage's input
     for stage in range(pp):
       load_s += median_s(place(stage), repeats)
 
       def run(stage=stage, x=x):
-        return {n: inst.score_stage(n, stage, placed[n], x[n], seq, plens, rlens)
-                for n in placed}
+        out.update({n: inst.score_stage(n, stage, placed[n], x[n], seq, plens, rlens)
+                    for n in placed})
+        return out
       inf_s += median_s(run, repeats)
-      x = run()  # the next stage's input
+      x = dict(out)
     placed.clear()
   if gen.models:
     # The bytes copied (byte_unit "stored"), split over the instance: a float32 model's 4 a
