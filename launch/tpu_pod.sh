@@ -27,5 +27,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 check_binary "${BINARY:-train_ppo}"
 refuse_set_flags "this script sets it for every process (the config and workdir are its first two\
  arguments; jax.distributed detects the coordinator, process count and index)" "$@"
-"${PYTHON:-python}" -m experiments."${BINARY:-train_ppo}" --config="$CONFIG" --workdir="$WORKDIR" \
-  --distributed "$@"
+# exec: the binary takes this shell's pid, so a signal to the launcher (kill of a nohup'd
+# start) reaches the run, which saves and exits 75 (a child left running held the workdir).
+exec "${PYTHON:-python}" -m experiments."${BINARY:-train_ppo}" --config="$CONFIG" \
+  --workdir="$WORKDIR" --distributed "$@"

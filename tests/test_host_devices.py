@@ -99,18 +99,21 @@ def test_the_tpu_script_runs_from_the_repository_root_wherever_it_is_started(tmp
   """launch/tpu_pod.sh started outside the checkout: every worker failed with "No module named
   'experiments'". It runs the binary in the repository root, with a relative workdir or config
   file made absolute against where it was started; configs/X.py (not a file there) and a URI
-  (refused by the binary, naming it) stay as given."""
-  fake = _stand_in(tmp_path / "python", f'echo "$PWD python $*" >> {tmp_path}/calls',
-                   python=False)
+  (refused by the binary, naming it) stay as given. The binary replaces the script's shell
+  (exec): a signal to the launcher's pid reaches the run (a child left running went on,
+  holding the workdir)."""
+  fake = _stand_in(tmp_path / "python", f'echo "$PWD python $*" >> {tmp_path}/calls; '
+                   f'echo $$ > {tmp_path}/pid', python=False)
   (tmp_path / "mine.py").write_text("")
   for config, workdir, want in (
       ("configs/ppo_tiny.py:fused", "runs/wd",
        f"--config=configs/ppo_tiny.py:fused --workdir={tmp_path}/runs/wd"),
       ("mine.py:x", "gs://bucket/wd", f"--config={tmp_path}/mine.py:x --workdir=gs://bucket/wd")):
-    out = subprocess.run(["bash", os.path.join(REPO, "launch", "tpu_pod.sh"), config, workdir],
-                         cwd=tmp_path, env=dict(os.environ, PYTHON=str(fake)),
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    with subprocess.Popen(["bash", os.path.join(REPO, "launch", "tpu_pod.sh"), config,
+                           workdir], cwd=tmp_path, env=dict(os.environ, PYTHON=str(fake)),
+                          stderr=subprocess.PIPE, text=True) as out:
+      assert out.wait(timeout=60) == 0, out.stderr.read()
+    assert (tmp_path / "pid").read_text().strip() == str(out.pid)
     last = (tmp_path / "calls").read_text().splitlines()[-1]
     assert last == f"{REPO} python -m experiments.train_ppo {want} --distributed", last
 
@@ -339,27 +342,36 @@ def test_the_slurm_script_requeues_a_run_stopped_after_saving(tmp_path):
                      ("scontrol", f'echo "scontrol $*" >> {tmp_path}/calls')):
     _stand_in(bin_dir / name, body, python=False)
   script = os.path.join(REPO, "launch", "slurm_gpu.sbatch")
-  # 69 (a lost peer, a hung iteration: re-run to resume) requeues while SLURM_RESTART_COUNT
-  # is below MAX_REQUEUES (3), so a fault that comes back every start ends the job.
-  for rc, restarts, requeued in ((75, 0, True), (3, 0, False), (69, 0, True), (69, 2, True),
-                                 (69, 3, False), (75, 3, True)):
+  # 69 (a lost peer, a hung iteration: re-run to resume) requeues MAX_REQUEUES (3) times in a
+  # job's life, so a fault that comes back every start ends the job; counted by the script, not
+  # by SLURM_RESTART_COUNT, which counts exit 75's time-limit requeues too (a job requeued 3
+  # times at its limit got no retry on its first 69). Another job's count is its own.
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  for job, rc, restarts, requeued in (
+      ("4242", 75, 0, True), ("4242", 3, 1, False), ("4242", 75, 1, True),
+      ("4242", 75, 2, True), ("4242", 69, 3, True), ("4242", 69, 4, True),
+      ("4242", 75, 5, True), ("4242", 69, 6, True), ("4242", 69, 7, False),
+      ("4242", 75, 7, True), ("77", 69, 0, True)):
     (tmp_path / "calls").write_text("")
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_RC=str(rc),
-               SLURM_JOB_ID="4242", SLURM_CPUS_ON_NODE="96", SLURM_RESTART_COUNT=str(restarts))
+               SLURM_JOB_ID=job, SLURM_CPUS_ON_NODE="96", SLURM_RESTART_COUNT=str(restarts))
     env.pop("SRUN_CPUS_PER_TASK", None)
     env.pop("SLURM_CPUS_PER_TASK", None)
-    out = subprocess.run(["bash", script, "configs/ppo_tiny.py", "/shared/wd", "--x=1"],
+    out = subprocess.run(["bash", script, "configs/ppo_tiny.py", str(wd), "--x=1"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == rc, out.stderr
     calls = (tmp_path / "calls").read_text()
-    assert ("-m experiments.train_ppo --config=configs/ppo_tiny.py --workdir=/shared/wd "
+    assert (f"-m experiments.train_ppo --config=configs/ppo_tiny.py --workdir={wd} "
             "--distributed --x=1") in calls, calls
-    assert ("scontrol requeue 4242" in calls) == requeued, (rc, restarts, calls)
+    assert (f"scontrol requeue {job}" in calls) == requeued, (rc, restarts, calls)
     if rc == 69:
-      assert ("requeueing job 4242" if requeued else "exit 69 again after 3 requeues") in (
-          out.stderr), out.stderr
+      assert (f"requeueing job {job}" if requeued else
+              "exit 69 again after 3 requeues for it") in out.stderr, out.stderr
     # the node's CPUs for its one process (srun >= 22.05 gave it one)
     assert calls.splitlines()[0].endswith("cpus=96"), calls
+  assert (wd / ".slurm_requeues_69.4242").read_text() == "3\n"
+  assert (wd / ".slurm_requeues_69.77").read_text() == "1\n"
   out = subprocess.run(["bash", script, "c.py", "/wd"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=60)
   assert out.returncode == 2 and "submit from the repository root" in out.stderr, out.stderr
