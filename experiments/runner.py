@@ -512,7 +512,10 @@ def across_seeds(rows: Sequence[dict], override_keys: Sequence[str]) -> list[dic
   groups = seed_groups(rows, override_keys)
   # wall_s: the time of the sweep's starts of the run (a training run's summed over its
   # resumes; a one-shot run's last start), not a result of it
-  skip = set(override_keys) | {"run", "status", "wall_s"}
+  # result/KEY: a result.json's echo of an overridden field (schedule_search's seed), which
+  # the seeds table showed as a result ("result/seed 1 ± 1")
+  skip = set(override_keys) | {f"result/{k}" for k in override_keys} | {"run", "status",
+                                                                        "wall_s"}
   columns = list(dict.fromkeys(k for _, members in groups for r in members for k in r
                                if k not in skip))
   varying = [c for c in columns if any(

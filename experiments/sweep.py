@@ -98,20 +98,38 @@ def _sweep_of(module: Any, variant: Optional[str], config_path: str) -> list[dic
   """load_sweep on the loaded config module."""
   if not hasattr(module, "get_sweep"):
     raise ValueError(f"--config={config_path!r} defines no get_sweep()")
-  sweep = list(config_files.call_with_variant(module.get_sweep, variant))
+  got = config_files.call_with_variant(module.get_sweep, variant)
+  # A forgotten `return` (None) or a dict ended in a TypeError's traceback or "get_sweep()[0] is
+  # str" (a dict's first key); an empty list in exit 0 and an empty summary table.
+  if not isinstance(got, (list, tuple)):
+    raise ValueError(f"--config={config_path!r}: get_sweep() returned {type(got).__name__}; "
+                     "expected a list of dicts, one per run (field: value overrides, and an "
+                     "optional 'name')")
+  sweep = list(got)
+  if not sweep:
+    raise ValueError(f"--config={config_path!r}: get_sweep() returned no runs; expected a list "
+                     "of dicts, one per run")
   seen: dict[str, int] = {}
   for i, entry in enumerate(sweep):
     if not isinstance(entry, dict):
       raise ValueError(f"get_sweep()[{i}] is {type(entry).__name__}; expected a dict")
+    keys = [k for k in entry if not isinstance(k, str)]
+    if keys:
+      raise ValueError(f"get_sweep()[{i}] has the key {keys[0]!r}; expected field names as "
+                       "text ('algo.lr', 'name')")
     # A run's name is its directory: two runs of one name shared it (the second resumed the
     # first's checkpoint, or was refused as another config).
     name = run_name(i, entry)
     if name in seen:
       raise ValueError(f"get_sweep()[{seen[name]}] and [{i}] are both named {name!r}; each run "
                        "needs its own name (its directory under --workdir)")
-    if "/" in name or name.startswith(".") or os.sep in name:
+    # ',': --only splits its list there; a name of the sweep's own files made a directory the
+    # summary could not be written over (IsADirectoryError, the later runs never ran).
+    if ("/" in name or name.startswith(".") or os.sep in name or "," in name
+        or name != name.strip() or name in SWEEP_OUTPUTS):
       raise ValueError(f"get_sweep()[{i}]['name']={name!r}: expected a directory name (no "
-                       "'/', not starting with '.')")
+                       "'/' or ',', not starting with '.' or with a space) other than the "
+                       f"sweep's own files {list(SWEEP_OUTPUTS)}")
     # A None reached the run as the text "None" (a prompts_file 'None' not found), and the
     # summary showed it as an empty cell, as if the field kept its default.
     nones = [k for k, v in entry.items() if v is None]
@@ -300,13 +318,17 @@ def read_run_result(run_dir: str) -> Optional[dict]:
 def failure_line(run_dir: str) -> Optional[str]:
   """The error line a failed run ended on (the binaries' one-line `...Error: message`, or a
   flag error), from the end of its log.txt: the summary says why, not only "failed (exit 1)"
-  (e.g. a re-run with another value that the checkpoints refuse). None when there is none."""
+  (e.g. a re-run with another value that the checkpoints refuse). None when there is none.
+  Only the last start's lines count (log.txt keeps every start, each after a `=== ` header
+  line): a start killed without a word (out of memory, SIGKILL) showed an earlier start's
+  error."""
   try:
     with open(os.path.join(run_dir, "log.txt"), errors="replace") as f:
       tail = f.read()[-20000:].splitlines()
   except OSError:
     return None
-  for line in reversed(tail):
+  starts = [i for i, line in enumerate(tail) if line.startswith("=== ")]
+  for line in reversed(tail[starts[-1] + 1:] if starts else tail):
     m = re.search(r"(?:\] |^)(\w*(?:Error|Exception)\b.*|FATAL Flags parsing error: .*)$", line)
     if m:
       return m.group(1)[:4000]  # whole in summary.json; summary.md shortens it
@@ -716,6 +738,9 @@ def select(sweep: list[dict], only: Optional[Sequence[str]]) -> list[tuple[int, 
   of them for None), in the sweep's order: names and indices are the whole sweep's, so a
   subset's runs keep their directories. A ValueError naming any name the sweep does not have."""
   runs = [(i, run_name(i, e), e) for i, e in enumerate(sweep)]
+  if only is not None and not [n for n in only if n]:  # --only= (an unset shell variable)
+    raise ValueError(f"--only={','.join(only)}: no run named; expected run names (e.g. "
+                     f"--only={runs[0][1]}), or leave --only out to run them all")
   if not only:
     return runs
   names = [name for _, name, _ in runs]
@@ -727,6 +752,9 @@ def select(sweep: list[dict], only: Optional[Sequence[str]]) -> list[tuple[int, 
 
 
 SWEEP_FILE = "sweep.json"  # which sweep a workdir holds: sweep_identity's
+# What the sweep writes in its workdir beside the runs' directories (a run may not be named so).
+SWEEP_OUTPUTS = ("summary.md", "summary.json", "summary.csv", "summary_seeds.json",
+                 "curves.png", SWEEP_FILE)
 
 
 def sweep_identity(config: str, binary: str) -> dict:

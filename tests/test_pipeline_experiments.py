@@ -333,6 +333,66 @@ def test_sweep_paths_are_the_callers_and_run_names_are_unique(tmp_path):
   assert "get_sweep()[0] and [1] are both named 'a'" in out.stderr, out.stderr[-3000:]
 
 
+# get_sweep() bodies the sweep refuses in one line naming what it expected, each loaded by
+# sweep.load_sweep (in a subprocess: importing experiments.sweep defines its absl flags).
+_BAD_SWEEPS = {
+    "none": "  pass\n",  # a forgotten return: a TypeError's traceback
+    "dict": "  return {'lr': 1}\n",  # was "get_sweep()[0] is str; expected a dict"
+    "empty": "  return []\n",  # was exit 0 and an empty summary table
+    "int_key": "  return [{1: 2}]\n",  # an AttributeError's traceback
+    "comma": "  return [{'name': 'pp=4,seed=1'}]\n",  # --only could not select it
+    "space": "  return [{'name': ' a'}]\n",
+    "summary": "  return [{'name': 'summary.json'}, {'name': 'b'}]\n",  # IsADirectoryError
+}
+_LOAD_SWEEPS = """
+import json, sys
+from experiments import sweep
+out = {}
+for path in sys.argv[1:]:
+  try:
+    sweep.load_sweep(path)
+    out[path] = None
+  except ValueError as e:
+    out[path] = str(e)
+runs = sweep.select([{'name': 'a'}], None)
+try:
+  sweep.select([{'name': 'a'}], [])
+except ValueError as e:
+  out["only"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_a_sweep_refuses_what_get_sweep_cannot_mean(tmp_path):
+  """get_sweep() returning None, a dict or no runs, an entry with a non-text key, and run names
+  --only cannot select (a comma: absl splits the list there) or that are the sweep's own files
+  (the summary then failed on the run's directory, the later runs never ran) are refused in one
+  line; so is an empty --only= (an unset shell variable), which ran every entry."""
+  paths = []
+  for name, body in _BAD_SWEEPS.items():
+    (tmp_path / f"{name}.py").write_text("def get_sweep():\n" + body)
+    paths.append(str(tmp_path / f"{name}.py"))
+  out = subprocess.run([sys.executable, "-c", _LOAD_SWEEPS, *paths], cwd=REPO, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-3000:]
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  said = {name: got[str(tmp_path / f"{name}.py")] for name in _BAD_SWEEPS}
+  assert said["none"].endswith("get_sweep() returned NoneType; expected a list of dicts, one "
+                               "per run (field: value overrides, and an optional 'name')")
+  assert said["dict"].endswith("get_sweep() returned dict; expected a list of dicts, one per "
+                               "run (field: value overrides, and an optional 'name')")
+  assert said["empty"].endswith("get_sweep() returned no runs; expected a list of dicts, one "
+                                "per run")
+  assert said["int_key"] == ("get_sweep()[0] has the key 1; expected field names as text "
+                             "('algo.lr', 'name')")
+  for name, run in (("comma", "pp=4,seed=1"), ("space", " a"), ("summary", "summary.json")):
+    assert said[name].startswith(f"get_sweep()[0]['name']={run!r}: expected a directory name"), \
+        said[name]
+  assert "'summary.json', 'summary.csv'" in said["summary"]
+  assert got["only"] == ("--only=: no run named; expected run names (e.g. --only=a), or leave "
+                         "--only out to run them all")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_to_the_sweep_stops_its_run_and_the_sweep(tmp_path, sig):
   """SIGTERM to the sweep's process alone (a `kill`): the run in progress gets it, the summary
@@ -793,6 +853,12 @@ reason = "ValueError: no plan fits: " + "; ".join(f"tp{i}|pp{i}: too big" for i 
 with open(os.path.join(run, "log.txt"), "w") as f:
   f.write("I1130 noise\\n" + reason + "\\n")
 out["line_whole"] = sweep.failure_line(run) == reason and len(reason) > 1000
+killed = os.path.join(work, "killed")  # an earlier start's error, then a start killed silently
+os.makedirs(killed)
+with open(os.path.join(killed, "log.txt"), "w") as f:
+  f.write("=== 2026-12-01 10:00:00: -m experiments.x\\nValueError: config.a=6 bad\\n"
+          "=== 2026-12-01 11:00:00: -m experiments.x\\nI1201 step 1\\n")
+out["killed"] = sweep.failure_line(killed)
 out["cell"] = sweep._fmt_cell(reason)
 curves = os.path.join(work, "curves")
 os.makedirs(curves)
@@ -818,7 +884,8 @@ def test_sweep_rows_errors_and_curves(tmp_path):
   flag at all). A simulator's long error is whole in summary.json (cut at 500 characters, the
   deciding reason was lost) and shortened in summary.md, '|' escaped. The training runs'
   reward, KL and length by iteration go to curves.png (comparing runs took a script of one's
-  own); a sweep of binaries without metrics.jsonl draws nothing."""
+  own); a sweep of binaries without metrics.jsonl draws nothing. A failed run's error is its
+  last start's (log.txt keeps every start)."""
   out = subprocess.run([sys.executable, "-c", _SWEEP_HELPERS, str(tmp_path)], cwd=REPO,
                        env=_env(), capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -826,6 +893,7 @@ def test_sweep_rows_errors_and_curves(tmp_path):
   assert got["row"] == {"run": "bad_mb", "algo.minibatch_size": "8", "seed": 1,
                         "num_iterations": "5"}
   assert got["line_whole"]
+  assert got["killed"] is None  # (it showed the earlier start's "ValueError: config.a=6 bad")
   assert len(got["cell"]) < 400 and got["cell"].endswith("... (summary.json)")
   assert "tp0\\|pp0" in got["cell"]
   assert got["curves"] == str(tmp_path / "curves" / "curves.png")
@@ -939,7 +1007,9 @@ def test_a_sweep_over_seeds_reports_each_settings_mean_and_spread(tmp_path):
           (("s0", 0.1), ("s1", 0.2))]
   assert runner.seed_groups(same, ["lr", "seed"]) == []
   # wall_s is the time of the sweep's starts of a run, not a result: not summarised
-  two = [{**same[0], "seed": 0, "wall_s": 17.0}, {**same[1], "seed": 1, "wall_s": 1.4}]
+  # nor is a result.json's echo of an overridden field (result/seed: schedule_search's)
+  two = [{**same[0], "seed": 0, "wall_s": 17.0, "result/seed": 0},
+         {**same[1], "seed": 1, "wall_s": 1.4, "result/seed": 1}]
   assert [sorted(g) for g in runner.across_seeds(two, ["lr", "seed"])] == [
       ["lr", "r/mean", "r/std", "runs", "seeds"]]
   assert runner.seed_groups(same[:1] + [{**same[1], "seed": "4", "status": "failed (exit 1)"}],
