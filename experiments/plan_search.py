@@ -22,7 +22,9 @@ into the workdir:
                   train_ppo warns of a run whose workload differs)
   result.json     {"best", "top", "uniform", "async", "plan_json", "stages", "systems",
                   "search_s", "setting", "hardware", "efficiency", "plan_memory"};
-                  best.predicted_iteration_s (synchronous), uniform.predicted_iteration_s
+                  best.predicted_iteration_s (synchronous; best is null where only
+                  asynchronous splits fit: 24 devices, no layout of all 24 divides the
+                  mini-batch), uniform.predicted_iteration_s
                   and async.predicted_iteration_s (with async.generation_devices,
                   training_devices, staleness, colocated) are the figures; plan_json says
                   which plan plan.json holds ("synchronous" or "asynchronous"); "refused":
@@ -167,6 +169,8 @@ def report(res: dict, systems: dict, setting: dict,
               "often for:", ""]
     lines += [f"- {n} x {why}" for why, n in sorted(refused.items(), key=lambda x: -x[1])[:5]]
     lines += [""]
+  if res["best"] is None:  # only asynchronous splits fit (plan_search.search)
+    lines += [f"No synchronous plan: {res['synchronous_error']}", ""]
   lines += ["| rank | plan | reshard s | gen s | inference s | train s | iteration s |",
             "|---|---|---|---|---|---|---|"]
   for i, p in enumerate(res["top"]):
@@ -179,7 +183,7 @@ def report(res: dict, systems: dict, setting: dict,
     lines.append(f"| uniform | one layout tp{u['layout']['tp']} pp{u['layout']['pp']} "
                  f"dp{u['layout']['dp']} for every stage | 0 | {_s(q['gen_s'])} | "
                  f"{_s(q['inf_s'])} | {_s(q['train_s'])} | {_s(q['iteration_s'])} |")
-    if q["iteration_s"] < res["best"]["predicted"]["iteration_s"]:
+    if res["best"] is not None and q["iteration_s"] < res["best"]["predicted"]["iteration_s"]:
       lines += ["", f"The uniform layout is predicted faster than every per-stage combination "
                 f"({q['iteration_s'] / res['best']['predicted']['iteration_s']:.3f}x the best's "
                 "time): no per-stage combination expresses its generation and inference on the "
@@ -216,7 +220,7 @@ def report(res: dict, systems: dict, setting: dict,
               "| system | gen+inf s | train s | iteration s |", "|---|---|---|---|"]
     lines += [f"| {k} | {_s(r['gen_plus_inf_s'])} | {_s(r['train_s'])} | "
               f"{_s(r['iteration_s'])} |" for k, r in systems.items()]
-    ours = min(res["best"]["predicted"]["iteration_s"],
+    ours = min(res["best"]["predicted"]["iteration_s"] if res["best"] else float("inf"),
                a["best"]["predicted"]["iteration_s"] if a else float("inf"))
     faster = [k for k, r in systems.items() if r["iteration_s"] < ours]
     if faster and "train_config" in setting:
@@ -411,7 +415,9 @@ def main(argv):
     systems = {k: {f: float(r[f]) for f in ("gen_plus_inf_s", "train_s", "iteration_s")}
                for k, r in rows.items()}
     logging.info("simulated %s in %.1fs", ", ".join(cfg.systems), time.time() - t0)
-  best = {**res["best"], "predicted_iteration_s": res["best"]["predicted"]["iteration_s"]}
+  # best None: no synchronous plan fits, only asynchronous splits (plan_search.search)
+  best = None if res["best"] is None else {
+      **res["best"], "predicted_iteration_s": res["best"]["predicted"]["iteration_s"]}
   uniform = None if res["uniform"] is None else {
       **res["uniform"], "predicted_iteration_s": res["uniform"]["predicted"]["iteration_s"]}
   plan, which, asynchronous = res["best"], "synchronous", None
@@ -420,8 +426,8 @@ def main(argv):
     ab = a["best"]
     asynchronous = {**ab["async"], "predicted_iteration_s": ab["predicted"]["iteration_s"],
                     "plan": ab, "top": a["top"], "splits": a["splits"], "search_s": a["search_s"]}
-    if not ab["async"]["colocated"] and (ab["predicted"]["iteration_s"] <
-                                         best["predicted_iteration_s"]):
+    if best is None or (not ab["async"]["colocated"] and (ab["predicted"]["iteration_s"] <
+                                                          best["predicted_iteration_s"])):
       plan, which = ab, "asynchronous"
   if uniform is not None and uniform["predicted_iteration_s"] < plan["predicted"]["iteration_s"]:
     logging.warning("the uniform layout %s (%ss) is predicted faster than plan.json's %s plan "
@@ -457,7 +463,8 @@ def main(argv):
              (memory, which, cost.hw.hbm_bytes))))
   logging.info("best %ss (%s); uniform %s; async %s; plan.json %s; searched in %.1fs in all "
                "-> %s",
-               _s(best["predicted_iteration_s"]), res["best"]["summary"],
+               _s(best["predicted_iteration_s"]) if best else "none",
+               res["best"]["summary"] if best else "no synchronous plan fits",
                f"{_s(uniform['predicted_iteration_s'])}s" if uniform else "none",
                f"{_s(asynchronous['predicted_iteration_s'])}s ({asynchronous['plan']['summary']})"
                if asynchronous else "off", which, res["search_s"],

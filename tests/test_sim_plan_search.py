@@ -926,3 +926,46 @@ def test_search_keeps_generation_and_inference_beside_the_training_state():
            "training": {"placement": "colocated", "devices": 8, "tp": 1, "actor_pp": 8,
                         "critic_pp": 8}}
   assert "training state kept" not in ps.plan_memory(COST, wl, opt, split)[0]["parts"]
+
+
+def test_with_no_synchronous_plan_the_asynchronous_splits_are_still_searched(tmp_path):
+  """On 24 devices no layout of all of them divides a mini-batch of 32 (dp 3 or 24), so no
+  synchronous plan fits; with staleness the search raised that before searching the splits,
+  where 16 generating beside 8 training fits (and 24 devices beat 16's best). Now the splits
+  are searched alone: best None, synchronous_error the reason; the binary writes the split's
+  plan to plan.json and its report says why there is no synchronous one."""
+  s = get_shape("llama-7b")
+  opt = it.SimOptions(search_time_s=0.2)
+  wl = {n: it.Workload(actor=s, critic=s.as_critic(), num_devices=n, global_batch=128,
+                       minibatch=32, max_new_tokens=512) for n in (16, 24)}
+  with pytest.raises(ValueError, match="no feasible plan of llama-7b"):
+    ps.search(COST, wl[24], opt)
+  res = ps.search(COST, wl[24], opt, staleness=1)
+  assert res["best"] is None and res["top"] == []
+  assert res["synchronous_error"].startswith("plan search: no feasible plan of llama-7b")
+  best = res["async"]["best"]
+  assert not best["async"]["colocated"] and best["async"]["generation_devices"] + best[
+      "async"]["training_devices"] == 24
+  assert (best["predicted"]["iteration_s"] <
+          ps.search(COST, wl[16], opt, staleness=1)["async"]["best"]["predicted"]["iteration_s"])
+  with pytest.raises(ValueError, match=r"no feasible plan of llama-7b.*; and async plan search "
+                                       r"\(k=1\): no split of 24 devices fits: 12 / 12: no "
+                                       r"training plan on 12 devices"):
+    ps.search(COST, wl[24], opt, staleness=1, split_unit=12)
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:13b/13b",
+       "--config.pairs=llama-7b/llama-7b",
+       f"--workdir={tmp_path}", "--config.num_devices=24", "--config.global_batch=128",
+       "--config.minibatch=32", "--config.max_new_tokens=512", "--config.sim.staleness=1",
+       "--config.sim.search_time_s=0.2", "--config.systems=pipe_rlhf_async"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads((tmp_path / "result.json").read_text())
+  assert result["best"] is None and result["plan_json"] == "asynchronous"
+  plan = json.loads((tmp_path / "plan.json").read_text())
+  assert plan["async"]["generation_devices"] + plan["async"]["training_devices"] == 24
+  assert result["systems"]["pipe_rlhf_async"]["iteration_s"] == pytest.approx(
+      result["async"]["predicted_iteration_s"])
+  assert "No synchronous plan: plan search: no feasible plan" in (
+      tmp_path / "plan_search.md").read_text()

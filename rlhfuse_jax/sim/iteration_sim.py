@@ -531,6 +531,8 @@ def _planned_row(cost: CostModel, wl: Workload, searched: dict, fused_gen: Optio
   the plan's generation then inference; the fused schedule on the best colocated pipeline
   instead of the plan's training."""
   best = searched["best"]
+  if best is None:  # only asynchronous splits fit (plan_search.search)
+    raise ValueError(searched["synchronous_error"])
   p = best["predicted"]
   gen_s, inf_s, reshard = p["gen_s"], p["inf_s"], p["reshard_s"]
   train_s = p["train_s"]

@@ -869,12 +869,14 @@ def _async_plan(cost: CostModel, wl, g: int, staleness: int, gen: Candidate, inf
   }
 
 
-def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_k: int = 5,
+def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: Optional[dict],
+                 top_k: int = 5,
                  split_unit: int = 0, log: Optional[Callable[[str], None]] = None,
                  accept: Optional[Callable[[dict], Optional[str]]] = None) -> dict:
   """Asynchronous PPO's outer level (module docstring): every split of the devices into a
   generation and a training group, each group's stages searched on its own devices, and the
-  colocated option (`sync_best`, the synchronous search's best plan, run serially). Returns
+  colocated option (`sync_best`, the synchronous search's best plan, run serially; None where
+  there is none: the splits alone, a ValueError naming each split's reason if none fits). Returns
   {best, top, splits, staleness, search_s}: `best` and each of `top` a plan with an "async"
   object {generation_devices, training_devices, staleness, colocated}; `splits` one entry per
   g tried, its best iteration_s or why it was rejected. With opt.trainer_runnable or `accept`
@@ -887,12 +889,14 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
   prompts, resp = wl.sample_lengths()
   seq = (prompts + resp).astype(np.float64)
   mean_len = float(seq.mean())
-  q = sync_best["predicted"]
-  colocated = {**sync_best, "predicted": {**q, "gen_plus_inf_s": q["gen_s"] + q["inf_s"],
-                                          "serial_s": q["iteration_s"], "bound": "colocated"},
-               "async": {"generation_devices": n, "training_devices": n, "staleness": staleness,
-                         "colocated": True}}
-  plans, splits = [colocated], []
+  plans, splits = [], []
+  if sync_best is not None:
+    q = sync_best["predicted"]
+    plans.append({**sync_best,
+                  "predicted": {**q, "gen_plus_inf_s": q["gen_s"] + q["inf_s"],
+                                "serial_s": q["iteration_s"], "bound": "colocated"},
+                  "async": {"generation_devices": n, "training_devices": n,
+                            "staleness": staleness, "colocated": True}})
   restricted = opt.trainer_runnable or accept is not None
   for g in async_splits(cost, n, split_unit):
     rejected: dict = {}
@@ -948,10 +952,16 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: dict, top_
     splits.append({"generation_devices": g, "training_devices": n - g,
                    "iteration_s": best["predicted"]["iteration_s"],
                    "bound": best["predicted"]["bound"]})
+  if not plans:
+    raise ValueError(f"async plan search (k={staleness}): no split of {n} devices fits: "
+                     + "; ".join(f"{sp['generation_devices']} / {sp['training_devices']}: "
+                                 f"{sp['rejected']}" for sp in splits[:6])
+                     + (f"; and {len(splits) - 6} other splits" if len(splits) > 6 else ""))
   top = sorted(plans, key=lambda p: p["predicted"]["iteration_s"])[:top_k]
   if log:
     a = top[0]["async"]
-    log(f"async plan search (k={staleness}): {len(plans) - 1} of {len(splits)} splits fit; best "
+    fit = sum(1 for sp in splits if "iteration_s" in sp)
+    log(f"async plan search (k={staleness}): {fit} of {len(splits)} splits fit; best "
         f"{top[0]['predicted']['iteration_s']:.3g}s with "
         + ("both groups colocated (no overlap)" if a["colocated"] else
            f"generation on {a['generation_devices']}, training on {a['training_devices']}")
@@ -1050,7 +1060,9 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   len(rejected), and `evaluated` counted a plan once per frozen-weights group too). With
   `staleness` k >= 1 also "async": async_search's result (asynchronous PPO, devices split into a
   generation and a training group in multiples of `split_unit`); search_s then covers both
-  searches, synchronous_search_s the first.
+  searches, synchronous_search_s the first. Where no synchronous plan fits, a ValueError saying
+  why; with `staleness`, the splits are searched alone first (best None, top [],
+  synchronous_error the reason), the ValueError only if none of them fits either.
   The top plans are the fastest combinations that fit beside their training plan's state
   (_memory_refusal) and, with opt.trainer_runnable (trainer_refusal) or `accept` (a plan dict
   -> why a caller refuses it, or None), that both let through, synchronous and asynchronous;
@@ -1079,9 +1091,38 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   # beside its frozen weights.
   every = [(gen, inf, train) for inf in infs
            for gen, train in itertools.product(*groups[kept_at[inf.plan.tp]])]
-  if not every:
-    raise ValueError(no_plan_message(cost, wl, rejected, infs, groups, kept_at, log))
+  uniform = None
+  if unif:
+    u = unif[0]
+    uniform = {"layout": u.plan, "predicted": {**u.info, "iteration_s": u.seconds}}
   refused: dict = {}
+
+  def stages(gens: list, trains: list) -> dict:
+    return {"generation": [(c.plan.describe(), c.seconds) for c in gens],
+            "inference": [(c.plan.describe(), c.seconds) for c in infs],
+            "training": [(_describe_train(c.plan), c.seconds) for c in trains],
+            "uniform": [(f"tp{c.plan['tp']} pp{c.plan['pp']}", c.seconds) for c in unif]}
+
+  def asynchronous_alone(message: str) -> dict:
+    """No synchronous plan (every layout uses all the devices: at 24 of them no data-parallel
+    size divides a mini-batch of 32): with staleness the splits may still fit, each group on
+    its own devices, so they are searched alone; until 2026-12-06 the error came first. `best`
+    and `top` are then None and [], `synchronous_error` the reason."""
+    if not staleness:
+      raise ValueError(message)
+    say(f"{message}; searching the asynchronous splits alone (staleness {staleness})")
+    try:
+      a = async_search(cost, wl, opt, staleness, None, top_k, split_unit, log, accept)
+    except ValueError as e:
+      raise ValueError(f"{message}; and {e}") from None
+    sync_s = time.time() - t0 - a["search_s"]
+    return {"best": None, "top": [], "uniform": uniform, "stages": stages(gens, trains),
+            "rejected": rejected, "refused": refused, "search_s": time.time() - t0,
+            "synchronous_search_s": sync_s, "synchronous_error": message,
+            "evaluated": len(infs) + len(unif) + distinct_stage_plans(groups),
+            "rejected_plans": len({plan_name(k) for k in rejected}), "async": a}
+  if not every:
+    return asynchronous_alone(no_plan_message(cost, wl, rejected, infs, groups, kept_at, log))
   # Every generation and training plan: a pair of the same layout pays no resharding, so plans
   # outside their stage's top k may still make the best combination. The fastest that fit
   # beside the training plan's state (_memory_refusal) and, with opt.trainer_runnable or
@@ -1091,7 +1132,7 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   if not top:
     # each reason on its own, the most frequent first (a dict's repr on one line, before)
     whys = sorted(refused.items(), key=lambda x: -x[1])
-    raise ValueError(
+    return asynchronous_alone(
         f"plan search: no plan of {wl.actor.name} + {wl.critic.name} on {wl.num_devices} "
         f"devices" + (" that the trainer runs" if opt.trainer_runnable or accept else "")
         + f" ({sum(refused.values())} combinations refused): "
@@ -1100,22 +1141,13 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
            if len(whys) > 8 else ""))
   # The stage lists shown: those beside the best plan's inference.
   gens, trains = groups[kept_at[top[0]["inference"]["tp"]]]
-  uniform = None
-  if unif:
-    u = unif[0]
-    uniform = {"layout": u.plan, "predicted": {**u.info, "iteration_s": u.seconds}}
   sync_s = time.time() - t0
   # With staleness the asynchronous search follows and logs its own time: this one says whose.
   say(f"{'synchronous ' if staleness else ''}plan search done in {sync_s:.1f}s: best "
       f"{top[0]['predicted']['iteration_s']:.3g}s ({top[0]['summary']})"
       + (f"; uniform {uniform['predicted']['iteration_s']:.3g}s "
          f"(tp{u.plan['tp']} pp{u.plan['pp']})" if uniform else ""))
-  out = {"best": top[0], "top": top, "uniform": uniform,
-         "stages": {"generation": [(c.plan.describe(), c.seconds) for c in gens],
-                    "inference": [(c.plan.describe(), c.seconds) for c in infs],
-                    "training": [(_describe_train(c.plan), c.seconds) for c in trains],
-                    "uniform": [(f"tp{c.plan['tp']} pp{c.plan['pp']}", c.seconds)
-                                for c in unif]},
+  out = {"best": top[0], "top": top, "uniform": uniform, "stages": stages(gens, trains),
          "rejected": rejected, "refused": refused, "search_s": sync_s,
          "synchronous_search_s": sync_s,
          "evaluated": len(infs) + len(unif) + distinct_stage_plans(groups),
