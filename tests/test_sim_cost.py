@@ -368,6 +368,15 @@ def test_empirical_lengths_from_files(tmp_path):
   (tmp_path / "bad.json").write_text(json.dumps([1, 0]))
   with pytest.raises(ValueError, match="integers >= 1"):
     lengths.load_lengths(str(tmp_path / "bad.json"))
+  # An empty .npy was numpy's EOFError traceback.
+  (tmp_path / "e.npy").write_bytes(b"")
+  with pytest.raises(ValueError, match=r"e\.npy': not a readable \.npy array"):
+    lengths.load_lengths(str(tmp_path / "e.npy"))
+  # A path beside another kind was ignored without a word (the run's lengths file given, and
+  # log-normal lengths simulated).
+  with pytest.raises(ValueError, match=r"path='.*m\.jsonl' is read only with kind='empirical' "
+                                       r"\(kind='lognormal' draws its own lengths\)"):
+    lengths.LengthSpec(path=str(tmp_path / "m.jsonl"))
 
 
 def test_a_lengths_file_is_read_once_per_version(tmp_path, monkeypatch):

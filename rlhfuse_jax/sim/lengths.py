@@ -51,7 +51,10 @@ def _load_lengths(path: str, version: tuple) -> np.ndarray:
   del version
   ext = os.path.splitext(path)[1].lower()
   if ext == ".npy":
-    out = np.load(path)
+    try:  # (an empty or cut file was numpy's EOFError or "pickled data" traceback)
+      out = np.load(path)
+    except (OSError, ValueError, EOFError) as e:
+      raise ValueError(f"lengths file {path!r}: not a readable .npy array ({e})") from None
   elif ext == ".txt":
     with open(path) as f:
       words = f.read().split()
@@ -164,6 +167,10 @@ class LengthSpec:
       raise ValueError(f"lengths: constant value={self.value} must be in [min_len, max_len]")
     if self.kind == "empirical" and not self.path:
       raise ValueError("lengths: kind='empirical' needs a path")
+    if self.path and self.kind != "empirical":  # the file was ignored, without a word
+      raise ValueError(f"lengths: path={self.path!r} is read only with kind='empirical' "
+                       f"(kind={self.kind!r} draws its own lengths); set kind='empirical' to "
+                       "replay the file, or leave path empty")
 
   def with_max_len(self, max_len: int) -> "LengthSpec":
     return dataclasses.replace(self, max_len=max_len)
