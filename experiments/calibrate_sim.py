@@ -66,7 +66,10 @@ def check_config(c) -> tuple[llama.ModelConfig, object, list[int]]:
   if not items or not all(x.isdigit() for x in items):
     raise ValueError(f"config.occupancies={c.occupancies!r}: expected comma-separated slot "
                      "counts, e.g. '1,4,8'")
-  occ = [int(x) for x in items]
+  # Measured in increasing order, each once: given as '8,4,2,1' the whole measurement ran and
+  # then the calibration it made was refused ("occupied_slots ... must be strictly
+  # increasing"), the earlier calibration.json already moved to previous/.
+  occ = sorted({int(x) for x in items})
   if max(occ) > c.slots or min(occ) < 1:
     raise ValueError(f"config.occupancies={occ} must lie in [1, slots={c.slots}]")
   return cfg, share, occ

@@ -568,7 +568,7 @@ def half_second(fn, repeats, setup=None):  # every timed op "takes" 0.5 s (run o
 
 cs.median_s = half_second
 c = config_file.get_config()
-c.max_new_tokens, c.chunk_size, c.occupancies, c.repeats = 16, 32, "1,8", 1
+c.max_new_tokens, c.chunk_size, c.occupancies, c.repeats = 16, 32, "8,1,8", 1  # -> [1, 8]
 print(json.dumps(cs.measure(c)))
 """
 
@@ -585,7 +585,9 @@ def test_calibrate_sim_rates_count_the_work_of_each_timed_op():
   decode step the chunk's time over the 15 steps it runs, a migration 4 rows x 32 positions of
   K and V (2 layers x 2 KV heads x 16 dims; the K rows copied twice, not once) at the float32
   cache's 4 bytes, the weight_load the two models' float32 bytes: each rate the work over
-  0.5 s, in the bytes copied (byte_unit "stored")."""
+  0.5 s, in the bytes copied (byte_unit "stored"). Occupancies given out of order and twice
+  ("8,1,8") are measured in order, once each (the calibration was refused after the whole
+  measurement)."""
   got = _calibrated()
   ops = got["ops"]
   assert got["byte_unit"] == "stored"
