@@ -164,6 +164,12 @@ def test_a_damaged_checkpoint_is_an_error_and_stays(run, tmp_path, monkeypatch):
   assert not os.path.exists(tmp_path / "out")
   assert _digests(copy) == before and export_lib.kept_steps(copy) == [2, 3]
   assert not os.path.exists(os.path.join(copy, "damaged_checkpoints"))
+  # Without its side-car (meta/, a partial copy): the same line, not orbax's KeyError traceback.
+  shutil.rmtree(os.path.join(copy, "checkpoints", "3", "meta"))
+  with pytest.raises(ValueError, match=r"checkpoint 3 in .* cannot be read \(damaged\?\): "
+                                       r"KeyError: .*meta.*; export another kept step"):
+    export_lib.export(copy, "3", str(tmp_path / "out"), mesh=_one_device(cfg))
+  assert export_lib.kept_steps(copy) == [2, 3] and not os.path.exists(tmp_path / "out")
 
 
 def test_a_checkpoint_under_another_number_is_refused(run, tmp_path, monkeypatch):

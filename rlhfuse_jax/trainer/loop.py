@@ -217,8 +217,16 @@ class PPOTrainer:
     checkpoint's side-car, its seed and its config fingerprint against this config; whether
     the run is finished, and whether its HF export is still to be written."""
     if self._export_step is not None:  # that checkpoint's side-car alone, set aside nothing
-      self.resume_step, meta = self._export_step, self.checkpoints.checkpointer.restore_meta(
-          self._export_step)
+      checkpointer = self.checkpoints.checkpointer
+      try:
+        meta = checkpointer.restore_meta(self._export_step)
+      except Exception as e:  # noqa: BLE001 orbax raises many types for damaged files
+        # (a checkpoint without its meta/ was orbax's KeyError in a 55-line traceback)
+        raise ValueError(
+            f"checkpoint {self._export_step} in {checkpointer.directory} cannot be read "
+            f"(damaged?): {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}; "
+            "export another kept step (--step)") from None
+      self.resume_step = self._export_step
       if meta.get("iteration") != self._export_step:  # the export would be marked with it
         raise ValueError(
             f"checkpoint {self._export_step} in {self.checkpoints.checkpointer.directory} holds "
