@@ -110,11 +110,18 @@ def main(argv):
     raise ValueError(f"--verify={_VERIFY.value!r}: no such file")
   if _VERIFY.value and not devices:  # the certificate names the devices it was made for
     devices = time_indexed.certificate_devices(_VERIFY.value)
-  if (not _VERIFY.value and _SOLVER.value != "scipy" and
-      importlib.util.find_spec("highspy") is None):  # the windows may decide without a solver
-    logging.warning("--solver=%s needs highspy, which is not installed (pip install -e "
-                    "\".[exact]\", or --solver=scipy for small models): only a model the "
-                    "windows decide can be answered", _SOLVER.value)
+  no_solver = (f"--solver={_SOLVER.value} needs highspy, which is not installed (pip install "
+               "-e \".[exact]\", or --solver=scipy for small models)"
+               if not _VERIFY.value and _SOLVER.value != "scipy" and
+               importlib.util.find_spec("highspy") is None else None)
+  single = None
+  if devices != "each":
+    single = _build(problem, target, lb, devices)
+    if no_solver and single[0].infeasible_reason is None and single[0].num_vars > 0:
+      # Before the earlier run's outputs move aside (they went to previous/ first).
+      raise ValueError(f"{no_solver}: the windows do not decide this model")
+  elif no_solver:  # the windows may decide some devices' models without a solver
+    logging.warning("%s: only a model the windows decide can be answered", no_solver)
   if not _VERIFY.value:  # a check of a certificate writes verify.json beside the solve's files
     wd.start_outputs(_WORKDIR.value, _CONFIG.value, ("result.json", "certificate.npz"))
   if devices == "each":
@@ -129,7 +136,7 @@ def main(argv):
       if result["certified"]:
         break
     return
-  model, result = _build(problem, target, lb, devices)
+  model, result = single
   if _VERIFY.value:
     lam = time_indexed.load_certificate(_VERIFY.value, model.A.shape[0], target)
     bound = time_indexed.certificate_bound(model, lam)

@@ -3,6 +3,8 @@ within budget, and certificates that are checked exactly."""
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -199,7 +201,7 @@ def test_bad_arguments_are_named():
 
 
 def test_lp_check_binary_saves_a_certificate_that_verify_rechecks(tmp_path):
-  from tests.test_pipeline_experiments import _run
+  from tests.test_pipeline_experiments import _env, _run
   # The per-device budget: under the uniform one the bound 42 is LP-feasible (and reached).
   inst = ["--config=configs/schedule_search.py", "--config.memory_budget_mode=per_device",
           "--config.actor_pp=4", "--config.critic_pp=4",
@@ -211,6 +213,18 @@ def test_lp_check_binary_saves_a_certificate_that_verify_rechecks(tmp_path):
   assert result["target"] == result["lower_bound"] == 42.0
   assert result["certified"] and result["certificate_bound"] > 0
   assert "unreachable" in result["verdict"]
+  # Without highspy (hidden here), a model the windows do not decide is refused before the
+  # earlier outputs move aside (they went to previous/1 first, then the solve failed).
+  before = sorted(os.listdir(tmp_path))
+  hide = ("import runpy, sys; sys.modules['highspy'] = None; sys.argv[0] = 'schedule_lp_check';"
+          " runpy.run_module('experiments.schedule_lp_check', run_name='__main__')")
+  out = subprocess.run([sys.executable, "-c", hide, *inst, f"--workdir={tmp_path}"], cwd=REPO,
+                       env=_env(), capture_output=True, text=True, timeout=240)
+  assert out.returncode == 1 and ("--solver=pdlp needs highspy, which is not installed (pip "
+                                  "install -e \".[exact]\", or --solver=scipy for small models)"
+                                  ": the windows do not decide this model") in out.stderr, \
+      out.stderr[-3000:]
+  assert sorted(set(os.listdir(tmp_path)) - {"traceback.txt"}) == before  # (the error's)
   out = _run(["experiments.schedule_lp_check", *inst, f"--workdir={tmp_path}",
               f"--verify={tmp_path / 'certificate.npz'}"])
   assert out.returncode == 0, out.stderr[-3000:]
