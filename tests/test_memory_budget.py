@@ -5,6 +5,7 @@ problem stored before the mode existed reads back as per_device, the budget it w
 """
 import json
 import os
+import re
 
 import ml_collections
 import numpy as np
@@ -70,6 +71,11 @@ def test_a_kept_per_device_schedule_reads_back_per_device_and_is_within_uniform(
   assert evaluate(e7.with_budget(None, UNIFORM), kept.order()).within_budget
   with pytest.raises(ValueError, match="not of the expected problem"):
     schedule.load(path, e7.with_budget(None, UNIFORM))
+  # Not a schedule (its directory, a result.json, an empty file): one line naming it.
+  result = os.path.join(REPO, "experiments", "results", "e7_cp_schedule", "result.json")
+  for bad in (os.path.dirname(path), result, os.devnull):
+    with pytest.raises(ValueError, match=f"{re.escape(bad)}: not a schedule.json"):
+      schedule.load(bad, e7)
 
 
 def test_to_dict_writes_the_mode_and_an_old_dict_without_it_reads_per_device():

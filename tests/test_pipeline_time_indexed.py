@@ -239,6 +239,20 @@ def test_lp_check_binary_saves_a_certificate_that_verify_rechecks(tmp_path):
                                 lam)
   with pytest.raises(ValueError, match=r"5 rows, built for devices \[2, 3\]; this instance"):
     time_indexed.load_certificate(str(tmp_path / "sub.npz"), 6, 42.0)
+  # A file that is not one: numpy's EOFError, BadZipFile, KeyError, IndexError or a
+  # ZeroDivisionError in the check, each a traceback naming neither flag nor file.
+  good = (tmp_path / "sub.npz").read_bytes()
+  (tmp_path / "empty.npz").write_bytes(b"")
+  (tmp_path / "cut.npz").write_bytes(good[:len(good) // 2])
+  (tmp_path / "text.npz").write_text("not a certificate\n")
+  np.savez(tmp_path / "nokey.npz", index=np.array([1]), value=np.array([0.5]))
+  np.savez(tmp_path / "range.npz", rows=np.int64(5), index=np.array([7]), value=np.array([.5]))
+  np.savez(tmp_path / "inf.npz", rows=np.int64(5), index=np.array([1]), value=np.array([np.inf]))
+  for name in ("empty", "cut", "text", "nokey", "range", "inf"):
+    with pytest.raises(ValueError, match=rf"{name}\.npz: not a certificate"):
+      time_indexed.load_certificate(str(tmp_path / f"{name}.npz"), 5, 42.0)
+    with pytest.raises(ValueError, match=rf"{name}\.npz: not a certificate"):
+      time_indexed.certificate_devices(str(tmp_path / f"{name}.npz"))
   # A certificate changed by hand no longer proves anything; one for another target is refused.
   with np.load(tmp_path / "certificate.npz") as f:
     fields = dict(f)

@@ -54,6 +54,15 @@ def test_a_persisted_schedule_cache_is_reused_only_for_the_same_search(tmp_path)
   ts.ScheduleCache(path, max_evaluations=300, log=calls.append).fused(p)
   ts.ScheduleCache(path, max_evaluations=200, seed=1, log=calls.append).fused(p)
   assert len(calls) == 3  # another budget, another seed: searched
+  # A damaged cache (a cut write by hand, a full disk) is searched again and said so: it was a
+  # bare JSONDecodeError once reproduce_ablations had moved its earlier outputs aside.
+  for text in ('{"a": ', "[1, 2]"):
+    with open(path, "w") as f:
+      f.write(text)
+    calls.clear()
+    again = ts.ScheduleCache(path, max_evaluations=200, log=calls.append).fused(p)
+    assert {**again, "search_s": 0} == {**first, "search_s": 0}  # (count-based: the same)
+    assert calls[0].startswith(f"schedule cache {path} is unreadable (") and len(calls) == 2
 
 
 def test_train_plan_divisibility_errors():

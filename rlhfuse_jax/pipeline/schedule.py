@@ -141,9 +141,15 @@ def from_json(text: str) -> Schedule:
 
 
 def load(path: str, problem: Optional[PipelineProblem] = None) -> Schedule:
-  """Reads a schedule.json; with `problem`, checks the schedule is one of that problem."""
-  with open(path) as f:
-    sched = from_json(f.read())
+  """Reads a schedule.json; with `problem`, checks the schedule is one of that problem. A file
+  that is not one (a directory, empty or cut JSON, a result.json) is a ValueError naming it
+  (a JSONDecodeError, KeyError or TypeError traceback before)."""
+  try:
+    with open(path) as f:
+      sched = from_json(f.read())
+  except Exception as e:  # noqa: BLE001 whatever a file that is not a schedule raises
+    raise ValueError(f"{path}: not a schedule.json (a schedule binary's, e.g. "
+                     f"WORKDIR/schedule.json): {type(e).__name__}: {e}") from None
   if problem is not None and sched.problem != problem:
     raise ValueError(f"{path}: a schedule of {sched.problem.to_dict()}, not of the expected "
                      f"problem {problem.to_dict()}")

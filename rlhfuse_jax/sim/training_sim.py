@@ -250,8 +250,16 @@ class ScheduleCache:
                                       max_evaluations=max_evaluations)
     self.entries: dict = {}
     if path and os.path.exists(path):
-      with open(path) as f:
-        self.entries = json.load(f)
+      try:
+        with open(path) as f:
+          entries = json.load(f)
+        if not isinstance(entries, dict):
+          raise ValueError(f"a JSON {type(entries).__name__}, not an object")
+        self.entries = entries
+      except (OSError, ValueError) as e:  # a cache: searched again (a bare JSONDecodeError)
+        if log:
+          log(f"schedule cache {path} is unreadable ({type(e).__name__}: {e}): its searches "
+              "run again, and it is rewritten")
 
   def key(self, problem: PipelineProblem) -> str:
     """The problem and the search that solves it (as trainer/pipelined.py keys its cache): a

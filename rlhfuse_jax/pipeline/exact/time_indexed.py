@@ -296,28 +296,46 @@ def save_certificate(path: str, multipliers: np.ndarray, target: float,
   wd.atomic_write_bytes(path, buf.getvalue())
 
 
+def _read_certificate(path: str) -> dict:
+  """save_certificate's arrays in the file at `path`; a ValueError naming the file when it is
+  not one (empty, cut, another file, a key missing: numpy's EOFError, BadZipFile or KeyError
+  traceback before) or its multipliers are not finite numbers at row indices >= 0."""
+  try:
+    with np.load(path, allow_pickle=False) as f:
+      out = {k: np.asarray(f[k]) for k in f.files}
+    rows, index, value = int(out["rows"]), out["index"].astype(np.int64), out["value"]
+  except Exception as e:  # noqa: BLE001 numpy raises many types for a file that is not one
+    raise ValueError(f"{path}: not a certificate (save_certificate's .npz of rows, index and "
+                     f"value): {type(e).__name__}: {e}") from None
+  if (index.shape != value.shape or index.ndim != 1 or (index < 0).any() or
+      (index >= rows).any() or not np.all(np.isfinite(value))):
+    raise ValueError(f"{path}: not a certificate: its multipliers must be finite numbers at "
+                     f"row indices in [0, {rows})")
+  return out
+
+
 def certificate_devices(path: str) -> Optional[list[int]]:
   """The devices a certificate's model was built for; None for all, or for a certificate
   saved before they were recorded."""
-  with np.load(path) as f:
-    devices = [int(d) for d in f["devices"]] if "devices" in f else []
+  f = _read_certificate(path)
+  devices = [int(d) for d in f["devices"]] if "devices" in f else []
   return devices or None
 
 
 def load_certificate(path: str, rows: int, target: float) -> np.ndarray:
   """The multipliers [rows] saved by `save_certificate`; refuses one made for another target or
   another model size (it could only fail the exact check there)."""
-  with np.load(path) as f:
-    if "target" in f and not np.isclose(float(f["target"]), target):
-      raise ValueError(f"{path}: certificate for target {float(f['target']):g}, not {target:g}")
-    if int(f["rows"]) != rows:
-      made_for = (f", built for devices {[int(d) for d in f['devices']]}"
-                  if "devices" in f and len(f["devices"]) else "")
-      raise ValueError(f"{path}: certificate for a model of {int(f['rows'])} rows{made_for}; "
-                       f"this instance, target and devices give {rows} (other instance, "
-                       "--devices, target or code version?)")
-    lam = np.zeros(rows)
-    lam[f["index"]] = f["value"]
+  f = _read_certificate(path)
+  if "target" in f and not np.isclose(float(f["target"]), target):
+    raise ValueError(f"{path}: certificate for target {float(f['target']):g}, not {target:g}")
+  if int(f["rows"]) != rows:
+    made_for = (f", built for devices {[int(d) for d in f['devices']]}"
+                if "devices" in f and len(f["devices"]) else "")
+    raise ValueError(f"{path}: certificate for a model of {int(f['rows'])} rows{made_for}; "
+                     f"this instance, target and devices give {rows} (other instance, "
+                     "--devices, target or code version?)")
+  lam = np.zeros(rows)
+  lam[f["index"]] = f["value"]
   return lam
 
 
