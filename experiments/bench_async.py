@@ -62,6 +62,12 @@ def check_config(c) -> None:
     path = r.split(":")[0]
     _check(os.path.isfile(os.path.join(runner.REPO_ROOT, path)), "runs", r,
            "train_ppo config files (configs/*.py[:variant])")
+    # Its variant too: an unknown one started every run (9 of the default config), each
+    # failing on the same flag error.
+    try:
+      config_files.get_config(os.path.join(runner.REPO_ROOT, r), "config.runs entry")
+    except Exception as e:  # noqa: BLE001 what the config file's get_config raises
+      raise ValueError(f"config.runs entry {r!r}: {type(e).__name__}: {e}") from None
   s = list(c.staleness)
   _check(len(s) >= 2 and s[0] == 0 and all(isinstance(k, int) and k >= 1 for k in s[1:]),
          "staleness", c.staleness, "0 (the synchronous reference) first, then values >= 1")

@@ -666,19 +666,30 @@ def test_a_validation_workdir_of_another_binary_is_refused_before_the_simulation
 
 
 def test_bench_async_keeps_what_the_other_runs_measured_when_one_fails(tmp_path):
-  """A run that fails is named in result.json (and the exit status), not a lost result."""
+  """A run that fails is named in result.json (and the exit status), not a lost result. A run
+  config whose variant does not load is refused before any run starts (each run started and
+  failed on it)."""
   out = _run(["experiments.bench_async", "--config=configs/bench_async.py",
-              f"--workdir={tmp_path}", "--config.runs=('configs/ppo_tiny.py:bogus',)",
+              f"--workdir={tmp_path / 'bogus'}", "--config.runs=('configs/ppo_tiny.py:bogus',)",
+              "--config.staleness=(0,1)", "--config.seeds=(0,)"])
+  assert out.returncode == 1 and ("config.runs entry 'configs/ppo_tiny.py:bogus': ValueError: "
+                                  in out.stderr), out.stderr[-3000:]
+  assert not (tmp_path / "bogus").exists()
+  bad = tmp_path / "bad.py"  # loads; train_ppo refuses it at its start
+  bad.write_text("from configs import ppo_tiny\n\ndef get_config():\n  c = ppo_tiny.get_config()\n"
+                 "  c.algo.minibatch_size = 7\n  return c\n")
+  out = _run(["experiments.bench_async", "--config=configs/bench_async.py",
+              f"--workdir={tmp_path / 'wd'}", f"--config.runs=('{bad}',)",
               "--config.staleness=(0,1)", "--config.seeds=(0,)"])
   assert out.returncode == 1, out.stderr[-3000:]
-  result = json.loads((tmp_path / "result.json").read_text())
-  names = ["ppo_tiny_bogus_s0_seed0", "ppo_tiny_bogus_s1_seed0"]
+  result = json.loads((tmp_path / "wd" / "result.json").read_text())
+  names = ["bad_s0_seed0", "bad_s1_seed0"]
   assert result["failed_runs"] == names and result["all_gains_ok"] is False
-  assert result["runs"]["configs/ppo_tiny.py:bogus"] == {"failed_runs": names}
+  assert result["runs"][str(bad)] == {"failed_runs": names}
   assert "2 run(s) failed" in out.stderr
-  # The counts the runs started with (None: the config file cannot say), for a later reuse.
-  recorded = json.loads((tmp_path / "config.json").read_text())
-  assert recorded["resolved_num_iterations"] == {"configs/ppo_tiny.py:bogus": None}
+  # The counts the runs started with, for a later reuse.
+  recorded = json.loads((tmp_path / "wd" / "config.json").read_text())
+  assert list(recorded["resolved_num_iterations"]) == [str(bad)]
 
 
 def test_bench_async_reuses_runs_of_their_configs_own_iteration_count(tmp_path):
