@@ -124,6 +124,8 @@ def main(argv):
     logging.warning("%s: only a model the windows decide can be answered", no_solver)
   if not _VERIFY.value:  # a check of a certificate writes verify.json beside the solve's files
     wd.start_outputs(_WORKDIR.value, _CONFIG.value, ("result.json", "certificate.npz"))
+  else:  # (it wrote verify.json into any workdir, another binary's or a training run's)
+    wd.refuse_others_workdir(_WORKDIR.value)
   if devices == "each":
     scan = []
     for d in range(problem.num_devices):

@@ -170,6 +170,20 @@ def _running_binary() -> Optional[str]:
   return name.split(".", 1)[1] if name.startswith("experiments.") else None
 
 
+def refuse_others_workdir(workdir: str) -> None:
+  """start_outputs' refusals, for a one-shot binary that writes into `workdir` without moving
+  anything (schedule_lp_check --verify's verify.json): a URI, a train_ppo or sweep workdir
+  (checkpoints/, .lock), another one-shot binary's (its result.json's provenance)."""
+  check_local_path(workdir)
+  for marker, what in (("checkpoints", "a training run"), (".lock", "a training run or sweep")):
+    if os.path.exists(os.path.join(workdir, marker)):
+      raise ForeignWorkdirError(f"--workdir={workdir!r} holds {what} ({marker}); give "
+                                "this binary a directory of its own")
+  me = _running_binary()
+  if me is not None:
+    refuse_foreign_result(workdir, me)
+
+
 def start_outputs(workdir: str, config: Any, outputs: tuple[str, ...],
                   inputs: tuple[Optional[str], ...] = ()) -> Optional[str]:
   """A one-shot binary's start on `workdir`: the files an earlier run of it left there (the
@@ -181,14 +195,7 @@ def start_outputs(workdir: str, config: Any, outputs: tuple[str, ...],
   A train_ppo workdir (checkpoints/, its .lock) is refused, and so is another one-shot binary's
   (its result.json's provenance names it): its reports and figures, which this binary does not
   move, stayed beside this run's result. Returns where the earlier outputs went, or None."""
-  check_local_path(workdir)
-  for marker, what in (("checkpoints", "a training run"), (".lock", "a training run or sweep")):
-    if os.path.exists(os.path.join(workdir, marker)):
-      raise ForeignWorkdirError(f"--workdir={workdir!r} holds {what} ({marker}); give "
-                                "this binary a directory of its own")
-  me = _running_binary()
-  if me is not None:
-    refuse_foreign_result(workdir, me)
+  refuse_others_workdir(workdir)
   os.makedirs(workdir, exist_ok=True)
   roots = {os.path.abspath(workdir), os.path.realpath(workdir)}
   held = set()  # top-level entries holding an input (as given, or where a link points)

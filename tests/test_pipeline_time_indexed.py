@@ -264,6 +264,15 @@ def test_lp_check_binary_saves_a_certificate_that_verify_rechecks(tmp_path):
   out = _run(["experiments.schedule_lp_check", *inst, f"--workdir={tmp_path}", "--target=43",
               f"--verify={tmp_path / 'certificate.npz'}"])
   assert out.returncode != 0 and "certificate for target 42, not 43" in out.stderr
+  # Another binary's workdir: verify.json went in beside its outputs.
+  other = tmp_path / "ss"
+  other.mkdir()
+  (other / "result.json").write_text(json.dumps(
+      {"provenance": {"command": "python -m experiments.schedule_search --workdir=ss"}}))
+  out = _run(["experiments.schedule_lp_check", *inst, f"--workdir={other}",
+              f"--verify={tmp_path / 'certificate.npz'}"])
+  assert out.returncode == 1 and "holds the outputs of experiments.schedule_search" in out.stderr
+  assert sorted(os.listdir(other)) == ["result.json"]
 
 
 def test_lp_check_scans_one_device_at_a_time_and_stops_at_the_first_certified(tmp_path):
