@@ -126,7 +126,17 @@ def main(argv):
     import jax
     jax.config.update("jax_mock_gpu_topology", mock)
   from experiments import plan_programs  # imports jax: after the device count is set
-  cfg = plan_programs.PlanConfig.from_config_dict(config)
+  try:
+    cfg = plan_programs.PlanConfig.from_config_dict(config)
+  except ValueError as e:
+    if _RUN_CONFIG.value is None:
+      raise
+    # The plan's fields are the run's here: named alone, config.gen_slots=64 was a field the
+    # user never set (--run_config.mesh.data=3 had made the rollout batch not split).
+    raise ValueError(f"--run_config: the plan of the run as its trainer runs it is refused: "
+                     f"{e} (here config.gen_slots is the run's rollout batch, or an instance's "
+                     "slots with plan.generation='instances'; config.dp, fsdp, tp and pp its "
+                     "mesh.data, fsdp, tensor and stage)") from None
   wd.start_outputs(_WORKDIR.value, config, ("result.json",))
   result = plan_programs.run_and_write(cfg, _WORKDIR.value)
   for line in plan_programs.table(result):

@@ -533,6 +533,11 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
       "--run_config=configs/ppo_hf.py:ppo_gpu", "--run_config.init.actor_checkpoint=/nonexistent"],
      "FileNotFoundError: --run_config (config.<field> is --run_config.<field> here): "
      "config.init.actor_checkpoint='/nonexistent': /nonexistent/config.json not found"),
+    # a plan field the run set (it named config.gen_slots alone, a field the user never set)
+    (["experiments.plan_check", "--config=configs/plan_check.py:tiny",
+      "--run_config=configs/ppo_tiny.py", "--run_config.mesh.data=3"],
+     "--run_config: the plan of the run as its trainer runs it is refused: config.gen_slots=64: "
+     "expected a multiple of dp*fsdp*pp=3"),
     # below one forward of each model: refused before the search's kernels compile
     (["experiments.schedule_search", "--config=configs/schedule_search.py",
       "--config.memory_budget=1"],
