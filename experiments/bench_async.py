@@ -43,7 +43,8 @@ from experiments import runner
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.parallel.host_devices import host_device_env
 # Not trainer.config, which imports jax (as matplotlib.pyplot, imported by `plot`, takes a
-# second): this process only starts train_ppo runs, and refuses a bad config or workdir first.
+# second): this process only starts train_ppo runs, and refuses a bad config or workdir first
+# (check_config loads the run configs, which import it, after its own fields pass).
 from rlhfuse_jax.trainer.async_objectives import ASYNC_OBJECTIVES
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
@@ -62,12 +63,6 @@ def check_config(c) -> None:
     path = r.split(":")[0]
     _check(os.path.isfile(os.path.join(runner.REPO_ROOT, path)), "runs", r,
            "train_ppo config files (configs/*.py[:variant])")
-    # Its variant too: an unknown one started every run (9 of the default config), each
-    # failing on the same flag error.
-    try:
-      config_files.get_config(os.path.join(runner.REPO_ROOT, r), "config.runs entry")
-    except Exception as e:  # noqa: BLE001 what the config file's get_config raises
-      raise ValueError(f"config.runs entry {r!r}: {type(e).__name__}: {e}") from None
   s = list(c.staleness)
   _check(len(s) >= 2 and s[0] == 0 and all(isinstance(k, int) and k >= 1 for k in s[1:]),
          "staleness", c.staleness, "0 (the synchronous reference) first, then values >= 1")
@@ -98,6 +93,13 @@ def check_config(c) -> None:
   # (Each run refused it after starting jax: 18 launches of the default config.)
   _check(c.objective in ASYNC_OBJECTIVES, "objective", c.objective,
          f"one of {ASYNC_OBJECTIVES}")
+  # Each run config loaded, its variant too, last (the configs import jax, ~1 s): an unknown
+  # variant started every run (9 of the default config), each failing on the same flag error.
+  for r in c.runs:
+    try:
+      config_files.get_config(os.path.join(runner.REPO_ROOT, r), "config.runs entry")
+    except Exception as e:  # noqa: BLE001 what the config file's get_config raises
+      raise ValueError(f"config.runs entry {r!r}: {type(e).__name__}: {e}") from None
 
 
 def run_name(config: str, staleness: int, seed: int) -> str:

@@ -329,30 +329,13 @@ def _fatal(message: str) -> None:
   sys.exit(1)
 
 
-_TILDE_VALUE = re.compile(r"^(--[\w.\-]+=)(~(?:/.*)?)$", re.DOTALL)
-
-
-def home_expanded(argv: list[str]) -> list[str]:
-  """`argv` with each `--name=~` or `--name=~/...` value's `~` made the home directory. The
-  shell expands `~` only at the start of a word, so `--workdir=~/runs/a` reached the binary as
-  typed: the run went into a directory named `~` under the current one, while its log line read
-  like the home directory (and `rm -rf ~` is the obvious way to clean that up)."""
-  out = list(argv[:1])
-  for i, arg in enumerate(argv[1:], 1):
-    if arg == "--":  # what follows is not flags
-      return out + list(argv[i:])
-    m = _TILDE_VALUE.match(arg)
-    out.append(m.group(1) + os.path.expanduser(m.group(2)) if m else arg)
-  return out
-
-
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing (`app.run(main, flags_parser=parse_flags)`) with every config-file
   error on one line that names the flag: absl's own form for flags.Error, and for the errors
   ml_collections lets through (a misspelled field, a missing file) the field or file with a
   close match. Anything not diagnosed is raised as it came. A value `--name=~/path` has its `~`
-  expanded (home_expanded), as the shell does for `--name ~/path`."""
-  argv = home_expanded(argv)
+  expanded (runner.home_expanded), as the shell does for `--name ~/path`."""
+  argv = runner.home_expanded(argv)
   try:
     args = flags.FLAGS(argv)
   except flags.Error as e:

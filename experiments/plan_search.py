@@ -398,23 +398,33 @@ def main(argv):
                            staleness=cfg.sim.staleness, split_unit=cfg.sim.async_split_unit,
                            accept=accept)
   systems = {}
-  if cfg.systems:
+  compared = list(cfg.systems)
+  if res["best"] is None and compared:
+    # Only asynchronous splits fit: every other system is a synchronous or colocated plan on
+    # all the devices, which fails the same way (the comparison raised, nothing was written).
+    skipped = [k for k in compared if k != "pipe_rlhf_async"]
+    compared = [k for k in compared if k == "pipe_rlhf_async"]
+    if skipped:
+      logging.warning("no synchronous plan fits, so the systems %s (each a plan on all %d "
+                      "devices) are not simulated%s", ", ".join(skipped), wl.num_devices,
+                      "" if compared else "; pipe_rlhf_async (config.systems) would be")
+  if compared:
     t0 = time.time()
     # Silent for minutes before on a first run (configs/plan_search.py:train, a fresh checkout:
     # 150 s, the kernels' compile): say what runs, and log each search as reproduce_ablations.
     logging.info("simulating %s for comparison (fused-schedule searches of sim.search_time_s="
                  "%gs per distinct pipeline shape, %s; --config.systems= skips them) ...",
-                 ", ".join(cfg.systems), cfg.sim.search_time_s, search_lib.KERNELS_NOTE)
+                 ", ".join(compared), cfg.sim.search_time_s, search_lib.KERNELS_NOTE)
     cache = training_sim.ScheduleCache(time_budget_s=cfg.sim.search_time_s, seed=cfg.seed,
                                        log=logging.info)
     # The papers' systems run a reference and a reward model whatever the run's algo.kl_coef
     # and reward.kind.
     rows, _ = iteration_sim.simulate_iteration(
-        cost, dataclasses.replace(wl, reference=True, reward_model=True), cfg.sim, cfg.systems,
+        cost, dataclasses.replace(wl, reference=True, reward_model=True), cfg.sim, compared,
         cache)
     systems = {k: {f: float(r[f]) for f in ("gen_plus_inf_s", "train_s", "iteration_s")}
                for k, r in rows.items()}
-    logging.info("simulated %s in %.1fs", ", ".join(cfg.systems), time.time() - t0)
+    logging.info("simulated %s in %.1fs", ", ".join(compared), time.time() - t0)
   # best None: no synchronous plan fits, only asynchronous splits (plan_search.search)
   best = None if res["best"] is None else {
       **res["best"], "predicted_iteration_s": res["best"]["predicted"]["iteration_s"]}

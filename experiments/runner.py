@@ -12,6 +12,7 @@ import logging as py_logging
 import logging.handlers
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -54,6 +55,25 @@ def caller_path(config: str) -> str:
   return os.path.abspath(path) + sep + variant if os.path.isfile(path) else config
 
 
+_TILDE_VALUE = re.compile(r"^(--?[\w.\-]+=)(~(?:/.*)?)$", re.DOTALL)
+
+
+def home_expanded(argv: list[str]) -> list[str]:
+  """`argv` with each `--name=~` or `--name=~/...` (or `-name=`) value's `~` made the home
+  directory (config_files.parse_flags, the sweep's own --config.* flags and its runs' command
+  lines, so the sweep records what its runs get; not a --flagfile's lines). The
+  shell expands `~` only at the start of a word, so `--workdir=~/runs/a` reached the binary as
+  typed: the run went into a directory named `~` under the current one, while its log line read
+  like the home directory (and `rm -rf ~` is the obvious way to clean that up)."""
+  out = list(argv[:1])
+  for i, arg in enumerate(argv[1:], 1):
+    if arg == "--":  # what follows is not flags
+      return out + list(argv[i:])
+    m = _TILDE_VALUE.match(arg)
+    out.append(m.group(1) + os.path.expanduser(m.group(2)) if m else arg)
+  return out
+
+
 def build_command(binary: str, config: str, run_dir: str, overrides: dict,
                   passthrough: Sequence[str]) -> list[str]:
   """The run's command line. Paths the caller gave relative to its own directory (the config
@@ -62,7 +82,7 @@ def build_command(binary: str, config: str, run_dir: str, overrides: dict,
   cmd = [sys.executable, "-m", f"experiments.{binary}", f"--config={caller_path(config)}",
          f"--workdir={os.path.abspath(run_dir)}"]
   cmd += [f"--config.{k}={format_value(v)}" for k, v in overrides.items() if k != "name"]
-  return cmd + list(passthrough)
+  return home_expanded(cmd + list(passthrough))
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -66,8 +66,8 @@ from ml_collections import config_flags
 
 from experiments import config_files
 from experiments.runner import (REPO_ROOT, RunInterrupted, across_seeds, build_command,
-                                command_line, format_value, code_state, merge_rows, repo_env,
-                                run_streamed, seed_groups, smooth)
+                                command_line, format_value, code_state, home_expanded,
+                                merge_rows, repo_env, run_streamed, seed_groups, smooth)
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax import metrics
 
@@ -128,7 +128,8 @@ def _sweep_of(module: Any, variant: Optional[str], config_path: str) -> list[dic
     if ("/" in name or name.startswith(".") or os.sep in name or "," in name
         or name != name.strip() or name in SWEEP_OUTPUTS):
       raise ValueError(f"get_sweep()[{i}]['name']={name!r}: expected a directory name (no "
-                       "'/' or ',', not starting with '.' or with a space) other than the "
+                       "'/' or ',', not starting with '.', not starting or ending with a "
+                       "space) other than the "
                        f"sweep's own files {list(SWEEP_OUTPUTS)}")
     # A None reached the run as the text "None" (a prompts_file 'None' not found), and the
     # summary showed it as an empty cell, as if the field kept its default.
@@ -218,7 +219,7 @@ def check_values(config_path: str, runs: Sequence[tuple[int, str, dict]],
          for i, name, entry in runs]
   configs = {}
   for name, where, args in [(None, "the sweep's flag", [])] + own:
-    argv = ["sweep", config_arg, *args, *passthrough]
+    argv = home_expanded(["sweep", config_arg, *args, *passthrough])  # as its runs do
     values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", None, flag_values=values, sys_argv=argv)
     try:
@@ -1031,5 +1032,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _own, _PASSTHROUGH[:] = split_passthrough(sys.argv)
+  # (~ expanded here too: its runs' configs, which the sweep records, get the expanded path)
+  _own, _PASSTHROUGH[:] = split_passthrough(home_expanded(sys.argv))
   config_files.run(main, argv=_own, traceback_in_workdir=False)

@@ -536,10 +536,17 @@ def test_the_code_processes_compare_includes_uncommitted_changes(monkeypatch):
 def test_a_tilde_after_the_equals_sign_is_the_home_directory(monkeypatch):
   """The shell expands `~` only at a word's start: `--workdir=~/runs/a` reached the binaries as
   typed and made a directory named `~` in the current one. parse_flags expands `--name=~` and
-  `--name=~/...` (a config field's path too), not a `~` inside a value or after `--`."""
+  `--name=~/...` (a config field's path too; absl's `-name=` form too), not a `~` inside a
+  value or after `--`. The sweep expands its own flags and its runs' commands the same way
+  (it recorded `~/x` where its runs' configs held the expanded path, so a finished run was
+  never recognised as the same config)."""
+  from experiments import runner
   monkeypatch.setenv("HOME", "/home/u")
   argv = ["prog", "--workdir=~/runs/a", "--config.data.prompts_file=~", "--x=a~/b",
           "--y=~user_unknown_zz/c", "-v=~/d", "--", "--z=~/e"]
-  assert config_files.home_expanded(argv) == [
+  assert runner.home_expanded(argv) == [
       "prog", "--workdir=/home/u/runs/a", "--config.data.prompts_file=/home/u", "--x=a~/b",
-      "--y=~user_unknown_zz/c", "-v=~/d", "--", "--z=~/e"]
+      "--y=~user_unknown_zz/c", "-v=/home/u/d", "--", "--z=~/e"]
+  cmd = runner.build_command("plan_search", "configs/plan_search.py", "/r", {"hardware": "~/h"},
+                             ["--config.calibration=~/c.json"])
+  assert cmd[-2:] == ["--config.hardware=/home/u/h", "--config.calibration=/home/u/c.json"]

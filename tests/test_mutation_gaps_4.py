@@ -619,7 +619,8 @@ def test_a_sweep_stops_after_a_stopped_run_and_a_subset_keeps_the_other_rows(tmp
   assert proc.returncode == 0, proc.stderr[-2000:]
   (rows, complete), (again, again_complete), refused = json.loads(proc.stdout.splitlines()[-1])
   assert refused.startswith("get_sweep()[0]['name']='..': expected a directory name (no '/' "
-                            "or ',', not starting with '.' or with a space)")
+                            "or ',', not starting with '.', not starting or ending with a "
+                            "space)")
   assert [r["run"] for r in rows] == ["a", "b", "c"] and not complete
   assert rows[0]["status"] == "ok" and rows[0]["result/status"] == "done"
   assert rows[0]["loss"] == 0.5 and "provenance/host" not in rows[0]

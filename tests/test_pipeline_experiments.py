@@ -359,6 +359,10 @@ try:
   sweep.select([{'name': 'a'}], [])
 except ValueError as e:
   out["only"] = str(e)
+# the recorded config as its run gets it: ~ expanded (the run's config.json held the path)
+got = sweep.check_values('configs/plan_search.py', [(0, 'a', {'calibration': '~/cal.json'})],
+                         ['--config.hardware=~/hw.json'])['a']
+out["tilde"] = [got['calibration'], got['hardware']]
 print(json.dumps(out))
 """
 
@@ -391,6 +395,7 @@ def test_a_sweep_refuses_what_get_sweep_cannot_mean(tmp_path):
   assert "'summary.json', 'summary.csv'" in said["summary"]
   assert got["only"] == ("--only=: no run named; expected run names (e.g. --only=a), or leave "
                          "--only out to run them all")
+  assert got["tilde"] == [os.path.expanduser("~/cal.json"), os.path.expanduser("~/hw.json")]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -958,13 +958,18 @@ def test_with_no_synchronous_plan_the_asynchronous_splits_are_still_searched(tmp
        "--config.pairs=llama-7b/llama-7b",
        f"--workdir={tmp_path}", "--config.num_devices=24", "--config.global_batch=128",
        "--config.minibatch=32", "--config.max_new_tokens=512", "--config.sim.staleness=1",
-       "--config.sim.search_time_s=0.2", "--config.systems=pipe_rlhf_async"],
+       "--config.sim.search_time_s=0.2"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
+  # the default systems: those that need a plan on all 24 devices are left out, said so
+  assert ("no synchronous plan fits, so the systems realhf_like, rlhfuse_base, rlhfuse, "
+          "pipe_rlhf, rlhfuse_planned (each a plan on all 24 devices) are not simulated"
+          in out.stderr), out.stderr[-3000:]
   result = json.loads((tmp_path / "result.json").read_text())
   assert result["best"] is None and result["plan_json"] == "asynchronous"
   plan = json.loads((tmp_path / "plan.json").read_text())
   assert plan["async"]["generation_devices"] + plan["async"]["training_devices"] == 24
+  assert list(result["systems"]) == ["pipe_rlhf_async"]
   assert result["systems"]["pipe_rlhf_async"]["iteration_s"] == pytest.approx(
       result["async"]["predicted_iteration_s"])
   assert "No synchronous plan: plan search: no feasible plan" in (
