@@ -101,11 +101,11 @@ def _sweep_of(module: Any, variant: Optional[str], config_path: str) -> list[dic
   got = config_files.call_with_variant(module.get_sweep, variant)
   # A forgotten `return` (None) or a dict ended in a TypeError's traceback or "get_sweep()[0] is
   # str" (a dict's first key); an empty list in exit 0 and an empty summary table.
-  if not isinstance(got, (list, tuple)):
+  if got is None or isinstance(got, (dict, str, bytes)) or not hasattr(got, "__iter__"):
     raise ValueError(f"--config={config_path!r}: get_sweep() returned {type(got).__name__}; "
                      "expected a list of dicts, one per run (field: value overrides, and an "
                      "optional 'name')")
-  sweep = list(got)
+  sweep = list(got)  # (a generator too)
   if not sweep:
     raise ValueError(f"--config={config_path!r}: get_sweep() returned no runs; expected a list "
                      "of dicts, one per run")

@@ -343,6 +343,7 @@ _BAD_SWEEPS = {
     "comma": "  return [{'name': 'pp=4,seed=1'}]\n",  # --only could not select it
     "space": "  return [{'name': ' a'}]\n",
     "summary": "  return [{'name': 'summary.json'}, {'name': 'b'}]\n",  # IsADirectoryError
+    "generator": "  return ({'name': n} for n in 'ab')\n",  # taken, as it always was
 }
 _LOAD_SWEEPS = """
 import json, sys
@@ -393,6 +394,7 @@ def test_a_sweep_refuses_what_get_sweep_cannot_mean(tmp_path):
     assert said[name].startswith(f"get_sweep()[0]['name']={run!r}: expected a directory name"), \
         said[name]
   assert "'summary.json', 'summary.csv'" in said["summary"]
+  assert said["generator"] is None
   assert got["only"] == ("--only=: no run named; expected run names (e.g. --only=a), or leave "
                          "--only out to run them all")
   assert got["tilde"] == [os.path.expanduser("~/cal.json"), os.path.expanduser("~/hw.json")]
