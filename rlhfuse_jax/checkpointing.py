@@ -102,6 +102,12 @@ def checksums(state: Any) -> dict[str, int]:
   return {k: int(v) for k, v in zip(keys, jax.device_get([s.addressable_data(0) for s in sums]))}
 
 
+def error_line(e: BaseException) -> str:
+  """`Type: first line` of an error reading a checkpoint, at most 300 characters of the line
+  (orbax's run to dozens of lines): what the refusals of a checkpoint that cannot be read show."""
+  return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+
+
 class DamagedCheckpointError(ValueError):
   """A checkpoint restored without an error but holds other bits than were saved."""
 

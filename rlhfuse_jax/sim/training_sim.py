@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import schedules
 from rlhfuse_jax.pipeline.bounds import (pipeline_1f1b_makespan, serial_makespan_formula,
                                          tight_lower_bound)
@@ -251,15 +252,11 @@ class ScheduleCache:
     self.entries: dict = {}
     if path and os.path.exists(path):
       try:
-        with open(path) as f:
-          entries = json.load(f)
-        if not isinstance(entries, dict):
-          raise ValueError(f"a JSON {type(entries).__name__}, not an object")
-        self.entries = entries
-      except (OSError, ValueError) as e:  # a cache: searched again (a bare JSONDecodeError)
+        self.entries = wd.read_json_object(path)
+      except ValueError as e:  # a cache: searched again (a bare JSONDecodeError before)
         if log:
-          log(f"schedule cache {path} is unreadable ({type(e).__name__}: {e}): its searches "
-              "run again, and it is rewritten")
+          log(f"schedule cache {path} is unreadable ({e}): its searches run again, and it is "
+              "rewritten")
 
   def key(self, problem: PipelineProblem) -> str:
     """The problem and the search that solves it (as trainer/pipelined.py keys its cache): a

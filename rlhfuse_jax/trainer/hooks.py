@@ -414,7 +414,7 @@ class Checkpoints(Hook):
     the code), and in a multi-host run every process would have to agree on the move. A run
     whose only checkpoint was set aside stops once instead of silently starting over."""
     what = f"checkpoint {step} in {self.checkpointer.directory} cannot be read " \
-           f"({type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]})"
+           f"({checkpointing.error_line(error)})"
     if isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error):
       raise error  # out of memory is not damage
     aside = self.checkpointer.set_aside_command(step)
@@ -562,7 +562,7 @@ class Checkpoints(Hook):
       what = (f"does not fit this run's state ({layout}; {mismatch})" if mismatch else
               "cannot be read (damaged?)")
       raise ValueError(f"checkpoint {step} in {self.checkpointer.directory} {what}: "
-                       f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}") from e
+                       f"{checkpointing.error_line(e)}") from e
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     if step % self.cfg.checkpoint.every == 0 or step == self.cfg.num_iterations or stopping:

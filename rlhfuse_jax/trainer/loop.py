@@ -224,8 +224,8 @@ class PPOTrainer:
         # (a checkpoint without its meta/ was orbax's KeyError in a 55-line traceback)
         raise ValueError(
             f"checkpoint {self._export_step} in {checkpointer.directory} cannot be read "
-            f"(damaged?): {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}; "
-            "export another kept step (--step)") from None
+            f"(damaged?): {checkpointing.error_line(e)}; export another kept step (--step)"
+        ) from None
       self.resume_step = self._export_step
       if meta.get("iteration") != self._export_step:  # the export would be marked with it
         raise ValueError(
