@@ -486,11 +486,12 @@ def _simulate_inference(cost, frozen, setup, clock, seq_lens, finish, done_gen_a
     nxt += take.size
     dur = float(stage_cost(cost, "inference_s", stages, list(frozen), setup.tp, seq_lens[take]))
     start, first_free, prev = t, None, None
+    # the same for every stage of the micro-batch: split once
+    shares = _model_shares(cost, stages, setup.tp, seq_lens[take], dur) if pp > 1 else None
     for m in units[u]:  # stage k after stage k-1, once its hidden states are here
       if prev is not None:
-        start += max(d + h for d, h in zip(_model_shares(cost, stages, setup.tp, seq_lens[take],
-                                                         dur),
-                                           handoff_s(cost, frozen, setup, prev, m, width)))
+        start += max(d + h for d, h in zip(shares, handoff_s(cost, frozen, setup, prev, m,
+                                                              width)))
       end = clock.run(m, dur, "inference", not_before=start)
       start = end - dur  # this stage's start (the clock's, which waits for the instance)
       first_free = end if first_free is None else first_free
