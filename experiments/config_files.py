@@ -418,7 +418,25 @@ def _save_traceback(text: str, in_workdir: bool = True) -> Optional[str]:
   return None
 
 
-PEER_GRACE_S = 10  # seconds process 0 waits before an error's exit ends the coordination service
+# Seconds process 0 waits before an error's exit ends the coordination service (the others'
+# time to report the same error). RLHFUSE_PEER_GRACE_S replaces it: longer where processes
+# reach a shared check far apart (a slow shared filesystem), shorter in tests.
+PEER_GRACE_ENV = "RLHFUSE_PEER_GRACE_S"
+PEER_GRACE_S = 10
+
+
+def peer_grace_s() -> float:
+  """PEER_GRACE_S, or the environment's RLHFUSE_PEER_GRACE_S (seconds >= 0)."""
+  text = os.environ.get(PEER_GRACE_ENV)
+  if text is None:
+    return PEER_GRACE_S
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not value >= 0:  # also NaN
+    raise ValueError(f"{PEER_GRACE_ENV}={text!r}: expected seconds, a number >= 0")
+  return value
 
 
 def exit_now(status: int) -> None:
@@ -453,10 +471,15 @@ def _exit_now_if_peers(print_first: str = "") -> None:
   if jax.process_index() == 0:
     # Process 0 hosts jax's coordination service: its exit aborts the others (134) before a
     # slower one that fails on the same input (a config every process checks) has said why.
-    logging.error("process 0 exits in %d s (the others that fail too report their errors "
-                  "first)", PEER_GRACE_S)
+    try:
+      grace = peer_grace_s()
+    except ValueError as e:  # the error being reported matters more: wait the default
+      logging.error("%s; waiting %d s", e, PEER_GRACE_S)
+      grace = PEER_GRACE_S
+    logging.error("process 0 exits in %g s (the others that fail too report their errors "
+                  "first)", grace)
     logging.flush()
-    time.sleep(PEER_GRACE_S)
+    time.sleep(grace)
   exit_now(1)
 
 

@@ -134,10 +134,10 @@ show_failure() {  # process index, status[, 1: only note its error (its output i
   out=$(tail -c +$((offsets[$1] + 1)) "$log" || true)  # this start's output
   # The error line first: after a runtime abort the log's last lines are a C++ stack dump.
   # The run's own reason for exiting ("...; exiting (69)"), else the last fatal (F) line, else
-  # the last error (E) line or exception; not process 0's note that it exits in 10 s
+  # the last error (E) line or exception; not process 0's note that it exits in N s
   # (experiments/config_files.exit_now), which follows its error.
   for pattern in '^E[0-9]{4} .*exiting \([0-9]+\)$' '^F[0-9]{4} ' '^E[0-9]{4} |Error: '; do
-    cause=$(grep -E "$pattern" <<< "$out" | grep -Ev '\] process 0 exits in [0-9]+ s \(' |
+    cause=$(grep -E "$pattern" <<< "$out" | grep -Ev '\] process 0 exits in [0-9.e+-]+ s \(' |
       tail -n 1 || true)
     if [[ -n "$cause" ]]; then break; fi
   done

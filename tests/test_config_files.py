@@ -550,3 +550,16 @@ def test_a_tilde_after_the_equals_sign_is_the_home_directory(monkeypatch):
   cmd = runner.build_command("plan_search", "configs/plan_search.py", "/r", {"hardware": "~/h"},
                              ["--config.calibration=~/c.json"])
   assert cmd[-2:] == ["--config.hardware=/home/u/h", "--config.calibration=/home/u/c.json"]
+
+
+def test_the_peer_grace_is_read_from_the_environment(monkeypatch):
+  """RLHFUSE_PEER_GRACE_S replaces process 0's 10 s wait before an error's exit; a value that
+  is not seconds >= 0 is refused by name (the caller then waits the default)."""
+  monkeypatch.delenv(config_files.PEER_GRACE_ENV, raising=False)
+  assert config_files.peer_grace_s() == config_files.PEER_GRACE_S == 10
+  monkeypatch.setenv(config_files.PEER_GRACE_ENV, "2.5")
+  assert config_files.peer_grace_s() == 2.5
+  for bad in ("-1", "nan", "soon", ""):
+    monkeypatch.setenv(config_files.PEER_GRACE_ENV, bad)
+    with pytest.raises(ValueError, match=r"RLHFUSE_PEER_GRACE_S=.*expected seconds, a number"):
+      config_files.peer_grace_s()

@@ -515,7 +515,9 @@ def test_the_same_error_on_every_process_is_reported_by_each():
   failed on the same input 3 s later (134) before it had logged why. It waits
   config_files.PEER_GRACE_S first."""
   port = free_port()
-  procs = [subprocess.Popen(_join(port, 2, i, what="both"), cwd=REPO, env=subprocess_env(1),
+  env = subprocess_env(1)
+  del env["RLHFUSE_PEER_GRACE_S"]  # the default's 10 s, not the suite's shorter one
+  procs = [subprocess.Popen(_join(port, 2, i, what="both"), cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for i in range(2)]
   try:
