@@ -471,9 +471,9 @@ def main(argv):
   wd.atomic_write_text(os.path.join(workdir, "plan_search.md"), "\n".join(
       report(res, systems, setting, (hardware, efficiency, calibration),
              (memory, which, cost.hw.hbm_bytes))))
-  logging.info("best %ss (%s); uniform %s; async %s; plan.json %s; searched in %.1fs in all "
+  logging.info("best %s (%s); uniform %s; async %s; plan.json %s; searched in %.1fs in all "
                "-> %s",
-               _s(best["predicted_iteration_s"]) if best else "none",
+               f"{_s(best['predicted_iteration_s'])}s" if best else "none",
                res["best"]["summary"] if best else "no synchronous plan fits",
                f"{_s(uniform['predicted_iteration_s'])}s" if uniform else "none",
                f"{_s(asynchronous['predicted_iteration_s'])}s ({asynchronous['plan']['summary']})"

@@ -965,6 +965,8 @@ def test_with_no_synchronous_plan_the_asynchronous_splits_are_still_searched(tmp
   assert ("no synchronous plan fits, so the systems realhf_like, rlhfuse_base, rlhfuse, "
           "pipe_rlhf, rlhfuse_planned (each a plan on all 24 devices) are not simulated"
           in out.stderr), out.stderr[-3000:]
+  assert "] best none (no synchronous plan fits); uniform none; async " in out.stderr, (
+      out.stderr[-3000:])  # not "best nones"
   result = json.loads((tmp_path / "result.json").read_text())
   assert result["best"] is None and result["plan_json"] == "asynchronous"
   plan = json.loads((tmp_path / "plan.json").read_text())
