@@ -357,6 +357,20 @@ def test_async_search_picks_the_brute_force_best_split():
   assert not a["best"]["async"]["colocated"]
 
 
+def test_the_async_search_says_how_far_it_is(monkeypatch):
+  """The splits of thousands of devices take minutes (4096: 81 s), which were silent: a line
+  every PROGRESS_S (0 here: one before each split) counts the splits tried and those that fit."""
+  monkeypatch.setattr(ps, "PROGRESS_S", 0.0)
+  lines = []
+  ps.search(COST, _small_async(), it.SimOptions(gen_tps=(1, 2, 4, 8)), staleness=2,
+            split_unit=2, log=lines.append)
+  progress = [ln for ln in lines if "splits tried" in ln]
+  assert [ln.split(": ")[1].split(" splits")[0] for ln in progress] == [
+      f"{i} of 7" for i in range(7)], lines
+  assert progress[0].startswith("async plan search (k=2): 0 of 7 splits tried, 0 fit (")
+  assert not progress[-1].split("tried, ")[1].startswith("0 fit")
+
+
 def test_async_iteration_is_max_of_the_groups_plus_reshard():
   """Each split's plan: max(gen + inference, train) + reshard, from the component times the
   code computes on each group's devices; serial_s is their sum."""

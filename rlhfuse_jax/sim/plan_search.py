@@ -311,6 +311,9 @@ def reshard_s(cost: CostModel, wl, devices_per_copy: int, receivers: int = 0,
 # reward model). The trainer (trainer/loop.py) scores a batch with the current actor (proximal
 # log-probs) and critic (values) on the training group when it trains on it: rescore_s.
 ASYNC_GENERATION_FROZEN = ("reference", "reward")
+# Seconds between the asynchronous search's progress lines (its splits of 4096 devices: 81 s,
+# 2026-12-06 on the 2-core dev machine, silent before).
+PROGRESS_S = 15.0
 
 
 def rescore_s(cost: CostModel, wl, train_plan: dict, seq_lens: np.ndarray, opt) -> float:
@@ -898,7 +901,13 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: Optional[d
                   "async": {"generation_devices": n, "training_devices": n,
                             "staleness": staleness, "colocated": True}})
   restricted = opt.trainer_runnable or accept is not None
-  for g in async_splits(cost, n, split_unit):
+  tried = async_splits(cost, n, split_unit)
+  said = t0  # a progress line every PROGRESS_S: thousands of devices take minutes
+  for i, g in enumerate(tried):
+    if log and time.time() - said >= PROGRESS_S:
+      said = time.time()
+      log(f"async plan search (k={staleness}): {i} of {len(tried)} splits tried, "
+          f"{sum(1 for sp in splits if 'iteration_s' in sp)} fit ({said - t0:.0f}s)")
     rejected: dict = {}
     if opt.trainer_runnable and wl.global_batch % g:
       splits.append({"generation_devices": g, "training_devices": n - g,
