@@ -487,10 +487,12 @@ def test_clear_errors(params, prompts):
 
 @pytest.mark.parametrize("kw", [{"eos_id": 2.5}, {"pad_id": 0.5}, {"eos_id": None},
                                 {"top_k": float("nan")}, {"max_new_tokens": float("inf")},
-                                {"chunk_size": None}, {"steps_per_check": float("nan")}])
+                                {"chunk_size": None}, {"steps_per_check": float("nan")},
+                                {"eos_id": True}, {"top_k": True}, {"max_new_tokens": np.True_}])
 def test_sampling_ids_and_sizes_that_are_not_integers_are_refused_naming_them(kw):
   # eos_id=2.5 was accepted and matched no token, so no response ended on it; pad_id=0.5 padded
-  # with 0; NaN, inf or None in a size raised int()'s bare error, naming no field.
+  # with 0; NaN, inf or None in a size raised int()'s bare error, naming no field; a bool was
+  # its int (eos_id=True token 1, top_k=True greedy-like), where extra_eos_ids refused it.
   (name, value), = kw.items()
   with pytest.raises(ValueError, match=re.escape(f"sampling.{name}={value}; expected")):
     SamplingConfig(**kw)

@@ -578,6 +578,17 @@ def test_errors_name_the_function_and_the_sample(tok):
                              rf"\d .*expected a finite number \(float32: magnitude at most "
                              rf"3\.4e\+38\)"):
       rewards_lib.get_reward_function(f"tests.test_rewards:{spec}")(records, ids, lens, tok)
+  # A None (a forgotten return on one path) or a text among a batched function's values: named
+  # as the per-sample path names them (numpy read None as NaN, the error said nan, and "1" as
+  # 1.0); a statistic's None is its "no value".
+  for given, shown, at in (([1.0, None, 0.0], "None", 1), (["1", "2", "3"], "'1'", 0)):
+    with pytest.raises(rewards_lib.RewardFunctionError,
+                       match=rf"'odd_batch' \(batched\) returned {shown} for sample {at} "
+                             r".*expected one number per response"):
+      rewards_lib.per_batch(lambda texts, answers, recs, v=given: v, "odd_batch")(
+          records, ids, lens, tok)
+  stat = rewards_lib.per_batch(lambda texts, answers, recs: [1.0, None, 0.0], "s", stat=True)
+  np.testing.assert_array_equal(stat(records, ids, lens, tok), [1.0, np.nan, 0.0])
   big = rewards_lib.per_batch(lambda texts, answers, recs: [0.0, 1e39, 0.0], "big_batch")
   with pytest.raises(rewards_lib.RewardFunctionError,
                      match=r"'big_batch' \(batched\) returned 1e\+39 for sample 1"):

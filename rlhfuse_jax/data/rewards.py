@@ -308,6 +308,15 @@ def per_batch(fn: Callable, name: str, stat: bool = False) -> RewardFn:
     except Exception as e:  # noqa: BLE001 re-raised with the function named
       raise RewardFunctionError(f"{what} {name!r} (batched) failed on a batch of "
                                 f"{len(texts)} responses: {type(e).__name__}: {e}") from e
+    # A None (a forgotten return on some path) or a text ("0.5") among the values is refused
+    # as per_sample refuses it: numpy read None as NaN (the error then named nan) and took the
+    # text's number. A statistic's None is its "no value", NaN.
+    if not isinstance(values, np.ndarray) and isinstance(values, collections.abc.Sequence):
+      for b, v in enumerate(values[:len(texts)]):
+        if v is None and not stat or isinstance(v, (str, bytes)):
+          raise RewardFunctionError(
+              f"{what} {name!r} (batched) returned {v!r:.200} for "
+              f"{_sample(b, recs[b], answers[b], texts[b])}; expected one number per response")
     try:
       given = np.asarray(values, np.float64)
     except (TypeError, ValueError, OverflowError) as e:

@@ -27,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 # The smallest temperature sampled with: logits / temperature must stay finite in float32
@@ -37,7 +38,10 @@ MIN_TEMPERATURE = 1e-6
 
 
 def _whole(x) -> bool:
-  """Whether `x` is an integer value (an int, or an integral float such as 2.0)."""
+  """Whether `x` is an integer value (an int, or an integral float such as 2.0; not a bool:
+  eos_id=True was token 1, top_k=True greedy-like)."""
+  if isinstance(x, (bool, np.bool_)):
+    return False
   try:
     return int(x) == x
   except (TypeError, ValueError, OverflowError):  # None, a string, NaN, inf: refused, named
