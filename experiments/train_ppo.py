@@ -78,7 +78,8 @@ def _finite_mean(values: list) -> float | None:
   return sum(values) / len(values) if values else None
 
 
-def summarize(history: list[dict], num_iterations: int) -> dict:
+def summarize(history: list[dict], num_iterations: int,
+              trained_to: int | None = None) -> dict:
   """Whether the run is done or stopped early (a signal: re-run to resume), reward of the first
   and last 10% of iterations (the mean of their finite rewards: an iteration whose reward was
   NaN, its updates skipped under guard.on_nonfinite='skip_update', is left out and counted in
@@ -86,16 +87,26 @@ def summarize(history: list[dict], num_iterations: int) -> dict:
   perf/tokens_per_s: a start's first iteration, which compiles, falls outside the median of
   three or more; a sweep's summary puts them beside the reward, where wall_s, compiles
   included, was the only time) and the final iteration's scalar metrics (its timings and
-  per-sample lists are in metrics.jsonl)."""
+  per-sample lists are in metrics.jsonl).
+
+  `trained_to`: the iteration the run's state is at (its checkpoint), which gives the status
+  and the iteration count; metrics.jsonl may lack rows (a torn or removed line), counted in
+  metrics_missing_iterations. None: the last row's step."""
+  step = history[-1]["step"] if history else 0
+  if trained_to is None:
+    trained_to = step
+  rows = {h.get("step") for h in history}
+  missing = sum(1 for i in range(1, trained_to + 1) if i not in rows)
+  status = {"status": "done" if trained_to >= num_iterations else "stopped",
+            "iterations": trained_to, "num_iterations": num_iterations,
+            **({"metrics_missing_iterations": missing} if missing else {})}
   if not history:
-    return {"status": "stopped", "iterations": 0, "num_iterations": num_iterations}
+    return status
   k = max(1, len(history) // 10)
   first = _finite_mean([h.get("reward/mean") for h in history[:k]])
   last = _finite_mean([h.get("reward/mean") for h in history[-k:]])
   nonfinite = sum(1 for h in history if _finite_mean([h.get("reward/mean")]) is None)
-  step = history[-1]["step"]
-  return {"status": "done" if step >= num_iterations else "stopped", "iterations": step,
-          "num_iterations": num_iterations, "reward_first_10pct": first,
+  return {**status, "reward_first_10pct": first,
           "reward_last_10pct": last,
           "reward_gain": None if first is None or last is None else last - first,
           **({"reward_nonfinite_iterations": nonfinite} if nonfinite else {}),
@@ -322,7 +333,7 @@ def _main(run_log: runner.RunLog) -> None:
   if main_process:
     # The summary covers the whole run (also iterations done before a resume).
     history = wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-    result = summarize(history, cfg.num_iterations)
+    result = summarize(history, cfg.num_iterations, trainer.trained_to)
     export = os.path.join(workdir, hooks.HF_EXPORT_DIR)
     if cfg.checkpoint.export_hf and os.path.isdir(export):
       result["hf_export"] = export

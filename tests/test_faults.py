@@ -412,6 +412,28 @@ def test_a_shorter_num_iterations_on_a_finished_run_says_where_the_run_stays(tmp
       1, 2, 3, 4, 5, 6]
 
 
+def test_a_finished_run_whose_last_row_was_torn_says_so_and_stays_at_its_checkpoint(
+    tmp_path, straight, caplog):
+  """A finished run re-run after metrics.jsonl lost its last row (a torn line): the trainer
+  warns that the row is missing, as a resume does (it dropped it silently), and trained_to,
+  the iteration train_ppo's result.json gives, stays the checkpoint's 6."""
+  _, workdir, _, _ = straight
+  run = str(tmp_path / "run")
+  shutil.copytree(workdir, run)
+  path = os.path.join(run, "metrics.jsonl")
+  with open(path) as f:
+    text = f.read()
+  with open(path, "w") as f:
+    f.write(text[:text.rstrip("\n").rfind("\n") + 300])
+  with caplog.at_level("INFO"):
+    trainer = PPOTrainer(tiny_config(**{"num_iterations": 6}), run)
+    assert trainer.run() == []
+  assert trainer.trained_to == 6
+  assert "has no row for 1 iteration(s) the checkpoint at iteration 6 covers (6)" in (
+      caplog.text), caplog.text
+  assert [r["step"] for r in wd.read_jsonl(path)] == [1, 2, 3, 4, 5]
+
+
 def test_metrics_are_written_exactly_once_after_a_crash_before_the_first_checkpoint(tmp_path):
   cfg = tiny_config(**{"checkpoint.every": 100, "num_iterations": 3})
   crashing = PPOTrainer(cfg, str(tmp_path))

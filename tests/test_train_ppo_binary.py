@@ -527,7 +527,9 @@ skipped = [{"step": i + 1, "reward/mean": None if i in (0, 19) else 0.5 + (i > 9
            for i in range(20)]
 print(json.dumps([train_ppo.summarize(rows, 4), train_ppo.summarize(rows[:3], 4),
                   train_ppo.summarize([{"step": 1, "reward/mean": 0.0}], 4),
-                  train_ppo.summarize(skipped, 20), train_ppo.summarize(skipped[:1], 20)]))
+                  train_ppo.summarize(skipped, 20), train_ppo.summarize(skipped[:1], 20),
+                  train_ppo.summarize(rows[:3], 4, trained_to=4),
+                  train_ppo.summarize([], 4, trained_to=4)]))
 """
 
 
@@ -539,7 +541,8 @@ def test_result_json_holds_the_throughput_beside_the_reward():
   out = subprocess.run([sys.executable, "-c", _SUMMARIZE], cwd=REPO, env=_env(),
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-3000:]
-  four, three, bare, skipped, none = json.loads(out.stdout.strip().splitlines()[-1])
+  four, three, bare, skipped, none, torn, lost = json.loads(
+      out.stdout.strip().splitlines()[-1])
   assert (four["median_step_s"], four["median_tokens_per_s"]) == (pytest.approx(0.35), 350.0)
   assert (three["median_step_s"], three["median_tokens_per_s"]) == (0.4, 300.0)
   assert (three["status"], three["iterations"]) == ("stopped", 3)
@@ -552,6 +555,13 @@ def test_result_json_holds_the_throughput_beside_the_reward():
   assert (skipped["reward_gain"], skipped["reward_nonfinite_iterations"]) == (1.0, 2)
   assert (none["reward_first_10pct"], none["reward_gain"], none["status"]) == (None, None,
                                                                                 "stopped")
+  # The status and the count are the trained state's: a finished run re-run after its last row
+  # was torn (or metrics.jsonl removed) wrote "stopped" at 3 (or 0) over its "done" at 4.
+  assert (torn["status"], torn["iterations"], torn["metrics_missing_iterations"]) == (
+      "done", 4, 1)
+  assert (lost["status"], lost["iterations"], lost["metrics_missing_iterations"]) == (
+      "done", 4, 4)
+  assert "metrics_missing_iterations" not in four and "metrics_missing_iterations" not in three
 
 
 def test_the_nan_guards_stop_is_one_line_saying_what_to_change(tmp_path):

@@ -278,6 +278,16 @@ class HangWatchdog(Hook):
     self._disarm()
 
 
+def warn_missing_rows(path: str, missing: list[int], start: int) -> None:
+  """Warns that metrics.jsonl (`path`) has no row for the steps `missing`
+  (MetricWriter.truncate_after's answer) up to the checkpoint at `start`."""
+  if missing:
+    shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+    logging.warning("%s has no row for %d iteration(s) the checkpoint at iteration %d covers "
+                    "(%s): a torn or removed line; those iterations are not run again, so "
+                    "their metrics stay missing", path, len(missing), start, shown)
+
+
 class MetricsLog(Hook):
   """metrics.jsonl + TensorBoard events (process 0), and a progress line every log_every.
 
@@ -294,12 +304,7 @@ class MetricsLog(Hook):
     self.progress = metrics_lib.ProgressReporter(self.cfg.num_iterations, start, self.started)
     self.writer = metrics_lib.MetricWriter(self.workdir, enabled=jax.process_index() == 0,
                                            purge_step=start + 1)
-    missing = self.writer.truncate_after(start)
-    if missing:
-      shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
-      logging.warning("%s has no row for %d iteration(s) the checkpoint at iteration %d covers "
-                      "(%s): a torn or removed line; those iterations are not run again, so "
-                      "their metrics stay missing", self.writer.path, len(missing), start, shown)
+    warn_missing_rows(self.writer.path, self.writer.truncate_after(start), start)
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     self.writer.write(step, metrics)

@@ -261,6 +261,7 @@ class PPOTrainer:
 
   def _setup(self, cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh]) -> None:
     self.stopped_by_signal: Optional[int] = None  # the signal that stopped run(), if any
+    self.trained_to: Optional[int] = None  # the iteration run() left the state at
     self.checkpoints = hooks.Checkpoints(self.workdir, cfg, cfg.fingerprint())
     self.cfg = cfg
     # Every process reads the workdir itself: a host whose view of the shared filesystem
@@ -1036,6 +1037,8 @@ class PPOTrainer:
     try:
       hooks.agree_setup_signal()  # set-up points every process reaches: a signal stops all
       start = self.finished_at if self.finished_at is not None else self._restore()
+      # The iteration the run's state is at: its result's (metrics.jsonl may lack rows).
+      self.trained_to = start
       hooks.agree_setup_signal()  # (before anything is written for this start)
       if (config_record is not None and start < self.cfg.num_iterations and
           jax.process_index() == 0):
@@ -1056,7 +1059,7 @@ class PPOTrainer:
             for r in wd.read_jsonl(os.path.join(self.workdir, "metrics.jsonl")))
         writer = metrics_lib.MetricWriter(self.workdir, tensorboard=later, enabled=main,
                                           purge_step=start + 1)
-        writer.truncate_after(start)
+        hooks.warn_missing_rows(writer.path, writer.truncate_after(start), start)
         writer.close()
         hooks.SamplesLog(self.workdir, lambda: None).begin(start)  # its rows after `start`
         if self.export_only:
@@ -1177,6 +1180,7 @@ class PPOTrainer:
         self._check_lock(step)
         stopping = stop.agreed() or step == stop_after
         hooks.run_hooks(run_hooks, "after", step, m, stopping)
+        self.trained_to = step
         if stopping:
           # A signal during the last iteration stops nothing: the run is complete.
           self.stopped_by_signal = stop.signal if step < self.cfg.num_iterations else None
