@@ -11,6 +11,7 @@ own one-line form only for `flags.Error`. No absl flags are defined here."""
 from __future__ import annotations
 
 import difflib
+import errno
 import importlib.util
 import inspect
 import math
@@ -391,9 +392,18 @@ USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, wd.WorkdirInUs
                wd.MainProcessError)
 
 
+# An OSError from the machine rather than the code: a full disk or quota, a read-only
+# filesystem, a file the user may not write, a file where a directory belongs or the reverse
+# (a failed write to metrics.jsonl, result.json or .lock ended in a 50-87 line traceback).
+ENVIRONMENT_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                                errno.EPERM, errno.EISDIR, errno.ENOTDIR))
+
+
 def user_error(e: BaseException) -> bool:
-  """Whether `run` reports `e` as one line (USER_ERRORS), not as a traceback."""
-  return isinstance(e, USER_ERRORS) and type(e) is not FloatingPointError
+  """Whether `run` reports `e` as one line (USER_ERRORS, or an OSError of
+  ENVIRONMENT_ERRNOS), not as a traceback."""
+  return (isinstance(e, USER_ERRORS) and type(e) is not FloatingPointError or
+          isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS)
 
 
 def _save_traceback(text: str, in_workdir: bool = True) -> Optional[str]:

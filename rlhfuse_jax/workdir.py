@@ -6,6 +6,7 @@ killed process never leaves a half-written file behind.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import fnmatch
@@ -52,9 +53,10 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
   """Writes `data` to `path` atomically (same-directory temp file + fsync + os.replace)."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_", suffix=os.path.basename(path))
+  with _naming(path):
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_", suffix=os.path.basename(path))
   try:
-    with os.fdopen(fd, "wb") as f:
+    with _naming(path), os.fdopen(fd, "wb") as f:
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
@@ -450,10 +452,23 @@ class WorkdirLock:
     self.release()
 
 
+@contextlib.contextmanager
+def _naming(path: str):
+  """Re-raises an OSError that names no file (a write's or fsync's ENOSPC) or a temp file as
+  one on `path`: the one-line error of a full disk said only "No space left on device"."""
+  try:
+    yield
+  except OSError as e:
+    if e.errno is not None and (e.filename is None or
+                                os.path.basename(str(e.filename)).startswith(".tmp_")):
+      raise type(e)(e.errno, e.strerror, path) from e
+    raise
+
+
 def append_jsonl(path: str, record: Mapping[str, Any]) -> None:
   """Appends one JSON object as one line (flushed and fsynced: a crash loses at most this line)."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "a") as f:
+  with _naming(path), open(path, "a") as f:
     f.write(json.dumps(_to_jsonable(record)) + "\n")
     f.flush()
     os.fsync(f.fileno())

@@ -2,6 +2,7 @@
 that reports a config-file mistake on one line naming the flag (ml_collections' own errors are a
 traceback ending in `AttributeError: "'clip_range'"`, or a deferred OSError); and the
 experiments/runner.py pieces the binaries share (the sweep's summary merge)."""
+import errno
 import os
 import re
 import subprocess
@@ -563,3 +564,27 @@ def test_the_peer_grace_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv(config_files.PEER_GRACE_ENV, bad)
     with pytest.raises(ValueError, match=r"RLHFUSE_PEER_GRACE_S=.*expected seconds, a number"):
       config_files.peer_grace_s()
+
+
+def test_a_full_disk_or_an_unwritable_file_is_one_line_naming_the_file(tmp_path):
+  """A write to a run's own files that the machine refuses (metrics.jsonl on a full disk,
+  result.json in a read-only directory, a .lock the user may not open) ended in a 50-87 line
+  traceback whose last line, for a full disk, named no file: now one line naming it (/dev/full
+  fails every write with ENOSPC, as a full disk does)."""
+  from rlhfuse_jax import workdir as wd
+  with pytest.raises(OSError, match=r"\[Errno 28\] No space left on device: '/dev/full'") as e:
+    wd.append_jsonl("/dev/full", {"step": 1})
+  assert config_files.user_error(e.value)
+  out = subprocess.run(
+      [sys.executable, "-c", textwrap.dedent("""
+          from experiments import config_files
+          from rlhfuse_jax import workdir as wd
+          config_files.run(lambda argv: wd.append_jsonl("/dev/full", {"step": 1}))
+          """)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 1, out.stderr
+  assert "] OSError: [Errno 28] No space left on device: '/dev/full'" in out.stderr, out.stderr
+  assert "Traceback" not in out.stderr, out.stderr
+  for code in (errno.EACCES, errno.EROFS, errno.EISDIR):
+    assert config_files.user_error(OSError(code, os.strerror(code), str(tmp_path)))
+  assert not config_files.user_error(OSError(errno.EIO, "I/O error"))  # a fault: traceback
+  assert not config_files.user_error(OSError("no errno"))
