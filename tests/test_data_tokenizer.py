@@ -147,12 +147,25 @@ def test_generation_config_eos_ids_also_end_a_response(tmp_path):
   ids = {t: tokenizers.Tokenizer.from_file(path).token_to_id(t) for t in ("</s>", "<|eot|>",
                                                                           "<|eom|>")}
   assert HFTokenizer.from_file(path).stop_ids == (ids["<|eot|>"],)  # no generation_config
+  # Without one, a model config.json's eos_token_id, as transformers and vLLM read it (the
+  # original Llama 3 Instruct layout; it was ignored, and responses ran on past those ids). A
+  # config.json that is not a model's (a run's) is not read.
+  model = tmp_path / "config.json"
+  model.write_text(json.dumps({"model_type": "llama", "eos_token_id": [ids["<|eom|>"]]}))
+  assert HFTokenizer.from_file(path).stop_ids == (ids["<|eot|>"], ids["<|eom|>"])
+  model.write_text(json.dumps({"model_type": "llama", "eos_token_id": "</s>"}))
+  with pytest.raises(ValueError, match=r"config.json: eos_token_id='</s>'; expected a token"):
+    HFTokenizer.from_file(path)
+  model.write_text(json.dumps({"seed": 0, "eos_token_id": [ids["<|eom|>"]]}))
+  assert HFTokenizer.from_file(path).stop_ids == (ids["<|eot|>"],)
+  model.write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                               "eos_token_id": [ids["<|eom|>"]]}))
   gen = tmp_path / "generation_config.json"
   gen.write_text(json.dumps({"eos_token_id": [ids["</s>"], ids["<|eom|>"], ids["<|eot|>"]]}))
   tok = HFTokenizer.from_file(path)
   assert tok.eos_id == ids["<|eot|>"]  # the one targets end with stays the tokenizer's
   assert tok.stop_ids == (ids["<|eot|>"], ids["</s>"], ids["<|eom|>"])
-  gen.write_text(json.dumps({"eos_token_id": ids["</s>"]}))
+  gen.write_text(json.dumps({"eos_token_id": ids["</s>"]}))  # over config.json's
   assert HFTokenizer.from_file(path).stop_ids == (ids["<|eot|>"], ids["</s>"])
   assert HFTokenizer.from_file(path, extra_eos_ids=()).stop_ids == (ids["<|eot|>"],)
   gen.write_text(json.dumps({"eos_token_id": True}))  # JSON true is no token id (not id 1)

@@ -678,6 +678,12 @@ def test_the_checkpoints_generation_config_stop_ids_hold_with_a_tokenizer_elsewh
   (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, plain.eos_id]}))
   _, tok = build.build_task_and_tokenizer(cfg)
   assert 5 not in plain.stop_ids and tok.stop_ids == plain.stop_ids + (5,)
+  # Without the file, the checkpoint's config.json's eos_token_id, as transformers reads it.
+  os.remove(model / "generation_config.json")
+  config = json.loads((model / "config.json").read_text())
+  (model / "config.json").write_text(json.dumps({**config, "eos_token_id": [6, plain.eos_id]}))
+  assert build.build_task_and_tokenizer(cfg)[1].stop_ids == plain.stop_ids + (6,)
+  (model / "config.json").write_text(json.dumps(config))
   (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 4000}))
   with pytest.raises(ValueError, match=r"config\.init\.tokenizer=.* is not the tokenizer of "
                      r"config\.init\.actor_checkpoint=.*: its 128 tokens lack the ids \[4000\] "

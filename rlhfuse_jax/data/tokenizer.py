@@ -242,8 +242,7 @@ class HFTokenizer(Tokenizer):
     if add_bos is None and bos_id is not None:
       add_bos = _post_processor_adds(path, tok.id_to_token(bos_id))
     if extra_eos_ids is None:
-      generation = os.path.join(os.path.dirname(path), GENERATION_CONFIG)
-      extra_eos_ids = _generation_config_eos(generation)
+      generation, extra_eos_ids = checkpoint_eos(os.path.dirname(path))
       size = int(tok.get_vocab_size(with_added_tokens=True))
       outside = [i for i in extra_eos_ids if i >= size]
       if outside:  # (named as the tokenizer's "extra_eos_ids" below, in the wrong file)
@@ -253,9 +252,22 @@ class HFTokenizer(Tokenizer):
                extra_eos_ids=extra_eos_ids, name=path)
 
 
-def generation_config_eos(path: str) -> tuple[int, ...]:
-  """The eos_token_id of the generation_config.json at `path` (see _generation_config_eos)."""
-  return _generation_config_eos(path)
+def checkpoint_eos(directory: str) -> tuple[str, tuple[int, ...]]:
+  """The ids generation stops on that a model directory's files name, with the file read:
+  generation_config.json's eos_token_id, else (no such file) config.json's, as transformers'
+  generate and vLLM take it (GenerationConfig.from_model_config: the original Llama 3 Instruct
+  layout has eos_token_id <|eot_id|> in config.json beside a tokenizer_config.json whose
+  eos_token is <|end_of_text|>); ("", ()) when neither names one. A config.json that is not
+  a model's (no model_type or architectures) is not read."""
+  generation = os.path.join(directory, GENERATION_CONFIG)
+  if os.path.isfile(generation):
+    return generation, _generation_config_eos(generation)
+  config = os.path.join(directory, "config.json")
+  if os.path.isfile(config):
+    fields = wd.read_json_object(config, ValueError, "not a valid config.json")
+    if fields.get("model_type") or fields.get("architectures"):
+      return config, _eos_ids(config, fields.get("eos_token_id"))
+  return "", ()
 
 
 def _generation_config_eos(path: str) -> tuple[int, ...]:
@@ -263,8 +275,12 @@ def _generation_config_eos(path: str) -> tuple[int, ...]:
   a tuple; () when the file is absent."""
   if not os.path.isfile(path):
     return ()
-  value = wd.read_json_object(path, ValueError, f"not a valid {GENERATION_CONFIG}").get(
-      "eos_token_id")
+  return _eos_ids(path, wd.read_json_object(path, ValueError,
+                                            f"not a valid {GENERATION_CONFIG}").get("eos_token_id"))
+
+
+def _eos_ids(path: str, value: Any) -> tuple[int, ...]:
+  """An eos_token_id field's value (an int, a list of them, or null) read from `path`."""
   ids = [] if value is None else value if isinstance(value, list) else [value]
   if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
     raise ValueError(f"{path}: eos_token_id={value!r}; expected a token id or a list of them")

@@ -77,28 +77,28 @@ def build_task_and_tokenizer(cfg: TrainConfig):
 
 def with_checkpoint_stop_ids(cfg: TrainConfig, tokenizer: HFTokenizer) -> HFTokenizer:
   """The tokenizer, also stopping on the eos_token_id of the actor checkpoint's
-  generation_config.json when init.tokenizer lives in another directory: the tokenizer reads
-  the one beside its own file only, so the run generated past ids that the export (which
-  copies the checkpoint's generation_config.json) told transformers to stop on."""
+  generation_config.json (else its config.json's: tokenizer_lib.checkpoint_eos) when
+  init.tokenizer lives in another directory: the tokenizer reads the files beside its own
+  only, so the run generated past ids that the export (which copies the checkpoint's
+  generation_config.json and config.json's eos_token_id) told transformers to stop on."""
   ckpt = cfg.init.actor_checkpoint
-  own = os.path.join(ckpt, tokenizer_lib.GENERATION_CONFIG) if ckpt else ""
   path = tokenizer_lib.tokenizer_file(cfg.init.tokenizer)
-  if not own or not os.path.isfile(own) or os.path.samefile(
+  if not ckpt or not os.path.isdir(ckpt) or os.path.samefile(
       os.path.dirname(os.path.abspath(path)), ckpt):
     return tokenizer
-  ids = tokenizer_lib.generation_config_eos(own)
+  own, ids = tokenizer_lib.checkpoint_eos(ckpt)
   outside = [i for i in ids if i >= tokenizer.vocab_size]
   if outside:  # the tokenizer is the one at fault (the example's, left from the config)
     raise ValueError(
         f"config.init.tokenizer={cfg.init.tokenizer!r} is not the tokenizer of config.init."
         f"actor_checkpoint={ckpt!r}: its {tokenizer.vocab_size} tokens lack the ids "
-        f"{outside} that the checkpoint's {tokenizer_lib.GENERATION_CONFIG} stops on; set "
+        f"{outside} that the checkpoint's {os.path.basename(own)} stops on; set "
         f"config.init.tokenizer to the checkpoint's own tokenizer.json")
   added = [i for i in ids if i not in tokenizer.stop_ids]
   if not added:
     return tokenizer
   logging.info("responses also end on token ids %s: the eos_token_id of %s (config.init."
-               "actor_checkpoint's generation config)", added, own)
+               "actor_checkpoint's)", added, own)
   return load_named("init.tokenizer", path, functools.partial(
       HFTokenizer.from_file, extra_eos_ids=tuple(tokenizer.extra_eos_ids) + tuple(added)))
 
