@@ -193,6 +193,17 @@ def test_relative_paths_are_the_run_s_own(run, tmp_path, monkeypatch):
                      r"current directory"):
     export_lib.export(run, "3", str(tmp_path / "out"))
   assert not os.path.exists(tmp_path / "out")
+  # An absolute path that is gone: starting elsewhere cannot help (the error said to).
+  moved = str(tmp_path / "moved")
+  shutil.copytree(run, moved, ignore=shutil.ignore_patterns(".lock"))
+  record = json.loads(open(os.path.join(moved, "config.json")).read())
+  record["init"]["tokenizer"] = str(tmp_path / "gone" / "tokenizer.json")
+  wd.write_json(os.path.join(moved, "config.json"), record)
+  with pytest.raises(FileNotFoundError, match=r"gone/tokenizer.json.*not found.*read from the "
+                     r"run's config .*config.json: the export builds the model from the files "
+                     r"the run started from, which must still be there") as e:
+    export_lib.export(moved, "3", str(tmp_path / "out"))
+  assert "run export_hf from there" not in str(e.value)
 
 
 def test_the_binary_exports_the_best_kept_step(run):

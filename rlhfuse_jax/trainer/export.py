@@ -195,15 +195,29 @@ def export(workdir: str, spec: str = "latest", out_dir: str = "", family: str = 
                    config_path, mesh)
 
 
+def _strings(tree: Any) -> list[str]:
+  """The text values of a nested dict/list (a config's paths among them)."""
+  if isinstance(tree, str):
+    return [tree]
+  if isinstance(tree, dict):
+    tree = list(tree.values())
+  return [s for x in tree for s in _strings(x)] if isinstance(tree, (list, tuple)) else []
+
+
 def _export(workdir: str, choice: Choice, out_dir: str, cfg: TrainConfig, config_path: str,
             mesh: Optional[jax.sharding.Mesh]) -> dict:
   try:
     trainer = PPOTrainer(cfg, workdir, mesh=mesh, export_step=choice.step)
   except FileNotFoundError as e:  # a path of the run's config, relative to where it started
+    # (only for a relative path the error names: an absolute one is gone from anywhere)
+    relative = [v for v in _strings(dataclasses.asdict(cfg))
+                if v and not os.path.isabs(v) and repr(v) in str(e)]
     raise FileNotFoundError(
-        f"{e} (read from the run's config {config_path}: its relative paths are taken from the "
-        f"current directory, {os.getcwd()}, as the run took them from where it started; run "
-        "export_hf from there)") from None
+        f"{e} (read from the run's config {config_path}: " +
+        (f"its relative paths are taken from the current directory, {os.getcwd()}, as the "
+         "run took them from where it started; run export_hf from there)" if relative else
+         "the export builds the model from the files the run started from, which must still "
+         "be there; put it back where the config names it)")) from None
   except wd.WorkdirInUseError as e:  # its advice was a training run's (another --workdir)
     raise wd.WorkdirInUseError(
         f"{str(e).split(';')[0]}; export once it has finished or stopped (SIGTERM saves a "
