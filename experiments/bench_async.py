@@ -158,11 +158,12 @@ def curve(runs: list[list[dict]], skip: int = 0) -> dict:
           "elapsed_s": np.mean([elapsed(run) for run in runs], axis=0)}
 
 
-def plot(curves: dict, path: str, width: int) -> None:
+def plot(curves: dict, path: str, width: int, skip: int = 0, machine: str = "") -> None:
   """A column per run config, a curve per staleness: the reward (moving average) per iteration
   (top) and against the wall time the iterations took so far (bottom: what asynchrony is for;
   start-up and compiles not counted: `curve`). curves[config][staleness]: {"reward": [...],
-  "elapsed_s": [...]}."""
+  "elapsed_s": [...]}; `skip`: the first iterations counted at the median step (`curve`),
+  said on the axis; `machine`: where the runs ran, in each column's title."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
@@ -174,9 +175,11 @@ def plot(curves: dict, path: str, width: int) -> None:
       reward = runner.smooth(series["reward"], width)
       top.plot(np.arange(1, len(reward) + 1), reward, label=label)
       bottom.plot(series["elapsed_s"], reward, label=label)
-    top.set_title(config)
+    top.set_title(f"{config}{f' ({machine})' if machine else ''}", fontsize=9)
     top.set_xlabel("iteration")
-    bottom.set_xlabel("wall time of the iterations so far (s)")
+    bottom.set_xlabel("wall time of the iterations so far (s)" + (
+        f"\n(the first {skip} iterations, which compile, counted at the median step)"
+        if skip else ""))
     for ax in (top, bottom):
       ax.set_ylabel(f"reward (seeds' mean, moving mean of {width})")
       ax.grid(alpha=0.3)
@@ -273,7 +276,7 @@ def main(argv):
     if iterations[config] is not None:
       overrides["log_every"] = max(1, iterations[config] // 10)
     cmd = runner.build_command("train_ppo", config, run_dir, overrides, [])
-    logging.info("%s: %s", name, " ".join(cmd[1:]))
+    logging.info("[%d/%d] %s: %s", jobs.index(job) + 1, len(jobs), name, " ".join(cmd[1:]))
     rc = runner.run_streamed(cmd, run_dir, name, env)
     if rc == 75:  # stopped by a signal after saving: not a failure
       logging.warning("%s stopped after saving (exit 75): the same command resumes it", name)
@@ -316,7 +319,7 @@ def main(argv):
   if curves:
     plot(curves, os.path.join(out, "curves.png"), max(1, int(round(
         min(len(v["reward"]) for by_k in curves.values() for v in by_k.values()) *
-        c.window))))
+        c.window))), c.skip, f"{c.host_devices} CPU devices, {c.parallel} run(s) at once")
   logging.info("wrote %s/result.json%s", out, " and curves.png" if curves else "")
   if not failed:
     (logging.info if result["all_gains_ok"] else logging.warning)(

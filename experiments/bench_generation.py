@@ -287,8 +287,9 @@ def run(c, workdir: str) -> dict:
 
   for w in range(c.warmup):  # another batch: warms every path, fills the length histogram
     wt, wp, wb, _ = make_batch(c, c.seed + 1000 + w)
-    for fuse in (False, True):
-      gen.run(actor, host, wt, wp, jax.random.fold_in(key, 1000 + w), budgets=wb, fuse=fuse)
+    for fuse in (False, True):  # (the same responses twice: their lengths observed once)
+      gen.run(actor, host, wt, wp, jax.random.fold_in(key, 1000 + w), budgets=wb, fuse=fuse,
+              observe=fuse)
   tokens, plens, budgets, spec = make_batch(c, c.seed)
   if gen.calibration is None:
     gen.calibration = measure.measure_costs(gen, actor, host)
@@ -390,10 +391,12 @@ def plot_tick_table(table: np.ndarray, groups: int, path: str) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   ticks, stages = table.shape
   img = np.ma.masked_equal(table.T.astype(float), pipelined_lib.IDLE)
-  fig, ax = plt.subplots(figsize=(min(20, 2 + ticks / 12), 1 + 0.5 * stages))
+  # at least 8 in wide: the title (4.7 in at 32 ticks cut it off)
+  fig, ax = plt.subplots(figsize=(max(8.0, min(20, 2 + ticks / 12)), 1.2 + 0.5 * stages))
   cmap = plt.get_cmap("tab20", max(groups, 2)).with_extremes(bad="white")
-  ax.imshow(img, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5,
-            vmax=max(groups, 2) - 0.5)
+  image = ax.imshow(img, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5,
+                    vmax=max(groups, 2) - 0.5)
+  fig.colorbar(image, ax=ax, ticks=range(groups), label="group", pad=0.01)  # the colour key
   ax.set_xlabel("decode tick")
   ax.set_ylabel("stage")
   ax.set_yticks(range(stages))

@@ -39,7 +39,8 @@ PAPER_RT = 0.2  # RLHFuse (arXiv 2409.13221): about 20 % of samples remaining is
 
 def _figures(cfg, out: dict, workdir: str, systems) -> list[str]:
   names = []
-  plots.plot_iteration_times(out["rows"], systems, os.path.join(workdir, "iteration_time.png"))
+  plots.plot_iteration_times(out["rows"], systems, os.path.join(workdir, "iteration_time.png"),
+                             machine=f"{cfg.num_devices} x {cfg.hardware}")
   names.append("iteration_time.png")
   raw = out["raw"]
   gens = raw["gen"]

@@ -101,7 +101,9 @@ def run(c, workdir: str) -> dict:
   runner.write_result(workdir, result)
   wd.atomic_write_text(os.path.join(workdir, "schedule.json"), sched.to_json() + "\n")
   gantt.plot_gantt(sched, os.path.join(workdir, "gantt.png"),
-                   title=(f"fused schedule: makespan {best.makespan:g}, tight LB {lb:g}, serial "
+                   title=(f"fused schedule of Pa/Pc={problem.actor_pp}/{problem.critic_pp} "
+                          f"Ma/Mc={problem.actor_microbatches}/{problem.critic_microbatches}: "
+                          f"makespan {best.makespan:g}, tight LB {lb:g}, serial "
                           f"{serial.makespan:g}, peak/budget "
                           f"{best.peak_over_budget:.2f} ({problem.memory_budget_mode})"))
   logging.info("%s", summary(result, workdir))

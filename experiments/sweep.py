@@ -341,7 +341,9 @@ MD_CELL_CHARS = 300  # a longer text (a simulator's error) is shortened in summa
 
 def _fmt_cell(v: Any) -> str:
   if isinstance(v, float):
-    return f"{v:.4g}"
+    # 4 significant digits; from 1e4 on the whole number (a tokens/s column read 7863, then
+    # 1.217e+04)
+    return f"{v:.0f}" if 1e4 <= abs(v) < 1e15 else f"{v:.4g}"
   text = "" if v is None else str(v).replace("|", "\\|").replace("\n", " ")
   return text if len(text) <= MD_CELL_CHARS else text[:MD_CELL_CHARS] + " ... (summary.json)"
 

@@ -54,6 +54,17 @@ def test_tiny_bench(tmp_path):
   assert predicted["fused"]["gen_plus_inf_s"] > 0 and measured["fused"] > 0
 
 
+def test_auto_rt_is_simulated_over_the_lengths_the_warm_up_observed(tmp_path):
+  """The warm-up runs each batch unfused and fused, the same responses twice: their lengths
+  are observed once (the reason read "over 16 observed lengths" for 8 responses)."""
+  c = bench_config.get_config("tiny")
+  c.repeats = 1
+  assert c.generation.migration_threshold == "auto" and c.warmup >= 1
+  result = bench_generation.run_and_write(c, str(tmp_path))
+  assert result["rt_choice"]["reason"].startswith(
+      f"simulated over {c.batch_size * c.warmup} observed lengths, "), result["rt_choice"]
+
+
 def test_bad_batch_inputs_fail_before_the_earlier_results_move_or_anything_compiles(tmp_path):
   """A prompt length range that is empty, a lengths file that is missing or malformed, or a bad
   fused-generator field is a one-line error naming the field, raised before start_outputs moves

@@ -883,6 +883,7 @@ with open(os.path.join(killed, "log.txt"), "w") as f:
           "=== 2026-12-01 11:00:00: -m experiments.x\\nI1201 step 1\\n")
 out["killed"] = sweep.failure_line(killed)
 out["cell"] = sweep._fmt_cell(reason)
+out["numbers"] = [sweep._fmt_cell(v) for v in (7863.4, 12170.6, 0.012345, -3.5e4, 2e20)]
 curves = os.path.join(work, "curves")
 os.makedirs(curves)
 with open(os.path.join(curves, "summary.json"), "w") as f:
@@ -919,6 +920,8 @@ def test_sweep_rows_errors_and_curves(tmp_path):
   assert got["killed"] is None  # (it showed the earlier start's "ValueError: config.a=6 bad")
   assert len(got["cell"]) < 400 and got["cell"].endswith("... (summary.json)")
   assert "tp0\\|pp0" in got["cell"]
+  # one column, one notation: from 1e4 on the whole number, not 1.217e+04 under 7863
+  assert got["numbers"] == ["7863", "12171", "0.01235", "-35000", "2e+20"]
   assert got["curves"] == str(tmp_path / "curves" / "curves.png")
   with open(got["curves"], "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"

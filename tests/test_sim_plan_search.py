@@ -988,5 +988,12 @@ def test_with_no_synchronous_plan_the_asynchronous_splits_are_still_searched(tmp
   assert list(result["systems"]) == ["pipe_rlhf_async"]
   assert result["systems"]["pipe_rlhf_async"]["iteration_s"] == pytest.approx(
       result["async"]["predicted_iteration_s"])
+  # The report's systems table adds up: its reshard column (gen+inf + train fell short of the
+  # iteration by it, unexplained).
+  row = result["systems"]["pipe_rlhf_async"]
+  assert row["reshard_s"] > 0 and row["iteration_s"] == pytest.approx(
+      max(row["gen_plus_inf_s"], row["train_s"]) + row["reshard_s"])
+  assert "| system | gen+inf s | train s | reshard s | iteration s |" in (
+      tmp_path / "plan_search.md").read_text()
   assert "No synchronous plan: plan search: no feasible plan" in (
       tmp_path / "plan_search.md").read_text()

@@ -446,7 +446,8 @@ class FusedGenerator:
 
   def run(self, actor_params: Any, frozen_params: dict, prompt_tokens, prompt_lens,
           iteration_key, uids=None, budgets=None, fuse: bool = True,
-          rt: Optional[float] = None, models: Optional[Sequence[str]] = None) -> FusedOutput:
+          rt: Optional[float] = None, models: Optional[Sequence[str]] = None,
+          observe: bool = True) -> FusedOutput:
     """Generates and scores one batch.
 
     actor_params: on any devices (copied onto every instance, timed separately), or a callable
@@ -461,7 +462,9 @@ class FusedGenerator:
     rt: force this Rt for this batch (default: config.migration_threshold, "auto" simulated);
     models: the inference models to run on this batch, of those in FrozenModels (default: all;
       a validation pass needs the reward model's scores alone): the others are neither loaded
-      nor run, their outputs None, and frozen_params may leave them out.
+      nor run, their outputs None, and frozen_params may leave them out;
+    observe: add the responses' lengths to the history "auto" Rt is simulated over (False for a
+      batch already observed, run again: a benchmark's repeat).
     """
     tokens, plens, uids, budgets = inst_lib.check_prompts(
         self.batch_size, self.prompt_len, self.sampling, prompt_tokens, prompt_lens, uids, budgets,
@@ -531,7 +534,8 @@ class FusedGenerator:
     del actor_params  # the run holds the instances' copies, and lets each go when it is done
     out = run.execute()
     out.rt_choice = choice
-    self.lengths.add(out.rollout.response_lens)
+    if observe:
+      self.lengths.add(out.rollout.response_lens)
     return out
 
   def _measure(self, actor_params: Any, frozen_params: dict) -> None:

@@ -35,7 +35,7 @@ def plot_gantt(schedule: Schedule, path: str, title: Optional[str] = None,
   ax.set_yticks(range(n))
   ax.set_yticklabels([f"dev {d}" for d in range(n)])
   ax.set_xlim(0, schedule.makespan)
-  ax.set_xlabel("time")
+  ax.set_xlabel("time (the problem's units: its forward/backward durations)")
   ax.set_title(title or f"makespan {schedule.makespan:g}")
   fig.legend(handles=[Patch(facecolor=c, hatch="//" if k == "B" else None, label=f"{m} {k}")
                       for (m, k), c in _COLORS.items()], loc="lower center", fontsize=7, ncol=4)

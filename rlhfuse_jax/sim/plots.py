@@ -7,17 +7,19 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 _KIND_COLORS = {"prefill": "#9e9e9e", "decode": "#2a5fa8", "migrate": "#d62728",
                 "load": "#ffbf00", "inference": "#2ca02c"}
 
 
 def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str,
-                         cols: int = 3) -> None:
+                         cols: int = 3, machine: str = "") -> None:
   """One panel per setting: each system's iteration time stacked by stage (linear scale; a bar
   far above the others is clipped and labelled with its value). A row whose stages overlap
   (iteration_s below their sum: pipe_rlhf_async) stands generation + inference and training
-  side by side on its reshard."""
+  side by side on its reshard. `machine` (e.g. "64 x h100_sxm") heads the figure: the times
+  are the simulator's for that cluster."""
   labels = []
   for r in rows:
     if r["setting"]["label"] not in labels:
@@ -28,7 +30,6 @@ def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str
   fig, axes = plt.subplots(n_rows, cols, figsize=(4.2 * cols, 3.0 * n_rows), squeeze=False)
   parts = (("reshard_s", "#bbbbbb", "reshard"), ("gen_s", "#2a5fa8", "generation"),
            ("inf_s", "#2ca02c", "inference (exposed)"), ("train_s", "#c55a11", "training"))
-  short = [s.replace("_like", "").replace("deepspeed_chat", "ds_chat") for s in systems]
   overlapped = False
   for ax, lab in zip(axes.flat, labels):
     totals = [by[(lab, s)]["iteration_s"] for s in systems if (lab, s) in by]
@@ -56,7 +57,7 @@ def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str
               bottom < top else "top", fontsize=6, fontweight="bold" if bottom > top else None)
     ax.set_ylim(0, top)
     ax.set_xticks(range(len(systems)))
-    ax.set_xticklabels(short, fontsize=6, rotation=35, ha="right")
+    ax.set_xticklabels(systems, fontsize=6, rotation=35, ha="right")  # the table's names
     ax.set_title(lab, fontsize=9)
     ax.set_ylabel("iteration (s)", fontsize=7)
     ax.tick_params(axis="y", labelsize=7)
@@ -67,12 +68,16 @@ def plot_iteration_times(rows: Sequence[dict], systems: Sequence[str], path: str
   if overlapped:  # pipe_rlhf_async's two half-width bars are not a broken stack
     handles.append(plt.Rectangle((0, 0), 1, 1, color="none"))
     names.append("half-width bars side by side: at once (async)")
+  head = f"simulated iteration time{f' on {machine}' if machine else ''}"
   if cols == 1:  # one panel: the legend beside it (above, it covered the panel's title)
+    fig.suptitle(head, fontsize=9)
     fig.tight_layout()
     fig.legend(handles, names, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
   else:  # its row (about 0.35 in) above the panels' titles, whatever the figure's height
-    fig.legend(handles, names, loc="upper center", ncol=len(names), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
+    fig.suptitle(head, fontsize=9, y=1.0)
+    fig.legend(handles, names, loc="upper center", ncol=len(names), fontsize=8,
+               bbox_to_anchor=(0.5, 1 - 0.3 / fig.get_figheight()))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.65 / fig.get_figheight()))
   fig.savefig(path, dpi=110, bbox_inches="tight")
   plt.close(fig)
 
@@ -102,6 +107,8 @@ def plot_generation_timelines(results: Sequence[tuple[str, object]], path: str,
     ax.set_xlim(0, t_max * 1.02)
     n = min(max_instances, 1 + max(s[0] for s in res.segments))
     ax.set_ylim(n - 0.5, -0.5)
+    # whole instances only (2 instances read -0.50, -0.25, ..., 1.50)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.axvline(res.gen_end_s, color="black", linestyle="--", linewidth=0.8)
     ax2 = ax.twinx()
     t, u = zip(*res.unfinished_curve)
