@@ -393,10 +393,11 @@ USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, wd.WorkdirInUs
 
 
 # An OSError from the machine rather than the code: a full disk or quota, a read-only
-# filesystem, a file the user may not write, a file where a directory belongs or the reverse
+# filesystem, a file the user may not write, a file where a directory belongs (EEXIST from
+# os.makedirs, ENOTDIR below it) or the reverse
 # (a failed write to metrics.jsonl, result.json or .lock ended in a 50-87 line traceback).
 ENVIRONMENT_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
-                                errno.EPERM, errno.EISDIR, errno.ENOTDIR))
+                                errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EEXIST))
 
 
 def user_error(e: BaseException) -> bool:

@@ -517,6 +517,10 @@ def test_cached_schedule_for_another_problem_is_not_used(tmp_path):
     f.write("{not json")
   again, _ = pipelined.searched_schedule(problem, cfg.pipeline)
   assert again.problem == problem
+  with open(path, "w") as f:  # JSON, not an object: an AttributeError's traceback ended the run
+    f.write("[]")
+  again, _ = pipelined.searched_schedule(problem, cfg.pipeline)
+  assert again.problem == problem
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -639,6 +643,12 @@ def test_a_schedule_file_for_another_shape_is_refused_naming_both(tmp_path):
   with pytest.raises(FileNotFoundError, match=r"config\.pipeline\.schedule_file='/nonexistent"
                                               r"/schedule\.json': no such file"):
     pipelined.file_schedule(problem, "/nonexistent/schedule.json")
+  # schedule_search's workdir for its schedule.json: named as the field (a bare
+  # IsADirectoryError did not say which)
+  with pytest.raises(ValueError, match=rf"config\.pipeline\.schedule_file='{tmp_path}' is a "
+                                       r"directory; expected a file \(schedule_search writes "
+                                       rf"{tmp_path}/schedule\.json\)"):
+    pipelined.file_schedule(problem, str(tmp_path))
   bad = tmp_path / "bad.json"
   bad.write_text("{not json")
   with pytest.raises(ValueError, match=r"schedule_file=.*bad\.json': not JSON"):

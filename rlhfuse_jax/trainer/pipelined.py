@@ -188,6 +188,9 @@ def file_schedule(problem: PipelineProblem, path: str) -> schedule_lib.Schedule:
       data = json.load(f)
   except FileNotFoundError:
     raise FileNotFoundError(f"{field}: no such file") from None
+  except IsADirectoryError:  # schedule_search's workdir, not its schedule.json
+    raise ValueError(f"{field} is a directory; expected a file (schedule_search writes "
+                     f"{os.path.join(path, 'schedule.json')})") from None
   except json.JSONDecodeError as e:
     raise ValueError(f"{field}: not JSON ({e}); expected a schedule.json of "
                      "experiments.schedule_search") from None
@@ -227,6 +230,8 @@ def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig, workdi
     try:
       with open(path) as f:
         stored = json.load(f)
+      if not isinstance(stored, dict):  # ([]: an AttributeError's 54-line traceback)
+        raise ValueError(f"a JSON {type(stored).__name__}, not an object")
       if stored.get("key") != json.loads(json.dumps(key)):
         raise ValueError("it holds another problem's schedule")
       found = schedule_lib.from_dict(stored["schedule"])  # re-checked: valid, deadlock-free
