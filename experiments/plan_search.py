@@ -31,7 +31,8 @@ into the workdir:
                   {why: synchronous combinations} tried and skipped: a generation or
                   inference that does not fit beside its training plan's state,
                   or one the trainer would not run (with sim.trainer_runnable or
-                  train_config)
+                  train_config); "systems_error": why the systems' comparison failed (a
+                  calibration that cannot time their layouts), its rows then left out
   plan_search.md  the top plans with predicted stage times, the best uniform layout, the
                   memory per device of each stage of plan.json's plan (weights, gradients,
                   optimizer state, activations or KV cache, frozen weights kept, the
@@ -423,13 +424,25 @@ def main(argv):
                                        log=logging.info)
     # The papers' systems run a reference and a reward model whatever the run's algo.kl_coef
     # and reward.kind.
-    rows, _ = iteration_sim.simulate_iteration(
-        cost, dataclasses.replace(wl, reference=True, reward_model=True), cfg.sim, compared,
-        cache)
+    try:
+      rows, _ = iteration_sim.simulate_iteration(
+          cost, dataclasses.replace(wl, reference=True, reward_model=True), cfg.sim, compared,
+          cache)
+    except ValueError as e:
+      # The comparison is an extra: a system the inputs cannot time (a calibration measured on
+      # 1-device instances timing another system's tp=2) lost the searched plan with it.
+      logging.warning("the systems' comparison failed, so the report has none (the plan "
+                      "search's results are written; --config.systems= skips it): %s", e)
+      rows, systems_error = {}, str(e)
+    else:
+      systems_error = None
     systems = {k: {f: float(r[f]) for f in ("gen_plus_inf_s", "train_s", "reshard_s",
                                              "iteration_s")}
                for k, r in rows.items()}
-    logging.info("simulated %s in %.1fs", ", ".join(compared), time.time() - t0)
+    if systems_error is None:
+      logging.info("simulated %s in %.1fs", ", ".join(compared), time.time() - t0)
+  else:
+    systems_error = None
   # best None: no synchronous plan fits, only asynchronous splits (plan_search.search)
   best = None if res["best"] is None else {
       **res["best"], "predicted_iteration_s": res["best"]["predicted"]["iteration_s"]}
@@ -471,6 +484,7 @@ def main(argv):
       "setting": setting, "hardware": hardware, "best": best, "top": res["top"], "uniform": uniform,
       "async": asynchronous, "plan_json": which, "stages": res["stages"],
       "rejected": res["rejected"], "refused": res["refused"], "systems": systems,
+      **({"systems_error": systems_error} if systems_error else {}),
       "search_s": res["search_s"], "efficiency": efficiency, "calibration": calibration,
       "plan_memory": memory})
   wd.atomic_write_text(os.path.join(workdir, "plan_search.md"), "\n".join(
