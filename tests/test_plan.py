@@ -56,6 +56,12 @@ def test_a_plan_file_sets_the_micro_batching_it_was_sized_with(tmp_path):
   own = tiny_config(**{"plan.file": piped, "model.num_layers": 2, "critic_model.num_layers": 2,
                        "pipeline.actor_microbatches": 8})
   assert own.pipeline.actor_microbatches == 8
+  # The set-up log names what the config kept as not applied (it listed the plan's 4 where the
+  # run's 8 ran).
+  line = plan_file_summary(piped, own)
+  assert ("pipeline.actor_microbatches=4 (not applied: the config's 8), "
+          "pipeline.critic_microbatches=2,") in line, line
+  assert "not applied" not in plan_file_summary(piped, cfg)
   flat = plan_json(tmp_path / "flat.json", {}, training={
       "placement": "colocated", "tp": 1, "actor_pp": 1, "critic_pp": 1, "micro_batch": 2})
   assert tiny_config(**{"plan.file": flat}).algo.microbatch_size == 2

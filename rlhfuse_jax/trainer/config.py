@@ -1121,16 +1121,25 @@ def plan_workload_note(path: str, cfg: "TrainConfig",
 
 # What a plan file sets only where the config leaves the default: its micro-batching. A config
 # that chose its own keeps it (its memory is then not what the plan checked: plan_check says).
+# A config's value equal to the default reads as the default (a ConfigDict keeps no record of
+# what was written): the plan's replaces it.
 PLAN_SOFT_FIELDS = frozenset({("pipeline", "actor_microbatches"),
                               ("pipeline", "critic_microbatches"), ("algo", "microbatch_size")})
 
 
-def plan_file_summary(path: str) -> str:
+def plan_file_summary(path: str, cfg: Optional["TrainConfig"] = None) -> str:
   """One line naming every field the plan file at `path` sets, for the set-up log: some of them
-  (optim.zero1) the user may not have written."""
+  (optim.zero1) the user may not have written. With the run's config `cfg`, a setting the
+  config kept its own value of (PLAN_SOFT_FIELDS) is named as not applied (the line listed
+  the plan's 16 actor micro-batches where the run's 8 ran)."""
   settings = plan_file_settings(load_plan_file(path), path)
+
+  def shown(sec, name, value):
+    ran = getattr(getattr(cfg, sec), name) if cfg is not None else value
+    return (f"{sec}.{name}={value!r}" if ran == value else
+            f"{sec}.{name}={value!r} (not applied: the config's {ran!r})")
   return f"config.plan.file={path!r} sets " + ", ".join(
-      f"{sec}.{name}={value!r}" for (sec, name), (value, _) in settings.items())
+      shown(sec, name, value) for (sec, name), (value, _) in settings.items())
 
 
 def apply_plan_file(d: dict) -> dict:

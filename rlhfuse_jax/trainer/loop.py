@@ -317,7 +317,7 @@ class PPOTrainer:
           f"memory kind {mesh_lib.HOST_MEMORY!r}); the {local.platform} devices here have "
           f"{[m.kind for m in local.addressable_memories()]}")
     if cfg.plan.file:  # what the file changed is otherwise visible only in config.json
-      logging.info("setup: %s", config_lib.plan_file_summary(cfg.plan.file))
+      logging.info("setup: %s", config_lib.plan_file_summary(cfg.plan.file, cfg))
     t0 = time.time()
     logging.info("setup: %s, mesh %s%s; initialising the models and the update ...",
                  f"prompts {cfg.data.prompts_file!r}" if cfg.data.prompts_file else
