@@ -86,7 +86,7 @@ def with_checkpoint_stop_ids(cfg: TrainConfig, tokenizer: HFTokenizer) -> HFToke
   if not ckpt or not os.path.isdir(ckpt) or os.path.samefile(
       os.path.dirname(os.path.abspath(path)), ckpt):
     return tokenizer
-  own, ids = tokenizer_lib.checkpoint_eos(ckpt)
+  own, ids = load_named("init.actor_checkpoint", ckpt, tokenizer_lib.checkpoint_eos)
   outside = [i for i in ids if i >= tokenizer.vocab_size]
   if outside:  # the tokenizer is the one at fault (the example's, left from the config)
     raise ValueError(
