@@ -228,10 +228,8 @@ def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig, workdi
   path = os.path.join(cache_dir(pipeline, workdir), f"{digest}.json")
   if os.path.exists(path):
     try:
-      with open(path) as f:
-        stored = json.load(f)
-      if not isinstance(stored, dict):  # ([]: an AttributeError's 54-line traceback)
-        raise ValueError(f"a JSON {type(stored).__name__}, not an object")
+      # (a JSON list, not an object, was an AttributeError's 54-line traceback)
+      stored = wd.read_json_object(path)
       if stored.get("key") != json.loads(json.dumps(key)):
         raise ValueError("it holds another problem's schedule")
       found = schedule_lib.from_dict(stored["schedule"])  # re-checked: valid, deadlock-free
