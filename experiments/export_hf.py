@@ -37,7 +37,8 @@ _STEP = flags.DEFINE_string(
     "step", "latest", "A kept checkpoint's iteration, 'latest', or 'best:METRIC' / "
     "'best:min:METRIC' (the kept iteration whose logged METRIC is highest / lowest).")
 _OUT = flags.DEFINE_string("out", "", "Where to write the export; empty: "
-                           "WORKDIR/hf_export_<step>. An earlier export there is replaced.")
+                           "WORKDIR/hf_export_<step>. An earlier export of this run there is "
+                           "replaced; another run's is refused.")
 _FAMILY = flags.DEFINE_enum("family", "", list(EXPORT_HF_CHOICES),
                             "HF family; empty: the run's checkpoint.export_hf, else auto.")
 

@@ -114,7 +114,7 @@ def test_an_earlier_kept_step_exports_its_own_weights_and_leaves_the_run_alone(
   cfg = export_lib.export_config(export_lib.run_config(run, 2)[0], "")
   result = export_lib.export(run, "2", out, mesh=_one_device(cfg))
   assert result["step"] == 2 and result["family"] == "llama" and result["out"] == out
-  assert hooks.exported_step(out) == 2
+  assert hooks.exported_step(out) == 2 and hooks.exported_run(out) == os.path.realpath(run)
   params = _exported(out)
   assert _same(params, _checkpoint_actor(run, 2))
   assert not _same(params, _checkpoint_actor(run, 3))  # the iterations differ: 2 is 2
@@ -338,6 +338,17 @@ def test_not_a_run_and_out_dirs(tmp_path):
   with pytest.raises(ValueError, match=r"exists and is not an export \(no rlhfuse_export.json\)"):
     export_lib.check_out_dir(str(tmp_path / "mine"), str(run))
   export_lib.check_out_dir(str(tmp_path / "new"), str(run))  # a new path is fine
+  # An earlier export of this run is replaced (also one written before markers named the run);
+  # another run's is refused, not deleted.
+  for name, marked in (("ours", str(run)), ("older", None), ("theirs", str(other))):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / hooks.EXPORT_MARKER).write_text(json.dumps(
+        {"step": 4, "family": "llama", **({"run": marked} if marked else {})}))
+  export_lib.check_out_dir(str(tmp_path / "ours"), str(run))
+  export_lib.check_out_dir(str(tmp_path / "older"), str(run))
+  with pytest.raises(ValueError,
+                     match=r"holds an export of another run, .*other \(iteration 4\)"):
+    export_lib.check_out_dir(str(tmp_path / "theirs"), str(run))
 
 
 def test_the_config_of_the_newest_start_at_a_resume_point(tmp_path):

@@ -160,9 +160,9 @@ def export_config(record: dict, family: str, scratch: str = "") -> TrainConfig:
 
 
 def check_out_dir(out_dir: str, workdir: str) -> None:
-  """A ValueError when `out_dir` exists and is not an earlier export (its marker): an export
-  replaces the whole directory, and would delete whatever else is there; or when it is one
-  of the run's own directories."""
+  """A ValueError when `out_dir` exists and is not an earlier export of this run (its marker):
+  an export replaces the whole directory, and would delete whatever else is there, another
+  run's export included; or when it is one of the run's own directories."""
   real, run = os.path.realpath(out_dir), os.path.realpath(workdir)
   own = [run, os.path.join(run, "checkpoints"), os.path.join(run, hooks.HF_EXPORT_DIR)]
   if real in own or real.startswith(own[1] + os.sep):
@@ -174,6 +174,11 @@ def check_out_dir(out_dir: str, workdir: str) -> None:
     raise ValueError(f"--out={out_dir!r} exists and is not an export (no "
                      f"{hooks.EXPORT_MARKER}): an export replaces the whole directory; give a "
                      "new path or remove it")
+  other = hooks.exported_run(out_dir)
+  if other is not None and other != run:
+    raise ValueError(f"--out={out_dir!r} holds an export of another run, {other} (iteration "
+                     f"{hooks.exported_step(out_dir)}): an export replaces the whole directory; "
+                     "give a new path, or remove that export first")
 
 
 def default_out(workdir: str, step: int) -> str:

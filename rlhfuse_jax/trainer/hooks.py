@@ -765,7 +765,8 @@ def _export_marker(out_dir: str) -> Optional[dict]:
   try:
     with open(os.path.join(out_dir, EXPORT_MARKER)) as f:
       marker = json.load(f)
-    return {"step": int(marker["step"]), "family": marker.get("family")}
+    return {"step": int(marker["step"]), "family": marker.get("family"),
+            "run": marker.get("run")}
   except (OSError, ValueError, KeyError, TypeError, AttributeError):
     return None
 
@@ -774,6 +775,13 @@ def exported_step(out_dir: str) -> Optional[int]:
   """The iteration of the actor exported in `out_dir`; None: no (complete) export there."""
   marker = _export_marker(out_dir)
   return None if marker is None else marker["step"]
+
+
+def exported_run(out_dir: str) -> Optional[str]:
+  """The workdir (real path) of the run whose actor is exported in `out_dir`; None: no export
+  there, or one written before markers named their run."""
+  marker = _export_marker(out_dir)
+  return None if marker is None or not isinstance(marker["run"], str) else marker["run"]
 
 
 def export_pending(workdir: str, cfg: TrainConfig, step: int) -> bool:
@@ -802,13 +810,13 @@ def export_work_dirs(out_dir: str) -> tuple[str, str]:
 
 
 def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] = None,
-              tokenizer: Optional[Tokenizer] = None) -> Optional[str]:
+              tokenizer: Optional[Tokenizer] = None, run: str = "") -> Optional[str]:
   """Writes the actor `params` of the resolved config `cfg` as a HF checkpoint in `out_dir`
   (replacing an earlier export only once the new one is complete), marked with `step` (the
-  iteration it is from; None: unmarked), with the run's tokenizer files and chat template, and
-  the special ids of `tokenizer` (the run's) where no source checkpoint gave them. Every
-  process takes part (a multi-host actor is gathered); process 0 writes. Returns the family
-  written."""
+  iteration it is from; None: unmarked) and `run` (the run's workdir), with the run's
+  tokenizer files and chat template, and the special ids of `tokenizer` (the run's) where no
+  source checkpoint gave them. Every process takes part (a multi-host actor is gathered);
+  process 0 writes. Returns the family written."""
   family = export_family(cfg)
   params = mesh_lib.to_host(params)
   if jax.process_index() != 0:
@@ -818,7 +826,8 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
   hf_loader.save_hf_checkpoint(params, cfg.model, tmp, family=family)
   if step is not None:
     with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
-      json.dump({"step": step, "family": _resolved_family(cfg)}, f)
+      json.dump({"step": step, "family": _resolved_family(cfg),
+                 "run": os.path.realpath(run) if run else None}, f)
   _copy_tokenizer(cfg, tokenizer, tmp)
   if cfg.init.actor_checkpoint:  # its generation config, and its config.json's special ids
     for name in CHECKPOINT_FILES:
@@ -847,7 +856,7 @@ class HFExport(Hook):
 
   def __init__(self, workdir: str, cfg: TrainConfig, params_fn: Callable[[], Any],
                tokenizer: Optional[Tokenizer] = None):
-    self.out_dir = os.path.join(workdir, HF_EXPORT_DIR)
+    self.workdir, self.out_dir = workdir, os.path.join(workdir, HF_EXPORT_DIR)
     self.cfg, self.params_fn, self.tokenizer = cfg, params_fn, tokenizer
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
@@ -855,7 +864,8 @@ class HFExport(Hook):
       self.export(step)
 
   def export(self, step: int) -> None:
-    family = export_hf(self.params_fn(), self.cfg, self.out_dir, step, self.tokenizer)
+    family = export_hf(self.params_fn(), self.cfg, self.out_dir, step, self.tokenizer,
+                       self.workdir)
     logging.info("exported the actor of iteration %d as a HF %s checkpoint: %s", step, family,
                  self.out_dir)
 

@@ -639,7 +639,7 @@ class PPOTrainer:
     step = self._export_step
     state, _ = self.checkpoints.read_exactly(step, self._state(), self._layout())
     params = self.update.whole("actor", state["actor"])
-    family = hooks.export_hf(params, self.cfg, out_dir, step, self.tokenizer)
+    family = hooks.export_hf(params, self.cfg, out_dir, step, self.tokenizer, self.workdir)
     logging.info("exported the actor of iteration %d as a HF %s checkpoint: %s", step, family,
                  out_dir)
     return family
