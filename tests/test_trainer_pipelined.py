@@ -528,8 +528,11 @@ def test_cached_schedule_for_another_problem_is_not_used(tmp_path):
     ({"pipeline.critic_pp": 3}, "config.pipeline.critic_pp=3 must divide mesh.stage=4"),
     ({"model.num_layers": 2}, "config.model.num_layers=2 must be divisible"),
     ({"critic_model.num_layers": 3}, "config.critic_model.num_layers=3 must be divisible"),
+    # Both name the fix a resume on more devices may take (it cannot change the micro-batches).
     ({"pipeline.actor_microbatches": 3}, "config.pipeline.actor_microbatches=3 must divide"),
+    ({"pipeline.actor_microbatches": 3}, "devices left over can go to mesh.tensor"),
     ({"pipeline.critic_microbatches": 4}, "config.pipeline.critic_microbatches=4 x critic"),
+    ({"pipeline.critic_microbatches": 4}, "devices left over can go to mesh.tensor"),
     ({"mesh.tensor": 2, "mesh.data": 1, "critic_model.num_heads": 6,
       "critic_model.num_kv_heads": 3, "critic_model.hidden_size": 48},
      "config.critic_model.num_kv_heads=3 must be divisible by mesh.tensor=2 or divide it"),

@@ -139,13 +139,18 @@ def check_config(cfg: TrainConfig, mesh: Mesh) -> PipelineConfig:
           "tensor device; use mesh.tensor=1 or mesh.stage=1 (the plain update handles it)")
   where = (f"the mini-batch rows per data shard (algo.minibatch_size={cfg.algo.minibatch_size} "
            f"/ mesh data*fsdp={shards} = {rows})")
+  # A run resumed on more devices (mesh.data=-1 grows) cannot change the fingerprinted
+  # micro-batch counts or mini-batch; mesh.data, fsdp and tensor it may (config.RESUMABLE_FIELDS).
+  fix = ("; fewer data shards (mesh.data, mesh.fsdp; devices left over can go to mesh.tensor, "
+         "which a resumed run may change too) or other micro-batch counts (a new run)")
   if rows % p.actor_microbatches:
     raise ValueError(f"config.pipeline.actor_microbatches={p.actor_microbatches} must divide "
-                     f"{where}")
+                     f"{where}{fix}")
   replicas = stages // critic_pp
   if rows % (replicas * p.critic_microbatches):
     raise ValueError(f"config.pipeline.critic_microbatches={p.critic_microbatches} x critic "
-                     f"replicas {replicas} (mesh.stage / pipeline.critic_pp) must divide {where}")
+                     f"replicas {replicas} (mesh.stage / pipeline.critic_pp) must divide "
+                     f"{where}{fix}")
   return p
 
 
