@@ -51,7 +51,7 @@ from rlhfuse_jax.parallel.mesh import MeshConfig, make_mesh  # noqa: E402
 from rlhfuse_jax.pipeline import program as prog  # noqa: E402
 from rlhfuse_jax.pipeline import bounds, schedules, search, stages  # noqa: E402
 from rlhfuse_jax.pipeline.evaluate import evaluate  # noqa: E402
-from rlhfuse_jax.pipeline.executor import PipelineExecutor  # noqa: E402
+from rlhfuse_jax.pipeline.executor import PipelineExecutor, make_executor  # noqa: E402
 from rlhfuse_jax.perf.timing import time_in_rotation, timed  # noqa: E402
 from rlhfuse_jax.pipeline.graph import AB, AF, CB, CF, KIND_NAMES, PipelineProblem  # noqa: E402
 from rlhfuse_jax.policy import calibration as cal_lib  # noqa: E402
@@ -179,8 +179,8 @@ def run_schedule(name: str, cfg: BenchPipelineConfig, problem: PipelineProblem,
                  order: np.ndarray, barrier: bool, mesh, params, batch,
                  reference) -> tuple[dict, Callable[[], Any]]:
   """(result without timings, the compiled and warmed step): timed by run() in rotation."""
-  program = prog.build_program(problem, order, barrier=barrier)
-  ex = PipelineExecutor(cfg.actor, cfg.critic, cfg.loss, program, mesh)
+  ex = make_executor(cfg.actor, cfg.critic, cfg.loss, problem, order, mesh, barrier=barrier)
+  program = ex.program
   logging.info("%s: %d ticks; compiling the shard_map program ...", name, program.ticks)
   t0 = time.perf_counter()
   step = ex.compile(params[0], params[1], batch)

@@ -71,7 +71,8 @@ Measured per program, per device (SPMD: XLA compiles one program per device):
              device, 2.16 -> 1.15 s). A gradient reduction XLA:CPU runs as an all-reduce where
              XLA:GPU makes a reduce-scatter still counts as the all-reduce (up to 2x the seconds).
 
-XLA:CPU's buffer assignment is not XLA:GPU's: temp_bytes are an estimate (JAX_NOTES.md).
+XLA:CPU's buffer assignment is not XLA:GPU's: temp_bytes are an estimate (docs/results.md,
+"Scale checks").
 
 One CPU artefact is corrected by default (`cpu_upcast="per_layer"`): XLA:CPU runs bfloat16 dots
 in float32 and, compiled as is, hoists the float32 copy of every weight out of the decode loop

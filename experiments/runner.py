@@ -468,12 +468,6 @@ def clear_earlier_traceback(workdir: str) -> None:
     pass
 
 
-def start_record() -> dict:
-  """What note_start read at this run's start: {started, git_commit, git_changes, start_time
-  (time.time())} (empty before it ran)."""
-  return dict(_START)
-
-
 def start_code() -> str:
   """The code this run started from, as processes that must run the same code compare it: the
   git commit ("?" outside a checkout) and a hash of its uncommitted changes, if any (two

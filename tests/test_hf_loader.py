@@ -20,6 +20,7 @@ import safetensors.numpy
 from jax.sharding import PartitionSpec as P
 
 from rlhfuse_jax import workdir as wdlib
+from rlhfuse_jax.data.tokenizer import HFTokenizer
 from rlhfuse_jax.models import hf_loader, llama
 from rlhfuse_jax.pipeline import executor
 from rlhfuse_jax.sim import shapes
@@ -757,7 +758,7 @@ def test_bf16_checkpoint_close_to_fp32(tmp_path):
 
 
 def test_tokenizer_round_trip():
-  tok = hf_loader.load_hf_tokenizer(QWEN2)
+  tok = HFTokenizer.from_file(QWEN2)
   text = "the critic predicts the value of every token"
   ids = tok.encode(text, add_bos=False)
   assert tok.decode(ids) == text

@@ -150,15 +150,6 @@ def test_a_task_with_one_symbol_is_refused():
     tasks.make_task("repeat", num_symbols=1)
 
 
-def test_response_stats_count_through_the_first_eos():
-  """response_stats: the length is through the first EOS (not the generated width) and
-  stopped_frac a fraction. (T4, T10)"""
-  task = tasks.make_task("repeat")
-  eos = task.tokenizer.eos_id
-  stats = task.response_stats(np.array([[5, eos, 5, 5], [5, 5, 5, 5]]), np.array([4, 4]))
-  assert stats == {"stopped_frac": 0.5, "length_mean": 3.0}  # (2 + 4) / 2
-
-
 def test_make_task_applies_overrides_to_a_task_config():
   """make_task(TaskConfig, **overrides) replaces those fields. (T7)"""
   task = tasks.make_task(tasks.TaskConfig(name="repeat"), num_symbols=3)

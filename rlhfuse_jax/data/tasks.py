@@ -31,7 +31,7 @@ import tokenizers
 from tokenizers import models, pre_tokenizers
 
 from rlhfuse_jax.data.lengths import LengthDistribution
-from rlhfuse_jax.data.rewards import response_extent, target_match
+from rlhfuse_jax.data.rewards import target_match
 from rlhfuse_jax.data.tokenizer import HFTokenizer
 
 PAD, BOS, EOS, SEP = "<pad>", "<bos>", "<eos>", "="
@@ -141,12 +141,6 @@ class Task(abc.ABC):
     `tokenizer`: the one that produced the ids when it is not the task's own (a run with
     init.tokenizer); the targets are tokenised with it too."""
     return target_match(records, response_ids, response_lengths, tokenizer or self.tokenizer)
-
-  def response_stats(self, response_ids: np.ndarray, response_lengths: np.ndarray
-                     ) -> dict[str, float]:
-    """Length and stop statistics a run may log next to the reward."""
-    rlen, stopped = response_extent(response_ids, response_lengths, self.tokenizer.eos_id)
-    return {"stopped_frac": float(stopped.mean()), "length_mean": float(rlen.mean())}
 
 
 def _symbol(s: int) -> str:

@@ -3,8 +3,8 @@
 
 An instance is `tp` devices (tensor parallel inside it when tp > 1) owning a fixed-layout KV cache
 of S slots x max_len positions, and its own executables, compiled ahead of time at start-up
-(JAX_NOTES: a function first called on a new device set recompiles, which would otherwise land in
-the middle of generation):
+(docs/architecture.md §2: a function first called on a new device set compiles then, which would
+otherwise land in the middle of generation):
 
   prefill(params, tokens [S, P], lens [S], uids [S], budget [S], key) -> (DecodeState, summary)
   decode(params, DecodeState, key) -> (DecodeState, summary)   up to K steps, state donated
@@ -30,11 +30,11 @@ long-tailed lengths for an untrained model) gives the same tokens on any instanc
 marks an empty slot: done right after prefill. With budget = max_new_tokens everywhere the stop
 rule is exactly the baseline generator's.
 
-Migration moves the rows of every field between two instances of the same shape class (tp,
-slots, max_len, dtype; JAX_NOTES: across classes a sampled token can flip): gather on the source,
-`jax.device_put` onto the target's shardings (arrays of two sub-meshes cannot meet in one jitted
-call), scatter on the target. Row counts are padded to a few buckets (1, 4, 16, ..., S, or up to
-`migration_rows` where that is smaller: more rows move in parts) so each instance compiles a
+Migration moves the rows of every field between two instances of the same shape class (tp, slots,
+max_len, dtype; docs/architecture.md §1: across classes a sampled token can flip): gather on the
+source, `jax.device_put` onto the target's shardings (arrays of two sub-meshes cannot meet in one
+jitted call), scatter on the target. Row counts are padded to a few buckets (1, 4, 16, ..., S, or
+up to `migration_rows` where that is smaller: more rows move in parts) so each instance compiles a
 handful of gather/scatter programs, not one per migration size.
 """
 from __future__ import annotations
@@ -331,7 +331,8 @@ class GenerationInstance:
 
   @property
   def shape_class(self) -> str:
-    """Instances migrate only within a class (JAX_NOTES: numerics depend on the shape)."""
+    """Instances migrate only within a class (docs/architecture.md §1: numerics depend on the
+    shape)."""
     return (f"tp{len(self.devices)}-S{self.slots}-L{self.max_len}-"
             f"{jnp.dtype(self.cfg.jnp_dtype).name}")
 

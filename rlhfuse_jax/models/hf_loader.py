@@ -49,7 +49,6 @@ import safetensors
 import safetensors.numpy
 
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.data.tokenizer import HFTokenizer
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.models import param_count
 
@@ -765,7 +764,3 @@ def save_hf_checkpoint(params: Any, cfg: llama.ModelConfig, out_dir: str,
       if os.path.exists(t):
         os.remove(t)
 
-
-def load_hf_tokenizer(ckpt_dir: str, **kwargs) -> HFTokenizer:
-  """The checkpoint's tokenizer.json as an `HFTokenizer` (kwargs go to `HFTokenizer.from_file`)."""
-  return HFTokenizer.from_file(ckpt_dir, **kwargs)

@@ -6,7 +6,7 @@ is allocated) and compiled for the caller's mesh, e.g. 8 fake CPU devices
 (--xla_force_host_platform_device_count) with fsdp=8. Reported per device:
 
   temp_bytes  compiled.memory_analysis().temp_size_in_bytes (XLA:CPU's buffer assignment: an
-              estimate of a GPU's, JAX_NOTES.md)
+              estimate of a GPU's, docs/results.md "Scale checks")
   flops       dot FLOPs with every loop iteration counted (perf/hlo_flops.py; blockwise
               attention is a lax.scan, which cost_analysis() counts once)
 

@@ -840,8 +840,8 @@ def make_executor(actor_cfg: ModelConfig, critic_cfg: ModelConfig, loss_cfg: Los
                   problem: PipelineProblem, order: np.ndarray, mesh: Mesh, barrier: bool = False,
                   min_shape: Optional[prog.ProgramShape] = None,
                   compiler_options: Optional[Dict[str, Any]] = None) -> PipelineExecutor:
-  """Compiles `order` (graph.py kinds, [N, T]) for `problem` and builds its executor."""
-  check_placement(mesh, problem, actor_cfg, critic_cfg)
+  """Compiles `order` (graph.py kinds, [N, T]) for `problem` and builds its executor (which
+  checks the placement)."""
   return PipelineExecutor(actor_cfg, critic_cfg, loss_cfg,
                           prog.build_program(problem, order, barrier, min_shape), mesh,
                           compiler_options)

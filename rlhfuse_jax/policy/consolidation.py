@@ -25,8 +25,8 @@ Data structures (all frozen dataclasses, validated on construction):
       converts with `kv_tokens_from_bytes`), `slot_capacity_tokens` the most tokens one slot
       holds (a fixed-layout cache [S, max_len] has max_len; None = only the pool limit counts),
       `shape_class` a label: samples move only between instances of the same class (tensor-
-      parallel degree, slots, max length, dtype -- JAX_NOTES: across classes a sampled token can
-      flip). Pass every instance still assigned to generation.
+      parallel degree, slots, max length, dtype -- docs/architecture.md §1: across classes a
+      sampled token can flip). Pass every instance still assigned to generation.
 
   Move(uid, src_instance, src_slot, dst_instance, dst_slot, tokens, bytes)
       one migration: copy the `tokens` KV rows (`bytes` of them) of sample `uid`.

@@ -279,10 +279,10 @@ def get_estimator(name: str) -> AdvantageEstimator:
 
 def compares_groups(name: str) -> bool:
   """True if estimator `name` compares one score per sample within each prompt's group (it takes
-  `group_size`): the trainer then needs rollout.samples_per_prompt > 1 and has no use for gamma
-  (the KL-in-reward penalty in its scores: `reads_scores`). Read from the registry, so a new
-  group estimator gets both (a hand-kept list of names missed one: its KL penalty was in
-  neither the reward nor the loss)."""
+  `group_size`): the config then needs rollout.samples_per_prompt > 1. Read from the registry,
+  so a new group estimator gets the check without a hand-kept list of names. (The KL-in-reward
+  penalty in its scores is keyed on `reads_scores`; the unused-gamma warning on the estimator's
+  inputs, trainer/validate.py.)"""
   return "group_size" in get_estimator(name).inputs
 
 

@@ -366,9 +366,8 @@ class InitConfig:
 class FusionConfig(fused_lib.FusionFields):
   """The two fusions of docs/architecture.md §2 (inter-stage) and §3 (intra-stage).
 
-  The inter-stage fields (migration_threshold, num_instances, instance_devices, slots,
-  inference_micro_batch, max_consolidations) and their checks are declared once, in
-  generation/fused.py FusionFields, which the engine's FusedGenConfig shares. Here
+  The inter-stage fields and their checks are declared once, in generation/fused.py
+  FusionFields (see there for the list), which the engine's FusedGenConfig shares. Here
   num_instances = 0 and slots = 0 mean automatic (the trainer's `fused_config` resolves them:
   FusedGenConfig.of(fusion, num_instances=..., slots=...)).
   """

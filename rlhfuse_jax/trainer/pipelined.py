@@ -44,8 +44,7 @@ from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.parallel import mesh as mesh_lib
-from rlhfuse_jax.pipeline import program as prog
-from rlhfuse_jax.pipeline.executor import PipelineExecutor
+from rlhfuse_jax.pipeline.executor import PipelineExecutor, make_executor
 from rlhfuse_jax.pipeline.graph import PipelineProblem
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.trainer import ppo
@@ -440,9 +439,9 @@ def make_pipelined_update_fn(actor_cfg: ModelConfig, critic_cfg: ModelConfig, al
   else:
     name, barrier = SERIAL, True
     order = schedules.serial_order(problem)
-  program = prog.build_program(problem, order, barrier=barrier)
-  executor = PipelineExecutor(actor_cfg, critic_cfg, ppo.loss_config(algo, temperature), program,
-                              mesh)
+  executor = make_executor(actor_cfg, critic_cfg, ppo.loss_config(algo, temperature), problem,
+                           order, mesh, barrier=barrier)
+  program = executor.program
   executor.microbatch_sizes(config.algo.minibatch_size)  # raises if the rows do not split
   logging.info("pipeline: %s schedule, %d ticks (bubble %.2f) on stage=%d, critic_pp=%d, "
                "micro-batches %d (actor) / %d per critic replica", name, program.ticks,
