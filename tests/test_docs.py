@@ -536,6 +536,21 @@ def test_usage_lists_the_fields_a_resume_may_change():
                            f"change and leaves out {sorted(fields - named)}")
 
 
+def test_usage_lists_the_fields_resume_changes_may_name():
+  """usage.md's list of what `checkpoint.resume_changes` may name is exactly
+  config.RESUME_CHANGEABLE: fusion.inference_pp and plan.inference_pp were allowed and not
+  listed."""
+  from rlhfuse_jax.trainer import config as config_lib
+  text = _read("docs/usage.md")
+  start = text.index("To continue with other hyper-parameters")
+  sentence = text[start:text.index("These leave the saved state's layout", start)]
+  named = set(re.findall(r"`([a-z_][a-z_0-9.]*)`", sentence))
+  named.discard("checkpoint.resume_changes")
+  fields = set(config_lib.RESUME_CHANGEABLE)
+  assert named == fields, (f"docs/usage.md names {sorted(named - fields)} that resume_changes "
+                           f"refuses and leaves out {sorted(fields - named)}")
+
+
 def test_binary_and_config_docstrings_keep_their_lines():
   """A module docstring is the binary's --help and the config file's launch command: in a
   non-raw one a command continued with a backslash was joined into one line with runs of

@@ -1,6 +1,6 @@
 """Exporting any kept checkpoint of a train_ppo run as a Hugging Face checkpoint, after the run
 (experiments/export_hf.py): the step asked for, the latest, or the one whose logged metric is
-best (`best:val/reward_mean`, `best:min:critic/loss`).
+best (`best:val/reward_mean`, `best:min:critic/vf_loss`).
 
 The run is rebuilt from its own recorded config (config.json, or the config.K.json of the start
 that wrote the checkpoint), its checkpoint restored and checked, and the actor written through
