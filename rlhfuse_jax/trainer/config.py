@@ -198,7 +198,10 @@ class AlgoConfig:
   # weights' traffic and of the gradients' for k micro-batches, for the weights' tensor share
   # gathered and its float32 sums in memory: docs/usage.md "Communication at scale").
   gradient_sync: str = "per_microbatch"
-  balance_tokens: bool = True  # balance mini-batch shards across data-parallel devices by tokens
+  # Balance mini-batch shards across data-parallel devices by tokens (rl/minibatch.py). The
+  # update here runs static padded shapes, so it moves neither the step time nor the result
+  # beyond float rounding; it pays where shards skip padding.
+  balance_tokens: bool = True
   # Whiten a critic's (GAE's) advantages over the batch; the group estimators normalise within
   # each prompt's group and reinforce_pp over the batch by definition, and ignore it
   # (docs/architecture.md §1).
