@@ -41,6 +41,7 @@ from ml_collections import config_flags
 from experiments import config_files
 from experiments import runner
 from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.fields import check as _check
 from rlhfuse_jax.parallel.host_devices import host_device_env
 # Not trainer.config, which imports jax (as matplotlib.pyplot, imported by `plot`, takes a
 # second): this process only starts train_ppo runs, and refuses a bad config or workdir first
@@ -50,11 +51,6 @@ from rlhfuse_jax.trainer.async_objectives import ASYNC_OBJECTIVES
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Benchmark config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
 flags.mark_flags_as_required(["config", "workdir"])
-
-
-def _check(cond: bool, field: str, value, expected: str) -> None:
-  if not cond:
-    raise ValueError(f"config.{field}={value!r}: expected {expected}")
 
 
 def check_config(c) -> None:

@@ -108,6 +108,7 @@ from absl import logging
 from configs import ppo_llama
 from experiments import config_files, runner
 from experiments.runner import fixed_or_sci
+from rlhfuse_jax.fields import check as _check
 from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference import stages as inf_stages
@@ -136,11 +137,6 @@ CPU_UPCAST_MODES = ("per_layer", "as_compiled")
 GENERATION_MODES = ("instances", "mesh")
 # XLA's name of the pass that hoists a loop-invariant float32 copy of the weights out of a loop.
 PER_LAYER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
-
-
-def _check(cond: bool, field: str, value: Any, expected: str) -> None:
-  if not cond:
-    raise ValueError(f"config.{field}={value!r}: expected {expected}")
 
 
 def program_names(result: dict) -> list[str]:

@@ -14,8 +14,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ARCH = ROOT / "docs" / "architecture.md"
-BASE = {"rlhfuse_jax.checkpointing", "rlhfuse_jax.metrics", "rlhfuse_jax.workdir",
-        "rlhfuse_jax"}
+BASE = {"rlhfuse_jax.checkpointing", "rlhfuse_jax.fields", "rlhfuse_jax.metrics",
+        "rlhfuse_jax.workdir", "rlhfuse_jax"}
 JAX_ROOTS = {"jax", "jaxlib", "flax", "optax", "orbax", "chex"}
 
 
@@ -64,8 +64,8 @@ def source_graph(root: pathlib.Path = ROOT) -> dict:
 def group_of(module: str, groups) -> str:
   """The group of a module: the longest group name that prefixes it (`base` for the top-level
   helper modules); None for names outside the project."""
-  if module in BASE:
-    return "base"
+  if module in BASE or module.rsplit(".", 1)[0] in BASE - {"rlhfuse_jax"}:
+    return "base"  # a base module, or a name imported from one (`from ..fields import check`)
   top = module.split(".")[0]
   if top in ("experiments", "configs"):
     return top

@@ -60,6 +60,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import NamedSharding
 
+from rlhfuse_jax import fields as fields_lib
 from rlhfuse_jax.policy import consolidation as policy
 from rlhfuse_jax.generation import engine
 from rlhfuse_jax.generation import instances as inst_lib
@@ -125,7 +126,7 @@ class FusionFields:
   AUTOMATIC_LAYOUT = False  # whether num_instances / slots may be 0 (automatic)
 
   def _fail(self, name: str, value: Any, expected: str):
-    raise ValueError(f"config.{self.section}.{name}={value!r}: expected {expected}")
+    fields_lib.fail(f"{self.section}.{name}", value, expected)
 
   def _check_int(self, name: str, low: int, expected: str) -> None:
     v = getattr(self, name)

@@ -8,13 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from rlhfuse_jax.fields import check as _check
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.sim import hardware as hw_lib
-
-
-def _check(cond: bool, field: str, value: Any, expected: str) -> None:
-  if not cond:
-    raise ValueError(f"config.{field}={value!r}: expected {expected}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 from rlhfuse_jax import workdir
 from rlhfuse_jax.data import rewards as rewards_lib
+from rlhfuse_jax.fields import check as _check
+from rlhfuse_jax.fields import is_int as _is_int
+from rlhfuse_jax.fields import is_number as _is_number
 from rlhfuse_jax.generation import fused as fused_lib
 from rlhfuse_jax.generation import sampling
 from rlhfuse_jax.models.llama import ModelConfig
@@ -26,19 +29,6 @@ from rlhfuse_jax.rl import losses as losses_lib
 from rlhfuse_jax.sim.shapes import DTYPE_ITEMSIZE, ITEMSIZE_DTYPES
 # (a module without jax: experiments/bench_async.py checks its config against them)
 from rlhfuse_jax.trainer.async_objectives import ASYNC_OBJECTIVES
-
-
-def _check(cond: bool, field: str, value: Any, expected: str) -> None:
-  if not cond:
-    raise ValueError(f"config.{field}={value!r}: expected {expected}")
-
-
-def _is_int(v: Any) -> bool:
-  return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-  return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 # Field type -> (accepts the value?, what was expected). A bool field given the string "False"
@@ -457,7 +447,7 @@ class PlanConfig:
     for name, low in (("generation_tp", 1), ("generation_slots", 0), ("generation_pp", 1),
                       ("generation_groups", 0), ("inference_tp", 0), ("inference_pp", 1)):
       v = getattr(self, name)
-      _check(isinstance(v, int) and not isinstance(v, bool) and v >= low, f"plan.{name}", v,
+      _check(_is_int(v) and v >= low, f"plan.{name}", v,
              f"an integer >= {low}")
     _check(self.inference_pp == 1 or self.generation == "instances", "plan.inference_pp",
            self.inference_pp, f"1 with plan.generation={self.generation!r} (inference on "
@@ -513,7 +503,7 @@ class AsyncPPOConfig:
   def __post_init__(self):
     for name in ("staleness", "generation_devices"):
       v = getattr(self, name)
-      _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"async_ppo.{name}", v,
+      _check(_is_int(v) and v >= 0, f"async_ppo.{name}", v,
              "an integer >= 0")
     _check(self.objective in ASYNC_OBJECTIVES, "async_ppo.objective", self.objective,
            f"one of {ASYNC_OBJECTIVES}")
@@ -953,7 +943,7 @@ def plan_devices(plan: Mapping[str, Any]) -> Optional[int]:
     parts = (a.get("generation_devices"), a.get("training_devices"))
   else:
     parts = (plan["training"].get("devices"),)
-  if not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in parts):
+  if not all(_is_int(p) and p > 0 for p in parts):
     return None  # a hand-edited file's odd value: the field checks name it
   return sum(parts)
 

@@ -49,6 +49,7 @@ from rlhfuse_jax.inference import stages as inf_stages
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.rl import advantages as adv_lib
+from rlhfuse_jax.fields import fail as _fail
 from rlhfuse_jax.trainer import rt_auto
 from rlhfuse_jax.trainer.config import TrainConfig
 
@@ -374,9 +375,6 @@ def make_rollout_stage(cfg: TrainConfig, sampling: SamplingConfig, mesh: jax.sha
 
 
 # ---------------------------------------------------------------- per-stage plans (config.plan)
-def _fail(field: str, value: Any, expected: str) -> None:
-  raise ValueError(f"config.{field}={value!r}: expected {expected}")
-
 
 def plan_instances_config(cfg: TrainConfig, num_devices: int) -> fused_lib.FusedGenConfig:
   """The instances of config.plan.generation='instances': G = devices / generation_tp instances
