@@ -157,7 +157,9 @@ def check_overrides(module: Any, variant: Optional[str], config_path: str,
   value (check_values); a ValueError naming the first that does not, before any run starts
   (each run would otherwise start, import jax and fail on it). Warns of an entry's field that
   the variant sets: every run then loses the variant's value (a sweep of ppo_tiny.py:grpo over
-  estimators ran no GRPO). Returns check_values' configs ({} without a get_config())."""
+  estimators ran no GRPO), unless get_sweep() gives the variant entries of its own (then it
+  sets them on purpose: ppo_tiny.py:fused's fusion ablation). Returns check_values' configs
+  ({} without a get_config())."""
   if not hasattr(module, "get_config"):
     return {}
   # every run's --config carries the variant: its get_config() must take it
@@ -169,10 +171,20 @@ def check_overrides(module: Any, variant: Optional[str], config_path: str,
     problem = config_files.missing_field(config, key)
     if problem:
       raise ValueError(f"{where}: --config.{key}: {config_path} {problem}")
-  if variant is not None:
+  if variant is not None and not _own_sweep(module, variant):
     warn_variant_overridden(config, config_files.call_with_variant(module.get_config, None),
                             config_path, runs)
   return check_values(config_path, runs, passthrough)
+
+
+def _own_sweep(module: Any, variant: str) -> bool:
+  """Whether get_sweep() gives `variant` other entries than it gives the file's default: a sweep
+  written for that variant, whose entries override its fields on purpose."""
+  try:
+    return (wd.as_json(config_files.call_with_variant(module.get_sweep, variant)) !=
+            wd.as_json(config_files.call_with_variant(module.get_sweep, None)))
+  except Exception:  # pylint: disable=broad-except  (get_sweep() wants its variant)
+    return False
 
 
 def _field(config: Any, key: str) -> Any:

@@ -296,6 +296,11 @@ def test_sweep_takes_a_config_variant(tmp_path):
   out = _run(["experiments.sweep", "--config=configs/ppo_tiny.py:grpo", "--binary=train_ppo",
               f"--workdir={tmp_path / 'g'}", "--dry_run"])
   assert out.returncode == 0 and "sets itself" not in out.stderr, out.stderr[-2000:]
+  # A sweep written for its variant sets the variant's fields on purpose: fused's fusion
+  # ablation turns off the fusions the variant turns on, and was warned of.
+  fused = _run(["experiments.sweep", "--config=configs/ppo_tiny.py:fused", "--binary=train_ppo",
+                f"--workdir={tmp_path / 'fu'}", "--dry_run"])
+  assert fused.returncode == 0 and "sets itself" not in fused.stderr, fused.stderr[-2000:]
   commands = [line for line in out.stderr.splitlines() if "python -m experiments" in line]
   assert len(commands) == 2 and all("--config.algo.estimator=grpo" in c for c in commands)
   # A training run's workdir is not a sweep's (its summary and run folders went in beside).
