@@ -30,7 +30,7 @@ import os
 import signal
 import statistics
 import sys
-from typing import Any
+from typing import Any, Collection
 
 import jax
 from absl import flags, logging
@@ -51,6 +51,12 @@ from rlhfuse_jax.trainer.loop import EXIT_STOPPED_BY_SIGNAL, PPOTrainer, TIMING_
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd process
 
 EXIT_SAVE_FAILED = 3
+
+# What result.json's trained_by (and each checkpoint) keeps of the start that trained each
+# span of iterations: provenance() is the last start's alone, and a finished run re-run (or
+# resumed at another commit) relabelled iterations another commit had trained.
+TRAINED_BY_FIELDS = ("started", "git_commit", "git_changes", "command", "host", "host_cpu",
+                     "jax", "platform", "device_kind", "num_devices", "num_processes")
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
@@ -79,15 +85,16 @@ def _finite_mean(values: list) -> float | None:
 
 
 def summarize(history: list[dict], num_iterations: int,
-              trained_to: int | None = None) -> dict:
+              trained_to: int | None = None, first_of_start: Collection[int] = (1,)) -> dict:
   """Whether the run is done or stopped early (a signal: re-run to resume), reward of the first
   and last 10% of iterations (the mean of their finite rewards: an iteration whose reward was
   NaN, its updates skipped under guard.on_nonfinite='skip_update', is left out and counted in
   reward_nonfinite_iterations), the throughput (median over the iterations of timing_s/step and
-  perf/tokens_per_s: a start's first iteration, which compiles, falls outside the median of
-  three or more; a sweep's summary puts them beside the reward, where wall_s, compiles
-  included, was the only time) and the final iteration's scalar metrics (its timings and
-  per-sample lists are in metrics.jsonl).
+  perf/tokens_per_s, without the iterations in `first_of_start`, each start's first, which
+  compiles, unless nothing else is left: a median of the few iterations of a short run took
+  them in and halved its tokens/s; a sweep's summary puts them beside the reward, where
+  wall_s, compiles included, was the only time) and the final iteration's scalar metrics (its
+  timings and per-sample lists are in metrics.jsonl).
 
   `trained_to`: the iteration the run's state is at (its checkpoint), which gives the status
   and the iteration count; metrics.jsonl may lack rows (a torn or removed line), counted in
@@ -106,12 +113,13 @@ def summarize(history: list[dict], num_iterations: int,
   first = _finite_mean([h.get("reward/mean") for h in history[:k]])
   last = _finite_mean([h.get("reward/mean") for h in history[-k:]])
   nonfinite = sum(1 for h in history if _finite_mean([h.get("reward/mean")]) is None)
+  timed = [h for h in history if h.get("step") not in first_of_start] or history
   return {**status, "reward_first_10pct": first,
           "reward_last_10pct": last,
           "reward_gain": None if first is None or last is None else last - first,
           **({"reward_nonfinite_iterations": nonfinite} if nonfinite else {}),
-          "median_step_s": _median([h.get("timing_s/step") for h in history]),
-          "median_tokens_per_s": _median([h.get("perf/tokens_per_s") for h in history]),
+          "median_step_s": _median([h.get("timing_s/step") for h in timed]),
+          "median_tokens_per_s": _median([h.get("perf/tokens_per_s") for h in timed]),
           "final": {k: v for k, v in history[-1].items()
                     if not k.startswith(TIMING_PREFIXES) and not isinstance(v, list)}}
 
@@ -269,6 +277,9 @@ def _start_and_train(run_log: runner.RunLog) -> tuple[TrainConfig, PPOTrainer]:
     # The lock stays held while result.json is written: another start on this workdir in
     # between could change metrics.jsonl while it is summarised.
     # result.json is summarised from metrics.jsonl: no per-iteration rows kept in memory
+    # This start's code and machine, kept with the iterations it trains (trained_by).
+    trainer.start_record = {k: v for k, v in runner.provenance().items()
+                            if k in TRAINED_BY_FIELDS}
     trainer.run(keep_lock=True, config_record=config_lib.config_record(_CONFIG.value, cfg),
                 keep_history=False)
   except (checkpointing.SaveError, multihost.PeerLostError) as e:
@@ -333,7 +344,9 @@ def _main(run_log: runner.RunLog) -> None:
   if main_process:
     # The summary covers the whole run (also iterations done before a resume).
     history = wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-    result = summarize(history, cfg.num_iterations, trainer.trained_to)
+    result = summarize(history, cfg.num_iterations, trainer.trained_to,
+                       {k + 1 for k in hooks.start_points(workdir)})
+    result["trained_by"] = trainer.trained_by()
     export = os.path.join(workdir, hooks.HF_EXPORT_DIR)
     if cfg.checkpoint.export_hf and os.path.isdir(export):
       result["hf_export"] = export

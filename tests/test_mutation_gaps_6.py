@@ -1102,7 +1102,8 @@ def test_a_checkpoints_batches_in_flight_pair_their_arrays_with_their_side_cars(
       cfg=types.SimpleNamespace(async_ppo=types.SimpleNamespace(staleness=2),
                                 optim=types.SimpleNamespace(zero1=False)),
       in_flight={5: batch(5), 4: batch(4)}, _model_states=dict, schedule_iterations=9,
-      dataset=types.SimpleNamespace(state_dict=dict), _devices=dict, rollout=None)
+      dataset=types.SimpleNamespace(state_dict=dict), _devices=dict, trained_by=list,
+      rollout=None)
   # pylint: disable=protected-access
   state, meta = loop.PPOTrainer._state(fake), loop.PPOTrainer._meta(fake)
   assert [s["iteration"] for s in meta["in_flight"]] == [4, 5]
@@ -1124,7 +1125,7 @@ def test_a_checkpoint_keeps_the_lr_schedules_horizon_of_the_first_start():
       cfg=types.SimpleNamespace(num_iterations=4, async_ppo=types.SimpleNamespace(staleness=0),
                                 optim=types.SimpleNamespace(zero1=False)),
       schedule_iterations=2, dataset=types.SimpleNamespace(state_dict=lambda: {"epoch": 1}),
-      _devices=dict, rollout=None)
+      _devices=dict, trained_by=list, rollout=None)
   meta = loop.PPOTrainer._meta(fake)  # pylint: disable=protected-access
   assert meta["schedule_iterations"] == 2 and meta["data"] == {"epoch": 1}
 

@@ -79,6 +79,11 @@ def test_sigterm_saves_and_exits_with_the_stopped_status(tmp_path):
   assert json.load(open(os.path.join(wd, "config.json")))["num_iterations"] == 10000
   result = json.load(open(os.path.join(wd, "result.json")))  # not mistaken for a finished run
   assert (result["status"], result["iterations"]) == ("stopped", last), result
+  # The start that trained them, with its code and machine (provenance is the last start's).
+  made = result["provenance"]
+  assert [(s["from"], s["to"], s["git_commit"], s["host_cpu"], s["started"])
+          for s in result["trained_by"]] == [
+              (0, last, made["git_commit"], made["host_cpu"], made["started"])], result
   assert not os.path.exists(os.path.join(wd, "traceback.txt"))
 
 
@@ -529,22 +534,36 @@ print(json.dumps([train_ppo.summarize(rows, 4), train_ppo.summarize(rows[:3], 4)
                   train_ppo.summarize([{"step": 1, "reward/mean": 0.0}], 4),
                   train_ppo.summarize(skipped, 20), train_ppo.summarize(skipped[:1], 20),
                   train_ppo.summarize(rows[:3], 4, trained_to=4),
-                  train_ppo.summarize([], 4, trained_to=4)]))
+                  train_ppo.summarize([], 4, trained_to=4),
+                  train_ppo.summarize(rows, 4, first_of_start={1, 3}),
+                  train_ppo.summarize(rows[:1], 4)]))
+import os, tempfile
+from rlhfuse_jax.trainer import hooks
+with tempfile.TemporaryDirectory() as d:
+  for name in ("config.json", "config.4.json", "config.4.1.json", "config.9.json", "c.2.json"):
+    open(os.path.join(d, name), "w").close()
+  print(json.dumps(hooks.start_points(d)))
 """
 
 
 def test_result_json_holds_the_throughput_beside_the_reward():
   """result.json's median step time and tokens/s (a sweep of fusion on/off showed only wall_s,
   compiles included: 17 s without inter-stage fusion, 55 s with, in a 4-iteration tiny
-  sweep). The first iteration's compiles fall outside the median. A reward that was not finite
-  is left out of the reward means and counted."""
+  sweep). Each start's first iteration, which compiles, is left out of the medians unless it is
+  the only one (the median of a 4-iteration run took it in: half the tokens/s). A reward that
+  was not finite is left out of the reward means and counted."""
   out = subprocess.run([sys.executable, "-c", _SUMMARIZE], cwd=REPO, env=_env(),
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-3000:]
-  four, three, bare, skipped, none, torn, lost = json.loads(
-      out.stdout.strip().splitlines()[-1])
-  assert (four["median_step_s"], four["median_tokens_per_s"]) == (pytest.approx(0.35), 350.0)
-  assert (three["median_step_s"], three["median_tokens_per_s"]) == (0.4, 300.0)
+  four, three, bare, skipped, none, torn, lost, resumed, one = json.loads(
+      out.stdout.strip().splitlines()[-2])
+  assert json.loads(out.stdout.strip().splitlines()[-1]) == [0, 4, 9]  # the starts' iterations
+  assert (four["median_step_s"], four["median_tokens_per_s"]) == (0.3, 400.0)
+  assert (three["median_step_s"], three["median_tokens_per_s"]) == (pytest.approx(0.3), 400.0)
+  # A resume at 2: iteration 3 compiled too.
+  assert (resumed["median_step_s"], resumed["median_tokens_per_s"]) == (
+      pytest.approx(0.25), 450.0)
+  assert (one["median_step_s"], one["median_tokens_per_s"]) == (9.0, 10.0)
   assert (three["status"], three["iterations"]) == ("stopped", 3)
   assert (bare["median_step_s"], bare["median_tokens_per_s"]) == (None, None)
   assert "timing_s/step" not in four["final"]  # still in metrics.jsonl alone

@@ -963,3 +963,33 @@ def test_samples_are_written_as_text_once_per_logged_iteration_across_a_resume(t
     symbols = r["response"].replace("\ufffd", " ").split()  # U+FFFD: a special token's place
     assert 0 < len(symbols) <= n or n == 0, r
     assert r["prompt"].startswith("<bos>") and r["prompt"].endswith(" ="), r  # as tokenised
+
+
+def test_each_start_s_code_stays_with_the_iterations_it_trained(tmp_path, caplog):
+  """trained_by (each checkpoint's side-car, result.json): which start trained which
+  iterations, with what it recorded of its code and machine. A resume at other code warns; a
+  start that trains nothing adds nothing (result.json's provenance, the last start's, had
+  relabelled a finished run with the commit that merely re-ran it)."""
+  run = str(tmp_path / "run")
+  cfg = tiny_config(**{"num_iterations": 3})
+  first = PPOTrainer(cfg, run)
+  first.start_record = {"git_commit": "aaa", "host": "one"}
+  first.run(stop_after=2)  # saved at 2
+  assert first.trained_by() == [{"from": 0, "to": 2, "git_commit": "aaa", "host": "one"}]
+  second = PPOTrainer(cfg, run)
+  second.start_record = {"git_commit": "bbb", "host": "two"}
+  with caplog.at_level(logging.WARNING):
+    second.run()
+  assert ("resuming checkpoint 2, whose iterations 1-2 were trained at commit aaa, with commit "
+          "bbb: the iterations from 3 on come from other code") in caplog.text, caplog.text
+  spans = [{"from": 0, "to": 2, "git_commit": "aaa", "host": "one"},
+           {"from": 2, "to": 3, "git_commit": "bbb", "host": "two"}]
+  assert second.trained_by() == spans
+  again = PPOTrainer(cfg, run)  # finished: trains nothing
+  again.start_record = {"git_commit": "ccc", "host": "three"}
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    again.run()
+  assert again.trained_by() == spans and "other code" not in caplog.text
+  # The checkpoint's side-car holds them: a restart after a crash keeps them.
+  assert again.checkpoints.checkpointer.restore_meta(3)["trained_by"] == spans

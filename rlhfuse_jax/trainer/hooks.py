@@ -340,6 +340,10 @@ class SamplesLog(Hook):
         wd.append_jsonl(self.path, {"step": step, **row})
 
 
+# config.json, config.K.json (a start resumed at K), config.K.N.json (its N-th start at K).
+_CONFIG_RECORD = re.compile(r"config(?:\.(\d+)(?:\.(\d+))?)?\.json")
+
+
 def config_record_of(workdir: str, iteration: Any) -> tuple[Optional[dict], str]:
   """(config.json of the start that wrote checkpoint `iteration`, its path): the newest
   config.K.json (a start resumed at K) with K below it, else config.json; (None, '') when
@@ -347,7 +351,7 @@ def config_record_of(workdir: str, iteration: Any) -> tuple[Optional[dict], str]
   workdir.write_config_history names them), the last."""
   found = []
   for name in os.listdir(workdir) if os.path.isdir(workdir) else ():
-    m = re.fullmatch(r"config(?:\.(\d+)(?:\.(\d+))?)?\.json", name)
+    m = _CONFIG_RECORD.fullmatch(name)
     if m and (m.group(1) is None or not isinstance(iteration, int) or
               int(m.group(1)) < iteration):
       found.append((int(m.group(1) or -1), int(m.group(2) or 0), name))
@@ -361,6 +365,17 @@ def config_record_of(workdir: str, iteration: Any) -> tuple[Optional[dict], str]
     if isinstance(record, dict):
       return record, path
   return None, ""
+
+
+def start_points(workdir: str) -> list[int]:
+  """The iterations the run's starts began at, ascending: 0 (config.json's) and every K of a
+  config.K.json (a start that resumed at K)."""
+  points = {0}
+  for name in os.listdir(workdir) if os.path.isdir(workdir) else ():
+    m = _CONFIG_RECORD.fullmatch(name)
+    if m and m.group(1) is not None:
+      points.add(int(m.group(1)))
+  return sorted(points)
 
 
 class Checkpoints(Hook):

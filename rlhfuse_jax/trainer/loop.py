@@ -154,6 +154,13 @@ class PPOTrainer:
     resume point is read or checked, no prompt is loaded or tokenised, nothing of the run is
     written."""
     self._export_step = export_step
+    # What the caller records of this start (its code and machine: train_ppo gives runner's
+    # provenance), kept in each checkpoint's side-car as the last entry of `trained_by`.
+    self.start_record: dict = {}
+    self._recorded_starts: Optional[list] = None  # the resume point's trained_by
+    self._earlier_starts: list = []  # the entries of the starts before this one
+    self._start: Optional[int] = None  # the iteration this start began at (run())
+    self._stepped_to: Optional[int] = None  # the iteration the state in memory is at
     self._built_at = time.time()  # the progress line's elapsed counts from here (setup too)
     self._samples: Optional[list] = None  # config.log_samples: this iteration's, as text
     self.workdir = workdir
@@ -237,6 +244,7 @@ class PPOTrainer:
       self.finished_at, self.export_only = None, False
       return
     self.resume_step, meta = self.checkpoints.resume_point()
+    self._recorded_starts = (meta or {}).get("trained_by")
     # The LR schedule's horizon is fixed by the first start and kept in the checkpoints.
     self.schedule_iterations = (cfg.optim.schedule_iterations or (meta or {}).get(
         "schedule_iterations") or cfg.num_iterations)
@@ -575,7 +583,8 @@ class PPOTrainer:
 
   def _meta(self) -> dict:
     meta = {"data": self.dataset.state_dict(), "schedule_iterations": self.schedule_iterations,
-            "devices": self._devices(), "zero1": bool(self.cfg.optim.zero1)}
+            "devices": self._devices(), "zero1": bool(self.cfg.optim.zero1),
+            "trained_by": self.trained_by()}
     if self.cfg.async_ppo.staleness:
       meta["in_flight"] = [g.side_car() for g in sorted(self.in_flight.values(),
                                                         key=lambda g: g.iteration)]
@@ -583,6 +592,38 @@ class PPOTrainer:
     if generator is not None:  # the "auto" Rt's length histogram
       meta["rt"] = generator.rt_state()
     return meta
+
+  def _starts_before(self, start: int) -> list:
+    """trained_by's entries for iterations 1..start: the resume point's, cut at `start` (a
+    fallback to an older checkpoint); one without a record (saved before starts were recorded)
+    stands as {from 0, to start} with nothing known of it. Warns when this start's code is not
+    the code that trained the restored iterations last."""
+    recorded = self._recorded_starts
+    if start == 0:
+      return []
+    if not isinstance(recorded, list):
+      return [{"from": 0, "to": start}]
+    earlier = [{**e, "to": min(e.get("to", start), start)} for e in recorded
+               if isinstance(e, dict) and e.get("from", 0) < start]
+    before = earlier[-1] if earlier else {}
+    code = [(r.get("git_commit"), r.get("git_changes")) for r in (before, self.start_record)]
+    if (start < self.cfg.num_iterations and code[0][0] and code[1][0] and code[0] != code[1]):
+      logging.warning(
+          "resuming checkpoint %d, whose iterations %d-%d were trained at commit %s%s, with "
+          "commit %s%s: the iterations from %d on come from other code (result.json's "
+          "trained_by lists each start's code and machine)", start, before["from"] + 1,
+          before["to"], code[0][0], f" (changes {code[0][1]})" if code[0][1] else "",
+          code[1][0], f" (changes {code[1][1]})" if code[1][1] else "", start + 1)
+    return earlier
+
+  def trained_by(self) -> list[dict]:
+    """Which start trained which iterations of the state: [{from, to, and what the start
+    recorded (start_record: commit, machine, ...)}], oldest first; the running start's entry
+    once it has trained an iteration."""
+    if self._start is None or self._stepped_to <= self._start:
+      return list(self._earlier_starts)
+    return [*self._earlier_starts,
+            {"from": self._start, "to": self._stepped_to, **self.start_record}]
 
   def _devices(self) -> dict:
     """The layout this run computes on, which its config may leave to the device count
@@ -1038,7 +1079,8 @@ class PPOTrainer:
       hooks.agree_setup_signal()  # set-up points every process reaches: a signal stops all
       start = self.finished_at if self.finished_at is not None else self._restore()
       # The iteration the run's state is at: its result's (metrics.jsonl may lack rows).
-      self.trained_to = start
+      self.trained_to = self._stepped_to = self._start = start
+      self._earlier_starts = self._starts_before(start)
       hooks.agree_setup_signal()  # (before anything is written for this start)
       if (config_record is not None and start < self.cfg.num_iterations and
           jax.process_index() == 0):
@@ -1165,7 +1207,7 @@ class PPOTrainer:
       self._fill_in_flight(start)
       for it in range(start, self.cfg.num_iterations):
         m = self.iteration(it)
-        step = it + 1
+        step = self._stepped_to = it + 1
         if self.held_out is not None and (step % self.cfg.eval_every == 0 or
                                           step == self.cfg.num_iterations):
           # The weights moved to the generation group once for the whole pass.
