@@ -124,10 +124,13 @@ def check_makespan_target(value: float, default: float) -> int:
 def missing_field(config: Any, key: str) -> Optional[str]:
   """None when the dotted `key` names a field of `config`; else "has no field 'a.b'" with the
   closest field's path as a hint (or the section's fields; or, for a DERIVED quantity, what
-  sets it). A part under a value that is not a config (a scalar, a list) is left to
-  ml_collections."""
+  sets it); or, for a part under a scalar, that it is a value (ml_collections' KeyError came in
+  a 40-line traceback). A part under a list or tuple is left to ml_collections."""
   node, walked = config, []
   for part in key.split("."):
+    if isinstance(node, (bool, int, float, str)) or node is None:
+      return (f"has no field {key!r}: {'.'.join(walked)} is a value ({node!r}), not a "
+              "section")
     if not hasattr(node, "keys"):
       return None
     fields = [str(f) for f in node.keys()]
@@ -141,6 +144,29 @@ def missing_field(config: Any, key: str) -> Optional[str]:
     node = node[part]
     walked.append(part)
   return None
+
+
+def replaced_section(config: Any, key: str, value: Any, source: str) -> Optional[str]:
+  """What is wrong with setting the dotted `key` of `config` to `value` whole, when `key` names
+  a section (a config of fields) and `value` a dict without some of them: ml_collections
+  replaces the section, so the fields not given lose the file's values (the trainer's defaults
+  take their place, and config.json records only those given); `source` names the file.
+  None otherwise."""
+  node = config
+  for part in key.split("."):
+    if not hasattr(node, "keys") or part not in node.keys():
+      return None
+    node = node[part]
+  if not (hasattr(node, "keys") and hasattr(value, "keys")):
+    return None
+  lost = sorted(str(k) for k in node.keys() if k not in value.keys())
+  if not lost:
+    return None
+  first = next(iter(value.keys()), None)
+  example = (f" (--config.{key}.{first}={value[first]!r})" if first is not None else "")
+  return (f"replaces the section {key!r} whole: its fields not given ({', '.join(lost[:6])}"
+          f"{', ...' if len(lost) > 6 else ''}) would lose the values {source} gives them; set "
+          f"each field instead{example}")
 
 
 def _config_flag_values(argv: Sequence[str]) -> list[tuple[str, str]]:
@@ -193,6 +219,27 @@ def diagnose(argv: Sequence[str]) -> Optional[str]:
       problem = m and missing_field(config, m.group(1))
       if problem:
         return f"--{name}.{m.group(1)}: {config_path} {problem}"
+  return None
+
+
+def _replaced_section(argv: Sequence[str]) -> Optional[str]:
+  """The first `--config.SECTION={...}` of `argv` that replaces a section of the file's config
+  (replaced_section), as one line naming the flag."""
+  for name, config_path in _config_flags(argv).items():
+    try:
+      given, config = flags.FLAGS[name].value, get_config(config_path, f"--{name}")
+    except Exception:  # pylint: disable=broad-except  (reported by the other checks)
+      return None
+    for arg in argv:
+      m = re.match(rf"^--?{name}\.([\w.]+)=", arg)
+      if not m:
+        continue
+      value = given
+      for part in m.group(1).split("."):
+        value = value[part] if hasattr(value, "keys") and part in value.keys() else None
+      problem = replaced_section(config, m.group(1), value, config_path)
+      if problem:
+        return f"--{name}.{m.group(1)}: {problem}"
   return None
 
 
@@ -347,7 +394,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     if message is None:
       raise
     _fatal(message)
-  problem = _missing_file(argv[1:]) or _load_error(argv[1:])
+  problem = _missing_file(argv[1:]) or _load_error(argv[1:]) or _replaced_section(argv[1:])
   if problem:
     _fatal(problem)
   workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None

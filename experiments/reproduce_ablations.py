@@ -154,9 +154,11 @@ def main(argv):
   figures = _figures(cfg, out, workdir, cfg.systems)
   runner.write_result(workdir, {"iteration_s": iteration_table(out["rows"]), "rows": out["rows"],
                                "inputs": out["inputs"], "validation": val_rows})
-  command = runner.command_line()  # quoted as in result.json's provenance
+  made = runner.provenance()  # as result.json's
+  when = made.get("started", made["date"])[:10]
   report.write_markdown(os.path.join(workdir, "ablations.md"), out["rows"], cfg.systems,
-                        out["inputs"], val_lines, command, figures, time.time() - t0)
+                        out["inputs"], val_lines, made["command"], figures, time.time() - t0,
+                        f"at commit {made['git_commit']}, {when}, on {made['host_cpu']}")
   for row in val_rows:
     if row.get("measured") is not None:
       logging.info("validation %s (%s): %s predicted %.4g, measured %.4g (%+.1f %%)",

@@ -171,6 +171,11 @@ def check_overrides(module: Any, variant: Optional[str], config_path: str,
     problem = config_files.missing_field(config, key)
     if problem:
       raise ValueError(f"{where}: --config.{key}: {config_path} {problem}")
+  for i, _, entry in runs:  # {"optim": {"actor_lr": ...}} would replace the whole section
+    for key, value in entry.items():
+      problem = key != "name" and config_files.replaced_section(config, key, value, config_path)
+      if problem:
+        raise ValueError(f"get_sweep()[{i}]: --config.{key}: {problem}")
   if variant is not None and not _own_sweep(module, variant):
     warn_variant_overridden(config, config_files.call_with_variant(module.get_config, None),
                             config_path, runs)

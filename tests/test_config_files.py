@@ -65,6 +65,20 @@ def test_a_good_command_line_parses_as_before(tmp_path):
   assert ok.returncode == 0 and "parsed 64 0.5" in ok.stdout, ok.stderr
 
 
+def test_a_section_given_whole_or_a_field_under_a_value_is_one_line(tmp_path):
+  """`--config.model={'width': 4}` replaced the section: its other fields lost the file's
+  values without a word (a sweep entry {"optim": {"actor_lr": ...}} trained with the default
+  warm-up and critic LR). A field under a scalar ended in ml_collections' KeyError traceback."""
+  assert _fatal_line(_run(tmp_path, "--config=cfg.py", "--config.model.width.x=1")) == (
+      "--config.model.width.x: cfg.py has no field 'model.width.x': model.width is a value "
+      "(8), not a section")
+  assert _fatal_line(_run(tmp_path, "--config=cfg.py", "--config.model={'width': 4}")) == (
+      "--config.model: replaces the section 'model' whole: its fields not given (depth) would "
+      "lose the values cfg.py gives them; set each field instead (--config.model.width=4)")
+  ok = _run(tmp_path, "--config=cfg.py", "--config.model={'width': 4, 'depth': 3}")
+  assert ok.returncode == 0 and "parsed 4 0.1" in ok.stdout, ok.stderr  # every field: taken
+
+
 def test_a_misspelled_field_is_named_with_the_closest_one(tmp_path):
   assert _fatal_line(_run(tmp_path, "--config=cfg.py", "--config.model.widht=3")) == (
       "--config.model.widht: cfg.py has no field 'model.widht'; did you mean 'model.width'?")
@@ -290,7 +304,9 @@ def test_missing_field():
   assert config_files.missing_field(c, "a.bb") is None
   assert config_files.missing_field(c, "d.y") == "has no field 'd.y'; its fields: x"
   assert config_files.missing_field(c, "a.b") == "has no field 'a.b'; did you mean 'a.bb'?"
-  assert config_files.missing_field(c, "e.x") is None  # under a scalar: ml_collections' error
+  # Under a scalar (ml_collections' KeyError came in a 40-line traceback).
+  assert config_files.missing_field(c, "e.x") == (
+      "has no field 'e.x': e is a value (3), not a section")
   assert config_files.missing_field(c, "zzz") == "has no field 'zzz'; its fields: a, d, e"
   # A derived quantity names what sets it, not the field spelled most like it.
   ppo = ppo_tiny.get_config()

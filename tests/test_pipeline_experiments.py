@@ -495,6 +495,10 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
     (["experiments.reproduce_ablations", "--config=configs/ablations.py",
       "--config.max_new_tokens=abc"],
      "config.max_new_tokens='abc': expected comma-separated positive integers"),
+    # a setting twice: simulated twice, the second replacing the first in every table
+    (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
+      "--config.max_new_tokens=512,512"],
+     "config.max_new_tokens names 512 more than once: each setting once, expected"),
     (["experiments.plan_search", "--config=configs/plan_search.py:65b/33b", "--config.top_k=0"],
      "config.top_k=0: expected an integer >= 1"),
     # a workload field a train config replaces: it was ignored, silently
@@ -833,6 +837,16 @@ def test_sweep_refuses_a_value_of_the_wrong_type_before_any_run(tmp_path):
   assert out.returncode != 0, out.stderr[-3000:]
   assert ("the sweep's flag: --config.time_budget_s='soon': expected a number (the field is a "
           "float)" in out.stderr), out.stderr[-3000:]
+  # A section given as a dict would be replaced whole: its other fields lose the file's values.
+  (tmp_path / "nested.py").write_text(
+      "import ml_collections\ndef get_config():\n"
+      "  return ml_collections.ConfigDict({'optim': {'lr': 1.0, 'warmup': 5}})\n"
+      "def get_sweep():\n  return [{'name': 'a', 'optim': {'lr': 0.5}}]\n")
+  out = _run(["experiments.sweep", f"--config={tmp_path / 'nested.py'}",
+              "--binary=schedule_search", f"--workdir={tmp_path / 'sn'}", "--dry_run"])
+  assert out.returncode != 0, out.stderr[-3000:]
+  assert ("get_sweep()[0]: --config.optim: replaces the section 'optim' whole: its fields not "
+          "given (warmup) would lose the values" in out.stderr), out.stderr[-3000:]
   assert not os.path.exists(tmp_path / "sw")
   # On a finished sweep's workdir, the mistake's traceback goes to the temp directory, not
   # among the results (it was WORKDIR/traceback.txt).

@@ -49,7 +49,10 @@ def test_binary_writes_rows_report_and_figures(tmp_path):
                  "## Validation against measured runs"):
     assert needle in md, needle
   command = result["provenance"]["command"]
-  assert f"Produced by `{command}`" in md
+  made = result["provenance"]
+  # The code and machine beside the command: the fused searches are limited by wall-clock time.
+  assert (f"Produced by `{command}` (at commit {made['git_commit']}, {made['started'][:10]}, "
+          f"on {made['host_cpu']}) in ") in md
   assert shlex.split(command)[3:] == cmd[3:], command  # after `python -m experiments...`
   for png in ("iteration_time.png", "generation_timeline.png", "fused_gantt.png"):
     assert (tmp_path / png).stat().st_size > 10000

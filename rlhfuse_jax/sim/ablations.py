@@ -105,6 +105,14 @@ class AblationConfig:
                        "takes --config.systems= for no systems' comparison)")
     if any(m < 1 for m in self.max_new_tokens):
       raise ValueError(f"config.max_new_tokens={self.max_new_tokens} must all be >= 1")
+    # A setting given twice is simulated twice under one label: the second replaced the first
+    # in the tables and iteration_s, without a word.
+    for field, values in (("pairs", self.pairs), ("max_new_tokens", self.max_new_tokens)):
+      twice = sorted({v for v in values if values.count(v) > 1}, key=str)
+      if twice:
+        shown = ["/".join(v) if isinstance(v, tuple) else str(v) for v in twice]
+        raise ValueError(f"config.{field} names {', '.join(shown)} more than once: each setting "
+                         "once, expected")
     for m in self.max_new_tokens:  # (each clips the responses: refused where they were drawn,
       try:                         # after the earlier outputs had moved aside, naming no field)
         self.response.with_max_len(m)

@@ -248,12 +248,14 @@ def inputs_section(inputs: dict) -> list[str]:
 
 def write_markdown(path: str, rows: Sequence[dict], systems: Sequence[str], inputs: dict,
                    validation: list[str], command: str, figures: Sequence[str],
-                   wall_s: float) -> None:
+                   wall_s: float, made: str = "") -> None:
+  """ablations.md; `made`: the code and machine that ran it (the fused schedule searches are
+  limited by wall-clock time, so their results depend on the CPU)."""
   lines = ["# Simulated RLHF ablations", "",
-           f"Produced by `{command}` in {wall_s:.0f} s. All times are simulated seconds for one "
-           "PPO iteration (generation, inference, training) from `rlhfuse_jax/sim/`; nothing "
-           "here was measured on the simulated hardware. Systems are defined in "
-           "`rlhfuse_jax/sim/iteration_sim.py`.", "",
+           f"Produced by `{command}`{f' ({made})' if made else ''} in {wall_s:.0f} s. All "
+           "times are simulated seconds for one PPO iteration (generation, inference, "
+           "training) from `rlhfuse_jax/sim/`; nothing here was measured on the simulated "
+           "hardware. Systems are defined in `rlhfuse_jax/sim/iteration_sim.py`.", "",
            "Figures: " + ", ".join(f"`{f}`" for f in figures), "",
            "## Iteration time (s) per setting and system", ""]
   lines += summary_table(rows, systems)
