@@ -182,6 +182,15 @@ def check_overrides(module: Any, variant: Optional[str], config_path: str,
   return check_values(config_path, runs, passthrough)
 
 
+def _has_checkpoint(run_dir: str) -> bool:
+  """Whether a train_ppo run in `run_dir` saved a checkpoint (checkpoints/<iteration>/) that a
+  start resumes from."""
+  try:
+    return any(n.isdigit() for n in os.listdir(os.path.join(run_dir, "checkpoints")))
+  except OSError:
+    return False
+
+
 def _own_sweep(module: Any, variant: str) -> bool:
   """Whether get_sweep() gives `variant` other entries than it gives the file's default: a sweep
   written for that variant, whose entries override its fields on purpose."""
@@ -894,8 +903,10 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
                 name in configs else None)
       # A training run resumes from its checkpoints: its wall_s is the sum over its starts (a
       # run stopped after 24 s and resumed showed only the 2 s of the start that found it done).
+      # One without a saved checkpoint starts over (its outputs moved to previous/): its
+      # earlier start's time is not this run's.
       before = earlier.get(name) or {}
-      resumes = binary == "train_ppo" and os.path.isdir(os.path.join(run_dir, "checkpoints"))
+      resumes = binary == "train_ppo" and _has_checkpoint(run_dir)
       earlier_s = float(before.get("wall_s") or 0.0) if resumes else 0.0
       start = time.time()
       try:

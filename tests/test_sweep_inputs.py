@@ -73,14 +73,15 @@ found = sweep.input_files({"a": os.path.join(work, "f.json"),
                            "b": {"c": "configs/ppo_tiny.py:grpo"},
                            "d": os.path.join(work, "ckpt"), "e": "auto", "n": 3})
 out["inputs"] = sorted(found)
-# the wall_s of a training run spans its starts (only while its checkpoints are there)
-sweep.wd.write_json(os.path.join(work, "summary.json"),
-                    [{"run": "t", "status": "stopped (exit 75; re-run to resume)", "wall_s": 20.0},
-                     {"run": "u", "status": "stopped (exit 75; re-run to resume)", "wall_s": 20.0}])
-os.makedirs(os.path.join(work, "t", "checkpoints"))
+# the wall_s of a training run spans its starts (only while a saved checkpoint is there: v's
+# earlier start failed before its first save, and this one starts over)
+sweep.wd.write_json(os.path.join(work, "summary.json"), [
+    {"run": n, "status": "stopped (exit 75; re-run to resume)", "wall_s": 20.0} for n in "tuv"])
+os.makedirs(os.path.join(work, "t", "checkpoints", "4"))
+os.makedirs(os.path.join(work, "v", "checkpoints"))
 sweep.run_streamed = lambda cmd, run_dir, name, env, started=None, prefix=None: 0
 rows, _ = sweep._run_locked("train_ppo", "c.py", work, [], False, sweep._Signals(),
-                            [(0, "t", {}), (1, "u", {})], lambda rows: None)
+                            [(0, "t", {}), (1, "u", {}), (2, "v", {})], lambda rows: None)
 out["wall_s"] = [r["wall_s"] for r in rows]
 # None entries refused, twins named
 mod = types.SimpleNamespace(get_sweep=lambda: [{"name": "a", "data.prompts_file": None}])
@@ -112,8 +113,8 @@ def test_inputs_wall_time_twins_nones_and_shared_columns(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.splitlines()[-1])
   assert out["inputs"] == sorted([str(tmp_path / "f.json"), "configs/ppo_tiny.py"])
-  t, u = out["wall_s"]
-  assert t >= 20.0 and u < 20.0  # u's checkpoints are gone: it started over
+  t, u, v = out["wall_s"]
+  assert t >= 20.0 and u < 20.0 and v < 20.0  # u's checkpoints are gone, v saved none
   assert "get_sweep()[0] (a): 'data.prompts_file' is None" in out["none"]
   assert out["twins"] == [["a", "b"]]  # c, d: already named (the sweep's own flag)
   a, b = out["ident"]
@@ -133,7 +134,7 @@ work = sys.argv[1]
 earlier = [{"run": r, "status": "ok", "wall_s": 20.0, "iterations": 4} for r in ("done", "more")]
 sweep.wd.write_json(os.path.join(work, "summary.json"), earlier)
 for name, reached in (("done", 4), ("more", 6)):  # "more": re-run with num_iterations=6
-  os.makedirs(os.path.join(work, name, "checkpoints"))
+  os.makedirs(os.path.join(work, name, "checkpoints", "4"))  # a saved checkpoint
   sweep.wd.write_json(os.path.join(work, name, "result.json"),
                       {"status": "done", "iterations": reached, "num_iterations": reached})
 
