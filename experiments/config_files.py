@@ -10,6 +10,7 @@ OSError, and an error inside the config file as that file's whole traceback; abs
 own one-line form only for `flags.Error`. No absl flags are defined here."""
 from __future__ import annotations
 
+import ast
 import difflib
 import errno
 import importlib.util
@@ -211,9 +212,11 @@ def diagnose(argv: Sequence[str]) -> Optional[str]:
     except Exception as e:  # pylint: disable=broad-except
       if isinstance(e, ValueError) and str(e).startswith(f"--{name}="):
         return str(e)
-      if isinstance(e, OSError):  # ml_collections defers it (_load_error)
-        return _load_message(name, config_path, e)
-      return None  # the config file's own error: the caller shows it
+      # The config file's own error (a misspelled section, a syntax error, a failed import, a
+      # missing file it reads): one line with its line number; its traceback was 40-60 lines.
+      return _load_message(name, config_path, e)
+    if config is None:
+      return _returned_none(name, config_path)
     for arg in argv:
       m = re.match(rf"^--?(?:no)?{name}\.([\w.]+)(=|$)", arg)
       problem = m and missing_field(config, m.group(1))
@@ -240,6 +243,19 @@ def _replaced_section(argv: Sequence[str]) -> Optional[str]:
       problem = replaced_section(config, m.group(1), value, config_path)
       if problem:
         return f"--{name}.{m.group(1)}: {problem}"
+  return None
+
+
+def _returned_none(name: str, config_path: str) -> str:
+  return (f"--{name}={config_path!r}: its get_config() returned None; expected a config (an "
+          "ml_collections.ConfigDict: a `return` missing?)")
+
+
+def _no_config(argv: Sequence[str]) -> Optional[str]:
+  """A config file flag whose get_config() returned None (ml_collections warns and goes on)."""
+  for name, config_path in _config_flags(argv).items():
+    if flags.FLAGS[name].value is None:
+      return _returned_none(name, config_path)
   return None
 
 
@@ -284,8 +300,20 @@ def _load_message(name: str, config_path: str, error: BaseException) -> str:
   given = split_config_path(config_path)[0]
   frames = [f for f in traceback.extract_tb(error.__traceback__)
             if os.path.abspath(f.filename) == os.path.abspath(given)]
-  where = f" ({given}, line {frames[-1].lineno})" if frames else ""
-  return f"--{name}={config_path!r}: loading it raised {type(error).__name__}: {error}{where}"
+  line = (frames[-1].lineno if frames else  # a SyntaxError is raised before any frame runs
+          error.lineno if isinstance(error, SyntaxError) and error.lineno else None)
+  where = f" ({given}, line {line})" if line else ""
+  # ml_collections' AttributeError of a misspelled section is a quoted, two-line text.
+  text = (error.msg if isinstance(error, SyntaxError) else
+          error.args[0] if isinstance(error, (KeyError, AttributeError)) and error.args and
+          isinstance(error.args[0], str) else str(error))
+  if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
+    try:
+      text = str(ast.literal_eval(text))
+    except (ValueError, SyntaxError):
+      pass
+  text = " ".join(text.split())
+  return f"--{name}={config_path!r}: loading it raised {type(error).__name__}: {text}{where}"
 
 
 def _load_error(argv: Sequence[str]) -> Optional[str]:
@@ -387,14 +415,16 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     args = flags.FLAGS(argv)
   except flags.Error as e:
-    _fatal(_repeated_config_flag(argv[1:]) or missing_required(str(e)) or diagnose(argv[1:])
+    # (diagnose first: a config file whose get_config() returned None reads as one left out)
+    _fatal(_repeated_config_flag(argv[1:]) or diagnose(argv[1:]) or missing_required(str(e))
            or shorten(str(e)))
-  except (KeyError, AttributeError, OSError):
+  except Exception:  # pylint: disable=broad-except  (re-raised unless diagnosed)
     message = diagnose(argv[1:])
     if message is None:
       raise
     _fatal(message)
-  problem = _missing_file(argv[1:]) or _load_error(argv[1:]) or _replaced_section(argv[1:])
+  problem = (_missing_file(argv[1:]) or _load_error(argv[1:]) or _no_config(argv[1:]) or
+             _replaced_section(argv[1:]))
   if problem:
     _fatal(problem)
   workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None
@@ -445,6 +475,28 @@ USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, wd.WorkdirInUs
 # (a failed write to metrics.jsonl, result.json or .lock ended in a 50-87 line traceback).
 ENVIRONMENT_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
                                 errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EEXIST))
+
+
+def _config_lacks_field(e: BaseException) -> Optional[ValueError]:
+  """A ValueError for ml_collections' KeyError or AttributeError of a field the binary read and
+  its config file lacks (a config of another binary, or a copy older than a field): its
+  traceback was 33-48 lines ending in `AttributeError: "'memory_budget'"`. None otherwise."""
+  frames = traceback.extract_tb(e.__traceback__)
+  if not (isinstance(e, (KeyError, AttributeError)) and frames and
+          f"{os.sep}ml_collections{os.sep}" in frames[-1].filename):
+    return None
+  given = _config_flags(sys.argv[1:])
+  if not given:
+    return None
+  name, config_path = next(iter(given.items()))
+  field = " ".join(str(e.args[0] if e.args else e).split()).strip("'\"")
+  binary = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+  own = os.path.join("configs", f"{binary}.py")
+  hint = (f" (experiments.{binary}'s own is {own})"
+          if os.path.isfile(os.path.join(runner.REPO_ROOT, own)) else "")
+  return ValueError(f"--{name}={config_path!r} has no field {field!r}, which experiments."
+                    f"{binary} reads: a config file of another binary, or a copy older than "
+                    f"the code{hint}")
 
 
 def user_error(e: BaseException) -> bool:
@@ -618,6 +670,7 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
                     f" (the earlier run's outputs are in {moved})" if moved else "")
       exit_now(75 if runs and term else 143 if term else 130)
     except Exception as e:  # noqa: BLE001 a user error in one line, any other re-raised
+      e = _config_lacks_field(e) or e
       if not user_error(e) or os.environ.get(TRACEBACK_ENV, "").lower() not in (
           "", "0", "false", "no", "off"):
         _exit_now_if_peers(traceback.format_exc())
