@@ -135,7 +135,7 @@ def main(argv):
   # one, or one of another model, left the workdir without its result).
   ablations.cost_model(cfg)
   if cfg.validation_calibration:
-    cal_lib.load(cfg.validation_calibration)
+    cal_lib.load(cfg.validation_calibration, "config.validate.calibration")
   workdir = _WORKDIR.value
   # schedule_cache.json is not an output: the searches it holds are reused on a re-run.
   wd.start_outputs(workdir, _CONFIG.value, (
@@ -146,7 +146,8 @@ def main(argv):
   logging.info("compiling the schedule kernels (numba; cached after the first run) ...")
   logging.info("schedule kernels ready in %.1fs", warmup())
   out = ablations.run_ablations(cfg, workdir, log=logging.info)
-  val_cal = cal_lib.load(cfg.validation_calibration) if cfg.validation_calibration else None
+  val_cal = (cal_lib.load(cfg.validation_calibration, "config.validate.calibration")
+             if cfg.validation_calibration else None)
   val_lines, val_rows, val_skipped = validation.validate(
       val_cal, cfg.bench_generation_workdir, cfg.bench_pipeline_workdir,
       cfg.bench_decode_workdir, cfg.efficiency, cfg.bench_decode_extra,

@@ -191,6 +191,14 @@ def test_schedule_json_roundtrip_and_labels():
       data["devices"][2][3][key] = value
     with pytest.raises(ValueError, match="device 2, task 3: "):
       schedule.from_dict(data)
+  # A task left out or given twice (a hand-edited file): numpy's "inhomogeneous shape".
+  for edit, n in ((lambda dev: dev.pop(0), 9), (lambda dev: dev.append(dict(dev[0])), 11)):
+    data = json.loads(sched.to_json())
+    edit(data["devices"][0])
+    with pytest.raises(ValueError, match=re.escape(
+        f"device 0 has {n} tasks (") + ".*" + re.escape(
+            "; expected 10 (3 AF, 3 AB, 2 CF, 2 CB: each micro-batch's forward")):
+      schedule.from_dict(data)
 
 
 def test_splice_pins_keep_the_head_shift_the_tail_and_free_the_band(tmp_path):

@@ -454,3 +454,15 @@ def test_decode_bench_without_a_preset_is_said_plainly(tmp_path):
   write_decode_bench(str(tmp_path), preset=None)
   lines = "\n".join(validation.validation_lines(None, "", "", str(tmp_path)))
   assert "bench_decode**: could not compare" in lines and "matched no hardware preset" in lines
+
+
+def test_a_calibration_path_that_is_a_directory_names_its_field_and_the_file_inside(tmp_path):
+  """calibrate_sim's workdir given for its calibration.json: an IsADirectoryError naming
+  neither the field nor the file meant."""
+  (tmp_path / "calibration.json").write_text("{}")
+  with pytest.raises(ValueError, match=(
+      r"^config\.calibration='.*': calibration file '.*' is a directory; expected a JSON file "
+      r"\(calibrate_sim writes WORKDIR/calibration\.json: .*calibration\.json\)$")):
+    calibration.load(str(tmp_path), "config.calibration")
+  with pytest.raises(FileNotFoundError, match=r"^config\.calibration='nowhere\.json': "):
+    calibration.load("nowhere.json", "config.calibration")

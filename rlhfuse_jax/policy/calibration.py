@@ -360,10 +360,17 @@ def to_dict(cal: Calibration) -> dict:
   return top
 
 
-def load(path: str) -> Calibration:
-  """Reads and validates a calibration JSON file."""
+def load(path: str, field: str = "") -> Calibration:
+  """Reads and validates a calibration JSON file; `field`: the config field that named it, for
+  the errors."""
+  named = f"{field}={path!r}: " if field else ""
   if not os.path.exists(path):
-    raise FileNotFoundError(f"calibration file {path!r} does not exist")
+    raise FileNotFoundError(f"{named}calibration file {path!r} does not exist")
+  if os.path.isdir(path):  # calibrate_sim's workdir given for its calibration.json
+    inside = os.path.join(path, "calibration.json")
+    raise ValueError(f"{named}calibration file {path!r} is a directory; expected a JSON file "
+                     "(calibrate_sim writes WORKDIR/calibration.json" +
+                     (f": {inside}" if os.path.isfile(inside) else "") + ")")
   with open(path) as f:
     try:
       obj = workdir.load_json(f)  # a key given twice is refused, not the last one kept

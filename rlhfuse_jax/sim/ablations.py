@@ -260,7 +260,7 @@ def check_calibration_fits(cal: cal_lib.Calibration, cfg: AblationConfig,
 def cost_model(cfg: AblationConfig, actor_params: Optional[Sequence[int]] = None) -> CostModel:
   """The cost model of config.hardware, .efficiency and .calibration (checked against the
   simulated actors: check_calibration_fits, `actor_params` as there)."""
-  cal = cal_lib.load(cfg.calibration) if cfg.calibration else None
+  cal = cal_lib.load(cfg.calibration, "config.calibration") if cfg.calibration else None
   if cal is not None:
     check_calibration_fits(cal, cfg, actor_params)
   return CostModel(get_hardware(cfg.hardware), cfg.efficiency, cal)
