@@ -130,6 +130,8 @@ def check_inputs(c) -> None:
   FileNotFoundError traceback)."""
   g = c.generation
   config_files.check_int("generation.prompt_len", g.prompt_len)
+  # (before the lengths, whose maximum it is: "config.lengths: ... max_len=0" named neither)
+  config_files.check_int("generation.max_new_tokens", g.max_new_tokens)
   if (isinstance(g.prompt_min_len, bool) or not isinstance(g.prompt_min_len, int) or
       not 1 <= g.prompt_min_len <= g.prompt_len):
     raise ValueError(f"config.generation.prompt_min_len={g.prompt_min_len!r}: expected an "

@@ -107,22 +107,29 @@ class BenchPipelineConfig:
       if int(c[name]) < 1:
         raise ValueError(f"config.{name}={c[name]} must be >= 1")
     seq = int(c.prompt_len) + int(c.response_len)
-    def model(section, head):
-      return llama.ModelConfig(**{f: int(section[f]) for f in _MODEL_FIELDS}, head=head,
-                               max_seq_len=seq)
+    def model(name, head):  # its errors name this config's section, not ModelConfig's "model."
+      try:
+        return llama.ModelConfig(**{f: int(c[name][f]) for f in _MODEL_FIELDS}, head=head,
+                                 max_seq_len=seq)
+      except ValueError as e:
+        raise ValueError(f"config.{name}: {e}") from None
+    if float(c.value_clip_eps) < 0:  # (0: unclipped; LossConfig's own error says None)
+      raise ValueError(f"config.value_clip_eps={c.value_clip_eps}: expected >= 0 (0: unclipped)")
+    try:
+      loss = stages.LossConfig(clip_eps=float(c.clip_eps),
+                               value_clip_eps=float(c.value_clip_eps) or None,
+                               vf_coef=float(c.vf_coef), entropy_coef=float(c.entropy_coef))
+    except ValueError as e:  # "loss.clip_eps=...": these are top-level fields here
+      raise ValueError(f"config.{str(e).removeprefix('loss.')}") from None
     return cls(seed=int(c.seed), actor_pp=int(c.actor_pp), critic_pp=int(c.critic_pp),
                data=int(c.data), actor_microbatches=int(c.actor_microbatches),
                critic_microbatches=int(c.critic_microbatches),
                minibatch_size=int(c.minibatch_size), prompt_len=int(c.prompt_len),
-               response_len=int(c.response_len), actor=model(c.actor, "lm"),
-               critic=model(c.critic, "scalar"), actor_fwd=float(c.actor_fwd),
+               response_len=int(c.response_len), actor=model("actor", "lm"),
+               critic=model("critic", "scalar"), actor_fwd=float(c.actor_fwd),
                critic_fwd=float(c.critic_fwd), bwd_ratio=float(c.bwd_ratio),
                search_time_s=float(c.search_time_s), warmup=int(c.warmup),
-               repeats=int(c.repeats), calib_ticks=int(c.calib_ticks),
-               loss=stages.LossConfig(clip_eps=float(c.clip_eps),
-                                      value_clip_eps=float(c.value_clip_eps) or None,
-                                      vf_coef=float(c.vf_coef),
-                                      entropy_coef=float(c.entropy_coef)))
+               repeats=int(c.repeats), calib_ticks=int(c.calib_ticks), loss=loss)
 
   def problem(self) -> PipelineProblem:
     return PipelineProblem(self.actor_pp, self.critic_pp, self.actor_microbatches,

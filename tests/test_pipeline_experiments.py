@@ -519,6 +519,16 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
     # (was "model.max_seq_len=-12 must be a positive integer", a field it does not have)
     (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
       "--config.prompt_len=-20"], "config.prompt_len=-20 must be >= 1"),
+    # each named a field this config does not have (model.*, loss.*; "None: unclipped")
+    (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
+      "--config.critic.vocab_size=0"], "config.critic: model.vocab_size=0 must be a positive"),
+    (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
+      "--config.clip_eps=-1"], "config.clip_eps=-1.0 must be in (0, 1)"),
+    (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
+      "--config.value_clip_eps=-1"], "config.value_clip_eps=-1.0: expected >= 0 (0: unclipped)"),
+    (["experiments.bench_generation", "--config=configs/bench_generation.py:tiny",
+      "--config.generation.max_new_tokens=0"],
+     "config.generation.max_new_tokens=0: expected an integer >= 1"),
     # (refused by the executor only at the first compile, ~30 s in, the earlier outputs moved)
     (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
       "--config.actor_microbatches=3"],
