@@ -45,6 +45,7 @@ from rlhfuse_jax.parallel.host_devices import host_device_env, request_host_devi
 
 request_host_devices(8)  # before the first jax import
 
+import dataclasses  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -246,14 +247,11 @@ def fused_config(c, num_devices: int) -> fused_lib.FusedGenConfig:
     if num_instances < 1:
       raise ValueError(f"config.generation.instance_devices={w} exceeds the {num_devices} "
                        "devices")
-  return fused_lib.FusedGenConfig(
-      num_instances=num_instances, slots=g.slots,
-      instance_devices=g.instance_devices, migration_threshold=g.migration_threshold,
-      max_consolidations=g.max_consolidations, inference_micro_batch=g.inference_micro_batch,
-      inference_inflight=g.inference_inflight, migration_rows=g.get("migration_rows", 8),
-      inference_pp=g.get("inference_pp", 1),
-      exchange_on=g.exchange_on,
-      exchange_timeout_s=g.exchange_timeout_s, section="generation")
+  # The fields train_ppo's config.fusion shares (FusionFields), read by name: a field added
+  # there reaches the bench without a list to extend here (a config without it: its default).
+  shared = {f.name: g.get(f.name, f.default) for f in dataclasses.fields(fused_lib.FusionFields)}
+  return fused_lib.FusedGenConfig(**{**shared, "num_instances": num_instances},
+                                  inference_inflight=g.inference_inflight, section="generation")
 
 
 def run(c, workdir: str) -> dict:

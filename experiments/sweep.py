@@ -78,7 +78,9 @@ _DRY = flags.DEFINE_bool("dry_run", False, "print the commands without running t
 _ONLY = flags.DEFINE_list("only", None, "run only these entries of get_sweep(), by run name "
                           "(e.g. --only=e0,e7; --dry_run lists the names)")
 _RERUN = flags.DEFINE_bool("rerun", False, "run every entry again, also a one-shot binary's "
-                           "run that finished earlier with the same config (kept otherwise)")
+                           "run that finished earlier with the same config (kept otherwise); "
+                           "a train_ppo run resumes from its checkpoints whatever this says: "
+                           "a finished one trains nothing (remove its directory to retrain)")
 # As train_ppo's config.lock_wait_s: a sweep requeued (exit 75) onto another node right after
 # its node crashed meets the dead node's lock on a shared filesystem until the lease ends.
 _LOCK_WAIT = flags.DEFINE_float("lock_wait_s", 240.0, "seconds to wait for the workdir's lock "
