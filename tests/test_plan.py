@@ -65,6 +65,14 @@ def test_a_plan_file_sets_the_micro_batching_it_was_sized_with(tmp_path):
   flat = plan_json(tmp_path / "flat.json", {}, training={
       "placement": "colocated", "tp": 1, "actor_pp": 1, "critic_pp": 1, "micro_batch": 2})
   assert tiny_config(**{"plan.file": flat}).algo.microbatch_size == 2
+  # A pipelined layout without its micro-batches (actor_pp edited by hand) names them, not the
+  # config field they would have set ("config.pipeline.actor_microbatches=None").
+  edited = plan_json(tmp_path / "edited.json", {}, training={
+      "placement": "colocated", "tp": 1, "actor_pp": 2, "critic_pp": 1, "micro_batch": 1})
+  with pytest.raises(ValueError, match=re.escape(
+      "training.actor_pp=2 without training.actor_microbatches and training.critic_microbatches: "
+      "plan_search writes")):
+    tiny_config(**{"plan.file": edited, "model.num_layers": 2, "critic_model.num_layers": 2})
   # A plan file from before (no micro_batch) leaves the config's.
   assert tiny_config(**{"plan.file": plan_json(tmp_path / "old.json", {})}).algo.microbatch_size \
       == tiny_config().algo.microbatch_size

@@ -994,6 +994,13 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
   # sets its own keeps it (PLAN_SOFT_FIELDS).
   if "micro_batch" in train:
     if actor_pp > 1:
+      lacking = [k for k in ("actor_microbatches", "critic_microbatches") if k not in train]
+      if lacking:  # (a hand-edited actor_pp: "config.pipeline.actor_microbatches=None" before)
+        missing = " and ".join(f"training.{k}" for k in lacking)
+        raise ValueError(
+            f"{where}: training.actor_pp={actor_pp} without {missing}: plan_search writes a "
+            "pipelined plan's micro-batches beside its stages; add them, or run plan_search for "
+            "the layout you want")
       out["pipeline", "actor_microbatches"] = (train.get("actor_microbatches"),
                                                "training.actor_microbatches")
       out["pipeline", "critic_microbatches"] = (train.get("critic_microbatches"),
