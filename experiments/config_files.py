@@ -190,6 +190,17 @@ def _config_flags(argv: Sequence[str]) -> dict[str, str]:
   return dict(_config_flag_values(argv))
 
 
+def _override_without_file(message: str) -> Optional[str]:
+  """An override of a config file flag that was not given (--run_config.rollout.chunk_size
+  without --run_config=FILE): absl said only "Unknown command line flag"."""
+  m = re.search(r"Unknown command line flag '(\w+)\.([\w.]+)'", message)
+  if not (m and m.group(1) in flags.FLAGS and
+          flags.FLAGS[m.group(1)].flag_type() == "config object"):
+    return None
+  return (f"--{m.group(1)}.{m.group(2)} overrides a field of --{m.group(1)}'s config file, "
+          f"which was not given: add --{m.group(1)}=FILE.py")
+
+
 def _repeated_config_flag(argv: Sequence[str]) -> Optional[str]:
   """A config file flag given twice, with overrides: absl's error named an override instead
   ("The flag 'config.num_iterations' is defined twice"), as if that field were the mistake."""
@@ -416,8 +427,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     args = flags.FLAGS(argv)
   except flags.Error as e:
     # (diagnose first: a config file whose get_config() returned None reads as one left out)
-    _fatal(_repeated_config_flag(argv[1:]) or diagnose(argv[1:]) or missing_required(str(e))
-           or shorten(str(e)))
+    _fatal(_repeated_config_flag(argv[1:]) or _override_without_file(str(e)) or
+           diagnose(argv[1:]) or missing_required(str(e)) or shorten(str(e)))
   except Exception:  # pylint: disable=broad-except  (re-raised unless diagnosed)
     message = diagnose(argv[1:])
     if message is None:

@@ -79,6 +79,14 @@ def test_a_section_given_whole_or_a_field_under_a_value_is_one_line(tmp_path):
   assert ok.returncode == 0 and "parsed 4 0.1" in ok.stdout, ok.stderr  # every field: taken
 
 
+def test_an_override_without_its_config_file_says_what_is_missing(tmp_path):
+  """--run_config.rollout.chunk_size without --run_config=FILE: absl said only "Unknown command
+  line flag"."""
+  assert _fatal_line(_run(tmp_path, "--config.lr=0.2")) == (
+      "--config.lr overrides a field of --config's config file, which was not given: add "
+      "--config=FILE.py")
+
+
 def test_a_misspelled_field_is_named_with_the_closest_one(tmp_path):
   assert _fatal_line(_run(tmp_path, "--config=cfg.py", "--config.model.widht=3")) == (
       "--config.model.widht: cfg.py has no field 'model.widht'; did you mean 'model.width'?")
