@@ -59,7 +59,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -258,6 +258,28 @@ def check_values(config_path: str, runs: Sequence[tuple[int, str, dict]],
     if name is not None:
       configs[name] = config.to_dict() if hasattr(config, "to_dict") else config
   return configs
+
+
+def warn_mixed_flags(rows: Sequence[dict], flagged: Sequence[str], warned: Collection[str] = ()
+                     ) -> list[str]:
+  """Warns (once per field: `warned` are done) of each field this start's --config.* flags set
+  whose value differs between the summary's rows: runs of earlier starts (--only, a re-run)
+  made with other flags. They are not seeds of one setting (the seeds table leaves them
+  apart), and a column compares runs made differently. Returns the fields warned of."""
+  out = []
+  for key in flagged:
+    if key in warned:
+      continue
+    by_value: dict = {}
+    for row in rows:
+      by_value.setdefault(json.dumps(row.get(key), default=str), []).append(str(row.get("run")))
+    if len(by_value) > 1:
+      logging.warning("the summary's runs were made with different %s: %s (earlier starts of "
+                      "the sweep had other --config flags); runs that differ in it are not "
+                      "grouped as seeds of one setting", key, "; ".join(
+                          f"{v} in {', '.join(runs)}" for v, runs in by_value.items()))
+      out.append(key)
+  return out
 
 
 def warn_shadowed(runs: Sequence[tuple[int, str, dict]], passthrough: Sequence[str]
@@ -832,8 +854,11 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
   # all when stopped early), their rows of the earlier summary: a sweep stopped after its first
   # run dropped the rows of runs that had finished before, and the next start ran those again
   # (kept_row keeps a run only with its earlier row).
+  flagged, warned = [flag_field(arg)[0] for arg in passthrough], set()
+
   def summary(rows_: list[dict]) -> str:  # sweep_status' line, for the console
     merged = merge_rows(workdir, rows_, names)
+    warned.update(warn_mixed_flags(merged, flagged, warned))
     write_summary(workdir, merged, override_keys, names, HEADLINE_COLUMNS.get(binary))
     return sweep_status(merged, names)
 

@@ -103,6 +103,10 @@ out["repo_ident"] = sweep.sweep_identity("configs/ppo_tiny.py", "train_ppo")
 sweep.write_summary(work, [{"run": "a", "status": "ok", "k": 1, "same": "x", "r": 0.5},
                            {"run": "b", "status": "ok", "k": 2, "same": "x", "r": 0.7}])
 out["md"] = open(os.path.join(work, "summary.md")).read()
+# rows of earlier starts made without this start's --config.k flag: said, once per field
+mixed = [{"run": "a", "k": 1}, {"run": "b"}, {"run": "c", "k": 1}]
+out["mixed"] = [sweep.warn_mixed_flags(mixed, ["k"]), sweep.warn_mixed_flags(mixed, ["k"], ["k"]),
+                sweep.warn_mixed_flags(mixed[::2], ["k"])]
 print(json.dumps(out))
 """
 
@@ -123,6 +127,10 @@ def test_inputs_wall_time_twins_nones_and_shared_columns(tmp_path):
   lines = out["md"].splitlines()
   assert lines[0] == "| run | status | k | r |"
   assert lines[-1] == "The same in every run: same = x."
+  # (a seeds group dropped from the seeds table without a word: gae_s0 re-run with a
+  # --config.compilation_cache_dir flag its twin gae_s1 was not run with)
+  assert out["mixed"] == [["k"], [], []]
+  assert "the summary's runs were made with different k: 1 in a, c; null in b" in proc.stderr
 
 
 _RESTARTS = """
