@@ -371,6 +371,7 @@ def measure_calibration(cfg: BenchPipelineConfig, problem: PipelineProblem,
   cal_lib.from_dict(out, "measured")  # what is written must load
   return out, check
 
+
 def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
   problem = cfg.problem()
   mesh = make_mesh(MeshConfig(data=cfg.data, stage=cfg.actor_pp),
