@@ -149,7 +149,7 @@ def missing_field(config: Any, key: str) -> Optional[str]:
 
 def replaced_section(config: Any, key: str, value: Any, source: str) -> Optional[str]:
   """What is wrong with setting the dotted `key` of `config` to `value` whole, when `key` names
-  a section (a config of fields) and `value` a dict without some of them: ml_collections
+  a section (a config of fields) and `value` a dict of some of them only: ml_collections
   replaces the section, so the fields not given lose the file's values (the trainer's defaults
   take their place, and config.json records only those given); `source` names the file.
   None otherwise."""
@@ -160,8 +160,10 @@ def replaced_section(config: Any, key: str, value: Any, source: str) -> Optional
     node = node[part]
   if not (hasattr(node, "keys") and hasattr(value, "keys")):
     return None
+  # Some of the section's own fields and not the others: a dict of other keys is a free-form
+  # dict field given a new value (a test config's extras={"free": 1}), taken as it is.
   lost = sorted(str(k) for k in node.keys() if k not in value.keys())
-  if not lost:
+  if not lost or any(k not in node.keys() for k in value.keys()):
     return None
   first = next(iter(value.keys()), None)
   example = (f" (--config.{key}.{first}={value[first]!r})" if first is not None else "")
@@ -225,7 +227,10 @@ def diagnose(argv: Sequence[str]) -> Optional[str]:
         return str(e)
       # The config file's own error (a misspelled section, a syntax error, a failed import, a
       # missing file it reads): one line with its line number; its traceback was 40-60 lines.
-      return _load_message(name, config_path, e)
+      # One raised further in (a module it imports, the library) keeps its traceback.
+      if _raised_in_file(e, config_path) and not traceback_wanted():
+        return _load_message(name, config_path, e)
+      return None
     if config is None:
       return _returned_none(name, config_path)
     for arg in argv:
@@ -303,6 +308,23 @@ def _from_the_root(path: str) -> str:
     return ""
   return (f" in the current directory {os.getcwd()!r}; the binaries run from the repository "
           f"root (docs/usage.md): cd {root} or pass {there!r}")
+
+
+def _raised_in_file(error: BaseException, config_path: str) -> bool:
+  """Whether `error` was raised by the config file's own code: its innermost frame outside
+  ml_collections (which raises a misspelled section's AttributeError) is in the file, or it
+  is the file's SyntaxError."""
+  given = os.path.abspath(split_config_path(config_path)[0])
+  if isinstance(error, SyntaxError):
+    return bool(error.filename) and os.path.abspath(error.filename) == given
+  frames = [f for f in traceback.extract_tb(error.__traceback__)
+            if f"{os.sep}ml_collections{os.sep}" not in f.filename]
+  return bool(frames) and os.path.abspath(frames[-1].filename) == given
+
+
+def traceback_wanted() -> bool:
+  """Whether RLHFUSE_TRACEBACK asks for tracebacks in place of the one-line errors."""
+  return os.environ.get(TRACEBACK_ENV, "").lower() not in ("", "0", "false", "no", "off")
 
 
 def _load_message(name: str, config_path: str, error: BaseException) -> str:
@@ -491,23 +513,63 @@ ENVIRONMENT_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.E
 def _config_lacks_field(e: BaseException) -> Optional[ValueError]:
   """A ValueError for ml_collections' KeyError or AttributeError of a field the binary read and
   its config file lacks (a config of another binary, or a copy older than a field): its
-  traceback was 33-48 lines ending in `AttributeError: "'memory_budget'"`. None otherwise."""
-  frames = traceback.extract_tb(e.__traceback__)
-  if not (isinstance(e, (KeyError, AttributeError)) and frames and
-          f"{os.sep}ml_collections{os.sep}" in frames[-1].filename):
+  traceback was 33-48 lines ending in `AttributeError: "'memory_budget'"`. Only for a read of a
+  missing key on a config file flag's config (found by identity among its sections, which
+  names the flag and the field's path); None otherwise (a locked config written to, another
+  ConfigDict: the code's own error, its traceback kept)."""
+  if not isinstance(e, (KeyError, AttributeError)):
     return None
-  given = _config_flags(sys.argv[1:])
-  if not given:
+  section = None  # the ConfigDict the missing key was read from: `self` of ml_collections' frame
+  for frame, _ in traceback.walk_tb(e.__traceback__):
+    if f"{os.sep}ml_collections{os.sep}" in frame.f_code.co_filename:
+      this = frame.f_locals.get("self")
+      section = this if hasattr(this, "keys") else section
+  key = e.args[0] if e.args else ""
+  if isinstance(key, KeyError):  # __getattr__'s AttributeError wraps __getitem__'s KeyError
+    key = key.args[0] if key.args else ""
+  key = key if isinstance(key, str) else ""
+  for _ in range(2):  # ml_collections quotes it, once or twice
+    try:
+      key = str(ast.literal_eval(key)) if key[:1] in "'\"" and key else key
+    except (ValueError, SyntaxError):
+      break
+  # A bare key, on its own line ("'modle'\nDid you mean ..."); a locked config's write says
+  # 'Key "x" does not exist and cannot be added ...': not a read of a missing field.
+  key = key.split("\n")[0].strip().strip("'\"")
+  if section is None or not key.isidentifier() or key in section.keys():
     return None
-  name, config_path = next(iter(given.items()))
-  field = " ".join(str(e.args[0] if e.args else e).split()).strip("'\"")
+  for name, config_path in _config_flags(sys.argv[1:]).items():
+    where = _section_path(flags.FLAGS[name].value, section)
+    if where is not None:
+      break
+  else:
+    return None
+  field = f"{where}.{key}" if where else key
   binary = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+  ours = os.path.abspath(os.path.dirname(sys.argv[0])) == os.path.join(runner.REPO_ROOT,
+                                                                       "experiments")
+  who = f"experiments.{binary}" if ours else os.path.basename(sys.argv[0])
   own = os.path.join("configs", f"{binary}.py")
-  hint = (f" (experiments.{binary}'s own is {own})"
-          if os.path.isfile(os.path.join(runner.REPO_ROOT, own)) else "")
-  return ValueError(f"--{name}={config_path!r} has no field {field!r}, which experiments."
-                    f"{binary} reads: a config file of another binary, or a copy older than "
-                    f"the code{hint}")
+  hint = (f" ({who}'s own is {own})"
+          if ours and os.path.isfile(os.path.join(runner.REPO_ROOT, own)) else "")
+  return ValueError(f"--{name}={config_path!r} has no field {field!r}, which {who} reads: a "
+                    f"config file of another binary, or a copy older than the code{hint}")
+
+
+def _section_path(config: Any, section: Any, prefix: str = "") -> Optional[str]:
+  """The dotted path of `section` (by identity) in `config` ('' for config itself); None."""
+  if config is section:
+    return prefix
+  if not hasattr(config, "keys"):
+    return None
+  for k in config.keys():
+    try:
+      found = _section_path(config[k], section, f"{prefix}.{k}" if prefix else str(k))
+    except Exception:  # pylint: disable=broad-except  (a field that cannot be read)
+      continue
+    if found is not None:
+      return found
+  return None
 
 
 def user_error(e: BaseException) -> bool:
@@ -682,8 +744,7 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
       exit_now(75 if runs and term else 143 if term else 130)
     except Exception as e:  # noqa: BLE001 a user error in one line, any other re-raised
       e = _config_lacks_field(e) or e
-      if not user_error(e) or os.environ.get(TRACEBACK_ENV, "").lower() not in (
-          "", "0", "false", "no", "off"):
+      if not user_error(e) or traceback_wanted():
         _exit_now_if_peers(traceback.format_exc())
         raise
       path = _save_traceback(traceback.format_exc(), in_workdir=traceback_in_workdir and not

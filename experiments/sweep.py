@@ -46,6 +46,7 @@ Docs: docs/usage.md ("Configs and sweeps").
 """
 from __future__ import annotations
 
+import ast
 import csv
 import difflib
 import hashlib
@@ -173,11 +174,19 @@ def check_overrides(module: Any, variant: Optional[str], config_path: str,
     problem = config_files.missing_field(config, key)
     if problem:
       raise ValueError(f"{where}: --config.{key}: {config_path} {problem}")
-  for i, _, entry in runs:  # {"optim": {"actor_lr": ...}} would replace the whole section
-    for key, value in entry.items():
-      problem = key != "name" and config_files.replaced_section(config, key, value, config_path)
-      if problem:
-        raise ValueError(f"get_sweep()[{i}]: --config.{key}: {problem}")
+  # {"optim": {"actor_lr": ...}} (an entry's, or the sweep's own flag) would replace the section
+  given = [(f"get_sweep()[{i}]", k, v) for i, _, entry in runs for k, v in entry.items()
+           if k != "name"]
+  for arg in passthrough:
+    key, text = flag_field(arg)
+    try:
+      given.append(("the sweep's flag", key, ast.literal_eval(text)))
+    except (ValueError, SyntaxError):  # not a literal: not a dict
+      pass
+  for where, key, value in given:
+    problem = config_files.replaced_section(config, key, value, config_path)
+    if problem:
+      raise ValueError(f"{where}: --config.{key}: {problem}")
   if variant is not None and not _own_sweep(module, variant):
     warn_variant_overridden(config, config_files.call_with_variant(module.get_config, None),
                             config_path, runs)
@@ -196,9 +205,11 @@ def _has_checkpoint(run_dir: str) -> bool:
 def _own_sweep(module: Any, variant: str) -> bool:
   """Whether get_sweep() gives `variant` other entries than it gives the file's default: a sweep
   written for that variant, whose entries override its fields on purpose."""
+  def entries(v: Optional[str]) -> Any:  # without their names (a name may spell the variant)
+    return wd.as_json([{k: x for k, x in e.items() if k != "name"}
+                       for e in config_files.call_with_variant(module.get_sweep, v)])
   try:
-    return (wd.as_json(config_files.call_with_variant(module.get_sweep, variant)) !=
-            wd.as_json(config_files.call_with_variant(module.get_sweep, None)))
+    return entries(variant) != entries(None)
   except Exception:  # pylint: disable=broad-except  (get_sweep() wants its variant)
     return False
 

@@ -77,6 +77,9 @@ def test_a_section_given_whole_or_a_field_under_a_value_is_one_line(tmp_path):
       "lose the values cfg.py gives them; set each field instead (--config.model.width=4)")
   ok = _run(tmp_path, "--config=cfg.py", "--config.model={'width': 4, 'depth': 3}")
   assert ok.returncode == 0 and "parsed 4 0.1" in ok.stdout, ok.stderr  # every field: taken
+  # A free-form dict field given other keys is a new value, taken as it is.
+  ok = _run(tmp_path, "--config=cfg.py", "--config.extras={'other': 2}")
+  assert ok.returncode == 0 and "parsed 8 0.1" in ok.stdout, ok.stderr
 
 
 def test_an_override_without_its_config_file_says_what_is_missing(tmp_path):
@@ -645,3 +648,67 @@ def test_a_config_of_another_binary_names_the_field_and_the_binary_s_own(tmp_pat
           "experiments.schedule_search reads: a config file of another binary, or a copy older "
           "than the code (experiments.schedule_search's own is configs/schedule_search.py)"
           ) in out.stderr, out.stderr[-3000:]
+
+
+_MODES = textwrap.dedent("""
+  import os
+  import ml_collections
+  from absl import flags
+  from ml_collections import config_flags
+  from experiments import config_files
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "config file")
+  _RUN = config_flags.DEFINE_config_file("run_config", None, "a second config file")
+  def main(argv):
+    mode = os.environ["MODE"]
+    if mode == "nested":  # a field the config file lacks, in a section
+      print(_CONFIG.value.model.depht)
+    elif mode == "second":  # ... of the second config file
+      print(_RUN.value.lr, _RUN.value.sim)
+    elif mode == "locked":  # the code's own error: a write to the locked config
+      _CONFIG.value.new_field = 1
+    else:  # the code's own error: a ConfigDict that is no flag's
+      print(ml_collections.ConfigDict({"a": 1}).b)
+  config_files.run(main)
+""")
+
+
+@pytest.mark.parametrize("mode, said", [
+    ("nested", "ValueError: --config='cfg.py' has no field 'model.depht', which modes.py reads: "
+               "a config file of another binary, or a copy older than the code"),
+    ("second", "ValueError: --run_config='cfg.py' has no field 'sim', which modes.py reads"),
+    ("locked", None), ("other", None)])
+def test_a_field_the_binary_reads_and_its_config_lacks_names_the_flag(tmp_path, mode, said):
+  """The field is named with the config flag that lacks it (the first config flag was blamed),
+  by its path; the code's own errors (a locked config written to, another ConfigDict) keep
+  their traceback."""
+  (tmp_path / "cfg.py").write_text(_CONFIG_FILE)
+  (tmp_path / "modes.py").write_text(_MODES)
+  env = dict(os.environ, MODE=mode,
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run([sys.executable, "modes.py", "--config=cfg.py", "--run_config=cfg.py"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 1, out.stderr[-3000:]
+  if said is None:
+    assert "Traceback" in out.stderr and "has no field" not in out.stderr, out.stderr[-3000:]
+  else:
+    assert said in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+def test_an_error_raised_further_in_than_the_config_file_keeps_its_traceback(tmp_path):
+  """Only the config file's own error is cut to one line: one raised in a module it imports
+  (the library mid-edit) showed as the config file's import line, and RLHFUSE_TRACEBACK=1
+  brought no traceback back."""
+  (tmp_path / "helper.py").write_text("def lr():\n  return 1 / 0\n")
+  (tmp_path / "deep.py").write_text("import ml_collections\nimport helper\ndef get_config():\n"
+                                    "  return ml_collections.ConfigDict({'lr': helper.lr()})\n")
+  out = _run(tmp_path, "--config=deep.py")
+  assert out.returncode != 0 and "Traceback" in out.stderr, out.stderr[-3000:]
+  assert 'helper.py", line 2' in out.stderr and "ZeroDivisionError" in out.stderr
+  (tmp_path / "own.py").write_text("def get_config():\n  return 1 / 0\n")
+  assert _fatal_line(_run(tmp_path, "--config=own.py")) == (
+      "--config='own.py': loading it raised ZeroDivisionError: division by zero (own.py, line 2)")
+  env = dict(os.environ, RLHFUSE_TRACEBACK="1",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run([sys.executable, "-c", _BINARY, "--config=own.py"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode != 0 and "Traceback" in out.stderr, out.stderr[-3000:]

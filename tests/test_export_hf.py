@@ -349,6 +349,11 @@ def test_not_a_run_and_out_dirs(tmp_path):
   with pytest.raises(ValueError,
                      match=r"holds an export of another run, .*other \(iteration 4\)"):
     export_lib.check_out_dir(str(tmp_path / "theirs"), str(run))
+  # The run's own WORKDIR/hf_export_K after the workdir was moved: its marker names the old path.
+  (run / "hf_export_4").mkdir()
+  (run / "hf_export_4" / hooks.EXPORT_MARKER).write_text(json.dumps(
+      {"step": 4, "family": "llama", "run": str(tmp_path / "before_the_move")}))
+  export_lib.check_out_dir(str(run / "hf_export_4"), str(run))
 
 
 def test_the_config_of_the_newest_start_at_a_resume_point(tmp_path):

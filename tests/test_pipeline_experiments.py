@@ -281,6 +281,14 @@ def test_sweep_takes_a_config_variant(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   assert (f"get_sweep()'s entries set x, which --config={tmp_path / 'w.py'}:b sets itself: each "
           "run gets the entry's value, not the variant's (x=2)") in out.stderr, out.stderr
+  # Runs named after the variant are still the same entries: warned of.
+  (tmp_path / "wn.py").write_text(
+      "import ml_collections\ndef get_config(arg='a'):\n"
+      "  return ml_collections.ConfigDict({'x': 1 if arg == 'a' else 2, 'y': 0})\n"
+      "def get_sweep(arg='a'):\n  return [{'name': 'r_' + arg, 'x': 3}]\n")
+  out = _run(["experiments.sweep", f"--config={tmp_path / 'wn.py'}:b", "--binary=schedule_search",
+              f"--workdir={tmp_path / 'wn'}", "--dry_run"])
+  assert out.returncode == 0 and "get_sweep()'s entries set x" in out.stderr, out.stderr
   # absl's other forms of an override, which every binary takes, reach each run as
   # --config.FIELD=VALUE: --noconfig.FIELD ended in "Unknown command line flag", and
   # "--config.FIELD VALUE" in "unexpected arguments".
@@ -857,6 +865,15 @@ def test_sweep_refuses_a_value_of_the_wrong_type_before_any_run(tmp_path):
   assert out.returncode != 0, out.stderr[-3000:]
   assert ("get_sweep()[0]: --config.optim: replaces the section 'optim' whole: its fields not "
           "given (warmup) would lose the values" in out.stderr), out.stderr[-3000:]
+  (tmp_path / "flagged.py").write_text(
+      "import ml_collections\ndef get_config():\n"
+      "  return ml_collections.ConfigDict({'optim': {'lr': 1.0, 'warmup': 5}})\n"
+      "def get_sweep():\n  return [{'name': 'a'}]\n")
+  out = _run(["experiments.sweep", f"--config={tmp_path / 'flagged.py'}",
+              "--binary=schedule_search", f"--workdir={tmp_path / 'sf'}", "--dry_run",
+              "--config.optim={'lr': 0.5}"])
+  assert out.returncode != 0 and ("the sweep's flag: --config.optim: replaces the section "
+                                  "'optim' whole" in out.stderr), out.stderr[-3000:]
   assert not os.path.exists(tmp_path / "sw")
   # On a finished sweep's workdir, the mistake's traceback goes to the temp directory, not
   # among the results (it was WORKDIR/traceback.txt).

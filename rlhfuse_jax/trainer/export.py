@@ -174,8 +174,10 @@ def check_out_dir(out_dir: str, workdir: str) -> None:
     raise ValueError(f"--out={out_dir!r} exists and is not an export (no "
                      f"{hooks.EXPORT_MARKER}): an export replaces the whole directory; give a "
                      "new path or remove it")
+  # (one inside the run's own workdir is its own: the workdir moved or copied since, its path
+  # in the marker with it)
   other = hooks.exported_run(out_dir)
-  if other is not None and other != run:
+  if other is not None and other != run and not real.startswith(run + os.sep):
     raise ValueError(f"--out={out_dir!r} holds an export of another run, {other} (iteration "
                      f"{hooks.exported_step(out_dir)}): an export replaces the whole directory; "
                      "give a new path, or remove that export first")
