@@ -65,6 +65,20 @@ def test_a_plan_file_sets_the_micro_batching_it_was_sized_with(tmp_path):
   flat = plan_json(tmp_path / "flat.json", {}, training={
       "placement": "colocated", "tp": 1, "actor_pp": 1, "critic_pp": 1, "micro_batch": 2})
   assert tiny_config(**{"plan.file": flat}).algo.microbatch_size == 2
+  # A misspelt key of a stage ("slot") was ignored: the plan ran with the config's value.
+  typo = plan_json(tmp_path / "typo.json", {"slot": 8})
+  with pytest.raises(ValueError, match=re.escape(
+      "generation.slot is no key of a plan's generation; did you mean generation.slots? "
+      "(generation takes mode, tp, pp, groups, slots)")):
+    tiny_config(**{"plan.file": typo})
+  # The keys taken are those plan_search writes (its training dict: the runs of its plans in
+  # the tests below).
+  import dataclasses as dc
+  from rlhfuse_jax.sim import plan_search as ps_lib
+  from rlhfuse_jax.trainer import config as config_lib
+  keys = config_lib.PLAN_STAGE_KEYS
+  assert set(keys["generation"]) == {f.name for f in dc.fields(ps_lib.GenerationPlan)}
+  assert set(keys["inference"]) == {f.name for f in dc.fields(ps_lib.InferencePlan)}
   # A pipelined layout without its micro-batches (actor_pp edited by hand) names them, not the
   # config field they would have set ("config.pipeline.actor_microbatches=None").
   edited = plan_json(tmp_path / "edited.json", {}, training={

@@ -7,6 +7,7 @@ dotted field and what was expected. Deeper code takes these frozen dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -948,6 +949,17 @@ def plan_devices(plan: Mapping[str, Any]) -> Optional[int]:
   return sum(parts)
 
 
+# The keys plan_search writes in a plan's stages (sim/plan_search.py: GenerationPlan's and
+# InferencePlan's fields, training_candidates' colocated dict); tests/test_plan.py holds them to
+# those. Written here, not imported: the simulator's search is no import of every binary.
+PLAN_STAGE_KEYS = {
+    "generation": ("mode", "tp", "pp", "groups", "slots"),
+    "inference": ("tp", "pp"),
+    "training": ("placement", "devices", "tp", "actor_pp", "critic_pp", "micro_batch",
+                 "actor_microbatches", "critic_microbatches"),
+}
+
+
 def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, str], tuple]:
   """{(section, field): (value, the plan file's key)}: what a plan file sets. Training's
   colocated (tp, actor_pp, critic_pp) maps onto mesh.tensor, mesh.stage and pipeline.critic_pp
@@ -956,6 +968,14 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
   plan's split ("async": generation_devices, staleness) maps onto config.async_ppo."""
   gen, inf, train = plan["generation"], plan["inference"], plan["training"]
   where = f"config.plan.file={path!r}"
+  for stage, keys in PLAN_STAGE_KEYS.items():  # a misspelt key ("slot") was ignored silently
+    unknown = [k for k in plan[stage] if k not in keys] if (
+        stage != "training" or plan[stage].get("placement") == "colocated") else []
+    if unknown:
+      close = difflib.get_close_matches(unknown[0], keys, n=1)
+      raise ValueError(f"{where}: {stage}.{unknown[0]} is no key of a plan's {stage}" + (
+          f"; did you mean {stage}.{close[0]}?" if close else "") +
+          f" ({stage} takes {', '.join(keys)})")
   out: dict[tuple[str, str], tuple] = {}
   mode = gen.get("mode")
   if mode not in ("instances", "pipeline"):
