@@ -855,25 +855,20 @@ def test_sweep_refuses_a_value_of_the_wrong_type_before_any_run(tmp_path):
   assert out.returncode != 0, out.stderr[-3000:]
   assert ("the sweep's flag: --config.time_budget_s='soon': expected a number (the field is a "
           "float)" in out.stderr), out.stderr[-3000:]
-  # A section given as a dict would be replaced whole: its other fields lose the file's values.
-  (tmp_path / "nested.py").write_text(
-      "import ml_collections\ndef get_config():\n"
-      "  return ml_collections.ConfigDict({'optim': {'lr': 1.0, 'warmup': 5}})\n"
-      "def get_sweep():\n  return [{'name': 'a', 'optim': {'lr': 0.5}}]\n")
-  out = _run(["experiments.sweep", f"--config={tmp_path / 'nested.py'}",
-              "--binary=schedule_search", f"--workdir={tmp_path / 'sn'}", "--dry_run"])
-  assert out.returncode != 0, out.stderr[-3000:]
-  assert ("get_sweep()[0]: --config.optim: replaces the section 'optim' whole: its fields not "
-          "given (warmup) would lose the values" in out.stderr), out.stderr[-3000:]
-  (tmp_path / "flagged.py").write_text(
-      "import ml_collections\ndef get_config():\n"
-      "  return ml_collections.ConfigDict({'optim': {'lr': 1.0, 'warmup': 5}})\n"
-      "def get_sweep():\n  return [{'name': 'a'}]\n")
-  out = _run(["experiments.sweep", f"--config={tmp_path / 'flagged.py'}",
-              "--binary=schedule_search", f"--workdir={tmp_path / 'sf'}", "--dry_run",
-              "--config.optim={'lr': 0.5}"])
-  assert out.returncode != 0 and ("the sweep's flag: --config.optim: replaces the section "
-                                  "'optim' whole" in out.stderr), out.stderr[-3000:]
+  # A section given as a dict (an entry's, or the sweep's own flag) would be replaced whole: its
+  # other fields lose the file's values.
+  for name, entry, flag, said in (
+      ("nested", ", 'optim': {'lr': 0.5}", [], "get_sweep()[0]: --config.optim: replaces the "
+       "section 'optim' whole: its fields not given (warmup) would lose the values"),
+      ("flagged", "", ["--config.optim={'lr': 0.5}"], "the sweep's flag: --config.optim: "
+       "replaces the section 'optim' whole")):
+    (tmp_path / f"{name}.py").write_text(
+        "import ml_collections\ndef get_config():\n"
+        "  return ml_collections.ConfigDict({'optim': {'lr': 1.0, 'warmup': 5}})\n"
+        f"def get_sweep():\n  return [{{'name': 'a'{entry}}}]\n")
+    out = _run(["experiments.sweep", f"--config={tmp_path / f'{name}.py'}",
+                "--binary=schedule_search", f"--workdir={tmp_path / name}", "--dry_run", *flag])
+    assert out.returncode != 0 and said in out.stderr, out.stderr[-3000:]
   assert not os.path.exists(tmp_path / "sw")
   # On a finished sweep's workdir, the mistake's traceback goes to the temp directory, not
   # among the results (it was WORKDIR/traceback.txt).
