@@ -49,7 +49,7 @@ def as_json(x: Any) -> Any:
   return json.loads(json.dumps(_to_jsonable(x)))
 
 
-_TMP_PREFIX = ".tmp_"  # atomic_write_bytes' temp files beside their target
+TMP_PREFIX = ".tmp_"  # temp files beside their target (atomic_write_bytes, save_hf_checkpoint)
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
@@ -57,7 +57,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   with _naming(path):
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=_TMP_PREFIX, suffix=os.path.basename(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=TMP_PREFIX, suffix=os.path.basename(path))
   try:
     with _naming(path), os.fdopen(fd, "wb") as f:
       f.write(data)
@@ -463,7 +463,7 @@ def _naming(path: str):
     yield
   except OSError as e:
     if e.errno is not None and (e.filename is None or
-                                os.path.basename(str(e.filename)).startswith(_TMP_PREFIX)):
+                                os.path.basename(str(e.filename)).startswith(TMP_PREFIX)):
       raise type(e)(e.errno, e.strerror, path) from e
     raise
 

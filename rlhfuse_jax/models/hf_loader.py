@@ -751,12 +751,17 @@ def save_hf_checkpoint(params: Any, cfg: llama.ModelConfig, out_dir: str,
   # config.json written in place was left truncated over the old one), the weights with a plain
   # file's mode: safetensors creates 0600 files, which a serving job of another user cannot read.
   path, config_path = os.path.join(out_dir, SINGLE_FILE), os.path.join(out_dir, CONFIG_FILE)
-  tmp, config_tmp = (os.path.join(out_dir, f".tmp_{n}") for n in (SINGLE_FILE, CONFIG_FILE))
+  tmp, config_tmp = (os.path.join(out_dir, f"{wd.TMP_PREFIX}{n}")
+                     for n in (SINGLE_FILE, CONFIG_FILE))
   try:
     safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"})
     os.chmod(tmp, wd.PLAIN_FILE_MODE)
     with open(config_tmp, "w") as f:
       json.dump(hf_config, f, indent=2, sort_keys=True)
+      f.flush()
+      os.fsync(f.fileno())
+    with open(tmp, "rb") as f:  # on disk before the rename (safetensors closes it unsynced)
+      os.fsync(f.fileno())
     os.replace(tmp, path)
     os.replace(config_tmp, config_path)
   finally:
