@@ -616,6 +616,16 @@ def test_a_failed_export_over_a_checkpoint_leaves_that_checkpoint(tmp_path, monk
   assert hf_loader.load_hf_config(out) == cfg
   again = hf_loader.load_hf_params(out, cfg)
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(again)))
+  # Both files are on disk (fsynced) before either is renamed into place.
+  synced, renamed = [], []
+  monkeypatch.setattr(hf_loader.os, "fsync", lambda fd: synced.append(os.readlink(
+      f"/proc/self/fd/{fd}")))
+  monkeypatch.setattr(hf_loader.os, "replace", lambda a, b: (renamed.append(len(synced)),
+                                                           os.rename(a, b)))
+  hf_loader.save_hf_checkpoint(old, cfg, out)
+  assert sorted(os.path.basename(p) for p in synced) == [".tmp_config.json",
+                                                         ".tmp_model.safetensors"]
+  assert renamed == [2, 2]
 
 
 def test_an_export_of_weights_the_loader_refuses_writes_nothing(tmp_path):
