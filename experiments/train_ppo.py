@@ -169,13 +169,18 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
                      f"({platform}){hint}")
   fitting = ""
   if gen:  # the values of generation_devices this run could take instead, for the errors below
+    # (also dividing the rollout batch, which validate checks next: a value this suggested was
+    # refused there)
+    batch = cfg.rollout.batch_size
     fits = [g for g in range(processes, num_devices, processes)
-            if _resolves(cfg.mesh, num_devices - g)]
+            if _resolves(cfg.mesh, num_devices - g) and batch % g == 0]
     each = f", multiples of the {processes} processes" if processes > 1 else ""
     fitting = (f"; values of generation_devices whose training group (of {num_devices} "
-               f"devices) config.mesh splits{each}: {fits}" if fits else
+               f"devices) config.mesh splits and that divide the rollout batch of {batch}"
+               f"{each}: {fits}" if fits else
                f"; no generation_devices leaves a training group (of {num_devices} devices) "
-               "that config.mesh splits: change config.mesh, or set 0")
+               f"that config.mesh splits and divides the rollout batch of {batch}: change "
+               "config.mesh, or set 0")
   if gen and gen % processes:  # (split_devices refuses it too, after the compiles of set-up)
     raise ValueError(f"config.async_ppo.generation_devices={gen}: expected a multiple of the "
                      f"{processes} processes (each gives g / {processes} of its own "

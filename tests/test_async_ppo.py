@@ -279,6 +279,13 @@ for g, procs in ((3, 2), (2, 2), (3, 1), (4, 2)):
     out[f"{g}/{procs}"] = "ok"
   except ValueError as e:
     out[f"{g}/{procs}"] = str(e)
+# mesh.data=2: 6 generation devices leave the 2 it splits, but 6 does not divide the batch of 64
+c = tiny.get_config()
+c.async_ppo.staleness, c.async_ppo.generation_devices, c.mesh.data = 1, 4, 2
+try:
+  train_ppo.check_device_count(TrainConfig.from_config_dict(c), 8, "cpu", 1)
+except ValueError as e:
+  out["data2"] = str(e)
 print(json.dumps(out))
 """
 
@@ -300,9 +307,13 @@ def test_a_generation_group_the_training_mesh_cannot_take_names_the_values_that_
   assert out["3/2"].startswith("config.async_ppo.generation_devices=3: expected a multiple of "
                                "the 2 processes"), out["3/2"]
   fits = ("values of generation_devices whose training group (of 8 devices) config.mesh "
-          "splits")
+          "splits and that divide the rollout batch of 64")
   assert out["3/2"].endswith(f"{fits}, multiples of the 2 processes: [4]"), out["3/2"]
   assert out["2/2"].startswith("config.mesh: 6 devices cannot be split"), out["2/2"]
   assert out["2/2"].endswith(f"{fits}, multiples of the 2 processes: [4])"), out["2/2"]
   assert out["3/1"].endswith(f"generation_devices=3; {fits}: [4])"), out["3/1"]
   assert out["4/2"] == "ok"
+  # The values named also divide the rollout batch: 6 was named, then refused by validate.
+  assert out["data2"].endswith("no generation_devices leaves a training group (of 8 devices) "
+                               "that config.mesh splits and divides the rollout batch of 64: "
+                               "change config.mesh, or set 0)"), out["data2"]

@@ -65,10 +65,11 @@ def test_bench_async_summary_windows_rounds_and_drops_the_last_iterations():
 _ASYNC_MAIN = """
 import json, os, re, sys
 workdir, runs = sys.argv[1:3]
+bar, parallel = (sys.argv[3:5] + ["0.75", "1"][len(sys.argv[3:5]):])
 # config_flags reads the --config.* overrides from sys.argv when the binary defines --config.
 sys.argv = ["bench_async", "--config=configs/bench_async.py", f"--workdir={workdir}",
             "--config.staleness=(0,1)", "--config.seeds=(0,1)", "--config.window=0.25",
-            "--config.skip=0", "--config.min_gain_ratio=0.75", "--config.parallel=1",
+            "--config.skip=0", f"--config.min_gain_ratio={bar}", f"--config.parallel={parallel}",
             "--config.num_iterations=4", f"--config.runs={runs}"]
 from absl import flags
 from experiments import bench_async as b
@@ -118,6 +119,14 @@ def test_bench_async_ratios_are_over_the_seeds_mean_synchronous_run(tmp_path):
   assert flat["s0"]["reward_gain"] == 0.0 and flat["s1"]["reward_gain"] == 0.5
   assert flat["s1"]["gain_ratio"] is None and flat["s1"]["gain_ok"] is False
   assert got["result"]["failed_runs"] == [] and got["result"]["all_gains_ok"] is False
+  assert got["result"]["step_times_comparable"] is True
+  # No bar (the timing variant's min_gain_ratio=0): no verdict, where it said FAIL; runs side by
+  # side: their step times are said not to be comparable.
+  timed = _python(_ASYNC_MAIN, str(tmp_path / "timed"),
+                  "('configs/ppo_tiny.py','configs/grpo_tiny.py')", "0", "2")
+  assert timed["result"]["all_gains_ok"] is None
+  assert timed["result"]["runs"]["configs/grpo_tiny.py"]["s1"]["gain_ok"] is None
+  assert timed["result"]["step_times_comparable"] is False
 
 
 # experiments/bench_decode.py ----------------------------------------------------------------------

@@ -503,6 +503,12 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
     (["experiments.reproduce_ablations", "--config=configs/ablations.py",
       "--config.max_new_tokens=abc"],
      "config.max_new_tokens='abc': expected comma-separated positive integers"),
+    # a run config whose mesh needs more devices than each run gets: every run failed after jax
+    # started, advising an XLA_FLAGS that the bench replaces
+    (["experiments.bench_async", "--config=configs/bench_async.py",
+      "--config.runs=('configs/ppo_tiny.py:fused',)"],
+     "config.host_devices=1: expected at least the 4 devices config.runs entry "
+     "'configs/ppo_tiny.py:fused' needs"),
     # a setting twice: simulated twice, the second replacing the first in every table
     (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
       "--config.max_new_tokens=512,512"],
