@@ -272,23 +272,19 @@ def test_sweep_takes_a_config_variant(tmp_path):
   assert "run_b: python" not in out.stderr
   # An entry that replaces a value the variant sets is warned of: ppo_tiny.py:grpo's sweep over
   # estimators ran GAE and REINFORCE++ with GRPO's batch, never GRPO. Its sweep is now seeds.
-  (tmp_path / "w.py").write_text(
-      "import ml_collections\ndef get_config(arg='a'):\n"
-      "  return ml_collections.ConfigDict({'x': 1 if arg == 'a' else 2, 'y': 0})\n"
-      "def get_sweep(arg='a'):\n  return [{'name': 'r', 'x': 3, 'y': 1}, {'name': 's', 'x': 2}]\n")
-  out = _run(["experiments.sweep", f"--config={tmp_path / 'w.py'}:b", "--binary=schedule_search",
-              f"--workdir={tmp_path / 'w'}", "--dry_run"])
-  assert out.returncode == 0, out.stderr[-2000:]
-  assert (f"get_sweep()'s entries set x, which --config={tmp_path / 'w.py'}:b sets itself: each "
-          "run gets the entry's value, not the variant's (x=2)") in out.stderr, out.stderr
-  # Runs named after the variant are still the same entries: warned of.
-  (tmp_path / "wn.py").write_text(
-      "import ml_collections\ndef get_config(arg='a'):\n"
-      "  return ml_collections.ConfigDict({'x': 1 if arg == 'a' else 2, 'y': 0})\n"
-      "def get_sweep(arg='a'):\n  return [{'name': 'r_' + arg, 'x': 3}]\n")
-  out = _run(["experiments.sweep", f"--config={tmp_path / 'wn.py'}:b", "--binary=schedule_search",
-              f"--workdir={tmp_path / 'wn'}", "--dry_run"])
-  assert out.returncode == 0 and "get_sweep()'s entries set x" in out.stderr, out.stderr
+  # Runs named after the variant (wn.py) are still the same entries: warned of too.
+  for name, sweep in (("w", "[{'name': 'r', 'x': 3, 'y': 1}, {'name': 's', 'x': 2}]"),
+                      ("wn", "[{'name': 'r_' + arg, 'x': 3}]")):
+    (tmp_path / f"{name}.py").write_text(
+        "import ml_collections\ndef get_config(arg='a'):\n"
+        "  return ml_collections.ConfigDict({'x': 1 if arg == 'a' else 2, 'y': 0})\n"
+        f"def get_sweep(arg='a'):\n  return {sweep}\n")
+    out = _run(["experiments.sweep", f"--config={tmp_path / f'{name}.py'}:b",
+                "--binary=schedule_search", f"--workdir={tmp_path / name}", "--dry_run"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (f"get_sweep()'s entries set x, which --config={tmp_path / f'{name}.py'}:b sets "
+            "itself: each run gets the entry's value, not the variant's (x=2)") in out.stderr, (
+                out.stderr)
   # absl's other forms of an override, which every binary takes, reach each run as
   # --config.FIELD=VALUE: --noconfig.FIELD ended in "Unknown command line flag", and
   # "--config.FIELD VALUE" in "unexpected arguments".
