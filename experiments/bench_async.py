@@ -100,8 +100,8 @@ def check_config(c) -> None:
     # Each run gets host_devices fake devices (its XLA_FLAGS replaced): a mesh that needs more
     # failed every run after jax started, advising an XLA_FLAGS the bench overrides.
     mesh = run.get("mesh", {}) if hasattr(run, "get") else {}
-    need = math.prod(v for v in (mesh.get(k, 1) for k in mesh.keys())
-                     if isinstance(v, int) and v > 0) + c.generation_devices
+    need = math.prod(v for v in mesh.values() if isinstance(v, int) and v > 0) + (
+        c.generation_devices)
     gen = f" + generation_devices={c.generation_devices}" if c.generation_devices else ""
     _check(need <= c.host_devices, "host_devices", c.host_devices,
            f"at least the {need} devices config.runs entry {r!r} needs (its mesh {dict(mesh)}"

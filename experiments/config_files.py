@@ -245,20 +245,26 @@ def _replaced_section(argv: Sequence[str]) -> Optional[str]:
   """The first `--config.SECTION={...}` of `argv` that replaces a section of the file's config
   (replaced_section), as one line naming the flag."""
   for name, config_path in _config_flags(argv).items():
-    try:
-      given, config = flags.FLAGS[name].value, get_config(config_path, f"--{name}")
-    except Exception:  # pylint: disable=broad-except  (reported by the other checks)
-      return None
+    dicts = {}  # the overrides that gave a dict: only they need the file's own config
     for arg in argv:
       m = re.match(rf"^--?{name}\.([\w.]+)=", arg)
       if not m:
         continue
-      value = given
+      value = flags.FLAGS[name].value
       for part in m.group(1).split("."):
         value = value[part] if hasattr(value, "keys") and part in value.keys() else None
-      problem = replaced_section(config, m.group(1), value, config_path)
+      if hasattr(value, "keys"):
+        dicts[m.group(1)] = value
+    if not dicts:
+      continue
+    try:
+      config = get_config(config_path, f"--{name}")
+    except Exception:  # pylint: disable=broad-except  (reported by the other checks)
+      return None
+    for key, value in dicts.items():
+      problem = replaced_section(config, key, value, config_path)
       if problem:
-        return f"--{name}.{m.group(1)}: {problem}"
+        return f"--{name}.{key}: {problem}"
   return None
 
 

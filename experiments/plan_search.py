@@ -413,6 +413,7 @@ def main(argv):
       logging.warning("no synchronous plan fits, so the systems %s (each a plan on all %d "
                       "devices) are not simulated%s", ", ".join(skipped), wl.num_devices,
                       "" if compared else "; pipe_rlhf_async (config.systems) would be")
+  systems_error = None  # why the systems' comparison failed, if it did
   if compared:
     t0 = time.time()
     # Silent for minutes before on a first run (configs/plan_search.py:train, a fresh checkout:
@@ -435,14 +436,10 @@ def main(argv):
                       "search's results are written; --config.systems= skips it): %s", e)
       rows, systems_error = {}, str(e)
     else:
-      systems_error = None
+      logging.info("simulated %s in %.1fs", ", ".join(compared), time.time() - t0)
     systems = {k: {f: float(r[f]) for f in ("gen_plus_inf_s", "train_s", "reshard_s",
                                              "iteration_s")}
                for k, r in rows.items()}
-    if systems_error is None:
-      logging.info("simulated %s in %.1fs", ", ".join(compared), time.time() - t0)
-  else:
-    systems_error = None
   # best None: no synchronous plan fits, only asynchronous splits (plan_search.search)
   best = None if res["best"] is None else {
       **res["best"], "predicted_iteration_s": res["best"]["predicted"]["iteration_s"]}

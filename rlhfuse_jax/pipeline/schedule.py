@@ -125,16 +125,16 @@ def from_dict(data: dict[str, Any]) -> Schedule:
       if missing or (t["model"], t["kind"]) not in _KIND_OF:
         raise ValueError(f"device {d}, task {q}: {t!r}; expected a dict with model in "
                          "('actor', 'critic'), kind in ('F', 'B'), replica, stage, microbatch")
+  kinds = [[_KIND_OF[(t["model"], t["kind"])] for t in dev] for dev in devs]
   counts = problem.kind_counts()  # a task left out or twice: numpy's "inhomogeneous shape"
-  for d, dev in enumerate(devs):
-    got = np.bincount([_KIND_OF[(t["model"], t["kind"])] for t in dev], minlength=4)
+  for d, dev in enumerate(kinds):
+    got = np.bincount(dev, minlength=4)
     if np.any(got != counts):
       name = lambda c: ", ".join(f"{int(n)} {k}" for k, n in zip(KIND_NAMES, c))
       raise ValueError(f"device {d} has {len(dev)} tasks ({name(got)}); expected "
                        f"{int(counts.sum())} ({name(counts)}: each micro-batch's forward and "
                        "backward of the device's actor and critic stages, once)")
-  order = np.array([[_KIND_OF[(t["model"], t["kind"])] for t in dev] for dev in devs],
-                   dtype=np.int8)
+  order = np.array(kinds, dtype=np.int8)
   sched = from_order(problem, order)
   for d, (dev, ref) in enumerate(zip(devs, sched.devices)):
     for t, r in zip(dev, ref):

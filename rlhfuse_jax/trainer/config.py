@@ -969,8 +969,9 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
   gen, inf, train = plan["generation"], plan["inference"], plan["training"]
   where = f"config.plan.file={path!r}"
   for stage, keys in PLAN_STAGE_KEYS.items():  # a misspelt key ("slot") was ignored silently
-    unknown = [k for k in plan[stage] if k not in keys] if (
-        stage != "training" or plan[stage].get("placement") == "colocated") else []
+    if stage == "training" and train.get("placement") != "colocated":
+      continue  # (refused below, as a placement the trainer does not run)
+    unknown = [k for k in plan[stage] if k not in keys]
     if unknown:
       close = difflib.get_close_matches(unknown[0], keys, n=1)
       raise ValueError(f"{where}: {stage}.{unknown[0]} is no key of a plan's {stage}" + (

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from rlhfuse_jax.fields import fail as _fail
 from rlhfuse_jax.generation import engine
 from rlhfuse_jax.generation import fused as fused_lib
 from rlhfuse_jax.generation import instances
@@ -49,7 +50,6 @@ from rlhfuse_jax.inference import stages as inf_stages
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.rl import advantages as adv_lib
-from rlhfuse_jax.fields import fail as _fail
 from rlhfuse_jax.trainer import rt_auto
 from rlhfuse_jax.trainer.config import TrainConfig
 
