@@ -650,7 +650,9 @@ def curves_figure(lines: dict[str, list[tuple]], width: int):
     for label, steps, mean, low, high in metric_lines:
       banded = bool((low != high).any())
       color, dash = style[label]
-      ax.plot(steps, mean, color=color, linestyle=dash,
+      # A run with one logged iteration (one that failed early) is a point: drawn as a line
+      # it was invisible, though the legend named it.
+      ax.plot(steps, mean, color=color, linestyle=dash, marker="o" if len(steps) == 1 else None,
               label=label + (", band: min-max" if banded else ""))
       if banded:
         ax.fill_between(steps, low, high, alpha=0.2, color=color, linewidth=0)

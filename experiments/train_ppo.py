@@ -44,7 +44,7 @@ from rlhfuse_jax.generation import multihost
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.trainer import build
 from rlhfuse_jax.trainer import config as config_lib
-from rlhfuse_jax.trainer import hooks
+from rlhfuse_jax.trainer import hf_export, hooks
 from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.loop import EXIT_STOPPED_BY_SIGNAL, PPOTrainer, TIMING_PREFIXES
 
@@ -352,7 +352,7 @@ def _main(run_log: runner.RunLog) -> None:
     result = summarize(history, cfg.num_iterations, trainer.trained_to,
                        {k + 1 for k in hooks.start_points(workdir)})
     result["trained_by"] = trainer.trained_by()
-    export = os.path.join(workdir, hooks.HF_EXPORT_DIR)
+    export = os.path.join(workdir, hf_export.HF_EXPORT_DIR)
     if cfg.checkpoint.export_hf and os.path.isdir(export):
       result["hf_export"] = export
     runner.write_result(workdir, result)

@@ -22,7 +22,7 @@ from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer import export as export_lib
-from rlhfuse_jax.trainer import hooks, loop
+from rlhfuse_jax.trainer import hf_export, loop
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from tests.test_plan import plan_json
 from tests.test_trainer import with_overrides
@@ -114,7 +114,7 @@ def test_an_earlier_kept_step_exports_its_own_weights_and_leaves_the_run_alone(
   cfg = export_lib.export_config(export_lib.run_config(run, 2)[0], "")
   result = export_lib.export(run, "2", out, mesh=_one_device(cfg))
   assert result["step"] == 2 and result["family"] == "llama" and result["out"] == out
-  assert hooks.exported_step(out) == 2 and hooks.exported_run(out) == os.path.realpath(run)
+  assert hf_export.exported_step(out) == 2 and hf_export.exported_run(out) == os.path.realpath(run)
   params = _exported(out)
   assert _same(params, _checkpoint_actor(run, 2))
   assert not _same(params, _checkpoint_actor(run, 3))  # the iterations differ: 2 is 2
@@ -123,10 +123,10 @@ def test_an_earlier_kept_step_exports_its_own_weights_and_leaves_the_run_alone(
   # The next export there fails while writing (its tokenizer): the one before stays whole.
   def broken(*args):
     raise OSError("disk full")
-  monkeypatch.setattr(hooks, "_copy_tokenizer", broken)
+  monkeypatch.setattr(hf_export, "_copy_tokenizer", broken)
   with pytest.raises(OSError, match="disk full"):
     export_lib.export(run, "3", out, mesh=_one_device(cfg))
-  assert hooks.exported_step(out) == 2 and _same(_exported(out), params)
+  assert hf_export.exported_step(out) == 2 and _same(_exported(out), params)
   assert _digests(run) == before
 
 
@@ -225,7 +225,7 @@ def test_the_binary_exports_the_best_kept_step(run):
   assert result["step"] == lowest and result["out"] == out
   assert result["metric"] == METRIC and result["value"] == kept[lowest]
   assert f"iteration {lowest} ({METRIC} = " in proc.stderr and "the lowest" in proc.stderr
-  assert hooks.exported_step(out) == lowest
+  assert hf_export.exported_step(out) == lowest
   assert _same(_exported(out), _checkpoint_actor(run, lowest))
   assert _digests(run, skip=(out,)) == before
 
@@ -342,7 +342,7 @@ def test_not_a_run_and_out_dirs(tmp_path):
   # another run's is refused, not deleted.
   for name, marked in (("ours", str(run)), ("older", None), ("theirs", str(other))):
     (tmp_path / name).mkdir()
-    (tmp_path / name / hooks.EXPORT_MARKER).write_text(json.dumps(
+    (tmp_path / name / hf_export.EXPORT_MARKER).write_text(json.dumps(
         {"step": 4, "family": "llama", **({"run": marked} if marked else {})}))
   export_lib.check_out_dir(str(tmp_path / "ours"), str(run))
   export_lib.check_out_dir(str(tmp_path / "older"), str(run))
@@ -351,7 +351,7 @@ def test_not_a_run_and_out_dirs(tmp_path):
     export_lib.check_out_dir(str(tmp_path / "theirs"), str(run))
   # The run's own WORKDIR/hf_export_K after the workdir was moved: its marker names the old path.
   (run / "hf_export_4").mkdir()
-  (run / "hf_export_4" / hooks.EXPORT_MARKER).write_text(json.dumps(
+  (run / "hf_export_4" / hf_export.EXPORT_MARKER).write_text(json.dumps(
       {"step": 4, "family": "llama", "run": str(tmp_path / "before_the_move")}))
   export_lib.check_out_dir(str(run / "hf_export_4"), str(run))
 

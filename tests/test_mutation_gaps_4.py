@@ -262,14 +262,14 @@ def test_an_export_of_another_family_is_pending_again(tmp_path):
   """export_pending: an export at the right step but of another HF family than
   checkpoint.export_hf now asks for is written again; one without a recorded family is kept."""
   import types
-  from rlhfuse_jax.trainer import hooks
-  out = tmp_path / hooks.HF_EXPORT_DIR
+  from rlhfuse_jax.trainer import hf_export
+  out = tmp_path / hf_export.HF_EXPORT_DIR
   out.mkdir()
   cfg = types.SimpleNamespace(checkpoint=types.SimpleNamespace(export_hf="mistral"))
   for family, pending in (("mistral", False), ("llama", True), (None, False)):
-    (out / hooks.EXPORT_MARKER).write_text(json.dumps({"step": 5, "family": family}))
-    assert hooks.export_pending(str(tmp_path), cfg, 5) is pending, family
-  assert hooks.export_pending(str(tmp_path), cfg, 6)  # older than the last checkpoint
+    (out / hf_export.EXPORT_MARKER).write_text(json.dumps({"step": 5, "family": family}))
+    assert hf_export.export_pending(str(tmp_path), cfg, 5) is pending, family
+  assert hf_export.export_pending(str(tmp_path), cfg, 6)  # older than the last checkpoint
 
 
 def test_every_end_hook_runs_when_one_fails_and_the_first_error_is_raised():

@@ -173,11 +173,11 @@ def test_a_set_up_signal_that_stops_the_loop_gives_the_handlers_back(monkeypatch
 def test_the_hf_export_is_written_once_at_the_last_iteration(tmp_path, monkeypatch):
   """HFExport.after exports at num_iterations only (not every iteration: each export gathers
   and writes the whole actor), and not at all without checkpoint.export_hf."""
-  from rlhfuse_jax.trainer import hooks
+  from rlhfuse_jax.trainer import hf_export
   for export_hf, want in (("llama", [3]), ("", [])):
     cfg = types.SimpleNamespace(num_iterations=3,
                                 checkpoint=types.SimpleNamespace(export_hf=export_hf))
-    hook = hooks.HFExport(str(tmp_path), cfg, lambda: None)
+    hook = hf_export.HFExport(str(tmp_path), cfg, lambda: None)
     done = []
     monkeypatch.setattr(hook, "export", done.append)
     for step in range(1, 4):
@@ -192,19 +192,19 @@ def test_an_export_fills_null_special_ids_and_starts_from_an_empty_directory(tmp
   hf_export.old / hf_export.tmp, an export kept aside, are left alone: the export deleted them),
   and _fill_special_ids replaces a null id (as well as an absent one) with the run's
   tokenizer's."""
-  from rlhfuse_jax.trainer import hooks
+  from rlhfuse_jax.trainer import hf_export
 
   def save(params, model, out, family=None):
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
       json.dump({"bos_token_id": None, "pad_token_id": 5}, f)
-  monkeypatch.setattr(hooks.hf_loader, "save_hf_checkpoint", save)
-  monkeypatch.setattr(hooks.mesh_lib, "to_host", lambda p: p)
-  monkeypatch.setattr(hooks, "export_family", lambda cfg: "llama")
-  monkeypatch.setattr(hooks, "_resolved_family", lambda cfg: "llama")
-  monkeypatch.setattr(hooks, "_copy_tokenizer", lambda cfg, tokenizer, out: None)
+  monkeypatch.setattr(hf_export.hf_loader, "save_hf_checkpoint", save)
+  monkeypatch.setattr(hf_export.mesh_lib, "to_host", lambda p: p)
+  monkeypatch.setattr(hf_export, "export_family", lambda cfg: "llama")
+  monkeypatch.setattr(hf_export, "_resolved_family", lambda cfg: "llama")
+  monkeypatch.setattr(hf_export, "_copy_tokenizer", lambda cfg, tokenizer, out: None)
   out = tmp_path / "hf_export"
-  writing, _ = hooks.export_work_dirs(str(out))
+  writing, _ = hf_export.export_work_dirs(str(out))
   os.makedirs(writing)
   with open(os.path.join(writing, "model-00002-of-00002.safetensors"), "w") as f:
     f.write("stale")
@@ -213,8 +213,8 @@ def test_an_export_fills_null_special_ids_and_starts_from_an_empty_directory(tmp
     (tmp_path / kept / "notes.txt").write_text("mine")
   cfg = types.SimpleNamespace(model=None, init=types.SimpleNamespace(actor_checkpoint=""))
   tok = types.SimpleNamespace(bos_id=1, eos_id=2, pad_id=0, extra_eos_ids=(), stop_ids=(2,))
-  hooks.export_hf({}, cfg, str(out), step=3, tokenizer=tok)
-  assert sorted(os.listdir(out)) == ["config.json", hooks.EXPORT_MARKER]
+  hf_export.export_hf({}, cfg, str(out), step=3, tokenizer=tok)
+  assert sorted(os.listdir(out)) == ["config.json", hf_export.EXPORT_MARKER]
   assert sorted(os.listdir(tmp_path)) == ["hf_export", "hf_export.old", "hf_export.tmp"]
   assert (tmp_path / "hf_export.old" / "notes.txt").read_text() == "mine"
   config = json.loads((out / "config.json").read_text())

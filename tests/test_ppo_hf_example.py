@@ -19,7 +19,7 @@ from rlhfuse_jax.data import verifiers
 from rlhfuse_jax.data.tokenizer import HFTokenizer
 from rlhfuse_jax.models import hf_loader, llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
-from rlhfuse_jax.trainer import build, hooks
+from rlhfuse_jax.trainer import build, hf_export
 from rlhfuse_jax.trainer.config import EXPORT_HF_CHOICES, TrainConfig
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from rlhfuse_jax.trainer.validate import validate
@@ -99,11 +99,11 @@ def test_example_config_trains_validates_and_exports(tmp_path, monkeypatch):
   assert 0.0 <= val["function"] <= 1.0 and 0.0 <= val["format"] <= 1.0
   assert val["reward"] == pytest.approx(val["function"] + 0.1 * val["format"], abs=1e-6)
 
-  out = os.path.join(wd, hooks.HF_EXPORT_DIR)
+  out = os.path.join(wd, hf_export.HF_EXPORT_DIR)
   assert sorted(os.listdir(out)) == ["config.json", "generation_config.json",
-                                     "model.safetensors", hooks.EXPORT_MARKER, "tokenizer.json",
+                                     "model.safetensors", hf_export.EXPORT_MARKER, "tokenizer.json",
                                      "tokenizer_config.json"]
-  assert hooks.exported_step(out) == 2
+  assert hf_export.exported_step(out) == 2
   for name in ("tokenizer.json", "tokenizer_config.json"):  # the chat template goes along
     assert filecmp.cmp(os.path.join(out, name), os.path.join(DATA, "tiny_llama3_chat", name),
                        shallow=False)
@@ -137,7 +137,7 @@ def test_example_config_trains_validates_and_exports(tmp_path, monkeypatch):
   os.replace(out, out + ".lost")
   redo = PPOTrainer(cfg, wd, mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1]))
   assert redo.export_only and redo.run() == []
-  assert hooks.exported_step(out) == 2
+  assert hf_export.exported_step(out) == 2
   assert filecmp.cmp(os.path.join(out, "model.safetensors"),
                      os.path.join(out + ".lost", "model.safetensors"), shallow=False)
   # ... and a finished run whose export is current builds nothing.
@@ -185,7 +185,7 @@ def test_export_carries_the_runs_tokenizer_template_and_special_ids(tmp_path):
       data=dataclasses.replace(cfg.data, chat_template=template))
   tok = HFTokenizer.from_file(str(mine / "chatml_tok.json"))
   out = str(tmp_path / "export")
-  hooks.export_hf(params, cfg, out, tokenizer=tok)
+  hf_export.export_hf(params, cfg, out, tokenizer=tok)
   assert filecmp.cmp(os.path.join(out, "tokenizer.json"), mine / "chatml_tok.json",
                      shallow=False)
   with open(os.path.join(out, "chat_template.jinja"), encoding="utf-8") as f, \
@@ -212,7 +212,7 @@ def test_export_carries_the_runs_tokenizer_template_and_special_ids(tmp_path):
   plain = dataclasses.replace(cfg, init=dataclasses.replace(cfg.init, tokenizer=""),
                               data=dataclasses.replace(cfg.data, chat_template="none"))
   out = str(tmp_path / "task_export")
-  hooks.export_hf(params, plain, out, tokenizer=task_tok)
+  hf_export.export_hf(params, plain, out, tokenizer=task_tok)
   again = HFTokenizer.from_file(os.path.join(out, "tokenizer.json"), eos_token=(
       task_tok.id_to_token(task_tok.eos_id)))
   assert again.encode("2 #3 =", add_bos=False) == task_tok.encode("2 #3 =", add_bos=False)
@@ -229,15 +229,15 @@ def test_export_family_and_refusals(tmp_path):
   cfg = tiny_config(**{"checkpoint.export_hf": "auto", "init.actor_checkpoint": mistral,
                        "init.tokenizer": tok})
   cfg = build.resolve_config(cfg, HFTokenizer.from_file(tok))  # the checkpoint's architecture
-  assert hooks.export_family(cfg) == "mistral"
+  assert hf_export.export_family(cfg) == "mistral"
   params = hf_loader.load_hf_params(mistral, cfg.model)
   out = str(tmp_path / "export")
   os.makedirs(out)
   (tmp_path / "export" / "stale.txt").write_text("an earlier export")
-  assert hooks.export_hf(params, cfg, out) == "mistral"
+  assert hf_export.export_hf(params, cfg, out) == "mistral"
   assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
                                      "tokenizer.json"]  # unmarked: no step given
-  assert hooks.exported_step(out) is None
+  assert hf_export.exported_step(out) is None
   with open(os.path.join(out, "config.json")) as f:
     exported = json.load(f)
   with open(os.path.join(mistral, "config.json")) as f:
@@ -250,7 +250,7 @@ def test_export_family_and_refusals(tmp_path):
   src, dst = _tensors(mistral), _tensors(out)
   assert sorted(src) == sorted(dst) and all(np.array_equal(src[k], dst[k]) for k in src)
   # Without a source checkpoint "auto" is the shape's family.
-  assert hooks.export_family(dataclasses.replace(
+  assert hf_export.export_family(dataclasses.replace(
       cfg, init=dataclasses.replace(cfg.init, actor_checkpoint=""))) is None
 
   bad = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,

@@ -536,3 +536,23 @@ def test_a_run_stopped_in_its_set_up_does_not_take_an_earlier_starts_result(tmp_
   set_up, in_training = json.loads(proc.stdout.splitlines()[-1])
   assert set_up["status"].startswith("stopped (exit 75") and "iterations" not in set_up, set_up
   assert (in_training["iterations"], in_training["result/status"]) == (5, "stopped")
+
+
+def test_a_run_with_one_logged_iteration_is_drawn_as_a_point(tmp_path):
+  """curves.png: a run that logged one iteration (one that failed early) is a marker; drawn as
+  a one-point line it was invisible, though the legend named it. Longer runs stay plain lines."""
+  script = """
+import json
+import numpy as np
+from experiments import sweep
+one = np.array([1.0])
+lines = {"reward/mean": [("short (failed)", [1], one, one, one),
+                         ("long", [1, 2], np.arange(2.0), np.arange(2.0), np.arange(2.0))]}
+fig = sweep.curves_figure(lines, 1)
+print(json.dumps({l.get_label(): l.get_marker() for l in fig.axes[0].get_lines()}))
+"""
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(),
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  markers = json.loads(proc.stdout.splitlines()[-1])
+  assert markers == {"short (failed)": "o", "long": "None"}, markers

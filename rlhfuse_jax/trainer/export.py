@@ -4,7 +4,7 @@ best (`best:val/reward_mean`, `best:min:critic/vf_loss`).
 
 The run is rebuilt from its own recorded config (config.json, or the config.K.json of the start
 that wrote the checkpoint), its checkpoint restored and checked, and the actor written through
-hooks.export_hf (beside the destination, renamed into place whole). Nothing of the run is
+hf_export.export_hf (beside the destination, renamed into place whole). Nothing of the run is
 written: no metrics, result.json, config record or checkpoint; its lock is held meanwhile, so a
 run still training in the workdir is refused rather than raced.
 """
@@ -20,7 +20,7 @@ from typing import Any, Optional
 import jax
 
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.trainer import hooks
+from rlhfuse_jax.trainer import hf_export, hooks
 from rlhfuse_jax.trainer.config import EXPORT_HF_CHOICES, TrainConfig
 from rlhfuse_jax.trainer.loop import PPOTrainer
 
@@ -164,27 +164,27 @@ def check_out_dir(out_dir: str, workdir: str) -> None:
   an export replaces the whole directory, and would delete whatever else is there, another
   run's export included; or when it is one of the run's own directories."""
   real, run = os.path.realpath(out_dir), os.path.realpath(workdir)
-  own = [run, os.path.join(run, "checkpoints"), os.path.join(run, hooks.HF_EXPORT_DIR)]
+  own = [run, os.path.join(run, "checkpoints"), os.path.join(run, hf_export.HF_EXPORT_DIR)]
   if real in own or real.startswith(own[1] + os.sep):
     raise ValueError(f"--out={out_dir!r} is the run's own directory (the workdir, its "
-                     f"checkpoints, or the {hooks.HF_EXPORT_DIR}/ that checkpoint.export_hf "
+                     f"checkpoints, or the {hf_export.HF_EXPORT_DIR}/ that checkpoint.export_hf "
                      "writes and result.json names): expected a directory of its own (default "
                      "WORKDIR/hf_export_K)")
-  if os.path.lexists(out_dir) and hooks.exported_step(out_dir) is None:
+  if os.path.lexists(out_dir) and hf_export.exported_step(out_dir) is None:
     raise ValueError(f"--out={out_dir!r} exists and is not an export (no "
-                     f"{hooks.EXPORT_MARKER}): an export replaces the whole directory; give a "
+                     f"{hf_export.EXPORT_MARKER}): an export replaces the whole directory; give a "
                      "new path or remove it")
   # (one inside the run's own workdir is its own: the workdir moved or copied since, its path
   # in the marker with it)
-  other = hooks.exported_run(out_dir)
+  other = hf_export.exported_run(out_dir)
   if other is not None and other != run and not real.startswith(run + os.sep):
     raise ValueError(f"--out={out_dir!r} holds an export of another run, {other} (iteration "
-                     f"{hooks.exported_step(out_dir)}): an export replaces the whole directory; "
-                     "give a new path, or remove that export first")
+                     f"{hf_export.exported_step(out_dir)}): an export replaces the whole "
+                     "directory; give a new path, or remove that export first")
 
 
 def default_out(workdir: str, step: int) -> str:
-  return os.path.join(workdir, f"{hooks.HF_EXPORT_DIR}_{step}")
+  return os.path.join(workdir, f"{hf_export.HF_EXPORT_DIR}_{step}")
 
 
 def export(workdir: str, spec: str = "latest", out_dir: str = "", family: str = "",

@@ -1,6 +1,7 @@
 """What `PPOTrainer.run` does around its iterations, as hooks: the stop flag (SIGTERM/SIGINT),
-the checkpoints (resume, fallback, save), the metrics log (docs/usage.md "Faults and
-resuming") and the Hugging Face export after the last iteration (checkpoint.export_hf).
+the checkpoints (resume, fallback, save) and the metrics log (docs/usage.md "Faults and
+resuming"); the Hugging Face export after the last iteration (checkpoint.export_hf) is
+trainer/hf_export.py's HFExport.
 
 A hook has `begin(start)`, `after(step, metrics, stopping)` and `end(failing)`; run() calls
 them in order around each iteration, and `end` in a finally clause (`failing`: an exception is
@@ -14,7 +15,6 @@ import faulthandler
 import json
 import os
 import re
-import shutil
 import signal
 import threading
 from typing import Any, Callable, Optional
@@ -25,13 +25,8 @@ from absl import logging
 from rlhfuse_jax import checkpointing
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.data import chat as chat_lib
-from rlhfuse_jax.data import tokenizer as tokenizer_lib
-from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
 from rlhfuse_jax.generation import multihost
-from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.parallel import distributed
-from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer import inputs as inputs_lib
 from rlhfuse_jax.trainer.config import TrainConfig
@@ -675,214 +670,6 @@ def cache_note() -> str:
     return ""
   return (f" (compilation cache so far: {_cache_counts['loaded']} programs loaded, "
           f"{_cache_counts['written']} compiled and written)")
-
-
-HF_EXPORT_DIR = "hf_export"
-# What a model directory holds besides the weights, copied into the export where the run's
-# tokenizer (init.tokenizer's directory) or its actor checkpoint has them, so that the export
-# loads as a whole model (AutoTokenizer, chat template, generation's EOS ids) and not weights
-# alone. The checkpoint's generation config, copied after, wins over the tokenizer directory's.
-TOKENIZER_FILES = ("tokenizer.json", chat_lib.CONFIG_FILE, chat_lib.TEMPLATE_FILE,
-                   tokenizer_lib.SPECIAL_TOKENS_MAP, tokenizer_lib.GENERATION_CONFIG)
-CHECKPOINT_FILES = (tokenizer_lib.GENERATION_CONFIG,)
-
-
-def export_family(cfg: TrainConfig) -> Optional[str]:
-  """The HF family checkpoint.export_hf asks for; None: the one the model's shape implies."""
-  family = cfg.checkpoint.export_hf
-  if family != "auto":
-    return family
-  if cfg.init.actor_checkpoint:
-    return hf_loader.checkpoint_family(cfg.init.actor_checkpoint)
-  return None
-
-
-# config.json fields that describe the model, not the run: the run may set its own context (a
-# shorter model.max_seq_len for training) and never writes the special ids, so an export keeps
-# the source checkpoint's values and loads as the same model (a 1B Llama 3.2 still advertises
-# its 131072 positions, a Mistral its window; without them transformers reads bos 1 / eos 2,
-# which are other tokens in Llama 3's vocabulary).
-SOURCE_CONTEXT_FIELDS = ("max_position_embeddings", "sliding_window", "bos_token_id",
-                         "eos_token_id", "pad_token_id")
-
-
-def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) -> None:
-  """The tokenizer the run read, as tokenizer.json, with the files beside it that it read too
-  (tokenizer_config.json, special_tokens_map.json, chat_template.jinja); then a chat template
-  given by path (data.chat_template), which is what the prompts were rendered with. A run on
-  the synthetic task's tokenizer (no init.tokenizer) writes that one."""
-  tok = cfg.init.tokenizer
-  if tok:
-    path = tokenizer_lib.tokenizer_file(tok)
-    shutil.copyfile(path, os.path.join(out, "tokenizer.json"))
-    for name in TOKENIZER_FILES:
-      src = os.path.join(os.path.dirname(path), name)
-      if name != "tokenizer.json" and os.path.isfile(src):
-        shutil.copyfile(src, os.path.join(out, name))
-  elif isinstance(tokenizer, HFTokenizer):
-    tokenizer.backend.save(os.path.join(out, "tokenizer.json"))
-  if cfg.data.chat_template not in ("none", "auto"):
-    template = chat_lib.ChatTemplate.load(cfg.data.chat_template, tok)
-    with open(os.path.join(out, chat_lib.TEMPLATE_FILE), "w", encoding="utf-8") as f:
-      f.write(template.source)
-    # The copied tokenizer_config.json's own template (the source model's) would disagree with
-    # it for readers of that file alone (transformers before chat_template.jinja, other tools).
-    config_path = os.path.join(out, "tokenizer_config.json")
-    if os.path.isfile(config_path):
-      with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
-      if "chat_template" in config:
-        config["chat_template"] = template.source
-        with open(config_path, "w", encoding="utf-8") as f:
-          json.dump(config, f, indent=2, ensure_ascii=False)
-
-
-def _fill_special_ids(tokenizer: Optional[Tokenizer], config_path: str) -> None:
-  """bos/eos/pad ids the export's config.json lacks (no source checkpoint gave them), from the
-  run's tokenizer: without them transformers reads LlamaConfig's bos 1 / eos 2, other tokens
-  in most vocabularies, and generation would not stop on the run's EOS."""
-  if tokenizer is None:
-    return
-  with open(config_path) as f:
-    out = json.load(f)
-  # Every id a response ends on, as transformers writes several (a list) in config.json too.
-  eos = list(tokenizer.stop_ids) if tokenizer.extra_eos_ids else tokenizer.eos_id
-  for key, value in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", eos),
-                     ("pad_token_id", tokenizer.pad_id)):
-    if out.get(key) is None:  # null, not absent, for no BOS: absent reads as LlamaConfig's 1
-      out[key] = None if value is None else value if isinstance(value, list) else int(value)
-  with open(config_path, "w") as f:
-    json.dump(out, f, indent=2)
-
-
-def _keep_source_context(source_dir: str, config_path: str) -> None:
-  src = os.path.join(source_dir, "config.json") if source_dir else ""
-  if not src or not os.path.isfile(src):
-    return
-  with open(src) as f:
-    source = json.load(f)
-  with open(config_path) as f:
-    out = json.load(f)
-  for k in SOURCE_CONTEXT_FIELDS:
-    if k in source:
-      out[k] = source[k]
-  with open(config_path, "w") as f:
-    json.dump(out, f, indent=2)
-
-
-# Inside an export: the iteration whose actor it holds. Written with the export (renamed into
-# place together), so a run whose export is missing or older than its last checkpoint (an export
-# that failed or was killed, an extended run) knows to write it again.
-EXPORT_MARKER = "rlhfuse_export.json"
-
-
-def _export_marker(out_dir: str) -> Optional[dict]:
-  try:
-    with open(os.path.join(out_dir, EXPORT_MARKER)) as f:
-      marker = json.load(f)
-    return {"step": int(marker["step"]), "family": marker.get("family"),
-            "run": marker.get("run")}
-  except (OSError, ValueError, KeyError, TypeError, AttributeError):
-    return None
-
-
-def exported_step(out_dir: str) -> Optional[int]:
-  """The iteration of the actor exported in `out_dir`; None: no (complete) export there."""
-  marker = _export_marker(out_dir)
-  return None if marker is None else marker["step"]
-
-
-def exported_run(out_dir: str) -> Optional[str]:
-  """The workdir (real path) of the run whose actor is exported in `out_dir`; None: no export
-  there, or one written before markers named their run."""
-  marker = _export_marker(out_dir)
-  return None if marker is None or not isinstance(marker["run"], str) else marker["run"]
-
-
-def export_pending(workdir: str, cfg: TrainConfig, step: int) -> bool:
-  """Whether checkpoint.export_hf asks for an export that should hold iteration `step` and
-  WORKDIR/hf_export does not (missing, unmarked, older, or of another HF family: the field may
-  change on a re-run; a marker written before families were recorded is taken as current)."""
-  if not cfg.checkpoint.export_hf:
-    return False
-  marker = _export_marker(os.path.join(workdir, HF_EXPORT_DIR))
-  if marker is None or marker["step"] != step:
-    return True
-  return marker["family"] is not None and marker["family"] != _resolved_family(cfg)
-
-
-def _resolved_family(cfg: TrainConfig) -> str:
-  return export_family(cfg) or hf_loader.hf_family(cfg.model)
-
-
-def export_work_dirs(out_dir: str) -> tuple[str, str]:
-  """(where an export is written, where the one it replaces waits until it is whole): hidden
-  names of our own beside out_dir, which an export deletes first. (They were hf_export.tmp and
-  hf_export.old, names a user gave an export kept aside, and lost it.)"""
-  parent, name = os.path.split(os.path.normpath(out_dir))
-  return (os.path.join(parent, f".{name}.rlhfuse-writing"),
-          os.path.join(parent, f".{name}.rlhfuse-replaced"))
-
-
-def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] = None,
-              tokenizer: Optional[Tokenizer] = None, run: str = "") -> Optional[str]:
-  """Writes the actor `params` of the resolved config `cfg` as a HF checkpoint in `out_dir`
-  (replacing an earlier export only once the new one is complete), marked with `step` (the
-  iteration it is from; None: unmarked) and `run` (the run's workdir), with the run's
-  tokenizer files and chat template, and the special ids of `tokenizer` (the run's) where no
-  source checkpoint gave them. Every process takes part (a multi-host actor is gathered);
-  process 0 writes. Returns the family written."""
-  family = export_family(cfg)
-  params = mesh_lib.to_host(params)
-  if jax.process_index() != 0:
-    return family
-  tmp, old = export_work_dirs(out_dir)
-  shutil.rmtree(tmp, ignore_errors=True)
-  hf_loader.save_hf_checkpoint(params, cfg.model, tmp, family=family)
-  if step is not None:
-    with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
-      json.dump({"step": step, "family": _resolved_family(cfg),
-                 "run": os.path.realpath(run) if run else None}, f)
-  _copy_tokenizer(cfg, tokenizer, tmp)
-  if cfg.init.actor_checkpoint:  # its generation config, and its config.json's special ids
-    for name in CHECKPOINT_FILES:
-      if os.path.isfile(os.path.join(cfg.init.actor_checkpoint, name)):
-        shutil.copyfile(os.path.join(cfg.init.actor_checkpoint, name), os.path.join(tmp, name))
-    _keep_source_context(cfg.init.actor_checkpoint, os.path.join(tmp, "config.json"))
-  else:
-    _fill_special_ids(tokenizer, os.path.join(tmp, "config.json"))
-  # The earlier export is moved aside first and deleted last, so a crash leaves one whole
-  # export: the old one under out_dir or beside it in `old`, or the new one under out_dir or
-  # still in `tmp` (which the next export deletes first: the checkpoint exports it again, and
-  # export_pending sees out_dir's marker missing or older).
-  shutil.rmtree(old, ignore_errors=True)
-  if os.path.exists(out_dir):
-    os.replace(out_dir, old)
-  os.replace(tmp, out_dir)
-  shutil.rmtree(old, ignore_errors=True)
-  return _resolved_family(cfg)
-
-
-class HFExport(Hook):
-  """checkpoint.export_hf: once the run completes num_iterations, the actor (`params_fn()`, its
-  whole parameters) as a HF checkpoint in WORKDIR/hf_export. A run stopped earlier exports
-  nothing; the run that completes it does. A finished run whose export is missing or older than
-  its last checkpoint (export_pending) exports again when re-run (trainer/loop.py)."""
-
-  def __init__(self, workdir: str, cfg: TrainConfig, params_fn: Callable[[], Any],
-               tokenizer: Optional[Tokenizer] = None):
-    self.workdir, self.out_dir = workdir, os.path.join(workdir, HF_EXPORT_DIR)
-    self.cfg, self.params_fn, self.tokenizer = cfg, params_fn, tokenizer
-
-  def after(self, step: int, metrics: dict, stopping: bool) -> None:
-    if self.cfg.checkpoint.export_hf and step == self.cfg.num_iterations:
-      self.export(step)
-
-  def export(self, step: int) -> None:
-    family = export_hf(self.params_fn(), self.cfg, self.out_dir, step, self.tokenizer,
-                       self.workdir)
-    logging.info("exported the actor of iteration %d as a HF %s checkpoint: %s", step, family,
-                 self.out_dir)
 
 
 def run_hooks(hooks: list, method: str, *args: Any) -> None:

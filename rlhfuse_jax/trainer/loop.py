@@ -4,7 +4,7 @@
 Plain Python around jitted steps, assembled from parts that each own one thing: the run's models
 and config (trainer/build.py, checked by trainer/validate.py), stages 1-2 (a RolloutStage,
 trainer/rollout.py), stage 3 (an Update, trainer/update.py), and the checkpoints, metrics log,
-stop flag and HF export as hooks on run() (trainer/hooks.py).
+stop flag and HF export as hooks on run() (trainer/hooks.py, trainer/hf_export.py).
 
 Every source of randomness is derived from (seed, iteration): generation keys, mini-batch
 shuffles; the prompt stream's position is checkpointed. (The initial actor and critic come
@@ -47,7 +47,7 @@ from rlhfuse_jax.rl import minibatch as mb_lib
 from rlhfuse_jax.sim import hardware
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.trainer import async_ppo as async_lib
-from rlhfuse_jax.trainer import build, evaluation, hooks, ppo
+from rlhfuse_jax.trainer import build, evaluation, hf_export, hooks, ppo
 from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer import rollout as rollout_lib
 from rlhfuse_jax.trainer import update as update_lib
@@ -265,7 +265,7 @@ class PPOTrainer:
     # or was killed, or checkpoint.export_hf was turned on or the run extended since): then the
     # model is built, the last checkpoint restored and exported, and no iteration runs.
     self.export_only = (self.finished_at is not None and
-                        hooks.export_pending(self.workdir, cfg, self.finished_at))
+                        hf_export.export_pending(self.workdir, cfg, self.finished_at))
 
   def _setup(self, cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh]) -> None:
     self.stopped_by_signal: Optional[int] = None  # the signal that stopped run(), if any
@@ -306,7 +306,7 @@ class PPOTrainer:
     if self.export_only:
       logging.warning("the run is finished at iteration %d but %s does not hold its actor: "
                       "building the model to export it", self.finished_at,
-                      os.path.join(self.workdir, hooks.HF_EXPORT_DIR))
+                      os.path.join(self.workdir, hf_export.HF_EXPORT_DIR))
       self.finished_at = None
     if self.finished_at is not None:
       return
@@ -674,13 +674,13 @@ class PPOTrainer:
 
   def export_checkpoint(self, out_dir: str) -> str:
     """The actor of checkpoint `export_step` (the constructor's) as a HF checkpoint in
-    `out_dir` (hooks.export_hf: written beside it, renamed into place whole), in the family
+    `out_dir` (hf_export.export_hf: written beside it, renamed into place whole), in the family
     config.checkpoint.export_hf names. The checkpoint is read and checked (its checksums), never
     set aside: one that cannot be read is an error. Returns the family written."""
     step = self._export_step
     state, _ = self.checkpoints.read_exactly(step, self._state(), self._layout())
     params = self.update.whole("actor", state["actor"])
-    family = hooks.export_hf(params, self.cfg, out_dir, step, self.tokenizer, self.workdir)
+    family = hf_export.export_hf(params, self.cfg, out_dir, step, self.tokenizer, self.workdir)
     logging.info("exported the actor of iteration %d as a HF %s checkpoint: %s", step, family,
                  out_dir)
     return family
@@ -1105,7 +1105,7 @@ class PPOTrainer:
         writer.close()
         hooks.SamplesLog(self.workdir, lambda: None).begin(start)  # its rows after `start`
         if self.export_only:
-          hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
+          hf_export.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
                          self.tokenizer).export(start)
         logging.info("workdir already has %d iterations (num_iterations=%d): nothing to train%s",
                      start, self.cfg.num_iterations,
@@ -1199,7 +1199,7 @@ class PPOTrainer:
                                   self._built_at),
                  hooks.SamplesLog(self.workdir, self._take_samples),
                  self.checkpoints,
-                 hooks.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
+                 hf_export.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
                                 self.tokenizer)]
     history, failing = [], True
     try:

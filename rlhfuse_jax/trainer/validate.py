@@ -21,7 +21,7 @@ from rlhfuse_jax.inference import stages as inf_stages
 from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.rl import advantages as adv_lib
-from rlhfuse_jax.trainer import build, hooks, pipelined, ppo, rollout
+from rlhfuse_jax.trainer import build, hf_export, pipelined, ppo, rollout
 from rlhfuse_jax.trainer.config import TrainConfig
 
 
@@ -417,6 +417,6 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
   build.check_reward_functions(cfg)
   if cfg.checkpoint.export_hf:  # a family that cannot express the actor: now, not at the end
     try:
-      hf_loader.hf_config_dict(cfg.model, family=hooks.export_family(cfg))
+      hf_loader.hf_config_dict(cfg.model, family=hf_export.export_family(cfg))
     except ValueError as e:
       raise ValueError(f"config.checkpoint.export_hf={cfg.checkpoint.export_hf!r}: {e}") from e
