@@ -789,10 +789,29 @@ def test_the_simulator_reads_a_config_json_as_the_loader_does(arch, tmp_path):
   q/k norms). Before, only the four LLaMA-1 presets could be named."""
   ckpt = CHECKPOINTS[arch]
   got = shapes.from_hf_config(ckpt, arch)
-  want = shapes.from_model_config(hf_loader.load_hf_config(ckpt), arch)
+  want = shapes.from_model_config(hf_loader.load_hf_config(ckpt), arch, dtypes=True)
   same = lambda s, seq: dataclasses.replace(s, head_dim=s.head_dim_, max_seq_len=seq)
   assert same(got, 1) == same(want, 1)
   assert got.num_params() == want.num_params()
+  # Bytes per element at the file's dtype, as the loader reads it (they were bf16's whatever
+  # the file said: a float32 model's loads and migrations charged at half their bytes).
+  with open(os.path.join(ckpt, "config.json")) as f:
+    stored = json.load(f)
+  for key, dtype, size in (("torch_dtype", "bfloat16", 2), ("dtype", "float32", 4),
+                           (None, None, 4)):
+    hf = {k: v for k, v in stored.items() if k not in ("dtype", "torch_dtype")}
+    if key:
+      hf[key] = dtype
+    (tmp_path / f"d{size}{key}").mkdir()
+    (tmp_path / f"d{size}{key}" / "config.json").write_text(json.dumps(hf))
+    got_dtype = shapes.from_hf_config(str(tmp_path / f"d{size}{key}"), arch)
+    loaded = hf_loader.config_from_hf(hf)
+    assert (got_dtype.weight_itemsize, got_dtype.kv_itemsize) == (size, size), (key, dtype)
+    assert loaded.param_dtype == loaded.dtype == (dtype or "float32")
+  (tmp_path / "d8").mkdir()
+  (tmp_path / "d8" / "config.json").write_text(json.dumps({**hf, "torch_dtype": "int8"}))
+  with pytest.raises(ValueError, match=r"torch_dtype='int8'; expected one of"):
+    shapes.from_hf_config(str(tmp_path / "d8"), arch)
   # attention_bias as the loader reads it: q, k, v and o for LLaMA and Qwen3, ignored by
   # Mistral, Qwen2's own q, k, v biases whatever it says.
   with open(os.path.join(ckpt, "config.json")) as f:

@@ -15,7 +15,7 @@ Bytes per element: `weight_itemsize` for the weights (and the gradients), `kv_it
 KV cache and the activations (`act_itemsize`); 2 (bf16) for the papers' presets, a train_ppo
 config's model.param_dtype and model.dtype in `from_model_config(..., dtypes=True)`
 (trainer/sim_plan.workload: a train_config search, whose plans the trainer runs; ppo_tiny's
-models are float32).
+models are float32), a HF config.json's dtype in `from_hf_config`.
 """
 from __future__ import annotations
 
@@ -204,7 +204,8 @@ def from_hf_config(path: str, name: str) -> ModelShape:
   """The shape a Hugging Face config.json describes (`path`: the file or its model directory),
   read as plain JSON (the simulator imports no jax): LLaMA, Mistral, Qwen2/2.5/3 fields, grouped-
   query heads, an explicit head_dim, tied embeddings, Qwen2's q/k/v biases (or
-  `attention_bias`), Qwen3's q/k norms. A ValueError names the file and the missing field."""
+  `attention_bias`), Qwen3's q/k norms, the weights' dtype. A ValueError names the file and the
+  missing field."""
   file = os.path.join(path, "config.json") if os.path.isdir(path) else path
   try:
     with open(file, encoding="utf-8") as f:
@@ -230,7 +231,17 @@ def from_hf_config(path: str, name: str) -> ModelShape:
   # As the loader reads it: Qwen3's head_dim defaults to 128, not hidden / heads.
   head_dim = (QWEN3_DEFAULT_HEAD_DIM if model_type == "qwen3" and "head_dim" not in hf
               else hf.get("head_dim") or 0)
+  # Bytes per weight and KV element as the loader reads them: the file's dtype (transformers 5
+  # writes "dtype", 4 "torch_dtype"), float32 where it names none. They were bf16's 2 whatever
+  # the file said: calibrate_sim's float32 model was charged half the bytes its measured loads
+  # and migrations moved, and sized at half its memory.
+  key = "dtype" if hf.get("dtype") is not None else "torch_dtype"
+  dtype = hf.get(key) or "float32"
+  if dtype not in DTYPE_ITEMSIZE:
+    raise ValueError(f"shape {name!r}: {file} has {key}={dtype!r}; expected one of "
+                     f"{sorted(DTYPE_ITEMSIZE)}")
   return ModelShape(
+      **dtype_itemsizes({k: dtype for k in ITEMSIZE_DTYPES.values()}),
       name=name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
       intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
