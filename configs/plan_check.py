@@ -252,10 +252,11 @@ def _run_data(run) -> int:
   searched for, as train_ppo resolves them there (its training group with an asynchronous
   split). With one replica a plan of generation_tp=4 was refused as "a divisor of the 2
   devices", unless --run_config.mesh.data was spelled out."""
-  from rlhfuse_jax.trainer import config as config_lib  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from rlhfuse_jax.trainer import plan_file as plan_file_lib
   if run.mesh.data > 0:
     return run.mesh.data
-  devices = (config_lib.plan_devices(config_lib.load_plan_file(run.plan.file))
+  devices = (plan_file_lib.plan_devices(plan_file_lib.load_plan_file(run.plan.file))
              if run.plan.file else None)
   if not devices:
     return 1

@@ -97,9 +97,9 @@ def main(argv):
     if run.plan.file:  # a plan searched for another workload: its memory check is not this
       # run's, which train_ppo warns of at set-up (checked here with the checkpoints' shapes)
       # pylint: disable=import-outside-toplevel
-      from rlhfuse_jax.trainer import config as config_lib
+      from rlhfuse_jax.trainer import plan_file as plan_file_lib
       # checked on the plan's devices (train_ppo checks it on the run's own)
-      why = config_lib.plan_fsdp_error(dataclasses.asdict(run.mesh), run.plan.file)
+      why = plan_file_lib.plan_fsdp_error(dataclasses.asdict(run.mesh), run.plan.file)
       if why:
         raise ValueError(f"--run_config (config.<field> is --run_config.<field> here): {why}")
       from rlhfuse_jax.trainer import build
@@ -108,7 +108,7 @@ def main(argv):
       except (ValueError, FileNotFoundError) as e:  # as apply_run's: config.<field> in it
         kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
         raise kind(f"--run_config (config.<field> is --run_config.<field> here): {e}") from None
-      note = config_lib.plan_workload_note(run.plan.file, run, reward)
+      note = plan_file_lib.plan_workload_note(run.plan.file, run, reward)
       if note:
         (logging.warning if note[0] else logging.info)("--run_config: %s", note[1])
   n = device_count(config)

@@ -44,6 +44,7 @@ from rlhfuse_jax.generation import multihost
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.trainer import build
 from rlhfuse_jax.trainer import config as config_lib
+from rlhfuse_jax.trainer import plan_file as plan_file_lib
 from rlhfuse_jax.trainer import hf_export, hooks
 from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.loop import EXIT_STOPPED_BY_SIGNAL, PPOTrainer, TIMING_PREFIXES
@@ -141,10 +142,10 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
   sizes = dataclasses.asdict(cfg.mesh)
   gen = cfg.async_ppo.generation_devices
   need = math.prod(v for v in sizes.values() if v != -1) + gen
-  planned = config_lib.plan_devices(config_lib.load_plan_file(cfg.plan.file)) if (
+  planned = plan_file_lib.plan_devices(plan_file_lib.load_plan_file(cfg.plan.file)) if (
       cfg.plan.file) else None
   if cfg.plan.file:  # a config's own fsdp that outgrows both the plan's and this run's devices
-    why = config_lib.plan_fsdp_error(sizes, cfg.plan.file, num_devices - gen)
+    why = plan_file_lib.plan_fsdp_error(sizes, cfg.plan.file, num_devices - gen)
     if why:
       raise ValueError(why)
   if need > num_devices:

@@ -23,8 +23,9 @@ from rlhfuse_jax.sim import iteration_sim, plan_search
 from rlhfuse_jax.sim.cost_model import CostModel
 from rlhfuse_jax.sim.hardware import get_hardware
 from rlhfuse_jax.trainer import build, rollout, sim_plan, validate
-from rlhfuse_jax.trainer import config as config_lib
-from rlhfuse_jax.trainer.config import PlanConfig, TrainConfig, plan_file_summary
+from rlhfuse_jax.trainer import plan_file as plan_file_lib
+from rlhfuse_jax.trainer.config import PlanConfig, TrainConfig
+from rlhfuse_jax.trainer.plan_file import plan_file_summary
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 from tests.test_trainer import record_rollouts, tiny_config
 
@@ -75,8 +76,8 @@ def test_a_plan_file_sets_the_micro_batching_it_was_sized_with(tmp_path):
   # the tests below).
   import dataclasses as dc
   from rlhfuse_jax.sim import plan_search as ps_lib
-  from rlhfuse_jax.trainer import config as config_lib
-  keys = config_lib.PLAN_STAGE_KEYS
+  from rlhfuse_jax.trainer import plan_file as plan_file_lib
+  keys = plan_file_lib.PLAN_STAGE_KEYS
   assert set(keys["generation"]) == {f.name for f in dc.fields(ps_lib.GenerationPlan)}
   assert set(keys["inference"]) == {f.name for f in dc.fields(ps_lib.InferencePlan)}
   # A pipelined layout without its micro-batches (actor_pp edited by hand) names them, not the
@@ -151,13 +152,13 @@ def test_a_config_fsdp_that_outgrows_the_plans_devices_is_refused_by_name(tmp_pa
   path = plan_json(tmp_path / "plan.json", {}, training={
       "placement": "colocated", "devices": 8, "tp": 1, "actor_pp": 2, "critic_pp": 1})
   assert tiny_config(**{"plan.file": path, "mesh.fsdp": 8}).mesh.fsdp == 8
-  assert config_lib.plan_fsdp_error({"fsdp": 4, "tensor": 1, "stage": 2}, path) is None
+  assert plan_file_lib.plan_fsdp_error({"fsdp": 4, "tensor": 1, "stage": 2}, path) is None
   why = (r"config\.mesh\.fsdp=8 with config\.plan\.file=.*plan\.json': one model replica then "
          r"spans mesh\.tensor=1 x mesh\.stage=2 x mesh\.fsdp=8 = 16 devices, more than the 8 the "
          r"plan trains on \(its data parallelism is mesh\.data, 4 there\)")
   assert re.fullmatch(why + r"; set config\.mesh\.fsdp=1, or a divisor of that",
-                      config_lib.plan_fsdp_error({"fsdp": 8, "tensor": 1, "stage": 2}, path))
-  assert config_lib.plan_fsdp_error({"fsdp": 8, "tensor": 1, "stage": 2}, path, 16) is None
+                      plan_file_lib.plan_fsdp_error({"fsdp": 8, "tensor": 1, "stage": 2}, path))
+  assert plan_file_lib.plan_fsdp_error({"fsdp": 8, "tensor": 1, "stage": 2}, path, 16) is None
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   proc = subprocess.run([sys.executable, "-c", _FSDP_CHECK, path], cwd=repo,
                         env=dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu"),
@@ -170,7 +171,7 @@ def test_a_config_fsdp_that_outgrows_the_plans_devices_is_refused_by_name(tmp_pa
   plan = json.loads(open(path).read())  # an asynchronous split trains on its training group
   plan["async"] = {"generation_devices": 4, "training_devices": 4, "staleness": 1}
   open(path, "w").write(json.dumps(plan))
-  assert "more than the 4 the plan trains on" in config_lib.plan_fsdp_error(
+  assert "more than the 4 the plan trains on" in plan_file_lib.plan_fsdp_error(
       {"fsdp": 4, "tensor": 1, "stage": 2}, path)
 
 
@@ -675,7 +676,7 @@ def test_a_plan_searched_for_other_devices_says_so(tmp_path):
   # a hand-edited count that is not a number names no device count (it raised a TypeError)
   odd = json.loads(open(bad).read())
   odd["async"]["training_devices"] = "64"
-  from rlhfuse_jax.trainer.config import plan_devices
+  from rlhfuse_jax.trainer.plan_file import plan_devices
   assert plan_devices(odd) is None and plan_devices(plan) == 256
   small = plan_json(tmp_path / "small.json", {},
                     training={"placement": "colocated", "devices": 16, "tp": 1, "actor_pp": 1,
@@ -732,7 +733,7 @@ def test_a_plan_searched_for_another_workload_is_warned_of(tmp_path):
           ": its predicted times and memory check are for that workload") in out.stderr, \
       out.stderr[-3000:]
   # A plan file from before the entry loads, with a note; an unchanged workload says nothing.
-  from rlhfuse_jax.trainer.config import plan_workload_note
+  from rlhfuse_jax.trainer.plan_file import plan_workload_note
   cfg = tiny_config(**{"plan.file": plan_json(tmp_path / "old.json", {})})
   assert plan_workload_note(cfg.plan.file, cfg) == (False, (
       f"config.plan.file={cfg.plan.file!r} records no workload (a plan.json written before "
@@ -873,7 +874,7 @@ def test_plan_search_takes_a_run_config_with_train_ppos_overrides(tmp_path):
 def test_the_set_up_log_names_what_the_plan_file_set(tmp_path):
   """A plan file's settings are applied under fields the user may not have written (zero1 among
   them, with no way back), so the trainer's set-up log names each one (the trainer logs
-  config.plan_file_summary)."""
+  plan_file_lib.plan_file_summary)."""
   path = plan_json(tmp_path / "plan.json", {"mode": "instances", "tp": 2, "slots": 8},
                    inference={"tp": 2, "pp": 1},
                    training={"placement": "colocated", "tp": 2, "actor_pp": 1, "critic_pp": 1})
@@ -951,9 +952,9 @@ def test_a_run_whose_reward_is_a_function_is_searched_without_a_reward_model(tmp
   assert record["reward_model"] is False and plan_search.workload_record(rm)["reward_model"]
   with_rm = dataclasses.replace(cfg, reward=dataclasses.replace(
       cfg.reward, kind="model", model_checkpoint="/ckpt"))
-  assert config_lib.plan_workload_differences({"workload": record}, with_rm) == [
+  assert plan_file_lib.plan_workload_differences({"workload": record}, with_rm) == [
       "reward_model=False (this run's reward.kind='model': a reward model)"]
-  assert config_lib.plan_workload_differences({"workload": record}, cfg) == []
+  assert plan_file_lib.plan_workload_differences({"workload": record}, cfg) == []
   plan, mem = _searched_without_and_with(wl, rm)
   critic = wl.critic.weight_bytes() / plan["inference"]["tp"]
   assert mem["with"]["inference"]["weights"] - mem["without"]["inference"]["weights"] == (
@@ -986,8 +987,8 @@ def test_a_run_with_a_reward_model_is_searched_at_its_shape(tmp_path):
   assert record["reward"]["num_layers"] == 4
   # The trainer warns of a plan searched for another reward model (plan_workload_note).
   rm = build.reward_model_config(cfg)
-  assert config_lib.plan_workload_differences({"workload": record}, cfg, rm) == []
-  assert config_lib.plan_workload_differences({"workload": record}, cfg, rm.replace(
+  assert plan_file_lib.plan_workload_differences({"workload": record}, cfg, rm) == []
+  assert plan_file_lib.plan_workload_differences({"workload": record}, cfg, rm.replace(
       num_layers=2, dtype="bfloat16")) == [
           "reward num_layers=4 (this run has 2)",
           "reward kv_itemsize=4 bytes (this run's model.dtype='bfloat16': 2)"]
@@ -1031,9 +1032,9 @@ def test_a_run_without_a_reference_is_searched_without_one(tmp_path):
   record = plan_search.workload_record(wl)
   assert record["reference"] is False
   with_ref = build.resolve_config(TrainConfig.from_config_dict(ppo_tiny.get_config()), tokenizer)
-  assert config_lib.plan_workload_differences({"workload": record}, with_ref) == [
+  assert plan_file_lib.plan_workload_differences({"workload": record}, with_ref) == [
       "reference=False (this run's algo.kl_coef=0.01: a reference model)"]
-  assert config_lib.plan_workload_differences({"workload": record}, cfg) == []
+  assert plan_file_lib.plan_workload_differences({"workload": record}, cfg) == []
   plan, mem = _searched_without_and_with(wl, ref)
   tp = plan["inference"]["tp"]
   actor = wl.actor.weight_bytes() / tp
@@ -1083,7 +1084,7 @@ def test_plan_search_binary_for_a_train_config(tmp_path):
   cfg = TrainConfig.from_config_dict(c)
   assert cfg.plan.generation == plan["generation"]["mode"]
   # The workload it records is the run's: no warning.
-  from rlhfuse_jax.trainer.config import plan_workload_note
+  from rlhfuse_jax.trainer.plan_file import plan_workload_note
   _, tokenizer = build.build_task_and_tokenizer(cfg)
   assert plan["workload"]["train_config"] == "configs/ppo_tiny.py"
   assert plan_workload_note(c.plan.file, build.resolve_config(cfg, tokenizer)) is None
@@ -1142,7 +1143,7 @@ def test_a_plan_sized_at_other_dtypes_is_warned_of(tmp_path):
   not being in the workload plan.json records."""
   from rlhfuse_jax.sim import plan_search as ps
   from rlhfuse_jax.sim import shapes
-  from rlhfuse_jax.trainer.config import plan_workload_differences
+  from rlhfuse_jax.trainer.plan_file import plan_workload_differences
   cfg = tiny_config()
   assert (cfg.model.param_dtype, cfg.model.dtype) == ("float32", "float32")
   plan = {"workload": {

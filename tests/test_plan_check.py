@@ -1495,6 +1495,7 @@ def test_simulated_inference_takes_the_runs_inference_micro_batch(tmp_path):
   from rlhfuse_jax.sim.cost_model import CostModel
   from rlhfuse_jax.trainer import build, sim_plan
   from rlhfuse_jax.trainer import config as config_lib
+  from rlhfuse_jax.trainer import plan_file as plan_file_lib
   wl, plan, cfg = _small_case("instances")
   wl = dataclasses.replace(wl, inference_micro_batch=8)
   cfg = dataclasses.replace(cfg, inference_microbatch=8)
@@ -1521,8 +1522,8 @@ def test_simulated_inference_takes_the_runs_inference_micro_batch(tmp_path):
   other = dataclasses.replace(run, fusion=dataclasses.replace(
       run.fusion, inference_micro_batch=0, migration_rows=8),
                               optim=dataclasses.replace(run.optim, offload_during_rollout=True))
-  assert config_lib.plan_workload_differences({"workload": record}, run) == []
-  assert config_lib.plan_workload_differences({"workload": record}, other) == [
+  assert plan_file_lib.plan_workload_differences({"workload": record}, run) == []
+  assert plan_file_lib.plan_workload_differences({"workload": record}, other) == [
       "inference_micro_batch=4 (this run's fusion.inference_micro_batch is 0)",
       "migration_rows=3 (this run's fusion.migration_rows is 8)",
       "offload_optimizer=False (this run's optim.offload_during_rollout is True)"]
@@ -1684,7 +1685,7 @@ def test_simulated_optimizer_state_takes_the_runs_master_weights(tmp_path):
   from rlhfuse_jax.sim import shapes
   from rlhfuse_jax.sim.cost_model import CostModel
   from rlhfuse_jax.trainer import build, sim_plan
-  from rlhfuse_jax.trainer import config as config_lib
+  from rlhfuse_jax.trainer import plan_file as plan_file_lib
   from rlhfuse_jax.trainer.config import TrainConfig
   cost = CostModel(hardware.get_hardware("h100_sxm"))
   base = shapes.get_shape("llama-7b")
@@ -1714,7 +1715,7 @@ def test_simulated_optimizer_state_takes_the_runs_master_weights(tmp_path):
     assert record["master_weights"] is master
     # A plan searched for the other setting is warned of, naming the field.
     other = dict(record, master_weights=not master)
-    assert config_lib.plan_workload_differences({"workload": other}, cfg) == [
+    assert plan_file_lib.plan_workload_differences({"workload": other}, cfg) == [
         f"master_weights={not master!r} (this run's optim.master_weights is {master!r})"]
 
 

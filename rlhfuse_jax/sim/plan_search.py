@@ -399,7 +399,7 @@ def micro_batching(wl, tp: int, actor_pp: int, critic_pp: int) -> dict:
   """The micro-batching a colocated training plan was timed and sized with, for plan.json: the
   samples per micro-batch and, pipelined, the actor's micro-batches per data shard and the
   critic's per replica (training_sim.TrainPlan's Ma, Mc). The trainer runs the plan with them
-  (trainer/config.plan_file_settings): without, it kept its own (ppo configs: 4 micro-batches
+  (trainer/plan_file.plan_file_settings): without, it kept its own (ppo configs: 4 micro-batches
   of 16 rows for an 8B actor) and a plan the search said fits took 134 GB of 80."""
   plan = train_lib.TrainPlan(wl.num_devices, wl.minibatch, tp, actor_pp, critic_pp,
                              wl.micro_batch)
@@ -665,7 +665,7 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
 
 
 # The model fields plan.json's "workload" records of the actor and the critic (the trainer
-# compares them, and the run fields below, with its own: trainer/config.plan_workload_note).
+# compares them, and the run fields below, with its own: trainer/plan_file.plan_workload_note).
 # weight_itemsize and kv_itemsize: the bytes its weights and KV cache were sized at (a run's
 # model.param_dtype and model.dtype, shapes.from_model_config).
 WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size",
@@ -715,7 +715,7 @@ def _describe_train(p: dict) -> str:
 
 # ----------------------------------------------------------------------------- the trainer
 def trainer_refusal(wl, plan: dict, host_devices: Optional[int] = None) -> Optional[str]:
-  """Why the trainer (rlhfuse_jax/trainer: config.plan_file_settings, rollout.check_plan,
+  """Why the trainer (rlhfuse_jax/trainer: plan_file_lib.plan_file_settings, rollout.check_plan,
   validate.validate, pipelined.check_config) would refuse `plan` (plan.json's form: _plan_dict,
   _async_plan) for `wl`, or run it otherwise than simulated; None if it runs it.
 

@@ -7,15 +7,12 @@ dotted field and what was expected. Deeper code takes these frozen dataclasses.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
-import os
 import re
 import threading
 from typing import Any, Mapping, Optional, Sequence
 
-from rlhfuse_jax import workdir
 from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.fields import check as _check
 from rlhfuse_jax.fields import is_int as _is_int
@@ -27,7 +24,7 @@ from rlhfuse_jax.parallel.mesh import MeshConfig
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import kl as kl_lib
 from rlhfuse_jax.rl import losses as losses_lib
-from rlhfuse_jax.sim.shapes import DTYPE_ITEMSIZE, ITEMSIZE_DTYPES
+from rlhfuse_jax.trainer import plan_file as plan_file_lib
 # (a module without jax: experiments/bench_async.py checks its config against them)
 from rlhfuse_jax.trainer.async_objectives import ASYNC_OBJECTIVES
 
@@ -415,8 +412,8 @@ class PlanConfig:
   layouts every iteration (timing_s/reshard_generation, timing_s/reshard_inference). Training
   keeps config.mesh (data x fsdp x stage x tensor) and config.pipeline; a plan file
   (`file`, the format of `python -m experiments.plan_search`) sets these fields and the mesh and
-  pipeline fields its training plan maps to (`load_plan_file`). The defaults are today's single
-  layout: generation and inference on the training mesh.
+  pipeline fields its training plan maps to (trainer/plan_file.py). The defaults are today's
+  single layout: generation and inference on the training mesh.
 
   Every field but `file` is in the checkpoint fingerprint: a layout moves work between devices,
   and a different number of rows per device or a tensor-parallel split can round the logits
@@ -690,7 +687,7 @@ class TrainConfig:
   @classmethod
   def from_config_dict(cls, cd: Any) -> "TrainConfig":
     d = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
-    d = apply_plan_file(dict(d))
+    d = plan_file_lib.apply_plan_file(dict(d), _field_defaults())
     cd_plan = d.get("plan")
     kwargs = {}
     for name, klass in SECTIONS.items():
@@ -703,10 +700,10 @@ class TrainConfig:
         plan_file = (cd_plan or {}).get("file", "")
         # Named when the field the error names is one the file set (plan.*, mesh.*,
         # pipeline.critic_pp, optim.zero1, async_ppo.*): the user never wrote it.
-        plan = load_plan_file(plan_file) if plan_file else None
+        plan = plan_file_lib.load_plan_file(plan_file) if plan_file else None
         if plan and any(f"config.{sec}.{field}=" in msg
-                        for sec, field in plan_file_settings(plan, plan_file)):
-          n = plan_devices(plan)
+                        for sec, field in plan_file_lib.plan_file_settings(plan, plan_file)):
+          n = plan_file_lib.plan_devices(plan)
           msg += f" (set by config.plan.file={plan_file!r}" + (
               f", a plan searched for {n} devices" if n else "") + ")"
         raise ValueError(msg) from None
@@ -917,305 +914,11 @@ def model_fields_named(msg: str, prefix: str) -> str:
   return re.sub(r"(?<![\w.])model\.", f"config.{prefix}.", msg)
 
 
-def load_plan_file(path: str) -> dict:
-  """The plan.json of `python -m experiments.plan_search` (sim/plan_search.py `_plan_dict`):
-  {"generation": {mode, tp, pp, groups, slots}, "inference": {tp, pp}, "training": {placement,
-  ...}, "predicted": ..., "summary": ...}."""
-  if os.path.isdir(path):  # plan_search's workdir, named for the file it wrote there
-    inside = os.path.join(path, "plan.json")
-    raise ValueError(f"config.plan.file={path!r} is a directory; expected a plan.json" + (
-        f": its {inside!r}?" if os.path.isfile(inside) else " file"))
-  try:
-    with open(path) as f:
-      plan = workdir.load_json(f)  # a key given twice is refused, not the last one kept
-  except (OSError, ValueError) as e:
-    raise ValueError(f"config.plan.file={path!r}: cannot read a plan: {e}") from None
-  for key in ("generation", "inference", "training"):
-    _check(isinstance(plan, dict) and isinstance(plan.get(key), dict), "plan.file", path,
-           f"a plan.json with a {key!r} object (the format of experiments.plan_search)")
-  return plan
-
-
-def plan_devices(plan: Mapping[str, Any]) -> Optional[int]:
-  """How many devices the plan file's plan was searched for (plan_search's num_devices: an
-  asynchronous split's two groups, else training's devices); None when it does not say."""
-  a = plan.get("async")
-  if isinstance(a, Mapping) and not a.get("colocated", False):
-    parts = (a.get("generation_devices"), a.get("training_devices"))
-  else:
-    parts = (plan["training"].get("devices"),)
-  if not all(_is_int(p) and p > 0 for p in parts):
-    return None  # a hand-edited file's odd value: the field checks name it
-  return sum(parts)
-
-
-# The keys plan_search writes in a plan's stages (sim/plan_search.py: GenerationPlan's and
-# InferencePlan's fields, training_candidates' colocated dict); tests/test_plan.py holds them to
-# those. Written here, not imported: the simulator's search is no import of every binary.
-PLAN_STAGE_KEYS = {
-    "generation": ("mode", "tp", "pp", "groups", "slots"),
-    "inference": ("tp", "pp"),
-    "training": ("placement", "devices", "tp", "actor_pp", "critic_pp", "micro_batch",
-                 "actor_microbatches", "critic_microbatches"),
-}
-
-
-def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, str], tuple]:
-  """{(section, field): (value, the plan file's key)}: what a plan file sets. Training's
-  colocated (tp, actor_pp, critic_pp) maps onto mesh.tensor, mesh.stage and pipeline.critic_pp
-  (mesh.data takes the remaining devices), and optim.zero1 is on (the simulator's memory check
-  assumes it); a disjoint placement is refused. An asynchronous
-  plan's split ("async": generation_devices, staleness) maps onto config.async_ppo."""
-  gen, inf, train = plan["generation"], plan["inference"], plan["training"]
-  where = f"config.plan.file={path!r}"
-  for stage, keys in PLAN_STAGE_KEYS.items():  # a misspelt key ("slot") was ignored silently
-    if stage == "training" and train.get("placement") != "colocated":
-      continue  # (refused below, as a placement the trainer does not run)
-    unknown = [k for k in plan[stage] if k not in keys]
-    if unknown:
-      close = difflib.get_close_matches(unknown[0], keys, n=1)
-      raise ValueError(f"{where}: {stage}.{unknown[0]} is no key of a plan's {stage}" + (
-          f"; did you mean {stage}.{close[0]}?" if close else "") +
-          f" ({stage} takes {', '.join(keys)})")
-  out: dict[tuple[str, str], tuple] = {}
-  mode = gen.get("mode")
-  if mode not in ("instances", "pipeline"):
-    raise ValueError(f"{where}: generation.mode={mode!r}; expected 'instances' or 'pipeline'")
-  out["plan", "generation"] = (mode, "generation.mode")
-  out["plan", "generation_tp"] = (gen.get("tp", 1), "generation.tp")
-  if mode == "instances":
-    out["plan", "generation_slots"] = (gen.get("slots", 0), "generation.slots")
-  else:
-    out["plan", "generation_pp"] = (gen.get("pp", 1), "generation.pp")
-    out["plan", "generation_groups"] = (gen.get("groups", 0), "generation.groups")
-  out["plan", "inference_tp"] = (inf.get("tp", 1), "inference.tp")
-  out["plan", "inference_pp"] = (inf.get("pp", 1), "inference.pp")
-  placement = train.get("placement")
-  if placement != "colocated":
-    raise ValueError(
-        f"{where}: training.placement={placement!r}; expected 'colocated': the trainer runs "
-        "actor and critic on the same devices (a disjoint placement, each model on its own "
-        "share of the devices at once, is simulated by plan_search but not implemented in the "
-        "trainer)")
-  tp, actor_pp, critic_pp = (train.get(k, 1) for k in ("tp", "actor_pp", "critic_pp"))
-  for key, value in (("tp", tp), ("actor_pp", actor_pp), ("critic_pp", critic_pp)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      # (compared below before any field's own check: "2" or null ended in a TypeError)
-      raise ValueError(f"{where}: training.{key}={value!r}; expected an integer >= 1")
-  out["mesh", "tensor"] = (tp, "training.tp")
-  out["mesh", "stage"] = (actor_pp, "training.actor_pp")
-  if actor_pp > 1:
-    out["pipeline", "critic_pp"] = (critic_pp, "training.critic_pp")
-  elif critic_pp != 1:
-    raise ValueError(f"{where}: training.critic_pp={critic_pp} with training.actor_pp=1; the "
-                     "trainer pipelines the critic only over the actor's stage axis")
-  # The micro-batching the plan was timed and its memory checked with (plan.json since
-  # 2026-11-30; older files leave the config's): pipelined, the micro-batches per data shard
-  # and per critic replica; unpipelined, the rows a data shard takes at once. A config that
-  # sets its own keeps it (PLAN_SOFT_FIELDS).
-  if "micro_batch" in train:
-    if actor_pp > 1:
-      lacking = [k for k in ("actor_microbatches", "critic_microbatches") if k not in train]
-      if lacking:  # (a hand-edited actor_pp: "config.pipeline.actor_microbatches=None" before)
-        missing = " and ".join(f"training.{k}" for k in lacking)
-        raise ValueError(
-            f"{where}: training.actor_pp={actor_pp} without {missing}: plan_search writes a "
-            "pipelined plan's micro-batches beside its stages; add them, or run plan_search for "
-            "the layout you want")
-      out["pipeline", "actor_microbatches"] = (train.get("actor_microbatches"),
-                                               "training.actor_microbatches")
-      out["pipeline", "critic_microbatches"] = (train.get("critic_microbatches"),
-                                                "training.critic_microbatches")
-    else:
-      out["algo", "microbatch_size"] = (train["micro_batch"], "training.micro_batch")
-  # The simulator's memory check counts the optimizer state split over data (ZeRO-1,
-  # sim/cost_model.train_memory_bytes): the plan fits only so.
-  out["optim", "zero1"] = (True, "training (its memory check assumes ZeRO-1)")
-  # An asynchronous plan (plan_search with sim.staleness >= 1) splits the devices: generation
-  # and inference on the first generation_devices, training (the layouts above) on the rest.
-  # A hand-edited entry that is not an object, or a split with no generation group, was
-  # ignored (the run went synchronous) or taken as a split of no devices.
-  a = plan.get("async")
-  if a is None:
-    return out
-  if not isinstance(a, Mapping):
-    raise ValueError(f"{where}: async={a!r}; expected an object {{generation_devices, "
-                     "training_devices, staleness, colocated} (plan_search's asynchronous "
-                     "plan; a synchronous plan has no \"async\" entry)")
-  colocated, gen_devices = a.get("colocated", False), a.get("generation_devices", 0)
-  if not isinstance(colocated, bool):
-    raise ValueError(f"{where}: async.colocated={colocated!r}; expected true or false")
-  if not colocated and _is_int(gen_devices) and gen_devices < 1:
-    raise ValueError(f"{where}: async.generation_devices={gen_devices!r} with async.colocated="
-                     "false; expected an integer >= 1 (the devices of the split's generation "
-                     "group; a synchronous plan has no \"async\" entry)")
-  if not colocated:
-    out["async_ppo", "staleness"] = (a.get("staleness", 1), "async.staleness")
-    out["async_ppo", "generation_devices"] = (gen_devices, "async.generation_devices")
-  return out
-
-
-# What plan.json's "workload" (experiments.plan_search since 2026-12-01) records beside the
-# models' shapes, and the field of a run's config each is compared with.
-PLAN_WORKLOAD_RUN_FIELDS = {"global_batch": "rollout.batch_size",
-                            "minibatch": "algo.minibatch_size", "epochs": "algo.epochs",
-                            "max_prompt_len": "data.max_prompt_len",
-                            "max_new_tokens": "rollout.max_new_tokens",
-                            "reference": "algo.uses_reference",
-                            "reward_model": "reward.uses_model",
-                            # recorded for a run's plan (train_config) only
-                            "inference_micro_batch": "fusion.inference_micro_batch",
-                            "migration_rows": "fusion.migration_rows",
-                            "offload_optimizer": "optim.offload_during_rollout",
-                            "master_weights": "optim.master_weights"}
-# The actor's and critic's fields it records (sim/plan_search.WORKLOAD_MODEL_FIELDS).
-PLAN_WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                              "vocab_size")
-
-
-def plan_workload_differences(plan: Mapping[str, Any], cfg: "TrainConfig",
-                              reward_model: Optional[ModelConfig] = None
-                              ) -> Optional[list[str]]:
-  """'actor num_layers=8 (this run has 2)' for each field of the workload the plan was searched
-  for that differs from the run's (`cfg` resolved: the tokenizer's vocabulary, a checkpoint's
-  shape; `reward_model`: the run's reward model, build.reward_model_config, compared with the
-  plan's "reward" where it records one); None when the file records no workload (written
-  before it did)."""
-  w = plan.get("workload")
-  if not isinstance(w, Mapping):
-    return None
-  out = []
-  roles = (("actor", cfg.model), ("critic", cfg.critic_model)) + (
-      (("reward", reward_model),) if reward_model is not None else ())
-  for role, model in roles:
-    shape = w.get(role)
-    for f in PLAN_WORKLOAD_MODEL_FIELDS if isinstance(shape, Mapping) else ():
-      if f in shape and shape[f] != getattr(model, f):
-        out.append(f"{role} {f}={shape[f]!r} (this run has {getattr(model, f)!r})")
-    # the bytes per element it sized the weights and the KV cache at, with the run's field each
-    # stands for (sim/shapes.ITEMSIZE_DTYPES: param_dtype and dtype)
-    for f, dtype in ITEMSIZE_DTYPES.items() if isinstance(shape, Mapping) else ():
-      now = DTYPE_ITEMSIZE.get(getattr(model, dtype))
-      if f in shape and now is not None and shape[f] != now:
-        # (a reward model takes the run's numerics: config.model's)
-        section = "critic_model" if role == "critic" else "model"
-        out.append(f"{role} {f}={shape[f]!r} bytes (this run's {section}.{dtype}="
-                   f"{getattr(model, dtype)!r}: {now})")
-  for key, field in PLAN_WORKLOAD_RUN_FIELDS.items():
-    sec, name = field.split(".")
-    now = getattr(getattr(cfg, sec), name)
-    if key not in w or w[key] == now:
-      continue
-    if key == "reference":  # said by the field a user sets, not the property
-      has = f"algo.kl_coef={cfg.algo.kl_coef:g}: {'a' if now else 'no'} reference model"
-    elif key == "reward_model":
-      has = f"reward.kind={cfg.reward.kind!r}: {'a' if now else 'no'} reward model"
-    else:
-      has = f"{field} is {now!r}"
-    out.append(f"{key}={w[key]!r} (this run's {has})")
-  return out
-
-
-def plan_workload_note(path: str, cfg: "TrainConfig",
-                       reward_model: Optional[ModelConfig] = None
-                       ) -> Optional[tuple[bool, str]]:
-  """(a warning?, the line) on how the plan file's workload compares with the run's (`cfg`
-  resolved; `reward_model` as plan_workload_differences); None when they agree. A plan searched
-  for another model or batch runs, but its predicted times and memory check are not this
-  run's."""
-  plan = load_plan_file(path)
-  diffs = plan_workload_differences(plan, cfg, reward_model)
-  if diffs is None:
-    return False, (f"config.plan.file={path!r} records no workload (a plan.json written before "
-                   "plan_search recorded one): not compared with this run's")
-  if not diffs:
-    return None
-  spec = plan["workload"].get("train_config")
-  return True, (
-      f"config.plan.file={path!r} was searched for " + "; ".join(diffs) +
-      (f" (plan_search's train_config={spec!r})" if spec else "") +
-      ": its predicted times and memory check are for that workload (plan_search --config="
-      "configs/plan_search.py:train --config.train_config=<this run's config> searches for "
-      "this run's)")
-
-
-# What a plan file sets only where the config leaves the default: its micro-batching. A config
-# that chose its own keeps it (its memory is then not what the plan checked: plan_check says).
-# A config's value equal to the default reads as the default (a ConfigDict keeps no record of
-# what was written): the plan's replaces it.
-PLAN_SOFT_FIELDS = frozenset({("pipeline", "actor_microbatches"),
-                              ("pipeline", "critic_microbatches"), ("algo", "microbatch_size")})
-
-
-def plan_file_summary(path: str, cfg: Optional["TrainConfig"] = None) -> str:
-  """One line naming every field the plan file at `path` sets, for the set-up log: some of them
-  (optim.zero1) the user may not have written. With the run's config `cfg`, a setting the
-  config kept its own value of (PLAN_SOFT_FIELDS) is named as not applied (the line listed
-  the plan's 16 actor micro-batches where the run's 8 ran)."""
-  settings = plan_file_settings(load_plan_file(path), path)
-
-  def shown(sec, name, value):
-    ran = getattr(getattr(cfg, sec), name) if cfg is not None else value
-    return (f"{sec}.{name}={value!r}" if ran == value else
-            f"{sec}.{name}={value!r} (not applied: the config's {ran!r})")
-  return f"config.plan.file={path!r} sets " + ", ".join(
-      shown(sec, name, value) for (sec, name), (value, _) in settings.items())
-
-
-def apply_plan_file(d: dict) -> dict:
-  """The ConfigDict's dict `d` with config.plan.file's settings applied (unchanged without a
-  file). A field the config sets away from its default to another value than the file's is an
-  error naming both, but for the micro-batching (PLAN_SOFT_FIELDS), which the config keeps."""
-  path = (d.get("plan") or {}).get("file", "")
-  if not path:
-    return d
-  defaults = _field_defaults()
-  d = {k: dict(v) if isinstance(v, Mapping) else v for k, v in d.items()}
-  for (sec, name), (value, key) in plan_file_settings(load_plan_file(path), path).items():
-    section = d.setdefault(sec, {})
-    now = section.get(name, defaults.get(f"{sec}.{name}"))
-    if now != value and now != defaults.get(f"{sec}.{name}"):
-      if (sec, name) in PLAN_SOFT_FIELDS:
-        continue  # the config's own micro-batching
-      raise ValueError(f"config.{sec}.{name}={now!r} conflicts with config.plan.file={path!r}, "
-                       f"whose {key}={value!r} sets it: remove one of the two")
-    section[name] = value
-  return d
-
-
-def plan_fsdp_error(mesh: Mapping[str, Any], path: str,
-                    available: Optional[int] = None) -> Optional[str]:
-  """Why a config's own mesh.fsdp (configs/ppo_hf.py:ppo_gpu's 8) cannot take the plan file at
-  `path`, or None. A plan trains on tensor x stage devices per model replica, its data
-  parallelism on mesh.data; fsdp multiplies that replica. Refused where the replica outgrows
-  the devices the plan trains on and `available`, the devices this run trains on when known
-  (train_ppo's training group): the errors that followed named the plan's micro-batches, or
-  asked for 144 fake devices for a plan of 32. Checked where the device count is known
-  (train_ppo, plan_check, plan_search's trainer check), not as the config is read, where it
-  also refused a run on more devices than its plan was searched for, which the trainer runs
-  (warning that the plan's times and memory check are for its own count)."""
-  plan = load_plan_file(path)
-  fsdp, tensor, stage = (mesh.get(k, 1) for k in ("fsdp", "tensor", "stage"))
-  devices = plan_devices(plan)
-  a = plan.get("async")
-  if devices and isinstance(a, Mapping) and not a.get("colocated", False):
-    devices = a["training_devices"]
-  replica = tensor * stage * fsdp if all(_is_int(x) for x in (fsdp, tensor, stage)) else 0
-  if not (replica and fsdp > 1 and devices and replica > max(devices, available or 0)):
-    return None
-  return (f"config.mesh.fsdp={fsdp} with config.plan.file={path!r}: one model replica then "
-          f"spans mesh.tensor={tensor} x mesh.stage={stage} x mesh.fsdp={fsdp} = {replica} "
-          f"devices, more than the {devices} the plan trains on (its data parallelism is "
-          f"mesh.data, {devices // (tensor * stage)} there)"
-          + (f" and the {available} this run trains on" if available else "")
-          + "; set config.mesh.fsdp=1, or a divisor of that")
-
-
 def config_record(config_dict: Any, cfg: TrainConfig) -> dict:
   """What config.json records: the config as given and, with config.plan.file, the plan file's
   content (under "plan_file_content"; its path is config.plan.file), so the run says which
   layout it ran even after the file changed."""
   out = config_dict.to_dict() if hasattr(config_dict, "to_dict") else dict(config_dict)
   if cfg.plan.file:
-    out["plan_file_content"] = load_plan_file(cfg.plan.file)
+    out["plan_file_content"] = plan_file_lib.load_plan_file(cfg.plan.file)
   return out

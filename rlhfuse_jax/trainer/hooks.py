@@ -28,6 +28,7 @@ from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation import multihost
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.trainer import config as config_lib
+from rlhfuse_jax.trainer import plan_file as plan_file_lib
 from rlhfuse_jax.trainer import inputs as inputs_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 
@@ -502,7 +503,7 @@ class Checkpoints(Hook):
     if not path:
       return ""
     try:
-      settings = config_lib.plan_file_settings(config_lib.load_plan_file(path), path)
+      settings = plan_file_lib.plan_file_settings(plan_file_lib.load_plan_file(path), path)
     except ValueError:
       return ""
     names = [c.split(":")[0] for c in changes]
@@ -517,7 +518,7 @@ class Checkpoints(Hook):
               "resume without it. ")
     if record is not None:
       try:
-        then = config_lib.plan_file_settings(record["plan_file_content"], path)
+        then = plan_file_lib.plan_file_settings(record["plan_file_content"], path)
       except (ValueError, KeyError, TypeError):
         then = {}
       ours = [n for n in ours if then.get(tuple(n.split(".", 1)), (None,))[0] !=

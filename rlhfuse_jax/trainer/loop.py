@@ -48,7 +48,7 @@ from rlhfuse_jax.sim import hardware
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.trainer import async_ppo as async_lib
 from rlhfuse_jax.trainer import build, evaluation, hf_export, hooks, ppo
-from rlhfuse_jax.trainer import config as config_lib
+from rlhfuse_jax.trainer import plan_file as plan_file_lib
 from rlhfuse_jax.trainer import rollout as rollout_lib
 from rlhfuse_jax.trainer import update as update_lib
 from rlhfuse_jax.trainer.config import TrainConfig
@@ -313,7 +313,7 @@ class PPOTrainer:
     self.task, self.tokenizer = build.build_task_and_tokenizer(cfg)
     self.cfg = cfg = build.resolve_config(cfg, self.tokenizer)
     if cfg.plan.file:  # a plan searched for another model or batch: before any check stops it
-      note = config_lib.plan_workload_note(cfg.plan.file, cfg, build.reward_model_config(cfg))
+      note = plan_file_lib.plan_workload_note(cfg.plan.file, cfg, build.reward_model_config(cfg))
       if note:
         (logging.warning if note[0] else logging.info)("%s", note[1])
     self._make_meshes(cfg, mesh)
@@ -325,7 +325,7 @@ class PPOTrainer:
           f"memory kind {mesh_lib.HOST_MEMORY!r}); the {local.platform} devices here have "
           f"{[m.kind for m in local.addressable_memories()]}")
     if cfg.plan.file:  # what the file changed is otherwise visible only in config.json
-      logging.info("setup: %s", config_lib.plan_file_summary(cfg.plan.file, cfg))
+      logging.info("setup: %s", plan_file_lib.plan_file_summary(cfg.plan.file, cfg))
     t0 = time.time()
     logging.info("setup: %s, mesh %s%s; initialising the models and the update ...",
                  f"prompts {cfg.data.prompts_file!r}" if cfg.data.prompts_file else

@@ -34,7 +34,7 @@ from rlhfuse_jax.sim.lengths import LengthSpec
 from rlhfuse_jax.sim.shapes import from_model_config
 from rlhfuse_jax.trainer import async_ppo as async_lib
 from rlhfuse_jax.trainer import build
-from rlhfuse_jax.trainer import config as config_lib
+from rlhfuse_jax.trainer import plan_file as plan_file_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.validate import validate
 
@@ -121,7 +121,7 @@ class PlanCheck:
     try:
       cfg = build.resolve_config(TrainConfig.from_config_dict(d), self.tokenizer, log=False)
       # a config's own fsdp that outgrows the plan's devices, named as train_ppo names it
-      why = config_lib.plan_fsdp_error(dataclasses.asdict(cfg.mesh), self.path)
+      why = plan_file_lib.plan_fsdp_error(dataclasses.asdict(cfg.mesh), self.path)
       if why:
         raise ValueError(why)
       train_mesh, gen_mesh = async_lib.meshes(cfg, self.devices)
