@@ -495,6 +495,15 @@ def test_a_shared_processor_calibration_is_refused_for_a_preset_only(tmp_path):
   ablations.check_calibration_fits(shared, _grid(hardware=str(host)))
   with pytest.raises(ValueError, match="share one processor"):
     ablations.check_calibration_fits(shared, _grid())
+  # Measured on a CPU, devices_share_compute set false (calibrate_sim's flag): refused too, by
+  # its provenance or its device line; a GPU's file is not.
+  for fields in ({"provenance": {"platform": "cpu"}}, {"device": "cpu x8 (cpu), 1 device(s)"}):
+    cpu = _cal(ops={"migration": {"bytes_per_s": 1e9}}, **fields)
+    ablations.check_calibration_fits(cpu, _grid(hardware=str(host)))
+    with pytest.raises(ValueError, match="measured on a CPU: it cannot time"):
+      ablations.check_calibration_fits(cpu, _grid())
+  ablations.check_calibration_fits(_cal(ops={"migration": {"bytes_per_s": 1e9}}, provenance={
+      "platform": "gpu"}, device="gpu (NVIDIA H100 80GB HBM3)"), _grid())
 
 
 def test_the_figure_setting_indexes_the_settings_from_either_end():

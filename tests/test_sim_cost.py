@@ -283,6 +283,62 @@ def test_a_pipeline_stage_pays_its_share_of_the_measured_whole_models_times():
   assert {"decode_step_s", "prefill_s", "inference_s"} <= set(seen), seen
 
 
+def test_a_measured_prefill_and_inference_time_other_widths_by_the_formulas_ratio():
+  """A file's prefill and inference rates are those of an instance of instance_devices: at
+  another tp the measured time x the formulas' ratio of the two widths, as a training stage is
+  scaled. They were charged as measured at every width: a plan search's inference cost the same
+  at tp 1, 2 and 4. A file that does not say its width: as measured at every width."""
+  hw = get_hardware("h100_sxm")
+  a, c = get_shape("llama-7b"), get_shape("llama-7b", "scalar")
+  ops = {"prefill": {"tokens_per_s": 1e5}, "inference": {"tokens_per_s": 2e5}}
+  cal = calibration.from_dict({**_cal(**ops), "instance_devices": 1}, "cal.json")
+  cm, f = CostModel(hw, calibration=cal), CostModel(hw)
+  lens = np.array([300.0, 500.0])
+  assert cm.prefill_s(a, 1, lens) == pytest.approx(800 / 1e5)
+  assert cm.inference_s([a, c], 1, lens) == pytest.approx(800 / 2e5)
+  for tp in (2, 4):
+    assert cm.prefill_s(a, tp, lens) == pytest.approx(
+        800 / 1e5 * f.prefill_s(a, tp, lens) / f.prefill_s(a, 1, lens))
+    assert cm.inference_s([a, c], tp, lens) == pytest.approx(
+        800 / 2e5 * f.inference_s([a, c], tp, lens) / f.inference_s([a, c], 1, lens))
+  assert cm.inference_s([a, c], 4, lens) < 0.5 * cm.inference_s([a, c], 1, lens)
+  unsaid = CostModel(hw, calibration=calibration.from_dict(_cal(**ops), "cal.json"))
+  assert unsaid.inference_s([a, c], 4, lens) == pytest.approx(800 / 2e5)
+
+
+def test_a_shared_processor_calibration_serialises_pipelines_and_inference_as_instances():
+  """With a file measured on devices that share one processor (devices_share_compute),
+  generation_sim runs instances one task at a time; pipelined generation's replicas and the
+  inference replicas ran side by side, so a plan search compared instances at 5x a pipeline of
+  the same work. Now every stage's every task is summed; dedicated devices as before."""
+  from rlhfuse_jax.sim import plan_search
+  hw = get_hardware("h100_sxm")
+  a, c = get_shape("llama-7b"), get_shape("llama-7b", "scalar")
+  ops = {"prefill": {"tokens_per_s": 1e5}, "inference": {"tokens_per_s": 2e5}}
+  shared = CostModel(hw, calibration=calibration.from_dict(
+      {**_cal(**ops), "devices_share_compute": True}, "cal.json"))
+  dedicated = CostModel(hw, calibration=calibration.from_dict(_cal(**ops), "cal.json"))
+  prompts, resp = np.array([100, 120, 90, 80]), np.array([30, 5, 12, 7])
+  # pp 1, one group: each replica's total is its own work; shared, the replicas' sum
+  per_rep = [plan_search.pipelined_generation(dedicated, a, 1, 1, 1, 1, prompts[r::4],
+                                              resp[r::4], 32)["gen_s"] for r in range(4)]
+  together = plan_search.pipelined_generation(dedicated, a, 4, 1, 1, 1, prompts, resp, 32)
+  assert together["gen_s"] == pytest.approx(max(per_rep))
+  got = plan_search.pipelined_generation(shared, a, 4, 1, 1, 1, prompts, resp, 32)
+  assert got["gen_s"] == pytest.approx(sum(per_rep))
+  assert got["gen_s"] == pytest.approx(got["prefill_s"] + got["decode_s"])
+  # pp 2: both stages' work, one after the other
+  two = plan_search.pipelined_generation(shared, a, 4, 1, 2, 2, prompts, resp, 32)
+  assert two["gen_s"] > plan_search.pipelined_generation(dedicated, a, 4, 1, 2, 2, prompts,
+                                                         resp, 32)["gen_s"]
+  lens = np.array([300.0, 500.0, 200.0, 100.0])
+  mbs = sum(shared.inference_s([a, c], 1, lens[i:i + 1]) for i in range(4))
+  assert plan_search.inference_stage_s(shared, (a, c), 4, 1, 1, lens, 1, False) == (
+      pytest.approx(mbs))
+  assert plan_search.inference_stage_s(dedicated, (a, c), 4, 1, 1, lens, 1, False) == (
+      pytest.approx(max(dedicated.inference_s([a, c], 1, lens[i:i + 1]) for i in range(4))))
+
+
 def test_an_unmeasured_backward_is_the_files_bwd_over_fwd_times_the_forward():
   """Without a measured backward, a stage's backward is bwd_over_fwd x its forward with the
   ratio the file gives (3.0 here: 0.5 s -> 1.5 s per stage), not the default 2.0; a measured

@@ -511,3 +511,24 @@ def test_zero3_step_overlaps_three_parameter_gathers_with_the_compute():
     assert (compute < gathers) == (tokens == 1e6)
     assert ts.zero3_train_s(cost, shape, 4, tokens, 200.0) == pytest.approx(
         max(compute, gathers) + opt)
+
+
+def test_a_decode_table_of_one_width_rules_out_the_other_generation_degrees():
+  """A calibration's decode_step table times its instance width (instance_devices) only: the
+  simulated systems' other degrees are ruled out with the reason, as a degree that does not
+  fit. reproduce_ablations with calibrate_sim's file (a table at width 1) failed on tp 2,
+  fused or not (the Rt choice and the simulation were outside the degree's refusal)."""
+  from rlhfuse_jax.policy import calibration
+  cal = calibration.from_dict({"format": calibration.FORMAT, "device": "test",
+                               "instance_devices": 1, "ops": {"decode_step": {
+                                   "occupied_slots": [1, 64], "seconds": [0.01, 0.02]}}},
+                              "cal.json")
+  cost = CostModel(get_hardware("h100_sxm"), calibration=cal)
+  wl = it.Workload(actor=get_shape("llama-7b"), critic=get_shape("llama-7b", "scalar"),
+                   num_devices=8, global_batch=16, minibatch=8, max_new_tokens=64)
+  for fused in (False, True):
+    g = it.simulate_gen_stage(cost, wl, it.SimOptions(gen_tps=(2, 1, 4)), fused)
+    assert g["plan"].tp == 1
+    assert set(g["rejected_tps"]) == {2, 4}
+    assert "decode_step table was measured on instances of 1 device(s)" in (
+        g["rejected_tps"][2])

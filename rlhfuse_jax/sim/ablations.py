@@ -221,8 +221,9 @@ MODEL_OPS = ("decode_step", "prefill", "inference", "train_stage")
 
 def check_calibration_fits(cal: cal_lib.Calibration, cfg: AblationConfig,
                            actor_params: Optional[Sequence[int]] = None) -> None:
-  """A ValueError when config.calibration cannot time this simulation: it was measured on
-  devices that share one processor (fake CPU devices) while config.hardware is an accelerator,
+  """A ValueError when config.calibration cannot time this simulation: it was measured on a CPU
+  (or devices that share one processor: fake CPU devices) while config.hardware is an
+  accelerator preset,
   or its model-specific ops (MODEL_OPS) come from a model of another size than every actor
   simulated (more than 10 % apart). calibrate_sim's file (a 0.1M-parameter model on 8 fake CPU
   devices) turned a 13B/13B iteration on 64 H100s from 6.2 s into 15.2 s and reordered the
@@ -230,9 +231,16 @@ def check_calibration_fits(cal: cal_lib.Calibration, cfg: AblationConfig,
   cfg.pairs' (plan_search of a train_config simulates the run's actor: compared with the preset
   pairs, a calibration of that very model was refused)."""
   where = f"config.calibration={cfg.calibration!r} ({cal.device})"
-  if cal.devices_share_compute and cfg.hardware in HARDWARE:  # (a file may describe a host)
-    raise ValueError(f"{where} was measured on devices that share one processor (fake CPU "
-                     f"devices): it cannot time config.hardware={cfg.hardware!r}'s devices; "
+  # Measured on a CPU: said by the file's provenance (its writer's jax platform) or its device
+  # line, whatever devices_share_compute says (calibrate_sim takes it as a flag: set false, a
+  # CPU's times timed an H100 without a word). A hardware file may describe that very host.
+  on_cpu = ((cal.provenance or {}).get("platform") == "cpu" or
+            str(cal.device).lower().startswith("cpu"))
+  if (cal.devices_share_compute or on_cpu) and cfg.hardware in HARDWARE:
+    raise ValueError(f"{where} was measured on "
+                     + ("devices that share one processor (fake CPU devices)"
+                        if cal.devices_share_compute else "a CPU") +
+                     f": it cannot time config.hardware={cfg.hardware!r}'s devices; "
                      "to simulate the machine it measured, describe that machine in a hardware "
                      "file (--config.hardware=FILE.json, docs/simulator.md), or leave "
                      "config.calibration empty")

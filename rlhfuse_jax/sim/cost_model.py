@@ -192,6 +192,29 @@ class CostModel:
              "inference_s": "inference"}[op]
     return self.cal is not None and getattr(self.cal, field) is not None
 
+  def decode_width_error(self, tp: int) -> Optional[str]:
+    """Why the calibration's decode_step table cannot time an instance of `tp` devices (it
+    times the instance width it was measured at only), or None."""
+    measured_tp = self.cal.instance_devices if self.measures("decode_step_s") else None
+    if measured_tp is None or measured_tp == tp:
+      return None
+    return (f"calibration {self.cal.path or self.cal.device!r}: its decode_step table was "
+            f"measured on instances of {measured_tp} device(s) (instance_devices) and cannot "
+            f"time an instance of tp={tp}; measure at that width, or give a decode_fit "
+            "(per layer and per FLOP, any width) instead of the table")
+
+  def _at_width(self, t: float, op: str, shapes, tp: int, lengths: np.ndarray) -> float:
+    """A measured prefill or inference time `t` (op's, of the instance width the calibration
+    measured: instance_devices) at `tp` devices: times the formulas' ratio of the two widths,
+    as a measured training stage is scaled (train_stage_fwd_s); as measured where the file
+    does not say its width. (Taken as measured, inference cost the same at tp 1, 2 and 4.)"""
+    measured_tp = self.cal.instance_devices
+    if measured_tp is None or measured_tp == tp:
+      return t
+    f = self.formulas()
+    now, then = (getattr(f, op)(shapes, width, lengths) for width in (tp, measured_tp))
+    return t * now / then if then > 0 else t
+
   # --------------------------------------------------------------------- building blocks
   def roofline_s(self, flops: float, nbytes: float, devices: int, mfu: float,
                  bw_eff: float) -> float:
@@ -279,13 +302,9 @@ class CostModel:
     batch = np.asarray(batch, dtype=np.float64)
     context_tokens = np.asarray(context_tokens, dtype=np.float64)
     if self.measures("decode_step_s"):
-      measured_tp = self.cal.instance_devices
-      if measured_tp is not None and measured_tp != tp:  # the table times that instance only
-        raise ValueError(
-            f"calibration {self.cal.path or self.cal.device!r}: its decode_step table was "
-            f"measured on instances of {measured_tp} device(s) (instance_devices) and cannot "
-            f"time an instance of tp={tp}; measure at that width, or give a decode_fit "
-            "(per layer and per FLOP, any width) instead of the table")
+      width = self.decode_width_error(tp)
+      if width:
+        raise ValueError(width)
       out = self.cal.decode_step.step_s(batch, context_tokens)
     else:
       fit = self.cal.decode_fit if self.cal is not None else None
@@ -306,7 +325,8 @@ class CostModel:
     if lengths.size == 0:
       return 0.0
     if self.measures("prefill_s"):
-      return self.cal.prefill.seconds(float(lengths.sum()))
+      return self._at_width(self.cal.prefill.seconds(float(lengths.sum())), "prefill_s", shape,
+                            tp, lengths)
     return self._forward_s(shape, tp, lengths, self.eff.prefill_mfu)
 
   def _forward_s(self, shape: ModelShape, tp: int, lengths: np.ndarray, mfu: float) -> float:
@@ -325,7 +345,8 @@ class CostModel:
     if lengths.size == 0:
       return 0.0
     if self.measures("inference_s"):
-      return self.cal.inference.seconds(float(lengths.sum()))
+      return self._at_width(self.cal.inference.seconds(float(lengths.sum())), "inference_s",
+                            shapes, tp, lengths)
     return sum(self._forward_s(s, tp, lengths, self.eff.prefill_mfu) for s in shapes)
 
   def kv_migration_s(self, nbytes: float, tp: int, cross_node: bool, itemsize: int) -> float:

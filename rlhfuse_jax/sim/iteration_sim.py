@@ -456,7 +456,7 @@ def simulate_gen_stage(cost: CostModel, wl: Workload, opt: SimOptions, fused: bo
   for tp in (sorted(opt.gen_tps) if smallest_tp else opt.gen_tps):
     split = next((e for e in (m.tensor_parallel_error(tp) for m in
                               ((wl.actor,) if smallest_tp else (wl.actor,) + frozen)) if e),
-                 None)
+                 None) or cost.decode_width_error(tp)  # (a calibration's decode table: its width)
     if split:
       rejected[tp] = split
       continue

@@ -35,7 +35,10 @@ whose embedding and head are spread evenly over the stages) plus the activation 
 next stage. A decode step of every group takes max(sum over groups of their ticks, pp x the
 longest tick): with G >= pp every stage is busy all step long; with G < pp (or once groups have
 finished) a group's token must cross all pp stages before its next one, and stages wait. The
-fill adds pp - 1 ticks. Busy fraction = stage-ticks of work / (pp x step time).
+fill adds pp - 1 ticks. Busy fraction = stage-ticks of work / (pp x step time). With a
+calibration measured on devices that share one processor (fake CPU devices: shares_compute)
+every task runs one after another instead, as in generation_sim: generation and inference take
+the sum of all their stages' work.
 
 Asynchronous PPO (`staleness` k >= 1; Pipe-RLHF's paper runs it): the devices split into a
 generation group of g devices and a training group of the other N - g. While the training group
@@ -178,9 +181,23 @@ def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, t
   # Decode ticks of the slowest replica (replicas run side by side).
   ticks = int(np.max(np.sum(np.maximum((rows > 0).sum(-1), pp * (rows > 0).any(-1)), axis=0)))
   r_last = int(np.argmax(total))
-  return {"gen_s": float(total.max()), "prefill_s": float(prefill[r_last]),
-          "decode_s": float(decode[r_last]), "ticks": ticks, "stage_busy_frac": busy,
-          "replicas": reps, "samples_per_replica": per_rep}
+  out = {"gen_s": float(total.max()), "prefill_s": float(prefill[r_last]),
+         "decode_s": float(decode[r_last]), "ticks": ticks, "stage_busy_frac": busy,
+         "replicas": reps, "samples_per_replica": per_rep}
+  if shares_compute(cost):  # every stage's every task one after another (module docstring)
+    out.update(prefill_s=float(pp * pre.sum()), decode_s=float(pp * work.sum()))
+    out["gen_s"] = out["prefill_s"] + out["decode_s"]
+  return out
+
+
+def shares_compute(cost: CostModel) -> bool:
+  """Whether the calibration was measured on devices that share one processor (fake CPU
+  devices): then the simulated devices run one task at a time, as generation_sim's instances
+  do (its _Clock). Pipelined generation's replicas and stages and the inference replicas ran
+  side by side while instance generation was serialised, so a plan search with such a file
+  (calibrate_sim's) charged instances 5x what a pipeline of the same work cost, and chose the
+  pipeline for it."""
+  return bool(cost.cal is not None and cost.cal.devices_share_compute)
 
 
 def instance_generation(cost: CostModel, wl, opt, tp: int, prompts: np.ndarray,
@@ -224,6 +241,8 @@ def inference_stage_s(cost: CostModel, frozen, num_devices: int, tp: int, pp: in
     load[r] += t
     longest[r] = max(longest[r], t)
   w = cost.weight_load_s(frozen, tp * pp) if offload else 0.0
+  if shares_compute(cost):  # every micro-batch through every stage, one after another
+    return float(pp * t_mb.sum() + w)
   return float(np.max(load + (pp - 1) * longest) + w)
 
 
