@@ -17,14 +17,18 @@ check_binary() {
 # every process (or jax.distributed detects), naming it, then WHY: a second --config replaced
 # CONFIG without a word (or made absl fail every process with "The flag
 # 'config.num_iterations' is defined twice", naming neither), and --process_id and the like
-# would give every process the same one.
+# would give every process the same one. absl's every spelling counts: one dash or two, and
+# --distributed=false (absl keeps the last value: it turned the launcher's --distributed off,
+# and each task ran alone on the same workdir).
 refuse_set_flags() {
-  local why=$1 arg
+  local why=$1 arg name
   shift
   for arg in "$@"; do
-    case "$arg" in
-      --config | --config=* | --workdir | --workdir=* | --distributed | --nodistributed | \
-      --coordinator_address* | --num_processes* | --process_id*)
+    [[ "$arg" == -* ]] || continue
+    name=${arg#-}; name=${name#-}; name=${name%%=*}
+    case "$name" in
+      config | workdir | distributed | nodistributed | coordinator_address* | num_processes* | \
+      process_id*)
         echo "${arg%%=*}: $why" >&2
         exit 2;;
     esac

@@ -10,8 +10,10 @@
 # BINARY picks experiments/BINARY.py (train_ppo or bench_generation); CONFIG its config (default
 # configs/ppo_tiny.py for train_ppo, configs/BINARY.py otherwise); PYTHON the interpreter
 # (default: python on PATH), e.g. PYTHON=.venv/bin/python. XLA_FLAGS: the caller's, with D
-# devices. Logs: WORKDIR.proc<i>.log (appended, a header line per start); process 0's is shown
-# here as it is written (FOLLOW=0: not; needs GNU tail), and the end of each failed process's
+# devices. The processes run from the repository root: WORKDIR, CONFIG's file and PYTHON are
+# made absolute first; a relative path inside an extra flag (--config.data.prompts_file=p.jsonl)
+# is read from the repository root. Logs: WORKDIR.proc<i>.log (appended, a header line per
+# start); process 0's is shown here as it is written (FOLLOW=0: not; needs GNU tail), and the end of each failed process's
 # log as soon as it has ended.
 set -euo pipefail
 N=${1:?number of processes}; D=${2:?devices per process}; WORKDIR=${3:?workdir}; shift 3
@@ -136,7 +138,8 @@ show_failure() {  # process index, status[, 1: only note its error (its output i
   # The run's own reason for exiting ("...; exiting (69)"), else the last fatal (F) line, else
   # the last error (E) line or exception; not process 0's note that it exits in N s
   # (experiments/config_files.exit_now), which follows its error.
-  for pattern in '^E[0-9]{4} .*exiting \([0-9]+\)$' '^F[0-9]{4} ' '^E[0-9]{4} |Error: '; do
+  # (absl's bad command line: "FATAL Flags parsing error: ...")
+  for pattern in '^E[0-9]{4} .*exiting \([0-9]+\)$' '^F[0-9]{4} ' '^E[0-9]{4} |^FATAL |Error: '; do
     cause=$(grep -E "$pattern" <<< "$out" | grep -Ev '\] process 0 exits in [0-9.e+-]+ s \(' |
       tail -n 1 || true)
     if [[ -n "$cause" ]]; then break; fi
@@ -160,7 +163,7 @@ lost=()  # 1: the process ended because jax's coordination service (or gloo) los
 LOST_PEER="JAX distributed service detected fatal errors"
 LOST_PEER+="|terminate called after throwing an instance of 'gloo::"
 running=$N
-failed_early=0
+failed_early=0 first_failure="" ticks_since=0
 while ((running > 0)); do
   failed_now=""
   for i in "${!pids[@]}"; do
@@ -185,11 +188,17 @@ while ((running > 0)); do
       failed_now=${failed_now:-"process $i exited $rc"}
     fi
   done
-  # (after the pass: processes that failed together are not said to wait for each other)
-  if [[ -n "$failed_now" ]] && ((running > 0 && !failed_early)); then
-    failed_early=1
-    echo "--- $running process(es) still running after $failed_now: they may wait for it" \
-      "in a collective (Ctrl-C stops them)"
+  # Said once the others have had 2 s to end: processes that fail on the same input end a few
+  # milliseconds apart, and were said to wait for each other.
+  if [[ -n "$failed_now" && -z "$first_failure" ]]; then first_failure=$failed_now; fi
+  if [[ -n "$first_failure" ]] && ((running > 0 && !failed_early)); then
+    ticks_since=$((ticks_since + 1))
+    if ((ticks_since > 10)); then
+      failed_early=1
+      echo "--- $running process(es) still running 2 s after $first_failure: they may wait for" \
+        "it in a collective, or be ending after an error of their own (their logs say; Ctrl-C" \
+        "stops them)"
+    fi
   fi
   if ((running > 0)); then sleep 0.2 || true; fi  # a Ctrl-C ends the sleep too
 done

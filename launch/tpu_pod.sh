@@ -11,6 +11,8 @@
 # by a preemption's SIGTERM after saving): run the same command again to resume. A worker that
 # hangs alive keeps the others waiting: add --config.guard.iteration_timeout_s=SECONDS (a few
 # times the slowest iteration) and every worker exits 69 with its stacks instead.
+# It runs from the repository root: the workdir and the config file are made absolute first; a
+# relative path inside an extra flag is read from the repository root.
 # BINARY picks experiments/BINARY.py: train_ppo (default; fused with
 # --config.fusion.inter_stage=True) or bench_generation (config: configs/bench_generation.py).
 set -euo pipefail

@@ -125,7 +125,9 @@ def test_the_launcher_refuses_the_flags_it_sets_itself(tmp_path):
   fake = _stand_in(tmp_path / "python", 'echo "ARGS=$*"')
   env = dict(os.environ, PYTHON=str(fake))
   wd = str(tmp_path / "wd")
-  for flag in ("--config=configs/ppo_tiny.py:fused", "--workdir=/tmp/x", "--process_id=1"):
+  # (absl takes one dash too, and --distributed=false turned the launcher's flag off)
+  for flag in ("--config=configs/ppo_tiny.py:fused", "--workdir=/tmp/x", "--process_id=1",
+               "-workdir=/tmp/x", "--distributed=false", "-config", "-nodistributed"):
     out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "1", wd,
                           "--config.num_iterations=3", flag], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
@@ -246,6 +248,8 @@ def test_the_same_error_on_every_process_is_shown_once(tmp_path):
   note that it exits in 10 s is not its cause.)"""
   fake = _stand_in(tmp_path / "python", 'for a in "$@"; do [[ $a == --process_id=* ]] && '
                    'i=${a#--process_id=}; done\n'
+                   # (the last a little behind the others, as a slower import is)
+                   '[[ $i == 2 ]] && sleep 0.6\n'
                    'echo "E1201 06:00:0$i.000 10$i validate.py:114] ValueError: config.batch=64 '
                    'must be a multiple of 6"; for k in $(seq 20); do echo "  frame $k of $i"; '
                    'done\n'
@@ -259,6 +263,22 @@ def test_the_same_error_on_every_process_is_shown_once(tmp_path):
   assert out.returncode == 1, out.stdout + out.stderr
   assert out.stdout.count("must be a multiple of 6") == 1, out.stdout
   assert len(re.findall(r"--- process \d exited 1 with process \d's error", out.stdout)) == 2
+  # (they ended within a second: none was said to wait for another in a collective)
+  assert "still running" not in out.stdout, out.stdout
+
+
+def test_absl_s_flag_parsing_error_is_named_as_the_cause(tmp_path):
+  """absl's bad command line ("FATAL Flags parsing error: ...") matched none of the error
+  patterns: no "its last error", and every process's identical error and log tail shown."""
+  fake = _stand_in(tmp_path / "python", "echo \"FATAL Flags parsing error: --config.x='y': "
+                   "expected an integer\"; echo 'Pass --helpshort or --helpfull'; exit 1")
+  out = subprocess.run(["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "2", "1",
+                        str(tmp_path / "run")], cwd=REPO, env=dict(os.environ, PYTHON=str(fake),
+                        FOLLOW="0"), capture_output=True, text=True, timeout=60)
+  assert out.returncode == 1, out.stdout + out.stderr
+  assert re.search(r"--- process \d exited 1; its last error: FATAL Flags parsing error: "
+                   r"--config.x='y'", out.stdout), out.stdout
+  assert out.stdout.count("expected an integer") == 2, out.stdout  # the cause, and its log's end
 
 
 @pytest.mark.parametrize("failing", [1, 0])
@@ -273,7 +293,7 @@ def test_the_launcher_shows_a_failure_while_the_other_processes_still_run(tmp_pa
   *--process_id={failing}*) echo 'why {failing} ended'; exit 3;;
   *) for _ in $(seq 200); do [[ -e {seen} ]] && exit 0; sleep 0.1; done; echo 'gave up';;
 esac""")
-  note = f"1 process(es) still running after process {failing} exited 3"
+  note = f"1 process(es) still running 2 s after process {failing} exited 3"
   with subprocess.Popen(["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "2",
                          "1", str(tmp_path / "run")], cwd=REPO, env=dict(os.environ,
                         PYTHON=str(fake)), stdout=subprocess.PIPE, text=True) as launcher:
@@ -399,6 +419,8 @@ def test_the_cluster_scripts_refuse_a_binary_or_flag_they_cannot_run(tmp_path, s
   refused = [(("--config=configs/ppo_tiny.py:fused",), {}, "--config: this script sets it"),
              (("--process_id=1",), {}, "--process_id: this script sets it"),
              (("--nodistributed",), {}, "--nodistributed: this script sets it"),
+             (("--distributed=false",), {}, "--distributed: this script sets it"),
+             (("-workdir=/other",), {}, "-workdir: this script sets it"),
              ((), {"BINARY": "plan_check"}, "BINARY=plan_check: expected train_ppo or "
                                             "bench_generation")]
   for extra, more, message in refused:
