@@ -183,13 +183,20 @@ def plot(curves: dict, path: str, width: int, skip: int = 0, machine: str = "") 
     for k, series in by_k.items():
       label = "synchronous" if k == 0 else f"async, staleness {k}"
       reward = runner.smooth(series["reward"], width)
-      top.plot(np.arange(1, len(reward) + 1), reward, label=label)
-      bottom.plot(series["elapsed_s"], reward, label=label)
+      # (one iteration: a point, which a line without a marker does not draw)
+      marker = "o" if len(reward) == 1 else None
+      top.plot(np.arange(1, len(reward) + 1), reward, label=label, marker=marker)
+      bottom.plot(series["elapsed_s"], reward, label=label, marker=marker)
     top.set_title(f"{config}{f' ({machine})' if machine else ''}", fontsize=9)
     top.set_xlabel("iteration")
-    bottom.set_xlabel("wall time of the iterations so far (s)" + (
-        f"\n(the first {skip} iterations, which compile, counted at the median step)"
-        if skip else ""))
+    # `curve` counts the first `skip` at the median step only where iterations follow them:
+    # the axis said so of runs of `skip` iterations or fewer, whose compiles it includes.
+    lengths = [len(series["reward"]) for series in by_k.values()]
+    note = ("" if not skip else
+            f"\n(the first {skip} iterations, which compile, counted at the median step)"
+            if all(skip < n for n in lengths) else
+            f"\n(compiles included: runs of {min(lengths)} iterations, config.skip={skip})")
+    bottom.set_xlabel("wall time of the iterations so far (s)" + note)
     for ax in (top, bottom):
       ax.set_ylabel(f"reward (seeds' mean, moving mean of {width})")
       ax.grid(alpha=0.3)

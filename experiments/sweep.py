@@ -654,9 +654,15 @@ def curves_figure(lines: dict[str, list[tuple]], width: int):
       # it was invisible, though the legend named it.
       ax.plot(steps, mean, color=color, linestyle=dash, marker="o" if len(steps) == 1 else None,
               label=label + (", band: min-max" if banded else ""))
-      if banded:
+      if banded and len(steps) == 1:  # (a band at one iteration has no width)
+        ax.errorbar(steps, mean, yerr=[mean - low, high - mean], fmt="none", color=color,
+                    capsize=4)
+      elif banded:
         ax.fill_between(steps, low, high, alpha=0.2, color=color, linewidth=0)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    every = {t for _, steps, *_ in metric_lines for t in steps}
+    if len(every) == 1:  # runs of one iteration: ticks 0.945 ... 1.050 around it, else
+      ax.set_xlim(min(every) - 1, min(every) + 1)
     ax.set_title(metric)
     ax.set_xlabel("iteration")
     ax.set_ylabel(f"moving mean of {width}" if width > 1 else metric)

@@ -837,6 +837,34 @@ b.plot({{"a.py": {{0: c, 1: c}}, "b.py": {{0: c}}}}, {str(tmp_path / "curves.png
   assert (height, width) == (864, 1320)  # 2 rows x 2 columns of panels at 120 dpi
 
 
+def test_bench_async_plot_says_whether_the_compiling_iterations_were_left_out(tmp_path):
+  """The wall-time axis said the first config.skip iterations were counted at the median step
+  also for runs of no more iterations than that, which `curve` leaves as they are (a 3-iteration
+  run's 17 s of compiles, under a label that said they were out); a run of one iteration is a
+  point, drawn with a marker (a line of one point is not drawn)."""
+  code = f"""
+import json
+import matplotlib.figure
+from experiments import bench_async as b
+seen = []
+matplotlib.figure.Figure.savefig = lambda fig, path, **kw: seen.append(
+    [[ax.get_xlabel(), [l.get_marker() for l in ax.get_lines()]] for ax in fig.axes])
+row = lambda reward, step_s: {{"reward/mean": reward, "timing_s/step": step_s}}
+for n in (4, 2, 1):
+  c = b.curve([[row(0.1 * i, 1.0) for i in range(n)]], skip=3)
+  b.plot({{"a.py": {{0: c}}}}, {str(tmp_path / "c.png")!r}, 1, skip=3)
+print(json.dumps(seen))
+"""
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-3000:]
+  four, two, one = json.loads(out.stdout.splitlines()[-1])
+  assert four[1][0].endswith("(the first 3 iterations, which compile, counted at the median "
+                             "step)"), four
+  assert two[1][0].endswith("(compiles included: runs of 2 iterations, config.skip=3)"), two
+  assert [ax[1] for ax in one] == [["o"], ["o"]] and [ax[1] for ax in two] == [["None"]] * 2
+
+
 def test_sweep_refuses_a_value_of_the_wrong_type_before_any_run(tmp_path):
   """A value its field's type does not take (an entry's, or the sweep's own flag) is named with
   its run before anything runs: each run used to start, import jax and fail on it."""

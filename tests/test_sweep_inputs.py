@@ -539,20 +539,29 @@ def test_a_run_stopped_in_its_set_up_does_not_take_an_earlier_starts_result(tmp_
 
 
 def test_a_run_with_one_logged_iteration_is_drawn_as_a_point(tmp_path):
-  """curves.png: a run that logged one iteration (one that failed early) is a marker; drawn as
-  a one-point line it was invisible, though the legend named it. Longer runs stay plain lines."""
+  """curves.png: a run that logged one iteration (one that failed early, or a sweep of one
+  iteration) is a marker; drawn as a one-point line it was invisible, though the legend named
+  it, and its seeds' band had no width. Longer runs stay plain lines."""
   script = """
 import json
 import numpy as np
 from experiments import sweep
 one = np.array([1.0])
 lines = {"reward/mean": [("short (failed)", [1], one, one, one),
-                         ("long", [1, 2], np.arange(2.0), np.arange(2.0), np.arange(2.0))]}
+                         ("long", [1, 2], np.arange(2.0), np.arange(2.0), np.arange(2.0))],
+         "kl/ref_mean": [("seeds", [3], one, one - 0.5, one + 1.0)]}
 fig = sweep.curves_figure(lines, 1)
+kl = fig.axes[1]
 print(json.dumps({l.get_label(): l.get_marker() for l in fig.axes[0].get_lines()}))
+print(json.dumps([list(kl.get_xlim()), [list(map(list, c.get_segments()[0]))
+                                         for c in kl.collections]]))
 """
   proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(),
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  markers = json.loads(proc.stdout.splitlines()[-1])
+  markers = json.loads(proc.stdout.splitlines()[-2])
   assert markers == {"short (failed)": "o", "long": "None"}, markers
+  # Every run of one iteration (3): the axis spans 2-4, not 2.945-3.050; seeds' band at that
+  # iteration drawn as an error bar from their lowest to their highest (0.5-2.0).
+  xlim, bars = json.loads(proc.stdout.splitlines()[-1])
+  assert xlim == [2.0, 4.0] and bars == [[[3.0, 0.5], [3.0, 2.0]]], (xlim, bars)
