@@ -317,15 +317,23 @@ def run(c, workdir: str) -> dict:
   result = {"identical_outputs": all(ch["identical"] for ch in checks),
             "identity": {"tokens_equal": all(ch["tokens_equal"] for ch in checks),
                          "logprob_atol": LOGPROB_ATOL, **worst}}
+  medians = {mode: _median_run(rs, key=lambda run: run[0].timeline.gen_plus_inf_s)
+             for mode, rs in runs.items()}
+  # The two figures on one time axis (they are compared side by side; each ended at its own run)
+  t_max = max(out.timeline.gen_plus_inf_s for out, _ in medians.values())
+  # Several processes: each process's timeline holds its own instances; the curve of unfinished
+  # samples and the generation's end are the whole batch's.
+  note = (f"process 0's instances only (of {jax.process_count()} processes); the unfinished "
+          "samples: all processes'" if jax.process_count() > 1 else "")
   for mode, rs in runs.items():
     times = [o.timeline.gen_plus_inf_s for o, _ in rs]
-    out, wall = _median_run(rs, key=lambda run: run[0].timeline.gen_plus_inf_s)
+    out, wall = medians[mode]
     result[mode] = summarize(out, wall)
     result[mode]["runs_gen_plus_inf_s"] = times
-    if main_process:  # process 0's instances (several processes: each sees its own)
+    if main_process:
       plots.plot_generation_timelines(
           [(f"{mode} (median of {len(times)} runs)", out.timeline)],
-          os.path.join(workdir, f"timeline_{mode}.png"))
+          os.path.join(workdir, f"timeline_{mode}.png"), t_max=t_max, note=note)
   result["ratio"] = result["fused"]["gen_plus_inf_s"] / result["baseline"]["gen_plus_inf_s"]
   # Each repeat ran the two modes back to back: their ratio cancels slow drifts of the machine.
   paired = [f.timeline.gen_plus_inf_s / b.timeline.gen_plus_inf_s
@@ -393,10 +401,17 @@ def plot_tick_table(table: np.ndarray, groups: int, path: str) -> None:
   img = np.ma.masked_equal(table.T.astype(float), pipelined_lib.IDLE)
   # at least 8 in wide: the title (4.7 in at 32 ticks cut it off)
   fig, ax = plt.subplots(figsize=(max(8.0, min(20, 2 + ticks / 12)), 1.2 + 0.5 * stages))
-  cmap = plt.get_cmap("tab20", max(groups, 2)).with_extremes(bad="white")
+  # tab20's 20 colours, a continuous map for more groups (tab20 resampled to 24 gave groups 0
+  # and 1, 7 and 8, ... one colour, drawn as one block twice as wide)
+  cmap = plt.get_cmap("tab20" if groups <= 20 else "turbo",
+                      max(groups, 2)).with_extremes(bad="white")
   image = ax.imshow(img, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5,
                     vmax=max(groups, 2) - 0.5)
-  fig.colorbar(image, ax=ax, ticks=range(groups), label="group", pad=0.01)  # the colour key
+  # the colour key; whole groups, as many labels as fit (24 overlapped into one stack)
+  bar = fig.colorbar(image, ax=ax, label="group", pad=0.01)
+  from matplotlib.ticker import MaxNLocator  # pylint: disable=import-outside-toplevel
+  bar.locator = MaxNLocator(integer=True, nbins=max(2, int(2 + 2 * stages)))
+  bar.update_ticks()
   ax.set_xlabel("decode tick")
   ax.set_ylabel("stage")
   ax.set_yticks(range(stages))

@@ -142,3 +142,27 @@ def test_multi_host_flags_without_distributed_are_refused(tmp_path):
   assert ("--coordinator_address, --num_processes and --process_id join the processes of one "
           "multi-host run only with --distributed") in out.stderr, out.stderr[-3000:]
   assert not os.path.exists(wd)
+
+
+def test_the_tick_table_gives_every_group_its_own_colour_and_a_readable_key(monkeypatch,
+                                                                            tmp_path):
+  """schedule_pipelined.png of 24 groups: tab20 resampled to 24 colours has 20, so groups 0
+  and 1 (and 7 and 8, ...) were one colour, drawn as one block twice as wide; the key's 24
+  labels overlapped into one stack. More than 20 groups take a continuous map, and the key as
+  many whole-group labels as its height fits."""
+  import matplotlib.figure
+  import numpy as np
+  seen = []
+  monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                      lambda fig, *a, **kw: seen.append(fig))
+  for groups in (4, 24):
+    table = np.tile(np.arange(groups), (2, 1)).T  # [ticks, stages]: group g at tick g
+    bench_generation.plot_tick_table(table, groups, str(tmp_path / "t.png"))
+  for fig, groups in zip(seen, (4, 24)):
+    image = fig.axes[0].get_images()[0]
+    colours = {tuple(image.cmap(image.norm(g))) for g in range(groups)}
+    assert len(colours) == groups, groups
+    fig.canvas.draw()
+    key = [t for t in fig.axes[1].get_yticks() if -0.5 <= t <= groups - 0.5]
+    assert all(float(t).is_integer() for t in key) and len(key) <= 7, key
+  assert len([t for t in seen[0].axes[1].get_yticks() if 0 <= t <= 3]) == 4

@@ -286,3 +286,28 @@ def test_the_report_gives_the_collective_latencies_the_run_priced_with(tmp_path,
       "(× 0.333 for other collectives in a node); Simple: 8.4 µs a call + 3.4 µs a ring step on "
       "NVLink, 14 µs across nodes; bandwidth × 1",
       "collective_latency_s": "1e-05 (unused: this hardware's collective_protocols give the α)"}
+
+
+def test_the_generation_timeline_says_what_it_leaves_out_and_takes_a_shared_time_axis(
+    monkeypatch, tmp_path):
+  """Instances past max_instances were left out without a word (a 128-instance plan drew 0-63,
+  its busy fraction and curve counting all); times read "0.00s" for a CPU run's 0.0046 s; a
+  figure drawn apart (bench_generation's baseline and fused) ended its axis at its own run,
+  so the two were not comparable by eye. Now: the title says which instances are drawn, 3
+  significant digits, `t_max` sets the axis, `note` adds a line."""
+  import types
+  from rlhfuse_jax.sim import plots
+  figs = _drawn_figure(monkeypatch)
+  res = types.SimpleNamespace(
+      gen_end_s=0.0046, gen_plus_inf_s=0.0098, instance_busy_frac=0.5, consolidations=[],
+      segments=[(i, 0.0, 0.004, "decode") for i in range(3)],
+      unfinished_curve=[(0.0, 3), (0.004, 0)])
+  plots.plot_generation_timelines([("fused", res)], str(tmp_path / "t.png"), max_instances=2,
+                                  t_max=0.02, note="process 0's instances only")
+  plots.plot_generation_timelines([("fused", res)], str(tmp_path / "u.png"))
+  (fig, (title,), _, _), (fig2, (title2,), _, _) = figs
+  assert title == ("fused: generation ends 0.0046s (dashed), gen+inf 0.0098s, busy 50%; "
+                   "instances 0-1 of 3 drawn\nprocess 0's instances only"), title
+  assert fig.axes[0].get_xlim() == pytest.approx((0, 0.02 * 1.02))
+  assert title2 == "fused: generation ends 0.0046s (dashed), gen+inf 0.0098s, busy 50%"
+  assert fig2.axes[0].get_xlim() == pytest.approx((0, 0.0098 * 1.02))

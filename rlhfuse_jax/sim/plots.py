@@ -1,7 +1,7 @@
 """Figures of the simulator: iteration time per system and setting, generation timelines."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import matplotlib
 
@@ -90,12 +90,16 @@ def _legend_below(fig, handles, labels) -> None:
 
 
 def plot_generation_timelines(results: Sequence[tuple[str, object]], path: str,
-                              max_instances: int = 64, setting: str = "") -> None:
+                              max_instances: int = 64, setting: str = "",
+                              t_max: Optional[float] = None, note: str = "") -> None:
   """One panel per (title, GenResult): each instance's activity over time, and the number of
   unfinished samples (right axis). `setting` (e.g. "65B/65B L=2048") heads each panel's title:
-  the figure shows one setting of a run of many."""
+  the figure shows one setting of a run of many. `t_max`: the time axis's end (default the
+  longest result's), for figures drawn apart that are compared; `note`: a second title line
+  (what the instances drawn are of). Instances past `max_instances` are not drawn, which the
+  panel's title says."""
   fig, axes = plt.subplots(len(results), 1, figsize=(11, 3.6 * len(results)), squeeze=False)
-  t_max = max(r.gen_plus_inf_s for _, r in results)
+  t_max = t_max or max(r.gen_plus_inf_s for _, r in results)
   for ax, (title, res) in zip(axes[:, 0], results):
     groups: dict = {}  # (instance, kind) -> [(start, width)]: one artist per group is fast
     for inst, start, end, kind in res.segments:
@@ -105,7 +109,8 @@ def plot_generation_timelines(results: Sequence[tuple[str, object]], path: str,
       ax.broken_barh(spans, (inst - 0.42, 0.84), facecolors=_KIND_COLORS[kind], linewidth=0)
     ax.set_ylabel("instance")
     ax.set_xlim(0, t_max * 1.02)
-    n = min(max_instances, 1 + max(s[0] for s in res.segments))
+    total = 1 + max(s[0] for s in res.segments)
+    n = min(max_instances, total)
     ax.set_ylim(n - 0.5, -0.5)
     # whole instances only (2 instances read -0.50, -0.25, ..., 1.50)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -118,8 +123,12 @@ def plot_generation_timelines(results: Sequence[tuple[str, object]], path: str,
     for c in res.consolidations:
       ax.axvline(c["time_s"], color=_KIND_COLORS["migrate"], linewidth=1.0)
     head = f"{setting}, {title}" if setting else title
-    ax.set_title(f"{head}: generation ends {res.gen_end_s:.2f}s (dashed), gen+inf "
-                 f"{res.gen_plus_inf_s:.2f}s, busy {res.instance_busy_frac:.0%}", fontsize=9)
+    # (3 significant digits: a CPU run's 0.0046 s read "0.00s"; instances past max_instances
+    # were left out without a word, while the curve and busy counted them all)
+    cut = f"; instances 0-{n - 1} of {total} drawn" if n < total else ""
+    ax.set_title(f"{head}: generation ends {res.gen_end_s:.3g}s (dashed), gen+inf "
+                 f"{res.gen_plus_inf_s:.3g}s, busy {res.instance_busy_frac:.0%}{cut}"
+                 + (f"\n{note}" if note else ""), fontsize=9)
   axes[-1, 0].set_xlabel("time (s)")
   handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _KIND_COLORS.values()]
   _legend_below(fig, handles, list(_KIND_COLORS))
