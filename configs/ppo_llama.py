@@ -66,6 +66,12 @@ MICROBATCH = {"7b": 2, "13b": 4, "33b": 2, "65b": 1}
 #   65b/33b (tensor 4, fsdp 16)  k=2 71.9, 10.5 s
 PAIR_MICROBATCH = {("65b", "33b"): 2}
 
+# fusion.migration_rows (rows a consolidation's migration copies at once, beside the receiving
+# instance's whole KV cache, the actor's weights and the training state) where the default 8
+# does not fit 80 GB: plan_check llama/<variant>'s migrate + state, 2026-12-06, on the smallest
+# mesh: 7b 81.24 GB at 8 rows, 65b/33b (tensor 4) 84.02; the other pairs 33.3-69.4 at 8.
+PAIR_MIGRATION_ROWS = {("7b", "7b"): 4, ("65b", "33b"): 4}
+
 # `fused/<pair>`: the pipelined plan sim/training_sim.best_plan picks for the RLHFuse paper's
 # pairs on 256 H100s (whole layers per stage, read 2026-11-26 (h); configs/plan_check.py's paper
 # variants): (actor stages, critic stages, tensor). The data axis takes the other devices.
@@ -137,6 +143,7 @@ def get_config(arg: str = "13b"):
   c.plan.generation_tp = tensor
   # Scoring on a freed instance in micro-batches of 8 samples (0 would take all its slots).
   c.fusion.inference_micro_batch = 8
+  c.fusion.migration_rows = PAIR_MIGRATION_ROWS.get((actor, critic), c.fusion.migration_rows)
   # The optimizer state waits in host memory while the instances generate: their KV caches (64
   # slots each at the smallest device counts) fill what that state held. On the smallest
   # meshes decode + training state is 89.8 GB per device for 7B and 87.3 GB for 65B/33B with

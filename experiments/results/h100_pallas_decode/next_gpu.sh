@@ -1,4 +1,9 @@
 #!/bin/bash
+# Superseded (2026-12-06): every step still to run (3, 4, 6-9) is in
+# ../h200_2026-12-04/run_gpu.sh, which writes straight to $OUT, stops a compiling step with
+# `timeout -k`, and keeps each call within 600 s; this script did none of these (a call cut at
+# its limit lost /tmp/res). Kept as the record of the plan of 2026-12-03; it refuses to run.
+echo "superseded: run experiments/results/h200_2026-12-04/run_gpu.sh (its README)" >&2; exit 2
 # 2026-12-04 (bd): steps 0-2 and 5 ran on an H200; 6, 8 and 9 are ../h200_2026-12-04/run_gpu.sh
 # now, with the fixes step 6 needed (its README: "For the next GPU session"); 3, 4 and 7 not yet.
 # Prepared for the next session that is lent a GPU (one call of at most ~10 min), from the
