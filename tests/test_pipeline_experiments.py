@@ -630,16 +630,16 @@ def test_calibrate_sim_feeds_plan_search_on_the_machine_it_measured(tmp_path):
   assert ("simulate that model (calibrate_sim writes its config.json to <its workdir>/model: "
           "--config.shapes=NAME=<its workdir>/model") in out.stderr, out.stderr[-3000:]
   # As documented (configs/calibrate_sim.py, docs/simulator.md): with the default systems'
-  # comparison, which this calibration cannot time (their tp=2 generation on its 1-device
-  # instances); it ended the run (exit 1, no plan.json), the searched plan lost with it.
+  # comparison. Its decode table times the 1-device instances it measured: the systems
+  # generate at that width, their other degrees ruled out (a tp=2 generation failed the whole
+  # comparison until 2026-12-06, and before that the run, the searched plan lost with it).
   out = _run(search[:-1] + [f"--workdir={tmp_path / 'ps'}", f"--config.hardware={host}",
                             f"--config.shapes=mine={cal}/model", "--config.pairs=mine/mine"])
   assert out.returncode == 0, out.stderr[-3000:]
-  assert "the systems' comparison failed, so the report has none" in out.stderr, (
-      out.stderr[-3000:])
+  assert "the systems' comparison failed" not in out.stderr, out.stderr[-3000:]
   result = json.loads((tmp_path / "ps" / "result.json").read_text())
-  assert result["systems"] == {} and "cannot time an instance of tp=2" in result[
-      "systems_error"]
+  assert result["systems"] and "systems_error" not in result, result
+  assert all(row["iteration_s"] > 0 for row in result["systems"].values()), result["systems"]
   assert (tmp_path / "ps" / "plan.json").exists()
   md = (tmp_path / "ps" / "plan_search.md").read_text()
   assert (f"**Calibration** `{cal}/calibration.json` (cpu x8 (cpu), measured by experiments/"

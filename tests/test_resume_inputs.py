@@ -380,3 +380,36 @@ def test_a_val_max_prompts_change_on_another_pool_is_warned_of(caplog):
   with caplog.at_level(logging.INFO):
     assert inputs.warn_eval_changes(saved, {**saved, "data.val_max_prompts": 10}, 4) == []
   assert "the same 3 held-out prompts" in caplog.text
+
+
+def test_the_same_file_under_another_name_resumes(tmp_path):
+  """A byte-identical copy of the prompts file or the tokenizer under another name (copied to
+  scratch as own2.jsonl) was refused as "own.jsonl, own2.jsonl changed": a fingerprint keys
+  the named file by its name. The same files at another path are accepted, whatever the named
+  file is called; a renamed side file, or other content under the new name, is not."""
+  prompts, copy = tmp_path / "own.jsonl", tmp_path / "copy" / "own2.jsonl"
+  prompts.write_text('{"prompt": "a"}\n')
+  copy.parent.mkdir()
+  shutil.copyfile(prompts, copy)
+  tok_dir = tmp_path / "tok"
+  shutil.copytree(os.path.join(FIXTURES, "tiny_llama"), tok_dir)
+  renamed = tmp_path / "tokcopy"
+  renamed.mkdir()
+  shutil.copyfile(tok_dir / "tokenizer.json", renamed / "tok.json")
+  for name in inputs.TOKENIZER_SIDE_FILES:
+    if (tok_dir / name).is_file():
+      shutil.copyfile(tok_dir / name, renamed / name)
+  saved = inputs.fingerprints(_cfg(tokenizer=str(tok_dir / "tokenizer.json"),
+                                   prompts=str(prompts)))
+  now = inputs.fingerprints(_cfg(tokenizer=str(renamed / "tok.json"), prompts=str(copy)))
+  changes = [f"data.prompts_file: {str(prompts)!r} -> {str(copy)!r}",
+             f"init.tokenizer: {str(tok_dir / 'tokenizer.json')!r} -> "
+             f"{str(renamed / 'tok.json')!r}"]
+  assert inputs.resume_changes(changes, saved, now, 5) == ([], [])
+  copy.write_text('{"prompt": "b"}\n')
+  now = inputs.fingerprints(_cfg(tokenizer=str(renamed / "tok.json"), prompts=str(copy)))
+  left, changed = inputs.resume_changes(changes, saved, now, 5)
+  assert left == [] and len(changed) == 1 and changed[0].startswith(changes[0]), changed
+  assert not inputs.same_files({"a": "1", "b": "2"}, {"c": "1", "d": "2"})  # two renamed
+  assert not inputs.same_files({"a": "1", "b": "2"}, {"c": "1", "b": "3"})
+  assert inputs.same_files({"a": "1", "b": "2"}, {"c": "1", "b": "2"})

@@ -125,6 +125,20 @@ def fingerprints(cfg: Any) -> dict[str, dict[str, str]]:
   return out
 
 
+def same_files(was: Any, is_: Any) -> bool:
+  """Whether two fingerprints of an input ({file: digest}) are of the same files: equal, or
+  the file the path names renamed (its name is its key) with every other file the same. A
+  copy of a prompts file or tokenizer under another name was refused as "own.jsonl, own2.jsonl
+  changed", where the same files at another path are accepted."""
+  if was == is_:
+    return True
+  if not (isinstance(was, Mapping) and isinstance(is_, Mapping)) or len(was) != len(is_):
+    return False
+  gone, new = set(was) - set(is_), set(is_) - set(was)
+  return (len(gone) == len(new) == 1 and was[gone.pop()] == is_[new.pop()] and
+          all(was[n] == is_[n] for n in set(was) & set(is_)))
+
+
 def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
                    now: Mapping[str, str], iteration: Any) -> tuple[list[str], list[str]]:
   """(the config changes left to judge, the inputs whose content changed) on resuming
@@ -141,7 +155,7 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
   moved = {c.split(":")[0]: c for c in changes}
   for c in changes:
     field = c.split(":")[0]
-    if field in PATH_FIELDS and saved.get(field) and saved.get(field) == now.get(field):
+    if field in PATH_FIELDS and saved.get(field) and same_files(saved.get(field), now.get(field)):
       logging.info("resuming iteration %s with %s: the same content at the new path", iteration,
                    c)
       continue
@@ -151,7 +165,7 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
       continue
     left.append(c)
   for field, why in PATH_FIELDS.items():
-    if field in moved or not saved.get(field) or saved.get(field) == now.get(field):
+    if field in moved or not saved.get(field) or same_files(saved.get(field), now.get(field)):
       continue
     if not why:
       logging.info("config.%s holds other files than when the run started: unused on resume "
