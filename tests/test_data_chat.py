@@ -232,3 +232,20 @@ def test_fixture_tokenizer_directories_share_one_vocabulary():
   for d in TEMPLATES:
     with open(os.path.join(CHAT, d, "tokenizer.json"), "rb") as f:
       assert f.read() == top
+
+
+def test_a_template_that_never_reads_the_conversation_is_refused(tmp_path):
+  """A system prompt given as data.chat_template (any file not .json is read as Jinja): every
+  prompt rendered as that text, the questions gone, the run trained on it without a word and
+  the export carried it as the model's template. A template must read `messages`."""
+  path = tmp_path / "system_prompt.txt"
+  path.write_text("You are a helpful math tutor. Answer with #### <number>.\n")
+  with pytest.raises(ChatTemplateError, match=r"system_prompt\.txt: never reads `messages` "
+                                              r"\(the conversation\)"):
+    ChatTemplate.load(str(path))
+  with pytest.raises(ChatTemplateError, match="never reads `messages`"):
+    ChatTemplate("{{ bos_token }}Answer briefly.")
+  # Reading it in any way is enough: a loop, an index, a filter.
+  for source in ("{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                 "{{ messages[0]['content'] }}", "{{ messages | length }}"):
+    ChatTemplate(source)

@@ -74,8 +74,9 @@ def test_float16_answers_read_back_as_written(tmp_path):
 
 # data/chat.py ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("source", ["{% set ns = namespace(_x=1) %}{{ 1 }}",
-                                    "{% set ns = namespace(a=1) %}{% set ns._x = 2 %}{{ 1 }}"])
+@pytest.mark.parametrize("source", ["{% set ns = namespace(_x=1) %}{{ messages }}",
+                                    "{% set ns = namespace(a=1) %}{% set ns._x = 2 %}"
+                                    "{{ messages }}"])
 def test_a_template_cannot_store_underscore_attributes_in_a_namespace(source):
   """namespace() refuses underscore-prefixed attributes, single underscore included. (C3, C9)"""
   with pytest.raises(chat.ChatTemplateError, match="underscore"):

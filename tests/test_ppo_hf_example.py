@@ -320,3 +320,14 @@ def test_a_from_scratch_learning_rate_on_a_pretrained_actor_is_warned_of(monkeyp
   assert warn_fine_tune_lr(with_overrides(ppo_hf.get_config("ppo_gpu"))) is None
   assert warned(_example_config(**{"optim.actor_lr": 3e-3, "init.actor_checkpoint": "",
                                    "init.critic_checkpoint": ""})) == []
+
+
+def test_the_example_maker_refuses_an_option_for_its_output_directory(tmp_path):
+  """`make_tiny_example.py --help` took "--help" for the output directory and wrote the whole
+  example into ./--help/."""
+  import subprocess
+  import sys
+  out = subprocess.run([sys.executable, os.path.join(DATA, "make_tiny_example.py"), "--help"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 1 and "usage: python configs/data/make_tiny_example.py" in out.stderr
+  assert os.listdir(tmp_path) == []

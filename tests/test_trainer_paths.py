@@ -611,6 +611,12 @@ def test_a_tokenizer_that_cannot_spell_the_prompts_is_warned_of():
   assert build.warn_unspellable(records, lossy, "prompts.jsonl") == 2
   own = HFTokenizer.from_file(os.path.join(repo, "configs", "data", "tiny_llama3_chat"))
   assert build.warn_unspellable(records, own, "prompts.jsonl") == 0
+  # Prompts rendered by another tool (chat_template=none) hold the template's special tokens:
+  # they read back too (decoded without them, all 32 of a file were said unspellable).
+  rendered = [{"prompt": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n" + q +
+               "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"}
+              for q in questions]
+  assert build.warn_unspellable(rendered, own, "prerendered.jsonl") == 0
 
 
 def test_a_response_budget_shorter_than_the_targets_is_warned_of():

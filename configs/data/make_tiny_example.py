@@ -146,4 +146,9 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+  # An optional output directory; an option was taken for one (--help wrote the example into
+  # ./--help/)
+  if len(sys.argv) > 2 or (len(sys.argv) == 2 and sys.argv[1].startswith("-")):
+    sys.exit("usage: python configs/data/make_tiny_example.py [OUTPUT_DIR] (default: "
+             "configs/data/, whose files it rewrites; the module docstring says what it writes)")
   main(sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__)))

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from rlhfuse_jax import workdir as wd
@@ -154,11 +155,19 @@ class ChatTemplate:
     are left undefined, as HF leaves an unset token out); `name`: how errors refer to it."""
     self.source, self.name = source, name
     self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+    env = _environment()
     try:
-      self._template = _environment().from_string(source)
+      self._template = env.from_string(source)
+      reads = jinja2.meta.find_undeclared_variables(env.parse(source))
     except jinja2.exceptions.TemplateSyntaxError as e:
       raise ChatTemplateError(f"{name}: not a valid Jinja template (line {e.lineno}: "
                               f"{e.message})") from e
+    if "messages" not in reads:  # (a system prompt given as data.chat_template: every prompt
+      # rendered as that text, the questions gone, and the export carried it as the template)
+      raise ChatTemplateError(
+          f"{name}: never reads `messages` (the conversation), so every prompt would render "
+          "as the same text; expected a chat template: Jinja over `messages`, as a "
+          "tokenizer_config.json's chat_template or a chat_template.jinja")
 
   def render(self, prompt: Prompt, add_generation_prompt: bool = True) -> str:
     """The text of `prompt` as the model reads it, ending with the assistant's header."""

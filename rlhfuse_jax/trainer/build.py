@@ -164,7 +164,9 @@ def warn_unspellable(records: list, tokenizer: Tokenizer, where: str, sample: in
   lost = []
   for record in records[:sample]:
     text = _prompt_text(record.get(records_lib.PROMPT_KEY, ""))
-    back = tokenizer.decode(tokenizer.encode(text, add_bos=False))
+    # (special tokens kept: a prompt rendered by another tool holds the chat template's
+    # <|eot_id|> ..., which the default decode drops, and every prompt was said unspellable)
+    back = tokenizer.decode(tokenizer.encode(text, add_bos=False), skip_special_tokens=False)
     if "".join(back.split()) != "".join(text.split()):
       lost.append((text, back))
   if lost:
