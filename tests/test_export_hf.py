@@ -184,6 +184,29 @@ def test_a_checkpoint_under_another_number_is_refused(run, tmp_path, monkeypatch
   assert not os.path.exists(tmp_path / "out")
 
 
+def test_an_export_after_the_run_s_files_changed_is_refused(run, tmp_path, monkeypatch):
+  """The export copies the run's tokenizer files, chat template and generation config beside
+  the weights: after they changed (a template edited in place) it shipped them with weights
+  trained under the old ones, where a resume refuses the change. The same files at another
+  path export; other content is refused, naming the field and the file."""
+  monkeypatch.chdir(REPO)
+  copy, model = tmp_path / "run", tmp_path / "model"
+  shutil.copytree(run, copy, ignore=shutil.ignore_patterns(".lock"))
+  shutil.copytree(os.path.join(REPO, "configs", "data", "tiny_llama3_chat"), model)
+  text = (copy / "config.json").read_text()
+  assert "configs/data/tiny_llama3_chat" in text
+  (copy / "config.json").write_text(text.replace("configs/data/tiny_llama3_chat", str(model)))
+  export_lib.export(str(copy), "3", str(tmp_path / "same"))  # the same files, elsewhere
+  config = json.loads((model / "tokenizer_config.json").read_text())
+  config["chat_template"] = "CHANGED " + config["chat_template"]
+  (model / "tokenizer_config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match=r"checkpoint 3 in .* was trained with other files than "
+                     r"the run's inputs hold now \(config.init.tokenizer: tokenizer_config.json "
+                     r"changed.*Put the files the run read back"):
+    export_lib.export(str(copy), "3", str(tmp_path / "out"))
+  assert not os.path.exists(tmp_path / "out")
+
+
 def test_relative_paths_are_the_run_s_own(run, tmp_path, monkeypatch):
   """Started elsewhere than the run was, its config's relative paths are missing: the error
   says they are read from the current directory, and where to start instead."""

@@ -179,6 +179,25 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
   return left, changed
 
 
+# The inputs an HF export copies files from (trainer/hf_export.py: the tokenizer's files, the
+# chat template, the actor checkpoint's generation config and special ids).
+EXPORT_FIELDS = ("init.actor_checkpoint", "init.tokenizer", "data.chat_template")
+
+
+def export_changes(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any]) -> list[str]:
+  """'config.init.tokenizer=...: tok.json changed' for each EXPORT_FIELDS input whose files
+  differ from the checkpoint's fingerprints `saved` (None: written before they were kept:
+  nothing to compare; an input no longer there is left to the loaders, whose error says where
+  relative paths are read from). An export after those files changed shipped the new template
+  and EOS ids with weights trained under the old ones, where a resume refuses the change."""
+  out = []
+  for field in EXPORT_FIELDS:
+    was, is_ = (saved or {}).get(field), now.get(field)
+    if was and is_ and not same_files(was, is_):
+      out.append(f"config.{field}: {_changed_files(was, is_)}")
+  return out
+
+
 def _changed_files(was: Any, is_: Any) -> str:
   """'a.json, b.safetensors changed' between two fingerprints of an input ({file: digest}), or
   'its files changed' when they do not say which."""

@@ -48,6 +48,7 @@ from rlhfuse_jax.sim import hardware
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.trainer import async_ppo as async_lib
 from rlhfuse_jax.trainer import build, evaluation, hf_export, hooks, ppo
+from rlhfuse_jax.trainer import inputs as inputs_lib
 from rlhfuse_jax.trainer import plan_file as plan_file_lib
 from rlhfuse_jax.trainer import rollout as rollout_lib
 from rlhfuse_jax.trainer import update as update_lib
@@ -234,6 +235,13 @@ class PPOTrainer:
             f"(damaged?): {checkpointing.error_line(e)}; export another kept step (--step)"
         ) from None
       self.resume_step = self._export_step
+      changed = inputs_lib.export_changes(meta.get("inputs"), self.checkpoints.inputs)
+      if changed:
+        raise ValueError(
+            f"checkpoint {self._export_step} in {checkpointer.directory} was trained with other "
+            "files than the run's inputs hold now (" + "; ".join(changed) + "): the export "
+            "copies them beside the weights (tokenizer, chat template, generation config), so "
+            "it would not be the model the run trained. Put the files the run read back")
       if meta.get("iteration") != self._export_step:  # the export would be marked with it
         raise ValueError(
             f"checkpoint {self._export_step} in {self.checkpoints.checkpointer.directory} holds "
