@@ -390,3 +390,18 @@ def test_the_config_of_the_newest_start_at_a_resume_point(tmp_path):
   record, path = export_lib.run_config(workdir, 4)
   assert (record, os.path.basename(path)) == ({"start": 12}, "config.2.11.json")
   assert export_lib.run_config(workdir, 2)[0] == {"start": 0}  # written by the first start
+
+
+def test_too_few_devices_are_named_with_the_flag_that_gives_them():
+  """Exporting the README's main job (mesh.stage=4) in a plain `python` (1 CPU device) failed
+  with the mesh's bare 'does not divide 1'; train_ppo names the XLA_FLAGS that gives them."""
+  from configs import ppo_tiny
+  cfg = config_lib.TrainConfig.from_config_dict(ppo_tiny.get_config("fused"))
+  with pytest.raises(ValueError, match=r"the run's config.mesh=.*'stage': 4.* needs at least 4 "
+                     r"devices, but jax sees 1 \(cpu\): on a CPU host add fake devices before "
+                     r"jax starts, as the run had: XLA_FLAGS=--xla_force_host_platform_device_"
+                     r"count=4"):
+    export_lib.check_devices(cfg, 1, "cpu")
+  with pytest.raises(ValueError, match=r"export on a host with 4 or more"):
+    export_lib.check_devices(cfg, 2, "gpu")
+  export_lib.check_devices(cfg, 8, "cpu")

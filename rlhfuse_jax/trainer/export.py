@@ -211,8 +211,26 @@ def _strings(tree: Any) -> list[str]:
   return [s for x in tree for s in _strings(x)] if isinstance(tree, (list, tuple)) else []
 
 
+def check_devices(cfg: TrainConfig, num_devices: int, platform: str) -> None:
+  """A clear error when the run's mesh needs more devices than jax sees: exporting the main
+  job's run (mesh.stage=4) in a plain `python` (1 CPU device) failed with the mesh's bare
+  "does not divide 1", where train_ppo names the XLA_FLAGS that gives them."""
+  sizes = dataclasses.asdict(cfg.mesh)
+  need = math.prod(v for v in sizes.values() if v != -1)
+  if need <= num_devices:
+    return
+  raise ValueError(
+      f"the run's config.mesh={sizes} needs at least {need} devices, but jax sees {num_devices} "
+      f"({platform}): " + (f"on a CPU host add fake devices before jax starts, as the run had: "
+                           f"XLA_FLAGS=--xla_force_host_platform_device_count={need} (or the "
+                           "run's own count)" if platform == "cpu" else
+                           f"export on a host with {need} or more"))
+
+
 def _export(workdir: str, choice: Choice, out_dir: str, cfg: TrainConfig, config_path: str,
             mesh: Optional[jax.sharding.Mesh]) -> dict:
+  if mesh is None:
+    check_devices(cfg, jax.device_count(), jax.default_backend())
   try:
     trainer = PPOTrainer(cfg, workdir, mesh=mesh, export_step=choice.step)
   except FileNotFoundError as e:  # a path of the run's config, relative to where it started
