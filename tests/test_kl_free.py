@@ -67,16 +67,22 @@ def test_kl_coef_0_runs_no_reference_and_trains_as_if_it_had(tmp_path, monkeypat
   jax.tree.map(np.testing.assert_array_equal, _actor(serial), _actor(wasted))
 
 
-def test_async_resume_with_kl_needs_batches_that_hold_reference_log_probs(tmp_path):
+def test_async_resume_with_kl_needs_batches_that_hold_reference_log_probs(tmp_path,
+                                                                         monkeypatch):
   """Batches in flight generated with kl_coef=0 hold no reference log-probs: a resume that turns
-  the KL on is refused naming the field; one that keeps kl_coef=0 goes on without kl/*."""
+  the KL on is refused naming the field, before anything is built and without first logging
+  the change as applied; one that keeps kl_coef=0 goes on without kl/*."""
+  from rlhfuse_jax.trainer import hooks
   run = dict(GRPO, num_iterations=3, **{"async_ppo.staleness": 1, "checkpoint.every": 1})
   PPOTrainer(tiny_config(**run), str(tmp_path)).run(stop_after=1)
+  warned = []
+  monkeypatch.setattr(hooks.logging, "warning", lambda msg, *a: warned.append(msg % a))
   with pytest.raises(ValueError, match=r"config\.algo\.kl_coef=0\.1: its batch\(es\) in flight "
                      r"for iteration\(s\) \[2\] .* generated with algo\.kl_coef=0"):
     PPOTrainer(tiny_config(**{**run, "algo.kl_coef": 0.1,
-                              "checkpoint.resume_changes": "algo.kl_coef"}),
-               str(tmp_path)).run()
+                              "checkpoint.resume_changes": "algo.kl_coef"}), str(tmp_path))
+  assert not [w for w in warned if "with a changed algo.kl_coef" in w], warned
+  monkeypatch.undo()
   history = PPOTrainer(tiny_config(**run), str(tmp_path)).run()
   assert [h["step"] for h in history] == [2, 3]
   assert not [k for h in history for k in h if k.startswith("kl/")]

@@ -146,6 +146,24 @@ class Generated:
     return g
 
 
+def reference_refusal(start: Any, lacking: list[int], kl_coef: float, staleness: int) -> str:
+  """Why a resume with algo.kl_coef > 0 cannot take batches in flight (iterations `lacking`,
+  1-based) generated with kl_coef=0: they hold no reference log-probs, which a KL term reads
+  and nothing here scores afterwards."""
+  return (f"resuming checkpoint {start} with config.algo.kl_coef={kl_coef:g}: its batch(es) in "
+          f"flight for iteration(s) {lacking} (config.async_ppo.staleness={staleness}) were "
+          "generated with algo.kl_coef=0, without the reference's log-probs that a KL term "
+          "reads. Resume with algo.kl_coef=0, or from a checkpoint saved with kl_coef > 0, or "
+          "start a new --workdir")
+
+
+def lacking_reference(side_cars: Any) -> list[int]:
+  """The iterations (1-based) of a checkpoint's batches in flight (their side-cars, the
+  checkpoint meta's "in_flight") saved without reference log-probs."""
+  return sorted(int(c["iteration"]) + 1 for c in side_cars or ()
+                if isinstance(c, dict) and not c.get("ref_logp", True))
+
+
 def _target(record: Any) -> Optional[str]:
   """A prompt record's ground truth (data/records.py's 'target'), None where it has none."""
   target = record.get("target") if isinstance(record, dict) else None

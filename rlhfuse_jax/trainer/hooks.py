@@ -27,6 +27,7 @@ from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation import multihost
 from rlhfuse_jax.parallel import distributed
+from rlhfuse_jax.trainer import async_ppo as async_lib
 from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer import plan_file as plan_file_lib
 from rlhfuse_jax.trainer import inputs as inputs_lib
@@ -475,6 +476,15 @@ class Checkpoints(Hook):
           "or start a new --workdir (from these files: they are its config.init.*, data.* and "
           "pipeline.schedule_file)")
     allowed = self.cfg.checkpoint.resume_changes_set
+    # Async PPO's batches in flight without the reference log-probs a KL term now reads:
+    # refused before the change is logged as applied (trainer/loop.py checks the restored
+    # batches again: an older checkpoint may be restored than this one)
+    lacking = (async_lib.lacking_reference(meta.get("in_flight"))
+               if self.cfg.algo.uses_reference else [])
+    if lacking:
+      raise ValueError(async_lib.reference_refusal(meta.get("iteration"), lacking,
+                                                   self.cfg.algo.kl_coef,
+                                                   self.cfg.async_ppo.staleness))
     for change in [c for c in changes if c.split(":")[0] in allowed]:
       # schedule_iterations 0 means "the first start's num_iterations", which the checkpoints
       # keep: say which ("0 -> 16" read as a schedule that had none)

@@ -701,12 +701,8 @@ class PPOTrainer:
     uses = self.cfg.algo.uses_reference
     lacking = sorted(j + 1 for j, g in self.in_flight.items() if g.ref_logp is None)
     if uses and lacking:
-      raise ValueError(
-          f"resuming checkpoint {start} with config.algo.kl_coef={self.cfg.algo.kl_coef:g}: its "
-          f"batch(es) in flight for iteration(s) {lacking} (config.async_ppo.staleness="
-          f"{self.cfg.async_ppo.staleness}) were generated with algo.kl_coef=0, without the "
-          "reference's log-probs that a KL term reads. Resume with algo.kl_coef=0, or from a "
-          "checkpoint saved with kl_coef > 0, or start a new --workdir")
+      raise ValueError(async_lib.reference_refusal(start, lacking, self.cfg.algo.kl_coef,
+                                                   self.cfg.async_ppo.staleness))
     if not uses:
       for g in self.in_flight.values():
         g.ref_logp = None
