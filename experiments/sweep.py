@@ -1046,6 +1046,11 @@ def _ended(row: dict, rc: int, run_dir: str, wall_s: float, signum: int,
     row["status"] = f"ok ({verdict + '; ' if verdict else ''}kept: finished earlier)"
   elif verdict:
     row["status"] = f"ok ({verdict})"
+  done_to, asked = (result or {}).get("iterations"), (result or {}).get("num_iterations")
+  if (row["status"].startswith("ok") and isinstance(done_to, int) and isinstance(asked, int)
+      and done_to > asked):  # (re-run with fewer iterations: its figures are of all done_to)
+    row["status"] = (f"ok (trained to {done_to} earlier, past num_iterations={asked}: its "
+                     "figures are of all of them; a new --workdir runs the shorter one)")
   if result:
     # A result's own "status" (train_ppo's done / stopped) must not replace the sweep's.
     row.update({f"result/{k}" if k in row else k: v for k, v in flatten_scalars(

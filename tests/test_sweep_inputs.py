@@ -565,3 +565,25 @@ print(json.dumps([list(kl.get_xlim()), [list(map(list, c.get_segments()[0]))
   # iteration drawn as an error bar from their lowest to their highest (0.5-2.0).
   xlim, bars = json.loads(proc.stdout.splitlines()[-1])
   assert xlim == [2.0, 4.0] and bars == [[[3.0, 0.5], [3.0, 2.0]]], (xlim, bars)
+
+
+def test_a_run_trained_past_the_sweep_s_num_iterations_says_so(tmp_path):
+  """A sweep re-run with fewer iterations: each finished run trains nothing and its row showed
+  'ok' with iterations 10 of num_iterations 5, its rewards and rates of all 10, beside runs of
+  5. Its status now says so, and what runs the shorter one."""
+  run = tmp_path / "r"
+  run.mkdir()
+  (run / "result.json").write_text(json.dumps({"status": "done", "iterations": 10,
+                                               "num_iterations": 5, "reward_last_10pct": 0.5}))
+  script = f"""
+import json
+from experiments import sweep
+print(json.dumps(sweep._ended({{"run": "r"}}, 0, {str(run)!r}, 1.0, 0)))
+"""
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(),
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  row = json.loads(proc.stdout.splitlines()[-1])
+  assert row["status"] == ("ok (trained to 10 earlier, past num_iterations=5: its figures are of "
+                           "all of them; a new --workdir runs the shorter one)"), row
+  assert (row["iterations"], row["num_iterations"]) == (10, 5)
