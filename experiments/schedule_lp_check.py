@@ -83,7 +83,7 @@ def _solve(model, result, workdir):
   result.update(res)
   if res["certified"] and lam is not None:
     path = os.path.join(workdir, "certificate.npz")
-    time_indexed.save_certificate(path, lam, target, model.devices)
+    time_indexed.save_certificate(path, lam, target, model.devices, model.problem.budget())
     result["certificate"] = "certificate.npz"
   verdict = ("unreachable within budget (certified)" if res["certified"] else
              "LP feasible: the relaxation proves nothing" if res["status"] == "feasible" else
@@ -140,7 +140,8 @@ def main(argv):
     return
   model, result = single
   if _VERIFY.value:
-    lam = time_indexed.load_certificate(_VERIFY.value, model.A.shape[0], target)
+    lam = time_indexed.load_certificate(_VERIFY.value, model.A.shape[0], target,
+                                        model.problem.budget())
     bound = time_indexed.certificate_bound(model, lam)
     result.update(verified=_VERIFY.value, certificate_bound=bound, certified=bound > 0)
     logging.info("certificate %s: exact bound %.6g -> %s", _VERIFY.value, bound,

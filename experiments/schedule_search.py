@@ -120,8 +120,9 @@ def summary(result: dict, workdir: str) -> str:
              if serial else "") + f"), peak {result['peak_max']:g} of a "
           f"{result['memory_budget_mode']} budget {result['budget_max']:g} ({n} "
           f"device{'' if n == 1 else 's'} at it), within budget: {result['within_budget']}; "
-          f"wrote {workdir} (a run of this shape trains it: train_ppo "
-          f"--config.pipeline.schedule_file={os.path.join(workdir, 'schedule.json')})")
+          f"wrote {workdir} (a run of this shape trains it, each task one tick: train_ppo "
+          f"--config.pipeline.schedule_file={os.path.join(workdir, 'schedule.json')}; "
+          "docs/schedules.md says which durations to search it on)")
 
 
 def main(argv):

@@ -107,8 +107,14 @@ def test_deadlocked_orders_are_rejected():
   ev = evaluate(p, np.array([[AF, CF, CB, AB], [AB, AF, CF, CB]]))
   assert not ev.valid
   from rlhfuse_jax.pipeline.schedule import from_order
-  with pytest.raises(ValueError, match="deadlock"):
+  with pytest.raises(ValueError, match=r"order deadlocks \(cyclic wait between devices"):
     from_order(p, np.array([[CF, AF, CB, AB], [AF, CF, AB, CB]]))
+  # The backward before its own forward (a hand-edited schedule file): named by device,
+  # position and micro-batch, not as a wait between devices.
+  with pytest.raises(ValueError, match=r"order deadlocks: on device 1, position 0, the actor "
+                                       r"backward of micro-batch 0 comes before its own forward "
+                                       r"\(on the same device\)"):
+    from_order(p, np.array([[AF, CF, CB, AB], [AB, AF, CF, CB]]))
 
 
 @pytest.mark.parametrize("stages, micro, fwd, bwd", [
@@ -223,3 +229,25 @@ def test_list_scheduling_with_the_reserve_never_stalls_under_the_budget():
       assert order is not None
       ev = evaluate(p, order)
       assert ev.valid and np.all(ev.peaks <= cap + 1e-9)
+
+
+def test_the_gantt_title_is_wrapped_to_the_figure(tmp_path, monkeypatch):
+  """schedule_search's title of a small instance (a figure 8 inches wide) ended "peak/budget
+  1.00 (unifo": cut off at the figure's edge. It is wrapped to the width, every word kept."""
+  import matplotlib.figure
+  from rlhfuse_jax.pipeline import gantt
+  from rlhfuse_jax.pipeline import schedule as schedule_lib
+  seen = []
+  monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **kw: seen.append(fig))
+  p = PipelineProblem(actor_pp=2, critic_pp=2, actor_microbatches=2, critic_microbatches=2,
+                      actor_fwd=2.0, critic_fwd=1.0)
+  sched = schedule_lib.from_order(p, schedules.serial_order(p))
+  title = ("Pa/Pc=2/2, Ma/Mc=2/2: makespan 18, tight LB 18, serial 27, peak/budget 1.00 "
+           "(uniform), searched in 2.0 s by 1 worker of the anneal, seed 0, " * 2).strip()
+  gantt.plot_gantt(sched, str(tmp_path / "g.png"), title)
+  fig, = seen
+  fig.canvas.draw()
+  text = fig.axes[0].title
+  assert text.get_text().split() == title.split()
+  box = text.get_window_extent()
+  assert 0 <= box.x0 and box.x1 <= fig.bbox.width, (box, fig.bbox.width)

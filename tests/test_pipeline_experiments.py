@@ -93,8 +93,9 @@ def test_schedule_search_summary_says_device_or_devices():
   assert out.returncode == 0, out.stderr[-3000:]
   start = ("searched 44 time units (LB 42, gap 4.76%; serial 1F1B 55, 1.25x the searched), "
            "peak 44 of a uniform budget 44 ")
-  end = (", within budget: True; wrote /tmp/w (a run of this shape trains it: train_ppo "
-         "--config.pipeline.schedule_file=/tmp/w/schedule.json)")
+  end = (", within budget: True; wrote /tmp/w (a run of this shape trains it, each task one "
+         "tick: train_ppo --config.pipeline.schedule_file=/tmp/w/schedule.json; "
+         "docs/schedules.md says which durations to search it on)")
   assert out.stdout.splitlines() == [start + "(1 device at it)" + end,
                                      start + "(3 devices at it)" + end]
 

@@ -237,8 +237,20 @@ def test_lp_check_binary_saves_a_certificate_that_verify_rechecks(tmp_path):
   assert time_indexed.certificate_devices(str(tmp_path / "sub.npz")) == [2, 3]
   np.testing.assert_array_equal(time_indexed.load_certificate(str(tmp_path / "sub.npz"), 5, 42.0),
                                 lam)
-  with pytest.raises(ValueError, match=r"5 rows, built for devices \[2, 3\]; this instance"):
+  with pytest.raises(ValueError, match=r"5 rows, built for devices \[2, 3\]; this instance.*"
+                                       r"memory budget \(config.memory_budget_mode"):
     time_indexed.load_certificate(str(tmp_path / "sub.npz"), 6, 42.0)
+  # The memory budget it was made for is kept and compared: a kept per-device certificate
+  # checked without --config.memory_budget_mode=per_device (the uniform budget, the default)
+  # was refused as "a model of 60370 rows ... other instance, --devices, target or code
+  # version?", naming every cause but that one.
+  time_indexed.save_certificate(str(tmp_path / "b.npz"), lam, 42.0, None, [10.0, 12.0])
+  np.testing.assert_array_equal(
+      time_indexed.load_certificate(str(tmp_path / "b.npz"), 5, 42.0, [10.0, 12.0]), lam)
+  with pytest.raises(ValueError, match=r"b\.npz: certificate for the memory budget \[10.0, "
+                                       r"12.0\] per device; this instance's is \[12.0, 12.0\] "
+                                       r"\(config.memory_budget_mode"):
+    time_indexed.load_certificate(str(tmp_path / "b.npz"), 5, 42.0, [12.0, 12.0])
   # A file that is not one: numpy's EOFError, BadZipFile, KeyError, IndexError or a
   # ZeroDivisionError in the check, each a traceback naming neither flag nor file.
   good = (tmp_path / "sub.npz").read_bytes()

@@ -640,9 +640,21 @@ def test_a_schedule_file_for_another_shape_is_refused_naming_both(tmp_path):
       f"config.pipeline.schedule_file={path!r} is a schedule for actor_pp=4, critic_pp=2, "
       "actor_microbatches=8, critic_microbatches=2; this run's pipeline is actor_pp=4, "
       "critic_pp=2, actor_microbatches=4, critic_microbatches=2 (mesh.stage, ") + r".*"
-      + re.escape("--config.actor_pp=4 --config.critic_pp=2 --config.actor_microbatches=4 "
-                  "--config.critic_microbatches=2")):
+      + re.escape("search one on the trainer's problem with python -m experiments."
+                  "schedule_search --config=configs/schedule_search.py --workdir=DIR "
+                  "--config.actor_pp=4 --config.critic_pp=2 --config.actor_microbatches=4 "
+                  "--config.critic_microbatches=2 --config.actor_fwd=1")):
     pipelined.file_schedule(problem, path)
+  # The command searches the trainer's own problem: its shape, unit durations (one tick a
+  # task) and per-device budget. With the shape alone it searched configs/schedule_search.py's
+  # durations, and ppo_tiny:fused's shape trained at 28 ticks where its own search gives 26.
+  from configs import schedule_search as search_config
+  from rlhfuse_jax.pipeline.graph import PipelineProblem
+  c = search_config.get_config()
+  for flag in pipelined.search_command(problem).split(" --config.")[1:]:
+    name, value = flag.split("=")
+    setattr(c, name, type(getattr(c, name))(value))
+  assert PipelineProblem.from_config(c) == problem
   with pytest.raises(FileNotFoundError, match=r"config\.pipeline\.schedule_file='/nonexistent"
                                               r"/schedule\.json': no such file"):
     pipelined.file_schedule(problem, "/nonexistent/schedule.json")

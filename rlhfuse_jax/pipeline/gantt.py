@@ -1,6 +1,7 @@
 """Gantt chart of a schedule (devices x time; actor vs critic colours, backward hatched)."""
 from __future__ import annotations
 
+import textwrap
 from typing import Optional
 
 import matplotlib
@@ -36,7 +37,9 @@ def plot_gantt(schedule: Schedule, path: str, title: Optional[str] = None,
   ax.set_yticklabels([f"dev {d}" for d in range(n)])
   ax.set_xlim(0, schedule.makespan)
   ax.set_xlabel("time (the problem's units: its forward/backward durations)")
-  ax.set_title(title or f"makespan {schedule.makespan:g}")
+  # Wrapped to the figure's width (about 9 characters an inch at the title's size):
+  # schedule_search's title of a small instance ended "peak/budget 1.00 (unifo", cut off.
+  ax.set_title(textwrap.fill(title or f"makespan {schedule.makespan:g}", int(9 * width)))
   fig.legend(handles=[Patch(facecolor=c, hatch="//" if k == "B" else None, label=f"{m} {k}")
                       for (m, k), c in _COLORS.items()], loc="lower center", fontsize=7, ncol=4)
   fig.tight_layout(rect=(0, 0.5 / (0.45 * n + 1.6), 1, 1))  # room for the legend below

@@ -88,12 +88,33 @@ class Schedule:
     return json.dumps(self.to_dict())
 
 
+def deadlock_reason(problem: PipelineProblem, order: np.ndarray) -> str:
+  """Why a valid-shaped `order` deadlocks: the first backward placed before its own forward on
+  the same device (micro-batches count in order on each device), which a hand-edited file
+  makes; else the cyclic wait between devices. (Every such order was said to deadlock
+  "between devices", naming no device or task.)"""
+  for d in range(problem.num_devices):
+    forwards, backwards = {AF: 0, CF: 0}, {AB: 0, CB: 0}
+    for p, k in enumerate(order[d].tolist()):
+      if k in forwards:
+        forwards[k] += 1
+        continue
+      forward = AF if k == AB else CF
+      if backwards[k] >= forwards[forward]:
+        return (f"order deadlocks: on device {d}, position {p}, the "
+                f"{'actor' if k == AB else 'critic'} backward of micro-batch {backwards[k]} "
+                "comes before its own forward (on the same device)")
+      backwards[k] += 1
+  return ("order deadlocks (cyclic wait between devices: a task waits on another device's, "
+          "which waits on it in turn)")
+
+
 def from_order(problem: PipelineProblem, order: np.ndarray) -> Schedule:
   """Times an order and labels every task; raises ValueError on a deadlock."""
   order = validate_order(problem, order)
   ev = evaluate(problem, order)
   if not ev.valid:
-    raise ValueError("order deadlocks (cyclic wait between devices)")
+    raise ValueError(deadlock_reason(problem, order))
   devices = []
   for d in range(problem.num_devices):
     cnt = [0, 0, 0, 0]

@@ -179,6 +179,17 @@ def _shape_text(shape: dict, prefix: str = "", sep: str = ", ") -> str:
   return sep.join(f"{prefix}{k}={v}" for k, v in shape.items())
 
 
+def search_command(problem: PipelineProblem) -> str:
+  """The schedule_search command for the trainer's own problem (`pipeline_problem`): its shape,
+  unit durations and per-device budget. With the shape alone it searched configs/
+  schedule_search.py's durations (actor forward 5, critic 4), another cost: ppo_tiny:fused's
+  shape then trained at 28 ticks where its own search reaches the bound, 26."""
+  return ("python -m experiments.schedule_search --config=configs/schedule_search.py "
+          "--workdir=DIR " + _shape_text(_shape(problem), "--config.", " ") +
+          " --config.actor_fwd=1 --config.critic_fwd=1 --config.actor_bwd=1 "
+          "--config.critic_bwd=1 --config.memory_budget_mode=per_device")
+
+
 def file_schedule(problem: PipelineProblem, path: str) -> schedule_lib.Schedule:
   """pipeline.schedule_file's schedule, re-timed on the run's `problem` (unit durations: its
   makespan is the lockstep program's ticks). The file is a schedule.json of
@@ -211,9 +222,8 @@ def file_schedule(problem: PipelineProblem, path: str) -> schedule_lib.Schedule:
     raise ValueError(
         f"{field} is a schedule for {_shape_text(_shape(found.problem))}; this run's pipeline "
         f"is {_shape_text(_shape(problem))} (mesh.stage, pipeline.critic_pp, "
-        f"pipeline.actor_microbatches, pipeline.critic_microbatches): search one with python -m "
-        f"experiments.schedule_search --config=configs/schedule_search.py "
-        + _shape_text(_shape(problem), "--config.", " "))
+        f"pipeline.actor_microbatches, pipeline.critic_microbatches): search one on the "
+        f"trainer's problem with {search_command(problem)}")
   return schedule_lib.from_order(problem, found.order())
 
 

@@ -285,14 +285,17 @@ def certificate_bound(model: TimeIndexedModel, lam: np.ndarray) -> float:
 
 
 def save_certificate(path: str, multipliers: np.ndarray, target: float,
-                     devices: Optional[Sequence[int]] = None) -> None:
-  """The non-zero multipliers, compressed, written atomically, with the target and the devices
-  the model was built for (None: all)."""
+                     devices: Optional[Sequence[int]] = None,
+                     budget: Optional[Sequence[float]] = None) -> None:
+  """The non-zero multipliers, compressed, written atomically, with the target, the devices
+  the model was built for (None: all) and the memory budget per device of its problem."""
   nz = np.flatnonzero(multipliers > 0)
   buf = io.BytesIO()
+  extra = {} if budget is None else {"budget": np.asarray(list(budget), np.float64)}
   np.savez_compressed(buf, rows=np.int64(multipliers.size), index=nz.astype(np.int32),
                       value=multipliers[nz], target=np.float64(target),
-                      devices=np.asarray([] if devices is None else list(devices), np.int32))
+                      devices=np.asarray([] if devices is None else list(devices), np.int32),
+                      **extra)
   wd.atomic_write_bytes(path, buf.getvalue())
 
 
@@ -322,18 +325,28 @@ def certificate_devices(path: str) -> Optional[list[int]]:
   return devices or None
 
 
-def load_certificate(path: str, rows: int, target: float) -> np.ndarray:
-  """The multipliers [rows] saved by `save_certificate`; refuses one made for another target or
-  another model size (it could only fail the exact check there)."""
+def load_certificate(path: str, rows: int, target: float,
+                     budget: Optional[Sequence[float]] = None) -> np.ndarray:
+  """The multipliers [rows] saved by `save_certificate`; refuses one made for another target,
+  another memory budget (`budget`: this problem's per device, compared where the file records
+  one) or another model size (it could only fail the exact check there)."""
   f = _read_certificate(path)
   if "target" in f and not np.isclose(float(f["target"]), target):
     raise ValueError(f"{path}: certificate for target {float(f['target']):g}, not {target:g}")
+  if ("budget" in f and budget is not None and
+      (len(f["budget"]) != len(budget) or not np.allclose(f["budget"], budget))):
+    raise ValueError(f"{path}: certificate for the memory budget {f['budget'].tolist()} per "
+                     f"device; this instance's is {list(map(float, budget))} "
+                     "(config.memory_budget_mode or config.memory_budget?)")
   if int(f["rows"]) != rows:
     made_for = (f", built for devices {[int(d) for d in f['devices']]}"
                 if "devices" in f and len(f["devices"]) else "")
+    # (the memory budget changes the rows: the uniform one is the default since 2026-11-26,
+    # and the kept certificates of the per-device budget were refused naming the rest only)
     raise ValueError(f"{path}: certificate for a model of {int(f['rows'])} rows{made_for}; "
                      f"this instance, target and devices give {rows} (other instance, "
-                     "--devices, target or code version?)")
+                     "--devices, target, memory budget (config.memory_budget_mode: the kept "
+                     "certificates are per_device's) or code version?)")
   lam = np.zeros(rows)
   lam[f["index"]] = f["value"]
   return lam
