@@ -434,6 +434,36 @@ def test_a_restart_says_how_many_programs_it_loaded_from_the_compilation_cache(t
   assert notes[2].stdout.strip() == "''"
 
 
+def test_a_cache_entry_cut_short_is_compiled_again_once_and_written_whole(tmp_path):
+  """jax writes a compilation cache entry in place and never rewrites one that exists: an entry
+  cut short (a kill -9 or a full disk while jax wrote it) failed every later start's read
+  ("truncated stream"), and its program compiled again each time. The damaged entries (cut,
+  empty) are removed as the cache is enabled: the next start compiles once and writes them
+  whole, the one after loads everything."""
+  run = lambda: subprocess.run([sys.executable, "-c", _CACHED_JIT, "", str(tmp_path / "run")],
+                               cwd=REPO, env=_no_cache_env(), capture_output=True, text=True,
+                               timeout=120)
+  first = run()
+  assert first.returncode == 0, first.stderr[-2000:]
+  cache = tmp_path / "run" / "cache" / "xla"
+  entries = sorted(p for p in cache.iterdir() if p.name.endswith("-cache"))
+  whole = {p.name: p.read_bytes() for p in entries}
+  assert len(entries) >= 2, entries
+  entries[0].write_bytes(whole[entries[0].name][:len(whole[entries[0].name]) // 2])
+  entries[1].write_bytes(b"")
+  second = run()
+  assert second.returncode == 0, second.stderr[-2000:]
+  assert "removed 2 damaged compilation cache entries" in second.stderr, second.stderr[-2000:]
+  assert "Error reading persistent compilation cache entry" not in second.stderr
+  from jax._src import compilation_cache  # (the format's reader)
+  for p in entries:  # written whole again
+    compilation_cache.decompress_executable(p.read_bytes())
+  third = run()
+  loaded, written = _CACHE_NOTE.fullmatch(third.stdout.strip()).groups()
+  assert (int(loaded), written) == (len(whole), "0"), third.stdout
+  assert "damaged" not in third.stderr
+
+
 def test_a_moved_workdir_loads_its_compilation_cache(tmp_path):
   """A workdir moved (or copied to another path: a node's scratch) before its resume loads the
   programs of its cache/xla: jax put the path of its GPU autotuning cache, under the cache

@@ -646,9 +646,49 @@ def enable_compilation_cache(setting: str, workdir: str) -> Optional[str]:
     # and that path enters every program's cache key: a workdir moved or copied elsewhere (a
     # node's scratch) loaded none of its programs. On CPU and TPU that cache does nothing.
     jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+  drop_damaged_cache_entries(path)
   logging.info("XLA compilation cache: %s (a restart loads the programs compiled before; "
                "config.compilation_cache_dir='none' turns it off)", path)
   return path
+
+
+def drop_damaged_cache_entries(path: str) -> list[str]:
+  """Removes (and returns) the entries of jax's compilation cache at `path` that do not
+  decompress: jax writes an entry in place, not by a rename, and never rewrites one that
+  exists, so an entry cut short (a kill -9 or a full disk while it was written) failed every
+  later start's read ("Error reading persistent compilation cache entry ... truncated
+  stream") and its program, the update's most often, was compiled again each time. Removed,
+  the next compile writes it whole. Needs jax's own decompression (a private function, the
+  format's only reader): where a jax version lacks it, nothing is checked."""
+  try:
+    from jax._src import compilation_cache  # pylint: disable=import-outside-toplevel
+    decompress = compilation_cache.decompress_executable
+  except (ImportError, AttributeError):
+    return []
+  dropped = []
+  for name in sorted(os.listdir(path)) if os.path.isdir(path) else ():
+    entry = os.path.join(path, name)
+    if not name.endswith("-cache") or not os.path.isfile(entry):
+      continue
+    try:
+      with open(entry, "rb") as f:
+        decompress(f.read())
+    except OSError:
+      continue  # (unreadable here: jax's own read says so)
+    except Exception:  # noqa: BLE001 zlib.error, zstd's ZstdError: a damaged entry
+      try:
+        os.remove(entry)
+      except FileNotFoundError:  # (another process of the run removed it first)
+        pass
+      dropped.append(name)
+  if dropped:
+    logging.warning("removed %d damaged compilation cache entr%s from %s (cut short while jax "
+                    "wrote %s: a kill or a full disk); %s compiled again and written whole: %s",
+                    len(dropped), "y" if len(dropped) == 1 else "ies", path,
+                    "it" if len(dropped) == 1 else "them",
+                    "its program is" if len(dropped) == 1 else "their programs are",
+                    ", ".join(dropped))
+  return dropped
 
 
 # jax's events for a program loaded from the persistent cache and one compiled and written to it
