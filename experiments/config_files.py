@@ -512,8 +512,11 @@ USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, wd.WorkdirInUs
 # filesystem, a file the user may not write, a file where a directory belongs (EEXIST from
 # os.makedirs, ENOTDIR below it) or the reverse
 # (a failed write to metrics.jsonl, result.json or .lock ended in a 50-87 line traceback).
+# (EFBIG: a file-size limit, `ulimit -f`, a full disk's stand-in in a fault test, which ended
+# a resume's first write in a 50-line traceback)
 ENVIRONMENT_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
-                                errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EEXIST))
+                                errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EEXIST,
+                                errno.EFBIG))
 
 
 def _config_lacks_field(e: BaseException) -> Optional[ValueError]:

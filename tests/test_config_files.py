@@ -611,7 +611,7 @@ def test_a_full_disk_or_an_unwritable_file_is_one_line_naming_the_file(tmp_path)
   assert "] OSError: [Errno 28] No space left on device: '/dev/full'" in out.stderr, out.stderr
   assert "Traceback" not in out.stderr, out.stderr
   # (EEXIST: os.makedirs of a directory where a file is, as a cache_dir naming a file)
-  for code in (errno.EACCES, errno.EROFS, errno.EISDIR, errno.EEXIST):
+  for code in (errno.EACCES, errno.EROFS, errno.EISDIR, errno.EEXIST, errno.EFBIG):
     assert config_files.user_error(OSError(code, os.strerror(code), str(tmp_path)))
   assert not config_files.user_error(OSError(errno.EIO, "I/O error"))  # a fault: traceback
   assert not config_files.user_error(OSError("no errno"))
