@@ -1001,10 +1001,16 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
   return rows, complete
 
 
+PAST_NUM_ITERATIONS = "ok (trained to "  # _ended's status of a run past num_iterations
+
+
 def nothing_trained(before: dict, row: dict) -> bool:
   """Whether a training run's start (`row`, as _ended made it) trained no iteration beyond its
-  earlier row `before` of summary.json, which had finished: both ok at the same `iterations`."""
-  return (str(before.get("status", "")).startswith("ok") and str(row.get("status", "")) == "ok"
+  earlier row `before` of summary.json, which had finished: both ok at the same `iterations`
+  (also one _ended marks as trained past num_iterations: a re-run with fewer trains nothing)."""
+  status = str(row.get("status", ""))
+  return (str(before.get("status", "")).startswith("ok") and
+          (status == "ok" or status.startswith(PAST_NUM_ITERATIONS))
           and before.get("wall_s") is not None and before.get("iterations") is not None
           and row.get("iterations") == before.get("iterations"))
 
@@ -1049,8 +1055,8 @@ def _ended(row: dict, rc: int, run_dir: str, wall_s: float, signum: int,
   done_to, asked = (result or {}).get("iterations"), (result or {}).get("num_iterations")
   if (row["status"].startswith("ok") and isinstance(done_to, int) and isinstance(asked, int)
       and done_to > asked):  # (re-run with fewer iterations: its figures are of all done_to)
-    row["status"] = (f"ok (trained to {done_to} earlier, past num_iterations={asked}: its "
-                     "figures are of all of them; a new --workdir runs the shorter one)")
+    row["status"] = (f"{PAST_NUM_ITERATIONS}{done_to} earlier, past num_iterations={asked}: "
+                     "its figures are of all of them; a new --workdir runs the shorter one)")
   if result:
     # A result's own "status" (train_ppo's done / stopped) must not replace the sweep's.
     row.update({f"result/{k}" if k in row else k: v for k, v in flatten_scalars(

@@ -2,6 +2,7 @@
 run exported as a HF checkpoint after the fact (its weights bit for bit those the checkpoint
 holds), best:METRIC picking among the kept iterations, the errors, and that the run's own files
 stay as they were."""
+import dataclasses
 import hashlib
 import json
 import math
@@ -405,3 +406,9 @@ def test_too_few_devices_are_named_with_the_flag_that_gives_them():
   with pytest.raises(ValueError, match=r"export on a host with 4 or more"):
     export_lib.check_devices(cfg, 2, "gpu")
   export_lib.check_devices(cfg, 8, "cpu")
+  # An asynchronous run's generation group comes on top of its training mesh.
+  split = dataclasses.replace(cfg, async_ppo=dataclasses.replace(
+      cfg.async_ppo, staleness=1, generation_devices=2))
+  with pytest.raises(ValueError, match=r"\+ config.async_ppo.generation_devices=2 needs at "
+                                       r"least 6 devices"):
+    export_lib.check_devices(split, 4, "cpu")

@@ -413,3 +413,22 @@ def test_the_same_file_under_another_name_resumes(tmp_path):
   assert not inputs.same_files({"a": "1", "b": "2"}, {"c": "1", "d": "2"})  # two renamed
   assert not inputs.same_files({"a": "1", "b": "2"}, {"c": "1", "b": "3"})
   assert inputs.same_files({"a": "1", "b": "2"}, {"c": "1", "b": "2"})
+
+
+def test_an_export_compares_the_files_it_copies():
+  """export_changes: the tokenizer's files, the chat template and the actor checkpoint's config
+  files; not the initial actor's weights (the export writes the run's own): a re-downloaded
+  base model blocked every export. A checkpoint without fingerprints compares nothing."""
+  saved = {"init.actor_checkpoint": {"config.json": "a", "generation_config.json": "b",
+                                     "model.safetensors": "w"},
+           "init.tokenizer": {"tokenizer.json": "t"}}
+  weights = {**saved, "init.actor_checkpoint": {**saved["init.actor_checkpoint"],
+                                                "model.safetensors": "w2"}}
+  assert inputs.export_changes(saved, weights) == []
+  eos = {**saved, "init.actor_checkpoint": {**saved["init.actor_checkpoint"],
+                                            "generation_config.json": "b2"}}
+  assert inputs.export_changes(saved, eos) == [
+      "config.init.actor_checkpoint: generation_config.json changed"]
+  tok = {**saved, "init.tokenizer": {"tokenizer.json": "t2"}}
+  assert inputs.export_changes(saved, tok) == ["config.init.tokenizer: tokenizer.json changed"]
+  assert inputs.export_changes(None, tok) == []

@@ -578,12 +578,16 @@ def test_a_run_trained_past_the_sweep_s_num_iterations_says_so(tmp_path):
   script = f"""
 import json
 from experiments import sweep
-print(json.dumps(sweep._ended({{"run": "r"}}, 0, {str(run)!r}, 1.0, 0)))
+row = sweep._ended({{"run": "r"}}, 0, {str(run)!r}, 103.0, 0)
+# (a re-run that trained nothing keeps its earlier wall_s: sweep.run_sweep)
+print(json.dumps([row, sweep.nothing_trained({{"status": "ok", "wall_s": 100.0,
+                                               "iterations": 10}}, row)]))
 """
   proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(),
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  row = json.loads(proc.stdout.splitlines()[-1])
+  row, nothing = json.loads(proc.stdout.splitlines()[-1])
   assert row["status"] == ("ok (trained to 10 earlier, past num_iterations=5: its figures are of "
                            "all of them; a new --workdir runs the shorter one)"), row
+  assert nothing  # its wall_s stays the training's, not grown by this start's set-up
   assert (row["iterations"], row["num_iterations"]) == (10, 5)

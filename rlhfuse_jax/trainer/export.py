@@ -216,11 +216,14 @@ def check_devices(cfg: TrainConfig, num_devices: int, platform: str) -> None:
   job's run (mesh.stage=4) in a plain `python` (1 CPU device) failed with the mesh's bare
   "does not divide 1", where train_ppo names the XLA_FLAGS that gives them."""
   sizes = dataclasses.asdict(cfg.mesh)
-  need = math.prod(v for v in sizes.values() if v != -1)
+  gen = cfg.async_ppo.generation_devices  # (an asynchronous run's generation group, apart)
+  need = math.prod(v for v in sizes.values() if v != -1) + gen
   if need <= num_devices:
     return
   raise ValueError(
-      f"the run's config.mesh={sizes} needs at least {need} devices, but jax sees {num_devices} "
+      f"the run's config.mesh={sizes}" + (f" + config.async_ppo.generation_devices={gen}"
+                                          if gen else "") +
+      f" needs at least {need} devices, but jax sees {num_devices} "
       f"({platform}): " + (f"on a CPU host add fake devices before jax starts, as the run had: "
                            f"XLA_FLAGS=--xla_force_host_platform_device_count={need} (or the "
                            "run's own count)" if platform == "cpu" else

@@ -478,7 +478,9 @@ class Checkpoints(Hook):
     allowed = self.cfg.checkpoint.resume_changes_set
     # Async PPO's batches in flight without the reference log-probs a KL term now reads:
     # refused before the change is logged as applied (trainer/loop.py checks the restored
-    # batches again: an older checkpoint may be restored than this one)
+    # batches again: an older checkpoint may be restored than this one). Known limit: a damaged
+    # newest checkpoint lacking them is refused even where the older one the fallback would
+    # restore holds them (kl_coef changed twice, then a damaged save: resume with kl_coef=0)
     lacking = (async_lib.lacking_reference(meta.get("in_flight"))
                if self.cfg.algo.uses_reference else [])
     if lacking:

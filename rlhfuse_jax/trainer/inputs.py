@@ -193,6 +193,9 @@ def export_changes(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any]) -
   out = []
   for field in EXPORT_FIELDS:
     was, is_ = (saved or {}).get(field), now.get(field)
+    if field == "init.actor_checkpoint" and was and is_:  # only its config files are copied
+      # (the weights exported are the run's: a re-downloaded base model blocked every export)
+      was, is_ = ({k: v for k, v in fp.items() if k in CHECKPOINT_FILES} for fp in (was, is_))
     if was and is_ and not same_files(was, is_):
       out.append(f"config.{field}: {_changed_files(was, is_)}")
   return out
