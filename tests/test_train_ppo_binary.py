@@ -451,6 +451,8 @@ def test_a_cache_entry_cut_short_is_compiled_again_once_and_written_whole(tmp_pa
   assert len(entries) >= 2, entries
   entries[0].write_bytes(whole[entries[0].name][:len(whole[entries[0].name]) // 2])
   entries[1].write_bytes(b"")
+  for p in entries[:2]:  # (an entry written in the last seconds is left: it may be in progress)
+    os.utime(p, (time.time() - 60, time.time() - 60))
   second = run()
   assert second.returncode == 0, second.stderr[-2000:]
   assert "removed 2 damaged compilation cache entries" in second.stderr, second.stderr[-2000:]
@@ -462,6 +464,19 @@ def test_a_cache_entry_cut_short_is_compiled_again_once_and_written_whole(tmp_pa
   loaded, written = _CACHE_NOTE.fullmatch(third.stdout.strip()).groups()
   assert (int(loaded), written) == (len(whole), "0"), third.stdout
   assert "damaged" not in third.stderr
+
+
+def test_a_damaged_cache_entry_written_just_now_is_left(tmp_path):
+  """An entry written in the last seconds may be one another run sharing the cache (a sweep's)
+  is writing: left. Older, it is removed; a file that is no entry is never touched."""
+  from rlhfuse_jax.trainer import hooks
+  (tmp_path / "jit_f-abc-cache").write_bytes(b"cut")
+  (tmp_path / "notes.txt").write_bytes(b"cut")
+  assert hooks.drop_damaged_cache_entries(str(tmp_path)) == []
+  for name in ("jit_f-abc-cache", "notes.txt"):
+    os.utime(tmp_path / name, (time.time() - 60, time.time() - 60))
+  assert hooks.drop_damaged_cache_entries(str(tmp_path)) == ["jit_f-abc-cache"]
+  assert os.listdir(tmp_path) == ["notes.txt"]
 
 
 def test_a_moved_workdir_loads_its_compilation_cache(tmp_path):

@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import jax
@@ -29,8 +30,8 @@ from rlhfuse_jax.generation import multihost
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.trainer import async_ppo as async_lib
 from rlhfuse_jax.trainer import config as config_lib
-from rlhfuse_jax.trainer import plan_file as plan_file_lib
 from rlhfuse_jax.trainer import inputs as inputs_lib
+from rlhfuse_jax.trainer import plan_file as plan_file_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 
 
@@ -654,6 +655,9 @@ def enable_compilation_cache(setting: str, workdir: str) -> Optional[str]:
   return path
 
 
+RECENT_ENTRY_S = 5.0  # (jax writes an entry in one write_bytes call: milliseconds)
+
+
 def drop_damaged_cache_entries(path: str) -> list[str]:
   """Removes (and returns) the entries of jax's compilation cache at `path` that do not
   decompress: jax writes an entry in place, not by a rename, and never rewrites one that
@@ -661,7 +665,11 @@ def drop_damaged_cache_entries(path: str) -> list[str]:
   later start's read ("Error reading persistent compilation cache entry ... truncated
   stream") and its program, the update's most often, was compiled again each time. Removed,
   the next compile writes it whole. Needs jax's own decompression (a private function, the
-  format's only reader): where a jax version lacks it, nothing is checked."""
+  format's only reader): where a jax version lacks it, nothing is checked. Process 0 checks
+  (the one that writes the cache), and not an entry written in the last RECENT_ENTRY_S: another
+  run sharing the cache (a sweep's) may be writing it."""
+  if jax.process_index() != 0:
+    return []
   try:
     from jax._src import compilation_cache  # pylint: disable=import-outside-toplevel
     decompress = compilation_cache.decompress_executable
@@ -673,6 +681,8 @@ def drop_damaged_cache_entries(path: str) -> list[str]:
     if not name.endswith("-cache") or not os.path.isfile(entry):
       continue
     try:
+      if time.time() - os.path.getmtime(entry) < RECENT_ENTRY_S:
+        continue
       with open(entry, "rb") as f:
         decompress(f.read())
     except OSError:
