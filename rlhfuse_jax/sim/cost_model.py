@@ -192,6 +192,15 @@ class CostModel:
              "inference_s": "inference"}[op]
     return self.cal is not None and getattr(self.cal, field) is not None
 
+  @property
+  def shares_compute(self) -> bool:
+    """Whether the calibration was measured on devices that share one processor (fake CPU
+    devices): the simulated devices then run one task at a time, in generation_sim (its _Clock)
+    and plan_search's pipelines and inference stage alike (plan_search ran those side by side
+    while instance generation was serialised: with calibrate_sim's file it charged instances
+    5x what a pipeline of the same work cost, and chose the pipeline for it)."""
+    return bool(self.cal is not None and self.cal.devices_share_compute)
+
   def decode_width_error(self, tp: int) -> Optional[str]:
     """Why the calibration's decode_step table cannot time an instance of `tp` devices (it
     times the instance width it was measured at only), or None."""

@@ -196,7 +196,7 @@ def simulate_generation(cost: CostModel, actor: ModelShape, frozen: Sequence[Mod
   consolidations they trigger (`_generate`), then inference and the totals (`_result`).
   """
   prompt_lens, target, kv_cap, slot_cap = _checked_lengths(setup, prompt_lens, response_lens)
-  shared = setup.devices_share_compute or bool(cost.cal and cost.cal.devices_share_compute)
+  shared = setup.devices_share_compute or cost.shares_compute
   clock = _Clock(setup.num_instances, shared)
   batch = _Batch.dealt(setup.num_instances, setup.slots, prompt_lens, target)
   _prefill(cost, actor, setup, clock, batch)

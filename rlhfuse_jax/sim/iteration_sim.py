@@ -367,7 +367,7 @@ def gen_setup(plan: GenPlan, wl: Workload, opt: SimOptions, cost: CostModel, fus
       threshold=threshold if fused else None, stream_inference=fused,
       inference_microbatch=opt.inference_microbatch, kv_capacity_tokens=plan.kv_capacity_tokens,
       offload_frozen=opt.offload_frozen, inference_pp=plan.inference_pp,
-      devices_share_compute=bool(cost.cal is not None and cost.cal.devices_share_compute),
+      devices_share_compute=cost.shares_compute,
       devices_per_node=cost.hw.devices_per_node)
 
 

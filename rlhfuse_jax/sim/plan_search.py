@@ -36,9 +36,9 @@ next stage. A decode step of every group takes max(sum over groups of their tick
 longest tick): with G >= pp every stage is busy all step long; with G < pp (or once groups have
 finished) a group's token must cross all pp stages before its next one, and stages wait. The
 fill adds pp - 1 ticks. Busy fraction = stage-ticks of work / (pp x step time). With a
-calibration measured on devices that share one processor (fake CPU devices: shares_compute)
-every task runs one after another instead, as in generation_sim: generation and inference take
-the sum of all their stages' work.
+calibration measured on devices that share one processor (fake CPU devices:
+CostModel.shares_compute) every task runs one after another instead, as in generation_sim:
+generation and inference take the sum of all their stages' work.
 
 Asynchronous PPO (`staleness` k >= 1; Pipe-RLHF's paper runs it): the devices split into a
 generation group of g devices and a training group of the other N - g. While the training group
@@ -184,20 +184,11 @@ def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, t
   out = {"gen_s": float(total.max()), "prefill_s": float(prefill[r_last]),
          "decode_s": float(decode[r_last]), "ticks": ticks, "stage_busy_frac": busy,
          "replicas": reps, "samples_per_replica": per_rep}
-  if shares_compute(cost):  # every stage's every task one after another (module docstring)
+  if cost.shares_compute:  # every stage's every task one after another (module docstring)
     out.update(prefill_s=float(pp * pre.sum()), decode_s=float(pp * work.sum()))
     out["gen_s"] = out["prefill_s"] + out["decode_s"]
   return out
 
-
-def shares_compute(cost: CostModel) -> bool:
-  """Whether the calibration was measured on devices that share one processor (fake CPU
-  devices): then the simulated devices run one task at a time, as generation_sim's instances
-  do (its _Clock). Pipelined generation's replicas and stages and the inference replicas ran
-  side by side while instance generation was serialised, so a plan search with such a file
-  (calibrate_sim's) charged instances 5x what a pipeline of the same work cost, and chose the
-  pipeline for it."""
-  return bool(cost.cal is not None and cost.cal.devices_share_compute)
 
 
 def instance_generation(cost: CostModel, wl, opt, tp: int, prompts: np.ndarray,
@@ -241,7 +232,7 @@ def inference_stage_s(cost: CostModel, frozen, num_devices: int, tp: int, pp: in
     load[r] += t
     longest[r] = max(longest[r], t)
   w = cost.weight_load_s(frozen, tp * pp) if offload else 0.0
-  if shares_compute(cost):  # every micro-batch through every stage, one after another
+  if cost.shares_compute:  # every micro-batch through every stage, one after another
     return float(pp * t_mb.sum() + w)
   return float(np.max(load + (pp - 1) * longest) + w)
 
@@ -734,7 +725,7 @@ def _describe_train(p: dict) -> str:
 
 # ----------------------------------------------------------------------------- the trainer
 def trainer_refusal(wl, plan: dict, host_devices: Optional[int] = None) -> Optional[str]:
-  """Why the trainer (rlhfuse_jax/trainer: plan_file_lib.plan_file_settings, rollout.check_plan,
+  """Why the trainer (rlhfuse_jax/trainer: plan_file.plan_file_settings, rollout.check_plan,
   validate.validate, pipelined.check_config) would refuse `plan` (plan.json's form: _plan_dict,
   _async_plan) for `wl`, or run it otherwise than simulated; None if it runs it.
 
