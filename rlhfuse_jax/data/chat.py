@@ -157,8 +157,9 @@ class ChatTemplate:
     self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
     env = _environment()
     try:
-      self._template = env.from_string(source)
-      reads = jinja2.meta.find_undeclared_variables(env.parse(source))
+      tree = env.parse(source)  # (parsed once: the check below reads it, the template compiles it)
+      reads = jinja2.meta.find_undeclared_variables(tree)
+      self._template = env.from_string(tree)
     except jinja2.exceptions.TemplateSyntaxError as e:
       raise ChatTemplateError(f"{name}: not a valid Jinja template (line {e.lineno}: "
                               f"{e.message})") from e

@@ -184,10 +184,12 @@ def search_command(problem: PipelineProblem) -> str:
   unit durations and per-device budget. With the shape alone it searched configs/
   schedule_search.py's durations (actor forward 5, critic 4), another cost: ppo_tiny:fused's
   shape then trained at 28 ticks where its own search reaches the bound, 26."""
+  timing = {k: f"{getattr(problem, k):g}" for k in ("actor_fwd", "critic_fwd", "actor_bwd",
+                                                   "critic_bwd")}
   return ("python -m experiments.schedule_search --config=configs/schedule_search.py "
-          "--workdir=DIR " + _shape_text(_shape(problem), "--config.", " ") +
-          " --config.actor_fwd=1 --config.critic_fwd=1 --config.actor_bwd=1 "
-          "--config.critic_bwd=1 --config.memory_budget_mode=per_device")
+          "--workdir=DIR " + _shape_text({**_shape(problem), **timing,
+                                          "memory_budget_mode": problem.memory_budget_mode},
+                                         "--config.", " "))
 
 
 def file_schedule(problem: PipelineProblem, path: str) -> schedule_lib.Schedule:
