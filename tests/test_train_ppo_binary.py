@@ -381,8 +381,8 @@ _CACHED_JIT = ("import sys, jax, jax.numpy as jnp\n"
                "hooks.enable_compilation_cache(sys.argv[1], sys.argv[2])\n"
                "jax.jit(lambda x: x * 3 + 1)(jnp.ones(5)).block_until_ready()\n"
                "print(repr(hooks.cache_note()))\n")
-_CACHE_NOTE = re.compile(r"' \(compilation cache so far: (\d+) programs loaded, (\d+) compiled "
-                         r"and written\)'")
+_CACHE_NOTE = re.compile(r"' \(compilation cache so far: (\d+) programs loaded, "
+                         r"(\d+) compiled\)'")
 
 
 def _no_cache_env():

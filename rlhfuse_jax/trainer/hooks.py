@@ -703,11 +703,13 @@ def drop_damaged_cache_entries(path: str) -> list[str]:
   return dropped
 
 
-# jax's events for a program loaded from the persistent cache and one compiled and written to it
-# (process 0 writes it; the others only load).
+# jax's events for a program loaded from the persistent cache and one it missed, so compiled. Only
+# process 0 writes a compiled one, and not one that uses host callbacks or whose write failed
+# (jax's "Error writing persistent compilation cache entry" warning): no event says it was
+# written, so the note says compiled, not written.
 _CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "loaded",
-                 "/jax/compilation_cache/cache_misses": "written"}
-_cache_counts = {"loaded": 0, "written": 0, "listening": False}
+                 "/jax/compilation_cache/cache_misses": "compiled"}
+_cache_counts = {"loaded": 0, "compiled": 0, "listening": False}
 
 
 def _count_cache_event(event: str, **kwargs) -> None:
@@ -719,7 +721,8 @@ def _count_cache_event(event: str, **kwargs) -> None:
 
 def count_cache_events() -> None:
   """Counts, from now on, the programs this process loads from jax's persistent compilation
-  cache and those it compiles and writes there (once per process), for cache_note."""
+  cache and those it compiles because the cache lacked them (once per process), for
+  cache_note."""
   if not _cache_counts["listening"]:
     jax.monitoring.register_event_listener(_count_cache_event)
     _cache_counts["listening"] = True
@@ -732,7 +735,7 @@ def cache_note() -> str:
   if not _cache_counts["listening"]:
     return ""
   return (f" (compilation cache so far: {_cache_counts['loaded']} programs loaded, "
-          f"{_cache_counts['written']} compiled and written)")
+          f"{_cache_counts['compiled']} compiled)")
 
 
 def run_hooks(hooks: list, method: str, *args: Any) -> None:
