@@ -141,7 +141,7 @@ def check_device_count(cfg: TrainConfig, num_devices: int, platform: str,
   file that set them (a plan searched for more devices than this run has)."""
   sizes = dataclasses.asdict(cfg.mesh)
   gen = cfg.async_ppo.generation_devices
-  need = math.prod(v for v in sizes.values() if v != -1) + gen
+  need = cfg.min_devices
   planned = plan_file_lib.plan_devices(plan_file_lib.load_plan_file(cfg.plan.file)) if (
       cfg.plan.file) else None
   if cfg.plan.file:  # a config's own fsdp that outgrows both the plan's and this run's devices

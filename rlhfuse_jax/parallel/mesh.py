@@ -55,10 +55,15 @@ class MeshConfig:
       if v != -1 and v < 1:
         raise ValueError(f"mesh.{k}={v}; expected a positive size or -1")
 
+  @property
+  def fixed_devices(self) -> int:
+    """The devices the axes other than a -1 one take: the fewest the mesh runs on."""
+    return math.prod(v for v in dataclasses.asdict(self).values() if v != -1)
+
   def resolve(self, num_devices: int) -> dict[str, int]:
     """Axis sizes for `num_devices`, with a clear error when they do not factor."""
     sizes = dataclasses.asdict(self)
-    fixed = math.prod(v for v in sizes.values() if v != -1)
+    fixed = self.fixed_devices
     free = [k for k, v in sizes.items() if v == -1]
     if free:
       if num_devices % fixed:

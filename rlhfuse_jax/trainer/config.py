@@ -617,6 +617,12 @@ class TrainConfig:
   lock_wait_s: float = 240.0
   vocab_from_tokenizer: bool = False  # set when model.vocab_size was 0 in the ConfigDict
 
+  @property
+  def min_devices(self) -> int:
+    """The fewest devices the run needs: the mesh's fixed axes, plus an asynchronous run's
+    generation group (apart from the mesh)."""
+    return self.mesh.fixed_devices + self.async_ppo.generation_devices
+
   def with_vocab(self, vocab_size: int) -> "TrainConfig":
     """Resolves the vocabulary against the tokenizer's (0 in the config: take the tokenizer's)."""
     if self.vocab_from_tokenizer:

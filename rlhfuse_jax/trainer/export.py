@@ -217,7 +217,7 @@ def check_devices(cfg: TrainConfig, num_devices: int, platform: str) -> None:
   "does not divide 1", where train_ppo names the XLA_FLAGS that gives them."""
   sizes = dataclasses.asdict(cfg.mesh)
   gen = cfg.async_ppo.generation_devices  # (an asynchronous run's generation group, apart)
-  need = math.prod(v for v in sizes.values() if v != -1) + gen
+  need = cfg.min_devices
   if need <= num_devices:
     return
   raise ValueError(
