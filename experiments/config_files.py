@@ -346,13 +346,22 @@ def _load_message(name: str, config_path: str, error: BaseException) -> str:
   text = (error.msg if isinstance(error, SyntaxError) else
           error.args[0] if isinstance(error, (KeyError, AttributeError)) and error.args and
           isinstance(error.args[0], str) else str(error))
-  if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
-    try:
-      text = str(ast.literal_eval(text))
-    except (ValueError, SyntaxError):
-      pass
-  text = " ".join(text.split())
+  text = " ".join(_unquote(text).split())
   return f"--{name}={config_path!r}: loading it raised {type(error).__name__}: {text}{where}"
+
+
+def _unquote(text: str, times: int = 1) -> str:
+  """The text inside up to `times` layers of Python quotes (a KeyError's message, which
+  ml_collections quotes again); `text` itself when it is not a quoted string literal."""
+  for _ in range(times):
+    try:
+      inner = ast.literal_eval(text) if text[:1] in "'\"" else None
+    except (ValueError, SyntaxError):
+      break
+    if not isinstance(inner, str):
+      break
+    text = inner
+  return text
 
 
 def _load_error(argv: Sequence[str]) -> Optional[str]:
@@ -537,11 +546,7 @@ def _config_lacks_field(e: BaseException) -> Optional[ValueError]:
   if isinstance(key, KeyError):  # __getattr__'s AttributeError wraps __getitem__'s KeyError
     key = key.args[0] if key.args else ""
   key = key if isinstance(key, str) else ""
-  for _ in range(2):  # ml_collections quotes it, once or twice
-    try:
-      key = str(ast.literal_eval(key)) if key[:1] in "'\"" and key else key
-    except (ValueError, SyntaxError):
-      break
+  key = _unquote(key, times=2)  # ml_collections quotes it, once or twice
   # A bare key, on its own line ("'modle'\nDid you mean ..."); a locked config's write says
   # 'Key "x" does not exist and cannot be added ...': not a read of a missing field.
   key = key.split("\n")[0].strip().strip("'\"")
