@@ -500,6 +500,31 @@ def test_sampling_ids_and_sizes_that_are_not_integers_are_refused_naming_them(kw
   assert (ids.eos_id, ids.pad_id) == (3, 1) and type(ids.eos_id) is type(ids.pad_id) is int
 
 
+@pytest.mark.parametrize("kw", [{"temperature": "0.7"}, {"top_p": "0.9"}, {"greedy": "no"},
+                                {"top_p": True}, {"temperature": True}, {"greedy": 1},
+                                {"temperature": 0.0}, {"temperature": float("nan")}])
+def test_sampling_numbers_and_flags_of_the_wrong_type_are_refused_naming_them(kw):
+  # A string failed a bare comparison ("'<=' not supported"), naming no field; greedy="no" was
+  # truthy and decoded argmax; top_p=True and temperature=True were kept as True.
+  (name, value), = kw.items()
+  with pytest.raises(ValueError, match=re.escape(f"sampling.{name}={value!r}; expected")):
+    SamplingConfig(**kw)
+
+
+def test_greedy_sampling_takes_temperature_zero_and_numpy_stop_ids():
+  # temperature=0 (the usual spelling of greedy) beside greedy=True was refused with "use
+  # greedy=True"; greedy ignores it (log-probs at temperature 1). extra_eos_ids refused the
+  # numpy integers eos_id takes.
+  greedy = SamplingConfig(greedy=True, temperature=0, eos_id=np.int64(1),
+                          extra_eos_ids=(np.int64(7), 9.0))
+  assert greedy.logprob_temperature == 1.0 and greedy.extra_eos_ids == (7, 9)
+  assert all(type(i) is int for i in greedy.extra_eos_ids)
+  assert SamplingConfig(temperature=np.float32(0.5), top_p=1).top_p == 1.0
+  with pytest.raises(ValueError, match=r"sampling\.temperature=-1; expected a finite number "
+                     r">= 1e-06$"):
+    SamplingConfig(greedy=True, temperature=-1)
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_sampling_frequencies_follow_the_tempered_softmax(temperature):
   # 40,000 draws from one row of fixed logits (one key per draw, as sample_keys gives each

@@ -48,6 +48,12 @@ def _whole(x) -> bool:
     return False
 
 
+def _real(x) -> bool:
+  """Whether `x` is a real number (an int, a float, a numpy scalar; not a bool or a string)."""
+  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(
+      x, (bool, np.bool_))
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """How responses are drawn. Frozen and hashable: it is a static argument of the jitted code."""
@@ -70,13 +76,26 @@ class SamplingConfig:
   steps_per_check: int = 1
 
   def __post_init__(self):
-    if not MIN_TEMPERATURE <= self.temperature < math.inf:
-      raise ValueError(f"sampling.temperature={self.temperature}; expected a finite value >= "
-                       f"{MIN_TEMPERATURE:g} (use greedy=True for argmax decoding)")
+    # A string or a bool ("0.7", True) failed a comparison without naming the field, or was
+    # taken as a number (top_p=True) or a truth value (greedy="no" decoded argmax).
+    if not isinstance(self.greedy, (bool, np.bool_)):
+      raise ValueError(f"sampling.greedy={self.greedy!r}; expected True or False")
+    object.__setattr__(self, "greedy", bool(self.greedy))
+    # Greedy decoding ignores the temperature (its log-probs are at 1: logprob_temperature), so
+    # temperature=0, the usual spelling of greedy, is accepted beside greedy=True.
+    if not (_real(self.temperature) and (
+        MIN_TEMPERATURE <= self.temperature < math.inf or
+        self.greedy and 0 <= self.temperature < math.inf)):
+      raise ValueError(f"sampling.temperature={self.temperature!r}; expected a finite number >= "
+                       f"{MIN_TEMPERATURE:g}" + ("" if self.greedy else
+                                                 " (use greedy=True for argmax decoding)"))
     if not _whole(self.top_k) or self.top_k < 0:
       raise ValueError(f"sampling.top_k={self.top_k}; expected an integer >= 0 (0 disables)")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"sampling.top_p={self.top_p}; expected in (0, 1] (1 disables)")
+    if not (_real(self.top_p) and 0 < self.top_p <= 1):
+      raise ValueError(f"sampling.top_p={self.top_p!r}; expected a number in (0, 1] "
+                       "(1 disables)")
+    for name in ("temperature", "top_p"):
+      object.__setattr__(self, name, float(getattr(self, name)))
     if not _whole(self.max_new_tokens) or self.max_new_tokens < 1:
       raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens}; expected an integer >= 1")
     if not _whole(self.chunk_size) or self.chunk_size < 1:
@@ -99,7 +118,7 @@ class SamplingConfig:
       object.__setattr__(self, name, int(getattr(self, name)))
     extra = self.extra_eos_ids
     if isinstance(extra, (int, str)) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra):
+        _whole(i) and i >= 0 for i in extra):
       raise ValueError(f"sampling.extra_eos_ids={extra!r}; expected a sequence of token ids >= 0")
     if extra and self.eos_id < 0:
       raise ValueError(f"sampling.extra_eos_ids={extra!r} needs sampling.eos_id >= 0")
