@@ -388,8 +388,11 @@ def main(argv):
   if spec:
     setting, wl, accept = trainer_setting(cfg, path, overrides, train_dict, workdir, run)
     from rlhfuse_jax.trainer import sim_plan  # pylint: disable=import-outside-toplevel
-    given = cfg.sim.offload_optimizer
+    given, given_k = cfg.sim.offload_optimizer, cfg.sim.staleness
     cfg = dataclasses.replace(cfg, sim=sim_plan.sim_options(cfg.sim, run[1]))
+    if cfg.sim.staleness != given_k:
+      logging.info("sim.staleness=%d, the run's async_ppo.staleness (the config said %d): its "
+                   "asynchronous splits are searched at the run's k", cfg.sim.staleness, given_k)
     if cfg.sim.offload_optimizer != given or cfg.sim.offload_optimizer:
       logging.info("sim.offload_optimizer=%s, the run's optim.offload_during_rollout%s: "
                    "generation and inference are searched beside the trained models' weights%s",

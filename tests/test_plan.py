@@ -308,6 +308,24 @@ def test_plans_the_trainer_cannot_run_are_refused_before_any_build(tmp_path, mon
         mesh_lib.MeshConfig(data=8)))
 
 
+def test_a_value_the_plan_file_set_that_the_trainer_refuses_names_the_file(tmp_path,
+                                                                         monkeypatch):
+  """A plan's generation slots that the run's batch cannot use (a plan searched for another
+  layout): the trainer's check named config.plan.generation_slots, a field the user never
+  wrote, without a word of the file (only the config's own checks named it)."""
+  monkeypatch.setattr(build, "build_models", lambda *a, **k: pytest.fail("models were built"))
+  path = plan_json(tmp_path / "plan.json", {"slots": 1}, training={
+      "placement": "colocated", "devices": 8, "tp": 1, "actor_pp": 1, "critic_pp": 1})
+  with pytest.raises(ValueError, match=(
+      r"^config\.plan\.generation_slots=1: expected >= 2.* \(set by config\.plan\.file="
+      + re.escape(repr(path)) + r", a plan searched for 8 devices\)$")):
+    PPOTrainer(tiny_config(**{"plan.file": path}), str(tmp_path / "run"),
+               mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8)))
+  with pytest.raises(ValueError, match=r"generation_slots=1: expected >= 2 \(16 samples .*\), or 0$"):
+    PPOTrainer(tiny_config(**{"plan.generation": "instances", "plan.generation_slots": 1}),
+               str(tmp_path / "run2"), mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8)))
+
+
 def test_instance_widths_that_span_processes_are_refused_naming_their_field(monkeypatch):
   # 2 processes x 4 devices (jax's process queries patched: the check reads only them): an
   # instance of 8 or 3 devices would span processes, refused by the field that sets its width,
@@ -1169,3 +1187,15 @@ def test_a_runs_offloaded_optimizer_state_is_not_kept_beside_generation():
   got = sim_plan.sim_options(iteration_sim.SimOptions(), TrainConfig.from_config_dict(c))
   assert got.offload_optimizer and got == dataclasses.replace(iteration_sim.SimOptions(),
                                                              offload_optimizer=True)
+
+
+def test_an_asynchronous_runs_plan_is_searched_at_its_staleness():
+  """plan_search --run_config of an async run (async_ppo.staleness=2) searched its splits at
+  sim.staleness's default 1: the trainer check refused every one (the plan's staleness
+  conflicts with the run's), and the search failed blaming pipelines. The run's k replaces the
+  config's; a synchronous run keeps sim.staleness (a plan may make it asynchronous)."""
+  c = ppo_tiny.get_config()
+  opt = iteration_sim.SimOptions(staleness=3)
+  assert sim_plan.sim_options(opt, TrainConfig.from_config_dict(c)).staleness == 3
+  c.async_ppo.staleness = 2
+  assert sim_plan.sim_options(opt, TrainConfig.from_config_dict(c)).staleness == 2

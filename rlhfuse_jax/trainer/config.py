@@ -703,16 +703,8 @@ class TrainConfig:
         # A class the trainer shares with other code (MeshConfig) names its field without
         # "config.": "mesh.data=-2; expected a positive size or -1".
         msg = str(e) if str(e).startswith("config") else f"config.{e}"
-        plan_file = (cd_plan or {}).get("file", "")
-        # Named when the field the error names is one the file set (plan.*, mesh.*,
-        # pipeline.critic_pp, optim.zero1, async_ppo.*): the user never wrote it.
-        plan = plan_file_lib.load_plan_file(plan_file) if plan_file else None
-        if plan and any(f"config.{sec}.{field}=" in msg
-                        for sec, field in plan_file_lib.plan_file_settings(plan, plan_file)):
-          n = plan_file_lib.plan_devices(plan)
-          msg += f" (set by config.plan.file={plan_file!r}" + (
-              f", a plan searched for {n} devices" if n else "") + ")"
-        raise ValueError(msg) from None
+        raise ValueError(plan_file_lib.attribute_to_plan(
+            msg, (cd_plan or {}).get("file", ""))) from None
     model, critic = d.pop("model", {}), d.pop("critic_model", {})
     kwargs["vocab_from_tokenizer"] = model.get("vocab_size", 0) == 0
     # The critic reads the actor's token ids: with the actor's vocabulary from the tokenizer

@@ -325,7 +325,13 @@ class PPOTrainer:
       if note:
         (logging.warning if note[0] else logging.info)("%s", note[1])
     self._make_meshes(cfg, mesh)
-    validate(cfg, self.mesh, generation_devices=self.gen_mesh.devices.size)
+    try:
+      validate(cfg, self.mesh, generation_devices=self.gen_mesh.devices.size)
+    except ValueError as e:  # a value the plan file set, not the user: the error says so
+      said = plan_file_lib.attribute_to_plan(str(e), cfg.plan.file)
+      if said != str(e):
+        raise ValueError(said) from None
+      raise
     if cfg.optim.offload_during_rollout and not mesh_lib.has_host_memory(self.mesh):
       local = mesh_lib.first_local_device(self.mesh)
       raise ValueError(

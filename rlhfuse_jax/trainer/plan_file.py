@@ -173,6 +173,20 @@ PLAN_WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_
                               "vocab_size")
 
 
+def attribute_to_plan(msg: str, path: str) -> str:
+  """`msg`, an error naming a config field ("config.plan.generation_slots=8: expected ..."),
+  with "(set by config.plan.file=PATH, a plan searched for N devices)" added when the field is
+  one the plan file at `path` set (plan.*, mesh.*, pipeline.critic_pp, optim.zero1,
+  async_ppo.*): the user never wrote that value. `msg` itself otherwise, or without a file."""
+  plan = load_plan_file(path) if path else None
+  if not plan or not any(f"config.{sec}.{field}=" in msg
+                         for sec, field in plan_file_settings(plan, path)):
+    return msg
+  n = plan_devices(plan)
+  return msg + f" (set by config.plan.file={path!r}" + (
+      f", a plan searched for {n} devices" if n else "") + ")"
+
+
 def plan_workload_differences(plan: Mapping[str, Any], cfg: Any,
                               reward_model: Optional[Any] = None
                               ) -> Optional[list[str]]:

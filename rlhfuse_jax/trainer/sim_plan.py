@@ -97,9 +97,14 @@ def workload(cfg: TrainConfig, task: Any, tokenizer: Any, num_devices: int, leng
 def sim_options(opt: iteration_sim.SimOptions, cfg: TrainConfig) -> iteration_sim.SimOptions:
   """The search's options `opt` for the run `cfg`: its optim.offload_during_rollout (the AdamW
   state in host memory while generation and inference run) as sim.offload_optimizer, so that
-  only the weights are kept beside them (plan_search.plan_memory); the run's own value
-  replaces the config's, as its batches and lengths do."""
-  return dataclasses.replace(opt, offload_optimizer=bool(cfg.optim.offload_during_rollout))
+  only the weights are kept beside them (plan_search.plan_memory); an asynchronous run's
+  async_ppo.staleness as sim.staleness (the splits searched at another k were all refused by
+  the trainer check, as conflicting with the run's value). The run's own values replace the
+  config's, as its batches and lengths do; a synchronous run (staleness 0) keeps sim.staleness
+  (a plan may make it asynchronous)."""
+  staleness = cfg.async_ppo.staleness or opt.staleness
+  return dataclasses.replace(opt, offload_optimizer=bool(cfg.optim.offload_during_rollout),
+                             staleness=staleness)
 
 
 class PlanCheck:
