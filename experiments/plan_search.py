@@ -299,7 +299,9 @@ def trainer_setting(cfg: ablations.AblationConfig, path: str, overrides: str, co
   `config_dict`, and `run`, train_run's) on cfg.num_devices devices: the run's workload
   (trainer/sim_plan.workload, named after PATH's file) and the trainer's check of a plan
   against the run's config (trainer/sim_plan.PlanCheck on fake CPU devices)."""
-  from rlhfuse_jax.trainer import sim_plan  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from rlhfuse_jax.rl import advantages as adv_lib
+  from rlhfuse_jax.trainer import sim_plan
   devices, train, task, tokenizer, dataset = run
   spec = path + overrides
   # PATH itself, not the spec cut at its first space: a path may hold one.
@@ -313,6 +315,14 @@ def trainer_setting(cfg: ablations.AblationConfig, path: str, overrides: str, co
              "reference": wl.reference, "reward_model": wl.reward_model,
              "actor": wl.actor.to_dict(), "critic": wl.critic.to_dict(), "lengths": lengths,
              **({} if wl.reward is None else {"reward": wl.reward.to_dict()})}
+  if not adv_lib.needs_critic(train.algo.estimator):
+    # The simulator's training plans are actor + critic pairs (sim/training_sim.py); a run
+    # without a critic is searched as PPO's, its times and memory an overestimate (a known
+    # limit: docs/simulator.md).
+    setting["critic_note"] = (f"algo.estimator={train.algo.estimator!r} trains no critic; the "
+                              "search timed and sized one as PPO's (an overestimate)")
+    logging.warning("plan search: %s: the plan's predicted times and memory are those of a "
+                    "PPO run of the same models", setting["critic_note"])
   return setting, wl, sim_plan.PlanCheck(config_dict, devices, tokenizer, workdir)
 
 

@@ -1109,6 +1109,22 @@ def test_plan_search_binary_for_a_train_config(tmp_path):
   if res["plan_json"] == "asynchronous":
     assert cfg.async_ppo.generation_devices == plan["async"]["generation_devices"]
   assert "restricted to plans the trainer runs" in (tmp_path / "plan_search.md").read_text()
+  assert "critic_note" not in res["setting"]
+
+
+def test_plan_search_says_a_critic_free_run_is_searched_as_ppos(tmp_path):
+  """The simulator's training plans are actor + critic pairs: a GRPO run's search timed and
+  sized a critic the run does not train, exactly PPO's figures, without a word."""
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
+       "--config.train_config=configs/ppo_tiny.py:grpo", f"--workdir={tmp_path}",
+       "--config.systems="], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  note = ("algo.estimator='grpo' trains no critic; the search timed and sized one as PPO's (an "
+          "overestimate)")
+  assert json.loads((tmp_path / "result.json").read_text())["setting"]["critic_note"] == note
+  assert f"plan search: {note}: the plan's predicted times" in out.stderr, out.stderr[-3000:]
 
 
 def test_the_planned_layout_is_said_at_set_up():
