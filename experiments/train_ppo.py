@@ -265,10 +265,11 @@ def _start_and_train(run_log: runner.RunLog) -> tuple[TrainConfig, PPOTrainer]:
   if _DISTRIBUTED.value:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     check_same_run_everywhere(_CONFIG.value)
-  cfg = TrainConfig.from_config_dict(_CONFIG.value)
+  overrides = config_flags.get_override_values(flags.FLAGS["config"])
+  cfg = TrainConfig.from_config_dict(_CONFIG.value, given=overrides)
   check_device_count(cfg, jax.device_count(), jax.default_backend(), jax.process_count())
   build.check_reward_functions(cfg)  # an unknown or ill-fitting one: before the workdir is made
-  build.check_shape_overrides(cfg, config_flags.get_override_values(flags.FLAGS["config"]))
+  build.check_shape_overrides(cfg, overrides)
   check_compilation_cache_dir(cfg.compilation_cache_dir)
   workdir = _WORKDIR.value
   wd.check_local_path(workdir)

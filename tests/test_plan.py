@@ -202,6 +202,40 @@ def test_plan_file_refusals(tmp_path, plan, match):
     tiny_config(**{"plan.file": path})
 
 
+def test_a_command_line_value_equal_to_the_default_is_not_replaced_by_the_plan(tmp_path):
+  """--config.async_ppo.staleness=0 or --config.optim.zero1=False beside a plan file that sets
+  1 and True: the file's values replaced them without a word (a value equal to the default was
+  taken for unset), and the run went asynchronous. Given on the command line (train_ppo passes
+  its --config overrides as `given`), they conflict; a micro-batching given is kept."""
+  path = plan_json(tmp_path / "plan.json", {}, training={
+      "placement": "colocated", "tp": 1, "actor_pp": 2, "critic_pp": 1, "micro_batch": 1,
+      "actor_microbatches": 4, "critic_microbatches": 2})
+  plan = json.loads(open(path).read())
+  plan["async"] = {"generation_devices": 4, "training_devices": 4, "staleness": 1}
+  open(path, "w").write(json.dumps(plan))
+  c = ppo_tiny.get_config()
+  c.plan.file = path
+  c.model.num_layers = c.critic_model.num_layers = 2
+  assert TrainConfig.from_config_dict(c).async_ppo.staleness == 1  # (not given: the file's)
+  for field, value in (("async_ppo.staleness", 0), ("optim.zero1", False)):
+    with pytest.raises(ValueError, match=re.escape(
+        f"config.{field}={value!r} conflicts with config.plan.file={path!r}, whose ")):
+      TrainConfig.from_config_dict(c, given={field: value})
+  assert TrainConfig.from_config_dict(c).pipeline.critic_microbatches == 2  # the file's
+  kept = TrainConfig.from_config_dict(c, given={"pipeline.critic_microbatches": 4})
+  assert kept.pipeline.critic_microbatches == 4  # (the default, given: the config's)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-m", "experiments.train_ppo",
+                        "--config=configs/ppo_tiny.py", f"--config.plan.file={path}",
+                        "--config.async_ppo.staleness=0", f"--workdir={tmp_path / 'run'}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1 and (
+      f"config.async_ppo.staleness=0 conflicts with config.plan.file={path!r}"
+      in out.stderr), out.stderr[-3000:]
+  assert not (tmp_path / "run").exists()
+
+
 def test_a_bad_value_the_plan_file_set_in_async_ppo_names_the_file(tmp_path):
   """Every section the file sets is named (it was only plan, mesh and pipeline): the user never
   wrote async_ppo.generation_devices. A field the file did not set is not blamed on it."""

@@ -11,7 +11,7 @@ import json
 import math
 import re
 import threading
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.fields import check as _check
@@ -691,9 +691,12 @@ class TrainConfig:
     return json.loads(json.dumps(flat))  # as it reads back from a checkpoint (tuples -> lists)
 
   @classmethod
-  def from_config_dict(cls, cd: Any) -> "TrainConfig":
+  def from_config_dict(cls, cd: Any, given: Collection[str] = ()) -> "TrainConfig":
+    """The config of ConfigDict (or dict) `cd`, checked, with config.plan.file applied; `given`:
+    the fields ("section.field") the command line set (a value equal to the default among them
+    is the user's, not unset: plan_file.apply_plan_file)."""
     d = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
-    d = plan_file_lib.apply_plan_file(dict(d), _field_defaults())
+    d = plan_file_lib.apply_plan_file(dict(d), _field_defaults(), given)
     cd_plan = d.get("plan")
     kwargs = {}
     for name, klass in SECTIONS.items():

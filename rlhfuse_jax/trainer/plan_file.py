@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Collection, Mapping, Optional
 
 from rlhfuse_jax import workdir
 from rlhfuse_jax.fields import check as _check
@@ -276,11 +276,14 @@ def plan_file_summary(path: str, cfg: Optional[Any] = None) -> str:
       shown(sec, name, value) for (sec, name), (value, _) in settings.items())
 
 
-def apply_plan_file(d: dict, defaults: Mapping[str, Any]) -> dict:
+def apply_plan_file(d: dict, defaults: Mapping[str, Any], given: Collection[str] = ()) -> dict:
   """The ConfigDict's dict `d` with config.plan.file's settings applied (unchanged without a
   file). A field the config sets away from its default (`defaults`: {"section.field": value},
-  config._field_defaults) to another value than the file's is an error naming both, but for
-  the micro-batching (PLAN_SOFT_FIELDS), which the config keeps."""
+  config._field_defaults), or that `given` names ("section.field": the command line's
+  --config overrides), to another value than the file's is an error naming both, but for the
+  micro-batching (PLAN_SOFT_FIELDS), which the config keeps. (Without `given`, a value equal
+  to the default cannot be told from an unset one: --config.async_ppo.staleness=0 was replaced
+  by the file's 1 without a word.)"""
   path = (d.get("plan") or {}).get("file", "")
   if not path:
     return d
@@ -288,7 +291,7 @@ def apply_plan_file(d: dict, defaults: Mapping[str, Any]) -> dict:
   for (sec, name), (value, key) in plan_file_settings(load_plan_file(path), path).items():
     section = d.setdefault(sec, {})
     now = section.get(name, defaults.get(f"{sec}.{name}"))
-    if now != value and now != defaults.get(f"{sec}.{name}"):
+    if now != value and (now != defaults.get(f"{sec}.{name}") or f"{sec}.{name}" in given):
       if (sec, name) in PLAN_SOFT_FIELDS:
         continue  # the config's own micro-batching
       raise ValueError(f"config.{sec}.{name}={now!r} conflicts with config.plan.file={path!r}, "
