@@ -709,6 +709,25 @@ def test_a_resume_refused_for_a_changed_plan_file_names_the_file(tmp_path):
   open(path, "w").write(original)
   msg = resume(tiny_config(**{"plan.file": path, "optim.actor_lr": 1e-4}))
   assert "optim.actor_lr: " in msg and "config.plan.file" not in msg, msg
+  # The checkpoints' plan file not given now: its fields were listed without a word of it.
+  os.remove(os.path.join(workdir, "config.3.json"))
+  open(record, "w").write(json.dumps({"plan": {"file": path},
+                                      "plan_file_content": json.loads(original)}))
+  msg = resume(tiny_config())
+  assert ("async_ppo.generation_devices: 4 -> 0; async_ppo.staleness: 1 -> 0" in msg and
+          "async_ppo.generation_devices, async_ppo.staleness, " in msg and
+          f"plan.inference_tp are set by the plan file the checkpoints were written with "
+          f"(config.plan.file={path!r}), which this start does not give: its content is saved "
+          f"in {record} under \"plan_file_content\"; to resume, set config.plan.file to it"
+          ) in msg, msg
+  # A re-searched plan without the "async" entry: the fields only the old one set are named.
+  synced = json.loads(original)
+  del synced["async"]
+  open(path, "w").write(json.dumps(synced))
+  msg = resume(tiny_config(**{"plan.file": path}))
+  assert (f"async_ppo.generation_devices, async_ppo.staleness are set by config.plan.file="
+          f"{path!r} or by the plan file the checkpoints were written with: that one is saved "
+          f"in {record}") in msg, msg
 
 
 def test_a_plan_searched_for_other_devices_says_so(tmp_path):

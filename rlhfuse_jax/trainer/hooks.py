@@ -508,41 +508,51 @@ class Checkpoints(Hook):
           f"config.checkpoint.resume_changes: {', '.join(sorted(config_lib.RESUME_CHANGEABLE))})")
 
   def _plan_file_note(self, changes: list[str], iteration: Any = None) -> str:
-    """What a refused resume adds when fields it lists are ones config.plan.file sets (the user
-    never wrote async_ppo.generation_devices): that the checkpoints were written without a plan
-    file, or which of them the file's new content changed and where its content then is.
-    Fields the file sets alike then and now changed on the command line: not blamed on it."""
+    """What a refused resume adds when fields it lists are ones a plan file set, then or now
+    (the user never wrote async_ppo.generation_devices): that the checkpoints were written
+    without a plan file, or with one this start does not give (and where its content is), or
+    which fields the file's new content changed (one the old file set and the new one does
+    not, an "async" entry dropped, among them). Fields the file sets alike then and now,
+    changed on the command line, are not blamed on it."""
     path = getattr(getattr(self.cfg, "plan", None), "file", "")
-    if not path:
-      return ""
     try:
-      settings = plan_file_lib.plan_file_settings(plan_file_lib.load_plan_file(path), path)
+      now = plan_file_lib.plan_file_settings(plan_file_lib.load_plan_file(path), path) if (
+          path) else {}
     except ValueError:
       return ""
-    names = [c.split(":")[0] for c in changes]
-    ours = [n for n in names if tuple(n.split(".", 1)) in settings
-            and self.fingerprint.get(n) == settings[tuple(n.split(".", 1))][0]]
-    if not ours:
-      return ""
     record, where = self._config_record(iteration)
-    if record is not None and "plan_file_content" not in record:
+    content = record.get("plan_file_content") if record is not None else None
+    then_path = ((record.get("plan") or {}).get("file", "") if record is not None else "")
+    try:
+      then = plan_file_lib.plan_file_settings(content, then_path) if content else {}
+    except (ValueError, KeyError, TypeError, AttributeError):
+      then = {}
+    key = lambda n: tuple(n.split(".", 1))
+    names = [c.split(":")[0] for c in changes]
+    if record is not None and path and content is None:  # written without a plan file
+      ours = [n for n in names if key(n) in now and self.fingerprint.get(n) == now[key(n)][0]]
       return (f"{', '.join(ours)} {'is' if len(ours) == 1 else 'are'} set by config.plan.file="
               f"{path!r}, and the checkpoints were written without a plan file ({where}): "
-              "resume without it. ")
-    if record is not None:
-      try:
-        then = plan_file_lib.plan_file_settings(record["plan_file_content"], path)
-      except (ValueError, KeyError, TypeError):
-        then = {}
-      ours = [n for n in ours if then.get(tuple(n.split(".", 1)), (None,))[0] !=
-              settings[tuple(n.split(".", 1))][0]]
-      if not ours:
-        return ""
+              "resume without it. ") if ours else ""
+    # A field one of the two files set, to values that differ (a field only one sets: None for
+    # the other); one this start's file set must have its value here (not the command line's).
+    ours = [n for n in names if (key(n) in now or key(n) in then) and
+            now.get(key(n), (None,))[0] != then.get(key(n), (None,))[0] and
+            (key(n) not in now or self.fingerprint.get(n) == now[key(n)][0])]
+    if not ours:
+      return ""
+    verb = "is" if len(ours) == 1 else "are"
     saved = where or os.path.join(self.workdir, "config.json")
-    return (f"{', '.join(ours)} {'is' if len(ours) == 1 else 'are'} set by config.plan.file="
-            f"{path!r}, whose content differs from the plan file the checkpoints were written "
-            f"with: that one is saved in {saved} under \"plan_file_content\"; to resume, write "
-            "it to a file and set config.plan.file to it. ")
+    if not path:
+      return (f"{', '.join(ours)} {verb} set by the plan file the checkpoints were written with "
+              f"(config.plan.file={then_path!r}), which this start does not give: its content "
+              f"is saved in {saved} under \"plan_file_content\"; to resume, set "
+              "config.plan.file to it (or to a file of that content). ")
+    by = (f"config.plan.file={path!r}, whose content differs from" if all(
+        key(n) in now for n in ours) else f"config.plan.file={path!r} or by")
+    return (f"{', '.join(ours)} {verb} set by {by} the plan file the checkpoints were written "
+            f"with: that one is saved in {saved} under \"plan_file_content\"; to resume, "
+            "write it to a file and set config.plan.file to it. ")
 
   def _config_record(self, iteration: Any) -> tuple[Optional[dict], str]:
     return config_record_of(self.workdir, iteration)
