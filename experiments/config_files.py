@@ -64,6 +64,18 @@ def call_with_variant(fn: Callable[..., Any], variant: Optional[str]) -> Any:
   return fn(variant) if variant is not None and takes_arg else fn()
 
 
+def default_variant(module: Any) -> Optional[str]:
+  """The variant `module`'s get_config() takes when none is named (its first parameter's
+  default), or None (no get_config, no parameter, no default)."""
+  try:
+    first = next(iter(inspect.signature(module.get_config).parameters.values()), None)
+  except (AttributeError, TypeError, ValueError):
+    return None
+  if first is None or first.default is inspect.Parameter.empty:
+    return None
+  return None if first.default is None else str(first.default)
+
+
 def get_config(config_path: str, flag: str = "--config") -> Any:
   """get_config() of `FILE.py[:variant]` (an empty variant: none); a ValueError for a variant
   given to a get_config() that takes none."""

@@ -193,13 +193,14 @@ def check_overrides(module: Any, variant: Optional[str], config_path: str,
   return check_values(config_path, runs, passthrough)
 
 
-def _has_checkpoint(run_dir: str) -> bool:
-  """Whether a train_ppo run in `run_dir` saved a checkpoint (checkpoints/<iteration>/) that a
-  start resumes from."""
+def _newest_checkpoint(run_dir: str) -> Optional[int]:
+  """The iteration of the newest checkpoint (checkpoints/<iteration>/) a train_ppo run in
+  `run_dir` saved, that a start resumes from; None without one."""
   try:
-    return any(n.isdigit() for n in os.listdir(os.path.join(run_dir, "checkpoints")))
+    return max((int(n) for n in os.listdir(os.path.join(run_dir, "checkpoints"))
+                if n.isdigit()), default=None)
   except OSError:
-    return False
+    return None
 
 
 def _own_sweep(module: Any, variant: str) -> bool:
@@ -335,12 +336,14 @@ def warn_twins(configs: dict[str, dict], shadowed_twins: Sequence[Sequence[str]]
 
 
 def run_row(name: str, overrides: dict, passthrough: Sequence[str],
-            config: Optional[dict] = None) -> dict:
+            config: Optional[dict] = None, also: Sequence[str] = ()) -> dict:
   """A summary row's start: the run's name and the values its command sets, the sweep's own
   --config.* flags included and winning over the entry's, as on the command line (the row
   showed an entry's minibatch_size 5 for a run the sweep's flag gave 8, and never the sweep's
   flags); a flag's value as the run's `config` (check_values') holds it, typed, else its
-  text."""
+  text. `also`: fields an earlier start's flags set (sweep.json's "flags"), with the value the
+  run's `config` has now: the runs of different starts then compare, and differ where they
+  were made differently."""
   row = {"run": name, **{k: v for k, v in overrides.items() if k != "name"}}
   for arg in passthrough:
     key, value = flag_field(arg)
@@ -348,6 +351,12 @@ def run_row(name: str, overrides: dict, passthrough: Sequence[str],
       row[key] = wd.as_json(_field(config, key)) if config is not None else value
     except (KeyError, AttributeError, TypeError, ValueError):
       row[key] = value
+  for key in also:
+    if key not in row and config is not None:
+      try:
+        row[key] = wd.as_json(_field(config, key))
+      except (KeyError, AttributeError, TypeError, ValueError):
+        pass
   return row
 
 
@@ -410,11 +419,7 @@ def _fmt_cell(v: Any) -> str:
 
 
 def _md_table(rows: list[dict]) -> list[str]:
-  columns: list[str] = []
-  for row in rows:
-    for k in row:
-      if k not in columns:
-        columns.append(k)
+  columns = _columns(rows)
   return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] +
           ["| " + " | ".join(_fmt_cell(row.get(c)) for c in columns) + " |" for row in rows])
 
@@ -477,8 +482,17 @@ HEADLINE_COLUMNS = {
 
 
 def _columns(rows: Sequence[dict]) -> list[str]:
-  """Every key of `rows`, in the order of their first appearance."""
-  return list(dict.fromkeys(k for row in rows for k in row))
+  """Every key of `rows`, in the order of their first appearance, but a key a row has before
+  keys of the columns already goes in before them: a field only some entries set sits among
+  the run's fields, not past the results (when the first row lacked it, it followed wall_s)."""
+  columns: list[str] = []
+  for row in rows:
+    keys = list(row)
+    for i, k in enumerate(keys):
+      if k not in columns:
+        after = next((columns.index(n) for n in keys[i + 1:] if n in columns), len(columns))
+        columns.insert(after, k)
+  return columns
 
 
 def main_columns(rows: Sequence[dict], override_keys: Sequence[str],
@@ -710,6 +724,8 @@ class _Signals:
 
   def started(self, proc) -> None:
     self.proc = proc
+    if self.signum:  # it came between the last check and the start (the inputs' hashing)
+      proc.send_signal(self.signum)
 
   def _handle(self, signum, frame):
     self.signum = signum
@@ -840,16 +856,34 @@ def sweep_identity(config: str, binary: str) -> dict:
   return {"config": shown + (f":{variant}" if variant is not None else ""), "binary": binary}
 
 
-def refuse_another_sweep(workdir: str, identity: dict) -> None:
+def earlier_flags(workdir: str) -> list[str]:
+  """The fields the --config flags of the sweep's earlier starts in `workdir` set (sweep.json's
+  "flags"; none before it recorded them)."""
+  try:
+    with open(os.path.join(workdir, SWEEP_FILE), encoding="utf-8") as f:
+      found = json.load(f).get("flags")
+  except (OSError, ValueError, AttributeError):
+    return []
+  return [k for k in found if isinstance(k, str)] if isinstance(found, list) else []
+
+
+def refuse_another_sweep(workdir: str, identity: dict, default: Optional[str] = None) -> None:
   """ForeignWorkdirError when workdir/sweep.json names another sweep (config file, variant or
   binary): a second sweep there replaced the first one's summary without a word and left its
-  curves.png beside the new rows. (A sweep written before sweep.json existed is not known.)"""
+  curves.png beside the new rows. (A sweep written before sweep.json existed is not known.)
+  `default`: the variant get_config() takes when none is named (FILE.py and FILE.py:DEFAULT
+  are one sweep)."""
   try:
     with open(os.path.join(workdir, SWEEP_FILE), encoding="utf-8") as f:
       earlier = json.load(f)
   except (OSError, ValueError):
     return
-  if isinstance(earlier, dict) and {k: earlier.get(k) for k in identity} != identity:
+
+  def named(ident: dict) -> dict:  # the variant filled in
+    path, variant = config_files.split_config_path(str(ident.get("config")))
+    return {"config": (path, default if variant is None else variant),
+            "binary": ident.get("binary")}
+  if isinstance(earlier, dict) and named(earlier) != named(identity):
     raise wd.ForeignWorkdirError(
         f"--workdir={workdir!r} holds a sweep of experiments.{earlier.get('binary')} over "
         f"{earlier.get('config')} ({SWEEP_FILE}); this one runs experiments.{identity['binary']}"
@@ -864,16 +898,20 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
   sweep = _sweep_of(module, variant, config)
   names = [name for _, name, _ in select(sweep, None)]
   runs = select(sweep, only)
+  # The fields this start's --config flags set and those earlier starts' set (sweep.json): a
+  # run of an earlier start made with --config.workers=1 and one of this start without it were
+  # grouped and averaged as seeds of one setting, without a word.
+  flagged = list(dict.fromkeys([flag_field(arg)[0] for arg in passthrough] +
+                               earlier_flags(workdir)))
   # the fields the runs' commands set (a seed among them groups runs in the summary)
   override_keys = list(dict.fromkeys(
-      [k for entry in sweep for k in entry if k != "name"] +
-      [flag_field(arg)[0] for arg in passthrough]))
+      [k for entry in sweep for k in entry if k != "name"] + flagged))
 
   # This start's rows and, for the runs it has not run (--only; or not reached yet, or not at
   # all when stopped early), their rows of the earlier summary: a sweep stopped after its first
   # run dropped the rows of runs that had finished before, and the next start ran those again
   # (kept_row keeps a run only with its earlier row).
-  flagged, warned = [flag_field(arg)[0] for arg in passthrough], set()
+  warned: set = set()
 
   def summary(rows_: list[dict]) -> str:  # sweep_status' line, for the console
     merged = merge_rows(workdir, rows_, names)
@@ -897,7 +935,7 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
     raise wd.ForeignWorkdirError(f"--workdir={workdir!r} holds a training run (checkpoints); "
                                  "give experiments.sweep a directory of its own")
   identity = sweep_identity(config, binary)
-  refuse_another_sweep(workdir, identity)
+  refuse_another_sweep(workdir, identity, config_files.default_variant(module))
   lock = None
   if not dry_run:
     os.makedirs(workdir, exist_ok=True)
@@ -906,10 +944,11 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
     # A SIGTERM while it waits ends the wait (exit 75 in main; _Signals only records it).
     lock = wd.WorkdirLock(workdir, wait_s=lock_wait_s, wait_field="--lock_wait_s",
                           stop=lambda: bool(signals.signum))
-    wd.write_json(os.path.join(workdir, SWEEP_FILE), identity)
+    wd.write_json(os.path.join(workdir, SWEEP_FILE), {**identity, "flags": sorted(flagged)})
+  also = [k for k in flagged if k not in {flag_field(arg)[0] for arg in passthrough}]
   try:
     return _run_locked(binary, config, workdir, passthrough, dry_run, signals, runs, summary,
-                       override_keys, configs, rerun)
+                       override_keys, configs, rerun, also)
   finally:
     if lock is not None:
       lock.release()
@@ -918,9 +957,10 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
 def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[str],
                 dry_run: bool, signals: _Signals, runs: list[tuple[int, str, dict]],
                 summary, override_keys: Sequence[str] = (), configs: Optional[dict] = None,
-                rerun: bool = False) -> tuple[list[dict], bool]:
+                rerun: bool = False, also: Sequence[str] = ()) -> tuple[list[dict], bool]:
   """_run_sweep's runs, under the sweep's workdir lock. `configs`: {run name: its config}
-  (check_values'); `rerun`: run those that finished earlier too (else kept_row keeps them)."""
+  (check_values'); `rerun`: run those that finished earlier too (else kept_row keeps them);
+  `also`: fields only earlier starts' flags set (run_row)."""
   rows = []
   env = repo_env()
   earlier = {r["run"]: r for r in merge_rows(workdir, [], [name for _, name, _ in runs])}
@@ -931,7 +971,7 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
       cmd = build_command(binary, config, run_dir, overrides, passthrough)
       # A command to paste (cmd[0] is this interpreter's full path).
       logging.info("[%d/%d] %s: %s", i + 1, len(runs), name, shlex.join(["python", *cmd[1:]]))
-      row = run_row(name, overrides, passthrough, (configs or {}).get(name))
+      row = run_row(name, overrides, passthrough, (configs or {}).get(name), also)
       if dry_run:  # nothing runs, nothing is written (an earlier sweep's summary stays)
         rows.append(row)
         continue
@@ -952,8 +992,11 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
       # One without a saved checkpoint starts over (its outputs moved to previous/): its
       # earlier start's time is not this run's.
       before = earlier.get(name) or {}
-      resumes = binary == "train_ppo" and _has_checkpoint(run_dir)
+      newest = _newest_checkpoint(run_dir) if binary == "train_ppo" else None
+      resumes = newest is not None
       earlier_s = float(before.get("wall_s") or 0.0) if resumes else 0.0
+      if signals.signum:  # (one during kept_row's or input_files' reads: start nothing)
+        break
       start = time.time()
       try:
         # Its lines say which run of the sweep said them ([3/16 e2] ...), as the sweep's own do:
@@ -972,6 +1015,10 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
         # A finished run re-started (the sweep run again to refresh its summary) found nothing to
         # train: its wall_s stays its training's (it grew by a start's set-up on every re-run).
         row["wall_s"] = before["wall_s"]
+      elif resumes and _newest_checkpoint(run_dir) == newest:
+        # A start that saved nothing (a resume refused for a changed config, a crash before
+        # its first save) trained nothing the run keeps: wall_s sums the starts that trained.
+        row["wall_s"] = round(earlier_s, 2)
       if row["status"].startswith("ok") and inputs is not None:  # for kept_row
         wd.write_json(os.path.join(run_dir, INPUTS_FILE), inputs)
       summary(rows)  # partial summaries survive an interrupted sweep
@@ -1015,6 +1062,21 @@ def nothing_trained(before: dict, row: dict) -> bool:
           and row.get("iterations") == before.get("iterations"))
 
 
+def killed_by(rc: int) -> str:
+  """What a run's exit status `rc` says when a signal ended it (-N from Python's subprocess, or
+  128 + N from a shell): a run killed with kill -9 (the OOM killer's) left no line of its own
+  and its row's error was empty. "" for another status."""
+  n = -rc if rc < 0 else rc - 128 if 128 < rc < 128 + 65 else 0
+  if not n:
+    return ""
+  try:
+    name = signal.Signals(n).name
+  except ValueError:
+    name = f"signal {n}"
+  return f"killed by signal {n} ({name}" + (
+      "; the kernel's OOM killer sends it when memory runs out: see dmesg)" if n == 9 else ")")
+
+
 # A binary's exit status that is its finding, not a failure: the run finished and wrote its
 # result (plan_check's EXIT_DOES_NOT_FIT: a sweep over plans reported the plans that do not fit
 # as failed runs, without their figures, and exited 1).
@@ -1038,7 +1100,7 @@ def _ended(row: dict, rc: int, run_dir: str, wall_s: float, signum: int,
                    else f"failed (exit {rc})")
   row["wall_s"] = round(wall_s, 2)
   if row["status"].startswith("failed"):
-    row["error"] = failure_line(run_dir)
+    row["error"] = failure_line(run_dir) or killed_by(rc)
   # A run stopped after saving (75) wrote its result.json too (train_ppo: status stopped, the
   # iterations reached, the rewards so far): its row says how far it got, where it was blank.
   result = read_run_result(run_dir) if rc in (0, STOPPED) else None

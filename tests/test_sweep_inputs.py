@@ -54,8 +54,13 @@ def test_a_kept_plan_search_runs_again_once_its_train_config_file_changed(tmp_pa
   assert again.returncode == 0, again.stderr[-3000:]
   assert f"{model} changed since it finished: running it again" in again.stderr
   assert "finished earlier with this config" not in again.stderr
-  # Another sweep (here: no variant) in this directory is refused before anything runs.
-  other = sweep(str(tmp_path / "s.py"))
+  # No variant is get_config()'s default, 'train': the same sweep (it was refused as another).
+  same = sweep(str(tmp_path / "s.py"))
+  assert same.returncode == 0 and "finished earlier with this config" in same.stderr, \
+      same.stderr[-3000:]
+  # Another sweep (another file) in this directory is refused before anything runs.
+  (tmp_path / "s2.py").write_text((tmp_path / "s.py").read_text())
+  other = sweep(f"{tmp_path / 's2.py'}:train")
   assert other.returncode == 1 and "holds a sweep of experiments.plan_search over" in \
       other.stderr and "give it a directory of its own" in other.stderr, other.stderr[-3000:]
 
@@ -148,6 +153,8 @@ for name, reached in (("done", 4), ("more", 6)):  # "more": re-run with num_iter
 
 def fake_run(cmd, run_dir, name, env, started=None, prefix=None):  # a start that takes 0.3 s
   time.sleep(0.3)
+  if name == "more":  # it trains to 6 and saves there
+    os.makedirs(os.path.join(run_dir, "checkpoints", "6"))
   return 0
 sweep.run_streamed = fake_run
 rows, _ = sweep._run_locked("train_ppo", "c.py", work, [], False, sweep._Signals(),
@@ -591,3 +598,115 @@ print(json.dumps([row, sweep.nothing_trained({{"status": "ok", "wall_s": 100.0,
                            "all of them; a new --workdir runs the shorter one)"), row
   assert nothing  # its wall_s stays the training's, not grown by this start's set-up
   assert (row["iterations"], row["num_iterations"]) == (10, 5)
+
+
+_SWEEP_FIXES = """
+import json, os, signal, subprocess, sys, time
+from experiments import sweep
+work = sys.argv[1]
+out = {}
+# A signal that came before the run's start (while its inputs were hashed) reaches it at once.
+s = sweep._Signals()
+s.signum = signal.SIGTERM
+proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+t0 = time.time()
+s.started(proc)
+out["pending"] = [proc.wait(timeout=30), time.time() - t0 < 20]
+# wall_s: a start that saved no checkpoint (a refused resume, exit 1), then one that found
+# nothing to train, add nothing to the 20 s of the start that trained.
+sweep.wd.write_json(os.path.join(work, "summary.json"),
+                    [{"run": "r", "status": "ok", "wall_s": 20.0, "iterations": 2}])
+os.makedirs(os.path.join(work, "r", "checkpoints", "2"))
+walls = []
+for rc in (1, 0):
+  sweep.run_streamed = lambda cmd, run_dir, name, env, started=None, prefix=None, rc=rc: (
+      time.sleep(0.2), rc)[1]
+  rows, _ = sweep._run_locked("train_ppo", "c.py", work, [], False, sweep._Signals(),
+                              [(0, "r", {})], lambda rows: sweep.wd.write_json(
+                                  os.path.join(work, "summary.json"), rows))
+  walls.append(rows[0]["wall_s"])
+out["walls"] = walls
+# A field only some entries set sits among the run's fields, before status and the results.
+sweep.write_summary(work, [{"run": "a", "seed": 0, "status": "ok", "wall_s": 1.0},
+                           {"run": "b", "algo.minibatch_size": 5, "seed": 1, "status": "ok",
+                            "wall_s": 2.0}])
+out["header"] = open(os.path.join(work, "summary.md")).read().splitlines()[0]
+out["killed"] = [sweep.killed_by(-9), sweep.killed_by(143), sweep.killed_by(1),
+                 sweep.killed_by(0)]
+# FILE.py and FILE.py:DEFAULT are one sweep; another variant is not.
+sweep.wd.write_json(os.path.join(work, "sweep.json"),
+                    {"config": "configs/ppo_tiny.py", "binary": "train_ppo", "flags": ["k"]})
+sweep.refuse_another_sweep(work, {"config": "configs/ppo_tiny.py:ppo", "binary": "train_ppo"},
+                           "ppo")
+try:
+  sweep.refuse_another_sweep(work, {"config": "configs/ppo_tiny.py:grpo",
+                                    "binary": "train_ppo"}, "ppo")
+  out["other"] = None
+except sweep.wd.ForeignWorkdirError as e:
+  out["other"] = str(e)
+from experiments import config_files
+from configs import ppo_tiny
+out["default"] = config_files.default_variant(ppo_tiny)
+# An earlier start's flag field: this start's runs show the value their config has.
+out["flags"] = sweep.earlier_flags(work)
+out["row"] = sweep.run_row("a", {"seed": 1}, [], {"seed": 1, "k": 2, "j": 3}, ["k"])
+print(json.dumps(out))
+"""
+
+
+def test_sweep_signals_wall_time_columns_kills_variants_and_earlier_flags(tmp_path):
+  """A SIGTERM between two runs of a sweep (while the next one's inputs were hashed) went to
+  the finished run: the next started and ran to its end. A resumed training run's wall_s added
+  the starts that saved nothing (a resume refused for a changed field: 2.9 s; the next start,
+  which found nothing to train: 2.2 s). summary.md put a field only some entries set past the
+  results. A run killed by SIGKILL had an empty error. FILE.py and FILE.py:DEFAULT were two
+  sweeps. The flags of earlier starts were forgotten: their runs and this start's were averaged
+  as seeds of one setting (sweep.json now records them; test_a_sweep_started_again_without_a_
+  flag_groups_its_runs_apart runs it)."""
+  proc = subprocess.run([sys.executable, "-c", _SWEEP_FIXES, str(tmp_path)], cwd=REPO,
+                        env=_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.splitlines()[-1])
+  assert out["pending"] == [-15, True]
+  assert out["walls"] == [20.0, 20.0]
+  assert out["header"] == "| run | algo.minibatch_size | seed | status | wall_s |", out["header"]
+  assert out["killed"] == [
+      "killed by signal 9 (SIGKILL; the kernel's OOM killer sends it when memory runs out: see "
+      "dmesg)", "killed by signal 15 (SIGTERM)", "", ""]
+  assert out["other"] and "configs/ppo_tiny.py:grpo" in out["other"]
+  assert out["default"] == "ppo"
+  assert out["flags"] == ["k"]
+  assert out["row"] == {"run": "a", "seed": 1, "k": 2}
+
+
+_FLAGS_FORGOTTEN = """
+import json, os, sys
+from absl import logging
+from experiments import sweep
+logging.set_verbosity(logging.INFO)
+work, config = sys.argv[1], sys.argv[2]
+sweep.run_streamed = lambda cmd, run_dir, name, env, started=None, prefix=None: (
+    sweep.wd.write_json(os.path.join(run_dir, "result.json"), {"score": 1.0}), 0)[1]
+for passthrough, only in ((["--config.workers=1"], None), ([], ["s0"])):
+  rows, _ = sweep._run_sweep(config, "schedule_search", work, passthrough, False,
+                             sweep._Signals(), only=only)
+print(json.dumps({"summary": json.load(open(os.path.join(work, "summary.json"))),
+                  "seeds": os.path.exists(os.path.join(work, "summary_seeds.json"))}))
+"""
+
+
+def test_a_sweep_started_again_without_a_flag_groups_its_runs_apart(tmp_path):
+  """Seeds s0, s1 run with --config.workers=1, then s0 alone without the flag (workers=2, the
+  config's): the seeds table averaged the two as one setting ("workers 1.5 ± 0.7") without a
+  word. The earlier start's flag is recorded (sweep.json); s0's row shows its workers, the two
+  are no seeds group, and the sweep says why."""
+  config = _sweep_config(tmp_path / "s.py", "{'seed': 0, 'workers': 2}",
+                         "[{'name': 's0', 'seed': 0}, {'name': 's1', 'seed': 1}]")
+  proc = subprocess.run([sys.executable, "-c", _FLAGS_FORGOTTEN, str(tmp_path / "sw"),
+                         str(config)], cwd=REPO, env=_env(), capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.splitlines()[-1])
+  assert [(r["run"], r["workers"]) for r in out["summary"]] == [("s0", 2), ("s1", 1)]
+  assert not out["seeds"]
+  assert "the summary's runs were made with different workers: 2 in s0; 1 in s1" in proc.stderr

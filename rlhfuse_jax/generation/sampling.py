@@ -92,8 +92,7 @@ class SamplingConfig:
     if not _whole(self.top_k) or self.top_k < 0:
       raise ValueError(f"sampling.top_k={self.top_k}; expected an integer >= 0 (0 disables)")
     if not (_real(self.top_p) and 0 < self.top_p <= 1):
-      raise ValueError(f"sampling.top_p={self.top_p!r}; expected a number in (0, 1] "
-                       "(1 disables)")
+      raise ValueError(f"sampling.top_p={self.top_p!r}; expected in (0, 1] (1 disables)")
     for name in ("temperature", "top_p"):
       object.__setattr__(self, name, float(getattr(self, name)))
     if not _whole(self.max_new_tokens) or self.max_new_tokens < 1:
