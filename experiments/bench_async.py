@@ -338,7 +338,11 @@ def main(argv):
   # Runs side by side (parallel > 1) share the cores unevenly: their step-time ratios compare
   # loads, not asynchrony (one run left alone at the end measured 0.63x).
   result["step_times_comparable"] = c.parallel == 1
-  runner.write_result(out, result)
+  # The runs' devices, not this process's (it imported jax to check their configs, with the
+  # caller's XLA_FLAGS: 1 device where each run had host_devices).
+  runner.write_result(out, result, ran_on={
+      "num_devices": c.host_devices, "platform": "cpu",
+      "devices_of": "each train_ppo run (config.host_devices fake CPU devices)"})
   if curves:
     plot(curves, os.path.join(out, "curves.png"), max(1, int(round(
         min(len(v["reward"]) for by_k in curves.values() for v in by_k.values()) *

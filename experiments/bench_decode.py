@@ -57,7 +57,7 @@ from experiments import runner
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation import instances
 from rlhfuse_jax.generation.sampling import SamplingConfig
-from rlhfuse_jax.models import llama, sequences
+from rlhfuse_jax.models import attention, llama, sequences
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.perf import accounting, scale_check
 from rlhfuse_jax.perf.bench_config import BenchDecodeConfig
@@ -132,8 +132,12 @@ def measure_decode(cfg: BenchDecodeConfig, gen: instances.Generator, params: Any
       "mean_live_len": live, "weight_bytes": nbytes["weight_bytes"],
       "kv_bytes": nbytes["kv_bytes"], "bytes_per_step": nbytes["total_bytes"],
       "achieved_bw_bytes_per_s": nbytes["total_bytes"] / step_s,
-      # What the instance ran: "auto" becomes "pallas" on a GPU (attention.instance_attention).
+      # What the instance ran: "auto" becomes "pallas" on a GPU (attention.instance_attention),
+      # and how its one-token decode attended ("kernel", "whole" cache, live-prefix "loop"):
+      # "auto" alone did not say which (on CPU the loop, on a GPU whose heads the kernel does
+      # not split the whole cache).
       "attention": gen.cfg.attention,
+      "decode_attention_path": attention.cache_attention_path(gen.cfg.attention, 1),
       **_memory_row(gen),
   }
   logging.info("decode batch %d: %.1f tokens/s, %.3f ms/step, %.3g GB/s achieved", batch,
@@ -216,8 +220,8 @@ def measure_capacity_scaling(cfg: BenchDecodeConfig, params: Any) -> dict:
   key = jax.random.key(cfg.seed)
   out = {"live_len": cfg.capacity_live_len, "capacities": list(cfg.capacities), "batch": batch,
          "steps": steps}
-  for name, attention in (("step_s", cfg.model.attention), ("reference_step_s", "reference")):
-    model = cfg.model.replace(max_seq_len=max(cfg.capacities), attention=attention)
+  for name, impl in (("step_s", cfg.model.attention), ("reference_step_s", "reference")):
+    model = cfg.model.replace(max_seq_len=max(cfg.capacities), attention=impl)
     runs = []
     for cap in cfg.capacities:
       gen = instances.Generator(model, _sampling(cap - prompt_len, steps), batch_size=batch,
@@ -241,7 +245,7 @@ def measure_capacity_scaling(cfg: BenchDecodeConfig, params: Any) -> dict:
     per_cap = [float(np.median(t)) for t in times]
     for cap, t in zip(cfg.capacities, per_cap):
       logging.info("capacity %d, live %d, %s attention: %.4f ms/step", cap,
-                   cfg.capacity_live_len, attention, 1e3 * t)
+                   cfg.capacity_live_len, impl, 1e3 * t)
     out[name] = per_cap
     out[name.replace("step_s", "ratio")] = per_cap[-1] / per_cap[0]
   return out

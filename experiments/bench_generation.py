@@ -540,11 +540,13 @@ def main(argv):
   if "pipelined" in result:
     return log_pipelined(result, workdir)
   b, f = result["baseline"], result["fused"]
-  logging.info("identical outputs: %s; gen+inf baseline %.3fs, fused %.3fs: ratio %.3f "
-               "(paired median %.3f); fused migrated %d samples (%d KV bytes held, %d bytes "
+  paired = result["ratio_paired"]["runs"]
+  logging.info("identical outputs: %s; gen+inf baseline %.3fs, fused %.3fs (medians of %d "
+               "runs): ratio %.3f (paired median %.3f, runs %.3f-%.3f); fused migrated %d samples (%d KV bytes held, %d bytes "
                "copied; %d across hosts: %d bytes, %.4fs) %s",
                result["identical_outputs"], b["gen_plus_inf_s"], f["gen_plus_inf_s"],
-               result["ratio"], result["ratio_paired"]["median"], f["migrated_samples"],
+               len(paired), result["ratio"], result["ratio_paired"]["median"], min(paired),
+               max(paired), f["migrated_samples"],
                f["migrated_kv_bytes"], f["migration_copied_bytes"],
                f["cross_host_migrated_samples"], f["cross_host_migrated_bytes"],
                f["cross_host_migration_s"],

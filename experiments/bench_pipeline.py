@@ -35,7 +35,7 @@ request_host_devices(8)  # before the first jax import
 
 import dataclasses  # noqa: E402
 import time  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import Any, Callable, Optional  # noqa: E402
 
 import jax  # noqa: E402
 import jaxlib  # noqa: E402
@@ -184,10 +184,16 @@ def grad_error(got: Any, want: Any) -> dict:
 
 def run_schedule(name: str, cfg: BenchPipelineConfig, problem: PipelineProblem,
                  order: np.ndarray, barrier: bool, mesh, params, batch,
-                 reference) -> tuple[dict, Callable[[], Any]]:
-  """(result without timings, the compiled and warmed step): timed by run() in rotation."""
+                 reference, compiled: Optional[dict] = None) -> tuple[dict, Callable[[], Any]]:
+  """(result without timings, the compiled and warmed step): timed by run() in rotation.
+  `compiled`: {(spec, table shape): the schedule that compiled it}, of the schedules before:
+  the instruction table is an argument of the program, so a schedule of another's shape
+  (ticks) runs that one's executable, and its compile_s is jax's cache lookup."""
   ex = make_executor(cfg.actor, cfg.critic, cfg.loss, problem, order, mesh, barrier=barrier)
   program = ex.program
+  key = (ex.spec, np.shape(ex.table))
+  reused = None if compiled is None else compiled.setdefault(key, name)
+  reused = None if reused == name else reused
   logging.info("%s: %d ticks; compiling the shard_map program ...", name, program.ticks)
   t0 = time.perf_counter()
   step = ex.compile(params[0], params[1], batch)
@@ -203,13 +209,16 @@ def run_schedule(name: str, cfg: BenchPipelineConfig, problem: PipelineProblem,
       "peak_memory": ev.peaks.tolist(),
       "memory_budget": ev.budget.tolist(),
       "compile_s": compile_s,
+      # The program it ran was compiled for that schedule (same shape): compile_s is no compile.
+      "compile_reused_from": reused,
       "grad_error": {"actor": grad_error(ga, reference[0]),
                      "critic": grad_error(gc, reference[1])},
       "metrics": {k: float(v) for k, v in metrics.items()},
       "metrics_reference": {k: float(reference[2][k]) for k in metrics},
   }
-  logging.info("%s: %d ticks (lockstep time %g), compile %.1fs; grad error actor %.2e critic "
+  logging.info("%s: %d ticks (lockstep time %g), compile %.1fs%s; grad error actor %.2e critic "
                "%.2e", name, program.ticks, out["lockstep_time"], compile_s,
+               f" (none: {reused}'s program, the same shape)" if reused else "",
                out["grad_error"]["actor"]["max_leaf_rel"],
                out["grad_error"]["critic"]["max_leaf_rel"])
   return out, lambda: step(params[0], params[1], batch)
@@ -396,10 +405,10 @@ def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
             "greedy": (schedules.greedy_order(problem), False),
             "searched": (found["ticks"].best, False),
             "searched_time": (found["time"].best, False)}
-  results, steps = {}, {}
+  results, steps, compiled = {}, {}, {}
   for name, (order, barrier) in orders.items():
     results[name], steps[name] = run_schedule(name, cfg, problem, order, barrier, mesh, params,
-                                              batch, reference)
+                                              batch, reference, compiled)
   for name, runs in time_in_rotation(steps, cfg.repeats).items():
     results[name].update(step_s=float(np.median(runs)), step_s_runs=runs)
     logging.info("%s: step %.4fs (median of %d)", name, results[name]["step_s"], cfg.repeats)
@@ -448,11 +457,19 @@ def run(cfg: BenchPipelineConfig, workdir: str) -> dict:
       "grad_errors_within_tolerance": bool(max(errors) <= tol),
   }
   runner.write_result(workdir, result)
-  logging.info("ticks: %s; fused < serial: %s; wall time fused / serial %.3f (paired median; "
-               "%s); max grad error %.2e (tolerance %g); wrote %s",
+  logging.info("ticks: %s; fused < serial: %s; wall time of a step, fused (the searched "
+               "schedule) %.4fs / serial 1F1B %.4fs (medians of %d rounds): paired median %.3f, "
+               "rounds %.3f-%.3f (%s); max grad error %.2e (tolerance %g); wrote %s",
                {k: r["ticks"] for k, r in results.items()}, result["fused_ticks_lt_serial_ticks"],
-               result["paired_ratio_fused_over_serial"], result["machine"]["description"],
-               max(errors), tol, os.path.join(workdir, "result.json"))
+               result["fused_step_s"], result["serial_step_s"], len(paired),
+               result["paired_ratio_fused_over_serial"], min(paired), max(paired),
+               result["machine"]["description"], max(errors), tol,
+               os.path.join(workdir, "result.json"))
+  if min(paired) < 1.0 < max(paired):
+    logging.warning("the rounds' fused / serial ratios lie on both sides of 1 (%.3f-%.3f): "
+                    "this machine's timing noise is larger than the difference; more "
+                    "--config.repeats, or a quieter machine, tell them apart", min(paired),
+                    max(paired))
   return result
 
 

@@ -581,10 +581,14 @@ def provenance() -> dict:
   return out
 
 
-def write_result(workdir: str, result: dict, name: str = "result.json") -> str:
-  """Writes `result` with its `provenance` to workdir/name (atomically); returns the path."""
+def write_result(workdir: str, result: dict, name: str = "result.json",
+                 ran_on: Optional[dict] = None) -> str:
+  """Writes `result` with its `provenance` to workdir/name (atomically); returns the path.
+  `ran_on`: provenance fields that say where the measured work ran, for a binary whose runs
+  are other processes (bench_async's train_ppo runs, each with its own device count): they
+  replace this process's own jax devices."""
   path = os.path.join(workdir, name)
-  wd.write_json(path, {**result, "provenance": provenance()})
+  wd.write_json(path, {**result, "provenance": {**provenance(), **(ran_on or {})}})
   return path
 
 

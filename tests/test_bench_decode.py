@@ -111,6 +111,8 @@ def test_decode_rows_are_consistent(bench):
     assert r["decode_s"] == pytest.approx(np.median(r["decode_s_runs"]), rel=1e-12)
     assert r["tokens_per_s"] == pytest.approx(b * steps / r["decode_s"], rel=1e-9)
     assert r["step_s"] == pytest.approx(r["decode_s"] / steps, rel=1e-9)
+    # How "auto" decoded here (CPU: the live-prefix loop); the row said only "auto".
+    assert (r["attention"], r["decode_attention_path"]) == ("auto", "loop"), r
     # Roofline: the live prefix a step attends over, averaged over the run (bf16).
     assert r["mean_live_len"] == TINY.prompt_len + (steps + 1) / 2
     kv = 2 * m["num_layers"] * b * r["mean_live_len"] * m["num_kv_heads"] * head_dim * 2

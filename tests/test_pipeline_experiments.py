@@ -738,6 +738,10 @@ def test_bench_async_keeps_what_the_other_runs_measured_when_one_fails(tmp_path)
   assert result["failed_runs"] == names and result["all_gains_ok"] is False
   assert result["runs"][str(bad)] == {"failed_runs": names}
   assert "2 run(s) failed" in out.stderr
+  # The runs' devices (config.host_devices, 1), not the parent's own (8 under the tests'
+  # XLA_FLAGS).
+  assert (result["provenance"]["num_devices"], result["machine"]["host_devices"]) == (1, 1)
+  assert result["provenance"]["devices_of"].startswith("each train_ppo run")
   # The counts the runs started with, for a later reuse.
   recorded = json.loads((tmp_path / "wd" / "config.json").read_text())
   assert list(recorded["resolved_num_iterations"]) == [str(bad)]
