@@ -341,7 +341,8 @@ def main(argv):
   # The runs' devices, not this process's (it imported jax to check their configs, with the
   # caller's XLA_FLAGS: 1 device where each run had host_devices).
   runner.write_result(out, result, ran_on={
-      "num_devices": c.host_devices, "platform": "cpu",
+      "num_devices": c.host_devices, "platform": "cpu", "device_kind": "cpu",
+      "num_processes": 1,
       "devices_of": "each train_ppo run (config.host_devices fake CPU devices)"})
   if curves:
     plot(curves, os.path.join(out, "curves.png"), max(1, int(round(

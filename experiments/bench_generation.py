@@ -542,8 +542,9 @@ def main(argv):
   b, f = result["baseline"], result["fused"]
   paired = result["ratio_paired"]["runs"]
   logging.info("identical outputs: %s; gen+inf baseline %.3fs, fused %.3fs (medians of %d "
-               "runs): ratio %.3f (paired median %.3f, runs %.3f-%.3f); fused migrated %d samples (%d KV bytes held, %d bytes "
-               "copied; %d across hosts: %d bytes, %.4fs) %s",
+               "runs): ratio %.3f (paired median %.3f, runs %.3f-%.3f); fused migrated %d "
+               "samples (%d KV bytes held, %d bytes copied; %d across hosts: %d bytes, %.4fs) "
+               "%s",
                result["identical_outputs"], b["gen_plus_inf_s"], f["gen_plus_inf_s"],
                len(paired), result["ratio"], result["ratio_paired"]["median"], min(paired),
                max(paired), f["migrated_samples"],

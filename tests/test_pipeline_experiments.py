@@ -742,6 +742,8 @@ def test_bench_async_keeps_what_the_other_runs_measured_when_one_fails(tmp_path)
   # XLA_FLAGS).
   assert (result["provenance"]["num_devices"], result["machine"]["host_devices"]) == (1, 1)
   assert result["provenance"]["devices_of"].startswith("each train_ppo run")
+  assert (result["provenance"]["platform"], result["provenance"]["device_kind"],
+          result["provenance"]["num_processes"]) == ("cpu", "cpu", 1)
   # The counts the runs started with, for a later reuse.
   recorded = json.loads((tmp_path / "wd" / "config.json").read_text())
   assert list(recorded["resolved_num_iterations"]) == [str(bad)]

@@ -730,6 +730,38 @@ def test_a_resume_refused_for_a_changed_plan_file_names_the_file(tmp_path):
           f"in {record}") in msg, msg
 
 
+def test_a_resume_refusal_blames_no_plan_file_for_the_configs_own_micro_batching(tmp_path):
+  """The checkpoints' start kept its own algo.microbatch_size=4 over its plan file's 2; resumed
+  without the file, the refusal said the file set it (setting config.plan.file back gives 2,
+  not the checkpoints' 4). The fields the file did set are still named."""
+  import jax.numpy as jnp
+  from rlhfuse_jax.trainer import hooks
+  path = plan_json(tmp_path / "plan.json", {"slots": 8}, training={
+      "placement": "colocated", "tp": 1, "actor_pp": 1, "critic_pp": 1, "micro_batch": 2})
+  workdir = str(tmp_path / "run")
+  before = tiny_config(**{"plan.file": path, "algo.microbatch_size": 4})
+  ckpts = hooks.Checkpoints(workdir, before, before.fingerprint())
+  try:
+    ckpts.checkpointer.save(1, {"w": jnp.zeros((2,))}, {
+        "iteration": 1, "seed": before.seed, "data": {}, "config": before.fingerprint()})
+    ckpts.checkpointer.wait()
+  finally:
+    ckpts.checkpointer.close()
+  open(os.path.join(workdir, "config.json"), "w").write(json.dumps(  # (the start's record)
+      {"plan": {"file": path}, "plan_file_content": json.loads(open(path).read())}))
+  now = tiny_config()
+  c = hooks.Checkpoints(workdir, now, now.fingerprint())
+  try:
+    with pytest.raises(ValueError) as e:
+      c.resume_point()
+  finally:
+    c.checkpointer.close()
+  msg = str(e.value)
+  assert "algo.microbatch_size: 4 -> 0" in msg, msg
+  assert ("plan.inference_tp: 1 -> 0. plan.generation, plan.generation_slots, plan.inference_tp "
+          "are set by the plan file the checkpoints were written with") in msg, msg
+
+
 def test_a_plan_searched_for_other_devices_says_so(tmp_path):
   """A plan file searched for another device count: a field it set that the config refuses is
   named with the plan's device count (a 256-device plan run on 8 failed on plan.generation_tp

@@ -193,8 +193,13 @@ def test_sharded_run_equals_single_device(tmp_path):
     ({"pipeline.search_seed": -1}, "config.pipeline.search_seed=-1: expected >= 0"),
     # The schedule search never returned: the run hung before its first iteration.
     ({"pipeline.search_time_s": float("inf")},
-     "config.pipeline.search_time_s=inf: expected a finite number of seconds > 0"),
+     "config.pipeline.search_time_s=inf: expected a number of seconds > 0 and at most 86400"),
     ({"seed": -1}, "config.seed=-1: expected an integer in "),
+    # 2**70 failed in jit, MLIR or numpy after the set-up began, or hung (num_layers).
+    ({"model.num_layers": 2**70}, "config.model.num_layers=1180591620717411303424: expected an "
+                                  "integer of at most 2147483647"),
+    ({"pipeline.xla_opt_level": 4}, "config.pipeline.xla_opt_level=4: expected -1"),
+    ({"pipeline.search_time_s": 2.0**70}, "config.pipeline.search_time_s=1.1805916207174113e"),
     # jax.random.key(2**32 + 5) is key(5): the models and samples of seed 5, silently.
     ({"seed": 2**32 + 5}, "config.seed=4294967301: expected an integer in "),
     ({"algo.loss_agg": "mean"}, "config.algo.loss_agg='mean': expected one of"),
@@ -209,6 +214,21 @@ def test_sharded_run_equals_single_device(tmp_path):
 def test_bad_config_names_the_field(overrides, message):
   with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("*", r"\*")):
     tiny_config(**overrides)
+
+
+@pytest.mark.parametrize("field, value", [("reward.stats", 5), ("algo.estimator", ["gae"]),
+                                          ("plan.file", True), ("plan.file", 0),
+                                          ("data.val_file", 5), ("model.dtype", None)])
+def test_a_string_field_of_another_type_is_refused_by_name(field, value):
+  """A plain dict (a sweep's, a plan file's: ml_collections types only its own overrides):
+  a string field given a number or a list failed far away, naming nothing ("'int' object has
+  no attribute 'split'", "unhashable type: 'list'"), or later in the set-up (val_file=5); and
+  plan.file=True opened, then closed, file descriptor 1, the process's stdout."""
+  d = ppo_tiny.get_config().to_dict()
+  section, name = field.split(".")
+  d[section][name] = value
+  with pytest.raises(ValueError, match=re.escape(f"config.{field}={value!r}: expected a string")):
+    TrainConfig.from_config_dict(d)
 
 
 def test_a_dual_clip_cap_at_or_beyond_the_clip_range_is_accepted():

@@ -34,22 +34,36 @@ from rlhfuse_jax.trainer.async_objectives import ASYNC_OBJECTIVES
 # config (range(2.0), a shape of 0.5); a float given "0.9" fails in a comparison that names no
 # field. ml_collections' typed overrides refuse these on the command line, but plain dicts (a
 # sweep's, a plan file's) and the dataclasses built directly reach the checks as given.
+# A str field given a list or a number failed far away, naming no field ("unhashable type:
+# 'list'", "'int' object has no attribute 'split'"); plan.file=True opened and then closed file
+# descriptor 1, the process's stdout.
 _TYPE_CHECKS = {
     "int": (_is_int, "an integer"),
     "bool": (lambda v: isinstance(v, bool), "True or False"),
     "float": (_is_number, "a number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
 }
+# Sizes and counts become int32 shapes, loop bounds and device scalars: 2**70 passed the
+# checks and then failed in jit ("overflow ... parsing an argument"), in MLIR, in numpy, or hung
+# building a model of that many layers, naming no field. Seeds are no size (numpy takes 64 bits;
+# TrainConfig checks its own seed's range).
+MAX_INT = 2**31 - 1
 
 
 def _check_types(klass, section: Mapping[str, Any], prefix: str) -> None:
-  """Refuses by name a value of the wrong type for an int, bool or float field of `klass`
-  (before the section's own checks compare it)."""
+  """Refuses by name a value of the wrong type for an int, bool, float or str field of `klass`,
+  or an int beyond MAX_INT (before the section's own checks compare it)."""
   for f in dataclasses.fields(klass):
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
     if kind in _TYPE_CHECKS and f.name in section:
       ok, expected = _TYPE_CHECKS[kind]
       name = f"{prefix}.{f.name}" if prefix else f.name
-      _check(ok(section[f.name]), name, section[f.name], expected)
+      value = section[f.name]
+      _check(ok(value), name, value, expected)
+      if kind == "int" and not (f.name == "seed" or f.name.endswith("_seed")):
+        _check(abs(value) <= MAX_INT, name, value,
+               f"an integer of at most {MAX_INT} in magnitude (2**31 - 1: sizes and counts "
+               "are 32-bit on the devices)")
 
 
 GRADIENT_SYNC_MODES = ("per_microbatch", "once")  # AlgoConfig.gradient_sync
@@ -393,13 +407,15 @@ class PipelineConfig:
              f"pipeline.{name}", getattr(self, name),
              "an integer >= 1, or 0 (one mini-batch row per micro-batch)")
     # (inf: the search never returned, and the run never started training)
-    _check(0 < self.search_time_s < math.inf, "pipeline.search_time_s", self.search_time_s,
-           "a finite number of seconds > 0")
+    # (2**70 s never returned either: at most a day)
+    _check(0 < self.search_time_s <= 86400, "pipeline.search_time_s", self.search_time_s,
+           "a number of seconds > 0 and at most 86400 (a day)")
     # (the search refused a negative one when the update was built, in the set-up after the
     # workdir was locked, as "seed=-1 must be >= 0")
     _check(self.search_seed >= 0, "pipeline.search_seed", self.search_seed, ">= 0")
-    _check(self.xla_opt_level >= -1, "pipeline.xla_opt_level", self.xla_opt_level,
-           "-1 (XLA's default) or a level >= 0")
+    # (XLA takes 0-3 as an int32 option: 2**70 failed the first update, after the set-up)
+    _check(-1 <= self.xla_opt_level <= 3, "pipeline.xla_opt_level", self.xla_opt_level,
+           "-1 (XLA's default) or a level 0-3")
 
 
 PLAN_GENERATION_MODES = ("mesh", "instances", "pipeline")
@@ -669,6 +685,12 @@ class TrainConfig:
            "async_ppo.generation_devices > 0 (the moments move out while the training devices "
            "generate; asynchronously they train meanwhile, and a separate generation group "
            "holds no optimizer state)")
+    # Each of the k batches in flight is held (a template per slot, in memory and in every
+    # checkpoint): 2**30 asked for that many and failed in MemoryError; past the run's length
+    # the slots never fill.
+    _check(self.async_ppo.staleness <= self.num_iterations, "async_ppo.staleness",
+           self.async_ppo.staleness, f"at most num_iterations={self.num_iterations} (the "
+           "batches generated ahead are held in memory and checkpoints)")
     _check(not self.fusion.intra_stage or self.mesh.stage != 1, "fusion.intra_stage",
            self.fusion.intra_stage, "False with mesh.stage=1 (the fused actor/critic schedule "
            "pipelines both models over the mesh's stage axis: set mesh.stage > 1)")

@@ -18,7 +18,7 @@ import re
 import signal
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 from absl import logging
@@ -502,18 +502,21 @@ class Checkpoints(Hook):
           f"this config differs from the one that wrote the checkpoints in "
           f"{self.checkpointer.directory} (iteration {meta.get('iteration')}) in fields that "
           f"change the run: " + "; ".join(changes) + ". " +
-          self._plan_file_note(changes, meta.get("iteration")) +
+          self._plan_file_note(changes, meta.get("iteration"), saved) +
           config_lib.resume_advice(changes, allowed) + " (fields a resume may change freely: "
           f"{', '.join(sorted(config_lib.RESUMABLE_FIELDS))}; named in "
           f"config.checkpoint.resume_changes: {', '.join(sorted(config_lib.RESUME_CHANGEABLE))})")
 
-  def _plan_file_note(self, changes: list[str], iteration: Any = None) -> str:
+  def _plan_file_note(self, changes: list[str], iteration: Any = None,
+                      saved: Optional[Mapping[str, Any]] = None) -> str:
     """What a refused resume adds when fields it lists are ones a plan file set, then or now
     (the user never wrote async_ppo.generation_devices): that the checkpoints were written
     without a plan file, or with one this start does not give (and where its content is), or
     which fields the file's new content changed (one the old file set and the new one does
     not, an "async" entry dropped, among them). Fields the file sets alike then and now,
-    changed on the command line, are not blamed on it."""
+    changed on the command line, are not blamed on it; nor is a field the checkpoints hold
+    another value of than the old file set (`saved`: their fingerprint; a config's own
+    micro-batching, kept over the file's)."""
     path = getattr(getattr(self.cfg, "plan", None), "file", "")
     try:
       now = plan_file_lib.plan_file_settings(plan_file_lib.load_plan_file(path), path) if (
@@ -538,7 +541,8 @@ class Checkpoints(Hook):
     # the other); one this start's file set must have its value here (not the command line's).
     ours = [n for n in names if (key(n) in now or key(n) in then) and
             now.get(key(n), (None,))[0] != then.get(key(n), (None,))[0] and
-            (key(n) not in now or self.fingerprint.get(n) == now[key(n)][0])]
+            (key(n) not in now or self.fingerprint.get(n) == now[key(n)][0]) and
+            (key(n) not in then or saved is None or saved.get(n) == then[key(n)][0])]
     if not ours:
       return ""
     verb = "is" if len(ours) == 1 else "are"

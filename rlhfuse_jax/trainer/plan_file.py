@@ -285,6 +285,9 @@ def apply_plan_file(d: dict, defaults: Mapping[str, Any], given: Collection[str]
   to the default cannot be told from an unset one: --config.async_ppo.staleness=0 was replaced
   by the file's 1 without a word.)"""
   path = (d.get("plan") or {}).get("file", "")
+  if not isinstance(path, str):  # (open(True) read, then closed, file descriptor 1: stdout)
+    raise ValueError(f"config.plan.file={path!r}: expected a string, the path of a plan.json "
+                     "(or '': none)")
   if not path:
     return d
   d = {k: dict(v) if isinstance(v, Mapping) else v for k, v in d.items()}
