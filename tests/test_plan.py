@@ -355,7 +355,8 @@ def test_a_value_the_plan_file_set_that_the_trainer_refuses_names_the_file(tmp_p
       + re.escape(repr(path)) + r", a plan searched for 8 devices\)$")):
     PPOTrainer(tiny_config(**{"plan.file": path}), str(tmp_path / "run"),
                mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8)))
-  with pytest.raises(ValueError, match=r"generation_slots=1: expected >= 2 \(16 samples .*\), or 0$"):
+  with pytest.raises(ValueError,
+                     match=r"generation_slots=1: expected >= 2 \(16 samples .*\), or 0$"):
     PPOTrainer(tiny_config(**{"plan.generation": "instances", "plan.generation_slots": 1}),
                str(tmp_path / "run2"), mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8)))
 
