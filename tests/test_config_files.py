@@ -424,6 +424,17 @@ def test_count_fields_must_be_integers_at_least_the_minimum(value, minimum, ok):
       config_files.check_ints(c, ("repeats", "slots"), minimum)
 
 
+def test_count_fields_beyond_int32_are_refused_by_name_but_seeds_are_not():
+  """2**70 passed as a count, then failed naming another field (plan_check's pp blamed
+  actor.num_layers; bench_generation's batch_size blamed generation.slots)."""
+  config_files.check_int("slots", 2**31 - 1)
+  with pytest.raises(ValueError, match=r"^config\.slots=2147483648: expected an integer of at "
+                                       r"most 2147483647 "):
+    config_files.check_int("slots", 2**31)
+  config_files.check_int("seed", 2**40, 0)
+  config_files.check_int("search_seed", 2**40, 0)
+
+
 def test_a_value_given_to_a_section_says_it_is_a_section():
   """--config.actor=7b where `actor` is a section of fields (plan_check's tiny variant) printed
   ml_collections' "Failed to parse '7b' as a ConfigDict: SyntaxError('invalid decimal
