@@ -2,6 +2,7 @@
 against the default single layout, the plans the trainer refuses, and the searched plans
 it runs (sim_plan, plan_search.py:train)."""
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -652,14 +653,38 @@ def test_a_plan_mesh_that_cannot_split_the_devices_names_the_plan_file(tmp_path)
   assert not (tmp_path / "run").exists()
 
 
+def _checkpoint_of(workdir: str, cfg) -> None:
+  """One checkpoint (iteration 1) in `workdir` written by a start with `cfg` (its fingerprint),
+  as a resume reads it."""
+  import jax.numpy as jnp
+  from rlhfuse_jax.trainer import hooks
+  ckpts = hooks.Checkpoints(workdir, cfg, cfg.fingerprint())
+  try:
+    ckpts.checkpointer.save(1, {"w": jnp.zeros((2,))}, {
+        "iteration": 1, "seed": cfg.seed, "data": {}, "config": cfg.fingerprint()})
+    ckpts.checkpointer.wait()
+  finally:
+    ckpts.checkpointer.close()
+
+
+def _resume_refusal(workdir: str, cfg) -> str:
+  """The ValueError a start with `cfg` raises resuming `workdir`'s checkpoints, as text."""
+  from rlhfuse_jax.trainer import hooks
+  c = hooks.Checkpoints(workdir, cfg, cfg.fingerprint())
+  try:
+    with pytest.raises(ValueError) as e:
+      c.resume_point()
+  finally:
+    c.checkpointer.close()
+  return str(e.value)
+
+
 def test_a_resume_refused_for_a_changed_plan_file_names_the_file(tmp_path):
   """Resuming after the plan file changed listed async_ppo.generation_devices, async_ppo.
   staleness and plan.generation_slots, fields the user never set, without a word of the file:
   the refusal says they come from config.plan.file, that its content differs from the one the
   checkpoints were written with, and where the original is saved. A field the config itself
   changed is not blamed on the file."""
-  import jax.numpy as jnp
-  from rlhfuse_jax.trainer import hooks
   path = plan_json(tmp_path / "plan.json", {"slots": 8})
   plan = json.loads(open(path).read())
   plan["async"] = {"generation_devices": 4, "training_devices": 4, "staleness": 1,
@@ -667,23 +692,8 @@ def test_a_resume_refused_for_a_changed_plan_file_names_the_file(tmp_path):
   original = json.dumps(plan)
   open(path, "w").write(original)
   workdir = str(tmp_path / "run")
-  before = tiny_config(**{"plan.file": path})
-  ckpts = hooks.Checkpoints(workdir, before, before.fingerprint())
-  try:
-    ckpts.checkpointer.save(1, {"w": jnp.zeros((2,))}, {
-        "iteration": 1, "seed": before.seed, "data": {}, "config": before.fingerprint()})
-    ckpts.checkpointer.wait()
-  finally:
-    ckpts.checkpointer.close()
-
-  def resume(cfg):
-    c = hooks.Checkpoints(workdir, cfg, cfg.fingerprint())
-    try:
-      with pytest.raises(ValueError) as e:
-        c.resume_point()
-    finally:
-      c.checkpointer.close()
-    return str(e.value)
+  _checkpoint_of(workdir, tiny_config(**{"plan.file": path}))
+  resume = functools.partial(_resume_refusal, workdir)
 
   plan["generation"]["slots"] = 4
   plan["async"].update(generation_devices=2, training_devices=6, staleness=2)
@@ -735,29 +745,13 @@ def test_a_resume_refusal_blames_no_plan_file_for_the_configs_own_micro_batching
   """The checkpoints' start kept its own algo.microbatch_size=4 over its plan file's 2; resumed
   without the file, the refusal said the file set it (setting config.plan.file back gives 2,
   not the checkpoints' 4). The fields the file did set are still named."""
-  import jax.numpy as jnp
-  from rlhfuse_jax.trainer import hooks
   path = plan_json(tmp_path / "plan.json", {"slots": 8}, training={
       "placement": "colocated", "tp": 1, "actor_pp": 1, "critic_pp": 1, "micro_batch": 2})
   workdir = str(tmp_path / "run")
-  before = tiny_config(**{"plan.file": path, "algo.microbatch_size": 4})
-  ckpts = hooks.Checkpoints(workdir, before, before.fingerprint())
-  try:
-    ckpts.checkpointer.save(1, {"w": jnp.zeros((2,))}, {
-        "iteration": 1, "seed": before.seed, "data": {}, "config": before.fingerprint()})
-    ckpts.checkpointer.wait()
-  finally:
-    ckpts.checkpointer.close()
+  _checkpoint_of(workdir, tiny_config(**{"plan.file": path, "algo.microbatch_size": 4}))
   open(os.path.join(workdir, "config.json"), "w").write(json.dumps(  # (the start's record)
       {"plan": {"file": path}, "plan_file_content": json.loads(open(path).read())}))
-  now = tiny_config()
-  c = hooks.Checkpoints(workdir, now, now.fingerprint())
-  try:
-    with pytest.raises(ValueError) as e:
-      c.resume_point()
-  finally:
-    c.checkpointer.close()
-  msg = str(e.value)
+  msg = _resume_refusal(workdir, tiny_config())
   assert "algo.microbatch_size: 4 -> 0" in msg, msg
   assert ("plan.inference_tp: 1 -> 0. plan.generation, plan.generation_slots, plan.inference_tp "
           "are set by the plan file the checkpoints were written with") in msg, msg
