@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 from absl import app, flags, logging
 
 from experiments import runner
+from rlhfuse_jax import fields
 from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax import workdir as wd
 
@@ -99,22 +100,14 @@ def check_variant(module: Any, variant: Optional[str], config_path: str,
                      f"(':{variant}'){extra}")
 
 
-# A count or size the binaries take as an int32 shape or loop bound: 2**70 passed check_int,
-# then failed naming another field (plan_check's pp blamed actor.num_layers, bench_generation's
-# batch_size blamed slots). Seeds are no count (numpy takes 64 bits).
-MAX_COUNT = 2**31 - 1
-
-
 def check_int(name: str, value: Any, minimum: int = 1, hint: str = "") -> None:
   """A ValueError naming config.`name` unless `value` is an integer (a bool is not one)
-  >= `minimum` (and <= MAX_COUNT, a seed's excepted): the binaries' check of their count
-  fields. `hint` follows in brackets (what a special value means)."""
+  >= `minimum` (and within fields.MAX_INT, a seed's excepted: fields.check_int32): the
+  binaries' check of their count fields. `hint` follows in brackets (what a special value means)."""
   if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
     raise ValueError(f"config.{name}={value!r}: expected an integer >= {minimum}"
                      + (f" ({hint})" if hint else ""))
-  if value > MAX_COUNT and not (name == "seed" or name.endswith("_seed")):
-    raise ValueError(f"config.{name}={value!r}: expected an integer of at most {MAX_COUNT} "
-                     "(2**31 - 1: counts and sizes are 32-bit on the devices)")
+  fields.check_int32(name, value)
 
 
 def check_ints(config: Any, names: Sequence[str], minimum: int = 1) -> None:

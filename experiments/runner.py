@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.fields import is_seed_field
 
 
 def fixed_or_sci(x: float, decimals: int, significant: int = 1) -> str:
@@ -484,12 +485,6 @@ def command_line() -> str:
           if prog.startswith("experiments" + os.sep) and prog.endswith(".py") else
           ["python", *sys.argv[:1]])
   return shlex.join(head + sys.argv[1:])
-
-
-def is_seed_field(key: str) -> bool:
-  """A config field that only picks a random stream: `seed`, `pipeline.search_seed`, ..."""
-  last = key.rsplit(".", 1)[-1]
-  return last == "seed" or last.endswith("_seed")
 
 
 def seed_groups(rows: Sequence[dict], override_keys: Sequence[str]) -> list[tuple[dict, list]]:

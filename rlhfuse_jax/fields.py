@@ -24,6 +24,26 @@ def is_int(v: Any) -> bool:
   return isinstance(v, int) and not isinstance(v, bool)
 
 
+def is_seed_field(key: str) -> bool:
+  """A config field that only picks a random stream: `seed`, `pipeline.search_seed`, ..."""
+  last = key.rsplit(".", 1)[-1]
+  return last == "seed" or last.endswith("_seed")
+
+
+# Sizes and counts become int32 shapes, loop bounds and device scalars: 2**70 passed the
+# configs' checks and then failed in jit ("overflow ... parsing an argument"), in MLIR, in numpy,
+# or hung building a model of that many layers, or an error named another field (plan_check's
+# pp blamed actor.num_layers). Seeds are no size (numpy takes 64 bits).
+MAX_INT = 2**31 - 1
+
+
+def check_int32(field: str, value: int) -> None:
+  """`fail` for an integer beyond MAX_INT in magnitude, unless `field` is a seed's."""
+  check(is_seed_field(field) or abs(value) <= MAX_INT, field, value,
+        f"an integer of at most {MAX_INT} in magnitude (2**31 - 1: sizes and counts are 32-bit "
+        "on the devices)")
+
+
 def is_number(v: Any) -> bool:
   """An int or float that is not a bool."""
   return isinstance(v, (int, float)) and not isinstance(v, bool)

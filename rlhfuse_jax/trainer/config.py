@@ -15,6 +15,7 @@ from typing import Any, Collection, Mapping, Optional, Sequence
 
 from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.fields import check as _check
+from rlhfuse_jax.fields import check_int32
 from rlhfuse_jax.fields import is_int as _is_int
 from rlhfuse_jax.fields import is_number as _is_number
 from rlhfuse_jax.generation import fused as fused_lib
@@ -43,16 +44,12 @@ _TYPE_CHECKS = {
     "float": (_is_number, "a number"),
     "str": (lambda v: isinstance(v, str), "a string"),
 }
-# Sizes and counts become int32 shapes, loop bounds and device scalars: 2**70 passed the
-# checks and then failed in jit ("overflow ... parsing an argument"), in MLIR, in numpy, or hung
-# building a model of that many layers, naming no field. Seeds are no size (numpy takes 64 bits;
-# TrainConfig checks its own seed's range).
-MAX_INT = 2**31 - 1
 
 
 def _check_types(klass, section: Mapping[str, Any], prefix: str) -> None:
   """Refuses by name a value of the wrong type for an int, bool, float or str field of `klass`,
-  or an int beyond MAX_INT (before the section's own checks compare it)."""
+  or an int beyond fields.MAX_INT (before the section's own checks compare it; TrainConfig
+  checks its own seed's range)."""
   for f in dataclasses.fields(klass):
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
     if kind in _TYPE_CHECKS and f.name in section:
@@ -60,10 +57,8 @@ def _check_types(klass, section: Mapping[str, Any], prefix: str) -> None:
       name = f"{prefix}.{f.name}" if prefix else f.name
       value = section[f.name]
       _check(ok(value), name, value, expected)
-      if kind == "int" and not (f.name == "seed" or f.name.endswith("_seed")):
-        _check(abs(value) <= MAX_INT, name, value,
-               f"an integer of at most {MAX_INT} in magnitude (2**31 - 1: sizes and counts "
-               "are 32-bit on the devices)")
+      if kind == "int":
+        check_int32(name, value)
 
 
 GRADIENT_SYNC_MODES = ("per_microbatch", "once")  # AlgoConfig.gradient_sync
