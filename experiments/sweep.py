@@ -901,8 +901,8 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
   # The fields this start's --config flags set and those earlier starts' set (sweep.json): a
   # run of an earlier start made with --config.workers=1 and one of this start without it were
   # grouped and averaged as seeds of one setting, without a word.
-  flagged = list(dict.fromkeys([flag_field(arg)[0] for arg in passthrough] +
-                               earlier_flags(workdir)))
+  flags_now = [flag_field(arg)[0] for arg in passthrough]
+  flagged = list(dict.fromkeys(flags_now + earlier_flags(workdir)))
   # the fields the runs' commands set (a seed among them groups runs in the summary)
   override_keys = list(dict.fromkeys(
       [k for entry in sweep for k in entry if k != "name"] + flagged))
@@ -945,7 +945,7 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
     lock = wd.WorkdirLock(workdir, wait_s=lock_wait_s, wait_field="--lock_wait_s",
                           stop=lambda: bool(signals.signum))
     wd.write_json(os.path.join(workdir, SWEEP_FILE), {**identity, "flags": sorted(flagged)})
-  also = [k for k in flagged if k not in {flag_field(arg)[0] for arg in passthrough}]
+  also = [k for k in flagged if k not in flags_now]
   try:
     return _run_locked(binary, config, workdir, passthrough, dry_run, signals, runs, summary,
                        override_keys, configs, rerun, also)
