@@ -27,7 +27,7 @@ from experiments import runner
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.pipeline import bounds, gantt, schedule, schedules, search
 from rlhfuse_jax.pipeline.evaluate import evaluate
-from rlhfuse_jax.pipeline.graph import PipelineProblem
+from rlhfuse_jax.pipeline.graph import PipelineProblem, config_number
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory", required=True)
@@ -37,8 +37,9 @@ flags.mark_flags_as_required(["config"])
 def run(c, workdir: str) -> dict:
   try:
     problem = PipelineProblem.from_config(c)
-    cfg = search.SearchConfig(time_budget_s=float(c.time_budget_s), seed=int(c.seed),
-                              workers=int(c.workers))
+    cfg = search.SearchConfig(time_budget_s=config_number(c, "time_budget_s"),
+                              seed=config_number(c, "seed", int),
+                              workers=config_number(c, "workers", int))
   except ValueError as e:
     # Their checks name the field as the config spells it, without the "config." of the
     # command line (--config.critic_pp): "actor_pp=8 must be divisible by critic_pp=3".

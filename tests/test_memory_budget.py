@@ -156,6 +156,19 @@ def test_from_config_takes_zero_as_a_value_and_only_minus_one_as_the_default():
     PipelineProblem.from_config(c)
 
 
+@pytest.mark.parametrize("field,value,expected", [
+    ("actor_pp", "8", "an integer"), ("critic_microbatches", 2.5, "an integer"),
+    ("actor_fwd", "5", "a number"), ("memory_budget", "x", "a number"),
+    ("critic_bwd", True, "a number")])
+def test_from_config_names_a_field_of_the_wrong_type(field, value, expected):
+  """A config file's "8" stages ran as 8 and 2.5 micro-batches as 2 (int()); a str budget
+  failed as a TypeError of a comparison, naming no field."""
+  d = ss_config.get_config().to_dict()
+  d[field] = value
+  with pytest.raises(ValueError, match=f"config.{field}={value!r}: expected {expected}"):
+    PipelineProblem.from_config(ml_collections.ConfigDict(d))
+
+
 def test_problem_keyed_caches_tell_the_modes_apart():
   # sim/training_sim.ScheduleCache keys on to_dict(), as trainer/pipelined's schedule cache does:
   # entries written before the mode existed (no key) are not hits for either mode (re-keyed).

@@ -263,25 +263,29 @@ class PipelineProblem:
     negative value is a typo, and an error naming the field). memory_budget >= 0 overrides
     memory_budget_mode; a config without memory_budget_mode (one written before it existed)
     means "per_device", what it was run under."""
+    num = lambda name, kind=float: config_number(c, name, kind)
+
     def opt(name):
-      v = getattr(c, name)
-      if v is None or v == -1:
+      if getattr(c, name) is None:
+        return None
+      v = num(name)
+      if v == -1:
         return None
       if v < 0:
         raise ValueError(f"config.{name}={v!r}: expected -1 (the default) or a value >= 0")
-      return float(v)
+      return v
     budget = opt("memory_budget")
     mode = getattr(c, "memory_budget_mode", PER_DEVICE)
     if budget is None and mode not in BUDGET_MODES:
       raise ValueError(f"config.memory_budget_mode={mode!r}: expected one of {BUDGET_MODES} "
                        "(or config.memory_budget >= 0 for an explicit budget)")
-    return cls(actor_pp=int(c.actor_pp), critic_pp=int(c.critic_pp),
-               actor_microbatches=int(c.actor_microbatches),
-               critic_microbatches=int(c.critic_microbatches),
-               actor_fwd=float(c.actor_fwd), critic_fwd=float(c.critic_fwd),
+    return cls(actor_pp=num("actor_pp", int), critic_pp=num("critic_pp", int),
+               actor_microbatches=num("actor_microbatches", int),
+               critic_microbatches=num("critic_microbatches", int),
+               actor_fwd=num("actor_fwd"), critic_fwd=num("critic_fwd"),
                actor_bwd=opt("actor_bwd"), critic_bwd=opt("critic_bwd"),
                actor_mem=opt("actor_mem"), critic_mem=opt("critic_mem"),
-               transfer_latency=float(c.transfer_latency),
+               transfer_latency=num("transfer_latency"),
                memory_budget=None if budget is None else (budget,),
                memory_budget_mode=mode if budget is None else EXPLICIT)
 
@@ -297,6 +301,18 @@ class PipelineProblem:
     if d.get("memory_budget") is not None:
       d["memory_budget"] = tuple(d["memory_budget"])
     return cls(**d)
+
+
+def config_number(c, name: str, kind: type = float):
+  """`c.name` as `kind` (int or float), or a ValueError naming the field. A config file's "8" or
+  2.5 for a stage count was read as 8 and 2 (int()), and a str budget failed as a TypeError of
+  a comparison, naming no field."""
+  v = getattr(c, name)
+  if isinstance(v, bool) or not isinstance(v, (int, np.integer) if kind is int else
+                                           (int, float, np.integer, np.floating)):
+    raise ValueError(f"config.{name}={v!r}: expected "
+                     + ("an integer" if kind is int else "a number"))
+  return kind(v)
 
 
 def parse_devices(values: Sequence[str], num_devices: int, flag: str = "--devices",
