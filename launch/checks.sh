@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # What every launcher (local_multiprocess.sh, slurm_gpu.sbatch, tpu_pod.sh) refuses before a
 # process starts; sourced by them, not run.
 

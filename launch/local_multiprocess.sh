@@ -21,6 +21,7 @@ if ! [[ "$N" =~ ^[1-9][0-9]*$ && "$D" =~ ^[1-9][0-9]*$ ]]; then
   echo "N=$N D=$D: expected the number of processes and the devices per process, both >= 1" >&2
   exit 2
 fi
+# shellcheck source=launch/checks.sh
 source "$(dirname "$0")/checks.sh"
 refuse_set_flags "the launcher sets it for every process: --config from CONFIG=... (e.g.\
  CONFIG=configs/ppo_tiny.py:fused), --workdir from WORKDIR, --coordinator_address from\
@@ -115,11 +116,13 @@ fi
 # SIGINT handler of its own (trainer/hooks.py), which ends that; a binary that keeps the ignore
 # (bench_generation) gets no Ctrl-C itself. A SIGTERM (`kill` of the launcher's pid) reaches the
 # launcher alone. Either way the launcher passes SIGTERM on (each process saves after its
-# iteration and exits 75, or ends at once if it has not started training; train_ppo, stopping
-# on the Ctrl-C already, takes it as the same stop, in training and in set-up, trainer/hooks.py)
-# and keeps waiting; a second signal kills them.
+# iteration and exits 75; in set-up they stop together at the next point all processes reach,
+# which can be the end of set-up, tens of seconds later, and exit 75 without a checkpoint;
+# train_ppo, stopping on the Ctrl-C already, takes it as the same stop, trainer/hooks.py) and
+# keeps waiting; a second signal kills them.
 signalled=0
 interrupted=0
+# shellcheck disable=SC2329  # (called by the trap below)
 forward() {
   interrupted=1
   if ((signalled)); then kill -KILL "${pids[@]}" 2>/dev/null || true
@@ -222,4 +225,4 @@ for i in "${!pids[@]}"; do
 done
 echo "logs: ${WORKDIR%/}.proc*.log; exit status per process (process:status):$summary;" \
   "exit status $status"
-exit $status
+exit "$status"

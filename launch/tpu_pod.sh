@@ -17,6 +17,7 @@
 # --config.fusion.inter_stage=True) or bench_generation (config: configs/bench_generation.py).
 set -euo pipefail
 CONFIG=${1:?config}; WORKDIR=${2:?workdir (a path every worker sees: gcsfuse mount or NFS)}; shift 2
+# shellcheck source=launch/checks.sh
 source "$(dirname "${BASH_SOURCE[0]}")/checks.sh"
 # Paths relative to where it was started made absolute, then the repository root (python -m
 # experiments.X finds the package there: started elsewhere, every worker failed with "No module
