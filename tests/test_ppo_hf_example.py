@@ -220,6 +220,59 @@ def test_export_carries_the_runs_tokenizer_template_and_special_ids(tmp_path):
     assert json.load(f)["eos_token_id"] == task_tok.eos_id
 
 
+def _export_of(source, tmp_path):
+  """The export (directory) of `source`'s weights by a run of tiny_config reading its
+  tokenizer.json, and that run's tokenizer."""
+  tok_path = os.path.join(source, "tokenizer.json")
+  cfg = tiny_config(**{"init.actor_checkpoint": str(source), "init.tokenizer": tok_path,
+                       "checkpoint.export_hf": "auto"})
+  tok = build.build_task_and_tokenizer(cfg)[1]
+  cfg = build.resolve_config(cfg, tok)
+  out = str(tmp_path / "export")
+  hf_export.export_hf(hf_loader.load_hf_params(str(source), cfg.model), cfg, out, tokenizer=tok)
+  return out, tok
+
+
+def test_an_export_of_a_bare_tokenizer_json_reads_as_the_run_read_it(tmp_path):
+  """A tokenizer.json alone (no tokenizer_config.json, no post-processor): the run put BOS first
+  and stopped on the EOS it found in the vocabulary (<|end_of_text|>) and on config.json's
+  eos_token_id. The export held only the tokenizer.json, which HF reads with no BOS, no EOS
+  token and no BOS prepended, and config.json's single eos. It now names the special tokens
+  (tokenizer_config.json), puts BOS first in its post-processor (transformers' fast tokenizers
+  add special tokens only through it), and lists every stop id in generation_config.json; a
+  source config.json with null ids (as transformers saves some) gets the run's."""
+  import shutil
+  import tokenizers
+  src = tmp_path / "model"
+  src.mkdir()
+  for name in ("config.json", "model.safetensors", "tokenizer.json"):
+    shutil.copyfile(os.path.join(DATA, "tiny_llama3_chat", name), src / name)
+  out, tok = _export_of(src, tmp_path)
+  text = "Natalia sold clips"
+  assert tok.add_bos and tok.stop_ids == (tok.token_to_id("<|end_of_text|>"), 2)
+  with open(os.path.join(out, "tokenizer_config.json")) as f:
+    assert json.load(f) == {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+                            "pad_token": tok.id_to_token(tok.pad_id), "add_bos_token": True}
+  # (HF's fast tokenizers encode with add_special_tokens=True by default)
+  assert tokenizers.Tokenizer.from_file(os.path.join(out, "tokenizer.json")).encode(
+      text).ids == tok.encode(text)
+  with open(os.path.join(out, "generation_config.json")) as f:
+    assert json.load(f)["eos_token_id"] == list(tok.stop_ids)
+  again = HFTokenizer.from_file(out)
+  assert again.encode(text) == tok.encode(text) and again.stop_ids == tok.stop_ids
+  # Null ids in the source's config.json: the run's, not null (generate() ran past the EOS).
+  config = json.loads((src / "config.json").read_text())
+  (src / "config.json").write_text(json.dumps({**config, "bos_token_id": None,
+                                               "eos_token_id": None}))
+  shutil.rmtree(out)
+  out, tok = _export_of(src, tmp_path)
+  with open(os.path.join(out, "config.json")) as f:
+    exported = json.load(f)
+  assert (exported["bos_token_id"], exported["eos_token_id"]) == (tok.bos_id, tok.eos_id)
+  assert tok.stop_ids == (tok.eos_id,)  # (config.json named none: no generation_config needed)
+  assert not os.path.exists(os.path.join(out, "generation_config.json"))
+
+
 def test_export_family_and_refusals(tmp_path):
   """export_hf='auto' keeps the source checkpoint's family (a Mistral stays a Mistral, which
   the model's shape alone would write as LLaMA); a family that cannot express the actor is

@@ -184,7 +184,7 @@ class HFTokenizer(Tokenizer):
     tokens. EOS must resolve; PAD falls back to EOS; BOS may stay None. A token set to null in
     tokenizer_config.json (e.g. Qwen2's `bos_token`) counts as absent and is not guessed.
     Whether `encode` prepends BOS: the argument, else `add_bos_token`, else what the file's
-    post-processor does (`_post_processor_adds`), else yes when there is a BOS.
+    post-processor does (`post_processor_adds`), else yes when there is a BOS.
     The ids that end a response besides EOS: the argument, else the `eos_token_id` of a
     `generation_config.json` next to the file (an id or a list, as transformers' generate and
     vLLM read it: a chat model may end a turn on any of them).
@@ -240,7 +240,7 @@ class HFTokenizer(Tokenizer):
     if add_bos is None and config is not None and config.get("add_bos_token") is not None:
       add_bos = bool(config["add_bos_token"]) and bos_id is not None
     if add_bos is None and bos_id is not None:
-      add_bos = _post_processor_adds(path, tok.id_to_token(bos_id))
+      add_bos = post_processor_adds(path, tok.id_to_token(bos_id))
     if extra_eos_ids is None:
       generation, extra_eos_ids = checkpoint_eos(os.path.dirname(path))
       size = int(tok.get_vocab_size(with_added_tokens=True))
@@ -287,7 +287,7 @@ def _eos_ids(path: str, value: Any) -> tuple[int, ...]:
   return tuple(ids)
 
 
-def _post_processor_adds(path: str, bos: str) -> Optional[bool]:
+def post_processor_adds(path: str, bos: str) -> Optional[bool]:
   """Whether tokenizer.json's post-processor puts `bos` first in a single sequence (what
   transformers' fast tokenizers do with add_special_tokens=True): a TemplateProcessing starting
   with it, alone or in a Sequence. None when the file has no post-processor (then the BOS the

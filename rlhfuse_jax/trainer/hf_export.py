@@ -11,6 +11,7 @@ import shutil
 from typing import Any, Callable, Optional
 
 import jax
+import tokenizers
 from absl import logging
 
 from rlhfuse_jax.data import chat as chat_lib
@@ -65,6 +66,9 @@ def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) 
         shutil.copyfile(src, os.path.join(out, name))
   elif isinstance(tokenizer, HFTokenizer):
     tokenizer.backend.save(os.path.join(out, "tokenizer.json"))
+  if isinstance(tokenizer, HFTokenizer) and not os.path.isfile(
+      os.path.join(out, chat_lib.CONFIG_FILE)):
+    _write_tokenizer_config(tokenizer, out)
   if cfg.data.chat_template not in ("none", "auto"):
     template = chat_lib.ChatTemplate.load(cfg.data.chat_template, tok)
     with open(os.path.join(out, chat_lib.TEMPLATE_FILE), "w", encoding="utf-8") as f:
@@ -81,10 +85,48 @@ def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) 
           json.dump(config, f, indent=2, ensure_ascii=False)
 
 
+def _write_tokenizer_config(tokenizer: HFTokenizer, out: str) -> None:
+  """A tokenizer_config.json naming the special tokens the run resolved, for a tokenizer.json
+  that came without one (or the synthetic task's): transformers read such a file with no BOS or
+  EOS token and no BOS prepended, where the run put BOS first in every prompt. transformers
+  (5.x) prepends BOS only through tokenizer.json's post-processor, not add_bos_token, so a
+  tokenizer.json without one gets one that puts BOS first, as the run did; our loader reads it
+  back the same way (tokenizer.post_processor_adds)."""
+  name = lambda i: None if i is None else tokenizer.id_to_token(int(i))
+  config = {"bos_token": name(tokenizer.bos_id), "eos_token": name(tokenizer.eos_id),
+            "pad_token": name(tokenizer.pad_id), "add_bos_token": tokenizer.add_bos}
+  with open(os.path.join(out, chat_lib.CONFIG_FILE), "w", encoding="utf-8") as f:
+    json.dump(config, f, indent=2, ensure_ascii=False)
+  path = os.path.join(out, "tokenizer.json")
+  if tokenizer.add_bos and tokenizer_lib.post_processor_adds(path, config["bos_token"]) is None:
+    backend = tokenizers.Tokenizer.from_file(path)
+    bos = config["bos_token"]
+    backend.post_processor = tokenizers.processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_id)])
+    backend.save(path)
+
+
+def _write_generation_eos(tokenizer: Optional[Tokenizer], out: str) -> None:
+  """A generation_config.json with every id the run's responses ended on, where the export has
+  none and its config.json names other ids (the source checkpoint's eos beside an EOS the run
+  found in the vocabulary): transformers' generate() stops on these."""
+  path = os.path.join(out, tokenizer_lib.GENERATION_CONFIG)
+  if tokenizer is None or os.path.isfile(path):
+    return
+  with open(os.path.join(out, "config.json")) as f:
+    eos = json.load(f).get("eos_token_id")
+  stops = sorted(int(i) for i in tokenizer.stop_ids)
+  if sorted(eos if isinstance(eos, list) else [eos]) == stops:
+    return
+  with open(path, "w") as f:
+    json.dump({"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.stop_ids),
+               "pad_token_id": tokenizer.pad_id}, f, indent=2)
+
+
 def _fill_special_ids(tokenizer: Optional[Tokenizer], config_path: str) -> None:
-  """bos/eos/pad ids the export's config.json lacks (no source checkpoint gave them), from the
-  run's tokenizer: without them transformers reads LlamaConfig's bos 1 / eos 2, other tokens
-  in most vocabularies, and generation would not stop on the run's EOS."""
+  """bos/eos/pad ids the export's config.json lacks (no source checkpoint gave them, or it gave
+  null), from the run's tokenizer: without them transformers reads LlamaConfig's bos 1 / eos 2,
+  other tokens in most vocabularies, and generation would not stop on the run's EOS."""
   if tokenizer is None:
     return
   with open(config_path) as f:
@@ -193,8 +235,10 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
       if os.path.isfile(os.path.join(cfg.init.actor_checkpoint, name)):
         shutil.copyfile(os.path.join(cfg.init.actor_checkpoint, name), os.path.join(tmp, name))
     _keep_source_context(cfg.init.actor_checkpoint, os.path.join(tmp, "config.json"))
-  else:
-    _fill_special_ids(tokenizer, os.path.join(tmp, "config.json"))
+  # (after the source's: a checkpoint saved with null ids, as transformers writes Qwen3's, kept
+  # them, and generate() ran past the run's EOS)
+  _fill_special_ids(tokenizer, os.path.join(tmp, "config.json"))
+  _write_generation_eos(tokenizer, tmp)
   # The earlier export is moved aside first and deleted last, so a crash leaves one whole
   # export: the old one under out_dir or beside it in `old`, or the new one under out_dir or
   # still in `tmp` (which the next export deletes first: the checkpoint exports it again, and
