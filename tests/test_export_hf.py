@@ -131,6 +131,16 @@ def test_an_earlier_kept_step_exports_its_own_weights_and_leaves_the_run_alone(
   assert _digests(run) == before
 
 
+def test_a_family_the_actor_has_no_equivalent_in_names_the_flag(run, tmp_path, monkeypatch):
+  """--family=qwen3 for a LLaMA-shaped actor: the error named config.checkpoint.export_hf, a
+  field the user never set (the run's is 'auto'), not the flag given."""
+  monkeypatch.chdir(REPO)
+  cfg = export_lib.export_config(export_lib.run_config(run, 2)[0], "")
+  with pytest.raises(ValueError, match=r"^--family='qwen3': model .* has no HF qwen3 equivalent"):
+    export_lib.export(run, "2", str(tmp_path / "q"), family="qwen3", mesh=_one_device(cfg))
+  assert not os.path.exists(tmp_path / "q")
+
+
 def test_a_run_still_training_there_is_not_raced(run, tmp_path):
   """The workdir's lock held (a run training): refused before anything is built or written,
   with advice for an export."""

@@ -198,8 +198,14 @@ def export(workdir: str, spec: str = "latest", out_dir: str = "", family: str = 
   check_out_dir(out_dir, workdir)
   record, config_path = run_config(workdir, choice.step)
   with tempfile.TemporaryDirectory(prefix="rlhfuse_export_") as scratch:
-    return _export(workdir, choice, out_dir, export_config(record, family, scratch),
-                   config_path, mesh)
+    try:
+      return _export(workdir, choice, out_dir, export_config(record, family, scratch),
+                     config_path, mesh)
+    except ValueError as e:  # the trainer's check names the field --family was put into
+      field = f"config.checkpoint.export_hf={family!r}"
+      if not family or not str(e).startswith(field):
+        raise
+      raise ValueError(f"--family={family!r}{str(e)[len(field):]}") from None
 
 
 def _strings(tree: Any) -> list[str]:
