@@ -221,10 +221,17 @@ def apply_run(c, t, overrides=None):
   with those architectures (for the comparison with a plan.file's workload)."""
   import dataclasses  # pylint: disable=import-outside-toplevel
 
-  from rlhfuse_jax.trainer import build  # pylint: disable=import-outside-toplevel
+  from absl import logging  # pylint: disable=import-outside-toplevel
+
+  from rlhfuse_jax.trainer import build, validate  # pylint: disable=import-outside-toplevel
   from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
   run = TrainConfig.from_config_dict(t)
   build.check_shape_overrides(run, overrides or {}, flag="--run_config")
+  try:  # (it said "fits" without a word; a warning, as the presets' own examples point at the
+    # tiny model, of 256 positions, until a user gives theirs)
+    validate.check_checkpoint_positions(run)
+  except ValueError as e:
+    logging.warning("train_ppo would refuse this run: %s", e)
   if run.vocab_from_tokenizer:  # model.vocab_size=0: the tokenizer's, as the trainer takes it
     # (it compiled a vocabulary of 1 for ppo_tiny's 22 tokens)
     run = run.with_vocab(build.build_task_and_tokenizer(run)[1].vocab_size)

@@ -965,6 +965,11 @@ def test_binary_takes_a_training_config_with_its_overrides(tmp_path):
     hf = json.load(f)
   assert result["models"]["actor"]["hidden_size"] == hf["hidden_size"]
   assert "time bounds on h100_sxm" in out.stderr
+  # 512 + 16 tokens past the tiny checkpoint's 256 positions: train_ppo refuses it, and the
+  # check said "fits" without a word.
+  assert ("train_ppo would refuse this run: config.data.max_prompt_len + "
+          "config.rollout.max_new_tokens = 528 exceeds the max_position_embeddings=256"
+          in out.stderr)
 
 
 @pytest.mark.parametrize("generation,kv_heads,tp", [("instances", 2, 1), ("instances", 2, 2),

@@ -189,6 +189,25 @@ def warn_fine_tune_lr(cfg: TrainConfig) -> Optional[str]:
   return text
 
 
+def check_checkpoint_positions(cfg: TrainConfig) -> None:
+  """The actor's and critic's context is the config's (model.max_seq_len), but a checkpoint was
+  trained on its config.json's positions only: rotary positions past them are ones its weights
+  never saw, so a run that needs them is refused, as a reward model's shorter context is.
+  (Also plan_check's --run_config: it said "fits" for a run train_ppo refuses.)"""
+  context = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+  for field, needed in (("actor_checkpoint", True),
+                        ("critic_checkpoint", adv_lib.needs_critic(cfg.algo.estimator))):
+    path = getattr(cfg.init, field)
+    if not path or not needed:
+      continue
+    positions = build.load_named(f"init.{field}", path, hf_loader.max_positions)
+    if context > positions:
+      raise ValueError(f"config.data.max_prompt_len + config.rollout.max_new_tokens = {context} "
+                       f"exceeds the max_position_embeddings={positions} that config.init."
+                       f"{field}={path!r} was trained on: a prompt and its response must fit "
+                       "its positions")
+
+
 def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
              generation_devices: Optional[int] = None) -> None:
   """Raises ValueError naming the config field for a run this mesh cannot do. `mesh` is the
@@ -363,20 +382,7 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     raise ValueError(f"config.data.max_prompt_len + config.rollout.max_new_tokens = {context} "
                      "exceeds the " + " and the ".join(length(name, m) for name, m in short) +
                      f": a prompt and its response must fit every model's context; {fix}")
-  # The actor's and critic's context is the config's (model.max_seq_len), but a checkpoint was
-  # trained on its config.json's positions only: rotary positions past them are ones its weights
-  # never saw, so a run that needs them is refused, as a reward model's shorter context is.
-  for field, needed in (("actor_checkpoint", True),
-                        ("critic_checkpoint", adv_lib.needs_critic(cfg.algo.estimator))):
-    path = getattr(cfg.init, field)
-    if not path or not needed:
-      continue
-    positions = build.load_named(f"init.{field}", path, hf_loader.max_positions)
-    if context > positions:
-      raise ValueError(f"config.data.max_prompt_len + config.rollout.max_new_tokens = {context} "
-                       f"exceeds the max_position_embeddings={positions} that config.init."
-                       f"{field}={path!r} was trained on: a prompt and its response must fit "
-                       "its positions")
+  check_checkpoint_positions(cfg)
   if mesh.shape["stage"] > 1:  # the actor/critic pipeline: estimator, layer split, micro-batches
     pipe = pipelined.check_config(cfg, mesh)
     if cfg.fusion.intra_stage and pipe.schedule_file:  # its shape, before anything compiles
