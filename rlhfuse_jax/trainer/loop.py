@@ -381,8 +381,8 @@ class PPOTrainer:
         chunk_size=cfg.rollout.chunk_size, steps_per_check=cfg.rollout.steps_per_check)
     if self.sampling.extra_eos_ids:
       logging.info("setup: responses end on any of the token ids %s (EOS %d, then the others "
-                   "its generation_config.json lists)", list(self.sampling.stop_ids),
-                   self.sampling.eos_id)
+                   "the model directory's generation_config.json names, or without one its "
+                   "config.json)", list(self.sampling.stop_ids), self.sampling.eos_id)
     # The stage owns the frozen models from here (a fused stage moves them to host memory).
     # Async PPO scores values with the current critic on the training devices instead (a
     # batch's values must be those of the critic it trains against: _current_values), so its
