@@ -90,6 +90,22 @@ def test_each_instance_loads_its_stage_and_every_stage_runs(outputs):
     assert busy == set(range(G))  # both stages of both units scored
 
 
+def test_an_instance_compiles_a_program_two_models_share_once(built):
+  """The critic's and the reward model's first stage (one architecture, SCORE) are one program:
+  compiled once per instance and run by both (they were compiled twice at once, racing on one
+  entry of jax's persistent cache); their last stages (value vs reward head) stay apart, and
+  no executable is shared across instances (each runs on its own devices)."""
+  gen, _ = built[2]
+  seen = set()
+  for inst in gen.instances:
+    assert inst._exe[("critic", 0)] is inst._exe[("reward", 0)]
+    assert inst._exe[("critic", 1)] is not inst._exe[("reward", 1)]
+    assert inst._exe[("reference", 0)] is not inst._exe[("critic", 0)]  # 2 layers, not 4
+    own = {id(e) for e in inst._exe.values()}
+    assert not own & seen
+    seen |= own
+
+
 def test_units_are_formed_in_the_order_instances_are_freed(built):
   from rlhfuse_jax.generation import fused as fused_lib
   gen, params = built[2]

@@ -538,13 +538,27 @@ def compile_all(instances: Sequence[GenerationInstance], actor_params, frozen_pa
   # Expected on GPUs, not yet measured there.
   waves = (len(names) if len(instances) > 1 and jax.config.jax_compilation_cache_dir and
            instances[0].devices[0].platform == "gpu" else len(jobs))
+  # One compile per distinct program of an instance: with inference_pp > 1 the reference's and
+  # the critic's first stage (token embedding and layers, no head) are one program when the two
+  # models have one architecture (a critic from the actor's checkpoint), and were compiled twice
+  # at once, racing on one entry of jax's persistent cache (a truncated read, then a recompile).
+  first: dict = {}
+  source = [first.setdefault((id(inst), low.as_text(), str(low.in_tree), str(low.out_tree)), n)
+            for n, (inst, _, low) in enumerate(jobs)]
+  futures: dict = {}
+
+  def submit(lo: int, hi: int) -> None:
+    for k in range(lo, hi):
+      if source[k] == k:
+        futures[k] = pool.submit(jobs[k][2].compile)
+
   with ThreadPoolExecutor(max_workers=threads) as pool:
-    futures = [pool.submit(low.compile) for _, _, low in jobs[:waves]]
+    submit(0, waves)
     compiled = 0
     for n, (inst, name, _) in enumerate(jobs):
-      if n == len(futures):  # the first instance is done: the others load from the cache
-        futures += [pool.submit(low.compile) for _, _, low in jobs[n:]]
-      inst._exe[name] = futures[n].result()
+      if n == waves:  # the first instance is done: the others load from the cache
+        submit(n, len(jobs))
+      inst._exe[name] = futures[source[n]].result()
       if n + 1 == len(jobs) or jobs[n + 1][0] is not inst:  # the instance's last executable
         compiled += 1
         logging.info("generation: compiled instance %d/%d (devices %s), %.1fs elapsed",
