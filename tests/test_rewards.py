@@ -163,6 +163,23 @@ def test_latex_thousands_commas_are_commas(text, number):
 
 
 @pytest.mark.parametrize("text, number", [
+    ("so 10\\,000 in all", 10000), ("#### 10\\,000", 10000), ("-\\$15", -15),
+    ("\\$15", 15), ("The loss is -\u20ac15", -15), ("costs \u00a320.", 20),
+    ("So the answer is...72", 72), ("Total:\u202672", 72), ("v1.5", None),
+    ("3\\,\\text{cm}", 3), ("1\\,2345", 2345)])
+def test_thin_spaces_escaped_and_other_currencies_and_ellipses(text, number):
+  """LaTeX's thin space between digit groups ('10\\,000' read as 10 and 000: right answers 0,
+  and equal to an answer of 0); LaTeX's escaped '\\$', '\u20ac' and '\u00a3' keep the sign before
+  them (read as 15); a number after an ellipsis is read (none was). A thin space elsewhere, and
+  a number inside a version string, read as before."""
+  assert verifiers.final_number(text) == number
+  assert verifiers.gsm8k("so 10\\,000 in all", "0", {}) == 0.0
+  assert verifiers.gsm8k_format("#### \\$15", None, {}) == 1.0
+  assert verifiers.math_answer("\\boxed{1\\,000}", "1000", {}) == 1.0
+  assert verifiers.math_answer("\\boxed{1\\,000}", "0", {}) == 0.0
+
+
+@pytest.mark.parametrize("text, number", [
     ("it fell to \u22125 degrees", -5), ("#### \u2212$1,000", -1000), ("$\u22122.5", -2.5),
     ("10\u22123", 3)])
 def test_a_unicode_minus_sign_is_a_sign(text, number):
@@ -657,6 +674,51 @@ def test_a_statistic_that_verifies_needs_every_answer_at_the_start(tmp_path):
   with pytest.raises(ValueError, match=r"t\.jsonl:2: missing answer field 'answer'"):
     build.load_prompt_records(tiny_config(**user, **{"reward.stats": "gsm8k"}), None)
   assert not build._needs_answer(tiny_config(**user, **{"reward.stats": "boxed_format"}))
+
+
+@pytest.mark.parametrize("verifier,answer,match", [
+    ("gsm8k", "Tom has two apples left.\\n#### two", r"holds no number"),
+    ("gsm8k", "#### 3/4", r"is a fraction, of which gsm8k reads the final number alone"),
+    ("math", "\\\\frac{1}{", r"has unbalanced braces"),
+    ("math", "\\\\boxed{", r"has unbalanced braces")])
+def test_an_answer_the_verifier_cannot_read_is_refused_at_the_start(tmp_path, verifier, answer,
+                                                                     match):
+  """A row whose answer gsm8k finds no number in passed the load and stopped the run once drawn,
+  mid-training (its message then blamed the function); math read an unbalanced answer as its
+  raw text and scored every response 0, without a word. Both are named when the prompts load,
+  by the verifier as the reward or as a statistic; a balanced one, escaped braces too, loads."""
+  path = tmp_path / "t.jsonl"
+  path.write_text('{"prompt": "1+1?", "answer": "2"}\n'
+                  f'{{"prompt": "2+2?", "answer": "{answer}"}}\n')
+  base = {"data.prompts_file": str(path), "data.answer_key": "answer"}
+  for how in ({"reward.function": verifier},
+              {"reward.function": "tests.test_rewards:with_defaults", "reward.stats": verifier}):
+    with pytest.raises(ValueError, match=rf"config\.data\.prompts_file: .*t\.jsonl:2: the answer "
+                                         rf".*{match}.*the run's '{verifier}' verifier reads"):
+      build.load_prompt_records(tiny_config(**base, **how), None)
+  path.write_text('{"prompt": "1+1?", "answer": "\\\\{1\\\\} \\\\boxed{2}"}\n')
+  assert len(build.load_prompt_records(tiny_config(**base, **{"reward.function": verifier}),
+                                       None)[0]) == 1
+
+
+def test_held_out_prompts_that_are_training_prompts_are_warned_of(tmp_path, monkeypatch):
+  """data.val_file naming the training file, or a repeated prompt split to both sides, had
+  validation measure trained prompts without a word; other prompts give no warning."""
+  path = tmp_path / "t.jsonl"
+  path.write_text("".join(f'{{"prompt": "{i}+1?", "answer": "{i + 1}"}}\n' for i in range(8)))
+  other = tmp_path / "v.jsonl"
+  other.write_text('{"prompt": "9+1?", "answer": "10"}\n')
+  warned = []
+  monkeypatch.setattr(build.logging, "warning", lambda msg, *a: warned.append(msg % a))
+  base = {"data.prompts_file": str(path), "data.answer_key": "answer", "eval_every": 1}
+  build.load_prompt_records(tiny_config(**base, **{"data.val_file": str(other)}), None)
+  assert warned == []
+  build.load_prompt_records(tiny_config(**base, **{"data.val_file": str(path)}), None)
+  assert len(warned) == 1 and warned[0].startswith(
+      f"8 of the 8 held-out prompts are also training prompts (the first: {path}:1)")
+  path.write_text(path.read_text() * 2)  # every prompt twice: a split puts some on both sides
+  build.load_prompt_records(tiny_config(**base, **{"data.val_fraction": 0.25}), None)
+  assert len(warned) == 2 and "of the 4 held-out prompts are also training prompts" in warned[1]
 
 
 def test_a_registered_verifier_as_a_statistic_is_named_a_statistic(tok):

@@ -8,9 +8,10 @@ name the function and the sample in every error.
   gsm8k          1.0 if the response's final number equals the answer's. The final number is
                  the first number after the last '####' when there is one (GSM8K's own answer
                  format), else the last number in the text; commas in thousands groups and a
-                 leading '$' are ignored (a sign before it kept: -$15 is -15; LaTeX's ',\\!'
-                 and '{,}' are commas), a minus is '-' or U+2212, and numbers compare exactly
-                 as decimals (72 == 72.0).
+                 leading '$' ('\\$', '€', '£') are ignored (a sign before it kept: -$15 is -15;
+                 LaTeX's ',\\!', '{,}' and a thin space '\\,' between digit groups are commas),
+                 a minus is '-' or U+2212, and numbers compare exactly as decimals (72 ==
+                 72.0). An answer that holds no number, or ends in a fraction, is refused.
   math           1.0 if the response's last \\boxed{...} is mathematically equal to the answer,
                  as math-verify decides (sympy: 1/2 == 0.5 == \\dfrac12, x^2+1 == 1+x^2, sets,
                  intervals, equations x=2 vs 2). No \\boxed in the response: 0. The answer may be
@@ -46,7 +47,9 @@ _NUMBER = r"[" + _MINUS + r"]?(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)
 # spaces after it. No two `\s*` may meet (nor one open a match): on a long run of whitespace,
 # which a degenerate policy emits, each start re-scanned the run: quadratic, ~20 s per
 # 16k-space response.
-_CURRENCY = r"(?:([" + _MINUS + r"]\s*\$|\$)\s*)?"
+# '$' also as LaTeX's '\$', and '€' or '£': "-\$15" and "-€15" read as 15 (the sign lost).
+_DOLLAR = r"(?:\\?\$|€|£)"
+_CURRENCY = r"(?:([" + _MINUS + r"]\s*" + _DOLLAR + r"|" + _DOLLAR + r")\s*)?"
 # Not inside a word ('x72', 'v1.5'): an ASCII letter, digit, '_' or '.' before it. Not `\w`,
 # which holds every script's letters: Chinese and Japanese write no space before a number, and
 # '共72个' read no number at all (a right answer scored 0).
@@ -58,15 +61,24 @@ _THINK_RE = re.compile(r"\s*<think>.*?</think>\s*\S.*", re.S)
 _THINK_OPENED_RE = re.compile(r".*?</think>\s*\S.*", re.S)
 
 
+# LaTeX's thin space between digit groups, '10\\,000' (read as 10 and 000: right answers 0, and
+# '10\\,000' equal to an answer of 0).
+_THIN_SPACE_GROUP_RE = re.compile(r"(?<=\d)\\,(?=\d{3}(?!\d))")
+# An ellipsis: "So the answer is...72" found no number ('.' before a number marks it as part of
+# another, 'v1.5').
+_ELLIPSIS_RE = re.compile(r"\.{2,}|\u2026")
+
+
 def _latex_commas(text: str) -> str:
-  """`text` with LaTeX's spellings of a thousands comma, ',\\!' (MATH's: '10,\\!000') and '{,}',
-  as a plain ','. Read as they were, '10,\\!000' was the numbers 10 and 000, a right answer 0."""
-  return text.replace(",\\!", ",").replace("{,}", ",")
+  """`text` with LaTeX's spellings of a thousands comma, ',\\!' (MATH's: '10,\\!000'), '{,}'
+  and a thin space between digit groups ('10\\,000'), as a plain ','. Read as they were,
+  '10,\\!000' was the numbers 10 and 000, a right answer 0."""
+  return _THIN_SPACE_GROUP_RE.sub(",", text.replace(",\\!", ",").replace("{,}", ","))
 
 
 def final_number(text: str) -> Optional[decimal.Decimal]:
   """The final number of a GSM8K-style text (see the module docstring); None if it has none."""
-  text = _latex_commas(text)
+  text = _ELLIPSIS_RE.sub(" ", _latex_commas(text))
   if "####" in text:
     found = _NUMBER_RE.search(text.rsplit("####", 1)[1])
   else:
@@ -111,10 +123,12 @@ def _timeout() -> Optional[int]:
 
 def math_answer(response: str, answer: Optional[str], record: Mapping[str, Any]) -> float:
   import math_verify  # pylint: disable=import-outside-toplevel (sympy: ~0.5 s to import)
-  answer = _required(answer)
+  # (math-verify reads '1\\,000' as 1*0: a thin space between digit groups is dropped first)
+  answer = _THIN_SPACE_GROUP_RE.sub("", _required(answer))
   boxed = last_boxed(response)
   if boxed is None:
     return 0.0
+  boxed = _THIN_SPACE_GROUP_RE.sub("", boxed)
   timeout = _timeout()
   # Only the last box is handed to math-verify: given the whole text it joins every \boxed{}
   # into one set ('\boxed{3} ... \boxed{4}' parses as {3, 4}), so a response that corrects
@@ -156,3 +170,34 @@ VERIFIERS = {"gsm8k": gsm8k, "math": math_answer, "boxed_format": boxed_format,
              "gsm8k_format": gsm8k_format, "think_format": think_format}
 # The verifiers that read the answer: a dataset without one cannot train with them.
 NEEDS_ANSWER = frozenset({"gsm8k", "math"})
+
+
+def _check_gsm8k_answer(answer: str) -> None:
+  if final_number(answer) is None:
+    raise ValueError(f"the answer {answer!r} holds no number (GSM8K answers end with "
+                     "'#### <number>' or are a number)")
+  # (gsm8k reads the final number alone: '3/4' was 4, and 'answer 1/4' scored right)
+  if re.search(r"\d\s*/\s*[" + _MINUS + r"]?\d+(?:\.\d+)?\s*\.?\s*$",
+               answer.rsplit("####", 1)[-1]):
+    raise ValueError(f"the answer {answer!r} is a fraction, of which gsm8k reads the final "
+                     "number alone; expected a number (or the 'math' verifier, which compares "
+                     "fractions)")
+
+
+def _check_math_answer(answer: str) -> None:
+  # (math-verify reads an unbalanced answer as its raw text, which no response equals: every
+  # response scored 0, without a word; a full parse needs sympy, too slow for every row)
+  depth = 0
+  for c in answer.replace("\\{", "").replace("\\}", ""):
+    depth += {"{": 1, "}": -1}.get(c, 0)
+    if depth < 0:
+      break
+  if depth:
+    raise ValueError(f"the answer {answer!r} has unbalanced braces; expected a LaTeX answer "
+                     "(e.g. '\\frac{1}{2}', '\\boxed{72}')")
+
+
+# What the run checks of each row's answer when it loads the prompts, for the verifiers that
+# read one: a row whose answer they cannot read stopped the run mid-training, when it was
+# first drawn (hours in, on a full dataset), or scored every response 0.
+ANSWER_CHECKS = {"gsm8k": _check_gsm8k_answer, "math": _check_math_answer}

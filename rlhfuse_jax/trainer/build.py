@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import filecmp
 import functools
+import json
 import os
 from typing import Any, Mapping, Optional
 
@@ -25,6 +26,7 @@ from rlhfuse_jax.data import records as records_lib
 from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.data import tasks as tasks_lib
 from rlhfuse_jax.data import tokenizer as tokenizer_lib
+from rlhfuse_jax.data import verifiers
 from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
 from rlhfuse_jax.inference import scoring
 from rlhfuse_jax.models import hf_loader, llama
@@ -120,10 +122,21 @@ def _needs_answer(cfg: TrainConfig) -> bool:
 
 def _load(cfg: TrainConfig, field: str) -> list[dict]:
   d = cfg.data
-  return load_named(f"data.{field}", getattr(d, field), records_lib.load_records, d.prompt_key,
-                    d.answer_key, require_answer=_needs_answer(cfg),
-                    check_answer_key=field == "prompts_file",
-                    keys_of="config.data.prompts_file" if field == "val_file" else "")
+  records = load_named(f"data.{field}", getattr(d, field), records_lib.load_records,
+                       d.prompt_key, d.answer_key, require_answer=_needs_answer(cfg),
+                       check_answer_key=field == "prompts_file",
+                       keys_of="config.data.prompts_file" if field == "val_file" else "")
+  checks = sorted(n for n in _reward_names(cfg) | set(cfg.reward.stat_specs)
+                  if n in verifiers.ANSWER_CHECKS)
+  for r in records:
+    for name in checks:
+      try:
+        verifiers.ANSWER_CHECKS[name](r[records_lib.ANSWER_KEY])
+      except ValueError as e:
+        raise ValueError(f"config.data.{field}: {r[prompts_lib.SOURCE_KEY]}: {e}, which the "
+                         f"run's {name!r} verifier reads (field '{d.answer_key}'); fix or drop "
+                         "the row") from None
+  return records
 
 
 def load_prompt_records(cfg: TrainConfig, task, cap: bool = True
@@ -140,7 +153,24 @@ def load_prompt_records(cfg: TrainConfig, task, cap: bool = True
     records, held_out = records_lib.split_records(records, cfg.data.val_fraction, cfg.seed)
   elif cfg.data.val_file:
     held_out = _load(cfg, "val_file")
+  _warn_seen_in_training(records, held_out)
   return records, (_cap_held_out(cfg, held_out) if cap else held_out)
+
+
+def _warn_seen_in_training(records: list, held_out: list) -> None:
+  """A warning when held-out prompts are also training prompts (the same text, or messages):
+  a data.val_file that is the training file, or a data.val_fraction split of a file that
+  repeats a prompt (GSM8K's train split does), validated on trained prompts without a word."""
+  if not held_out:
+    return
+  key = lambda r: json.dumps(r.get(records_lib.PROMPT_KEY), sort_keys=True)
+  trained = {key(r) for r in records}
+  seen = [r for r in held_out if key(r) in trained]
+  if seen:
+    logging.warning("%d of the %d held-out prompts are also training prompts (the first: %s): "
+                    "validation measures them after training on them; drop the repeats from "
+                    "the held-out set (or give a data.val_file of other prompts)", len(seen),
+                    len(held_out), seen[0].get(prompts_lib.SOURCE_KEY, "a prompt of the task"))
 
 
 def _cap_held_out(cfg: TrainConfig, held_out: list) -> list:
