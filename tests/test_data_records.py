@@ -135,6 +135,9 @@ def test_lookup_prefers_a_literal_dotted_key():
     ({"prompt": ["hi"]}, "field 'prompt' message 0 is a str; expected an object"),
     ({"prompt": [{"role": "user", "content": "a"}, {"role": "user"}]},
      "field 'prompt' message 1 needs a string 'content', got NoneType"),
+    # (a blank string is refused; these messages rendered as the template's headers alone)
+    ({"prompt": [{"role": "system", "content": " "}, {"role": "user", "content": ""}]},
+     r"field 'prompt' has no message with content \(every 'content' is blank\)"),
     ({"prompt": "x", "target": [1]}, "answer field 'target' must be a string or a number, got "
                                      r"list \(a reward function of your own reads any field of "
                                      r"the record itself: rename the field in the file, which "
@@ -204,6 +207,22 @@ def test_file_level_errors(tmp_path):
   with pytest.raises(ValueError, match=r"t\.jsonl\.gz: a gzip-compressed file; expected JSONL, "
                      r"a JSON array or parquet uncompressed \(gunzip it first\)"):
     load_records(str(tmp_path / "t.jsonl.gz"))
+  # UTF-16 text and Arrow files (a datasets save_to_disk shard, Feather) got the same advice,
+  # which would garble them.
+  (tmp_path / "u.jsonl").write_bytes('{"prompt": "a"}\n'.encode("utf-16"))
+  with pytest.raises(ValueError, match=r"u\.jsonl: UTF-16 text \(its byte-order mark\); "
+                                       r"expected UTF-8 \(convert it, e\.g\. iconv -f utf-16"):
+    load_records(str(tmp_path / "u.jsonl"))
+  import pyarrow.feather
+  import pyarrow.ipc
+  table = pa.table({"prompt": ["a"]})
+  pyarrow.feather.write_feather(table, str(tmp_path / "t.feather"))
+  with pyarrow.ipc.new_stream(str(tmp_path / "t.arrow"), table.schema) as w:
+    w.write_table(table)
+  for name in ("t.feather", "t.arrow"):
+    with pytest.raises(ValueError, match=rf"{name}: an Arrow/Feather file .*; expected JSONL, a "
+                                         r"JSON array or parquet \(e\.g\. datasets\.load_from"):
+      load_records(str(tmp_path / name))
 
 
 def test_a_column_oriented_json_object_is_named_as_such(tmp_path):

@@ -78,6 +78,16 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
   if head.startswith(b"\x1f\x8b"):  # read as text, it was "not UTF-8 ... iconv -f latin1"
     raise ValueError(f"{path}: a gzip-compressed file; expected JSONL, a JSON array or parquet "
                      "uncompressed (gunzip it first)")
+  # (these too got "not UTF-8 ... iconv -f latin1", which would garble them)
+  if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+    raise ValueError(f"{path}: UTF-16 text (its byte-order mark); expected UTF-8 (convert it, "
+                     "e.g. iconv -f utf-16 -t utf-8)")
+  # Arrow's file format (Feather v2) opens with its magic, its stream format (datasets'
+  # *.arrow shards) with a continuation marker; Feather v1 with FEA1.
+  if head.startswith((b"ARROW1", b"\xff\xff\xff\xff", b"FEA1")):
+    raise ValueError(f"{path}: an Arrow/Feather file (e.g. a Hugging Face datasets save_to_disk "
+                     "shard); expected JSONL, a JSON array or parquet (e.g. "
+                     "datasets.load_from_disk(DIR)['train'].to_json(PATH))")
   if head.lstrip(codecs.BOM_UTF8 + b" \t\r\n").startswith(b"["):
     with open(path, "rb") as f:
       data = f.read()
@@ -152,6 +162,10 @@ def check_prompt(prompt: Any, where_: str, key: str) -> Any:
           raise ValueError(f"{where_}: field '{key}' message {i} needs a string '{name}', got "
                            f"{type(m.get(name)).__name__}")
         check_unicode(m[name], where_, f"{key}' message {i} '{name}")
+    if not any(m["content"].strip() for m in prompt):  # as a blank string prompt is refused:
+      # the rendered prompt was the template's headers alone
+      raise ValueError(f"{where_}: field '{key}' has no message with content (every 'content' "
+                       "is blank); expected a prompt")
     return [dict(m) for m in prompt]
   raise ValueError(f"{where_}: field '{key}' must be a string or a list of messages, got "
                    f"{type(prompt).__name__}")
@@ -194,7 +208,7 @@ def _answer_text(answer: Any, where_: str, key: str) -> str:
 def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSWER_KEY, *,
                  require_answer: bool = False, check_answer_key: bool = True,
                  keys_of: str = "") -> list[dict[str, Any]]:
-  """The rows of a JSONL (any extension but .parquet) or parquet file as prompt records.
+  """The rows of a JSONL, JSON-array or parquet file (_rows) as prompt records.
 
   require_answer: every row must have an answer (the run's reward verifies against it);
   otherwise a row without one simply has no 'target'. check_answer_key: an answer_key other

@@ -67,7 +67,8 @@ GRADIENT_SYNC_MODES = ("per_microbatch", "once")  # AlgoConfig.gradient_sync
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   task: str = "repeat"  # synthetic verifiable task (rlhfuse_jax.data.tasks.TASKS)
-  # Training prompts: a JSONL file, or parquet (*.parquet); empty: the task makes prompts.
+  # Training prompts: a JSONL file, a JSON array or parquet (data/records.py); empty: the task
+  # makes the prompts.
   prompts_file: str = ""
   # The field holding a row's prompt, a string or a list of {"role", "content"} messages, and
   # the one holding its ground-truth answer, which reward functions get per sample. A dotted key
