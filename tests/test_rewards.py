@@ -293,6 +293,11 @@ def test_last_boxed():
   assert verifiers.last_boxed("a \\boxed{1} b \\boxed{\\frac{a}{b}} c") == "\\frac{a}{b}"
   assert verifiers.last_boxed("\\fbox{7}") == "7"
   assert verifiers.last_boxed("\\boxed{{x}") is None and verifiers.last_boxed("none") is None
+  # A space before the group is LaTeX; a last box left open (a response cut short) no longer
+  # hides a whole one before it.
+  assert verifiers.last_boxed("so \\boxed {72}") == "72"
+  assert verifiers.last_boxed("x \\boxed{72} and then \\boxed{") == "72"
+  assert verifiers.boxed_format("x \\boxed{72} and then \\boxed{", None, {}) == 1.0
 
 
 # ------------------------------------------------------------ batch functions, ids in

@@ -100,19 +100,27 @@ def gsm8k(response: str, answer: Optional[str], record: Mapping[str, Any]) -> fl
   return float(pred is not None and pred == gold)
 
 
+# LaTeX allows a space before the group ('\\boxed {72}', which read as no box).
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
 def last_boxed(text: str) -> Optional[str]:
-  r"""The content of the last \boxed{...} (or \fbox{...}) with balanced braces, else None."""
-  start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-  if start < 0:
+  r"""The content of the last \boxed{...} (or \fbox{...}) with balanced braces, else None (a
+  last box left open, a response cut at max_new_tokens, no longer hides a whole one before)."""
+  # One pass with a stack of open braces (a scan from each box was quadratic in a degenerate
+  # response of many open boxes).
+  boxes = {m.end() - 1 for m in _BOX_RE.finditer(text)}  # their opening braces
+  if not boxes:
     return None
-  i = text.index("{", start) + 1
-  depth, begin = 1, i
-  while i < len(text):
-    depth += {"{": 1, "}": -1}.get(text[i], 0)
-    if depth == 0:
-      return text[begin:i]
-    i += 1
-  return None
+  stack, best = [], None
+  for i, c in enumerate(text):
+    if c == "{":
+      stack.append(i)
+    elif c == "}" and stack:
+      j = stack.pop()
+      if j in boxes and (best is None or j > best[0]):
+        best = (j, i)
+  return None if best is None else text[best[0] + 1:best[1]]
 
 
 def _timeout() -> Optional[int]:
