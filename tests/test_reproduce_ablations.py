@@ -101,6 +101,22 @@ def test_a_count_below_one_is_refused_by_name(field):
     ablations.AblationConfig.from_config_dict(c)
 
 
+@pytest.mark.parametrize("section,field,value,expected", [
+    ("efficiency", "train_mfu", "0.4", "a number"), ("efficiency", "net_eff", True, "a number"),
+    ("", "hardware", 5, "a preset name or the path of a hardware JSON file")])
+def test_a_config_file_field_of_the_wrong_type_is_refused_by_name(section, field, value,
+                                                                    expected):
+  """Reachable by editing a config file (the command line's ConfigDict checks types): "0.4"
+  failed as a TypeError of '<', a hardware of 5 as an AttributeError of str.endswith."""
+  import ml_collections
+  from configs import ablations as cfg_mod
+  d = cfg_mod.get_config().to_dict()
+  (d[section] if section else d)[field] = value
+  name = f"{section}.{field}" if section else field
+  with pytest.raises(ValueError, match=rf"^config\.{name}={value!r}: expected {expected}$"):
+    ablations.AblationConfig.from_config_dict(ml_collections.ConfigDict(d))
+
+
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
 def test_a_search_budget_that_is_not_a_positive_time_is_refused_by_name(value):
   """sim.search_time_s=0 was accepted and failed in the first fused search, after

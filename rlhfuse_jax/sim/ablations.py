@@ -75,6 +75,9 @@ class AblationConfig:
     # "expected non-negative integer")
     if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
       raise ValueError(f"config.seed={self.seed!r}: expected an integer >= 0")
+    if not isinstance(self.hardware, str):  # (an AttributeError of str.endswith)
+      raise ValueError(f"config.hardware={self.hardware!r}: expected a preset name or the path "
+                       "of a hardware JSON file")
     try:  # (a bad hardware file's field was named without the flag that gave the file)
       hw = get_hardware(self.hardware)
     except ValueError as e:
