@@ -9,6 +9,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 
 import jax
@@ -303,6 +304,25 @@ def test_a_shard_tensor_the_index_does_not_list_is_refused(tmp_path):
   safetensors.numpy.save_file(tensors, os.path.join(stale, shard), metadata={"format": "pt"})
   with pytest.raises(ValueError, match=rf"{shard}: holds tensor\(s\) that "
                      rf"model.safetensors.index.json does not list: {extra}"):
+    hf_loader.load_hf_params(stale, hf_loader.load_hf_config(stale))
+
+
+def test_a_shard_the_index_does_not_name_is_pointed_at(tmp_path):
+  """A shard left out of the index (its tensors removed from weight_map) was not read, so its
+  tensors were reported missing with no hint that the file holding them is right there."""
+  stale = str(tmp_path / "stale")
+  shutil.copytree(LLAMA, stale)
+  path = os.path.join(stale, "model.safetensors.index.json")
+  with open(path) as f:
+    index = json.load(f)
+  shard = sorted(set(index["weight_map"].values()))[-1]
+  gone = sorted(n for n, s in index["weight_map"].items() if s == shard)
+  index["weight_map"] = {n: s for n, s in index["weight_map"].items() if s != shard}
+  with open(path, "w") as f:
+    json.dump(index, f)
+  with pytest.raises(ValueError, match=rf"lacks tensor\(s\) the config needs: .*\({shard} in "
+                     rf"the directory holds .*{re.escape(gone[0])}.*, but "
+                     r"model\.safetensors\.index\.json does not name it: a stale index\?\)"):
     hf_loader.load_hf_params(stale, hf_loader.load_hf_config(stale))
 
 

@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import json
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import flax
 import flax.linen as nn
@@ -455,6 +456,27 @@ class _Checkpoint:
   def names(self) -> set[str]:
     return set(self.files)
 
+  def unlisted_shards_hint(self, missing: Sequence[str]) -> str:
+    """Where the index leaves out a shard of the directory that holds `missing` tensors (a
+    stale index; the shards it names are checked for unlisted tensors, this one was not): a
+    hint naming it, else ""."""
+    named = set(self.files.values())
+    if os.path.join(self.dir, SINGLE_FILE) in named:  # not a sharded checkpoint
+      return ""
+    for shard in sorted(glob.glob(os.path.join(self.dir, "*.safetensors"))):
+      if shard in named:
+        continue
+      try:
+        with safetensors.safe_open(shard, framework="numpy") as f:
+          held = set(f.keys())
+      except Exception:  # noqa: BLE001 a damaged stray file: no hint from it
+        continue
+      if held & set(missing):
+        return (f" ({os.path.basename(shard)} in the directory holds "
+                f"{_short_list(sorted(held & set(missing)))}, but {INDEX_FILE} does not name "
+                "it: a stale index?)")
+    return ""
+
   def shape(self, name: str) -> tuple[int, ...]:
     with self._reading(name):
       return tuple(self._handle(name).get_slice(name).get_shape())
@@ -561,7 +583,8 @@ def _load(ckpt: _Checkpoint, cfg: llama.ModelConfig, np_dtype, rng) -> Any:
   if missing:
     hint = (" (its config.json says tie_word_embeddings=false: with no lm_head.weight of its "
             "own the head is the embedding, tie_word_embeddings=true)"
-            if missing == ["lm_head.weight"] and not cfg.tie_embeddings else "")
+            if missing == ["lm_head.weight"] and not cfg.tie_embeddings else
+            ckpt.unlisted_shards_hint(missing))
     raise ValueError(f"{ckpt.dir}: checkpoint lacks tensor(s) the config needs: "
                      f"{_short_list(missing)}{hint}")
   unexpected = [n for n in names - set(table) - optional
