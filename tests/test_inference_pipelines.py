@@ -106,6 +106,20 @@ def test_an_instance_compiles_a_program_two_models_share_once(built):
     seen |= own
 
 
+def test_programs_that_print_alike_but_read_other_arguments_are_kept_apart():
+  """jax drops unused arguments before the text: `a * 2` and `b * 2` of (a, b) print alike and
+  would have run each other's executable; the kept arguments are part of the key. The same
+  program on another instance (other devices) is another key too."""
+  from rlhfuse_jax.generation.instances import _program_key
+  x = jax.numpy.ones(2)
+  first, second = (jax.jit(f).lower(x, x) for f in (lambda a, b: a * 2, lambda a, b: b * 2))
+  assert first.as_text() == second.as_text()
+  one, two = object(), object()
+  assert _program_key(one, first) != _program_key(one, second)
+  assert _program_key(one, first) == _program_key(one, jax.jit(lambda a, b: a * 2).lower(x, x))
+  assert _program_key(one, first) != _program_key(two, first)
+
+
 def test_units_are_formed_in_the_order_instances_are_freed(built):
   from rlhfuse_jax.generation import fused as fused_lib
   gen, params = built[2]

@@ -115,6 +115,10 @@ def test_a_config_file_field_of_the_wrong_type_is_refused_by_name(section, field
   name = f"{section}.{field}" if section else field
   with pytest.raises(ValueError, match=rf"^config\.{name}={value!r}: expected {expected}$"):
     ablations.AblationConfig.from_config_dict(ml_collections.ConfigDict(d))
+  # numpy numbers are numbers (np.float64 subclasses float; these do not)
+  import numpy as np
+  from rlhfuse_jax.sim.cost_model import Efficiency
+  assert Efficiency(net_eff=np.float32(0.5), train_mfu=np.float16(0.25)).net_eff == 0.5
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])

@@ -685,7 +685,8 @@ def test_a_statistic_that_verifies_needs_every_answer_at_the_start(tmp_path):
     ("gsm8k", "Tom has two apples left.\\n#### two", r"holds no number"),
     ("gsm8k", "#### 3/4", r"is a fraction, of which gsm8k reads the final number alone"),
     ("math", "\\\\frac{1}{", r"has unbalanced braces"),
-    ("math", "\\\\boxed{", r"has unbalanced braces")])
+    ("math", "\\\\boxed{", r"has unbalanced braces"),
+    ("math", "\\\\\\\\{", r"has unbalanced braces")])  # a line break, then an open brace
 def test_an_answer_the_verifier_cannot_read_is_refused_at_the_start(tmp_path, verifier, answer,
                                                                      match):
   """A row whose answer gsm8k finds no number in passed the load and stopped the run once drawn,
@@ -704,6 +705,10 @@ def test_an_answer_the_verifier_cannot_read_is_refused_at_the_start(tmp_path, ve
   path.write_text('{"prompt": "1+1?", "answer": "\\\\{1\\\\} \\\\boxed{2}"}\n')
   assert len(build.load_prompt_records(tiny_config(**base, **{"reward.function": verifier}),
                                        None)[0]) == 1
+  # (a backslash escapes one character: after a line break '\\\\' a brace opens a group)
+  for good in (r"\begin{pmatrix}1\\{-2}\end{pmatrix}", r"\left\{1,2\right\}", "[0, 1)",
+               r"x \in \{1\}", r"\text{(A)}"):
+    verifiers.ANSWER_CHECKS["math"](good)
 
 
 def test_held_out_prompts_that_are_training_prompts_are_warned_of(tmp_path, monkeypatch):
@@ -724,6 +729,10 @@ def test_held_out_prompts_that_are_training_prompts_are_warned_of(tmp_path, monk
   path.write_text(path.read_text() * 2)  # every prompt twice: a split puts some on both sides
   build.load_prompt_records(tiny_config(**base, **{"data.val_fraction": 0.25}), None)
   assert len(warned) == 2 and "of the 4 held-out prompts are also training prompts" in warned[1]
+  # A synthetic task's own prompts repeat by design (few distinct ones): no warning there.
+  cfg = tiny_config(**{"data.val_fraction": 0.25, "eval_every": 1})
+  build.load_prompt_records(cfg, build.build_task_and_tokenizer(cfg)[0])
+  assert len(warned) == 2
 
 
 def test_a_registered_verifier_as_a_statistic_is_named_a_statistic(tok):

@@ -195,11 +195,13 @@ def _check_gsm8k_answer(answer: str) -> None:
 def _check_math_answer(answer: str) -> None:
   # (math-verify reads an unbalanced answer as its raw text, which no response equals: every
   # response scored 0, without a word; a full parse needs sympy, too slow for every row)
-  depth = 0
-  for c in answer.replace("\\{", "").replace("\\}", ""):
-    depth += {"{": 1, "}": -1}.get(c, 0)
-    if depth < 0:
-      break
+  depth, i = 0, 0
+  while i < len(answer) and depth >= 0:
+    if answer[i] == "\\":  # a backslash escapes the next character: \{ is a literal brace,
+      i += 2               # \\ a line break (and a '{' after it opens a group)
+      continue
+    depth += {"{": 1, "}": -1}.get(answer[i], 0)
+    i += 1
   if depth:
     raise ValueError(f"the answer {answer!r} has unbalanced braces; expected a LaTeX answer "
                      "(e.g. '\\frac{1}{2}', '\\boxed{72}')")

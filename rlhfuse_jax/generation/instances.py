@@ -516,6 +516,20 @@ def _exe_name(name) -> str:
   return name if isinstance(name, str) else f"{name[0]}[{name[1]}]"
 
 
+def _program_key(inst: GenerationInstance, low) -> Any:
+  """What makes two lowerings one executable: the instance (its devices), the program's text
+  (donation, shardings and constants are in it), the argument and result trees, and which
+  arguments jax kept (it drops unused ones before the text: `lambda a, b: a * 2` and
+  `lambda a, b: b * 2` print alike). Where jax does not say which (a private field), the
+  lowering is its own program: compiled alone, never shared."""
+  try:
+    args = low._lowering.compile_args  # pylint: disable=protected-access
+    kept = tuple(sorted(args["kept_var_idx"]))
+  except (AttributeError, KeyError, TypeError):
+    return id(low)
+  return (id(inst), low.as_text(), str(low.in_tree), str(low.out_tree), kept)
+
+
 def compile_all(instances: Sequence[GenerationInstance], actor_params, frozen_params: dict,
                 threads: int = 4) -> None:
   """Compiles every instance's executables at start-up. Lowering runs here (instances share
@@ -543,8 +557,7 @@ def compile_all(instances: Sequence[GenerationInstance], actor_params, frozen_pa
   # models have one architecture (a critic from the actor's checkpoint), and were compiled twice
   # at once, racing on one entry of jax's persistent cache (a truncated read, then a recompile).
   first: dict = {}
-  source = [first.setdefault((id(inst), low.as_text(), str(low.in_tree), str(low.out_tree)), n)
-            for n, (inst, _, low) in enumerate(jobs)]
+  source = [first.setdefault(_program_key(inst, low), n) for n, (inst, _, low) in enumerate(jobs)]
   futures: dict = {}
 
   def submit(lo: int, hi: int) -> None:

@@ -130,7 +130,7 @@ class Efficiency:
   def __post_init__(self):
     for f in dataclasses.fields(self):  # (a config file's "0.4" failed as a TypeError of '<')
       v = getattr(self, f.name)
-      if isinstance(v, bool) or not isinstance(v, (int, float)):
+      if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise ValueError(f"config.efficiency.{f.name}={v!r}: expected a number")
     for f in ("train_mfu", "prefill_mfu", "decode_mfu", "decode_bw_eff", "net_eff",
               "memory_headroom"):

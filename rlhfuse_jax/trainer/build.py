@@ -153,7 +153,8 @@ def load_prompt_records(cfg: TrainConfig, task, cap: bool = True
     records, held_out = records_lib.split_records(records, cfg.data.val_fraction, cfg.seed)
   elif cfg.data.val_file:
     held_out = _load(cfg, "val_file")
-  _warn_seen_in_training(records, held_out)
+  if cfg.data.prompts_file or cfg.data.val_file:  # (a task's own prompts repeat by design)
+    _warn_seen_in_training(records, held_out)
   return records, (_cap_held_out(cfg, held_out) if cap else held_out)
 
 
