@@ -300,8 +300,12 @@ def run(c, workdir: str) -> dict:
   logging.info("Rt = %.3g (%s)", rt, choice.reason if choice else "fixed in the config")
 
   runs = {"baseline": [], "fused": []}
-  for r in range(c.repeats):
-    for mode in ("baseline", "fused"):
+  # The order alternates (baseline first in even repeats), so the one that runs second in a
+  # repeat, on a machine its partner has just warmed or loaded, is not always the same mode.
+  orders = [("baseline", "fused") if r % 2 == 0 else ("fused", "baseline")
+            for r in range(c.repeats)]
+  for r, order in enumerate(orders):
+    for mode in order:
       t0, cpu0 = time.perf_counter(), time.process_time()
       out = gen.run(actor, host, tokens, plens, key, budgets=budgets, fuse=mode == "fused",
                     rt=rt)
@@ -339,6 +343,7 @@ def run(c, workdir: str) -> dict:
   paired = [f.timeline.gen_plus_inf_s / b.timeline.gen_plus_inf_s
             for (b, _), (f, _) in zip(runs["baseline"], runs["fused"])]
   result["ratio_paired"] = {"median": float(np.median(paired)), "runs": paired}
+  result["order"] = [list(o) for o in orders]
   result["migration_threshold"] = rt
   result["rt_choice"] = ({"reason": choice.reason, "simulated_gen_plus_inf_s": choice.simulated_s}
                          if choice else {"reason": "fixed in the config"})

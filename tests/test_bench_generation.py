@@ -43,6 +43,8 @@ def test_tiny_bench(tmp_path):
     assert len(runs) == 3 and stored[mode]["gen_plus_inf_s"] == sorted(runs)[1], (mode, runs)
   paired = [f / b for b, f in zip(times["baseline"], times["fused"])]
   assert stored["ratio_paired"] == {"median": sorted(paired)[1], "runs": paired}
+  # (baseline always ran first: the mode that runs second on a warmed machine alternates)
+  assert stored["order"] == [["baseline", "fused"], ["fused", "baseline"], ["baseline", "fused"]]
   assert stored["migration_threshold"] == 0.75 and len(stored["response_lens"]) == 8
   cal = calibration.load(os.path.join(workdir, "calibration.json"))
   assert cal.devices_share_compute and cal.migration is not None
