@@ -5,6 +5,7 @@ No imports: the jax-free binaries (bench_async) use it too.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, NoReturn
 
 
@@ -47,3 +48,9 @@ def check_int32(field: str, value: int) -> None:
 def is_number(v: Any) -> bool:
   """An int or float that is not a bool."""
   return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def is_numeric(v: Any, integral: bool = False) -> bool:
+  """is_int (`integral`) or is_number with numpy's scalars too (np.int64, np.float32: a config
+  file may hold them, and numpy registers them as numbers.Integral / numbers.Real)."""
+  return not isinstance(v, bool) and isinstance(v, numbers.Integral if integral else numbers.Real)

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlhfuse_jax import fields
+
 
 # The smallest temperature sampled with: logits / temperature must stay finite in float32
 # (3.4e38) for every logit a model gives (|logit| < 1e32 here). Below it every positive logit
@@ -46,12 +48,6 @@ def _whole(x) -> bool:
     return int(x) == x
   except (TypeError, ValueError, OverflowError):  # None, a string, NaN, inf: refused, named
     return False
-
-
-def _real(x) -> bool:
-  """Whether `x` is a real number (an int, a float, a numpy scalar; not a bool or a string)."""
-  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(
-      x, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +79,7 @@ class SamplingConfig:
     object.__setattr__(self, "greedy", bool(self.greedy))
     # Greedy decoding ignores the temperature (its log-probs are at 1: logprob_temperature), so
     # temperature=0, the usual spelling of greedy, is accepted beside greedy=True.
-    if not (_real(self.temperature) and (
+    if not (fields.is_numeric(self.temperature) and (
         MIN_TEMPERATURE <= self.temperature < math.inf or
         self.greedy and 0 <= self.temperature < math.inf)):
       raise ValueError(f"sampling.temperature={self.temperature!r}; expected a finite number >= "
@@ -91,7 +87,7 @@ class SamplingConfig:
                                                  " (use greedy=True for argmax decoding)"))
     if not _whole(self.top_k) or self.top_k < 0:
       raise ValueError(f"sampling.top_k={self.top_k}; expected an integer >= 0 (0 disables)")
-    if not (_real(self.top_p) and 0 < self.top_p <= 1):
+    if not (fields.is_numeric(self.top_p) and 0 < self.top_p <= 1):
       raise ValueError(f"sampling.top_p={self.top_p!r}; expected in (0, 1] (1 disables)")
     for name in ("temperature", "top_p"):
       object.__setattr__(self, name, float(getattr(self, name)))

@@ -40,6 +40,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from rlhfuse_jax import fields
+
 AF, AB, CF, CB = 0, 1, 2, 3
 KIND_NAMES = ("AF", "AB", "CF", "CB")
 # memory_budget_mode values. PER_DEVICE is the dataclass default because a problem stored before
@@ -48,12 +50,6 @@ KIND_NAMES = ("AF", "AB", "CF", "CB")
 # from_config) default to UNIFORM. EXPLICIT is what any problem with a `memory_budget` records.
 UNIFORM, PER_DEVICE, EXPLICIT = "uniform", "per_device", "explicit"
 BUDGET_MODES = (UNIFORM, PER_DEVICE)
-
-
-def _is_real(v) -> bool:
-  """A real number (bool excluded): what the time and memory fields accept. Checked first so
-  that a string or None is refused naming its field, not by a comparison's TypeError."""
-  return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +102,7 @@ class PipelineProblem:
                           ("actor_mem", float(self.actor_fwd)),
                           ("critic_mem", float(self.critic_fwd))):
       v = getattr(self, name)
-      if v is not None and not _is_real(v):
+      if v is not None and not fields.is_numeric(v):
         raise ValueError(f"{name}={v!r} must be a number (or None / negative for the default)")
       if v is None or v < 0:
         object.__setattr__(self, name, float(default))
@@ -118,13 +114,13 @@ class PipelineProblem:
       object.__setattr__(self, name, float(v))
     object.__setattr__(self, "actor_fwd", float(self.actor_fwd))
     object.__setattr__(self, "critic_fwd", float(self.critic_fwd))
-    if not (_is_real(self.transfer_latency) and math.isfinite(self.transfer_latency)
+    if not (fields.is_numeric(self.transfer_latency) and math.isfinite(self.transfer_latency)
             and self.transfer_latency >= 0):
       raise ValueError(f"transfer_latency={self.transfer_latency!r} must be a non-negative number")
     object.__setattr__(self, "transfer_latency", float(self.transfer_latency))
     if self.memory_budget is not None:
       if not isinstance(self.memory_budget, (tuple, list, np.ndarray)) or not all(
-          _is_real(b) for b in self.memory_budget):
+          fields.is_numeric(b) for b in self.memory_budget):
         raise ValueError(f"memory_budget={self.memory_budget!r} must be a sequence of numbers "
                          f"(1 entry, or num_devices={self.num_devices})")
       budget = tuple(float(b) for b in self.memory_budget)
@@ -308,10 +304,8 @@ def config_number(c, name: str, kind: type = float):
   2.5 for a stage count was read as 8 and 2 (int()), and a str budget failed as a TypeError of
   a comparison, naming no field."""
   v = getattr(c, name)
-  if isinstance(v, bool) or not isinstance(v, (int, np.integer) if kind is int else
-                                           (int, float, np.integer, np.floating)):
-    raise ValueError(f"config.{name}={v!r}: expected "
-                     + ("an integer" if kind is int else "a number"))
+  fields.check(fields.is_numeric(v, integral=kind is int), name, v,
+               "an integer" if kind is int else "a number")
   return kind(v)
 
 

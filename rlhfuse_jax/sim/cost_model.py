@@ -58,6 +58,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from rlhfuse_jax import fields
 from rlhfuse_jax.policy.calibration import Calibration
 from rlhfuse_jax.sim.hardware import Hardware
 from rlhfuse_jax.sim.shapes import ModelShape
@@ -130,8 +131,7 @@ class Efficiency:
   def __post_init__(self):
     for f in dataclasses.fields(self):  # (a config file's "0.4" failed as a TypeError of '<')
       v = getattr(self, f.name)
-      if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise ValueError(f"config.efficiency.{f.name}={v!r}: expected a number")
+      fields.check(fields.is_numeric(v), f"efficiency.{f.name}", v, "a number")
     for f in ("train_mfu", "prefill_mfu", "decode_mfu", "decode_bw_eff", "net_eff",
               "memory_headroom"):
       v = getattr(self, f)
