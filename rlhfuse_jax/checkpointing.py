@@ -209,8 +209,8 @@ def _use_array_handler() -> None:
   MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL in place of orbax's own, keeping that one's array
   metadata store (its per-array metadata: a typed PRNG key restores as a key). Left as it is
   where it is not orbax's plain handler (a user registered another) or is already ours, and on
-  an orbax without the threshold (0.11.0) or without that store: saves as before, only slower
-  for small arrays."""
+  an orbax without the threshold (0.11.17, the oldest that imports with jax 0.10.2) or without
+  that store: saves as before, only slower for small arrays."""
   handler = ocp.type_handlers.get_type_handler(jax.Array)
   if (type(handler) is not ocp.type_handlers.ArrayHandler
       or not hasattr(handler, "_array_metadata_store")

@@ -993,23 +993,28 @@ def test_each_start_s_code_stays_with_the_iterations_it_trained(tmp_path, caplog
   run = str(tmp_path / "run")
   cfg = tiny_config(**{"num_iterations": 3})
   first = PPOTrainer(cfg, run)
-  first.start_record = {"git_commit": "aaa", "host": "one"}
+  first.start_record = {"git_commit": "aaa", "host": "one", "jax": "0.10.2"}
   first.run(stop_after=2)  # saved at 2
-  assert first.trained_by() == [{"from": 0, "to": 2, "git_commit": "aaa", "host": "one"}]
+  assert first.trained_by() == [
+      {"from": 0, "to": 2, "git_commit": "aaa", "host": "one", "jax": "0.10.2"}]
   second = PPOTrainer(cfg, run)
-  second.start_record = {"git_commit": "bbb", "host": "two"}
+  second.start_record = {"git_commit": "bbb", "host": "two", "jax": "0.11.2"}
   with caplog.at_level(logging.WARNING):
     second.run()
   assert ("resuming checkpoint 2, whose iterations 1-2 were trained at commit aaa, with commit "
           "bbb: the iterations from 3 on come from other code") in caplog.text, caplog.text
-  spans = [{"from": 0, "to": 2, "git_commit": "aaa", "host": "one"},
-           {"from": 2, "to": 3, "git_commit": "bbb", "host": "two"}]
+  # Another jax compiles other kernels: not bitwise the uninterrupted run (~1e-7 at once).
+  assert ("resuming checkpoint 2, whose iterations 1-2 were trained with jax 0.10.2, with jax "
+          "0.11.2: the run continues, but not bitwise") in caplog.text, caplog.text
+  spans = [{"from": 0, "to": 2, "git_commit": "aaa", "host": "one", "jax": "0.10.2"},
+           {"from": 2, "to": 3, "git_commit": "bbb", "host": "two", "jax": "0.11.2"}]
   assert second.trained_by() == spans
   again = PPOTrainer(cfg, run)  # finished: trains nothing
-  again.start_record = {"git_commit": "ccc", "host": "three"}
+  again.start_record = {"git_commit": "ccc", "host": "three", "jax": "0.12.1"}
   caplog.clear()
   with caplog.at_level(logging.WARNING):
     again.run()
-  assert again.trained_by() == spans and "other code" not in caplog.text
+  assert again.trained_by() == spans
+  assert "other code" not in caplog.text and "with jax" not in caplog.text
   # The checkpoint's side-car holds them: a restart after a crash keeps them.
   assert again.checkpoints.checkpointer.restore_meta(3)["trained_by"] == spans

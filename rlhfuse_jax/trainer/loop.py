@@ -611,7 +611,7 @@ class PPOTrainer:
     """trained_by's entries for iterations 1..start: the resume point's, cut at `start` (a
     fallback to an older checkpoint); one without a record (saved before starts were recorded)
     stands as {from 0, to start} with nothing known of it. Warns when this start's code is not
-    the code that trained the restored iterations last."""
+    the code (or the jax) that trained the restored iterations last."""
     recorded = self._recorded_starts
     if start == 0:
       return []
@@ -628,6 +628,16 @@ class PPOTrainer:
           "trained_by lists each start's code and machine)", start, before["from"] + 1,
           before["to"], code[0][0], f" (changes {code[0][1]})" if code[0][1] else "",
           code[1][0], f" (changes {code[1][1]})" if code[1][1] else "", start + 1)
+    versions = [r.get("jax") for r in (before, self.start_record)]
+    if start < self.cfg.num_iterations and all(versions) and versions[0] != versions[1]:
+      # Another jax (its XLA) compiles the same program into other fused kernels and reduction
+      # orders: the run continues, ~1e-7 apart from the uninterrupted run's metrics at once
+      # (measured 0.10.2 -> 0.11.2 and 0.12.1, tiny run, 2026-12-06), and drifts from there.
+      logging.warning(
+          "resuming checkpoint %d, whose iterations %d-%d were trained with jax %s, with jax "
+          "%s: the run continues, but not bitwise as it would have with jax %s (XLA compiles "
+          "the programs differently)", start, before["from"] + 1, before["to"], versions[0],
+          versions[1], versions[0])
     return earlier
 
   def trained_by(self) -> list[dict]:
