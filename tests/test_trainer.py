@@ -585,6 +585,32 @@ def test_master_weights_train_bfloat16_weights_from_a_float32_copy(tmp_path, cap
              for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(trainer.actor.params)))
 
 
+def test_bfloat16_old_logp_recomputed_by_the_training_forward(tmp_path):
+  """algo.old_logp: in bfloat16 the decode and the training forward round apart, so the
+  decode's log-probs as PPO's old log-probs put a ratio != 1 into the first step (one
+  mini-batch, one epoch: the logged ppo_kl is the first step's). "auto" recomputes them with
+  the actor's forward on the training devices: the first step's ratio is 1 exactly, and the
+  gap the decode's would have brought is logged. float32 keeps the decode's (no extra pass)."""
+  base = {"num_iterations": 1, "model.dtype": "bfloat16", "model.param_dtype": "bfloat16",
+          "optim.master_weights": True, "model.num_layers": 2, "algo.epochs": 1,
+          "algo.minibatch_size": 16, "algo.kl_coef": 0.0}
+  out = {}
+  for mode in ("auto", "generation"):
+    trainer = PPOTrainer(tiny_config(**base, **{"algo.old_logp": mode}), str(tmp_path / mode))
+    trainer._start = 0
+    out[mode] = trainer.iteration(0)
+  auto, gen = out["auto"], out["generation"]
+  assert auto["actor/ppo_kl"] == 0.0 and auto["actor/pg_clipfrac"] == 0.0, auto
+  assert 0 < auto["actor/old_logp_gap_mean"] <= auto["actor/old_logp_gap_max"], auto
+  assert gen["actor/ppo_kl"] != 0.0 and "actor/old_logp_gap_mean" not in gen, gen
+  fp32 = PPOTrainer(tiny_config(num_iterations=1), str(tmp_path / "fp32"))
+  assert not fp32._recompute_old_logp
+  with pytest.raises(ValueError, match=r"algo.old_logp.*'auto', 'generation', 'recompute'"):
+    tiny_config(**{"algo.old_logp": "training"})
+  with pytest.raises(ValueError, match=r"algo.old_logp=.?recompute.*async_ppo.staleness > 0"):
+    tiny_config(**{"algo.old_logp": "recompute", "async_ppo.staleness": 1})
+
+
 def test_the_set_up_log_says_what_zero1_split():
   """The label reads the placement: the axes the optimizer state is split over beyond the
   weights', or that there were none (data 1: zero1 then splits only leaves the other axes leave

@@ -157,6 +157,9 @@ class RolloutConfig:
     return self.prompts_per_iteration * self.samples_per_prompt
 
 
+OLD_LOGP_SOURCES = ("auto", "generation", "recompute")
+
+
 @dataclasses.dataclass(frozen=True)
 class AlgoConfig:
   estimator: str = "gae"  # a name in rl/advantages.ADVANTAGE_ESTIMATORS (usage.md lists them)
@@ -204,8 +207,17 @@ class AlgoConfig:
   # each prompt's group and reinforce_pp over the batch by definition, and ignore it
   # (docs/architecture.md §1).
   whiten_advantages: bool = True
+  # PPO's old log-probs (the ratio's denominator and the KL penalty's policy side): "generation",
+  # the behaviour log-probs the decode recorded (no extra pass); "recompute", one forward pass
+  # of the actor on the training devices after generation (verl's and OpenRLHF's way); "auto":
+  # recompute when the actor computes in a 16-bit dtype. In float32 the two agree to ~1e-6; in
+  # bfloat16 the decode and the training forward round apart (a 16-layer stand-in: up to 0.36
+  # per token, 0.7 % of tokens clipped before any update: docs/architecture.md §1).
+  old_logp: str = "auto"
 
   def __post_init__(self):
+    _check(self.old_logp in OLD_LOGP_SOURCES, "algo.old_logp", self.old_logp,
+           f"one of {list(OLD_LOGP_SOURCES)}")
     _check(self.estimator in adv_lib.ADVANTAGE_ESTIMATORS, "algo.estimator", self.estimator,
            f"one of {sorted(adv_lib.ADVANTAGE_ESTIMATORS)}")
     lacking = sorted(set(adv_lib.required_inputs(self.estimator)) - adv_lib.TRAINER_INPUTS)
@@ -687,6 +699,12 @@ class TrainConfig:
     _check(self.async_ppo.staleness <= self.num_iterations, "async_ppo.staleness",
            self.async_ppo.staleness, f"at most num_iterations={self.num_iterations} (the "
            "batches generated ahead are held in memory and checkpoints)")
+    # Asynchronously the generating policy is gone when its batch trains; the decoupled
+    # objective's proximal log-probs are the current actor's forward instead.
+    _check(self.algo.old_logp != "recompute" or self.async_ppo.staleness == 0, "algo.old_logp",
+           "recompute", "'auto' or 'generation' with async_ppo.staleness > 0 (the policy that "
+           "generated a batch is updated before the batch trains; async_ppo.objective="
+           "'decoupled' takes its ratio against the current actor's forward pass)")
     _check(not self.fusion.intra_stage or self.mesh.stage != 1, "fusion.intra_stage",
            self.fusion.intra_stage, "False with mesh.stage=1 (the fused actor/critic schedule "
            "pipelines both models over the mesh's stage axis: set mesh.stage > 1)")

@@ -408,6 +408,11 @@ class PPOTrainer:
     self.checkpoints.state_fn = self._state
     self.checkpoints.meta_fn = self._meta
     self._compiled_update = False  # the first update call (compiles) is timed and logged
+    # algo.old_logp: the update's old log-probs from the training forward (synchronous runs;
+    # asynchronously the generating policy is gone, config.py).
+    self._recompute_old_logp = cfg.async_ppo.staleness == 0 and (
+        cfg.algo.old_logp == "recompute" or
+        (cfg.algo.old_logp == "auto" and jnp.dtype(cfg.model.jnp_dtype).itemsize < 4))
 
   def _build_prompts(self, cfg: TrainConfig) -> None:
     """The training prompt stream and the held-out evaluation (None without held-out prompts
@@ -783,6 +788,28 @@ class PPOTrainer:
                                    gen.scoring_batch())
     return dataclasses.replace(gen, values=np.asarray(values, np.float32))
 
+  def _recompute_logp(self, iteration: int, gen: async_lib.Generated
+                      ) -> tuple[async_lib.Generated, dict]:
+    """algo.old_logp "recompute": the batch with the actor's log-probs from the training
+    forward in place of the decode's (the ratio's denominator and the KL penalty's policy side:
+    the first mini-batch's ratio is then 1 up to the update's own rounding), and the mean and
+    largest gap between the two per response token (what the decode's log-probs would have
+    put into the ratio before any update)."""
+    t0 = time.perf_counter()
+    logp = np.asarray(self._rescorer.logprobs(
+        self.cfg.model, self._rescore_params("actor"), gen.scoring_batch(),
+        self.cfg.rollout.temperature), np.float32)
+    inside = _response_mask(gen, self.cfg.rollout.max_new_tokens) > 0
+    if self.cfg.guard.on_nonfinite == "stop":
+      self._raise_if_nonfinite(iteration, [(
+          "recomputed log-probs (algo.old_logp)", logp, inside,
+          "the actor (its forward on the batch)")])
+    gap = np.abs(logp.astype(np.float64) - gen.logprobs)[inside]
+    m = {"actor/old_logp_gap_mean": float(gap.mean()) if gap.size else 0.0,
+         "actor/old_logp_gap_max": float(gap.max()) if gap.size else 0.0,
+         "timing_s/old_logp": time.perf_counter() - t0}
+    return dataclasses.replace(gen, logprobs=np.where(inside, logp, gen.logprobs)), m
+
   def _off_policy(self, iteration: int, gen: async_lib.Generated, data: dict
                   ) -> tuple[dict, dict]:
     """Async PPO: the batch's lag behind the current policy and, for the decoupled objective,
@@ -839,8 +866,10 @@ class PPOTrainer:
     else:
       gen = self._current_values(self.in_flight.pop(iteration))
     self._check_rollout_finite(iteration, gen)
-    data, stats = self._advantages(gen)
     async_m: dict = {}
+    if self._recompute_old_logp:
+      gen, async_m = self._recompute_logp(iteration, gen)
+    data, stats = self._advantages(gen)
     if k:
       data, async_m = self._off_policy(iteration, gen, data)
     t_gen_inf = time.time() - t0

@@ -210,8 +210,8 @@ def _update_args(cfg: TrainConfig) -> tuple:
   # Log-probs use the sampling temperature, as generation's behaviour log-probs do (rollouts
   # always sample: rollout.temperature > 0), both over the whole vocabulary (before top-k /
   # top-p), so the first epoch's PPO ratio is 1 up to the rounding between generation's
-  # program and the update's (~1e-6 in float32, docs/architecture.md §1; a few 1e-2 in
-  # bfloat16: far inside the clip).
+  # program and the update's (~1e-6 in float32; in bfloat16 up to a few 1e-1 per token, so
+  # there algo.old_logp recomputes them with the training forward: docs/architecture.md §1).
   return cfg.model, cfg.critic_model, cfg.algo, cfg.rollout.temperature
 
 
