@@ -261,6 +261,34 @@ def test_a_reward_functions_bad_value_names_the_iteration_and_what_is_kept(tmp_p
   assert [h["step"] for h in again.run()] == [2, 3]  # the 20th call is behind it
 
 
+def fails_after_two_batches(response, answer, record):
+  """A reward function (config.reward.function) that raises from its 33rd sample on: in the
+  tiny run's validation pass after iteration 2 (16 training samples an iteration)."""
+  del answer, record
+  _CALLS[0] += 1
+  if _CALLS[0] > 32:
+    raise ZeroDivisionError("boom")
+  return float(len(response) % 3)
+
+
+def test_a_reward_function_failing_in_the_validation_pass_names_it_and_the_way_past(tmp_path):
+  """The held-out pass called the reward function without the training rollout's wrapping:
+  the error named neither the iteration, nor the pass, nor what a re-run resumes from, nor
+  that eval_every=0 trains past it."""
+  _CALLS[0] = 0
+  cfg = tiny_config(**{"num_iterations": 3, "checkpoint.every": 1, "eval_every": 2,
+                       "data.val_fraction": 0.25, "data.val_max_prompts": 4,
+                       "reward.function": "tests.test_faults:fails_after_two_batches"})
+  with pytest.raises(ValueError, match=r"^iteration 2, the validation pass on the held-out "
+                                       r"prompts: reward function 'tests\.test_faults:fails_after"
+                                       r"_two_batches' failed on sample 0 .*ZeroDivisionError.*the "
+                                       r"last checkpoint \(1\) is kept: the same command resumes "
+                                       r"from it once the function is fixed \(or with --config\."
+                                       r"eval_every=0"):
+    PPOTrainer(cfg, str(tmp_path)).run()
+  assert _steps(str(tmp_path)) == [1]
+
+
 def huge_reward(response, answer, record):
   """A reward function with a finite value whose square overflows float32."""
   del answer, record

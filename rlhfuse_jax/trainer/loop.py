@@ -751,16 +751,19 @@ class PPOTrainer:
     try:
       out = self.rollout(params, prompts, key)
     except rewards_lib.RewardFunctionError as e:
-      # It named the function and the sample, not when: in a long run the iteration, and that
-      # nothing of it was kept, tell the user what a re-run will do.
-      last = self.checkpoints.latest_step()
-      e.args = (f"iteration {iteration + 1}: {e}. Nothing of this iteration was written or "
-                f"saved; " + ("no checkpoint came before it: the same command starts over"
-                              if last is None else
-                              f"the last checkpoint ({last}) is kept: the same command resumes "
-                              f"from it") + " once the function is fixed",) + e.args[1:]
+      self._reward_failed(e, f"iteration {iteration + 1}")
       raise
     return async_lib.Generated.from_stage(iteration, version, out, prompts.records)
+
+  def _reward_failed(self, e: rewards_lib.RewardFunctionError, where: str,
+                     way_past: str = "") -> None:
+    """The reward function's error (it names the function and the sample, not when) with
+    when, and what a re-run will do: in a long run, that nothing of the iteration was kept."""
+    last = self.checkpoints.latest_step()
+    e.args = (f"{where}: {e}. Nothing of this iteration was written or saved; " + (
+        "no checkpoint came before it: the same command starts over" if last is None else
+        f"the last checkpoint ({last}) is kept: the same command resumes from it") +
+              " once the function is fixed" + way_past,) + e.args[1:]
 
   def _advantages(self, gen: async_lib.Generated):
     """(training data, rollout statistics) of the rollout: advantages and returns on device."""
@@ -1262,7 +1265,14 @@ class PPOTrainer:
           # The weights moved to the generation group once for the whole pass.
           params = self._snapshot() if self.disjoint else self._generation_params()
           with self._optimizer_offloaded():
-            m.update(self.held_out(self.rollout, params, it))
+            try:
+              m.update(self.held_out(self.rollout, params, it))
+            except rewards_lib.RewardFunctionError as e:
+              self._reward_failed(
+                  e, f"iteration {step}, the validation pass on the held-out prompts",
+                  " (or with --config.eval_every=0, which a resume may change: the held-out "
+                  "pass off)")
+              raise
           if self.cfg.optim.offload_during_rollout:  # the pass's moves join the step's time
             m["timing_s/optimizer_offload"] += self._take_offload_metrics()[
                 "timing_s/optimizer_offload"]
