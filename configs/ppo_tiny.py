@@ -68,6 +68,12 @@ def get_config(arg: str = "ppo"):
     c.algo.kl_estimator = "k3"
     if arg == "dr_grpo":  # Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): both of its changes
       c.algo.loss_agg = "seq-mean-token-sum-norm"
+      # Its policy term is a response's token sum over the 12-token horizon times raw score
+      # differences (no std division), several times smaller here than GRPO's token mean of
+      # std-normalised ones, while the KL loss term stays a token mean: at GRPO's 0.01 the KL
+      # held the policy (reward 0.04 -> 0.25 in 400 iterations, seeds 0 and 1 alike). Of 0.01,
+      # 0.002 and 0 tried: docs/results.md, "tiny Dr. GRPO learns".
+      c.algo.kl_coef = 0.002
   elif arg == "fused":
     c.mesh.stage = 4  # data = 8 / 4 = 2
     c.model.num_layers = 4  # one layer per actor stage
