@@ -93,7 +93,7 @@ def get_config(arg: str = "paper"):
   # asynchronous PPO (pipe_rlhf_async, plan_search's async plan): updates the generating policy
   # lags behind; it sets the lag, not the simulated time (docs/simulator.md)
   c.sim.staleness = 1
-  c.sim.async_split_unit = 0  # generation-group sizes tried in steps of this (0: a node)
+  c.sim.async_split_unit = 0  # generation-group sizes tried in steps of this (0: a node, ...)
   # plan search: only plans the trainer runs as simulated (sim/plan_search.trainer_refusal)
   c.sim.trainer_runnable = False
 

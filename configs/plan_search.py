@@ -6,7 +6,8 @@ The variant names the actor/critic pair of the RLHFuse paper (13b/13b, 33b/13b, 
 65b/65b; default 65b/33b); every other field (cluster, workload, lengths, efficiencies,
 calibration, simulated systems) is configs/ablations.py's, with one max generation length.
 Asynchronous PPO: `sim.staleness` k >= 1 (default 1) also searches the splits of the devices
-into a generation and a training group (in steps of `sim.async_split_unit` devices, 0: a node);
+into a generation and a training group (in steps of `sim.async_split_unit` devices, 0: a node,
+or a host or a device where one node holds all);
 `--config.sim.staleness=0` searches the synchronous plans only (with `systems` not naming
 pipe_rlhf_async: e.g. `--config.systems=pipe_rlhf`, or `--config.systems=` for the plan search
 alone, no systems' comparison).
@@ -36,8 +37,8 @@ the predicted times say nothing about the CPU run). ppo_tiny rather than its `fu
 on instances with inference on them, which leaves the search almost nothing to choose;
 ppo_tiny leaves the layout to the plan. `sim.trainer_runnable` keeps only plans the trainer
 runs as simulated, and the binary checks each with the trainer's own validation of the run's
-config. Asynchronous splits in steps of one device (`sim.async_split_unit` = 1): the 8 devices
-are one node, and the node step would try none.
+config. Asynchronous splits in steps of one device (`sim.async_split_unit` = 1, what the default
+0 comes to here too: the 8 devices are one node and one host).
 """
 import ml_collections
 

@@ -469,6 +469,12 @@ def test_async_splits_give_both_groups_some_devices():
   cm = CostModel(get_hardware("h100_sxm"))
   assert ps.async_splits(cm, 32) == [8, 16, 24]
   assert ps.async_splits(cm, 8, split_unit=2) == [2, 4, 6]
+  # The node step where one node holds every device tried no split (a TPU preset's node is a
+  # pod slice: the async plan was the synchronous one): a host, or one device, instead.
+  assert ps.async_splits(cm, 8) == list(range(1, 8))
+  v5p = CostModel(get_hardware("tpu_v5p"))
+  assert ps.async_splits(v5p, 256) == list(range(4, 256, 4))
+  assert ps.async_splits(v5p, 2) == [1] and ps.async_splits(v5p, 1) == []
 
 
 def test_a_uniform_layout_generates_as_one_plain_pipeline():

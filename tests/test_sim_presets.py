@@ -138,7 +138,15 @@ def test_a_hardware_file_changes_fields_of_its_base_preset(tmp_path):
                                                                   r"positive"),
                         # a node holds whole devices (4.5 was taken, and spans computed from it)
                         ({"base": "h100_sxm", "devices_per_node": 4.5},
-                         r"devices_per_node=4\.5 must be an integer >= 1")):
+                         r"devices_per_node=4\.5 must be an integer >= 1"),
+                        # T/G units for SI ones were taken: the search chose plans on a device
+                        # 1e12 times slower (best 8.7e11 s per iteration)
+                        ({"base": "h100_sxm", "peak_flops": 989},
+                         r"peak_flops=989 FLOP/s, below 1e5: the file's figures are in FLOP/s "
+                         r".*h100_sxm's is 9\.89.e\+14"),
+                        ({"base": "h100_sxm", "hbm_bw": 3.35}, r"hbm_bw=3\.35 bytes/s, below"),
+                        ({"base": "h100_sxm", "inter_node_bw": 400}, r"inter_node_bw=400 "),
+                        ({"base": "h100_sxm", "hbm_bytes": 80}, r"hbm_bytes=80 bytes, below")):
     path.write_text(json.dumps(spec))
     with pytest.raises(ValueError, match=message):
       hardware.get_hardware(str(path))

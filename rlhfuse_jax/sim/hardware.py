@@ -233,6 +233,11 @@ def get_hardware(name: str) -> Hardware:
   return HARDWARE[name]
 
 
+_FILE_UNITS = {"peak_flops": "FLOP/s", "hbm_bw": "bytes/s", "hbm_bytes": "bytes",
+               "intra_node_bw": "bytes/s", "inter_node_bw": "bytes/s",
+               "host_to_device_bw": "bytes/s"}
+
+
 def hardware_file(path: str) -> Hardware:
   """get_hardware of a JSON file: its "base" preset with the file's other fields replaced (SI
   units, as the presets: FLOP/s, bytes/s, bytes). Its collective latencies stay the base's."""
@@ -254,6 +259,16 @@ def hardware_file(path: str) -> Hardware:
   if "collective_protocols" in fields:
     fields["collective_protocols"] = _file_protocols(path, fields["collective_protocols"])
   base = HARDWARE[spec["base"]]
+  for k, unit in _FILE_UNITS.items():
+    v, ref = fields.get(k), getattr(base, k)
+    # 989 for an H100's 989e12 FLOP/s or 3.35 for its 3.35e12 B/s passed as positive numbers,
+    # and the search chose plans on a device 1e12 times slower (best 8.7e11 s). Below 1e5 in
+    # these units is a figure in T, G or M units (no device computes or moves 1e5 a second or
+    # holds 100 kB); a CPU host's measured 1e11 FLOP/s stays allowed.
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e5:
+      raise ValueError(f"hardware {path!r}: {k}={v!r} {unit}, below 1e5: the file's figures "
+                       f"are in {unit} (SI, as the presets), not T/G/M units; e.g. the base "
+                       f"preset {base.name}'s is {ref:.4g}")
   # Which figures are the file's and which the base preset's (with its citation): the reports
   # print this source beside every figure.
   changed = sorted(set(fields) - {"name", "source"})

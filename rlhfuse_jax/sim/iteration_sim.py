@@ -192,7 +192,9 @@ class SimOptions:
   offload_optimizer: bool = False
   search_time_s: float = 2.0  # fused-schedule search budget per distinct pipeline problem
   staleness: int = 1  # pipe_rlhf_async: updates the generating policy lags behind (k >= 1)
-  async_split_unit: int = 0  # pipe_rlhf_async: generation-group sizes step (0: a node)
+  # pipe_rlhf_async: generation-group sizes step (0: a node, or smaller where one node holds
+  # every device: plan_search.async_splits)
+  async_split_unit: int = 0
   # plan search (pipe_rlhf, rlhfuse_planned, pipe_rlhf_async): only plans the trainer runs as
   # simulated (plan_search.trainer_refusal)
   trainer_runnable: bool = False

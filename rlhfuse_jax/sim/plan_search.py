@@ -356,9 +356,14 @@ def async_iteration_s(gen_plus_inf_s: float, train_s: float, reshard: float,
 
 def async_splits(cost: CostModel, num_devices: int, split_unit: int = 0) -> list[int]:
   """Generation-group sizes g tried (the training group gets num_devices - g): multiples of
-  `split_unit` devices (0: a node, so no node is shared by the two groups) strictly between 0 and
-  num_devices."""
-  unit = split_unit or cost.hw.devices_per_node
+  `split_unit` devices strictly between 0 and num_devices. 0: a node, so no node is shared by
+  the two groups; where one node holds every device (one GPU node; a TPU preset's node is a
+  whole pod slice, 256 or 8960 chips) a host, and where one host does, a device (a node step
+  tried no split there: the async plan was the synchronous one, 19 % slower than a 4-chip step
+  on 256 v5p chips, 13b/13b)."""
+  hw = cost.hw
+  unit = split_unit or next(u for u in (hw.devices_per_node, hw.host_devices, 1)
+                            if u < num_devices or u == 1)
   if unit < 1:
     raise ValueError(f"async split unit={unit} must be >= 1")
   return list(range(unit, num_devices, unit))
@@ -971,6 +976,10 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: Optional[d
     splits.append({"generation_devices": g, "training_devices": n - g,
                    "iteration_s": best["predicted"]["iteration_s"],
                    "bound": best["predicted"]["bound"]})
+  if not plans and not tried:  # (the error below ended on an empty list)
+    raise ValueError(f"async plan search (k={staleness}): no split of {n} devices into two "
+                     "groups to try: it takes at least 2 devices, and a sim.async_split_unit "
+                     f"below {n}")
   if not plans:
     raise ValueError(f"async plan search (k={staleness}): no split of {n} devices fits: "
                      + "; ".join(f"{sp['generation_devices']} / {sp['training_devices']}: "
@@ -1061,6 +1070,9 @@ def no_plan_message(cost: CostModel, wl, rejected: dict, infs: list, groups: dic
               " Each also fits with more memory per device (the hardware's hbm_bytes) or "
               "shorter prompts and responses (config.prompt.max_len, config.max_new_tokens)."
               if memory else "") + (
+              " Every plan uses all the devices (none is left idle), so fewer may divide "
+              "the batch where these do not (config.num_devices)."
+              if any("divisible" in str(v) for v in rejected.values()) else "") + (
               f" Each of the {len(names)} rejected plans and why: the 'rejected' lines above"
               + (f" ({len(rejected)}, one for each inference plan's frozen weights it was tried "
                  "beside)" if len(names) < len(rejected) else "") + "." if log else ""))
