@@ -236,6 +236,14 @@ def test_truncated_safetensors_names_the_file(tmp_path):
 _CALLS = [0]
 
 
+def _reset_calls():
+  """The reward functions below count their calls in _CALLS of the module the trainer imports
+  them from (tests.test_faults), which may be another module object than this test's own."""
+  for name in ("tests.test_faults", __name__):
+    if name in sys.modules:
+      sys.modules[name]._CALLS[0] = 0
+
+
 def nan_in_the_second_batch(response, answer, record):
   """A reward function (config.reward.function) that returns NaN for the 20th sample it sees:
   in iteration 2 of the tiny run (16 samples each)."""
@@ -248,7 +256,7 @@ def test_a_reward_functions_bad_value_names_the_iteration_and_what_is_kept(tmp_p
   """A reward function's NaN in iteration 2 stops the run naming the function and the sample,
   and now also the iteration and the checkpoint a re-run resumes from (it said neither: in a
   long run the progress line may be many iterations back). The re-run resumes there."""
-  _CALLS[0] = 0
+  _reset_calls()
   cfg = tiny_config(**{"num_iterations": 3, "checkpoint.every": 1,
                        "reward.function": "tests.test_faults:nan_in_the_second_batch"})
   with pytest.raises(ValueError, match=r"^iteration 2: reward function 'tests\.test_faults:nan_in"
@@ -275,7 +283,7 @@ def test_a_reward_function_failing_in_the_validation_pass_names_it_and_the_way_p
   """The held-out pass called the reward function without the training rollout's wrapping:
   the error named neither the iteration, nor the pass, nor what a re-run resumes from, nor
   that eval_every=0 trains past it."""
-  _CALLS[0] = 0
+  _reset_calls()
   cfg = tiny_config(**{"num_iterations": 3, "checkpoint.every": 1, "eval_every": 2,
                        "data.val_fraction": 0.25, "data.val_max_prompts": 4,
                        "reward.function": "tests.test_faults:fails_after_two_batches"})
