@@ -6,6 +6,7 @@ binaries' reports (`fixed_or_sci`); what every result.json records about how it 
 from __future__ import annotations
 
 import copy
+import ctypes
 import hashlib
 import json
 import logging as py_logging
@@ -14,6 +15,7 @@ import os
 import platform
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -224,6 +226,33 @@ class RunInterrupted(KeyboardInterrupt):
     self.returncode = returncode
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> Optional[Callable[[], None]]:
+  """A preexec_fn that has the child receive SIGTERM when this process dies (Linux's
+  prctl(PR_SET_PDEATHSIG)); None elsewhere, or where libc's prctl cannot be found. A sweep
+  killed with kill -9 (the OOM killer's) left its run going alone: its output, which reaches
+  log.txt only through the sweep, was lost, and it held its workdir, so an immediate re-run
+  failed that run with WorkdirInUseError. SIGTERM is what train_ppo saves on and exits 75.
+  libc is loaded here, before the fork: the child between fork and exec calls prctl alone.
+  The signal comes when the thread that started the child ends (prctl(2)): run_streamed's
+  thread waits for its run, so that is this process's death or the run's end."""
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+  except (OSError, AttributeError):
+    return None
+  parent = os.getpid()
+
+  def preexec() -> None:
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before prctl ran: no signal will come
+      os.kill(os.getpid(), signal.SIGTERM)
+  return preexec
+
+
 def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
                  started: Optional[Callable[[subprocess.Popen], None]] = None,
                  prefix: Optional[str] = None) -> int:
@@ -241,7 +270,7 @@ def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
   meanwhile, so that it neither blocks nor dies of a broken pipe."""
   proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, errors="replace",
-                          cwd=REPO_ROOT,
+                          cwd=REPO_ROOT, preexec_fn=die_with_parent(),
                           env={**env, LOG_KEPT_ENV: "1"})
   copied = threading.Event()
   with _LIVE_LOCK:

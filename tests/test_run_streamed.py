@@ -2,8 +2,12 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
 
 from tests.xla_env import RESET_SIGINT
 
@@ -195,3 +199,56 @@ def test_a_log_that_cannot_be_written_fails_after_the_run_ends(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.splitlines()[-1] == "raised: No space left on device"
   assert (tmp_path / "done").exists()  # the run's last act, after its 200 000 lines
+
+
+# A parent that starts a run through run_streamed and waits; the run says its pid, and on
+# SIGTERM (train_ppo's save-and-exit-75 signal) leaves a mark and exits 75.
+_ORPHAN_PARENT = r"""
+import os, sys
+from experiments import runner
+work = sys.argv[1]
+CHILD = ("import os, signal, sys, time\n"
+         "def term(*_):\n"
+         "  open(sys.argv[1] + '/terminated', 'w').close()\n"
+         "  os._exit(75)\n"
+         "signal.signal(signal.SIGTERM, term)\n"
+         "with open(sys.argv[1] + '/child.tmp', 'w') as f:\n"
+         "  f.write(str(os.getpid()))\n"
+         "os.rename(sys.argv[1] + '/child.tmp', sys.argv[1] + '/child')\n"
+         "time.sleep(60)\n")
+runner.run_streamed([sys.executable, "-c", CHILD, work], work, "r", runner.repo_env())
+"""
+
+
+def _running(pid: int) -> bool:
+  """Whether `pid` runs (a zombie, dead but not yet reaped by whoever adopted it, does not)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG)")
+def test_a_run_ends_when_its_parent_is_killed_with_sigkill(tmp_path):
+  """kill -9 of a sweep (the OOM killer's) left its train_ppo run going alone, holding its
+  workdir (an immediate re-run failed that run with WorkdirInUseError) and writing its log
+  nowhere. The run now gets SIGTERM when its parent dies (train_ppo saves and exits 75)."""
+  parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT, str(tmp_path)], cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+  child_file = tmp_path / "child"
+  deadline = time.time() + 60
+  while not child_file.exists():
+    assert time.time() < deadline and parent.poll() is None, "the run never started"
+    time.sleep(0.05)
+  child = int(child_file.read_text())
+  parent.send_signal(signal.SIGKILL)
+  parent.wait(timeout=30)
+  deadline = time.time() + 20
+  while _running(child) and time.time() < deadline:
+    time.sleep(0.05)
+  if _running(child):
+    os.kill(child, signal.SIGKILL)  # (this test's own child: not left behind)
+    raise AssertionError("the run outlived its parent's kill -9")
+  assert (tmp_path / "terminated").exists()  # it got SIGTERM: train_ppo's save-and-exit
