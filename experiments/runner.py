@@ -486,6 +486,11 @@ def note_start() -> None:
                 git_changes=changes, start_time=time.time())
 
 
+def start_time() -> Optional[float]:
+  """The time.time() of this run's start as note_start read it; None before."""
+  return _START.get("start_time")
+
+
 def clear_earlier_traceback(workdir: str) -> None:
   """Removes workdir/traceback.txt when an earlier start wrote it (a run that failed, was
   corrected and has now finished or stopped): it sat beside the results as if this run had

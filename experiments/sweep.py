@@ -31,8 +31,8 @@ on a shared filesystem lasts until the server's lease on it ends; a SIGTERM or S
 meanwhile ends the wait with exit 75). Ctrl-C ends the sweep with 130 once
 the run in progress (which gets it too) has ended: the summary has the runs so far, and the
 sweep logs its line on where it stands (as at its end) and the command that continues it. A
-training run's wall_s sums its starts (those that trained: a finished run started again, with
-nothing left to train, keeps its wall_s). Each run starts in the repository root; a relative
+training run's wall_s sums its starts that trained, as its result.json's trained_by records
+each (a finished run started again, with nothing left to train, keeps its wall_s). Each run starts in the repository root; a relative
 --config file or --workdir is the caller's (made absolute). `--config=configs/X.py:variant`
 gives every run that variant (and get_sweep the variant, if it takes an argument). Each run's
 output is appended to DIR/<run>/log.txt; --dry_run prints the commands and writes nothing;
@@ -1007,11 +1007,19 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
       except RunInterrupted as e:  # Ctrl-C: the run got it too, and has ended since
         rows.append(_ended(row, e.returncode, run_dir, earlier_s + time.time() - start,
                            signals.signum, interrupted=True))
+        recorded = recorded_wall_s(run_dir) if binary == "train_ppo" else None
+        if recorded is not None:
+          row["wall_s"] = recorded
         raise  # (the summary: below)
       this_start = time.time() - start
       rows.append(_ended(row, rc, run_dir, earlier_s + this_start, signals.signum,
                          verdict=VERDICT_EXITS.get((binary, rc), "")))
-      if resumes and nothing_trained(before, row):
+      recorded = recorded_wall_s(run_dir) if binary == "train_ppo" else None
+      if recorded is not None:
+        # What the run itself recorded of its starts that trained: also one the sweep never
+        # timed (killed with a sweep killed by kill -9), and no start that trained nothing.
+        row["wall_s"] = recorded
+      elif resumes and nothing_trained(before, row):
         # A finished run re-started (the sweep run again to refresh its summary) found nothing to
         # train: its wall_s stays its training's (it grew by a start's set-up on every re-run).
         row["wall_s"] = before["wall_s"]
@@ -1046,6 +1054,25 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
   complete = not signals.signum and len(rows) == len(runs) and not any(
       r.get("status", "").startswith("stopped") for r in rows)
   return rows, complete
+
+
+def recorded_wall_s(run_dir: str) -> Optional[float]:
+  """The seconds of a train_ppo run's starts that trained the iterations its result.json
+  describes, summed from its `trained_by` (each start's `wall_s`, from its beginning to its last
+  save: a start killed after saving keeps its time up to that save, and its iterations after it,
+  trained again, count again); None where result.json or an entry's `wall_s` is missing (a run
+  of code before trained_by recorded it: the sweep's own clock then, _run_locked)."""
+  try:
+    with open(os.path.join(run_dir, "result.json"), encoding="utf-8") as f:
+      starts = json.load(f).get("trained_by")
+  except (OSError, ValueError, AttributeError):
+    return None
+  if not isinstance(starts, list) or not starts:
+    return None
+  walls = [s.get("wall_s") if isinstance(s, dict) else None for s in starts]
+  if not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in walls):
+    return None
+  return round(float(sum(walls)), 2)
 
 
 PAST_NUM_ITERATIONS = "ok (trained to "  # _ended's status of a run past num_iterations

@@ -287,6 +287,7 @@ def _start_and_train(run_log: runner.RunLog) -> tuple[TrainConfig, PPOTrainer]:
     # This start's code and machine, kept with the iterations it trains (trained_by).
     trainer.start_record = {k: v for k, v in runner.provenance().items()
                             if k in TRAINED_BY_FIELDS}
+    trainer.started_at = runner.start_time() or trainer.started_at  # (set-up and imports too)
     trainer.run(keep_lock=True, config_record=config_lib.config_record(_CONFIG.value, cfg),
                 keep_history=False)
   except (checkpointing.SaveError, multihost.PeerLostError) as e:

@@ -710,3 +710,42 @@ def test_a_sweep_started_again_without_a_flag_groups_its_runs_apart(tmp_path):
   assert [(r["run"], r["workers"]) for r in out["summary"]] == [("s0", 2), ("s1", 1)]
   assert not out["seeds"]
   assert "the summary's runs were made with different workers: 2 in s0; 1 in s1" in proc.stderr
+
+
+_RECORDED_WALL = """
+import json, os, sys, time
+from experiments import sweep
+work = sys.argv[1]
+# No summary row (the sweep was killed with kill -9), a saved checkpoint, and the run's
+# result.json: two starts that trained, 30 s and 50 s by the run's own record.
+starts = [{"from": 0, "to": 2, "wall_s": 30.0}, {"from": 2, "to": 4, "wall_s": 50.0}]
+for name in ("refused", "trains"):
+  os.makedirs(os.path.join(work, name, "checkpoints", "4"))
+  sweep.wd.write_json(os.path.join(work, name, "result.json"),
+                      {"status": "stopped", "iterations": 4, "trained_by": starts})
+
+def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
+  time.sleep(0.2)
+  if name == "refused":  # (WorkdirInUseError: the killed sweep's run still held it)
+    return 1
+  os.makedirs(os.path.join(run_dir, "checkpoints", "6"))
+  sweep.wd.write_json(os.path.join(run_dir, "result.json"), {
+      "status": "done", "iterations": 6, "num_iterations": 6,
+      "trained_by": starts + [{"from": 4, "to": 6, "wall_s": 12.0}]})
+  return 0
+sweep.run_streamed = fake_run
+rows, _ = sweep._run_locked("train_ppo", "c.py", work, [], False, sweep._Signals(),
+                            [(0, "refused", {}), (1, "trains", {})], lambda rows: None)
+print(json.dumps([r["wall_s"] for r in rows]))
+"""
+
+
+def test_a_training_runs_wall_time_is_what_its_starts_that_trained_recorded(tmp_path):
+  """A re-run after the sweep was killed (no summary row yet): a start refused for the workdir
+  the killed sweep's run still held showed its own 2.43 s as the run's wall_s (or 0), a
+  400-iteration run's; a start killed with its process group lost its training time. The run's
+  result.json records each start that trained with its seconds (trained_by's wall_s): summed."""
+  proc = subprocess.run([sys.executable, "-c", _RECORDED_WALL, str(tmp_path)], cwd=REPO,
+                        env=_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.splitlines()[-1]) == [80.0, 92.0]

@@ -1011,6 +1011,10 @@ def test_samples_are_written_as_text_once_per_logged_iteration_across_a_resume(t
     assert r["prompt"].startswith("<bos>") and r["prompt"].endswith(" ="), r  # as tokenised
 
 
+def _no_wall(starts):
+  return [{k: v for k, v in s.items() if k != "wall_s"} for s in starts]
+
+
 def test_each_start_s_code_stays_with_the_iterations_it_trained(tmp_path, caplog):
   """trained_by (each checkpoint's side-car, result.json): which start trained which
   iterations, with what it recorded of its code and machine. A resume at other code warns; a
@@ -1021,7 +1025,10 @@ def test_each_start_s_code_stays_with_the_iterations_it_trained(tmp_path, caplog
   first = PPOTrainer(cfg, run)
   first.start_record = {"git_commit": "aaa", "host": "one", "jax": "0.10.2"}
   first.run(stop_after=2)  # saved at 2
-  assert first.trained_by() == [
+  # Each start's seconds up to its last save (a sweep sums them as the run's wall_s).
+  walls = [e["wall_s"] for e in first.trained_by()]
+  assert len(walls) == 1 and walls[0] > 0, walls
+  assert _no_wall(first.trained_by()) == [
       {"from": 0, "to": 2, "git_commit": "aaa", "host": "one", "jax": "0.10.2"}]
   second = PPOTrainer(cfg, run)
   second.start_record = {"git_commit": "bbb", "host": "two", "jax": "0.11.2"}
@@ -1034,13 +1041,17 @@ def test_each_start_s_code_stays_with_the_iterations_it_trained(tmp_path, caplog
           "0.11.2: the run continues, but not bitwise") in caplog.text, caplog.text
   spans = [{"from": 0, "to": 2, "git_commit": "aaa", "host": "one", "jax": "0.10.2"},
            {"from": 2, "to": 3, "git_commit": "bbb", "host": "two", "jax": "0.11.2"}]
-  assert second.trained_by() == spans
+  assert _no_wall(second.trained_by()) == spans
+  kept = second.trained_by()
+  # (the first start's as its save at 2 recorded it)
+  assert 0 < kept[0]["wall_s"] <= walls[0] and kept[1]["wall_s"] > 0, kept
   again = PPOTrainer(cfg, run)  # finished: trains nothing
   again.start_record = {"git_commit": "ccc", "host": "three", "jax": "0.12.1"}
   caplog.clear()
   with caplog.at_level(logging.WARNING):
     again.run()
-  assert again.trained_by() == spans
+  assert _no_wall(again.trained_by()) == spans
   assert "other code" not in caplog.text and "with jax" not in caplog.text
   # The checkpoint's side-car holds them: a restart after a crash keeps them.
-  assert again.checkpoints.checkpointer.restore_meta(3)["trained_by"] == spans
+  # (with each start's time at its last save: a start that trains nothing adds none)
+  assert again.checkpoints.checkpointer.restore_meta(3)["trained_by"] == again.trained_by()

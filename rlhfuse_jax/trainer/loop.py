@@ -163,6 +163,10 @@ class PPOTrainer:
     self._start: Optional[int] = None  # the iteration this start began at (run())
     self._stepped_to: Optional[int] = None  # the iteration the state in memory is at
     self._built_at = time.time()  # the progress line's elapsed counts from here (setup too)
+    # When this start began (train_ppo: its process's start), for trained_by's wall_s: the
+    # seconds each start took up to its last save, which a sweep sums as the run's time (its
+    # own clock missed a start killed with it, and counted starts that trained nothing).
+    self.started_at = self._built_at
     self._samples: Optional[list] = None  # config.log_samples: this iteration's, as text
     self.workdir = workdir
     wd.check_local_path(workdir)
@@ -648,11 +652,13 @@ class PPOTrainer:
   def trained_by(self) -> list[dict]:
     """Which start trained which iterations of the state: [{from, to, and what the start
     recorded (start_record: commit, machine, ...)}], oldest first; the running start's entry
-    once it has trained an iteration."""
+    once it has trained an iteration, with `wall_s`, its seconds from its beginning
+    (started_at) to now (a save, result.json)."""
     if self._start is None or self._stepped_to <= self._start:
       return list(self._earlier_starts)
     return [*self._earlier_starts,
-            {"from": self._start, "to": self._stepped_to, **self.start_record}]
+            {"from": self._start, "to": self._stepped_to, **self.start_record,
+             "wall_s": round(time.time() - self.started_at, 2)}]
 
   def _devices(self) -> dict:
     """The layout this run computes on, which its config may leave to the device count
