@@ -252,6 +252,21 @@ def test_a_bad_value_the_plan_file_set_in_async_ppo_names_the_file(tmp_path):
   assert "config.optim.actor_lr=-1.0" in str(e.value) and "set by" not in str(e.value)
 
 
+def test_a_misspelt_top_level_key_of_a_plan_file_is_refused(tmp_path):
+  """"asynch" for "async" was ignored: the run went synchronous without a word. Every top-level
+  key is one plan_search writes (a file of its own search, with hardware and workload, loads:
+  the plan_search runs of the tests below)."""
+  path = plan_json(tmp_path / "plan.json", {})
+  plan = json.loads(open(path).read())
+  plan["asynch"] = {"generation_devices": 4, "training_devices": 4, "staleness": 1}
+  open(path, "w").write(json.dumps(plan))
+  with pytest.raises(ValueError, match=re.escape(
+      f"config.plan.file={path!r}: asynch is no key of a plan file; did you mean async? (a "
+      "plan file takes generation, inference, training, predicted, summary, async, hardware, "
+      "workload)")):
+    tiny_config(**{"plan.file": path})
+
+
 @pytest.mark.parametrize("entry, match", [
     ([4, 4], r"async=\[4, 4\]; expected an object \{generation_devices, training_devices, "
      r"staleness, colocated\}"),
@@ -262,7 +277,14 @@ def test_a_bad_value_the_plan_file_set_in_async_ppo_names_the_file(tmp_path):
      r"async\.generation_devices=-2 with async\.colocated=false; expected an integer >= 1"),
     ({"generation_devices": 4, "staleness": 1, "colocated": "no"},
      r"async\.colocated='no'; expected true or false"),
-], ids=["list", "string", "no_generation_group", "negative", "colocated_not_bool"])
+    ({"generation_devices": 4, "training_devices": "4", "staleness": 1},
+     r"async\.training_devices='4'; expected an integer >= 1"),
+    ({"generation_devices": 4, "training_devices": 0, "staleness": 1},
+     r"async\.training_devices=0; expected an integer >= 1"),
+    ({"generation_devices": "4", "training_devices": 4, "staleness": 1},
+     r"async\.generation_devices='4'; expected an integer >= 1"),
+], ids=["list", "string", "no_generation_group", "negative", "colocated_not_bool",
+        "training_devices_text", "no_training_group", "generation_devices_text"])
 def test_a_hand_edited_async_entry_that_is_no_split_is_refused(tmp_path, entry, match):
   """An "async" entry that is not an object was ignored (the run went synchronous), and a split
   with no generation group was accepted: both are refused, naming the file and the field."""

@@ -60,6 +60,25 @@ PLAN_STAGE_KEYS = {
 }
 
 
+# The top-level keys plan_search writes in plan.json (sim/plan_search.py _plan_dict,
+# _async_plan; experiments/plan_search.py adds hardware and workload); tests/test_plan.py holds
+# them to a search's file. A misspelt one ("asynch") was ignored: the run went synchronous.
+PLAN_KEYS = ("generation", "inference", "training", "predicted", "summary", "async",
+             "hardware", "workload")
+
+
+def _refuse_unknown(where: str, keys: Collection[str], taken: Collection[str],
+                    what: str, prefix: str = "", taker: str = "") -> None:
+  """A ValueError naming the first of `keys` not in `taken` (of `what`; `taker` takes them),
+  with the closest one."""
+  unknown = [k for k in keys if k not in taken]
+  if unknown:
+    close = difflib.get_close_matches(str(unknown[0]), list(taken), n=1)
+    raise ValueError(f"{where}: {prefix}{unknown[0]} is no key of {what}" + (
+        f"; did you mean {prefix}{close[0]}?" if close else "") +
+        f" ({taker or what} takes {', '.join(taken)})")
+
+
 def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, str], tuple]:
   """{(section, field): (value, the plan file's key)}: what a plan file sets. Training's
   colocated (tp, actor_pp, critic_pp) maps onto mesh.tensor, mesh.stage and pipeline.critic_pp
@@ -68,15 +87,11 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
   plan's split ("async": generation_devices, staleness) maps onto config.async_ppo."""
   gen, inf, train = plan["generation"], plan["inference"], plan["training"]
   where = f"config.plan.file={path!r}"
+  _refuse_unknown(where, plan, PLAN_KEYS, "a plan file")
   for stage, keys in PLAN_STAGE_KEYS.items():  # a misspelt key ("slot") was ignored silently
     if stage == "training" and train.get("placement") != "colocated":
       continue  # (refused below, as a placement the trainer does not run)
-    unknown = [k for k in plan[stage] if k not in keys]
-    if unknown:
-      close = difflib.get_close_matches(unknown[0], keys, n=1)
-      raise ValueError(f"{where}: {stage}.{unknown[0]} is no key of a plan's {stage}" + (
-          f"; did you mean {stage}.{close[0]}?" if close else "") +
-          f" ({stage} takes {', '.join(keys)})")
+    _refuse_unknown(where, plan[stage], keys, f"a plan's {stage}", f"{stage}.", stage)
   out: dict[tuple[str, str], tuple] = {}
   mode = gen.get("mode")
   if mode not in ("instances", "pipeline"):
@@ -145,6 +160,16 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
   colocated, gen_devices = a.get("colocated", False), a.get("generation_devices", 0)
   if not isinstance(colocated, bool):
     raise ValueError(f"{where}: async.colocated={colocated!r}; expected true or false")
+  # A string "4" was taken (plan_devices then knew no device count: the warning of a plan
+  # searched for another one never came). A number that is no count (4.5) is named below by
+  # the field it sets, async_ppo.generation_devices.
+  train_devices = a.get("training_devices")
+  if "training_devices" in a and not (_is_int(train_devices) and train_devices >= 1):
+    raise ValueError(f"{where}: async.training_devices={train_devices!r}; expected an integer "
+                     ">= 1 (the devices of the split's training group)")
+  if isinstance(gen_devices, bool) or not isinstance(gen_devices, (int, float)):
+    raise ValueError(f"{where}: async.generation_devices={gen_devices!r}; expected an integer "
+                     ">= 1 (the devices of the split's generation group)")
   if not colocated and _is_int(gen_devices) and gen_devices < 1:
     raise ValueError(f"{where}: async.generation_devices={gen_devices!r} with async.colocated="
                      "false; expected an integer >= 1 (the devices of the split's generation "
