@@ -60,6 +60,7 @@ import signal
 import sys
 import threading
 import time
+import unicodedata
 from typing import Any, Collection, Optional, Sequence
 
 from absl import app, flags, logging
@@ -136,6 +137,17 @@ def _sweep_of(module: Any, variant: Optional[str], config_path: str) -> list[dic
                        f"sweep's own files {list(SWEEP_OUTPUTS)}")
     # A None reached the run as the text "None" (a prompts_file 'None' not found), and the
     # summary showed it as an empty cell, as if the field kept its default.
+    # A name past the file system's NAME_MAX passed --dry_run, then the sweep crashed on its
+    # directory (OSError: File name too long) after the earlier runs had trained; a tab or a
+    # newline made a directory no shell line names plainly, and broke summary.md's table.
+    control = [c for c in name if unicodedata.category(c) == "Cc"]
+    if control:
+      raise ValueError(f"get_sweep()[{i}]['name']={name!r}: expected a directory name without "
+                       f"control characters (it has {control[0]!r})")
+    size = len(name.encode("utf-8", "surrogateescape"))
+    if size > MAX_NAME_BYTES:
+      raise ValueError(f"get_sweep()[{i}]['name']={name[:40]!r}... is {size} bytes long; "
+                       f"expected at most {MAX_NAME_BYTES} (a directory name's limit, NAME_MAX)")
     nones = [k for k, v in entry.items() if v is None]
     if nones:
       raise ValueError(f"get_sweep()[{i}] ({name}): {', '.join(repr(k) for k in nones)} "
@@ -144,6 +156,9 @@ def _sweep_of(module: Any, variant: Optional[str], config_path: str) -> list[dic
                        "default")
     seen[name] = i
   return sweep
+
+
+MAX_NAME_BYTES = 255  # NAME_MAX of Linux's file systems: a run's name is its directory's
 
 
 def flag_field(arg: str) -> tuple[str, str]:

@@ -749,3 +749,31 @@ def test_a_training_runs_wall_time_is_what_its_starts_that_trained_recorded(tmp_
                         env=_env(), capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert json.loads(proc.stdout.splitlines()[-1]) == [80.0, 92.0]
+
+
+def test_a_run_name_too_long_or_with_a_control_character_is_refused_before_any_run(tmp_path):
+  """A 300-character name passed --dry_run and the name check, then the sweep crashed mid-way
+  on its directory (OSError: File name too long) after the earlier runs had trained. Refused
+  before anything runs, as is a tab; 255 bytes (NAME_MAX) still pass."""
+  script = """
+import json, types
+from experiments import sweep
+out = []
+for name in ("a" * 300, "é" * 128, "a\\tb", "a" * 255):
+  try:
+    sweep._sweep_of(types.SimpleNamespace(get_sweep=lambda: [{"name": name}]), None, "s.py")
+    out.append(None)
+  except ValueError as e:
+    out.append(str(e))
+print(json.dumps(out))
+"""
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(),
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  long, wide, tab, most = json.loads(proc.stdout.splitlines()[-1])
+  assert long == (f"get_sweep()[0]['name']={'a' * 40!r}... is 300 bytes long; expected at most "
+                  "255 (a directory name's limit, NAME_MAX)")
+  assert wide and "is 256 bytes long" in wide  # (bytes, not characters)
+  assert tab == ("get_sweep()[0]['name']='a\\tb': expected a directory name without control "
+                 "characters (it has '\\t')")
+  assert most is None
