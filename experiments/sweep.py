@@ -32,7 +32,8 @@ meanwhile ends the wait with exit 75). Ctrl-C ends the sweep with 130 once
 the run in progress (which gets it too) has ended: the summary has the runs so far, and the
 sweep logs its line on where it stands (as at its end) and the command that continues it. A
 training run's wall_s sums its starts that trained, as its result.json's trained_by records
-each (a finished run started again, with nothing left to train, keeps its wall_s). Each run starts in the repository root; a relative
+each (a finished run started again, with nothing left to train, keeps its wall_s). Each run
+starts in the repository root; a relative
 --config file or --workdir is the caller's (made absolute). `--config=configs/X.py:variant`
 gives every run that variant (and get_sweep the variant, if it takes an argument). Each run's
 output is appended to DIR/<run>/log.txt; --dry_run prints the commands and writes nothing;
@@ -40,7 +41,11 @@ output is appended to DIR/<run>/log.txt; --dry_run prints the commands and write
 keeps the other runs' earlier rows). Before
 anything runs, every overridden field (the entries' and the sweep's own --config.* flags) must
 exist in the file's get_config(): a misspelled one is named once, with the closest field,
-instead of failing every run; likewise a value its field's type does not take.
+instead of failing every run; likewise a value its field's type does not take. A train_ppo
+sweep also checks each run's whole config as train_ppo does, and refuses a run whose
+checkpoints were trained with other values of fields that change the trajectory (unless its
+checkpoint.resume_changes names them); a failed start of a finished run keeps that run's
+figures in the summary, its status saying so.
 
 Docs: docs/usage.md ("Configs and sweeps").
 """
@@ -285,6 +290,66 @@ def check_values(config_path: str, runs: Sequence[tuple[int, str, dict]],
     if name is not None:
       configs[name] = config.to_dict() if hasattr(config, "to_dict") else config
   return configs
+
+
+def check_train_configs(runs: Sequence[tuple[int, str, dict]], configs: dict[str, dict],
+                        passthrough: Sequence[str]) -> dict[str, Any]:
+  """Each train_ppo run's config checked as train_ppo checks it as it starts
+  (TrainConfig.from_config_dict of check_values' config, `given` the fields its command sets):
+  a ValueError naming the run and the field before any run starts, where
+  `algo.minibatch_size=5` failed its run after the earlier runs had trained. No jax device is
+  touched; what train_ppo checks against the devices, the reward functions and the checkpoints
+  it still checks at its start. Returns {run name: TrainConfig}."""
+  from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
+  flagged = [flag_field(arg)[0] for arg in passthrough]
+  out = {}
+  for i, name, entry in runs:
+    if name not in configs:
+      continue
+    given = set(flagged) | {k for k in entry if k != "name"}
+    try:
+      out[name] = TrainConfig.from_config_dict(configs[name], given=given)
+    except ValueError as e:
+      raise ValueError(f"get_sweep()[{i}] ({name}): {e}") from None
+  return out
+
+
+def refuse_changed_trajectories(workdir: str, runs: Sequence[tuple[int, str, dict]],
+                                cfgs: dict[str, Any]) -> None:
+  """A ValueError, before any run starts, naming each train_ppo run whose directory holds
+  checkpoints of a config that differs from the run's in fields that change its trajectory
+  (the fingerprint train_ppo compares on resume, less the fields the run's
+  checkpoint.resume_changes names): a sweep re-run with a changed value launched every run, each
+  failed on it, and the failed rows replaced the finished ones in the summary. The checkpoints'
+  config is the record of the start that wrote the newest (config.json, config.K.json);
+  fields naming input files (init.*, their content compared by the run) are left to the run."""
+  from rlhfuse_jax.trainer import config as config_lib  # pylint: disable=import-outside-toplevel
+  from rlhfuse_jax.trainer import hooks  # pylint: disable=import-outside-toplevel
+  from rlhfuse_jax.trainer import inputs  # pylint: disable=import-outside-toplevel
+  refused = []
+  for i, name, _ in runs:
+    run_dir = os.path.join(workdir, name)
+    newest = _newest_checkpoint(run_dir)
+    if name not in cfgs or newest is None:
+      continue
+    record, path = hooks.config_record_of(run_dir, newest)
+    try:
+      saved = config_lib.TrainConfig.from_config_dict(
+          {k: v for k, v in (record or {}).items() if k != "plan_file_content"})
+    except (ValueError, TypeError, AttributeError):  # unreadable, or older code's: the run says
+      continue
+    cfg = cfgs[name]
+    allowed = cfg.checkpoint.resume_changes_set
+    changes = [c for c in config_lib.fingerprint_changes(saved.fingerprint(), cfg.fingerprint())
+               if c.split(":")[0] not in allowed and c.split(":")[0] not in inputs.PATH_FIELDS]
+    if changes:
+      refused.append(f"get_sweep()[{i}] ({name}): its checkpoints (iteration {newest}; {path}) "
+                     f"were trained with other values: {'; '.join(changes)}. " +
+                     config_lib.resume_advice(changes, allowed))
+  if refused:
+    raise ValueError(f"{len(refused)} run(s) of this sweep would be refused as they start: " +
+                     " | ".join(refused) + f" (or remove a run's directory under {workdir} to "
+                     "train it again from the start)")
 
 
 def warn_mixed_flags(rows: Sequence[dict], flagged: Sequence[str], warned: Collection[str] = ()
@@ -943,6 +1008,14 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
                       f"; experiments/ has {binaries}"))
   configs = check_overrides(module, variant, config, runs, passthrough)
   warn_twins(configs, warn_shadowed(runs, passthrough)[1])
+  if binary == "train_ppo":
+    here = os.getcwd()
+    os.chdir(REPO_ROOT)  # where the runs start: a relative plan.file is read from there
+    try:
+      cfgs = check_train_configs(runs, configs, passthrough)
+    finally:
+      os.chdir(here)
+    refuse_changed_trajectories(workdir, runs, cfgs)
   # A training run's or a one-shot binary's workdir: the summary and run folders went in
   # beside its outputs.
   wd.refuse_foreign_result(workdir, "sweep")
@@ -1042,6 +1115,8 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
         # A start that saved nothing (a resume refused for a changed config, a crash before
         # its first save) trained nothing the run keeps: wall_s sums the starts that trained.
         row["wall_s"] = round(earlier_s, 2)
+      if row["status"].startswith("failed") and str(before.get("status", "")).startswith("ok"):
+        row = rows[-1] = finished_row_kept(before, row)
       if row["status"].startswith("ok") and inputs is not None:  # for kept_row
         wd.write_json(os.path.join(run_dir, INPUTS_FILE), inputs)
       summary(rows)  # partial summaries survive an interrupted sweep
@@ -1069,6 +1144,19 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
   complete = not signals.signum and len(rows) == len(runs) and not any(
       r.get("status", "").startswith("stopped") for r in rows)
   return rows, complete
+
+
+def finished_row_kept(before: dict, row: dict) -> dict:
+  """The row of a run that finished earlier (`before`, the summary's) whose start now failed
+  (`row`): its figures kept, the status still failed (the sweep exits 1) and saying whose the
+  figures are, the new error beside them. The failed row replaced the finished one without a
+  word (a sweep re-run with a changed value: every finished result gone from the summary)."""
+  status = str(row["status"])
+  logging.warning("%s finished earlier; this start of it failed (%s): the summary keeps the "
+                  "finished run's figures, its status saying so", row.get("run"),
+                  row.get("error") or status)
+  return {**before, "status": status[:-1] + "; the figures are of its earlier finished start)"
+          if status.endswith(")") else status, "error": row.get("error")}
 
 
 def recorded_wall_s(run_dir: str) -> Optional[float]:

@@ -292,6 +292,7 @@ def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
       f.write(json.dumps({"step": step, "reward/mean": step * int(name[1:])}) + "\\n")
   return 0
 sweep.run_streamed = fake_run
+sweep.check_train_configs = lambda runs, configs, passthrough: {}  # (no TrainConfig)
 rows, complete = sweep.run_sweep(cfg, "train_ppo", work, [])
 out = {"complete": complete, "md": open(os.path.join(work, "summary.md")).read(),
        "stopped": [r for r in rows if r["run"] == "r5"][0]}
@@ -352,6 +353,7 @@ def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
   now[0] += {"short": 12.34, "long": 3725.2}[name]
   return 0
 sweep.run_streamed = fake_run
+sweep.check_train_configs = lambda runs, configs, passthrough: {}  # (no TrainConfig)
 sweep.run_sweep(cfg, "train_ppo", work, [])
 """
 
@@ -401,6 +403,7 @@ def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
                "final": {"step": 3, **{k: x + i for i, k in enumerate(FINAL)}}}, f)
   return 0
 sweep.run_streamed = fake_run
+sweep.check_train_configs = lambda runs, configs, passthrough: {}  # (no TrainConfig)
 sweep.run_sweep(cfg, "train_ppo", work, [])
 """
 
@@ -494,6 +497,7 @@ sys.argv = [os.path.join(runner.REPO_ROOT, "experiments", "sweep.py"), f"--confi
             "--binary=train_ppo", f"--workdir={work}"]
 flags.FLAGS(sys.argv)
 try:
+  sweep.check_train_configs = lambda runs, configs, passthrough: {}  # (no TrainConfig)
   sweep.main(["sweep"])
 except SystemExit as e:
   print("exit", e.code)
@@ -777,3 +781,91 @@ print(json.dumps(out))
   assert tab == ("get_sweep()[0]['name']='a\\tb': expected a directory name without control "
                  "characters (it has '\\t')")
   assert most is None
+
+
+def _tiny_train_sweep(tmp_path, entries: str):
+  """A train_ppo sweep config over configs/ppo_tiny.py's get_config() with `entries`."""
+  path = tmp_path / "s.py"
+  path.write_text("import importlib.util\n"
+                  f"_spec = importlib.util.spec_from_file_location('b', {REPO!r} + "
+                  "'/configs/ppo_tiny.py')\n"
+                  "_base = importlib.util.module_from_spec(_spec)\n"
+                  "_spec.loader.exec_module(_base)\n"
+                  "get_config = _base.get_config\n"
+                  f"def get_sweep():\n  return {entries}\n")
+  return path
+
+
+def test_a_train_ppo_runs_invalid_config_fails_the_sweep_before_any_run(tmp_path):
+  """algo.minibatch_size=5 (no divisor of the batch) failed its run after the earlier runs had
+  trained: the sweep checks every run's config as train_ppo does, before anything runs."""
+  config = _tiny_train_sweep(tmp_path, "[{'name': 'a', 'seed': 0}, "
+                                       "{'name': 'b', 'algo.minibatch_size': 5}]")
+  proc = _run(["experiments.sweep", f"--config={config}", "--binary=train_ppo",
+               f"--workdir={tmp_path / 'sw'}", "--dry_run"])
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert ("get_sweep()[1] (b): config.algo.minibatch_size=5: expected a divisor of the rollout "
+          "batch") in proc.stderr, proc.stderr[-3000:]
+  assert not (tmp_path / "sw" / "a").exists()
+
+
+def test_a_finished_sweep_re_run_with_a_changed_value_is_refused_before_any_run(tmp_path):
+  """A finished train_ppo sweep re-run with another optim.actor_lr launched every run, each
+  failed ("add --config.checkpoint.resume_changes=..."), and the failed rows replaced the
+  finished ones. Refused before anything runs, naming the run and the field; the flag the runs'
+  own refusal asks for lets it through."""
+  config = _tiny_train_sweep(tmp_path, "[{'name': 'a', 'seed': 0}]")
+  run = tmp_path / "sw" / "a"
+  (run / "checkpoints" / "4").mkdir(parents=True)
+  script = ("import json, sys\nfrom configs import ppo_tiny\nc = ppo_tiny.get_config()\n"
+            "c.seed = 0\nc.optim.actor_lr = 0.01\n"
+            "open(sys.argv[1], 'w').write(json.dumps(c.to_dict()))\n")
+  made = subprocess.run([sys.executable, "-c", script, str(run / "config.json")], cwd=REPO,
+                        env=_env(), capture_output=True, text=True, timeout=120)
+  assert made.returncode == 0, made.stderr[-3000:]
+
+  def sweep(*flags):
+    return _run(["experiments.sweep", f"--config={config}", "--binary=train_ppo",
+                 f"--workdir={tmp_path / 'sw'}", "--dry_run", *flags])
+  refused = sweep()
+  assert refused.returncode == 1, refused.stderr[-3000:]
+  assert ("get_sweep()[0] (a): its checkpoints (iteration 4; " in refused.stderr and
+          "were trained with other values: optim.actor_lr: 0.01 -> 0.003" in refused.stderr and
+          "--config.checkpoint.resume_changes=optim.actor_lr" in refused.stderr), \
+      refused.stderr[-3000:]
+  allowed = sweep("--config.checkpoint.resume_changes=optim.actor_lr")
+  assert allowed.returncode == 0, allowed.stderr[-3000:]
+
+
+_FAILED_AFTER_FINISHED = """
+import json, os, sys
+from experiments import sweep
+work = sys.argv[1]
+sweep.wd.write_json(os.path.join(work, "summary.json"), [
+    {"run": "r", "status": "ok", "reward_last_10pct": 0.5, "iterations": 4, "wall_s": 20.0}])
+os.makedirs(os.path.join(work, "r", "checkpoints", "4"))
+
+def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
+  with open(os.path.join(run_dir, "log.txt"), "a") as f:
+    f.write("=== start\\nE1206 train_ppo.py:1] ValueError: this config differs\\n")
+  return 1
+sweep.run_streamed = fake_run
+rows, _ = sweep._run_locked("train_ppo", "c.py", work, [], False, sweep._Signals(),
+                            [(0, "r", {})], lambda rows: None)
+print(json.dumps(rows[0]))
+"""
+
+
+def test_a_failed_start_keeps_the_finished_runs_row_and_says_so(tmp_path):
+  """A finished run started again and failed (a changed value its checkpoints refuse): the
+  failed row replaced the finished one in the summary, its figures gone. They are kept now,
+  the status failed (the sweep exits 1) and saying whose the figures are."""
+  proc = subprocess.run([sys.executable, "-c", _FAILED_AFTER_FINISHED, str(tmp_path)],
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  row = json.loads(proc.stdout.splitlines()[-1])
+  assert row == {"run": "r", "status": "failed (exit 1; the figures are of its earlier finished "
+                 "start)", "reward_last_10pct": 0.5, "iterations": 4, "wall_s": 20.0,
+                 "error": "ValueError: this config differs"}, row
+  assert "r finished earlier; this start of it failed (ValueError: this config differs)" in \
+      proc.stderr
