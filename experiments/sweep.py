@@ -315,18 +315,19 @@ def check_train_configs(runs: Sequence[tuple[int, str, dict]], configs: dict[str
 
 
 def refuse_changed_trajectories(workdir: str, runs: Sequence[tuple[int, str, dict]],
-                                cfgs: dict[str, Any]) -> None:
+                                cfgs: dict[str, Any]) -> dict[str, list[str]]:
   """A ValueError, before any run starts, naming each train_ppo run whose directory holds
   checkpoints of a config that differs from the run's in fields that change its trajectory
   (the fingerprint train_ppo compares on resume, less the fields the run's
   checkpoint.resume_changes names): a sweep re-run with a changed value launched every run, each
   failed on it, and the failed rows replaced the finished ones in the summary. The checkpoints'
   config is the record of the start that wrote the newest (config.json, config.K.json);
-  fields naming input files (init.*, their content compared by the run) are left to the run."""
+  fields naming input files (init.*, their content compared by the run) are left to the run.
+  Returns {run name: the changed fields its checkpoint.resume_changes lets through}."""
   from rlhfuse_jax.trainer import config as config_lib  # pylint: disable=import-outside-toplevel
   from rlhfuse_jax.trainer import hooks  # pylint: disable=import-outside-toplevel
   from rlhfuse_jax.trainer import inputs  # pylint: disable=import-outside-toplevel
-  refused = []
+  refused, let_through = [], {}
   for i, name, _ in runs:
     run_dir = os.path.join(workdir, name)
     newest = _newest_checkpoint(run_dir)
@@ -341,7 +342,10 @@ def refuse_changed_trajectories(workdir: str, runs: Sequence[tuple[int, str, dic
     cfg = cfgs[name]
     allowed = cfg.checkpoint.resume_changes_set
     changes = [c for c in config_lib.fingerprint_changes(saved.fingerprint(), cfg.fingerprint())
-               if c.split(":")[0] not in allowed and c.split(":")[0] not in inputs.PATH_FIELDS]
+               if c.split(":")[0] not in inputs.PATH_FIELDS]
+    if any(c.split(":")[0] in allowed for c in changes):
+      let_through[name] = [c.split(":")[0] for c in changes if c.split(":")[0] in allowed]
+    changes = [c for c in changes if c.split(":")[0] not in allowed]
     if changes:
       refused.append(f"get_sweep()[{i}] ({name}): its checkpoints (iteration {newest}; {path}) "
                      f"were trained with other values: {'; '.join(changes)}. " +
@@ -350,6 +354,7 @@ def refuse_changed_trajectories(workdir: str, runs: Sequence[tuple[int, str, dic
     raise ValueError(f"{len(refused)} run(s) of this sweep would be refused as they start: " +
                      " | ".join(refused) + f" (or remove a run's directory under {workdir} to "
                      "train it again from the start)")
+  return let_through
 
 
 def warn_mixed_flags(rows: Sequence[dict], flagged: Sequence[str], warned: Collection[str] = ()
@@ -1015,7 +1020,9 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
       cfgs = check_train_configs(runs, configs, passthrough)
     finally:
       os.chdir(here)
-    refuse_changed_trajectories(workdir, runs, cfgs)
+    changed = refuse_changed_trajectories(workdir, runs, cfgs)
+  else:
+    changed = {}
   # A training run's or a one-shot binary's workdir: the summary and run folders went in
   # beside its outputs.
   wd.refuse_foreign_result(workdir, "sweep")
@@ -1036,7 +1043,7 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
   also = [k for k in flagged if k not in flags_now]
   try:
     return _run_locked(binary, config, workdir, passthrough, dry_run, signals, runs, summary,
-                       override_keys, configs, rerun, also)
+                       override_keys, configs, rerun, also, changed)
   finally:
     if lock is not None:
       lock.release()
@@ -1045,10 +1052,12 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
 def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[str],
                 dry_run: bool, signals: _Signals, runs: list[tuple[int, str, dict]],
                 summary, override_keys: Sequence[str] = (), configs: Optional[dict] = None,
-                rerun: bool = False, also: Sequence[str] = ()) -> tuple[list[dict], bool]:
+                rerun: bool = False, also: Sequence[str] = (),
+                changed: Optional[dict] = None) -> tuple[list[dict], bool]:
   """_run_sweep's runs, under the sweep's workdir lock. `configs`: {run name: its config}
   (check_values'); `rerun`: run those that finished earlier too (else kept_row keeps them);
-  `also`: fields only earlier starts' flags set (run_row)."""
+  `also`: fields only earlier starts' flags set (run_row); `changed`: {run name: the fields
+  its checkpoint.resume_changes lets change} (refuse_changed_trajectories')."""
   rows = []
   env = repo_env()
   earlier = {r["run"]: r for r in merge_rows(workdir, [], [name for _, name, _ in runs])}
@@ -1115,6 +1124,12 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
         # A start that saved nothing (a resume refused for a changed config, a crash before
         # its first save) trained nothing the run keeps: wall_s sums the starts that trained.
         row["wall_s"] = round(earlier_s, 2)
+      if (row["status"] == "ok" and (changed or {}).get(name) and newest is not None and
+          _newest_checkpoint(run_dir) == newest):
+        # A finished run started with a changed resume_changes field trains nothing: its row
+        # showed the new value (actor_lr=0.01) beside figures no iteration of it made.
+        row["status"] = (f"ok (finished earlier; the changed {', '.join(changed[name])} "
+                         "trained no iteration)")
       if row["status"].startswith("failed") and str(before.get("status", "")).startswith("ok"):
         row = rows[-1] = finished_row_kept(before, row)
       if row["status"].startswith("ok") and inputs is not None:  # for kept_row

@@ -869,3 +869,38 @@ def test_a_failed_start_keeps_the_finished_runs_row_and_says_so(tmp_path):
                  "error": "ValueError: this config differs"}, row
   assert "r finished earlier; this start of it failed (ValueError: this config differs)" in \
       proc.stderr
+
+
+_CHANGED_NOTHING_TRAINED = """
+import json, os, sys
+from configs import ppo_tiny
+from experiments import sweep
+work, config = sys.argv[1], sys.argv[2]
+run = os.path.join(work, "a")
+os.makedirs(os.path.join(run, "checkpoints", "4"))
+c = ppo_tiny.get_config()
+c.seed = 0
+sweep.wd.write_json(os.path.join(run, "config.json"), c.to_dict())  # the finished run's
+sweep.wd.write_json(os.path.join(run, "result.json"),
+                    {"status": "done", "iterations": 4, "num_iterations": 4})
+sweep.run_streamed = lambda cmd, run_dir, name, env, started=None, prefix=None: 0  # no training
+rows, _ = sweep._run_sweep(config, "train_ppo", work, [
+    "--config.checkpoint.resume_changes=optim.actor_lr", "--config.optim.actor_lr=0.01"], False,
+                           sweep._Signals())
+print(json.dumps(rows[0]))
+"""
+
+
+def test_a_changed_field_that_trained_nothing_says_so_in_the_row(tmp_path):
+  """A finished run started again with --config.checkpoint.resume_changes=optim.actor_lr
+  --config.optim.actor_lr=0.01 trains nothing, and its row read "ok" beside actor_lr 0.01 as
+  if that had trained."""
+  config = _tiny_train_sweep(tmp_path, "[{'name': 'a', 'seed': 0}]")
+  proc = subprocess.run([sys.executable, "-c", _CHANGED_NOTHING_TRAINED, str(tmp_path / "sw"),
+                         str(config)], cwd=REPO, env=_env(), capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  row = json.loads(proc.stdout.splitlines()[-1])
+  assert row["optim.actor_lr"] == 0.01
+  assert row["status"] == ("ok (finished earlier; the changed optim.actor_lr trained no "
+                           "iteration)"), row
