@@ -595,12 +595,19 @@ def test_bfloat16_old_logp_recomputed_by_the_training_forward(tmp_path):
           "optim.master_weights": True, "model.num_layers": 2, "algo.epochs": 1,
           "algo.minibatch_size": 16, "algo.kl_coef": 0.0}
   out = {}
-  for mode in ("auto", "generation"):
-    trainer = PPOTrainer(tiny_config(**base, **{"algo.old_logp": mode}), str(tmp_path / mode))
+  for name, mode, micro in (("auto", "auto", 0), ("generation", "generation", 0),
+                            ("micro", "auto", 1)):
+    trainer = PPOTrainer(tiny_config(**base, **{"algo.old_logp": mode,
+                                                "algo.microbatch_size": micro}),
+                         str(tmp_path / name))
     trainer._start = 0
-    out[mode] = trainer.iteration(0)
+    out[name] = trainer.iteration(0)
+    if name == "micro":  # scored in the update's micro-batches (1 row a data shard)
+      assert trainer._old_logp_scorer.micro_batch_size == mesh_lib.batch_size_multiple(
+          trainer._old_logp_scorer.mesh) < 16
   auto, gen = out["auto"], out["generation"]
   assert auto["actor/ppo_kl"] == 0.0 and auto["actor/pg_clipfrac"] == 0.0, auto
+  assert out["micro"]["actor/ppo_kl"] == 0.0, out["micro"]
   assert 0 < auto["actor/old_logp_gap_mean"] <= auto["actor/old_logp_gap_max"], auto
   assert gen["actor/ppo_kl"] != 0.0 and "actor/old_logp_gap_mean" not in gen, gen
   fp32 = PPOTrainer(tiny_config(num_iterations=1), str(tmp_path / "fp32"))

@@ -417,6 +417,16 @@ class PPOTrainer:
     self._recompute_old_logp = cfg.async_ppo.staleness == 0 and (
         cfg.algo.old_logp == "recompute" or
         (cfg.algo.old_logp == "auto" and jnp.dtype(cfg.model.jnp_dtype).itemsize < 4))
+    # In the unpipelined update's micro-batches (algo.microbatch_size rows a data shard), whose
+    # forward and backward the devices hold beside the training state: a forward alone of as
+    # many rows fits where they do (the GPU presets size them to 80 GB; plan_check does not
+    # compile this pass). A pipelined update's whole mini-batch, as asynchronous PPO scores.
+    shards = mesh_lib.batch_size_multiple(self._rescorer.mesh)
+    micro = cfg.algo.microbatch_size * shards
+    self._old_logp_scorer = (
+        scoring.Scorer(self._rescorer.mesh, micro_batch_size=micro)
+        if self._recompute_old_logp and not self.update.is_pipelined and
+        0 < micro < cfg.algo.minibatch_size else self._rescorer)
 
   def _build_prompts(self, cfg: TrainConfig) -> None:
     """The training prompt stream and the held-out evaluation (None without held-out prompts
@@ -805,7 +815,7 @@ class PPOTrainer:
     largest gap between the two per response token (what the decode's log-probs would have
     put into the ratio before any update)."""
     t0 = time.perf_counter()
-    logp = np.asarray(self._rescorer.logprobs(
+    logp = np.asarray(self._old_logp_scorer.logprobs(
         self.cfg.model, self._rescore_params("actor"), gen.scoring_batch(),
         self.cfg.rollout.temperature), np.float32)
     inside = _response_mask(gen, self.cfg.rollout.max_new_tokens) > 0
