@@ -1014,13 +1014,15 @@ def _run_sweep(config: str, binary: str, workdir: str, passthrough: Sequence[str
   configs = check_overrides(module, variant, config, runs, passthrough)
   warn_twins(configs, warn_shadowed(runs, passthrough)[1])
   if binary == "train_ppo":
-    here = os.getcwd()
-    os.chdir(REPO_ROOT)  # where the runs start: a relative plan.file is read from there
+    here, run_root = os.getcwd(), os.path.abspath(workdir)
+    # Where the runs start: both read a relative plan.file from there (the checkpoints'
+    # config too: from the caller's directory it failed to rebuild, and the run was let through).
+    os.chdir(REPO_ROOT)
     try:
       cfgs = check_train_configs(runs, configs, passthrough)
+      changed = refuse_changed_trajectories(run_root, runs, cfgs)
     finally:
       os.chdir(here)
-    changed = refuse_changed_trajectories(workdir, runs, cfgs)
   else:
     changed = {}
   # A training run's or a one-shot binary's workdir: the summary and run folders went in

@@ -263,8 +263,14 @@ def test_a_misspelt_top_level_key_of_a_plan_file_is_refused(tmp_path):
   with pytest.raises(ValueError, match=re.escape(
       f"config.plan.file={path!r}: asynch is no key of a plan file; did you mean async? (a "
       "plan file takes generation, inference, training, predicted, summary, async, hardware, "
-      "workload)")):
+      "workload, predicted_iteration_s)")):
     tiny_config(**{"plan.file": path})
+  # result.json's "best" serves as a plan file too (its iteration time repeated as
+  # predicted_iteration_s): it loads as plan.json does.
+  del plan["asynch"]
+  plan["predicted_iteration_s"] = 1.0
+  open(path, "w").write(json.dumps(plan))
+  assert tiny_config(**{"plan.file": path}).plan.file == path
 
 
 @pytest.mark.parametrize("entry, match", [

@@ -837,6 +837,36 @@ def test_a_finished_sweep_re_run_with_a_changed_value_is_refused_before_any_run(
   assert allowed.returncode == 0, allowed.stderr[-3000:]
 
 
+def test_the_changed_checkpoint_check_reads_a_relative_plan_file_from_the_repository(tmp_path):
+  """A run's config with a relative plan.file (read from the repository root, where the runs
+  start): the checkpoints' config was rebuilt from the caller's directory, failed to read the
+  plan there, and the run was let through to fail as it started."""
+  plan = tmp_path / "plan.json"
+  plan.write_text(json.dumps({
+      "generation": {"mode": "instances", "tp": 1, "pp": 1, "groups": 1, "slots": 0},
+      "inference": {"tp": 1, "pp": 1},
+      "training": {"placement": "colocated", "tp": 1, "actor_pp": 1, "critic_pp": 1},
+      "predicted": {"iteration_s": 1.0}, "summary": "test plan"}))
+  rel = os.path.relpath(plan, REPO)
+  config = _tiny_train_sweep(tmp_path, f"[{{'name': 'a', 'seed': 0, 'plan.file': {rel!r}}}]")
+  run = tmp_path / "sw" / "a"
+  (run / "checkpoints" / "4").mkdir(parents=True)
+  script = ("import json, sys\nfrom configs import ppo_tiny\nc = ppo_tiny.get_config()\n"
+            f"c.seed = 0\nc.optim.actor_lr = 0.01\nc.plan.file = {rel!r}\n"
+            "open(sys.argv[1], 'w').write(json.dumps(c.to_dict()))\n")
+  made = subprocess.run([sys.executable, "-c", script, str(run / "config.json")], cwd=REPO,
+                        env=_env(), capture_output=True, text=True, timeout=120)
+  assert made.returncode == 0, made.stderr[-3000:]
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  refused = subprocess.run(
+      [sys.executable, "-m", "experiments.sweep", f"--config={config}", "--binary=train_ppo",
+       f"--workdir={tmp_path / 'sw'}", "--dry_run"], cwd=elsewhere,
+      env={**_env(), "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=240)
+  assert refused.returncode == 1, refused.stderr[-3000:]
+  assert "optim.actor_lr: 0.01 -> 0.003" in refused.stderr, refused.stderr[-3000:]
+
+
 _FAILED_AFTER_FINISHED = """
 import json, os, sys
 from experiments import sweep

@@ -612,10 +612,37 @@ def test_bfloat16_old_logp_recomputed_by_the_training_forward(tmp_path):
   assert gen["actor/ppo_kl"] != 0.0 and "actor/old_logp_gap_mean" not in gen, gen
   fp32 = PPOTrainer(tiny_config(num_iterations=1), str(tmp_path / "fp32"))
   assert not fp32._recompute_old_logp
+  # A pipelined update: "auto" leaves it the decode's (the pass would run the whole model, not
+  # the staged program: no closer to the update's forward).
+  staged = PPOTrainer(tiny_config(**{**base, "mesh.stage": 2, "critic_model.num_layers": 2}),
+                      str(tmp_path / "staged"))
+  assert not staged._recompute_old_logp
   with pytest.raises(ValueError, match=r"algo.old_logp.*'auto', 'generation', 'recompute'"):
     tiny_config(**{"algo.old_logp": "training"})
   with pytest.raises(ValueError, match=r"algo.old_logp=.?recompute.*async_ppo.staleness > 0"):
     tiny_config(**{"algo.old_logp": "recompute", "async_ppo.staleness": 1})
+
+
+def test_a_bfloat16_checkpoint_from_before_old_logp_warns_that_auto_recomputes(tmp_path,
+                                                                              caplog):
+  """A checkpoint written before algo.old_logp existed lacks the field, which then counts as
+  unchanged at its default, "auto"; for a 16-bit actor "auto" recomputes what that code took
+  from the decode: the resume says so and how to continue as before."""
+  over = {"num_iterations": 2, "model.dtype": "bfloat16", "model.param_dtype": "bfloat16",
+          "optim.master_weights": True, "checkpoint.every": 1}
+  PPOTrainer(tiny_config(**over), str(tmp_path)).run(stop_after=1)
+  again = PPOTrainer(tiny_config(**over), str(tmp_path))
+  restore = again.checkpoints.restore
+
+  def older(*args, **kwargs):  # the side-car of a checkpoint written before the field
+    start, state, meta = restore(*args, **kwargs)
+    meta["config"].pop("algo.old_logp")
+    return start, state, meta
+  again.checkpoints.restore = older
+  with caplog.at_level(logging.WARNING):
+    again.run()
+  assert ("resuming checkpoint 1, written before algo.old_logp existed" in caplog.text and
+          "--config.algo.old_logp=generation continues as it did" in caplog.text), caplog.text
 
 
 def test_the_set_up_log_says_what_zero1_split():

@@ -414,9 +414,14 @@ class PPOTrainer:
     self._compiled_update = False  # the first update call (compiles) is timed and logged
     # algo.old_logp: the update's old log-probs from the training forward (synchronous runs;
     # asynchronously the generating policy is gone, config.py).
+    # "auto" leaves a pipelined update (mesh.stage > 1) the decode's: the pass runs the whole
+    # model, not the update's staged program, and rounded as far from it as the decode (2-layer
+    # bfloat16, first step ppo_kl 5.2e-5 recomputed, 1.9e-5 not), with the whole actor
+    # gathered beside the training state.
     self._recompute_old_logp = cfg.async_ppo.staleness == 0 and (
         cfg.algo.old_logp == "recompute" or
-        (cfg.algo.old_logp == "auto" and jnp.dtype(cfg.model.jnp_dtype).itemsize < 4))
+        (cfg.algo.old_logp == "auto" and not self.update.is_pipelined and
+         jnp.dtype(cfg.model.jnp_dtype).itemsize < 4))
     # In the unpipelined update's micro-batches (algo.microbatch_size rows a data shard), whose
     # forward and backward the devices hold beside the training state: a forward alone of as
     # many rows fits where they do (the GPU presets size them to 80 GB; plan_check does not
@@ -694,6 +699,17 @@ class PPOTrainer:
       # config sizes from the device count (instances, groups, mini-batch shards) changes.
       logging.warning("resuming checkpoint %d, saved on %s, on %s: the run continues, but not "
                       "exactly as it would have on the devices that saved it", start, saved, now)
+    saved_cfg = (meta or {}).get("config")
+    if (isinstance(saved_cfg, dict) and "algo.old_logp" not in saved_cfg and
+        self._recompute_old_logp and start < self.cfg.num_iterations):
+      # The field counts as unchanged at its default ("auto"), but for a 16-bit actor "auto"
+      # is new behaviour: say so (2026-12-06).
+      logging.warning("resuming checkpoint %d, written before algo.old_logp existed: its "
+                      "iterations took PPO's old log-probs from the decode, and from iteration "
+                      "%d on the actor's training forward recomputes them (algo.old_logp="
+                      "'auto' with a 16-bit actor), so the run does not continue as that code "
+                      "would have; --config.algo.old_logp=generation continues as it did",
+                      start, start + 1)
     saved_zero1 = (meta or {}).get("zero1")
     if saved_zero1 is not None and saved_zero1 != self.cfg.optim.zero1:
       # Allowed (RESUMABLE_FIELDS): the state is restored into the other placement.
