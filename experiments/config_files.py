@@ -757,6 +757,7 @@ def run(main: Callable[[list[str]], Any], argv: Optional[list[str]] = None,
     runner.note_start()  # when, from which commit and by which command: read before the run
     _raise_on_sigterm()
     try:
+      runner.die_with_parent()  # started by a sweep (run_streamed): end with it
       return main(args)
     except (KeyboardInterrupt, Terminated) as e:
       # One line, not a traceback through jax's compiler (once a segfault at exit, 139); a

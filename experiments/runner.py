@@ -227,30 +227,32 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Set by run_streamed to its process's pid: the binary it starts dies with it (die_with_parent).
+PARENT_ENV = "RLHFUSE_DIE_WITH_PARENT"
 
 
-def die_with_parent() -> Optional[Callable[[], None]]:
-  """A preexec_fn that has the child receive SIGTERM when this process dies (Linux's
-  prctl(PR_SET_PDEATHSIG)); None elsewhere, or where libc's prctl cannot be found. A sweep
+def die_with_parent() -> None:
+  """Called first in every binary (config_files.run): where the process that started this one
+  through run_streamed named itself in PARENT_ENV, this one receives SIGTERM when that process
+  dies (Linux's prctl(PR_SET_PDEATHSIG); elsewhere, or without libc's prctl, nothing). A sweep
   killed with kill -9 (the OOM killer's) left its run going alone: its output, which reaches
   log.txt only through the sweep, was lost, and it held its workdir, so an immediate re-run
   failed that run with WorkdirInUseError. SIGTERM is what train_ppo saves on and exits 75.
-  libc is loaded here, before the fork: the child between fork and exec calls prctl alone.
-  The signal comes when the thread that started the child ends (prctl(2)): run_streamed's
-  thread waits for its run, so that is this process's death or the run's end."""
-  if not sys.platform.startswith("linux"):
-    return None
+  Set here, not in a preexec_fn: that makes subprocess fork with Python's fork hooks, and jax,
+  imported in the sweep, warned of a likely deadlock at every run's start. The variable is
+  removed, so the processes this one starts (a launcher's) do not take it for theirs. The
+  signal comes when the thread that started the process ends (prctl(2)): run_streamed's
+  thread waits for its run."""
+  parent = os.environ.pop(PARENT_ENV, None)
+  if parent is None or not sys.platform.startswith("linux"):
+    return
   try:
     prctl = ctypes.CDLL(None, use_errno=True).prctl
   except (OSError, AttributeError):
-    return None
-  parent = os.getpid()
-
-  def preexec() -> None:
-    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the parent died before prctl ran: no signal will come
-      os.kill(os.getpid(), signal.SIGTERM)
-  return preexec
+    return
+  prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+  if str(os.getppid()) != parent:  # it died before prctl ran: no signal will come
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
@@ -270,8 +272,8 @@ def run_streamed(cmd: Sequence[str], run_dir: str, name: str, env: dict,
   meanwhile, so that it neither blocks nor dies of a broken pipe."""
   proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, errors="replace",
-                          cwd=REPO_ROOT, preexec_fn=die_with_parent(),
-                          env={**env, LOG_KEPT_ENV: "1"})
+                          cwd=REPO_ROOT,
+                          env={**env, LOG_KEPT_ENV: "1", PARENT_ENV: str(os.getpid())})
   copied = threading.Event()
   with _LIVE_LOCK:
     LIVE[proc] = copied

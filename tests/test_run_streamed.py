@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from experiments import runner
 from tests.xla_env import RESET_SIGINT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -208,6 +209,8 @@ import os, sys
 from experiments import runner
 work = sys.argv[1]
 CHILD = ("import os, signal, sys, time\n"
+         "from experiments import runner\n"
+         "runner.die_with_parent()  # as config_files.run does first in every binary\n"
          "def term(*_):\n"
          "  open(sys.argv[1] + '/terminated', 'w').close()\n"
          "  os._exit(75)\n"
@@ -252,3 +255,23 @@ def test_a_run_ends_when_its_parent_is_killed_with_sigkill(tmp_path):
     os.kill(child, signal.SIGKILL)  # (this test's own child: not left behind)
     raise AssertionError("the run outlived its parent's kill -9")
   assert (tmp_path / "terminated").exists()  # it got SIGTERM: train_ppo's save-and-exit
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG)")
+def test_a_binary_whose_starter_is_gone_ends_at_once(tmp_path):
+  """Every binary takes run_streamed's PARENT_ENV first thing (config_files.run): one whose
+  named starter is not its parent (died before it got there) ends as on SIGTERM, in one line;
+  the variable is not left for the processes it starts."""
+  env = {**runner.repo_env(), runner.PARENT_ENV: "1"}  # pid 1 never started this one
+  out = subprocess.run([sys.executable, "-m", "experiments.train_ppo",
+                        "--config=configs/ppo_tiny.py", f"--workdir={tmp_path / 'w'}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 143, out.stderr[-3000:]
+  assert "SIGTERM: stopped before it finished" in out.stderr, out.stderr[-3000:]
+  assert not (tmp_path / "w" / "checkpoints").exists()
+  script = ("import os\nfrom experiments import runner\nrunner.die_with_parent()\n"
+            "print(runner.PARENT_ENV in os.environ)\n")
+  kept = subprocess.run([sys.executable, "-c", script], cwd=REPO,
+                        env={**runner.repo_env(), runner.PARENT_ENV: str(os.getpid())},
+                        capture_output=True, text=True, timeout=60)
+  assert kept.returncode == 0 and kept.stdout.strip() == "False", kept.stderr[-3000:]
