@@ -768,6 +768,26 @@ def test_sequence_classification_score_is_the_value_head(tmp_path):
   np.testing.assert_array_less(np.abs(values - bias - _golden(QWEN2)[1][..., k]).max(), 1e-4)
 
 
+def test_trl_and_openrlhf_value_heads_load_as_the_score_head(tmp_path):
+  """TRL's AutoModelForCausalLMWithValueHead saves its head as v_head.summary.{weight,bias},
+  OpenRLHF with another value_head_prefix as value_head.weight: both were refused ("tensor(s)
+  this config does not use", or as a reward model "no score.weight ... not a language
+  model's"). They load as the scalar head, their bias with them."""
+  k, bias = 7, 0.75
+  golden = _golden(QWEN2)
+  for prefix, with_bias in (("v_head.summary", True), ("value_head", False)):
+    def add_head(t, prefix=prefix, with_bias=with_bias):
+      t[f"{prefix}.weight"] = t["model.embed_tokens.weight"][k:k + 1].copy()
+      if with_bias:
+        t[f"{prefix}.bias"] = np.array([bias], np.float32)
+    ckpt = _copy(QWEN2, str(tmp_path / prefix), edit_tensors=add_head)
+    cfg = hf_loader.load_hf_config(ckpt).replace(head="scalar")
+    assert hf_loader.scalar_head_prefix(hf_loader.tensor_names(ckpt)) == prefix
+    values = _forward(cfg, hf_loader.load_hf_params(ckpt, cfg), golden[0])
+    shift = bias if with_bias else 0.0
+    np.testing.assert_array_less(np.abs(values - shift - golden[1][..., k]).max(), 1e-4)
+
+
 def test_bf16_checkpoint_close_to_fp32(tmp_path):
   def to_bf16(t):
     for name in t:

@@ -464,7 +464,7 @@ def test_a_uri_workdir_is_refused_before_anything_is_written(tmp_path, monkeypat
   assert os.listdir(tmp_path) == []
 
 
-def test_a_reward_model_takes_the_runs_context_and_numerics(tmp_path):
+def test_a_reward_model_takes_the_runs_context_and_numerics(tmp_path, caplog):
   """Like the actor's checkpoint, the reward model's gets the run's max_seq_len, dtypes and
   attention: a Mistral-v0.1-style config (sliding window 4,096 < 32,768 positions) loads for a
   run whose context fits the window, instead of being refused with no field to fix it."""
@@ -483,8 +483,9 @@ def test_a_reward_model_takes_the_runs_context_and_numerics(tmp_path):
                        "model.dtype": "bfloat16", "model.attention": "reference"})
   # The fixture is a language model: no trained scalar head, refused (the loader would draw a
   # random one), before anything is built.
-  with pytest.raises(ValueError, match=r"config\.reward\.model_checkpoint=.* has no "
-                                       r"score\.weight: a reward model needs its trained"):
+  with pytest.raises(ValueError, match=r"config\.reward\.model_checkpoint=.* has no trained "
+                                       r"scalar head \(a tensor score\.weight / value_head\."
+                                       r"weight / v_head\.summary\.weight\): a reward model"):
     build.reward_model_config(cfg)
   import safetensors.numpy
   weights = safetensors.numpy.load_file(os.path.join(rm, "model.safetensors"))
@@ -494,6 +495,15 @@ def test_a_reward_model_takes_the_runs_context_and_numerics(tmp_path):
   assert (got.head, got.max_seq_len, got.dtype, got.attention, got.remat) == (
       "scalar", cfg.model.max_seq_len, "bfloat16", "reference", "none")
   assert got.hidden_size == hf["hidden_size"] and got.num_layers == hf["num_hidden_layers"]
+  # A score.bias: transformers' *ForSequenceClassification drops it, the run adds it (rewards a
+  # constant apart from transformers' without a word): said.
+  assert "score.bias" not in caplog.text
+  weights["score.bias"] = np.full((1,), 5.0, np.float32)
+  safetensors.numpy.save_file(weights, os.path.join(rm, "model.safetensors"))
+  with caplog.at_level(logging.WARNING):
+    build.reward_model_config(cfg)
+  assert "has a score.bias, which transformers' *ForSequenceClassification ignores" in \
+      caplog.text, caplog.text
 
 
 def test_top_k_beyond_the_vocabulary_is_refused_before_anything_is_built():

@@ -576,7 +576,7 @@ def _load(ckpt: _Checkpoint, cfg: llama.ModelConfig, np_dtype, rng) -> Any:
   names = ckpt.names()
   optional = set()  # present-or-not tensors we know how to use or safely skip
   if cfg.head == "scalar":
-    optional |= {"score.weight", "score.bias", "lm_head.weight"}
+    optional |= SCALAR_HEAD_TENSORS | {"lm_head.weight"}
   elif cfg.tie_embeddings:
     optional.add("lm_head.weight")  # some exporters store the tied copy; checked equal below
   missing = sorted(set(table) - names)
@@ -614,27 +614,44 @@ def _load(ckpt: _Checkpoint, cfg: llama.ModelConfig, np_dtype, rng) -> Any:
   return flax.traverse_util.unflatten_dict(flat)
 
 
+# A scalar head's tensors by the name each writer gives its nn.Linear(hidden, 1): transformers'
+# *ForSequenceClassification `score` (no bias in transformers; ours writes one: save_hf_checkpoint),
+# OpenRLHF's value_head_prefix when not "score", TRL's AutoModelForCausalLMWithValueHead
+# `v_head.summary` (with a bias). Each was refused as an unused tensor, or as "no trained head".
+SCALAR_HEAD_PREFIXES = ("score", "value_head", "v_head.summary")
+SCALAR_HEAD_TENSORS = frozenset(f"{p}.{k}" for p in SCALAR_HEAD_PREFIXES
+                                for k in ("weight", "bias"))
+
+
+def scalar_head_prefix(names) -> Optional[str]:
+  """The prefix of SCALAR_HEAD_PREFIXES whose `.weight` the checkpoint's tensor `names` hold
+  (the first such), or None: a checkpoint without a trained scalar head."""
+  return next((p for p in SCALAR_HEAD_PREFIXES if f"{p}.weight" in names), None)
+
+
 def _value_head(ckpt: _Checkpoint, cfg: llama.ModelConfig, expected, np_dtype, rng):
   w_path, b_path = ("head", "value_head"), ("head", "value_bias")
   names = ckpt.names()
-  if "score.weight" in names:
+  prefix = scalar_head_prefix(names)
+  if prefix is not None:
+    name = f"{prefix}.weight"
     want = expected[w_path][::-1]  # HF score: nn.Linear(hidden, num_labels=1) -> [1, hidden]
-    if ckpt.shape("score.weight") != want:
-      raise ValueError(f"{ckpt.dir}: tensor score.weight has shape "
-                       f"{list(ckpt.shape('score.weight'))} but a scalar head expects {list(want)} "
-                       "(num_labels must be 1)")
-    w = ckpt.get("score.weight").T  # [hidden, 1]
+    if ckpt.shape(name) != want:
+      raise ValueError(f"{ckpt.dir}: tensor {name} has shape {list(ckpt.shape(name))} but a "
+                       f"scalar head expects {list(want)} (num_labels must be 1)")
+    w = ckpt.get(name).T  # [hidden, 1]
   else:
     if rng is None:
       raise ValueError(f"{ckpt.dir}: head='scalar' and the checkpoint has no score.weight; pass "
                        "rng= to initialise the value head")
     w = np.asarray(nn.initializers.normal(0.02)(rng, expected[w_path], jnp.float32))
   b = np.zeros(expected[b_path], np.float32)
-  if "score.bias" in names:
-    if ckpt.shape("score.bias") != expected[b_path]:
-      raise ValueError(f"{ckpt.dir}: tensor score.bias has shape {list(ckpt.shape('score.bias'))}"
+  bias = f"{prefix or 'score'}.bias"
+  if bias in names:
+    if ckpt.shape(bias) != expected[b_path]:
+      raise ValueError(f"{ckpt.dir}: tensor {bias} has shape {list(ckpt.shape(bias))}"
                        f" but a scalar head expects {list(expected[b_path])}")
-    b = ckpt.get("score.bias")
+    b = ckpt.get(bias)
   return {w_path: np.ascontiguousarray(w).astype(np_dtype, copy=False),
           b_path: np.asarray(b).astype(np_dtype, copy=False)}
 

@@ -581,8 +581,9 @@ def log_architectures(cfg: TrainConfig) -> None:
   if cfg.init.critic_checkpoint:  # a reward model's trained head or a fresh one: say which
     names = load_named("init.critic_checkpoint", cfg.init.critic_checkpoint,
                        hf_loader.tensor_names)
-    critic_from += ("; value head: its score.weight (a reward model's head)"
-                    if "score.weight" in names else "; value head drawn fresh")
+    prefix = hf_loader.scalar_head_prefix(names)
+    critic_from += (f"; value head: its {prefix}.weight (a reward model's head)"
+                    if prefix else "; value head drawn fresh")
   logging.info("critic: %s (%s)", _shape(cfg.critic_model), critic_from)
   if (cfg.init.actor_checkpoint and not cfg.init.critic_checkpoint and
       8 * cfg.critic_model.num_params() < cfg.model.num_params()):
@@ -608,11 +609,21 @@ def reward_model_config(cfg: TrainConfig) -> Optional[ModelConfig]:
                             remat="none", max_seq_len=min(positions, cfg.model.max_seq_len))
   # A reward model is its trained scalar head: without one (a *ForCausalLM, the policy's own
   # directory) the loader would draw a random head and PPO would optimise a random projection.
-  if "score.weight" not in load_named("reward.model_checkpoint", path, hf_loader.tensor_names):
+  names = load_named("reward.model_checkpoint", path, hf_loader.tensor_names)
+  prefix = hf_loader.scalar_head_prefix(names)
+  if prefix is None:
     raise ValueError(
-        f"config.reward.model_checkpoint={path!r} has no score.weight: a reward model needs "
-        "its trained scalar head (a *ForSequenceClassification checkpoint with num_labels=1), "
-        "not a language model's")
+        f"config.reward.model_checkpoint={path!r} has no trained scalar head (a tensor "
+        f"{' / '.join(p + '.weight' for p in hf_loader.SCALAR_HEAD_PREFIXES)}): a reward model "
+        "needs one (a *ForSequenceClassification checkpoint with num_labels=1, or TRL's or "
+        "OpenRLHF's value head), not a language model's")
+  if prefix == "score" and "score.bias" in names:
+    # transformers' *ForSequenceClassification has no score bias and drops this tensor; the
+    # run adds it (as our own exports write a trained critic's), a shift of every reward.
+    logging.warning("config.reward.model_checkpoint=%r has a score.bias, which transformers' "
+                    "*ForSequenceClassification ignores (its score layer has no bias): this run "
+                    "adds it to every reward, so its rewards differ from transformers' by that "
+                    "constant", path)
   return model
 
 
