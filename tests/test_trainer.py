@@ -923,6 +923,8 @@ def test_critic_settings_of_a_critic_free_run_are_warned_about(caplog):
       "reward.function='gsm8k'"]
   assert _reward_unused(tiny_config(**model)) == []
   assert _reward_unused(tiny_config(**{"reward.function": "gsm8k"})) == []
+  # An empty function clears a preset's (ppo_hf's gsm8k): it was warned of as unused.
+  assert _reward_unused(tiny_config(**model, **{"reward.function": ""})) == []
   for preset in (grpo_tiny.get_config(), ppo_hf.get_config("grpo"),
                  ppo_hf.get_config("grpo_gpu")):
     assert _critic_free_unused(TrainConfig.from_config_dict(preset)) == []

@@ -59,7 +59,11 @@ def _reward_unused(cfg: TrainConfig) -> list[str]:
   """reward.function set with a reward model, which scores every sample in its place (a config
   made for a verifier, switched to reward.kind='model', kept it in its config.json silently;
   reward.format adds to the model's score)."""
-  return set_fields(cfg, "reward", ["function"]) if cfg.reward.kind == "model" else []
+  # An empty function is the way to clear a preset's (configs/ppo_hf.py's gsm8k): not a setting
+  # that goes unused (it was warned of as one).
+  if cfg.reward.kind != "model" or not cfg.reward.function:
+    return []
+  return set_fields(cfg, "reward", ["function"])
 
 
 def _task_prompt_fields(cfg: TrainConfig) -> list[str]:
