@@ -49,6 +49,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.memory_budget = -1.0         # explicit budget on every device, overrides the mode; -1: none
   c.time_budget_s = 20.0         # wall-clock seconds for the search
   c.seed = 0                     # search seed (worker i: seed + i)
+  # > 0: stop after this many schedule evaluations (per worker) instead of at time_budget_s, so
+  # the same seed gives the same schedule on any machine and load (a timed search's result
+  # depends on how far it got: two 4 s runs gave 714 and 712); 0: the time budget.
+  c.max_evaluations = 0
   # Searches at once, one per core, the best kept (search.py step 6); the reference figures
   # ran 2 on a 2-core machine. More workers than cores split each one's time.
   # (The cores this process may run on: a CPU-affinity limit, e.g. taskset or a container's

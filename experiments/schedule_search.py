@@ -37,9 +37,14 @@ flags.mark_flags_as_required(["config"])
 def run(c, workdir: str) -> dict:
   try:
     problem = PipelineProblem.from_config(c)
+    evaluations = config_number(c, "max_evaluations", int)
+    if evaluations < 0:
+      raise ValueError(f"config.max_evaluations={evaluations}: expected >= 0 (0: stop at "
+                       "time_budget_s)")
     cfg = search.SearchConfig(time_budget_s=config_number(c, "time_budget_s"),
                               seed=config_number(c, "seed", int),
-                              workers=config_number(c, "workers", int))
+                              workers=config_number(c, "workers", int),
+                              max_evaluations=evaluations or None)
   except ValueError as e:
     # Their checks name the field as the config spells it, without the "config." of the
     # command line (--config.critic_pp): "actor_pp=8 must be divisible by critic_pp=3".
@@ -118,7 +123,7 @@ def summary(result: dict, workdir: str) -> str:
   return (f"searched {result['searched']:g} time units (LB {result['lower_bound']:g}, gap "
           f"{100 * result['gap_to_lower_bound']:.2f}%"
           + (f"; serial 1F1B {serial:g}, {serial / result['searched']:.2f}x the searched"
-             if serial else "") + f"), peak {result['peak_max']:g} of a "
+             if serial else "") + f"), peak {result['peak_max']:g} of the "
           f"{result['memory_budget_mode']} budget {result['budget_max']:g} ({n} "
           f"device{'' if n == 1 else 's'} at it), within budget: {result['within_budget']}; "
           f"wrote {workdir} (a run of this shape trains it, each task one tick: train_ppo "

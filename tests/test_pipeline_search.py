@@ -1,7 +1,10 @@
 """Search, lower bounds and the schedule data structure."""
 import dataclasses
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 from unittest import mock
 
@@ -11,6 +14,8 @@ import pytest
 from rlhfuse_jax.pipeline import bounds, graph, schedule, schedules, search
 from rlhfuse_jax.pipeline.evaluate import evaluate
 from rlhfuse_jax.pipeline.graph import PipelineProblem
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SMALL = [
     PipelineProblem(4, 2, 3, 3, 2.0, 1.0),
@@ -287,6 +292,30 @@ def test_repair_takes_an_over_budget_schedule_at_the_bound_within_budget(seed):
   assert best.valid and best.within_budget and best.makespan == lb
   assert phase.stats[1] == lb
   np.testing.assert_array_equal(phase.best_any, free)  # repairs leave best_any alone
+
+
+_NO_MAIN_GUARD = """
+from rlhfuse_jax.pipeline import search
+from rlhfuse_jax.pipeline.graph import PipelineProblem
+p = PipelineProblem(4, 2, 6, 3, 2.0, 1.0, memory_budget_mode="uniform")
+res = search.search(p, search.SearchConfig(max_evaluations=2000, workers=2, list_variants=20),
+                    log=print)
+print("DONE", res.best is not None)
+"""
+
+
+def test_a_worker_that_cannot_start_costs_its_draw_not_a_hang(tmp_path):
+  """A caller's script without a __main__ guard: the spawned worker re-runs it and dies while
+  starting. multiprocessing.Pool restarted it again and again and never answered its job (the
+  search hung, thousands of tracebacks); now the search ends with worker 0's result."""
+  script = tmp_path / "noguard.py"
+  script.write_text(_NO_MAIN_GUARD)
+  out = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+  assert out.returncode == 0 and "DONE True" in out.stdout, (out.stdout[-2000:],
+                                                             out.stderr[-2000:])
+  assert "worker 1 failed (BrokenProcessPool" in out.stdout, out.stdout[-2000:]
+  assert out.stderr.count("Traceback") <= 2, out.stderr[-3000:]
 
 
 def test_parallel_workers_keep_the_best_of_their_independent_searches():

@@ -673,6 +673,23 @@ def test_a_schedule_file_for_another_shape_is_refused_naming_both(tmp_path):
     pipelined.file_schedule(problem, str(bad))
 
 
+def test_a_schedule_file_over_its_own_memory_budget_is_refused(tmp_path):
+  """A schedule.json whose order holds more in-flight activations than the budget it states
+  (tasks reordered by hand: every forward first, GPipe-like) was trained without a word, the
+  executor's activation buffers grown to match; refused, naming the devices."""
+  from rlhfuse_jax.pipeline.graph import AF, CF
+  pipe = PipelineConfig(critic_pp=2, actor_microbatches=4, critic_microbatches=2)
+  problem = pipelined.pipeline_problem(4, pipe)
+  order = schedules.serial_order(problem)
+  # Forwards first on every device, each kind's micro-batches in their order (stable sort).
+  gpipe = np.array([sorted(row, key=lambda k: k not in (AF, CF)) for row in order], np.int8)
+  path = _schedule_json(tmp_path / "gpipe.json", problem, gpipe)
+  with pytest.raises(ValueError, match=r"gpipe\.json'\: its order holds more in-flight "
+                                       r"activations than the memory budget it states "
+                                       r"\(device 0: \d+ > \d+"):
+    pipelined.file_schedule(problem, path)
+
+
 def test_a_schedule_file_of_another_shape_stops_the_run_at_validation(tmp_path, monkeypatch):
   """The run's check (trainer/validate.py) reads the file before anything is built; serial
   1F1B (fusion.intra_stage=False) runs no file, which it says."""

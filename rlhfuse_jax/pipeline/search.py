@@ -57,6 +57,7 @@ Deterministic for a given seed up to the wall-clock budget (how many iterations 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import multiprocessing
@@ -710,11 +711,15 @@ def _search_workers(problem: PipelineProblem, config: SearchConfig,
         config, time_budget_s=max(1e-3, config.time_budget_s - WORKER_RESERVE_S))
   ctx = multiprocessing.get_context("spawn")
   stop = ctx.Event() if config.max_evaluations is None else None
-  pool = ctx.Pool(n - 1, initializer=_install_stop, initargs=(stop,))
+  # concurrent.futures, not multiprocessing.Pool: a Pool replaces a worker that dies (killed,
+  # or one that cannot start: a caller's script without a __main__ guard re-runs itself in it)
+  # and never answers its job, so the search waited forever (thousands of tracebacks of
+  # restarted workers in the second case); a dead worker here fails its future at once.
+  pool = concurrent.futures.ProcessPoolExecutor(n - 1, mp_context=ctx, initializer=_install_stop,
+                                                initargs=(stop,))
   global _STOP
   try:
-    others = [pool.apply_async(_spawned_search,
-                               (problem, _worker_config(config, i), t0, initial))
+    others = [pool.submit(_spawned_search, problem, _worker_config(config, i), t0, initial)
               for i in range(1, n)]
     _STOP = stop
     try:
@@ -724,12 +729,16 @@ def _search_workers(problem: PipelineProblem, config: SearchConfig,
       _STOP = None
     for i, job in enumerate(others, 1):
       try:
-        results.append(job.get())
+        results.append(job.result())
       except Exception as e:  # noqa: BLE001 a lost worker costs its draw, not the others'
         if log:
           log(f"worker {i} failed ({type(e).__name__}: {e}); keeping the others' results")
   finally:  # results in (or worker 0 interrupted): stop the workers now, do not wait for them
-    pool.terminate()
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for w in workers:  # (the executor has no terminate(): its processes, where it lists them)
+      if w.is_alive():
+        w.terminate()
   ev = Evaluator(problem)
   keys = [_key(ev, r.best) for r in results]
   win = min(range(len(results)), key=lambda i: keys[i])

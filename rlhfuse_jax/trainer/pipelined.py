@@ -226,7 +226,25 @@ def file_schedule(problem: PipelineProblem, path: str) -> schedule_lib.Schedule:
         f"is {_shape_text(_shape(problem))} (mesh.stage, pipeline.critic_pp, "
         f"pipeline.actor_microbatches, pipeline.critic_microbatches): search one on the "
         f"trainer's problem with {search_command(problem)}")
-  return schedule_lib.from_order(problem, found.order())
+  # Its order re-timed on its own problem: one that holds more micro-batches' activations than
+  # the budget it states (tasks reordered by hand, all forwards first) was trained without a
+  # word, the executor's activation buffers grown to match.
+  own = schedule_lib.from_order(found.problem, found.order())
+  if not own.within_budget:
+    over = [f"device {d}: {p:g} > {b:g}" for d, (p, b) in enumerate(zip(own.peaks, own.budget))
+            if p > b + 1e-9]
+    raise ValueError(f"{field}: its order holds more in-flight activations than the memory "
+                     f"budget it states ({'; '.join(over)}, in micro-batch units): not a "
+                     f"schedule the search keeps; search one with {search_command(problem)}")
+  here = schedule_lib.from_order(problem, found.order())
+  if not here.within_budget:
+    over = [f"device {d}: {p:g} > {b:g}" for d, (p, b) in enumerate(zip(here.peaks, here.budget))
+            if p > b + 1e-9]
+    logging.warning("%s: within its own memory budget, but over this run's per-device one (%s, "
+                    "in micro-batch units): the executor holds that many micro-batches' "
+                    "activations; %s searches one within it", field, "; ".join(over),
+                    search_command(problem))
+  return here
 
 
 def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig, workdir: str = ""
