@@ -786,6 +786,18 @@ def test_trl_and_openrlhf_value_heads_load_as_the_score_head(tmp_path):
     values = _forward(cfg, hf_loader.load_hf_params(ckpt, cfg), golden[0])
     shift = bias if with_bias else 0.0
     np.testing.assert_array_less(np.abs(values - shift - golden[1][..., k]).max(), 1e-4)
+  # Two heads, or a bias of another writer's name beside the weight: refused (the first was
+  # taken and the rest dropped silently).
+  for i, extra in enumerate(({"score.weight": 3, "value_head.weight": 7},
+                             {"value_head.weight": 7, "score.bias": None})):
+    def add(t, extra=extra):
+      for name, row in extra.items():
+        t[name] = (np.array([bias], np.float32) if row is None else
+                   t["model.embed_tokens.weight"][row:row + 1].copy())
+    ckpt = _copy(QWEN2, str(tmp_path / f"two{i}"), edit_tensors=add)
+    cfg = hf_loader.load_hf_config(ckpt).replace(head="scalar")
+    with pytest.raises(ValueError, match=r"scalar head tensors of more than one writer: "):
+      hf_loader.load_hf_params(ckpt, cfg)
 
 
 def test_bf16_checkpoint_close_to_fp32(tmp_path):

@@ -318,6 +318,33 @@ def test_a_worker_that_cannot_start_costs_its_draw_not_a_hang(tmp_path):
   assert out.stderr.count("Traceback") <= 2, out.stderr[-3000:]
 
 
+def test_a_killed_worker_costs_only_its_own_draw():
+  """One executor held all spawned workers: a killed one broke it, which failed the healthy
+  workers' futures too (and killed them), all logged as 'keeping the others' results'."""
+  import multiprocessing
+  import signal
+  import threading
+  p = PipelineProblem(8, 4, 16, 8, 5.0, 4.0, memory_budget_mode="uniform")
+  said = []
+
+  def kill_one():
+    deadline = time.time() + 30
+    while time.time() < deadline:
+      kids = [c for c in multiprocessing.active_children() if c.pid]
+      if len(kids) >= 2:
+        time.sleep(0.5)  # started: past their imports
+        os.kill(kids[0].pid, signal.SIGKILL)
+        return
+      time.sleep(0.05)
+  killer = threading.Thread(target=kill_one)
+  killer.start()
+  res = search.search(p, search.SearchConfig(time_budget_s=4, workers=3), log=said.append)
+  killer.join()
+  assert res.best is not None
+  assert sum("failed (BrokenProcessPool" in line for line in said) == 1, said
+  assert any(line.startswith("2 of 3 workers:") for line in said), said
+
+
 def test_parallel_workers_keep_the_best_of_their_independent_searches():
   """SearchConfig.workers=2 (search step 6): worker 0 here, worker 1 in a spawned process, in
   count mode so each is deterministic: the result is the better of the two single-worker runs

@@ -633,6 +633,14 @@ def _value_head(ckpt: _Checkpoint, cfg: llama.ModelConfig, expected, np_dtype, r
   w_path, b_path = ("head", "value_head"), ("head", "value_bias")
   names = ckpt.names()
   prefix = scalar_head_prefix(names)
+  # Two heads, or a bias beside another prefix's weight: which one a writer meant is unknown
+  # (the first was taken and the other dropped without a word).
+  heads = [p for p in SCALAR_HEAD_PREFIXES if f"{p}.weight" in names]
+  stray = [f"{p}.bias" for p in SCALAR_HEAD_PREFIXES if f"{p}.bias" in names and p != prefix]
+  if len(heads) > 1 or stray:
+    raise ValueError(f"{ckpt.dir}: scalar head tensors of more than one writer: "
+                     f"{', '.join([f'{p}.weight' for p in heads] + stray)}; keep one head (its "
+                     "weight, and its bias if any)")
   if prefix is not None:
     name = f"{prefix}.weight"
     want = expected[w_path][::-1]  # HF score: nn.Linear(hidden, num_labels=1) -> [1, hidden]

@@ -714,13 +714,14 @@ def _search_workers(problem: PipelineProblem, config: SearchConfig,
   # concurrent.futures, not multiprocessing.Pool: a Pool replaces a worker that dies (killed,
   # or one that cannot start: a caller's script without a __main__ guard re-runs itself in it)
   # and never answers its job, so the search waited forever (thousands of tracebacks of
-  # restarted workers in the second case); a dead worker here fails its future at once.
-  pool = concurrent.futures.ProcessPoolExecutor(n - 1, mp_context=ctx, initializer=_install_stop,
-                                                initargs=(stop,))
+  # restarted workers in the second case); a dead worker here fails its future at once. One
+  # executor a worker: an executor that loses one process fails all its futures.
+  pools = [concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=_install_stop,
+                                                  initargs=(stop,)) for _ in range(1, n)]
   global _STOP
   try:
     others = [pool.submit(_spawned_search, problem, _worker_config(config, i), t0, initial)
-              for i in range(1, n)]
+              for i, pool in enumerate(pools, 1)]
     _STOP = stop
     try:
       results = [search(problem, _worker_config(config, 0), log, initial)]
@@ -734,11 +735,12 @@ def _search_workers(problem: PipelineProblem, config: SearchConfig,
         if log:
           log(f"worker {i} failed ({type(e).__name__}: {e}); keeping the others' results")
   finally:  # results in (or worker 0 interrupted): stop the workers now, do not wait for them
-    workers = list((getattr(pool, "_processes", None) or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
-    for w in workers:  # (the executor has no terminate(): its processes, where it lists them)
-      if w.is_alive():
-        w.terminate()
+    for pool in pools:
+      workers = list((getattr(pool, "_processes", None) or {}).values())
+      pool.shutdown(wait=False, cancel_futures=True)
+      for w in workers:  # (the executor has no terminate(): its processes, where it lists them)
+        if w.is_alive():
+          w.terminate()
   ev = Evaluator(problem)
   keys = [_key(ev, r.best) for r in results]
   win = min(range(len(results)), key=lambda i: keys[i])
