@@ -2,6 +2,7 @@
 perf/): each one fails under a plausible bug that the rest of the suite lets through (see the
 audit report for the mutation each kills)."""
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -393,10 +394,11 @@ def test_decoupled_async_ppo_weights_by_the_behaviour_log_probs():
   fake = types.SimpleNamespace(
       cfg=types.SimpleNamespace(
           async_ppo=types.SimpleNamespace(objective="decoupled", behaviour_weight_cap=0.0),
-          model="M", rollout=types.SimpleNamespace(temperature=0.7)),
+          model="M", rollout=types.SimpleNamespace(temperature=0.7),
+          guard=types.SimpleNamespace(on_nonfinite="skip_update")),  # (test_faults.py: "stop")
       _rescore_params=lambda name: f"{name} now",
-      _rescorer=types.SimpleNamespace(logprobs=ref_logprobs),
-      _check_proximal_finite=lambda iteration, prox, inside: None)  # (test_faults.py checks it)
+      _rescorer=types.SimpleNamespace(logprobs=ref_logprobs))
+  fake._actor_logprobs = functools.partial(loop.PPOTrainer._actor_logprobs, fake)
   out, m = loop.PPOTrainer._off_policy(fake, 5, gen, data)  # pylint: disable=protected-access
   assert asked == [("M", "actor now", 0.7)]
   np.testing.assert_array_equal(out["old_logp"], prox)

@@ -623,19 +623,25 @@ SCALAR_HEAD_TENSORS = frozenset(f"{p}.{k}" for p in SCALAR_HEAD_PREFIXES
                                 for k in ("weight", "bias"))
 
 
+def scalar_heads(names) -> list[str]:
+  """The prefixes of SCALAR_HEAD_PREFIXES whose `.weight` the checkpoint's tensor `names`
+  hold, in that order."""
+  return [p for p in SCALAR_HEAD_PREFIXES if f"{p}.weight" in names]
+
+
 def scalar_head_prefix(names) -> Optional[str]:
-  """The prefix of SCALAR_HEAD_PREFIXES whose `.weight` the checkpoint's tensor `names` hold
-  (the first such), or None: a checkpoint without a trained scalar head."""
-  return next((p for p in SCALAR_HEAD_PREFIXES if f"{p}.weight" in names), None)
+  """The first of `scalar_heads(names)`, or None: a checkpoint without a trained scalar
+  head."""
+  return next(iter(scalar_heads(names)), None)
 
 
 def _value_head(ckpt: _Checkpoint, cfg: llama.ModelConfig, expected, np_dtype, rng):
   w_path, b_path = ("head", "value_head"), ("head", "value_bias")
   names = ckpt.names()
-  prefix = scalar_head_prefix(names)
+  heads = scalar_heads(names)
+  prefix = heads[0] if heads else None
   # Two heads, or a bias beside another prefix's weight: which one a writer meant is unknown
   # (the first was taken and the other dropped without a word).
-  heads = [p for p in SCALAR_HEAD_PREFIXES if f"{p}.weight" in names]
   stray = [f"{p}.bias" for p in SCALAR_HEAD_PREFIXES if f"{p}.bias" in names and p != prefix]
   if len(heads) > 1 or stray:
     raise ValueError(f"{ckpt.dir}: scalar head tensors of more than one writer: "

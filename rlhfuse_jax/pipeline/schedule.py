@@ -67,7 +67,13 @@ class Schedule:
 
   @property
   def within_budget(self) -> bool:
-    return all(p <= b + 1e-9 for p, b in zip(self.peaks, self.budget))
+    return not self.over_budget()
+
+  def over_budget(self) -> str:
+    """'device d: peak > budget; ...' for each device whose peak exceeds its budget ("" when
+    none does)."""
+    return "; ".join(f"device {d}: {p:g} > {b:g}"
+                     for d, (p, b) in enumerate(zip(self.peaks, self.budget)) if p > b + 1e-9)
 
   def order(self) -> np.ndarray:
     """The per-device kind order, int8 [N, T] (graph.py codes)."""

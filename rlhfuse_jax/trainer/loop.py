@@ -831,14 +831,9 @@ class PPOTrainer:
     largest gap between the two per response token (what the decode's log-probs would have
     put into the ratio before any update)."""
     t0 = time.perf_counter()
-    logp = np.asarray(self._old_logp_scorer.logprobs(
-        self.cfg.model, self._rescore_params("actor"), gen.scoring_batch(),
-        self.cfg.rollout.temperature), np.float32)
     inside = _response_mask(gen, self.cfg.rollout.max_new_tokens) > 0
-    if self.cfg.guard.on_nonfinite == "stop":
-      self._raise_if_nonfinite(iteration, [(
-          "recomputed log-probs (algo.old_logp)", logp, inside,
-          "the actor (its forward on the batch)")])
+    logp = self._actor_logprobs(iteration, gen, inside, self._old_logp_scorer,
+                                "recomputed log-probs (algo.old_logp)")
     gap = np.abs(logp.astype(np.float64) - gen.logprobs)[inside]
     m = {"actor/old_logp_gap_mean": float(gap.mean()) if gap.size else 0.0,
          "actor/old_logp_gap_max": float(gap.max()) if gap.size else 0.0,
@@ -851,9 +846,8 @@ class PPOTrainer:
     its training data (trainer/async_ppo.py). One forward pass of the current actor (the
     proximal policy) gives both."""
     a = self.cfg.async_ppo
-    prox = self._rescorer.logprobs(self.cfg.model, self._rescore_params("actor"),
-                                   gen.scoring_batch(), self.cfg.rollout.temperature)
-    self._check_proximal_finite(iteration, prox, data["mask"] > 0)
+    prox = self._actor_logprobs(iteration, gen, data["mask"] > 0, self._rescorer,
+                                "proximal log-probs (the current actor's)")
     weights, m = async_lib.behaviour_weights(prox, gen.logprobs, data["mask"],
                                              a.behaviour_weight_cap)
     m["async/staleness"] = iteration - gen.version
@@ -1039,13 +1033,19 @@ class PPOTrainer:
       raise self._nonfinite(iteration, "the rollout's rewards overflow float32 once squared, "
                             "before any update", scores=gen.scores)
 
-  def _check_proximal_finite(self, iteration: int, prox, inside: np.ndarray) -> None:
-    """config.guard "stop", async PPO: the proximal policy's log-probs (the current actor's
-    forward on the batch), which weigh every token of the update, `inside` the responses."""
+  def _actor_logprobs(self, iteration: int, gen: async_lib.Generated, inside: np.ndarray,
+                      scorer: scoring.Scorer, what: str) -> np.ndarray:
+    """[B, T] float32 log-probs of the batch's responses under the current actor (async PPO's
+    proximal policy, algo.old_logp's recomputation), by `scorer` on the training devices;
+    with config.guard "stop", refused where not finite `inside` the responses (they weigh
+    every token of the update), naming them `what`."""
+    logp = np.asarray(scorer.logprobs(self.cfg.model, self._rescore_params("actor"),
+                                      gen.scoring_batch(), self.cfg.rollout.temperature),
+                      np.float32)
     if self.cfg.guard.on_nonfinite == "stop":
-      self._raise_if_nonfinite(iteration, [(
-          "proximal log-probs (the current actor's)", np.asarray(prox), inside,
-          "the actor (its forward on the batch)")])
+      self._raise_if_nonfinite(iteration, [(what, logp, inside,
+                                            "the actor (its forward on the batch)")])
+    return logp
 
   def _raise_if_nonfinite(self, iteration: int, parts: list) -> None:
     """parts: (what, values, where they count, what computed them: what the error says to

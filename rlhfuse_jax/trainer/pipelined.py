@@ -229,20 +229,17 @@ def file_schedule(problem: PipelineProblem, path: str) -> schedule_lib.Schedule:
   # Its order re-timed on its own problem: one that holds more micro-batches' activations than
   # the budget it states (tasks reordered by hand, all forwards first) was trained without a
   # word, the executor's activation buffers grown to match.
-  own = schedule_lib.from_order(found.problem, found.order())
-  if not own.within_budget:
-    over = [f"device {d}: {p:g} > {b:g}" for d, (p, b) in enumerate(zip(own.peaks, own.budget))
-            if p > b + 1e-9]
+  over = schedule_lib.from_order(found.problem, found.order()).over_budget()
+  if over:
     raise ValueError(f"{field}: its order holds more in-flight activations than the memory "
-                     f"budget it states ({'; '.join(over)}, in micro-batch units): not a "
-                     f"schedule the search keeps; search one with {search_command(problem)}")
+                     f"budget it states ({over}, in micro-batch units): not a schedule the "
+                     f"search keeps; search one with {search_command(problem)}")
   here = schedule_lib.from_order(problem, found.order())
-  if not here.within_budget:
-    over = [f"device {d}: {p:g} > {b:g}" for d, (p, b) in enumerate(zip(here.peaks, here.budget))
-            if p > b + 1e-9]
+  over = here.over_budget()
+  if over:
     logging.warning("%s: within its own memory budget, but over this run's per-device one (%s, "
                     "in micro-batch units): the executor holds that many micro-batches' "
-                    "activations; %s searches one within it", field, "; ".join(over),
+                    "activations; %s searches one within it", field, over,
                     search_command(problem))
   return here
 
