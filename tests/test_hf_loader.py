@@ -800,6 +800,32 @@ def test_trl_and_openrlhf_value_heads_load_as_the_score_head(tmp_path):
       hf_loader.load_hf_params(ckpt, cfg)
 
 
+def test_openrlhf_s_own_critic_and_reward_model_classes_load_as_scalar_heads(tmp_path):
+  """OpenRLHF saves its critic and reward model through save_pretrained as classes of its own
+  (architectures ["CriticModel"] / ["RewardModel"], model_type the backbone's, the head under
+  value_head_prefix): both were refused as unsupported architectures. They load as the
+  model_type's scalar head, scoring at the last token (OpenRLHF's rule) despite a
+  pad_token_id."""
+  k = 7
+  golden = _golden(QWEN2)
+  def add_head(t):
+    t["value_head.weight"] = t["model.embed_tokens.weight"][k:k + 1].copy()
+  for arch in ("CriticModel", "RewardModel"):
+    ckpt = _copy(QWEN2, str(tmp_path / arch), edit_tensors=add_head,
+                 edit_config=lambda c, arch=arch: c.update(
+                     architectures=[arch], value_head_prefix="value_head", pad_token_id=0))
+    cfg = hf_loader.load_hf_config(ckpt)
+    assert (cfg.head, cfg.score_pad_id, cfg.qkv_bias) == ("scalar", -1, True)
+    assert hf_loader.checkpoint_family(ckpt) == "qwen2"
+    values = _forward(cfg, hf_loader.load_hf_params(ckpt, cfg), golden[0])
+    np.testing.assert_array_less(np.abs(values - golden[1][..., k]).max(), 1e-4)
+  bad = _copy(QWEN2, str(tmp_path / "gpt2"), edit_tensors=add_head,
+              edit_config=lambda c: c.update(architectures=["RewardModel"], model_type="gpt2"))
+  with pytest.raises(ValueError, match=r"architectures=\['RewardModel'\] \(OpenRLHF's\) with "
+                     r"model_type='gpt2' is not supported; expected a model_type of "):
+    hf_loader.load_hf_config(bad)
+
+
 def test_bf16_checkpoint_close_to_fp32(tmp_path):
   def to_bf16(t):
     for name in t:

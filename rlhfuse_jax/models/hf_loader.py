@@ -114,14 +114,34 @@ def _read_json(path: str) -> dict[str, Any]:
   return data
 
 
-def _architecture(hf: dict[str, Any], where: str) -> str:
+# OpenRLHF saves its critic and reward model as classes of its own, built on the backbone of
+# config.json's model_type with the head under value_head_prefix (transformers' save_pretrained
+# records the class name): they were refused as unsupported architectures. Each scores at the
+# last attended token, EOS included, whatever pad_token_id says.
+OPENRLHF_ARCHITECTURES = ("CriticModel", "RewardModel")
+
+
+def _openrlhf(hf: dict[str, Any]) -> bool:
   archs = hf.get("architectures")
+  return isinstance(archs, list) and len(archs) == 1 and archs[0] in OPENRLHF_ARCHITECTURES
+
+
+def _architecture(hf: dict[str, Any], where: str) -> str:
+  """The key of ARCHITECTURES that config.json `hf` names (OpenRLHF's critic and reward model:
+  the *ForSequenceClassification of its model_type)."""
+  archs = hf.get("architectures")
+  model_type = hf.get("model_type")
+  if _openrlhf(hf):
+    if model_type not in _MODEL_TYPES:
+      raise ValueError(f"{where}: architectures={archs} (OpenRLHF's) with model_type="
+                       f"{model_type!r} is not supported; expected a model_type of "
+                       f"{sorted(_MODEL_TYPES)}")
+    return _CLASS_PREFIX[model_type] + _HEAD_SUFFIX["scalar"]
   if archs:
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
       raise ValueError(f"{where}: architectures={archs} is not supported; expected one of "
-                       f"{sorted(ARCHITECTURES)}")
+                       f"{sorted(ARCHITECTURES)} (or OpenRLHF's {list(OPENRLHF_ARCHITECTURES)})")
     return archs[0]
-  model_type = hf.get("model_type")
   if model_type not in _MODEL_TYPES:
     raise ValueError(f"{where}: no 'architectures' and model_type={model_type!r} is not "
                      f"supported; expected one of {sorted(_MODEL_TYPES)}")
@@ -312,7 +332,7 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **overrides) ->
       dtype=dtype_name,
       head=head,
       # A *ForSequenceClassification scores at its last token that is not pad_token_id.
-      score_pad_id=_pad_id(hf, where) if head == "scalar" else -1,
+      score_pad_id=_pad_id(hf, where) if head == "scalar" and not _openrlhf(hf) else -1,
   )
   known = {f.name for f in dataclasses.fields(llama.ModelConfig)}
   unknown = sorted(set(overrides) - known)

@@ -691,7 +691,9 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
                           reward_cfg)
     where = (f"at the last token that is not its pad_token_id {reward_cfg.score_pad_id}, as "
              "transformers' *ForSequenceClassification pools" if reward_cfg.score_pad_id >= 0
-             else "at the last response token, EOS included (no pad_token_id in its config.json)")
+             else "at the last response token, EOS included (its config.json names no "
+             "pad_token_id, or it is no *ForSequenceClassification: TRL's value head on a "
+             "*ForCausalLM, OpenRLHF's RewardModel or CriticModel)")
     logging.info("reward model %s scores each sequence %s", cfg.reward.model_checkpoint, where)
   reference = jax.tree.map(jnp.copy, actor) if cfg.algo.uses_reference else None
   if reference is None:  # said once: the metrics it drops are otherwise missed silently
