@@ -98,8 +98,8 @@ def test_an_earlier_kept_step_exports_its_own_weights_and_leaves_the_run_alone(
     run, tmp_path, monkeypatch):
   """Checkpoint 2 of a run that ended at 3: the export reloads to checkpoint 2's actor bit for
   bit (not 3's), is marked 2, and nothing of the run changed; it builds neither a rollout stage
-  nor the prompt datasets. A second export that fails midway leaves the first one whole at its
-  path."""
+  nor the prompt datasets, nor reads the weights of the run's HF checkpoints. A second export
+  that fails midway leaves the first one whole at its path."""
   monkeypatch.chdir(REPO)
   before = _digests(run)
   out = str(tmp_path / "step2")
@@ -113,7 +113,12 @@ def test_an_earlier_kept_step_exports_its_own_weights_and_leaves_the_run_alone(
     raise AssertionError("the export built the prompt datasets")
   monkeypatch.setattr(loop.build, "build_datasets_and_pool", no_prompts)
   cfg = export_lib.export_config(export_lib.run_config(run, 2)[0], "")
-  result = export_lib.export(run, "2", out, mesh=_one_device(cfg))
+  # Nor are the HF checkpoints' weights read (actor, critic): the checkpoint overwrites them.
+  with monkeypatch.context() as m:
+    def no_weights(*args, **kwargs):
+      raise AssertionError("the export read a HF checkpoint's weights")
+    m.setattr(hf_loader, "load_hf_params", no_weights)
+    result = export_lib.export(run, "2", out, mesh=_one_device(cfg))
   assert result["step"] == 2 and result["family"] == "llama" and result["out"] == out
   assert hf_export.exported_step(out) == 2 and hf_export.exported_run(out) == os.path.realpath(run)
   params = _exported(out)

@@ -659,9 +659,18 @@ class Models:
                                                  llama.logical_specs(self.reward_cfg), mesh)
 
 
-def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
+def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh, restored: bool = False) -> Models:
   """Loads (init.*_checkpoint, reward.model_checkpoint) or initialises (from cfg.seed) the
-  models of the resolved config `cfg`, each sharded over `mesh` by its logical axes."""
+  models of the resolved config `cfg`, each sharded over `mesh` by its logical axes.
+
+  restored: the trainable models are about to be overwritten by a checkpoint (an export):
+  actor and critic are initialised from the seed, not read from their HF checkpoints, and
+  there is no reference or reward model. An export read all three HF checkpoints for weights
+  it then discarded (three models' reads and memory at 65B), and failed once their weights
+  had been moved away after training."""
+  if restored:
+    cfg = dataclasses.replace(cfg, init=dataclasses.replace(
+        cfg.init, actor_checkpoint="", critic_checkpoint=""))
   key = jax.random.key(cfg.seed)
   shardings = lambda model_cfg: mesh_lib.param_shardings(
       llama.param_shapes(model_cfg), llama.logical_specs(model_cfg), mesh)
@@ -682,7 +691,7 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
                                 rng=jax.random.fold_in(key, 2)), cfg.critic_model)
     else:
       critic = init(cfg.critic_model, 2)
-  reward_cfg, reward_params = reward_model_config(cfg), None
+  reward_cfg, reward_params = (None, None) if restored else (reward_model_config(cfg), None)
   if reward_cfg is not None:
     # No rng: a checkpoint without its score head is an error (reward_model_config), never a
     # random one.
@@ -695,8 +704,10 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Models:
              "pad_token_id, or it is no *ForSequenceClassification: TRL's value head on a "
              "*ForCausalLM, OpenRLHF's RewardModel or CriticModel)")
     logging.info("reward model %s scores each sequence %s", cfg.reward.model_checkpoint, where)
-  reference = jax.tree.map(jnp.copy, actor) if cfg.algo.uses_reference else None
-  if reference is None:  # said once: the metrics it drops are otherwise missed silently
+  reference = (jax.tree.map(jnp.copy, actor) if cfg.algo.uses_reference and not restored
+               else None)
+  # Said once: the metrics it drops are otherwise missed silently.
+  if reference is None and not restored:
     logging.info("algo.kl_coef=0: no reference model is kept or run (no KL term reads its "
                  "log-probs), so no kl/* metric is logged")
   return Models(actor=actor, critic=critic, reference=reference,

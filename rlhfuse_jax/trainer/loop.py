@@ -355,7 +355,7 @@ class PPOTrainer:
     else:  # an export restores the models alone: no prompt is read, rendered or tokenised
       self.dataset = self.held_out = None
     self.use_critic = adv_lib.needs_critic(cfg.algo.estimator)
-    models = build.build_models(cfg, self.mesh)
+    models = build.build_models(cfg, self.mesh, restored=self._export_step is not None)
     self.update = update_lib.make_update(cfg, self.mesh, use_critic=self.use_critic,
                                          schedule_iterations=self.schedule_iterations,
                                          workdir=self.workdir)
