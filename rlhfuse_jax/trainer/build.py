@@ -327,13 +327,17 @@ def skip_overlong(records: list, tokenizer: Tokenizer, max_len: int, add_bos: Op
   (config.data.overlong_prompts='skip'; verl's filter_overlong_prompts), logging how many and
   the first; a ValueError when none is left. Records the tokenizer cannot encode are kept, for
   the dataset's own error to name."""
-  try:
-    ids = tokenizer.encode_batch([r[records_lib.PROMPT_TEXT_KEY] for r in records],
-                                 add_bos=add_bos)
-  except Exception:  # pylint: disable=broad-except
-    return records
-  kept = [r for r, seq in zip(records, ids) if len(seq) <= max_len]
-  skipped = [(r, len(seq)) for r, seq in zip(records, ids) if len(seq) > max_len]
+  sizes = []  # (tokenised in chunks: a whole pool's encodings at once took GBs, prompts.py)
+  for start in range(0, len(records), prompts_lib.ENCODE_CHUNK):
+    chunk = records[start:start + prompts_lib.ENCODE_CHUNK]
+    try:
+      ids = tokenizer.encode_batch([r[records_lib.PROMPT_TEXT_KEY] for r in chunk],
+                                   add_bos=add_bos)
+    except Exception:  # pylint: disable=broad-except
+      return records
+    sizes += [len(seq) for seq in ids]
+  kept = [r for r, n in zip(records, sizes) if n <= max_len]
+  skipped = [(r, n) for r, n in zip(records, sizes) if n > max_len]
   if skipped:
     first, n = skipped[0]
     logging.warning("left out %d of the %d %s prompts longer than config.data.max_prompt_len="
