@@ -684,6 +684,9 @@ def test_a_statistic_that_verifies_needs_every_answer_at_the_start(tmp_path):
 @pytest.mark.parametrize("verifier,answer,match", [
     ("gsm8k", "Tom has two apples left.\\n#### two", r"holds no number"),
     ("gsm8k", "#### 3/4", r"is a fraction, of which gsm8k reads the final number alone"),
+    ("gsm8k", "1e3", r"reads as the number 1, with digits around it"),
+    ("gsm8k", "#### 1.2.3", r"reads as the number 1.2, with digits around it"),
+    ("gsm8k", "It is 3,5", r"reads as the number 5, with digits around it"),
     ("math", "\\\\frac{1}{", r"has unbalanced braces"),
     ("math", "\\\\boxed{", r"has unbalanced braces"),
     ("math", "\\\\\\\\{", r"has unbalanced braces")])  # a line break, then an open brace
@@ -706,6 +709,8 @@ def test_an_answer_the_verifier_cannot_read_is_refused_at_the_start(tmp_path, ve
   assert len(build.load_prompt_records(tiny_config(**base, **{"reward.function": verifier}),
                                        None)[0]) == 1
   # (a backslash escapes one character: after a line break '\\\\' a brace opens a group)
+  for good in ("#### 1,234.5", "It is 8.5.", "$1,000,000.00", "5 apples, 3 pears: 8."):
+    verifiers.ANSWER_CHECKS["gsm8k"](good)
   for good in (r"\begin{pmatrix}1\\{-2}\end{pmatrix}", r"\left\{1,2\right\}", "[0, 1)",
                r"x \in \{1\}", r"\text{(A)}"):
     verifiers.ANSWER_CHECKS["math"](good)

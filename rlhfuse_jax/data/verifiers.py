@@ -11,7 +11,8 @@ name the function and the sample in every error.
                  leading '$' ('\\$', '€', '£') are ignored (a sign before it kept: -$15 is -15;
                  LaTeX's ',\\!', '{,}' and a thin space '\\,' between digit groups are commas),
                  a minus is '-' or U+2212, and numbers compare exactly as decimals (72 ==
-                 72.0). An answer that holds no number, or ends in a fraction, is refused.
+                 72.0). An answer that holds no number, ends in a fraction, or has digits
+                 glued to its final number ('1e3', '1.2.3', '3,5') is refused.
   math           1.0 if the response's last \\boxed{...} is mathematically equal to the answer,
                  as math-verify decides (sympy: 1/2 == 0.5 == \\dfrac12, x^2+1 == 1+x^2, sets,
                  intervals, equations x=2 vs 2). No \\boxed in the response: 0. The answer may be
@@ -76,15 +77,21 @@ def _latex_commas(text: str) -> str:
   return _THIN_SPACE_GROUP_RE.sub(",", text.replace(",\\!", ",").replace("{,}", ","))
 
 
-def final_number(text: str) -> Optional[decimal.Decimal]:
-  """The final number of a GSM8K-style text (see the module docstring); None if it has none."""
+def _final_match(text: str) -> Optional[re.Match]:
+  """The match of final_number's number in `text` (its commas and ellipses normalised: the
+  match's .string is what was searched), None if it has none."""
   text = _ELLIPSIS_RE.sub(" ", _latex_commas(text))
   if "####" in text:
-    found = _NUMBER_RE.search(text.rsplit("####", 1)[1])
-  else:
-    found = None
-    for found in _NUMBER_RE.finditer(text):
-      pass
+    return _NUMBER_RE.search(text.rsplit("####", 1)[1])
+  found = None
+  for found in _NUMBER_RE.finditer(text):
+    pass
+  return found
+
+
+def final_number(text: str) -> Optional[decimal.Decimal]:
+  """The final number of a GSM8K-style text (see the module docstring); None if it has none."""
+  found = _final_match(text)
   if found is None:
     return None
   value = decimal.Decimal(found.group(2).replace(",", "").replace("\u2212", "-"))
@@ -180,10 +187,23 @@ VERIFIERS = {"gsm8k": gsm8k, "math": math_answer, "boxed_format": boxed_format,
 NEEDS_ANSWER = frozenset({"gsm8k", "math"})
 
 
+# Digits glued to the final number that it does not read: '1e3' read as 1, '1.2.3' as 1.2,
+# '3,5' (a decimal comma) as 5, each the gold answer that responses were scored against.
+_GLUED_AFTER_RE = re.compile(r"[eE][+" + _MINUS + r"]?\d|[.,]\d")
+_GLUED_BEFORE_RE = re.compile(r"\d[.,]$")
+
+
 def _check_gsm8k_answer(answer: str) -> None:
-  if final_number(answer) is None:
+  found = _final_match(answer)
+  if found is None:
     raise ValueError(f"the answer {answer!r} holds no number (GSM8K answers end with "
                      "'#### <number>' or are a number)")
+  if (_GLUED_AFTER_RE.match(found.string, found.end()) or
+      _GLUED_BEFORE_RE.search(found.string[:found.start()])):
+    raise ValueError(f"the answer {answer!r} reads as the number {final_number(answer)}, with "
+                     "digits around it that gsm8k does not read (an exponent, a second decimal "
+                     "point or a decimal comma); expected a plain number such as 1234.5 or "
+                     "1,234.5")
   # (gsm8k reads the final number alone: '3/4' was 4, and 'answer 1/4' scored right)
   if re.search(r"\d\s*/\s*[" + _MINUS + r"]?\d+(?:\.\d+)?\s*\.?\s*$",
                answer.rsplit("####", 1)[-1]):
