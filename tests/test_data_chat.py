@@ -249,3 +249,33 @@ def test_a_template_that_never_reads_the_conversation_is_refused(tmp_path):
   for source in ("{% for m in messages %}{{ m['content'] }}{% endfor %}",
                  "{{ messages[0]['content'] }}", "{{ messages | length }}"):
     ChatTemplate(source)
+
+
+def test_prompts_rendered_before_are_warned_of(tmp_path, caplog):
+  """Prompts another tool rendered (their text begins with the BOS token) and a chat template
+  (config.data.chat_template) rendered them again as a user's message, without a word: two
+  BOS tokens and the template's headers twice. Plain questions are not warned of."""
+  import logging
+  from rlhfuse_jax.trainer import build
+  from tests.test_trainer import tiny_config
+  rows = tmp_path / "p.jsonl"
+
+  def warnings(tokenizer_dir, prompt):
+    rows.write_text(json.dumps({"prompt": prompt, "target": "2"}) + "\n")
+    cfg = tiny_config(**{"init.tokenizer": os.path.join(tokenizer_dir, "tokenizer.json"),
+                         "data.prompts_file": str(rows), "data.chat_template": "auto",
+                         "data.max_prompt_len": 64,
+                         "reward.function": "tests.test_rewards:answer_length",
+                         "rollout.prompts_per_iteration": 4, "algo.minibatch_size": 4})
+    task, tok = build.build_task_and_tokenizer(cfg)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      build.build_datasets(cfg, task, tok)
+    return caplog.text
+  for name in TEMPLATES:
+    assert "already begin with" not in warnings(os.path.join(CHAT, name), "What is 1 plus 1?")
+  rendered = GOLDENS["headers"]["conversations"]["user"]["text"]
+  assert rendered.startswith("<|begin_of_text|>")
+  text = warnings(os.path.join(CHAT, "headers"), rendered)
+  assert ("1 of the first 1 prompts already begin with the BOS token '<|begin_of_text|>'"
+          in text)

@@ -274,6 +274,8 @@ def build_datasets_and_pool(cfg: TrainConfig, task, tokenizer: Tokenizer
     raise
   if template is None:
     warn_double_bos(cfg, tokenizer, *datasets)
+  else:
+    warn_chat_template(cfg, tokenizer, train + held_out)
   logging.info("%s", describe_prompts(cfg, template, *datasets))
   return (*datasets, pool)
 
@@ -299,6 +301,27 @@ def warn_double_bos(cfg: TrainConfig, tokenizer: Tokenizer,
         "rendering to a chat template (config.data.chat_template), which writes it once",
         twice, len(both), bos,
         tokenizer.id_to_token(bos) if hasattr(tokenizer, "id_to_token") else bos)
+
+
+def warn_chat_template(cfg: TrainConfig, tokenizer: Tokenizer, records: list,
+                       sample: int = 64) -> int:
+  """Warns (and returns how many) of the first `sample` prompts whose text already begins with
+  the BOS token while a chat template renders them (config.data.chat_template): text another
+  tool rendered, rendered again as a user's message (two BOS tokens, the template's headers
+  twice), without a word. (warn_double_bos is plain text's counterpart.)"""
+  bos = getattr(tokenizer, "bos_id", None)
+  if bos is None or not hasattr(tokenizer, "id_to_token"):
+    return 0
+  text = tokenizer.id_to_token(bos)
+  texts = [_prompt_text(r.get(records_lib.PROMPT_KEY, "")) for r in records[:sample]]
+  twice = sum(t.lstrip().startswith(text) for t in texts) if text else 0
+  if twice:
+    logging.warning("%d of the first %d prompts already begin with the BOS token %r (text a "
+                    "chat template rendered?) and config.data.chat_template=%r renders them "
+                    "again, as a user's message: set config.data.chat_template='none' for "
+                    "prompts rendered beforehand", twice, len(texts), text,
+                    cfg.data.chat_template)
+  return twice
 
 
 def describe_prompts(cfg: TrainConfig, template: Optional[chat_lib.ChatTemplate],
