@@ -279,3 +279,25 @@ def test_prompts_rendered_before_are_warned_of(tmp_path, caplog):
   text = warnings(os.path.join(CHAT, "headers"), rendered)
   assert ("1 of the first 1 prompts already begin with the BOS token '<|begin_of_text|>'"
           in text)
+
+
+def test_prompts_that_end_with_the_assistants_message_are_warned_of(tmp_path, caplog):
+  """Chat data made for fine-tuning ends with the assistant's answer: rendered as it was, the
+  answer sat in the prompt, followed by a second assistant header, without a word."""
+  import logging
+  from rlhfuse_jax.trainer import build
+  from tests.test_trainer import tiny_config
+  rows = tmp_path / "p.jsonl"
+  chats = [[{"role": "user", "content": f"What is {i} plus {i}?"},
+            {"role": "assistant", "content": f"It is {2 * i}."}] for i in range(3)]
+  chats[1] = chats[1][:1]  # a prompt: the user's turn alone
+  rows.write_text("".join(json.dumps({"prompt": c, "target": "2"}) + "\n" for c in chats))
+  cfg = tiny_config(**{"init.tokenizer": os.path.join(CHAT, "chatml", "tokenizer.json"),
+                       "data.prompts_file": str(rows), "data.chat_template": "auto",
+                       "data.max_prompt_len": 64,
+                       "reward.function": "tests.test_rewards:answer_length",
+                       "rollout.prompts_per_iteration": 4, "algo.minibatch_size": 4})
+  task, tok = build.build_task_and_tokenizer(cfg)
+  with caplog.at_level(logging.WARNING):
+    build.build_datasets(cfg, task, tok)
+  assert f"2 of the 3 prompts end with an assistant message (the first: {rows}:1)" in caplog.text

@@ -276,6 +276,7 @@ def build_datasets_and_pool(cfg: TrainConfig, task, tokenizer: Tokenizer
     warn_double_bos(cfg, tokenizer, *datasets)
   else:
     warn_chat_template(cfg, tokenizer, train + held_out)
+    warn_assistant_last(train + held_out)
   logging.info("%s", describe_prompts(cfg, template, *datasets))
   return (*datasets, pool)
 
@@ -322,6 +323,21 @@ def warn_chat_template(cfg: TrainConfig, tokenizer: Tokenizer, records: list,
                     "prompts rendered beforehand", twice, len(texts), text,
                     cfg.data.chat_template)
   return twice
+
+
+def warn_assistant_last(records: list) -> int:
+  """Warns (and returns how many) of prompts whose messages end with the assistant's: chat data
+  made for fine-tuning, whose last message is the answer, was rendered with the answer in the
+  prompt and a second assistant turn after it, without a word (the policy can copy it)."""
+  last = [r for r in records if isinstance(r.get(records_lib.PROMPT_KEY), list) and
+          r[records_lib.PROMPT_KEY] and r[records_lib.PROMPT_KEY][-1].get("role") == "assistant"]
+  if last:
+    logging.warning("%d of the %d prompts end with an assistant message (the first: %s): the "
+                    "policy answers after it, in a second assistant turn; if it is the answer "
+                    "(chat data made for fine-tuning), drop it from the prompt and give it as "
+                    "the row's answer (config.data.answer_key)", len(last), len(records),
+                    last[0].get(prompts_lib.SOURCE_KEY, "a prompt"))
+  return len(last)
 
 
 def describe_prompts(cfg: TrainConfig, template: Optional[chat_lib.ChatTemplate],
