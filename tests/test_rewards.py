@@ -315,6 +315,29 @@ def _batch(tok, texts, stop=True, width=40):
   return ids, np.array([len(r) for r in rows], np.int32)
 
 
+def test_a_function_that_changes_its_record_leaves_the_pool_as_it_was(tok):
+  """The records a function gets are copies: one that changed its record (an answer
+  "normalised" in place, a counter) changed the prompt pool's for every later draw, which a
+  resumed run, reading the file again, did not have."""
+  pool = [{"target": " 1 ", "prompt": [{"role": "user", "content": "1?"}]},
+          {"target": "2", "prompt": [{"role": "user", "content": "2?"}]}]
+
+  def normalise(response, answer, record):
+    record["target"] = answer.strip() + "0"
+    record["prompt"][0]["content"] = ""
+    return 0.0
+
+  def batched(responses, answers, records):
+    return [normalise(r, a, rec) for r, a, rec in zip(responses, answers, records)]
+  batched.batched = True
+  ids, lens = _batch(tok, ["1", "2"])
+  for fn in (rewards_lib.per_sample(normalise, "n"), rewards_lib.per_batch(batched, "b")):
+    fn(pool, ids, lens, tok)
+    fn(pool, ids, lens, tok)
+  assert [r["target"] for r in pool] == [" 1 ", "2"]
+  assert [r["prompt"][0]["content"] for r in pool] == ["1?", "2?"]
+
+
 def test_decode_responses_stops_at_eos_and_marks_foreign_ids(tok):
   ids, lens = _batch(tok, ["so #### 72", "7"], stop=True)
   ids[0, lens[0]:lens[0] + 3] = tok.encode(" 5", add_bos=False)[0]  # after EOS: ignored

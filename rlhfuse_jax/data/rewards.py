@@ -26,6 +26,7 @@ config.reward.function to a batch function.
 from __future__ import annotations
 
 import collections.abc
+import copy
 import difflib
 import functools
 import importlib
@@ -210,8 +211,12 @@ def _short(text: Any, limit: int = 120) -> Any:
 
 
 def _samples(records, texts: Sequence[str]) -> tuple[list, list]:
-  """(each response's record, {} without records; each record's answer, its 'target')."""
-  recs = [records[b] if records is not None else {} for b in range(len(texts))]
+  """(each response's record, {} without records; each record's answer, its 'target').
+
+  Each a copy: the records are the prompt pool's own, and a function that changed one (an
+  answer "normalised" in place) changed it for every later draw, where a resumed run, which
+  reads the file again, had it unchanged: the two runs scored differently."""
+  recs = [copy.deepcopy(records[b]) if records is not None else {} for b in range(len(texts))]
   return recs, [r.get("target") for r in recs]
 
 
