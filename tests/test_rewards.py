@@ -315,6 +315,20 @@ def _batch(tok, texts, stop=True, width=40):
   return ids, np.array([len(r) for r in rows], np.int32)
 
 
+def test_a_decimal_is_a_number(tok):
+  """A function that computes with decimal.Decimal (as gsm8k's final_number does) may return
+  one: per sample it was refused as "not a finite number", batched it passed; a NaN one is
+  refused as any NaN."""
+  import decimal
+  ids, lens = _batch(tok, ["1", "2"])
+  half = lambda response, answer, record: decimal.Decimal("0.5")
+  np.testing.assert_array_equal(rewards_lib.per_sample(half, "d")(None, ids, lens, tok),
+                                [0.5, 0.5])
+  for nan in ("NaN", "sNaN"):
+    with pytest.raises(rewards_lib.RewardFunctionError, match=r"returned nan for sample 0"):
+      rewards_lib.per_sample(lambda *_: decimal.Decimal(nan), "d")(None, ids, lens, tok)
+
+
 def test_a_function_that_changes_its_record_leaves_the_pool_as_it_was(tok):
   """The records a function gets are copies: one that changed its record (an answer
   "normalised" in place, a counter) changed the prompt pool's for every later draw, which a

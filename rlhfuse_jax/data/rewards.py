@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections.abc
 import copy
+import decimal
 import difflib
 import functools
 import importlib
@@ -279,6 +280,8 @@ def per_sample(fn: TextRewardFn, name: str, stat: bool = False) -> RewardFn:
         value = np.asarray(value).item()
       if stat and value is None:  # a statistic's "no value", as a batched one's None reads
         value = float("nan")
+      if isinstance(value, decimal.Decimal):  # (no numbers.Real; a batched function's pass)
+        value = float(value) if not value.is_snan() else float("nan")
       number = _as_float32(value) if isinstance(value, numbers.Real) else None
       if number is None or not (np.isfinite(number) or stat and np.isnan(number)):
         raise RewardFunctionError(f"{what} {name!r} returned {value!r:.200} for "
