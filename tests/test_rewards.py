@@ -315,6 +315,19 @@ def _batch(tok, texts, stop=True, width=40):
   return ids, np.array([len(r) for r in rows], np.int32)
 
 
+def test_a_batched_array_of_texts_or_nones_is_refused_as_a_list_of_them_is(tok):
+  """np.array(["1", "0.5"]) passed (numpy read the texts as numbers), where ["1", "0.5"] is
+  refused; an object array's None was reported as a nan."""
+  ids, lens = _batch(tok, ["1", "2"])
+  for values, shown in ((np.array(["1", "0.5"]), "'1'"),
+                        (np.array([1.0, None], dtype=object), "None")):
+    fn = lambda responses, answers, records, values=values: values
+    fn.batched = True
+    with pytest.raises(rewards_lib.RewardFunctionError,
+                       match=rf"returned {shown} for sample \d .*expected one number per "):
+      rewards_lib.per_batch(fn, "b")(None, ids, lens, tok)
+
+
 def test_a_decimal_is_a_number(tok):
   """A function that computes with decimal.Decimal (as gsm8k's final_number does) may return
   one: per sample it was refused as "not a finite number", batched it passed; a NaN one is

@@ -319,8 +319,11 @@ def per_batch(fn: Callable, name: str, stat: bool = False) -> RewardFn:
     # A None (a forgotten return on some path) or a text ("0.5") among the values is refused
     # as per_sample refuses it: numpy read None as NaN (the error then named nan) and took the
     # text's number. A statistic's None is its "no value", NaN.
-    if not isinstance(values, np.ndarray) and isinstance(values, collections.abc.Sequence):
-      for b, v in enumerate(values[:len(texts)]):
+    # (an array of texts or objects too: np.array(["0.5", ...]) passed, read as numbers)
+    each = (values.tolist() if isinstance(values, np.ndarray) and values.ndim == 1 and
+            values.dtype.kind in "OUS" else values)
+    if not isinstance(each, np.ndarray) and isinstance(each, collections.abc.Sequence):
+      for b, v in enumerate(each[:len(texts)]):
         if v is None and not stat or isinstance(v, (str, bytes)):
           raise RewardFunctionError(
               f"{what} {name!r} (batched) returned {v!r:.200} for "
