@@ -121,6 +121,9 @@ def _as_trained(c, t, dp: int, models=None) -> None:
         "not in plan_check's figures", run.async_ppo.staleness)
   # algo.kl_coef=0: the trainer builds and runs no reference (AlgoConfig.uses_reference)
   c.reference = run.algo.uses_reference
+  # The actor's log-prob pass on the training devices (the `actor_logp` program), resolved
+  # from these as the trainer resolves them
+  c.old_logp, c.staleness = run.algo.old_logp, run.async_ppo.staleness
   devices = c.generation_devices or stages * run.mesh.tensor * run.mesh.fsdp * dp
   kind = rollout.stage_kind(run)
   if kind == "serial":
@@ -327,6 +330,13 @@ def get_config(arg: str = "tiny"):
   # reward function (no program); a preset of configs/ppo_llama.py SHAPES ('33b'); set by a
   # run (run/, --run_config) to its checkpoint's architecture. (Set below, after the variants:
   # a run's sets a section in place of the string.)
+  # The trainer's algo.old_logp and async_ppo.staleness: where they make the trainer run the
+  # actor's log-prob forward on the training devices before the update (old_logp "recompute",
+  # or "auto" with a 16-bit actor and pp == 1, in the update's micro-batches; staleness > 0:
+  # the proximal log-probs, a mini-batch a piece), the `actor_logp` program compiles it,
+  # beside the training state. A run's (run/, --run_config, llama/, hf_gpu/) are its own.
+  c.old_logp = "auto"
+  c.staleness = 0
   # pp == 1 with micro-batches: the trainer's algo.gradient_sync, "per_microbatch" (weights
   # gathered and gradients reduced per micro-batch) or "once" (per optimizer step); pipelined
   # plans ignore it, as the trainer does

@@ -21,6 +21,11 @@ jax.ShapeDtypeStructs with shardings (no parameter is allocated), the programs t
               algo.kl_coef=0: no reference) the critic's value forward
   reward      with config.reward_model (a run's reward.kind='model': its checkpoint's
               architecture), the reward model's scalar forward on the same devices and rows
+  actor_logp  where the run makes it, the actor's log-prob forward on the training devices
+              before the update, beside the training state: algo.old_logp's recomputation
+              (config.old_logp "recompute", or "auto" with a 16-bit actor and pp == 1, in the
+              update's micro-batches) or asynchronous PPO's proximal log-probs (config.staleness
+              > 0, a mini-batch a piece); the trainer's Scorer and jitted forward
 
 (--run_config: a training config, with train_ppo's overrides, checked as its trainer runs it)
 and writes result.json (per program: argument/output/temp/peak bytes and FLOPs per device from

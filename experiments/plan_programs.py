@@ -39,6 +39,15 @@ Every program is the codebase's own, reached through the function its caller jit
               training devices, the one reshard of the actor onto all of them
               (FusedGenerator.place_actor); its figures are its costliest part's, its fit the
               most any part adds to the training state, its collectives all parts' together
+  actor_logp  the actor's log-prob forward the trainer runs on the training devices before the
+              update, where the run runs it (actor_logp_program): algo.old_logp's
+              recomputation (old_logp "recompute", or "auto" with a 16-bit actor and pp == 1;
+              AlgoConfig.recomputes_old_logp), in the unpipelined update's micro-batches, or
+              asynchronous PPO's proximal log-probs (staleness > 0, whatever its objective: the
+              lag's metrics need them too), a mini-batch a piece; the trainer's Scorer and its
+              jitted forward (inference/scoring.Scorer.lower_logprobs) on the training mesh
+              (pp > 1: the whole actor gathered, a copy beside the stage shards; on the folded
+              mesh where the serial rollout generates) with the training state beside it
 
 Arguments are jax.ShapeDtypeStructs with NamedShardings: nothing is allocated.
 
@@ -111,6 +120,7 @@ from experiments.runner import fixed_or_sci
 from rlhfuse_jax.fields import check as _check
 from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.generation.sampling import SamplingConfig
+from rlhfuse_jax.inference import scoring
 from rlhfuse_jax.inference import stages as inf_stages
 from rlhfuse_jax.models import attention, llama
 from rlhfuse_jax.models.llama import ModelConfig
@@ -132,7 +142,9 @@ PROGRAMS = ("train_step", "decode", "inference")  # always compiled
 # is handed over from the training devices to instances on them or, pipelined, to another group
 # (placement_programs); migrate: on instances, since 2026-12-05 (a consolidation's largest
 # migration bucket: its gathered rows are a copy beside the cache, migrate_program)
-OPTIONAL_PROGRAMS = ("prefill", "migrate", "reward", "placement")
+# actor_logp: since 2026-12-06, when the run executes it (the trainer's algo.old_logp
+# recomputation or async PPO's proximal log-probs, on the training devices beside the state)
+OPTIONAL_PROGRAMS = ("prefill", "migrate", "reward", "placement", "actor_logp")
 CPU_UPCAST_MODES = ("per_layer", "as_compiled")
 GENERATION_MODES = ("instances", "mesh")
 # XLA's name of the pass that hoists a loop-invariant float32 copy of the weights out of a loop.
@@ -223,6 +235,11 @@ class PlanConfig:
   # the instances beside the reference: the `reward` program; None: a reward function.
   reward: ModelConfig | None = None
   reward_layers: int = 0  # its own layer count (the compiled one is in reward)
+  # The trainer's algo.old_logp ("auto" | "generation" | "recompute") and async_ppo.staleness:
+  # the actor's log-prob pass on the training devices (the `actor_logp` program) where the run
+  # makes one: the recomputation (actor_logp_pass), or with staleness > 0 the proximal pass.
+  old_logp: str = "auto"
+  staleness: int = 0
 
   @property
   def train_devices(self) -> int:
@@ -268,6 +285,16 @@ class PlanConfig:
     """Ways generation="mesh" splits the rollout batch: the group's devices, or the training
     mesh's data x fsdp (x stage, folded as the trainer does)."""
     return self.generation_devices or self.dp * self.fsdp * self.pp
+
+  @property
+  def actor_logp_pass(self) -> str:
+    """The trainer's actor log-prob pass before the update: "recompute" (algo.old_logp
+    resolved as the trainer resolves it, AlgoConfig.recomputes_old_logp), "proximal"
+    (asynchronous PPO, staleness > 0: every iteration, whatever the objective), or "" (none)."""
+    if self.staleness:
+      return "proximal"
+    algo = tc.AlgoConfig(minibatch_size=self.minibatch_size, old_logp=self.old_logp)
+    return "recompute" if algo.recomputes_old_logp(0, self.pp > 1, self.actor) else ""
 
   @property
   def prompt_len(self) -> int:
@@ -333,6 +360,12 @@ class PlanConfig:
       config_files.check_int(name, d.get(name, 0), 0, f"0: {zero}")
     config_files.check_int("inference_pp", d.get("inference_pp", 1), 1,
                            "1: each instance scores alone")
+    config_files.check_int("staleness", d.get("staleness", 0), 0, "0: synchronous PPO")
+    _check(d.get("old_logp", "auto") in tc.OLD_LOGP_SOURCES, "old_logp", d.get("old_logp"),
+           f"one of {list(tc.OLD_LOGP_SOURCES)} (a run's algo.old_logp)")
+    _check(d.get("old_logp") != "recompute" or not d.get("staleness", 0), "old_logp",
+           "recompute", "'auto' or 'generation' with staleness > 0 (as the trainer refuses: "
+           "asynchronously the proximal pass runs instead)")
     try:
       hardware = hw_lib.get_hardware(str(d["hardware"]))
     except ValueError as e:
@@ -383,7 +416,8 @@ class PlanConfig:
         group_critic=d.get("group_critic", False),
         search_seed=d.get("search_seed", 0), reference=d.get("reference", True),
         inference_pp=d.get("inference_pp", 1),
-        migration_rows=d.get("migration_rows", 8))
+        migration_rows=d.get("migration_rows", 8), old_logp=d.get("old_logp", "auto"),
+        staleness=d.get("staleness", 0))
     cfg.validate()
     return cfg
 
@@ -863,6 +897,65 @@ def placement_programs(cfg: PlanConfig, mesh, update) -> dict:
   return {"placement": out}
 
 
+def actor_logp_program(cfg: PlanConfig, mesh) -> dict:
+  """The actor's log-prob pass the trainer runs on the training devices before the update
+  (cfg.actor_logp_pass; trainer/loop.PPOTrainer._actor_logprobs), measured: {} where the run
+  makes none.
+
+  The trainer's own program: its Scorer (the training mesh, or with pp > 1 and the serial
+  rollout the mesh folded as the rollout's, where the mini-batch splits over it) with the rows
+  AlgoConfig.logprob_rows gives (the unpipelined update's micro-batches for the
+  recomputation, else the mini-batch), lowered by Scorer.lower_logprobs: the jitted
+  scoring.response_logprobs on the actor's whole parameters as the trainer passes them (pp ==
+  1: the state's own, counted once beside the state: `state_actor_bytes`; pp > 1: Update.whole's
+  gathered copy, beside the stage shards; the conversion's transient is not counted). Under
+  per_layer_upcast compiled twice like the instance's programs, the smaller temp reported."""
+  kind = cfg.actor_logp_pass
+  if not kind:
+    return {}
+  pipelined = cfg.pp > 1
+  folded = mesh_lib.fold_stage(mesh)
+  # The trainer's on_folded: a serial rollout on a pipelined mesh (trainer/loop.py)
+  on_folded = (pipelined and cfg.generation == "mesh" and not cfg.generation_devices and
+               cfg.minibatch_size % mesh_lib.batch_size_multiple(folded) == 0)
+  on = folded if on_folded else mesh
+  shards = mesh_lib.batch_size_multiple(on)
+  algo = tc.AlgoConfig(minibatch_size=cfg.minibatch_size, old_logp=cfg.old_logp,
+                       microbatch_size=0 if pipelined else cfg.microbatch_size)
+  rows = algo.logprob_rows(kind == "recompute", pipelined, shards)
+  scorer = scoring.Scorer(on, micro_batch_size=rows)
+  per_layer = per_layer_upcast(cfg)
+  lowered = {}
+  for scan in {cfg.actor.scan_layers, True} if per_layer else {cfg.actor.scan_layers}:
+    actor = cfg.actor.replace(scan_layers=scan)
+    lowered[scan] = {"logp": scorer.lower_logprobs(actor, abstract_params(actor, on),
+                                                   cfg.minibatch_size, cfg.seq_len,
+                                                   cfg.response_len)}
+  out = _instance_program(cfg, "actor_logp", lowered, "logp",
+                          actor_logp_analytic(cfg, rows, shards), per_layer)
+  own = 0 if pipelined else _device_bytes(abstract_params(cfg.actor, mesh))
+  out.update({"pass": kind, "rows": rows, "pieces_split_over": shards,
+              "mesh": "folded" if on_folded else "training", "state_actor_bytes": own})
+  return {"actor_logp": out}
+
+
+def actor_logp_analytic(cfg: PlanConfig, rows: int, shards: int) -> dict:
+  """The perfect split of actor_logp_program's forward: the actor's whole weights split over
+  fsdp x tensor (the state's own, or pp > 1 a gathered copy), one layer's activations and the
+  head's float32 logits of its rows per device (`rows` over `shards` batch shards), the FLOPs
+  over every training device."""
+  a = cfg.actor
+  params = _nbytes(llama.param_shapes(a)) / (cfg.fsdp * cfg.tp)
+  cost = CostModel(cfg.hardware)
+  shape = sim_shapes.from_model_config(a, dtypes=True)
+  acts = cost.activation_bytes(shape, cfg.tp, rows // shards * cfg.seq_len, 1)
+  logits = cost.logits_bytes(shape, cfg.tp, rows / shards, cfg.response_len,
+                             LOGITS_COPIES_SCORING)
+  flops = accounting.forward_flops(a, rows, cfg.seq_len, cfg.response_len)
+  return {"params_bytes": params, "activations_bytes": acts, "logits_bytes": logits,
+          "total_bytes": params + acts + logits, "flops_per_device": flops / cfg.train_devices}
+
+
 def _device_bytes(tree: Any) -> int:
   """Bytes one device holds of placed ShapeDtypeStructs (its shard of each; the shardings here
   split evenly, so every device holds as much)."""
@@ -1042,8 +1135,8 @@ def _finish(measured: dict, analytic: dict) -> dict:
 
 
 def run(cfg: PlanConfig, workdir: str) -> dict:
-  """Lowers, compiles and measures the programs (three, four with a reward model); returns
-  the result dict."""
+  """Lowers, compiles and measures the programs (PROGRAMS, and the OPTIONAL_PROGRAMS the plan
+  runs); returns the result dict."""
   if jax.device_count() < cfg.num_devices:
     raise ValueError(f"the plan needs {cfg.num_devices} devices (pp*tp*dp*fsdp="
                      f"{cfg.train_devices}, gen_tp={cfg.gen_tp}) but jax has "
@@ -1076,6 +1169,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   logging.info("train_step: compiled in %.1fs", programs["train_step"]["compile_s"])
   programs.update(instance_programs(cfg))
   programs.update(placement_programs(cfg, mesh, update))
+  programs.update(actor_logp_program(cfg, mesh))
   critic = _nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_model_shards
   copy = critic  # what a freed instance loads of the critic: a stage of it in a pipeline
   if cfg.inference_pp > 1:
@@ -1109,7 +1203,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "critic_microbatch_size": cfg.critic_microbatch_size,
                "generation_devices": cfg.generation_devices, "group_critic": cfg.group_critic,
                "search_seed": cfg.search_seed, "reference": cfg.reference,
-               "reward_model": cfg.reward is not None},
+               "reward_model": cfg.reward is not None, "old_logp": cfg.old_logp,
+               "staleness": cfg.staleness, "actor_logp_pass": cfg.actor_logp_pass},
       "devices": cfg.num_devices, "train_devices": cfg.train_devices,
       "models": {name: {**dataclasses.asdict(m), "num_params": m.num_params()}
                  for name, m in models.items()},
@@ -1149,7 +1244,9 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                   "reward model, the group's other models); for train_step its peak, plus "
                   "on the serial stage the reference and reward model kept on the mesh; for "
                   "placement the training state plus the most any of its parts adds to it "
-                  "(over_state_bytes); no "
+                  "(over_state_bytes); for actor_logp its peak plus the training state less "
+                  "the state's own actor its arguments count (state_actor_bytes), plus on the "
+                  "serial stage the reference and reward model; no "
                   "headroom (the simulator plans with 90 % of HBM)",
           "gpu_flops": "on a GPU backend library calls (cuBLAS / cuDNN custom-calls) hold most "
                        "dots, which hlo_flops does not count: flops_per_device and replication "
@@ -1196,6 +1293,11 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     (pp > 1), its actor is a gathered copy beside the stage shards of the state, and the
     reference is beside it too.
 
+  actor_logp (the actor's log-prob pass, on the training devices after the rollout: the
+  optimizer state is back) has the whole training state beside it, less the state's own actor
+  where its arguments count it (state_actor_bytes), and on the serial stage the frozen models
+  kept on the mesh; the instances' and a generation group's models are elsewhere then.
+
   placement (the hand-over of the actor, on the training devices) has the training state
   beside it, also with a generation group (less the optimizer state where the rollout has
   moved it out: never beside a group), and adds the most any of its parts adds
@@ -1238,6 +1340,14 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     p.setdefault("fits_alone", p["fits"])
     p["offloaded_optimizer_bytes"] = 0 if generation_group else offloaded
     p["resident_train_bytes"] = 0 if generation_group else train["argument_bytes"] - offloaded
+    if name == "actor_logp":  # on the training devices, beside the whole state
+      p["offloaded_optimizer_bytes"] = 0
+      p["resident_train_bytes"] = train["argument_bytes"] - p["state_actor_bytes"]
+      p["resident_model_bytes"] = sum(kept.values()) if serial else 0.0
+      p["peak_with_train_state_bytes"] = (p["peak_bytes"] + p["resident_train_bytes"] +
+                                          p["resident_model_bytes"])
+      p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)
+      continue
     if name == "placement":  # beside the state: its parts' own additions (placement_programs)
       # On the training devices, also for a generation group; the optimizer state is in host
       # memory then where the rollout moves it (on the training devices; the trainer refuses
@@ -1374,6 +1484,13 @@ def verdict(result: dict) -> str:
         "inference": ["smaller micro-batches (inference_microbatch: a run's "
                       "fusion.inference_micro_batch, 0 = the slots)"]}
     temporaries["reward"] = temporaries["inference"]
+    logp = result["programs"].get("actor_logp", {})
+    temporaries["actor_logp"] = (
+        ["smaller micro-batches (microbatch_size: a run's algo.microbatch_size)"]
+        if logp.get("pass") == "recompute" and plan.get("pp", 1) == 1 else
+        ["a smaller mini-batch (minibatch_size: a run's algo.minibatch_size)"]) + (
+            ["no recomputation (a run's algo.old_logp='generation')"]
+            if logp.get("pass") == "recompute" else [])
     # A migration's copy of its rows: its output (gather), an argument (scatter) or temp.
     rows = ["fewer rows a migration moves at once (migration_rows: a run's "
             "fusion.migration_rows)"]
@@ -1411,8 +1528,10 @@ def verdict(result: dict) -> str:
       own = (largest == "temporaries" or (name == "placement" and largest == "arguments")
              or (name == "migrate" and largest in ("outputs", "arguments")))
       fix = temporaries[name] if own else fixes[largest]
-      if name == "placement" and plan.get("generation_devices") and not own:
-        fix = [f for f in fix if f not in offload]  # (the trainer refuses it beside a group)
+      if ((name == "placement" and plan.get("generation_devices") or name == "actor_logp")
+          and not own):
+        # (the trainer refuses it beside a group; the pass runs with the state moved back)
+        fix = [f for f in fix if f not in offload]
       remedy = f": {', '.join(fix)}" if fix else ""
       kept = " and ".join(k for k, b in beside.items() if b)
       hints.append(f"{name} (peak {_gb(peak)} of "
@@ -1439,7 +1558,7 @@ LINK_BOUND_RATIO = 2.0
 # step runs once per generated token, hundreds of times, hence its lower floor (a 1B actor decoding
 # on a mesh of 8 H100s that splits its weights gathers their 2 GB in ~5 ms a step: above it).
 LINK_BOUND_MIN_S = {"train_step": 0.01, "decode": 0.001, "prefill": 0.01, "inference": 0.01,
-                    "reward": 0.01}
+                    "reward": 0.01, "actor_logp": 0.01}
 
 
 def link_bound_notes(result: dict, min_s: dict | None = None) -> list[str]:
@@ -1460,8 +1579,8 @@ def link_bound_notes(result: dict, min_s: dict | None = None) -> list[str]:
       continue
     line = (f"{name}: its collectives take >= {coll:.3g} s, "
             f"{coll / max(other, 1e-30):.0f}x its other bounds: bound by the links")
-    if (name != "train_step" and plan["generation"] == "mesh" and plan["fsdp"] > 1
-        and not plan.get("generation_devices")):
+    if (name not in ("train_step", "actor_logp") and plan["generation"] == "mesh"
+        and plan["fsdp"] > 1 and not plan.get("generation_devices")):
       line += ("; on the training mesh every step gathers the fsdp-split weights "
                "(the trainer's plan.generation='instances' reshards them once per iteration)")
     elif (name == "train_step" and plan["pp"] == 1 and p.get("accumulated_microbatches", 1) > 1

@@ -16,6 +16,7 @@ from experiments import plan_programs
 from rlhfuse_jax.generation import engine
 from rlhfuse_jax.generation import fused
 from rlhfuse_jax.generation import instances as inst_lib
+from rlhfuse_jax.inference import scoring
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.sim import hardware
@@ -1926,3 +1927,121 @@ def test_a_generation_groups_instances_keep_the_critic_whole(tmp_path, monkeypat
   # beside the reference's stage: the actor and the critic, whole on the group
   actor = plan_programs._nbytes(llama.param_shapes(cfg.actor)) / cfg.gen_model_shards
   assert inference["resident_model_bytes"] == pytest.approx(actor + whole)
+
+
+def _tiny_bfloat16_mesh():
+  """_tiny_mesh_generation with bfloat16 models: algo.old_logp "auto" recomputes there."""
+  c = _tiny_mesh_generation()
+  for m in (c.actor, c.critic):
+    m.dtype = m.param_dtype = "bfloat16"
+  return c
+
+
+def test_the_old_logp_recomputation_is_compiled_beside_the_training_state(tmp_path):
+  """algo.old_logp "auto" with a 16-bit actor and an unpipelined update: the trainer runs the
+  actor's forward over the rollout on the training devices before the update, in the update's
+  micro-batches (trainer/loop.py _recompute_logp), a program plan_check did not compile. It is
+  `actor_logp` now: the trainer's Scorer and jitted forward (the same lowering as from the
+  trainer's placed arrays), 1 row a data shard (4 a piece), beside the training state less the
+  actor its arguments hold and, on the serial stage, the reference kept on the mesh; in the
+  table, and its fit in the verdict (plan_check's exit status reads every program's fit)."""
+  cfg = plan_programs.PlanConfig.from_config_dict(_tiny_bfloat16_mesh())
+  assert cfg.actor_logp_pass == "recompute"
+  result = plan_programs.run_and_write(cfg, str(tmp_path))
+  with open(os.path.join(tmp_path, "result.json")) as f:
+    p = json.load(f)["programs"]["actor_logp"]
+  train = result["programs"]["train_step"]
+  assert (p["pass"], p["rows"], p["mesh"]) == ("recompute", 4, "training")
+  mesh = plan_programs.train_mesh(cfg)
+  own = plan_programs._device_bytes(plan_programs.abstract_params(cfg.actor, mesh))
+  assert p["state_actor_bytes"] == own > 0 and p["argument_bytes"] >= own
+  assert p["resident_train_bytes"] == train["argument_bytes"] - own
+  reference = result["programs"]["inference"]["analytic"]["params_bytes"]
+  assert p["resident_model_bytes"] == reference > 0
+  assert p["peak_with_train_state_bytes"] == (p["peak_bytes"] + p["resident_train_bytes"] +
+                                              reference)
+  assert p["peak_bytes"] == (p["argument_bytes"] + p["output_bytes"] + p["temp_bytes"] -
+                             p["alias_bytes"])
+  assert p["fits"] is True and p["flops_per_device"] > 0 and p["replication"] < 1.1
+  assert p["cpu_upcast"]["mode"] == "per_layer"  # 16-bit: compiled like the instance's
+  assert result["plan"]["actor_logp_pass"] == "recompute"
+  assert plan_programs.program_names(result)[-1] == "actor_logp"
+  lines = plan_programs.table(result)
+  assert sum(line.startswith("actor_logp ") for line in lines) == 2  # memory and time rows
+  # The lowering is the trainer's: Scorer.logprobs on a piece of 4 rows placed as _run places
+  # them, the actor's parameters placed as the trainer places them.
+  scorer = scoring.Scorer(mesh, micro_batch_size=4)
+  real = mesh_lib.shard_params(llama.host_random_params(cfg.actor, 0),
+                               llama.logical_specs(cfg.actor), mesh)
+  tokens, lens = (mesh_lib.put(np.zeros(shape, np.int32),
+                               mesh_lib.batch_sharding(mesh, len(shape)))
+                  for shape in ((4, cfg.seq_len), (4,)))
+  assert (scorer.lower_logprobs(cfg.actor, plan_programs.abstract_params(cfg.actor, mesh), 8,
+                                cfg.seq_len, cfg.response_len).as_text() ==
+          scoring.response_logprobs.lower(cfg.actor, real, tokens, lens, cfg.response_len, 1.0,
+                                          mesh=mesh).as_text())
+  # Beside a smaller HBM it is the program that does not fit, and the verdict names its knobs.
+  programs = {k: dict(v) for k, v in result["programs"].items()}
+  hbm = p["peak_with_train_state_bytes"] - 1
+  for q in programs.values():
+    q["hbm_bytes"] = hbm
+  plan_programs.beside_train_state(programs, hbm, False, reference=True, generation="mesh")
+  assert programs["actor_logp"]["fits"] is False
+  line = plan_programs.verdict({**result, "programs": programs})
+  assert "actor_logp (peak" in line, line
+  part = line[line.index("actor_logp (peak"):]
+  # The state beside it is its largest term here; the optimizer state is back on the devices
+  # when the pass runs (offloading it during the rollout does not help).
+  assert "largest: the training state beside it: zero1" in part, part
+  assert "offload_optimizer" not in part, part
+  programs["actor_logp"]["temp_bytes"] = 1e12
+  part = plan_programs.verdict({**result, "programs": programs}).split("actor_logp (peak")[1]
+  assert ("largest: temporaries: smaller micro-batches (microbatch_size: a run's "
+          "algo.microbatch_size), no recomputation (a run's algo.old_logp='generation')") in part
+
+
+def test_the_runs_old_logp_and_staleness_decide_the_actor_logp_program(tmp_path):
+  """As the trainer resolves them (AlgoConfig.recomputes_old_logp, logprob_rows): no pass for
+  a float32 actor on "auto", or on "generation"; the recomputation for "recompute" or a 16-bit
+  "auto"; async PPO's proximal pass (staleness > 0, whatever the objective: the lag's metrics
+  need it) a mini-batch a piece. A pipelined update's pass reads Update.whole's gathered copy
+  (no part of the state), on the rollout's folded mesh where the serial rollout runs."""
+  from configs import ppo_tiny
+  from rlhfuse_jax.trainer.config import TrainConfig
+  for changes, want in (({}, ""), ({"algo.old_logp": "recompute"}, "recompute"),
+                        ({"model.dtype": "bfloat16"}, "recompute"),
+                        ({"model.dtype": "bfloat16", "algo.old_logp": "generation"}, ""),
+                        ({"async_ppo.staleness": 1}, "proximal"),
+                        ({"async_ppo.staleness": 1, "async_ppo.objective": "decoupled"},
+                         "proximal")):
+    run = ppo_tiny.get_config()
+    for field, value in changes.items():
+      section, name = field.split(".")
+      run[section][name] = value
+    c = plan_config.get_config("tiny")
+    plan_config.apply_run(c, run)
+    cfg = plan_programs.PlanConfig.from_config_dict(c)
+    assert cfg.actor_logp_pass == want, changes
+    t = TrainConfig.from_config_dict(run)
+    assert t.algo.recomputes_old_logp(t.async_ppo.staleness, t.mesh.stage > 1,
+                                      t.model) == (want == "recompute"), changes
+  with pytest.raises(ValueError, match=r"config\.old_logp='recompute'.*staleness > 0"):
+    plan_programs.PlanConfig.from_config_dict({**plan_config.get_config("tiny").to_dict(),
+                                               "old_logp": "recompute", "staleness": 1})
+  with pytest.raises(ValueError, match=r"config\.old_logp='training'"):
+    plan_programs.PlanConfig.from_config_dict({**plan_config.get_config("tiny").to_dict(),
+                                               "old_logp": "training"})
+  # Pipelined (tiny: 2 stages x data 2 x fsdp 2): "auto" leaves it the decode's; "recompute"
+  # scores mini-batches on a gathered copy, on the instances' training mesh or folded.
+  c = plan_config.get_config("tiny")
+  assert plan_programs.PlanConfig.from_config_dict(c).actor_logp_pass == ""
+  c.old_logp = "recompute"
+  for generation, mesh_kind, shards in (("instances", "training", 4), ("mesh", "folded", 8)):
+    c.generation, c.gen_slots = generation, 8
+    cfg = plan_programs.PlanConfig.from_config_dict(c)
+    p = plan_programs.actor_logp_program(cfg, plan_programs.train_mesh(cfg))["actor_logp"]
+    assert (p["rows"], p["mesh"], p["pieces_split_over"]) == (8, mesh_kind, shards)
+    assert p["state_actor_bytes"] == 0 and p["argument_bytes"] > 0
+  c.old_logp = "generation"
+  assert plan_programs.actor_logp_program(
+      plan_programs.PlanConfig.from_config_dict(c), None) == {}

@@ -144,11 +144,15 @@ class Scorer:
     b = batch.batch_size
     if b == 0:  # (the pieces would be none: range() of step 0, or nothing to concatenate)
       raise ValueError("Scorer: the batch to score has no rows; expected at least one sequence")
-    m = self.micro_batch_size or -(-b // self._multiple) * self._multiple
+    m = self.piece_rows(b)
     for start in range(0, b, m):
       rows = np.arange(start, start + m)
       rows = np.minimum(rows, b - 1)  # pad with copies of the last row; their results are dropped
       yield slice(start, min(start + m, b)), batch.take(rows)
+
+  def piece_rows(self, batch_size: int) -> int:
+    """Rows of each piece a batch of `batch_size` rows is scored in (the last one padded)."""
+    return self.micro_batch_size or -(-batch_size // self._multiple) * self._multiple
 
   def _run(self, fn: Callable, batch: ScoringBatch) -> np.ndarray:
     """fn(tokens, prompt_lens, response_lens) on every piece; results concatenated on the host."""
@@ -169,6 +173,19 @@ class Scorer:
     t, temp = batch.num_response, float(temperature)
     return self._run(lambda x, p, _: response_logprobs(cfg, params, x, p, t, temp,
                                                        mesh=self.mesh), batch)
+
+  def lower_logprobs(self, cfg: ModelConfig, params, batch_size: int, seq_len: int,
+                     num_response: int, temperature: float = 1.0):
+    """The program `logprobs` runs on each piece of a batch of `batch_size` rows of
+    `seq_len` tokens, lowered for `params` given as placed jax.ShapeDtypeStructs (or arrays):
+    experiments/plan_programs.py compiles the trainer's actor log-prob pass from it."""
+    _check_head(cfg, "lm", "model scored for log-probs")
+    rows = self.piece_rows(batch_size)
+    tokens, lens = (jax.ShapeDtypeStruct(shape, np.int32,
+                                         sharding=mesh_lib.batch_sharding(self.mesh, len(shape)))
+                    for shape in ((rows, seq_len), (rows,)))
+    return response_logprobs.lower(cfg, params, tokens, lens, num_response, float(temperature),
+                                   mesh=self.mesh)
 
   def values(self, cfg: ModelConfig, params, batch: ScoringBatch) -> np.ndarray:
     """Critic values [B, T]."""

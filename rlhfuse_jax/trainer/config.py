@@ -215,6 +215,32 @@ class AlgoConfig:
   # per token, 0.7 % of tokens clipped before any update: docs/architecture.md §1).
   old_logp: str = "auto"
 
+  def recomputes_old_logp(self, staleness: int, pipelined: bool, model: ModelConfig) -> bool:
+    """Whether old_logp resolves to the recomputation for a run of async_ppo.staleness
+    `staleness`, a pipelined update (mesh.stage > 1) or not, and actor `model`: "recompute",
+    or "auto" with a 16-bit compute dtype and an unpipelined update; never asynchronously (the
+    generating policy is gone). trainer/loop.py runs the pass; experiments/plan_programs.py
+    compiles it (the `actor_logp` program)."""
+    # "auto" leaves a pipelined update (mesh.stage > 1) the decode's: the pass runs the whole
+    # model, not the update's staged program, and rounded as far from it as the decode (2-layer
+    # bfloat16, first step ppo_kl 5.2e-5 recomputed, 1.9e-5 not), with the whole actor
+    # gathered beside the training state.
+    return staleness == 0 and (
+        self.old_logp == "recompute" or
+        (self.old_logp == "auto" and not pipelined and model.dtype in ("bfloat16", "float16")))
+
+  def logprob_rows(self, recompute: bool, pipelined: bool, shards: int) -> int:
+    """Rows per piece of the trainer's actor log-prob pass on the training devices (its
+    Scorer's micro_batch_size; `shards`: the scorer mesh's batch shards): algo.old_logp's
+    recomputation (`recompute`) before an unpipelined update in the update's micro-batches
+    (microbatch_size rows a data shard), whose forward and backward the devices hold beside the
+    training state, so a forward alone of as many rows fits where they do; else (async PPO's
+    proximal log-probs, a pipelined update) the mini-batch."""
+    micro = self.microbatch_size * shards
+    if recompute and not pipelined and 0 < micro < self.minibatch_size:
+      return micro
+    return self.minibatch_size
+
   def __post_init__(self):
     _check(self.old_logp in OLD_LOGP_SOURCES, "algo.old_logp", self.old_logp,
            f"one of {list(OLD_LOGP_SOURCES)}")

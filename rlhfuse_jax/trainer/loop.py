@@ -413,25 +413,16 @@ class PPOTrainer:
     self.checkpoints.meta_fn = self._meta
     self._compiled_update = False  # the first update call (compiles) is timed and logged
     # algo.old_logp: the update's old log-probs from the training forward (synchronous runs;
-    # asynchronously the generating policy is gone, config.py).
-    # "auto" leaves a pipelined update (mesh.stage > 1) the decode's: the pass runs the whole
-    # model, not the update's staged program, and rounded as far from it as the decode (2-layer
-    # bfloat16, first step ppo_kl 5.2e-5 recomputed, 1.9e-5 not), with the whole actor
-    # gathered beside the training state.
-    self._recompute_old_logp = cfg.async_ppo.staleness == 0 and (
-        cfg.algo.old_logp == "recompute" or
-        (cfg.algo.old_logp == "auto" and not self.update.is_pipelined and
-         jnp.dtype(cfg.model.jnp_dtype).itemsize < 4))
-    # In the unpipelined update's micro-batches (algo.microbatch_size rows a data shard), whose
-    # forward and backward the devices hold beside the training state: a forward alone of as
-    # many rows fits where they do (the GPU presets size them to 80 GB; plan_check does not
-    # compile this pass). A pipelined update's whole mini-batch, as asynchronous PPO scores.
-    shards = mesh_lib.batch_size_multiple(self._rescorer.mesh)
-    micro = cfg.algo.microbatch_size * shards
-    self._old_logp_scorer = (
-        scoring.Scorer(self._rescorer.mesh, micro_batch_size=micro)
-        if self._recompute_old_logp and not self.update.is_pipelined and
-        0 < micro < cfg.algo.minibatch_size else self._rescorer)
+    # asynchronously the generating policy is gone, config.py), resolved and sized by
+    # AlgoConfig (experiments/plan_check compiles this pass, and async PPO's proximal one, from
+    # the same answers: its `actor_logp` program).
+    pipelined = self.update.is_pipelined
+    self._recompute_old_logp = cfg.algo.recomputes_old_logp(cfg.async_ppo.staleness, pipelined,
+                                                            cfg.model)
+    rows = cfg.algo.logprob_rows(self._recompute_old_logp, pipelined,
+                                 mesh_lib.batch_size_multiple(self._rescorer.mesh))
+    self._old_logp_scorer = (self._rescorer if rows == self._rescorer.micro_batch_size else
+                             scoring.Scorer(self._rescorer.mesh, micro_batch_size=rows))
 
   def _build_prompts(self, cfg: TrainConfig) -> None:
     """The training prompt stream and the held-out evaluation (None without held-out prompts
