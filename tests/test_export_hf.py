@@ -19,7 +19,8 @@ from flax import traverse_util
 
 from configs import ppo_hf, ppo_tiny
 from rlhfuse_jax import workdir as wd
-from rlhfuse_jax.models import hf_loader
+from rlhfuse_jax.data.tokenizer import HFTokenizer
+from rlhfuse_jax.models import hf_loader, llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer import export as export_lib
@@ -143,6 +144,12 @@ def test_a_family_the_actor_has_no_equivalent_in_names_the_flag(run, tmp_path, m
   cfg = export_lib.export_config(export_lib.run_config(run, 2)[0], "")
   with pytest.raises(ValueError, match=r"^--family='qwen3': model .* has no HF qwen3 equivalent"):
     export_lib.export(run, "2", str(tmp_path / "q"), family="qwen3", mesh=_one_device(cfg))
+  assert not os.path.exists(tmp_path / "q")
+  # The critic's family is checked against the critic (not put into the run's config, where
+  # the trainer checks it against the actor), before its checkpoint is read.
+  with pytest.raises(ValueError, match=r"^--family='qwen3': model .* has no HF qwen3 equivalent"):
+    export_lib.export(run, "2", str(tmp_path / "q"), family="qwen3", mesh=_one_device(cfg),
+                      model="critic")
   assert not os.path.exists(tmp_path / "q")
 
 
@@ -427,3 +434,131 @@ def test_too_few_devices_are_named_with_the_flag_that_gives_them():
   with pytest.raises(ValueError, match=r"\+ config.async_ppo.generation_devices=2 needs at "
                                        r"least 6 devices"):
     export_lib.check_devices(split, 4, "cpu")
+
+
+def _checkpoint_critic(workdir, step):
+  """Checkpoint `step`'s critic parameters as orbax reads them back without any template."""
+  state = ocp.StandardCheckpointer().restore(os.path.join(workdir, "checkpoints", str(step),
+                                                          "state"))
+  return traverse_util.flatten_dict(state["critic"]["params"])
+
+
+def _exported_critic(out):
+  cfg = hf_loader.load_hf_config(out, max_seq_len=128, head="scalar")
+  return traverse_util.flatten_dict(hf_loader.load_hf_params(out, cfg, head="scalar"))
+
+
+def test_the_binary_exports_the_critic(run):
+  """`--model=critic`: the run's critic of the kept step, in WORKDIR/hf_export_critic_<step>, a
+  LlamaForSequenceClassification that reloads to the checkpoint's critic bit for bit (its
+  trained value bias as score.bias), marked critic, with a pad_token_id in config.json (else
+  transformers refuses batches > 1) and the run's tokenizer; stdout's JSON line and the log say
+  which model, and a warning says transformers ignores the bias. The run's other files (an
+  actor's export among them) are left alone."""
+  before = _digests(run)
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.export_hf", f"--workdir={run}", "--step=2",
+       "--model=critic"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+      timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  out = os.path.join(run, "hf_export_critic_2")
+  assert (result["model"], result["step"], result["out"]) == ("critic", 2, out)
+  assert "exported the critic of iteration 2 " in proc.stderr
+  assert _digests(run, skip=(out,)) == before  # (an actor's hf_export_2 included)
+  assert hf_export.exported_model(out) == "critic" and hf_export.exported_step(out) == 2
+  assert hf_export.exported_run(out) == os.path.realpath(run)
+  params = _exported_critic(out)
+  assert _same(params, _checkpoint_critic(run, 2))
+  assert not _same(params, _checkpoint_critic(run, 3))
+  bias = float(params[("head", "value_bias")][0])
+  assert bias != 0 and result["value_bias"] == bias == hf_export.exported_value_bias(out)
+  assert "transformers' *ForSequenceClassification has no bias" in proc.stderr
+  config = json.loads(open(os.path.join(out, "config.json")).read())
+  assert config["architectures"] == ["LlamaForSequenceClassification"]
+  assert config["num_labels"] == 1 and isinstance(config["pad_token_id"], int)
+  assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+  # An actor's export is not replaced by the critic's (nor the other way): refused, naming
+  # --model; the same model's earlier export is.
+  with pytest.raises(ValueError, match=r"holds an export of the run's critic \(iteration 2\), "
+                     r"not of its actor \(--model=actor\).*default hf_export_K"):
+    export_lib.export(run, "3", out)
+  with pytest.raises(ValueError, match=r"--model='value': expected one of \['actor', 'critic'\]"):
+    export_lib.export(run, "3", str(os.path.dirname(run)) + "/v", model="value")
+  assert hf_export.exported_step(out) == 2
+
+
+def test_a_critic_without_a_source_pad_id_gets_the_run_s(tmp_path, monkeypatch):
+  """A critic built from config.critic_model (no init.critic_checkpoint, so no source
+  config.json gives special ids): its config.json takes pad_token_id from the run's tokenizer,
+  as an actor's does, and the export reloads to the same parameters, its value bias read back
+  from score.bias."""
+  monkeypatch.chdir(REPO)
+  c = ppo_hf.get_config()
+  c.init.critic_checkpoint = ""
+  cfg = config_lib.TrainConfig.from_config_dict(c)
+  critic = hf_loader.load_hf_config(ppo_hf.MODEL_DIR, head="scalar", max_seq_len=128)
+  critic = critic.replace(score_pad_id=-1)  # nothing names a pad id
+  cfg = dataclasses.replace(cfg, critic_model=critic)
+  params = traverse_util.flatten_dict(jax.device_get(
+      llama.init_params(critic, jax.random.key(0))[0]))
+  params[("head", "value_bias")] = np.full((1,), 0.25, np.float32)
+  params = traverse_util.unflatten_dict(params)
+  base = HFTokenizer.from_file(c.init.tokenizer)
+  tokenizer = HFTokenizer.from_file(c.init.tokenizer, pad_token=base.id_to_token(5))
+  assert tokenizer.pad_id == 5
+  out = str(tmp_path / "critic")
+  assert hf_export.export_hf(params, cfg, out, 7, tokenizer, str(tmp_path),
+                             model="critic") == "llama"
+  config = json.loads(open(os.path.join(out, "config.json")).read())
+  assert config["pad_token_id"] == 5
+  assert hf_export.exported_model(out) == "critic" and hf_export.exported_value_bias(out) == 0.25
+  assert _same(_exported_critic(out), traverse_util.flatten_dict(params))
+
+
+def test_a_run_without_a_critic_refuses_to_export_one(tmp_path):
+  """A GRPO run trains no critic: --model=critic is refused before anything is built, naming
+  the flag and the estimator; nothing is written."""
+  workdir = tmp_path / "run"
+  (workdir / "checkpoints" / "3").mkdir(parents=True)
+  c = ppo_hf.get_config("grpo")
+  wd.write_json(str(workdir / "config.json"),
+                config_lib.config_record(c, config_lib.TrainConfig.from_config_dict(c)))
+  with pytest.raises(ValueError, match=r"^--model=critic: the run trained no critic \(its "
+                     r"config.algo.estimator='grpo' estimates advantages without one\)"):
+    export_lib.export(str(workdir), "3", model="critic")
+  assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json"]
+  cfg = config_lib.TrainConfig.from_config_dict(c)
+  export_lib.check_model(cfg, "actor")
+  with pytest.raises(ValueError, match="--model=critic: the run trained no critic"):
+    export_lib.check_model(cfg, "critic")
+  export_lib.check_model(config_lib.TrainConfig.from_config_dict(ppo_hf.get_config()), "critic")
+
+
+def test_out_dirs_of_the_other_model(tmp_path):
+  """An export's marker names its model: the critic's at --out is refused for the actor and the
+  other way round (an export replaces the whole directory), an older marker without one is an
+  actor's; the critic's default path is its own; an in-training export_hf's WORKDIR/hf_export
+  that holds no actor is written again."""
+  run = tmp_path / "run"
+  (run / "checkpoints").mkdir(parents=True)
+  for name, model in (("critic", "critic"), ("actor", "actor"), ("older", None)):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / hf_export.EXPORT_MARKER).write_text(json.dumps(
+        {"step": 4, "family": "llama", "run": str(run), **({"model": model} if model else {})}))
+  export_lib.check_out_dir(str(tmp_path / "critic"), str(run), "critic")
+  export_lib.check_out_dir(str(tmp_path / "actor"), str(run))
+  export_lib.check_out_dir(str(tmp_path / "older"), str(run), "actor")
+  for name, model in (("critic", "actor"), ("actor", "critic"), ("older", "critic")):
+    held = "critic" if name == "critic" else "actor"
+    with pytest.raises(ValueError, match=rf"holds an export of the run's {held} \(iteration 4\), "
+                       rf"not of its {model} \(--model={model}\)"):
+      export_lib.check_out_dir(str(tmp_path / name), str(run), model)
+  assert export_lib.default_out(str(run), 3, "critic") == str(run / "hf_export_critic_3")
+  assert export_lib.default_out(str(run), 3) == str(run / "hf_export_3")
+  cfg = config_lib.TrainConfig.from_config_dict(ppo_hf.get_config())
+  shutil.copytree(tmp_path / "critic", run / hf_export.HF_EXPORT_DIR)
+  assert hf_export.export_pending(str(run), cfg, 4)
+  shutil.rmtree(run / hf_export.HF_EXPORT_DIR)
+  shutil.copytree(tmp_path / "older", run / hf_export.HF_EXPORT_DIR)
+  assert not hf_export.export_pending(str(run), cfg, 4)

@@ -3,10 +3,11 @@
 best (`best:val/reward_mean`, `best:min:critic/vf_loss`).
 
 The run is rebuilt from its own recorded config (config.json, or the config.K.json of the start
-that wrote the checkpoint), its checkpoint restored and checked, and the actor written through
-hf_export.export_hf (beside the destination, renamed into place whole). Nothing of the run is
-written: no metrics, result.json, config record or checkpoint; its lock is held meanwhile, so a
-run still training in the workdir is refused rather than raced.
+that wrote the checkpoint), its checkpoint restored and checked, and the actor (or, with
+model="critic", the critic of a run that trains one) written through hf_export.export_hf
+(beside the destination, renamed into place whole). Nothing of the run is written: no metrics,
+result.json, config record or checkpoint; its lock is held meanwhile, so a run still training in
+the workdir is refused rather than raced.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any, Optional
 import jax
 
 from rlhfuse_jax import workdir as wd
+from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.trainer import hf_export, hooks
 from rlhfuse_jax.trainer.config import EXPORT_HF_CHOICES, TrainConfig
 from rlhfuse_jax.trainer.loop import PPOTrainer
@@ -159,17 +161,29 @@ def export_config(record: dict, family: str, scratch: str = "") -> TrainConfig:
                                                                  export_hf=family))
 
 
-def check_out_dir(out_dir: str, workdir: str) -> None:
-  """A ValueError when `out_dir` exists and is not an earlier export of this run (its marker):
-  an export replaces the whole directory, and would delete whatever else is there, another
-  run's export included; or when it is one of the run's own directories."""
+def check_model(cfg: TrainConfig, model: str) -> None:
+  """A ValueError naming --model unless the run (its config `cfg`) has `model` to export: the
+  actor, or the critic of a run whose advantage estimator trains one."""
+  if model not in hf_export.MODELS:
+    raise ValueError(f"--model={model!r}: expected one of {list(hf_export.MODELS)}")
+  if model == "critic" and not adv_lib.needs_critic(cfg.algo.estimator):
+    raise ValueError(f"--model=critic: the run trained no critic (its config.algo.estimator="
+                     f"{cfg.algo.estimator!r} estimates advantages without one), so its "
+                     "checkpoints hold none; export its actor (--model=actor, the default)")
+
+
+def check_out_dir(out_dir: str, workdir: str, model: str = "actor") -> None:
+  """A ValueError when `out_dir` exists and is not an earlier export of this run's `model` (its
+  marker): an export replaces the whole directory, and would delete whatever else is there,
+  another run's export or this run's other model's included; or when it is one of the run's
+  own directories."""
   real, run = os.path.realpath(out_dir), os.path.realpath(workdir)
   own = [run, os.path.join(run, "checkpoints"), os.path.join(run, hf_export.HF_EXPORT_DIR)]
   if real in own or real.startswith(own[1] + os.sep):
     raise ValueError(f"--out={out_dir!r} is the run's own directory (the workdir, its "
                      f"checkpoints, or the {hf_export.HF_EXPORT_DIR}/ that checkpoint.export_hf "
                      "writes and result.json names): expected a directory of its own (default "
-                     "WORKDIR/hf_export_K)")
+                     "WORKDIR/hf_export_K, WORKDIR/hf_export_critic_K for the critic)")
   if os.path.lexists(out_dir) and hf_export.exported_step(out_dir) is None:
     raise ValueError(f"--out={out_dir!r} exists and is not an export (no "
                      f"{hf_export.EXPORT_MARKER}): an export replaces the whole directory; give a "
@@ -181,31 +195,50 @@ def check_out_dir(out_dir: str, workdir: str) -> None:
     raise ValueError(f"--out={out_dir!r} holds an export of another run, {other} (iteration "
                      f"{hf_export.exported_step(out_dir)}): an export replaces the whole "
                      "directory; give a new path, or remove that export first")
+  held = hf_export.exported_model(out_dir)
+  if held is not None and held != model:
+    raise ValueError(f"--out={out_dir!r} holds an export of the run's {held} (iteration "
+                     f"{hf_export.exported_step(out_dir)}), not of its {model} "
+                     f"(--model={model}): an export replaces the whole directory; give a new "
+                     f"path (default {os.path.basename(default_out(workdir, 'K', model))}), or "
+                     "remove that export first")
 
 
-def default_out(workdir: str, step: int) -> str:
-  return os.path.join(workdir, f"{hf_export.HF_EXPORT_DIR}_{step}")
+def default_out(workdir: str, step: Any, model: str = "actor") -> str:
+  """WORKDIR/hf_export_<step> for the actor, WORKDIR/hf_export_critic_<step> for the critic."""
+  name = hf_export.HF_EXPORT_DIR + ("_critic" if model == "critic" else "")
+  return os.path.join(workdir, f"{name}_{step}")
 
 
 def export(workdir: str, spec: str = "latest", out_dir: str = "", family: str = "",
-           mesh: Optional[jax.sharding.Mesh] = None) -> dict:
-  """Exports the kept checkpoint `spec` names (choose_step) of the run in `workdir` to `out_dir`
-  (default WORKDIR/hf_export_<step>). Returns {step, out, family, config, and metric and value
-  for best:...}."""
+           mesh: Optional[jax.sharding.Mesh] = None, model: str = "actor") -> dict:
+  """Exports the `model` ("actor", or "critic": check_model) of the kept checkpoint `spec` names
+  (choose_step) of the run in `workdir` to `out_dir` (default WORKDIR/hf_export_<step>, or
+  WORKDIR/hf_export_critic_<step>), in the HF `family` ('': the run's checkpoint.export_hf for
+  the actor, else auto; auto for the critic). Returns {model, step, out, family, config, kept,
+  chosen, value_bias for the critic (its score.bias, which transformers ignores), and metric,
+  mode and value for best:...}."""
   check_run(workdir)
+  if model not in hf_export.MODELS:
+    raise ValueError(f"--model={model!r}: expected one of {list(hf_export.MODELS)}")
   choice = choose_step(workdir, spec)
-  out_dir = out_dir or default_out(workdir, choice.step)
-  check_out_dir(out_dir, workdir)
+  out_dir = out_dir or default_out(workdir, choice.step, model)
+  check_out_dir(out_dir, workdir, model)
   record, config_path = run_config(workdir, choice.step)
+  # The actor's family goes into the run's config (the trainer checks it against the actor); the
+  # critic's is passed on to the export alone.
+  actor_family = family if model == "actor" else ""
   with tempfile.TemporaryDirectory(prefix="rlhfuse_export_") as scratch:
     try:
-      return _export(workdir, choice, out_dir, export_config(record, family, scratch),
-                     config_path, mesh)
-    except ValueError as e:  # the trainer's check names the field --family was put into
-      field = f"config.checkpoint.export_hf={family!r}"
-      if not family or not str(e).startswith(field):
-        raise
-      raise ValueError(f"--family={family!r}{str(e)[len(field):]}") from None
+      cfg = export_config(record, actor_family, scratch)
+      check_model(cfg, model)
+      return _export(workdir, choice, out_dir, cfg, config_path, mesh, model, family)
+    except ValueError as e:  # the trainer's checks name the field --family was put into
+      for field in (f"config.checkpoint.export_hf={actor_family!r}",
+                    f"critic_family={family or 'auto'!r}"):
+        if family and str(e).startswith(field):
+          raise ValueError(f"--family={family!r}{str(e)[len(field):]}") from None
+      raise
 
 
 def _strings(tree: Any) -> list[str]:
@@ -237,7 +270,7 @@ def check_devices(cfg: TrainConfig, num_devices: int, platform: str) -> None:
 
 
 def _export(workdir: str, choice: Choice, out_dir: str, cfg: TrainConfig, config_path: str,
-            mesh: Optional[jax.sharding.Mesh]) -> dict:
+            mesh: Optional[jax.sharding.Mesh], model: str = "actor", family: str = "") -> dict:
   if mesh is None:
     check_devices(cfg, jax.device_count(), jax.default_backend())
   try:
@@ -258,12 +291,14 @@ def _export(workdir: str, choice: Choice, out_dir: str, cfg: TrainConfig, config
         "checkpoint first): while it trains, its checkpoint rotation could delete the one the "
         "export reads") from None
   try:
-    written = trainer.export_checkpoint(out_dir)
+    written = trainer.export_checkpoint(out_dir, model, family or "auto")
   finally:
     trainer.checkpoints.checkpointer.close()
     trainer.release_lock()
-  out = {"step": choice.step, "out": out_dir, "family": written, "config": config_path,
-         "kept": list(choice.kept), "chosen": choice.describe()}
+  out = {"model": model, "step": choice.step, "out": out_dir, "family": written,
+         "config": config_path, "kept": list(choice.kept), "chosen": choice.describe()}
+  if model == "critic":
+    out["value_bias"] = hf_export.exported_value_bias(out_dir)
   if choice.metric:
     out.update(metric=choice.metric, mode=choice.mode, value=choice.value)
   return out

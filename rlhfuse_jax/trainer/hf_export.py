@@ -1,7 +1,9 @@
 """The Hugging Face export of a run's actor (checkpoint.export_hf, and experiments/export_hf.py
-through trainer/export.py): the weights written as a HF checkpoint with the run's tokenizer
-files, chat template and special ids, marked with the iteration and run it holds, and renamed
-into place whole (docs/own_model.md).
+through trainer/export.py), or of its critic (export_hf --model=critic): the weights written as
+a HF checkpoint with the run's tokenizer files, chat template and special ids, marked with the
+iteration, run and model it holds, and renamed into place whole (docs/own_model.md). A critic
+is written as a *ForSequenceClassification (hf_loader.save_hf_checkpoint: `score.weight`, and
+`score.bias` when its value bias is not zero, which transformers ignores).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import shutil
 from typing import Any, Callable, Optional
 
 import jax
+import numpy as np
 import tokenizers
 from absl import logging
 
@@ -18,27 +21,42 @@ from rlhfuse_jax.data import chat as chat_lib
 from rlhfuse_jax.data import tokenizer as tokenizer_lib
 from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
 from rlhfuse_jax.models import hf_loader
+from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 from rlhfuse_jax.trainer.hooks import Hook
 
 HF_EXPORT_DIR = "hf_export"
+# The models an export can hold: the actor, or the critic of a run that trains one.
+MODELS = ("actor", "critic")
 # What a model directory holds besides the weights, copied into the export where the run's
-# tokenizer (init.tokenizer's directory) or its actor checkpoint has them, so that the export
-# loads as a whole model (AutoTokenizer, chat template, generation's EOS ids) and not weights
-# alone. The checkpoint's generation config, copied after, wins over the tokenizer directory's.
+# tokenizer (init.tokenizer's directory) or the model's source checkpoint has them, so that the
+# export loads as a whole model (AutoTokenizer, chat template, generation's EOS ids) and not
+# weights alone. The checkpoint's generation config, copied after, wins over the tokenizer
+# directory's.
 TOKENIZER_FILES = ("tokenizer.json", chat_lib.CONFIG_FILE, chat_lib.TEMPLATE_FILE,
                    tokenizer_lib.SPECIAL_TOKENS_MAP, tokenizer_lib.GENERATION_CONFIG)
 CHECKPOINT_FILES = (tokenizer_lib.GENERATION_CONFIG,)
 
 
-def export_family(cfg: TrainConfig) -> Optional[str]:
-  """The HF family checkpoint.export_hf asks for; None: the one the model's shape implies."""
+def model_config(cfg: TrainConfig, model: str = "actor") -> ModelConfig:
+  """The architecture of `model` ("actor" or "critic") in the resolved config `cfg`."""
+  return cfg.model if model == "actor" else cfg.critic_model
+
+
+def source_checkpoint(cfg: TrainConfig, model: str = "actor") -> str:
+  """The HF checkpoint `model` started from ('': none, built from the seed)."""
+  return cfg.init.actor_checkpoint if model == "actor" else cfg.init.critic_checkpoint
+
+
+def export_family(cfg: TrainConfig, model: str = "actor") -> Optional[str]:
+  """The HF family checkpoint.export_hf asks for; None: the one the model's shape implies.
+  'auto' is the family of the checkpoint `model` started from."""
   family = cfg.checkpoint.export_hf
   if family != "auto":
     return family
-  if cfg.init.actor_checkpoint:
-    return hf_loader.checkpoint_family(cfg.init.actor_checkpoint)
+  if source_checkpoint(cfg, model):
+    return hf_loader.checkpoint_family(source_checkpoint(cfg, model))
   return None
 
 
@@ -49,6 +67,11 @@ def export_family(cfg: TrainConfig) -> Optional[str]:
 # which are other tokens in Llama 3's vocabulary).
 SOURCE_CONTEXT_FIELDS = ("max_position_embeddings", "sliding_window", "bos_token_id",
                          "eos_token_id", "pad_token_id")
+
+
+def check_family(cfg: TrainConfig, model: str = "actor") -> None:
+  """A ValueError when the family checkpoint.export_hf asks for cannot express `model`."""
+  hf_loader.hf_config_dict(model_config(cfg, model), family=export_family(cfg, model))
 
 
 def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) -> None:
@@ -156,9 +179,10 @@ def _keep_source_context(source_dir: str, config_path: str) -> None:
     json.dump(out, f, indent=2)
 
 
-# Inside an export: the iteration whose actor it holds. Written with the export (renamed into
-# place together), so a run whose export is missing or older than its last checkpoint (an export
-# that failed or was killed, an extended run) knows to write it again.
+# Inside an export: the iteration, run and model ("actor", or "critic"; a marker without one is
+# an actor's) it holds. Written with the export (renamed into place together), so a run whose
+# export is missing or older than its last checkpoint (an export that failed or was killed, an
+# extended run) knows to write it again.
 EXPORT_MARKER = "rlhfuse_export.json"
 
 
@@ -167,38 +191,60 @@ def _export_marker(out_dir: str) -> Optional[dict]:
     with open(os.path.join(out_dir, EXPORT_MARKER)) as f:
       marker = json.load(f)
     return {"step": int(marker["step"]), "family": marker.get("family"),
-            "run": marker.get("run")}
+            "run": marker.get("run"), "model": marker.get("model", "actor"),
+            "value_bias": marker.get("value_bias")}
   except (OSError, ValueError, KeyError, TypeError, AttributeError):
     return None
 
 
 def exported_step(out_dir: str) -> Optional[int]:
-  """The iteration of the actor exported in `out_dir`; None: no (complete) export there."""
+  """The iteration of the model exported in `out_dir`; None: no (complete) export there."""
   marker = _export_marker(out_dir)
   return None if marker is None else marker["step"]
 
 
 def exported_run(out_dir: str) -> Optional[str]:
-  """The workdir (real path) of the run whose actor is exported in `out_dir`; None: no export
+  """The workdir (real path) of the run whose model is exported in `out_dir`; None: no export
   there, or one written before markers named their run."""
   marker = _export_marker(out_dir)
   return None if marker is None or not isinstance(marker["run"], str) else marker["run"]
 
 
+def exported_model(out_dir: str) -> Optional[str]:
+  """Which model of its run `out_dir` holds ("actor", or "critic"; an export written before
+  markers named it is an actor's); None: no export there."""
+  marker = _export_marker(out_dir)
+  return None if marker is None else marker["model"]
+
+
+def exported_value_bias(out_dir: str) -> Optional[float]:
+  """The value bias of the critic exported in `out_dir` (its `score.bias`, which transformers
+  does not apply); None: no critic's export there."""
+  marker = _export_marker(out_dir)
+  bias = None if marker is None else marker["value_bias"]
+  return float(bias) if isinstance(bias, (int, float)) else None
+
+
+def value_bias(params: Any) -> float:
+  """A critic's value bias (its scalar head's `value_bias`), as a float."""
+  return float(np.asarray(params["head"]["value_bias"], dtype=np.float32).reshape(-1)[0])
+
+
 def export_pending(workdir: str, cfg: TrainConfig, step: int) -> bool:
   """Whether checkpoint.export_hf asks for an export that should hold iteration `step` and
-  WORKDIR/hf_export does not (missing, unmarked, older, or of another HF family: the field may
-  change on a re-run; a marker written before families were recorded is taken as current)."""
+  WORKDIR/hf_export does not (missing, unmarked, older, not the actor, or of another HF family:
+  the field may change on a re-run; a marker written before families were recorded is taken as
+  current)."""
   if not cfg.checkpoint.export_hf:
     return False
   marker = _export_marker(os.path.join(workdir, HF_EXPORT_DIR))
-  if marker is None or marker["step"] != step:
+  if marker is None or marker["step"] != step or marker["model"] != "actor":
     return True
   return marker["family"] is not None and marker["family"] != _resolved_family(cfg)
 
 
-def _resolved_family(cfg: TrainConfig) -> str:
-  return export_family(cfg) or hf_loader.hf_family(cfg.model)
+def _resolved_family(cfg: TrainConfig, model: str = "actor") -> str:
+  return export_family(cfg, model) or hf_loader.hf_family(model_config(cfg, model))
 
 
 def export_work_dirs(out_dir: str) -> tuple[str, str]:
@@ -211,30 +257,46 @@ def export_work_dirs(out_dir: str) -> tuple[str, str]:
 
 
 def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] = None,
-              tokenizer: Optional[Tokenizer] = None, run: str = "") -> Optional[str]:
-  """Writes the actor `params` of the resolved config `cfg` as a HF checkpoint in `out_dir`
-  (replacing an earlier export only once the new one is complete), marked with `step` (the
-  iteration it is from; None: unmarked) and `run` (the run's workdir), with the run's
-  tokenizer files and chat template, and the special ids of `tokenizer` (the run's) where no
-  source checkpoint gave them. Every process takes part (a multi-host actor is gathered);
-  process 0 writes. Returns the family written."""
-  family = export_family(cfg)
+              tokenizer: Optional[Tokenizer] = None, run: str = "",
+              model: str = "actor") -> Optional[str]:
+  """Writes the `model` ("actor", or "critic") `params` of the resolved config `cfg` as a HF
+  checkpoint in `out_dir` (replacing an earlier export only once the new one is complete),
+  marked with `step` (the iteration it is from; None: unmarked), `run` (the run's workdir) and
+  `model`, with the run's tokenizer files and chat template, and the special ids of `tokenizer`
+  (the run's) where the model's source checkpoint (init.actor_checkpoint /
+  init.critic_checkpoint) gave none: a critic's config.json gets a pad_token_id, without which
+  transformers' *ForSequenceClassification refuses batches of more than one sequence. Every
+  process takes part (a multi-host model is gathered); process 0 writes. Returns the family
+  written."""
+  if model not in MODELS:
+    raise ValueError(f"model={model!r}; expected one of {MODELS}")
+  family = export_family(cfg, model)
   params = mesh_lib.to_host(params)
   if jax.process_index() != 0:
     return family
   tmp, old = export_work_dirs(out_dir)
   shutil.rmtree(tmp, ignore_errors=True)
-  hf_loader.save_hf_checkpoint(params, cfg.model, tmp, family=family)
+  hf_loader.save_hf_checkpoint(params, model_config(cfg, model), tmp, family=family)
+  marker = {"step": step, "family": _resolved_family(cfg, model),
+            "run": os.path.realpath(run) if run else None, "model": model}
+  if model == "critic":
+    marker["value_bias"] = bias = value_bias(params)
+    if bias != 0:
+      logging.warning(
+          "the critic's value bias is %.6g, written as score.bias: rlhfuse_jax's loader "
+          "(hf_loader.load_hf_params) reads it back, but transformers' "
+          "*ForSequenceClassification has no bias in its score layer and ignores it, so its "
+          "values (logits) are the critic's minus %.6g: add it back", bias, bias)
   if step is not None:
     with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
-      json.dump({"step": step, "family": _resolved_family(cfg),
-                 "run": os.path.realpath(run) if run else None}, f)
+      json.dump(marker, f)
   _copy_tokenizer(cfg, tokenizer, tmp)
-  if cfg.init.actor_checkpoint:  # its generation config, and its config.json's special ids
+  source = source_checkpoint(cfg, model)
+  if source:  # its generation config, and its config.json's special ids
     for name in CHECKPOINT_FILES:
-      if os.path.isfile(os.path.join(cfg.init.actor_checkpoint, name)):
-        shutil.copyfile(os.path.join(cfg.init.actor_checkpoint, name), os.path.join(tmp, name))
-    _keep_source_context(cfg.init.actor_checkpoint, os.path.join(tmp, "config.json"))
+      if os.path.isfile(os.path.join(source, name)):
+        shutil.copyfile(os.path.join(source, name), os.path.join(tmp, name))
+    _keep_source_context(source, os.path.join(tmp, "config.json"))
   # (after the source's: a checkpoint saved with null ids, as transformers writes Qwen3's, kept
   # them, and generate() ran past the run's EOS)
   _fill_special_ids(tokenizer, os.path.join(tmp, "config.json"))
@@ -248,7 +310,7 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
     os.replace(out_dir, old)
   os.replace(tmp, out_dir)
   shutil.rmtree(old, ignore_errors=True)
-  return _resolved_family(cfg)
+  return _resolved_family(cfg, model)
 
 
 class HFExport(Hook):

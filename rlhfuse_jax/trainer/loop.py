@@ -724,17 +724,34 @@ class PPOTrainer:
         generator.load_rt_state(meta["rt"])
     return start
 
-  def export_checkpoint(self, out_dir: str) -> str:
-    """The actor of checkpoint `export_step` (the constructor's) as a HF checkpoint in
-    `out_dir` (hf_export.export_hf: written beside it, renamed into place whole), in the family
-    config.checkpoint.export_hf names. The checkpoint is read and checked (its checksums), never
-    set aside: one that cannot be read is an error. Returns the family written."""
+  def export_checkpoint(self, out_dir: str, model: str = "actor",
+                        critic_family: str = "auto") -> str:
+    """The `model` ("actor", or "critic" of a run that trains one) of checkpoint `export_step`
+    (the constructor's) as a HF checkpoint in `out_dir` (hf_export.export_hf: written beside
+    it, renamed into place whole), the actor in the family config.checkpoint.export_hf names,
+    the critic in `critic_family` ('auto': its init.critic_checkpoint's, else the one its shape
+    implies). The checkpoint is read and checked (its checksums), never set aside: one that
+    cannot be read is an error. Returns the family written."""
+    cfg = self.cfg
+    if model == "critic":
+      if not self.use_critic:
+        raise ValueError(f"the run trained no critic (config.algo.estimator="
+                         f"{cfg.algo.estimator!r} needs none): only its actor exports")
+      cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
+          cfg.checkpoint, export_hf=critic_family or "auto"))
+      try:  # a family that cannot express the critic: before the checkpoint is read
+        hf_export.check_family(cfg, model)
+      except ValueError as e:
+        raise ValueError(f"critic_family={critic_family!r}: {e}") from None
+    elif model != "actor":
+      raise ValueError(f"model={model!r}; expected one of {hf_export.MODELS}")
     step = self._export_step
     state, _ = self.checkpoints.read_exactly(step, self._state(), self._layout())
-    params = self.update.whole("actor", state["actor"])
-    family = hf_export.export_hf(params, self.cfg, out_dir, step, self.tokenizer, self.workdir)
-    logging.info("exported the actor of iteration %d as a HF %s checkpoint: %s", step, family,
-                 out_dir)
+    params = self.update.whole(model, state[model])
+    family = hf_export.export_hf(params, cfg, out_dir, step, self.tokenizer, self.workdir,
+                                 model=model)
+    logging.info("exported the %s of iteration %d as a HF %s checkpoint: %s", model, step,
+                 family, out_dir)
     return family
 
   def _match_reference(self, start: int) -> None:
