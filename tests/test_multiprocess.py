@@ -393,6 +393,45 @@ def test_slurm_one_task_per_node_sees_every_gpu_of_its_node(monkeypatch):
     distributed.initialize("127.0.0.1:29999", 2, 0)
 
 
+def test_a_process_that_cannot_join_says_which_coordinator_it_waits_for(monkeypatch, caplog):
+  """A process given another --coordinator_address waited silently in jax.distributed.initialize
+  for jax's initialization timeout (5 minutes); then every process aborted (134) with jax's
+  "another task died ... DEADLINE_EXCEEDED", naming no address. While the join lasts, each
+  process now warns which coordinator it waits for and, on a process > 0, that nothing
+  listens there."""
+  import socket
+  import threading
+  port = free_port()  # nothing listens: refused at once
+  assert "ConnectionRefusedError" in distributed.coordinator_unreachable(f"127.0.0.1:{port}")
+  with socket.socket() as listening:
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    assert distributed.coordinator_unreachable(
+        f"127.0.0.1:{listening.getsockname()[1]}") is None
+  released = threading.Event()
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: released.wait(0.35))
+  monkeypatch.setattr(distributed, "JOIN_WARN_S", 0.1)
+  monkeypatch.setattr(distributed, "reclaim_sigterm", lambda: None)
+  monkeypatch.setattr(distributed, "check_same_local_devices", lambda *a: None)
+  with caplog.at_level("WARNING"):
+    distributed.initialize(f"127.0.0.1:{port}", 2, 1)
+    warned = [r.getMessage() for r in caplog.records if "still joining" in r.getMessage()]
+    assert 1 <= len(warned) <= 2, warned  # after 0.1 and 0.3 s (the waits double)
+    assert warned[0].startswith(f"process 1 of 2: still joining the run at the coordinator "
+                                f"127.0.0.1:{port} after 0 s")
+    assert "nothing accepts connections there (ConnectionRefusedError" in warned[0]
+    assert "check --coordinator_address" in warned[0]
+    caplog.clear()
+    distributed.initialize(f"127.0.0.1:{port}", 2, 0)  # process 0 is the one listening
+    warned = [r.getMessage() for r in caplog.records if "still joining" in r.getMessage()]
+    assert warned and "a process has not started yet" in warned[0], warned
+    caplog.clear()
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: None)
+    distributed.initialize(f"127.0.0.1:{port}", 2, 1)  # joined at once: nothing said
+    time.sleep(0.2)
+    assert "still joining" not in caplog.text
+
+
 def test_processes_that_read_different_checkpoints_stop_naming_each(monkeypatch):
   """What each process reads of the workdir alone (the checkpoint to resume) is compared: a
   host with another view of the shared filesystem stops the run on every process, naming each

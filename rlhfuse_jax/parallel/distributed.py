@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import zlib
 from typing import Callable, Mapping, Optional, TypeVar
@@ -86,6 +87,10 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
   if jax.config.jax_platforms in ("cpu",) or not jax.config.jax_platforms:
     # Cross-process collectives on CPU devices need gloo (GPUs use NCCL, TPUs ICI/DCN).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+  joined = threading.Event()
+  threading.Thread(target=_warn_while_joining, daemon=True, name="join_watchdog",
+                   args=(joined, address, num_processes, process_id)).start()
   try:
     jax.distributed.initialize(**kwargs)
   except ValueError as e:
@@ -105,11 +110,57 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
                      f"{address} ({e}): the port is most likely in use (another run's "
                      "coordinator, or another program); choose another port for every process "
                      "(--coordinator_address; PORT= for launch/local_multiprocess.sh)") from e
+  finally:
+    joined.set()
   reclaim_sigterm()
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
   check_same_local_devices(jax.devices(), jax.process_index())
+
+
+JOIN_WARN_S = 30.0  # seconds in jax.distributed.initialize before _warn_while_joining speaks
+
+
+def coordinator_unreachable(address: str, timeout_s: float = 5.0) -> Optional[str]:
+  """Why no TCP connection opens to `address` (HOST:PORT, the coordinator's), or None when one
+  does (or the address cannot be split: jax reports that)."""
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit():
+    return None
+  try:
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+      return None
+  except OSError as e:
+    return f"{type(e).__name__}: {e}"
+
+
+def _warn_while_joining(joined: threading.Event, address: str, num_processes: int,
+                        process_id: Optional[int], wait_s: Optional[float] = None) -> None:
+  """A warning after `wait_s` (JOIN_WARN_S), then after twice as long again, and so on, while
+  this process is still in
+  jax.distributed.initialize: a process given another --coordinator_address (or --num_processes
+  on process 0) waited there silently for jax's initialization timeout, 5 minutes, and then
+  every process aborted with jax's "another task died ... DEADLINE_EXCEEDED", which names no
+  address and blames a peer. Said on every process: which address it connects to, and whether
+  anything listens there (a process > 0 that reaches none has the wrong address, or process 0
+  has not started)."""
+  delay = JOIN_WARN_S if wait_s is None else wait_s
+  waited = 0.0
+  while not joined.wait(delay):  # after 30, 90, 210 s, ...
+    waited += delay
+    delay *= 2
+    who = (f"process {process_id} of {num_processes}" if num_processes else "this process")
+    why = coordinator_unreachable(address) if address and process_id != 0 else None
+    logging.warning(
+        "%s: still joining the run at the coordinator %s after %.0f s (jax gives up after its "
+        "initialization timeout, 300 s, with \"another task died ... DEADLINE_EXCEEDED\")%s",
+        who, address or "(detected by jax)", waited,
+        f": nothing accepts connections there ({why}): check --coordinator_address (process "
+        f"0's host and port, the same on every process) and that process 0 runs" if why else
+        ": a process has not started yet, or was given another --coordinator_address, or "
+        "process 0 another --num_processes (each process's log says which address it "
+        "connects to)")
 
 
 def check_same_local_devices(devices, me: int) -> None:
