@@ -276,11 +276,14 @@ def _start_and_train(run_log: runner.RunLog) -> tuple[TrainConfig, PPOTrainer]:
   check_own_workdir(workdir)
   os.makedirs(workdir, exist_ok=True)
   hooks.enable_compilation_cache(cfg.compilation_cache_dir, workdir)  # before anything compiles
-  # Checks the lock and any checkpoint against this config; the log goes into the workdir once
-  # it is this run's (a refused resume's error is in it too).
-  trainer = PPOTrainer(cfg, workdir, on_locked=lambda: logging.info(
-      "log: %s", run_log.keep_in(workdir, jax.process_index()) or "kept by the caller"))
   try:
+    # Checks the lock and any checkpoint against this config; the log goes into the workdir
+    # once it is this run's (a refused resume's error is in it too). Inside the try: set-up
+    # runs collectives too (fused generation's first exchange, Exchange.warm_up, waits for
+    # every process's compiles), and a peer lost there exited 1 or, on process 0, was aborted
+    # by jax (134) during its grace before exiting, where the same loss mid-run exits 69.
+    trainer = PPOTrainer(cfg, workdir, on_locked=lambda: logging.info(
+        "log: %s", run_log.keep_in(workdir, jax.process_index()) or "kept by the caller"))
     # The lock stays held while result.json is written: another start on this workdir in
     # between could change metrics.jsonl while it is summarised.
     # result.json is summarised from metrics.jsonl: no per-iteration rows kept in memory

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from rlhfuse_jax import workdir as wdlib
+from rlhfuse_jax.generation import multihost
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer.loop import PPOTrainer
@@ -430,6 +431,39 @@ def test_a_process_that_cannot_join_says_which_coordinator_it_waits_for(monkeypa
     distributed.initialize(f"127.0.0.1:{port}", 2, 1)  # joined at once: nothing said
     time.sleep(0.2)
     assert "still joining" not in caplog.text
+
+
+_PEER_LOST_IN_SETUP = """
+import sys
+from absl import flags
+from experiments import config_files, runner, train_ppo
+from rlhfuse_jax.generation import multihost
+flags.FLAGS(["train_ppo", "--config=configs/ppo_tiny.py", "--workdir=" + sys.argv[1]])
+def lost(*args, **kwargs):  # what Exchange.warm_up raises in FusedGenerator's set-up
+  raise multihost.PeerLostError("fused generation, process 0 of 2: the collective exchanging "
+                                "the start of fused generation did not complete")
+def exit_now(status):
+  print("exit_now", status, flush=True)
+  sys.exit(0)
+train_ppo.PPOTrainer = lost
+config_files.exit_now = exit_now
+train_ppo._start_and_train(runner.RunLog())
+"""
+
+
+def test_a_peer_lost_during_set_up_exits_as_one_lost_mid_run(tmp_path):
+  """A process killed while the others compiled their fused generation instances: the others'
+  first exchange (Exchange.warm_up, in PPOTrainer's set-up) raised PeerLostError outside the
+  try that maps it to exit 69, so it went out as an ordinary error (a traceback, exit 1; process
+  0 waits 10 s first, and jax's abort, 134, came in those seconds: 2 x 4 devices, the fused
+  main job, a kill -9 of process 1 at its second instance's compile). It now exits 69, as the
+  same loss does mid-run."""
+  out = subprocess.run([sys.executable, "-c", _PEER_LOST_IN_SETUP, str(tmp_path / "wd")],
+                       cwd=REPO, env=subprocess_env(1), capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert f"exit_now {multihost.EXIT_PEER_LOST}" in out.stdout, out.stderr[-3000:]
+  assert "the start of fused generation did not complete" in out.stderr, out.stderr[-3000:]
 
 
 def test_processes_that_read_different_checkpoints_stop_naming_each(monkeypatch):
