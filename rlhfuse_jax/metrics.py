@@ -75,7 +75,7 @@ class MetricWriter:
     on processes other than 0."""
     if not self.enabled:
       return []
-    have = {r.get("step") for r in wd.keep_jsonl_through(self.path, step)}
+    have = set(wd.keep_jsonl_through(self.path, step, rows=False))
     return [s for s in range(1, step + 1) if s not in have]
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:

@@ -507,42 +507,77 @@ def read_json_object(path: str, error: type = ValueError, invalid: str = "not va
   return obj
 
 
-def keep_jsonl_through(path: str, step: int) -> list[dict]:
+def keep_jsonl_through(path: str, step: int, rows: bool = True) -> list:
   """Rewrites the JSONL file at `path` (append_jsonl's, rows with a "step") without the rows of
-  steps after `step`, atomically; returns the rows kept. A resumed run's logs (metrics.jsonl,
-  samples.jsonl) so never repeat a step written after the checkpoint it resumed from."""
-  rows = read_jsonl(path)
-  for r in rows:
+  steps after `step`, atomically; returns the rows kept (rows=False: their steps alone, for a
+  caller that needs no more: a row of metrics.jsonl held as a dict is ~8 KiB, ~1 GB over a
+  100k-iteration run, at every start). A resumed run's logs (metrics.jsonl, samples.jsonl) so
+  never repeat a step written after the checkpoint it resumed from. A file with nothing to drop
+  (every line a row kept, a newline at its end: no torn last line) is left as it is: rewritten,
+  every start of a long run wrote its whole log again (hundreds of MB)."""
+  kept, dropped = [], False
+  for _, row in _jsonl_rows(path):
+    if row is None:  # a blank line or a torn last one
+      dropped = True
+      continue
     # A step that is not a number (a hand-edited row) failed in the comparison below with a
     # TypeError that named neither the file nor the row.
-    if not isinstance(r.get("step", 0), (int, float)) or isinstance(r.get("step"), bool):
-      raise ValueError(f"{path}: a row with step={r['step']!r}: expected an integer step "
+    if not isinstance(row.get("step", 0), (int, float)) or isinstance(row.get("step"), bool):
+      raise ValueError(f"{path}: a row with step={row['step']!r}: expected an integer step "
                        "(the iteration it was written after); fix or remove that row")
-  rows = [r for r in rows if r.get("step", 0) <= step]
-  atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-  return rows
+    if row.get("step", 0) > step:
+      dropped = True
+      continue
+    kept.append(row if rows else row.get("step"))
+  if dropped:  # a second pass: the kept lines as they were written
+    atomic_write_bytes(path, b"".join(line.rstrip(b"\r\n") + b"\n"
+                                      for line, row in _jsonl_rows(path)
+                                      if row is not None and row.get("step", 0) <= step))
+  return kept
+
+
+def _jsonl_rows(path: str):
+  """(line, row) for each line of a JSONL file written by `append_jsonl`, streamed: row None for
+  a blank line and for a torn last line (crash mid-write), which also ends the file. Any other
+  line that is not a JSON object (malformed, not UTF-8, an array or a number) is a ValueError
+  naming the file and the line."""
+  if not os.path.exists(path):
+    return
+  with open(path, "rb") as f:
+    line, i = f.readline(), 0
+    while line:
+      following, i = f.readline(), i + 1
+      if not line.strip():
+        yield line, None
+        line = following
+        continue
+      try:
+        row = json.loads(line.decode("utf-8"))
+      except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        if not following:  # only the last line can be torn
+          yield line, None
+          return
+        raise ValueError(f"{path}:{i}: malformed JSON line") from None
+      if not isinstance(row, dict):
+        raise ValueError(f"{path}:{i}: expected a JSON object per line, got "
+                         f"{type(row).__name__}")
+      if not line.endswith(b"\n"):  # complete, but the file ends without its newline
+        yield line, row
+        yield b"", None  # (rewritten with it: the next append starts a line of its own)
+        return
+      yield line, row
+      line = following
+
+
+def iter_jsonl(path: str):
+  """read_jsonl's rows one at a time (a long run's metrics.jsonl need not be held whole)."""
+  for _, row in _jsonl_rows(path):
+    if row is not None:
+      yield row
 
 
 def read_jsonl(path: str) -> list[dict]:
   """Reads a JSONL file written by `append_jsonl`; a torn last line (crash mid-write) is dropped.
   Any other line that is not a JSON object (malformed, not UTF-8, an array or a number) is a
   ValueError naming the file and the line: the callers read rows as objects."""
-  if not os.path.exists(path):
-    return []
-  out = []
-  with open(path, "rb") as f:
-    lines = f.read().split(b"\n")
-  for i, line in enumerate(lines):
-    if not line.strip():
-      continue
-    try:
-      row = json.loads(line.decode("utf-8"))
-    except ValueError:  # JSONDecodeError, UnicodeDecodeError
-      if i >= len(lines) - 2:  # only the last line can be torn
-        break
-      raise ValueError(f"{path}:{i + 1}: malformed JSON line") from None
-    if not isinstance(row, dict):
-      raise ValueError(f"{path}:{i + 1}: expected a JSON object per line, got "
-                       f"{type(row).__name__}")
-    out.append(row)
-  return out
+  return list(iter_jsonl(path))

@@ -329,7 +329,7 @@ class SamplesLog(Hook):
   def begin(self, start: int) -> None:
     self.enabled = jax.process_index() == 0
     if self.enabled and os.path.exists(self.path):
-      wd.keep_jsonl_through(self.path, start)
+      wd.keep_jsonl_through(self.path, start, rows=False)
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     rows = self.take()
