@@ -230,6 +230,7 @@ def apply_run(c, t, overrides=None):
   from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
   run = TrainConfig.from_config_dict(t)
   build.check_shape_overrides(run, overrides or {}, flag="--run_config")
+  validate.check_trained_dtypes(run)  # refused by train_ppo whatever the plan (float16)
   try:  # (it said "fits" without a word; a warning, as the presets' own examples point at the
     # tiny model, of 256 positions, until a user gives theirs)
     validate.check_checkpoint_positions(run)

@@ -281,10 +281,14 @@ def train_run(cfg: ablations.AblationConfig, config_dict) -> tuple:
   devices = cpu_devices(cfg.num_devices)
   # The trainer imports jax: only here, so that the paper variants never start it.
   from rlhfuse_jax.trainer import build  # pylint: disable=import-outside-toplevel
+  from rlhfuse_jax.trainer import validate  # pylint: disable=import-outside-toplevel
   from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
   train = TrainConfig.from_config_dict(config_dict)
   task, tokenizer = build.build_task_and_tokenizer(train)
   train = build.resolve_config(train, tokenizer)
+  # A float16 trained model: every plan refused for it after the outputs had started (the
+  # earlier plan.json moved), named config.<field> among the search's own refusals.
+  validate.check_trained_dtypes(train)
   # The reward model's checkpoint (reward.kind='model'), whose shape the workload takes
   # (trainer/sim_plan.workload): read there, after the outputs had started, a missing one moved
   # the earlier plan.json and named config.<field> where the user typed --run_config.<field>.

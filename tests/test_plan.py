@@ -997,6 +997,25 @@ def test_plan_search_takes_a_run_config_with_train_ppos_overrides(tmp_path):
   assert not (tmp_path / "pair").exists()
 
 
+def test_plan_search_refuses_a_float16_run_before_its_outputs_start(tmp_path):
+  """--run_config.model.dtype=float16, a run train_ppo refuses, started the outputs (an
+  earlier plan.json moved to previous/) and was refused only after the search, plan by plan,
+  named config.model.dtype among the search's own refusals."""
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  (tmp_path / "ps").mkdir()
+  (tmp_path / "ps" / "plan.json").write_text("{}")
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
+       "--run_config=configs/ppo_tiny.py", "--config.systems=realhf_like",
+       "--run_config.model.dtype=float16", f"--workdir={tmp_path / 'ps'}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1 and ("--run_config (config.<field> is --run_config.<field> here): "
+                                  "config.model.dtype='float16': a trained model in float16 "
+                                  "needs loss scaling") in out.stderr, out.stderr[-3000:]
+  left = set(os.listdir(tmp_path / "ps"))  # (traceback.txt: where the error was raised)
+  assert "plan.json" in left and not left & {"previous", "config.json"}, left
+
+
 def test_the_set_up_log_names_what_the_plan_file_set(tmp_path):
   """A plan file's settings are applied under fields the user may not have written (zero1 among
   them, with no way back), so the trainer's set-up log names each one (the trainer logs

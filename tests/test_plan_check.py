@@ -776,6 +776,22 @@ def test_a_run_taking_its_vocabulary_from_the_tokenizer_is_checked_with_it():
   assert c.actor.vocab_size == c.critic.vocab_size == resolved.model.vocab_size == 22
 
 
+def test_a_run_config_training_in_float16_is_refused_as_train_ppo_refuses_it():
+  """--run_config.model.dtype=float16 (or a critic's param_dtype) compiled and said "every
+  program fits", exit 0, for a run train_ppo refuses (no loss scaling: trainer/validate.py); a
+  critic-free estimator's unused critic section is not refused, as train_ppo does not."""
+  from configs import ppo_tiny
+  for section, field in (("model", "dtype"), ("critic_model", "param_dtype")):
+    run = ppo_tiny.get_config()
+    run[section][field] = "float16"
+    with pytest.raises(ValueError, match=rf"config\.{section}\.{field}='float16': .*loss "
+                                         r"scaling.*'bfloat16'"):
+      plan_config.apply_run(plan_config.get_config("tiny"), run)
+  run = ppo_tiny.get_config("grpo")
+  run.critic_model.dtype = "float16"
+  plan_config.apply_run(plan_config.get_config("tiny"), run)
+
+
 def test_a_run_with_a_plan_file_is_checked_on_the_devices_the_plan_was_searched_for(tmp_path):
   """mesh.data=-1 beside a plan.file searched for 8 devices (tensor 2, generation instances of
   4 devices): checked on those 8, data 4, as train_ppo resolves it there. It was checked on

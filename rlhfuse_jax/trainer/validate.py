@@ -212,11 +212,10 @@ def check_checkpoint_positions(cfg: TrainConfig) -> None:
                        "its positions")
 
 
-def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
-             generation_devices: Optional[int] = None) -> None:
-  """Raises ValueError naming the config field for a run this mesh cannot do. `mesh` is the
-  training mesh; generation and inference run on `generation_devices` devices (default: the
-  mesh's; fewer with async_ppo.generation_devices)."""
+def check_trained_dtypes(cfg: TrainConfig) -> None:
+  """Refuses a trained model (the actor; the critic when the estimator trains one) whose dtype
+  or param_dtype is float16, naming the field. Also plan_check's and plan_search's --run_config
+  (plan_check compiled such a run and said it fits, where train_ppo refuses it)."""
   for section, model, _ in _trained_models(cfg):
     for field in ("dtype", "param_dtype"):
       if jnp.dtype(getattr(model, field)) == jnp.float16:
@@ -228,6 +227,14 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
             "scaling, which this trainer does not do (its gradients underflow, and float16 "
             "AdamW moments divide by 0); use 'bfloat16' (the same memory, float32's range) or "
             "'float32'")
+
+
+def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
+             generation_devices: Optional[int] = None) -> None:
+  """Raises ValueError naming the config field for a run this mesh cannot do. `mesh` is the
+  training mesh; generation and inference run on `generation_devices` devices (default: the
+  mesh's; fewer with async_ppo.generation_devices)."""
+  check_trained_dtypes(cfg)
   n_gen = mesh.devices.size if generation_devices is None else generation_devices
   g = cfg.async_ppo.generation_devices
   train_group = (f"; the training group: the devices left by config.async_ppo."
