@@ -120,8 +120,12 @@ class StatePreservingJit:
     key = (treedef, tuple(leaves))
     if key not in self._jitted:
       kwargs = dict(self._jit_kwargs)
-      if all(isinstance(x, jax.sharding.Sharding) for x in leaves):
-        first = leaves[0]
+      # The arrays' own shardings: a state that is None (no critic: grpo, rloo, ...) has no
+      # arrays, and its None in `leaves` left out_shardings unset, so the actor came back
+      # renamed and the second mini-batch compiled the update again.
+      placed = [getattr(x, "sharding", None) for x in jax.tree.leaves((actor, critic))]
+      if placed and all(isinstance(x, jax.sharding.Sharding) for x in placed):
+        first = placed[0]
         # Metrics are scalars: replicated over the states' mesh (or on their one device).
         metrics = (jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
                    if isinstance(first, jax.sharding.NamedSharding) else first)
