@@ -98,7 +98,9 @@ class ProgressReporter:
 
   `elapsed` counts from `t0` (the trainer passes the time it was built: setup, restore and the
   first iteration's compilation included; default now). The ETA uses the pace after the first
-  iteration of this run, which includes XLA compilation.
+  iteration of this run, which includes XLA compilation: `tick` it after every iteration, logged
+  or not (with log_every=10 the first line, at iteration 10, showed ETA=? and paced the rest
+  from there, so a run logging every 100 iterations had no ETA until its 200th).
   """
 
   def __init__(self, total: int, start_step: int = 0, t0: Optional[float] = None):
@@ -107,12 +109,16 @@ class ProgressReporter:
     self.t0 = time.time() if t0 is None else t0
     self._t_first: Optional[float] = None  # end of the first (compiling) iteration
 
+  def tick(self, step: int) -> None:
+    """Iteration `step` has ended: the first one of this run is where the ETA's pace starts."""
+    if self._t_first is None:
+      self._t_first, self._first_step = time.time(), step
+
   def line(self, step: int, metrics: Mapping[str, Any], keys=("reward/mean",),
            extra: str = "") -> str:
     """`extra`: a phrase appended at the end (e.g. what inter-stage fusion did)."""
     now = time.time()
-    if self._t_first is None:
-      self._t_first, self._first_step = now, step
+    self.tick(step)
     paced = step - self._first_step
     eta = (now - self._t_first) / paced * (self.total - step) if paced else None
     parts = [f"iter {step}/{self.total}"]

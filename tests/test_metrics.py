@@ -36,6 +36,29 @@ def test_progress_line_shows_hours_past_an_hour(monkeypatch):
   assert "elapsed=59m59s" in metrics_lib.ProgressReporter(10, t0=0.0).line(1, {})
 
 
+def test_the_eta_paces_from_the_first_iteration_when_lines_are_every_k(tmp_path, monkeypatch,
+                                                                       caplog):
+  """log_every=10: iteration 1 (which compiles) is not logged, yet the line of iteration 10
+  has an ETA, paced over iterations 2-10."""
+  class Cfg:
+    num_iterations, log_every = 30, 10
+  now = [1000.0]
+  monkeypatch.setattr(metrics_lib.time, "time", lambda: now[0])
+  log = hooks.MetricsLog(str(tmp_path), Cfg(), lambda m: "", started=1000.0)
+  log.begin(0)
+  try:
+    with caplog.at_level(logging.INFO):
+      now[0] += 60  # iteration 1 compiles
+      log.after(1, {}, stopping=False)
+      for step in range(2, 11):  # 2 s each
+        now[0] += 2
+        log.after(step, {}, stopping=False)
+  finally:
+    log.end(failing=False)
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("iter ")]
+  assert lines == ["iter 10/30 elapsed=1m18s ETA=0m40s"]
+
+
 def test_the_trainers_progress_counts_from_when_it_was_built(tmp_path):
   class Cfg:
     num_iterations = 4
