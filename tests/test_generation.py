@@ -1,5 +1,6 @@
 """Generation: cache == full forward, behaviour log-probs == trainer recomputation, sampling
 filters, per-sample stop, per-sample RNG invariance, sharded == single device, clear errors."""
+import logging
 import re
 
 import jax
@@ -446,6 +447,18 @@ def test_state_is_donated_and_compiled_once(params, prompts, sampled):
   assert done.shape == (B,)
   gen.generate(params, tokens, lens, KEY)
   assert gen.num_compiles == 2
+
+
+def test_the_ahead_of_time_compile_says_what_it_does_and_how_long_it_took(params, caplog):
+  """The serial stage compiles prefill and decode after train_ppo's "models and update ready":
+  a line before and after, not a silence as long as the compile."""
+  with caplog.at_level(logging.INFO):
+    instances.Generator(CFG, SamplingConfig(max_new_tokens=T), batch_size=B, prompt_len=P,
+                        params=params)
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generation:")]
+  assert lines[0] == (f"generation: compiling prefill and decode ({B} rows, prompts up to {P} "
+                      f"tokens, {T} new) ...")
+  assert re.fullmatch(r"generation: prefill and decode compiled in \d+\.\ds", lines[1])
 
 
 def test_clear_errors(params, prompts):
