@@ -59,6 +59,22 @@ def test_the_eta_paces_from_the_first_iteration_when_lines_are_every_k(tmp_path,
   assert lines == ["iter 10/30 elapsed=1m18s ETA=0m40s"]
 
 
+def test_the_iteration_a_signal_stops_after_gets_its_line(tmp_path, caplog):
+  """log_every=100, Ctrl-C after iteration 201: its line is logged, the others' not."""
+  class Cfg:
+    num_iterations, log_every = 2000, 100
+  log = hooks.MetricsLog(str(tmp_path), Cfg(), lambda m: "")
+  log.begin(199)
+  try:
+    with caplog.at_level(logging.INFO):
+      log.after(200, {}, stopping=False)
+      log.after(201, {}, stopping=True)
+  finally:
+    log.end(failing=False)
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("iter ")]
+  assert [line.split(" elapsed")[0] for line in lines] == ["iter 200/2000", "iter 201/2000"]
+
+
 def test_the_trainers_progress_counts_from_when_it_was_built(tmp_path):
   class Cfg:
     num_iterations = 4

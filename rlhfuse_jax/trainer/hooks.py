@@ -307,7 +307,8 @@ class MetricsLog(Hook):
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     self.writer.write(step, metrics)
     self.progress.tick(step)  # the ETA's pace starts after the first iteration, logged or not
-    if step % self.cfg.log_every == 0 or step == self.cfg.num_iterations:
+    # (and the iteration a signal stops after: where the run stands, whatever log_every is)
+    if step % self.cfg.log_every == 0 or step == self.cfg.num_iterations or stopping:
       logging.info(self.progress.line(step, metrics, keys=("reward/mean", "val/reward_mean",
                                                            "kl/ref_mean", "response_length/mean"),
                                       extra=self.summary(metrics)))
