@@ -134,6 +134,8 @@ def main(argv):
   # The calibration files read and checked before the earlier outputs move aside (a malformed
   # one, or one of another model, left the workdir without its result).
   ablations.cost_model(cfg)
+  for line in ablations.context_warnings(cfg):  # (not refused: the papers' L=2048 settings)
+    logging.warning("sequences longer than a model's context: %s", line)
   if cfg.validation_calibration:
     cal_lib.load(cfg.validation_calibration, "config.validate.calibration")
   workdir = _WORKDIR.value

@@ -89,6 +89,28 @@ def test_config_errors_name_the_field():
   assert len(cfg.settings()) == 12 and cfg.systems == iteration_sim.SYSTEMS
 
 
+def test_sequences_longer_than_a_models_context_are_warned_of():
+  """Nothing read a shape's max_seq_len: the papers' L=2048 settings size rows at 1024 + 2048
+  positions, past LLaMA-1's 2048, and a model of 256 positions (calibrate_sim's, an HF
+  config's max_position_embeddings) was simulated at L=512, both without a word."""
+  from configs import ablations as cfg_mod
+  from rlhfuse_jax.sim import shapes
+  cfg = ablations.AblationConfig.from_config_dict(cfg_mod.get_config())
+  lines = ablations.context_warnings(cfg)
+  assert [line.split(":")[0] for line in lines] == [
+      "13B/13B L=2048", "33B/13B L=2048", "33B/13B L=2048", "65B/33B L=2048",
+      "65B/33B L=2048", "65B/65B L=2048"], lines
+  assert "llama-13b holds 2048 positions" in lines[0] and "sized at 3072" in lines[0]
+  mine = shapes.from_hf_config(os.path.join(ROOT, "tests", "fixtures", "tiny_llama"), "mine")
+  cfg = dataclasses.replace(cfg, pairs=(("mine", "mine"),), max_new_tokens=(512,),
+                            shapes=(("mine", mine),), figure_setting=0)
+  lines = ablations.context_warnings(cfg)
+  assert len(lines) == 1 and lines[0].startswith("mine/mine L=512: mine holds 256 positions")
+  assert "sized at 1536" in lines[0] and "489 of the 512 sampled" in lines[0], lines
+  cfg = ablations.AblationConfig.from_config_dict(cfg_mod.get_config("quick"))
+  assert ablations.context_warnings(cfg) == []  # 13B/13B L=512: 1024 + 512 positions
+
+
 @pytest.mark.parametrize("field", ["num_devices", "global_batch", "minibatch", "epochs",
                                    "micro_batch"])
 def test_a_count_below_one_is_refused_by_name(field):

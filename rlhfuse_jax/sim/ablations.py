@@ -286,6 +286,30 @@ def workload(cfg: AblationConfig, setting: dict) -> it.Workload:
                      response=cfg.response, seed=cfg.seed)
 
 
+def context_warnings(cfg: AblationConfig) -> list[str]:
+  """A line per setting and simulated model whose context (max_seq_len: a preset's, or its HF
+  config's max_position_embeddings) is shorter than the setting's sequences: training rows are
+  sized at config.prompt.max_len + max_new_tokens (Workload.padded_len) and a sampled prompt
+  with its response may pass it too. Nothing in the simulator reads max_seq_len: it times and
+  sizes them as a model that takes them would (train_ppo refuses such a run), so the
+  calibrate_sim model's 256 positions were simulated at L=512 without a word. Warned, not
+  refused: the papers' L=2048 settings pass LLaMA-1's 2048 positions (prompts up to 1024)."""
+  out = []
+  for st in cfg.settings():
+    wl = workload(cfg, st)
+    prompts, resp = wl.sample_lengths()
+    longest = prompts + resp
+    for name in dict.fromkeys((st["actor"], st["critic"])):
+      ctx = cfg.shape(name).max_seq_len
+      over = int((longest > ctx).sum())
+      if wl.padded_len > ctx or over:
+        out.append(f"{st['label']}: {name} holds {ctx} positions (max_seq_len), and rows are "
+                   f"sized at {wl.padded_len} (config.prompt.max_len + max_new_tokens); "
+                   f"{over} of the {len(longest)} sampled prompts + responses are longer "
+                   f"(the longest {int(longest.max())}); simulated as a model that takes them")
+  return out
+
+
 ROW_FIELDS = ("iteration_s", "gen_s", "inf_s", "gen_plus_inf_s", "train_s", "samples_per_s",
               "reshard_s")
 
