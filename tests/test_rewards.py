@@ -365,6 +365,32 @@ def test_a_function_that_changes_its_record_leaves_the_pool_as_it_was(tok):
   assert [r["prompt"][0]["content"] for r in pool] == ["1?", "2?"]
 
 
+def test_a_prompt_s_samples_share_one_copy_of_its_record(tok):
+  """The copies keep the batch's identities: a prompt's samples_per_prompt rows hold the same
+  record (trainer/loop.py), and a function that groups them by identity found them; with a copy
+  per row every sample was a group of one. Each record is still copied (the pool unchanged)."""
+  first, second = {"target": "1", "prompt": "1?"}, {"target": "2", "prompt": "2?"}
+  records = [first, first, second, second]
+  seen = []
+
+  def batched(responses, answers, recs):
+    seen.append(recs)
+    return [0.0] * len(responses)
+  batched.batched = True
+
+  def one(response, answer, record):
+    seen.append(record)
+    return 0.0
+  ids, lens = _batch(tok, ["1", "1", "2", "2"])
+  rewards_lib.per_batch(batched, "b")(records, ids, lens, tok)
+  recs = seen.pop()
+  assert recs[0] is recs[1] and recs[2] is recs[3] and recs[1] is not recs[2]
+  assert recs[0] == first and recs[0] is not first and recs[2] is not second
+  rewards_lib.per_sample(one, "s")(records, ids, lens, tok)
+  assert seen[0] is seen[1] and seen[2] is seen[3] and seen[1] is not seen[2]
+  assert seen[0] is not first and seen[2] is not second
+
+
 def test_decode_responses_stops_at_eos_and_marks_foreign_ids(tok):
   ids, lens = _batch(tok, ["so #### 72", "7"], stop=True)
   ids[0, lens[0]:lens[0] + 3] = tok.encode(" 5", add_bos=False)[0]  # after EOS: ignored

@@ -216,8 +216,14 @@ def _samples(records, texts: Sequence[str]) -> tuple[list, list]:
 
   Each a copy: the records are the prompt pool's own, and a function that changed one (an
   answer "normalised" in place) changed it for every later draw, where a resumed run, which
-  reads the file again, had it unchanged: the two runs scored differently."""
-  recs = [copy.deepcopy(records[b]) if records is not None else {} for b in range(len(texts))]
+  reads the file again, had it unchanged: the two runs scored differently. One copy per
+  record (deepcopy's shared memo): a prompt's samples (rollout.samples_per_prompt rows holding
+  the same record) share it, as they shared the record, so a function that groups them by
+  identity (`rec is records[i - 1]`, id()) still finds its groups (each row had a copy of its
+  own: every sample a group of one)."""
+  memo: dict = {}
+  recs = [copy.deepcopy(records[b], memo) if records is not None else {}
+          for b in range(len(texts))]
   return recs, [r.get("target") for r in recs]
 
 
