@@ -137,6 +137,38 @@ def test_an_earlier_kept_step_exports_its_own_weights_and_leaves_the_run_alone(
   assert _digests(run) == before
 
 
+def test_an_export_opens_no_safetensors_of_the_run_s_hf_checkpoints(run, tmp_path, monkeypatch):
+  """The run's HF checkpoints' weights may be gone since training (moved away, only config.json
+  and the tokenizer's files kept): an export opens none of their safetensors, of the actor, the
+  critic (init.critic_checkpoint, the actor's directory here: the set-up log's "value head"
+  note read its tensor names, and the export failed with FileNotFoundError) or a reward model
+  (validate's reward_model_config read its names for the head check)."""
+  monkeypatch.chdir(REPO)
+  cfg = export_lib.export_config(export_lib.run_config(run, 3)[0], "")
+
+  def no_safetensors(ckpt_dir):
+    raise FileNotFoundError(f"{ckpt_dir}: neither model.safetensors nor ... found")
+  monkeypatch.setattr(hf_loader, "_Checkpoint", no_safetensors)
+  for model in ("actor", "critic"):
+    result = export_lib.export(run, "3", str(tmp_path / model), mesh=_one_device(cfg),
+                               model=model)
+    assert (result["model"], result["step"]) == (model, 3)
+  # A reward model's directory with its config.json alone: its shape is read, nothing else.
+  rm = tmp_path / "rm"
+  rm.mkdir()
+  hf = json.loads(open(os.path.join(ppo_hf.MODEL_DIR, "config.json")).read())
+  hf["architectures"] = ["LlamaForSequenceClassification"]
+  (rm / "config.json").write_text(json.dumps(hf))
+  scored = dataclasses.replace(cfg, reward=dataclasses.replace(
+      cfg.reward, kind="model", model_checkpoint=str(rm)))
+  assert loop.build.reward_model_config(scored, weights=False).head == "scalar"
+  with pytest.raises(FileNotFoundError, match="neither model.safetensors"):
+    loop.build.reward_model_config(scored)
+  scored = loop.build.resolve_config(scored, HFTokenizer.from_file(cfg.init.tokenizer),
+                                     weights=False)
+  loop.validate(scored, _one_device(scored), weights=False)
+
+
 def test_a_family_the_actor_has_no_equivalent_in_names_the_flag(run, tmp_path, monkeypatch):
   """--family=qwen3 for a LLaMA-shaped actor: the error named config.checkpoint.export_hf, a
   field the user never set (the run's is 'auto'), not the flag given."""

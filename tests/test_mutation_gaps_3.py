@@ -444,7 +444,7 @@ def test_validate_refuses_a_reward_model_with_a_smaller_vocabulary(monkeypatch):
   c = ppo_tiny.get_config()
   cfg = build.resolve_config(TrainConfig.from_config_dict(c), tasks.make_task("repeat").tokenizer)
   small = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size - 1)
-  monkeypatch.setattr(build, "reward_model_config", lambda run_cfg: small)
+  monkeypatch.setattr(build, "reward_model_config", lambda run_cfg, weights=True: small)
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1])
   with pytest.raises(ValueError, match=f"embeds vocab_size={small.vocab_size} tokens but the "
                      "actor"):

@@ -549,10 +549,12 @@ def check_foreign_tokenizer(checkpoint: str, tokenizer_path: str,
 _VOCAB_SHARE = 0.9
 
 
-def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer, log: bool = True) -> TrainConfig:
+def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer, log: bool = True,
+                   weights: bool = True) -> TrainConfig:
   """`cfg` with the tokenizer's vocabulary and the checkpoints' architectures (config.json
   only; no weights are read; the config's RUN_MODEL_FIELDS are kept): the config every later
-  step sees. (The checkpoints' fingerprint is of the config as given, before this.)"""
+  step sees. (The checkpoints' fingerprint is of the config as given, before this.) weights:
+  log_architectures'."""
   if not cfg.init.actor_checkpoint:
     cfg = cfg.with_vocab(tokenizer.vocab_size)
   else:  # The checkpoint's config.json sets the vocabulary below, checked against the tokenizer
@@ -598,7 +600,7 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer, log: bool = True) -> 
     cfg = dataclasses.replace(cfg, critic_model=checkpoint_config(
         cfg.init.critic_checkpoint, cfg.critic_model, "init.critic_checkpoint", head="scalar"))
   if log:  # (not for each plan a plan search checks)
-    log_architectures(cfg)
+    log_architectures(cfg, weights)
   return cfg
 
 
@@ -607,13 +609,16 @@ def _shape(m: ModelConfig) -> str:
           f"heads, vocab {m.vocab_size}, {m.num_params() / 1e6:.3g}M parameters")
 
 
-def log_architectures(cfg: TrainConfig) -> None:
+def log_architectures(cfg: TrainConfig, weights: bool = True) -> None:
   """Logs the models the run builds (a checkpoint's config.json replaces config.model's shape:
   the config file's shape fields beside a checkpoint are not the model trained (a command-line
   override of one is refused: check_shape_overrides), and WORKDIR/config.json holds the config
   as given), and warns of a critic built from
   config.critic_model's shape beside an actor 8 times its size from a checkpoint (ppo_hf.py's
-  toy critic, 2 layers 64 wide, beside a user's 1B actor when init.critic_checkpoint='')."""
+  toy critic, 2 layers 64 wide, beside a user's 1B actor when init.critic_checkpoint='').
+  weights=False (an export, whose checkpoint overwrites the critic): init.critic_checkpoint's
+  safetensors are not opened to say where its value head comes from (an export failed once
+  they had been moved away)."""
   actor_from = (f"config.init.actor_checkpoint={cfg.init.actor_checkpoint!r}"
                 if cfg.init.actor_checkpoint else "config.model")
   logging.info("actor: %s (%s)", _shape(cfg.model), actor_from)
@@ -621,7 +626,7 @@ def log_architectures(cfg: TrainConfig) -> None:
     return
   critic_from = (f"config.init.critic_checkpoint={cfg.init.critic_checkpoint!r}"
                  if cfg.init.critic_checkpoint else "config.critic_model, randomly initialised")
-  if cfg.init.critic_checkpoint:  # a reward model's trained head or a fresh one: say which
+  if cfg.init.critic_checkpoint and weights:  # a reward model's trained head or a fresh one
     names = load_named("init.critic_checkpoint", cfg.init.critic_checkpoint,
                        hf_loader.tensor_names)
     prefix = hf_loader.scalar_head_prefix(names)
@@ -637,12 +642,13 @@ def log_architectures(cfg: TrainConfig) -> None:
                     cfg.model.num_params() / 1e6)
 
 
-def reward_model_config(cfg: TrainConfig) -> Optional[ModelConfig]:
+def reward_model_config(cfg: TrainConfig, weights: bool = True) -> Optional[ModelConfig]:
   """The reward model's shape (reward.kind='model'), from its checkpoint's config.json, with
   the run's numerics and attention (config.model's, as the actor's). Its max_seq_len is the
   smaller of its own positions and the run's, so that a checkpoint advertising more positions
   than it attends over (Mistral v0.1's sliding window) loads for a run that fits the window,
-  and one with fewer is still refused by validate for a longer run."""
+  and one with fewer is still refused by validate for a longer run. weights=False (an export,
+  which builds no reward model): its safetensors are not opened, nor its head checked."""
   if cfg.reward.kind != "model":
     return None
   path = cfg.reward.model_checkpoint
@@ -650,6 +656,8 @@ def reward_model_config(cfg: TrainConfig) -> Optional[ModelConfig]:
   positions = load_named("reward.model_checkpoint", path, hf_loader.max_positions)
   model = checkpoint_config(path, cfg.model, "reward.model_checkpoint", head="scalar",
                             remat="none", max_seq_len=min(positions, cfg.model.max_seq_len))
+  if not weights:
+    return model
   # A reward model is its trained scalar head: without one (a *ForCausalLM, the policy's own
   # directory) the loader would draw a random head and PPO would optimise a random projection.
   names = load_named("reward.model_checkpoint", path, hf_loader.tensor_names)

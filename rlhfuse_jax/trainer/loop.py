@@ -323,14 +323,18 @@ class PPOTrainer:
     if self.finished_at is not None:
       return
     self.task, self.tokenizer = build.build_task_and_tokenizer(cfg)
-    self.cfg = cfg = build.resolve_config(cfg, self.tokenizer)
+    # An export reads no weights of the run's HF checkpoints, nor opens their safetensors (they
+    # may have been moved away after training; their config.json and tokenizer files are read)
+    weights = self._export_step is None
+    self.cfg = cfg = build.resolve_config(cfg, self.tokenizer, weights=weights)
     if cfg.plan.file:  # a plan searched for another model or batch: before any check stops it
-      note = plan_file_lib.plan_workload_note(cfg.plan.file, cfg, build.reward_model_config(cfg))
+      note = plan_file_lib.plan_workload_note(cfg.plan.file, cfg,
+                                              build.reward_model_config(cfg, weights))
       if note:
         (logging.warning if note[0] else logging.info)("%s", note[1])
     self._make_meshes(cfg, mesh)
     try:
-      validate(cfg, self.mesh, generation_devices=self.gen_mesh.devices.size)
+      validate(cfg, self.mesh, generation_devices=self.gen_mesh.devices.size, weights=weights)
     except ValueError as e:  # a value the plan file set, not the user: the error says so
       said = plan_file_lib.attribute_to_plan(str(e), cfg.plan.file)
       if said != str(e):

@@ -230,10 +230,11 @@ def check_trained_dtypes(cfg: TrainConfig) -> None:
 
 
 def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
-             generation_devices: Optional[int] = None) -> None:
+             generation_devices: Optional[int] = None, weights: bool = True) -> None:
   """Raises ValueError naming the config field for a run this mesh cannot do. `mesh` is the
   training mesh; generation and inference run on `generation_devices` devices (default: the
-  mesh's; fewer with async_ppo.generation_devices)."""
+  mesh's; fewer with async_ppo.generation_devices). weights=False: an export's, which reads no
+  HF checkpoint's weights (build.reward_model_config)."""
   check_trained_dtypes(cfg)
   n_gen = mesh.devices.size if generation_devices is None else generation_devices
   g = cfg.async_ppo.generation_devices
@@ -356,7 +357,7 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     models.append((f"config.init.critic_checkpoint={cfg.init.critic_checkpoint!r}"
                    if cfg.init.critic_checkpoint else "config.critic_model",
                    "config.critic_model", cfg.critic_model))
-  reward_cfg = build.reward_model_config(cfg)
+  reward_cfg = build.reward_model_config(cfg, weights)
   if reward_cfg is not None:
     rm = f"config.reward.model_checkpoint={cfg.reward.model_checkpoint!r}"
     models.append((rm, rm, reward_cfg))
