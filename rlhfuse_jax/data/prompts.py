@@ -165,8 +165,8 @@ def tokenize_prompts(records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
   if max_prompt_len < 1:
     raise ValueError(f"max_prompt_len={max_prompt_len}: expected >= 1")
   _check_padding(padding)
-  tokens = np.full((len(records), max_prompt_len), tokenizer.pad_id, dtype=np.int32)  # [N, P]
-  lengths = np.zeros((len(records),), dtype=np.int32)  # [N]
+  tokens = np.empty((len(records), max_prompt_len), dtype=np.int32)  # [N, P]
+  lengths = np.empty((len(records),), dtype=np.int32)  # [N]
   first_over, num_over, longest = None, 0, 0
   for start in range(0, len(records), ENCODE_CHUNK):
     chunk = records[start:start + ENCODE_CHUNK]
@@ -188,9 +188,11 @@ def tokenize_prompts(records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
       if n > max_prompt_len:
         first_over = i if first_over is None else first_over
         num_over, longest = num_over + 1, max(longest, n)
-        continue
-      lengths[i] = n
-      tokens[i, :n] = seq
+    # (an overlong prompt's row is left empty: the error below names it)
+    rows = slice(start, start + len(chunk))
+    tokens[rows], lengths[rows] = pad_token_ids(
+        [seq if len(seq) <= max_prompt_len else () for seq in ids], max_prompt_len,
+        tokenizer.pad_id, padding)
   if first_over is not None:
     record = records[first_over]
     n = len(tokenizer.encode(record[field], add_bos=add_bos))

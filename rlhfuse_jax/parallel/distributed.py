@@ -105,9 +105,8 @@ def initialize(coordinator_address: str = "", num_processes: int = 0,
       raise
     # Process 0 could not listen on the coordinator's port; the others then wait for it in this
     # call until jax's initialization timeout (5 minutes) and abort.
-    address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or "?"
     raise ValueError(f"--distributed: process 0 could not start jax's coordination service at "
-                     f"{address} ({e}): the port is most likely in use (another run's "
+                     f"{address or '?'} ({e}): the port is most likely in use (another run's "
                      "coordinator, or another program); choose another port for every process "
                      "(--coordinator_address; PORT= for launch/local_multiprocess.sh)") from e
   finally:
