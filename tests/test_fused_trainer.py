@@ -68,7 +68,7 @@ def test_fused_trajectory_equals_serial(tmp_path):
     if h["gen/migrated_samples"] > 0:
       assert 0 < h["gen/consolidated_to"] < h["gen/consolidated_from"] <= 4
       assert line.startswith(f"gen: consolidated {h['gen/consolidated_from']}->"
-                             f"{h['gen/consolidated_to']} instances at step "
+                             f"{h['gen/consolidated_to']} instances at decode step "
                              f"{h['gen/consolidation_step']} (Rt=1), migrated "
                              f"{h['gen/migrated_samples']} samples ("), line
     else:
@@ -106,8 +106,8 @@ def test_progress_summary_is_one_phrase():
        "gen/consolidated_from": 8, "gen/consolidated_to": 2, "fusion/rt": 0.3,
        "fusion/inference_overlap_frac": 0.634}
   assert rollout.progress_summary(m) == (
-      "gen: consolidated 8->2 instances at step 12 (Rt=0.3), migrated 5 samples (41 kB KV), "
-      "inference overlap 63%")
+      "gen: consolidated 8->2 instances at decode step 12 (Rt=0.3), migrated 5 samples (41 kB "
+      "KV), inference overlap 63%")
   m.update({"gen/migrated_samples": 0, "gen/migrated_kv_bytes": 0, "fusion/rt": 0.0,
             "fusion/inference_overlap_frac": 0.0})
   assert rollout.progress_summary(m) == "gen: no consolidation (Rt=0), inference overlap 0%"

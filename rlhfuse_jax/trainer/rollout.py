@@ -576,7 +576,7 @@ def _fmt_bytes(n: float) -> str:
 
 def progress_summary(m: dict) -> str:
   """What the throughput features did in one iteration, for the progress line (from its
-  metrics), '; '-joined: inter-stage fusion, 'gen: consolidated 8->2 instances at step 12
+  metrics), '; '-joined: inter-stage fusion, 'gen: consolidated 8->2 instances at decode step 12
   (Rt=0.2), migrated 5 samples (40 kB KV), inference overlap 63%' or 'gen: no consolidation
   (Rt=0), inference overlap 0%'; delayed inter-batch pipelined generation, 'gen pipeline: stages
   busy 83%'; asynchronous PPO, 'async: staleness 1 (policy 2), overlap 61%' (the overlap only
@@ -587,7 +587,7 @@ def progress_summary(m: dict) -> str:
     rt = f"Rt={m['fusion/rt']:.2g}"
     if m["gen/migrated_samples"] > 0:
       what = (f"consolidated {m['gen/consolidated_from']}->{m['gen/consolidated_to']} instances "
-              f"at step {m['gen/consolidation_step']} ({rt}), migrated "
+              f"at decode step {m['gen/consolidation_step']} ({rt}), migrated "
               f"{m['gen/migrated_samples']} samples ({_fmt_bytes(m['gen/migrated_kv_bytes'])} KV)")
     else:
       what = f"no consolidation ({rt})"
