@@ -120,7 +120,9 @@ class ProgressReporter:
     now = time.time()
     self.tick(step)
     paced = step - self._first_step
-    eta = (now - self._t_first) / paced * (self.total - step) if paced else None
+    # (the run's last iteration has nothing left, also when it is this run's first)
+    eta = ((now - self._t_first) / paced * (self.total - step) if paced else
+           0.0 if step >= self.total else None)
     parts = [f"iter {step}/{self.total}"]
     for k in keys:
       if k in metrics and metrics[k] is not None:

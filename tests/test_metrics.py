@@ -22,6 +22,10 @@ def test_progress_line_counts_elapsed_from_t0_and_paces_the_eta_after_the_first(
   assert progress.line(5, {}, extra="(x)") == "iter 5/10 elapsed=2m55s ETA=0m25s (x)"
   # Without t0, elapsed starts at construction.
   assert metrics_lib.ProgressReporter(10).line(1, {}).endswith("elapsed=0m00s ETA=?")
+  # The last iteration has no time left, also when it is the run's first (one iteration, or
+  # a resume one before the end): not ETA=?.
+  assert metrics_lib.ProgressReporter(1).line(1, {}).endswith("ETA=0m00s")
+  assert metrics_lib.ProgressReporter(10, start_step=9).line(10, {}).endswith("ETA=0m00s")
 
 
 def test_progress_line_shows_hours_past_an_hour(monkeypatch):
