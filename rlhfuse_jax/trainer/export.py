@@ -161,15 +161,10 @@ def export_config(record: dict, family: str, scratch: str = "") -> TrainConfig:
                                                                  export_hf=family))
 
 
-def check_model_name(model: str) -> None:
-  if model not in hf_export.MODELS:
-    raise ValueError(f"--model={model!r}: expected one of {list(hf_export.MODELS)}")
-
-
 def check_model(cfg: TrainConfig, model: str) -> None:
   """A ValueError naming --model unless the run (its config `cfg`) has `model` to export: the
   actor, or the critic of a run whose advantage estimator trains one."""
-  check_model_name(model)
+  hf_export.check_model_name(model, "--model")
   if model == "critic" and not adv_lib.needs_critic(cfg.algo.estimator):
     raise ValueError(f"--model=critic: the run trained no critic (its config.algo.estimator="
                      f"{cfg.algo.estimator!r} estimates advantages without one), so its "
@@ -223,7 +218,7 @@ def export(workdir: str, spec: str = "latest", out_dir: str = "", family: str = 
   chosen, value_bias for the critic (its score.bias, which transformers ignores), and metric,
   mode and value for best:...}."""
   check_run(workdir)
-  check_model_name(model)
+  hf_export.check_model_name(model, "--model")
   choice = choose_step(workdir, spec)
   out_dir = out_dir or default_out(workdir, choice.step, model)
   check_out_dir(out_dir, workdir, model)

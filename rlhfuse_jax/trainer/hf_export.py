@@ -29,6 +29,12 @@ from rlhfuse_jax.trainer.hooks import Hook
 HF_EXPORT_DIR = "hf_export"
 # The models an export can hold: the actor, or the critic of a run that trains one.
 MODELS = ("actor", "critic")
+
+
+def check_model_name(model: str, field: str = "model") -> None:
+  """A ValueError naming `field` (export_hf's --model) unless `model` is one of MODELS."""
+  if model not in MODELS:
+    raise ValueError(f"{field}={model!r}: expected one of {list(MODELS)}")
 # What a model directory holds besides the weights, copied into the export where the run's
 # tokenizer (init.tokenizer's directory) or the model's source checkpoint has them, so that the
 # export loads as a whole model (AutoTokenizer, chat template, generation's EOS ids) and not
@@ -268,8 +274,7 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
   transformers' *ForSequenceClassification refuses batches of more than one sequence. Every
   process takes part (a multi-host model is gathered); process 0 writes. Returns the family
   written."""
-  if model not in MODELS:
-    raise ValueError(f"model={model!r}; expected one of {MODELS}")
+  check_model_name(model)
   family = export_family(cfg, model)
   params = mesh_lib.to_host(params)
   if jax.process_index() != 0:

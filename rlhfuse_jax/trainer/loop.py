@@ -747,8 +747,8 @@ class PPOTrainer:
         hf_export.check_family(cfg, model)
       except ValueError as e:
         raise ValueError(f"critic_family={critic_family!r}: {e}") from None
-    elif model != "actor":
-      raise ValueError(f"model={model!r}; expected one of {hf_export.MODELS}")
+    else:
+      hf_export.check_model_name(model)
     step = self._export_step
     state, _ = self.checkpoints.read_exactly(step, self._state(), self._layout())
     params = self.update.whole(model, state[model])
