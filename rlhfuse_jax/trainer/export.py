@@ -101,10 +101,9 @@ def choose_step(workdir: str, spec: str) -> Choice:
       name, mode = name[len(prefix):], prefix[:-1]
   if not name:
     raise ValueError(f"--step={spec!r}: expected a metric after 'best:' (best:val/reward_mean)")
-  rows = wd.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   logged: dict[int, Any] = {}  # step: value, the last row of a step winning
   names = set()
-  for row in rows:
+  for row in wd.iter_jsonl(os.path.join(workdir, "metrics.jsonl")):  # (not held whole)
     names.update(k for k, v in row.items() if isinstance(v, (int, float)))
     if name in row and isinstance(row.get("step"), int):
       logged[row["step"]] = row[name]
