@@ -343,9 +343,9 @@ def refuse_changed_trajectories(workdir: str, runs: Sequence[tuple[int, str, dic
     allowed = cfg.checkpoint.resume_changes_set
     changes = [c for c in config_lib.fingerprint_changes(saved.fingerprint(), cfg.fingerprint())
                if c.split(":")[0] not in inputs.PATH_FIELDS]
-    if any(c.split(":")[0] in allowed for c in changes):
-      let_through[name] = [c.split(":")[0] for c in changes if c.split(":")[0] in allowed]
-    changes = [c for c in changes if c.split(":")[0] not in allowed]
+    passed, changes = config_lib.split_resume_changes(changes, allowed)
+    if passed:
+      let_through[name] = [c.split(":")[0] for c in passed]
     if changes:
       refused.append(f"get_sweep()[{i}] ({name}): its checkpoints (iteration {newest}; {path}) "
                      f"were trained with other values: {'; '.join(changes)}. " +

@@ -925,6 +925,15 @@ def fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> lis
   return out
 
 
+def split_resume_changes(changes: Sequence[str], allowed: Collection[str]
+                         ) -> tuple[list[str], list[str]]:
+  """fingerprint_changes' `changes` ('field: saved -> now') as (those whose field `allowed`
+  (checkpoint.resume_changes) lets a resume change, the rest), each in order: a resume's
+  (hooks) and a sweep's up-front check (experiments/sweep.py) alike."""
+  passed = [c for c in changes if c.split(":")[0] in allowed]
+  return passed, [c for c in changes if c.split(":")[0] not in allowed]
+
+
 def _field_defaults() -> dict[str, Any]:
   """{dotted name: JSON default} of every config field that has a default."""
   return {f"{sec}.{k}" if sec else k: v for sec, fields in _declared_defaults().items()

@@ -490,7 +490,8 @@ class Checkpoints(Hook):
       raise ValueError(async_lib.reference_refusal(meta.get("iteration"), lacking,
                                                    self.cfg.algo.kl_coef,
                                                    self.cfg.async_ppo.staleness))
-    for change in [c for c in changes if c.split(":")[0] in allowed]:
+    passed, changes = config_lib.split_resume_changes(changes, allowed)
+    for change in passed:
       # schedule_iterations 0 means "the first start's num_iterations", which the checkpoints
       # keep: say which ("0 -> 16" read as a schedule that had none)
       horizon = (f" (0 there: the first start's horizon, {meta['schedule_iterations']} "
@@ -498,7 +499,6 @@ class Checkpoints(Hook):
                  meta.get("schedule_iterations") else "")
       logging.warning("resuming iteration %s with a changed %s%s (config.checkpoint."
                       "resume_changes)", meta.get("iteration"), change, horizon)
-    changes = [c for c in changes if c.split(":")[0] not in allowed]
     if changes:
       raise ValueError(
           f"this config differs from the one that wrote the checkpoints in "
