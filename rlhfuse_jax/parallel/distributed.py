@@ -137,13 +137,12 @@ def coordinator_unreachable(address: str, timeout_s: float = 5.0) -> Optional[st
 def _warn_while_joining(joined: threading.Event, address: str, num_processes: int,
                         process_id: Optional[int], wait_s: Optional[float] = None) -> None:
   """A warning after `wait_s` (JOIN_WARN_S), then after twice as long again, and so on, while
-  this process is still in
-  jax.distributed.initialize: a process given another --coordinator_address (or --num_processes
-  on process 0) waited there silently for jax's initialization timeout, 5 minutes, and then
-  every process aborted with jax's "another task died ... DEADLINE_EXCEEDED", which names no
-  address and blames a peer. Said on every process: which address it connects to, and whether
-  anything listens there (a process > 0 that reaches none has the wrong address, or process 0
-  has not started)."""
+  this process is still in jax.distributed.initialize: a process given another
+  --coordinator_address (or --num_processes on process 0) waited there silently for jax's
+  initialization timeout, 5 minutes, and then every process aborted with jax's "another task
+  died ... DEADLINE_EXCEEDED", which names no address and blames a peer. Said on every
+  process: which address it connects to, and whether anything listens there (a process > 0
+  that reaches none has the wrong address, or process 0 has not started)."""
   delay = JOIN_WARN_S if wait_s is None else wait_s
   waited = 0.0
   while not joined.wait(delay):  # after 30, 90, 210 s, ...
