@@ -35,6 +35,8 @@ def check_model_name(model: str, field: str = "model") -> None:
   """A ValueError naming `field` (export_hf's --model) unless `model` is one of MODELS."""
   if model not in MODELS:
     raise ValueError(f"{field}={model!r}: expected one of {list(MODELS)}")
+
+
 # What a model directory holds besides the weights, copied into the export where the run's
 # tokenizer (init.tokenizer's directory) or the model's source checkpoint has them, so that the
 # export loads as a whole model (AutoTokenizer, chat template, generation's EOS ids) and not
