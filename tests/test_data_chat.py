@@ -301,3 +301,34 @@ def test_prompts_that_end_with_the_assistants_message_are_warned_of(tmp_path, ca
   with caplog.at_level(logging.WARNING):
     build.build_datasets(cfg, task, tok)
   assert f"2 of the 3 prompts end with an assistant message (the first: {rows}:1)" in caplog.text
+
+
+def test_a_template_that_opens_no_assistant_turn_is_warned_of(tmp_path, caplog):
+  """A chat template that ignores add_generation_prompt (one written for fine-tuning) rendered
+  every prompt ending after the user's message, with no assistant header: the policy continued
+  the question instead of answering it, without a word. The shipped templates open the turn."""
+  import logging
+  from rlhfuse_jax.trainer import build
+  from tests.test_trainer import tiny_config
+  rows = tmp_path / "p.jsonl"
+  rows.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1 plus 1?"}],
+                              "target": "2"}) + "\n")
+  plain = tmp_path / "plain.jinja"
+  plain.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+
+  def warnings(template, tokenizer_dir):
+    cfg = tiny_config(**{"init.tokenizer": os.path.join(tokenizer_dir, "tokenizer.json"),
+                         "data.prompts_file": str(rows), "data.chat_template": template,
+                         "data.max_prompt_len": 64,
+                         "reward.function": "tests.test_rewards:answer_length",
+                         "rollout.prompts_per_iteration": 4, "algo.minibatch_size": 4})
+    task, tok = build.build_task_and_tokenizer(cfg)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      build.build_datasets(cfg, task, tok)
+    return caplog.text
+  for name in TEMPLATES:
+    assert "add_generation_prompt" not in warnings("auto", os.path.join(CHAT, name))
+  text = warnings(str(plain), os.path.join(CHAT, "chatml"))
+  assert (f"config.data.chat_template='{plain}' writes nothing for add_generation_prompt"
+          in text)

@@ -277,6 +277,7 @@ def build_datasets_and_pool(cfg: TrainConfig, task, tokenizer: Tokenizer
   else:
     warn_chat_template(cfg, tokenizer, train + held_out)
     warn_assistant_last(train + held_out)
+    warn_no_generation_prompt(cfg, template, train + held_out)
   logging.info("%s", describe_prompts(cfg, template, *datasets))
   return (*datasets, pool)
 
@@ -338,6 +339,34 @@ def warn_assistant_last(records: list) -> int:
                     "the row's answer (config.data.answer_key)", len(last), len(records),
                     last[0].get(prompts_lib.SOURCE_KEY, "a prompt"))
   return len(last)
+
+
+def warn_no_generation_prompt(cfg: TrainConfig, template: chat_lib.ChatTemplate,
+                              records: list) -> bool:
+  """Warns (and returns True) when the chat template renders the first prompt the same with
+  and without add_generation_prompt and the text ends with the last message's own words: the
+  prompt then stops inside the user's turn, with no assistant header, and the policy continues
+  the user's text rather than answering it, without a word (a template written for
+  fine-tuning). A template whose user turn closes with the cue to answer (Mistral's
+  `[/INST]`) needs no generation prompt and is not warned of."""
+  if not records:
+    return False
+  messages = chat_lib.as_messages(records[0].get(records_lib.PROMPT_KEY))
+  try:
+    text = template.render(messages)
+    same = text == template.render(messages, add_generation_prompt=False)
+  except chat_lib.ChatTemplateError:  # (render_prompts has named the row already)
+    return False
+  last = str(messages[-1].get("content", "")).strip() if messages else ""
+  same = same and bool(last) and text.rstrip().endswith(last)
+  if same:
+    logging.warning("config.data.chat_template=%r writes nothing for add_generation_prompt "
+                    "(the first prompt renders the same without it): the prompts end after "
+                    "the user's message, with no assistant header, and the policy continues "
+                    "the user's text; use the model's own template or one that opens the "
+                    "assistant's turn when add_generation_prompt is set",
+                    cfg.data.chat_template)
+  return same
 
 
 def describe_prompts(cfg: TrainConfig, template: Optional[chat_lib.ChatTemplate],
