@@ -1,5 +1,6 @@
 """train_ppo with inter-stage fusion on and off: the same trajectory (timings aside)."""
 import threading
+import time
 
 import jax
 import numpy as np
@@ -76,6 +77,34 @@ def test_fused_trajectory_equals_serial(tmp_path):
   assert rollout.progress_summary(h_serial[0]) == ""
   jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(serial.actor.params),
                          jax.device_get(fused.actor.params))
+
+
+SLOW_REWARD_S = 0.02  # per sample: tests.test_fused_trainer:slow_reward
+
+
+def slow_reward(response, answer, record):
+  """A user reward by import path that takes SLOW_REWARD_S a sample (a slow verifier's)."""
+  time.sleep(SLOW_REWARD_S)
+  return len(response) / 100.0
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["serial", "fused"])
+def test_a_slow_reward_function_shows_in_timing_s_reward(tmp_path, fuse):
+  """timing_s/reward: the seconds the rewards took (the reward function here; a reward
+  model's forward too in the serial stage). A slow reward function showed only inside
+  timing_s/inference (serial) or nowhere but the loop's timing_s/gen_plus_inf (fused: the
+  function runs after the engine's clocks stop)."""
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4), jax.devices()[:4])
+  over = {"num_iterations": 1, "reward.function": "tests.test_fused_trainer:slow_reward"}
+  if fuse:
+    over.update({"fusion.inter_stage": True, "fusion.migration_threshold": "1.0"})
+  trainer = PPOTrainer(tiny(**over), str(tmp_path / "run"), mesh=mesh)
+  assert isinstance(trainer.rollout, rollout.FusedStage if fuse else rollout.SerialStage)
+  (m,) = trainer.run()
+  slept = SLOW_REWARD_S * trainer.cfg.rollout.batch_size
+  assert slept <= m["timing_s/reward"] <= m["timing_s/gen_plus_inf"], m
+  if not fuse:  # the serial stage's inference includes the rewards
+    assert m["timing_s/reward"] <= m["timing_s/inference"], m
 
 
 def test_auto_rt_resumes_with_the_lengths_it_had_seen(tmp_path):

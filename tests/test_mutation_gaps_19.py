@@ -218,9 +218,10 @@ def test_only_a_fused_generator_is_offered_as_the_stages_rt_learner():
 
 def test_the_inference_clock_leaves_out_the_critics_fetch(monkeypatch):
   """score_rollout: timing_s/inference is the scoring time without the critic's fetch and
-  placement. Clock: start 0, fetch from 1 to 6 (5 s), end 8: 3 s of inference."""
+  placement, timing_s/reward the rewards' part of it. Clock: start 0, fetch from 1 to 6 (5 s),
+  rewards from 7 to 8: 3 s of inference, 1 s of rewards."""
   from rlhfuse_jax.trainer import rollout
-  clock = iter([0.0, 1.0, 6.0, 8.0])
+  clock = iter([0.0, 1.0, 6.0, 7.0, 8.0])
   monkeypatch.setattr(rollout, "time", types.SimpleNamespace(time=lambda: next(clock)))
   b, p, t = 1, 2, 2
   roll = types.SimpleNamespace(
@@ -237,6 +238,7 @@ def test_the_inference_clock_leaves_out_the_critics_fetch(monkeypatch):
   out = rollout.score_rollout(stage, roll, lambda name: name, types.SimpleNamespace(records=[{}]),
                               {})
   assert out.metrics["timing_s/inference"] == 3.0
+  assert out.metrics["timing_s/reward"] == 1.0
 
 
 def test_a_pipelined_rollout_counts_its_decode_steps_as_the_engine_does():

@@ -149,7 +149,8 @@ def score_rollout(stage: Any, rollout: Any, params: WholeParams, prompts: Prompt
   """The inference half of the serial and planned stages: reference log-probs (None without a
   reference), values (the critic fetched after the reference's pass, not both whole at once;
   `place_critic(critic, m)` moves it where the stage scores and records its own timing),
-  rewards. timing_s/inference leaves out the fetch and the placement (timed apart). `stage` holds
+  rewards. timing_s/inference leaves out the fetch and the placement (timed apart);
+  timing_s/reward, part of it, times the rewards (reward model and functions). `stage` holds
   actor_cfg, critic_cfg, use_critic, sampling, pad_id, reference, rewards and scorer.
   rewards_only: the rewards alone (no reference log-probs, values zeros, no critic fetched)."""
   t0 = time.time()
@@ -167,8 +168,11 @@ def score_rollout(stage: Any, rollout: Any, params: WholeParams, prompts: Prompt
     t0 += time.time() - t_fetch
     values = stage.scorer.values(stage.critic_cfg, critic, batch)
     del critic  # a pipelined update's gathered copy: not beside the reward model's pass
+  t_reward = time.time()  # the reward model's forward (if any) and the reward functions
   scores, reward_metrics, terms = stage.rewards.scored_terms(batch, prompts.records)
-  m["timing_s/inference"] = time.time() - t0
+  t_end = time.time()
+  m["timing_s/reward"] = t_end - t_reward
+  m["timing_s/inference"] = t_end - t0
   m.update(reward_metrics)
   return StageOutputs(rollout=rollout, batch=batch, ref_logp=ref_logp, values=values,
                       scores=scores, metrics=m, reward_terms=terms)
@@ -320,11 +324,15 @@ class FusedStage:
     rollout = out.rollout
     batch = scoring.ScoringBatch.from_rollout(rollout, self.pad_id)
     values = out.values if use_critic else np.zeros(rollout.logprobs.shape, np.float32)
-    # The reward model scored on the instances; the function terms are added here.
+    # The reward model scored on the instances; the function terms are added here, after the
+    # engine's clocks (timing_s/reward: these functions; the model's forward ran on the
+    # instances beside the reference's and the critic's, in timing_s/inference or overlapped).
+    t_reward = time.perf_counter()
     scores, reward_metrics, terms = self.rewards.combine_terms(
         prompts.records, rollout.response_tokens, rollout.response_lens,
         out.rewards if self.rewards.from_model else None)
-    metrics = {**out.metrics, **reward_metrics}
+    metrics = {**out.metrics, **reward_metrics,
+               "timing_s/reward": time.perf_counter() - t_reward}
     if out.rt_choice is not None:
       metrics["fusion/rt_simulated_s"] = {str(k): v for k, v in out.rt_choice.simulated_s.items()}
     return StageOutputs(rollout=rollout, batch=batch, ref_logp=out.ref_logp, values=values,
