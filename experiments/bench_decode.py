@@ -54,6 +54,7 @@ from ml_collections import config_flags
 
 from experiments import config_files
 from experiments import runner
+from rlhfuse_jax import metrics
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.generation import instances
 from rlhfuse_jax.generation.sampling import SamplingConfig
@@ -166,9 +167,9 @@ def compile_memory(cfg: BenchDecodeConfig, model: llama.ModelConfig) -> list[dic
         batch_size=b, prompt_len=cfg.prompt_len)
     gen.compile(scale_check.abstract_params(model, mesh_lib.replicated(gen.mesh)))
     rows.append({"batch": b, **_memory_row(gen)})
-    logging.info("compiled decode batch %d: temporaries %.4g GB = %.3f x the %.4g GB KV cache", b,
-                 rows[-1]["decode_temp_bytes"] / 1e9, rows[-1]["decode_temp_over_cache"],
-                 rows[-1]["cache_bytes"] / 1e9)
+    logging.info("compiled decode batch %d: temporaries %s = %.3f x the %s KV cache", b,
+                 metrics.size(rows[-1]["decode_temp_bytes"]), rows[-1]["decode_temp_over_cache"],
+                 metrics.size(rows[-1]["cache_bytes"]))
   return rows
 
 

@@ -117,6 +117,7 @@ from absl import logging
 from configs import ppo_llama
 from experiments import config_files, runner
 from experiments.runner import fixed_or_sci
+from rlhfuse_jax import metrics
 from rlhfuse_jax.fields import check as _check
 from rlhfuse_jax.generation import instances as inst_lib
 from rlhfuse_jax.generation.sampling import SamplingConfig
@@ -733,8 +734,8 @@ def instance_programs(cfg: PlanConfig) -> dict:
       s = max(range(pp), key=lambda k: stages[k]["peak_bytes"])
       out[name] = {**stages[s], "stage": s, "stages": pp,
                    "stage_peak_bytes": [x["peak_bytes"] for x in stages]}
-      logging.info("%s: stage %d of %d is the heaviest (peaks %s GB)", name, s, pp,
-                   ", ".join(f"{x['peak_bytes'] / 1e9:.3g}" for x in stages))
+      logging.info("%s: stage %d of %d is the heaviest (peaks %s)", name, s, pp,
+                   ", ".join(metrics.size(x["peak_bytes"]) for x in stages))
   if cfg.generation == "instances":
     out["migrate"] = migrate_program(cfg)
   return out
@@ -750,9 +751,9 @@ def _instance_program(cfg: PlanConfig, name, lowered: dict, key, analytic: dict,
   if per_layer:
     scanned = measure(lowered[True][key], cfg.hardware, PER_LAYER_OPTIONS)
     used = "per_layer" if scanned["temp_bytes"] <= m["temp_bytes"] else "as_compiled"
-    logging.info("%s: temp %.2f GB with the float32 weights converted per layer, %.2f GB as "
-                 "compiled; reporting %s", name, scanned["temp_bytes"] / 1e9,
-                 m["temp_bytes"] / 1e9, used)
+    logging.info("%s: temp %s with the float32 weights converted per layer, %s as compiled; "
+                 "reporting %s", name, metrics.size(scanned["temp_bytes"]),
+                 metrics.size(m["temp_bytes"]), used)
     record = {"mode": "per_layer", "used": used,
               "per_layer": {**figures(scanned), "scan_layers": True,
                             "compiler_options": PER_LAYER_OPTIONS},

@@ -148,6 +148,17 @@ def duration(seconds: float, short: bool = False) -> str:
   return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def size(nbytes: float) -> str:
+  """Bytes in the SI unit that reads best, to 3 significant digits: 999 B, 41 kB, 308 kB,
+  1.5 GB. A toy model's weights logged in GB read '0.0003075 GB'; a multi-GB figure in MB
+  '2.5e+03 MB'."""
+  rounded = float(f"{nbytes:.3g}")  # first, so that 999,999 bytes is 1 MB, not 1e+03 kB
+  for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if abs(rounded) >= scale:
+      return f"{rounded / scale:.3g} {unit}"
+  return f"{rounded:g} B"
+
+
 class _DropLibraryInfo:
   """logging.Filter: drops INFO/DEBUG records emitted from the named packages' source files
   (a package folder, or a file path inside one)."""

@@ -11,6 +11,36 @@ from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax.trainer import hooks
 
 
+def test_sizes_read_in_the_unit_that_fits():
+  """metrics.size: 3 significant digits in B, kB, MB, GB or TB. The progress line's migrated KV
+  read '2.5e+03 MB' for 2.5 GB, and 999,999 bytes '1e+03 kB'."""
+  assert metrics_lib.size(0) == "0 B"
+  assert metrics_lib.size(307_456) == "307 kB"
+  assert metrics_lib.size(999_999) == "1 MB"
+  assert metrics_lib.size(2.5e9) == "2.5 GB"
+  assert metrics_lib.size(25.84e9) == "25.8 GB"
+  assert metrics_lib.size(3e12) == "3 TB"
+
+
+def test_the_set_up_log_gives_a_toy_models_memory_in_kb(caplog):
+  """The set-up line of what one device holds of each model (PPOTrainer._log_state_bytes): a
+  toy model's weights read 'weights 0.0003075 GB'."""
+  import types
+  import jax
+  import numpy as np
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  from rlhfuse_jax.trainer.loop import PPOTrainer
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1])
+  state = types.SimpleNamespace(params={"w": jax.numpy.zeros(76_875, np.float32)},  # 307.5 kB
+                                opt_state={"mu": jax.numpy.zeros(2_500_000, np.float32)})
+  trainer = types.SimpleNamespace(mesh=mesh, actor=state, critic=None)
+  cfg = types.SimpleNamespace(optim=types.SimpleNamespace(master_weights=False, zero1=False))
+  with caplog.at_level(logging.INFO):
+    PPOTrainer._log_state_bytes(trainer, cfg)
+  assert f"setup: actor on {jax.devices()[0]}: weights 308 kB, optimizer state 10 MB" in (
+      caplog.text), caplog.text
+
+
 def test_progress_line_counts_elapsed_from_t0_and_paces_the_eta_after_the_first(monkeypatch):
   now = [1000.0]
   monkeypatch.setattr(metrics_lib.time, "time", lambda: now[0])

@@ -196,13 +196,13 @@ def test_stage_kind_follows_the_plan_then_the_fusion_switch():
 
 
 def test_byte_counts_switch_units_at_exactly_a_thousand():
-  """_fmt_bytes (the progress line's migrated KV): 1000 bytes is '1 kB' and 10^6 '1 MB', not
-  '1e+03 B' / '1e+03 kB'; below a kB the integer count."""
-  from rlhfuse_jax.trainer import rollout
-  assert rollout._fmt_bytes(999) == "999 B"
-  assert rollout._fmt_bytes(1000) == "1 kB"
-  assert rollout._fmt_bytes(1e6) == "1 MB"
-  assert rollout._fmt_bytes(40960) == "41 kB"
+  """metrics.size (the progress line's migrated KV, the set-up log's memory): 1000 bytes is
+  '1 kB' and 10^6 '1 MB', not '1e+03 B' / '1e+03 kB'; below a kB the integer count."""
+  from rlhfuse_jax import metrics
+  assert metrics.size(999) == "999 B"
+  assert metrics.size(1000) == "1 kB"
+  assert metrics.size(1e6) == "1 MB"
+  assert metrics.size(40960) == "41 kB"
 
 
 def test_only_a_fused_generator_is_offered_as_the_stages_rt_learner():

@@ -450,14 +450,15 @@ class PPOTrainer:
     """Logs what one device holds of each trained model: weights and optimizer state (the
     figures plan_check's train_step arguments predict; docs/usage.md "Memory at scale")."""
     device = mesh_lib.first_local_device(self.mesh)
-    held = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree)
-                            for s in x.addressable_shards if s.device == device) / 1e9
+    held = lambda tree: metrics_lib.size(sum(s.data.nbytes for x in jax.tree.leaves(tree)
+                                             for s in x.addressable_shards
+                                             if s.device == device))
     for name in ("actor", "critic"):
       state = getattr(self, name)
       if state is not None:
         layout = ", ".join(filter(None, ("a float32 copy" if cfg.optim.master_weights else "",
                                          _zero1_label(state) if cfg.optim.zero1 else "")))
-        logging.info("setup: %s on %s: weights %.4g GB, optimizer state %.4g GB%s", name,
+        logging.info("setup: %s on %s: weights %s, optimizer state %s%s", name,
                      device, held(state.params), held(state.opt_state),
                      f" ({layout})" if layout else "")
 

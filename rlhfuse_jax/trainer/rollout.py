@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax.fields import fail as _fail
 from rlhfuse_jax.generation import engine
 from rlhfuse_jax.generation import fused as fused_lib
@@ -575,13 +576,6 @@ class PlannedStage:
     return score_rollout(self, rollout, params, prompts, m, place_critic, rewards_only)
 
 
-def _fmt_bytes(n: float) -> str:
-  for unit, scale in (("MB", 1e6), ("kB", 1e3)):
-    if n >= scale:
-      return f"{n / scale:.3g} {unit}"
-  return f"{int(n)} B"
-
-
 def progress_summary(m: dict) -> str:
   """What the throughput features did in one iteration, for the progress line (from its
   metrics), '; '-joined: inter-stage fusion, 'gen: consolidated 8->2 instances at decode step 12
@@ -594,9 +588,10 @@ def progress_summary(m: dict) -> str:
   if "gen/migrated_samples" in m:
     rt = f"Rt={m['fusion/rt']:.2g}"
     if m["gen/migrated_samples"] > 0:
+      kv = metrics_lib.size(m["gen/migrated_kv_bytes"])
       what = (f"consolidated {m['gen/consolidated_from']}->{m['gen/consolidated_to']} instances "
               f"at decode step {m['gen/consolidation_step']} ({rt}), migrated "
-              f"{m['gen/migrated_samples']} samples ({_fmt_bytes(m['gen/migrated_kv_bytes'])} KV)")
+              f"{m['gen/migrated_samples']} samples ({kv} KV)")
     else:
       what = f"no consolidation ({rt})"
     parts.append(f"gen: {what}, inference overlap {m['fusion/inference_overlap_frac']:.0%}")
