@@ -65,6 +65,37 @@ def _read(rel: str) -> str:
     return f.read()
 
 
+# A metric name in backticks: `timing_s/generate|inference` names two, and so does
+# `gen/consolidated_from|to` (an alternative replaces the whole name or its last word);
+# `reward/<label>_mean` any label.
+_METRIC = re.compile(r"`([a-z_]+)/([a-z_0-9|<>]+)`")
+METRIC_DOCS = ("docs/architecture.md", "docs/usage.md")
+
+
+def undocumented_metrics(names) -> list[str]:
+  """Those of the metric `names` (a row of metrics.jsonl's keys) that docs/architecture.md and
+  docs/usage.md name nowhere (`step` is the row's number, not a metric)."""
+  known = []
+  for rel in METRIC_DOCS:
+    for group, rest in _METRIC.findall(_read(rel)):
+      first, *alts = rest.split("|")
+      stem = first.rpartition("_")[0]
+      for name in [first, *alts, *(f"{stem}_{a}" for a in alts if stem)]:
+        parts = re.split(r"<[a-z_]+>", f"{group}/{name}")  # a placeholder: any word
+        known.append(re.compile("[a-z_0-9]+".join(map(re.escape, parts))))
+  return [n for n in names if n != "step" and not any(k.fullmatch(n) for k in known)]
+
+
+def test_metric_names_are_read_from_the_docs():
+  """undocumented_metrics, which the trainer tests check their runs' rows with
+  (tests/test_fused_trainer.py), reads the docs' shorthand."""
+  assert undocumented_metrics(["step", "timing_s/generate", "timing_s/inference",
+                               "gen/consolidated_from", "gen/consolidated_to",
+                               "reward/format_mean", "stats/num_chars_mean"]) == []
+  assert undocumented_metrics(["timing_s/nonesuch", "reward/mean_x"]) == [
+      "timing_s/nonesuch", "reward/mean_x"]
+
+
 @dataclasses.dataclass(frozen=True)
 class Command:
   doc: str  # path of the Markdown file, relative to the repository

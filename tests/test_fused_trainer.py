@@ -12,6 +12,7 @@ from rlhfuse_jax.generation import instances
 from rlhfuse_jax.trainer import build, rollout
 from rlhfuse_jax.trainer import validate as validate_lib
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
+from tests.test_docs import undocumented_metrics
 from tests.test_mesh import _read_through_host
 from tests.test_trainer import record_rollouts, tiny_config
 
@@ -105,6 +106,8 @@ def test_a_slow_reward_function_shows_in_timing_s_reward(tmp_path, fuse):
   assert slept <= m["timing_s/reward"] <= m["timing_s/gen_plus_inf"], m
   if not fuse:  # the serial stage's inference includes the rewards
     assert m["timing_s/reward"] <= m["timing_s/inference"], m
+  # Every metric of the row, timing_s/reward too, is documented (docs/architecture.md §1).
+  assert not undocumented_metrics(m), undocumented_metrics(m)
 
 
 def test_auto_rt_resumes_with_the_lengths_it_had_seen(tmp_path):
