@@ -215,7 +215,7 @@ def test_a_key_given_twice_in_a_json_input_is_refused_naming_it(tmp_path):
   (hardware file, lengths file, a checkpoint's config.json for the simulator and the loader,
   tokenizer and side-car objects) names the key instead."""
   from rlhfuse_jax import workdir as wd
-  from rlhfuse_jax.models import hf_loader
+  from rlhfuse_jax.models import hf_config
   from rlhfuse_jax.sim import lengths
   twice = '{"base": "h100_sxm", "hbm_bytes": 40e9, "hbm_bytes": 80e9}'
   (tmp_path / "hw.json").write_text(twice)
@@ -229,7 +229,7 @@ def test_a_key_given_twice_in_a_json_input_is_refused_naming_it(tmp_path):
   with pytest.raises(ValueError, match=r"config\.json.*the key 'hidden_size' appears twice"):
     shapes.from_hf_config(str(tmp_path / "ckpt"), "x")
   with pytest.raises(ValueError, match=r"config\.json.*the key 'hidden_size' appears twice"):
-    hf_loader._read_json(str(tmp_path / "ckpt" / "config.json"))  # pylint: disable=protected-access
+    hf_config.read_json(str(tmp_path / "ckpt" / "config.json"))
   with pytest.raises(ValueError, match=r"config\.json.*the key 'hidden_size' appears twice"):
     wd.read_json_object(str(tmp_path / "ckpt" / "config.json"))
   # Nested objects too; equal keys in different objects are fine.
@@ -253,3 +253,92 @@ def test_a_shape_of_ones_own_keeps_its_name_in_the_setting_label(tmp_path):
   c.shapes, c.pairs, c.max_new_tokens = f"q14={tmp_path}", "q14/llama-13b", "512"
   assert [s["label"] for s in AblationConfig.from_config_dict(c).settings()] == [
       "q14/13B L=512"]
+
+
+# Real models' config.json fields (their HF repositories) and their parameter counts
+# (transformers' num_parameters() of the released checkpoints).
+HF_MODELS = {
+    "llama3.2-1b": ({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                     "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True,
+                     "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+                     "rope_theta": 500000.0,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 32.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}},
+                    1_235_814_400),
+    "qwen2.5-1.5b": ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                      "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
+                      "num_hidden_layers": 28, "num_attention_heads": 12,
+                      "num_key_value_heads": 2, "tie_word_embeddings": True,
+                      "max_position_embeddings": 32768, "sliding_window": 32768,
+                      "use_sliding_window": False, "max_window_layers": 21,
+                      "torch_dtype": "bfloat16"}, 1_543_714_304),
+    "qwen3-0.6b": ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                    "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+                    "num_hidden_layers": 28, "num_attention_heads": 16,
+                    "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True,
+                    "max_position_embeddings": 40960, "sliding_window": None,
+                    "use_sliding_window": False, "torch_dtype": "bfloat16"}, 596_049_920),
+    "mistral-7b": ({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                    "num_hidden_layers": 32, "num_attention_heads": 32,
+                    "num_key_value_heads": 8, "sliding_window": 4096,
+                    "max_position_embeddings": 32768, "torch_dtype": "bfloat16"},
+                   7_241_732_096),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
+def test_hf_config_shapes_of_real_models(name, tmp_path):
+  """config.shapes='NAME=PATH': the released models' parameter counts, KV bytes per token
+  (2 · layers · kv_heads · head_dim · 2 bytes) and context; Mistral-7B-v0.1's 4096-token
+  sliding window is the longest the trainer runs it at (its loader refuses more)."""
+  hf, params = HF_MODELS[name]
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  s = shapes.from_hf_config(str(tmp_path), name)
+  assert s.num_params() == params
+  head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+  kv = hf.get("num_key_value_heads")
+  assert s.kv_bytes_per_token() == 2 * hf["num_hidden_layers"] * kv * head_dim * 2
+  assert s.max_seq_len == (4096 if name == "mistral-7b" else hf["max_position_embeddings"])
+
+
+# Fields of a model the trainer's loader refuses, each with the message's pattern: the
+# simulator took every one of them, and sized a Mixtral-8x7B as a dense Mistral-7B.
+REFUSED = {
+    "moe": ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+             "num_local_experts": 8}, r"architectures=\['MixtralForCausalLM'\] is not supported"),
+    "type": ({"architectures": None, "model_type": "gemma"},
+             r"no 'architectures' and model_type='gemma' is not supported"),
+    "act": ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported; expected 'silu'"),
+    "quant": ({"quantization_config": {"quant_method": "awq"}},
+              r"quantization_config is set \(quant_method='awq'\)"),
+    "rope": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+             r"rope_scaling has rope_type='yarn'"),
+    "partial": ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5; only full"),
+    "tie": ({"tie_word_embeddings": "false"},
+            r"tie_word_embeddings='false' \(str\); expected true or false"),
+    "kv": ({"num_key_value_heads": 8.0}, r"num_key_value_heads=8\.0 \(float\); expected an int"),
+    "head_dim": ({"head_dim": "64"}, r"head_dim='64' \(str\); expected an integer"),
+    "vocab": ({"vocab_size": True}, r"vocab_size=True \(bool\); expected an integer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_hf_config_refuses_what_the_loader_refuses(case, tmp_path):
+  """A config.json the trainer's loader refuses is refused by the simulator's shape too, with
+  the loader's message naming the file and the field (models/hf_config.model_fields, which
+  both read)."""
+  from rlhfuse_jax.models import hf_config
+  change, pattern = REFUSED[case]
+  hf = {**HF_MODELS["llama3.2-1b"][0], **change}
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  with pytest.raises(ValueError, match=r"shape 'mine': .*config\.json: " + pattern):
+    shapes.from_hf_config(str(tmp_path), "mine")
+  with pytest.raises(ValueError, match=pattern):
+    hf_config.model_fields(hf)
+  (tmp_path / "config.json").write_text("[]")
+  with pytest.raises(ValueError, match=r"config\.json: expected a JSON object, got list"):
+    shapes.from_hf_config(str(tmp_path), "mine")

@@ -23,9 +23,10 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
-from rlhfuse_jax import workdir as wd
-# The module alone (docs/architecture.md §7: sim may import models.param_count, no other models)
-from rlhfuse_jax.models.param_count import HEADS, QWEN3_DEFAULT_HEAD_DIM
+# These modules alone (docs/architecture.md §7: sim may import models.param_count and
+# models.hf_config, no other models: they import no jax)
+from rlhfuse_jax.models.hf_config import model_fields, read_json, sliding_window_error, window
+from rlhfuse_jax.models.param_count import HEADS
 from rlhfuse_jax.models.param_count import num_params as _num_params
 
 ITEMSIZES = (2, 4)
@@ -202,52 +203,30 @@ def from_model_config(cfg: Any, name: str = "custom", dtypes: bool = False,
 
 def from_hf_config(path: str, name: str) -> ModelShape:
   """The shape a Hugging Face config.json describes (`path`: the file or its model directory),
-  read as plain JSON (the simulator imports no jax): LLaMA, Mistral, Qwen2/2.5/3 fields, grouped-
-  query heads, an explicit head_dim, tied embeddings, Qwen2's q/k/v biases (or
-  `attention_bias`), Qwen3's q/k norms, the weights' dtype. A ValueError names the file and the
-  missing field."""
+  read as the trainer's loader reads it (models/hf_config.model_fields, no jax): LLaMA,
+  Mistral, Qwen2/2.5/3 fields, grouped-query heads, an explicit head_dim (Qwen3's default 128),
+  tied embeddings, Qwen2's q/k/v biases (or `attention_bias`), Qwen3's q/k norms, the weights'
+  dtype (the file's, float32 where it names none). A model the loader refuses is refused here
+  with its message, naming the file and the field (another architecture, activation, RoPE
+  scaling, quantized weights, a field of the wrong type). Its context (max_seq_len, which
+  ablations.context_warnings compares with the sequences simulated) is max_position_embeddings,
+  or the sliding window where layers use a shorter one: the trainer runs such a model only at
+  max_seq_len <= the window (sliding-window attention is not implemented)."""
   file = os.path.join(path, "config.json") if os.path.isdir(path) else path
   try:
-    with open(file, encoding="utf-8") as f:
-      hf = wd.load_json(f)
+    hf = read_json(file)
+    family, f = model_fields(hf, file)
   except (OSError, ValueError) as e:
-    raise ValueError(f"shape {name!r}: cannot read {file!r} as a config.json ({e})") from None
-  need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-          "num_attention_heads")
-  missing = [k for k in need if not isinstance(hf.get(k), int)]
-  if missing:
-    raise ValueError(f"shape {name!r}: {file} has no integer {missing} (a decoder's "
-                     "config.json: LLaMA, Mistral, Qwen)")
-  if hf.get("mlp_bias"):  # as models/hf_loader.config_from_hf: a model the trainer cannot load
-    raise ValueError(f"shape {name!r}: {file} has mlp_bias=true, which is not supported (our "
-                     "MLP has no biases; the loader refuses it too)")
-  heads = hf["num_attention_heads"]
-  model_type = str(hf.get("model_type", ""))
-  # Biases as the loader reads them (models/hf_loader.config_from_hf): Qwen2 on q, k, v; Mistral
-  # none whatever the file says; LLaMA and Qwen3 on q, k, v and o with attention_bias.
-  qkv_bias = o_bias = model_type != "mistral" and bool(hf.get("attention_bias"))
-  if model_type == "qwen2":
-    qkv_bias, o_bias = True, False
-  # As the loader reads it: Qwen3's head_dim defaults to 128, not hidden / heads.
-  head_dim = (QWEN3_DEFAULT_HEAD_DIM if model_type == "qwen3" and "head_dim" not in hf
-              else hf.get("head_dim") or 0)
-  # Bytes per weight and KV element as the loader reads them: the file's dtype (transformers 5
-  # writes "dtype", 4 "torch_dtype"), float32 where it names none. They were bf16's 2 whatever
-  # the file said: calibrate_sim's float32 model was charged half the bytes its measured loads
-  # and migrations moved, and sized at half its memory.
-  key = "dtype" if hf.get("dtype") is not None else "torch_dtype"
-  dtype = hf.get(key) or "float32"
-  if dtype not in DTYPE_ITEMSIZE:
-    raise ValueError(f"shape {name!r}: {file} has {key}={dtype!r}; expected one of "
-                     f"{sorted(DTYPE_ITEMSIZE)}")
+    raise ValueError(f"shape {name!r}: {e}") from None
+  context = f["max_seq_len"]
+  if sliding_window_error(hf, family, f["num_layers"], context, file):
+    context = int(window(hf, family))  # the longest the trainer loads it at
+  dtypes = {k: f[k] for k in ITEMSIZE_DTYPES.values()}
   return ModelShape(
-      **dtype_itemsizes({k: dtype for k in ITEMSIZE_DTYPES.values()}),
-      name=name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-      intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
-      num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-      head_dim=head_dim, tie_embeddings=bool(hf.get("tie_word_embeddings")),
-      qkv_bias=qkv_bias, o_bias=o_bias, max_seq_len=int(hf.get("max_position_embeddings") or 2048),
-      qk_norm=model_type == "qwen3")
+      **dtype_itemsizes(dtypes), name=name, max_seq_len=context,
+      **{k: f[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                           "num_heads", "num_kv_heads", "head_dim", "tie_embeddings",
+                           "qkv_bias", "o_bias", "qk_norm")})
 
 
 def _llama1(name: str, hidden: int, inter: int, layers: int, heads: int) -> ModelShape:
