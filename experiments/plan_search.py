@@ -33,7 +33,11 @@ into the workdir:
                   or one the trainer would not run (with sim.trainer_runnable or
                   train_config); "systems_error": why the systems' comparison failed (a
                   calibration that cannot time their layouts), its rows then left out
-  plan_search.md  the top plans with predicted stage times, the best uniform layout, the
+  plan_search.md  the models searched for (result.json setting.models: each one's shape,
+                  parameter count and source, a preset's paper, its config.json or the run's
+                  config), sequences longer than a model's context (setting.context_warnings,
+                  also logged: as reproduce_ablations warns of them), the top plans with
+                  predicted stage times, the best uniform layout, the
                   memory per device of each stage of plan.json's plan (weights, gradients,
                   optimizer state, activations or KV cache, frozen weights kept, the
                   training state kept beside generation and inference, against the
@@ -126,6 +130,25 @@ def memory_lines(memory: list[dict], which: str, hbm_bytes: float) -> list[str]:
   return lines
 
 
+def model_lines(models: dict) -> list[str]:
+  """plan_search.md's table of the models searched for (setting["models"]: {role: a shape's
+  to_dict() with its "source"}), so that the report says which model it planned."""
+  lines = ["Models searched for:", "",
+           "| role | model | parameters | layers | hidden | ffn | heads / KV heads x head_dim | "
+           "vocabulary | bytes per weight / KV element | source |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for role, m in models.items():
+    head_dim = m["head_dim"] or m["hidden_size"] // m["num_heads"]
+    n = m["num_params"]
+    params = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+    lines.append(f"| {role} | {m['name']} | {params} | {m['num_layers']} | "
+                 f"{m['hidden_size']} | {m['intermediate_size']} | {m['num_heads']} / "
+                 f"{m['num_kv_heads']} x {head_dim} | {m['vocab_size']}"
+                 f"{' (tied)' if m['tie_embeddings'] and m['head'] == 'lm' else ''} | "
+                 f"{m['weight_itemsize']} / {m['kv_itemsize']} | {m['source']} |")
+  return lines + [""]
+
+
 def report(res: dict, systems: dict, setting: dict,
            constants: Optional[tuple[dict, dict]] = None,
            memory: Optional[tuple[list, str, float]] = None) -> list[str]:
@@ -148,6 +171,10 @@ def report(res: dict, systems: dict, setting: dict,
   lines = [f"# Plan search: {setting['label']} on {setting['num_devices']} x "
            f"{setting['hardware']}", "",
            f"{searched} Times are simulated seconds of one iteration (rlhfuse_jax/sim/).", ""]
+  if "models" in setting:  # (a result.json from before it named them has none)
+    lines += model_lines(setting["models"])
+  for line in setting.get("context_warnings", ()):
+    lines += [f"Warning: {line}.", ""]
   if "train_config" in setting:
     refused = res["refused"]
     lines += [f"The workload of `{setting['train_config']}` (batch {setting['global_batch']}, "
@@ -319,6 +346,14 @@ def trainer_setting(cfg: ablations.AblationConfig, path: str, overrides: str, co
              "reference": wl.reference, "reward_model": wl.reward_model,
              "actor": wl.actor.to_dict(), "critic": wl.critic.to_dict(), "lengths": lengths,
              **({} if wl.reward is None else {"reward": wl.reward.to_dict()})}
+  # The models it planned, for the report: the run's, from its checkpoints where it loads them
+  checkpoints = {"actor": train.init.actor_checkpoint, "critic": train.init.critic_checkpoint,
+                 "reward": train.reward.model_checkpoint if wl.reward is not None else ""}
+  sections = {"actor": "model", "critic": "critic_model", "reward": "reward.model_checkpoint"}
+  setting["models"] = {
+      role: {**setting[role], "source": f"{spec}: " + (
+          f"{checkpoints[role]} (config.json)" if checkpoints[role] else sections[role])}
+      for role in ("actor", "critic", "reward") if role in setting}
   if not adv_lib.needs_critic(train.algo.estimator):
     # The simulator's training plans are actor + critic pairs (sim/training_sim.py); a run
     # without a critic is searched as PPO's, its times and memory an overestimate (a known
@@ -416,6 +451,13 @@ def main(argv):
   else:
     setting = cfg.settings()[0]
     wl = ablations.workload(cfg, setting)
+    # Which models it planned, and sequences longer than a model's context (as
+    # reproduce_ablations warns of them): neither output said either, but for the names.
+    setting["models"] = {role: {**shape.to_dict(), "source": cfg.shape_source(setting[role])}
+                         for role, shape in (("actor", wl.actor), ("critic", wl.critic))}
+    setting["context_warnings"] = ablations.context_warnings(cfg)
+    for line in setting["context_warnings"]:
+      logging.warning("sequences longer than a model's context: %s", line)
   res = plan_search.search(cost, wl, cfg.sim, top_k=top_k, log=logging.info,
                            staleness=cfg.sim.staleness, split_unit=cfg.sim.async_split_unit,
                            accept=accept)

@@ -844,6 +844,9 @@ def test_a_plan_searched_for_another_workload_is_warned_of(tmp_path):
   assert json.loads((tmp_path / "ps" / "result.json").read_text())["efficiency"]["train_mfu"] \
       == 0.45
   assert "| train_mfu | 0.45 |" in (tmp_path / "ps" / "plan_search.md").read_text()
+  # The report names the models it planned: the run's (ppo_tiny's 2 × 64 critic)
+  assert (f"| actor | big actor | 7.9M | 8 | 512 | 128 | 4 / 2 x 128 | 22 | 4 / 4 | "
+          f"{tmp_path / 'big.py'}: model |") in (tmp_path / "ps" / "plan_search.md").read_text()
   out = subprocess.run([sys.executable, "-m", "experiments.train_ppo",
                         "--config=configs/ppo_tiny.py", f"--config.plan.file={path}",
                         f"--workdir={tmp_path / 'run'}", "--config.rollout.top_k=100000"],

@@ -997,3 +997,50 @@ def test_with_no_synchronous_plan_the_asynchronous_splits_are_still_searched(tmp
       tmp_path / "plan_search.md").read_text()
   assert "No synchronous plan: plan search: no feasible plan" in (
       tmp_path / "plan_search.md").read_text()
+
+
+def test_binary_names_the_models_it_planned_and_warns_of_a_short_context(tmp_path):
+  """A search for models of one's own (config.shapes=NAME=PATH) said only the names the user
+  gave them (plan_search.md's title, result.json's setting), and planned sequences past a
+  model's context without a word (reproduce_ablations warns of them): the report and
+  result.json now list each model's shape, parameter count and config.json, and the warning."""
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32001,
+           "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": True,
+           "max_position_embeddings": 96, "torch_dtype": "bfloat16"}
+  qwen3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 1000,
+           "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 4096, "torch_dtype": "float32"}
+  for name, hf in (("a", llama), ("c", qwen3)):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.json").write_text(json.dumps(hf))
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py",
+       f"--workdir={tmp_path / 'out'}", f"--config.shapes=mine={tmp_path / 'a'},"
+       f"crit={tmp_path / 'c'}", "--config.pairs=mine/crit", "--config.num_devices=8",
+       "--config.global_batch=16", "--config.minibatch=8", "--config.max_new_tokens=64",
+       "--config.systems=", "--config.sim.staleness=0"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  res = json.loads((tmp_path / "out" / "result.json").read_text())
+  models = res["setting"]["models"]
+  # by hand: 4 layers of attention 512·64·(8 + 2·2) + 8·64·512 and MLP 3·512·1408 and two
+  # norms, the tied embedding, the final norm
+  layer = 512 * 64 * 12 + 8 * 64 * 512 + 3 * 512 * 1408 + 2 * 512
+  assert models["actor"]["num_params"] == 4 * layer + 32001 * 512 + 512
+  # Qwen3: head_dim 128 (its default, not 256 / 4), q/k norms; the critic's scalar head
+  layer = 256 * 128 * 8 + 4 * 128 * 256 + 2 * 128 + 3 * 256 * 768 + 2 * 256
+  assert models["critic"]["num_params"] == 2 * layer + 1000 * 256 + 256 + 257
+  assert models["actor"]["source"] == f"config.shapes: {tmp_path / 'a'} (HF config.json)"
+  assert (models["actor"]["weight_itemsize"], models["critic"]["weight_itemsize"]) == (2, 4)
+  md = (tmp_path / "out" / "plan_search.md").read_text()
+  assert (f"| actor | mine | 27.7M | 4 | 512 | 1408 | 8 / 2 x 64 | 32001 (tied) | 2 / 2 | "
+          f"config.shapes: {tmp_path / 'a'} (HF config.json) |") in md
+  assert "| critic | crit-critic | 2.22M | 2 | 256 | 768 | 4 / 2 x 128 | 1000 | 4 / 4 |" in md
+  # 96 positions against prompts up to 1024 tokens and 64 new ones; the critic's 4096 suffice
+  warning = "mine holds 96 positions (max_seq_len), and rows are sized at 1088"
+  assert [w for w in res["setting"]["context_warnings"] if warning in w]
+  assert f"Warning: mine/crit L=64: {warning}" in md
+  assert warning in out.stderr and "crit holds" not in out.stderr

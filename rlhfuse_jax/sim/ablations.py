@@ -49,6 +49,8 @@ class AblationConfig:
   pairs: tuple[tuple[str, str], ...] = (("llama-13b", "llama-13b"),)
   # Shapes of one's own, by name, for `pairs`: (name, ModelShape) from HF config.json files.
   shapes: tuple = ()
+  # (name, path) of each of `shapes` read from a file (config.shapes), for the reports' sources
+  shape_files: tuple = ()
   max_new_tokens: tuple[int, ...] = (1024,)
   systems: tuple[str, ...] = it.SYSTEMS
   seed: int = 0
@@ -134,6 +136,14 @@ class AblationConfig:
   def shape(self, name: str, head: str = "lm") -> ModelShape:
     return get_shape(name, head, self.shapes)
 
+  def shape_source(self, name: str) -> str:
+    """Where shape `name` comes from: a preset's paper, or the user's HF config.json (its path
+    where config.shapes named one)."""
+    if name not in dict(self.shapes):
+      return PRESET_SOURCE
+    path = dict(self.shape_files).get(name)
+    return f"config.shapes: {path} (HF config.json)" if path else "config.shapes (HF config.json)"
+
   @classmethod
   def from_config_dict(cls, c, systems_optional: bool = False) -> "AblationConfig":
     """The typed config of ConfigDict `c`; with `systems_optional` (plan_search, whose systems
@@ -184,12 +194,13 @@ class AblationConfig:
                        "expected comma-separated Rt values in [0, 1] (0: stream, never "
                        "migrate)")
     sim["gen_tps"] = _csv_ints(sim["gen_tps"], "sim.gen_tps")
+    own = [s.strip() for s in str(c.get("shapes", "")).split(",") if s.strip()]
     return cls(
         hardware=c.hardware, num_devices=c.num_devices, global_batch=c.global_batch,
         minibatch=c.minibatch, epochs=c.epochs, micro_batch=c.micro_batch,
         pairs=tuple(pair(p) for p in _csv(c.pairs, "pairs")),
-        shapes=tuple(own_shape(s.strip()) for s in str(c.get("shapes", "")).split(",")
-                     if s.strip()),
+        shapes=tuple(own_shape(s.strip()) for s in own),
+        shape_files=tuple((n.strip(), p.strip()) for n, _, p in (s.partition("=") for s in own)),
         max_new_tokens=_csv_ints(c.max_new_tokens, "max_new_tokens"),
         systems=(() if systems_optional and not str(c.systems).strip() else
                  _csv(c.systems, "systems")), seed=c.seed,
@@ -350,8 +361,7 @@ def run_ablations(cfg: AblationConfig, workdir: str,
       "shapes": {name: cfg.shape(name).to_dict() for name in
                  sorted({p for pair in cfg.pairs for p in pair})},
       # Where each shape comes from: a preset's paper, or the user's HF config.json.
-      "shape_sources": {name: ("config.shapes (HF config.json)" if name in dict(cfg.shapes)
-                               else PRESET_SOURCE)
+      "shape_sources": {name: cfg.shape_source(name)
                         for name in sorted({p for pair in cfg.pairs for p in pair})},
       "prompt_lengths": cfg.prompt.describe(),
       "response_lengths": cfg.response.describe(),
