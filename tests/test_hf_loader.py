@@ -862,9 +862,10 @@ def test_tokenizer_round_trip():
 @pytest.mark.parametrize("arch", list(CHECKPOINTS))
 def test_the_simulator_reads_a_config_json_as_the_loader_does(arch, tmp_path):
   """config.shapes='NAME=PATH' (reproduce_ablations, plan_search): the simulator reads an HF
-  config.json as plain JSON; its shape has the fields and parameter count of the model the
-  loader builds from the same file (GQA, head_dim, tied embeddings, Qwen2's biases, Qwen3's
-  q/k norms). Before, only the four LLaMA-1 presets could be named."""
+  config.json with the loader's code (models/hf_config); its shape has the fields and
+  parameter count of the model the loader builds from the same file (GQA, head_dim, tied
+  embeddings, Qwen2's biases, Qwen3's q/k norms). Before, only the four LLaMA-1 presets could
+  be named."""
   ckpt = CHECKPOINTS[arch]
   got = shapes.from_hf_config(ckpt, arch)
   want = shapes.from_model_config(hf_loader.load_hf_config(ckpt), arch, dtypes=True)
