@@ -245,7 +245,13 @@ def apply_run(c, t, overrides=None):
   critic = (build.checkpoint_config(init.critic_checkpoint, run.critic_model)
             if init.critic_checkpoint else run.critic_model.replace(vocab_size=actor.vocab_size))
   c.actor = ml_collections.ConfigDict(dataclasses.asdict(actor))
-  c.critic = ml_collections.ConfigDict(dataclasses.asdict(critic))
+  stand_in = critic
+  if not run.algo.trains_critic:  # checked with a critic it never trains (an upper bound):
+    # a float16 section, which train_ppo leaves unused, stands in as bfloat16 (the same
+    # bytes), as the plan refuses a trained float16 model
+    stand_in = critic.replace(**{f: "bfloat16" for f in ("dtype", "param_dtype")
+                                 if getattr(critic, f) == "float16"})
+  c.critic = ml_collections.ConfigDict(dataclasses.asdict(stand_in))
   # reward.kind='model': its checkpoint's architecture, as the trainer builds it (a section in
   # place of the field's string: the field is deleted first, which an unlocked config allows)
   reward = build.reward_model_config(run)

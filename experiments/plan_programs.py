@@ -135,6 +135,7 @@ from rlhfuse_jax.sim.cost_model import LOGITS_COPIES_SCORING, CostModel
 from rlhfuse_jax.trainer import config as tc
 from rlhfuse_jax.trainer import pipelined, ppo
 from rlhfuse_jax.trainer import update as update_lib
+from rlhfuse_jax.trainer import validate
 
 PROGRAMS = ("train_step", "decode", "inference")  # always compiled
 # prefill: compiled since 2026-12-05 (results before lack it; a review found it the largest
@@ -389,6 +390,9 @@ class PlanConfig:
                              d["seq_len"], d.get("scan_layers", False))
       models[f"{field}_layers"] = _model(d[field], field, head, 0, d["remat"], d["attention"],
                                          d["seq_len"]).num_layers
+      # Both train (the train_step program): refused in float16 as train_ppo and --run_config
+      # refuse a trained model (it compiled and said every program fits, exit 0)
+      validate.check_trained_dtype(models[field], f"config.{field}")
     # "" or an empty section: a reward function (no model); forward only, so no remat, as the
     # trainer builds it (trainer/build.reward_model_config)
     reward = d.get("reward_model") or None

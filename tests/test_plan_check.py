@@ -789,7 +789,30 @@ def test_a_run_config_training_in_float16_is_refused_as_train_ppo_refuses_it():
       plan_config.apply_run(plan_config.get_config("tiny"), run)
   run = ppo_tiny.get_config("grpo")
   run.critic_model.dtype = "float16"
-  plan_config.apply_run(plan_config.get_config("tiny"), run)
+  c = plan_config.get_config("tiny")
+  plan_config.apply_run(c, run)
+  # ... and stands in (an upper bound) at bfloat16, the same bytes: the plan takes it
+  assert plan_programs.PlanConfig.from_config_dict(c).critic.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("field,name", [("actor", "dtype"), ("actor", "param_dtype"),
+                                        ("critic", "dtype")])
+def test_a_plain_plan_training_in_float16_is_refused_as_its_run_would_be(field, name):
+  """A plan config (no --run_config) with a float16 actor or critic, both of which its train
+  step trains, compiled and said "every program fits", exit 0, where train_ppo and plan_check
+  --run_config refuse such a model (no loss scaling: trainer/validate.check_trained_dtypes).
+  Refused before anything compiles, naming the field; a float16 reward model (not trained)
+  is taken, as train_ppo takes it."""
+  c = plan_config.get_config("tiny")
+  c[field][name] = "float16"
+  with pytest.raises(ValueError, match=rf"^config\.{field}\.{name}='float16': .*loss "
+                                       r"scaling.*'bfloat16'"):
+    plan_programs.PlanConfig.from_config_dict(c)
+  c = plan_config.get_config("tiny")
+  del c["reward_model"]  # (a string field: a section replaces it, as apply_run does)
+  c.reward_model = c.critic.to_dict()
+  c.reward_model["dtype"] = c.reward_model["param_dtype"] = "float16"
+  assert plan_programs.PlanConfig.from_config_dict(c).reward.dtype == "float16"
 
 
 def test_a_run_with_a_plan_file_is_checked_on_the_devices_the_plan_was_searched_for(tmp_path):

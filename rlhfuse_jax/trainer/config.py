@@ -297,6 +297,12 @@ class AlgoConfig:
     neither built nor run, and the kl/ref_* metrics are not logged (docs/usage.md)."""
     return self.kl_coef > 0
 
+  @property
+  def trains_critic(self) -> bool:
+    """Whether the estimator reads critic values, so the run builds, runs and trains a critic
+    (GAE's); critic-free estimators (grpo, rloo, ...) leave config.critic_model unused."""
+    return adv_lib.needs_critic(self.estimator)
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:

@@ -217,16 +217,22 @@ def check_trained_dtypes(cfg: TrainConfig) -> None:
   or param_dtype is float16, naming the field. Also plan_check's and plan_search's --run_config
   (plan_check compiled such a run and said it fits, where train_ppo refuses it)."""
   for section, model, _ in _trained_models(cfg):
-    for field in ("dtype", "param_dtype"):
-      if jnp.dtype(getattr(model, field)) == jnp.float16:
-        # Measured on a 4-layer actor: 51 % of the gradient entries subnormal at 16k response
-        # tokens a mini-batch (a token-mean loss divides the cotangents by the token count);
-        # fp16 AdamW's second moment underflows to 0 and its first step sets weights to inf.
-        raise ValueError(
-            f"config.{section}.{field}='float16': a trained model in float16 needs loss "
-            "scaling, which this trainer does not do (its gradients underflow, and float16 "
-            "AdamW moments divide by 0); use 'bfloat16' (the same memory, float32's range) or "
-            "'float32'")
+    check_trained_dtype(model, f"config.{section}")
+
+
+def check_trained_dtype(model: Any, field: str) -> None:
+  """Refuses one trained model (`field`: the config section that sets it, as the error names
+  it: config.model, or plan_check's config.actor) whose dtype or param_dtype is float16."""
+  for name in ("dtype", "param_dtype"):
+    if jnp.dtype(getattr(model, name)) == jnp.float16:
+      # Measured on a 4-layer actor: 51 % of the gradient entries subnormal at 16k response
+      # tokens a mini-batch (a token-mean loss divides the cotangents by the token count);
+      # fp16 AdamW's second moment underflows to 0 and its first step sets weights to inf.
+      raise ValueError(
+          f"{field}.{name}='float16': a trained model in float16 needs loss "
+          "scaling, which this trainer does not do (its gradients underflow, and float16 "
+          "AdamW moments divide by 0); use 'bfloat16' (the same memory, float32's range) or "
+          "'float32'")
 
 
 def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
