@@ -341,7 +341,9 @@ def get_config(arg: str = "tiny"):
   # actor's log-prob forward on the training devices before the update (old_logp "recompute",
   # or "auto" with a 16-bit actor and pp == 1, in the update's micro-batches; staleness > 0:
   # the proximal log-probs, a mini-batch a piece), the `actor_logp` program compiles it,
-  # beside the training state. A run's (run/, --run_config, llama/, hf_gpu/) are its own.
+  # beside the training state; staleness > 0 also scores each batch's values with the current
+  # critic there (the `critic_values` program). A run's (run/, --run_config, llama/, hf_gpu/)
+  # are its own.
   c.old_logp = "auto"
   c.staleness = 0
   # pp == 1 with micro-batches: the trainer's algo.gradient_sync, "per_microbatch" (weights

@@ -26,6 +26,9 @@ jax.ShapeDtypeStructs with shardings (no parameter is allocated), the programs t
               (config.old_logp "recompute", or "auto" with a 16-bit actor and pp == 1, in the
               update's micro-batches) or asynchronous PPO's proximal log-probs (config.staleness
               > 0, a mini-batch a piece); the trainer's Scorer and jitted forward
+  critic_values  with config.staleness > 0 (asynchronous PPO), the current critic's value
+              forward on the training devices before the advantages, beside the training
+              state, a mini-batch a piece; the trainer's Scorer and jitted forward
 
 (--run_config: a training config, with train_ppo's overrides, checked as its trainer runs it)
 and writes result.json (per program: argument/output/temp/peak bytes and FLOPs per device from

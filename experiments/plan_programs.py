@@ -48,6 +48,11 @@ Every program is the codebase's own, reached through the function its caller jit
               jitted forward (inference/scoring.Scorer.lower_logprobs) on the training mesh
               (pp > 1: the whole actor gathered, a copy beside the stage shards; on the folded
               mesh where the serial rollout generates) with the training state beside it
+  critic_values  asynchronous PPO's value pass (staleness > 0): each batch generated earlier is
+              scored again with the current critic on the training devices before its
+              advantages (trainer/loop.PPOTrainer._current_values), a mini-batch a piece; the
+              trainer's Scorer and its jitted critic_values (Scorer.lower_values) on the mesh
+              actor_logp scores on, with the training state beside it (critic_values_program)
 
 Arguments are jax.ShapeDtypeStructs with NamedShardings: nothing is allocated.
 
@@ -145,8 +150,13 @@ PROGRAMS = ("train_step", "decode", "inference")  # always compiled
 # (placement_programs); migrate: on instances, since 2026-12-05 (a consolidation's largest
 # migration bucket: its gathered rows are a copy beside the cache, migrate_program)
 # actor_logp: since 2026-12-06, when the run executes it (the trainer's algo.old_logp
-# recomputation or async PPO's proximal log-probs, on the training devices beside the state)
-OPTIONAL_PROGRAMS = ("prefill", "migrate", "reward", "placement", "actor_logp")
+# recomputation or async PPO's proximal log-probs, on the training devices beside the state);
+# critic_values: since 2026-12-06, async PPO's current-critic values there (staleness > 0)
+OPTIONAL_PROGRAMS = ("prefill", "migrate", "reward", "placement", "actor_logp",
+                     "critic_values")
+# The passes on the training devices before the update, beside the training state: each one's
+# field of the bytes of the state's own model its arguments count (0 where it reads a copy)
+TRAINING_PASSES = {"actor_logp": "state_actor_bytes", "critic_values": "state_critic_bytes"}
 CPU_UPCAST_MODES = ("per_layer", "as_compiled")
 GENERATION_MODES = ("instances", "mesh")
 # XLA's name of the pass that hoists a loop-invariant float32 copy of the weights out of a loop.
@@ -297,6 +307,13 @@ class PlanConfig:
       return "proximal"
     algo = tc.AlgoConfig(minibatch_size=self.minibatch_size, old_logp=self.old_logp)
     return "recompute" if algo.recomputes_old_logp(0, self.pp > 1, self.actor) else ""
+
+  @property
+  def critic_values_pass(self) -> bool:
+    """Whether the trainer scores each batch's values with the current critic on the training
+    devices (asynchronous PPO, staleness > 0: PPOTrainer._current_values; a plan has a critic,
+    so a critic-free estimator's run, which skips it, is checked with it: an upper bound)."""
+    return self.staleness > 0
 
   @property
   def prompt_len(self) -> int:
@@ -684,11 +701,12 @@ def measure(lowered: Any, hardware: hw_lib.Hardware,
           "compile_s": compile_s}
 
 
-def per_layer_upcast(cfg: PlanConfig) -> bool:
+def per_layer_upcast(cfg: PlanConfig, models: list[ModelConfig] | None = None) -> bool:
   """Whether the instance's programs are compiled per layer (module docstring): cpu_upcast is
-  per_layer, the backend is XLA:CPU and the actor's or the reward model's weights are 16-bit
-  (each program then reports the smaller of its two compiles)."""
-  models = [cfg.actor] + ([] if cfg.reward is None else [cfg.reward])
+  per_layer, the backend is XLA:CPU and the actor's or the reward model's weights (`models`'
+  where given) are 16-bit (each program then reports the smaller of its two compiles)."""
+  if models is None:
+    models = [cfg.actor] + ([] if cfg.reward is None else [cfg.reward])
   return (cfg.cpu_upcast == "per_layer" and jax.default_backend() == "cpu" and
           any(jnp.dtype(m.param_dtype).itemsize == 2 for m in models))
 
@@ -746,12 +764,14 @@ def instance_programs(cfg: PlanConfig) -> dict:
 
 
 def _instance_program(cfg: PlanConfig, name, lowered: dict, key, analytic: dict,
-                      per_layer: bool) -> dict:
+                      per_layer: bool, scan: bool | None = None) -> dict:
   """Instance program `key` of `lowered` ({scan_layers: {key: Lowered}}) measured beside its
-  `analytic` figures; under `per_layer` the smaller of its two compiles (instance_programs)."""
+  `analytic` figures; under `per_layer` the smaller of its two compiles (instance_programs).
+  `scan`: the scan_layers of the model as configured (default: the actor's)."""
   figures = lambda r: {k: r[k] for k in ("temp_bytes", "peak_bytes", "fits", "compile_s")}
-  m = measure(lowered[cfg.actor.scan_layers][key], cfg.hardware)
-  record = {"scan_layers": cfg.actor.scan_layers}
+  scan = cfg.actor.scan_layers if scan is None else scan
+  m = measure(lowered[scan][key], cfg.hardware)
+  record = {"scan_layers": scan}
   if per_layer:
     scanned = measure(lowered[True][key], cfg.hardware, PER_LAYER_OPTIONS)
     used = "per_layer" if scanned["temp_bytes"] <= m["temp_bytes"] else "as_compiled"
@@ -919,11 +939,7 @@ def actor_logp_program(cfg: PlanConfig, mesh) -> dict:
   if not kind:
     return {}
   pipelined = cfg.pp > 1
-  folded = mesh_lib.fold_stage(mesh)
-  # The trainer's on_folded: a serial rollout on a pipelined mesh (trainer/loop.py)
-  on_folded = (pipelined and cfg.generation == "mesh" and not cfg.generation_devices and
-               cfg.minibatch_size % mesh_lib.batch_size_multiple(folded) == 0)
-  on = folded if on_folded else mesh
+  on, on_folded = rescore_mesh(cfg, mesh)
   shards = mesh_lib.batch_size_multiple(on)
   algo = tc.AlgoConfig(minibatch_size=cfg.minibatch_size, old_logp=cfg.old_logp,
                        microbatch_size=0 if pipelined else cfg.microbatch_size)
@@ -944,12 +960,56 @@ def actor_logp_program(cfg: PlanConfig, mesh) -> dict:
   return {"actor_logp": out}
 
 
-def actor_logp_analytic(cfg: PlanConfig, rows: int, shards: int) -> dict:
-  """The perfect split of actor_logp_program's forward: the actor's whole weights split over
-  fsdp x tensor (the state's own, or pp > 1 a gathered copy), one layer's activations and the
-  head's float32 logits of its rows per device (`rows` over `shards` batch shards), the FLOPs
-  over every training device."""
-  a = cfg.actor
+def rescore_mesh(cfg: PlanConfig, mesh) -> tuple[Any, bool]:
+  """(the mesh the trainer's scorer on the training devices runs on, whether it is the folded
+  one): PPOTrainer._rescorer's, the training mesh, or with pp > 1 and the serial rollout the
+  mesh folded as the rollout's, where the mini-batch splits over it (trainer/loop.py
+  on_folded)."""
+  folded = mesh_lib.fold_stage(mesh)
+  on_folded = (cfg.pp > 1 and cfg.generation == "mesh" and not cfg.generation_devices and
+               cfg.minibatch_size % mesh_lib.batch_size_multiple(folded) == 0)
+  return (folded if on_folded else mesh), on_folded
+
+
+def critic_values_program(cfg: PlanConfig, mesh) -> dict:
+  """Asynchronous PPO's value pass on the training devices (cfg.critic_values_pass;
+  trainer/loop.PPOTrainer._current_values: each batch generated earlier scored with the
+  current critic before its advantages), measured: {} where the run makes none.
+
+  The trainer's own program: its Scorer (rescore_mesh) with a mini-batch a piece, lowered by
+  Scorer.lower_values (the jitted scoring.critic_values) on the critic's whole parameters as
+  the trainer passes them (pp == 1: the state's own, counted once beside the state:
+  `state_critic_bytes`; pp > 1: Update.whole's gathered copy, beside the stage shards).
+  Compiled twice under per_layer_upcast of the critic, like actor_logp_program."""
+  if not cfg.critic_values_pass:
+    return {}
+  on, on_folded = rescore_mesh(cfg, mesh)
+  shards = mesh_lib.batch_size_multiple(on)
+  rows = cfg.minibatch_size  # the trainer's _rescorer: micro_batch_size=algo.minibatch_size
+  scorer = scoring.Scorer(on, micro_batch_size=rows)
+  per_layer = per_layer_upcast(cfg, [cfg.critic])
+  lowered = {}
+  for scan in {cfg.critic.scan_layers, True} if per_layer else {cfg.critic.scan_layers}:
+    critic = cfg.critic.replace(scan_layers=scan)
+    lowered[scan] = {"values": scorer.lower_values(critic, abstract_params(critic, on),
+                                                   cfg.minibatch_size, cfg.seq_len,
+                                                   cfg.response_len)}
+  out = _instance_program(cfg, "critic_values", lowered, "values",
+                          actor_logp_analytic(cfg, rows, shards, cfg.critic), per_layer,
+                          scan=cfg.critic.scan_layers)
+  own = 0 if cfg.pp > 1 else _device_bytes(abstract_params(cfg.critic, mesh))
+  out.update({"rows": rows, "pieces_split_over": shards,
+              "mesh": "folded" if on_folded else "training", "state_critic_bytes": own})
+  return {"critic_values": out}
+
+
+def actor_logp_analytic(cfg: PlanConfig, rows: int, shards: int,
+                        model: ModelConfig | None = None) -> dict:
+  """The perfect split of actor_logp_program's forward (critic_values_program's with `model`
+  the critic): the model's whole weights split over fsdp x tensor (the state's own, or pp > 1
+  a gathered copy), one layer's activations and an LM head's float32 logits of its rows per
+  device (`rows` over `shards` batch shards), the FLOPs over every training device."""
+  a = cfg.actor if model is None else model
   params = _nbytes(llama.param_shapes(a)) / (cfg.fsdp * cfg.tp)
   cost = CostModel(cfg.hardware)
   shape = sim_shapes.from_model_config(a, dtypes=True)
@@ -1175,6 +1235,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   programs.update(instance_programs(cfg))
   programs.update(placement_programs(cfg, mesh, update))
   programs.update(actor_logp_program(cfg, mesh))
+  programs.update(critic_values_program(cfg, mesh))
   critic = _nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_model_shards
   copy = critic  # what a freed instance loads of the critic: a stage of it in a pipeline
   if cfg.inference_pp > 1:
@@ -1251,7 +1312,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                   "placement the training state plus the most any of its parts adds to it "
                   "(over_state_bytes); for actor_logp its peak plus the training state less "
                   "the state's own actor its arguments count (state_actor_bytes), plus on the "
-                  "serial stage the reference and reward model; no "
+                  "serial stage the reference and reward model; for critic_values the same "
+                  "with the state's own critic (state_critic_bytes); no "
                   "headroom (the simulator plans with 90 % of HBM)",
           "gpu_flops": "on a GPU backend library calls (cuBLAS / cuDNN custom-calls) hold most "
                        "dots, which hlo_flops does not count: flops_per_device and replication "
@@ -1298,10 +1360,11 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     (pp > 1), its actor is a gathered copy beside the stage shards of the state, and the
     reference is beside it too.
 
-  actor_logp (the actor's log-prob pass, on the training devices after the rollout: the
-  optimizer state is back) has the whole training state beside it, less the state's own actor
-  where its arguments count it (state_actor_bytes), and on the serial stage the frozen models
-  kept on the mesh; the instances' and a generation group's models are elsewhere then.
+  actor_logp and critic_values (the actor's log-prob pass, async PPO's value pass: on the
+  training devices after the rollout, the optimizer state back) have the whole training state
+  beside them, less the state's own model where their arguments count it (TRAINING_PASSES:
+  state_actor_bytes, state_critic_bytes), and on the serial stage the frozen models kept on the
+  mesh; the instances' and a generation group's models are elsewhere then.
 
   placement (the hand-over of the actor, on the training devices) has the training state
   beside it, also with a generation group (less the optimizer state where the rollout has
@@ -1345,9 +1408,9 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     p.setdefault("fits_alone", p["fits"])
     p["offloaded_optimizer_bytes"] = 0 if generation_group else offloaded
     p["resident_train_bytes"] = 0 if generation_group else train["argument_bytes"] - offloaded
-    if name == "actor_logp":  # on the training devices, beside the whole state
+    if name in TRAINING_PASSES:  # on the training devices, beside the whole state
       p["offloaded_optimizer_bytes"] = 0
-      p["resident_train_bytes"] = train["argument_bytes"] - p["state_actor_bytes"]
+      p["resident_train_bytes"] = train["argument_bytes"] - p[TRAINING_PASSES[name]]
       p["resident_model_bytes"] = sum(kept.values()) if serial else 0.0
       p["peak_with_train_state_bytes"] = (p["peak_bytes"] + p["resident_train_bytes"] +
                                           p["resident_model_bytes"])
@@ -1407,13 +1470,14 @@ def _gb(x: float) -> str:
 def table(result: dict) -> list[str]:
   """The log table: one line per program (GB = 1e9 bytes; figures too small for a column's
   decimals with 3 significant digits: _fixed)."""
-  lines = [f"{'program':<11} {'arg GB':>8} {'out GB':>8} {'temp GB':>8} {'peak GB':>8} "
+  w = max(len(name) for name in PROGRAMS + OPTIONAL_PROGRAMS)  # every table the same widths
+  lines = [f"{'program':<{w}} {'arg GB':>8} {'out GB':>8} {'temp GB':>8} {'peak GB':>8} "
            f"{'+state GB':>9} {'HBM GB':>7} {'fits':>5} {'analytic GB':>11} {'TFLOP/dev':>10} "
            f"{'repl':>6} {'compile s':>9}"]
   for name in program_names(result):
     p = result["programs"][name]
     with_state = p.get("peak_with_train_state_bytes")
-    lines.append(f"{name:<11} {_gb(p['argument_bytes']):>8} {_gb(p['output_bytes']):>8} "
+    lines.append(f"{name:<{w}} {_gb(p['argument_bytes']):>8} {_gb(p['output_bytes']):>8} "
                  f"{_gb(p['temp_bytes']):>8} {_gb(p['peak_bytes']):>8} "
                  f"{_gb(with_state) if with_state is not None else '-':>9} "
                  f"{_gb(p['hbm_bytes']):>7} {str(p['fits']):>5} "
@@ -1425,7 +1489,7 @@ def table(result: dict) -> list[str]:
                "collectives one after another (as compiled; and at the widths the program asks "
                "for, 16-bit where XLA:CPU widened them to float32), dots at peak FLOP/s, HBM "
                "reads of the perfect split (decode)")
-  lines.append(f"{'program':<11} {'coll GB':>8} {'coll s':>9} {'16b GB':>8} {'16b s':>9} "
+  lines.append(f"{'program':<{w}} {'coll GB':>8} {'coll s':>9} {'16b GB':>8} {'16b s':>9} "
                f"{'dots s':>9} {'HBM s':>9}")
   for name in program_names(result):
     p = result["programs"][name]
@@ -1436,7 +1500,7 @@ def table(result: dict) -> list[str]:
     if "program_collective_s" in p:
       narrow_gb = _gb(sum(p["program_collective_bytes"].values()))
       narrow_s = _fixed(p["program_collective_s"], 4)
-    lines.append(f"{name:<11} {_gb(sum(p['collective_bytes'].values())):>8} "
+    lines.append(f"{name:<{w}} {_gb(sum(p['collective_bytes'].values())):>8} "
                  f"{_fixed(p['collective_s'], 4):>9} {narrow_gb:>8} {narrow_s:>9} "
                  f"{_fixed(p['compute_s'], 4):>9} "
                  f"{'-' if hbm_s is None else _fixed(hbm_s, 4):>9}")
@@ -1496,6 +1560,8 @@ def verdict(result: dict) -> str:
         ["a smaller mini-batch (minibatch_size: a run's algo.minibatch_size)"]) + (
             ["no recomputation (a run's algo.old_logp='generation')"]
             if logp.get("pass") == "recompute" else [])
+    temporaries["critic_values"] = ["a smaller mini-batch (minibatch_size: a run's "
+                                    "algo.minibatch_size)"]
     # A migration's copy of its rows: its output (gather), an argument (scatter) or temp.
     rows = ["fewer rows a migration moves at once (migration_rows: a run's "
             "fusion.migration_rows)"]
@@ -1533,7 +1599,7 @@ def verdict(result: dict) -> str:
       own = (largest == "temporaries" or (name == "placement" and largest == "arguments")
              or (name == "migrate" and largest in ("outputs", "arguments")))
       fix = temporaries[name] if own else fixes[largest]
-      if ((name == "placement" and plan.get("generation_devices") or name == "actor_logp")
+      if ((name == "placement" and plan.get("generation_devices") or name in TRAINING_PASSES)
           and not own):
         # (the trainer refuses it beside a group; the pass runs with the state moved back)
         fix = [f for f in fix if f not in offload]
@@ -1563,7 +1629,7 @@ LINK_BOUND_RATIO = 2.0
 # step runs once per generated token, hundreds of times, hence its lower floor (a 1B actor decoding
 # on a mesh of 8 H100s that splits its weights gathers their 2 GB in ~5 ms a step: above it).
 LINK_BOUND_MIN_S = {"train_step": 0.01, "decode": 0.001, "prefill": 0.01, "inference": 0.01,
-                    "reward": 0.01, "actor_logp": 0.01}
+                    "reward": 0.01, "actor_logp": 0.01, "critic_values": 0.01}
 
 
 def link_bound_notes(result: dict, min_s: dict | None = None) -> list[str]:
@@ -1584,7 +1650,7 @@ def link_bound_notes(result: dict, min_s: dict | None = None) -> list[str]:
       continue
     line = (f"{name}: its collectives take >= {coll:.3g} s, "
             f"{coll / max(other, 1e-30):.0f}x its other bounds: bound by the links")
-    if (name not in ("train_step", "actor_logp") and plan["generation"] == "mesh"
+    if (name != "train_step" and name not in TRAINING_PASSES and plan["generation"] == "mesh"
         and plan["fsdp"] > 1 and not plan.get("generation_devices")):
       line += ("; on the training mesh every step gathers the fsdp-split weights "
                "(the trainer's plan.generation='instances' reshards them once per iteration)")

@@ -2084,3 +2084,92 @@ def test_the_runs_old_logp_and_staleness_decide_the_actor_logp_program(tmp_path)
   c.old_logp = "generation"
   assert plan_programs.actor_logp_program(
       plan_programs.PlanConfig.from_config_dict(c), None) == {}
+
+
+def test_async_ppos_current_critic_values_are_compiled_beside_the_training_state(tmp_path):
+  """Asynchronous PPO (staleness > 0) scores each batch generated earlier again with the
+  current critic on the training devices, every iteration, beside the whole training state
+  (trainer/loop.py _current_values), a program plan_check did not compile. It is
+  `critic_values` now: the trainer's Scorer and jitted critic_values (the same lowering as from
+  the trainer's placed arrays), a mini-batch a piece, beside the training state less the critic
+  its arguments hold and, on the serial stage, the reference kept on the mesh; in result.json,
+  the table (its name in the column's width) and the verdict (the exit status reads every
+  program's fit)."""
+  c = _tiny_mesh_generation()
+  c.staleness = 1
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  assert cfg.critic_values_pass
+  result = plan_programs.run_and_write(cfg, str(tmp_path))
+  with open(os.path.join(tmp_path, "result.json")) as f:
+    p = json.load(f)["programs"]["critic_values"]
+  train = result["programs"]["train_step"]
+  assert (p["rows"], p["mesh"], p["pieces_split_over"]) == (8, "training", 4)
+  mesh = plan_programs.train_mesh(cfg)
+  own = plan_programs._device_bytes(plan_programs.abstract_params(cfg.critic, mesh))
+  assert p["state_critic_bytes"] == own > 0
+  # Plausible: its arguments are the critic's quarter (fsdp 2 x tensor 2) and a piece's tokens
+  whole = plan_programs._nbytes(llama.param_shapes(cfg.critic))
+  assert p["analytic"]["params_bytes"] == whole / 4 and p["analytic"]["logits_bytes"] == 0
+  assert own == pytest.approx(whole / 4, rel=0.02)
+  assert p["argument_bytes"] == own + (8 // 4) * (cfg.seq_len + 1) * 4
+  assert p["resident_train_bytes"] == train["argument_bytes"] - own
+  reference = result["programs"]["inference"]["analytic"]["params_bytes"]
+  assert p["resident_model_bytes"] == reference > 0
+  assert p["peak_with_train_state_bytes"] == (p["peak_bytes"] + p["resident_train_bytes"] +
+                                              reference)
+  assert p["fits"] is True and p["flops_per_device"] > 0 and p["replication"] < 1.1
+  assert plan_programs.program_names(result)[-2:] == ["actor_logp", "critic_values"]
+  lines = plan_programs.table(result)
+  assert sum(line.startswith("critic_values ") for line in lines) == 2  # memory and time rows
+  k = len(plan_programs.program_names(result))
+  assert len({len(line) for line in lines[:1 + k]}) == 1, lines[:1 + k]
+  # The lowering is the trainer's: Scorer.values on a piece of 8 rows placed as _run places
+  # them, the critic's parameters placed as the trainer places them.
+  scorer = scoring.Scorer(mesh, micro_batch_size=8)
+  real = mesh_lib.shard_params(llama.host_random_params(cfg.critic, 0),
+                               llama.logical_specs(cfg.critic), mesh)
+  tokens, lens = (mesh_lib.put(np.zeros(shape, np.int32),
+                               mesh_lib.batch_sharding(mesh, len(shape)))
+                  for shape in ((8, cfg.seq_len), (8,)))
+  assert (scorer.lower_values(cfg.critic, plan_programs.abstract_params(cfg.critic, mesh), 16,
+                              cfg.seq_len, cfg.response_len).as_text() ==
+          scoring.critic_values.lower(cfg.critic, real, tokens, lens, cfg.response_len,
+                                      mesh=mesh).as_text())
+  # Beside a smaller HBM it does not fit, and the verdict names its knobs (the optimizer state
+  # is back on the devices when it runs: no offload).
+  programs = {k: dict(v) for k, v in result["programs"].items()}
+  hbm = p["peak_with_train_state_bytes"] - 1
+  for q in programs.values():
+    q["hbm_bytes"] = hbm
+  plan_programs.beside_train_state(programs, hbm, False, reference=True, generation="mesh")
+  assert programs["critic_values"]["fits"] is False
+  part = plan_programs.verdict({**result, "programs": programs}).split("critic_values (peak")[1]
+  assert "largest: the training state beside it: zero1" in part, part
+  assert "offload_optimizer" not in part, part
+  programs["critic_values"]["temp_bytes"] = 1e12
+  part = plan_programs.verdict({**result, "programs": programs}).split("critic_values (peak")[1]
+  assert ("largest: temporaries: a smaller mini-batch (minibatch_size: a run's "
+          "algo.minibatch_size)") in part, part
+
+
+def test_a_runs_staleness_decides_the_critic_values_program():
+  """Only asynchronous PPO scores values on the training devices; --run_config's staleness is
+  the run's. Pipelined, the pass reads Update.whole's gathered critic (no part of the state),
+  on the rollout's folded mesh where the serial rollout runs."""
+  from configs import ppo_tiny
+  for staleness in (0, 1):
+    run = ppo_tiny.get_config()
+    run.async_ppo.staleness = staleness
+    c = plan_config.get_config("tiny")
+    plan_config.apply_run(c, run)
+    assert plan_programs.PlanConfig.from_config_dict(c).critic_values_pass == bool(staleness)
+  c = plan_config.get_config("tiny")  # 2 stages x data 2 x fsdp 2
+  assert plan_programs.critic_values_program(
+      plan_programs.PlanConfig.from_config_dict(c), None) == {}
+  c.staleness = 1
+  for generation, mesh_kind, shards in (("instances", "training", 4), ("mesh", "folded", 8)):
+    c.generation, c.gen_slots = generation, 8
+    cfg = plan_programs.PlanConfig.from_config_dict(c)
+    p = plan_programs.critic_values_program(cfg, plan_programs.train_mesh(cfg))["critic_values"]
+    assert (p["rows"], p["mesh"], p["pieces_split_over"]) == (8, mesh_kind, shards)
+    assert p["state_critic_bytes"] == 0 and p["argument_bytes"] > 0

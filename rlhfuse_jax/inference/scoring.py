@@ -174,16 +174,21 @@ class Scorer:
     return self._run(lambda x, p, _: response_logprobs(cfg, params, x, p, t, temp,
                                                        mesh=self.mesh), batch)
 
+  def _piece_structs(self, batch_size: int, seq_len: int) -> tuple:
+    """(tokens, prompt_lens) of one piece of a batch of `batch_size` rows of `seq_len` tokens,
+    as jax.ShapeDtypeStructs placed as _run places the piece."""
+    rows = self.piece_rows(batch_size)
+    return tuple(jax.ShapeDtypeStruct(shape, np.int32,
+                                      sharding=mesh_lib.batch_sharding(self.mesh, len(shape)))
+                 for shape in ((rows, seq_len), (rows,)))
+
   def lower_logprobs(self, cfg: ModelConfig, params, batch_size: int, seq_len: int,
                      num_response: int, temperature: float = 1.0):
     """The program `logprobs` runs on each piece of a batch of `batch_size` rows of
     `seq_len` tokens, lowered for `params` given as placed jax.ShapeDtypeStructs (or arrays):
     experiments/plan_programs.py compiles the trainer's actor log-prob pass from it."""
     _check_head(cfg, "lm", "model scored for log-probs")
-    rows = self.piece_rows(batch_size)
-    tokens, lens = (jax.ShapeDtypeStruct(shape, np.int32,
-                                         sharding=mesh_lib.batch_sharding(self.mesh, len(shape)))
-                    for shape in ((rows, seq_len), (rows,)))
+    tokens, lens = self._piece_structs(batch_size, seq_len)
     return response_logprobs.lower(cfg, params, tokens, lens, num_response, float(temperature),
                                    mesh=self.mesh)
 
@@ -192,6 +197,16 @@ class Scorer:
     _check_head(cfg, "scalar", "critic")
     t = batch.num_response
     return self._run(lambda x, p, _: critic_values(cfg, params, x, p, t, mesh=self.mesh), batch)
+
+  def lower_values(self, cfg: ModelConfig, params, batch_size: int, seq_len: int,
+                   num_response: int):
+    """The program `values` runs on each piece of a batch of `batch_size` rows of `seq_len`
+    tokens, lowered for `params` given as placed jax.ShapeDtypeStructs (or arrays):
+    experiments/plan_programs.py compiles asynchronous PPO's value pass on the training devices
+    (trainer/loop.PPOTrainer._current_values) from it."""
+    _check_head(cfg, "scalar", "critic")
+    tokens, lens = self._piece_structs(batch_size, seq_len)
+    return critic_values.lower(cfg, params, tokens, lens, num_response, mesh=self.mesh)
 
   def reward_scores(self, cfg: ModelConfig, params, batch: ScoringBatch) -> np.ndarray:
     """Reward-model scores [B]."""

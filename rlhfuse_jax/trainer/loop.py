@@ -829,7 +829,8 @@ class PPOTrainer:
     """Async PPO: the batch with the current critic's values (GAE's baseline and the value
     clip's anchor, as in the synchronous loop), scored on the training devices. The stale
     critic's values would anchor the clip where the critic no longer is: its clipped branch
-    wins and the critic stops learning on those tokens."""
+    wins and the critic stops learning on those tokens. (experiments/plan_check compiles this
+    pass, Scorer.lower_values: its `critic_values` program.)"""
     if not self.use_critic:
       return gen
     values = self._rescorer.values(self.cfg.critic_model, self._rescore_params("critic"),
