@@ -113,12 +113,6 @@ def _as_trained(c, t, dp: int, models=None) -> None:
   # Synchronous on a separate group: the critic's values are scored there too (trainer/loop.py
   # stage_critic; a critic-free estimator is checked with a critic, an upper bound).
   c.group_critic = bool(c.generation_devices and not run.async_ppo.staleness)
-  if run.async_ppo.staleness and not c.generation_devices:
-    from absl import logging
-    logging.warning(
-        "async_ppo.staleness=%d on the training devices: the copy of the actor the run makes "
-        "for each next batch (gathered, kept through the generation and beside the update) is "
-        "not in plan_check's figures", run.async_ppo.staleness)
   # algo.kl_coef=0: the trainer builds and runs no reference (AlgoConfig.uses_reference)
   c.reference = run.algo.uses_reference
   # The actor's log-prob pass on the training devices (the `actor_logp` program), resolved

@@ -441,6 +441,12 @@ class PlanConfig:
         migration_rows=d.get("migration_rows", 8), old_logp=d.get("old_logp", "auto"),
         staleness=d.get("staleness", 0))
     cfg.validate()
+    if cfg.staleness and not cfg.generation_devices:  # (a plan config's as a run's)
+      logging.warning(
+          "staleness=%d (a run's async_ppo.staleness) on the training devices "
+          "(generation_devices=0): the copy of the actor the run makes for each next batch "
+          "(gathered, kept through the generation and beside the update) is not in "
+          "plan_check's figures", cfg.staleness)
     return cfg
 
   def validate(self) -> None:
@@ -848,7 +854,7 @@ def placement_programs(cfg: PlanConfig, mesh, update) -> dict:
   (FusedStage._instance_ready gathers it to every process first); asynchronous PPO on the
   training devices (staleness > 0, no generation group), whose copy of the actor for the next
   batch is gathered and kept through the generation and beside the update
-  (configs/plan_check.py warns); a fused stage with fewer instances than the devices allow,
+  (PlanConfig.from_config_dict warns); a fused stage with fewer instances than the devices allow,
   placed one instance at a time (counted as the grid's one reshard); onto a group, what the
   move from the copy may lay out on the training devices first (mesh_lib._pieces' nesting
   layout, where no shard of the copy holds a group device's box).

@@ -920,18 +920,28 @@ def test_asynchronous_run_generates_on_its_own_group(tmp_path):
 
 def test_an_asynchronous_run_on_the_training_devices_is_warned_of_its_uncounted_copy(caplog):
   """async_ppo.staleness > 0 without a generation group keeps a gathered copy of the actor for
-  the next batch on the training devices, which no program counts: plan_check says so."""
+  the next batch on the training devices, which no program counts: plan_check says so, once,
+  for a run (--run_config) and for a plan config's staleness alike (a plain config's
+  --config.staleness=1 said nothing)."""
   from configs import ppo_tiny
   run = ppo_tiny.get_config()
   run.async_ppo.staleness = 1
-  c = plan_config.get_config("tiny")
-  with caplog.at_level(std_logging.WARNING):
-    plan_config.apply_run(c, run)
-  assert "async_ppo.staleness=1 on the training devices" in caplog.text
+  plain = plan_config.get_config("tiny")
+  plain.staleness = 1
+  for c in (plan_config.get_config("tiny"), plain):
+    caplog.clear()
+    with caplog.at_level(std_logging.WARNING):
+      if c is not plain:
+        plan_config.apply_run(c, run)
+      plan_programs.PlanConfig.from_config_dict(c)
+    assert caplog.text.count("staleness=1 (a run's async_ppo.staleness) on the training "
+                             "devices") == 1, caplog.text
   caplog.clear()
   run.async_ppo.generation_devices = 4  # on its own group: counted there
   with caplog.at_level(std_logging.WARNING):
-    plan_config.apply_run(plan_config.get_config("tiny"), run)
+    c = plan_config.get_config("tiny")
+    plan_config.apply_run(c, run)
+    plan_programs.PlanConfig.from_config_dict(c)
   assert "staleness" not in caplog.text
 
 
