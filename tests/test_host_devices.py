@@ -400,6 +400,35 @@ def test_the_slurm_script_requeues_a_run_stopped_after_saving(tmp_path):
   assert "#SBATCH --signal=TERM@600" in text and "#SBATCH --open-mode=append" in text
 
 
+def test_the_slurm_script_refuses_a_bad_max_requeues_before_the_run(tmp_path):
+  """MAX_REQUEUES was read only once a process had exited 69, after the run: "abc" ended the
+  script on "unbound variable" (status 1, the 69 lost, no requeue), "3x", "1.5" and "08" (octal
+  to bash) on arithmetic errors, with "not requeued". Refused before srun, naming it; 0 (never
+  requeue a 69) and unset (3) still run."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  _stand_in(bin_dir / "srun", f'echo "srun $*" >> {tmp_path}/calls; exit 69', python=False)
+  _stand_in(bin_dir / "scontrol", f'echo "scontrol $*" >> {tmp_path}/calls', python=False)
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="5")
+  run = lambda **more: subprocess.run(
+      ["bash", os.path.join(REPO, "launch", "slurm_gpu.sbatch"), "configs/ppo_tiny.py",
+       str(wd)], cwd=REPO, env=dict(env, **more), capture_output=True, text=True, timeout=60)
+  for bad in ("abc", "3x", "1.5", "08", "-1"):
+    out = run(MAX_REQUEUES=bad)
+    assert out.returncode == 2, (bad, out.returncode, out.stderr)
+    assert f"MAX_REQUEUES={bad}: expected a whole number >= 0" in out.stderr, out.stderr
+    assert not (tmp_path / "calls").exists(), (tmp_path / "calls").read_text()
+  out = run(MAX_REQUEUES="0")
+  assert out.returncode == 69 and "exit 69 again after 0 requeues" in out.stderr, out.stderr
+  assert "scontrol" not in (tmp_path / "calls").read_text()
+  env.pop("MAX_REQUEUES", None)
+  out = run()
+  assert out.returncode == 69 and "requeue 1 of MAX_REQUEUES=3" in out.stderr, out.stderr
+  assert "scontrol requeue 5" in (tmp_path / "calls").read_text()
+
+
 @pytest.mark.parametrize("script", ["slurm_gpu.sbatch", "tpu_pod.sh"])
 def test_the_cluster_scripts_refuse_a_binary_or_flag_they_cannot_run(tmp_path, script):
   """launch/slurm_gpu.sbatch and launch/tpu_pod.sh, as the local launcher: a BINARY without
