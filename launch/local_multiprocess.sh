@@ -21,6 +21,13 @@ if ! [[ "$N" =~ ^[1-9][0-9]*$ && "$D" =~ ^[1-9][0-9]*$ ]]; then
   echo "N=$N D=$D: expected the number of processes and the devices per process, both >= 1" >&2
   exit 2
 fi
+# A URI (gs://...) became a path below where the launcher was started (.../gs://bucket/wd):
+# folders gs:/bucket made there and the logs written in them before train_ppo refused it.
+if [[ "$WORKDIR" == *://* ]]; then
+  echo "WORKDIR=$WORKDIR: a URI, but the workdir is a directory on this machine (its logs go" \
+    "beside it; runs lock, rename and checkpoint by path): give a filesystem path" >&2
+  exit 2
+fi
 # shellcheck source=launch/checks.sh
 source "$(dirname "$0")/checks.sh"
 refuse_set_flags "the launcher sets it for every process: --config from CONFIG=... (e.g.\

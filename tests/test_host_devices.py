@@ -154,6 +154,22 @@ def test_the_launcher_refuses_a_binary_that_does_not_run_as_several_processes(tm
     assert not os.path.exists(f"{wd}.proc0.log")
 
 
+def test_the_launcher_refuses_a_uri_workdir_before_it_writes_anything(tmp_path):
+  """WORKDIR=gs://bucket/wd was made "absolute" against where the launcher started: folders
+  gs:/bucket were made there and the processes' logs written into them (status 0 here, with a
+  stand-in for the binary; train_ppo then refused the mangled --workdir=/.../gs://bucket/wd)."""
+  fake = _stand_in(tmp_path / "python", 'echo started')
+  start = tmp_path / "start"
+  start.mkdir()
+  for uri in ("gs://bucket/wd", "s3://b/wd/"):
+    out = subprocess.run(["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "2", "1",
+                          uri], cwd=start, env=dict(os.environ, PYTHON=str(fake)),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, (uri, out.stdout, out.stderr)
+    assert f"WORKDIR={uri}: a URI, but the workdir is a directory on this machine" in out.stderr
+  assert not list(start.iterdir()) and not os.path.exists(os.path.join(REPO, "gs:"))
+
+
 def test_the_launcher_reads_relative_paths_where_it_was_started(tmp_path):
   """A relative workdir, config file and interpreter are the caller's, not the repository's
   (the launcher runs from the repository root): the logs landed inside the repository, and a
