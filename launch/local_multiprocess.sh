@@ -13,8 +13,8 @@
 # devices. The processes run from the repository root: WORKDIR, CONFIG's file and PYTHON are
 # made absolute first; a relative path inside an extra flag (--config.data.prompts_file=p.jsonl)
 # is read from the repository root. Logs: WORKDIR.proc<i>.log (appended, a header line per
-# start); process 0's is shown here as it is written (FOLLOW=0: not; needs GNU tail), and the end of each failed process's
-# log as soon as it has ended.
+# start); process 0's is shown here as it is written (FOLLOW=0: not; needs GNU tail), and the
+# end of each failed process's log as soon as it has ended.
 set -euo pipefail
 N=${1:?number of processes}; D=${2:?devices per process}; WORKDIR=${3:?workdir}; shift 3
 if ! [[ "$N" =~ ^[1-9][0-9]*$ && "$D" =~ ^[1-9][0-9]*$ ]]; then
