@@ -141,20 +141,27 @@ trap forward INT TERM
 # others (they may wait for it in a collective until jax.distributed times out). Process 0's
 # output is already on screen while it is followed.
 causes=()  # each failed process's status and error line without its time and thread
-show_failure() {  # process index, status[, 1: only note its error (its output is on screen)]
-  local log="${WORKDIR%/}.proc$1.log" out cause pattern j
-  out=$(tail -c +$((offsets[$1] + 1)) "$log" || true)  # this start's output
-  # The error line first: after a runtime abort the log's last lines are a C++ stack dump.
-  # The run's own reason for exiting ("...; exiting (69)"), else the last fatal (F) line, else
-  # the last error (E) line or exception; not process 0's note that it exits in N s
-  # (experiments/config_files.exit_now), which follows its error.
-  # (absl's bad command line: "FATAL Flags parsing error: ...")
+# error_line: the error line of a log's output on stdin ("" if none). The error line first:
+# after a runtime abort the log's last lines are a C++ stack dump. The run's own reason for
+# exiting ("...; exiting (69)"), else the last fatal (F) line, else the last error (E) line or
+# exception; not process 0's note that it exits in N s (experiments/config_files.exit_now),
+# which follows its error. (absl's bad command line: "FATAL Flags parsing error: ...")
+error_line() {
+  local out pattern line=""
+  out=$(cat)
   for pattern in '^E[0-9]{4} .*exiting \([0-9]+\)$' '^F[0-9]{4} ' '^E[0-9]{4} |^FATAL |Error: '; do
-    cause=$(grep -E "$pattern" <<< "$out" | grep -Ev '\] process 0 exits in [0-9.e+-]+ s \(' |
+    line=$(grep -E "$pattern" <<< "$out" | grep -Ev '\] process 0 exits in [0-9.e+-]+ s \(' |
       tail -n 1 || true)
-    if [[ -n "$cause" ]]; then break; fi
+    if [[ -n "$line" ]]; then break; fi
   done
-  causes[$1]="$2 $(sed -E 's/^[EF][0-9]{4} [0-9:.]+ +[0-9]+ //' <<< "$cause")"  # status too
+  echo "$line"
+}
+unstamped() { sed -E 's/^[EF][0-9]{4} [0-9:.]+ +[0-9]+ //' <<< "$1"; }  # no time and thread
+show_failure() {  # process index, status[, 1: only note its error (its output is on screen)]
+  local log="${WORKDIR%/}.proc$1.log" out cause j
+  out=$(tail -c +$((offsets[$1] + 1)) "$log" || true)  # this start's output
+  cause=$(error_line <<< "$out")
+  causes[$1]="$2 $(unstamped "$cause")"  # status too
   if [[ "${3:-}" == 1 ]]; then return; fi
   for j in "${!causes[@]}"; do  # every process failing on the same bad input: shown once
     if ((j != $1)) && [[ -n "$cause" && "${causes[j]}" == "${causes[$1]}" ]]; then
@@ -162,6 +169,15 @@ show_failure() {  # process index, status[, 1: only note its error (its output i
       return
     fi
   done
+  # ... and process 0's, followed, which has logged it but still runs: it waits 10 s
+  # (RLHFUSE_PEER_GRACE_S) before exiting, so its error was on screen and then shown again in
+  # the first other process's log.
+  if [[ -n "$follower" && -z "${rcs[0]:-}" && -n "$cause" ]] &&
+      [[ "$(unstamped "$(error_line < <(tail -c +$((offsets[0] + 1)) \
+            "${WORKDIR%/}.proc0.log"))")" == "$(unstamped "$cause")" ]]; then
+    echo "--- process $1 exited $2 with process 0's error (above)"
+    return
+  fi
   echo "--- process $1 exited $2${cause:+; its last error: $cause}"
   echo "--- the end of $log:"
   tail -n 15 <<< "$out"

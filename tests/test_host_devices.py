@@ -283,6 +283,41 @@ def test_the_same_error_on_every_process_is_shown_once(tmp_path):
   assert "still running" not in out.stdout, out.stdout
 
 
+def test_process_0_s_followed_error_is_not_shown_again(tmp_path):
+  """The same bad input on every process, with process 0 followed (the default): process 0
+  logs its error and waits 10 s before exiting (config_files.exit_now), so the others ended
+  first and the first of them printed the same error again, with its log's last 15 lines. Now
+  it names process 0's error, already on screen."""
+  if subprocess.run(["tail", "--pid=1", "-n", "0", "/dev/null"], capture_output=True).returncode:
+    pytest.skip("process 0 is followed with GNU tail's --pid")
+  error = ("E1201 06:00:00.000 100 validate.py:114] ValueError: config.batch=64 must be a "
+           "multiple of 6")
+  fake = _stand_in(tmp_path / "python", 'for a in "$@"; do [[ $a == --process_id=* ]] && '
+                   'i=${a#--process_id=}; done\n'
+                   # (the others a little behind process 0, which then waits before it exits)
+                   f'[[ $i != 0 ]] && sleep 0.5; echo "{error}"\n'
+                   'for k in $(seq 20); do echo "  frame $k of $i"; done\n'
+                   '[[ $i == 0 ]] && echo "E1201 06:00:00.100 100 config_files.py:321] process 0 '
+                   'exits in 2 s (the others that fail too report their errors first)" && '
+                   'sleep 2; exit 1')
+  out = subprocess.run(["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "3", "1",
+                        str(tmp_path / "run")], cwd=REPO, env=dict(os.environ, PYTHON=str(fake)),
+                       capture_output=True, text=True, timeout=60)
+  assert out.returncode == 1, out.stdout + out.stderr
+  assert out.stdout.count("must be a multiple of 6") == 1, out.stdout  # process 0's, followed
+  # (the second to end may name the first's, the same)
+  assert len(re.findall(r"--- process [12] exited 1 with process [01]'s error", out.stdout)) == 2
+  assert "--- process 1 exited 1 with process 0's error (above)" in out.stdout, out.stdout
+  # Another error on process 1 is still shown with its log's end.
+  fake.write_text(fake.read_text().replace('echo "E1201', 'echo "E1201 $i'))
+  out = subprocess.run(["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "2", "1",
+                        str(tmp_path / "run2")], cwd=REPO, env=dict(os.environ, PYTHON=str(fake)),
+                       capture_output=True, text=True, timeout=60)
+  assert out.returncode == 1, out.stdout + out.stderr
+  assert f"--- process 1 exited 1; its last error: E1201 1 {error[6:]}" in out.stdout, out.stdout
+  assert f"--- the end of {tmp_path}/run2.proc1.log:" in out.stdout, out.stdout
+
+
 def test_absl_s_flag_parsing_error_is_named_as_the_cause(tmp_path):
   """absl's bad command line ("FATAL Flags parsing error: ...") matched none of the error
   patterns: no "its last error", and every process's identical error and log tail shown."""
