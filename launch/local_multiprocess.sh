@@ -84,8 +84,14 @@ mkdir -p "$(dirname "${WORKDIR%/}")"
 # appended to that run's logs (the processes would refuse it too, after writing into them). A
 # holder on another host goes on to process 0, which waits for it up to config.lock_wait_s
 # (a crashed node's lock lasts on a shared filesystem until the server's lease ends).
-if [[ -f "${WORKDIR%/}/.lock" ]] && command -v flock > /dev/null &&
-    ! flock -n "${WORKDIR%/}/.lock" true; then
+# Only flock's status for a lock held (1): another failure (65, 71: a filesystem without locks,
+# "No locks available") refused every start after the first as "in use", where train_ppo warns
+# and runs unlocked (rlhfuse_jax/workdir.WorkdirLock).
+locked=0
+if [[ -f "${WORKDIR%/}/.lock" ]] && command -v flock > /dev/null; then
+  flock -n "${WORKDIR%/}/.lock" true 2> /dev/null || locked=$?
+fi
+if ((locked == 1)); then
   HOLDER=$(head -n 1 "${WORKDIR%/}/.lock" | head -c 200)
   # (uname -n: the name Python's socket.gethostname() gives, which the run wrote there)
   if ! [[ "$HOLDER" =~ ^pid\ [0-9]+\ on\ ([^ ]+)\ \(start &&

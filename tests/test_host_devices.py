@@ -170,6 +170,30 @@ def test_the_launcher_refuses_a_uri_workdir_before_it_writes_anything(tmp_path):
   assert not list(start.iterdir()) and not os.path.exists(os.path.join(REPO, "gs:"))
 
 
+def test_the_launcher_runs_where_flock_fails_without_a_holder(tmp_path):
+  """On a filesystem without locks flock(1) exits 71 ("No locks available"), and the launcher
+  took any failure for a lock held: every start after the first (a resume; the last run's
+  .lock names this host) was refused as "in use by another run", where train_ppo warns and
+  runs unlocked. Only flock's status for a held lock (1) refuses."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  fake = _stand_in(tmp_path / "python", 'echo started')
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  (wd / ".lock").write_text(f"pid 1 on {socket.gethostname()} (start 5)\n")
+  env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHON=str(fake),
+             FOLLOW="0")
+  for status, refused in ((71, False), (65, False), (1, True)):
+    _stand_in(bin_dir / "flock", f'echo "flock: $2: why {status}" >&2; exit {status}',
+              python=False)
+    out = subprocess.run(["bash", os.path.join(REPO, "launch", "local_multiprocess.sh"), "1", "1",
+                          str(wd)], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == (1 if refused else 0), (status, out.stdout, out.stderr)
+    assert ("is in use by another run (pid 1 on" in out.stderr) == refused, out.stderr
+    assert f"why {status}" not in out.stderr, out.stderr  # (the binary says why)
+
+
 def test_the_launcher_reads_relative_paths_where_it_was_started(tmp_path):
   """A relative workdir, config file and interpreter are the caller's, not the repository's
   (the launcher runs from the repository root): the logs landed inside the repository, and a
