@@ -504,6 +504,27 @@ def test_the_slurm_script_refuses_a_bad_max_requeues_before_the_run(tmp_path):
   assert "scontrol requeue 5" in (tmp_path / "calls").read_text()
 
 
+def test_the_slurm_script_keeps_the_status_when_requeue_fails(tmp_path):
+  """A failed `scontrol requeue` (a site that forbids it) ended the script under set -e with
+  scontrol's status 1 in place of the run's 75 or 69, after it had said "requeueing". The
+  status is kept and the log says the job was not requeued."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  _stand_in(bin_dir / "srun", "exit $SRUN_RC", python=False)
+  _stand_in(bin_dir / "scontrol", 'echo "scontrol: error: Requeue of job $2 denied" >&2; exit 1',
+            python=False)
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  for rc in (75, 69):
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_RC=str(rc),
+               SLURM_JOB_ID="9")
+    out = subprocess.run(["bash", os.path.join(REPO, "launch", "slurm_gpu.sbatch"),
+                          "configs/ppo_tiny.py", str(wd)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == rc, (rc, out.returncode, out.stderr)
+    assert "scontrol requeue 9 failed (above): the job is not requeued" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("script", ["slurm_gpu.sbatch", "tpu_pod.sh"])
 def test_the_cluster_scripts_refuse_a_binary_or_flag_they_cannot_run(tmp_path, script):
   """launch/slurm_gpu.sbatch and launch/tpu_pod.sh, as the local launcher: a BINARY without
