@@ -93,9 +93,7 @@ def test_resume_takes_a_new_path_to_the_same_content_and_refuses_new_content(tmp
   assert "reward.model_checkpoint" not in inputs.fingerprints(reward)
   reward.reward.kind = "model"
   assert "reward.model_checkpoint" in inputs.fingerprints(reward)
-  # A new path to other content stays a config change; checkpoints without fingerprints
-  # compare paths alone.
-  assert inputs.resume_changes([change], saved, {}, 5)[0] == [change]
+  # Checkpoints without fingerprints compare paths alone.
   assert inputs.resume_changes([change], None, now, 5) == ([change], [])
   # The critic's checkpoint is read by the first start only: its change is not refused.
   critic = inputs.fingerprints(_cfg(critic=str(scratch)))
@@ -127,6 +125,41 @@ def test_a_new_path_to_other_files_is_named_as_other_files(tmp_path):
   assert inputs.resume_changes([critic], inputs.fingerprints(_cfg(critic=str(model))),
                                inputs.fingerprints(_cfg(critic=str(scratch))), 5) == ([critic],
                                                                                        [])
+
+
+def test_a_new_path_with_nothing_there_is_named_as_missing_files(tmp_path):
+  """A resume whose input moved to a path with nothing the run reads (a copy to node-local
+  scratch that failed, a typo) was refused as a config change no resume may make ("No resume
+  may change data.prompts_file ... resume with the original value"), where another path to the
+  same files is accepted: it is named as files missing there. Dropping the input (no path: the
+  task's own prompts) stays the config change it is."""
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text('{"prompt": "a"}\n')
+  saved = inputs.fingerprints(_cfg(prompts=str(prompts)))
+  typo = str(tmp_path / "scratch" / "p.jsonl")
+  change = f"data.prompts_file: {str(prompts)!r} -> {typo!r}"
+  now = inputs.fingerprints(_cfg(prompts=typo))
+  assert now == {}
+  assert inputs.resume_changes([change, "seed: 0 -> 1"], saved, now, 5) == (
+      ["seed: 0 -> 1"], [f"{change}: nothing there that the run reads (the prompts are drawn "
+                         "from it)"])
+  dropped = f"data.prompts_file: {str(prompts)!r} -> ''"
+  assert inputs.resume_changes([dropped], saved, {}, 5) == ([dropped], [])
+  # The trainer's refusal says to put the files back, not that the field may never change.
+  import pytest
+  from rlhfuse_jax.trainer import hooks
+  from tests.test_trainer import tiny_config
+  save_a_checkpoint(str(tmp_path / "run"), tiny_config(**{"data.prompts_file": str(prompts)}))
+  moved = tiny_config(**{"data.prompts_file": typo})
+  ckpts = hooks.Checkpoints(str(tmp_path / "run"), moved, moved.fingerprint())
+  try:
+    with pytest.raises(ValueError) as e:
+      ckpts.resume_point()
+  finally:
+    ckpts.checkpointer.close()
+  assert f"{change}: nothing there that the run reads" in str(e.value), str(e.value)
+  assert "Put the files the run started with back" in str(e.value)
+  assert "No resume may change" not in str(e.value)
 
 
 def save_a_checkpoint(workdir: str, cfg, step: int = 2) -> None:

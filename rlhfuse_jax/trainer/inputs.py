@@ -24,6 +24,7 @@ files that changed.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 from typing import Any, Mapping, Optional
@@ -146,9 +147,9 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
   paths alone are compared) with this start's `now`. A path change to the same content is
   taken off `changes` (logged); other content at an input read on every start is returned as a
   line naming the field and why it matters (the critic's checkpoint, read only by the first
-  start, is logged); so is a new path to other content at such an input (it was left a config
-  change, refused as a field no resume may change, where another path to the same files is
-  accepted)."""
+  start, is logged); so is a new path to other content at such an input, or to nothing the
+  run reads (each was left a config change, refused as a field no resume may change, where
+  another path to the same files is accepted)."""
   if not saved:
     return changes, []
   left, changed = [], []
@@ -162,6 +163,15 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
     if PATH_FIELDS.get(field) and saved.get(field) and now.get(field):
       changed.append(f"{c} holds other files than the run started with ("
                      f"{_changed_files(saved[field], now[field])}; {PATH_FIELDS[field]})")
+      continue
+    if (field in PATH_FIELDS and saved.get(field) and not now.get(field) and
+        _to_a_path(c)):
+      # A new path with nothing the run reads (a copy to scratch that failed, a typo) was left
+      # a config change, refused as a field no resume may change: the same files at another
+      # path are accepted, so the files are what is missing. (No path at all, or a chat
+      # template's 'none' or 'auto', is the config change it reads as.)
+      changed.append(f"{c}: nothing there that the run reads ("
+                     f"{PATH_FIELDS[field] or 'the run reads it as it starts'})")
       continue
     left.append(c)
   for field, why in PATH_FIELDS.items():
@@ -177,6 +187,16 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
     changed.append(f"{field}: {_changed_files(saved[field], now[field])} since the checkpoints "
                    f"were written ({why})")
   return left, changed
+
+
+def _to_a_path(change: str) -> bool:
+  """Whether fingerprint_changes' 'field: old -> new' sets the field to a path: a non-empty
+  string other than a chat template's 'none' and 'auto'."""
+  try:
+    new = ast.literal_eval(change.rsplit(" -> ", 1)[1])
+  except (IndexError, ValueError, SyntaxError):
+    return False
+  return isinstance(new, str) and new not in ("", "none", "auto")
 
 
 # The inputs an HF export copies files from (trainer/hf_export.py: the tokenizer's files, the
