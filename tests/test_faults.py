@@ -400,6 +400,35 @@ def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path, str
   assert rows[7]["actor/lr"] == pytest.approx(5e-4 * 0.1)
 
 
+def test_a_resume_may_split_the_update_into_micro_batches_when_named(tmp_path, straight):
+  """algo.microbatch_size is the way out of an update out of memory, the same step up to float
+  rounding: a resume with it was refused as a field no resume may change ("the saved state's
+  layout"). Named in checkpoint.resume_changes, the run resumes from iteration 4 of `straight`
+  on micro-batches of 2 rows (of the 8 a mini-batch has) and trains iterations 5-6 as the
+  uninterrupted run did, up to rounding; the checkpoints then record the new value."""
+  cfg, workdir, _, want_rows = straight
+  run = str(tmp_path / "run")
+  shutil.copytree(workdir, run)
+  shutil.rmtree(os.path.join(run, "checkpoints", "6"))  # as a run stopped after iteration 4
+  split = {"num_iterations": 6, "algo.microbatch_size": 2}
+  with pytest.raises(ValueError, match=r"algo\.microbatch_size: 0 -> 2\. To continue with the "
+                                       r"new value of algo\.microbatch_size, add --config\."
+                                       r"checkpoint\.resume_changes=algo\.microbatch_size,"):
+    PPOTrainer(tiny_config(**split), run)
+  named = tiny_config(**split, **{"checkpoint.resume_changes": "algo.microbatch_size"})
+  assert [h["step"] for h in PPOTrainer(named, run).run()] == [5, 6]
+  rows = wd.read_jsonl(os.path.join(run, "metrics.jsonl"))
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+  for got, want in zip(rows[4:], want_rows[4:]):
+    for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "reward/mean"):
+      assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
+  # Recorded: the same config resumes without naming it again, the original one is refused.
+  later = {"num_iterations": 7, "algo.microbatch_size": 2}
+  assert [h["step"] for h in PPOTrainer(tiny_config(**later), run).run()] == [7]
+  with pytest.raises(ValueError, match=r"algo\.microbatch_size: 2 -> 0"):
+    PPOTrainer(tiny_config(**{"num_iterations": 8}), run)
+
+
 def test_raising_num_iterations_continues_the_lr_schedule(tmp_path, straight, caplog):
   """The horizon is the first start's num_iterations (a copy of `straight`: 6 iterations x 4
   updates): extended to 8, the LR stays on the cosine's floor instead of restarting the cosine,

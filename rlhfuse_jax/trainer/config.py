@@ -819,6 +819,10 @@ RESUME_CHANGEABLE = frozenset({
     # moves (measured: reference log-probs within 2.4e-7 of micro-batch 0's), no state. A run
     # started before a micro-batch larger than the batch was refused could resume no other way.
     "fusion.inference_micro_batch",
+    # The unpipelined update's gradient accumulation, the documented way out of an out-of-memory
+    # update: the same step up to float rounding (a resume on micro-batches matches the
+    # uninterrupted run's losses: tests/test_faults.py), the optimizer state as it was.
+    "algo.microbatch_size",
     # Scoring on pipelines of instances: the same forward split into stages, run as a scan over
     # each stage's layers (inference/stages.py): float rounding only (tested to 1e-5).
     "fusion.inference_pp", "plan.inference_pp",
