@@ -458,6 +458,18 @@ def test_raising_num_iterations_continues_the_lr_schedule(tmp_path, straight, ca
           "6 iterations)") in caplog.text, caplog.text
   last = wd.read_jsonl(os.path.join(run, "metrics.jsonl"))[-1]
   assert last["step"] == 9 and last["actor/lr"] > 2 * floor
+  # Back to 0: the horizon the checkpoints keep is now 16, and it stays (the log read as a
+  # return to the first start's 6 iterations, where the LR went on along the 16's cosine).
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    PPOTrainer(tiny_config(**{"num_iterations": 10,
+                              "checkpoint.resume_changes": "optim.schedule_iterations"}),
+               run).run()
+  assert ("a changed optim.schedule_iterations: 16 -> 0 (0 keeps the checkpoints' horizon, 16 "
+          "iterations: the LR schedule stays as it was; set the number of iterations it should "
+          "span instead)") in caplog.text, caplog.text
+  last = wd.read_jsonl(os.path.join(run, "metrics.jsonl"))[-1]
+  assert last["step"] == 10 and last["actor/lr"] > 2 * floor
 
 
 def test_a_shorter_num_iterations_on_a_finished_run_says_where_the_run_stays(tmp_path, straight,

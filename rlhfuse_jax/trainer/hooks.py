@@ -492,11 +492,17 @@ class Checkpoints(Hook):
                                                    self.cfg.async_ppo.staleness))
     passed, changes = config_lib.split_resume_changes(changes, allowed)
     for change in passed:
-      # schedule_iterations 0 means "the first start's num_iterations", which the checkpoints
-      # keep: say which ("0 -> 16" read as a schedule that had none)
-      horizon = (f" (0 there: the first start's horizon, {meta['schedule_iterations']} "
-                 "iterations)" if change.startswith("optim.schedule_iterations: 0 ->") and
-                 meta.get("schedule_iterations") else "")
+      # schedule_iterations 0 means the horizon the checkpoints keep (the first start's
+      # num_iterations, or the value a resume set since): say which ("0 -> 16" read as a
+      # schedule that had none; "16 -> 0" as a return to the first start's horizon, while the
+      # LR went on along the 16 iterations' cosine)
+      kept = meta.get("schedule_iterations")
+      horizon = ""
+      if kept and change.startswith("optim.schedule_iterations: 0 ->"):
+        horizon = f" (0 there: the first start's horizon, {kept} iterations)"
+      elif kept and change.startswith("optim.schedule_iterations:") and change.endswith("-> 0"):
+        horizon = (f" (0 keeps the checkpoints' horizon, {kept} iterations: the LR schedule "
+                   "stays as it was; set the number of iterations it should span instead)")
       logging.warning("resuming iteration %s with a changed %s%s (config.checkpoint."
                       "resume_changes)", meta.get("iteration"), change, horizon)
     if changes:
