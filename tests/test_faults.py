@@ -351,6 +351,28 @@ def test_a_refused_resume_says_which_fields_cannot_change_and_the_flag_for_the_o
   assert "add --config.checkpoint.resume_changes=fusion.inference_micro_batch," in micro
 
 
+def test_resume_changes_says_what_is_wrong_with_each_field_it_does_not_take():
+  """checkpoint.resume_changes naming a field it does not take said of each "others change the
+  saved state's layout ...: start a new --workdir": num_iterations too, which a resume changes
+  without naming it, and a misspelled field, which it did not point out. Each is named now with
+  what is wrong with it."""
+  def error(value):
+    with pytest.raises(ValueError, match=r"config\.checkpoint\.resume_changes=.*: expected "
+                                         r"comma-separated fields of \[") as e:
+      tiny_config(**{"checkpoint.resume_changes": value})
+    return str(e.value).partition("]: ")[2]
+  assert error("optim.actor_lr,num_iterations") == (
+      "num_iterations needs no naming (a resume may change it freely)")
+  assert error("optim.critc_lr") == "'optim.critc_lr' is no config field (did you mean " \
+      "optim.critic_lr?)"
+  assert error("eval_every, data.val_file,seed") == (
+      "data.val_file, eval_every need no naming (a resume may change them freely); no resume "
+      "may change seed (the saved state's layout or what the checkpoints mean: start a new "
+      "--workdir)")
+  assert tiny_config(**{"checkpoint.resume_changes": " optim.actor_lr, algo.kl_coef "}
+                     ).checkpoint.resume_changes_set == {"optim.actor_lr", "algo.kl_coef"}
+
+
 def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path, straight):
   """A resume of the uninterrupted run (a copy of `straight`'s 6 iterations) with changed
   hyper-parameters is refused before anything is built, naming each field; more iterations and

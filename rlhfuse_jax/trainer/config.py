@@ -7,6 +7,7 @@ dotted field and what was expected. Deeper code takes these frozen dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import re
@@ -593,10 +594,12 @@ class CheckpointConfig:
     return frozenset(x.strip() for x in self.resume_changes.split(",") if x.strip())
 
   def __post_init__(self):
-    _check(isinstance(self.resume_changes, str) and
-           self.resume_changes_set <= RESUME_CHANGEABLE, "checkpoint.resume_changes",
-           self.resume_changes, f"comma-separated fields of {sorted(RESUME_CHANGEABLE)} (others "
-           "change the saved state's layout or what the checkpoints mean: start a new --workdir)")
+    _check(isinstance(self.resume_changes, str), "checkpoint.resume_changes",
+           self.resume_changes, f"a string: comma-separated fields of {sorted(RESUME_CHANGEABLE)}")
+    bad = sorted(self.resume_changes_set - RESUME_CHANGEABLE)
+    _check(not bad, "checkpoint.resume_changes", self.resume_changes,
+           f"comma-separated fields of {sorted(RESUME_CHANGEABLE)}: "
+           f"{_not_resume_changeable(bad)}")
     _check(self.every > 0, "checkpoint.every", self.every, "> 0")
     _check(self.keep > 0, "checkpoint.keep", self.keep, "> 0")
     _check(self.export_hf in EXPORT_HF_CHOICES, "checkpoint.export_hf", self.export_hf,
@@ -827,6 +830,36 @@ RESUME_CHANGEABLE = frozenset({
     # each stage's layers (inference/stages.py): float rounding only (tested to 1e-5).
     "fusion.inference_pp", "plan.inference_pp",
 })
+
+
+def _field_names() -> set[str]:
+  """Every config field's dotted name ('seed', 'optim.actor_lr', 'model.hidden_size')."""
+  sections = {"model": ModelConfig, "critic_model": ModelConfig, **SECTIONS}
+  return {f.name for f in dataclasses.fields(TrainConfig) if f.name not in sections} | {
+      f"{sec}.{f.name}" for sec, klass in sections.items() for f in dataclasses.fields(klass)}
+
+
+def _not_resume_changeable(names: Sequence[str]) -> str:
+  """What checkpoint.resume_changes says of the `names` it does not take: that a resume changes
+  a RESUMABLE_FIELDS field without naming it, that no resume may change another field, or the
+  closest field to a misspelled one. It said of each "others change the saved state's layout
+  ...: start a new --workdir", num_iterations and a misspelled optim.critc_lr alike."""
+  known = _field_names()
+  free = [n for n in names if n in RESUMABLE_FIELDS]
+  fixed = [n for n in names if n in known and n not in RESUMABLE_FIELDS]
+  parts = []
+  if free:
+    parts.append(f"{', '.join(free)} need{'s' if len(free) == 1 else ''} no naming (a resume "
+                 f"may change {'it' if len(free) == 1 else 'them'} freely)")
+  if fixed:
+    parts.append(f"no resume may change {', '.join(fixed)} (the saved state's layout or what "
+                 "the checkpoints mean: start a new --workdir)")
+  for name in names:
+    if name not in known:
+      close = difflib.get_close_matches(name, sorted(known), n=1)
+      parts.append(f"{name!r} is no config field" + (f" (did you mean {close[0]}?)"
+                                                     if close else ""))
+  return "; ".join(parts)
 
 
 def resume_advice(changes: Sequence[str], named: frozenset = frozenset()) -> str:
