@@ -89,6 +89,10 @@ def test_nonfinite_gradients_stop_or_are_skipped(tmp_path):
   lr = skip.update.actor_lr
   assert [h["actor/lr"] for h in history] == [float(lr(4 * (i + 1) - 2)) for i in range(4)]
   assert float(lr(4 - 2)) != float(lr(4 - 1))  # warmup: the schedule moves every step
+  # The critic's steps were all applied: its LR is its own schedule's at its last step.
+  critic_lr = skip.update.critic_lr
+  assert [h["critic/lr"] for h in history] == [float(critic_lr(4 * (i + 1) - 1))
+                                               for i in range(4)]
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(_params(skip)))
   assert all(np.isfinite(h["actor/pg_loss"]) for h in history)  # means over finite steps
 

@@ -911,7 +911,8 @@ def test_an_iterations_metrics_average_its_updates_and_count_its_steps():
   fake = _fake_trainer(
       cfg=types.SimpleNamespace(guard=types.SimpleNamespace(on_nonfinite="skip_update"),
                                 rollout=types.SimpleNamespace(max_new_tokens=t)),
-      update=types.SimpleNamespace(schedule_metrics={}, actor_lr=lambda step: 0.01 * step),
+      update=types.SimpleNamespace(schedule_metrics={}, actor_lr=lambda step: 0.01 * step,
+                                   critic_lr=lambda step: 0.02 * step),
       sampling=types.SimpleNamespace(is_stop=lambda ids: ids == eos),
       _model_states=dict)
   # pylint: disable=protected-access
@@ -931,6 +932,7 @@ def test_an_iterations_metrics_average_its_updates_and_count_its_steps():
     assert m["gen/response_lengths"] == [4, 1, 4, 2]
     # 3 updates in each of iterations 0, 1, 2: the last is optimizer step 8 (0-based).
     assert m["actor/lr"] == pytest.approx(0.08)
+    assert m.get("critic/lr") == (pytest.approx(0.16) if use_critic else None)
 
 
 def test_the_validation_pass_keys_fold_the_training_iterations_key():

@@ -997,9 +997,12 @@ class PPOTrainer:
                 for name, st in self._model_states().items()} if guard == "skip_update" else {})
     if skipped:
       m["guard/skipped_updates"] = sum(skipped.values())
-    # The LR of the actor's last applied step: a skipped step does not advance its schedule.
-    applied = len(train_metrics) * (iteration + 1) - skipped.get("actor", 0)
-    m["actor/lr"] = float(self.update.actor_lr(max(applied - 1, 0)))
+    # Each model's LR at its last applied step: a skipped step does not advance its schedule.
+    for name, lr in (("actor", self.update.actor_lr),
+                     ("critic", self.update.critic_lr if self.use_critic else None)):
+      if lr is not None:
+        applied = len(train_metrics) * (iteration + 1) - skipped.get(name, 0)
+        m[f"{name}/lr"] = float(lr(max(applied - 1, 0)))
     bad = [k for k, v in m.items() if isinstance(v, float) and not np.isfinite(v)]
     if guard == "stop" and bad:
       raise self._nonfinite(iteration, f"metric(s) {', '.join(bad)} = {[m[k] for k in bad]}",

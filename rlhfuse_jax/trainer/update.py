@@ -74,13 +74,15 @@ class Update:
   """update(actor, critic, mb) -> (actor, critic, metrics): one optimizer step of each model.
 
   `description` names it in logs; `schedule_metrics` (pipelined: the schedule's name, ticks,
-  bubble) join each iteration's metrics; `actor_lr` is the actor's learning-rate schedule.
+  bubble) join each iteration's metrics; `actor_lr` and `critic_lr` (None without a critic)
+  are the models' learning-rate schedules.
   """
 
   def __init__(self, fn: Callable, *, txs: dict, actor_lr: Callable,
+               critic_lr: Optional[Callable] = None,
                pipelined_update: Optional[pipelined.PipelinedUpdate] = None,
                zero1: bool = False):
-    self._fn, self._txs, self.actor_lr = fn, txs, actor_lr
+    self._fn, self._txs, self.actor_lr, self.critic_lr = fn, txs, actor_lr, critic_lr
     self._zero1 = zero1
     self._pipelined = pipelined_update
     self._whole_shapes: dict = {}  # model -> whole parameters' ShapeDtypeStructs, placed
@@ -195,15 +197,16 @@ def make_update(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, use_critic: bool,
   o = cfg.optim
   if mesh.shape["stage"] > 1:
     # A pipelined model is held stage-stacked: its weight-decay mask is that tree's.
-    txs, actor_lr = _optimizers(o, cfg.guard, warmup, total, use_critic,
-                                stages_lib.staged_decay_mask)
+    txs, lrs = _optimizers(o, cfg.guard, warmup, total, use_critic,
+                           stages_lib.staged_decay_mask)
     inner = pipelined.make_pipelined_update_fn(*_update_args(cfg), txs["actor"],
                                                txs.get("critic"), mesh=mesh, config=cfg,
                                                workdir=workdir)
-    return Update(inner, txs=txs, actor_lr=actor_lr, pipelined_update=inner, zero1=o.zero1)
-  fn, txs, actor_lr = _plain_update(*_update_args(cfg), o, cfg.guard, warmup, total,
-                                    use_critic, mesh)
-  return Update(fn, txs=txs, actor_lr=actor_lr, zero1=o.zero1)
+    return Update(inner, txs=txs, actor_lr=lrs["actor"], critic_lr=lrs.get("critic"),
+                  pipelined_update=inner, zero1=o.zero1)
+  fn, txs, lrs = _plain_update(*_update_args(cfg), o, cfg.guard, warmup, total, use_critic,
+                               mesh)
+  return Update(fn, txs=txs, actor_lr=lrs["actor"], critic_lr=lrs.get("critic"), zero1=o.zero1)
 
 
 def _update_args(cfg: TrainConfig) -> tuple:
@@ -216,8 +219,8 @@ def _update_args(cfg: TrainConfig) -> tuple:
 
 
 def _optimizers(o: OptimConfig, guard: GuardConfig, warmup: int, total: int, use_critic: bool,
-                decay_mask: Any = None) -> tuple[dict, Callable]:
-  """({"actor": tx[, "critic": tx]}, the actor's learning-rate schedule)."""
+                decay_mask: Any = None) -> tuple[dict, dict]:
+  """({"actor": tx[, "critic": tx]}, the same models' learning-rate schedules)."""
   master = optim.float32_master if o.master_weights else (lambda tx: tx)
   mask = {} if decay_mask is None else {"weight_decay_mask": decay_mask}
   actor_tx, actor_lr = optim.make_optimizer(o.actor_lr, warmup, total, o.min_lr_ratio,
@@ -226,23 +229,25 @@ def _optimizers(o: OptimConfig, guard: GuardConfig, warmup: int, total: int, use
   # The guard inside the float32 copy's step: its skipped step returns float32 zeros, as the
   # copy's step does (outside, it returned zeros in the weights' 16-bit dtype: a jax.lax.cond
   # whose branches differ in type).
-  txs = {"actor": master(guard_tx(guard, actor_tx))}
+  txs, lrs = {"actor": master(guard_tx(guard, actor_tx))}, {"actor": actor_lr}
   if use_critic:
-    txs["critic"] = master(guard_tx(guard, optim.make_optimizer(
-        o.critic_lr, warmup, total, o.min_lr_ratio, o.weight_decay, o.grad_clip, **mask)))
-  return txs, actor_lr
+    critic_tx, lrs["critic"] = optim.make_optimizer(
+        o.critic_lr, warmup, total, o.min_lr_ratio, o.weight_decay, o.grad_clip,
+        return_schedule=True, **mask)
+    txs["critic"] = master(guard_tx(guard, critic_tx))
+  return txs, lrs
 
 
 @functools.lru_cache(maxsize=16)
 def _plain_update(actor_cfg, critic_cfg, algo, temperature: float, o: OptimConfig,
                   guard: GuardConfig, warmup: int, total: int, use_critic: bool,
-                  mesh: jax.sharding.Mesh) -> tuple[ppo.StatePreservingJit, dict, Callable]:
+                  mesh: jax.sharding.Mesh) -> tuple[ppo.StatePreservingJit, dict, dict]:
   """The plain update with its optimizers, one per models, algorithm, optimizer and mesh in a
   process, as generation's programs are (generation/instances.py): a second trainer of the
   same run (a resume, a test's reference run) neither traces nor lowers it again (~2 s of a
   tiny model's CPU each; the persistent compilation cache only spares the compile). Like any
   jitted function, it keeps what it traced: code patched later in the process is not seen."""
-  txs, actor_lr = _optimizers(o, guard, warmup, total, use_critic)
+  txs, lrs = _optimizers(o, guard, warmup, total, use_critic)
   fn = ppo.make_update_fn(actor_cfg, critic_cfg, algo, temperature, txs["actor"],
                           txs.get("critic"), mesh=mesh)
-  return fn, txs, actor_lr
+  return fn, txs, lrs
