@@ -857,7 +857,8 @@ def test_a_plan_searched_for_another_workload_is_warned_of(tmp_path):
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 1 and "config.rollout.top_k=100000" in out.stderr, out.stderr[-3000:]
   assert (f"config.plan.file={path!r} was searched for actor num_layers=8 (this run has 2); "
-          "actor hidden_size=512 (this run has 64); global_batch=128 (this run's "
+          "actor hidden_size=512 (this run has 64); actor head_dim=128 (this run has 16); "
+          "global_batch=128 (this run's "
           f"rollout.batch_size is 64) (plan_search's train_config={str(tmp_path / 'big.py')!r})"
           ": its predicted times and memory check are for that workload") in out.stderr, \
       out.stderr[-3000:]

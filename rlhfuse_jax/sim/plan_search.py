@@ -682,9 +682,13 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
 # The model fields plan.json's "workload" records of the actor and the critic (the trainer
 # compares them, and the run fields below, with its own: trainer/plan_file.plan_workload_note).
 # weight_itemsize and kv_itemsize: the bytes its weights and KV cache were sized at (a run's
-# model.param_dtype and model.dtype, shapes.from_model_config).
+# model.param_dtype and model.dtype, shapes.from_model_config). Every ModelShape field but its
+# name, its head (the role's) and master_weights (a run field): until 2026-12-06 the first
+# seven alone, and a run of another MLP width, head_dim, tied embeddings or biases was not
+# warned of. head_dim is the one the model computes with (head_dim_: 0 resolved).
 WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size",
-                         "weight_itemsize", "kv_itemsize")
+                         "weight_itemsize", "kv_itemsize", "intermediate_size", "head_dim",
+                         "tie_embeddings", "qkv_bias", "o_bias", "qk_norm", "max_seq_len")
 
 
 def workload_record(wl, train_config: str = "", opt=None) -> dict:
@@ -699,7 +703,8 @@ def workload_record(wl, train_config: str = "", opt=None) -> dict:
   that a run of another workload with it is warned of."""
   roles = (("actor", wl.actor), ("critic", wl.critic)) + (
       (("reward", wl.reward),) if wl.reward_model and wl.reward is not None else ())
-  out = {role: {"name": shape.name, **{f: getattr(shape, f) for f in WORKLOAD_MODEL_FIELDS}}
+  out = {role: {"name": shape.name, **{f: getattr(shape, "head_dim_" if f == "head_dim" else f)
+                                       for f in WORKLOAD_MODEL_FIELDS}}
          for role, shape in roles}
   out.update(global_batch=wl.global_batch, minibatch=wl.minibatch, epochs=wl.epochs,
              max_prompt_len=wl.prompt.max_len, max_new_tokens=wl.max_new_tokens,

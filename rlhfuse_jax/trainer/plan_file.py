@@ -196,9 +196,31 @@ PLAN_WORKLOAD_RUN_FIELDS = {"global_batch": "rollout.batch_size",
                             "migration_rows": "fusion.migration_rows",
                             "offload_optimizer": "optim.offload_during_rollout",
                             "master_weights": "optim.master_weights"}
-# The actor's and critic's fields it records (sim/plan_search.WORKLOAD_MODEL_FIELDS).
+# The actor's and critic's fields it records (sim/plan_search.WORKLOAD_MODEL_FIELDS) and
+# compares here, but for the dtypes' bytes (ITEMSIZE_DTYPES, compared below) and max_seq_len:
+# a bound on the context, which neither the simulator's times and memory nor the trainer's
+# allocations read (its KV cache and rows are max_prompt_len + max_new_tokens, compared). The
+# last six since 2026-12-06: a plan for an MLP of 128 ran one of 256 without a word.
 PLAN_WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                              "vocab_size")
+                              "vocab_size", "intermediate_size", "head_dim", "tie_embeddings",
+                              "qkv_bias", "o_bias", "qk_norm")
+
+
+def _model_value(model: Any, field: str) -> Any:
+  """A run's ModelConfig `field` as plan.json records it: head_dim as computed with (0 is
+  hidden_size / num_heads); o_bias and qk_norm False where the config has none."""
+  if field == "head_dim":
+    return getattr(model, "head_dim", 0) or model.hidden_size // model.num_heads
+  return getattr(model, field, False)
+
+
+def _recorded_value(shape: Mapping[str, Any], field: str) -> Any:
+  """plan.json's `field` of a model: a head_dim of 0 (hand-written) read as the model does."""
+  value = shape[field]
+  if field == "head_dim" and value == 0 and _is_int(shape.get("hidden_size")) and \
+      _is_int(shape.get("num_heads")) and shape["num_heads"] > 0:
+    return shape["hidden_size"] // shape["num_heads"]
+  return value
 
 
 def attribute_to_plan(msg: str, path: str) -> str:
@@ -232,8 +254,11 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: Any,
   for role, model in roles:
     shape = w.get(role)
     for f in PLAN_WORKLOAD_MODEL_FIELDS if isinstance(shape, Mapping) else ():
-      if f in shape and shape[f] != getattr(model, f):
-        out.append(f"{role} {f}={shape[f]!r} (this run has {getattr(model, f)!r})")
+      if f == "tie_embeddings" and role != "actor":
+        continue  # a scalar head has no embedding to tie (models/param_count.py)
+      now = _model_value(model, f)
+      if f in shape and _recorded_value(shape, f) != now:
+        out.append(f"{role} {f}={_recorded_value(shape, f)!r} (this run has {now!r})")
     # the bytes per element it sized the weights and the KV cache at, with the run's field each
     # stands for (sim/shapes.ITEMSIZE_DTYPES: param_dtype and dtype)
     for f, dtype in ITEMSIZE_DTYPES.items() if isinstance(shape, Mapping) else ():

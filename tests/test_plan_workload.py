@@ -1,0 +1,107 @@
+"""plan.json's "workload" against the run that uses the plan (trainer/plan_file.py
+plan_workload_note): every model field the simulator's times and memory rest on is recorded
+and compared."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+from configs import ppo_tiny
+from rlhfuse_jax.sim import iteration_sim, plan_search
+from rlhfuse_jax.trainer import build, sim_plan
+from rlhfuse_jax.trainer import plan_file as plan_file_lib
+from rlhfuse_jax.trainer.config import TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tiny_run_and_record(tmp_path):
+  """(ppo_tiny's resolved config, the workload record plan_search writes for it)."""
+  raw = TrainConfig.from_config_dict(ppo_tiny.get_config())
+  task, tokenizer = build.build_task_and_tokenizer(raw)
+  cfg = build.resolve_config(raw, tokenizer)
+  wl = sim_plan.workload(cfg, task, tokenizer, 8, str(tmp_path / "lengths"))[0]
+  opt = sim_plan.sim_options(iteration_sim.SimOptions(), cfg)
+  return cfg, plan_search.workload_record(wl, "configs/ppo_tiny.py", opt)
+
+
+def _plan_file(tmp_path, workload):
+  path = tmp_path / "plan.json"
+  path.write_text(json.dumps({
+      "generation": {"mode": "instances", "tp": 1, "pp": 1, "groups": 1, "slots": 0},
+      "inference": {"tp": 1, "pp": 1},
+      "training": {"placement": "colocated", "devices": 8, "tp": 1, "actor_pp": 1,
+                   "critic_pp": 1},
+      "workload": workload}))
+  return str(path)
+
+
+def _with_model(cfg, role, **changes):
+  field = "model" if role == "actor" else "critic_model"
+  return dataclasses.replace(cfg, **{field: dataclasses.replace(getattr(cfg, field),
+                                                                **changes)})
+
+
+def test_the_whole_model_shape_is_recorded_and_compared(tmp_path):
+  """A plan searched for ppo_tiny's models ran models of another MLP width, head_dim, tied
+  embeddings, biases or q/k norms without a word: plan.json recorded only their layers,
+  hidden size, heads, KV heads and vocabulary (and dtypes)."""
+  cfg, record = _tiny_run_and_record(tmp_path)
+  actor = record["actor"]
+  assert (actor["intermediate_size"], actor["head_dim"], actor["tie_embeddings"],
+          actor["qkv_bias"], actor["o_bias"], actor["qk_norm"], actor["max_seq_len"]) == (
+              128, 16, False, False, False, False, 64), actor
+  assert set(record["critic"]) == set(actor)
+  plan = {"workload": record}
+  assert plan_file_lib.plan_workload_differences(plan, cfg) == []
+  # head_dim 0 (hidden_size / num_heads) is the recorded 16: the same model
+  assert cfg.model.head_dim == 0 and actor["head_dim"] == 16
+  run = _with_model(cfg, "actor", intermediate_size=256, tie_embeddings=True, qkv_bias=True,
+                    o_bias=True, qk_norm=True)
+  run = _with_model(run, "critic", head_dim=32)
+  assert plan_file_lib.plan_workload_differences(plan, run) == [
+      "actor intermediate_size=128 (this run has 256)",
+      "actor tie_embeddings=False (this run has True)",
+      "actor qkv_bias=False (this run has True)",
+      "actor o_bias=False (this run has True)",
+      "actor qk_norm=False (this run has True)",
+      "critic head_dim=16 (this run has 32)"]
+  # max_seq_len bounds the context; no time or memory of the plan rests on it. A critic's
+  # scalar head has no embedding to tie.
+  assert plan_file_lib.plan_workload_differences(
+      plan, _with_model(_with_model(cfg, "actor", max_seq_len=128), "critic",
+                        tie_embeddings=True)) == []
+  # the note a run logs names them, as a warning
+  path = _plan_file(tmp_path, record)
+  warn, line = plan_file_lib.plan_workload_note(path, run)
+  assert warn and line.startswith(
+      f"config.plan.file={path!r} was searched for actor intermediate_size=128 (this run has "
+      "256); actor tie_embeddings=False"), line
+  assert plan_file_lib.plan_workload_note(path, cfg) is None
+
+
+def test_train_ppo_warns_of_a_plan_for_another_mlp_width(tmp_path):
+  """The reproduction: plan_search for ppo_tiny, then train_ppo with that plan and
+  --config.model.intermediate_size=256 ran without a word. The warning comes at set-up,
+  before the trainer's checks (a top_k that validate refuses stops the run in seconds)."""
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+         "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
+       f"--workdir={tmp_path / 'ps'}", "--config.systems=pipe_rlhf"], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  path = str(tmp_path / "ps" / "plan.json")
+  assert json.loads(open(path).read())["workload"]["actor"]["intermediate_size"] == 128
+  out = subprocess.run([sys.executable, "-m", "experiments.train_ppo",
+                        "--config=configs/ppo_tiny.py", f"--config.plan.file={path}",
+                        f"--workdir={tmp_path / 'run'}", "--config.rollout.top_k=100000",
+                        "--config.model.intermediate_size=256",
+                        "--config.critic_model.head_dim=32"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1 and "config.rollout.top_k=100000" in out.stderr, out.stderr[-3000:]
+  assert (f"config.plan.file={path!r} was searched for actor intermediate_size=128 (this run "
+          "has 256); critic head_dim=16 (this run has 32) (plan_search's "
+          "train_config='configs/ppo_tiny.py'): its predicted times and memory check are for "
+          "that workload") in out.stderr, out.stderr[-3000:]
