@@ -1,6 +1,6 @@
 """plan.json's "workload" against the run that uses the plan (trainer/plan_file.py
 plan_workload_note): every model field the simulator's times and memory rest on is recorded
-and compared."""
+and compared, and a file from before a field was recorded says once what it cannot check."""
 import dataclasses
 import json
 import os
@@ -14,6 +14,9 @@ from rlhfuse_jax.trainer import plan_file as plan_file_lib
 from rlhfuse_jax.trainer.config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The actor's and critic's fields plan.json recorded before 2026-12-06.
+OLD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size",
+                    "weight_itemsize", "kv_itemsize")
 
 
 def _tiny_run_and_record(tmp_path):
@@ -78,7 +81,49 @@ def test_the_whole_model_shape_is_recorded_and_compared(tmp_path):
   assert warn and line.startswith(
       f"config.plan.file={path!r} was searched for actor intermediate_size=128 (this run has "
       "256); actor tie_embeddings=False"), line
+  assert "records no" not in line
   assert plan_file_lib.plan_workload_note(path, cfg) is None
+
+
+def test_an_old_plan_file_loads_and_says_once_what_it_cannot_check(tmp_path):
+  """A plan.json written before the whole shape was recorded is compared on what it has, and
+  the note names, once, the fields it lacks (not a line per model)."""
+  cfg, record = _tiny_run_and_record(tmp_path)
+  old = {**{k: v for k, v in record.items() if k not in ("actor", "critic", "train_config",
+                                                          "inference_micro_batch",
+                                                          "migration_rows", "master_weights",
+                                                          "offload_optimizer")},
+         **{role: {f: record[role][f] for f in ("name",) + OLD_MODEL_FIELDS}
+            for role in ("actor", "critic")}}
+  path = _plan_file(tmp_path, old)
+  plan_file_lib.plan_file_settings(plan_file_lib.load_plan_file(path), path)  # it loads
+  unchecked = ("records no intermediate_size of the actor and critic, head_dim of the actor "
+               "and critic, tie_embeddings of the actor, qkv_bias of the actor and "
+               "critic, o_bias of the actor and critic, qk_norm of the actor and critic (a "
+               "plan.json written before plan_search recorded them): those are not compared "
+               "with this run's")
+  assert plan_file_lib.plan_workload_note(path, cfg) == (
+      False, f"config.plan.file={path!r} {unchecked}")
+  # what it has is still compared; the note says once what it cannot check
+  run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=4,
+                                                           intermediate_size=256))
+  warn, line = plan_file_lib.plan_workload_note(path, run)
+  assert warn and line.startswith(
+      f"config.plan.file={path!r} was searched for actor num_layers=2 (this run has 4): its "
+      "predicted times and memory check are for that workload"), line
+  assert line.endswith(f"; the file {unchecked}") and line.count("records no") == 1, line
+  assert "intermediate_size=" not in line
+  # a run's plan (train_config) lacking its run fields names those too
+  partial = {**record, "actor": old["actor"]}
+  del partial["migration_rows"]
+  assert plan_file_lib.plan_workload_unrecorded({"workload": partial}) == [
+      f"{f} of the actor" for f in ("intermediate_size", "head_dim", "tie_embeddings",
+                                    "qkv_bias", "o_bias", "qk_norm")] + ["migration_rows"]
+  # a run's plan with a reward model, from before its shape was recorded
+  assert plan_file_lib.plan_workload_unrecorded({"workload": {
+      **record, "reward_model": True}}) == ["the reward model's shape"]
+  # a file with no workload at all keeps its own note
+  assert plan_file_lib.plan_workload_unrecorded({}) == []
 
 
 def test_train_ppo_warns_of_a_plan_for_another_mlp_width(tmp_path):

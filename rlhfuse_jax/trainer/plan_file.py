@@ -204,6 +204,12 @@ PLAN_WORKLOAD_RUN_FIELDS = {"global_batch": "rollout.batch_size",
 PLAN_WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                               "vocab_size", "intermediate_size", "head_dim", "tie_embeddings",
                               "qkv_bias", "o_bias", "qk_norm")
+# The run fields every plan_search writes, and those it writes for a run's plan (train_config):
+# a file that lacks one was written before it did.
+_ALWAYS_RECORDED = ("global_batch", "minibatch", "epochs", "max_prompt_len", "max_new_tokens",
+                    "reference", "reward_model")
+_RUN_PLAN_RECORDED = ("inference_micro_batch", "migration_rows", "offload_optimizer",
+                      "master_weights")
 
 
 def _model_value(model: Any, field: str) -> Any:
@@ -283,6 +289,32 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: Any,
   return out
 
 
+def plan_workload_unrecorded(plan: Mapping[str, Any]) -> list[str]:
+  """The fields plan_workload_differences compares that the plan file's workload does not
+  record (a plan.json written before plan_search recorded them): a model field once, for all
+  the models that lack it ("intermediate_size of the actor and critic"), then the run fields.
+  [] without a workload (nothing of it is compared)."""
+  w = plan.get("workload")
+  if not isinstance(w, Mapping):
+    return []
+  models = [role for role in ("actor", "critic", "reward") if isinstance(w.get(role), Mapping)]
+  out = []
+  for f in PLAN_WORKLOAD_MODEL_FIELDS + tuple(ITEMSIZE_DTYPES):
+    lacking = [role for role in models if f not in w[role] and not (
+        f == "tie_embeddings" and role != "actor")]  # (compared for the actor alone)
+    if lacking:
+      out.append(f"{f} of the " + (f"{', '.join(lacking[:-1])} and " if lacking[1:] else "")
+                 + lacking[-1])
+  out += [f"the {role}'s shape" for role in ("actor", "critic") if role not in models]
+  if "train_config" in w and w.get("reward_model") and "reward" not in models:
+    # (a run's plan with a reward model records its shape since 2026-12-04; the papers' pairs
+    # simulate the critic's)
+    out.append("the reward model's shape")
+  out += [k for k in _ALWAYS_RECORDED + (_RUN_PLAN_RECORDED if "train_config" in w else ())
+          if k not in w]
+  return out
+
+
 def plan_workload_note(path: str, cfg: Any,
                        reward_model: Optional[Any] = None
                        ) -> Optional[tuple[bool, str]]:
@@ -295,15 +327,19 @@ def plan_workload_note(path: str, cfg: Any,
   if diffs is None:
     return False, (f"config.plan.file={path!r} records no workload (a plan.json written before "
                    "plan_search recorded one): not compared with this run's")
+  lacking = plan_workload_unrecorded(plan)
+  # (said once, after the differences: an old file's fields that cannot be checked)
+  unchecked = (f"records no {', '.join(lacking)} (a plan.json written before plan_search "
+               "recorded them): those are not compared with this run's") if lacking else ""
   if not diffs:
-    return None
+    return (False, f"config.plan.file={path!r} {unchecked}") if unchecked else None
   spec = plan["workload"].get("train_config")
   return True, (
       f"config.plan.file={path!r} was searched for " + "; ".join(diffs) +
       (f" (plan_search's train_config={spec!r})" if spec else "") +
       ": its predicted times and memory check are for that workload (plan_search --config="
       "configs/plan_search.py:train --config.train_config=<this run's config> searches for "
-      "this run's)")
+      "this run's)" + (f"; the file {unchecked}" if unchecked else ""))
 
 
 # What a plan file sets only where the config leaves the default: its micro-batching. A config
