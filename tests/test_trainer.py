@@ -584,10 +584,12 @@ def test_master_weights_train_bfloat16_weights_from_a_float32_copy(tmp_path, cap
   with caplog.at_level(logging.INFO):
     trainer = PPOTrainer(cfg, str(tmp_path))
   for name in ("actor", "critic"):
-    line = re.search(rf"setup: {name} on .*: weights ([0-9.e-]+) GB, optimizer state "
-                     r"([0-9.e-]+) GB \(a float32 copy\)", caplog.text)
+    # (metrics.size: 3 significant digits in the unit that fits)
+    line = re.search(rf"setup: {name} on .*: weights ([0-9.]+) ([kMGT]?B), optimizer state "
+                     r"([0-9.]+) ([kMGT]?B) \(a float32 copy\)", caplog.text)
     assert line, caplog.text
-    weights, state = (float(x) for x in line.groups())
+    scale = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+    weights, state = (float(line.group(i)) * scale[line.group(i + 1)] for i in (1, 3))
     assert weights > 0 and abs(state / weights - 6) < 0.05, (name, weights, state)
   trainer.run()
   for state in (trainer.actor, trainer.critic):

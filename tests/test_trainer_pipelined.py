@@ -362,8 +362,8 @@ def test_zero1_splits_the_optimizer_state_over_the_model_copies(runs, first_iter
   with caplog.at_level(logging.INFO):
     second = PPOTrainer(cfg, workdir, mesh=fused.mesh)
   for name in ("actor", "critic"):  # the set-up log reads the split from the placement
-    assert re.search(rf"setup: {name} on .*optimizer state .* GB \(split over data \(zero1\)\)",
-                     caplog.text), caplog.text
+    assert re.search(rf"setup: {name} on .*optimizer state .* [kMGT]?B \(split over data "
+                     r"\(zero1\)\)", caplog.text), caplog.text
   with caplog.at_level(logging.WARNING):
     resumed = second.run()
   assert [h["step"] for h in resumed] == [2]
