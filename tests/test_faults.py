@@ -480,7 +480,7 @@ def test_raising_num_iterations_continues_the_lr_schedule(tmp_path, straight, ca
                               "checkpoint.resume_changes": "optim.schedule_iterations"}),
                run).run()
   # (its 0 is the first start's horizon, which the log said nothing of)
-  assert ("a changed optim.schedule_iterations: 0 -> 16 (0 there: the first start's horizon, "
+  assert ("a changed optim.schedule_iterations: 0 -> 16 (0 there: the checkpoints' horizon, "
           "6 iterations)") in caplog.text, caplog.text
   last = wd.read_jsonl(os.path.join(run, "metrics.jsonl"))[-1]
   assert last["step"] == 9 and last["actor/lr"] > 2 * floor

@@ -465,3 +465,37 @@ def test_an_export_compares_the_files_it_copies():
   tok = {**saved, "init.tokenizer": {"tokenizer.json": "t2"}}
   assert inputs.export_changes(saved, tok) == ["config.init.tokenizer: tokenizer.json changed"]
   assert inputs.export_changes(None, tok) == []
+
+
+def test_a_raised_schedule_after_a_resumes_horizon_names_the_checkpoints_horizon(tmp_path,
+                                                                                caplog):
+  """optim.schedule_iterations 0 means the horizon the checkpoints keep: the first start's
+  num_iterations, or the longer one a resume set since (kept after a later resume set 0 again,
+  docs/usage.md). Checkpoints written with 0 that keep a resume's 16 (the first start ran 6)
+  resumed with 20 said '0 -> 20 (0 there: the first start's horizon, 16 iterations)': 16 was
+  no first start's."""
+  import jax.numpy as jnp
+  from rlhfuse_jax.trainer import hooks
+  from tests.test_trainer import tiny_config
+  workdir = str(tmp_path / "run")
+  cfg = tiny_config(**{"num_iterations": 10})
+  ckpts = hooks.Checkpoints(workdir, cfg, cfg.fingerprint())
+  try:
+    ckpts.state_fn = lambda: {"w": jnp.zeros((2,))}
+    ckpts.meta_fn = lambda: {"data": {}, "schedule_iterations": 16}
+    ckpts.after(9, {}, stopping=True)
+    ckpts.wait()
+  finally:
+    ckpts.checkpointer.close()
+  raised = tiny_config(**{"num_iterations": 11, "optim.schedule_iterations": 20,
+                          "checkpoint.resume_changes": "optim.schedule_iterations"})
+  resumed = hooks.Checkpoints(workdir, raised, raised.fingerprint())
+  try:
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+      assert resumed.resume_point()[0] == 9
+  finally:
+    resumed.checkpointer.close()
+  assert ("a changed optim.schedule_iterations: 0 -> 20 (0 there: the checkpoints' horizon, 16 "
+          "iterations)") in caplog.text, caplog.text
+  assert "first start" not in caplog.text, caplog.text

@@ -499,7 +499,8 @@ class Checkpoints(Hook):
       kept = meta.get("schedule_iterations")
       horizon = ""
       if kept and change.startswith("optim.schedule_iterations: 0 ->"):
-        horizon = f" (0 there: the first start's horizon, {kept} iterations)"
+        # (the checkpoints', not always the first start's: a resume may have set it since)
+        horizon = f" (0 there: the checkpoints' horizon, {kept} iterations)"
       elif kept and change.startswith("optim.schedule_iterations:") and change.endswith("-> 0"):
         horizon = (f" (0 keeps the checkpoints' horizon, {kept} iterations: the LR schedule "
                    "stays as it was; set the number of iterations it should span instead)")
