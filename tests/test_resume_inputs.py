@@ -499,3 +499,23 @@ def test_a_raised_schedule_after_a_resumes_horizon_names_the_checkpoints_horizon
   assert ("a changed optim.schedule_iterations: 0 -> 20 (0 there: the checkpoints' horizon, 16 "
           "iterations)") in caplog.text, caplog.text
   assert "first start" not in caplog.text, caplog.text
+
+
+def test_a_new_path_with_files_an_unread_input_is_not_named_missing(tmp_path):
+  """A reward model the resumed run does not read (reward.kind 'function' now) has no
+  fingerprint this start, whatever its path holds: a new reward.model_checkpoint beside it was
+  refused as 'nothing there that the run reads' ('put the files back'), where the path holds
+  the model, and the refusal hid the real change, reward.kind. Both stay config changes."""
+  model = tmp_path / "model"
+  shutil.copytree(os.path.join(FIXTURES, "tiny_llama"), model)
+  moved = tmp_path / "scratch" / "model"
+  shutil.copytree(model, moved)
+  was = _cfg()
+  was.reward = types.SimpleNamespace(model_checkpoint=str(model), kind="model")
+  now = _cfg()
+  now.reward = types.SimpleNamespace(model_checkpoint=str(moved), kind="function")
+  saved, fresh = inputs.fingerprints(was), inputs.fingerprints(now)
+  assert "reward.model_checkpoint" in saved and "reward.model_checkpoint" not in fresh
+  changes = ["reward.kind: 'model' -> 'function'",
+             f"reward.model_checkpoint: {str(model)!r} -> {str(moved)!r}"]
+  assert inputs.resume_changes(changes, saved, fresh, 5) == (changes, [])

@@ -165,11 +165,13 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
                      f"{_changed_files(saved[field], now[field])}; {PATH_FIELDS[field]})")
       continue
     if (field in PATH_FIELDS and saved.get(field) and not now.get(field) and
-        _to_a_path(c)):
+        _to_an_empty_path(field, c)):
       # A new path with nothing the run reads (a copy to scratch that failed, a typo) was left
       # a config change, refused as a field no resume may change: the same files at another
       # path are accepted, so the files are what is missing. (No path at all, or a chat
-      # template's 'none' or 'auto', is the config change it reads as.)
+      # template's 'none' or 'auto', is the config change it reads as; so is a path with the
+      # files where the run no longer reads the input: a reward model beside reward.kind
+      # 'function', which has no fingerprint now.)
       changed.append(f"{c}: nothing there that the run reads ("
                      f"{PATH_FIELDS[field] or 'the run reads it as it starts'})")
       continue
@@ -189,14 +191,16 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
   return left, changed
 
 
-def _to_a_path(change: str) -> bool:
-  """Whether fingerprint_changes' 'field: old -> new' sets the field to a path: a non-empty
-  string other than a chat template's 'none' and 'auto'."""
+def _to_an_empty_path(field: str, change: str) -> bool:
+  """Whether fingerprint_changes' 'field: old -> new' sets config.`field` to a path (a
+  non-empty string other than a chat template's 'none' and 'auto') that holds nothing the run
+  would read there."""
   try:
     new = ast.literal_eval(change.rsplit(" -> ", 1)[1])
   except (IndexError, ValueError, SyntaxError):
     return False
-  return isinstance(new, str) and new not in ("", "none", "auto")
+  return (isinstance(new, str) and new not in ("", "none", "auto") and
+          content_fingerprint(field, new) is None)
 
 
 # The inputs an HF export copies files from (trainer/hf_export.py: the tokenizer's files, the
