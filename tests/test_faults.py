@@ -375,6 +375,12 @@ def test_resume_changes_says_what_is_wrong_with_each_field_it_does_not_take():
       "--workdir)")
   assert tiny_config(**{"checkpoint.resume_changes": " optim.actor_lr, algo.kl_coef "}
                      ).checkpoint.resume_changes_set == {"optim.actor_lr", "algo.kl_coef"}
+  # An input's path (a model copied to node-local scratch) was "no resume may change
+  # init.actor_checkpoint ... start a new --workdir", where a resume takes a new path to the
+  # same files without naming it (trainer/inputs.py; docs/usage.md).
+  assert error("init.actor_checkpoint,data.prompts_file") == (
+      "data.prompts_file, init.actor_checkpoint need no naming for a new path (a resume takes "
+      "the same files at another path; other files are refused)")
 
 
 def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path, straight):

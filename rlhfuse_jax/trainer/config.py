@@ -844,13 +844,20 @@ def _not_resume_changeable(names: Sequence[str]) -> str:
   a RESUMABLE_FIELDS field without naming it, that no resume may change another field, or the
   closest field to a misspelled one. It said of each "others change the saved state's layout
   ...: start a new --workdir", num_iterations and a misspelled optim.critc_lr alike."""
+  from rlhfuse_jax.trainer import inputs  # pylint: disable=import-outside-toplevel
   known = _field_names()
   free = [n for n in names if n in RESUMABLE_FIELDS]
-  fixed = [n for n in names if n in known and n not in RESUMABLE_FIELDS]
+  # An input's path: its files are compared, not the path (trainer/inputs.resume_changes)
+  moved = [n for n in names if n in inputs.PATH_FIELDS]
+  fixed = [n for n in names if n in known and n not in RESUMABLE_FIELDS and n not in moved]
   parts = []
   if free:
     parts.append(f"{', '.join(free)} need{'s' if len(free) == 1 else ''} no naming (a resume "
                  f"may change {'it' if len(free) == 1 else 'them'} freely)")
+  if moved:
+    parts.append(f"{', '.join(moved)} need{'s' if len(moved) == 1 else ''} no naming for a new "
+                 "path (a resume takes the same files at another path; other files are "
+                 "refused)")
   if fixed:
     parts.append(f"no resume may change {', '.join(fixed)} (the saved state's layout or what "
                  "the checkpoints mean: start a new --workdir)")
