@@ -332,3 +332,25 @@ def test_a_template_that_opens_no_assistant_turn_is_warned_of(tmp_path, caplog):
   text = warnings(str(plain), os.path.join(CHAT, "chatml"))
   assert (f"config.data.chat_template='{plain}' writes nothing for add_generation_prompt"
           in text)
+
+
+def test_a_prompt_ending_with_the_assistants_words_is_not_said_to_end_with_the_users(caplog):
+  """warn_no_generation_prompt said of a template without a generation prompt 'the prompts end
+  after the user's message ... the policy continues the user's text' where the first prompt
+  ends with an assistant message (a prefill the policy continues: warn_assistant_last's case,
+  warned of there). It speaks of prompts that end with the user's (or another non-assistant)
+  message only."""
+  import logging
+  import types
+  from rlhfuse_jax.data import chat as chat_lib
+  from rlhfuse_jax.trainer import build
+  plain = chat_lib.ChatTemplate(
+      "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+  cfg = types.SimpleNamespace(data=types.SimpleNamespace(chat_template="plain.jinja"))
+  user = [{"role": "user", "content": "What is 1 plus 1?"}]
+  prefill = user + [{"role": "assistant", "content": "The answer is"}]
+  with caplog.at_level(logging.WARNING):
+    assert build.warn_no_generation_prompt(cfg, plain, [{"prompt": user}])
+    caplog.clear()
+    assert not build.warn_no_generation_prompt(cfg, plain, [{"prompt": prefill}])
+  assert "the user's message" not in caplog.text, caplog.text

@@ -358,7 +358,10 @@ def warn_no_generation_prompt(cfg: TrainConfig, template: chat_lib.ChatTemplate,
   except chat_lib.ChatTemplateError:  # (render_prompts has named the row already)
     return False
   last = str(messages[-1].get("content", "")).strip() if messages else ""
-  same = same and bool(last) and text.rstrip().endswith(last)
+  # (a prompt that ends with the assistant's words is a prefill the policy continues, warned
+  # of by warn_assistant_last: not the user's text)
+  same = (same and bool(last) and text.rstrip().endswith(last) and
+          messages[-1].get("role") != "assistant")
   if same:
     logging.warning("config.data.chat_template=%r writes nothing for add_generation_prompt "
                     "(the first prompt renders the same without it): the prompts end after "
