@@ -582,11 +582,11 @@ _VOCAB_SHARE = 0.9
 
 
 def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer, log: bool = True,
-                   weights: bool = True) -> TrainConfig:
+                   weights: bool = True, critic_weights: Optional[bool] = None) -> TrainConfig:
   """`cfg` with the tokenizer's vocabulary and the checkpoints' architectures (config.json
   only; no weights are read; the config's RUN_MODEL_FIELDS are kept): the config every later
-  step sees. (The checkpoints' fingerprint is of the config as given, before this.) weights:
-  log_architectures'."""
+  step sees. (The checkpoints' fingerprint is of the config as given, before this.) weights,
+  critic_weights (None: as weights): log_architectures'."""
   if not cfg.init.actor_checkpoint:
     cfg = cfg.with_vocab(tokenizer.vocab_size)
   else:  # The checkpoint's config.json sets the vocabulary below, checked against the tokenizer
@@ -632,7 +632,7 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer, log: bool = True,
     cfg = dataclasses.replace(cfg, critic_model=checkpoint_config(
         cfg.init.critic_checkpoint, cfg.critic_model, "init.critic_checkpoint", head="scalar"))
   if log:  # (not for each plan a plan search checks)
-    log_architectures(cfg, weights)
+    log_architectures(cfg, weights if critic_weights is None else critic_weights)
   return cfg
 
 
@@ -648,9 +648,9 @@ def log_architectures(cfg: TrainConfig, weights: bool = True) -> None:
   as given), and warns of a critic built from
   config.critic_model's shape beside an actor 8 times its size from a checkpoint (ppo_hf.py's
   toy critic, 2 layers 64 wide, beside a user's 1B actor when init.critic_checkpoint='').
-  weights=False (an export, whose checkpoint overwrites the critic): init.critic_checkpoint's
-  safetensors are not opened to say where its value head comes from (an export failed once
-  they had been moved away)."""
+  weights=False (an export or a resume, whose checkpoint overwrites the critic):
+  init.critic_checkpoint's safetensors are not opened to say where its value head comes from
+  (an export failed once they had been moved away)."""
   actor_from = (f"config.init.actor_checkpoint={cfg.init.actor_checkpoint!r}"
                 if cfg.init.actor_checkpoint else "config.model")
   logging.info("actor: %s (%s)", _shape(cfg.model), actor_from)
@@ -658,7 +658,9 @@ def log_architectures(cfg: TrainConfig, weights: bool = True) -> None:
     return
   critic_from = (f"config.init.critic_checkpoint={cfg.init.critic_checkpoint!r}"
                  if cfg.init.critic_checkpoint else "config.critic_model, randomly initialised")
-  if cfg.init.critic_checkpoint and weights:  # a reward model's trained head or a fresh one
+  if cfg.init.critic_checkpoint and not weights:
+    critic_from += "; its config.json only: the weights are the checkpoint's"
+  elif cfg.init.critic_checkpoint:  # a reward model's trained head or a fresh one
     names = load_named("init.critic_checkpoint", cfg.init.critic_checkpoint,
                        hf_loader.tensor_names)
     prefix = hf_loader.scalar_head_prefix(names)
@@ -742,7 +744,29 @@ class Models:
                                                  llama.logical_specs(self.reward_cfg), mesh)
 
 
-def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh, restored: bool = False) -> Models:
+def _shardings(model_cfg: ModelConfig, mesh: jax.sharding.Mesh) -> Any:
+  return mesh_lib.param_shardings(llama.param_shapes(model_cfg), llama.logical_specs(model_cfg),
+                                  mesh)
+
+
+def build_critic(cfg: TrainConfig, mesh: jax.sharding.Mesh, weights: bool = True) -> Any:
+  """The initial critic of the resolved config `cfg` (one that trains a critic), sharded over
+  `mesh`: init.critic_checkpoint's weights (a value head drawn from cfg.seed where it has
+  none), or without one (or weights=False: a checkpoint is about to overwrite it) initialised
+  from cfg.seed."""
+  key = jax.random.key(cfg.seed)
+  if cfg.init.critic_checkpoint and weights:
+    params = load_named("init.critic_checkpoint", cfg.init.critic_checkpoint,
+                        hf_loader.load_hf_params, cfg.critic_model, head="scalar",
+                        rng=jax.random.fold_in(key, 2))
+    return mesh_lib.put(params, _shardings(cfg.critic_model, mesh))
+  # Initialised in place: each device computes only its own shards.
+  return llama.init_params(cfg.critic_model, jax.random.fold_in(key, 2),
+                           _shardings(cfg.critic_model, mesh))[0]
+
+
+def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh, restored: bool = False,
+                 critic_restored: bool = False) -> Models:
   """Loads (init.*_checkpoint, reward.model_checkpoint) or initialises (from cfg.seed) the
   models of the resolved config `cfg`, each sharded over `mesh` by its logical axes.
 
@@ -750,37 +774,30 @@ def build_models(cfg: TrainConfig, mesh: jax.sharding.Mesh, restored: bool = Fal
   actor and critic are initialised from the seed, not read from their HF checkpoints, and
   there is no reference or reward model. An export read all three HF checkpoints for weights
   it then discarded (three models' reads and memory at 65B), and failed once their weights
-  had been moved away after training."""
+  had been moved away after training. critic_restored: the critic alone is (a resume: the
+  actor's weights are the reference's, read at every start), initialised from the seed; a
+  resume that restores no checkpoint after all loads it then (build_critic)."""
   if restored:
     cfg = dataclasses.replace(cfg, init=dataclasses.replace(
         cfg.init, actor_checkpoint="", critic_checkpoint=""))
   key = jax.random.key(cfg.seed)
-  shardings = lambda model_cfg: mesh_lib.param_shardings(
-      llama.param_shapes(model_cfg), llama.logical_specs(model_cfg), mesh)
-  place = lambda params, model_cfg: mesh_lib.put(params, shardings(model_cfg))
-  # Initialised in place: each device computes only its own shards.
-  init = lambda model_cfg, i: llama.init_params(model_cfg, jax.random.fold_in(key, i),
-                                                shardings(model_cfg))[0]
   if cfg.init.actor_checkpoint:
-    actor = place(load_named("init.actor_checkpoint", cfg.init.actor_checkpoint,
-                             hf_loader.load_hf_params, cfg.model), cfg.model)
-  else:
-    actor = init(cfg.model, 1)
-  critic = None
-  if adv_lib.needs_critic(cfg.algo.estimator):
-    if cfg.init.critic_checkpoint:
-      critic = place(load_named("init.critic_checkpoint", cfg.init.critic_checkpoint,
-                                hf_loader.load_hf_params, cfg.critic_model, head="scalar",
-                                rng=jax.random.fold_in(key, 2)), cfg.critic_model)
-    else:
-      critic = init(cfg.critic_model, 2)
+    actor = mesh_lib.put(load_named("init.actor_checkpoint", cfg.init.actor_checkpoint,
+                                    hf_loader.load_hf_params, cfg.model),
+                         _shardings(cfg.model, mesh))
+  else:  # initialised in place
+    actor = llama.init_params(cfg.model, jax.random.fold_in(key, 1),
+                              _shardings(cfg.model, mesh))[0]
+  critic = (build_critic(cfg, mesh, weights=not critic_restored)
+            if adv_lib.needs_critic(cfg.algo.estimator) else None)
   reward_cfg, reward_params = (None, None) if restored else (reward_model_config(cfg), None)
   if reward_cfg is not None:
     # No rng: a checkpoint without its score head is an error (reward_model_config), never a
     # random one.
-    reward_params = place(load_named("reward.model_checkpoint", cfg.reward.model_checkpoint,
-                                     hf_loader.load_hf_params, reward_cfg, head="scalar"),
-                          reward_cfg)
+    reward_params = mesh_lib.put(load_named("reward.model_checkpoint",
+                                            cfg.reward.model_checkpoint,
+                                            hf_loader.load_hf_params, reward_cfg, head="scalar"),
+                                 _shardings(reward_cfg, mesh))
     where = (f"at the last token that is not its pad_token_id {reward_cfg.score_pad_id}, as "
              "transformers' *ForSequenceClassification pools" if reward_cfg.score_pad_id >= 0
              else "at the last response token, EOS included (its config.json names no "

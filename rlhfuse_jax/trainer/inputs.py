@@ -41,7 +41,8 @@ PATH_FIELDS = {
     "data.prompts_file": "the prompts are drawn from it",
     # A path only ('none' and 'auto' are no file: 'auto' reads the tokenizer's files, above).
     "data.chat_template": "every prompt is rendered with it",
-    # Read once, by the first start: the critic's weights are in the checkpoints since.
+    # Its weights are read once, by the first start: they are in the checkpoints since (a
+    # resume reads its config.json alone, for the critic's shape: trainer/loop.py).
     "init.critic_checkpoint": "",
     # The schedule a pipelined update executes (its path alone refused a copy elsewhere and
     # took another schedule at the same path).
@@ -180,8 +181,9 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
     if field in moved or not saved.get(field) or same_files(saved.get(field), now.get(field)):
       continue
     if not why:
-      logging.info("config.%s holds other files than when the run started: unused on resume "
-                   "(the critic's weights are in the checkpoints)", field)
+      logging.info("config.%s holds other files than when the run started: its weights are "
+                   "unused on resume (the critic's are in the checkpoints; its config.json "
+                   "still gives the critic's shape)", field)
       continue
     if field not in now:
       changed.append(f"{field}: no longer there ({why})")

@@ -326,7 +326,12 @@ class PPOTrainer:
     # An export reads no weights of the run's HF checkpoints, nor opens their safetensors (they
     # may have been moved away after training; their config.json and tokenizer files are read)
     weights = self._export_step is None
-    self.cfg = cfg = build.resolve_config(cfg, self.tokenizer, weights=weights)
+    # A resume reads the critic's config.json alone: the checkpoint holds its weights (the
+    # actor's are the KL reference's, read at every start). A resume read the whole critic only
+    # to overwrite it, and failed once its safetensors had been moved away.
+    critic_restored = self.resume_step is not None
+    self.cfg = cfg = build.resolve_config(cfg, self.tokenizer, weights=weights,
+                                          critic_weights=weights and not critic_restored)
     if cfg.plan.file:  # a plan searched for another model or batch: before any check stops it
       note = plan_file_lib.plan_workload_note(cfg.plan.file, cfg,
                                               build.reward_model_config(cfg, weights))
@@ -359,7 +364,12 @@ class PPOTrainer:
     else:  # an export restores the models alone: no prompt is read, rendered or tokenised
       self.dataset = self.held_out = None
     self.use_critic = adv_lib.needs_critic(cfg.algo.estimator)
-    models = build.build_models(cfg, self.mesh, restored=self._export_step is not None)
+    models = build.build_models(cfg, self.mesh, restored=self._export_step is not None,
+                                critic_restored=critic_restored)
+    # The critic to load from init.critic_checkpoint should no checkpoint be restored after all
+    # (_restore).
+    self._critic_unread = bool(critic_restored and self.use_critic and
+                               cfg.init.critic_checkpoint)
     self.update = update_lib.make_update(cfg, self.mesh, use_critic=self.use_critic,
                                          schedule_iterations=self.schedule_iterations,
                                          workdir=self.workdir)
@@ -727,6 +737,16 @@ class PPOTrainer:
       generator = rollout_lib.fused_generator(self.rollout)
       if "rt" in meta and generator is not None:
         generator.load_rt_state(meta["rt"])
+    elif self._critic_unread:
+      # No checkpoint restored (Checkpoints.restore's fresh start): the critic built from the
+      # seed for the resume is replaced by init.critic_checkpoint's weights, as a first start
+      # loads them; never trained from random weights.
+      logging.warning("no checkpoint was restored: loading the critic's initial weights from "
+                      "config.init.critic_checkpoint=%r", self.cfg.init.critic_checkpoint)
+      self.critic = None  # (its buffers freed before the load)
+      self.critic = self.update.init_state(
+          "critic", build.build_critic(self.cfg, self.mesh), self.mesh)
+    self._critic_unread = False
     return start
 
   def export_checkpoint(self, out_dir: str, model: str = "actor",

@@ -1,0 +1,127 @@
+"""A resume reads no critic weights from init.critic_checkpoint (trainer/loop.py, build.py).
+
+The checkpoint it restores holds the critic: the first start alone reads its HF weights (a
+resume read a whole model only to overwrite it, and failed once the safetensors had been moved
+away, though inputs.py logs the critic's checkpoint as unused on resume). Its config.json is
+still read for the critic's shape. A resume that restores no checkpoint after all (Checkpoints
+.restore's fresh start) loads the weights then: it trains what a fresh run trains.
+"""
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from rlhfuse_jax.models import hf_loader
+from rlhfuse_jax.trainer import hooks, rollout
+from rlhfuse_jax.trainer.loop import PPOTrainer
+from tests.test_fused_trainer import TIMED
+from tests.test_trainer import _deterministic, _params, tiny_config
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+LLAMA = os.path.join(FIXTURES, "tiny_llama")
+QWEN2 = os.path.join(FIXTURES, "tiny_qwen2")
+PROMPTS = ["the quick", "a tiny model", "one plus two", "hello world", "the critic",
+           "three plus four", "the lazy dog", "small numbers"]
+# The update paths a resume builds its models on: each must leave the critic unread.
+PATHS = {
+    "serial": {},
+    "async": {"async_ppo.staleness": 1},
+    "fused": {"fusion.inter_stage": True, "fusion.migration_threshold": "1.0"},
+    "pipelined": {"mesh.stage": 2, "mesh.data": 4, "pipeline.actor_microbatches": 2,
+                  "pipeline.critic_microbatches": 2},
+}
+
+
+def _config(tmp_path, **overrides):
+  """Actor, tokenizer and prompts of the tiny fixtures; the critic from a copy of tiny_qwen2
+  in tmp_path (which a test may take away)."""
+  critic = tmp_path / "critic"
+  if not critic.exists():
+    shutil.copytree(QWEN2, critic)
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": p, "target": "is three"}) + "\n" for p in PROMPTS))
+  return tiny_config(**{
+      "num_iterations": 3, "checkpoint.every": 100, "init.actor_checkpoint": LLAMA,
+      "init.critic_checkpoint": str(critic),
+      "init.tokenizer": os.path.join(LLAMA, "tokenizer.json"),
+      "data.prompts_file": str(tmp_path / "prompts.jsonl"), "data.max_prompt_len": 8,
+      "reward.function": "length_match", "rollout.prompts_per_iteration": 8,
+      "algo.minibatch_size": 8, "algo.epochs": 1, **overrides})
+
+
+def _same(rows, want):
+  strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMED}
+                        for r in _deterministic(rows)]
+  assert strip(rows) == strip(want)
+
+
+def _trainer(cfg, workdir):
+  return PPOTrainer(cfg, workdir)
+
+
+def _count_critic_loads(monkeypatch, critic: str) -> list:
+  """The calls of hf_loader.load_hf_params that read `critic` (the critic's directory)."""
+  calls, load = [], hf_loader.load_hf_params
+
+  def counted(path, *args, **kwargs):
+    if os.path.realpath(path) == os.path.realpath(critic):
+      calls.append(kwargs.get("head"))
+    return load(path, *args, **kwargs)
+  monkeypatch.setattr(hf_loader, "load_hf_params", counted)
+  return calls
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_resume_reads_no_critic_weights_and_equals_the_uninterrupted_run(
+    tmp_path, monkeypatch, path):
+  """Stopped after iteration 2 (saved), the critic's safetensors deleted, then resumed: the
+  resume does not call the weight loader on the critic's directory (the first start did, once)
+  and its metrics and final weights are the uninterrupted run's. With the critic's whole
+  directory gone, the error names init.critic_checkpoint (its config.json gives the shapes)."""
+  cfg = _config(tmp_path, **PATHS[path])
+  straight = _trainer(cfg, str(tmp_path / "straight"))
+  h_straight = straight.run()
+  p_straight = _params(straight)
+  calls = _count_critic_loads(monkeypatch, cfg.init.critic_checkpoint)
+  run = str(tmp_path / "run")
+  h_first = _trainer(cfg, run).run(stop_after=2)
+  assert calls == ["scalar"]  # the first start reads the critic's weights
+  if path == "serial":  # the whole directory gone: the field is named
+    os.rename(cfg.init.critic_checkpoint, tmp_path / "moved")
+    with pytest.raises(FileNotFoundError, match=r"config\.init\.critic_checkpoint=.*critic'"):
+      _trainer(cfg, run)
+    os.rename(tmp_path / "moved", cfg.init.critic_checkpoint)
+  os.remove(os.path.join(cfg.init.critic_checkpoint, "model.safetensors"))
+  resumed = _trainer(cfg, run)
+  assert (resumed.update.is_pipelined, isinstance(resumed.rollout, rollout.FusedStage),
+          bool(resumed.cfg.async_ppo.staleness)) == (
+              path == "pipelined", path == "fused", path == "async")
+  h_rest = resumed.run()
+  assert calls == ["scalar"], calls  # the resume did not
+  assert [h["step"] for h in h_first + h_rest] == [1, 2, 3]
+  _same(h_first + h_rest, h_straight)
+  jax.tree.map(np.testing.assert_array_equal, _params(resumed), p_straight)
+
+
+def test_a_resume_that_restores_no_checkpoint_loads_the_critic(tmp_path, monkeypatch):
+  """Checkpoints.restore falls back to (0, None, None), a fresh start, when no checkpoint can
+  be restored (its _damaged stops a run before that today: the stand-in below returns it): the
+  critic built from the seed for the resume is replaced by init.critic_checkpoint's weights
+  there, and the run trains exactly as a fresh one, never from a random critic."""
+  cfg = _config(tmp_path, num_iterations=2)
+  fresh = _trainer(cfg, str(tmp_path / "fresh"))
+  h_fresh = fresh.run()
+  run = str(tmp_path / "run")
+  _trainer(cfg, run).run(stop_after=1)
+  calls = _count_critic_loads(monkeypatch, cfg.init.critic_checkpoint)
+  resumed = _trainer(cfg, run)
+  assert resumed.resume_step == 1 and calls == []  # nothing read to build it
+  monkeypatch.setattr(hooks.Checkpoints, "restore", lambda self, *a: (0, None, None))
+  h = resumed.run()
+  assert calls == ["scalar"]  # read once no checkpoint was restored
+  assert [m["step"] for m in h] == [1, 2]
+  _same(h, h_fresh)
+  jax.tree.map(np.testing.assert_array_equal, _params(resumed), _params(fresh))
