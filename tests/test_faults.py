@@ -1097,7 +1097,9 @@ def test_a_finished_run_builds_nothing_and_still_checks_the_config(straight, mon
   assert marks == [(event_pb2.SessionLog.START, 7)], marks
   again = PPOTrainer(cfg, workdir)  # nothing after the checkpoint now: tb/ stays as it is
   assert again.run() == [] and len(os.listdir(os.path.join(workdir, "tb"))) == len(events) + 1
-  with pytest.raises(ValueError, match="config.seed=1 differs"):  # checked without a build
+  # checked without a build; the way to resume is named, not only a new workdir
+  with pytest.raises(ValueError, match=r"config.seed=1 differs .*: resume with "
+                                       r"--config.seed=0, or start a new --workdir"):
     PPOTrainer(tiny_config(num_iterations=6, seed=1), workdir)
 
 

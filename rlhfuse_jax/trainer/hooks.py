@@ -460,7 +460,8 @@ class Checkpoints(Hook):
   def _check_resume(self, meta: dict) -> None:
     if meta.get("seed") != self.cfg.seed:
       raise ValueError(f"config.seed={self.cfg.seed} differs from the checkpoint's seed "
-                       f"{meta.get('seed')} in {self.checkpointer.directory}; use a new workdir")
+                       f"{meta.get('seed')} in {self.checkpointer.directory}: resume with "
+                       f"--config.seed={meta.get('seed')}, or start a new --workdir")
     saved = meta.get("config")
     if saved is None:  # checkpoints written before fingerprints existed
       logging.warning("checkpoint %s has no config fingerprint: resuming unchecked",
