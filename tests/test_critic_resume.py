@@ -125,3 +125,23 @@ def test_a_resume_that_restores_no_checkpoint_loads_the_critic(tmp_path, monkeyp
   assert [m["step"] for m in h] == [1, 2]
   _same(h, h_fresh)
   jax.tree.map(np.testing.assert_array_equal, _params(resumed), _params(fresh))
+
+
+def test_a_resume_refuses_a_critic_checkpoint_whose_config_json_changed(tmp_path):
+  """The resume still reads init.critic_checkpoint's config.json for the critic's architecture:
+  another one there (rope_theta, rms_norm_eps: no shape the restore would refuse) ran the
+  checkpoint's critic as another function, silently, with an info line calling the files
+  unused. It is refused, naming the field; its weights alone may change or go."""
+  cfg = _config(tmp_path, num_iterations=2)
+  run = str(tmp_path / "run")
+  _trainer(cfg, run).run(stop_after=1)
+  path = os.path.join(cfg.init.critic_checkpoint, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  config["rms_norm_eps"] = 0.5
+  config["rope_parameters"]["rope_theta"] = 10.0
+  with open(path, "w") as f:
+    json.dump(config, f)
+  with pytest.raises(ValueError, match=r"init\.critic_checkpoint: config\.json changed since "
+                                       r"the checkpoints were written"):
+    _trainer(cfg, run)

@@ -95,11 +95,17 @@ def test_resume_takes_a_new_path_to_the_same_content_and_refuses_new_content(tmp
   assert "reward.model_checkpoint" in inputs.fingerprints(reward)
   # Checkpoints without fingerprints compare paths alone.
   assert inputs.resume_changes([change], None, now, 5) == ([change], [])
-  # The critic's checkpoint is read by the first start only: its change is not refused.
+  # The critic's weights are read by the first start only: their change is not refused; its
+  # config.json gives the critic's architecture at every start: its change is.
   critic = inputs.fingerprints(_cfg(critic=str(scratch)))
-  (scratch / "config.json").write_text("{}")
+  os.remove(scratch / "model-00003-of-00003.safetensors")
   assert inputs.resume_changes([], critic, inputs.fingerprints(_cfg(critic=str(scratch))),
                                5) == ([], [])
+  (scratch / "config.json").write_text("{}")
+  assert inputs.resume_changes([], critic, inputs.fingerprints(_cfg(critic=str(scratch))),
+                               5) == ([], [
+      "init.critic_checkpoint: config.json changed since the checkpoints were written (it "
+      "gives the critic's architecture; its weights are the checkpoints')"])
 
 
 def test_a_new_path_to_other_files_is_named_as_other_files(tmp_path):

@@ -42,7 +42,7 @@ PATH_FIELDS = {
     # A path only ('none' and 'auto' are no file: 'auto' reads the tokenizer's files, above).
     "data.chat_template": "every prompt is rendered with it",
     # Its weights are read once, by the first start: they are in the checkpoints since (a
-    # resume reads its config.json alone, for the critic's shape: trainer/loop.py).
+    # resume reads its config.json alone, for the critic's architecture: trainer/loop.py).
     "init.critic_checkpoint": "",
     # The schedule a pipelined update executes (its path alone refused a copy elsewhere and
     # took another schedule at the same path).
@@ -147,10 +147,11 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
   checkpoints whose inputs' fingerprints are `saved` (None: written before they existed, when
   paths alone are compared) with this start's `now`. A path change to the same content is
   taken off `changes` (logged); other content at an input read on every start is returned as a
-  line naming the field and why it matters (the critic's checkpoint, read only by the first
-  start, is logged); so is a new path to other content at such an input, or to nothing the
-  run reads (each was left a config change, refused as a field no resume may change, where
-  another path to the same files is accepted)."""
+  line naming the field and why it matters (the critic's checkpoint, whose weights only the
+  first start reads, is logged, unless its config.json changed); so is a new path to other
+  content at such an input, or to nothing the run reads (each was left a config change,
+  refused as a field no resume may change, where another path to the same files is
+  accepted)."""
   if not saved:
     return changes, []
   left, changed = [], []
@@ -181,9 +182,15 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
     if field in moved or not saved.get(field) or same_files(saved.get(field), now.get(field)):
       continue
     if not why:
+      if _config_changed(saved[field], now.get(field)):
+        # Its config.json still gives the critic's architecture (rope_theta, rms_norm_eps,
+        # shapes): another one ran the checkpoints' weights as another function, silently.
+        changed.append(f"{field}: config.json changed since the checkpoints were written (it "
+                       "gives the critic's architecture; its weights are the checkpoints')")
+        continue
       logging.info("config.%s holds other files than when the run started: its weights are "
-                   "unused on resume (the critic's are in the checkpoints; its config.json "
-                   "still gives the critic's shape)", field)
+                   "unused on resume (the critic's are in the checkpoints; its config.json, "
+                   "unchanged, still gives the critic's architecture)", field)
       continue
     if field not in now:
       changed.append(f"{field}: no longer there ({why})")
@@ -191,6 +198,15 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
     changed.append(f"{field}: {_changed_files(saved[field], now[field])} since the checkpoints "
                    f"were written ({why})")
   return left, changed
+
+
+def _config_changed(was: Any, is_: Any) -> bool:
+  """Whether a checkpoint directory's config.json differs between two fingerprints ({file:
+  digest}); one missing from either side is for the loaders to name."""
+  if not (isinstance(was, Mapping) and isinstance(is_, Mapping)):
+    return False
+  return ("config.json" in was and "config.json" in is_ and
+          was["config.json"] != is_["config.json"])
 
 
 def _to_an_empty_path(field: str, change: str) -> bool:
