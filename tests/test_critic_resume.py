@@ -7,6 +7,7 @@ still read for the critic's shape. A resume that restores no checkpoint after al
 .restore's fresh start) loads the weights then: it trains what a fresh run trains.
 """
 import json
+import logging
 import os
 import shutil
 
@@ -145,3 +146,27 @@ def test_a_resume_refuses_a_critic_checkpoint_whose_config_json_changed(tmp_path
   with pytest.raises(ValueError, match=r"init\.critic_checkpoint: config\.json changed since "
                                        r"the checkpoints were written"):
     _trainer(cfg, run)
+
+
+def test_a_resume_does_not_log_its_critic_as_randomly_initialised(tmp_path, caplog):
+  """A run whose critic starts from config.critic_model's shape (no init.critic_checkpoint),
+  resumed: its critic is the checkpoint's, but the set-up said 'config.critic_model, randomly
+  initialised' (log_architectures with weights=False, the resume's and an export's, named the
+  checkpoint's weights only beside an init.critic_checkpoint)."""
+  cfg = tiny_config(num_iterations=2)
+  run = str(tmp_path / "run")
+
+  def critic_lines(trainer_fn):
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+      trainer = trainer_fn()
+    return trainer, [r.getMessage() for r in caplog.records
+                     if r.getMessage().startswith("critic: ")]
+  first, said = critic_lines(lambda: _trainer(cfg, run))
+  assert len(said) == 1 and said[0].endswith("(config.critic_model, randomly initialised)")
+  first.run(stop_after=1)
+  resumed, said = critic_lines(lambda: _trainer(cfg, run))
+  assert resumed.resume_step == 1
+  assert len(said) == 1 and said[0].endswith(
+      "(config.critic_model; the weights are the checkpoint's)"), said
+  resumed.release_lock()

@@ -657,9 +657,11 @@ def log_architectures(cfg: TrainConfig, weights: bool = True) -> None:
   if not adv_lib.needs_critic(cfg.algo.estimator):
     return
   critic_from = (f"config.init.critic_checkpoint={cfg.init.critic_checkpoint!r}"
-                 if cfg.init.critic_checkpoint else "config.critic_model, randomly initialised")
-  if cfg.init.critic_checkpoint and not weights:
-    critic_from += "; its config.json only: the weights are the checkpoint's"
+                 if cfg.init.critic_checkpoint else "config.critic_model" + (
+                     ", randomly initialised" if weights else ""))
+  if not weights:  # (a resume's or export's critic from config.critic_model is no random one)
+    critic_from += ("; its config.json only: the weights are the checkpoint's"
+                    if cfg.init.critic_checkpoint else "; the weights are the checkpoint's")
   elif cfg.init.critic_checkpoint:  # a reward model's trained head or a fresh one
     names = load_named("init.critic_checkpoint", cfg.init.critic_checkpoint,
                        hf_loader.tensor_names)
