@@ -6,6 +6,7 @@ away, though inputs.py logs the critic's checkpoint as unused on resume). Its co
 still read for the critic's shape. A resume that restores no checkpoint after all (Checkpoints
 .restore's fresh start) loads the weights then: it trains what a fresh run trains.
 """
+import dataclasses
 import json
 import logging
 import os
@@ -170,3 +171,31 @@ def test_a_resume_does_not_log_its_critic_as_randomly_initialised(tmp_path, capl
   assert len(said) == 1 and said[0].endswith(
       "(config.critic_model; the weights are the checkpoint's)"), said
   resumed.release_lock()
+
+
+def test_an_export_of_the_critic_refuses_a_changed_config_json(tmp_path):
+  """The critic's export (export_step) writes the architecture init.critic_checkpoint's
+  config.json gives beside the checkpoint's weights: another config.json there (rope_theta,
+  rms_norm_eps) shipped the trained critic as another model (the actor's change is refused by
+  export_changes). It is refused, naming the field; the actor still exports."""
+  cfg = _config(tmp_path, num_iterations=1)
+  run = str(tmp_path / "run")
+  _trainer(cfg, run).run()
+  path = os.path.join(cfg.init.critic_checkpoint, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  config["rms_norm_eps"] = 0.5
+  config["rope_parameters"]["rope_theta"] = 10.0
+  with open(path, "w") as f:
+    json.dump(config, f)
+  exporter = PPOTrainer(dataclasses.replace(cfg, checkpoint=dataclasses.replace(
+      cfg.checkpoint, export_hf="llama")), run, export_step=1)
+  try:
+    with pytest.raises(ValueError, match=r"config\.init\.critic_checkpoint=.*: config\.json "
+                                         r"changed since checkpoint 1 was written"):
+      exporter.export_checkpoint(str(tmp_path / "critic_out"), "critic")
+    assert not os.path.exists(tmp_path / "critic_out")
+    exporter.export_checkpoint(str(tmp_path / "actor_out"), "actor")
+  finally:
+    exporter.checkpoints.checkpointer.close()
+    exporter.release_lock()

@@ -182,7 +182,7 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
     if field in moved or not saved.get(field) or same_files(saved.get(field), now.get(field)):
       continue
     if not why:
-      if _config_changed(saved[field], now.get(field)):
+      if config_changed(saved[field], now.get(field)):
         # Its config.json still gives the critic's architecture (rope_theta, rms_norm_eps,
         # shapes): another one ran the checkpoints' weights as another function, silently.
         changed.append(f"{field}: config.json changed since the checkpoints were written (it "
@@ -200,7 +200,7 @@ def resume_changes(changes: list[str], saved: Optional[Mapping[str, str]],
   return left, changed
 
 
-def _config_changed(was: Any, is_: Any) -> bool:
+def config_changed(was: Any, is_: Any) -> bool:
   """Whether a checkpoint directory's config.json differs between two fingerprints ({file:
   digest}); one missing from either side is for the loaders to name."""
   if not (isinstance(was, Mapping) and isinstance(is_, Mapping)):

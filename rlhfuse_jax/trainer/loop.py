@@ -155,6 +155,7 @@ class PPOTrainer:
     resume point is read or checked, no prompt is loaded or tokenised, nothing of the run is
     written."""
     self._export_step = export_step
+    self._export_inputs: dict = {}  # the exported checkpoint's input fingerprints
     # What the caller records of this start (its code and machine: train_ppo gives runner's
     # provenance), kept in each checkpoint's side-car as the last entry of `trained_by`.
     self.start_record: dict = {}
@@ -239,6 +240,9 @@ class PPOTrainer:
             f"(damaged?): {checkpointing.error_line(e)}; export another kept step (--step)"
         ) from None
       self.resume_step = self._export_step
+      # (init.critic_checkpoint's config.json, which an export of the critic writes beside its
+      # weights: export_checkpoint)
+      self._export_inputs = meta.get("inputs") or {}
       changed = inputs_lib.export_changes(meta.get("inputs"), self.checkpoints.inputs)
       if changed:
         raise ValueError(
@@ -768,6 +772,16 @@ class PPOTrainer:
         hf_export.check_family(cfg, model)
       except ValueError as e:
         raise ValueError(f"critic_family={critic_family!r}: {e}") from None
+      field = "init.critic_checkpoint"
+      if inputs_lib.config_changed(self._export_inputs.get(field),
+                                   self.checkpoints.inputs.get(field)):
+        # Its architecture (rope_theta, rms_norm_eps) is the export's config.json: another one
+        # there shipped the trained weights as another model (the actor's is refused likewise).
+        raise ValueError(
+            f"config.{field}={cfg.init.critic_checkpoint!r}: config.json changed since "
+            f"checkpoint {self._export_step} was written; the critic's export writes its "
+            "architecture beside the weights, so it would not be the model the run trained. "
+            "Put the file the run read back")
     else:
       hf_export.check_model_name(model)
     step = self._export_step
