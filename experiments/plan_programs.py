@@ -110,7 +110,7 @@ import math
 import os
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -952,18 +952,21 @@ def actor_logp_program(cfg: PlanConfig, mesh) -> dict:
   rows = algo.logprob_rows(kind == "recompute", pipelined, shards)
   scorer = scoring.Scorer(on, micro_batch_size=rows)
   per_layer = per_layer_upcast(cfg)
-  lowered = {}
-  for scan in {cfg.actor.scan_layers, True} if per_layer else {cfg.actor.scan_layers}:
-    actor = cfg.actor.replace(scan_layers=scan)
-    lowered[scan] = {"logp": scorer.lower_logprobs(actor, abstract_params(actor, on),
-                                                   cfg.minibatch_size, cfg.seq_len,
-                                                   cfg.response_len)}
+  lowered = _lowered_by_scan(cfg.actor, per_layer, "logp", lambda actor: scorer.lower_logprobs(
+      actor, abstract_params(actor, on), cfg.minibatch_size, cfg.seq_len, cfg.response_len))
   out = _instance_program(cfg, "actor_logp", lowered, "logp",
                           actor_logp_analytic(cfg, rows, shards), per_layer)
   own = 0 if pipelined else _device_bytes(abstract_params(cfg.actor, mesh))
   out.update({"pass": kind, "rows": rows, "pieces_split_over": shards,
               "mesh": "folded" if on_folded else "training", "state_actor_bytes": own})
   return {"actor_logp": out}
+
+
+def _lowered_by_scan(model, per_layer: bool, key: str, lower: Callable) -> dict:
+  """{scan_layers: {key: lower(model with those scan_layers)}} as _instance_program reads it:
+  the model as configured and, under per_layer_upcast, scanned too (the smaller is used)."""
+  scans = {model.scan_layers, True} if per_layer else {model.scan_layers}
+  return {scan: {key: lower(model.replace(scan_layers=scan))} for scan in scans}
 
 
 def rescore_mesh(cfg: PlanConfig, mesh) -> tuple[Any, bool]:
@@ -994,12 +997,8 @@ def critic_values_program(cfg: PlanConfig, mesh) -> dict:
   rows = cfg.minibatch_size  # the trainer's _rescorer: micro_batch_size=algo.minibatch_size
   scorer = scoring.Scorer(on, micro_batch_size=rows)
   per_layer = per_layer_upcast(cfg, [cfg.critic])
-  lowered = {}
-  for scan in {cfg.critic.scan_layers, True} if per_layer else {cfg.critic.scan_layers}:
-    critic = cfg.critic.replace(scan_layers=scan)
-    lowered[scan] = {"values": scorer.lower_values(critic, abstract_params(critic, on),
-                                                   cfg.minibatch_size, cfg.seq_len,
-                                                   cfg.response_len)}
+  lowered = _lowered_by_scan(cfg.critic, per_layer, "values", lambda critic: scorer.lower_values(
+      critic, abstract_params(critic, on), cfg.minibatch_size, cfg.seq_len, cfg.response_len))
   out = _instance_program(cfg, "critic_values", lowered, "values",
                           actor_logp_analytic(cfg, rows, shards, cfg.critic), per_layer,
                           scan=cfg.critic.scan_layers)
