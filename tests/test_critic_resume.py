@@ -129,6 +129,18 @@ def test_a_resume_that_restores_no_checkpoint_loads_the_critic(tmp_path, monkeyp
   jax.tree.map(np.testing.assert_array_equal, _params(resumed), _params(fresh))
 
 
+def _change_critic_architecture(cfg) -> None:
+  """Another rms_norm_eps and rope_theta in init.critic_checkpoint's config.json: the same
+  shapes (nothing the restore would refuse), another function."""
+  path = os.path.join(cfg.init.critic_checkpoint, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  config["rms_norm_eps"] = 0.5
+  config["rope_parameters"]["rope_theta"] = 10.0
+  with open(path, "w") as f:
+    json.dump(config, f)
+
+
 def test_a_resume_refuses_a_critic_checkpoint_whose_config_json_changed(tmp_path):
   """The resume still reads init.critic_checkpoint's config.json for the critic's architecture:
   another one there (rope_theta, rms_norm_eps: no shape the restore would refuse) ran the
@@ -137,13 +149,7 @@ def test_a_resume_refuses_a_critic_checkpoint_whose_config_json_changed(tmp_path
   cfg = _config(tmp_path, num_iterations=2)
   run = str(tmp_path / "run")
   _trainer(cfg, run).run(stop_after=1)
-  path = os.path.join(cfg.init.critic_checkpoint, "config.json")
-  with open(path) as f:
-    config = json.load(f)
-  config["rms_norm_eps"] = 0.5
-  config["rope_parameters"]["rope_theta"] = 10.0
-  with open(path, "w") as f:
-    json.dump(config, f)
+  _change_critic_architecture(cfg)
   with pytest.raises(ValueError, match=r"init\.critic_checkpoint: config\.json changed since "
                                        r"the checkpoints were written"):
     _trainer(cfg, run)
@@ -181,13 +187,7 @@ def test_an_export_of_the_critic_refuses_a_changed_config_json(tmp_path):
   cfg = _config(tmp_path, num_iterations=1)
   run = str(tmp_path / "run")
   _trainer(cfg, run).run()
-  path = os.path.join(cfg.init.critic_checkpoint, "config.json")
-  with open(path) as f:
-    config = json.load(f)
-  config["rms_norm_eps"] = 0.5
-  config["rope_parameters"]["rope_theta"] = 10.0
-  with open(path, "w") as f:
-    json.dump(config, f)
+  _change_critic_architecture(cfg)
   exporter = PPOTrainer(dataclasses.replace(cfg, checkpoint=dataclasses.replace(
       cfg.checkpoint, export_hf="llama")), run, export_step=1)
   try:
