@@ -251,27 +251,33 @@ def test_a_template_that_never_reads_the_conversation_is_refused(tmp_path):
     ChatTemplate(source)
 
 
+def _dataset_warnings(caplog, rows, tokenizer_dir: str, template: str = "auto") -> str:
+  """The warnings build.build_datasets logs for the prompts file `rows` rendered through
+  `template` with the tokenizer in `tokenizer_dir` (a tiny run's config otherwise)."""
+  import logging
+  from rlhfuse_jax.trainer import build
+  from tests.test_trainer import tiny_config
+  cfg = tiny_config(**{"init.tokenizer": os.path.join(tokenizer_dir, "tokenizer.json"),
+                       "data.prompts_file": str(rows), "data.chat_template": template,
+                       "data.max_prompt_len": 64,
+                       "reward.function": "tests.test_rewards:answer_length",
+                       "rollout.prompts_per_iteration": 4, "algo.minibatch_size": 4})
+  task, tok = build.build_task_and_tokenizer(cfg)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    build.build_datasets(cfg, task, tok)
+  return caplog.text
+
+
 def test_prompts_rendered_before_are_warned_of(tmp_path, caplog):
   """Prompts another tool rendered (their text begins with the BOS token) and a chat template
   (config.data.chat_template) rendered them again as a user's message, without a word: two
   BOS tokens and the template's headers twice. Plain questions are not warned of."""
-  import logging
-  from rlhfuse_jax.trainer import build
-  from tests.test_trainer import tiny_config
   rows = tmp_path / "p.jsonl"
 
   def warnings(tokenizer_dir, prompt):
     rows.write_text(json.dumps({"prompt": prompt, "target": "2"}) + "\n")
-    cfg = tiny_config(**{"init.tokenizer": os.path.join(tokenizer_dir, "tokenizer.json"),
-                         "data.prompts_file": str(rows), "data.chat_template": "auto",
-                         "data.max_prompt_len": 64,
-                         "reward.function": "tests.test_rewards:answer_length",
-                         "rollout.prompts_per_iteration": 4, "algo.minibatch_size": 4})
-    task, tok = build.build_task_and_tokenizer(cfg)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-      build.build_datasets(cfg, task, tok)
-    return caplog.text
+    return _dataset_warnings(caplog, rows, tokenizer_dir)
   for name in TEMPLATES:
     assert "already begin with" not in warnings(os.path.join(CHAT, name), "What is 1 plus 1?")
   rendered = GOLDENS["headers"]["conversations"]["user"]["text"]
@@ -284,52 +290,29 @@ def test_prompts_rendered_before_are_warned_of(tmp_path, caplog):
 def test_prompts_that_end_with_the_assistants_message_are_warned_of(tmp_path, caplog):
   """Chat data made for fine-tuning ends with the assistant's answer: rendered as it was, the
   answer sat in the prompt, followed by a second assistant header, without a word."""
-  import logging
-  from rlhfuse_jax.trainer import build
-  from tests.test_trainer import tiny_config
   rows = tmp_path / "p.jsonl"
   chats = [[{"role": "user", "content": f"What is {i} plus {i}?"},
             {"role": "assistant", "content": f"It is {2 * i}."}] for i in range(3)]
   chats[1] = chats[1][:1]  # a prompt: the user's turn alone
   rows.write_text("".join(json.dumps({"prompt": c, "target": "2"}) + "\n" for c in chats))
-  cfg = tiny_config(**{"init.tokenizer": os.path.join(CHAT, "chatml", "tokenizer.json"),
-                       "data.prompts_file": str(rows), "data.chat_template": "auto",
-                       "data.max_prompt_len": 64,
-                       "reward.function": "tests.test_rewards:answer_length",
-                       "rollout.prompts_per_iteration": 4, "algo.minibatch_size": 4})
-  task, tok = build.build_task_and_tokenizer(cfg)
-  with caplog.at_level(logging.WARNING):
-    build.build_datasets(cfg, task, tok)
-  assert f"2 of the 3 prompts end with an assistant message (the first: {rows}:1)" in caplog.text
+  text = _dataset_warnings(caplog, rows, os.path.join(CHAT, "chatml"))
+  assert f"2 of the 3 prompts end with an assistant message (the first: {rows}:1)" in text
 
 
 def test_a_template_that_opens_no_assistant_turn_is_warned_of(tmp_path, caplog):
   """A chat template that ignores add_generation_prompt (one written for fine-tuning) rendered
   every prompt ending after the user's message, with no assistant header: the policy continued
   the question instead of answering it, without a word. The shipped templates open the turn."""
-  import logging
-  from rlhfuse_jax.trainer import build
-  from tests.test_trainer import tiny_config
   rows = tmp_path / "p.jsonl"
   rows.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1 plus 1?"}],
                               "target": "2"}) + "\n")
   plain = tmp_path / "plain.jinja"
   plain.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
 
-  def warnings(template, tokenizer_dir):
-    cfg = tiny_config(**{"init.tokenizer": os.path.join(tokenizer_dir, "tokenizer.json"),
-                         "data.prompts_file": str(rows), "data.chat_template": template,
-                         "data.max_prompt_len": 64,
-                         "reward.function": "tests.test_rewards:answer_length",
-                         "rollout.prompts_per_iteration": 4, "algo.minibatch_size": 4})
-    task, tok = build.build_task_and_tokenizer(cfg)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-      build.build_datasets(cfg, task, tok)
-    return caplog.text
   for name in TEMPLATES:
-    assert "add_generation_prompt" not in warnings("auto", os.path.join(CHAT, name))
-  text = warnings(str(plain), os.path.join(CHAT, "chatml"))
+    assert "add_generation_prompt" not in _dataset_warnings(caplog, rows,
+                                                            os.path.join(CHAT, name))
+  text = _dataset_warnings(caplog, rows, os.path.join(CHAT, "chatml"), str(plain))
   assert (f"config.data.chat_template='{plain}' writes nothing for add_generation_prompt"
           in text)
 
