@@ -1986,6 +1986,21 @@ def _tiny_bfloat16_mesh():
   return c
 
 
+def _zero_piece(mesh, rows: int, seq_len: int) -> tuple:
+  """(tokens, lens) of `rows` zero rows placed as the trainer's scorer places a piece."""
+  return tuple(mesh_lib.put(np.zeros(shape, np.int32), mesh_lib.batch_sharding(mesh, len(shape)))
+               for shape in ((rows, seq_len), (rows,)))
+
+
+def _beside_smaller_hbm(result: dict, hbm: int) -> dict:
+  """result's programs, each fit judged again beside the training state on an HBM of `hbm`."""
+  programs = {k: dict(v) for k, v in result["programs"].items()}
+  for q in programs.values():
+    q["hbm_bytes"] = hbm
+  plan_programs.beside_train_state(programs, hbm, False, reference=True, generation="mesh")
+  return programs
+
+
 def test_the_old_logp_recomputation_is_compiled_beside_the_training_state(tmp_path):
   """algo.old_logp "auto" with a 16-bit actor and an unpipelined update: the trainer runs the
   actor's forward over the rollout on the training devices before the update, in the update's
@@ -2022,19 +2037,13 @@ def test_the_old_logp_recomputation_is_compiled_beside_the_training_state(tmp_pa
   scorer = scoring.Scorer(mesh, micro_batch_size=4)
   real = mesh_lib.shard_params(llama.host_random_params(cfg.actor, 0),
                                llama.logical_specs(cfg.actor), mesh)
-  tokens, lens = (mesh_lib.put(np.zeros(shape, np.int32),
-                               mesh_lib.batch_sharding(mesh, len(shape)))
-                  for shape in ((4, cfg.seq_len), (4,)))
+  tokens, lens = _zero_piece(mesh, 4, cfg.seq_len)
   assert (scorer.lower_logprobs(cfg.actor, plan_programs.abstract_params(cfg.actor, mesh), 8,
                                 cfg.seq_len, cfg.response_len).as_text() ==
           scoring.response_logprobs.lower(cfg.actor, real, tokens, lens, cfg.response_len, 1.0,
                                           mesh=mesh).as_text())
   # Beside a smaller HBM it is the program that does not fit, and the verdict names its knobs.
-  programs = {k: dict(v) for k, v in result["programs"].items()}
-  hbm = p["peak_with_train_state_bytes"] - 1
-  for q in programs.values():
-    q["hbm_bytes"] = hbm
-  plan_programs.beside_train_state(programs, hbm, False, reference=True, generation="mesh")
+  programs = _beside_smaller_hbm(result, p["peak_with_train_state_bytes"] - 1)
   assert programs["actor_logp"]["fits"] is False
   line = plan_programs.verdict({**result, "programs": programs})
   assert "actor_logp (peak" in line, line
@@ -2138,20 +2147,14 @@ def test_async_ppos_current_critic_values_are_compiled_beside_the_training_state
   scorer = scoring.Scorer(mesh, micro_batch_size=8)
   real = mesh_lib.shard_params(llama.host_random_params(cfg.critic, 0),
                                llama.logical_specs(cfg.critic), mesh)
-  tokens, lens = (mesh_lib.put(np.zeros(shape, np.int32),
-                               mesh_lib.batch_sharding(mesh, len(shape)))
-                  for shape in ((8, cfg.seq_len), (8,)))
+  tokens, lens = _zero_piece(mesh, 8, cfg.seq_len)
   assert (scorer.lower_values(cfg.critic, plan_programs.abstract_params(cfg.critic, mesh), 16,
                               cfg.seq_len, cfg.response_len).as_text() ==
           scoring.critic_values.lower(cfg.critic, real, tokens, lens, cfg.response_len,
                                       mesh=mesh).as_text())
   # Beside a smaller HBM it does not fit, and the verdict names its knobs (the optimizer state
   # is back on the devices when it runs: no offload).
-  programs = {k: dict(v) for k, v in result["programs"].items()}
-  hbm = p["peak_with_train_state_bytes"] - 1
-  for q in programs.values():
-    q["hbm_bytes"] = hbm
-  plan_programs.beside_train_state(programs, hbm, False, reference=True, generation="mesh")
+  programs = _beside_smaller_hbm(result, p["peak_with_train_state_bytes"] - 1)
   assert programs["critic_values"]["fits"] is False
   part = plan_programs.verdict({**result, "programs": programs}).split("critic_values (peak")[1]
   assert "largest: the training state beside it: zero1" in part, part
