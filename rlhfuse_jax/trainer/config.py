@@ -806,6 +806,8 @@ SECTIONS = {
     "checkpoint": CheckpointConfig, "pipeline": PipelineConfig, "guard": GuardConfig,
     "plan": PlanConfig, "async_ppo": AsyncPPOConfig,
 }
+# ... and with the two model shapes: every section of a TrainConfig.
+_ALL_SECTIONS = {"model": ModelConfig, "critic_model": ModelConfig, **SECTIONS}
 
 # Fields a resume may change when checkpoint.resume_changes names them: they change the
 # trajectory from the restored iteration on, but not the layout of the saved state (the
@@ -834,9 +836,9 @@ RESUME_CHANGEABLE = frozenset({
 
 def _field_names() -> set[str]:
   """Every config field's dotted name ('seed', 'optim.actor_lr', 'model.hidden_size')."""
-  sections = {"model": ModelConfig, "critic_model": ModelConfig, **SECTIONS}
-  return {f.name for f in dataclasses.fields(TrainConfig) if f.name not in sections} | {
-      f"{sec}.{f.name}" for sec, klass in sections.items() for f in dataclasses.fields(klass)}
+  return {f.name for f in dataclasses.fields(TrainConfig) if f.name not in _ALL_SECTIONS} | {
+      f"{sec}.{f.name}" for sec, klass in _ALL_SECTIONS.items()
+      for f in dataclasses.fields(klass)}
 
 
 def _not_resume_changeable(names: Sequence[str]) -> str:
@@ -936,10 +938,9 @@ _MODEL_FORCED = {"model": ("head", "score_pad_id"),
 def _declared_defaults() -> dict[str, dict[str, Any]]:
   """{section: {field: JSON default}} of every field that declares a default; section "" holds
   TrainConfig's own scalar fields. What defaults() and the fingerprint check both read."""
-  classes = {"model": ModelConfig, "critic_model": ModelConfig, **SECTIONS}
   out = {"": {f.name: f.default for f in dataclasses.fields(TrainConfig)
-              if f.name not in classes and f.default is not dataclasses.MISSING}}
-  for sec, klass in classes.items():
+              if f.name not in _ALL_SECTIONS and f.default is not dataclasses.MISSING}}
+  for sec, klass in _ALL_SECTIONS.items():
     out[sec] = {f.name: f.default for f in dataclasses.fields(klass)
                 if f.default is not dataclasses.MISSING}
   return json.loads(json.dumps(out))  # tuples -> lists, as a ConfigDict or a checkpoint holds
