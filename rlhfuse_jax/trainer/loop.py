@@ -370,10 +370,6 @@ class PPOTrainer:
     self.use_critic = adv_lib.needs_critic(cfg.algo.estimator)
     models = build.build_models(cfg, self.mesh, restored=self._export_step is not None,
                                 critic_restored=critic_restored)
-    # The critic to load from init.critic_checkpoint should no checkpoint be restored after all
-    # (_restore).
-    self._critic_unread = bool(critic_restored and self.use_critic and
-                               cfg.init.critic_checkpoint)
     self.update = update_lib.make_update(cfg, self.mesh, use_critic=self.use_critic,
                                          schedule_iterations=self.schedule_iterations,
                                          workdir=self.workdir)
@@ -741,16 +737,16 @@ class PPOTrainer:
       generator = rollout_lib.fused_generator(self.rollout)
       if "rt" in meta and generator is not None:
         generator.load_rt_state(meta["rt"])
-    elif self._critic_unread:
-      # No checkpoint restored (Checkpoints.restore's fresh start): the critic built from the
-      # seed for the resume is replaced by init.critic_checkpoint's weights, as a first start
-      # loads them; never trained from random weights.
+    elif self.resume_step is not None and self.use_critic and self.cfg.init.critic_checkpoint:
+      # No checkpoint restored (Checkpoints.restore's fresh start) where one was to be: the
+      # critic the set-up built from the seed (a resume reads no critic weights) is replaced
+      # by init.critic_checkpoint's weights, as a first start loads them; never trained from
+      # random weights.
       logging.warning("no checkpoint was restored: loading the critic's initial weights from "
                       "config.init.critic_checkpoint=%r", self.cfg.init.critic_checkpoint)
       self.critic = None  # (its buffers freed before the load)
       self.critic = self.update.init_state(
           "critic", build.build_critic(self.cfg, self.mesh), self.mesh)
-    self._critic_unread = False
     return start
 
   def export_checkpoint(self, out_dir: str, model: str = "actor",
