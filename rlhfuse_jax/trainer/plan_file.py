@@ -213,10 +213,11 @@ _RUN_PLAN_RECORDED = ("inference_micro_batch", "migration_rows", "offload_optimi
 
 
 def _model_value(model: Any, field: str) -> Any:
-  """A run's ModelConfig `field` as plan.json records it: head_dim as computed with (0 is
-  hidden_size / num_heads); o_bias and qk_norm False where the config has none."""
+  """A run's ModelConfig `field` as plan.json records it: head_dim as computed with (its
+  head_dim_: 0 is hidden_size / num_heads); o_bias and qk_norm False where the config has
+  none."""
   if field == "head_dim":
-    return getattr(model, "head_dim", 0) or model.hidden_size // model.num_heads
+    return model.head_dim_
   return getattr(model, field, False)
 
 
