@@ -84,6 +84,8 @@ def define_start_flags() -> None:
   flags.DEFINE_integer("num_processes", 0, "0: auto-detect.")
   flags.DEFINE_integer("process_id", None, "This process's index.")
   distributed.check_start_flags()
+
+
 _REFERENCE = flags.DEFINE_bool(
     "single_process_reference", True, "With --distributed on CPU devices: process 0 reruns the "
     "bench as one process with all the devices and compares the outputs.")

@@ -198,7 +198,10 @@ def test_bytes_per_token_must_be_finite_and_non_negative(bpt):
   with pytest.raises(ValueError, match="bytes_per_token=.* must be finite and >= 0"):
     plan_consolidation(insts, 1.0, 2, bytes_per_token=bpt)
 
+
 # ------------------------------------------------------------------ exhaustive search
+
+
 def fits_exactly(kept, moving):
   """Whether the `moving` samples fit the kept instances' free slots, KV pools and slot
   capacities: every assignment tried (depth-first, largest first, kept instances alike in

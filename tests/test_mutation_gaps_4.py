@@ -139,7 +139,6 @@ def test_a_resumed_runs_tensorboard_hides_the_steps_after_its_checkpoint(tmp_pat
   assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 4}\n'
 
 
-
 # parallel/distributed.py -------------------------------------------------------------------------
 
 def test_a_process_id_past_the_last_is_refused(monkeypatch):
@@ -344,6 +343,7 @@ def test_consolidation_inputs_are_checked_at_their_exact_limits():
   with pytest.raises(ValueError, match="2 unfinished samples > total_samples=1"):
     policy.plan_consolidation(two, 1.0, 1)
 
+
 def test_rt_choice_averages_every_draw_and_gives_each_candidate_the_same_draws():
   """choose_rt simulates each candidate on all `draws` batches of lengths (the same batches
   for every candidate) and keeps the smallest mean."""
@@ -404,7 +404,6 @@ def test_a_decode_table_round_trips_and_refuses_a_repeated_occupancy():
     cal_lib.from_dict(obj, "a.json")
 
 
-
 def test_train_stage_times_use_the_measured_backward_and_exact_stage_lists():
   """TrainStage.stage_times: a measured backward wins over bwd_over_fwd x forward, per-stage
   lists are used as given, and a list of another length than the stages (longer too) is an
@@ -435,6 +434,7 @@ def test_calibration_values_that_must_be_positive_or_boolean(top, ops, match):
   from rlhfuse_jax.policy import calibration as cal_lib
   with pytest.raises(ValueError, match=match):
     cal_lib.from_dict({"format": cal_lib.FORMAT, "device": "cpu", "ops": ops, **top})
+
 
 # generation/sampling.py, generation/timeline.py --------------------------------------------------
 
@@ -549,7 +549,6 @@ def test_a_result_records_the_commit_the_run_started_from(monkeypatch):
   assert made["git_commit"] == "aaaaaaaaaaaa" and "started" in made
 
 
-
 def test_host_cpu_tells_apart_two_hosts_of_one_model_name(tmp_path):
   """Two hosts both named "AMD EPYC" trained the same tiny PPO run to different rewards (XLA:CPU
   emits other code for other instruction sets): the processor in a result's provenance names
@@ -573,6 +572,7 @@ def test_host_cpu_tells_apart_two_hosts_of_one_model_name(tmp_path):
       runner.platform.processor() or runner.platform.machine())
   assert runner.host_cpu(str(tmp_path / "missing")) == (
       runner.platform.processor() or runner.platform.machine())
+
 
 _SWEEP_SCRIPT = """
 import json, os, sys
@@ -629,7 +629,6 @@ def test_a_sweep_stops_after_a_stopped_run_and_a_subset_keeps_the_other_rows(tmp
   assert [r["run"] for r in again] == ["c"] and again_complete
   summary = json.loads((tmp_path / "sw" / "summary.json").read_text())
   assert [(r["run"], r["status"][:2]) for r in summary] == [("a", "ok"), ("b", "ok"), ("c", "ok")]
-
 
 
 def test_a_misspelled_field_in_a_negated_boolean_flag_is_named(tmp_path):

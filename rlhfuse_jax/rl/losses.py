@@ -28,7 +28,6 @@ from rlhfuse_jax.rl import masked
 Metrics = Dict[str, jax.Array]
 
 
-
 def _token_mean(loss, mask, num_tokens, num_seqs, horizon):
   del num_seqs, horizon
   denom = jnp.sum(mask) if num_tokens is None else num_tokens

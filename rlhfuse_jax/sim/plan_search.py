@@ -190,7 +190,6 @@ def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, t
   return out
 
 
-
 def instance_generation(cost: CostModel, wl, opt, tp: int, prompts: np.ndarray,
                         resp: np.ndarray, resident_bytes: float = 0.0,
                         resident: str = "the frozen reference and reward weights "

@@ -31,6 +31,8 @@ key = jax.random.key(1)
 ws = [0.02 * jax.random.normal(jax.random.fold_in(key, i), s, jnp.bfloat16) for i, s in enumerate(
     [(L, h, h), (L, h, kvd), (L, h, kvd), (L, h, h), (L, h, f), (L, h, f), (L, f, h), (h, v)])]
 nbytes = sum(w.size * 2 for w in ws)
+
+
 def run(x, ws, steps=127):
   wq, wk, wv, wo, wg, wu, wd, lm = ws
   def step(i, x):
@@ -43,6 +45,8 @@ def run(x, ws, steps=127):
     lo = x @ lm
     return x + 1e-3 * jnp.max(lo, axis=-1, keepdims=True).astype(x.dtype)
   return jax.lax.fori_loop(0, steps, step, x)
+
+
 f_run = jax.jit(run)
 for b in (1, 16, 128):
   x = jnp.ones((b, h), jnp.bfloat16)

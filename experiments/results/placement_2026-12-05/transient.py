@@ -21,19 +21,31 @@ if gather:
   real_whole = update_lib.Update.whole
   update_lib.Update.whole = lambda self, m, s, moving=False: real_whole(self, m, s, False)
 dev0 = jax.devices()[0]
+
+
 def live0():
   return sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards
              if s.device == dev0)
+
+
 peaks = []
 real_run = rollout.fused_lib.FusedGenerator.run
+
+
 def run(self, actor_params, frozen, *a, **k):
   def actor():
     w = actor_params(); peaks.append(("after the copy", live0())); return w
   return real_run(self, actor, frozen, *a, **k)
+
+
 rollout.fused_lib.FusedGenerator.run = run
 real_place = rollout.fused_lib.FusedGenerator.place_actor
+
+
 def place_actor(self, params):
   out = real_place(self, params); peaks.append(("placed, copy still held", live0())); return out
+
+
 rollout.fused_lib.FusedGenerator.place_actor = place_actor
 over = {"num_iterations": 1, "mesh.stage": 4, "mesh.data": 2, "fusion.inter_stage": True,
         "fusion.intra_stage": True, "fusion.instance_devices": 2,
