@@ -337,3 +337,39 @@ def test_a_prompt_ending_with_the_assistants_words_is_not_said_to_end_with_the_u
     caplog.clear()
     assert not build.warn_no_generation_prompt(cfg, plain, [{"prompt": prefill}])
   assert "the user's message" not in caplog.text, caplog.text
+
+
+def test_a_chatml_template_without_a_generation_prompt_is_warned_of(caplog):
+  """A ChatML (or Llama 3 headers) template written for fine-tuning, without the
+  add_generation_prompt branch: every prompt ended at the closed user turn
+  ('...<|im_end|>\\n'), without the '<|im_start|>assistant\\n' that opens the answer, so the
+  policy had to write the header itself. The check for a generation prompt looked only for
+  prompts ending with the user's own words and said nothing. A template whose user turn closes
+  with the cue to answer (Mistral's [/INST], the answer right after it) is not warned of."""
+  import logging
+  import types
+  from rlhfuse_jax.data import chat as chat_lib
+  from rlhfuse_jax.trainer import build
+  cfg = types.SimpleNamespace(data=types.SimpleNamespace(chat_template="mine.jinja"))
+  user = [{"role": "user", "content": "What is 1 plus 1?"}]
+  loop = "{% for m in messages %}"
+  chatml = loop + "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+  headers = (loop + "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+             "{{ m['content'] }}<|eot_id|>{% endfor %}")
+  for source, header in ((chatml, "<|im_start|>assistant\n"),
+                         (headers, "<|start_header_id|>assistant<|end_header_id|>\n\n")):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      assert build.warn_no_generation_prompt(cfg, chat_lib.ChatTemplate(source),
+                                             [{"prompt": user}])
+    assert (f"without the header {header!r} that the template writes before an assistant's "
+            "message") in caplog.text, caplog.text
+  # The answer follows the user's turn directly (or after a space): nothing is missing.
+  for answer in ("{{ m['content'] }}</s>", " {{ m['content'] }}</s>"):
+    inst = (loop + "{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]{% else %}" +
+            answer + "{% endif %}{% endfor %}")
+    assert not build.warn_no_generation_prompt(cfg, chat_lib.ChatTemplate(inst),
+                                               [{"prompt": user}])
+  for name in TEMPLATES:  # (the shipped ones open the assistant's turn, or need not)
+    template = ChatTemplate.load("auto", os.path.join(CHAT, name))
+    assert not build.warn_no_generation_prompt(cfg, template, [{"prompt": user}])

@@ -344,11 +344,14 @@ def warn_assistant_last(records: list) -> int:
 def warn_no_generation_prompt(cfg: TrainConfig, template: chat_lib.ChatTemplate,
                               records: list) -> bool:
   """Warns (and returns True) when the chat template renders the first prompt the same with
-  and without add_generation_prompt and the text ends with the last message's own words: the
-  prompt then stops inside the user's turn, with no assistant header, and the policy continues
-  the user's text rather than answering it, without a word (a template written for
-  fine-tuning). A template whose user turn closes with the cue to answer (Mistral's
-  `[/INST]`) needs no generation prompt and is not warned of."""
+  and without add_generation_prompt and the prompt stops inside the user's turn, with no
+  assistant header: the text ends with the last message's own words (the policy continues the
+  user's text rather than answering it), or the template writes a header before an assistant's
+  message that the prompt lacks (ChatML's `<|im_start|>assistant`, written only for a message:
+  the prompt ends at the closed user turn and the policy must write the header itself), without
+  a word (a template written for fine-tuning). A template whose user turn closes with the cue
+  to answer (Mistral's `[/INST]`, before the assistant's words) needs no generation prompt and
+  is not warned of."""
   if not records:
     return False
   messages = chat_lib.as_messages(records[0].get(records_lib.PROMPT_KEY))
@@ -360,16 +363,46 @@ def warn_no_generation_prompt(cfg: TrainConfig, template: chat_lib.ChatTemplate,
   last = str(messages[-1].get("content", "")).strip() if messages else ""
   # (a prompt that ends with the assistant's words is a prefill the policy continues, warned
   # of by warn_assistant_last: not the user's text)
-  same = (same and bool(last) and text.rstrip().endswith(last) and
-          messages[-1].get("role") != "assistant")
-  if same:
+  if not same or not messages or messages[-1].get("role") == "assistant":
+    return False
+  if last and text.rstrip().endswith(last):
     logging.warning("config.data.chat_template=%r writes nothing for add_generation_prompt "
                     "(the first prompt renders the same without it): the prompts end after "
                     "the user's message, with no assistant header, and the policy continues "
                     "the user's text; use the model's own template or one that opens the "
                     "assistant's turn when add_generation_prompt is set",
                     cfg.data.chat_template)
-  return same
+    return True
+  header = _assistant_header(template, messages, text)
+  if header:
+    logging.warning("config.data.chat_template=%r writes nothing for add_generation_prompt "
+                    "(the first prompt renders the same without it): the prompts end after "
+                    "the user's turn, without the header %r that the template writes before "
+                    "an assistant's message, so the policy has to write it itself; use the "
+                    "model's own template or one that writes that header when "
+                    "add_generation_prompt is set", cfg.data.chat_template, header)
+  return bool(header)
+
+
+# An assistant's answer no template changes, to find where it starts in a rendered conversation.
+_ANSWER_MARK = "rlhfuse-answer-mark"
+
+
+def _assistant_header(template: chat_lib.ChatTemplate, messages: list, prompt: str) -> str:
+  """What `template` writes between `prompt` (the rendering of `messages`) and an assistant's
+  answer that follows them ('<|im_start|>assistant\\n' for ChatML); '' when it writes only
+  whitespace there (Mistral's answer follows its `[/INST]`), or when the conversation with the
+  answer does not render as `prompt` followed by more."""
+  try:
+    full = template.render(messages + [{"role": "assistant", "content": _ANSWER_MARK}],
+                           add_generation_prompt=False)
+  except chat_lib.ChatTemplateError:
+    return ""
+  start = full.find(_ANSWER_MARK, len(prompt))
+  if not full.startswith(prompt) or start < 0:
+    return ""
+  header = full[len(prompt):start]
+  return header if header.strip() else ""
 
 
 def describe_prompts(cfg: TrainConfig, template: Optional[chat_lib.ChatTemplate],
