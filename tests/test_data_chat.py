@@ -373,3 +373,39 @@ def test_a_chatml_template_without_a_generation_prompt_is_warned_of(caplog):
   for name in TEMPLATES:  # (the shipped ones open the assistant's turn, or need not)
     template = ChatTemplate.load("auto", os.path.join(CHAT, name))
     assert not build.warn_no_generation_prompt(cfg, template, [{"prompt": user}])
+
+
+def test_a_template_file_s_byte_order_mark_is_read_as_nothing(tmp_path, caplog):
+  """A chat_template.jinja saved with a UTF-8 byte-order mark (as some editors write it) was
+  rendered with it: U+FEFF began every prompt, three byte tokens before the template's own
+  text, a prompt the model never saw. It is read as nothing (as a prompts file's), with a
+  warning naming the file, for a path and for 'auto'; the export writes the template as the
+  run read it, without the mark (transformers would render it)."""
+  import logging
+  import shutil
+  import types
+  from rlhfuse_jax.trainer import hf_export
+  inst = os.path.join(CHAT, "inst")
+  with open(os.path.join(inst, "chat_template.jinja"), encoding="utf-8") as f:
+    source = f.read()
+  tok_dir = tmp_path / "tok"
+  shutil.copytree(inst, tok_dir)
+  (tok_dir / "chat_template.jinja").write_bytes(b"\xef\xbb\xbf" + source.encode("utf-8"))
+  tokenizer = HFTokenizer.from_file(str(tok_dir))
+  want = GOLDENS["inst"]["conversations"]["user"]
+  messages = GOLDENS["conversations"]["user"]
+  for spec in ("auto", str(tok_dir / "chat_template.jinja")):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      template = ChatTemplate.load(spec, str(tok_dir))
+    assert "chat_template.jinja starts with a UTF-8 byte-order mark" in caplog.text
+    assert template.source == source
+    text = template.render(messages)
+    assert text == want["text"]
+    assert tokenizer.encode(text, add_bos=False) == want["ids"]
+    out = tmp_path / f"export_{spec == 'auto'}"
+    out.mkdir()
+    cfg = types.SimpleNamespace(init=types.SimpleNamespace(tokenizer=str(tok_dir)),
+                                data=types.SimpleNamespace(chat_template=spec))
+    hf_export._copy_tokenizer(cfg, tokenizer, str(out))
+    assert (out / "chat_template.jinja").read_bytes() == source.encode("utf-8")

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import jinja2
 import jinja2.ext
 import jinja2.meta
+from absl import logging
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from rlhfuse_jax import workdir as wd
@@ -32,6 +33,8 @@ from rlhfuse_jax.data.tokenizer import special_token_entries
 
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
+# What some editors write first in a UTF-8 file; a .jinja template's is dropped (_template_file).
+BOM = "\ufeff"
 # The named special tokens HF passes to every template (PreTrainedTokenizerBase.special_tokens_map).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
@@ -274,9 +277,16 @@ def _template_file(path: str) -> Optional[tuple[str, str]]:
     return source, path
   try:
     with open(path, encoding="utf-8") as f:
-      return f.read(), path
+      source = f.read()
   except (OSError, UnicodeDecodeError) as e:
     raise ChatTemplateError(f"{path}: cannot read the chat template ({e})") from e
+  if source.startswith(BOM):
+    # (rendered, it was the first text of every prompt: three byte tokens before the BOS)
+    logging.warning("%s starts with a UTF-8 byte-order mark (an editor's): read as nothing, as "
+                    "in a prompts file (transformers keeps it, as text before every prompt; "
+                    "the run's HF export writes the template without it)", path)
+    source = source[len(BOM):]
+  return source, path
 
 
 def _find_template(directory: str) -> Optional[tuple[str, str]]:

@@ -7,6 +7,7 @@ is written as a *ForSequenceClassification (hf_loader.save_hf_checkpoint: `score
 """
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import shutil
@@ -95,6 +96,15 @@ def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) 
       src = os.path.join(os.path.dirname(path), name)
       if name != "tokenizer.json" and os.path.isfile(src):
         shutil.copyfile(src, os.path.join(out, name))
+    # The template as the run read it: without the byte-order mark chat.py drops, which
+    # transformers would render before every prompt of the export.
+    copied = os.path.join(out, chat_lib.TEMPLATE_FILE)
+    if os.path.isfile(copied):
+      with open(copied, "rb") as f:
+        data = f.read()
+      if data.startswith(codecs.BOM_UTF8):
+        with open(copied, "wb") as f:
+          f.write(data[len(codecs.BOM_UTF8):])
   elif isinstance(tokenizer, HFTokenizer):
     tokenizer.backend.save(os.path.join(out, "tokenizer.json"))
   if isinstance(tokenizer, HFTokenizer) and not os.path.isfile(
