@@ -220,10 +220,10 @@ def test_export_carries_the_runs_tokenizer_template_and_special_ids(tmp_path):
     assert json.load(f)["eos_token_id"] == task_tok.eos_id
 
 
-def _export_of(source, tmp_path):
+def _export_of(source, tmp_path, tokenizer_dir=None):
   """The export (directory) of `source`'s weights by a run of tiny_config reading its
-  tokenizer.json, and that run's tokenizer."""
-  tok_path = os.path.join(source, "tokenizer.json")
+  tokenizer.json (or `tokenizer_dir`'s), and that run's tokenizer."""
+  tok_path = os.path.join(tokenizer_dir or source, "tokenizer.json")
   cfg = tiny_config(**{"init.actor_checkpoint": str(source), "init.tokenizer": tok_path,
                        "checkpoint.export_hf": "auto"})
   tok = build.build_task_and_tokenizer(cfg)[1]
@@ -271,6 +271,31 @@ def test_an_export_of_a_bare_tokenizer_json_reads_as_the_run_read_it(tmp_path):
   assert (exported["bos_token_id"], exported["eos_token_id"]) == (tok.bos_id, tok.eos_id)
   assert tok.stop_ids == (tok.eos_id,)  # (config.json named none: no generation_config needed)
   assert not os.path.exists(os.path.join(out, "generation_config.json"))
+
+
+def test_an_export_stops_where_the_run_did_with_the_tokenizer_elsewhere(tmp_path):
+  """init.tokenizer in another directory than init.actor_checkpoint (an Instruct model's
+  tokenizer beside a checkpoint of one's own): the run stopped on both directories' eos ids
+  (the tokenizer's generation_config.json lists <|end_of_text|> too), but the export copied
+  the checkpoint's generation_config.json, which names its EOS alone: transformers' generate()
+  on the export, and a run reading it as its tokenizer, went on past <|end_of_text|>. The
+  copied file's eos_token_id is now the run's, its other settings kept."""
+  import shutil
+  src, tok_dir = tmp_path / "model", tmp_path / "tok"
+  shutil.copytree(os.path.join(DATA, "tiny_llama3_chat"), src)
+  os.makedirs(tok_dir)
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copyfile(src / name, tok_dir / name)
+  source = json.loads((src / "generation_config.json").read_text())
+  eos = HFTokenizer.from_file(str(src)).eos_id
+  assert source["eos_token_id"] == eos
+  end = HFTokenizer.from_file(str(src)).token_to_id("<|end_of_text|>")
+  (tok_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, end]}))
+  out, tok = _export_of(src, tmp_path, str(tok_dir))
+  assert tok.stop_ids == (eos, end)
+  exported = json.loads(open(os.path.join(out, "generation_config.json")).read())
+  assert exported == {**source, "eos_token_id": [eos, end]}
+  assert HFTokenizer.from_file(out).stop_ids == tok.stop_ids
 
 
 def test_export_family_and_refusals(tmp_path):

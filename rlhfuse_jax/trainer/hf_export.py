@@ -148,19 +148,37 @@ def _write_tokenizer_config(tokenizer: HFTokenizer, out: str) -> None:
 
 
 def _write_generation_eos(tokenizer: Optional[Tokenizer], out: str) -> None:
-  """A generation_config.json with every id the run's responses ended on, where the export has
-  none and its config.json names other ids (the source checkpoint's eos beside an EOS the run
-  found in the vocabulary): transformers' generate() stops on these."""
+  """A generation_config.json whose eos_token_id is every id the run's responses ended on:
+  written where the export has none and its config.json names other ids (the source
+  checkpoint's eos beside an EOS the run found in the vocabulary), and set in the one copied
+  from the source checkpoint where that one names other ids (its other settings kept): the run
+  stops on the init.tokenizer directory's generation_config.json ids too, which a checkpoint
+  in another directory may lack (a Llama 3 Instruct tokenizer's <|eot_id|> beside a checkpoint
+  that lists <|end_of_text|> alone). transformers' generate() stops on these, and a run that
+  reads the export as its tokenizer stops on them (tokenizer.checkpoint_eos)."""
   path = os.path.join(out, tokenizer_lib.GENERATION_CONFIG)
-  if tokenizer is None or os.path.isfile(path):
+  if tokenizer is None:
+    return
+  stops = list(tokenizer.stop_ids)
+  if os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      config = json.load(f)
+    eos = config.get("eos_token_id")
+    if sorted(eos if isinstance(eos, list) else [eos]) == sorted(stops):
+      return
+    logging.warning("the export's %s names eos_token_id=%s, where the run's responses ended on "
+                    "%s: written as the run's (transformers' generate() stops on it)",
+                    tokenizer_lib.GENERATION_CONFIG, eos, stops)
+    config["eos_token_id"] = stops if len(stops) > 1 else stops[0]
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump(config, f, indent=2)
     return
   with open(os.path.join(out, "config.json")) as f:
     eos = json.load(f).get("eos_token_id")
-  stops = sorted(int(i) for i in tokenizer.stop_ids)
-  if sorted(eos if isinstance(eos, list) else [eos]) == stops:
+  if sorted(eos if isinstance(eos, list) else [eos]) == sorted(stops):
     return
   with open(path, "w") as f:
-    json.dump({"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.stop_ids),
+    json.dump({"bos_token_id": tokenizer.bos_id, "eos_token_id": stops,
                "pad_token_id": tokenizer.pad_id}, f, indent=2)
 
 
