@@ -35,3 +35,17 @@ refuse_set_flags() {
     esac
   done
 }
+
+# default_python: PYTHON, when the caller set it, else the first of python3 and python on PATH.
+# `python` alone failed every process with "python: command not found" (exit 127) on Cloud TPU
+# VMs and the many clusters whose images have only python3 (PEP 394 leaves `python` optional).
+default_python() {
+  if [[ -n "${PYTHON:-}" ]]; then return; fi
+  if command -v python3 > /dev/null; then PYTHON=python3
+  elif command -v python > /dev/null; then PYTHON=python
+  else
+    echo "neither python3 nor python is on PATH: set PYTHON to the interpreter (e.g." \
+      "PYTHON=/path/to/venv/bin/python)" >&2
+    exit 2
+  fi
+}

@@ -9,12 +9,13 @@
 #     bash launch/local_multiprocess.sh 2 4 /tmp/mp_bench
 # BINARY picks experiments/BINARY.py (train_ppo or bench_generation); CONFIG its config (default
 # configs/ppo_tiny.py for train_ppo, configs/BINARY.py otherwise); PYTHON the interpreter
-# (default: python on PATH), e.g. PYTHON=.venv/bin/python. XLA_FLAGS: the caller's, with D
-# devices. The processes run from the repository root: WORKDIR, CONFIG's file and PYTHON are
-# made absolute first; a relative path inside an extra flag (--config.data.prompts_file=p.jsonl)
-# is read from the repository root. Logs: WORKDIR.proc<i>.log (appended, a header line per
-# start); process 0's is shown here as it is written (FOLLOW=0: not; needs GNU tail), and the
-# end of each failed process's log as soon as it has ended.
+# (default: python3 on PATH, else python), e.g. PYTHON=.venv/bin/python. XLA_FLAGS: the
+# caller's, with D devices. The processes run from the repository root: WORKDIR, CONFIG's file
+# and PYTHON are made absolute first; a relative path inside an extra flag
+# (--config.data.prompts_file=p.jsonl) is read from the repository root. Logs:
+# WORKDIR.proc<i>.log (appended, a header line per start); process 0's is shown here as it is
+# written (FOLLOW=0: not; needs GNU tail), and the end of each failed process's log as soon as
+# it has ended.
 set -euo pipefail
 N=${1:?number of processes}; D=${2:?devices per process}; WORKDIR=${3:?workdir}; shift 3
 if ! [[ "$N" =~ ^[1-9][0-9]*$ && "$D" =~ ^[1-9][0-9]*$ ]]; then
@@ -30,6 +31,7 @@ if [[ "$WORKDIR" == *://* ]]; then
 fi
 # shellcheck source=launch/checks.sh
 source "$(dirname "$0")/checks.sh"
+default_python
 refuse_set_flags "the launcher sets it for every process: --config from CONFIG=... (e.g.\
  CONFIG=configs/ppo_tiny.py:fused), --workdir from WORKDIR, --coordinator_address from\
  PORT=..., --num_processes from N, and --distributed and --process_id" "$@"
@@ -57,7 +59,7 @@ cd "$(dirname "$0")/.."
 check_binary "$BINARY"
 # The caller's XLA flags stay, any device count replaced by D: the binaries' own rule
 # (rlhfuse_jax/parallel/host_devices.py, which imports no jax).
-FLAGS="$("${PYTHON:-python}" -c 'import sys
+FLAGS="$("$PYTHON" -c 'import sys
 from rlhfuse_jax.parallel.host_devices import xla_flags_with_host_devices
 print(xla_flags_with_host_devices(int(sys.argv[1])))' "$D")"
 # jax's own count overrides the flag's: a JAX_NUM_CPU_DEVICES the caller exported is set to D
@@ -66,7 +68,7 @@ if [[ -n "${JAX_NUM_CPU_DEVICES+set}" ]]; then export JAX_NUM_CPU_DEVICES="$D"; 
 # The coordinator's port, free: a busy one failed process 0 with jax's "Failed to start RPC
 # server" (naming no port) while the others waited 5 minutes in jax.distributed.initialize, then
 # aborted. A random port is drawn again; a PORT the caller gave is refused at once.
-port_free() { "${PYTHON:-python}" -c 'import socket, sys
+port_free() { "$PYTHON" -c 'import socket, sys
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("", int(sys.argv[1])))' "$1" 2>/dev/null; }
@@ -112,7 +114,7 @@ for ((i = 0; i < N; i++)); do
   offsets+=("$(wc -c < "${WORKDIR%/}.proc$i.log")")
   echo "=== $(date '+%F %T'): process $i of $N" >> "${WORKDIR%/}.proc$i.log"
   XLA_FLAGS="$FLAGS" JAX_PLATFORMS=cpu \
-    "${PYTHON:-python}" -m "experiments.$BINARY" --config="${CONFIG:-$DEFAULT_CONFIG}" \
+    "$PYTHON" -m "experiments.$BINARY" --config="${CONFIG:-$DEFAULT_CONFIG}" \
       --workdir="$WORKDIR" --distributed --coordinator_address="127.0.0.1:$PORT" \
       --num_processes="$N" --process_id="$i" "$@" >> "${WORKDIR%/}.proc$i.log" 2>&1 &
   pids+=($!)

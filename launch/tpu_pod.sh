@@ -19,6 +19,7 @@ set -euo pipefail
 CONFIG=${1:?config}; WORKDIR=${2:?workdir (a path every worker sees: gcsfuse mount or NFS)}; shift 2
 # shellcheck source=launch/checks.sh
 source "$(dirname "${BASH_SOURCE[0]}")/checks.sh"
+default_python
 # Paths relative to where it was started made absolute, then the repository root (python -m
 # experiments.X finds the package there: started elsewhere, every worker failed with "No module
 # named 'experiments'"); a config that is not a file here stays as given (configs/X.py[:variant]).
@@ -32,5 +33,5 @@ refuse_set_flags "this script sets it for every process (the config and workdir 
  arguments; jax.distributed detects the coordinator, process count and index)" "$@"
 # exec: the binary takes this shell's pid, so a signal to the launcher (kill of a nohup'd
 # start) reaches the run, which saves and exits 75 (a child left running held the workdir).
-exec "${PYTHON:-python}" -m experiments."${BINARY:-train_ppo}" --config="$CONFIG" \
+exec "$PYTHON" -m experiments."${BINARY:-train_ppo}" --config="$CONFIG" \
   --workdir="$WORKDIR" --distributed "$@"

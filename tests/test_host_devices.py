@@ -2,6 +2,7 @@
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -523,6 +524,37 @@ def test_the_slurm_script_keeps_the_status_when_requeue_fails(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == rc, (rc, out.returncode, out.stderr)
     assert "scontrol requeue 9 failed (above): the job is not requeued" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("script", ["slurm_gpu.sbatch", "tpu_pod.sh", "local_multiprocess.sh"])
+def test_the_launchers_run_python3_where_there_is_no_python(tmp_path, script):
+  """Without PYTHON the launchers ran `python`, which Cloud TPU VMs and many clusters' images
+  lack (only python3): every process failed with "python: command not found" (127). They take
+  python3 from PATH, else python, and refuse with status 2, naming PYTHON, where neither is."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  calls = tmp_path / "calls"
+  _stand_in(bin_dir / "srun", '"$@"', python=False)
+  _stand_in(bin_dir / "python3", f'echo "$(basename "$0") $*" >> {calls}')
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "SLURM_JOB_ID")}
+  # (a PATH with no `python`: the system's directories may hold python3, not this stand-in's)
+  env["PATH"] = f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin"
+  run = lambda path: subprocess.run(
+      [shutil.which("bash"), os.path.join(REPO, "launch", script),
+       *(["1", "1"] if script == "local_multiprocess.sh" else ["configs/ppo_tiny.py"]),
+       str(tmp_path / "wd")], cwd=REPO, env=dict(env, PATH=path, FOLLOW="0"),
+      capture_output=True, text=True, timeout=120)
+  out = run(env["PATH"])
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert re.search(r"^python3 -m experiments\.train_ppo .*--distributed", calls.read_text(),
+                   re.M), calls.read_text()
+  # Neither on PATH (only what the launchers run before they look: dirname)
+  bare = tmp_path / "bare"
+  bare.mkdir()
+  (bare / "dirname").symlink_to(shutil.which("dirname"))
+  out = run(str(bare))
+  assert out.returncode == 2, out.stdout + out.stderr
+  assert "neither python3 nor python is on PATH: set PYTHON" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("script", ["slurm_gpu.sbatch", "tpu_pod.sh"])
