@@ -476,6 +476,41 @@ def test_the_slurm_script_requeues_a_run_stopped_after_saving(tmp_path):
   assert "#SBATCH --signal=TERM@600" in text and "#SBATCH --open-mode=append" in text
 
 
+def test_the_slurm_script_requeues_a_stop_whatever_the_sites_kill_on_bad_exit(tmp_path):
+  """A site's slurm.conf KillOnBadExit=1 (0 by default) has srun SIGTERM, then SIGKILL, every
+  other task as soon as one exits non-zero, 75 and 69 included, and a task ended by a signal
+  outranks every exit code in srun's status (Slurm's src/srun/launch.c): a stop after saving
+  whose processes exit a moment apart (one still tearing down, its signal handlers given back)
+  ended the step with 143, and the job was not requeued. The script runs srun with
+  --kill-on-bad-exit=0: srun waits for every task (tests/fake_srun.py models srun)."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  calls = tmp_path / "calls"
+  _stand_in(bin_dir / "srun", f'exec {sys.executable} {REPO}/tests/fake_srun.py "$@"',
+            python=False)
+  _stand_in(bin_dir / "scontrol", f'echo "scontrol $*" >> {calls}', python=False)
+  # Task 0 exits 75 at once, task 1 (its process's teardown) 1.5 s later; SIGTERM ends it.
+  fake = _stand_in(tmp_path / "python",
+                   f'exec {sys.executable} -c "import os, sys, time\n'
+                   'time.sleep(1.5 * int(os.environ[\'SLURM_PROCID\']))\n'
+                   'sys.exit(75)" "$@"', python=False)
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHON=str(fake),
+             SLURM_JOB_ID="31", FAKE_SRUN_NTASKS="2", FAKE_SRUN_KILL_ON_BAD_EXIT="1",
+             FAKE_SRUN_KILL_WAIT="1", FAKE_SRUN_CALLS=str(calls))
+  # What srun without the option gives on such a site: 128 + SIGTERM, not requeued.
+  out = subprocess.run(["srun", str(fake)], env=env, capture_output=True, text=True,
+                       timeout=60)
+  assert out.returncode == 128 + signal.SIGTERM, (out.returncode, out.stderr)
+  out = subprocess.run(["bash", os.path.join(REPO, "launch", "slurm_gpu.sbatch"),
+                        "configs/ppo_tiny.py", str(wd)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+  assert out.returncode == 75, (out.returncode, out.stderr)
+  assert f"srun --kill-on-bad-exit=0 {fake} -m experiments.train_ppo" in calls.read_text()
+  assert "scontrol requeue 31" in calls.read_text(), calls.read_text()
+
+
 def test_the_slurm_script_refuses_a_bad_max_requeues_before_the_run(tmp_path):
   """MAX_REQUEUES was read only once a process had exited 69, after the run: "abc" ended the
   script on "unbound variable" (status 1, the 69 lost, no requeue), "3x", "1.5" and "08" (octal
@@ -534,7 +569,7 @@ def test_the_launchers_run_python3_where_there_is_no_python(tmp_path, script):
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
   calls = tmp_path / "calls"
-  _stand_in(bin_dir / "srun", '"$@"', python=False)
+  _stand_in(bin_dir / "srun", 'while [[ $1 == -* ]]; do shift; done; "$@"', python=False)
   _stand_in(bin_dir / "python3", f'echo "$(basename "$0") $*" >> {calls}')
   env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "SLURM_JOB_ID")}
   # (a PATH with no `python`: the system's directories may hold python3, not this stand-in's)
