@@ -644,3 +644,55 @@ def test_the_nan_guards_stop_is_one_line_saying_what_to_change(tmp_path):
   assert "no checkpoint came before it: re-run with a lower optim.actor_lr" in line[0], line
   assert "resume_changes (e.g." not in line[0], line
   assert "NonFiniteError" in open(os.path.join(wd, "traceback.txt")).read()
+
+
+MESH_FLAGS = ["--config.num_iterations=6", "--config.mesh.data=2", "--config.mesh.fsdp=2",
+              "--config.algo.microbatch_size=1"]
+
+
+@pytest.fixture(scope="module")
+def straight_on_a_mesh(tmp_path_factory):
+  """An uninterrupted 6-iteration train_ppo run on data 2 x fsdp 2 with micro-batches of one
+  row (algo.gradient_sync then applies): (workdir, metrics rows)."""
+  workdir = str(tmp_path_factory.mktemp("mesh") / "run")
+  out = subprocess.run(_cmd(workdir, *MESH_FLAGS), cwd=REPO, env=subprocess_env(4),
+                       capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return workdir, [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--config.model.remat=full", "--config.critic_model.remat=dots"],
+     "critic_model.remat,model.remat"),
+    (["--config.algo.gradient_sync=once"], "algo.gradient_sync")])
+def test_a_resume_may_change_remat_or_gradient_sync_when_named(tmp_path, straight_on_a_mesh,
+                                                               flags, named):
+  """model.remat (what a block keeps for its backward) and algo.gradient_sync (how the
+  accumulated update communicates) are the update's memory knobs: neither changes the saved
+  state, yet no resume could change them ("the saved state's layout"), so a run out of memory
+  could not resume with remat or per-micro-batch syncing. Named in checkpoint.resume_changes,
+  a resume from iteration 4 trains 5-6 as the uninterrupted run did, up to float rounding
+  (measured: within 6e-8 for remat, 2.4e-7 for gradient_sync); unnamed it is refused with the
+  flag to add."""
+  workdir, want = straight_on_a_mesh
+  run = str(tmp_path / "run")
+  shutil.copytree(workdir, run)
+  shutil.rmtree(os.path.join(run, "checkpoints", "6"))  # as a run stopped after iteration 4
+  out = subprocess.run(_cmd(run, *MESH_FLAGS, *flags), cwd=REPO, env=subprocess_env(4),
+                       capture_output=True, text=True, timeout=900)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert f"add --config.checkpoint.resume_changes={named}," in out.stderr, out.stderr[-3000:]
+  out = subprocess.run(_cmd(run, *MESH_FLAGS, *flags,
+                            f"--config.checkpoint.resume_changes={named}"),
+                       cwd=REPO, env=subprocess_env(4), capture_output=True, text=True,
+                       timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "resuming iteration 4 with a changed" in out.stderr, out.stderr[-3000:]
+  with open(os.path.join(run, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+  for got, wanted in zip(rows[4:], want[4:]):
+    for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "reward/mean",
+                "kl/ref_mean"):
+      assert got[key] == pytest.approx(wanted[key], rel=1e-4, abs=1e-6), (got["step"], key)

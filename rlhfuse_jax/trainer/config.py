@@ -831,6 +831,12 @@ RESUME_CHANGEABLE = frozenset({
     # Scoring on pipelines of instances: the same forward split into stages, run as a scan over
     # each stage's layers (inference/stages.py): float rounding only (tested to 1e-5).
     "fusion.inference_pp", "plan.inference_pp",
+    # The update's other memory knobs, the same step up to float rounding and the same state:
+    # what each decoder block keeps for its backward (recomputed, not kept: a resume with "full"
+    # trained iterations 5-6 within 6e-8 of the run it was stopped from), and how the
+    # accumulated update communicates ("once" holds the gathered weights and float32 sums: a
+    # run out of memory with it resumes on "per_microbatch"; the same sums in another order).
+    "model.remat", "critic_model.remat", "algo.gradient_sync",
 })
 
 
