@@ -68,7 +68,8 @@ Measured per program, per device (SPMD: XLA compiles one program per device):
              cost_model.py), KV cache, and FLOPs per device if the plan split the
              work perfectly (perf/accounting.py formulas)
   replication  flops_per_device / analytic useful FLOPs per device (1.0: no repeated work)
-  fits       the peak plus what stays on its devices beside it (beside_train_state) <= the
+  fits       the peak plus what stays on its devices beside it (beside_train_state: the
+             training state, the models kept there, asynchronous PPO's copy of the actor) <= the
              hardware preset's HBM bytes; fits_alone: the peak alone
   collective_bytes  per kind, the buffer bytes each device's collectives move, loops counted
              (perf/hlo_flops.py; a decode chunk's loop counts once: one step)
@@ -316,6 +317,13 @@ class PlanConfig:
     return self.staleness > 0
 
   @property
+  def keeps_actor_copy(self) -> bool:
+    """Whether the trainer keeps a copy of the actor on the training devices for each next
+    batch's generation (asynchronous PPO, staleness > 0, without a generation group:
+    trainer/loop.PPOTrainer._snapshot; with a group the copy is the group's actor)."""
+    return self.staleness > 0 and not self.generation_devices
+
+  @property
   def prompt_len(self) -> int:
     return self.seq_len - self.response_len
 
@@ -441,12 +449,6 @@ class PlanConfig:
         migration_rows=d.get("migration_rows", 8), old_logp=d.get("old_logp", "auto"),
         staleness=d.get("staleness", 0))
     cfg.validate()
-    if cfg.staleness and not cfg.generation_devices:  # (a plan config's as a run's)
-      logging.warning(
-          "staleness=%d (a run's async_ppo.staleness) on the training devices "
-          "(generation_devices=0): the copy of the actor the run makes for each next batch "
-          "(gathered, kept through the generation and beside the update) is not in "
-          "plan_check's figures", cfg.staleness)
     return cfg
 
   def validate(self) -> None:
@@ -850,11 +852,12 @@ def placement_programs(cfg: PlanConfig, mesh, update) -> dict:
   over the training mesh's devices in its order, as the trainer cuts its instances off TPU,
   each instance's weights split by its own logical rules), leaving out the leaves already
   where an instance wants them (mesh_lib.put relabels those, nothing moves). {} where nothing
-  of that runs. Not counted: with several processes the critic's host copy
-  (FusedStage._instance_ready gathers it to every process first); asynchronous PPO on the
-  training devices (staleness > 0, no generation group), whose copy of the actor for the next
-  batch is gathered and kept through the generation and beside the update
-  (PlanConfig.from_config_dict warns); a fused stage with fewer instances than the devices allow,
+  of that runs. Asynchronous PPO on the training devices hands over its copy of the actor
+  (actor_copy_bytes; pp == 1 beside the reshard, counted by beside_train_state; pp > 1 the
+  conversion's output, gathered whole also with scan_layers, which the unstack part here
+  hands over split over the stages: an under-count there). Not counted: with several
+  processes the critic's host copy (FusedStage._instance_ready gathers it to every process
+  first); a fused stage with fewer instances than the devices allow,
   placed one instance at a time (counted as the grid's one reshard); onto a group, what the
   move from the copy may lay out on the training devices first (mesh_lib._pieces' nesting
   layout, where no shard of the copy holds a group device's box).
@@ -1006,6 +1009,16 @@ def critic_values_program(cfg: PlanConfig, mesh) -> dict:
   out.update({"rows": rows, "pieces_split_over": shards,
               "mesh": "folded" if on_folded else "training", "state_critic_bytes": own})
   return {"critic_values": out}
+
+
+def actor_copy_bytes(cfg: PlanConfig, mesh) -> int:
+  """Bytes per training device of asynchronous PPO's copy of the actor (cfg.keeps_actor_copy;
+  0 without one): trainer/loop.PPOTrainer._snapshot's _to_generation(copy=True), made before
+  each update and kept through it and the next batch's generation. The actor's whole
+  parameters in their dtype, split over fsdp x tensor as the trainer places them: pp == 1 a
+  jnp.copy of the state's own; pp > 1 Update.whole's gathered copy (replicated over the
+  stages), on the serial rollout's folded mesh placed alike (the same share)."""
+  return _device_bytes(abstract_params(cfg.actor, mesh)) if cfg.keeps_actor_copy else 0
 
 
 def actor_logp_analytic(cfg: PlanConfig, rows: int, shards: int,
@@ -1252,7 +1265,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   beside_train_state(programs, hbm, cfg.offload_optimizer, group,
                      critic if group and cfg.group_critic else 0.0, cfg.reference,
                      cfg.generation, critic_copy_bytes=0.0 if group else copy,
-                     pipelined=cfg.pp > 1)
+                     pipelined=cfg.pp > 1, actor_copy_bytes=actor_copy_bytes(cfg, mesh))
   models = {"actor": cfg.actor, "critic": cfg.critic}
   full = {"actor": cfg.actor_layers, "critic": cfg.critic_layers}
   if cfg.reward is not None:
@@ -1275,7 +1288,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "generation_devices": cfg.generation_devices, "group_critic": cfg.group_critic,
                "search_seed": cfg.search_seed, "reference": cfg.reference,
                "reward_model": cfg.reward is not None, "old_logp": cfg.old_logp,
-               "staleness": cfg.staleness, "actor_logp_pass": cfg.actor_logp_pass},
+               "staleness": cfg.staleness, "actor_logp_pass": cfg.actor_logp_pass,
+               "actor_copy_bytes": programs["train_step"]["actor_copy_bytes"]},
       "devices": cfg.num_devices, "train_devices": cfg.train_devices,
       "models": {name: {**dataclasses.asdict(m), "num_params": m.num_params()}
                  for name, m in models.items()},
@@ -1318,7 +1332,10 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                   "(over_state_bytes); for actor_logp its peak plus the training state less "
                   "the state's own actor its arguments count (state_actor_bytes), plus on the "
                   "serial stage the reference and reward model; for critic_values the same "
-                  "with the state's own critic (state_critic_bytes); no "
+                  "with the state's own critic (state_critic_bytes); plus, with asynchronous "
+                  "PPO on the training devices, actor_copy_bytes: its copy of the actor for "
+                  "the next batch, beside the train step and the generation's programs "
+                  "(beside_train_state says which); no "
                   "headroom (the simulator plans with 90 % of HBM)",
           "gpu_flops": "on a GPU backend library calls (cuBLAS / cuDNN custom-calls) hold most "
                        "dots, which hlo_flops does not count: flops_per_device and replication "
@@ -1333,7 +1350,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
 def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
                        generation_group: bool = False, group_critic_bytes: float = 0.0,
                        reference: bool = True, generation: str = "instances",
-                       critic_copy_bytes: float = 0.0, pipelined: bool = False) -> None:
+                       critic_copy_bytes: float = 0.0, pipelined: bool = False,
+                       actor_copy_bytes: float = 0.0) -> None:
   """What stays on a program's devices beside it, and whether the program fits with that.
 
   The training state: the trainer keeps the actor's and critic's (stage shards of parameters
@@ -1374,7 +1392,19 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
   placement (the hand-over of the actor, on the training devices) has the training state
   beside it, also with a generation group (less the optimizer state where the rollout has
   moved it out: never beside a group), and adds the most any of its parts adds
-  (over_state_bytes); the frozen models wait in host memory then."""
+  (over_state_bytes); the frozen models wait in host memory then.
+
+  Asynchronous PPO on the training devices (`actor_copy_bytes`: actor_copy_bytes(), per
+  device; 0 without one) keeps a copy of the actor for the next batch's generation from before
+  the update to the end of that generation (trainer/loop.PPOTrainer._snapshot), each program's
+  `actor_copy_bytes` beside it: the train step's; the instances' programs' (a copy in the
+  training layout beside the instance's own weights; an upper bound where the instances' reshard
+  leaves some of its leaves in place); the serial stage's scoring programs'; the unpipelined
+  hand-over's (its argument is the copy, beside the state's own actor). Not beside the serial
+  stage's decode and prefill, which read the copy as their argument (unpipelined, the state's
+  own actor is then a second count no longer standing for the reference: the reference is
+  beside them), nor a pipelined hand-over's (the copy is its output or argument), nor
+  actor_logp and critic_values (they run before the copy is made)."""
   train = programs["train_step"]
   offloaded = train["optimizer_state_bytes"] if offload_optimizer else 0
   actor = programs["decode"]["analytic"]["params_bytes"]
@@ -1393,18 +1423,21 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
   own = {"decode": "actor", "prefill": "actor", "migrate": "actor",
          "inference": "reference" if reference else "critic", "reward": "reward"}
   serial = generation == "mesh" and not generation_group
+  copy = 0.0 if generation_group else actor_copy_bytes
   if generation_group:
     kept = {"actor": actor, "critic": group_critic_bytes, **frozen}
   elif serial:
     kept = frozen
-    if not pipelined:
+    if not pipelined and not copy:
       own["decode"] = own["prefill"] = "reference"  # its second count of the actor
   else:
     kept = {"critic": critic_copy_bytes, **frozen}
-  if serial:
+  train["actor_copy_bytes"] = copy
+  if serial or copy:
     train.setdefault("fits_alone", train["fits"])
-    train["resident_model_bytes"] = sum(kept.values())
-    train["peak_with_train_state_bytes"] = train["peak_bytes"] + train["resident_model_bytes"]
+    train["resident_model_bytes"] = sum(kept.values()) if serial else 0.0
+    train["peak_with_train_state_bytes"] = (train["peak_bytes"] +
+                                            train["resident_model_bytes"] + copy)
     train["fits"] = bool(train["peak_with_train_state_bytes"] <= hbm)
   for name in PROGRAMS[1:] + OPTIONAL_PROGRAMS:  # the generation devices' programs
     if name not in programs:
@@ -1414,6 +1447,7 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     p["offloaded_optimizer_bytes"] = 0 if generation_group else offloaded
     p["resident_train_bytes"] = 0 if generation_group else train["argument_bytes"] - offloaded
     if name in TRAINING_PASSES:  # on the training devices, beside the whole state
+      p["actor_copy_bytes"] = 0.0  # (made after them)
       p["offloaded_optimizer_bytes"] = 0
       p["resident_train_bytes"] = train["argument_bytes"] - p[TRAINING_PASSES[name]]
       p["resident_model_bytes"] = sum(kept.values()) if serial else 0.0
@@ -1429,7 +1463,9 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
       p["offloaded_optimizer_bytes"] = moved_out
       p["resident_train_bytes"] = train["argument_bytes"] - moved_out
       p["resident_model_bytes"] = 0.0  # the frozen models wait in host memory
-      p["peak_with_train_state_bytes"] = (p["resident_train_bytes"] +
+      # pp > 1: the copy is the conversion's output, then the reshard's argument
+      p["actor_copy_bytes"] = 0.0 if pipelined else copy
+      p["peak_with_train_state_bytes"] = (p["resident_train_bytes"] + p["actor_copy_bytes"] +
                                           max(p["over_state_bytes"].values()))
       p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)
       continue
@@ -1440,8 +1476,10 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
         v for k, v in kept.items() if k != own[name])
     if name == "migrate":
       p["resident_model_bytes"] += actor
+    # (the serial stage's decode and prefill read the copy: their argument)
+    p["actor_copy_bytes"] = 0.0 if serial and name in ("decode", "prefill") else copy
     p["peak_with_train_state_bytes"] = (p["peak_bytes"] + p["resident_train_bytes"] +
-                                        p["resident_model_bytes"])
+                                        p["resident_model_bytes"] + p["actor_copy_bytes"])
     p["fits"] = bool(p["peak_with_train_state_bytes"] <= hbm)
 
 
@@ -1539,6 +1577,12 @@ def verdict(result: dict) -> str:
              "fusion.slots or rollout batch)")
     fixes = {"arguments": split, "the training state beside it": offload + split,
              "the models beside it": models,
+             # asynchronous PPO's copy of the actor on the training devices (actor_copy_bytes)
+             "the actor's copy beside it": [
+                 "a generation group (generation_devices: a run's "
+                 "async_ppo.generation_devices; the copy is the group's actor there)",
+                 "fsdp or more tensor devices (the copy is split over them)",
+                 "staleness 0 (a run's async_ppo.staleness: no copy)"],
              # a KV cache written whole (prefill): its rows and their length
              "outputs": [slots,
                          "shorter sequences (seq_len: a run's data.max_prompt_len + "
@@ -1586,7 +1630,8 @@ def verdict(result: dict) -> str:
       # the program's own peak alone was shown, below the HBM it exceeds): the training state
       # and the models kept there, each a term of its own with its own remedy.
       beside = {"the training state": p.get("resident_train_bytes", 0),
-                "the models": p.get("resident_model_bytes", 0)}
+                "the models": p.get("resident_model_bytes", 0),
+                "the actor's copy": p.get("actor_copy_bytes", 0)}
       # Outputs not written into a donated argument: prefill's new KV cache, the largest term
       # of an instance's prefill (its arguments are the weights alone).
       terms = {"temporaries": p["temp_bytes"], "arguments": p["argument_bytes"],

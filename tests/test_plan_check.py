@@ -918,31 +918,139 @@ def test_asynchronous_run_generates_on_its_own_group(tmp_path):
     plan_programs.PlanConfig.from_config_dict(c)
 
 
-def test_an_asynchronous_run_on_the_training_devices_is_warned_of_its_uncounted_copy(caplog):
-  """async_ppo.staleness > 0 without a generation group keeps a gathered copy of the actor for
-  the next batch on the training devices, which no program counts: plan_check says so, once,
-  for a run (--run_config) and for a plan config's staleness alike (a plain config's
-  --config.staleness=1 said nothing)."""
+def _async_run(**overrides):
+  """ppo_tiny with async_ppo.staleness=1 (a ConfigDict, as train_ppo's --config) and
+  `overrides` ("mesh.fsdp": 2)."""
   from configs import ppo_tiny
   run = ppo_tiny.get_config()
   run.async_ppo.staleness = 1
-  plain = plan_config.get_config("tiny")
-  plain.staleness = 1
-  for c in (plan_config.get_config("tiny"), plain):
-    caplog.clear()
-    with caplog.at_level(std_logging.WARNING):
-      if c is not plain:
-        plan_config.apply_run(c, run)
-      plan_programs.PlanConfig.from_config_dict(c)
-    assert caplog.text.count("staleness=1 (a run's async_ppo.staleness) on the training "
-                             "devices") == 1, caplog.text
-  caplog.clear()
-  run.async_ppo.generation_devices = 4  # on its own group: counted there
+  run.data.num_prompts = 64
+  for field, value in overrides.items():
+    section, name = field.split(".")
+    run[section][name] = value
+  return run
+
+
+@pytest.mark.parametrize("overrides", [
+    {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},  # a jnp.copy of the state's own actor
+    # pipelined: Update.whole's gathered copy, placed on the serial rollout's folded mesh
+    {"mesh.stage": 2, "mesh.data": 2, "mesh.fsdp": 2, "pipeline.actor_microbatches": 4,
+     "pipeline.critic_microbatches": 4}])
+def test_async_ppos_copy_of_the_actor_is_counted_as_the_trainer_holds_it(tmp_path, caplog,
+                                                                          overrides):
+  """async_ppo.staleness > 0 without a generation group: before each update the trainer copies
+  the actor for the next batch's generation (PPOTrainer._snapshot), kept through the update
+  and that generation on the training devices. plan_check only warned that it did not count
+  it; actor_copy_bytes is now what one device holds of the trainer's own copy, measured here
+  from its arrays, and nothing is warned of. With a generation group the copy is the group's
+  actor: none on the training devices."""
+  from rlhfuse_jax.trainer.config import TrainConfig
+  from rlhfuse_jax.trainer.loop import PPOTrainer
+  run = _async_run(**overrides)
+  c = plan_config.get_config("tiny")
   with caplog.at_level(std_logging.WARNING):
-    c = plan_config.get_config("tiny")
     plan_config.apply_run(c, run)
-    plan_programs.PlanConfig.from_config_dict(c)
-  assert "staleness" not in caplog.text
+    cfg = plan_programs.PlanConfig.from_config_dict(c)
+  assert "staleness" not in caplog.text, caplog.text
+  assert cfg.keeps_actor_copy
+  counted = plan_programs.actor_copy_bytes(cfg, plan_programs.train_mesh(cfg))
+  trainer = PPOTrainer(TrainConfig.from_config_dict(run), str(tmp_path))
+  copy = trainer._snapshot()("actor")
+  held = {d: 0 for d in trainer.mesh.devices.flat}
+  for x in jax.tree.leaves(copy):
+    for shard in x.addressable_shards:
+      held[shard.device] += shard.data.nbytes
+  assert set(held) == set(jax.devices())  # on every training device, as much on each
+  assert set(held.values()) == {counted} and counted > 0
+  assert counted == pytest.approx(  # the whole actor split over fsdp x tensor
+      plan_programs._nbytes(llama.param_shapes(cfg.actor)) / (cfg.fsdp * cfg.tp), rel=0.05)
+  c = plan_config.get_config("tiny")
+  plan_config.apply_run(c, _async_run(**{"async_ppo.generation_devices": 4}))
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  assert not cfg.keeps_actor_copy and plan_programs.actor_copy_bytes(cfg, None) == 0
+
+
+def test_async_ppos_copy_of_the_actor_stands_beside_the_update_and_the_generation(tmp_path):
+  """The copy counts where the trainer holds it, beside the whole training state: beside the
+  train step (whose peak alone was its fit), beside every program of the generation it feeds
+  (on the serial stage not beside decode and prefill, whose argument it is: the state's own
+  actor there no longer stands for the reference, which is beside them), not beside the passes
+  that run before it is made; in result.json, the table's "+state" column and the verdict, so
+  a plan that fits without it but not with it does not fit (plan_check's exit status reads
+  every program's fit)."""
+  c = _tiny_mesh_generation()
+  c.staleness = 1
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  result = plan_programs.run_and_write(cfg, str(tmp_path))
+  with open(os.path.join(tmp_path, "result.json")) as f:
+    programs = json.load(f)["programs"]
+  copy = plan_programs.actor_copy_bytes(cfg, plan_programs.train_mesh(cfg))
+  assert copy > 0 and result["plan"]["actor_copy_bytes"] == copy
+  train = programs["train_step"]
+  reference = programs["inference"]["analytic"]["params_bytes"]
+  assert train["actor_copy_bytes"] == copy
+  assert train["peak_with_train_state_bytes"] == train["peak_bytes"] + reference + copy
+  for name in ("inference", "actor_logp", "critic_values", "decode"):
+    p = programs[name]
+    assert p["actor_copy_bytes"] == (copy if name == "inference" else 0), name
+    assert p["peak_with_train_state_bytes"] == (
+        p["peak_bytes"] + p["resident_train_bytes"] + p["resident_model_bytes"] +
+        p["actor_copy_bytes"]), name
+  assert programs["decode"]["resident_model_bytes"] == reference  # (was 0: "counted twice")
+  line = next(ln for ln in plan_programs.table(result) if ln.startswith("train_step "))
+  assert plan_programs._gb(train["peak_with_train_state_bytes"]) in line.split(), line
+  # Between the train step's peak with the reference and that plus the copy: it fits without
+  # the copy, not with it, and the verdict names the copy and what removes or shrinks it.
+  hbm = train["peak_with_train_state_bytes"] - 1
+  for counted, fits in ((0, True), (copy, False)):
+    rejudged = {k: {**v, "hbm_bytes": hbm} for k, v in result["programs"].items()}
+    plan_programs.beside_train_state(rejudged, hbm, False, reference=True, generation="mesh",
+                                     actor_copy_bytes=counted)
+    assert rejudged["train_step"]["fits"] is fits
+    assert rejudged["train_step"]["fits_alone"] is True
+  rejudged["train_step"].update(temp_bytes=0, argument_bytes=0, output_bytes=0, alias_bytes=0,
+                                peak_bytes=0, resident_model_bytes=0)  # the copy alone
+  part = plan_programs.verdict({**result, "programs": rejudged}).split("train_step (peak")[1]
+  assert ("with the actor's copy; largest: the actor's copy beside it: a generation group "
+          "(generation_devices: a run's async_ppo.generation_devices") in part, part
+  assert "staleness 0" in part, part
+
+
+def test_where_async_ppos_copy_of_the_actor_stands_on_each_layout():
+  """beside_train_state on hand-made figures (per device: the copy 30, the training state 100,
+  the reference 30, the critic's copy 10): on instances over the training devices the copy
+  (in the training layout) is beside every program of theirs, the unpipelined hand-over
+  included (its argument is the copy, the state's own actor stays), not a pipelined one's (the
+  copy is its output); on the serial stage beside the scoring programs only; with a generation
+  group nowhere (the copy is the group's actor)."""
+  def programs():
+    return {"train_step": {"argument_bytes": 100, "optimizer_state_bytes": 40,
+                           "peak_bytes": 150, "fits": True},
+            "decode": {"peak_bytes": 50, "fits": True, "analytic": {"params_bytes": 30}},
+            "inference": {"peak_bytes": 40, "fits": True, "analytic": {"params_bytes": 30}},
+            "placement": {"peak_bytes": 60, "fits": True, "over_state_bytes": {"reshard": 25}},
+            "critic_values": {"peak_bytes": 20, "fits": True, "state_critic_bytes": 10}}
+
+  def copies(**kw):
+    p = programs()
+    plan_programs.beside_train_state(p, 1000, False, actor_copy_bytes=30, **kw)
+    return {k: v["actor_copy_bytes"] for k, v in p.items()}, p
+
+  got, p = copies(critic_copy_bytes=10)  # instances
+  assert got == {"train_step": 30, "decode": 30, "inference": 30, "placement": 30,
+                 "critic_values": 0}
+  assert p["train_step"]["peak_with_train_state_bytes"] == 150 + 30
+  assert p["decode"]["peak_with_train_state_bytes"] == 50 + 100 + 30
+  assert p["placement"]["peak_with_train_state_bytes"] == 100 + 30 + 25
+  assert p["critic_values"]["peak_with_train_state_bytes"] == 20 + 90
+  got, _ = copies(critic_copy_bytes=10, pipelined=True)
+  assert got["placement"] == 0 and got["decode"] == 30
+  got, p = copies(generation="mesh")
+  assert (got["train_step"], got["decode"], got["inference"], got["critic_values"]) == (
+      30, 0, 30, 0)
+  assert p["decode"]["resident_model_bytes"] == 30  # the reference, beside the copy it reads
+  got, _ = copies(generation_group=True)
+  assert set(got.values()) == {0}
 
 
 def test_a_run_without_a_reference_is_checked_without_one(tmp_path):
