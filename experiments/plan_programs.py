@@ -405,6 +405,13 @@ class PlanConfig:
            d.get("gradient_sync"), f"one of {list(tc.GRADIENT_SYNC_MODES)}")
     _check(isinstance(d.get("offload_optimizer", False), bool), "offload_optimizer",
            d.get("offload_optimizer"), "True or False")
+    # (accepted, decode's and the scoring programs' fits left the moments out, for a plan its
+    # trainer refuses: TrainConfig's optim.offload_during_rollout check)
+    _check(not d.get("offload_optimizer", False) or not (
+        d.get("staleness", 0) or d.get("generation_devices", 0)), "offload_optimizer", True,
+           "False with staleness > 0 or generation_devices > 0 (as the trainer refuses a run's "
+           "optim.offload_during_rollout with async_ppo.staleness or generation_devices: "
+           "asynchronously the moments train meanwhile; a generation group holds none)")
     for name in ("master_weights", "zero1"):
       _check(isinstance(d.get(name, False), bool), name, d.get(name), "True or False")
     _check(d["response_len"] < d["seq_len"], "response_len", d["response_len"],
@@ -1561,7 +1568,9 @@ def verdict(result: dict) -> str:
     plan = result.get("plan", {})
     split = ([] if plan.get("zero1") else ["zero1 (a run's optim.zero1)"]) + [
         "fsdp", "more stages or tensor devices"]
-    offload = [] if plan.get("offload_optimizer") else [
+    # (not where the trainer refuses it: asynchronous PPO, a generation group)
+    offload = [] if (plan.get("offload_optimizer") or plan.get("staleness") or
+                     plan.get("generation_devices")) else [
         "offload_optimizer (a run's optim.offload_during_rollout)"]
     # The models kept beside: where the run keeps them (beside_train_state).
     if plan.get("generation_devices"):

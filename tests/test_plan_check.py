@@ -1053,6 +1053,30 @@ def test_where_async_ppos_copy_of_the_actor_stands_on_each_layout():
   assert set(got.values()) == {0}
 
 
+@pytest.mark.parametrize("field,value", [("staleness", 1), ("generation_devices", 4)])
+def test_offloading_the_optimizer_beside_async_ppo_is_refused_as_the_trainer_refuses_it(
+    field, value):
+  """The trainer refuses optim.offload_during_rollout with async_ppo.staleness > 0 or a
+  generation group; a plan config with offload_optimizer beside either was accepted, its
+  generation programs judged with the moments in host memory, for a run that cannot be made."""
+  c = plan_config.get_config("tiny")
+  c.generation, c.gen_slots = "mesh", 8
+  c[field], c.offload_optimizer = value, True
+  with pytest.raises(ValueError, match=r"config\.offload_optimizer=True: expected False with "
+                                       r"staleness > 0 or generation_devices > 0"):
+    plan_programs.PlanConfig.from_config_dict(c)
+  c.offload_optimizer = False
+  assert getattr(plan_programs.PlanConfig.from_config_dict(c), field) == value
+  # Nor does a verdict propose it there (the state beside decode its largest term).
+  result = _scaled_result(1.0)
+  result["programs"]["decode"].update(fits=False, resident_train_bytes=85.08e9 - 10.77e9)
+  assert "offload_optimizer" in plan_programs.verdict(result)
+  result["plan"][field] = value
+  assert plan_programs.verdict(result).endswith(
+      "largest: the training state beside it: zero1 (a run's optim.zero1), fsdp, more stages "
+      "or tensor devices)")
+
+
 def test_a_run_without_a_reference_is_checked_without_one(tmp_path):
   """--run_config with algo.kl_coef=0: the trainer builds no reference (AlgoConfig.
   uses_reference), yet plan_check compiled a reference forward and counted a reference
