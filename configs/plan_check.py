@@ -336,8 +336,9 @@ def get_config(arg: str = "tiny"):
   # or "auto" with a 16-bit actor and pp == 1, in the update's micro-batches; staleness > 0:
   # the proximal log-probs, a mini-batch a piece), the `actor_logp` program compiles it,
   # beside the training state; staleness > 0 also scores each batch's values with the current
-  # critic there (the `critic_values` program). A run's (run/, --run_config, llama/, hf_gpu/)
-  # are its own.
+  # critic there (the `critic_values` program) and, without generation_devices, keeps a copy of
+  # the actor there for the next batch, beside the update and that generation (each program's
+  # actor_copy_bytes). A run's (run/, --run_config, llama/, hf_gpu/) are its own.
   c.old_logp = "auto"
   c.staleness = 0
   # pp == 1 with micro-batches: the trainer's algo.gradient_sync, "per_microbatch" (weights

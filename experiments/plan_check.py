@@ -30,6 +30,9 @@ jax.ShapeDtypeStructs with shardings (no parameter is allocated), the programs t
               forward on the training devices before the advantages, beside the training
               state, a mini-batch a piece; the trainer's Scorer and jitted forward
 
+With config.staleness > 0 and no generation group the trainer's copy of the actor for the next
+batch (kept through the update and that generation) counts beside the train step and the
+generation's programs (actor_copy_bytes; plan_programs.beside_train_state says which).
 (--run_config: a training config, with train_ppo's overrides, checked as its trainer runs it)
 and writes result.json (per program: argument/output/temp/peak bytes and FLOPs per device from
 the compiled program, the analytic breakdown, replication, fits, compile_s) and config.json.
