@@ -15,7 +15,8 @@ into the workdir:
                   other devices), the hardware's values ("hardware") and the workload
                   searched for ("workload": actor and critic shapes, global_batch, minibatch,
                   epochs, max_prompt_len, max_new_tokens, num_devices, reference,
-                  reward_model;
+                  reward_model, lengths: the prompt and response lengths searched with and
+                  a run's data fields they came from;
                   train_config and its fusion.inference_micro_batch,
                   fusion.migration_rows, optim.master_weights and
                   optim.offload_during_rollout (offload_optimizer) when given;

@@ -126,9 +126,94 @@ def test_an_old_plan_file_loads_and_says_once_what_it_cannot_check(tmp_path):
   assert plan_file_lib.plan_workload_unrecorded({}) == []
 
 
+def _with_data(cfg, **changes):
+  return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **changes))
+
+
+def test_the_length_distribution_is_recorded_and_compared(tmp_path):
+  """The prompt and response lengths drive the simulated generation times and long tail, and
+  so the plan; plan.json did not record them (only their limits), and a plan searched for
+  ppo_tiny's uniform 1-8-token 'repeat' targets ran a log-normal 'countdown' task without a
+  word. The record holds the lengths sampled and the run's data fields they came from, each
+  compared with the run's."""
+  cfg, record = _tiny_run_and_record(tmp_path)
+  lengths = record["lengths"]
+  assert lengths["data"] == {"prompts_file": "", "task": "repeat", "length_dist": "uniform",
+                             "length_min": 1, "length_max": 8}, lengths
+  # what the search sampled: repeat's 4-token prompts, targets of 1-8 tokens + EOS
+  assert (lengths["prompt"]["max"], lengths["prompt"]["p50"]) == (4, 4.0), lengths
+  assert 2 <= lengths["response"]["p50"] and lengths["response"]["max"] <= 9, lengths
+  assert lengths["response"]["spec"].endswith("clip [1, 12])"), lengths
+  plan = {"workload": record}
+  assert plan_file_lib.plan_workload_differences(plan, cfg) == []
+  run = _with_data(cfg, task="countdown", length_dist="lognormal", length_max=11)
+  assert plan_file_lib.plan_workload_differences(plan, run) == [
+      "lengths.data.task='repeat' (this run's data.task is 'countdown')",
+      "lengths.data.length_dist='uniform' (this run's data.length_dist is 'lognormal')",
+      "lengths.data.length_max=8 (this run's data.length_max is 11)"]
+  # a uniform distribution reads no log-normal parameter: changing them changes nothing
+  assert plan_file_lib.plan_workload_differences(
+      plan, _with_data(cfg, length_mu=3.0, length_sigma=2.0)) == []
+  # two log-normal ones are compared on them
+  lognormal = _with_data(cfg, length_dist="lognormal")
+  task, tokenizer = build.build_task_and_tokenizer(lognormal)
+  wl = sim_plan.workload(lognormal, task, tokenizer, 8, str(tmp_path / "ln"))[0]
+  ln_plan = {"workload": plan_search.workload_record(wl, "configs/ppo_tiny.py")}
+  assert plan_file_lib.plan_workload_differences(ln_plan, lognormal) == []
+  assert plan_file_lib.plan_workload_differences(
+      ln_plan, _with_data(lognormal, length_sigma=1.5)) == [
+          "lengths.data.length_sigma=0.8 (this run's data.length_sigma is 1.5)"]
+  # a prompts file replaces the task's prompts and targets: named alone
+  assert plan_file_lib.plan_workload_differences(
+      plan, _with_data(cfg, prompts_file="p.jsonl", length_max=11)) == [
+          "lengths.data.prompts_file='' (this run's data.prompts_file is 'p.jsonl')"]
+  # a paper pair's plan (the simulator's own config.prompt and config.response): recorded,
+  # nothing of a run's data to compare
+  pair = plan_search.workload_record(dataclasses.replace(wl, length_inputs=()))
+  assert "data" not in pair["lengths"] and pair["lengths"]["response"]["n"] == 64
+  assert plan_file_lib.plan_workload_differences({"workload": pair}, run) == []
+  # the line train_ppo logs
+  path = _plan_file(tmp_path, record)
+  warn, line = plan_file_lib.plan_workload_note(path, run)
+  assert warn and line.startswith(
+      f"config.plan.file={path!r} was searched for lengths.data.task='repeat' (this run's "
+      "data.task is 'countdown'); lengths.data.length_dist='uniform'"), line
+  assert "records no" not in line
+
+
+def test_a_plan_file_without_lengths_loads_and_says_it_cannot_check_them(tmp_path):
+  """A plan.json from before the lengths were recorded loads; its note names them once, as
+  fields it cannot check, and what it has is still compared."""
+  cfg, record = _tiny_run_and_record(tmp_path)
+  old = {k: v for k, v in record.items() if k != "lengths"}
+  path = _plan_file(tmp_path, old)
+  plan_file_lib.plan_file_settings(plan_file_lib.load_plan_file(path), path)  # it loads
+  unchecked = ("records no prompt and response lengths (data.prompts_file, data.task, "
+               "data.length_dist, data.length_min, data.length_max, data.length_mu, "
+               "data.length_sigma) (a plan.json written before plan_search recorded them): "
+               "those are not compared with this run's")
+  assert plan_file_lib.plan_workload_note(path, cfg) == (
+      False, f"config.plan.file={path!r} {unchecked}")
+  run = _with_data(dataclasses.replace(cfg, rollout=dataclasses.replace(
+      cfg.rollout, prompts_per_iteration=32)), length_dist="lognormal")
+  warn, line = plan_file_lib.plan_workload_note(path, run)
+  assert warn and line.startswith(
+      f"config.plan.file={path!r} was searched for global_batch=64 (this run's "
+      "rollout.batch_size is 32) (plan_search's train_config="), line
+  assert line.endswith(f"; the file {unchecked}") and line.count("records no") == 1, line
+  assert "lengths.data" not in line
+  # a paper pair's plan without them names no run field
+  pair = {k: v for k, v in old.items() if k not in ("train_config", "inference_micro_batch",
+                                                    "migration_rows", "master_weights",
+                                                    "offload_optimizer")}
+  assert plan_file_lib.plan_workload_unrecorded({"workload": pair}) == [
+      "prompt and response lengths"]
+
+
 def test_train_ppo_warns_of_a_plan_for_another_mlp_width(tmp_path):
   """The reproduction: plan_search for ppo_tiny, then train_ppo with that plan and
-  --config.model.intermediate_size=256 ran without a word. The warning comes at set-up,
+  --config.model.intermediate_size=256 (or --config.data.length_dist=lognormal) ran without a
+  word. The warning comes at set-up,
   before the trainer's checks (a top_k that validate refuses stops the run in seconds)."""
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
          "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -143,10 +228,14 @@ def test_train_ppo_warns_of_a_plan_for_another_mlp_width(tmp_path):
                         "--config=configs/ppo_tiny.py", f"--config.plan.file={path}",
                         f"--workdir={tmp_path / 'run'}", "--config.rollout.top_k=100000",
                         "--config.model.intermediate_size=256",
-                        "--config.critic_model.head_dim=32"],
+                        "--config.critic_model.head_dim=32",
+                        "--config.data.length_dist=lognormal"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1 and "config.rollout.top_k=100000" in out.stderr, out.stderr[-3000:]
+  # (and of one searched for another length distribution: plan.json records it since
+  # 2026-12-07)
   assert (f"config.plan.file={path!r} was searched for actor intermediate_size=128 (this run "
-          "has 256); critic head_dim=16 (this run has 32) (plan_search's "
+          "has 256); critic head_dim=16 (this run has 32); lengths.data.length_dist='uniform' "
+          "(this run's data.length_dist is 'lognormal') (plan_search's "
           "train_config='configs/ppo_tiny.py'): its predicted times and memory check are for "
           "that workload") in out.stderr, out.stderr[-3000:]

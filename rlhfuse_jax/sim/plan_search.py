@@ -80,6 +80,7 @@ import numpy as np
 from rlhfuse_jax.sim import generation_sim as gen_lib
 from rlhfuse_jax.sim import training_sim as train_lib
 from rlhfuse_jax.sim.cost_model import GIB, CostModel, crossing_share, stage_cost
+from rlhfuse_jax.sim.lengths import summarize
 from rlhfuse_jax.sim.shapes import ModelShape, stage_shape
 
 
@@ -690,6 +691,25 @@ WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads
                          "tie_embeddings", "qkv_bias", "o_bias", "qk_norm", "max_seq_len")
 
 
+def length_record(wl) -> dict:
+  """plan.json's workload "lengths": the prompt and response length distributions `wl` was
+  searched with, which drive the generation times, the long tail and so the plan's choice
+  ("prompt", "response": each LengthSpec described and a summary of the lengths the search
+  sampled, recorded, not compared), and for a train_ppo run's workload "data": the run's
+  fields they came from (Workload.length_inputs: data.task or data.prompts_file, data.length_*),
+  which train_ppo compares with its own (trainer/plan_file.py); none for the simulator's own
+  config.prompt and config.response (the paper pairs' variants). Not recorded until
+  2026-12-07: a plan searched for 1-8-token responses ran a long-tailed task without a word."""
+  prompts, resp = wl.sample_lengths()
+  out = {"prompt": {"spec": wl.prompt.describe(),
+                    **summarize(prompts, wl.prompt.max_len)},
+         "response": {"spec": wl.response.with_max_len(wl.max_new_tokens).describe(),
+                      **summarize(resp, wl.max_new_tokens)}}
+  if wl.length_inputs:
+    out["data"] = dict(wl.length_inputs)
+  return out
+
+
 def workload_record(wl, train_config: str = "", opt=None) -> dict:
   """plan.json's "workload": what the plan was searched for (the models' shapes, the reward
   model's when it has its own (Workload.reward), the batch,
@@ -698,8 +718,9 @@ def workload_record(wl, train_config: str = "", opt=None) -> dict:
   train_ppo config, its fusion.inference_micro_batch and fusion.migration_rows when one was
   given: they sized the inference's activations and the room a migration's rows take beside the
   KV cache; with the search's options `opt`, offload_optimizer: the run's
-  optim.offload_during_rollout, which sized the training state kept beside generation), so
-  that a run of another workload with it is warned of."""
+  optim.offload_during_rollout, which sized the training state kept beside generation; the
+  length distributions: length_record), so that a run of another workload with it is warned
+  of."""
   roles = (("actor", wl.actor), ("critic", wl.critic)) + (
       (("reward", wl.reward),) if wl.reward_model and wl.reward is not None else ())
   out = {role: {"name": shape.name, **{f: getattr(shape, "head_dim_" if f == "head_dim" else f)
@@ -707,7 +728,8 @@ def workload_record(wl, train_config: str = "", opt=None) -> dict:
          for role, shape in roles}
   out.update(global_batch=wl.global_batch, minibatch=wl.minibatch, epochs=wl.epochs,
              max_prompt_len=wl.prompt.max_len, max_new_tokens=wl.max_new_tokens,
-             num_devices=wl.num_devices, reference=wl.reference, reward_model=wl.reward_model)
+             num_devices=wl.num_devices, reference=wl.reference, reward_model=wl.reward_model,
+             lengths=length_record(wl))
   if train_config:  # and the run's inference micro-batch and optimizer state, which sized
     # its inference and training memory
     out.update(train_config=train_config, inference_micro_batch=wl.inference_micro_batch,

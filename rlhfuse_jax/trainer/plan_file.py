@@ -212,6 +212,46 @@ _RUN_PLAN_RECORDED = ("inference_micro_batch", "migration_rows", "offload_optimi
                       "master_weights")
 
 
+# The run's data fields its prompt and response lengths come from (trainer/sim_plan.workload:
+# the task's prompts and targets, or a prompts file's prompts with responses uniform in
+# 1..rollout.max_new_tokens), which plan.json's workload "lengths" records under "data" since
+# 2026-12-07 (plan_search with a train_config) and compares here: they drive the simulated
+# generation times and long tail, and so the plan's choice.
+LENGTH_DATA_FIELDS = ("prompts_file", "task", "length_dist", "length_min", "length_max",
+                      "length_mu", "length_sigma")
+
+
+def run_length_inputs(cfg: Any) -> dict:
+  """The data fields (LENGTH_DATA_FIELDS) the run `cfg`'s lengths come from: a prompts file
+  alone (its prompts; its responses uniform, their limit compared as max_new_tokens), else the
+  task and its target lengths' distribution (length_mu and length_sigma of a log-normal only:
+  a uniform one reads neither)."""
+  d = cfg.data
+  if d.prompts_file:
+    return {"prompts_file": d.prompts_file}
+  out = {"prompts_file": "", "task": d.task, "length_dist": d.length_dist,
+         "length_min": d.length_min, "length_max": d.length_max}
+  if d.length_dist == "lognormal":
+    out.update(length_mu=d.length_mu, length_sigma=d.length_sigma)
+  return out
+
+
+def _length_differences(lengths: Mapping[str, Any], cfg: Any) -> list[str]:
+  """plan_workload_differences' entries of the workload's "lengths" against the run `cfg`:
+  each data field that differs ("lengths.data.length_dist='uniform' (this run's
+  data.length_dist is 'lognormal')"; a prompts file that differs alone, the others then
+  unread). [] for a plan searched with the simulator's own distributions (no "data": a paper
+  pair's config.prompt and config.response), which no run's fields stand for."""
+  run = run_length_inputs(cfg)
+  data = lengths.get("data")
+  if not isinstance(data, Mapping):
+    return []
+  keys = ["prompts_file"] if data.get("prompts_file", "") != run["prompts_file"] else [
+      k for k in LENGTH_DATA_FIELDS[1:] if k in data and k in run]
+  return [f"lengths.data.{k}={data.get(k, '')!r} (this run's data.{k} is {run[k]!r})"
+          for k in keys if data.get(k, "") != run[k]]
+
+
 def _model_value(model: Any, field: str) -> Any:
   """A run's ModelConfig `field` as plan.json records it: head_dim as computed with (its
   head_dim_: 0 is hidden_size / num_heads); o_bias and qk_norm False where the config has
@@ -287,6 +327,8 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: Any,
     else:
       has = f"{field} is {now!r}"
     out.append(f"{key}={w[key]!r} (this run's {has})")
+  if isinstance(w.get("lengths"), Mapping):
+    out += _length_differences(w["lengths"], cfg)
   return out
 
 
@@ -313,6 +355,14 @@ def plan_workload_unrecorded(plan: Mapping[str, Any]) -> list[str]:
     out.append("the reward model's shape")
   out += [k for k in _ALWAYS_RECORDED + (_RUN_PLAN_RECORDED if "train_config" in w else ())
           if k not in w]
+  # the length distributions the search sampled (since 2026-12-07), and for a run's plan the
+  # data fields they came from
+  lengths = w.get("lengths")
+  fields = " (data." + ", data.".join(LENGTH_DATA_FIELDS) + ")" if "train_config" in w else ""
+  if not isinstance(lengths, Mapping):
+    out.append("prompt and response lengths" + fields)
+  elif fields and not isinstance(lengths.get("data"), Mapping):
+    out.append("data fields of its lengths" + fields)
   return out
 
 

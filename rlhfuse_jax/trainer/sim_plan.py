@@ -86,7 +86,9 @@ def workload(cfg: TrainConfig, task: Any, tokenizer: Any, num_devices: int, leng
       response=response, seed=seed, reference=cfg.algo.uses_reference,
       reward_model=cfg.reward.uses_model, reward=reward,
       inference_micro_batch=cfg.fusion.inference_micro_batch,
-      migration_rows=cfg.fusion.migration_rows)
+      migration_rows=cfg.fusion.migration_rows,
+      # what its lengths came from: plan.json records it, train_ppo compares the run's
+      length_inputs=tuple(plan_file_lib.run_length_inputs(cfg).items()))
   summary = lambda x: None if x is None else {"mean": float(np.mean(x)), "min": int(np.min(x)),
                                               "max": int(np.max(x))}
   info = {"prompt_lengths": summary(prompts), "response_lengths": summary(resp),
