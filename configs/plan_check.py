@@ -234,7 +234,9 @@ def apply_run(c, t, overrides=None):
     # (it compiled a vocabulary of 1 for ppo_tiny's 22 tokens)
     run = run.with_vocab(build.build_task_and_tokenizer(run)[1].vocab_size)
   init = run.init
-  actor = (build.checkpoint_config(init.actor_checkpoint, run.model)
+  # (a *ForSequenceClassification refused as train_ppo refuses it: it compiled the actor's
+  # programs with an LM head and said the plan fits)
+  actor = (build.actor_checkpoint_config(init.actor_checkpoint, run.model)
            if init.actor_checkpoint else run.model)
   critic = (build.checkpoint_config(init.critic_checkpoint, run.critic_model)
             if init.critic_checkpoint else run.critic_model.replace(vocab_size=actor.vocab_size))

@@ -776,6 +776,40 @@ def test_a_run_taking_its_vocabulary_from_the_tokenizer_is_checked_with_it():
   assert c.actor.vocab_size == c.critic.vocab_size == resolved.model.vocab_size == 22
 
 
+def test_a_run_whose_actor_is_a_sequence_classification_is_refused_as_train_ppo_refuses_it(
+    tmp_path):
+  """--run_config.init.actor_checkpoint=<a *ForSequenceClassification: a reward model's
+  directory> compiled the actor's programs with an LM head and said the plan fits, where
+  train_ppo refuses the run (build.resolve_config): refused with the trainer's message."""
+  from configs import ppo_hf
+  from rlhfuse_jax.trainer import build
+  from rlhfuse_jax.trainer.config import TrainConfig
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  own = os.path.join(repo, "configs", "data", "tiny_llama3_chat")
+  with open(os.path.join(own, "config.json")) as f:
+    hf = json.load(f)
+  rm = tmp_path / "rm"
+  rm.mkdir()
+  (rm / "config.json").write_text(json.dumps(
+      {**hf, "architectures": ["LlamaForSequenceClassification"]}))
+  run = ppo_hf.get_config("ppo_gpu")
+  run.init.actor_checkpoint = str(rm)
+  with pytest.raises(ValueError) as planned:
+    plan_config.apply_run(plan_config.get_config("tiny"), run)
+  assert str(planned.value) == (
+      f"config.init.actor_checkpoint={str(rm)!r} is a *ForSequenceClassification (a scalar "
+      "head, a reward model's or a critic's): the actor needs a language model, a "
+      "*ForCausalLM checkpoint")
+  cfg = TrainConfig.from_config_dict(run)
+  with pytest.raises(ValueError) as trained:
+    build.resolve_config(cfg, build.build_task_and_tokenizer(cfg)[1])
+  assert str(trained.value) == str(planned.value)
+  # its *ForCausalLM twin is checked with the LM head it generates with
+  (rm / "config.json").write_text(json.dumps(hf))
+  c = plan_config.get_config("tiny")
+  assert plan_config.apply_run(c, run).model.head == "lm" and c.actor.head == "lm"
+
+
 def test_a_run_config_training_in_float16_is_refused_as_train_ppo_refuses_it():
   """--run_config.model.dtype=float16 (or a critic's param_dtype) compiled and said "every
   program fits", exit 0, for a run train_ppo refuses (no loss scaling: trainer/validate.py); a

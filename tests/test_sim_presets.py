@@ -342,3 +342,38 @@ def test_hf_config_refuses_what_the_loader_refuses(case, tmp_path):
   (tmp_path / "config.json").write_text("[]")
   with pytest.raises(ValueError, match=r"config\.json: expected a JSON object, got list"):
     shapes.from_hf_config(str(tmp_path), "mine")
+
+
+SCALAR_ACTOR = (r"is a \*ForSequenceClassification \(a scalar head, a reward model's or a "
+                r"critic's\): the actor needs a language model, a \*ForCausalLM checkpoint")
+
+
+def test_a_sequence_classification_config_is_refused_as_a_pairs_actor(tmp_path):
+  """config.shapes='rm=DIR' of a *ForSequenceClassification (a reward model's config.json)
+  as a pair's actor was sized with an LM head (its vocabulary x hidden weights, its generation)
+  where the trainer refuses it as init.actor_checkpoint: refused with the trainer's words. As
+  a critic it is its scalar-headed self."""
+  from configs import ablations as ablation_config
+  from rlhfuse_jax.sim.ablations import AblationConfig
+  hf = {"architectures": ["LlamaForSequenceClassification"], "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256, "pad_token_id": 0}
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  assert shapes.from_hf_config(str(tmp_path), "rm").head == "scalar"
+  c = ablation_config.get_config()
+  c.shapes, c.pairs, c.max_new_tokens = f"rm={tmp_path}", "rm/llama-13b", "512"
+  with pytest.raises(ValueError, match=re.escape(
+      f"config.pairs: the actor of rm/llama-13b: config.shapes' rm={str(tmp_path)!r} ")
+      + SCALAR_ACTOR):
+    AblationConfig.from_config_dict(c)
+  c.pairs = "llama-13b/rm"
+  critic = AblationConfig.from_config_dict(c).shape("rm", "scalar")
+  assert critic == shapes.from_hf_config(str(tmp_path), "rm")
+  # its ForCausalLM twin is a pair's actor: the same backbone with the LM head
+  (tmp_path / "config.json").write_text(json.dumps({**hf, "architectures": [
+      "LlamaForCausalLM"]}))
+  c.pairs = "rm/llama-13b"
+  actor = AblationConfig.from_config_dict(c).shape("rm")
+  assert actor == dataclasses.replace(critic, head="lm")
+  # (the LM head's vocabulary x hidden weights in place of the value head's 64 and its bias)
+  assert actor.num_params() - critic.num_params() == 256 * 64 - 65

@@ -52,6 +52,15 @@ def read_json(path: str) -> dict[str, Any]:
   return data
 
 
+def scalar_actor_error(where: str) -> str:
+  """Why a *ForSequenceClassification checkpoint (`where`: the field naming it, "config.
+  init.actor_checkpoint='/rm'") cannot be the actor: the trainer's loader refuses it
+  (trainer/build.actor_checkpoint_config), and the planning tools with the same words
+  (plan_check's run, the simulator's config.shapes), which sized it with an LM head."""
+  return (f"{where} is a *ForSequenceClassification (a scalar head, a reward model's or a "
+          "critic's): the actor needs a language model, a *ForCausalLM checkpoint")
+
+
 # OpenRLHF saves its critic and reward model as classes of its own, built on the backbone of
 # config.json's model_type with the head under value_head_prefix (transformers' save_pretrained
 # records the class name): they were refused as unsupported architectures. Each scores at the

@@ -64,6 +64,13 @@ _TENSOR_DTYPES = tuple(np.dtype(t) for t in (*_NP_DTYPES.values(), np.float64))
 _HEADER_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
+def scalar_actor_error(where: str) -> str:
+  """hf_config.scalar_actor_error (why a *ForSequenceClassification at `where` is no actor),
+  for the trainer, which reads config.json through this module (docs/architecture.md §7): the
+  planning tools refuse such an actor with the same words."""
+  return hf_config.scalar_actor_error(where)
+
+
 def _check_weight(x: np.ndarray, what: str, dtype_hint: str, nonfinite_hint: str) -> None:
   """Refuses `x` (named `what`) unless it is a weight the loader takes: the loader's check, and
   the export's (which must not write what the loader then refuses). Only real weights: an

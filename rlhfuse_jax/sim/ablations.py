@@ -12,6 +12,7 @@ import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from rlhfuse_jax.models.hf_config import scalar_actor_error
 from rlhfuse_jax.policy import calibration as cal_lib
 from rlhfuse_jax.sim import iteration_sim as it
 from rlhfuse_jax.sim import lengths as len_lib
@@ -92,10 +93,14 @@ class AblationConfig:
                        "config.sim.offload_frozen=False (they stay on the devices)")
     for a, c in self.pairs:
       try:
-        self.shape(a)
-        self.shape(c)
+        actor = self.shape(a)
+        self.shape(c, "scalar")
       except ValueError as e:
         raise ValueError(f"config.pairs: {e}") from None
+      if actor.head != "lm":  # a HF config.json of config.shapes: refused as the trainer does
+        path = dict(self.shape_files).get(a, "")
+        raise ValueError("config.pairs: the actor of " + f"{a}/{c}: " + scalar_actor_error(
+            f"config.shapes' {a}={path!r}"))
     unknown = [s for s in self.systems if s not in it.SYSTEMS]
     if unknown:
       raise ValueError(f"config.systems: unknown {unknown}; known: {list(it.SYSTEMS)}")

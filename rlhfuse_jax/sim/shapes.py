@@ -222,8 +222,10 @@ def from_hf_config(path: str, name: str) -> ModelShape:
   if sliding_window_error(hf, family, f["num_layers"], context, file):
     context = int(window(hf, family))  # the longest the trainer loads it at
   dtypes = {k: f[k] for k in ITEMSIZE_DTYPES.values()}
+  # its head as the file declares it: a *ForSequenceClassification's is scalar (refused as a
+  # pair's actor by sim/ablations.py, as the trainer refuses it; it was sized with an LM head)
   return ModelShape(
-      **dtype_itemsizes(dtypes), name=name, max_seq_len=context,
+      **dtype_itemsizes(dtypes), name=name, max_seq_len=context, head=f["head"],
       **{k: f[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                            "num_heads", "num_kv_heads", "head_dim", "tie_embeddings",
                            "qkv_bias", "o_bias", "qk_norm")})

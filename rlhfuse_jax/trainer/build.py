@@ -494,6 +494,16 @@ def checkpoint_config(path: str, section: ModelConfig, field: str = "init.actor_
   return load_named(field, path, hf_loader.load_hf_config, **{**keep, **overrides})
 
 
+def actor_checkpoint_config(path: str, section: ModelConfig) -> ModelConfig:
+  """checkpoint_config of config.init.actor_checkpoint=`path`, refused when it is a
+  *ForSequenceClassification (a scalar head): the actor generates with an LM head. Also
+  plan_check's run (configs/plan_check.apply_run), which sized it with one."""
+  model = checkpoint_config(path, section)
+  if model.head != "lm":
+    raise ValueError(hf_loader.scalar_actor_error(f"config.init.actor_checkpoint={path!r}"))
+  return model
+
+
 def check_shape_overrides(cfg: TrainConfig, overrides: Mapping[str, Any],
                           flag: str = "--config") -> None:
   """Refuses a command-line override of a model's architecture beside the checkpoint whose
@@ -625,12 +635,7 @@ def resolve_config(cfg: TrainConfig, tokenizer: Tokenizer, log: bool = True,
   else:  # The checkpoint's config.json sets the vocabulary below, checked against the tokenizer
     # there; a config file's model.vocab_size beside it is not the model built.
     cfg = dataclasses.replace(cfg, vocab_from_tokenizer=False)
-    model = checkpoint_config(cfg.init.actor_checkpoint, cfg.model)
-    if model.head != "lm":
-      raise ValueError(
-          f"config.init.actor_checkpoint={cfg.init.actor_checkpoint!r} is a "
-          "*ForSequenceClassification (a scalar head, a reward model's or a critic's): the "
-          "actor needs a language model, a *ForCausalLM checkpoint")
+    model = actor_checkpoint_config(cfg.init.actor_checkpoint, cfg.model)
     if tokenizer.vocab_size > model.vocab_size:
       own = os.path.join(cfg.init.actor_checkpoint, "tokenizer.json")
       given = (tokenizer_lib.tokenizer_file(cfg.init.tokenizer) if cfg.init.tokenizer
