@@ -565,6 +565,16 @@ def train_mesh(cfg: PlanConfig):
                             jax.devices()[:cfg.train_devices])
 
 
+def pipeline_config(cfg: PlanConfig) -> tc.PipelineConfig:
+  """The pipeline section a pipelined plan's update runs with: with the problem it sets
+  (trainer/pipelined.pipeline_problem), the key of the fused schedule it looks up in
+  WORKDIR/cache/schedules (the GPU script seeds that cache with the CPU's searches)."""
+  return tc.PipelineConfig(
+      critic_pp=cfg.critic_pp, actor_microbatches=cfg.actor_microbatches,
+      critic_microbatches=cfg.critic_microbatches, search_time_s=cfg.search_time_s,
+      search_seed=cfg.search_seed)
+
+
 def make_update(cfg: PlanConfig, mesh, tx, workdir: str):
   """(the trainer's update callable with .lower, info) for the plan."""
   algo = tc.AlgoConfig(minibatch_size=cfg.minibatch_size, epochs=1)
@@ -579,10 +589,7 @@ def make_update(cfg: PlanConfig, mesh, tx, workdir: str):
       data=tc.DataConfig(), rollout=tc.RolloutConfig(prompts_per_iteration=cfg.minibatch_size),
       algo=algo, optim=tc.OptimConfig(), reward=tc.RewardConfig(), init=tc.InitConfig(),
       fusion=tc.FusionConfig(intra_stage=cfg.intra_stage), checkpoint=tc.CheckpointConfig(),
-      pipeline=tc.PipelineConfig(
-          critic_pp=cfg.critic_pp, actor_microbatches=cfg.actor_microbatches,
-          critic_microbatches=cfg.critic_microbatches, search_time_s=cfg.search_time_s,
-          search_seed=cfg.search_seed))
+      pipeline=pipeline_config(cfg))
   update = pipelined.make_pipelined_update_fn(cfg.actor, cfg.critic, algo, 1.0, tx, tx, mesh=mesh,
                                               config=train_cfg, workdir=workdir)
   program = update.executor.program
