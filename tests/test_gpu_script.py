@@ -6,6 +6,7 @@ the session its run (tests/test_docs.py checks its commands' binaries, configs a
   step's WORKDIR/cache/schedules, are the ones the current code looks up for those commands:
   a changed cache key or file format would make the GPU search again, on its clock, and
   compile another schedule than the CPU figures it is compared with were made with.
+- Its final grep, the summary the session reads, keeps the lines the binaries print now.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 
 import pytest
 
@@ -91,3 +93,61 @@ def test_seeded_schedules_are_the_ones_the_code_looks_up(name, workdir, variant,
   assert schedule.problem == problem
   assert "ignoring the cached schedule" not in caplog.text
   assert "using the cached fused schedule" in caplog.text
+  # the summary says it was hit
+  assert kept_by_grep(logged([caplog.records[-1].getMessage()])) != []
+
+
+def grep_pattern() -> str:
+  """The final summary's `grep -E` pattern: S="..." and S+="..." lines, then grep -E "$S"."""
+  script = _script()
+  assert re.search(r'^grep -E "\$S" ', script, re.M), "the summary's grep is not grep -E \"$S\""
+  return "".join(re.findall(r'^S\+?="([^"]*)"$', script, re.M))
+
+
+def kept_by_grep(lines: list[str]) -> list[str]:
+  """The `lines` of a log that the script's final grep keeps."""
+  out = subprocess.run(["grep", "-E", grep_pattern()], capture_output=True, text=True,
+                       input="".join(f"{line}\n" for line in lines), check=False)
+  return out.stdout.splitlines()
+
+
+def logged(lines: list[str]) -> list[str]:
+  """`lines` as absl logs them."""
+  return [f"I1206 23:46:21.955296 140237921553280 plan_check.py:151] {line}" for line in lines]
+
+
+def _result(fits: bool) -> dict:
+  def program(name):
+    return {"argument_bytes": 6.36e9, "output_bytes": 6.35e9, "temp_bytes": 10.12e9,
+            "peak_bytes": 16.47e9 if fits or name != "prefill" else 90e9,
+            "hbm_bytes": 80e9, "fits": fits or name != "prefill",
+            "analytic": {"total_bytes": 10.69e9}, "flops_per_device": 7.3e14,
+            "replication": 2.89, "compile_s": 21.9, "collective_bytes": {"all-gather": 1e9},
+            "collective_s": 0.05, "compute_s": 0.7}
+  names = plan_programs.PROGRAMS + plan_programs.OPTIONAL_PROGRAMS
+  return {"plan": {"hardware": "h100_sxm", "generation": "instances", "pp": 8},
+          "programs": {name: program(name) for name in names}}
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_the_final_grep_keeps_every_programs_row_and_the_verdict(fits):
+  """It kept train_step, decode and inference only and looked for "FITS", which no line says:
+  prefill, migrate, placement, actor_logp and critic_values, and the verdict, were dropped."""
+  lines = plan_programs.table(_result(fits))
+  rows = [line for line in lines if re.search(r" (True|False) ", line)]
+  assert len(rows) == len(plan_programs.PROGRAMS + plan_programs.OPTIONAL_PROGRAMS)
+  assert kept_by_grep(logged(lines)) == logged(rows + [lines[-1]])
+  assert lines[-1].startswith("verdict: " + ("every program fits" if fits else "DOES NOT FIT"))
+
+
+def test_the_final_grep_keeps_the_decode_diagnostics_and_the_bench_summary():
+  """diag.py's DECODE lines (steps 2-4) were dropped; the bench's summary is kept and its
+  per-run timings, which crowded the summary's 40 lines, are not."""
+  with open(os.path.join(ROOT, "experiments/results/h100_decode_variants/diag.py"),
+            encoding="utf-8") as f:
+    assert 'print(f"DECODE {tag} ' in f.read()
+  kept = ["DECODE small auto:c b=2: 1.790 ms/step, 1117 tok/s, 24.3% of HBM peak, compile 9.0 s"
+          ] + logged(["batch    1:      561.0 tokens/s  1170.000 GB/s  24.3 % of peak",
+                      "ppo update: 0.4230 s, 38735.6 tokens/s, MFU 47.7 %"])
+  dropped = logged(["decode batch 1: run 3/5 0.0016 s", "ppo update: run 1/5 0.0316 s"])
+  assert kept_by_grep(kept + dropped) == kept

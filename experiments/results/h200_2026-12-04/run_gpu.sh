@@ -100,5 +100,9 @@ fi
   --config=configs/plan_check.py:llama/fused/13b --config.attention=auto \
   --workdir=$R/plan_llama_fused13b_gpu32 >> $L 2>&1
 date >> $L
-grep -E "GEMM_FLOPS|to_host_GBps|batch +[0-9]+:|ppo update:.*MFU|(train_step|decode|inference) +[0-9]|FITS|exit status|seed_schedules|Error|rror:" $L |
-  tail -40
+# The summary: the bench's (not its per-run timings), diag.py's DECODE lines, every program's
+# row of plan_check's table, its verdict, and whether a seeded schedule was used (tests/
+# test_gpu_script.py checks these against the current binaries).
+S="GEMM_FLOPS|to_host_GBps|^MOCK|^DECODE|\] batch +[0-9]+:|ppo update:.*MFU|verdict:|exit status"
+S+="|\] [a-z_]+ +[0-9].* (True|False) |fused schedule|seed_schedules|Error|rror:"
+grep -E "$S" $L | tail -40
