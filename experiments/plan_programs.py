@@ -1263,7 +1263,13 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   programs["train_step"] = {**_finish(measure(lowered, cfg.hardware), train_analytic(cfg, info)),
                             **info, "optimizer_state_bytes": optimizer_bytes}
   del lowered
-  logging.info("train_step: compiled in %.1fs", programs["train_step"]["compile_s"])
+  # Its figures now, not only in the table at the end: a run stopped while the other programs
+  # compile (a GPU session's step at its timeout) keeps the plan's main one in its log.
+  t = programs["train_step"]
+  logging.info("train_step: compiled in %.1fs; per device: argument %s, output %s, temp %s, "
+               "peak %s GB (HBM %s GB)", t["compile_s"], _gb(t["argument_bytes"]),
+               _gb(t["output_bytes"]), _gb(t["temp_bytes"]), _gb(t["peak_bytes"]),
+               _gb(t["hbm_bytes"]))
   programs.update(instance_programs(cfg))
   programs.update(placement_programs(cfg, mesh, update))
   programs.update(actor_logp_program(cfg, mesh))

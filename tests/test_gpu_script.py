@@ -151,3 +151,24 @@ def test_the_final_grep_keeps_the_decode_diagnostics_and_the_bench_summary():
                       "ppo update: 0.4230 s, 38735.6 tokens/s, MFU 47.7 %"])
   dropped = logged(["decode batch 1: run 3/5 0.0016 s", "ppo update: run 1/5 0.0316 s"])
   assert kept_by_grep(kept + dropped) == kept
+
+
+def test_a_plan_check_stopped_after_the_train_step_has_logged_its_figures(monkeypatch, caplog):
+  """A GPU step cut at its timeout while the programs after the train step compile (prefill,
+  migrate, placement, actor_logp, added since the timeouts were set) wrote no result.json, and
+  its log said only "train_step: compiled in N s": the figures the step is run for were lost.
+  The line now carries them, and the summary keeps it."""
+  cfg = plan_programs.PlanConfig.from_config_dict(plan_config.get_config("tiny"))
+
+  def stopped(*args, **kwargs):
+    raise KeyboardInterrupt("timeout")
+
+  monkeypatch.setattr(plan_programs, "instance_programs", stopped)
+  with caplog.at_level(logging.INFO), pytest.raises(KeyboardInterrupt):
+    plan_programs.run(cfg, "")
+  line = [r.getMessage() for r in caplog.records
+          if r.getMessage().startswith("train_step: compiled")]
+  assert len(line) == 1 and re.fullmatch(
+      r"train_step: compiled in [0-9.]+s; per device: argument [0-9.e-]+, output [0-9.e-]+, "
+      r"temp [0-9.e-]+, peak [0-9.e-]+ GB \(HBM 80\.00 GB\)", line[0]), line
+  assert kept_by_grep(logged(line)) == logged(line)

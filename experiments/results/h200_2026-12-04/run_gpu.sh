@@ -101,8 +101,10 @@ fi
   --workdir="$R/plan_llama_fused13b_gpu32" >> "$L" 2>&1
 date >> "$L"
 # The summary: the bench's (not its per-run timings), diag.py's DECODE lines, every program's
-# row of plan_check's table, its verdict, and whether a seeded schedule was used (tests/
-# test_gpu_script.py checks these against the current binaries).
+# row of plan_check's table, its verdict, the train step's figures as soon as it compiled (a
+# step cut later keeps them), and whether a seeded schedule was used (tests/test_gpu_script.py
+# checks these against the current binaries).
 S="GEMM_FLOPS|to_host_GBps|^MOCK|^DECODE|\] batch +[0-9]+:|ppo update:.*MFU|verdict:|exit status"
-S+="|\] [a-z_]+ +[0-9].* (True|False) |fused schedule|seed_schedules|Error|rror:"
+S+="|\] [a-z_]+ +[0-9].* (True|False) |fused schedule|per device: argument|seed_schedules"
+S+="|Error|rror:"
 grep -E "$S" "$L" | tail -40
