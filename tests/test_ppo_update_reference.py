@@ -215,14 +215,19 @@ def _groups_batch(rng, n):
   return mask, scores, old, ref
 
 
-# Every registered group estimator (it takes group_size), so a new one is checked by itself.
+# Every registered group estimator of the scores alone (it takes group_size and scores, not
+# token_rewards), so a new one is checked by itself. One that takes the token rewards too gets
+# the bare scores and the penalty per token (test_an_estimator_added_to_the_registry_alone...);
+# keyed on group_size alone, such an estimator (reinforce_baseline) failed here, called
+# without the token rewards and gamma it needs.
 @pytest.mark.parametrize("estimator", [n for n in sorted(adv_registry.ADVANTAGE_ESTIMATORS)
-                                       if adv_registry.compares_groups(n)])
+                                       if adv_registry.compares_groups(n) and
+                                       adv_registry.reads_scores(n)])
 def test_group_estimators_keep_the_kl_penalty_in_the_reward(estimator):
-  """With the KL in the reward a group estimator compares each sample's summed token rewards,
-  score minus the KL penalty (verl's GRPO/RLOO); the loss then holds no KL term, so comparing
-  the bare scores would drop the KL altogether. With the KL as a loss term the scores are
-  compared as they are."""
+  """With the KL in the reward a group estimator of the scores compares each sample's summed
+  token rewards, score minus the KL penalty (verl's GRPO/RLOO); the loss then holds no KL term,
+  so comparing the bare scores would drop the KL altogether. With the KL as a loss term the
+  scores are compared as they are."""
   from rlhfuse_jax.rl import advantages as adv_lib
   n, g = 8, 4
   mask, scores, old, ref = _groups_batch(np.random.default_rng(3), n)
