@@ -17,8 +17,8 @@ checkpoints, metrics, config records, result.json and hf_export/ stay as they ar
 rlhfuse_export.json says which iteration and model it holds. The chosen iteration (and, for
 best:..., the metric's value) is logged and printed as one JSON line on stdout, with the model.
 
---model=critic exports the run's critic instead (a PPO run's, algo.estimator='gae'; GRPO, Dr.
-GRPO, RLOO and REINFORCE++ train none: refused), to WORKDIR/hf_export_critic_<step> by default,
+--model=critic exports the run's critic instead (a PPO run's, algo.estimator='gae'; the
+critic-free estimators train none: refused), to WORKDIR/hf_export_critic_<step> by default,
 as a <Family>ForSequenceClassification (its value head as `score.weight`; --family, else `auto`:
 init.critic_checkpoint's family, else the one its shape implies), with the run's tokenizer
 files, the generation config and special ids of init.critic_checkpoint when the critic started

@@ -136,6 +136,43 @@ def test_grpo_and_reinforce_pp_keep_their_signal_for_huge_scores():
   np.testing.assert_allclose(adv[mask > 0], (v - v.mean()) / v.std(ddof=1), rtol=1e-5)
 
 
+def test_reinforce_baseline_centres_each_group_then_whitens_the_returns():
+  """REINFORCE++-baseline: each sample's score less its group's mean, taken off at its last
+  token, then REINFORCE++ (discounted return-to-go, whitened over the batch), against a float64
+  loop; scores with a large common offset keep their differences, and a group whose scores tie
+  gets the same advantage as a row with no reward at all (its centred score is exactly 0)."""
+  rewards, _, mask = _batch(6)
+  lengths = np.asarray(LENGTHS)
+  gamma, g = 0.9, 3
+  # (Far from zero, a KL penalty at the last token is rounded to the score's float32 precision
+  # already in the token rewards: that case has none.)
+  for offset, kl_coef in ((0.0, 0.01), (3e5, 0.0)):
+    scores = np.float32(offset + np.array([0.1, 0.0, 0.25, 0.1, 0.1, 0.1]))  # group 2 ties
+    last = np.zeros(rewards.shape, np.float32)
+    last[np.arange(6), lengths - 1] = scores
+    token_rewards = np.where(mask > 0, rewards * kl_coef, 0.0).astype(np.float32) + last
+    adv = np.asarray(adv_lib.reinforce_baseline_advantages(scores, token_rewards, mask, gamma,
+                                                           g)[0])
+    grouped = scores.astype(np.float64).reshape(-1, g)
+    centred = (grouped - grouped.mean(1, keepdims=True)).reshape(-1)
+    ret = np.zeros(rewards.shape)
+    for i, n in enumerate(LENGTHS):
+      acc = 0.0
+      for t in reversed(range(n)):
+        acc = rewards[i, t] * kl_coef + (centred[i] if t == n - 1 else 0.0) + gamma * acc
+        ret[i, t] = acc
+    v = ret[mask > 0]
+    np.testing.assert_allclose(adv[mask > 0], (v - v.mean()) / np.sqrt(v.var(ddof=1) + 1e-8),
+                               rtol=1e-4, atol=1e-4, err_msg=offset)
+    np.testing.assert_array_equal(adv[mask == 0], 0.0)
+  # Without a KL penalty a tied group's returns are exactly 0: one value, the batch mean's
+  # negative over the std, on each of its tokens.
+  tied = np.asarray(adv_lib.reinforce_baseline_advantages(scores, last, mask, 1.0, g)[0])[3:]
+  assert len(set(tied[mask[3:] > 0].tolist())) == 1
+  with pytest.raises(ValueError, match=r"batch size 6.*group_size=4"):
+    adv_lib.reinforce_baseline_advantages(scores, last, mask, 1.0, 4)
+
+
 def test_rloo_matches_leave_one_out_loop():
   rng = np.random.default_rng(4)
   g = 3
@@ -189,13 +226,15 @@ def test_registry_dispatch_and_errors():
                                 adv_lib.gae(rewards, values, mask, 0.9, 0.95)[0])
   np.testing.assert_array_equal(adv_lib.compute_advantages("grpo", **common)[0],
                                 adv_lib.grpo_advantages(scores, mask, 2)[0])
-  assert set(adv_lib.ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"}
+  assert set(adv_lib.ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "dr_grpo", "rloo", "reinforce_pp",
+                                               "reinforce_baseline"}
   assert adv_lib.needs_critic("gae")
-  assert not any(adv_lib.needs_critic(n) for n in ("grpo", "dr_grpo", "rloo", "reinforce_pp"))
+  assert not any(adv_lib.needs_critic(n) for n in ("grpo", "dr_grpo", "rloo", "reinforce_pp",
+                                                   "reinforce_baseline"))
   assert [n for n in adv_lib.ADVANTAGE_ESTIMATORS if adv_lib.compares_groups(n)] == [
-      "grpo", "dr_grpo", "rloo"]
-  with pytest.raises(ValueError, match=r"'ppo2'.*\['dr_grpo', 'gae', 'grpo', 'reinforce_pp', "
-                     r"'rloo'\]"):
+      "grpo", "dr_grpo", "rloo", "reinforce_baseline"]
+  with pytest.raises(ValueError, match=r"'ppo2'.*\['dr_grpo', 'gae', 'grpo', "
+                     r"'reinforce_baseline', 'reinforce_pp', 'rloo'\]"):
     adv_lib.compute_advantages("ppo2", **common)
   with pytest.raises(ValueError, match=r"'gae' needs inputs \['values'\]"):
     adv_lib.compute_advantages("gae", token_rewards=rewards, mask=mask, gamma=1.0, lam=1.0)

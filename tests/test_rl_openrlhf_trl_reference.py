@@ -185,6 +185,25 @@ def test_reinforce_pp_matches_openrlhf_reinforce(layout, gamma):
   _close(ret, adv, m)
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("gamma", [1.0, 0.7])
+@pytest.mark.parametrize("scores", ["normal", "binary"])
+def test_reinforce_baseline_matches_openrlhf(layout, gamma, scores):
+  # OpenRLHF's reinforce_baseline: each bare score less its group's mean, then compute_reward
+  # (the KL per token), get_cumulative_returns and the batch whitening, as "reinforce".
+  x = _layout(layout, seed=17, scores=scores)
+  m, g = x["mask"].astype(np.float64), x["g"]
+  kl = _openrlhf_approx_kl(x["logp"], x["ref_logp"], "k1") * m
+  shaped = _openrlhf_shape_rewards(x["scores"], g, "reinforce_baseline")
+  returns = _openrlhf_cumulative_returns(_openrlhf_compute_reward(shaped, 0.05, kl, m), m, gamma)
+  adv, ret, token_rewards = _ours("reinforce_baseline", x, gamma=gamma, kl_coef=0.05,
+                                  kl_estimator="k1")
+  _close(adv, _openrlhf_normalize(returns, m) * _bessel(m), m, tol=1e-4)
+  _close(ret, adv, m)
+  # The trainer's token rewards carry the bare score (the baseline is the estimator's own).
+  _close(token_rewards, _openrlhf_compute_reward(x["scores"], 0.05, kl, m), m)
+
+
 # trl/trainer/grpo_trainer.py -------------------------------------------------------------------
 
 def _trl_grpo_loss(logp, old_logp, ref_logp, adv, mask, eps_low, eps_high, beta, loss_type,

@@ -2,6 +2,7 @@
 (What a run writes, kill -9 and resume, a finished run: tests/test_faults.py.)"""
 import gc
 import json
+import math
 import os
 import re
 import shutil
@@ -568,6 +569,7 @@ def test_an_override_of_the_checkpoints_architecture_leaves_no_workdir(tmp_path)
 
 _SUMMARIZE = """
 import json
+import math
 from experiments import train_ppo
 rows = [{"step": i + 1, "reward/mean": 0.1 * i, "timing_s/step": s, "perf/tokens_per_s": t}
         for i, (s, t) in enumerate([(9.0, 10.0), (0.2, 500.0), (0.4, 300.0), (0.3, 400.0)])]
@@ -696,3 +698,27 @@ def test_a_resume_may_change_remat_or_gradient_sync_when_named(tmp_path, straigh
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "reward/mean",
                 "kl/ref_mean"):
       assert got[key] == pytest.approx(wanted[key], rel=1e-4, abs=1e-6), (got["step"], key)
+
+
+def test_reinforce_baseline_trains_from_the_command_line(tmp_path):
+  """REINFORCE++-baseline (algo.estimator='reinforce_baseline') as a user runs it, flags on
+  configs/ppo_tiny.py: no critic, each iteration's advantages whitened over the batch (mean
+  0), the reward finite, and the policy moves off the reference after the first update."""
+  wd = str(tmp_path / "run")
+  out = subprocess.run(_cmd(wd, "--config.num_iterations=3", "--config.checkpoint.every=100",
+                            "--config.algo.estimator=reinforce_baseline",
+                            "--config.rollout.samples_per_prompt=2",
+                            "--config.rollout.prompts_per_iteration=8"),
+                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=400)
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(os.path.join(wd, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  for r in rows:
+    assert not any(k.startswith("critic/") for k in r), sorted(r)
+    assert abs(r["advantages/mean"]) < 1e-4, r["advantages/mean"]
+    assert math.isfinite(r["reward/mean"]) and math.isfinite(r["actor/pg_loss"])
+  kl = [r["kl/ref_mean"] for r in rows]  # the first rollout is the reference's own
+  assert kl[0] < 1e-9 and kl[-1] > 1e-5, kl
+  result = json.load(open(os.path.join(wd, "result.json")))
+  assert (result["status"], result["iterations"]) == ("done", 3), result

@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE (with a critic) and critic-free GRPO, Dr. GRPO, RLOO, REINFORCE++.
+"""Advantage estimators: GAE (with a critic) and critic-free GRPO, Dr. GRPO, RLOO, REINFORCE++ and
+REINFORCE++-baseline.
 
 All inputs and outputs are per response token, `[batch, resp_len]`, with `mask` 1.0 on real
 response tokens (EOS included) and 0.0 on the padding after the end. Every estimator returns
@@ -11,9 +12,10 @@ it starts at 0 beyond the last position. So the value after a sequence's last va
 (the episode ended), sequences of different lengths in one batch are each handled correctly, and
 a mask with holes (e.g. tool-output tokens in a multi-turn response) skips the holes.
 
-The group estimators (GRPO, Dr. GRPO, RLOO: those taking `group_size`) compare the samples of
-one prompt: the batch is laid out as consecutive groups of `group_size` samples of the same
-prompt (`[prompt0 x n, prompt1 x n, ...]`); REINFORCE++ whitens over the whole batch instead.
+The group estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++-baseline: those taking `group_size`)
+compare the samples of one prompt: the batch is laid out as consecutive groups of `group_size`
+samples of the same prompt (`[prompt0 x n, prompt1 x n, ...]`); REINFORCE++ whitens over the
+whole batch instead (and REINFORCE++-baseline after centring each group's scores).
 """
 from __future__ import annotations
 
@@ -181,6 +183,38 @@ def reinforce_pp_advantages(token_rewards: jax.Array, mask: jax.Array, gamma: fl
   return adv, adv
 
 
+def reinforce_baseline_advantages(scores: jax.Array, token_rewards: jax.Array, mask: jax.Array,
+                                  gamma: float, group_size: int) -> Pair:
+  """REINFORCE++-baseline (Hu et al., 2025; OpenRLHF's "reinforce_baseline"): each sample's
+  score less its group's mean score, then REINFORCE++ on it (`reinforce_pp_advantages`): the
+  discounted return-to-go of the token rewards, whitened over the whole batch.
+
+  Args:
+    scores: `[batch]` bare sequence scores, batch = num_prompts * group_size.
+    token_rewards: `[batch, resp_len]` the score at the last valid token plus the KL penalty on
+      every token (`token_level_rewards`): only the score is centred, the penalty stays per
+      token (as OpenRLHF adds the KL after centring the scores).
+    mask, gamma, group_size: response mask, discount, samples per prompt (>= 2).
+  Returns:
+    (whitened advantages, whitened advantages): `[batch, resp_len]`, 0 on padding.
+  """
+  _check_groups(scores.shape[0], group_size, 2)
+  scores = scores.astype(jnp.float32)
+  grouped = scores.reshape(-1, group_size)  # [num_prompts, group_size]
+  # Centred as a shift of the group's first score, as in rloo_advantages: a tied group is then
+  # exactly 0, and scores far from zero keep their differences (the float32 mean of 3e5 + 0.1,
+  # 3e5 and 3e5 + 0.25 is a multiple of 0.03: each sample's advantage was off by up to that).
+  shifted = grouped - grouped[:, :1]
+  centred = (shifted - jnp.mean(shifted, axis=-1, keepdims=True)).reshape(-1)  # [batch]
+  # The score at the last valid token (where token_level_rewards put it) swapped for the centred
+  # one, in two steps: the score and its token reward cancel exactly, the penalty is left.
+  def at_last(v):  # [batch] -> [batch, resp_len], v at each row's last valid token
+    return token_level_rewards(v, jnp.zeros(mask.shape, jnp.float32), mask, 0.0)
+
+  shaped = (token_rewards.astype(jnp.float32) - at_last(scores)) + at_last(centred)
+  return reinforce_pp_advantages(shaped, mask, gamma)
+
+
 def _gae_on_token_rewards(token_rewards: jax.Array, values: jax.Array, mask: jax.Array,
                           gamma: float, lam: float) -> Pair:
   return gae(token_rewards, values, mask, gamma, lam)
@@ -247,6 +281,9 @@ ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {
     "reinforce_pp": AdvantageEstimator(
         reinforce_pp_advantages, ("token_rewards", "mask", "gamma"), False,
         "discounted per-token returns, batch-whitened"),
+    "reinforce_baseline": AdvantageEstimator(
+        reinforce_baseline_advantages, ("scores", "token_rewards", "mask", "gamma", "group_size"),
+        False, "group mean-centred scores, then REINFORCE++"),
 }
 
 # Inputs a caller may pass to any estimator; each estimator picks the ones it uses.
