@@ -39,9 +39,13 @@ def test_every_reward_function_that_reads_the_answer_requires_one():
     except ValueError as e:
       reads = True
       # Refused for the missing answer, not another ValueError on the way (gsm8k parsing
-      # str(None) failed with "holds no number").
+      # str(None) failed with "holds no number"). Said how: a new verifier's author (an
+      # AttributeError on None.strip()) got only the two messages it was not.
       assert ("needs a string 'target'" in str(e) or
-              "needs the sample's answer as a string" in str(e)), (name, str(e))
+              "needs the sample's answer as a string" in str(e)), (
+          f"reward function {name!r} fails without an answer, but not by refusing the missing "
+          f"answer: read it through verifiers._required(answer) (a verifier), or check "
+          f"record['target'] as rewards.target_ids does. It raised: {e}")
     assert reads == (name in rewards.NEEDS_ANSWER), (
         f"reward function {name!r} {'fails' if reads else 'does not fail'} without an answer "
         f"but is {'not ' if reads else ''}in rewards.NEEDS_ANSWER: "
