@@ -204,9 +204,9 @@ class AlgoConfig:
   # update here runs static padded shapes, so it moves neither the step time nor the result
   # beyond float rounding; it pays where shards skip padding.
   balance_tokens: bool = True
-  # Whiten a critic's (GAE's) advantages over the batch; the group estimators normalise within
-  # each prompt's group and reinforce_pp over the batch by definition, and ignore it
-  # (docs/architecture.md §1).
+  # Whiten a critic's (GAE's) advantages over the batch; the critic-free estimators set their
+  # own scale (grpo within each prompt's group, reinforce_pp and reinforce_baseline over the
+  # batch, dr_grpo and rloo not at all) and ignore it (docs/architecture.md §1).
   whiten_advantages: bool = True
   # PPO's old log-probs (the ratio's denominator and the KL penalty's policy side): "generation",
   # the behaviour log-probs the decode recorded (no extra pass); "recompute", one forward pass
