@@ -366,8 +366,9 @@ def rollout_statistics(algo: AlgoConfig, group_size: int, scores, mask, old_logp
     metrics["kl/penalty_token_mean"] = masked.masked_mean(kl, mask)
   if group_size > 1:
     # The share of prompts whose n samples' rewards all tie: no reward signal (the group
-    # estimators give them advantages of 0 with the KL as a loss term; their tokens still count
-    # in a token-mean), what DAPO's dynamic sampling would replace (not implemented here).
+    # estimators give them advantages of 0 with the KL as a loss term, reinforce_baseline one
+    # value shifted by its batch whitening; their tokens still count in a token-mean), what
+    # DAPO's dynamic sampling would replace (not implemented here).
     grouped = scores.reshape(-1, group_size)
     metrics["reward/tied_group_frac"] = jnp.mean(
         jnp.all(grouped == grouped[:, :1], axis=-1).astype(jnp.float32))
