@@ -898,6 +898,17 @@ def test_a_discount_an_estimator_does_not_take_is_warned_about(caplog, monkeypat
   assert "config.algo.gamma=0.5 not used: algo.estimator='batch_centred'" in text, text
   text = _validate_warnings(caplog, {"algo.estimator": "reinforce_pp", "algo.gamma": 0.5})
   assert "algo.gamma" not in text, text
+  # A critic-free estimator that takes lam (a lambda-return of the token rewards with no
+  # values) reads it: warned of as ignoring it, as every critic-free estimator was.
+
+  def lambda_returns(token_rewards, mask, gamma, lam):
+    return adv_lib.gae(token_rewards, jnp.zeros_like(token_rewards), mask, gamma, lam)
+  monkeypatch.setitem(adv_lib.ADVANTAGE_ESTIMATORS, "lambda_returns", adv_lib.AdvantageEstimator(
+      lambda_returns, ("token_rewards", "mask", "gamma", "lam"), False, "new"))
+  text = _validate_warnings(caplog, {"algo.estimator": "lambda_returns", "algo.lam": 0.9,
+                                     "algo.vf_coef": 1.0})
+  assert "config.algo.vf_coef=1.0 not used: algo.estimator='lambda_returns'" in text, text
+  assert "algo.lam" not in text, text
 
 
 def test_critic_settings_of_a_critic_free_run_are_warned_about(caplog):

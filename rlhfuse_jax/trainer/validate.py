@@ -47,10 +47,14 @@ def _critic_free_unused(cfg: TrainConfig) -> list[str]:
   optim.critic_lr: presets carry one rate for all their variants."""
   if adv_lib.needs_critic(cfg.algo.estimator):
     return []
-  algo = ["lam", "vf_coef", "value_clip_eps", "whiten_advantages"]
-  # Read from the registry: a group estimator compares one score per sample (no discounting),
-  # and so does any estimator of the scores alone (a batch-mean baseline, found unwarned).
-  if "gamma" not in adv_lib.get_estimator(cfg.algo.estimator).inputs:
+  # lambda and the discount read from the registry: a group estimator compares one score per
+  # sample (no discounting), and so does any estimator of the scores alone (a batch-mean
+  # baseline, found unwarned); a critic-free estimator that takes lam (a lambda-return) was
+  # warned of as ignoring it.
+  inputs = adv_lib.get_estimator(cfg.algo.estimator).inputs
+  algo = [f for f in ("lam", "vf_coef", "value_clip_eps", "whiten_advantages")
+          if f not in inputs]
+  if "gamma" not in inputs:
     algo.append("gamma")
   return set_fields(cfg, "algo", algo) + set_fields(cfg, "init", ["critic_checkpoint"])
 
