@@ -298,6 +298,43 @@ def test_an_export_stops_where_the_run_did_with_the_tokenizer_elsewhere(tmp_path
   assert HFTokenizer.from_file(out).stop_ids == tok.stop_ids
 
 
+def test_a_critic_source_s_malformed_eos_ids_are_replaced_in_its_export(tmp_path, monkeypatch):
+  """The critic's export copies init.critic_checkpoint's generation_config.json, which nothing
+  reads before (the actor's is checked at set-up), and sets its eos_token_id to the run's stop
+  ids where it names others. A value that is not token ids (a null in the list) was sorted with
+  them: the export (experiments/export_hf.py --model=critic) failed with a TypeError. It is
+  replaced as other ids are; a file that is not JSON is refused naming it."""
+  import dataclasses
+  import shutil
+  from flax import traverse_util
+  monkeypatch.chdir(REPO)
+  src = tmp_path / "critic_src"
+  shutil.copytree(os.path.join(REPO, ppo_hf.MODEL_DIR), src)
+  source = json.loads((src / "generation_config.json").read_text())
+  c = ppo_hf.get_config()
+  c.init.critic_checkpoint = str(src)
+  critic = hf_loader.load_hf_config(str(src), head="scalar", max_seq_len=128)
+  cfg = dataclasses.replace(TrainConfig.from_config_dict(c), critic_model=critic)
+  params = traverse_util.flatten_dict(jax.device_get(
+      llama.init_params(critic, jax.random.key(0))[0]))
+  params[("head", "value_bias")] = np.zeros((1,), np.float32)
+  params = traverse_util.unflatten_dict(params)
+  tokenizer = HFTokenizer.from_file(c.init.tokenizer)
+  stops = list(tokenizer.stop_ids)
+  want = stops if len(stops) > 1 else stops[0]
+  for eos in ([stops[0], None], ["</s>", stops[0]]):
+    (src / "generation_config.json").write_text(json.dumps({**source, "eos_token_id": eos}))
+    out = str(tmp_path / "critic")
+    hf_export.export_hf(params, cfg, out, 7, tokenizer, str(tmp_path), model="critic")
+    exported = json.loads(open(os.path.join(out, "generation_config.json")).read())
+    assert exported == {**source, "eos_token_id": want}, eos
+  (src / "generation_config.json").write_text("{not json")
+  with pytest.raises(ValueError, match=r"generation_config.json: not a valid "
+                                       r"generation_config.json \("):
+    hf_export.export_hf(params, cfg, str(tmp_path / "critic"), 7, tokenizer, str(tmp_path),
+                        model="critic")
+
+
 def test_export_family_and_refusals(tmp_path):
   """export_hf='auto' keeps the source checkpoint's family (a Mistral stays a Mistral, which
   the model's shape alone would write as LLaMA); a family that cannot express the actor is

@@ -18,6 +18,7 @@ import numpy as np
 import tokenizers
 from absl import logging
 
+from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.data import chat as chat_lib
 from rlhfuse_jax.data import tokenizer as tokenizer_lib
 from rlhfuse_jax.data.tokenizer import HFTokenizer, Tokenizer
@@ -161,10 +162,15 @@ def _write_generation_eos(tokenizer: Optional[Tokenizer], out: str) -> None:
     return
   stops = list(tokenizer.stop_ids)
   if os.path.isfile(path):
-    with open(path, encoding="utf-8") as f:
-      config = json.load(f)
+    config = wd.read_json_object(path, ValueError,
+                                 f"not a valid {tokenizer_lib.GENERATION_CONFIG}")
     eos = config.get("eos_token_id")
-    if sorted(eos if isinstance(eos, list) else [eos]) == sorted(stops):
+    ids = eos if isinstance(eos, list) else [eos]
+    # (a value that is not token ids, a null in the list, is replaced too: sorted with the ids
+    # it failed the export with a TypeError; init.critic_checkpoint's file, copied for the
+    # critic's export, is read nowhere before)
+    if all(isinstance(i, int) and not isinstance(i, bool) for i in ids) and (
+        sorted(ids) == sorted(stops)):
       return
     logging.warning("the export's %s names eos_token_id=%s, where the run's responses ended on "
                     "%s: written as the run's (transformers' generate() stops on it)",
