@@ -14,8 +14,9 @@ condition and moves with it (generation/instances.py), so both modes see the sam
 
 Writes into the workdir: config.json; result.json (identical_outputs, baseline / fused with
 gen_plus_inf_s, wall_s, instance_busy_frac, ..., ratio, the per-sample prompt and response
-lengths); timeline_baseline.png and timeline_fused.png (unfinished samples over time and each
-instance's prefill / decode / migrate / load / inference activity; white = idle);
+lengths, and `timelines`: what the PNGs draw); timeline_baseline.png and timeline_fused.png
+(unfinished samples over time and each instance's prefill / decode / migrate / load /
+inference activity; white = idle; `redraw(WORKDIR)` draws them again from result.json);
 calibration.json (the engine's measured costs in the simulator's calibration format);
 outputs.npz (the first baseline run's tokens, log-probs and inference outputs).
 
@@ -60,6 +61,7 @@ from rlhfuse_jax.generation import fused as fused_lib  # noqa: E402
 from rlhfuse_jax.generation import measure  # noqa: E402
 from rlhfuse_jax.generation import instances as instances_lib  # noqa: E402
 from rlhfuse_jax.generation import pipelined as pipelined_lib  # noqa: E402
+from rlhfuse_jax.generation import timeline as timeline_lib  # noqa: E402
 from rlhfuse_jax.generation.instances import FrozenModels  # noqa: E402
 from rlhfuse_jax.generation.sampling import SamplingConfig  # noqa: E402
 from rlhfuse_jax.models import llama  # noqa: E402
@@ -331,15 +333,17 @@ def run(c, workdir: str) -> dict:
   # samples and the generation's end are the whole batch's.
   note = (f"process 0's instances only (of {jax.process_count()} processes); the unfinished "
           "samples: all processes'" if jax.process_count() > 1 else "")
+  # What the timeline PNGs draw, kept in result.json (redraw: plot_timelines)
+  result["timelines"] = {"t_max_s": t_max, "note": note, "panels": {}}
   for mode, rs in runs.items():
     times = [o.timeline.gen_plus_inf_s for o, _ in rs]
     out, wall = medians[mode]
     result[mode] = summarize(out, wall)
     result[mode]["runs_gen_plus_inf_s"] = times
-    if main_process:
-      plots.plot_generation_timelines(
-          [(f"{mode} (median of {len(times)} runs)", out.timeline)],
-          os.path.join(workdir, f"timeline_{mode}.png"), t_max=t_max, note=note)
+    result["timelines"]["panels"][mode] = {"title": f"{mode} (median of {len(times)} runs)",
+                                           "timeline": out.timeline.to_json()}
+  if main_process:
+    plot_timelines(result, workdir)
   result["ratio"] = result["fused"]["gen_plus_inf_s"] / result["baseline"]["gen_plus_inf_s"]
   # Each repeat ran the two modes back to back: their ratio cancels slow drifts of the machine.
   paired = [f.timeline.gen_plus_inf_s / b.timeline.gen_plus_inf_s
@@ -360,6 +364,41 @@ def run(c, workdir: str) -> dict:
   if main_process:
     np.savez(os.path.join(workdir, "outputs.npz"), **output_arrays(runs["baseline"][0][0]))
   return result
+
+
+def plot_timelines(result: dict, workdir: str) -> list[str]:
+  """timeline_<mode>.png of each mode, drawn from `result`'s own data (result.json's
+  `timelines`: each panel's title and measured Timeline, the shared time axis's end and the
+  note), so a kept result is drawn again, restyled or compared without running the bench.
+  Returns the paths written."""
+  spec = result["timelines"]
+  paths = []
+  for mode, panel in spec["panels"].items():
+    path = os.path.join(workdir, f"timeline_{mode}.png")
+    plots.plot_generation_timelines(
+        [(panel["title"], timeline_lib.Timeline.from_json(panel["timeline"]))], path,
+        t_max=spec["t_max_s"], note=spec["note"])
+    paths.append(path)
+  return paths
+
+
+def redraw(workdir: str) -> list[str]:
+  """The PNGs of a finished run in `workdir`, drawn again from its result.json alone (the
+  timelines; a pipelined run's schedule_pipelined.png). Returns the paths written."""
+  path = os.path.join(workdir, "result.json")
+  result = wd.read_json_object(path)
+  wrote = wd.written_by(result)
+  if wrote not in (None, "bench_generation"):
+    raise ValueError(f"{path}: written by experiments.{wrote}, not experiments.bench_generation")
+  if "pipelined" in result:
+    path = os.path.join(workdir, "schedule_pipelined.png")
+    # result.json keeps the table as [stages][ticks]; the plot takes [ticks, stages]
+    plot_tick_table(np.asarray(result["decode_table"]).T, result["groups"], path)
+    return [path]
+  if "timelines" not in result:
+    raise ValueError(f"{path}: no `timelines` (a bench_generation result written before "
+                     "2026-12-07 does not keep what its PNGs draw)")
+  return plot_timelines(result, workdir)
 
 
 def run_and_write(c, workdir: str, reference=None) -> dict:

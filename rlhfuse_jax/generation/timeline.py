@@ -135,6 +135,31 @@ class Timeline:
   # "load_requested/<i>" moments).
   tagged: Optional[dict] = None
 
+  def to_json(self) -> dict:
+    """Every field as JSON values (result.json keeps it: a figure of the run is drawn again
+    from it, `from_json`, without running it again)."""
+    return {"num_instances": self.num_instances,
+            "segments": [[int(i), float(s), float(e), k] for i, s, e, k in self.segments],
+            "unfinished_curve": [[float(t), int(u)] for t, u in self.unfinished_curve],
+            "consolidations": list(self.consolidations), "gen_end_s": float(self.gen_end_s),
+            "gen_plus_inf_s": float(self.gen_plus_inf_s),
+            "observed": None if self.observed is None else [int(i) for i in self.observed],
+            "tagged": None if self.tagged is None else {
+                tag: [[float(s), float(e)] for s, e in spans]
+                for tag, spans in self.tagged.items()}}
+
+  @classmethod
+  def from_json(cls, d: dict) -> "Timeline":
+    """The Timeline `to_json` wrote (as json.load reads it back)."""
+    return cls(num_instances=d["num_instances"],
+               segments=[(i, s, e, k) for i, s, e, k in d["segments"]],
+               unfinished_curve=[(t, u) for t, u in d["unfinished_curve"]],
+               consolidations=list(d["consolidations"]), gen_end_s=d["gen_end_s"],
+               gen_plus_inf_s=d["gen_plus_inf_s"],
+               observed=None if d["observed"] is None else tuple(d["observed"]),
+               tagged=None if d["tagged"] is None else {
+                   tag: [(s, e) for s, e in spans] for tag, spans in d["tagged"].items()})
+
   @property
   def watched(self) -> tuple:
     return tuple(range(self.num_instances)) if self.observed is None else tuple(self.observed)

@@ -1,0 +1,147 @@
+"""bench_generation's result.json keeps the data its PNGs draw, and `redraw(WORKDIR)` draws
+each PNG again from result.json alone with the same series (axes, lines, bars and titles
+compared, not pixels). Before, result.json did not keep an instance's activity segments: a kept
+result's figure could not be restyled, redrawn at the current layout or set beside another
+run's without running the bench again.
+
+The binary defines absl flags, so it is imported in a subprocess; the figures are read where
+they are saved (matplotlib's Figure.savefig wrapped)."""
+import json
+import os
+import subprocess
+import sys
+
+from rlhfuse_jax.generation.timeline import Timeline
+from tests.xla_env import subprocess_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Prepended to a subprocess's code: every figure saved is recorded (each axes' title, labels,
+# limits, lines' data and bar spans) in SEEN, then saved as before.
+_CAPTURE = """
+import json
+import os
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.figure
+SEEN = []
+_save = matplotlib.figure.Figure.savefig
+
+def _axes(ax):
+  return {"title": ax.get_title(), "xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel(),
+          "xlim": [float(v) for v in ax.get_xlim()], "ylim": [float(v) for v in ax.get_ylim()],
+          "lines": [[l.get_label(), [float(v) for v in l.get_xdata()],
+                     [float(v) for v in l.get_ydata()]] for l in ax.get_lines()],
+          # broken_barh's bars: (x0, y0, width, height) of each, by collection and colour
+          "bars": [[[float(v) for v in c.get_facecolor()[0]],
+                    [[float(v) for v in p.get_extents().bounds] for p in c.get_paths()]]
+                   for c in ax.collections if len(c.get_facecolor())]}
+
+def _record(fig, path, *a, **kw):
+  SEEN.append([os.path.basename(str(path)), [_axes(ax) for ax in fig.axes]])
+  return _save(fig, path, *a, **kw)
+
+matplotlib.figure.Figure.savefig = _record
+"""
+
+
+def _python(code: str, *args: str, devices=None, timeout: int = 600) -> list:
+  """`code` in a fresh interpreter from the repository root; the JSON of its last stdout line."""
+  out = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO,
+                       env=subprocess_env(devices), capture_output=True, text=True,
+                       timeout=timeout)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_timeline_reads_back_from_its_json_as_it_was():
+  tl = Timeline(num_instances=3, segments=[(0, 0.0, 0.5, "prefill"), (2, 0.25, 1.0, "decode")],
+                unfinished_curve=[(0.0, 8), (0.75, 3)],
+                consolidations=[{"time_s": 0.5, "step": 4, "moves": 2}], gen_end_s=1.0,
+                gen_plus_inf_s=1.5, observed=(0, 2), tagged={"same_host": [(0.5, 0.625)]})
+  back = Timeline.from_json(json.loads(json.dumps(tl.to_json())))
+  assert back == tl
+  assert back.instance_busy_frac == tl.instance_busy_frac
+  assert Timeline.from_json(json.loads(json.dumps(
+      Timeline(1, [], [], [], 0.0, 0.0).to_json()))) == Timeline(1, [], [], [], 0.0, 0.0)
+
+
+_BENCH_GENERATION = _CAPTURE + """
+import sys
+from configs import bench_generation as cb
+from experiments import bench_generation as bg
+workdir = sys.argv[1]
+c = cb.get_config("tiny")
+c.repeats = 1
+c.generation.migration_threshold = "0.75"
+c.lengths.median = 8.0  # a tail long enough to consolidate (test_tiny_bench's setting)
+bg.run_and_write(c, workdir)
+ran = list(SEEN)
+SEEN.clear()
+redrawn = bg.redraw(workdir)
+print(json.dumps({"ran": ran, "redrawn": SEEN, "paths": redrawn}))
+"""
+
+
+def test_bench_generation_redraws_its_timelines_from_result_json(tmp_path):
+  got = _python(_BENCH_GENERATION, str(tmp_path), devices=8)
+  with open(tmp_path / "result.json") as f:
+    result = json.load(f)
+  spec = result["timelines"]
+  assert set(spec["panels"]) == {"baseline", "fused"}
+  for mode, panel in spec["panels"].items():
+    tl = panel["timeline"]
+    assert panel["title"] == f"{mode} (median of 1 runs)"
+    assert tl["gen_plus_inf_s"] == result[mode]["gen_plus_inf_s"]
+    assert {k for _, _, _, k in tl["segments"]} >= {"prefill", "decode", "inference"}
+    # the fused run's consolidation is in its timeline (the red line the figure draws)
+    assert len(tl["consolidations"]) == len(result[mode]["consolidations"])
+  assert spec["panels"]["fused"]["timeline"]["consolidations"], "no consolidation: nothing drawn"
+  assert spec["t_max_s"] == max(result[m]["gen_plus_inf_s"] for m in ("baseline", "fused"))
+  # The same figures, series for series, drawn from result.json as by the run.
+  assert [name for name, _ in got["ran"]] == ["timeline_baseline.png", "timeline_fused.png"]
+  assert got["redrawn"] == got["ran"]
+  assert got["paths"] == [str(tmp_path / n) for n in ("timeline_baseline.png",
+                                                         "timeline_fused.png")]
+  # ... and those series are the stored data: the unfinished-sample step curve (right axis).
+  for (_, axes), mode in zip(got["ran"], ("baseline", "fused")):
+    curve = spec["panels"][mode]["timeline"]["unfinished_curve"]
+    steps = [ax["lines"] for ax in axes if ax["ylabel"] == "unfinished samples"][0]
+    assert steps[0][1:] == [[t for t, _ in curve], [float(u) for _, u in curve]]
+    assert axes[0]["xlim"][1] == spec["t_max_s"] * 1.02
+    # every activity segment is a bar (the tiny bench's 2 instances are all drawn)
+    segments = spec["panels"][mode]["timeline"]["segments"]
+    assert sum(len(bars) for _, bars in axes[0]["bars"]) == len(segments)
+
+
+def test_redraw_names_a_result_without_the_data_or_of_another_binary(tmp_path):
+  """A result.json written before the benches kept their data (or of another binary) is
+  refused by path and by what it lacks, not with a KeyError."""
+  old = tmp_path / "old"
+  old.mkdir()
+  (old / "result.json").write_text(json.dumps({"baseline": {}, "provenance": {
+      "command": "python -m experiments.bench_generation --workdir=x"}}))
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "result.json").write_text(json.dumps({"provenance": {
+      "command": "python -m experiments.bench_decode --workdir=x"}}))
+  # (one binary per process: both define --config)
+  code = """
+import sys
+from experiments import {binary} as b
+try:
+  b.redraw(sys.argv[1])
+  print("drawn")
+except ValueError as e:
+  print(e)
+"""
+  said = []
+  for binary, where in (("bench_generation", old), ("bench_generation", other)):
+    out = subprocess.run([sys.executable, "-c", code.format(binary=binary), str(where)],
+                         cwd=REPO, env=subprocess_env(None), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said.append(out.stdout.strip().splitlines()[-1])
+  assert said[0].startswith(f"{old}/result.json: no `timelines` ("), said
+  assert said[1] == (f"{other}/result.json: written by experiments.bench_decode, not "
+                     "experiments.bench_generation"), said
