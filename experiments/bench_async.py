@@ -7,7 +7,8 @@ r"""Asynchronous PPO against the synchronous loop (config.async_ppo; docs/usage.
 Runs `python -m experiments.train_ppo` once per run config, staleness (the first is the
 synchronous reference, 0) and seed, each in DIR/<config>_s<k>_seed<n> with its own
 metrics.jsonl (`parallel` of them at once), and writes DIR/result.json and DIR/curves.png
-(reward per iteration and against the iterations' summed wall time, means over the seeds):
+(reward per iteration and against the iterations' summed wall time, means over the seeds; the
+series it draws are result.json's `curves`, and `redraw(DIR)` draws it again from them):
 
   reward_gain       mean reward of the last window minus the first (window: a fraction of the
                     iterations), averaged over the seeds (per seed in reward_gain_per_seed);
@@ -206,6 +207,43 @@ def plot(curves: dict, path: str, width: int, skip: int = 0, machine: str = "") 
   plt.close(fig)
 
 
+def curves_entry(curves: dict, width: int, skip: int = 0, machine: str = "") -> dict:
+  """What curves.png draws, as result.json keeps it (`curves`): `plot`'s arguments, each
+  staleness's series under its number as a string (a JSON key) and as lists, so a kept result
+  is drawn again, restyled or compared with another run's (`plot_result`) without its runs."""
+  return {"width": width, "skip": skip, "machine": machine,
+          "runs": {config: {str(k): {name: [float(x) for x in values]
+                                     for name, values in series.items()}
+                            for k, series in by_k.items()}
+                   for config, by_k in curves.items()}}
+
+
+def plot_result(result: dict, path: str) -> None:
+  """curves.png drawn from a result's `curves` (curves_entry) alone."""
+  entry = result["curves"]
+  plot({config: {int(k): {name: np.asarray(values, np.float64)
+                          for name, values in series.items()}
+                 for k, series in by_k.items()}
+        for config, by_k in entry["runs"].items()},
+       path, entry["width"], entry["skip"], entry["machine"])
+
+
+def redraw(workdir: str) -> str:
+  """WORKDIR/curves.png drawn again from WORKDIR/result.json alone (not the runs' metrics);
+  returns its path."""
+  path = os.path.join(workdir, "result.json")
+  result = wd.read_json_object(path)
+  wrote = wd.written_by(result)
+  if wrote not in (None, "bench_async"):
+    raise ValueError(f"{path}: written by experiments.{wrote}, not experiments.bench_async")
+  if not result.get("curves"):
+    raise ValueError(f"{path}: no `curves` (no config had all its runs finish, or a "
+                     "bench_async result written before 2026-12-07, which did not keep them)")
+  out = os.path.join(workdir, "curves.png")
+  plot_result(result, out)
+  return out
+
+
 # The fields that change a run without changing its name (a run is named by its config,
 # staleness and seed; each train_ppo run refuses a resume under another config of its own).
 # The others (window, skip, min_gain_ratio, parallel; runs, staleness and seeds add or drop
@@ -340,14 +378,16 @@ def main(argv):
   result["step_times_comparable"] = c.parallel == 1
   # The runs' devices, not this process's (it imported jax to check their configs, with the
   # caller's XLA_FLAGS: 1 device where each run had host_devices).
+  if curves:  # what curves.png draws, kept: `redraw` draws it again from result.json
+    result["curves"] = curves_entry(curves, max(1, int(round(
+        min(len(v["reward"]) for by_k in curves.values() for v in by_k.values()) *
+        c.window))), c.skip, f"{c.host_devices} CPU devices, {c.parallel} run(s) at once")
   runner.write_result(out, result, ran_on={
       "num_devices": c.host_devices, "platform": "cpu", "device_kind": "cpu",
       "num_processes": 1,
       "devices_of": "each train_ppo run (config.host_devices fake CPU devices)"})
   if curves:
-    plot(curves, os.path.join(out, "curves.png"), max(1, int(round(
-        min(len(v["reward"]) for by_k in curves.values() for v in by_k.values()) *
-        c.window))), c.skip, f"{c.host_devices} CPU devices, {c.parallel} run(s) at once")
+    plot_result(result, os.path.join(out, "curves.png"))
   logging.info("wrote %s/result.json%s", out, " and curves.png" if curves else "")
   if not failed and c.min_gain_ratio > 0:
     (logging.info if result["all_gains_ok"] else logging.warning)(

@@ -1,15 +1,17 @@
-"""bench_generation's result.json keeps the data its PNGs draw, and `redraw(WORKDIR)` draws
-each PNG again from result.json alone with the same series (axes, lines, bars and titles
-compared, not pixels). Before, result.json did not keep an instance's activity segments: a kept
-result's figure could not be restyled, redrawn at the current layout or set beside another
-run's without running the bench again.
+"""bench_generation's and bench_async's result.json keep the data their PNGs draw, and
+`redraw(WORKDIR)` draws each PNG again from result.json alone with the same series (axes, lines,
+bars and titles compared, not pixels). Before, result.json kept neither an instance's activity
+segments nor the reward curves: a kept result's figure could not be restyled, redrawn at the
+current layout or set beside another run's without running the bench again.
 
-The binary defines absl flags, so it is imported in a subprocess; the figures are read where
+The binaries define absl flags, so each is imported in a subprocess; the figures are read where
 they are saved (matplotlib's Figure.savefig wrapped)."""
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from rlhfuse_jax.generation.timeline import Timeline
 from tests.xla_env import subprocess_env
@@ -114,17 +116,81 @@ def test_bench_generation_redraws_its_timelines_from_result_json(tmp_path):
     assert sum(len(bars) for _, bars in axes[0]["bars"]) == len(segments)
 
 
+_BENCH_ASYNC = _CAPTURE + """
+import os, re, sys
+workdir = sys.argv[1]
+sys.argv = ["bench_async", "--config=configs/bench_async.py", f"--workdir={workdir}",
+            "--config.staleness=(0,1)", "--config.seeds=(0,1)", "--config.window=0.25",
+            "--config.skip=1", "--config.num_iterations=4",
+            "--config.runs=('configs/ppo_tiny.py','configs/grpo_tiny.py')"]
+from absl import flags
+from experiments import bench_async as b
+
+def fake_run(cmd, run_dir, name, env, started=None, prefix=None):
+  # each run's rewards and step times from its name: distinct per config, staleness and seed
+  stem, k, seed = re.fullmatch(r"(.*)_s(\\d+)_seed(\\d+)", name).groups()
+  base = (len(stem) + 3 * int(k) + int(seed)) / 10
+  os.makedirs(run_dir, exist_ok=True)
+  with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+    for i in range(4):
+      f.write(json.dumps({"step": i + 1, "reward/mean": base + 0.25 * i * i,
+                          "timing_s/step": 9.0 if i == 0 else base + i}) + "\\n")
+  return 0
+
+b.runner.run_streamed = fake_run
+flags.FLAGS(sys.argv)
+assert b.main(["bench_async"]) == 0
+ran = list(SEEN)
+SEEN.clear()
+path = b.redraw(workdir)
+print(json.dumps({"ran": ran, "redrawn": SEEN, "path": path}))
+"""
+
+
+def test_bench_async_redraws_its_curves_from_result_json(tmp_path):
+  """main's runs faked (test_mutation_gaps_12's way): result.json's `curves` are each config's
+  and staleness's seeds' mean reward and elapsed time per iteration, and curves.png drawn from
+  them alone is the run's own figure."""
+  got = _python(_BENCH_ASYNC, str(tmp_path))
+  with open(tmp_path / "result.json") as f:
+    curves = json.load(f)["curves"]
+  assert curves["width"] == 1 and curves["skip"] == 1
+  assert curves["machine"] == "1 CPU devices, 2 run(s) at once"
+  assert list(curves["runs"]) == ["configs/ppo_tiny.py", "configs/grpo_tiny.py"]
+  for config, by_k in curves["runs"].items():
+    stem = os.path.splitext(os.path.basename(config))[0]
+    assert list(by_k) == ["0", "1"]
+    for k, series in by_k.items():
+      bases = [(len(stem) + 3 * int(k) + seed) / 10 for seed in (0, 1)]
+      base = sum(bases) / 2
+      assert series["reward"] == pytest.approx([base + 0.25 * i * i for i in range(4)])
+      # the first step (a compile, 9 s) counted at the median of the others: base + 2
+      per_seed = [[b + 2, b + 1, b + 2, b + 3] for b in bases]
+      elapsed = [sum(sum(s[:i + 1]) for s in per_seed) / 2 for i in range(4)]
+      assert series["elapsed_s"] == pytest.approx(elapsed)
+  assert [name for name, _ in got["ran"]] == ["curves.png"]
+  assert got["redrawn"] == got["ran"] and got["path"] == str(tmp_path / "curves.png")
+  axes = got["ran"][0][1]  # 2 rows x 2 columns, row-major: ppo by iteration, grpo by ...
+  ppo_top, ppo_bottom = axes[0], axes[2]
+  assert ppo_top["title"] == "configs/ppo_tiny.py (1 CPU devices, 2 run(s) at once)"
+  sync = curves["runs"]["configs/ppo_tiny.py"]["0"]
+  # (a moving mean of width 1: the reward itself, up to its cumulative sum's rounding)
+  label, x, y = ppo_top["lines"][0]
+  assert (label, x, y) == ("synchronous", [1.0, 2.0, 3.0, 4.0], pytest.approx(sync["reward"]))
+  label, x, y = ppo_bottom["lines"][0]
+  assert (label, x, y) == ("synchronous", sync["elapsed_s"], pytest.approx(sync["reward"]))
+
+
 def test_redraw_names_a_result_without_the_data_or_of_another_binary(tmp_path):
   """A result.json written before the benches kept their data (or of another binary) is
   refused by path and by what it lacks, not with a KeyError."""
-  old = tmp_path / "old"
-  old.mkdir()
-  (old / "result.json").write_text(json.dumps({"baseline": {}, "provenance": {
-      "command": "python -m experiments.bench_generation --workdir=x"}}))
-  other = tmp_path / "other"
-  other.mkdir()
-  (other / "result.json").write_text(json.dumps({"provenance": {
-      "command": "python -m experiments.bench_decode --workdir=x"}}))
+  made = {}
+  for name, binary in (("gen", "bench_generation"), ("async", "bench_async"),
+                       ("other", "bench_decode")):
+    made[name] = tmp_path / name
+    made[name].mkdir()
+    (made[name] / "result.json").write_text(json.dumps({"runs": {}, "provenance": {
+        "command": f"python -m experiments.{binary} --workdir=x"}}))
   # (one binary per process: both define --config)
   code = """
 import sys
@@ -136,12 +202,16 @@ except ValueError as e:
   print(e)
 """
   said = []
-  for binary, where in (("bench_generation", old), ("bench_generation", other)):
-    out = subprocess.run([sys.executable, "-c", code.format(binary=binary), str(where)],
-                         cwd=REPO, env=subprocess_env(None), capture_output=True, text=True,
-                         timeout=300)
+  for binary, where in (("bench_generation", "gen"), ("bench_async", "async"),
+                        ("bench_generation", "async"), ("bench_async", "other")):
+    out = subprocess.run([sys.executable, "-c", code.format(binary=binary),
+                          str(made[where])], cwd=REPO, env=subprocess_env(None),
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     said.append(out.stdout.strip().splitlines()[-1])
-  assert said[0].startswith(f"{old}/result.json: no `timelines` ("), said
-  assert said[1] == (f"{other}/result.json: written by experiments.bench_decode, not "
+  assert said[0].startswith(f"{made['gen']}/result.json: no `timelines` ("), said
+  assert said[1].startswith(f"{made['async']}/result.json: no `curves` ("), said
+  assert said[2] == (f"{made['async']}/result.json: written by experiments.bench_async, not "
                      "experiments.bench_generation"), said
+  assert said[3] == (f"{made['other']}/result.json: written by experiments.bench_decode, not "
+                     "experiments.bench_async"), said
