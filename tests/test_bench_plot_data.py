@@ -37,7 +37,10 @@ def _axes(ax):
           # broken_barh's bars: (x0, y0, width, height) of each, by collection and colour
           "bars": [[[float(v) for v in c.get_facecolor()[0]],
                     [[float(v) for v in p.get_extents().bounds] for p in c.get_paths()]]
-                   for c in ax.collections if len(c.get_facecolor())]}
+                   for c in ax.collections if len(c.get_facecolor())],
+          # imshow's cells (masked: idle) and colour range
+          "images": [[im.get_array().filled(-1).tolist(), list(im.get_clim())]
+                     for im in ax.get_images()]}
 
 def _record(fig, path, *a, **kw):
   SEEN.append([os.path.basename(str(path)), [_axes(ax) for ax in fig.axes]])
@@ -114,6 +117,33 @@ def test_bench_generation_redraws_its_timelines_from_result_json(tmp_path):
     # every activity segment is a bar (the tiny bench's 2 instances are all drawn)
     segments = spec["panels"][mode]["timeline"]["segments"]
     assert sum(len(bars) for _, bars in axes[0]["bars"]) == len(segments)
+
+
+_PIPELINED = _CAPTURE + """
+import sys
+from configs import bench_generation as cb
+from experiments import bench_generation as bg
+workdir = sys.argv[1]
+bg.run_and_write(cb.get_config("pipelined_tiny"), workdir)
+ran = list(SEEN)
+SEEN.clear()
+redrawn = bg.redraw(workdir)
+print(json.dumps({"ran": ran, "redrawn": SEEN, "paths": redrawn}))
+"""
+
+
+def test_bench_generation_redraws_a_pipelined_runs_tick_table_from_result_json(tmp_path):
+  """schedule_pipelined.png from result.json's decode_table ([stages][ticks] there, as the
+  figure's rows): the same cells as the run's."""
+  got = _python(_PIPELINED, str(tmp_path), devices=8)
+  with open(tmp_path / "result.json") as f:
+    result = json.load(f)
+  assert [name for name, _ in got["ran"]] == ["schedule_pipelined.png"]
+  assert got["redrawn"] == got["ran"] and got["paths"] == [str(tmp_path /
+                                                               "schedule_pipelined.png")]
+  cells, _ = got["ran"][0][1][0]["images"][0]
+  assert cells == result["decode_table"]  # (idle cells, masked, filled with IDLE = -1)
+  assert len(cells) == result["stages"]
 
 
 _BENCH_ASYNC = _CAPTURE + """
