@@ -50,11 +50,12 @@ Rates: seconds = overhead_s + amount / rate.
 byte_unit: what the bytes of the migration and weight_load rates count. "stored": the bytes the
 timed copy moved, at the models' own dtypes (4 a float32 parameter or KV element), what
 generation/measure.py and experiments/calibrate_sim.py write since 2026-12-04. "bf16" (a file
-without the key: every earlier one, e.g. experiments/results/bench_generation_cpu/): 2 bytes a
-parameter or KV element whatever the dtype that was copied. The cost model converts the sizes it
-charges into the file's unit (`Calibration.rate_bytes`), so a file measured on float32 models
-times a float32 workload's loads (plan_search:train, the Rt model) at their measured time; a bf16
-file read for float32 shapes charges their parameters at 2 bytes, as the file counted them.
+without the key: every earlier one, e.g. experiments/results/bench_generation_cpu/2026-12-01/):
+2 bytes a parameter or KV element whatever the dtype that was copied. The cost model converts
+the sizes it charges into the file's unit (`Calibration.rate_bytes`), so a file measured on
+float32 models times a float32 workload's loads (plan_search:train, the Rt model) at their
+measured time; a bf16 file read for float32 shapes charges their parameters at 2 bytes, as the
+file counted them.
 train_stage: one pipeline stage and one micro-batch. actor_fwd_s / critic_fwd_s are the forward
 (mean over stages where per-stage lists exist); actor_bwd_s / critic_bwd_s the measured backward
 (the pipeline executor's backward: forward recompute + vjp, and head + loss on the last stage);
