@@ -27,7 +27,9 @@ into the workdir:
                   asynchronous splits fit: 24 devices, no layout of all 24 divides the
                   mini-batch), uniform.predicted_iteration_s
                   and async.predicted_iteration_s (with async.generation_devices,
-                  training_devices, staleness, colocated) are the figures; plan_json says
+                  training_devices, staleness, colocated; colocated_refused: why the
+                  colocated option does not fit with the trainer's copy of the actor
+                  beside its stages, or null) are the figures; plan_json says
                   which plan plan.json holds ("synchronous" or "asynchronous"); "refused":
                   {why: synchronous combinations} tried and skipped: a generation or
                   inference that does not fit beside its training plan's state,
@@ -510,7 +512,8 @@ def main(argv):
     a = res["async"]
     ab = a["best"]
     asynchronous = {**ab["async"], "predicted_iteration_s": ab["predicted"]["iteration_s"],
-                    "plan": ab, "top": a["top"], "splits": a["splits"], "search_s": a["search_s"]}
+                    "plan": ab, "top": a["top"], "splits": a["splits"], "search_s": a["search_s"],
+                    "colocated_refused": a["colocated_refused"]}
     if best is None or (not ab["async"]["colocated"] and (ab["predicted"]["iteration_s"] <
                                                           best["predicted_iteration_s"])):
       plan, which = ab, "asynchronous"

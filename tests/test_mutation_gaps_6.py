@@ -776,7 +776,11 @@ def test_an_async_split_picks_its_training_plan_with_the_rescore(monkeypatch):
   monkeypatch.setattr(ps, "rescore_s", lambda cost, wl, p, seq, opt: 1.0 if p["tp"] == 1 else 0.1)
   wl = _small_7b_workload(32)
   sync_best = {"predicted": {"gen_s": 500.0, "inf_s": 0.0, "reshard_s": 0.0, "train_s": 500.0,
-                             "iteration_s": 1000.0}}
+                             "iteration_s": 1000.0},
+               # (its layouts: the colocated option's memory is checked, with the actor's copy)
+               "generation": {"mode": "instances", "tp": 4, "pp": 1, "groups": 1, "slots": 8},
+               "inference": {"tp": 4, "pp": 1},
+               "training": {"placement": "colocated", "tp": 4, "actor_pp": 1, "critic_pp": 1}}
   res = ps.async_search(CostModel(get_hardware("h100_sxm")), wl, it.SimOptions(gen_tps=(1,)),
                         1, sync_best, split_unit=4)
   best = res["best"]

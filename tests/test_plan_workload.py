@@ -239,3 +239,18 @@ def test_train_ppo_warns_of_a_plan_for_another_mlp_width(tmp_path):
           "(this run's data.length_dist is 'lognormal') (plan_search's "
           "train_config='configs/ppo_tiny.py'): its predicted times and memory check are for "
           "that workload") in out.stderr, out.stderr[-3000:]
+
+
+def test_an_asynchronous_run_on_its_training_devices_is_searched_with_its_copy_of_the_actor(
+    tmp_path):
+  """async_ppo.staleness > 0 without a generation group keeps a copy of the actor on the
+  training devices (PPOTrainer._snapshot): the run's workload says so (Workload.actor_copy),
+  so that plan_search counts it beside the stages of the plans it gives the run; a synchronous
+  run, or one with a generation group (whose actor is the copy), keeps none."""
+  raw = TrainConfig.from_config_dict(ppo_tiny.get_config())
+  task, tokenizer = build.build_task_and_tokenizer(raw)
+  for staleness, group, copy in ((0, 0, False), (1, 0, True), (1, 4, False)):
+    cfg = build.resolve_config(dataclasses.replace(raw, async_ppo=dataclasses.replace(
+        raw.async_ppo, staleness=staleness, generation_devices=group)), tokenizer)
+    wl = sim_plan.workload(cfg, task, tokenizer, 8, str(tmp_path / "lengths"))[0]
+    assert wl.actor_copy is copy, (staleness, group)

@@ -444,7 +444,11 @@ def test_an_async_split_without_a_generation_plan_says_why():
                   num_layers=28, num_heads=28, num_kv_heads=4)
   wl = dataclasses.replace(_small(), actor=q7, critic=q7.as_critic(), global_batch=64)
   sync_best = {"predicted": {"gen_s": 5.0, "inf_s": 0.0, "reshard_s": 0.0, "train_s": 5.0,
-                             "iteration_s": 10.0}}
+                             "iteration_s": 10.0},
+               # (its layouts: the colocated option's memory is checked, with the actor's copy)
+               "generation": {"mode": "instances", "tp": 4, "pp": 1, "groups": 1, "slots": 16},
+               "inference": {"tp": 4, "pp": 1},
+               "training": {"placement": "colocated", "tp": 4, "actor_pp": 2, "critic_pp": 2}}
   res = ps.async_search(COST, wl, it.SimOptions(gen_tps=(8,)), 1, sync_best, split_unit=4)
   gen = [s["rejected"] for s in res["splits"] if "no generation plan" in s["rejected"]]
   assert gen, res["splits"]
@@ -1044,3 +1048,106 @@ def test_binary_names_the_models_it_planned_and_warns_of_a_short_context(tmp_pat
   assert [w for w in res["setting"]["context_warnings"] if warning in w]
   assert f"Warning: mine/crit L=64: {warning}" in md
   assert warning in out.stderr and "crit holds" not in out.stderr
+
+
+def test_async_ppos_copy_of_the_actor_on_the_training_devices_is_counted():
+  """A run with async_ppo.staleness > 0 and no generation group (Workload.actor_copy) keeps a
+  copy of the actor on the training devices from before each update to the end of the next
+  batch's generation (PPOTrainer._snapshot): the actor's bf16 weights over the training tp,
+  beside every stage. Until 2026-12-07 the search left it out: 13B/13B on 8 H100s was given
+  training tp2 Pa/Pc=4/4, whose update needs 61.5 GiB without the copy and 73.6 with its 12.1
+  (67.1 usable); now that plan is refused naming the copy, and every stage of the plan given
+  fits with the copy counted by hand."""
+  a = get_shape("llama-13b")
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=8, global_batch=32, minibatch=16,
+                   actor_copy=True)
+  opt = it.SimOptions(trainer_runnable=True)
+  plain = ps.search(COST, dataclasses.replace(wl, actor_copy=False), opt, top_k=1)["best"]
+  old = plain["training"]
+  assert (old["tp"], old["actor_pp"], old["critic_pp"]) == (2, 4, 4)
+  res = ps.search(COST, wl, opt, top_k=1)
+  refusal = ("training colocated tp2 Pa/Pc=4/4 does not fit in memory beside asynchronous "
+             "PPO's copy of the actor")
+  assert any(why.startswith(refusal) for why in res["refused"]), res["refused"]
+
+  def by_hand(plan):
+    """Each stage's need: plan_memory's parts but the copy, plus the copy from its
+    definition (2 bytes a parameter over the training tp)."""
+    copy = a.num_params() * 2 / plan["training"]["tp"]
+    rows = ps.plan_memory(COST, wl, opt, plan)
+    for r in rows:
+      assert r["parts"][ps.ACTOR_COPY] == pytest.approx(copy), r
+    return [sum(v for k, v in r["parts"].items() if k != ps.ACTOR_COPY) + copy for r in rows]
+
+  need = by_hand(plain)[2]
+  assert need / GIB == pytest.approx(73.6, abs=0.05) and need > COST.usable_bytes
+  assert max(by_hand(res["best"])) <= COST.usable_bytes
+  # Without the copy (a synchronous run, or an asynchronous split: the group's actor is the
+  # copy) nothing of it is counted.
+  split = {**res["best"], "async": {"generation_devices": 4, "training_devices": 4,
+                                    "staleness": 1, "colocated": False},
+           "generation": {"mode": "instances", "tp": 4, "pp": 1, "groups": 1, "slots": 8},
+           "inference": {"tp": 4, "pp": 1},
+           "training": {"placement": "colocated", "devices": 4, "tp": 4, "actor_pp": 1,
+                        "critic_pp": 1}}
+  for w, plan in ((dataclasses.replace(wl, actor_copy=False), res["best"]), (wl, split)):
+    assert not ps.keeps_actor_copy(w, plan)
+    assert all(ps.ACTOR_COPY not in r["parts"] for r in ps.plan_memory(COST, w, opt, plan))
+
+
+def test_the_colocated_async_option_keeps_the_actors_copy_and_the_optimizer_state():
+  """The asynchronous search's colocated option is the synchronous best plan run
+  asynchronously on all the devices: with the copy of the actor (its bf16 weights over the
+  training tp) beside its stages, and the AdamW state kept (the trainer refuses
+  optim.offload_during_rollout with asynchronous PPO). Where the copy does not fit beside them
+  the option is refused, and the search says why; until 2026-12-07 it was returned as
+  fitting."""
+  a = get_shape("llama-13b")
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=16, global_batch=32, minibatch=16)
+  opt = it.SimOptions(trainer_runnable=True)
+  sync = ps.search(COST, wl, opt, top_k=1)["best"]
+  need = max(r["total"] for r in ps.plan_memory(COST, wl, opt, sync))
+  copy = a.num_params() * 2 / sync["training"]["tp"]
+  # HBM with room for the synchronous plan, not for the copy beside it: the colocated option
+  # is refused, and with no split to try the search says why.
+  cost = CostModel(dataclasses.replace(
+      COST.hw, hbm_bytes=(need + copy / 2) / COST.eff.memory_headroom))
+  assert ps.search(cost, wl, opt, top_k=1)["best"]["summary"] == sync["summary"]
+  with pytest.raises(ValueError, match="no split of 16 devices into two groups to try.*both "
+                     "groups colocated: .* does not fit in memory beside asynchronous PPO's "
+                     "copy of the actor"):
+    ps.search(cost, wl, opt, staleness=1, split_unit=16, top_k=1)
+  # With the HBM to spare it is the option, the copy and the AdamW state beside its stages.
+  lean = dataclasses.replace(opt, offload_optimizer=True)
+  res = ps.search(COST, wl, lean, staleness=1, split_unit=16, top_k=1)
+  best = res["async"]["best"]
+  assert best["async"]["colocated"] and ps.keeps_actor_copy(wl, best)
+  assert res["async"]["colocated_refused"] is None
+  rows = ps.plan_memory(COST, wl, lean, best)
+  assert rows[0]["parts"][ps.ACTOR_COPY] == pytest.approx(
+      a.num_params() * 2 / best["training"]["tp"])
+  kept = ps.plan_memory(COST, wl, opt, best)
+  assert rows[0]["parts"]["training state kept"] == kept[0]["parts"]["training state kept"]
+  offloaded = ps.plan_memory(COST, wl, lean, res["best"])  # (synchronous: no copy)
+  assert offloaded[0]["parts"]["training state kept"] < rows[0]["parts"]["training state kept"]
+  assert ps.ACTOR_COPY not in offloaded[0]["parts"]
+
+
+def test_the_searchs_copy_of_the_actor_is_what_plan_check_counts():
+  """plan_search's actor_copy_bytes (the actor's weights in their dtype over the training tp)
+  is plan_check's actor_copy_bytes (the trainer's copy as its arrays place it, over fsdp x
+  tensor) for the tiny plan, unpipelined and pipelined, within the norms and biases that stay
+  whole on every tensor device (1 %); a run's own fsdp splits it further."""
+  from configs import plan_check as plan_config
+  from experiments import plan_programs
+  from rlhfuse_jax.sim import shapes
+  for pp, tp, fsdp in ((1, 1, 1), (2, 2, 1), (1, 2, 2)):
+    c = plan_config.get_config("tiny")
+    c.staleness, c.pp, c.critic_pp, c.tp, c.fsdp = 1, pp, pp, tp, fsdp
+    c.dp = 8 // (pp * tp * fsdp)
+    cfg = plan_programs.PlanConfig.from_config_dict(c)
+    counted = plan_programs.actor_copy_bytes(cfg, plan_programs.train_mesh(cfg))
+    wl = it.Workload(actor=shapes.from_model_config(cfg.actor, "actor", dtypes=True),
+                     critic=shapes.from_model_config(cfg.critic, "critic", dtypes=True))
+    searched = ps.actor_copy_bytes(wl, {"placement": "colocated", "tp": tp})
+    assert counted == pytest.approx(searched / fsdp, rel=0.01), (pp, tp, fsdp)

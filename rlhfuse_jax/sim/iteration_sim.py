@@ -117,6 +117,14 @@ class Workload:
   # plan.json's workload records them (plan_search.length_record) and train_ppo compares its
   # own. (): the simulator's own `prompt` and `response` (the paper pairs).
   length_inputs: tuple = ()
+  # Asynchronous PPO on the training devices: a train_ppo run with async_ppo.staleness > 0 and
+  # no generation group (async_ppo.generation_devices = 0; trainer/sim_plan.workload) copies the
+  # actor before each update for the next batch's generation and keeps the copy through that
+  # update and that generation (trainer/loop.PPOTrainer._snapshot; plan_check's
+  # actor_copy_bytes). plan_search counts it beside every stage of the run's plans without an
+  # "async" split (plan_memory); its asynchronous search's colocated option keeps it whatever
+  # this says. Until 2026-12-07 counted nowhere: a plan could need a copy more than the HBM.
+  actor_copy: bool = False
 
   def __post_init__(self):
     # The counts first: minibatch=0 was a ZeroDivisionError in the divisibility check below.

@@ -65,7 +65,9 @@ disjoint inside the group); a split where a stage fits nowhere is rejected. For 
 training plan is the fastest one (the time only grows with it); every generation x inference
 pair is tried, since a wider generation copy shortens the reshard. With both groups on all
 devices (`colocated`) nothing overlaps: the iteration is the synchronous plan's serial sum, so
-the asynchronous search, which includes that option, is never slower than the synchronous one.
+the asynchronous search, which includes that option, is never slower than the synchronous one
+where that plan fits beside the copy of the actor the trainer keeps on its devices then
+(keeps_actor_copy, plan_memory).
 """
 from __future__ import annotations
 
@@ -591,6 +593,36 @@ def inference_memory(cost: CostModel, wl, opt, plan: dict) -> dict:
                                    plan["inference"].get("pp", 1))
 
 
+# plan_memory's name for asynchronous PPO's copy of the actor on the training devices.
+ACTOR_COPY = "actor's copy (async PPO)"
+
+
+def keeps_actor_copy(wl, plan: dict) -> bool:
+  """Whether the trainer keeps asynchronous PPO's copy of the actor on the training devices of
+  `plan` (trainer/loop.PPOTrainer._snapshot: made before each update, kept through it and the
+  next batch's generation; plan_check's actor_copy_bytes): an asynchronous plan with both groups
+  on all the devices (async_search's colocated option), or a plan without an "async" entry
+  searched for a run that generates asynchronously on its training devices
+  (Workload.actor_copy); not an asynchronous split's (the generation group's actor is the
+  copy there)."""
+  split = plan.get("async")
+  if split:
+    return bool(split.get("colocated", True))
+  return bool(wl.actor_copy)
+
+
+def actor_copy_bytes(wl, train: dict) -> float:
+  """Per device, asynchronous PPO's copy of the actor (keeps_actor_copy) on the training plan
+  `train` (plan.json's "training"): the actor's whole weights in their dtype
+  (ModelShape.weight_bytes, the run's model.param_dtype) split over the tensor degree, as the
+  trainer places it: unpipelined a copy of the state's own shards (replicated over data),
+  pipelined Update.whole's copy gathered over the stages; over fsdp x tensor, and the plans
+  here set no fsdp (a run's own mesh.fsdp would split it further). A disjoint placement's on
+  the actor's devices, at the actor's tp."""
+  tp = train["tp"] if train["placement"] == "colocated" else train["actor"]["tp"]
+  return wl.actor.weight_bytes() / tp
+
+
 def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   """Per device, what each stage of `plan` (plan.json's form: _plan_dict, _async_plan) holds,
   by the formulas its memory checks use: [{"stage", "layout", "parts": {name: bytes},
@@ -605,7 +637,12 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   sim.offload_frozen=False each row also holds the frozen weights kept on its devices, and
   generation and inference, where training shares their devices, the training state: both
   models' weights and AdamW state (iteration_sim.kept_state_bytes; a disjoint placement's
-  larger one), the search's _memory_refusal."""
+  larger one), the search's _memory_refusal. Where the trainer keeps asynchronous PPO's copy of
+  the actor on the training devices (keeps_actor_copy), every row also holds it (ACTOR_COPY,
+  actor_copy_bytes: beside the update, and beside the generation and inference it is made
+  for; a disjoint placement's on the actor's devices), and the AdamW state is kept whatever
+  sim.offload_optimizer says (the trainer refuses optim.offload_during_rollout with
+  asynchronous PPO)."""
   from rlhfuse_jax.sim import iteration_sim as it
   if opt.trainer_runnable:
     wl = trainer_workload(wl)
@@ -638,6 +675,10 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   tokens = wl.micro_batch * wl.padded_len
   # The training group keeps no frozen weights when generation has its own devices.
   kept_train = kept_parts if g == n else {}
+  actor_copy = actor_copy_bytes(wl, train) if keeps_actor_copy(wl, plan) else 0.0
+  if actor_copy:  # (config.py refuses optim.offload_during_rollout with asynchronous PPO)
+    opt = dataclasses.replace(opt, offload_optimizer=False)
+  copy_part = {ACTOR_COPY: actor_copy} if actor_copy else {}
   if train["placement"] == "colocated":
     tp, pa, pc = train["tp"], train["actor_pp"], train["critic_pp"]
     tplan = train_lib.TrainPlan(t, wl.minibatch, tp, pa, pc, wl.micro_batch)
@@ -650,10 +691,11 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
     both = {k: parts[0].get(k, 0.0) + parts[1].get(k, 0.0)
             for k in dict.fromkeys([*parts[0], *parts[1]])}  # (the actor's logits alone)
     trains = [{"stage": "training", "layout": _describe_train(train),
-               "parts": {**both, **kept_train}}]
+               "parts": {**both, **kept_train, **copy_part}}]
     state = sum(it.kept_state_bytes(p, opt) for p in parts)
+    beside = {**copy_part}
   else:
-    trains, state = [], 0.0
+    trains, state, states = [], 0.0, {}
     for role, shape in (("actor", a), ("critic", wl.critic)):
       q = train[role]
       p = cost.train_memory_parts(shape, q["tp"], q["pp"], q["dp"], True, tokens,
@@ -661,13 +703,19 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
                                   wl.micro_batch, wl.max_new_tokens)
       trains.append({"stage": f"training ({role})",
                      "layout": f"{q['devices']} dev tp{q['tp']} pp{q['pp']} dp{q['dp']}",
-                     "parts": {**p, **kept_train}})
-      state = max(state, it.kept_state_bytes(p, opt))  # each model on its own devices
+                     "parts": {**p, **kept_train, **(copy_part if role == "actor" else {})}})
+      states[role] = it.kept_state_bytes(p, opt)
+      state = max(state, states[role])  # each model on its own devices
+    # the copy on the actor's devices: what it adds to the larger state
+    more = max(states["actor"] + actor_copy, states["critic"]) - state
+    beside = {ACTOR_COPY: more} if actor_copy else {}
   # What training keeps between its steps stays on the devices while the other stages run
   # there (iteration_sim.train_state_bytes): not on an asynchronous split's generation group.
   # Until 2026-12-05 left out here: the search's combinations did not charge it; until
   # 2026-12-05 (bl) the inference was charged it only for the trainer's plans.
   kept_state = {"training state kept": state} if g == n and state else {}
+  if g == n:
+    kept_state.update(beside)
   rows = [{"stage": "generation", "layout": GenerationPlan(**gen).describe(),
            "parts": {"weights": a.weight_bytes() / copy, "KV cache": per * slot_kv,
                      **transient, **kept_parts, **kept_state}},
@@ -852,13 +900,24 @@ def _memory_refusal(cost: CostModel, wl, opt, plan: dict) -> Optional[str]:
   once, inference_rows: the inference candidates are checked at sim.inference_microbatch,
   before the generation plan that decides them is known), or None. The reason names the stage's
   layout, not the training plan's, so that search's `refused` counts the combinations of one
-  stage plan together; it blames the state only where the stage fits without it."""
-  for row in plan_memory(cost, wl, opt, plan)[:2]:
+  stage plan together; it blames the state only where the stage fits without it. Where the
+  trainer keeps asynchronous PPO's copy of the actor on the training devices
+  (keeps_actor_copy), the training rows too (their candidates are searched without it), and a
+  row that fits without the copy blames it. Until 2026-12-07 the copy was counted nowhere: on
+  8 H100s a 13B/13B run with async_ppo.staleness=1 was given tp2 Pa/Pc=4/4, whose update needs
+  73.6 GiB with it (61.5 without) of the 67.1 usable."""
+  rows = plan_memory(cost, wl, opt, plan)
+  for row in rows if keeps_actor_copy(wl, plan) else rows[:2]:
     if row["total"] <= row["usable"]:
       continue
     what = f"{row['stage']} {row['layout']}"
     if row["stage"] == "inference" and opt.trainer_runnable:
       what += f" scoring the trainer's {inference_rows(wl, opt, plan)} samples at once"
+    copy = row["parts"].get(ACTOR_COPY, 0.0)
+    if copy and row["total"] - copy <= row["usable"]:
+      return (f"{what} does not fit in memory beside asynchronous PPO's copy of the actor (its "
+              "weights over the training tp, kept on the training devices for the next "
+              "batch's generation)")
     state = row["parts"].get("training state kept", 0.0)
     if state and row["total"] - state <= row["usable"]:
       return (f"{what} does not fit in memory beside its training plan's state (both models' "
@@ -921,9 +980,11 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: Optional[d
   generation and a training group, each group's stages searched on its own devices, and the
   colocated option (`sync_best`, the synchronous search's best plan, run serially; None where
   there is none: the splits alone, a ValueError naming each split's reason if none fits). Returns
-  {best, top, splits, staleness, search_s}: `best` and each of `top` a plan with an "async"
-  object {generation_devices, training_devices, staleness, colocated}; `splits` one entry per
-  g tried, its best iteration_s or why it was rejected. With opt.trainer_runnable or `accept`
+  {best, top, splits, staleness, colocated_refused, search_s}: `best` and each of `top` a plan
+  with an "async" object {generation_devices, training_devices, staleness, colocated}; `splits`
+  one entry per g tried, its best iteration_s or why it was rejected; `colocated_refused` why
+  the colocated option does not fit with asynchronous PPO's copy of the actor beside it
+  (_memory_refusal, keeps_actor_copy), or None. With opt.trainer_runnable or `accept`
   (search's), a split's plan is its fastest generation x inference x training combination that
   both let through."""
   if not isinstance(staleness, (int, np.integer)) or staleness < 1:
@@ -933,14 +994,23 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: Optional[d
   prompts, resp = wl.sample_lengths()
   seq = (prompts + resp).astype(np.float64)
   mean_len = float(seq.mean())
-  plans, splits = [], []
+  plans, splits, colocated_refused = [], [], None
   if sync_best is not None:
     q = sync_best["predicted"]
-    plans.append({**sync_best,
-                  "predicted": {**q, "gen_plus_inf_s": q["gen_s"] + q["inf_s"],
-                                "serial_s": q["iteration_s"], "bound": "colocated"},
-                  "async": {"generation_devices": n, "training_devices": n,
-                            "staleness": staleness, "colocated": True}})
+    colocated = {**sync_best,
+                 "predicted": {**q, "gen_plus_inf_s": q["gen_s"] + q["inf_s"],
+                               "serial_s": q["iteration_s"], "bound": "colocated"},
+                 "async": {"generation_devices": n, "training_devices": n,
+                           "staleness": staleness, "colocated": True}}
+    # Asynchronous on all the devices, the trainer keeps a copy of the actor there beside the
+    # synchronous plan's stages (keeps_actor_copy; sync_best was checked without it unless the
+    # run is asynchronous already): the option only where that fits.
+    colocated_refused = _memory_refusal(cost, wl, opt, colocated)
+    if colocated_refused is None:
+      plans.append(colocated)
+    elif log:
+      log(f"async plan search (k={staleness}): both groups colocated refused: "
+          f"{colocated_refused}")
   restricted = opt.trainer_runnable or accept is not None
   tried = async_splits(cost, n, split_unit)
   said = t0  # a progress line every PROGRESS_S: thousands of devices take minutes
@@ -1005,12 +1075,15 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: Optional[d
   if not plans and not tried:  # (the error below ended on an empty list)
     raise ValueError(f"async plan search (k={staleness}): no split of {n} devices into two "
                      "groups to try: it takes at least 2 devices, and a sim.async_split_unit "
-                     f"below {n}")
+                     f"below {n}" + (f"; and both groups colocated: {colocated_refused}"
+                                     if colocated_refused else ""))
   if not plans:
     raise ValueError(f"async plan search (k={staleness}): no split of {n} devices fits: "
                      + "; ".join(f"{sp['generation_devices']} / {sp['training_devices']}: "
                                  f"{sp['rejected']}" for sp in splits[:6])
-                     + (f"; and {len(splits) - 6} other splits" if len(splits) > 6 else ""))
+                     + (f"; and {len(splits) - 6} other splits" if len(splits) > 6 else "")
+                     + (f"; both groups colocated: {colocated_refused}"
+                        if colocated_refused else ""))
   top = sorted(plans, key=lambda p: p["predicted"]["iteration_s"])[:top_k]
   if log:
     a = top[0]["async"]
@@ -1021,7 +1094,7 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: Optional[d
            f"generation on {a['generation_devices']}, training on {a['training_devices']}")
         + f" ({time.time() - t0:.1f}s)")
   return {"best": top[0], "top": top, "splits": splits, "staleness": staleness,
-          "search_s": time.time() - t0}
+          "colocated_refused": colocated_refused, "search_s": time.time() - t0}
 
 
 _NEEDS = re.compile(r"needs ([0-9.]+) GiB per device")
