@@ -534,7 +534,7 @@ def main(argv):
   # what a calibration file measured (its ops replace the formulas), None without one
   calibration = cost.cal.describe() if cost.cal is not None else None
   # The workload it was searched for: train_ppo warns when a run's differs.
-  record = plan_search.workload_record(wl, spec, cfg.sim)
+  record = plan_search.workload_record(wl, spec, cfg.sim, plan)
   # A run's plan: its KV cache as the trainer allocates it (as the search sized it: accept).
   memory = plan_search.plan_memory(cost, plan_search.trainer_workload(wl) if spec else wl,
                                    cfg.sim, plan)

@@ -254,3 +254,34 @@ def test_an_asynchronous_run_on_its_training_devices_is_searched_with_its_copy_o
         raw.async_ppo, staleness=staleness, generation_devices=group)), tokenizer)
     wl = sim_plan.workload(cfg, task, tokenizer, 8, str(tmp_path / "lengths"))[0]
     assert wl.actor_copy is copy, (staleness, group)
+
+
+def test_a_plan_checked_without_the_actors_copy_is_warned_of_in_an_asynchronous_run(tmp_path):
+  """A plan searched for a synchronous run (its memory check without asynchronous PPO's copy of
+  the actor) run with async_ppo.staleness=1 and no generation group, which keeps one on the
+  training devices: plan.json records actor_copy, and the run is warned of it (the plan's
+  stages could need a copy of the actor more than the HBM). Searched for the asynchronous
+  run, or run with a generation group (whose actor is the copy), nothing is said."""
+  cfg, record = _tiny_run_and_record(tmp_path)
+  assert record["actor_copy"] is False
+  path = _plan_file(tmp_path, record)
+  run = dataclasses.replace(cfg, async_ppo=dataclasses.replace(cfg.async_ppo, staleness=1))
+  warn, line = plan_file_lib.plan_workload_note(path, run)
+  assert warn and ("actor_copy=False (this run's async_ppo.staleness=1, generation_devices=0: a "
+                   "copy of the actor on the training devices for the next batch's "
+                   "generation)") in line, line
+  assert plan_file_lib.plan_workload_note(path, cfg) is None
+  grouped = dataclasses.replace(run, async_ppo=dataclasses.replace(run.async_ppo,
+                                                                   generation_devices=4))
+  assert plan_file_lib.plan_workload_note(path, grouped) is None
+  path = _plan_file(tmp_path, {**record, "actor_copy": True})
+  assert plan_file_lib.plan_workload_note(path, run) is None
+  # plan_search records the written plan's: an asynchronous split keeps no copy there
+  from rlhfuse_jax.sim.shapes import get_shape
+  wl = iteration_sim.Workload(actor=get_shape("llama-7b"),
+                              critic=get_shape("llama-7b", "scalar"), actor_copy=True)
+  split = {"async": {"generation_devices": 4, "training_devices": 4, "staleness": 1,
+                     "colocated": False}}
+  assert plan_search.workload_record(wl)["actor_copy"] is True
+  assert plan_search.workload_record(wl, plan=split)["actor_copy"] is False
+  assert plan_search.workload_record(wl, plan={})["actor_copy"] is True

@@ -758,7 +758,7 @@ def length_record(wl) -> dict:
   return out
 
 
-def workload_record(wl, train_config: str = "", opt=None) -> dict:
+def workload_record(wl, train_config: str = "", opt=None, plan: Optional[dict] = None) -> dict:
   """plan.json's "workload": what the plan was searched for (the models' shapes, the reward
   model's when it has its own (Workload.reward), the batch,
   mini-batch, epochs, max prompt and generation lengths, the devices, whether it runs a
@@ -767,8 +767,10 @@ def workload_record(wl, train_config: str = "", opt=None) -> dict:
   given: they sized the inference's activations and the room a migration's rows take beside the
   KV cache; with the search's options `opt`, offload_optimizer: the run's
   optim.offload_during_rollout, which sized the training state kept beside generation; the
-  length distributions: length_record), so that a run of another workload with it is warned
-  of."""
+  length distributions: length_record; and actor_copy: whether the memory check counted
+  asynchronous PPO's copy of the actor on the training devices (keeps_actor_copy of `plan`,
+  the plan written; without one the run's, Workload.actor_copy), so that a run of another
+  workload with it is warned of."""
   roles = (("actor", wl.actor), ("critic", wl.critic)) + (
       (("reward", wl.reward),) if wl.reward_model and wl.reward is not None else ())
   out = {role: {"name": shape.name, **{f: getattr(shape, "head_dim_" if f == "head_dim" else f)
@@ -777,7 +779,8 @@ def workload_record(wl, train_config: str = "", opt=None) -> dict:
   out.update(global_batch=wl.global_batch, minibatch=wl.minibatch, epochs=wl.epochs,
              max_prompt_len=wl.prompt.max_len, max_new_tokens=wl.max_new_tokens,
              num_devices=wl.num_devices, reference=wl.reference, reward_model=wl.reward_model,
-             lengths=length_record(wl))
+             lengths=length_record(wl),
+             actor_copy=keeps_actor_copy(wl, plan) if plan is not None else bool(wl.actor_copy))
   if train_config:  # and the run's inference micro-batch and optimizer state, which sized
     # its inference and training memory
     out.update(train_config=train_config, inference_micro_batch=wl.inference_micro_batch,

@@ -565,6 +565,13 @@ class AsyncPPOConfig:
     _check(self.behaviour_weight_cap == 0 or self.behaviour_weight_cap > 1,
            "async_ppo.behaviour_weight_cap", self.behaviour_weight_cap, "> 1, or 0 (no cap)")
 
+  @property
+  def keeps_actor_copy(self) -> bool:
+    """Whether the training devices keep a copy of the actor for each next batch's generation
+    (PPOTrainer._snapshot), beside the update and through that generation: staleness > 0
+    without a generation group (with one, the copy is the group's actor)."""
+    return self.staleness > 0 and not self.generation_devices
+
 
 # checkpoint.export_hf: off, the source checkpoint's family, or one of hf_loader.FAMILIES
 # (spelled out here: the config module reads no checkpoint code; a test keeps the two equal).

@@ -191,6 +191,9 @@ PLAN_WORKLOAD_RUN_FIELDS = {"global_batch": "rollout.batch_size",
                             "max_new_tokens": "rollout.max_new_tokens",
                             "reference": "algo.uses_reference",
                             "reward_model": "reward.uses_model",
+                            # whether its memory check counted asynchronous PPO's copy of
+                            # the actor on the training devices (since 2026-12-07)
+                            "actor_copy": "async_ppo.keeps_actor_copy",
                             # recorded for a run's plan (train_config) only
                             "inference_micro_batch": "fusion.inference_micro_batch",
                             "migration_rows": "fusion.migration_rows",
@@ -207,7 +210,7 @@ PLAN_WORKLOAD_MODEL_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_
 # The run fields every plan_search writes, and those it writes for a run's plan (train_config):
 # a file that lacks one was written before it did.
 _ALWAYS_RECORDED = ("global_batch", "minibatch", "epochs", "max_prompt_len", "max_new_tokens",
-                    "reference", "reward_model")
+                    "reference", "reward_model", "actor_copy")
 _RUN_PLAN_RECORDED = ("inference_micro_batch", "migration_rows", "offload_optimizer",
                       "master_weights")
 
@@ -324,6 +327,11 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: Any,
       has = f"algo.kl_coef={cfg.algo.kl_coef:g}: {'a' if now else 'no'} reference model"
     elif key == "reward_model":
       has = f"reward.kind={cfg.reward.kind!r}: {'a' if now else 'no'} reward model"
+    elif key == "actor_copy":
+      a = cfg.async_ppo
+      has = (f"async_ppo.staleness={a.staleness}, generation_devices={a.generation_devices}: "
+             f"{'a' if now else 'no'} copy of the actor on the training devices for the next "
+             "batch's generation")
     else:
       has = f"{field} is {now!r}"
     out.append(f"{key}={w[key]!r} (this run's {has})")
