@@ -409,3 +409,32 @@ def test_a_template_file_s_byte_order_mark_is_read_as_nothing(tmp_path, caplog):
                                 data=types.SimpleNamespace(chat_template=spec))
     hf_export._copy_tokenizer(cfg, tokenizer, str(out))
     assert (out / "chat_template.jinja").read_bytes() == source.encode("utf-8")
+
+
+def test_the_byte_order_mark_warning_says_that_removing_it_refuses_a_resume(tmp_path, caplog):
+  """The warning said the mark is read as nothing, and a user who then removed it from the file
+  had the run's resume refused: the resume check hashes the file's bytes (trainer/inputs.py),
+  and the file without the mark is other content. The warning now says to leave it while a run
+  started with it may resume; the refusal it announces is checked here."""
+  import logging
+  import types
+  from rlhfuse_jax.trainer import inputs
+  source = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+  path = tmp_path / "chat.jinja"
+  path.write_bytes(b"\xef\xbb\xbf" + source.encode("utf-8"))
+  with caplog.at_level(logging.WARNING):
+    assert ChatTemplate.load(str(path), str(tmp_path)).source == source
+  assert ("starts with a UTF-8 byte-order mark" in caplog.text and
+          "Leave it there while a run started with it may resume: its resume check compares the "
+          "file's bytes, and refuses the file without the mark as a changed input"
+          in caplog.text), caplog.text
+  cfg = types.SimpleNamespace(
+      init=types.SimpleNamespace(actor_checkpoint="", tokenizer="", critic_checkpoint=""),
+      reward=types.SimpleNamespace(model_checkpoint="", kind="function"),
+      data=types.SimpleNamespace(prompts_file="", chat_template=str(path)))
+  saved = inputs.fingerprints(cfg)
+  path.write_bytes(source.encode("utf-8"))  # the mark removed: the same template read
+  assert ChatTemplate.load(str(path), str(tmp_path)).source == source
+  assert inputs.resume_changes([], saved, inputs.fingerprints(cfg), 3) == ([], [
+      "data.chat_template: chat.jinja changed since the checkpoints were written (every prompt "
+      "is rendered with it)"])

@@ -282,9 +282,14 @@ def _template_file(path: str) -> Optional[tuple[str, str]]:
     raise ChatTemplateError(f"{path}: cannot read the chat template ({e})") from e
   if source.startswith(BOM):
     # (rendered, it was the first text of every prompt: three byte tokens before the BOS)
+    # (The resume check hashes the file's bytes, mark included: removing it is a change of
+    # content, refused on resume like any edit. Not ignored by that digest: the checkpoints of
+    # runs that read such a file hold the digest with it.)
     logging.warning("%s starts with a UTF-8 byte-order mark (an editor's): read as nothing, as "
                     "in a prompts file (transformers keeps it, as text before every prompt; "
-                    "the run's HF export writes the template without it)", path)
+                    "the run's HF export writes the template without it). Leave it there while "
+                    "a run started with it may resume: its resume check compares the file's "
+                    "bytes, and refuses the file without the mark as a changed input", path)
     source = source[len(BOM):]
   return source, path
 
