@@ -190,7 +190,10 @@ def test_reinforce_pp_matches_openrlhf_reinforce(layout, gamma):
 @pytest.mark.parametrize("scores", ["normal", "binary"])
 def test_reinforce_baseline_matches_openrlhf(layout, gamma, scores):
   # OpenRLHF's reinforce_baseline: each bare score less its group's mean, then compute_reward
-  # (the KL per token), get_cumulative_returns and the batch whitening, as "reinforce".
+  # (the KL per token), get_cumulative_returns and the batch whitening, as "reinforce". OpenRLHF
+  # runs it at gamma 1 only (compute_advantages_and_returns sets args.gamma = 1.0 for it, with a
+  # warning); ours discounts by algo.gamma (docs/usage.md), pinned here at 0.7 by the same
+  # formula with the discount OpenRLHF would have replaced.
   x = _layout(layout, seed=17, scores=scores)
   m, g = x["mask"].astype(np.float64), x["g"]
   kl = _openrlhf_approx_kl(x["logp"], x["ref_logp"], "k1") * m

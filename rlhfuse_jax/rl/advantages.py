@@ -187,7 +187,8 @@ def reinforce_baseline_advantages(scores: jax.Array, token_rewards: jax.Array, m
                                   gamma: float, group_size: int) -> Pair:
   """REINFORCE++-baseline (Hu et al., 2025; OpenRLHF's "reinforce_baseline"): each sample's
   score less its group's mean score, then REINFORCE++ on it (`reinforce_pp_advantages`): the
-  discounted return-to-go of the token rewards, whitened over the whole batch.
+  discounted return-to-go of the token rewards, whitened over the whole batch. Discounted by
+  `gamma` as given (OpenRLHF sets its gamma to 1 for this estimator: the same at gamma 1).
 
   Args:
     scores: `[batch]` bare sequence scores, batch = num_prompts * group_size.
