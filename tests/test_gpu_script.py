@@ -60,7 +60,12 @@ def _plan(variant: str, overrides: dict) -> plan_programs.PlanConfig:
   field's type)."""
   c = plan_config.get_config(variant)
   for field, value in overrides.items():
-    c[field] = type(c[field])(value)
+    if isinstance(c[field], bool):  # (bool("False") is True)
+      if value not in ("True", "False", "true", "false"):
+        raise ValueError(f"--config.{field}={value!r}: expected True or False")
+      c[field] = value.lower() == "true"
+    else:
+      c[field] = type(c[field])(value)
   return plan_programs.PlanConfig.from_config_dict(c)
 
 
