@@ -494,6 +494,36 @@ def test_trainer_refusal_names_what_the_trainer_cannot_run():
   assert sum(res["refused"].values()) > 0 and free["refused"] == {}
 
 
+def test_trainer_refusal_keeps_pipelined_generation_to_one_host():
+  """train_ppo refuses plan.generation='pipeline' on several processes (trainer/rollout.
+  check_plan: the pipeline and its inference mesh run in one process), but trainer_refusal let
+  such plans through on hardware of several hosts (16 H100s, 8 a host; a TPU v5p's 4 chips a
+  host): plan_search:train listed them among the plans train_ppo runs, and could write one to
+  plan.json."""
+  wl = _small()
+  pipe = {"generation": {"mode": "pipeline", "tp": 1, "pp": 8, "groups": 8, "slots": 32},
+          "inference": {"tp": 2, "pp": 1},
+          "training": {"placement": "colocated", "tp": 2, "actor_pp": 2, "critic_pp": 1},
+          "async": {"generation_devices": 8, "training_devices": 8, "staleness": 1,
+                    "colocated": False}}
+  assert ps.trainer_refusal(wl, pipe) is None  # one host (no host size given)
+  assert ps.trainer_refusal(wl, pipe, host_devices=16) is None  # the 16 devices on one host
+  why = ps.trainer_refusal(wl, pipe, host_devices=8)
+  assert why is not None and why.startswith("pipelined generation on 2 hosts of 8"), why
+  inst = {**pipe, "generation": {"mode": "instances", "tp": 2, "pp": 1, "groups": 1,
+                                 "slots": 8}}
+  assert ps.trainer_refusal(wl, inst, host_devices=8) is None  # instances run on several
+  # The search on 8 TPU v5p chips (2 hosts of 4) of an 8-layer 7B: pipelined generation plans
+  # were about 160 of its 220 runnable ones (one host's H100s keep theirs).
+  eight = dataclasses.replace(get_shape("llama-7b"), num_layers=8)
+  wl = dataclasses.replace(wl, actor=eight, critic=eight.as_critic(), num_devices=8,
+                           global_batch=64, minibatch=32)
+  opt = it.SimOptions(trainer_runnable=True, offload_frozen=False)
+  modes = {hw: {p["generation"]["mode"] for p in ps.search(
+      CostModel(get_hardware(hw)), wl, opt, top_k=1000)["top"]} for hw in ("tpu_v5p", "h100_sxm")}
+  assert modes == {"tpu_v5p": {"instances"}, "h100_sxm": {"instances", "pipeline"}}, modes
+
+
 def test_binary_searches_alone_with_no_systems(tmp_path):
   """`--config.systems=` (configs/plan_search.py: "" for none) was refused ("must list at least
   one item"): the plan search runs alone, synchronous plans only with sim.staleness=0, and

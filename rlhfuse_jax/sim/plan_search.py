@@ -822,9 +822,9 @@ def trainer_refusal(wl, plan: dict, host_devices: Optional[int] = None) -> Optio
   and, on several hosts of `host_devices` devices (Hardware.host_devices: one process each),
   each process's share of the instances: a pipeline's instances are one process's; an
   asynchronous split's generation group takes an equal share of every process's devices,
-  trainer/async_ppo.split_devices); or one pipeline of
-  tp 1 over all the generation devices (the trainer's engine runs one pipeline: a plan of
-  several replicas would generate on a fraction of the devices), pp dividing the actor's
+  trainer/async_ppo.split_devices); or, on one host (the trainer runs it in one process), one
+  pipeline of tp 1 over all the generation devices (the trainer's engine runs one pipeline: a
+  plan of several replicas would generate on a fraction of the devices), pp dividing the actor's
   layers, its G >= pp groups dividing the batch, and inference pp 1, tp dividing the generation
   devices. Asynchronous split ("async", not colocated): generation on g devices that divide
   the rollout batch, training on the others. What a run's config pins (micro-batch counts, the
@@ -855,6 +855,7 @@ def trainer_refusal(wl, plan: dict, host_devices: Optional[int] = None) -> Optio
     return (f"training tp{tp} x Pa{pa} on {t} devices: the data-parallel size does not divide "
             f"the mini-batch of {wl.minibatch}")
   gtp, itp, ipp = gen["tp"], inf["tp"], inf.get("pp", 1)
+  procs = n // host_devices if host_devices and n > host_devices else 1
   if gen["mode"] == "instances":
     if g % gtp or a.num_heads % gtp or a.num_kv_heads % gtp:
       return (f"generation instances of tp{gtp} on {g} devices ({a.name}: {a.num_heads} heads, "
@@ -871,7 +872,6 @@ def trainer_refusal(wl, plan: dict, host_devices: Optional[int] = None) -> Optio
       return (f"inference pipelines of pp{ipp} on {g // gtp} instances (pp must divide the "
               "instances and every frozen model's layers" +
               (f": not {', '.join(bad)}'s)" if bad else ")"))
-    procs = n // host_devices if host_devices and n > host_devices else 1
     share = g // procs  # each process's generation devices
     if procs > 1 and share % gtp:  # (a tp16 instance on hosts of 8 read as a pipeline's error)
       return (f"generation instances of tp{gtp} on {share} generation devices a process "
@@ -883,6 +883,9 @@ def trainer_refusal(wl, plan: dict, host_devices: Optional[int] = None) -> Optio
     return None
   else:
     pp, groups = gen["pp"], gen["groups"]
+    if procs > 1:  # (trainer/rollout.check_plan refuses plan.generation='pipeline' there)
+      return (f"pipelined generation on {procs} hosts of {host_devices} (the trainer runs its "
+              "generation pipeline and the inference mesh after it in one process)")
     if gtp != 1:
       return f"pipelined generation with tp{gtp} (the trainer's stages are one device each)"
     if pp != g:
