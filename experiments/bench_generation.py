@@ -410,8 +410,13 @@ def run_and_write(c, workdir: str, reference=None) -> dict:
   main_process = distributed.is_main_process()
   pipelined = bool(c.generation.get("pipeline_stages"))
   if pipelined and jax.process_count() > 1:
-    raise ValueError(f"config.generation.pipeline_stages={c.generation.pipeline_stages}: the "
-                     "pipelined variant runs in one process; drop --distributed")
+    # (launch/local_multiprocess.sh passes --distributed itself: "drop --distributed" was no
+    # way out there)
+    raise ValueError(f"config.generation.pipeline_stages={c.generation.pipeline_stages}: "
+                     f"expected 0 with {jax.process_count()} processes (the pipelined variant "
+                     "runs in one process): run it as one process, python -m experiments."
+                     "bench_generation without --distributed, not through "
+                     "launch/local_multiprocess.sh")
   # Process 0 alone moves the earlier outputs aside; if that fails (another run's workdir, a
   # full disk) every process stops here, not process 0 alone while the others compile on.
   distributed.run_on_main_process(lambda: wd.start_outputs(workdir, c, (

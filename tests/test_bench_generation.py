@@ -130,6 +130,20 @@ def test_a_workdir_process_0_cannot_prepare_stops_every_process(tmp_path, monkey
     bench_generation.run_and_write(bench_config.get_config("tiny"), str(tmp_path))
 
 
+def test_the_pipelined_variant_on_several_processes_says_how_to_run_it(tmp_path, monkeypatch):
+  """BINARY=bench_generation CONFIG=configs/bench_generation.py:pipelined_tiny bash launch/
+  local_multiprocess.sh 2 4 WD was refused with "drop --distributed", which the launcher
+  passes itself: the error says to run one process without the launcher (2 processes faked),
+  before anything is written."""
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match=r"^config\.generation\.pipeline_stages=2: expected 0 "
+                     r"with 2 processes \(the pipelined variant runs in one process\): run it "
+                     r"as one process, python -m experiments\.bench_generation without "
+                     r"--distributed, not through launch/local_multiprocess\.sh$"):
+    bench_generation.run_and_write(bench_config.get_config("pipelined_tiny"), str(tmp_path))
+  assert os.listdir(tmp_path) == []
+
+
 def test_multi_host_flags_without_distributed_are_refused(tmp_path):
   """--coordinator_address / --num_processes / --process_id are read only with --distributed
   (train_ppo's check, shared): without it every process of a launch benched alone, silently."""
