@@ -524,6 +524,33 @@ def test_trainer_refusal_keeps_pipelined_generation_to_one_host():
   assert modes == {"tpu_v5p": {"instances"}, "h100_sxm": {"instances", "pipeline"}}, modes
 
 
+def test_trainer_refusal_wants_an_equal_generation_share_of_every_host():
+  """An asynchronous split's generation group is g / P devices of each of P processes
+  (trainer/async_ppo.split_devices refuses a g that is not a multiple of P), but trainer_refusal
+  let 1 or 3 generation devices through on 2 hosts of 8 (batches of 15 and 39 divide over them
+  and over the 15 or 13 training devices)."""
+  a = get_shape("llama-7b")
+  wl = dataclasses.replace(_small(), actor=a, critic=a.as_critic(), global_batch=15,
+                           minibatch=15)
+  plan = {"generation": {"mode": "instances", "tp": 1, "pp": 1, "groups": 1, "slots": 15},
+          "inference": {"tp": 1, "pp": 1},
+          "training": {"placement": "colocated", "tp": 1, "actor_pp": 1, "critic_pp": 1},
+          "async": {"generation_devices": 1, "training_devices": 15, "staleness": 1,
+                    "colocated": False}}
+  assert ps.trainer_refusal(wl, plan) is None  # one host
+  why = ps.trainer_refusal(wl, plan, host_devices=8)
+  assert why is not None and why.startswith("a generation group of 1 devices on 2 hosts of 8"), (
+      why)
+  three = {**plan, "async": {**plan["async"], "generation_devices": 3, "training_devices": 13}}
+  wl39 = dataclasses.replace(wl, global_batch=39, minibatch=13)
+  assert ps.trainer_refusal(wl39, three) is None
+  why = ps.trainer_refusal(wl39, three, host_devices=8)
+  assert why is not None and why.startswith("a generation group of 3 devices on 2 hosts"), why
+  two = {**plan, "async": {**plan["async"], "generation_devices": 2, "training_devices": 14}}
+  assert ps.trainer_refusal(dataclasses.replace(wl, global_batch=14, minibatch=14), two,
+                            host_devices=8) is None  # one device of each host
+
+
 def test_binary_searches_alone_with_no_systems(tmp_path):
   """`--config.systems=` (configs/plan_search.py: "" for none) was refused ("must list at least
   one item"): the plan search runs alone, synchronous plans only with sim.staleness=0, and

@@ -856,6 +856,9 @@ def trainer_refusal(wl, plan: dict, host_devices: Optional[int] = None) -> Optio
             f"the mini-batch of {wl.minibatch}")
   gtp, itp, ipp = gen["tp"], inf["tp"], inf.get("pp", 1)
   procs = n // host_devices if host_devices and n > host_devices else 1
+  if g < n and g % procs:  # (trainer/async_ppo.split_devices: g / P devices of each process)
+    return (f"a generation group of {g} devices on {procs} hosts of {host_devices} (each "
+            "process gives an equal share of its devices)")
   if gen["mode"] == "instances":
     if g % gtp or a.num_heads % gtp or a.num_kv_heads % gtp:
       return (f"generation instances of tp{gtp} on {g} devices ({a.name}: {a.num_heads} heads, "
