@@ -181,6 +181,47 @@ def test_the_length_distribution_is_recorded_and_compared(tmp_path):
   assert "records no" not in line
 
 
+def test_a_prompts_file_is_compared_by_content_then_by_resolved_path(tmp_path, monkeypatch):
+  """The workload recorded data.prompts_file as typed and compared it so: './p.jsonl',
+  'p.jsonl' and its absolute path were warned of as three files, and other prompts written to
+  the same path ran without a word. It records the absolute path and the resume check's content
+  digest (trainer/inputs.py): the same content anywhere is the same prompts, other content at
+  the same path is warned of; a file from before the digest compares resolved paths."""
+  cfg = TrainConfig.from_config_dict(ppo_tiny.get_config())
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "p.jsonl").write_text('{"prompt": "a b c"}\n')
+  data = plan_file_lib.run_length_inputs(_with_data(cfg, prompts_file="p.jsonl"))
+  full = str(tmp_path / "p.jsonl")
+  assert data["prompts_file"] == full and len(data["prompts_digest"]) == 64, data
+  plan = {"workload": {"train_config": "c.py", "lengths": {"data": data}}}
+  for typed in ("p.jsonl", "./p.jsonl", full, "../" + tmp_path.name + "/p.jsonl"):
+    assert plan_file_lib.plan_workload_differences(
+        plan, _with_data(cfg, prompts_file=typed)) == [], typed
+  (tmp_path / "copy.jsonl").write_text('{"prompt": "a b c"}\n')  # the same prompts elsewhere
+  assert plan_file_lib.plan_workload_differences(
+      plan, _with_data(cfg, prompts_file="copy.jsonl")) == []
+  (tmp_path / "q.jsonl").write_text('{"prompt": "a b c d e f"}\n')
+  assert plan_file_lib.plan_workload_differences(
+      plan, _with_data(cfg, prompts_file="q.jsonl")) == [
+          f"lengths.data.prompts_file={full!r} (this run's data.prompts_file is 'q.jsonl')"]
+  (tmp_path / "p.jsonl").write_text('{"prompt": "a b c d e f"}\n')  # rewritten in place
+  assert plan_file_lib.plan_workload_differences(
+      plan, _with_data(cfg, prompts_file="./p.jsonl")) == [
+          f"lengths.data.prompts_file={full!r} (this run's data.prompts_file is './p.jsonl': "
+          "the same path, other content: its digest is not the one recorded)"]
+  assert not any("digest" in x for x in plan_file_lib.plan_workload_unrecorded(plan))
+  # a plan.json from before the digest: loads, compares resolved paths and says so once
+  old = {"workload": {"train_config": "c.py", "lengths": {"data": {"prompts_file": "p.jsonl"}}}}
+  for typed in ("./p.jsonl", full):
+    assert plan_file_lib.plan_workload_differences(
+        old, _with_data(cfg, prompts_file=typed)) == [], typed
+  assert plan_file_lib.plan_workload_differences(
+      old, _with_data(cfg, prompts_file="q.jsonl")) == [
+          "lengths.data.prompts_file='p.jsonl' (this run's data.prompts_file is 'q.jsonl')"]
+  assert "content digest of its prompts file (its data.prompts_file is compared by path)" in \
+      plan_file_lib.plan_workload_unrecorded(old)
+
+
 def test_a_plan_file_without_lengths_loads_and_says_it_cannot_check_them(tmp_path):
   """A plan.json from before the lengths were recorded loads; its note names them once, as
   fields it cannot check, and what it has is still compared."""

@@ -12,6 +12,7 @@ from rlhfuse_jax import workdir
 from rlhfuse_jax.fields import check as _check
 from rlhfuse_jax.fields import is_int as _is_int
 from rlhfuse_jax.sim.shapes import DTYPE_ITEMSIZE, ITEMSIZE_DTYPES
+from rlhfuse_jax.trainer import inputs as inputs_lib
 
 # A run's TrainConfig and ModelConfig (`cfg`, `reward_model` below) are read by attribute name:
 # importing trainer/config.py would bring jax (through its rl/ modules) into this module.
@@ -222,16 +223,31 @@ _RUN_PLAN_RECORDED = ("inference_micro_batch", "migration_rows", "offload_optimi
 # generation times and long tail, and so the plan's choice.
 LENGTH_DATA_FIELDS = ("prompts_file", "task", "length_dist", "length_min", "length_max",
                       "length_mu", "length_sigma")
+# Beside a prompts file (since 2026-12-07, as its absolute path), "data" records the digest of
+# its content the resume check takes (trainer/inputs.py): the prompts' lengths are its content,
+# not its path. The path as typed was compared: './p.jsonl', 'p.jsonl' and '/abs/p.jsonl' were
+# warned of as three files, and other prompts written to the same path were not.
+PROMPTS_DIGEST = "prompts_digest"
+
+
+def prompts_digest(path: str) -> Optional[str]:
+  """The resume check's content digest (trainer/inputs.content_fingerprint) of the prompts file
+  at `path`; None when there is no file there (the run's own checks name it)."""
+  fp = inputs_lib.content_fingerprint("data.prompts_file", path)
+  return next(iter(fp.values())) if fp else None
 
 
 def run_length_inputs(cfg: Any) -> dict:
   """The data fields (LENGTH_DATA_FIELDS) the run `cfg`'s lengths come from: a prompts file
-  alone (its prompts; its responses uniform, their limit compared as max_new_tokens), else the
-  task and its target lengths' distribution (length_mu and length_sigma of a log-normal only:
-  a uniform one reads neither)."""
+  alone (its prompts; its responses uniform, their limit compared as max_new_tokens): its
+  absolute path and content digest (PROMPTS_DIGEST, where the file exists), else the task and
+  its target lengths' distribution (length_mu and length_sigma of a log-normal only: a uniform
+  one reads neither)."""
   d = cfg.data
   if d.prompts_file:
-    return {"prompts_file": d.prompts_file}
+    out = {"prompts_file": os.path.abspath(d.prompts_file)}
+    digest = prompts_digest(d.prompts_file)
+    return {**out, PROMPTS_DIGEST: digest} if digest else out
   out = {"prompts_file": "", "task": d.task, "length_dist": d.length_dist,
          "length_min": d.length_min, "length_max": d.length_max}
   if d.length_dist == "lognormal":
@@ -239,18 +255,41 @@ def run_length_inputs(cfg: Any) -> dict:
   return out
 
 
+def _same_prompts_file(data: Mapping[str, Any], path: str) -> Optional[bool]:
+  """Whether the prompts file plan.json's "data" records is the run's at `path`: by content
+  where both digests are known (a copy elsewhere is the same prompts), else by resolved path
+  (a file written before the digest was recorded, its relative path read from here); None for
+  other content where the path is the same."""
+  was = data.get(PROMPTS_DIGEST)
+  now = prompts_digest(path) if isinstance(was, str) else None
+  if now is not None:
+    if was == now:
+      return True
+    return None if os.path.realpath(str(data["prompts_file"])) == os.path.realpath(path) \
+        else False
+  return os.path.realpath(str(data["prompts_file"])) == os.path.realpath(path)
+
+
 def _length_differences(lengths: Mapping[str, Any], cfg: Any) -> list[str]:
   """plan_workload_differences' entries of the workload's "lengths" against the run `cfg`:
   each data field that differs ("lengths.data.length_dist='uniform' (this run's
   data.length_dist is 'lognormal')"; a prompts file that differs alone, the others then
-  unread). [] for a plan searched with the simulator's own distributions (no "data": a paper
-  pair's config.prompt and config.response), which no run's fields stand for."""
-  run = run_length_inputs(cfg)
+  unread: by content where plan.json records its digest, else by resolved path). [] for a plan
+  searched with the simulator's own distributions (no "data": a paper pair's config.prompt and
+  config.response), which no run's fields stand for."""
   data = lengths.get("data")
   if not isinstance(data, Mapping):
     return []
-  keys = ["prompts_file"] if data.get("prompts_file", "") != run["prompts_file"] else [
-      k for k in LENGTH_DATA_FIELDS[1:] if k in data and k in run]
+  was, now = data.get("prompts_file", ""), cfg.data.prompts_file
+  if was or now:
+    same = bool(was) and bool(now) and _same_prompts_file(data, now)
+    if same:
+      return []
+    return [f"lengths.data.prompts_file={was!r} (this run's data.prompts_file is {now!r}" + (
+        ": the same path, other content: its digest is not the one recorded)" if same is None
+        else ")")]
+  run = run_length_inputs(cfg)
+  keys = [k for k in LENGTH_DATA_FIELDS[1:] if k in data and k in run]
   return [f"lengths.data.{k}={data.get(k, '')!r} (this run's data.{k} is {run[k]!r})"
           for k in keys if data.get(k, "") != run[k]]
 
@@ -371,6 +410,10 @@ def plan_workload_unrecorded(plan: Mapping[str, Any]) -> list[str]:
     out.append("prompt and response lengths" + fields)
   elif fields and not isinstance(lengths.get("data"), Mapping):
     out.append("data fields of its lengths" + fields)
+  elif lengths["data"].get("prompts_file") and PROMPTS_DIGEST not in lengths["data"]:
+    # (since 2026-12-07: its prompts file is then compared by path alone)
+    out.append("content digest of its prompts file (its data.prompts_file is compared by "
+               "path)")
   return out
 
 
