@@ -12,7 +12,10 @@
 # (default: python3 on PATH, else python), e.g. PYTHON=.venv/bin/python. XLA_FLAGS: the
 # caller's, with D devices. The processes run from the repository root: WORKDIR, CONFIG's file
 # and PYTHON are made absolute first; a relative path inside an extra flag
-# (--config.data.prompts_file=p.jsonl) is read from the repository root. Logs:
+# (--config.data.prompts_file=p.jsonl) is read from the repository root, unless it names
+# nothing there and something where the launcher was started: then it is made absolute (said
+# on stderr). One that names nothing in either place is said too (the binary's "No such file"
+# names the relative path alone). Logs:
 # WORKDIR.proc<i>.log (appended, a header line per start); process 0's is shown here as it is
 # written (FOLLOW=0: not; needs GNU tail), and the end of each failed process's log as soon as
 # it has ended.
@@ -55,7 +58,30 @@ if [[ -n "${CONFIG:-}" && -f "${CONFIG%%:*}" ]]; then
   CONFIG="$(abspath "${CONFIG%%:*}")${CONFIG#"${CONFIG%%:*}"}"
 fi
 if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(abspath "$PYTHON"); fi
-cd "$(dirname "$0")/.."
+# An extra flag's relative path (--config.plan.file=ps/plan.json) given from another directory,
+# where the file is: the processes looked for it under the repository root and stopped on "No
+# such file" naming ps/plan.json alone. It is the caller's when it names nothing under the root;
+# one that names something there is read there, as before (configs/data/...).
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+args=()
+for arg in "$@"; do
+  value=${arg#*=}
+  if [[ "$arg" == -*=* && -n "$value" && "$value" != /* && "$value" != *://* &&
+        ! -e "$ROOT/$value" ]]; then
+    if [[ -e "$value" ]]; then
+      arg="${arg%%=*}=$(abspath "$value")"
+      echo "${arg%%=*}=$value: not under the repository root ($ROOT), where the processes" \
+        "read a relative path; read where the launcher was started: ${arg#*=}" >&2
+    elif [[ "$value" == */* ]]; then
+      echo "${arg%%=*}=$value: a relative path, which the processes read (or write) under" \
+        "the repository root ($ROOT); it names nothing there, nor where the launcher was" \
+        "started ($PWD)" >&2
+    fi
+  fi
+  args+=("$arg")
+done
+set -- ${args[@]+"${args[@]}"}
+cd "$ROOT"
 check_binary "$BINARY"
 # The caller's XLA flags stay, any device count replaced by D: the binaries' own rule
 # (rlhfuse_jax/parallel/host_devices.py, which imports no jax).

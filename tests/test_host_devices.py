@@ -217,6 +217,39 @@ def test_the_launcher_reads_relative_paths_where_it_was_started(tmp_path):
   assert not os.path.exists(os.path.join(REPO, "runs", "wd.proc0.log"))
 
 
+def test_the_launcher_reads_a_flags_relative_path_where_it_was_started_if_only_there(tmp_path):
+  """--config.plan.file=ps/plan.json, given from the directory that holds ps/, was read from
+  the repository root (where the processes run) and every process stopped on "No such file"
+  naming ps/plan.json alone. A relative path that names nothing under the root and something
+  where the launcher was started is made absolute, and said; one under the root is read there
+  as before; one found in neither place is said, naming both."""
+  fake = _stand_in(tmp_path / "python", 'echo "ARGS=$*"')
+  (tmp_path / "ps").mkdir()
+  (tmp_path / "ps" / "plan.json").write_text("{}")
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs" / "ppo_tiny.py").write_text("")  # also under the root: the root's
+  launcher = os.path.join(REPO, "launch", "local_multiprocess.sh")
+  flags = ["--config.plan.file=ps/plan.json", "--config.data.prompts_file=./ps/plan.json",
+           "--config.pipeline.schedule_file=configs/ppo_tiny.py", "--config.data.task=repeat",
+           "--config.init.tokenizer=nothere/tok.json", "--config.num_iterations=2"]
+  out = subprocess.run(["bash", launcher, "1", "1", "wd", *flags], cwd=tmp_path,
+                       env=dict(os.environ, PYTHON=str(fake), FOLLOW="0"),
+                       capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  log = (tmp_path / "wd.proc0.log").read_text()
+  assert (f"--config.plan.file={tmp_path}/ps/plan.json --config.data.prompts_file={tmp_path}/"
+          "./ps/plan.json --config.pipeline.schedule_file=configs/ppo_tiny.py "
+          "--config.data.task=repeat --config.init.tokenizer=nothere/tok.json "
+          "--config.num_iterations=2") in log, log
+  assert (f"--config.plan.file=ps/plan.json: not under the repository root ({REPO}), where "
+          "the processes read a relative path; read where the launcher was started: "
+          f"{tmp_path}/ps/plan.json") in out.stderr, out.stderr
+  assert (f"--config.init.tokenizer=nothere/tok.json: a relative path, which the processes "
+          f"read (or write) under the repository root ({REPO}); it names nothing there, nor "
+          f"where the launcher was started ({tmp_path})") in out.stderr, out.stderr
+  assert "schedule_file" not in out.stderr and "data.task" not in out.stderr, out.stderr
+
+
 def test_the_launcher_exits_with_a_failure_rather_than_a_clean_stop(tmp_path):
   """Process statuses (0 saved-and-stopped 75, 1 failed with 3): the launcher exits 3, not 75
   (a caller would requeue a failed run as resumable) and not the last process's status; a
