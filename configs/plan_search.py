@@ -37,7 +37,11 @@ the predicted times say nothing about the CPU run). ppo_tiny rather than its `fu
 on instances with inference on them, which leaves the search almost nothing to choose;
 ppo_tiny leaves the layout to the plan. `sim.trainer_runnable` keeps only plans the trainer
 runs as simulated, and the binary checks each with the trainer's own validation of the run's
-config. Asynchronous splits in steps of one device (`sim.async_split_unit` = 1, what the default
+config. `devices_per_host`: the devices of each of the run's processes (0, the default: the
+hardware's host, 8 H100s), within which the trainer keeps a generation instance, an inference
+pipeline and pipelined generation: 4 for `launch/local_multiprocess.sh 2 4` (a tp8 instance
+searched for 8 was refused there; without it, such a plan is warned of). Asynchronous splits in
+steps of one device (`sim.async_split_unit` = 1, what the default
 0 comes to here too: the 8 devices are one node and one host).
 """
 import ml_collections
@@ -62,6 +66,11 @@ def get_config(arg: str = "65b/33b") -> ml_collections.ConfigDict:
   # a train_ppo config (PATH[:VARIANT]) whose workload is searched, restricted to plans the
   # trainer runs ("": the pair above, with this config's workload fields)
   c.train_config = ""
+  # the devices of each of the run's processes, which the trainer keeps a generation instance,
+  # an inference pipeline and pipelined generation within (0: the hardware's host,
+  # devices_per_host or devices_per_node: 8 for the H100 nodes); e.g. 4 for a run of
+  # launch/local_multiprocess.sh 2 4
+  c.devices_per_host = 0
   if arg == "train":
     c.train_config = "configs/ppo_tiny.py"
     c.num_devices = 8

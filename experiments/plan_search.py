@@ -86,6 +86,7 @@ from rlhfuse_jax.pipeline import search as search_lib
 from rlhfuse_jax.sim import ablations, iteration_sim, plan_search, training_sim
 from rlhfuse_jax.sim import report as sim_report
 from rlhfuse_jax.sim import shapes
+from rlhfuse_jax.sim.cost_model import CostModel
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
@@ -399,6 +400,41 @@ def check_unread_overrides(train_config: str, overrides: dict) -> None:
         f"and rollout fields); {len(unread)} such override(s): {unread}")
 
 
+def check_devices_per_host(value, num_devices: int) -> None:
+  """A ValueError naming config.devices_per_host unless it is 0 (the hardware's host) or an
+  integer >= 1 that divides config.num_devices (the run's processes of as many devices each)."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (
+      value and num_devices % value):
+    raise ValueError(
+        f"config.devices_per_host={value!r}: expected the devices of each of the run's "
+        f"processes, an integer >= 1 dividing config.num_devices={num_devices} (2 processes x "
+        "4 devices: 4), or 0 for the hardware's host (config.hardware's devices_per_host)")
+
+
+def with_host(cost: CostModel, devices_per_host: int) -> CostModel:
+  """`cost` on hosts of `devices_per_host` devices (one process each; 0: as it is): what
+  trainer_refusal keeps a generation instance, an inference pipeline and pipelined generation
+  within. Only the plans allowed change: no simulated time reads the host's size."""
+  if not devices_per_host:
+    return cost
+  return CostModel(dataclasses.replace(cost.hw, devices_per_host=devices_per_host), cost.eff,
+                   cost.cal)
+
+
+def smaller_hosts_refusing(wl, plan: dict, host_devices: int) -> dict:
+  """{devices a process: trainer_refusal's reason} for the processes of fewer devices than
+  `host_devices` (dividing the workload's devices) on which the trainer refuses `plan`, the
+  largest first: a run of 2 processes x 4 devices refused a tp8 instance searched for hosts of
+  8, and plan_search had not said so."""
+  n = wl.num_devices
+  out = {}
+  for h in range(min(host_devices, n) - 1, 0, -1):
+    why = plan_search.trainer_refusal(wl, plan, h) if n % h == 0 else None
+    if why:
+      out[h] = why
+  return out
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
@@ -411,6 +447,8 @@ def main(argv):
   top_k = _CONFIG.value.top_k
   if not isinstance(top_k, int) or top_k < 1:
     raise ValueError(f"config.top_k={top_k!r}: expected an integer >= 1 (plans to report)")
+  devices_per_host = _CONFIG.value.get("devices_per_host", 0)
+  check_devices_per_host(devices_per_host, cfg.num_devices)
   spec = path = _CONFIG.value.get("train_config", "")
   overrides = ""
   if _RUN_CONFIG.value is not None:
@@ -433,7 +471,7 @@ def main(argv):
   # (train_run's resolved config: a checkpoint's shape) or the preset pairs'
   actor_params = None if run is None else [shapes.from_model_config(run[1].model,
                                                                     "actor").num_params()]
-  cost, accept = ablations.cost_model(cfg, actor_params), None
+  cost, accept = with_host(ablations.cost_model(cfg, actor_params), devices_per_host), None
   workdir = _WORKDIR.value
   wd.start_outputs(workdir, _CONFIG.value,
                    ("result.json", "plan.json", "plan_search.md", "lengths"))
@@ -527,6 +565,19 @@ def main(argv):
     logging.warning("plan.json (%s) is not one train_ppo runs: %s; "
                     "--config.sim.trainer_runnable=True keeps the search to plans it runs",
                     plan["summary"], refusal)
+  elif (spec or cfg.sim.trainer_runnable) and not devices_per_host:
+    # The run's processes may drive fewer devices than the hardware's host (a local run of
+    # launch/local_multiprocess.sh 2 4): train_ppo then refuses the plan at set-up.
+    smaller = smaller_hosts_refusing(wl, plan, cost.hw.host_devices)
+    if smaller:
+      h = next(iter(smaller))
+      logging.warning(
+          "plan.json (%s) was searched for processes of %d devices (the host of "
+          "config.hardware=%r); train_ppo refuses it on processes of %s (on %d: %s): "
+          "for such a run (launch/local_multiprocess.sh N D: D devices a process) search with "
+          "--config.devices_per_host=D", plan["summary"], cost.hw.host_devices, cfg.hardware,
+          " or ".join(map(str, smaller)) + (" device" if list(smaller) == [1] else " devices"),
+          h, smaller[h])
   # The hardware's values, not only its name: a file of one's own (--config.hardware=FILE.json)
   # may change after the search.
   hardware = cost.hw.to_dict()

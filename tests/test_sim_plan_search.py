@@ -551,6 +551,46 @@ def test_trainer_refusal_wants_an_equal_generation_share_of_every_host():
                             host_devices=8) is None  # one device of each host
 
 
+def test_binary_searches_for_the_runs_devices_per_process(tmp_path):
+  """plan_search:train searched for the hardware's hosts (8 H100s) whatever the run's processes
+  hold: a tp8 instance it wrote to plan.json was refused by train_ppo on 2 processes x 4
+  devices (launch/local_multiprocess.sh 2 4), and nothing said so. --config.devices_per_host
+  gives the run's devices a process (plan.json records it), and without it a plan that the
+  trainer refuses on smaller processes is warned of, naming the flag."""
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+         "JAX_PLATFORMS": "cpu"}
+  heads = [f"--run_config.{m}.{f}=8" for m in ("model", "critic_model")
+           for f in ("num_heads", "num_kv_heads")]
+  args = [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
+          "--config.systems=", "--config.sim.staleness=0", "--run_config=configs/ppo_tiny.py",
+          *heads, "--config.sim.gen_tps=8"]
+  run = lambda wd, *more: subprocess.run([*args, f"--workdir={tmp_path / wd}", *more], cwd=ROOT,
+                                         env=env, capture_output=True, text=True, timeout=300)
+  out = run("hosts_of_8")
+  assert out.returncode == 0, out.stderr[-3000:]
+  plan = json.loads((tmp_path / "hosts_of_8" / "plan.json").read_text())
+  assert plan["generation"]["tp"] == 8 and plan["hardware"]["devices_per_host"] == 0, plan
+  assert ("was searched for processes of 8 devices (the host of config.hardware='h100_sxm'); "
+          "train_ppo refuses it on processes of 4 or 2 or 1 devices (on 4: generation instances "
+          "of tp8 on 4 generation devices a process (2 hosts of 4; an instance is one "
+          "process's)): for such a run (launch/local_multiprocess.sh N D: D devices a process) "
+          "search with --config.devices_per_host=D") in out.stderr, out.stderr[-3000:]
+  out = run("hosts_of_4", "--config.devices_per_host=4")  # tp8 only: nothing runs on 4
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert ("x generation instances of tp8 on 4 generation devices a process (2 hosts of 4"
+          in out.stderr), out.stderr[-3000:]
+  out = run("hosts_of_4", "--config.devices_per_host=4", "--config.sim.gen_tps=1,2,4,8")
+  assert out.returncode == 0, out.stderr[-3000:]
+  plan = json.loads((tmp_path / "hosts_of_4" / "plan.json").read_text())
+  assert plan["hardware"]["devices_per_host"] == 4 and plan["generation"]["tp"] <= 4, plan
+  assert "devices_per_host=D" not in out.stderr, out.stderr[-3000:]
+  out = run("bad", "--config.devices_per_host=3")
+  assert out.returncode == 1 and (
+      "config.devices_per_host=3: expected the devices of each of the run's processes, an "
+      "integer >= 1 dividing config.num_devices=8") in out.stderr, out.stderr[-3000:]
+  assert not (tmp_path / "bad").exists()
+
+
 def test_binary_searches_alone_with_no_systems(tmp_path):
   """`--config.systems=` (configs/plan_search.py: "" for none) was refused ("must list at least
   one item"): the plan search runs alone, synchronous plans only with sim.staleness=0, and
