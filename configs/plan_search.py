@@ -40,8 +40,8 @@ runs as simulated, and the binary checks each with the trainer's own validation 
 config. `devices_per_host`: the devices of each of the run's processes (0, the default: the
 hardware's host, 8 H100s), within which the trainer keeps a generation instance, an inference
 pipeline and pipelined generation: 4 for `launch/local_multiprocess.sh 2 4` (a tp8 instance
-searched for 8 was refused there; without it, such a plan is warned of). Asynchronous splits in
-steps of one device (`sim.async_split_unit` = 1, what the default
+searched for 8 was refused there; without it, such a plan is said in a log line).
+Asynchronous splits in steps of one device (`sim.async_split_unit` = 1, what the default
 0 comes to here too: the 8 devices are one node and one host).
 """
 import ml_collections

@@ -569,9 +569,10 @@ def main(argv):
     # The run's processes may drive fewer devices than the hardware's host (a local run of
     # launch/local_multiprocess.sh 2 4): train_ppo then refuses the plan at set-up.
     smaller = smaller_hosts_refusing(wl, plan, cost.hw.host_devices)
-    if smaller:
+    if smaller:  # (info, not a warning: most runs drive a whole host a process, and
+      # train_ppo's own refusal on smaller processes names the field and the plan file)
       h = next(iter(smaller))
-      logging.warning(
+      logging.info(
           "plan.json (%s) was searched for processes of %d devices (the host of "
           "config.hardware=%r); train_ppo refuses it on processes of %s (on %d: %s): "
           "for such a run (launch/local_multiprocess.sh N D: D devices a process) search with "

@@ -556,7 +556,7 @@ def test_binary_searches_for_the_runs_devices_per_process(tmp_path):
   hold: a tp8 instance it wrote to plan.json was refused by train_ppo on 2 processes x 4
   devices (launch/local_multiprocess.sh 2 4), and nothing said so. --config.devices_per_host
   gives the run's devices a process (plan.json records it), and without it a plan that the
-  trainer refuses on smaller processes is warned of, naming the flag."""
+  trainer refuses on smaller processes is said (a line at info level), naming the flag."""
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
          "JAX_PLATFORMS": "cpu"}
   heads = [f"--run_config.{m}.{f}=8" for m in ("model", "critic_model")
