@@ -928,3 +928,102 @@ def test_a_num_tokens_the_user_bound_is_not_passed_again(tok):
   assert rewards_lib.takes_num_tokens(other)
   np.testing.assert_allclose(rewards_lib.per_sample(other, "other")([{}] * 3, ids, lens, tok),
                              [max(-1.0, min(0.0, (8 - n) / 8)) for n in want])
+
+
+# ----------------------------------------------------- OpenRLHF's reward normalisation
+
+def _openrlhf_rm(tmp_path, name="rm", **stats):
+  """A copy of the tiny Qwen2 fixture whose config.json is an OpenRLHF reward model's
+  (architectures ["RewardModel"], value_head_prefix) plus `stats` (OpenRLHF's trainer writes
+  mean and std; normalize_reward records only the flag it was last loaded with)."""
+  import json
+  import shutil
+  src = os.path.join(os.path.dirname(CHAT), "tiny_qwen2")
+  rm = tmp_path / name
+  shutil.copytree(src, rm)
+  with open(rm / "config.json") as f:
+    hf = json.load(f)
+  hf.update(architectures=["RewardModel"], value_head_prefix="value_head",
+            normalize_reward=False, **stats)
+  with open(rm / "config.json", "w") as f:
+    json.dump(hf, f)
+  return str(rm)
+
+
+def _model_rewards(cfg, tok):
+  """build_rewards of reward.kind='model' config `cfg` with a stand-in for the loaded model
+  (combine takes the model's scores as given)."""
+  import types
+  scalar = llama.ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                             num_heads=1, num_kv_heads=1, head="scalar")
+  models = types.SimpleNamespace(reward_cfg=scalar, reward_params={})
+  return build.build_rewards(cfg, None, tok, models, None)
+
+
+def test_an_openrlhf_reward_models_mean_and_std_normalise_its_scores(tok, tmp_path, caplog):
+  """OpenRLHF's reward-model trainer writes the mean and std of its evaluation scores into
+  config.json, and its PPO (--normalize_reward, as in its example scripts) scores
+  (r - mean) / std: the run took the raw scores, on another scale than the kl_coef and clip
+  ranges tuned there. reward.model_normalize='auto' (the default) applies them, with a log line,
+  also after the weights moved (the fused stage's with_model_params); 'off' keeps the raw
+  scores, saying the statistics go unused."""
+  import logging
+  rm = _openrlhf_rm(tmp_path, mean=2.5, std=0.5)
+  ids, lens = _batch(tok, ["a", "bb", "ccc"])
+  raw = np.array([2.5, 3.0, 1.25], np.float32)
+  base = {"reward.kind": "model", "reward.model_checkpoint": rm,
+          "reward.format": "tests.test_rewards:answer_length", "reward.format_weight": 2.0}
+  length = np.array([0.01, 0.02, 0.03])
+  with caplog.at_level(logging.INFO):
+    rewards = _model_rewards(tiny_config(**base), tok)
+  assert rewards.model_norm == (2.5, 0.5)
+  assert "rewards are (score - 2.5) / 0.5" in caplog.text, caplog.text
+  for r in (rewards, rewards.without_model_params().with_model_params({}, rewards.scorer)):
+    out, metrics = r.combine([{}] * 3, ids, lens, raw)
+    np.testing.assert_allclose(out, [0.0, 1.0, -2.5] + 2.0 * length, rtol=1e-6)
+    assert metrics["reward/model_mean"] == pytest.approx(-0.5)
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    off = _model_rewards(tiny_config(**base, **{"reward.model_normalize": "off"}), tok)
+  assert off.model_norm is None
+  assert "not normalised by the mean 2.5 and std 0.5" in caplog.text, caplog.text
+  np.testing.assert_allclose(off.combine([{}] * 3, ids, lens, raw)[0], raw + 2.0 * length,
+                             rtol=1e-6)
+  # A checkpoint without them (transformers' *ForSequenceClassification): raw, under 'auto'
+  # and 'off'; 'on' is refused naming the field, before any weight is read.
+  plain = _openrlhf_rm(tmp_path, "plain")
+  for how in ("auto", "off"):
+    cfg = tiny_config(**{**base, "reward.model_checkpoint": plain,
+                         "reward.model_normalize": how})
+    assert _model_rewards(cfg, tok).model_norm is None
+  on = tiny_config(**{**base, "reward.model_checkpoint": plain, "reward.model_normalize": "on"})
+  with pytest.raises(ValueError, match=r"config\.reward\.model_normalize='on': config\.reward\."
+                     r"model_checkpoint='.*plain' has no reward statistics \(`mean` and `std`"):
+    build.reward_model_config(on)
+  assert _model_rewards(tiny_config(**{**base, "reward.model_normalize": "on"}),
+                        tok).model_norm == (2.5, 0.5)
+
+
+def test_bad_reward_statistics_and_normalise_settings_are_refused(tok, tmp_path):
+  """A config.json with one statistic but not the other, or one that is no number (std: > 0),
+  is refused naming the file and the field; so are reward.model_normalize values other than
+  auto / on / off, and 'on' beside a reward function (there is no model score to normalise)."""
+  for i, (stats, match) in enumerate((
+      ({"mean": 1.0}, r"mean=1\.0 without std; OpenRLHF's reward statistics are the two"),
+      ({"std": 2.0}, r"std=2\.0 without mean"),
+      ({"mean": 1.0, "std": 0.0}, r"std=0\.0; expected a finite number > 0"),
+      ({"mean": "1", "std": 1.0}, r"mean='1'; expected a finite number \(OpenRLHF's"),
+      ({"mean": True, "std": 1.0}, r"mean=True; expected a finite number"))):
+    rm = _openrlhf_rm(tmp_path, f"bad{i}", **stats)
+    cfg = tiny_config(**{"reward.kind": "model", "reward.model_checkpoint": rm})
+    with pytest.raises(ValueError, match=r"config\.json: " + match):
+      _model_rewards(cfg, tok)
+  with pytest.raises(ValueError, match=r"config\.reward\.model_normalize='yes': expected one of "
+                                       r"\['auto', 'on', 'off'\]"):
+    tiny_config(**{"reward.model_normalize": "yes"})
+  with pytest.raises(ValueError, match=r"config\.reward\.model_normalize='on': expected 'auto' "
+                                       r"or 'off' when reward\.kind='function'"):
+    tiny_config(**{"reward.model_normalize": "on"})
+  # A reward function has no model scores: Rewards refuses a normalisation beside one.
+  with pytest.raises(ValueError, match=r"model_norm=\(0\.0, 1\.0\) normalises a reward model's"):
+    Rewards(fn=len, name="f", model_norm=(0.0, 1.0))

@@ -323,6 +323,36 @@ def test_reward_model_scores_the_serial_rollout_as_the_fused_one(reward_files, f
   assert history[0]["reward/model_mean"] == pytest.approx(float(np.mean(want)), abs=1e-6)
 
 
+def test_openrlhf_reward_statistics_normalise_the_fused_rollouts_scores(reward_files, tmp_path):
+  """A reward model whose config.json holds OpenRLHF's `mean` and `std` (its reward-model
+  trainer's): the fused run's rewards are (score - mean) / std plus the length penalty (they
+  were the raw scores, on another scale than OpenRLHF's PPO with --normalize_reward), the
+  scores read on the freed instances after the weights moved there."""
+  f = reward_files
+  rm = tmp_path / "rm"
+  shutil.copytree(f["ckpt"], rm)
+  with open(rm / "config.json") as fh:
+    hf = json.load(fh)
+  mean, std = 0.75, 0.25
+  hf.update(mean=mean, std=std)
+  with open(rm / "config.json", "w") as fh:
+    json.dump(hf, fh)
+  cfg = _reward_run_config(f["prompts"], rm, num_iterations=1, **{
+      "fusion.inter_stage": True, "fusion.migration_threshold": "1.0"})
+  trainer = PPOTrainer(cfg, str(tmp_path / "run"), mesh=_mesh4())
+  assert isinstance(trainer.rollout, rollout_lib.FusedStage)
+  seen = record_rollouts(trainer)
+  history = trainer.run()
+  _finite(history)
+  (prompts, out), = seen
+  raw, _ = _independent_scores(str(rm), out, trainer.tokenizer.pad_id)
+  want = (raw - mean) / std
+  penalty = _penalty(out, prompts, trainer.tokenizer)
+  np.testing.assert_allclose(out.scores, want + PENALTY_WEIGHT * penalty, atol=1e-5, rtol=0)
+  assert history[0]["reward/model_mean"] == pytest.approx(float(np.mean(want)), abs=1e-5)
+  assert abs(float(np.mean(raw)) - float(np.mean(want))) > 0.1  # the check can fail
+
+
 def test_prompts_file_is_what_the_trainer_generates_from(reward_files, fused_run):
   """data.prompts_file with the task's tokenizer: every iteration generates from the file's
   prompts (decoded from the recorded prompt tokens), each file record once per iteration (8 of

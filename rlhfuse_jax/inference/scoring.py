@@ -243,12 +243,18 @@ class Rewards:
   per-sample functions that are not rewards, add stats/<label>_mean and nothing else. The serial
   rollout calls it whole; the fused one (trainer/rollout.py) scores with the model on freed
   instances and adds the function terms with `combine`.
+
+  `model_norm`: (mean, std) that the reward model's scores are normalised by, (score - mean) /
+  std in float64, before any term is added (OpenRLHF's normalize_reward: the statistics its
+  reward-model trainer writes into config.json, trainer/build.reward_normalization); None: the
+  raw scores.
   """
 
   def __init__(self, *, fn: Optional[RewardFn] = None, name: str = "",
                model_cfg: Optional[ModelConfig] = None, model_params: Any = None,
                scorer: Optional[Scorer] = None, extra: Sequence[RewardTerm] = (),
-               stats: Sequence[RewardTerm] = ()):
+               stats: Sequence[RewardTerm] = (),
+               model_norm: Optional[tuple[float, float]] = None):
     if (fn is None) == (model_cfg is None):
       raise ValueError("Rewards needs exactly one source: a reward function (fn) or a reward "
                        f"model (model_cfg); got fn={fn!r}, model_cfg={model_cfg!r}")
@@ -266,7 +272,17 @@ class Rewards:
     for t in (*extra, *stats):
       if not callable(t.fn):
         raise ValueError(f"reward function {t.name!r}: needs a callable, got {t.fn!r}")
+    if model_norm is not None:
+      if model_cfg is None:
+        raise ValueError(f"Rewards: model_norm={model_norm!r} normalises a reward model's "
+                         "scores; the reward here is a function's")
+      mean, std = model_norm
+      if not (np.isfinite(mean) and np.isfinite(std) and std > 0):
+        raise ValueError(f"Rewards: model_norm={model_norm!r}; expected (mean, std) finite, "
+                         "std > 0")
+      model_norm = (float(mean), float(std))
     self.fn, self.name, self.extra, self.stats = fn, name, tuple(extra), tuple(stats)
+    self.model_norm = model_norm
     self.model_cfg, self.model_params = model_cfg, model_params
     self.scorer = scorer or Scorer()
 
@@ -284,7 +300,7 @@ class Rewards:
     """The same resolver with the reward model's weights `params` scored by `scorer` (a stage
     that placed them on a mesh of its own)."""
     return Rewards(model_cfg=self.model_cfg, model_params=params, name=self.name,
-                   scorer=scorer, extra=self.extra, stats=self.stats)
+                   scorer=scorer, extra=self.extra, stats=self.stats, model_norm=self.model_norm)
 
   def _term(self, fn: RewardFn, name: str, records, response_tokens: np.ndarray,
             response_lens: np.ndarray, stat: bool = False) -> np.ndarray:
@@ -330,6 +346,10 @@ class Rewards:
     if self.from_model != (model_scores is not None):
       raise ValueError(f"Rewards.combine: model_scores must be given exactly when the reward is "
                        f"a model's (from_model={self.from_model})")
+    if self.from_model and self.model_norm is not None:
+      mean, std = self.model_norm
+      with np.errstate(over="ignore", invalid="ignore"):
+        model_scores = ((np.asarray(model_scores, np.float64) - mean) / std).astype(np.float32)
     parts = [("model", 1.0, np.asarray(model_scores, np.float32)) if self.from_model else
              ("function", 1.0, self._term(self.fn, self.name, records, response_tokens,
                                           response_lens))]

@@ -9,6 +9,7 @@ on its own until 2026-12-06 and took all of these, a Mixtral-8x7B as a dense Mis
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Optional
 
@@ -66,6 +67,36 @@ def scalar_actor_error(where: str) -> str:
 # records the class name): they were refused as unsupported architectures. Each scores at the
 # last attended token, EOS included, whatever pad_token_id says.
 OPENRLHF_ARCHITECTURES = ("CriticModel", "RewardModel")
+
+
+# OpenRLHF's reward-model trainer (openrlhf/trainer/rm_trainer.py, evaluate) writes the mean and
+# the std (torch.std, clamped to >= 1e-8) of its scores on the evaluation pairs into config.json
+# as top-level `mean` and `std`; its PPO (train_ppo_ray.py --normalize_reward, as its example
+# scripts run it) scores (r - mean) / std. config.json's own `normalize_reward` records only the
+# flag the model was last loaded with (OpenRLHF overwrites it at every load), so it is not read.
+REWARD_STATS = ("mean", "std")
+
+
+def reward_stats(hf: dict[str, Any], where: str = CONFIG_FILE) -> Optional[tuple[float, float]]:
+  """(mean, std) of OpenRLHF's reward statistics in config.json `hf`, or None where it has
+  neither; one without the other, or a value that is no finite number (std: > 0), is refused
+  naming the field."""
+  given = {k: hf.get(k) for k in REWARD_STATS if hf.get(k) is not None}
+  if not given:
+    return None
+  if len(given) == 1:
+    (have, value), = given.items()
+    lacks = next(k for k in REWARD_STATS if k != have)
+    raise ValueError(f"{where}: {have}={value!r} without {lacks}; OpenRLHF's reward statistics "
+                     "are the two together (expected both numbers, or neither)")
+  for key, value in given.items():
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and (key != "std" or value > 0))
+    if not ok:
+      what = "a finite number > 0" if key == "std" else "a finite number"
+      raise ValueError(f"{where}: {key}={value!r}; expected {what} (OpenRLHF's reward "
+                       "statistics)")
+  return float(given["mean"]), float(given["std"])
 
 
 def _openrlhf(hf: dict[str, Any]) -> bool:

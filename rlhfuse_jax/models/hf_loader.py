@@ -117,6 +117,13 @@ def checkpoint_family(ckpt_dir: str) -> str:
   return ARCHITECTURES[hf_config.architecture(hf_config.read_json(path), path)][0]
 
 
+def reward_stats(ckpt_dir: str) -> Optional[tuple[float, float]]:
+  """(mean, std) of the reward statistics that OpenRLHF's reward-model trainer writes into the
+  config.json at `ckpt_dir` (hf_config.reward_stats), or None where it holds none."""
+  path = os.path.join(ckpt_dir, CONFIG_FILE)
+  return hf_config.reward_stats(hf_config.read_json(path), path)
+
+
 def load_hf_config(ckpt_dir: str, **overrides) -> llama.ModelConfig:
   """ModelConfig of a HF {Llama,Mistral,Qwen2,Qwen3}ForCausalLM (or *ForSequenceClassification).
 

@@ -732,6 +732,7 @@ def reward_model_config(cfg: TrainConfig, weights: bool = True) -> Optional[Mode
                             remat="none", max_seq_len=min(positions, cfg.model.max_seq_len))
   if not weights:
     return model
+  reward_normalization(cfg)  # "on" without statistics: refused before any weight is read
   # A reward model is its trained scalar head: without one (a *ForCausalLM, the policy's own
   # directory) the loader would draw a random head and PPO would optimise a random projection.
   names = load_named("reward.model_checkpoint", path, hf_loader.tensor_names)
@@ -750,6 +751,39 @@ def reward_model_config(cfg: TrainConfig, weights: bool = True) -> Optional[Mode
                     "adds it to every reward, so its rewards differ from transformers' by that "
                     "constant", path)
   return model
+
+
+def reward_normalization(cfg: TrainConfig) -> Optional[tuple[float, float]]:
+  """(mean, std) that the reward model's scores are normalised by, (score - mean) / std, or
+  None (raw scores, or no reward model): reward.model_normalize against the statistics that
+  OpenRLHF's reward-model trainer writes into config.json (hf_loader.reward_stats). "on" with a
+  config.json that holds none is refused naming both."""
+  r = cfg.reward
+  if r.kind != "model" or r.model_normalize == "off":
+    return None
+  stats = load_named("reward.model_checkpoint", r.model_checkpoint, hf_loader.reward_stats)
+  if stats is None and r.model_normalize == "on":
+    raise ValueError(
+        f"config.reward.model_normalize='on': config.reward.model_checkpoint="
+        f"{r.model_checkpoint!r} has no reward statistics (`mean` and `std` in its config.json, "
+        "as OpenRLHF's reward-model trainer writes them); expected a checkpoint that holds "
+        "them, or reward.model_normalize='auto' or 'off' for its raw scores")
+  return stats
+
+
+def log_reward_normalization(cfg: TrainConfig, norm: Optional[tuple[float, float]]) -> None:
+  """Says whether the reward model's scores are normalised, and how to change it."""
+  r = cfg.reward
+  if norm is not None:
+    logging.info("reward model %s: rewards are (score - %g) / %g, the mean and std in its "
+                 "config.json (OpenRLHF's normalize_reward); reward.model_normalize='off' for "
+                 "its raw scores", r.model_checkpoint, *norm)
+  elif r.kind == "model" and r.model_normalize == "off":
+    stats = load_named("reward.model_checkpoint", r.model_checkpoint, hf_loader.reward_stats)
+    if stats is not None:
+      logging.info("reward model %s: rewards are its raw scores (reward.model_normalize='off'), "
+                   "not normalised by the mean %g and std %g in its config.json",
+                   r.model_checkpoint, *stats)
 
 
 @dataclasses.dataclass
@@ -870,8 +904,11 @@ def build_rewards(cfg: TrainConfig, task, tokenizer: Tokenizer, models: Models,
   extra = [term("format", r.format, r.format_weight)] if r.format else []
   stats = [term(stat_label(spec), spec, stat=True) for spec in r.stat_specs]
   if r.kind == "model":
+    norm = reward_normalization(cfg)
+    log_reward_normalization(cfg, norm)
     return scoring.Rewards(model_cfg=models.reward_cfg, model_params=models.reward_params,
-                           scorer=scoring.Scorer(mesh), extra=extra, stats=stats)
+                           scorer=scoring.Scorer(mesh), extra=extra, stats=stats,
+                           model_norm=norm)
   if r.function == "task":
     fn, name = (lambda records, ids, lens, tok: task.batch_rewards(records, ids, lens, tok),
                 f"task:{cfg.data.task}")

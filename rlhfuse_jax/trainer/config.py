@@ -353,6 +353,9 @@ def stat_label(spec: str) -> str:
   return spec.rpartition(":")[2].rpartition(".")[2] or spec
 
 
+MODEL_NORMALIZE = ("auto", "on", "off")
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
   kind: str = "function"  # "function" (a Python verifier) or "model" (a scalar-head reward model)
@@ -372,6 +375,12 @@ class RewardConfig:
   # the mean); "": none.
   stats: str = ""
   model_checkpoint: str = ""  # HF-style checkpoint dir of the reward model (kind="model")
+  # OpenRLHF's reward normalisation, the model's score as (score - mean) / std with the `mean`
+  # and `std` its reward-model trainer writes into config.json (OpenRLHF's PPO with
+  # --normalize_reward, as its example scripts run): "auto" where config.json holds them (else
+  # the raw score), "on" (config.json must hold them), "off" (the raw score). The run logs
+  # which (trainer/build.reward_normalization).
+  model_normalize: str = "auto"
 
   @property
   def uses_model(self) -> bool:
@@ -383,6 +392,11 @@ class RewardConfig:
     _check(self.kind in ("function", "model"), "reward.kind", self.kind, "'function' or 'model'")
     _check(self.kind != "model" or bool(self.model_checkpoint), "reward.model_checkpoint",
            self.model_checkpoint, "a checkpoint directory when reward.kind='model'")
+    _check(self.model_normalize in MODEL_NORMALIZE, "reward.model_normalize",
+           self.model_normalize, f"one of {list(MODEL_NORMALIZE)}")
+    _check(self.model_normalize != "on" or self.kind == "model", "reward.model_normalize",
+           self.model_normalize, "'auto' or 'off' when reward.kind='function' (it normalises a "
+           "reward model's scores)")
     _check(self.format != "task", "reward.format", self.format,
            "a reward function name or import path (the task's verifier is reward.function)")
     _check(math.isfinite(self.format_weight)
