@@ -353,6 +353,34 @@ def test_openrlhf_reward_statistics_normalise_the_fused_rollouts_scores(reward_f
   assert abs(float(np.mean(raw)) - float(np.mean(want))) > 0.1  # the check can fail
 
 
+def test_a_critic_from_an_openrlhf_reward_model_starts_on_the_normalised_scale(reward_files,
+                                                                               tmp_path):
+  """init.critic_checkpoint at the reward model whose config.json holds OpenRLHF's mean and std
+  (OpenRLHF's default critic): with the rewards normalised its values start as
+  (value - mean) / std, as OpenRLHF's critic under --normalize_reward (read raw, they started
+  on another scale than the returns); with reward.model_normalize='off' raw, as before."""
+  rm = tmp_path / "rm"
+  shutil.copytree(reward_files["ckpt"], rm)
+  with open(rm / "config.json") as fh:
+    hf = json.load(fh)
+  mean, std = 0.75, 0.25
+  hf.update(mean=mean, std=std)
+  with open(rm / "config.json", "w") as fh:
+    json.dump(hf, fh)
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1])
+  tokens = np.array([[1, 5, 7, 9, 11, 3]], np.int32)
+  values = {}
+  for how in ("auto", "off"):
+    cfg = tiny_config(**{"reward.kind": "model", "reward.model_checkpoint": str(rm),
+                         "init.critic_checkpoint": str(rm), "reward.model_normalize": how})
+    _, tok = build.build_task_and_tokenizer(cfg)
+    cfg = build.resolve_config(cfg, tok, log=False)
+    critic = jax.device_get(build.build_critic(cfg, mesh))
+    values[how] = np.asarray(_apply(cfg.critic_model, critic, tokens)[0])
+  np.testing.assert_allclose(values["auto"], (values["off"] - mean) / std, atol=1e-5, rtol=0)
+  assert np.abs(values["off"] - values["auto"]).max() > 0.1  # the check can fail
+
+
 def test_prompts_file_is_what_the_trainer_generates_from(reward_files, fused_run):
   """data.prompts_file with the task's tokenizer: every iteration generates from the file's
   prompts (decoded from the recorded prompt tokens), each file record once per iteration (8 of

@@ -823,6 +823,28 @@ def _shardings(model_cfg: ModelConfig, mesh: jax.sharding.Mesh) -> Any:
                                   mesh)
 
 
+def critic_normalization(cfg: TrainConfig) -> Optional[tuple[float, float]]:
+  """(mean, std) of the reward statistics in init.critic_checkpoint's config.json when the run
+  normalises its reward model's scores (reward_normalization), else None. OpenRLHF's critic,
+  by default its reward model, normalises its values with its own statistics under the same
+  --normalize_reward: a critic read raw beside normalised rewards would start its values on
+  another scale than the returns it learns."""
+  if not cfg.init.critic_checkpoint or reward_normalization(cfg) is None:
+    return None
+  return load_named("init.critic_checkpoint", cfg.init.critic_checkpoint,
+                    hf_loader.reward_stats)
+
+
+def _normalized_head(params: Any, mean: float, std: float) -> Any:
+  """Host params of a scalar-head model whose value head computes (value - mean) / std: its
+  weight / std and its bias (bias - mean) / std, in float64, cast back to their dtypes."""
+  head = dict(params["head"])
+  w, b = head["value_head"], head["value_bias"]
+  head["value_head"] = (np.asarray(w, np.float64) / std).astype(w.dtype)
+  head["value_bias"] = ((np.asarray(b, np.float64) - mean) / std).astype(b.dtype)
+  return {**params, "head": head}
+
+
 def build_critic(cfg: TrainConfig, mesh: jax.sharding.Mesh, weights: bool = True) -> Any:
   """The initial critic of the resolved config `cfg` (one that trains a critic), sharded over
   `mesh`: init.critic_checkpoint's weights (a value head drawn from cfg.seed where it has
@@ -833,6 +855,12 @@ def build_critic(cfg: TrainConfig, mesh: jax.sharding.Mesh, weights: bool = True
     params = load_named("init.critic_checkpoint", cfg.init.critic_checkpoint,
                         hf_loader.load_hf_params, cfg.critic_model, head="scalar",
                         rng=jax.random.fold_in(key, 2))
+    norm = critic_normalization(cfg)
+    if norm is not None:
+      params = _normalized_head(params, *norm)
+      logging.info("critic %s: its value head starts as (value - %g) / %g, the mean and std in "
+                   "its config.json, on the scale of the normalised rewards (as OpenRLHF's "
+                   "critic with --normalize_reward)", cfg.init.critic_checkpoint, *norm)
     return mesh_lib.put(params, _shardings(cfg.critic_model, mesh))
   # Initialised in place: each device computes only its own shards.
   return llama.init_params(cfg.critic_model, jax.random.fold_in(key, 2),
