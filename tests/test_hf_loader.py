@@ -826,6 +826,44 @@ def test_openrlhf_s_own_critic_and_reward_model_classes_load_as_scalar_heads(tmp
     hf_loader.load_hf_config(bad)
 
 
+def test_openrlhf_s_value_head_prefix_names_the_head(tmp_path):
+  """OpenRLHF names its value head by --value_head_prefix and records the name in config.json
+  (value_head_prefix): a head under another name than score / value_head was refused as
+  'tensor(s) this config does not use'. The config.json's prefix is the head now (with its
+  bias); one that is no tensor name is refused naming the field."""
+  k, bias = 7, 0.5
+  golden = _golden(QWEN2)
+  def add_head(t):
+    t["reward_head.weight"] = t["model.embed_tokens.weight"][k:k + 1].copy()
+    t["reward_head.bias"] = np.array([bias], np.float32)
+  ckpt = _copy(QWEN2, str(tmp_path / "rm"), edit_tensors=add_head,
+               edit_config=lambda c: c.update(architectures=["RewardModel"],
+                                              value_head_prefix="reward_head"))
+  cfg = hf_loader.load_hf_config(ckpt)
+  names = hf_loader.tensor_names(ckpt)
+  assert hf_loader.scalar_head_prefix(names, hf_loader.own_head_prefix(ckpt)) == "reward_head"
+  assert hf_loader.scalar_head_prefix(names) is None  # only the config.json names it
+  values = _forward(cfg, hf_loader.load_hf_params(ckpt, cfg), golden[0])
+  np.testing.assert_array_less(np.abs(values - bias - golden[1][..., k]).max(), 1e-4)
+  # Beside a head of a known name too: two writers' heads, refused as before.
+  def two(t):
+    add_head(t)
+    t["score.weight"] = t["model.embed_tokens.weight"][3:4].copy()
+  both = _copy(QWEN2, str(tmp_path / "both"), edit_tensors=two,
+               edit_config=lambda c: c.update(architectures=["RewardModel"],
+                                              value_head_prefix="reward_head"))
+  with pytest.raises(ValueError, match=r"scalar head tensors of more than one writer: "
+                     r"score\.weight, reward_head\.weight"):
+    hf_loader.load_hf_params(both, hf_loader.load_hf_config(both))
+  for bad in (3, "", "reward head"):
+    odd = _copy(QWEN2, str(tmp_path / f"odd{bad!r}"), edit_tensors=add_head,
+                edit_config=lambda c, bad=bad: c.update(architectures=["RewardModel"],
+                                                        value_head_prefix=bad))
+    with pytest.raises(ValueError, match=r"config\.json: value_head_prefix=" + re.escape(
+        repr(bad)) + r"; expected a tensor name prefix"):
+      hf_loader.load_hf_params(odd, hf_loader.load_hf_config(odd))
+
+
 def test_bf16_checkpoint_close_to_fp32(tmp_path):
   def to_bf16(t):
     for name in t:

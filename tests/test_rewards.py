@@ -1027,3 +1027,24 @@ def test_bad_reward_statistics_and_normalise_settings_are_refused(tok, tmp_path)
   # A reward function has no model scores: Rewards refuses a normalisation beside one.
   with pytest.raises(ValueError, match=r"model_norm=\(0\.0, 1\.0\) normalises a reward model's"):
     Rewards(fn=len, name="f", model_norm=(0.0, 1.0))
+
+
+def test_a_reward_model_under_openrlhf_s_own_value_head_prefix_is_accepted(tmp_path):
+  """OpenRLHF's --value_head_prefix may be any name, recorded in config.json: a reward model
+  whose head is `reward_head.weight` was refused as having 'no trained scalar head'."""
+  import json
+  import safetensors.numpy
+  rm = _openrlhf_rm(tmp_path)
+  weights = safetensors.numpy.load_file(os.path.join(rm, "model.safetensors"))
+  weights["reward_head.weight"] = weights["model.embed_tokens.weight"][7:8].copy()
+  safetensors.numpy.save_file(weights, os.path.join(rm, "model.safetensors"))
+  cfg = tiny_config(**{"reward.kind": "model", "reward.model_checkpoint": rm})
+  with pytest.raises(ValueError, match=r"has no trained scalar head \(a tensor score\.weight / "
+                     r"value_head\.weight / v_head\.summary\.weight\)"):
+    build.reward_model_config(cfg)  # config.json names value_head, which it lacks
+  with open(os.path.join(rm, "config.json")) as f:
+    hf = json.load(f)
+  hf["value_head_prefix"] = "reward_head"
+  with open(os.path.join(rm, "config.json"), "w") as f:
+    json.dump(hf, f)
+  assert build.reward_model_config(cfg).head == "scalar"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any, Optional
 
 from rlhfuse_jax import workdir as wd
@@ -97,6 +98,23 @@ def reward_stats(hf: dict[str, Any], where: str = CONFIG_FILE) -> Optional[tuple
       raise ValueError(f"{where}: {key}={value!r}; expected {what} (OpenRLHF's reward "
                        "statistics)")
   return float(given["mean"]), float(given["std"])
+
+
+# OpenRLHF names its value head's nn.Linear by --value_head_prefix (default "score", earlier
+# "value_head") and records the name in config.json as `value_head_prefix`.
+_TENSOR_PREFIX = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def value_head_prefix(hf: dict[str, Any], where: str = CONFIG_FILE) -> Optional[str]:
+  """config.json's `value_head_prefix` (OpenRLHF's name for its value head's tensors), or None
+  where it names none."""
+  prefix = hf.get("value_head_prefix")
+  if prefix is None:
+    return None
+  if not isinstance(prefix, str) or not _TENSOR_PREFIX.fullmatch(prefix):
+    raise ValueError(f"{where}: value_head_prefix={prefix!r}; expected a tensor name prefix "
+                     "such as 'score' or 'value_head' (OpenRLHF's --value_head_prefix)")
+  return prefix
 
 
 def _openrlhf(hf: dict[str, Any]) -> bool:

@@ -346,7 +346,9 @@ def _load(ckpt: _Checkpoint, cfg: llama.ModelConfig, np_dtype, rng) -> Any:
   names = ckpt.names()
   optional = set()  # present-or-not tensors we know how to use or safely skip
   if cfg.head == "scalar":
-    optional |= SCALAR_HEAD_TENSORS | {"lm_head.weight"}
+    own = own_head_prefix(ckpt.dir)
+    optional |= SCALAR_HEAD_TENSORS | {"lm_head.weight"} | (
+        {f"{own}.weight", f"{own}.bias"} if own else set())
   elif cfg.tie_embeddings:
     optional.add("lm_head.weight")  # some exporters store the tied copy; checked equal below
   missing = sorted(set(table) - names)
@@ -393,26 +395,42 @@ SCALAR_HEAD_TENSORS = frozenset(f"{p}.{k}" for p in SCALAR_HEAD_PREFIXES
                                 for k in ("weight", "bias"))
 
 
-def scalar_heads(names) -> list[str]:
-  """The prefixes of SCALAR_HEAD_PREFIXES whose `.weight` the checkpoint's tensor `names`
-  hold, in that order."""
-  return [p for p in SCALAR_HEAD_PREFIXES if f"{p}.weight" in names]
+def head_prefixes(own: Optional[str] = None) -> tuple[str, ...]:
+  """SCALAR_HEAD_PREFIXES, then `own` (config.json's value_head_prefix: OpenRLHF's
+  --value_head_prefix, which may be any name) where it is none of them."""
+  return SCALAR_HEAD_PREFIXES + ((own,) if own and own not in SCALAR_HEAD_PREFIXES else ())
 
 
-def scalar_head_prefix(names) -> Optional[str]:
-  """The first of `scalar_heads(names)`, or None: a checkpoint without a trained scalar
+def own_head_prefix(ckpt_dir: str) -> Optional[str]:
+  """The value_head_prefix that the config.json at `ckpt_dir` names (None: none, or no
+  config.json)."""
+  path = os.path.join(ckpt_dir, CONFIG_FILE)
+  if not os.path.isfile(path):
+    return None
+  return hf_config.value_head_prefix(hf_config.read_json(path), path)
+
+
+def scalar_heads(names, own: Optional[str] = None) -> list[str]:
+  """The prefixes of head_prefixes(own) whose `.weight` the checkpoint's tensor `names` hold,
+  in that order."""
+  return [p for p in head_prefixes(own) if f"{p}.weight" in names]
+
+
+def scalar_head_prefix(names, own: Optional[str] = None) -> Optional[str]:
+  """The first of `scalar_heads(names, own)`, or None: a checkpoint without a trained scalar
   head."""
-  return next(iter(scalar_heads(names)), None)
+  return next(iter(scalar_heads(names, own)), None)
 
 
 def _value_head(ckpt: _Checkpoint, cfg: llama.ModelConfig, expected, np_dtype, rng):
   w_path, b_path = ("head", "value_head"), ("head", "value_bias")
   names = ckpt.names()
-  heads = scalar_heads(names)
+  own = own_head_prefix(ckpt.dir)
+  heads = scalar_heads(names, own)
   prefix = heads[0] if heads else None
   # Two heads, or a bias beside another prefix's weight: which one a writer meant is unknown
   # (the first was taken and the other dropped without a word).
-  stray = [f"{p}.bias" for p in SCALAR_HEAD_PREFIXES if f"{p}.bias" in names and p != prefix]
+  stray = [f"{p}.bias" for p in head_prefixes(own) if f"{p}.bias" in names and p != prefix]
   if len(heads) > 1 or stray:
     raise ValueError(f"{ckpt.dir}: scalar head tensors of more than one writer: "
                      f"{', '.join([f'{p}.weight' for p in heads] + stray)}; keep one head (its "

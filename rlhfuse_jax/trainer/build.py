@@ -703,7 +703,8 @@ def log_architectures(cfg: TrainConfig, weights: bool = True) -> None:
   elif cfg.init.critic_checkpoint:  # a reward model's trained head or a fresh one
     names = load_named("init.critic_checkpoint", cfg.init.critic_checkpoint,
                        hf_loader.tensor_names)
-    prefix = hf_loader.scalar_head_prefix(names)
+    prefix = hf_loader.scalar_head_prefix(names, load_named(
+        "init.critic_checkpoint", cfg.init.critic_checkpoint, hf_loader.own_head_prefix))
     critic_from += (f"; value head: its {prefix}.weight (a reward model's head)"
                     if prefix else "; value head drawn fresh")
   logging.info("critic: %s (%s)", _shape(cfg.critic_model), critic_from)
@@ -736,11 +737,12 @@ def reward_model_config(cfg: TrainConfig, weights: bool = True) -> Optional[Mode
   # A reward model is its trained scalar head: without one (a *ForCausalLM, the policy's own
   # directory) the loader would draw a random head and PPO would optimise a random projection.
   names = load_named("reward.model_checkpoint", path, hf_loader.tensor_names)
-  prefix = hf_loader.scalar_head_prefix(names)
+  own = load_named("reward.model_checkpoint", path, hf_loader.own_head_prefix)
+  prefix = hf_loader.scalar_head_prefix(names, own)
   if prefix is None:
     raise ValueError(
         f"config.reward.model_checkpoint={path!r} has no trained scalar head (a tensor "
-        f"{' / '.join(p + '.weight' for p in hf_loader.SCALAR_HEAD_PREFIXES)}): a reward model "
+        f"{' / '.join(p + '.weight' for p in hf_loader.head_prefixes(own))}): a reward model "
         "needs one (a *ForSequenceClassification checkpoint with num_labels=1, or TRL's or "
         "OpenRLHF's value head), not a language model's")
   if prefix == "score" and "score.bias" in names:
