@@ -833,6 +833,10 @@ def test_a_tensor_axis_that_does_not_divide_the_heads_is_warned_about(caplog, te
     ({"reward.model_checkpoint": "/models/rm"},
      "config.reward.model_checkpoint='/models/rm' not used: reward.kind='function' loads no "
      "reward model"),
+    # OpenRLHF's reward normalisation switched off beside a reward function: nothing to switch.
+    ({"reward.model_normalize": "off"},
+     "config.reward.model_normalize='off' not used: reward.kind='function' loads no reward "
+     "model"),
     ({"reward.format_weight": 3.0},
      "config.reward.format_weight=3.0 not used: no reward.format to weigh"),
     ({"data.val_max_prompts": 5}, "config.data.val_max_prompts=5 not used: no held-out prompts"),

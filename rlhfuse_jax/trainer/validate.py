@@ -322,7 +322,7 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
   # A reward model's path without reward.kind='model', a weight without a format: ignored
   # without a word, as the fusion fields below were.
   if cfg.reward.kind != "model":
-    warn_unused(set_fields(cfg, "reward", ["model_checkpoint"]),
+    warn_unused(set_fields(cfg, "reward", ["model_checkpoint", "model_normalize"]),
                 f"reward.kind={cfg.reward.kind!r} loads no reward model (reward.kind='model' does)")
   if not cfg.reward.format:
     warn_unused(set_fields(cfg, "reward", ["format_weight"]), "no reward.format to weigh")
