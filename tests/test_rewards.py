@@ -1004,6 +1004,34 @@ def test_an_openrlhf_reward_models_mean_and_std_normalise_its_scores(tok, tmp_pa
                         tok).model_norm == (2.5, 0.5)
 
 
+def test_a_checkpoint_from_before_model_normalize_resumes_with_the_raw_scores_it_had(tmp_path):
+  """A run whose checkpoints predate reward.model_normalize scored its reward model raw: a
+  resume with the default 'auto' and a reward model holding OpenRLHF's mean and std would have
+  normalised its rewards from then on without a word (a missing field at its default counted
+  as unchanged). It is compared with 'off', the value it ran with: refused as that change,
+  with the flag to name it; 'off' continues; a reward model without statistics (or a reward
+  function) is unaffected."""
+  from rlhfuse_jax.trainer import config as config_lib
+  from rlhfuse_jax.trainer import loop
+  rm = _openrlhf_rm(tmp_path, mean=2.5, std=0.5)
+  base = {"reward.kind": "model", "reward.model_checkpoint": rm}
+  cfg = tiny_config(**base)
+  old = {k: v for k, v in cfg.fingerprint().items() if k != "reward.model_normalize"}
+  assert loop.ran_before_fields(cfg) == {"reward.model_normalize": "off"}
+  changes = config_lib.fingerprint_changes(old, cfg.fingerprint(), loop.ran_before_fields(cfg))
+  assert changes == ["reward.model_normalize: (absent: ran as 'off') -> 'auto'"], changes
+  assert "--config.checkpoint.resume_changes=reward.model_normalize" in (
+      config_lib.resume_advice(changes))
+  off = tiny_config(**base, **{"reward.model_normalize": "off"})
+  assert config_lib.fingerprint_changes(old, off.fingerprint(), loop.ran_before_fields(off)) == []
+  for other in (tiny_config(**{**base, "reward.model_checkpoint": _openrlhf_rm(tmp_path, "p")}),
+                tiny_config()):
+    assert loop.ran_before_fields(other) == {}
+    saved = {k: v for k, v in other.fingerprint().items() if k != "reward.model_normalize"}
+    assert config_lib.fingerprint_changes(saved, other.fingerprint(),
+                                          loop.ran_before_fields(other)) == []
+
+
 def test_bad_reward_statistics_and_normalise_settings_are_refused(tok, tmp_path):
   """A config.json with one statistic but not the other, or one that is no number (std: > 0),
   is refused naming the file and the field; so are reward.model_normalize values other than

@@ -858,6 +858,10 @@ RESUME_CHANGEABLE = frozenset({
     # accumulated update communicates ("once" holds the gathered weights and float32 sums: a
     # run out of memory with it resumes on "per_microbatch"; the same sums in another order).
     "model.remat", "critic_model.remat", "algo.gradient_sync",
+    # The reward model's scale (OpenRLHF's mean/std in its config.json, or its raw scores): the
+    # same state, a reward of another scale from then on, as a changed kl_coef is a deliberate
+    # change of the objective.
+    "reward.model_normalize",
 })
 
 
@@ -987,13 +991,21 @@ def defaults() -> dict[str, Any]:
   return out
 
 
-def fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+def fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any],
+                        absent: Optional[Mapping[str, Any]] = None) -> list[str]:
   """'field: saved -> now' for every field whose value differs. A field the saved fingerprint
-  lacks (added to the code since) counts only if it is not at its default; one only the saved
-  fingerprint has (removed from the code) cannot change the run any more."""
+  lacks (added to the code since) counts only if it is not at its default, or, where `absent`
+  names it, at the value the run had before the field existed (the run computes otherwise at
+  the default: trainer/loop.py's ran_before_fields); one only the saved fingerprint has
+  (removed from the code) cannot change the run any more."""
   defaults = _field_defaults()
+  absent = absent or {}
   out = []
   for name in sorted(now):
+    if name not in saved and name in absent:
+      if now[name] != absent[name]:
+        out.append(f"{name}: (absent: ran as {absent[name]!r}) -> {now[name]!r}")
+      continue
     if name not in saved:
       if name in defaults and now[name] == defaults[name]:
         continue

@@ -383,8 +383,12 @@ class Checkpoints(Hook):
   the end, and when stopping). `state_fn()` gives the state to save, `meta_fn()` the side-car's
   run-specific entries (the prompt stream's position, the LR schedule's horizon)."""
 
-  def __init__(self, workdir: str, cfg: TrainConfig, fingerprint: dict):
+  def __init__(self, workdir: str, cfg: TrainConfig, fingerprint: dict,
+               ran_before: Optional[Mapping[str, Any]] = None):
     self.workdir, self.cfg, self.fingerprint = workdir, cfg, fingerprint
+    # {field: the value a checkpoint written before the field existed ran with}, where this
+    # run computes otherwise at its default (config_lib.fingerprint_changes' `absent`)
+    self.ran_before = dict(ran_before or {})
     # What the files the run reads by path hold as it starts (trainer/inputs.py): saved with
     # every checkpoint, compared on resume.
     self.inputs = inputs_lib.fingerprints(cfg)
@@ -470,7 +474,8 @@ class Checkpoints(Hook):
     inputs_lib.warn_eval_changes(meta.get("eval"), inputs_lib.eval_settings(self.cfg),
                                  meta.get("iteration"))
     changes, content = inputs_lib.resume_changes(
-        config_lib.fingerprint_changes(saved, self.fingerprint), meta.get("inputs"),
+        config_lib.fingerprint_changes(saved, self.fingerprint, self.ran_before),
+        meta.get("inputs"),
         self.inputs, meta.get("iteration"))
     if content:
       raise ValueError(

@@ -143,6 +143,19 @@ def sample_rows(gen: async_lib.Generated, tokenizer: Any, k: int,
   return rows
 
 
+def ran_before_fields(cfg: TrainConfig) -> dict[str, Any]:
+  """{field: the value a run had before the field existed} for the fields added since whose
+  default changes what this run computes: a checkpoint written before one of them is compared
+  with that value, not the default (hooks.Checkpoints). reward.model_normalize (2026-12-07):
+  a reward model's scores were raw; "auto" now normalises them by the mean and std that
+  OpenRLHF's reward-model trainer writes into its config.json, which a resume of such a run
+  would have switched to mid-run without a word ("off" itself is how such a run continues)."""
+  out = {}
+  if build.reward_normalization(cfg) is not None or cfg.reward.model_normalize == "off":
+    out["reward.model_normalize"] = "off"
+  return out
+
+
 class PPOTrainer:
   """One run in `workdir`: builds its parts from the config, then iterates (run)."""
 
@@ -286,7 +299,8 @@ class PPOTrainer:
   def _setup(self, cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh]) -> None:
     self.stopped_by_signal: Optional[int] = None  # the signal that stopped run(), if any
     self.trained_to: Optional[int] = None  # the iteration run() left the state at
-    self.checkpoints = hooks.Checkpoints(self.workdir, cfg, cfg.fingerprint())
+    self.checkpoints = hooks.Checkpoints(self.workdir, cfg, cfg.fingerprint(),
+                                         ran_before_fields(cfg))
     self.cfg = cfg
     # Every process reads the workdir itself: a host whose view of the shared filesystem
     # differs (a stale directory listing, a workdir not on the shared mount) would restore
