@@ -684,10 +684,12 @@ def test_binary_writes_plan_result_and_report(tmp_path):
   # plan.json's plan's memory per device of each stage, against the usable HBM (result.json's
   # plan_memory, one row a stage, in GiB with each part named)
   mem = res["plan_memory"]
+  # (an asynchronous plan's two rescoring passes on the training devices too, since
+  # 2026-12-07: ps.rescore_rows)
   assert [r["stage"] for r in mem] == (
       ["generation", "inference", "training (actor)", "training (critic)"]
       if plan["training"]["placement"] == "disjoint" else
-      ["generation", "inference", "training"])
+      ["generation", "inference", "training"]) + list(ps.RESCORE_STAGES.values())
   assert "Memory per device of plan.json's (asynchronous) plan, GiB" in md
   for r in mem:
     row = next(line for line in md.splitlines() if line.startswith(f"| {r['stage']} | "))
@@ -1171,7 +1173,10 @@ def test_async_ppos_copy_of_the_actor_on_the_training_devices_is_counted():
     """Each stage's need: plan_memory's parts but the copy, plus the copy from its
     definition (2 bytes a parameter over the training tp)."""
     copy = a.num_params() * 2 / plan["training"]["tp"]
-    rows = ps.plan_memory(COST, wl, opt, plan)
+    # (the rescoring passes run before the copy is made: plan_check's actor_logp and
+    # critic_values have none beside them)
+    rows = [r for r in ps.plan_memory(COST, wl, opt, plan)
+            if r["stage"] not in ps.RESCORE_STAGES.values()]
     for r in rows:
       assert r["parts"][ps.ACTOR_COPY] == pytest.approx(copy), r
     return [sum(v for k, v in r["parts"].items() if k != ps.ACTOR_COPY) + copy for r in rows]
@@ -1248,3 +1253,123 @@ def test_the_searchs_copy_of_the_actor_is_what_plan_check_counts():
                      critic=shapes.from_model_config(cfg.critic, "critic", dtypes=True))
     searched = ps.actor_copy_bytes(wl, {"placement": "colocated", "tp": tp})
     assert counted == pytest.approx(searched / fsdp, rel=0.01), (pp, tp, fsdp)
+
+
+# A Llama-3-8B-shaped pair (128k vocabulary, GQA): the rescoring passes' float32 logits matter.
+L3 = ps.ModelShape(name="l3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                   num_layers=32, num_heads=32, num_kv_heads=8, max_seq_len=8192)
+
+
+def _l3_workload(**kw):
+  return it.Workload(actor=L3, critic=L3.as_critic(), num_devices=16, global_batch=128,
+                     minibatch=64, max_new_tokens=1024, **kw)
+
+
+def _need(row) -> float:
+  return sum(row["parts"].values())
+
+
+def test_the_async_rescoring_passes_memory_is_counted_for_the_trainers_plans():
+  """Asynchronous PPO scores each batch again on the training devices before its update (the
+  current actor's log-probs, then the current critic's values: plan_check's actor_logp and
+  critic_values), a mini-batch a piece split over the data shards, beside the whole training
+  state; on a pipelined update each model's whole weights gathered beside its stage shards.
+  Until 2026-12-07 the search timed the passes and counted their memory nowhere: an 8B pair
+  (128k vocabulary) on 16 H100s, trainer_runnable, was given training colocated tp1 Pa/Pc=4/2
+  on 8 devices, whose actor pass needs 71.5 GiB of the 67.1 usable (the 8B actor gathered,
+  16 GB, and 32 rows' float32 logits over 1024 response positions, 16.8 GB). By hand here."""
+  wl = _l3_workload()
+  opt = it.SimOptions(trainer_runnable=True)
+  old = {"placement": "colocated", "devices": 8, "tp": 1, "actor_pp": 4, "critic_pp": 2}
+  rows = ps.rescore_rows(COST, wl, opt, old, {})
+  # by hand: ZeRO-1 AdamW (12 bytes a parameter over dp) and bf16 weights of each stage
+  # shard, the actor on 4 stages x dp 2, the critic on 2 stages x dp 4 (2 replicas)
+  state = sum(s.num_params() / pp * (2 + 12 / dp)
+              for s, pp, dp in ((L3, 4, 2), (L3.as_critic(), 2, 4)))
+  at_once = 64 // 2  # the mini-batch over the training mesh's data shards
+  act = 34 * L3.hidden_size * at_once * (1024 + 1024)  # one layer, bf16, padded rows
+  logits = 4 * at_once * 1024 * L3.vocab_size
+  for row, shape in zip(rows, (L3, L3.as_critic())):
+    assert row["parts"]["training state"] == pytest.approx(state, rel=1e-9)
+    assert row["parts"]["whole weights gathered (pp > 1)"] == pytest.approx(
+        2 * shape.num_params(), rel=1e-9)
+    assert row["parts"]["activations"] == pytest.approx(act, rel=1e-9)
+  assert rows[0]["parts"]["logits"] == pytest.approx(logits, rel=1e-9)
+  assert "logits" not in rows[1]["parts"]
+  assert _need(rows[0]) / GIB == pytest.approx(71.5, abs=0.05)
+  assert _need(rows[0]) > COST.usable_bytes
+  res = ps.search(COST, wl, opt, top_k=1, staleness=1)
+  best = res["async"]["best"]
+  assert not best["async"]["colocated"]
+  t = best["training"]
+  assert (t["tp"], t["actor_pp"], t["critic_pp"]) != (1, 4, 2)
+  got = ps.plan_memory(COST, wl, opt, best)
+  assert [r["stage"] for r in got[-2:]] == list(ps.RESCORE_STAGES.values())
+  assert all(_need(r) <= COST.usable_bytes for r in got), [(r["stage"], _need(r)) for r in got]
+  old_plan = {**best, "training": old}
+  assert ps._memory_refusal(COST, wl, opt, old_plan).startswith(
+      "rescore (actor log-probs) colocated tp1 Pa/Pc=4/2, 32 samples at once does not fit")
+  # A synchronous plan (no rescoring) has no such rows.
+  assert all(r["stage"] not in ps.RESCORE_STAGES.values()
+             for r in ps.plan_memory(COST, wl, opt, res["best"]))
+
+
+def test_a_splits_training_plan_is_refused_where_its_rescoring_does_not_fit():
+  """The papers' systems (no trainer_runnable) rescore in sim.inference_microbatch samples a
+  replica on the training layout's stage shards: with 32 at once at a 128k vocabulary, on
+  55 GB devices, the 8B pair's old split (disjoint, each model on 4 devices tp1 pp4) trains in
+  38.4 GiB of the 46.1 usable but its actor pass needs 50.3 GiB: the search took it (no memory
+  check on the splits' training plans beside their rescoring), and now takes another."""
+  cost = CostModel(dataclasses.replace(COST.hw, hbm_bytes=55e9))
+  wl = _l3_workload()
+  opt = it.SimOptions(inference_microbatch=32)
+  old = {"placement": "disjoint",
+         "actor": {"devices": 4, "tp": 1, "pp": 4, "dp": 1, "M": 64},
+         "critic": {"devices": 4, "tp": 1, "pp": 4, "dp": 1, "M": 64}}
+  rows = ps.rescore_rows(cost, wl, opt, old, {})
+  assert "whole weights gathered (pp > 1)" not in rows[0]["parts"]
+  assert rows[0]["parts"]["logits"] == pytest.approx(4 * 32 * 1024 * L3.vocab_size)
+  assert _need(rows[0]) / GIB == pytest.approx(50.3, abs=0.05)
+  assert _need(rows[0]) > cost.usable_bytes
+  assert "rescore (actor log-probs)" in ps.rescore_refusal(cost, wl, opt, old)
+  res = ps.search(cost, wl, opt, top_k=1, staleness=1)
+  best = res["async"]["best"]
+  assert best["training"]["placement"] != "disjoint" or best["training"]["actor"]["pp"] != 4
+  assert all(_need(r) <= cost.usable_bytes for r in ps.plan_memory(cost, wl, opt, best))
+
+
+def test_the_searchs_rescoring_memory_is_what_plan_check_compiles():
+  """The simulator's rescoring rows beyond the training state (rescore_rows: the gathered
+  whole model with pp > 1, one layer's activations and the actor's float32 logits of a
+  mini-batch's share of a data shard) are plan_check's analytic figures of its actor_logp and
+  critic_values programs (less the state's own model they count where pp == 1), and within
+  40 % of what XLA allocates for them beyond that model on the tiny plan at an 8192
+  vocabulary (2026-12-07, XLA:CPU: pp 1 tp 1 actor +25 %, critic +133 % of a 60 kB pass, its
+  fixed buffers: not checked; pp 2 tp 2 -17 % / +10 %; pp 2 tp 1 +5 % / +6 %)."""
+  from configs import plan_check as plan_config
+  from experiments import plan_programs
+  from rlhfuse_jax.sim import shapes
+  for pp, tp in ((1, 1), (2, 2), (2, 1)):
+    c = plan_config.get_config("tiny")
+    c.staleness, c.pp, c.critic_pp, c.tp, c.fsdp, c.dp = 1, pp, pp, tp, 1, 8 // (pp * tp)
+    c.actor.vocab_size = c.critic.vocab_size = 8192
+    cfg = plan_programs.PlanConfig.from_config_dict(c)
+    mesh = plan_programs.train_mesh(cfg)
+    wl = it.Workload(actor=shapes.from_model_config(cfg.actor, "actor", dtypes=True),
+                     critic=shapes.from_model_config(cfg.critic, "critic", dtypes=True),
+                     num_devices=8, global_batch=cfg.minibatch_size,
+                     minibatch=cfg.minibatch_size, max_new_tokens=cfg.response_len,
+                     prompt=LengthSpec(kind="constant", value=cfg.seq_len - cfg.response_len,
+                                       min_len=1, max_len=cfg.seq_len - cfg.response_len))
+    rows = ps.rescore_rows(CostModel(cfg.hardware), wl, it.SimOptions(trainer_runnable=True),
+                           {"placement": "colocated", "devices": 8, "tp": tp, "actor_pp": pp,
+                            "critic_pp": pp}, {})
+    progs = (plan_programs.actor_logp_program(cfg, mesh)["actor_logp"],
+             plan_programs.critic_values_program(cfg, mesh)["critic_values"])
+    for row, p, own in zip(rows, progs, ("state_actor_bytes", "state_critic_bytes")):
+      sim = _need(row) - row["parts"]["training state"]
+      a = p["analytic"]
+      assert sim == pytest.approx(a["total_bytes"] - (a["params_bytes"] if pp == 1 else 0),
+                                  rel=1e-6), (pp, tp, row["stage"])
+      if row["stage"] == ps.RESCORE_STAGES["actor"] or pp > 1:
+        assert sim == pytest.approx(p["peak_bytes"] - p[own], rel=0.4), (pp, tp, row["stage"])

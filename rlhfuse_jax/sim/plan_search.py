@@ -81,7 +81,8 @@ import numpy as np
 
 from rlhfuse_jax.sim import generation_sim as gen_lib
 from rlhfuse_jax.sim import training_sim as train_lib
-from rlhfuse_jax.sim.cost_model import GIB, CostModel, crossing_share, stage_cost
+from rlhfuse_jax.sim.cost_model import (GIB, LOGITS_COPIES_SCORING, CostModel, crossing_share,
+                                        stage_cost)
 from rlhfuse_jax.sim.lengths import summarize
 from rlhfuse_jax.sim.shapes import ModelShape, stage_shape
 
@@ -345,6 +346,96 @@ def rescore_s(cost: CostModel, wl, train_plan: dict, seq_lens: np.ndarray, opt) 
   return max(inference_stage_s(cost, (shape,), q["devices"], q["tp"], q["pp"], seq_lens,
                                opt.inference_microbatch, False)
              for shape, q in ((wl.actor, train_plan["actor"]), (wl.critic, train_plan["critic"])))
+
+
+def rescores(wl, plan: dict) -> bool:
+  """Whether the trainer scores each batch again on the training devices of `plan` before its
+  update (asynchronous PPO: rescore_s's passes): a plan with an "async" entry (a split or
+  async_search's colocated option), or one searched for a run that generates asynchronously on
+  its training devices (Workload.actor_copy)."""
+  return bool(plan.get("async")) or bool(wl.actor_copy)
+
+
+# plan_memory's stage names of the two rescoring passes on the training devices (rescore_rows).
+RESCORE_STAGES = {"actor": "rescore (actor log-probs)", "critic": "rescore (critic values)"}
+
+
+def rescore_rows(cost: CostModel, wl, opt, train: dict, kept: dict) -> list[dict]:
+  """Per device of the training devices, what rescore_s's two passes hold, one after the
+  other (plan_memory's rows; plan_check's actor_logp and critic_values programs): beside the
+  whole training state of the model's devices (both models' weights and AdamW state where
+  colocated, the model's own where disjoint; the AdamW state whatever sim.offload_optimizer
+  says, as the passes run after the rollout: plan_programs.beside_train_state) and `kept`
+  (the frozen weights kept there), one layer's activations of the rows scored at once at
+  wl.padded_len tokens and, for the actor, its float32 logits of those rows at the response
+  positions (LOGITS_COPIES_SCORING), over the tensor devices. The rows: with
+  sim.trainer_runnable the trainer's, a mini-batch a piece (its Scorer's micro_batch_size =
+  algo.minibatch_size) split over the data shards of the training mesh, and on a pipelined
+  update (actor_pp > 1) each model's whole weights gathered over the tensor devices beside
+  its stage shards (Update.whole's copy, plan_check's state_actor_bytes = 0); else (the
+  papers' systems: a forward pipeline on the training layout, rescore_s)
+  sim.inference_microbatch samples a replica, on the stage shards. Until 2026-12-07 the passes
+  were timed (rescore_s) but their memory was counted nowhere."""
+  state_opt = dataclasses.replace(opt, offload_optimizer=False)
+  if train["placement"] == "colocated":
+    tplan = train_lib.TrainPlan(train["devices"], wl.minibatch, train["tp"], train["actor_pp"],
+                                train["critic_pp"], wl.micro_batch)
+    layouts = {"actor": (train["tp"], train["actor_pp"], tplan.dp),
+               "critic": (train["tp"], train["critic_pp"], tplan.dp * tplan.critic_replicas)}
+    shared = sum(_model_state(cost, s, *layouts[r], state_opt)
+                 for r, s in (("actor", wl.actor), ("critic", wl.critic)))
+    state = {"actor": shared, "critic": shared}
+    # the Scorer runs on the training mesh: its data axis (tp x actor_pp x dp) for both
+    data = {"actor": tplan.dp, "critic": tplan.dp}
+    gathered = train["actor_pp"] > 1
+    gather = {"actor": gathered, "critic": gathered}
+  else:
+    layouts = {r: (train[r]["tp"], train[r]["pp"], train[r]["dp"]) for r in ("actor", "critic")}
+    state = {r: _model_state(cost, s, *layouts[r], state_opt)
+             for r, s in (("actor", wl.actor), ("critic", wl.critic))}
+    data = {r: train[r]["dp"] for r in ("actor", "critic")}
+    gather = {r: train[r]["pp"] > 1 for r in ("actor", "critic")}
+  rows = []
+  for role, shape in (("actor", wl.actor), ("critic", wl.critic)):
+    tp, pp, _ = layouts[role]
+    if opt.trainer_runnable:
+      at_once = -(-wl.minibatch // data[role])
+      whole = shape.weight_bytes() / tp if gather[role] else 0.0
+    else:
+      at_once, whole = opt.inference_microbatch, 0.0
+    parts = {"training state": state[role], **kept}
+    if whole:
+      parts["whole weights gathered (pp > 1)"] = whole
+    parts["activations"] = cost.activation_bytes(shape, tp, at_once * wl.padded_len, 1)
+    logits = cost.logits_bytes(shape, tp, at_once, wl.max_new_tokens, LOGITS_COPIES_SCORING)
+    if logits:
+      parts["logits"] = logits
+    rows.append({"stage": RESCORE_STAGES[role],
+                 "layout": (_describe_train(train) if train["placement"] == "colocated" else
+                            f"{train[role]['devices']} dev tp{tp} pp{pp} dp{data[role]}")
+                 + f", {at_once} samples at once", "parts": parts})
+  return rows
+
+
+def _model_state(cost: CostModel, shape: ModelShape, tp: int, pp: int, dp: int, opt) -> float:
+  """One model's weights and AdamW state (ZeRO-1 over dp) per device on a tp x pp x dp layout
+  (iteration_sim.kept_state_bytes of its cost_model.train_memory_parts)."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  return it.kept_state_bytes(cost.train_memory_parts(shape, tp, pp, dp, True, 0.0, 0), opt)
+
+
+def rescore_refusal(cost: CostModel, wl, opt, train: dict, kept: Optional[dict] = None
+                    ) -> Optional[str]:
+  """Why rescore_s's passes on the training plan `train` do not fit (rescore_rows beside
+  `kept`), or None."""
+  for row in rescore_rows(cost, wl, opt, train, kept or {}):
+    need = sum(row["parts"].values())
+    if need > cost.usable_bytes:
+      return (f"{row['stage']} on training {row['layout']} does not fit in memory: needs "
+              f"{need / GIB:.1f} GiB per device > {cost.usable_bytes / GIB:.1f} GiB usable "
+              "(asynchronous PPO scores each batch again on the training devices, beside the "
+              "training state)")
+  return None
 
 
 def async_iteration_s(gen_plus_inf_s: float, train_s: float, reshard: float,
@@ -721,6 +812,9 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
                      **transient, **kept_parts, **kept_state}},
           {"stage": "inference", "layout": InferencePlan(**inf).describe(),
            "parts": {**inference_memory(cost, wl, opt, plan), **kept_state}}] + trains
+  if rescores(wl, plan):  # asynchronous PPO's passes on the training devices (rescore_rows)
+    rows += rescore_rows(cost, wl, opt, {**train, "devices": t} if train["placement"] ==
+                         "colocated" else train, kept_train)
   for r in rows:
     r["total"] = sum(r["parts"].values())
     r["usable"] = cost.usable_bytes
@@ -916,12 +1010,17 @@ def _memory_refusal(cost: CostModel, wl, opt, plan: dict) -> Optional[str]:
   8 H100s a 13B/13B run with async_ppo.staleness=1 was given tp2 Pa/Pc=4/4, whose update needs
   73.6 GiB with it (61.5 without) of the 67.1 usable."""
   rows = plan_memory(cost, wl, opt, plan)
-  for row in rows if keeps_actor_copy(wl, plan) else rows[:2]:
+  checked = rows if keeps_actor_copy(wl, plan) else [
+      r for r in rows if r["stage"] in ("generation", "inference", *RESCORE_STAGES.values())]
+  for row in checked:
     if row["total"] <= row["usable"]:
       continue
     what = f"{row['stage']} {row['layout']}"
     if row["stage"] == "inference" and opt.trainer_runnable:
       what += f" scoring the trainer's {inference_rows(wl, opt, plan)} samples at once"
+    if row["stage"] in RESCORE_STAGES.values():
+      return (f"{what} does not fit in memory (asynchronous PPO's pass on the training "
+              "devices before the update, beside the training state)")
     copy = row["parts"].get(ACTOR_COPY, 0.0)
     if copy and row["total"] - copy <= row["usable"]:
       return (f"{what} does not fit in memory beside asynchronous PPO's copy of the actor (its "
@@ -1037,6 +1136,16 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: Optional[d
     # Training first: most training-group sizes fail the mini-batch's divisibility at once.
     trains = training_candidates(cost, dataclasses.replace(wl, num_devices=n - g), mean_len,
                                  rejected)
+    # and whose rescoring passes fit beside their state (rescore_rows; until 2026-12-07 only
+    # timed)
+    fit = []
+    for c in trains:
+      why = rescore_refusal(cost, wl, opt, c.plan)
+      if why:
+        rejected[f"training {_describe_train(c.plan)}"] = why
+      else:
+        fit.append(c)
+    trains = fit
     pairs, any_gen = [], False  # (generation, inference) candidates of the generation group
     if trains:
       wg = dataclasses.replace(wl, num_devices=g)
