@@ -308,11 +308,19 @@ def test_a_plan_on_the_training_layout_pays_no_resharding_and_uniform_can_win():
   rows, _ = it.simulate_iteration(COST, wl, it.SimOptions(),
                                   systems=("pipe_rlhf", "pipe_rlhf_async"))
   assert rows["pipe_rlhf"]["iteration_s"] == pytest.approx(u, rel=1e-12)
-  # Asynchronous PPO falls back on the synchronous plan, here the uniform layout, colocated.
+  # Asynchronous PPO falls back on the synchronous plan, here the uniform layout, colocated:
+  # run asynchronously, without the critic on the instances and with the rescore on its
+  # training layout (since 2026-12-07; u before), which here is faster (the critic's offloaded
+  # weights are not loaded for inference: 0.111 -> 0.074 s, for 0.024 s of rescore).
   a = rows["pipe_rlhf_async"]
-  assert a["iteration_s"] <= rows["pipe_rlhf"]["iteration_s"]
   assert a["details"]["async"]["colocated"] and a["details"]["plan"]["uniform"]
-  assert a["iteration_s"] == pytest.approx(u, rel=1e-12)
+  lay = res["uniform"]["layout"]
+  want = ps.async_colocated_predicted(
+      COST, wl, it.SimOptions(), res["uniform"]["predicted"], lay,
+      {"placement": "colocated", "devices": 16, "tp": lay["tp"], "actor_pp": lay["pp"],
+       "critic_pp": lay["pp"]})
+  assert a["iteration_s"] == pytest.approx(want["iteration_s"], rel=1e-12)
+  assert a["inf_s"] < rows["pipe_rlhf"]["inf_s"] and a["train_s"] > rows["pipe_rlhf"]["train_s"]
 
 
 def _small_async():
@@ -421,7 +429,9 @@ def test_async_iteration_is_max_of_the_groups_plus_reshard():
 
 def test_colocated_groups_gain_nothing():
   """Both groups on all devices overlap nothing: the serial sum, so with no split to try the
-  async plan is the synchronous one; a staleness below 1 is refused."""
+  async plan is the synchronous one, its instances scoring without the critic and its
+  training devices rescoring first (since 2026-12-07: the synchronous time before); a
+  staleness below 1 is refused."""
   assert ps.async_iteration_s(5.0, 3.0, 0.5, colocated=True) == 8.5
   assert ps.async_iteration_s(5.0, 3.0, 0.5, colocated=False) == 5.5
   assert ps.async_splits(COST, 16) == [8] and ps.async_splits(COST, 16, 4) == [4, 8, 12]
@@ -429,8 +439,11 @@ def test_colocated_groups_gain_nothing():
   res = ps.search(COST, wl, opt, staleness=1, split_unit=16)
   a = res["async"]
   assert a["splits"] == [] and a["best"]["async"]["colocated"]
-  assert a["best"]["predicted"]["iteration_s"] == res["best"]["predicted"]["iteration_s"]
-  assert a["best"]["predicted"]["serial_s"] == res["best"]["predicted"]["iteration_s"]
+  q, got = res["best"]["predicted"], a["best"]["predicted"]
+  assert a["best"]["summary"] == res["best"]["summary"]
+  assert got["iteration_s"] == pytest.approx(
+      q["reshard_s"] + q["gen_s"] + got["inf_s"] + q["train_s"] + got["rescore_s"], rel=1e-12)
+  assert got["serial_s"] == got["iteration_s"] and got["rescore_s"] > 0
   with pytest.raises(ValueError, match="staleness=0 must be an integer >= 1"):
     ps.async_search(COST, wl, opt, 0, res["best"])
 
@@ -448,7 +461,8 @@ def test_an_async_split_without_a_generation_plan_says_why():
                # (its layouts: the colocated option's memory is checked, with the actor's copy)
                "generation": {"mode": "instances", "tp": 4, "pp": 1, "groups": 1, "slots": 16},
                "inference": {"tp": 4, "pp": 1},
-               "training": {"placement": "colocated", "tp": 4, "actor_pp": 2, "critic_pp": 2}}
+               "training": {"placement": "colocated", "devices": 16, "tp": 4, "actor_pp": 2,
+                            "critic_pp": 2}}
   res = ps.async_search(COST, wl, it.SimOptions(gen_tps=(8,)), 1, sync_best, split_unit=4)
   gen = [s["rejected"] for s in res["splits"] if "no generation plan" in s["rejected"]]
   assert gen, res["splits"]
@@ -1373,3 +1387,92 @@ def test_the_searchs_rescoring_memory_is_what_plan_check_compiles():
                                   rel=1e-6), (pp, tp, row["stage"])
       if row["stage"] == ps.RESCORE_STAGES["actor"] or pp > 1:
         assert sim == pytest.approx(p["peak_bytes"] - p[own], rel=0.4), (pp, tp, row["stage"])
+
+
+def test_the_colocated_async_option_is_charged_the_rescore_and_no_critic_on_the_instances():
+  """The asynchronous search's colocated option runs the synchronous best plan
+  asynchronously: its instances score with the reference and reward model alone (the
+  trainer's asynchronous stage has no critic: trainer/loop.py stage_critic) and its training
+  devices rescore the batch first (rescore_s), as a split's do. Until 2026-12-07 it kept the
+  synchronous plan's time (the critic's forwards on the instances, no rescore) and its
+  inference memory counted the critic: 7B/7B on 16 H100s (batch 64, mini-batch 32, 64 new
+  tokens, split unit 8) chose it at 0.914 s over the 8 / 8 split's 0.927 s; charged as the
+  splits are, it takes 1.033 s and the split is chosen."""
+  a = get_shape("llama-7b")
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=16, global_batch=64,
+                   minibatch=32, max_new_tokens=64)
+  opt = it.SimOptions()
+  res = ps.search(COST, wl, opt, top_k=3, staleness=1, split_unit=8)
+  sync, top = res["best"], res["async"]["top"]
+  colocated = next(p for p in top if p["async"]["colocated"])
+  q, got = sync["predicted"], colocated["predicted"]
+  prompts, resp = wl.sample_lengths()
+  seq = (prompts + resp).astype(np.float64)
+  inf, t = sync["inference"], sync["training"]
+  inf_s = ps.inference_stage_s(COST, (a, a.as_critic()), 16, inf["tp"], inf["pp"], seq, 8, True)
+  if t["placement"] == "colocated":
+    rescore = _rescore(wl, seq, True, (16, t["tp"], t["actor_pp"]),
+                       (16, t["tp"], t["critic_pp"]))
+  else:
+    rescore = _rescore(wl, seq, False, *((t[m]["devices"], t[m]["tp"], t[m]["pp"])
+                                         for m in ("actor", "critic")))
+  assert got["inf_s"] == pytest.approx(inf_s, rel=1e-12) and got["inf_s"] < q["inf_s"]
+  assert got["rescore_s"] == pytest.approx(rescore, rel=1e-12)
+  assert got["train_s"] == pytest.approx(q["train_s"] + rescore, rel=1e-12)
+  want = q["reshard_s"] + q["gen_s"] + inf_s + q["train_s"] + rescore
+  assert got["iteration_s"] == pytest.approx(want, rel=1e-12) == got["serial_s"]
+  assert got["iteration_s"] == pytest.approx(1.033, abs=5e-4)
+  best = res["async"]["best"]
+  assert not best["async"]["colocated"] and best["async"]["generation_devices"] == 8
+  assert best["predicted"]["iteration_s"] == pytest.approx(0.927, abs=5e-4)
+  # Its inference holds the reference and the reward model (the critic's shape here), not
+  # the critic; the synchronous plan's all three.
+  mem = ps.inference_memory(COST, wl, opt, colocated)
+  from rlhfuse_jax.sim.shapes import heaviest_stage_weight_bytes
+  c = a.as_critic()
+  assert mem["weights"] == pytest.approx(
+      heaviest_stage_weight_bytes((a, c), inf["pp"]) / inf["tp"], rel=1e-9)
+  assert ps.inference_memory(COST, wl, opt, sync)["weights"] == pytest.approx(
+      heaviest_stage_weight_bytes((a, c, c), inf["pp"]) / inf["tp"], rel=1e-9)
+
+
+def test_the_uniform_layout_run_asynchronously_is_charged_the_rescore_too():
+  """pipe_rlhf_async's row takes the uniform layout (every stage on one layout, no reshard)
+  where it beats the asynchronous search's best; it is run asynchronously then, charged as the
+  colocated option is: its inference without the critic, the rescore of the batch on its
+  (tp, pp, pp) training layout over all the devices. Until 2026-12-07 the row compared the
+  uniform layout's synchronous time: one 1 ms below the split's best was taken, though with the
+  rescore (two forwards for the critic's one) it is slower than the split."""
+  a = get_shape("llama-7b")
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=16, global_batch=64,
+                   minibatch=32, max_new_tokens=64)
+  opt = it.SimOptions()
+  res = ps.search(COST, wl, opt, top_k=1, staleness=1, split_unit=8)
+  best = res["async"]["best"]
+  assert not best["async"]["colocated"]
+  u = res["uniform"]
+  lay, q = u["layout"], u["predicted"]
+  target = best["predicted"]["iteration_s"] - 1e-3  # synchronously just faster than the split
+  gen_s = target - q["inf_s"] - q["train_s"]
+  assert gen_s > 0
+  u = {**u, "predicted": {**q, "gen_s": gen_s, "iteration_s": target}}
+  row = it._async_row(COST, wl, opt, {**res, "uniform": u})
+  assert not row["details"]["async"]["colocated"]
+  assert row["iteration_s"] == best["predicted"]["iteration_s"]
+  # By hand: what the uniform layout costs asynchronously.
+  prompts, resp = wl.sample_lengths()
+  seq = (prompts + resp).astype(np.float64)
+  inf_s = ps.inference_stage_s(COST, (a, a.as_critic()), 16, lay["tp"], lay["pp"], seq, 8, True)
+  rescore = _rescore(wl, seq, True, (16, lay["tp"], lay["pp"]), (16, lay["tp"], lay["pp"]))
+  got = ps.async_colocated_predicted(
+      COST, wl, opt, u["predicted"], {"tp": lay["tp"], "pp": lay["pp"]},
+      {"placement": "colocated", "devices": 16, "tp": lay["tp"], "actor_pp": lay["pp"],
+       "critic_pp": lay["pp"]})
+  assert got["iteration_s"] == pytest.approx(gen_s + inf_s + q["train_s"] + rescore, rel=1e-12)
+  assert got["iteration_s"] > best["predicted"]["iteration_s"] > target
+  # Where it is faster still it is taken, with those times.
+  fast = {**u, "predicted": {**u["predicted"], "gen_s": gen_s - 1.0}}
+  row = it._async_row(COST, wl, opt, {**res, "uniform": fast})
+  assert row["details"]["async"]["colocated"] and "uniform" in row["details"]["plan"]
+  assert row["iteration_s"] == pytest.approx(got["iteration_s"] - 1.0, rel=1e-12)
+  assert row["inf_s"] == pytest.approx(inf_s, rel=1e-12)

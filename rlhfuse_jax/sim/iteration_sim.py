@@ -27,11 +27,14 @@ cluster and the same cost model. They differ only in what the papers say they do
                        plan's stage (inter-stage fusion on instances, the fused schedule on the
                        best colocated pipeline).
   pipe_rlhf_async      Pipe-RLHF with asynchronous PPO (SimOptions.staleness k >= 1): the best
-                       of pipe_rlhf's plan and every split of the devices into a generation
-                       group (generation + inference of the batch k iterations ahead) and a
-                       training group working at once (plan_search.async_search), so never
-                       slower than pipe_rlhf. A row of its own, not folded into pipe_rlhf: it
-                       trains on samples of a policy k updates old, which no other row does.
+                       of pipe_rlhf's plan run asynchronously on all the devices (no critic on
+                       the instances, the rescore on the training layout: it can be slower
+                       than pipe_rlhf, by the rescore's forwards less the critic's) and every
+                       split of the devices into a generation group (generation + inference
+                       of the batch k iterations ahead) and a training group working at once
+                       (plan_search.async_search). A row of its own, not folded into
+                       pipe_rlhf: it trains on samples of a policy k updates old, which no
+                       other row does.
 
 The other systems are synchronous (on-policy). rlhfuse_planned stays so: both fusions would fit
 inside the groups (consolidation and streamed inference on the generation group's instances, the
@@ -591,21 +594,29 @@ def _planned_row(cost: CostModel, wl: Workload, searched: dict, fused_gen: Optio
   return row
 
 
-def _async_row(wl: Workload, searched: dict) -> dict:
+def _async_row(cost: CostModel, wl: Workload, opt: SimOptions, searched: dict) -> dict:
   """pipe_rlhf_async: the asynchronous search's best plan (plan_search.async_search), the
-  synchronous plan where both groups colocated are faster than every split. That is pipe_rlhf's
-  plan (_planned_row): the uniform layout where it beats the search's best, which async_search's
-  colocated option (the search's best) does not know; without it the row was slower than
-  pipe_rlhf's on a small model on 8 GPUs, against docs/simulator.md's "never slower"."""
+  synchronous plan run asynchronously where both groups colocated are faster than every split.
+  Or the uniform layout run so where it beats them, which async_search's colocated option (the
+  search's best) does not know; without it the row was slower than pipe_rlhf's on a small
+  model on 8 GPUs. Both colocated plans are charged as the splits are: no critic on the
+  instances, the rescore on the training layout (plan_search.async_colocated_predicted; until
+  2026-12-07 the uniform layout kept its synchronous time)."""
   a = searched["async"]
   best = a["best"]
   p = best["predicted"]
   split = best["async"]
   plan = {k: best[k] for k in ("generation", "inference", "training", "summary")}
   u = searched["uniform"]
-  if u is not None and u["predicted"]["iteration_s"] < p["iteration_s"]:
+  q = None
+  if u is not None:
     lay = u["layout"]
-    p = {**u["predicted"], "serial_s": u["predicted"]["iteration_s"], "bound": "colocated"}
+    q = plan_lib.async_colocated_predicted(
+        cost, wl, opt, u["predicted"], {"tp": lay["tp"], "pp": lay["pp"]},
+        {"placement": "colocated", "devices": wl.num_devices, "tp": lay["tp"],
+         "actor_pp": lay["pp"], "critic_pp": lay["pp"]})
+  if q is not None and q["iteration_s"] < p["iteration_s"]:
+    p = q
     split = {"generation_devices": wl.num_devices, "training_devices": wl.num_devices,
              "staleness": a["staleness"], "colocated": True}
     plan = {"uniform": lay, "summary": f"one layout tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} "
@@ -682,7 +693,7 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
     if log:
       log(f"  system {name}")
     if name == "pipe_rlhf_async":
-      out[name] = _async_row(wl, plan())
+      out[name] = _async_row(cost, wl, opt, plan())
       continue
     if name in ("pipe_rlhf", "rlhfuse_planned"):
       fused = name == "rlhfuse_planned"

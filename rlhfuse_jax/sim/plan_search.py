@@ -64,10 +64,12 @@ generation and inference candidates on g devices, training candidates on N - g (
 disjoint inside the group); a split where a stage fits nowhere is rejected. For a split the best
 training plan is the fastest one (the time only grows with it); every generation x inference
 pair is tried, since a wider generation copy shortens the reshard. With both groups on all
-devices (`colocated`) nothing overlaps: the iteration is the synchronous plan's serial sum, so
-the asynchronous search, which includes that option, is never slower than the synchronous one
-where that plan fits beside the copy of the actor the trainer keeps on its devices then
-(keeps_actor_copy, plan_memory).
+devices (`colocated`) nothing overlaps: the iteration is the synchronous plan's serial sum, its
+instances scoring with the frozen models alone and its training devices rescoring first, as a
+split's (so it can be slower or faster than the synchronous plan: the rescore's two forwards
+against the critic's forward and, offloaded, its weights' load on the instances), where that
+plan fits beside the copy of the actor the trainer keeps on its devices then
+(keeps_actor_copy, plan_memory) and its rescoring passes fit (rescore_rows).
 """
 from __future__ import annotations
 
@@ -447,6 +449,29 @@ def async_iteration_s(gen_plus_inf_s: float, train_s: float, reshard: float,
   return max(gen_plus_inf_s, train_s) + reshard
 
 
+def async_colocated_predicted(cost: CostModel, wl, opt, predicted: dict, inference: dict,
+                              training: dict) -> dict:
+  """The predicted times of a synchronous plan (`predicted`: its reshard_s, gen_s, train_s;
+  `inference` and `training` in plan.json's form) run asynchronously with both groups on all
+  the devices (async_search's colocated option; iteration_sim's pipe_rlhf_async row for the
+  uniform layout): its instances score with ASYNC_GENERATION_FROZEN alone (the trainer's
+  asynchronous stage has no critic, trainer/loop.py stage_critic), its training devices
+  rescore the batch first (rescore_s), and nothing overlaps (async_iteration_s). Until
+  2026-12-07 both kept the synchronous plan's times, the critic's forwards and no rescore."""
+  prompts, resp = wl.sample_lengths()
+  seq = (prompts + resp).astype(np.float64)
+  inf_s = inference_stage_s(cost, wl.frozen_models(ASYNC_GENERATION_FROZEN)[1], wl.num_devices,
+                            inference["tp"], inference.get("pp", 1), seq,
+                            opt.inference_microbatch, opt.offload_frozen)
+  rescore = rescore_s(cost, wl, training, seq, opt)
+  train_s = predicted["train_s"] + rescore
+  iteration = async_iteration_s(predicted["gen_s"] + inf_s, train_s, predicted["reshard_s"],
+                                True)
+  return {**predicted, "inf_s": inf_s, "train_s": train_s, "rescore_s": rescore,
+          "gen_plus_inf_s": predicted["gen_s"] + inf_s, "iteration_s": iteration,
+          "serial_s": iteration, "bound": "colocated"}
+
+
 def async_splits(cost: CostModel, num_devices: int, split_unit: int = 0) -> list[int]:
   """Generation-group sizes g tried (the training group gets num_devices - g): multiples of
   `split_unit` devices strictly between 0 and num_devices. 0: a node, so no node is shared by
@@ -672,12 +697,13 @@ def inference_rows(wl, opt, plan: dict) -> int:
 
 def inference_memory(cost: CostModel, wl, opt, plan: dict) -> dict:
   """Per device of `plan`'s inference: the frozen models it scores with (ASYNC_GENERATION_FROZEN
-  on an asynchronous generation group, else reference, critic and reward model) over its tp,
-  and one layer's activations of inference_rows samples (iteration_sim.inference_memory_parts)."""
+  for any asynchronous plan, a split's generation group or async_search's colocated option:
+  the trainer's async stage has no critic, trainer/loop.py stage_critic; the colocated option
+  was charged the critic until 2026-12-07; else reference, critic and reward model) over its
+  tp, and one layer's activations of inference_rows samples
+  (iteration_sim.inference_memory_parts)."""
   from rlhfuse_jax.sim import iteration_sim as it
-  split = plan.get("async") or {}
-  models = (("reference", "critic", "reward") if split.get("colocated", True)
-            else ASYNC_GENERATION_FROZEN)
+  models = ASYNC_GENERATION_FROZEN if plan.get("async") else ("reference", "critic", "reward")
   frozen = wl.frozen_models(models)[1]
   return it.inference_memory_parts(cost, wl, plan["inference"]["tp"],
                                    inference_rows(wl, opt, plan), frozen,
@@ -1104,10 +1130,15 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: Optional[d
   mean_len = float(seq.mean())
   plans, splits, colocated_refused = [], [], None
   if sync_best is not None:
-    q = sync_best["predicted"]
+    # The synchronous plan run asynchronously: its instances score with the frozen models
+    # alone (ASYNC_GENERATION_FROZEN: the trainer's async stage has no critic,
+    # trainer/loop.py stage_critic) and its training group rescores the batch first
+    # (rescore_s), as a split's does. Until 2026-12-07 it kept the synchronous time (the
+    # critic's forwards on the instances, no rescore), which favoured it over the splits.
     colocated = {**sync_best,
-                 "predicted": {**q, "gen_plus_inf_s": q["gen_s"] + q["inf_s"],
-                               "serial_s": q["iteration_s"], "bound": "colocated"},
+                 "predicted": async_colocated_predicted(
+                     cost, wl, opt, sync_best["predicted"], sync_best["inference"],
+                     sync_best["training"]),
                  "async": {"generation_devices": n, "training_devices": n,
                            "staleness": staleness, "colocated": True}}
     # Asynchronous on all the devices, the trainer keeps a copy of the actor there beside the
