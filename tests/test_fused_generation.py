@@ -318,6 +318,33 @@ def test_a_failed_batch_leaves_no_thread(one_device, runs, monkeypatch):
   assert threading.active_count() == before
 
 
+def test_a_decode_round_reads_the_instances_in_one_call_and_their_finished_rows_in_another(
+    one_device, runs, monkeypatch):
+  """The host's read after each decode round: every instance's summary in one device_get, and
+  the rows of all instances with newly finished samples in one more. One device_get per
+  instance (and per instance with finished rows) waited for each copy before starting the
+  next. Outputs stay bitwise those of the run before."""
+  gen, actor, params = one_device
+  (tokens, lens, budgets), _, early, _ = runs
+  calls, rounds, real_get, real_read = [], [], jax.device_get, fused._Run.read
+
+  def get(tree):
+    calls.append(tree)
+    return real_get(tree)
+
+  def read(self, ran, summaries):
+    before = len(calls)
+    real_read(self, ran, summaries)
+    rounds.append((len(ran), len(calls) - before))
+  monkeypatch.setattr(jax, "device_get", get)
+  monkeypatch.setattr(fused._Run, "read", read)
+  out = gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=True, rt=1.0)
+  assert_same_outputs(out, early)
+  assert rounds[0][0] == gen.config.num_instances > 1  # the prefill round: all 4 instances
+  assert all(1 <= n <= 2 for _, n in rounds), rounds
+  assert any(n == 2 for _, n in rounds), rounds  # some round fetched finished rows
+
+
 def test_no_actor_copy_outlives_generation(one_device, runs, monkeypatch):
   """Once the instances stop decoding, their actor copies are gone before inference drains:
   the freed instances score with the frozen models only (what the planner's memory check

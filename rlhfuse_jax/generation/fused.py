@@ -931,7 +931,9 @@ class _Run:
     inference. With several processes the summaries and then the finished rows are all-gathered
     (module docstring of generation/multihost.py)."""
     gen, table, ex = self.gen, self.table, self.gen.exchange
-    local = {i: np.asarray(jax.device_get(summaries[i])) for i in sorted(summaries)}
+    # One device_get for all instances (and one below for all finished rows): it starts every
+    # copy before waiting for any, where one call per instance waited for each in turn.
+    local = {i: np.asarray(x) for i, x in jax.device_get(summaries).items()}
     if ex.multi:
       buf = np.zeros((gen.config.num_instances, 3, gen.config.slots), np.int32)
       for i, x in local.items():
@@ -945,8 +947,8 @@ class _Run:
         newly[i] = (finished, stop)
     if not newly:
       return
-    rows = {i: jax.device_get((self.states[i].tokens, self.states[i].logprobs))  # [S, T] each
-            for i in newly if gen.is_local(i)}
+    rows = jax.device_get({i: (self.states[i].tokens, self.states[i].logprobs)  # [S, T] each
+                           for i in newly if gen.is_local(i)})
     if ex.multi:
       rows = self._exchange_rows(newly, rows)
     for i in sorted(newly):
