@@ -929,7 +929,7 @@ def test_an_iterations_metrics_average_its_updates_and_count_its_steps():
            for v in (1.0, np.nan, 5.0)]
   for use_critic in (True, False):
     fake.use_critic = use_critic
-    m = loop.PPOTrainer._metrics(fake, 2, gen, train, {"kl/ref_mean": np.float32(0.25)})
+    m = loop.PPOTrainer._metrics(fake, 2, gen, train, {"kl/ref_mean": np.float32(0.25)}, {})
     assert m["actor/pg_loss"] == 3.0 and m["kl/ref_mean"] == 0.25
     assert ("critic/vf_loss" in m) == use_critic
     if use_critic:

@@ -423,6 +423,45 @@ def test_the_update_compiles_once(tmp_path, offload, estimator):
   assert sum(f._cache_size() for f in trainer.update._fn._jitted.values()) == 1
 
 
+@pytest.mark.parametrize("guard", ["stop", "skip_update"])
+def test_an_iteration_reads_the_devices_twice_outside_the_rollout(tmp_path, monkeypatch, guard):
+  """Host syncs outside the rollout stage: one read of the advantages, returns and rollout
+  statistics together, and one of the updates' metrics with config.guard's per-model checks
+  (parameters finite; "skip_update": the skipped steps). Each was a read of its own (4, or 6
+  under "skip_update", with a critic), besides the finite checks' implicit reads (bool of a
+  device array, one per model): each a stall of the accelerator."""
+  cfg = tiny_config(num_iterations=2, **{"guard.on_nonfinite": guard})
+  trainer = PPOTrainer(cfg, str(tmp_path),
+                       mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1]))
+  stage, inside, reads = trainer.rollout, [False], []
+
+  def rollout(*args, **kw):
+    inside[0] = True
+    try:
+      return stage(*args, **kw)
+    finally:
+      inside[0] = False
+  trainer.rollout = rollout
+  to_host = mesh_lib.to_host
+
+  def counted(tree):
+    if not inside[0]:
+      reads.append(jax.tree.structure(tree))
+    return to_host(tree)
+  monkeypatch.setattr(mesh_lib, "to_host", counted)
+  iteration = trainer.iteration
+
+  def guarded(it):
+    reads.clear()
+    out = iteration(it)
+    assert len(reads) == 2, (it, reads)
+    return out
+  trainer.iteration = guarded
+  history = trainer.run()
+  assert [h["step"] for h in history] == [1, 2]
+  assert ("guard/skipped_updates" in history[-1]) == (guard == "skip_update")
+
+
 def test_a_failed_rollout_leaves_the_offloaded_moments_on_the_devices(tmp_path):
   """optim.offload_during_rollout: a rollout that raises still brings both optimizer states
   back, each leaf placed exactly as before (what the update takes)."""

@@ -862,12 +862,13 @@ class PPOTrainer:
     adv, ret, stats = ppo.rollout_statistics(
         self.cfg.algo, self.cfg.rollout.samples_per_prompt, self._put(gen.scores),
         self._put(mask), self._put(gen.logprobs), ref_logp, self._put(gen.values))
+    adv, ret, stats = mesh_lib.to_host((adv, ret, stats))  # one read of all three
     data = {"tokens": gen.tokens, "prompt_lens": gen.prompt_lens, "mask": mask,
-            "old_logp": gen.logprobs, "advantages": mesh_lib.to_host(adv),
-            "returns": mesh_lib.to_host(ret), "old_values": gen.values}
+            "old_logp": gen.logprobs, "advantages": adv, "returns": ret,
+            "old_values": gen.values}
     if gen.ref_logp is not None:
       data["ref_logp"] = gen.ref_logp
-    return data, mesh_lib.to_host(stats)
+    return data, stats
 
   def _current_values(self, gen: async_lib.Generated) -> async_lib.Generated:
     """Async PPO: the batch with the current critic's values (GAE's baseline and the value
@@ -982,13 +983,15 @@ class PPOTrainer:
       t_train = clock.join()
       async_m.update(async_lib.overlap_metrics((clock.start, clock.start + t_train), (g0, g1)))
       async_m["timing_s/generate_ahead"] = g1 - g0
-    train_metrics = mesh_lib.to_host(dispatched)
+    # One read for the updates' metrics and config.guard's per-model checks of their results,
+    # dispatched first (one host round trip per iteration, not one per model and check).
+    train_metrics, checks = mesh_lib.to_host((dispatched, self._state_checks()))
     if not overlapped:
       t_train = time.time() - t0
     if k and not overlapped:  # after the clock: the save's wait is not training time
       self.checkpoints.wait()
-    self._check_finite(iteration, train_metrics, gen.scores)
-    m = self._metrics(iteration, gen, train_metrics, stats)
+    self._check_finite(iteration, train_metrics, checks["finite"], gen.scores)
+    m = self._metrics(iteration, gen, train_metrics, stats, checks.get("skipped", {}))
     step = iteration + 1
     if cfg.log_samples and (step % cfg.log_every == 0 or step == cfg.num_iterations):
       self._samples = sample_rows(gen, self.tokenizer, cfg.log_samples, cfg.reward.kind)
@@ -1015,9 +1018,19 @@ class PPOTrainer:
     last = gen.response_tokens[np.arange(len(lens)), np.clip(lens - 1, 0, None)]
     return (lens >= max_new) & ~self.sampling.is_stop(last)
 
+  def _state_checks(self) -> dict:
+    """On device, dispatched, not read: {"finite": {model: every parameter finite}} and, under
+    guard.on_nonfinite="skip_update", {"skipped": {model: optimizer steps skipped so far}}."""
+    states = self._model_states()
+    out = {"finite": {name: _all_finite(st.params) for name, st in states.items()}}
+    if self.cfg.guard.on_nonfinite == "skip_update":
+      out["skipped"] = {name: update_lib.skipped_updates(st) for name, st in states.items()}
+    return out
+
   def _metrics(self, iteration: int, gen: async_lib.Generated, train_metrics: list[dict],
-               stats: dict) -> dict:
-    """The iteration's deterministic metrics (docs/architecture.md §1)."""
+               stats: dict, skipped: dict) -> dict:
+    """The iteration's deterministic metrics (docs/architecture.md §1); `skipped`: the host
+    values of _state_checks()["skipped"] ({} unless guard.on_nonfinite="skip_update")."""
     # Means over the finite values: under guard.on_nonfinite="skip_update" a skipped step's
     # loss is NaN (None if every step of the iteration was skipped).
     m = {k: _finite_mean([t[k] for t in train_metrics]) for k in train_metrics[0]}
@@ -1037,8 +1050,7 @@ class PPOTrainer:
         "gen/response_lengths": [int(x) for x in lens],
     })
     guard = self.cfg.guard.on_nonfinite
-    skipped = ({name: int(mesh_lib.to_host(update_lib.skipped_updates(st)))
-                for name, st in self._model_states().items()} if guard == "skip_update" else {})
+    skipped = {name: int(v) for name, v in skipped.items()}
     if skipped:
       m["guard/skipped_updates"] = sum(skipped.values())
     # Each model's LR at its last applied step: a skipped step does not advance its schedule.
@@ -1053,19 +1065,20 @@ class PPOTrainer:
                             scores=scores)
     return m
 
-  def _check_finite(self, iteration: int, train_metrics: list[dict], scores) -> None:
+  def _check_finite(self, iteration: int, train_metrics: list[dict], finite: dict,
+                    scores) -> None:
     """config.guard: losses and gradient norms of every update ("stop" only: skipped steps are
     NaN by design under "skip_update"), then the parameters themselves (both modes), with one
-    on-device reduction per model; `scores`: the batch's rewards (the error reads their
-    scale)."""
+    on-device reduction per model (`finite`: their host values, _state_checks()["finite"]);
+    `scores`: the batch's rewards (the error reads their scale)."""
     if self.cfg.guard.on_nonfinite == "stop":
       for i, m in enumerate(train_metrics):
         bad = {k: float(v) for k, v in m.items() if not np.all(np.isfinite(v))}
         if bad:
           raise self._nonfinite(iteration, f"update {i + 1}/{len(train_metrics)}: {bad}",
                                 scores=scores)
-    for name, st in self._model_states().items():
-      if not bool(_all_finite(st.params)):
+    for name, ok in finite.items():
+      if not bool(ok):
         raise self._nonfinite(iteration, f"{name} parameters hold NaN/Inf after its updates",
                               scores=scores)
 
