@@ -925,6 +925,7 @@ def test_an_iterations_metrics_average_its_updates_and_count_its_steps():
       _model_states=dict)
   # pylint: disable=protected-access
   fake._truncated = lambda g: loop.PPOTrainer._truncated(fake, g)
+  fake._lrs = lambda *args: loop.PPOTrainer._lrs(fake, *args)
   train = [{"actor/pg_loss": np.float32(v), "critic/vf_loss": np.float32(2 * v)}
            for v in (1.0, np.nan, 5.0)]
   for use_critic in (True, False):

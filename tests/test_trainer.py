@@ -427,39 +427,64 @@ def test_the_update_compiles_once(tmp_path, offload, estimator):
 def test_an_iteration_reads_the_devices_twice_outside_the_rollout(tmp_path, monkeypatch, guard):
   """Host syncs outside the rollout stage: one read of the advantages, returns and rollout
   statistics together, and one of the updates' metrics with config.guard's per-model checks
-  (parameters finite; "skip_update": the skipped steps). Each was a read of its own (4, or 6
-  under "skip_update", with a critic), besides the finite checks' implicit reads (bool of a
-  device array, one per model): each a stall of the accelerator."""
+  (parameters finite) and the models' LRs; "skip_update" reads the LRs apart, after the skipped
+  steps they depend on. Each was a read of its own (4, or 6 under "skip_update", with a critic)
+  besides implicit ones (bool of the finite check, float of each LR): each a stall of the
+  accelerator. No implicit read (a device array's value outside to_host) is left there.
+  (jax.transfer_guard does not see reads of CPU arrays: the reads are counted instead.)"""
+  from jax._src import array as array_impl  # pylint: disable=import-outside-toplevel
   cfg = tiny_config(num_iterations=2, **{"guard.on_nonfinite": guard})
   trainer = PPOTrainer(cfg, str(tmp_path),
                        mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1]))
-  stage, inside, reads = trainer.rollout, [False], []
+  stage, where, reads, implicit = trainer.rollout, ["off"], [], []
 
   def rollout(*args, **kw):
-    inside[0] = True
+    was, where[0] = where[0], "rollout"
     try:
       return stage(*args, **kw)
     finally:
-      inside[0] = False
+      where[0] = was
   trainer.rollout = rollout
-  to_host = mesh_lib.to_host
+  to_host, value = mesh_lib.to_host, array_impl.ArrayImpl._value
 
   def counted(tree):
-    if not inside[0]:
-      reads.append(jax.tree.structure(tree))
-    return to_host(tree)
+    if where[0] != "on":
+      return to_host(tree)
+    reads.append(jax.tree.structure(tree))
+    where[0] = "to_host"
+    try:
+      return to_host(tree)
+    finally:
+      where[0] = "on"
+
+  def read_value(x):
+    if where[0] == "on":
+      implicit.append(x.shape)
+    return value.fget(x)
   monkeypatch.setattr(mesh_lib, "to_host", counted)
+  monkeypatch.setattr(array_impl.ArrayImpl, "_value", property(read_value))
   iteration = trainer.iteration
 
-  def guarded(it):
+  def watched(it):
     reads.clear()
-    out = iteration(it)
-    assert len(reads) == 2, (it, reads)
+    implicit.clear()
+    where[0] = "on"
+    try:
+      out = iteration(it)
+    finally:
+      where[0] = "off"
+    assert len(reads) == (2 if guard == "stop" else 3), (it, reads)
+    assert not implicit, (it, implicit)
     return out
-  trainer.iteration = guarded
+  trainer.iteration = watched
   history = trainer.run()
   assert [h["step"] for h in history] == [1, 2]
   assert ("guard/skipped_updates" in history[-1]) == (guard == "skip_update")
+  # each model's LR at the iteration's last optimizer step (no step skipped)
+  n = cfg.algo.epochs * cfg.rollout.batch_size // cfg.algo.minibatch_size
+  for i, h in enumerate(history):
+    assert h["actor/lr"] == float(trainer.update.actor_lr(n * (i + 1) - 1))
+    assert h["critic/lr"] == float(trainer.update.critic_lr(n * (i + 1) - 1))
 
 
 def test_a_failed_rollout_leaves_the_offloaded_moments_on_the_devices(tmp_path):

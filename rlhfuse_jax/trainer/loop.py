@@ -985,13 +985,14 @@ class PPOTrainer:
       async_m["timing_s/generate_ahead"] = g1 - g0
     # One read for the updates' metrics and config.guard's per-model checks of their results,
     # dispatched first (one host round trip per iteration, not one per model and check).
-    train_metrics, checks = mesh_lib.to_host((dispatched, self._state_checks()))
+    train_metrics, checks = mesh_lib.to_host(
+        (dispatched, self._state_checks(iteration, len(dispatched))))
     if not overlapped:
       t_train = time.time() - t0
     if k and not overlapped:  # after the clock: the save's wait is not training time
       self.checkpoints.wait()
     self._check_finite(iteration, train_metrics, checks["finite"], gen.scores)
-    m = self._metrics(iteration, gen, train_metrics, stats, checks.get("skipped", {}))
+    m = self._metrics(iteration, gen, train_metrics, stats, checks)
     step = iteration + 1
     if cfg.log_samples and (step % cfg.log_every == 0 or step == cfg.num_iterations):
       self._samples = sample_rows(gen, self.tokenizer, cfg.log_samples, cfg.reward.kind)
@@ -1018,19 +1019,35 @@ class PPOTrainer:
     last = gen.response_tokens[np.arange(len(lens)), np.clip(lens - 1, 0, None)]
     return (lens >= max_new) & ~self.sampling.is_stop(last)
 
-  def _state_checks(self) -> dict:
-    """On device, dispatched, not read: {"finite": {model: every parameter finite}} and, under
-    guard.on_nonfinite="skip_update", {"skipped": {model: optimizer steps skipped so far}}."""
+  def _state_checks(self, iteration: int, updates: int) -> dict:
+    """On device, dispatched, not read, after the iteration's `updates` optimizer steps:
+    {"finite": {model: every parameter finite}} and, under guard.on_nonfinite="skip_update",
+    {"skipped": {model: optimizer steps skipped so far}}, else {"lr": _lrs(...)} (no step
+    skipped: each model's LR is known before the read)."""
     states = self._model_states()
     out = {"finite": {name: _all_finite(st.params) for name, st in states.items()}}
     if self.cfg.guard.on_nonfinite == "skip_update":
       out["skipped"] = {name: update_lib.skipped_updates(st) for name, st in states.items()}
+    else:
+      out["lr"] = self._lrs(iteration, updates, {})
+    return out
+
+  def _lrs(self, iteration: int, updates: int, skipped: dict) -> dict:
+    """{model: its LR at its last applied step} (on device: the schedule's value; `updates`
+    optimizer steps an iteration, `skipped`: {model: steps skipped so far}, on the host). A
+    skipped step does not advance its schedule."""
+    out = {}
+    for name, lr in (("actor", self.update.actor_lr),
+                     ("critic", self.update.critic_lr if self.use_critic else None)):
+      if lr is not None:
+        applied = updates * (iteration + 1) - skipped.get(name, 0)
+        out[name] = lr(max(applied - 1, 0))
     return out
 
   def _metrics(self, iteration: int, gen: async_lib.Generated, train_metrics: list[dict],
-               stats: dict, skipped: dict) -> dict:
-    """The iteration's deterministic metrics (docs/architecture.md §1); `skipped`: the host
-    values of _state_checks()["skipped"] ({} unless guard.on_nonfinite="skip_update")."""
+               stats: dict, checks: dict) -> dict:
+    """The iteration's deterministic metrics (docs/architecture.md §1); `checks`: the host
+    values of _state_checks() (its "skipped" and "lr" read here)."""
     # Means over the finite values: under guard.on_nonfinite="skip_update" a skipped step's
     # loss is NaN (None if every step of the iteration was skipped).
     m = {k: _finite_mean([t[k] for t in train_metrics]) for k in train_metrics[0]}
@@ -1050,15 +1067,14 @@ class PPOTrainer:
         "gen/response_lengths": [int(x) for x in lens],
     })
     guard = self.cfg.guard.on_nonfinite
-    skipped = {name: int(v) for name, v in skipped.items()}
+    skipped = {name: int(v) for name, v in checks.get("skipped", {}).items()}
     if skipped:
       m["guard/skipped_updates"] = sum(skipped.values())
-    # Each model's LR at its last applied step: a skipped step does not advance its schedule.
-    for name, lr in (("actor", self.update.actor_lr),
-                     ("critic", self.update.critic_lr if self.use_critic else None)):
-      if lr is not None:
-        applied = len(train_metrics) * (iteration + 1) - skipped.get(name, 0)
-        m[f"{name}/lr"] = float(lr(max(applied - 1, 0)))
+    # Each model's LR at its last applied step; with skipped steps known only now, read here.
+    lrs = checks.get("lr")
+    if lrs is None:
+      lrs = mesh_lib.to_host(self._lrs(iteration, len(train_metrics), skipped))
+    m.update({f"{name}/lr": float(v) for name, v in lrs.items()})
     bad = [k for k, v in m.items() if isinstance(v, float) and not np.isfinite(v)]
     if guard == "stop" and bad:
       raise self._nonfinite(iteration, f"metric(s) {', '.join(bad)} = {[m[k] for k in bad]}",
