@@ -1476,3 +1476,41 @@ def test_the_uniform_layout_run_asynchronously_is_charged_the_rescore_too():
   assert row["details"]["async"]["colocated"] and "uniform" in row["details"]["plan"]
   assert row["iteration_s"] == pytest.approx(got["iteration_s"] - 1.0, rel=1e-12)
   assert row["inf_s"] == pytest.approx(inf_s, rel=1e-12)
+
+
+def test_an_async_generation_group_is_charged_the_whole_actor_the_trainer_keeps_there():
+  """The trainer moves the actor onto an asynchronous split's generation group whole on every
+  device (its data-only mesh: trainer/async_ppo.meshes) and keeps it through the batch's
+  generation and inference, beside the instances' own copies (tests/test_plan_check.py
+  measures it from the trainer's arrays). Until 2026-12-07 the search charged the instances'
+  copy alone: 33B on 64 H100s (batch 128, mini-batch 64, staleness 1) was given generation on
+  32 devices in instances of tp4 at 33.4 GiB a device, where the trainer holds the 60.6 GiB
+  actor beside that (94 GiB of 67.1 usable). That plan is now refused, naming the copy, and
+  every plan the search returns fits with it. Without sim.trainer_runnable nothing changes."""
+  a = get_shape("llama-33b")
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=64, global_batch=128,
+                   minibatch=64)
+  opt = it.SimOptions(trainer_runnable=True)
+  old = {"generation": {"mode": "instances", "tp": 4, "pp": 1, "groups": 1, "slots": 16},
+         "inference": {"tp": 4, "pp": 1},
+         "training": {"placement": "colocated", "devices": 32, "tp": 4, "actor_pp": 2,
+                      "critic_pp": 2, "micro_batch": 1, "actor_microbatches": 16,
+                      "critic_microbatches": 16},
+         "async": {"generation_devices": 32, "training_devices": 32, "staleness": 1,
+                   "colocated": False}}
+  gen, inf = ps.plan_memory(COST, wl, opt, old)[:2]
+  for row in (gen, inf):
+    assert row["parts"][ps.GROUP_ACTOR] == a.weight_bytes()
+  assert gen["total"] - a.weight_bytes() < COST.usable_bytes < gen["total"]
+  assert gen["total"] / GIB == pytest.approx(33.4 + a.weight_bytes() / GIB, abs=0.1)
+  assert ps._memory_refusal(COST, wl, opt, old) == (
+      "generation instances tp4 (16 slots) does not fit in memory beside the whole actor the "
+      "trainer keeps on every device of an asynchronous generation group (its data-only mesh)")
+  res = ps.search(COST, wl, opt, staleness=1, top_k=3)["async"]
+  assert res["top"]
+  for plan in res["top"]:
+    rows = ps.plan_memory(COST, wl, opt, plan)
+    assert all(r["total"] <= r["usable"] for r in rows[:2]), plan["summary"]
+    if not plan["async"]["colocated"]:
+      assert rows[0]["parts"][ps.GROUP_ACTOR] == a.weight_bytes()
+  assert ps.GROUP_ACTOR not in ps.plan_memory(COST, wl, it.SimOptions(), old)[0]["parts"]

@@ -740,6 +740,27 @@ def actor_copy_bytes(wl, train: dict) -> float:
   return wl.actor.weight_bytes() / tp
 
 
+# plan_memory's name for the whole actor an asynchronous split's generation group keeps.
+GROUP_ACTOR = "actor whole (async PPO's generation group)"
+
+
+def group_actor_bytes(wl, opt, plan: dict) -> float:
+  """Per device of an asynchronous split's generation group (plan "async", not colocated),
+  with sim.trainer_runnable: the actor's whole weights in their dtype (ModelShape.
+  weight_bytes). The trainer moves the actor onto the group's data-only mesh, whole on every
+  device (trainer/async_ppo.meshes, PPOTrainer._to_generation), and keeps that copy, the policy
+  of the batch in flight, through its generation and inference, beside the generation layout's
+  own copy (instances of tp devices, a pipeline's stages) and the frozen models. 0 for every
+  other plan, and without sim.trainer_runnable (a system that receives the actor straight
+  into its generation layout). Until 2026-12-07 not counted: 33B on 64 H100s (batch 128,
+  mini-batch 64, staleness 1) was given generation on 32 devices in instances of tp4 at 33.4
+  GiB a device, where the trainer holds 60.6 GiB more."""
+  split = plan.get("async") or {}
+  if not opt.trainer_runnable or split.get("colocated", True):
+    return 0.0
+  return float(wl.actor.weight_bytes())
+
+
 def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   """Per device, what each stage of `plan` (plan.json's form: _plan_dict, _async_plan) holds,
   by the formulas its memory checks use: [{"stage", "layout", "parts": {name: bytes},
@@ -754,7 +775,9 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   sim.offload_frozen=False each row also holds the frozen weights kept on its devices, and
   generation and inference, where training shares their devices, the training state: both
   models' weights and AdamW state (iteration_sim.kept_state_bytes; a disjoint placement's
-  larger one), the search's _memory_refusal. Where the trainer keeps asynchronous PPO's copy of
+  larger one), the search's _memory_refusal. On an asynchronous split's generation group, with
+  sim.trainer_runnable, generation and inference also hold the whole actor (GROUP_ACTOR,
+  group_actor_bytes). Where the trainer keeps asynchronous PPO's copy of
   the actor on the training devices (keeps_actor_copy), every row also holds it (ACTOR_COPY,
   actor_copy_bytes: beside the update, and beside the generation and inference it is made
   for; a disjoint placement's on the actor's devices), and the AdamW state is kept whatever
@@ -833,11 +856,14 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   kept_state = {"training state kept": state} if g == n and state else {}
   if g == n:
     kept_state.update(beside)
+  group = group_actor_bytes(wl, opt, plan)
+  group_part = {GROUP_ACTOR: group} if group else {}
   rows = [{"stage": "generation", "layout": GenerationPlan(**gen).describe(),
            "parts": {"weights": a.weight_bytes() / copy, "KV cache": per * slot_kv,
-                     **transient, **kept_parts, **kept_state}},
+                     **transient, **kept_parts, **kept_state, **group_part}},
           {"stage": "inference", "layout": InferencePlan(**inf).describe(),
-           "parts": {**inference_memory(cost, wl, opt, plan), **kept_state}}] + trains
+           "parts": {**inference_memory(cost, wl, opt, plan), **kept_state, **group_part}}
+           ] + trains
   if rescores(wl, plan):  # asynchronous PPO's passes on the training devices (rescore_rows)
     rows += rescore_rows(cost, wl, opt, {**train, "devices": t} if train["placement"] ==
                          "colocated" else train, kept_train)
@@ -1052,6 +1078,10 @@ def _memory_refusal(cost: CostModel, wl, opt, plan: dict) -> Optional[str]:
       return (f"{what} does not fit in memory beside asynchronous PPO's copy of the actor (its "
               "weights over the training tp, kept on the training devices for the next "
               "batch's generation)")
+    whole = row["parts"].get(GROUP_ACTOR, 0.0)
+    if whole and row["total"] - whole <= row["usable"]:
+      return (f"{what} does not fit in memory beside the whole actor the trainer keeps on every "
+              "device of an asynchronous generation group (its data-only mesh)")
     state = row["parts"].get("training state kept", 0.0)
     if state and row["total"] - state <= row["usable"]:
       return (f"{what} does not fit in memory beside its training plan's state (both models' "
