@@ -317,8 +317,9 @@ def get_config(arg: str = "tiny"):
   # pp / critic_pp replicas share each data shard's rows
   c.critic_microbatch_size = 0
   # Asynchronous PPO (the trainer's async_ppo.generation_devices): generation and inference on
-  # that many devices of their own, holding the actor, the reference and the reward model
-  # whole (the critic too with group_critic) and no training state; 0: on the training devices
+  # that many devices of their own, holding the actor whole on every device (beside an
+  # instance's own copy: plan_programs.group_actor_bytes), the reference and the reward model
+  # (the critic too with group_critic) and no training state; 0: on the training devices
   c.generation_devices = 0
   c.group_critic = False  # the group also holds the critic (async_ppo.staleness 0)
   # The run builds a reference model (the trainer's algo.kl_coef > 0): the inference program is

@@ -1035,6 +1035,25 @@ def actor_copy_bytes(cfg: PlanConfig, mesh) -> int:
   return _device_bytes(abstract_params(cfg.actor, mesh)) if cfg.keeps_actor_copy else 0
 
 
+def group_actor_bytes(cfg: PlanConfig) -> int:
+  """Bytes per device of asynchronous PPO's generation group (generation_devices > 0; 0
+  without one): the actor's whole parameters in their dtype. The trainer moves the actor onto
+  the group's data-only mesh, whole on every device (trainer/async_ppo.meshes,
+  PPOTrainer._to_generation), and keeps that copy, the policy of the batch in flight, through
+  the batch's generation and inference; on instances (generation="instances") each instance's
+  own copy over its gen_tp devices is beside it."""
+  return _nbytes(llama.param_shapes(cfg.actor)) if cfg.generation_devices else 0
+
+
+def group_critic_bytes(cfg: PlanConfig) -> int:
+  """Bytes per device of the critic on a generation group that scores values (group_critic:
+  the trainer's async_ppo.staleness 0; 0 otherwise): whole, as group_actor_bytes, moved there
+  with the actor (PPOTrainer._snapshot). Until 2026-12-07 split over gen_tp on the group's
+  instances."""
+  return (_nbytes(llama.param_shapes(cfg.critic))
+          if cfg.generation_devices and cfg.group_critic else 0)
+
+
 def actor_logp_analytic(cfg: PlanConfig, rows: int, shards: int,
                         model: ModelConfig | None = None) -> dict:
   """The perfect split of actor_logp_program's forward (critic_values_program's with `model`
@@ -1281,11 +1300,11 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                                        cfg.inference_pp, s)
                for s in range(cfg.inference_pp)) / cfg.gen_model_shards
   group = bool(cfg.generation_devices)
-  # (a generation group that scores values holds the critic whole: trainer/loop.py)
-  beside_train_state(programs, hbm, cfg.offload_optimizer, group,
-                     critic if group and cfg.group_critic else 0.0, cfg.reference,
+  beside_train_state(programs, hbm, cfg.offload_optimizer, group, group_critic_bytes(cfg),
+                     cfg.reference,
                      cfg.generation, critic_copy_bytes=0.0 if group else copy,
-                     pipelined=cfg.pp > 1, actor_copy_bytes=actor_copy_bytes(cfg, mesh))
+                     pipelined=cfg.pp > 1, actor_copy_bytes=actor_copy_bytes(cfg, mesh),
+                     group_actor_bytes=group_actor_bytes(cfg))
   models = {"actor": cfg.actor, "critic": cfg.critic}
   full = {"actor": cfg.actor_layers, "critic": cfg.critic_layers}
   if cfg.reward is not None:
@@ -1309,7 +1328,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "search_seed": cfg.search_seed, "reference": cfg.reference,
                "reward_model": cfg.reward is not None, "old_logp": cfg.old_logp,
                "staleness": cfg.staleness, "actor_logp_pass": cfg.actor_logp_pass,
-               "actor_copy_bytes": programs["train_step"]["actor_copy_bytes"]},
+               "actor_copy_bytes": programs["train_step"]["actor_copy_bytes"],
+               "group_actor_bytes": group_actor_bytes(cfg)},
       "devices": cfg.num_devices, "train_devices": cfg.train_devices,
       "models": {name: {**dataclasses.asdict(m), "num_params": m.num_params()}
                  for name, m in models.items()},
@@ -1371,7 +1391,7 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
                        generation_group: bool = False, group_critic_bytes: float = 0.0,
                        reference: bool = True, generation: str = "instances",
                        critic_copy_bytes: float = 0.0, pipelined: bool = False,
-                       actor_copy_bytes: float = 0.0) -> None:
+                       actor_copy_bytes: float = 0.0, group_actor_bytes: float = 0.0) -> None:
   """What stays on a program's devices beside it, and whether the program fits with that.
 
   The training state: the trainer keeps the actor's and critic's (stage shards of parameters
@@ -1389,7 +1409,12 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     where the group also scores values (`group_critic_bytes`: the critic's weights per device),
     the critic whole beside each other (build.Models.frozen_to_mesh): each program has those
     other than its own beside it (an upper bound on the group's instances, which load the
-    scoring models from host memory when freed);
+    scoring models from host memory when freed). The actor there is `group_actor_bytes`
+    (group_actor_bytes(): whole on every device of the group's data-only mesh, kept through
+    generation and inference; 0: decode's params_bytes), and on the group's instances it is
+    beside their programs too, decode's, prefill's and a migration's included (their argument
+    is the instance's own copy over its gen_tp devices; until 2026-12-07 that copy was counted
+    as the group's actor, gen_tp times less than the trainer holds);
   - instances on the training devices (`generation`="instances"): the frozen models wait in
     host memory and an instance freed for inference loads all its scoring models at once
     (generation/fused.InferenceQueue._load): the reference, the critic's copy
@@ -1445,7 +1470,9 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
   serial = generation == "mesh" and not generation_group
   copy = 0.0 if generation_group else actor_copy_bytes
   if generation_group:
-    kept = {"actor": actor, "critic": group_critic_bytes, **frozen}
+    kept = {"actor": group_actor_bytes or actor, "critic": group_critic_bytes, **frozen}
+    if generation == "instances" and group_actor_bytes:  # beside the instance's own copy
+      own["decode"] = own["prefill"] = own["migrate"] = "instance"
   elif serial:
     kept = frozen
     if not pipelined and not copy:

@@ -1004,6 +1004,72 @@ def test_async_ppos_copy_of_the_actor_is_counted_as_the_trainer_holds_it(tmp_pat
   assert not cfg.keeps_actor_copy and plan_programs.actor_copy_bytes(cfg, None) == 0
 
 
+@pytest.mark.parametrize("staleness", [1, 0])
+def test_an_async_generation_groups_actor_is_counted_whole_as_the_trainer_holds_it(tmp_path,
+                                                                                 staleness):
+  """async_ppo.generation_devices=4 with plan.generation='instances' (instances of
+  generation_tp=2): the trainer moves the actor (at staleness 0 the critic too) onto the
+  group's data-only mesh, whole on every group device (PPOTrainer._snapshot), and each instance
+  then holds its own copy over its 2 devices beside it. plan_check and plan_search counted the
+  instance's copy alone as the group's actor and critic (gen_tp times less than the trainer
+  holds); both now count them whole, measured here from the trainer's arrays, beside decode
+  and beside the scoring programs."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  from rlhfuse_jax.sim import plan_search as ps
+  from rlhfuse_jax.sim import shapes
+  from rlhfuse_jax.trainer.config import TrainConfig
+  from rlhfuse_jax.trainer.loop import PPOTrainer
+  run = _async_run(**{"async_ppo.generation_devices": 4, "plan.generation": "instances",
+                      "plan.generation_tp": 2, "async_ppo.staleness": staleness})
+  c = plan_config.get_config("tiny")
+  plan_config.apply_run(c, run)
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  assert (cfg.generation, cfg.gen_tp, cfg.generation_devices) == ("instances", 2, 4)
+  counted = plan_programs.group_actor_bytes(cfg)
+  trainer = PPOTrainer(TrainConfig.from_config_dict(run), str(tmp_path))
+  group = set(trainer.gen_mesh.devices.flat)
+
+  def held(tree):
+    out = {}
+    for x in jax.tree.leaves(tree):
+      for shard in x.addressable_shards:
+        out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
+  snapshot = trainer._snapshot()("actor")
+  whole = held(snapshot)
+  assert set(whole) == group and set(whole.values()) == {counted} and counted > 0
+  critic = plan_programs.group_critic_bytes(cfg)
+  assert cfg.group_critic is (staleness == 0) and bool(critic) is (staleness == 0)
+  if staleness == 0:
+    critics = held(trainer._snapshot()("critic"))
+    assert set(critics) == group and set(critics.values()) == {critic}
+  # The instance's own copy (decode's params_bytes) is beside it, gen_tp times smaller.
+  instance = held(dict(trainer.rollout.generator.place_actor(snapshot)))
+  assert set(instance) == group
+  assert max(instance.values()) == pytest.approx(counted / cfg.gen_tp, rel=0.05)
+  # plan_check: the whole actor beside decode (whose argument is the instance's copy) and
+  # beside the scoring programs, in place of the instance's copy.
+  programs = {"train_step": {"argument_bytes": 100, "optimizer_state_bytes": 40,
+                             "peak_bytes": 150, "fits": True},
+              "decode": {"peak_bytes": 50, "fits": True,
+                         "analytic": {"params_bytes": counted / cfg.gen_tp}},
+              "inference": {"peak_bytes": 40, "fits": True,
+                            "analytic": {"params_bytes": counted / cfg.gen_tp}}}
+  plan_programs.beside_train_state(programs, 10 ** 9, False, True, critic, reference=True,
+                                   generation="instances", group_actor_bytes=counted)
+  assert programs["decode"]["resident_model_bytes"] == counted + counted / cfg.gen_tp + critic
+  assert programs["inference"]["resident_model_bytes"] == counted + critic
+  # plan_search: the generation and inference rows of an asynchronous split hold it too.
+  wl = it.Workload(actor=shapes.from_model_config(cfg.actor, "actor", dtypes=True),
+                   critic=shapes.from_model_config(cfg.critic, "critic", dtypes=True),
+                   num_devices=8, global_batch=16, minibatch=8)
+  split = {"async": {"generation_devices": 4, "training_devices": 4, "staleness": 1,
+                     "colocated": False}}
+  opt = it.SimOptions(trainer_runnable=True)
+  assert ps.group_actor_bytes(wl, opt, split) == pytest.approx(counted, rel=0.01)
+  assert ps.group_actor_bytes(wl, opt, {}) == 0  # (no group: none)
+
+
 def test_async_ppos_copy_of_the_actor_stands_beside_the_update_and_the_generation(tmp_path):
   """The copy counts where the trainer holds it, beside the whole training state: beside the
   train step (whose peak alone was its fit), beside every program of the generation it feeds
@@ -2134,13 +2200,15 @@ def test_a_generation_groups_instances_keep_the_critic_whole(tmp_path, monkeypat
     return real(programs, hbm, offload, group, group_critic_bytes, *args, **kw)
   monkeypatch.setattr(plan_programs, "beside_train_state", spy)
   result = plan_programs.run(cfg, str(tmp_path))
-  whole = plan_programs._nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_model_shards
+  whole = plan_programs._nbytes(llama.param_shapes(cfg.critic))
   assert seen == {"group": True, "critic": whole, "copy": 0.0}
   programs = result["programs"]
   assert programs["migrate"]["resident_model_bytes"] > 0
   inference = programs["inference"]
-  # beside the reference's stage: the actor and the critic, whole on the group
-  actor = plan_programs._nbytes(llama.param_shapes(cfg.actor)) / cfg.gen_model_shards
+  # beside the reference's stage: the actor and the critic, whole on the group (until
+  # 2026-12-07 both over gen_tp: the instance's share, not the group's copies)
+  actor = plan_programs._nbytes(llama.param_shapes(cfg.actor))
+  assert cfg.gen_model_shards > 1 and whole == plan_programs.group_critic_bytes(cfg)
   assert inference["resident_model_bytes"] == pytest.approx(actor + whole)
 
 
